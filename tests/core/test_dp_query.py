@@ -1,0 +1,269 @@
+"""DPQuery implementations: exact clipping, declared noise, events, graph and XLA modes."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dq
+
+
+def run_query(query, records, mask=None, mode="eager", template=None):
+  """One sample through `query`: returns (result, new_global_state, events)."""
+  if template is None:
+    template = tf.nest.map_structure(lambda r: tf.TensorSpec(r.shape[1:], r.dtype), records)
+  g = query.initial_global_state()
+
+  def fn(recs, g):
+    p = query.derive_sample_params(g)
+    s = query.initial_sample_state(template)
+    s = query.accumulate_records(p, s, recs, mask=mask)
+    return query.get_noised_result(s, g)
+
+  if mode == "function":
+    fn = tf.function(fn)
+  elif mode == "xla":
+    fn = tf.function(fn, jit_compile=True)
+  return fn(records, g)
+
+
+def np_clip(x, c):
+  n = np.linalg.norm(x)
+  return x * min(1.0, c / n) if n > 0 else x
+
+
+MODES = ["eager", "function", "xla"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("clip", [0.5, 3.0, math.inf])
+def test_gaussian_sum_clips_exactly(mode, clip):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(7, 5)).astype(np.float32) * 2
+  q = dq.GaussianSumQuery(clip, 0.0, seed=1)
+  result, _, events = run_query(q, tf.constant(x), mode=mode)
+  expected = sum(np_clip(r, clip) for r in x)
+  np.testing.assert_allclose(result.numpy(), expected, rtol=1e-5, atol=1e-5)
+  assert float(events[0].l2_norm_clip) == pytest.approx(clip)
+  assert float(events[0].stddev) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_mask_excludes_padded_records(mode):
+  x = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+  mask = tf.constant([1.0, 0.0, 1.0, 0.0])
+  result, _, _ = run_query(dq.GaussianSumQuery(100.0, 0.0, seed=0), tf.constant(x), mask, mode)
+  np.testing.assert_allclose(result.numpy(), x[0] + x[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("stddev", [0.3, 1.1, 4.0])
+def test_gaussian_sum_noise_has_declared_stddev(stddev):
+  # One zero record, N = 200,000 noise coordinates. The sample std has standard error
+  # stddev / sqrt(2N); the mean stddev / sqrt(N). Tolerance: 5 standard errors.
+  n = 200_000
+  q = dq.GaussianSumQuery(1.0, stddev, seed=42)
+  result, _, _ = run_query(q, tf.zeros([1, n]))
+  noise = result.numpy() - 0.0  # minus the clipped sum, which is zero
+  assert abs(noise.mean()) < 5 * stddev / math.sqrt(n)
+  assert abs(noise.std() - stddev) < 5 * stddev / math.sqrt(2 * n)
+
+
+def test_gaussian_noise_added_to_clipped_sum_nested_record():
+  rng = np.random.default_rng(3)
+  recs = [tf.constant(rng.normal(size=(50, 4)), tf.float32),
+          tf.constant(rng.normal(size=(50, 2, 3)), tf.float32)]
+  q = dq.GaussianSumQuery(1.0, 0.5, seed=7)
+  result, _, _ = run_query(q, recs)
+  flat = np.concatenate([recs[0].numpy(), recs[1].numpy().reshape(50, -1)], axis=1)
+  clipped_sum = sum(np_clip(r, 1.0) for r in flat)
+  got = np.concatenate([result[0].numpy(), result[1].numpy().ravel()])
+  resid = got - clipped_sum
+  # 10 coordinates of N(0, 0.5^2): all within 6 stddev.
+  assert np.all(np.abs(resid) < 6 * 0.5) and np.any(resid != 0)
+
+
+def test_average_query_divides_by_fixed_denominator():
+  x = tf.constant(np.ones((3, 2), np.float32))
+  q = dq.GaussianAverageQuery(10.0, 0.0, denominator=8.0, seed=0)
+  result, _, events = run_query(q, x)
+  np.testing.assert_allclose(result.numpy(), [3 / 8, 3 / 8])
+  assert float(events[0].l2_norm_clip) == 10.0  # events stay in sum units
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_query_clips_each_group(mode):
+  rng = np.random.default_rng(1)
+  recs = {"a": tf.constant(rng.normal(size=(6, 3)) * 3, tf.float32),
+          "b": tf.constant(rng.normal(size=(6, 4)) * 3, tf.float32)}
+  q = dq.NestedQuery({"a": dq.GaussianSumQuery(1.0, 0.0, seed=0),
+                      "b": dq.GaussianSumQuery(2.0, 0.0, seed=0)})
+  result, _, events = run_query(q, recs, mode=mode)
+  np.testing.assert_allclose(result["a"].numpy(), sum(np_clip(r, 1.0) for r in recs["a"].numpy()),
+                             rtol=1e-5)
+  np.testing.assert_allclose(result["b"].numpy(), sum(np_clip(r, 2.0) for r in recs["b"].numpy()),
+                             rtol=1e-5)
+  assert [float(e.l2_norm_clip) for e in events] == [1.0, 2.0]
+
+
+def test_allocation_strategies_meet_target_noise_multiplier():
+  dims = [784 * 32, 32, 320, 10]
+  for clips in (dq.per_layer_clips(2.0, 4), dq.dimension_adjusted_clips(2.0, dims)):
+    assert sum(c * c for c in clips) == pytest.approx(4.0)  # total L2 bound S*^2
+    for stds in (dq.proportional_noise(1.3, clips), dq.dimension_adjusted_noise(1.3, clips, dims)):
+      # Eq. (1) computed independently here.
+      z = sum((c / s) ** 2 for c, s in zip(clips, stds)) ** -0.5
+      assert z == pytest.approx(1.3)
+  assert dq.dimension_adjusted_clips(1.0, [5, 5, 5, 5]) == pytest.approx(dq.per_layer_clips(1.0, 4))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "dimension_adjusted"])
+def test_make_nested_gaussian_query_events_give_target_z(clipping):
+  tmpl = [tf.TensorSpec([10, 3]), tf.TensorSpec([3])]
+  q = dq.make_nested_gaussian_query(tmpl, 1.5, 0.9, clipping=clipping,
+                                    noise_allocation="dimension_adjusted", seed=0)
+  recs = [tf.random.normal([4, 10, 3]), tf.random.normal([4, 3])]
+  _, _, events = run_query(q, recs, template=tmpl)
+  z = dq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                    [float(e.stddev) for e in events])
+  assert z == pytest.approx(0.9, rel=1e-6)
+
+
+def test_joint_clipping_section2_example():
+  # alpha = (1, 100), sigma_g = 0.01, S_g = 1; in each record one of v1, v2 is zero and
+  # ||v1|| <= 1, ||v2|| <= 100, so the scaled record has norm <= 1: nothing is clipped, and
+  # the noise on v1 has std 0.01, on v2 std 100 * 0.01 = 1 (Section 2).
+  rng = np.random.default_rng(5)
+  n, d = 40, 5000
+  v1 = rng.normal(size=(n, d)); v1 /= np.linalg.norm(v1, axis=1, keepdims=True) * 1.25
+  v2 = rng.normal(size=(n, d)); v2 *= 80 / np.linalg.norm(v2, axis=1, keepdims=True)
+  first = rng.random(n) < 0.5
+  v1[~first] = 0; v2[first] = 0
+  recs = (tf.constant(v1, tf.float32), tf.constant(v2, tf.float32))
+  q = dq.JointClipQuery((1.0, 100.0), l2_norm_clip=1.0, stddev=0.01, seed=3)
+  result, _, events = run_query(q, recs)
+  r1 = result[0].numpy() - v1.sum(0)
+  r2 = result[1].numpy() - v2.sum(0)
+  # d = 5000 coordinates each: sample std within 5 standard errors (std / sqrt(2d)).
+  assert abs(r1.std() - 0.01) < 5 * 0.01 / math.sqrt(2 * d)
+  assert abs(r2.std() - 1.0) < 5 * 1.0 / math.sqrt(2 * d)
+  assert (float(events[0].l2_norm_clip), float(events[0].stddev)) == pytest.approx((1.0, 0.01))
+  # A record beyond its scale is clipped jointly: v1 of norm 3 becomes norm 1.
+  big = (tf.constant([[3.0, 0.0]]), tf.constant([[0.0, 0.0]]))
+  res, _, _ = run_query(dq.JointClipQuery((1.0, 100.0), 1.0, 0.0, seed=0), big)
+  np.testing.assert_allclose(res[0].numpy(), [1.0, 0.0], rtol=1e-6)
+
+
+def test_value_noise_multiplier_pays_for_the_count():
+  z, sb = 1.1, 5.0
+  zv = dq.value_noise_multiplier(z, sb)
+  # Eq. (1) over the two queries: value (C, zv*C) and count (1/2, sb).
+  assert (zv ** -2 + (0.5 / sb) ** 2) ** -0.5 == pytest.approx(z)
+  with pytest.raises(ValueError, match="clipped_count_stddev"):
+    dq.value_noise_multiplier(2.0, 0.5)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_adaptive_clip_tracks_quantile(mode):
+  rng = np.random.default_rng(0)
+  n = 200
+  norms = np.linspace(0.1, 2.0, n)
+  dirs = rng.normal(size=(n, 8)); dirs /= np.linalg.norm(dirs, axis=1, keepdims=True)
+  recs = tf.constant(dirs * norms[:, None], tf.float32)
+  q = dq.QuantileAdaptiveClipSumQuery(initial_l2_norm_clip=0.2, noise_multiplier=0.5,
+                                      target_unclipped_quantile=0.5, learning_rate=0.2,
+                                      clipped_count_stddev=2.0, expected_num_records=n, seed=11)
+  g = q.initial_global_state()
+  tmpl = tf.TensorSpec([8], tf.float32)
+
+  def step(g):
+    s = q.accumulate_records(q.derive_sample_params(g), q.initial_sample_state(tmpl), recs)
+    return q.get_noised_result(s, g)
+
+  step = tf.function(step, jit_compile=(mode == "xla"))
+  for _ in range(150):
+    _, g, events = step(g)
+  clip = float(g.l2_norm_clip)
+  # The median norm is 1.05; the count noise (std 2 over 200 records => 1% in fraction)
+  # keeps the estimate inside the 40%-60% quantile band of the norms.
+  assert np.quantile(norms, 0.4) < clip < np.quantile(norms, 0.6)
+  z = dq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                    [float(e.stddev) for e in events])
+  assert z == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_laplace_sum_query(mode):
+  x = tf.constant([[3.0, -1.0], [0.2, 0.1]])
+  result, _, events = run_query(dq.LaplaceSumQuery(1.0, 1e-9, seed=0), x, mode=mode)
+  np.testing.assert_allclose(result.numpy(), [0.75 + 0.2, -0.25 + 0.1], atol=1e-5)
+  assert float(events[0].l1_norm_clip) == 1.0
+
+
+def test_laplace_noise_variance():
+  # Laplace(0, b) has variance 2 b^2; the sample variance of N draws has relative standard
+  # error sqrt((kurtosis - 1) / N) = sqrt(5 / N) (excess kurtosis 3). Tolerance: 5 s.e.
+  n, b = 400_000, 0.7
+  result, _, _ = run_query(dq.LaplaceSumQuery(1.0, b, seed=9), tf.zeros([1, n]))
+  var = result.numpy().var()
+  assert abs(var / (2 * b * b) - 1) < 5 * math.sqrt(5 / n)
+
+
+def test_no_privacy_queries():
+  x = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+  s, _, ev = run_query(dq.NoPrivacySumQuery(), x)
+  np.testing.assert_allclose(s.numpy(), [9, 12])
+  assert isinstance(ev[0], dq.NonPrivateEvent)
+  a, _, _ = run_query(dq.NoPrivacyAverageQuery(), x, mask=tf.constant([1.0, 1.0, 0.0]))
+  np.testing.assert_allclose(a.numpy(), [2, 3])
+
+
+def test_merge_sample_states_equals_one_pass():
+  x = tf.random.stateless_normal([10, 4], seed=[1, 2])
+  q = dq.GaussianSumQuery(1.0, 0.0, seed=0)
+  p = q.derive_sample_params(q.initial_global_state())
+  tmpl = tf.TensorSpec([4])
+  s1 = q.accumulate_records(p, q.initial_sample_state(tmpl), x[:6])
+  s2 = q.accumulate_records(p, q.initial_sample_state(tmpl), x[6:])
+  s = q.accumulate_records(p, q.initial_sample_state(tmpl), x)
+  np.testing.assert_allclose(q.merge_sample_states(s1, s2).numpy(), s.numpy(), rtol=1e-6)
+  # accumulate_record one at a time agrees with the vectorized path
+  s3 = q.initial_sample_state(tmpl)
+  for r in x:
+    s3 = q.accumulate_record(p, s3, r)
+  np.testing.assert_allclose(s3.numpy(), s.numpy(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(l2_norm_clip=-1.0, stddev=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=float("nan"), stddev=1.0), "l2_norm_clip"),
+    (dict(l2_norm_clip=1.0, stddev=-0.1), "stddev"),
+    (dict(l2_norm_clip=1.0, stddev=float("nan")), "stddev"),
+    (dict(l2_norm_clip=1.0, stddev=float("inf")), "stddev"),
+])
+def test_bad_gaussian_arguments(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    dq.GaussianSumQuery(**kwargs)
+
+
+def test_bad_other_arguments():
+  with pytest.raises(ValueError, match="scale"):
+    dq.LaplaceSumQuery(1.0, 0.0)
+  with pytest.raises(ValueError, match="denominator"):
+    dq.GaussianAverageQuery(1.0, 1.0, denominator=-5)
+  with pytest.raises(ValueError, match="target_quantile"):
+    dq.QuantileEstimatorQuery(1.0, 1.5, 0.1, 1.0, 10)
+  with pytest.raises(ValueError, match="scales"):
+    dq.JointClipQuery((1.0, -2.0), 1.0, 0.1)
+
+
+def test_seed_warns_not_private():
+  with pytest.warns(dq.NotPrivateSeedWarning, match="NOT differentially private"):
+    dq.GaussianSumQuery(1.0, 1.0, seed=3)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    g1 = dq.make_generator()  # OS entropy: no warning
+  g2 = dq.make_generator()
+  assert not np.array_equal(g1.normal([8]).numpy(), g2.normal([8]).numpy())
+  assert g1.algorithm == tf.random.Algorithm.PHILOX.value

@@ -1,0 +1,114 @@
+"""Calibration (seed 002, Section 4): find the noise multiplier, sampling rate or number of
+steps that meets a target (epsilon, delta).
+
+Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it.
+The answer is always on the safe side of the target: the returned setting's epsilon is
+<= target_epsilon (noise rounded up; rate and steps rounded down).
+"""
+
+import math
+
+from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.accounting import dp_sgd
+from tf_dpiter.dp_query import validation
+from tf_dpiter.ledger import privacy_ledger as pl
+
+
+def _epsilon(n, batch_size, noise_multiplier, steps, delta, accountant, sampling):
+  groups = dp_sgd.dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling)
+  return accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant).epsilon
+
+
+def _check_targets(target_epsilon, target_delta):
+  validation.check_positive("target_epsilon", target_epsilon)
+  return validation.check_delta("target_delta", target_delta)
+
+
+def _sampling_args(sampling_probability, population_size):
+  """(n, batch) whose ratio is q; n only matters for shuffle/fixed-size policies."""
+  n = float(population_size) if population_size else 1e9
+  return n, sampling_probability * n
+
+
+def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probability, steps,
+                               accountant="rdp", sampling="poisson", population_size=None,
+                               tol=1e-4):
+  """Smallest noise multiplier z (within relative `tol`, rounded up) meeting the target."""
+  target_delta = _check_targets(target_epsilon, target_delta)
+  validation.check_probability("sampling_probability", sampling_probability)
+  if int(steps) < 1:
+    raise ValueError(f"steps must be a positive integer, got {steps!r}")
+  n, b = _sampling_args(sampling_probability, population_size)
+  eps = lambda z: _epsilon(n, b, z, steps, target_delta, accountant, sampling)
+  lo, hi = 0.0, 1.0
+  while eps(hi) > target_epsilon:
+    lo, hi = hi, hi * 2
+    if hi > 2 ** 20:
+      raise ValueError(f"no noise multiplier up to 2^20 reaches target_epsilon={target_epsilon}")
+  while hi - lo > tol * hi:
+    mid = 0.5 * (lo + hi)
+    if eps(mid) > target_epsilon:
+      lo = mid
+    else:
+      hi = mid
+  return hi
+
+
+def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplier, steps,
+                                   accountant="rdp", sampling="poisson", population_size=None,
+                                   tol=1e-4):
+  """Largest sampling probability q in (0, 1] (rounded down) meeting the target."""
+  target_delta = _check_targets(target_epsilon, target_delta)
+  validation.check_positive("noise_multiplier", noise_multiplier)
+  n = float(population_size) if population_size else 1e9
+  eps = lambda q: _epsilon(n, q * n, noise_multiplier, steps, target_delta, accountant, sampling)
+  if eps(1.0) <= target_epsilon:
+    return 1.0
+  lo, hi = 1.0 / n, 1.0
+  if eps(lo) > target_epsilon:
+    raise ValueError(f"even q={lo:.3g} exceeds target_epsilon={target_epsilon} with "
+                     f"noise_multiplier={noise_multiplier} over {steps} steps")
+  while (hi - lo) > tol * lo:
+    mid = math.sqrt(lo * hi)  # bisection in log q: the rate spans orders of magnitude
+    if eps(mid) > target_epsilon:
+      hi = mid
+    else:
+      lo = mid
+  return lo
+
+
+def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_probability,
+                    accountant="rdp", sampling="poisson", population_size=None, max_steps=10**9):
+  """Largest number of steps T meeting the target (0 if even one step exceeds it)."""
+  target_delta = _check_targets(target_epsilon, target_delta)
+  validation.check_positive("noise_multiplier", noise_multiplier)
+  validation.check_probability("sampling_probability", sampling_probability)
+  n, b = _sampling_args(sampling_probability, population_size)
+  eps = lambda t: _epsilon(n, b, noise_multiplier, t, target_delta, accountant, sampling)
+  if eps(1) > target_epsilon:
+    return 0
+  lo, hi = 1, 2
+  while eps(hi) <= target_epsilon:
+    lo, hi = hi, hi * 2
+    if hi > max_steps:
+      return max_steps
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if eps(mid) <= target_epsilon:
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant="rdp",
+                              sampling="poisson"):
+  """Noise multiplier for DP-SGD over n records meeting (epsilon, delta) after `epochs`."""
+  validation.check_positive("n", n, allow_inf=False)
+  validation.check_positive("batch_size", batch_size, allow_inf=False)
+  validation.check_positive("epochs", epochs, allow_inf=False)
+  if batch_size > n:
+    raise ValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
+  steps = dp_sgd.dp_sgd_steps(n, batch_size, epochs)
+  return calibrate_noise_multiplier(epsilon, delta, batch_size / n, steps, accountant,
+                                    sampling, population_size=n)

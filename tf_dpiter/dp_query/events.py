@@ -1,0 +1,32 @@
+"""Privacy events returned by `DPQuery.get_noised_result` (seed 002, Section 6).
+
+Every field is in *sum* units: a Gaussian sum query with privacy tuple
+(S_g, sigma~_g) reports `GaussianSumEvent(l2_norm_clip=S_g, stddev=sigma~_g)`, whatever
+post-processing (averaging, rescaling) the query applies afterwards. Fields may be
+tensors, so that adaptive queries can report the clip they actually used.
+"""
+
+from typing import Any, NamedTuple
+
+
+class GaussianSumEvent(NamedTuple):
+  """A Gaussian sum query: records clipped to L2 norm `l2_norm_clip`, N(0, stddev^2) noise."""
+  l2_norm_clip: Any
+  stddev: Any
+
+
+class LaplaceSumEvent(NamedTuple):
+  """A Laplace sum query: records clipped to L1 norm `l1_norm_clip`, Laplace(0, scale) noise.
+
+  Pure epsilon = l1_norm_clip / scale (Dwork & Roth, Thm 3.6).
+  """
+  l1_norm_clip: Any
+  scale: Any
+
+
+class NonPrivateEvent(NamedTuple):
+  """A query that releases data without a guarantee: epsilon = infinity."""
+
+
+def is_event(x) -> bool:
+  return isinstance(x, (GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent))

@@ -1,0 +1,64 @@
+"""Gaussian sum query (seed 002, Section 1, step 2-3).
+
+Each record is clipped to L2 norm S; the sum gets N(0, sigma^2 I) noise. Privacy tuple
+(S, sigma); noise multiplier z = sigma / S.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import validation
+
+
+def add_gaussian_noise(generator, structure, stddev):
+  """structure + N(0, stddev^2) per coordinate, drawn from `generator`."""
+  def _add(v):
+    v = tf.convert_to_tensor(v)
+    noise = generator.normal(tf.shape(v), dtype=v.dtype)
+    return v + noise * tf.cast(stddev, v.dtype)
+  return tf.nest.map_structure(_add, structure)
+
+
+class GaussianSumQuery(dp_query.SumAggregationDPQuery):
+  """Sum of records clipped to `l2_norm_clip`, plus N(0, stddev^2) noise per coordinate."""
+
+  _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev"])
+
+  def __init__(self, l2_norm_clip, stddev, seed=None):
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
+    self._generator = randomness.make_generator(seed)
+
+  @property
+  def l2_norm_clip(self):
+    return self._l2_norm_clip
+
+  @property
+  def stddev(self):
+    return self._stddev
+
+  def make_global_state(self, l2_norm_clip, stddev):
+    return self._GlobalState(tf.cast(l2_norm_clip, tf.float32), tf.cast(stddev, tf.float32))
+
+  def initial_global_state(self):
+    return self.make_global_state(self._l2_norm_clip, self._stddev)
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
+    return clipped
+
+  def get_noised_result(self, sample_state, global_state):
+    result = add_gaussian_noise(self._generator, sample_state, global_state.stddev)
+    event = events_lib.GaussianSumEvent(global_state.l2_norm_clip, global_state.stddev)
+    return result, global_state, (event,)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
+                                   stddev=global_state.stddev)

@@ -1,0 +1,54 @@
+"""Joint clipping of a group of vectors on different scales (seed 002, Section 2).
+
+Pre-processing s(v; alpha) = (v_1/alpha_1, ..., v_k/alpha_k); the scaled record is clipped
+jointly to L2 norm S_g; the sum gets N(0, sigma~_g^2) noise; the output is scaled back by
+alpha_j. It is the Gaussian sum query with privacy tuple (S_g, sigma~_g) followed by
+post-processing, so the noise on vector j has standard deviation alpha_j * sigma~_g.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import validation
+
+
+class JointClipQuery(dp_query.SumAggregationDPQuery):
+  """Joint clipping: `scales` is a nest of alpha_j > 0 matching the record's structure."""
+
+  _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev"])
+
+  def __init__(self, scales, l2_norm_clip, stddev, seed=None):
+    for a in tf.nest.flatten(scales):
+      validation.check_positive("scales", a)
+    self._scales = scales
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
+    self._generator = randomness.make_generator(seed)
+
+  def initial_global_state(self):
+    return self._GlobalState(tf.cast(self._l2_norm_clip, tf.float32),
+                             tf.cast(self._stddev, tf.float32))
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def _scale(self, record, inverse):
+    return dp_query.map_up_to(
+        self._scales,
+        lambda a, v: v * tf.cast(a, v.dtype) if inverse else v / tf.cast(a, v.dtype),
+        self._scales, record)
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(self._scale(record, inverse=False), params)
+    return clipped
+
+  def get_noised_result(self, sample_state, global_state):
+    noised = gaussian_query.add_gaussian_noise(self._generator, sample_state, global_state.stddev)
+    result = self._scale(noised, inverse=True)
+    return result, global_state, (events_lib.GaussianSumEvent(global_state.l2_norm_clip,
+                                                              global_state.stddev),)

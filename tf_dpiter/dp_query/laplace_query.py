@@ -1,0 +1,61 @@
+"""Laplace sum query for local DP (Dwork & Roth, Section 3.3).
+
+Records are clipped to L1 norm C; the sum gets Laplace(0, b) noise per coordinate.
+Pure epsilon = C / b; the dp-accounting noise multiplier is b / C.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import validation
+
+
+def clip_by_l1_norm(record, l1_norm_clip):
+  """x * min(1, C / ||x||_1), the L1 norm taken over the whole nest."""
+  leaves = tf.nest.flatten(record)
+  norm = tf.add_n([tf.reduce_sum(tf.abs(tf.cast(x, tf.float32))) for x in leaves])
+  factor = tf.minimum(1.0, tf.cast(l1_norm_clip, tf.float32) / tf.maximum(norm, 1e-30))
+  return tf.nest.map_structure(lambda x: x * tf.cast(factor, x.dtype), record)
+
+
+def laplace_noise(generator, shape, scale, dtype=tf.float32):
+  """Laplace(0, scale) by inversion: -b * sign(u) * log(1 - 2|u|), u ~ U(-1/2, 1/2)."""
+  u = generator.uniform(shape, minval=-0.5, maxval=0.5, dtype=dtype)
+  # 1 - 2|u| lies in (0, 1]; guard the log against the open end.
+  return -tf.cast(scale, dtype) * tf.sign(u) * tf.math.log(
+      tf.maximum(1.0 - 2.0 * tf.abs(u), tf.cast(1e-30, dtype)))
+
+
+class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
+  """Sum of records clipped to L1 norm `l1_norm_clip` plus Laplace(0, scale) per coordinate."""
+
+  _GlobalState = collections.namedtuple("_GlobalState", ["l1_norm_clip", "scale"])
+
+  def __init__(self, l1_norm_clip, scale, seed=None):
+    validation.check_positive("l1_norm_clip", l1_norm_clip, allow_inf=False)
+    validation.check_positive("scale", scale, allow_inf=False)
+    self._l1_norm_clip = l1_norm_clip
+    self._scale = scale
+    self._generator = randomness.make_generator(seed)
+
+  def initial_global_state(self):
+    return self._GlobalState(tf.cast(self._l1_norm_clip, tf.float32),
+                             tf.cast(self._scale, tf.float32))
+
+  def derive_sample_params(self, global_state):
+    return global_state.l1_norm_clip
+
+  def preprocess_record(self, params, record):
+    return clip_by_l1_norm(record, params)
+
+  def get_noised_result(self, sample_state, global_state):
+    def _add(v):
+      v = tf.convert_to_tensor(v)
+      return v + laplace_noise(self._generator, tf.shape(v), global_state.scale, v.dtype)
+    result = tf.nest.map_structure(_add, sample_state)
+    return result, global_state, (events_lib.LaplaceSumEvent(global_state.l1_norm_clip,
+                                                             global_state.scale),)

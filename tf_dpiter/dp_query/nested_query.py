@@ -1,0 +1,162 @@
+"""Per-group clipping over any nest of queries, and the allocation strategies of seed 002.
+
+`NestedQuery` evaluates one query per group of vectors (Section 2, footnote 2). The helpers
+pick S_g and sigma~_g per group (Sections 2 and 4); with any of them Eq. (1) gives
+z = (sum_g (S_g / sigma~_g)^2)^(-1/2) equal to the requested noise multiplier.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import normalized_query
+from tf_dpiter.dp_query import validation
+
+
+class NestedQuery(dp_query.SumAggregationDPQuery):
+  """A nest (dict, list, tuple) of queries; a record has the same nest structure.
+
+  Each leaf query sees its own part of every record; events are those of all leaves,
+  in `tf.nest.flatten` order.
+  """
+
+  def __init__(self, queries):
+    leaves = tf.nest.flatten(queries)
+    if not leaves:
+      raise ValueError(f"queries must contain at least one DPQuery, got {queries!r}")
+    for q in leaves:
+      if not isinstance(q, dp_query.SumAggregationDPQuery):
+        raise ValueError(f"every leaf of queries must be a SumAggregationDPQuery, got {q!r}")
+    self._queries = queries
+
+  @property
+  def queries(self):
+    return self._queries
+
+  def _map(self, fn, *inputs):
+    return dp_query.map_up_to(self._queries, fn, self._queries, *inputs)
+
+  def initial_global_state(self):
+    return self._map(lambda q: q.initial_global_state())
+
+  def derive_sample_params(self, global_state):
+    return self._map(lambda q, s: q.derive_sample_params(s), global_state)
+
+  def initial_sample_state(self, template):
+    return self._map(lambda q, t: q.initial_sample_state(t), template)
+
+  def preprocess_record(self, params, record):
+    return self._map(lambda q, p, r: q.preprocess_record(p, r), params, record)
+
+  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
+    return self._map(lambda q, s, r: q.accumulate_preprocessed_record(s, r),
+                     sample_state, preprocessed_record)
+
+  def merge_sample_states(self, sample_state_1, sample_state_2):
+    return self._map(lambda q, a, b: q.merge_sample_states(a, b), sample_state_1, sample_state_2)
+
+  def get_noised_result(self, sample_state, global_state):
+    outs = self._map(lambda q, s, g: q.get_noised_result(s, g), sample_state, global_state)
+    result = self._map(lambda q, o: o[0], outs)
+    new_state = self._map(lambda q, o: o[1], outs)
+    events = tuple(e for o in dp_query.flatten_up_to(self._queries, outs) for e in o[2])
+    return result, new_state, events
+
+  def derive_metrics(self, global_state):
+    metrics = {}
+    flat_q = tf.nest.flatten(self._queries)
+    flat_s = dp_query.flatten_up_to(self._queries, global_state)
+    for i, (q, s) in enumerate(zip(flat_q, flat_s)):
+      for k, v in q.derive_metrics(s).items():
+        metrics[f"group_{i}/{k}"] = v
+    return metrics
+
+
+# ---- Allocation strategies (seed 002, Sections 2 and 4) -------------------------------
+
+def per_layer_clips(total_clip, num_groups):
+  """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2)."""
+  validation.check_positive("total_clip", total_clip)
+  if int(num_groups) < 1:
+    raise ValueError(f"num_groups must be >= 1, got {num_groups!r}")
+  return [total_clip / math.sqrt(num_groups)] * int(num_groups)
+
+
+def dimension_adjusted_clips(total_clip, dims):
+  """S_g = S* * sqrt(d_g / D), D = sum_g d_g (Section 2).
+
+  The extracted text reads S*/sqrt(d_g/D); that would give sum_g S_g^2 > S*^2 and disagree
+  with per-layer clipping for equal d_g, so we use the reading for which
+  sum_g S_g^2 = S*^2 (the total L2 bound) and equal d_g recover S*/sqrt(m).
+  """
+  validation.check_positive("total_clip", total_clip)
+  dims = [int(d) for d in dims]
+  if not dims or min(dims) < 1:
+    raise ValueError(f"dims must be positive integers, got {dims!r}")
+  total = float(sum(dims))
+  return [total_clip * math.sqrt(d / total) for d in dims]
+
+
+def proportional_noise(noise_multiplier, clips):
+  """sigma~_g = z * sqrt(G) * S_g (Section 4, proportional noise)."""
+  validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  g = len(clips)
+  return [noise_multiplier * math.sqrt(g) * s for s in clips]
+
+
+def dimension_adjusted_noise(noise_multiplier, clips, dims):
+  """sigma~_g = z * sqrt(D / d_g) * S_g (Section 4, dimensionality-adjusted noise)."""
+  validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  if len(clips) != len(dims):
+    raise ValueError(f"clips and dims must have the same length, got {len(clips)} and {len(dims)}")
+  total = float(sum(dims))
+  return [noise_multiplier * math.sqrt(total / d) * s for s, d in zip(clips, dims)]
+
+
+def effective_noise_multiplier(clips, stddevs):
+  """Eq. (1): z = (sum_g (S_g / sigma~_g)^2)^(-1/2). sigma~_g = 0 with S_g > 0 gives z = 0."""
+  total = 0.0
+  for s, sd in zip(clips, stddevs):
+    if s == 0:
+      continue
+    if sd == 0:
+      return 0.0
+    total += (s / sd) ** 2
+  return math.inf if total == 0 else total ** -0.5
+
+
+def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping="per_layer",
+                               noise_allocation="proportional", denominator=None, seed=None):
+  """Builds a per-group Gaussian query over the leaves of `template` (Sections 2 and 4).
+
+  clipping: "flat" (one group, S*), "per_layer" (S*/sqrt(m)) or "dimension_adjusted"
+  (S* sqrt(d_g/D)); noise_allocation: "proportional" or "dimension_adjusted". The result
+  has effective noise multiplier `noise_multiplier` by Eq. (1). With `denominator` each
+  group is a GaussianAverageQuery.
+  """
+  def leaf_query(clip, stddev):
+    q = gaussian_query.GaussianSumQuery(clip, stddev, seed=seed)
+    return q if denominator is None else normalized_query.NormalizedQuery(q, denominator)
+
+  if clipping == "flat":
+    return leaf_query(total_clip, noise_multiplier * total_clip)
+  leaves = tf.nest.flatten(template)
+  dims = [int(np.prod(tf.TensorShape(getattr(t, "shape", np.shape(t))).as_list())) for t in leaves]
+  if clipping == "per_layer":
+    clips = per_layer_clips(total_clip, len(leaves))
+  elif clipping == "dimension_adjusted":
+    clips = dimension_adjusted_clips(total_clip, dims)
+  else:
+    raise ValueError(f"clipping must be 'flat', 'per_layer' or 'dimension_adjusted', got {clipping!r}")
+  if noise_allocation == "proportional":
+    stddevs = proportional_noise(noise_multiplier, clips)
+  elif noise_allocation == "dimension_adjusted":
+    stddevs = dimension_adjusted_noise(noise_multiplier, clips, dims)
+  else:
+    raise ValueError("noise_allocation must be 'proportional' or 'dimension_adjusted', "
+                     f"got {noise_allocation!r}")
+  queries = [leaf_query(c, s) for c, s in zip(clips, stddevs)]
+  return NestedQuery(tf.nest.pack_sequence_as(template, queries))

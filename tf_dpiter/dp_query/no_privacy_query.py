@@ -1,0 +1,32 @@
+"""Queries without privacy: for baselines. Their event makes epsilon infinite."""
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
+
+
+class NoPrivacySumQuery(dp_query.SumAggregationDPQuery):
+  """Plain sum of records; reports a NonPrivateEvent."""
+
+  def preprocess_record(self, params, record):
+    return record
+
+  def get_noised_result(self, sample_state, global_state):
+    return sample_state, global_state, (events_lib.NonPrivateEvent(),)
+
+
+class NoPrivacyAverageQuery(dp_query.SumAggregationDPQuery):
+  """Plain average over the records actually seen; reports a NonPrivateEvent."""
+
+  def initial_sample_state(self, template):
+    return (dp_query.zeros_like_template(template), tf.constant(0.0))
+
+  def preprocess_record(self, params, record):
+    return (record, tf.constant(1.0))
+
+  def get_noised_result(self, sample_state, global_state):
+    total, count = sample_state
+    safe = tf.maximum(count, 1.0)
+    avg = tf.nest.map_structure(lambda v: v / tf.cast(safe, v.dtype), total)
+    return avg, global_state, (events_lib.NonPrivateEvent(),)

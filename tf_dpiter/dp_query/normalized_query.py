@@ -1,0 +1,65 @@
+"""Average queries: a sum query divided by a fixed expected denominator.
+
+Seed 002, footnote 1: the estimator f_i of McMahan et al. (2018) divides by the *expected*
+sample size qn, never by the realized |R| (which would leak the sample size). The division
+is post-processing, so the privacy events are those of the numerator.
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import validation
+
+
+class NormalizedQuery(dp_query.SumAggregationDPQuery):
+  """numerator_query's noised sum divided by `denominator` (e.g. q*n)."""
+
+  def __init__(self, numerator_query, denominator):
+    if not isinstance(numerator_query, dp_query.SumAggregationDPQuery):
+      raise ValueError(f"numerator_query must be a SumAggregationDPQuery, got {numerator_query!r}")
+    if denominator is None:
+      raise ValueError("denominator must be a positive number (the expected sample size q*n), "
+                       "got None")
+    validation.check_positive("denominator", denominator)
+    self._numerator = numerator_query
+    self._denominator = denominator
+
+  @property
+  def numerator_query(self):
+    return self._numerator
+
+  @property
+  def denominator(self):
+    return self._denominator
+
+  def initial_global_state(self):
+    return self._numerator.initial_global_state()
+
+  def derive_sample_params(self, global_state):
+    return self._numerator.derive_sample_params(global_state)
+
+  def initial_sample_state(self, template):
+    return self._numerator.initial_sample_state(template)
+
+  def preprocess_record(self, params, record):
+    return self._numerator.preprocess_record(params, record)
+
+  def get_noised_result(self, sample_state, global_state):
+    noised_sum, new_state, events = self._numerator.get_noised_result(sample_state, global_state)
+
+    def _normalize(v):
+      return tf.truediv(v, tf.cast(self._denominator, v.dtype))
+
+    return tf.nest.map_structure(_normalize, noised_sum), new_state, events
+
+  def derive_metrics(self, global_state):
+    return self._numerator.derive_metrics(global_state)
+
+
+class GaussianAverageQuery(NormalizedQuery):
+  """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator."""
+
+  def __init__(self, l2_norm_clip, sum_stddev, denominator, seed=None):
+    super().__init__(gaussian_query.GaussianSumQuery(l2_norm_clip, sum_stddev, seed=seed),
+                     denominator)

@@ -1,0 +1,151 @@
+"""Private adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021).
+
+`QuantileEstimatorQuery` tracks the gamma-quantile of a scalar per record (the update norm)
+privately: each record contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the noised
+sum gives the fraction below, b_bar = (sum b + N(0, sigma_b^2)) / expected_num_records + 1/2,
+and C <- C * exp(-eta (b_bar - gamma)) (geometric) or C <- C - eta (b_bar - gamma).
+
+`QuantileAdaptiveClipSumQuery` clips records to the current C, sums them with noise, and
+moves C toward the quantile. For a total noise multiplier z, the value query uses
+z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that by Eq. (1) of seed 002 the two queries of a
+sample together have noise multiplier exactly z. This replaces the (non-private) median
+clipping of seed 003.
+"""
+
+import collections
+import math
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import validation
+
+_BELOW_SENSITIVITY = 0.5
+
+
+class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
+  """Private estimate of the `target_quantile` of scalar records. Result: the new estimate."""
+
+  _GlobalState = collections.namedtuple(
+      "_GlobalState", ["current_estimate", "target_quantile", "learning_rate",
+                       "below_estimate_stddev"])
+
+  def __init__(self, initial_estimate, target_quantile, learning_rate, below_estimate_stddev,
+               expected_num_records, geometric_update=True, seed=None, generator=None):
+    validation.check_nonnegative("initial_estimate", initial_estimate, allow_inf=False)
+    validation.check_probability("target_quantile", target_quantile, allow_zero=True)
+    validation.check_nonnegative("learning_rate", learning_rate, allow_inf=False)
+    validation.check_nonnegative("below_estimate_stddev", below_estimate_stddev, allow_inf=False)
+    validation.check_positive("expected_num_records", expected_num_records)
+    self._initial_estimate = initial_estimate
+    self._target_quantile = target_quantile
+    self._learning_rate = learning_rate
+    self._below_estimate_stddev = below_estimate_stddev
+    self._expected_num_records = expected_num_records
+    self._geometric_update = geometric_update
+    self._generator = generator or randomness.make_generator(seed)
+
+  def initial_global_state(self):
+    f = lambda x: tf.cast(x, tf.float32)
+    return self._GlobalState(f(self._initial_estimate), f(self._target_quantile),
+                             f(self._learning_rate), f(self._below_estimate_stddev))
+
+  def derive_sample_params(self, global_state):
+    return global_state.current_estimate
+
+  def initial_sample_state(self, template=None):
+    return tf.constant(0.0)
+
+  def preprocess_record(self, params, record):
+    """b = 1[record <= estimate] - 1/2 for a scalar record."""
+    return tf.cast(tf.cast(record, tf.float32) <= params, tf.float32) - 0.5
+
+  def update_estimate(self, below_sum, global_state):
+    """New global state from the (un-noised) sum of b values; returns (state, event)."""
+    noised = gaussian_query.add_gaussian_noise(self._generator, below_sum,
+                                               global_state.below_estimate_stddev)
+    denom = tf.cast(self._expected_num_records, tf.float32)
+    below_fraction = tf.clip_by_value(noised / denom + 0.5, 0.0, 1.0)
+    step = global_state.learning_rate * (below_fraction - global_state.target_quantile)
+    if self._geometric_update:
+      new_estimate = global_state.current_estimate * tf.exp(-step)
+    else:
+      new_estimate = tf.maximum(0.0, global_state.current_estimate - step)
+    event = events_lib.GaussianSumEvent(tf.constant(_BELOW_SENSITIVITY),
+                                        global_state.below_estimate_stddev)
+    return global_state._replace(current_estimate=new_estimate), event
+
+  def get_noised_result(self, sample_state, global_state):
+    new_state, event = self.update_estimate(sample_state, global_state)
+    return new_state.current_estimate, new_state, (event,)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(estimate=global_state.current_estimate)
+
+
+def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
+  """z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2): the value query's share of a total z."""
+  validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  validation.check_nonnegative("clipped_count_stddev", clipped_count_stddev, allow_inf=False)
+  if noise_multiplier == 0:
+    return 0.0
+  if clipped_count_stddev <= noise_multiplier / 2:
+    raise ValueError(
+        f"clipped_count_stddev must exceed noise_multiplier/2 = {noise_multiplier / 2} so that "
+        f"the count's cost fits in the total noise multiplier, got {clipped_count_stddev!r} "
+        "(Andrew et al. suggest expected_num_records / 20)")
+  return (noise_multiplier ** -2 - (2.0 * clipped_count_stddev) ** -2) ** -0.5
+
+
+class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
+  """Gaussian sum query whose clip follows a private quantile of the record norms."""
+
+  _GlobalState = collections.namedtuple(
+      "_GlobalState", ["l2_norm_clip", "value_noise_multiplier", "quantile_state"])
+
+  def __init__(self, initial_l2_norm_clip, noise_multiplier, target_unclipped_quantile,
+               learning_rate, clipped_count_stddev, expected_num_records,
+               geometric_update=True, seed=None):
+    validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
+    self._noise_multiplier = noise_multiplier
+    self._value_z = value_noise_multiplier(noise_multiplier, clipped_count_stddev)
+    self._generator = randomness.make_generator(seed)
+    self._quantile = QuantileEstimatorQuery(
+        initial_l2_norm_clip, target_unclipped_quantile, learning_rate, clipped_count_stddev,
+        expected_num_records, geometric_update, generator=self._generator)
+
+  @property
+  def noise_multiplier(self):
+    return self._noise_multiplier
+
+  def initial_global_state(self):
+    qstate = self._quantile.initial_global_state()
+    return self._GlobalState(qstate.current_estimate, tf.constant(self._value_z, tf.float32),
+                             qstate)
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def initial_sample_state(self, template):
+    return (dp_query.zeros_like_template(template), tf.constant(0.0))
+
+  def preprocess_record(self, params, record):
+    clipped, norm = dp_query.clip_by_global_l2_norm(record, params)
+    return (clipped, self._quantile.preprocess_record(params, norm))
+
+  def get_noised_result(self, sample_state, global_state):
+    value_sum, below_sum = sample_state
+    clip = global_state.l2_norm_clip
+    value_stddev = clip * global_state.value_noise_multiplier
+    result = gaussian_query.add_gaussian_noise(self._generator, value_sum, value_stddev)
+    new_qstate, count_event = self._quantile.update_estimate(below_sum, global_state.quantile_state)
+    new_state = global_state._replace(l2_norm_clip=new_qstate.current_estimate,
+                                      quantile_state=new_qstate)
+    events = (events_lib.GaussianSumEvent(clip, value_stddev), count_event)
+    return result, new_state, events
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(clip=global_state.l2_norm_clip)

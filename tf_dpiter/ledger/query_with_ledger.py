@@ -1,0 +1,94 @@
+"""A DPQuery wrapper that writes every sample and its queries to a PrivacyLedger.
+
+Seed 002, Section 6: the training code never computes privacy; the wrapper records, at each
+`get_noised_result`, one sampling event (n, q, sample size, policy) with all the sum query
+events the inner query reports.
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import validation
+from tf_dpiter.ledger import privacy_ledger
+
+
+class QueryWithLedger(dp_query.SumAggregationDPQuery):
+  """Wraps a top-level query; each get_noised_result records one sample in `ledger`."""
+
+  def __init__(self, query, population_size, selection_probability, ledger=None,
+               policy=privacy_ledger.POISSON, sample_size=0):
+    if not isinstance(query, dp_query.DPQuery):
+      raise ValueError(f"query must be a DPQuery, got {query!r}")
+    privacy_ledger.policy_code(policy)
+    self._check_sampling(population_size, selection_probability, sample_size, policy)
+    self._query = query
+    self._policy = policy
+    self._ledger = ledger if ledger is not None else privacy_ledger.PrivacyLedger()
+    self._population_size = tf.Variable(float(population_size), dtype=tf.float64,
+                                        trainable=False, name="population_size")
+    self._selection_probability = tf.Variable(float(selection_probability), dtype=tf.float64,
+                                              trainable=False, name="selection_probability")
+    self._sample_size = tf.Variable(float(sample_size), dtype=tf.float64, trainable=False,
+                                    name="sample_size")
+
+  @staticmethod
+  def _check_sampling(population_size, selection_probability, sample_size, policy):
+    validation.check_positive("population_size", population_size)
+    validation.check_probability("selection_probability", selection_probability)
+    if policy in (privacy_ledger.FIXED_SIZE, privacy_ledger.SHUFFLE):
+      if not 1 <= float(sample_size) <= float(population_size):
+        raise ValueError(f"sample_size must be in [1, population_size={population_size}] for "
+                         f"policy {policy!r}, got {sample_size!r}")
+
+  @property
+  def ledger(self):
+    return self._ledger
+
+  @property
+  def query(self):
+    return self._query
+
+  @property
+  def policy(self):
+    return self._policy
+
+  def set_sampling(self, population_size, selection_probability, sample_size=None):
+    """Changes n, q (and sample size) for the following samples (e.g. a schedule of m_t)."""
+    if sample_size is None:
+      sample_size = float(self._sample_size.numpy())
+    self._check_sampling(population_size, selection_probability, sample_size, self._policy)
+    self._population_size.assign(float(population_size))
+    self._selection_probability.assign(float(selection_probability))
+    self._sample_size.assign(float(sample_size))
+
+  def initial_global_state(self):
+    return self._query.initial_global_state()
+
+  def derive_sample_params(self, global_state):
+    return self._query.derive_sample_params(global_state)
+
+  def initial_sample_state(self, template):
+    return self._query.initial_sample_state(template)
+
+  def preprocess_record(self, params, record):
+    return self._query.preprocess_record(params, record)
+
+  def preprocess_records(self, params, records):
+    return self._query.preprocess_records(params, records)
+
+  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
+    return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)
+
+  def merge_sample_states(self, sample_state_1, sample_state_2):
+    return self._query.merge_sample_states(sample_state_1, sample_state_2)
+
+  def get_noised_result(self, sample_state, global_state):
+    result, new_state, events = self._query.get_noised_result(sample_state, global_state)
+    count = self._ledger.record_sample(self._population_size, self._selection_probability,
+                                       events, policy=self._policy, sample_size=self._sample_size)
+    with tf.control_dependencies([count]):
+      result = tf.nest.map_structure(tf.identity, result)
+    return result, new_state, events
+
+  def derive_metrics(self, global_state):
+    return self._query.derive_metrics(global_state)
