@@ -46,9 +46,14 @@ def policy_name(code):
   return POLICIES[int(code)]
 
 
+def _f64(x):
+  """float64 tensor; Python floats are converted at full precision (tf.cast would go via float32)."""
+  return tf.cast(tf.convert_to_tensor(x, dtype_hint=tf.float64), tf.float64)
+
+
 def _event_row(event):
   """(kind, sensitivity, noise) of one privacy event, as float64 tensors."""
-  f = lambda x: tf.cast(x, tf.float64)
+  f = _f64
   if isinstance(event, events_lib.GaussianSumEvent):
     return [f(GAUSSIAN), f(event.l2_norm_clip), f(event.stddev)]
   if isinstance(event, events_lib.LaplaceSumEvent):
@@ -109,7 +114,7 @@ class PrivacyLedger(tf.Module):
     code = policy_code(policy)
     events = tuple(events)
     rows = [_event_row(e) for e in events]
-    f = lambda x: tf.cast(x, tf.float64)
+    f = _f64
     idx = self._sample_count.read_value()
     qidx = self._query_count.read_value()
     grew = [self._ensure_capacity(self._samples, idx + 1)]

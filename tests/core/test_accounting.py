@@ -1,0 +1,155 @@
+"""Accounting: published figures, Eq. (1) against an independent computation, policies,
+speed with counts, calibration, bad input."""
+
+import json
+import math
+import time
+
+import dp_accounting as dpa
+import numpy as np
+import pytest
+
+from tf_dpiter import accounting as A
+from tf_dpiter import dp_query as dq
+from tf_dpiter import ledger as L
+
+
+@pytest.mark.parametrize("n,b,z,epochs,acc,expected,tol", [
+    (60000, 256, 1.1, 60, "rdp", 2.597, 1e-3),
+    (60000, 256, 1.1, 60, "pld", 2.38, 5e-3),
+    (60000, 150, 1.3, 15, "rdp", 0.7242, 1e-4),
+])
+def test_published_dp_sgd_epsilons(n, b, z, epochs, acc, expected, tol):
+  r = A.compute_dp_sgd_privacy(n, b, z, epochs, 1e-5, accountant=acc)
+  assert r.epsilon == pytest.approx(expected, abs=tol)
+  assert r.steps == math.ceil(epochs * n / b)
+  assert "Poisson" in r.statement and f"{r.epsilon:.4g}" in r.statement
+
+
+def direct_epsilon(q, z, steps, delta, acc="rdp"):
+  """Independent computation: dp-accounting called by hand."""
+  a = dpa.rdp.RdpAccountant() if acc == "rdp" else dpa.pld.PLDAccountant()
+  ev = dpa.GaussianDpEvent(z)
+  a.compose(dpa.PoissonSampledDpEvent(q, ev) if q < 1 else ev, steps)
+  return a.get_epsilon(delta)
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 5])
+@pytest.mark.parametrize("q", [0.01, 0.2, 1.0])
+@pytest.mark.parametrize("scale", [0.7, 2.0])
+def test_eq1_multi_group_ledger_equals_single_gaussian(num_groups, q, scale):
+  rng = np.random.default_rng(num_groups * 100 + int(q * 100))
+  clips = rng.uniform(0.1, 5.0, num_groups)
+  stds = clips * rng.uniform(0.5, 3.0, num_groups) * scale
+  z = float(np.sum((clips / stds) ** 2) ** -0.5)  # Eq. (1), computed here independently
+  led = L.PrivacyLedger()
+  for _ in range(50):
+    led.record_sample(1000.0, q, tuple(dq.GaussianSumEvent(c, s) for c, s in zip(clips, stds)),
+                      policy="poisson" if q < 1 else "full")
+  assert A.epsilon(led, 1e-5) == pytest.approx(direct_epsilon(q, z, 50, 1e-5), rel=1e-9)
+
+
+def test_proportional_allocation_ledger_equals_target_z():
+  clips = dq.per_layer_clips(1.0, 4)
+  stds = dq.proportional_noise(1.1, clips)
+  led = L.PrivacyLedger()
+  for _ in range(100):
+    led.record_sample(60000.0, 0.01, tuple(dq.GaussianSumEvent(c, s) for c, s in zip(clips, stds)))
+  assert A.epsilon(led, 1e-5) == pytest.approx(direct_epsilon(0.01, 1.1, 100, 1e-5), rel=1e-9)
+
+
+def million_sample_ledger_dict():
+  return {"format": "tf_dpiter.privacy_ledger", "version": 1, "num_samples": 10**6,
+          "runs": [{"count": 10**6, "population_size": 1e7, "selection_probability": 1e-4,
+                    "sample_size": 0.0, "policy": "poisson",
+                    "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0}]}]}
+
+
+def test_million_identical_samples_under_one_second():
+  d = million_sample_ledger_dict()
+  led = L.PrivacyLedger.from_dict(d)
+  assert int(led.sample_count) == 10**6
+  t = time.perf_counter()
+  eps = A.epsilon(led, 1e-6)
+  elapsed = time.perf_counter() - t
+  assert elapsed < 1.0, f"epsilon over 10^6 samples took {elapsed:.2f}s"
+  assert eps == pytest.approx(direct_epsilon(1e-4, 1.0, 10**6, 1e-6), rel=1e-9)
+  t = time.perf_counter()
+  assert A.epsilon(json.dumps(d), 1e-6) == pytest.approx(eps, rel=1e-12)
+  assert time.perf_counter() - t < 1.0
+
+
+def test_delta_inverts_epsilon():
+  led = L.PrivacyLedger()
+  for _ in range(200):
+    led.record_sample(1000.0, 0.05, (dq.GaussianSumEvent(1.0, 1.0),))
+  for acc in A.ACCOUNTANTS:
+    eps = A.epsilon(led, 1e-5, accountant=acc)
+    assert A.delta(led, eps, accountant=acc) == pytest.approx(1e-5, rel=0.05)
+    assert A.delta(led, eps * 1.2, accountant=acc) < 1e-5
+
+
+def test_shuffled_epochs_claim_no_amplification():
+  r = A.compute_dp_sgd_privacy(60000, 256, 1.1, 10, 1e-5, sampling="shuffle")
+  # 10 epochs, each one un-amplified Gaussian(z = 1.1).
+  assert r.epsilon == pytest.approx(direct_epsilon(1.0, 1.1, 10, 1e-5), rel=1e-9)
+  assert any("NO amplification" in a for a in r.assumptions)
+
+
+def test_fixed_size_sampling_uses_replace_one():
+  led = L.PrivacyLedger()
+  for _ in range(100):
+    led.record_sample(1000.0, 0.05, (dq.GaussianSumEvent(1.0, 1.2),), policy="fixed_size",
+                      sample_size=50)
+  a = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+  a.compose(dpa.SampledWithoutReplacementDpEvent(1000, 50, dpa.GaussianDpEvent(1.2)), 100)
+  rep = A.privacy_report(led, delta=1e-5)
+  assert rep.epsilon == pytest.approx(a.get_epsilon(1e-5), rel=1e-9)
+  assert "replace one" in rep.assumptions[0]
+  with pytest.raises(ValueError, match="rdp"):
+    A.epsilon(led, 1e-5, accountant="pld")
+
+
+def test_laplace_and_non_private_events():
+  led = L.PrivacyLedger()
+  led.record_sample(100.0, 1.0, (dq.LaplaceSumEvent(1.0, 2.0),), policy="full")
+  eps = A.epsilon(led, 1e-9, accountant="pld")
+  assert 0.3 < eps <= 0.5 + 1e-3  # pure epsilon C/b = 0.5 bounds it
+  led.record_sample(100.0, 0.5, (dq.NonPrivateEvent(),))
+  rep = A.privacy_report(led, delta=1e-5)
+  assert rep.epsilon == math.inf and any("non-private" in a for a in rep.assumptions)
+  zero_noise = L.PrivacyLedger()
+  zero_noise.record_sample(100.0, 0.5, (dq.GaussianSumEvent(1.0, 0.0),))
+  assert A.epsilon(zero_noise, 1e-5) == math.inf
+
+
+def test_calibration_is_on_the_safe_side():
+  q, steps, target = 256 / 60000, 14063, 2.0
+  z = A.calibrate_noise_multiplier(target, 1e-5, q, steps)
+  assert direct_epsilon(q, z, steps, 1e-5) <= target
+  assert direct_epsilon(q, z * (1 - 2e-4), steps, 1e-5) > target
+  qq = A.calibrate_sampling_probability(target, 1e-5, 1.1, steps)
+  assert direct_epsilon(qq, 1.1, steps, 1e-5) <= target < direct_epsilon(qq * 1.001, 1.1, steps, 1e-5)
+  t = A.calibrate_steps(target, 1e-5, 1.1, q)
+  assert direct_epsilon(q, 1.1, t, 1e-5) <= target < direct_epsilon(q, 1.1, t + 1, 1e-5)
+  z2 = A.compute_noise_from_budget(60000, 256, 2.597, 60, 1e-5)
+  assert z2 == pytest.approx(1.1, rel=1e-3)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, -1.0, 60, 1e-5), "noise_multiplier"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, float("nan"), 60, 1e-5), "noise_multiplier"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 0.0), "delta"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1.5), "delta"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, float("nan")), "delta"),
+    (lambda: A.compute_dp_sgd_privacy(100, 256, 1.1, 60, 1e-5), "batch_size"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1e-5, accountant="moments"), "accountant"),
+    (lambda: A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1e-5, sampling="sometimes"), "sampling"),
+    (lambda: A.epsilon(L.PrivacyLedger(), 1e-5), "empty"),
+    (lambda: A.epsilon("{not json", 1e-5), "JSON"),
+    (lambda: A.calibrate_noise_multiplier(1.0, 1e-5, 1.5, 100), "sampling_probability"),
+    (lambda: A.calibrate_noise_multiplier(-1.0, 1e-5, 0.1, 100), "target_epsilon"),
+])
+def test_bad_input_names_the_parameter(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()

@@ -1,0 +1,56 @@
+"""Console scripts, called as a user would (through their main functions)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tf_dpiter import dp_query as dq
+from tf_dpiter import ledger as L
+from tf_dpiter.accounting import cli
+
+
+def test_compute_dp_sgd_privacy_cli(capsys):
+  rc = cli.compute_dp_sgd_privacy_main(["--N", "60000", "--batch_size", "256",
+                                        "--noise_multiplier", "1.1", "--epochs", "60",
+                                        "--delta", "1e-5"])
+  out = capsys.readouterr().out
+  assert rc == 0 and "epsilon = 2.59666" in out and "Poisson" in out
+
+
+def test_compute_noise_from_budget_cli(capsys):
+  rc = cli.compute_noise_from_budget_main(["--N", "60000", "--batch_size", "256",
+                                           "--epsilon", "2.597", "--epochs", "60",
+                                           "--delta", "1e-5"])
+  out = capsys.readouterr().out
+  z = float(out.split("noise_multiplier = ")[1].split()[0])
+  assert rc == 0 and z == pytest.approx(1.1, abs=1e-3) and "<= 2.597" in out
+
+
+def test_dp_ledger_report_cli(tmp_path, capsys):
+  led = L.PrivacyLedger()
+  for _ in range(10):
+    led.record_sample(1000.0, 0.01, (dq.GaussianSumEvent(1.0, 1.0),))
+  path = str(tmp_path / "l.json")
+  led.save_json(path)
+  assert cli.dp_ledger_main(["report", path, "--delta", "1e-5"]) == 0
+  assert "-DP over 10 samples" in capsys.readouterr().out
+
+
+def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
+  rc = cli.compute_dp_sgd_privacy_main(["--N", "60000", "--batch_size", "256",
+                                        "--noise_multiplier", "1.1", "--epochs", "60",
+                                        "--delta", "2"])
+  assert rc == 2 and "delta must be in (0, 1), got 2.0" in capsys.readouterr().err
+  bad = tmp_path / "bad.json"
+  bad.write_text("[1, 2")
+  assert cli.dp_ledger_main(["report", str(bad), "--delta", "1e-5"]) == 2
+  assert "bad.json" in capsys.readouterr().err
+
+
+def test_console_script_installed():
+  out = subprocess.run(["compute_dp_sgd_privacy", "--N", "60000", "--batch_size", "150",
+                        "--noise_multiplier", "1.3", "--epochs", "15", "--delta", "1e-5"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert "epsilon = 0.72422" in out.stdout

@@ -1,0 +1,151 @@
+"""PrivacyLedger: nothing dropped, checkpoint/restore continues, JSON round trip and refusal."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter import accounting
+from tf_dpiter import dp_query as dq
+from tf_dpiter import ledger as L
+
+
+def gaussian(clip, std):
+  return (dq.GaussianSumEvent(clip, std),)
+
+
+def test_record_100k_steps_inside_tf_function_loses_nothing():
+  led = L.PrivacyLedger(initial_capacity=3)
+
+  @tf.function
+  def run(n):
+    for i in tf.range(n):
+      z = 1.0 + tf.cast(i % 3, tf.float32)  # three different query configurations
+      led.record_sample(60000.0, 256 / 60000, (dq.GaussianSumEvent(1.0, z),
+                                               dq.GaussianSumEvent(0.5, 2.0)))
+    return led.sample_count
+
+  assert int(run(tf.constant(100_000, tf.int64))) == 100_000
+  samples, queries = led.get_arrays()
+  assert samples.shape == (100_000, 5) and queries.shape == (200_000, 4)
+  np.testing.assert_array_equal(queries[::2, 3], 1.0 + np.arange(100_000) % 3)
+  np.testing.assert_array_equal(queries[:, 0], np.repeat(np.arange(100_000), 2))
+  assert np.all(samples[:, 0] == 60000.0)
+
+
+def make_ledger_steps(led, start, stop):
+  for i in range(start, stop):
+    z = 1.1 if i < 40 else 0.8
+    led.record_sample(1000.0, 0.05, gaussian(1.0, z))
+
+
+def test_checkpoint_restore_continue_gives_same_epsilon(tmp_path):
+  full = L.PrivacyLedger(initial_capacity=2)
+  make_ledger_steps(full, 0, 100)
+
+  first = L.PrivacyLedger(initial_capacity=2)
+  make_ledger_steps(first, 0, 55)
+  path = tf.train.Checkpoint(ledger=first).save(os.path.join(tmp_path, "ckpt"))
+
+  resumed = L.PrivacyLedger(initial_capacity=7)  # a fresh process, other capacity
+  tf.train.Checkpoint(ledger=resumed).restore(path).assert_consumed()
+  assert int(resumed.sample_count) == 55
+  make_ledger_steps(resumed, 55, 100)
+
+  for a, b in zip(full.get_arrays(), resumed.get_arrays()):
+    np.testing.assert_array_equal(a, b)
+  assert accounting.epsilon(resumed, 1e-5) == accounting.epsilon(full, 1e-5)
+
+
+def test_query_with_ledger_records_one_sample_with_all_queries():
+  inner = dq.NestedQuery([dq.GaussianSumQuery(1.0, 2.0, seed=0),
+                          dq.GaussianSumQuery(3.0, 4.0, seed=0)])
+  q = L.QueryWithLedger(inner, population_size=500, selection_probability=0.1)
+  g = q.initial_global_state()
+  tmpl = [tf.TensorSpec([2]), tf.TensorSpec([3])]
+
+  @tf.function
+  def step(g):
+    s = q.accumulate_records(q.derive_sample_params(g), q.initial_sample_state(tmpl),
+                             [tf.ones([5, 2]), tf.ones([5, 3])])
+    return q.get_noised_result(s, g)
+
+  step(g)
+  q.set_sampling(800, 0.2)
+  step(g)
+  samples, queries = q.ledger.get_arrays()
+  np.testing.assert_allclose(samples[:, :2], [[500, 0.1], [800, 0.2]])
+  np.testing.assert_allclose(queries, [[0, 0, 1, 2], [0, 0, 3, 4], [1, 0, 1, 2], [1, 0, 3, 4]])
+
+
+def test_json_round_trip(tmp_path):
+  led = L.PrivacyLedger()
+  for i in range(30):
+    led.record_sample(100.0, 0.1, gaussian(1.0, 1.0 + (i >= 20)))
+  led.record_sample(100.0, 1.0, (dq.LaplaceSumEvent(1.0, 2.0),), policy="full")
+  led.record_sample(100.0, 0.2, gaussian(1.0, 1.0), policy="fixed_size", sample_size=20)
+  path = os.path.join(tmp_path, "ledger.json")
+  led.save_json(path)
+  d = json.load(open(path))
+  assert d["format"] == "tf_dpiter.privacy_ledger" and d["version"] == 1
+  assert [r["count"] for r in d["runs"]] == [20, 10, 1, 1]  # run-length coded
+  back = L.PrivacyLedger.load_json(path)
+  for a, b in zip(led.get_arrays(), back.get_arrays()):
+    np.testing.assert_array_equal(a, b)
+  back.record_sample(100.0, 0.1, gaussian(1.0, 1.0))  # an imported ledger keeps growing
+  assert int(back.sample_count) == 33
+
+
+def good_dict():
+  return {"format": "tf_dpiter.privacy_ledger", "version": 1, "num_samples": 2,
+          "runs": [{"count": 2, "population_size": 100.0, "selection_probability": 0.1,
+                    "sample_size": 0.0, "policy": "poisson",
+                    "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0}]}]}
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(format="other"), "format"),
+    (lambda d: d.update(version=99), "version"),
+    (lambda d: d.update(num_samples=3), "num_samples"),
+    (lambda d: d["runs"][0].update(count=-1), "count"),
+    (lambda d: d["runs"][0].update(count=1.5), "count"),
+    (lambda d: d["runs"][0].update(selection_probability=1.5), "selection_probability"),
+    (lambda d: d["runs"][0].update(population_size=0), "population_size"),
+    (lambda d: d["runs"][0].update(policy="sometimes"), "policy"),
+    (lambda d: d["runs"][0].pop("population_size"), "population_size"),
+    (lambda d: d["runs"][0]["queries"][0].update(stddev=-1.0), "noise"),
+    (lambda d: d["runs"][0]["queries"][0].update(type="magic"), "type"),
+    (lambda d: d["runs"][0]["queries"][0].update(stddev=float("nan")), "non-finite"),
+    (lambda d: d["runs"][0].update(policy="fixed_size", sample_size=0), "sample_size"),
+])
+def test_malformed_json_is_refused(mutate, match):
+  d = good_dict()
+  L.PrivacyLedger.from_dict(d)  # the unmutated one is accepted
+  mutate(d)
+  with pytest.raises(ValueError, match=match):
+    L.PrivacyLedger.from_json(json.dumps(d))
+
+
+def test_broken_json_file_is_refused(tmp_path):
+  p = os.path.join(tmp_path, "bad.json")
+  open(p, "w").write('{"format": "tf_dpiter.privacy_ledger", "runs": [')
+  with pytest.raises(ValueError, match="bad.json"):
+    L.PrivacyLedger.load_json(p)
+  with pytest.raises(ValueError, match="could not be read"):
+    L.PrivacyLedger.load_json(os.path.join(tmp_path, "missing.json"))
+
+
+def test_bad_record_arguments():
+  led = L.PrivacyLedger()
+  with pytest.raises(ValueError, match="policy"):
+    led.record_sample(10.0, 0.1, gaussian(1.0, 1.0), policy="random")
+  with pytest.raises(ValueError, match="events"):
+    led.record_sample(10.0, 0.1, ("not an event",))
+  with pytest.raises(ValueError, match="selection_probability"):
+    L.QueryWithLedger(dq.GaussianSumQuery(1.0, 1.0), 100, 0.0)
+  with pytest.raises(ValueError, match="population_size"):
+    L.QueryWithLedger(dq.GaussianSumQuery(1.0, 1.0), -5, 0.5)
+  with pytest.raises(ValueError, match="sample_size"):
+    L.QueryWithLedger(dq.GaussianSumQuery(1.0, 1.0), 100, 0.5, policy="shuffle", sample_size=0)

@@ -1,0 +1,261 @@
+"""Noise calibration and the privacy analyses of Draw and Discard (seed 004, Section IV).
+
+All guarantees are feature-level (per weight) local DP, as the paper states (Section VII).
+Units: epsilon in nats; gamma is the learning rate; clip c bounds each coordinate of the
+average gradient to [-c, c], so one client's update moves a weight by at most
+sensitivity = 2 * gamma * c (Section III-E).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+def _pos(name: str, value: float) -> float:
+  if value is None or not np.isfinite(value) or not value > 0:
+    raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+  return float(value)
+
+
+def _check_k(k: int) -> int:
+  if int(k) != k or k < 1:
+    raise ValueError(f"k must be an integer >= 1, got {k!r}")
+  return int(k)
+
+
+# ---------------------------------------------------------------------------
+# Noise calibration (Algorithm 1, Section IV-B)
+# ---------------------------------------------------------------------------
+
+def sensitivity(gamma: float, clip: float = 1.0) -> float:
+  """Per-weight sensitivity of the update B - gamma*clip(G): 2*gamma*c (Section III-E)."""
+  return 2.0 * _pos("gamma", gamma) * _pos("clip", clip)
+
+
+def laplace_scale(gamma: float, epsilon: float, clip: float = 1.0) -> float:
+  """Laplace scale b = 2*gamma*c/epsilon of Algorithm 1 (epsilon-DP per weight)."""
+  return sensitivity(gamma, clip) / _pos("epsilon", epsilon)
+
+
+def laplace_variance(gamma: float, epsilon: float, clip: float = 1.0) -> float:
+  """Variance 2 b^2 = 8 gamma^2 c^2 / epsilon^2 of the client noise (Section IV-D)."""
+  return 2.0 * laplace_scale(gamma, epsilon, clip) ** 2
+
+
+def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
+  """Gaussian noise std for (epsilon, delta)-DP, Lemma 1 of Kenthapadi et al. [30] (Section IV-B).
+
+  sigma >= w * sqrt(2 (ln(1/(2 delta)) + epsilon)) / epsilon, with w the sensitivity and
+  delta < 1/2. Unlike Theorem A.1 of Dwork-Roth it is valid for epsilon > 1.
+  """
+  _pos("epsilon", epsilon)
+  if not 0 < delta < 0.5:
+    raise ValueError(f"delta must be in (0, 0.5), got {delta!r}")
+  return _pos("sensitivity", sens) * math.sqrt(2.0 * (math.log(1.0 / (2.0 * delta)) + epsilon)) / epsilon
+
+
+def noise_std(noise: str, gamma: float, epsilon: float | None, clip: float = 1.0,
+              delta: float = 1e-6) -> float:
+  """Per-weight std of the client noise (0 for noise 'none' or epsilon None)."""
+  if noise == "none" or epsilon is None:
+    return 0.0
+  if noise == "laplace":
+    return math.sqrt(laplace_variance(gamma, epsilon, clip))
+  if noise == "gaussian":
+    return gaussian_sigma(epsilon, delta, sensitivity(gamma, clip))
+  raise ValueError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
+
+
+def init_variance(k: int, noise_variance: float) -> float:
+  """Initial intra-model variance sigma_k^2 = k/2 * sigma^2 (Section III-C a, Theorem 1)."""
+  _check_k(k)
+  if not noise_variance >= 0:
+    raise ValueError(f"noise_variance must be >= 0, got {noise_variance!r}")
+  return 0.5 * k * noise_variance
+
+
+# ---------------------------------------------------------------------------
+# Adversary I (channel listener), Section IV-B
+# ---------------------------------------------------------------------------
+
+def epsilon_adversary_one(epsilon: float) -> float:
+  """Adversary I sees the pre-image and the update: epsilon-DP per weight and update."""
+  return _pos("epsilon", epsilon)
+
+
+def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: float = 0.0) -> float:
+  """Adversary I over `num_updates` updates by the same user (Section VII: composition).
+
+  delta == 0: basic composition, n * epsilon. delta > 0: PLD accounting (dp_accounting) of
+  n Laplace mechanisms with noise multiplier 1/epsilon (scale / sensitivity).
+  """
+  _pos("epsilon", epsilon)
+  if int(num_updates) != num_updates or num_updates < 1:
+    raise ValueError(f"num_updates must be an integer >= 1, got {num_updates!r}")
+  if delta == 0:
+    return num_updates * epsilon
+  if not 0 < delta < 1:
+    raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+  import dp_accounting  # pylint: disable=g-import-not-at-top
+  acct = dp_accounting.pld.PLDAccountant()
+  acct.compose(dp_accounting.LaplaceDpEvent(1.0 / epsilon), int(num_updates))
+  return min(num_updates * epsilon, float(acct.get_epsilon(delta)))
+
+
+# ---------------------------------------------------------------------------
+# Adversary II (internal threat), Lemma 1
+# ---------------------------------------------------------------------------
+
+def epsilon_adversary_two(epsilon: float, k: int) -> float:
+  """Expected privacy loss against adversary II: (k-1)/k * epsilon/2 (Lemma 1).
+
+  With prob. 1/k the pre-image was discarded (loss 0); otherwise loss <= epsilon/2.
+  """
+  _check_k(k)
+  return (k - 1) / k * 0.5 * _pos("epsilon", epsilon)
+
+
+def adversary_two_loss(b1, b2, a, a_prime, gamma: float, epsilon: float) -> np.ndarray:
+  """Log-likelihood ratio of Lemma 1's second scenario for k = 2 (vectorized).
+
+  ln [ (f(B1-B2+g a) + f(B2-B1+g a)) / (f(B1-B2+g a') + f(B2-B1+g a')) ],
+  f = Laplace(0, 2 gamma/epsilon) density; a, a' in [-1, 1].
+  """
+  s = laplace_scale(gamma, epsilon)
+  b1, b2, a, ap = (np.asarray(v, dtype=np.float64) for v in (b1, b2, a, a_prime))
+  num = np.logaddexp(-np.abs(b1 - b2 + gamma * a) / s, -np.abs(b2 - b1 + gamma * a) / s)
+  den = np.logaddexp(-np.abs(b1 - b2 + gamma * ap) / s, -np.abs(b2 - b1 + gamma * ap) / s)
+  return num - den
+
+
+# ---------------------------------------------------------------------------
+# Adversary III (opportunistic threat), Lemmas 2 and 3
+# ---------------------------------------------------------------------------
+
+def discard_probability(k: int) -> float:
+  """Long-term share of updates discarded: 1 - 1/k (Lemma 2)."""
+  return 1.0 - 1.0 / _check_k(k)
+
+
+def discard_probability_chain(k: int) -> float:
+  """Lemma 2 by solving its Markov chain numerically (checks the closed form).
+
+  State i = number of instances descending from the update. The transition
+  probabilities are p_i = i (k - i) / k^2 up and the same down (draw one of the i and
+  overwrite one of the k-i, or the reverse); 0 and k absorb. The PDF prints
+  p_i = binom(k-i, k^2) i / k^2 and p_k = 1: a text-extraction garble; the derivation
+  (q_{i-1} + q_{i+1} = 2 q_i) only needs equal up/down rates, and k must absorb.
+  Returns q_1 = P(absorbed at 0 | start in 1).
+  """
+  k = _check_k(k)
+  if k == 1:
+    return 0.0
+  # q_i for i = 1..k-1: p_i q_{i-1} + p_i q_{i+1} - 2 p_i q_i = 0, q_0 = 1, q_k = 0.
+  n = k - 1
+  a = np.zeros((n, n))
+  rhs = np.zeros(n)
+  for idx, i in enumerate(range(1, k)):
+    p = i * (k - i) / k**2
+    a[idx, idx] = -2 * p
+    if i - 1 >= 1:
+      a[idx, idx - 1] = p
+    else:
+      rhs[idx] -= p * 1.0  # q_0 = 1
+    if i + 1 <= k - 1:
+      a[idx, idx + 1] = p
+  return float(np.linalg.solve(a, rhs)[0])
+
+
+def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: float = 1e-8,
+                            w_over_gamma: float = math.sqrt(2.0), exact: bool = False) -> float:
+  """(epsilon_T, delta_T) against adversary III after T later updates (Lemma 3).
+
+  CLT: T Laplace(2 gamma/epsilon) noises ~ N(0, T * 8 gamma^2 / epsilon^2); then Lemma 1
+  of [30] with sensitivity w. exact=False returns the paper's large-T form
+      epsilon_T = epsilon * w / (2 gamma sqrt(T)) * sqrt(ln(1/(2 delta_T)))
+  which is epsilon / sqrt(2T) * sqrt(ln(1/(2 delta_T))) for the paper's w = sqrt(2) gamma.
+  exact=True keeps the "+1" under the root: the positive root of
+      T (4 gamma^2/epsilon^2) e_T^2 - w^2 e_T - w^2 ln(1/(2 delta_T)) = 0.
+  The PDF's printed root has an extraction garble (a factor 1 outside the sqrt); the
+  root above is rederived from the quadratic. The paper takes w = sqrt(2) gamma; the
+  per-weight range of Algorithm 1's clipped step is 2 gamma, so w_over_gamma=2 is the
+  conservative choice (epsilon_T larger by sqrt(2)). Gamma cancels; it is not an input.
+  """
+  _pos("epsilon", epsilon)
+  t = _pos("num_later_updates", num_later_updates)
+  if not 0 < delta_t < 0.5:
+    raise ValueError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+  w = _pos("w_over_gamma", w_over_gamma)  # in units of gamma
+  log_term = math.log(1.0 / (2.0 * delta_t))
+  if not exact:
+    return epsilon * w / (2.0 * math.sqrt(t)) * math.sqrt(log_term)
+  a = t * 4.0 / epsilon**2
+  return (w**2 + math.sqrt(w**4 + 4.0 * a * w**2 * log_term)) / (2.0 * a)
+
+
+def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: float,
+                                     delta_t: float = 1e-8, **kwargs) -> float:
+  """Expected loss against adversary III: (1/k) * epsilon_T (Lemmas 2 and 3; the table's
+  epsilon / (k sqrt T) up to the log factor): with prob. 1 - 1/k the update is discarded."""
+  return epsilon_adversary_three(epsilon, num_later_updates, delta_t, **kwargs) / _check_k(k)
+
+
+# ---------------------------------------------------------------------------
+# Statement
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyStatement:
+  """All three guarantees of Section IV for one configuration."""
+  epsilon: float
+  k: int
+  num_later_updates: float
+  delta_t: float
+  adversary_one: float
+  adversary_two_expected: float
+  adversary_three: float
+  adversary_three_expected: float
+  discard_probability: float
+  noise: str
+
+  def __str__(self) -> str:
+    return (
+        f"Draw and Discard privacy (feature-level local DP, {self.noise} noise, k={self.k}):\n"
+        f"  adversary I   (channel listener):       epsilon = {self.adversary_one:.4g} per update\n"
+        f"  adversary II  (internal threat):        expected epsilon = (k-1)/(2k)*eps = "
+        f"{self.adversary_two_expected:.4g} (Lemma 1)\n"
+        f"  adversary III (opportunistic, T={self.num_later_updates:g}): "
+        f"(epsilon_T, delta_T) = ({self.adversary_three:.4g}, {self.delta_t:.1e}) (Lemma 3, large-T CLT)\n"
+        f"                discard probability 1-1/k = {self.discard_probability:.4g} (Lemma 2); "
+        f"expected epsilon_T/k = {self.adversary_three_expected:.4g}")
+
+
+def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
+                      delta_t: float = 1e-8, noise: str = "laplace",
+                      w_over_gamma: float = math.sqrt(2.0)) -> PrivacyStatement:
+  """Guarantees against adversaries I, II and III (Section IV, summary table).
+
+  Lemmas 1-3 are proven for Laplace noise; for noise='gaussian' adversary I gets the
+  (epsilon, delta) of the calibration and II/III are reported with the same formulas
+  (not proven in the paper).
+  """
+  eps_t = epsilon_adversary_three(epsilon, num_later_updates, delta_t, w_over_gamma)
+  return PrivacyStatement(
+      epsilon=float(epsilon), k=int(k), num_later_updates=float(num_later_updates),
+      delta_t=float(delta_t),
+      adversary_one=epsilon_adversary_one(epsilon),
+      adversary_two_expected=epsilon_adversary_two(epsilon, k),
+      adversary_three=eps_t,
+      adversary_three_expected=eps_t / k,
+      discard_probability=discard_probability(k),
+      noise=noise)
+
+
+def print_privacy_statement(*args, **kwargs) -> PrivacyStatement:
+  """Prints and returns privacy_statement(*args, **kwargs)."""
+  s = privacy_statement(*args, **kwargs)
+  print(s)
+  return s

@@ -1,0 +1,184 @@
+"""Server side of Draw and Discard: Algorithm 2 of seed 004 (Section III-C), in memory.
+
+k model instances; each request draws one uniformly at random; the returned instance
+replaces one uniformly at random (discard). Initialization N(b^0, k/2 sigma^2) is the
+variance-stabilizing start of Theorem 1. The alternatives of Section V-B are strategies
+of the same class, for the comparisons of Figures 2-4:
+
+  "draw_discard"          Algorithm 2.
+  "same_instance"         overwrite the instance that was drawn ("Same Instance Replace").
+  "average_draw_discard"  overwrite a random instance with the mean of it and the update.
+  "average_same_instance" overwrite the drawn instance with the mean of it and the update.
+  "accept_1_over_k"       one model; accept each update with probability 1/k.
+  "server_batch"          one model; average N_s = batch_size returned models, then replace
+                          (server-side batching, Section V-A).
+
+The spam filter of Section III-D4 refuses an update with any weight outside
+mu +- t*sigma of the k instances (per weight; sigma with ddof=1).
+
+This class is the simulation server: `draw` returns the drawn index so that the
+strategies that need the pre-image can use it. The HTTP service (service.py) never
+records it.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from tf_dpiter.draw_discard import glm
+
+STRATEGIES = ("draw_discard", "same_instance", "average_draw_discard", "average_same_instance",
+              "accept_1_over_k", "server_batch")
+
+
+def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float = 0.0,
+                      rng: np.random.Generator | None = None) -> np.ndarray:
+  """k instances ~ N(b^0, init_std^2) per weight; init_std^2 = k/2 sigma^2 (Theorem 1)."""
+  if int(k) != k or k < 1:
+    raise ValueError(f"k must be an integer >= 1, got {k!r}")
+  if int(num_weights) != num_weights or num_weights < 1:
+    raise ValueError(f"num_weights must be an integer >= 1, got {num_weights!r}")
+  if not init_std >= 0:
+    raise ValueError(f"init_std must be >= 0, got {init_std!r}")
+  rng = rng if rng is not None else np.random.default_rng()
+  mean = np.broadcast_to(np.asarray(init_mean, dtype=np.float64), (num_weights,))
+  return mean + init_std * rng.standard_normal((int(k), int(num_weights)))
+
+
+class SpamFilter:
+  """Refuse an instance with any weight outside mu +- t sigma of the k instances (III-D4).
+
+  min_std floors sigma (instances that coincide would otherwise refuse every update).
+  """
+
+  def __init__(self, t: float, min_std: float = 0.0):
+    if not t > 0:
+      raise ValueError(f"spam t must be > 0, got {t!r}")
+    if not min_std >= 0:
+      raise ValueError(f"spam min_std must be >= 0, got {min_std!r}")
+    self.t = float(t)
+    self.min_std = float(min_std)
+    self.mu = None
+    self.sigma = None
+
+  def fit(self, instances: np.ndarray) -> None:
+    if instances.shape[0] < 2:
+      raise ValueError(f"spam filter needs k >= 2 instances, got k={instances.shape[0]}")
+    self.mu = instances.mean(axis=0)
+    self.sigma = np.maximum(instances.std(axis=0, ddof=1), self.min_std)
+
+  def accepts(self, updates: np.ndarray) -> np.ndarray:
+    """Boolean [n] for updates [n, p] (or a scalar bool for [p])."""
+    dev = np.abs(np.asarray(updates) - self.mu)
+    return np.all(dev <= self.t * self.sigma, axis=-1)
+
+
+class DrawDiscardServer:
+  """k instances with draw / discard (Algorithm 2) and the Section V-B alternatives."""
+
+  def __init__(self, k: int, num_weights: int, *, strategy: str = "draw_discard",
+               init_mean=0.0, init_std: float = 0.0, batch_size: int = 1,
+               spam_t: float | None = None, spam_min_std: float = 0.0,
+               rng: np.random.Generator | None = None, instances: np.ndarray | None = None):
+    if strategy not in STRATEGIES:
+      raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if int(k) != k or k < 1:
+      raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    if int(batch_size) != batch_size or batch_size < 1:
+      raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    self.k = int(k)
+    self.strategy = strategy
+    self.batch_size = int(batch_size) if strategy == "server_batch" else 1
+    self.rng = rng if rng is not None else np.random.default_rng()
+    n_inst = 1 if strategy in ("accept_1_over_k", "server_batch") else self.k
+    if instances is None:
+      instances = initial_instances(n_inst, num_weights, init_mean, init_std, self.rng)
+    instances = np.array(instances, dtype=np.float64)
+    if instances.shape != (n_inst, num_weights):
+      raise ValueError(f"instances must have shape {(n_inst, num_weights)}, got {instances.shape}")
+    self.instances = instances
+    self.spam = SpamFilter(spam_t, spam_min_std) if spam_t is not None else None
+    self._buffer: list[np.ndarray] = []
+    self.counters = collections.Counter()
+
+  @property
+  def num_weights(self) -> int:
+    return self.instances.shape[1]
+
+  # ---- Algorithm 2 ----
+  def draw(self, n: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Draw n instances uniformly (with replacement): (indices [n], weights [n, p])."""
+    idx = self.rng.integers(0, self.instances.shape[0], size=n)
+    self.counters["draws"] += n
+    return idx, self.instances[idx]
+
+  def submit(self, updates: np.ndarray, drawn: np.ndarray | None = None) -> np.ndarray:
+    """Put back n updated instances in order; returns accepted [n] (bool).
+
+    Updates refused by the spam filter or dropped by "accept_1_over_k" are not stored.
+    """
+    updates = np.asarray(updates, dtype=np.float64)
+    if updates.ndim == 1:
+      updates = updates[None]
+    n = updates.shape[0]
+    if updates.shape[1] != self.num_weights:
+      raise ValueError(f"updates must have {self.num_weights} weights, got {updates.shape[1]}")
+    self.counters["submits"] += n
+    ok = np.ones(n, dtype=bool)
+    if self.spam is not None:
+      self.spam.fit(self.instances)
+      ok = self.spam.accepts(updates)
+      self.counters["rejected_spam"] += int((~ok).sum())
+    s = self.strategy
+    if s == "accept_1_over_k":
+      keep = ok & (self.rng.random(n) < 1.0 / self.k)
+      self.counters["dropped"] += int((ok & ~keep).sum())
+      if keep.any():
+        self.instances[0] = updates[np.flatnonzero(keep)[-1]]
+      self.counters["accepted"] += int(keep.sum())
+      return keep
+    if s == "server_batch":
+      for i in np.flatnonzero(ok):
+        self._buffer.append(updates[i])
+        if len(self._buffer) >= self.batch_size:
+          self.instances[0] = np.mean(self._buffer, axis=0)
+          self._buffer = []
+          self.counters["batches"] += 1
+      self.counters["accepted"] += int(ok.sum())
+      return ok
+    if s in ("same_instance", "average_same_instance"):
+      if drawn is None:
+        raise ValueError(f"strategy {s!r} needs the drawn indices")
+      slots = np.asarray(drawn).reshape(-1)
+    else:
+      slots = self.rng.integers(0, self.k, size=n)
+    average = s.startswith("average")
+    for i in np.flatnonzero(ok):
+      j = slots[i]
+      if average:
+        self.instances[j] = 0.5 * (self.instances[j] + updates[i])
+      else:
+        self.instances[j] = updates[i]
+    self.counters["accepted"] += int(ok.sum())
+    return ok
+
+  # ---- prediction ----
+  def average_weights(self) -> np.ndarray:
+    """Mean of the k instances (Algorithm 2's prediction model)."""
+    return self.instances.mean(axis=0)
+
+  def predict_mean(self, family: str, x: np.ndarray, outputs: int = 1,
+                   mode: str = "weights") -> np.ndarray:
+    """E(Y|x) by averaging weights (mode 'weights') or averaging predictions ('predictions')."""
+    p = x.shape[-1]
+    if mode == "weights":
+      return glm.predict_mean(family, glm.weights_matrix(self.average_weights(), p, outputs), x)
+    if mode == "predictions":
+      w = glm.weights_matrix(self.instances, p, outputs)
+      return np.mean([glm.predict_mean(family, wi, x) for wi in w], axis=0)
+    raise ValueError(f"mode must be 'weights' or 'predictions', got {mode!r}")
+
+  def metrics(self) -> dict:
+    return dict(self.counters, k=self.k, strategy=self.strategy)

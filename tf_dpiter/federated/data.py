@@ -1,0 +1,138 @@
+"""Client partitions of a labelled data set for federated simulation (seed 003, Section 4).
+
+A partition is a `FederatedData`: the shared arrays `x`, `y` and, per client k, the indices
+of the examples client k holds (`client_indices[k, :client_sizes[k]]`; the rest is padding
+with index 0 and is never read by training). Repeated indices are allowed: for K > 100 MNIST
+clients of 600 examples each, data points repeat, as in the paper.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+
+
+def default_mnist_path():
+  """Path of mnist.npz: env TF_DPITER_MNIST, else ../shared/data/mnist.npz from the repo root."""
+  env = os.environ.get("TF_DPITER_MNIST")
+  if env:
+    return env
+  repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return os.path.normpath(os.path.join(repo_root, "..", "shared", "data", "mnist.npz"))
+
+
+def load_mnist(path=None):
+  """Returns (x_train, y_train, x_test, y_test): x float32 [n, 784] in [0, 1], y int32 [n]."""
+  path = path or default_mnist_path()
+  if not os.path.exists(path):
+    raise ValueError(f"path: MNIST file not found, got {path!r} (set TF_DPITER_MNIST)")
+  with np.load(path) as d:
+    def _x(a):
+      return (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
+    return (_x(d["x_train"]), d["y_train"].astype(np.int32),
+            _x(d["x_test"]), d["y_test"].astype(np.int32))
+
+
+@dataclasses.dataclass
+class FederatedData:
+  """Shared examples plus each client's example indices (padded to the largest client).
+
+  x: float32 [n, ...]; y: int32 [n]; client_indices: int32 [K, n_max];
+  client_sizes: int32 [K], every entry >= 1.
+  """
+  x: np.ndarray
+  y: np.ndarray
+  client_indices: np.ndarray
+  client_sizes: np.ndarray
+
+  def __post_init__(self):
+    self.x = np.asarray(self.x, np.float32)
+    self.y = np.asarray(self.y, np.int32)
+    self.client_indices = np.asarray(self.client_indices, np.int32)
+    self.client_sizes = np.asarray(self.client_sizes, np.int32)
+    if self.x.shape[0] != self.y.shape[0]:
+      raise ValueError(f"y: length {self.y.shape[0]} differs from x length {self.x.shape[0]}")
+    if self.client_indices.ndim != 2:
+      raise ValueError(f"client_indices must be [K, n_max], got shape {self.client_indices.shape}")
+    k = self.client_indices.shape[0]
+    if self.client_sizes.shape != (k,):
+      raise ValueError(f"client_sizes must have shape ({k},), got {self.client_sizes.shape}")
+    empty = np.flatnonzero(self.client_sizes <= 0)
+    if empty.size:
+      raise ValueError(f"client_sizes: client(s) {empty[:10].tolist()} hold no data; "
+                       "every client needs at least one example")
+    if np.any(self.client_sizes > self.client_indices.shape[1]):
+      raise ValueError("client_sizes: an entry exceeds client_indices.shape[1]")
+    used = self.client_indices
+    if used.size and (used.min() < 0 or used.max() >= self.x.shape[0]):
+      raise ValueError("client_indices: an index is outside [0, len(x))")
+
+  @property
+  def num_clients(self):
+    return int(self.client_indices.shape[0])
+
+  @classmethod
+  def from_client_lists(cls, x, y, client_lists):
+    """Builds a partition from a list of per-client index lists (ragged)."""
+    sizes = np.array([len(c) for c in client_lists], np.int32)
+    n_max = int(max(sizes.max(initial=0), 1))
+    idx = np.zeros((len(client_lists), n_max), np.int32)
+    for k, c in enumerate(client_lists):
+      idx[k, :len(c)] = np.asarray(c, np.int32)
+    return cls(x, y, idx, sizes)
+
+  def client_examples(self, k):
+    """(x_k, y_k) of client k (unpadded)."""
+    ids = self.client_indices[k, :self.client_sizes[k]]
+    return self.x[ids], self.y[ids]
+
+
+def _check_counts(num_clients, examples_per_client, shards_per_client=1):
+  if not isinstance(num_clients, (int, np.integer)) or num_clients < 1:
+    raise ValueError(f"num_clients must be an int >= 1, got {num_clients!r}")
+  if not isinstance(examples_per_client, (int, np.integer)) or examples_per_client < 1:
+    raise ValueError(f"examples_per_client must be an int >= 1, got {examples_per_client!r}")
+  if (not isinstance(shards_per_client, (int, np.integer)) or shards_per_client < 1
+      or examples_per_client % shards_per_client):
+    raise ValueError(f"shards_per_client must be an int >= 1 dividing examples_per_client="
+                     f"{examples_per_client}, got {shards_per_client!r}")
+
+
+def _cycled_permutations(n_items, n_needed, rng):
+  """n_needed draws that visit every item once per cycle, each cycle a new permutation."""
+  reps = -(-n_needed // n_items)
+  return np.concatenate([rng.permutation(n_items) for _ in range(reps)])[:n_needed]
+
+
+def partition_noniid_shards(x, y, num_clients, shards_per_client=2, examples_per_client=600,
+                            seed=None):
+  """Pathological non-IID split of McMahan et al. 2017 used in seed 003, Section 4.
+
+  Examples are sorted by label and cut into shards of examples_per_client/shards_per_client
+  consecutive examples; each client gets `shards_per_client` shards (so most MNIST clients
+  see two digits). When num_clients * examples_per_client > len(x), shards are reused:
+  each cycle over all shards is a fresh random permutation, so data points repeat evenly.
+  """
+  _check_counts(num_clients, examples_per_client, shards_per_client)
+  x = np.asarray(x)
+  y = np.asarray(y)
+  shard_size = examples_per_client // shards_per_client
+  n_shards = x.shape[0] // shard_size
+  if n_shards < 1:
+    raise ValueError(f"x: {x.shape[0]} examples is fewer than one shard of {shard_size}")
+  rng = np.random.default_rng(seed)
+  order = np.argsort(y, kind="stable")[:n_shards * shard_size]
+  shards = order.reshape(n_shards, shard_size)
+  pick = _cycled_permutations(n_shards, num_clients * shards_per_client, rng)
+  idx = shards[pick].reshape(num_clients, examples_per_client)
+  return FederatedData(x, y, idx, np.full([num_clients], examples_per_client, np.int32))
+
+
+def partition_iid(x, y, num_clients, examples_per_client=600, seed=None):
+  """IID split: shuffled examples dealt out, examples_per_client each (repeating if needed)."""
+  _check_counts(num_clients, examples_per_client)
+  x = np.asarray(x)
+  rng = np.random.default_rng(seed)
+  pick = _cycled_permutations(x.shape[0], num_clients * examples_per_client, rng)
+  idx = pick.reshape(num_clients, examples_per_client)
+  return FederatedData(x, y, idx, np.full([num_clients], examples_per_client, np.int32))

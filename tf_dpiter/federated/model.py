@@ -1,0 +1,97 @@
+"""Functional fully connected classifier of seed 003 (Section 4: 784-600-100-10, ReLU, no bias).
+
+The parameters are a plain list of tensors, so the same code evaluates one model
+(weights [in, out]) or a stack of M client models (weights [M, in, out]) with batched
+matmuls; this is what lets the local SGD of all sampled clients run as one computation.
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+
+class MLP:
+  """Fully connected ReLU network given by `layer_sizes` (input, hidden..., classes)."""
+
+  def __init__(self, layer_sizes=(784, 600, 100, 10), use_bias=False):
+    sizes = tuple(int(s) for s in layer_sizes)
+    if len(sizes) < 2 or min(sizes) < 1:
+      raise ValueError(f"layer_sizes must hold >= 2 positive ints, got {layer_sizes!r}")
+    self.layer_sizes = sizes
+    self.use_bias = bool(use_bias)
+
+  @property
+  def shapes(self):
+    """Shapes of the parameter list, in order (W1, [b1], W2, [b2], ...)."""
+    out = []
+    for a, b in zip(self.layer_sizes[:-1], self.layer_sizes[1:]):
+      out.append((a, b))
+      if self.use_bias:
+        out.append((b,))
+    return out
+
+  @property
+  def num_params(self):
+    return int(sum(np.prod(s) for s in self.shapes))
+
+  def init_params(self, seed=None):
+    """Weights ~ N(0, 1/fan_in) truncated at two standard deviations; biases 0 (numpy)."""
+    rng = np.random.default_rng(seed)
+    params = []
+    for shape in self.shapes:
+      if len(shape) == 1:
+        params.append(np.zeros(shape, np.float32))
+        continue
+      w = rng.standard_normal(shape)
+      bad = np.abs(w) > 2
+      while bad.any():
+        w[bad] = rng.standard_normal(int(bad.sum()))
+        bad = np.abs(w) > 2
+      params.append((w / math.sqrt(shape[0])).astype(np.float32))
+    return params
+
+  def logits(self, params, x):
+    """x [..., b, in] -> logits [..., b, classes]; params may carry the same leading dims."""
+    h = x
+    n_layers = len(self.layer_sizes) - 1
+    step = 2 if self.use_bias else 1
+    for i in range(n_layers):
+      h = tf.matmul(h, params[i * step])
+      if self.use_bias:
+        b = params[i * step + 1]
+        h = h + tf.expand_dims(b, -2)
+      if i < n_layers - 1:
+        h = tf.nn.relu(h)
+    return h
+
+  def flatten(self, params, batch_dims=0):
+    """Concatenates the parameter list into one vector per leading batch index."""
+    lead = None
+    flat = []
+    for p in params:
+      p = tf.convert_to_tensor(p)
+      if lead is None:
+        lead = tf.shape(p)[:batch_dims]
+      flat.append(tf.reshape(p, tf.concat([lead, [-1]], 0)))
+    return tf.concat(flat, axis=-1)
+
+  def unflatten(self, vector):
+    """Inverse of `flatten` for one model: vector [d] -> list of parameter tensors."""
+    out = []
+    start = 0
+    for shape in self.shapes:
+      n = int(np.prod(shape))
+      out.append(tf.reshape(vector[start:start + n], shape))
+      start += n
+    return out
+
+
+def accuracy(model, params, x, y, batch_size=5000):
+  """Fraction of correctly classified examples (numpy in, float out)."""
+  correct = 0
+  for s in range(0, len(x), batch_size):
+    logits = model.logits(params, tf.convert_to_tensor(x[s:s + batch_size]))
+    pred = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    correct += int(tf.reduce_sum(tf.cast(tf.equal(pred, y[s:s + batch_size]), tf.int32)))
+  return correct / max(len(x), 1)

@@ -1,0 +1,150 @@
+"""Aggregation queries for client-level DP federated averaging.
+
+`MedianNormClipSumQuery` is the clip rule of seed 003 (Section 3, "Choosing S"): the clip
+S_t is the median of the L2 norms of the round's unclipped client updates, each update is
+clipped to S_t (pi_S(x) = x min(1, S/||x||): updates above the median are scaled DOWN to norm
+S_t, smaller ones are left as they are, never scaled up), and the sum gets N(0, (sigma S_t)^2)
+noise. The median is computed from the data WITHOUT a randomized mechanism, so the run is
+NOT differentially private: the ledger records the Gaussian event (S_t, sigma S_t) it really
+applied, but the (epsilon, delta) computed from it does not hold. Prefer
+`tf_dpiter.dp_query.QuantileAdaptiveClipSumQuery` (private quantile, Andrew et al. 2021).
+
+`set_noise_multiplier` changes sigma_t between rounds (schedules of seed 003, Section 6) for
+the queries DP federated averaging uses.
+"""
+
+import collections
+
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dpq
+from tf_dpiter.dp_query import validation
+
+NOT_PRIVATE_WARNING = (
+    "median-norm clipping (seed 003) sets the clip S_t to the median of the unclipped update "
+    "norms without a randomized mechanism: the reported (epsilon, delta) is computed as if "
+    "S_t were fixed in advance and the guarantee DOES NOT HOLD for this run")
+
+
+def median_of_masked(values, mask):
+  """Median of values[mask > 0] (mean of the two middle values for an even count).
+
+  Returns 0 when the mask selects nothing.
+  """
+  values = tf.convert_to_tensor(values, tf.float32)
+  mask = tf.cast(mask, tf.bool)
+  v = tf.sort(tf.boolean_mask(values, mask))
+  n = tf.shape(v)[0]
+
+  def _median():
+    lo = v[(n - 1) // 2]
+    hi = v[n // 2]
+    return 0.5 * (lo + hi)
+
+  return tf.cond(n > 0, _median, lambda: tf.constant(0.0))
+
+
+class MedianNormClipSumQuery(dpq.DPQuery):
+  """Sum of records clipped to the median record norm of the sample, plus N(0, (z S)^2).
+
+  NOT differentially private (see module docstring): the clip is a non-noised statistic of
+  the sample. Records are flat float32 vectors [d]. The sample state keeps every record of
+  the sample (the clip is known only once the whole sample is seen), so memory grows with
+  the sample size.
+
+  Args:
+    noise_multiplier: z (sigma in seed 003): the noise stddev is z * S_t.
+    initial_l2_norm_clip: S used only to report events before any sample was seen
+      (the budget look-ahead of the first round).
+  """
+
+  _GlobalState = collections.namedtuple("_GlobalState", ["noise_multiplier", "l2_norm_clip"])
+
+  not_private_warning = NOT_PRIVATE_WARNING
+
+  def __init__(self, noise_multiplier, initial_l2_norm_clip=1.0, seed=None):
+    validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+    validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
+    self._noise_multiplier = noise_multiplier
+    self._initial_clip = initial_l2_norm_clip
+    self._generator = dpq.make_generator(seed)
+
+  def initial_global_state(self):
+    return self._GlobalState(tf.constant(float(self._noise_multiplier), tf.float32),
+                             tf.constant(float(self._initial_clip), tf.float32))
+
+  def initial_sample_state(self, template):
+    spec = template if isinstance(template, tf.TensorSpec) else tf.TensorSpec(
+        tf.convert_to_tensor(template).shape, tf.float32)
+    if spec.shape.rank != 1:
+      raise ValueError(f"template must describe a flat record [d], got shape {spec.shape}")
+    return (tf.zeros([0, spec.shape[0]], tf.float32), tf.zeros([0], tf.float32))
+
+  def preprocess_record(self, params, record):
+    # The clip depends on the whole sample: records are kept as they are until the end.
+    return tf.convert_to_tensor(record, tf.float32)
+
+  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
+    records, mask = sample_state
+    return (tf.concat([records, preprocessed_record[None]], 0),
+            tf.concat([mask, tf.ones([1])], 0))
+
+  def accumulate_records(self, params, sample_state, records, mask=None):
+    records = tf.convert_to_tensor(records, tf.float32)
+    if mask is None:
+      mask = tf.ones(tf.shape(records)[:1], tf.float32)
+    old_records, old_mask = sample_state
+    return (tf.concat([old_records, records], 0),
+            tf.concat([old_mask, tf.cast(mask, tf.float32)], 0))
+
+  def merge_sample_states(self, sample_state_1, sample_state_2):
+    return (tf.concat([sample_state_1[0], sample_state_2[0]], 0),
+            tf.concat([sample_state_1[1], sample_state_2[1]], 0))
+
+  @staticmethod
+  def clip_to_median(records, mask):
+    """(clipped records [n, d], median S): each row scaled by min(1, S / ||row||).
+
+    Rows with mask 0 are zeroed; rows with norm > S end with norm exactly S.
+    """
+    norms = tf.norm(records, axis=1)
+    s = median_of_masked(norms, mask)
+    factor = tf.minimum(1.0, s / tf.maximum(norms, 1e-30))
+    return records * (factor * tf.cast(mask, tf.float32))[:, None], s
+
+  def get_noised_result(self, sample_state, global_state):
+    records, mask = sample_state
+    has_records = tf.reduce_sum(mask) > 0
+    clipped, median = self.clip_to_median(records, mask)
+    clip = tf.where(has_records, median, global_state.l2_norm_clip)
+    stddev = global_state.noise_multiplier * clip
+    total = tf.reduce_sum(clipped, axis=0)
+    result = total + stddev * self._generator.normal(tf.shape(total), dtype=tf.float32)
+    new_state = global_state._replace(l2_norm_clip=clip)
+    return result, new_state, (dpq.GaussianSumEvent(clip, stddev),)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(clip=global_state.l2_norm_clip)
+
+
+def set_noise_multiplier(query, global_state, noise_multiplier):
+  """Global state of `query` with its (total) noise multiplier set to z = noise_multiplier.
+
+  Supports GaussianSumQuery (stddev = z * clip), QuantileAdaptiveClipSumQuery (value noise
+  re-derived from the total z, Andrew et al. 2021), MedianNormClipSumQuery, and the
+  no-privacy queries (z must be 0).
+  """
+  z = validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  if isinstance(query, MedianNormClipSumQuery):
+    return global_state._replace(noise_multiplier=tf.constant(float(z), tf.float32))
+  if isinstance(query, dpq.QuantileAdaptiveClipSumQuery):
+    count_stddev = float(global_state.quantile_state.below_estimate_stddev.numpy())
+    zv = dpq.value_noise_multiplier(float(z), count_stddev)
+    return global_state._replace(value_noise_multiplier=tf.constant(zv, tf.float32))
+  if isinstance(query, dpq.GaussianSumQuery):
+    return global_state._replace(stddev=tf.cast(z * global_state.l2_norm_clip, tf.float32))
+  if isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery)):
+    if z != 0:
+      raise ValueError(f"noise_multiplier must be 0 for a no-privacy query, got {z!r}")
+    return global_state
+  raise ValueError(f"query: cannot set a noise multiplier schedule on {type(query).__name__}")

@@ -1,0 +1,17 @@
+"""Keras 3 DP training (seed 002, Section 7): DP optimizers, DP models, privacy callbacks."""
+
+from tf_dpiter.keras import callbacks
+from tf_dpiter.keras.models import DPModel
+from tf_dpiter.keras.models import DPModelMixin
+from tf_dpiter.keras.models import DPSequential
+from tf_dpiter.keras.models import check_no_batch_mixing
+from tf_dpiter.keras.models import make_private
+from tf_dpiter.keras.optimizers import CLIPPING_MODES
+from tf_dpiter.keras.optimizers import DPKerasAdagradOptimizer
+from tf_dpiter.keras.optimizers import DPKerasAdamOptimizer
+from tf_dpiter.keras.optimizers import DPKerasAdamWOptimizer
+from tf_dpiter.keras.optimizers import DPKerasRMSpropOptimizer
+from tf_dpiter.keras.optimizers import DPKerasSGDOptimizer
+from tf_dpiter.keras.optimizers import DPOptimizer
+from tf_dpiter.keras.optimizers import DPOptimizerMixin
+from tf_dpiter.keras.optimizers import make_dp_optimizer_class

@@ -1,0 +1,154 @@
+"""Keras callbacks reading the privacy ledger (seed 002, Section 6: accounting post hoc).
+
+`PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History and
+TensorBoard show them; `StopAtPrivacyBudget` stops training before a step would exceed
+(epsilon, delta); `LedgerExport` writes the ledger as JSON. Epsilon is always computed
+from what the ledger recorded (sampling policy included), never from the settings.
+"""
+
+import math
+
+import keras
+
+from tf_dpiter import accounting
+from tf_dpiter.dp_query import validation
+
+
+def _ledger(model):
+  ledger = getattr(model, "ledger", None)
+  if ledger is None:
+    opt = getattr(model, "optimizer", None)
+    ledger = getattr(opt, "ledger", None)
+  if ledger is None:
+    raise ValueError("the model has no privacy ledger: train a tf_dpiter DP model")
+  return ledger
+
+
+def _check_delta(delta):
+  try:
+    d = float(delta)
+  except (TypeError, ValueError):
+    raise ValueError(f"delta must be in (0, 1), got {delta!r}") from None
+  if not 0.0 < d < 1.0:
+    raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+  return d
+
+
+class PrivacyMeter(keras.callbacks.Callback):
+  """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end)."""
+
+  def __init__(self, delta, accountant="rdp", verbose=0):
+    super().__init__()
+    self.delta = _check_delta(delta)
+    if accountant not in accounting.ACCOUNTANTS:
+      raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
+    self.accountant = accountant
+    self.verbose = verbose
+    self.epsilon = None
+
+  def _epsilon(self):
+    ledger = _ledger(self.model)
+    if int(ledger.sample_count.numpy()) == 0:
+      return 0.0
+    return float(accounting.epsilon(ledger, self.delta, accountant=self.accountant))
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.epsilon = self._epsilon()
+    if logs is not None:
+      logs["epsilon"] = self.epsilon
+      logs["delta"] = self.delta
+    if self.verbose:
+      print(f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = {self.delta:g}")
+
+
+class StopAtPrivacyBudget(keras.callbacks.Callback):
+  """Stops training before the next step would make epsilon (at delta) exceed the budget.
+
+  After each step the ledger is extended by a copy of its last sample and the accountant
+  is asked for epsilon; if it exceeds `epsilon`, training stops, so the ledger never holds
+  a step past the budget (assuming the next step is like the last one, which holds when
+  the sampling and query do not change). Before the first step the optimizer's Gaussian
+  settings predict the step; with a custom query the first step is not checked.
+  """
+
+  def __init__(self, epsilon, delta, accountant="rdp", verbose=0):
+    super().__init__()
+    e = float(epsilon) if isinstance(epsilon, (int, float)) else None
+    if e is None or not e > 0 or math.isinf(e):
+      raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+    self.epsilon = e
+    self.delta = _check_delta(delta)
+    if accountant not in accounting.ACCOUNTANTS:
+      raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
+    self.accountant = accountant
+    self.verbose = verbose
+    self.stopped_at_step = None
+
+  def _predicted_run(self):
+    opt = self.model.optimizer
+    query = getattr(opt, "dp_query", None)
+    if query is None or getattr(opt, "_dp_custom_query", True):
+      return None
+    return {"count": 1,
+            "population_size": float(query._population_size.numpy()),  # pylint: disable=protected-access
+            "selection_probability": float(query._selection_probability.numpy()),  # pylint: disable=protected-access
+            "sample_size": float(query._sample_size.numpy()),  # pylint: disable=protected-access
+            "policy": query.policy,
+            "queries": [{"type": "gaussian", "l2_norm_clip": opt.l2_norm_clip,
+                         "stddev": opt.l2_norm_clip * opt.noise_multiplier}]}
+
+  def next_step_epsilon(self):
+    """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
+    ledger = _ledger(self.model)
+    d = ledger.to_dict()
+    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
+    if d["runs"]:
+      d["runs"][-1]["count"] += ahead
+    else:
+      run = self._predicted_run()
+      if run is None:
+        return None
+      run["count"] = ahead
+      d["runs"].append(run)
+    d["num_samples"] += ahead
+    return float(accounting.epsilon(d, self.delta, accountant=self.accountant))
+
+  def _check(self, step_label):
+    eps = self.next_step_epsilon()
+    if eps is not None and eps > self.epsilon:
+      # stop_training ends fit after this step; _dp_halt makes the DP model's train
+      # function refuse any further step (also the first one, when checked before it).
+      self.model.stop_training = True
+      self.model._dp_halt = True  # pylint: disable=protected-access
+      self.stopped_at_step = int(_ledger(self.model).sample_count.numpy())
+      if self.verbose:
+        print(f"StopAtPrivacyBudget: stopping {step_label}: the next step would reach epsilon "
+              f"{eps:.4g} > {self.epsilon:g} (delta {self.delta:g})")
+      return True
+    return False
+
+  def on_train_begin(self, logs=None):
+    self.stopped_at_step = None
+    self.model._dp_halt = False  # pylint: disable=protected-access
+    self._check("before training")
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._check(f"after step {int(_ledger(self.model).sample_count.numpy())}")
+
+
+class LedgerExport(keras.callbacks.Callback):
+  """Writes the ledger JSON to `path` at the end of every epoch and of training."""
+
+  def __init__(self, path, every_epoch=True):
+    super().__init__()
+    if not isinstance(path, str) or not path:
+      raise ValueError(f"path must be a non-empty string, got {path!r}")
+    self.path = path
+    self.every_epoch = every_epoch
+
+  def on_epoch_end(self, epoch, logs=None):
+    if self.every_epoch:
+      _ledger(self.model).save_json(self.path)
+
+  def on_train_end(self, logs=None):
+    _ledger(self.model).save_json(self.path)

@@ -1,0 +1,366 @@
+"""Layer registry for ghost norms: per-example squared gradient norms of a
+layer's trainable variables computed from the layer's inputs and the gradient
+at a tensor produced inside the layer, without per-example gradients.
+
+A norm function has the contract
+
+    norm_fn(layer, *call_args, **call_kwargs) -> (outputs, watched, sqr_norm_fn)
+        or None to decline (the layer then takes the vectorized path).
+
+  outputs:      what ``layer.call(*call_args, **call_kwargs)`` returns.
+  watched:      a tensor or a list of tensors with a leading batch axis,
+                computed inside the layer from its trainable variables, such
+                that the variables influence ``outputs`` only through
+                ``watched`` (Goodfellow 2015, Sec. 2; Lee & Kifer 2021, Sec. 3).
+  sqr_norm_fn:  ``sqr_norm_fn(watched_grads) -> [B]`` float32, the squared L2
+                norm of the per-example gradient of the loss with respect to
+                all of ``layer.trainable_variables`` (concatenated), given the
+                gradients of the summed loss at ``watched`` (same structure).
+
+The summed clipped gradient of such a layer is then obtained as a vector-Jacobian
+product of ``watched`` with the clip-weighted ``watched_grads`` (book-keeping,
+Bu et al. 2023, Sec. 3), so a norm function only provides the norm.
+"""
+
+import threading
+
+import numpy as np
+import tensorflow as tf
+import keras
+from keras import ops
+
+_LOCK = threading.Lock()
+_REGISTRY = {}  # layer class -> norm_fn
+
+# Test hook: force "gram" or "direct" in _factored_sqr_norm (None: by cost).
+_FORM_OVERRIDE = None
+
+
+def register_layer(layer_class, norm_fn):
+  """Registers ``norm_fn`` (see module docstring) for ``layer_class``.
+
+  The function is used for instances of exactly ``layer_class`` and for
+  subclasses that do not override ``call``. Re-registering replaces the
+  previous function (built-in ones included).
+  """
+  if not (isinstance(layer_class, type) and
+          issubclass(layer_class, keras.layers.Layer)):
+    raise ValueError(
+        f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
+  if not callable(norm_fn):
+    raise ValueError(f"norm_fn must be callable, got {norm_fn!r}")
+  with _LOCK:
+    _REGISTRY[layer_class] = norm_fn
+
+
+def lookup(layer):
+  """Returns the norm function for ``layer`` or None."""
+  cls = type(layer)
+  with _LOCK:
+    if cls in _REGISTRY:
+      return _REGISTRY[cls]
+    for base in cls.__mro__[1:]:
+      fn = _REGISTRY.get(base)
+      if fn is not None:
+        # A subclass inherits the norm function only if its forward is the
+        # registered class's forward; otherwise the norm could be wrong.
+        if getattr(cls, "call", None) is getattr(base, "call", None):
+          return fn
+        return None
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Shared algebra.
+
+
+def _static_dim(x, axis):
+  d = x.shape[axis]
+  return None if d is None else int(d)
+
+
+def _factored_sqr_norm(a, b):
+  """Per-example ||sum_t a_t b_t^T||_F^2 for a: [B, T, K], b: [B, T, N].
+
+  Gram form: sum_{t,s} <a_t, a_s><b_t, b_s>  (cost B T^2 (K+N));
+  direct form: materialize the [B, K, N] per-example gradient (cost B T K N).
+  The cheaper one is chosen from static shapes (Li et al. 2021, Sec. 4).
+  """
+  a = tf.cast(a, tf.float32)
+  b = tf.cast(b, tf.float32)
+  t, k, n = _static_dim(a, 1), _static_dim(a, 2), _static_dim(b, 2)
+  if t == 1:
+    return (tf.reduce_sum(tf.square(a), axis=[1, 2]) *
+            tf.reduce_sum(tf.square(b), axis=[1, 2]))
+  form = _FORM_OVERRIDE
+  if form is None:
+    if t is None or k is None or n is None:
+      form = "direct"
+    else:
+      form = "gram" if t * t * (k + n) < t * k * n + k * n else "direct"
+  if form == "gram":
+    ga = tf.einsum("btk,bsk->bts", a, a)
+    gb = tf.einsum("btn,bsn->bts", b, b)
+    return tf.reduce_sum(ga * gb, axis=[1, 2])
+  g = tf.einsum("btk,btn->bkn", a, b)
+  return tf.reduce_sum(tf.square(g), axis=[1, 2])
+
+
+def _to_btk(x):
+  """Reshapes [B, d1, ..., dm, K] to [B, T, K] with T = d1 * ... * dm."""
+  x = tf.convert_to_tensor(x)
+  k = _static_dim(x, -1)
+  if x.shape.rank == 2:
+    return x[:, None, :]
+  return tf.reshape(x, [tf.shape(x)[0], -1, k if k is not None else
+                        tf.shape(x)[-1]])
+
+
+def _sqr_sum(x):
+  x = tf.cast(x, tf.float32)
+  return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+
+
+def _bias_sqr_norm(dz, bias_shape):
+  """Per-example ||grad of a bias broadcast (right-aligned) onto dz||^2."""
+  r, k = dz.shape.rank, len(bias_shape)
+  axes = [j for j in range(1, r)
+          if j < r - k or bias_shape[j - (r - k)] == 1]
+  db = tf.reduce_sum(tf.cast(dz, tf.float32), axis=axes) if axes else dz
+  return _sqr_sum(db)
+
+
+def _plain_layer(layer):
+  return (not getattr(layer, "lora_enabled", False) and
+          getattr(layer, "quantization_mode", None) is None)
+
+
+def _trainable(v):
+  return v is not None and v.trainable
+
+
+# ---------------------------------------------------------------------------
+# Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t.
+
+
+def dense_norm_fn(layer, inputs, training=None):
+  del training
+  if not _plain_layer(layer):
+    return None
+  x = inputs
+  z = ops.matmul(x, layer.kernel)
+  if layer.bias is not None:
+    z = ops.add(z, layer.bias)
+  outputs = layer.activation(z) if layer.activation is not None else z
+  kernel_on, bias_on = _trainable(layer.kernel), _trainable(layer.bias)
+
+  def sqr_norm_fn(dz):
+    sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
+    if kernel_on:
+      sq += _factored_sqr_norm(_to_btk(x), _to_btk(dz))
+    if bias_on:
+      sq += _bias_sqr_norm(dz, layer.bias.shape)
+    return sq
+
+  return outputs, z, sqr_norm_fn
+
+
+# ---------------------------------------------------------------------------
+# EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
+# "in,out->b ker" (sums over every index but the batch and kernel indices).
+
+
+def _parse_einsum(equation):
+  eq = equation.replace(" ", "")
+  if "..." in eq or "->" not in eq or "," not in eq:
+    return None
+  lhs, out = eq.split("->")
+  inp, ker = lhs.split(",")
+  if not inp or inp[0] != out[:1] or inp[0] in ker:
+    return None
+  if len(set(inp)) != len(inp) or len(set(ker)) != len(ker):
+    return None
+  if any(c not in inp and c not in out for c in ker):
+    return None
+  return inp, ker, out
+
+
+def einsum_dense_norm_fn(layer, inputs, training=None):
+  del training
+  if not _plain_layer(layer):
+    return None
+  parsed = _parse_einsum(layer.equation)
+  if parsed is None:
+    return None
+  inp, ker, out = parsed
+  x = inputs
+  z = ops.einsum(layer.equation, x, layer.kernel)
+  if layer.bias is not None:
+    z = ops.add(z, layer.bias)
+  outputs = layer.activation(z) if layer.activation is not None else z
+  kernel_on, bias_on = _trainable(layer.kernel), _trainable(layer.bias)
+
+  def sqr_norm_fn(dz):
+    sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
+    if kernel_on:
+      g = tf.einsum(f"{inp},{out}->{inp[0]}{ker}", tf.cast(x, tf.float32),
+                    tf.cast(dz, tf.float32))
+      sq += _sqr_sum(g)
+    if bias_on:
+      sq += _bias_sqr_norm(dz, layer.bias.shape)
+    return sq
+
+  return outputs, z, sqr_norm_fn
+
+
+# ---------------------------------------------------------------------------
+# Embedding: z_t = E[id_t]; grad E_i = sum_t e_{id_t} dz_t^T, so
+# ||grad E_i||^2 = sum_{t,s} [id_t == id_s] <dz_t, dz_s> (repeated ids add up).
+
+
+def embedding_norm_fn(layer, inputs):
+  if not _plain_layer(layer):
+    return None
+  ids = inputs
+  if ids.dtype not in (tf.int32, tf.int64):
+    ids = tf.cast(ids, tf.int32)
+  z = tf.gather(layer.embeddings, ids)
+  outputs = ops.cast(z, layer.compute_dtype)
+
+  def sqr_norm_fn(dz):
+    dz = tf.cast(dz, tf.float32)
+    if ids.shape.rank == 1:
+      return _sqr_sum(dz)
+    b = tf.shape(ids)[0]
+    flat_ids = tf.reshape(ids, [b, -1])
+    d = _to_btk(dz)
+    if _static_dim(flat_ids, 1) == 1:
+      return _sqr_sum(d)
+    same = tf.cast(tf.equal(flat_ids[:, :, None], flat_ids[:, None, :]),
+                   tf.float32)
+    gd = tf.einsum("btd,bsd->bts", d, d)
+    return tf.reduce_sum(same * gd, axis=[1, 2])
+
+  return outputs, z, sqr_norm_fn
+
+
+# ---------------------------------------------------------------------------
+# Conv1D / Conv2D (channels_last, groups=1): unfold the input into patches
+# P_i [T, kh*kw*cin]; grad W_i = P_i^T dz_i, grad b_i = sum_t dz_t.
+
+
+def _conv_forward(layer, x, padding):
+  z = ops.conv(x, layer.kernel, strides=list(layer.strides), padding=padding,
+               dilation_rate=layer.dilation_rate,
+               data_format=layer.data_format)
+  if layer.use_bias:
+    z = ops.add(z, ops.reshape(layer.bias, (1,) * (layer.rank + 1) +
+                               (layer.filters,)))
+  outputs = layer.activation(z) if layer.activation is not None else z
+  return z, outputs
+
+
+def _conv_accepts(layer):
+  return (_plain_layer(layer) and layer.data_format == "channels_last" and
+          getattr(layer, "groups", 1) == 1)
+
+
+def _conv_sqr_norm_fn(layer, patches_fn):
+  kernel_on = _trainable(layer.kernel)
+  bias_on = layer.use_bias and _trainable(layer.bias)
+
+  def sqr_norm_fn(dz):
+    sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
+    if kernel_on:
+      sq += _factored_sqr_norm(_to_btk(patches_fn()), _to_btk(dz))
+    if bias_on:
+      sq += _bias_sqr_norm(dz, (layer.filters,))
+    return sq
+
+  return sqr_norm_fn
+
+
+def conv2d_norm_fn(layer, inputs):
+  if not _conv_accepts(layer):
+    return None
+  x = inputs
+  z, outputs = _conv_forward(layer, x, layer.padding)
+  kh, kw = layer.kernel_size
+  sh, sw = layer.strides
+  dh, dw = layer.dilation_rate
+
+  def patches_fn():
+    return tf.image.extract_patches(
+        tf.cast(x, tf.float32), sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1],
+        rates=[1, dh, dw, 1], padding=layer.padding.upper())
+
+  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn)
+
+
+def conv1d_norm_fn(layer, inputs):
+  if not _conv_accepts(layer):
+    return None
+  x = inputs
+  padding = layer.padding
+  if padding == "causal":
+    x = ops.pad(x, layer._compute_causal_padding())  # pylint: disable=protected-access
+    padding = "valid"
+  z, outputs = _conv_forward(layer, x, padding)
+  (k,), (s,), (d,) = layer.kernel_size, layer.strides, layer.dilation_rate
+
+  def patches_fn():
+    p = tf.image.extract_patches(
+        tf.cast(x, tf.float32)[:, None], sizes=[1, 1, k, 1],
+        strides=[1, 1, s, 1], rates=[1, 1, d, 1], padding=padding.upper())
+    return p[:, 0]
+
+  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn)
+
+
+# ---------------------------------------------------------------------------
+# LayerNormalization: y = xhat * gamma + beta; grad gamma_i = sum dy * xhat,
+# grad beta_i = sum dy (sums over the non-normalized, non-batch axes).
+
+
+def layer_norm_norm_fn(layer, inputs):
+  if getattr(layer, "rms_scaling", False):
+    return None
+  x = inputs
+  ndims = x.shape.rank
+  axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+  axes = sorted(a % ndims for a in axes)
+  xhat = ops.layer_normalization(x, None, None, axes, layer.epsilon)
+  bshape = [1] * ndims
+  for a in axes:
+    bshape[a] = x.shape[a]
+  y = xhat
+  gamma = layer.gamma if layer.scale else None
+  beta = layer.beta if layer.center else None
+  if gamma is not None:
+    y = y * ops.cast(ops.reshape(gamma, bshape), xhat.dtype)
+  if beta is not None:
+    y = y + ops.cast(ops.reshape(beta, bshape), xhat.dtype)
+  outputs = ops.cast(y, layer.compute_dtype)
+  red = [a for a in range(1, ndims) if a not in axes]
+
+  def sqr_norm_fn(dy):
+    dy = tf.cast(dy, tf.float32)
+    sq = tf.zeros([tf.shape(dy)[0]], tf.float32)
+    if _trainable(gamma):
+      g = dy * tf.cast(xhat, tf.float32)
+      sq += _sqr_sum(tf.reduce_sum(g, axis=red) if red else g)
+    if _trainable(beta):
+      sq += _sqr_sum(tf.reduce_sum(dy, axis=red) if red else dy)
+    return sq
+
+  return outputs, y, sqr_norm_fn
+
+
+register_layer(keras.layers.Dense, dense_norm_fn)
+register_layer(keras.layers.EinsumDense, einsum_dense_norm_fn)
+register_layer(keras.layers.Embedding, embedding_norm_fn)
+register_layer(keras.layers.Conv1D, conv1d_norm_fn)
+register_layer(keras.layers.Conv2D, conv2d_norm_fn)
+register_layer(keras.layers.LayerNormalization, layer_norm_norm_fn)
+
+del np

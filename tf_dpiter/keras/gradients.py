@@ -1,0 +1,167 @@
+"""Per-record gradients, vectorized over the batch (seed 002, Table 1: record, sample).
+
+A *record* is one example (num_microbatches=None) or one microbatch: example i of a batch
+of B goes to microbatch i mod M, so every microbatch holds ceil(B/M) or floor(B/M)
+examples and a batch that M does not divide needs no reshape. The record's gradient is
+the gradient of the mean loss over its examples. Gradients of all records come from one
+traced computation (`tf.vectorized_map`), optionally in physical chunks.
+"""
+
+import keras
+import tensorflow as tf
+
+
+def _ceil_div(a, b):
+  return (a + b - 1) // b
+
+
+def static_batch_size(nest):
+  """Leading dimension of the first leaf if known statically, else None."""
+  leaves = [t for t in tf.nest.flatten(nest) if t is not None]
+  if not leaves:
+    raise ValueError("the batch holds no tensor")
+  return tf.TensorShape(leaves[0].shape)[0]
+
+
+def dynamic_batch_size(nest):
+  leaves = [t for t in tf.nest.flatten(nest) if t is not None]
+  return tf.shape(leaves[0])[0]
+
+
+def check_num_microbatches(num_microbatches, batch_size):
+  """ValueError when more microbatches than examples (batch_size static) or bad value."""
+  if num_microbatches is None:
+    return
+  if batch_size is not None and num_microbatches > batch_size:
+    raise ValueError(
+        f"num_microbatches={num_microbatches} is more than the {batch_size} examples of the "
+        "batch: each microbatch needs at least one example")
+
+
+def to_records(nest, example_mask, num_microbatches):
+  """Splits a batch into records of k examples: leaves [B, ...] -> [M, k, ...].
+
+  Returns (records, example_mask [M, k], record_mask [M]). record_mask is 1 for records
+  holding at least one real example. num_microbatches None gives M = B, k = 1.
+  """
+  b = dynamic_batch_size((nest, example_mask))
+  if num_microbatches is None:
+    recs = tf.nest.map_structure(lambda t: None if t is None else tf.expand_dims(t, 1), nest)
+    em = tf.expand_dims(example_mask, 1)
+    return recs, em, example_mask
+  m = num_microbatches
+  k = _ceil_div(b, m)
+  pad = m * k - b
+
+  def split(t):
+    if t is None:
+      return None
+    t = tf.convert_to_tensor(t)
+    rank = len(t.shape)
+    t = tf.pad(t, [[0, pad]] + [[0, 0]] * (rank - 1))
+    t = tf.reshape(t, tf.concat([[k, m], tf.shape(t)[1:]], 0))
+    return tf.transpose(t, [1, 0] + list(range(2, rank + 1)))
+
+  recs = tf.nest.map_structure(split, nest)
+  em = split(example_mask)
+  record_mask = tf.cast(tf.reduce_sum(em, axis=1) > 0, example_mask.dtype)
+  return recs, em, record_mask
+
+
+def from_records(t, batch_size, num_microbatches):
+  """Inverse of to_records for one leaf: [M, k, ...] -> [B, ...]."""
+  if num_microbatches is None:
+    return tf.squeeze(t, 1) if t.shape.rank and t.shape[1] == 1 else tf.reshape(
+        t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  rank = len(t.shape)
+  t = tf.transpose(t, [1, 0] + list(range(2, rank)))
+  t = tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  return t[:batch_size]
+
+
+def vectorizable(model):
+  """False if the model holds a layer whose per-example gradient pfor cannot vectorize
+  (a Keras RNN layer with unroll=False runs a while_loop over TensorLists)."""
+  if model is None:
+    return True
+  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
+      return False
+  return True
+
+
+def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
+  """Vectorized gradients of record_loss_fn(record) w.r.t. variables, one per record.
+
+  record_loss_fn(record) -> (scalar loss, aux nest). Returns (grads: list of [M, *v.shape],
+  losses [M], aux stacked on a leading [M] axis). Sparse (IndexedSlices) gradients are
+  densified per record; unconnected variables get zeros.
+  """
+  flat = tf.nest.flatten(records)
+  present = [i for i, t in enumerate(flat) if t is not None]
+
+  def one(tensors):
+    leaves = [None] * len(flat)
+    for i, t in zip(present, tensors):
+      leaves[i] = t
+    rec = tf.nest.pack_sequence_as(records, leaves)
+    with tf.GradientTape() as tape:
+      loss, aux = record_loss_fn(rec)
+    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    return grads, loss, aux
+
+  elems = [flat[i] for i in present]
+  if not vectorize:
+    probe = one([t[0] for t in elems])
+    sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
+    return tf.map_fn(one, elems, fn_output_signature=sig)
+  try:
+    return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
+  except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as e:
+    # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
+    # pfor. Same per-record gradients, computed by a sequential loop over records.
+    _warn_fallback(e)
+  probe = one([t[0] for t in elems])
+  sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
+  return tf.map_fn(one, elems, fn_output_signature=sig)
+
+
+_WARNED = []
+
+
+def _warn_fallback(err):
+  if not _WARNED:
+    _WARNED.append(True)
+    import warnings  # pylint: disable=g-import-not-at-top
+    warnings.warn(
+        "per-example gradients could not be vectorized (tf.vectorized_map failed: "
+        f"{type(err).__name__}); falling back to a sequential loop over records, which is "
+        "slower. For RNN layers, unroll=True keeps the vectorized path.", RuntimeWarning)
+
+
+def jacobian_record_gradients(tape, record_losses, variables):
+  """Per-record gradients of a vector of record losses [M] via a batched jacobian (pfor)."""
+  jac = tape.jacobian(record_losses, variables,
+                      unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                      experimental_use_pfor=True)
+  return [tf.convert_to_tensor(j) for j in jac]
+
+
+def chunked(records, record_mask, records_per_chunk):
+  """Pads the record axis to a multiple of records_per_chunk and adds a chunk axis.
+
+  Returns (chunks: leaves [C, R, ...], chunk_masks [C, R], num_chunks).
+  """
+  m = tf.shape(record_mask)[0]
+  c = _ceil_div(m, records_per_chunk)
+  pad = c * records_per_chunk - m
+
+  def split(t):
+    if t is None:
+      return None
+    rank = len(t.shape)
+    t = tf.pad(t, [[0, pad]] + [[0, 0]] * (rank - 1))
+    return tf.reshape(t, tf.concat([[c, records_per_chunk], tf.shape(t)[1:]], 0))
+
+  return tf.nest.map_structure(split, records), split(record_mask), c

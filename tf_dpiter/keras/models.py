@@ -1,0 +1,273 @@
+"""Keras models whose `fit` trains with DP-SGD (seed 002, Sections 5-7).
+
+`DPSequential`, `DPModel` (functional) and `make_private(model)` give a model whose train
+step computes per-record gradients (vectorized), clips and sums them through the DP
+optimizer's DPQuery, adds noise once per logical batch and writes the step to the ledger.
+
+Treatment of what could leak around the clipping:
+* Regularization losses (kernel/activity regularizers, add_loss) are added to every
+  record's loss, so their gradient is clipped and noised with the data gradient. Prefer
+  decoupled weight decay (AdamW's weight_decay), which the optimizer applies to the
+  weights without touching data.
+* Non-trainable weights get no update from the private step. A layer that updates
+  non-trainable state from the batch in training mode (BatchNormalization) mixes examples
+  and is refused; freeze it (layer.trainable = False: inference mode) or use
+  LayerNormalization / GroupNormalization.
+* Metrics and the reported loss are computed from the private batch without noise: they
+  are for monitoring only and are not covered by the guarantee.
+
+With `jit_compile=True` the per-record gradients and clipping run under XLA; the noise,
+the ledger write (growing buffers, no XLA) and the update run right after, in the same
+non-compiled train function, so every step is recorded.
+"""
+
+import inspect
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.data import sampling
+from tf_dpiter.keras import gradients as grads_lib
+from tf_dpiter.keras import optimizers as opt_lib
+
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
+
+
+def _unpack(data):
+  return keras.utils.unpack_x_y_sample_weight(data)
+
+
+def check_no_batch_mixing(model):
+  """ValueError if a trainable BatchNormalization (training mode mixes examples) is present."""
+  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+      raise ValueError(
+          f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
+          "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
+          "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
+
+
+def _num_rows(x):
+  leaves = [a for a in tf.nest.flatten(x) if a is not None]
+  if not leaves or not all(hasattr(a, "shape") and len(a.shape) > 0 for a in leaves):
+    return None
+  return int(leaves[0].shape[0])
+
+
+class DPModelMixin:
+  """Private train_step / make_train_function / fit for any keras.Model subclass."""
+
+  # ---- checks -------------------------------------------------------------------------
+
+  def _dp_optimizer(self):
+    opt = getattr(self, "optimizer", None)
+    if not isinstance(opt, opt_lib.DPOptimizerMixin):
+      raise ValueError(
+          f"{type(self).__name__} needs a DP optimizer (dp.keras.DPKerasSGDOptimizer, "
+          f"dp.keras.make_dp_optimizer_class(...), dp.keras.DPOptimizer(...)), got {opt!r}")
+    return opt
+
+  def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+    super().compile(optimizer, *args, **kwargs)
+    self._dp_optimizer()
+    check_no_batch_mixing(self)
+
+  @property
+  def ledger(self):
+    """The privacy ledger of this model's DP optimizer."""
+    return self._dp_optimizer().ledger
+
+  # ---- fit: declare the sampling ------------------------------------------------------
+
+  def fit(self, *args, **kwargs):  # pylint: disable=missing-function-docstring
+    opt = self._dp_optimizer()
+    check_no_batch_mixing(self)
+    bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
+    a = bound.arguments
+    x, y = a.get("x"), a.get("y")
+    spec = sampling.get_sampling_spec(x)
+    if spec is None and isinstance(x, (tf.data.Dataset,)) is False and _num_rows(x) is not None:
+      n = _num_rows(x)
+      split = a.get("validation_split", 0.0) or 0.0
+      if split and a.get("validation_data") is None:
+        n = int(n * (1.0 - split))
+      b = a.get("batch_size") or 32
+      b = min(int(b), n)
+      if not a.get("shuffle", True) or a.get("shuffle") == "batch":
+        warnings.warn("fit(shuffle=False/'batch'): the ledger records policy 'shuffle' "
+                      "(shuffled epochs), which these fixed batches do not satisfy", UserWarning)
+      spec = sampling.SamplingSpec(ledger_lib.SHUFFLE, n, b / n, float(b))
+    if spec is not None:
+      if opt.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
+                          spec.sample_size):
+        self.train_function = None
+    elif opt.dp_query is None:
+      raise ValueError(
+          "cannot tell how this data is sampled, so the ledger cannot record the steps: pass "
+          "arrays, dp.data.poisson_batches(...) or dp.data.shuffled_batches(...), or call "
+          "model.optimizer.set_sampling(population_size, selection_probability, policy, "
+          "sample_size) before fit")
+    return super().fit(*args, **kwargs)
+
+  # ---- the private step ---------------------------------------------------------------
+
+  def make_train_function(self, force=False):  # pylint: disable=missing-function-docstring
+    if self.train_function is not None and not force:
+      return self.train_function
+    jit = bool(self.jit_compile) and not self.run_eagerly
+    if jit:
+      self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
+                                     reduce_retracing=True)
+      self._jit_compile = False   # outer function (noise + ledger + update) without XLA
+      try:
+        super().make_train_function(force=True)
+      finally:
+        self._jit_compile = True
+    else:
+      self._dp_core_fn = self._dp_clipped_sum_step
+      super().make_train_function(force=True)
+    inner = self.train_function
+
+    def guarded(iterator):
+      # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
+      if getattr(self, "_dp_halt", False):
+        raise StopIteration
+      return inner(iterator)
+
+    self.train_function = guarded
+    return self.train_function
+
+  def _dp_call(self, x):
+    if self._call_has_training_arg:
+      return self(x, training=True)
+    return self(x)
+
+  def _dp_clipped_sum_step(self, x, y, sample_weight):
+    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred)."""
+    opt = self._dp_optimizer()
+    b_static = grads_lib.static_batch_size(x)
+    b = grads_lib.dynamic_batch_size(x)
+    m = opt.num_microbatches
+    grads_lib.check_num_microbatches(m, b_static)
+    if sample_weight is None:
+      example_mask = tf.ones([b], tf.float32)
+    else:
+      example_mask = tf.cast(tf.reshape(sample_weight, [b, -1])[:, 0] > 0, tf.float32)
+    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
+    variables = self.trainable_variables
+
+    if opt.resolve_clipping(self) == "fast":
+      return self._dp_fast_step(opt, x, y, sample_weight, example_mask, variables)
+
+    recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
+
+    def record_loss(rec):
+      (xr, yr, wr), emr = rec
+      k = tf.cast(tf.shape(emr)[0], tf.float32)
+      w = emr * (k / tf.maximum(tf.reduce_sum(emr), 1.0))
+      if wr is not None:
+        w = w * tf.cast(tf.reshape(wr, tf.shape(emr)), tf.float32)
+      y_pred = self._dp_call(xr)
+      loss = self._compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
+      return tf.cast(loss, tf.float32) * float(n_rep), y_pred
+
+    if m is None:
+      k = 1
+    elif b_static is not None:
+      k = -(-b_static // m)
+    else:
+      k = tf.shape(em)[1]
+    state, loss_sum, aux = opt.clipped_sum(record_loss, variables, (recs, em), rmask, k,
+                                           vectorize=grads_lib.vectorizable(self))
+    if aux is None:
+      y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    else:
+      y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), aux)
+    return state, loss_sum, tf.reduce_sum(rmask), y_pred
+
+  def _dp_fast_step(self, opt, x, y, sample_weight, example_mask, variables):
+    """Clipped sum by tf_dpiter.keras.fast_clipping (ghost norms); noise as usual."""
+    fc = opt_lib._load_fast_clipping()  # pylint: disable=protected-access
+    loss_obj = self._dp_per_example_loss()
+
+    def per_example_loss_fn(y_true, y_pred):
+      losses = loss_obj(y_true, y_pred)
+      if sample_weight is not None:
+        losses = losses * tf.cast(tf.reshape(sample_weight, tf.shape(losses)), losses.dtype)
+      return losses
+
+    grad_sum, _ = fc.clipped_grad_sum(self, x, y, per_example_loss_fn, opt.l2_norm_clip,
+                                      mask=example_mask)
+    query = opt.dp_query
+    template = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables]
+    state = query.initial_sample_state(template)
+    state = query.accumulate_preprocessed_record(state, list(grad_sum))
+    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
+    losses = per_example_loss_fn(y, y_pred)
+    loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32) * example_mask)
+    return state, loss_sum, tf.reduce_sum(example_mask), y_pred
+
+  def _dp_per_example_loss(self):
+    """Unreduced version of the compiled loss: (y_true, y_pred) -> [B]."""
+    loss = self.loss
+    if isinstance(loss, (list, dict, tuple)):
+      raise ValueError("clipping='fast' supports a single compiled loss; use 'vectorized'")
+    loss = keras.losses.get(loss)
+    if isinstance(loss, keras.losses.Loss):
+      config = loss.get_config()
+      config["reduction"] = None
+      loss = type(loss).from_config(config)
+      return lambda yt, yp: loss(yt, yp)
+    return lambda yt, yp: loss(yt, yp)
+
+  def train_step(self, data):  # pylint: disable=missing-function-docstring
+    opt = self._dp_optimizer()
+    check_no_batch_mixing(self)
+    x, y, sample_weight = _unpack(data)
+    core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
+    state, loss_sum, num_records, y_pred = core(x, y, sample_weight)
+    grads = opt.noised_average(state, num_records)
+    opt.apply_private_gradients(grads, self.trainable_variables)
+    self._loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
+                                    sample_weight=num_records)
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+@keras.saving.register_keras_serializable(package="tf_dpiter", name="DPSequential")
+class DPSequential(DPModelMixin, keras.Sequential):
+  """keras.Sequential trained with DP-SGD by `fit` (see module docstring)."""
+
+
+_FUNCTIONAL = keras.src.models.functional.Functional
+
+
+@keras.saving.register_keras_serializable(package="tf_dpiter", name="DPModel")
+class DPModel(DPModelMixin, _FUNCTIONAL):
+  """Functional keras.Model(inputs, outputs) trained with DP-SGD by `fit`."""
+
+
+_PRIVATE_CLASSES = {keras.Sequential: DPSequential, _FUNCTIONAL: DPModel}
+
+
+def make_private(model):
+  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed) into its
+  DP version in place (its class gains DPModelMixin) and returns it. Compile it with a DP
+  optimizer afterwards (or again)."""
+  if not isinstance(model, keras.Model):
+    raise ValueError(f"model must be a keras.Model, got {model!r}")
+  cls = type(model)
+  if issubclass(cls, DPModelMixin):
+    return model
+  new_cls = _PRIVATE_CLASSES.get(cls)
+  if new_cls is None:
+    new_cls = type(f"DP{cls.__name__}", (DPModelMixin, cls), {"__module__": cls.__module__})
+    _PRIVATE_CLASSES[cls] = new_cls
+  model.__class__ = new_cls
+  if getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False):
+    model._dp_optimizer()  # pylint: disable=protected-access
+    model.train_function = None
+  check_no_batch_mixing(model)
+  return model

@@ -1,0 +1,509 @@
+"""DP versions of Keras 3 optimizers (seed 002, Section 7; DP-SGD of Abadi et al. 2016).
+
+`make_dp_optimizer_class(keras.optimizers.X)` returns a subclass of X whose gradients are
+private: per-record gradients are clipped to L2 norm S and summed by a DPQuery, the sum
+gets Gaussian noise of standard deviation z*S once per logical batch, and the result is
+divided by the batch's denominator (records in the batch; q*n, the expected batch size,
+under Poisson sampling). The query is wrapped in `ledger.QueryWithLedger`, so every step
+writes its sampling event and its sum query events to the optimizer's `ledger`.
+
+The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside the private
+path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
+`minimize` with a vector of per-example losses.
+"""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras import gradients as grads_lib
+
+CLIPPING_MODES = ("auto", "vectorized", "fast")
+_DP_KEYS = ("l2_norm_clip", "noise_multiplier", "num_microbatches", "max_physical_batch_size",
+            "clipping", "normalize", "seed")
+
+
+def _check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
+                max_physical_batch_size, clipping):
+  if dp_query is not None:
+    if not isinstance(dp_query, dp_query_lib.DPQuery):
+      raise ValueError(f"dp_query must be a tf_dpiter DPQuery, got {dp_query!r}")
+    if l2_norm_clip is not None or noise_multiplier is not None:
+      raise ValueError("give either dp_query or (l2_norm_clip, noise_multiplier), not both; got "
+                       f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
+  else:
+    if l2_norm_clip is None or noise_multiplier is None:
+      raise ValueError("l2_norm_clip and noise_multiplier are required without dp_query; got "
+                       f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
+    try:
+      c = float(l2_norm_clip)
+    except (TypeError, ValueError):
+      raise ValueError(f"l2_norm_clip must be a positive number, got {l2_norm_clip!r}") from None
+    if not c > 0 or math.isnan(c):
+      raise ValueError(f"l2_norm_clip must be > 0 (inf allowed with noise 0), got {l2_norm_clip!r}")
+    try:
+      z = float(noise_multiplier)
+    except (TypeError, ValueError):
+      raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}") from None
+    if not z >= 0 or math.isinf(z):
+      raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
+    if math.isinf(c) and z > 0:
+      raise ValueError(f"l2_norm_clip=inf needs noise_multiplier=0 (noise z*S would be infinite), "
+                       f"got noise_multiplier={noise_multiplier!r}")
+  if num_microbatches is not None and (
+      isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
+      or num_microbatches < 1):
+    raise ValueError(f"num_microbatches must be None or a positive integer, got {num_microbatches!r}")
+  if max_physical_batch_size is not None and (
+      isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int)
+      or max_physical_batch_size < 1):
+    raise ValueError("max_physical_batch_size must be None or a positive integer, got "
+                     f"{max_physical_batch_size!r}")
+  if clipping not in CLIPPING_MODES:
+    raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+
+
+def _load_fast_clipping():
+  try:
+    from tf_dpiter.keras import fast_clipping  # pylint: disable=g-import-not-at-top
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if not (hasattr(fast_clipping, "clipped_grad_sum") and hasattr(fast_clipping, "supports")):
+    return None
+  return fast_clipping
+
+
+class DPOptimizerMixin:
+  """Private-gradient logic shared by every DP optimizer class (see module docstring)."""
+
+  def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
+               dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
+               seed=None, **kwargs):
+    """l2_norm_clip S (L2 norm, loss-gradient units), noise_multiplier z (noise stddev z*S on
+    the sum), num_microbatches M (None: one example per record), dp_query (instead of S, z:
+    any DPQuery whose result is a sum over records), max_physical_batch_size P (examples per
+    physical chunk; noise still once per logical batch), clipping "auto"|"vectorized"|"fast",
+    normalize (divide the noised sum by the denominator), seed (tests only: not private)."""
+    _check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
+                max_physical_batch_size, clipping)
+    super().__init__(*args, **kwargs)
+    self._dp_l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
+    self._dp_noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+    self._dp_num_microbatches = num_microbatches
+    self._dp_max_physical_batch_size = max_physical_batch_size
+    self._dp_clipping = clipping
+    self._dp_normalize = bool(normalize)
+    self._dp_seed = seed
+    self._dp_custom_query = dp_query is not None
+    if dp_query is None:
+      stddev = 0.0 if self._dp_noise_multiplier == 0 else (
+          self._dp_noise_multiplier * self._dp_l2_norm_clip)
+      dp_query = dp_query_lib.GaussianSumQuery(self._dp_l2_norm_clip, stddev, seed=seed)
+    self._dp_base_query = dp_query
+    with tf.init_scope():
+      self._dp_ledger = ledger_lib.PrivacyLedger()
+      self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
+                                              name="dp_expected_records")
+    self._dp_query = None         # QueryWithLedger, made by set_sampling
+    self._dp_global_vars = None
+    self._dp_private_apply = False
+
+  # ---- properties ---------------------------------------------------------------------
+
+  @property
+  def l2_norm_clip(self):
+    return self._dp_l2_norm_clip
+
+  @property
+  def noise_multiplier(self):
+    return self._dp_noise_multiplier
+
+  @property
+  def num_microbatches(self):
+    return self._dp_num_microbatches
+
+  @property
+  def max_physical_batch_size(self):
+    return self._dp_max_physical_batch_size
+
+  @property
+  def clipping(self):
+    return self._dp_clipping
+
+  @property
+  def dp_query(self):
+    """The QueryWithLedger in use (None until the sampling is known)."""
+    return self._dp_query
+
+  @property
+  def ledger(self):
+    """The PrivacyLedger every private step writes to."""
+    return self._dp_ledger
+
+  @property
+  def sampling_policy(self):
+    return None if self._dp_query is None else self._dp_query.policy
+
+  # ---- sampling -----------------------------------------------------------------------
+
+  def set_sampling(self, population_size, selection_probability, policy="poisson",
+                   sample_size=0):
+    """Declares how batches are sampled; the ledger records it with every step.
+
+    population_size n (records), selection_probability q, policy one of
+    ledger.POLICIES, sample_size (batch size for "shuffle"/"fixed_size"). Returns True when
+    the policy changed (a traced train step must be retraced).
+    """
+    if policy == ledger_lib.POISSON and self._dp_num_microbatches is not None:
+      raise ValueError(f"num_microbatches={self._dp_num_microbatches} cannot be used with Poisson "
+                       "sampling (records are examples there); use num_microbatches=None")
+    with tf.init_scope():
+      if self._dp_query is None or self._dp_query.policy != policy:
+        self._dp_query = ledger_lib.QueryWithLedger(
+            self._dp_base_query, population_size, selection_probability, ledger=self._dp_ledger,
+            policy=policy, sample_size=sample_size)
+        changed = True
+      else:
+        self._dp_query.set_sampling(population_size, selection_probability, sample_size)
+        changed = False
+      if self._dp_global_vars is None:
+        init = tf.nest.map_structure(tf.convert_to_tensor, self._dp_query.initial_global_state())
+        self._dp_global_struct = init
+        self._dp_global_vars = [tf.Variable(t, trainable=False, name="dp_global_state")
+                                for t in tf.nest.flatten(init)]
+      self._dp_expected_records.assign(float(population_size) * float(selection_probability))
+    return changed
+
+  def _require_query(self):
+    if self._dp_query is None:
+      raise ValueError(
+          "the sampling policy is unknown, so the ledger cannot record this step: train with "
+          "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
+          "optimizer.set_sampling(population_size, selection_probability, policy, sample_size) first")
+    return self._dp_query
+
+  def _dp_global_state(self):
+    return tf.nest.pack_sequence_as(self._dp_global_struct,
+                                    [v.read_value() for v in self._dp_global_vars])
+
+  def _dp_params(self):
+    query = self._require_query()
+    return query.derive_sample_params(self._dp_global_state())
+
+  # ---- clipping -----------------------------------------------------------------------
+
+  def resolve_clipping(self, model=None):
+    """'vectorized' or 'fast': which per-example clipping a step uses (see `clipping`)."""
+    if self._dp_clipping == "vectorized":
+      return "vectorized"
+    fc = _load_fast_clipping()
+    ok = (fc is not None and model is not None and not self._dp_custom_query
+          and math.isfinite(self._dp_l2_norm_clip) and self._dp_num_microbatches is None and self._dp_max_physical_batch_size is None
+          and not model.losses)
+    if ok:
+      try:
+        ok = bool(fc.supports(model))
+      except Exception:  # pylint: disable=broad-except
+        ok = False
+    if self._dp_clipping == "fast" and not ok:
+      raise ValueError(
+          "clipping='fast' needs tf_dpiter.keras.fast_clipping, a model it supports, the default "
+          "Gaussian query with a finite l2_norm_clip, num_microbatches=None, no max_physical_batch_size and no "
+          "regularization losses; use clipping='vectorized' or 'auto'")
+    return "fast" if ok else "vectorized"
+
+  def _accumulate(self, params, sample_state, grads, record_mask):
+    query = self._require_query()
+    if hasattr(query, "accumulate_records"):
+      return query.accumulate_records(params, sample_state, grads, mask=record_mask)
+    pre = tf.vectorized_map(lambda r: query.preprocess_record(params, r), grads)
+    summed = tf.nest.map_structure(
+        lambda t: tf.reduce_sum(t * tf.reshape(tf.cast(record_mask, t.dtype),
+                                               [-1] + [1] * (len(t.shape) - 1)), 0), pre)
+    return query.accumulate_preprocessed_record(sample_state, summed)
+
+  def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
+                  vectorize=True):
+    """Sample state (clipped sum) over records, vectorized, in physical chunks.
+
+    record_loss_fn(record) -> (scalar loss, aux). records: nest of [M, ...] tensors;
+    record_mask [M] (0: padding record). Returns (sample_state, sum of record losses over
+    real records, aux stacked [M, ...]).
+    """
+    query = self._require_query()
+    variables = list(variables)
+    params = self._dp_params()
+    template = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables]
+    state = query.initial_sample_state(template)
+    record_mask = tf.cast(record_mask, tf.float32)
+    p = self._dp_max_physical_batch_size
+    m_static = tf.TensorShape(record_mask.shape)[0]
+    if p is not None:
+      per_chunk = max(1, p // int(examples_per_record)) if isinstance(
+          examples_per_record, int) else tf.maximum(1, p // examples_per_record)
+    if p is None or (m_static is not None and isinstance(per_chunk, int) and per_chunk >= m_static):
+      grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, records, vectorize)
+      state = self._accumulate(params, state, grads, record_mask)
+      return state, tf.reduce_sum(losses * record_mask), aux
+
+    chunks, cmask, nchunks = grads_lib.chunked(records, record_mask, per_chunk)
+    static_chunks = tf.get_static_value(nchunks)
+    loss_sum = tf.constant(0.0)
+    if static_chunks is not None:
+      # Static shapes (XLA included): unrolled loop over the physical chunks.
+      auxes = []
+      for i in range(int(static_chunks)):
+        rec = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
+        grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, rec, vectorize)
+        state = self._accumulate(params, state, grads, cmask[i])
+        loss_sum = loss_sum + tf.reduce_sum(losses * cmask[i])
+        auxes.append(aux)
+      aux = tf.nest.map_structure(lambda *ts: tf.concat(ts, 0)[:m_static], *auxes)
+      return state, loss_sum, aux
+
+    def body(i, st, loss_acc):
+      rec = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
+      grads, losses, _ = grads_lib.per_record_gradients(record_loss_fn, variables, rec, vectorize)
+      st = self._accumulate(params, st, grads, cmask[i])
+      return i + 1, st, loss_acc + tf.reduce_sum(losses * cmask[i])
+
+    _, state, loss_sum = tf.while_loop(lambda i, *_: i < nchunks, body,
+                                       [tf.constant(0), state, loss_sum])
+    return state, loss_sum, None  # aux not kept with a dynamic number of chunks
+
+  # ---- noise, ledger, update ----------------------------------------------------------
+
+  def _noise_and_record(self, sample_state):
+    query = self._require_query()
+    global_state = self._dp_global_state()
+    result, new_state, _ = query.get_noised_result(sample_state, global_state)
+    assigns = [v.assign(t) for v, t in zip(self._dp_global_vars, tf.nest.flatten(new_state))]
+    with tf.control_dependencies(assigns):
+      return tf.nest.map_structure(tf.identity, result)
+
+  def noised_average(self, sample_state, num_records):
+    """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
+
+    Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
+    noise is drawn once, in cross-replica context. num_records: records in this replica's
+    batch (the denominator, unless Poisson sampling, where it is q*n).
+    """
+    self._require_query()
+    num_records = tf.cast(num_records, tf.float32)
+    ctx = tf.distribute.get_replica_context()
+    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
+    if ctx is not None and n_rep > 1:
+      sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
+      num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
+
+      def merge_fn(strategy, state):
+        local = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], state)
+        return self._noise_and_record(local)
+
+      result = ctx.merge_call(merge_fn, args=(sample_state,))
+    else:
+      result = self._noise_and_record(sample_state)
+    if not self._dp_normalize:
+      denom = tf.constant(1.0)
+    elif self._dp_query.policy == ledger_lib.POISSON:
+      denom = self._dp_expected_records.read_value()
+    else:
+      denom = tf.maximum(num_records, 1.0)
+    # Keras sums gradients over replicas in apply(): pre-divide by the replica count.
+    denom = denom * float(n_rep)
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
+
+  def apply_private_gradients(self, grads, trainable_variables):
+    """Applies gradients that came out of `noised_average`."""
+    self._dp_private_apply = True
+    try:
+      return super().apply(grads, trainable_variables)
+    finally:
+      self._dp_private_apply = False
+
+  def apply(self, grads, trainable_variables=None):  # pylint: disable=missing-function-docstring
+    if not self._dp_private_apply:
+      raise ValueError(
+          f"{type(self).__name__} received plain (non-private) gradients. Train a DP model "
+          "(dp.keras.DPSequential / dp.keras.make_private), or use "
+          "optimizer.compute_private_gradients / optimizer.minimize with per-example losses")
+    return super().apply(grads, trainable_variables)
+
+  # ---- custom training loops ----------------------------------------------------------
+
+  def _records_and_masks(self, data, mask):
+    b_static = grads_lib.static_batch_size(data)
+    grads_lib.check_num_microbatches(self._dp_num_microbatches, b_static)
+    b = grads_lib.dynamic_batch_size(data)
+    example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
+    return grads_lib.to_records(data, example_mask, self._dp_num_microbatches)
+
+  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None):
+    """Noised average of clipped per-record gradients, aligned with `variables`.
+
+    Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's
+    examples (a vector [k], or a scalar mean), where record_data is `data` with leading
+    axis k (k = 1 with num_microbatches=None); gradients are vectorized over records.
+    (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the vector [B] of
+    per-example losses; per-record gradients come from a batched jacobian.
+    mask: float [B] of 0/1, padding rows 0.
+    """
+    variables = list(variables)
+    m = self._dp_num_microbatches
+    if data is not None:
+      recs, em, rmask = self._records_and_masks(data, mask)
+
+      def record_loss(rec):
+        r_data, r_em = rec
+        loss = tf.convert_to_tensor(loss_fn(r_data))
+        if loss.shape.rank:
+          loss = tf.reshape(loss, [-1])
+          loss = tf.reduce_sum(loss * tf.cast(r_em, loss.dtype)) / tf.maximum(
+              tf.cast(tf.reduce_sum(r_em), loss.dtype), 1.0)
+        return loss, ()
+
+      k = 1 if m is None else None
+      if m is not None:
+        b_static = grads_lib.static_batch_size(data)
+        k = -(-b_static // m) if b_static is not None else tf.cast(
+            tf.shape(em)[1], tf.int32)
+      state, _, _ = self.clipped_sum(record_loss, variables, (recs, em), rmask, k)
+      return self.noised_average(state, tf.reduce_sum(rmask))
+
+    if tape is None:
+      with tf.GradientTape(persistent=True) as tape:
+        losses = self._vector_loss(loss_fn())
+        rec_losses, rmask = self._record_losses(losses, mask)
+    else:
+      losses = self._vector_loss(loss_fn)
+      with tape:
+        rec_losses, rmask = self._record_losses(losses, mask)
+    grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables)
+    query = self._require_query()
+    params = self._dp_params()
+    state = query.initial_sample_state(
+        [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables])
+    state = self._accumulate(params, state, grads, rmask)
+    return self.noised_average(state, tf.reduce_sum(rmask))
+
+  @staticmethod
+  def _vector_loss(loss):
+    loss = tf.convert_to_tensor(loss)
+    if loss.shape.rank == 0:
+      raise ValueError(
+          "a scalar loss was given where a vector of per-example losses [batch] is needed: "
+          "compute the loss with reduction='none' (e.g. keras.losses.X(reduction=None))")
+    return loss
+
+  def _record_losses(self, losses, mask):
+    b = tf.shape(losses)[0]
+    losses = tf.reshape(losses, tf.stack([b, -1]))
+    losses = tf.reduce_mean(losses, axis=1)
+    grads_lib.check_num_microbatches(self._dp_num_microbatches, losses.shape[0])
+    example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
+    if self._dp_num_microbatches is None:
+      return losses * example_mask, example_mask
+    recs, em, rmask = grads_lib.to_records(losses, example_mask, self._dp_num_microbatches)
+    em = tf.cast(em, losses.dtype)
+    rec = tf.reduce_sum(recs * em, 1) / tf.maximum(tf.reduce_sum(em, 1), 1.0)
+    return rec, rmask
+
+  def minimize(self, loss, var_list, tape=None, mask=None):
+    """One private step on a vector loss [B] (per-example losses).
+
+    loss: a tensor computed under `tape`, or a callable returning it (tape made here).
+    A scalar loss raises ValueError: per-example losses are needed for clipping.
+    """
+    var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
+                    else var_list)
+    if callable(loss):
+      grads = self.compute_private_gradients(loss, var_list, mask=mask)
+    else:
+      if tape is None:
+        raise ValueError("minimize with a loss tensor needs the tape it was computed under "
+                         "(tape=...), or pass a callable loss")
+      grads = self.compute_private_gradients(loss, var_list, mask=mask, tape=tape)
+    return self.apply_private_gradients(grads, var_list)
+
+  # ---- serialization ------------------------------------------------------------------
+
+  def get_config(self):
+    if self._dp_custom_query:
+      raise ValueError(
+          f"{type(self).__name__} with a custom dp_query cannot be serialized (a DPQuery has no "
+          "Keras config): save the weights, or build the optimizer with l2_norm_clip and "
+          "noise_multiplier")
+    config = super().get_config()
+    config.update({
+        "l2_norm_clip": self._dp_l2_norm_clip,
+        "noise_multiplier": self._dp_noise_multiplier,
+        "num_microbatches": self._dp_num_microbatches,
+        "max_physical_batch_size": self._dp_max_physical_batch_size,
+        "clipping": self._dp_clipping,
+        "normalize": self._dp_normalize,
+        "seed": self._dp_seed,
+    })
+    return config
+
+
+_CLASS_CACHE = {}
+_READY_NAMES = {"SGD": "DPKerasSGDOptimizer", "Adam": "DPKerasAdamOptimizer",
+                "Adagrad": "DPKerasAdagradOptimizer", "RMSprop": "DPKerasRMSpropOptimizer",
+                "AdamW": "DPKerasAdamWOptimizer"}
+
+
+def make_dp_optimizer_class(cls):
+  """DP subclass of any keras.optimizers.Optimizer subclass (a user's own too).
+
+  The new class takes (l2_norm_clip, noise_multiplier, num_microbatches=None, *,
+  dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True, seed=None)
+  before the base class' own arguments, and is registered for Keras serialization.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
+    raise ValueError(f"cls must be a keras.optimizers.Optimizer subclass, got {cls!r}")
+  if issubclass(cls, DPOptimizerMixin):
+    return cls
+  if cls in _CLASS_CACHE:
+    return _CLASS_CACHE[cls]
+  name = _READY_NAMES.get(cls.__name__) if cls.__module__.startswith("keras") else None
+  name = name or f"DP{cls.__name__}"
+  new_cls = type(name, (DPOptimizerMixin, cls), {
+      "__doc__": f"DP version of {cls.__module__}.{cls.__qualname__} (see DPOptimizerMixin).",
+      "__module__": __name__,
+  })
+  new_cls = keras.saving.register_keras_serializable(package="tf_dpiter", name=name)(new_cls)
+  _CLASS_CACHE[cls] = new_cls
+  return new_cls
+
+
+def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None,  # pylint: disable=invalid-name
+                dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
+                seed=None):
+  """DP copy of a Keras optimizer instance (same hyperparameters; fresh state).
+
+  Either (l2_norm_clip, noise_multiplier) or dp_query (a sum query, e.g. a NestedQuery
+  over the trainable variables' list) must be given.
+  """
+  if not isinstance(optimizer, keras.optimizers.Optimizer):
+    raise ValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")
+  cls = make_dp_optimizer_class(type(optimizer))
+  config = dict(optimizer.get_config()) if not isinstance(optimizer, DPOptimizerMixin) else {
+      k: v for k, v in keras.optimizers.Optimizer.get_config(optimizer).items()}
+  for k in _DP_KEYS:
+    config.pop(k, None)
+  lr = config.get("learning_rate")
+  if isinstance(lr, dict):
+    config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
+  return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
+             max_physical_batch_size=max_physical_batch_size, clipping=clipping,
+             normalize=normalize, seed=seed, **config)
+
+
+DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)
+DPKerasAdamOptimizer = make_dp_optimizer_class(keras.optimizers.Adam)
+DPKerasAdagradOptimizer = make_dp_optimizer_class(keras.optimizers.Adagrad)
+DPKerasRMSpropOptimizer = make_dp_optimizer_class(keras.optimizers.RMSprop)
+DPKerasAdamWOptimizer = make_dp_optimizer_class(keras.optimizers.AdamW)
