@@ -1,5 +1,7 @@
 """Console scripts, called as a user would (through their main functions)."""
 
+import os
+import shutil
 import subprocess
 import sys
 
@@ -49,7 +51,10 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
 
 
 def test_console_script_installed():
-  out = subprocess.run(["compute_dp_sgd_privacy", "--N", "60000", "--batch_size", "150",
+  script = os.path.join(os.path.dirname(sys.executable), "compute_dp_sgd_privacy")
+  script = script if os.path.exists(script) else shutil.which("compute_dp_sgd_privacy")
+  assert script, "console script compute_dp_sgd_privacy is not installed (pip install -e .)"
+  out = subprocess.run([script, "--N", "60000", "--batch_size", "150",
                         "--noise_multiplier", "1.3", "--epochs", "15", "--delta", "1e-5"],
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
