@@ -267,3 +267,34 @@ def test_seed_warns_not_private():
   g2 = dq.make_generator()
   assert not np.array_equal(g1.normal([8]).numpy(), g2.normal([8]).numpy())
   assert g1.algorithm == tf.random.Algorithm.PHILOX.value
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("query_fn", [
+    lambda: dq.JointClipQuery((1.0, 2.0), 1.0, 0.0, seed=0),
+    lambda: dq.NestedQuery((dq.GaussianSumQuery(1.0, 0.0, seed=0), dq.NoPrivacySumQuery())),
+])
+def test_queries_run_in_graph_and_xla(mode, query_fn):
+  recs = (tf.constant([[0.3, 0.4], [0.0, 0.1]]), tf.constant([[0.5, 0.0], [0.2, 0.2]]))
+  eager, _, _ = run_query(query_fn(), recs)
+  got, _, events = run_query(query_fn(), recs, mode=mode)
+  for a, b in zip(tf.nest.flatten(eager), tf.nest.flatten(got)):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+  assert len(events) >= 1
+
+
+@pytest.mark.parametrize("geometric", [True, False])
+def test_quantile_estimator_update_rule(geometric):
+  # Zero count noise: 3 of 4 records are <= 1.0, so the fraction below is 0.75; with target
+  # 0.5 and rate 0.4 the estimate moves down by exp(-0.1) (geometric) or by 0.1.
+  q = dq.QuantileEstimatorQuery(initial_estimate=1.0, target_quantile=0.5, learning_rate=0.4,
+                                below_estimate_stddev=0.0, expected_num_records=4,
+                                geometric_update=geometric, seed=0)
+  g = q.initial_global_state()
+  s = q.accumulate_records(q.derive_sample_params(g), q.initial_sample_state(),
+                           tf.constant([0.2, 0.5, 1.0, 3.0]))
+  estimate, new_g, events = q.get_noised_result(s, g)
+  expected = math.exp(-0.1) if geometric else 0.9
+  assert float(estimate) == pytest.approx(expected, rel=1e-6)
+  assert float(new_g.current_estimate) == pytest.approx(expected, rel=1e-6)
+  assert (float(events[0].l2_norm_clip), float(events[0].stddev)) == (0.5, 0.0)

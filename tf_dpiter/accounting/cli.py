@@ -18,17 +18,22 @@ def _run(fn):
     return 2
 
 
-def compute_dp_sgd_privacy_main(argv=None):
-  p = argparse.ArgumentParser(prog="compute_dp_sgd_privacy",
-                              description="Epsilon of DP-SGD from its hyperparameters.")
+def _dp_sgd_parser(prog, description, knob):
+  """Parser with the DP-SGD arguments; `knob` is --noise_multiplier or --epsilon."""
+  p = argparse.ArgumentParser(prog=prog, description=description)
   p.add_argument("--N", type=int, required=True, help="number of training records")
   p.add_argument("--batch_size", type=int, required=True)
-  p.add_argument("--noise_multiplier", type=float, required=True)
+  p.add_argument(knob, type=float, required=True)
   p.add_argument("--epochs", type=float, required=True)
   p.add_argument("--delta", type=float, required=True)
   p.add_argument("--accountant", choices=accountant_lib.ACCOUNTANTS, default="rdp")
   p.add_argument("--sampling", choices=pl.POLICIES, default=pl.POISSON)
-  a = p.parse_args(argv)
+  return p
+
+
+def compute_dp_sgd_privacy_main(argv=None):
+  a = _dp_sgd_parser("compute_dp_sgd_privacy", "Epsilon of DP-SGD from its hyperparameters.",
+                     "--noise_multiplier").parse_args(argv)
 
   def go():
     r = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, a.noise_multiplier, a.epochs, a.delta,
@@ -39,16 +44,9 @@ def compute_dp_sgd_privacy_main(argv=None):
 
 
 def compute_noise_from_budget_main(argv=None):
-  p = argparse.ArgumentParser(prog="compute_noise_from_budget",
-                              description="Noise multiplier for DP-SGD meeting (epsilon, delta).")
-  p.add_argument("--N", type=int, required=True)
-  p.add_argument("--batch_size", type=int, required=True)
-  p.add_argument("--epsilon", type=float, required=True)
-  p.add_argument("--epochs", type=float, required=True)
-  p.add_argument("--delta", type=float, required=True)
-  p.add_argument("--accountant", choices=accountant_lib.ACCOUNTANTS, default="rdp")
-  p.add_argument("--sampling", choices=pl.POLICIES, default=pl.POISSON)
-  a = p.parse_args(argv)
+  a = _dp_sgd_parser("compute_noise_from_budget",
+                     "Noise multiplier for DP-SGD meeting (epsilon, delta).",
+                     "--epsilon").parse_args(argv)
 
   def go():
     z = calibration.compute_noise_from_budget(a.N, a.batch_size, a.epsilon, a.epochs, a.delta,
