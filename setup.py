@@ -19,6 +19,8 @@ setup(
         "dp-accounting==0.6.*",
         "numpy>=2",
         "absl-py",
+        "aiohttp>=3.9",     # Draw-and-Discard HTTP service
+        "redis>=5",         # Draw-and-Discard shared k-instance store
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "scipy", "matplotlib"],
@@ -28,6 +30,7 @@ setup(
             "compute_dp_sgd_privacy=tf_dpiter.accounting.cli:compute_dp_sgd_privacy_main",
             "compute_noise_from_budget=tf_dpiter.accounting.cli:compute_noise_from_budget_main",
             "dp_ledger=tf_dpiter.accounting.cli:dp_ledger_main",
+            "tf-dpiter-ddml=tf_dpiter.draw_discard.cli:main",
         ],
     },
 )

@@ -7,13 +7,11 @@ ledger and its accountant (`ledger`, `accounting`), and the training procedure
 
 import importlib
 
-from tf_dpiter import dp_query
-from tf_dpiter import ledger
-from tf_dpiter import accounting
-
 __version__ = "0.1.0"
 
-_LAZY = ("keras", "data", "federated", "draw_discard")
+# Submodules load on first use, so that e.g. the Draw-and-Discard service does not pay for
+# TensorFlow's import when it does not need it.
+_LAZY = ("dp_query", "ledger", "accounting", "keras", "data", "federated", "draw_discard")
 
 
 def __getattr__(name):

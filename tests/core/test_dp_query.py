@@ -298,3 +298,30 @@ def test_quantile_estimator_update_rule(geometric):
   assert float(estimate) == pytest.approx(expected, rel=1e-6)
   assert float(new_g.current_estimate) == pytest.approx(expected, rel=1e-6)
   assert (float(events[0].l2_norm_clip), float(events[0].stddev)) == (0.5, 0.0)
+
+
+class _CountingQuery(dq.DPQuery):
+  """A DPQuery that is not a sum aggregation: counts records (tests the generic loop)."""
+
+  def initial_sample_state(self, template):
+    return tf.constant(0.0)
+
+  def preprocess_record(self, params, record):
+    return record
+
+  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
+    return sample_state + 1.0
+
+  def merge_sample_states(self, s1, s2):
+    return s1 + s2
+
+  def get_noised_result(self, sample_state, global_state):
+    return sample_state, global_state, (dq.NonPrivateEvent(),)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_generic_accumulate_records_loops_and_masks(mode):
+  q = _CountingQuery()
+  result, _, _ = run_query(q, tf.ones([5, 2]), mask=tf.constant([1.0, 0.0, 1.0, 1.0, 0.0]),
+                           mode=mode)
+  assert float(result) == 3.0

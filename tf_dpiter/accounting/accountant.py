@@ -6,9 +6,11 @@ assumption it rests on (adjacency, sampling policy, amplification claimed or not
 
 import dataclasses
 import json
+import logging
 import math
 from typing import Tuple
 
+from absl import logging as absl_logging
 import dp_accounting as dpa
 import numpy as np
 
@@ -17,6 +19,19 @@ from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import privacy_ledger as pl
 
 ACCOUNTANTS = ("rdp", "pld")
+
+
+class _DropExcludedOrderWarnings(logging.Filter):
+  """dp-accounting warns each time a fractional RDP order fails to converge; it then excludes
+  that order (epsilon is the minimum over the remaining orders, so the result stays a valid,
+  conservative bound). A training loop asking for epsilon every epoch would repeat it
+  endlessly, so we drop that one message."""
+
+  def filter(self, record):
+    return "_compute_log_a_frac failed to converge" not in str(record.msg)
+
+
+absl_logging.get_absl_logger().addFilter(_DropExcludedOrderWarnings())
 
 
 def make_accountant(accountant="rdp", neighboring_relation=ledger_events.ADD_OR_REMOVE):

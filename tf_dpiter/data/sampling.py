@@ -124,10 +124,13 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
       else:
         yield bx, tf.nest.map_structure(lambda a: _pad(a[idx], size), ys), mask
 
+  # The batch dimension is left unknown in the element spec: samples are padded to
+  # max_batch_size, so one concrete shape reaches XLA, except for a rare oversize sample
+  # (padded to a multiple of it: compiled once more, never truncated).
   def spec(a):
-    return tf.TensorSpec((max_batch_size,) + a.shape[1:], tf.as_dtype(a.dtype))
+    return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
 
-  mask_spec = tf.TensorSpec((max_batch_size,), tf.float32)
+  mask_spec = tf.TensorSpec((None,), tf.float32)
   if ys is None:
     sig = (tf.nest.map_structure(spec, xs), mask_spec)
   else:

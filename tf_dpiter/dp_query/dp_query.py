@@ -107,6 +107,25 @@ class DPQuery(metaclass=abc.ABCMeta):
     return self.accumulate_preprocessed_record(
         sample_state, self.preprocess_record(params, record))
 
+  def accumulate_records(self, params, sample_state, records, mask=None):
+    """Accumulates a batch (leading axis of every leaf) record by record.
+
+    Generic fallback, a `tf.while_loop`; sum-aggregation queries override it with a
+    vectorized version. Records whose `mask` entry is 0 are skipped.
+    """
+    n = tf.shape(tf.nest.flatten(records)[0])[0]
+
+    def body(i, state):
+      record = tf.nest.map_structure(lambda x: x[i], records)
+      new_state = self.accumulate_record(params, state, record)
+      if mask is not None:
+        keep = mask[i] > 0
+        new_state = tf.nest.map_structure(lambda a, b: tf.where(keep, a, b), new_state, state)
+      return i + 1, new_state
+
+    _, state = tf.while_loop(lambda i, _: i < n, body, (tf.constant(0), sample_state))
+    return state
+
   @abc.abstractmethod
   def merge_sample_states(self, sample_state_1, sample_state_2):
     """Combines two sample states (e.g. from two replicas)."""

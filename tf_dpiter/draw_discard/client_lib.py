@@ -2,7 +2,8 @@
 
 DDMLClient (blocking, stdlib http.client keep-alive) and AsyncDDMLClient (aiohttp).
 `update` runs a full round: draw an instance with its spec, Algorithm 1 on the local
-records (client.spec_update), submit. Weights travel as base64 float64.
+records (client.spec_update), submit. Weights travel as raw little-endian float64
+(application/octet-stream, version in X-DDML-Version); the spec is fetched once per version.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def _submit_body(version: str, weights: np.ndarray) -> bytes:
   return json.dumps({"version": version, "weights_b64": b64}).encode()
 
 
+def _raw_body(weights: np.ndarray) -> bytes:
+  return np.ascontiguousarray(weights, dtype="<f8").tobytes()
+
+
 def _raise_for(status: int, body: bytes) -> dict:
   try:
     d = json.loads(body)
@@ -67,15 +72,19 @@ class DDMLClient:
     self._conn = None
     self._specs: dict[str, glm.ModelSpec] = {}
 
-  def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
+  def _request(self, method: str, path: str, body: bytes | None = None,
+               headers: dict | None = None, raw: bool = False):
     for attempt in (0, 1):
       if self._conn is None:
         self._conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
       try:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
-        self._conn.request(method, path, body=body, headers=headers)
+        h = {"Content-Type": "application/json"} if body is not None else {}
+        h.update(headers or {})
+        self._conn.request(method, path, body=body, headers=h)
         r = self._conn.getresponse()
         data = r.read()
+        if raw and r.status < 400:
+          return r.getheader("X-DDML-Version"), data
         return _raise_for(r.status, data)
       except (http.client.HTTPException, ConnectionError):
         self._conn.close()
@@ -84,17 +93,20 @@ class DDMLClient:
           raise
     raise AssertionError("unreachable")
 
-  def _spec(self, d: dict) -> glm.ModelSpec:
-    v = d["version"]
-    if v not in self._specs:
-      self._specs[v] = glm.ModelSpec.from_dict(d["spec"])
-    return self._specs[v]
-
   def draw(self) -> Drawn:
-    d = self._request("GET", "/v1/draw?encoding=b64")
-    return Drawn(d["version"], self._spec(d), _weights(d))
+    version, data = self._request("GET", "/v1/draw?encoding=raw", raw=True)
+    if version not in self._specs:
+      spec = self.spec()
+      self._specs[spec.version] = spec
+    return Drawn(version, self._specs.get(version) or self.spec(),
+                 np.frombuffer(data, dtype="<f8").copy())
 
   def submit(self, version: str, weights: np.ndarray) -> dict:
+    return self._request("POST", "/v1/submit", _raw_body(weights),
+                         {"Content-Type": "application/octet-stream", "X-DDML-Version": version})
+
+  def submit_json(self, version: str, weights: np.ndarray) -> dict:
+    """The same as submit, as JSON with base64 weights."""
     return self._request("POST", "/v1/submit", _submit_body(version, weights))
 
   def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
@@ -104,7 +116,8 @@ class DDMLClient:
     return self.submit(drawn.version, new)
 
   def model(self) -> np.ndarray:
-    return _weights(self._request("GET", "/v1/model?encoding=b64"))
+    _, data = self._request("GET", "/v1/model?encoding=raw", raw=True)
+    return np.frombuffer(data, dtype="<f8").copy()
 
   def spec(self) -> glm.ModelSpec:
     return glm.ModelSpec.from_dict(self._request("GET", "/v1/spec"))
@@ -135,21 +148,26 @@ class AsyncDDMLClient:
         timeout=aiohttp.ClientTimeout(total=timeout))
     self._specs: dict[str, glm.ModelSpec] = {}
 
-  async def _request(self, method: str, path: str, body: bytes | None = None) -> dict:
-    headers = {"Content-Type": "application/json"} if body is not None else None
-    async with self._session.request(method, self._base + path, data=body,
-                                     headers=headers) as r:
-      return _raise_for(r.status, await r.read())
+  async def _request(self, method: str, path: str, body: bytes | None = None,
+                     headers: dict | None = None, raw: bool = False):
+    h = {"Content-Type": "application/json"} if body is not None else {}
+    h.update(headers or {})
+    async with self._session.request(method, self._base + path, data=body, headers=h) as r:
+      data = await r.read()
+      if raw and r.status < 400:
+        return r.headers.get("X-DDML-Version"), data
+      return _raise_for(r.status, data)
 
   async def draw(self) -> Drawn:
-    d = await self._request("GET", "/v1/draw?encoding=b64")
-    v = d["version"]
+    v, data = await self._request("GET", "/v1/draw?encoding=raw", raw=True)
     if v not in self._specs:
-      self._specs[v] = glm.ModelSpec.from_dict(d["spec"])
-    return Drawn(v, self._specs[v], _weights(d))
+      spec = glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec"))
+      self._specs[spec.version] = spec
+    return Drawn(v, self._specs[v], np.frombuffer(data, dtype="<f8").copy())
 
   async def submit(self, version: str, weights: np.ndarray) -> dict:
-    return await self._request("POST", "/v1/submit", _submit_body(version, weights))
+    return await self._request("POST", "/v1/submit", _raw_body(weights),
+                               {"Content-Type": "application/octet-stream", "X-DDML-Version": version})
 
   async def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     drawn = await self.draw()
@@ -157,7 +175,8 @@ class AsyncDDMLClient:
     return await self.submit(drawn.version, new)
 
   async def model(self) -> np.ndarray:
-    return _weights(await self._request("GET", "/v1/model?encoding=b64"))
+    _, data = await self._request("GET", "/v1/model?encoding=raw", raw=True)
+    return np.frombuffer(data, dtype="<f8").copy()
 
   async def metrics(self) -> dict:
     return await self._request("GET", "/v1/metrics")

@@ -89,8 +89,9 @@ def epsilon_adversary_one(epsilon: float) -> float:
 def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: float = 0.0) -> float:
   """Adversary I over `num_updates` updates by the same user (Section VII: composition).
 
-  delta == 0: basic composition, n * epsilon. delta > 0: PLD accounting (dp_accounting) of
-  n Laplace mechanisms with noise multiplier 1/epsilon (scale / sensitivity).
+  delta == 0: basic composition, n * epsilon. delta > 0: PLD accounting by the privacy
+  core (tf_dpiter.accounting) of n Laplace mechanisms with noise multiplier 1/epsilon
+  (scale / sensitivity), every record in every sample (policy "full").
   """
   _pos("epsilon", epsilon)
   if int(num_updates) != num_updates or num_updates < 1:
@@ -99,10 +100,22 @@ def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: floa
     return num_updates * epsilon
   if not 0 < delta < 1:
     raise ValueError(f"delta must be in [0, 1), got {delta!r}")
-  import dp_accounting  # pylint: disable=g-import-not-at-top
-  acct = dp_accounting.pld.PLDAccountant()
-  acct.compose(dp_accounting.LaplaceDpEvent(1.0 / epsilon), int(num_updates))
-  return min(num_updates * epsilon, float(acct.get_epsilon(delta)))
+  group = _full_group(int(num_updates), laplace_noise_multipliers=(1.0 / epsilon,))
+  return min(num_updates * epsilon, _core_epsilon(group, delta))
+
+
+def _full_group(count: int, noise_multiplier: float = math.inf, laplace_noise_multipliers=()):
+  """A privacy-core SampleGroup: one user's record in every one of `count` mechanisms."""
+  from tf_dpiter.accounting import ledger_events  # pylint: disable=g-import-not-at-top
+  return ledger_events.SampleGroup(
+      count=count, policy="full", population_size=1.0, selection_probability=1.0,
+      sample_size=1.0, noise_multiplier=float(noise_multiplier),
+      laplace_noise_multipliers=tuple(laplace_noise_multipliers), non_private=False)
+
+
+def _core_epsilon(group, delta: float) -> float:
+  from tf_dpiter.accounting import accountant  # pylint: disable=g-import-not-at-top
+  return float(accountant.report_from_groups([group], delta=delta, accountant="pld").epsilon)
 
 
 # ---------------------------------------------------------------------------
@@ -196,6 +209,23 @@ def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: f
   return (w**2 + math.sqrt(w**4 + 4.0 * a * w**2 * log_term)) / (2.0 * a)
 
 
+def epsilon_adversary_three_accounted(epsilon: float, num_later_updates: float,
+                                      delta_t: float = 1e-8,
+                                      w_over_gamma: float = math.sqrt(2.0)) -> float:
+  """Lemma 3's CLT Gaussian, accounted exactly (PLD, privacy core) instead of by [30].
+
+  After T later updates the user's step is hidden by N(0, T 8 gamma^2/eps^2) noise: a
+  Gaussian mechanism with noise multiplier sigma_T / w = 2 sqrt(2T) / (epsilon * w/gamma).
+  Tighter than epsilon_adversary_three; same CLT assumption (T large).
+  """
+  _pos("epsilon", epsilon)
+  t = _pos("num_later_updates", num_later_updates)
+  if not 0 < delta_t < 0.5:
+    raise ValueError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+  z = 2.0 * math.sqrt(2.0 * t) / (epsilon * _pos("w_over_gamma", w_over_gamma))
+  return _core_epsilon(_full_group(1, noise_multiplier=z), delta_t)
+
+
 def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: float,
                                      delta_t: float = 1e-8, **kwargs) -> float:
   """Expected loss against adversary III: (1/k) * epsilon_T (Lemmas 2 and 3; the table's
@@ -220,6 +250,7 @@ class PrivacyStatement:
   adversary_three_expected: float
   discard_probability: float
   noise: str
+  adversary_three_accounted: float | None = None
 
   def __str__(self) -> str:
     return (
@@ -229,14 +260,19 @@ class PrivacyStatement:
         f"{self.adversary_two_expected:.4g} (Lemma 1)\n"
         f"  adversary III (opportunistic, T={self.num_later_updates:g}): "
         f"(epsilon_T, delta_T) = ({self.adversary_three:.4g}, {self.delta_t:.1e}) (Lemma 3, large-T CLT)\n"
-        f"                discard probability 1-1/k = {self.discard_probability:.4g} (Lemma 2); "
+        + (f"                same Gaussian, PLD-accounted: epsilon_T = "
+           f"{self.adversary_three_accounted:.4g}\n" if self.adversary_three_accounted else "")
+        + f"                discard probability 1-1/k = {self.discard_probability:.4g} (Lemma 2); "
         f"expected epsilon_T/k = {self.adversary_three_expected:.4g}")
 
 
 def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
                       delta_t: float = 1e-8, noise: str = "laplace",
-                      w_over_gamma: float = math.sqrt(2.0)) -> PrivacyStatement:
+                      w_over_gamma: float = math.sqrt(2.0),
+                      accounted: bool = True) -> PrivacyStatement:
   """Guarantees against adversaries I, II and III (Section IV, summary table).
+
+  accounted: also give Lemma 3's Gaussian accounted by the privacy core's PLD accountant.
 
   Lemmas 1-3 are proven for Laplace noise; for noise='gaussian' adversary I gets the
   (epsilon, delta) of the calibration and II/III are reported with the same formulas
@@ -251,7 +287,9 @@ def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
       adversary_three=eps_t,
       adversary_three_expected=eps_t / k,
       discard_probability=discard_probability(k),
-      noise=noise)
+      noise=noise,
+      adversary_three_accounted=(epsilon_adversary_three_accounted(
+          epsilon, num_later_updates, delta_t, w_over_gamma) if accounted else None))
 
 
 def print_privacy_statement(*args, **kwargs) -> PrivacyStatement:

@@ -181,4 +181,6 @@ class DrawDiscardServer:
     raise ValueError(f"mode must be 'weights' or 'predictions', got {mode!r}")
 
   def metrics(self) -> dict:
-    return dict(self.counters, k=self.k, strategy=self.strategy)
+    base = dict.fromkeys(("draws", "submits", "accepted", "rejected_spam"), 0)
+    base.update(self.counters)
+    return dict(base, k=self.k, strategy=self.strategy)

@@ -1,11 +1,14 @@
 """Asynchronous HTTP JSON service for Draw and Discard (Algorithm 2 over HTTP, aiohttp).
 
-Endpoints (JSON; weights as a JSON list, or as base64 of little-endian float64 with
-encoding "b64", which the Python client uses):
+Endpoints (JSON; weights as a JSON list, as base64 of little-endian float64 with
+encoding "b64", or as the raw float64 bytes with encoding "raw", which the Python
+client uses: the version then travels in the X-DDML-Version header):
 
-  GET  /v1/draw[?encoding=b64]  -> {"version", "spec", "weights" | "weights_b64"}
+  GET  /v1/draw[?encoding=b64|raw] -> {"version", "spec", "weights" | "weights_b64"}
+                                   (raw: the bytes; fetch the spec from /v1/spec once)
                                    one instance drawn uniformly (secrets.randbelow).
-  POST /v1/submit  {"version", "weights" | "weights_b64"}
+  POST /v1/submit  {"version", "weights" | "weights_b64"}, or application/octet-stream
+                   bytes with X-DDML-Version
                                 -> {"accepted": true}; replaces a uniformly random slot.
   GET  /v1/model[?encoding=b64] -> the average of the k instances (prediction model).
   GET  /v1/spec                 -> the model spec.
@@ -111,8 +114,8 @@ class DDMLService:
       if not isinstance(raw, str):
         return _error(400, "bad_weights", "weights_b64 must be a base64 string")
       try:
-        data = base64.b64decode(raw, validate=True)
-      except (binascii.Error, ValueError):
+        data = binascii.a2b_base64(raw.encode("ascii"), strict_mode=True)
+      except (binascii.Error, ValueError, UnicodeEncodeError):
         return _error(400, "bad_weights", "weights_b64 is not valid base64")
       if len(data) != 8 * self.p:
         return _error(422, "wrong_shape",
@@ -131,17 +134,18 @@ class DDMLService:
         return _error(422, "wrong_shape", f"weights has shape {list(w.shape)}; expected [{self.p}]")
     else:
       return _error(400, "missing_weights", "body needs 'weights' or 'weights_b64'")
-    if not np.all(np.isfinite(w)):
-      return _error(422, "non_finite", "weights contain NaN or infinity")
     return w
 
   # ---- handlers ----
   async def handle_draw(self, request: web.Request) -> web.Response:
     encoding = request.query.get("encoding", "json")
-    if encoding not in ("json", "b64"):
-      return _error(400, "bad_encoding", f"encoding must be 'json' or 'b64', got {encoding!r}")
+    if encoding not in ("json", "b64", "raw"):
+      return _error(400, "bad_encoding", f"encoding must be 'json', 'b64' or 'raw', got {encoding!r}")
     i = secrets.randbelow(self.k)  # unpredictable draw; never stored
     data = await self.store.draw(i)
+    if encoding == "raw":
+      return web.Response(body=data, content_type="application/octet-stream",
+                          headers={"X-DDML-Version": self.spec.version})
     body = (b'{"version":' + self._version_json + b',"spec":' + self._spec_json + b','
             + self._weights_payload(data, encoding) + b'}')
     return web.Response(body=body, content_type="application/json")
@@ -155,7 +159,9 @@ class DDMLService:
     except web.HTTPRequestEntityTooLarge:
       resp = _error(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes")
     else:
-      resp = await self._submit(raw)
+      # explicit header only: aiohttp reports a missing Content-Type as octet-stream
+      ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
+      resp = await self._submit(raw, ctype, request.headers.get("X-DDML-Version"))
     if resp is None:
       return web.Response(body=b'{"accepted":true}', content_type="application/json")
     resp, counter = resp if isinstance(resp, tuple) else (resp, "rejected_invalid")
@@ -163,8 +169,19 @@ class DDMLService:
     await self.store.incr(counter)
     return resp
 
-  async def _submit(self, raw: bytes):
+  async def _submit(self, raw: bytes, content_type: str = "application/json",
+                    header_version: str | None = None):
     """Validates and stores; None on success, else the JSON error (store untouched)."""
+    if content_type == "application/octet-stream":
+      if header_version is None:
+        return _error(400, "missing_version", "raw submissions need the X-DDML-Version header")
+      if header_version != self.spec.version:
+        return _error(409, "wrong_version",
+                      f"model version {header_version!r} is not the served {self.spec.version!r}")
+      if len(raw) != 8 * self.p:
+        return _error(422, "wrong_shape", f"body has {len(raw)} bytes; expected {8 * self.p} "
+                      f"({self.p} little-endian float64)")
+      return await self._store_checked(store_lib.decode_weights(raw))
     try:
       body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -179,6 +196,11 @@ class DDMLService:
     w = self._parse_weights(body)
     if isinstance(w, web.Response):
       return w
+    return await self._store_checked(w)
+
+  async def _store_checked(self, w: np.ndarray):
+    if not np.all(np.isfinite(w)):
+      return _error(422, "non_finite", "weights contain NaN or infinity")
     if self.spam is not None:
       await self._refresh_stats()
       if not self.spam.accepts(w):
@@ -190,10 +212,13 @@ class DDMLService:
 
   async def handle_model(self, request: web.Request) -> web.Response:
     encoding = request.query.get("encoding", "json")
-    if encoding not in ("json", "b64"):
-      return _error(400, "bad_encoding", f"encoding must be 'json' or 'b64', got {encoding!r}")
+    if encoding not in ("json", "b64", "raw"):
+      return _error(400, "bad_encoding", f"encoding must be 'json', 'b64' or 'raw', got {encoding!r}")
     slots = await self.store.all_slots()
     avg = np.mean([store_lib.decode_weights(s) for s in slots], axis=0)
+    if encoding == "raw":
+      return web.Response(body=store_lib.encode_weights(avg), content_type="application/octet-stream",
+                          headers={"X-DDML-Version": self.spec.version})
     body = (b'{"version":' + self._version_json + b',"k":' + str(self.k).encode() + b','
             + self._weights_payload(store_lib.encode_weights(avg), encoding) + b'}')
     return web.Response(body=body, content_type="application/json")

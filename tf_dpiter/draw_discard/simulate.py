@@ -58,7 +58,6 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
   if concurrency < 1:
     raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
   wave = server.batch_size if server.strategy == "server_batch" else concurrency
-  n_c = clients.shape[1]
   history = []
   samples = updates = 0
   next_eval = eval_every if eval_every else None
@@ -89,18 +88,29 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
 
 def variance_trajectory(k: int, noise_std: float, num_updates: int, *, replicates: int = 200,
                         num_weights: int = 4, checkpoints: int = 10, noise: str = "laplace",
-                        init: str = "stabilized", rng: np.random.Generator | None = None
+                        init: str = "stabilized", strategy: str = "draw_discard",
+                        rng: np.random.Generator | None = None
                         ) -> tuple[np.ndarray, np.ndarray]:
   """Intra-model variance under draw/discard with pure noise (Theorem 1).
 
   `replicates` independent servers, each with `num_weights` weights, all vectorized.
   init "stabilized": N(0, k/2 sigma^2); "zero": all instances equal.
+  strategy "draw_discard" (Algorithm 2) or "same_instance" (write back to the drawn slot:
+  k independent random walks, the diverging right panel of Figure 1).
   Returns (steps [checkpoints], variances [checkpoints, replicates]) where a variance is the
   ddof=1 variance over the k instances averaged over the weights.
+
+  Why ddof=1 (the paper: "computed with k-1"): let D = E(B_a - B_b)^2 for a != b at
+  stationarity. One update changes the sum of the k(k-1)/2 pairwise squares by (k-1)sigma^2
+  when the drawn slot is overwritten (prob. 1/k) and by (k-1)sigma^2 - D otherwise; zero
+  expected change gives D = k sigma^2, and E s^2 = D/2 = k/2 sigma^2 (our derivation,
+  agreeing with Theorem 1).
   """
   rng = rng if rng is not None else np.random.default_rng()
   if k < 2:
     raise ValueError(f"k must be >= 2 for an intra-model variance, got {k!r}")
+  if strategy not in ("draw_discard", "same_instance"):
+    raise ValueError(f"strategy must be 'draw_discard' or 'same_instance', got {strategy!r}")
   sd0 = np.sqrt(0.5 * k) * noise_std if init == "stabilized" else 0.0
   inst = sd0 * rng.standard_normal((replicates, k, num_weights))
   steps = np.linspace(num_updates / checkpoints, num_updates, checkpoints).astype(int)
@@ -112,7 +122,7 @@ def variance_trajectory(k: int, noise_std: float, num_updates: int, *, replicate
   while done < num_updates:
     m = min(chunk, num_updates - done, steps[c] - done) if c < checkpoints else chunk
     draws = rng.integers(0, k, size=(m, replicates))
-    slots = rng.integers(0, k, size=(m, replicates))
+    slots = draws if strategy == "same_instance" else rng.integers(0, k, size=(m, replicates))
     if noise == "laplace":
       eps = rng.laplace(0.0, noise_std / np.sqrt(2.0), size=(m, replicates, num_weights))
     else:

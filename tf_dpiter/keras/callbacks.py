@@ -6,12 +6,12 @@ TensorBoard show them; `StopAtPrivacyBudget` stops training before a step would 
 from what the ledger recorded (sampling policy included), never from the settings.
 """
 
+import json
 import math
 
 import keras
 
 from tf_dpiter import accounting
-from tf_dpiter.dp_query import validation
 
 
 def _ledger(model):
@@ -64,11 +64,13 @@ class PrivacyMeter(keras.callbacks.Callback):
 class StopAtPrivacyBudget(keras.callbacks.Callback):
   """Stops training before the next step would make epsilon (at delta) exceed the budget.
 
-  After each step the ledger is extended by a copy of its last sample and the accountant
-  is asked for epsilon; if it exceeds `epsilon`, training stops, so the ledger never holds
-  a step past the budget (assuming the next step is like the last one, which holds when
-  the sampling and query do not change). Before the first step the optimizer's Gaussian
-  settings predict the step; with a custom query the first step is not checked.
+  After each step (execution) the callback asks whether the ledger extended by
+  steps_per_execution copies of its last sample would exceed `epsilon`; if so, training
+  stops, so the ledger never holds a step past the budget (assuming the next step is like
+  the last one, which holds when the sampling and query do not change). The number of
+  allowed steps of the current kind is found once by binary search and cached. Before the
+  first step the optimizer's Gaussian settings predict the step; with a custom query the
+  first step is not checked.
   """
 
   def __init__(self, epsilon, delta, accountant="rdp", verbose=0):
@@ -83,6 +85,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     self.accountant = accountant
     self.verbose = verbose
     self.stopped_at_step = None
+    self._cache = {}
 
   def _predicted_run(self):
     opt = self.model.optimizer
@@ -97,25 +100,57 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
             "queries": [{"type": "gaussian", "l2_norm_clip": opt.l2_norm_clip,
                          "stddev": opt.l2_norm_clip * opt.noise_multiplier}]}
 
-  def next_step_epsilon(self):
-    """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
-    ledger = _ledger(self.model)
-    d = ledger.to_dict()
-    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
-    if d["runs"]:
-      d["runs"][-1]["count"] += ahead
-    else:
-      run = self._predicted_run()
-      if run is None:
-        return None
-      run["count"] = ahead
-      d["runs"].append(run)
-    d["num_samples"] += ahead
+  def _epsilon_with(self, d, runs, last, count):
+    d = dict(d)
+    d["runs"] = runs + [dict(last, count=int(count))]
+    d["num_samples"] = sum(r["count"] for r in d["runs"])
     return float(accounting.epsilon(d, self.delta, accountant=self.accountant))
 
+  def _allowed_count(self, d, runs, last):
+    """Largest count of the last run's kind with epsilon <= budget (binary search, cached)."""
+    key = json.dumps([runs, dict(last, count=0)], sort_keys=True)
+    if key in self._cache:
+      return self._cache[key]
+    lo, hi = 0, 1
+    while self._epsilon_with(d, runs, last, hi) <= self.epsilon:
+      lo, hi = hi, hi * 2
+      if hi > 10**9:
+        break
+    while hi - lo > 1:
+      mid = (lo + hi) // 2
+      if self._epsilon_with(d, runs, last, mid) <= self.epsilon:
+        lo = mid
+      else:
+        hi = mid
+    self._cache[key] = lo
+    return lo
+
+  def next_step_epsilon(self):
+    """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
+    ahead, d, runs, last, count = self._next()
+    if last is None:
+      return None
+    return self._epsilon_with(d, runs, last, count + ahead)
+
+  def _next(self):
+    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
+    d = _ledger(self.model).to_dict()
+    runs = d["runs"]
+    if runs:
+      return ahead, d, runs[:-1], runs[-1], runs[-1]["count"]
+    return ahead, d, [], self._predicted_run(), 0
+
+  def _exceeds(self):
+    ahead, d, runs, last, count = self._next()
+    if last is None:
+      return False, None
+    allowed = self._allowed_count(d, runs, last)
+    return count + ahead > allowed, allowed
+
   def _check(self, step_label):
-    eps = self.next_step_epsilon()
-    if eps is not None and eps > self.epsilon:
+    exceeds, _ = self._exceeds()
+    if exceeds:
+      eps = self.next_step_epsilon()
       # stop_training ends fit after this step; _dp_halt makes the DP model's train
       # function refuse any further step (also the first one, when checked before it).
       self.model.stop_training = True
@@ -129,6 +164,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     self.stopped_at_step = None
+    self._cache = {}
     self.model._dp_halt = False  # pylint: disable=protected-access
     self._check("before training")
 

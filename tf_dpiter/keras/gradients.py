@@ -70,13 +70,14 @@ def to_records(nest, example_mask, num_microbatches):
 
 def from_records(t, batch_size, num_microbatches):
   """Inverse of to_records for one leaf: [M, k, ...] -> [B, ...]."""
+  tail = t.shape[2:]
+  shape = [-1] + tail.as_list() if tail.is_fully_defined() else tf.concat(
+      [[-1], tf.shape(t)[2:]], 0)
   if num_microbatches is None:
-    return tf.squeeze(t, 1) if t.shape.rank and t.shape[1] == 1 else tf.reshape(
-        t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+    return tf.reshape(t, shape)
   rank = len(t.shape)
   t = tf.transpose(t, [1, 0] + list(range(2, rank)))
-  t = tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
-  return t[:batch_size]
+  return tf.reshape(t, shape)[:batch_size]
 
 
 def vectorizable(model):

@@ -25,7 +25,6 @@ import inspect
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
@@ -75,6 +74,13 @@ class DPModelMixin:
     self._dp_optimizer()
     check_no_batch_mixing(self)
 
+  def compile_from_config(self, config):
+    """Re-compiles after keras.models.load_model (the DP optimizer config included)."""
+    config = keras.saving.deserialize_keras_object(config)
+    self.compile(**config)
+    if self.built:
+      self.optimizer.build(self.trainable_variables)
+
   @property
   def ledger(self):
     """The privacy ledger of this model's DP optimizer."""
@@ -100,6 +106,10 @@ class DPModelMixin:
         warnings.warn("fit(shuffle=False/'batch'): the ledger records policy 'shuffle' "
                       "(shuffled epochs), which these fixed batches do not satisfy", UserWarning)
       spec = sampling.SamplingSpec(ledger_lib.SHUFFLE, n, b / n, float(b))
+    m = opt.num_microbatches
+    if spec is not None and m is not None and spec.sample_size and m > spec.sample_size:
+      raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
+                       "each microbatch needs at least one example")
     if spec is not None:
       if opt.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
                           spec.sample_size):
@@ -110,7 +120,13 @@ class DPModelMixin:
           "arrays, dp.data.poisson_batches(...) or dp.data.shuffled_batches(...), or call "
           "model.optimizer.set_sampling(population_size, selection_probability, policy, "
           "sample_size) before fit")
-    return super().fit(*args, **kwargs)
+    # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
+    # microbatches are masked out (the batch size was checked above).
+    self._dp_in_fit = True
+    try:
+      return super().fit(*args, **kwargs)
+    finally:
+      self._dp_in_fit = False
 
   # ---- the private step ---------------------------------------------------------------
 
@@ -151,7 +167,8 @@ class DPModelMixin:
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
     m = opt.num_microbatches
-    grads_lib.check_num_microbatches(m, b_static)
+    if not getattr(self, "_dp_in_fit", False):
+      grads_lib.check_num_microbatches(m, b_static)
     if sample_weight is None:
       example_mask = tf.ones([b], tf.float32)
     else:

@@ -22,8 +22,6 @@ from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.keras import gradients as grads_lib
 
 CLIPPING_MODES = ("auto", "vectorized", "fast")
-_DP_KEYS = ("l2_norm_clip", "noise_multiplier", "num_microbatches", "max_physical_batch_size",
-            "clipping", "normalize", "seed")
 
 
 def _check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
@@ -98,15 +96,12 @@ class DPOptimizerMixin:
     self._dp_normalize = bool(normalize)
     self._dp_seed = seed
     self._dp_custom_query = dp_query is not None
-    if dp_query is None:
-      stddev = 0.0 if self._dp_noise_multiplier == 0 else (
-          self._dp_noise_multiplier * self._dp_l2_norm_clip)
-      dp_query = dp_query_lib.GaussianSumQuery(self._dp_l2_norm_clip, stddev, seed=seed)
+    # The default query, the ledger and the sampling variables are made lazily, outside
+    # any tf.distribute scope (see _make_dp_state): the ledger's growing buffers cannot be
+    # mirrored variables, and the noise must come from one generator.
     self._dp_base_query = dp_query
-    with tf.init_scope():
-      self._dp_ledger = ledger_lib.PrivacyLedger()
-      self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
-                                              name="dp_expected_records")
+    self._dp_ledger = None
+    self._dp_expected_records = None
     self._dp_query = None         # QueryWithLedger, made by set_sampling
     self._dp_global_vars = None
     self._dp_private_apply = False
@@ -141,7 +136,26 @@ class DPOptimizerMixin:
   @property
   def ledger(self):
     """The PrivacyLedger every private step writes to."""
+    self._make_dp_state()
     return self._dp_ledger
+
+  def _make_dp_state(self):
+    if self._dp_ledger is not None:
+      return
+    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+      raise ValueError(
+          "the DP state (ledger, noise generator) must be created outside a tf.distribute "
+          "scope: call model.fit / optimizer.set_sampling outside `with strategy.scope():` "
+          "(build and compile the model inside it as usual)")
+    with tf.init_scope():
+      if self._dp_base_query is None:
+        stddev = 0.0 if self._dp_noise_multiplier == 0 else (
+            self._dp_noise_multiplier * self._dp_l2_norm_clip)
+        self._dp_base_query = dp_query_lib.GaussianSumQuery(self._dp_l2_norm_clip, stddev,
+                                                            seed=self._dp_seed)
+      self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
+                                              name="dp_expected_records")
+      self._dp_ledger = ledger_lib.PrivacyLedger()
 
   @property
   def sampling_policy(self):
@@ -160,6 +174,7 @@ class DPOptimizerMixin:
     if policy == ledger_lib.POISSON and self._dp_num_microbatches is not None:
       raise ValueError(f"num_microbatches={self._dp_num_microbatches} cannot be used with Poisson "
                        "sampling (records are examples there); use num_microbatches=None")
+    self._make_dp_state()
     with tf.init_scope():
       if self._dp_query is None or self._dp_query.policy != policy:
         self._dp_query = ledger_lib.QueryWithLedger(
@@ -231,7 +246,7 @@ class DPOptimizerMixin:
 
     record_loss_fn(record) -> (scalar loss, aux). records: nest of [M, ...] tensors;
     record_mask [M] (0: padding record). Returns (sample_state, sum of record losses over
-    real records, aux stacked [M, ...]).
+    real records, aux stacked [M, ...], or None with a dynamic number of chunks).
     """
     query = self._require_query()
     variables = list(variables)
@@ -489,11 +504,10 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
   """
   if not isinstance(optimizer, keras.optimizers.Optimizer):
     raise ValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")
+  if isinstance(optimizer, DPOptimizerMixin):
+    raise ValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
   cls = make_dp_optimizer_class(type(optimizer))
-  config = dict(optimizer.get_config()) if not isinstance(optimizer, DPOptimizerMixin) else {
-      k: v for k, v in keras.optimizers.Optimizer.get_config(optimizer).items()}
-  for k in _DP_KEYS:
-    config.pop(k, None)
+  config = dict(optimizer.get_config())
   lr = config.get("learning_rate")
   if isinstance(lr, dict):
     config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)

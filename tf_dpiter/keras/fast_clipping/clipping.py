@@ -20,6 +20,7 @@ Both are exact; the default is the one measured faster
 """
 
 import numbers
+import threading
 
 import tensorflow as tf
 import keras
@@ -38,6 +39,8 @@ _BATCH_COUPLED = (keras.layers.BatchNormalization,)
 _OPAQUE = (keras.layers.RNN, keras.layers.TimeDistributed)
 
 DEFAULT_VARIANT = "bookkeeping"
+
+_CALL_LOCK = threading.RLock()
 
 
 def _has_registered(layer):
@@ -71,6 +74,22 @@ def _direct_trainable(layer):
   return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
 
 
+def _check_deterministic(layer):
+  """The vectorized path re-runs a layer per example: it must be a function
+  of its inputs (no internal dropout), or the gradients would be wrong."""
+  for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
+    rates = [getattr(sub, "dropout", 0), getattr(sub, "recurrent_dropout", 0),
+             getattr(sub, "_dropout", 0)]
+    if isinstance(sub, keras.layers.Dropout):
+      rates.append(sub.rate)
+    if max(float(r) if isinstance(r, (int, float)) else 0.0
+           for r in rates) > 0:
+      raise ValueError(
+          f"layer {layer.name!r} is not registered and contains dropout "
+          f"({sub.name!r}); its per-example gradients cannot be recomputed. "
+          "Register it (register_layer) or move the dropout to its own layer")
+
+
 def _plan(model):
   """Splits the model's trainable variables into units; raises ValueError."""
   if not isinstance(model, keras.layers.Layer):
@@ -98,6 +117,7 @@ def _plan(model):
     children = _children(layer)
     if (_direct_trainable(layer) or not children or
         isinstance(layer, _OPAQUE) or not _has_registered(layer)):
+      _check_deterministic(layer)
       units.append(_Unit(layer, VECTORIZED, None))
       return
     for child in children:
@@ -233,17 +253,16 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                      f"{variant!r}")
   clip = _check_clip(l2_norm_clip)
   units = _plan(model)
-  unit_of = {}
-  for u in units:
-    for v in u.variables:
-      unit_of[id(v)] = u
 
   with tf.GradientTape(persistent=True) as tape:
-    installed = _install(units)
-    try:
-      outputs = model(inputs, training=True)
-    finally:
-      _uninstall(installed)
+    # The lock keeps replica threads (tf.distribute) from interleaving their
+    # wrappers on the shared layers.
+    with _CALL_LOCK:
+      installed = _install(units)
+      try:
+        outputs = model(inputs, training=True)
+      finally:
+        _uninstall(installed)
     losses = per_example_loss_fn(targets, outputs)
     losses = tf.cast(losses, tf.float32)
     if losses.shape.rank != 1:
@@ -271,7 +290,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
         o = tf.nest.flatten(rec["outputs"])
         vect.append((u, rec, len(sources), len(o)))
         sources.extend(o)
-  if True:  # the tape is not recording here
+  if True:  # pylint: disable=using-constant-test  (tape not recording)
     src_grads = tape.gradient(
         total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     batch = tf.shape(losses)[0]

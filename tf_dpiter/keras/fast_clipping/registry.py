@@ -32,7 +32,8 @@ from keras import ops
 _LOCK = threading.Lock()
 _REGISTRY = {}  # layer class -> norm_fn
 
-# Test hook: force "gram" or "direct" in _factored_sqr_norm (None: by cost).
+# Test hook: force "gram" or "direct" in _factored_sqr_norm, or "filter" for
+# convolutions (per-example filter gradients); None: chosen by cost.
 _FORM_OVERRIDE = None
 
 
@@ -265,14 +266,50 @@ def _conv_accepts(layer):
           getattr(layer, "groups", 1) == 1)
 
 
-def _conv_sqr_norm_fn(layer, patches_fn):
+def _per_example_filter_sqr_norm(x4, dz4, kernel_size, strides, padding):
+  """||grad W_i||^2 from per-example Conv2DBackpropFilter (dilation 1).
+
+  Cheaper than the unfold when the output has more positions than a patch has
+  entries (e.g. 8x8x1 kernels on 28x28 images).
+  """
+  kh, kw = kernel_size
+  cin, cout = x4.shape[-1], dz4.shape[-1]
+
+  def one(pair):
+    xi, di = pair
+    g = tf.compat.v1.nn.conv2d_backprop_filter(
+        xi[None], [kh, kw, cin, cout], di[None], [1, strides[0], strides[1], 1],
+        padding.upper())
+    return tf.reduce_sum(tf.square(g))
+
+  return tf.vectorized_map(
+      one, (tf.cast(x4, tf.float32), tf.cast(dz4, tf.float32)))
+
+
+def _conv_sqr_norm_fn(layer, patches_fn, x4=None, dz4_fn=None, padding=None):
+  """x4/dz4_fn/padding: the 2-D view used by the per-example filter path."""
   kernel_on = _trainable(layer.kernel)
   bias_on = layer.use_bias and _trainable(layer.bias)
+  ksize = tuple(layer.kernel_size) if len(layer.kernel_size) == 2 else (
+      1, layer.kernel_size[0])
+  stride = tuple(layer.strides) if len(layer.strides) == 2 else (
+      1, layer.strides[0])
+  dilated = any(d != 1 for d in layer.dilation_rate)
 
   def sqr_norm_fn(dz):
     sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
     if kernel_on:
-      sq += _factored_sqr_norm(_to_btk(patches_fn()), _to_btk(dz))
+      positions = int(np.prod(dz.shape[1:-1])) if None not in dz.shape[
+          1:-1] else 0
+      patch = ksize[0] * ksize[1] * int(x4.shape[-1])
+      form = _FORM_OVERRIDE
+      use_filter = (form == "filter" or
+                    (form is None and positions > patch)) and not dilated
+      if use_filter:
+        sq += _per_example_filter_sqr_norm(x4, dz4_fn(dz), ksize, stride,
+                                           padding)
+      else:
+        sq += _factored_sqr_norm(_to_btk(patches_fn()), _to_btk(dz))
     if bias_on:
       sq += _bias_sqr_norm(dz, (layer.filters,))
     return sq
@@ -294,7 +331,8 @@ def conv2d_norm_fn(layer, inputs):
         tf.cast(x, tf.float32), sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1],
         rates=[1, dh, dw, 1], padding=layer.padding.upper())
 
-  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn)
+  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn, x, lambda dz: dz,
+                                       layer.padding)
 
 
 def conv1d_norm_fn(layer, inputs):
@@ -314,7 +352,8 @@ def conv1d_norm_fn(layer, inputs):
         strides=[1, 1, s, 1], rates=[1, 1, d, 1], padding=padding.upper())
     return p[:, 0]
 
-  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn)
+  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn, x[:, None],
+                                       lambda dz: dz[:, None], padding)
 
 
 # ---------------------------------------------------------------------------
@@ -363,4 +402,3 @@ register_layer(keras.layers.Conv1D, conv1d_norm_fn)
 register_layer(keras.layers.Conv2D, conv2d_norm_fn)
 register_layer(keras.layers.LayerNormalization, layer_norm_norm_fn)
 
-del np

@@ -1,0 +1,89 @@
+"""Poisson sampling of batches (seed 002, Section 5)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter.dp_query import NotPrivateSeedWarning
+
+
+def _ds(**kw):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", NotPrivateSeedWarning)
+    return dp.data.poisson_batches(**kw)
+
+
+def test_poisson_sample_sizes_and_static_shape():
+  n, eb = 2000, 50
+  x = np.arange(n, dtype="float32")[:, None]
+  y = np.arange(n)
+  ds = _ds(x=x, y=y, expected_batch_size=eb, steps_per_epoch=400, seed=3)
+  spec = dp.data.get_sampling_spec(ds)
+  assert spec.policy == "poisson" and spec.population_size == n
+  assert spec.selection_probability == pytest.approx(eb / n)
+  size = dp.data.default_max_batch_size(n, eb / n)
+  sizes, seen = [], np.zeros(n)
+  for bx, by, mask in ds.as_numpy_iterator():
+    assert bx.shape == (size, 1) and mask.shape == (size,)
+    m = int(mask.sum())
+    sizes.append(m)
+    np.testing.assert_array_equal(bx[:m, 0].astype(int), by[:m])   # x and y stay aligned
+    assert np.all(mask[:m] == 1) and np.all(mask[m:] == 0) and np.all(bx[m:] == 0)
+    assert len(set(by[:m])) == m                                      # no duplicates in a sample
+    seen[by[:m]] += 1
+  sizes = np.array(sizes, float)
+  # |R| ~ Binomial(n, q): mean eb, var eb (1 - q). 400 draws: the mean's standard error is
+  # sqrt(eb (1-q) / 400) = 0.35; allow 5 se. The variance estimate: rel. se sqrt(2/399) = 7%; allow 30%.
+  assert abs(sizes.mean() - eb) < 5 * np.sqrt(eb * (1 - eb / n) / 400)
+  assert abs(sizes.var(ddof=1) / (eb * (1 - eb / n)) - 1) < 0.3
+  # every record is selected with the same probability: per-record counts ~ Binomial(400, q)
+  assert abs(seen.mean() - 400 * eb / n) < 0.5
+
+
+def test_never_truncates_a_large_sample():
+  x = np.ones([100, 2], "float32")
+  ds = _ds(x=x, expected_batch_size=90, max_batch_size=8, steps_per_epoch=3, seed=0)
+  for bx, mask in ds.as_numpy_iterator():
+    assert bx.shape[0] % 8 == 0 and bx.shape[0] >= mask.sum() > 8
+
+
+def test_unpadded_and_default_steps():
+  x = np.ones([100, 2], "float32")
+  ds = _ds(x=x, y=np.zeros(100), expected_batch_size=10, max_batch_size=None, seed=1)
+  batches = list(ds.as_numpy_iterator())
+  assert len(batches) == 10
+  assert all(b[0].shape[0] == b[2].sum() for b in batches)
+
+
+def test_fixed_seed_warns_and_default_is_nondeterministic():
+  x = np.arange(1000, dtype="float32")[:, None]
+  with pytest.warns(NotPrivateSeedWarning):
+    dp.data.poisson_batches(x, expected_batch_size=10, seed=1)
+  a = next(dp.data.poisson_batches(x, expected_batch_size=100).as_numpy_iterator())
+  b = next(dp.data.poisson_batches(x, expected_batch_size=100).as_numpy_iterator())
+  assert not np.array_equal(a[1], b[1]) or not np.array_equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(expected_batch_size=0), "expected_batch_size"),
+    (dict(expected_batch_size=200), "expected_batch_size"),
+    (dict(expected_batch_size=10, steps_per_epoch=0), "steps_per_epoch"),
+    (dict(expected_batch_size=10, max_batch_size=0), "max_batch_size"),
+])
+def test_bad_arguments(kw, match):
+  with pytest.raises(ValueError, match=match):
+    dp.data.poisson_batches(np.ones([100, 2]), **kw)
+
+
+def test_mismatched_lengths():
+  with pytest.raises(ValueError, match="same number of records"):
+    dp.data.poisson_batches(np.ones([10, 2]), np.ones([9]), expected_batch_size=2)
+
+
+def test_shuffled_batches_spec():
+  ds = dp.data.shuffled_batches(np.ones([100, 2]), np.zeros(100), batch_size=32)
+  spec = dp.data.get_sampling_spec(ds)
+  assert spec.policy == "shuffle" and spec.sample_size == 32
+  assert sum(b[0].shape[0] for b in ds.as_numpy_iterator()) == 100

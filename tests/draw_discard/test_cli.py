@@ -1,0 +1,33 @@
+"""tf-dpiter-ddml command line (privacy statement, example specs) and argument validation."""
+
+import json
+
+import pytest
+
+from tf_dpiter.draw_discard import cli, glm
+
+
+def test_privacy_command_prints_three_adversaries(capsys):
+  assert cli.main(["privacy", "--epsilon", "log(32)", "--k", "20", "--T", "1000"]) == 0
+  out = capsys.readouterr().out
+  assert "adversary I " in out and "adversary II " in out and "adversary III" in out
+  assert "1.646" in out  # 19/40 * ln 32
+
+
+@pytest.mark.parametrize("kind,n", [("known-weights", 33), ("dense", 387)])
+def test_example_spec_roundtrips(capsys, kind, n):
+  cli.main(["example-spec", "--kind", kind, "--num-weights", str(n)])
+  spec = glm.ModelSpec.from_json(capsys.readouterr().out)
+  assert spec.num_weights == n
+
+
+def test_serve_requires_model():
+  with pytest.raises(SystemExit):
+    cli.main(["serve"])
+
+
+def test_spec_rejects_unknown_key():
+  d = json.loads(cli.known_weights_spec().to_json())
+  d["colour"] = "red"
+  with pytest.raises(ValueError, match="unknown keys"):
+    glm.ModelSpec.from_dict(d)

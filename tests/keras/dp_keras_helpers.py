@@ -1,0 +1,51 @@
+"""Shared builders and an independent per-example reference for the Keras tests."""
+
+import numpy as np
+import tensorflow as tf
+
+
+def set_sampling(model, n):
+  model.optimizer.set_sampling(n, 1.0, "shuffle", n)
+
+
+def one_step_update(model, x, y, sample_weight=None):
+  """Weight change of one private step with SGD(lr=1): -(private gradient)."""
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  model.train_on_batch(x, y, sample_weight=sample_weight)
+  return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
+
+
+def reference_gradient(model, loss_obj, x, y, clip, num_microbatches=None, reg=True):
+  """Mean of clipped per-record gradients, computed by an independent Python loop.
+
+  Record j of a batch of B holds examples {i : i mod M == j} (one example if M is None).
+  """
+  leaves = tf.nest.flatten(x)
+  b = int(leaves[0].shape[0])
+  m = b if num_microbatches is None else num_microbatches
+  groups = [list(range(j, b, m)) for j in range(m)]
+  total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+  for idx in groups:
+    xi = tf.nest.map_structure(lambda a: tf.gather(a, idx), x)
+    yi = tf.gather(y, idx)
+    with tf.GradientTape() as tape:
+      pred = model(xi, training=True)
+      loss = loss_obj(yi, pred)
+      if reg and model.losses:
+        loss = loss + tf.add_n(model.losses)
+    g = tape.gradient(loss, model.trainable_variables,
+                      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    g = [tf.convert_to_tensor(t).numpy().astype(np.float64) for t in g]
+    norm = np.sqrt(sum(float(np.sum(t * t)) for t in g))
+    f = min(1.0, clip / max(norm, 1e-30))
+    total = [a + f * t for a, t in zip(total, g)]
+  return [t / m for t in total]
+
+
+def nonprivate_gradient(model, loss_obj, x, y):
+  with tf.GradientTape() as tape:
+    loss = loss_obj(y, model(x, training=True))
+    if model.losses:
+      loss = loss + tf.add_n(model.losses)
+  return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(
+      loss, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)]

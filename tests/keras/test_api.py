@@ -1,0 +1,187 @@
+"""Optimizer classes, wrapping, serialization, make_private, callbacks, fast-clipping hook."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter import accounting
+from tf_dpiter import dp_query
+from tf_dpiter import ledger as ledger_lib
+import dp_keras_helpers as helpers
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _data(n=64, seed=0):
+  rng = np.random.RandomState(seed)
+  return rng.randn(n, 6).astype("float32"), rng.randint(0, 3, n)
+
+
+def _seq():
+  keras.utils.set_random_seed(0)
+  return dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu"),
+                                keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("name,base", [("SGD", keras.optimizers.SGD), ("Adam", keras.optimizers.Adam),
+                                       ("Adagrad", keras.optimizers.Adagrad),
+                                       ("RMSprop", keras.optimizers.RMSprop),
+                                       ("AdamW", keras.optimizers.AdamW)])
+def test_ready_made_classes_train_and_round_trip_config(name, base):
+  cls = getattr(dp.keras, f"DPKeras{name}Optimizer")
+  assert issubclass(cls, base)
+  opt = cls(l2_norm_clip=1.5, noise_multiplier=0.7, num_microbatches=None, learning_rate=0.01)
+  cfg = opt.get_config()
+  again = cls.from_config(cfg)
+  assert (again.l2_norm_clip, again.noise_multiplier, again.num_microbatches) == (1.5, 0.7, None)
+  assert float(again.learning_rate.numpy()) == pytest.approx(0.01)
+  x, y = _data()
+  model = _seq()
+  model.compile(optimizer=opt, loss=LOSS)
+  model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  assert int(model.ledger.sample_count.numpy()) == 2
+
+
+def test_make_dp_optimizer_class_on_user_class():
+  class MySGD(keras.optimizers.SGD):
+    pass
+  cls = dp.keras.make_dp_optimizer_class(MySGD)
+  assert issubclass(cls, MySGD) and cls.__name__ == "DPMySGD"
+  assert dp.keras.make_dp_optimizer_class(MySGD) is cls
+  with pytest.raises(ValueError, match="cls"):
+    dp.keras.make_dp_optimizer_class(int)
+
+
+def test_model_save_load_keeps_dp_settings(tmp_path):
+  x, y = _data()
+  model = _seq()
+  model.compile(optimizer=dp.keras.DPKerasAdamOptimizer(1.2, 0.9, 4, learning_rate=1e-3,
+                                                        max_physical_batch_size=16),
+                loss=LOSS, metrics=["accuracy"])
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  path = os.path.join(tmp_path, "m.keras")
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  assert isinstance(loaded, dp.keras.DPSequential)
+  opt = loaded.optimizer
+  assert isinstance(opt, dp.keras.DPKerasAdamOptimizer)
+  assert (opt.l2_norm_clip, opt.noise_multiplier, opt.num_microbatches,
+          opt.max_physical_batch_size) == (1.2, 0.9, 4, 16)
+  np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5)
+  loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert int(loaded.ledger.sample_count.numpy()) == 4
+
+
+def test_dp_optimizer_wrapper_with_nested_query():
+  x, y = _data()
+  model = _seq()
+  model(x)
+  queries = [dp_query.GaussianSumQuery(0.5, 0.0, seed=1) for _ in model.trainable_variables]
+  opt = dp.keras.DPOptimizer(keras.optimizers.RMSprop(1e-3), dp_query=dp_query.NestedQuery(queries))
+  assert isinstance(opt, keras.optimizers.RMSprop)
+  assert float(opt.learning_rate.numpy()) == pytest.approx(1e-3)
+  model.compile(optimizer=opt, loss=LOSS)
+  model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  d = model.ledger.to_dict()
+  assert d["num_samples"] == 2 and len(d["runs"][0]["queries"]) == 4
+  with pytest.raises(ValueError, match="dp_query"):
+    opt.get_config()
+  with pytest.raises(ValueError, match="not both"):
+    dp.keras.DPOptimizer(keras.optimizers.SGD(), l2_norm_clip=1.0, noise_multiplier=1.0,
+                         dp_query=dp_query.NestedQuery(queries))
+
+
+class _Sub(keras.Model):
+  def __init__(self, **kw):
+    super().__init__(**kw)
+    self.d1 = keras.layers.Dense(4, activation="relu")
+    self.d2 = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.d2(self.d1(x))
+
+
+@pytest.mark.parametrize("kind", ["functional", "subclassed"])
+def test_make_private_exact(kind):
+  x, y = _data(8, seed=3)
+  keras.utils.set_random_seed(0)
+  if kind == "functional":
+    inp = keras.Input((6,))
+    model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(4, activation="relu")(inp)))
+  else:
+    model = _Sub()
+  model = dp.keras.make_private(model)
+  assert isinstance(model, dp.keras.DPModelMixin)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(0.05, 0.0, learning_rate=1.0,
+                                                       clipping="vectorized"), loss=LOSS)
+  model(x)
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  helpers.set_sampling(model, 8)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+def test_auto_clipping_uses_fast_clipping_when_supported():
+  fc = pytest.importorskip("tf_dpiter.keras.fast_clipping")
+  x, y = _data(8, seed=4)
+  model = _seq()
+  opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, learning_rate=1.0)   # clipping="auto"
+  model.compile(optimizer=opt, loss=LOSS)
+  model(x)
+  assert fc.supports(model)
+  assert opt.resolve_clipping(model) == "fast"
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  helpers.set_sampling(model, 8)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+  assert dp.keras.DPKerasSGDOptimizer(0.05, 0.0, 2).resolve_clipping(model) == "vectorized"
+
+
+def test_privacy_meter_and_ledger_export(tmp_path):
+  x, y = _data(200)
+  model = _seq()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
+  path = os.path.join(tmp_path, "ledger.json")
+  hist = model.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=2,
+                   verbose=0, callbacks=[dp.keras.callbacks.PrivacyMeter(delta=1e-5),
+                                         dp.keras.callbacks.LedgerExport(path)])
+  eps = hist.history["epsilon"]
+  assert len(eps) == 2 and 0 < eps[0] < eps[1]
+  assert hist.history["delta"] == [1e-5, 1e-5]
+  assert eps[1] == pytest.approx(accounting.epsilon(model.ledger, 1e-5))
+  with open(path) as f:
+    assert json.load(f)["num_samples"] == 20
+  assert ledger_lib.PrivacyLedger.load_json(path).sample_count.numpy() == 20
+
+
+@pytest.mark.parametrize("spe", [1, 2])
+def test_stop_at_privacy_budget(spe):
+  x, y = _data(200)
+  model = _seq()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS,
+                steps_per_execution=spe)
+  # budget: epsilon of 12 such steps, so training must stop at step 12
+  budget = accounting.compute_dp_sgd_privacy(200, 20, 1.0, 12 * 20 / 200, 1e-5).epsilon * 1.0001
+  cb = dp.keras.callbacks.StopAtPrivacyBudget(epsilon=budget, delta=1e-5)
+  model.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=20, verbose=0,
+            callbacks=[cb])
+  steps = int(model.ledger.sample_count.numpy())
+  assert steps == 12 or (spe == 2 and steps in (11, 12))
+  assert accounting.epsilon(model.ledger, 1e-5) <= budget
+  # one more step (or execution) would have exceeded the budget
+  d = model.ledger.to_dict()
+  d["runs"][-1]["count"] += spe
+  d["num_samples"] += spe
+  assert accounting.epsilon(d, 1e-5) > budget
+  # a budget too small for even one step: no step is taken
+  model2 = _seq()
+  model2.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS)
+  model2.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=2, verbose=0,
+             callbacks=[dp.keras.callbacks.StopAtPrivacyBudget(epsilon=0.01, delta=1e-5)])
+  assert int(model2.ledger.sample_count.numpy()) == 0

@@ -1,0 +1,175 @@
+"""With noise 0 the DP gradient is the mean of clipped per-record gradients (exactness)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpiter as dp
+import dp_keras_helpers as helpers
+
+B = 8
+
+
+def _data(kind, rng):
+  if kind == "dense":
+    return rng.randn(B, 6).astype("float32"), rng.randint(0, 3, B)
+  if kind == "conv":
+    return rng.randn(B, 8, 8, 2).astype("float32"), rng.randint(0, 3, B)
+  if kind in ("embedding", "lstm", "gru"):
+    return rng.randint(0, 20, (B, 5)).astype("int32"), rng.randint(0, 3, B)
+  if kind == "multi_input":
+    return {"a": rng.randn(B, 4).astype("float32"), "b": rng.randn(B, 3).astype("float32")}, \
+        rng.randint(0, 3, B)
+  raise ValueError(kind)
+
+
+def _model(kind):
+  keras.utils.set_random_seed(1)
+  if kind == "dense":
+    return dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
+                                  keras.layers.Dense(3)])
+  if kind == "conv":
+    return dp.keras.DPSequential([keras.Input((8, 8, 2)), keras.layers.Conv2D(3, 3, activation="relu"),
+                                  keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                                  keras.layers.Dense(3)])
+  if kind == "embedding":
+    return dp.keras.DPSequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+  if kind in ("lstm", "gru"):
+    # LSTM: default while_loop (sequential fallback); GRU: unroll=True (vectorized).
+    rnn = keras.layers.LSTM(4) if kind == "lstm" else keras.layers.GRU(4, unroll=True)
+    return dp.keras.DPSequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  rnn, keras.layers.Dense(3)])
+  if kind == "multi_input":
+    a = keras.Input((4,), name="a")
+    b = keras.Input((3,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(4, activation="relu")(a),
+                                    keras.layers.Dense(2)(b)])
+    return dp.keras.make_private(keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h)))
+  raise ValueError(kind)
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _compile(model, clip, m=None, jit=False, **kw):
+  opt = dp.keras.DPKerasSGDOptimizer(clip, 0.0, m, learning_rate=1.0, clipping="vectorized", **kw)
+  model.compile(optimizer=opt, loss=LOSS, jit_compile=jit)
+  return model
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv", "embedding", "lstm", "gru", "multi_input"])
+def test_equals_mean_of_clipped_per_example_gradients(kind):
+  rng = np.random.RandomState(0)
+  x, y = _data(kind, rng)
+  model = _compile(_model(kind), clip=0.05)
+  model(x)  # build
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  helpers.set_sampling(model, B)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+  # the clip was active: some per-example norm exceeded it
+  assert max(np.abs(r).max() for r in ref) > 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "conv"])
+def test_infinite_clip_zero_noise_equals_nonprivate(kind):
+  rng = np.random.RandomState(1)
+  x, y = _data(kind, rng)
+  model = _compile(_model(kind), clip=float("inf"))
+  model(x)
+  ref = helpers.nonprivate_gradient(model, LOSS, x, y)
+  helpers.set_sampling(model, B)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("m", [B // 4, 3])
+def test_microbatches_mean_then_clip(m):
+  # m = B/4: mean within each microbatch, then clip (seed 002, Table 1); m = 3 does not
+  # divide B = 8: example i goes to microbatch i mod m, no reshape error.
+  rng = np.random.RandomState(2)
+  x, y = _data("dense", rng)
+  model = _compile(_model("dense"), clip=0.05, m=m)
+  model(x)
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05, num_microbatches=m)
+  per_example = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  helpers.set_sampling(model, B)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+  assert max(np.abs(a - b).max() for a, b in zip(ref, per_example)) > 1e-4
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_physical_chunks_equal_one_chunk(jit):
+  rng = np.random.RandomState(3)
+  x = rng.randn(10, 6).astype("float32")
+  y = rng.randint(0, 3, 10)
+  model = _compile(_model("dense"), clip=0.05, jit=jit, max_physical_batch_size=5)
+  model(x)
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  helpers.set_sampling(model, 10)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+def test_regularization_is_clipped_with_the_record():
+  rng = np.random.RandomState(4)
+  x, y = _data("dense", rng)
+  keras.utils.set_random_seed(1)
+  model = dp.keras.DPSequential([
+      keras.Input((6,)), keras.layers.Dense(5, kernel_regularizer=keras.regularizers.L2(0.5)),
+      keras.layers.Dense(3)])
+  _compile(model, clip=0.05)
+  model(x)
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05, reg=True)
+  helpers.set_sampling(model, B)
+  got = helpers.one_step_update(model, x, y)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+  # every record's gradient (data + penalty) is clipped: the update norm is <= clip
+  assert np.sqrt(sum(float(np.sum(g * g)) for g in got)) <= 0.05 * (1 + 1e-5)
+
+
+def test_padding_rows_contribute_nothing():
+  rng = np.random.RandomState(5)
+  x, y = _data("dense", rng)
+  w = np.array([1, 1, 1, 1, 1, 0, 0, 0], "float32")
+  model = _compile(_model("dense"), clip=0.05)
+  model(x)
+  ref = helpers.reference_gradient(model, LOSS, x[:5], y[:5], clip=0.05)
+  helpers.set_sampling(model, B)
+  got = helpers.one_step_update(model, x, y, sample_weight=w)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+def test_custom_loop_compute_private_gradients_both_forms():
+  rng = np.random.RandomState(6)
+  x, y = _data("dense", rng)
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
+                            keras.layers.Dense(3)])
+  opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, learning_rate=1.0)
+  opt.set_sampling(B, 1.0, "shuffle", B)
+  ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05)
+  vector_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  g1 = opt.compute_private_gradients(lambda d: vector_loss(d[1], model(d[0])),
+                                     model.trainable_variables, data=(x, y))
+  g2 = opt.compute_private_gradients(lambda: vector_loss(y, model(x)), model.trainable_variables)
+  for a, b, r in zip(g1, g2, ref):
+    np.testing.assert_allclose(a.numpy(), r, rtol=2e-4, atol=2e-6)
+    np.testing.assert_allclose(b.numpy(), r, rtol=2e-4, atol=2e-6)
+  # minimize with a tape and a vector loss updates the weights by -lr * gradient
+  before = [v.numpy().copy() for v in model.trainable_variables]
+  with tf.GradientTape(persistent=True) as tape:
+    losses = vector_loss(y, model(x))
+  opt.minimize(losses, model.trainable_variables, tape=tape)
+  for b0, v, r in zip(before, model.trainable_variables, ref):
+    np.testing.assert_allclose(b0 - v.numpy(), r, rtol=2e-4, atol=2e-6)
+  assert int(opt.ledger.sample_count.numpy()) == 3

@@ -1,0 +1,33 @@
+"""The MNIST tutorial runs end to end (on a small synthetic keras-layout npz) and ends with
+its JSON summary line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_tutorial_quick_on_small_data(tmp_path):
+  rng = np.random.RandomState(0)
+  path = os.path.join(tmp_path, "mnist_small.npz")
+  y_tr = rng.randint(0, 10, 600).astype("uint8")
+  x_tr = (rng.rand(600, 28, 28) * 60 + y_tr[:, None, None] * 19).astype("uint8")
+  y_te = rng.randint(0, 10, 200).astype("uint8")
+  x_te = (rng.rand(200, 28, 28) * 60 + y_te[:, None, None] * 19).astype("uint8")
+  np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tutorials", "mnist_dpsgd_keras.py"), "--quick",
+       "--data_path", path, "--batch_size", "64", "--verbose", "0",
+       "--ledger_path", os.path.join(tmp_path, "ledger.json")],
+      capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert set(out) >= {"test_accuracy", "epsilon", "delta", "epochs", "seconds"}
+  assert out["epochs"] == 2 and out["delta"] == 1e-5
+  assert 0 < out["epsilon"] < 100 and 0 <= out["test_accuracy"] <= 1
+  with open(os.path.join(tmp_path, "ledger.json")) as f:
+    assert json.load(f)["num_samples"] == out["steps"] > 0
