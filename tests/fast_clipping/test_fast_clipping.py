@@ -1,0 +1,347 @@
+"""Exactness of fast per-example clipping against an independent loop.
+
+The reference computes each example's gradient with its own tf.GradientTape
+on model(x[i:i+1]) and clips it in NumPy (float64 sums). Tolerances are float32
+round-off (relative 1e-4 on norms, 1e-4 of the largest entry on gradients):
+nothing here is random beyond fixed-seed inputs.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+from tf_dpiter.keras import fast_clipping as fc
+from tf_dpiter.keras.fast_clipping import clipping
+from tf_dpiter.keras.fast_clipping import registry
+
+L = keras.layers
+B = 5
+VARIANTS = ("bookkeeping", "two_pass")
+
+
+def mse(y_true, y_pred):
+  y_pred = tf.reshape(y_pred, [tf.shape(y_pred)[0], -1])
+  return tf.reduce_sum(tf.square(y_true - y_pred), axis=-1)
+
+
+def reference(model, x, y, loss_fn, clip, mask=None):
+  variables = model.trainable_variables
+  total = [np.zeros(v.shape, np.float64) for v in variables]
+  norms = []
+  for i in range(B):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(y[i:i + 1], model(x[i:i + 1], training=True))[0]
+    grads = [np.asarray(tf.convert_to_tensor(g), np.float64) if g is not None
+             else np.zeros(v.shape) for g, v in
+             zip(tape.gradient(loss, variables), variables)]
+    if mask is not None and mask[i] == 0:
+      norms.append(0.0)
+      continue
+    n = np.sqrt(sum(np.sum(g * g) for g in grads))
+    norms.append(n)
+    f = min(1.0, clip / n) if n > 0 else 1.0
+    total = [t + f * g for t, g in zip(total, grads)]
+  return total, np.array(norms)
+
+
+def check(model, x, y, loss_fn=mse, variants=VARIANTS, mask=None):
+  _, ref_norms = reference(model, x, y, loss_fn, 1.0)
+  clip = float(np.median(ref_norms))  # some examples clipped, some not
+  ref_grads, ref_norms = reference(model, x, y, loss_fn, clip, mask)
+  for variant in variants:
+    grads, norms = clipping._clipped_grad_sum(  # pylint: disable=protected-access
+        model, x, y, loss_fn, clip, mask=mask, variant=variant)
+    assert len(grads) == len(model.trainable_variables)
+    np.testing.assert_allclose(norms.numpy(), ref_norms, rtol=1e-4, atol=1e-6)
+    for g, r, v in zip(grads, ref_grads, model.trainable_variables):
+      assert tuple(g.shape) == tuple(v.shape), v.path
+      scale = max(1.0, float(np.max(np.abs(r))))
+      np.testing.assert_allclose(g.numpy(), r, atol=1e-4 * scale, rtol=1e-4,
+                                 err_msg=f"{variant} {v.path}")
+
+
+def data(in_shape, out_dim, seed=0, int_high=None):
+  rng = np.random.default_rng(seed)
+  if int_high is not None:
+    x = tf.constant(rng.integers(0, int_high, (B,) + in_shape), tf.int32)
+  else:
+    x = tf.constant(rng.normal(size=(B,) + in_shape), tf.float32)
+  y = tf.constant(rng.normal(size=(B, out_dim)), tf.float32)
+  return x, y
+
+
+def seq_model(in_shape, layers, out_dim=3, dtype="float32"):
+  keras.utils.set_random_seed(1)
+  inp = keras.Input(in_shape, dtype=dtype)
+  h = inp
+  for layer in layers:
+    h = layer(h)
+  h = L.Flatten()(h) if len(h.shape) > 2 else h
+  out = L.Dense(out_dim)(h)
+  return keras.Model(inp, out)
+
+
+# (id, input shape, layer factory); the model is layer -> [Flatten] -> Dense.
+LAYER_CASES = [
+    ("dense", (7,), lambda: [L.Dense(5, activation="tanh")]),
+    ("dense_nobias", (7,), lambda: [L.Dense(5, use_bias=False)]),
+    ("dense_seq", (6, 7), lambda: [L.Dense(5, activation="tanh")]),
+    ("dense_seq_4d", (3, 2, 7), lambda: [L.Dense(4, activation="relu")]),
+    ("einsum", (7,), lambda: [L.EinsumDense("ab,bc->ac", 4, bias_axes="c",
+                                            activation="tanh")]),
+    ("einsum_seq", (6, 7), lambda: [L.EinsumDense(
+        "abc,cde->abde", (6, 2, 3), bias_axes="de")]),
+    ("einsum_seq_out", (6, 2, 3), lambda: [L.EinsumDense(
+        "abcd,cde->abe", (6, 4), bias_axes="e")]),
+    ("conv1d_valid", (9, 3), lambda: [L.Conv1D(4, 3, activation="relu")]),
+    ("conv1d_same_s2", (9, 3), lambda: [L.Conv1D(4, 3, strides=2,
+                                                 padding="same")]),
+    ("conv1d_causal_d2", (9, 3), lambda: [L.Conv1D(4, 3, padding="causal",
+                                                   dilation_rate=2)]),
+    ("conv2d_same_s2", (8, 8, 2), lambda: [L.Conv2D(3, 3, strides=2,
+                                                    padding="same",
+                                                    activation="relu")]),
+    ("conv2d_valid", (7, 6, 2), lambda: [L.Conv2D(3, (3, 2))]),
+    ("conv2d_dilated", (8, 8, 2), lambda: [L.Conv2D(3, 3, dilation_rate=2,
+                                                    padding="same")]),
+    ("conv2d_nobias_1x1", (5, 5, 2), lambda: [L.Conv2D(3, 1, use_bias=False)]),
+    ("layernorm", (7,), lambda: [L.Dense(5), L.LayerNormalization()]),
+    ("layernorm_seq", (6, 7), lambda: [L.Dense(5), L.LayerNormalization()]),
+    ("layernorm_2axes", (4, 3, 2), lambda: [L.LayerNormalization(
+        axis=(1, 2))]),
+    ("layernorm_nocenter", (6, 7), lambda: [L.LayerNormalization(
+        center=False)]),
+]
+
+
+# Dense and Conv choose between the Gram and the direct form (Conv also the
+# per-example filter gradient) by cost: test the automatic and forced forms.
+FORMS = {"dense": (None, "gram", "direct"),
+         "conv": (None, "gram", "direct", "filter")}
+FORM_CASES = [(c, f) for c in LAYER_CASES
+              for f in FORMS.get(c[0][:4] if c[0].startswith("conv")
+                                 else c[0].split("_")[0], (None,))]
+
+
+@pytest.mark.parametrize("case,form", FORM_CASES,
+                         ids=[f"{c[0]}-{f}" for c, f in FORM_CASES])
+def test_registered_layer_exact(case, form, monkeypatch):
+  _, in_shape, make = case
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  model = seq_model(in_shape, make())
+  assert fc.unregistered_layers(model) == []
+  x, y = data(in_shape, 3)
+  check(model, x, y)
+
+
+@pytest.mark.parametrize("ids_shape", [(6,), (1,), (2, 3)])
+def test_embedding_exact_with_repeated_ids(ids_shape):
+  # Vocabulary 4 < 6 positions: every example repeats some ids.
+  model = seq_model(ids_shape, [L.Embedding(4, 3)], dtype="int32")
+  x, y = data(ids_shape, 3, int_high=4)
+  assert fc.unregistered_layers(model) == []
+  check(model, x, y)
+
+
+def test_embedding_without_sequence_axis():
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((), dtype="int32")
+  out = L.Dense(3)(L.Embedding(4, 3)(inp))
+  model = keras.Model(inp, out)
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.integers(0, 4, (B,)), tf.int32)
+  y = tf.constant(rng.normal(size=(B, 3)), tf.float32)
+  check(model, x, y)
+
+
+def test_multi_head_attention_through_dense_parts():
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((5, 8))
+  h = L.MultiHeadAttention(2, 4)(inp, inp)
+  h = L.LayerNormalization()(h + inp)
+  out = L.Dense(3)(L.Flatten()(h))
+  model = keras.Model(inp, out)
+  assert fc.unregistered_layers(model) == []
+  x, y = data((5, 8), 3)
+  check(model, x, y)
+
+
+class ScaleShift(L.Layer):
+  """y = x * w + c, unregistered layer with its own weights."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+    self.c = self.add_weight(shape=(input_shape[-1],), initializer="zeros")
+
+  def call(self, x):
+    return tf.sin(x) * self.w + self.c
+
+
+class MyDense(L.Dense):
+  """Subclass that changes the forward: must not inherit Dense's norm."""
+
+  def call(self, inputs, training=None):
+    return super().call(inputs * inputs)
+
+
+def test_mixed_model_exact():
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((6, 4))
+  h = L.Dense(5, activation="tanh")(inp)
+  h = ScaleShift()(h)                      # unregistered, own weights
+  h = L.Conv1D(4, 3, padding="same")(h)
+  h = L.PReLU()(h)                         # unregistered keras layer
+  h = L.GRU(3, return_sequences=True)(h)   # unregistered, recurrent
+  h = MyDense(4)(h)                        # Dense subclass, new forward
+  h = L.LayerNormalization()(h)
+  out = L.Dense(2)(L.Flatten()(h))
+  model = keras.Model(inp, out)
+  unreg = fc.unregistered_layers(model)
+  assert len(unreg) == 4 and any("gru" in n for n in unreg), unreg
+  x, y = data((6, 4), 2)
+  check(model, x, y)
+
+
+def test_shared_layer_called_twice_exact():
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((4,))
+  shared = L.Dense(4, activation="tanh")
+  out = L.Dense(2)(shared(shared(inp)))
+  model = keras.Model(inp, out)
+  x, y = data((4,), 2)
+  check(model, x, y)
+
+
+class Hadamard(L.Layer):
+  """y = x * w (w: [d]); registered by the test with its own norm function."""
+
+  def build(self, input_shape):
+    self.w = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+  def call(self, x):
+    return x * self.w
+
+
+def hadamard_norm_fn(layer, x):
+  y = x * layer.w
+
+  def sqr_norm_fn(dy):  # grad w_i = sum over non-feature axes of dy * x
+    g = tf.reshape(dy * x, [tf.shape(x)[0], -1, x.shape[-1]])
+    return tf.reduce_sum(tf.square(tf.reduce_sum(g, axis=1)), axis=1)
+
+  return y, y, sqr_norm_fn
+
+
+def test_register_user_layer():
+  fc.register_layer(Hadamard, hadamard_norm_fn)
+  model = seq_model((6, 3), [Hadamard(), L.Dense(4, activation="tanh")])
+  assert fc.unregistered_layers(model) == []
+  x, y = data((6, 3), 3)
+  check(model, x, y)
+
+
+def test_sequential_cnn_in_jit_compiled_function_with_mask():
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([
+      keras.Input((10, 10, 1)),
+      L.Conv2D(4, 4, strides=2, padding="same", activation="relu"),
+      L.MaxPool2D(2, 1),
+      L.Conv2D(3, 2, activation="relu"),
+      L.PReLU(),
+      L.Flatten(),
+      L.Dense(5, activation="relu"),
+      L.Dense(3),
+  ])
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.normal(size=(B, 10, 10, 1)), tf.float32)
+  y = tf.constant(rng.integers(0, 3, (B,)), tf.int32)
+
+  def xent(yt, logits):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(yt, logits)
+
+  mask = np.array([1, 0, 1, 1, 0], np.float32)
+  ref_grads, ref_norms = reference(model, x, y, xent, 0.5, mask)
+  fn = tf.function(
+      lambda x, y, m: fc.clipped_grad_sum(model, x, y, xent, 0.5, mask=m),
+      jit_compile=True)
+  grads, norms = fn(x, y, tf.constant(mask))
+  np.testing.assert_allclose(norms.numpy(), ref_norms, rtol=1e-4, atol=1e-6)
+  assert norms.numpy()[1] == 0 and norms.numpy()[4] == 0
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g.numpy(), r, atol=1e-5, rtol=1e-4)
+
+
+def test_clipped_sum_bounded_by_clip_times_batch():
+  model = seq_model((7,), [L.Dense(5)])
+  x, y = data((7,), 3)
+  y = y * 100.0  # large gradients: every example is clipped
+  grads, norms = fc.clipped_grad_sum(model, x, y, mse, 0.1)
+  assert np.all(norms.numpy() > 0.1)
+  total = np.sqrt(sum(float(tf.reduce_sum(g * g)) for g in grads))
+  assert total <= 0.1 * B * (1 + 1e-5)
+
+
+def test_supports():
+  assert fc.supports(seq_model((7,), [L.Dense(5)]))
+  bn = seq_model((7,), [L.Dense(5), L.BatchNormalization()])
+  assert not fc.supports(bn)
+  with pytest.raises(ValueError, match="BatchNormalization"):
+    fc.clipped_grad_sum(bn, *data((7,), 3), mse, 1.0)
+  unbuilt = keras.Sequential([L.Dense(3)])
+  assert not fc.supports(unbuilt)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_clip_raises(bad):
+  model = seq_model((7,), [L.Dense(5)])
+  with pytest.raises(ValueError, match="l2_norm_clip"):
+    fc.clipped_grad_sum(model, *data((7,), 3), mse, bad)
+
+
+def test_bad_loss_shape_raises():
+  model = seq_model((7,), [L.Dense(5)])
+  with pytest.raises(ValueError, match="per_example_loss_fn"):
+    fc.clipped_grad_sum(model, *data((7,), 3),
+                        lambda yt, yp: tf.reduce_sum(mse(yt, yp)), 1.0)
+
+
+def test_register_layer_validates():
+  with pytest.raises(ValueError, match="layer_class"):
+    fc.register_layer(int, hadamard_norm_fn)
+  with pytest.raises(ValueError, match="norm_fn"):
+    fc.register_layer(Hadamard, 3)
+
+
+def test_unregistered_layer_with_dropout_is_refused():
+  model = seq_model((6, 3), [L.GRU(4, dropout=0.5)])
+  assert not fc.supports(model)
+  with pytest.raises(ValueError, match="dropout"):
+    fc.clipped_grad_sum(model, *data((6, 3), 3), mse, 1.0)
+
+
+def test_registered_layers_with_dropout_layer_between():
+  # Dropout as its own layer is fine: the forward runs once.
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((5, 8))
+  h = L.MultiHeadAttention(2, 4, dropout=0.3)(inp, inp)
+  h = L.Dropout(0.5)(h)
+  out = L.Dense(3)(L.Flatten()(h))
+  model = keras.Model(inp, out)
+  assert fc.supports(model) and fc.unregistered_layers(model) == []
+  grads, norms = fc.clipped_grad_sum(model, *data((5, 8), 3), mse, 0.1)
+  total = np.sqrt(sum(float(tf.reduce_sum(g * g)) for g in grads))
+  assert total <= 0.1 * B * (1 + 1e-5) and norms.shape == (B,)
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_sum_of_replicas_equals_single_device():
+  # Needs a fresh process (two logical CPU devices are set before TF starts).
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  script = os.path.join(os.path.dirname(__file__), "mirrored_check.py")
+  res = subprocess.run([sys.executable, script], capture_output=True,
+                       text=True, timeout=900, check=False)
+  last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+  assert res.returncode == 0 and last.startswith("OK"), (last, res.stderr[-2000:])
