@@ -23,7 +23,8 @@ setup(
         "redis>=5",         # Draw-and-Discard shared k-instance store
     ],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "scipy", "matplotlib"],
+        "test": ["pytest", "pytest-xdist", "scipy", "matplotlib", "flwr>=1.38,<1.39"],
+        "flower": ["flwr>=1.38,<1.39"],
     },
     entry_points={
         "console_scripts": [

@@ -33,6 +33,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 import tensorflow as tf
 import keras
 
+from tf_dpiter.keras import example_models
+
 from tf_dpiter.keras.fast_clipping import clipping  # pylint: disable=g-import-not-at-top
 
 BATCH = {"cnn": 256, "mlp": 256, "transformer": 64}
@@ -43,36 +45,12 @@ LEARNING_RATE = 0.1
 
 def build_model(name):
   keras.utils.set_random_seed(0)
-  L = keras.layers
   if name == "cnn":  # TF Privacy tutorial (mnist_dpsgd_tutorial_keras).
-    model = keras.Sequential([
-        keras.Input((28, 28, 1)),
-        L.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-        L.MaxPool2D(2, 1),
-        L.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
-        L.MaxPool2D(2, 1),
-        L.Flatten(),
-        L.Dense(32, activation="relu"),
-        L.Dense(10),
-    ])
+    model = keras.Sequential(example_models.mnist_cnn_layers())
   elif name == "mlp":
-    model = keras.Sequential([
-        keras.Input((784,)),
-        L.Dense(512, activation="relu"),
-        L.Dense(10),
-    ])
+    model = keras.Sequential(example_models.mlp_layers())
   elif name == "transformer":
-    ids = keras.Input((128,), dtype="int32")
-    h = L.Embedding(10000, 128)(ids)
-    for _ in range(2):
-      a = L.MultiHeadAttention(num_heads=4, key_dim=32)(h, h)
-      h = L.LayerNormalization()(h + a)
-      f = L.Dense(256, activation="relu")(h)
-      f = L.Dense(128)(f)
-      h = L.LayerNormalization()(h + f)
-    h = L.GlobalAveragePooling1D()(h)
-    out = L.Dense(2)(h)
-    model = keras.Model(ids, out)
+    model = example_models.transformer_encoder()
   else:
     raise ValueError(f"model must be cnn, mlp or transformer, got {name!r}")
   return model

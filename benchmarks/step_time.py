@@ -29,16 +29,9 @@ import tf_dpiter as dp  # noqa: E402
 
 def make_model(kind, private):
   if kind == "cnn":   # TF Privacy's MNIST tutorial CNN
-    layers = [keras.Input((28, 28, 1)),
-              keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-              keras.layers.MaxPooling2D(2, 1),
-              keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
-              keras.layers.MaxPooling2D(2, 1),
-              keras.layers.Flatten(),
-              keras.layers.Dense(32, activation="relu"),
-              keras.layers.Dense(10)]
+    layers = dp.keras.example_models.mnist_cnn_layers()
   else:               # 784-512-10 MLP
-    layers = [keras.Input((784,)), keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)]
+    layers = dp.keras.example_models.mlp_layers()
   return dp.keras.DPSequential(layers) if private else keras.Sequential(layers)
 
 

@@ -41,16 +41,7 @@ def load_mnist(path):
 
 def make_cnn():
   """TF Privacy's MNIST tutorial CNN: conv 16x8x8/2, pool, conv 32x4x4/2, pool, dense 32, 10."""
-  return dp.keras.DPSequential([
-      keras.Input((28, 28, 1)),
-      keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-      keras.layers.MaxPooling2D(2, 1),
-      keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
-      keras.layers.MaxPooling2D(2, 1),
-      keras.layers.Flatten(),
-      keras.layers.Dense(32, activation="relu"),
-      keras.layers.Dense(10),
-  ])
+  return dp.keras.DPSequential(dp.keras.example_models.mnist_cnn_layers())
 
 
 def main(argv=None):

@@ -13,23 +13,11 @@ from typing import List, Tuple
 import dp_accounting as dpa
 import numpy as np
 
+from tf_dpiter.dp_query.events import eq1_noise_multiplier
 from tf_dpiter.ledger import privacy_ledger as pl
 
 ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dpa.NeighboringRelation.REPLACE_ONE
-
-
-def eq1_noise_multiplier(clips, stddevs):
-  """Eq. (1): z = (sum_g (S_g / sigma~_g)^2)^(-1/2). Groups with S_g = 0 cost nothing;
-  S_g > 0 with sigma~_g = 0 gives z = 0 (no privacy); no costly group gives z = inf."""
-  inv = 0.0
-  for s, sd in zip(clips, stddevs):
-    if s == 0:
-      continue
-    if sd == 0:
-      return 0.0
-    inv += (s / sd) ** 2
-  return math.inf if inv == 0 else inv ** -0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +33,15 @@ class SampleGroup:
   non_private: bool
 
 
+def _round_down(z, digits=12):
+  """z rounded down to `digits` significant digits: merges samples whose Eq. (1) multiplier
+  differs only by float rounding (e.g. adaptive clips), erring on the costly side."""
+  if z == 0 or not math.isfinite(z):
+    return z
+  scale = 10.0 ** (digits - 1 - math.floor(math.log10(z)))
+  return math.floor(z * scale) / scale
+
+
 def groups_from_runs(runs) -> List[SampleGroup]:
   """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups."""
   merged = {}
@@ -52,7 +49,7 @@ def groups_from_runs(runs) -> List[SampleGroup]:
     kinds = qs[:, 1] if len(qs) else np.zeros(0)
     g = qs[kinds == pl.GAUSSIAN]
     lap = qs[kinds == pl.LAPLACE]
-    z = eq1_noise_multiplier(g[:, 2], g[:, 3])
+    z = _round_down(eq1_noise_multiplier(g[:, 2], g[:, 3]))
     key = (pl.policy_name(s[3]), float(s[0]), float(s[1]), float(s[2]), z,
            tuple(sorted(float(b / c) for c, b in lap[:, 2:4])),
            bool(np.any(kinds == pl.NON_PRIVATE)) or z == 0.0)

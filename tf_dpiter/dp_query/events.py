@@ -6,6 +6,7 @@ post-processing (averaging, rescaling) the query applies afterwards. Fields may 
 tensors, so that adaptive queries can report the clip they actually used.
 """
 
+import math
 from typing import Any, NamedTuple
 
 
@@ -26,6 +27,22 @@ class LaplaceSumEvent(NamedTuple):
 
 class NonPrivateEvent(NamedTuple):
   """A query that releases data without a guarantee: epsilon = infinity."""
+
+
+def eq1_noise_multiplier(clips, stddevs):
+  """Seed 002, Eq. (1): z = (sum_g (S_g / sigma~_g)^2)^(-1/2) over one sample's Gaussian queries.
+
+  Groups with S_g = 0 cost nothing; S_g > 0 with sigma~_g = 0 gives z = 0 (no privacy);
+  no costly group gives z = inf.
+  """
+  inv = 0.0
+  for s, sd in zip(clips, stddevs):
+    if s == 0:
+      continue
+    if sd == 0:
+      return 0.0
+    inv += (s / sd) ** 2
+  return math.inf if inv == 0 else inv ** -0.5
 
 
 def is_event(x) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import normalized_query
 from tf_dpiter.dp_query import validation
@@ -116,16 +117,7 @@ def dimension_adjusted_noise(noise_multiplier, clips, dims):
   return [noise_multiplier * math.sqrt(total / d) * s for s, d in zip(clips, dims)]
 
 
-def effective_noise_multiplier(clips, stddevs):
-  """Eq. (1): z = (sum_g (S_g / sigma~_g)^2)^(-1/2). sigma~_g = 0 with S_g > 0 gives z = 0."""
-  total = 0.0
-  for s, sd in zip(clips, stddevs):
-    if s == 0:
-      continue
-    if sd == 0:
-      return 0.0
-    total += (s / sd) ** 2
-  return math.inf if total == 0 else total ** -0.5
+effective_noise_multiplier = events_lib.eq1_noise_multiplier
 
 
 def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping="per_layer",

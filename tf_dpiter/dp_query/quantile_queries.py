@@ -31,7 +31,7 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
 
   _GlobalState = collections.namedtuple(
       "_GlobalState", ["current_estimate", "target_quantile", "learning_rate",
-                       "below_estimate_stddev"])
+                       "below_estimate_stddev", "expected_num_records"])
 
   def __init__(self, initial_estimate, target_quantile, learning_rate, below_estimate_stddev,
                expected_num_records, geometric_update=True, seed=None, generator=None):
@@ -51,7 +51,14 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
   def initial_global_state(self):
     f = lambda x: tf.cast(x, tf.float32)
     return self._GlobalState(f(self._initial_estimate), f(self._target_quantile),
-                             f(self._learning_rate), f(self._below_estimate_stddev))
+                             f(self._learning_rate), f(self._below_estimate_stddev),
+                             f(self._expected_num_records))
+
+  @staticmethod
+  def set_expected_num_records(global_state, expected_num_records):
+    """Global state with a new expected sample size (e.g. a schedule of m_t clients)."""
+    validation.check_positive("expected_num_records", expected_num_records)
+    return global_state._replace(expected_num_records=tf.cast(expected_num_records, tf.float32))
 
   def derive_sample_params(self, global_state):
     return global_state.current_estimate
@@ -67,7 +74,7 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     """New global state from the (un-noised) sum of b values; returns (state, event)."""
     noised = gaussian_query.add_gaussian_noise(self._generator, below_sum,
                                                global_state.below_estimate_stddev)
-    denom = tf.cast(self._expected_num_records, tf.float32)
+    denom = global_state.expected_num_records
     below_fraction = tf.clip_by_value(noised / denom + 0.5, 0.0, 1.0)
     step = global_state.learning_rate * (below_fraction - global_state.target_quantile)
     if self._geometric_update:
@@ -120,6 +127,11 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   @property
   def noise_multiplier(self):
     return self._noise_multiplier
+
+  def set_expected_num_records(self, global_state, expected_num_records):
+    """Global state whose quantile estimator expects `expected_num_records` records."""
+    return global_state._replace(quantile_state=self._quantile.set_expected_num_records(
+        global_state.quantile_state, expected_num_records))
 
   def initial_global_state(self):
     qstate = self._quantile.initial_global_state()

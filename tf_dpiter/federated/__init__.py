@@ -12,6 +12,7 @@ from tf_dpiter.federated.data import load_mnist
 from tf_dpiter.federated.data import partition_iid
 from tf_dpiter.federated.data import partition_noniid_shards
 from tf_dpiter.federated.dpfedavg import DPFedAvg
+from tf_dpiter.federated.dpfedavg import DPServer
 from tf_dpiter.federated.dpfedavg import QUERY_KINDS
 from tf_dpiter.federated.dpfedavg import RoundReport
 from tf_dpiter.federated.dpfedavg import RunReport

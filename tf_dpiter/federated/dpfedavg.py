@@ -97,13 +97,14 @@ def make_query(kind="quantile", noise_multiplier=1.0, clients_per_round=100, l2_
   """The aggregation DPQuery of a round (records: flat client updates).
 
   kind: "quantile" (default; private adaptive clip, Andrew et al. 2021, starting at
-  `l2_norm_clip`, count noise clipped_count_stddev = m/20 unless given; noise_multiplier is
+  `l2_norm_clip`, count noise clipped_count_stddev = max(m/20, z) unless given; z is
   the total z), "fixed" (GaussianSumQuery with clip S, stddev z S), "median" (seed 003's
   median-norm clip: NOT private) or "none" (plain sum, epsilon = infinity).
   """
   if kind == "quantile":
     m = float(clients_per_round)
-    cstd = m / 20.0 if clipped_count_stddev is None else clipped_count_stddev
+    # Andrew et al. suggest m/20; at least z so that the count takes <= 1/4 of the budget.
+    cstd = max(m / 20.0, noise_multiplier) if clipped_count_stddev is None else clipped_count_stddev
     return dpq.QuantileAdaptiveClipSumQuery(
         initial_l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
         target_unclipped_quantile=target_unclipped_quantile, learning_rate=clip_learning_rate,
@@ -187,6 +188,205 @@ def update_statistics(records, mask):
   return tf.reduce_mean(var), tf.reduce_mean(tf.square(mu))
 
 
+class DPServer:
+  """Server side of client-level DP federated averaging, shared by the simulation
+  (`DPFedAvg`) and the Flower strategy: it owns w_t, the DPQuery wrapped in
+  `QueryWithLedger`, the ledger, the budget look-ahead and the server optimizer.
+
+  Args:
+    query: the inner DPQuery (records: flat updates [d]).
+    initial_weights: flat float32 vector w_0 [d].
+    population_size: K; clients_per_round: m of the first round (for the ledger).
+    sampling, fixed_epsilon, max_delta, fixed_delta, max_epsilon, accountant,
+    server_learning_rate, server_momentum: as in `DPFedAvg`.
+  """
+
+  def __init__(self, query, initial_weights, population_size, clients_per_round,
+               sampling="fixed_size", fixed_epsilon=None, max_delta=None, fixed_delta=None,
+               max_epsilon=None, accountant="rdp", server_learning_rate=1.0,
+               server_momentum=0.0):
+    if sampling not in SAMPLINGS:
+      raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    if max_delta is not None and fixed_epsilon is None:
+      raise ValueError(f"max_delta={max_delta!r} needs fixed_epsilon (delta is measured at a "
+                       "fixed epsilon)")
+    if max_epsilon is not None and fixed_delta is None:
+      raise ValueError(f"max_epsilon={max_epsilon!r} needs fixed_delta")
+    if fixed_epsilon is not None and fixed_delta is not None:
+      raise ValueError(f"give fixed_epsilon or fixed_delta, not both (got {fixed_epsilon!r}, "
+                       f"{fixed_delta!r})")
+    if fixed_epsilon is not None:
+      dpq.validation.check_positive("fixed_epsilon", fixed_epsilon)
+    if fixed_delta is not None:
+      dpq.validation.check_delta("fixed_delta", fixed_delta)
+    if max_delta is not None:
+      dpq.validation.check_delta("max_delta", max_delta)
+    if max_epsilon is not None:
+      dpq.validation.check_positive("max_epsilon", max_epsilon)
+    if not isinstance(query, dpq.DPQuery):
+      raise ValueError(f"query must be a DPQuery, got {query!r}")
+    self.server_learning_rate = float(server_learning_rate)
+    self.server_momentum = float(server_momentum)
+    if not 0 <= self.server_momentum < 1:
+      raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
+    if not self.server_learning_rate > 0:
+      raise ValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
+    self.population_size = int(population_size)
+    m1 = self.check_clients(clients_per_round, 1)
+    self.inner_query = query
+    self.sampling = sampling
+    self.policy = ledger_lib.FIXED_SIZE if sampling == "fixed_size" else ledger_lib.POISSON
+    self.query = ledger_lib.QueryWithLedger(
+        query, self.population_size, m1 / self.population_size, policy=self.policy,
+        sample_size=m1 if self.policy == ledger_lib.FIXED_SIZE else 0)
+    self.ledger = self.query.ledger
+    self.fixed_epsilon, self.max_delta = fixed_epsilon, max_delta
+    self.fixed_delta, self.max_epsilon = fixed_delta, max_epsilon
+    self.accountant = accountant
+    self.w = tf.Variable(tf.convert_to_tensor(initial_weights, tf.float32), trainable=False)
+    self.v = tf.Variable(tf.zeros_like(self.w), trainable=False)
+    self.dim = int(self.w.shape[0])
+    self._record_spec = tf.TensorSpec([self.dim], tf.float32)
+    self.global_state = self.query.initial_global_state()
+    self._aggregate_fns = {}
+    self.is_median = isinstance(query, queries_lib.MedianNormClipSumQuery)
+    self.is_non_private = isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery))
+
+  def check_clients(self, m, t):
+    if not isinstance(m, (int, np.integer)) or not 1 <= m <= self.population_size:
+      raise ValueError(f"clients_per_round must be in [1, K={self.population_size}] at round "
+                       f"{t}, got {m}")
+    return int(m)
+
+  def begin_round(self, m, noise_multiplier=None, t=None):
+    """Sets the ledger's sampling (n = K, q = m/K, sample size m) and sigma_t for a round."""
+    m = self.check_clients(m, t)
+    q = m / self.population_size
+    if self.policy == ledger_lib.FIXED_SIZE:
+      self.query.set_sampling(self.population_size, q, m)
+    else:
+      self.query.set_sampling(self.population_size, q)
+    if noise_multiplier is not None:
+      self.global_state = queries_lib.set_noise_multiplier(self.inner_query, self.global_state,
+                                                           noise_multiplier)
+    if isinstance(self.inner_query, dpq.QuantileAdaptiveClipSumQuery):
+      # The private quantile's fraction below uses the expected sample size m_t.
+      self.global_state = self.inner_query.set_expected_num_records(self.global_state, m)
+    return m
+
+  def planned_events(self):
+    """Events the next round's query will report: a dry run of the inner query on an empty
+    sample with the current global state (the events of a private query depend on the
+    global state only; for median clipping the last median stands in)."""
+    state = self.inner_query.initial_sample_state(self._record_spec)
+    _, _, events = self.inner_query.get_noised_result(state, self.global_state)
+    return tuple(events)
+
+  def noise_multiplier(self):
+    """Total noise multiplier z of the next round (Eq. (1) of seed 002 over its events)."""
+    events = [e for e in self.planned_events() if isinstance(e, dpq.GaussianSumEvent)]
+    if not events:
+      return 0.0
+    return dpq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                          [float(e.stddev) for e in events])
+
+  def clip(self):
+    """The clip the next round uses (None for queries without one)."""
+    metrics = self.inner_query.derive_metrics(self.global_state)
+    for key in ("clip", "l2_norm_clip"):
+      if key in metrics:
+        return float(metrics[key])
+    return None
+
+  def guarantee(self, ledger=None):
+    """(epsilon, delta) of the ledger from tf_dpiter.accounting; (None, None) if no target."""
+    ledger = self.ledger if ledger is None else ledger
+    if self.fixed_epsilon is not None:
+      return float(self.fixed_epsilon), accounting.delta(ledger, self.fixed_epsilon,
+                                                         accountant=self.accountant)
+    if self.fixed_delta is not None:
+      return accounting.epsilon(ledger, self.fixed_delta, accountant=self.accountant), float(
+          self.fixed_delta)
+    return None, None
+
+  def would_exceed_budget(self, m, t=None):
+    """Accounts the ledger plus a planned round of m clients; a reason string or None."""
+    if self.max_delta is None and self.max_epsilon is None:
+      return None
+    scratch = ledger_lib.PrivacyLedger.from_dict(self.ledger.to_dict())
+    q = m / self.population_size
+    scratch.record_sample(self.population_size, q, self.planned_events(), policy=self.policy,
+                          sample_size=m if self.policy == ledger_lib.FIXED_SIZE else 0)
+    eps, delta = self.guarantee(scratch)
+    label = f"round {t}" if t is not None else "the next round"
+    if self.max_delta is not None and delta > self.max_delta:
+      return (f"{label} would raise delta at epsilon={self.fixed_epsilon} to {delta:.3g} > "
+              f"max_delta={self.max_delta}")
+    if self.max_epsilon is not None and eps > self.max_epsilon:
+      return (f"{label} would raise epsilon at delta={self.fixed_delta} to {eps:.4g} > "
+              f"max_epsilon={self.max_epsilon}")
+    return None
+
+  def _aggregate_fn(self, m):
+    if m not in self._aggregate_fns:
+      query, inner = self.query, self.inner_query
+
+      def aggregate(records, mask, global_state):
+        params = query.derive_sample_params(global_state)
+        state = query.initial_sample_state(self._record_spec)
+        # Accumulation goes to the inner query (QueryWithLedger passes every other method
+        # through, but its accumulate_records assumes a sum-aggregation inner query); the
+        # wrapper's get_noised_result records the sample in the ledger.
+        state = inner.accumulate_records(params, state, records, mask)
+        result, new_state, _ = query.get_noised_result(state, global_state)
+        return result, new_state
+
+      self._aggregate_fns[m] = tf.function(aggregate, reduce_retracing=True)
+    return self._aggregate_fns[m]
+
+  @staticmethod
+  def screen(records):
+    """(records with non-finite rows zeroed, mask [M] of accepted rows, rejected count)."""
+    records = tf.convert_to_tensor(records, tf.float32)
+    finite = tf.reduce_all(tf.math.is_finite(records), axis=1)
+    rejected = int(tf.shape(records)[0]) - int(tf.reduce_sum(tf.cast(finite, tf.int32)))
+    return tf.where(finite[:, None], records, 0.0), tf.cast(finite, tf.float32), rejected
+
+  def apply(self, records, mask, m):
+    """Aggregates the round's records through the query (ledger entry) and steps w.
+
+    The noised sum is divided by the public expected sample size m_t, then
+    v <- beta v + update; w <- w + eta_s v.
+    """
+    noised_sum, self.global_state = self._aggregate_fn(int(m))(records, mask, self.global_state)
+    update = noised_sum / float(m)
+    self.v.assign(self.server_momentum * self.v + update)
+    self.w.assign_add(self.server_learning_rate * self.v)
+    return update
+
+  def privacy_statement(self, diagnostics=False):
+    """(guarantee_holds, statement, warnings) for a run report."""
+    warnings = []
+    holds = not (self.is_median or self.is_non_private)
+    if self.is_median:
+      warnings.append(queries_lib.NOT_PRIVATE_WARNING)
+    if diagnostics:
+      warnings.append("V_c and U_s are computed on raw client updates: simulation "
+                      "diagnostics, not differentially private")
+    if int(self.ledger.sample_count) == 0:
+      statement = "no round run: nothing recorded in the ledger"
+    elif self.fixed_epsilon is not None or self.fixed_delta is not None:
+      kw = ({"epsilon": self.fixed_epsilon} if self.fixed_epsilon is not None
+            else {"delta": self.fixed_delta})
+      statement = str(accounting.privacy_report(self.ledger, accountant=self.accountant, **kw))
+    else:
+      statement = (f"{int(self.ledger.sample_count)} samples recorded; call "
+                   "tf_dpiter.accounting.epsilon(ledger, delta) for the guarantee")
+    if self.is_median:
+      statement = "NOT PRIVATE (median-norm clip): " + statement
+    return holds, statement, tuple(warnings)
+
+
 class DPFedAvg:
   """Client-level DP federated averaging, simulated with vectorized clients.
 
@@ -220,24 +420,6 @@ class DPFedAvg:
                fixed_epsilon=None, max_delta=None, fixed_delta=None, max_epsilon=None,
                accountant="rdp", eval_data=None, initial_params=None, seed=None,
                max_clients_per_chunk=128, diagnostics=True, eval_every=1):
-    if sampling not in SAMPLINGS:
-      raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-    if max_delta is not None and fixed_epsilon is None:
-      raise ValueError(f"max_delta={max_delta!r} needs fixed_epsilon (delta is measured at a "
-                       "fixed epsilon)")
-    if max_epsilon is not None and fixed_delta is None:
-      raise ValueError(f"max_epsilon={max_epsilon!r} needs fixed_delta")
-    if fixed_epsilon is not None and fixed_delta is not None:
-      raise ValueError(f"give fixed_epsilon or fixed_delta, not both (got {fixed_epsilon!r}, "
-                       f"{fixed_delta!r})")
-    if fixed_epsilon is not None:
-      dpq.validation.check_positive("fixed_epsilon", fixed_epsilon)
-    if fixed_delta is not None:
-      dpq.validation.check_delta("fixed_delta", fixed_delta)
-    if max_delta is not None:
-      dpq.validation.check_delta("max_delta", max_delta)
-    if max_epsilon is not None:
-      dpq.validation.check_positive("max_epsilon", max_epsilon)
     if not isinstance(max_clients_per_chunk, int) or max_clients_per_chunk < 1:
       raise ValueError(f"max_clients_per_chunk must be an int >= 1, got {max_clients_per_chunk!r}")
     self.model = model
@@ -246,42 +428,27 @@ class DPFedAvg:
     self._m_schedule = as_schedule("clients_per_round", clients_per_round, integer=True)
     self._z_schedule = (None if noise_multiplier is None
                         else as_schedule("noise_multiplier", noise_multiplier))
-    m1 = self._clients(1)
+    m1 = self._m_schedule(1)
     if query is None:
       z1 = self._z_schedule(1) if self._z_schedule else 1.0
       query = make_query("quantile", z1, m1, seed=seed)
-    if not isinstance(query, dpq.DPQuery):
-      raise ValueError(f"query must be a DPQuery, got {query!r}")
+    params = initial_params if initial_params is not None else model.init_params(seed)
+    self.server = DPServer(query, model.flatten([tf.constant(p) for p in params]),
+                           self.num_clients, m1, sampling=sampling,
+                           fixed_epsilon=fixed_epsilon, max_delta=max_delta,
+                           fixed_delta=fixed_delta, max_epsilon=max_epsilon,
+                           accountant=accountant, server_learning_rate=server_learning_rate,
+                           server_momentum=server_momentum)
     self.inner_query = query
-    policy = ledger_lib.FIXED_SIZE if sampling == "fixed_size" else ledger_lib.POISSON
-    if m1 == self.num_clients and sampling == "fixed_size":
-      policy_q = 1.0
-    else:
-      policy_q = m1 / self.num_clients
-    self.query = ledger_lib.QueryWithLedger(query, self.num_clients, policy_q, policy=policy,
-                                            sample_size=m1 if policy == ledger_lib.FIXED_SIZE else 0)
-    self.ledger = self.query.ledger
+    self.query = self.server.query
+    self.ledger = self.server.ledger
     self.sampling = sampling
     self.local_sgd = client_lib.LocalSGD(model, local_epochs, batch_size, client_learning_rate)
-    self.server_learning_rate = float(server_learning_rate)
-    self.server_momentum = float(server_momentum)
-    if not 0 <= self.server_momentum < 1:
-      raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
-    if not self.server_learning_rate > 0:
-      raise ValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
-    self.fixed_epsilon, self.max_delta = fixed_epsilon, max_delta
-    self.fixed_delta, self.max_epsilon = fixed_delta, max_epsilon
-    self.accountant = accountant
     self.eval_data = eval_data
     self.eval_every = int(eval_every)
     self.diagnostics = diagnostics
     self.max_clients_per_chunk = max_clients_per_chunk
-    params = initial_params if initial_params is not None else model.init_params(seed)
-    self._w = tf.Variable(model.flatten([tf.constant(p) for p in params]), trainable=False)
-    self._v = tf.Variable(tf.zeros_like(self._w), trainable=False)
-    self.dim = int(self._w.shape[0])
-    self._record_spec = tf.TensorSpec([self.dim], tf.float32)
-    self.global_state = self.query.initial_global_state()
+    self.dim = self.server.dim
     self._sample_gen = dpq.make_generator(seed)
     self._order_gen = (tf.random.Generator.from_seed(int(seed) + 1) if seed is not None
                        else tf.random.Generator.from_non_deterministic_state())
@@ -291,115 +458,27 @@ class DPFedAvg:
     self._client_sizes = tf.constant(data.client_sizes)
     self.rounds: List[RoundReport] = []
     self.round_index = 0
-    self._aggregate_fns = {}
-    self.is_median = isinstance(query, queries_lib.MedianNormClipSumQuery)
-    self.is_non_private = isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery))
-
-  # -- helpers -------------------------------------------------------------------------------
 
   @property
   def params(self):
     """The server model w_t as a list of numpy arrays."""
-    return [p.numpy() for p in self.model.unflatten(self._w)]
+    return [p.numpy() for p in self.model.unflatten(self.server.w)]
 
-  def _clients(self, t):
+  def _begin_round(self, t):
     m = self._m_schedule(t)
-    if not 1 <= m <= self.num_clients:
-      raise ValueError(f"clients_per_round must be in [1, K={self.num_clients}] at round {t}, "
-                       f"got {m}")
-    return m
-
-  def _set_round_parameters(self, t):
-    m = self._clients(t)
-    if self.sampling == "fixed_size":
-      q = m / self.num_clients
-      self.query.set_sampling(self.num_clients, q, m)
-    else:
-      self.query.set_sampling(self.num_clients, m / self.num_clients)
-    if self._z_schedule is not None:
-      z = self._z_schedule(t)
-      self.global_state = queries_lib.set_noise_multiplier(self.inner_query, self.global_state, z)
-    if isinstance(self.inner_query, dpq.QuantileAdaptiveClipSumQuery):
-      # The private quantile's fraction below uses the expected sample size m_t.
-      self.inner_query._quantile._expected_num_records = float(m)  # pylint: disable=protected-access
-    return m
-
-  def current_noise_multiplier(self):
-    """Total noise multiplier z of the next round (Eq. (1) of seed 002 over its events)."""
-    events = self._planned_events()
-    clips = [float(e.l2_norm_clip) for e in events if isinstance(e, dpq.GaussianSumEvent)]
-    stds = [float(e.stddev) for e in events if isinstance(e, dpq.GaussianSumEvent)]
-    if not clips:
-      return 0.0
-    if any(s == 0 for s in stds):
-      return 0.0
-    return float(sum((c / s) ** 2 for c, s in zip(clips, stds)) ** -0.5)
-
-  def _planned_events(self):
-    """Events the next round's query will report: a dry run of the inner query on an empty
-    sample with the current global state (the events of a private query depend on the
-    global state only; for median clipping the last median stands in)."""
-    state = self.inner_query.initial_sample_state(self._record_spec)
-    _, _, events = self.inner_query.get_noised_result(state, self.global_state)
-    return tuple(events)
-
-  def _guarantee(self, ledger):
-    if self.fixed_epsilon is not None:
-      return float(self.fixed_epsilon), accounting.delta(ledger, self.fixed_epsilon,
-                                                         accountant=self.accountant)
-    if self.fixed_delta is not None:
-      return accounting.epsilon(ledger, self.fixed_delta, accountant=self.accountant), float(
-          self.fixed_delta)
-    return None, None
-
-  def _would_exceed_budget(self, m):
-    """Accounts the ledger plus the planned round; returns a reason string or None."""
-    if self.max_delta is None and self.max_epsilon is None:
-      return None
-    scratch = ledger_lib.PrivacyLedger.from_dict(self.ledger.to_dict())
-    q = m / self.num_clients
-    if self.sampling == "fixed_size":
-      scratch.record_sample(self.num_clients, q, self._planned_events(), policy="fixed_size",
-                            sample_size=m)
-    else:
-      scratch.record_sample(self.num_clients, q, self._planned_events(), policy="poisson")
-    eps, delta = self._guarantee(scratch)
-    if self.max_delta is not None and delta > self.max_delta:
-      return (f"round {self.round_index + 1} would raise delta at epsilon={self.fixed_epsilon} "
-              f"to {delta:.3g} > max_delta={self.max_delta}")
-    if self.max_epsilon is not None and eps > self.max_epsilon:
-      return (f"round {self.round_index + 1} would raise epsilon at delta={self.fixed_delta} "
-              f"to {eps:.4g} > max_epsilon={self.max_epsilon}")
-    return None
+    z = self._z_schedule(t) if self._z_schedule is not None else None
+    return self.server.begin_round(m, z, t)
 
   def _sample_clients(self, m):
     k = self.num_clients
-    if self.sampling == "fixed_size":
-      keys = self._sample_gen.uniform([k])
-      return tf.argsort(keys)[:m]
     keys = self._sample_gen.uniform([k])
+    if self.sampling == "fixed_size":
+      return tf.argsort(keys)[:m]
     return tf.cast(tf.where(keys < m / k)[:, 0], tf.int32)
-
-  def _aggregate_fn(self, m):
-    if m not in self._aggregate_fns:
-      query, inner = self.query, self.inner_query
-
-      def aggregate(records, mask, global_state):
-        params = query.derive_sample_params(global_state)
-        state = query.initial_sample_state(self._record_spec)
-        # Accumulation goes to the inner query (QueryWithLedger passes every other method
-        # through, but its accumulate_records assumes a sum-aggregation inner query); the
-        # wrapper's get_noised_result records the sample in the ledger.
-        state = inner.accumulate_records(params, state, records, mask)
-        result, new_state, _ = query.get_noised_result(state, global_state)
-        return result, new_state
-
-      self._aggregate_fns[m] = tf.function(aggregate, reduce_retracing=True)
-    return self._aggregate_fns[m]
 
   def client_updates(self, clients):
     """Flattened updates [M, d] of the given clients (vectorized ClientUpdate from w_t)."""
-    params = self.model.unflatten(self._w)
+    params = self.model.unflatten(self.server.w)
     out = []
     clients = tf.convert_to_tensor(clients, tf.int32)
     n = int(clients.shape[0])
@@ -415,39 +494,30 @@ class DPFedAvg:
       return tf.zeros([0, self.dim], tf.float32)
     return tf.concat(out, 0)
 
-  # -- the algorithm -------------------------------------------------------------------------
-
   def run_round(self):
     """One communication round (without the budget check). Returns its RoundReport."""
     t0 = time.time()
     t = self.round_index + 1
-    m = self._set_round_parameters(t)
-    z = self.current_noise_multiplier()
+    m = self._begin_round(t)
+    z = self.server.noise_multiplier()
+    clip = self.server.clip()
     clients = self._sample_clients(m)
     records = self.client_updates(clients)
     # Non-finite updates are rejected: zeroed, masked out of the sum and counted.
-    finite = tf.reduce_all(tf.math.is_finite(records), axis=1)
-    mask = tf.cast(finite, tf.float32)
-    records = tf.where(finite[:, None], records, 0.0)
-    rejected = int(tf.shape(records)[0]) - int(tf.reduce_sum(tf.cast(finite, tf.int32)))
+    records, mask, rejected = self.server.screen(records)
     if self.diagnostics:
       vc, us = update_statistics(records, mask)
       vc, us = float(vc), float(us)
     else:
       vc = us = float("nan")
-    clip_before = self.inner_query.derive_metrics(self.global_state)
-    noised_sum, self.global_state = self._aggregate_fn(m)(records, mask, self.global_state)
-    # The noised sum divided by the public (expected) sample size m_t.
-    update = noised_sum / float(m)
-    self._v.assign(self.server_momentum * self._v + update)
-    self._w.assign_add(self.server_learning_rate * self._v)
+    self.server.apply(records, mask, m)
+    if self.server.is_median:
+      clip = self.server.clip()   # the median this round actually used
     self.round_index = t
-    clip = self._clip_used(clip_before)
     acc = None
     if self.eval_data is not None and (t % self.eval_every == 0):
-      acc = model_lib.accuracy(self.model, self.model.unflatten(self._w), *self.eval_data)
-    eps, delta = self._guarantee(self.ledger) if (
-        self.fixed_epsilon is not None or self.fixed_delta is not None) else (None, None)
+      acc = model_lib.accuracy(self.model, self.model.unflatten(self.server.w), *self.eval_data)
+    eps, delta = self.server.guarantee()
     cc = (self.rounds[-1].cc if self.rounds else 0) + int(records.shape[0])
     report = RoundReport(round=t, clients=int(records.shape[0]), noise_multiplier=z,
                          accuracy=acc, cr=t, cc=cc, clip=clip, between_clients_variance=vc,
@@ -456,22 +526,15 @@ class DPFedAvg:
     self.rounds.append(report)
     return report
 
-  def _clip_used(self, metrics_before):
-    if self.is_median:
-      return float(self.global_state.l2_norm_clip)
-    for key in ("clip", "l2_norm_clip"):
-      if key in metrics_before:
-        return float(metrics_before[key])
-    return None
-
   def run(self, max_rounds, callback=None):
     """Rounds until max_rounds or until the next round would pass the privacy budget."""
     if not isinstance(max_rounds, int) or max_rounds < 0:
       raise ValueError(f"max_rounds must be an int >= 0, got {max_rounds!r}")
     reason = f"max_rounds={max_rounds} reached"
     for _ in range(max_rounds):
-      m = self._set_round_parameters(self.round_index + 1)
-      over = self._would_exceed_budget(m)
+      t = self.round_index + 1
+      m = self._begin_round(t)
+      over = self.server.would_exceed_budget(m, t)
       if over:
         reason = "privacy budget: " + over
         break
@@ -482,26 +545,5 @@ class DPFedAvg:
 
   def report(self, stopped_reason=""):
     """RunReport with the accountant's statement on the current ledger."""
-    warnings = []
-    holds = True
-    if self.is_median:
-      holds = False
-      warnings.append(queries_lib.NOT_PRIVATE_WARNING)
-    if self.is_non_private:
-      holds = False
-    if self.diagnostics:
-      warnings.append("V_c and U_s are computed on raw client updates: simulation "
-                      "diagnostics, not differentially private")
-    if int(self.ledger.sample_count) == 0:
-      statement = "no round run: nothing recorded in the ledger"
-    elif self.fixed_epsilon is not None or self.fixed_delta is not None:
-      kw = ({"epsilon": self.fixed_epsilon} if self.fixed_epsilon is not None
-            else {"delta": self.fixed_delta})
-      rep = accounting.privacy_report(self.ledger, accountant=self.accountant, **kw)
-      statement = str(rep)
-    else:
-      statement = (f"{int(self.ledger.sample_count)} samples recorded; call "
-                   "tf_dpiter.accounting.epsilon(ledger, delta) for the guarantee")
-    if not holds and self.is_median:
-      statement = "NOT PRIVATE (median-norm clip): " + statement
-    return RunReport(list(self.rounds), stopped_reason, holds, statement, tuple(warnings))
+    holds, statement, warnings = self.server.privacy_statement(self.diagnostics)
+    return RunReport(list(self.rounds), stopped_reason, holds, statement, warnings)

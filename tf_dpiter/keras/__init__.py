@@ -1,6 +1,7 @@
 """Keras 3 DP training (seed 002, Section 7): DP optimizers, DP models, privacy callbacks."""
 
 from tf_dpiter.keras import callbacks
+from tf_dpiter.keras import example_models
 from tf_dpiter.keras.models import DPModel
 from tf_dpiter.keras.models import DPModelMixin
 from tf_dpiter.keras.models import DPSequential

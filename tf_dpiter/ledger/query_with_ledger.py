@@ -12,7 +12,7 @@ from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import privacy_ledger
 
 
-class QueryWithLedger(dp_query.SumAggregationDPQuery):
+class QueryWithLedger(dp_query.DPQuery):
   """Wraps a top-level query; each get_noised_result records one sample in `ledger`."""
 
   def __init__(self, query, population_size, selection_probability, ledger=None,
@@ -73,8 +73,8 @@ class QueryWithLedger(dp_query.SumAggregationDPQuery):
   def preprocess_record(self, params, record):
     return self._query.preprocess_record(params, record)
 
-  def preprocess_records(self, params, records):
-    return self._query.preprocess_records(params, records)
+  def accumulate_records(self, params, sample_state, records, mask=None):
+    return self._query.accumulate_records(params, sample_state, records, mask)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
     return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)

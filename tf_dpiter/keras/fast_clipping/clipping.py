@@ -16,7 +16,7 @@ Two ways to form the clipped sum once the clip factors c_i are known:
     outputs, then per layer the vector-Jacobian product with c_i * dz_i.
   * "two_pass" (Li et al. 2021): a second backward pass of sum_i c_i L_i.
 Both are exact; the default is the one measured faster
-(benchmarks/results_fast_clipping.md).
+(BENCHMARKS.md).
 """
 
 import numbers
