@@ -12,8 +12,8 @@ from tf_dpiter import accounting
 from tf_dpiter import dp_query as dpq
 from tf_dpiter import federated as F
 
-FL = pytest.importorskip("tf_dpiter.federated.flower",
-                         reason="flwr not installed (extra tf_dpiter[flower])")
+# flwr comes with the `test` extra: a missing or broken install must fail, not skip.
+from tf_dpiter.federated import flower as FL
 
 
 def _setup(tiny, k):
