@@ -149,7 +149,15 @@ def dense_norm_fn(layer, inputs, training=None):
   if not _plain_layer(layer):
     return None
   x = inputs
-  z = ops.matmul(x, layer.kernel)
+  return _kernel_bias_layer(layer, ops.matmul(x, layer.kernel),
+                            lambda dz: _factored_sqr_norm(_to_btk(x), _to_btk(dz)))
+
+
+def _kernel_bias_layer(layer, z, kernel_sqr_norm):
+  """Adds bias and activation to z = f(x, W); per-example ||grad W||^2 + ||grad b||^2.
+
+  Shared by Dense and EinsumDense: `kernel_sqr_norm(dz) -> [B]` is the kernel's part.
+  """
   if layer.bias is not None:
     z = ops.add(z, layer.bias)
   outputs = layer.activation(z) if layer.activation is not None else z
@@ -158,7 +166,7 @@ def dense_norm_fn(layer, inputs, training=None):
   def sqr_norm_fn(dz):
     sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
     if kernel_on:
-      sq += _factored_sqr_norm(_to_btk(x), _to_btk(dz))
+      sq += kernel_sqr_norm(dz)
     if bias_on:
       sq += _bias_sqr_norm(dz, layer.bias.shape)
     return sq
@@ -195,23 +203,13 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
     return None
   inp, ker, out = parsed
   x = inputs
-  z = ops.einsum(layer.equation, x, layer.kernel)
-  if layer.bias is not None:
-    z = ops.add(z, layer.bias)
-  outputs = layer.activation(z) if layer.activation is not None else z
-  kernel_on, bias_on = _trainable(layer.kernel), _trainable(layer.bias)
 
-  def sqr_norm_fn(dz):
-    sq = tf.zeros([tf.shape(dz)[0]], tf.float32)
-    if kernel_on:
-      g = tf.einsum(f"{inp},{out}->{inp[0]}{ker}", tf.cast(x, tf.float32),
-                    tf.cast(dz, tf.float32))
-      sq += _sqr_sum(g)
-    if bias_on:
-      sq += _bias_sqr_norm(dz, layer.bias.shape)
-    return sq
+  def kernel_sqr_norm(dz):
+    return _sqr_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", tf.cast(x, tf.float32),
+                              tf.cast(dz, tf.float32)))
 
-  return outputs, z, sqr_norm_fn
+  return _kernel_bias_layer(layer, ops.einsum(layer.equation, x, layer.kernel),
+                            kernel_sqr_norm)
 
 
 # ---------------------------------------------------------------------------
