@@ -8,6 +8,11 @@ Prints one JSON line: ms/step (median over --steps timed steps after --warmup st
 peak memory (process peak RSS on CPU; peak GPU allocator bytes on a GPU) and the settings.
 Each configuration runs in its own process, so runs can be made side by side:
   for m in nonprivate dp; do python benchmarks/step_time.py --model cnn --mode $m; done
+
+The side-by-side table of issue 6 (non-private, fast clipping, two-pass, vectorized, all
+timed round-robin in one process; CNN, MLP and Transformer) is
+  python benchmarks/step_time.py --table [--no-jit] [--memory] [--models ...] [--modes ...]
+which runs benchmarks/fast_clipping_step_time.py with the remaining arguments.
 """
 
 import argparse
@@ -24,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tf_dpiter as dp  # noqa: E402
 
 
@@ -42,6 +48,12 @@ def peak_memory_bytes():
 
 
 def main(argv=None):
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--table" in argv:
+    import fast_clipping_step_time  # pylint: disable=g-import-not-at-top
+    argv.remove("--table")
+    sys.argv = [fast_clipping_step_time.__file__] + argv
+    return fast_clipping_step_time.main()
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", choices=["cnn", "mlp"], default="cnn")
   p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")

@@ -80,9 +80,11 @@ def cmd_run(args):
   z = preset.get("noise_multiplier", 1.0)
   kind = preset.get("query", "quantile")
   query = F.make_query(kind, z, m, l2_norm_clip=args.initial_clip,
-                       target_unclipped_quantile=0.5, clip_learning_rate=args.clip_lr)
+                       target_unclipped_quantile=args.target_quantile,
+                       clip_learning_rate=args.clip_lr)
   delta0 = preset.get("delta0")
-  model = F.MLP((784, 600, 100, 10), use_bias=False)
+  hidden = tuple(int(h) for h in args.hidden.split(",") if h)
+  model = F.MLP((784,) + hidden + (10,), use_bias=False)
   alg = F.DPFedAvg(model, fd, query, clients_per_round=m_sched, local_epochs=args.epochs,
                    batch_size=args.batch_size, client_learning_rate=args.lr,
                    server_momentum=args.server_momentum, sampling=args.sampling,
@@ -105,6 +107,7 @@ def cmd_run(args):
              delta0=delta0, epsilon=args.epsilon, query=kind, noise_multiplier=z,
              clients_per_round=m, epochs=args.epochs, batch_size=args.batch_size,
              lr=args.lr, sampling=args.sampling, max_rounds=args.max_rounds,
+             hidden=list(hidden), target_quantile=args.target_quantile,
              paper=PRESETS.get(args.preset, {}).get("paper"),
              accuracy=rep.accuracy, cr=rep.cr, cc=rep.cc, seconds=wall,
              stopped_reason=rep.stopped_reason, guarantee_holds=rep.guarantee_holds,
@@ -180,6 +183,10 @@ def main(argv=None):
   r.add_argument("--query", choices=F.QUERY_KINDS, default=None)
   r.add_argument("--initial-clip", type=float, default=1.0)
   r.add_argument("--clip-lr", type=float, default=0.2)
+  r.add_argument("--target-quantile", type=float, default=0.5,
+                 help="share of client updates left unclipped by the adaptive clip")
+  r.add_argument("--hidden", default="600,100",
+                 help="hidden layer widths (default: the paper's 784-600-100-10 network)")
   r.add_argument("--server-momentum", type=float, default=0.0)
   r.add_argument("--sampling", choices=["poisson", "fixed_size"], default="poisson")
   r.add_argument("--max-rounds", type=int, default=50)

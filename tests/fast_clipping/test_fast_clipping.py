@@ -118,7 +118,7 @@ LAYER_CASES = [
 # Dense and Conv choose between the Gram and the direct form (Conv also the
 # per-example filter gradient) by cost: test the automatic and forced forms.
 FORMS = {"dense": (None, "gram", "direct"),
-         "conv": (None, "gram", "direct", "filter")}
+         "conv": (None, "gram", "direct", "filter", "depthwise")}
 FORM_CASES = [(c, f) for c in LAYER_CASES
               for f in FORMS.get(c[0][:4] if c[0].startswith("conv")
                                  else c[0].split("_")[0], (None,))]
@@ -133,6 +133,41 @@ def test_registered_layer_exact(case, form, monkeypatch):
   assert fc.unregistered_layers(model) == []
   x, y = data(in_shape, 3)
   check(model, x, y)
+
+
+KEEP_CASES = [c for c in LAYER_CASES
+              if c[0].startswith(("conv", "einsum", "layernorm", "dense_seq"))]
+
+
+@pytest.mark.parametrize("case", KEEP_CASES, ids=[c[0] for c in KEEP_CASES])
+@pytest.mark.parametrize("max_entries", [0, registry.MAX_PER_EXAMPLE_ENTRIES])
+def test_per_example_grads_kept_or_summed_by_bookkeeping(case, max_entries,
+                                                         monkeypatch):
+  """Small layers return their per-example gradients (summed as sum_i c_i g_i);
+  with the cap at 0 every layer goes through the vector-Jacobian product."""
+  _, in_shape, make = case
+  monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", max_entries)
+  layers = make()
+  model = seq_model(in_shape, layers)
+  x, y = data(in_shape, 3)
+  layer = layers[-1]
+  rec = {}
+  orig = registry.lookup(layer)
+
+  def spy(lyr, *args, **kwargs):
+    out, watched, fn = orig(lyr, *args, **kwargs)
+    if lyr is layer:
+      rec["fn"], rec["watched"] = fn, watched
+    return out, watched, fn
+
+  monkeypatch.setitem(registry._REGISTRY, type(layer), spy)  # pylint: disable=protected-access
+  check(model, x, y, variants=("bookkeeping",))
+  res = rec["fn"](tf.ones_like(rec["watched"]))
+  kept = isinstance(res, registry.PerExampleGrads)
+  assert kept == (max_entries > 0)
+  if kept:
+    for g, v in zip(res.grads, layer.trainable_variables):
+      assert tuple(g.shape) == (B,) + tuple(v.shape)
 
 
 @pytest.mark.parametrize("ids_shape", [(6,), (1,), (2, 3)])
@@ -345,3 +380,124 @@ def test_mirrored_strategy_sum_of_replicas_equals_single_device():
                        text=True, timeout=900, check=False)
   last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
   assert res.returncode == 0 and last.startswith("OK"), (last, res.stderr[-2000:])
+
+
+# ---------------------------------------------------------------------------
+# Records of several examples (microbatches).
+
+
+def reference_records(model, x, y, loss_fn, clip, k, mask=None):
+  """Per-record loop: record j = rows j*k..j*k+k-1, loss = mean over its real
+  examples; clipped in float64."""
+  variables = model.trainable_variables
+  n = int(x.shape[0])
+  mask = np.ones(n) if mask is None else np.asarray(mask, np.float64)
+  total = [np.zeros(v.shape, np.float64) for v in variables]
+  norms = []
+  for j in range(n // k):
+    rows = [i for i in range(j * k, j * k + k) if mask[i] > 0]
+    if not rows:
+      norms.append(0.0)
+      continue
+    with tf.GradientTape() as tape:
+      xs = tf.gather(x, rows)
+      loss = tf.reduce_mean(loss_fn(tf.gather(y, rows), model(xs, training=True)))
+    grads = [np.asarray(tf.convert_to_tensor(g), np.float64) if g is not None
+             else np.zeros(v.shape) for g, v in
+             zip(tape.gradient(loss, variables), variables)]
+    nrm = np.sqrt(sum(np.sum(g * g) for g in grads))
+    norms.append(nrm)
+    f = min(1.0, clip / nrm) if nrm > 0 else 1.0
+    total = [t + f * g for t, g in zip(total, grads)]
+  return total, np.array(norms)
+
+
+def check_records(model, x, y, k, loss_fn=mse, mask=None):
+  _, ref_norms = reference_records(model, x, y, loss_fn, 1.0, k, mask)
+  clip = float(np.median(ref_norms[ref_norms > 0]))
+  ref_grads, ref_norms = reference_records(model, x, y, loss_fn, clip, k, mask)
+  for variant in VARIANTS:
+    grads, norms = clipping._clipped_grad_sum(  # pylint: disable=protected-access
+        model, x, y, loss_fn, clip, mask=mask, variant=variant,
+        examples_per_record=k)
+    np.testing.assert_allclose(norms.numpy(), ref_norms, rtol=1e-4, atol=1e-6)
+    for g, r, v in zip(grads, ref_grads, model.trainable_variables):
+      scale = max(1.0, float(np.max(np.abs(r))))
+      np.testing.assert_allclose(g.numpy(), r, atol=1e-4 * scale, rtol=1e-4,
+                                 err_msg=f"{variant} {v.path}")
+
+
+RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
+    "dense", "dense_seq", "einsum_seq", "conv1d_same_s2", "conv2d_same_s2",
+    "conv2d_valid", "layernorm_seq")]
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("form", [None, "gram", "filter", "depthwise"])
+@pytest.mark.parametrize("case", RECORD_CASES, ids=[c[0] for c in RECORD_CASES])
+def test_microbatch_records_exact(case, form, k, monkeypatch):
+  _, in_shape, make = case
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  model = seq_model(in_shape, make())
+  rng = np.random.default_rng(3)
+  x = tf.constant(rng.normal(size=(6,) + in_shape), tf.float32)
+  y = tf.constant(rng.normal(size=(6, 3)), tf.float32)
+  check_records(model, x, y, k)
+
+
+@pytest.mark.parametrize("ids_shape", [(), (4,)])
+def test_microbatch_embedding_exact(ids_shape):
+  keras.utils.set_random_seed(1)
+  inp = keras.Input(ids_shape, dtype="int32")
+  h = L.Embedding(4, 3)(inp)
+  h = L.Flatten()(h) if ids_shape else h
+  model = keras.Model(inp, L.Dense(3)(h))
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.integers(0, 4, (6,) + ids_shape), tf.int32)
+  y = tf.constant(rng.normal(size=(6, 3)), tf.float32)
+  check_records(model, x, y, 2)
+
+
+def test_microbatch_mixed_model_with_mask_exact():
+  """Unregistered layers (vectorized) and a user norm function without
+  microbatch support (vectorized under records) alongside ghost layers."""
+  registry.register_layer(Hadamard, hadamard_norm_fn)
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((6, 4))
+  h = L.Dense(5, activation="tanh")(inp)
+  h = ScaleShift()(h)
+  h = Hadamard()(h)
+  h = L.Conv1D(4, 3, padding="same")(h)
+  out = L.Dense(2)(L.Flatten()(h))
+  model = keras.Model(inp, out)
+  rng = np.random.default_rng(4)
+  x = tf.constant(rng.normal(size=(6, 6, 4)), tf.float32)
+  y = tf.constant(rng.normal(size=(6, 2)), tf.float32)
+  mask = np.array([1, 0, 1, 1, 0, 0], np.float32)  # last record is empty
+  check_records(model, x, y, 3, mask=mask)
+  check_records(model, x, y, 2, mask=mask)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_bad_examples_per_record_raises(bad):
+  model = seq_model((3,), [L.Dense(2)])
+  x, y = data((3,), 3)
+  with pytest.raises(ValueError, match="examples_per_record"):
+    fc.clipped_grad_sum(model, x, y, mse, 1.0, examples_per_record=bad)
+
+
+def test_batch_not_multiple_of_record_size_raises():
+  model = seq_model((3,), [L.Dense(2)])
+  x, y = data((3,), 3)  # B = 5
+  with pytest.raises(ValueError, match="examples_per_record=2"):
+    fc.clipped_grad_sum(model, x, y, mse, 1.0, examples_per_record=2)
+
+
+def test_return_outputs_are_the_training_forward():
+  model = seq_model((3,), [L.Dense(2, activation="tanh")])
+  x, y = data((3,), 3)
+  _, norms, outputs, losses = fc.clipped_grad_sum(model, x, y, mse, 1.0,
+                                                  return_outputs=True)
+  np.testing.assert_allclose(outputs.numpy(), model(x).numpy(), rtol=1e-6)
+  np.testing.assert_allclose(losses.numpy(), mse(y, model(x)).numpy(), rtol=1e-6)
+  assert norms.shape == (B,)

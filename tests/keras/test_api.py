@@ -140,7 +140,47 @@ def test_auto_clipping_uses_fast_clipping_when_supported():
   got = helpers.one_step_update(model, x, y)
   for g, r in zip(got, ref):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
-  assert dp.keras.DPKerasSGDOptimizer(0.05, 0.0, 2).resolve_clipping(model) == "vectorized"
+  assert dp.keras.DPKerasSGDOptimizer(0.05, 0.0, 2).resolve_clipping(model) == "fast"
+  assert dp.keras.DPKerasSGDOptimizer(
+      0.05, 0.0, 2, clipping="vectorized").resolve_clipping(model) == "vectorized"
+
+
+def _cnn_seq():
+  keras.utils.set_random_seed(0)
+  return dp.keras.DPSequential([
+      keras.Input((6,)), keras.layers.Reshape((6, 1)),
+      keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
+      keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("microbatches,physical", [(None, None), (None, 3), (4, None), (3, None),
+                                                   (3, 4), (2, 5)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_fast_clipping_matches_reference_with_microbatches_and_physical_batches(
+    microbatches, physical, weighted):
+  """clipping='fast' under fit's train step: records of several examples (B = 10 and
+  M = 3 or 4 leave uneven records) and physical chunks give the reference update."""
+  x, y = _data(10, seed=5)
+  sw = np.array([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], np.float32) if weighted else None
+  model = _cnn_seq()
+  opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, microbatches, learning_rate=1.0, clipping="fast",
+                                     max_physical_batch_size=physical)
+  model.compile(optimizer=opt, loss=LOSS)
+  model(x)
+  assert opt.resolve_clipping(model) == "fast"
+  if sw is None:
+    ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05, num_microbatches=microbatches)
+  else:  # rows with weight 0 are padding: they join no record
+    vect = _cnn_seq()
+    vect.compile(optimizer=dp.keras.DPKerasSGDOptimizer(
+        0.05, 0.0, microbatches, learning_rate=1.0, clipping="vectorized"), loss=LOSS)
+    vect(x)
+    helpers.set_sampling(vect, 10)
+    ref = helpers.one_step_update(vect, x, y, sample_weight=sw)
+  helpers.set_sampling(model, 10)
+  got = helpers.one_step_update(model, x, y, sample_weight=sw)
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
 
 
 def test_privacy_meter_and_ledger_export(tmp_path):

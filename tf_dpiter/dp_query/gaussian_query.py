@@ -18,7 +18,7 @@ def add_gaussian_noise(generator, structure, stddev):
   """structure + N(0, stddev^2) per coordinate, drawn from `generator`."""
   def _add(v):
     v = tf.convert_to_tensor(v)
-    noise = generator.normal(tf.shape(v), dtype=v.dtype)
+    noise = randomness.normal(generator, tf.shape(v), dtype=v.dtype)
     return v + noise * tf.cast(stddev, v.dtype)
   return tf.nest.map_structure(_add, structure)
 

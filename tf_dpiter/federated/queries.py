@@ -18,6 +18,7 @@ import collections
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
+from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import validation
 
 NOT_PRIVATE_WARNING = (
@@ -119,7 +120,7 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     clip = tf.where(has_records, median, global_state.l2_norm_clip)
     stddev = global_state.noise_multiplier * clip
     total = tf.reduce_sum(clipped, axis=0)
-    result = total + stddev * self._generator.normal(tf.shape(total), dtype=tf.float32)
+    result = total + stddev * randomness.normal(self._generator, tf.shape(total))
     new_state = global_state._replace(l2_norm_clip=clip)
     return result, new_state, (dpq.GaussianSumEvent(clip, stddev),)
 

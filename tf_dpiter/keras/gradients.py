@@ -68,6 +68,16 @@ def to_records(nest, example_mask, num_microbatches):
   return recs, em, record_mask
 
 
+def examples_per_record(num_microbatches, batch_size_static, record_example_mask):
+  """k of to_records' [M, k] layout: 1 per example, ceil(B / M) per microbatch (a Python
+  int when B is static, else a scalar tensor read off record_example_mask [M, k])."""
+  if num_microbatches is None:
+    return 1
+  if batch_size_static is not None:
+    return -(-batch_size_static // num_microbatches)
+  return tf.shape(record_example_mask)[1]
+
+
 def from_records(t, batch_size, num_microbatches):
   """Inverse of to_records for one leaf: [M, k, ...] -> [B, ...]."""
   tail = t.shape[2:]

@@ -191,12 +191,7 @@ class DPModelMixin:
       loss = self._compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
       return tf.cast(loss, tf.float32) * float(n_rep), y_pred
 
-    if m is None:
-      k = 1
-    elif b_static is not None:
-      k = -(-b_static // m)
-    else:
-      k = tf.shape(em)[1]
+    k = grads_lib.examples_per_record(m, b_static, em)
     state, loss_sum, aux = opt.clipped_sum(record_loss, variables, (recs, em), rmask, k,
                                            vectorize=grads_lib.vectorizable(self))
     if aux is None:
@@ -206,26 +201,80 @@ class DPModelMixin:
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
   def _dp_fast_step(self, opt, x, y, sample_weight, example_mask, variables):
-    """Clipped sum by tf_dpiter.keras.fast_clipping (ghost norms); noise as usual."""
+    """Clipped sum by tf_dpiter.keras.fast_clipping (ghost norms); noise as usual.
+
+    Records (examples or microbatches) are laid out record-major, k examples
+    each, and clipped in physical chunks of whole records when
+    max_physical_batch_size is set; the clipped sums of the chunks add up.
+    """
     fc = opt_lib._load_fast_clipping()  # pylint: disable=protected-access
     loss_obj = self._dp_per_example_loss()
+    m = opt.num_microbatches
+    b = grads_lib.dynamic_batch_size(x)
+    b_static = grads_lib.static_batch_size(x)
+    recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
+    k = grads_lib.examples_per_record(m, b_static, em)
 
-    def per_example_loss_fn(y_true, y_pred):
-      losses = loss_obj(y_true, y_pred)
-      if sample_weight is not None:
-        losses = losses * tf.cast(tf.reshape(sample_weight, tf.shape(losses)), losses.dtype)
-      return losses
+    def flat(t):  # [R, k, ...] -> [R * k, ...]
+      return None if t is None else tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
 
-    grad_sum, _ = fc.clipped_grad_sum(self, x, y, per_example_loss_fn, opt.l2_norm_clip,
-                                      mask=example_mask)
+    def chunk_sum(chunk, chunk_em):
+      xc, yc, wc = tf.nest.map_structure(flat, chunk)
+
+      def per_example_loss_fn(y_true, y_pred):
+        losses = loss_obj(y_true, y_pred)
+        if wc is not None:
+          losses = losses * tf.cast(tf.reshape(wc, tf.shape(losses)), losses.dtype)
+        return losses
+
+      grads, _, outputs, losses = fc.clipped_grad_sum(
+          self, xc, yc, per_example_loss_fn, opt.l2_norm_clip, mask=flat(chunk_em),
+          examples_per_record=k, return_outputs=True)
+      losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(chunk_em))
+      rec_loss = tf.reduce_sum(losses * chunk_em, 1) / tf.maximum(tf.reduce_sum(chunk_em, 1), 1.0)
+      return list(grads), tf.reduce_sum(rec_loss), outputs
+
+    p = opt.max_physical_batch_size
+    m_static = tf.TensorShape(rmask.shape)[0]
+    per_chunk = None if p is None else (
+        max(1, p // k) if isinstance(k, int) else tf.maximum(1, p // k))
+    if per_chunk is None or (m_static is not None and isinstance(per_chunk, int)
+                             and per_chunk >= m_static):
+      grad_sum, loss_sum, outputs = chunk_sum(recs, em)
+      y_pred = tf.nest.map_structure(
+          lambda t: grads_lib.from_records(
+              tf.reshape(t, tf.concat([tf.shape(em), tf.shape(t)[1:]], 0)), b, m), outputs)
+    else:
+      chunks, cmask, nchunks = grads_lib.chunked((recs, em), rmask, per_chunk)
+      static_chunks = tf.get_static_value(nchunks)
+      if static_chunks is not None:
+        grad_sum, loss_sum, outs = None, 0.0, []
+        for i in range(int(static_chunks)):
+          c_recs, c_em = tf.nest.map_structure(lambda t, i=i: None if t is None else t[i], chunks)
+          g, l, o = chunk_sum(c_recs, c_em)
+          grad_sum = g if grad_sum is None else [a + c for a, c in zip(grad_sum, g)]
+          loss_sum += l
+          outs.append(o)
+        n_rec = m_static * k if isinstance(k, int) else None
+        y_pred = tf.nest.map_structure(
+            lambda *ts: grads_lib.from_records(
+                tf.reshape(tf.concat(ts, 0)[:n_rec], tf.concat([tf.shape(em), tf.shape(ts[0])[1:]], 0)),
+                b, m), *outs)
+      else:
+        def body(i, acc, loss_acc):
+          c_recs, c_em = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
+          g, l, _ = chunk_sum(c_recs, c_em)
+          return i + 1, [a + c for a, c in zip(acc, g)], loss_acc + l
+
+        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
+        _, grad_sum, loss_sum = tf.while_loop(
+            lambda i, *_: i < nchunks, body, [tf.constant(0), zeros, tf.constant(0.0)])
+        y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     query = opt.dp_query
     template = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables]
     state = query.initial_sample_state(template)
     state = query.accumulate_preprocessed_record(state, list(grad_sum))
-    y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
-    losses = per_example_loss_fn(y, y_pred)
-    loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32) * example_mask)
-    return state, loss_sum, tf.reduce_sum(example_mask), y_pred
+    return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
   def _dp_per_example_loss(self):
     """Unreduced version of the compiled loss: (y_true, y_pred) -> [B]."""

@@ -216,8 +216,7 @@ class DPOptimizerMixin:
       return "vectorized"
     fc = _load_fast_clipping()
     ok = (fc is not None and model is not None and not self._dp_custom_query
-          and math.isfinite(self._dp_l2_norm_clip) and self._dp_num_microbatches is None and self._dp_max_physical_batch_size is None
-          and not model.losses)
+          and math.isfinite(self._dp_l2_norm_clip) and not model.losses)
     if ok:
       try:
         ok = bool(fc.supports(model))
@@ -226,8 +225,8 @@ class DPOptimizerMixin:
     if self._dp_clipping == "fast" and not ok:
       raise ValueError(
           "clipping='fast' needs tf_dpiter.keras.fast_clipping, a model it supports, the default "
-          "Gaussian query with a finite l2_norm_clip, num_microbatches=None, no max_physical_batch_size and no "
-          "regularization losses; use clipping='vectorized' or 'auto'")
+          "Gaussian query with a finite l2_norm_clip and no regularization losses; use "
+          "clipping='vectorized' or 'auto'")
     return "fast" if ok else "vectorized"
 
   def _accumulate(self, params, sample_state, grads, record_mask):
@@ -380,11 +379,7 @@ class DPOptimizerMixin:
               tf.cast(tf.reduce_sum(r_em), loss.dtype), 1.0)
         return loss, ()
 
-      k = 1 if m is None else None
-      if m is not None:
-        b_static = grads_lib.static_batch_size(data)
-        k = -(-b_static // m) if b_static is not None else tf.cast(
-            tf.shape(em)[1], tf.int32)
+      k = grads_lib.examples_per_record(m, grads_lib.static_batch_size(data), em)
       state, _, _ = self.clipped_sum(record_loss, variables, (recs, em), rmask, k)
       return self.noised_average(state, tf.reduce_sum(rmask))
 

@@ -16,7 +16,9 @@ Two ways to form the clipped sum once the clip factors c_i are known:
     outputs, then per layer the vector-Jacobian product with c_i * dz_i.
   * "two_pass" (Li et al. 2021): a second backward pass of sum_i c_i L_i.
 Both are exact; the default is the one measured faster
-(BENCHMARKS.md).
+(BENCHMARKS.md). A registered layer whose norm function returns the per-example
+gradients (registry.PerExampleGrads: small convolutions, LayerNorm) is summed
+as sum_i c_i g_i instead of by a vector-Jacobian product.
 """
 
 import numbers
@@ -90,8 +92,12 @@ def _check_deterministic(layer):
           "Register it (register_layer) or move the dropout to its own layer")
 
 
-def _plan(model):
-  """Splits the model's trainable variables into units; raises ValueError."""
+def _plan(model, grouped=False):
+  """Splits the model's trainable variables into units; raises ValueError.
+
+  grouped: records of several examples; registered layers whose norm function
+  does not honour registry.examples_per_record take the vectorized path.
+  """
   if not isinstance(model, keras.layers.Layer):
     raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
   if not model.built:
@@ -111,12 +117,15 @@ def _plan(model):
     if not layer.trainable_variables:
       return
     norm_fn = registry.lookup(layer)
+    if grouped and not getattr(norm_fn, "supports_records", False):
+      norm_fn = None
     if norm_fn is not None:
       units.append(_Unit(layer, GHOST, norm_fn))
       return
     children = _children(layer)
     if (_direct_trainable(layer) or not children or
-        isinstance(layer, _OPAQUE) or not _has_registered(layer)):
+        isinstance(layer, _OPAQUE) or not _has_registered(layer) or
+        registry.lookup(layer) is not None):
       _check_deterministic(layer)
       units.append(_Unit(layer, VECTORIZED, None))
       return
@@ -245,14 +254,34 @@ def _dense(g):
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
+def _check_examples_per_record(k):
+  """A positive int, or a scalar integer tensor (dynamic batch, > 0 by
+  construction of the caller)."""
+  if tf.is_tensor(k):
+    static = tf.get_static_value(k)
+    if static is None:
+      return tf.cast(k, tf.int32)
+    k = int(static)
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(
+        f"examples_per_record must be a positive integer, got {k!r}")
+  return k
+
+
+def _grouped(k):
+  return tf.is_tensor(k) or k > 1
+
+
 def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
-                      l2_norm_clip, mask=None, variant=DEFAULT_VARIANT):
+                      l2_norm_clip, mask=None, variant=DEFAULT_VARIANT,
+                      examples_per_record=1, return_outputs=False):
   """Implementation of clipped_grad_sum with a choice of `variant`."""
   if variant not in ("bookkeeping", "two_pass"):
     raise ValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
                      f"{variant!r}")
   clip = _check_clip(l2_norm_clip)
-  units = _plan(model)
+  k = _check_examples_per_record(examples_per_record)
+  units = _plan(model, grouped=_grouped(k))
 
   with tf.GradientTape(persistent=True) as tape:
     # The lock keeps replica threads (tf.distribute) from interleaving their
@@ -263,15 +292,28 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
         outputs = model(inputs, training=True)
       finally:
         _uninstall(installed)
-    losses = per_example_loss_fn(targets, outputs)
-    losses = tf.cast(losses, tf.float32)
-    if losses.shape.rank != 1:
+    raw_losses = per_example_loss_fn(targets, outputs)
+    raw_losses = tf.cast(raw_losses, tf.float32)
+    if raw_losses.shape.rank != 1:
       raise ValueError(
           f"per_example_loss_fn must return a [B] tensor, got shape "
-          f"{losses.shape}")
-    if mask is not None:
-      mask_f = tf.cast(tf.reshape(mask, [-1]), tf.float32)
-      losses = losses * mask_f
+          f"{raw_losses.shape}")
+    b_static = raw_losses.shape[0]
+    if not tf.is_tensor(k) and k > 1 and b_static is not None and b_static % k:
+      raise ValueError(
+          f"the batch of {b_static} examples is not a whole number of records "
+          f"of examples_per_record={k}; pad it (with mask 0)")
+    batch = tf.shape(raw_losses)[0]
+    mask_f = (tf.ones([batch], tf.float32) if mask is None else
+              tf.cast(tf.reshape(mask, [-1]), tf.float32))
+    if not _grouped(k):
+      record_mask = mask_f
+      losses = raw_losses * mask_f if mask is not None else raw_losses
+    else:
+      # A record's loss is the mean loss of its real examples.
+      count = tf.reduce_sum(tf.reshape(mask_f, [-1, k]), axis=1)
+      record_mask = tf.cast(count > 0, tf.float32)
+      losses = raw_losses * mask_f / tf.repeat(tf.maximum(count, 1.0), k)
     total = tf.reduce_sum(losses)
 
   # First backward pass: gradients at the watched tensors of ghost units and
@@ -293,46 +335,61 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   if True:  # pylint: disable=using-constant-test  (tape not recording)
     src_grads = tape.gradient(
         total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    batch = tf.shape(losses)[0]
-    sq = tf.zeros([batch], tf.float32)
+    sq = tf.zeros([batch // k], tf.float32)
+    per_example = {}  # unit -> list of [M, ...] per-record grads
+    normed = set()  # units whose squared norms are already in sq
     for u, start, n in ghost:
       grads_w = src_grads[start:start + n]
       watched = u.records[0]["watched"]
       grads_w = tf.nest.pack_sequence_as(watched, grads_w)
-      sq += tf.cast(u.records[0]["sqr_norm_fn"](grads_w), tf.float32)
-    per_example = {}  # unit -> list of [B, ...] per-example grads
+      with registry.examples_per_record(k):
+        res = u.records[0]["sqr_norm_fn"](grads_w)
+      if isinstance(res, registry.PerExampleGrads):
+        per_example[id(u)] = list(res.grads)
+        normed.add(id(u))
+        res = res.sqr_norms
+      sq += tf.cast(res, tf.float32)
+    ghost_vjp = [(u, start, n) for u, start, n in ghost
+                 if id(u) not in per_example]
     for u, rec, start, n in vect:
       g = _vectorized_grads(u, rec, src_grads[start:start + n])
+      if _grouped(k):
+        g = [tf.reduce_sum(tf.reshape(t, tf.concat([[-1, k], tf.shape(t)[1:]], 0)),
+                           axis=1) for t in g]
       if id(u) in per_example:
         per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
       else:
         per_example[id(u)] = g
-    for gs in per_example.values():
+    for uid, gs in per_example.items():
+      if uid in normed:
+        continue
       for g in gs:
         sq += tf.reduce_sum(
-            tf.reshape(tf.square(tf.cast(g, tf.float32)), [batch, -1]), axis=1)
+            tf.reshape(tf.square(tf.cast(g, tf.float32)), [batch // k, -1]),
+            axis=1)
     norms = tf.sqrt(tf.maximum(sq, 0.0))
     factors = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
-    if mask is not None:
-      factors = factors * mask_f
+    if mask is not None or _grouped(k):
+      factors = factors * record_mask
     factors = tf.stop_gradient(factors)
+    example_factors = tf.repeat(factors, k) if _grouped(k) else factors
 
   result = {}
   if variant == "two_pass":
     with tape:
-      weighted = tf.reduce_sum(factors * losses)
+      weighted = tf.reduce_sum(example_factors * losses)
     all_vars = [v for u in units for v in u.variables]
     grads = tape.gradient(weighted, all_vars,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
     for v, g in zip(all_vars, grads):
       result[id(v)] = _dense(g)
   else:
-    for u, start, n in ghost:
+    for u, start, n in ghost_vjp:
       w = src_grads[start:start + n]
       targets_w = sources[start:start + n]
       weighted_w = []
       for g in w:
-        f = tf.reshape(factors, [-1] + [1] * (g.shape.rank - 1))
+        f = tf.reshape(example_factors, [-1] + [1] * (g.shape.rank - 1))
         weighted_w.append(g * tf.cast(f, g.dtype))
       grads = tape.gradient(targets_w, u.variables, output_gradients=weighted_w,
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -350,29 +407,39 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   for v in model.trainable_variables:
     g = result.get(id(v))
     out.append(tf.zeros(v.shape, v.dtype) if g is None else g)
+  if return_outputs:
+    return out, norms, outputs, raw_losses
   return out, norms
 
 
 def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
-                     l2_norm_clip, mask=None):
-  """Sum over examples of per-example gradients clipped to L2 norm C.
+                     l2_norm_clip, mask=None, examples_per_record=1,
+                     return_outputs=False):
+  """Sum over records of per-record gradients clipped to L2 norm C.
 
-  Computes sum_i g_i * min(1, C / ||g_i||_2) (McMahan et al. 2018, Sec. 2,
-  pi_C, flat clipping over all trainable variables), with g_i the gradient of
-  per_example_loss_fn(targets, model(inputs))[i]; ghost norms for registered
-  layers, vectorized per-example gradients for the others. No noise.
+  Computes sum_j g_j * min(1, C / ||g_j||_2) (McMahan et al. 2018, Sec. 2,
+  pi_C, flat clipping over all trainable variables). A record is one example
+  (examples_per_record=1) or k consecutive examples (a microbatch: rows
+  j*k ... j*k + k - 1), whose gradient g_j is that of the mean loss of its
+  real examples. Ghost norms for registered layers, vectorized per-example
+  gradients for the others. No noise.
 
   Args:
     model: a built keras.Model; model(inputs, training=True) is run once.
-    inputs, targets: a batch of B examples (leading axis).
+    inputs, targets: a batch of B examples (leading axis); B a multiple of k.
     per_example_loss_fn: (y_true, y_pred) -> [B] per-example losses.
     l2_norm_clip: C > 0, in units of the gradient L2 norm.
-    mask: optional [B] 0/1; rows with 0 contribute nothing (norm 0).
+    mask: optional [B] 0/1; rows with 0 contribute nothing. A record with no
+      real example has norm 0.
+    examples_per_record: k, a positive integer.
+    return_outputs: also return the model outputs and the [B] losses.
 
   Returns:
-    (grads, per_example_norms): grads is a list of dense tensors aligned with
-    model.trainable_variables; per_example_norms is [B] float32, ||g_i||_2
-    before clipping.
+    (grads, per_record_norms[, outputs, losses]): grads is a list of dense
+    tensors aligned with model.trainable_variables; per_record_norms is
+    [B / k] float32, ||g_j||_2 before clipping.
   """
   return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
-                           l2_norm_clip, mask=mask, variant=DEFAULT_VARIANT)
+                           l2_norm_clip, mask=mask, variant=DEFAULT_VARIANT,
+                           examples_per_record=examples_per_record,
+                           return_outputs=return_outputs)
