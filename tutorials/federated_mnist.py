@@ -91,13 +91,15 @@ def cmd_run(args):
                    fixed_epsilon=(args.epsilon if kind != "none" else None),
                    max_delta=(delta0 if kind != "none" else None),
                    eval_data=test, initial_params=model.init_params(args.seed),
-                   diagnostics=True)
+                   diagnostics=True, average_decay=args.average_decay)
   t0 = time.time()
 
   def log(r):
     print(f"round {r.round:4d} m={r.clients:5d} acc={r.accuracy:.4f} clip={r.clip} "
           f"delta={r.delta} Vc={r.between_clients_variance:.3g} Us={r.update_scale:.3g} "
-          f"rejected={r.rejected} {r.seconds:.1f}s", flush=True)
+          f"rejected={r.rejected} {r.seconds:.1f}s"
+          + ("" if r.average_accuracy is None else f" avg_acc={r.average_accuracy:.4f}"),
+          flush=True)
 
   rep = alg.run(args.max_rounds, callback=log)
   wall = time.time() - t0
@@ -109,7 +111,8 @@ def cmd_run(args):
              lr=args.lr, sampling=args.sampling, max_rounds=args.max_rounds,
              hidden=list(hidden), target_quantile=args.target_quantile,
              paper=PRESETS.get(args.preset, {}).get("paper"),
-             accuracy=rep.accuracy, cr=rep.cr, cc=rep.cc, seconds=wall,
+             accuracy=rep.accuracy, average_accuracy=rep.average_accuracy,
+             average_decay=args.average_decay, cr=rep.cr, cc=rep.cc, seconds=wall,
              stopped_reason=rep.stopped_reason, guarantee_holds=rep.guarantee_holds,
              privacy_statement=rep.privacy_statement, warnings=list(rep.warnings),
              rounds=[dataclasses.asdict(r) for r in rep.rounds])
@@ -185,6 +188,9 @@ def main(argv=None):
   r.add_argument("--clip-lr", type=float, default=0.2)
   r.add_argument("--target-quantile", type=float, default=0.5,
                  help="share of client updates left unclipped by the adaptive clip")
+  r.add_argument("--average-decay", type=float, default=None,
+                 help="also report the accuracy of an exponential moving average of the "
+                      "server models with this decay (post-processing, no privacy cost)")
   r.add_argument("--hidden", default="600,100",
                  help="hidden layer widths (default: the paper's 784-600-100-10 network)")
   r.add_argument("--server-momentum", type=float, default=0.0)

@@ -176,6 +176,8 @@ def test_server_momentum(tiny):
     (dict(fixed_epsilon=8.0, fixed_delta=1e-5), "not both"),
     (dict(server_momentum=1.0), "server_momentum"),
     (dict(clients_per_round=2.5), "clients_per_round"),
+    (dict(average_decay=1.0), "average_decay"),
+    (dict(average_decay=-0.1), "average_decay"),
 ])
 def test_bad_arguments(tiny, kwargs, match):
   model, x, y = tiny
@@ -183,3 +185,28 @@ def test_bad_arguments(tiny, kwargs, match):
   kwargs = dict(dict(clients_per_round=2), **kwargs)
   with pytest.raises(ValueError, match=match):
     F.DPFedAvg(model, fd, **kwargs)
+
+
+def test_average_of_server_models_is_the_moving_average(tiny):
+  """average_decay keeps a_t = beta a_(t-1) + (1 - beta) w_t from the released w_t only:
+  the ledger is the same as without it, and the report carries its accuracy."""
+  model, x, y = tiny
+  fd = _partition(x, y, 4)
+  w0 = model.init_params(seed=0)
+  alg = F.DPFedAvg(model, fd, dpq.NoPrivacySumQuery(), clients_per_round=4, batch_size=20,
+                   initial_params=w0, seed=0, average_decay=0.5, eval_data=(x, y))
+  ws = []
+  for _ in range(3):
+    alg.run_round()
+    ws.append(alg.params)
+  expect = ws[0]
+  for w in ws[1:]:
+    expect = [0.5 * a + 0.5 * b for a, b in zip(expect, w)]
+  for a, b in zip(alg.average_params, expect):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  rep = alg.report()
+  logits = model.logits([tf.constant(p) for p in expect], tf.constant(x)).numpy()
+  acc = float(np.mean(np.argmax(logits, 1) == y))
+  assert rep.average_accuracy == pytest.approx(acc, abs=1e-6)
+  assert rep.rounds[0].average_accuracy == pytest.approx(rep.rounds[0].accuracy)
+  assert int(alg.ledger.sample_count.numpy()) == 3

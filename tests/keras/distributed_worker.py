@@ -21,13 +21,13 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B = 8
 
 
-def build(strategy, clip, z, seed=None):
+def build(strategy, clip, z, seed=None, clipping="vectorized", microbatches=None):
   with strategy.scope():
     keras.utils.set_random_seed(0)
     model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(4, activation="tanh"),
                                    keras.layers.Dense(3)])
-    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(clip, z, learning_rate=1.0, seed=seed,
-                                                         clipping="vectorized"), loss=LOSS)
+    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(clip, z, microbatches, learning_rate=1.0,
+                                                         seed=seed, clipping=clipping), loss=LOSS)
   model.optimizer.set_sampling(1000, B / 1000, "shuffle", B)
   return model
 
@@ -54,6 +54,25 @@ def main():
   out["update_norm"] = float(np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(
       w0, single.get_weights()))))
   out["ledger_after_1"] = int(mirrored.ledger.sample_count.numpy())
+  # 1b) the fast path (ghost norms) under the strategy: per example against one device, and
+  #     with 2 microbatches per replica against the vectorized path under the strategy
+  for mb in (None, 2):
+    ref = (build(tf.distribute.get_strategy(), 0.05, 0.0, clipping="fast") if mb is None
+           else build(strategy, 0.05, 0.0, clipping="vectorized", microbatches=mb))
+    ref(x)
+    fast = build(strategy, 0.05, 0.0, clipping="fast", microbatches=mb)
+    fast(x)
+    fast.set_weights(ref.get_weights())
+    if mb is None:
+      ref.train_on_batch(x, y)
+    else:
+      ref.fit(ds, epochs=1, verbose=0)
+    fast.fit(ds, epochs=1, verbose=0)
+    out[f"fast_max_abs_diff_{mb}"] = float(max(
+        np.abs(a - b).max() for a, b in zip(ref.get_weights(), fast.get_weights())))
+    out[f"fast_update_{mb}"] = float(max(
+        np.abs(a - b).max() for a, b in zip(w0, fast.get_weights())))
+    out[f"fast_clipping_{mb}"] = fast.optimizer.resolve_clipping(fast)
   # 2) noise on zero gradients (clip tiny, data irrelevant): stddev of the update is
   #    lr z C / B if noise is drawn once, sqrt(2) times that if once per replica.
   z, c = 1.0, 1.0

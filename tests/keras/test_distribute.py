@@ -24,6 +24,12 @@ def test_mirrored_noise_once_and_ledger_counts_once():
   assert out["max_abs_diff"] < 1e-5
   # each step counted once
   assert out["ledger_after_1"] == 1
+  # the fast path under the strategy: same update as one device (per example) and as the
+  # vectorized path under the strategy (2 microbatches per replica)
+  for mb in ("None", "2"):
+    assert out[f"fast_clipping_{mb}"] == "fast"
+    assert out[f"fast_update_{mb}"] > 1e-3
+    assert out[f"fast_max_abs_diff_{mb}"] < 1e-5, out
   assert out["ledger_noisy"] == 10
   # noise drawn once on the global sum: std ratio 1 (sqrt(2) = 1.41 if once per replica).
   # 2000 x 6 draws: relative standard error of the std is 1/sqrt(2 * 12000) = 0.65%; allow 5%.

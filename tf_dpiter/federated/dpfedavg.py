@@ -142,6 +142,7 @@ class RoundReport:
   epsilon: Optional[float]
   delta: Optional[float]
   seconds: float
+  average_accuracy: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -159,6 +160,12 @@ class RunReport:
     return accs[-1] if accs else None
 
   @property
+  def average_accuracy(self):
+    """Accuracy of the exponential moving average of w_t after the last round (if kept)."""
+    accs = [r.average_accuracy for r in self.rounds if r.average_accuracy is not None]
+    return accs[-1] if accs else None
+
+  @property
   def cr(self):
     return len(self.rounds)
 
@@ -167,7 +174,9 @@ class RunReport:
     return self.rounds[-1].cc if self.rounds else 0
 
   def __str__(self):
-    lines = [f"rounds (CR) = {self.cr}, CC = {self.cc}, accuracy = {self.accuracy}",
+    lines = [f"rounds (CR) = {self.cr}, CC = {self.cc}, accuracy = {self.accuracy}"
+             + ("" if self.average_accuracy is None
+                else f", accuracy of the averaged model = {self.average_accuracy}"),
              f"stopped: {self.stopped_reason}", self.privacy_statement]
     lines += [f"WARNING: {w}" for w in self.warnings]
     return "\n".join(lines)
@@ -412,6 +421,9 @@ class DPFedAvg:
       seed is not private).
     max_clients_per_chunk: clients trained together in one vectorized call (memory bound).
     diagnostics: compute V_c and U_s each round.
+    average_decay: beta in [0, 1): also keep the exponential moving average
+      a_t = beta a_{t-1} + (1 - beta) w_t (a_1 = w_1) of the server models and report its
+      accuracy. Post-processing of the released w_t: no privacy cost. None: not kept.
   """
 
   def __init__(self, model, data, query=None, clients_per_round=10, noise_multiplier=None,
@@ -419,7 +431,11 @@ class DPFedAvg:
                server_learning_rate=1.0, server_momentum=0.0, sampling="fixed_size",
                fixed_epsilon=None, max_delta=None, fixed_delta=None, max_epsilon=None,
                accountant="rdp", eval_data=None, initial_params=None, seed=None,
-               max_clients_per_chunk=128, diagnostics=True, eval_every=1):
+               max_clients_per_chunk=128, diagnostics=True, eval_every=1, average_decay=None):
+    if average_decay is not None and not (0.0 <= float(average_decay) < 1.0):
+      raise ValueError(f"average_decay must be None or in [0, 1), got {average_decay!r}")
+    self.average_decay = None if average_decay is None else float(average_decay)
+    self._average = None
     if not isinstance(max_clients_per_chunk, int) or max_clients_per_chunk < 1:
       raise ValueError(f"max_clients_per_chunk must be an int >= 1, got {max_clients_per_chunk!r}")
     self.model = model
@@ -463,6 +479,13 @@ class DPFedAvg:
   def params(self):
     """The server model w_t as a list of numpy arrays."""
     return [p.numpy() for p in self.model.unflatten(self.server.w)]
+
+  @property
+  def average_params(self):
+    """The moving average of the server models (average_decay), or None."""
+    if self._average is None:
+      return None
+    return [p.numpy() for p in self.model.unflatten(self._average)]
 
   def _begin_round(self, t):
     m = self._m_schedule(t)
@@ -514,15 +537,22 @@ class DPFedAvg:
     if self.server.is_median:
       clip = self.server.clip()   # the median this round actually used
     self.round_index = t
-    acc = None
+    if self.average_decay is not None:
+      w = tf.identity(self.server.w)
+      self._average = w if self._average is None else (
+          self.average_decay * self._average + (1.0 - self.average_decay) * w)
+    acc = avg_acc = None
     if self.eval_data is not None and (t % self.eval_every == 0):
       acc = model_lib.accuracy(self.model, self.model.unflatten(self.server.w), *self.eval_data)
+      if self._average is not None:
+        avg_acc = model_lib.accuracy(self.model, self.model.unflatten(self._average),
+                                     *self.eval_data)
     eps, delta = self.server.guarantee()
     cc = (self.rounds[-1].cc if self.rounds else 0) + int(records.shape[0])
     report = RoundReport(round=t, clients=int(records.shape[0]), noise_multiplier=z,
                          accuracy=acc, cr=t, cc=cc, clip=clip, between_clients_variance=vc,
                          update_scale=us, rejected=rejected, epsilon=eps, delta=delta,
-                         seconds=time.time() - t0)
+                         seconds=time.time() - t0, average_accuracy=avg_acc)
     self.rounds.append(report)
     return report
 
