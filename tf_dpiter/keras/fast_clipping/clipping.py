@@ -353,9 +353,8 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                  if id(u) not in per_example]
     for u, rec, start, n in vect:
       g = _vectorized_grads(u, rec, src_grads[start:start + n])
-      if _grouped(k):
-        g = [tf.reduce_sum(tf.reshape(t, tf.concat([[-1, k], tf.shape(t)[1:]], 0)),
-                           axis=1) for t in g]
+      with registry.examples_per_record(k):
+        g = [registry.record_sum(t) for t in g]
       if id(u) in per_example:
         per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
       else:

@@ -107,7 +107,7 @@ def _k():
   return getattr(_RECORDS, "k", 1)
 
 
-def _record_sum(t):
+def record_sum(t):
   """[B, ...] per-example -> [B/k, ...] per-record sums."""
   k = _k()
   if isinstance(k, int) and k == 1:
@@ -235,7 +235,7 @@ def _bias_grad(dz, bias_shape):
   axes = [j for j in range(1, r)
           if j < r - k or bias_shape[j - (r - k)] == 1]
   dz = tf.cast(dz, tf.float32)
-  return _record_sum(tf.reduce_sum(dz, axis=axes) if axes else dz)
+  return record_sum(tf.reduce_sum(dz, axis=axes) if axes else dz)
 
 
 def _plain_layer(layer):
@@ -323,7 +323,7 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
   keep = _keep(int(np.prod(layer.kernel.shape)))
 
   def kernel_part(dz):
-    g = _record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", tf.cast(x, tf.float32),
+    g = record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", tf.cast(x, tf.float32),
                               tf.cast(dz, tf.float32)))
     return _sqr_sum(g), (g if keep else None)
 
@@ -459,7 +459,7 @@ def _conv_sqr_norm_fn(layer, patches_fn, x4=None, dz4_fn=None, padding=None):
             _MAX_DEPTHWISE_ENTRIES)
         form = "depthwise" if small and _onednn_enabled() else "filter"
       if form in ("filter", "depthwise") and not dilated:
-        g = _record_sum(_per_example_filter_grads(x4, dz4_fn(dz), ksize,
+        g = record_sum(_per_example_filter_grads(x4, dz4_fn(dz), ksize,
                                                   stride, padding, form))
         sq_k, g = _sqr_sum(g), (g if keep else None)
       else:
@@ -551,11 +551,11 @@ def layer_norm_norm_fn(layer, inputs):
     grads = {}
     if _trainable(gamma):
       g = dy * tf.cast(xhat, tf.float32)
-      g = _record_sum(tf.reduce_sum(g, axis=red) if red else g)
+      g = record_sum(tf.reduce_sum(g, axis=red) if red else g)
       sq += _sqr_sum(g)
       grads[id(gamma)] = g
     if _trainable(beta):
-      g = _record_sum(tf.reduce_sum(dy, axis=red) if red else dy)
+      g = record_sum(tf.reduce_sum(dy, axis=red) if red else dy)
       sq += _sqr_sum(g)
       grads[id(beta)] = g
     return _result(layer, sq, grads) if keep else sq
