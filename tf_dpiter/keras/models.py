@@ -234,6 +234,12 @@ class DPModelMixin:
       rec_loss = tf.reduce_sum(losses * chunk_em, 1) / tf.maximum(tf.reduce_sum(chunk_em, 1), 1.0)
       return list(grads), tf.reduce_sum(rec_loss), outputs
 
+    def batch_order(t):  # record-major outputs [>= M * k, ...] -> batch order [B, ...]
+      n = em.shape.num_elements()
+      t = t[:n if n is not None else tf.size(em)]
+      return grads_lib.from_records(
+          tf.reshape(t, tf.concat([tf.shape(em), tf.shape(t)[1:]], 0)), b, m)
+
     p = opt.max_physical_batch_size
     m_static = tf.TensorShape(rmask.shape)[0]
     per_chunk = None if p is None else (
@@ -241,9 +247,7 @@ class DPModelMixin:
     if per_chunk is None or (m_static is not None and isinstance(per_chunk, int)
                              and per_chunk >= m_static):
       grad_sum, loss_sum, outputs = chunk_sum(recs, em)
-      y_pred = tf.nest.map_structure(
-          lambda t: grads_lib.from_records(
-              tf.reshape(t, tf.concat([tf.shape(em), tf.shape(t)[1:]], 0)), b, m), outputs)
+      y_pred = tf.nest.map_structure(batch_order, outputs)
     else:
       chunks, cmask, nchunks = grads_lib.chunked((recs, em), rmask, per_chunk)
       static_chunks = tf.get_static_value(nchunks)
@@ -255,11 +259,7 @@ class DPModelMixin:
           grad_sum = g if grad_sum is None else [a + c for a, c in zip(grad_sum, g)]
           loss_sum += l
           outs.append(o)
-        n_rec = m_static * k if isinstance(k, int) else None
-        y_pred = tf.nest.map_structure(
-            lambda *ts: grads_lib.from_records(
-                tf.reshape(tf.concat(ts, 0)[:n_rec], tf.concat([tf.shape(em), tf.shape(ts[0])[1:]], 0)),
-                b, m), *outs)
+        y_pred = tf.nest.map_structure(lambda *ts: batch_order(tf.concat(ts, 0)), *outs)
       else:
         def body(i, acc, loss_acc):
           c_recs, c_em = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)

@@ -29,6 +29,7 @@ a layer with T positions this costs B*T*K*N either way, but saves the second
 weight-gradient computation, which is the whole DP overhead of a convolution.
 """
 
+import functools
 import threading
 from typing import NamedTuple, Sequence
 
@@ -383,6 +384,7 @@ def _conv_accepts(layer):
           getattr(layer, "groups", 1) == 1)
 
 
+@functools.lru_cache(maxsize=None)
 def _onednn_enabled():
   """Whether TF's oneDNN CPU kernels are on (TF_ENABLE_ONEDNN_OPTS)."""
   try:
