@@ -1,11 +1,16 @@
 """Shared small fixtures: a tiny MLP on synthetic data keeps every test fast."""
 
+import os
+import sys
 import warnings
 
-import numpy as np
 import pytest
 
 from tf_dpiter import federated as F
+
+# The Flower test app's data module (tests/federated/flower_app) is the one source of the data.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "flower_app"))
+from dp_flower_app.data import synthetic  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 @pytest.fixture(autouse=True)
@@ -16,16 +21,9 @@ def _quiet_seed_warnings():
     yield
 
 
-def synthetic(num_examples=400, dim=12, classes=4, seed=0):
-  rng = np.random.default_rng(seed)
-  centers = rng.normal(size=(classes, dim)).astype(np.float32) * 2
-  y = rng.integers(0, classes, num_examples).astype(np.int32)
-  x = (centers[y] + rng.normal(size=(num_examples, dim))).astype(np.float32)
-  return x, y
-
-
 @pytest.fixture
 def tiny():
   x, y = synthetic()
   model = F.MLP((12, 8, 4), use_bias=True)
   return model, x, y
+

@@ -6,7 +6,6 @@ import warnings
 import dp_accounting as dpa
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dpq
@@ -14,6 +13,8 @@ from tf_dpiter import federated as F
 
 # flwr comes with the `test` extra: a missing or broken install must fail, not skip.
 from tf_dpiter.federated import flower as FL
+
+from fed_helpers import plain_fedavg
 
 
 def _setup(tiny, k):
@@ -34,12 +35,7 @@ def test_flower_noise_free_full_participation_is_plain_fedavg(tiny):
     warnings.simplefilter("ignore")
     FL.run_loopback(strat, clients, num_rounds=2)
   assert [r["returned"] for r in strat.rounds] == [3, 3]
-  w = [tf.constant(p) for p in w0]
-  for _ in range(2):
-    # Full-batch local steps (batch 20 = client size): order-free, so exactly comparable.
-    deltas = [F.local_sgd_one_client(model, w, *fd.client_examples(k), np.arange(20)[None],
-                                     20, 0.2) for k in range(3)]
-    w = [p + sum(d[i] for d in deltas) / 3 for i, p in enumerate(w)]
+  w = plain_fedavg(model, fd, w0, rounds=2, clients=range(3), denominator=3)
   got = [p.numpy() for p in model.unflatten(strat.server.w)]
   for a, b in zip(got, w):
     np.testing.assert_allclose(a, b.numpy(), rtol=1e-4, atol=1e-6)
@@ -76,9 +72,9 @@ def test_flower_rejects_bad_update_shape(tiny):
   model, _, _ = _setup(tiny, 2)
   strat = FL.DPFedAvgStrategy(model, dpq.GaussianSumQuery(1.0, 0.0, seed=0),
                               model.init_params(seed=0), num_clients=2, clients_per_round=2)
-  assert strat._record([np.zeros((3, 3))]) is None                     # wrong shapes
+  assert strat._dp.record([np.zeros((3, 3))]) is None                     # wrong shapes
   good = [np.zeros(s, np.float32) for s in model.shapes]
-  assert strat._record(good).shape == (model.num_params,)
+  assert strat._dp.record(good).shape == (model.num_params,)
 
 
 def test_flower_failures_and_nonfinite_updates_rejected_and_counted(tiny):
@@ -87,8 +83,7 @@ def test_flower_failures_and_nonfinite_updates_rejected_and_counted(tiny):
   w0 = model.init_params(seed=0)
   strat = FL.DPFedAvgStrategy(model, dpq.GaussianSumQuery(math.inf, 0.0, seed=0), w0,
                               num_clients=3, clients_per_round=3)
-  strat._round_m[1] = 3
-  strat.server.begin_round(3, t=1)
+  assert sorted(strat._dp.sample(1, ["a", "b", "c"])) == ["a", "b", "c"]   # m = K = 3
   ok = [np.full(s, 0.5, np.float32) for s in model.shapes]
   nan = [np.full(s, np.nan, np.float32) for s in model.shapes]
   res = lambda arrs: FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), 20, {})

@@ -1,7 +1,10 @@
 """Shared builders and an independent per-example reference for the Keras tests."""
 
+import keras
 import numpy as np
 import tensorflow as tf
+
+import tf_dpiter as dp
 
 
 def set_sampling(model, n):
@@ -49,3 +52,16 @@ def nonprivate_gradient(model, loss_obj, x, y):
       loss = loss + tf.add_n(model.losses)
   return [tf.convert_to_tensor(g).numpy() for g in tape.gradient(
       loss, model.trainable_variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)]
+
+
+def small_data(n=64, seed=0):
+  """n records of 6 features and 3 classes."""
+  rng = np.random.RandomState(seed)
+  return rng.randn(n, 6).astype("float32"), rng.randint(0, 3, n)
+
+
+def small_seq():
+  """A seeded 6-4-3 DPSequential."""
+  keras.utils.set_random_seed(0)
+  return dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu"),
+                                keras.layers.Dense(3)])

@@ -16,15 +16,8 @@ import dp_keras_helpers as helpers
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _data(n=64, seed=0):
-  rng = np.random.RandomState(seed)
-  return rng.randn(n, 6).astype("float32"), rng.randint(0, 3, n)
-
-
-def _seq():
-  keras.utils.set_random_seed(0)
-  return dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(4, activation="relu"),
-                                keras.layers.Dense(3)])
+_data = helpers.small_data
+_seq = helpers.small_seq
 
 
 @pytest.mark.parametrize("name,base", [("SGD", keras.optimizers.SGD), ("Adam", keras.optimizers.Adam),
@@ -88,8 +81,10 @@ def test_dp_optimizer_wrapper_with_nested_query():
   model.fit(x, y, batch_size=32, epochs=1, verbose=0)
   d = model.ledger.to_dict()
   assert d["num_samples"] == 2 and len(d["runs"][0]["queries"]) == 4
-  with pytest.raises(ValueError, match="dp_query"):
-    opt.get_config()
+  cfg = opt.get_config()  # a custom dp_query serializes (tests/keras/test_query_serialization.py)
+  assert cfg["dp_query"] == dp_query.serialize(opt.dp_query.query)
+  again = type(opt).from_config(cfg)
+  assert again.get_config() == cfg
   with pytest.raises(ValueError, match="not both"):
     dp.keras.DPOptimizer(keras.optimizers.SGD(), l2_norm_clip=1.0, noise_multiplier=1.0,
                          dp_query=dp_query.NestedQuery(queries))

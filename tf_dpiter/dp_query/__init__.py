@@ -28,3 +28,6 @@ from tf_dpiter.dp_query.quantile_queries import QuantileEstimatorQuery
 from tf_dpiter.dp_query.quantile_queries import value_noise_multiplier
 from tf_dpiter.dp_query.randomness import NotPrivateSeedWarning
 from tf_dpiter.dp_query.randomness import make_generator
+from tf_dpiter.dp_query.serialization import deserialize
+from tf_dpiter.dp_query.serialization import register_query
+from tf_dpiter.dp_query.serialization import serialize

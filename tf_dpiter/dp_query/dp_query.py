@@ -139,6 +139,25 @@ class DPQuery(metaclass=abc.ABCMeta):
     del global_state
     return collections.OrderedDict()
 
+  # ---- serialization (see tf_dpiter.dp_query.serialization) ---------------------------
+
+  def get_config(self):
+    """Constructor arguments as plain Python values (child queries serialized).
+
+    The default serves classes whose constructor takes no argument; others override it.
+    """
+    if type(self).__init__ is object.__init__:
+      return {}
+    raise NotImplementedError(
+        f"{type(self).__qualname__}.get_config() is not implemented: return the constructor "
+        "arguments as plain Python values (child queries through "
+        "tf_dpiter.dp_query.serialize) to make this query serializable")
+
+  @classmethod
+  def from_config(cls, config):
+    """The query built from `get_config()`'s output: cls(**config) by default."""
+    return cls(**config)
+
 
 class SumAggregationDPQuery(DPQuery):
   """A DPQuery whose sample state is the plain sum of preprocessed records."""

@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 
@@ -34,6 +35,7 @@ def add_gaussian_noise(generator, structure, stddev):
   return tf.nest.pack_sequence_as(structure, out)
 
 
+@serialization.register_query()
 class GaussianSumQuery(dp_query.SumAggregationDPQuery):
   """Sum of records clipped to `l2_norm_clip`, plus N(0, stddev^2) noise per coordinate."""
 
@@ -42,7 +44,13 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
   def __init__(self, l2_norm_clip, stddev, seed=None):
     self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
+    self._seed = seed
     self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "stddev": p(self._stddev),
+            "seed": p(self._seed)}
 
   @property
   def l2_norm_clip(self):

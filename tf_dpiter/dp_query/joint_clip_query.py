@@ -14,9 +14,11 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 
+@serialization.register_query()
 class JointClipQuery(dp_query.SumAggregationDPQuery):
   """Joint clipping: `scales` is a nest of alpha_j > 0 matching the record's structure."""
 
@@ -28,7 +30,20 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
     self._scales = scales
     self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
+    self._seed = seed
     self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"scales": serialization.encode_nest(self._scales),
+            "l2_norm_clip": p(self._l2_norm_clip), "stddev": p(self._stddev),
+            "seed": p(self._seed)}
+
+  @classmethod
+  def from_config(cls, config):
+    config = dict(config)
+    config["scales"] = serialization.decode_nest(config["scales"])
+    return cls(**config)
 
   def initial_global_state(self):
     return self._GlobalState(tf.cast(self._l2_norm_clip, tf.float32),

@@ -11,6 +11,7 @@ import tensorflow as tf
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 
@@ -30,6 +31,7 @@ def laplace_noise(generator, shape, scale, dtype=tf.float32):
       tf.maximum(1.0 - 2.0 * tf.abs(u), tf.cast(1e-30, dtype)))
 
 
+@serialization.register_query()
 class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
   """Sum of records clipped to L1 norm `l1_norm_clip` plus Laplace(0, scale) per coordinate."""
 
@@ -40,7 +42,12 @@ class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
     validation.check_positive("scale", scale, allow_inf=False)
     self._l1_norm_clip = l1_norm_clip
     self._scale = scale
+    self._seed = seed
     self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"l1_norm_clip": p(self._l1_norm_clip), "scale": p(self._scale), "seed": p(self._seed)}
 
   def initial_global_state(self):
     return self._GlobalState(tf.cast(self._l1_norm_clip, tf.float32),

@@ -14,9 +14,11 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import normalized_query
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 
+@serialization.register_query()
 class NestedQuery(dp_query.SumAggregationDPQuery):
   """A nest (dict, list, tuple) of queries; a record has the same nest structure.
 
@@ -36,6 +38,13 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   @property
   def queries(self):
     return self._queries
+
+  def get_config(self):
+    return {"queries": serialization.encode_queries(self._queries)}
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(serialization.decode_queries(config["queries"]))
 
   def _map(self, fn, *inputs):
     return dp_query.map_up_to(self._queries, fn, self._queries, *inputs)

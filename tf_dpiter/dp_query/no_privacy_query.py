@@ -4,8 +4,10 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import serialization
 
 
+@serialization.register_query()
 class NoPrivacySumQuery(dp_query.SumAggregationDPQuery):
   """Plain sum of records; reports a NonPrivateEvent."""
 
@@ -16,6 +18,7 @@ class NoPrivacySumQuery(dp_query.SumAggregationDPQuery):
     return sample_state, global_state, (events_lib.NonPrivateEvent(),)
 
 
+@serialization.register_query()
 class NoPrivacyAverageQuery(dp_query.SumAggregationDPQuery):
   """Plain average over the records actually seen; reports a NonPrivateEvent."""
 

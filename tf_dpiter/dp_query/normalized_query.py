@@ -9,9 +9,11 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 
+@serialization.register_query()
 class NormalizedQuery(dp_query.SumAggregationDPQuery):
   """numerator_query's noised sum divided by `denominator` (e.g. q*n)."""
 
@@ -28,6 +30,16 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
   @property
   def numerator_query(self):
     return self._numerator
+
+  def get_config(self):
+    return {"numerator_query": serialization.serialize(self._numerator),
+            "denominator": serialization.plain(self._denominator)}
+
+  @classmethod
+  def from_config(cls, config):
+    config = dict(config)
+    config["numerator_query"] = serialization.deserialize(config["numerator_query"])
+    return cls(**config)
 
   @property
   def denominator(self):
@@ -57,9 +69,19 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     return self._numerator.derive_metrics(global_state)
 
 
+@serialization.register_query()
 class GaussianAverageQuery(NormalizedQuery):
   """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator."""
 
   def __init__(self, l2_norm_clip, sum_stddev, denominator, seed=None):
     super().__init__(gaussian_query.GaussianSumQuery(l2_norm_clip, sum_stddev, seed=seed),
                      denominator)
+
+  def get_config(self):
+    num = self._numerator.get_config()
+    return {"l2_norm_clip": num["l2_norm_clip"], "sum_stddev": num["stddev"],
+            "denominator": serialization.plain(self._denominator), "seed": num["seed"]}
+
+  @classmethod
+  def from_config(cls, config):
+    return cls(**config)

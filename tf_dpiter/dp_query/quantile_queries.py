@@ -21,11 +21,13 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 _BELOW_SENSITIVITY = 0.5
 
 
+@serialization.register_query()
 class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
   """Private estimate of the `target_quantile` of scalar records. Result: the new estimate."""
 
@@ -46,7 +48,21 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     self._below_estimate_stddev = below_estimate_stddev
     self._expected_num_records = expected_num_records
     self._geometric_update = geometric_update
+    self._seed = seed
+    self._shared_generator = generator is not None
     self._generator = generator or randomness.make_generator(seed)
+
+  def get_config(self):
+    if self._shared_generator:
+      raise ValueError("a QuantileEstimatorQuery given a `generator` cannot be serialized (a "
+                       "generator is not a config value); build it with `seed` instead")
+    p = serialization.plain
+    return {"initial_estimate": p(self._initial_estimate),
+            "target_quantile": p(self._target_quantile),
+            "learning_rate": p(self._learning_rate),
+            "below_estimate_stddev": p(self._below_estimate_stddev),
+            "expected_num_records": p(self._expected_num_records),
+            "geometric_update": bool(self._geometric_update), "seed": p(self._seed)}
 
   def initial_global_state(self):
     f = lambda x: tf.cast(x, tf.float32)
@@ -107,6 +123,7 @@ def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
   return (noise_multiplier ** -2 - (2.0 * clipped_count_stddev) ** -2) ** -0.5
 
 
+@serialization.register_query()
 class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   """Gaussian sum query whose clip follows a private quantile of the record norms."""
 
@@ -118,6 +135,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
                geometric_update=True, seed=None):
     validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
     self._noise_multiplier = noise_multiplier
+    self._seed = seed
     self._value_z = value_noise_multiplier(noise_multiplier, clipped_count_stddev)
     self._generator = randomness.make_generator(seed)
     self._quantile = QuantileEstimatorQuery(
@@ -127,6 +145,18 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   @property
   def noise_multiplier(self):
     return self._noise_multiplier
+
+  def get_config(self):
+    p = serialization.plain
+    q = self._quantile
+    return {"initial_l2_norm_clip": p(q._initial_estimate),  # pylint: disable=protected-access
+            "noise_multiplier": p(self._noise_multiplier),
+            "target_unclipped_quantile": p(q._target_quantile),  # pylint: disable=protected-access
+            "learning_rate": p(q._learning_rate),  # pylint: disable=protected-access
+            "clipped_count_stddev": p(q._below_estimate_stddev),  # pylint: disable=protected-access
+            "expected_num_records": p(q._expected_num_records),  # pylint: disable=protected-access
+            "geometric_update": bool(q._geometric_update),  # pylint: disable=protected-access
+            "seed": p(self._seed)}
 
   def set_expected_num_records(self, global_state, expected_num_records):
     """Global state whose quantile estimator expects `expected_num_records` records."""

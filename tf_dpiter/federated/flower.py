@@ -1,18 +1,22 @@
 """Flower deployment of client-level DP federated averaging (optional: pip install flwr>=1.38).
 
-`DPFedAvgStrategy` is a Flower `Strategy` whose aggregation is a `DPServer`: the clients'
-updates are the records of a DPQuery wrapped in `QueryWithLedger`, so the epsilon of a real
-deployment comes from the same ledger and accountant (tf_dpiter.accounting) as the
-simulation. Clients are sampled uniformly without replacement from the K connected clients
-with the DP core's Philox generator (ledger policy fixed_size, n = K, m = m_t), and the
-strategy stops sending work before a round would pass the budget.
+The server side is a `DPServer`: the clients' updates are the records of a DPQuery wrapped in
+`QueryWithLedger`, so the epsilon of a real deployment comes from the same ledger and
+accountant (tf_dpiter.accounting) as the simulation. Clients are sampled uniformly without
+replacement from the K connected clients with the DP core's Philox generator (ledger policy
+fixed_size, n = K, m = m_t), and no work is sent once a round would pass the budget.
 
-`DPFlowerClient` runs ClientUpdate (E epochs of minibatch SGD, `LocalSGD` with one client)
-on its own examples and returns Delta w_k = w_k - w_t, never its data.
+Two Flower APIs share that server (`_DPRounds`):
+- Flower's Message API (flwr >= 1.20, the one `flwr run` deploys): `DPFedAvgMessageStrategy`
+  (a `flwr.serverapp.strategy.Strategy`), `make_server_app` and `make_client_app`.
+- Flower's legacy API: `DPFedAvgStrategy` (a `flwr.server.strategy.Strategy`) with
+  `DPFlowerClient` (a `NumPyClient`), run by `run_loopback` through `flwr.compat`'s
+  `start_server`/`start_client` (deprecated in flwr).
 
-A dropped client, an update of the wrong shape or with non-finite values is rejected:
-counted, and aggregated as a zero record (the denominator stays m_t). Uses Flower's legacy
-`start_server`/`start_client` (deprecated in flwr but present in 1.38) for loopback runs.
+A client runs ClientUpdate (E epochs of minibatch SGD, `LocalSGD` with one client) on its own
+examples and returns Delta w_k = w_k - w_t, never its data. A dropped client, an error reply,
+an update of the wrong shape or with non-finite values is rejected: counted, and aggregated
+as a zero record (the denominator stays m_t).
 """
 
 import socket
@@ -24,11 +28,20 @@ import tensorflow as tf
 
 try:
   import flwr
+  from flwr.app import ArrayRecord
+  from flwr.app import ConfigRecord
+  from flwr.app import Message
+  from flwr.app import MessageType
+  from flwr.app import MetricRecord
+  from flwr.app import RecordDict
   from flwr.client import NumPyClient
+  from flwr.clientapp import ClientApp
   from flwr.common import FitIns
   from flwr.common import ndarrays_to_parameters
   from flwr.common import parameters_to_ndarrays
   from flwr.server.strategy import Strategy
+  from flwr.serverapp import ServerApp
+  from flwr.serverapp import strategy as message_strategy
 except ImportError as e:  # pragma: no cover
   raise ImportError("tf_dpiter.federated.flower needs Flower: pip install 'flwr>=1.38' "
                     "(extra tf_dpiter[flower])") from e
@@ -37,28 +50,23 @@ from tf_dpiter import dp_query as dpq
 from tf_dpiter.federated import client as client_lib
 from tf_dpiter.federated import dpfedavg
 
+ARRAYS_KEY = "arrays"      # RecordDict keys of the Message API
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+_LOCAL_KEYS = ("epochs", "batch_size", "lr")
 
-class DPFedAvgStrategy(Strategy):
-  """Flower strategy: DP federated averaging with DPQuery aggregation and a ledger.
 
-  Args:
-    model: an `MLP` shared with the clients.
-    query: the inner DPQuery (records: flat updates [d]).
-    initial_params: list of numpy arrays w_0.
-    num_clients: K, the number of clients that must be connected (population size).
-    clients_per_round: m_t (int, sequence or callable of the round).
-    noise_multiplier: optional sigma_t schedule.
-    fit_config: dict sent to every client (e.g. {"epochs": 1, "batch_size": 60, "lr": 0.1}).
-    eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
-    seed: fixes the client sampling (tests only: not private).
-    Others: as in `DPServer`.
+class _DPRounds:
+  """The DP rounds of a Flower deployment, whatever Flower API carries the messages.
+
+  Per round: check the connected population (must be K: it is the ledger's n), the budget
+  look-ahead, draw m_t of the K client ids; then screen the returned updates into records and
+  aggregate them through the DPServer's query (one ledger entry per round).
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
-               noise_multiplier=None, fit_config=None, eval_fn=None, fixed_epsilon=None,
-               max_delta=None, fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
-               server_momentum=0.0, seed=None, wait_timeout=60):
-    super().__init__()
+               noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
+               server_learning_rate, server_momentum, seed):
     self.model = model
     self.num_clients = int(num_clients)
     self._m_schedule = dpfedavg.as_schedule("clients_per_round", clients_per_round,
@@ -72,30 +80,23 @@ class DPFedAvgStrategy(Strategy):
                                     max_epsilon=max_epsilon,
                                     server_learning_rate=server_learning_rate,
                                     server_momentum=server_momentum)
-    self.ledger = self.server.ledger
-    self.fit_config = dict(fit_config or {})
-    self.eval_fn = eval_fn
-    self.wait_timeout = int(wait_timeout)
     self._gen = dpq.make_generator(seed)
     self._round_m = {}
     self.rounds = []
     self.stopped_reason = None
 
-  def _shapes(self):
-    return [tuple(s) for s in self.model.shapes]
-
-  def _params(self):
+  def params(self):
+    """The server model w_t as a list of numpy arrays in the model's layout."""
     return [p.numpy() for p in self.model.unflatten(self.server.w)]
 
-  def initialize_parameters(self, client_manager):
-    return ndarrays_to_parameters(self._params())
-
-  def configure_fit(self, server_round, parameters, client_manager):
+  def sample(self, server_round, client_ids):
+    """The ids of this round's m_t clients, [] once the budget stops the run."""
     if self.stopped_reason is not None:
       return []
-    if not client_manager.wait_for(self.num_clients, timeout=self.wait_timeout):
-      raise ValueError(f"num_clients: only {client_manager.num_available()} of "
-                       f"{self.num_clients} clients connected")
+    ids = sorted(client_ids)
+    if len(ids) != self.num_clients:
+      raise ValueError(f"num_clients: expected {self.num_clients} connected clients, got "
+                       f"{len(ids)} (the ledger's population size must be exact)")
     m = self._m_schedule(server_round)
     z = self._z_schedule(server_round) if self._z_schedule is not None else None
     self.server.begin_round(m, z, server_round)
@@ -103,33 +104,33 @@ class DPFedAvgStrategy(Strategy):
     if over:
       self.stopped_reason = "privacy budget: " + over
       return []
-    available = client_manager.all()
-    cids = sorted(available)
-    if len(cids) != self.num_clients:
-      raise ValueError(f"num_clients: expected {self.num_clients} connected clients, got "
-                       f"{len(cids)} (the ledger's population size must be exact)")
-    pick = tf.argsort(self._gen.uniform([len(cids)]))[:m].numpy()
+    pick = tf.argsort(self._gen.uniform([len(ids)]))[:m].numpy()
     self._round_m[server_round] = m
-    ins = FitIns(ndarrays_to_parameters(self._params()), dict(self.fit_config))
-    return [(available[cids[i]], ins) for i in pick]
+    return [ids[i] for i in pick]
 
-  def _record(self, arrays):
-    shapes = self._shapes()
+  def record(self, arrays):
+    """A client's update as a flat float32 record [d], None if its shapes are wrong."""
+    shapes = [tuple(s) for s in self.model.shapes]
     if len(arrays) != len(shapes) or any(tuple(a.shape) != s for a, s in zip(arrays, shapes)):
       return None
     return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
 
-  def aggregate_fit(self, server_round, results, failures):
-    m = self._round_m[server_round]
-    rows, bad = [], len(failures)
-    for _, fit_res in results:
-      rec = self._record(parameters_to_ndarrays(fit_res.parameters))
+  def aggregate(self, server_round, updates, failures):
+    """Aggregates a round's updates (lists of arrays); failures: count of lost replies.
+
+    Returns the round's info dict, or None for a round that sampled nobody (stopped).
+    """
+    if server_round not in self._round_m:
+      return None
+    m = self._round_m.pop(server_round)
+    rows, bad = [], int(failures)
+    for arrays in updates:
+      rec = self.record(arrays)
       if rec is None:
         bad += 1
       else:
         rows.append(rec)
-    dim = self.server.dim
-    records = np.stack(rows) if rows else np.zeros([1, dim], np.float32)
+    records = np.stack(rows) if rows else np.zeros([1, self.server.dim], np.float32)
     records, mask, rejected = self.server.screen(records)
     if not rows:
       mask = tf.zeros([1])
@@ -140,8 +141,97 @@ class DPFedAvgStrategy(Strategy):
     if eps is not None:
       info.update(epsilon=float(eps), delta=float(delta))
     self.rounds.append(info)
+    return info
+
+
+class _DeploymentMixin:
+  """Public state shared by both strategies (they hold a `_DPRounds` as `_dp`)."""
+
+  @property
+  def server(self):
+    return self._dp.server
+
+  @property
+  def ledger(self):
+    return self._dp.server.ledger
+
+  @property
+  def rounds(self):
+    """Per-round info dicts: round, clients (m_t), returned, rejected, clip, epsilon, delta."""
+    return self._dp.rounds
+
+  @property
+  def stopped_reason(self):
+    return self._dp.stopped_reason
+
+  @property
+  def model(self):
+    return self._dp.model
+
+  @property
+  def num_clients(self):
+    return self._dp.num_clients
+
+  def report(self):
+    """(guarantee_holds, privacy statement, warnings) from the ledger's accountant."""
+    return self._dp.server.privacy_statement()
+
+
+_ARGS_DOC = """
+  Args:
+    model: an `MLP` shared with the clients.
+    query: the inner DPQuery (records: flat updates [d]).
+    initial_params: list of numpy arrays w_0.
+    num_clients: K, the number of clients that must be connected (population size).
+    clients_per_round: m_t (int, sequence or callable of the round).
+    noise_multiplier: optional sigma_t schedule.
+    fixed_epsilon/max_delta, fixed_delta/max_epsilon: the budget; no round starts that
+      would pass it.
+    server_learning_rate, server_momentum: the server step, as in `DPServer`.
+    seed: fixes the client sampling (tests only: not private).
+"""
+
+
+class DPFedAvgStrategy(_DeploymentMixin, Strategy):
+  """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
+  """ + _ARGS_DOC + """    fit_config: dict sent to every client (e.g. {"epochs": 1, "batch_size": 60, "lr": 0.1}).
+    eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
+    wait_timeout: seconds to wait for K clients to connect.
+  """
+
+  def __init__(self, model, query, initial_params, num_clients, clients_per_round,
+               noise_multiplier=None, fit_config=None, eval_fn=None, fixed_epsilon=None,
+               max_delta=None, fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
+               server_momentum=0.0, seed=None, wait_timeout=60):
+    super().__init__()
+    self._dp = _DPRounds(model, query, initial_params, num_clients, clients_per_round,
+                         noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
+                         server_learning_rate, server_momentum, seed)
+    self.fit_config = dict(fit_config or {})
+    self.eval_fn = eval_fn
+    self.wait_timeout = int(wait_timeout)
+
+  def initialize_parameters(self, client_manager):
+    return ndarrays_to_parameters(self._dp.params())
+
+  def configure_fit(self, server_round, parameters, client_manager):
+    if self.stopped_reason is not None:
+      return []
+    if not client_manager.wait_for(self.num_clients, timeout=self.wait_timeout):
+      raise ValueError(f"num_clients: only {client_manager.num_available()} of "
+                       f"{self.num_clients} clients connected")
+    available = client_manager.all()
+    picked = self._dp.sample(server_round, available)
+    ins = FitIns(ndarrays_to_parameters(self._dp.params()), dict(self.fit_config))
+    return [(available[cid], ins) for cid in picked]
+
+  def aggregate_fit(self, server_round, results, failures):
+    updates = [parameters_to_ndarrays(res.parameters) for _, res in results]
+    info = self._dp.aggregate(server_round, updates, len(failures))
+    if info is None:
+      return None, {}
     metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
-    return ndarrays_to_parameters(self._params()), metrics
+    return ndarrays_to_parameters(self._dp.params()), metrics
 
   def configure_evaluate(self, server_round, parameters, client_manager):
     return []
@@ -154,40 +244,186 @@ class DPFedAvgStrategy(Strategy):
       return None
     return self.eval_fn(parameters_to_ndarrays(parameters))
 
-  def report(self):
-    """(guarantee_holds, privacy statement, warnings) from the ledger's accountant."""
-    return self.server.privacy_statement()
+
+class DPFedAvgMessageStrategy(_DeploymentMixin, message_strategy.Strategy):
+  """Flower Message-API strategy (`ServerApp`): DP federated averaging with a ledger.
+
+  Use `strategy.start(grid, ArrayRecord(initial_params), num_rounds, ...)` inside a
+  ServerApp's main (or `make_server_app`). The ArrayRecord Flower passes in is ignored for
+  training: w_t lives in the DPServer, which also produces every round's ArrayRecord.
+  """ + _ARGS_DOC + """    train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
+    wait_timeout: seconds to wait for K nodes to connect before the first round's sampling.
+  """
+
+  def __init__(self, model, query, initial_params, num_clients, clients_per_round,
+               noise_multiplier=None, train_config=None, fixed_epsilon=None, max_delta=None,
+               fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
+               server_momentum=0.0, seed=None, wait_timeout=60):
+    self._dp = _DPRounds(model, query, initial_params, num_clients, clients_per_round,
+                         noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
+                         server_learning_rate, server_momentum, seed)
+    self.train_config = dict(train_config or {})
+    self.wait_timeout = float(wait_timeout)
+
+  def _wait_for_nodes(self, grid):
+    """The connected node ids, after waiting up to wait_timeout s for K of them."""
+    deadline = time.monotonic() + self.wait_timeout
+    ids = list(grid.get_node_ids())
+    while len(ids) < self.num_clients and time.monotonic() < deadline:
+      time.sleep(0.5)
+      ids = list(grid.get_node_ids())
+    return ids
+
+  def summary(self):
+    print(f"DPFedAvgMessageStrategy: K={self.num_clients}, query "
+          f"{type(self.server.inner_query).__name__}")
+
+  def configure_train(self, server_round, arrays, config, grid):
+    if self.stopped_reason is not None:
+      return []
+    picked = self._dp.sample(server_round, self._wait_for_nodes(grid))
+    cfg = ConfigRecord(dict(config, **self.train_config))
+    cfg["server-round"] = int(server_round)
+    content = RecordDict({ARRAYS_KEY: ArrayRecord(self._dp.params()), CONFIG_KEY: cfg})
+    return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=int(n))
+            for n in picked]
+
+  def aggregate_train(self, server_round, replies):
+    updates, failures = [], 0
+    for reply in replies:
+      if reply.has_error() or ARRAYS_KEY not in reply.content.array_records:
+        failures += 1
+      else:
+        updates.append(reply.content.array_records[ARRAYS_KEY].to_numpy_ndarrays())
+    info = self._dp.aggregate(server_round, updates, failures)
+    if info is None:
+      return None, None
+    return (ArrayRecord(self._dp.params()),
+            MetricRecord({k: v for k, v in info.items() if isinstance(v, (int, float))}))
+
+  def configure_evaluate(self, server_round, arrays, config, grid):
+    return []
+
+  def aggregate_evaluate(self, server_round, replies):
+    return None
+
+
+def make_server_app(strategy_fn, num_rounds, evaluate_fn=None, timeout=3600, on_finish=None):
+  """A Flower `ServerApp` that runs `strategy_fn(context)` (a `DPFedAvgMessageStrategy`).
+
+  Args:
+    strategy_fn: callable(context) -> DPFedAvgMessageStrategy (read the run config there).
+    num_rounds: an int, or the name of a run-config entry (e.g. "num-server-rounds": Flower
+      loads the ServerApp before any run config exists). The budget may stop earlier.
+    evaluate_fn: Flower's centralized evaluation hook, callable(round, ArrayRecord) ->
+      MetricRecord or None.
+    timeout: seconds to wait for a round's replies.
+    on_finish: optional callable(strategy, result, context) after the last round, e.g. to
+      write `strategy.report()` or the ledger (`strategy.ledger`) somewhere durable.
+  """
+  app = ServerApp()
+
+  @app.main()
+  def main(grid, context):
+    rounds = (int(context.run_config[num_rounds]) if isinstance(num_rounds, str)
+              else int(num_rounds))
+    if rounds < 1:
+      raise ValueError(f"num_rounds must be >= 1, got {rounds}")
+    strategy = strategy_fn(context)
+    if not isinstance(strategy, DPFedAvgMessageStrategy):
+      raise ValueError(f"strategy_fn must return a DPFedAvgMessageStrategy, got {strategy!r}")
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(strategy._dp.params()),  # pylint: disable=protected-access
+                            num_rounds=rounds, timeout=timeout, evaluate_fn=evaluate_fn)
+    if on_finish is not None:
+      on_finish(strategy, result, context)
+
+  return app
+
+
+def client_update(model, x, y, generator, epochs, batch_size, learning_rate, parameters):
+  """ClientUpdate on one client's examples: E epochs of SGD from w_t; returns Delta w_k."""
+  sgd = client_lib.LocalSGD(model, int(epochs), int(batch_size), float(learning_rate))
+  n = len(x)
+  idx = np.arange(n, dtype=np.int32)[None]
+  sizes = np.array([n], np.int32)
+  order = client_lib.draw_example_order(generator, sizes, n, sgd.epochs)
+  deltas = sgd(parameters, x, y, idx, sizes, order)
+  return [d[0].numpy() for d in deltas]
+
+
+def _client_examples(x, y):
+  if len(x) == 0:
+    raise ValueError("x: a Flower client needs at least one example, got 0")
+  return np.asarray(x, np.float32).reshape(len(x), -1), np.asarray(y, np.int32)
+
+
+def _generator(seed):
+  return (tf.random.Generator.from_seed(seed) if seed is not None
+          else tf.random.Generator.from_non_deterministic_state())
 
 
 class DPFlowerClient(NumPyClient):
-  """A Flower client holding its own examples; fit returns its update Delta w_k."""
+  """A legacy-API Flower client holding its own examples; fit returns its update Delta w_k."""
 
   def __init__(self, model, x, y, epochs=1, batch_size=60, learning_rate=0.1, seed=None):
-    if len(x) == 0:
-      raise ValueError("x: a Flower client needs at least one example, got 0")
     self.model = model
-    self.x = np.asarray(x, np.float32).reshape(len(x), -1)
-    self.y = np.asarray(y, np.int32)
+    self.x, self.y = _client_examples(x, y)
     self.defaults = dict(epochs=epochs, batch_size=batch_size, lr=learning_rate)
-    self._gen = (tf.random.Generator.from_seed(seed) if seed is not None
-                 else tf.random.Generator.from_non_deterministic_state())
+    self._gen = _generator(seed)
 
   def get_parameters(self, config):
     return []
 
   def fit(self, parameters, config):
-    cfg = dict(self.defaults, **{k: v for k, v in config.items() if k in self.defaults})
-    sgd = client_lib.LocalSGD(self.model, int(cfg["epochs"]), int(cfg["batch_size"]),
-                              float(cfg["lr"]))
-    n = len(self.x)
-    idx = np.arange(n, dtype=np.int32)[None]
-    sizes = np.array([n], np.int32)
-    order = client_lib.draw_example_order(self._gen, sizes, n, sgd.epochs)
-    deltas = sgd(parameters, self.x, self.y, idx, sizes, order)
-    return [d[0].numpy() for d in deltas], n, {}
+    cfg = dict(self.defaults, **{k: v for k, v in config.items() if k in _LOCAL_KEYS})
+    deltas = client_update(self.model, self.x, self.y, self._gen, cfg["epochs"],
+                           cfg["batch_size"], cfg["lr"], parameters)
+    return deltas, len(self.x), {}
 
   def evaluate(self, parameters, config):
     return 0.0, len(self.x), {}
+
+
+def make_client_app(model, load_examples, epochs=1, batch_size=60, learning_rate=0.1,
+                    seed_fn=None):
+  """A Flower `ClientApp` running ClientUpdate; the Message-API twin of `DPFlowerClient`.
+
+  Args:
+    model: the `MLP` the server trains.
+    load_examples: callable(context) -> (x, y), this node's own examples (e.g. read from
+      `context.node_config["partition-id"]`).
+    epochs, batch_size, learning_rate: local defaults; the server's train config overrides
+      them with its "epochs", "batch_size", "lr" entries.
+    seed_fn: optional callable(context) -> int seeding the local example order (tests only).
+
+  A train message carries "arrays" (w_t) and "config"; the reply carries "arrays" (Delta w_k)
+  and "metrics" {"num-examples": n}.
+  """
+  app = ClientApp()
+  cache = {}
+
+  def examples(context):
+    key = context.node_id
+    if key not in cache:
+      x, y = _client_examples(*load_examples(context))
+      gen = _generator(None if seed_fn is None else seed_fn(context))
+      cache[key] = (x, y, gen)
+    return cache[key]
+
+  @app.train()
+  def train(message, context):
+    x, y, gen = examples(context)
+    config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
+    cfg = dict(epochs=epochs, batch_size=batch_size, lr=learning_rate)
+    cfg.update({k: config[k] for k in _LOCAL_KEYS if k in config})
+    params = message.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()
+    deltas = client_update(model, x, y, gen, cfg["epochs"], cfg["batch_size"], cfg["lr"],
+                           params)
+    content = RecordDict({ARRAYS_KEY: ArrayRecord(deltas),
+                          METRICS_KEY: MetricRecord({"num-examples": len(x)})})
+    return Message(content=content, reply_to=message)
+
+  return app
 
 
 def free_port():
@@ -198,6 +434,7 @@ def free_port():
 
 def _start_client_when_up(host, port, client, timeout=120):
   """Waits until the server port accepts connections, then runs a Flower client."""
+  from flwr.compat.client.app import start_client  # pylint: disable=g-import-not-at-top
   deadline = time.time() + timeout
   while time.time() < deadline:
     try:
@@ -205,16 +442,17 @@ def _start_client_when_up(host, port, client, timeout=120):
         break
     except OSError:
       time.sleep(0.2)
-  flwr.client.start_client(server_address=f"{host}:{port}", client=client.to_client(),
-                           insecure=True, max_retries=20, max_wait_time=60)
+  start_client(server_address=f"{host}:{port}", client=client.to_client(),
+               insecure=True, max_retries=20, max_wait_time=60)
 
 
 def run_loopback(strategy, clients, num_rounds, port=None):
   """Runs a Flower server (this thread) and `clients` (one thread each) on 127.0.0.1.
 
-  Returns Flower's History. Clients are real gRPC clients of the legacy Flower transport.
+  Returns Flower's History. Clients are real gRPC clients of Flower's legacy transport.
   """
   import signal  # pylint: disable=g-import-not-at-top
+  from flwr.compat.server.app import start_server  # pylint: disable=g-import-not-at-top
   port = port or free_port()
   address = f"127.0.0.1:{port}"
   saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -226,8 +464,8 @@ def run_loopback(strategy, clients, num_rounds, port=None):
   try:
     for th in threads:
       th.start()
-    hist = flwr.server.start_server(server_address=address, strategy=strategy,
-                                    config=flwr.server.ServerConfig(num_rounds=num_rounds))
+    hist = start_server(server_address=address, strategy=strategy,
+                        config=flwr.server.ServerConfig(num_rounds=num_rounds))
   finally:
     for s, h in saved.items():
       signal.signal(s, h)

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 
 NOT_PRIVATE_WARNING = (
@@ -45,6 +46,7 @@ def median_of_masked(values, mask):
   return tf.cond(n > 0, _median, lambda: tf.constant(0.0))
 
 
+@serialization.register_query()
 class MedianNormClipSumQuery(dpq.DPQuery):
   """Sum of records clipped to the median record norm of the sample, plus N(0, (z S)^2).
 
@@ -68,7 +70,13 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
     self._noise_multiplier = noise_multiplier
     self._initial_clip = initial_l2_norm_clip
+    self._seed = seed
     self._generator = dpq.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"noise_multiplier": p(self._noise_multiplier),
+            "initial_l2_norm_clip": p(self._initial_clip), "seed": p(self._seed)}
 
   def initial_global_state(self):
     return self._GlobalState(tf.constant(float(self._noise_multiplier), tf.float32),

@@ -15,6 +15,7 @@ path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradien
 import math
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
@@ -104,6 +105,7 @@ class DPOptimizerMixin:
     self._dp_expected_records = None
     self._dp_query = None         # QueryWithLedger, made by set_sampling
     self._dp_global_vars = None
+    self._dp_restored_global_state = None  # from from_config: the saved query state
     self._dp_private_apply = False
 
   # ---- properties ---------------------------------------------------------------------
@@ -187,10 +189,25 @@ class DPOptimizerMixin:
       if self._dp_global_vars is None:
         init = tf.nest.map_structure(tf.convert_to_tensor, self._dp_query.initial_global_state())
         self._dp_global_struct = init
+        flat = self._restore_global_state(tf.nest.flatten(init))
         self._dp_global_vars = [tf.Variable(t, trainable=False, name="dp_global_state")
-                                for t in tf.nest.flatten(init)]
+                                for t in flat]
       self._dp_expected_records.assign(float(population_size) * float(selection_probability))
     return changed
+
+  def _restore_global_state(self, flat_init):
+    """The saved query state (e.g. an adaptive clip) in place of the initial one, if any."""
+    saved = self._dp_restored_global_state
+    if saved is None:
+      return flat_init
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(flat_init) or any(
+        tuple(np.shape(s)) != tuple(t.shape) for s, t in zip(saved, flat_init)):
+      raise ValueError(
+          "the saved dp_global_state does not match the query's state (expected "
+          f"{len(flat_init)} values of shapes {[tuple(t.shape) for t in flat_init]}), got "
+          f"{saved!r}")
+    self._dp_restored_global_state = None
+    return [tf.constant(np.asarray(s), dtype=t.dtype) for s, t in zip(saved, flat_init)]
 
   def _require_query(self):
     if self._dp_query is None:
@@ -441,11 +458,14 @@ class DPOptimizerMixin:
   # ---- serialization ------------------------------------------------------------------
 
   def get_config(self):
-    if self._dp_custom_query:
-      raise ValueError(
-          f"{type(self).__name__} with a custom dp_query cannot be serialized (a DPQuery has no "
-          "Keras config): save the weights, or build the optimizer with l2_norm_clip and "
-          "noise_multiplier")
+    """Keras config; a custom dp_query is stored as tf_dpiter.dp_query.serialize(query).
+
+    With a custom dp_query, "dp_global_state" (once training started) holds the query's
+    current global state (e.g. the adaptive clip of QuantileAdaptiveClipSumQuery) as plain
+    values: from_config resumes from it, as the learning rate resumes from its current
+    value. Delete that key to start from the query's initial state. The ledger is not part
+    of the config (save it with ledger.save_json); a seeded query's noise restarts its stream.
+    """
     config = super().get_config()
     config.update({
         "l2_norm_clip": self._dp_l2_norm_clip,
@@ -456,7 +476,26 @@ class DPOptimizerMixin:
         "normalize": self._dp_normalize,
         "seed": self._dp_seed,
     })
+    if self._dp_custom_query:
+      # The default query's state is fixed by (S, z); a custom one's may adapt.
+      config["dp_query"] = dp_query_lib.serialize(self._dp_base_query)
+      if self._dp_global_vars is not None:
+        config["dp_global_state"] = [np.asarray(v.numpy()).tolist()
+                                     for v in self._dp_global_vars]
+      elif self._dp_restored_global_state is not None:
+        config["dp_global_state"] = self._dp_restored_global_state
     return config
+
+  @classmethod
+  def from_config(cls, config, custom_objects=None):
+    """Inverse of get_config (a serialized dp_query is rebuilt; the query state resumed)."""
+    config = dict(config)
+    if isinstance(config.get("dp_query"), dict):
+      config["dp_query"] = dp_query_lib.deserialize(config["dp_query"], custom_objects)
+    state = config.pop("dp_global_state", None)
+    opt = super().from_config(config, custom_objects=custom_objects)
+    opt._dp_restored_global_state = state  # pylint: disable=protected-access
+    return opt
 
 
 _CLASS_CACHE = {}

@@ -8,10 +8,12 @@ events the inner query reports.
 import tensorflow as tf
 
 from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import privacy_ledger
 
 
+@serialization.register_query()
 class QueryWithLedger(dp_query.DPQuery):
   """Wraps a top-level query; each get_noised_result records one sample in `ledger`."""
 
@@ -43,6 +45,20 @@ class QueryWithLedger(dp_query.DPQuery):
   @property
   def ledger(self):
     return self._ledger
+
+  def get_config(self):
+    """The wrapped query and the current sampling. The ledger is state, not config: a query
+    rebuilt from this config writes to a fresh ledger (save the ledger with save_json)."""
+    return {"query": serialization.serialize(self._query),
+            "population_size": float(self._population_size.numpy()),
+            "selection_probability": float(self._selection_probability.numpy()),
+            "policy": self._policy, "sample_size": float(self._sample_size.numpy())}
+
+  @classmethod
+  def from_config(cls, config):
+    config = dict(config)
+    config["query"] = serialization.deserialize(config["query"])
+    return cls(**config)
 
   @property
   def query(self):

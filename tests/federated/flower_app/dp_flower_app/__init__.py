@@ -1,0 +1,1 @@
+"""A minimal Flower App running tf_dpiter's DP federated averaging (tests only)."""

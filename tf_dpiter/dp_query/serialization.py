@@ -1,0 +1,208 @@
+"""Serialization of DPQuery objects: plain, JSON-able configs and a registry of classes.
+
+`serialize(query)` returns {"class_name": name, "config": query.get_config()}, where the
+config holds the constructor arguments as plain Python values (numbers, strings, None,
+lists, dicts) and child queries as their own serialized dicts. `deserialize(d)` rebuilds the
+query with `cls.from_config(config)`. A query rebuilt this way has the same clip, noise
+standard deviation and seed as the original; its noise generator starts afresh (from the
+seed when there is one, from OS entropy otherwise).
+
+The library's query classes are registered. A user's own DPQuery subclass is registered
+with `@register_query()` (or Keras' `@keras.saving.register_keras_serializable()`, or
+`custom_objects={"Name": cls}` given to `deserialize` / `keras.models.load_model`) and
+implements `get_config()` (and `from_config` when the constructor does not take the config
+as keyword arguments, e.g. to deserialize child queries).
+"""
+
+import importlib
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+_REGISTRY = {}       # name -> class
+_NAMES = {}          # class -> name
+# Registered classes defined in modules that `tf_dpiter.dp_query` does not import.
+_LAZY_MODULES = {"QueryWithLedger": "tf_dpiter.ledger.query_with_ledger",
+                 "MedianNormClipSumQuery": "tf_dpiter.federated.queries"}
+_TUPLE_KEY = "__tuple__"
+
+
+def register_query(name=None):
+  """Class decorator: makes a DPQuery subclass (de)serializable under `name` (its class name
+  by default). The class must implement `get_config()`."""
+  def decorator(cls):
+    from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
+    if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
+      raise ValueError(f"register_query expects a DPQuery subclass, got {cls!r}")
+    key = name or cls.__name__
+    if not isinstance(key, str) or not key:
+      raise ValueError(f"name must be a non-empty string, got {key!r}")
+    old = _REGISTRY.get(key)
+    if old is not None and old is not cls and (
+        old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+      raise ValueError(f"the DPQuery name {key!r} is already registered for "
+                       f"{old.__module__}.{old.__qualname__}; pass another name")
+    _REGISTRY[key] = cls
+    _NAMES[cls] = key
+    return cls
+  return decorator
+
+
+def _keras_registration():
+  try:
+    import keras  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover - keras ships with TF 2.21
+    return None
+  return keras.saving
+
+
+def registered_name(cls):
+  """The name `cls` is serialized under, or None when it is not registered."""
+  if cls in _NAMES:
+    return _NAMES[cls]
+  ks = _keras_registration()
+  if ks is not None:
+    name = ks.get_registered_name(cls)
+    if ks.get_registered_object(name) is cls:
+      return name
+  return None
+
+
+def _how_to_register(name):
+  return ("decorate the class with @tf_dpiter.dp_query.register_query() (or "
+          "@keras.saving.register_keras_serializable()) and import it before loading, or pass "
+          f"custom_objects={{{name!r}: TheClass}}")
+
+
+def serialize(query):
+  """{"class_name": ..., "config": query.get_config()} for a registered DPQuery."""
+  from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
+  if not isinstance(query, dp_query.DPQuery):
+    raise ValueError(f"serialize expects a DPQuery, got {query!r}")
+  cls = type(query)
+  name = registered_name(cls)
+  if name is None:
+    raise ValueError(f"DPQuery class {cls.__qualname__!r} is not registered for "
+                     f"serialization: {_how_to_register(cls.__name__)}")
+  config = query.get_config()
+  if not isinstance(config, dict):
+    raise ValueError(f"{cls.__qualname__}.get_config() must return a dict, got {config!r}")
+  _check_plain(config, f"{cls.__qualname__}.get_config()")
+  return {"class_name": name, "config": config}
+
+
+def _lookup(name, custom_objects):
+  if custom_objects and name in custom_objects:
+    return custom_objects[name]
+  if name in _REGISTRY:
+    return _REGISTRY[name]
+  ks = _keras_registration()
+  if ks is not None:
+    cls = ks.get_registered_object(name)  # also sees load_model's custom_objects
+    if cls is not None:
+      return cls
+  if name in _LAZY_MODULES:
+    importlib.import_module(_LAZY_MODULES[name])
+    return _REGISTRY.get(name)
+  return None
+
+
+def deserialize(config, custom_objects=None):
+  """The DPQuery described by `config` (a dict from `serialize`)."""
+  from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
+  if isinstance(config, dp_query.DPQuery):
+    return config
+  if not (isinstance(config, dict) and isinstance(config.get("class_name"), str)
+          and isinstance(config.get("config", {}), dict)):
+    raise ValueError('a serialized DPQuery is a dict {"class_name": str, "config": dict}, '
+                     f"got {config!r}")
+  name = config["class_name"]
+  cls = _lookup(name, custom_objects)
+  if cls is None:
+    raise ValueError(f"unknown DPQuery class {name!r}: {_how_to_register(name)}")
+  if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
+    raise ValueError(f"{name!r} names {cls!r}, which is not a DPQuery subclass")
+  inner = dict(config.get("config") or {})
+  ks = _keras_registration()
+  if custom_objects and ks is not None:
+    with ks.CustomObjectScope(custom_objects):  # child queries see custom_objects too
+      return cls.from_config(inner)
+  return cls.from_config(inner)
+
+
+# ---- helpers for get_config / from_config ------------------------------------------
+
+def plain(value):
+  """A Python number/str/None/bool (or nested list) for a tensor, variable or numpy value."""
+  if isinstance(value, tf.Variable) or tf.is_tensor(value):
+    value = value.numpy()
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  if isinstance(value, np.generic):
+    return value.item()
+  return value
+
+
+def _check_plain(value, where):
+  if value is None or isinstance(value, (str, bool, numbers.Integral, float)):
+    return
+  if isinstance(value, list):
+    for v in value:
+      _check_plain(v, where)
+    return
+  if isinstance(value, dict):
+    for k, v in value.items():
+      if not isinstance(k, str):
+        raise ValueError(f"{where}: dict keys must be strings to survive JSON, got {k!r}")
+      _check_plain(v, where)
+    return
+  raise ValueError(f"{where} holds {value!r} of type {type(value).__name__}, which is not a "
+                   "plain JSON value (number, str, bool, None, list, dict); convert it (tuples: "
+                   "tf_dpiter.dp_query.serialization.encode_nest)")
+
+
+def encode_nest(nest, leaf_fn=plain):
+  """A JSON-able copy of a dict/list/tuple nest: leaves through `leaf_fn`, tuples as
+  {"__tuple__": [...]} (JSON has no tuples). Namedtuples and non-string keys are refused."""
+  if isinstance(nest, tuple) and hasattr(nest, "_fields"):
+    raise ValueError(f"a namedtuple nest ({type(nest).__name__}) cannot be serialized; use a "
+                     "dict")
+  if isinstance(nest, tuple):
+    return {_TUPLE_KEY: [encode_nest(x, leaf_fn) for x in nest]}
+  if isinstance(nest, list):
+    return [encode_nest(x, leaf_fn) for x in nest]
+  if isinstance(nest, dict):
+    for k in nest:
+      if not isinstance(k, str):
+        raise ValueError(f"a nest with a non-string key {k!r} cannot be serialized (JSON keys "
+                         "are strings)")
+    if "class_name" in nest or _TUPLE_KEY in nest:
+      raise ValueError(f"a nest with a key 'class_name' or {_TUPLE_KEY!r} cannot be serialized "
+                       f"unambiguously, got keys {sorted(nest)}")
+    return {k: encode_nest(v, leaf_fn) for k, v in nest.items()}
+  return leaf_fn(nest)
+
+
+def decode_nest(data, leaf_fn=lambda x: x, is_leaf=lambda x: False):
+  """Inverse of `encode_nest`."""
+  if is_leaf(data):
+    return leaf_fn(data)
+  if isinstance(data, dict) and set(data) == {_TUPLE_KEY}:
+    return tuple(decode_nest(x, leaf_fn, is_leaf) for x in data[_TUPLE_KEY])
+  if isinstance(data, (list, tuple)):
+    return [decode_nest(x, leaf_fn, is_leaf) for x in data]
+  if isinstance(data, dict):
+    return {k: decode_nest(v, leaf_fn, is_leaf) for k, v in data.items()}
+  return leaf_fn(data)
+
+
+def encode_queries(nest):
+  """encode_nest for a nest of DPQuery objects (each leaf serialized)."""
+  return encode_nest(nest, serialize)
+
+
+def decode_queries(data, custom_objects=None):
+  """Inverse of `encode_queries`."""
+  return decode_nest(data, lambda d: deserialize(d, custom_objects),
+                     is_leaf=lambda d: isinstance(d, dict) and "class_name" in d)
