@@ -69,6 +69,65 @@ def test_model_save_load_keeps_dp_settings(tmp_path):
   assert int(loaded.ledger.sample_count.numpy()) == 4
 
 
+@keras.saving.register_keras_serializable(package="tf_dpiter_tests")
+class SubclassedMLP(keras.Model):
+  """A registered subclassed model (as Keras needs for load_model), 6 -> units -> 3."""
+
+  def __init__(self, units=4, **kw):
+    super().__init__(**kw)
+    self.units = units
+    self.d1 = keras.layers.Dense(units, activation="relu")
+    self.d2 = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.d2(self.d1(x))
+
+  def get_config(self):
+    return dict(super().get_config(), units=self.units)
+
+
+_LOAD_IN_NEW_PROCESS = """
+import sys
+import keras, numpy as np
+import tf_dpiter as dp
+sys.path.insert(0, sys.argv[1])
+from test_api import SubclassedMLP
+dp.keras.private_class(SubclassedMLP)     # registers DPSubclassedMLP before loading
+m = keras.models.load_model(sys.argv[2])
+assert type(m).__name__ == "DPSubclassedMLP" and isinstance(m, dp.keras.DPModelMixin), type(m)
+assert isinstance(m, SubclassedMLP) and m.units == 5
+o = m.optimizer
+assert (type(o).__name__, o.l2_norm_clip, o.noise_multiplier) == ("DPKerasSGDOptimizer", 0.7, 1.1)
+x = np.load(sys.argv[3])
+np.testing.assert_allclose(m.predict(x, verbose=0), np.load(sys.argv[4]), rtol=1e-5)
+m.fit(x, np.zeros(len(x), "int32"), batch_size=8, epochs=1, verbose=0)
+assert int(m.ledger.sample_count.numpy()) == len(x) // 8
+print("LOADED-OK")
+"""
+
+
+def test_make_private_subclassed_unbuilt_fits_saves_and_loads_in_new_process(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  x, y = _data(32, seed=5)
+  keras.utils.set_random_seed(0)
+  model = dp.keras.make_private(SubclassedMLP(units=5))   # never called: fit builds it
+  assert type(model) is dp.keras.private_class(SubclassedMLP)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(0.7, 1.1, learning_rate=0.1), loss=LOSS)
+  model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  assert int(model.ledger.sample_count.numpy()) == 4
+  path = os.path.join(tmp_path, "sub.keras")
+  model.save(path)
+  np.save(tmp_path / "x.npy", x)
+  np.save(tmp_path / "p.npy", model.predict(x, verbose=0))
+  out = subprocess.run([sys.executable, "-c", _LOAD_IN_NEW_PROCESS, os.path.dirname(__file__),
+                        path, str(tmp_path / "x.npy"), str(tmp_path / "p.npy")],
+                       capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0 and "LOADED-OK" in out.stdout, out.stderr[-3000:]
+  with pytest.raises(ValueError, match="cls must be a keras.Model subclass"):
+    dp.keras.private_class(int)
+
+
 def test_dp_optimizer_wrapper_with_nested_query():
   x, y = _data()
   model = _seq()

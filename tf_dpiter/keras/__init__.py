@@ -7,6 +7,7 @@ from tf_dpiter.keras.models import DPModelMixin
 from tf_dpiter.keras.models import DPSequential
 from tf_dpiter.keras.models import check_no_batch_mixing
 from tf_dpiter.keras.models import make_private
+from tf_dpiter.keras.models import private_class
 from tf_dpiter.keras.optimizers import CLIPPING_MODES
 from tf_dpiter.keras.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizers import DPKerasAdamOptimizer

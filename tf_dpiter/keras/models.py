@@ -291,8 +291,12 @@ class DPModelMixin:
 
   def train_step(self, data):  # pylint: disable=missing-function-docstring
     opt = self._dp_optimizer()
-    check_no_batch_mixing(self)
     x, y, sample_weight = _unpack(data)
+    if not all(layer.built for layer in self._flatten_layers()):
+      # Keras builds an unbuilt (e.g. subclassed) model on the first trace of the train
+      # function; the per-record gradients need its variables first: one forward pass.
+      self._dp_call(x)
+    check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
     state, loss_sum, num_records, y_pred = core(x, y, sample_weight)
     grads = opt.noised_average(state, num_records)
@@ -318,19 +322,36 @@ class DPModel(DPModelMixin, _FUNCTIONAL):
 _PRIVATE_CLASSES = {keras.Sequential: DPSequential, _FUNCTIONAL: DPModel}
 
 
-def make_private(model):
-  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed) into its
-  DP version in place (its class gains DPModelMixin) and returns it. Compile it with a DP
-  optimizer afterwards (or again)."""
-  if not isinstance(model, keras.Model):
-    raise ValueError(f"model must be a keras.Model, got {model!r}")
-  cls = type(model)
+def private_class(cls):
+  """The DP version of a keras.Model subclass: `DP<Name>(DPModelMixin, cls)`, made once.
+
+  Keras.Sequential and functional models map to `DPSequential` and `DPModel`. Another class
+  gets a subclass registered for Keras serialization as "tf_dpiter.private>" + the name Keras
+  saves `cls` under, so `model.save` works; before `keras.models.load_model` in a new
+  process, call `private_class(YourModel)` (as you import YourModel) so Keras finds it.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
+    raise ValueError(f"cls must be a keras.Model subclass, got {cls!r}")
   if issubclass(cls, DPModelMixin):
-    return model
+    return cls
   new_cls = _PRIVATE_CLASSES.get(cls)
   if new_cls is None:
     new_cls = type(f"DP{cls.__name__}", (DPModelMixin, cls), {"__module__": cls.__module__})
+    keras.saving.register_keras_serializable(
+        package="tf_dpiter.private", name=keras.saving.get_registered_name(cls))(new_cls)
     _PRIVATE_CLASSES[cls] = new_cls
+  return new_cls
+
+
+def make_private(model):
+  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed) into its
+  DP version in place (its class becomes `private_class(type(model))`) and returns it.
+  Compile it with a DP optimizer afterwards (or again)."""
+  if not isinstance(model, keras.Model):
+    raise ValueError(f"model must be a keras.Model, got {model!r}")
+  if isinstance(model, DPModelMixin):
+    return model
+  new_cls = private_class(type(model))
   model.__class__ = new_cls
   if getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False):
     model._dp_optimizer()  # pylint: disable=protected-access
