@@ -178,7 +178,7 @@ def plot_fig4(results, out_dir, gamma):
     axes[1, j].set_xlabel("sample size (records ingested)")
   axes[0, 0].set_ylabel("training loss")
   axes[1, 0].set_ylabel("test accuracy")
-  axes[0, 0].legend(fontsize=7)
+  axes[1, 0].legend(fontsize=7, loc="lower right")
   fig.suptitle(f"Draw and Discard strategies over k, MNIST logistic regression (fig4), gamma={gamma:g}")
   fig.tight_layout()
   path = os.path.join(out_dir, "draw_discard_mnist_fig4.png")
