@@ -177,26 +177,12 @@ class _DeploymentMixin:
     return self._dp.server.privacy_statement()
 
 
-_ARGS_DOC = """
-  Args:
-    model: an `MLP` shared with the clients.
-    query: the inner DPQuery (records: flat updates [d]).
-    initial_params: list of numpy arrays w_0.
-    num_clients: K, the number of clients that must be connected (population size).
-    clients_per_round: m_t (int, sequence or callable of the round).
-    noise_multiplier: optional sigma_t schedule.
-    fixed_epsilon/max_delta, fixed_delta/max_epsilon: the budget; no round starts that
-      would pass it.
-    server_learning_rate, server_momentum: the server step, as in `DPServer`.
-    seed: fixes the client sampling (tests only: not private).
-"""
-
-
 class DPFedAvgStrategy(_DeploymentMixin, Strategy):
   """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
-  """ + _ARGS_DOC + """    fit_config: dict sent to every client (e.g. {"epochs": 1, "batch_size": 60, "lr": 0.1}).
-    eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
-    wait_timeout: seconds to wait for K clients to connect.
+
+  Args: as `DPFedAvgMessageStrategy`, with `fit_config` (the dict sent to every client, e.g.
+  {"epochs": 1, "batch_size": 60, "lr": 0.1}) in place of train_config, and
+  eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
@@ -251,8 +237,20 @@ class DPFedAvgMessageStrategy(_DeploymentMixin, message_strategy.Strategy):
   Use `strategy.start(grid, ArrayRecord(initial_params), num_rounds, ...)` inside a
   ServerApp's main (or `make_server_app`). The ArrayRecord Flower passes in is ignored for
   training: w_t lives in the DPServer, which also produces every round's ArrayRecord.
-  """ + _ARGS_DOC + """    train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
-    wait_timeout: seconds to wait for K nodes to connect before the first round's sampling.
+
+  Args:
+    model: an `MLP` shared with the clients.
+    query: the inner DPQuery (records: flat updates [d]).
+    initial_params: list of numpy arrays w_0.
+    num_clients: K, the number of clients that must be connected (population size).
+    clients_per_round: m_t (int, sequence or callable of the round).
+    noise_multiplier: optional sigma_t schedule.
+    train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
+    fixed_epsilon/max_delta, fixed_delta/max_epsilon: the budget; no round starts that
+      would pass it.
+    server_learning_rate, server_momentum: the server step, as in `DPServer`.
+    seed: fixes the client sampling (tests only: not private).
+    wait_timeout: seconds to wait for K clients to connect.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
