@@ -135,7 +135,12 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
                geometric_update=True, seed=None):
     validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
     self._noise_multiplier = noise_multiplier
-    self._seed = seed
+    self._config = {"initial_l2_norm_clip": initial_l2_norm_clip,
+                    "noise_multiplier": noise_multiplier,
+                    "target_unclipped_quantile": target_unclipped_quantile,
+                    "learning_rate": learning_rate, "clipped_count_stddev": clipped_count_stddev,
+                    "expected_num_records": expected_num_records,
+                    "geometric_update": bool(geometric_update), "seed": seed}
     self._value_z = value_noise_multiplier(noise_multiplier, clipped_count_stddev)
     self._generator = randomness.make_generator(seed)
     self._quantile = QuantileEstimatorQuery(
@@ -147,16 +152,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return self._noise_multiplier
 
   def get_config(self):
-    p = serialization.plain
-    q = self._quantile
-    return {"initial_l2_norm_clip": p(q._initial_estimate),  # pylint: disable=protected-access
-            "noise_multiplier": p(self._noise_multiplier),
-            "target_unclipped_quantile": p(q._target_quantile),  # pylint: disable=protected-access
-            "learning_rate": p(q._learning_rate),  # pylint: disable=protected-access
-            "clipped_count_stddev": p(q._below_estimate_stddev),  # pylint: disable=protected-access
-            "expected_num_records": p(q._expected_num_records),  # pylint: disable=protected-access
-            "geometric_update": bool(q._geometric_update),  # pylint: disable=protected-access
-            "seed": p(self._seed)}
+    return {k: serialization.plain(v) for k, v in self._config.items()}
 
   def set_expected_num_records(self, global_state, expected_num_records):
     """Global state whose quantile estimator expects `expected_num_records` records."""
