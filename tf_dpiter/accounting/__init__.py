@@ -1,6 +1,7 @@
 """Accounting: the ledger read by dp-accounting's RDP or PLD accountant (seed 002, Sections 3-6)."""
 
 from tf_dpiter.accounting.accountant import ACCOUNTANTS
+from tf_dpiter.accounting.accountant import LedgerContent
 from tf_dpiter.accounting.accountant import PrivacyReport
 from tf_dpiter.accounting.accountant import delta
 from tf_dpiter.accounting.accountant import epsilon

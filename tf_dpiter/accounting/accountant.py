@@ -12,11 +12,10 @@ from typing import Tuple
 
 from absl import logging as absl_logging
 import dp_accounting as dpa
-import numpy as np
 
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.dp_query import validation
-from tf_dpiter.ledger import privacy_ledger as pl
+from tf_dpiter.ledger import ledger_file
 
 ACCOUNTANTS = ("rdp", "pld")
 
@@ -39,33 +38,44 @@ def make_accountant(accountant="rdp", neighboring_relation=ledger_events.ADD_OR_
   if accountant == "rdp":
     return dpa.rdp.RdpAccountant(neighboring_relation=neighboring_relation)
   if accountant == "pld":
-    if neighboring_relation != ledger_events.ADD_OR_REMOVE:
-      raise ValueError("accountant='pld' cannot analyse fixed-size sampling without "
-                       "replacement; use accountant='rdp'")
     return dpa.pld.PLDAccountant(neighboring_relation=neighboring_relation)
   raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
-def _groups(ledger):
-  """SampleGroups of a PrivacyLedger, a ledger dict, a JSON string or (samples, queries)."""
-  if isinstance(ledger, pl.PrivacyLedger):
-    return ledger_events.groups_from_arrays(*ledger.get_arrays())
+@dataclasses.dataclass(frozen=True)
+class LedgerContent:
+  """What the accountant reads: the SampleGroups and the shuffled passes of a ledger."""
+  groups: Tuple[ledger_events.SampleGroup, ...]
+  passes: int = 0
+
+
+def _content(ledger, key=None):
+  """LedgerContent of a PrivacyLedger, a ledger dict or JSON string, a LedgerContent, or
+  (samples, queries[, passes]) arrays. Dicts and JSON are verified (digest; HMAC with key)."""
+  if isinstance(ledger, LedgerContent):
+    return ledger
+  if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
+    return LedgerContent(tuple(ledger_events.groups_from_arrays(*ledger.get_arrays())),
+                         int(ledger.passes.numpy()))
   if isinstance(ledger, str):
     try:
       ledger = json.loads(ledger)
     except json.JSONDecodeError as e:
       raise ValueError(f"ledger JSON could not be parsed: {e}") from None
   if isinstance(ledger, dict):
-    return ledger_events.groups_from_runs(pl.dict_to_runs(ledger))
-  if isinstance(ledger, (tuple, list)) and len(ledger) == 2:
-    return ledger_events.groups_from_arrays(*ledger)
-  raise ValueError(f"ledger must be a PrivacyLedger, a ledger dict/JSON or (samples, queries), "
-                   f"got {type(ledger).__name__}")
+    runs, passes = ledger_file.dict_to_runs(ledger, key)
+    return LedgerContent(tuple(ledger_events.groups_from_runs(runs)), passes)
+  if isinstance(ledger, (tuple, list)) and len(ledger) in (2, 3):
+    passes = int(ledger[2]) if len(ledger) == 3 else 0
+    return LedgerContent(tuple(ledger_events.groups_from_arrays(*ledger[:2])), passes)
+  raise ValueError(f"ledger must be a PrivacyLedger, a ledger dict/JSON or (samples, queries"
+                   f"[, passes]), got {type(ledger).__name__}")
 
 
 def ledger_to_dp_event(ledger, accountant="rdp"):
   """The dp-accounting event equivalent to the ledger (Eq. (1), composed with counts)."""
-  event, _, _ = ledger_events.events_from_groups(_groups(ledger), accountant)
+  c = _content(ledger)
+  event, _, _ = ledger_events.events_from_groups(c.groups, accountant, c.passes)
   return event
 
 
@@ -85,9 +95,14 @@ class PrivacyReport:
     return "\n".join(lines)
 
 
-def _compose(groups, accountant):
-  event, relation, notes = ledger_events.events_from_groups(groups, accountant)
+def _compose(content, accountant):
+  event, relation, notes = ledger_events.events_from_groups(content.groups, accountant,
+                                                            content.passes)
   acc = make_accountant(accountant, relation)
+  if not acc.supports(event):
+    raise ValueError(f"accountant={accountant!r} cannot analyse this ledger under "
+                     f"{relation.name} (e.g. PLD has no fixed-size sampling without "
+                     "replacement); use accountant='rdp'")
   acc.compose(event)
   notes = notes + [("RDP accountant (dp-accounting RdpAccountant, default orders)"
                     if accountant == "rdp" else
@@ -95,16 +110,27 @@ def _compose(groups, accountant):
   return acc, notes
 
 
-def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp"):
+def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None):
   """Epsilon at a given delta, or delta at a given epsilon (exactly one of them).
 
-  `ledger`: a PrivacyLedger, a ledger dict or JSON string, or (samples, queries) arrays.
+  Args:
+    ledger: a PrivacyLedger, a ledger dict or JSON string (verified; `key` checks its HMAC),
+      a LedgerContent, or (samples, queries[, passes]) arrays.
+    delta / epsilon: exactly one.
+    accountant: "rdp" or "pld".
+  Returns:
+    PrivacyReport, whose assumptions name the relation, the unit and the sampling.
+  Raises:
+    ValueError: bad arguments, an altered file, or a ledger that cannot be accounted soundly.
   """
-  return report_from_groups(_groups(ledger), delta=delta, epsilon=epsilon, accountant=accountant)
+  return report_from_groups(_content(ledger, key), delta=delta, epsilon=epsilon,
+                            accountant=accountant)
 
 
-def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp"):
-  """privacy_report on SampleGroups (see ledger_events)."""
+def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passes=0):
+  """privacy_report on SampleGroups (see ledger_events) or a LedgerContent."""
+  content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups), passes)
+  groups = content.groups
   if (delta is None) == (epsilon is None):
     raise ValueError(f"give exactly one of delta and epsilon, got delta={delta!r}, epsilon={epsilon!r}")
   if accountant not in ACCOUNTANTS:
@@ -115,7 +141,7 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp"):
     if any(g.non_private for g in groups):
       return PrivacyReport(math.inf, delta, accountant, num,
                            tuple(ledger_events.events_from_groups(groups, accountant)[2]))
-    acc, notes = _compose(groups, accountant)
+    acc, notes = _compose(content, accountant)
     return PrivacyReport(float(acc.get_epsilon(delta)), delta, accountant, num, tuple(notes))
   validation.check_nonnegative("epsilon", epsilon, allow_inf=False)
   epsilon = float(epsilon)

@@ -11,7 +11,6 @@ import math
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.dp_query import validation
-from tf_dpiter.ledger import privacy_ledger as pl
 
 
 def _epsilon(n, batch_size, noise_multiplier, steps, delta, accountant, sampling):

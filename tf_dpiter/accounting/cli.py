@@ -1,12 +1,13 @@
 """Console scripts: compute_dp_sgd_privacy, compute_noise_from_budget, dp_ledger."""
 
 import argparse
+import json
 import sys
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import dp_sgd
-from tf_dpiter.ledger import privacy_ledger as pl
+from tf_dpiter.ledger import records as rec
 
 
 def _run(fn):
@@ -27,17 +28,22 @@ def _dp_sgd_parser(prog, description, knob):
   p.add_argument("--epochs", type=float, required=True)
   p.add_argument("--delta", type=float, required=True)
   p.add_argument("--accountant", choices=accountant_lib.ACCOUNTANTS, default="rdp")
-  p.add_argument("--sampling", choices=pl.POLICIES, default=pl.POISSON)
+  p.add_argument("--sampling", choices=rec.POLICIES, default=rec.POISSON,
+                 help="poisson (add/remove one example), fixed_size or shuffle (replace one)")
   return p
 
 
 def compute_dp_sgd_privacy_main(argv=None):
-  a = _dp_sgd_parser("compute_dp_sgd_privacy", "Epsilon of DP-SGD from its hyperparameters.",
-                     "--noise_multiplier").parse_args(argv)
+  p = _dp_sgd_parser("compute_dp_sgd_privacy", "Epsilon of DP-SGD from its hyperparameters.",
+                     "--noise_multiplier")
+  p.add_argument("--num_microbatches", type=int, default=None,
+                 help="microbatches per batch (sensitivity 2C per example; not with poisson)")
+  a = p.parse_args(argv)
 
   def go():
     r = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, a.noise_multiplier, a.epochs, a.delta,
-                                      accountant=a.accountant, sampling=a.sampling)
+                                      accountant=a.accountant, sampling=a.sampling,
+                                      num_microbatches=a.num_microbatches)
     print(r.statement)
     print(f"epsilon = {r.epsilon:.6g}")
   return _run(go)
@@ -66,10 +72,24 @@ def dp_ledger_main(argv=None):
   g.add_argument("--delta", type=float)
   g.add_argument("--epsilon", type=float)
   r.add_argument("--accountant", choices=accountant_lib.ACCOUNTANTS, default="rdp")
+  r.add_argument("--key-file", default=None,
+                 help="file holding the HMAC key the ledger was saved with (checked)")
   a = p.parse_args(argv)
 
   def go():
-    ledger = pl.PrivacyLedger.load_json(a.ledger)
-    print(accountant_lib.privacy_report(ledger, delta=a.delta, epsilon=a.epsilon,
-                                        accountant=a.accountant))
+    key = None
+    if a.key_file:
+      with open(a.key_file, "rb") as f:
+        key = f.read().strip()
+    try:
+      with open(a.ledger) as f:
+        d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+      raise ValueError(f"ledger file {a.ledger!r} could not be read: {e}") from None
+    try:
+      report = accountant_lib.privacy_report(d, delta=a.delta, epsilon=a.epsilon,
+                                             accountant=a.accountant, key=key)
+    except ValueError as e:
+      raise ValueError(f"ledger file {a.ledger!r}: {e}") from None
+    print(report)
   return _run(go)

@@ -1,8 +1,10 @@
 """Privacy of DP-SGD from its hyperparameters, through the same path as a ledger.
 
 steps = ceil(epochs * n / batch_size); each step is one sample (q = batch_size / n) with one
-Gaussian sum query of noise multiplier z. The event is built by the same code that reads
-ledgers (`ledger_events`), so the two can never disagree.
+Gaussian sum query of noise multiplier z (noise z*C on the clipped sum). The ledger content is
+built with the same records a training run writes (relation from the sampling, sensitivity
+C or 2C, ceil(epochs) passes for shuffle) and read by the same code (`ledger_events`), so the
+two can never disagree.
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ import numpy as np
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.dp_query import validation
-from tf_dpiter.ledger import privacy_ledger as pl
+from tf_dpiter.ledger import records as rec
 
 
 def dp_sgd_steps(n, batch_size, epochs):
@@ -22,22 +24,42 @@ def dp_sgd_steps(n, batch_size, epochs):
   return int(math.ceil(epochs * n / batch_size))
 
 
-def _check(n, batch_size, noise_multiplier, epochs, sampling):
+def _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches=None):
   validation.check_positive("n", n, allow_inf=False)
   validation.check_positive("batch_size", batch_size, allow_inf=False)
   if batch_size > n:
     raise ValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
   validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
   validation.check_positive("epochs", epochs, allow_inf=False)
-  if sampling not in pl.POLICIES:
-    raise ValueError(f"sampling must be one of {pl.POLICIES}, got {sampling!r}")
+  if sampling not in rec.POLICIES:
+    raise ValueError(f"sampling must be one of {rec.POLICIES}, got {sampling!r}")
+  if num_microbatches is not None:
+    if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or not (
+        1 <= num_microbatches <= batch_size):
+      raise ValueError(f"num_microbatches must be an integer in [1, batch_size={batch_size}] "
+                       f"or None, got {num_microbatches!r}")
 
 
-def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson"):
-  """The ledger content (as SampleGroups) of `steps` identical DP-SGD steps."""
-  sample = np.array([float(n), batch_size / n, float(batch_size), pl.policy_code(sampling), 1.0])
-  query = np.array([[0.0, pl.GAUSSIAN, 1.0, float(noise_multiplier)]])
-  return ledger_events.groups_from_runs([(int(steps), sample, query)])
+def examples_per_record(batch_size, num_microbatches):
+  """k = ceil(B / M) examples per microbatch; 1 without microbatches."""
+  return 1 if num_microbatches is None else int(math.ceil(batch_size / num_microbatches))
+
+
+def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
+                  num_microbatches=None):
+  """The ledger content (as a LedgerContent) of `steps` identical DP-SGD steps.
+
+  Shuffle: steps / ceil(n / B) passes, rounded up (a partial pass costs a whole one).
+  """
+  k = examples_per_record(batch_size, num_microbatches)
+  rec.check_examples_per_record(sampling, k)
+  factor = rec.sensitivity_factor(rec.relation_for_policy(sampling), k)
+  sample = np.array([float(n), batch_size / n, float(batch_size), rec.policy_code(sampling),
+                     float(k), 1.0])
+  query = np.array([[0.0, rec.GAUSSIAN, 1.0, float(noise_multiplier), factor]])
+  groups = ledger_events.groups_from_runs([(int(steps), sample, query)])
+  passes = int(math.ceil(steps / math.ceil(n / batch_size))) if sampling == rec.SHUFFLE else 0
+  return accountant_lib.LedgerContent(tuple(groups), passes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +76,30 @@ class DpSgdPrivacy:
 
 
 def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accountant="rdp",
-                           sampling="poisson"):
-  """(epsilon, statement) of DP-SGD over n records, batch size B, noise z, `epochs` at delta."""
-  _check(n, batch_size, noise_multiplier, epochs, sampling)
+                           sampling="poisson", num_microbatches=None):
+  """Epsilon of DP-SGD over n records, batch size B, noise multiplier z, `epochs`, at delta.
+
+  Args:
+    n, batch_size, noise_multiplier, epochs, delta: the run (noise stddev z*C on the sum).
+    accountant: "rdp" or "pld".
+    sampling: "poisson" (q = B/n, add/remove one example), "fixed_size" (B of n without
+      replacement, replace one), "shuffle" (ceil(epochs) passes, replace one) or "full".
+    num_microbatches: M, or None; with M, one example moves its microbatch by 2C.
+  Returns:
+    DpSgdPrivacy; its statement names the relation and the unit.
+  Raises:
+    ValueError: a bad argument, or microbatches with an add/remove sampling.
+  """
+  _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches)
   delta = validation.check_delta("delta", delta)
   steps = dp_sgd_steps(n, batch_size, epochs)
-  groups = dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling)
+  groups = dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling, num_microbatches)
   report = accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant)
   q = batch_size / n
   statement = (
       f"DP-SGD on n={n} records, batch size {batch_size} (q={q:.4g}), noise multiplier "
-      f"{noise_multiplier}, {epochs} epochs = {steps} steps satisfies "
+      f"{noise_multiplier}, {epochs} epochs = {steps} steps, {sampling} sampling"
+      + (f", {num_microbatches} microbatches" if num_microbatches else "") + " satisfies "
       f"({report.epsilon:.4g}, {delta:.3g})-DP ({accountant.upper()} accountant).\n"
       + "\n".join(f"  - {a}" for a in report.assumptions))
   return DpSgdPrivacy(report.epsilon, delta, steps, q, statement, report.assumptions)

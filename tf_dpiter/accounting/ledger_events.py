@@ -1,9 +1,15 @@
-"""Ledger -> dp-accounting events (seed 002, Eq. (1) and Section 5).
+"""Ledger -> dp-accounting events (seed 002, Eq. (1), Section 5, Appendix A). No TensorFlow.
 
-Pure numpy functions. A sample with Gaussian sum queries (S_g, sigma~_g) becomes one
-Gaussian mechanism with noise multiplier z = (sum_g (S_g / sigma~_g)^2)^(-1/2) (Eq. (1)),
-placed inside the sampling event matching the recorded policy. Identical samples are
-composed with a count, never one by one, so a ledger of 10^6 samples costs one event.
+A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mechanism of noise
+multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
+sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
+replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
+multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy:
+  poisson    -> PoissonSampledDpEvent(q, .)                 add or remove one
+  fixed_size -> SampledWithoutReplacementDpEvent(n, m, .)   replace one
+  shuffle    -> one un-amplified mechanism per pass started  replace one
+  full       -> one mechanism per sample                    add or remove one
+Identical samples are composed with a count, so a ledger of 10^6 samples costs one event.
 """
 
 import dataclasses
@@ -11,13 +17,13 @@ import math
 from typing import List, Tuple
 
 import dp_accounting as dpa
-import numpy as np
 
 from tf_dpiter.dp_query.events import eq1_noise_multiplier
-from tf_dpiter.ledger import privacy_ledger as pl
+from tf_dpiter.ledger import records as rec
 
 ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 REPLACE_ONE = dpa.NeighboringRelation.REPLACE_ONE
+_DPA_RELATION = {rec.ADD_OR_REMOVE: ADD_OR_REMOVE, rec.REPLACE_ONE: REPLACE_ONE}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +34,14 @@ class SampleGroup:
   population_size: float
   selection_probability: float
   sample_size: float
-  noise_multiplier: float          # Eq. (1) over the Gaussian queries; inf if none
+  noise_multiplier: float          # Eq. (1) over the Gaussian queries' sensitivities; inf if none
   laplace_noise_multipliers: Tuple[float, ...]
   non_private: bool
+  examples_per_record: int = 1
+
+  @property
+  def relation(self):
+    return rec.relation_for_policy(self.policy)
 
 
 def _round_down(z, digits=12):
@@ -45,21 +56,21 @@ def _round_down(z, digits=12):
 def groups_from_runs(runs) -> List[SampleGroup]:
   """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups."""
   merged = {}
-  for count, s, qs in runs:
-    kinds = qs[:, 1] if len(qs) else np.zeros(0)
-    g = qs[kinds == pl.GAUSSIAN]
-    lap = qs[kinds == pl.LAPLACE]
-    z = _round_down(eq1_noise_multiplier(g[:, 2], g[:, 3]))
-    key = (pl.policy_name(s[3]), float(s[0]), float(s[1]), float(s[2]), z,
-           tuple(sorted(float(b / c) for c, b in lap[:, 2:4])),
-           bool(np.any(kinds == pl.NON_PRIVATE)) or z == 0.0)
-    merged[key] = merged.get(key, 0) + int(count)
+  for run in rec.to_records(runs):
+    gauss = [q for q in run.queries if q.kind == "gaussian"]
+    lap = [q for q in run.queries if q.kind == "laplace"]
+    z = _round_down(eq1_noise_multiplier([q.sensitivity for q in gauss], [q.noise for q in gauss]))
+    key = (run.policy, run.population_size, run.selection_probability, run.sample_size, z,
+           tuple(sorted(q.noise / q.sensitivity for q in lap)),
+           any(q.kind == "non_private" for q in run.queries) or z == 0.0,
+           run.examples_per_record)
+    merged[key] = merged.get(key, 0) + run.count
   return [SampleGroup(c, *k) for k, c in merged.items()]
 
 
 def groups_from_arrays(samples, queries) -> List[SampleGroup]:
-  samples, queries = pl.validate_arrays(samples, queries)
-  return groups_from_runs(pl.run_length_encode(samples, queries))
+  samples, queries = rec.validate_arrays(samples, queries)
+  return groups_from_runs(rec.run_length_encode(samples, queries))
 
 
 def _mechanism(group):
@@ -75,15 +86,44 @@ def _mechanism(group):
   return parts[0] if len(parts) == 1 else dpa.ComposedDpEvent(parts)
 
 
-def group_event(group, accountant="rdp"):
-  """(dp event for the whole group, assumption strings) for one SampleGroup."""
+def _unit(group):
+  k = group.examples_per_record
+  return "example" if k <= 1 else f"example (records are microbatches of {k} examples: sensitivity 2C)"
+
+
+def _shuffle_event(group, mech, passes, notes):
+  """One un-amplified mechanism per pass: a record is in at most one batch of a pass."""
+  n, m = group.population_size, group.sample_size
+  steps_per_pass = math.ceil(n / m)
+  if passes <= 0:
+    notes.append(f"shuffled batches of {m:.0f} from n={n:.0f} with no pass boundaries recorded: "
+                 "every sample is charged as its own pass (no benefit from shuffling)")
+    return dpa.SelfComposedDpEvent(mech, group.count)
+  needed = math.ceil(group.count / steps_per_pass)
+  if passes < needed:
+    raise ValueError(
+        f"ledger holds {group.count} shuffled samples of size {m:.0f} from n={n:.0f} "
+        f"({steps_per_pass} per pass) but records only {passes} passes (at least {needed} "
+        "needed): the data was not sampled as declared; refusing to account it")
+  charged = min(passes, group.count)
+  notes.append(f"shuffled passes (batches of {m:.0f} from n={n:.0f}): NO amplification by "
+               f"sampling; each of the {passes} passes started (complete or partial, one "
+               f"permutation each) costs one un-amplified mechanism ({charged} charged here)")
+  return dpa.SelfComposedDpEvent(mech, charged)
+
+
+def group_event(group, accountant="rdp", passes=0):
+  """(dp event for the whole group, assumption strings) for one SampleGroup.
+
+  `passes`: the shuffled passes the ledger recorded (used by policy shuffle only).
+  """
   mech = _mechanism(group)
   notes = []
   n, q, m = group.population_size, group.selection_probability, group.sample_size
   gaussian_only = not group.laplace_noise_multipliers
   if isinstance(mech, (dpa.NonPrivateDpEvent, dpa.NoOpDpEvent)):
     return dpa.SelfComposedDpEvent(mech, group.count), notes
-  if group.policy == pl.POISSON and q < 1:
+  if group.policy == rec.POISSON and q < 1:
     if gaussian_only or (accountant == "pld" and len(group.laplace_noise_multipliers) == 1
                          and not math.isfinite(group.noise_multiplier)):
       notes.append(f"Poisson sampling (q={q:.6g}, n={n:.0f}): amplification by subsampling "
@@ -93,54 +133,59 @@ def group_event(group, accountant="rdp"):
     notes.append("Poisson-sampled samples with Laplace queries: no amplification by sampling "
                  "claimed (the accountant does not support it for this mechanism)")
     return dpa.SelfComposedDpEvent(mech, group.count), notes
-  if group.policy == pl.FIXED_SIZE and m < n:
+  if group.policy == rec.FIXED_SIZE and m < n:
     if not gaussian_only:
       notes.append("fixed-size samples with Laplace queries: no amplification claimed")
       return dpa.SelfComposedDpEvent(mech, group.count), notes
     notes.append(f"fixed-size sampling without replacement ({m:.0f} of {n:.0f}), samples "
-                 "independent across steps; replace-one adjacency")
+                 "independent across steps")
     return dpa.SelfComposedDpEvent(
         dpa.SampledWithoutReplacementDpEvent(int(n), int(m), mech), group.count), notes
-  if group.policy == pl.SHUFFLE:
-    steps_per_epoch = math.ceil(n / m)
-    epochs = math.ceil(group.count / steps_per_epoch)
-    notes.append(f"shuffled epochs (batches of {m:.0f} from n={n:.0f}): NO amplification by "
-                 "sampling is claimed; each record is assumed to be in exactly one sample per "
-                 f"epoch (disjoint batches), so each of the {epochs} epochs costs one "
-                 "un-amplified mechanism")
-    return dpa.SelfComposedDpEvent(mech, epochs), notes
-  notes.append("every record in every sample (q = 1): no amplification")
+  if group.policy == rec.SHUFFLE:
+    return _shuffle_event(group, mech, passes, notes), notes
+  notes.append("every record in every sample: no amplification")
   return dpa.SelfComposedDpEvent(mech, group.count), notes
 
 
+def relation_of(groups):
+  """The relation (records.RELATIONS) all private groups share; ValueError if they differ."""
+  relations = {g.relation for g in groups if not g.non_private}
+  if len(relations) > 1:
+    policies = sorted({g.policy for g in groups if not g.non_private})
+    raise ValueError(f"ledger mixes policies {policies} whose claims use different neighbouring "
+                     "relations (add/remove one vs replace one); dp-accounting cannot compose "
+                     "them: account them separately")
+  return relations.pop() if relations else rec.ADD_OR_REMOVE
+
+
 def neighboring_relation(groups):
-  """ADD_OR_REMOVE_ONE unless some group uses fixed-size sampling (then REPLACE_ONE)."""
-  fixed = any(g.policy == pl.FIXED_SIZE and g.sample_size < g.population_size and
-              not g.non_private for g in groups)
-  poisson = any(g.policy == pl.POISSON and g.selection_probability < 1 and
-                not g.non_private for g in groups)
-  if fixed and poisson:
-    raise ValueError("ledger mixes Poisson and fixed-size sampling: dp-accounting analyses "
-                     "them under different adjacency relations (add/remove vs replace-one); "
-                     "account them separately")
-  return REPLACE_ONE if fixed else ADD_OR_REMOVE
+  """dp-accounting's NeighboringRelation for the ledger (see relation_of)."""
+  return _DPA_RELATION[relation_of(groups)]
 
 
-def events_from_groups(groups, accountant="rdp"):
-  """(composed DpEvent, neighboring relation, assumption strings)."""
+def events_from_groups(groups, accountant="rdp", passes=0):
+  """(composed DpEvent, dp-accounting neighboring relation, assumption strings)."""
   if not groups:
     raise ValueError("ledger is empty: no samples were recorded, so there is nothing to account")
-  relation = neighboring_relation(groups)
+  relation = relation_of(groups)
+  shuffled = [g for g in groups if g.policy == rec.SHUFFLE and not g.non_private]
+  needed = math.ceil(sum(g.count / math.ceil(g.population_size / g.sample_size) for g in shuffled))
+  if passes > 0 and passes < needed:
+    raise ValueError(f"ledger holds {sum(g.count for g in shuffled)} shuffled samples, which "
+                     f"need at least {needed} passes, but records {passes}: the data was not "
+                     "sampled as declared; refusing to account it")
   events, notes = [], []
   for g in groups:
-    e, n = group_event(g, accountant)
+    e, n = group_event(g, accountant, passes)
     events.append(e)
     for s in n:
       if s not in notes:
         notes.append(s)
   if any(g.non_private for g in groups):
     notes.append("the ledger holds non-private queries (no noise): no finite guarantee")
-  notes.insert(0, "adjacency: " + ("add or remove one record" if relation == ADD_OR_REMOVE
-                                   else "replace one record"))
+  units = sorted({_unit(g) for g in groups if not g.non_private}) or ["example"]
+  notes.insert(0, "neighbouring relation: " + ("add or remove one " if relation == rec.ADD_OR_REMOVE
+                                              else "replace one ") + "; ".join(units)
+               + "; noise multipliers are sigma over the sensitivity under this relation")
   event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
-  return event, relation, notes
+  return event, _DPA_RELATION[relation], notes

@@ -6,8 +6,13 @@ configuration turns into a silently wrong guarantee.
 
 import math
 import numbers
+import sys
 
-import tensorflow as tf
+
+def _is_tensor(x):
+  """True for a TF tensor or variable; never imports TensorFlow (pure callers stay light)."""
+  tf = sys.modules.get("tensorflow")
+  return tf is not None and (tf.is_tensor(x) or isinstance(x, tf.Variable))
 
 
 def _is_python_number(x):
@@ -16,7 +21,7 @@ def _is_python_number(x):
 
 def check_nonnegative(name, value, allow_inf=True):
   """Checks a Python number is finite (or +inf if allowed) and >= 0; tensors pass through."""
-  if tf.is_tensor(value) or isinstance(value, tf.Variable):
+  if _is_tensor(value):
     return value
   if not _is_python_number(value):
     try:
@@ -31,14 +36,14 @@ def check_nonnegative(name, value, allow_inf=True):
 
 def check_positive(name, value, allow_inf=False):
   check_nonnegative(name, value, allow_inf=allow_inf)
-  if not (tf.is_tensor(value) or isinstance(value, tf.Variable)) and float(value) <= 0:
+  if not _is_tensor(value) and float(value) <= 0:
     raise ValueError(f"{name} must be > 0, got {value!r}")
   return value
 
 
 def check_probability(name, value, allow_zero=False):
   """q in (0, 1] (or [0, 1] when allow_zero)."""
-  if tf.is_tensor(value) or isinstance(value, tf.Variable):
+  if _is_tensor(value):
     return value
   try:
     v = float(value)

@@ -1,10 +1,33 @@
-"""The privacy ledger (seed 002, Section 6): sampling and sum-query events in TF variables."""
+"""The privacy ledger (seed 002, Section 6): sampling and sum-query events in TF variables.
 
-from tf_dpiter.ledger.privacy_ledger import FIXED_SIZE
-from tf_dpiter.ledger.privacy_ledger import FULL
-from tf_dpiter.ledger.privacy_ledger import POISSON
-from tf_dpiter.ledger.privacy_ledger import POLICIES
-from tf_dpiter.ledger.privacy_ledger import SHUFFLE
-from tf_dpiter.ledger.privacy_ledger import PrivacyLedger
-from tf_dpiter.ledger.privacy_ledger import run_length_encode
-from tf_dpiter.ledger.query_with_ledger import QueryWithLedger
+`records` and `ledger_file` (the record types, the checks and the JSON format) import no
+TensorFlow; `PrivacyLedger`, `QueryWithLedger` and `LedgerJournal` load on first use.
+"""
+
+import importlib
+
+from tf_dpiter.ledger.records import ADD_OR_REMOVE
+from tf_dpiter.ledger.records import FIXED_SIZE
+from tf_dpiter.ledger.records import FULL
+from tf_dpiter.ledger.records import POISSON
+from tf_dpiter.ledger.records import POLICIES
+from tf_dpiter.ledger.records import RELATIONS
+from tf_dpiter.ledger.records import REPLACE_ONE
+from tf_dpiter.ledger.records import SHUFFLE
+from tf_dpiter.ledger.records import QueryRecord
+from tf_dpiter.ledger.records import SampleRun
+from tf_dpiter.ledger.records import relation_for_policy
+from tf_dpiter.ledger.records import run_length_encode
+from tf_dpiter.ledger.records import sensitivity_factor
+
+_LAZY = {
+    "PrivacyLedger": "tf_dpiter.ledger.privacy_ledger",
+    "QueryWithLedger": "tf_dpiter.ledger.query_with_ledger",
+    "LedgerJournal": "tf_dpiter.ledger.journal",
+}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'tf_dpiter.ledger' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import privacy_ledger
+from tf_dpiter.ledger import records
 
 
 @serialization.register_query()
@@ -18,11 +19,17 @@ class QueryWithLedger(dp_query.DPQuery):
   """Wraps a top-level query; each get_noised_result records one sample in `ledger`."""
 
   def __init__(self, query, population_size, selection_probability, ledger=None,
-               policy=privacy_ledger.POISSON, sample_size=0):
+               policy=privacy_ledger.POISSON, sample_size=0, examples_per_record=1):
+    """Args: query (the top-level DPQuery), population_size n, selection_probability q,
+    ledger (a PrivacyLedger; a new one by default), policy (ledger.POLICIES), sample_size
+    (batch size for fixed_size/shuffle), examples_per_record k (microbatch size; 1 for
+    examples). Raises ValueError on a bad value, or k > 1 under an add/remove policy."""
     if not isinstance(query, dp_query.DPQuery):
       raise ValueError(f"query must be a DPQuery, got {query!r}")
     privacy_ledger.policy_code(policy)
     self._check_sampling(population_size, selection_probability, sample_size, policy)
+    records.check_examples_per_record(policy, examples_per_record)
+    self._examples_per_record = int(examples_per_record)
     self._query = query
     self._policy = policy
     self._ledger = ledger if ledger is not None else privacy_ledger.PrivacyLedger()
@@ -52,7 +59,8 @@ class QueryWithLedger(dp_query.DPQuery):
     return {"query": serialization.serialize(self._query),
             "population_size": float(self._population_size.numpy()),
             "selection_probability": float(self._selection_probability.numpy()),
-            "policy": self._policy, "sample_size": float(self._sample_size.numpy())}
+            "policy": self._policy, "sample_size": float(self._sample_size.numpy()),
+            "examples_per_record": self._examples_per_record}
 
   @classmethod
   def from_config(cls, config):
@@ -68,11 +76,22 @@ class QueryWithLedger(dp_query.DPQuery):
   def policy(self):
     return self._policy
 
-  def set_sampling(self, population_size, selection_probability, sample_size=None):
-    """Changes n, q (and sample size) for the following samples (e.g. a schedule of m_t)."""
+  @property
+  def examples_per_record(self):
+    return self._examples_per_record
+
+  def set_sampling(self, population_size, selection_probability, sample_size=None,
+                   examples_per_record=None):
+    """Changes n, q (sample size, examples per record) for the following samples.
+
+    A change of examples_per_record takes effect at the next trace of a tf.function.
+    """
     if sample_size is None:
       sample_size = float(self._sample_size.numpy())
     self._check_sampling(population_size, selection_probability, sample_size, self._policy)
+    if examples_per_record is not None:
+      records.check_examples_per_record(self._policy, examples_per_record)
+      self._examples_per_record = int(examples_per_record)
     self._population_size.assign(float(population_size))
     self._selection_probability.assign(float(selection_probability))
     self._sample_size.assign(float(sample_size))
@@ -101,7 +120,8 @@ class QueryWithLedger(dp_query.DPQuery):
   def get_noised_result(self, sample_state, global_state):
     result, new_state, events = self._query.get_noised_result(sample_state, global_state)
     count = self._ledger.record_sample(self._population_size, self._selection_probability,
-                                       events, policy=self._policy, sample_size=self._sample_size)
+                                       events, policy=self._policy, sample_size=self._sample_size,
+                                       examples_per_record=self._examples_per_record)
     with tf.control_dependencies([count]):
       result = tf.nest.map_structure(tf.identity, result)
     return result, new_state, events

@@ -1,0 +1,181 @@
+"""The ledger's JSON file: versioned, run-length coded, digest-protected (pure Python).
+
+A file is {"format", "version": 2, "num_samples", "passes", "runs": [...], "digest"} with,
+optionally, "hmac". `digest` is "sha256:" + the SHA-256 of the canonical JSON (sorted keys, no
+spaces) of everything but "digest" and "hmac"; `hmac` is "hmac-sha256:" + HMAC-SHA256 of the
+same bytes under a user's key. Reading refuses a missing or wrong digest, a wrong HMAC when a
+key is given, a file without HMAC when a key is given, and version-1 files (they did not record
+the neighbouring relation, the microbatch unit or the passes, so their epsilon may be too small).
+"""
+
+import hashlib
+import hmac as hmac_lib
+import json
+
+import numpy as np
+
+from tf_dpiter.ledger import records as rec
+
+_SIGNATURE_FIELDS = ("digest", "hmac")
+
+
+def _canonical(d):
+  body = {k: v for k, v in d.items() if k not in _SIGNATURE_FIELDS}
+  return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _key_bytes(key):
+  if isinstance(key, str):
+    key = key.encode()
+  if not isinstance(key, (bytes, bytearray)) or not key:
+    raise ValueError(f"key must be a non-empty str or bytes, got {type(key).__name__}")
+  return bytes(key)
+
+
+def sign(d, key=None):
+  """`d` with its digest (and HMAC when `key` is given) set."""
+  out = {k: v for k, v in d.items() if k not in _SIGNATURE_FIELDS}
+  body = _canonical(out)
+  out["digest"] = "sha256:" + hashlib.sha256(body).hexdigest()
+  if key is not None:
+    out["hmac"] = "hmac-sha256:" + hmac_lib.new(_key_bytes(key), body, hashlib.sha256).hexdigest()
+  return out
+
+
+def verify(d, key=None, what="ledger"):
+  """Raises ValueError unless `d`'s digest (and, with `key`, its HMAC) matches its content."""
+  body = _canonical(d)
+  expected = "sha256:" + hashlib.sha256(body).hexdigest()
+  if d.get("digest") != expected:
+    raise ValueError(f"{what} was altered or is incomplete: its 'digest' is {d.get('digest')!r}, "
+                     f"its content hashes to {expected!r}; refusing to account it")
+  if key is not None:
+    mac = "hmac-sha256:" + hmac_lib.new(_key_bytes(key), body, hashlib.sha256).hexdigest()
+    if "hmac" not in d:
+      raise ValueError(f"{what} has no 'hmac' but a key was given: it was not written with this key")
+    if not hmac_lib.compare_digest(str(d["hmac"]), mac):
+      raise ValueError(f"{what} HMAC does not match under the given key: altered, or another key")
+
+
+def _query_dict(row):
+  kind = int(row[1])
+  if kind == rec.GAUSSIAN:
+    return {"type": "gaussian", "l2_norm_clip": float(row[2]), "stddev": float(row[3]),
+            "sensitivity": float(row[4])}
+  if kind == rec.LAPLACE:
+    return {"type": "laplace", "l1_norm_clip": float(row[2]), "scale": float(row[3]),
+            "sensitivity": float(row[4])}
+  return {"type": "non_private"}
+
+
+def arrays_to_dict(samples, queries, passes=0, key=None):
+  """Signed, run-length coded JSON-able dict of a ledger's arrays and pass count."""
+  samples, queries = rec.validate_arrays(samples, queries)
+  runs = []
+  for count, s, qs in rec.run_length_encode(samples, queries):
+    policy = rec.policy_name(s[3])
+    runs.append({"count": count, "policy": policy, "relation": rec.relation_for_policy(policy),
+                 "population_size": float(s[0]), "selection_probability": float(s[1]),
+                 "sample_size": float(s[2]), "examples_per_record": int(s[4]),
+                 "queries": [_query_dict(row) for row in qs]})
+  d = {"format": rec.FORMAT_NAME, "version": rec.FORMAT_VERSION,
+       "num_samples": int(samples.shape[0]), "passes": int(passes), "runs": runs}
+  return sign(d, key)
+
+
+def _query_row(q):
+  t = q["type"]
+  if t == "gaussian":
+    return [0.0, rec.GAUSSIAN, float(q["l2_norm_clip"]), float(q["stddev"]), float(q["sensitivity"])]
+  if t == "laplace":
+    return [0.0, rec.LAPLACE, float(q["l1_norm_clip"]), float(q["scale"]), float(q["sensitivity"])]
+  if t == "non_private":
+    return [0.0, rec.NON_PRIVATE, 0.0, 0.0, 0.0]
+  raise ValueError(f"query 'type' must be gaussian, laplace or non_private, got {t!r}")
+
+
+def _parse_run(r):
+  count = r["count"]
+  if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    raise ValueError(f"'count' must be a positive integer, got {count!r}")
+  policy = r["policy"]
+  pol = rec.policy_code(policy)
+  if r["relation"] != rec.relation_for_policy(policy):
+    raise ValueError(f"'relation' must be {rec.relation_for_policy(policy)!r} for policy "
+                     f"{policy!r}, got {r['relation']!r}")
+  qs = [_query_row(q) for q in r["queries"]]
+  row = [float(r["population_size"]), float(r["selection_probability"]),
+         float(r["sample_size"]), float(pol), float(r["examples_per_record"]), float(len(qs))]
+  s_arr, q_arr = rec.validate_arrays(np.asarray([row]), np.asarray(qs).reshape(-1, 5))
+  return count, s_arr[0], q_arr
+
+
+def _check_header(d):
+  if not isinstance(d, dict) or d.get("format") != rec.FORMAT_NAME:
+    raise ValueError(f"not a tf_dpiter ledger: field 'format' must be {rec.FORMAT_NAME!r}, "
+                     f"got {d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
+  if d.get("version") == 1:
+    raise ValueError("ledger version 1 did not record the neighbouring relation, the "
+                     "microbatch unit or the shuffled passes, so its epsilon can be too small; "
+                     "it is refused. Account that run again from its settings with "
+                     "compute_dp_sgd_privacy(..., sampling=..., num_microbatches=...)")
+  if d.get("version") != rec.FORMAT_VERSION:
+    raise ValueError(f"unsupported ledger version {d.get('version')!r}; this tf_dpiter reads "
+                     f"version {rec.FORMAT_VERSION}")
+
+
+def dict_to_runs(d, key=None):
+  """Parses, verifies and validates a ledger dict: ([(count, sample_row, query_rows)], passes).
+
+  Counts stay counts: a run of 10^6 identical samples is one row.
+  """
+  _check_header(d)
+  verify(d, key)
+  runs = d.get("runs")
+  if not isinstance(runs, list):
+    raise ValueError(f"ledger field 'runs' must be a list, got {type(runs).__name__}")
+  out = []
+  for i, r in enumerate(runs):
+    try:
+      out.append(_parse_run(r))
+    except (KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"ledger run {i} is malformed: missing or bad field {e}") from None
+    except ValueError as e:
+      raise ValueError(f"ledger run {i}: {e}") from None
+  total = int(sum(c for c, _, _ in out))
+  if d.get("num_samples") != total:
+    raise ValueError(f"inconsistent ledger: 'num_samples' is {d.get('num_samples')!r} but the "
+                     f"runs hold {total} samples")
+  passes = d.get("passes")
+  if not isinstance(passes, int) or isinstance(passes, bool) or passes < 0:
+    raise ValueError(f"ledger field 'passes' must be an integer >= 0, got {passes!r}")
+  return out, passes
+
+
+def dict_to_arrays(d, key=None):
+  """(samples, queries, passes) of a ledger dict, verified and validated."""
+  runs, passes = dict_to_runs(d, key)
+  samples, queries = rec.runs_to_arrays(runs)
+  return samples, queries, passes
+
+
+def loads(text, key=None):
+  """(samples, queries, passes) of a ledger JSON string; ValueError on anything malformed."""
+  try:
+    d = json.loads(text)
+  except (json.JSONDecodeError, TypeError) as e:
+    raise ValueError(f"ledger JSON could not be parsed: {e}") from None
+  return dict_to_arrays(d, key)
+
+
+def load(path, key=None):
+  """(samples, queries, passes) of a ledger JSON file; errors name the file."""
+  try:
+    with open(path) as f:
+      text = f.read()
+  except OSError as e:
+    raise ValueError(f"ledger file {path!r} could not be read: {e}") from None
+  try:
+    return loads(text, key)
+  except ValueError as e:
+    raise ValueError(f"ledger file {path!r}: {e}") from None

@@ -1,0 +1,239 @@
+"""The ledger's records and file format (seed 002, Section 6; Appendix A for adjacency).
+
+Pure Python and numpy: no TensorFlow, so that `tf_dpiter.accounting` and `dp_ledger report`
+start fast. A ledger is a sequence of *samples* (sampling events). Each sample states
+  * its sampling policy and, from it, the neighbouring relation of the claim:
+    Poisson / full batches -> add or remove one example; fixed-size samples and shuffled
+    passes -> replace one example (n is public there: the number of steps per pass shows it);
+  * the unit of a record: `examples_per_record` k (1: a record is an example; k > 1: a
+    record is a microbatch of k examples, the unit of privacy stays the example);
+  * its sum queries, each with the clip S (per record, add/remove units), the noise and the
+    *sensitivity under the stated relation*: S for add/remove of a whole record, 2S when one
+    example changes inside a record (replace-one, or a microbatch): the record moves from one
+    vector of norm <= S to another.
+The ledger also counts the shuffled *passes* its sampler started (one permutation each).
+
+Files are versioned JSON, run-length coded, with a SHA-256 digest of their canonical content
+and, when a key is given, an HMAC-SHA256; a mismatch is refused.
+"""
+
+import dataclasses
+from typing import Tuple
+
+import numpy as np
+
+FORMAT_NAME = "tf_dpiter.privacy_ledger"
+FORMAT_VERSION = 2
+
+# Sampling policies (seed 002, Section 5).
+POISSON = "poisson"            # each record joins each sample independently with probability q
+FIXED_SIZE = "fixed_size"      # samples of `sample_size` records, drawn without replacement, independent
+SHUFFLE = "shuffle"            # passes over a public random permutation, disjoint batches
+FULL = "full"                  # every record in every sample (q = 1)
+POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, FULL)
+_POLICY_CODE = {p: i for i, p in enumerate(POLICIES)}
+
+# Neighbouring relations (seed 002, Appendix A), spelled as dp-accounting's NeighboringRelation.
+ADD_OR_REMOVE = "add_or_remove_one"
+REPLACE_ONE = "replace_one"
+RELATIONS = (ADD_OR_REMOVE, REPLACE_ONE)
+_RELATION_OF_POLICY = {POISSON: ADD_OR_REMOVE, FULL: ADD_OR_REMOVE,
+                       FIXED_SIZE: REPLACE_ONE, SHUFFLE: REPLACE_ONE}
+
+# Query kinds.
+GAUSSIAN, LAPLACE, NON_PRIVATE = 0, 1, 2
+_KIND_NAME = {GAUSSIAN: "gaussian", LAPLACE: "laplace", NON_PRIVATE: "non_private"}
+
+SAMPLE_COLUMNS = ("population_size", "selection_probability", "sample_size", "policy",
+                  "examples_per_record", "num_queries")
+QUERY_COLUMNS = ("sample_index", "kind", "clip", "noise", "sensitivity")
+
+
+def policy_code(policy):
+  """Integer code of a policy name; ValueError naming the policy if unknown."""
+  if policy not in _POLICY_CODE:
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+  return _POLICY_CODE[policy]
+
+
+def policy_name(code):
+  return POLICIES[int(code)]
+
+
+def relation_for_policy(policy):
+  """The neighbouring relation a sample of `policy` is accounted under (see module doc)."""
+  policy_code(policy)
+  return _RELATION_OF_POLICY[policy]
+
+
+def sensitivity_factor(relation, examples_per_record=1):
+  """Sensitivity of a clipped sum over its per-record clip S, under `relation`.
+
+  1 when one unit is one whole record added or removed; 2 when one example changes inside a
+  record that stays (replace-one; a microbatch of k > 1 examples): the record's clipped
+  vector goes from one point of the S-ball to another (seed 002, Appendix A).
+  """
+  if relation not in RELATIONS:
+    raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
+  return 1.0 if relation == ADD_OR_REMOVE and examples_per_record <= 1 else 2.0
+
+
+def check_examples_per_record(policy, examples_per_record):
+  """ValueError unless k >= 1, and k == 1 under an add/remove policy (a tensor k passes)."""
+  k = examples_per_record
+  if isinstance(k, (int, float, np.integer, np.floating)) and not isinstance(k, bool):
+    if not k >= 1:
+      raise ValueError(f"examples_per_record must be >= 1, got {k!r}")
+    if k > 1 and relation_for_policy(policy) == ADD_OR_REMOVE:
+      raise ValueError(
+          f"examples_per_record={k!r} (microbatches) with policy {policy!r} is refused: under "
+          "add or remove one example, removing an example can re-deal the others among "
+          "microbatches. Sample with a replace-one policy ('shuffle' or 'fixed_size')")
+
+
+@dataclasses.dataclass(frozen=True)
+class QueryRecord:
+  """One sum query of a sample: kind, clip S (per record), noise, sensitivity (relation units)."""
+  kind: str
+  clip: float = 0.0
+  noise: float = 0.0
+  sensitivity: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRun:
+  """`count` consecutive identical samples."""
+  count: int
+  policy: str
+  population_size: float
+  selection_probability: float
+  sample_size: float
+  examples_per_record: int
+  queries: Tuple[QueryRecord, ...]
+
+  @property
+  def relation(self):
+    return relation_for_policy(self.policy)
+
+
+def _first_bad(mask):
+  bad = np.flatnonzero(mask)
+  return int(bad[0]) if bad.size else None
+
+
+def _check_samples(samples):
+  if not np.all(np.isfinite(samples)):
+    i = int(np.argwhere(~np.isfinite(samples))[0][0])
+    raise ValueError(f"sample {i} has a non-finite field: {samples[i].tolist()}")
+  n, q, m, pol, k, _ = samples.T
+  checks = [
+      (n <= 0, "population_size must be > 0", n),
+      (~((q > 0) & (q <= 1)), "selection_probability must be in (0, 1]", q),
+      (~np.isin(pol, np.arange(len(POLICIES))), f"policy code must be in 0..{len(POLICIES) - 1}", pol),
+      ((k < 1) | (k != np.floor(k)), "examples_per_record must be an integer >= 1", k),
+      (np.isin(pol, [_POLICY_CODE[FIXED_SIZE], _POLICY_CODE[SHUFFLE]]) & ~((m >= 1) & (m <= n)),
+       "sample_size must be in [1, population_size] for fixed_size/shuffle", m),
+  ]
+  for mask, msg, col in checks:
+    i = _first_bad(mask)
+    if i is not None:
+      raise ValueError(f"{msg}, got {col[i]!r} at sample {i}")
+  add_remove = np.isin(pol, [_POLICY_CODE[POISSON], _POLICY_CODE[FULL]])
+  i = _first_bad(add_remove & (k > 1))
+  if i is not None:
+    raise ValueError(
+        f"sample {i}: microbatches (examples_per_record={k[i]:.0f}) under policy "
+        f"{policy_name(pol[i])!r} (add or remove one example) are refused: removing an example "
+        "can re-deal the others among microbatches. Use a replace-one policy (shuffle, fixed_size)")
+
+
+def _check_queries(samples, queries):
+  nq = samples[:, 5]
+  if int(nq.sum()) != queries.shape[0]:
+    raise ValueError(f"inconsistent ledger: samples declare {int(nq.sum())} queries, "
+                     f"found {queries.shape[0]}")
+  if not queries.size:
+    return
+  if not np.all(np.isfinite(queries)):
+    i = int(np.argwhere(~np.isfinite(queries))[0][0])
+    raise ValueError(f"query {i} has a non-finite field: {queries[i].tolist()}")
+  expected_idx = np.repeat(np.arange(samples.shape[0]), nq.astype(np.int64))
+  if not np.array_equal(queries[:, 0], expected_idx):
+    raise ValueError("inconsistent ledger: query sample_index does not match the samples' num_queries")
+  kind, clip, noise, sens = queries[:, 1], queries[:, 2], queries[:, 3], queries[:, 4]
+  s = samples[queries[:, 0].astype(np.int64)]
+  factor = np.where(np.isin(s[:, 3], [_POLICY_CODE[POISSON], _POLICY_CODE[FULL]]) & (s[:, 4] <= 1),
+                    1.0, 2.0)
+  checks = [
+      (~np.isin(kind, list(_KIND_NAME)), f"query kind must be in {sorted(_KIND_NAME)}", kind),
+      (clip < 0, "query clip must be >= 0", clip),
+      (noise < 0, "query noise must be >= 0", noise),
+      ((kind == LAPLACE) & ((clip <= 0) | (noise <= 0)), "Laplace query needs clip > 0 and scale > 0", clip),
+      ((kind != NON_PRIVATE) & (sens < factor * clip),
+       "query sensitivity is below what its relation and record unit imply (factor x clip)", sens),
+  ]
+  for mask, msg, col in checks:
+    i = _first_bad(mask)
+    if i is not None:
+      raise ValueError(f"{msg}, got {col[i]!r} at query {i} (clip {clip[i]!r}, needed "
+                       f"sensitivity >= {factor[i] * clip[i]!r})")
+
+
+def validate_arrays(samples, queries):
+  """Checks ledger arrays for consistency; raises ValueError naming the bad field.
+
+  Besides ranges, a query's recorded sensitivity must be at least the factor of
+  `sensitivity_factor` times its clip, and microbatches under add/remove are refused.
+  """
+  samples = np.asarray(samples, dtype=np.float64).reshape(-1, len(SAMPLE_COLUMNS))
+  queries = np.asarray(queries, dtype=np.float64).reshape(-1, len(QUERY_COLUMNS))
+  _check_samples(samples)
+  _check_queries(samples, queries)
+  return samples, queries
+
+
+def run_length_encode(samples, queries):
+  """Runs of consecutive identical samples: list of (count, sample_row, query_rows)."""
+  if samples.shape[0] == 0:
+    return []
+  nq = samples[:, 5].astype(np.int64)
+  width = int(nq.max())
+  sig = np.zeros([samples.shape[0], 5 + 4 * width])
+  sig[:, :5] = samples[:, :5]
+  if queries.size:
+    starts = np.concatenate([[0], np.cumsum(nq)[:-1]])
+    pos = np.arange(queries.shape[0]) - np.repeat(starts, nq)
+    rows = queries[:, 0].astype(np.int64)
+    for c in range(4):
+      sig[rows, 5 + 4 * pos + c] = queries[:, 1 + c]
+  change = np.ones(sig.shape[0], dtype=bool)
+  change[1:] = np.any(sig[1:] != sig[:-1], axis=1) | (nq[1:] != nq[:-1])
+  heads = np.flatnonzero(change)
+  counts = np.diff(np.append(heads, sig.shape[0]))
+  qstart = np.concatenate([[0], np.cumsum(nq)])
+  return [(int(c), samples[h], queries[qstart[h]:qstart[h] + nq[h]]) for h, c in zip(heads, counts)]
+
+
+def runs_to_arrays(runs):
+  """Expands runs (count, sample_row, query_rows) into (samples, queries) arrays."""
+  if not runs:
+    return np.zeros([0, len(SAMPLE_COLUMNS)]), np.zeros([0, len(QUERY_COLUMNS)])
+  counts = np.asarray([c for c, _, _ in runs], dtype=np.int64)
+  samples = np.repeat(np.stack([s for _, s, _ in runs]), counts, axis=0)
+  blocks = [np.tile(q[:, 1:], (c, 1)) for c, _, q in runs if len(q)]
+  nq = samples[:, 5].astype(np.int64)
+  if not blocks:
+    return samples, np.zeros([0, len(QUERY_COLUMNS)])
+  sample_index = np.repeat(np.arange(samples.shape[0]), nq).astype(np.float64)
+  return samples, np.concatenate([sample_index[:, None], np.concatenate(blocks, 0)], axis=1)
+
+
+def _query_record(row):
+  kind = _KIND_NAME[int(row[1])]
+  return QueryRecord(kind, float(row[2]), float(row[3]), float(row[4]))
+
+
+def to_records(runs):
+  """Typed SampleRuns of runs (count, sample_row, query_rows)."""
+  return [SampleRun(int(c), policy_name(s[3]), float(s[0]), float(s[1]), float(s[2]), int(s[4]),
+                    tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
