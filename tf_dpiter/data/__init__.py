@@ -1,7 +1,14 @@
-"""Sampling of training batches for DP training (seed 002, Section 5)."""
+"""Sampling of training batches for DP training (seed 002, Section 5).
+
+`poisson_batches` (policy "poisson", the default of `DPModel.fit` on arrays) and
+`shuffled_batches` (policy "shuffle": a new permutation per pass, passes charged by the
+ledger); both carry the `SamplingSpec` that `DPModel.fit` declares to the ledger.
+"""
 
 from tf_dpiter.data.sampling import SamplingSpec
-from tf_dpiter.data.sampling import get_sampling_spec
 from tf_dpiter.data.sampling import default_max_batch_size
+from tf_dpiter.data.sampling import get_sampling_spec
 from tf_dpiter.data.sampling import poisson_batches
-from tf_dpiter.data.sampling import shuffled_batches
+from tf_dpiter.data.shuffling import ShuffleSampler
+from tf_dpiter.data.shuffling import shuffled_batches
+from tf_dpiter.data.shuffling import steps_per_pass

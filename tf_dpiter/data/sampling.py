@@ -1,6 +1,6 @@
 """Batches for DP training with a stated sampling policy (seed 002, Section 5).
 
-`poisson_batches` draws each step's sample by Poisson sampling: every record joins the
+`poisson_batches` (here) and `shuffled_batches` (`shuffling`). `poisson_batches` draws each step's sample by Poisson sampling: every record joins the
 sample independently with selection probability q = expected_batch_size / n. The sample is
 padded to a static size with a 0/1 mask (yielded as Keras' sample_weight) so that XLA sees
 one shape. Draws come from a counter-based Philox generator seeded from OS entropy
@@ -8,6 +8,7 @@ one shape. Draws come from a counter-based Philox generator seeded from OS entro
 
 The dataset carries a `SamplingSpec` (policy, n, q, sample size) that `DPModel.fit`
 writes into the optimizer's ledger, so the reported epsilon states its assumption.
+`DPModel.fit(x, y, batch_size=B)` on arrays builds `poisson_batches(x, y, B)` itself.
 """
 
 import collections
@@ -19,13 +20,19 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.ledger import records
+
+POISSON = records.POISSON
+SHUFFLE = records.SHUFFLE
 
 SamplingSpec = collections.namedtuple(
-    "SamplingSpec", ["policy", "population_size", "selection_probability", "sample_size"])
+    "SamplingSpec", ["policy", "population_size", "selection_probability", "sample_size",
+                     "sampler"], defaults=(None,))
 SamplingSpec.__doc__ = """Sampling policy of a data pipeline, as the ledger records it.
 
 policy: "poisson" | "shuffle" | "fixed_size" | "full"; population_size: n records;
-selection_probability: q; sample_size: batch size (expected batch size for Poisson).
+selection_probability: q; sample_size: batch size (expected batch size for Poisson);
+sampler: for "shuffle", the `shuffling.ShuffleSampler` counting the passes (else None).
 """
 
 _SPEC_ATTR = "_tf_dpiter_sampling_spec"
@@ -36,12 +43,14 @@ def get_sampling_spec(dataset):
   return getattr(dataset, _SPEC_ATTR, None)
 
 
-def _attach(dataset, spec):
+def attach_spec(dataset, spec):
+  """Attaches a SamplingSpec to a dataset (read back by get_sampling_spec); returns it."""
   setattr(dataset, _SPEC_ATTR, spec)
   return dataset
 
 
-def _num_records(x):
+def num_records(x):
+  """n, the common leading dimension of every array in the nest x (ValueError if they differ)."""
   leaves = tf.nest.flatten(x)
   if not leaves:
     raise ValueError("x must hold at least one array")
@@ -65,44 +74,53 @@ def default_max_batch_size(population_size, selection_probability, num_sd=4.0, m
   return min(size, int(math.ceil(population_size / multiple) * multiple))
 
 
-def _make_rng(seed):
+def make_rng(seed, who="poisson_batches"):
+  """numpy Generator on Philox: from 128 bits of OS entropy, or (tests only, warns) a seed."""
   if seed is None:
     return np.random.Generator(np.random.Philox(secrets.randbits(128)))
   warnings.warn(
-      f"seed={seed!r} given to poisson_batches: the sampling is reproducible and the "
+      f"seed={seed!r} given to {who}: the sampling is reproducible and the "
       "output is NOT differentially private. Use a seed for tests only.",
       randomness.NotPrivateSeedWarning, stacklevel=3)
   return np.random.Generator(np.random.Philox(int(seed)))
 
 
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
-                    max_batch_size="auto", seed=None):
+                    max_batch_size="auto", seed=None, sample_weight=None):
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
   Each record joins each step independently with probability q = expected_batch_size / n
-  (seed 002, Section 1, step 1). `steps_per_epoch` defaults to round(1/q) = n / expected
-  batch size. `max_batch_size`: "auto" pads to `default_max_batch_size(n, q)`; an int pads
-  to that size (a larger sample is padded to the next multiple, never truncated); None
-  yields unpadded samples of varying size (no XLA). The mask is float32 [max_batch_size]
-  with 1 for sampled records and 0 for padding; Keras passes it as sample_weight.
+  (seed 002, Section 1, step 1); the ledger records policy "poisson" (add or remove one
+  example, sensitivity S of a clipped sum). The noised sum is divided by q n, the expected
+  batch size (seed 002, Section 1, step 3).
+
+  Args:
+    x: array or nest of arrays with n records on the leading axis.
+    y: labels (same n), or None.
+    expected_batch_size: q n, in (0, n].
+    steps_per_epoch: samples per iteration of the dataset; default round(1/q) = n / (q n).
+    max_batch_size: "auto" pads to `default_max_batch_size(n, q)`; an int pads to that size
+      (a larger sample is padded to the next multiple, never truncated); None yields
+      unpadded samples of varying size (no XLA).
+    seed: tests only: reproducible, hence NOT private (warns). None: OS entropy.
+    sample_weight: optional per-record weights [n]: the yielded weight is mask * weight
+      (a record of weight 0 is then padding: it joins no record of the step).
+
+  Returns:
+    A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
+    weights are float32 [size] with the mask's 1 for sampled records, 0 for padding. Keras
+    passes them as sample_weight.
+
+  Raises:
+    ValueError: an argument out of range, or arrays of different lengths.
   """
-  n = _num_records(x if y is None else (x, y))
-  if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
-      0 < expected_batch_size <= n):
-    raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
-  q = float(expected_batch_size) / n
-  if steps_per_epoch is None:
-    steps_per_epoch = max(1, int(round(1.0 / q)))
-  if not isinstance(steps_per_epoch, (int, np.integer)) or steps_per_epoch < 1:
-    raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
-  if max_batch_size == "auto":
-    max_batch_size = default_max_batch_size(n, q)
-  elif max_batch_size is not None:
-    if not isinstance(max_batch_size, (int, np.integer)) or max_batch_size < 1:
-      raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got {max_batch_size!r}")
-  rng = _make_rng(seed)
+  n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
+  q, steps_per_epoch, max_batch_size = _check_poisson_args(
+      n, expected_batch_size, steps_per_epoch, max_batch_size)
+  rng = make_rng(seed)
   xs = tf.nest.map_structure(np.asarray, x)
   ys = None if y is None else tf.nest.map_structure(np.asarray, y)
+  ws = None if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(n)
 
   def _pad(a, size):
     out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
@@ -118,7 +136,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
         size = max_batch_size * max(1, int(math.ceil(m / max_batch_size)))
       bx = tf.nest.map_structure(lambda a: _pad(a[idx], size), xs)
       mask = np.zeros([size], np.float32)
-      mask[:m] = 1.0
+      mask[:m] = 1.0 if ws is None else ws[idx]
       if ys is None:
         yield bx, mask
       else:
@@ -137,24 +155,23 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     sig = (tf.nest.map_structure(spec, xs), tf.nest.map_structure(spec, ys), mask_spec)
   ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps_per_epoch)).prefetch(2)
-  return _attach(ds, SamplingSpec("poisson", n, q, float(expected_batch_size)))
+  return attach_spec(ds, SamplingSpec(POISSON, n, q, float(expected_batch_size)))
 
 
-def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None):
-  """tf.data.Dataset of shuffled disjoint batches, reshuffled every epoch (policy "shuffle").
-
-  The ledger records policy "shuffle" with sample size `batch_size`: no amplification by
-  subsampling is claimed for it by a careful accountant (seed 002, Section 5).
-  """
-  n = _num_records(x if y is None else (x, y))
-  if not isinstance(batch_size, (int, np.integer)) or not 1 <= batch_size <= n:
-    raise ValueError(f"batch_size must be an integer in [1, n={n}], got {batch_size!r}")
-  data = x if y is None else (x, y)
-  ds = tf.data.Dataset.from_tensor_slices(data)
-  if seed is None:
-    seed_ = None
-  else:
-    seed_ = int(seed)
-  ds = ds.shuffle(n, seed=seed_, reshuffle_each_iteration=True)
-  ds = ds.batch(batch_size, drop_remainder=drop_remainder).prefetch(2)
-  return _attach(ds, SamplingSpec("shuffle", n, batch_size / n, float(batch_size)))
+def _check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
+  """(q, steps_per_epoch, max_batch_size) checked and defaulted; ValueError naming the bad one."""
+  if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
+      0 < expected_batch_size <= n):
+    raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
+  q = float(expected_batch_size) / n
+  if steps_per_epoch is None:
+    steps_per_epoch = max(1, int(round(1.0 / q)))
+  if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, (int, np.integer)) or (
+      steps_per_epoch < 1):
+    raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+  if max_batch_size == "auto":
+    max_batch_size = default_max_batch_size(n, q)
+  elif max_batch_size is not None:
+    if not isinstance(max_batch_size, (int, np.integer)) or max_batch_size < 1:
+      raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got {max_batch_size!r}")
+  return q, int(steps_per_epoch), max_batch_size

@@ -2,6 +2,8 @@
 
 from tf_dpiter.keras import callbacks
 from tf_dpiter.keras import example_models
+from tf_dpiter.keras.callbacks import LedgerJournal
+from tf_dpiter.keras.callbacks import PrivacyMeter
 from tf_dpiter.keras.models import DPModel
 from tf_dpiter.keras.models import DPModelMixin
 from tf_dpiter.keras.models import DPSequential

@@ -2,16 +2,20 @@
 
 `PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History and
 TensorBoard show them; `StopAtPrivacyBudget` stops training before a step would exceed
-(epsilon, delta); `LedgerExport` writes the ledger as JSON. Epsilon is always computed
-from what the ledger recorded (sampling policy included), never from the settings.
+(epsilon, delta); `LedgerExport` writes the ledger as JSON; `LedgerJournal` appends every
+step to a crash-safe journal and resumes it. Epsilon is always computed from what the ledger
+recorded (sampling policy, relation and passes included), never from the settings.
 """
 
 import json
 import math
+import os
 
+import dp_accounting as dpa
 import keras
 
 from tf_dpiter import accounting
+from tf_dpiter import ledger as ledger_lib
 
 
 def _ledger(model):
@@ -34,8 +38,54 @@ def _check_delta(delta):
   return d
 
 
+def _gaussian_z(queries):
+  """Eq. (1) noise multiplier per unit of clip, (sum_g (S_g / sigma_g)^2)^(-1/2), or None."""
+  if not queries or any(q.get("type") != "gaussian" for q in queries):
+    return None
+  inv = sum((q["l2_norm_clip"] / q["stddev"]) ** 2 for q in queries if q["stddev"] > 0)
+  if any(q["stddev"] == 0 and q["l2_norm_clip"] > 0 for q in queries):
+    return 0.0
+  return math.inf if inv == 0 else inv ** -0.5
+
+
+def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
+  """Epsilon had every shuffled step been a Poisson sample with the same q, noise and count.
+
+  Each "shuffle" run of T steps with batch b of n and Eq. (1) multiplier z (over the clip
+  S) becomes T Poisson-sampled Gaussian mechanisms (q = b / n, z) under add/remove-one
+  adjacency (sensitivity S): what `fit(x, y, batch_size=b)` with sampling="poisson" would
+  have cost (seed 002, Sections 1 and 5). Poisson runs are kept as they are. Returns None
+  when the ledger has no shuffle run or a query that is not Gaussian.
+  """
+  events, any_shuffle = [], False
+  for run in ledger_dict["runs"]:
+    z = _gaussian_z(run["queries"])
+    if z is None or run["policy"] not in (ledger_lib.SHUFFLE, ledger_lib.POISSON):
+      return None
+    any_shuffle |= run["policy"] == ledger_lib.SHUFFLE
+    if z == 0:
+      return math.inf
+    if math.isfinite(z):
+      event = dpa.PoissonSampledDpEvent(run["selection_probability"], dpa.GaussianDpEvent(z))
+      events.append(dpa.SelfComposedDpEvent(event, int(run["count"])))
+  if not any_shuffle:
+    return None
+  acc = dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
+  acc.compose(dpa.ComposedDpEvent(events))
+  return float(acc.get_epsilon(delta))
+
+
 class PrivacyMeter(keras.callbacks.Callback):
-  """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end)."""
+  """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end).
+
+  When the ledger holds shuffled passes, logs['epsilon_if_poisson'] also shows what Poisson
+  sampling with the same q, noise and number of steps would have cost (`epsilon_if_poisson`).
+
+  Args:
+    delta: the delta of the (epsilon, delta) statement, in (0, 1).
+    accountant: "rdp" or "pld" (dp-accounting).
+    verbose: print epsilon after every epoch.
+  """
 
   def __init__(self, delta, accountant="rdp", verbose=0):
     super().__init__()
@@ -54,11 +104,18 @@ class PrivacyMeter(keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     self.epsilon = self._epsilon()
+    if_poisson = None
+    if self.epsilon > 0:
+      if_poisson = epsilon_if_poisson(_ledger(self.model).to_dict(), self.delta,
+                                      "rdp" if self.accountant == "rdp" else "pld")
     if logs is not None:
       logs["epsilon"] = self.epsilon
       logs["delta"] = self.delta
+      if if_poisson is not None:
+        logs["epsilon_if_poisson"] = if_poisson
     if self.verbose:
-      print(f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = {self.delta:g}")
+      extra = "" if if_poisson is None else f" (Poisson sampling would give {if_poisson:.4g})"
+      print(f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = {self.delta:g}{extra}")
 
 
 class StopAtPrivacyBudget(keras.callbacks.Callback):
@@ -188,3 +245,50 @@ class LedgerExport(keras.callbacks.Callback):
 
   def on_train_end(self, logs=None):
     _ledger(self.model).save_json(self.path)
+
+
+class LedgerJournal(keras.callbacks.Callback):
+  """Crash safety: resumes the ledger from an append-only journal and appends every step.
+
+  On train begin the journal (tf_dpiter.ledger.LedgerJournal) is loaded into the model's
+  ledger when it holds more samples (a restart after a crash); after every training step
+  (execution) and at the end of training the new samples and passes are appended and
+  fsynced. Rule: every noised step ever taken is charged, steps re-run after a restore from
+  an older backup included, so the ledger's samples >= the restored optimizer's iterations.
+  `DPModel.fit` puts this callback first, after the pass sync, so a step is in the journal
+  before any other callback can save, log or print its result. Added automatically with
+  keras.callbacks.BackupAndRestore (backup_dir/privacy_ledger.journal; Keras deletes the
+  backup_dir, journal included, when training ends normally: export the ledger then) or
+  with fit(..., ledger_journal=path).
+
+  Args:
+    path: the journal file (created on the first append).
+    key: optional str/bytes: every chunk also carries an HMAC-SHA256 under this key.
+
+  Raises:
+    ValueError (on train begin): the journal was altered or is not a ledger journal.
+  """
+
+  def __init__(self, path, key=None):
+    super().__init__()
+    if not isinstance(path, str) or not path:
+      raise ValueError(f"path must be a non-empty string, got {path!r}")
+    self.path = path
+    self.key = key
+    self.resumed = 0
+    self._journal = None
+
+  def on_train_begin(self, logs=None):
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    self._journal = ledger_lib.LedgerJournal(self.path, key=self.key)
+    self.resumed = self._journal.resume(_ledger(self.model))
+
+  def _append(self):
+    if self._journal is not None:
+      self._journal.append(_ledger(self.model))
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._append()
+
+  def on_train_end(self, logs=None):
+    self._append()

@@ -22,13 +22,13 @@ non-compiled train function, so every step is recorded.
 """
 
 import inspect
-import warnings
 
 import keras
 import tensorflow as tf
 
-from tf_dpiter import ledger as ledger_lib
-from tf_dpiter.data import sampling
+from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.keras import callbacks as callbacks_lib
+from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import gradients as grads_lib
 from tf_dpiter.keras import optimizers as opt_lib
 
@@ -47,13 +47,6 @@ def check_no_batch_mixing(model):
           f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
           "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
           "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
-
-
-def _num_rows(x):
-  leaves = [a for a in tf.nest.flatten(x) if a is not None]
-  if not leaves or not all(hasattr(a, "shape") and len(a.shape) > 0 for a in leaves):
-    return None
-  return int(leaves[0].shape[0])
 
 
 class DPModelMixin:
@@ -88,45 +81,79 @@ class DPModelMixin:
 
   # ---- fit: declare the sampling ------------------------------------------------------
 
-  def fit(self, *args, **kwargs):  # pylint: disable=missing-function-docstring
+  def fit(self, *args, sampling=None, ledger_journal=None, **kwargs):
+    """keras.Model.fit with DP sampling declared to the ledger (see fit_sampling).
+
+    On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n) unless
+    `sampling="shuffle"` (the default with num_microbatches): shuffled passes. A dataset from
+    dp.data.poisson_batches / shuffled_batches declares its own sampling; other data needs
+    `optimizer.set_sampling` first. Crash safety: with keras.callbacks.BackupAndRestore among
+    the callbacks, or `ledger_journal=path`, every step is appended to an append-only journal
+    that the next fit resumes; every noised step ever taken is charged, re-runs after a
+    restore included, so the ledger's samples >= the restored optimizer's iterations.
+
+    Args:
+      *args, **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
+      sampling: None, "poisson" or "shuffle" (arrays only).
+      ledger_journal: path of the ledger journal to resume and append (None: only with
+        BackupAndRestore, at backup_dir/privacy_ledger.journal).
+
+    Returns:
+      The History object of keras.Model.fit.
+
+    Raises:
+      ValueError: undeclared data, sampling given for a dataset, microbatches with Poisson,
+        or more microbatches than examples in a batch.
+    """
     opt = self._dp_optimizer()
     check_no_batch_mixing(self)
-    bound = _FIT_SIGNATURE.bind(self, *args, **kwargs)
-    a = bound.arguments
-    x, y = a.get("x"), a.get("y")
-    spec = sampling.get_sampling_spec(x)
-    if spec is None and isinstance(x, (tf.data.Dataset,)) is False and _num_rows(x) is not None:
-      n = _num_rows(x)
-      split = a.get("validation_split", 0.0) or 0.0
-      if split and a.get("validation_data") is None:
-        n = int(n * (1.0 - split))
-      b = a.get("batch_size") or 32
-      b = min(int(b), n)
-      if not a.get("shuffle", True) or a.get("shuffle") == "batch":
-        warnings.warn("fit(shuffle=False/'batch'): the ledger records policy 'shuffle' "
-                      "(shuffled epochs), which these fixed batches do not satisfy", UserWarning)
-      spec = sampling.SamplingSpec(ledger_lib.SHUFFLE, n, b / n, float(b))
-    m = opt.num_microbatches
-    if spec is not None and m is not None and spec.sample_size and m > spec.sample_size:
-      raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
-                       "each microbatch needs at least one example")
-    if spec is not None:
-      if opt.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
-                          spec.sample_size):
-        self.train_function = None
-    elif opt.dp_query is None:
+    a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
+    a.pop("self")
+    spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
+    if spec is None and fit_sampling.num_rows(a.get("x")) is not None:
+      spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling)
+    elif sampling is not None and (spec is None or spec.policy != sampling):
       raise ValueError(
-          "cannot tell how this data is sampled, so the ledger cannot record the steps: pass "
-          "arrays, dp.data.poisson_batches(...) or dp.data.shuffled_batches(...), or call "
-          "model.optimizer.set_sampling(population_size, selection_probability, policy, "
-          "sample_size) before fit")
+          f"sampling={sampling!r} applies to arrays only; this data declares "
+          f"{'no sampling' if spec is None else repr(spec.policy)}")
+    self._dp_declare(opt, spec)
+    callbacks = list(a.get("callbacks") or [])
+    internal = [fit_sampling.SamplingSync(
+        None if spec is None else spec.sampler,
+        self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
+    path = fit_sampling.journal_path(callbacks, ledger_journal)
+    if path is not None and not any(isinstance(c, callbacks_lib.LedgerJournal) for c in callbacks):
+      internal.append(callbacks_lib.LedgerJournal(path))
+    a["callbacks"] = internal + callbacks
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
-    # microbatches are masked out (the batch size was checked above).
+    # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
     try:
-      return super().fit(*args, **kwargs)
+      return super().fit(**a)
     finally:
       self._dp_in_fit = False
+
+  def _dp_declare(self, opt, spec):
+    """Writes the data's SamplingSpec into the optimizer (or checks set_sampling was called)."""
+    if spec is None:
+      if opt.dp_query is None or getattr(opt, "_dp_sampling_source", None) != "user":
+        raise ValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
+      return
+    m = opt.num_microbatches
+    if m is not None and spec.sample_size and m > spec.sample_size:
+      raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
+                       "each microbatch needs at least one example")
+    if opt.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
+                        spec.sample_size):
+      self.train_function = None
+    opt._dp_sampling_source = "fit"  # pylint: disable=protected-access
+
+  def _dp_log_line(self, spec, reason, callbacks, verbose):
+    if verbose == 0 or spec is None:
+      return None
+    meters = [c for c in callbacks if isinstance(c, callbacks_lib.PrivacyMeter)]
+    return fit_sampling.describe(spec, reason or "the dataset's own sampling",
+                                 meters[0] if meters else None)
 
   # ---- the private step ---------------------------------------------------------------
 

@@ -107,6 +107,7 @@ class DPOptimizerMixin:
     self._dp_global_vars = None
     self._dp_restored_global_state = None  # from from_config: the saved query state
     self._dp_private_apply = False
+    self._dp_sampling_source = None  # "user" (set_sampling) or "fit" (declared by fit)
 
   # ---- properties ---------------------------------------------------------------------
 
@@ -169,23 +170,45 @@ class DPOptimizerMixin:
                    sample_size=0):
     """Declares how batches are sampled; the ledger records it with every step.
 
-    population_size n (records), selection_probability q, policy one of
-    ledger.POLICIES, sample_size (batch size for "shuffle"/"fixed_size"). Returns True when
-    the policy changed (a traced train step must be retraced).
+    With num_microbatches M a record is a microbatch of k = ceil(sample_size / M) examples
+    (`examples_per_record`); the ledger then charges a clipped sum at sensitivity 2S
+    (seed 002, Table 1 and Appendix A). Microbatches need a policy whose positions come
+    from a public permutation with n fixed (replace-one: "shuffle", "fixed_size"): under
+    add/remove (Poisson, full batches) removing an example would re-deal the later
+    examples among the microbatches (gradients.to_records).
+
+    Args:
+      population_size: n, records in the data set.
+      selection_probability: q (sample_size / n for shuffle and fixed_size).
+      policy: one of ledger.POLICIES.
+      sample_size: batch size (expected batch size for Poisson); required (>= 1) for
+        "shuffle" and "fixed_size".
+
+    Returns:
+      True when the recorded policy or record unit changed (a traced step must be retraced).
+
+    Raises:
+      ValueError: num_microbatches with policy "poisson" or "full", or a bad argument.
     """
-    if policy == ledger_lib.POISSON and self._dp_num_microbatches is not None:
-      raise ValueError(f"num_microbatches={self._dp_num_microbatches} cannot be used with Poisson "
-                       "sampling (records are examples there); use num_microbatches=None")
+    m = self._dp_num_microbatches
+    if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
+      raise ValueError(
+          f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
+          "one example, removing an example re-deals the others among microbatches. Sample "
+          "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
+          "dp.data.shuffled_batches), or use num_microbatches=None")
+    k = 1 if m is None else max(1, -(-int(sample_size) // m))
     self._make_dp_state()
     with tf.init_scope():
       if self._dp_query is None or self._dp_query.policy != policy:
         self._dp_query = ledger_lib.QueryWithLedger(
             self._dp_base_query, population_size, selection_probability, ledger=self._dp_ledger,
-            policy=policy, sample_size=sample_size)
+            policy=policy, sample_size=sample_size, examples_per_record=k)
         changed = True
       else:
-        self._dp_query.set_sampling(population_size, selection_probability, sample_size)
-        changed = False
+        changed = self._dp_query.examples_per_record != k
+        self._dp_query.set_sampling(population_size, selection_probability, sample_size,
+                                    examples_per_record=k)
       if self._dp_global_vars is None:
         init = tf.nest.map_structure(tf.convert_to_tensor, self._dp_query.initial_global_state())
         self._dp_global_struct = init
@@ -193,6 +216,8 @@ class DPOptimizerMixin:
         self._dp_global_vars = [tf.Variable(t, trainable=False, name="dp_global_state")
                                 for t in flat]
       self._dp_expected_records.assign(float(population_size) * float(selection_probability))
+    # A call from user code declares data that fit cannot see (DPModel.fit overrides this).
+    self._dp_sampling_source = "user"
     return changed
 
   def _restore_global_state(self, flat_init):

@@ -1,0 +1,133 @@
+"""Shuffled passes whose count the ledger charges (seed 002, Section 5, third policy).
+
+`shuffled_batches` draws, for every pass over the data, a fresh uniformly random permutation
+of the n records (Philox seeded from OS entropy, seed 002 Section 8) and cuts it into
+disjoint batches of `batch_size`. No amplification by sampling is claimed for this policy:
+the accountant charges every pass started, complete or partial, one un-amplified Gaussian
+mechanism, under replace-one adjacency (n is public: the number of steps per pass shows it),
+so a clipped sum has sensitivity 2S (seed 002, Appendix A).
+
+The passes are counted by the sampler that made them. The generator runs in a tf.data
+thread and is prefetched, so it never writes TF variables: it increments a Python counter
+on its `ShuffleSampler`, and `DPModel.fit` (an internal callback, after every training step
+and at the end of training) moves the passes started since the last sync into the ledger
+with `ledger.record_passes`. A pass started by prefetching but never trained on is charged
+too: conservative. A new iterator (a new `fit` call, a new epoch over the finite dataset, a
+restart) starts a new pass with a new permutation.
+
+Custom training loops declare the same thing by hand: `optimizer.set_sampling(n, b / n,
+"shuffle", b)` and `optimizer.ledger.record_passes(1)` whenever a new permutation is drawn.
+"""
+
+import math
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.data import sampling
+
+
+class ShuffleSampler:
+  """Counts the shuffled passes (permutations) a `shuffled_batches` dataset started.
+
+  Thread-safe: the tf.data thread increments, the training thread takes the new passes.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._started = 0
+    self._taken = 0
+
+  @property
+  def passes_started(self):
+    """Passes (permutations) started since this sampler was made (int)."""
+    with self._lock:
+      return self._started
+
+  def start_pass(self):
+    """Counts one more pass; called by the generator before its first batch."""
+    with self._lock:
+      self._started += 1
+
+  def take_new_passes(self):
+    """Passes started since the last call (int >= 0); they are then marked as recorded."""
+    with self._lock:
+      new = self._started - self._taken
+      self._taken = self._started
+      return new
+
+
+def _check_batch_size(batch_size, n):
+  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or not (
+      1 <= batch_size <= n):
+    raise ValueError(f"batch_size must be an integer in [1, n={n}], got {batch_size!r}")
+
+
+def _check_passes(passes):
+  if passes is not None and (isinstance(passes, bool) or not isinstance(passes, (int, np.integer))
+                             or passes < 1):
+    raise ValueError(f"passes must be None (endless) or a positive integer, got {passes!r}")
+
+
+def steps_per_pass(n, batch_size, drop_remainder=False):
+  """Batches in one pass: floor(n / b) with drop_remainder, else ceil(n / b)."""
+  return n // batch_size if drop_remainder else int(math.ceil(n / batch_size))
+
+
+def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
+                     sample_weight=None, passes=1):
+  """tf.data.Dataset of disjoint batches of a fresh random permutation per pass.
+
+  Each iteration of the dataset makes `passes` passes (None: endless); every pass draws a
+  new permutation of the n records and yields its ceil(n / batch_size) batches (the last
+  one smaller unless drop_remainder). The dataset carries a SamplingSpec with policy
+  "shuffle" and its `ShuffleSampler` (spec.sampler), whose pass count `DPModel.fit`
+  records in the ledger (module docstring).
+
+  Args:
+    x: array or nest of arrays with n records on the leading axis.
+    y: labels (same n), or None.
+    batch_size: b, records per batch (1 <= b <= n).
+    drop_remainder: drop the last, smaller batch of each pass.
+    seed: tests only: a fixed seed makes the permutations reproducible, hence NOT private
+      (warns NotPrivateSeedWarning). None: Philox seeded from OS entropy.
+    sample_weight: optional per-record weights [n], yielded as Keras' sample_weight.
+    passes: passes per iteration of the dataset (1: one pass per Keras epoch), or None.
+
+  Returns:
+    A tf.data.Dataset of (x, y[, sample_weight]) batches (x alone if y is None).
+
+  Raises:
+    ValueError: bad batch_size or passes, or arrays of different lengths.
+  """
+  data = tuple(a for a in (x, y, sample_weight) if a is not None)
+  n = sampling.num_records(data)
+  _check_batch_size(batch_size, n)
+  _check_passes(passes)
+  rng = sampling.make_rng(seed, "shuffled_batches")
+  arrays = tf.nest.map_structure(np.asarray, data)
+  sampler = ShuffleSampler()
+  per_pass = steps_per_pass(n, int(batch_size), drop_remainder)
+
+  def gen():
+    done = 0
+    while passes is None or done < passes:
+      sampler.start_pass()
+      perm = rng.permutation(n)
+      for i in range(per_pass):
+        idx = perm[i * batch_size:(i + 1) * batch_size]
+        batch = tf.nest.map_structure(lambda a, idx=idx: a[idx], arrays)
+        yield batch if len(batch) > 1 else batch[0]
+      done += 1
+
+  def spec(a):
+    return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
+
+  sig = tf.nest.map_structure(spec, arrays)
+  ds = tf.data.Dataset.from_generator(gen, output_signature=sig if len(sig) > 1 else sig[0])
+  if passes is not None:
+    ds = ds.apply(tf.data.experimental.assert_cardinality(per_pass * passes))
+  ds = ds.prefetch(2)
+  spec_ = sampling.SamplingSpec(sampling.SHUFFLE, n, batch_size / n, float(batch_size), sampler)
+  return sampling.attach_spec(ds, spec_)

@@ -1,0 +1,213 @@
+"""How `DPModel.fit` samples its batches and declares them to the ledger (seed 002, Section 5).
+
+`fit(x, y, batch_size=B)` on arrays samples by Poisson by default: each record joins each
+step independently with probability q = B / n (B is the *expected* batch size), for
+round(n / B) steps per epoch unless `steps_per_epoch` is given; the ledger records policy
+"poisson" (add or remove one example; a clipped sum has sensitivity S). This is TF Privacy's
+accounting of `fit(x, y, batch_size=B)` made true: the batches really are Poisson samples.
+
+`fit(..., sampling="shuffle")` (the default when the optimizer has num_microbatches) cuts a
+fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
+the ledger records policy "shuffle" (replace one example, sensitivity 2S; no amplification:
+every pass started costs one un-amplified mechanism) and the number of passes, synced from
+the sampler after every step. Keras' own `shuffle=` is not used for DP.
+
+`validation_split` keeps Keras' meaning: the last fraction of the arrays (before any
+sampling) is held out. `sample_weight` and `class_weight` weigh each example's loss inside
+its record before clipping; an example of weight 0 joins no record.
+
+Data whose sampling tf_dpiter does not control (a plain tf.data.Dataset, a generator, a
+PyDataset) is refused unless the sampling was declared with `optimizer.set_sampling`.
+"""
+
+import math
+import os
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.data import shuffling
+
+SAMPLINGS = (None, "poisson", "shuffle")
+JOURNAL_NAME = "privacy_ledger.journal"
+
+UNDECLARED_DATA_MESSAGE = (
+    "cannot tell how this data is sampled, so the ledger cannot state what the steps cost. "
+    "Declare it: pass arrays (fit(x, y, batch_size=B) samples by Poisson; sampling='shuffle' "
+    "for shuffled passes), or build the data with dp.data.poisson_batches(x, y, "
+    "expected_batch_size=B) or dp.data.shuffled_batches(x, y, batch_size=B); for data you "
+    "sample yourself call model.optimizer.set_sampling(population_size, "
+    "selection_probability, policy, sample_size) before fit, and with policy 'shuffle' also "
+    "model.ledger.record_passes(1) whenever a new permutation starts")
+
+
+def num_rows(x):
+  """Leading dimension of the first array of x, or None if x is not arrays."""
+  if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+    return None
+  leaves = [a for a in tf.nest.flatten(x) if a is not None]
+  if not leaves or not all(hasattr(a, "shape") and len(a.shape) > 0 for a in leaves):
+    return None
+  return int(leaves[0].shape[0])
+
+
+def _to_numpy(nest):
+  return None if nest is None else tf.nest.map_structure(np.asarray, nest)
+
+
+def class_weight_to_sample_weight(y, class_weight):
+  """Per-example weights [n] from a {class index: weight} dict (Keras' class_weight).
+
+  y: integer labels [n] or [n, 1], or one-hot / probabilities [n, C] (argmax). Classes
+  missing from the dict weigh 1. Raises ValueError for other label layouts.
+  """
+  if not isinstance(class_weight, dict):
+    raise ValueError(f"class_weight must be a dict {{class index: weight}}, got {class_weight!r}")
+  if y is None or isinstance(y, (dict, list, tuple)):
+    raise ValueError("class_weight needs a single label array y (one output); pass "
+                     "sample_weight instead")
+  y = np.asarray(y)
+  if y.ndim == 2 and y.shape[1] > 1:
+    y = np.argmax(y, axis=1)
+  y = np.round(y.reshape(y.shape[0], -1)[:, 0] if y.ndim > 1 else y).astype(np.int64)
+  return np.asarray([float(class_weight.get(int(c), 1.0)) for c in y], np.float32)
+
+
+def _split_validation(a, x, y, sw):
+  """Keras' validation_split: the last fraction of the arrays, before any sampling."""
+  split = a.pop("validation_split", 0.0) or 0.0
+  if not split or a.get("validation_data") is not None:
+    return x, y, sw
+  if not 0.0 < split < 1.0:
+    raise ValueError(f"validation_split must be in [0, 1), got {split!r}")
+  n = num_rows(x)
+  at = int(math.floor(n * (1.0 - split)))
+  if at in (0, n):
+    raise ValueError(f"validation_split={split} leaves no training or no validation example "
+                     f"out of {n}")
+  head = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[:at], t)
+  tail = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[at:], t)
+  val = (tail(x), tail(y)) if sw is None else (tail(x), tail(y), tail(sw))
+  a["validation_data"] = val
+  return head(x), head(y), head(sw)
+
+
+def _resolve_sampling(sampling, opt):
+  """(policy name, reason) for fit on arrays."""
+  if sampling not in SAMPLINGS:
+    raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+  m = opt.num_microbatches
+  if sampling is None:
+    if m is not None:
+      return "shuffle", f"sampling=None with num_microbatches={m} means shuffled passes"
+    return "poisson", "sampling=None on arrays means Poisson sampling"
+  if sampling == "poisson" and m is not None:
+    raise ValueError(
+        f"sampling='poisson' cannot be used with num_microbatches={m}: under add or remove one "
+        "example, removing an example re-deals the others among microbatches. Use "
+        "sampling='shuffle' or num_microbatches=None")
+  return sampling, f"sampling={sampling!r}"
+
+
+def arrays_to_dataset(a, opt, sampling):
+  """Replaces the array arguments of fit (dict `a`, edited) by a sampled dataset.
+
+  Returns (SamplingSpec, reason string for the log line).
+  """
+  x, y = _to_numpy(a.pop("x")), _to_numpy(a.pop("y", None))
+  if y is None:
+    raise ValueError("fit on arrays needs y: the DP samplers yield (x, y, weights); for a "
+                     "model without targets build dp.data.poisson_batches(x, ...) yourself")
+  sw = a.pop("sample_weight", None)
+  cw = a.pop("class_weight", None)
+  sw = None if sw is None else np.asarray(sw, np.float32).reshape(num_rows(x))
+  if cw is not None:
+    w = class_weight_to_sample_weight(y, cw)
+    sw = w if sw is None else sw * w
+  shuffle = a.pop("shuffle", True)
+  if shuffle is not True:
+    warnings.warn(f"fit(shuffle={shuffle!r}) is ignored: the DP sampler draws the batches "
+                  "(sampling='poisson' or 'shuffle')", UserWarning, stacklevel=4)
+  x, y, sw = _split_validation(a, x, y, sw)
+  n = num_rows(x)
+  b = min(int(a.pop("batch_size", None) or 32), n)
+  if isinstance(a.get("validation_data"), (tuple, list)):
+    a.setdefault("validation_batch_size", b)
+  policy, reason = _resolve_sampling(sampling, opt)
+  steps = a.get("steps_per_epoch")
+  if policy == "poisson":
+    ds = sampling_lib.poisson_batches(x, y, expected_batch_size=b, steps_per_epoch=steps,
+                                      sample_weight=sw)
+  else:
+    ds = shuffling.shuffled_batches(x, y, batch_size=b, sample_weight=sw,
+                                    passes=None if steps else 1)
+  a["x"] = ds
+  a["shuffle"] = False
+  return sampling_lib.get_sampling_spec(ds), reason
+
+
+def describe(spec, reason, meter=None):
+  """One log line: which sampling the ledger records and which accountant gives epsilon."""
+  n, b = int(spec.population_size), spec.sample_size
+  if spec.policy == ledger_lib.POISSON:
+    what = (f"Poisson sampling (q = {spec.selection_probability:.4g}, expected batch "
+            f"{b:g} of n = {n}; add/remove-one adjacency, sensitivity S)")
+  elif spec.policy == ledger_lib.SHUFFLE:
+    what = (f"shuffled passes (batches of {b:g} of n = {n}; replace-one adjacency, "
+            "sensitivity 2S, no amplification: each pass started costs one mechanism)")
+  else:
+    what = (f"policy {spec.policy!r} (n = {n}, q = {spec.selection_probability:.4g}; "
+            f"{ledger_lib.relation_for_policy(spec.policy)} adjacency)")
+  acc = ("no PrivacyMeter: epsilon from dp.accounting.epsilon(model.ledger, delta)"
+         if meter is None else f"epsilon by the {meter.accountant.upper()} accountant "
+         f"(dp-accounting) from the ledger, PrivacyMeter delta = {meter.delta:g}")
+  return f"tf_dpiter DP-SGD: {what} [{reason}]; {acc}"
+
+
+class SamplingSync(keras.callbacks.Callback):
+  """Internal: moves the sampler's new passes into the ledger and prints the log line.
+
+  Runs first among the callbacks, so every later callback (PrivacyMeter, the journal,
+  StopAtPrivacyBudget, checkpoints, the progress bar) sees a ledger that already holds the
+  passes of the steps taken. Passes started by prefetching are charged too (conservative).
+  """
+
+  def __init__(self, sampler, line):
+    super().__init__()
+    self.sampler = sampler
+    self.line = line
+
+  def _sync(self):
+    if self.sampler is not None:
+      new = self.sampler.take_new_passes()
+      if new:
+        self.model.ledger.record_passes(new)
+
+  def on_train_begin(self, logs=None):
+    if self.line:
+      print(self.line)
+
+  def on_train_batch_end(self, batch, logs=None):
+    self._sync()
+
+  def on_epoch_end(self, epoch, logs=None):
+    self._sync()
+
+  def on_train_end(self, logs=None):
+    self._sync()
+
+
+def journal_path(callbacks, ledger_journal):
+  """The journal file fit keeps: `ledger_journal`, else BackupAndRestore's backup_dir/..."""
+  if ledger_journal is not None:
+    if not isinstance(ledger_journal, (str, os.PathLike)) or not os.fspath(ledger_journal):
+      raise ValueError(f"ledger_journal must be a file path, got {ledger_journal!r}")
+    return os.fspath(ledger_journal)
+  for cb in callbacks:
+    if isinstance(cb, keras.callbacks.BackupAndRestore):
+      return os.path.join(cb.backup_dir, JOURNAL_NAME)
+  return None
