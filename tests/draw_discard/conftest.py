@@ -1,6 +1,9 @@
-"""Fixtures for the Draw and Discard tests: an in-process service and a real redis-server."""
+"""Fixtures for the Draw and Discard tests: an in-process service, TLS certificates and a
+real redis-server."""
 
 import asyncio
+import datetime
+import ipaddress
 import shutil
 import socket
 import subprocess
@@ -17,38 +20,44 @@ def free_port() -> int:
 
 
 class ThreadedService:
-  """Runs a DDMLService app on its own event loop in a daemon thread."""
+  """Runs a DDMLService through http_server.serve on its own event loop in a daemon thread."""
 
-  def __init__(self, svc):
-    from aiohttp import web
+  def __init__(self, svc, ssl_context=None, limits=None):
     self.svc = svc
-    self.port = free_port()
     self.loop = asyncio.new_event_loop()
     self._ready = threading.Event()
-    self._web = web
-    self.thread = threading.Thread(target=self._run, daemon=True)
+    self._error = None
+    self.scheme = "https" if ssl_context else "http"
+    self.thread = threading.Thread(target=self._run, args=(ssl_context, limits), daemon=True)
     self.thread.start()
     if not self._ready.wait(30):
       raise RuntimeError("service did not start")
+    if self._error is not None:
+      raise self._error
 
-  def _run(self):
+  def _run(self, ssl_context, limits):
+    from tf_dpiter.draw_discard import http_server
     asyncio.set_event_loop(self.loop)
-    self.runner = self._web.AppRunner(self.svc.make_app(), access_log=None)
-    self.loop.run_until_complete(self.runner.setup())
-    site = self._web.TCPSite(self.runner, "127.0.0.1", self.port)
-    self.loop.run_until_complete(site.start())
+    try:
+      self.running = self.loop.run_until_complete(
+          http_server.serve(self.svc, "127.0.0.1", 0, ssl_context, limits))
+    except BaseException as e:  # surfaced to the test thread by __init__
+      self._error = e
+      self._ready.set()
+      return
+    self.port = self.running.port
     self._ready.set()
     self.loop.run_forever()
 
   @property
   def url(self):
-    return f"http://127.0.0.1:{self.port}"
+    return f"{self.scheme}://127.0.0.1:{self.port}"
 
   def call(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
   def stop(self):
-    self.call(self.runner.cleanup())
+    self.call(self.running.stop())
     self.loop.call_soon_threadsafe(self.loop.stop)
     self.thread.join(10)
 
@@ -57,8 +66,8 @@ class ThreadedService:
 def start_service():
   started = []
 
-  def _start(svc):
-    s = ThreadedService(svc)
+  def _start(svc, ssl_context=None, limits=None):
+    s = ThreadedService(svc, ssl_context, limits)
     started.append(s)
     return s
 
@@ -67,26 +76,76 @@ def start_service():
     s.stop()
 
 
+def _self_signed_cryptography(cert_path, key_path):
+  from cryptography import x509
+  from cryptography.hazmat.primitives import hashes, serialization
+  from cryptography.hazmat.primitives.asymmetric import ec
+  from cryptography.x509.oid import NameOID
+  key = ec.generate_private_key(ec.SECP256R1())
+  name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+  now = datetime.datetime.now(datetime.timezone.utc)
+  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+          .public_key(key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.SubjectAlternativeName(
+              [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+              critical=False)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(key, hashes.SHA256()))
+  key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                         serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+  cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _self_signed_openssl(cert_path, key_path):
+  subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                  "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj",
+                  "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                  "-keyout", str(key_path), "-out", str(cert_path)],
+                 check=True, capture_output=True)
+
+
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
+def tls_files(tmp_path_factory):
+  """(cert.pem, key.pem) of a self-signed certificate for 127.0.0.1, made at test time."""
+  d = tmp_path_factory.mktemp("tls")
+  cert, key = d / "cert.pem", d / "key.pem"
+  try:
+    import cryptography  # noqa: F401  pylint: disable=unused-import
+  except ImportError:
+    if shutil.which("openssl") is None:
+      pytest.skip("neither the cryptography package nor the openssl command is available")
+    _self_signed_openssl(cert, key)
+  else:
+    _self_signed_cryptography(cert, key)
+  return str(cert), str(key)
+
+
+def start_redis(port, data_dir, persistent=False):
+  """A redis-server on 127.0.0.1:port (AOF with fsync always when persistent)."""
   exe = shutil.which("redis-server")
-  if exe is None:
-    pytest.skip("redis-server binary not found (apt-get install -y redis-server; CI installs it)")
-  port = free_port()
-  d = tmp_path_factory.mktemp("redis")
-  proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-                           "--save", "", "--appendonly", "no"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", ""]
+  args += ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
+  proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 20
   while time.time() < deadline:
     try:
       with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-        break
+        return proc
     except OSError:
       time.sleep(0.05)
-  else:
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
+  proc.kill()
+  raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+  if shutil.which("redis-server") is None:
+    pytest.skip("redis-server binary not found (apt-get install -y redis-server; CI installs it)")
+  port = free_port()
+  proc = start_redis(port, tmp_path_factory.mktemp("redis"))
   yield f"redis://127.0.0.1:{port}/0"
   proc.terminate()
   proc.wait(10)

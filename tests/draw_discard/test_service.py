@@ -13,8 +13,16 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import client_lib, service, store as store_lib
+from tf_dpiter.draw_discard import client as client_alg, client_lib, service, store as store_lib
 from tf_dpiter.draw_discard.cli import dense_spec, known_weights_spec
+
+SPEC = dense_spec(12, epsilon=1.0, gamma=0.01)
+
+
+def honest(spec, weights, rng):
+  """Algorithm 1 on random records: what an honest client returns for `weights`."""
+  x = {"x": rng.random((8, spec.num_weights - 1))}
+  return client_alg.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 
@@ -29,19 +37,20 @@ def _store(kind, request):
   if kind == "memory":
     return store_lib.MemoryStore()
   url = request.getfixturevalue("redis_url")
-  return store_lib.RedisStore(url, prefix=f"t{uuid.uuid4().hex[:8]}")
+  return store_lib.make_store(url, prefix=f"t{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture(params=["memory", "redis"])
 def svc_and_client(request, start_service):
-  spec = dense_spec(12, epsilon=1.0, gamma=0.01)
-  svc = service.DDMLService(spec, 5, _store(request.param, request), seed=0)
+  svc = service.DDMLService(SPEC, 5, _store(request.param, request), seed=0)
   srv = start_service(svc)
   with client_lib.DDMLClient(srv.url) as c:
     yield srv, c
 
 
 def _raw(srv, method, path, body=None, headers=None):
+  if body is not None and headers is None:
+    headers = {"Content-Type": "application/json"}
   conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
   conn.request(method, path, body=body, headers=headers or {})
   r = conn.getresponse()
@@ -51,7 +60,8 @@ def _raw(srv, method, path, body=None, headers=None):
 
 
 def _slots(srv):
-  return [bytes(s) for s in srv.call(srv.svc.store.all_slots())]
+  snap = srv.call(srv.svc.store.snapshot())
+  return [r.tobytes() for r in snap.slots]
 
 
 def test_draw_submit_model_metrics(svc_and_client):
@@ -59,8 +69,8 @@ def test_draw_submit_model_metrics(svc_and_client):
   d = c.draw()
   assert d.weights.shape == (12,) and d.spec.num_weights == 12 and d.version == "1"
   before = _slots(srv)
-  target = np.full(12, 3.25)
-  assert c.submit(d.version, target) == {"accepted": True}
+  target = honest(SPEC, d.weights, np.random.default_rng(0))
+  assert c.submit(d.version, target) == {"accepted": True, "seq": 1}
   after = _slots(srv)
   changed = [i for i in range(5) if before[i] != after[i]]
   assert len(changed) == 1
@@ -84,8 +94,9 @@ def test_json_list_encoding(svc_and_client):
   status, data = _raw(srv, "GET", "/v1/draw")
   d = json.loads(data)
   assert status == 200 and len(d["weights"]) == 12 and d["spec"]["family"] == "logistic"
+  w = honest(SPEC, np.array(d["weights"]), np.random.default_rng(1))
   status, data = _raw(srv, "POST", "/v1/submit",
-                      json.dumps({"version": "1", "weights": [0.5] * 12}).encode())
+                      json.dumps({"version": "1", "weights": w.tolist()}).encode())
   assert status == 200 and json.loads(data)["accepted"]
 
 
@@ -147,7 +158,7 @@ def test_b64_json_submit_and_raw_draw(svc_and_client):
   d = json.loads(data)
   w = np.frombuffer(base64.b64decode(d["weights_b64"]), "<f8")
   assert w.shape == (12,) and d["spec"]["version"] == "1"
-  assert c.submit_json("1", w + 1.0)["accepted"]
+  assert c.submit_json("1", honest(SPEC, w, np.random.default_rng(2)))["accepted"]
   status, data = _raw(srv, "GET", "/v1/draw?encoding=xml")
   assert status == 400 and json.loads(data)["error"] == "bad_encoding"
 
@@ -159,21 +170,21 @@ def test_client_raises_ddml_error(svc_and_client):
   assert e.value.status == 422 and e.value.code == "wrong_shape"
 
 
-def test_spam_filter_over_http(request, start_service):
-  spec = dense_spec(12, epsilon=1.0, gamma=0.01)
-  svc = service.DDMLService(spec, 10, store_lib.MemoryStore(), spam_t=4.0, stats_ttl_s=0.0, seed=1)
+def test_acceptance_rule_over_http(start_service):
+  svc = service.DDMLService(SPEC, 10, store_lib.MemoryStore(), seed=1)
   srv = start_service(svc)
   with client_lib.DDMLClient(srv.url) as c:
     d = c.draw()
     before = _slots(srv)
-    bad = d.weights.copy(); bad[3] = 1e3
+    bad = honest(SPEC, d.weights, np.random.default_rng(3)); bad[3] += 1.0
     with pytest.raises(client_lib.DDMLError) as e:
       c.submit(d.version, bad)
-    assert e.value.status == 422 and e.value.code == "rejected_by_spam_filter"
+    assert e.value.status == 422 and e.value.code == "rejected_update"
     assert _slots(srv) == before
-    assert c.submit(d.version, d.weights)["accepted"]
+    assert c.submit(d.version, honest(SPEC, d.weights, np.random.default_rng(4)))["accepted"]
     m = c.metrics()
-    assert m["rejected_spam"] == 1 and m["accepted"] == 1 and m["spam_t"] == 4.0
+    assert m["rejected"] == 1 and m["accepted"] == 1
+    assert m["acceptance"]["rule"] == "bounded_influence" and m["acceptance"]["alpha"] == 1e-3
 
 
 def test_client_that_never_returns_blocks_nothing(svc_and_client):
@@ -184,10 +195,11 @@ def test_client_that_never_returns_blocks_nothing(svc_and_client):
   stall = socket.create_connection(("127.0.0.1", srv.port))
   stall.sendall(b"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"ver")
   t0 = time.time()
+  rng = np.random.default_rng(5)
   with client_lib.DDMLClient(srv.url) as other:
     for _ in range(20):
       d = other.draw()
-      other.submit(d.version, d.weights)
+      other.submit(d.version, honest(SPEC, d.weights, rng))
   assert time.time() - t0 < 10
   assert c.metrics()["accepted"] == 20
   stall.close()
@@ -205,16 +217,17 @@ def test_concurrent_clients_all_land(svc_and_client):
   srv, c = svc_and_client
   errors = []
 
-  def worker():
+  def worker(seed):
+    rng = np.random.default_rng(seed)
     try:
       with client_lib.DDMLClient(srv.url) as cc:
         for _ in range(25):
           d = cc.draw()
-          cc.submit(d.version, d.weights + 0.001)
-    except Exception as e:  # pylint: disable=broad-except
+          cc.submit(d.version, honest(SPEC, d.weights, rng))
+    except (client_lib.DDMLError, OSError) as e:
       errors.append(e)
 
-  threads = [threading.Thread(target=worker) for _ in range(8)]
+  threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
   for t in threads:
     t.start()
   for t in threads:
@@ -229,14 +242,16 @@ def test_redis_store_rejects_mismatched_model(redis_url):
   prefix = f"t{uuid.uuid4().hex[:8]}"
 
   async def go():
-    s1 = store_lib.RedisStore(redis_url, prefix)
-    meta = dict(version="1", k=3, num_weights=4)
+    s1 = store_lib.make_store(redis_url, prefix)
+    meta = dict(version="1", k=3, num_weights=4, fingerprint="f", history=8)
     assert await s1.initialize(meta, np.zeros((3, 4)))
-    s2 = store_lib.RedisStore(redis_url, prefix)
+    s2 = store_lib.make_store(redis_url, prefix)
     assert not await s2.initialize(meta, np.ones((3, 4)))  # joins, keeps the first instances
-    assert all(store_lib.decode_weights(b).sum() == 0 for b in await s2.all_slots())
-    with pytest.raises(store_lib.StoreMismatch, match="version"):
-      await s2.initialize(dict(meta, version="2"), np.zeros((3, 4)))
+    assert (await s2.snapshot()).slots.sum() == 0 and s2.generation == s1.generation
+    for key, value in (("version", "2"), ("fingerprint", "g"), ("history", 9)):
+      with pytest.raises(store_lib.StoreMismatch, match=key):
+        await store_lib.make_store(redis_url, prefix).initialize(dict(meta, **{key: value}),
+                                                                 np.zeros((3, 4)))
     await s1.close(); await s2.close()
 
   asyncio.run(go())
@@ -276,8 +291,8 @@ def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):
   try:
     for p, proc in zip(ports, procs):
       _wait_healthy(p, proc)
-    a = client_lib.DDMLClient(f"http://127.0.0.1:{ports[0]}")
-    b = client_lib.DDMLClient(f"http://127.0.0.1:{ports[1]}")
+    a = client_lib.DDMLClient(f"http://127.0.0.1:{ports[0]}", max_epsilon=None)  # noiseless spec
+    b = client_lib.DDMLClient(f"http://127.0.0.1:{ports[1]}", max_epsilon=None)
     avg0 = a.model()
     np.testing.assert_array_equal(avg0, b.model())  # one initialization, shared
     rng = np.random.default_rng(0)

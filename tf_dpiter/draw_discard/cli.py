@@ -1,7 +1,8 @@
 """Command line: tf-dpiter-ddml serve | privacy | example-spec.
 
   tf-dpiter-ddml serve --k 20 --model spec.json --store memory --port 8080
-  tf-dpiter-ddml serve --k 20 --model spec.json --store redis://127.0.0.1:6379/0
+  tf-dpiter-ddml serve --k 20 --model spec.json --store redis://127.0.0.1:6379/0 \\
+      --tokens tokens.txt --tls-cert cert.pem --tls-key key.pem --draw-quota 2 --submit-quota 2
   tf-dpiter-ddml privacy --epsilon 3.47 --k 20 --T 1000
   tf-dpiter-ddml example-spec --kind known-weights > spec.json
 """
@@ -42,6 +43,16 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
   return glm.ModelSpec(**args)
 
 
+def _cli_errors() -> tuple:
+  import ssl  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
+  return (ValueError, OSError, ssl.SSLError, TimeoutError, KeyError, store_lib.StoreMismatch,
+          store_lib.StoreLost, store_lib.StoreUnavailable)
+
+
+_CLI_ERRORS = _cli_errors()
+
+
 def _parse_eps(s: str) -> float | None:
   if s.lower() in ("none", "inf"):
     return None
@@ -50,9 +61,7 @@ def _parse_eps(s: str) -> float | None:
   return float(s)
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (seed 004)")
-  sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_serve(sub) -> None:
   s = sub.add_parser("serve", help="run the asynchronous HTTP service")
   s.add_argument("--k", type=int, default=20, help="number of model instances")
   s.add_argument("--model", required=True, help="model spec JSON file (glm.ModelSpec)")
@@ -60,12 +69,68 @@ def main(argv=None) -> int:
   s.add_argument("--prefix", default="ddml", help="Redis key prefix (one model per prefix)")
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=8080)
-  s.add_argument("--spam-t", type=float, default=None,
-                 help="spam filter: refuse a weight outside mu +- t*sigma (off if unset)")
-  s.add_argument("--stats-ttl", type=float, default=1.0, help="seconds between spam-stat refreshes")
+  s.add_argument("--tokens", default=None,
+                 help="file with one bearer token per line (only their SHA-256 is kept)")
+  s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
+  s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
+  s.add_argument("--draw-quota", type=float, default=None, help="draws/s per token (or address)")
+  s.add_argument("--submit-quota", type=float, default=None, help="submits/s per token")
+  s.add_argument("--quota-burst", type=float, default=None, help="bucket size (default 2x rate)")
+  s.add_argument("--alpha", type=float, default=1e-3,
+                 help="acceptance rule: bound on an honest update's rejection probability")
+  s.add_argument("--history", type=int, default=256,
+                 help="replaced instances kept as acceptance candidates")
+  s.add_argument("--max-abs-weight", type=float, default=1e6)
+  s.add_argument("--max-connections", type=int, default=1024)
+  s.add_argument("--max-per-client", type=int, default=256, help="connections per address")
+  s.add_argument("--idle-timeout", type=float, default=15.0,
+                 help="close a connection with no request started for this many seconds")
+  s.add_argument("--body-timeout", type=float, default=10.0, help="seconds to send a body")
+  s.add_argument("--lock-ttl", type=float, default=10.0, help="Redis init lock expiry (s)")
   s.add_argument("--seed", type=int, default=None, help="initialization seed (tests only)")
   s.add_argument("--reset", action="store_true", help="overwrite an existing Redis model")
   s.add_argument("--max-body-bytes", type=int, default=None)
+
+
+def _serve(args) -> int:
+  import ssl  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
+  if (args.tls_cert is None) != (args.tls_key is None):
+    raise ValueError("--tls-cert and --tls-key go together")
+  spec = glm.ModelSpec.load(args.model)
+  tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
+  quotas = None
+  if args.draw_quota is not None or args.submit_quota is not None:
+    burst = {"draw": args.quota_burst, "submit": args.quota_burst}
+    quotas = auth.Quotas({"draw": args.draw_quota, "submit": args.submit_quota}, burst)
+  ctx = http_server.tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+  limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
+  store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl)
+  svc = service.DDMLService(
+      spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
+      max_abs_weight=args.max_abs_weight, body_timeout_s=args.body_timeout, seed=args.seed,
+      reset=args.reset, max_body_bytes=args.max_body_bytes)
+  scheme = "https" if ctx else "http"
+  print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
+        f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "
+        f"{scheme}://{args.host}:{args.port}", flush=True)
+  http_server.run(svc, args.host, args.port, ctx, limits)
+  return 0
+
+
+def main(argv=None) -> int:
+  """Entry point of tf-dpiter-ddml.
+
+  Args:
+    argv: arguments (default sys.argv[1:]).
+
+  Returns:
+    The exit status: 0 on success, 2 for bad input (a one-line message, no traceback).
+  """
+  ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (seed 004)")
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  _add_serve(sub)
   p = sub.add_parser("privacy", help="print the guarantees against adversaries I, II, III")
   p.add_argument("--epsilon", type=_parse_eps, required=True, help="e.g. 3.47 or log(32)")
   p.add_argument("--k", type=int, required=True)
@@ -75,7 +140,14 @@ def main(argv=None) -> int:
   e.add_argument("--kind", choices=("known-weights", "dense"), default="known-weights")
   e.add_argument("--num-weights", type=int, default=387)
   args = ap.parse_args(argv)
+  try:
+    return _run(args)
+  except _CLI_ERRORS as err:
+    print(f"tf-dpiter-ddml: error: {err}", file=sys.stderr)
+    return 2
 
+
+def _run(args) -> int:
   if args.cmd == "privacy":
     if args.epsilon is None:
       print("epsilon None: no client noise, no local DP guarantee")
@@ -86,15 +158,9 @@ def main(argv=None) -> int:
     spec = known_weights_spec() if args.kind == "known-weights" else dense_spec(args.num_weights)
     print(spec.to_json())
     return 0
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-  from tf_dpiter.draw_discard import service  # pylint: disable=g-import-not-at-top
-  spec = glm.ModelSpec.load(args.model)
-  print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
-        f"k={args.k}, store={args.store} on http://{args.host}:{args.port}", flush=True)
-  service.run(spec, args.k, args.store, host=args.host, port=args.port, prefix=args.prefix,
-              spam_t=args.spam_t, stats_ttl_s=args.stats_ttl, seed=args.seed, reset=args.reset,
-              max_body_bytes=args.max_body_bytes)
-  return 0
+  logging.basicConfig(level=logging.INFO,
+                      format='{"time": "%(asctime)s", "level": "%(levelname)s", "log": %(message)s}')
+  return _serve(args)
 
 
 if __name__ == "__main__":

@@ -237,6 +237,14 @@ def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: 
 # Statement
 # ---------------------------------------------------------------------------
 
+ADVERSARY_TWO_ASSUMPTION = (
+    "  assumption of II and III: nobody snapshots the k instances at every update. Whoever\n"
+    "    sees the instance a client drew and the one it returned has adversary I's view\n"
+    "    (epsilon). The service upholds it by reading the store obliviously (whole snapshots,\n"
+    "    the drawn index is never stored), requiring a token (serve --tokens) and limiting\n"
+    "    draws per token (--draw-quota); it does not hold against many colluding tokens.")
+
+
 @dataclasses.dataclass(frozen=True)
 class PrivacyStatement:
   """All three guarantees of Section IV for one configuration."""
@@ -263,7 +271,8 @@ class PrivacyStatement:
         + (f"                same Gaussian, PLD-accounted: epsilon_T = "
            f"{self.adversary_three_accounted:.4g}\n" if self.adversary_three_accounted else "")
         + f"                discard probability 1-1/k = {self.discard_probability:.4g} (Lemma 2); "
-        f"expected epsilon_T/k = {self.adversary_three_expected:.4g}")
+        f"expected epsilon_T/k = {self.adversary_three_expected:.4g}\n"
+        + ADVERSARY_TWO_ASSUMPTION)
 
 
 def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,

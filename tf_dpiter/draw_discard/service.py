@@ -5,29 +5,24 @@ encoding "b64", or as the raw float64 bytes with encoding "raw", which the Pytho
 client uses: the version then travels in the X-DDML-Version header):
 
   GET  /v1/draw[?encoding=b64|raw] -> {"version", "spec", "weights" | "weights_b64"}
-                                   (raw: the bytes; fetch the spec from /v1/spec once)
-                                   one instance drawn uniformly (secrets.randbelow).
+                                   one instance drawn uniformly (secrets.randbelow) from a
+                                   snapshot of all k slots (oblivious store reads).
   POST /v1/submit  {"version", "weights" | "weights_b64"}, or application/octet-stream
-                   bytes with X-DDML-Version
-                                -> {"accepted": true}; replaces a uniformly random slot.
-  GET  /v1/model[?encoding=b64] -> the average of the k instances (prediction model).
-  GET  /v1/spec                 -> the model spec.
-  GET  /v1/metrics              -> counters (draws, submits, accepted, rejected_spam,
-                                   rejected_invalid), k, version, store.
-  GET  /healthz
+                   bytes with X-DDML-Version -> {"accepted": true, "seq": n}; the update
+                   replaces a uniformly random slot if the acceptance rule admits it.
+  GET  /v1/model[?encoding=b64|raw] -> the average of the k instances.
+  GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
 
-Errors are JSON {"error": code, "message": ...} with a 4xx status and leave the store
-untouched: 400 malformed body, 409 wrong model version, 413 oversize body, 422 wrong
-shape / non-finite weights / refused by the spam filter (Section III-D4).
-The server keeps no per-client state: it never records which instance a client drew
-(the guarantees against adversaries II and III rest on it, Section IV), and a client
-that never returns holds nothing.
+Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
+408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
+refused by the acceptance rule (acceptance.py), 429 quota (Retry-After), 503 store lost
+or unavailable. The server keeps no per-client state about draws.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import binascii
 import json
 import logging
 import secrets
@@ -36,230 +31,260 @@ import time
 import numpy as np
 from aiohttp import web
 
+from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.draw_discard import auth
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.draw_discard import metrics as metrics_lib
+from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import privacy
 from tf_dpiter.draw_discard import server as server_lib
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import web_errors
 
 log = logging.getLogger(__name__)
+RequestError = parsing.RequestError
 
 
-def _error(status: int, code: str, message: str) -> web.Response:
-  return web.json_response({"error": code, "message": message}, status=status)
+def spec_fingerprint(spec: glm.ModelSpec) -> str:
+  """SHA-256 of the canonical spec JSON (every field: gamma, epsilon, family, features...).
+
+  Args:
+    spec: the model spec.
+
+  Returns:
+    64 hex characters.
+  """
+  return auth.token_digest(json.dumps(spec.to_dict(), sort_keys=True))
 
 
 class DDMLService:
-  """State of one server process: the spec, a store and the (cached) spam statistics."""
+  """State of one server process: the spec, a store, the acceptance rule and quotas.
 
-  def __init__(self, spec: glm.ModelSpec, k: int, store, *, spam_t: float | None = None,
-               spam_min_std: float = 1e-9, stats_ttl_s: float = 1.0,
-               init_epsilon: float = 1.0, seed: int | None = None, reset: bool = False,
-               max_body_bytes: int | None = None):
-    if int(k) != k or k < 1:
-      raise ValueError(f"k must be an integer >= 1, got {k!r}")
-    if spam_t is not None and k < 2:
-      raise ValueError(f"the spam filter needs k >= 2, got k={k}")
-    self.spec = spec
-    self.k = int(k)
-    self.store = store
-    self.spam = server_lib.SpamFilter(spam_t, spam_min_std) if spam_t is not None else None
-    self.stats_ttl_s = float(stats_ttl_s)
-    self._stats_time = -1e30
-    self.init_epsilon = init_epsilon
-    self.seed = seed
-    self.reset = reset
+  Args:
+    spec: the served model spec.
+    k: number of instances.
+    store: a MemoryStore or RedisStore.
+    tokens: a TokenSet; None serves without authentication.
+    quotas: an auth.Quotas (per token, or per client address without tokens); None: none.
+    alpha: the acceptance rule's false-rejection probability (acceptance.AcceptanceRule).
+    history: replaced instances kept as acceptance candidates.
+    max_abs_weight: no stored weight exceeds this magnitude.
+    draw_max_age_s: a draw may use a snapshot this old when the store moved on.
+    body_timeout_s: seconds to receive a request body (408 after).
+    init_epsilon: epsilon of the initial spread when the spec has no noise.
+    seed: initialization seed (tests only).
+    reset: overwrite an existing model in the store.
+    max_body_bytes: request body limit (default: a JSON list of p doubles).
+
+  Raises:
+    ValueError: for k < 2, history < 0 or a bad acceptance parameter.
+  """
+
+  def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,
+               quotas: auth.Quotas | None = None, alpha: float = 1e-3, history: int = 256,
+               max_abs_weight: float = 1e6, draw_max_age_s: float = 0.05,
+               body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
+               reset: bool = False, max_body_bytes: int | None = None):
+    if int(k) != k or k < 2:
+      raise ValueError(f"k must be an integer >= 2, got {k!r}")
+    if int(history) != history or history < 0:
+      raise ValueError(f"history must be an integer >= 0, got {history!r}")
+    if not body_timeout_s > 0:
+      raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
+    self.spec, self.k, self.store = spec, int(k), store
+    self.tokens, self.quotas = tokens, quotas
+    self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight)
+    self.history = int(history)
+    self.draw_max_age_s = float(draw_max_age_s)
+    self.body_timeout_s = float(body_timeout_s)
+    self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
     self.p = spec.num_weights
-    # base64 of p float64 is 4/3 * 8p bytes; a JSON list of p doubles is < 26 bytes each.
     self.max_body_bytes = int(max_body_bytes or (26 * self.p + 65536))
-    self.meta = dict(version=spec.version, k=self.k, num_weights=self.p, spec=spec.to_dict())
+    self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
+                     fingerprint=spec_fingerprint(spec), history=self.history)
     self._spec_json = json.dumps(spec.to_dict()).encode()
     self._version_json = json.dumps(spec.version).encode()
+    self.metrics = metrics_lib.Registry()
+    self.connection_guard = None  # set by http_server.serve
+    self._snap: store_lib.Snapshot | None = None
+    self._snap_time = -1e30
+    self._refresh_lock = asyncio.Lock()
     self.started = time.time()
 
   def initial_instances(self) -> np.ndarray:
-    """N(0, k/2 sigma^2) per weight (Theorem 1), sigma from the spec's noise (init_epsilon if none)."""
+    """N(0, k/2 sigma^2) per weight (Theorem 1), sigma from the spec's noise.
+
+    Returns:
+      [k, p] float64.
+    """
     noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
     eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
-    if noise == "none":
-      noise = "laplace"
+    noise = "laplace" if noise == "none" else noise
     var = privacy.noise_std(noise, self.spec.gamma, eps, self.spec.clip, self.spec.delta) ** 2
     std = float(np.sqrt(privacy.init_variance(self.k, var)))
-    rng = np.random.default_rng(self.seed)
-    return server_lib.initial_instances(self.k, self.p, 0.0, std, rng)
+    return server_lib.initial_instances(self.k, self.p, 0.0, std, np.random.default_rng(self.seed))
 
   async def startup(self, app=None) -> None:
+    """Initializes or joins the store (checks version, k, size, spec fingerprint, history)."""
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
-    log.info("store %s: %s", self.store.kind, "initialized" if wrote else "joined")
+    web_errors.log_event(log, "store_ready", store=self.store.kind,
+                         action="initialized" if wrote else "joined")
 
   async def shutdown(self, app=None) -> None:
+    """Closes the store."""
     await self.store.close()
 
+  # ---- snapshots (oblivious reads) ----
+  async def _refresh(self, seq: int) -> store_lib.Snapshot:
+    async with self._refresh_lock:  # coalesce: one refresh in flight
+      if self._snap is None or self._snap.seq < seq:
+        self._snap = await self.store.snapshot()
+        self._snap_time = time.monotonic()
+        self.metrics.inc("snapshot_refreshes_total", help_text="full reads of the k slots")
+    return self._snap
+
+  async def _snapshot_for_draw(self) -> store_lib.Snapshot:
+    seq = await self.store.touch(draws=1)
+    snap = self._snap
+    if snap is None or (snap.seq != seq and (
+        self.store.kind == "memory" or time.monotonic() - self._snap_time > self.draw_max_age_s)):
+      snap = await self._refresh(seq)
+    return snap
+
   # ---- helpers ----
-  def _weights_payload(self, data: bytes, encoding: str) -> bytes:
+  def _weights_payload(self, w: np.ndarray, encoding: str) -> bytes:
     if encoding == "b64":
-      return b'"encoding":"b64","weights_b64":"' + base64.b64encode(data) + b'"'
-    return b'"weights":' + json.dumps(store_lib.decode_weights(data).tolist()).encode()
+      return (b'"encoding":"b64","weights_b64":"'
+              + base64.b64encode(store_lib.encode_weights(w)) + b'"')
+    return b'"weights":' + json.dumps(w.tolist()).encode()
 
-  async def _refresh_stats(self) -> None:
-    now = time.monotonic()
-    if now - self._stats_time < self.stats_ttl_s:
-      return
-    slots = await self.store.all_slots()
-    self.spam.fit(np.stack([store_lib.decode_weights(s) for s in slots]))
-    self._stats_time = now
+  def _encoding(self, request: web.Request) -> str:
+    encoding = request.query.get("encoding", "json")
+    if encoding not in ("json", "b64", "raw"):
+      raise RequestError(400, "bad_encoding", "encoding must be 'json', 'b64' or 'raw'")
+    return encoding
 
-  def _parse_weights(self, body: dict) -> np.ndarray | web.Response:
-    if "weights_b64" in body:
-      raw = body["weights_b64"]
-      if not isinstance(raw, str):
-        return _error(400, "bad_weights", "weights_b64 must be a base64 string")
-      try:
-        data = binascii.a2b_base64(raw.encode("ascii"), strict_mode=True)
-      except (binascii.Error, ValueError, UnicodeEncodeError):
-        return _error(400, "bad_weights", "weights_b64 is not valid base64")
-      if len(data) != 8 * self.p:
-        return _error(422, "wrong_shape",
-                      f"weights_b64 decodes to {len(data)} bytes; expected {8 * self.p} "
-                      f"({self.p} little-endian float64)")
-      w = store_lib.decode_weights(data)
-    elif "weights" in body:
-      raw = body["weights"]
-      if not isinstance(raw, list):
-        return _error(400, "bad_weights", "weights must be a JSON list of numbers")
-      try:
-        w = np.asarray(raw, dtype=np.float64)
-      except (TypeError, ValueError):
-        return _error(400, "bad_weights", "weights must be a flat JSON list of numbers")
-      if w.shape != (self.p,):
-        return _error(422, "wrong_shape", f"weights has shape {list(w.shape)}; expected [{self.p}]")
-    else:
-      return _error(400, "missing_weights", "body needs 'weights' or 'weights_b64'")
-    return w
+  def _weights_response(self, w: np.ndarray, encoding: str, head: bytes) -> web.Response:
+    if encoding == "raw":
+      return web.Response(body=store_lib.encode_weights(w), content_type=parsing.RAW_TYPE,
+                          headers={"X-DDML-Version": self.spec.version})
+    body = b'{"version":' + self._version_json + head + self._weights_payload(w, encoding) + b'}'
+    return web.Response(body=body, content_type=parsing.JSON_TYPE)
 
   # ---- handlers ----
   async def handle_draw(self, request: web.Request) -> web.Response:
-    encoding = request.query.get("encoding", "json")
-    if encoding not in ("json", "b64", "raw"):
-      return _error(400, "bad_encoding", f"encoding must be 'json', 'b64' or 'raw', got {encoding!r}")
-    i = secrets.randbelow(self.k)  # unpredictable draw; never stored
-    data = await self.store.draw(i)
-    if encoding == "raw":
-      return web.Response(body=data, content_type="application/octet-stream",
-                          headers={"X-DDML-Version": self.spec.version})
-    body = (b'{"version":' + self._version_json + b',"spec":' + self._spec_json + b','
-            + self._weights_payload(data, encoding) + b'}')
-    return web.Response(body=body, content_type="application/json")
+    """GET /v1/draw: one instance, drawn uniformly from a full snapshot."""
+    encoding = self._encoding(request)
+    snap = await self._snapshot_for_draw()
+    w = snap.slots[secrets.randbelow(self.k)]  # never stored, never logged
+    self.metrics.inc("draws_total", help_text="instances served")
+    return self._weights_response(w, encoding, b',"spec":' + self._spec_json + b',')
+
+  async def _read_body(self, request: web.Request) -> bytes:
+    if request.content_length is not None and request.content_length > self.max_body_bytes:
+      raise RequestError(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes")
+    try:
+      return await asyncio.wait_for(request.read(), self.body_timeout_s)
+    except web.HTTPRequestEntityTooLarge as e:
+      raise RequestError(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes") from e
+    except asyncio.TimeoutError as e:
+      raise RequestError(408, "body_timeout",
+                         f"body not received within {self.body_timeout_s:g} s",
+                         headers={"Connection": "close"}) from e
 
   async def handle_submit(self, request: web.Request) -> web.Response:
+    """POST /v1/submit: parse strictly, apply the acceptance rule, replace a random slot."""
     try:
-      if request.content_length is not None and request.content_length > self.max_body_bytes:
-        raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes,
-                                            actual_size=request.content_length)
-      raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-      resp = _error(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes")
-    else:
-      # explicit header only: aiohttp reports a missing Content-Type as octet-stream
-      ctype = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
-      resp = await self._submit(raw, ctype, request.headers.get("X-DDML-Version"))
-    if resp is None:
-      return web.Response(body=b'{"accepted":true}', content_type="application/json")
-    resp, counter = resp if isinstance(resp, tuple) else (resp, "rejected_invalid")
-    await self.store.incr("submits")
-    await self.store.incr(counter)
-    return resp
+      media = parsing.content_type(request.headers.get("Content-Type"))
+      raw = await self._read_body(request)
+      if media == parsing.RAW_TYPE:
+        w = parsing.parse_raw_submission(raw, request.headers.get("X-DDML-Version"),
+                                         self.spec.version, self.p)
+      else:
+        w = parsing.parse_json_submission(raw, self.spec.version, self.p)
+    except RequestError:
+      await self.store.incr("submits")
+      await self.store.incr("rejected_invalid")
+      raise
+    decision = await self._decide(w)
+    if not decision.accepted:
+      await self.store.incr("submits")
+      await self.store.incr("rejected_invalid" if decision.reason in (
+          "non_finite", "out_of_range") else "rejected")
+      self.metrics.inc("rejected_total", reason=decision.reason, help_text="refused updates")
+      raise self._refusal(decision.reason)
+    seq = await self.store.replace(secrets.randbelow(self.k), w)
+    self.metrics.inc("accepted_total", help_text="stored updates")
+    return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
 
-  async def _submit(self, raw: bytes, content_type: str = "application/json",
-                    header_version: str | None = None):
-    """Validates and stores; None on success, else the JSON error (store untouched)."""
-    if content_type == "application/octet-stream":
-      if header_version is None:
-        return _error(400, "missing_version", "raw submissions need the X-DDML-Version header")
-      if header_version != self.spec.version:
-        return _error(409, "wrong_version",
-                      f"model version {header_version!r} is not the served {self.spec.version!r}")
-      if len(raw) != 8 * self.p:
-        return _error(422, "wrong_shape", f"body has {len(raw)} bytes; expected {8 * self.p} "
-                      f"({self.p} little-endian float64)")
-      return await self._store_checked(store_lib.decode_weights(raw))
-    try:
-      body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-      return _error(400, "bad_json", "body is not valid JSON")
-    if not isinstance(body, dict):
-      return _error(400, "bad_json", "body must be a JSON object")
-    if "version" not in body:
-      return _error(400, "missing_version", "body needs the model 'version' returned by draw")
-    if body["version"] != self.spec.version:
-      return _error(409, "wrong_version",
-                    f"model version {body['version']!r} is not the served {self.spec.version!r}")
-    w = self._parse_weights(body)
-    if isinstance(w, web.Response):
-      return w
-    return await self._store_checked(w)
+  async def _decide(self, w: np.ndarray) -> acceptance.Decision:
+    snap = self._snap
+    if snap is None:
+      snap = await self._refresh(0)
+    decision = self.rule.check(w, snap.candidates)
+    if decision.accepted or decision.reason in ("non_finite", "out_of_range"):
+      return decision
+    seq = await self.store.touch()
+    if seq != snap.seq:  # the pre-image may be newer than our snapshot
+      decision = self.rule.check(w, (await self._refresh(seq)).candidates)
+    return decision
 
-  async def _store_checked(self, w: np.ndarray):
-    if not np.all(np.isfinite(w)):
-      return _error(422, "non_finite", "weights contain NaN or infinity")
-    if self.spam is not None:
-      await self._refresh_stats()
-      if not self.spam.accepts(w):
-        resp = _error(422, "rejected_by_spam_filter",
-                      f"a weight lies outside mu +- {self.spam.t} sigma of the k instances")
-        return resp, "rejected_spam"
-    await self.store.replace(secrets.randbelow(self.k), store_lib.encode_weights(w))
-    return None
+  def _refusal(self, reason: str) -> RequestError:
+    if reason == "non_finite":
+      return RequestError(422, "non_finite", "weights contain NaN or infinity")
+    if reason == "out_of_range":
+      return RequestError(422, "out_of_range",
+                          f"a weight exceeds {self.rule.max_abs_weight:g} in magnitude")
+    return RequestError(422, "rejected_update",
+                        "not a plausible update of a served instance under the served spec "
+                        f"({reason})", extra={"reason": reason})
 
   async def handle_model(self, request: web.Request) -> web.Response:
-    encoding = request.query.get("encoding", "json")
-    if encoding not in ("json", "b64", "raw"):
-      return _error(400, "bad_encoding", f"encoding must be 'json', 'b64' or 'raw', got {encoding!r}")
-    slots = await self.store.all_slots()
-    avg = np.mean([store_lib.decode_weights(s) for s in slots], axis=0)
-    if encoding == "raw":
-      return web.Response(body=store_lib.encode_weights(avg), content_type="application/octet-stream",
-                          headers={"X-DDML-Version": self.spec.version})
-    body = (b'{"version":' + self._version_json + b',"k":' + str(self.k).encode() + b','
-            + self._weights_payload(store_lib.encode_weights(avg), encoding) + b'}')
-    return web.Response(body=body, content_type="application/json")
+    """GET /v1/model: the average of the k instances."""
+    encoding = self._encoding(request)
+    seq = await self.store.touch()
+    snap = await self._refresh(seq)
+    return self._weights_response(snap.slots.mean(axis=0), encoding,
+                                  b',"k":' + str(self.k).encode() + b',')
 
   async def handle_spec(self, request: web.Request) -> web.Response:
-    return web.Response(body=self._spec_json, content_type="application/json")
+    """GET /v1/spec."""
+    return web.Response(body=self._spec_json, content_type=parsing.JSON_TYPE)
 
-  async def handle_metrics(self, request: web.Request) -> web.Response:
+  async def handle_metrics_json(self, request: web.Request) -> web.Response:
+    """GET /v1/metrics: the store's counters (all servers) and this server's settings."""
     c = await self.store.counters()
     return web.json_response(dict(c, k=self.k, version=self.spec.version, num_weights=self.p,
-                                  store=self.store.kind,
-                                  spam_t=self.spam.t if self.spam else None,
+                                  store=self.store.kind, history=self.history,
+                                  acceptance=self.rule.describe(),
                                   uptime_s=time.time() - self.started))
 
+  async def handle_prometheus(self, request: web.Request) -> web.Response:
+    """GET /metrics: this process's metrics in the Prometheus text format."""
+    self.metrics.set("uptime_seconds", time.time() - self.started, help_text="process uptime")
+    return web.Response(text=self.metrics.render(), content_type="text/plain",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
   async def handle_health(self, request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    """GET /healthz: 200 when the store answers with this server's generation, else 503."""
+    seq = await self.store.touch()
+    return web.json_response({"ok": True, "store": self.store.kind, "seq": seq})
 
   def make_app(self) -> web.Application:
-    # client_max_size above max_body_bytes: the submit handler answers oversize with JSON.
-    app = web.Application(client_max_size=self.max_body_bytes + 1)
+    """The aiohttp application (routes, JSON errors, auth, quotas, metrics).
+
+    Returns:
+      A web.Application; serve it with http_server.serve or an AppRunner.
+    """
+    app = web.Application(client_max_size=self.max_body_bytes + 1,
+                          middlewares=[web_errors.make_middleware(self)])
     app.router.add_get("/v1/draw", self.handle_draw)
     app.router.add_post("/v1/submit", self.handle_submit)
     app.router.add_get("/v1/model", self.handle_model)
     app.router.add_get("/v1/spec", self.handle_spec)
-    app.router.add_get("/v1/metrics", self.handle_metrics)
+    app.router.add_get("/v1/metrics", self.handle_metrics_json)
+    app.router.add_get("/metrics", self.handle_prometheus)
     app.router.add_get("/healthz", self.handle_health)
     app.on_startup.append(self.startup)
     app.on_cleanup.append(self.shutdown)
     return app
-
-
-def run(spec: glm.ModelSpec, k: int, store_spec: str = "memory", host: str = "127.0.0.1",
-        port: int = 8080, prefix: str = "ddml", **kwargs) -> None:
-  """Blocking: serve until interrupted."""
-  try:  # uvloop, when installed, roughly doubles aiohttp's request rate
-    import uvloop  # pylint: disable=g-import-not-at-top
-    loop_factory = uvloop.new_event_loop
-  except ImportError:
-    loop_factory = None
-  import asyncio  # pylint: disable=g-import-not-at-top
-  loop = loop_factory() if loop_factory else asyncio.new_event_loop()
-  asyncio.set_event_loop(loop)
-  svc = DDMLService(spec, k, store_lib.make_store(store_spec, prefix=prefix), **kwargs)
-  web.run_app(svc.make_app(), host=host, port=port, access_log=None, print=None, loop=loop)

@@ -1,171 +1,192 @@
 """k-instance stores for the Draw and Discard service: in memory or Redis.
 
-A store holds k slots of float64 little-endian weight bytes, the model meta (version,
-k, num_weights, spec JSON) and counters. There is no global lock: each slot is written
-by one atomic operation (a Python assignment on the event loop; a Redis SET), as the
-paper's memcache/datastore entities (Section I, "hotspotting"). Several server processes
-may share one Redis store: the multi-machine path.
+A store holds k slots of float64 little-endian weights, a short history of the instances
+most recently replaced (the acceptance rule's candidates), a sequence number (one per
+accepted update), counters and the model meta. There is no global lock: a replacement is
+one atomic operation (a Python assignment on the event loop; one Redis Lua script), as
+the paper's memcache/datastore entities (Section I, "hotspotting"). Several server
+processes may share one Redis store: the multi-machine path.
 
-Stores never hold which slot was drawn by which client (adversaries II/III, Section IV).
+Integrity: initialization writes a random *generation* and the meta (version, k,
+num_weights, the spec's fingerprint, history length) in one transaction; every later
+operation checks the generation first and refuses (StoreLost) when it is missing or
+different, so a flushed or replaced store is never partially refilled. The init lock
+expires (`lock_ttl_s`), so a crashed initializer does not block the others forever.
+
+Obliviousness: stores have no per-slot read. The service reads whole snapshots (all k
+slots and the history), so the store's access pattern never reveals which instance a
+client drew (adversary II, Section IV). Stores never hold which slot was drawn.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import urllib.parse
+import collections
+import dataclasses
+import uuid
 
 import numpy as np
 
-COUNTERS = ("draws", "submits", "accepted", "rejected_spam", "rejected_invalid")
+COUNTERS = ("draws", "submits", "accepted", "rejected", "rejected_invalid")
 
 
 def encode_weights(w: np.ndarray) -> bytes:
+  """Little-endian float64 bytes of a weight vector."""
   return np.ascontiguousarray(w, dtype="<f8").tobytes()
 
 
 def decode_weights(b: bytes) -> np.ndarray:
+  """Inverse of encode_weights (a read-only view)."""
   return np.frombuffer(b, dtype="<f8")
 
 
 class StoreMismatch(RuntimeError):
-  """The shared store already holds a different model version or shape."""
+  """The shared store already holds a different model (version, size, spec or history)."""
+
+
+class StoreLost(RuntimeError):
+  """The store's data is gone or was re-initialized by someone else (generation check)."""
+
+
+class StoreUnavailable(RuntimeError):
+  """The store cannot be reached (connection refused, timeout)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """A consistent read: sequence number, slots [k, p] and replaced history [h, p]."""
+  seq: int
+  slots: np.ndarray
+  history: np.ndarray
+
+  @property
+  def candidates(self) -> np.ndarray:
+    """Slots then history, [k + h, p]."""
+    return np.concatenate([self.slots, self.history]) if len(self.history) else self.slots
+
+
+META_KEYS = ("version", "k", "num_weights", "fingerprint", "history")
+
+
+def check_meta(existing: dict, wanted: dict) -> None:
+  """Raises StoreMismatch naming the first differing key of META_KEYS.
+
+  Args:
+    existing: the meta found in the store.
+    wanted: this server's meta.
+
+  Raises:
+    StoreMismatch: when any of META_KEYS differs.
+  """
+  for key in META_KEYS:
+    if existing.get(key) != wanted.get(key):
+      raise StoreMismatch(
+          f"store holds {key}={existing.get(key)!r}, this server wants {wanted.get(key)!r}; "
+          "use a new prefix or --reset")
 
 
 class MemoryStore:
-  """Embedded default store: one process, slots in a Python list."""
+  """Embedded default store: one process, slots in a numpy array."""
 
   kind = "memory"
 
   def __init__(self):
-    self._slots: list[bytes] = []
+    self._slots: np.ndarray | None = None
+    self._hist: collections.deque = collections.deque()
     self._meta: dict | None = None
+    self._seq = 0
     self._counters = dict.fromkeys(COUNTERS, 0)
+    self.generation: str | None = None
 
   async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False) -> bool:
-    """Writes meta and the k initial instances unless already initialized. True if written."""
+    """Writes meta and the k initial instances unless already initialized.
+
+    Args:
+      meta: dict with META_KEYS.
+      instances: [k, p] initial instances.
+      reset: overwrite an existing model.
+
+    Returns:
+      True if this call wrote the store, False if it joined.
+
+    Raises:
+      StoreMismatch: when joining a store that holds a different model.
+    """
     if self._meta is not None and not reset:
-      _check_meta(self._meta, meta)
+      check_meta(self._meta, meta)
       return False
-    self._slots = [encode_weights(r) for r in instances]
-    self._meta = dict(meta)
+    self.generation = uuid.uuid4().hex
+    self._slots = np.array(instances, dtype="<f8")
+    self._hist = collections.deque(maxlen=int(meta["history"]))
+    self._meta = dict(meta, generation=self.generation)
+    self._seq = 0
     self._counters = dict.fromkeys(COUNTERS, 0)
     return True
 
+  def flush(self) -> None:
+    """Drops all data, as a Redis FLUSHALL would (for fault tests)."""
+    self._slots, self._meta = None, None
+    self._hist = collections.deque()
+
+  def _check(self) -> None:
+    if self._meta is None or self._meta.get("generation") != self.generation:
+      raise StoreLost("memory store holds no model (flushed)")
+
   async def meta(self) -> dict:
+    """The stored meta. Raises StoreLost when flushed."""
+    self._check()
     return dict(self._meta)
 
-  async def draw(self, i: int) -> bytes:
-    self._counters["draws"] += 1
-    return self._slots[i]
+  async def touch(self, draws: int = 0) -> int:
+    """Checks the generation, adds `draws` to the draw counter; returns the sequence number."""
+    self._check()
+    self._counters["draws"] += draws
+    return self._seq
 
-  async def replace(self, i: int, data: bytes) -> None:
-    self._slots[i] = data  # one atomic assignment: no lock
+  async def snapshot(self) -> Snapshot:
+    """All slots and the history at one sequence number."""
+    self._check()
+    hist = np.array(self._hist) if self._hist else np.zeros((0, self._slots.shape[1]))
+    return Snapshot(self._seq, self._slots.copy(), hist)
+
+  async def replace(self, i: int, w: np.ndarray) -> int:
+    """Overwrites slot i (the old value goes to the history); returns the new sequence number."""
+    self._check()
+    self._hist.appendleft(self._slots[i].copy())
+    self._slots[i] = w
+    self._seq += 1
     self._counters["submits"] += 1
     self._counters["accepted"] += 1
-
-  async def all_slots(self) -> list[bytes]:
-    return list(self._slots)
+    return self._seq
 
   async def incr(self, name: str, n: int = 1) -> None:
+    """Adds n to counter `name`."""
     self._counters[name] = self._counters.get(name, 0) + n
 
   async def counters(self) -> dict:
-    return dict(self._counters)
+    """All counters, plus the sequence number as 'seq'."""
+    return dict(self._counters, seq=self._seq)
 
   async def close(self) -> None:
-    pass
+    """Nothing to release."""
 
 
-class RedisStore:
-  """Shared store on Redis: keys <prefix>:slot:<i>, <prefix>:meta, <prefix>:counters."""
+def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0):
+  """Builds a store from its command-line form.
 
-  kind = "redis"
+  Args:
+    spec: 'memory' or 'redis://host:port/db' (also rediss://, unix://).
+    prefix: Redis key prefix.
+    lock_ttl_s: Redis initialization lock expiry.
 
-  def __init__(self, url: str, prefix: str = "ddml"):
-    import redis.asyncio as aioredis  # pylint: disable=g-import-not-at-top
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in ("redis", "rediss", "unix"):
-      raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
-    self.url = url
-    self.prefix = prefix
-    self._r = aioredis.from_url(url, decode_responses=False)
+  Returns:
+    A MemoryStore or a RedisStore.
 
-  def _k(self, *parts) -> str:
-    return ":".join((self.prefix,) + tuple(str(p) for p in parts))
-
-  async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False,
-                       wait_s: float = 30.0) -> bool:
-    """First process initializes (SET NX on <prefix>:init); the others wait for <prefix>:ready."""
-    r = self._r
-    if reset:
-      await r.delete(self._k("init"), self._k("ready"), self._k("meta"), self._k("counters"),
-                     *[self._k("slot", i) for i in range(int(meta["k"]))])
-    if await r.set(self._k("init"), b"1", nx=True):
-      pipe = r.pipeline(transaction=True)
-      for i, row in enumerate(instances):
-        pipe.set(self._k("slot", i), encode_weights(row))
-      pipe.set(self._k("meta"), json.dumps(meta).encode())
-      pipe.delete(self._k("counters"))
-      pipe.set(self._k("ready"), b"1")
-      await pipe.execute()
-      return True
-    deadline = time.monotonic() + wait_s
-    while not await r.exists(self._k("ready")):
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"redis store {self.url} prefix {self.prefix!r}: not ready after {wait_s}s")
-      await asyncio.sleep(0.05)
-    _check_meta(await self.meta(), meta)
-    return False
-
-  async def meta(self) -> dict:
-    raw = await self._r.get(self._k("meta"))
-    return json.loads(raw) if raw else {}
-
-  async def draw(self, i: int) -> bytes:
-    pipe = self._r.pipeline(transaction=False)
-    pipe.get(self._k("slot", i))
-    pipe.hincrby(self._k("counters"), "draws", 1)
-    data, _ = await pipe.execute()
-    return data
-
-  async def replace(self, i: int, data: bytes) -> None:
-    pipe = self._r.pipeline(transaction=False)
-    pipe.set(self._k("slot", i), data)  # one atomic SET per slot: no lock
-    pipe.hincrby(self._k("counters"), "submits", 1)
-    pipe.hincrby(self._k("counters"), "accepted", 1)
-    await pipe.execute()
-
-  async def all_slots(self) -> list[bytes]:
-    k = int((await self.meta())["k"])
-    return await self._r.mget([self._k("slot", i) for i in range(k)])
-
-  async def incr(self, name: str, n: int = 1) -> None:
-    await self._r.hincrby(self._k("counters"), name, n)
-
-  async def counters(self) -> dict:
-    raw = await self._r.hgetall(self._k("counters"))
-    out = dict.fromkeys(COUNTERS, 0)
-    out.update({k.decode(): int(v) for k, v in raw.items()})
-    return out
-
-  async def close(self) -> None:
-    await self._r.aclose()
-
-
-def _check_meta(existing: dict, wanted: dict) -> None:
-  for key in ("version", "k", "num_weights"):
-    if existing.get(key) != wanted.get(key):
-      raise StoreMismatch(
-          f"store holds {key}={existing.get(key)!r}, this server wants {wanted.get(key)!r}; "
-          "use a new prefix or reset")
-
-
-def make_store(spec: str, prefix: str = "ddml"):
-  """'memory' -> MemoryStore; 'redis://host:port/db' -> RedisStore."""
+  Raises:
+    ValueError: for any other spec.
+  """
   if spec == "memory":
     return MemoryStore()
   if spec.startswith(("redis://", "rediss://", "unix://")):
-    return RedisStore(spec, prefix=prefix)
+    from tf_dpiter.draw_discard import redis_store  # pylint: disable=g-import-not-at-top
+    return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s)
   raise ValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")

@@ -1,0 +1,229 @@
+"""Bounded-influence acceptance rule for submitted instances (replaces mu +- t sigma).
+
+The server knows the served spec, so it knows what an honest update looks like
+(Algorithm 1): starting from the drawn instance h, each weight moves by
+
+    d_j = u_j - h_j = s_j + n_j,   |s_j| <= a = gamma * clip,   n_j iid noise of scale s
+
+(Laplace: n_j ~ Laplace(0, b), s = b = 2 gamma c / eps; Gaussian: n_j ~ N(0, s^2)). With
+X_j = |n_j| / s (Exp(1), or half-normal), three statistics of d hold for every honest
+update, whatever the client's data:
+
+  * L-infinity:  max_j |d_j| <= a + q s                with P(fail) <= alpha/3 (union bound),
+  * excess:      sum_j max(|d_j| - a, 0) / s <= U      since it is <= sum_j X_j (Chernoff),
+  * noise floor: sum_j min(|d_j| / s, m) >= L          since |s_j + n_j| stochastically
+                 dominates |n_j| for symmetric unimodal noise (Anderson's inequality), so
+                 the sum dominates sum_j min(X_j, m) (Chernoff lower tail).
+
+U, L and q are computed from Chernoff bounds at construction; each fails for an honest
+update with probability at most alpha/3. The drawn instance is not known to the server
+(it never records draws), so an update is accepted if *some* candidate h (the k current
+instances and the last `history` replaced ones) passes all three. Hence
+
+    P(honest update refused) <= alpha + P(its pre-image left the history),
+
+the second term being zero while fewer than `history` updates land between its draw and
+its submit. An accepted update moves each weight at most a + q s from an instance, moves
+the weights by at most a + U s / p on average beyond the step, and carries at least the
+noise floor, so copies (variance collapse) and out-of-range values are refused. With no
+noise (epsilon None) only |d_j| <= a is checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from tf_dpiter.draw_discard import glm
+from tf_dpiter.draw_discard import privacy
+
+_LAMBDAS_UPPER = np.concatenate([np.geomspace(1e-4, 0.999, 400), np.geomspace(1.0, 40.0, 200)])
+_LAMBDAS_LOWER = np.geomspace(1e-4, 40.0, 600)
+
+
+def _log_mgf_abs(noise: str, lam: np.ndarray) -> np.ndarray:
+  """ln E[exp(lam X)] for X = |n|/s (Exp(1) for Laplace, half-normal for Gaussian)."""
+  if noise == "laplace":
+    with np.errstate(divide="ignore", invalid="ignore"):
+      return np.where(lam < 1.0, -np.log1p(-np.minimum(lam, 1 - 1e-12)), np.inf)
+  erfc = np.vectorize(math.erfc)
+  return lam**2 / 2 + np.log(2.0 - erfc(lam / math.sqrt(2.0)))
+
+
+def _log_mgf_capped_neg(noise: str, lam: np.ndarray, cap: float) -> np.ndarray:
+  """ln E[exp(-lam min(X, cap))]."""
+  if noise == "laplace":
+    tail = np.exp(-(1.0 + lam) * cap)
+    return np.log((1.0 - tail) / (1.0 + lam) + tail)
+  erfc = np.vectorize(math.erfc)
+  r2 = math.sqrt(2.0)
+  body = np.exp(lam**2 / 2) * (erfc(lam / r2) - erfc((cap + lam) / r2))
+  return np.log(body + np.exp(-lam * cap) * math.erfc(cap / r2))
+
+
+def upper_quantile(noise: str, p: int, alpha: float) -> float:
+  """U with P(sum of p iid X >= U) <= alpha (Chernoff), X = |noise| / scale.
+
+  Args:
+    noise: "laplace" or "gaussian".
+    p: number of weights.
+    alpha: tail probability in (0, 1).
+
+  Returns:
+    The bound U.
+  """
+  lam = _LAMBDAS_UPPER if noise == "laplace" else _LAMBDAS_LOWER
+  lam = lam[lam < 1.0] if noise == "laplace" else lam
+  vals = (p * _log_mgf_abs(noise, lam) + math.log(1.0 / alpha)) / lam
+  return float(np.min(vals))
+
+
+def lower_quantile(noise: str, p: int, alpha: float, cap: float) -> float:
+  """L with P(sum of p iid min(X, cap) <= L) <= alpha (Chernoff); 0 when none applies.
+
+  Args:
+    noise: "laplace" or "gaussian".
+    p: number of weights.
+    alpha: tail probability in (0, 1).
+    cap: per-weight cap m of the statistic.
+
+  Returns:
+    The bound L >= 0.
+  """
+  lam = _LAMBDAS_LOWER if noise == "laplace" else _LAMBDAS_LOWER[_LAMBDAS_LOWER <= 20.0]
+  vals = (math.log(alpha) - p * _log_mgf_capped_neg(noise, lam, cap)) / lam
+  return float(max(0.0, np.max(vals)))
+
+
+def per_weight_quantile(noise: str, p: int, alpha: float) -> float:
+  """q with p * P(X > q) <= alpha (exact tails).
+
+  Args:
+    noise: "laplace" or "gaussian".
+    p: number of weights.
+    alpha: total tail probability.
+
+  Returns:
+    The bound q.
+  """
+  target = alpha / p
+  if noise == "laplace":
+    return math.log(1.0 / target)
+  lo, hi = 0.0, 60.0
+  for _ in range(200):
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if math.erfc(mid / math.sqrt(2.0)) > target else (lo, mid)
+  return hi
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """Outcome of AcceptanceRule.check: accepted, and the reason code when refused."""
+  accepted: bool
+  reason: str = ""
+  candidate: int = -1
+
+
+class AcceptanceRule:
+  """Decides from the served spec whether an update is a plausible honest update.
+
+  Args:
+    spec: the served glm.ModelSpec (gamma, clip, noise, epsilon, delta).
+    alpha: total false-rejection probability of the three tests, in (0, 0.5).
+    max_abs_weight: no weight may exceed this magnitude (belt and braces).
+    noise_cap: per-weight cap m of the noise-floor statistic (in units of the scale).
+    prefilter_columns: columns compared against every candidate before full checks.
+
+  Raises:
+    ValueError: for alpha outside (0, 0.5), non-positive max_abs_weight or noise_cap.
+  """
+
+  def __init__(self, spec: glm.ModelSpec, alpha: float = 1e-3, max_abs_weight: float = 1e6,
+               noise_cap: float = 2.0, prefilter_columns: int = 64):
+    if not 0 < alpha < 0.5:
+      raise ValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
+    if not max_abs_weight > 0:
+      raise ValueError(f"max_abs_weight must be > 0, got {max_abs_weight!r}")
+    if not noise_cap > 0:
+      raise ValueError(f"noise_cap must be > 0, got {noise_cap!r}")
+    self.p = spec.num_weights
+    self.alpha = float(alpha)
+    self.max_abs_weight = float(max_abs_weight)
+    self.step = spec.gamma * spec.clip
+    noise = "none" if spec.epsilon is None else spec.noise
+    self.noise = noise
+    self.scale = privacy.noise_std(noise, spec.gamma, spec.epsilon, spec.clip, spec.delta)
+    if noise == "laplace":
+      self.scale /= math.sqrt(2.0)  # Laplace scale b; std is sqrt(2) b
+    self.noise_cap = float(noise_cap)
+    if noise == "none":
+      self.linf = self.step * (1 + 1e-9) + 1e-12
+      self.upper = self.lower = None
+    else:
+      a3 = self.alpha / 3
+      self.linf = self.step + self.scale * per_weight_quantile(noise, self.p, a3)
+      self.upper = upper_quantile(noise, self.p, a3)
+      self.lower = lower_quantile(noise, self.p, a3, self.noise_cap)
+    n_cols = min(self.p, int(prefilter_columns))
+    self._cols = np.unique(np.linspace(0, self.p - 1, n_cols).round().astype(np.int64))
+
+  def describe(self) -> dict:
+    """The rule's parameters and its false-rejection bound, for /v1/spec and logs.
+
+    Returns:
+      A JSON-serializable dict.
+    """
+    return dict(rule="bounded_influence", alpha=self.alpha, noise=self.noise, step=self.step,
+                scale=self.scale, linf=self.linf, excess_max=self.upper, floor_min=self.lower,
+                noise_cap=self.noise_cap, max_abs_weight=self.max_abs_weight,
+                false_rejection_bound=f"<= {self.alpha:g} + P(pre-image evicted from history)")
+
+  def _full(self, d: np.ndarray) -> str:
+    if d.max() > self.linf:
+      return "step_too_large"
+    if self.upper is None:
+      return ""
+    if np.maximum(d - self.step, 0.0).sum() / self.scale > self.upper:
+      return "excess_too_large"
+    if np.minimum(d / self.scale, self.noise_cap).sum() < self.lower:
+      return "too_little_noise"
+    return ""
+
+  def check(self, update: np.ndarray, candidates: np.ndarray) -> Decision:
+    """Accepts `update` if it is a plausible honest update of one of `candidates`.
+
+    Args:
+      update: [p] float64 weights.
+      candidates: [n, p] instances it may have been drawn from (current + recent).
+
+    Returns:
+      A Decision; reason is one of "non_finite", "out_of_range", "step_too_large",
+      "excess_too_large", "too_little_noise", "no_candidates".
+
+    Raises:
+      ValueError: if the shapes do not match the spec.
+    """
+    if update.shape != (self.p,) or candidates.ndim != 2 or candidates.shape[1] != self.p:
+      raise ValueError(f"update must be [{self.p}] and candidates [n, {self.p}], got "
+                       f"{update.shape} and {candidates.shape}")
+    if not np.all(np.isfinite(update)):
+      return Decision(False, "non_finite")
+    if np.abs(update).max() > self.max_abs_weight:
+      return Decision(False, "out_of_range")
+    if candidates.shape[0] == 0:
+      return Decision(False, "no_candidates")
+    part = np.abs(candidates[:, self._cols] - update[self._cols])
+    ok = part.max(axis=1) <= self.linf
+    score = np.maximum(part - self.step, 0.0).sum(axis=1)
+    if self.upper is not None:
+      ok &= score / self.scale <= self.upper
+    order = np.flatnonzero(ok)
+    order = order[np.argsort(score[order], kind="stable")]
+    reason = "step_too_large"
+    for j in order:
+      reason = self._full(np.abs(update - candidates[j]))
+      if not reason:
+        return Decision(True, "", int(j))
+    return Decision(False, reason)

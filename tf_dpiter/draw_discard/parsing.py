@@ -1,0 +1,162 @@
+"""Strict parsing of Draw and Discard submissions.
+
+A submission is either JSON, `{"version": str, "weights": [number, ...]}` or
+`{"version": str, "weights_b64": str}` (exactly one weights field, no other keys), or
+`application/octet-stream` raw little-endian float64 with the version in X-DDML-Version.
+JSON weights must be numbers: no strings, booleans, nulls or nested lists. Every
+refusal is a RequestError carrying the HTTP status and a stable error code.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+
+import numpy as np
+
+JSON_TYPE = "application/json"
+RAW_TYPE = "application/octet-stream"
+_FIELDS = ("weights", "weights_b64")
+
+
+class RequestError(Exception):
+  """A client error: status, code (stable identifier), message, extra headers.
+
+  Args:
+    status: HTTP status (4xx or 503).
+    code: the JSON "error" value.
+    message: a human-readable explanation (never echoes client data).
+    headers: extra response headers (e.g. Retry-After).
+    extra: more JSON fields of the answer.
+  """
+
+  def __init__(self, status: int, code: str, message: str, headers: dict | None = None,
+               extra: dict | None = None):
+    super().__init__(f"{status} {code}: {message}")
+    self.status, self.code, self.message = status, code, message
+    self.headers = headers or {}
+    self.extra = extra or {}
+
+
+def _reject_constant(name: str):
+  return float(name)  # NaN/Infinity literals become non-finite floats, refused later
+
+
+def _loads(raw: bytes):
+  try:
+    return json.loads(raw, parse_int=float, parse_constant=_reject_constant)
+  except RecursionError as e:
+    raise RequestError(400, "bad_json", "body nests too deeply") from e
+  except (ValueError, UnicodeDecodeError) as e:
+    raise RequestError(400, "bad_json", "body is not valid JSON") from e
+
+
+def _check_version(version, served: str) -> None:
+  if not isinstance(version, str):
+    raise RequestError(400, "bad_version", "'version' must be a string")
+  if version != served:
+    raise RequestError(409, "wrong_version",
+                       f"model version {version[:40]!r} is not the served {served!r}")
+
+
+def _from_list(raw, p: int) -> np.ndarray:
+  if not isinstance(raw, list):
+    raise RequestError(400, "bad_weights", "'weights' must be a JSON list of numbers")
+  if len(raw) != p:
+    raise RequestError(422, "wrong_shape", f"'weights' has {len(raw)} entries; expected {p}")
+  if not all(type(v) is float for v in raw):  # ints were parsed as floats; bools stay bool
+    raise RequestError(400, "bad_weights",
+                       "'weights' must hold numbers only (no strings, booleans, null or lists)")
+  return np.asarray(raw, dtype=np.float64)
+
+
+def _from_b64(raw, p: int) -> np.ndarray:
+  if not isinstance(raw, str):
+    raise RequestError(400, "bad_weights", "'weights_b64' must be a base64 string")
+  try:
+    data = binascii.a2b_base64(raw.encode("ascii"), strict_mode=True)
+  except (binascii.Error, ValueError, UnicodeEncodeError) as e:
+    raise RequestError(400, "bad_weights", "'weights_b64' is not valid base64") from e
+  if len(data) != 8 * p:
+    raise RequestError(422, "wrong_shape", f"'weights_b64' decodes to {len(data)} bytes; "
+                       f"expected {8 * p} ({p} little-endian float64)")
+  return np.frombuffer(data, dtype="<f8").astype(np.float64)
+
+
+def parse_json_submission(raw: bytes, served_version: str, p: int) -> np.ndarray:
+  """Weights of a JSON submission.
+
+  Args:
+    raw: the request body.
+    served_version: the model version this server serves.
+    p: number of weights.
+
+  Returns:
+    [p] float64 (possibly non-finite: the acceptance rule refuses those).
+
+  Raises:
+    RequestError: 400 malformed, 409 wrong version, 422 wrong shape.
+  """
+  body = _loads(raw)
+  if not isinstance(body, dict):
+    raise RequestError(400, "bad_json", "body must be a JSON object")
+  if "version" not in body:
+    raise RequestError(400, "missing_version", "body needs the model 'version' returned by draw")
+  fields = [f for f in _FIELDS if f in body]
+  unknown = sorted(set(body) - {"version", *_FIELDS})
+  if unknown:
+    raise RequestError(400, "unknown_field",
+                       f"unknown keys {[u[:40] for u in unknown[:5]]}; allowed: version, "
+                       "weights or weights_b64")
+  if not fields:
+    raise RequestError(400, "missing_weights", "body needs 'weights' or 'weights_b64'")
+  if len(fields) > 1:
+    raise RequestError(400, "ambiguous_weights", "give exactly one of 'weights', 'weights_b64'")
+  _check_version(body["version"], served_version)
+  if fields[0] == "weights":
+    return _from_list(body["weights"], p)
+  return _from_b64(body["weights_b64"], p)
+
+
+def parse_raw_submission(raw: bytes, header_version: str | None, served_version: str,
+                         p: int) -> np.ndarray:
+  """Weights of an application/octet-stream submission.
+
+  Args:
+    raw: the request body (little-endian float64).
+    header_version: the X-DDML-Version header or None.
+    served_version: the model version this server serves.
+    p: number of weights.
+
+  Returns:
+    [p] float64.
+
+  Raises:
+    RequestError: 400 missing version, 409 wrong version, 422 wrong shape.
+  """
+  if header_version is None:
+    raise RequestError(400, "missing_version", "raw submissions need the X-DDML-Version header")
+  _check_version(header_version, served_version)
+  if len(raw) != 8 * p:
+    raise RequestError(422, "wrong_shape", f"body has {len(raw)} bytes; expected {8 * p} "
+                       f"({p} little-endian float64)")
+  return np.frombuffer(raw, dtype="<f8").astype(np.float64)
+
+
+def content_type(header: str | None) -> str:
+  """The media type of a Content-Type header, checked.
+
+  Args:
+    header: the raw header value, or None.
+
+  Returns:
+    JSON_TYPE or RAW_TYPE.
+
+  Raises:
+    RequestError: 415 for a missing or other media type.
+  """
+  media = (header or "").split(";")[0].strip().lower()
+  if media not in (JSON_TYPE, RAW_TYPE):
+    raise RequestError(415, "unsupported_media_type",
+                       f"Content-Type must be {JSON_TYPE} or {RAW_TYPE}")
+  return media

@@ -1,0 +1,214 @@
+"""Shared k-instance store on Redis (several server processes, one model per key prefix).
+
+Keys: <prefix>:gen (generation), <prefix>:meta, <prefix>:slot:<i>, <prefix>:hist (list of
+replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <prefix>:init
+(initialization lock, with an expiry). Every operation is one Lua script or one MULTI
+transaction that checks the generation first (see store.py for the contract).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.parse
+import uuid
+
+import numpy as np
+import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+
+from tf_dpiter.draw_discard import store as store_lib
+
+_TOUCH = """
+local g = redis.call('GET', KEYS[1])
+if not g then return -1 end
+if g ~= ARGV[1] then return -2 end
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[3], 'draws', ARGV[2]) end
+return tonumber(redis.call('GET', KEYS[2]) or '0')
+"""
+
+_REPLACE = """
+local g = redis.call('GET', KEYS[1])
+if not g then return -1 end
+if g ~= ARGV[1] then return -2 end
+local old = redis.call('GET', KEYS[2])
+if not old then return -1 end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('LPUSH', KEYS[3], old)
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+redis.call('HINCRBY', KEYS[5], 'submits', 1)
+redis.call('HINCRBY', KEYS[5], 'accepted', 1)
+return redis.call('INCR', KEYS[4])
+"""
+
+_UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
+                OSError, asyncio.TimeoutError)
+
+
+class RedisStore:
+  """Shared store on Redis.
+
+  Args:
+    url: redis://host:port/db (rediss:// for TLS, unix:// for a socket).
+    prefix: key prefix; one model per prefix.
+    lock_ttl_s: expiry of the initialization lock.
+    timeout_s: socket timeout of every Redis call.
+
+  Raises:
+    ValueError: for a URL of another scheme.
+  """
+
+  kind = "redis"
+
+  def __init__(self, url: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
+               timeout_s: float = 2.0):
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme not in ("redis", "rediss", "unix"):
+      raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
+    if not lock_ttl_s > 0:
+      raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
+    self.url = url
+    self.prefix = prefix
+    self.lock_ttl_s = float(lock_ttl_s)
+    self._r = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout_s,
+                                socket_connect_timeout=timeout_s)
+    self._touch = self._r.register_script(_TOUCH)
+    self._replace = self._r.register_script(_REPLACE)
+    self.generation: str | None = None
+    self._k_slots: list[str] = []
+    self._history = 0
+
+  def _k(self, *parts) -> str:
+    return ":".join((self.prefix,) + tuple(str(p) for p in parts))
+
+  async def _call(self, coro):
+    try:
+      return await coro
+    except _UNAVAILABLE as e:
+      raise store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}") from e
+
+  def _result(self, code: int) -> int:
+    if code == -1:
+      raise store_lib.StoreLost(f"redis store {self.url} prefix {self.prefix!r} holds no model "
+                                "(flushed or restarted without persistence)")
+    if code == -2:
+      raise store_lib.StoreLost(f"redis store prefix {self.prefix!r} was re-initialized by "
+                                "another server (generation changed); restart this server")
+    return int(code)
+
+  async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False,
+                       wait_s: float = 30.0) -> bool:
+    """First process initializes (SET NX EX on <prefix>:init); the others join.
+
+    Args:
+      meta: dict with store.META_KEYS.
+      instances: [k, p] initial instances.
+      reset: delete an existing model first.
+      wait_s: how long a joiner waits for the initializer.
+
+    Returns:
+      True if this call wrote the store, False if it joined.
+
+    Raises:
+      StoreMismatch: when joining a store that holds a different model.
+      TimeoutError: when no model appears within wait_s.
+      StoreUnavailable: when Redis cannot be reached.
+    """
+    k = int(meta["k"])
+    self._k_slots = [self._k("slot", i) for i in range(k)]
+    self._history = int(meta["history"])
+    return await self._call(self._initialize(meta, instances, reset, wait_s))
+
+  async def _initialize(self, meta, instances, reset, wait_s) -> bool:
+    r = self._r
+    if reset:
+      await r.delete(self._k("init"), self._k("gen"), self._k("meta"), self._k("counters"),
+                     self._k("hist"), self._k("seq"), *self._k_slots)
+    deadline = time.monotonic() + wait_s
+    while True:
+      if await r.exists(self._k("gen")):
+        existing = json.loads(await r.get(self._k("meta")) or b"{}")
+        store_lib.check_meta(existing, meta)
+        self.generation = existing["generation"]
+        return False
+      token = uuid.uuid4().hex
+      if await r.set(self._k("init"), token, nx=True, px=int(self.lock_ttl_s * 1000)):
+        gen = uuid.uuid4().hex
+        pipe = r.pipeline(transaction=True)
+        for key, row in zip(self._k_slots, instances):
+          pipe.set(key, store_lib.encode_weights(row))
+        pipe.set(self._k("meta"), json.dumps(dict(meta, generation=gen)).encode())
+        pipe.delete(self._k("counters"), self._k("hist"))
+        pipe.set(self._k("seq"), 0)
+        pipe.set(self._k("gen"), gen)
+        pipe.delete(self._k("init"))
+        await pipe.execute()
+        self.generation = gen
+        return True
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"redis store {self.url} prefix {self.prefix!r}: no model after "
+                           f"{wait_s}s (another server holds the init lock)")
+      await asyncio.sleep(0.05)
+
+  async def meta(self) -> dict:
+    """The stored meta. Raises StoreLost/StoreUnavailable."""
+    raw = await self._call(self._r.get(self._k("meta")))
+    if not raw:
+      self._result(-1)
+    return json.loads(raw)
+
+  async def touch(self, draws: int = 0) -> int:
+    """Checks the generation, adds `draws` to the draw counter; returns the sequence number."""
+    code = await self._call(self._touch(
+        keys=[self._k("gen"), self._k("seq"), self._k("counters")],
+        args=[self.generation, int(draws)]))
+    return self._result(code)
+
+  async def snapshot(self) -> store_lib.Snapshot:
+    """All slots and the history at one sequence number (one MULTI transaction)."""
+    pipe = self._r.pipeline(transaction=True)
+    pipe.get(self._k("gen"))
+    pipe.get(self._k("seq"))
+    pipe.mget(self._k_slots)
+    pipe.lrange(self._k("hist"), 0, self._history - 1)
+    gen, seq, slots, hist = await self._call(pipe.execute())
+    if gen is None or any(s is None for s in slots):
+      self._result(-1)
+    if gen.decode() != self.generation:
+      self._result(-2)
+    p = len(slots[0]) // 8
+    arr = np.frombuffer(b"".join(slots), dtype="<f8").reshape(len(slots), p)
+    h = (np.frombuffer(b"".join(hist), dtype="<f8").reshape(len(hist), p) if hist
+         else np.zeros((0, p)))
+    return store_lib.Snapshot(int(seq or 0), arr, h)
+
+  async def replace(self, i: int, w: np.ndarray) -> int:
+    """Overwrites slot i (the old value goes to the history); returns the new sequence number."""
+    code = await self._call(self._replace(
+        keys=[self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"),
+              self._k("counters")],
+        args=[self.generation, store_lib.encode_weights(w), self._history]))
+    return self._result(code)
+
+  async def incr(self, name: str, n: int = 1) -> None:
+    """Adds n to counter `name` (only while the generation holds)."""
+    self._result(await self._call(self._r.eval(
+        "local g = redis.call('GET', KEYS[1]) if g ~= ARGV[1] then return -1 end "
+        "redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3]) return 0", 2,
+        self._k("gen"), self._k("counters"), self.generation, name, int(n))))
+
+  async def counters(self) -> dict:
+    """All counters, plus the sequence number as 'seq'."""
+    pipe = self._r.pipeline(transaction=False)
+    pipe.hgetall(self._k("counters"))
+    pipe.get(self._k("seq"))
+    raw, seq = await self._call(pipe.execute())
+    out = dict.fromkeys(store_lib.COUNTERS, 0)
+    out.update({k.decode(): int(v) for k, v in raw.items()})
+    out["seq"] = int(seq or 0)
+    return out
+
+  async def close(self) -> None:
+    """Closes the connection pool."""
+    await self._r.aclose()

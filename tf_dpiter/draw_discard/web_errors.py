@@ -1,0 +1,161 @@
+"""The service's request middleware: authentication, quotas, JSON errors, metrics, logs.
+
+Every answer that is not a success is JSON {"error": code, "message": ...}: client errors
+(RequestError, aiohttp's own 404/405/413), store faults (503 store_lost /
+store_unavailable) and server faults (500 internal_error, logged with a traceback and an
+error id; the client gets only the id). Logs are one JSON object per line and never hold
+client data (no addresses, tokens, weights or bodies); repeated events are rate-limited.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from tf_dpiter.draw_discard import auth
+from tf_dpiter.draw_discard import parsing
+from tf_dpiter.draw_discard import store as store_lib
+
+log = logging.getLogger(__name__)
+
+_OPS = {"/v1/draw": "draw", "/v1/submit": "submit"}
+_OPEN = ("/healthz",)
+# Faults of our own code that must still produce a JSON 500 (RecursionError is a RuntimeError).
+_SERVER_FAULTS = (ArithmeticError, LookupError, TypeError, ValueError, RuntimeError, OSError,
+                  AttributeError, MemoryError)
+_last_logged: dict = {}
+
+
+def log_event(logger: logging.Logger, event: str, level: int = logging.INFO,
+              every_s: float = 0.0, **fields) -> None:
+  """Logs one JSON line {"event", **fields}; at most once per `every_s` seconds per event.
+
+  Args:
+    logger: where to log.
+    event: a stable event name.
+    level: logging level.
+    every_s: rate limit for this event (0: none); suppressed lines are counted.
+    **fields: JSON-serializable fields (never client data).
+  """
+  now = time.monotonic()
+  if every_s > 0:
+    last, suppressed = _last_logged.get(event, (-1e30, 0))
+    if now - last < every_s:
+      _last_logged[event] = (last, suppressed + 1)
+      return
+    _last_logged[event] = (now, 0)
+    if suppressed:
+      fields["suppressed"] = suppressed
+  logger.log(level, json.dumps(dict(event=event, **fields), sort_keys=True))
+
+
+def json_error(status: int, code: str, message: str, headers: dict | None = None,
+               extra: dict | None = None) -> web.Response:
+  """A JSON error answer.
+
+  Args:
+    status: HTTP status.
+    code: the "error" value.
+    message: the "message" value.
+    headers: extra headers.
+    extra: extra JSON fields.
+
+  Returns:
+    The web.Response.
+  """
+  return web.json_response(dict(extra or {}, error=code, message=message), status=status,
+                           headers=headers)
+
+
+def _http_exception(e: web.HTTPException) -> web.Response:
+  codes = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+  code = codes.get(e.status, "http_error")
+  headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+  return json_error(e.status, code, e.reason, headers=headers)
+
+
+def _admit(svc, request: web.Request) -> None:
+  """Authentication and quotas; raises RequestError when refused."""
+  if request.path in _OPEN:
+    return
+  identity = None
+  if svc.tokens is not None:
+    identity, why = svc.tokens.identify(request.headers.get("Authorization"))
+    if identity is None:
+      status = 401 if why == "missing_token" else 403
+      svc.metrics.inc("auth_refused_total", reason=why, help_text="requests without a valid token")
+      raise parsing.RequestError(status, why, "send Authorization: Bearer <token>"
+                                 if status == 401 else "token not accepted",
+                                 headers={"WWW-Authenticate": 'Bearer realm="ddml"'})
+  op = _OPS.get(request.path)
+  if svc.quotas is not None and op is not None:
+    wait = svc.quotas.take(identity or (request.remote or "?"), op)
+    if wait > 0:
+      svc.metrics.inc("quota_refused_total", op=op, help_text="requests over quota (429)")
+      raise parsing.RequestError(429, "quota_exceeded", f"{op} quota exceeded; retry later",
+                                 headers={"Retry-After": auth.retry_after_header(wait)},
+                                 extra={"retry_after_s": round(wait, 3)})
+
+
+async def _dispatch(svc, request: web.Request, handler) -> web.Response:
+  try:
+    _admit(svc, request)
+    return await handler(request)
+  except parsing.RequestError as e:
+    return json_error(e.status, e.code, e.message, e.headers, e.extra)
+  except web.HTTPException as e:  # router 404/405, aiohttp's 413
+    return _http_exception(e)
+  except store_lib.StoreLost as e:
+    svc.metrics.inc("store_lost_total", help_text="operations refused: store data lost")
+    log_event(log, "store_lost", logging.ERROR, every_s=10.0, detail=str(e))
+    return json_error(503, "store_lost", "the model store lost its data or was re-initialized; "
+                      "an operator must restart the service", headers={"Retry-After": "30"})
+  except store_lib.StoreUnavailable as e:
+    svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
+    log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
+    return json_error(503, "store_unavailable", "the model store cannot be reached; retry",
+                      headers={"Retry-After": "1"})
+  except _SERVER_FAULTS:
+    error_id = uuid.uuid4().hex[:12]
+    log.exception(json.dumps({"event": "internal_error", "error_id": error_id,
+                              "path": request.path}))
+    return json_error(500, "internal_error", f"internal error {error_id}")
+
+
+def make_middleware(svc):
+  """The middleware of DDMLService `svc`.
+
+  Args:
+    svc: the service (tokens, quotas, metrics).
+
+  Returns:
+    An aiohttp middleware.
+  """
+
+  @web.middleware
+  async def middleware(request: web.Request, handler):
+    t0 = time.perf_counter()
+    guard = svc.connection_guard
+    if guard is not None:
+      guard.begin(request.protocol)
+    try:
+      resp = await _dispatch(svc, request, handler)
+    finally:
+      if guard is not None:
+        guard.end(request.protocol)
+    endpoint = request.path if request.match_info.route.resource is not None else "other"
+    svc.metrics.inc("requests_total", endpoint=endpoint, status=resp.status,
+                    help_text="HTTP requests")
+    svc.metrics.observe("request_seconds", time.perf_counter() - t0, endpoint=endpoint,
+                        help_text="request latency")
+    if resp.status >= 400:
+      svc.metrics.inc("errors_total", status=resp.status, help_text="error answers")
+      if resp.status == 408:
+        resp.force_close()
+    return resp
+
+  return middleware
