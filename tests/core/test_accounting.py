@@ -12,6 +12,7 @@ import pytest
 from tf_dpiter import accounting as A
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
+from tf_dpiter.ledger import ledger_file
 
 
 @pytest.mark.parametrize("n,b,z,epochs,acc,expected,tol", [
@@ -59,10 +60,13 @@ def test_proportional_allocation_ledger_equals_target_z():
 
 
 def million_sample_ledger_dict():
-  return {"format": "tf_dpiter.privacy_ledger", "version": 1, "num_samples": 10**6,
-          "runs": [{"count": 10**6, "population_size": 1e7, "selection_probability": 1e-4,
-                    "sample_size": 0.0, "policy": "poisson",
-                    "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0}]}]}
+  return ledger_file.sign(
+      {"format": "tf_dpiter.privacy_ledger", "version": 2, "num_samples": 10**6, "passes": 0,
+       "runs": [{"count": 10**6, "population_size": 1e7, "selection_probability": 1e-4,
+                 "sample_size": 0.0, "policy": "poisson", "relation": "add_or_remove_one",
+                 "examples_per_record": 1,
+                 "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0,
+                              "sensitivity": 1.0}]}]})
 
 
 def test_million_identical_samples_under_one_second():
@@ -91,8 +95,10 @@ def test_delta_inverts_epsilon():
 
 def test_shuffled_epochs_claim_no_amplification():
   r = A.compute_dp_sgd_privacy(60000, 256, 1.1, 10, 1e-5, sampling="shuffle")
-  # 10 epochs, each one un-amplified Gaussian(z = 1.1).
-  assert r.epsilon == pytest.approx(direct_epsilon(1.0, 1.1, 10, 1e-5), rel=1e-9)
+  # 10 passes, each one un-amplified Gaussian; replace-one: sensitivity 2C, z = 1.1 / 2.
+  a = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+  a.compose(dpa.GaussianDpEvent(0.55), 10)
+  assert r.epsilon == pytest.approx(a.get_epsilon(1e-5), rel=1e-9)
   assert any("NO amplification" in a for a in r.assumptions)
 
 
@@ -102,7 +108,8 @@ def test_fixed_size_sampling_uses_replace_one():
     led.record_sample(1000.0, 0.05, (dq.GaussianSumEvent(1.0, 1.2),), policy="fixed_size",
                       sample_size=50)
   a = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
-  a.compose(dpa.SampledWithoutReplacementDpEvent(1000, 50, dpa.GaussianDpEvent(1.2)), 100)
+  # dp-accounting's noise multiplier is sigma over the replace-one sensitivity 2S = 2.0
+  a.compose(dpa.SampledWithoutReplacementDpEvent(1000, 50, dpa.GaussianDpEvent(0.6)), 100)
   rep = A.privacy_report(led, delta=1e-5)
   assert rep.epsilon == pytest.approx(a.get_epsilon(1e-5), rel=1e-9)
   assert "replace one" in rep.assumptions[0]

@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import tf_dpiter as dp
+from tf_dpiter.ledger import ledger_file
+
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
@@ -29,7 +32,7 @@ def test_record_100k_steps_inside_tf_function_loses_nothing():
 
   assert int(run(tf.constant(100_000, tf.int64))) == 100_000
   samples, queries = led.get_arrays()
-  assert samples.shape == (100_000, 5) and queries.shape == (200_000, 4)
+  assert samples.shape == (100_000, 6) and queries.shape == (200_000, 5)
   np.testing.assert_array_equal(queries[::2, 3], 1.0 + np.arange(100_000) % 3)
   np.testing.assert_array_equal(queries[:, 0], np.repeat(np.arange(100_000), 2))
   assert np.all(samples[:, 0] == 60000.0)
@@ -77,7 +80,9 @@ def test_query_with_ledger_records_one_sample_with_all_queries():
   step(g)
   samples, queries = q.ledger.get_arrays()
   np.testing.assert_allclose(samples[:, :2], [[500, 0.1], [800, 0.2]])
-  np.testing.assert_allclose(queries, [[0, 0, 1, 2], [0, 0, 3, 4], [1, 0, 1, 2], [1, 0, 3, 4]])
+  # (sample, kind, clip, noise, sensitivity): Poisson is add/remove, so sensitivity = clip
+  np.testing.assert_allclose(queries, [[0, 0, 1, 2, 1], [0, 0, 3, 4, 3], [1, 0, 1, 2, 1],
+                                       [1, 0, 3, 4, 3]])
 
 
 def test_json_round_trip(tmp_path):
@@ -89,7 +94,10 @@ def test_json_round_trip(tmp_path):
   path = os.path.join(tmp_path, "ledger.json")
   led.save_json(path)
   d = json.load(open(path))
-  assert d["format"] == "tf_dpiter.privacy_ledger" and d["version"] == 1
+  assert d["format"] == "tf_dpiter.privacy_ledger" and d["version"] == 2
+  assert d["digest"].startswith("sha256:")
+  assert [r["relation"] for r in d["runs"]][-2:] == ["add_or_remove_one", "replace_one"]
+  assert d["runs"][-1]["queries"][0]["sensitivity"] == 2.0   # replace-one: 2S
   assert [r["count"] for r in d["runs"]] == [20, 10, 1, 1]  # run-length coded
   back = L.PrivacyLedger.load_json(path)
   for a, b in zip(led.get_arrays(), back.get_arrays()):
@@ -99,10 +107,13 @@ def test_json_round_trip(tmp_path):
 
 
 def good_dict():
-  return {"format": "tf_dpiter.privacy_ledger", "version": 1, "num_samples": 2,
+  """An unsigned v2 dict; tests sign it after mutating (only content checks are tested)."""
+  return {"format": "tf_dpiter.privacy_ledger", "version": 2, "num_samples": 2, "passes": 0,
           "runs": [{"count": 2, "population_size": 100.0, "selection_probability": 0.1,
-                    "sample_size": 0.0, "policy": "poisson",
-                    "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0}]}]}
+                    "sample_size": 0.0, "policy": "poisson", "relation": "add_or_remove_one",
+                    "examples_per_record": 1,
+                    "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0,
+                                 "sensitivity": 1.0}]}]}
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -118,14 +129,59 @@ def good_dict():
     (lambda d: d["runs"][0]["queries"][0].update(stddev=-1.0), "noise"),
     (lambda d: d["runs"][0]["queries"][0].update(type="magic"), "type"),
     (lambda d: d["runs"][0]["queries"][0].update(stddev=float("nan")), "non-finite"),
-    (lambda d: d["runs"][0].update(policy="fixed_size", sample_size=0), "sample_size"),
+    (lambda d: d["runs"][0].update(policy="fixed_size", relation="replace_one", sample_size=0),
+     "sample_size"),
+    (lambda d: d["runs"][0].update(relation="replace_one"), "relation"),
+    (lambda d: d["runs"][0]["queries"][0].update(sensitivity=0.5), "sensitivity"),
+    (lambda d: d["runs"][0].update(examples_per_record=4), "microbatches"),
+    (lambda d: d.update(passes=-1), "passes"),
+    (lambda d: d.update(version=1), "version 1"),
 ])
 def test_malformed_json_is_refused(mutate, match):
   d = good_dict()
-  L.PrivacyLedger.from_dict(d)  # the unmutated one is accepted
+  L.PrivacyLedger.from_dict(ledger_file.sign(d))  # the unmutated one is accepted
   mutate(d)
   with pytest.raises(ValueError, match=match):
-    L.PrivacyLedger.from_json(json.dumps(d))
+    L.PrivacyLedger.from_json(json.dumps(ledger_file.sign(d)))
+
+
+def _saved(tmp_path, key=None):
+  led = L.PrivacyLedger()
+  for _ in range(5):
+    led.record_sample(100.0, 0.1, gaussian(1.0, 1.1))
+  led.record_sample(100.0, 0.1, gaussian(2.0, 1.1))
+  path = os.path.join(tmp_path, "ledger.json")
+  led.save_json(path, key=key)
+  return path, json.load(open(path))
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda d: d["runs"][0]["queries"][0].update(l2_norm_clip=0.5, sensitivity=0.5),
+    lambda d: (d["runs"].pop(), d.update(num_samples=d["num_samples"] - 1)),  # run + its count
+    lambda d: d.update(passes=7),
+])
+def test_tampered_ledger_file_is_refused(tmp_path, tamper):
+  path, d = _saved(tmp_path)
+  tamper(d)
+  json.dump(d, open(path, "w"))
+  with pytest.raises(ValueError, match="altered"):
+    L.PrivacyLedger.load_json(path)
+  with pytest.raises(ValueError, match="altered"):
+    dp.accounting.privacy_report(d, delta=1e-5)
+
+
+def test_hmac_key_is_checked(tmp_path):
+  path, d = _saved(tmp_path, key="secret")
+  assert d["hmac"].startswith("hmac-sha256:")
+  assert int(L.PrivacyLedger.load_json(path, key="secret").sample_count) == 6
+  with pytest.raises(ValueError, match="HMAC"):
+    L.PrivacyLedger.load_json(path, key="other")
+  # re-signed by someone without the key: the digest matches, the HMAC does not
+  d["runs"][0]["count"] = 1
+  d["num_samples"] = 2
+  json.dump(ledger_file.sign(d), open(path, "w"))
+  with pytest.raises(ValueError, match="hmac"):
+    L.PrivacyLedger.load_json(path, key="secret")
 
 
 def test_broken_json_file_is_refused(tmp_path):

@@ -148,15 +148,15 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   if any(g.non_private for g in groups):
     return PrivacyReport(epsilon, 1.0, accountant, num,
                          tuple(ledger_events.events_from_groups(groups, accountant)[2]))
-  acc, notes = _compose(groups, accountant)
+  acc, notes = _compose(content, accountant)
   return PrivacyReport(epsilon, float(acc.get_delta(epsilon)), accountant, num, tuple(notes))
 
 
-def epsilon(ledger, delta, accountant="rdp"):
+def epsilon(ledger, delta, accountant="rdp", key=None):
   """Epsilon of everything the ledger recorded, at `delta`."""
-  return privacy_report(ledger, delta=delta, accountant=accountant).epsilon
+  return privacy_report(ledger, delta=delta, accountant=accountant, key=key).epsilon
 
 
-def delta(ledger, epsilon, accountant="rdp"):
+def delta(ledger, epsilon, accountant="rdp", key=None):
   """Delta of everything the ledger recorded, at `epsilon` (seed 003 fixes epsilon)."""
-  return privacy_report(ledger, epsilon=epsilon, accountant=accountant).delta
+  return privacy_report(ledger, epsilon=epsilon, accountant=accountant, key=key).delta

@@ -21,7 +21,10 @@ _SIGNATURE_FIELDS = ("digest", "hmac")
 
 def _canonical(d):
   body = {k: v for k, v in d.items() if k not in _SIGNATURE_FIELDS}
-  return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+  try:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+  except ValueError:
+    raise ValueError("ledger has a non-finite number (NaN or infinity) in a field") from None
 
 
 def _key_bytes(key):
