@@ -81,10 +81,13 @@ class ConnectionGuard:
     if self.metrics is not None:
       self.metrics.inc("connections_refused_total", reason=reason, help_text="connections closed")
 
-  def _admit(self, proto) -> None:
+  def _admit(self, proto, attempt: int = 0) -> None:
     transport = proto.transport
-    if transport is None:
-      self._state.pop(proto, None)
+    if transport is None:  # connection_made is scheduled after this factory call
+      if attempt < 3:
+        asyncio.get_running_loop().call_soon(self._admit, proto, attempt + 1)
+      else:
+        self._state.pop(proto, None)
       return
     peer = (transport.get_extra_info("peername") or ("?",))[0]
     self._state[proto][2] = peer
