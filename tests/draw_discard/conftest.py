@@ -149,3 +149,16 @@ def redis_url(tmp_path_factory):
   yield f"redis://127.0.0.1:{port}/0"
   proc.terminate()
   proc.wait(10)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+  """A private redis-server for this test: (url, process); the test may stop it."""
+  if shutil.which("redis-server") is None:
+    pytest.skip("redis-server binary not found (apt-get install -y redis-server; CI installs it)")
+  port = free_port()
+  proc = start_redis(port, tmp_path)
+  yield f"redis://127.0.0.1:{port}/0", proc
+  if proc.poll() is None:
+    proc.terminate()
+    proc.wait(10)

@@ -1,0 +1,193 @@
+"""Store faults, TLS, the client's privacy floor and the command line's errors."""
+
+import asyncio
+import http.client
+import json
+import ssl
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, http_server, service
+from tf_dpiter.draw_discard import cli, glm, store as store_lib
+
+SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
+TOKEN = "alice-token-0123456789abcdef"
+
+
+def honest(weights, rng, spec=SPEC):
+  x = {"x": rng.random((8, spec.num_weights - 1))}
+  return client_alg.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
+
+
+def get(port, path, body=None, method="GET"):
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+  headers = {"Content-Type": "application/octet-stream", "X-DDML-Version": "1"} if body else {}
+  conn.request(method, path, body=body, headers=headers)
+  r = conn.getresponse()
+  out = r.status, r.getheader("Content-Type"), r.read()
+  conn.close()
+  return out
+
+
+def _redis_store(url, prefix=None, **kw):
+  return store_lib.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}", **kw)
+
+
+def _lost_everywhere(srv, code):
+  w = np.zeros(SPEC.num_weights).tobytes()
+  for method, path, body in (("GET", "/v1/draw", None), ("POST", "/v1/submit", w),
+                             ("GET", "/v1/model", None), ("GET", "/healthz", None)):
+    st, ctype, data = get(srv.port, path, body, method)
+    assert st == 503 and ctype.startswith("application/json"), (path, data)
+    assert json.loads(data)["error"] == code
+  st, _, text = get(srv.port, "/metrics")
+  assert st == 200 and f"ddml_{code}_total" in text.decode()
+
+
+def test_memory_store_loss_gives_503_and_no_refill(start_service):
+  srv = start_service(service.DDMLService(SPEC, 20, store_lib.MemoryStore(), seed=0))
+  assert get(srv.port, "/v1/draw")[0] == 200
+  srv.svc.store.flush()
+  _lost_everywhere(srv, "store_lost")
+  with pytest.raises(store_lib.StoreLost):
+    srv.call(srv.svc.store.snapshot())  # nothing was written back
+
+
+@pytest.mark.parametrize("fault", ["flushall", "reinitialized"])
+def test_redis_store_loss_gives_503_and_no_refill(start_service, redis_url, fault):
+  import redis
+  store = _redis_store(redis_url)
+  srv = start_service(service.DDMLService(SPEC, 20, store, seed=0))
+  assert get(srv.port, "/v1/draw")[0] == 200
+  r = redis.Redis.from_url(redis_url)
+  if fault == "flushall":
+    r.flushall()
+  else:
+    r.set(f"{store.prefix}:gen", b"someone-else")
+  _lost_everywhere(srv, "store_lost")
+  slots = [k for k in r.keys(f"{store.prefix}:slot:*")]
+  assert (slots == []) if fault == "flushall" else len(slots) == 20
+  r.close()
+
+
+def test_redis_outage_gives_503_store_unavailable(start_service, own_redis):
+  url, proc = own_redis
+  srv = start_service(service.DDMLService(SPEC, 20, _redis_store(url), seed=0))
+  assert get(srv.port, "/healthz")[0] == 200
+  proc.terminate()
+  proc.wait(10)
+  _lost_everywhere(srv, "store_unavailable")
+
+
+def test_redis_init_lock_expires(redis_url):
+  import redis
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  r = redis.Redis.from_url(redis_url)
+  r.set(f"{prefix}:init", b"crashed-initializer", px=600)  # a server died holding the lock
+  meta = dict(version="1", k=3, num_weights=4, fingerprint="f", history=2)
+
+  async def go():
+    s = _redis_store(redis_url, prefix, lock_ttl_s=5.0)
+    wrote = await s.initialize(meta, np.zeros((3, 4)), wait_s=5.0)
+    await s.close()
+    return wrote
+
+  assert asyncio.run(go())
+  r.close()
+
+
+@pytest.mark.parametrize("change", [dict(gamma=0.02), dict(epsilon=2.0), dict(family="poisson"),
+                                    dict(clip=0.5), dict(noise="gaussian")])
+def test_join_refuses_a_different_spec(redis_url, change):
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+
+  async def go():
+    a = service.DDMLService(SPEC, 20, _redis_store(redis_url, prefix), seed=0)
+    await a.startup()
+    other = cli.dense_spec(33, **dict(dict(epsilon=1.0, gamma=0.01), **change))
+    b = service.DDMLService(other, 20, _redis_store(redis_url, prefix), seed=0)
+    try:
+      with pytest.raises(store_lib.StoreMismatch, match="fingerprint"):
+        await b.startup()
+    finally:
+      await a.shutdown()
+      await b.shutdown()
+
+  asyncio.run(go())
+
+
+def test_tls_with_tokens(start_service, tls_files):
+  cert, key = tls_files
+  svc = service.DDMLService(SPEC, 20, store_lib.MemoryStore(), tokens=auth.TokenSet([TOKEN]),
+                            seed=0)
+  srv = start_service(svc, ssl_context=http_server.tls_context(cert, key))
+  with client_lib.DDMLClient(srv.url, token=TOKEN, cafile=cert) as c:
+    c.update({"x": np.random.default_rng(0).random((5, 32))}, np.ones(5))
+    assert c.metrics()["accepted"] == 1
+  with pytest.raises(ssl.SSLCertVerificationError):
+    client_lib.DDMLClient(srv.url, token=TOKEN).spec()  # unknown CA: refused
+  with client_lib.DDMLClient(srv.url, cafile=cert) as c, pytest.raises(client_lib.DDMLError) as e:
+    c.spec()
+  assert e.value.status == 401
+  with pytest.raises((ConnectionError, http.client.HTTPException)):
+    client_lib.DDMLClient(f"http://127.0.0.1:{srv.port}").spec()  # plain HTTP to a TLS port
+
+
+def _served(start_service, spec):
+  return start_service(service.DDMLService(spec, 20, store_lib.MemoryStore(), seed=0))
+
+
+@pytest.mark.parametrize("spec_change,floor,match", [
+    (dict(epsilon=None, noise="none"), {}, "no noise"),
+    (dict(epsilon=1.0, noise="none"), {}, "no noise"),
+    (dict(epsilon=10.0), {}, "max_epsilon"),
+    (dict(epsilon=1.0), dict(max_epsilon=0.5), "max_epsilon"),
+    (dict(epsilon=1.0), dict(min_noise=2.0), "min_noise"),
+    (dict(epsilon=1.0, noise="gaussian", delta=1e-3), {}, "max_delta"),
+])
+def test_client_privacy_floor_refuses_weaker_specs(start_service, spec_change, floor, match):
+  spec = cli.dense_spec(33, **dict(dict(gamma=0.01), **spec_change))
+  srv = _served(start_service, spec)
+  with client_lib.DDMLClient(srv.url, **floor) as c:
+    with pytest.raises(client_lib.PrivacyFloorError, match=match):
+      c.update({"x": np.random.default_rng(0).random((5, 32))}, np.ones(5))
+    assert c.metrics()["submits"] == 0
+
+
+def test_client_privacy_floor_accepts_paper_settings(start_service):
+  srv = _served(start_service, cli.dense_spec(33, epsilon=float(np.log(32)), gamma=0.01))
+  with client_lib.DDMLClient(srv.url, min_noise=0.4) as c:
+    assert c.update({"x": np.random.default_rng(0).random((5, 32))}, np.ones(5))["accepted"]
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["serve", "--model", "/nonexistent/spec.json"], "No such file"),
+    (["serve", "--model", "{spec}", "--tokens", "/nonexistent/tokens"], "No such file"),
+    (["serve", "--model", "{spec}", "--tls-cert", "{spec}"], "go together"),
+    (["serve", "--model", "{spec}", "--store", "memcache://x"], "store must be"),
+    (["serve", "--model", "{spec}", "--k", "1"], "k must be"),
+    (["serve", "--model", "{spec}", "--alpha", "2"], "alpha must be"),
+    (["serve", "--model", "{bad}"], "error"),
+    (["privacy", "--epsilon", "-1", "--k", "20"], "epsilon must be"),
+])
+def test_cli_errors_are_one_line(tmp_path, argv, match):
+  spec_path, bad = tmp_path / "spec.json", tmp_path / "bad.json"
+  spec_path.write_text(SPEC.to_json())
+  bad.write_text("{not json")
+  argv = [a.format(spec=spec_path, bad=bad) for a in argv]
+  out = subprocess.run([sys.executable, "-m", "tf_dpiter.draw_discard.cli", *argv],
+                       capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2
+  assert "Traceback" not in out.stderr and match in out.stderr
+  assert out.stderr.startswith("tf-dpiter-ddml: error:")
+
+
+def test_spec_from_json_refuses_unknown_noise():
+  d = json.loads(SPEC.to_json())
+  d["noise"] = "off"
+  with pytest.raises(ValueError, match="noise"):
+    glm.ModelSpec.from_dict(d)
