@@ -48,10 +48,12 @@ def test_reported_epsilon_equals_dp_accounting(tiny, sampling, kind):
                    seed=0, diagnostics=False)
   rep = alg.run(rounds)
   if sampling == "fixed_size":
+    # replace one client: its clipped update moves by 2S (the adaptive clip's centred count by
+    # 1): dp-accounting's noise multiplier is sigma / 2S = z / 2
     acc = dpa.rdp.RdpAccountant(
         neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
     acc.compose(dpa.SelfComposedDpEvent(
-        dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z)), rounds))
+        dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z / 2)), rounds))
   else:
     acc = dpa.rdp.RdpAccountant()
     acc.compose(dpa.SelfComposedDpEvent(
@@ -77,7 +79,7 @@ def test_budget_stopping_before_delta_passes(tiny):
   def dp_delta(rounds):
     acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
     acc.compose(dpa.SelfComposedDpEvent(
-        dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z)), rounds))
+        dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z / 2)), rounds))
     return acc.get_delta(eps)
 
   assert dp_delta(t) <= delta0 < dp_delta(t + 1)

@@ -53,7 +53,7 @@ def test_flower_epsilon_from_ledger_equals_dp_accounting(tiny):
     FL.run_loopback(strat, clients, num_rounds=rounds)
   acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
   acc.compose(dpa.SelfComposedDpEvent(
-      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z)), rounds))
+      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z / 2)), rounds))  # replace one client: 2S
   expected = acc.get_epsilon(delta)
   assert int(strat.ledger.sample_count) == rounds
   assert strat.rounds[-1]["epsilon"] == pytest.approx(expected, rel=1e-6)

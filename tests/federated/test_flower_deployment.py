@@ -179,7 +179,7 @@ def test_flower_deployment_superlink_supernodes_flwr_run():
   assert result["final_arrays"] == 4          # w_T of the MLP (two kernels, two biases)
   acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
   acc.compose(dpa.SelfComposedDpEvent(
-      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z)), rounds))
+      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z / 2)), rounds))  # replace one client: 2S
   expected = acc.get_epsilon(delta)
   assert result["epsilon"] == pytest.approx(expected, rel=1e-6)
   assert result["ledger_epsilon"] == pytest.approx(expected, rel=1e-6)

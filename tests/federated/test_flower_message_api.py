@@ -121,7 +121,7 @@ def test_message_api_epsilon_from_ledger_equals_dp_accounting(tiny, k, m, z, rou
     result = strat.start(grid, ArrayRecord(model.init_params(seed=0)), num_rounds=rounds)
   acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
   acc.compose(dpa.SelfComposedDpEvent(
-      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z)), rounds))
+      dpa.SampledWithoutReplacementDpEvent(k, m, dpa.GaussianDpEvent(z / 2)), rounds))  # replace one client: 2S
   expected = acc.get_epsilon(delta)
   assert len(grid.sent) == m * rounds and len(set(grid.sent)) <= k
   assert int(strat.ledger.sample_count) == rounds
