@@ -55,23 +55,42 @@ def test_every_step_is_recorded_poisson(jit, spe):
   assert [r["policy"] for r in d["runs"]] == ["poisson"]
   assert d["runs"][0]["selection_probability"] == pytest.approx(0.1)
   assert d["runs"][0]["population_size"] == 200
+  assert d["runs"][0]["relation"] == "add_or_remove_one"
   assert d["runs"][0]["queries"] == [{"type": "gaussian", "l2_norm_clip": 1.0,
-                                      "stddev": pytest.approx(1.1)}]
+                                      "stddev": pytest.approx(1.1), "sensitivity": 1.0}]
   assert accounting.epsilon(led, 1e-5) == pytest.approx(
       accounting.compute_dp_sgd_privacy(200, 20, 1.1, 14 * 20 / 200, 1e-5).epsilon, rel=1e-6)
 
 
-def test_shuffled_arrays_record_shuffle_policy():
+def test_arrays_are_poisson_sampled_by_default():
+  # fit(x, y, batch_size=B) on arrays: Poisson samples of expected size B (q = B / n),
+  # round(n / B) steps per epoch; sample_weight joins the padding mask.
   rng = np.random.RandomState(1)
   x = rng.randn(50, 6).astype("float32")
   y = rng.randint(0, 3, 50)
   model = _mlp()
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
-  model.fit(x, y, batch_size=16, epochs=2, verbose=0)   # 4 batches per epoch, last of 2
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0, sample_weight=np.ones(50))
   d = model.ledger.to_dict()
-  assert d["num_samples"] == 8
+  assert d["num_samples"] == 2 * round(50 / 16)
+  assert [(r["policy"], r["selection_probability"], r["relation"]) for r in d["runs"]] == [
+      ("poisson", pytest.approx(16 / 50), "add_or_remove_one")]
+  assert accounting.epsilon(model.ledger, 1e-5) == pytest.approx(
+      accounting.compute_dp_sgd_privacy(50, 16, 1.1, 6 * 16 / 50, 1e-5).epsilon, rel=1e-6)
+
+
+def test_shuffled_arrays_record_shuffle_policy_and_passes():
+  rng = np.random.RandomState(1)
+  x = rng.randn(50, 6).astype("float32")
+  y = rng.randint(0, 3, 50)
+  model = _mlp()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0, sampling="shuffle")  # 4 batches per pass
+  d = model.ledger.to_dict()
+  assert d["num_samples"] == 8 and int(model.ledger.passes.numpy()) == 2
   assert {r["policy"] for r in d["runs"]} == {"shuffle"}
-  assert d["runs"][0]["sample_size"] == 16
+  assert d["runs"][0]["sample_size"] == 16 and d["runs"][0]["relation"] == "replace_one"
+  assert d["runs"][0]["queries"][0]["sensitivity"] == 2.0   # replace-one: 2S
   assert "shuffle" in " ".join(accounting.privacy_report(model.ledger, delta=1e-5).assumptions).lower()
 
 

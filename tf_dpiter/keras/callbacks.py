@@ -7,15 +7,17 @@ step to a crash-safe journal and resumes it. Epsilon is always computed from wha
 recorded (sampling policy, relation and passes included), never from the settings.
 """
 
-import json
+import dataclasses
 import math
 import os
 
 import dp_accounting as dpa
 import keras
+import numpy as np
 
 from tf_dpiter import accounting
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.accounting import ledger_events
 
 
 def _ledger(model):
@@ -144,38 +146,74 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     self.stopped_at_step = None
     self._cache = {}
 
-  def _predicted_run(self):
+  def _predicted_sample(self):
+    """(samples [1, 6], queries [1, 5]) of the next step from the optimizer's Gaussian
+    settings, or None (no sampling declared yet, or a custom query)."""
     opt = self.model.optimizer
     query = getattr(opt, "dp_query", None)
     if query is None or getattr(opt, "_dp_custom_query", True):
       return None
-    return {"count": 1,
-            "population_size": float(query._population_size.numpy()),  # pylint: disable=protected-access
-            "selection_probability": float(query._selection_probability.numpy()),  # pylint: disable=protected-access
-            "sample_size": float(query._sample_size.numpy()),  # pylint: disable=protected-access
-            "policy": query.policy,
-            "queries": [{"type": "gaussian", "l2_norm_clip": opt.l2_norm_clip,
-                         "stddev": opt.l2_norm_clip * opt.noise_multiplier}]}
+    cfg = query.get_config()
+    k = query.examples_per_record
+    factor = ledger_lib.sensitivity_factor(ledger_lib.relation_for_policy(query.policy), k)
+    s, z = opt.l2_norm_clip, opt.noise_multiplier
+    sample = np.array([[cfg["population_size"], cfg["selection_probability"],
+                        cfg["sample_size"], ledger_lib.POLICIES.index(query.policy), k, 1]],
+                      np.float64)
+    return sample, np.array([[0, 0, s, s * z, factor * s]], np.float64)
 
-  def _epsilon_with(self, d, runs, last, count):
-    d = dict(d)
-    d["runs"] = runs + [dict(last, count=int(count))]
-    d["num_samples"] = sum(r["count"] for r in d["runs"])
-    return float(accounting.epsilon(d, self.delta, accountant=self.accountant))
+  def _state(self):
+    """(groups of the ledger, index of the last step's group, passes, ahead) or None."""
+    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
+    ledger = _ledger(self.model)
+    samples, queries = ledger.get_arrays()
+    if samples.shape[0]:
+      last_q = queries[queries[:, 0] == samples.shape[0] - 1].copy()
+      last_q[:, 0] = 0
+      last = (samples[-1:], last_q)
+    else:
+      last = self._predicted_sample()
+      if last is None:
+        return None
+    groups = ledger_events.groups_from_arrays(samples, queries)
+    probe = ledger_events.groups_from_arrays(*last)[0]
+    keys = [dataclasses.replace(g, count=0) for g in groups]
+    key = dataclasses.replace(probe, count=0)
+    if key not in keys:
+      groups.append(key)
+      keys.append(key)
+    return groups, keys.index(key), int(ledger.passes.numpy()), ahead
 
-  def _allowed_count(self, d, runs, last):
-    """Largest count of the last run's kind with epsilon <= budget (binary search, cached)."""
-    key = json.dumps([runs, dict(last, count=0)], sort_keys=True)
+  def _epsilon_with(self, groups, i, passes, count):
+    """Epsilon of the ledger with group i holding `count` samples (more passes if needed)."""
+    g = dataclasses.replace(groups[i], count=int(count))
+    groups = groups[:i] + [g] + groups[i + 1:]
+    if g.policy == ledger_lib.SHUFFLE:
+      per_pass = math.ceil(g.population_size / g.sample_size)
+      passes = max(passes, math.ceil(count / per_pass))
+    content = accounting.LedgerContent(tuple(x for x in groups if x.count), passes)
+    if not content.groups:
+      return 0.0
+    return float(accounting.report_from_groups(content, delta=self.delta,
+                                               accountant=self.accountant).epsilon)
+
+  def _allowed_count(self, groups, i, passes):
+    """Largest count of group i with epsilon <= budget (binary search, cached)."""
+    key = (tuple(dataclasses.replace(g, count=0) if j == i else g
+                 for j, g in enumerate(groups)), i, passes)
     if key in self._cache:
       return self._cache[key]
-    lo, hi = 0, 1
-    while self._epsilon_with(d, runs, last, hi) <= self.epsilon:
+    lo, hi = groups[i].count, max(1, 2 * groups[i].count)
+    if self._epsilon_with(groups, i, passes, lo) > self.epsilon:
+      self._cache[key] = lo - 1
+      return lo - 1
+    while self._epsilon_with(groups, i, passes, hi) <= self.epsilon:
       lo, hi = hi, hi * 2
       if hi > 10**9:
         break
     while hi - lo > 1:
       mid = (lo + hi) // 2
-      if self._epsilon_with(d, runs, last, mid) <= self.epsilon:
+      if self._epsilon_with(groups, i, passes, mid) <= self.epsilon:
         lo = mid
       else:
         hi = mid
@@ -184,25 +222,19 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
 
   def next_step_epsilon(self):
     """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
-    ahead, d, runs, last, count = self._next()
-    if last is None:
+    state = self._state()
+    if state is None:
       return None
-    return self._epsilon_with(d, runs, last, count + ahead)
-
-  def _next(self):
-    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
-    d = _ledger(self.model).to_dict()
-    runs = d["runs"]
-    if runs:
-      return ahead, d, runs[:-1], runs[-1], runs[-1]["count"]
-    return ahead, d, [], self._predicted_run(), 0
+    groups, i, passes, ahead = state
+    return self._epsilon_with(groups, i, passes, groups[i].count + ahead)
 
   def _exceeds(self):
-    ahead, d, runs, last, count = self._next()
-    if last is None:
+    state = self._state()
+    if state is None:
       return False, None
-    allowed = self._allowed_count(d, runs, last)
-    return count + ahead > allowed, allowed
+    groups, i, passes, ahead = state
+    allowed = self._allowed_count(groups, i, passes)
+    return groups[i].count + ahead > allowed, allowed
 
   def _check(self, step_label):
     exceeds, _ = self._exceeds()

@@ -117,6 +117,8 @@ class DPModelMixin:
           f"sampling={sampling!r} applies to arrays only; this data declares "
           f"{'no sampling' if spec is None else repr(spec.policy)}")
     self._dp_declare(opt, spec)
+    if isinstance(a.get("x"), tf.data.Dataset):
+      a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     callbacks = list(a.get("callbacks") or [])
     internal = [fit_sampling.SamplingSync(
         None if spec is None else spec.sampler,
