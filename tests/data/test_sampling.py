@@ -82,8 +82,70 @@ def test_mismatched_lengths():
     dp.data.poisson_batches(np.ones([10, 2]), np.ones([9]), expected_batch_size=2)
 
 
-def test_shuffled_batches_spec():
-  ds = dp.data.shuffled_batches(np.ones([100, 2]), np.zeros(100), batch_size=32)
+def test_poisson_sample_weight_multiplies_the_mask():
+  x = np.arange(1, 101, dtype="float32")[:, None]    # nonzero: padding rows are 0
+  w = (np.arange(100) % 3).astype("float32")          # weights 0, 1, 2 by record
+  ds = _ds(x=x, y=np.arange(100), expected_batch_size=30, steps_per_epoch=5, seed=2,
+           sample_weight=w)
+  for bx, by, weights in ds.as_numpy_iterator():
+    m = int(np.count_nonzero(bx[:, 0]))                # sampled rows are at the front
+    np.testing.assert_array_equal(weights[:m], w[by[:m]])
+    assert np.all(weights[m:] == 0)
+
+
+def _shuffled(**kw):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", NotPrivateSeedWarning)
+    return dp.data.shuffled_batches(**kw)
+
+
+@pytest.mark.parametrize("n,b,drop", [(100, 32, False), (100, 32, True), (64, 64, False)])
+def test_shuffled_batches_new_permutation_per_pass_and_passes_counted(n, b, drop):
+  x = np.arange(n, dtype="float32")[:, None]
+  ds = _shuffled(x=x, y=np.arange(n), batch_size=b, drop_remainder=drop, seed=4)
   spec = dp.data.get_sampling_spec(ds)
-  assert spec.policy == "shuffle" and spec.sample_size == 32
-  assert sum(b[0].shape[0] for b in ds.as_numpy_iterator()) == 100
+  assert (spec.policy, spec.population_size, spec.sample_size) == ("shuffle", n, b)
+  assert spec.selection_probability == pytest.approx(b / n)
+  orders = []
+  for _ in range(3):                                   # every iteration is one new pass
+    batches = list(ds.as_numpy_iterator())
+    assert len(batches) == dp.data.steps_per_pass(n, b, drop)
+    assert all(len(by) == b for _, by in batches[:n // b])
+    order = np.concatenate([by for _, by in batches])
+    np.testing.assert_array_equal(np.concatenate([bx[:, 0] for bx, _ in batches]), order)
+    assert len(set(order)) == len(order) == (n // b * b if drop else n)   # disjoint batches
+    orders.append(order)
+  assert not np.array_equal(orders[0], orders[1]) or n == b and not np.array_equal(
+      orders[1], orders[2])
+  assert spec.sampler.passes_started == 3
+  assert spec.sampler.take_new_passes() == 3 and spec.sampler.take_new_passes() == 0
+
+
+def test_shuffled_batches_endless_passes_and_weights():
+  n, b = 100, 50
+  ds = _shuffled(x=np.zeros([n, 2], "float32"), y=np.arange(n), batch_size=b, passes=None,
+                 sample_weight=np.arange(n, dtype="float32"), seed=1)
+  got = list(ds.take(7).as_numpy_iterator())
+  for _, by, w in got:
+    np.testing.assert_array_equal(w, by.astype("float32"))
+  sampler = dp.data.get_sampling_spec(ds).sampler
+  # 7 batches of 2 per pass: 4 passes used; prefetching may have started one more
+  assert 4 <= sampler.passes_started <= 5
+
+
+def test_shuffled_batches_seed_warns_and_default_is_nondeterministic():
+  x = np.arange(1000, dtype="float32")[:, None]
+  with pytest.warns(NotPrivateSeedWarning):
+    dp.data.shuffled_batches(x, batch_size=10, seed=1)
+  a = next(dp.data.shuffled_batches(x, batch_size=100).as_numpy_iterator())
+  b = next(dp.data.shuffled_batches(x, batch_size=100).as_numpy_iterator())
+  assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=0), "batch_size"), (dict(batch_size=101), "batch_size"),
+    (dict(batch_size=2.0), "batch_size"), (dict(batch_size=10, passes=0), "passes"),
+])
+def test_shuffled_batches_bad_arguments(kw, match):
+  with pytest.raises(ValueError, match=match):
+    dp.data.shuffled_batches(np.ones([100, 2]), **kw)
