@@ -1,0 +1,291 @@
+"""Sound (ε, δ) lower bounds from attack scores (empirical privacy auditing).
+
+(ε, δ)-DP of a mechanism M for neighbours D (with a target record) and D' (without it)
+means, for every (possibly randomized) test with rejection region A,
+
+    P[M(D) ∈ A] <= e^ε P[M(D') ∈ A] + δ   and   P[M(D') ∈ A] <= e^ε P[M(D) ∈ A] + δ.   (1)
+
+With A = {score > t}: TPR <= e^ε FPR + δ and TNR <= e^ε FNR + δ, so
+
+    ε >= max( log((TPR - δ) / FPR), log((TNR - δ) / FNR) ).                             (2)
+
+Given i.i.d. scores of "members" (outputs of M(D)) and "non-members" (outputs of M(D')),
+`epsilon_lower_bound` replaces TPR, TNR by one-sided Clopper–Pearson lower limits and FPR,
+FNR by upper limits and returns the best threshold's value of (2). The threshold choice is
+sound in one of two ways (Jagielski et al. 2020; Nasr et al. 2021/2023 use the same
+inequalities):
+
+* method="bonferroni" (default): thresholds at a fixed set of ranks of the other class'
+  order statistics (or at fixed values the caller gives). For continuous scores the false
+  positive rate at the j-th largest negative score is Beta(j, m - j + 1) distributed, which
+  is exactly the Clopper–Pearson upper limit for j - 1 counts, so the data-dependent
+  threshold keeps exact coverage; ties are broken by independent uniform keys (a
+  randomized test, allowed by (1)). α is split over both directions, both rates and all K
+  thresholds (α / (4K) each).
+* method="split": one part of each class picks the threshold, the other part evaluates it.
+
+The one-run audit of Steinke, Nasr & Jagielski (2023) is `one_run_epsilon_lower_bound`.
+All ε are in nats; δ is a probability; confidence is 1 - α.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+from scipy import special
+from scipy import stats
+
+METHODS = ("bonferroni", "split")
+
+
+# ---- argument checks -------------------------------------------------------------------
+
+def _scores(name, values):
+  arr = np.asarray(values, dtype=np.float64).reshape(-1)
+  if arr.size == 0:
+    raise ValueError(f"{name} must hold at least one score, got an empty array")
+  if not np.all(np.isfinite(arr)):
+    raise ValueError(f"{name} must be finite numbers, got {int(np.sum(~np.isfinite(arr)))} "
+                     "non-finite values (NaN or inf)")
+  return arr
+
+
+def _check_delta(delta):
+  if not (isinstance(delta, (int, float, np.floating)) and 0.0 <= float(delta) < 1.0):
+    raise ValueError(f"delta must be a number in [0, 1), got {delta!r}")
+  return float(delta)
+
+
+def _check_confidence(confidence):
+  if not (isinstance(confidence, (int, float, np.floating)) and 0.0 < float(confidence) < 1.0):
+    raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
+  return float(confidence)
+
+
+# ---- Clopper–Pearson ---------------------------------------------------------------------
+
+def clopper_pearson(successes, trials, alpha, side):
+  """One-sided exact (Clopper–Pearson) binomial confidence limit.
+
+  lower: largest p with P[Bin(n, p) >= k] <= alpha, i.e. Beta(alpha; k, n - k + 1) (0 if k = 0);
+  upper: smallest p with P[Bin(n, p) <= k] <= alpha, i.e. Beta(1 - alpha; k + 1, n - k)
+  (1 if k = n). Each limit covers the true p with probability >= 1 - alpha.
+
+  Args:
+    successes: k, counts (int or array), 0 <= k <= n.
+    trials: n >= 1 (int or array broadcasting with k).
+    alpha: one-sided error probability in (0, 1).
+    side: "lower" or "upper".
+  Returns:
+    float64 array (or float) of limits in [0, 1].
+  Raises:
+    ValueError: for k outside [0, n], n < 1, alpha outside (0, 1) or an unknown side.
+  """
+  k = np.asarray(successes, dtype=np.float64)
+  n = np.asarray(trials, dtype=np.float64)
+  if np.any(n < 1) or np.any(k < 0) or np.any(k > n):
+    raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got successes={successes!r}, "
+                     f"trials={trials!r}")
+  if not 0.0 < float(alpha) < 1.0:
+    raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+  with np.errstate(invalid="ignore", divide="ignore"):
+    if side == "lower":
+      out = np.where(k > 0, special.betaincinv(np.maximum(k, 1e-300), n - k + 1, alpha), 0.0)
+    elif side == "upper":
+      out = np.where(k < n, special.betaincinv(k + 1, np.maximum(n - k, 1e-300), 1.0 - alpha), 1.0)
+    else:
+      raise ValueError(f"side must be 'lower' or 'upper', got {side!r}")
+  return out if out.ndim else float(out)
+
+
+def _eps_from_rates(tpr_lo, fpr_hi, delta):
+  """Elementwise log((tpr_lo - delta) / fpr_hi), 0 where not positive (Eq. 2)."""
+  tpr_lo = np.asarray(tpr_lo, dtype=np.float64)
+  fpr_hi = np.asarray(fpr_hi, dtype=np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    eps = np.log(np.maximum(tpr_lo - delta, 0.0)) - np.log(fpr_hi)
+  return np.where(np.isfinite(eps) & (eps > 0), eps, 0.0)
+
+
+# ---- result ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LowerBound:
+  """An (ε, δ) lower bound and the test that gives it.
+
+  epsilon: the bound (nats, >= 0); delta; confidence (1 - α); threshold: score threshold of
+  the best test (rule "score > threshold" in direction "member", "score <= threshold" in
+  direction "nonmember"); tpr_lower, fpr_upper: its Clopper–Pearson limits (rates of the
+  direction's positive class); num_tests: thresholds the α was divided over; method.
+  """
+  epsilon: float
+  delta: float
+  confidence: float
+  threshold: float
+  direction: str
+  tpr_lower: float
+  fpr_upper: float
+  num_tests: int
+  method: str
+
+
+def _rank_grid(m, num_thresholds):
+  """Ranks 1..m, geometrically spaced (fixed before seeing the scores)."""
+  if num_thresholds >= m:
+    return np.arange(1, m + 1)
+  return np.unique(np.round(np.geomspace(1, m, num_thresholds)).astype(np.int64))
+
+
+def _ranked_direction(pos, neg, num_thresholds, alpha_each, delta, rng):
+  """Best (ε, t, tpr_lo, fpr_hi) with thresholds at ranks of neg (rule: pos > t)."""
+  keys = rng.random(pos.size + neg.size)
+  values = np.concatenate([pos, neg])
+  is_pos = np.concatenate([np.ones(pos.size, bool), np.zeros(neg.size, bool)])
+  order = np.lexsort((keys, values))[::-1]           # descending in (score, key)
+  pos_sorted = is_pos[order]
+  pos_above = np.cumsum(pos_sorted) - pos_sorted     # positives strictly above each element
+  neg_pos_above = pos_above[~pos_sorted]             # for the j-th largest negative (j = 1..m)
+  neg_values = values[order][~pos_sorted]
+  ranks = _rank_grid(neg.size, num_thresholds)
+  tpr_lo = clopper_pearson(neg_pos_above[ranks - 1], pos.size, alpha_each, "lower")
+  fpr_hi = clopper_pearson(ranks - 1, neg.size, alpha_each, "upper")
+  eps = _eps_from_rates(tpr_lo, fpr_hi, delta)
+  i = int(np.argmax(eps))
+  return float(eps[i]), float(neg_values[ranks[i] - 1]), float(tpr_lo[i]), float(fpr_hi[i])
+
+
+def _fixed_thresholds(pos, neg, thresholds, alpha_each, delta):
+  """Best bound over fixed thresholds, both directions sharing the same two limits."""
+  t = np.asarray(thresholds, dtype=np.float64).reshape(-1)
+  tp = (pos[None, :] > t[:, None]).sum(1)
+  fp = (neg[None, :] > t[:, None]).sum(1)
+  tpr_lo = clopper_pearson(tp, pos.size, alpha_each, "lower")
+  fpr_hi = clopper_pearson(fp, neg.size, alpha_each, "upper")
+  eps_m = _eps_from_rates(tpr_lo, fpr_hi, delta)
+  eps_n = _eps_from_rates(1.0 - fpr_hi, 1.0 - tpr_lo, delta)   # TNR_lo / FNR_hi
+  best = []
+  for eps, name, a, b in ((eps_m, "member", tpr_lo, fpr_hi),
+                          (eps_n, "nonmember", 1.0 - fpr_hi, 1.0 - tpr_lo)):
+    i = int(np.argmax(eps))
+    best.append((float(eps[i]), float(t[i]), name, float(a[i]), float(b[i])))
+  return max(best, key=lambda r: r[0])
+
+
+def _bonferroni(pos, neg, delta, alpha, thresholds, num_thresholds, rng):
+  if thresholds is not None:
+    k = int(np.size(thresholds))
+    eps, t, name, a, b = _fixed_thresholds(pos, neg, thresholds, alpha / (2 * k), delta)
+    return eps, t, name, a, b, k
+  k = max(_rank_grid(neg.size, num_thresholds).size, _rank_grid(pos.size, num_thresholds).size)
+  each = alpha / (4 * k)        # 2 directions x 2 rates x k thresholds
+  e1, t1, a1, b1 = _ranked_direction(pos, neg, num_thresholds, each, delta, rng)
+  e2, t2, a2, b2 = _ranked_direction(-neg, -pos, num_thresholds, each, delta, rng)
+  if e1 >= e2:
+    return e1, t1, "member", a1, b1, 2 * k
+  return e2, -t2, "nonmember", a2, b2, 2 * k
+
+
+def _split(pos, neg, delta, alpha, split_fraction, num_thresholds, rng):
+  if not 0.0 < split_fraction < 1.0:
+    raise ValueError(f"split_fraction must be in (0, 1), got {split_fraction!r}")
+  pos, neg = rng.permutation(pos), rng.permutation(neg)
+  i_pos, i_neg = int(round(pos.size * split_fraction)), int(round(neg.size * split_fraction))
+  if min(i_pos, i_neg, pos.size - i_pos, neg.size - i_neg) < 1:
+    raise ValueError(f"method='split' needs at least one score of each class in each part; got "
+                     f"{pos.size} member and {neg.size} non-member scores with "
+                     f"split_fraction={split_fraction}")
+  # Selection part: any rule may be used; here the Bonferroni bound on that part.
+  _, t, _, _, _, _ = _bonferroni(pos[:i_pos], neg[:i_neg], delta, alpha, None, num_thresholds, rng)
+  eps, t, name, a, b = _fixed_thresholds(pos[i_pos:], neg[i_neg:], [t], alpha / 2, delta)
+  return eps, t, name, a, b, 1
+
+
+def lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, *, method="bonferroni",
+                thresholds=None, num_thresholds=64, split_fraction=0.5, seed=0):
+  """(ε, δ) lower bound from scores, with the test that attains it (see module docstring).
+
+  Args:
+    member_scores: scores of outputs of M(D) (target present), i.i.d.; higher = member.
+    nonmember_scores: scores of outputs of M(D') (target absent), i.i.d.
+    delta: δ of the (ε, δ) statement audited, in [0, 1).
+    confidence: 1 - α, in (0, 1); the bound is <= the true ε with this probability.
+    method: "bonferroni" (thresholds at fixed ranks of the other class, or at the fixed
+      `thresholds`) or "split" (choose on a split, evaluate on the rest).
+    thresholds: optional fixed threshold values chosen before seeing the scores.
+    num_thresholds: ranks per direction (geometric grid over 1..m) for "bonferroni".
+    split_fraction: share of each class used to choose the threshold ("split").
+    seed: seeds the tie-breaking keys and the split (not a privacy parameter).
+  Returns:
+    LowerBound (epsilon in nats, >= 0).
+  Raises:
+    ValueError: empty or non-finite scores, delta/confidence/method/thresholds out of range.
+  """
+  pos = _scores("member_scores", member_scores)
+  neg = _scores("nonmember_scores", nonmember_scores)
+  delta = _check_delta(delta)
+  alpha = 1.0 - _check_confidence(confidence)
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if not (isinstance(num_thresholds, (int, np.integer)) and num_thresholds >= 1):
+    raise ValueError(f"num_thresholds must be a positive integer, got {num_thresholds!r}")
+  if thresholds is not None:
+    if method != "bonferroni":
+      raise ValueError(f"thresholds are used by method='bonferroni' only, got method={method!r}")
+    if np.size(thresholds) == 0 or not np.all(np.isfinite(thresholds)):
+      raise ValueError(f"thresholds must be a non-empty array of finite values, got {thresholds!r}")
+  rng = np.random.default_rng(seed)
+  if method == "bonferroni":
+    eps, t, name, a, b, k = _bonferroni(pos, neg, delta, alpha, thresholds, num_thresholds, rng)
+  else:
+    eps, t, name, a, b, k = _split(pos, neg, delta, alpha, split_fraction, num_thresholds, rng)
+  return LowerBound(eps, delta, 1.0 - alpha, t, name, a, b, k, method)
+
+
+def epsilon_lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, **kwargs):
+  """ε lower bound (nats) at confidence 1 - α from member / non-member scores.
+
+  Higher score = more likely a member. Sound when each class' scores are i.i.d. outputs of
+  M(D) and M(D') (e.g. one score per training run, or independent canaries as in the
+  white-box audit); for scores of many records of one model use
+  `one_run_epsilon_lower_bound`. Keyword arguments go to `lower_bound`.
+
+  Args:
+    member_scores: 1-D array of member scores.
+    nonmember_scores: 1-D array of non-member scores.
+    delta: δ in [0, 1).
+    confidence: 1 - α in (0, 1).
+  Returns:
+    float ε >= 0 such that P[ε_true < returned] <= α if M is (ε_true, δ)-DP.
+  Raises:
+    ValueError: see `lower_bound`.
+  """
+  return lower_bound(member_scores, nonmember_scores, delta, confidence, **kwargs).epsilon
+
+
+# ---- μ-GDP reference ---------------------------------------------------------------------
+
+def gdp_delta(mu, epsilon):
+  """δ(ε) of μ-GDP (Dong, Roth & Su 2019, Cor. 2.13): Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2)."""
+  if not mu > 0:
+    raise ValueError(f"mu must be > 0, got {mu!r}")
+  return float(stats.norm.cdf(-epsilon / mu + mu / 2)
+               - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
+
+
+def gdp_epsilon(mu, delta):
+  """Smallest ε with δ(ε) <= delta for μ-GDP, i.e. the true ε of the pair N(μ,1), N(0,1).
+
+  Args: mu > 0 (nats per unit noise), delta in (0, 1). Returns: ε (nats) by bisection to
+  1e-10. Raises: ValueError for mu <= 0 or delta outside (0, 1).
+  """
+  if not 0.0 < delta < 1.0:
+    raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+  if gdp_delta(mu, 0.0) <= delta:
+    return 0.0
+  lo, hi = 0.0, 1.0
+  while gdp_delta(mu, hi) > delta:
+    hi *= 2.0
+  while hi - lo > 1e-10:
+    mid = 0.5 * (lo + hi)
+    lo, hi = (mid, hi) if gdp_delta(mu, mid) > delta else (lo, mid)
+  return hi

@@ -1,0 +1,167 @@
+"""White-box Dirac gradient canaries inside the real DP-SGD train step (Nasr et al. 2023).
+
+A Dirac canary k is a training record whose gradient is s_k · S · e_k: zero everywhere but
+in its own coordinate w_k of an extra canary weight vector w ∈ R^m, of L2 norm exactly the
+clipping norm S (so clipping leaves it unchanged). No real record touches w, and w does not
+change the model's predictions. The record goes through the unmodified private step of a
+`tf_dpiter.keras` DP model (Poisson sampling, per-record clipping, the noise of the DP
+optimizer, the ledger), so the audit covers that whole pipeline.
+
+With plain SGD (learning rate η) and Poisson sampling (denominator q·n), the released
+update of coordinate k at step t gives, in units of S,
+
+    x_kt = -(w_k^{t+1} - w_k^t) · q n / (η S) = s_k · b_kt + N(0, z²),  b_kt ~ Bernoulli(q),  (4)
+
+independently over k and t (the noise is i.i.d. per coordinate, the canaries are sampled
+independently and nothing else reaches w). Canaries absent from the data ("out") have
+b_kt = 0. Hence the canaries are independent trials of the audited mechanism and
+`bounds.epsilon_lower_bound` applies to their scores.
+
+Encoding (sparse integer labels, K classes): canary k with sign +1 has label K + k, with sign
+-1 label K + m + k; its input is all zeros. The wrapped model outputs [B, K + m] =
+concat(base logits, w broadcast); `DiracCanaryLoss` gives real rows the base loss on the
+first K columns and canary rows s_k · S · w_k.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.keras import models as dp_models
+
+ADD_REMOVE = "add_remove"
+REPLACE = "replace"
+NEIGHBOURING = (ADD_REMOVE, REPLACE)
+
+
+@keras.saving.register_keras_serializable(package="tf_dpiter.auditing")
+class DiracCanaryModel(keras.Model):
+  """base model + m canary weights; output concat(base(x), w) of shape [B, K + m].
+
+  Args:
+    base: a Keras model mapping x to logits [B, K] (built or buildable on x).
+    num_canaries: m >= 1, one weight per canary.
+  Raises:
+    ValueError: num_canaries not a positive integer.
+  """
+
+  def __init__(self, base, num_canaries, **kwargs):
+    super().__init__(**kwargs)
+    if isinstance(num_canaries, bool) or not isinstance(num_canaries, (int, np.integer)) or (
+        num_canaries < 1):
+      raise ValueError(f"num_canaries must be a positive integer, got {num_canaries!r}")
+    self.base = base
+    self.num_canaries = int(num_canaries)
+    self.canary_weights = self.add_weight(shape=(self.num_canaries,), initializer="zeros",
+                                          name="canary_weights", trainable=True)
+
+  def call(self, x, training=False):
+    logits = self.base(x, training=training)
+    batch = tf.shape(logits)[0]
+    w = tf.broadcast_to(tf.cast(self.canary_weights, logits.dtype)[None, :],
+                        tf.stack([batch, self.num_canaries]))
+    return tf.concat([logits, w], axis=-1)
+
+
+@keras.saving.register_keras_serializable(package="tf_dpiter.auditing")
+class DiracCanaryLoss(keras.losses.Loss):
+  """Per-example loss: base loss on real rows, s_k · S · w_k on canary rows (Eq. 4).
+
+  Args:
+    num_classes: K, the base model's number of logits.
+    num_canaries: m.
+    l2_norm_clip: S, the DP optimizer's clipping norm (the canary gradient's L2 norm).
+    from_logits: the base loss is sparse categorical cross-entropy on logits (True) or
+      probabilities (False).
+  """
+
+  def __init__(self, num_classes, num_canaries, l2_norm_clip, from_logits=True,
+               reduction="sum_over_batch_size", name="dirac_canary_loss"):
+    super().__init__(reduction=reduction, name=name)
+    self.num_classes = int(num_classes)
+    self.num_canaries = int(num_canaries)
+    self.l2_norm_clip = float(l2_norm_clip)
+    self.from_logits = bool(from_logits)
+
+  def call(self, y_true, y_pred):
+    y = tf.cast(tf.reshape(y_true, [-1]), tf.int32)
+    k_cls, m = self.num_classes, self.num_canaries
+    is_canary = y >= k_cls
+    logits = y_pred[:, :k_cls]
+    safe_y = tf.where(is_canary, tf.zeros_like(y), y)
+    base = keras.losses.sparse_categorical_crossentropy(safe_y, logits,
+                                                        from_logits=self.from_logits)
+    idx = tf.where(is_canary, (y - k_cls) % m, tf.zeros_like(y))
+    sign = tf.where(y >= k_cls + m, -1.0, 1.0)
+    w = tf.gather(y_pred[:, k_cls:], idx, axis=1, batch_dims=1)
+    canary = tf.cast(sign * self.l2_norm_clip, w.dtype) * w
+    return tf.where(is_canary, tf.cast(canary, base.dtype), base)
+
+  def get_config(self):
+    return {"num_classes": self.num_classes, "num_canaries": self.num_canaries,
+            "l2_norm_clip": self.l2_norm_clip, "from_logits": self.from_logits,
+            "reduction": self.reduction, "name": self.name}
+
+
+def draw_membership(num_canaries, seed, p_in=0.5):
+  """Which canaries are "in" (sign +1 / present): independent Bernoulli(p_in), drawn before training.
+
+  Args: num_canaries m >= 1; seed (int, reproducible audit design, not the DP noise);
+  p_in in (0, 1). Returns: bool array [m]. Raises: ValueError for p_in outside (0, 1).
+  """
+  if not 0.0 < p_in < 1.0:
+    raise ValueError(f"p_in must be in (0, 1), got {p_in!r}")
+  return np.random.default_rng(seed).random(int(num_canaries)) < p_in
+
+
+def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtype=np.float32):
+  """(x, y) of the canary records to append to the training set.
+
+  Args:
+    x_shape: shape of one input example (tuple).
+    num_classes: K.
+    included: bool [m] from `draw_membership`.
+    neighbouring: "add_remove" (only included canaries are records, sign +1) or "replace"
+      (every canary is a record: sign +1 if included, -1 if not; neighbours differ by a
+      record's value, sensitivity 2S).
+  Returns:
+    (x [r, *x_shape] zeros, y [r] int64 labels) with r = #included or m.
+  Raises:
+    ValueError: unknown neighbouring.
+  """
+  if neighbouring not in NEIGHBOURING:
+    raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
+  included = np.asarray(included, bool)
+  m = included.size
+  k = np.arange(m)
+  if neighbouring == ADD_REMOVE:
+    y = num_classes + k[included]
+  else:
+    y = np.where(included, num_classes + k, num_classes + m + k)
+  x = np.zeros((y.size,) + tuple(x_shape), dtype)
+  return x, y.astype(np.int64)
+
+
+def wrap_model(base, num_canaries):
+  """DP version (`tf_dpiter.keras.make_private`) of DiracCanaryModel(base, num_canaries)."""
+  return dp_models.make_private(DiracCanaryModel(base, num_canaries))
+
+
+def check_optimizer(optimizer, model=None):
+  """ValueError unless the released update of w is Eq. (4): plain DP SGD, vectorized clipping.
+
+  Args: optimizer: the model's DP optimizer; model: the canary model (for the clipping mode).
+  Raises: ValueError naming the offending setting.
+  """
+  if not isinstance(optimizer, keras.optimizers.SGD):
+    raise ValueError(f"white-box canaries need a DP SGD optimizer (update = -lr * gradient), got "
+                     f"{type(optimizer).__name__}")
+  if float(optimizer.momentum) != 0.0 or optimizer.weight_decay:
+    raise ValueError(f"white-box canaries need momentum=0 and no weight_decay, got "
+                     f"momentum={optimizer.momentum!r}, weight_decay={optimizer.weight_decay!r}")
+  if optimizer.num_microbatches is not None:
+    raise ValueError("white-box canaries need num_microbatches=None (one record per example), "
+                     f"got {optimizer.num_microbatches!r}")
+  if model is not None and optimizer.resolve_clipping(model) != "vectorized":
+    raise ValueError("white-box canaries need clipping='vectorized' (the canary weights are not "
+                     f"a layer fast clipping knows), got clipping={optimizer.clipping!r}")

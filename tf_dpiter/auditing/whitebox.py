@@ -1,0 +1,167 @@
+"""White-box audit of DP-SGD from the released updates of Dirac canaries (Nasr et al. 2023).
+
+`CanaryRecorder` (a Keras callback) reads the canary weights around every train step and
+turns each update into x_kt of Eq. (4) (`canaries` module). `canary_scores` turns them into
+likelihood-ratio scores of the exact mechanism the accountant analyses, the T-fold
+composition of the Poisson-subsampled Gaussian with noise multiplier z:
+
+  add/remove:  log L_kt = log(1 - q + q exp((x_kt - 1/2) / z²))                         (5)
+  replace:     log L_kt = log(1 - q + q exp((x_kt - 1/2) / z²)) - log(1 - q + q exp((-x_kt - 1/2) / z²))
+
+per="run" sums (5) over the T steps (one score per canary: the Neyman–Pearson test of the
+whole run, tight when the accountant is); per="step" keeps every x_kt as a score (T trials
+per canary of one step; a sound but looser bound on the run's ε, useful at z = 0 where (5)
+is undefined: then the score is x itself, summed over steps for per="run").
+
+`claimed_epsilon` computes the claim straight from dp_accounting events.
+"""
+
+import math
+
+import dp_accounting
+import keras
+import numpy as np
+
+from tf_dpiter.auditing import bounds as bounds_lib
+from tf_dpiter.auditing import canaries as canaries_lib
+
+PER = ("run", "step")
+
+
+class CanaryRecorder(keras.callbacks.Callback):
+  """Records x_kt (Eq. 4) of the canary weights of a `DiracCanaryModel` at every step.
+
+  Args:
+    canary_model: the (DP) DiracCanaryModel being trained.
+    l2_norm_clip: S of the DP optimizer.
+    expected_batch_size: q·n, the Poisson denominator of the DP optimizer.
+  Attributes:
+    observations: float64 array [m, T] of x_kt (T steps seen so far).
+  """
+
+  def __init__(self, canary_model, l2_norm_clip, expected_batch_size):
+    super().__init__()
+    if not isinstance(canary_model, canaries_lib.DiracCanaryModel):
+      raise ValueError(f"canary_model must be a DiracCanaryModel, got {type(canary_model).__name__}")
+    self._canary_model = canary_model
+    self._scale = float(expected_batch_size) / float(l2_norm_clip)
+    self._rows = []
+    self._before = None
+    self._lr = None
+
+  def on_train_begin(self, logs=None):
+    canaries_lib.check_optimizer(self._canary_model.optimizer, self._canary_model)
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self._before = np.array(self._canary_model.canary_weights.numpy(), np.float64)
+    self._lr = float(keras.ops.convert_to_numpy(self._canary_model.optimizer.learning_rate))
+
+  def on_train_batch_end(self, batch, logs=None):
+    after = np.array(self._canary_model.canary_weights.numpy(), np.float64)
+    self._rows.append(-(after - self._before) * self._scale / self._lr)
+
+  @property
+  def observations(self):
+    m = self._canary_model.num_canaries
+    return np.stack(self._rows, axis=1) if self._rows else np.zeros((m, 0))
+
+  @property
+  def steps(self):
+    return len(self._rows)
+
+
+def canary_scores(observations, sampling_probability, noise_multiplier,
+                  neighbouring=canaries_lib.ADD_REMOVE, per="run"):
+  """Scores (higher = canary included / sign +1) from x_kt, Eq. (5).
+
+  Args:
+    observations: [m, T] array of x_kt.
+    sampling_probability: q in (0, 1].
+    noise_multiplier: z >= 0 (z = 0: raw x).
+    neighbouring: "add_remove" or "replace" (see canaries.canary_records).
+    per: "run" ([m] scores) or "step" ([m, T] scores).
+  Returns:
+    float64 array of scores, [m] or [m, T].
+  Raises:
+    ValueError: q, z, neighbouring or per out of range.
+  """
+  x = np.asarray(observations, np.float64)
+  q, z = float(sampling_probability), float(noise_multiplier)
+  if not 0.0 < q <= 1.0:
+    raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+  if not z >= 0.0:
+    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+  if neighbouring not in canaries_lib.NEIGHBOURING:
+    raise ValueError(f"neighbouring must be one of {canaries_lib.NEIGHBOURING}, got {neighbouring!r}")
+  if per not in PER:
+    raise ValueError(f"per must be one of {PER}, got {per!r}")
+  if z == 0.0:
+    s = x
+  else:
+    def log_mix(v):
+      if q == 1.0:
+        return (v - 0.5) / z**2
+      return np.logaddexp(math.log1p(-q), math.log(q) + (v - 0.5) / z**2)
+    s = log_mix(x) - (log_mix(-x) if neighbouring == canaries_lib.REPLACE else 0.0)
+  return s.sum(axis=1) if per == "run" else s
+
+
+def whitebox_lower_bound(observations, included, sampling_probability, noise_multiplier, delta,
+                         confidence=0.95, neighbouring=canaries_lib.ADD_REMOVE, per="run",
+                         **kwargs):
+  """(ε, δ) lower bound (bounds.LowerBound) from the canaries' recorded updates.
+
+  Args:
+    observations: [m, T] from CanaryRecorder.observations.
+    included: bool [m] from canaries.draw_membership.
+    sampling_probability, noise_multiplier, neighbouring, per: see `canary_scores`.
+    delta, confidence: of the bound. kwargs go to bounds.lower_bound.
+  Returns:
+    bounds.LowerBound.
+  Raises:
+    ValueError: shapes or arguments out of range, or no canary in one of the two classes.
+  """
+  inc = np.asarray(included, bool).reshape(-1)
+  x = np.asarray(observations, np.float64)
+  if x.ndim != 2 or x.shape[0] != inc.size:
+    raise ValueError(f"observations must be [m={inc.size}, T], got shape {x.shape}")
+  if inc.all() or not inc.any():
+    raise ValueError("included must mark at least one canary in and one out, got "
+                     f"{int(inc.sum())} of {inc.size} in")
+  s = canary_scores(x, sampling_probability, noise_multiplier, neighbouring, per)
+  return bounds_lib.lower_bound(s[inc].ravel(), s[~inc].ravel(), delta, confidence, **kwargs)
+
+
+def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accountant="pld",
+                    sensitivity=1.0):
+  """ε of `steps` Poisson-subsampled Gaussian steps from dp_accounting (the claim audited).
+
+  The event is SelfComposed(PoissonSampled(q, Gaussian(z / sensitivity)), steps) under
+  add/remove adjacency. sensitivity is in units of the clipping norm S: 1 for one record
+  added or removed; 2 for a record replaced (or an example moved inside a clipped
+  microbatch). Passing 1 where 2 is true is the "halved sensitivity" bug an audit must catch.
+
+  Args:
+    sampling_probability: q in (0, 1]; noise_multiplier: z >= 0; steps: T >= 1;
+    delta in (0, 1); accountant: "pld" or "rdp"; sensitivity > 0.
+  Returns:
+    float ε (inf for z = 0).
+  Raises:
+    ValueError: unknown accountant or arguments out of range.
+  """
+  if accountant not in ("pld", "rdp"):
+    raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+  if not (0.0 < sampling_probability <= 1.0 and noise_multiplier >= 0 and steps >= 1
+          and sensitivity > 0 and 0.0 < delta < 1.0):
+    raise ValueError("need q in (0, 1], z >= 0, steps >= 1, sensitivity > 0, delta in (0, 1); got "
+                     f"q={sampling_probability!r}, z={noise_multiplier!r}, steps={steps!r}, "
+                     f"sensitivity={sensitivity!r}, delta={delta!r}")
+  if noise_multiplier == 0:
+    return math.inf
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(
+          sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)),
+      int(steps))
+  acc = (dp_accounting.pld.PLDAccountant() if accountant == "pld"
+         else dp_accounting.rdp.RdpAccountant())
+  return float(acc.compose(event).get_epsilon(delta))
