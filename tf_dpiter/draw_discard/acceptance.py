@@ -23,7 +23,15 @@ instances and the last `history` replaced ones) passes all three. Hence
     P(honest update refused) <= alpha + P(its pre-image left the history),
 
 the second term being zero while fewer than `history` updates land between its draw and
-its submit. An accepted update moves each weight at most a + q s from an instance, moves
+its submit.
+
+Chaining: the server cannot know which candidate was drawn, so an attacker may claim its
+own last accepted update as the pre-image and walk arbitrarily far in N steps. A fourth
+test (when the rule knows the instances' stationary spread, Theorem 1) refuses an update
+whose mean squared distance to the average of the k instances exceeds `centre_factor`
+times that of an honest update (spread^2 + noise variance + a^2). This bound is
+empirical (instances under training are not iid); benchmarks/draw_discard_acceptance.py
+measures its false rejections. An accepted update moves each weight at most a + q s from an instance, moves
 the weights by at most a + U s / p on average beyond the step, and carries at least the
 noise floor, so copies (variance collapse) and out-of-range values are refused. With no
 noise (epsilon None) only |d_j| <= a is checked.
@@ -141,7 +149,12 @@ class AcceptanceRule:
   """
 
   def __init__(self, spec: glm.ModelSpec, alpha: float = 1e-3, max_abs_weight: float = 1e6,
-               noise_cap: float = 2.0, prefilter_columns: int = 64):
+               noise_cap: float = 2.0, prefilter_columns: int = 64,
+               spread_std: float | None = None, centre_factor: float = 9.0):
+    if spread_std is not None and not spread_std >= 0:
+      raise ValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
+    if not centre_factor > 0:
+      raise ValueError(f"centre_factor must be > 0, got {centre_factor!r}")
     if not 0 < alpha < 0.5:
       raise ValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
     if not max_abs_weight > 0:
@@ -166,6 +179,11 @@ class AcceptanceRule:
       self.linf = self.step + self.scale * per_weight_quantile(noise, self.p, a3)
       self.upper = upper_quantile(noise, self.p, a3)
       self.lower = lower_quantile(noise, self.p, a3, self.noise_cap)
+    self.centre_factor = float(centre_factor)
+    self.centre_var = None
+    if spread_std is not None:  # E (u_j - mean_j)^2 of an honest update, at Theorem 1's spread
+      noise_var = 2 * self.scale**2 if noise == "laplace" else self.scale**2
+      self.centre_var = spread_std**2 + noise_var + self.step**2
     n_cols = min(self.p, int(prefilter_columns))
     self._cols = np.unique(np.linspace(0, self.p - 1, n_cols).round().astype(np.int64))
 
@@ -178,6 +196,8 @@ class AcceptanceRule:
     return dict(rule="bounded_influence", alpha=self.alpha, noise=self.noise, step=self.step,
                 scale=self.scale, linf=self.linf, excess_max=self.upper, floor_min=self.lower,
                 noise_cap=self.noise_cap, max_abs_weight=self.max_abs_weight,
+                centre_rms_max=(math.sqrt(self.centre_factor * self.centre_var)
+                                if self.centre_var is not None else None),
                 false_rejection_bound=f"<= {self.alpha:g} + P(pre-image evicted from history)")
 
   def _full(self, d: np.ndarray) -> str:
@@ -191,16 +211,21 @@ class AcceptanceRule:
       return "too_little_noise"
     return ""
 
-  def check(self, update: np.ndarray, candidates: np.ndarray) -> Decision:
+  def check(self, update: np.ndarray, candidates: np.ndarray,
+            centre: np.ndarray | None = None) -> Decision:
     """Accepts `update` if it is a plausible honest update of one of `candidates`.
 
     Args:
       update: [p] float64 weights.
       candidates: [n, p] instances it may have been drawn from (current + recent).
+      centre: [p] mean of the k current instances; with spread_std set, an update whose
+        mean squared distance to it exceeds centre_factor times an honest update's
+        expectation is refused ("far_from_centre"): this stops an attacker from chaining
+        its own accepted updates (empirical bound, see module docstring).
 
     Returns:
-      A Decision; reason is one of "non_finite", "out_of_range", "step_too_large",
-      "excess_too_large", "too_little_noise", "no_candidates".
+      A Decision; reason is one of "non_finite", "out_of_range", "far_from_centre",
+      "step_too_large", "excess_too_large", "too_little_noise", "no_candidates".
 
     Raises:
       ValueError: if the shapes do not match the spec.
@@ -212,6 +237,9 @@ class AcceptanceRule:
       return Decision(False, "non_finite")
     if np.abs(update).max() > self.max_abs_weight:
       return Decision(False, "out_of_range")
+    if centre is not None and self.centre_var is not None:
+      if np.mean((update - centre) ** 2) > self.centre_factor * self.centre_var:
+        return Decision(False, "far_from_centre")
     if candidates.shape[0] == 0:
       return Decision(False, "no_candidates")
     part = np.abs(candidates[:, self._cols] - update[self._cols])

@@ -177,11 +177,9 @@ class RedisStore:
       self._result(-1)
     if gen.decode() != self.generation:
       self._result(-2)
-    p = len(slots[0]) // 8
-    arr = np.frombuffer(b"".join(slots), dtype="<f8").reshape(len(slots), p)
-    h = (np.frombuffer(b"".join(hist), dtype="<f8").reshape(len(hist), p) if hist
-         else np.zeros((0, p)))
-    return store_lib.Snapshot(int(seq or 0), arr, h)
+    p, k = len(slots[0]) // 8, len(slots)
+    rows = np.frombuffer(b"".join(slots + hist), dtype="<f8").reshape(k + len(hist), p)
+    return store_lib.Snapshot(int(seq or 0), rows[:k], rows[k:], rows)
 
   async def replace(self, i: int, w: np.ndarray) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number."""

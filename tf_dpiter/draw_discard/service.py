@@ -69,6 +69,8 @@ class DDMLService:
     alpha: the acceptance rule's false-rejection probability (acceptance.AcceptanceRule).
     history: replaced instances kept as acceptance candidates.
     max_abs_weight: no stored weight exceeds this magnitude.
+    centre_factor: refuse updates farther (mean square) from the average than this times an
+      honest update's expectation at Theorem 1's spread (stops chaining attacks).
     draw_max_age_s: a draw may use a snapshot this old when the store moved on.
     body_timeout_s: seconds to receive a request body (408 after).
     init_epsilon: epsilon of the initial spread when the spec has no noise.
@@ -82,7 +84,8 @@ class DDMLService:
 
   def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,
                quotas: auth.Quotas | None = None, alpha: float = 1e-3, history: int = 256,
-               max_abs_weight: float = 1e6, draw_max_age_s: float = 0.05,
+               max_abs_weight: float = 1e6, centre_factor: float = 9.0,
+               draw_max_age_s: float = 0.05,
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
                reset: bool = False, max_body_bytes: int | None = None):
     if int(k) != k or k < 2:
@@ -93,11 +96,14 @@ class DDMLService:
       raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
-    self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight)
+    self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
+    self.k = int(k)
+    self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight,
+                                          spread_std=self.initial_std(),
+                                          centre_factor=centre_factor)
     self.history = int(history)
     self.draw_max_age_s = float(draw_max_age_s)
     self.body_timeout_s = float(body_timeout_s)
-    self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
     self.p = spec.num_weights
     self.max_body_bytes = int(max_body_bytes or (26 * self.p + 65536))
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
@@ -111,18 +117,26 @@ class DDMLService:
     self._refresh_lock = asyncio.Lock()
     self.started = time.time()
 
-  def initial_instances(self) -> np.ndarray:
-    """N(0, k/2 sigma^2) per weight (Theorem 1), sigma from the spec's noise.
+  def initial_std(self) -> float:
+    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
 
     Returns:
-      [k, p] float64.
+      The std (init_epsilon's Laplace noise when the spec has none).
     """
     noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
     eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
     noise = "laplace" if noise == "none" else noise
     var = privacy.noise_std(noise, self.spec.gamma, eps, self.spec.clip, self.spec.delta) ** 2
-    std = float(np.sqrt(privacy.init_variance(self.k, var)))
-    return server_lib.initial_instances(self.k, self.p, 0.0, std, np.random.default_rng(self.seed))
+    return float(np.sqrt(privacy.init_variance(self.k, var)))
+
+  def initial_instances(self) -> np.ndarray:
+    """N(0, k/2 sigma^2) per weight (Theorem 1).
+
+    Returns:
+      [k, p] float64.
+    """
+    return server_lib.initial_instances(self.k, self.p, 0.0, self.initial_std(),
+                                        np.random.default_rng(self.seed))
 
   async def startup(self, app=None) -> None:
     """Initializes or joins the store (checks version, k, size, spec fingerprint, history)."""
@@ -221,12 +235,13 @@ class DDMLService:
     snap = self._snap
     if snap is None:
       snap = await self._refresh(0)
-    decision = self.rule.check(w, snap.candidates)
+    decision = self.rule.check(w, snap.candidates, snap.centre)
     if decision.accepted or decision.reason in ("non_finite", "out_of_range"):
       return decision
     seq = await self.store.touch()
     if seq != snap.seq:  # the pre-image may be newer than our snapshot
-      decision = self.rule.check(w, (await self._refresh(seq)).candidates)
+      snap = await self._refresh(seq)
+      decision = self.rule.check(w, snap.candidates, snap.centre)
     return decision
 
   def _refusal(self, reason: str) -> RequestError:

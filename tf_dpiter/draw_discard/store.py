@@ -20,8 +20,8 @@ client drew (adversary II, Section IV). Stores never hold which slot was drawn.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import uuid
 
 import numpy as np
@@ -53,15 +53,26 @@ class StoreUnavailable(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
-  """A consistent read: sequence number, slots [k, p] and replaced history [h, p]."""
+  """A consistent read: sequence number, slots [k, p] and replaced history [h, p].
+
+  `combined`, when the store has it, is slots and history in one array (no copy needed).
+  """
   seq: int
   slots: np.ndarray
   history: np.ndarray
+  combined: np.ndarray | None = None
 
-  @property
+  @functools.cached_property
   def candidates(self) -> np.ndarray:
     """Slots then history, [k + h, p]."""
+    if self.combined is not None:
+      return self.combined
     return np.concatenate([self.slots, self.history]) if len(self.history) else self.slots
+
+  @functools.cached_property
+  def centre(self) -> np.ndarray:
+    """Mean of the k slots, [p]."""
+    return self.slots.mean(axis=0)
 
 
 META_KEYS = ("version", "k", "num_weights", "fingerprint", "history")
@@ -90,8 +101,8 @@ class MemoryStore:
   kind = "memory"
 
   def __init__(self):
-    self._slots: np.ndarray | None = None
-    self._hist: collections.deque = collections.deque()
+    self._rows: np.ndarray | None = None  # [k + history, p]: slots, then a ring of replaced ones
+    self._k = self._n_hist = self._ptr = 0
     self._meta: dict | None = None
     self._seq = 0
     self._counters = dict.fromkeys(COUNTERS, 0)
@@ -115,8 +126,10 @@ class MemoryStore:
       check_meta(self._meta, meta)
       return False
     self.generation = uuid.uuid4().hex
-    self._slots = np.array(instances, dtype="<f8")
-    self._hist = collections.deque(maxlen=int(meta["history"]))
+    k, p = np.shape(instances)
+    self._rows = np.zeros((k + int(meta["history"]), p), dtype="<f8")
+    self._rows[:k] = instances
+    self._k, self._n_hist, self._ptr = k, 0, 0
     self._meta = dict(meta, generation=self.generation)
     self._seq = 0
     self._counters = dict.fromkeys(COUNTERS, 0)
@@ -124,8 +137,7 @@ class MemoryStore:
 
   def flush(self) -> None:
     """Drops all data, as a Redis FLUSHALL would (for fault tests)."""
-    self._slots, self._meta = None, None
-    self._hist = collections.deque()
+    self._rows, self._meta = None, None
 
   def _check(self) -> None:
     if self._meta is None or self._meta.get("generation") != self.generation:
@@ -143,16 +155,24 @@ class MemoryStore:
     return self._seq
 
   async def snapshot(self) -> Snapshot:
-    """All slots and the history at one sequence number."""
+    """All slots and the history (ring order) at this sequence number.
+
+    The arrays are views of the live store (no copy): use them before the next await,
+    or copy them. The event loop runs one coroutine at a time, so they are consistent.
+    """
     self._check()
-    hist = np.array(self._hist) if self._hist else np.zeros((0, self._slots.shape[1]))
-    return Snapshot(self._seq, self._slots.copy(), hist)
+    k, n = self._k, self._n_hist
+    return Snapshot(self._seq, self._rows[:k], self._rows[k:k + n], self._rows[:k + n])
 
   async def replace(self, i: int, w: np.ndarray) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number."""
     self._check()
-    self._hist.appendleft(self._slots[i].copy())
-    self._slots[i] = w
+    h = self._rows.shape[0] - self._k
+    if h:
+      self._rows[self._k + self._ptr] = self._rows[i]
+      self._ptr = (self._ptr + 1) % h
+      self._n_hist = min(self._n_hist + 1, h)
+    self._rows[i] = w
     self._seq += 1
     self._counters["submits"] += 1
     self._counters["accepted"] += 1

@@ -1,0 +1,136 @@
+"""Load test of the hardened Draw-and-Discard service: TLS + bearer tokens + quotas on.
+
+One or two `tf-dpiter-ddml serve` processes (memory store: one; Redis: two sharing one
+private redis-server) and one load-generator process with --clients concurrent clients
+(one token each, keep-alive TLS connections, client i on server i mod servers). One
+update = GET /v1/draw (raw) + POST /v1/submit of the drawn instance plus Laplace noise,
+which the acceptance rule admits. Reports updates/s, p50/p99 latency of one update and
+the servers' CPU time per update.
+
+  python benchmarks/draw_discard_load.py --stores memory redis --clients 16 64 --duration 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import draw_discard_common as common
+
+
+async def _worker(conn, stop_at, lat, errors, b, seed):
+  rng = np.random.default_rng(seed)
+  while time.perf_counter() < stop_at:
+    t0 = time.perf_counter()
+    try:
+      st, st2 = await common.one_update(conn, rng, b)
+    except ConnectionError:
+      st, st2 = -1, -1
+    if st != 200 or st2 != 200:
+      errors.append((st, st2))
+    else:
+      lat.append(time.perf_counter() - t0)
+
+
+def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
+  import ssl  # pylint: disable=g-import-not-at-top
+
+  async def main():
+    ctx = ssl.create_default_context(cafile=cert)
+    conns = [common.Conn(ports[i % len(ports)], tokens[i % len(tokens)], ctx)
+             for i in range(clients)]
+    warm = []
+    await asyncio.gather(*[_worker(c, time.perf_counter() + warmup, warm, [], b, i)
+                           for i, c in enumerate(conns)])
+    lat, errors = [], []
+    t0 = time.perf_counter()
+    await asyncio.gather(*[_worker(c, t0 + duration, lat, errors, b, 1000 + i)
+                           for i, c in enumerate(conns)])
+    wall = time.perf_counter() - t0
+    for c in conns:
+      c.close()
+    return lat, errors, wall, len(warm)
+
+  try:
+    import uvloop  # pylint: disable=g-import-not-at-top
+    out = uvloop.run(main())
+  except ImportError:
+    out = asyncio.run(main())
+  q.put(out)
+
+
+def run_one(store: str, servers: int, clients: int, duration: float, warmup: float,
+            num_weights: int, quota: float) -> dict:
+  """One measured configuration (servers are started and stopped here)."""
+  extra = ["--draw-quota", str(quota), "--submit-quota", str(quota)]
+  cluster = common.start_cluster(store, servers, num_weights, num_tokens=clients, extra_args=extra,
+                                 prefix=f"load{num_weights}")
+  try:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_load_proc, args=(cluster.ports, cluster.tokens, cluster.cert,
+                                                clients, duration, warmup,
+                                                common.noise_scale(cluster.spec), q))
+    cpu0 = sum(common.cpu_seconds(p.pid) for p in cluster.procs)
+    proc.start()
+    lat, errors, wall, n_warm = q.get()
+    proc.join()
+    cpu = sum(common.cpu_seconds(p.pid) for p in cluster.procs) - cpu0
+  finally:
+    cluster.stop()
+  lat = np.asarray(lat)
+  statuses = sorted({str(e) for e in errors})[:5]
+  return dict(num_weights=num_weights, store=store.split(":")[0], servers=servers,
+              clients=clients, tls=True, tokens=True, quota_per_token_per_s=quota,
+              updates=len(lat), errors=len(errors), error_statuses=statuses,
+              seconds=round(wall, 2), updates_per_s=round(len(lat) / wall, 1),
+              p50_ms=round(float(np.percentile(lat, 50)) * 1e3, 2) if len(lat) else None,
+              p99_ms=round(float(np.percentile(lat, 99)) * 1e3, 2) if len(lat) else None,
+              server_cpu_us_per_update=round(cpu / max(len(lat) + n_warm, 1) * 1e6, 1))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--stores", nargs="+", default=["memory", "redis"])
+  ap.add_argument("--clients", type=int, nargs="+", default=[16, 64])
+  ap.add_argument("--duration", type=float, default=10.0)
+  ap.add_argument("--warmup", type=float, default=1.0)
+  ap.add_argument("--weights", type=int, default=387)
+  ap.add_argument("--quota", type=float, default=1000.0, help="draws and submits/s per token")
+  ap.add_argument("--json", default=None)
+  args = ap.parse_args(argv)
+  results, redis_proc = [], None
+  try:
+    for store in args.stores:
+      url, servers = "memory", 1
+      if store == "redis":
+        redis_proc, port = common.start_redis(tempfile.mkdtemp(prefix="ddml_redis_"),
+                                              persistent=False)
+        url, servers = f"redis://127.0.0.1:{port}/0", 2
+      for clients in args.clients:
+        r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+  finally:
+    if redis_proc is not None:
+      redis_proc.terminate()
+      redis_proc.wait(10)
+  print("\n| store | servers | clients | updates/s | p50 ms | p99 ms | errors | server CPU us/update |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in results:
+    print(f"| {r['store']} | {r['servers']} | {r['clients']} | {r['updates_per_s']} | {r['p50_ms']} "
+          f"| {r['p99_ms']} | {r['errors']} | {r['server_cpu_us_per_update']} |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
