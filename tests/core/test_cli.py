@@ -59,3 +59,45 @@ def test_console_script_installed():
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert "epsilon = 0.72422" in out.stdout
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--sampling", "shuffle", "--num_microbatches", "32"], "replace one example (records are microbatches of 8"),
+    (["--sampling", "fixed_size"], "replace one example"),
+    (["--sampling", "poisson"], "add or remove one example"),
+])
+def test_compute_dp_sgd_privacy_cli_states_relation_and_unit(capsys, args, expected):
+  rc = cli.compute_dp_sgd_privacy_main(["--N", "60000", "--batch_size", "256",
+                                        "--noise_multiplier", "1.1", "--epochs", "2",
+                                        "--delta", "1e-5"] + args)
+  assert rc == 0 and expected in capsys.readouterr().out
+
+
+def test_cli_refuses_microbatches_with_poisson(capsys):
+  rc = cli.compute_dp_sgd_privacy_main(["--N", "60000", "--batch_size", "256",
+                                        "--noise_multiplier", "1.1", "--epochs", "2",
+                                        "--delta", "1e-5", "--num_microbatches", "32"])
+  assert rc == 2 and "microbatches" in capsys.readouterr().err
+
+
+def test_dp_ledger_report_refuses_tampered_file_and_checks_key(tmp_path, capsys):
+  led = L.PrivacyLedger()
+  for _ in range(10):
+    led.record_sample(1000.0, 0.01, (dq.GaussianSumEvent(1.0, 1.0),))
+  path, key = tmp_path / "l.json", tmp_path / "key"
+  key.write_bytes(b"s3cret\n")
+  led.save_json(str(path), key=b"s3cret")
+  assert cli.dp_ledger_main(["report", str(path), "--delta", "1e-5", "--key-file", str(key)]) == 0
+  capsys.readouterr()
+  path.write_text(path.read_text().replace('"stddev": 1.0', '"stddev": 9.0'))
+  assert cli.dp_ledger_main(["report", str(path), "--delta", "1e-5"]) == 2
+  assert "altered" in capsys.readouterr().err
+
+
+def test_dp_ledger_report_starts_without_tensorflow(tmp_path):
+  """`dp_ledger report` and `import tf_dpiter.accounting` never import TensorFlow."""
+  code = ("import sys, tf_dpiter.accounting, tf_dpiter.accounting.cli; "
+          "print('tensorflow' in sys.modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.strip() == "False"

@@ -11,9 +11,9 @@ import math
 from typing import Tuple
 
 from absl import logging as absl_logging
-import dp_accounting as dpa
 
 from tf_dpiter.accounting import ledger_events
+from tf_dpiter.accounting.ledger_events import dpa
 from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import ledger_file
 
@@ -33,8 +33,13 @@ class _DropExcludedOrderWarnings(logging.Filter):
 absl_logging.get_absl_logger().addFilter(_DropExcludedOrderWarnings())
 
 
-def make_accountant(accountant="rdp", neighboring_relation=ledger_events.ADD_OR_REMOVE):
-  """A fresh dp-accounting accountant: 'rdp' (RdpAccountant) or 'pld' (PLDAccountant)."""
+def make_accountant(accountant="rdp", neighboring_relation=None):
+  """A fresh dp-accounting accountant: 'rdp' (RdpAccountant) or 'pld' (PLDAccountant).
+
+  neighboring_relation: a dp-accounting NeighboringRelation (default add or remove one).
+  """
+  if neighboring_relation is None:
+    neighboring_relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
   if accountant == "rdp":
     return dpa.rdp.RdpAccountant(neighboring_relation=neighboring_relation)
   if accountant == "pld":

@@ -16,14 +16,20 @@ import dataclasses
 import math
 from typing import List, Tuple
 
-import dp_accounting as dpa
-
+from tf_dpiter.accounting.lazy_module import LazyModule
 from tf_dpiter.dp_query.events import eq1_noise_multiplier
 from tf_dpiter.ledger import records as rec
 
-ADD_OR_REMOVE = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-REPLACE_ONE = dpa.NeighboringRelation.REPLACE_ONE
-_DPA_RELATION = {rec.ADD_OR_REMOVE: ADD_OR_REMOVE, rec.REPLACE_ONE: REPLACE_ONE}
+dpa = LazyModule("dp_accounting")
+
+
+def dpa_relation(relation):
+  """dp-accounting's NeighboringRelation for records.ADD_OR_REMOVE / REPLACE_ONE."""
+  if relation == rec.ADD_OR_REMOVE:
+    return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+  if relation == rec.REPLACE_ONE:
+    return dpa.NeighboringRelation.REPLACE_ONE
+  raise ValueError(f"relation must be one of {rec.RELATIONS}, got {relation!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +166,7 @@ def relation_of(groups):
 
 def neighboring_relation(groups):
   """dp-accounting's NeighboringRelation for the ledger (see relation_of)."""
-  return _DPA_RELATION[relation_of(groups)]
+  return dpa_relation(relation_of(groups))
 
 
 def events_from_groups(groups, accountant="rdp", passes=0):
@@ -188,4 +194,4 @@ def events_from_groups(groups, accountant="rdp", passes=0):
                                               else "replace one ") + "; ".join(units)
                + "; noise multipliers are sigma over the sensitivity under this relation")
   event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
-  return event, _DPA_RELATION[relation], notes
+  return event, dpa_relation(relation), notes
