@@ -15,6 +15,7 @@ import tensorflow as tf
 from tf_dpiter import accounting as A
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
+from tf_dpiter.ledger import ledger_file
 
 
 def emit(**kw):
@@ -43,10 +44,13 @@ def main():
   emit(figure="ledger_record_100k_steps_in_tf_function", samples=count,
        seconds=round(time.perf_counter() - t, 2))
 
-  d = {"format": "tf_dpiter.privacy_ledger", "version": 1, "num_samples": 10**6,
+  d = ledger_file.sign(
+      {"format": "tf_dpiter.privacy_ledger", "version": 2, "num_samples": 10**6, "passes": 0,
        "runs": [{"count": 10**6, "population_size": 1e7, "selection_probability": 1e-4,
-                 "sample_size": 0.0, "policy": "poisson",
-                 "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0}]}]}
+                 "sample_size": 0.0, "policy": "poisson", "relation": "add_or_remove_one",
+                 "examples_per_record": 1,
+                 "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0,
+                              "sensitivity": 1.0}]}]})
   big = L.PrivacyLedger.from_dict(d)
   for acc in A.ACCOUNTANTS:
     t = time.perf_counter()
