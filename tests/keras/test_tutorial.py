@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_tutorial_quick_on_small_data(tmp_path):
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
+def test_tutorial_quick_on_small_data(tmp_path, sampling):
   rng = np.random.RandomState(0)
   path = os.path.join(tmp_path, "mnist_small.npz")
   y_tr = rng.randint(0, 10, 600).astype("uint8")
@@ -21,13 +23,13 @@ def test_tutorial_quick_on_small_data(tmp_path):
   np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tutorials", "mnist_dpsgd_keras.py"), "--quick",
-       "--data_path", path, "--batch_size", "64", "--verbose", "0",
+       "--data_path", path, "--batch_size", "64", "--verbose", "0", "--sampling", sampling,
        "--ledger_path", os.path.join(tmp_path, "ledger.json")],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert set(out) >= {"test_accuracy", "epsilon", "delta", "epochs", "seconds"}
-  assert out["epochs"] == 2 and out["delta"] == 1e-5
+  assert out["epochs"] == 2 and out["delta"] == 1e-5 and out["sampling"] == sampling
   assert 0 < out["epsilon"] < 100 and 0 <= out["test_accuracy"] <= 1
   with open(os.path.join(tmp_path, "ledger.json")) as f:
     assert json.load(f)["num_samples"] == out["steps"] > 0
