@@ -74,8 +74,8 @@ class Cluster:
   spec: object
   tmp: str
 
-  def client_context(self) -> ssl.SSLContext:
-    return ssl.create_default_context(cafile=self.cert)
+  def client_context(self) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=self.cert) if self.cert else None
 
   def stop(self) -> None:
     for p in self.procs:
@@ -85,8 +85,9 @@ class Cluster:
 
 
 def start_cluster(store: str, servers: int, num_weights: int = 387, k: int = 20,
-                  num_tokens: int = 64, extra_args=(), prefix: str = "bench") -> Cluster:
-  """`servers` processes of `tf-dpiter-ddml serve` with TLS and tokens on one store."""
+                  num_tokens: int = 64, extra_args=(), prefix: str = "bench",
+                  tls: bool = True) -> Cluster:
+  """`servers` processes of `tf-dpiter-ddml serve` with tokens (and TLS) on one store."""
   tmp = tempfile.mkdtemp(prefix="ddml_bench_")
   spec = dense_spec(num_weights)
   spec_path = os.path.join(tmp, "spec.json")
@@ -101,27 +102,29 @@ def start_cluster(store: str, servers: int, num_weights: int = 387, k: int = 20,
     port = free_port()
     cmd = [sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--k", str(k),
            "--model", spec_path, "--store", store, "--port", str(port), "--prefix", prefix,
-           "--tokens", os.path.join(tmp, "tokens.txt"), "--tls-cert", cert, "--tls-key", key,
-           *extra_args]
+           "--tokens", os.path.join(tmp, "tokens.txt"), *extra_args]
+    if tls:
+      cmd += ["--tls-cert", cert, "--tls-key", key]
     if i == 0:
       cmd.append("--reset")
     log = open(os.path.join(tmp, f"server{i}.log"), "w")
     procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")))
     ports.append(port)
-    wait_healthy(port, procs[-1], cert)
-  return Cluster(procs, ports, cert, tokens, spec, tmp)
+    wait_healthy(port, procs[-1], cert if tls else None)
+  return Cluster(procs, ports, cert if tls else None, tokens, spec, tmp)
 
 
-def wait_healthy(port: int, proc, cert: str, timeout: float = 120.0) -> None:
-  """Waits for /healthz 200 over TLS."""
-  ctx = ssl.create_default_context(cafile=cert)
+def wait_healthy(port: int, proc, cert: str | None, timeout: float = 120.0) -> None:
+  """Waits for /healthz 200 (over TLS when cert is given)."""
+  ctx = ssl.create_default_context(cafile=cert) if cert else None
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
       raise RuntimeError(f"server exited with {proc.returncode}")
     try:
-      c = http.client.HTTPSConnection("127.0.0.1", port, timeout=2, context=ctx)
+      c = (http.client.HTTPSConnection("127.0.0.1", port, timeout=2, context=ctx) if ctx
+           else http.client.HTTPConnection("127.0.0.1", port, timeout=2))
       c.request("GET", "/healthz")
       if c.getresponse().status == 200:
         return

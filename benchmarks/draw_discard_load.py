@@ -43,7 +43,7 @@ def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
   import ssl  # pylint: disable=g-import-not-at-top
 
   async def main():
-    ctx = ssl.create_default_context(cafile=cert)
+    ctx = ssl.create_default_context(cafile=cert) if cert else None
     conns = [common.Conn(ports[i % len(ports)], tokens[i % len(tokens)], ctx)
              for i in range(clients)]
     warm = []
@@ -67,11 +67,11 @@ def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
 
 
 def run_one(store: str, servers: int, clients: int, duration: float, warmup: float,
-            num_weights: int, quota: float) -> dict:
+            num_weights: int, quota: float, tls: bool = True) -> dict:
   """One measured configuration (servers are started and stopped here)."""
   extra = ["--draw-quota", str(quota), "--submit-quota", str(quota)]
   cluster = common.start_cluster(store, servers, num_weights, num_tokens=clients, extra_args=extra,
-                                 prefix=f"load{num_weights}")
+                                 prefix=f"load{num_weights}", tls=tls)
   try:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -88,7 +88,7 @@ def run_one(store: str, servers: int, clients: int, duration: float, warmup: flo
   lat = np.asarray(lat)
   statuses = sorted({str(e) for e in errors})[:5]
   return dict(num_weights=num_weights, store=store.split(":")[0], servers=servers,
-              clients=clients, tls=True, tokens=True, quota_per_token_per_s=quota,
+              clients=clients, tls=tls, tokens=True, quota_per_token_per_s=quota,
               updates=len(lat), errors=len(errors), error_statuses=statuses,
               seconds=round(wall, 2), updates_per_s=round(len(lat) / wall, 1),
               p50_ms=round(float(np.percentile(lat, 50)) * 1e3, 2) if len(lat) else None,
@@ -104,6 +104,7 @@ def main(argv=None):
   ap.add_argument("--warmup", type=float, default=1.0)
   ap.add_argument("--weights", type=int, default=387)
   ap.add_argument("--quota", type=float, default=1000.0, help="draws and submits/s per token")
+  ap.add_argument("--no-tls", action="store_true", help="plain HTTP (tokens stay on)")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
   results, redis_proc = [], None
@@ -115,17 +116,20 @@ def main(argv=None):
                                               persistent=False)
         url, servers = f"redis://127.0.0.1:{port}/0", 2
       for clients in args.clients:
-        r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota)
+        r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota,
+                    tls=not args.no_tls)
         results.append(r)
         print(json.dumps(r), flush=True)
   finally:
     if redis_proc is not None:
       redis_proc.terminate()
       redis_proc.wait(10)
-  print("\n| store | servers | clients | updates/s | p50 ms | p99 ms | errors | server CPU us/update |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("\n| store | servers | TLS | clients | updates/s | p50 ms | p99 ms | errors "
+        "| server CPU us/update |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for r in results:
-    print(f"| {r['store']} | {r['servers']} | {r['clients']} | {r['updates_per_s']} | {r['p50_ms']} "
+    print(f"| {r['store']} | {r['servers']} | {r['tls']} | {r['clients']} | {r['updates_per_s']} "
+          f"| {r['p50_ms']} "
           f"| {r['p99_ms']} | {r['errors']} | {r['server_cpu_us_per_update']} |")
   if args.json:
     with open(args.json, "w") as f:

@@ -35,8 +35,10 @@ class Registry:
 
   def inc(self, name: str, n: float = 1.0, help_text: str = "", **labels) -> None:
     """Adds n to counter `name` with `labels`."""
-    self._help.setdefault(name, help_text)
-    self._counters[(name, tuple(sorted(labels.items())))] += n
+    if name not in self._help:
+      self._help[name] = help_text
+    key = (name, tuple(sorted(labels.items()))) if labels else (name, ())
+    self._counters[key] += n
 
   def set(self, name: str, value: float, help_text: str = "", **labels) -> None:
     """Sets gauge `name` with `labels` to value."""

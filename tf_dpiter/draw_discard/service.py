@@ -198,7 +198,8 @@ class DDMLService:
     if request.content_length is not None and request.content_length > self.max_body_bytes:
       raise RequestError(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes")
     try:
-      return await asyncio.wait_for(request.read(), self.body_timeout_s)
+      async with asyncio.timeout(self.body_timeout_s):
+        return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
       raise RequestError(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes") from e
     except asyncio.TimeoutError as e:
