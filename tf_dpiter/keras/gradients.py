@@ -5,6 +5,15 @@ of B goes to microbatch i mod M, so every microbatch holds ceil(B/M) or floor(B/
 examples and a batch that M does not divide needs no reshape. The record's gradient is
 the gradient of the mean loss over its examples. Gradients of all records come from one
 traced computation (`tf.vectorized_map`), optionally in physical chunks.
+
+Why the i mod M dealing is sound, and where (issue 11): microbatches are offered only under
+replace-one sampling ("shuffle", "fixed_size"), where n is fixed and an example's position
+in the batch comes from the public permutation (or draw) of indices. Replacing one example
+keeps every position, so only the replaced example's microbatch changes: its clipped mean
+moves from one vector of norm <= C to another, a change <= 2C (the ledger records 2C). Under
+add/remove (Poisson) removing an example would shift every later position and re-deal the
+later examples among the microbatches (measured: 5C), so microbatches are refused there.
+Padding rows (mask 0) keep their positions too: they never move a real example.
 """
 
 import keras

@@ -3,6 +3,8 @@
 `DPSequential`, `DPModel` (functional) and `make_private(model)` give a model whose train
 step computes per-record gradients (vectorized), clips and sums them through the DP
 optimizer's DPQuery, adds noise once per logical batch and writes the step to the ledger.
+`fit` on arrays samples by Poisson (q = batch_size / n) unless sampling="shuffle"; see
+fit_sampling for the sampling and callbacks.LedgerJournal for crash safety.
 
 Treatment of what could leak around the clipping:
 * Regularization losses (kernel/activity regularizers, add_loss) are added to every

@@ -10,6 +10,14 @@ writes its sampling event and its sum query events to the optimizer's `ledger`.
 The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside the private
 path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
 `minimize` with a vector of per-example losses.
+
+Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples, the
+unit of privacy stays the example, and the ledger charges a clipped sum at sensitivity 2S
+(one example changes inside a record that stays). They need replace-one sampling
+("shuffle", "fixed_size"); see gradients.py for why. Custom training loops declare their
+sampling with `set_sampling(n, q, policy, sample_size)` and, under "shuffle", call
+`optimizer.ledger.record_passes(1)` whenever they start a pass over a new permutation (a
+ledger with shuffled samples and no passes charges every sample as its own pass).
 """
 
 import math
