@@ -1,11 +1,14 @@
 """Draw and Discard machine learning (Pihur et al., seed 004).
 
-k-instance server (Algorithm 2), local-DP GLM clients (Algorithm 1), spam filter
-(Section III-D4), privacy analyses against adversaries I-III (Section IV), and an
-asynchronous HTTP service on an in-memory or Redis store (`service`, `store`,
-`client_lib`, console script `tf-dpiter-ddml` = `cli.main`).
+k-instance server (Algorithm 2), local-DP GLM clients (Algorithm 1), the paper's spam
+filter (Section III-D4, simulation only: it can be gamed), privacy analyses against
+adversaries I-III (Section IV), and an asynchronous HTTP service on an in-memory or Redis
+store (`service`, `http_server`, `store`, `redis_store`, `client_lib`, console script
+`tf-dpiter-ddml` = `cli.main`) with bearer tokens (`auth`), TLS, quotas, the
+bounded-influence acceptance rule (`acceptance`) and Prometheus metrics (`metrics`).
 """
 
+from tf_dpiter.draw_discard.acceptance import AcceptanceRule
 from tf_dpiter.draw_discard.glm import FAMILIES, Feature, ModelSpec
 from tf_dpiter.draw_discard.client import (
     client_update, clipped_gradient, make_tf_client_update, spec_update)
@@ -20,6 +23,7 @@ from tf_dpiter.draw_discard.simulate import (
     assign_clients, make_server, survival_share, train, variance_trajectory)
 
 __all__ = [
+    "AcceptanceRule",
     "FAMILIES", "Feature", "ModelSpec",
     "client_update", "clipped_gradient", "make_tf_client_update", "spec_update",
     "STRATEGIES", "DrawDiscardServer", "SpamFilter", "initial_instances",
