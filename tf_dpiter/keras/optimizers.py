@@ -28,49 +28,11 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras import custom_loops
 from tf_dpiter.keras import gradients as grads_lib
+from tf_dpiter.keras import settings
 
-CLIPPING_MODES = ("auto", "vectorized", "fast")
-
-
-def _check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
-                max_physical_batch_size, clipping):
-  if dp_query is not None:
-    if not isinstance(dp_query, dp_query_lib.DPQuery):
-      raise ValueError(f"dp_query must be a tf_dpiter DPQuery, got {dp_query!r}")
-    if l2_norm_clip is not None or noise_multiplier is not None:
-      raise ValueError("give either dp_query or (l2_norm_clip, noise_multiplier), not both; got "
-                       f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
-  else:
-    if l2_norm_clip is None or noise_multiplier is None:
-      raise ValueError("l2_norm_clip and noise_multiplier are required without dp_query; got "
-                       f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
-    try:
-      c = float(l2_norm_clip)
-    except (TypeError, ValueError):
-      raise ValueError(f"l2_norm_clip must be a positive number, got {l2_norm_clip!r}") from None
-    if not c > 0 or math.isnan(c):
-      raise ValueError(f"l2_norm_clip must be > 0 (inf allowed with noise 0), got {l2_norm_clip!r}")
-    try:
-      z = float(noise_multiplier)
-    except (TypeError, ValueError):
-      raise ValueError(f"noise_multiplier must be a number >= 0, got {noise_multiplier!r}") from None
-    if not z >= 0 or math.isinf(z):
-      raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}")
-    if math.isinf(c) and z > 0:
-      raise ValueError(f"l2_norm_clip=inf needs noise_multiplier=0 (noise z*S would be infinite), "
-                       f"got noise_multiplier={noise_multiplier!r}")
-  if num_microbatches is not None and (
-      isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
-      or num_microbatches < 1):
-    raise ValueError(f"num_microbatches must be None or a positive integer, got {num_microbatches!r}")
-  if max_physical_batch_size is not None and (
-      isinstance(max_physical_batch_size, bool) or not isinstance(max_physical_batch_size, int)
-      or max_physical_batch_size < 1):
-    raise ValueError("max_physical_batch_size must be None or a positive integer, got "
-                     f"{max_physical_batch_size!r}")
-  if clipping not in CLIPPING_MODES:
-    raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+CLIPPING_MODES = settings.CLIPPING_MODES
 
 
 def _load_fast_clipping():
@@ -83,7 +45,7 @@ def _load_fast_clipping():
   return fast_clipping
 
 
-class DPOptimizerMixin:
+class DPOptimizerMixin(custom_loops.CustomLoopMixin):
   """Private-gradient logic shared by every DP optimizer class (see module docstring)."""
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
@@ -94,7 +56,7 @@ class DPOptimizerMixin:
     any DPQuery whose result is a sum over records), max_physical_batch_size P (examples per
     physical chunk; noise still once per logical batch), clipping "auto"|"vectorized"|"fast",
     normalize (divide the noised sum by the denominator), seed (tests only: not private)."""
-    _check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
+    settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
                 max_physical_batch_size, clipping)
     super().__init__(*args, **kwargs)
     self._dp_l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
@@ -395,98 +357,6 @@ class DPOptimizerMixin:
           "(dp.keras.DPSequential / dp.keras.make_private), or use "
           "optimizer.compute_private_gradients / optimizer.minimize with per-example losses")
     return super().apply(grads, trainable_variables)
-
-  # ---- custom training loops ----------------------------------------------------------
-
-  def _records_and_masks(self, data, mask):
-    b_static = grads_lib.static_batch_size(data)
-    grads_lib.check_num_microbatches(self._dp_num_microbatches, b_static)
-    b = grads_lib.dynamic_batch_size(data)
-    example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
-    return grads_lib.to_records(data, example_mask, self._dp_num_microbatches)
-
-  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None):
-    """Noised average of clipped per-record gradients, aligned with `variables`.
-
-    Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's
-    examples (a vector [k], or a scalar mean), where record_data is `data` with leading
-    axis k (k = 1 with num_microbatches=None); gradients are vectorized over records.
-    (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the vector [B] of
-    per-example losses; per-record gradients come from a batched jacobian.
-    mask: float [B] of 0/1, padding rows 0.
-    """
-    variables = list(variables)
-    m = self._dp_num_microbatches
-    if data is not None:
-      recs, em, rmask = self._records_and_masks(data, mask)
-
-      def record_loss(rec):
-        r_data, r_em = rec
-        loss = tf.convert_to_tensor(loss_fn(r_data))
-        if loss.shape.rank:
-          loss = tf.reshape(loss, [-1])
-          loss = tf.reduce_sum(loss * tf.cast(r_em, loss.dtype)) / tf.maximum(
-              tf.cast(tf.reduce_sum(r_em), loss.dtype), 1.0)
-        return loss, ()
-
-      k = grads_lib.examples_per_record(m, grads_lib.static_batch_size(data), em)
-      state, _, _ = self.clipped_sum(record_loss, variables, (recs, em), rmask, k)
-      return self.noised_average(state, tf.reduce_sum(rmask))
-
-    if tape is None:
-      with tf.GradientTape(persistent=True) as tape:
-        losses = self._vector_loss(loss_fn())
-        rec_losses, rmask = self._record_losses(losses, mask)
-    else:
-      losses = self._vector_loss(loss_fn)
-      with tape:
-        rec_losses, rmask = self._record_losses(losses, mask)
-    grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables)
-    query = self._require_query()
-    params = self._dp_params()
-    state = query.initial_sample_state(
-        [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables])
-    state = self._accumulate(params, state, grads, rmask)
-    return self.noised_average(state, tf.reduce_sum(rmask))
-
-  @staticmethod
-  def _vector_loss(loss):
-    loss = tf.convert_to_tensor(loss)
-    if loss.shape.rank == 0:
-      raise ValueError(
-          "a scalar loss was given where a vector of per-example losses [batch] is needed: "
-          "compute the loss with reduction='none' (e.g. keras.losses.X(reduction=None))")
-    return loss
-
-  def _record_losses(self, losses, mask):
-    b = tf.shape(losses)[0]
-    losses = tf.reshape(losses, tf.stack([b, -1]))
-    losses = tf.reduce_mean(losses, axis=1)
-    grads_lib.check_num_microbatches(self._dp_num_microbatches, losses.shape[0])
-    example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
-    if self._dp_num_microbatches is None:
-      return losses * example_mask, example_mask
-    recs, em, rmask = grads_lib.to_records(losses, example_mask, self._dp_num_microbatches)
-    em = tf.cast(em, losses.dtype)
-    rec = tf.reduce_sum(recs * em, 1) / tf.maximum(tf.reduce_sum(em, 1), 1.0)
-    return rec, rmask
-
-  def minimize(self, loss, var_list, tape=None, mask=None):
-    """One private step on a vector loss [B] (per-example losses).
-
-    loss: a tensor computed under `tape`, or a callable returning it (tape made here).
-    A scalar loss raises ValueError: per-example losses are needed for clipping.
-    """
-    var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
-                    else var_list)
-    if callable(loss):
-      grads = self.compute_private_gradients(loss, var_list, mask=mask)
-    else:
-      if tape is None:
-        raise ValueError("minimize with a loss tensor needs the tape it was computed under "
-                         "(tape=...), or pass a callable loss")
-      grads = self.compute_private_gradients(loss, var_list, mask=mask, tape=tape)
-    return self.apply_private_gradients(grads, var_list)
 
   # ---- serialization ------------------------------------------------------------------
 
