@@ -124,7 +124,12 @@ def arrays_to_dataset(a, opt, sampling):
                      "model without targets build dp.data.poisson_batches(x, ...) yourself")
   sw = a.pop("sample_weight", None)
   cw = a.pop("class_weight", None)
-  sw = None if sw is None else np.asarray(sw, np.float32).reshape(num_rows(x))
+  if sw is not None:
+    sw = np.asarray(sw, np.float32)
+    if sw.size != num_rows(x):
+      raise ValueError(f"sample_weight must hold one weight per example ({num_rows(x)}), got "
+                       f"shape {sw.shape}: per-timestep weights are not supported for DP")
+    sw = sw.reshape(-1)
   if cw is not None:
     w = class_weight_to_sample_weight(y, cw)
     sw = w if sw is None else sw * w
