@@ -1,0 +1,39 @@
+"""Empirical privacy auditing: ε lower bounds from attacks and canaries that test our claims.
+
+* `epsilon_lower_bound` / `lower_bound`: sound (ε, δ) lower bounds from member and
+  non-member scores (Clopper–Pearson, Bonferroni or split threshold choice).
+* `one_run_epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023).
+* Attacks (`attacks`): loss attack, LiRA with shadow models, ROC / AUC / TPR at low FPR.
+* White-box Dirac gradient canaries inside the real DP-SGD step (`canaries`, `whitebox`,
+  `run_whitebox_audit`), `AuditCallback` and the PNG report (`plot_privacy_report`).
+"""
+
+from tf_dpiter.auditing import attacks
+from tf_dpiter.auditing import bounds
+from tf_dpiter.auditing import canaries
+from tf_dpiter.auditing import one_run
+from tf_dpiter.auditing import whitebox
+from tf_dpiter.auditing.attacks import attack_metrics
+from tf_dpiter.auditing.attacks import auc
+from tf_dpiter.auditing.attacks import lira_leave_one_out
+from tf_dpiter.auditing.attacks import lira_scores
+from tf_dpiter.auditing.attacks import logit_confidence
+from tf_dpiter.auditing.attacks import loss_scores
+from tf_dpiter.auditing.attacks import roc_curve
+from tf_dpiter.auditing.attacks import tpr_at_fpr
+from tf_dpiter.auditing.bounds import LowerBound
+from tf_dpiter.auditing.bounds import clopper_pearson
+from tf_dpiter.auditing.bounds import epsilon_lower_bound
+from tf_dpiter.auditing.bounds import gdp_epsilon
+from tf_dpiter.auditing.bounds import lower_bound
+from tf_dpiter.auditing.callback import AuditCallback
+from tf_dpiter.auditing.canaries import DiracCanaryLoss
+from tf_dpiter.auditing.canaries import DiracCanaryModel
+from tf_dpiter.auditing.experiment import WhiteBoxResult
+from tf_dpiter.auditing.experiment import run_whitebox_audit
+from tf_dpiter.auditing.one_run import one_run_epsilon_lower_bound
+from tf_dpiter.auditing.report import plot_privacy_report
+from tf_dpiter.auditing.whitebox import CanaryRecorder
+from tf_dpiter.auditing.whitebox import canary_scores
+from tf_dpiter.auditing.whitebox import claimed_epsilon
+from tf_dpiter.auditing.whitebox import whitebox_lower_bound

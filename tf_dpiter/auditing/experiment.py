@@ -23,11 +23,14 @@ class WhiteBoxResult:
   """Outcome of `run_whitebox_audit`.
 
   claimed_epsilon: ε of the run from dp_accounting (PLD), sensitivity 1 (add/remove);
+  step_claimed_epsilon: the same for one step (T = 1): the claim the per-step trials audit
+  (every step is an independent one-step run for the canary coordinates);
   ledger_epsilon: ε the model's ledger reports (PLD), None if not asked;
   run_bound / step_bound: bounds.LowerBound from per-run and per-step scores;
   observations [m, T], included [m]; q, steps, noise_multiplier, delta.
   """
   claimed_epsilon: float
+  step_claimed_epsilon: float
   ledger_epsilon: Optional[float]
   run_bound: object
   step_bound: object
@@ -41,7 +44,7 @@ class WhiteBoxResult:
 
 
 def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_multiplier,
-                       expected_batch_size, steps, l2_norm_clip=1.0, learning_rate=0.1,
+                       sampling_probability, steps, l2_norm_clip=1.0, learning_rate=0.1,
                        delta=1e-5, confidence=0.95, p_in=0.5,
                        neighbouring=canaries_lib.ADD_REMOVE, design_seed=0, sampling_seed=None,
                        noise_seed=None, ledger_accountant="pld", callbacks=()):
@@ -53,7 +56,8 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
     num_classes: K.
     num_canaries: m (about p_in * m become records; all m with neighbouring="replace").
     noise_multiplier: z of the DP optimizer (noise stddev z * S).
-    expected_batch_size: q * n_total (n_total includes the canary records).
+    sampling_probability: Poisson q in (0, 1]; the expected batch size is q * n_total
+      (n_total includes the canary records).
     steps: T, train steps (one epoch of T Poisson samples).
     l2_norm_clip: S. learning_rate: SGD step (any value; the audit divides it out).
     delta, confidence: of the claim and of the bounds.
@@ -74,7 +78,7 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
   x_all = np.concatenate([np.asarray(x), cx])
   y_all = np.concatenate([np.asarray(y).astype(np.int64).reshape(-1), cy])
   n_total = x_all.shape[0]
-  data = sampling.poisson_batches(x_all, y_all, expected_batch_size=expected_batch_size,
+  data = sampling.poisson_batches(x_all, y_all, expected_batch_size=sampling_probability * n_total,
                                   steps_per_epoch=steps, seed=sampling_seed)
   q = sampling.get_sampling_spec(data).selection_probability
   model = canaries_lib.wrap_model(base_model, num_canaries)
@@ -87,6 +91,7 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
   model.fit(data, epochs=1, verbose=0, callbacks=[recorder, *callbacks])
   obs = recorder.observations
   claimed = whitebox.claimed_epsilon(q, noise_multiplier, recorder.steps, delta)
+  step_claimed = whitebox.claimed_epsilon(q, noise_multiplier, 1, delta)
   ledger_eps = None
   if ledger_accountant is not None and noise_multiplier > 0:
     ledger_eps = float(accounting.epsilon(model.ledger, delta, accountant=ledger_accountant))
@@ -94,5 +99,5 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
                     confidence=confidence, neighbouring=neighbouring)
   run_b = whitebox.whitebox_lower_bound(obs, included, per="run", **bound_args)
   step_b = whitebox.whitebox_lower_bound(obs, included, per="step", **bound_args)
-  return WhiteBoxResult(claimed, ledger_eps, run_b, step_b, obs, included, q, recorder.steps,
+  return WhiteBoxResult(claimed, step_claimed, ledger_eps, run_b, step_b, obs, included, q, recorder.steps,
                         float(noise_multiplier), delta, neighbouring)

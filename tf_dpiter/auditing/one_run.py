@@ -27,9 +27,8 @@ at v = W is <= α (minimised over fixed grids of ε' and j); the lower bound is 
 ε, so bisection finds it). With δ = 0, ε' = ε and η = 0.
 """
 
-import math
-
 import numpy as np
+from scipy import special
 from scipy import stats
 
 from tf_dpiter.auditing import bounds as bounds_lib
@@ -41,9 +40,9 @@ _JS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
 def _tail(k, v, eps_prime):
-  """P[Binomial(k, p(ε')) >= v]."""
-  p = 1.0 / (1.0 + math.exp(-eps_prime))
-  return float(stats.binom.sf(v - 1, k, p))
+  """P[Binomial(k, p(ε')) >= v] (arrays broadcast)."""
+  p = special.expit(np.asarray(eps_prime, np.float64))
+  return stats.binom.sf(np.asarray(v) - 1, k, p)
 
 
 def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
@@ -56,7 +55,7 @@ def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
     num_canaries: m, canaries randomized.
     delta: δ in [0, 1).
   Returns:
-    float in [0, 1]: the smallest bound (3) over the fixed grid of ε' > ε.
+    float in [0, 1]: the smallest bound (3) over the fixed grids of ε' > ε and j.
   Raises:
     ValueError: counts out of range.
   """
@@ -65,15 +64,14 @@ def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
                      f"num_correct={num_correct!r}, num_guesses={num_guesses!r}, "
                      f"num_canaries={num_canaries!r}")
   if delta == 0:
-    return _tail(num_guesses, num_correct, epsilon)
-  best = 1.0
-  for gap in _GAPS:
-    eta = 2.0 * num_canaries * delta / (1.0 - math.exp(-gap))
-    for j in _JS:
-      if j > num_correct:
-        break
-      best = min(best, _tail(num_guesses, num_correct - j, epsilon + gap) + eta / j)
-  return min(best, 1.0)
+    return float(_tail(num_guesses, num_correct, epsilon))
+  gaps = np.asarray(_GAPS)[:, None]
+  js = np.asarray([j for j in _JS if j <= num_correct], np.float64)[None, :]
+  if js.size == 0:
+    return 1.0
+  eta = 2.0 * num_canaries * delta / (1.0 - np.exp(-gaps))
+  bound = _tail(num_guesses, num_correct - js, epsilon + gaps) + eta / js
+  return float(min(1.0, bound.min()))
 
 
 def _bound_from_counts(num_correct, num_guesses, num_canaries, delta, alpha):

@@ -1,0 +1,201 @@
+"""Black-box membership inference: loss attack and LiRA (Carlini et al. 2022), ROC metrics.
+
+Scores: higher = more likely a member.
+
+* Loss (threshold) attack (Yeom et al. 2018): score = -cross-entropy(y, model(x)).
+* LiRA with shadow models (Carlini et al. 2022, Sections IV–V): train N models on random
+  halves (each example in each shadow set independently with probability ½). For example j
+  the logit-scaled confidence φ = log p_y - log(1 - p_y) of model i is Gaussian-ish across
+  models; fit N(μ_in, σ_in²) on the models holding j and N(μ_out, σ_out²) on the others.
+  Online score: log N(φ_target; μ_in, σ_in²) - log N(φ_target; μ_out, σ_out²);
+  offline score: (φ_target - μ_out) / σ_out (one-sided, no in-models needed).
+  `lira_leave_one_out` takes each model in turn as the target and the rest as shadows.
+
+ROC: `roc_curve`, `auc` (Mann–Whitney, ties ½), `tpr_at_fpr`; `attack_metrics` bundles AUC,
+TPR at FPR 0.1 %/1 %, per-class AUC and the sound one-run ε lower bound (`one_run`), valid
+because each example's membership was an independent fair coin and the scores use the
+target's output and independent shadow models only.
+"""
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+from scipy import special
+
+from tf_dpiter.auditing import one_run
+
+
+# ---- scores ------------------------------------------------------------------------------
+
+def _log_probs(outputs, from_logits):
+  out = np.asarray(outputs, np.float64)
+  if out.ndim != 2:
+    raise ValueError(f"outputs must be [n, K] logits or probabilities, got shape {out.shape}")
+  if from_logits:
+    return out - special.logsumexp(out, axis=1, keepdims=True)
+  return np.log(np.clip(out, 1e-300, 1.0))
+
+
+def _labels(labels, n, k):
+  y = np.asarray(labels).reshape(-1).astype(np.int64)
+  if y.size != n or np.any(y < 0) or np.any(y >= k):
+    raise ValueError(f"labels must be {n} integers in [0, {k}), got shape {y.shape}, "
+                     f"range [{y.min() if y.size else None}, {y.max() if y.size else None}]")
+  return y
+
+
+def loss_scores(outputs, labels, from_logits=True):
+  """Loss-attack scores -CE(y, p) (nats), [n].
+
+  Args: outputs [n, K] logits (from_logits) or probabilities; labels [n] ints in [0, K).
+  Returns: float64 [n]. Raises: ValueError for bad shapes or labels.
+  """
+  lp = _log_probs(outputs, from_logits)
+  y = _labels(labels, lp.shape[0], lp.shape[1])
+  return lp[np.arange(y.size), y]
+
+
+def logit_confidence(outputs, labels, from_logits=True):
+  """φ = log p_y - log(1 - p_y), computed stably (LiRA's Gaussian-looking statistic), [n]."""
+  lp = _log_probs(outputs, from_logits)
+  y = _labels(labels, lp.shape[0], lp.shape[1])
+  others = lp.copy()
+  others[np.arange(y.size), y] = -np.inf
+  return lp[np.arange(y.size), y] - special.logsumexp(others, axis=1)
+
+
+def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3):
+  """LiRA scores of the target model's examples from shadow models.
+
+  Args:
+    target_phi: [n] φ of the target model.
+    shadow_phi: [N, n] φ of the shadow models.
+    shadow_in: [N, n] bool, example j in shadow i's training set.
+    online: use in- and out-Gaussians (True) or the out-Gaussian only (False).
+    min_std: floor on the fitted standard deviations.
+  Returns:
+    float64 [n] scores (higher = member). Examples lacking in- or out-shadows get the
+    global in/out statistics.
+  Raises:
+    ValueError: shapes disagree.
+  """
+  t = np.asarray(target_phi, np.float64).reshape(-1)
+  s = np.asarray(shadow_phi, np.float64)
+  inn = np.asarray(shadow_in, bool)
+  if s.ndim != 2 or s.shape != inn.shape or s.shape[1] != t.size:
+    raise ValueError(f"need target_phi [n], shadow_phi and shadow_in [N, n]; got {t.shape}, "
+                     f"{s.shape}, {inn.shape}")
+
+  def fit(mask):
+    cnt = mask.sum(0)
+    g_mu = s[mask].mean() if mask.any() else 0.0
+    g_sd = s[mask].std() if mask.sum() > 1 else 1.0
+    mu = np.where(cnt > 0, (s * mask).sum(0) / np.maximum(cnt, 1), g_mu)
+    var = (((s - mu) ** 2) * mask).sum(0) / np.maximum(cnt - 1, 1)
+    sd = np.where(cnt > 1, np.sqrt(var), g_sd)
+    return mu, np.maximum(sd, min_std)
+
+  mu_out, sd_out = fit(~inn)
+  if not online:
+    return (t - mu_out) / sd_out
+  mu_in, sd_in = fit(inn)
+
+  def logpdf(v, mu, sd):
+    return -0.5 * ((v - mu) / sd) ** 2 - np.log(sd)
+
+  return logpdf(t, mu_in, sd_in) - logpdf(t, mu_out, sd_out)
+
+
+def lira_leave_one_out(phi, in_masks, online=True):
+  """Each model as target, the others as shadows: LiRA scores [N, n].
+
+  Args: phi [N, n] φ of all models; in_masks [N, n] bool memberships; online as lira_scores.
+  Returns: float64 [N, n]. Raises: ValueError for N < 2 or shape mismatch.
+  """
+  phi = np.asarray(phi, np.float64)
+  masks = np.asarray(in_masks, bool)
+  if phi.ndim != 2 or phi.shape != masks.shape or phi.shape[0] < 2:
+    raise ValueError(f"phi and in_masks must both be [N >= 2, n], got {phi.shape}, {masks.shape}")
+  out = np.empty_like(phi)
+  for i in range(phi.shape[0]):
+    rest = np.arange(phi.shape[0]) != i
+    out[i] = lira_scores(phi[i], phi[rest], masks[rest], online)
+  return out
+
+
+# ---- ROC ---------------------------------------------------------------------------------
+
+def roc_curve(member_scores, nonmember_scores):
+  """(fpr, tpr) of the rule "score >= t" over all thresholds t, from (0, 0) to (1, 1).
+
+  Args: member_scores [n1], nonmember_scores [n0] (non-empty). Returns: two float64
+  arrays of equal length. Raises: ValueError for empty inputs.
+  """
+  pos = np.asarray(member_scores, np.float64).reshape(-1)
+  neg = np.asarray(nonmember_scores, np.float64).reshape(-1)
+  if pos.size == 0 or neg.size == 0:
+    raise ValueError(f"need members and non-members, got {pos.size} and {neg.size} scores")
+  values = np.concatenate([pos, neg])
+  lab = np.concatenate([np.ones(pos.size), np.zeros(neg.size)])
+  order = np.argsort(-values, kind="stable")
+  values, lab = values[order], lab[order]
+  last = np.r_[np.diff(values) != 0, True]          # end of each tie group
+  tp = np.cumsum(lab)[last]
+  fp = np.cumsum(1 - lab)[last]
+  return np.r_[0.0, fp / neg.size], np.r_[0.0, tp / pos.size]
+
+
+def auc(member_scores, nonmember_scores):
+  """Area under the ROC curve = P[member score > non-member score] + ½ P[tie]."""
+  fpr, tpr = roc_curve(member_scores, nonmember_scores)
+  return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2.0))
+
+
+def tpr_at_fpr(member_scores, nonmember_scores, fpr):
+  """Largest TPR among thresholds whose FPR is <= fpr (in [0, 1])."""
+  if not 0.0 <= fpr <= 1.0:
+    raise ValueError(f"fpr must be in [0, 1], got {fpr!r}")
+  f, t = roc_curve(member_scores, nonmember_scores)
+  return float(t[f <= fpr].max())
+
+
+@dataclasses.dataclass
+class AttackMetrics:
+  """auc, tpr_at_0.1%, tpr_at_1%, advantage (max TPR - FPR), auc_by_class {label: auc},
+  epsilon_lower_bound (one-run bound, or None when membership was not a fair coin)."""
+  auc: float
+  tpr_at_0_1pct: float
+  tpr_at_1pct: float
+  advantage: float
+  auc_by_class: Dict[int, float]
+  epsilon_lower_bound: Optional[float]
+
+
+def attack_metrics(scores, is_member, labels=None, delta=1e-5, confidence=0.95,
+                   fair_coin_membership=True):
+  """Metrics of one attack on one target model.
+
+  Args:
+    scores: [n] scores (higher = member); is_member: [n] bools; labels: optional [n] class
+      labels for the per-class slices; delta, confidence: of the one-run bound;
+    fair_coin_membership: True if each example was a member by an independent fair coin
+      drawn before training (then the one-run bound is sound and computed).
+  Returns: AttackMetrics. Raises: ValueError for shape mismatches.
+  """
+  s = np.asarray(scores, np.float64).reshape(-1)
+  mem = np.asarray(is_member, bool).reshape(-1)
+  if mem.shape != s.shape:
+    raise ValueError(f"is_member must have the shape of scores {s.shape}, got {mem.shape}")
+  fpr, tpr = roc_curve(s[mem], s[~mem])
+  by_class = {}
+  if labels is not None:
+    lab = np.asarray(labels).reshape(-1)
+    for c in np.unique(lab):
+      sel = lab == c
+      if mem[sel].any() and (~mem[sel]).any():
+        by_class[int(c)] = auc(s[sel & mem], s[sel & ~mem])
+  eps = one_run.one_run_epsilon_lower_bound(s, mem, delta, confidence) if (
+      fair_coin_membership) else None
+  return AttackMetrics(auc(s[mem], s[~mem]), tpr_at_fpr(s[mem], s[~mem], 1e-3),
+                       tpr_at_fpr(s[mem], s[~mem], 1e-2), float(np.max(tpr - fpr)), by_class, eps)

@@ -1,0 +1,77 @@
+"""PNG privacy report: claimed ε, audited ε lower bounds and attack AUC over training."""
+
+import math
+
+import numpy as np
+
+_BOUND_KEYS = (("whitebox_epsilon_lb", "white-box bound (per run)"),
+               ("whitebox_step_epsilon_lb", "white-box bound (per step)"),
+               ("attack_epsilon_lb", "black-box bound (one run)"))
+
+
+def _series(history, key):
+  return np.array([np.nan if r.get(key) is None else float(r[key]) for r in history])
+
+
+def plot_privacy_report(history, path, title="Privacy audit"):
+  """Writes a two-panel PNG: (left) ε vs epoch, (right) attack AUC vs claimed ε.
+
+  Args:
+    history: list of dicts with "epoch", "claimed_epsilon" and any of
+      "whitebox_epsilon_lb", "whitebox_step_epsilon_lb", "attack_epsilon_lb", "attack_auc"
+      (as made by AuditCallback).
+    path: output PNG path.
+    title: figure title.
+  Returns:
+    path.
+  Raises:
+    ValueError: empty history or a row without "epoch" / "claimed_epsilon".
+  """
+  if not history or any("epoch" not in r or "claimed_epsilon" not in r for r in history):
+    raise ValueError("history must be a non-empty list of dicts with 'epoch' and "
+                     f"'claimed_epsilon', got {history!r:.200}")
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  epochs = _series(history, "epoch")
+  claimed = _series(history, "claimed_epsilon")
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  finite = np.where(np.isfinite(claimed), claimed, np.nan)
+  ax1.plot(epochs, finite, "k-o", label="claimed ε (accountant)")
+  for key, label in _BOUND_KEYS:
+    s = _series(history, key)
+    if np.any(np.isfinite(s)):
+      ax1.plot(epochs, s, "-s", label=label)
+  ax1.set_xlabel("epoch")
+  ax1.set_ylabel("ε (nats)")
+  ax1.legend(fontsize=8)
+  ax1.set_title("claimed ε vs audited lower bounds")
+  auc = _series(history, "attack_auc")
+  if np.any(np.isfinite(auc)):
+    x = finite if np.any(np.isfinite(finite)) else epochs
+    ax2.plot(x, auc, "-o", color="tab:red")
+    ax2.set_xlabel("claimed ε" if np.any(np.isfinite(finite)) else "epoch (claimed ε infinite)")
+  else:
+    ax2.text(0.5, 0.5, "no attack run", ha="center", va="center")
+  ax2.axhline(0.5, color="grey", lw=0.8, ls="--")
+  ax2.set_ylabel("attack AUC")
+  ax2.set_title("membership attack AUC")
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
+def format_summary(rows):
+  """Plain-text table of {name: {claimed_epsilon, ...}} rows (for CLIs)."""
+  keys = ["claimed_epsilon", "whitebox_epsilon_lb", "whitebox_step_epsilon_lb",
+          "lira_epsilon_lb", "lira_auc", "loss_auc"]
+  lines = ["model".ljust(14) + "".join(k.ljust(26) for k in keys)]
+  for name, row in rows.items():
+    cells = []
+    for k in keys:
+      v = row.get(k)
+      cells.append(("-" if v is None else ("inf" if v == math.inf else f"{v:.3f}")).ljust(26))
+    lines.append(name.ljust(14) + "".join(cells))
+  return "\n".join(lines)
