@@ -153,9 +153,16 @@ class DPModelMixin:
     opt._dp_sampling_source = "fit"  # pylint: disable=protected-access
 
   def _dp_log_line(self, spec, reason, callbacks, verbose):
-    if verbose == 0 or spec is None:
+    if verbose == 0:
       return None
     meters = [c for c in callbacks if isinstance(c, callbacks_lib.PrivacyMeter)]
+    if spec is None:   # declared by hand: read it back from the optimizer's query
+      cfg = self.optimizer.dp_query.get_config()
+      spec = sampling_lib.SamplingSpec(cfg["policy"], cfg["population_size"],
+                                       cfg["selection_probability"], cfg["sample_size"])
+      reason = "declared by optimizer.set_sampling" + (
+          "; record each new permutation with model.ledger.record_passes(1), else every "
+          "step is charged as its own pass" if spec.policy == "shuffle" else "")
     return fit_sampling.describe(spec, reason or "the dataset's own sampling",
                                  meters[0] if meters else None)
 
