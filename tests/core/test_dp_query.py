@@ -397,3 +397,30 @@ def test_normal_noise_tail_conditional_ks():
   assert abs(m / 4e7 - p4) < 5 * math.sqrt(p4 / 4e7)
   cdf = lambda t: 1.0 - stats.norm.sf(t) / stats.norm.sf(4.0)  # noqa: E731
   assert stats.kstest(tail, cdf).statistic < 1.95 / math.sqrt(m)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_secure_mode_noise_is_standard_normal(mode):
+  """Secure mode (os.urandom bits, (z1 + z2)/sqrt 2) against N(0, 1) at N = 100k."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
+  src = randomness.make_generator(secure=True)
+  fn = lambda: randomness.normal(src, [100_001])  # noqa: E731
+  if mode == "function":
+    fn = tf.function(fn)
+  z = fn().numpy().astype(np.float64)
+  n = z.size
+  assert stats.kstest(z, "norm").statistic < 1.95 / math.sqrt(n)
+  assert abs(z.var() - 1.0) < 5 * math.sqrt(2.0 / n)
+  with pytest.raises(ValueError, match="seed"):
+    randomness.make_generator(seed=1, secure=True)
+
+
+def test_secure_mode_query_noise_and_config():
+  q = dq.GaussianSumQuery(1.0, 2.0, secure_mode=True)
+  assert q.get_config()["secure_mode"] is True
+  g = q.initial_global_state()
+  s = q.accumulate_records(q.derive_sample_params(g), q.initial_sample_state(tf.TensorSpec([20000])),
+                           tf.zeros([3, 20000]))
+  noised, _, _ = q.get_noised_result(s, g)
+  assert abs(float(tf.math.reduce_std(noised)) - 2.0) < 5 * 2.0 * math.sqrt(2.0 / 20000)

@@ -46,16 +46,19 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
   _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev"])
 
-  def __init__(self, l2_norm_clip, stddev, seed=None):
+  def __init__(self, l2_norm_clip, stddev, seed=None, secure_mode=False):
+    """l2_norm_clip S, stddev sigma = z S (sum units), seed (tests only: not private),
+    secure_mode (noise from os.urandom, sum of two draws: `randomness.SecureRandom`)."""
     self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
     self._seed = seed
-    self._generator = randomness.make_generator(seed)
+    self._secure_mode = bool(secure_mode)
+    self._generator = randomness.make_generator(seed, secure=self._secure_mode)
 
   def get_config(self):
     p = serialization.plain
     return {"l2_norm_clip": p(self._l2_norm_clip), "stddev": p(self._stddev),
-            "seed": p(self._seed)}
+            "seed": p(self._seed), "secure_mode": self._secure_mode}
 
   @property
   def l2_norm_clip(self):

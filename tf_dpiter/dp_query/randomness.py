@@ -5,8 +5,10 @@ Noise and sampling come from a counter-based Philox `tf.random.Generator` (Salmo
 output is reproducible, hence not private, and a warning says so.
 """
 
+import os
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 
@@ -14,8 +16,28 @@ class NotPrivateSeedWarning(UserWarning):
   """A DP mechanism was given a fixed seed: its output is reproducible, not private."""
 
 
-def make_generator(seed=None) -> tf.random.Generator:
-  """Returns a Philox generator: OS entropy if `seed` is None, else seeded (tests only)."""
+class SecureRandom:
+  """Secure mode (as Opacus' `secure_mode`): every random bit comes from the operating
+  system's CSPRNG (`os.urandom`), and `normal` returns (z1 + z2) / sqrt(2) of two independent
+  Box-Muller draws, so that no single floating-point draw fixes the low-order bits of the noise
+  (Mironov 2012; Jin et al. 2022). Costs about 2x the bits and a host copy per draw; the draw
+  runs in `tf.numpy_function`, so not under XLA."""
+
+  def words(self, size):
+    """`size` uniform 64-bit words from os.urandom, as int64."""
+    def draw(n):
+      return np.frombuffer(os.urandom(8 * int(n)), dtype=np.int64).copy()
+    out = tf.numpy_function(draw, [tf.cast(size, tf.int64)], tf.int64, stateful=True)
+    return tf.reshape(out, [size])
+
+
+def make_generator(seed=None, secure=False):
+  """Returns a Philox generator: OS entropy if `seed` is None, else seeded (tests only);
+  with `secure=True` a `SecureRandom` (no seed allowed)."""
+  if secure:
+    if seed is not None:
+      raise ValueError(f"secure_mode draws from os.urandom and takes no seed, got seed={seed!r}")
+    return SecureRandom()
   if seed is None:
     return tf.random.Generator.from_non_deterministic_state(alg="philox")
   warnings.warn(
@@ -31,7 +53,10 @@ _LN2 = 0.6931471805599453
 
 def _words(generator, size):
   """(lo, hi): 2 x `size` independent uniform 32-bit words (int64 tensors), one Philox draw."""
-  bits = generator.uniform_full_int([size], dtype=tf.int64)
+  if isinstance(generator, SecureRandom):
+    bits = generator.words(size)
+  else:
+    bits = generator.uniform_full_int([size], dtype=tf.int64)
   return (tf.bitwise.bitwise_and(bits, 0xFFFFFFFF),
           tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 32), 0xFFFFFFFF))
 
@@ -101,8 +126,16 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
   theta = 2 pi h 2^-32 from another 32 Philox bits.
   """
   dtype = tf.as_dtype(dtype)
+  if isinstance(generator, SecureRandom):
+    z = (_box_muller(generator, shape) + _box_muller(generator, shape)) * (0.5 ** 0.5)
+    return tf.cast(z, dtype)
   if dtype == tf.float64 or not dtype.is_floating:
     return generator.normal(shape, dtype=dtype)
+  return tf.cast(_box_muller(generator, shape), dtype)
+
+
+def _box_muller(generator, shape):
+  """float32 standard normals of `shape` (see `normal`)."""
   shape = tf.convert_to_tensor(shape, tf.int32)
   n = tf.reduce_prod(shape)
   pairs = (n + 1) // 2
@@ -110,4 +143,4 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
   r = tf.sqrt(2.0 * _exponential_from(generator, _bucket(lo, 32)))
   theta = tf.cast(hi, tf.float32) * (_TWO_PI * 2.0 ** -32)
   z = tf.reshape(tf.stack([r * tf.cos(theta), r * tf.sin(theta)]), [-1])[:n]
-  return tf.cast(tf.reshape(z, shape), dtype)
+  return tf.reshape(z, shape)
