@@ -22,15 +22,14 @@ from tf_dpiter.keras import optimizers as dp_optimizers
 class WhiteBoxResult:
   """Outcome of `run_whitebox_audit`.
 
-  claimed_epsilon: ε of the run from dp_accounting (PLD), sensitivity 1 (add/remove);
-  step_claimed_epsilon: the same for one step (T = 1): the claim the per-step trials audit
-  (every step is an independent one-step run for the canary coordinates);
-  ledger_epsilon: ε the model's ledger reports (PLD), None if not asked;
+  ledger_epsilon: ε the model's ledger reports, None if not asked;
   run_bound / step_bound: bounds.LowerBound from per-run and per-step scores;
-  observations [m, T], included [m]; q, steps, noise_multiplier, delta.
+  observations [m, T], included [m]; sampling_probability q, steps T, noise_multiplier z,
+  delta, neighbouring. The claims are computed on demand from dp_accounting events:
+  `claimed_epsilon()` for the T-step run, `step_claimed_epsilon()` for one step (the claim
+  the per-step trials audit: every step is an independent one-step run for the canary
+  coordinates).
   """
-  claimed_epsilon: float
-  step_claimed_epsilon: float
   ledger_epsilon: Optional[float]
   run_bound: object
   step_bound: object
@@ -41,6 +40,16 @@ class WhiteBoxResult:
   noise_multiplier: float
   delta: float
   neighbouring: str
+
+  def claimed_epsilon(self, accountant="pld", sensitivity=1.0):
+    """ε of the T-step run (whitebox.claimed_epsilon; sensitivity in units of S)."""
+    return whitebox.claimed_epsilon(self.sampling_probability, self.noise_multiplier, self.steps,
+                                    self.delta, accountant, sensitivity)
+
+  def step_claimed_epsilon(self, accountant="pld", sensitivity=1.0):
+    """ε of one step (T = 1) of the run."""
+    return whitebox.claimed_epsilon(self.sampling_probability, self.noise_multiplier, 1,
+                                    self.delta, accountant, sensitivity)
 
 
 def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_multiplier,
@@ -90,8 +99,6 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
   recorder = whitebox.CanaryRecorder(model, l2_norm_clip, q * n_total)
   model.fit(data, epochs=1, verbose=0, callbacks=[recorder, *callbacks])
   obs = recorder.observations
-  claimed = whitebox.claimed_epsilon(q, noise_multiplier, recorder.steps, delta)
-  step_claimed = whitebox.claimed_epsilon(q, noise_multiplier, 1, delta)
   ledger_eps = None
   if ledger_accountant is not None and noise_multiplier > 0:
     ledger_eps = float(accounting.epsilon(model.ledger, delta, accountant=ledger_accountant))
@@ -99,5 +106,5 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
                     confidence=confidence, neighbouring=neighbouring)
   run_b = whitebox.whitebox_lower_bound(obs, included, per="run", **bound_args)
   step_b = whitebox.whitebox_lower_bound(obs, included, per="step", **bound_args)
-  return WhiteBoxResult(claimed, step_claimed, ledger_eps, run_b, step_b, obs, included, q, recorder.steps,
+  return WhiteBoxResult(ledger_eps, run_b, step_b, obs, included, q, recorder.steps,
                         float(noise_multiplier), delta, neighbouring)
