@@ -1,0 +1,76 @@
+"""tf_dpiter.auditing.check_sensitivity on the tutorial CNN and on a batch-mixing model."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter.auditing import sensitivity
+from tf_dpiter.keras import example_models
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _mnist_like(n=40, seed=0):
+  rng = np.random.RandomState(seed)
+  return rng.rand(n, 28, 28, 1).astype("float32"), rng.randint(0, 10, n)
+
+
+@pytest.mark.parametrize("policy", ["poisson", "shuffle"])
+def test_tutorial_cnn_passes(policy):
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential(example_models.mnist_cnn_layers())
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
+  x, y = _mnist_like()
+  report = sensitivity.check_sensitivity(model, x, y, policy=policy, num_candidates=12)
+  assert report.passed, str(report)
+  assert report.batch_mixing_layers == ()
+  expected = 1.0 if policy == "poisson" else 2.0      # add/remove C, replace-one 2C
+  assert report.recorded_sensitivity == expected
+  assert 0.5 * expected < report.measured_sensitivity <= expected * (1 + 1e-5)
+  assert "OK" in str(report)
+
+
+def _centering_model():
+  """Dense -> subtract the batch mean (a parameter-free layer that mixes examples) -> Dense."""
+  inp = keras.Input((6,))
+  h = keras.layers.Dense(8, activation="tanh")(inp)
+  h = keras.layers.Lambda(lambda t: t - keras.ops.mean(t, axis=0, keepdims=True),
+                          name="batch_centering")(h)
+  return dp.keras.DPModel(inp, keras.layers.Dense(3)(h))
+
+
+def test_batch_mixing_layer_is_named():
+  keras.utils.set_random_seed(0)
+  model = _centering_model()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
+                                                       clipping="vectorized"), loss=LOSS)
+  rng = np.random.RandomState(1)
+  x, y = rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+  assert sensitivity.batch_mixing_layers(model, x[:8]) == ("batch_centering",)
+  report = sensitivity.check_sensitivity(model, x, y, num_candidates=12)
+  assert "batch_centering" in report.batch_mixing_layers
+  assert "batch_centering" in str(report)
+
+
+@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
+def test_batch_mixing_model_path_verdicts(clipping):
+  """The vectorized path clips each example alone, so it is exact even here; the fast path
+  computes norms on the mixed batch, and the check measures a violation and names the layer.
+  The model's weights and ledger are untouched by the check."""
+  keras.utils.set_random_seed(0)
+  model = _centering_model()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
+                                                       clipping=clipping), loss=LOSS)
+  rng = np.random.RandomState(1)
+  x, y = rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+  before = [w.copy() for w in model.get_weights()]
+  report = sensitivity.check_sensitivity(model, x, y, num_candidates=20)
+  assert report.path == clipping
+  if clipping == "vectorized":
+    assert report.passed, str(report)
+  else:
+    assert not report.passed and report.ratio > 1.05, str(report)
+    assert "VIOLATION" in str(report) and "batch_centering" in str(report)
+  assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+  assert int(model.ledger.sample_count) == 0
