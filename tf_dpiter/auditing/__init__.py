@@ -20,6 +20,7 @@ from tf_dpiter.auditing.attacks import lira_scores
 from tf_dpiter.auditing.attacks import logit_confidence
 from tf_dpiter.auditing.attacks import loss_scores
 from tf_dpiter.auditing.attacks import roc_curve
+from tf_dpiter.auditing.attacks import shadow_confidences
 from tf_dpiter.auditing.attacks import tpr_at_fpr
 from tf_dpiter.auditing.bounds import LowerBound
 from tf_dpiter.auditing.bounds import clopper_pearson

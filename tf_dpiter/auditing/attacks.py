@@ -199,3 +199,27 @@ def attack_metrics(scores, is_member, labels=None, delta=1e-5, confidence=0.95,
       fair_coin_membership) else None
   return AttackMetrics(auc(s[mem], s[~mem]), tpr_at_fpr(s[mem], s[~mem], 1e-3),
                        tpr_at_fpr(s[mem], s[~mem], 1e-2), float(np.max(tpr - fpr)), by_class, eps)
+
+
+def shadow_confidences(train_and_predict, x, y, num_models, seed=0, from_logits=True):
+  """Trains `num_models` models on fair-coin halves of (x, y); returns their φ on all of x.
+
+  Args:
+    train_and_predict: callable(x_train, y_train) -> outputs [n, K] on the full x (logits if
+      from_logits, else probabilities); called once per model.
+    x, y: arrays with n examples; y integer labels.
+    num_models: N >= 2.
+    seed: seeds the memberships (audit design).
+    from_logits: how to read the outputs.
+  Returns:
+    (phi [N, n] logit-scaled confidences, in_masks [N, n] bool memberships).
+  Raises:
+    ValueError: num_models < 2.
+  """
+  if not (isinstance(num_models, int) and num_models >= 2):
+    raise ValueError(f"num_models must be an integer >= 2, got {num_models!r}")
+  n = len(y)
+  masks = np.random.default_rng(seed).random((num_models, n)) < 0.5
+  phi = np.stack([logit_confidence(train_and_predict(x[m], y[m]), y, from_logits)
+                  for m in masks])
+  return phi, masks
