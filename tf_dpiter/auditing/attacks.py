@@ -65,7 +65,8 @@ def logit_confidence(outputs, labels, from_logits=True):
   return lp[np.arange(y.size), y] - special.logsumexp(others, axis=1)
 
 
-def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3):
+def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3,
+                fix_variance=False):
   """LiRA scores of the target model's examples from shadow models.
 
   Args:
@@ -74,6 +75,8 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3):
     shadow_in: [N, n] bool, example j in shadow i's training set.
     online: use in- and out-Gaussians (True) or the out-Gaussian only (False).
     min_std: floor on the fitted standard deviations.
+    fix_variance: one global standard deviation per class (in / out) instead of one per
+      example; better with few shadow models (Carlini et al. 2022, Sec. VI-A).
   Returns:
     float64 [n] scores (higher = member). Examples lacking in- or out-shadows get the
     global in/out statistics.
@@ -94,6 +97,8 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3):
     mu = np.where(cnt > 0, (s * mask).sum(0) / np.maximum(cnt, 1), g_mu)
     var = (((s - mu) ** 2) * mask).sum(0) / np.maximum(cnt - 1, 1)
     sd = np.where(cnt > 1, np.sqrt(var), g_sd)
+    if fix_variance:
+      sd = np.full_like(sd, np.sqrt(np.sum(((s - mu) ** 2) * mask) / max(mask.sum() - 1, 1)))
     return mu, np.maximum(sd, min_std)
 
   mu_out, sd_out = fit(~inn)
@@ -107,10 +112,11 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3):
   return logpdf(t, mu_in, sd_in) - logpdf(t, mu_out, sd_out)
 
 
-def lira_leave_one_out(phi, in_masks, online=True):
+def lira_leave_one_out(phi, in_masks, online=True, fix_variance=False):
   """Each model as target, the others as shadows: LiRA scores [N, n].
 
-  Args: phi [N, n] φ of all models; in_masks [N, n] bool memberships; online as lira_scores.
+  Args: phi [N, n] φ of all models; in_masks [N, n] bool memberships; online, fix_variance
+  as in lira_scores.
   Returns: float64 [N, n]. Raises: ValueError for N < 2 or shape mismatch.
   """
   phi = np.asarray(phi, np.float64)
@@ -120,7 +126,7 @@ def lira_leave_one_out(phi, in_masks, online=True):
   out = np.empty_like(phi)
   for i in range(phi.shape[0]):
     rest = np.arange(phi.shape[0]) != i
-    out[i] = lira_scores(phi[i], phi[rest], masks[rest], online)
+    out[i] = lira_scores(phi[i], phi[rest], masks[rest], online, fix_variance=fix_variance)
   return out
 
 

@@ -65,13 +65,15 @@ def plot_privacy_report(history, path, title="Privacy audit"):
 
 def format_summary(rows):
   """Plain-text table of {name: {claimed_epsilon, ...}} rows (for CLIs)."""
-  keys = ["claimed_epsilon", "whitebox_epsilon_lb", "whitebox_step_epsilon_lb",
-          "lira_epsilon_lb", "lira_auc", "loss_auc"]
-  lines = ["model".ljust(14) + "".join(k.ljust(26) for k in keys)]
+  keys = ["claimed_epsilon", "lira_epsilon_lb", "lira_auc", "loss_auc", "whitebox_claimed_epsilon",
+          "whitebox_epsilon_lb", "whitebox_step_claimed_epsilon", "whitebox_step_epsilon_lb"]
+  heads = ["claimed eps", "LiRA lb", "LiRA AUC", "loss AUC", "wb claim", "wb lb",
+           "wb step claim", "wb step lb"]
+  lines = ["model".ljust(14) + "".join(h.ljust(15) for h in heads)]
   for name, row in rows.items():
     cells = []
     for k in keys:
       v = row.get(k)
-      cells.append(("-" if v is None else ("inf" if v == math.inf else f"{v:.3f}")).ljust(26))
+      cells.append(("-" if v is None else ("inf" if v == math.inf else f"{v:.3f}")).ljust(15))
     lines.append(name.ljust(14) + "".join(cells))
   return "\n".join(lines)
