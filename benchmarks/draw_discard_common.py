@@ -193,3 +193,23 @@ def cpu_seconds(pid: int) -> float:
   with open(f"/proc/{pid}/stat") as f:
     fields = f.read().rsplit(")", 1)[1].split()
   return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def piggyback_update(conn: Conn, rng: np.random.Generator, b: float,
+                           w: np.ndarray | None) -> tuple[int, np.ndarray | None]:
+  """One update with the next draw in the submit's answer (POST /v1/submit?draw=raw).
+
+  Returns (status, next drawn instance or None). Draws with GET first when w is None.
+  """
+  if w is None:
+    st, data, _ = await conn.request("GET", "/v1/draw?encoding=raw")
+    if st != 200:
+      return st, None
+    w = np.frombuffer(data, dtype="<f8")
+  u = w + b * (rng.standard_exponential(w.size) - rng.standard_exponential(w.size))
+  st, data, hdrs = await conn.request(
+      "POST", "/v1/submit?draw=raw", u.astype("<f8").tobytes(),
+      "Content-Type: application/octet-stream\r\nX-DDML-Version: 1\r\n")
+  nxt = (np.frombuffer(data, dtype="<f8")
+         if st == 200 and hdrs.get("content-type", "").startswith("application/octet") else None)
+  return st, nxt

@@ -25,21 +25,26 @@ import numpy as np
 import draw_discard_common as common
 
 
-async def _worker(conn, stop_at, lat, errors, b, seed):
+async def _worker(conn, stop_at, lat, errors, b, seed, piggyback=False):
   rng = np.random.default_rng(seed)
+  w = None
   while time.perf_counter() < stop_at:
     t0 = time.perf_counter()
     try:
-      st, st2 = await common.one_update(conn, rng, b)
+      if piggyback:
+        st, w = await common.piggyback_update(conn, rng, b, w)
+        st2 = st
+      else:
+        st, st2 = await common.one_update(conn, rng, b)
     except ConnectionError:
-      st, st2 = -1, -1
+      st, st2, w = -1, -1, None
     if st != 200 or st2 != 200:
       errors.append((st, st2))
     else:
       lat.append(time.perf_counter() - t0)
 
 
-def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
+def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q, piggyback=False):
   import ssl  # pylint: disable=g-import-not-at-top
 
   async def main():
@@ -47,11 +52,11 @@ def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
     conns = [common.Conn(ports[i % len(ports)], tokens[i % len(tokens)], ctx)
              for i in range(clients)]
     warm = []
-    await asyncio.gather(*[_worker(c, time.perf_counter() + warmup, warm, [], b, i)
+    await asyncio.gather(*[_worker(c, time.perf_counter() + warmup, warm, [], b, i, piggyback)
                            for i, c in enumerate(conns)])
     lat, errors = [], []
     t0 = time.perf_counter()
-    await asyncio.gather(*[_worker(c, t0 + duration, lat, errors, b, 1000 + i)
+    await asyncio.gather(*[_worker(c, t0 + duration, lat, errors, b, 1000 + i, piggyback)
                            for i, c in enumerate(conns)])
     wall = time.perf_counter() - t0
     for c in conns:
@@ -67,7 +72,7 @@ def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q):
 
 
 def run_one(store: str, servers: int, clients: int, duration: float, warmup: float,
-            num_weights: int, quota: float, tls: bool = True) -> dict:
+            num_weights: int, quota: float, tls: bool = True, piggyback: bool = False) -> dict:
   """One measured configuration (servers are started and stopped here)."""
   extra = ["--draw-quota", str(quota), "--submit-quota", str(quota)]
   cluster = common.start_cluster(store, servers, num_weights, num_tokens=clients, extra_args=extra,
@@ -77,7 +82,8 @@ def run_one(store: str, servers: int, clients: int, duration: float, warmup: flo
     q = ctx.Queue()
     proc = ctx.Process(target=_load_proc, args=(cluster.ports, cluster.tokens, cluster.cert,
                                                 clients, duration, warmup,
-                                                common.noise_scale(cluster.spec), q))
+                                                common.noise_scale(cluster.spec), q,
+                                                piggyback))
     cpu0 = sum(common.cpu_seconds(p.pid) for p in cluster.procs)
     proc.start()
     lat, errors, wall, n_warm = q.get()
@@ -88,7 +94,7 @@ def run_one(store: str, servers: int, clients: int, duration: float, warmup: flo
   lat = np.asarray(lat)
   statuses = sorted({str(e) for e in errors})[:5]
   return dict(num_weights=num_weights, store=store.split(":")[0], servers=servers,
-              clients=clients, tls=tls, tokens=True, quota_per_token_per_s=quota,
+              clients=clients, tls=tls, tokens=True, piggyback=piggyback, quota_per_token_per_s=quota,
               updates=len(lat), errors=len(errors), error_statuses=statuses,
               seconds=round(wall, 2), updates_per_s=round(len(lat) / wall, 1),
               p50_ms=round(float(np.percentile(lat, 50)) * 1e3, 2) if len(lat) else None,
@@ -105,6 +111,8 @@ def main(argv=None):
   ap.add_argument("--weights", type=int, default=387)
   ap.add_argument("--quota", type=float, default=1000.0, help="draws and submits/s per token")
   ap.add_argument("--no-tls", action="store_true", help="plain HTTP (tokens stay on)")
+  ap.add_argument("--piggyback", action="store_true",
+                  help="one request per update: POST /v1/submit?draw=raw returns the next draw")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
   results, redis_proc = [], None
@@ -117,18 +125,19 @@ def main(argv=None):
         url, servers = f"redis://127.0.0.1:{port}/0", 2
       for clients in args.clients:
         r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota,
-                    tls=not args.no_tls)
+                    tls=not args.no_tls, piggyback=args.piggyback)
         results.append(r)
         print(json.dumps(r), flush=True)
   finally:
     if redis_proc is not None:
       redis_proc.terminate()
       redis_proc.wait(10)
-  print("\n| store | servers | TLS | clients | updates/s | p50 ms | p99 ms | errors "
+  print("\n| store | servers | TLS | piggyback | clients | updates/s | p50 ms | p99 ms | errors "
         "| server CPU us/update |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
-    print(f"| {r['store']} | {r['servers']} | {r['tls']} | {r['clients']} | {r['updates_per_s']} "
+    print(f"| {r['store']} | {r['servers']} | {r['tls']} | {r['piggyback']} | {r['clients']} "
+          f"| {r['updates_per_s']} "
           f"| {r['p50_ms']} "
           f"| {r['p99_ms']} | {r['errors']} | {r['server_cpu_us_per_update']} |")
   if args.json:

@@ -271,3 +271,22 @@ def test_connection_cap_and_idle_timeout(start_service):
 def test_client_reports_quota_wait():
   err = client_lib.DDMLError(429, "quota_exceeded", "x", 3.0)
   assert err.retry_after == 3.0 and "429" in str(err)
+
+
+@pytest.mark.parametrize("quota", [None, 1.0])
+def test_submit_with_next_draw(start_service, quota):
+  now = [0.0]
+  quotas = None if quota is None else auth.Quotas({"draw": quota}, {"draw": 1}, clock=lambda: now[0])
+  svc = service.DDMLService(SPEC, K, store_lib.MemoryStore(), tokens=auth.TokenSet([TOKEN]),
+                            quotas=quotas, seed=0)
+  srv = start_service(svc)
+  rng = np.random.default_rng(3)
+  with client_lib.DDMLClient(srv.url, token=TOKEN) as c:
+    d = c.draw()  # takes the only draw token when quota is 1
+    answer, nxt = c.submit_and_draw(d.version, honest(d.weights, rng))
+    assert answer == {"accepted": True, "seq": 1}
+    if quota is None:
+      assert nxt.weights.shape == (P,) and nxt.version == "1"
+      assert c.submit_and_draw(nxt.version, honest(nxt.weights, rng))[0]["seq"] == 2
+    else:
+      assert nxt is None  # over the draw quota: the submit counts, no draw is served

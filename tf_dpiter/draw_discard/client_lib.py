@@ -122,6 +122,16 @@ def _raw_body(weights: np.ndarray) -> bytes:
   return np.ascontiguousarray(weights, dtype="<f8").tobytes()
 
 
+def _checked_weights(data: bytes, spec: glm.ModelSpec) -> np.ndarray:
+  if len(data) != 8 * spec.num_weights:
+    raise DDMLError(502, "bad_draw", f"drawn instance has {len(data)} bytes; the spec needs "
+                    f"{8 * spec.num_weights}")
+  w = np.frombuffer(data, dtype="<f8").copy()
+  if not np.all(np.isfinite(w)):
+    raise DDMLError(502, "bad_draw", "drawn instance holds non-finite weights")
+  return w
+
+
 def _raise_for(status: int, body: bytes, retry_after: str | None = None) -> dict:
   try:
     d = json.loads(body)
@@ -214,16 +224,54 @@ class DDMLClient:
     raise AssertionError("unreachable")
 
   def draw(self) -> Drawn:
+    """Draws an instance (raw encoding) with its spec (fetched once per version).
+
+    Returns:
+      A Drawn.
+
+    Raises:
+      DDMLError: for an error answer, or a body that is not the spec's finite weights.
+    """
     version, data = self._request("GET", "/v1/draw?encoding=raw", raw=True)
     if version not in self._specs:
       spec = self.spec()
       self._specs[spec.version] = spec
-    return Drawn(version, self._specs.get(version) or self.spec(),
-                 np.frombuffer(data, dtype="<f8").copy())
+    spec = self._specs.get(version) or self.spec()
+    return Drawn(version, spec, _checked_weights(data, spec))
 
   def submit(self, version: str, weights: np.ndarray) -> dict:
     return self._request("POST", "/v1/submit", _raw_body(weights),
                          {"Content-Type": "application/octet-stream", "X-DDML-Version": version})
+
+  def submit_and_draw(self, version: str, weights: np.ndarray) -> tuple[dict, Drawn | None]:
+    """Submits and receives the next draw in the same answer (POST /v1/submit?draw=raw).
+
+    Args:
+      version: the model version of the drawn instance.
+      weights: the updated instance.
+
+    Returns:
+      ({"accepted": True, "seq": n}, the next Drawn), or (answer, None) when the server
+      gave no draw (draw quota).
+
+    Raises:
+      DDMLError: for an error answer.
+    """
+    if self._conn is None:
+      self._conn = self._connect()
+    self._conn.request("POST", "/v1/submit?draw=raw", body=_raw_body(weights), headers=_headers(
+        self._token, {"Content-Type": "application/octet-stream", "X-DDML-Version": version},
+        True))
+    r = self._conn.getresponse()
+    data = r.read()
+    if r.status >= 400 or r.getheader("Content-Type", "").startswith("application/json"):
+      return _raise_for(r.status, data, r.getheader("Retry-After")), None
+    v = r.getheader("X-DDML-Version")
+    if v not in self._specs:
+      self._specs[v] = self.spec()
+    spec = self._specs[v]
+    return ({"accepted": True, "seq": int(r.getheader("X-DDML-Seq"))},
+            Drawn(v, spec, _checked_weights(data, spec)))
 
   def submit_json(self, version: str, weights: np.ndarray) -> dict:
     """The same as submit, as JSON with base64 weights."""
@@ -304,7 +352,7 @@ class AsyncDDMLClient:
     if v not in self._specs:
       spec = glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec"))
       self._specs[spec.version] = spec
-    return Drawn(v, self._specs[v], np.frombuffer(data, dtype="<f8").copy())
+    return Drawn(v, self._specs[v], _checked_weights(data, self._specs[v]))
 
   async def submit(self, version: str, weights: np.ndarray) -> dict:
     return await self._request("POST", "/v1/submit", _raw_body(weights),

@@ -10,6 +10,8 @@ client uses: the version then travels in the X-DDML-Version header):
   POST /v1/submit  {"version", "weights" | "weights_b64"}, or application/octet-stream
                    bytes with X-DDML-Version -> {"accepted": true, "seq": n}; the update
                    replaces a uniformly random slot if the acceptance rule admits it.
+                   ?draw=raw: on success the answer is instead the next drawn instance
+                   (raw, X-DDML-Seq header), within the draw quota (else the JSON above).
   GET  /v1/model[?encoding=b64|raw] -> the average of the k instances.
   GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
 
@@ -230,7 +232,22 @@ class DDMLService:
       raise self._refusal(decision.reason)
     seq = await self.store.replace(secrets.randbelow(self.k), w)
     self.metrics.inc("accepted_total", help_text="stored updates")
+    if request.query.get("draw") == "raw" and self._may_draw(request):
+      # the next round's draw in the same answer (one request per update in steady state)
+      snap = await self._snapshot_for_draw()
+      self.metrics.inc("draws_total", help_text="instances served")
+      return web.Response(body=store_lib.encode_weights(snap.slots[secrets.randbelow(self.k)]),
+                          content_type=parsing.RAW_TYPE,
+                          headers={"X-DDML-Version": self.spec.version, "X-DDML-Seq": str(seq)})
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
+
+  def _may_draw(self, request: web.Request) -> bool:
+    if self.quotas is None:
+      return True
+    ok = self.quotas.take(request.get(web_errors.IDENTITY) or "?", "draw") == 0
+    if not ok:
+      self.metrics.inc("quota_refused_total", op="draw", help_text="requests over quota (429)")
+    return ok
 
   async def _decide(self, w: np.ndarray) -> acceptance.Decision:
     snap = self._snap

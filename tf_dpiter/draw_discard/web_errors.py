@@ -23,6 +23,7 @@ from tf_dpiter.draw_discard import store as store_lib
 log = logging.getLogger(__name__)
 
 _OPS = {"/v1/draw": "draw", "/v1/submit": "submit"}
+IDENTITY = web.RequestKey("ddml_identity", str)  # token digest prefix, or the client address
 _OPEN = ("/healthz",)
 # Faults of our own code that must still produce a JSON 500 (RecursionError is a RuntimeError).
 _SERVER_FAULTS = (ArithmeticError, LookupError, TypeError, ValueError, RuntimeError, OSError,
@@ -92,8 +93,10 @@ def _admit(svc, request: web.Request) -> None:
                                  if status == 401 else "token not accepted",
                                  headers={"WWW-Authenticate": 'Bearer realm="ddml"'})
   op = _OPS.get(request.path)
+  identity = identity or (request.remote or "?")
+  request[IDENTITY] = identity
   if svc.quotas is not None and op is not None:
-    wait = svc.quotas.take(identity or (request.remote or "?"), op)
+    wait = svc.quotas.take(identity, op)
     if wait > 0:
       svc.metrics.inc("quota_refused_total", op=op, help_text="requests over quota (429)")
       raise parsing.RequestError(429, "quota_exceeded", f"{op} quota exceeded; retry later",
