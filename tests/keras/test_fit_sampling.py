@@ -112,6 +112,26 @@ def test_ledger_journal_resumes_in_a_new_model_and_refuses_tampering(tmp_path):
     _compiled().fit(x, y, batch_size=16, verbose=0, ledger_journal=path)
 
 
+def test_optimizer_ledger_journal_survives_save_and_load(tmp_path):
+  # ModelCheckpoint-style restart: the journal path is in the optimizer's config, so the
+  # model loaded from the checkpoint resumes every step taken before, without being told.
+  x, y = helpers.small_data(64)
+  path = str(tmp_path / "opt.journal")
+  model = helpers.small_seq()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
+                                                       ledger_journal=path), loss=LOSS)
+  model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+  model.save(str(tmp_path / "m.keras"))
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)     # steps after the checkpoint
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+  assert loaded.optimizer.ledger_journal == path
+  assert int(loaded.optimizer.iterations.numpy()) == 8
+  loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert int(loaded.ledger.sample_count.numpy()) == 16   # 12 before + 4 re-run
+  with pytest.raises(ValueError, match="ledger_journal"):
+    dp.keras.DPKerasSGDOptimizer(1.0, 1.1, ledger_journal=3)
+
+
 def test_ledger_journal_callback_with_key(tmp_path):
   x, y = helpers.small_data(64)
   path = str(tmp_path / "keyed.journal")

@@ -97,8 +97,9 @@ class DPModelMixin:
     Args:
       *args, **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
       sampling: None, "poisson" or "shuffle" (arrays only).
-      ledger_journal: path of the ledger journal to resume and append (None: only with
-        BackupAndRestore, at backup_dir/privacy_ledger.journal).
+      ledger_journal: path of the ledger journal to resume and append (None: the
+        optimizer's ledger_journal, else only with BackupAndRestore, at
+        backup_dir/privacy_ledger.journal).
 
     Returns:
       The History object of keras.Model.fit.
@@ -125,7 +126,7 @@ class DPModelMixin:
     internal = [fit_sampling.SamplingSync(
         None if spec is None else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
-    path = fit_sampling.journal_path(callbacks, ledger_journal)
+    path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, callbacks_lib.LedgerJournal) for c in callbacks):
       internal.append(callbacks_lib.LedgerJournal(path))
     a["callbacks"] = internal + callbacks

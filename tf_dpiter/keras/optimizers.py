@@ -51,15 +51,21 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
                dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-               seed=None, **kwargs):
+               seed=None, ledger_journal=None, **kwargs):
     """l2_norm_clip S (L2 norm, loss-gradient units), noise_multiplier z (noise stddev z*S on
     the sum), num_microbatches M (None: one example per record), dp_query (instead of S, z:
     any DPQuery whose result is a sum over records), max_physical_batch_size P (examples per
     physical chunk; noise still once per logical batch), clipping "auto"|"vectorized"|"fast",
-    normalize (divide the noised sum by the denominator), seed (tests only: not private)."""
+    normalize (divide the noised sum by the denominator), seed (tests only: not private),
+    ledger_journal (path of a ledger journal that DPModel.fit resumes and appends: crash
+    safety for ModelCheckpoint-style restarts; saved in the config, so a model loaded from a
+    checkpoint resumes it)."""
     settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
-                max_physical_batch_size, clipping)
+                        max_physical_batch_size, clipping)
+    if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
+      raise ValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
     super().__init__(*args, **kwargs)
+    self._dp_ledger_journal = ledger_journal
     self._dp_l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
     self._dp_noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
     self._dp_num_microbatches = num_microbatches
@@ -97,6 +103,11 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
   @property
   def max_physical_batch_size(self):
     return self._dp_max_physical_batch_size
+
+  @property
+  def ledger_journal(self):
+    """Path of the ledger journal DPModel.fit keeps (None: none unless fit is given one)."""
+    return self._dp_ledger_journal
 
   @property
   def clipping(self):
@@ -379,6 +390,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
         "clipping": self._dp_clipping,
         "normalize": self._dp_normalize,
         "seed": self._dp_seed,
+        "ledger_journal": self._dp_ledger_journal,
     })
     if self._dp_custom_query:
       # The default query's state is fixed by (S, z); a custom one's may adapt.
@@ -412,7 +424,8 @@ def make_dp_optimizer_class(cls):
   """DP subclass of any keras.optimizers.Optimizer subclass (a user's own too).
 
   The new class takes (l2_norm_clip, noise_multiplier, num_microbatches=None, *,
-  dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True, seed=None)
+  dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True, seed=None,
+  ledger_journal=None)
   before the base class' own arguments, and is registered for Keras serialization.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
@@ -434,7 +447,7 @@ def make_dp_optimizer_class(cls):
 
 def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None,  # pylint: disable=invalid-name
                 dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-                seed=None):
+                seed=None, ledger_journal=None):
   """DP copy of a Keras optimizer instance (same hyperparameters; fresh state).
 
   Either (l2_norm_clip, noise_multiplier) or dp_query (a sum query, e.g. a NestedQuery
@@ -451,7 +464,7 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
     config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
              max_physical_batch_size=max_physical_batch_size, clipping=clipping,
-             normalize=normalize, seed=seed, **config)
+             normalize=normalize, seed=seed, ledger_journal=ledger_journal, **config)
 
 
 DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)
