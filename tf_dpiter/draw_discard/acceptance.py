@@ -218,7 +218,7 @@ class AcceptanceRule:
     return ""
 
   def check(self, update: np.ndarray, candidates: np.ndarray,
-            centre: np.ndarray | None = None) -> Decision:
+            centre: np.ndarray | None = None, n_slots: int | None = None) -> Decision:
     """Accepts `update` if it is a plausible honest update of one of `candidates`.
 
     Args:
@@ -228,6 +228,8 @@ class AcceptanceRule:
         mean squared distance to it exceeds centre_factor times an honest update's
         expectation is refused ("far_from_centre"): this stops an attacker from chaining
         its own accepted updates (empirical bound, see module docstring).
+      n_slots: the first n_slots candidates are the current instances; they are searched
+        before the history (None: one block).
 
     Returns:
       A Decision; reason is one of "non_finite", "out_of_range", "far_from_centre",
@@ -250,13 +252,17 @@ class AcceptanceRule:
         return Decision(False, "far_from_centre")
     if candidates.shape[0] == 0:
       return Decision(False, "no_candidates")
-    m = self._prefilter
-    score = np.abs(candidates[:, :m] - update[:m]).sum(axis=1)  # leading columns: a view
-    order = np.argsort(score, kind="stable")[:self.max_full_checks]
     first = ""
-    for j in order:
-      reason = self._full(np.abs(update - candidates[j]))
-      if not reason:
-        return Decision(True, "", int(j))
-      first = first or reason  # the reason for the nearest candidate
+    # the current slots first (the pre-image usually still is one), then the history
+    for lo, hi in ((0, min(n_slots or len(candidates), len(candidates))),
+                   (n_slots or len(candidates), len(candidates))):
+      if hi <= lo:
+        continue
+      block = candidates[lo:hi]
+      score = np.abs(block[:, :self._prefilter] - update[:self._prefilter]).sum(axis=1)
+      for j in np.argsort(score, kind="stable")[:self.max_full_checks]:
+        reason = self._full(np.abs(update - block[j]))
+        if not reason:
+          return Decision(True, "", int(lo + j))
+        first = first or reason  # the reason for the nearest candidate
     return Decision(False, first or "step_too_large")

@@ -200,6 +200,8 @@ class DDMLService:
     if request.content_length is not None and request.content_length > self.max_body_bytes:
       raise RequestError(413, "body_too_large", f"body exceeds {self.max_body_bytes} bytes")
     try:
+      if request.content.is_eof():  # the whole body has arrived: no timer needed
+        return await request.read()
       async with asyncio.timeout(self.body_timeout_s):
         return await request.read()
     except web.HTTPRequestEntityTooLarge as e:
@@ -253,13 +255,13 @@ class DDMLService:
     snap = self._snap
     if snap is None:
       snap = await self._refresh(0)
-    decision = self.rule.check(w, snap.candidates, snap.centre)
+    decision = self.rule.check(w, snap.candidates, snap.centre, self.k)
     if decision.accepted or decision.reason in ("non_finite", "out_of_range"):
       return decision
     seq = await self.store.touch()
     if seq != snap.seq:  # the pre-image may be newer than our snapshot
       snap = await self._refresh(seq)
-      decision = self.rule.check(w, snap.candidates, snap.centre)
+      decision = self.rule.check(w, snap.candidates, snap.centre, self.k)
     return decision
 
   def _refusal(self, reason: str) -> RequestError:
