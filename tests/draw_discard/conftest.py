@@ -41,7 +41,7 @@ class ThreadedService:
     try:
       self.running = self.loop.run_until_complete(
           http_server.serve(self.svc, "127.0.0.1", 0, ssl_context, limits))
-    except BaseException as e:  # surfaced to the test thread by __init__
+    except (OSError, RuntimeError, ValueError) as e:  # re-raised in the test thread by __init__
       self._error = e
       self._ready.set()
       return

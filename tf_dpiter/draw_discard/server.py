@@ -14,7 +14,9 @@ of the same class, for the comparisons of Figures 2-4:
                           (server-side batching, Section V-A).
 
 The spam filter of Section III-D4 refuses an update with any weight outside
-mu +- t*sigma of the k instances (per weight; sigma with ddof=1).
+mu +- t*sigma of the k instances (per weight; sigma with ddof=1). It is kept for the
+paper's simulations only: its statistics can be steered by the submitters (variance
+collapse, ratchet; issue 13), so the HTTP service uses acceptance.AcceptanceRule instead.
 
 This class is the simulation server: `draw` returns the drawn index so that the
 strategies that need the pre-image can use it. The HTTP service (service.py) never
