@@ -77,11 +77,13 @@ class Cluster:
   def client_context(self) -> ssl.SSLContext | None:
     return ssl.create_default_context(cafile=self.cert) if self.cert else None
 
-  def stop(self) -> None:
+  def stop(self, keep_files: bool = False) -> None:
     for p in self.procs:
       p.terminate()
     for p in self.procs:
       p.wait(20)
+    if not keep_files:
+      shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def start_cluster(store: str, servers: int, num_weights: int = 387, k: int = 20,
