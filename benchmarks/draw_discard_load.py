@@ -16,7 +16,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
+import shutil
 import tempfile
 import time
 
@@ -115,13 +115,13 @@ def main(argv=None):
                   help="one request per update: POST /v1/submit?draw=raw returns the next draw")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
-  results, redis_proc = [], None
+  results, redis_proc, redis_dir = [], None, None
   try:
     for store in args.stores:
       url, servers = "memory", 1
       if store == "redis":
-        redis_proc, port = common.start_redis(tempfile.mkdtemp(prefix="ddml_redis_"),
-                                              persistent=False)
+        redis_dir = tempfile.mkdtemp(prefix="ddml_redis_")
+        redis_proc, port = common.start_redis(redis_dir, persistent=False)
         url, servers = f"redis://127.0.0.1:{port}/0", 2
       for clients in args.clients:
         r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota,
@@ -132,6 +132,7 @@ def main(argv=None):
     if redis_proc is not None:
       redis_proc.terminate()
       redis_proc.wait(10)
+      shutil.rmtree(redis_dir, ignore_errors=True)
   print("\n| store | servers | TLS | piggyback | clients | updates/s | p50 ms | p99 ms | errors "
         "| server CPU us/update |")
   print("|---|---|---|---|---|---|---|---|---|---|")

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import collections
 import json
+import shutil
 import ssl
 import tempfile
 import time
@@ -98,6 +99,7 @@ def run(duration, rate, clients, outage, num_weights):
     cluster.stop()
     state["proc"].terminate()
     state["proc"].wait(30)
+    shutil.rmtree(redis_dir, ignore_errors=True)
   seqs = stats["seqs"]
   return dict(duration_s=duration, target_rate=rate, clients=clients, outage_s=outage,
               num_weights=num_weights, acknowledged=len(seqs), unique_seqs=len(set(seqs)),

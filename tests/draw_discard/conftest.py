@@ -3,6 +3,7 @@ real redis-server."""
 
 import asyncio
 import datetime
+import importlib.util
 import ipaddress
 import shutil
 import socket
@@ -112,14 +113,12 @@ def tls_files(tmp_path_factory):
   """(cert.pem, key.pem) of a self-signed certificate for 127.0.0.1, made at test time."""
   d = tmp_path_factory.mktemp("tls")
   cert, key = d / "cert.pem", d / "key.pem"
-  try:
-    import cryptography  # noqa: F401  pylint: disable=unused-import
-  except ImportError:
-    if shutil.which("openssl") is None:
-      pytest.skip("neither the cryptography package nor the openssl command is available")
+  if importlib.util.find_spec("cryptography") is not None:
+    _self_signed_cryptography(cert, key)
+  elif shutil.which("openssl") is not None:
     _self_signed_openssl(cert, key)
   else:
-    _self_signed_cryptography(cert, key)
+    pytest.skip("neither the cryptography package nor the openssl command is available")
   return str(cert), str(key)
 
 

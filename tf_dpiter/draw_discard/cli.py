@@ -93,7 +93,6 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args) -> int:
-  import ssl  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
