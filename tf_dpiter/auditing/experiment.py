@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 
 from tf_dpiter import accounting
+from tf_dpiter.auditing import callback as callback_lib
 from tf_dpiter.auditing import canaries as canaries_lib
 from tf_dpiter.auditing import whitebox
 from tf_dpiter.data import sampling
@@ -25,7 +26,8 @@ class WhiteBoxResult:
   ledger_epsilon: ε the model's ledger reports, None if not asked;
   run_bound / step_bound: bounds.LowerBound from per-run and per-step scores;
   observations [m, T], included [m]; sampling_probability q, steps T, noise_multiplier z,
-  delta, neighbouring. The claims are computed on demand from dp_accounting events:
+  delta, neighbouring; model (the trained DiracCanaryModel; `model.base` is the user's
+  model); audit_callback (the AuditCallback if audit_kwargs was given). The claims are computed on demand from dp_accounting events:
   `claimed_epsilon()` for the T-step run, `step_claimed_epsilon()` for one step (the claim
   the per-step trials audit: every step is an independent one-step run for the canary
   coordinates).
@@ -40,6 +42,8 @@ class WhiteBoxResult:
   noise_multiplier: float
   delta: float
   neighbouring: str
+  model: object = None
+  audit_callback: object = None
 
   def claimed_epsilon(self, accountant="pld", sensitivity=1.0):
     """ε of the T-step run (whitebox.claimed_epsilon; sensitivity in units of S)."""
@@ -56,7 +60,8 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
                        sampling_probability, steps, l2_norm_clip=1.0, learning_rate=0.1,
                        delta=1e-5, confidence=0.95, p_in=0.5,
                        neighbouring=canaries_lib.ADD_REMOVE, design_seed=0, sampling_seed=None,
-                       noise_seed=None, ledger_accountant="pld", callbacks=()):
+                       noise_seed=None, ledger_accountant="pld", epochs=1, audit_kwargs=None,
+                       callbacks=()):
   """Trains `base_model` privately with m Dirac canaries and audits the run.
 
   Args:
@@ -67,7 +72,7 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
     noise_multiplier: z of the DP optimizer (noise stddev z * S).
     sampling_probability: Poisson q in (0, 1]; the expected batch size is q * n_total
       (n_total includes the canary records).
-    steps: T, train steps (one epoch of T Poisson samples).
+    steps: Poisson samples per epoch (T = steps * epochs in all).
     l2_norm_clip: S. learning_rate: SGD step (any value; the audit divides it out).
     delta, confidence: of the claim and of the bounds.
     p_in: probability a canary is included (or has sign +1).
@@ -75,6 +80,9 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
     design_seed: seeds the canary membership (audit design).
     sampling_seed, noise_seed: tests only (they make the run reproducible and NOT private).
     ledger_accountant: accountant for the ledger's ε ("pld" or "rdp"), or None to skip it.
+    epochs: epochs of `steps` samples each.
+    audit_kwargs: if given, an AuditCallback(delta, recorder=..., **audit_kwargs) audits every
+      epoch (e.g. attack_fn=..., report_path=...); it is returned as result.audit_callback.
     callbacks: further Keras callbacks for fit.
   Returns:
     WhiteBoxResult.
@@ -97,7 +105,14 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
                                                                  l2_norm_clip))
   model(x_all[:1])
   recorder = whitebox.CanaryRecorder(model, l2_norm_clip, q * n_total)
-  model.fit(data, epochs=1, verbose=0, callbacks=[recorder, *callbacks])
+  audit_cb = None
+  if audit_kwargs is not None:
+    audit_cb = callback_lib.AuditCallback(
+        delta, recorder=recorder, included=included, sampling_probability=q,
+        noise_multiplier=noise_multiplier, neighbouring=neighbouring, confidence=confidence,
+        **audit_kwargs)
+  model.fit(data, epochs=epochs, verbose=0,
+            callbacks=[recorder if audit_cb is None else audit_cb, *callbacks])
   obs = recorder.observations
   ledger_eps = None
   if ledger_accountant is not None and noise_multiplier > 0:
@@ -107,4 +122,4 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
   run_b = whitebox.whitebox_lower_bound(obs, included, per="run", **bound_args)
   step_b = whitebox.whitebox_lower_bound(obs, included, per="step", **bound_args)
   return WhiteBoxResult(ledger_eps, run_b, step_b, obs, included, q, recorder.steps,
-                        float(noise_multiplier), delta, neighbouring)
+                        float(noise_multiplier), delta, neighbouring, model, audit_cb)
