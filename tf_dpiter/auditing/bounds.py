@@ -114,9 +114,10 @@ class LowerBound:
   """An (ε, δ) lower bound and the test that gives it.
 
   epsilon: the bound (nats, >= 0); delta; confidence (1 - α); threshold: score threshold of
-  the best test (rule "score > threshold" in direction "member", "score <= threshold" in
-  direction "nonmember"); tpr_lower, fpr_upper: its Clopper–Pearson limits (rates of the
-  direction's positive class); num_tests: thresholds the α was divided over; method.
+  the best test (direction "member": a score above it is the evidence; "nonmember": a score
+  at or below it, ties broken at random); tpr_lower, fpr_upper: its Clopper–Pearson limits
+  (rates of the direction's positive class); num_tests: thresholds α was divided over;
+  method.
   """
   epsilon: float
   delta: float
