@@ -42,6 +42,21 @@ redis.call('HINCRBY', KEYS[5], 'accepted', 1)
 return redis.call('INCR', KEYS[4])
 """
 
+_SNAPSHOT = """
+local g = redis.call('GET', KEYS[1])
+if not g then return {-1} end
+if g ~= ARGV[1] then return {-2} end
+local seq = tonumber(redis.call('GET', KEYS[2]) or '0')
+local prev, h = tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = seq - prev
+local full = 0
+if prev < 0 or n < 0 or n > h then n = h; full = 1 end
+local hist = {}
+if n > 0 then hist = redis.call('LRANGE', KEYS[3], 0, n - 1) end
+local slots = redis.call('MGET', unpack(KEYS, 4))
+return {seq, full, slots, hist}
+"""
+
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
 
@@ -75,6 +90,7 @@ class RedisStore:
                                 socket_connect_timeout=timeout_s)
     self._touch = self._r.register_script(_TOUCH)
     self._replace = self._r.register_script(_REPLACE)
+    self._snapshot = self._r.register_script(_SNAPSHOT)
     self.generation: str | None = None
     self._k_slots: list[str] = []
     self._history = 0
@@ -165,21 +181,35 @@ class RedisStore:
         args=[self.generation, int(draws)]))
     return self._result(code)
 
-  async def snapshot(self) -> store_lib.Snapshot:
-    """All slots and the history at one sequence number (one MULTI transaction)."""
-    pipe = self._r.pipeline(transaction=True)
-    pipe.get(self._k("gen"))
-    pipe.get(self._k("seq"))
-    pipe.mget(self._k_slots)
-    pipe.lrange(self._k("hist"), 0, self._history - 1)
-    gen, seq, slots, hist = await self._call(pipe.execute())
-    if gen is None or any(s is None for s in slots):
+  async def snapshot(self, previous: store_lib.Snapshot | None = None) -> store_lib.Snapshot:
+    """All slots and the history at one sequence number (one Lua script).
+
+    Args:
+      previous: an earlier snapshot of this store; only the history entries pushed since
+        it are transferred (all k slots always are).
+
+    Returns:
+      A Snapshot.
+
+    Raises:
+      StoreLost, StoreUnavailable.
+    """
+    prev_seq = previous.seq if previous is not None else -1
+    out = await self._call(self._snapshot(
+        keys=[self._k("gen"), self._k("seq"), self._k("hist"), *self._k_slots],
+        args=[self.generation, prev_seq, self._history]))
+    if len(out) == 1:
+      self._result(int(out[0]))
+    seq, full, slots, hist = int(out[0]), int(out[1]), out[2], out[3]
+    if any(x is None for x in slots):
       self._result(-1)
-    if gen.decode() != self.generation:
-      self._result(-2)
     p, k = len(slots[0]) // 8, len(slots)
-    rows = np.frombuffer(b"".join(slots + hist), dtype="<f8").reshape(k + len(hist), p)
-    return store_lib.Snapshot(int(seq or 0), rows[:k], rows[k:], rows)
+    new = np.frombuffer(b"".join(slots + hist), dtype="<f8").reshape(k + len(hist), p)
+    if full or previous is None:
+      return store_lib.Snapshot(seq, new[:k], new[k:], new)
+    keep = previous.history[:max(0, self._history - len(hist))]
+    rows = np.concatenate([new, keep])
+    return store_lib.Snapshot(seq, rows[:k], rows[k:], rows)
 
   async def replace(self, i: int, w: np.ndarray) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number."""

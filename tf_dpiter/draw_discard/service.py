@@ -154,7 +154,7 @@ class DDMLService:
   async def _refresh(self, seq: int) -> store_lib.Snapshot:
     async with self._refresh_lock:  # coalesce: one refresh in flight
       if self._snap is None or self._snap.seq < seq:
-        self._snap = await self.store.snapshot()
+        self._snap = await self.store.snapshot(self._snap)
         self._snap_time = time.monotonic()
         self.metrics.inc("snapshot_refreshes_total", help_text="full reads of the k slots")
     return self._snap

@@ -154,8 +154,10 @@ class MemoryStore:
     self._counters["draws"] += draws
     return self._seq
 
-  async def snapshot(self) -> Snapshot:
+  async def snapshot(self, previous: Snapshot | None = None) -> Snapshot:
     """All slots and the history (ring order) at this sequence number.
+
+    `previous` is accepted for interface parity with RedisStore and not needed here.
 
     The arrays are views of the live store (no copy): use them before the next await,
     or copy them. The event loop runs one coroutine at a time, so they are consistent.
