@@ -18,3 +18,10 @@ def __getattr__(name):
   if name in _LAZY:
     return importlib.import_module(f"tf_dpiter.{name}")
   raise AttributeError(f"module 'tf_dpiter' has no attribute {name!r}")
+
+
+# Keras deserializes `tf_dpiter>DPSequential` etc. only once tf_dpiter.keras has registered
+# them: a program that already uses Keras gets them at `import tf_dpiter`, so that
+# `keras.models.load_model` works in a fresh process without touching `dp.keras` first.
+if "keras" in __import__("sys").modules:
+  importlib.import_module("tf_dpiter.keras")
