@@ -53,7 +53,7 @@ class Sim:
     return np.concatenate([self.slots, np.array(self.hist)]) if self.hist else self.slots
 
   def submit(self, u):
-    d = self.rule.check(u, self.candidates(), self.slots.mean(axis=0))
+    d = self.rule.check(u, self.candidates(), self.slots.mean(axis=0), self.k)
     if d.accepted:
       i = self.rng.integers(self.k)
       self.hist.appendleft(self.slots[i].copy())
@@ -105,7 +105,7 @@ def _attack_update(sim, kind, target):
   if kind == "collapse-min":
     for lam in np.linspace(0.05, 1.0, 20):
       u = w + lam * s * (rng.standard_exponential(p) - rng.standard_exponential(p))
-      if rule.check(u, sim.candidates(), sim.slots.mean(axis=0)).accepted:
+      if rule.check(u, sim.candidates(), sim.slots.mean(axis=0), sim.k).accepted:
         return u
     return u
   shift = a + s * rule.upper / p * (1 - 1e-9)
@@ -115,7 +115,7 @@ def _attack_update(sim, kind, target):
     c = sim.candidates()
     for j in np.argsort(np.abs(c - target).sum(axis=1)):
       u = c[j] + np.sign(target - c[j]) * shift
-      if rule.check(u, c, sim.slots.mean(axis=0)).accepted:
+      if rule.check(u, c, sim.slots.mean(axis=0), sim.k).accepted:
         return u
     return w + shift
   if kind == "one-weight":
