@@ -51,6 +51,10 @@ class CanaryRecorder(keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     canaries_lib.check_optimizer(self._canary_model.optimizer, self._canary_model)
+    spe = int(getattr(self._canary_model, "steps_per_execution", 1) or 1)
+    if spe != 1:
+      raise ValueError("CanaryRecorder reads the canary weights around every step; compile with "
+                       f"steps_per_execution=1, got {spe}")
 
   def on_train_batch_begin(self, batch, logs=None):
     self._before = np.array(self._canary_model.canary_weights.numpy(), np.float64)
