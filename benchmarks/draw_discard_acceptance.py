@@ -3,8 +3,9 @@
 Runs the service's AcceptanceRule on a simulated k-instance store with the service's
 history (the last H replaced instances are candidates too):
 
-  frr      honest clients (Algorithm 1 on random logistic data) draw, then submit after
-           D ~ U{0..delay} other updates landed (asynchrony), >= 10,000 updates per size.
+  frr      honest clients (Algorithm 1 on random logistic data; --noise-only: a zero
+           gradient) draw, then submit after D ~ U{0..delay} other updates landed
+           (asynchrony), >= 10,000 updates per size.
   attacks  from the same start, N attacker submits and nothing else:
              collapse-average  submit the average of the k instances
              collapse-copy     submit a copy of a drawn instance
@@ -38,7 +39,7 @@ from tf_dpiter.draw_discard.cli import dense_spec
 class Sim:
   """k instances, a replaced-instance history and the rule."""
 
-  def __init__(self, p, k=20, history=256, alpha=1e-3, seed=0, centre_factor=9.0):
+  def __init__(self, p, k=20, history=256, alpha=1e-3, seed=0, centre_factor=36.0):
     self.spec = dense_spec(p)
     var = privacy.noise_std("laplace", self.spec.gamma, self.spec.epsilon, 1.0) ** 2
     std = math.sqrt(privacy.init_variance(k, var))
@@ -60,14 +61,17 @@ class Sim:
       self.slots[i] = u
     return d
 
-  def honest(self, w, direction=None):
+  def honest(self, w, direction=None, noise_only=False):
     p = self.spec.num_weights
+    if noise_only:  # Algorithm 1 with a zero gradient: the spread grows fastest
+      b = self.rule.scale
+      return w + b * (self.rng.standard_exponential(p) - self.rng.standard_exponential(p))
     x = self.rng.random((10, p - 1))
     y = self.rng.integers(0, 2, 10) if direction is None else np.full(10, direction)
     return client.spec_update(self.spec, w, {"x": x}, y, rng=self.rng)
 
 
-def false_rejections(p, updates, delay, seed=0):
+def false_rejections(p, updates, delay, seed=0, noise_only=False):
   sim = Sim(p, seed=seed)
   pending = []  # (due, weights drawn)
   rejected, done, t0 = collections.Counter(), 0, time.time()
@@ -77,7 +81,7 @@ def false_rejections(p, updates, delay, seed=0):
     keep = []
     for due, drawn in pending:
       if due <= done and done < updates:
-        d = sim.submit(sim.honest(drawn))
+        d = sim.submit(sim.honest(drawn, noise_only=noise_only))
         done += 1
         if not d.accepted:
           rejected[d.reason] += 1
@@ -86,6 +90,7 @@ def false_rejections(p, updates, delay, seed=0):
     pending = keep
   n_rej = sum(rejected.values())
   return dict(weights=p, k=sim.k, updates=done, max_delay=delay, history=sim.hist.maxlen,
+              noise_only=noise_only, centre_factor=sim.rule.centre_factor,
               alpha=sim.rule.alpha, rejected=n_rej, rate=n_rej / done, reasons=dict(rejected),
               seconds=round(time.time() - t0, 1))
 
@@ -156,11 +161,14 @@ def main(argv=None):
   ap.add_argument("--updates", type=int, default=10000)
   ap.add_argument("--delay", type=int, default=64, help="max updates between draw and submit")
   ap.add_argument("--submits", type=int, default=300)
+  ap.add_argument("--noise-only", action="store_true",
+                  help="frr: honest updates without a gradient (noise only)")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
   for p in args.weights:
     if args.what == "frr":
-      print(json.dumps(false_rejections(p, args.updates, args.delay, args.seed)), flush=True)
+      print(json.dumps(false_rejections(p, args.updates, args.delay, args.seed,
+                                        args.noise_only)), flush=True)
       continue
     for kind in ("honest-coherent", "collapse-average", "collapse-copy", "collapse-min",
                  "ratchet", "takeover", "one-weight"):

@@ -154,7 +154,7 @@ class AcceptanceRule:
 
   def __init__(self, spec: glm.ModelSpec, alpha: float = 1e-3, max_abs_weight: float = 1e6,
                noise_cap: float = 2.0, prefilter_columns: int = 32, max_full_checks: int = 16,
-               spread_std: float | None = None, centre_factor: float = 9.0):
+               spread_std: float | None = None, centre_factor: float = 36.0):
     if spread_std is not None and not spread_std >= 0:
       raise ValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
     if not centre_factor > 0:

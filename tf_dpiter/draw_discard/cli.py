@@ -81,6 +81,9 @@ def _add_serve(sub) -> None:
   s.add_argument("--history", type=int, default=256,
                  help="replaced instances kept as acceptance candidates")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
+  s.add_argument("--centre-factor", type=float, default=36.0,
+                 help="refuse updates farther (mean square) from the average than this many "
+                      "times an honest update's expectation (anti-chaining; empirical)")
   s.add_argument("--max-connections", type=int, default=1024)
   s.add_argument("--max-per-client", type=int, default=256, help="connections per address")
   s.add_argument("--idle-timeout", type=float, default=15.0,
@@ -108,7 +111,8 @@ def _serve(args) -> int:
   store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl)
   svc = service.DDMLService(
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
-      max_abs_weight=args.max_abs_weight, body_timeout_s=args.body_timeout, seed=args.seed,
+      max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,
+      body_timeout_s=args.body_timeout, seed=args.seed,
       reset=args.reset, max_body_bytes=args.max_body_bytes)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "

@@ -86,7 +86,7 @@ class DDMLService:
 
   def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,
                quotas: auth.Quotas | None = None, alpha: float = 1e-3, history: int = 256,
-               max_abs_weight: float = 1e6, centre_factor: float = 9.0,
+               max_abs_weight: float = 1e6, centre_factor: float = 36.0,
                draw_max_age_s: float = 0.05,
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
                reset: bool = False, max_body_bytes: int | None = None):
