@@ -143,10 +143,10 @@ class AcceptanceRule:
     max_abs_weight: no weight may exceed this magnitude (belt and braces).
     noise_cap: per-weight cap m of the noise-floor statistic (in units of the scale).
     prefilter_columns: leading columns on which every candidate's L1 distance is computed.
-    max_full_checks: only this many nearest candidates (on those columns) get the full
-      tests; this bounds the work an attacker's junk costs. The false-rejection bound
-      assumes the pre-image ranks among them (it is by far the nearest unless a near
-      copy of it is a candidate, which then passes too); the measured rate includes it.
+    max_full_checks: this many nearest candidates (on those columns) get the full tests
+      first; when none passes, every candidate is tested (vectorized), so the search is
+      exhaustive and the bound exact. A refused update costs that full search (bounded
+      by the submit quota).
 
   Raises:
     ValueError: for alpha outside (0, 0.5), non-positive max_abs_weight or noise_cap.
@@ -217,6 +217,19 @@ class AcceptanceRule:
       return "too_little_noise"
     return ""
 
+  def _exhaustive(self, update: np.ndarray, candidates: np.ndarray, chunk: int = 64) -> int:
+    """Index of the first candidate passing all tests, or -1 (vectorized, in chunks)."""
+    for lo in range(0, len(candidates), chunk):
+      d = np.abs(candidates[lo:lo + chunk] - update)
+      ok = d.max(axis=1) <= self.linf
+      if self.upper is not None:
+        ok &= np.maximum(d - self.step, 0.0).sum(axis=1) <= self.upper * self.scale
+        ok &= np.minimum(d, self.noise_cap * self.scale).sum(axis=1) >= self.lower * self.scale
+      hit = np.flatnonzero(ok)
+      if len(hit):
+        return int(lo + hit[0])
+    return -1
+
   def check(self, update: np.ndarray, candidates: np.ndarray,
             centre: np.ndarray | None = None, n_slots: int | None = None) -> Decision:
     """Accepts `update` if it is a plausible honest update of one of `candidates`.
@@ -253,7 +266,8 @@ class AcceptanceRule:
     if candidates.shape[0] == 0:
       return Decision(False, "no_candidates")
     first = ""
-    # the current slots first (the pre-image usually still is one), then the history
+    # fast path: the nearest candidates on the leading columns (slots first: the pre-image
+    # usually still is one), then an exhaustive vectorized search, so the bound is exact
     for lo, hi in ((0, min(n_slots or len(candidates), len(candidates))),
                    (n_slots or len(candidates), len(candidates))):
       if hi <= lo:
@@ -265,4 +279,7 @@ class AcceptanceRule:
         if not reason:
           return Decision(True, "", int(lo + j))
         first = first or reason  # the reason for the nearest candidate
+    j = self._exhaustive(update, candidates)
+    if j >= 0:
+      return Decision(True, "", j)
     return Decision(False, first or "step_too_large")
