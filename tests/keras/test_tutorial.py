@@ -31,5 +31,8 @@ def test_tutorial_quick_on_small_data(tmp_path, sampling):
   assert set(out) >= {"test_accuracy", "epsilon", "delta", "epochs", "seconds"}
   assert out["epochs"] == 2 and out["delta"] == 1e-5 and out["sampling"] == sampling
   assert 0 < out["epsilon"] < 100 and 0 <= out["test_accuracy"] <= 1
+  # --quick prints check_sensitivity's verdict on the tutorial CNN before training
+  verdict = [l for l in proc.stdout.splitlines() if "[check_sensitivity" in l]
+  assert len(verdict) == 1 and verdict[0].startswith("OK: measured sensitivity"), proc.stdout
   with open(os.path.join(tmp_path, "ledger.json")) as f:
     assert json.load(f)["num_samples"] == out["steps"] > 0

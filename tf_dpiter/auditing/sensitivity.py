@@ -3,18 +3,20 @@
 `check_sensitivity(model, x, y)` measures what one example can do to the pre-noise clipped
 sum of the model's *real* train step and compares it with the sensitivity the ledger records:
   1. a copy of the model is compiled with the same DP settings (clip, microbatches, clipping
-     path) but noise 0, SGD with learning rate 1 and no division, so one `train_on_batch`
-     moves the weights by exactly the clipped sum;
+     path, jit_compile) but noise 0, SGD with learning rate 1 and no division, so one
+     `train_on_batch` applies exactly the clipped sum, which the copy's optimizer keeps in
+     float32 (the dtype of the privacy arithmetic, whatever the dtype policy);
   2. neighbouring batches are built under the relation of the sampling policy: add/remove one
      example (its row becomes padding of weight 0, as Poisson batches are padded) or replace
      one example at its position (fixed-size, shuffle), with candidates from a small random
      search: other examples of `x`, scaled noise, scaled negations, random labels;
   3. the largest change of the sum is compared with the recorded sensitivity;
-  4. a batch-independence probe runs the model's layers on the batch with one example
-     perturbed and names every layer whose outputs for the *other* examples moved.
-What the probe cannot see: mixing that only happens in training mode through randomness
-(it runs in inference mode), or that only shows on inputs far from `x`. The measured change
-is a lower bound on the true worst case; a ratio above 1 is a proven violation.
+  4. a batch-independence probe (tf_dpiter.keras.batch_independence, the one the training
+     step runs before choosing the fast path) runs the model's layers on the batch with one
+     example perturbed and names every layer whose outputs for the *other* examples moved.
+What the probe cannot see: see batch_independence's docstring (training-mode-only or random
+mixing, inputs far from `x`, the loss). The measured change is a lower bound on the true
+worst case; a ratio above 1 is a proven violation.
 """
 
 import dataclasses
@@ -22,6 +24,10 @@ from typing import Tuple
 
 import keras
 import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.keras import optimizers
+from tf_dpiter.keras.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
 
 ADD_OR_REMOVE = "add_or_remove_one"
 
@@ -68,19 +74,45 @@ def _dp_copy(model, policy, n, batch):
                      f"{type(model).__name__} could not be rebuilt: {e}") from None
   if not isinstance(copy, type(model)):   # clone_model rebuilds a plain Keras model
     copy = dpk.make_private(copy)
-  test_opt = dpk.DPKerasSGDOptimizer(opt.l2_norm_clip, 0.0, opt.num_microbatches,
-                                     learning_rate=1.0, clipping=opt.clipping, normalize=False,
-                                     max_physical_batch_size=opt.max_physical_batch_size)
-  copy.compile(optimizer=test_opt, loss=model.loss)
+  test_opt = _recording_sgd_class(dpk)(
+      opt.l2_norm_clip, 0.0, opt.num_microbatches, learning_rate=1.0, clipping=opt.clipping,
+      normalize=False, max_physical_batch_size=opt.max_physical_batch_size)
+  copy.compile(optimizer=test_opt, loss=model.loss,
+               jit_compile=bool(getattr(model, "jit_compile", False)))
   test_opt.set_sampling(n, batch / n, policy, batch)
+  test_opt.make_records(copy.trainable_variables)
   return copy, test_opt
+
+
+def _recording_sgd_class(dpk):
+  """DP SGD that keeps the last private gradients it applied, in their own (float32) dtype.
+
+  The sum is read there, not from the weights: under a 16-bit variable policy (`bfloat16`)
+  the update w - sum is rounded to the variables' dtype after the noise (post-processing),
+  which would blur the measurement by about 2^-8 of the sum."""
+
+  class RecordingSGD(dpk.DPKerasSGDOptimizer):  # pylint: disable=missing-class-docstring
+
+    def make_records(self, variables):
+      with tf.init_scope():
+        self._dp_records = [tf.Variable(tf.zeros(v.shape, optimizers.wide_template([v])[0].dtype),
+                                        trainable=False) for v in variables]
+
+    def apply_private_gradients(self, grads, trainable_variables):
+      assigns = [r.assign(tf.cast(g, r.dtype)) for r, g in zip(self._dp_records, grads)]
+      with tf.control_dependencies(assigns):
+        return super().apply_private_gradients(grads, trainable_variables)
+
+    def last_sum(self):
+      return np.concatenate([np.asarray(r.numpy(), np.float64).ravel() for r in self._dp_records])
+
+  return RecordingSGD
 
 
 def _clipped_sum(model, w0, x, y, weights):
   model.set_weights(w0)
   model.train_on_batch(x, y, sample_weight=weights)
-  return np.concatenate([(np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
-                         for a, b in zip(w0, model.get_weights())])
+  return model.optimizer.last_sum()
 
 
 def _candidates(rng, x, y, count):
@@ -130,42 +162,6 @@ def _neighbour_changes(copy, w0, x, y, relation, rng, num_candidates):
     changes.append((np.linalg.norm(_clipped_sum(copy, w0, x2, y2, ones) - base),
                     f"example {j} replaced by {what} with label {yc}"))
   return changes
-
-
-def _rows_moved(a, b, n, atol):
-  a, b = np.asarray(a), np.asarray(b)
-  return bool(a.ndim and a.shape[0] == n and not np.allclose(a[:-1], b[:-1], atol=atol, rtol=0))
-
-
-def batch_mixing_layers(model, x, atol=1e-6):
-  """Names of the layers that make one example's activations depend on another example.
-
-  Runs every layer's inputs and output (functional and Sequential models) on `x` and on `x`
-  with its last example replaced by noise, in inference mode, and names each layer whose
-  output rows for the *other* examples moved while its inputs' rows did not (the source of
-  the mixing, not the layers downstream of it). A model whose layers cannot be probed one by
-  one (subclassed) is probed as a whole: its own name is returned if it mixes.
-  """
-  x = np.asarray(x)
-  x2 = x.copy()
-  x2[-1] = np.random.RandomState(0).randn(*x.shape[1:]) * (np.std(x) + 1.0)
-  n = len(x)
-  try:
-    layers = list(model.layers)
-    ins = [keras.tree.flatten(layer.input) for layer in layers]
-    probe = keras.Model(model.inputs, [layer.output for layer in layers] + sum(ins, []))
-  except (AttributeError, ValueError):
-    return (model.name,) if _rows_moved(model(x, training=False), model(x2, training=False),
-                                        n, atol) else ()
-  out1, out2 = probe(x, training=False), probe(x2, training=False)
-  mixing, pos = [], len(layers)
-  for i, layer in enumerate(layers):
-    k = len(ins[i])
-    inputs_moved = any(_rows_moved(out1[j], out2[j], n, atol) for j in range(pos, pos + k))
-    pos += k
-    if _rows_moved(out1[i], out2[i], n, atol) and not inputs_moved:
-      mixing.append(layer.name)
-  return tuple(mixing)
 
 
 def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30, seed=0,

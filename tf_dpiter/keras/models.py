@@ -33,6 +33,7 @@ from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import gradients as grads_lib
 from tf_dpiter.keras import optimizers as opt_lib
+from tf_dpiter.keras import routing
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
@@ -65,6 +66,15 @@ class DPModelMixin:
     return opt
 
   def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+    """keras.Model.compile with a DP optimizer. Under `mixed_float16` Keras' dynamic loss
+    scaling (a data-dependent scale) is not used: a LossScaleOptimizer around a DP optimizer
+    is unwrapped, and the private step applies a static loss scale itself
+    (routing.loss_scale)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
+        optimizer.inner_optimizer, opt_lib.DPOptimizerMixin):
+      optimizer = optimizer.inner_optimizer
+    if len(args) < 8:
+      kwargs["auto_scale_loss"] = False
     super().compile(optimizer, *args, **kwargs)
     self._dp_optimizer()
     check_no_batch_mixing(self)
@@ -138,6 +148,17 @@ class DPModelMixin:
     finally:
       self._dp_in_fit = False
 
+  def train_on_batch(self, *args, **kwargs):  # pylint: disable=missing-function-docstring
+    n_rep = self.distribute_strategy.num_replicas_in_sync
+    if n_rep > 1:
+      # Keras hands every replica the whole batch here: the all-reduced clipped sum would be
+      # n_rep times the batch's (one example moving it by n_rep * C) under noise drawn once.
+      raise ValueError(
+          f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
+          "every replica the whole batch (the clipped sum counted once per replica); train "
+          "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
+    return super().train_on_batch(*args, **kwargs)
+
   def _dp_declare(self, opt, spec):
     """Writes the data's SamplingSpec into the optimizer (or checks set_sampling was called)."""
     if spec is None:
@@ -173,6 +194,9 @@ class DPModelMixin:
     if self.train_function is not None and not force:
       return self.train_function
     jit = bool(self.jit_compile) and not self.run_eagerly
+    opt = self._dp_optimizer()
+    if opt.clipping != "vectorized" and self.built:
+      opt.resolve_clipping(self)   # runs (and caches) the batch-independence probe eagerly
     if jit:
       self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
                                      reduce_retracing=True)
@@ -215,7 +239,7 @@ class DPModelMixin:
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     variables = self.trainable_variables
 
-    if opt.resolve_clipping(self) == "fast":
+    if opt.resolve_clipping(self, input_specs=x) == "fast":
       return self._dp_fast_step(opt, x, y, sample_weight, example_mask, variables)
 
     recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
@@ -228,11 +252,13 @@ class DPModelMixin:
         w = w * tf.cast(tf.reshape(wr, tf.shape(emr)), tf.float32)
       y_pred = self._dp_call(xr)
       loss = self._compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
-      return tf.cast(loss, tf.float32) * float(n_rep), y_pred
+      return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
+    scale = routing.loss_scale(self)
     k = grads_lib.examples_per_record(m, b_static, em)
     state, loss_sum, aux = opt.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                                           vectorize=grads_lib.vectorizable(self))
+                                           vectorize=routing.use_vectorized_map(self),
+                                           loss_scale=scale)
     if aux is None:
       y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     else:
@@ -310,9 +336,10 @@ class DPModelMixin:
             lambda i, *_: i < nchunks, body, [tf.constant(0), zeros, tf.constant(0.0)])
         y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
     query = opt.dp_query
-    template = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables]
+    template = opt_lib.wide_template(variables)
     state = query.initial_sample_state(template)
-    state = query.accumulate_preprocessed_record(state, list(grad_sum))
+    state = query.accumulate_preprocessed_record(
+        state, [tf.cast(g, t.dtype) for g, t in zip(grad_sum, template)])
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
   def _dp_per_example_loss(self):
@@ -392,6 +419,10 @@ def make_private(model):
     return model
   new_cls = private_class(type(model))
   model.__class__ = new_cls
+  opt = getattr(model, "optimizer", None)
+  if isinstance(opt, keras.optimizers.LossScaleOptimizer) and isinstance(
+      opt.inner_optimizer, opt_lib.DPOptimizerMixin):
+    model.optimizer = opt.inner_optimizer   # compiled under mixed_float16 before make_private
   if getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False):
     model._dp_optimizer()  # pylint: disable=protected-access
     model.train_function = None

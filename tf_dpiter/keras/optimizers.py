@@ -20,8 +20,6 @@ sampling with `set_sampling(n, q, policy, sample_size)` and, under "shuffle", ca
 ledger with shuffled samples and no passes charges every sample as its own pass).
 """
 
-import math
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -30,9 +28,34 @@ from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.keras import custom_loops
 from tf_dpiter.keras import gradients as grads_lib
+from tf_dpiter.keras import routing
 from tf_dpiter.keras import settings
 
 CLIPPING_MODES = settings.CLIPPING_MODES
+
+
+def _wide(dtype):
+  """float64 for float64, else float32: the dtype of the privacy arithmetic."""
+  return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def wide_template(variables):
+  """TensorSpecs of `variables` in the privacy arithmetic's dtype (float32 or float64)."""
+  return [tf.TensorSpec(v.shape, _wide(v.dtype)) for v in variables]
+
+
+def unscale_records(grads, scale):
+  """Per-record gradients [M, ...] divided by the loss scale (in float32); a record whose
+  gradient is not finite (float16 overflow) becomes zero, a function of that record alone."""
+  if scale == 1.0:
+    return grads
+  grads = [tf.cast(g, _wide(g.dtype)) / scale for g in grads]
+  finite = None
+  for g in grads:
+    ok = tf.reduce_all(tf.reshape(tf.math.is_finite(g), [tf.shape(g)[0], -1]), axis=1)
+    finite = ok if finite is None else tf.logical_and(finite, ok)
+  return [tf.where(tf.reshape(finite, [-1] + [1] * (len(g.shape) - 1)), g, tf.zeros_like(g))
+          for g in grads]
 
 
 def _load_fast_clipping():
@@ -51,7 +74,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
                dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-               seed=None, ledger_journal=None, **kwargs):
+               seed=None, ledger_journal=None, secure_mode=False, **kwargs):
     """l2_norm_clip S (L2 norm, loss-gradient units), noise_multiplier z (noise stddev z*S on
     the sum), num_microbatches M (None: one example per record), dp_query (instead of S, z:
     any DPQuery whose result is a sum over records), max_physical_batch_size P (examples per
@@ -59,7 +82,8 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
     normalize (divide the noised sum by the denominator), seed (tests only: not private),
     ledger_journal (path of a ledger journal that DPModel.fit resumes and appends: crash
     safety for ModelCheckpoint-style restarts; saved in the config, so a model loaded from a
-    checkpoint resumes it)."""
+    checkpoint resumes it), secure_mode (the default GaussianSumQuery draws its noise from
+    os.urandom as a sum of two draws: dp_query.randomness.SecureRandom; no seed)."""
     settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
                         max_physical_batch_size, clipping)
     if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
@@ -73,6 +97,10 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
     self._dp_clipping = clipping
     self._dp_normalize = bool(normalize)
     self._dp_seed = seed
+    if secure_mode and (dp_query is not None or seed is not None):
+      raise ValueError("secure_mode applies to the default query and takes no seed; got "
+                       f"dp_query={dp_query!r}, seed={seed!r}")
+    self._dp_secure_mode = bool(secure_mode)
     self._dp_custom_query = dp_query is not None
     # The default query, the ledger and the sampling variables are made lazily, outside
     # any tf.distribute scope (see _make_dp_state): the ledger's growing buffers cannot be
@@ -136,8 +164,8 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
       if self._dp_base_query is None:
         stddev = 0.0 if self._dp_noise_multiplier == 0 else (
             self._dp_noise_multiplier * self._dp_l2_norm_clip)
-        self._dp_base_query = dp_query_lib.GaussianSumQuery(self._dp_l2_norm_clip, stddev,
-                                                            seed=self._dp_seed)
+        self._dp_base_query = dp_query_lib.GaussianSumQuery(
+            self._dp_l2_norm_clip, stddev, seed=self._dp_seed, secure_mode=self._dp_secure_mode)
       self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
                                               name="dp_expected_records")
       self._dp_ledger = ledger_lib.PrivacyLedger()
@@ -234,27 +262,41 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
 
   # ---- clipping -----------------------------------------------------------------------
 
-  def resolve_clipping(self, model=None):
-    """'vectorized' or 'fast': which per-example clipping a step uses (see `clipping`)."""
+  def resolve_clipping(self, model=None, input_specs=None):
+    """'vectorized' or 'fast': which per-example clipping a step uses.
+
+    "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
+    nothing in the way: among others, a batch-independence probe (run once per model,
+    cached; see batch_independence) must see no layer that mixes examples, and no trainable
+    layer may compute in 16 bits. Otherwise "auto" takes the vectorized path, which is exact
+    for such models (each record is run and clipped alone, in float32).
+
+    Args:
+      model: the keras.Model the step trains.
+      input_specs: optional nest of tensors/specs shaped like a batch (for the probe of a
+        model without known inputs).
+
+    Returns:
+      "vectorized" or "fast".
+
+    Raises:
+      ValueError: clipping="fast" and the fast path cannot clip this model exactly (the
+        message names the offending layer, dtype policy or setting).
+    """
     if self._dp_clipping == "vectorized":
       return "vectorized"
-    fc = _load_fast_clipping()
-    ok = (fc is not None and model is not None and not self._dp_custom_query
-          and math.isfinite(self._dp_l2_norm_clip) and not model.losses)
-    if ok:
-      try:
-        ok = bool(fc.supports(model))
-      except (TypeError, ValueError, AttributeError, NotImplementedError):
-        ok = False   # a layer fast clipping cannot plan: the vectorized path handles it
-    if self._dp_clipping == "fast" and not ok:
+    reason = routing.fast_path_obstacle(self, model, _load_fast_clipping(), input_specs)
+    if reason is None:
+      return "fast"
+    if self._dp_clipping == "fast":
       raise ValueError(
-          "clipping='fast' needs tf_dpiter.keras.fast_clipping, a model it supports, the default "
-          "Gaussian query with a finite l2_norm_clip and no regularization losses; use "
-          "clipping='vectorized' or 'auto'")
-    return "fast" if ok else "vectorized"
+          f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
+          "'vectorized' (each record is clipped alone, exact for it)")
+    return "vectorized"
 
   def _accumulate(self, params, sample_state, grads, record_mask):
     query = self._require_query()
+    grads = [tf.cast(g, _wide(g.dtype)) for g in grads]
     if hasattr(query, "accumulate_records"):
       return query.accumulate_records(params, sample_state, grads, mask=record_mask)
     pre = tf.vectorized_map(lambda r: query.preprocess_record(params, r), grads)
@@ -264,17 +306,27 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
     return query.accumulate_preprocessed_record(sample_state, summed)
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
-                  vectorize=True):
+                  vectorize=True, loss_scale=1.0):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
     record_loss_fn(record) -> (scalar loss, aux). records: nest of [M, ...] tensors;
-    record_mask [M] (0: padding record). Returns (sample_state, sum of record losses over
-    real records, aux stacked [M, ...], or None with a dynamic number of chunks).
+    record_mask [M] (0: padding record). The per-record gradients are cast to float32
+    (float64 for float64 variables) before the norms, the clip factors and the sum, whatever
+    the dtype policy; with loss_scale s != 1 (float16), record_loss_fn's loss is s times the
+    record's loss and the gradients are divided by s (`unscale_records`). Returns
+    (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
+    with a dynamic number of chunks).
     """
     query = self._require_query()
+    loss_scale = float(loss_scale)
+
+    def gradients(rec):
+      grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, rec, vectorize)
+      return unscale_records(grads, loss_scale), losses / loss_scale, aux
+
     variables = list(variables)
     params = self._dp_params()
-    template = [tf.TensorSpec(v.shape, tf.as_dtype(v.dtype)) for v in variables]
+    template = wide_template(variables)
     state = query.initial_sample_state(template)
     record_mask = tf.cast(record_mask, tf.float32)
     p = self._dp_max_physical_batch_size
@@ -283,7 +335,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
       per_chunk = max(1, p // int(examples_per_record)) if isinstance(
           examples_per_record, int) else tf.maximum(1, p // examples_per_record)
     if p is None or (m_static is not None and isinstance(per_chunk, int) and per_chunk >= m_static):
-      grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, records, vectorize)
+      grads, losses, aux = gradients(records)
       state = self._accumulate(params, state, grads, record_mask)
       return state, tf.reduce_sum(losses * record_mask), aux
 
@@ -295,7 +347,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
       auxes = []
       for i in range(int(static_chunks)):
         rec = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
-        grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, rec, vectorize)
+        grads, losses, aux = gradients(rec)
         state = self._accumulate(params, state, grads, cmask[i])
         loss_sum = loss_sum + tf.reduce_sum(losses * cmask[i])
         auxes.append(aux)
@@ -304,7 +356,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
 
     def body(i, st, loss_acc):
       rec = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
-      grads, losses, _ = grads_lib.per_record_gradients(record_loss_fn, variables, rec, vectorize)
+      grads, losses, _ = gradients(rec)
       st = self._accumulate(params, st, grads, cmask[i])
       return i + 1, st, loss_acc + tf.reduce_sum(losses * cmask[i])
 
@@ -357,6 +409,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
   def apply_private_gradients(self, grads, trainable_variables):
     """Applies gradients that came out of `noised_average`."""
     self._dp_private_apply = True
+    grads = [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
     try:
       return super().apply(grads, trainable_variables)
     finally:
@@ -391,6 +444,7 @@ class DPOptimizerMixin(custom_loops.CustomLoopMixin):
         "normalize": self._dp_normalize,
         "seed": self._dp_seed,
         "ledger_journal": self._dp_ledger_journal,
+        "secure_mode": self._dp_secure_mode,
     })
     if self._dp_custom_query:
       # The default query's state is fixed by (S, z); a custom one's may adapt.
@@ -425,7 +479,7 @@ def make_dp_optimizer_class(cls):
 
   The new class takes (l2_norm_clip, noise_multiplier, num_microbatches=None, *,
   dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True, seed=None,
-  ledger_journal=None)
+  ledger_journal=None, secure_mode=False)
   before the base class' own arguments, and is registered for Keras serialization.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
@@ -447,7 +501,7 @@ def make_dp_optimizer_class(cls):
 
 def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None,  # pylint: disable=invalid-name
                 dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-                seed=None, ledger_journal=None):
+                seed=None, ledger_journal=None, secure_mode=False):
   """DP copy of a Keras optimizer instance (same hyperparameters; fresh state).
 
   Either (l2_norm_clip, noise_multiplier) or dp_query (a sum query, e.g. a NestedQuery
@@ -464,7 +518,8 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
     config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
              max_physical_batch_size=max_physical_batch_size, clipping=clipping,
-             normalize=normalize, seed=seed, ledger_journal=ledger_journal, **config)
+             normalize=normalize, seed=seed, ledger_journal=ledger_journal,
+             secure_mode=secure_mode, **config)
 
 
 DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)

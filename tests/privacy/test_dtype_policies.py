@@ -1,0 +1,100 @@
+"""Privacy arithmetic in float32 under every Keras dtype policy (issue 12, item 2).
+
+Per-example norms, clip factors, the clipped sum and the noise are formed in float32 (float64
+for float64 variables) whatever the policy: in bfloat16 the sums of 302 and 303 records of
+norm C would be 302C and 304C (one record moving the sum by 2C); here they differ by C. The
+real train step under each policy never moves the clipped sum by more than the sensitivity
+the ledger records (tf_dpiter.auditing.check_sensitivity)."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter.auditing import sensitivity
+
+POLICIES = ["float32", "mixed_float16", "mixed_bfloat16", "bfloat16"]
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.fixture(params=POLICIES)
+def policy(request):
+  keras.config.set_dtype_policy(request.param)
+  yield request.param
+  keras.config.set_dtype_policy("float32")
+
+
+def _sum_of_clipped(layer, opt, count):
+  """The noise-free clipped sum over `count` identical records whose gradient norm >> C."""
+  x = np.full((count, 4), 10.0, "float32")
+
+  def loss_fn(xr):
+    return keras.ops.sum(keras.ops.cast(layer(xr), "float32"), axis=-1)
+
+  grads = opt.compute_private_gradients(loss_fn, layer.trainable_variables, data=x)
+  assert all(str(g.dtype) in ("<dtype: 'float32'>", "float32") for g in grads), grads
+  return np.concatenate([np.asarray(g, np.float64).ravel() for g in grads])
+
+
+def test_302_and_303_records_differ_by_one_clip_norm(policy):
+  keras.utils.set_random_seed(0)
+  layer = keras.layers.Dense(3, use_bias=False)
+  layer.build((None, 4))
+  assert layer.compute_dtype == ("float32" if policy == "float32" else policy.split("_")[-1])
+  clip = 1.0
+  opt = dp.keras.DPKerasSGDOptimizer(clip, 0.0, learning_rate=1.0, normalize=False)
+  opt.set_sampling(1000, 0.3, "poisson")
+  s302, s303 = _sum_of_clipped(layer, opt, 302), _sum_of_clipped(layer, opt, 303)
+  assert np.linalg.norm(s302) == pytest.approx(302 * clip, rel=1e-5)
+  assert np.linalg.norm(s303 - s302) == pytest.approx(clip, rel=1e-4)
+
+
+def _mlp():
+  return dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                keras.layers.Dense(3)])
+
+
+def _cnn():
+  return dp.keras.DPSequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                                keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("arch", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
+def test_train_step_never_exceeds_recorded_sensitivity(policy, arch):
+  """check_sensitivity (add/remove and adversarial additions) under each dtype policy; under
+  16-bit compute "auto" routes to the vectorized path, which clips in float32."""
+  keras.utils.set_random_seed(0)
+  model = _mlp() if arch == "mlp" else _cnn()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
+  rng = np.random.RandomState(0)
+  shape = (6,) if arch == "mlp" else (8, 8, 1)
+  x, y = rng.randn(24, *shape).astype("float32"), rng.randint(0, 3, 24)
+  report = sensitivity.check_sensitivity(model, x, y, num_candidates=9)
+  assert report.passed, str(report)
+  assert report.measured_sensitivity > 0.5, str(report)
+  assert report.path == ("fast" if policy == "float32" else "vectorized")
+
+
+def test_mixed_float16_fit_trains_without_loss_scale_optimizer():
+  """mixed_float16: Keras' dynamic LossScaleOptimizer (a data-dependent scale) is not used;
+  the DP step applies a static loss scale and unscales in float32."""
+  keras.config.set_dtype_policy("mixed_float16")
+  try:
+    keras.utils.set_random_seed(0)
+    model = _mlp()
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.5, learning_rate=0.5)
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(opt), loss=LOSS)
+    assert model.optimizer is opt
+    rng = np.random.RandomState(0)
+    x = rng.randn(64, 6).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    hist = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    assert np.all(np.isfinite(hist.history["loss"]))
+    assert int(model.ledger.sample_count) == 12
+    assert all(w.dtype == "float32" for w in model.trainable_weights)
+    with pytest.raises(ValueError, match="16 bits.*mixed_float16"):
+      model2 = _mlp()
+      model2.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.5, clipping="fast"), loss=LOSS)
+      model2.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  finally:
+    keras.config.set_dtype_policy("float32")

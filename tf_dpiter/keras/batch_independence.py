@@ -1,0 +1,186 @@
+"""Batch independence, verified rather than assumed (issue 12; seed 002, Sections 2 and 7).
+
+Per-example clipping bounds one example's influence on the clipped sum by C only if example
+i's loss is a function of example i alone: L_i(theta; x_i, y_i). The vectorized path makes
+this true by construction (each record is run alone under `tf.vectorized_map`), the fast
+(ghost-norm) path does not: it runs the whole batch through the model once, so a layer whose
+output row i depends on row j (batch-mean centering, a batch-level attention, a custom
+normalisation) lets example j move every other example's gradient, and the clip no longer
+bounds it (measured: 2.85C for one removed example on a batch-centering `Lambda`).
+
+The probe (`batch_mixing_layers`): the model is run, in inference mode, on a probe batch and
+on the same batch with its last example replaced; every layer whose output rows for the
+*other* examples moved while its inputs' rows did not is named (the source of the mixing,
+not the layers downstream). Models whose layers cannot be probed one by one (subclassed) are
+probed as a whole. `probe_model` runs it once per model on random inputs shaped like the
+model's inputs and caches the verdict on the model.
+
+What the probe catches: any deterministic layer that mixes rows on the probe inputs, with or
+without parameters (Lambda, custom layers, `ops.mean(axis=0)`, batch-level softmax).
+What it cannot catch: mixing that happens only in training mode (it runs in inference mode;
+BatchNormalization is refused by name elsewhere), only through randomness, only on inputs
+far from the probe's (e.g. a branch taken for large batches or special values), in the loss
+function rather than the model, or below the tolerance `atol` (relative to the output's
+scale). A passing probe is evidence, not proof; `tf_dpiter.auditing.check_sensitivity`
+measures the end-to-end effect on the real train step.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+_PROBE_BATCH = 4
+_CACHE_ATTR = "_dp_batch_mixing_verdict"
+
+
+def _rows_moved(a, b, n, atol):
+  """True if rows 0..n-2 of a and b differ by more than atol * (1 + max|a|)."""
+  a = np.asarray(a, np.float64) if not isinstance(a, np.ndarray) else a.astype(np.float64)
+  b = np.asarray(b, np.float64)
+  if not a.ndim or a.shape[0] != n:
+    return False
+  scale = 1.0 + float(np.max(np.abs(a))) if a.size else 1.0
+  return not np.allclose(a[:-1], b[:-1], atol=atol * scale, rtol=0)
+
+
+def _replace_last(x, seed):
+  """x with its last example replaced by noise (floats) or other values (integers)."""
+  rng = np.random.RandomState(seed)
+  x = np.array(x, copy=True)
+  if np.issubdtype(x.dtype, np.floating):
+    x[-1] = rng.randn(*x.shape[1:]) * (np.std(x) + 1.0)
+  elif np.issubdtype(x.dtype, np.integer):
+    x[-1] = (x[-1] + 1 + rng.randint(0, 2, size=x.shape[1:])) % max(2, int(np.max(x)) + 1)
+  else:
+    x[-1] = x[0]
+  return x
+
+
+def _graph_nodes(model):
+  """(functional graph, its non-input nodes in topological order), or None (subclassed)."""
+  graph = model if hasattr(model, "_nodes_by_depth") else getattr(model, "_functional", None)
+  if graph is None or not hasattr(graph, "_nodes_by_depth"):
+    return None
+  by_depth = graph._nodes_by_depth  # pylint: disable=protected-access
+  nodes = [node for depth in sorted(by_depth, reverse=True) for node in by_depth[depth]
+           if not node.is_input]
+  return graph, nodes
+
+
+def batch_mixing_layers(model, x, atol=1e-6):
+  """Names of the layers that make one example's activations depend on another example.
+
+  Args:
+    model: a keras.Model (functional, Sequential or subclassed), built or buildable on x.
+    x: a batch (array, or a list of arrays for several inputs) of at least 2 examples.
+    atol: tolerance, relative to 1 + the largest |output| of each layer (16-bit compute
+      dtypes are compared at max(atol, 1e-2)).
+
+  Returns:
+    tuple of layer names in model order (the model's own name if it is subclassed and
+    mixes as a whole); empty when no mixing was seen.
+
+  Raises:
+    ValueError: x holds fewer than 2 examples.
+  """
+  xs = [np.asarray(t) for t in tf.nest.flatten(x)]
+  n = len(xs[0])
+  if n < 2:
+    raise ValueError(f"x must hold at least 2 examples to probe batch mixing, got {n}")
+  x1 = tf.nest.pack_sequence_as(x, xs)
+  x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 0) for t in xs])
+  compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
+  if compute in ("float16", "bfloat16"):
+    atol = max(atol, 1e-2)
+  nodes = _graph_nodes(model)
+  if nodes is None:
+    out1 = tf.nest.flatten(model(x1, training=False))
+    out2 = tf.nest.flatten(model(x2, training=False))
+    moved = any(_rows_moved(a, b, n, atol) for a, b in zip(out1, out2))
+    return (model.name,) if moved else ()
+  graph, nodes = nodes
+  tensors = [t for node in nodes for t in list(node.output_tensors) + list(node.input_tensors)]
+  probe = keras.Model(graph.inputs, tensors)
+  out1, out2 = probe(x1, training=False), probe(x2, training=False)
+  mixing, pos = [], 0
+  for node in nodes:
+    k_out, k_in = len(node.output_tensors), len(node.input_tensors)
+    outs_moved = any(_rows_moved(out1[j], out2[j], n, atol) for j in range(pos, pos + k_out))
+    ins_moved = any(_rows_moved(out1[j], out2[j], n, atol)
+                    for j in range(pos + k_out, pos + k_out + k_in))
+    pos += k_out + k_in
+    if outs_moved and not ins_moved and node.operation.name not in mixing:
+      mixing.append(node.operation.name)
+  return tuple(mixing)
+
+
+def _model_inputs(model):
+  """The model's symbolic inputs (functional, built Sequential), else None."""
+  if not model.built:
+    return None
+  inputs = getattr(model, "_inputs_struct", None)
+  if inputs is None:
+    try:
+      inputs = model.inputs
+    except (AttributeError, ValueError):
+      return None
+    if isinstance(inputs, (list, tuple)) and len(inputs) == 1:
+      inputs = inputs[0]
+  return None if inputs is None or (isinstance(inputs, (list, tuple)) and not inputs) else inputs
+
+
+def _probe_inputs(model, specs, seed):
+  """Random probe batch shaped like `specs` (else model.inputs); None if unknown."""
+  if specs is None:
+    inputs = _model_inputs(model)
+    if inputs is None:
+      return None
+    specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
+  rng = np.random.RandomState(seed)
+
+  def make(spec):
+    shape = tuple(spec.shape)[1:]
+    if any(d is None for d in shape):
+      raise ValueError(f"cannot probe an input of unknown shape {spec.shape}")
+    dtype = tf.as_dtype(spec.dtype)
+    if dtype.is_floating:
+      return rng.randn(_PROBE_BATCH, *shape).astype(dtype.as_numpy_dtype)
+    if dtype.is_integer:
+      return rng.randint(0, 2, size=(_PROBE_BATCH,) + shape).astype(dtype.as_numpy_dtype)
+    raise ValueError(f"cannot probe an input of dtype {dtype.name}")
+
+  try:
+    return tf.nest.map_structure(make, specs)
+  except ValueError:
+    return None
+
+
+def probe_model(model, input_specs=None, seed=0):
+  """Cached batch-independence verdict of `model`: the tuple of mixing layers' names.
+
+  Runs `batch_mixing_layers` once per model (eagerly, lifted out of any trace) on a random
+  batch of 4 examples shaped like `input_specs` (a nest of tf.TensorSpec with a leading
+  batch axis; default: the model's inputs). A model whose inputs are unknown is reported
+  as unprobed: None, not cached.
+
+  Args:
+    model: a built keras.Model.
+    input_specs: optional nest of tf.TensorSpec / tensors giving the input shapes.
+    seed: seed of the probe batch.
+
+  Returns:
+    tuple of layer names (empty: no mixing seen), or None if the model could not be probed.
+  """
+  cached = getattr(model, _CACHE_ATTR, None)
+  if cached is not None:
+    return cached
+  if input_specs is not None:
+    input_specs = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), input_specs)
+  x = _probe_inputs(model, input_specs, seed)
+  if x is None:
+    return None
+  with tf.init_scope():
+    verdict = batch_mixing_layers(model, x)
+  object.__setattr__(model, _CACHE_ATTR, verdict)
+  return verdict

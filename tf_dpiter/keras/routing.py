@@ -1,0 +1,124 @@
+"""Which per-example clipping path a DP step takes, and why (issue 12; seed 002, Section 7).
+
+Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2018, Sec. 2):
+* vectorized: per-record gradients under `tf.vectorized_map` (each record is run alone, so it
+  is exact for any model), clipped and summed in float32 (float64 for float64 variables);
+* fast: ghost norms on one pass over the whole batch (fast_clipping), exact only if example
+  i's loss depends on example i alone and the ghost sums are formed in float32.
+
+`fast_path_obstacle` says why the fast path cannot be used (None: it can). The vectorized
+path has its own hazard: on CPUs where TensorFlow runs oneDNN kernels, per-example
+gradients of `EinsumDense`/`MultiHeadAttention` under `tf.vectorized_map` come out wrong or
+crash (TensorFlow's bug, issue 12), so `use_vectorized_map` sends such models to a sequential
+per-record loop (`tf.map_fn`): the same gradients, slower.
+"""
+
+import functools
+import math
+import os
+
+import keras
+
+from tf_dpiter.keras import batch_independence
+
+SIXTEEN_BIT = ("float16", "bfloat16")
+
+# Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
+ONEDNN_AFFECTED = (keras.layers.EinsumDense, keras.layers.MultiHeadAttention)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_enabled():
+  """True when TensorFlow's oneDNN CPU kernels are on (TF_ENABLE_ONEDNN_OPTS, or TF's default
+  for this build and CPU); read once per process, as TensorFlow does."""
+  flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+  try:
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+    return bool(_pywrap_util_port.IsMklEnabled())
+  except (ImportError, AttributeError):
+    return flag not in (None, "0", "false", "False")
+
+
+def _layers(model):
+  return model._flatten_layers(include_self=False, recursive=True)  # pylint: disable=protected-access
+
+
+def onednn_affected_layers(model):
+  """Names of the layers of `model` whose vectorized per-example gradients oneDNN breaks
+  (empty when oneDNN is off)."""
+  if model is None or not onednn_enabled():
+    return ()
+  return tuple(layer.name for layer in _layers(model) if isinstance(layer, ONEDNN_AFFECTED))
+
+
+def use_vectorized_map(model):
+  """False if per-record gradients must come from a sequential loop: a Keras RNN layer with
+  unroll=False (pfor cannot vectorize its while_loop) or oneDNN-affected layers."""
+  if model is None:
+    return True
+  for layer in _layers(model):
+    if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
+      return False
+  return not onednn_affected_layers(model)
+
+
+def sixteen_bit_layers(model):
+  """Names of the trainable layers whose compute dtype is float16 or bfloat16."""
+  out = []
+  for layer in [model] + list(_layers(model)):
+    dtype = keras.backend.standardize_dtype(getattr(layer, "compute_dtype", "float32"))
+    if dtype in SIXTEEN_BIT and layer.trainable_weights and not getattr(layer, "layers", None):
+      out.append(layer.name)
+  return tuple(out)
+
+
+def loss_scale(model):
+  """Static loss scale for float16 compute (2^7; 1 otherwise). The vectorized path multiplies
+  each record's loss by it and divides the float32 per-record gradient by it; a record whose
+  gradient is not finite adds zero (a function of that record alone, so the sensitivity
+  bound holds). Dynamic scaling would make the scale depend on the data, so it is not used."""
+  dtype = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
+  return 2.0 ** 7 if dtype == "float16" else 1.0
+
+
+def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
+  """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can.
+
+  Args:
+    optimizer: the DP optimizer (its l2_norm_clip and query decide).
+    model: the keras.Model (None: no model, the fast path needs one).
+    fast_clipping: the fast_clipping module, or None if it could not be imported.
+    input_specs: a nest of tensors/specs with the batch's shapes, for the batch-independence
+      probe when the model has no known inputs.
+
+  Returns:
+    None, or a sentence naming the obstacle (layer names, dtype policy, setting).
+  """
+  if fast_clipping is None:
+    return "tf_dpiter.keras.fast_clipping could not be imported"
+  if model is None:
+    return "no model was given"
+  if optimizer._dp_custom_query:  # pylint: disable=protected-access
+    return "a custom dp_query is used (the fast path implements the Gaussian sum query)"
+  if not math.isfinite(optimizer.l2_norm_clip):
+    return f"l2_norm_clip={optimizer.l2_norm_clip!r} is not finite"
+  if model.losses:
+    return "the model has regularization losses"
+  try:
+    if not fast_clipping.supports(model):
+      return "fast_clipping.supports(model) is False (unbuilt, BatchNormalization or shared variables)"
+  except (TypeError, ValueError, AttributeError, NotImplementedError) as e:
+    return f"fast clipping cannot plan the model ({type(e).__name__}: {e})"
+  low = sixteen_bit_layers(model)
+  if low:
+    return (f"layers {list(low)} compute in 16 bits (dtype policy "
+            f"{model.dtype_policy.name!r}): the fast path would form the clipped sum in that "
+            "dtype, the vectorized path forms it in float32")
+  mixing = batch_independence.probe_model(model, input_specs)
+  if mixing is None:
+    return "the model's inputs are unknown, so batch independence could not be probed"
+  if mixing:
+    return (f"layers {list(mixing)} make one example's activations depend on other examples "
+            "of the batch, so per-example clipping on the whole batch does not bound one "
+            "example's influence")
+  return None
