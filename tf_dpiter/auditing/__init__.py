@@ -12,6 +12,7 @@ from tf_dpiter.auditing import attacks
 from tf_dpiter.auditing import bounds
 from tf_dpiter.auditing import canaries
 from tf_dpiter.auditing import one_run
+from tf_dpiter.auditing import report
 from tf_dpiter.auditing import whitebox
 from tf_dpiter.auditing.attacks import attack_metrics
 from tf_dpiter.auditing.attacks import auc
