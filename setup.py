@@ -17,6 +17,7 @@ setup(
         "tensorflow-probability==0.25.*",
         "tf-keras==2.21.*",
         "dp-accounting==0.6.*",
+        "scipy",            # auditing bounds, also a dependency of dp-accounting
         "numpy>=2",
         "absl-py",
         "aiohttp>=3.9",     # Draw-and-Discard HTTP service
@@ -25,6 +26,7 @@ setup(
     extras_require={
         "test": ["pytest", "pytest-xdist", "scipy", "matplotlib", "flwr>=1.38,<1.39"],
         "flower": ["flwr>=1.38,<1.39"],
+        "auditing": ["matplotlib"],     # the PNG privacy report (scipy comes with dp-accounting)
     },
     entry_points={
         "console_scripts": [

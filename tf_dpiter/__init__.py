@@ -11,7 +11,8 @@ __version__ = "0.1.0"
 
 # Submodules load on first use, so that e.g. the Draw-and-Discard service does not pay for
 # TensorFlow's import when it does not need it.
-_LAZY = ("dp_query", "ledger", "accounting", "keras", "data", "federated", "draw_discard")
+_LAZY = ("dp_query", "ledger", "accounting", "keras", "data", "federated", "draw_discard",
+         "auditing")
 
 
 def __getattr__(name):
