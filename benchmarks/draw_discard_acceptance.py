@@ -3,9 +3,9 @@
 Runs the service's AcceptanceRule on a simulated k-instance store with the service's
 history (the last H replaced instances are candidates too):
 
-  frr      honest clients (Algorithm 1 on random logistic data; --noise-only: a zero
-           gradient) draw, then submit after D ~ U{0..delay} other updates landed
-           (asynchrony), >= 10,000 updates per size.
+  frr      --delay concurrent honest clients (Algorithm 1 on random logistic data;
+           --noise-only: a zero gradient): each draws, then submits after about `delay`
+           other updates landed (asynchrony), >= 10,000 updates per size.
   attacks  from the same start, N attacker submits and nothing else:
              collapse-average  submit the average of the k instances
              collapse-copy     submit a copy of a drawn instance
@@ -72,27 +72,29 @@ class Sim:
 
 
 def false_rejections(p, updates, delay, seed=0, noise_only=False):
+  """`delay` concurrent clients: each submits after about `delay` other updates landed.
+
+  The pending draws form a queue; the next submit is one of the 8 oldest (jitter), so an
+  update's draw-to-submit distance is between delay - 8 and delay + 8 updates.
+  """
   sim = Sim(p, seed=seed)
-  pending = []  # (due, weights drawn)
-  rejected, done, t0 = collections.Counter(), 0, time.time()
-  while done < updates:
-    w = sim.slots[sim.rng.integers(sim.k)].copy()
-    pending.append((done + sim.rng.integers(0, delay + 1), w))
-    keep = []
-    for due, drawn in pending:
-      if due <= done and done < updates:
-        d = sim.submit(sim.honest(drawn, noise_only=noise_only))
-        done += 1
-        if not d.accepted:
-          rejected[d.reason] += 1
-      else:
-        keep.append((due, drawn))
-    pending = keep
+  pending = [sim.slots[sim.rng.integers(sim.k)].copy() for _ in range(delay)]
+  rejected, ages, t0 = collections.Counter(), [], time.time()
+  born = list(range(-delay, 0))
+  for done in range(updates):
+    i = 0 if done - born[0] >= delay + 8 else int(sim.rng.integers(min(8, len(pending))))
+    drawn, t = pending.pop(i), born.pop(i)
+    ages.append(done - t)
+    d = sim.submit(sim.honest(drawn, noise_only=noise_only))
+    if not d.accepted:
+      rejected[d.reason] += 1
+    pending.append(sim.slots[sim.rng.integers(sim.k)].copy())
+    born.append(done)
   n_rej = sum(rejected.values())
-  return dict(weights=p, k=sim.k, updates=done, max_delay=delay, history=sim.hist.maxlen,
-              noise_only=noise_only, centre_factor=sim.rule.centre_factor,
-              alpha=sim.rule.alpha, rejected=n_rej, rate=n_rej / done, reasons=dict(rejected),
-              seconds=round(time.time() - t0, 1))
+  return dict(weights=p, k=sim.k, updates=updates, clients=delay, max_age=max(ages),
+              history=sim.hist.maxlen, noise_only=noise_only,
+              centre_factor=sim.rule.centre_factor, alpha=sim.rule.alpha, rejected=n_rej,
+              rate=n_rej / updates, reasons=dict(rejected), seconds=round(time.time() - t0, 1))
 
 
 def _spread(sim):
@@ -159,7 +161,8 @@ def main(argv=None):
   ap.add_argument("what", choices=("frr", "attacks"))
   ap.add_argument("--weights", type=int, nargs="+", default=[387, 7850])
   ap.add_argument("--updates", type=int, default=10000)
-  ap.add_argument("--delay", type=int, default=64, help="max updates between draw and submit")
+  ap.add_argument("--delay", type=int, default=64,
+                  help="concurrent clients = updates between a draw and its submit (+-8)")
   ap.add_argument("--submits", type=int, default=300)
   ap.add_argument("--noise-only", action="store_true",
                   help="frr: honest updates without a gradient (noise only)")
