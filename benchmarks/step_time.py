@@ -3,6 +3,7 @@
   python benchmarks/step_time.py --model cnn --mode nonprivate --batch_size 256
   python benchmarks/step_time.py --model cnn --mode dp --clipping vectorized --batch_size 256
   python benchmarks/step_time.py --model mlp --mode dp --batch_size 1024 --max_physical_batch_size 256
+  python benchmarks/step_time.py --model mlp --mode dp --clipping auto --secure_mode
 
 Prints one JSON line: ms/step (median over --steps timed steps after --warmup steps),
 peak memory (process peak RSS on CPU; peak GPU allocator bytes on a GPU) and the settings.
@@ -64,6 +65,8 @@ def main(argv=None):
   p.add_argument("--jit", action="store_true")
   p.add_argument("--max_physical_batch_size", type=int, default=None)
   p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF default)")
+  p.add_argument("--secure_mode", action="store_true",
+                 help="DP optimizer with secure_mode=True (noise from os.urandom)")
   args = p.parse_args(argv)
   if args.threads:
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
@@ -76,8 +79,10 @@ def main(argv=None):
   private = args.mode == "dp"
   model = make_model(args.model, private)
   if private:
+    extra = {"secure_mode": True} if args.secure_mode else {}
     opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.15, clipping=args.clipping,
-                                       max_physical_batch_size=args.max_physical_batch_size)
+                                       max_physical_batch_size=args.max_physical_batch_size,
+                                       **extra)
   else:
     opt = keras.optimizers.SGD(0.15)
   model.compile(optimizer=opt, loss=loss, jit_compile=args.jit)
@@ -97,6 +102,7 @@ def main(argv=None):
   out = {
       "model": args.model, "mode": args.mode, "batch_size": args.batch_size,
       "clipping": (opt.resolve_clipping(model) if private else None), "jit": args.jit,
+      "secure_mode": args.secure_mode,
       "max_physical_batch_size": args.max_physical_batch_size,
       "ms_per_step": round(1000 * float(np.median(times)), 2),
       "ms_per_step_p10": round(1000 * float(np.percentile(times, 10)), 2),

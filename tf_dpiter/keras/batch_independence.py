@@ -87,12 +87,19 @@ def batch_mixing_layers(model, x, atol=1e-6):
   n = len(xs[0])
   if n < 2:
     raise ValueError(f"x must hold at least 2 examples to probe batch mixing, got {n}")
+  nodes = _graph_nodes(model)
+  fixed = [t.shape[0] for t in nodes[0].inputs if t.shape[0] is not None] if nodes else []
+  if fixed and fixed[0] != n and fixed[0] >= 2:
+    # a graph traced at a fixed batch size (a lazily built Sequential): probe at that size
+    n = fixed[0]
+    xs = [np.resize(t, (n,) + t.shape[1:]) for t in xs]
   x1 = tf.nest.pack_sequence_as(x, xs)
   x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 0) for t in xs])
   compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
   if compute in ("float16", "bfloat16"):
     atol = max(atol, 1e-2)
-  nodes = _graph_nodes(model)
+  if nodes is not None and any(t.shape[0] not in (None, n) for t in nodes[0].inputs):
+    nodes = None
   if nodes is None:
     out1 = tf.nest.flatten(model(x1, training=False))
     out2 = tf.nest.flatten(model(x2, training=False))
@@ -100,7 +107,11 @@ def batch_mixing_layers(model, x, atol=1e-6):
     return (model.name,) if moved else ()
   graph, nodes = nodes
   tensors = [t for node in nodes for t in list(node.output_tensors) + list(node.input_tensors)]
-  probe = keras.Model(graph.inputs, tensors)
+  ins = graph.inputs
+  if len(ins) == 1:   # a single input: plain tensors, no one-element lists (Keras warns)
+    ins = ins[0]
+    x1, x2 = tf.nest.flatten(x1)[0], tf.nest.flatten(x2)[0]
+  probe = keras.Model(ins, tensors)
   out1, out2 = probe(x1, training=False), probe(x2, training=False)
   mixing, pos = [], 0
   for node in nodes:
@@ -161,7 +172,8 @@ def probe_model(model, input_specs=None, seed=0):
   Runs `batch_mixing_layers` once per model (eagerly, lifted out of any trace) on a random
   batch of 4 examples shaped like `input_specs` (a nest of tf.TensorSpec with a leading
   batch axis; default: the model's inputs). A model whose inputs are unknown is reported
-  as unprobed: None, not cached.
+  as unprobed: None, not cached (also when it cannot run yet, e.g. its variables are being
+  created by the trace in progress).
 
   Args:
     model: a built keras.Model.
@@ -180,7 +192,12 @@ def probe_model(model, input_specs=None, seed=0):
   x = _probe_inputs(model, input_specs, seed)
   if x is None:
     return None
-  with tf.init_scope():
-    verdict = batch_mixing_layers(model, x)
+  try:
+    with tf.init_scope():
+      verdict = batch_mixing_layers(model, x)
+  except (tf.errors.OpError, ValueError, TypeError):
+    # e.g. variables created in the trace that is running (a model built lazily by the
+    # first train step) cannot be read yet: unprobed, and not cached
+    return None
   object.__setattr__(model, _CACHE_ATTR, verdict)
   return verdict

@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import gradients as grads_lib
@@ -131,6 +132,7 @@ class DPModelMixin:
           f"{'no sampling' if spec is None else repr(spec.policy)}")
     self._dp_declare(opt, spec)
     if isinstance(a.get("x"), tf.data.Dataset):
+      self._dp_build_for_probe(a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     callbacks = list(a.get("callbacks") or [])
     internal = [fit_sampling.SamplingSync(
@@ -148,6 +150,13 @@ class DPModelMixin:
     finally:
       self._dp_in_fit = False
 
+  def _dp_build_for_probe(self, data_spec):
+    """Builds an unbuilt model from the data's shapes before the train function is traced,
+    so the batch-independence probe can run eagerly (Keras would build it inside the trace,
+    where the new variables cannot be read yet)."""
+    if not all(layer.built for layer in self._flatten_layers()):
+      self._symbolic_build(data_batch=data_spec)
+
   def train_on_batch(self, *args, **kwargs):  # pylint: disable=missing-function-docstring
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
@@ -157,6 +166,10 @@ class DPModelMixin:
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
+    x = args[0] if args else kwargs.get("x")
+    if x is not None and not all(layer.built for layer in self._flatten_layers()):
+      # built eagerly on the batch's first example (output unused), not inside the trace
+      self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
     return super().train_on_batch(*args, **kwargs)
 
   def _dp_declare(self, opt, spec):
@@ -196,7 +209,7 @@ class DPModelMixin:
     jit = bool(self.jit_compile) and not self.run_eagerly
     opt = self._dp_optimizer()
     if opt.clipping != "vectorized" and self.built:
-      opt.resolve_clipping(self)   # runs (and caches) the batch-independence probe eagerly
+      batch_independence.probe_model(self)   # eagerly, cached (None: probed in the trace)
     if jit:
       self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
                                      reduce_retracing=True)

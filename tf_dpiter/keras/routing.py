@@ -81,6 +81,20 @@ def loss_scale(model):
   return 2.0 ** 7 if dtype == "float16" else 1.0
 
 
+def _onednn_in_vectorized_units(model, fast_clipping):
+  """oneDNN-affected layers inside the fast path's unregistered (vectorized) units."""
+  affected = set(onednn_affected_layers(model))
+  if not affected:
+    return ()
+  units = set(fast_clipping.unregistered_layers(model))
+  out = []
+  for layer in _layers(model):
+    if layer.name in units:
+      out.extend(sub.name for sub in layer._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
+                 if sub.name in affected)
+  return tuple(out)
+
+
 def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
   """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can.
 
@@ -109,6 +123,10 @@ def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
       return "fast_clipping.supports(model) is False (unbuilt, BatchNormalization or shared variables)"
   except (TypeError, ValueError, AttributeError, NotImplementedError) as e:
     return f"fast clipping cannot plan the model ({type(e).__name__}: {e})"
+  blocked = _onednn_in_vectorized_units(model, fast_clipping)
+  if blocked:
+    return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
+            "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
   low = sixteen_bit_layers(model)
   if low:
     return (f"layers {list(low)} compute in 16 bits (dtype policy "
