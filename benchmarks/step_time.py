@@ -67,7 +67,10 @@ def main(argv=None):
   p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF default)")
   p.add_argument("--secure_mode", action="store_true",
                  help="DP optimizer with secure_mode=True (noise from os.urandom)")
+  p.add_argument("--dtype_policy", default="float32",
+                 help="keras dtype policy (float32, mixed_bfloat16, mixed_float16, bfloat16)")
   args = p.parse_args(argv)
+  keras.config.set_dtype_policy(args.dtype_policy)
   if args.threads:
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
 
@@ -102,7 +105,7 @@ def main(argv=None):
   out = {
       "model": args.model, "mode": args.mode, "batch_size": args.batch_size,
       "clipping": (opt.resolve_clipping(model) if private else None), "jit": args.jit,
-      "secure_mode": args.secure_mode,
+      "secure_mode": args.secure_mode, "dtype_policy": args.dtype_policy,
       "max_physical_batch_size": args.max_physical_batch_size,
       "ms_per_step": round(1000 * float(np.median(times)), 2),
       "ms_per_step_p10": round(1000 * float(np.percentile(times, 10)), 2),
