@@ -59,7 +59,7 @@ def _cnn():
                                 keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
-@pytest.mark.parametrize("arch", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["mlp", "cnn"])
 def test_train_step_never_exceeds_recorded_sensitivity(policy, arch):
   """check_sensitivity (add/remove and adversarial additions) under each dtype policy; under
   16-bit compute "auto" routes to the vectorized path, which clips in float32."""

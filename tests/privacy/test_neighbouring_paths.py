@@ -56,7 +56,7 @@ def _data(n=24, seed=1):
   return rng.randn(n, 6).astype("float32") * 3, rng.randint(0, 3, n)
 
 
-@pytest.mark.parametrize("policy", ["poisson", pytest.param("shuffle", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("policy", ["poisson", "shuffle"])
 def test_parameter_free_mixing_layer_routed_and_exact(policy):
   model = _mixing_model("auto")
   x, y = _data()
@@ -85,11 +85,8 @@ def _mlp(clipping, jit, physical):
 
 
 @pytest.mark.parametrize("clipping,jit,physical", [
-    ("fast", True, 3), ("vectorized", False, 3),
-    pytest.param("fast", True, None, marks=pytest.mark.slow),
-    pytest.param("vectorized", True, None, marks=pytest.mark.slow),
-    pytest.param("fast", False, 3, marks=pytest.mark.slow),
-    pytest.param("vectorized", True, 3, marks=pytest.mark.slow)])
+    ("fast", True, 3), ("vectorized", False, 3), ("fast", True, None), ("vectorized", True, None),
+    ("fast", False, 3), ("vectorized", True, 3)])
 def test_jit_and_physical_batches(clipping, jit, physical):
   model = _mlp(clipping, jit, physical)
   x, y = _data()
