@@ -16,7 +16,6 @@ later examples among the microbatches (measured: 5C), so microbatches are refuse
 Padding rows (mask 0) keep their positions too: they never move a real example.
 """
 
-import keras
 import tensorflow as tf
 
 
@@ -97,17 +96,6 @@ def from_records(t, batch_size, num_microbatches):
   rank = len(t.shape)
   t = tf.transpose(t, [1, 0] + list(range(2, rank)))
   return tf.reshape(t, shape)[:batch_size]
-
-
-def vectorizable(model):
-  """False if the model holds a layer whose per-example gradient pfor cannot vectorize
-  (a Keras RNN layer with unroll=False runs a while_loop over TensorLists)."""
-  if model is None:
-    return True
-  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-    if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
-      return False
-  return True
 
 
 def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
