@@ -44,13 +44,8 @@ def main():
   emit(figure="ledger_record_100k_steps_in_tf_function", samples=count,
        seconds=round(time.perf_counter() - t, 2))
 
-  d = ledger_file.sign(
-      {"format": "tf_dpiter.privacy_ledger", "version": 2, "num_samples": 10**6, "passes": 0,
-       "runs": [{"count": 10**6, "population_size": 1e7, "selection_probability": 1e-4,
-                 "sample_size": 0.0, "policy": "poisson", "relation": "add_or_remove_one",
-                 "examples_per_record": 1,
-                 "queries": [{"type": "gaussian", "l2_norm_clip": 1.0, "stddev": 1.0,
-                              "sensitivity": 1.0}]}]})
+  d = ledger_file.runs_to_dict(
+      [(10**6, [1e7, 1e-4, 0.0, 0, 1, 1], [[0, 0, 1.0, 1.0, 1.0]])])  # Poisson, clip 1, sigma 1
   big = L.PrivacyLedger.from_dict(d)
   for acc in A.ACCOUNTANTS:
     t = time.perf_counter()

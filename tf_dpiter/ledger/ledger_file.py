@@ -74,15 +74,32 @@ def _query_dict(row):
 def arrays_to_dict(samples, queries, passes=0, key=None):
   """Signed, run-length coded JSON-able dict of a ledger's arrays and pass count."""
   samples, queries = rec.validate_arrays(samples, queries)
+  return runs_to_dict(rec.run_length_encode(samples, queries), passes, key)
+
+
+def runs_to_dict(runs, passes=0, key=None):
+  """Signed JSON-able dict of runs [(count, sample_row, query_rows)] (counts kept as counts).
+
+  Raises:
+    ValueError: a run fails the checks of `records.validate_arrays`.
+  """
+  out = []
+  for count, s, qs in runs:
+    qs = np.array(qs, np.float64).reshape(-1, len(rec.QUERY_COLUMNS))
+    qs[:, 0] = 0.0                  # rows of one sample (run_length_encode keeps the index)
+    rec.validate_arrays(np.asarray(s, np.float64)[None], qs)
+    out.append((int(count), np.asarray(s, np.float64), qs))
   runs = []
-  for count, s, qs in rec.run_length_encode(samples, queries):
+  total = 0
+  for count, s, qs in out:
     policy = rec.policy_name(s[3])
     runs.append({"count": count, "policy": policy, "relation": rec.relation_for_policy(policy),
                  "population_size": float(s[0]), "selection_probability": float(s[1]),
                  "sample_size": float(s[2]), "examples_per_record": int(s[4]),
                  "queries": [_query_dict(row) for row in qs]})
+    total += count
   d = {"format": rec.FORMAT_NAME, "version": rec.FORMAT_VERSION,
-       "num_samples": int(samples.shape[0]), "passes": int(passes), "runs": runs}
+       "num_samples": total, "passes": int(passes), "runs": runs}
   return sign(d, key)
 
 
