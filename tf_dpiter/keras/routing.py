@@ -118,11 +118,9 @@ def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
     return f"l2_norm_clip={optimizer.l2_norm_clip!r} is not finite"
   if model.losses:
     return "the model has regularization losses"
-  try:
-    if not fast_clipping.supports(model):
-      return "fast_clipping.supports(model) is False (unbuilt, BatchNormalization or shared variables)"
-  except (TypeError, ValueError, AttributeError, NotImplementedError) as e:
-    return f"fast clipping cannot plan the model ({type(e).__name__}: {e})"
+  # supports() answers False for what it cannot plan; anything it raises is a bug: fail loudly.
+  if not fast_clipping.supports(model):
+    return "fast_clipping.supports(model) is False (unbuilt, BatchNormalization or shared variables)"
   blocked = _onednn_in_vectorized_units(model, fast_clipping)
   if blocked:
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "

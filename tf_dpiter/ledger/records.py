@@ -78,6 +78,13 @@ def sensitivity_factor(relation, examples_per_record=1):
   return 1.0 if relation == ADD_OR_REMOVE and examples_per_record <= 1 else 2.0
 
 
+def _sensitivity_factors(policy_codes, examples_per_record):
+  """`sensitivity_factor` for arrays of policy codes and k (one rule, vectorized)."""
+  add_remove = np.isin(policy_codes, [_POLICY_CODE[p] for p, r in _RELATION_OF_POLICY.items()
+                                      if r == ADD_OR_REMOVE])
+  return np.where(add_remove & (examples_per_record <= 1), 1.0, 2.0)
+
+
 def check_examples_per_record(policy, examples_per_record):
   """ValueError unless k >= 1, and k == 1 under an add/remove policy (a tensor k passes)."""
   k = examples_per_record
@@ -162,8 +169,7 @@ def _check_queries(samples, queries):
     raise ValueError("inconsistent ledger: query sample_index does not match the samples' num_queries")
   kind, clip, noise, sens = queries[:, 1], queries[:, 2], queries[:, 3], queries[:, 4]
   s = samples[queries[:, 0].astype(np.int64)]
-  factor = np.where(np.isin(s[:, 3], [_POLICY_CODE[POISSON], _POLICY_CODE[FULL]]) & (s[:, 4] <= 1),
-                    1.0, 2.0)
+  factor = _sensitivity_factors(s[:, 3], s[:, 4])
   checks = [
       (~np.isin(kind, list(_KIND_NAME)), f"query kind must be in {sorted(_KIND_NAME)}", kind),
       (clip < 0, "query clip must be >= 0", clip),
