@@ -1,0 +1,230 @@
+"""Random-access record sources for out-of-core sampling (seed 002, Section 5).
+
+Poisson sampling picks each record independently, so a step's sample is scattered over the
+whole data set: a sampler needs to read record i without reading records 0..i-1. This module
+gives two sources with the same interface, `num_records` and `read(indices)`:
+
+* `TFRecordSource`: TFRecord shards (the standard framing: uint64 length, uint32 CRC of the
+  length, payload, uint32 CRC of the payload) next to an offset index per shard
+  (`<shard>.offsets.npy`, int64, one entry per record plus the end of the file), written by
+  `write_indexed_tfrecords` from an iterable of chunks, so a data set larger than memory is
+  written chunk by chunk. Each payload is one element of a numpy structured dtype (fields
+  "x" and "y"; raw bytes, little endian), so a step's records decode with one `np.frombuffer`.
+  The files stay plain TFRecord: `tf.data.TFRecordDataset` reads them sequentially and
+  `tf.io.decode_raw` decodes them (see `record_dtype`).
+* `ArraySource`: numpy arrays in memory (or np.memmap), same interface.
+
+No dependency beyond numpy and TensorFlow: ArrayRecord/Grain (random access to records of
+their own container format) are not installed here and add nothing the offset index does not
+give for fixed-size records.
+"""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+META_NAME = "records.json"
+_HEADER = 12   # uint64 length + uint32 masked CRC of the length
+_FOOTER = 4    # uint32 masked CRC of the payload
+
+
+def _field_dtype(name, a):
+  a = np.asarray(a)
+  return (name, a.dtype.newbyteorder("<"), a.shape[1:])
+
+
+def record_dtype(x, y=None):
+  """The numpy structured dtype of one record of chunk (x, y): fields "x" (and "y").
+
+  x, y: arrays with the records on the leading axis (only dtype and trailing shape used).
+  """
+  fields = [_field_dtype("x", x)]
+  if y is not None:
+    fields.append(_field_dtype("y", y))
+  return np.dtype(fields)
+
+
+def _to_records(x, y, dtype):
+  n = int(np.shape(x)[0])
+  if y is not None and int(np.shape(y)[0]) != n:
+    raise ValueError(f"x and y must have the same number of records; got {n} and "
+                     f"{np.shape(y)[0]}")
+  rec = np.empty(n, dtype)
+  rec["x"] = x
+  if y is not None:
+    rec["y"] = y
+  return rec
+
+
+def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
+  """Writes (x, y) chunks as TFRecord shards with an offset index; returns the directory.
+
+  Args:
+    directory: output directory (created; must not hold a previous data set).
+    chunks: iterable of (x, y) or (x, None) numpy chunks, records on the leading axis; every
+      chunk has the same dtypes and trailing shapes. Only one chunk is in memory at a time.
+    records_per_shard: records per shard file (the last shard may hold fewer).
+
+  Returns:
+    `directory`, readable by `TFRecordSource(directory)`.
+
+  Raises:
+    ValueError: records_per_shard < 1, an existing data set, no record, or chunks whose
+      layout differs.
+  """
+  if isinstance(records_per_shard, bool) or not isinstance(records_per_shard, int) or (
+      records_per_shard < 1):
+    raise ValueError(f"records_per_shard must be a positive integer, got {records_per_shard!r}")
+  os.makedirs(directory, exist_ok=True)
+  if os.path.exists(os.path.join(directory, META_NAME)):
+    raise ValueError(f"directory {directory!r} already holds an indexed data set")
+  dtype, shards, counts = None, [], []
+  writer, offsets = None, None
+
+  def close_shard():
+    writer.close()
+    np.save(os.path.join(directory, shards[-1] + ".offsets.npy"), np.asarray(offsets, np.int64))
+    counts.append(len(offsets) - 1)
+
+  for x, y in chunks:
+    dtype = record_dtype(x, y) if dtype is None else dtype
+    if record_dtype(x, y) != dtype:
+      raise ValueError(f"chunk layout {record_dtype(x, y)} differs from the first chunk's {dtype}")
+    for row in _to_records(x, y, dtype):
+      if writer is None or len(offsets) - 1 == records_per_shard:
+        if writer is not None:
+          close_shard()
+        shards.append(f"shard-{len(shards):05d}.tfrecord")
+        writer = tf.io.TFRecordWriter(os.path.join(directory, shards[-1]))
+        offsets = [0]
+      payload = row.tobytes()
+      writer.write(payload)
+      offsets.append(offsets[-1] + _HEADER + len(payload) + _FOOTER)
+  if writer is None:
+    raise ValueError("chunks held no record")
+  close_shard()
+  meta = {"shards": shards, "counts": counts,
+          "dtype": np.lib.format.dtype_to_descr(dtype)}
+  with open(os.path.join(directory, META_NAME), "w", encoding="utf-8") as f:
+    json.dump(meta, f)
+  return directory
+
+
+def _decode(buf, dtype):
+  rec = np.frombuffer(buf, dtype)
+  return rec["x"], (rec["y"] if "y" in dtype.names else None)
+
+
+class ArraySource:
+  """Records held as arrays (in memory or np.memmap): the same interface as TFRecordSource."""
+
+  def __init__(self, x, y=None):
+    self._x = x
+    self._y = y
+    n = int(np.shape(x)[0])
+    if y is not None and int(np.shape(y)[0]) != n:
+      raise ValueError(f"x and y must have the same number of records; got {n} and "
+                       f"{np.shape(y)[0]}")
+    self._n = n
+
+  @property
+  def num_records(self):
+    """n, the number of records."""
+    return self._n
+
+  @property
+  def has_labels(self):
+    """Whether read() returns labels."""
+    return self._y is not None
+
+  @property
+  def element_layout(self):
+    """[(dtype, trailing shape)] of x (and y)."""
+    out = [(np.asarray(self._x[:0]).dtype, tuple(np.shape(self._x)[1:]))]
+    if self._y is not None:
+      out.append((np.asarray(self._y[:0]).dtype, tuple(np.shape(self._y)[1:])))
+    return out
+
+  def read(self, indices):
+    """(x[indices], y[indices] or None) for sorted int64 indices."""
+    return self._x[indices], (None if self._y is None else self._y[indices])
+
+
+class TFRecordSource:
+  """Random access to the records written by `write_indexed_tfrecords`.
+
+  `read(indices)` reads each record with one positioned read (os.pread) at its indexed offset:
+  memory is the offset index (8 bytes a record) plus the records read.
+  """
+
+  def __init__(self, directory):
+    path = os.path.join(directory, META_NAME)
+    if not os.path.exists(path):
+      raise ValueError(f"no indexed data set in {directory!r} (missing {META_NAME})")
+    with open(path, encoding="utf-8") as f:
+      meta = json.load(f)
+    self._dtype = np.lib.format.descr_to_dtype(
+        [tuple(f) if len(f) == 2 else (f[0], f[1], tuple(f[2])) for f in meta["dtype"]])
+    self._paths = [os.path.join(directory, s) for s in meta["shards"]]
+    self._offsets = [np.load(p + ".offsets.npy") for p in self._paths]
+    counts = [len(o) - 1 for o in self._offsets]
+    if counts != list(meta["counts"]):
+      raise ValueError(f"offset indexes of {directory!r} hold {counts} records, "
+                       f"{META_NAME} says {meta['counts']}")
+    self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self._fds = None
+
+  @property
+  def num_records(self):
+    """n, the number of records over all shards."""
+    return int(self._starts[-1])
+
+  @property
+  def has_labels(self):
+    """Whether read() returns labels."""
+    return "y" in self._dtype.names
+
+  @property
+  def element_layout(self):
+    """[(dtype, trailing shape)] of x (and y)."""
+    return [(self._dtype[k].base, self._dtype[k].shape) for k in self._dtype.names]
+
+  @property
+  def shard_paths(self):
+    """The shard files, in record order (for sequential reading by TFRecordDataset)."""
+    return list(self._paths)
+
+  @property
+  def dtype(self):
+    """numpy structured dtype of one record's payload (tf.io.decode_raw with uint8)."""
+    return self._dtype
+
+  def read(self, indices):
+    """(x[indices], y[indices] or None) for sorted int64 global record indices."""
+    if self._fds is None:   # opened lazily: the source may be built in another process
+      self._fds = [os.open(p, os.O_RDONLY) for p in self._paths]
+    indices = np.asarray(indices, np.int64)
+    if indices.size and (indices[0] < 0 or indices[-1] >= self.num_records):
+      raise ValueError(f"record indices must be in [0, {self.num_records}), got "
+                       f"[{indices[0]}, {indices[-1]}]")
+    shard = np.searchsorted(self._starts, indices, side="right") - 1
+    size = self._dtype.itemsize
+    parts = []
+    for s in np.unique(shard):
+      local = indices[shard == s] - self._starts[s]
+      offs = self._offsets[s][local] + _HEADER
+      fd = self._fds[s]
+      parts.extend(os.pread(fd, size, int(o)) for o in offs)
+    buf = b"".join(parts)
+    if len(buf) != size * indices.size:
+      raise ValueError(f"read {len(buf)} bytes for {indices.size} records of {size} bytes: "
+                       "a shard is shorter than its offset index (truncated file?)")
+    return _decode(buf, self._dtype)
+
+  def close(self):
+    """Closes the shard files (reopened by the next read)."""
+    for fd in self._fds or ():
+      os.close(fd)
+    self._fds = None

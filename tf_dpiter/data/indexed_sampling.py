@@ -1,0 +1,167 @@
+"""Poisson sampling by index from a random-access source, on one or many workers.
+
+`poisson_batches_from_source` samples a `TFRecordSource` (shards larger than memory) or an
+`ArraySource` with the law of `poisson_batches` (seed 002, Section 1, step 1): at every step
+each of the n records joins the sample independently with probability q = B / n. A step
+draws m ~ Binomial(n, q) and then a uniformly random m-subset of the n indices (Floyd's
+algorithm in numpy's `Generator.choice`, O(m) memory): the subset has exactly the law of n
+independent Bernoulli(q) trials (P(S) = q^|S| (1-q)^(n-|S|) for every subset S), without a
+draw per record. Only the sampled records are read. Padding, the 0/1 weight column and the
+`SamplingSpec` (policy "poisson", n, q, B) are those of `poisson_batches`, so `DPModel.fit`
+and the ledger record the same event.
+
+Several workers or replicas (`num_parts` > 1): the n indices are cut into `num_parts`
+contiguous ranges and part p samples its own range with independent randomness. Independent
+Bernoulli(q) trials over disjoint ranges that cover [0, n) are again n independent trials, so
+the union of the parts' samples at one step is exactly one global Poisson sample of the n
+records: each part draws its share of the same global sample, no shared seed needed. Every
+part yields exactly `steps_per_epoch` samples, so step t of every part belongs to global
+step t. The spec attached states the global n and q; the ledger records one sample per
+global step (see `distributed_poisson_batches`).
+"""
+
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.data import sampling as sampling_lib
+
+
+def part_range(n, num_parts, part_index):
+  """[lo, hi): the contiguous index range of part `part_index` of `num_parts` (sizes differ by
+  at most one); ValueError for an out-of-range part."""
+  for name, v in (("num_parts", num_parts), ("part_index", part_index)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise ValueError(f"{name} must be an integer, got {v!r}")
+  if not 1 <= num_parts <= n or not 0 <= part_index < num_parts:
+    raise ValueError(f"need 1 <= num_parts <= n={n} and 0 <= part_index < num_parts; got "
+                     f"num_parts={num_parts}, part_index={part_index}")
+  return (n * int(part_index)) // int(num_parts), (n * (int(part_index) + 1)) // int(num_parts)
+
+
+def poisson_indices(rng, lo, hi, q):
+  """Sorted int64 indices of one Poisson(q) sample of the records [lo, hi).
+
+  m ~ Binomial(hi - lo, q), then a uniform m-subset: the law of independent Bernoulli(q)
+  trials per record. rng: numpy Generator.
+  """
+  m = int(rng.binomial(hi - lo, q))
+  idx = rng.choice(hi - lo, size=m, replace=False, shuffle=False)
+  idx = np.sort(idx.astype(np.int64))
+  return idx + lo
+
+
+def _check_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
+  if isinstance(expected_batch_size, bool) or not isinstance(
+      expected_batch_size, (int, float, np.integer, np.floating)) or not (
+          0 < expected_batch_size <= n):
+    raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
+  q = float(expected_batch_size) / n
+  steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
+  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+    raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+  if max_batch_size != "auto" and max_batch_size is not None and (
+      isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
+      or max_batch_size < 1):
+    raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
+                     f"{max_batch_size!r}")
+  return q, int(steps)
+
+
+def _padded(a, size):
+  out = np.zeros((size,) + a.shape[1:], a.dtype)
+  out[:a.shape[0]] = a
+  return out
+
+
+def _signature(source):
+  specs = [tf.TensorSpec((None,) + tuple(shape), tf.as_dtype(dtype))
+           for dtype, shape in source.element_layout]
+  return tuple(specs) + (tf.TensorSpec((None,), tf.float32),)
+
+
+def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch=None,
+                                max_batch_size="auto", seed=None, parts=(0,), num_parts=1):
+  """tf.data.Dataset of Poisson samples read by index: (x_pad, y_pad, weights) per step.
+
+  Args:
+    source: a `TFRecordSource` or `ArraySource` (n = source.num_records).
+    expected_batch_size: B = q n over the whole source (all parts), in (0, n].
+    steps_per_epoch: global steps per iteration; default round(1/q).
+    max_batch_size: "auto" pads each part's sample to `default_max_batch_size(n_p, q)` for
+      its range of n_p records; an int pads to that size (a larger sample goes to the next
+      multiple, never truncated); None: unpadded.
+    seed: tests only (reproducible, NOT private; warns). None: OS entropy. Part p uses the
+      p-th jump of the Philox stream, so parts are independent.
+    parts: the parts this dataset yields, in this order, at every step (one element each).
+    num_parts: how many parts the n records are cut into (workers x local replicas).
+
+  Returns:
+    A tf.data.Dataset of len(parts) * steps_per_epoch elements (x, y, weights), or (x,
+    weights) for a source without labels; weights: float32, 1 for sampled records, 0 for
+    padding. With num_parts=1 its SamplingSpec is that of `poisson_batches`.
+
+  Raises:
+    ValueError: an argument out of range.
+  """
+  n = int(source.num_records)
+  q, steps = _check_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
+  ranges = [part_range(n, num_parts, p) for p in parts]
+  if not ranges or len(set(parts)) != len(parts):
+    raise ValueError(f"parts must be distinct part indices, got {parts!r}")
+  base = sampling_lib.make_rng(seed, who="poisson_batches_from_source")
+  rngs = [np.random.Generator(base.bit_generator.jumped(int(p))) for p in parts]
+  pads = [sampling_lib.default_max_batch_size(hi - lo, q) if max_batch_size == "auto"
+          else max_batch_size for lo, hi in ranges]
+
+  def gen():
+    for _ in range(steps):
+      for rng, (lo, hi), pad in zip(rngs, ranges, pads):
+        idx = poisson_indices(rng, lo, hi, q)
+        m = idx.shape[0]
+        size = m if pad is None else pad * max(1, int(math.ceil(m / pad)))
+        arrays = [a for a in source.read(idx) if a is not None]
+        mask = np.zeros([size], np.float32)
+        mask[:m] = 1.0
+        yield tuple(_padded(a, size) for a in arrays) + (mask,)
+
+  ds = tf.data.Dataset.from_generator(gen, output_signature=_signature(source))
+  ds = ds.apply(tf.data.experimental.assert_cardinality(steps * len(parts))).prefetch(2)
+  return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
+      sampling_lib.POISSON, n, q, float(expected_batch_size)))
+
+
+def distributed_poisson_batches(strategy, source, expected_batch_size=256,
+                                steps_per_epoch=None, max_batch_size="auto", seed=None):
+  """One global Poisson sample per step, shared among the replicas of a tf.distribute strategy.
+
+  The records are cut into `strategy.num_replicas_in_sync` parts; each input pipeline (one
+  per worker) yields, at every step, the samples of the parts of its local replicas, one
+  element per replica (`distribute_datasets_from_function`: no re-batching). The union over
+  replicas of one step is one Poisson(q) sample of all n records (module docstring). The
+  result carries the global SamplingSpec (n, q, B), read by `DPModel.fit`, whose clipped
+  sums are all-reduced with one noise draw and one ledger sample per global step.
+
+  Args:
+    strategy: a tf.distribute.Strategy (MultiWorkerMirroredStrategy, MirroredStrategy).
+    source, expected_batch_size, steps_per_epoch, max_batch_size, seed: as in
+      `poisson_batches_from_source` (B and steps are global).
+
+  Returns:
+    A distributed dataset for `model.fit` (give fit `steps_per_epoch` as well).
+  """
+  n_rep = int(strategy.num_replicas_in_sync)
+  q, steps = _check_args(int(source.num_records), expected_batch_size, steps_per_epoch,
+                         max_batch_size)
+
+  def dataset_fn(ctx):
+    local = n_rep // ctx.num_input_pipelines
+    first = ctx.input_pipeline_id * local
+    return poisson_batches_from_source(source, expected_batch_size, steps, max_batch_size,
+                                       seed, parts=tuple(range(first, first + local)),
+                                       num_parts=n_rep)
+
+  dist = strategy.distribute_datasets_from_function(dataset_fn)
+  return sampling_lib.attach_spec(dist, sampling_lib.SamplingSpec(
+      sampling_lib.POISSON, int(source.num_records), q, float(expected_batch_size)))
