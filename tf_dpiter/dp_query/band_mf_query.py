@@ -1,0 +1,205 @@
+"""Banded matrix factorization query, BandMF (Choquette-Choo et al. 2023).
+
+Step t releases the clipped sum g_t plus the t-th row of the correlated noise
+W = C^-1 Z sigma, with C a lower-triangular strategy of b bands and Z iid N(0, 1) per
+coordinate. Since C W = Z sigma, the noise of step t follows from the b - 1 previous ones:
+
+    w_t = (z_t sigma - sum_{k=1}^{b-1} C[t, t-k] w_{t-k}) / C[t, t],
+
+so the query keeps a history of b - 1 noise vectors (O(b d) memory) in its global state
+(which the DP optimizers keep in variables and checkpoint). The prefix sums of the released
+steps then carry the noise A C^-1 Z sigma, whose expected squared error
+sigma^2 ||A C^-1||_F^2 the strategy was optimized for (`matrix_factorization`).
+
+Privacy: the released sequence is a post-processing of C G + Z sigma. C is normalized to
+largest column norm zeta = 1 (computed from the matrix), so one participation moves C G by
+at most zeta S and the noise multiplier is sigma / (zeta S). With b = 1, C = [1] and the
+query adds exactly the noise of `GaussianSumQuery` (same draws for the same seed).
+Each step reports a `BandedGaussianEvent`; the ledger accounts it under b-min-separation
+(cyclic Poisson) sampling only.
+"""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.dp_query import correlated_events
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import matrix_factorization as mf
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
+from tf_dpiter.dp_query import validation
+
+STRATEGIES = ("toeplitz", "banded")
+
+
+def template_shapes(template):
+  """[(shape list, dtype name)] of the leaves of a record template (tensors, variables, specs)."""
+  out = []
+  for t in tf.nest.flatten(template):
+    if isinstance(t, (list, tuple)) and all(isinstance(s, (int, np.integer)) for s in t):
+      out.append((list(int(s) for s in t), "float32"))
+      continue
+    shape = t.shape if hasattr(t, "shape") else np.shape(t)
+    dtype = tf.as_dtype(getattr(t, "dtype", tf.float32)).name
+    if not tf.TensorShape(shape).is_fully_defined():
+      raise ValueError(f"template leaves must have fully defined shapes, got {shape}")
+    out.append(([int(s) for s in shape], dtype))
+  return out
+
+
+def add_flat_noise(structure, flat_noise):
+  """structure + flat_noise split over its leaves (in tf.nest order), computed in float32
+  (float64 leaves in float64) and cast back to each leaf's dtype (post-processing)."""
+  leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
+  sizes = [int(np.prod(v.shape)) for v in leaves]
+  parts = tf.split(flat_noise, sizes) if len(leaves) > 1 else [flat_noise]
+  out = []
+  for leaf, part in zip(leaves, parts):
+    wide = tf.float64 if leaf.dtype == tf.float64 else tf.float32
+    noised = tf.cast(leaf, wide) + tf.cast(tf.reshape(part, tf.shape(leaf)), wide)
+    out.append(tf.cast(noised, leaf.dtype))
+  return tf.nest.pack_sequence_as(structure, out)
+
+
+def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
+  """Band rows [n, b] (rows[t, k] = C[t, t-k]) of an optimized strategy, max column norm 1.
+
+  strategy: "toeplitz" (b coefficients, usable for any n and for steps beyond n) or
+  "banded" (general banded, n <= 2048), or an explicit lower-triangular banded matrix
+  (normalized here to max column norm 1).
+  Returns: (rows, extendable: whether steps beyond n may reuse the last row).
+  """
+  if isinstance(strategy, str):
+    if strategy not in STRATEGIES:
+      raise ValueError(f"strategy must be one of {STRATEGIES} or a matrix, got {strategy!r}")
+    if strategy == "toeplitz":
+      c = mf.optimize_banded_toeplitz(num_steps, num_bands, cache_dir=cache_dir)
+      return mf.band_rows(mf.toeplitz_matrix(c, len(c)), len(c)), True
+    matrix = mf.optimize_banded(num_steps, num_bands, cache_dir=cache_dir)
+  else:
+    matrix = np.asarray(strategy, np.float64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+      raise ValueError(f"strategy matrix must be square, got shape {matrix.shape}")
+    if np.any(np.diag(matrix) <= 0):
+      raise ValueError("strategy matrix must have a positive diagonal (invertible)")
+  b = mf.num_bands(matrix)
+  zeta = mf.column_norms(matrix).max()
+  return mf.band_rows(matrix / zeta, b), False
+
+
+@serialization.register_query()
+class BandMFQuery(dp_query.SumAggregationDPQuery):
+  """Sum of records clipped to S, plus banded correlated noise C^-1 Z sigma (BandMF)."""
+
+  _GlobalState = collections.namedtuple(
+      "_GlobalState", ["l2_norm_clip", "stddev", "step", "history"])
+
+  def __init__(self, l2_norm_clip, noise_multiplier, template, num_bands=1, num_steps=None,
+               strategy="toeplitz", seed=None, cache_dir=None):
+    """Args:
+      l2_norm_clip: S, per record.
+      noise_multiplier: z = sigma / (zeta S); zeta = 1 (normalized strategy).
+      template: a record's structure (tensors, variables, TensorSpecs or shape lists).
+      num_bands: b (1 = DP-SGD). Sampling must keep participations >= b steps apart.
+      num_steps: n, the steps the strategy is optimized for (required unless b = 1 or an
+        explicit matrix is given).
+      strategy: "toeplitz", "banded", or a lower-triangular banded matrix.
+      seed: tests only (not private). cache_dir: on-disk strategy cache.
+    Raises:
+      ValueError: a bad argument, named.
+    """
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._noise_multiplier = validation.check_nonnegative(
+        "noise_multiplier", noise_multiplier, allow_inf=False)
+    self._shapes = template_shapes(template)
+    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    if isinstance(strategy, str) and num_steps is None:
+      if num_bands != 1:
+        raise ValueError(f"num_steps is required to optimize a strategy of {num_bands} bands")
+      num_steps = 1
+    self._config_strategy = strategy if isinstance(strategy, str) else np.asarray(strategy).tolist()
+    self._num_steps = num_steps
+    self._requested_bands = int(num_bands)
+    self._seed = seed
+    self._cache_dir = cache_dir
+    rows, self._extendable = make_strategy(num_steps, int(num_bands), strategy, cache_dir)
+    self._rows_np = rows
+    self._num_bands = rows.shape[1]
+    self._rows = tf.constant(rows, tf.float32)
+    self._column_norm = self._compute_column_norm()
+    self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
+            "template": [s for s, _ in self._shapes], "num_bands": self._requested_bands,
+            "num_steps": self._num_steps, "strategy": self._config_strategy,
+            "seed": p(self._seed), "cache_dir": self._cache_dir}
+
+  @property
+  def num_bands(self):
+    return self._num_bands
+
+  @property
+  def band_rows(self):
+    """rows[t, k] = C[t, t-k] of the normalized strategy (numpy [n, b])."""
+    return self._rows_np.copy()
+
+  @property
+  def column_norm(self):
+    """zeta: the largest column norm of the strategy (1 after normalization), from the matrix."""
+    return self._column_norm
+
+  def _compute_column_norm(self):
+    n = self._rows_np.shape[0]
+    dense = np.zeros([n, n])
+    for k in range(self._num_bands):
+      dense[np.arange(k, n), np.arange(0, n - k)] = self._rows_np[k:, k]
+    if self._extendable:  # Toeplitz: a full column holds every coefficient
+      return float(np.linalg.norm(self._rows_np[-1]))
+    return float(mf.column_norms(dense).max())
+
+  def initial_global_state(self):
+    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * self.column_norm
+    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
+                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
+                             tf.zeros([self._num_bands - 1, self._size], tf.float32))
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
+    return clipped
+
+  def _row(self, step):
+    n = self._rows_np.shape[0]
+    if self._extendable:
+      return tf.gather(self._rows, tf.minimum(step, n - 1))
+    check = tf.debugging.assert_less(
+        step, tf.constant(n, tf.int64),
+        message=f"BandMFQuery: the strategy was built for num_steps={n}; a further step has "
+                "no row (use strategy='toeplitz' or a longer strategy)")
+    with tf.control_dependencies([check]):
+      return tf.gather(self._rows, step)
+
+  def get_noised_result(self, sample_state, global_state):
+    row = self._row(global_state.step)
+    z = randomness.normal(self._generator, [self._size], tf.float32)
+    hist = global_state.history                     # w_{t-1}, ..., w_{t-b+1} (units of sigma)
+    if self._num_bands > 1:
+      z = z - tf.tensordot(row[1:], hist, axes=1)
+    w = z / row[0]                                  # w_t = (C^-1 Z)_t
+    result = add_flat_noise(sample_state, w * global_state.stddev)
+    new_hist = tf.concat([w[tf.newaxis], hist[:-1]], axis=0)
+    new_state = self._GlobalState(global_state.l2_norm_clip, global_state.stddev,
+                                  global_state.step + 1, new_hist)
+    event = correlated_events.BandedGaussianEvent(
+        global_state.l2_norm_clip, global_state.stddev, self.column_norm, self._num_bands)
+    return result, new_state, (event,)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
+                                   stddev=global_state.stddev)

@@ -1,0 +1,38 @@
+"""Privacy events of correlated-noise queries (no TensorFlow), in sum units like `events`.
+
+A correlated-noise query's step is not an independent Gaussian sum query: its noise is
+C^-1 Z sigma (matrix factorization) or a sum of tree-node noises. The ledger must therefore
+know what it was, and accounts it only under a sampling whose analysis covers it (see
+`tf_dpiter.accounting.ledger_events`). Fields may be tensors.
+"""
+
+from typing import Any, NamedTuple
+
+
+class BandedGaussianEvent(NamedTuple):
+  """One step of a banded matrix mechanism (BandMF / banded BLT).
+
+  l2_norm_clip S (per record), stddev sigma of each coordinate of Z, column_norm zeta (the
+  largest column norm of the strategy C: the sensitivity of C G for one participation is
+  zeta S under add/remove of an example), num_bands b of C. Accounted as a Gaussian of noise
+  multiplier sigma / (zeta S) only when participations are >= b steps apart.
+  """
+  l2_norm_clip: Any
+  stddev: Any
+  column_norm: Any
+  num_bands: int
+
+
+class TreeGaussianEvent(NamedTuple):
+  """One step (leaf) of online tree aggregation (Kairouz et al. 2021, DP-FTRL).
+
+  l2_norm_clip S, stddev sigma of every tree node, tree_size: the most leaves one tree
+  holds before it restarts (one participation touches ceil(log2(tree_size + 1)) nodes).
+  """
+  l2_norm_clip: Any
+  stddev: Any
+  tree_size: int
+
+
+def is_correlated_event(x) -> bool:
+  return isinstance(x, (BandedGaussianEvent, TreeGaussianEvent))

@@ -1,0 +1,244 @@
+"""Strategy matrices for correlated-noise mechanisms (pure numpy + scipy, no TensorFlow).
+
+The matrix mechanism releases prefix sums A G of per-step clipped gradient sums G (A: the
+n x n lower-triangular all-ones matrix) as A (G + C^-1 Z sigma), with Z iid N(0, 1) and a
+*strategy* C (Denisov et al. 2022; Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+Factorization", Sections 2-4). Privacy is that of releasing C G + sigma Z, whose sensitivity
+is a function of C's columns; utility is the expected squared error of the prefix sums,
+
+    E ||A C^-1 Z sigma||_F^2 = sigma^2 ||A C^-1||_F^2  (per coordinate),
+
+so a strategy is judged by loss(C) = sens(C)^2 ||A C^-1||_F^2 (scale-free).
+
+*Banded* strategies (C[i, j] = 0 unless 0 <= i - j < b) have O(b d) noise memory, and when
+every example participates at most once every b' >= b steps (b-min-separation, e.g. cyclic
+Poisson sampling) the columns an example touches have disjoint supports: the sensitivity of
+one participation is the largest column norm, and k participations give the square root of
+the sum of k squared column norms (`minsep_sensitivity`). Strategies returned here are
+normalized to max column norm 1, so that sigma = noise_multiplier x clip.
+
+Two optimizers minimize ||A C^-1||_F^2 with max column norm 1:
+  * `optimize_banded`: a general banded C, columns normalized through the parameterization
+    (Choquette-Choo et al. 2023, Section 4, L-BFGS on the primal); O(n^3) per iteration.
+  * `optimize_banded_toeplitz`: a Toeplitz banded C with b coefficients (McKenna et al.
+    2024, "Scaling up the banded matrix factorization mechanism"): O(n b) per iteration,
+    usable for n in the tens of thousands.
+Results are cached in memory (and on disk when `cache_dir` is given).
+"""
+
+import functools
+import math
+import os
+
+import numpy as np
+from scipy import optimize as sp_optimize
+from scipy import signal as sp_signal
+from scipy.linalg import solve_triangular
+
+
+def _check_sizes(n, bands):
+  if not isinstance(n, (int, np.integer)) or n < 1:
+    raise ValueError(f"n (number of steps) must be an integer >= 1, got {n!r}")
+  if not isinstance(bands, (int, np.integer)) or bands < 1:
+    raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
+
+
+def prefix_sum_matrix(n):
+  """A: the n x n lower-triangular matrix of ones (the workload of prefix sums)."""
+  return np.tril(np.ones([n, n]))
+
+
+def sqrt_prefix_coefficients(k):
+  """r_j = binom(2j, j) / 4^j, j < k: the Toeplitz square root of A (Fichtenberger et al.
+  2023); its first b terms are the starting point of the banded optimization."""
+  r = np.ones(k)
+  for j in range(1, k):
+    r[j] = r[j - 1] * (2 * j - 1) / (2 * j)
+  return r
+
+
+def toeplitz_matrix(coefs, n):
+  """The n x n lower-triangular Toeplitz matrix whose first column starts with `coefs`."""
+  c = np.zeros(n)
+  m = min(n, len(coefs))
+  c[:m] = coefs[:m]
+  idx = np.arange(n)[:, None] - np.arange(n)[None, :]
+  return np.where(idx >= 0, c[np.clip(idx, 0, n - 1)], 0.0)
+
+
+def num_bands(matrix, tol=0.0):
+  """The number of bands b of a lower-triangular matrix (1 + largest i - j with C[i, j] != 0)."""
+  c = np.asarray(matrix)
+  i, j = np.nonzero(np.abs(c) > tol)
+  if np.any(i < j):
+    raise ValueError("matrix must be lower triangular")
+  return int((i - j).max()) + 1 if i.size else 0
+
+
+def column_norms(matrix):
+  """L2 norms of the columns of `matrix`."""
+  return np.linalg.norm(np.asarray(matrix, np.float64), axis=0)
+
+
+def minsep_sensitivity(matrix, min_separation, max_participations=None):
+  """L2 sensitivity of C G (per unit clip) when one example's participations are at least
+  `min_separation` steps apart, at most `max_participations` times (default: as many as fit).
+
+  Requires `min_separation` >= the number of bands of C, so that the columns of the steps an
+  example joins have disjoint supports and ||C u||^2 = sum of their squared column norms;
+  the maximum over admissible participation patterns u is found by dynamic programming.
+
+  Raises:
+    ValueError: min_separation below the number of bands (no such simple formula holds).
+  """
+  c = np.asarray(matrix, np.float64)
+  n = c.shape[1]
+  b = num_bands(c)
+  if not isinstance(min_separation, (int, np.integer)) or min_separation < max(b, 1):
+    raise ValueError(f"min_separation must be an integer >= the matrix's bands ({b}), got "
+                     f"{min_separation!r}: participations closer than the bands overlap")
+  k_max = -(-n // min_separation)
+  k = k_max if max_participations is None else min(int(max_participations), k_max)
+  if k < 1:
+    raise ValueError(f"max_participations must be >= 1, got {max_participations!r}")
+  w = column_norms(c) ** 2
+  # best[j][t]: the largest sum of j squared norms of columns >= t, >= min_separation apart.
+  best = np.zeros([k + 1, n + min_separation])
+  for j in range(1, k + 1):
+    for t in range(n - 1, -1, -1):
+      best[j, t] = max(best[j, t + 1], w[t] + best[j - 1, t + min_separation])
+  return float(math.sqrt(best[k, 0]))
+
+
+def prefix_error(matrix):
+  """||A C^-1||_F^2 / n: mean squared prefix-sum error per step and coordinate, per unit of
+  sigma^2 (sigma = noise per coordinate of Z). Multiply by sigma^2 for the expected error."""
+  c = np.asarray(matrix, np.float64)
+  n = c.shape[0]
+  inv = solve_triangular(c, np.eye(n), lower=True)
+  return float(np.sum(np.cumsum(inv, axis=0) ** 2) / n)
+
+
+# ---- Toeplitz banded ----------------------------------------------------------------------
+
+
+def _toeplitz_loss_and_grad(coefs, n):
+  """loss(c) = ||c||^2 sum_k (n - k) e_k^2 with e = cumsum of the inverse coefficients d of c
+  (d = impulse response of 1 / c(z)), and its gradient: d d_k / d c_j = -(d * d)_{k-j}."""
+  impulse = np.zeros(n)
+  impulse[0] = 1.0
+  d = sp_signal.lfilter([1.0], coefs, impulse)
+  e = np.cumsum(d)
+  w = n - np.arange(n, dtype=np.float64)
+  f = float(np.sum(w * e * e))
+  h = np.cumsum(sp_signal.lfilter([1.0], coefs, d))      # cumsum of (d * d)[:n]
+  we = w * e
+  b = len(coefs)
+  df = np.array([-2.0 * np.dot(we[j:], h[:n - j]) for j in range(b)])
+  sq = float(np.dot(coefs, coefs))
+  return sq * f, 2.0 * coefs * f + sq * df
+
+
+@functools.lru_cache(maxsize=64)
+def _toeplitz_cached(n, bands, max_iter):
+  x0 = sqrt_prefix_coefficients(bands)
+  bounds = [(1e-3, None)] + [(None, None)] * (bands - 1)
+  res = sp_optimize.minimize(_toeplitz_loss_and_grad, x0, args=(n,), jac=True,
+                             method="L-BFGS-B", bounds=bounds,
+                             options={"maxiter": max_iter, "gtol": 1e-10})
+  c = res.x / np.linalg.norm(res.x)
+  return tuple(float(v) for v in c)
+
+
+def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
+  """Toeplitz coefficients c (length `bands`, ||c|| = 1) minimizing ||A C^-1||_F^2 for n steps.
+
+  With ||c|| = 1 every column norm is <= 1 (the first n - b + 1 equal 1). bands = 1 gives
+  c = [1] (DP-SGD).
+
+  Returns:
+    float64 array [bands].
+  """
+  _check_sizes(n, bands)
+  bands = min(int(bands), int(n))
+  return _with_disk_cache(cache_dir, f"toeplitz_n{n}_b{bands}_it{max_iter}",
+                          lambda: np.array(_toeplitz_cached(int(n), bands, int(max_iter))))
+
+
+# ---- general banded (Choquette-Choo et al. 2023) ------------------------------------------
+
+
+def _band_mask(n, bands):
+  idx = np.arange(n)[:, None] - np.arange(n)[None, :]
+  return (idx >= 0) & (idx < bands)
+
+
+def _banded_loss_and_grad(theta, n, mask):
+  """loss(P) = ||A C^-1||_F^2 with C = P diag(1 / ||P_j||) (columns normalized to 1).
+
+  With X = C^-1: d loss / dC = -2 X^T A^T A X X^T; through the normalization,
+  d loss / dP_j = (G_j - C_j <C_j, G_j>) / ||P_j||.
+  """
+  p = np.zeros([n, n])
+  p[mask] = theta
+  norms = np.linalg.norm(p, axis=0)
+  c = p / norms
+  x = solve_triangular(c, np.eye(n), lower=True)
+  ax = np.cumsum(x, axis=0)
+  loss = float(np.sum(ax * ax))
+  at_ax = np.cumsum(ax[::-1], axis=0)[::-1]             # A^T (A X)
+  g = -2.0 * x.T @ at_ax @ x.T
+  gp = (g - c * np.sum(c * g, axis=0)) / norms
+  return loss, gp[mask]
+
+
+@functools.lru_cache(maxsize=32)
+def _banded_cached(n, bands, max_iter):
+  mask = _band_mask(n, bands)
+  theta0 = toeplitz_matrix(sqrt_prefix_coefficients(bands), n)[mask]
+  res = sp_optimize.minimize(_banded_loss_and_grad, theta0, args=(n, mask), jac=True,
+                             method="L-BFGS-B", options={"maxiter": max_iter, "gtol": 1e-9})
+  p = np.zeros([n, n])
+  p[mask] = res.x
+  c = p / np.linalg.norm(p, axis=0)
+  return c
+
+
+def optimize_banded(n, bands, max_iter=300, cache_dir=None):
+  """A general banded strategy C (n x n, `bands` bands, every column norm 1) minimizing
+  ||A C^-1||_F^2 (Choquette-Choo et al. 2023, Section 4). O(n^3) per iteration: n <= ~1000.
+
+  Returns:
+    float64 array [n, n], lower triangular, banded.
+  """
+  _check_sizes(n, bands)
+  bands = min(int(bands), int(n))
+  if n > 2048:
+    raise ValueError(f"optimize_banded is O(n^3) per iteration; n={n} is too large, use "
+                     "optimize_banded_toeplitz")
+  return _with_disk_cache(cache_dir, f"banded_n{n}_b{bands}_it{max_iter}",
+                          lambda: _banded_cached(int(n), bands, int(max_iter)).copy())
+
+
+def band_rows(matrix, bands):
+  """The band of a lower-triangular banded matrix as rows: out[t, k] = C[t, t - k] (0 if t < k)."""
+  c = np.asarray(matrix, np.float64)
+  n = c.shape[0]
+  out = np.zeros([n, bands])
+  for k in range(bands):
+    out[k:, k] = np.diagonal(c, -k)
+  return out
+
+
+def _with_disk_cache(cache_dir, key, compute):
+  if cache_dir is None:
+    return compute()
+  path = os.path.join(cache_dir, f"tf_dpiter_strategy_{key}.npy")
+  if os.path.exists(path):
+    return np.load(path)
+  value = compute()
+  os.makedirs(cache_dir, exist_ok=True)
+  tmp = f"{path}.tmp.npy"
+  np.save(tmp, value)
+  os.replace(tmp, path)
+  return value
