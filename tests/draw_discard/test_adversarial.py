@@ -65,10 +65,11 @@ def srv(start_service):
   return start_service(svc)
 
 
-def _drawn(srv):
+def _drawn_with_ticket(srv):
   st, _, body = request(srv, "GET", "/v1/draw")
   assert st == 200
-  return np.array(json.loads(body)["weights"])
+  d = json.loads(body)
+  return np.array(d["weights"]), d["ticket"]
 
 
 def _json(d):
@@ -107,7 +108,13 @@ BAD_JSON = [
     (_json({"version": "1", "weights": [0.0] * (P + 1)}), 422, "wrong_shape"),
     (_json({"version": "1", "weights": []}), 422, "wrong_shape"),
     (_json({"version": "2", "weights": [0.0] * P}), 409, "wrong_version"),
-    (_json({"version": "1", "weights": [1e3] * P}), 422, "rejected_update"),  # takeover
+    (_json({"version": "1", "weights": [1e3] * P}), 400, "missing_ticket"),  # no draw ticket
+    (_json({"version": "1", "weights": [0.0] * P, "drawn": [0.0] * P}), 400, "missing_ticket"),
+    (_json({"version": "1", "weights": [0.0] * P, "ticket": 5}), 400, "bad_ticket"),
+    (_json({"version": "1", "weights": [0.0] * P, "ticket": "x!", "drawn": [0.0] * P}), 400,
+     "bad_ticket"),
+    (_json({"version": "1", "weights": [0.0] * P, "ticket": "A" * 48, "drawn": [0.0] * P}), 403,
+     "invalid_ticket"),
 ]
 
 
@@ -131,27 +138,31 @@ def test_content_type_is_strict(srv, ctype, status, code):
   assert_refused(srv, before, status, code, request(srv, "POST", "/v1/submit", body, headers))
 
 
-@pytest.mark.parametrize("attack", ["copy", "average", "shifted", "one_weight", "scaled_noise"])
+@pytest.mark.parametrize("attack", ["copy", "average", "shifted", "one_weight", "scaled_noise",
+                                    "takeover"])
 def test_attack_updates_refused(srv, attack):
   rng = np.random.default_rng(7)
-  w = _drawn(srv)
+  w, ticket = _drawn_with_ticket(srv)
   snap = srv.call(srv.svc.store.snapshot())
   bad = {"copy": w, "average": snap.slots.mean(axis=0),
          "shifted": honest(w, rng) + 0.2,
          "one_weight": np.r_[w[:-1], w[-1] + 0.5],
-         "scaled_noise": w + 10 * (honest(w, rng) - w)}[attack]
+         "scaled_noise": w + 10 * (honest(w, rng) - w),
+         "takeover": np.full(P, 1e3)}[attack]
   before = state(srv)
-  got = request(srv, "POST", "/v1/submit", bad.astype("<f8").tobytes(),
-                {"Content-Type": "application/octet-stream", "X-DDML-Version": "1"})
+  got = request(srv, "POST", "/v1/submit", np.r_[w, bad].astype("<f8").tobytes(),
+                {"Content-Type": "application/octet-stream", "X-DDML-Version": "1",
+                 "X-DDML-Ticket": ticket})
   assert_refused(srv, before, 422, "rejected_update", got)
   assert json.loads(got[2])["reason"] in ("step_too_large", "excess_too_large", "too_little_noise")
 
 
 def test_honest_update_accepted_and_changes_one_slot(srv):
-  w = _drawn(srv)
+  w, ticket = _drawn_with_ticket(srv)
   before = state(srv)
   st, _, body = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(
-      w, np.random.default_rng(1)).tolist()}), {"Content-Type": "application/json"})
+      w, np.random.default_rng(1)).tolist(), "ticket": ticket, "drawn": w.tolist()}),
+      {"Content-Type": "application/json"})
   assert st == 200 and json.loads(body) == {"accepted": True, "seq": 1}
   after = state(srv)
   assert after[0] == 1 and after[1] != before[1]
@@ -228,11 +239,14 @@ def test_logs_hold_no_client_data_and_no_tracebacks(srv, caplog):
   caplog.set_level(logging.DEBUG)
   for body, _, _ in BAD_JSON:
     request(srv, "POST", "/v1/submit", body, {"Content-Type": "application/json"})
-  w = _drawn(srv)
-  request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(
-      w, np.random.default_rng(2)).tolist()}), {"Content-Type": "application/json"})
+  w, ticket = _drawn_with_ticket(srv)
+  st, _, _ = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(
+      w, np.random.default_rng(2)).tolist(), "ticket": ticket, "drawn": w.tolist()}),
+      {"Content-Type": "application/json"})
+  assert st == 200
   text = caplog.text
   assert "Traceback" not in text and TOKEN not in text and "127.0.0.1" not in text
+  assert ticket not in text
   assert repr(float(w[0]))[:8] not in text
 
 
@@ -283,10 +297,10 @@ def test_submit_with_next_draw(start_service, quota):
   rng = np.random.default_rng(3)
   with client_lib.DDMLClient(srv.url, token=TOKEN) as c:
     d = c.draw()  # takes the only draw token when quota is 1
-    answer, nxt = c.submit_and_draw(d.version, honest(d.weights, rng))
+    answer, nxt = c.submit_and_draw(d, honest(d.weights, rng))
     assert answer == {"accepted": True, "seq": 1}
     if quota is None:
-      assert nxt.weights.shape == (P,) and nxt.version == "1"
-      assert c.submit_and_draw(nxt.version, honest(nxt.weights, rng))[0]["seq"] == 2
+      assert nxt.weights.shape == (P,) and nxt.version == "1" and nxt.ticket
+      assert c.submit_and_draw(nxt, honest(nxt.weights, rng))[0]["seq"] == 2
     else:
       assert nxt is None  # over the draw quota: the submit counts, no draw is served

@@ -70,7 +70,7 @@ def test_draw_submit_model_metrics(svc_and_client):
   assert d.weights.shape == (12,) and d.spec.num_weights == 12 and d.version == "1"
   before = _slots(srv)
   target = honest(SPEC, d.weights, np.random.default_rng(0))
-  assert c.submit(d.version, target) == {"accepted": True, "seq": 1}
+  assert c.submit(d, target) == {"accepted": True, "seq": 1}
   after = _slots(srv)
   changed = [i for i in range(5) if before[i] != after[i]]
   assert len(changed) == 1
@@ -96,7 +96,8 @@ def test_json_list_encoding(svc_and_client):
   assert status == 200 and len(d["weights"]) == 12 and d["spec"]["family"] == "logistic"
   w = honest(SPEC, np.array(d["weights"]), np.random.default_rng(1))
   status, data = _raw(srv, "POST", "/v1/submit",
-                      json.dumps({"version": "1", "weights": w.tolist()}).encode())
+                      json.dumps({"version": "1", "weights": w.tolist(), "ticket": d["ticket"],
+                                  "drawn": d["weights"]}).encode())
   assert status == 200 and json.loads(data)["accepted"]
 
 
@@ -158,7 +159,8 @@ def test_b64_json_submit_and_raw_draw(svc_and_client):
   d = json.loads(data)
   w = np.frombuffer(base64.b64decode(d["weights_b64"]), "<f8")
   assert w.shape == (12,) and d["spec"]["version"] == "1"
-  assert c.submit_json("1", honest(SPEC, w, np.random.default_rng(2)))["accepted"]
+  drawn = client_lib.Drawn("1", SPEC, w, d["ticket"])
+  assert c.submit_json(drawn, honest(SPEC, w, np.random.default_rng(2)))["accepted"]
   status, data = _raw(srv, "GET", "/v1/draw?encoding=xml")
   assert status == 400 and json.loads(data)["error"] == "bad_encoding"
 
@@ -178,10 +180,10 @@ def test_acceptance_rule_over_http(start_service):
     before = _slots(srv)
     bad = honest(SPEC, d.weights, np.random.default_rng(3)); bad[3] += 1.0
     with pytest.raises(client_lib.DDMLError) as e:
-      c.submit(d.version, bad)
+      c.submit(d, bad)
     assert e.value.status == 422 and e.value.code == "rejected_update"
     assert _slots(srv) == before
-    assert c.submit(d.version, honest(SPEC, d.weights, np.random.default_rng(4)))["accepted"]
+    assert c.submit(d, honest(SPEC, d.weights, np.random.default_rng(4)))["accepted"]
     m = c.metrics()
     assert m["rejected"] == 1 and m["accepted"] == 1
     assert m["acceptance"]["rule"] == "bounded_influence" and m["acceptance"]["alpha"] == 1e-3
@@ -199,7 +201,7 @@ def test_client_that_never_returns_blocks_nothing(svc_and_client):
   with client_lib.DDMLClient(srv.url) as other:
     for _ in range(20):
       d = other.draw()
-      other.submit(d.version, honest(SPEC, d.weights, rng))
+      other.submit(d, honest(SPEC, d.weights, rng))
   assert time.time() - t0 < 10
   assert c.metrics()["accepted"] == 20
   stall.close()
@@ -224,7 +226,7 @@ def test_concurrent_clients_all_land(svc_and_client):
         for _ in range(25):
           d = cc.draw()
           try:
-            cc.submit(d.version, honest(SPEC, d.weights, rng))
+            cc.submit(d, honest(SPEC, d.weights, rng))
           except client_lib.DDMLError as e:  # the rule's documented false rejections
             (refused if e.code == "rejected_update" else errors).append(e)
     except (client_lib.DDMLError, OSError) as e:

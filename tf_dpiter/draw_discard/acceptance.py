@@ -35,6 +35,13 @@ measures its false rejections. An accepted update moves each weight at most a + 
 the weights by at most a + U s / p on average beyond the step, and carries at least the
 noise floor, so copies (variance collapse) and out-of-range values are refused. With no
 noise (epsilon None) only |d_j| <= a is checked.
+
+With draw tickets (tickets.py, the service's default) the server knows the served
+instance h, so `check_step` runs the three tests against h alone: no candidate search, no
+history, no centre test, and P(honest update refused) <= alpha exactly. Chaining is then
+impossible (h is always an instance the server drew), and influence.py bounds what N
+accepted steps of one token can add up to. `check` (candidates) remains for servers run
+without tickets.
 """
 
 from __future__ import annotations
@@ -230,6 +237,35 @@ class AcceptanceRule:
         return int(lo + hit[0])
     return -1
 
+  def check_step(self, update: np.ndarray, drawn: np.ndarray) -> Decision:
+    """Accepts `update` if it is a plausible honest update of the served instance `drawn`.
+
+    Args:
+      update: [p] float64 weights.
+      drawn: [p] the instance the server served (verified by its ticket).
+
+    Returns:
+      A Decision; reason is one of "non_finite", "out_of_range", "step_too_large",
+      "excess_too_large", "too_little_noise". P(refusing an honest update) <= alpha.
+
+    Raises:
+      ValueError: if the shapes do not match the spec.
+    """
+    if update.shape != (self.p,) or drawn.shape != (self.p,):
+      raise ValueError(f"update and drawn must be [{self.p}], got {update.shape} and "
+                       f"{drawn.shape}")
+    reason = self.value_reason(update) or self._full(np.abs(update - drawn))
+    return Decision(not reason, reason)
+
+  def value_reason(self, update: np.ndarray) -> str:
+    """The refusal reason of the values alone: non_finite, out_of_range or "" (admissible)."""
+    top = np.max(np.abs(update))
+    if not np.isfinite(top):
+      return "non_finite"
+    if top > self.max_abs_weight:
+      return "out_of_range"
+    return ""
+
   def check(self, update: np.ndarray, candidates: np.ndarray,
             centre: np.ndarray | None = None, n_slots: int | None = None) -> Decision:
     """Accepts `update` if it is a plausible honest update of one of `candidates`.
@@ -254,11 +290,9 @@ class AcceptanceRule:
     if update.shape != (self.p,) or candidates.ndim != 2 or candidates.shape[1] != self.p:
       raise ValueError(f"update must be [{self.p}] and candidates [n, {self.p}], got "
                        f"{update.shape} and {candidates.shape}")
-    top = np.max(np.abs(update))
-    if not np.isfinite(top):
-      return Decision(False, "non_finite")
-    if top > self.max_abs_weight:
-      return Decision(False, "out_of_range")
+    bad = self.value_reason(update)
+    if bad:
+      return Decision(False, bad)
     if centre is not None and self.centre_var is not None:
       off = update - centre
       if np.dot(off, off) > self.centre_factor * self.centre_var * self.p:

@@ -78,8 +78,15 @@ def _add_serve(sub) -> None:
   s.add_argument("--quota-burst", type=float, default=None, help="bucket size (default 2x rate)")
   s.add_argument("--alpha", type=float, default=1e-3,
                  help="acceptance rule: bound on an honest update's rejection probability")
-  s.add_argument("--history", type=int, default=256,
-                 help="replaced instances kept as acceptance candidates")
+  s.add_argument("--history", type=int, default=None,
+                 help="replaced instances kept as acceptance candidates (default 0 with "
+                      "tickets, 256 with --no-tickets)")
+  s.add_argument("--no-tickets", action="store_true",
+                 help="accept submits without draw tickets (old candidate rule: weaker, "
+                      "attackers can chain their own updates)")
+  s.add_argument("--ticket-ttl", type=float, default=60.0, help="draw ticket lifetime (s)")
+  s.add_argument("--budget-alpha", type=float, default=1e-3,
+                 help="influence budget: bound on an honest token's lifetime refusal probability")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
   s.add_argument("--centre-factor", type=float, default=36.0,
                  help="refuse updates farther (mean square) from the average than this many "
@@ -113,7 +120,8 @@ def _serve(args) -> int:
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,
       body_timeout_s=args.body_timeout, seed=args.seed,
-      reset=args.reset, max_body_bytes=args.max_body_bytes)
+      reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
+      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

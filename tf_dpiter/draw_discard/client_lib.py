@@ -101,10 +101,23 @@ class PrivacyFloor:
 
 @dataclasses.dataclass
 class Drawn:
-  """A drawn instance: model version, spec and flat weights."""
+  """A drawn instance: model version, spec, flat weights and its draw ticket (tickets.py)."""
   version: str
   spec: glm.ModelSpec
   weights: np.ndarray
+  ticket: str | None = None
+
+
+def _submit_request(drawn, weights: np.ndarray) -> tuple[bytes, dict]:
+  """Raw body and headers of a submit: with a Drawn that has a ticket, its instance and the
+  update (2p doubles) and X-DDML-Ticket; with a version string, the update alone."""
+  if isinstance(drawn, Drawn):
+    headers = {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn.version}
+    if drawn.ticket:
+      headers["X-DDML-Ticket"] = drawn.ticket
+      return _raw_body(drawn.weights) + _raw_body(weights), headers
+    return _raw_body(weights), headers
+  return _raw_body(weights), {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn}
 
 
 def _weights(d: dict) -> np.ndarray:
@@ -113,9 +126,17 @@ def _weights(d: dict) -> np.ndarray:
   return np.asarray(d["weights"], dtype=np.float64)
 
 
-def _submit_body(version: str, weights: np.ndarray) -> bytes:
-  b64 = base64.b64encode(np.ascontiguousarray(weights, dtype="<f8").tobytes()).decode()
-  return json.dumps({"version": version, "weights_b64": b64}).encode()
+def _b64(weights: np.ndarray) -> str:
+  return base64.b64encode(np.ascontiguousarray(weights, dtype="<f8").tobytes()).decode()
+
+
+def _submit_body(drawn, weights: np.ndarray) -> bytes:
+  if not isinstance(drawn, Drawn):
+    return json.dumps({"version": drawn, "weights_b64": _b64(weights)}).encode()
+  body = {"version": drawn.version, "weights_b64": _b64(weights)}
+  if drawn.ticket:
+    body.update(ticket=drawn.ticket, drawn_b64=_b64(drawn.weights))
+  return json.dumps(body).encode()
 
 
 def _raw_body(weights: np.ndarray) -> bytes:
@@ -196,6 +217,7 @@ class DDMLClient:
     self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta)
     self._conn = None
     self._specs: dict[str, glm.ModelSpec] = {}
+    self.last_ticket: str | None = None
 
   def _connect(self):
     if self._tls:
@@ -214,6 +236,7 @@ class DDMLClient:
         r = self._conn.getresponse()
         data = r.read()
         if raw and r.status < 400:
+          self.last_ticket = r.getheader("X-DDML-Ticket")
           return r.getheader("X-DDML-Version"), data
         return _raise_for(r.status, data, r.getheader("Retry-After"))
       except (http.client.HTTPException, ConnectionError):
@@ -236,18 +259,32 @@ class DDMLClient:
     if version not in self._specs:
       spec = self.spec()
       self._specs[spec.version] = spec
+    ticket = self.last_ticket
     spec = self._specs.get(version) or self.spec()
-    return Drawn(version, spec, _checked_weights(data, spec))
+    return Drawn(version, spec, _checked_weights(data, spec), ticket)
 
-  def submit(self, version: str, weights: np.ndarray) -> dict:
-    return self._request("POST", "/v1/submit", _raw_body(weights),
-                         {"Content-Type": "application/octet-stream", "X-DDML-Version": version})
+  def submit(self, drawn, weights: np.ndarray) -> dict:
+    """Submits an update of a drawn instance.
 
-  def submit_and_draw(self, version: str, weights: np.ndarray) -> tuple[dict, Drawn | None]:
+    Args:
+      drawn: the Drawn it started from (its ticket and weights travel with the update), or
+        a version string (only for servers run without tickets).
+      weights: the updated instance.
+
+    Returns:
+      {"accepted": True, "seq": n}.
+
+    Raises:
+      DDMLError: for an error answer.
+    """
+    body, headers = _submit_request(drawn, weights)
+    return self._request("POST", "/v1/submit", body, headers)
+
+  def submit_and_draw(self, drawn, weights: np.ndarray) -> tuple[dict, Drawn | None]:
     """Submits and receives the next draw in the same answer (POST /v1/submit?draw=raw).
 
     Args:
-      version: the model version of the drawn instance.
+      drawn: the Drawn the update started from (or its version, without tickets).
       weights: the updated instance.
 
     Returns:
@@ -259,9 +296,9 @@ class DDMLClient:
     """
     if self._conn is None:
       self._conn = self._connect()
-    self._conn.request("POST", "/v1/submit?draw=raw", body=_raw_body(weights), headers=_headers(
-        self._token, {"Content-Type": "application/octet-stream", "X-DDML-Version": version},
-        True))
+    body, headers = _submit_request(drawn, weights)
+    self._conn.request("POST", "/v1/submit?draw=raw", body=body,
+                       headers=_headers(self._token, headers, True))
     r = self._conn.getresponse()
     data = r.read()
     if r.status >= 400 or r.getheader("Content-Type", "").startswith("application/json"):
@@ -271,11 +308,11 @@ class DDMLClient:
       self._specs[v] = self.spec()
     spec = self._specs[v]
     return ({"accepted": True, "seq": int(r.getheader("X-DDML-Seq"))},
-            Drawn(v, spec, _checked_weights(data, spec)))
+            Drawn(v, spec, _checked_weights(data, spec), r.getheader("X-DDML-Ticket")))
 
-  def submit_json(self, version: str, weights: np.ndarray) -> dict:
+  def submit_json(self, drawn, weights: np.ndarray) -> dict:
     """The same as submit, as JSON with base64 weights."""
-    return self._request("POST", "/v1/submit", _submit_body(version, weights))
+    return self._request("POST", "/v1/submit", _submit_body(drawn, weights))
 
   def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """Draw -> privacy floor check -> Algorithm 1 on (records, y) -> submit.
@@ -295,7 +332,7 @@ class DDMLClient:
     drawn = self.draw()
     self.floor.check(drawn.spec)
     new = client_alg.spec_update(drawn.spec, drawn.weights, records, y, rng=rng)
-    return self.submit(drawn.version, new)
+    return self.submit(drawn, new)
 
   def model(self) -> np.ndarray:
     _, data = self._request("GET", "/v1/model?encoding=raw", raw=True)
@@ -337,6 +374,7 @@ class AsyncDDMLClient:
     self._token = token
     self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta)
     self._specs: dict[str, glm.ModelSpec] = {}
+    self.last_ticket: str | None = None
 
   async def _request(self, method: str, path: str, body: bytes | None = None,
                      headers: dict | None = None, raw: bool = False):
@@ -344,26 +382,29 @@ class AsyncDDMLClient:
     async with self._session.request(method, self._base + path, data=body, headers=h) as r:
       data = await r.read()
       if raw and r.status < 400:
+        self.last_ticket = r.headers.get("X-DDML-Ticket")
         return r.headers.get("X-DDML-Version"), data
       return _raise_for(r.status, data, r.headers.get("Retry-After"))
 
   async def draw(self) -> Drawn:
     v, data = await self._request("GET", "/v1/draw?encoding=raw", raw=True)
+    ticket = self.last_ticket
     if v not in self._specs:
       spec = glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec"))
       self._specs[spec.version] = spec
-    return Drawn(v, self._specs[v], _checked_weights(data, self._specs[v]))
+    return Drawn(v, self._specs[v], _checked_weights(data, self._specs[v]), ticket)
 
-  async def submit(self, version: str, weights: np.ndarray) -> dict:
-    return await self._request("POST", "/v1/submit", _raw_body(weights),
-                               {"Content-Type": "application/octet-stream", "X-DDML-Version": version})
+  async def submit(self, drawn, weights: np.ndarray) -> dict:
+    """As DDMLClient.submit."""
+    body, headers = _submit_request(drawn, weights)
+    return await self._request("POST", "/v1/submit", body, headers)
 
   async def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """As DDMLClient.update (checks the privacy floor before training)."""
     drawn = await self.draw()
     self.floor.check(drawn.spec)
     new = client_alg.spec_update(drawn.spec, drawn.weights, records, y, rng=rng)
-    return await self.submit(drawn.version, new)
+    return await self.submit(drawn, new)
 
   async def model(self) -> np.ndarray:
     _, data = await self._request("GET", "/v1/model?encoding=raw", raw=True)

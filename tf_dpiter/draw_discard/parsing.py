@@ -1,8 +1,11 @@
 """Strict parsing of Draw and Discard submissions.
 
 A submission is either JSON, `{"version": str, "weights": [number, ...]}` or
-`{"version": str, "weights_b64": str}` (exactly one weights field, no other keys), or
+`{"version": str, "weights_b64": str}` (exactly one weights field), or
 `application/octet-stream` raw little-endian float64 with the version in X-DDML-Version.
+With draw tickets (tickets.py) it also carries its draw: JSON `"ticket": str` and the drawn
+instance as `"drawn"` (list) or `"drawn_b64"`; raw: the X-DDML-Ticket header and a body of
+2p doubles, the drawn instance then the update. No other keys are allowed.
 JSON weights must be numbers: no strings, booleans, nulls or nested lists. Every
 refusal is a RequestError carrying the HTTP status and a stable error code.
 """
@@ -10,6 +13,7 @@ refusal is a RequestError carrying the HTTP status and a stable error code.
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import json
 
 import numpy as np
@@ -17,6 +21,15 @@ import numpy as np
 JSON_TYPE = "application/json"
 RAW_TYPE = "application/octet-stream"
 _FIELDS = ("weights", "weights_b64")
+_DRAWN = ("drawn", "drawn_b64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+  """A parsed submit: the update, and (with tickets) the drawn instance and the ticket."""
+  weights: np.ndarray
+  drawn: np.ndarray | None = None
+  ticket: str | None = None
 
 
 class RequestError(Exception):
@@ -59,32 +72,46 @@ def _check_version(version, served: str) -> None:
                        f"model version {version[:40]!r} is not the served {served!r}")
 
 
-def _from_list(raw, p: int) -> np.ndarray:
+def _from_list(raw, p: int, name: str = "weights") -> np.ndarray:
   if not isinstance(raw, list):
-    raise RequestError(400, "bad_weights", "'weights' must be a JSON list of numbers")
+    raise RequestError(400, "bad_weights", f"'{name}' must be a JSON list of numbers")
   if len(raw) != p:
-    raise RequestError(422, "wrong_shape", f"'weights' has {len(raw)} entries; expected {p}")
+    raise RequestError(422, "wrong_shape", f"'{name}' has {len(raw)} entries; expected {p}")
   if not all(type(v) is float for v in raw):  # ints were parsed as floats; bools stay bool
     raise RequestError(400, "bad_weights",
-                       "'weights' must hold numbers only (no strings, booleans, null or lists)")
+                       f"'{name}' must hold numbers only (no strings, booleans, null or lists)")
   return np.asarray(raw, dtype=np.float64)
 
 
-def _from_b64(raw, p: int) -> np.ndarray:
+def _from_b64(raw, p: int, name: str = "weights_b64") -> np.ndarray:
   if not isinstance(raw, str):
-    raise RequestError(400, "bad_weights", "'weights_b64' must be a base64 string")
+    raise RequestError(400, "bad_weights", f"'{name}' must be a base64 string")
   try:
     data = binascii.a2b_base64(raw.encode("ascii"), strict_mode=True)
   except (binascii.Error, ValueError, UnicodeEncodeError) as e:
-    raise RequestError(400, "bad_weights", "'weights_b64' is not valid base64") from e
+    raise RequestError(400, "bad_weights", f"'{name}' is not valid base64") from e
   if len(data) != 8 * p:
-    raise RequestError(422, "wrong_shape", f"'weights_b64' decodes to {len(data)} bytes; "
+    raise RequestError(422, "wrong_shape", f"'{name}' decodes to {len(data)} bytes; "
                        f"expected {8 * p} ({p} little-endian float64)")
   return np.frombuffer(data, dtype="<f8").astype(np.float64)
 
 
-def parse_json_submission(raw: bytes, served_version: str, p: int) -> np.ndarray:
-  """Weights of a JSON submission.
+def _one_of(body: dict, names: tuple, p: int, required: bool):
+  fields = [f for f in names if f in body]
+  if not fields:
+    if required:
+      raise RequestError(400, f"missing_{names[0]}", f"body needs '{names[0]}' or '{names[1]}'")
+    return None
+  if len(fields) > 1:
+    raise RequestError(400, f"ambiguous_{names[0]}",
+                       f"give exactly one of '{names[0]}', '{names[1]}'")
+  if fields[0] == names[0]:
+    return _from_list(body[names[0]], p, names[0])
+  return _from_b64(body[names[1]], p, names[1])
+
+
+def parse_json_submission(raw: bytes, served_version: str, p: int) -> Submission:
+  """A JSON submission.
 
   Args:
     raw: the request body.
@@ -92,7 +119,7 @@ def parse_json_submission(raw: bytes, served_version: str, p: int) -> np.ndarray
     p: number of weights.
 
   Returns:
-    [p] float64 (possibly non-finite: the acceptance rule refuses those).
+    The Submission (weights possibly non-finite: the acceptance rule refuses those).
 
   Raises:
     RequestError: 400 malformed, 409 wrong version, 422 wrong shape.
@@ -102,34 +129,35 @@ def parse_json_submission(raw: bytes, served_version: str, p: int) -> np.ndarray
     raise RequestError(400, "bad_json", "body must be a JSON object")
   if "version" not in body:
     raise RequestError(400, "missing_version", "body needs the model 'version' returned by draw")
-  fields = [f for f in _FIELDS if f in body]
-  unknown = sorted(set(body) - {"version", *_FIELDS})
+  unknown = sorted(set(body) - {"version", "ticket", *_FIELDS, *_DRAWN})
   if unknown:
     raise RequestError(400, "unknown_field",
                        f"unknown keys {[u[:40] for u in unknown[:5]]}; allowed: version, "
-                       "weights or weights_b64")
-  if not fields:
+                       "weights or weights_b64, ticket, drawn or drawn_b64")
+  if not any(f in body for f in _FIELDS):
     raise RequestError(400, "missing_weights", "body needs 'weights' or 'weights_b64'")
-  if len(fields) > 1:
-    raise RequestError(400, "ambiguous_weights", "give exactly one of 'weights', 'weights_b64'")
+  ticket = body.get("ticket")
+  if ticket is not None and not isinstance(ticket, str):
+    raise RequestError(400, "bad_ticket", "'ticket' must be a string")
   _check_version(body["version"], served_version)
-  if fields[0] == "weights":
-    return _from_list(body["weights"], p)
-  return _from_b64(body["weights_b64"], p)
+  w = _one_of(body, _FIELDS, p, True)
+  return Submission(w, _one_of(body, _DRAWN, p, False), ticket)
 
 
 def parse_raw_submission(raw: bytes, header_version: str | None, served_version: str,
-                         p: int) -> np.ndarray:
-  """Weights of an application/octet-stream submission.
+                         p: int, ticket: str | None = None) -> Submission:
+  """An application/octet-stream submission.
 
   Args:
-    raw: the request body (little-endian float64).
+    raw: the request body (little-endian float64): p doubles, or with a ticket 2p (the
+      drawn instance, then the update).
     header_version: the X-DDML-Version header or None.
     served_version: the model version this server serves.
     p: number of weights.
+    ticket: the X-DDML-Ticket header or None.
 
   Returns:
-    [p] float64.
+    The Submission.
 
   Raises:
     RequestError: 400 missing version, 409 wrong version, 422 wrong shape.
@@ -137,10 +165,12 @@ def parse_raw_submission(raw: bytes, header_version: str | None, served_version:
   if header_version is None:
     raise RequestError(400, "missing_version", "raw submissions need the X-DDML-Version header")
   _check_version(header_version, served_version)
-  if len(raw) != 8 * p:
-    raise RequestError(422, "wrong_shape", f"body has {len(raw)} bytes; expected {8 * p} "
-                       f"({p} little-endian float64)")
-  return np.frombuffer(raw, dtype="<f8").astype(np.float64)
+  n = 2 * p if ticket else p
+  if len(raw) != 8 * n:
+    raise RequestError(422, "wrong_shape", f"body has {len(raw)} bytes; expected {8 * n} "
+                       f"({n} little-endian float64)")
+  v = np.frombuffer(raw, dtype="<f8").astype(np.float64)
+  return Submission(v[p:], v[:p], ticket) if ticket else Submission(v)
 
 
 def content_type(header: str | None) -> str:

@@ -34,9 +34,16 @@ if not g then return -1 end
 if g ~= ARGV[1] then return -2 end
 local old = redis.call('GET', KEYS[2])
 if not old then return -1 end
+if ARGV[4] ~= '' then
+  if not redis.call('SET', KEYS[6], '1', 'NX', 'PX', ARGV[5]) then return -3 end
+end
 redis.call('SET', KEYS[2], ARGV[2])
-redis.call('LPUSH', KEYS[3], old)
-redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[3]) - 1)
+local h = tonumber(ARGV[3])
+if h > 0 then
+  redis.call('LPUSH', KEYS[3], old)
+  redis.call('LTRIM', KEYS[3], 0, h - 1)
+end
+if tonumber(ARGV[6]) > 0 then redis.call('HINCRBY', KEYS[5], 'draws', ARGV[6]) end
 redis.call('HINCRBY', KEYS[5], 'submits', 1)
 redis.call('HINCRBY', KEYS[5], 'accepted', 1)
 return redis.call('INCR', KEYS[4])
@@ -211,12 +218,25 @@ class RedisStore:
     rows = np.concatenate([new, keep])
     return store_lib.Snapshot(seq, rows[:k], rows[k:], rows)
 
-  async def replace(self, i: int, w: np.ndarray) -> int:
-    """Overwrites slot i (the old value goes to the history); returns the new sequence number."""
+  async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
+                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+    """Overwrites slot i (the old value goes to the history); returns the new sequence number.
+
+    One Lua script: generation check, the ticket nonce marked used (SET NX PX, so two
+    servers cannot both accept one ticket), the write, the counters (draws served since
+    the last call included) and the sequence number.
+
+    Raises:
+      TicketUsed: when the nonce was used before (nothing is written).
+      StoreLost, StoreUnavailable.
+    """
     code = await self._call(self._replace(
         keys=[self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"),
-              self._k("counters")],
-        args=[self.generation, store_lib.encode_weights(w), self._history]))
+              self._k("counters"), self._k("nonce", nonce or "-")],
+        args=[self.generation, store_lib.encode_weights(w), self._history, nonce or "",
+              max(1, int(nonce_ttl_s * 1000)), int(draws)]))
+    if code == -3:
+      raise store_lib.TicketUsed("draw ticket already used")
     return self._result(code)
 
   async def incr(self, name: str, n: int = 1) -> None:

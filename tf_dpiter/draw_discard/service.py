@@ -4,27 +4,38 @@ Endpoints (JSON; weights as a JSON list, as base64 of little-endian float64 with
 encoding "b64", or as the raw float64 bytes with encoding "raw", which the Python
 client uses: the version then travels in the X-DDML-Version header):
 
-  GET  /v1/draw[?encoding=b64|raw] -> {"version", "spec", "weights" | "weights_b64"}
+  GET  /v1/draw[?encoding=b64|raw] -> {"version", "spec", "ticket", "weights" | "weights_b64"}
                                    one instance drawn uniformly (secrets.randbelow) from a
-                                   snapshot of all k slots (oblivious store reads).
-  POST /v1/submit  {"version", "weights" | "weights_b64"}, or application/octet-stream
-                   bytes with X-DDML-Version -> {"accepted": true, "seq": n}; the update
-                   replaces a uniformly random slot if the acceptance rule admits it.
+                                   snapshot of all k slots (oblivious store reads), with
+                                   its draw ticket (raw: X-DDML-Ticket header; tickets.py).
+  POST /v1/submit  {"version", "ticket", "drawn" | "drawn_b64", "weights" | "weights_b64"},
+                   or application/octet-stream bytes (drawn instance, then the update) with
+                   X-DDML-Version and X-DDML-Ticket -> {"accepted": true, "seq": n}; the
+                   update replaces a uniformly random slot if the ticket is valid and
+                   unused, the step passes the acceptance rule against the drawn instance
+                   (acceptance.py) and the token's cumulative step stays inside N honest
+                   clients' envelope (influence.py).
                    ?draw=raw: on success the answer is instead the next drawn instance
-                   (raw, X-DDML-Seq header), within the draw quota (else the JSON above).
+                   (raw, X-DDML-Seq and X-DDML-Ticket headers), within the draw quota (else
+                   the JSON above).
   GET  /v1/model[?encoding=b64|raw] -> the average of the k instances.
   GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
 
 Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
 408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
 refused by the acceptance rule (acceptance.py), 429 quota (Retry-After), 503 store lost
-or unavailable. The server keeps no per-client state about draws.
+or unavailable; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
+ticket_expired/ticket_used. The server keeps no record of which instance was drawn (the
+ticket lives with the client); per token it keeps only the cumulative step of its
+accepted updates. With tickets=False the older rule applies (any of the k instances and
+the last `history` replaced ones may be the pre-image; see acceptance.check).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import secrets
@@ -36,11 +47,13 @@ from aiohttp import web
 from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import auth
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.draw_discard import influence
 from tf_dpiter.draw_discard import metrics as metrics_lib
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import privacy
 from tf_dpiter.draw_discard import server as server_lib
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import tickets as tickets_lib
 from tf_dpiter.draw_discard import web_errors
 
 log = logging.getLogger(__name__)
@@ -69,7 +82,8 @@ class DDMLService:
     tokens: a TokenSet; None serves without authentication.
     quotas: an auth.Quotas (per token, or per client address without tokens); None: none.
     alpha: the acceptance rule's false-rejection probability (acceptance.AcceptanceRule).
-    history: replaced instances kept as acceptance candidates.
+    history: replaced instances kept as acceptance candidates (default: 0 with tickets,
+      256 without).
     max_abs_weight: no stored weight exceeds this magnitude.
     centre_factor: refuse updates farther (mean square) from the average than this times an
       honest update's expectation at Theorem 1's spread (stops chaining attacks).
@@ -78,18 +92,27 @@ class DDMLService:
     init_epsilon: epsilon of the initial spread when the spec has no noise.
     seed: initialization seed (tests only).
     reset: overwrite an existing model in the store.
-    max_body_bytes: request body limit (default: a JSON list of p doubles).
+    max_body_bytes: request body limit (default: a JSON list of 2p doubles).
+    tickets: require draw tickets (tickets.py) and test steps against the served instance.
+    ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered).
+    budget_alpha: lifetime false-rejection probability of an honest token's influence
+      budget (influence.py).
+    max_identities: identities whose influence budget is kept.
 
   Raises:
     ValueError: for k < 2, history < 0 or a bad acceptance parameter.
   """
 
   def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,
-               quotas: auth.Quotas | None = None, alpha: float = 1e-3, history: int = 256,
-               max_abs_weight: float = 1e6, centre_factor: float = 36.0,
-               draw_max_age_s: float = 0.05,
+               quotas: auth.Quotas | None = None, alpha: float = 1e-3,
+               history: int | None = None, max_abs_weight: float = 1e6,
+               centre_factor: float = 36.0, draw_max_age_s: float = 0.05,
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
-               reset: bool = False, max_body_bytes: int | None = None):
+               reset: bool = False, max_body_bytes: int | None = None, tickets: bool = True,
+               ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
+               max_identities: int = 100_000):
+    if history is None:
+      history = 0 if tickets else 256
     if int(k) != k or k < 2:
       raise ValueError(f"k must be an integer >= 2, got {k!r}")
     if int(history) != history or history < 0:
@@ -103,13 +126,20 @@ class DDMLService:
     self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight,
                                           spread_std=self.initial_std(),
                                           centre_factor=centre_factor)
+    self.use_tickets = bool(tickets)
+    self.ticket_ttl_s = float(ticket_ttl_s)
+    tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
+    self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
+    self.budget = influence.InfluenceBudget(self.rule, budget_alpha, max_identities)
+    self._pending_draws = 0
     self.history = int(history)
     self.draw_max_age_s = float(draw_max_age_s)
     self.body_timeout_s = float(body_timeout_s)
     self.p = spec.num_weights
-    self.max_body_bytes = int(max_body_bytes or (26 * self.p + 65536))
+    self.max_body_bytes = int(max_body_bytes or (52 * self.p + 65536))
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
-                     fingerprint=spec_fingerprint(spec), history=self.history)
+                     fingerprint=spec_fingerprint(spec), history=self.history,
+                     ticket_key=secrets.token_hex(32))
     self._spec_json = json.dumps(spec.to_dict()).encode()
     self._version_json = json.dumps(spec.version).encode()
     self.metrics = metrics_lib.Registry()
@@ -143,6 +173,8 @@ class DDMLService:
   async def startup(self, app=None) -> None:
     """Initializes or joins the store (checks version, k, size, spec fingerprint, history)."""
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
+    key = (await self.store.meta()).get("ticket_key") or self.meta["ticket_key"]
+    self.tickets = tickets_lib.Tickets(bytes.fromhex(key), self.ticket_ttl_s)
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
 
@@ -192,9 +224,17 @@ class DDMLService:
     """GET /v1/draw: one instance, drawn uniformly from a full snapshot."""
     encoding = self._encoding(request)
     snap = await self._snapshot_for_draw()
-    w = snap.slots[secrets.randbelow(self.k)]  # never stored, never logged
+    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
     self.metrics.inc("draws_total", help_text="instances served")
-    return self._weights_response(w, encoding, b',"spec":' + self._spec_json + b',')
+    ticket = self.tickets.issue(self._identity(request), w)
+    resp = self._weights_response(w, encoding, b',"spec":' + self._spec_json + b',"ticket":"'
+                                  + ticket.encode() + b'",')
+    resp.headers["X-DDML-Ticket"] = ticket
+    return resp
+
+  @staticmethod
+  def _identity(request: web.Request) -> str:
+    return request.get(web_errors.IDENTITY) or request.remote or "?"
 
   async def _read_body(self, request: web.Request) -> bytes:
     if request.content_length is not None and request.content_length > self.max_body_bytes:
@@ -211,36 +251,89 @@ class DDMLService:
                          f"body not received within {self.body_timeout_s:g} s",
                          headers={"Connection": "close"}) from e
 
-  async def handle_submit(self, request: web.Request) -> web.Response:
-    """POST /v1/submit: parse strictly, apply the acceptance rule, replace a random slot."""
+  async def _parse(self, request: web.Request) -> parsing.Submission:
     try:
       media = parsing.content_type(request.headers.get("Content-Type"))
       raw = await self._read_body(request)
       if media == parsing.RAW_TYPE:
-        w = parsing.parse_raw_submission(raw, request.headers.get("X-DDML-Version"),
-                                         self.spec.version, self.p)
-      else:
-        w = parsing.parse_json_submission(raw, self.spec.version, self.p)
+        return parsing.parse_raw_submission(raw, request.headers.get("X-DDML-Version"),
+                                            self.spec.version, self.p,
+                                            request.headers.get("X-DDML-Ticket"))
+      return parsing.parse_json_submission(raw, self.spec.version, self.p)
     except RequestError:
+      await self.store.incr("rejected_invalid")
+      await self.store.incr("submits")
+      raise
+
+  async def _refuse(self, reason: str) -> RequestError:
+    await self.store.incr("submits")
+    await self.store.incr("rejected_invalid" if reason in ("non_finite", "out_of_range")
+                          else "rejected")
+    self.metrics.inc("rejected_total", reason=reason, help_text="refused updates")
+    return self._refusal(reason)
+
+  async def _store_ticketed(self, request: web.Request, sub: parsing.Submission) -> int:
+    """Ticket check, step test against the drawn instance, influence budget, write."""
+    identity = self._identity(request)
+    bad = self.rule.value_reason(sub.weights)
+    if bad:  # never stored, whatever the ticket
+      raise await self._refuse(bad)
+    if sub.drawn is None or sub.ticket is None:
+      sub = dataclasses.replace(sub, ticket=None)
+    try:
+      nonce = self.tickets.verify(sub.ticket, identity, sub.drawn)
+    except tickets_lib.TicketError as e:
       await self.store.incr("submits")
       await self.store.incr("rejected_invalid")
-      raise
-    decision = await self._decide(w)
+      self.metrics.inc("rejected_total", reason=e.code, help_text="refused updates")
+      raise RequestError(e.status, e.code, e.message) from e
+    decision = self.rule.check_step(sub.weights, sub.drawn)
     if not decision.accepted:
+      raise await self._refuse(decision.reason)
+    step = sub.weights - sub.drawn
+    reason = self.budget.reserve(identity, step)
+    if reason:
+      raise await self._refuse(reason)
+    draws, self._pending_draws = self._pending_draws, 0
+    try:
+      return await self.store.replace(secrets.randbelow(self.k), sub.weights, nonce,
+                                      self.ticket_ttl_s, draws)
+    except store_lib.TicketUsed as e:
+      self.budget.release(identity, step)
       await self.store.incr("submits")
-      await self.store.incr("rejected_invalid" if decision.reason in (
-          "non_finite", "out_of_range") else "rejected")
-      self.metrics.inc("rejected_total", reason=decision.reason, help_text="refused updates")
-      raise self._refusal(decision.reason)
-    seq = await self.store.replace(secrets.randbelow(self.k), w)
+      await self.store.incr("rejected_invalid")
+      self.metrics.inc("rejected_total", reason="ticket_used", help_text="refused updates")
+      raise RequestError(409, "ticket_used", "this draw ticket was already used; draw again") from e
+    except BaseException:
+      self.budget.release(identity, step)
+      self._pending_draws += draws
+      raise
+
+  async def handle_submit(self, request: web.Request) -> web.Response:
+    """POST /v1/submit: parse strictly, check ticket, step and budget, replace a random slot."""
+    sub = await self._parse(request)
+    if self.use_tickets:
+      seq = await self._store_ticketed(request, sub)
+    else:
+      decision = await self._decide(sub.weights)
+      if not decision.accepted:
+        raise await self._refuse(decision.reason)
+      seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
     self.metrics.inc("accepted_total", help_text="stored updates")
     if request.query.get("draw") == "raw" and self._may_draw(request):
-      # the next round's draw in the same answer (one request per update in steady state)
-      snap = await self._snapshot_for_draw()
+      # the next round's draw in the same answer (one request per update in steady state);
+      # the replace just checked the generation and returned seq: no extra store call
+      snap = self._snap
+      if snap is None or (snap.seq != seq and (
+          self.store.kind == "memory" or time.monotonic() - self._snap_time > self.draw_max_age_s)):
+        snap = await self._refresh(seq)
+      self._pending_draws += 1
       self.metrics.inc("draws_total", help_text="instances served")
-      return web.Response(body=store_lib.encode_weights(snap.slots[secrets.randbelow(self.k)]),
-                          content_type=parsing.RAW_TYPE,
-                          headers={"X-DDML-Version": self.spec.version, "X-DDML-Seq": str(seq)})
+      w = snap.slots[secrets.randbelow(self.k)].copy()
+      return web.Response(body=store_lib.encode_weights(w), content_type=parsing.RAW_TYPE,
+                          headers={"X-DDML-Version": self.spec.version, "X-DDML-Seq": str(seq),
+                                   "X-DDML-Ticket": self.tickets.issue(self._identity(request),
+                                                                       w)})
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
 
   def _may_draw(self, request: web.Request) -> bool:
@@ -271,8 +364,8 @@ class DDMLService:
       return RequestError(422, "out_of_range",
                           f"a weight exceeds {self.rule.max_abs_weight:g} in magnitude")
     return RequestError(422, "rejected_update",
-                        "not a plausible update of a served instance under the served spec "
-                        f"({reason})", extra={"reason": reason})
+                        "not a plausible update of a served instance under the served spec, or "
+                        f"beyond this token's influence budget ({reason})", extra={"reason": reason})
 
   async def handle_model(self, request: web.Request) -> web.Response:
     """GET /v1/model: the average of the k instances."""

@@ -20,8 +20,10 @@ client drew (adversary II, Section IV). Stores never hold which slot was drawn.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import time
 import uuid
 
 import numpy as np
@@ -49,6 +51,10 @@ class StoreLost(RuntimeError):
 
 class StoreUnavailable(RuntimeError):
   """The store cannot be reached (connection refused, timeout)."""
+
+
+class TicketUsed(RuntimeError):
+  """replace() was given a draw-ticket nonce that an earlier accepted update already used."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +113,7 @@ class MemoryStore:
     self._seq = 0
     self._counters = dict.fromkeys(COUNTERS, 0)
     self.generation: str | None = None
+    self._nonces: collections.OrderedDict = collections.OrderedDict()  # nonce -> expiry
 
   async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False) -> bool:
     """Writes meta and the k initial instances unless already initialized.
@@ -166,9 +173,33 @@ class MemoryStore:
     k, n = self._k, self._n_hist
     return Snapshot(self._seq, self._rows[:k], self._rows[k:k + n], self._rows[:k + n])
 
-  async def replace(self, i: int, w: np.ndarray) -> int:
-    """Overwrites slot i (the old value goes to the history); returns the new sequence number."""
+  def _use_nonce(self, nonce: str, ttl_s: float) -> None:
+    now = time.monotonic()
+    while self._nonces and next(iter(self._nonces.values())) < now:
+      self._nonces.popitem(last=False)
+    if nonce in self._nonces:
+      raise TicketUsed("draw ticket already used")
+    self._nonces[nonce] = now + ttl_s
+
+  async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
+                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+    """Overwrites slot i (the old value goes to the history); returns the new sequence number.
+
+    Args:
+      i: the slot.
+      w: the new instance.
+      nonce: a draw ticket's nonce, marked used (for nonce_ttl_s) in the same step; None: none.
+      nonce_ttl_s: how long the nonce is remembered (the ticket's lifetime).
+      draws: added to the draw counter (draws served since the last store call).
+
+    Raises:
+      TicketUsed: when the nonce was used before (nothing is written).
+      StoreLost: when the store was flushed.
+    """
     self._check()
+    if nonce is not None:
+      self._use_nonce(nonce, nonce_ttl_s)
+    self._counters["draws"] += draws
     h = self._rows.shape[0] - self._k
     if h:
       self._rows[self._k + self._ptr] = self._rows[i]
@@ -181,7 +212,8 @@ class MemoryStore:
     return self._seq
 
   async def incr(self, name: str, n: int = 1) -> None:
-    """Adds n to counter `name`."""
+    """Adds n to counter `name` (only while the store holds its model, as RedisStore)."""
+    self._check()
     self._counters[name] = self._counters.get(name, 0) + n
 
   async def counters(self) -> dict:
