@@ -68,7 +68,7 @@ def test_truncated_shard_and_bad_arguments_are_refused(tmp_path, data):
   with open(src.shard_paths[0], "r+b") as f:
     f.truncate(100)
   with pytest.raises(ValueError, match="truncated"):
-    src.read(np.array([599]))
+    indexed_records.TFRecordSource(path)
   for kw, match in [(dict(expected_batch_size=0), "expected_batch_size"),
                     (dict(steps_per_epoch=0), "steps_per_epoch"),
                     (dict(max_batch_size=0), "max_batch_size"),

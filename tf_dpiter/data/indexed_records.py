@@ -155,8 +155,9 @@ class ArraySource:
 class TFRecordSource:
   """Random access to the records written by `write_indexed_tfrecords`.
 
-  `read(indices)` reads each record with one positioned read (os.pread) at its indexed offset:
-  memory is the offset index (8 bytes a record) plus the records read.
+  `read(indices)` gathers the records at their indexed offsets from memory-mapped shards (one
+  vectorized gather per shard; the OS pages in only what is touched): memory is the offset
+  index (8 bytes a record) plus the records read.
   """
 
   def __init__(self, directory):
@@ -173,8 +174,12 @@ class TFRecordSource:
     if counts != list(meta["counts"]):
       raise ValueError(f"offset indexes of {directory!r} hold {counts} records, "
                        f"{META_NAME} says {meta['counts']}")
+    for p, o in zip(self._paths, self._offsets):
+      if os.path.getsize(p) < o[-1]:
+        raise ValueError(f"shard {p!r} holds {os.path.getsize(p)} bytes, its offset index "
+                         f"{o[-1]} (truncated file?)")
     self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    self._fds = None
+    self._maps = None
 
   @property
   def num_records(self):
@@ -203,28 +208,24 @@ class TFRecordSource:
 
   def read(self, indices):
     """(x[indices], y[indices] or None) for sorted int64 global record indices."""
-    if self._fds is None:   # opened lazily: the source may be built in another process
-      self._fds = [os.open(p, os.O_RDONLY) for p in self._paths]
     indices = np.asarray(indices, np.int64)
     if indices.size and (indices[0] < 0 or indices[-1] >= self.num_records):
       raise ValueError(f"record indices must be in [0, {self.num_records}), got "
                        f"[{indices[0]}, {indices[-1]}]")
+    if self._maps is None:   # mapped lazily: the source may be built in another process
+      self._maps = [np.memmap(p, np.uint8, "r") for p in self._paths]
     shard = np.searchsorted(self._starts, indices, side="right") - 1
     size = self._dtype.itemsize
     parts = []
     for s in np.unique(shard):
-      local = indices[shard == s] - self._starts[s]
-      offs = self._offsets[s][local] + _HEADER
-      fd = self._fds[s]
-      parts.extend(os.pread(fd, size, int(o)) for o in offs)
-    buf = b"".join(parts)
-    if len(buf) != size * indices.size:
-      raise ValueError(f"read {len(buf)} bytes for {indices.size} records of {size} bytes: "
-                       "a shard is shorter than its offset index (truncated file?)")
-    return _decode(buf, self._dtype)
+      offs = self._offsets[s][indices[shard == s] - self._starts[s]] + _HEADER
+      if offs.size and offs[-1] + size > self._maps[s].shape[0]:
+        raise ValueError(f"shard {self._paths[s]!r} is shorter than its offset index "
+                         "(truncated file?)")
+      parts.append(self._maps[s][offs[:, None] + np.arange(size)])   # one gather per shard
+    buf = np.concatenate(parts) if parts else np.zeros([0, size], np.uint8)
+    return _decode(buf.reshape(-1), self._dtype)
 
   def close(self):
-    """Closes the shard files (reopened by the next read)."""
-    for fd in self._fds or ():
-      os.close(fd)
-    self._fds = None
+    """Unmaps the shard files (mapped again by the next read)."""
+    self._maps = None
