@@ -1,20 +1,31 @@
-"""Accounting: the ledger read by dp-accounting's RDP or PLD accountant (seed 002, Sections 3-6)."""
+"""Accounting: the ledger read by dp-accounting's RDP or PLD accountant (seed 002, Sections 3-6).
+
+Also: a GDP accountant (an approximation, as TF Privacy's), epsilon over steps
+(`epsilon_curve`) and TF Privacy's `compute_dp_sgd_privacy_statement`.
+"""
 
 from tf_dpiter.accounting.accountant import ACCOUNTANTS
 from tf_dpiter.accounting.accountant import LedgerContent
+from tf_dpiter.accounting.accountant import REPORT_ACCOUNTANTS
 from tf_dpiter.accounting.accountant import PrivacyReport
+from tf_dpiter.accounting.accountant import check_accountant
 from tf_dpiter.accounting.accountant import delta
 from tf_dpiter.accounting.accountant import epsilon
 from tf_dpiter.accounting.accountant import ledger_to_dp_event
 from tf_dpiter.accounting.accountant import make_accountant
+from tf_dpiter.accounting.accountant import optimal_rdp_order
 from tf_dpiter.accounting.accountant import privacy_report
 from tf_dpiter.accounting.accountant import report_from_groups
 from tf_dpiter.accounting.calibration import calibrate_noise_multiplier
 from tf_dpiter.accounting.calibration import calibrate_sampling_probability
 from tf_dpiter.accounting.calibration import calibrate_steps
 from tf_dpiter.accounting.calibration import compute_noise_from_budget
+from tf_dpiter.accounting.curve import EpsilonCurve
+from tf_dpiter.accounting.curve import epsilon_curve
+from tf_dpiter.accounting.curve import plot_epsilon_curve
 from tf_dpiter.accounting.dp_sgd import DpSgdPrivacy
 from tf_dpiter.accounting.dp_sgd import compute_dp_sgd_privacy
 from tf_dpiter.accounting.dp_sgd import dp_sgd_steps
 from tf_dpiter.accounting.ledger_events import SampleGroup
 from tf_dpiter.accounting.ledger_events import eq1_noise_multiplier
+from tf_dpiter.accounting.statement import compute_dp_sgd_privacy_statement

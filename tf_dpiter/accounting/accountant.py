@@ -12,12 +12,19 @@ from typing import Tuple
 
 from absl import logging as absl_logging
 
+from tf_dpiter.accounting import gdp
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.accounting.ledger_events import dpa
 from tf_dpiter.dp_query import validation
 from tf_dpiter.ledger import ledger_file
+from tf_dpiter.ledger import records as rec
 
 ACCOUNTANTS = ("rdp", "pld")
+# Accountants privacy_report also takes: "gdp" (mu-GDP, Poisson by a CLT: an approximation;
+# accounting.gdp) and "prv" (Opacus' PRV accountant: refused, its package is not installed).
+REPORT_ACCOUNTANTS = ACCOUNTANTS + ("gdp", "prv")
+_SOURCE = {"rdp": "dp-accounting", "pld": "dp-accounting",
+           "gdp": "CLT approximation, not an upper bound"}
 
 
 class _DropExcludedOrderWarnings(logging.Filter):
@@ -54,27 +61,34 @@ class LedgerContent:
   passes: int = 0
 
 
-def _content(ledger, key=None):
-  """LedgerContent of a PrivacyLedger, a ledger dict or JSON string, a LedgerContent, or
-  (samples, queries[, passes]) arrays. Dicts and JSON are verified (digest; HMAC with key)."""
-  if isinstance(ledger, LedgerContent):
-    return ledger
+def ledger_runs(ledger, key=None):
+  """(runs [(count, sample_row, query_rows)] in recording order, passes) of a PrivacyLedger,
+  a ledger dict or JSON string (verified: digest; HMAC with key) or (samples, queries[,
+  passes]) arrays."""
   if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
-    return LedgerContent(tuple(ledger_events.groups_from_arrays(*ledger.get_arrays())),
-                         int(ledger.passes.numpy()))
+    samples, queries = rec.validate_arrays(*ledger.get_arrays())
+    return rec.run_length_encode(samples, queries), int(ledger.passes.numpy())
   if isinstance(ledger, str):
     try:
       ledger = json.loads(ledger)
     except json.JSONDecodeError as e:
       raise ValueError(f"ledger JSON could not be parsed: {e}") from None
   if isinstance(ledger, dict):
-    runs, passes = ledger_file.dict_to_runs(ledger, key)
-    return LedgerContent(tuple(ledger_events.groups_from_runs(runs)), passes)
+    return ledger_file.dict_to_runs(ledger, key)
   if isinstance(ledger, (tuple, list)) and len(ledger) in (2, 3):
+    samples, queries = rec.validate_arrays(*ledger[:2])
     passes = int(ledger[2]) if len(ledger) == 3 else 0
-    return LedgerContent(tuple(ledger_events.groups_from_arrays(*ledger[:2])), passes)
+    return rec.run_length_encode(samples, queries), passes
   raise ValueError(f"ledger must be a PrivacyLedger, a ledger dict/JSON or (samples, queries"
                    f"[, passes]), got {type(ledger).__name__}")
+
+
+def _content(ledger, key=None):
+  """LedgerContent of a LedgerContent or of anything `ledger_runs` reads."""
+  if isinstance(ledger, LedgerContent):
+    return ledger
+  runs, passes = ledger_runs(ledger, key)
+  return LedgerContent(tuple(ledger_events.groups_from_runs(runs)), passes)
 
 
 def ledger_to_dp_event(ledger, accountant="rdp"):
@@ -95,9 +109,36 @@ class PrivacyReport:
 
   def __str__(self):
     lines = [f"({self.epsilon:.4g}, {self.delta:.3g})-DP over {self.num_samples} samples "
-             f"({self.accountant.upper()} accountant, dp-accounting)."]
+             f"({self.accountant.upper()} accountant, {_SOURCE[self.accountant]})."]
     lines += [f"  - {a}" for a in self.assumptions]
     return "\n".join(lines)
+
+
+def check_accountant(accountant):
+  """Raises ValueError unless `accountant` is one privacy_report can use here (names it)."""
+  if accountant not in REPORT_ACCOUNTANTS:
+    raise ValueError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
+  if accountant == "prv":
+    try:
+      import prv_accountant  # pylint: disable=g-import-not-at-top,unused-import
+      why = "tf_dpiter does not call the installed prv-accountant package yet"
+    except ImportError:
+      why = "the prv-accountant package (Opacus' PRV accountant) is not installed"
+    raise ValueError(f"accountant='prv' is not available: {why}. Use accountant='pld' "
+                     "(dp-accounting's privacy loss distribution accountant, numerically tight "
+                     "like PRV) or 'rdp'")
+
+
+def _gdp_report(content, delta, epsilon):
+  """PrivacyReport by the GDP accountant (accounting.gdp; an approximation, labelled so)."""
+  groups = content.groups
+  mu = gdp.mu_of_groups(groups)
+  notes = tuple(ledger_events.events_from_groups(groups, "rdp", content.passes)[2]) + (
+      f"{gdp.CAVEAT}; mu = {mu:.6g}",)
+  num = sum(g.count for g in groups)
+  if delta is not None:
+    return PrivacyReport(gdp.epsilon_from_mu(mu, delta), delta, "gdp", num, notes)
+  return PrivacyReport(epsilon, gdp.delta_from_mu(mu, epsilon), "gdp", num, notes)
 
 
 def _compose(content, accountant):
@@ -122,7 +163,10 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     ledger: a PrivacyLedger, a ledger dict or JSON string (verified; `key` checks its HMAC),
       a LedgerContent, or (samples, queries[, passes]) arrays.
     delta / epsilon: exactly one.
-    accountant: "rdp" or "pld".
+    accountant: "rdp" or "pld" (dp-accounting, upper bounds); "gdp" (mu-GDP with Poisson
+      subsampling by a central limit theorem, as TF Privacy's GDP accountant: an
+      approximation, labelled so; Poisson or full-batch Gaussian steps only); "prv" is
+      refused (Opacus' PRV accountant is not installed): use "pld".
   Returns:
     PrivacyReport, whose assumptions name the relation, the unit and the sampling.
   Raises:
@@ -138,14 +182,15 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   groups = content.groups
   if (delta is None) == (epsilon is None):
     raise ValueError(f"give exactly one of delta and epsilon, got delta={delta!r}, epsilon={epsilon!r}")
-  if accountant not in ACCOUNTANTS:
-    raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+  check_accountant(accountant)
   num = sum(g.count for g in groups)
   if delta is not None:
     delta = validation.check_delta("delta", delta)
     if any(g.non_private for g in groups):
       return PrivacyReport(math.inf, delta, accountant, num,
                            tuple(ledger_events.events_from_groups(groups, accountant)[2]))
+    if accountant == "gdp":
+      return _gdp_report(content, delta, None)
     acc, notes = _compose(content, accountant)
     return PrivacyReport(float(acc.get_epsilon(delta)), delta, accountant, num, tuple(notes))
   validation.check_nonnegative("epsilon", epsilon, allow_inf=False)
@@ -153,8 +198,22 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   if any(g.non_private for g in groups):
     return PrivacyReport(epsilon, 1.0, accountant, num,
                          tuple(ledger_events.events_from_groups(groups, accountant)[2]))
+  if accountant == "gdp":
+    return _gdp_report(content, None, epsilon)
   acc, notes = _compose(content, accountant)
   return PrivacyReport(epsilon, float(acc.get_delta(epsilon)), accountant, num, tuple(notes))
+
+
+def optimal_rdp_order(groups, delta):
+  """The RDP order at which the RDP accountant's epsilon at `delta` is reached (TF Privacy's
+  `opt_order`), for SampleGroups or a LedgerContent; None when epsilon is 0 or infinite."""
+  content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups))
+  delta = validation.check_delta("delta", delta)
+  if any(g.non_private for g in content.groups):
+    return None
+  acc, _ = _compose(content, "rdp")
+  eps, order = acc.get_epsilon_and_optimal_order(delta)
+  return float(order) if math.isfinite(eps) and eps > 0 else None
 
 
 def epsilon(ledger, delta, accountant="rdp", key=None):

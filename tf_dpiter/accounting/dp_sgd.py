@@ -7,9 +7,8 @@ C or 2C, ceil(epochs) passes for shuffle) and read by the same code (`ledger_eve
 two can never disagree.
 """
 
-import dataclasses
+import collections
 import math
-from typing import Tuple
 
 import numpy as np
 
@@ -62,17 +61,30 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
   return accountant_lib.LedgerContent(tuple(groups), passes)
 
 
-@dataclasses.dataclass(frozen=True)
-class DpSgdPrivacy:
-  epsilon: float
-  delta: float
-  steps: int
-  sampling_probability: float
-  statement: str
-  assumptions: Tuple[str, ...]
+class DpSgdPrivacy(collections.namedtuple("DpSgdPrivacy", ["epsilon", "opt_order"])):
+  """Epsilon of a DP-SGD run; unpacks as TF Privacy's `eps, opt_order = ...`.
+
+  Fields (a 2-tuple): epsilon, and opt_order (the RDP order reaching it; None for other
+  accountants). Attributes: delta, steps, sampling_probability, statement (names the
+  relation and the unit), assumptions (tuple of str). str() is the statement.
+  """
+
+  def __new__(cls, epsilon, opt_order, delta, steps, sampling_probability, statement,
+              assumptions):
+    self = super().__new__(cls, epsilon, opt_order)
+    self.delta = delta
+    self.steps = steps
+    self.sampling_probability = sampling_probability
+    self.statement = statement
+    self.assumptions = tuple(assumptions)
+    return self
 
   def __str__(self):
     return self.statement
+
+  def __repr__(self):
+    return (f"DpSgdPrivacy(epsilon={self.epsilon!r}, opt_order={self.opt_order!r}, "
+            f"delta={self.delta!r}, steps={self.steps!r})")
 
 
 def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accountant="rdp",
@@ -86,7 +98,8 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
       replacement, replace one), "shuffle" (ceil(epochs) passes, replace one) or "full".
     num_microbatches: M, or None; with M, one example moves its microbatch by 2C.
   Returns:
-    DpSgdPrivacy; its statement names the relation and the unit.
+    DpSgdPrivacy: unpacks as TF Privacy's (eps, opt_order); .statement names the relation
+    and the unit.
   Raises:
     ValueError: a bad argument, or microbatches with an add/remove sampling.
   """
@@ -102,4 +115,5 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
       + (f", {num_microbatches} microbatches" if num_microbatches else "") + " satisfies "
       f"({report.epsilon:.4g}, {delta:.3g})-DP ({accountant.upper()} accountant).\n"
       + "\n".join(f"  - {a}" for a in report.assumptions))
-  return DpSgdPrivacy(report.epsilon, delta, steps, q, statement, report.assumptions)
+  order = accountant_lib.optimal_rdp_order(groups, delta) if accountant == "rdp" else None
+  return DpSgdPrivacy(report.epsilon, order, delta, steps, q, statement, report.assumptions)

@@ -1,7 +1,8 @@
 """Keras callbacks reading the privacy ledger (seed 002, Section 6: accounting post hoc).
 
-`PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History and
-TensorBoard show them; `StopAtPrivacyBudget` stops training before a step would exceed
+`PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History, TensorBoard and
+CSVLogger show them (inside `DPModel.fit` before any other callback reads the logs, whatever
+the order of the list), and can draw epsilon over steps as a PNG; `StopAtPrivacyBudget` stops training before a step would exceed
 (epsilon, delta); `LedgerExport` writes the ledger as JSON; `LedgerJournal` appends every
 step to a crash-safe journal and resumes it. Epsilon is always computed from what the ledger
 recorded (sampling policy, relation and passes included), never from the settings.
@@ -10,6 +11,8 @@ recorded (sampling policy, relation and passes included), never from the setting
 import dataclasses
 import math
 import os
+import warnings
+import weakref
 
 import dp_accounting as dpa
 import keras
@@ -77,26 +80,57 @@ def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
   return float(acc.get_epsilon(delta))
 
 
+# The PrivacyMeters of the fit running on each model: DPModel.fit's first internal callback
+# (fit_sampling.SamplingSync) has them write their logs before any user callback runs.
+_FIT_METERS = weakref.WeakKeyDictionary()
+
+
+def begin_fit(model):
+  """Forgets the meters of earlier fits on `model` (called by the first callback of a fit)."""
+  _FIT_METERS[model] = []
+
+
+def write_privacy_logs(model, epoch, logs):
+  """Has every PrivacyMeter of the running fit on `model` write its keys into `logs`."""
+  for meter in _FIT_METERS.get(model, ()):
+    meter.write_logs(epoch, logs)
+
+
+def _check_accountant(accountant):
+  accounting.check_accountant(accountant)
+  return accountant
+
+
 class PrivacyMeter(keras.callbacks.Callback):
   """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end).
 
-  When the ledger holds shuffled passes, logs['epsilon_if_poisson'] also shows what Poisson
-  sampling with the same q, noise and number of steps would have cost (`epsilon_if_poisson`).
+  Inside `DPModel.fit` the logs are written before any other callback sees them (TensorBoard,
+  CSVLogger, EarlyStopping, ModelCheckpoint, whatever their place in the list). When the
+  ledger holds shuffled passes, logs['epsilon_if_poisson'] also shows what Poisson sampling
+  with the same q, noise and number of steps would have cost (`epsilon_if_poisson`).
 
   Args:
     delta: the delta of the (epsilon, delta) statement, in (0, 1).
-    accountant: "rdp" or "pld" (dp-accounting).
+    accountant: "rdp" or "pld" (dp-accounting), or "gdp" (an approximation, see
+      accounting.gdp).
     verbose: print epsilon after every epoch.
+    plot: optional PNG path: at the end of training, epsilon over steps
+      (`accounting.epsilon_curve`, up to `plot_points` points; dotted lines at epoch ends).
+    plot_points: points of the plotted curve.
   """
 
-  def __init__(self, delta, accountant="rdp", verbose=0):
+  def __init__(self, delta, accountant="rdp", verbose=0, plot=None, plot_points=50):
     super().__init__()
     self.delta = _check_delta(delta)
-    if accountant not in accounting.ACCOUNTANTS:
-      raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
-    self.accountant = accountant
+    self.accountant = _check_accountant(accountant)
     self.verbose = verbose
+    if plot is not None and (not isinstance(plot, (str, os.PathLike)) or not os.fspath(plot)):
+      raise ValueError(f"plot must be None or a PNG file path, got {plot!r}")
+    self.plot = plot
+    self.plot_points = plot_points
     self.epsilon = None
+    self.epoch_steps = []
+    self._written = None
 
   def _epsilon(self):
     ledger = _ledger(self.model)
@@ -104,20 +138,51 @@ class PrivacyMeter(keras.callbacks.Callback):
       return 0.0
     return float(accounting.epsilon(ledger, self.delta, accountant=self.accountant))
 
-  def on_epoch_end(self, epoch, logs=None):
-    self.epsilon = self._epsilon()
-    if_poisson = None
-    if self.epsilon > 0:
-      if_poisson = epsilon_if_poisson(_ledger(self.model).to_dict(), self.delta,
-                                      "rdp" if self.accountant == "rdp" else "pld")
+  def on_train_begin(self, logs=None):
+    self._written = None
+    self.epoch_steps = []
+    _FIT_METERS.setdefault(self.model, []).append(self)
+
+  def write_logs(self, epoch, logs):
+    """Writes epsilon, delta (and epsilon_if_poisson) for `epoch` into `logs` (once)."""
+    if self._written is None or self._written[0] != epoch:
+      self.epsilon = self._epsilon()
+      if_poisson = None
+      if self.epsilon > 0 and self.accountant in accounting.ACCOUNTANTS:
+        if_poisson = epsilon_if_poisson(_ledger(self.model).to_dict(), self.delta,
+                                        self.accountant)
+      self._written = (epoch, if_poisson)
+      self.epoch_steps.append(int(_ledger(self.model).sample_count.numpy()))
     if logs is not None:
       logs["epsilon"] = self.epsilon
       logs["delta"] = self.delta
-      if if_poisson is not None:
-        logs["epsilon_if_poisson"] = if_poisson
+      if self._written[1] is not None:
+        logs["epsilon_if_poisson"] = self._written[1]
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.write_logs(epoch, logs)
     if self.verbose:
+      if_poisson = self._written[1]
       extra = "" if if_poisson is None else f" (Poisson sampling would give {if_poisson:.4g})"
       print(f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = {self.delta:g}{extra}")
+
+  def on_train_end(self, logs=None):
+    meters = _FIT_METERS.get(self.model, [])
+    if self in meters:
+      meters.remove(self)
+    if self.plot is not None:
+      self.write_plot(self.plot)
+
+  def write_plot(self, path):
+    """Writes the PNG of epsilon over the steps the ledger holds; returns path (None if empty)."""
+    ledger = _ledger(self.model)
+    if int(ledger.sample_count.numpy()) == 0:
+      warnings.warn(f"PrivacyMeter(plot={path!r}): the ledger holds no step, nothing drawn",
+                    UserWarning, stacklevel=2)
+      return None
+    curve = accounting.epsilon_curve(ledger, self.delta, accountant=self.accountant,
+                                     num_points=self.plot_points)
+    return accounting.plot_epsilon_curve(curve, path, epoch_steps=self.epoch_steps)
 
 
 class StopAtPrivacyBudget(keras.callbacks.Callback):
@@ -139,11 +204,10 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
       raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     self.epsilon = e
     self.delta = _check_delta(delta)
-    if accountant not in accounting.ACCOUNTANTS:
-      raise ValueError(f"accountant must be one of {accounting.ACCOUNTANTS}, got {accountant!r}")
-    self.accountant = accountant
+    self.accountant = _check_accountant(accountant)
     self.verbose = verbose
     self.stopped_at_step = None
+    self._hidden_metrics = None
     self._cache = {}
 
   def _predicted_sample(self):
@@ -238,27 +302,47 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
 
   def _check(self, step_label):
     exceeds, _ = self._exceeds()
-    if exceeds:
-      eps = self.next_step_epsilon()
-      # stop_training ends fit after this step; _dp_halt makes the DP model's train
-      # function refuse any further step (also the first one, when checked before it).
-      self.model.stop_training = True
-      self.model._dp_halt = True  # pylint: disable=protected-access
-      self.stopped_at_step = int(_ledger(self.model).sample_count.numpy())
-      if self.verbose:
-        print(f"StopAtPrivacyBudget: stopping {step_label}: the next step would reach epsilon "
-              f"{eps:.4g} > {self.epsilon:g} (delta {self.delta:g})")
-      return True
-    return False
+    if not exceeds:
+      return False
+    eps = self.next_step_epsilon()
+    # stop_training ends fit after this step; _dp_halt makes the DP model's train function
+    # refuse any further step (also the first one, when checked before it).
+    self.model.stop_training = True
+    self.model._dp_halt = True  # pylint: disable=protected-access
+    self.stopped_at_step = int(_ledger(self.model).sample_count.numpy())
+    message = (f"StopAtPrivacyBudget: stopping {step_label}: the next step would reach epsilon "
+               f"{eps:.4g} > {self.epsilon:g} (delta {self.delta:g})")
+    if self.stopped_at_step == 0:
+      # fit then ends without a step: always say so, and keep Keras from reading metrics that
+      # no step has built.
+      self._hide_unbuilt_metrics()
+      warnings.warn(message + "; no training step was taken", UserWarning, stacklevel=2)
+    elif self.verbose:
+      print(message)
+    return True
+
+  def _hide_unbuilt_metrics(self):
+    """Keras reads the compiled metrics at the end of the (empty) epoch and fails when no
+    step built them; they are detached until train end."""
+    compiled = getattr(self.model, "_compile_metrics", None)
+    if compiled is not None and not compiled.built:
+      self._hidden_metrics = compiled
+      self.model._compile_metrics = None  # pylint: disable=protected-access
 
   def on_train_begin(self, logs=None):
     self.stopped_at_step = None
     self._cache = {}
+    self._hidden_metrics = None
     self.model._dp_halt = False  # pylint: disable=protected-access
     self._check("before training")
 
   def on_train_batch_end(self, batch, logs=None):
     self._check(f"after step {int(_ledger(self.model).sample_count.numpy())}")
+
+  def on_train_end(self, logs=None):
+    if self._hidden_metrics is not None:
+      self.model._compile_metrics = self._hidden_metrics  # pylint: disable=protected-access
+      self._hidden_metrics = None
 
 
 class LedgerExport(keras.callbacks.Callback):

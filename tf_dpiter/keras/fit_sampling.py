@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.data import shuffling
 
 SAMPLINGS = (None, "poisson", "shuffle")
@@ -174,11 +175,14 @@ def describe(spec, reason, meter=None):
 
 
 class SamplingSync(keras.callbacks.Callback):
-  """Internal: moves the sampler's new passes into the ledger and prints the log line.
+  """Internal: moves the sampler's new passes into the ledger, prints the log line, and has
+  the fit's PrivacyMeters write their epoch logs.
 
   Runs first among the callbacks, so every later callback (PrivacyMeter, the journal,
   StopAtPrivacyBudget, checkpoints, the progress bar) sees a ledger that already holds the
-  passes of the steps taken. Passes started by prefetching are charged too (conservative).
+  passes of the steps taken, and every callback (TensorBoard, CSVLogger, EarlyStopping...,
+  wherever they are listed) sees epsilon in the epoch logs. Passes started by prefetching
+  are charged too (conservative).
   """
 
   def __init__(self, sampler, line):
@@ -193,6 +197,7 @@ class SamplingSync(keras.callbacks.Callback):
         self.model.ledger.record_passes(new)
 
   def on_train_begin(self, logs=None):
+    callbacks_lib.begin_fit(self.model)
     if self.line:
       print(self.line)
 
@@ -201,6 +206,7 @@ class SamplingSync(keras.callbacks.Callback):
 
   def on_epoch_end(self, epoch, logs=None):
     self._sync()
+    callbacks_lib.write_privacy_logs(self.model, epoch, logs)
 
   def on_train_end(self, logs=None):
     self._sync()

@@ -1,0 +1,115 @@
+"""PrivacyMeter / StopAtPrivacyBudget in fit: budgets exceeded before the first step, logs
+seen by every callback whatever the order, and the epsilon-over-steps PNG."""
+
+import csv
+import warnings
+
+import dp_accounting as dpa
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter import accounting
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+DELTA = 1e-5
+
+
+def _built_model():
+  """Built before fit (an Input layer) and compiled with a metric: Keras builds the compiled
+  metrics in the first train step only, the case that crashed when no step ran."""
+  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS,
+                metrics=["accuracy"])
+  return model
+
+
+def _data(n=100, seed=0):
+  rng = np.random.RandomState(seed)
+  return rng.randn(n, 6).astype("float32"), rng.randint(0, 3, n)
+
+
+class _LogRecorder(keras.callbacks.Callback):
+  def __init__(self):
+    super().__init__()
+    self.epoch_logs = []
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.epoch_logs.append(dict(logs))
+
+
+@pytest.mark.parametrize("verbose", [0, 1])
+def test_budget_exceeded_by_the_first_step_stops_cleanly(verbose):
+  x, y = _data()
+  model = _built_model()
+  stop = dp.keras.callbacks.StopAtPrivacyBudget(0.01, DELTA)
+  with pytest.warns(UserWarning, match=r"stopping before training: the next step would reach "
+                    r"epsilon [0-9.]+ > 0.01 .*no training step was taken"):
+    history = model.fit(x, y, batch_size=20, epochs=3, verbose=verbose,
+                        callbacks=[stop, dp.keras.PrivacyMeter(DELTA)])
+  assert int(model.ledger.sample_count.numpy()) == 0
+  assert stop.stopped_at_step == 0
+  assert history.history["epsilon"] == [0.0]
+  # the model is usable afterwards: a fit within a larger budget trains and reports metrics
+  history = model.fit(x, y, batch_size=20, epochs=1, verbose=0,
+                      callbacks=[dp.keras.callbacks.StopAtPrivacyBudget(50.0, DELTA)])
+  assert int(model.ledger.sample_count.numpy()) == 5
+  assert "accuracy" in history.history
+
+
+def test_privacy_logs_reach_callbacks_listed_before_the_meter(tmp_path):
+  x, y = _data()
+  model = _built_model()
+  recorder = _LogRecorder()
+  path = tmp_path / "log.csv"
+  model.fit(x, y, batch_size=20, epochs=2, verbose=0,
+            callbacks=[keras.callbacks.CSVLogger(str(path)), recorder,
+                       dp.keras.PrivacyMeter(DELTA)])
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  assert [float(r["delta"]) for r in rows] == [DELTA, DELTA]
+  eps_csv = [float(r["epsilon"]) for r in rows]
+  eps_seen = [logs["epsilon"] for logs in recorder.epoch_logs]
+  assert eps_csv == pytest.approx(eps_seen, rel=1e-12)
+  assert 0 < eps_seen[0] < eps_seen[1]
+  # independent path: 10 Poisson-sampled Gaussian steps (q = 20/100, z = 1) by dp-accounting
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.2, dpa.GaussianDpEvent(1.0)),
+                                      10))
+  assert eps_seen[1] == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
+
+
+def test_meters_of_an_earlier_fit_do_not_write_logs():
+  x, y = _data()
+  model = _built_model()
+  model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[dp.keras.PrivacyMeter(1e-3)])
+  recorder = _LogRecorder()
+  model.fit(x, y, batch_size=20, epochs=1, verbose=0, callbacks=[recorder])
+  assert "epsilon" not in recorder.epoch_logs[0]
+
+
+def test_privacy_meter_plot_writes_a_png_of_the_ledger_curve(tmp_path):
+  x, y = _data()
+  model = _built_model()
+  path = tmp_path / "eps.png"
+  meter = dp.keras.PrivacyMeter(DELTA, plot=str(path), plot_points=5)
+  model.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[meter])
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert meter.epoch_steps == [5, 10]
+  curve = accounting.epsilon_curve(model.ledger, DELTA, num_points=5)
+  assert curve.steps == (2, 4, 6, 8, 10)
+  assert curve.epsilon[-1] == pytest.approx(meter.epsilon, rel=1e-12)
+
+
+def test_privacy_meter_refuses_bad_arguments():
+  with pytest.raises(ValueError, match="accountant must be one of"):
+    dp.keras.PrivacyMeter(DELTA, accountant="moments")
+  with pytest.raises(ValueError, match="accountant='prv' is not available"):
+    dp.keras.PrivacyMeter(DELTA, accountant="prv")
+  with pytest.raises(ValueError, match="plot must be None or a PNG file path"):
+    dp.keras.PrivacyMeter(DELTA, plot=3)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    dp.keras.PrivacyMeter(DELTA, accountant="gdp")

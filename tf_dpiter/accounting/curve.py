@@ -1,0 +1,104 @@
+"""Epsilon over training steps, read from a ledger, and its PNG plot. No TensorFlow.
+
+`epsilon_curve` accounts prefixes of the ledger (its first k samples, in the order they were
+recorded) at up to `num_points` values of k; the last point is the whole ledger, so it equals
+`accounting.epsilon(ledger, delta)`. Shuffled passes carry no step index in the ledger: a
+prefix of k of K samples is charged max(ceil(k / steps_per_pass), ceil(passes * k / K)) passes
+(at least the passes its steps need, at least its share of all passes), capped by the
+recorded passes. `plot_epsilon_curve` draws the curve (matplotlib, Agg backend).
+"""
+
+import dataclasses
+import math
+from typing import Tuple
+
+from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.accounting import ledger_events
+from tf_dpiter.ledger import records as rec
+
+
+@dataclasses.dataclass(frozen=True)
+class EpsilonCurve:
+  """epsilon[i] is the ledger's epsilon at `delta` after its first steps[i] samples."""
+  steps: Tuple[int, ...]
+  epsilon: Tuple[float, ...]
+  delta: float
+  accountant: str
+
+
+def _prefix(runs, k):
+  """The runs of the first k samples."""
+  out, left = [], k
+  for count, sample, queries in runs:
+    if left <= 0:
+      break
+    out.append((min(count, left), sample, queries))
+    left -= count
+  return out
+
+
+def _prefix_passes(groups, k, total_steps, passes):
+  if passes <= 0:
+    return 0
+  needed = sum(math.ceil(g.count / math.ceil(g.population_size / g.sample_size))
+               for g in groups if g.policy == rec.SHUFFLE)
+  return min(passes, max(needed, math.ceil(passes * k / total_steps)))
+
+
+def epsilon_curve(ledger, delta, accountant="rdp", num_points=50, key=None):
+  """Epsilon at `delta` after the first k samples of the ledger, for up to num_points k.
+
+  Args:
+    ledger: a PrivacyLedger, a ledger dict or JSON string, or (samples, queries[, passes]).
+    delta: in (0, 1).
+    accountant: one of accounting.REPORT_ACCOUNTANTS.
+    num_points: at most this many points, evenly spaced in steps, the last one all samples.
+    key: HMAC key of a signed ledger dict/JSON (checked).
+  Returns:
+    EpsilonCurve.
+  Raises:
+    ValueError: an empty ledger, num_points < 1, or what `privacy_report` refuses.
+  """
+  if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 1:
+    raise ValueError(f"num_points must be a positive integer, got {num_points!r}")
+  runs, passes = accountant_lib.ledger_runs(ledger, key)
+  total = sum(c for c, _, _ in runs)
+  if total == 0:
+    raise ValueError("ledger is empty: no samples were recorded, so there is no curve to draw")
+  ks = sorted({max(1, round(total * (i + 1) / num_points)) for i in range(num_points)})
+  eps = []
+  for k in ks:
+    groups = ledger_events.groups_from_runs(_prefix(runs, k))
+    content = accountant_lib.LedgerContent(tuple(groups),
+                                           _prefix_passes(groups, k, total, passes))
+    eps.append(accountant_lib.report_from_groups(content, delta=delta,
+                                                 accountant=accountant).epsilon)
+  return EpsilonCurve(tuple(ks), tuple(eps), float(delta), accountant)
+
+
+def plot_epsilon_curve(curve, path, title=None, epoch_steps=None):
+  """Writes a PNG of epsilon over steps (matplotlib, Agg backend). Returns path.
+
+  Args:
+    curve: an EpsilonCurve.
+    path: output PNG path.
+    title: figure title (default names delta and the accountant).
+    epoch_steps: optional step counts at which epochs ended (dotted vertical lines).
+  """
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot(curve.steps, [e if math.isfinite(e) else float("nan") for e in curve.epsilon], "-o",
+          ms=3)
+  for s in epoch_steps or ():
+    ax.axvline(s, color="grey", lw=0.6, ls=":")
+  ax.set_xlabel("training steps (ledger samples)")
+  ax.set_ylabel("ε")
+  ax.set_title(title or f"ε over training at δ = {curve.delta:g} "
+               f"({curve.accountant.upper()} accountant)")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path

@@ -1,0 +1,88 @@
+"""Gaussian differential privacy (mu-GDP) accounting of a ledger: TF Privacy's GDP accountant.
+
+Dong, Roth & Su (2019), "Gaussian Differential Privacy": a Gaussian mechanism of noise
+multiplier z (sigma over the add/remove-one sensitivity) is exactly (1/z)-GDP, and mu-GDP
+mechanisms compose to sqrt(sum mu_i^2)-GDP (exact). Poisson subsampling with rate q over T
+steps is handled by the central limit theorem of Bu, Dong, Long & Su (2020), "Deep Learning
+with Gaussian Differential Privacy", Section 3: mu = q sqrt(T (e^(1/z^2) - 1)). That CLT
+value is an APPROXIMATION (a limit as T grows with q sqrt(T) fixed), not an upper bound: it
+can understate epsilon, most for few steps or large q. TF Privacy's MovieLens tutorial
+reports it; tf_dpiter offers it for comparison and labels every report with this caveat.
+RDP or PLD (dp-accounting) give upper bounds.
+
+mu-GDP implies (epsilon, delta(epsilon))-DP for all epsilon with (Dong et al., Corollary 2.13)
+  delta(epsilon) = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2).
+Only Gaussian queries under Poisson sampling (q < 1, approximate) or full batches (exact) are
+accounted; other policies and Laplace queries are refused.
+"""
+
+import math
+
+from tf_dpiter.ledger import records as rec
+
+CAVEAT = ("GDP accountant (mu-GDP; Poisson subsampling by the central limit theorem of Bu et "
+          "al. 2020, as TF Privacy's gdp_accountant): an APPROXIMATION, not an upper bound; "
+          "it can understate epsilon. Use 'rdp' or 'pld' for a guarantee")
+
+
+def _norm():
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  return stats.norm
+
+
+def group_mu_squared(group):
+  """mu^2 of one SampleGroup (count samples), or ValueError for what GDP cannot account."""
+  if group.non_private:
+    return math.inf
+  if group.laplace_noise_multipliers:
+    raise ValueError("accountant='gdp' accounts Gaussian queries only; this ledger has Laplace "
+                     "queries: use accountant='rdp' or 'pld'")
+  z = group.noise_multiplier
+  if not math.isfinite(z):
+    return 0.0
+  q = group.selection_probability
+  if group.policy == rec.FULL or (group.policy == rec.POISSON and q >= 1.0):
+    return group.count / z ** 2
+  if group.policy == rec.POISSON:
+    return group.count * q ** 2 * math.expm1(1.0 / z ** 2)
+  raise ValueError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
+                   f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "
+                   "accountant='rdp' or 'pld'")
+
+
+def mu_of_groups(groups):
+  """mu of the composition of all groups: sqrt(sum of the groups' mu^2)."""
+  if not groups:
+    raise ValueError("ledger is empty: no samples were recorded, so there is nothing to account")
+  return math.sqrt(sum(group_mu_squared(g) for g in groups))
+
+
+def delta_from_mu(mu, epsilon):
+  """delta(epsilon) of mu-GDP (Dong, Roth & Su 2019, Corollary 2.13)."""
+  if mu == 0:
+    return 0.0
+  if not math.isfinite(mu):
+    return 1.0
+  norm = _norm()
+  return float(norm.cdf(-epsilon / mu + mu / 2)
+               - math.exp(epsilon + norm.logcdf(-epsilon / mu - mu / 2)))
+
+
+def epsilon_from_mu(mu, delta):
+  """Smallest epsilon >= 0 with delta(epsilon) <= delta for mu-GDP (bisection, 1e-10 relative)."""
+  if mu == 0:
+    return 0.0
+  if not math.isfinite(mu):
+    return math.inf
+  if delta_from_mu(mu, 0.0) <= delta:
+    return 0.0
+  lo, hi = 0.0, max(1.0, mu)
+  while delta_from_mu(mu, hi) > delta:
+    lo, hi = hi, 2 * hi
+  while hi - lo > 1e-10 * hi:
+    mid = (lo + hi) / 2
+    if delta_from_mu(mu, mid) > delta:
+      lo = mid
+    else:
+      hi = mid
+  return hi

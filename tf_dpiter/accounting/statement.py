@@ -1,0 +1,128 @@
+"""TF Privacy's `compute_dp_sgd_privacy_statement`, in tf_dpiter's terms (relation and unit).
+
+Two example-level numbers are given, as TF Privacy does: the conservative one, each example
+used once per epoch (our "shuffle" policy: one un-amplified mechanism per pass, replace-one
+adjacency, sensitivity 2C of a clipped sum), and the one assuming Poisson sampling (add or
+remove one example, sensitivity C, amplified by subsampling; what `DPModel.fit` on arrays
+really does). With microbatches the Poisson claim is not made: removing an example re-deals
+the others among microbatches (tf_dpiter refuses it). A user-level number, when
+`max_examples_per_user` = k is given, comes from the group-privacy lemma for (epsilon,
+delta)-DP (Dwork & Roth 2014, Lemma 2.2 generalised; Vadhan 2017, Lemma 2.3): a mechanism
+that is (e, d)-DP for one example is (k e, k e^((k-1) e) d)-DP for k examples; the per-example
+delta d is the largest one whose group delta stays within `delta` (bisection on log d).
+"""
+
+import math
+
+from tf_dpiter.accounting import dp_sgd
+
+_BISECTION_STEPS = 30
+
+
+def group_epsilon(epsilon_at, k, delta):
+  """Smallest k * epsilon_at(d) with k * exp((k-1) * epsilon_at(d)) * d <= delta (bisection
+  on log d down to delta * e^-40); inf when no such d exists there.
+
+  epsilon_at: per-example epsilon as a function of the per-example delta (decreasing).
+  """
+  if k == 1:
+    return epsilon_at(delta)
+
+  def at(log_d):
+    e = epsilon_at(math.exp(log_d))
+    return k * math.exp(min((k - 1) * e, 700.0)) * math.exp(log_d) <= delta, k * e
+
+  lo, hi = math.log(delta) - 40.0, math.log(delta / k)
+  ok, best = at(hi)
+  if ok:
+    return best
+  ok, best = at(lo)
+  if not ok:
+    return math.inf   # group privacy gives no finite bound at this delta
+  for _ in range(_BISECTION_STEPS):   # feasible at lo, not at hi
+    mid = (lo + hi) / 2
+    ok, e = at(mid)
+    if ok:
+      lo, best = mid, e
+    else:
+      hi = mid
+  return best
+
+
+def _line(label, value):
+  return f"    {label}: " + (f"{value:.4g}" if isinstance(value, float) else str(value))
+
+
+def _user_lines(n, batch_size, noise_multiplier, epochs, delta, k, accountant, microbatches):
+  if k is None:
+    return ["No user-level guarantee is given: it needs a bound on the number of examples "
+            "per user (max_examples_per_user)."]
+  lines = [f"User-level DP (a user is up to {k} examples; group privacy over {k} examples) "
+           f"at delta = {delta:g}:"]
+
+  def eps(sampling):
+    return lambda d: dp_sgd.compute_dp_sgd_privacy(
+        n, batch_size, noise_multiplier, epochs, d, accountant=accountant,
+        sampling=sampling).epsilon
+
+  lines.append(_line("Epsilon with each example once per epoch",
+                     group_epsilon(eps("shuffle"), k, delta)))
+  if not microbatches:
+    lines.append(_line("Epsilon assuming Poisson sampling (*)",
+                       group_epsilon(eps("poisson"), k, delta)))
+  return lines
+
+
+def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
+                                     noise_multiplier, delta, used_microbatching=True,
+                                     max_examples_per_user=None, accountant="rdp"):
+  """A multi-line privacy statement for DP-SGD, as TF Privacy's function of the same name.
+
+  Args:
+    number_of_examples: n, records in the training set.
+    batch_size: B (expected batch size for Poisson).
+    num_epochs: passes over the data (steps = ceil(epochs n / B)).
+    noise_multiplier: z, noise stddev over the clip C.
+    delta: in (0, 1).
+    used_microbatching: True if gradients were clipped per microbatch (TF Privacy's default).
+    max_examples_per_user: k, or None (no user-level number).
+    accountant: "rdp", "pld" or "gdp" (an approximation; see accounting.gdp).
+  Returns:
+    str: the statement, naming the relation and the unit of each number.
+  Raises:
+    ValueError: a bad argument (named).
+  """
+  if max_examples_per_user is not None and (
+      isinstance(max_examples_per_user, bool) or not isinstance(max_examples_per_user, int)
+      or max_examples_per_user < 1):
+    raise ValueError("max_examples_per_user must be a positive integer or None, got "
+                     f"{max_examples_per_user!r}")
+  n, b, z = number_of_examples, batch_size, noise_multiplier
+  shuffled = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta, accountant=accountant,
+                                           sampling="shuffle")
+  head = (f"DP-SGD over {n} examples with {b} examples per step, noise multiplier {z:g}, for "
+          f"{num_epochs:g} epochs ({shuffled.steps} steps), "
+          f"{'with' if used_microbatching else 'without'} microbatching, and "
+          + ("no bound on the number of examples per user." if max_examples_per_user is None
+             else f"at most {max_examples_per_user} examples per user."))
+  lines = [head, "",
+           "The guarantee covers every model checkpoint released during training, not only "
+           "the final model.", "",
+           f"Example-level DP at delta = {delta:g}, {accountant.upper()} accountant"
+           + (" (an approximation, not an upper bound)" if accountant == "gdp" else "") + ":",
+           _line("Epsilon with each example once per epoch (replace-one adjacency, "
+                 "sensitivity 2C, no amplification)", shuffled.epsilon)]
+  if used_microbatching:
+    lines.append(_line("Epsilon assuming Poisson sampling (*)",
+                       "not given: with microbatches, removing an example re-deals the "
+                       "others among microbatches"))
+  else:
+    poisson = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta, accountant=accountant)
+    lines.append(_line("Epsilon assuming Poisson sampling (*) (add/remove-one adjacency, "
+                       "sensitivity C)", poisson.epsilon))
+  lines += [""] + _user_lines(n, b, z, num_epochs, delta, max_examples_per_user, accountant,
+                              used_microbatching)
+  lines += ["", "(*) tf_dpiter's fit(x, y, batch_size=B) on arrays samples by Poisson, so this "
+            "number holds for it; a pipeline that shuffles and cuts batches gets the first "
+            "number."]
+  return "\n".join(lines)
