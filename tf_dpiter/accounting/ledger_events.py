@@ -10,6 +10,15 @@ multiplier is sigma over that sensitivity. It is placed in the sampling event of
   shuffle    -> one un-amplified mechanism per pass started  replace one
   full       -> one mechanism per sample                    add or remove one
 Identical samples are composed with a count, so a ledger of 10^6 samples costs one event.
+
+Correlated noise and capped batches (issue 16; see `_extra_event`):
+  cyclic_poisson (b groups) -> per example, k = sum over runs of ceil(run length / b)
+      participations of PoissonSampledDpEvent(q, Gaussian(sigma / (zeta S))): BandMF with b
+      bands or fewer under b-min-separation is as private as k steps of Poisson-sampled DP-SGD
+      (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Theorem 4)
+  tree_gaussian rows (shuffle) -> per pass SingleEpochTreeAggregationDpEvent (Kairouz et al.
+      2021, Appendix D), accountant under REPLACE_SPECIAL with the replace-one leaf sensitivity
+  truncated_poisson (cap B) -> TruncatedSubsampledGaussianDpEvent(n, q, B, .) (PLD only)
 """
 
 import dataclasses
@@ -44,6 +53,9 @@ class SampleGroup:
   laplace_noise_multipliers: Tuple[float, ...]
   non_private: bool
   examples_per_record: int = 1
+  correlated: str = ""             # "banded" / "tree" for correlated-noise rows, else ""
+  tree_depth: int = 0              # nodes one participation touches (tree rows)
+  participations: int = 0          # cyclic_poisson: most steps one example can join
 
   @property
   def relation(self):
@@ -62,16 +74,47 @@ def _round_down(z, digits=12):
 def groups_from_runs(runs) -> List[SampleGroup]:
   """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups."""
   merged = {}
+  participations = {}
   for run in rec.to_records(runs):
     gauss = [q for q in run.queries if q.kind == "gaussian"]
     lap = [q for q in run.queries if q.kind == "laplace"]
+    extra = _correlated_fields(run)
+    if extra[0]:
+      gauss = extra[2]
     z = _round_down(eq1_noise_multiplier([q.sensitivity for q in gauss], [q.noise for q in gauss]))
     key = (run.policy, run.population_size, run.selection_probability, run.sample_size, z,
            tuple(sorted(q.noise / q.sensitivity for q in lap)),
            any(q.kind == "non_private" for q in run.queries) or z == 0.0,
            run.examples_per_record)
-    merged[key] = merged.get(key, 0) + run.count
-  return [SampleGroup(c, *k) for k, c in merged.items()]
+    merged[key + extra[:2]] = merged.get(key + extra[:2], 0) + run.count
+    if run.policy == rec.CYCLIC_POISSON:
+      # A run of c consecutive steps holds at most ceil(c / b) steps of any one group.
+      participations[key + extra[:2]] = (participations.get(key + extra[:2], 0)
+                                         + math.ceil(run.count / run.sample_size))
+  return [SampleGroup(c, *k, participations=participations.get(k, 0)) for k, c in merged.items()]
+
+
+def _correlated_fields(run):
+  """(kind, tree depth, leaf-level QueryRecords) of a run's correlated rows; ("", 0, ()) if none.
+
+  Raises:
+    ValueError: correlated rows mixed with other queries in one sample, or unequal depths.
+  """
+  kinds = {q.kind for q in run.queries}
+  corr = kinds & {"banded_gaussian", "tree_gaussian"}
+  if not corr:
+    return "", 0, ()
+  if len(kinds) > 1:
+    raise ValueError(f"a sample mixes correlated-noise queries with others ({sorted(kinds)}): "
+                     "no accounting rule covers it; record them in separate ledgers")
+  if corr == {"banded_gaussian"}:
+    return "banded", 0, tuple(run.queries)
+  factor = rec.sensitivity_factor(run.relation, run.examples_per_record)
+  depths = {round((q.sensitivity / (factor * q.clip)) ** 2) for q in run.queries}
+  if len(depths) != 1 or min(depths) < 1:
+    raise ValueError(f"tree rows of one sample must share one depth >= 1, got {sorted(depths)}")
+  leaves = tuple(dataclasses.replace(q, sensitivity=factor * q.clip) for q in run.queries)
+  return "tree", int(depths.pop()), leaves
 
 
 def groups_from_arrays(samples, queries) -> List[SampleGroup]:
@@ -129,6 +172,8 @@ def group_event(group, accountant="rdp", passes=0):
   gaussian_only = not group.laplace_noise_multipliers
   if isinstance(mech, (dpa.NonPrivateDpEvent, dpa.NoOpDpEvent)):
     return dpa.SelfComposedDpEvent(mech, group.count), notes
+  if group.correlated or group.policy in rec.EXTRA_POLICIES:
+    return _extra_event(group, mech, accountant, passes, notes), notes
   if group.policy == rec.POISSON and q < 1:
     if gaussian_only or (accountant == "pld" and len(group.laplace_noise_multipliers) == 1
                          and not math.isfinite(group.noise_multiplier)):
@@ -151,6 +196,49 @@ def group_event(group, accountant="rdp", passes=0):
     return _shuffle_event(group, mech, passes, notes), notes
   notes.append("every record in every sample: no amplification")
   return dpa.SelfComposedDpEvent(mech, group.count), notes
+
+
+def _extra_event(group, mech, accountant, passes, notes):
+  """The event of a cyclic_poisson, truncated_poisson or tree group (see module doc)."""
+  n, q, m = group.population_size, group.selection_probability, group.sample_size
+  if group.laplace_noise_multipliers:
+    raise ValueError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
+                     "accounted for Gaussian queries only; this sample has Laplace queries")
+  if group.correlated == "tree":
+    tree = dpa.SingleEpochTreeAggregationDpEvent(group.noise_multiplier,
+                                                 2 ** group.tree_depth - 1)
+    if passes <= 0:
+      raise ValueError("tree aggregation rows with no shuffled pass recorded: one example may "
+                       "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
+                       "not cover; refusing to account it")
+    notes.append(f"tree aggregation (DP-FTRL, depth {group.tree_depth}): each example at most "
+                 "once per shuffled pass and every tree restarted at a pass boundary (the query's "
+                 "restart period divides the steps per pass): one SingleEpochTreeAggregation"
+                 "DpEvent per pass, accounted under REPLACE_SPECIAL with the recorded "
+                 "per-leaf sensitivity (the Gaussian bound depends only on it)")
+    return _shuffle_event(group, tree, passes, notes)
+  if group.policy == rec.TRUNCATED_POISSON:
+    if accountant != "pld":
+      raise ValueError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
+                       f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
+                       f"accountant='pld', got {accountant!r}")
+    notes.append(f"truncated Poisson sampling (q={q:.6g}, n={n:.0f}, at most {m:.0f} records: "
+                 "a uniformly random subset of a larger sample): TruncatedSubsampledGaussian"
+                 "DpEvent")
+    return dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(
+        int(n), q, int(m), group.noise_multiplier), group.count)
+  if group.policy == rec.CYCLIC_POISSON:
+    inner = mech if q >= 1 else dpa.PoissonSampledDpEvent(q, mech)
+    what = "banded matrix mechanism (noise multiplier over the strategy's largest column norm)" \
+        if group.correlated == "banded" else "independent Gaussian noise"
+    notes.append(f"cyclic Poisson sampling: n={n:.0f} split into b={m:.0f} fixed groups chosen "
+                 f"independently of the data, step t samples group t mod b with q={q:.6g}; "
+                 f"{what} with at most b bands, so each example's {group.participations} "
+                 "participations are >= b steps apart and the run is as private as that many "
+                 "Poisson-sampled Gaussian steps (Choquette-Choo et al. 2023, Theorem 4)")
+    return dpa.SelfComposedDpEvent(inner, group.participations)
+  raise ValueError(f"no accounting rule for {group.correlated!r} rows under policy "
+                   f"{group.policy!r}")
 
 
 def relation_of(groups):
@@ -194,4 +282,6 @@ def events_from_groups(groups, accountant="rdp", passes=0):
                                               else "replace one ") + "; ".join(units)
                + "; noise multipliers are sigma over the sensitivity under this relation")
   event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
+  if any(g.correlated == "tree" for g in groups):
+    return event, dpa.NeighboringRelation.REPLACE_SPECIAL, notes
   return event, dpa_relation(relation), notes

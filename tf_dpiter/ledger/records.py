@@ -31,7 +31,15 @@ FIXED_SIZE = "fixed_size"      # samples of `sample_size` records, drawn without
 SHUFFLE = "shuffle"            # passes over a public random permutation, disjoint batches
 FULL = "full"                  # every record in every sample (q = 1)
 POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, FULL)
-_POLICY_CODE = {p: i for i, p in enumerate(POLICIES)}
+# Samplings of correlated-noise training and capped batches (issue 16); codes follow POLICIES.
+# Their sample row reuses `sample_size` for the one integer each needs:
+CYCLIC_POISSON = "cyclic_poisson"        # n split into b fixed groups; step t Poisson-samples
+                                         # group t mod b with probability q. sample_size = b
+TRUNCATED_POISSON = "truncated_poisson"  # Poisson(q) then a uniform subset of at most B.
+                                         # sample_size = B (the static cap)
+EXTRA_POLICIES = (CYCLIC_POISSON, TRUNCATED_POISSON)
+ALL_POLICIES = POLICIES + EXTRA_POLICIES
+_POLICY_CODE = {p: i for i, p in enumerate(ALL_POLICIES)}
 
 # Neighbouring relations (seed 002, Appendix A), spelled as dp-accounting's NeighboringRelation.
 ADD_OR_REMOVE = "add_or_remove_one"
@@ -39,10 +47,19 @@ REPLACE_ONE = "replace_one"
 RELATIONS = (ADD_OR_REMOVE, REPLACE_ONE)
 _RELATION_OF_POLICY = {POISSON: ADD_OR_REMOVE, FULL: ADD_OR_REMOVE,
                        FIXED_SIZE: REPLACE_ONE, SHUFFLE: REPLACE_ONE}
+_RELATION_OF_POLICY.update({CYCLIC_POISSON: ADD_OR_REMOVE, TRUNCATED_POISSON: ADD_OR_REMOVE})
 
 # Query kinds.
 GAUSSIAN, LAPLACE, NON_PRIVATE = 0, 1, 2
 _KIND_NAME = {GAUSSIAN: "gaussian", LAPLACE: "laplace", NON_PRIVATE: "non_private"}
+# Correlated-noise steps (issue 16). A BANDED_GAUSSIAN row is one step of a banded matrix
+# mechanism: clip S, noise sigma (per coordinate of Z), sensitivity = factor x zeta x S with zeta
+# the strategy's largest column norm; it is only recorded under cyclic_poisson with b >= the
+# strategy's bands. A TREE_GAUSSIAN row is one leaf of online tree aggregation: clip S, noise
+# sigma per node, sensitivity = factor x S x sqrt(depth), depth = ceil(log2(tree_size + 1)) the
+# nodes one participation touches; only under shuffle (one participation per pass).
+BANDED_GAUSSIAN, TREE_GAUSSIAN = 3, 4
+_KIND_NAME.update({BANDED_GAUSSIAN: "banded_gaussian", TREE_GAUSSIAN: "tree_gaussian"})
 
 SAMPLE_COLUMNS = ("population_size", "selection_probability", "sample_size", "policy",
                   "examples_per_record", "num_queries")
@@ -52,12 +69,12 @@ QUERY_COLUMNS = ("sample_index", "kind", "clip", "noise", "sensitivity")
 def policy_code(policy):
   """Integer code of a policy name; ValueError naming the policy if unknown."""
   if policy not in _POLICY_CODE:
-    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    raise ValueError(f"policy must be one of {ALL_POLICIES}, got {policy!r}")
   return _POLICY_CODE[policy]
 
 
 def policy_name(code):
-  return POLICIES[int(code)]
+  return ALL_POLICIES[int(code)]
 
 
 def relation_for_policy(policy):
@@ -136,10 +153,13 @@ def _check_samples(samples):
   checks = [
       (n <= 0, "population_size must be > 0", n),
       (~((q > 0) & (q <= 1)), "selection_probability must be in (0, 1]", q),
-      (~np.isin(pol, np.arange(len(POLICIES))), f"policy code must be in 0..{len(POLICIES) - 1}", pol),
+      (~np.isin(pol, np.arange(len(ALL_POLICIES))), f"policy code must be in 0..{len(ALL_POLICIES) - 1}", pol),
       ((k < 1) | (k != np.floor(k)), "examples_per_record must be an integer >= 1", k),
       (np.isin(pol, [_POLICY_CODE[FIXED_SIZE], _POLICY_CODE[SHUFFLE]]) & ~((m >= 1) & (m <= n)),
        "sample_size must be in [1, population_size] for fixed_size/shuffle", m),
+      (np.isin(pol, [_POLICY_CODE[p] for p in EXTRA_POLICIES]) & ~((m >= 1) & (m <= n) & (m == np.floor(m))),
+       "sample_size (cycle length b / cap B) must be an integer in [1, population_size] for "
+       "cyclic_poisson/truncated_poisson", m),
   ]
   for mask, msg, col in checks:
     i = _first_bad(mask)
@@ -177,6 +197,10 @@ def _check_queries(samples, queries):
       ((kind == LAPLACE) & ((clip <= 0) | (noise <= 0)), "Laplace query needs clip > 0 and scale > 0", clip),
       ((kind != NON_PRIVATE) & (sens < factor * clip),
        "query sensitivity is below what its relation and record unit imply (factor x clip)", sens),
+      ((kind == BANDED_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[CYCLIC_POISSON]),
+       "a banded_gaussian query is accounted only under policy cyclic_poisson", kind),
+      ((kind == TREE_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[SHUFFLE]),
+       "a tree_gaussian query is accounted only under policy shuffle", kind),
   ]
   for mask, msg, col in checks:
     i = _first_bad(mask)
@@ -243,3 +267,43 @@ def to_records(runs):
   """Typed SampleRuns of runs (count, sample_row, query_rows)."""
   return [SampleRun(int(c), policy_name(s[3]), float(s[0]), float(s[1]), float(s[2]), int(s[4]),
                     tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
+
+
+def tree_depth(tree_size):
+  """Nodes of the online binary tree one leaf touches when a tree holds at most `tree_size`
+  leaves: ceil(log2(tree_size + 1)) (Kairouz et al. 2021, Appendix D; as dp-accounting)."""
+  if int(tree_size) != tree_size or tree_size < 1:
+    raise ValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")
+  return int(np.ceil(np.log2(int(tree_size) + 1)))
+
+
+def correlated_query_row(event, policy, sample_size, factor):
+  """[kind, clip, noise, sensitivity] of a correlated-noise event (pure Python values).
+
+  `event`: a `dp_query.correlated_events` BandedGaussianEvent or TreeGaussianEvent with
+  Python numbers; `factor`: `sensitivity_factor` of the sample. A banded event of one band is
+  an independent Gaussian sum query of clip zeta S (recorded as GAUSSIAN under any policy);
+  more bands need policy cyclic_poisson with cycle length b = sample_size >= the bands.
+
+  Raises:
+    ValueError: the event's structure is not covered by the sampling.
+  """
+  from tf_dpiter.dp_query import correlated_events  # pylint: disable=g-import-not-at-top
+  if isinstance(event, correlated_events.BandedGaussianEvent):
+    clip, zeta, bands = float(event.l2_norm_clip), float(event.column_norm), int(event.num_bands)
+    if bands == 1:
+      return [GAUSSIAN, zeta * clip, float(event.stddev), factor * zeta * clip]
+    if policy != CYCLIC_POISSON or not bands <= int(sample_size):
+      raise ValueError(
+          f"a banded mechanism of {bands} bands needs each example's participations >= {bands} "
+          f"steps apart: policy 'cyclic_poisson' with cycle length >= {bands}, got policy "
+          f"{policy!r}, sample_size {sample_size!r}; refusing to record an unproven guarantee")
+    return [BANDED_GAUSSIAN, clip, float(event.stddev), factor * zeta * clip]
+  if isinstance(event, correlated_events.TreeGaussianEvent):
+    if policy != SHUFFLE:
+      raise ValueError(f"tree aggregation is accounted for one participation per pass: policy "
+                       f"'shuffle', got {policy!r}")
+    clip = float(event.l2_norm_clip)
+    depth = tree_depth(event.tree_size)
+    return [TREE_GAUSSIAN, clip, float(event.stddev), factor * clip * float(np.sqrt(depth))]
+  raise ValueError(f"event must be a BandedGaussianEvent or TreeGaussianEvent, got {event!r}")
