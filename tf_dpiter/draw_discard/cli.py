@@ -85,6 +85,10 @@ def _add_serve(sub) -> None:
                  help="accept submits without draw tickets (old candidate rule: weaker, "
                       "attackers can chain their own updates)")
   s.add_argument("--ticket-ttl", type=float, default=60.0, help="draw ticket lifetime (s)")
+  s.add_argument("--no-rebase", action="store_true",
+                 help="store the submitted instance itself (Algorithm 2 literally) instead of "
+                      "its step applied to an instance drawn at submit time; clients that "
+                      "discard draws can then select favourable pre-images")
   s.add_argument("--budget-alpha", type=float, default=1e-3,
                  help="influence budget: bound on an honest token's lifetime refusal probability")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
@@ -121,7 +125,7 @@ def _serve(args) -> int:
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,
       body_timeout_s=args.body_timeout, seed=args.seed,
       reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
-      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha)
+      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

@@ -94,6 +94,11 @@ class DDMLService:
     reset: overwrite an existing model in the store.
     max_body_bytes: request body limit (default: a JSON list of 2p doubles).
     tickets: require draw tickets (tickets.py) and test steps against the served instance.
+    rebase: with tickets, store h' + (u - h), h' an instance drawn by the server when the
+      update arrives, instead of u (Algorithm 2 stores u). A client that discards draws to
+      keep a favourable h then gains nothing: the average moves by (step + h' - replaced)/k
+      with h' and the replaced slot both uniform (influence.py). Honest clients' steps
+      and noise are unchanged; the step lands on an instance of the same spread (Theorem 1).
     ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered).
     budget_alpha: lifetime false-rejection probability of an honest token's influence
       budget (influence.py).
@@ -110,7 +115,7 @@ class DDMLService:
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
                reset: bool = False, max_body_bytes: int | None = None, tickets: bool = True,
                ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
-               max_identities: int = 100_000):
+               max_identities: int = 100_000, rebase: bool = True):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -127,6 +132,7 @@ class DDMLService:
                                           spread_std=self.initial_std(),
                                           centre_factor=centre_factor)
     self.use_tickets = bool(tickets)
+    self.rebase = bool(rebase) and self.use_tickets
     self.ticket_ttl_s = float(ticket_ttl_s)
     tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
     self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
@@ -296,7 +302,12 @@ class DDMLService:
       raise await self._refuse(reason)
     draws, self._pending_draws = self._pending_draws, 0
     try:
-      return await self.store.replace(secrets.randbelow(self.k), sub.weights, nonce,
+      new = sub.weights
+      if self.rebase:  # the step lands on an instance the server draws now (see class doc)
+        new = (await self._recent_snapshot()).slots[secrets.randbelow(self.k)] + step
+        if self.rule.value_reason(new):
+          raise await self._refuse(self.rule.value_reason(new))
+      return await self.store.replace(secrets.randbelow(self.k), new, nonce,
                                       self.ticket_ttl_s, draws)
     except store_lib.TicketUsed as e:
       self.budget.release(identity, step)
@@ -335,6 +346,14 @@ class DDMLService:
                                    "X-DDML-Ticket": self.tickets.issue(self._identity(request),
                                                                        w)})
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
+
+  async def _recent_snapshot(self) -> store_lib.Snapshot:
+    """The last snapshot if younger than draw_max_age_s (memory: always current), else a new one."""
+    snap = self._snap
+    if snap is None or (self.store.kind != "memory"
+                        and time.monotonic() - self._snap_time > self.draw_max_age_s):
+      snap = await self._refresh(snap.seq + 1 if snap is not None else 0)
+    return snap
 
   def _may_draw(self, request: web.Request) -> bool:
     if self.quotas is None:
