@@ -26,7 +26,9 @@ replaces a uniformly random slot.
              one-weight-select4  the same from the draw with the largest weight 0 of 4
            Reports acceptance, the shift of the average (in steps a = gamma*clip): mean over
            weights and weight 0, and "ratio": shift / (N a / k), N a / k being what N honest
-           clients whose clipped gradients all point the same way move it in expectation.
+           clients whose clipped gradients all point the same way move it in expectation;
+           "step_term_*_ratio": the same for (sum of accepted steps) / k, the expectation of
+           the shift (the rest, (h' - replaced)/k per update, has mean zero; use --seeds).
 
   python benchmarks/draw_discard_acceptance.py frr --weights 387 7850 --updates 10000
   python benchmarks/draw_discard_acceptance.py attacks --weights 387 7850 --submits 300 --seeds 3
@@ -189,6 +191,11 @@ def attack(p, kind, submits, seed=0, tokens=1, rebase=True):
       reasons[reason] += 1
   moved = sim.slots.mean(axis=0) - avg0
   honest_max = submits * a / sim.k
+  steps = np.zeros(p)  # the step term sum_t d_t / k the submitters control (influence.py)
+  for ident in {f"attacker{t % tokens}" for t in range(submits)}:
+    steps += sim.budget.state(ident)[1]
+  if kind == "honest-coherent":
+    steps = sum(sim.budget.state(f"honest{t}")[1] for t in range(submits))
   honest_after = 0
   for i in range(200):
     h = sim.draw()
@@ -200,6 +207,8 @@ def attack(p, kind, submits, seed=0, tokens=1, rebase=True):
               honest_max_in_steps=honest_max / a,
               mean_ratio=float(moved.mean() / honest_max),
               weight0_ratio=float(moved[0] / honest_max),
+              step_term_mean_ratio=float(steps.mean() / sim.k / honest_max),
+              step_term_weight0_ratio=float(steps[0] / sim.k / honest_max),
               spread_after_over_before=float(sim.slots.std(axis=0, ddof=1).mean()) / spread0,
               honest_accepted_after=f"{honest_after}/200")
 

@@ -1,0 +1,145 @@
+"""Draw tickets and the influence budget through the HTTP service (memory and Redis)."""
+
+import http.client
+import json
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, service
+from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard.cli import dense_spec
+
+SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
+P = SPEC.num_weights
+ALICE = "alice-token-0123456789abcdef"
+MALLORY = "mallory-token-0123456789abcdef"
+
+
+def honest(w, rng):
+  return client_alg.spec_update(SPEC, w, {"x": rng.random((8, P - 1))}, rng.integers(0, 2, 8),
+                                rng=rng)
+
+
+def _svc(store=None, **kw):
+  return service.DDMLService(SPEC, 10, store or store_lib.MemoryStore(),
+                             tokens=auth.TokenSet([ALICE, MALLORY]), seed=0, **kw)
+
+
+def _state(srv):
+  snap = srv.call(srv.svc.store.snapshot())
+  return snap.seq, snap.slots.tobytes()
+
+
+def _post(port, drawn_w, ticket, u, token=ALICE):
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+  conn.request("POST", "/v1/submit", body=np.r_[drawn_w, u].astype("<f8").tobytes(),
+               headers={"Authorization": f"Bearer {token}", "X-DDML-Version": "1",
+                        "Content-Type": "application/octet-stream", "X-DDML-Ticket": ticket})
+  r = conn.getresponse()
+  out = r.status, json.loads(r.read())
+  conn.close()
+  return out
+
+
+def _refused(srv, before, got, status, code):
+  assert got[0] == status and got[1]["error"] == code and got[1]["message"]
+  assert _state(srv) == before
+
+
+def test_ticket_is_single_use(start_service):
+  srv = start_service(_svc())
+  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    d = c.draw()
+    u = honest(d.weights, np.random.default_rng(0))
+    assert c.submit(d, u)["accepted"]
+    before = _state(srv)
+    _refused(srv, before, _post(srv.port, d.weights, d.ticket, u), 409, "ticket_used")
+    assert c.metrics()["rejected_invalid"] == 1
+
+
+def test_ticket_of_another_token_or_instance_is_refused(start_service):
+  srv = start_service(_svc())
+  rng = np.random.default_rng(1)
+  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    d = c.draw()
+    before = _state(srv)
+    u = honest(d.weights, rng)
+    _refused(srv, before, _post(srv.port, d.weights, d.ticket, u, MALLORY), 403, "invalid_ticket")
+    # chaining: a real ticket, but the claimed pre-image is the client's own earlier update
+    assert c.submit(d, u)["accepted"]
+    d2 = c.draw()
+    before = _state(srv)
+    _refused(srv, before, _post(srv.port, u, d2.ticket, honest(u, rng)), 403, "invalid_ticket")
+    assert c.submit(d2, honest(d2.weights, rng))["accepted"]
+
+
+def test_expired_ticket_is_refused(start_service):
+  srv = start_service(_svc(ticket_ttl_s=0.2))
+  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    d = c.draw()
+    time.sleep(0.3)
+    before = _state(srv)
+    _refused(srv, before, _post(srv.port, d.weights, d.ticket,
+                                honest(d.weights, np.random.default_rng(2))), 409, "ticket_expired")
+
+
+def test_biased_token_hits_its_budget_others_do_not(start_service):
+  srv = start_service(_svc())
+  rng = np.random.default_rng(3)
+  a, b = srv.svc.rule.step, srv.svc.rule.scale
+  refused = {}
+  with client_lib.DDMLClient(srv.url, token=MALLORY) as m, \
+       client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    for _ in range(60):  # every weight pushed up by the step plus |noise|: passes one by one
+      d = m.draw()
+      noise = b * (rng.standard_exponential(P) - rng.standard_exponential(P))
+      try:
+        m.submit(d, d.weights + a + np.abs(noise))
+      except client_lib.DDMLError as e:
+        refused[e.code] = refused.get(e.code, 0) + 1
+      d = c.draw()
+      assert c.submit(d, honest(d.weights, rng))["accepted"]
+    assert refused.get("rejected_update", 0) > 10
+    st, _, text = _get(srv.port, "/metrics")
+    assert 'reason="cumulative_excess_too_large"' in text
+  n, total = srv.svc.budget.state(auth.token_digest(MALLORY)[:12])
+  assert np.maximum(np.abs(total) - n * a, 0).sum() <= srv.svc.budget.limits(n)[1] * (1 + 1e-9)
+
+
+def _get(port, path):
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+  conn.request("GET", path, headers={"Authorization": f"Bearer {ALICE}"})
+  r = conn.getresponse()
+  out = r.status, r.getheader("Content-Type"), r.read().decode()
+  conn.close()
+  return out
+
+
+def test_two_redis_servers_share_tickets(start_service, redis_url):
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  a = start_service(_svc(store_lib.make_store(redis_url, prefix)))
+  b = start_service(_svc(store_lib.make_store(redis_url, prefix)))
+  rng = np.random.default_rng(4)
+  with client_lib.DDMLClient(a.url, token=ALICE) as ca, \
+       client_lib.DDMLClient(b.url, token=ALICE) as cb:
+    d = ca.draw()
+    u = honest(d.weights, rng)
+    assert cb.submit(d, u)["accepted"]  # drawn on A, submitted to B
+    with pytest.raises(client_lib.DDMLError) as e:
+      ca.submit(d, u)
+    assert e.value.status == 409 and e.value.code == "ticket_used"
+    d = cb.draw()
+    answer, nxt = cb.submit_and_draw(d, honest(d.weights, rng))
+    assert answer["accepted"] and nxt.ticket
+    assert ca.submit(nxt, honest(nxt.weights, rng))["seq"] == 3
+
+
+def test_without_tickets_the_candidate_rule_applies(start_service):
+  srv = start_service(_svc(tickets=False))
+  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    d = c.draw()
+    assert c.submit(d.version, honest(d.weights, np.random.default_rng(5)))["accepted"]
+    assert srv.svc.history == 256
