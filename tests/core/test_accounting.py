@@ -153,3 +153,104 @@ def test_calibration_is_on_the_safe_side():
 def test_bad_input_names_the_parameter(call, match):
   with pytest.raises(ValueError, match=match):
     call()
+
+
+def _gdp_epsilon_by_hand(mu, delta):
+  """mu-GDP -> epsilon at delta (Dong, Roth & Su 2019, Cor. 2.13), scipy root finding."""
+  from scipy import optimize, stats  # pylint: disable=g-import-not-at-top
+  f = lambda e: (stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2)
+                 - delta)
+  return optimize.brentq(f, 0.0, 100.0, xtol=1e-12)
+
+
+@pytest.mark.parametrize("n,b,z,epochs", [(60000, 256, 1.1, 60), (800167, 10000, 1.0, 5)])
+def test_gdp_accountant_matches_the_clt_formula_by_hand(n, b, z, epochs):
+  """TF Privacy's GDP accountant (MovieLens tutorial): mu = q sqrt(T (e^(1/z^2) - 1))."""
+  steps = math.ceil(epochs * n / b)
+  mu = (b / n) * math.sqrt(steps * (math.exp(1 / z ** 2) - 1))
+  r = A.compute_dp_sgd_privacy(n, b, z, epochs, 1e-5, accountant="gdp")
+  assert r.epsilon == pytest.approx(_gdp_epsilon_by_hand(mu, 1e-5), rel=1e-7)
+  assert "APPROXIMATION, not an upper bound" in r.statement
+  led = L.PrivacyLedger()
+  led.record_sample(float(n), b / n, (dq.GaussianSumEvent(1.0, z),))
+  report = A.privacy_report(led, epsilon=1.0, accountant="gdp")
+  mu1 = (b / n) * math.sqrt(math.exp(1 / z ** 2) - 1)
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  expected = stats.norm.cdf(-1 / mu1 + mu1 / 2) - math.e * stats.norm.cdf(-1 / mu1 - mu1 / 2)
+  assert report.delta == pytest.approx(expected, rel=1e-9, abs=1e-300)
+
+
+def test_gdp_full_batch_is_exact_composition_and_other_policies_are_refused():
+  # full batch: T Gaussian mechanisms of multiplier z are exactly sqrt(T)/z-GDP
+  groups = A.dp_sgd.dp_sgd_groups(1000, 1000, 2.0, 16, sampling="full")
+  eps = A.report_from_groups(groups, delta=1e-5, accountant="gdp").epsilon
+  assert eps == pytest.approx(_gdp_epsilon_by_hand(math.sqrt(16) / 2.0, 1e-5), rel=1e-7)
+  for sampling in ("shuffle", "fixed_size"):
+    with pytest.raises(ValueError, match=f"accountant='gdp' accounts Poisson-sampled .* "
+                       f"policy '{sampling}'"):
+      A.compute_dp_sgd_privacy(1000, 100, 1.0, 2, 1e-5, accountant="gdp", sampling=sampling)
+
+
+def test_prv_accountant_is_refused_with_a_clear_error():
+  with pytest.raises(ValueError, match="accountant='prv' is not available: .*Use accountant='pld'"):
+    A.compute_dp_sgd_privacy(60000, 256, 1.1, 1, 1e-5, accountant="prv")
+
+
+def test_compute_dp_sgd_privacy_unpacks_as_tf_privacy():
+  eps, opt_order = A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1e-5)
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(256 / 60000, dpa.GaussianDpEvent(1.1)), math.ceil(60 * 60000 / 256)))
+  ref_eps, ref_order = acc.get_epsilon_and_optimal_order(1e-5)
+  assert (eps, opt_order) == (pytest.approx(ref_eps, rel=1e-12), ref_order)
+  r = A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1e-5)
+  assert r.epsilon == eps and r.steps == 14063 and "add or remove one example" in str(r)
+  assert A.compute_dp_sgd_privacy(60000, 256, 1.1, 60, 1e-5, accountant="pld").opt_order is None
+
+
+def test_privacy_statement_names_relation_unit_and_both_samplings():
+  text = A.compute_dp_sgd_privacy_statement(60000, 256, 3, 1.1, 1e-5, used_microbatching=False,
+                                            max_examples_per_user=2)
+  shuffled = A.compute_dp_sgd_privacy(60000, 256, 1.1, 3, 1e-5, sampling="shuffle").epsilon
+  poisson = A.compute_dp_sgd_privacy(60000, 256, 1.1, 3, 1e-5).epsilon
+  assert (f"once per epoch (replace-one adjacency, sensitivity 2C, no amplification): "
+          f"{shuffled:.4g}") in text
+  assert f"Poisson sampling (*) (add/remove-one adjacency, sensitivity C): {poisson:.4g}" in text
+  assert "User-level DP (a user is up to 2 examples" in text
+  user_poisson = float(text.split("User-level")[1].split("Poisson sampling (*): ")[1].split()[0])
+  assert 2 * poisson < user_poisson   # group privacy costs more than twice epsilon
+  with_mb = A.compute_dp_sgd_privacy_statement(60000, 256, 3, 1.1, 1e-5)
+  assert "not given: with microbatches" in with_mb and "No user-level guarantee" in with_mb
+
+
+def test_group_epsilon_meets_the_group_privacy_lemma():
+  from tf_dpiter.accounting import statement  # pylint: disable=g-import-not-at-top
+  acc = dpa.rdp.RdpAccountant()   # per-example epsilon(delta) by dp-accounting, by hand
+  acc.compose(dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(256 / 60000, dpa.GaussianDpEvent(1.1)), math.ceil(3 * 60000 / 256)))
+  eps_at = acc.get_epsilon
+  k, delta = 3, 1e-5
+  e = statement.group_epsilon(eps_at, k, delta)
+  # some per-example delta d gives (e / k, d) with k e^((k-1) e/k) d <= delta
+  d = delta / k * math.exp(-(k - 1) * e / k)
+  assert eps_at(d) <= e / k * (1 + 1e-6)
+
+
+def test_epsilon_curve_matches_prefixes_composed_by_hand():
+  led = L.PrivacyLedger()
+  for q, count in ((0.01, 6), (0.05, 4)):
+    for _ in range(count):
+      led.record_sample(1000.0, q, (dq.GaussianSumEvent(1.0, 1.0),))
+  c = A.epsilon_curve(led, 1e-5, num_points=5)
+  assert c.steps == (2, 4, 6, 8, 10)
+  for k, eps in zip(c.steps, c.epsilon):
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.0)),
+                                        min(k, 6)))
+    if k > 6:
+      acc.compose(dpa.SelfComposedDpEvent(
+          dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)), k - 6))
+    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-12)
+  assert c.epsilon[-1] == A.epsilon(led, 1e-5)
+  with pytest.raises(ValueError, match="ledger is empty"):
+    A.epsilon_curve(L.PrivacyLedger(), 1e-5)

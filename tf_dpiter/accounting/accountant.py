@@ -204,6 +204,20 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   return PrivacyReport(epsilon, float(acc.get_delta(epsilon)), accountant, num, tuple(notes))
 
 
+def epsilon_function(groups, accountant="rdp"):
+  """delta -> epsilon of SampleGroups or a LedgerContent, the events composed once (fast
+  for many deltas, e.g. group privacy); privacy_report's checks and accountants."""
+  content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups))
+  check_accountant(accountant)
+  if any(g.non_private for g in content.groups):
+    return lambda d: math.inf
+  if accountant == "gdp":
+    mu = gdp.mu_of_groups(content.groups)
+    return lambda d: gdp.epsilon_from_mu(mu, validation.check_delta("delta", d))
+  acc, _ = _compose(content, accountant)
+  return lambda d: float(acc.get_epsilon(validation.check_delta("delta", d)))
+
+
 def optimal_rdp_order(groups, delta):
   """The RDP order at which the RDP accountant's epsilon at `delta` is reached (TF Privacy's
   `opt_order`), for SampleGroups or a LedgerContent; None when epsilon is 0 or infinite."""

@@ -14,6 +14,7 @@ delta d is the largest one whose group delta stays within `delta` (bisection on 
 
 import math
 
+from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
 
 _BISECTION_STEPS = 30
@@ -61,9 +62,9 @@ def _user_lines(n, batch_size, noise_multiplier, epochs, delta, k, accountant, m
            f"at delta = {delta:g}:"]
 
   def eps(sampling):
-    return lambda d: dp_sgd.compute_dp_sgd_privacy(
-        n, batch_size, noise_multiplier, epochs, d, accountant=accountant,
-        sampling=sampling).epsilon
+    steps = dp_sgd.dp_sgd_steps(n, batch_size, epochs)
+    groups = dp_sgd.dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling)
+    return accountant_lib.epsilon_function(groups, accountant)
 
   lines.append(_line("Epsilon with each example once per epoch",
                      group_epsilon(eps("shuffle"), k, delta)))

@@ -1,0 +1,61 @@
+"""TF Privacy spellings on tf_dpiter (migration aid; see the README's migration table).
+
+  VectorizedDPKerasSGDOptimizer / ...AdamOptimizer / ...AdagradOptimizer
+      the DP optimizers with clipping="vectorized" by default (TF Privacy's vectorized
+      per-example gradients); any other `clipping` may still be given.
+  compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)
+      unpacks as TF Privacy's `eps, opt_order`; also has .statement and .steps.
+  compute_dp_sgd_privacy_statement(...)
+      TF Privacy's statement, stating the relation and the unit of every number.
+  compute_eps_poisson(epoch, noise_multi, n, batch_size, delta)
+      TF Privacy's GDP accountant (its MovieLens tutorial): an APPROXIMATION (central
+      limit theorem), not an upper bound; see accounting.gdp.
+
+The privacy is the same as with the tf_dpiter names: these only choose defaults and argument
+orders. Each accounting number comes from the same ledger path as `accounting.epsilon`.
+"""
+
+import keras
+
+from tf_dpiter import accounting
+from tf_dpiter.keras import optimizers
+
+compute_dp_sgd_privacy = accounting.compute_dp_sgd_privacy
+compute_dp_sgd_privacy_statement = accounting.compute_dp_sgd_privacy_statement
+
+
+def _vectorized(base, name):
+  """Subclass of the DP optimizer `base` whose `clipping` defaults to "vectorized"."""
+
+  def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
+               clipping="vectorized", **kwargs):
+    base.__init__(self, l2_norm_clip, noise_multiplier, num_microbatches, *args,
+                  clipping=clipping, **kwargs)
+
+  cls = type(name, (base,), {
+      "__init__": __init__,
+      "__doc__": f"TF Privacy's {name}: {base.__name__} with clipping='vectorized' by default "
+                 "(per-example gradients by vectorized_map).",
+      "__module__": __name__,
+  })
+  return keras.saving.register_keras_serializable(package="tf_dpiter", name=name)(cls)
+
+
+VectorizedDPKerasSGDOptimizer = _vectorized(optimizers.DPKerasSGDOptimizer,
+                                            "VectorizedDPKerasSGDOptimizer")
+VectorizedDPKerasAdamOptimizer = _vectorized(optimizers.DPKerasAdamOptimizer,
+                                             "VectorizedDPKerasAdamOptimizer")
+VectorizedDPKerasAdagradOptimizer = _vectorized(optimizers.DPKerasAdagradOptimizer,
+                                                "VectorizedDPKerasAdagradOptimizer")
+
+
+def compute_eps_poisson(epoch, noise_multi, n, batch_size, delta):
+  """Epsilon by TF Privacy's GDP accountant (Poisson sampling, central limit theorem).
+
+  mu = (batch_size / n) sqrt(T (e^(1 / noise_multi^2) - 1)) with T = ceil(epoch n /
+  batch_size) steps (TF Privacy uses epoch n / batch_size unrounded), then the mu-GDP
+  epsilon at delta. An approximation, not an upper bound: prefer
+  `accounting.compute_dp_sgd_privacy(..., accountant="rdp")` or "pld" for a guarantee.
+  """
+  return accounting.compute_dp_sgd_privacy(n, batch_size, noise_multi, epoch, delta,
+                                           accountant="gdp").epsilon
