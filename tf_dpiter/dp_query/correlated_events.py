@@ -6,6 +6,7 @@ know what it was, and accounts it only under a sampling whose analysis covers it
 `tf_dpiter.accounting.ledger_events`). Fields may be tensors.
 """
 
+import math
 from typing import Any, NamedTuple
 
 
@@ -32,6 +33,14 @@ class TreeGaussianEvent(NamedTuple):
   l2_norm_clip: Any
   stddev: Any
   tree_size: int
+
+
+def tree_depth(tree_size):
+  """Nodes one leaf touches in an online binary tree of at most `tree_size` leaves:
+  ceil(log2(tree_size + 1)) (Kairouz et al. 2021, Appendix D; as dp-accounting computes it)."""
+  if isinstance(tree_size, bool) or int(tree_size) != tree_size or tree_size < 1:
+    raise ValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")
+  return int(math.ceil(math.log2(int(tree_size) + 1)))
 
 
 def is_correlated_event(x) -> bool:

@@ -269,14 +269,6 @@ def to_records(runs):
                     tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
 
 
-def tree_depth(tree_size):
-  """Nodes of the online binary tree one leaf touches when a tree holds at most `tree_size`
-  leaves: ceil(log2(tree_size + 1)) (Kairouz et al. 2021, Appendix D; as dp-accounting)."""
-  if int(tree_size) != tree_size or tree_size < 1:
-    raise ValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")
-  return int(np.ceil(np.log2(int(tree_size) + 1)))
-
-
 def correlated_query_row(event, policy, sample_size, factor):
   """[kind, clip, noise, sensitivity] of a correlated-noise event (pure Python values).
 
@@ -304,6 +296,6 @@ def correlated_query_row(event, policy, sample_size, factor):
       raise ValueError(f"tree aggregation is accounted for one participation per pass: policy "
                        f"'shuffle', got {policy!r}")
     clip = float(event.l2_norm_clip)
-    depth = tree_depth(event.tree_size)
+    depth = correlated_events.tree_depth(event.tree_size)
     return [TREE_GAUSSIAN, clip, float(event.stddev), factor * clip * float(np.sqrt(depth))]
   raise ValueError(f"event must be a BandedGaussianEvent or TreeGaussianEvent, got {event!r}")

@@ -1,0 +1,127 @@
+"""Online tree aggregation for prefix sums (DP-FTRL; Kairouz et al. 2021, Section 3).
+
+The binary tree mechanism releases the prefix sum of t clipped sums with the noise
+N_t = sum of the noises of the dyadic nodes in the binary decomposition of t (one node per
+set bit of t), every node an independent N(0, sigma^2 I). One example's single
+participation touches depth = ceil(log2(R + 1)) nodes of a tree of R leaves, so the tree is
+as private as one Gaussian of noise multiplier sigma / (S sqrt(depth))
+(dp-accounting's SingleEpochTreeAggregationDpEvent).
+
+This query releases the *residual* g_t + N_t - N_{t-1}, so that an optimizer summing its
+outputs (SGD: theta_t = theta_0 - eta sum) follows the noisy prefix sums exactly (DP-FTRL).
+Going from t - 1 to t, the levels below the lowest set bit j of t close and level j opens:
+
+    N_t - N_{t-1} = sigma (z_new - sum_{levels i < j} z_i),
+
+so the state keeps one noise vector per level: O(depth d) memory. The tree restarts every
+`restart_every` steps (set it to the steps per pass: the accounting assumes every tree lies
+in one pass). A tree of one leaf (restart_every=1) adds exactly `GaussianSumQuery`'s noise.
+"""
+
+import collections
+import math
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.dp_query import band_mf_query
+from tf_dpiter.dp_query import correlated_events
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
+from tf_dpiter.dp_query import validation
+
+
+def tree_prefix_error(num_steps, restart_every):
+  """Mean squared prefix-sum error per step and coordinate, per unit noise multiplier, of the
+  tree (sigma = sqrt(depth) for unit sensitivity): mean_t depth x popcount(t within its tree)
+  plus the errors frozen at earlier restarts. Comparable to `matrix_factorization.prefix_error`.
+  """
+  depth = correlated_events.tree_depth(restart_every)
+  total, frozen = 0.0, 0.0
+  for t in range(num_steps):
+    leaf = t % restart_every + 1
+    total += frozen + bin(leaf).count("1")
+    if leaf == restart_every:
+      frozen += bin(leaf).count("1")
+  return depth * total / num_steps
+
+
+@serialization.register_query()
+class TreeAggregationQuery(dp_query.SumAggregationDPQuery):
+  """Sum of records clipped to S plus the tree-aggregation residual noise N_t - N_{t-1}."""
+
+  _GlobalState = collections.namedtuple(
+      "_GlobalState", ["l2_norm_clip", "stddev", "step", "nodes"])
+
+  def __init__(self, l2_norm_clip, noise_multiplier, template, restart_every, seed=None):
+    """Args:
+      l2_norm_clip: S per record.
+      noise_multiplier: z = sigma / (S sqrt(depth)): the node noise sigma grows with the depth
+        so that z is the multiplier of the whole tree (one participation).
+      template: a record's structure (tensors, variables, TensorSpecs or shape lists).
+      restart_every: R, leaves per tree (the steps per pass for the accounting).
+      seed: tests only (not private).
+    """
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._noise_multiplier = validation.check_nonnegative(
+        "noise_multiplier", noise_multiplier, allow_inf=False)
+    if isinstance(restart_every, bool) or not isinstance(restart_every, (int, np.integer)) or (
+        restart_every < 1):
+      raise ValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
+    self._depth = correlated_events.tree_depth(restart_every)
+    self._restart_every = int(restart_every)
+    self._shapes = band_mf_query.template_shapes(template)
+    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    self._seed = seed
+    self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
+            "template": [s for s, _ in self._shapes], "restart_every": self._restart_every,
+            "seed": p(self._seed)}
+
+  @property
+  def depth(self):
+    return self._depth
+
+  def initial_global_state(self):
+    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * math.sqrt(self._depth)
+    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
+                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
+                             tf.zeros([self._depth, self._size], tf.float32))
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
+    return clipped
+
+  def get_noised_result(self, sample_state, global_state):
+    leaf = global_state.step % self._restart_every + 1          # 1-based, within its tree
+    shifts = tf.range(self._depth, dtype=tf.int64)
+    now = tf.bitwise.bitwise_and(tf.bitwise.right_shift(leaf, shifts), 1) > 0
+    before = tf.bitwise.bitwise_and(tf.bitwise.right_shift(leaf - 1, shifts), 1) > 0
+    opened = now & ~before                                       # exactly one level
+    closed = before & ~now
+    z = randomness.normal(self._generator, [self._size], tf.float32)
+    nodes = global_state.nodes
+    if self._depth > 1:
+      closed_f = tf.cast(closed, tf.float32)[:, tf.newaxis]
+      residual = z - tf.reduce_sum(nodes * closed_f, axis=0)
+    else:
+      residual = z
+    new_nodes = tf.where(opened[:, tf.newaxis], z[tf.newaxis],
+                         tf.where(closed[:, tf.newaxis], tf.zeros_like(nodes), nodes))
+    result = band_mf_query.add_flat_noise(sample_state, residual * global_state.stddev)
+    new_state = self._GlobalState(global_state.l2_norm_clip, global_state.stddev,
+                                  global_state.step + 1, new_nodes)
+    event = correlated_events.TreeGaussianEvent(global_state.l2_norm_clip, global_state.stddev,
+                                                self._restart_every)
+    return result, new_state, (event,)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
+                                   stddev=global_state.stddev)
