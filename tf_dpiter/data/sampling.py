@@ -38,9 +38,74 @@ sampler: for "shuffle", the `shuffling.ShuffleSampler` counting the passes (else
 _SPEC_ATTR = "_tf_dpiter_sampling_spec"
 
 
+# tf.data transforms that keep each step's batch exactly the sample drawn: the declaration is
+# carried through them (by class name, as tf.data names its dataset classes).
+_KEEPS_SAMPLING = {"_PrefetchDataset": "prefetch", "_OptionsDataset": "with_options",
+                   "_AssertCardinalityDataset": "assert_cardinality", "_RepeatDataset": "repeat",
+                   "_TakeDataset": "take"}
+_WHY_LOST = {
+    "map": "a function over whole batches may mix records (e.g. normalizing by the batch "
+           "mean), which the per-record sensitivity does not cover; transform each record "
+           "alone with dp.data.poisson_batches(..., map_fn=f) / shuffled_batches(..., "
+           "map_fn=f) or dp.data.map_records(dataset, f)",
+    "cache": "it replays the first pass's batches in every later epoch, so they are no longer "
+             "fresh samples (Poisson) or counted passes (shuffle); drop the cache (the "
+             "samplers hold the arrays in memory already)",
+}
+_WHY_LOST_DEFAULT = ("it changes which records form each step's batch, so the batches are no "
+                     "longer the samples the ledger would record")
+
+
+def _transform_name(dataset):
+  """`map`, `batch`, `cache`... from tf.data's class name (_ParallelMapDataset -> map)."""
+  name = type(dataset).__name__.strip("_")
+  name = name[:-len("Dataset")] if name.endswith("Dataset") else name
+  name = name[len("Parallel"):] if name.startswith("Parallel") else name
+  return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+def _find_sampled_ancestor(dataset, depth=0):
+  """(spec, transforms from the sampled ancestor up to dataset) or (None, None)."""
+  spec = getattr(dataset, _SPEC_ATTR, None)
+  if spec is not None:
+    return spec, []
+  inputs = dataset._inputs() if hasattr(dataset, "_inputs") and depth < 64 else []  # pylint: disable=protected-access
+  for parent in inputs:
+    found, path = _find_sampled_ancestor(parent, depth + 1)
+    if found is not None:
+      return found, path + [dataset]
+  return None, None
+
+
 def get_sampling_spec(dataset):
-  """The SamplingSpec attached to a dataset made here, or None."""
-  return getattr(dataset, _SPEC_ATTR, None)
+  """The SamplingSpec of a dataset made here (or derived from one through prefetch,
+  with_options, assert_cardinality, repeat or take), or None for data not sampled here.
+
+  Raises:
+    ValueError: the dataset derives from a sampled dataset through a transform that loses
+      the declaration (map over batches, cache, batch, unbatch, filter, shuffle, ...); the
+      message names that transform and the way to keep the declaration.
+  """
+  spec = getattr(dataset, _SPEC_ATTR, None)
+  if spec is not None or not isinstance(dataset, tf.data.Dataset):
+    return spec
+  spec, path = _find_sampled_ancestor(dataset)
+  if spec is None:
+    return None
+  # unbatch / rebatch are built as map -> _RestructuredDataset -> the transform itself:
+  # those two inner datasets are reported as the transform that made them.
+  inner = {i - j for i, d in enumerate(path) if type(d).__name__ == "_RestructuredDataset"
+           for j in (0, 1)}
+  lost = [d for i, d in enumerate(path)
+          if i not in inner and type(d).__name__ not in _KEEPS_SAMPLING]
+  if not lost:
+    return spec
+  name = _transform_name(lost[0])
+  raise ValueError(
+      f"this dataset was built by a tf_dpiter sampler (policy {spec.policy!r}, n = "
+      f"{int(spec.population_size)}, q = {spec.selection_probability:.4g}) but its sampling "
+      f"declaration was lost at .{name}(): {_WHY_LOST.get(name, _WHY_LOST_DEFAULT)}. "
+      "prefetch, with_options, assert_cardinality, repeat and take keep the declaration")
 
 
 def attach_spec(dataset, spec):
@@ -86,7 +151,7 @@ def make_rng(seed, who="poisson_batches"):
 
 
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
-                    max_batch_size="auto", seed=None, sample_weight=None):
+                    max_batch_size="auto", seed=None, sample_weight=None, map_fn=None):
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
   Each record joins each step independently with probability q = expected_batch_size / n
@@ -105,6 +170,10 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     seed: tests only: reproducible, hence NOT private (warns). None: OS entropy.
     sample_weight: optional per-record weights [n]: the yielded weight is mask * weight
       (a record of weight 0 is then padding: it joins no record of the step).
+    map_fn: optional per-record transform, map_fn(x, y) -> (x, y) (map_fn(x) -> x without
+      y), applied to each record of a sample alone (tf.vectorized_map; padding rows too), so
+      records cannot mix and the declaration is kept (`transforms.map_records`). A
+      `dataset.map(f)` over whole batches is refused by fit, since f could mix records.
 
   Returns:
     A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
@@ -154,8 +223,12 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   else:
     sig = (tf.nest.map_structure(spec, xs), tf.nest.map_structure(spec, ys), mask_spec)
   ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
-  ds = ds.apply(tf.data.experimental.assert_cardinality(steps_per_epoch)).prefetch(2)
-  return attach_spec(ds, SamplingSpec(POISSON, n, q, float(expected_batch_size)))
+  ds = ds.apply(tf.data.experimental.assert_cardinality(steps_per_epoch))
+  ds = attach_spec(ds, SamplingSpec(POISSON, n, q, float(expected_batch_size)))
+  if map_fn is not None:
+    from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
+    ds = transforms.map_xy(ds, map_fn, has_y=ys is not None, num_weights=1)
+  return attach_spec(ds.prefetch(2), get_sampling_spec(ds))
 
 
 def _check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):

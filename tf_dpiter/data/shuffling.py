@@ -76,7 +76,7 @@ def steps_per_pass(n, batch_size, drop_remainder=False):
 
 
 def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
-                     sample_weight=None, passes=1):
+                     sample_weight=None, passes=1, map_fn=None):
   """tf.data.Dataset of disjoint batches of a fresh random permutation per pass.
 
   Each iteration of the dataset makes `passes` passes (None: endless); every pass draws a
@@ -94,6 +94,8 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
       (warns NotPrivateSeedWarning). None: Philox seeded from OS entropy.
     sample_weight: optional per-record weights [n], yielded as Keras' sample_weight.
     passes: passes per iteration of the dataset (1: one pass per Keras epoch), or None.
+    map_fn: optional per-record transform, map_fn(x, y) -> (x, y) (map_fn(x) -> x without
+      y), applied to each record alone (see sampling.poisson_batches); keeps the declaration.
 
   Returns:
     A tf.data.Dataset of (x, y[, sample_weight]) batches (x alone if y is None).
@@ -128,6 +130,9 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   ds = tf.data.Dataset.from_generator(gen, output_signature=sig if len(sig) > 1 else sig[0])
   if passes is not None:
     ds = ds.apply(tf.data.experimental.assert_cardinality(per_pass * passes))
-  ds = ds.prefetch(2)
   spec_ = sampling.SamplingSpec(sampling.SHUFFLE, n, batch_size / n, float(batch_size), sampler)
-  return sampling.attach_spec(ds, spec_)
+  if map_fn is not None:
+    from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
+    ds = transforms.map_xy(sampling.attach_spec(ds, spec_), map_fn, has_y=y is not None,
+                           num_weights=int(sample_weight is not None))
+  return sampling.attach_spec(ds.prefetch(2), spec_)

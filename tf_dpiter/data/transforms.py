@@ -1,0 +1,74 @@
+"""Per-record transforms of a sampled dataset that keep its sampling declaration.
+
+A function applied to whole batches (`dataset.map(f)`) may mix records (normalizing by the
+batch mean, mixup...), and then one record moves the others' inputs: the per-record
+sensitivity the ledger records no longer holds, so `get_sampling_spec` refuses such a
+dataset. `map_records(dataset, fn)` applies `fn` to each record alone (tf.vectorized_map
+over the batch axis, a while loop where it cannot vectorize), so records cannot mix and the
+batch is still the drawn sample: the SamplingSpec is carried over. `poisson_batches(...,
+map_fn=f)` and `shuffled_batches(..., map_fn=f)` do the same on (x, y) only, leaving the
+weights (the Poisson padding mask) untouched.
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.data import sampling
+
+
+def _per_record(fn, components):
+  """fn applied to each record of `components` (a tuple of batched nests) alone."""
+  return tf.vectorized_map(lambda rec: fn(*rec), tuple(components),
+                           fallback_to_while_loop=True)
+
+
+def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
+  """`dataset` with `fn` applied to each record alone; keeps its SamplingSpec.
+
+  Args:
+    dataset: a dataset from poisson_batches / shuffled_batches (or derived from one through
+      a transform that keeps the declaration).
+    fn: called with one record's components as positional arguments (for poisson_batches
+      (x, y, weight), with the leading batch axis removed) and returning the same number of
+      components; it may not see other records.
+    num_parallel_calls: as in tf.data.Dataset.map.
+  Returns:
+    The mapped dataset, carrying the same SamplingSpec.
+  Raises:
+    ValueError: `dataset` declares no sampling, or `fn` is not callable.
+  """
+  spec = sampling.get_sampling_spec(dataset)
+  if spec is None:
+    raise ValueError("map_records needs a dataset from dp.data.poisson_batches or "
+                     "shuffled_batches (it carries their sampling declaration); for other data "
+                     "use dataset.map and declare the sampling with optimizer.set_sampling")
+  if not callable(fn):
+    raise ValueError(f"fn must be callable, got {fn!r}")
+
+  def per_batch(*components):
+    out = _per_record(fn, components)
+    return out if len(out) > 1 else out[0]
+
+  mapped = dataset.map(per_batch, num_parallel_calls=num_parallel_calls)
+  return sampling.attach_spec(mapped, spec)
+
+
+def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOTUNE):
+  """For the samplers: map_fn(x, y) -> (x, y) (or map_fn(x) -> x without y) on each record;
+  the last `num_weights` components (weights, the Poisson mask) pass through unchanged. The
+  SamplingSpec is carried over."""
+  if not callable(map_fn):
+    raise ValueError(f"map_fn must be callable, got {map_fn!r}")
+  spec = sampling.get_sampling_spec(dataset)
+
+  def per_batch(*components):
+    k = len(components) - num_weights
+    data, weights = components[:k], components[k:]
+    if has_y:
+      out = _per_record(lambda x, y: tuple(map_fn(x, y)), data)
+    else:
+      out = _per_record(lambda x: (map_fn(x),), (data[0] if k == 1 else tuple(data),))
+    out = tuple(out) + tuple(weights)
+    return out if len(out) > 1 else out[0]
+
+  mapped = dataset.map(per_batch, num_parallel_calls=num_parallel_calls)
+  return sampling.attach_spec(mapped, spec)
