@@ -16,6 +16,8 @@ Correlated noise and capped batches (issue 16; see `_extra_event`):
       participations of PoissonSampledDpEvent(q, Gaussian(sigma / (zeta S))): BandMF with b
       bands or fewer under b-min-separation is as private as k steps of Poisson-sampled DP-SGD
       (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Theorem 4)
+  matrix_gaussian rows (cyclic_poisson; BLT) -> k Gaussians of the equivalent sensitivity,
+      no amplification (the run is one Gaussian mechanism over its horizon)
   tree_gaussian rows (shuffle) -> per pass SingleEpochTreeAggregationDpEvent (Kairouz et al.
       2021, Appendix D), accountant under REPLACE_SPECIAL with the replace-one leaf sensitivity
   truncated_poisson (cap B) -> TruncatedSubsampledGaussianDpEvent(n, q, B, .) (PLD only)
@@ -53,7 +55,7 @@ class SampleGroup:
   laplace_noise_multipliers: Tuple[float, ...]
   non_private: bool
   examples_per_record: int = 1
-  correlated: str = ""             # "banded" / "tree" for correlated-noise rows, else ""
+  correlated: str = ""             # "banded" / "tree" / "matrix" for correlated rows, else ""
   tree_depth: int = 0              # nodes one participation touches (tree rows)
   participations: int = 0          # cyclic_poisson: most steps one example can join
 
@@ -101,7 +103,7 @@ def _correlated_fields(run):
     ValueError: correlated rows mixed with other queries in one sample, or unequal depths.
   """
   kinds = {q.kind for q in run.queries}
-  corr = kinds & {"banded_gaussian", "tree_gaussian"}
+  corr = kinds & {"banded_gaussian", "tree_gaussian", "matrix_gaussian"}
   if not corr:
     return "", 0, ()
   if len(kinds) > 1:
@@ -109,6 +111,8 @@ def _correlated_fields(run):
                      "no accounting rule covers it; record them in separate ledgers")
   if corr == {"banded_gaussian"}:
     return "banded", 0, tuple(run.queries)
+  if corr == {"matrix_gaussian"}:
+    return "matrix", 0, tuple(run.queries)
   factor = rec.sensitivity_factor(run.relation, run.examples_per_record)
   depths = {round((q.sensitivity / (factor * q.clip)) ** 2) for q in run.queries}
   if len(depths) != 1 or min(depths) < 1:
@@ -227,6 +231,13 @@ def _extra_event(group, mech, accountant, passes, notes):
                  "DpEvent")
     return dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(
         int(n), q, int(m), group.noise_multiplier), group.count)
+  if group.policy == rec.CYCLIC_POISSON and group.correlated == "matrix":
+    notes.append(f"matrix mechanism (BLT) under cyclic sampling (b={m:.0f} groups): NO "
+                 "amplification by sampling claimed; each example's "
+                 f"{group.participations} participations >= b steps apart each cost a Gaussian "
+                 "of the strategy's equivalent per-participation sensitivity (their mu^2 add up "
+                 "to at least the whole run's)")
+    return dpa.SelfComposedDpEvent(mech, group.participations)
   if group.policy == rec.CYCLIC_POISSON:
     inner = mech if q >= 1 else dpa.PoissonSampledDpEvent(q, mech)
     what = "banded matrix mechanism (noise multiplier over the strategy's largest column norm)" \

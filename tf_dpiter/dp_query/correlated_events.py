@@ -35,6 +35,21 @@ class TreeGaussianEvent(NamedTuple):
   tree_size: int
 
 
+class MatrixGaussianEvent(NamedTuple):
+  """One step of a (non-banded) matrix mechanism, e.g. BLT, under b-min-separation.
+
+  l2_norm_clip S, stddev sigma per coordinate of Z, equivalent_sensitivity Delta (per unit
+  clip): max over p <= k of sens_p / sqrt(p), sens_p the sensitivity of p participations
+  >= min_separation apart within the strategy's horizon; min_separation b. Accounted without
+  amplification: each example's p participations cost p Gaussians of multiplier
+  sigma / (Delta S), which is at least the run's single Gaussian (mu^2 = sens_p^2 / sigma^2).
+  """
+  l2_norm_clip: Any
+  stddev: Any
+  equivalent_sensitivity: Any
+  min_separation: int
+
+
 def tree_depth(tree_size):
   """Nodes one leaf touches in an online binary tree of at most `tree_size` leaves:
   ceil(log2(tree_size + 1)) (Kairouz et al. 2021, Appendix D; as dp-accounting computes it)."""
@@ -44,4 +59,4 @@ def tree_depth(tree_size):
 
 
 def is_correlated_event(x) -> bool:
-  return isinstance(x, (BandedGaussianEvent, TreeGaussianEvent))
+  return isinstance(x, (BandedGaussianEvent, TreeGaussianEvent, MatrixGaussianEvent))

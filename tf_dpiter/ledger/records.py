@@ -58,8 +58,12 @@ _KIND_NAME = {GAUSSIAN: "gaussian", LAPLACE: "laplace", NON_PRIVATE: "non_privat
 # strategy's bands. A TREE_GAUSSIAN row is one leaf of online tree aggregation: clip S, noise
 # sigma per node, sensitivity = factor x S x sqrt(depth), depth = ceil(log2(tree_size + 1)) the
 # nodes one participation touches; only under shuffle (one participation per pass).
-BANDED_GAUSSIAN, TREE_GAUSSIAN = 3, 4
-_KIND_NAME.update({BANDED_GAUSSIAN: "banded_gaussian", TREE_GAUSSIAN: "tree_gaussian"})
+# A MATRIX_GAUSSIAN row is one step of a non-banded matrix mechanism (BLT) under b-min-
+# separation: clip S, noise sigma, sensitivity = factor x Delta x S with Delta its equivalent
+# per-participation sensitivity; only under cyclic_poisson with b >= its min separation.
+BANDED_GAUSSIAN, TREE_GAUSSIAN, MATRIX_GAUSSIAN = 3, 4, 5
+_KIND_NAME.update({BANDED_GAUSSIAN: "banded_gaussian", TREE_GAUSSIAN: "tree_gaussian",
+                   MATRIX_GAUSSIAN: "matrix_gaussian"})
 
 SAMPLE_COLUMNS = ("population_size", "selection_probability", "sample_size", "policy",
                   "examples_per_record", "num_queries")
@@ -201,6 +205,8 @@ def _check_queries(samples, queries):
        "a banded_gaussian query is accounted only under policy cyclic_poisson", kind),
       ((kind == TREE_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[SHUFFLE]),
        "a tree_gaussian query is accounted only under policy shuffle", kind),
+      ((kind == MATRIX_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[CYCLIC_POISSON]),
+       "a matrix_gaussian query is accounted only under policy cyclic_poisson", kind),
   ]
   for mask, msg, col in checks:
     i = _first_bad(mask)
@@ -298,4 +304,15 @@ def correlated_query_row(event, policy, sample_size, factor):
     clip = float(event.l2_norm_clip)
     depth = correlated_events.tree_depth(event.tree_size)
     return [TREE_GAUSSIAN, clip, float(event.stddev), factor * clip * float(np.sqrt(depth))]
-  raise ValueError(f"event must be a BandedGaussianEvent or TreeGaussianEvent, got {event!r}")
+  if isinstance(event, correlated_events.MatrixGaussianEvent):
+    sep = int(event.min_separation)
+    if policy != CYCLIC_POISSON or not sep <= int(sample_size):
+      raise ValueError(
+          f"a matrix mechanism whose sensitivity assumes participations >= {sep} steps apart "
+          f"needs policy 'cyclic_poisson' with cycle length >= {sep}, got policy {policy!r}, "
+          f"sample_size {sample_size!r}; refusing to record an unproven guarantee")
+    clip = float(event.l2_norm_clip)
+    return [MATRIX_GAUSSIAN, clip, float(event.stddev),
+            factor * float(event.equivalent_sensitivity) * clip]
+  raise ValueError(f"event must be a BandedGaussianEvent, TreeGaussianEvent or "
+                   f"MatrixGaussianEvent, got {event!r}")

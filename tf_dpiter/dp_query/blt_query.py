@@ -1,0 +1,122 @@
+"""Buffered linear Toeplitz (BLT) query: correlated noise from O(buffers d) state.
+
+The strategy C is BLT (`blt_strategy`): c_0 = 1, c_k = sum_i omega_i theta_i^(k-1). The noise
+of step t is sigma w_t with C w = Z, computed with one buffer s_i per term:
+
+    w_t = z_t - sum_i omega_i s_i,    s_i <- theta_i s_i + w_t,
+
+(s_i = sum_{s<t} theta_i^(t-1-s) w_s), so memory does not grow with the number of steps.
+Privacy: the run is a post-processing of C G + sigma Z over the strategy's horizon n (the
+query refuses step n + 1); with participations >= min_separation apart, the sensitivity is
+computed from C's coefficients (`blt_strategy.equivalent_sensitivity`), and
+sigma = noise_multiplier x S x Delta. Each step reports a `MatrixGaussianEvent`, accounted
+without amplification by sampling under cyclic Poisson / cyclic sampling.
+"""
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.dp_query import band_mf_query
+from tf_dpiter.dp_query import blt_strategy
+from tf_dpiter.dp_query import correlated_events
+from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import randomness
+from tf_dpiter.dp_query import serialization
+from tf_dpiter.dp_query import validation
+
+
+@serialization.register_query()
+class BLTQuery(dp_query.SumAggregationDPQuery):
+  """Sum of records clipped to S plus BLT-correlated noise C^-1 Z sigma."""
+
+  _GlobalState = collections.namedtuple(
+      "_GlobalState", ["l2_norm_clip", "stddev", "step", "buffers"])
+
+  def __init__(self, l2_norm_clip, noise_multiplier, template, num_steps, num_buffers=4,
+               min_separation=1, theta=None, omega=None, seed=None):
+    """Args:
+      l2_norm_clip: S. noise_multiplier: z = sigma / (Delta S).
+      template: a record's structure (tensors, variables, TensorSpecs or shape lists).
+      num_steps: n, the horizon (steps beyond it are refused).
+      num_buffers: buffers of an optimized strategy (ignored when theta/omega are given).
+      min_separation: b, the least gap between two participations the sampling guarantees.
+      theta, omega: an explicit BLT (theta in (0, 1), omega); optimized when None.
+      seed: tests only (not private).
+    """
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._noise_multiplier = validation.check_nonnegative(
+        "noise_multiplier", noise_multiplier, allow_inf=False)
+    self._shapes = band_mf_query.template_shapes(template)
+    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    self._num_steps, self._min_sep = int(num_steps), int(min_separation)
+    self._num_buffers = int(num_buffers)
+    if (theta is None) != (omega is None):
+      raise ValueError("give both theta and omega, or neither")
+    if theta is None:
+      theta, omega = blt_strategy.optimize_blt(self._num_steps, self._num_buffers, self._min_sep,
+                                               -(-self._num_steps // self._min_sep))
+    self._theta = np.asarray(theta, np.float64).reshape(-1)
+    self._omega = np.asarray(omega, np.float64).reshape(-1)
+    if self._theta.shape != self._omega.shape or np.any((self._theta <= 0) | (self._theta >= 1)):
+      raise ValueError(f"theta must lie in (0, 1) and match omega's length, got theta="
+                       f"{self._theta.tolist()}, omega={self._omega.tolist()}")
+    coefs = blt_strategy.strategy_coefficients(self._theta, self._omega, self._num_steps)
+    self._sensitivity = blt_strategy.equivalent_sensitivity(coefs, self._min_sep)
+    self._seed = seed
+    self._generator = randomness.make_generator(seed)
+
+  def get_config(self):
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
+            "template": [s for s, _ in self._shapes], "num_steps": self._num_steps,
+            "num_buffers": self._num_buffers, "min_separation": self._min_sep,
+            "theta": self._theta.tolist(), "omega": self._omega.tolist(), "seed": p(self._seed)}
+
+  @property
+  def theta(self):
+    return self._theta.copy()
+
+  @property
+  def omega(self):
+    return self._omega.copy()
+
+  @property
+  def equivalent_sensitivity(self):
+    """Delta (per unit clip), computed from the strategy's coefficients."""
+    return self._sensitivity
+
+  def initial_global_state(self):
+    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * self._sensitivity
+    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
+                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
+                             tf.zeros([len(self._theta), self._size], tf.float32))
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
+    return clipped
+
+  def get_noised_result(self, sample_state, global_state):
+    check = tf.debugging.assert_less(
+        global_state.step, tf.constant(self._num_steps, tf.int64),
+        message=f"BLTQuery: the strategy's sensitivity covers num_steps={self._num_steps} steps")
+    with tf.control_dependencies([check]):
+      z = randomness.normal(self._generator, [self._size], tf.float32)
+    omega = tf.constant(self._omega, tf.float32)[:, tf.newaxis]
+    theta = tf.constant(self._theta, tf.float32)[:, tf.newaxis]
+    w = z - tf.reduce_sum(omega * global_state.buffers, axis=0)
+    new_buffers = theta * global_state.buffers + w[tf.newaxis]
+    result = band_mf_query.add_flat_noise(sample_state, w * global_state.stddev)
+    new_state = self._GlobalState(global_state.l2_norm_clip, global_state.stddev,
+                                  global_state.step + 1, new_buffers)
+    event = correlated_events.MatrixGaussianEvent(global_state.l2_norm_clip, global_state.stddev,
+                                                  self._sensitivity, self._min_sep)
+    return result, new_state, (event,)
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
+                                   stddev=global_state.stddev)

@@ -1,0 +1,122 @@
+"""Buffered linear Toeplitz (BLT) strategies (numpy + scipy, no TensorFlow).
+
+A BLT strategy (Dvijotham et al. 2024, "Efficient and near-optimal noise generation for
+streaming DP"; McKenna 2024) is the lower-triangular Toeplitz matrix with coefficients
+
+    c_0 = 1,   c_k = sum_i omega_i theta_i^(k-1)   (k >= 1),
+
+i.e. generating function c(z) = 1 + z sum_i omega_i / (1 - theta_i z) = P(z) / Q(z) with
+Q(z) = prod_i (1 - theta_i z). Solving C w = z takes one buffer per term (`BLTQuery`):
+O(buffers d) memory for any number of steps. Its inverse's coefficients are the impulse
+response of Q / P.
+
+Sensitivity under b-min-separation with at most k participations: for non-negative,
+non-increasing coefficients the worst case is k participations exactly b apart from step 0
+(McKenna et al. 2024, arXiv:2405.13763, Theorem 2); other coefficients are first replaced by
+their non-increasing envelope of absolute values, which bounds it from above.
+"""
+
+import functools
+import math
+
+import numpy as np
+from scipy import optimize as sp_optimize
+from scipy import signal as sp_signal
+
+
+def _polys(theta, omega):
+  """(P, Q) polynomial coefficients (ascending powers of z) of c(z) = P / Q."""
+  q = np.array([1.0])
+  for t in theta:
+    q = np.convolve(q, [1.0, -t])
+  p = np.concatenate([q, [0.0]])
+  for i, w in enumerate(omega):
+    others = np.array([1.0])
+    for j, t in enumerate(theta):
+      if j != i:
+        others = np.convolve(others, [1.0, -t])
+    p[1:1 + len(others)] += w * others
+  return p, q
+
+
+def strategy_coefficients(theta, omega, n):
+  """c_0..c_{n-1} of the BLT strategy."""
+  impulse = np.zeros(n)
+  impulse[0] = 1.0
+  p, q = _polys(theta, omega)
+  return sp_signal.lfilter(p, q, impulse)
+
+
+def inverse_coefficients(theta, omega, n):
+  """Coefficients of C^-1 (also Toeplitz): the impulse response of Q / P."""
+  impulse = np.zeros(n)
+  impulse[0] = 1.0
+  p, q = _polys(theta, omega)
+  return sp_signal.lfilter(q, p, impulse)
+
+
+def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
+  """Sensitivity (per unit clip) of a Toeplitz strategy with coefficients `coefs` (n of them)
+  when participations are >= min_separation apart, at most max_participations times."""
+  c = np.abs(np.asarray(coefs, np.float64))
+  c = np.maximum.accumulate(c[::-1])[::-1]            # non-increasing envelope (upper bound)
+  n, b = len(c), int(min_separation)
+  if b < 1:
+    raise ValueError(f"min_separation must be >= 1, got {min_separation!r}")
+  k = -(-n // b) if max_participations is None else min(int(max_participations), -(-n // b))
+  column = np.zeros(n)
+  for j in range(k):
+    column[j * b:] += c[:n - j * b]
+  return float(np.linalg.norm(column))
+
+
+def equivalent_sensitivity(coefs, min_separation, max_participations=None):
+  """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p): charging each of p participations a
+  Gaussian of this sensitivity costs at least the whole run's Gaussian (mu^2 adds up)."""
+  n, b = len(coefs), int(min_separation)
+  k = -(-n // b) if max_participations is None else min(int(max_participations), -(-n // b))
+  return max(toeplitz_minsep_sensitivity(coefs, b, p) / math.sqrt(p) for p in range(1, k + 1))
+
+
+def inverse_prefix_error(coefs_inverse):
+  """||A C^-1||_F^2 / n for a Toeplitz C^-1 given by its coefficients (per unit sigma^2)."""
+  e = np.cumsum(coefs_inverse)
+  n = len(e)
+  return float(np.sum((n - np.arange(n)) * e * e) / n)
+
+
+def _loss(x, n, buffers, b, k):
+  x = np.clip(x, -30.0, 30.0)
+  theta = 1.0 / (1.0 + np.exp(-x[:buffers]))
+  omega = np.exp(x[buffers:])
+  with np.errstate(over="ignore", invalid="ignore"):
+    c = strategy_coefficients(theta, omega, n)
+    d = inverse_coefficients(theta, omega, n)
+    if not (np.all(np.isfinite(c)) and np.all(np.isfinite(d))):
+      return 1e30
+    loss = toeplitz_minsep_sensitivity(c, b, k) ** 2 * inverse_prefix_error(d) * n
+  return loss if np.isfinite(loss) else 1e30
+
+
+@functools.lru_cache(maxsize=32)
+def _optimize_cached(n, buffers, b, k, max_iter):
+  theta0 = 1.0 - np.logspace(-0.3, -3, buffers)
+  omega0 = 0.2 * (1.0 - theta0)
+  x0 = np.concatenate([np.log(theta0 / (1 - theta0)), np.log(omega0)])
+  res = sp_optimize.minimize(_loss, x0, args=(n, buffers, b, k), method="L-BFGS-B",
+                             options={"maxiter": max_iter})
+  x = np.clip(res.x, -30.0, 30.0)
+  return tuple(1.0 / (1.0 + np.exp(-x[:buffers]))), tuple(np.exp(x[buffers:]))
+
+
+def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=200):
+  """(theta, omega) of a BLT with `buffers` buffers minimizing sens^2 ||A C^-1||_F^2 for n
+  steps, with the sensitivity under min_separation / max_participations (theta in (0, 1),
+  omega > 0, so the coefficients are non-negative and the sensitivity formula is exact)."""
+  for name, v in (("n", n), ("buffers", buffers), ("min_separation", min_separation),
+                  ("max_participations", max_participations)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+  theta, omega = _optimize_cached(int(n), int(buffers), int(min_separation),
+                                  int(max_participations), int(max_iter))
+  return np.array(theta), np.array(omega)
