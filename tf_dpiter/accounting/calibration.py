@@ -13,8 +13,10 @@ from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.dp_query import validation
 
 
-def _epsilon(n, batch_size, noise_multiplier, steps, delta, accountant, sampling):
-  groups = dp_sgd.dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling)
+def _epsilon(n, batch_size, noise_multiplier, steps, delta, accountant, sampling,
+             num_microbatches=None):
+  groups = dp_sgd.dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling,
+                                num_microbatches)
   return accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant).epsilon
 
 
@@ -31,14 +33,18 @@ def _sampling_args(sampling_probability, population_size):
 
 def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probability, steps,
                                accountant="rdp", sampling="poisson", population_size=None,
-                               tol=1e-4):
-  """Smallest noise multiplier z (within relative `tol`, rounded up) meeting the target."""
+                               tol=1e-4, num_microbatches=None):
+  """Smallest noise multiplier z (within relative `tol`, rounded up) meeting the target.
+
+  num_microbatches M: records are microbatches of ceil(B / M) examples (sensitivity 2C
+  under replace-one sampling, as the ledger records it).
+  """
   target_delta = _check_targets(target_epsilon, target_delta)
   validation.check_probability("sampling_probability", sampling_probability)
   if int(steps) < 1:
     raise ValueError(f"steps must be a positive integer, got {steps!r}")
   n, b = _sampling_args(sampling_probability, population_size)
-  eps = lambda z: _epsilon(n, b, z, steps, target_delta, accountant, sampling)
+  eps = lambda z: _epsilon(n, b, z, steps, target_delta, accountant, sampling, num_microbatches)
   lo, hi = 0.0, 1.0
   while eps(hi) > target_epsilon:
     lo, hi = hi, hi * 2
@@ -101,8 +107,9 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
 
 
 def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant="rdp",
-                              sampling="poisson"):
-  """Noise multiplier for DP-SGD over n records meeting (epsilon, delta) after `epochs`."""
+                              sampling="poisson", num_microbatches=None):
+  """Noise multiplier for DP-SGD over n records meeting (epsilon, delta) after `epochs`
+  (steps = ceil(epochs * n / batch_size), q = batch_size / n; see calibrate_noise_multiplier)."""
   validation.check_positive("n", n, allow_inf=False)
   validation.check_positive("batch_size", batch_size, allow_inf=False)
   validation.check_positive("epochs", epochs, allow_inf=False)
@@ -110,4 +117,5 @@ def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant=
     raise ValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
   steps = dp_sgd.dp_sgd_steps(n, batch_size, epochs)
   return calibrate_noise_multiplier(epsilon, delta, batch_size / n, steps, accountant,
-                                    sampling, population_size=n)
+                                    sampling, population_size=n,
+                                    num_microbatches=num_microbatches)

@@ -8,6 +8,7 @@ from tf_dpiter.keras.models import DPModel
 from tf_dpiter.keras.models import DPModelMixin
 from tf_dpiter.keras.models import DPSequential
 from tf_dpiter.keras.models import check_no_batch_mixing
+from tf_dpiter.keras.models import make_dp_model_class
 from tf_dpiter.keras.models import make_private
 from tf_dpiter.keras.models import private_class
 from tf_dpiter.keras.optimizers import CLIPPING_MODES
@@ -19,3 +20,9 @@ from tf_dpiter.keras.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizers import DPOptimizer
 from tf_dpiter.keras.optimizers import DPOptimizerMixin
 from tf_dpiter.keras.optimizers import make_dp_optimizer_class
+
+# TF Privacy's names for the same classes (its vectorized optimizers are what ours do anyway).
+VectorizedDPKerasSGDOptimizer = DPKerasSGDOptimizer
+VectorizedDPKerasAdamOptimizer = DPKerasAdamOptimizer
+VectorizedDPKerasAdagradOptimizer = DPKerasAdagradOptimizer
+VectorizedDPKerasRMSpropOptimizer = DPKerasRMSpropOptimizer

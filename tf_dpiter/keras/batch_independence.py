@@ -33,6 +33,20 @@ _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"
 
 
+def check_no_batch_mixing(model):
+  """Refuses a trainable BatchNormalization, which mixes examples in training mode.
+
+  Raises:
+    ValueError: naming the layer and the fix.
+  """
+  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
+    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+      raise ValueError(
+          f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
+          "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
+          "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
+
+
 def _rows_moved(a, b, n, atol):
   """True if rows 0..n-2 of a and b differ by more than atol * (1 + max|a|)."""
   a = np.asarray(a, np.float64) if not isinstance(a, np.ndarray) else a.astype(np.float64)

@@ -148,11 +148,12 @@ def _warn_fallback(err):
         "slower. For RNN layers, unroll=True keeps the vectorized path.", RuntimeWarning)
 
 
-def jacobian_record_gradients(tape, record_losses, variables):
-  """Per-record gradients of a vector of record losses [M] via a batched jacobian (pfor)."""
+def jacobian_record_gradients(tape, record_losses, variables, use_pfor=True):
+  """Per-record gradients of a vector of record losses [M] via a batched jacobian (pfor, or
+  a while loop over records with use_pfor=False: routing.use_vectorized_map)."""
   jac = tape.jacobian(record_losses, variables,
                       unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                      experimental_use_pfor=True)
+                      experimental_use_pfor=use_pfor)
   return [tf.convert_to_tensor(j) for j in jac]
 
 

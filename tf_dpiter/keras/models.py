@@ -18,9 +18,7 @@ Treatment of what could leak around the clipping:
 * Metrics and the reported loss are computed from the private batch without noise: they
   are for monitoring only and are not covered by the guarantee.
 
-With `jit_compile=True` the per-record gradients and clipping run under XLA; the noise,
-the ledger write (growing buffers, no XLA) and the update run right after, in the same
-non-compiled train function, so every step is recorded.
+The private step itself is in train_step.py.
 """
 
 import inspect
@@ -32,29 +30,18 @@ from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
-from tf_dpiter.keras import gradients as grads_lib
 from tf_dpiter.keras import optimizers as opt_lib
-from tf_dpiter.keras import routing
+from tf_dpiter.keras import tf_privacy_args
+from tf_dpiter.keras import train_step as train_step_lib
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
-def _unpack(data):
-  return keras.utils.unpack_x_y_sample_weight(data)
+check_no_batch_mixing = batch_independence.check_no_batch_mixing
 
 
-def check_no_batch_mixing(model):
-  """ValueError if a trainable BatchNormalization (training mode mixes examples) is present."""
-  for layer in model._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-      raise ValueError(
-          f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
-          "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
-          "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
-
-
-class DPModelMixin:
-  """Private train_step / make_train_function / fit for any keras.Model subclass."""
+class DPModelMixin(train_step_lib.TrainStepMixin):
+  """Private fit / train_on_batch / compile for any keras.Model subclass (the step: train_step)."""
 
   # ---- checks -------------------------------------------------------------------------
 
@@ -74,6 +61,8 @@ class DPModelMixin:
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
         optimizer.inner_optimizer, opt_lib.DPOptimizerMixin):
       optimizer = optimizer.inner_optimizer
+    if isinstance(self, tf_privacy_args.TFPrivacyArgsMixin):
+      optimizer = self._dp_private_optimizer(optimizer, kwargs)
     if len(args) < 8:
       kwargs["auto_scale_loss"] = False
     super().compile(optimizer, *args, **kwargs)
@@ -201,201 +190,23 @@ class DPModelMixin:
     return fit_sampling.describe(spec, reason or "the dataset's own sampling",
                                  meters[0] if meters else None)
 
-  # ---- the private step ---------------------------------------------------------------
-
-  def make_train_function(self, force=False):  # pylint: disable=missing-function-docstring
-    if self.train_function is not None and not force:
-      return self.train_function
-    jit = bool(self.jit_compile) and not self.run_eagerly
-    opt = self._dp_optimizer()
-    if opt.clipping != "vectorized" and self.built:
-      batch_independence.probe_model(self)   # eagerly, cached (None: probed in the trace)
-    if jit:
-      self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
-                                     reduce_retracing=True)
-      self._jit_compile = False   # outer function (noise + ledger + update) without XLA
-      try:
-        super().make_train_function(force=True)
-      finally:
-        self._jit_compile = True
-    else:
-      self._dp_core_fn = self._dp_clipped_sum_step
-      super().make_train_function(force=True)
-    inner = self.train_function
-
-    def guarded(iterator):
-      # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
-      if getattr(self, "_dp_halt", False):
-        raise StopIteration
-      return inner(iterator)
-
-    self.train_function = guarded
-    return self.train_function
-
-  def _dp_call(self, x):
-    if self._call_has_training_arg:
-      return self(x, training=True)
-    return self(x)
-
-  def _dp_clipped_sum_step(self, x, y, sample_weight):
-    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred)."""
-    opt = self._dp_optimizer()
-    b_static = grads_lib.static_batch_size(x)
-    b = grads_lib.dynamic_batch_size(x)
-    m = opt.num_microbatches
-    if not getattr(self, "_dp_in_fit", False):
-      grads_lib.check_num_microbatches(m, b_static)
-    if sample_weight is None:
-      example_mask = tf.ones([b], tf.float32)
-    else:
-      example_mask = tf.cast(tf.reshape(sample_weight, [b, -1])[:, 0] > 0, tf.float32)
-    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
-    variables = self.trainable_variables
-
-    if opt.resolve_clipping(self, input_specs=x) == "fast":
-      return self._dp_fast_step(opt, x, y, sample_weight, example_mask, variables)
-
-    recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
-
-    def record_loss(rec):
-      (xr, yr, wr), emr = rec
-      k = tf.cast(tf.shape(emr)[0], tf.float32)
-      w = emr * (k / tf.maximum(tf.reduce_sum(emr), 1.0))
-      if wr is not None:
-        w = w * tf.cast(tf.reshape(wr, tf.shape(emr)), tf.float32)
-      y_pred = self._dp_call(xr)
-      loss = self._compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
-      return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
-
-    scale = routing.loss_scale(self)
-    k = grads_lib.examples_per_record(m, b_static, em)
-    state, loss_sum, aux = opt.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                                           vectorize=routing.use_vectorized_map(self),
-                                           loss_scale=scale)
-    if aux is None:
-      y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
-    else:
-      y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), aux)
-    return state, loss_sum, tf.reduce_sum(rmask), y_pred
-
-  def _dp_fast_step(self, opt, x, y, sample_weight, example_mask, variables):
-    """Clipped sum by tf_dpiter.keras.fast_clipping (ghost norms); noise as usual.
-
-    Records (examples or microbatches) are laid out record-major, k examples
-    each, and clipped in physical chunks of whole records when
-    max_physical_batch_size is set; the clipped sums of the chunks add up.
-    """
-    fc = opt_lib._load_fast_clipping()  # pylint: disable=protected-access
-    loss_obj = self._dp_per_example_loss()
-    m = opt.num_microbatches
-    b = grads_lib.dynamic_batch_size(x)
-    b_static = grads_lib.static_batch_size(x)
-    recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
-    k = grads_lib.examples_per_record(m, b_static, em)
-
-    def flat(t):  # [R, k, ...] -> [R * k, ...]
-      return None if t is None else tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
-
-    def chunk_sum(chunk, chunk_em):
-      xc, yc, wc = tf.nest.map_structure(flat, chunk)
-
-      def per_example_loss_fn(y_true, y_pred):
-        losses = loss_obj(y_true, y_pred)
-        if wc is not None:
-          losses = losses * tf.cast(tf.reshape(wc, tf.shape(losses)), losses.dtype)
-        return losses
-
-      grads, _, outputs, losses = fc.clipped_grad_sum(
-          self, xc, yc, per_example_loss_fn, opt.l2_norm_clip, mask=flat(chunk_em),
-          examples_per_record=k, return_outputs=True)
-      losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(chunk_em))
-      rec_loss = tf.reduce_sum(losses * chunk_em, 1) / tf.maximum(tf.reduce_sum(chunk_em, 1), 1.0)
-      return list(grads), tf.reduce_sum(rec_loss), outputs
-
-    def batch_order(t):  # record-major outputs [>= M * k, ...] -> batch order [B, ...]
-      n = em.shape.num_elements()
-      t = t[:n if n is not None else tf.size(em)]
-      return grads_lib.from_records(
-          tf.reshape(t, tf.concat([tf.shape(em), tf.shape(t)[1:]], 0)), b, m)
-
-    p = opt.max_physical_batch_size
-    m_static = tf.TensorShape(rmask.shape)[0]
-    per_chunk = None if p is None else (
-        max(1, p // k) if isinstance(k, int) else tf.maximum(1, p // k))
-    if per_chunk is None or (m_static is not None and isinstance(per_chunk, int)
-                             and per_chunk >= m_static):
-      grad_sum, loss_sum, outputs = chunk_sum(recs, em)
-      y_pred = tf.nest.map_structure(batch_order, outputs)
-    else:
-      chunks, cmask, nchunks = grads_lib.chunked((recs, em), rmask, per_chunk)
-      static_chunks = tf.get_static_value(nchunks)
-      if static_chunks is not None:
-        grad_sum, loss_sum, outs = None, 0.0, []
-        for i in range(int(static_chunks)):
-          c_recs, c_em = tf.nest.map_structure(lambda t, i=i: None if t is None else t[i], chunks)
-          g, l, o = chunk_sum(c_recs, c_em)
-          grad_sum = g if grad_sum is None else [a + c for a, c in zip(grad_sum, g)]
-          loss_sum += l
-          outs.append(o)
-        y_pred = tf.nest.map_structure(lambda *ts: batch_order(tf.concat(ts, 0)), *outs)
-      else:
-        def body(i, acc, loss_acc):
-          c_recs, c_em = tf.nest.map_structure(lambda t: None if t is None else t[i], chunks)
-          g, l, _ = chunk_sum(c_recs, c_em)
-          return i + 1, [a + c for a, c in zip(acc, g)], loss_acc + l
-
-        zeros = [tf.zeros(v.shape, v.dtype) for v in variables]
-        _, grad_sum, loss_sum = tf.while_loop(
-            lambda i, *_: i < nchunks, body, [tf.constant(0), zeros, tf.constant(0.0)])
-        y_pred = self(x, training=False) if self._call_has_training_arg else self(x)
-    query = opt.dp_query
-    template = opt_lib.wide_template(variables)
-    state = query.initial_sample_state(template)
-    state = query.accumulate_preprocessed_record(
-        state, [tf.cast(g, t.dtype) for g, t in zip(grad_sum, template)])
-    return state, loss_sum, tf.reduce_sum(rmask), y_pred
-
-  def _dp_per_example_loss(self):
-    """Unreduced version of the compiled loss: (y_true, y_pred) -> [B]."""
-    loss = self.loss
-    if isinstance(loss, (list, dict, tuple)):
-      raise ValueError("clipping='fast' supports a single compiled loss; use 'vectorized'")
-    loss = keras.losses.get(loss)
-    if isinstance(loss, keras.losses.Loss):
-      config = loss.get_config()
-      config["reduction"] = None
-      loss = type(loss).from_config(config)
-      return lambda yt, yp: loss(yt, yp)
-    return lambda yt, yp: loss(yt, yp)
-
-  def train_step(self, data):  # pylint: disable=missing-function-docstring
-    opt = self._dp_optimizer()
-    x, y, sample_weight = _unpack(data)
-    if not all(layer.built for layer in self._flatten_layers()):
-      # Keras builds an unbuilt (e.g. subclassed) model on the first trace of the train
-      # function; the per-record gradients need its variables first: one forward pass.
-      self._dp_call(x)
-    check_no_batch_mixing(self)
-    core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    state, loss_sum, num_records, y_pred = core(x, y, sample_weight)
-    grads = opt.noised_average(state, num_records)
-    opt.apply_private_gradients(grads, self.trainable_variables)
-    self._loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
-                                    sample_weight=num_records)
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="DPSequential")
-class DPSequential(DPModelMixin, keras.Sequential):
-  """keras.Sequential trained with DP-SGD by `fit` (see module docstring)."""
+class DPSequential(tf_privacy_args.TFPrivacyArgsMixin, DPModelMixin, keras.Sequential):
+  """keras.Sequential trained with DP-SGD by `fit` (see module docstring).
+
+  Compile with a DP optimizer, or give TF Privacy's (l2_norm_clip, noise_multiplier,
+  num_microbatches) here and compile with a plain Keras optimizer (tf_privacy_args).
+  """
 
 
 _FUNCTIONAL = keras.src.models.functional.Functional
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="DPModel")
-class DPModel(DPModelMixin, _FUNCTIONAL):
-  """Functional keras.Model(inputs, outputs) trained with DP-SGD by `fit`."""
+class DPModel(tf_privacy_args.TFPrivacyArgsMixin, DPModelMixin, _FUNCTIONAL):
+  """Functional keras.Model(inputs, outputs) trained with DP-SGD by `fit` (TF Privacy's
+  model arguments accepted, as DPSequential)."""
 
 
 _PRIVATE_CLASSES = {keras.Sequential: DPSequential, _FUNCTIONAL: DPModel}
@@ -420,6 +231,36 @@ def private_class(cls):
         package="tf_dpiter.private", name=keras.saving.get_registered_name(cls))(new_cls)
     _PRIVATE_CLASSES[cls] = new_cls
   return new_cls
+
+
+_TFP_CLASSES = {}
+
+
+def make_dp_model_class(cls):
+  """TF Privacy's `make_dp_model_class`: the DP version of a keras.Model subclass whose
+  constructor takes TF Privacy's (l2_norm_clip, noise_multiplier, num_microbatches=None,
+  use_xla=None, layer_registry=None) before the class' own arguments, and which is compiled
+  with a plain Keras optimizer (made private with these settings; tf_privacy_args).
+
+  keras.Sequential and keras.Model (functional) give DPSequential and DPModel.
+
+  Raises:
+    TypeError: cls is not a keras.Model subclass.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
+    raise TypeError(f"cls must be a keras.Model subclass, got {cls!r}")
+  if cls is keras.Model:
+    return DPModel
+  dp_cls = private_class(cls)
+  if issubclass(dp_cls, tf_privacy_args.TFPrivacyArgsMixin):
+    return dp_cls
+  if cls not in _TFP_CLASSES:
+    new_cls = type(dp_cls.__name__, (tf_privacy_args.TFPrivacyArgsMixin, dp_cls),
+                   {"__module__": cls.__module__})
+    keras.saving.register_keras_serializable(
+        package="tf_dpiter.tf_privacy", name=keras.saving.get_registered_name(cls))(new_cls)
+    _TFP_CLASSES[cls] = new_cls
+  return _TFP_CLASSES[cls]
 
 
 def make_private(model):

@@ -1,0 +1,115 @@
+"""Physical chunks of a logical batch, and the dtype of the privacy arithmetic (seed 002, Sec. 7).
+
+A logical batch (one noise draw, one ledger sample) may be processed in physical chunks of at
+most `max_physical_batch_size` examples (whole records each): the clipped sums of the chunks
+add up to the clipped sum of the batch, so chunking changes memory, not the mechanism. Both
+clipping paths (vectorized per-record gradients, fast ghost norms) run through
+`sum_over_chunks`.
+
+The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noise) is done in
+float32, or float64 for float64 variables, whatever the Keras dtype policy (issue 12).
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.keras import gradients as grads_lib
+
+
+def wide_dtype(dtype):
+  """float64 for float64, else float32: the dtype of the privacy arithmetic."""
+  return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+
+
+def wide_template(variables):
+  """TensorSpecs of `variables` in the privacy arithmetic's dtype (float32 or float64)."""
+  return [tf.TensorSpec(v.shape, wide_dtype(v.dtype)) for v in variables]
+
+
+def unscale_records(grads, scale):
+  """Per-record gradients [M, ...] divided by the loss scale, in float32.
+
+  A record whose gradient is not finite (float16 overflow) becomes zero: a function of that
+  record alone, whose norm 0 is <= C, so the sensitivity bound holds.
+
+  Args:
+    grads: list of per-record gradients, each [M, ...].
+    scale: the static loss scale (Python float; 1.0: nothing to undo).
+
+  Returns:
+    (grads, finite): the unscaled gradients and a bool [M] (False: the record was zeroed),
+    or None for finite when scale is 1.
+  """
+  if scale == 1.0:
+    return grads, None
+  grads = [tf.cast(g, wide_dtype(g.dtype)) / scale for g in grads]
+  finite = None
+  for g in grads:
+    ok = tf.reduce_all(tf.reshape(tf.math.is_finite(g), [tf.shape(g)[0], -1]), axis=1)
+    finite = ok if finite is None else tf.logical_and(finite, ok)
+  zeroed = [tf.where(tf.reshape(finite, [-1] + [1] * (len(g.shape) - 1)), g, tf.zeros_like(g))
+            for g in grads]
+  return zeroed, finite
+
+
+def records_per_chunk(max_physical_batch_size, examples_per_record, num_records_static):
+  """Records per physical chunk, or None when the whole batch fits in one chunk.
+
+  Args:
+    max_physical_batch_size: P, examples per chunk (None: no limit).
+    examples_per_record: k (Python int, or a scalar tensor when the batch size is dynamic).
+    num_records_static: M if known statically, else None.
+
+  Returns:
+    max(1, P // k) (int or scalar tensor), or None.
+  """
+  p = max_physical_batch_size
+  if p is None:
+    return None
+  k = examples_per_record
+  per_chunk = max(1, p // k) if isinstance(k, int) else tf.maximum(1, p // k)
+  if num_records_static is not None and isinstance(per_chunk, int) and (
+      per_chunk >= num_records_static):
+    return None
+  return per_chunk
+
+
+def _take(nest, i):
+  return tf.nest.map_structure(lambda t: None if t is None else t[i], nest)
+
+
+def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
+  """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
+
+  Args:
+    chunk_fn: (acc, records_chunk, record_mask_chunk) -> (acc, loss_sum, aux), where aux is
+      a nest of tensors with the chunk's records on the leading axis.
+    acc: the initial accumulator (a nest of tensors: a DPQuery sample state, or sums).
+    records: nest of [M, ...] tensors (None leaves allowed).
+    record_mask: [M] float, 0 for padding records.
+    per_chunk: records per chunk (`records_per_chunk`), or None for one chunk.
+
+  Returns:
+    (acc, loss_sum, aux): aux concatenated over chunks (its leading axis may hold padding
+    records past M), or None when the number of chunks is dynamic (tf.while_loop).
+  """
+  if per_chunk is None:
+    return chunk_fn(acc, records, record_mask)
+  chunks, cmask, nchunks = grads_lib.chunked(records, record_mask, per_chunk)
+  static_chunks = tf.get_static_value(nchunks)
+  loss_sum = tf.constant(0.0)
+  if static_chunks is not None:
+    # Static shapes (XLA included): unrolled loop over the physical chunks.
+    auxes = []
+    for i in range(int(static_chunks)):
+      acc, loss, aux = chunk_fn(acc, _take(chunks, i), cmask[i])
+      loss_sum = loss_sum + loss
+      auxes.append(aux)
+    return acc, loss_sum, tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *auxes)
+
+  def body(i, acc, loss_acc):
+    acc, loss, _ = chunk_fn(acc, _take(chunks, i), cmask[i])
+    return i + 1, acc, loss_acc + loss
+
+  _, acc, loss_sum = tf.while_loop(lambda i, *_: i < nchunks, body,
+                                   [tf.constant(0), acc, loss_sum])
+  return acc, loss_sum, None

@@ -1,0 +1,216 @@
+"""The DP optimizers' mechanism state: query, ledger, sampling and noise (seed 002, Secs. 2-5).
+
+`MechanismMixin` is a base of `optimizers.DPOptimizerMixin`. It owns the DPQuery (the Gaussian
+sum query of clip S and noise stddev z*S, or a user's query) wrapped in
+`ledger.QueryWithLedger`, the sampling declaration the ledger records with every step
+(`set_sampling`), and `noised_average`: one noise draw and one ledger sample per logical
+batch, then division by the batch's denominator (records in the batch; q*n under Poisson).
+"""
+
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import ledger as ledger_lib
+
+
+class MechanismMixin:
+  """Query, ledger, sampling and noise of a DP optimizer (see module docstring)."""
+
+  @property
+  def ledger(self):
+    """The PrivacyLedger every private step writes to."""
+    self._make_dp_state()
+    return self._dp_ledger
+
+  def _make_dp_state(self):
+    if self._dp_ledger is not None:
+      return
+    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+      raise ValueError(
+          "the DP state (ledger, noise generator) must be created outside a tf.distribute "
+          "scope: call model.fit / optimizer.set_sampling outside `with strategy.scope():` "
+          "(build and compile the model inside it as usual)")
+    with tf.init_scope():
+      if self._dp_base_query is None:
+        stddev = 0.0 if self._dp_noise_multiplier == 0 else (
+            self._dp_noise_multiplier * self._dp_l2_norm_clip)
+        self._dp_base_query = dp_query_lib.GaussianSumQuery(
+            self._dp_l2_norm_clip, stddev, seed=self._dp_seed, secure_mode=self._dp_secure_mode)
+      self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
+                                              name="dp_expected_records")
+      self._dp_ledger = ledger_lib.PrivacyLedger()
+      self._dp_overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="dp_overflowed_records")
+
+  @property
+  def overflowed_records(self):
+    """Records whose float16 gradient overflowed (non-finite) and were zeroed, since the
+    optimizer was made (mixed_float16 only; see chunking.unscale_records). A zeroed record
+    adds 0 to the clipped sum (norm 0 <= C): the guarantee holds, but its data was not used."""
+    self._make_dp_state()
+    return int(self._dp_overflow_count.numpy())
+
+  @property
+  def overflow_counter(self):
+    """The int64 tf.Variable behind `overflowed_records` (readable inside a tf.function)."""
+    self._make_dp_state()
+    return self._dp_overflow_count
+
+  def _count_overflow(self, finite, record_mask):
+    """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
+    `overflowed_records`, printing a warning when there are any. finite None: no loss scale.
+
+    Returns:
+      a list of control dependencies for the accumulation.
+    """
+    if finite is None:
+      return []
+    zeroed = tf.logical_and(tf.logical_not(finite), tf.cast(record_mask, tf.float32) > 0)
+    count = tf.reduce_sum(tf.cast(zeroed, tf.int64))
+
+    def warn():
+      tf.print("WARNING: tf_dpiter: the float16 gradients of", count, "record(s) overflowed "
+               "and were zeroed (they add 0 to the clipped sum; the privacy guarantee holds). "
+               "Lower the learning rate or train under mixed_bfloat16/float32; "
+               "optimizer.overflowed_records counts them.", output_stream=sys.stderr)
+      return tf.constant(True)
+
+    self._make_dp_state()
+    added = self._dp_overflow_count.assign_add(count)
+    with tf.control_dependencies([added]):
+      return [tf.cond(count > 0, warn, lambda: tf.constant(False))]
+
+  @property
+  def sampling_policy(self):
+    return None if self._dp_query is None else self._dp_query.policy
+
+  # ---- sampling -----------------------------------------------------------------------
+
+  def set_sampling(self, population_size, selection_probability, policy="poisson",
+                   sample_size=0):
+    """Declares how batches are sampled; the ledger records it with every step.
+
+    With num_microbatches M a record is a microbatch of k = ceil(sample_size / M) examples
+    (`examples_per_record`); the ledger then charges a clipped sum at sensitivity 2S
+    (seed 002, Table 1 and Appendix A). Microbatches need a policy whose positions come
+    from a public permutation with n fixed (replace-one: "shuffle", "fixed_size"): under
+    add/remove (Poisson, full batches) removing an example would re-deal the later
+    examples among the microbatches (gradients.to_records).
+
+    Args:
+      population_size: n, records in the data set.
+      selection_probability: q (sample_size / n for shuffle and fixed_size).
+      policy: one of ledger.POLICIES.
+      sample_size: batch size (expected batch size for Poisson); required (>= 1) for
+        "shuffle" and "fixed_size".
+
+    Returns:
+      True when the recorded policy or record unit changed (a traced step must be retraced).
+
+    Raises:
+      ValueError: num_microbatches with policy "poisson" or "full", or a bad argument.
+    """
+    m = self._dp_num_microbatches
+    if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
+      raise ValueError(
+          f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
+          "one example, removing an example re-deals the others among microbatches. Sample "
+          "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
+          "dp.data.shuffled_batches), or use num_microbatches=None")
+    k = 1 if m is None else max(1, -(-int(sample_size) // m))
+    self._make_dp_state()
+    with tf.init_scope():
+      if self._dp_query is None or self._dp_query.policy != policy:
+        self._dp_query = ledger_lib.QueryWithLedger(
+            self._dp_base_query, population_size, selection_probability, ledger=self._dp_ledger,
+            policy=policy, sample_size=sample_size, examples_per_record=k)
+        changed = True
+      else:
+        changed = self._dp_query.examples_per_record != k
+        self._dp_query.set_sampling(population_size, selection_probability, sample_size,
+                                    examples_per_record=k)
+      if self._dp_global_vars is None:
+        init = tf.nest.map_structure(tf.convert_to_tensor, self._dp_query.initial_global_state())
+        self._dp_global_struct = init
+        flat = self._restore_global_state(tf.nest.flatten(init))
+        self._dp_global_vars = [tf.Variable(t, trainable=False, name="dp_global_state")
+                                for t in flat]
+      self._dp_expected_records.assign(float(population_size) * float(selection_probability))
+    # A call from user code declares data that fit cannot see (DPModel.fit overrides this).
+    self._dp_sampling_source = "user"
+    return changed
+
+  def _restore_global_state(self, flat_init):
+    """The saved query state (e.g. an adaptive clip) in place of the initial one, if any."""
+    saved = self._dp_restored_global_state
+    if saved is None:
+      return flat_init
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(flat_init) or any(
+        tuple(np.shape(s)) != tuple(t.shape) for s, t in zip(saved, flat_init)):
+      raise ValueError(
+          "the saved dp_global_state does not match the query's state (expected "
+          f"{len(flat_init)} values of shapes {[tuple(t.shape) for t in flat_init]}), got "
+          f"{saved!r}")
+    self._dp_restored_global_state = None
+    return [tf.constant(np.asarray(s), dtype=t.dtype) for s, t in zip(saved, flat_init)]
+
+  def _require_query(self):
+    if self._dp_query is None:
+      raise ValueError(
+          "the sampling policy is unknown, so the ledger cannot record this step: train with "
+          "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
+          "optimizer.set_sampling(population_size, selection_probability, policy, sample_size) first")
+    return self._dp_query
+
+  def _dp_global_state(self):
+    return tf.nest.pack_sequence_as(self._dp_global_struct,
+                                    [v.read_value() for v in self._dp_global_vars])
+
+  def _dp_params(self):
+    query = self._require_query()
+    return query.derive_sample_params(self._dp_global_state())
+
+  # ---- noise, ledger ------------------------------------------------------------------
+
+  def _noise_and_record(self, sample_state):
+    query = self._require_query()
+    global_state = self._dp_global_state()
+    result, new_state, _ = query.get_noised_result(sample_state, global_state)
+    assigns = [v.assign(t) for v, t in zip(self._dp_global_vars, tf.nest.flatten(new_state))]
+    with tf.control_dependencies(assigns):
+      return tf.nest.map_structure(tf.identity, result)
+
+  def noised_average(self, sample_state, num_records):
+    """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
+
+    Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
+    noise is drawn once, in cross-replica context. num_records: records in this replica's
+    batch (the denominator, unless Poisson sampling, where it is q*n).
+    """
+    self._require_query()
+    num_records = tf.cast(num_records, tf.float32)
+    ctx = tf.distribute.get_replica_context()
+    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
+    if ctx is not None and n_rep > 1:
+      sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
+      num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
+
+      def merge_fn(strategy, state):
+        local = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], state)
+        return self._noise_and_record(local)
+
+      result = ctx.merge_call(merge_fn, args=(sample_state,))
+    else:
+      result = self._noise_and_record(sample_state)
+    if not self._dp_normalize:
+      denom = tf.constant(1.0)
+    elif self._dp_query.policy == ledger_lib.POISSON:
+      denom = self._dp_expected_records.read_value()
+    else:
+      denom = tf.maximum(num_records, 1.0)
+    # Keras sums gradients over replicas in apply(): pre-divide by the replica count.
+    denom = denom * float(n_rep)
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
