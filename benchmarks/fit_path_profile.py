@@ -10,8 +10,10 @@ time / steps, timed by a callback at epoch begin and end):
   fit_dp_spe{1,8,32}           DPSequential + DPKerasSGDOptimizer(clipping="fast") through
                                model.fit on a fixed batch of B with weight 1 (no padding),
                                sampling declared with optimizer.set_sampling (poisson)
-  fit_dp_poisson               the same through fit(x, y, batch_size=B) on arrays: Poisson
-                               sampling + padding to default_max_batch_size + the generator
+  fit_dp_poisson               the same through fit(x, y, batch_size=B) on arrays (n = 60000):
+                               Poisson sampling + padding to default_max_batch_size + generator
+  fit_dp_poisson_unpadded      dp.data.poisson_batches(..., max_batch_size=None): no padding
+  fit_dp_by_index              poisson_batches_from_source(ArraySource): O(q n) index draw
 and, as one tf.function each (median of --steps * --epochs calls):
   bare_nonprivate, bare_fast   benchmarks/fast_clipping_step_time.py's steps (forward,
                                backward / ghost-norm clipping, noise, SGD update)
@@ -56,6 +58,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fast_clipping_step_time as bare  # noqa: E402
 import tf_dpiter as dp  # noqa: E402
+from tf_dpiter.data import indexed_records  # noqa: E402
+from tf_dpiter.data import indexed_sampling  # noqa: E402
 from tf_dpiter.keras import optimizers as opt_lib  # noqa: E402
 
 N_POP = 60000
@@ -102,8 +106,15 @@ def _fit_config(name, kind, spe, b, steps):
     model.optimizer.set_sampling(N_POP, b / N_POP, "poisson", b)
     ds = tf.data.Dataset.from_tensors((x, y, np.ones(b, "float32"))).repeat()
     return model, dict(x=ds, steps_per_epoch=steps)
-  xs, ys = _data(name, N_POP)       # dp_poisson: arrays, fit samples by Poisson itself
-  return model, dict(x=xs, y=ys, batch_size=b, steps_per_epoch=steps)
+  xs, ys = _data(name, N_POP)
+  if kind == "dp_poisson":         # arrays: fit samples by Poisson itself (padded)
+    return model, dict(x=xs, y=ys, batch_size=b, steps_per_epoch=steps)
+  if kind == "dp_poisson_unpadded":
+    ds = dp.data.poisson_batches(xs, ys, b, steps_per_epoch=steps, max_batch_size=None)
+  else:                            # dp_by_index: Binomial count + uniform subset, padded
+    ds = indexed_sampling.poisson_batches_from_source(indexed_records.ArraySource(xs, ys), b,
+                                                      steps_per_epoch=steps)
+  return model, dict(x=ds)
 
 
 def _fit_rounds(configs, rounds):
@@ -155,10 +166,12 @@ def _functions(name, b, dp_model):
 def profile(name, a):
   configs = {f"fit_{kind}_spe{spe}": _fit_config(name, kind, spe, a.batch, a.steps)
              for kind in ("nonprivate", "dp") for spe in (1, 8, 32)}
-  configs["fit_dp_poisson"] = _fit_config(name, "dp_poisson", 1, a.batch, a.steps)
+  for kind in ("dp_poisson", "dp_poisson_unpadded", "dp_by_index"):
+    configs[f"fit_{kind}"] = _fit_config(name, kind, 1, a.batch, a.steps)
   sec = _fit_rounds(configs, a.epochs)
   ms = {k: 1e3 * v / a.steps for k, v in sec.items()}
-  ledger_steps = int(configs["fit_dp_spe1"][0].ledger.sample_count.numpy())
+  ledger_steps = {k: int(m.ledger.sample_count.numpy()) for k, (m, _) in configs.items()
+                  if k.startswith("fit_dp")}
   fns = _functions(name, a.batch, configs["fit_dp_spe1"][0])
   calls = a.steps * a.epochs
   for k, fn in fns.items():
@@ -170,11 +183,14 @@ def profile(name, a):
       "fit_dp/fit_nonprivate spe8": r("fit_dp_spe8", "fit_nonprivate_spe8"),
       "fit_dp/fit_nonprivate spe32": r("fit_dp_spe32", "fit_nonprivate_spe32"),
       "fit_dp_poisson/fit_nonprivate spe1": r("fit_dp_poisson", "fit_nonprivate_spe1"),
+      "fit_dp_poisson/fit_dp_spe1": r("fit_dp_poisson", "fit_dp_spe1"),
+      "fit_dp_poisson_unpadded/fit_dp_poisson": r("fit_dp_poisson_unpadded", "fit_dp_poisson"),
+      "fit_dp_by_index/fit_dp_poisson": r("fit_dp_by_index", "fit_dp_poisson"),
       "bare_fast/bare_nonprivate": r("bare_fast", "bare_nonprivate"),
       "fit_dp_spe1/bare_fast": r("fit_dp_spe1", "bare_fast"),
       "fit_dp_spe32/bare_fast": r("fit_dp_spe32", "bare_fast"),
       "fit_nonprivate_spe1/bare_nonprivate": r("fit_nonprivate_spe1", "bare_nonprivate")},
-      "ledger_steps_fit_dp_spe1": ledger_steps,
+      "ledger_steps": ledger_steps,        # one sample per step whatever steps_per_execution
       "ledger_steps_expected": a.steps * (a.epochs + 1)}
 
 

@@ -8,7 +8,10 @@ robin, --reps times each:
   poisson_by_index   poisson_batches_from_source(TFRecordSource) (q = batch / n): records
                      read by os.pread at their offsets, padded, through tf.data
   sequential_tfrecord tf.data.TFRecordDataset(shards).batch(batch) + decode_raw (no sampling)
-  poisson_in_memory  dp.data.poisson_batches on the same arrays held in memory
+  poisson_in_memory  dp.data.poisson_batches on the same arrays held in memory (one uniform
+                     draw per record per step: O(n))
+  poisson_by_index_in_memory  poisson_batches_from_source(ArraySource) on those arrays
+                     (Binomial count + uniform subset: O(q n))
 and the index draw alone for a population of 10^9 records (m ~ Binomial(n, q), uniform
 m-subset: O(q n) per step, independent of n). Examples/s counts real records (weight 1).
 The shards were just written, so they are in the page cache: these are warm-cache figures;
@@ -83,6 +86,8 @@ def main():
             a.batch * a.steps).batch(a.batch).map(decode).prefetch(2), None),
         "poisson_in_memory": lambda: _rate(dp.data.poisson_batches(
             x, y, a.batch, steps_per_epoch=a.steps), 2),
+        "poisson_by_index_in_memory": lambda: _rate(indexed_sampling.poisson_batches_from_source(
+            indexed_records.ArraySource(x, y), a.batch, steps_per_epoch=a.steps), 2),
     }
     rates = {k: [] for k in runs}
     for _ in range(a.reps):
@@ -101,6 +106,8 @@ def main():
       "examples_per_s_all": {k: [round(r) for r in v] for k, v in rates.items()},
       "ratio_by_index_over_sequential": round(med["poisson_by_index"] / med["sequential_tfrecord"], 3),
       "ratio_by_index_over_in_memory": round(med["poisson_by_index"] / med["poisson_in_memory"], 3),
+      "ratio_in_memory_by_index_over_poisson_batches": round(
+          med["poisson_by_index_in_memory"] / med["poisson_in_memory"], 3),
       "index_draw_ms_per_step_n1e9": round(draw_ms, 3),
       "load_avg": os.getloadavg()}))
 

@@ -1,0 +1,66 @@
+"""What `model.fit` needs under tf.distribute.MultiWorkerMirroredStrategy (several processes).
+
+Keras 3's TensorFlow trainer does not run `fit` under a multi-worker strategy as shipped
+(Keras 3.15, TF 2.21), for any model:
+1. `_maybe_symbolic_build` reduces the whole first distributed batch with
+   `strategy.reduce("MEAN", batch)`; the collective strategy's reduce takes one tensor, not a
+   nest (ValueError: "Attempt to convert a value (PerReplica ...)").
+2. `reduce_per_replica(logs, reduction="auto")` calls `strategy.reduce("MEAN", v, axis=0)`
+   on every log under a multi-worker strategy, which fails on the scalar logs a train step
+   returns ("Invalid reduction dimension 0 for input with 0 dimensions").
+
+`MultiWorkerFitMixin` fixes both for a DP model: the first batch is this worker's first
+local replica's (shapes only: it builds the model), and every log gets a leading axis of 1,
+so Keras' axis-0 MEAN is the mean over all replicas. Put it before the DP model class:
+`class M(MultiWorkerFitMixin, DPSequential)`.
+
+The data side is `tf_dpiter.data.indexed_sampling.distributed_poisson_batches` (one global
+Poisson sample per step). Noise: every worker's optimizer draws its own noise on the
+all-reduced clipped sum and Keras averages the workers' updates, so with independent
+generators the update carries noise of std z C / sqrt(W) for W workers, not z C: the
+generators must be made identical across workers (see the report of issue 18).
+"""
+
+import keras
+import tensorflow as tf
+
+
+def num_workers(strategy):
+  """Worker processes of `strategy` (1 for a single-process strategy)."""
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if resolver is None:
+    return 1
+  spec = resolver.cluster_spec().as_dict()
+  return max(1, sum(len(spec.get(job, [])) for job in ("chief", "worker")))
+
+
+def is_chief(strategy):
+  """Whether this process is the chief (task "chief", or worker 0 without one)."""
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if resolver is None or num_workers(strategy) == 1:
+    return True
+  spec = resolver.cluster_spec().as_dict()
+  if "chief" in spec:
+    return resolver.task_type == "chief"
+  return resolver.task_type == "worker" and int(resolver.task_id) == 0
+
+
+class MultiWorkerFitMixin:
+  """`fit` under MultiWorkerMirroredStrategy (module docstring); inert on one worker."""
+
+  def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    if iterator is not None and data_batch is None and num_workers(self.distribute_strategy) > 1:
+      for _, _, it in iterator:
+        batch = next(it)
+        break
+      local = self.distribute_strategy.experimental_local_results
+      data_batch = keras.tree.map_structure(
+          lambda v: local(v)[0] if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+      iterator = None
+    return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+
+  def train_step(self, data):  # pylint: disable=missing-function-docstring
+    logs = super().train_step(data)
+    if num_workers(self.distribute_strategy) == 1:
+      return logs
+    return keras.tree.map_structure(lambda t: tf.reshape(t, [1]), logs)
