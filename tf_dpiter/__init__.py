@@ -1,28 +1,57 @@
 """tf_dpiter: differentially private iterative training for TensorFlow and Keras 3.
 
 Three concerns kept apart (seed 002): the privacy mechanism (`dp_query`), the privacy
-ledger and its accountant (`ledger`, `accounting`), and the training procedure
-(`keras`, `federated`, `draw_discard`).
+ledger and its accountant (`ledger`, `accounting`), and the training procedures (`keras`,
+`federated`, `draw_discard`); `data` holds the samplers and `auditing` the empirical checks.
+
+Public names (`__all__`):
+  * subpackages, loaded on first use (so that e.g. the Draw-and-Discard service does not pay
+    for TensorFlow's import): `dp_query`, `ledger`, `accounting`, `keras`, `data`,
+    `federated`, `draw_discard`, `auditing`;
+  * `errors` and its exceptions: `ParameterTypeError` (a TypeError), `PrivacyConfigError`
+    (a ValueError) and `BudgetConfigError`;
+  * `__version__`.
+
+This root also wires the layers together: it tells the DPQuery registry (lowest layer) which
+upper-layer modules define serializable queries (`dp_query.declare_query_module`), so that
+`dp_query.deserialize` works in a fresh process while dp_query names no upper module.
 """
 
 import importlib
+import sys
+
+from tf_dpiter import errors
+from tf_dpiter.dp_query import declare_query_module as _declare_query_module
+from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import PrivacyConfigError
 
 __version__ = "0.1.0"
 
-# Submodules load on first use, so that e.g. the Draw-and-Discard service does not pay for
-# TensorFlow's import when it does not need it.
-_LAZY = ("dp_query", "ledger", "accounting", "keras", "data", "federated", "draw_discard",
-         "auditing")
+_SUBPACKAGES = ("dp_query", "ledger", "accounting", "keras", "data", "federated",
+                "draw_discard", "auditing")
+
+__all__ = list(_SUBPACKAGES) + ["errors", "ParameterTypeError", "PrivacyConfigError",
+                                "BudgetConfigError", "__version__"]
+
+# Serializable queries of the upper layers: registered name -> module that registers it.
+_declare_query_module("QueryWithLedger", "tf_dpiter.ledger.query_with_ledger")
+_declare_query_module("MedianNormClipSumQuery", "tf_dpiter.federated.queries")
 
 
 def __getattr__(name):
-  if name in _LAZY:
+  if name in _SUBPACKAGES:
     return importlib.import_module(f"tf_dpiter.{name}")
   raise AttributeError(f"module 'tf_dpiter' has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(__all__) | {k for k in globals() if not k.startswith("_")} - {"importlib",
+                                                                                   "sys"})
 
 
 # Keras deserializes `tf_dpiter>DPSequential` etc. only once tf_dpiter.keras has registered
 # them: a program that already uses Keras gets them at `import tf_dpiter`, so that
 # `keras.models.load_model` works in a fresh process without touching `dp.keras` first.
-if "keras" in __import__("sys").modules:
+if "keras" in sys.modules:
   importlib.import_module("tf_dpiter.keras")

@@ -424,3 +424,35 @@ def test_secure_mode_query_noise_and_config():
                            tf.zeros([3, 20000]))
   noised, _, _ = q.get_noised_result(s, g)
   assert abs(float(tf.math.reduce_std(noised)) - 2.0) < 5 * 2.0 * math.sqrt(2.0 / 20000)
+
+
+@pytest.mark.parametrize("clip, z, expected", [
+    (2.0, 1.5, 3.0), (0.0, 1.5, 0.0), (math.inf, 0.0, 0.0), (2.0, 0.0, 0.0), (3, 2, 6.0)])
+def test_gaussian_stddev_is_z_times_clip_with_explicit_edges(clip, z, expected):
+  assert dq.gaussian_stddev(clip, z) == expected
+  q = dq.GaussianSumQuery.from_noise_multiplier(clip, z, seed=0)
+  assert (q.l2_norm_clip, q.stddev) == (clip, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gaussian_stddev_on_tensors_never_gives_nan(mode):
+  fn = lambda s, z: dq.gaussian_stddev(s, z)
+  if mode != "eager":
+    fn = tf.function(fn, jit_compile=(mode == "xla"))
+  clips = tf.constant([math.inf, 2.0, 0.0], tf.float32)
+  zs = tf.constant([0.0, 1.5, 3.0], tf.float32)
+  got = fn(clips, zs)
+  assert got.dtype == tf.float32
+  np.testing.assert_array_equal(got.numpy(), [0.0, 3.0, 0.0])
+
+
+@pytest.mark.parametrize("clip, z, match", [
+    (math.inf, 1.0, "l2_norm_clip=inf with noise_multiplier=1.0"),
+    (1.0, math.inf, "noise_multiplier must be a non-negative finite number"),
+    (-1.0, 1.0, "l2_norm_clip must be a non-negative number"),
+    (1.0, float("nan"), "noise_multiplier"),
+])
+def test_gaussian_stddev_refuses_what_has_no_meaning(clip, z, match):
+  from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(PrivacyConfigError, match=match):
+    dq.gaussian_stddev(clip, z)

@@ -3,6 +3,9 @@
 import collections
 import json
 import math
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -202,3 +205,27 @@ def test_config_errors():
     dq.register_query("GaussianSumQuery")(_Unregistered)
   with pytest.raises(ValueError, match="DPQuery subclass"):
     dq.register_query()(int)
+
+
+def test_upper_layer_queries_deserialize_in_a_fresh_process():
+  # dp_query names no upper module: the ledger's and federated's queries are found through
+  # the modules the package root declares, imported on demand by deserialize.
+  configs = [dq.serialize(CASES[name][0]()) for name in ("query_with_ledger", "median_clip")]
+  code = ("import json, sys\n"
+          "from tf_dpiter.dp_query import deserialize\n"
+          "assert 'tf_dpiter.ledger.query_with_ledger' not in sys.modules\n"
+          "assert 'tf_dpiter.federated.queries' not in sys.modules\n"
+          "queries = [deserialize(c) for c in json.loads(sys.stdin.read())]\n"
+          "print(' '.join(type(q).__name__ for q in queries))\n"
+          "print(type(queries[0].query).__name__, queries[0].policy)\n")
+  out = subprocess.run([sys.executable, "-c", code], input=json.dumps(configs),
+                       capture_output=True, text=True, check=True,
+                       env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+  lines = out.stdout.split("\n")
+  assert lines[0] == "QueryWithLedger MedianNormClipSumQuery"
+  assert lines[1] == "GaussianSumQuery fixed_size"
+
+
+def test_lower_layer_names_no_upper_module():
+  source = open(serialization.__file__).read()
+  assert "tf_dpiter.ledger" not in source and "tf_dpiter.federated" not in source

@@ -36,7 +36,7 @@ def test_flower_noise_free_full_participation_is_plain_fedavg(tiny):
     FL.run_loopback(strat, clients, num_rounds=2)
   assert [r["returned"] for r in strat.rounds] == [3, 3]
   w = plain_fedavg(model, fd, w0, rounds=2, clients=range(3), denominator=3)
-  got = [p.numpy() for p in model.unflatten(strat.server.w)]
+  got = [p.numpy() for p in model.unflatten(strat.server.weights)]
   for a, b in zip(got, w):
     np.testing.assert_allclose(a, b.numpy(), rtol=1e-4, atol=1e-6)
 
@@ -89,6 +89,6 @@ def test_flower_failures_and_nonfinite_updates_rejected_and_counted(tiny):
   res = lambda arrs: FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), 20, {})
   _, metrics = strat.aggregate_fit(1, [(None, res(ok)), (None, res(nan))], [RuntimeError()])
   assert metrics["rejected"] == 2 and metrics["returned"] == 2
-  got = [p.numpy() for p in model.unflatten(strat.server.w)]
+  got = [p.numpy() for p in model.unflatten(strat.server.weights)]
   for g, p in zip(got, w0):                      # only the good update, divided by m = 3
     np.testing.assert_allclose(g, p + 0.5 / 3, rtol=1e-5)

@@ -102,7 +102,7 @@ def test_message_api_noise_free_full_participation_is_plain_fedavg(tiny):
     result = strat.start(grid, ArrayRecord(w0), num_rounds=2)
   assert [r["returned"] for r in strat.rounds] == [3, 3]
   w = plain_fedavg(model, fd, w0, rounds=2, clients=range(3), denominator=3)
-  for got in ([p.numpy() for p in model.unflatten(strat.server.w)],
+  for got in ([p.numpy() for p in model.unflatten(strat.server.weights)],
               result.arrays.to_numpy_ndarrays()):
     for a, b in zip(got, w):
       np.testing.assert_allclose(a, b.numpy(), rtol=1e-4, atol=1e-6)
@@ -146,7 +146,7 @@ def test_message_api_error_reply_is_rejected_and_counted(tiny):
   assert strat.rounds[0]["returned"] == 2 and strat.rounds[0]["rejected"] == 1
   # Node 102 (partition 1) failed: only partitions 0 and 2, and the denominator stays m = 3.
   w = plain_fedavg(model, fd, w0, rounds=1, clients=(0, 2), denominator=3)
-  for a, b in zip(model.unflatten(strat.server.w), w):
+  for a, b in zip(model.unflatten(strat.server.weights), w):
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6)
 
 

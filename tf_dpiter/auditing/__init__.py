@@ -39,3 +39,31 @@ from tf_dpiter.auditing.whitebox import CanaryRecorder
 from tf_dpiter.auditing.whitebox import canary_scores
 from tf_dpiter.auditing.whitebox import claimed_epsilon
 from tf_dpiter.auditing.whitebox import whitebox_lower_bound
+
+__all__ = [
+    "AuditCallback",
+    "CanaryRecorder",
+    "DiracCanaryLoss",
+    "DiracCanaryModel",
+    "LowerBound",
+    "WhiteBoxResult",
+    "attack_metrics",
+    "auc",
+    "canary_scores",
+    "claimed_epsilon",
+    "clopper_pearson",
+    "epsilon_lower_bound",
+    "gdp_epsilon",
+    "lira_leave_one_out",
+    "lira_scores",
+    "logit_confidence",
+    "loss_scores",
+    "lower_bound",
+    "one_run_epsilon_lower_bound",
+    "plot_privacy_report",
+    "roc_curve",
+    "run_whitebox_audit",
+    "shadow_confidences",
+    "tpr_at_fpr",
+    "whitebox_lower_bound",
+]

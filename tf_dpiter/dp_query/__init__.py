@@ -1,6 +1,25 @@
-"""Privacy mechanisms: DPQuery objects that clip records and add noise (seed 002, Sections 1-4, 7)."""
+"""Privacy mechanisms: DPQuery objects that clip records and add noise (seed 002, Sections 1-4, 7).
+
+Public names (classes and functions; the implementation modules are not part of the API):
+  * the interface: `DPQuery`, `SumAggregationDPQuery`, `global_l2_norm`,
+    `clip_by_global_l2_norm`;
+  * Gaussian queries: `GaussianSumQuery` (`from_noise_multiplier`), `gaussian_stddev`
+    (sigma = z S, the one place it is computed), `GaussianAverageQuery`, `NormalizedQuery`,
+    `JointClipQuery`, `NestedQuery` with the allocation helpers of Sections 2 and 4
+    (`make_nested_gaussian_query`, `per_layer_clips`, `dimension_adjusted_clips`,
+    `proportional_noise`, `dimension_adjusted_noise`, `effective_noise_multiplier`);
+  * adaptive clipping: `QuantileEstimatorQuery`, `QuantileAdaptiveClipSumQuery`,
+    `value_noise_multiplier`;
+  * other mechanisms: `LaplaceSumQuery` (`clip_by_l1_norm`, `laplace_noise`),
+    `NoPrivacySumQuery`, `NoPrivacyAverageQuery`;
+  * privacy events: `GaussianSumEvent`, `LaplaceSumEvent`, `NonPrivateEvent`;
+  * randomness: `make_generator`, `NotPrivateSeedWarning`;
+  * serialization: `serialize`, `deserialize`, `register_query`, `declare_query_module`.
+"""
 
 import importlib
+
+from tf_dpiter.errors import ParameterTypeError
 
 # Loaded on first use: `tf_dpiter.dp_query.events` and `.validation` stay free of TensorFlow,
 # so the accountant imports them without paying for TF.
@@ -13,6 +32,7 @@ _EXPORTS = {
     'LaplaceSumEvent': 'tf_dpiter.dp_query.events',
     'NonPrivateEvent': 'tf_dpiter.dp_query.events',
     'GaussianSumQuery': 'tf_dpiter.dp_query.gaussian_query',
+    'gaussian_stddev': 'tf_dpiter.dp_query.gaussian_query',
     'JointClipQuery': 'tf_dpiter.dp_query.joint_clip_query',
     'LaplaceSumQuery': 'tf_dpiter.dp_query.laplace_query',
     'clip_by_l1_norm': 'tf_dpiter.dp_query.laplace_query',
@@ -37,7 +57,40 @@ _EXPORTS = {
     'register_query': 'tf_dpiter.dp_query.serialization',
     'serialize': 'tf_dpiter.dp_query.serialization',
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted(list(_EXPORTS) + ['declare_query_module', 'declared_query_module'])
+
+# Query classes defined in the layers above dp_query, by registered name -> the module that
+# registers them. Filled by those layers (through the package root), never by dp_query itself.
+_DECLARED_QUERY_MODULES = {}
+
+
+def declare_query_module(name, module):
+  """Declares that the DPQuery registered as `name` is defined in `module`.
+
+  `deserialize` imports `module` when it meets `name` and the class is not registered yet,
+  so that a fresh process rebuilds the query. Upper layers declare their own queries (see
+  `tf_dpiter/__init__.py`); this package names no module above it. Imports nothing.
+
+  Args:
+    name: the registered name (a non-empty str).
+    module: the dotted module path whose import registers the class (a non-empty str).
+  Raises:
+    ParameterTypeError: a name or module that is not a non-empty string.
+    ValueError: `name` is already declared for another module.
+  """
+  for arg, value in (("name", name), ("module", module)):
+    if not isinstance(value, str) or not value:
+      raise ParameterTypeError(f"{arg} must be a non-empty string, got {value!r}")
+  old = _DECLARED_QUERY_MODULES.get(name)
+  if old is not None and old != module:
+    raise ValueError(f"the DPQuery name {name!r} is already declared in module {old!r}, "
+                     f"got {module!r}")
+  _DECLARED_QUERY_MODULES[name] = module
+
+
+def declared_query_module(name):
+  """The module declared for the DPQuery name `name` (`declare_query_module`), or None."""
+  return _DECLARED_QUERY_MODULES.get(name)
 
 
 def __getattr__(name):
@@ -47,3 +100,7 @@ def __getattr__(name):
       globals()[export] = getattr(importlib.import_module(module), export)
     return globals()[name]
   raise AttributeError(f"module 'tf_dpiter.dp_query' has no attribute {name!r}")
+
+
+def __dir__():
+  return list(__all__)

@@ -46,4 +46,5 @@ def eq1_noise_multiplier(clips, stddevs):
 
 
 def is_event(x) -> bool:
+  """True for the privacy events a ledger records (Gaussian, Laplace, non-private)."""
   return isinstance(x, (GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent))

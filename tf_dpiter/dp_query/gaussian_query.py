@@ -1,10 +1,13 @@
 """Gaussian sum query (seed 002, Section 1, step 2-3).
 
 Each record is clipped to L2 norm S; the sum gets N(0, sigma^2 I) noise. Privacy tuple
-(S, sigma); noise multiplier z = sigma / S.
+(S, sigma); noise multiplier z = sigma / S. `gaussian_stddev` is the one place where
+sigma = z S is computed from a clip and a noise multiplier (every query, optimizer and
+server builds its Gaussian noise through it).
 """
 
 import collections
+import math
 
 import tensorflow as tf
 
@@ -13,6 +16,51 @@ from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
+
+
+def _float_dtype(*values):
+  """float64 if any tensor among `values` is float64, else float32 (privacy arithmetic is
+  never done in less than float32)."""
+  for v in values:
+    if tf.is_tensor(v) and v.dtype == tf.float64:
+      return tf.float64
+  return tf.float32
+
+
+def gaussian_stddev(l2_norm_clip, noise_multiplier):
+  """sigma = z * S, the noise standard deviation (sum units) of a Gaussian sum query.
+
+  Seed 002, Section 1: records clipped to L2 norm S, noise N(0, sigma^2) with sigma = z S.
+  The edge cases are explicit: z = 0 means no noise (sigma = 0, also for S = +inf, where
+  z * S would be NaN); S = 0 gives sigma = 0; z = +inf, and S = +inf with z > 0 (infinite
+  noise), are refused.
+
+  Args:
+    l2_norm_clip: S >= 0 (+inf allowed with z = 0); a number or a float tensor.
+    noise_multiplier: z >= 0, finite; a number or a float tensor.
+  Returns:
+    sigma: a Python float for numbers; for tensors a float32 (float64 if an input is float64)
+    tensor, `tf.where(z == 0, 0, z * S)`, computed in graph mode and under XLA.
+  Raises:
+    ParameterTypeError: an argument is not a number.
+    PrivacyConfigError: S < 0 or NaN, z < 0, NaN or inf, or S = inf with z > 0.
+  """
+  clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip, allow_inf=True)
+  z = validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  if tf.is_tensor(clip) or tf.is_tensor(z) or isinstance(clip, tf.Variable) or isinstance(
+      z, tf.Variable):
+    dtype = _float_dtype(clip, z)
+    clip, z = tf.cast(clip, dtype), tf.cast(z, dtype)
+    return tf.where(tf.equal(z, 0.0), tf.zeros_like(z * clip), z * clip)
+  clip, z = float(clip), float(z)
+  if z == 0.0:
+    return 0.0
+  if math.isinf(clip):
+    raise PrivacyConfigError(
+        f"l2_norm_clip=inf with noise_multiplier={noise_multiplier!r} > 0 asks for infinite "
+        "noise: give a finite l2_norm_clip, or noise_multiplier=0 for no noise")
+  return z * clip
 
 
 def add_gaussian_noise(generator, structure, stddev):
@@ -47,13 +95,39 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
   _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev"])
 
   def __init__(self, l2_norm_clip, stddev, seed=None, secure_mode=False):
-    """l2_norm_clip S, stddev sigma = z S (sum units), seed (tests only: not private),
-    secure_mode (noise from os.urandom, sum of two draws: `randomness.SecureRandom`)."""
+    """Builds the query from its privacy tuple (S, sigma).
+
+    Args:
+      l2_norm_clip: S >= 0 (+inf: no clipping), the per-record L2 bound.
+      stddev: sigma >= 0, finite, the noise standard deviation in sum units (sigma = z S:
+        build from a noise multiplier with `from_noise_multiplier`).
+      seed: fixes the noise (tests only: the output is then not private).
+      secure_mode: noise from os.urandom, sum of two draws (`randomness.SecureRandom`).
+    Raises:
+      ParameterTypeError: a non-numeric S or sigma.
+      PrivacyConfigError: S < 0, sigma < 0 or infinite, or a seed with secure_mode.
+    """
     self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
     self._seed = seed
     self._secure_mode = bool(secure_mode)
     self._generator = randomness.make_generator(seed, secure=self._secure_mode)
+
+  @classmethod
+  def from_noise_multiplier(cls, l2_norm_clip, noise_multiplier, seed=None, secure_mode=False):
+    """The query with clip S and noise sigma = `gaussian_stddev(S, z)`.
+
+    Args:
+      l2_norm_clip: S >= 0 (+inf only with z = 0).
+      noise_multiplier: z >= 0, finite (0: no noise).
+      seed, secure_mode: as in the constructor.
+    Returns:
+      a GaussianSumQuery.
+    Raises:
+      PrivacyConfigError: see `gaussian_stddev`.
+    """
+    return cls(l2_norm_clip, gaussian_stddev(l2_norm_clip, noise_multiplier), seed=seed,
+               secure_mode=secure_mode)
 
   def get_config(self):
     p = serialization.plain
@@ -62,13 +136,16 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
   @property
   def l2_norm_clip(self):
+    """S, the per-record L2 clip (a number, or a tensor when built with one)."""
     return self._l2_norm_clip
 
   @property
   def stddev(self):
+    """sigma, the noise standard deviation of the sum (sum units)."""
     return self._stddev
 
   def make_global_state(self, l2_norm_clip, stddev):
+    """The global state (S, sigma) as float32 tensors, e.g. to change them between samples."""
     return self._GlobalState(tf.cast(l2_norm_clip, tf.float32), tf.cast(stddev, tf.float32))
 
   def initial_global_state(self):
@@ -82,6 +159,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return clipped
 
   def get_noised_result(self, sample_state, global_state):
+    """(sum + N(0, sigma^2), global_state, (GaussianSumEvent(S, sigma),))."""
     result = add_gaussian_noise(self._generator, sample_state, global_state.stddev)
     event = events_lib.GaussianSumEvent(global_state.l2_norm_clip, global_state.stddev)
     return result, global_state, (event,)

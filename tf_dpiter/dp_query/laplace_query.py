@@ -24,11 +24,24 @@ def clip_by_l1_norm(record, l1_norm_clip):
 
 
 def laplace_noise(generator, shape, scale, dtype=tf.float32):
-  """Laplace(0, scale) by inversion: -b * sign(u) * log(1 - 2|u|), u ~ U(-1/2, 1/2)."""
-  u = generator.uniform(shape, minval=-0.5, maxval=0.5, dtype=dtype)
-  # 1 - 2|u| lies in (0, 1]; guard the log against the open end.
-  return -tf.cast(scale, dtype) * tf.sign(u) * tf.math.log(
-      tf.maximum(1.0 - 2.0 * tf.abs(u), tf.cast(1e-30, dtype)))
+  """Laplace(0, scale) samples of `shape`: b (E1 - E2), E1, E2 independent standard exponentials.
+
+  The exponentials come from `randomness.exponential` (Philox bits, exact in the tail), so
+  |noise| is not bounded (inversion of a float32 uniform, -b sign(u) log(1 - 2|u|), cannot
+  exceed b ln 2^24, which breaks pure epsilon), and the draw is the same eagerly, in
+  `tf.function` and under XLA. Computed in float32, then cast to `dtype`.
+
+  Args:
+    generator: a tf.random.Generator; shape: the output shape; scale: b >= 0;
+    dtype: the output dtype.
+  Returns:
+    a tensor of `shape` and `dtype`.
+  """
+  shape = tf.convert_to_tensor(shape, tf.int32)
+  n = tf.reduce_prod(shape)
+  e = randomness.exponential(generator, 2 * n)
+  noise = (e[:n] - e[n:]) * tf.cast(scale, tf.float32)
+  return tf.cast(tf.reshape(noise, shape), dtype)
 
 
 @serialization.register_query()
@@ -61,8 +74,12 @@ class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
 
   def get_noised_result(self, sample_state, global_state):
     def _add(v):
+      # Noise and sum in float32 (float64 stays float64), cast back afterwards.
       v = tf.convert_to_tensor(v)
-      return v + laplace_noise(self._generator, tf.shape(v), global_state.scale, v.dtype)
+      wide = tf.float64 if v.dtype == tf.float64 else tf.float32
+      noised = tf.cast(v, wide) + laplace_noise(self._generator, tf.shape(v),
+                                                global_state.scale, wide)
+      return tf.cast(noised, v.dtype)
     result = tf.nest.map_structure(_add, sample_state)
     return result, global_state, (events_lib.LaplaceSumEvent(global_state.l1_norm_clip,
                                                              global_state.scale),)

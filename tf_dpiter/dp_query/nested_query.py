@@ -16,6 +16,7 @@ from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import normalized_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 
 @serialization.register_query()
@@ -31,12 +32,13 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     if not leaves:
       raise ValueError(f"queries must contain at least one DPQuery, got {queries!r}")
     for q in leaves:
-      if not isinstance(q, dp_query.SumAggregationDPQuery):
-        raise ValueError(f"every leaf of queries must be a SumAggregationDPQuery, got {q!r}")
+      validation.check_instance("queries (every leaf)", q, dp_query.SumAggregationDPQuery,
+                                "a SumAggregationDPQuery")
     self._queries = queries
 
   @property
   def queries(self):
+    """The nest of leaf queries, one per group."""
     return self._queries
 
   def get_config(self):
@@ -91,7 +93,7 @@ def per_layer_clips(total_clip, num_groups):
   """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2)."""
   validation.check_positive("total_clip", total_clip)
   if int(num_groups) < 1:
-    raise ValueError(f"num_groups must be >= 1, got {num_groups!r}")
+    raise PrivacyConfigError(f"num_groups must be >= 1, got {num_groups!r}")
   return [total_clip / math.sqrt(num_groups)] * int(num_groups)
 
 
@@ -105,25 +107,49 @@ def dimension_adjusted_clips(total_clip, dims):
   validation.check_positive("total_clip", total_clip)
   dims = [int(d) for d in dims]
   if not dims or min(dims) < 1:
-    raise ValueError(f"dims must be positive integers, got {dims!r}")
+    raise PrivacyConfigError(f"dims must be positive integers, got {dims!r}")
   total = float(sum(dims))
   return [total_clip * math.sqrt(d / total) for d in dims]
 
 
 def proportional_noise(noise_multiplier, clips):
-  """sigma~_g = z * sqrt(G) * S_g (Section 4, proportional noise)."""
+  """sigma~_g = z * sqrt(G) * S_g (Section 4, proportional noise).
+
+  Group g has noise multiplier z_g = z sqrt(G), so Eq. (1) over the G groups gives z.
+
+  Args:
+    noise_multiplier: z >= 0, finite.
+    clips: the G clips S_g.
+  Returns:
+    the list of sigma~_g (`gaussian_query.gaussian_stddev(S_g, z_g)`).
+  Raises:
+    PrivacyConfigError: a bad z or clip.
+  """
   validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
-  g = len(clips)
-  return [noise_multiplier * math.sqrt(g) * s for s in clips]
+  z_g = noise_multiplier * math.sqrt(len(clips))
+  return [gaussian_query.gaussian_stddev(s, z_g) for s in clips]
 
 
 def dimension_adjusted_noise(noise_multiplier, clips, dims):
-  """sigma~_g = z * sqrt(D / d_g) * S_g (Section 4, dimensionality-adjusted noise)."""
+  """sigma~_g = z * sqrt(D / d_g) * S_g (Section 4, dimensionality-adjusted noise).
+
+  Group g has noise multiplier z_g = z sqrt(D / d_g), D = sum_g d_g; Eq. (1) gives z.
+
+  Args:
+    noise_multiplier: z >= 0, finite.
+    clips: the clips S_g; dims: the dimensions d_g (same length).
+  Returns:
+    the list of sigma~_g (`gaussian_query.gaussian_stddev(S_g, z_g)`).
+  Raises:
+    PrivacyConfigError: a bad z or clip, or lists of different lengths.
+  """
   validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
   if len(clips) != len(dims):
-    raise ValueError(f"clips and dims must have the same length, got {len(clips)} and {len(dims)}")
+    raise PrivacyConfigError(f"clips and dims must have the same length, got {len(clips)} "
+                             f"and {len(dims)}")
   total = float(sum(dims))
-  return [noise_multiplier * math.sqrt(total / d) * s for s, d in zip(clips, dims)]
+  return [gaussian_query.gaussian_stddev(s, noise_multiplier * math.sqrt(total / d))
+          for s, d in zip(clips, dims)]
 
 
 effective_noise_multiplier = events_lib.eq1_noise_multiplier
@@ -143,7 +169,7 @@ def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping=
     return q if denominator is None else normalized_query.NormalizedQuery(q, denominator)
 
   if clipping == "flat":
-    return leaf_query(total_clip, noise_multiplier * total_clip)
+    return leaf_query(total_clip, gaussian_query.gaussian_stddev(total_clip, noise_multiplier))
   leaves = tf.nest.flatten(template)
   dims = [int(np.prod(tf.TensorShape(getattr(t, "shape", np.shape(t))).as_list())) for t in leaves]
   if clipping == "per_layer":
@@ -151,13 +177,14 @@ def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping=
   elif clipping == "dimension_adjusted":
     clips = dimension_adjusted_clips(total_clip, dims)
   else:
-    raise ValueError(f"clipping must be 'flat', 'per_layer' or 'dimension_adjusted', got {clipping!r}")
+    raise PrivacyConfigError("clipping must be 'flat', 'per_layer' or 'dimension_adjusted', "
+                             f"got {clipping!r}")
   if noise_allocation == "proportional":
     stddevs = proportional_noise(noise_multiplier, clips)
   elif noise_allocation == "dimension_adjusted":
     stddevs = dimension_adjusted_noise(noise_multiplier, clips, dims)
   else:
-    raise ValueError("noise_allocation must be 'proportional' or 'dimension_adjusted', "
-                     f"got {noise_allocation!r}")
+    raise PrivacyConfigError("noise_allocation must be 'proportional' or 'dimension_adjusted', "
+                             f"got {noise_allocation!r}")
   queries = [leaf_query(c, s) for c, s in zip(clips, stddevs)]
   return NestedQuery(tf.nest.pack_sequence_as(template, queries))

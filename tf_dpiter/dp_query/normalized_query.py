@@ -29,6 +29,7 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
   @property
   def numerator_query(self):
+    """The sum query whose noised result is divided (its events are this query's)."""
     return self._numerator
 
   def get_config(self):
@@ -43,6 +44,7 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
   @property
   def denominator(self):
+    """The fixed, public denominator (the expected sample size q n)."""
     return self._denominator
 
   def initial_global_state(self):

@@ -13,7 +13,6 @@ clipping of seed 003.
 """
 
 import collections
-import math
 
 import tensorflow as tf
 
@@ -149,6 +148,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
 
   @property
   def noise_multiplier(self):
+    """z, the total noise multiplier of a sample (value and count queries, Eq. (1))."""
     return self._noise_multiplier
 
   def get_config(self):
@@ -177,7 +177,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   def get_noised_result(self, sample_state, global_state):
     value_sum, below_sum = sample_state
     clip = global_state.l2_norm_clip
-    value_stddev = clip * global_state.value_noise_multiplier
+    value_stddev = gaussian_query.gaussian_stddev(clip, global_state.value_noise_multiplier)
     result = gaussian_query.add_gaussian_noise(self._generator, value_sum, value_stddev)
     new_qstate, count_event = self._quantile.update_estimate(below_sum, global_state.quantile_state)
     new_state = global_state._replace(l2_norm_clip=new_qstate.current_estimate,

@@ -7,7 +7,11 @@ query with `cls.from_config(config)`. A query rebuilt this way has the same clip
 standard deviation and seed as the original; its noise generator starts afresh (from the
 seed when there is one, from OS entropy otherwise).
 
-The library's query classes are registered. A user's own DPQuery subclass is registered
+The library's query classes register themselves when their module is imported; classes of
+the layers above dp_query (the ledger's `QueryWithLedger`, federated's queries) are also
+declared with `tf_dpiter.dp_query.declare_query_module(name, module)` by the package root, so
+that `deserialize` imports their module on demand in a fresh process. This module names no
+module above dp_query. A user's own DPQuery subclass is registered
 with `@register_query()` (or Keras' `@keras.saving.register_keras_serializable()`, or
 `custom_objects={"Name": cls}` given to `deserialize` / `keras.models.load_model`) and
 implements `get_config()` (and `from_config` when the constructor does not take the config
@@ -20,24 +24,34 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import dp_query as dp_query_package
+from tf_dpiter.errors import ParameterTypeError
+
 _REGISTRY = {}       # name -> class
 _NAMES = {}          # class -> name
-# Registered classes defined in modules that `tf_dpiter.dp_query` does not import.
-_LAZY_MODULES = {"QueryWithLedger": "tf_dpiter.ledger.query_with_ledger",
-                 "MedianNormClipSumQuery": "tf_dpiter.federated.queries"}
 _TUPLE_KEY = "__tuple__"
 
 
 def register_query(name=None):
-  """Class decorator: makes a DPQuery subclass (de)serializable under `name` (its class name
-  by default). The class must implement `get_config()`."""
+  """Class decorator: makes a DPQuery subclass (de)serializable under `name`.
+
+  Args:
+    name: the registered name (default: the class name). The class must implement
+      `get_config()` (and `from_config` unless its constructor takes the config).
+  Returns:
+    the decorator, which returns the class unchanged.
+  Raises:
+    ParameterTypeError: the decorated object is not a DPQuery subclass, or `name` is not a
+      non-empty string.
+    ValueError: `name` is already registered for another class.
+  """
   def decorator(cls):
     from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
     if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
-      raise ValueError(f"register_query expects a DPQuery subclass, got {cls!r}")
+      raise ParameterTypeError(f"register_query expects a DPQuery subclass, got {cls!r}")
     key = name or cls.__name__
     if not isinstance(key, str) or not key:
-      raise ValueError(f"name must be a non-empty string, got {key!r}")
+      raise ParameterTypeError(f"name must be a non-empty string, got {key!r}")
     old = _REGISTRY.get(key)
     if old is not None and old is not cls and (
         old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -76,10 +90,19 @@ def _how_to_register(name):
 
 
 def serialize(query):
-  """{"class_name": ..., "config": query.get_config()} for a registered DPQuery."""
+  """The plain, JSON-able description of a registered DPQuery.
+
+  Args:
+    query: a DPQuery whose class is registered (`register_query`, or Keras' registration).
+  Returns:
+    {"class_name": its registered name, "config": query.get_config()}.
+  Raises:
+    ParameterTypeError: `query` is not a DPQuery, or its config is not plain JSON values.
+    ValueError: its class is not registered.
+  """
   from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
   if not isinstance(query, dp_query.DPQuery):
-    raise ValueError(f"serialize expects a DPQuery, got {query!r}")
+    raise ParameterTypeError(f"serialize expects a DPQuery, got {query!r}")
   cls = type(query)
   name = registered_name(cls)
   if name is None:
@@ -87,7 +110,8 @@ def serialize(query):
                      f"serialization: {_how_to_register(cls.__name__)}")
   config = query.get_config()
   if not isinstance(config, dict):
-    raise ValueError(f"{cls.__qualname__}.get_config() must return a dict, got {config!r}")
+    raise ParameterTypeError(f"{cls.__qualname__}.get_config() must return a dict, "
+                             f"got {config!r}")
   _check_plain(config, f"{cls.__qualname__}.get_config()")
   return {"class_name": name, "config": config}
 
@@ -102,14 +126,29 @@ def _lookup(name, custom_objects):
     cls = ks.get_registered_object(name)  # also sees load_model's custom_objects
     if cls is not None:
       return cls
-  if name in _LAZY_MODULES:
-    importlib.import_module(_LAZY_MODULES[name])
+  module = dp_query_package.declared_query_module(name)
+  if module is not None:
+    importlib.import_module(module)   # the module registers the class when it is imported
     return _REGISTRY.get(name)
   return None
 
 
 def deserialize(config, custom_objects=None):
-  """The DPQuery described by `config` (a dict from `serialize`)."""
+  """The DPQuery described by `config` (a dict from `serialize`).
+
+  The class is looked up in `custom_objects`, the registry, Keras' registry, then among the
+  modules declared with `declare_query_module` (imported on demand, so a fresh process
+  rebuilds e.g. a `QueryWithLedger` without importing the ledger package first).
+
+  Args:
+    config: a dict {"class_name": str, "config": dict} (a DPQuery is returned as it is).
+    custom_objects: optional {name: class} for unregistered classes (child queries too).
+  Returns:
+    the DPQuery, built by `cls.from_config(config["config"])`.
+  Raises:
+    ValueError: a malformed dict or an unknown class name.
+    ParameterTypeError: the name resolves to something that is not a DPQuery subclass.
+  """
   from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
   if isinstance(config, dp_query.DPQuery):
     return config
@@ -122,7 +161,7 @@ def deserialize(config, custom_objects=None):
   if cls is None:
     raise ValueError(f"unknown DPQuery class {name!r}: {_how_to_register(name)}")
   if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
-    raise ValueError(f"{name!r} names {cls!r}, which is not a DPQuery subclass")
+    raise ParameterTypeError(f"{name!r} names {cls!r}, which is not a DPQuery subclass")
   inner = dict(config.get("config") or {})
   ks = _keras_registration()
   if custom_objects and ks is not None:
@@ -157,7 +196,7 @@ def _check_plain(value, where):
         raise ValueError(f"{where}: dict keys must be strings to survive JSON, got {k!r}")
       _check_plain(v, where)
     return
-  raise ValueError(f"{where} holds {value!r} of type {type(value).__name__}, which is not a "
+  raise ParameterTypeError(f"{where} holds {value!r} of type {type(value).__name__}, which is not a "
                    "plain JSON value (number, str, bool, None, list, dict); convert it (tuples: "
                    "tf_dpiter.dp_query.serialization.encode_nest)")
 

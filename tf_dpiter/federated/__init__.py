@@ -1,6 +1,18 @@
 """Client-level DP federated averaging (seed 003) on the privacy core (seed 002).
 
-A record is one client's flattened model update; a sample is the set of clients of a round.
+A record is one client's flattened model update; a sample is the set of clients of a round;
+the unit of privacy is the client.
+
+Public names:
+  * simulation: `DPFedAvg` (vectorized clients), `DPServer` (the server: w_t, the query with
+    its ledger, the budget look-ahead), `RoundReport`, `RunReport`, `update_statistics`;
+  * queries: `make_query` (kinds `QUERY_KINDS`), `MedianNormClipSumQuery` (seed 003's clip:
+    NOT private, `NOT_PRIVATE_WARNING`), `set_noise_multiplier`, `median_of_masked`;
+  * schedules of m_t and sigma_t: `as_schedule`, `linear_schedule`;
+  * clients: `LocalSGD`, `local_sgd_one_client`, `draw_example_order`;
+  * data and model: `FederatedData`, `load_mnist`, `default_mnist_path`, `partition_iid`,
+    `partition_noniid_shards`, `MLP`, `accuracy`.
+Flower deployment (optional dependency): `tf_dpiter.federated.flower`.
 """
 
 from tf_dpiter.federated.client import LocalSGD
@@ -12,17 +24,25 @@ from tf_dpiter.federated.data import load_mnist
 from tf_dpiter.federated.data import partition_iid
 from tf_dpiter.federated.data import partition_noniid_shards
 from tf_dpiter.federated.dpfedavg import DPFedAvg
-from tf_dpiter.federated.dpfedavg import DPServer
-from tf_dpiter.federated.dpfedavg import QUERY_KINDS
-from tf_dpiter.federated.dpfedavg import RoundReport
-from tf_dpiter.federated.dpfedavg import RunReport
-from tf_dpiter.federated.dpfedavg import as_schedule
-from tf_dpiter.federated.dpfedavg import linear_schedule
-from tf_dpiter.federated.dpfedavg import make_query
-from tf_dpiter.federated.dpfedavg import update_statistics
 from tf_dpiter.federated.model import MLP
 from tf_dpiter.federated.model import accuracy
 from tf_dpiter.federated.queries import NOT_PRIVATE_WARNING
+from tf_dpiter.federated.queries import QUERY_KINDS
 from tf_dpiter.federated.queries import MedianNormClipSumQuery
+from tf_dpiter.federated.queries import make_query
 from tf_dpiter.federated.queries import median_of_masked
 from tf_dpiter.federated.queries import set_noise_multiplier
+from tf_dpiter.federated.reports import RoundReport
+from tf_dpiter.federated.reports import RunReport
+from tf_dpiter.federated.reports import update_statistics
+from tf_dpiter.federated.schedules import as_schedule
+from tf_dpiter.federated.schedules import linear_schedule
+from tf_dpiter.federated.server import DPServer
+
+__all__ = [
+    "DPFedAvg", "DPServer", "FederatedData", "LocalSGD", "MLP", "MedianNormClipSumQuery",
+    "NOT_PRIVATE_WARNING", "QUERY_KINDS", "RoundReport", "RunReport", "accuracy",
+    "as_schedule", "default_mnist_path", "draw_example_order", "linear_schedule",
+    "load_mnist", "local_sgd_one_client", "make_query", "median_of_masked",
+    "partition_iid", "partition_noniid_shards", "set_noise_multiplier", "update_statistics",
+]

@@ -19,41 +19,41 @@ an update of the wrong shape or with non-finite values is rejected: counted, and
 as a zero record (the denominator stays m_t).
 """
 
-import socket
-import threading
 import time
 
 import numpy as np
 import tensorflow as tf
 
-try:
-  import flwr
-  from flwr.app import ArrayRecord
-  from flwr.app import ConfigRecord
-  from flwr.app import Message
-  from flwr.app import MessageType
-  from flwr.app import MetricRecord
-  from flwr.app import RecordDict
-  from flwr.client import NumPyClient
-  from flwr.clientapp import ClientApp
-  from flwr.common import FitIns
-  from flwr.common import ndarrays_to_parameters
-  from flwr.common import parameters_to_ndarrays
-  from flwr.server.strategy import Strategy
-  from flwr.serverapp import ServerApp
-  from flwr.serverapp import strategy as message_strategy
-except ImportError as e:  # pragma: no cover
-  raise ImportError("tf_dpiter.federated.flower needs Flower: pip install 'flwr>=1.38' "
-                    "(extra tf_dpiter[flower])") from e
+# flower_client imports Flower first and says how to install it when it is missing.
+from tf_dpiter.federated.flower_client import ARRAYS_KEY
+from tf_dpiter.federated.flower_client import CONFIG_KEY
+from tf_dpiter.federated.flower_client import DPFlowerClient
+from tf_dpiter.federated.flower_client import METRICS_KEY
+from tf_dpiter.federated.flower_client import client_update
+from tf_dpiter.federated.flower_client import free_port
+from tf_dpiter.federated.flower_client import make_client_app
+from tf_dpiter.federated.flower_client import run_loopback
+
+from flwr.app import ArrayRecord  # pylint: disable=g-bad-import-order
+from flwr.app import ConfigRecord
+from flwr.app import Message
+from flwr.app import MessageType
+from flwr.app import MetricRecord
+from flwr.app import RecordDict
+from flwr.common import FitIns
+from flwr.common import ndarrays_to_parameters
+from flwr.common import parameters_to_ndarrays
+from flwr.server.strategy import Strategy
+from flwr.serverapp import ServerApp
+from flwr.serverapp import strategy as message_strategy
 
 from tf_dpiter import dp_query as dpq
-from tf_dpiter.federated import client as client_lib
-from tf_dpiter.federated import dpfedavg
+from tf_dpiter.federated import schedules
+from tf_dpiter.federated import server as server_lib
 
-ARRAYS_KEY = "arrays"      # RecordDict keys of the Message API
-CONFIG_KEY = "config"
-METRICS_KEY = "metrics"
-_LOCAL_KEYS = ("epochs", "batch_size", "lr")
+__all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
+           "DPFedAvgMessageStrategy", "DPFlowerClient", "client_update", "free_port",
+           "make_client_app", "make_server_app", "run_loopback"]
 
 
 class _DPRounds:
@@ -69,12 +69,12 @@ class _DPRounds:
                server_learning_rate, server_momentum, seed):
     self.model = model
     self.num_clients = int(num_clients)
-    self._m_schedule = dpfedavg.as_schedule("clients_per_round", clients_per_round,
+    self._m_schedule = schedules.as_schedule("clients_per_round", clients_per_round,
                                             integer=True)
     self._z_schedule = (None if noise_multiplier is None
-                        else dpfedavg.as_schedule("noise_multiplier", noise_multiplier))
+                        else schedules.as_schedule("noise_multiplier", noise_multiplier))
     w0 = model.flatten([tf.constant(p) for p in initial_params])
-    self.server = dpfedavg.DPServer(query, w0, self.num_clients, self._m_schedule(1),
+    self.server = server_lib.DPServer(query, w0, self.num_clients, self._m_schedule(1),
                                     sampling="fixed_size", fixed_epsilon=fixed_epsilon,
                                     max_delta=max_delta, fixed_delta=fixed_delta,
                                     max_epsilon=max_epsilon,
@@ -87,7 +87,7 @@ class _DPRounds:
 
   def params(self):
     """The server model w_t as a list of numpy arrays in the model's layout."""
-    return [p.numpy() for p in self.model.unflatten(self.server.w)]
+    return [p.numpy() for p in self.model.unflatten(self.server.weights)]
 
   def sample(self, server_round, client_ids):
     """The ids of this round's m_t clients, [] once the budget stops the run."""
@@ -336,137 +336,3 @@ def make_server_app(strategy_fn, num_rounds, evaluate_fn=None, timeout=3600, on_
       on_finish(strategy, result, context)
 
   return app
-
-
-def client_update(model, x, y, generator, epochs, batch_size, learning_rate, parameters):
-  """ClientUpdate on one client's examples: E epochs of SGD from w_t; returns Delta w_k."""
-  sgd = client_lib.LocalSGD(model, int(epochs), int(batch_size), float(learning_rate))
-  n = len(x)
-  idx = np.arange(n, dtype=np.int32)[None]
-  sizes = np.array([n], np.int32)
-  order = client_lib.draw_example_order(generator, sizes, n, sgd.epochs)
-  deltas = sgd(parameters, x, y, idx, sizes, order)
-  return [d[0].numpy() for d in deltas]
-
-
-def _client_examples(x, y):
-  if len(x) == 0:
-    raise ValueError("x: a Flower client needs at least one example, got 0")
-  return np.asarray(x, np.float32).reshape(len(x), -1), np.asarray(y, np.int32)
-
-
-def _generator(seed):
-  return (tf.random.Generator.from_seed(seed) if seed is not None
-          else tf.random.Generator.from_non_deterministic_state())
-
-
-class DPFlowerClient(NumPyClient):
-  """A legacy-API Flower client holding its own examples; fit returns its update Delta w_k."""
-
-  def __init__(self, model, x, y, epochs=1, batch_size=60, learning_rate=0.1, seed=None):
-    self.model = model
-    self.x, self.y = _client_examples(x, y)
-    self.defaults = dict(epochs=epochs, batch_size=batch_size, lr=learning_rate)
-    self._gen = _generator(seed)
-
-  def get_parameters(self, config):
-    return []
-
-  def fit(self, parameters, config):
-    cfg = dict(self.defaults, **{k: v for k, v in config.items() if k in _LOCAL_KEYS})
-    deltas = client_update(self.model, self.x, self.y, self._gen, cfg["epochs"],
-                           cfg["batch_size"], cfg["lr"], parameters)
-    return deltas, len(self.x), {}
-
-  def evaluate(self, parameters, config):
-    return 0.0, len(self.x), {}
-
-
-def make_client_app(model, load_examples, epochs=1, batch_size=60, learning_rate=0.1,
-                    seed_fn=None):
-  """A Flower `ClientApp` running ClientUpdate; the Message-API twin of `DPFlowerClient`.
-
-  Args:
-    model: the `MLP` the server trains.
-    load_examples: callable(context) -> (x, y), this node's own examples (e.g. read from
-      `context.node_config["partition-id"]`).
-    epochs, batch_size, learning_rate: local defaults; the server's train config overrides
-      them with its "epochs", "batch_size", "lr" entries.
-    seed_fn: optional callable(context) -> int seeding the local example order (tests only).
-
-  A train message carries "arrays" (w_t) and "config"; the reply carries "arrays" (Delta w_k)
-  and "metrics" {"num-examples": n}.
-  """
-  app = ClientApp()
-  cache = {}
-
-  def examples(context):
-    key = context.node_id
-    if key not in cache:
-      x, y = _client_examples(*load_examples(context))
-      gen = _generator(None if seed_fn is None else seed_fn(context))
-      cache[key] = (x, y, gen)
-    return cache[key]
-
-  @app.train()
-  def train(message, context):
-    x, y, gen = examples(context)
-    config = message.content.config_records.get(CONFIG_KEY, ConfigRecord())
-    cfg = dict(epochs=epochs, batch_size=batch_size, lr=learning_rate)
-    cfg.update({k: config[k] for k in _LOCAL_KEYS if k in config})
-    params = message.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()
-    deltas = client_update(model, x, y, gen, cfg["epochs"], cfg["batch_size"], cfg["lr"],
-                           params)
-    content = RecordDict({ARRAYS_KEY: ArrayRecord(deltas),
-                          METRICS_KEY: MetricRecord({"num-examples": len(x)})})
-    return Message(content=content, reply_to=message)
-
-  return app
-
-
-def free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _start_client_when_up(host, port, client, timeout=120):
-  """Waits until the server port accepts connections, then runs a Flower client."""
-  from flwr.compat.client.app import start_client  # pylint: disable=g-import-not-at-top
-  deadline = time.time() + timeout
-  while time.time() < deadline:
-    try:
-      with socket.create_connection((host, port), timeout=1):
-        break
-    except OSError:
-      time.sleep(0.2)
-  start_client(server_address=f"{host}:{port}", client=client.to_client(),
-               insecure=True, max_retries=20, max_wait_time=60)
-
-
-def run_loopback(strategy, clients, num_rounds, port=None):
-  """Runs a Flower server (this thread) and `clients` (one thread each) on 127.0.0.1.
-
-  Returns Flower's History. Clients are real gRPC clients of Flower's legacy transport.
-  """
-  import signal  # pylint: disable=g-import-not-at-top
-  from flwr.compat.server.app import start_server  # pylint: disable=g-import-not-at-top
-  port = port or free_port()
-  address = f"127.0.0.1:{port}"
-  saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-  threads = []
-  for c in clients:
-    th = threading.Thread(target=_start_client_when_up, args=("127.0.0.1", port, c),
-                          daemon=True)
-    threads.append(th)
-  try:
-    for th in threads:
-      th.start()
-    hist = start_server(server_address=address, strategy=strategy,
-                        config=flwr.server.ServerConfig(num_rounds=num_rounds))
-  finally:
-    for s, h in saved.items():
-      signal.signal(s, h)
-  for th in threads:
-    th.join(timeout=10)
-  return hist

@@ -10,7 +10,9 @@ applied, but the (epsilon, delta) computed from it does not hold. Prefer
 `tf_dpiter.dp_query.QuantileAdaptiveClipSumQuery` (private quantile, Andrew et al. 2021).
 
 `set_noise_multiplier` changes sigma_t between rounds (schedules of seed 003, Section 6) for
-the queries DP federated averaging uses.
+the queries DP federated averaging uses; `make_query` builds the aggregation query of a round
+by kind (`QUERY_KINDS`). Every noise standard deviation here is
+`dp_query.gaussian_stddev(S, z)`.
 """
 
 import collections
@@ -18,9 +20,11 @@ import collections
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
+from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 NOT_PRIVATE_WARNING = (
     "median-norm clipping (seed 003) sets the clip S_t to the median of the unclipped update "
@@ -122,11 +126,12 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return records * (factor * tf.cast(mask, tf.float32))[:, None], s
 
   def get_noised_result(self, sample_state, global_state):
+    """Clips the kept records to their median norm S_t, adds N(0, (z S_t)^2) to the sum."""
     records, mask = sample_state
     has_records = tf.reduce_sum(mask) > 0
     clipped, median = self.clip_to_median(records, mask)
     clip = tf.where(has_records, median, global_state.l2_norm_clip)
-    stddev = global_state.noise_multiplier * clip
+    stddev = gaussian_query.gaussian_stddev(clip, global_state.noise_multiplier)
     total = tf.reduce_sum(clipped, axis=0)
     result = total + stddev * randomness.normal(self._generator, tf.shape(total))
     new_state = global_state._replace(l2_norm_clip=clip)
@@ -139,9 +144,17 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 def set_noise_multiplier(query, global_state, noise_multiplier):
   """Global state of `query` with its (total) noise multiplier set to z = noise_multiplier.
 
-  Supports GaussianSumQuery (stddev = z * clip), QuantileAdaptiveClipSumQuery (value noise
-  re-derived from the total z, Andrew et al. 2021), MedianNormClipSumQuery, and the
-  no-privacy queries (z must be 0).
+  Supports GaussianSumQuery (stddev = gaussian_stddev(clip, z)), QuantileAdaptiveClipSumQuery
+  (value noise re-derived from the total z, Andrew et al. 2021), MedianNormClipSumQuery, and
+  the no-privacy queries (z must be 0).
+
+  Args:
+    query: the inner DPQuery of a round; global_state: its current global state.
+    noise_multiplier: z >= 0, finite.
+  Returns:
+    the new global state (same structure).
+  Raises:
+    PrivacyConfigError: a bad z, z != 0 for a no-privacy query, or a query of another kind.
   """
   z = validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
   if isinstance(query, MedianNormClipSumQuery):
@@ -151,9 +164,51 @@ def set_noise_multiplier(query, global_state, noise_multiplier):
     zv = dpq.value_noise_multiplier(float(z), count_stddev)
     return global_state._replace(value_noise_multiplier=tf.constant(zv, tf.float32))
   if isinstance(query, dpq.GaussianSumQuery):
-    return global_state._replace(stddev=tf.cast(z * global_state.l2_norm_clip, tf.float32))
+    return global_state._replace(stddev=tf.cast(
+        gaussian_query.gaussian_stddev(global_state.l2_norm_clip, z), tf.float32))
   if isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery)):
     if z != 0:
-      raise ValueError(f"noise_multiplier must be 0 for a no-privacy query, got {z!r}")
+      raise PrivacyConfigError(f"noise_multiplier must be 0 for a no-privacy query, got {z!r}")
     return global_state
-  raise ValueError(f"query: cannot set a noise multiplier schedule on {type(query).__name__}")
+  raise PrivacyConfigError(
+      f"query: cannot set a noise multiplier schedule on {type(query).__name__}")
+
+
+QUERY_KINDS = ("quantile", "fixed", "median", "none")
+
+
+def make_query(kind="quantile", noise_multiplier=1.0, clients_per_round=100, l2_norm_clip=1.0,
+               target_unclipped_quantile=0.5, clip_learning_rate=0.2, clipped_count_stddev=None,
+               seed=None):
+  """The aggregation DPQuery of a round (records: flat client updates).
+
+  Args:
+    kind: "quantile" (default; private adaptive clip, Andrew et al. 2021, starting at
+      `l2_norm_clip`), "fixed" (GaussianSumQuery with clip S, noise sigma = z S), "median"
+      (seed 003's median-norm clip: NOT private) or "none" (plain sum, epsilon = infinity).
+    noise_multiplier: z, the total noise multiplier of a round (Eq. (1) of seed 002).
+    clients_per_round: m, the expected records per sample (the quantile's denominator).
+    l2_norm_clip: S (the initial clip for "quantile" and "median").
+    target_unclipped_quantile, clip_learning_rate: the quantile's gamma and eta.
+    clipped_count_stddev: the count noise sigma_b; default max(m / 20, z) (Andrew et al.
+      suggest m / 20; at least z so that the count takes <= 1/4 of the budget).
+    seed: fixes the noise (tests only: not private).
+  Returns:
+    a DPQuery.
+  Raises:
+    PrivacyConfigError: an unknown kind or a bad value.
+  """
+  if kind == "quantile":
+    m = float(clients_per_round)
+    cstd = max(m / 20.0, noise_multiplier) if clipped_count_stddev is None else clipped_count_stddev
+    return dpq.QuantileAdaptiveClipSumQuery(
+        initial_l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+        target_unclipped_quantile=target_unclipped_quantile, learning_rate=clip_learning_rate,
+        clipped_count_stddev=cstd, expected_num_records=m, seed=seed)
+  if kind == "fixed":
+    return dpq.GaussianSumQuery.from_noise_multiplier(l2_norm_clip, noise_multiplier, seed=seed)
+  if kind == "median":
+    return MedianNormClipSumQuery(noise_multiplier, l2_norm_clip, seed=seed)
+  if kind == "none":
+    return dpq.NoPrivacySumQuery()
+  raise PrivacyConfigError(f"kind must be one of {QUERY_KINDS}, got {kind!r}")

@@ -1,5 +1,11 @@
 """The privacy ledger (seed 002, Section 6): sampling and sum-query events in TF variables.
 
+Public names: `PrivacyLedger` (the ledger), `QueryWithLedger` (a DPQuery wrapper recording
+every sample), `LedgerJournal` (crash-safe append-only journal); the sampling policies
+(`POLICIES`: `POISSON`, `FIXED_SIZE`, `SHUFFLE`, `FULL`) and neighbouring relations
+(`RELATIONS`: `ADD_OR_REMOVE`, `REPLACE_ONE`) with `relation_for_policy` and
+`sensitivity_factor`; the record types `QueryRecord`, `SampleRun` and `run_length_encode`.
+
 `records` and `ledger_file` (the record types, the checks and the JSON format) import no
 TensorFlow; `PrivacyLedger`, `QueryWithLedger` and `LedgerJournal` load on first use.
 """
@@ -26,8 +32,17 @@ _LAZY = {
     "LedgerJournal": "tf_dpiter.ledger.journal",
 }
 
+__all__ = sorted(list(_LAZY) + [
+    "ADD_OR_REMOVE", "FIXED_SIZE", "FULL", "POISSON", "POLICIES", "RELATIONS", "REPLACE_ONE",
+    "SHUFFLE", "QueryRecord", "SampleRun", "relation_for_policy", "run_length_encode",
+    "sensitivity_factor"])
+
 
 def __getattr__(name):
   if name in _LAZY:
     return getattr(importlib.import_module(_LAZY[name]), name)
   raise AttributeError(f"module 'tf_dpiter.ledger' has no attribute {name!r}")
+
+
+def __dir__():
+  return list(__all__)

@@ -51,6 +51,7 @@ class QueryWithLedger(dp_query.DPQuery):
 
   @property
   def ledger(self):
+    """The PrivacyLedger every `get_noised_result` writes to."""
     return self._ledger
 
   def get_config(self):
@@ -70,14 +71,17 @@ class QueryWithLedger(dp_query.DPQuery):
 
   @property
   def query(self):
+    """The wrapped DPQuery."""
     return self._query
 
   @property
   def policy(self):
+    """The sampling policy recorded with every sample (one of ledger.POLICIES)."""
     return self._policy
 
   @property
   def examples_per_record(self):
+    """k, the examples in one record (1: a record is an example; k > 1: a microbatch)."""
     return self._examples_per_record
 
   def set_sampling(self, population_size, selection_probability, sample_size=None,
@@ -118,6 +122,7 @@ class QueryWithLedger(dp_query.DPQuery):
     return self._query.merge_sample_states(sample_state_1, sample_state_2)
 
   def get_noised_result(self, sample_state, global_state):
+    """The inner query's result; records the sample (n, q, policy, events) in the ledger."""
     result, new_state, events = self._query.get_noised_result(sample_state, global_state)
     count = self._ledger.record_sample(self._population_size, self._selection_probability,
                                        events, policy=self._policy, sample_size=self._sample_size,

@@ -1,0 +1,317 @@
+"""Budget look-ahead: the guarantee a ledger would give after planned samples (seed 002, §6).
+
+A training loop that stops at a budget asks, before each step or round, what (epsilon, delta)
+the ledger *would* show once the next samples are recorded. This module answers it in one
+place, for the Keras callbacks and DP federated averaging alike:
+
+* the ledger is read through its public methods (`get_arrays()`, `passes`), never copied
+  into a scratch ledger;
+* a planned sample (`PlannedSample`: n, q, the query events, policy, sample size,
+  examples per record) becomes ledger rows with the same sensitivity rule as the ledger
+  (`records.sensitivity_factor`), is checked like a recorded one (`records.validate_arrays`),
+  and is merged with the recorded samples by `ledger_events.groups_from_runs`;
+* epsilon or delta then comes from dp-accounting through `accountant.report_from_groups`.
+
+`largest_integer` and `bisect` are the monotone searches (the number of steps a budget still
+allows, a noise multiplier or a rate meeting a target). No TensorFlow.
+"""
+
+import dataclasses
+import math
+from typing import Any, Tuple
+
+import numpy as np
+
+from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.accounting import ledger_events
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import records as rec
+
+__all__ = ["PlannedSample", "content_after", "report_after", "epsilon_after", "delta_after",
+           "last_sample", "max_extra_samples", "StepBudget", "largest_integer", "bisect"]
+
+
+def _float(x):
+  """A Python float of a number, numpy scalar or eager tensor (no TensorFlow import)."""
+  return float(x.numpy()) if hasattr(x, "numpy") else float(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedSample:
+  """One sample a loop is about to take, as the ledger would record it.
+
+  Attributes:
+    population_size: n.
+    selection_probability: q (m / n for fixed_size and shuffle).
+    events: the sum query events of the sample (`DPQuery.get_noised_result`'s third output,
+      or a dry run of it), fields numbers or eager tensors.
+    policy: one of `ledger.POLICIES`.
+    sample_size: m (fixed_size, shuffle), 0 otherwise.
+    examples_per_record: k (1: a record is an example).
+  """
+  population_size: float
+  selection_probability: float
+  events: Tuple[Any, ...]
+  policy: str = rec.POISSON
+  sample_size: float = 0
+  examples_per_record: int = 1
+
+  def arrays(self):
+    """(samples [1, 6], queries [Q, 5]) float64 rows, checked like a recorded sample.
+
+    Raises:
+      PrivacyConfigError (a ValueError): an unknown policy or event, or values the ledger
+        would refuse.
+    """
+    code = rec.policy_code(self.policy)
+    k = self.examples_per_record
+    factor = rec.sensitivity_factor(rec.relation_for_policy(self.policy), k)
+    rows = []
+    for e in tuple(self.events):
+      if isinstance(e, events_lib.GaussianSumEvent):
+        clip = _float(e.l2_norm_clip)
+        rows.append([0, rec.GAUSSIAN, clip, _float(e.stddev), factor * clip])
+      elif isinstance(e, events_lib.LaplaceSumEvent):
+        clip = _float(e.l1_norm_clip)
+        rows.append([0, rec.LAPLACE, clip, _float(e.scale), factor * clip])
+      elif isinstance(e, events_lib.NonPrivateEvent):
+        rows.append([0, rec.NON_PRIVATE, 0.0, 0.0, 0.0])
+      else:
+        raise PrivacyConfigError(
+            f"events must be GaussianSumEvent, LaplaceSumEvent or NonPrivateEvent, got {e!r}")
+    sample = [[_float(self.population_size), _float(self.selection_probability),
+               _float(self.sample_size), code, _float(k), len(rows)]]
+    return rec.validate_arrays(np.array(sample, np.float64),
+                               np.array(rows, np.float64).reshape(-1, len(rec.QUERY_COLUMNS)))
+
+
+def last_sample(ledger):
+  """The ledger's last recorded sample as a `PlannedSample` ("the next step is like the last
+  one"), or None for an empty ledger. Reads only that sample's rows."""
+  count = int(_float(ledger.sample_count))
+  if count == 0:
+    return None
+  samples, queries = ledger.get_arrays(start=count - 1)
+  n, q, m, code, k, _ = samples[-1]
+  events = []
+  for _, kind, clip, noise, _ in queries:
+    if kind == rec.GAUSSIAN:
+      events.append(events_lib.GaussianSumEvent(clip, noise))
+    elif kind == rec.LAPLACE:
+      events.append(events_lib.LaplaceSumEvent(clip, noise))
+    else:
+      events.append(events_lib.NonPrivateEvent())
+  return PlannedSample(n, q, tuple(events), rec.policy_name(code), m, int(k))
+
+
+def _recorded_runs(ledger):
+  """(runs, passes) of what the ledger recorded, read through its public methods."""
+  if ledger is None:
+    return [], 0
+  if isinstance(ledger, accountant_lib.LedgerContent):
+    raise ParameterTypeError(
+        "ledger must be a PrivacyLedger (or an object with get_arrays() and passes), got a "
+        "LedgerContent")
+  if not (hasattr(ledger, "get_arrays") and hasattr(ledger, "passes")):
+    raise ParameterTypeError(
+        f"ledger must be a PrivacyLedger (get_arrays() and passes), got {type(ledger).__name__}")
+  samples, queries = rec.validate_arrays(*ledger.get_arrays())
+  return rec.run_length_encode(samples, queries), int(_float(ledger.passes))
+
+
+def content_after(ledger, planned=None, count=1):
+  """What the accountant would read once `count` samples like `planned` are recorded.
+
+  Args:
+    ledger: a `PrivacyLedger` (read, not modified), or None for an empty one.
+    planned: a `PlannedSample`, or None (the ledger alone).
+    count: planned samples, an int >= 0.
+  Returns:
+    an `accounting.LedgerContent`. For a shuffled plan the passes are raised to what the
+    planned samples need (one more pass each ceil(n / m) samples), as a sampler would.
+  Raises:
+    ParameterTypeError: `ledger` or `planned` of the wrong type.
+    PrivacyConfigError: bad planned values or count.
+  """
+  if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+    raise PrivacyConfigError(f"count must be an int >= 0, got {count!r}")
+  runs, passes = _recorded_runs(ledger)
+  if planned is not None and count > 0:
+    validation.check_instance("planned", planned, PlannedSample, "a PlannedSample")
+    samples, queries = planned.arrays()
+    runs = runs + [(int(count), samples[0], queries)]
+  groups = ledger_events.groups_from_runs(runs)
+  if planned is not None and count > 0 and planned.policy == rec.SHUFFLE:
+    key = ledger_events.groups_from_runs([(1, samples[0], queries)])[0]
+    for g in groups:
+      if dataclasses.replace(g, count=1) == key:
+        per_pass = math.ceil(g.population_size / g.sample_size)
+        passes = max(passes, math.ceil(g.count / per_pass))
+  return accountant_lib.LedgerContent(tuple(groups), passes)
+
+
+def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accountant="rdp"):
+  """`accounting.privacy_report` of the ledger with `count` planned samples added.
+
+  Args:
+    ledger, planned, count: as in `content_after`.
+    delta / epsilon: exactly one (epsilon at delta, or delta at epsilon).
+    accountant: "rdp" or "pld".
+  Returns:
+    a `PrivacyReport`; with nothing recorded nor planned, a report of epsilon 0 (at delta)
+    or delta 0 (at epsilon) over 0 samples.
+  Raises:
+    PrivacyConfigError: bad arguments, or a ledger that cannot be accounted soundly.
+  """
+  content = content_after(ledger, planned, count)
+  if not content.groups:
+    if (delta is None) == (epsilon is None):
+      raise PrivacyConfigError(
+          f"give exactly one of delta and epsilon, got delta={delta!r}, epsilon={epsilon!r}")
+    if delta is not None:
+      return accountant_lib.PrivacyReport(0.0, validation.check_delta("delta", delta),
+                                          accountant, 0, ("nothing recorded",))
+    validation.check_nonnegative("epsilon", epsilon, allow_inf=False)
+    return accountant_lib.PrivacyReport(float(epsilon), 0.0, accountant, 0,
+                                        ("nothing recorded",))
+  return accountant_lib.report_from_groups(content, delta=delta, epsilon=epsilon,
+                                           accountant=accountant)
+
+
+def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp"):
+  """Epsilon at `delta` once `extra_steps` samples like `planned` are recorded.
+
+  Args: as `report_after` (`extra_steps` is its `count`).
+  Returns:
+    epsilon, a float (inf when a sample is not private).
+  Raises:
+    PrivacyConfigError: see `report_after`.
+  """
+  return float(report_after(ledger, planned, extra_steps, delta=delta,
+                            accountant=accountant).epsilon)
+
+
+def delta_after(ledger, epsilon, planned=None, extra_steps=1, accountant="rdp"):
+  """Delta at `epsilon` once `extra_steps` samples like `planned` are recorded.
+
+  Args: as `report_after`. Returns: delta, a float. Raises: see `report_after`.
+  """
+  return float(report_after(ledger, planned, extra_steps, epsilon=epsilon,
+                            accountant=accountant).delta)
+
+
+def max_extra_samples(ledger, planned, max_epsilon, delta, accountant="rdp", limit=10**9):
+  """The most samples like `planned` that keep epsilon(delta) <= `max_epsilon`.
+
+  Args:
+    ledger, planned: as in `content_after`.
+    max_epsilon: the budget, a number > 0.
+    delta: the delta of the statement.
+    accountant: "rdp" or "pld".
+    limit: the search stops there (returns at most `limit`).
+  Returns:
+    an int >= 0 (-1 when the ledger alone already exceeds the budget).
+  Raises:
+    PrivacyConfigError: see `report_after`.
+  """
+  validation.check_positive("max_epsilon", max_epsilon)
+  ok = lambda n: epsilon_after(ledger, delta, planned, n, accountant) <= max_epsilon
+  return largest_integer(ok, 0, limit)
+
+
+class StepBudget:
+  """Stops a loop before its next steps would pass (max_epsilon, delta); for callbacks.
+
+  `exceeds(ledger, planned, ahead)` says whether `ahead` more samples like `planned` would
+  make epsilon(delta) exceed `max_epsilon`. The number of such samples the budget allows is
+  found once by `max_extra_samples` and cached, keyed by the planned sample and everything
+  else the ledger holds, so a loop that repeats one kind of step pays one search.
+
+  Args:
+    max_epsilon: the budget, > 0 and finite; delta: in (0, 1); accountant: "rdp" or "pld".
+  Raises:
+    PrivacyConfigError: a bad budget.
+  """
+
+  def __init__(self, max_epsilon, delta, accountant="rdp"):
+    validation.check_positive("max_epsilon", max_epsilon)
+    self.max_epsilon = float(max_epsilon)
+    self.delta = validation.check_delta("delta", delta)
+    if accountant not in accountant_lib.ACCOUNTANTS:
+      raise PrivacyConfigError(f"accountant must be one of {accountant_lib.ACCOUNTANTS}, "
+                               f"got {accountant!r}")
+    self.accountant = accountant
+    self._allowed = {}
+
+  def allowed_total(self, ledger, planned):
+    """(recorded, allowed): samples like `planned` the ledger holds, and the most it may."""
+    content = content_after(ledger)
+    samples, queries = planned.arrays()
+    kind = dataclasses.replace(ledger_events.groups_from_runs([(1, samples[0], queries)])[0],
+                               count=0)
+    recorded = sum(g.count for g in content.groups if dataclasses.replace(g, count=0) == kind)
+    others = tuple(sorted((g for g in content.groups
+                           if dataclasses.replace(g, count=0) != kind), key=repr))
+    key = (kind, others, content.passes)
+    if key not in self._allowed:
+      self._allowed[key] = recorded + max_extra_samples(ledger, planned, self.max_epsilon,
+                                                        self.delta, self.accountant)
+    return recorded, self._allowed[key]
+
+  def exceeds(self, ledger, planned, ahead=1):
+    """True when `ahead` more samples like `planned` would pass the budget."""
+    recorded, allowed = self.allowed_total(ledger, planned)
+    return recorded + int(ahead) > allowed
+
+
+def largest_integer(ok, start, limit=10**9):
+  """The largest n in [start, limit] with ok(n), for ok true up to a point and false after.
+
+  Doubling from `start`, then bisection: O(log n) calls of `ok`.
+
+  Args:
+    ok: a monotone predicate of an int (True, then False from some n on).
+    start: the first candidate; limit: the largest candidate (>= start).
+  Returns:
+    the int n, or start - 1 when ok(start) is False.
+  """
+  if not ok(start):
+    return start - 1
+  lo, hi = start, max(start + 1, 2 * start)
+  while hi <= limit and ok(hi):
+    lo, hi = hi, 2 * hi
+  hi = min(hi, limit + 1)          # hi is never ok, or just past the limit
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if ok(mid):
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def bisect(ok, bad, good, rel_tol=1e-4, geometric=False):
+  """The boundary of a monotone predicate between `bad` (ok False) and `good` (ok True).
+
+  Halves the interval (in log scale when `geometric`, for a quantity spanning orders of
+  magnitude) until |good - bad| <= rel_tol * |good|, and returns the last `good`: always a
+  value where `ok` holds (the safe side of a privacy target).
+
+  Args:
+    ok: a predicate, False at `bad`, True at `good`, monotone between them.
+    bad, good: the two ends (either order on the line); both > 0 when `geometric`.
+    rel_tol: the relative width at which the search stops.
+    geometric: bisect at sqrt(bad * good) instead of (bad + good) / 2.
+  Returns:
+    a float with ok(result) True (`good` itself if the interval is already narrow).
+  """
+  while abs(good - bad) > rel_tol * abs(good):
+    mid = math.sqrt(bad * good) if geometric else 0.5 * (bad + good)
+    if ok(mid):
+      good = mid
+    else:
+      bad = mid
+  return good

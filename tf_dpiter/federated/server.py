@@ -1,0 +1,256 @@
+"""The server of client-level DP federated averaging (seed 003, Algorithm 1, server side).
+
+`DPServer` is shared by the simulation (`DPFedAvg`) and the Flower strategies. It owns the
+server model w_t, the DPQuery wrapped in `QueryWithLedger` (records: the round's flat client
+updates; sample: the round's clients), the ledger, the budget look-ahead
+(`tf_dpiter.accounting.lookahead`) and the server optimizer
+
+    v_{t+1} = beta v_t + (sum_k pi_S(Delta w_k) + N(0, sigma^2 S^2)) / m_t
+    w_{t+1} = w_t + eta_s v_{t+1}                         (beta = 0, eta_s = 1: the paper)
+
+Neighbouring relation: one client's data replaced (fixed-size sampling of m_t of K clients,
+ledger policy fixed_size) or added/removed (Poisson sampling with q_t = m_t / K, policy
+poisson); the unit of privacy is the client.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter import accounting
+from tf_dpiter import dp_query as dpq
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.accounting import lookahead
+from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.federated import queries as queries_lib
+
+__all__ = ["SAMPLINGS", "DPServer"]
+
+SAMPLINGS = ("fixed_size", "poisson")
+
+
+class DPServer:
+  """Server side of client-level DP federated averaging, shared by the simulation
+  (`DPFedAvg`) and the Flower strategy: it owns w_t, the DPQuery wrapped in
+  `QueryWithLedger`, the ledger, the budget look-ahead and the server optimizer.
+
+  Args:
+    query: the inner DPQuery (records: flat updates [d]).
+    initial_weights: flat float32 vector w_0 [d].
+    population_size: K; clients_per_round: m of the first round (for the ledger).
+    sampling, fixed_epsilon, max_delta, fixed_delta, max_epsilon, accountant,
+    server_learning_rate, server_momentum: as in `DPFedAvg`.
+
+  Attributes:
+    weights: the server model w_t, a float32 variable [d].
+    velocity: the server momentum buffer v_t, a float32 variable [d].
+    query: the `QueryWithLedger` wrapping `inner_query`; ledger: its `PrivacyLedger`.
+
+  Raises:
+    ParameterTypeError: `query` is not a DPQuery.
+    BudgetConfigError: an inconsistent or out-of-range budget.
+    PrivacyConfigError: a bad sampling, population or clients_per_round.
+  """
+
+  def __init__(self, query, initial_weights, population_size, clients_per_round,
+               sampling="fixed_size", fixed_epsilon=None, max_delta=None, fixed_delta=None,
+               max_epsilon=None, accountant="rdp", server_learning_rate=1.0,
+               server_momentum=0.0):
+    if sampling not in SAMPLINGS:
+      raise PrivacyConfigError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    if max_delta is not None and fixed_epsilon is None:
+      raise BudgetConfigError(f"max_delta={max_delta!r} needs fixed_epsilon (delta is measured at a "
+                       "fixed epsilon)")
+    if max_epsilon is not None and fixed_delta is None:
+      raise BudgetConfigError(f"max_epsilon={max_epsilon!r} needs fixed_delta")
+    if fixed_epsilon is not None and fixed_delta is not None:
+      raise BudgetConfigError(f"give fixed_epsilon or fixed_delta, not both (got {fixed_epsilon!r}, "
+                       f"{fixed_delta!r})")
+    if fixed_epsilon is not None:
+      validation.check_positive("fixed_epsilon", fixed_epsilon)
+    if fixed_delta is not None:
+      validation.check_delta("fixed_delta", fixed_delta)
+    if max_delta is not None:
+      validation.check_delta("max_delta", max_delta)
+    if max_epsilon is not None:
+      validation.check_positive("max_epsilon", max_epsilon)
+    validation.check_instance("query", query, dpq.DPQuery, "a DPQuery")
+    self.server_learning_rate = float(server_learning_rate)
+    self.server_momentum = float(server_momentum)
+    if not 0 <= self.server_momentum < 1:
+      raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
+    if not self.server_learning_rate > 0:
+      raise ValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
+    self.population_size = int(population_size)
+    m1 = self.check_clients(clients_per_round, 1)
+    self.inner_query = query
+    self.sampling = sampling
+    self.policy = ledger_lib.FIXED_SIZE if sampling == "fixed_size" else ledger_lib.POISSON
+    self.query = ledger_lib.QueryWithLedger(
+        query, self.population_size, m1 / self.population_size, policy=self.policy,
+        sample_size=m1 if self.policy == ledger_lib.FIXED_SIZE else 0)
+    self.ledger = self.query.ledger
+    self.fixed_epsilon, self.max_delta = fixed_epsilon, max_delta
+    self.fixed_delta, self.max_epsilon = fixed_delta, max_epsilon
+    self.accountant = accountant
+    self.weights = tf.Variable(tf.convert_to_tensor(initial_weights, tf.float32),
+                               trainable=False)
+    self.velocity = tf.Variable(tf.zeros_like(self.weights), trainable=False)
+    self.dim = int(self.weights.shape[0])
+    self._record_spec = tf.TensorSpec([self.dim], tf.float32)
+    self.global_state = self.query.initial_global_state()
+    self._aggregate_fns = {}
+    self.is_median = isinstance(query, queries_lib.MedianNormClipSumQuery)
+    self.is_non_private = isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery))
+
+  def check_clients(self, m, t):
+    """m as an int; PrivacyConfigError unless an int in [1, K] (t: the round, for messages)."""
+    if not isinstance(m, (int, np.integer)) or not 1 <= m <= self.population_size:
+      raise PrivacyConfigError(f"clients_per_round must be in [1, K={self.population_size}] at round "
+                       f"{t}, got {m}")
+    return int(m)
+
+  def begin_round(self, m, noise_multiplier=None, t=None):
+    """Sets the ledger's sampling (n = K, q = m/K, sample size m) and sigma_t for a round."""
+    m = self.check_clients(m, t)
+    q = m / self.population_size
+    if self.policy == ledger_lib.FIXED_SIZE:
+      self.query.set_sampling(self.population_size, q, m)
+    else:
+      self.query.set_sampling(self.population_size, q)
+    if noise_multiplier is not None:
+      self.global_state = queries_lib.set_noise_multiplier(self.inner_query, self.global_state,
+                                                           noise_multiplier)
+    if isinstance(self.inner_query, dpq.QuantileAdaptiveClipSumQuery):
+      # The private quantile's fraction below uses the expected sample size m_t.
+      self.global_state = self.inner_query.set_expected_num_records(self.global_state, m)
+    return m
+
+  def planned_events(self):
+    """Events the next round's query will report: a dry run of the inner query on an empty
+    sample with the current global state (the events of a private query depend on the
+    global state only; for median clipping the last median stands in)."""
+    state = self.inner_query.initial_sample_state(self._record_spec)
+    _, _, events = self.inner_query.get_noised_result(state, self.global_state)
+    return tuple(events)
+
+  def noise_multiplier(self):
+    """Total noise multiplier z of the next round (Eq. (1) of seed 002 over its events)."""
+    events = [e for e in self.planned_events() if isinstance(e, dpq.GaussianSumEvent)]
+    if not events:
+      return 0.0
+    return dpq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                          [float(e.stddev) for e in events])
+
+  def clip(self):
+    """The clip the next round uses (None for queries without one)."""
+    metrics = self.inner_query.derive_metrics(self.global_state)
+    for key in ("clip", "l2_norm_clip"):
+      if key in metrics:
+        return float(metrics[key])
+    return None
+
+  def guarantee(self):
+    """(epsilon, delta) of the ledger from tf_dpiter.accounting; (None, None) if no target."""
+    if self.fixed_epsilon is not None:
+      return float(self.fixed_epsilon), accounting.delta(self.ledger, self.fixed_epsilon,
+                                                         accountant=self.accountant)
+    if self.fixed_delta is not None:
+      return accounting.epsilon(self.ledger, self.fixed_delta, accountant=self.accountant), float(
+          self.fixed_delta)
+    return None, None
+
+  def planned_sample(self, m):
+    """The next round of m clients as the ledger will record it (a lookahead.PlannedSample)."""
+    return lookahead.PlannedSample(
+        self.population_size, m / self.population_size, self.planned_events(),
+        policy=self.policy, sample_size=m if self.policy == ledger_lib.FIXED_SIZE else 0)
+
+  def would_exceed_budget(self, m, t=None):
+    """Accounts the ledger plus a planned round of m clients (`lookahead.report_after`).
+
+    Args:
+      m: the clients of the next round; t: its number (for the message).
+    Returns:
+      a reason string when the round would pass max_delta (at fixed_epsilon) or max_epsilon
+      (at fixed_delta), else None.
+    """
+    if self.max_delta is None and self.max_epsilon is None:
+      return None
+    if self.fixed_epsilon is not None:
+      eps = float(self.fixed_epsilon)
+      delta = lookahead.delta_after(self.ledger, eps, self.planned_sample(m), 1,
+                                    self.accountant)
+    else:
+      delta = float(self.fixed_delta)
+      eps = lookahead.epsilon_after(self.ledger, delta, self.planned_sample(m), 1,
+                                    self.accountant)
+    label = f"round {t}" if t is not None else "the next round"
+    if self.max_delta is not None and delta > self.max_delta:
+      return (f"{label} would raise delta at epsilon={self.fixed_epsilon} to {delta:.3g} > "
+              f"max_delta={self.max_delta}")
+    if self.max_epsilon is not None and eps > self.max_epsilon:
+      return (f"{label} would raise epsilon at delta={self.fixed_delta} to {eps:.4g} > "
+              f"max_epsilon={self.max_epsilon}")
+    return None
+
+  def _aggregate_fn(self, m):
+    if m not in self._aggregate_fns:
+      query, inner = self.query, self.inner_query
+
+      def aggregate(records, mask, global_state):
+        params = query.derive_sample_params(global_state)
+        state = query.initial_sample_state(self._record_spec)
+        # Accumulation goes to the inner query (QueryWithLedger passes every other method
+        # through, but its accumulate_records assumes a sum-aggregation inner query); the
+        # wrapper's get_noised_result records the sample in the ledger.
+        state = inner.accumulate_records(params, state, records, mask)
+        result, new_state, _ = query.get_noised_result(state, global_state)
+        return result, new_state
+
+      self._aggregate_fns[m] = tf.function(aggregate, reduce_retracing=True)
+    return self._aggregate_fns[m]
+
+  @staticmethod
+  def screen(records):
+    """(records with non-finite rows zeroed, mask [M] of accepted rows, rejected count)."""
+    records = tf.convert_to_tensor(records, tf.float32)
+    finite = tf.reduce_all(tf.math.is_finite(records), axis=1)
+    rejected = int(tf.shape(records)[0]) - int(tf.reduce_sum(tf.cast(finite, tf.int32)))
+    return tf.where(finite[:, None], records, 0.0), tf.cast(finite, tf.float32), rejected
+
+  def apply(self, records, mask, m):
+    """Aggregates the round's records through the query (ledger entry) and steps w.
+
+    The noised sum is divided by the public expected sample size m_t, then
+    v <- beta v + update; w <- w + eta_s v.
+    """
+    noised_sum, self.global_state = self._aggregate_fn(int(m))(records, mask, self.global_state)
+    update = noised_sum / float(m)
+    self.velocity.assign(self.server_momentum * self.velocity + update)
+    self.weights.assign_add(self.server_learning_rate * self.velocity)
+    return update
+
+  def privacy_statement(self, diagnostics=False):
+    """(guarantee_holds, statement, warnings) for a run report."""
+    warnings = []
+    holds = not (self.is_median or self.is_non_private)
+    if self.is_median:
+      warnings.append(queries_lib.NOT_PRIVATE_WARNING)
+    if diagnostics:
+      warnings.append("V_c and U_s are computed on raw client updates: simulation "
+                      "diagnostics, not differentially private")
+    if int(self.ledger.sample_count) == 0:
+      statement = "no round run: nothing recorded in the ledger"
+    elif self.fixed_epsilon is not None or self.fixed_delta is not None:
+      kw = ({"epsilon": self.fixed_epsilon} if self.fixed_epsilon is not None
+            else {"delta": self.fixed_delta})
+      statement = str(accounting.privacy_report(self.ledger, accountant=self.accountant, **kw))
+    else:
+      statement = (f"{int(self.ledger.sample_count)} samples recorded; call "
+                   "tf_dpiter.accounting.epsilon(ledger, delta) for the guarantee")
+    if self.is_median:
+      statement = "NOT PRIVATE (median-norm clip): " + statement
+    return holds, statement, tuple(warnings)
+
