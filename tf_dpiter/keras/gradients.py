@@ -76,6 +76,29 @@ def to_records(nest, example_mask, num_microbatches):
   return recs, em, record_mask
 
 
+def consecutive_records(nest, example_mask, k):
+  """Records of k consecutive rows (user-level batches, data.user_sampling): leaves
+  [B, ...] -> [B / k, k, ...]; returns (records, example_mask [B / k, k], record_mask).
+
+  Raises:
+    ValueError: a static batch size that is not a multiple of k.
+  """
+  b = static_batch_size((nest, example_mask))
+  if b is not None and b % k:
+    raise ValueError(f"a user-level batch of {b} rows is not whole users of "
+                     f"max_examples_per_user={k} rows")
+
+  def split(t):
+    if t is None:
+      return None
+    t = tf.convert_to_tensor(t)
+    return tf.reshape(t, tf.concat([[-1, k], tf.shape(t)[1:]], 0))
+
+  recs = tf.nest.map_structure(split, nest)
+  em = split(example_mask)
+  return recs, em, tf.cast(tf.reduce_sum(em, axis=1) > 0, example_mask.dtype)
+
+
 def examples_per_record(num_microbatches, batch_size_static, record_example_mask):
   """k of to_records' [M, k] layout: 1 per example, ceil(B / M) per microbatch (a Python
   int when B is static, else a scalar tensor read off record_example_mask [M, k])."""

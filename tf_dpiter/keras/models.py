@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.data import user_sampling
 from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
@@ -125,7 +126,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     callbacks = list(a.get("callbacks") or [])
     internal = [fit_sampling.SamplingSync(
-        None if spec is None else spec.sampler,
+        None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, callbacks_lib.LedgerJournal) for c in callbacks):
@@ -166,8 +167,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if spec is None:
       if opt.dp_query is None or getattr(opt, "_dp_sampling_source", None) != "user":
         raise ValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
+      self._dp_declare_users(None, opt.num_microbatches)
       return
     m = opt.num_microbatches
+    self._dp_declare_users(user_sampling.user_grouping(spec), m)
     if m is not None and spec.sample_size and m > spec.sample_size:
       raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
                        "each microbatch needs at least one example")
@@ -175,6 +178,17 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
                         spec.sample_size):
       self.train_function = None
     opt._dp_sampling_source = "fit"  # pylint: disable=protected-access
+
+  def _dp_declare_users(self, grouping, num_microbatches):
+    """Records are users (data.user_sampling) or examples; retraces the step on a change."""
+    per_user = None if grouping is None else grouping.examples_per_user
+    if per_user is not None and num_microbatches is not None:
+      raise ValueError(
+          f"num_microbatches={num_microbatches} cannot be used with user-level batches "
+          "(dp.data.poisson_user_batches): the record is already the user")
+    if getattr(self, "_dp_examples_per_user", None) != per_user:
+      self._dp_examples_per_user = per_user
+      self.train_function = None
 
   def _dp_log_line(self, spec, reason, callbacks, verbose):
     if verbose == 0:

@@ -83,8 +83,14 @@ class TrainStepMixin:
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = record_losses.example_mask_from_weights(sample_weight, b)
     variables = self.trainable_variables
-    recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
-    k = grads_lib.examples_per_record(m, b_static, em)
+    per_user = getattr(self, "_dp_examples_per_user", None)
+    if per_user is not None:   # user-level batches: a record is one user's k rows
+      recs, em, rmask = grads_lib.consecutive_records((x, y, sample_weight), example_mask,
+                                                      per_user)
+      k, m = per_user, None
+    else:
+      recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
+      k = grads_lib.examples_per_record(m, b_static, em)
     if opt.resolve_clipping(self, input_specs=x) == "fast":
       state, loss_sum, records_out = self._dp_fast_sum(opt, recs, em, rmask, k, variables)
     else:
@@ -144,7 +150,7 @@ class TrainStepMixin:
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
       rec_loss = tf.reduce_sum(losses * c_em, 1) / tf.maximum(tf.reduce_sum(c_em, 1), 1.0)
       acc = [a + tf.cast(g, a.dtype) for a, g in zip(acc, grads)]
-      return acc, tf.reduce_sum(rec_loss) / n_rep, tf.nest.map_structure(regroup, outputs)
+      return acc, tf.reduce_sum(rec_loss), tf.nest.map_structure(regroup, outputs)
 
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
