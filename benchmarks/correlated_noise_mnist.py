@@ -55,6 +55,17 @@ def _sample_row(policy, n, q, m):
   return [float(n), float(q), float(m), float(rec.policy_code(policy)), 1.0, 1.0]
 
 
+def _sample_for(mech, n, batch, bands):
+  """The ledger's sample row of one step of `mech` (see the module doc for the samplings)."""
+  if mech == "dpsgd":
+    return _sample_row(rec.POISSON, n, batch / n, batch)
+  if mech == "bandmf":
+    return _sample_row(rec.CYCLIC_POISSON, n, batch * bands / n, bands)
+  if mech == "blt":
+    return _sample_row(rec.CYCLIC_POISSON, n, 1.0, n // batch)
+  return _sample_row(rec.SHUFFLE, n, batch / n, batch)
+
+
 def _row(mech, z, steps_per_pass, bands):
   """(policy fields, query row) of one step with noise multiplier z (clip 1)."""
   if mech == "dpsgd":
@@ -72,14 +83,7 @@ def _row(mech, z, steps_per_pass, bands):
 def planned_ledger(mech, z, n, batch, epochs, bands=1):
   steps_per_pass = n // batch
   steps = epochs * steps_per_pass
-  if mech == "dpsgd":
-    sample = _sample_row(rec.POISSON, n, batch / n, batch)
-  elif mech == "bandmf":
-    sample = _sample_row(rec.CYCLIC_POISSON, n, batch * bands / n, bands)
-  elif mech == "blt":
-    sample = _sample_row(rec.CYCLIC_POISSON, n, 1.0, steps_per_pass)
-  else:
-    sample = _sample_row(rec.SHUFFLE, n, batch / n, batch)
+  sample = _sample_for(mech, n, batch, bands)
   row = _row(mech, z, steps_per_pass, bands)
   samples = np.array([sample] * steps)
   queries = np.array([[i] + row for i in range(steps)])
@@ -192,14 +196,7 @@ def train(mech, z, x, y, xt, yt, batch, epochs, lr, bands=1, seed=0):
 
   state = query.initial_global_state()
   samples, queries = [], []
-  if mech == "dpsgd":
-    srow = _sample_row(rec.POISSON, n, batch / n, batch)
-  elif mech == "bandmf":
-    srow = _sample_row(rec.CYCLIC_POISSON, n, batch * bands / n, bands)
-  elif mech == "blt":
-    srow = _sample_row(rec.CYCLIC_POISSON, n, 1.0, steps_per_pass)
-  else:
-    srow = _sample_row(rec.SHUFFLE, n, batch / n, batch)
+  srow = _sample_for(mech, n, batch, bands)
   start = time.time()
   for i, (xb, yb, mask) in enumerate(_batches(mech, x, y, batch, epochs, bands, seed)):
     state, events = step(tf.convert_to_tensor(xb), tf.convert_to_tensor(yb),

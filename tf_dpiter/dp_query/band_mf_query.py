@@ -35,18 +35,24 @@ STRATEGIES = ("toeplitz", "banded")
 
 
 def template_shapes(template):
-  """[(shape list, dtype name)] of the leaves of a record template (tensors, variables, specs)."""
+  """[(shape list, dtype name)] of the leaves of a record template: tensors, variables or
+  TensorSpecs (any nest), or the list of {"shape", "dtype"} dicts `template_config` returns."""
+  if isinstance(template, list) and template and all(
+      isinstance(t, dict) and set(t) == {"shape", "dtype"} for t in template):
+    return [([int(s) for s in t["shape"]], tf.as_dtype(t["dtype"]).name) for t in template]
   out = []
   for t in tf.nest.flatten(template):
-    if isinstance(t, (list, tuple)) and all(isinstance(s, (int, np.integer)) for s in t):
-      out.append((list(int(s) for s in t), "float32"))
-      continue
     shape = t.shape if hasattr(t, "shape") else np.shape(t)
     dtype = tf.as_dtype(getattr(t, "dtype", tf.float32)).name
     if not tf.TensorShape(shape).is_fully_defined():
       raise ValueError(f"template leaves must have fully defined shapes, got {shape}")
     out.append(([int(s) for s in shape], dtype))
   return out
+
+
+def template_config(shapes):
+  """The JSON-able form of `template_shapes` output (read back by template_shapes)."""
+  return [{"shape": list(s), "dtype": d} for s, d in shapes]
 
 
 def add_flat_noise(structure, flat_noise):
@@ -89,8 +95,40 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
   return mf.band_rows(matrix / zeta, b), False
 
 
+class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
+  """Shared part of the correlated-noise queries: records clipped to S (global L2 norm), a
+  global state (l2_norm_clip, stddev, step, noise state), and the noise added flat over the
+  record's leaves. Subclasses define `_GlobalState` and `get_noised_result`."""
+
+  def _init_common(self, l2_norm_clip, noise_multiplier, template, seed):
+    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._noise_multiplier = validation.check_nonnegative(
+        "noise_multiplier", noise_multiplier, allow_inf=False)
+    self._shapes = template_shapes(template)
+    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    self._seed = seed
+
+  def _initial_state(self, sensitivity, noise_state):
+    """Global state with stddev = noise_multiplier x S x sensitivity (per unit clip)."""
+    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * float(sensitivity)
+    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
+                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
+                             noise_state)
+
+  def derive_sample_params(self, global_state):
+    return global_state.l2_norm_clip
+
+  def preprocess_record(self, params, record):
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
+    return clipped
+
+  def derive_metrics(self, global_state):
+    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
+                                   stddev=global_state.stddev)
+
+
 @serialization.register_query()
-class BandMFQuery(dp_query.SumAggregationDPQuery):
+class BandMFQuery(CorrelatedNoiseQuery):
   """Sum of records clipped to S, plus banded correlated noise C^-1 Z sigma (BandMF)."""
 
   _GlobalState = collections.namedtuple(
@@ -110,11 +148,7 @@ class BandMFQuery(dp_query.SumAggregationDPQuery):
     Raises:
       ValueError: a bad argument, named.
     """
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
-    self._noise_multiplier = validation.check_nonnegative(
-        "noise_multiplier", noise_multiplier, allow_inf=False)
-    self._shapes = template_shapes(template)
-    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(strategy, str) and num_steps is None:
       if num_bands != 1:
         raise ValueError(f"num_steps is required to optimize a strategy of {num_bands} bands")
@@ -122,7 +156,6 @@ class BandMFQuery(dp_query.SumAggregationDPQuery):
     self._config_strategy = strategy if isinstance(strategy, str) else np.asarray(strategy).tolist()
     self._num_steps = num_steps
     self._requested_bands = int(num_bands)
-    self._seed = seed
     self._cache_dir = cache_dir
     rows, self._extendable = make_strategy(num_steps, int(num_bands), strategy, cache_dir)
     self._rows_np = rows
@@ -134,7 +167,7 @@ class BandMFQuery(dp_query.SumAggregationDPQuery):
   def get_config(self):
     p = serialization.plain
     return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": [s for s, _ in self._shapes], "num_bands": self._requested_bands,
+            "template": template_config(self._shapes), "num_bands": self._requested_bands,
             "num_steps": self._num_steps, "strategy": self._config_strategy,
             "seed": p(self._seed), "cache_dir": self._cache_dir}
 
@@ -162,17 +195,8 @@ class BandMFQuery(dp_query.SumAggregationDPQuery):
     return float(mf.column_norms(dense).max())
 
   def initial_global_state(self):
-    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * self.column_norm
-    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
-                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
-                             tf.zeros([self._num_bands - 1, self._size], tf.float32))
-
-  def derive_sample_params(self, global_state):
-    return global_state.l2_norm_clip
-
-  def preprocess_record(self, params, record):
-    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
-    return clipped
+    return self._initial_state(self.column_norm,
+                               tf.zeros([self._num_bands - 1, self._size], tf.float32))
 
   def _row(self, step):
     n = self._rows_np.shape[0]
@@ -199,7 +223,3 @@ class BandMFQuery(dp_query.SumAggregationDPQuery):
     event = correlated_events.BandedGaussianEvent(
         global_state.l2_norm_clip, global_state.stddev, self.column_norm, self._num_bands)
     return result, new_state, (event,)
-
-  def derive_metrics(self, global_state):
-    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
-                                   stddev=global_state.stddev)

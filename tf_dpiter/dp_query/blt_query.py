@@ -21,14 +21,12 @@ import tensorflow as tf
 from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import blt_strategy
 from tf_dpiter.dp_query import correlated_events
-from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 
 
 @serialization.register_query()
-class BLTQuery(dp_query.SumAggregationDPQuery):
+class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
   """Sum of records clipped to S plus BLT-correlated noise C^-1 Z sigma."""
 
   _GlobalState = collections.namedtuple(
@@ -45,11 +43,7 @@ class BLTQuery(dp_query.SumAggregationDPQuery):
       theta, omega: an explicit BLT (theta in (0, 1), omega); optimized when None.
       seed: tests only (not private).
     """
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
-    self._noise_multiplier = validation.check_nonnegative(
-        "noise_multiplier", noise_multiplier, allow_inf=False)
-    self._shapes = band_mf_query.template_shapes(template)
-    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
+    self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     self._num_steps, self._min_sep = int(num_steps), int(min_separation)
     self._num_buffers = int(num_buffers)
     if (theta is None) != (omega is None):
@@ -64,13 +58,12 @@ class BLTQuery(dp_query.SumAggregationDPQuery):
                        f"{self._theta.tolist()}, omega={self._omega.tolist()}")
     coefs = blt_strategy.strategy_coefficients(self._theta, self._omega, self._num_steps)
     self._sensitivity = blt_strategy.equivalent_sensitivity(coefs, self._min_sep)
-    self._seed = seed
     self._generator = randomness.make_generator(seed)
 
   def get_config(self):
     p = serialization.plain
     return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": [s for s, _ in self._shapes], "num_steps": self._num_steps,
+            "template": band_mf_query.template_config(self._shapes), "num_steps": self._num_steps,
             "num_buffers": self._num_buffers, "min_separation": self._min_sep,
             "theta": self._theta.tolist(), "omega": self._omega.tolist(), "seed": p(self._seed)}
 
@@ -88,17 +81,7 @@ class BLTQuery(dp_query.SumAggregationDPQuery):
     return self._sensitivity
 
   def initial_global_state(self):
-    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * self._sensitivity
-    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
-                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
-                             tf.zeros([len(self._theta), self._size], tf.float32))
-
-  def derive_sample_params(self, global_state):
-    return global_state.l2_norm_clip
-
-  def preprocess_record(self, params, record):
-    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
-    return clipped
+    return self._initial_state(self._sensitivity, tf.zeros([len(self._theta), self._size], tf.float32))
 
   def get_noised_result(self, sample_state, global_state):
     check = tf.debugging.assert_less(
@@ -116,7 +99,3 @@ class BLTQuery(dp_query.SumAggregationDPQuery):
     event = correlated_events.MatrixGaussianEvent(global_state.l2_norm_clip, global_state.stddev,
                                                   self._sensitivity, self._min_sep)
     return result, new_state, (event,)
-
-  def derive_metrics(self, global_state):
-    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
-                                   stddev=global_state.stddev)

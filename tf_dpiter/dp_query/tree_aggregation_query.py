@@ -26,10 +26,8 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import correlated_events
-from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 
 
 def tree_prefix_error(num_steps, restart_every):
@@ -48,7 +46,7 @@ def tree_prefix_error(num_steps, restart_every):
 
 
 @serialization.register_query()
-class TreeAggregationQuery(dp_query.SumAggregationDPQuery):
+class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
   """Sum of records clipped to S plus the tree-aggregation residual noise N_t - N_{t-1}."""
 
   _GlobalState = collections.namedtuple(
@@ -63,23 +61,19 @@ class TreeAggregationQuery(dp_query.SumAggregationDPQuery):
       restart_every: R, leaves per tree (the steps per pass for the accounting).
       seed: tests only (not private).
     """
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
-    self._noise_multiplier = validation.check_nonnegative(
-        "noise_multiplier", noise_multiplier, allow_inf=False)
+    self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(restart_every, bool) or not isinstance(restart_every, (int, np.integer)) or (
         restart_every < 1):
       raise ValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
     self._depth = correlated_events.tree_depth(restart_every)
     self._restart_every = int(restart_every)
-    self._shapes = band_mf_query.template_shapes(template)
-    self._size = int(sum(np.prod(s) for s, _ in self._shapes))
-    self._seed = seed
     self._generator = randomness.make_generator(seed)
 
   def get_config(self):
     p = serialization.plain
     return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": [s for s, _ in self._shapes], "restart_every": self._restart_every,
+            "template": band_mf_query.template_config(self._shapes),
+            "restart_every": self._restart_every,
             "seed": p(self._seed)}
 
   @property
@@ -87,17 +81,7 @@ class TreeAggregationQuery(dp_query.SumAggregationDPQuery):
     return self._depth
 
   def initial_global_state(self):
-    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * math.sqrt(self._depth)
-    return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
-                             tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
-                             tf.zeros([self._depth, self._size], tf.float32))
-
-  def derive_sample_params(self, global_state):
-    return global_state.l2_norm_clip
-
-  def preprocess_record(self, params, record):
-    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
-    return clipped
+    return self._initial_state(math.sqrt(self._depth), tf.zeros([self._depth, self._size], tf.float32))
 
   def get_noised_result(self, sample_state, global_state):
     leaf = global_state.step % self._restart_every + 1          # 1-based, within its tree
@@ -121,7 +105,3 @@ class TreeAggregationQuery(dp_query.SumAggregationDPQuery):
     event = correlated_events.TreeGaussianEvent(global_state.l2_norm_clip, global_state.stddev,
                                                 self._restart_every)
     return result, new_state, (event,)
-
-  def derive_metrics(self, global_state):
-    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
-                                   stddev=global_state.stddev)
