@@ -81,7 +81,8 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
     return self._sensitivity
 
   def initial_global_state(self):
-    return self._initial_state(self._sensitivity, tf.zeros([len(self._theta), self._size], tf.float32))
+    return self._initial_state(self._sensitivity,
+                               tf.zeros([len(self._theta), self._size], tf.float32))
 
   def get_noised_result(self, sample_state, global_state):
     check = tf.debugging.assert_less(

@@ -71,8 +71,9 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
 
 
 def equivalent_sensitivity(coefs, min_separation, max_participations=None):
-  """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p): charging each of p participations a
-  Gaussian of this sensitivity costs at least the whole run's Gaussian (mu^2 adds up)."""
+  """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p): charging each of p
+  participations a Gaussian of this sensitivity costs at least the whole run's Gaussian
+  (mu^2 adds up)."""
   n, b = len(coefs), int(min_separation)
   k = -(-n // b) if max_participations is None else min(int(max_participations), -(-n // b))
   return max(toeplitz_minsep_sensitivity(coefs, b, p) / math.sqrt(p) for p in range(1, k + 1))

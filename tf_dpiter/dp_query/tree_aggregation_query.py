@@ -81,7 +81,8 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
     return self._depth
 
   def initial_global_state(self):
-    return self._initial_state(math.sqrt(self._depth), tf.zeros([self._depth, self._size], tf.float32))
+    return self._initial_state(math.sqrt(self._depth),
+                               tf.zeros([self._depth, self._size], tf.float32))
 
   def get_noised_result(self, sample_state, global_state):
     leaf = global_state.step % self._restart_every + 1          # 1-based, within its tree
