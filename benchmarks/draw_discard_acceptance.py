@@ -12,6 +12,8 @@ replaces a uniformly random slot.
   attacks  from the Theorem 1 start, N submits of one attacker identity and no other traffic
            (--tokens T: the attacker spreads them over T identities):
              honest-coherent   N honest clients (N identities), every label 0 (reference)
+             honest-max        N honest clients whose clipped gradient is -1 in every weight
+                               (step +a everywhere, plus Laplace noise): the honest maximum
              collapse-average  submit the average of the k instances
              collapse-copy     submit a copy of the drawn instance
              collapse-min      drawn instance + the smallest Laplace noise that passes
@@ -47,7 +49,7 @@ import numpy as np
 from tf_dpiter.draw_discard import acceptance, client, influence, privacy, server
 from tf_dpiter.draw_discard.cli import dense_spec
 
-ATTACKS = ("honest-coherent", "collapse-average", "collapse-copy", "collapse-min", "ratchet",
+ATTACKS = ("honest-coherent", "honest-max", "collapse-average", "collapse-copy", "collapse-min", "ratchet",
            "ratchet-select4", "chain", "one-weight", "one-weight-select4")
 
 
@@ -179,9 +181,11 @@ def attack(p, kind, submits, seed=0, tokens=1, rebase=True):
   accepted, reasons, last = 0, collections.Counter(), None
   for t in range(submits):
     identity = f"attacker{t % tokens}"
-    if kind == "honest-coherent":
+    if kind.startswith("honest"):
       h = sim.draw()
-      reason = sim.submit(f"honest{t}", h, sim.honest(h, direction=0))
+      u = (sim.honest(h, direction=0) if kind == "honest-coherent"
+           else h + a + sim.laplace(p))
+      reason = sim.submit(f"honest{t}", h, u)
     else:
       h, u, served = _attack_update(sim, kind, identity, last)
       reason = sim.submit(identity, h, u, served)
@@ -194,7 +198,7 @@ def attack(p, kind, submits, seed=0, tokens=1, rebase=True):
   steps = np.zeros(p)  # the step term sum_t d_t / k the submitters control (influence.py)
   for ident in {f"attacker{t % tokens}" for t in range(submits)}:
     steps += sim.budget.state(ident)[1]
-  if kind == "honest-coherent":
+  if kind.startswith("honest"):
     steps = sum(sim.budget.state(f"honest{t}")[1] for t in range(submits))
   honest_after = 0
   for i in range(200):

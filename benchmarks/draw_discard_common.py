@@ -3,7 +3,8 @@
 Starts redis-server and `tf-dpiter-ddml serve` processes on 127.0.0.1 with TLS (a
 self-signed certificate made by the openssl command) and bearer tokens, and runs
 bounded asyncio HTTP/1.1 clients that draw an instance and submit an update that the
-acceptance rule admits (the drawn instance plus Algorithm 1's Laplace noise, no gradient).
+acceptance rule admits (the drawn instance plus Algorithm 1's Laplace noise, no gradient),
+with the draw ticket: the raw body is the drawn instance then the update.
 """
 
 from __future__ import annotations
@@ -178,15 +179,30 @@ def noise_scale(spec) -> float:
   return privacy.laplace_scale(spec.gamma, spec.epsilon, spec.clip)
 
 
+def submit_args(w: np.ndarray, ticket: str, rng: np.random.Generator, b: float):
+  """(body, headers, step) of a ticketed raw submit of w plus Laplace(b) noise."""
+  step = b * (rng.standard_exponential(w.size) - rng.standard_exponential(w.size))
+  body = np.ascontiguousarray(w, dtype="<f8").tobytes() + (w + step).astype("<f8").tobytes()
+  headers = ("Content-Type: application/octet-stream\r\nX-DDML-Version: 1\r\n"
+             f"X-DDML-Ticket: {ticket}\r\n")
+  return body, headers, step
+
+
+async def draw(conn: Conn) -> tuple[int, np.ndarray | None, str | None, dict]:
+  """GET /v1/draw?encoding=raw: (status, instance, ticket, headers)."""
+  st, data, hdrs = await conn.request("GET", "/v1/draw?encoding=raw")
+  if st != 200:
+    return st, None, None, hdrs
+  return st, np.frombuffer(data, dtype="<f8"), hdrs.get("x-ddml-ticket"), hdrs
+
+
 async def one_update(conn: Conn, rng: np.random.Generator, b: float) -> tuple[int, int]:
   """Draw (raw) then submit the drawn instance plus Laplace(b) noise: (draw, submit) status."""
-  st, data, _ = await conn.request("GET", "/v1/draw?encoding=raw")
+  st, w, ticket, _ = await draw(conn)
   if st != 200:
     return st, 0
-  w = np.frombuffer(data, dtype="<f8")
-  u = w + b * (rng.standard_exponential(w.size) - rng.standard_exponential(w.size))
-  st2, _, _ = await conn.request("POST", "/v1/submit", u.astype("<f8").tobytes(),
-                                 "Content-Type: application/octet-stream\r\nX-DDML-Version: 1\r\n")
+  body, headers, _ = submit_args(w, ticket, rng, b)
+  st2, _, _ = await conn.request("POST", "/v1/submit", body, headers)
   return st, st2
 
 
@@ -198,20 +214,19 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def piggyback_update(conn: Conn, rng: np.random.Generator, b: float,
-                           w: np.ndarray | None) -> tuple[int, np.ndarray | None]:
+                           drawn: tuple | None) -> tuple[int, tuple | None]:
   """One update with the next draw in the submit's answer (POST /v1/submit?draw=raw).
 
-  Returns (status, next drawn instance or None). Draws with GET first when w is None.
+  `drawn` is (instance, ticket) or None (then draws with GET first). Returns (status, the
+  next (instance, ticket) or None).
   """
-  if w is None:
-    st, data, _ = await conn.request("GET", "/v1/draw?encoding=raw")
+  if drawn is None:
+    st, w, ticket, _ = await draw(conn)
     if st != 200:
       return st, None
-    w = np.frombuffer(data, dtype="<f8")
-  u = w + b * (rng.standard_exponential(w.size) - rng.standard_exponential(w.size))
-  st, data, hdrs = await conn.request(
-      "POST", "/v1/submit?draw=raw", u.astype("<f8").tobytes(),
-      "Content-Type: application/octet-stream\r\nX-DDML-Version: 1\r\n")
-  nxt = (np.frombuffer(data, dtype="<f8")
+    drawn = (w, ticket)
+  body, headers, _ = submit_args(drawn[0], drawn[1], rng, b)
+  st, data, hdrs = await conn.request("POST", "/v1/submit?draw=raw", body, headers)
+  nxt = ((np.frombuffer(data, dtype="<f8"), hdrs.get("x-ddml-ticket"))
          if st == 200 and hdrs.get("content-type", "").startswith("application/octet") else None)
   return st, nxt

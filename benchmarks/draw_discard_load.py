@@ -72,9 +72,10 @@ def _load_proc(ports, tokens, cert, clients, duration, warmup, b, q, piggyback=F
 
 
 def run_one(store: str, servers: int, clients: int, duration: float, warmup: float,
-            num_weights: int, quota: float, tls: bool = True, piggyback: bool = False) -> dict:
+            num_weights: int, quota: float, tls: bool = True, piggyback: bool = False,
+            server_args=()) -> dict:
   """One measured configuration (servers are started and stopped here)."""
-  extra = ["--draw-quota", str(quota), "--submit-quota", str(quota)]
+  extra = ["--draw-quota", str(quota), "--submit-quota", str(quota), *server_args]
   cluster = common.start_cluster(store, servers, num_weights, num_tokens=clients, extra_args=extra,
                                  prefix=f"load{num_weights}", tls=tls)
   try:
@@ -94,6 +95,7 @@ def run_one(store: str, servers: int, clients: int, duration: float, warmup: flo
   lat = np.asarray(lat)
   statuses = sorted({str(e) for e in errors})[:5]
   return dict(num_weights=num_weights, store=store.split(":")[0], servers=servers,
+              server_args=" ".join(server_args),
               clients=clients, tls=tls, tokens=True, piggyback=piggyback, quota_per_token_per_s=quota,
               updates=len(lat), errors=len(errors), error_statuses=statuses,
               seconds=round(wall, 2), updates_per_s=round(len(lat) / wall, 1),
@@ -113,6 +115,8 @@ def main(argv=None):
   ap.add_argument("--no-tls", action="store_true", help="plain HTTP (tokens stay on)")
   ap.add_argument("--piggyback", action="store_true",
                   help="one request per update: POST /v1/submit?draw=raw returns the next draw")
+  ap.add_argument("--server-args", default="",
+                  help="extra `tf-dpiter-ddml serve` arguments, e.g. '--no-group-commit'")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
   results, redis_proc, redis_dir = [], None, None
@@ -125,7 +129,8 @@ def main(argv=None):
         url, servers = f"redis://127.0.0.1:{port}/0", 2
       for clients in args.clients:
         r = run_one(url, servers, clients, args.duration, args.warmup, args.weights, args.quota,
-                    tls=not args.no_tls, piggyback=args.piggyback)
+                    tls=not args.no_tls, piggyback=args.piggyback,
+                    server_args=args.server_args.split())
         results.append(r)
         print(json.dumps(r), flush=True)
   finally:

@@ -33,13 +33,10 @@ async def _client(conn, rng, b, stop_at, period, stats):
   while time.perf_counter() < stop_at:
     next_t += period
     try:
-      st, data, hdrs = await conn.request("GET", "/v1/draw?encoding=raw")
+      st, w, ticket, hdrs = await common.draw(conn)
       if st == 200:
-        w = np.frombuffer(data, dtype="<f8")
-        u = w + b * (rng.standard_exponential(w.size) - rng.standard_exponential(w.size))
-        st, data, hdrs = await conn.request(
-            "POST", "/v1/submit", u.astype("<f8").tobytes(),
-            "Content-Type: application/octet-stream\r\nX-DDML-Version: 1\r\n")
+        body, headers, _ = common.submit_args(w, ticket, rng, b)
+        st, data, hdrs = await conn.request("POST", "/v1/submit", body, headers)
         if st == 200:
           stats["seqs"].append(json.loads(data)["seq"])
           stats["last_ok"] = time.perf_counter()

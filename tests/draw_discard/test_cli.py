@@ -31,3 +31,15 @@ def test_spec_rejects_unknown_key():
   d["colour"] = "red"
   with pytest.raises(ValueError, match="unknown keys"):
     glm.ModelSpec.from_dict(d)
+
+
+def test_help_imports_no_tensorflow_or_server_stack():
+  """`tf-dpiter-ddml --help` starts fast: no TensorFlow, aiohttp or redis import (issue 14)."""
+  import subprocess
+  import sys
+  code = ("import sys\nfrom tf_dpiter.draw_discard import cli\ntry:\n  cli.main(['--help'])\n"
+          "except SystemExit:\n  pass\nprint(sorted(m for m in ('tensorflow', 'aiohttp', 'redis')"
+          " if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"

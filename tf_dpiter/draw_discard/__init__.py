@@ -4,8 +4,10 @@ k-instance server (Algorithm 2), local-DP GLM clients (Algorithm 1), the paper's
 filter (Section III-D4, simulation only: it can be gamed), privacy analyses against
 adversaries I-III (Section IV), and an asynchronous HTTP service on an in-memory or Redis
 store (`service`, `http_server`, `store`, `redis_store`, `client_lib`, console script
-`tf-dpiter-ddml` = `cli.main`) with bearer tokens (`auth`), TLS, quotas, the
-bounded-influence acceptance rule (`acceptance`) and Prometheus metrics (`metrics`).
+`tf-dpiter-ddml` = `cli.main`) with bearer tokens (`auth`), TLS, quotas, draw tickets
+(`tickets`: every submit names the instance it was drawn from), the bounded-influence
+acceptance rule (`acceptance`), the per-token influence budget (`influence`) and
+Prometheus metrics (`metrics`).
 """
 
 from tf_dpiter.draw_discard.acceptance import AcceptanceRule

@@ -101,6 +101,8 @@ def _add_serve(sub) -> None:
                  help="close a connection with no request started for this many seconds")
   s.add_argument("--body-timeout", type=float, default=10.0, help="seconds to send a body")
   s.add_argument("--lock-ttl", type=float, default=10.0, help="Redis init lock expiry (s)")
+  s.add_argument("--no-group-commit", action="store_true",
+                 help="Redis: one round trip per script instead of one pipeline per loop turn")
   s.add_argument("--seed", type=int, default=None, help="initialization seed (tests only)")
   s.add_argument("--reset", action="store_true", help="overwrite an existing Redis model")
   s.add_argument("--max-body-bytes", type=int, default=None)
@@ -119,7 +121,8 @@ def _serve(args) -> int:
     quotas = auth.Quotas({"draw": args.draw_quota, "submit": args.submit_quota}, burst)
   ctx = http_server.tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
   limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
-  store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl)
+  store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
+                               group_commit=not args.no_group_commit)
   svc = service.DDMLService(
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,

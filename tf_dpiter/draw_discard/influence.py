@@ -29,19 +29,30 @@ Bound (false rejection): P(an honest identity is ever refused by the budget) <= 
 over its whole life (any data, any order, any asynchrony: only Algorithm 1 is assumed).
 
 Bound (influence): every accepted identity satisfies the two inequalities above, which N
-honest clients' steps satisfy with probability >= 1 - alpha_N. The average of the k
-instances moves by (1/k) sum_t (u_t - x_{r_t}) = (1/k) [C_N + sum_t (h_t - x_{r_t})], r_t the
-uniformly random replaced slot. So the attacker's N submits move the average by the same
-step term an honest group could reach (C_N within the honest envelope: N a per weight plus
-O(sqrt(N)) noise, i.e. a ratio to N a / k that tends to 1), plus a draw/discard term
-sum_t (h_t - x_{r_t}) with the same law as for honest clients because the server draws h_t
-and r_t uniformly; the one freedom left is discarding draws (drawing again before
-submitting), which the draw quota bounds (benchmarks/draw_discard_acceptance.py measures
-it). Assumptions: one identity per attacker (an attacker with T tokens gets T envelopes:
-its noise allowance grows as sqrt(N T) instead of sqrt(N)); the budget is kept per server
-process (several processes behind one store each keep their own: T tokens x P processes).
-Identities beyond `max_identities` are forgotten least-recently-used first, and a forgotten
-identity starts a new budget.
+honest clients' steps satisfy with probability >= 1 - alpha_N. With rebasing (the
+service's default, service.DDMLService(rebase=True)) the server stores h'_t + d_t, h'_t an
+instance it draws uniformly when the update arrives, in a uniformly random slot r_t, so the
+average of the k instances moves by
+
+    (1/k) sum_t (h'_t + d_t - x_{r_t}) = (1/k) [C_N + sum_t (h'_t - x_{r_t})],
+
+and given the store's state each h'_t - x_{r_t} has mean zero whoever submits. Hence
+E[shift of the average] = E[C_N] / k: per weight at most (N a + x_N scale) / k, and summed
+over weights at most (p N a + U_N scale) / k, against N a / k (per weight) for N honest
+clients whose clipped gradients all point the same way. The ratio tends to 1 as N grows
+(x_N, U_N / p ~ sqrt(N)); benchmarks/draw_discard_acceptance.py measures it. The
+remaining term has the law it has for honest clients. Without rebasing (Algorithm 2
+literally: u itself is stored) an identity can discard draws until it holds a favourable
+h (the draw quota bounds how often), which this budget does not see.
+
+Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
+law) for honest clients; the server's draws use secrets.randbelow. One identity per
+attacker: with T tokens each has its own envelope (the step term stays N a, the noise
+allowance grows as sqrt(N T) instead of sqrt(N)). The budget is kept per server process:
+with P processes behind one store an identity has P envelopes (noise allowance sqrt(P)
+times larger; the N a term is unchanged since each process counts its own N_i).
+Identities beyond `max_identities` are forgotten least-recently-used first, and a
+forgotten identity starts a new budget. Memory: 8 p bytes per identity.
 """
 
 from __future__ import annotations

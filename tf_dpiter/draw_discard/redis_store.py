@@ -2,8 +2,13 @@
 
 Keys: <prefix>:gen (generation), <prefix>:meta, <prefix>:slot:<i>, <prefix>:hist (list of
 replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <prefix>:init
-(initialization lock, with an expiry). Every operation is one Lua script or one MULTI
-transaction that checks the generation first (see store.py for the contract).
+(initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring).
+Every operation is one Lua script or one MULTI transaction that checks the generation
+first (see store.py for the contract).
+
+Group commit: the touch and replace scripts that requests issue in the same event-loop
+iteration travel in one pipeline (one write, one read, one wake-up of redis-server) instead
+of one round trip each; each script stays atomic on its own.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class RedisStore:
     prefix: key prefix; one model per prefix.
     lock_ttl_s: expiry of the initialization lock.
     timeout_s: socket timeout of every Redis call.
+    group_commit: send the touch/replace scripts of one event-loop iteration in one pipeline.
 
   Raises:
     ValueError: for a URL of another scheme.
@@ -84,7 +90,7 @@ class RedisStore:
   kind = "redis"
 
   def __init__(self, url: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
-               timeout_s: float = 2.0):
+               timeout_s: float = 2.0, group_commit: bool = True):
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix"):
       raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
@@ -101,6 +107,9 @@ class RedisStore:
     self.generation: str | None = None
     self._k_slots: list[str] = []
     self._history = 0
+    self.group_commit = bool(group_commit)
+    self._queue: list = []  # (script, keys, args, future) waiting for the next pipeline
+    self._flush_scheduled = False
 
   def _k(self, *parts) -> str:
     return ":".join((self.prefix,) + tuple(str(p) for p in parts))
@@ -110,6 +119,50 @@ class RedisStore:
       return await coro
     except _UNAVAILABLE as e:
       raise store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}") from e
+
+  async def _batched(self, script, keys, args):
+    """Runs `script` in the next pipeline of this event-loop iteration; returns its reply."""
+    if not self.group_commit:
+      return await self._call(script(keys=keys, args=args))
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    self._queue.append((script, keys, args, fut))
+    if not self._flush_scheduled:
+      self._flush_scheduled = True
+      loop.call_soon(self._start_flush)
+    return await fut
+
+  def _start_flush(self) -> None:
+    self._flush_scheduled = False
+    batch, self._queue = self._queue, []
+    asyncio.ensure_future(self._flush(batch))
+
+  async def _flush(self, batch) -> None:
+    try:
+      if len(batch) == 1:
+        script, keys, args, _ = batch[0]
+        results = [await script(keys=keys, args=args)]
+      else:  # plain EVALSHA (redis-py's pipelined Script runs SCRIPT EXISTS first: a round trip)
+        pipe = self._r.pipeline(transaction=False)
+        for script, keys, args, _ in batch:
+          pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results = await pipe.execute(raise_on_error=False)
+        for j, res in enumerate(results):  # scripts flushed (Redis restarted): load and rerun
+          if isinstance(res, redis_errors.NoScriptError):
+            script, keys, args, _ = batch[j]
+            results[j] = await script(keys=keys, args=args)
+    except _UNAVAILABLE as e:
+      err = store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}")
+      results = [err] * len(batch)
+    except redis_errors.RedisError as e:
+      results = [e] * len(batch)
+    for (_, _, _, fut), res in zip(batch, results):
+      if fut.done():  # the request was cancelled
+        continue
+      if isinstance(res, BaseException):
+        fut.set_exception(res)
+      else:
+        fut.set_result(res)
 
   def _result(self, code: int) -> int:
     if code == -1:
@@ -183,9 +236,8 @@ class RedisStore:
 
   async def touch(self, draws: int = 0) -> int:
     """Checks the generation, adds `draws` to the draw counter; returns the sequence number."""
-    code = await self._call(self._touch(
-        keys=[self._k("gen"), self._k("seq"), self._k("counters")],
-        args=[self.generation, int(draws)]))
+    code = await self._batched(self._touch, [self._k("gen"), self._k("seq"),
+                                             self._k("counters")], [self.generation, int(draws)])
     return self._result(code)
 
   async def snapshot(self, previous: store_lib.Snapshot | None = None) -> store_lib.Snapshot:
@@ -230,11 +282,12 @@ class RedisStore:
       TicketUsed: when the nonce was used before (nothing is written).
       StoreLost, StoreUnavailable.
     """
-    code = await self._call(self._replace(
-        keys=[self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"),
-              self._k("counters"), self._k("nonce", nonce or "-")],
-        args=[self.generation, store_lib.encode_weights(w), self._history, nonce or "",
-              max(1, int(nonce_ttl_s * 1000)), int(draws)]))
+    code = await self._batched(
+        self._replace,
+        [self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"), self._k("counters"),
+         self._k("nonce", nonce or "-")],
+        [self.generation, store_lib.encode_weights(w), self._history, nonce or "",
+         max(1, int(nonce_ttl_s * 1000)), int(draws)])
     if code == -3:
       raise store_lib.TicketUsed("draw ticket already used")
     return self._result(code)

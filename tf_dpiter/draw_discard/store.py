@@ -224,13 +224,15 @@ class MemoryStore:
     """Nothing to release."""
 
 
-def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0):
+def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
+               group_commit: bool = True):
   """Builds a store from its command-line form.
 
   Args:
     spec: 'memory' or 'redis://host:port/db' (also rediss://, unix://).
     prefix: Redis key prefix.
     lock_ttl_s: Redis initialization lock expiry.
+    group_commit: Redis: pipeline the scripts of one event-loop iteration.
 
   Returns:
     A MemoryStore or a RedisStore.
@@ -242,5 +244,6 @@ def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0):
     return MemoryStore()
   if spec.startswith(("redis://", "rediss://", "unix://")):
     from tf_dpiter.draw_discard import redis_store  # pylint: disable=g-import-not-at-top
-    return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s)
+    return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s,
+                                  group_commit=group_commit)
   raise ValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")
