@@ -18,6 +18,13 @@ unit of privacy stays the example, and the ledger charges a clipped sum at sensi
 sampling with `set_sampling(n, q, policy, sample_size)` and, under "shuffle", call
 `optimizer.ledger.record_passes(1)` whenever they start a pass over a new permutation (a
 ledger with shuffled samples and no passes charges every sample as its own pass).
+
+Where each part lives: this module holds the constructor, the settings, the update and the
+Keras serialization; `mechanism` the query, ledger, sampling and noise; `clipped_sum` the
+choice of clipping path and the vectorized clipped sum; `chunking` the physical chunks and
+the float32 privacy dtype; `custom_loops` compute_private_gradients / minimize.
+`DPKeras*Optimizer.from_budget(epsilon, delta, epochs, batch_size, population_size)`
+calibrates the noise multiplier with the accountant.
 """
 
 import logging
@@ -186,8 +193,8 @@ class DPOptimizerMixin(mechanism.MechanismMixin, clipped_sum.ClippedSumMixin,
   def apply(self, grads, trainable_variables=None):  # pylint: disable=missing-function-docstring
     if not self._dp_private_apply:
       raise ValueError(
-          f"{type(self).__name__}.apply/apply_gradients received gradients outside the private "
-          "path. Gradients from optimizer.compute_private_gradients are applied with "
+          f"{type(self).__name__}.apply/apply_gradients received plain (non-private) "
+          "gradients, outside the private path. Gradients from optimizer.compute_private_gradients are applied with "
           "optimizer.apply_private_gradients(grads, variables) (not apply_gradients); "
           "otherwise train a DP model (dp.keras.DPSequential / dp.keras.make_private) or use "
           "optimizer.minimize with per-example losses")
