@@ -1,4 +1,4 @@
-"""Draw tickets and the influence budget through the HTTP service (memory and Redis)."""
+"""Draw tickets, the influence budget and cluster quotas through the HTTP service."""
 
 import http.client
 import json
@@ -143,3 +143,21 @@ def test_without_tickets_the_candidate_rule_applies(start_service):
     d = c.draw()
     assert c.submit(d.version, honest(d.weights, np.random.default_rng(5)))["accepted"]
     assert srv.svc.history == 256
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_cluster_quotas_hold_across_redis_servers(start_service, redis_url, cluster):
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  servers = [start_service(_svc(store_lib.make_store(redis_url, prefix),
+                                quotas=auth.Quotas({"draw": 0.5}, {"draw": 1}, cluster=cluster)))
+             for _ in range(2)]
+  statuses = []
+  for srv in servers:
+    with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+      try:
+        statuses.append(c.draw() is not None and 200)
+      except client_lib.DDMLError as e:
+        statuses.append((e.status, e.code, e.retry_after))
+  # per process: each server allows its own burst; cluster: the second server's bucket is
+  # the first one's (one draw per 2 s for the token, whichever server it asks)
+  assert statuses == ([200, 200] if not cluster else [200, (429, "quota_exceeded", 2.0)])

@@ -99,13 +99,16 @@ class Quotas:
     burst: {operation: bucket size}; defaults to max(1, 2 * rate).
     max_identities: identities remembered (least recently used are forgotten).
     clock: time source (tests).
+    cluster: also enforce the same buckets in the shared store, so that all servers of one
+      Redis store together allow `rate` per identity (service.DDMLService checks both).
 
   Raises:
     ValueError: for a non-positive rate or burst.
   """
 
   def __init__(self, rates: dict, burst: dict | None = None, max_identities: int = 100_000,
-               clock=time.monotonic):
+               clock=time.monotonic, cluster: bool = False):
+    self.cluster = bool(cluster)
     self.rates, self.burst = {}, {}
     for op, r in rates.items():
       if r is None:

@@ -76,6 +76,9 @@ def _add_serve(sub) -> None:
   s.add_argument("--draw-quota", type=float, default=None, help="draws/s per token (or address)")
   s.add_argument("--submit-quota", type=float, default=None, help="submits/s per token")
   s.add_argument("--quota-burst", type=float, default=None, help="bucket size (default 2x rate)")
+  s.add_argument("--cluster-quotas", action="store_true",
+                 help="Redis: the quotas hold for all servers of the store together (one "
+                      "token bucket per token in Redis), not per server process")
   s.add_argument("--alpha", type=float, default=1e-3,
                  help="acceptance rule: bound on an honest update's rejection probability")
   s.add_argument("--history", type=int, default=None,
@@ -118,7 +121,8 @@ def _serve(args) -> int:
   quotas = None
   if args.draw_quota is not None or args.submit_quota is not None:
     burst = {"draw": args.quota_burst, "submit": args.quota_burst}
-    quotas = auth.Quotas({"draw": args.draw_quota, "submit": args.submit_quota}, burst)
+    quotas = auth.Quotas({"draw": args.draw_quota, "submit": args.submit_quota}, burst,
+                         cluster=args.cluster_quotas)
   ctx = http_server.tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
   limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
   store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,

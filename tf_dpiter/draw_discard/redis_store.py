@@ -69,6 +69,21 @@ local slots = redis.call('MGET', unpack(KEYS, 4))
 return {seq, full, slots, hist}
 """
 
+_QUOTA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'l', 't')
+local level = tonumber(v[1]) or burst
+local last = tonumber(v[2]) or now
+level = math.min(burst, level + math.max(0, now - last) * rate / 1000)
+local wait = 0
+if level >= 1 then level = level - 1 else wait = math.ceil((1 - level) / rate * 1000) end
+redis.call('HSET', KEYS[1], 'l', tostring(level), 't', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return wait
+"""
+
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
 
@@ -104,6 +119,7 @@ class RedisStore:
     self._touch = self._r.register_script(_TOUCH)
     self._replace = self._r.register_script(_REPLACE)
     self._snapshot = self._r.register_script(_SNAPSHOT)
+    self._quota = self._r.register_script(_QUOTA)
     self.generation: str | None = None
     self._k_slots: list[str] = []
     self._history = 0
@@ -291,6 +307,22 @@ class RedisStore:
     if code == -3:
       raise store_lib.TicketUsed("draw ticket already used")
     return self._result(code)
+
+  async def take_quota(self, identity: str, op: str, rate: float, burst: float) -> float:
+    """Takes one request from a token bucket shared by every server of this store.
+
+    Args:
+      identity: who asks.
+      op: "draw" or "submit".
+      rate: requests per second.
+      burst: bucket size.
+
+    Returns:
+      0.0 when allowed, else the seconds until the next request would be (Redis clock).
+    """
+    wait_ms = await self._batched(self._quota, [self._k("quota", op, identity)],
+                                  [repr(float(rate)), repr(float(burst))])
+    return int(wait_ms) / 1000.0
 
   async def incr(self, name: str, n: int = 1) -> None:
     """Adds n to counter `name` (only while the generation holds)."""

@@ -331,7 +331,7 @@ class DDMLService:
         raise await self._refuse(decision.reason)
       seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
     self.metrics.inc("accepted_total", help_text="stored updates")
-    if request.query.get("draw") == "raw" and self._may_draw(request):
+    if request.query.get("draw") == "raw" and await self._may_draw(request):
       # the next round's draw in the same answer (one request per update in steady state);
       # the replace just checked the generation and returned seq: no extra store call
       snap = self._snap
@@ -355,10 +355,22 @@ class DDMLService:
       snap = await self._refresh(snap.seq + 1 if snap is not None else 0)
     return snap
 
-  def _may_draw(self, request: web.Request) -> bool:
+  async def take_quota(self, identity: str, op: str) -> float:
+    """This process's bucket, then (quotas.cluster, Redis) the bucket shared by all servers.
+
+    Returns:
+      0.0 when allowed, else the seconds to wait.
+    """
+    wait = self.quotas.take(identity, op)
+    rate = self.quotas.rates.get(op)
+    if wait == 0 and self.quotas.cluster and rate is not None and self.store.kind == "redis":
+      wait = await self.store.take_quota(identity, op, rate, self.quotas.burst[op])
+    return wait
+
+  async def _may_draw(self, request: web.Request) -> bool:
     if self.quotas is None:
       return True
-    ok = self.quotas.take(request.get(web_errors.IDENTITY) or "?", "draw") == 0
+    ok = await self.take_quota(request.get(web_errors.IDENTITY) or "?", "draw") == 0
     if not ok:
       self.metrics.inc("quota_refused_total", op="draw", help_text="requests over quota (429)")
     return ok

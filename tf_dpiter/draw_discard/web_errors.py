@@ -79,7 +79,7 @@ def _http_exception(e: web.HTTPException) -> web.Response:
   return json_error(e.status, code, e.reason, headers=headers)
 
 
-def _admit(svc, request: web.Request) -> None:
+async def _admit(svc, request: web.Request) -> None:
   """Authentication and quotas; raises RequestError when refused."""
   if request.path in _OPEN:
     return
@@ -96,7 +96,7 @@ def _admit(svc, request: web.Request) -> None:
   identity = identity or (request.remote or "?")
   request[IDENTITY] = identity
   if svc.quotas is not None and op is not None:
-    wait = svc.quotas.take(identity, op)
+    wait = await svc.take_quota(identity, op)
     if wait > 0:
       svc.metrics.inc("quota_refused_total", op=op, help_text="requests over quota (429)")
       raise parsing.RequestError(429, "quota_exceeded", f"{op} quota exceeded; retry later",
@@ -106,7 +106,7 @@ def _admit(svc, request: web.Request) -> None:
 
 async def _dispatch(svc, request: web.Request, handler) -> web.Response:
   try:
-    _admit(svc, request)
+    await _admit(svc, request)
     return await handler(request)
   except parsing.RequestError as e:
     return json_error(e.status, e.code, e.message, e.headers, e.extra)
