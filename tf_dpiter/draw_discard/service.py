@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import json
 import logging
 import secrets
@@ -45,6 +44,7 @@ import numpy as np
 from aiohttp import web
 
 from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import influence
@@ -137,6 +137,7 @@ class DDMLService:
     tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
     self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
     self.budget = influence.InfluenceBudget(self.rule, budget_alpha, max_identities)
+    self.admission = admission.Admission(self.rule, self.budget)
     self._pending_draws = 0
     self.history = int(history)
     self.draw_max_age_s = float(draw_max_age_s)
@@ -181,6 +182,7 @@ class DDMLService:
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
     key = (await self.store.meta()).get("ticket_key") or self.meta["ticket_key"]
     self.tickets = tickets_lib.Tickets(bytes.fromhex(key), self.ticket_ttl_s)
+    self.admission.tickets = self.tickets
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
 
@@ -271,52 +273,35 @@ class DDMLService:
       await self.store.incr("submits")
       raise
 
-  async def _refuse(self, reason: str) -> RequestError:
+  async def _refuse(self, e: admission.Refused) -> RequestError:
     await self.store.incr("submits")
-    await self.store.incr("rejected_invalid" if reason in ("non_finite", "out_of_range")
-                          else "rejected")
-    self.metrics.inc("rejected_total", reason=reason, help_text="refused updates")
-    return self._refusal(reason)
+    await self.store.incr("rejected_invalid" if e.invalid else "rejected")
+    self.metrics.inc("rejected_total", reason=e.reason, help_text="refused updates")
+    extra = {"reason": e.reason} if e.code == "rejected_update" else None
+    return RequestError(e.status, e.code, e.message, extra=extra)
 
   async def _store_ticketed(self, request: web.Request, sub: parsing.Submission) -> int:
-    """Ticket check, step test against the drawn instance, influence budget, write."""
-    identity = self._identity(request)
-    bad = self.rule.value_reason(sub.weights)
-    if bad:  # never stored, whatever the ticket
-      raise await self._refuse(bad)
-    if sub.drawn is None or sub.ticket is None:
-      sub = dataclasses.replace(sub, ticket=None)
+    """Admission (admission.py), then the write (rebased, see the class doc)."""
     try:
-      nonce = self.tickets.verify(sub.ticket, identity, sub.drawn)
-    except tickets_lib.TicketError as e:
-      await self.store.incr("submits")
-      await self.store.incr("rejected_invalid")
-      self.metrics.inc("rejected_total", reason=e.code, help_text="refused updates")
-      raise RequestError(e.status, e.code, e.message) from e
-    decision = self.rule.check_step(sub.weights, sub.drawn)
-    if not decision.accepted:
-      raise await self._refuse(decision.reason)
-    step = sub.weights - sub.drawn
-    reason = self.budget.reserve(identity, step)
-    if reason:
-      raise await self._refuse(reason)
+      adm = self.admission.admit(self._identity(request), sub)
+    except admission.Refused as e:
+      raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
     try:
       new = sub.weights
-      if self.rebase:  # the step lands on an instance the server draws now (see class doc)
-        new = (await self._recent_snapshot()).slots[secrets.randbelow(self.k)] + step
+      if self.rebase:  # the step lands on an instance the server draws now
+        new = (await self._recent_snapshot()).slots[secrets.randbelow(self.k)] + adm.step
         if self.rule.value_reason(new):
-          raise await self._refuse(self.rule.value_reason(new))
-      return await self.store.replace(secrets.randbelow(self.k), new, nonce,
+          raise await self._refuse(admission.rule_refusal(self.rule, self.rule.value_reason(new)))
+      return await self.store.replace(secrets.randbelow(self.k), new, adm.nonce,
                                       self.ticket_ttl_s, draws)
     except store_lib.TicketUsed as e:
-      self.budget.release(identity, step)
-      await self.store.incr("submits")
-      await self.store.incr("rejected_invalid")
-      self.metrics.inc("rejected_total", reason="ticket_used", help_text="refused updates")
-      raise RequestError(409, "ticket_used", "this draw ticket was already used; draw again") from e
+      self.admission.release(adm)
+      raise await self._refuse(admission.Refused(
+          409, "ticket_used", "ticket_used", "this draw ticket was already used; draw again",
+          True)) from e
     except BaseException:
-      self.budget.release(identity, step)
+      self.admission.release(adm)
       self._pending_draws += draws
       raise
 
@@ -328,7 +313,7 @@ class DDMLService:
     else:
       decision = await self._decide(sub.weights)
       if not decision.accepted:
-        raise await self._refuse(decision.reason)
+        raise await self._refuse(admission.rule_refusal(self.rule, decision.reason))
       seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
     self.metrics.inc("accepted_total", help_text="stored updates")
     if request.query.get("draw") == "raw" and await self._may_draw(request):
@@ -387,16 +372,6 @@ class DDMLService:
       snap = await self._refresh(seq)
       decision = self.rule.check(w, snap.candidates, snap.centre, self.k)
     return decision
-
-  def _refusal(self, reason: str) -> RequestError:
-    if reason == "non_finite":
-      return RequestError(422, "non_finite", "weights contain NaN or infinity")
-    if reason == "out_of_range":
-      return RequestError(422, "out_of_range",
-                          f"a weight exceeds {self.rule.max_abs_weight:g} in magnitude")
-    return RequestError(422, "rejected_update",
-                        "not a plausible update of a served instance under the served spec, or "
-                        f"beyond this token's influence budget ({reason})", extra={"reason": reason})
 
   async def handle_model(self, request: web.Request) -> web.Response:
     """GET /v1/model: the average of the k instances."""

@@ -1,0 +1,105 @@
+"""Admission of a ticketed submit, in one place: values, draw ticket, step test, influence budget.
+
+Order (each step refuses before anything is stored):
+
+  1. values: non-finite or |w| > max_abs_weight -> 422 non_finite / out_of_range;
+  2. ticket (tickets.py): missing (400), malformed (400), not issued to this identity for the
+     drawn instance sent back (403), expired (409);
+  3. step d = u - h against the served instance h (AcceptanceRule.check_step): 422
+     step_too_large / excess_too_large / too_little_noise, P(honest refused) <= alpha;
+  4. influence budget (influence.py): the identity's cumulative step stays inside N honest
+     clients' envelope, else 422 cumulative_step_too_large / cumulative_excess_too_large.
+
+The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.draw_discard import influence
+from tf_dpiter.draw_discard import parsing
+from tf_dpiter.draw_discard import tickets as tickets_lib
+
+INVALID_VALUES = ("non_finite", "out_of_range")
+
+
+class Refused(Exception):
+  """A refused submit: HTTP status, error code, the rule's reason and whether it was invalid
+  input (counted as rejected_invalid) rather than a refused update (rejected)."""
+
+  def __init__(self, status: int, code: str, reason: str, message: str, invalid: bool):
+    super().__init__(f"{status} {code} ({reason}): {message}")
+    self.status, self.code, self.reason, self.message = status, code, reason, message
+    self.invalid = invalid
+
+
+@dataclasses.dataclass(frozen=True)
+class Admitted:
+  """An admitted submit: who, its step u - h (reserved in the budget) and the ticket nonce."""
+  identity: str
+  step: np.ndarray
+  nonce: str
+
+
+def rule_refusal(rule: acceptance.AcceptanceRule, reason: str) -> Refused:
+  """The Refused of an acceptance-rule or budget reason."""
+  if reason == "non_finite":
+    return Refused(422, "non_finite", reason, "weights contain NaN or infinity", True)
+  if reason == "out_of_range":
+    return Refused(422, "out_of_range", reason,
+                   f"a weight exceeds {rule.max_abs_weight:g} in magnitude", True)
+  return Refused(422, "rejected_update", reason,
+                 "not a plausible update of a served instance under the served spec, or "
+                 f"beyond this token's influence budget ({reason})", False)
+
+
+class Admission:
+  """Decides whether a ticketed submit may be stored.
+
+  Args:
+    rule: the served spec's AcceptanceRule.
+    budget: the per-identity InfluenceBudget.
+    tickets: the Tickets (set once the store's key is known).
+  """
+
+  def __init__(self, rule: acceptance.AcceptanceRule, budget: influence.InfluenceBudget,
+               tickets: tickets_lib.Tickets | None = None):
+    self.rule, self.budget, self.tickets = rule, budget, tickets
+
+  def admit(self, identity: str, sub: parsing.Submission) -> Admitted:
+    """Steps 1-4 of the module docstring; reserves the step in the budget.
+
+    Args:
+      identity: the submitter (token identity or address).
+      sub: the parsed submission.
+
+    Returns:
+      The Admitted submit; call `release` if it is not stored after all.
+
+    Raises:
+      Refused: at the first failing step.
+    """
+    bad = self.rule.value_reason(sub.weights)
+    if bad:
+      raise rule_refusal(self.rule, bad)
+    try:
+      nonce = self.tickets.verify(sub.ticket if sub.drawn is not None else None, identity,
+                                  sub.drawn)
+    except tickets_lib.TicketError as e:
+      raise Refused(e.status, e.code, e.code, e.message, True) from e
+    decision = self.rule.check_step(sub.weights, sub.drawn)
+    if not decision.accepted:
+      raise rule_refusal(self.rule, decision.reason)
+    step = sub.weights - sub.drawn
+    reason = self.budget.reserve(identity, step)
+    if reason:
+      raise rule_refusal(self.rule, reason)
+    return Admitted(identity, step, nonce)
+
+  def release(self, admitted: Admitted) -> None:
+    """Undoes the budget reservation of a submit that was not stored."""
+    self.budget.release(admitted.identity, admitted.step)
