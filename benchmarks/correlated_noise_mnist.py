@@ -77,7 +77,7 @@ def _row(mech, z, steps_per_pass, bands):
     return rec.correlated_query_row(ce.MatrixGaussianEvent(1.0, z, 1.0, steps_per_pass),
                                     rec.CYCLIC_POISSON, steps_per_pass, 1.0)
   return rec.correlated_query_row(ce.TreeGaussianEvent(1.0, z * 2 * math.sqrt(
-      ce.tree_depth(steps_per_pass)), steps_per_pass), rec.SHUFFLE, 0, 2.0)
+      ce.tree_depth(steps_per_pass)), steps_per_pass), rec.SHUFFLE, steps_per_pass, 2.0)
 
 
 def planned_ledger(mech, z, n, batch, epochs, bands=1):

@@ -278,7 +278,7 @@ def to_records(runs):
 def correlated_requirement(event):
   """(policy, least sample_size) a correlated-noise event may be recorded under, from its
   structural fields (Python ints): banded b > 1 -> (cyclic_poisson, b); matrix ->
-  (cyclic_poisson, min_separation); tree -> (shuffle, 1); one band -> (None, 0): any policy.
+  (cyclic_poisson, min_separation); tree -> (shuffle, 0); one band -> (None, 0): any policy.
 
   Raises:
     ValueError: not a correlated event.
@@ -288,7 +288,7 @@ def correlated_requirement(event):
     bands = int(event.num_bands)
     return (None, 0) if bands == 1 else (CYCLIC_POISSON, bands)
   if isinstance(event, correlated_events.TreeGaussianEvent):
-    return SHUFFLE, 1
+    return SHUFFLE, 0
   if isinstance(event, correlated_events.MatrixGaussianEvent):
     return CYCLIC_POISSON, int(event.min_separation)
   raise ValueError(f"event must be a BandedGaussianEvent, TreeGaussianEvent or "
