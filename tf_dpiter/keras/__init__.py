@@ -2,6 +2,7 @@
 
 from tf_dpiter.keras import callbacks
 from tf_dpiter.keras import example_models
+from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
 from tf_dpiter.keras.models import DPModel
@@ -21,8 +22,17 @@ from tf_dpiter.keras.optimizers import DPOptimizer
 from tf_dpiter.keras.optimizers import DPOptimizerMixin
 from tf_dpiter.keras.optimizers import make_dp_optimizer_class
 
-# TF Privacy's names for the same classes (its vectorized optimizers are what ours do anyway).
-VectorizedDPKerasSGDOptimizer = DPKerasSGDOptimizer
-VectorizedDPKerasAdamOptimizer = DPKerasAdamOptimizer
-VectorizedDPKerasAdagradOptimizer = DPKerasAdagradOptimizer
-VectorizedDPKerasRMSpropOptimizer = DPKerasRMSpropOptimizer
+# TF Privacy's names (keras.compat): clipping="vectorized" by default.
+from tf_dpiter.keras.compat import VectorizedDPKerasAdagradOptimizer
+from tf_dpiter.keras.compat import VectorizedDPKerasAdamOptimizer
+from tf_dpiter.keras.compat import VectorizedDPKerasSGDOptimizer
+
+__all__ = [
+    "CLIPPING_MODES", "DPKerasAdagradOptimizer", "DPKerasAdamOptimizer", "DPKerasAdamWOptimizer",
+    "DPKerasRMSpropOptimizer", "DPKerasSGDOptimizer", "DPModel", "DPModelMixin", "DPOptimizer",
+    "DPOptimizerMixin", "DPSequential", "LedgerJournal", "PrivacyMeter",
+    "VectorizedDPKerasAdagradOptimizer", "VectorizedDPKerasAdamOptimizer",
+    "VectorizedDPKerasSGDOptimizer", "callbacks", "check_no_batch_mixing", "example_models",
+    "fast_clipping", "make_dp_model_class", "make_dp_optimizer_class", "make_private",
+    "private_class",
+]
