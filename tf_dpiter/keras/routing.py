@@ -4,7 +4,10 @@ Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2
 * vectorized: per-record gradients under `tf.vectorized_map` (each record is run alone, so it
   is exact for any model), clipped and summed in float32 (float64 for float64 variables);
 * fast: ghost norms on one pass over the whole batch (fast_clipping), exact only if example
-  i's loss depends on example i alone and the ghost sums are formed in float32.
+  i's loss depends on example i alone. Its norms, clip factors and clipped sum are float32
+  under every dtype policy (16-bit layers keep their 16-bit math; fast_clipping forms the
+  ghost products and the weight-gradient sums from their activations and backprops cast to
+  float32, or gives a layer whose rule cannot do that vectorized per-example gradients).
 
 `fast_path_obstacle` says why the fast path cannot be used (None: it can). The vectorized
 path has its own hazard: on CPUs where TensorFlow runs oneDNN kernels, per-example
@@ -20,8 +23,6 @@ import os
 import keras
 
 from tf_dpiter.keras import batch_independence
-
-SIXTEEN_BIT = ("float16", "bfloat16")
 
 # Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
 ONEDNN_AFFECTED = (keras.layers.EinsumDense, keras.layers.MultiHeadAttention)
@@ -62,19 +63,10 @@ def use_vectorized_map(model):
   return not onednn_affected_layers(model)
 
 
-def sixteen_bit_layers(model):
-  """Names of the trainable layers whose compute dtype is float16 or bfloat16."""
-  out = []
-  for layer in [model] + list(_layers(model)):
-    dtype = keras.backend.standardize_dtype(getattr(layer, "compute_dtype", "float32"))
-    if dtype in SIXTEEN_BIT and layer.trainable_weights and not getattr(layer, "layers", None):
-      out.append(layer.name)
-  return tuple(out)
-
-
 def loss_scale(model):
   """Static loss scale for float16 compute (2^7; 1 otherwise). The vectorized path multiplies
-  each record's loss by it and divides the float32 per-record gradient by it; a record whose
+  each record's loss by it and divides the float32 per-record gradient by it; the fast path
+  scales the summed loss and divides the norms and the sum. Either way a record whose
   gradient is not finite adds zero (a function of that record alone, so the sensitivity
   bound holds). Dynamic scaling would make the scale depend on the data, so it is not used."""
   dtype = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
@@ -125,11 +117,6 @@ def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
   if blocked:
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
-  low = sixteen_bit_layers(model)
-  if low:
-    return (f"layers {list(low)} compute in 16 bits (dtype policy "
-            f"{model.dtype_policy.name!r}): the fast path would form the clipped sum in that "
-            "dtype, the vectorized path forms it in float32")
   mixing = batch_independence.probe_model(model, input_specs)
   if mixing is None:
     return "the model's inputs are unknown, so batch independence could not be probed"

@@ -6,11 +6,16 @@ Public API:
   supports(model) -> bool
   register_layer(layer_class, norm_fn)
   unregistered_layers(model) -> list of layer names on the vectorized path
+
+Layout: registry.py (the norm-function contract and the registry), rules/ (one
+module per built-in layer rule), algebra.py (their shared algebra), plan.py
+(which layer gets which path), clipping.py (the clipped sum).
 """
 
+from tf_dpiter.keras.fast_clipping import rules  # registers the built-in rules
 from tf_dpiter.keras.fast_clipping.clipping import clipped_grad_sum
-from tf_dpiter.keras.fast_clipping.clipping import supports
-from tf_dpiter.keras.fast_clipping.clipping import unregistered_layers
+from tf_dpiter.keras.fast_clipping.plan import supports
+from tf_dpiter.keras.fast_clipping.plan import unregistered_layers
 from tf_dpiter.keras.fast_clipping.registry import register_layer
 
 __all__ = [

@@ -9,164 +9,45 @@ g_i for registered layers: ||g_i||^2 is the sum over layers of per-layer
 squared norms computed from the layer's inputs and the gradient at its output
 (Goodfellow 2015; Li et al. 2021, Sec. 4). Trainable layers that are not
 registered get vectorized per-example gradients for their own variables
-(tf.vectorized_map); their squared norms are added to the ghost norms.
+(tf.vectorized_map); their squared norms are added to the ghost norms
+(plan.py says which layer is which).
 
 Two ways to form the clipped sum once the clip factors c_i are known:
   * "bookkeeping" (Bu et al. 2023, Sec. 3): one backward pass to the layer
     outputs, then per layer the vector-Jacobian product with c_i * dz_i.
   * "two_pass" (Li et al. 2021): a second backward pass of sum_i c_i L_i.
-Both are exact; the default is the one measured faster
+Both are exact in float32; the default is the one measured faster
 (BENCHMARKS.md). A registered layer whose norm function returns the per-example
 gradients (registry.PerExampleGrads: small convolutions, LayerNorm) is summed
 as sum_i c_i g_i instead of by a vector-Jacobian product.
+
+Dtype policies (issue 12). The norms, the clip factors and the clipped sum are
+float32 whatever the compute dtype: the ghost products cast activations and
+backprops to float32, and the vector-Jacobian product of a 16-bit layer is
+taken through its norm function's float32 recomputation of the watched tensor
+(registry.float32_watched), so the 16-bit model math is kept but no sum over
+records is formed in 16 bits. Under float16 the summed loss is multiplied by a
+static loss scale S (routing.loss_scale) and the norms and sums divided by it.
+A record whose norm is not finite gets clip factor 0 and adds nothing, as on
+the vectorized path (a function of that record alone). Only "bookkeeping" is
+exact under 16-bit compute; "two_pass" is refused there.
 """
 
 import numbers
-import threading
 
-import tensorflow as tf
 import keras
+import tensorflow as tf
 
+from tf_dpiter.keras import routing
+from tf_dpiter.keras.fast_clipping import plan as plan_lib
+from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry
 
-GHOST = "ghost"
-VECTORIZED = "vectorized"
-
-# Layers whose output for one example depends on other examples of the batch:
-# per-example gradients (hence clipping) are undefined for them.
-_BATCH_COUPLED = (keras.layers.BatchNormalization,)
-
-# Layers that call their sublayers in a loop or on a reshaped batch: their
-# sublayers never see one row per example, so they are clipped as one block.
-_OPAQUE = (keras.layers.RNN, keras.layers.TimeDistributed)
-
+GHOST = plan_lib.GHOST
+VECTORIZED = plan_lib.VECTORIZED
 DEFAULT_VARIANT = "bookkeeping"
 
-_CALL_LOCK = threading.RLock()
-
-
-def _has_registered(layer):
-  for sub in layer._flatten_layers(include_self=False, recursive=True):  # pylint: disable=protected-access
-    if sub.trainable_variables and registry.lookup(sub) is not None:
-      return True
-  return False
-
-
-class _Unit:
-  """A layer whose trainable variables are clipped as one block of g_i."""
-
-  def __init__(self, layer, kind, norm_fn):
-    self.layer = layer
-    self.kind = kind
-    self.norm_fn = norm_fn
-    self.variables = list(layer.trainable_variables)
-    self.records = []
-
-
-def _children(layer):
-  seen, out = set(), []
-  for child in layer._flatten_layers(include_self=False, recursive=False):  # pylint: disable=protected-access
-    if id(child) not in seen:
-      seen.add(id(child))
-      out.append(child)
-  return out
-
-
-def _direct_trainable(layer):
-  return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
-
-
-def _check_deterministic(layer):
-  """The vectorized path re-runs a layer per example: it must be a function
-  of its inputs (no internal dropout), or the gradients would be wrong."""
-  for sub in layer._flatten_layers(include_self=True, recursive=True):  # pylint: disable=protected-access
-    rates = [getattr(sub, "dropout", 0), getattr(sub, "recurrent_dropout", 0),
-             getattr(sub, "_dropout", 0)]
-    if isinstance(sub, keras.layers.Dropout):
-      rates.append(sub.rate)
-    if max(float(r) if isinstance(r, (int, float)) else 0.0
-           for r in rates) > 0:
-      raise ValueError(
-          f"layer {layer.name!r} is not registered and contains dropout "
-          f"({sub.name!r}); its per-example gradients cannot be recomputed. "
-          "Register it (register_layer) or move the dropout to its own layer")
-
-
-def _plan(model, grouped=False):
-  """Splits the model's trainable variables into units; raises ValueError.
-
-  grouped: records of several examples; registered layers whose norm function
-  does not honour registry.examples_per_record take the vectorized path.
-  """
-  if not isinstance(model, keras.layers.Layer):
-    raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
-  if not model.built:
-    raise ValueError(
-        f"model must be built before clipping, got model.built=False "
-        f"(model={model.name!r})")
-  units, seen = [], set()
-
-  def visit(layer):
-    if id(layer) in seen:
-      return
-    seen.add(id(layer))
-    if isinstance(layer, _BATCH_COUPLED) and layer.trainable_variables:
-      raise ValueError(
-          f"layer {layer.name!r} ({type(layer).__name__}) mixes examples of "
-          "the batch; per-example gradient norms are undefined for it")
-    if not layer.trainable_variables:
-      return
-    norm_fn = registry.lookup(layer)
-    if grouped and not getattr(norm_fn, "supports_records", False):
-      norm_fn = None
-    if norm_fn is not None:
-      units.append(_Unit(layer, GHOST, norm_fn))
-      return
-    children = _children(layer)
-    if (_direct_trainable(layer) or not children or
-        isinstance(layer, _OPAQUE) or not _has_registered(layer) or
-        registry.lookup(layer) is not None):
-      _check_deterministic(layer)
-      units.append(_Unit(layer, VECTORIZED, None))
-      return
-    for child in children:
-      visit(child)
-
-  visit(model)
-  covered = {}
-  for u in units:
-    for v in u.variables:
-      if id(v) in covered:
-        raise ValueError(
-            f"variable {v.path!r} is shared by layers "
-            f"{covered[id(v)]!r} and {u.layer.name!r}; not supported")
-      covered[id(v)] = u.layer.name
-  missing = [v.path for v in model.trainable_variables if id(v) not in covered]
-  if missing:
-    raise ValueError(
-        f"trainable variables {missing} are not owned by any layer of model "
-        f"{model.name!r}; cannot clip per example")
-  return units
-
-
-def supports(model):
-  """True if clipped_grad_sum can clip this (built) model exactly.
-
-  The model may mix registered layers (ghost norms) and unregistered ones
-  (vectorized per-example gradients); see unregistered_layers(model).
-  False for unbuilt models, batch-coupled layers (BatchNormalization) and
-  variables shared between layers.
-  """
-  try:
-    _plan(model)
-  except ValueError:
-    return False
-  return True
-
-
-def unregistered_layers(model):
-  """Names of the layers that take the vectorized per-example path."""
-  return [u.layer.name for u in _plan(model) if u.kind == VECTORIZED]
+_ZERO = tf.UnconnectedGradients.ZERO
 
 
 def _check_clip(l2_norm_clip):
@@ -176,82 +57,6 @@ def _check_clip(l2_norm_clip):
           f"l2_norm_clip must be a positive finite number, got {l2_norm_clip}")
     return tf.constant(float(l2_norm_clip), tf.float32)
   return tf.cast(l2_norm_clip, tf.float32)
-
-
-def _install(units):
-  """Replaces each unit layer's `call` by a recording wrapper."""
-  installed = []
-  for unit in units:
-    layer = unit.layer
-    orig = layer.call  # bound method of the class (or an earlier override)
-    unit.orig_call = orig
-
-    def wrapped(*args, _unit=unit, _orig=orig, **kwargs):
-      rec = {"args": args, "kwargs": kwargs, "watched": None}
-      outputs = None
-      if _unit.kind == GHOST:
-        res = _unit.norm_fn(_unit.layer, *args, **kwargs)
-        if res is not None:
-          outputs, watched, sqr_norm_fn = res
-          rec["watched"] = watched
-          rec["sqr_norm_fn"] = sqr_norm_fn
-      if outputs is None:
-        outputs = _orig(*args, **kwargs)
-      rec["outputs"] = outputs
-      _unit.records.append(rec)
-      return outputs
-
-    had_own = "call" in layer.__dict__
-    object.__setattr__(layer, "call", wrapped)
-    installed.append((layer, had_own, orig))
-  return installed
-
-
-def _uninstall(installed):
-  for layer, had_own, orig in reversed(installed):
-    if had_own:
-      object.__setattr__(layer, "call", orig)
-    else:
-      object.__delattr__(layer, "call")
-
-
-def _is_batched(t):
-  return tf.is_tensor(t) and t.shape.rank is not None and t.shape.rank >= 1
-
-
-def _vectorized_grads(unit, rec, out_grads):
-  """Per-example gradients [B, *v.shape] of <outputs, out_grads> w.r.t. the
-  unit's variables, re-running the layer on each example (tf.vectorized_map).
-  """
-  structure = (rec["args"], rec["kwargs"])
-  flat = tf.nest.flatten(structure)
-  batched = [i for i, t in enumerate(flat) if _is_batched(t)]
-  xs = [flat[i] for i in batched]
-  n_x = len(xs)
-  variables = unit.variables
-  orig = unit.orig_call
-
-  def one(elems):
-    new_flat = list(flat)
-    for k, i in enumerate(batched):
-      new_flat[i] = tf.expand_dims(elems[k], 0)
-    args, kwargs = tf.nest.pack_sequence_as(structure, new_flat)
-    with tf.GradientTape() as tape:
-      out = tf.nest.flatten(orig(*args, **kwargs))
-      s = tf.add_n([
-          tf.reduce_sum(tf.cast(o, tf.float32) *
-                        tf.cast(tf.expand_dims(g, 0), tf.float32))
-          for o, g in zip(out, elems[n_x:])
-      ])
-    grads = tape.gradient(s, variables,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return [tf.convert_to_tensor(g) for g in grads]
-
-  return tf.vectorized_map(one, xs + list(out_grads))
-
-
-def _dense(g):
-  return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
 def _check_examples_per_record(k):
@@ -272,52 +77,51 @@ def _grouped(k):
   return tf.is_tensor(k) or k > 1
 
 
-def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
-                      l2_norm_clip, mask=None, variant=DEFAULT_VARIANT,
-                      examples_per_record=1, return_outputs=False):
-  """Implementation of clipped_grad_sum with a choice of `variant`."""
-  if variant not in ("bookkeeping", "two_pass"):
-    raise ValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
-                     f"{variant!r}")
-  clip = _check_clip(l2_norm_clip)
-  k = _check_examples_per_record(examples_per_record)
-  units = _plan(model, grouped=_grouped(k))
+def _dense(g):
+  return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
-  with tf.GradientTape(persistent=True) as tape:
-    # The lock keeps replica threads (tf.distribute) from interleaving their
-    # wrappers on the shared layers.
-    with _CALL_LOCK:
-      installed = _install(units)
-      try:
-        outputs = model(inputs, training=True)
-      finally:
-        _uninstall(installed)
-    raw_losses = per_example_loss_fn(targets, outputs)
-    raw_losses = tf.cast(raw_losses, tf.float32)
-    if raw_losses.shape.rank != 1:
-      raise ValueError(
-          f"per_example_loss_fn must return a [B] tensor, got shape "
-          f"{raw_losses.shape}")
-    b_static = raw_losses.shape[0]
-    if not tf.is_tensor(k) and k > 1 and b_static is not None and b_static % k:
-      raise ValueError(
-          f"the batch of {b_static} examples is not a whole number of records "
-          f"of examples_per_record={k}; pad it (with mask 0)")
-    batch = tf.shape(raw_losses)[0]
-    mask_f = (tf.ones([batch], tf.float32) if mask is None else
-              tf.cast(tf.reshape(mask, [-1]), tf.float32))
-    if not _grouped(k):
-      record_mask = mask_f
-      losses = raw_losses * mask_f if mask is not None else raw_losses
-    else:
-      # A record's loss is the mean loss of its real examples.
-      count = tf.reduce_sum(tf.reshape(mask_f, [-1, k]), axis=1)
-      record_mask = tf.cast(count > 0, tf.float32)
-      losses = raw_losses * mask_f / tf.repeat(tf.maximum(count, 1.0), k)
-    total = tf.reduce_sum(losses)
 
-  # First backward pass: gradients at the watched tensors of ghost units and
-  # at the outputs of vectorized units (one pass through the network).
+def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
+             scale):
+  """The recorded forward pass and the loss (run it under a tape).
+
+  Returns (outputs, raw_losses [B], losses [B] (weighted per record),
+  record_mask [B/k], scaled_total)."""
+  with recording.CALL_LOCK:
+    installed = recording.install(units)
+    try:
+      outputs = model(inputs, training=True)
+    finally:
+      recording.uninstall(installed)
+  raw_losses = tf.cast(per_example_loss_fn(targets, outputs), tf.float32)
+  if raw_losses.shape.rank != 1:
+    raise ValueError(
+        f"per_example_loss_fn must return a [B] tensor, got shape "
+        f"{raw_losses.shape}")
+  b_static = raw_losses.shape[0]
+  if _grouped(k) and not tf.is_tensor(k) and b_static is not None and b_static % k:
+    raise ValueError(
+        f"the batch of {b_static} examples is not a whole number of records "
+        f"of examples_per_record={k}; pad it (with mask 0)")
+  batch = tf.shape(raw_losses)[0]
+  mask_f = (tf.ones([batch], tf.float32) if mask is None else
+            tf.cast(tf.reshape(mask, [-1]), tf.float32))
+  if not _grouped(k):
+    record_mask = mask_f
+    losses = raw_losses * mask_f if mask is not None else raw_losses
+  else:
+    # A record's loss is the mean loss of its real examples.
+    count = tf.reduce_sum(tf.reshape(mask_f, [-1, k]), axis=1)
+    record_mask = tf.cast(count > 0, tf.float32)
+    losses = raw_losses * mask_f / tf.repeat(tf.maximum(count, 1.0), k)
+  total = tf.reduce_sum(losses)
+  return outputs, raw_losses, losses, record_mask, total * scale
+
+
+def _sources(units):
+  """Tensors of the first backward pass: the watched tensors of ghost units
+  (ghost: (unit, start, n)) and the outputs of the other units' calls
+  (vect: (unit, record, start, n)); sources is their concatenation."""
   ghost, vect, sources = [], [], []
   for u in units:
     if not u.records:
@@ -332,80 +136,189 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
         o = tf.nest.flatten(rec["outputs"])
         vect.append((u, rec, len(sources), len(o)))
         sources.extend(o)
-  if True:  # pylint: disable=using-constant-test  (tape not recording)
-    src_grads = tape.gradient(
-        total, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    sq = tf.zeros([batch // k], tf.float32)
-    per_example = {}  # unit -> list of [M, ...] per-record grads
-    normed = set()  # units whose squared norms are already in sq
-    for u, start, n in ghost:
-      grads_w = src_grads[start:start + n]
-      watched = u.records[0]["watched"]
-      grads_w = tf.nest.pack_sequence_as(watched, grads_w)
-      with registry.examples_per_record(k):
-        res = u.records[0]["sqr_norm_fn"](grads_w)
-      if isinstance(res, registry.PerExampleGrads):
-        per_example[id(u)] = list(res.grads)
-        normed.add(id(u))
-        res = res.sqr_norms
-      sq += tf.cast(res, tf.float32)
-    ghost_vjp = [(u, start, n) for u, start, n in ghost
-                 if id(u) not in per_example]
-    for u, rec, start, n in vect:
-      g = _vectorized_grads(u, rec, src_grads[start:start + n])
-      with registry.examples_per_record(k):
-        g = [registry.record_sum(t) for t in g]
-      if id(u) in per_example:
-        per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
-      else:
-        per_example[id(u)] = g
-    for uid, gs in per_example.items():
-      if uid in normed:
-        continue
-      for g in gs:
-        sq += tf.reduce_sum(
-            tf.reshape(tf.square(tf.cast(g, tf.float32)), [batch // k, -1]),
-            axis=1)
-    norms = tf.sqrt(tf.maximum(sq, 0.0))
-    factors = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
-    if mask is not None or _grouped(k):
-      factors = factors * record_mask
-    factors = tf.stop_gradient(factors)
-    example_factors = tf.repeat(factors, k) if _grouped(k) else factors
+  return ghost, vect, sources
 
-  result = {}
-  if variant == "two_pass":
-    with tape:
-      weighted = tf.reduce_sum(example_factors * losses)
-    all_vars = [v for u in units for v in u.variables]
-    grads = tape.gradient(weighted, all_vars,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    for v, g in zip(all_vars, grads):
-      result[id(v)] = _dense(g)
+
+def _sqr_norms(ghost, vect, src_grads, k, num_records):
+  """Per-record squared norms [B/k] float32 (scaled by S^2 under a loss scale),
+  the per-record gradients at hand ({id(unit): [g per variable]}) and the sum
+  functions of GhostSums results ({id(unit): sum_fn})."""
+  sq = tf.zeros([num_records], tf.float32)
+  per_example, normed, sum_fns = {}, set(), {}
+  for u, start, n in ghost:
+    rec = u.records[0]
+    grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
+    with registry.examples_per_record(k):
+      res = rec["sqr_norm_fn"](grads_w)
+    if isinstance(res, registry.PerExampleGrads):
+      per_example[id(u)] = list(res.grads)
+      normed.add(id(u))
+      res = res.sqr_norms
+    elif isinstance(res, registry.GhostSums):
+      sum_fns[id(u)] = res.sum_fn
+      res = res.sqr_norms
+    sq += tf.cast(res, tf.float32)
+  for u, rec, start, n in vect:
+    g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
+    with registry.examples_per_record(k):
+      g = [tf.cast(registry.record_sum(t), tf.float32) for t in g]
+    if id(u) in per_example:
+      per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
+    else:
+      per_example[id(u)] = g
+  for uid, gs in per_example.items():
+    if uid in normed:
+      continue
+    for g in gs:
+      sq += tf.reduce_sum(tf.reshape(tf.square(g), [num_records, -1]), axis=1)
+  return sq, per_example, sum_fns
+
+
+def _clip_factors(sq, clip, record_mask, scale, masked):
+  """(norms, factors): ||g_j|| and c_j = min(1, C/||g_j||), 0 for a masked or
+  non-finite record; float32, without gradient."""
+  norms = tf.sqrt(tf.maximum(sq, 0.0)) / scale
+  factors = tf.minimum(1.0, clip / tf.maximum(norms, 1e-30))
+  factors = tf.where(tf.math.is_finite(norms), factors, tf.zeros_like(factors))
+  if masked:
+    factors = factors * record_mask
+  return norms, tf.stop_gradient(factors)
+
+
+def _rows(f, like):
+  return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _weighted(g, f):
+  """g * f per row (float32), 0 where f == 0 (even if g is not finite)."""
+  g = tf.cast(g, tf.float32)
+  return tf.where(_rows(f, g) > 0, g * _rows(f, g), tf.zeros_like(g))
+
+
+def _float32_args(rec):
+  """The recorded call's floating inputs cast to float32, non-finite -> 0."""
+  def cast(t):
+    if tf.is_tensor(t) and t.dtype.is_floating:
+      t = tf.cast(t, tf.float32)
+      return tf.where(tf.math.is_finite(t), t, tf.zeros_like(t))
+    return t
+  return tf.nest.map_structure(cast, (rec["args"], rec["kwargs"]))
+
+
+def _sum_dtype(v):
+  """dtype of a variable's clipped sum: float32 for 16-bit variables."""
+  dtype = tf.as_dtype(v.dtype)
+  return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
+
+
+def _float32_vjp(unit, weighted):
+  """sum_i c_i g_i of a 16-bit ghost unit in float32: the norm function is run
+  again on the float32 inputs with every variable read as a watched float32
+  copy (keras.StatelessScope), and its watched tensors are differentiated."""
+  args, kwargs = _float32_args(unit.records[0])
+  w32 = [tf.cast(tf.convert_to_tensor(v), tf.float32) for v in unit.variables]
+  with tf.GradientTape() as tape:
+    tape.watch(w32)
+    with keras.StatelessScope() as scope:
+      # Set after construction: the constructor would cast the values to the
+      # variables' (16-bit) dtype.
+      scope.state_mapping.update({id(v): w for v, w in zip(unit.variables, w32)})
+      watched = tf.nest.flatten(unit.norm_fn(unit.layer, *args, **kwargs)[1])
+  bad = [w.dtype.name for w in watched if w.dtype != tf.float32]
+  if bad:
+    raise ValueError(
+        f"the norm function of layer {unit.layer.name!r} is marked "
+        f"float32_watched but returned watched tensors of dtype {bad}")
+  return tape.gradient(watched, w32, output_gradients=weighted,
+                       unconnected_gradients=_ZERO)
+
+
+def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
+  """sum_i c_i g_i of a ghost unit: the rule's own sum (GhostSums), else the
+  vector-Jacobian product of the watched tensors with the clip-weighted
+  gradients, in float32 for 16-bit layers."""
+  weighted = [_weighted(g, example_factors) for g in grads_w]
+  if sum_fn is not None:
+    grads = sum_fn(tf.nest.pack_sequence_as(unit.records[0]["watched"], weighted))
+  elif unit.float32_recompute:
+    grads = _float32_vjp(unit, weighted)
   else:
-    for u, start, n in ghost_vjp:
-      w = src_grads[start:start + n]
-      targets_w = sources[start:start + n]
-      weighted_w = []
-      for g in w:
-        f = tf.reshape(example_factors, [-1] + [1] * (g.shape.rank - 1))
-        weighted_w.append(g * tf.cast(f, g.dtype))
-      grads = tape.gradient(targets_w, u.variables, output_gradients=weighted_w,
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      for v, g in zip(u.variables, grads):
-        result[id(v)] = _dense(g)
-    for u in units:
-      gs = per_example.get(id(u))
-      if gs is None:
-        continue
-      for v, g in zip(u.variables, gs):
-        result[id(v)] = tf.cast(
-            tf.tensordot(factors, tf.cast(g, tf.float32), axes=1), v.dtype)
+    weighted = [tf.cast(w, t.dtype) for w, t in zip(weighted, watched)]
+    grads = tape.gradient(watched, unit.variables, output_gradients=weighted,
+                          unconnected_gradients=_ZERO)
+  return [_dense(g) for g in grads]
+
+
+def _bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
+                     factors, example_factors, tape):
+  """{id(variable): clipped sum} by book-keeping (module docstring)."""
+  result = {}
+  for u, start, n in ghost:
+    if id(u) in per_example:
+      continue
+    grads = _ghost_vjp(u, sources[start:start + n], src_grads[start:start + n],
+                       example_factors, tape, sum_fns.get(id(u)))
+    for v, g in zip(u.variables, grads):
+      result[id(v)] = tf.cast(g, _sum_dtype(v))
+  for u in units:
+    for v, g in zip(u.variables, per_example.get(id(u), ())):
+      result[id(v)] = tf.cast(tf.reduce_sum(_weighted(g, factors), axis=0),
+                              _sum_dtype(v))
+  return result
+
+
+def _two_pass_sum(units, losses, example_factors, tape):
+  """{id(variable): clipped sum} by a second backward pass of sum_i c_i L_i."""
+  if any(plan_lib.computes_in_16_bits(u.layer) for u in units):
+    raise ValueError("variant='two_pass' forms the clipped sum in the layers' "
+                     "16-bit compute dtype; use variant='bookkeeping'")
+  with tape:
+    weighted = tf.reduce_sum(example_factors * losses)
+  all_vars = [v for u in units for v in u.variables]
+  grads = tape.gradient(weighted, all_vars, unconnected_gradients=_ZERO)
+  return {id(v): _dense(g) for v, g in zip(all_vars, grads)}
+
+
+def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
+                      l2_norm_clip, mask=None, variant=DEFAULT_VARIANT,
+                      examples_per_record=1, return_outputs=False):
+  """Implementation of clipped_grad_sum with a choice of `variant`."""
+  if variant not in ("bookkeeping", "two_pass"):
+    raise ValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
+                     f"{variant!r}")
+  clip = _check_clip(l2_norm_clip)
+  k = _check_examples_per_record(examples_per_record)
+  units = plan_lib.plan(model, grouped=_grouped(k))
+  scale = routing.loss_scale(model)
+  if scale != 1.0 and variant == "two_pass":
+    raise ValueError("variant='two_pass' is not supported under a loss scale "
+                     f"({scale}); use variant='bookkeeping'")
+
+  with tf.GradientTape(persistent=True) as tape:
+    outputs, raw_losses, losses, record_mask, total = _forward(
+        model, units, inputs, targets, per_example_loss_fn, mask, k, scale)
+
+  # First backward pass: gradients at the watched tensors of ghost units and
+  # at the outputs of vectorized units (one pass through the network).
+  ghost, vect, sources = _sources(units)
+  src_grads = tape.gradient(total, sources, unconnected_gradients=_ZERO)
+  num_records = tf.shape(raw_losses)[0] // k
+  sq, per_example, sum_fns = _sqr_norms(ghost, vect, src_grads, k, num_records)
+  norms, factors = _clip_factors(sq, clip, record_mask, scale,
+                                 mask is not None or _grouped(k))
+  example_factors = tf.repeat(factors, k) if _grouped(k) else factors
+
+  if variant == "two_pass":
+    result = _two_pass_sum(units, losses, example_factors, tape)
+  else:
+    result = _bookkeeping_sum(units, ghost, sources, src_grads, per_example,
+                              sum_fns, factors / scale, example_factors / scale,
+                              tape)
   del tape
   out = []
   for v in model.trainable_variables:
     g = result.get(id(v))
-    out.append(tf.zeros(v.shape, v.dtype) if g is None else g)
+    out.append(tf.zeros(v.shape, _sum_dtype(v)) if g is None else g)
   if return_outputs:
     return out, norms, outputs, raw_losses
   return out, norms
@@ -421,7 +334,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   (examples_per_record=1) or k consecutive examples (a microbatch: rows
   j*k ... j*k + k - 1), whose gradient g_j is that of the mean loss of its
   real examples. Ghost norms for registered layers, vectorized per-example
-  gradients for the others. No noise.
+  gradients for the others. No noise. Norms, clip factors and the sum are
+  float32 under every dtype policy (module docstring).
 
   Args:
     model: a built keras.Model; model(inputs, training=True) is run once.
@@ -435,8 +349,15 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
 
   Returns:
     (grads, per_record_norms[, outputs, losses]): grads is a list of dense
-    tensors aligned with model.trainable_variables; per_record_norms is
-    [B / k] float32, ||g_j||_2 before clipping.
+    tensors aligned with model.trainable_variables (float32 for 16-bit
+    variables, else the variable's dtype); per_record_norms is
+    [B / k] float32, ||g_j||_2 before clipping (not finite for a record whose
+    gradient is not: that record adds nothing).
+
+  Raises:
+    ValueError: bad l2_norm_clip or examples_per_record, a batch that is not
+      whole records, a loss that is not [B], or a model that cannot be clipped
+      per example (see supports).
   """
   return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                            l2_norm_clip, mask=mask, variant=DEFAULT_VARIANT,

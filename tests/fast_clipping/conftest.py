@@ -1,0 +1,38 @@
+"""Shared reference for the fast-clipping tests: an independent per-record loop."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+
+def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None):
+  """sum_j min(1, C/||g_j||) g_j in float64, g_j the gradient of the mean loss of
+  record j's real examples (rows j*k..j*k+k-1), each record run alone.
+
+  Returns (per-variable sums, per-record norms)."""
+  variables = model.trainable_variables
+  n = int(x.shape[0])
+  mask = np.ones(n) if mask is None else np.asarray(mask, np.float64)
+  total = [np.zeros(v.shape, np.float64) for v in variables]
+  norms = []
+  for j in range(n // k):
+    rows = [i for i in range(j * k, j * k + k) if mask[i] > 0]
+    if not rows:
+      norms.append(0.0)
+      continue
+    with tf.GradientTape() as tape:
+      pred = model(tf.gather(x, rows), training=True)
+      loss = tf.reduce_mean(tf.cast(loss_fn(tf.gather(y, rows), pred), tf.float32))
+    grads = [np.zeros(v.shape) if g is None else
+             np.asarray(tf.convert_to_tensor(g), np.float64)
+             for g, v in zip(tape.gradient(loss, variables), variables)]
+    nrm = np.sqrt(sum(np.sum(g * g) for g in grads))
+    norms.append(nrm)
+    f = min(1.0, clip / nrm) if nrm > 0 else 1.0
+    total = [t + f * g for t, g in zip(total, grads)]
+  return total, np.array(norms)
+
+
+@pytest.fixture
+def clip_reference():
+  return per_record_clipped_sum

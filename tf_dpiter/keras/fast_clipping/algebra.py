@@ -1,0 +1,121 @@
+"""Shared algebra of the ghost-norm rules (fast_clipping/rules/).
+
+Per-example (or per-record, see registry.examples_per_record) squared norms of
+weight gradients of the form g_i = sum_t a_t b_t^T, formed in float32 whatever
+the dtype of a and b (issue 12: privacy arithmetic in float32).
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping import registry
+
+
+def static_dim(x, axis):
+  """The static size of `x` along `axis`, or None."""
+  d = x.shape[axis]
+  return None if d is None else int(d)
+
+
+def regroup_btk(x):
+  """[B, T, K] -> [B/k, k*T, K]: a record's positions are its examples'."""
+  k = registry.current_examples_per_record()
+  if isinstance(k, int) and k == 1:
+    return x
+  t, last = static_dim(x, 1), static_dim(x, 2)
+  kt = t * k if (t is not None and isinstance(k, int)) else -1
+  last = last if last is not None else tf.shape(x)[2]
+  return tf.reshape(x, [tf.shape(x)[0] // k, kt, last])
+
+
+def zeros(dz):
+  """[B/k] float32 zeros: the running per-record squared norm."""
+  return tf.zeros([tf.shape(dz)[0] // registry.current_examples_per_record()],
+                  tf.float32)
+
+
+def factored_sqr_norm(a, b):
+  """Per-example ||sum_t a_t b_t^T||_F^2 for a: [B, T, K], b: [B, T, N].
+
+  Returns (sqr_norms [B], g) with g the [B, K, N] per-example gradient when it
+  was materialized (else None). Forms (Li et al. 2021, Sec. 4):
+    direct: g_i = a_i^T b_i, cost B T K N; kept when K N is small, since it
+            then also replaces the book-keeping product of the same cost;
+    Gram:   sum_{t,s} <a_t, a_s><b_t, b_s>, cost B T^2 (K+N), no g;
+    T = 1:  ||a||^2 ||b||^2, no g.
+  Without an override, direct if g is kept, else the cheaper of the two.
+  """
+  a = regroup_btk(tf.cast(a, tf.float32))
+  b = regroup_btk(tf.cast(b, tf.float32))
+  t, k, n = static_dim(a, 1), static_dim(a, 2), static_dim(b, 2)
+  if t == 1:
+    return (tf.reduce_sum(tf.square(a), axis=[1, 2]) *
+            tf.reduce_sum(tf.square(b), axis=[1, 2])), None
+  keep = k is not None and n is not None and registry.keep_per_example(k * n)
+  form = registry.form_override()
+  form = form if form in ("gram", "direct") else None
+  if form is None:
+    if keep or t is None or k is None or n is None:
+      form = "direct"
+    else:
+      form = "gram" if t * t * (k + n) < t * k * n + k * n else "direct"
+  if form == "gram":
+    return gram_sqr_norm(a, b), None
+  g = tf.einsum("btk,btn->bkn", a, b)
+  return tf.reduce_sum(tf.square(g), axis=[1, 2]), (g if keep else None)
+
+
+def gram_sqr_norm(a, b):
+  """sum_{t,s} <a_t, a_s><b_t, b_s> for a: [B, T, K], b: [B, T, N] (float32)."""
+  ga = tf.einsum("btk,bsk->bts", a, a)
+  gb = tf.einsum("btn,bsn->bts", b, b)
+  return tf.reduce_sum(ga * gb, axis=[1, 2])
+
+
+def to_btk(x):
+  """Reshapes [B, d1, ..., dm, K] to [B, T, K] with T = d1 * ... * dm."""
+  x = tf.convert_to_tensor(x)
+  k = static_dim(x, -1)
+  if x.shape.rank == 2:
+    return x[:, None, :]
+  return tf.reshape(x, [tf.shape(x)[0], -1, k if k is not None else
+                        tf.shape(x)[-1]])
+
+
+def sqr_sum(x):
+  """Per-row sum of squares in float32: [B, ...] -> [B]."""
+  x = tf.cast(x, tf.float32)
+  return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+
+
+def bias_grad(dz, bias_shape):
+  """Per-record gradient of a bias broadcast (right-aligned) onto dz: dz
+  summed over the axes the bias is broadcast along ([B] + non-1 bias dims)."""
+  r, k = dz.shape.rank, len(bias_shape)
+  axes = [j for j in range(1, r)
+          if j < r - k or bias_shape[j - (r - k)] == 1]
+  dz = tf.cast(dz, tf.float32)
+  return registry.record_sum(tf.reduce_sum(dz, axis=axes) if axes else dz)
+
+
+def plain_layer(layer):
+  """Neither LoRA nor quantized: the layer's forward is the textbook one."""
+  return (not getattr(layer, "lora_enabled", False) and
+          getattr(layer, "quantization_mode", None) is None)
+
+
+def trainable(v):
+  """v is a trainable variable (not None)."""
+  return v is not None and v.trainable
+
+
+def result(layer, sq, grads_by_var):
+  """PerExampleGrads if every trainable variable's g_i is in grads_by_var
+  (id(variable) -> [B, ...]), else the squared norms alone."""
+  variables = layer.trainable_variables
+  if variables and all(id(v) in grads_by_var for v in variables):
+    grads = []
+    for v in variables:
+      g = grads_by_var[id(v)]
+      grads.append(tf.reshape(g, [tf.shape(g)[0]] + list(v.shape)))
+    return registry.PerExampleGrads(sq, grads)
+  return sq

@@ -1,0 +1,86 @@
+"""Recording forward pass of fast clipping: each unit layer's `call` is replaced,
+for one forward pass, by a wrapper that runs its norm function (ghost units) and
+records the call; and vectorized per-example gradients of a recorded call.
+
+`layer.call` is swapped on the live layers: `CALL_LOCK` keeps replica threads
+(tf.distribute) from interleaving their wrappers on the shared layers.
+"""
+
+import threading
+
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping import plan as plan_lib
+
+CALL_LOCK = threading.RLock()
+
+
+def install(units):
+  """Replaces each unit layer's `call` by a recording wrapper."""
+  installed = []
+  for unit in units:
+    layer = unit.layer
+    orig = layer.call  # bound method of the class (or an earlier override)
+    unit.orig_call = orig
+
+    def wrapped(*args, _unit=unit, _orig=orig, **kwargs):
+      rec = {"args": args, "kwargs": kwargs, "watched": None}
+      outputs = None
+      if _unit.kind == plan_lib.GHOST:
+        res = _unit.norm_fn(_unit.layer, *args, **kwargs)
+        if res is not None:
+          outputs, watched, sqr_norm_fn = res
+          rec["watched"] = watched
+          rec["sqr_norm_fn"] = sqr_norm_fn
+      if outputs is None:
+        outputs = _orig(*args, **kwargs)
+      rec["outputs"] = outputs
+      _unit.records.append(rec)
+      return outputs
+
+    had_own = "call" in layer.__dict__
+    object.__setattr__(layer, "call", wrapped)
+    installed.append((layer, had_own, orig))
+  return installed
+
+
+def uninstall(installed):
+  for layer, had_own, orig in reversed(installed):
+    if had_own:
+      object.__setattr__(layer, "call", orig)
+    else:
+      object.__delattr__(layer, "call")
+
+
+def _is_batched(t):
+  return tf.is_tensor(t) and t.shape.rank is not None and t.shape.rank >= 1
+
+
+def vectorized_grads(unit, rec, out_grads):
+  """Per-example gradients [B, *v.shape] of <outputs, out_grads> w.r.t. the
+  unit's variables, re-running the layer on each example (tf.vectorized_map).
+  """
+  structure = (rec["args"], rec["kwargs"])
+  flat = tf.nest.flatten(structure)
+  batched = [i for i, t in enumerate(flat) if _is_batched(t)]
+  xs = [flat[i] for i in batched]
+  n_x = len(xs)
+  variables = unit.variables
+  orig = unit.orig_call
+
+  def one(elems):
+    new_flat = list(flat)
+    for k, i in enumerate(batched):
+      new_flat[i] = tf.expand_dims(elems[k], 0)
+    args, kwargs = tf.nest.pack_sequence_as(structure, new_flat)
+    with tf.GradientTape() as tape:
+      out = tf.nest.flatten(orig(*args, **kwargs))
+      s = tf.add_n([
+          tf.reduce_sum(tf.cast(o, tf.float32) *
+                        tf.cast(tf.expand_dims(g, 0), tf.float32))
+          for o, g in zip(out, elems[n_x:])
+      ])
+    grads = tape.gradient(s, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [tf.convert_to_tensor(g) for g in grads]
+
+  return tf.vectorized_map(one, xs + list(out_grads))

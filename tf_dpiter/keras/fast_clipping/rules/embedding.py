@@ -1,0 +1,40 @@
+"""Ghost norm of Embedding.
+
+z_t = E[id_t]; grad E_i = sum_t e_{id_t} dz_t^T, so
+||grad E_i||^2 = sum_{t,s} [id_t == id_s] <dz_t, dz_s> (repeated ids add up).
+"""
+
+import tensorflow as tf
+from keras import ops
+
+from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping import registry
+
+
+@registry.float32_watched
+@registry.supports_records
+def embedding_norm_fn(layer, inputs):
+  """Norm function (registry contract) of keras.layers.Embedding."""
+  if not algebra.plain_layer(layer):
+    return None
+  ids = inputs
+  if ids.dtype not in (tf.int32, tf.int64):
+    ids = tf.cast(ids, tf.int32)
+  z = tf.gather(layer.embeddings, ids)
+  outputs = ops.cast(z, layer.compute_dtype)
+
+  def sqr_norm_fn(dz):
+    dz = tf.cast(dz, tf.float32)
+    b = tf.shape(ids)[0]
+    flat_ids = ids[:, None] if ids.shape.rank == 1 else tf.reshape(ids, [b, -1])
+    d = algebra.regroup_btk(algebra.to_btk(dz) if ids.shape.rank > 1
+                            else dz[:, None, :])
+    flat_ids = algebra.regroup_btk(flat_ids[:, :, None])[:, :, 0]
+    if algebra.static_dim(flat_ids, 1) == 1:
+      return algebra.sqr_sum(d)
+    same = tf.cast(tf.equal(flat_ids[:, :, None], flat_ids[:, None, :]),
+                   tf.float32)
+    gd = tf.einsum("btd,bsd->bts", d, d)
+    return tf.reduce_sum(same * gd, axis=[1, 2])
+
+  return outputs, z, sqr_norm_fn
