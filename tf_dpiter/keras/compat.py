@@ -1,5 +1,6 @@
 """TF Privacy spellings on tf_dpiter (migration aid; see the README's migration table).
 
+  make_dp_model_class, DPKerasSGDOptimizer / ...Adam / ...Adagrad (tf_dpiter.keras's own)
   VectorizedDPKerasSGDOptimizer / ...AdamOptimizer / ...AdagradOptimizer
       the DP optimizers with clipping="vectorized" by default (TF Privacy's vectorized
       per-example gradients); any other `clipping` may still be given.
@@ -18,8 +19,13 @@ orders. Each accounting number comes from the same ledger path as `accounting.ep
 import keras
 
 from tf_dpiter import accounting
+from tf_dpiter.keras import models
 from tf_dpiter.keras import optimizers
 
+make_dp_model_class = models.make_dp_model_class
+DPKerasSGDOptimizer = optimizers.DPKerasSGDOptimizer
+DPKerasAdamOptimizer = optimizers.DPKerasAdamOptimizer
+DPKerasAdagradOptimizer = optimizers.DPKerasAdagradOptimizer
 compute_dp_sgd_privacy = accounting.compute_dp_sgd_privacy
 compute_dp_sgd_privacy_statement = accounting.compute_dp_sgd_privacy_statement
 
