@@ -141,3 +141,14 @@ def test_step_budget_stops_exactly_at_the_budget_and_caches():
   ledger.record_sample(1000, 0.2, (dq.GaussianSumEvent(1.0, 0.5),))
   _, fewer = guard.allowed_total(ledger, planned)
   assert fewer < allowed
+
+
+def test_last_sample_keeps_the_recorded_rows():
+  ledger = PrivacyLedger()
+  ledger.record_sample(50, 0.2, (dq.GaussianSumEvent(1.0, 2.0), dq.LaplaceSumEvent(1.0, 3.0)),
+                       policy="fixed_size", sample_size=10)
+  planned = lookahead.last_sample(ledger)
+  samples, queries = planned.arrays()
+  recorded_samples, recorded_queries = ledger.get_arrays()
+  assert samples.tolist() == recorded_samples.tolist()
+  assert queries.tolist() == recorded_queries.tolist()

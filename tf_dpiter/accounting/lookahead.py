@@ -51,6 +51,9 @@ class PlannedSample:
     policy: one of `ledger.POLICIES`.
     sample_size: m (fixed_size, shuffle), 0 otherwise.
     examples_per_record: k (1: a record is an example).
+    recorded_rows: None, or the query rows (kind, clip, noise, sensitivity) of a sample the
+      ledger recorded (`last_sample`), used as they are in place of `events`: they keep the
+      recorded sensitivity and any query kind the ledger knows.
   """
   population_size: float
   selection_probability: float
@@ -58,6 +61,7 @@ class PlannedSample:
   policy: str = rec.POISSON
   sample_size: float = 0
   examples_per_record: int = 1
+  recorded_rows: Any = None
 
   def arrays(self):
     """(samples [1, 6], queries [Q, 5]) float64 rows, checked like a recorded sample.
@@ -69,8 +73,8 @@ class PlannedSample:
     code = rec.policy_code(self.policy)
     k = self.examples_per_record
     factor = rec.sensitivity_factor(rec.relation_for_policy(self.policy), k)
-    rows = []
-    for e in tuple(self.events):
+    rows = [[0.0] + list(r) for r in self.recorded_rows or ()]
+    for e in () if self.recorded_rows is not None else tuple(self.events):
       if isinstance(e, events_lib.GaussianSumEvent):
         clip = _float(e.l2_norm_clip)
         rows.append([0, rec.GAUSSIAN, clip, _float(e.stddev), factor * clip])
@@ -89,22 +93,23 @@ class PlannedSample:
 
 
 def last_sample(ledger):
-  """The ledger's last recorded sample as a `PlannedSample` ("the next step is like the last
-  one"), or None for an empty ledger. Reads only that sample's rows."""
+  """The ledger's last recorded sample, to plan "the next step is like the last one".
+
+  Reads only that sample's rows.
+
+  Args:
+    ledger: a PrivacyLedger.
+  Returns:
+    a PlannedSample, or None for an empty ledger.
+  """
   count = int(_float(ledger.sample_count))
   if count == 0:
     return None
   samples, queries = ledger.get_arrays(start=count - 1)
   n, q, m, code, k, _ = samples[-1]
-  events = []
-  for _, kind, clip, noise, _ in queries:
-    if kind == rec.GAUSSIAN:
-      events.append(events_lib.GaussianSumEvent(clip, noise))
-    elif kind == rec.LAPLACE:
-      events.append(events_lib.LaplaceSumEvent(clip, noise))
-    else:
-      events.append(events_lib.NonPrivateEvent())
-  return PlannedSample(n, q, tuple(events), rec.policy_name(code), m, int(k))
+  rows = tuple(tuple(float(v) for v in row[1:]) for row in queries)
+  return PlannedSample(float(n), float(q), (), rec.policy_name(code), float(m), int(k),
+                       recorded_rows=rows)
 
 
 def _recorded_runs(ledger):
@@ -247,7 +252,13 @@ class StepBudget:
     self._allowed = {}
 
   def allowed_total(self, ledger, planned):
-    """(recorded, allowed): samples like `planned` the ledger holds, and the most it may."""
+    """How many samples like `planned` the ledger holds, and the most the budget allows.
+
+    Args:
+      ledger: a PrivacyLedger; planned: a PlannedSample.
+    Returns:
+      (recorded, allowed), ints; allowed < recorded when the budget is already passed.
+    """
     content = content_after(ledger)
     samples, queries = planned.arrays()
     kind = dataclasses.replace(ledger_events.groups_from_runs([(1, samples[0], queries)])[0],
@@ -262,7 +273,13 @@ class StepBudget:
     return recorded, self._allowed[key]
 
   def exceeds(self, ledger, planned, ahead=1):
-    """True when `ahead` more samples like `planned` would pass the budget."""
+    """Whether `ahead` more samples like `planned` would pass the budget.
+
+    Args:
+      ledger: a PrivacyLedger; planned: a PlannedSample; ahead: samples about to run (>= 1).
+    Returns:
+      bool.
+    """
     recorded, allowed = self.allowed_total(ledger, planned)
     return recorded + int(ahead) > allowed
 

@@ -16,7 +16,13 @@ import tensorflow as tf
 
 
 def zeros_like_template(template):
-  """Zeros shaped like a record template (tensors, variables or `tf.TensorSpec`s)."""
+  """Zeros shaped like a record template.
+
+  Args:
+    template: a nest of tensors, variables or `tf.TensorSpec`s.
+  Returns:
+    the same nest of zero tensors.
+  """
   def _zeros(t):
     if isinstance(t, tf.TensorSpec):
       return tf.zeros(t.shape, t.dtype)
@@ -26,15 +32,26 @@ def zeros_like_template(template):
 
 
 def global_l2_norm(record):
-  """L2 norm of a nest of tensors taken as one concatenated vector."""
+  """||x||_2 of a nest of tensors taken as one concatenated vector (float32).
+
+  Args:
+    record: a nest of numeric tensors.
+  Returns:
+    a scalar float32 tensor.
+  """
   leaves = [tf.cast(x, tf.float32) for x in tf.nest.flatten(record)]
   return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(x)) for x in leaves]))
 
 
 def clip_by_global_l2_norm(record, l2_norm_clip):
-  """pi_S(x) = x * min(1, S / ||x||_2) (seed 002, Section 1). S may be +inf.
+  """pi_S(x) = x * min(1, S / ||x||_2) (seed 002, Section 1), over the whole nest.
 
-  Returns (clipped_record, norm_before_clipping).
+  Args:
+    record: a nest of float tensors x.
+    l2_norm_clip: S >= 0, a number or scalar tensor; S = +inf leaves x unchanged, and
+      ||x|| = 0 gives factor 1.
+  Returns:
+    (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2.
   """
   norm = global_l2_norm(record)
   clip = tf.cast(l2_norm_clip, tf.float32)
@@ -51,8 +68,15 @@ def _is_nest(x):
 def map_up_to(shallow, fn, *structures):
   """Applies fn at the leaves of `shallow`, passing the matching subtrees of `structures`.
 
-  `shallow` is a dict/list/tuple/namedtuple nest; the structures share its structure down
-  to its leaves and may go deeper below them.
+  Args:
+    shallow: a dict/list/tuple/namedtuple nest; the structures share its structure down to
+      its leaves and may go deeper below them.
+    fn: called as fn(*subtrees) at every leaf of `shallow`.
+    *structures: the nests to walk.
+  Returns:
+    a nest shaped like `shallow` holding fn's results (dict keys in tf.nest order).
+  Raises:
+    ValueError: a structure does not match `shallow`.
   """
   if not _is_nest(shallow):
     return fn(*structures)
@@ -72,7 +96,13 @@ def map_up_to(shallow, fn, *structures):
 
 
 def flatten_up_to(shallow, structure):
-  """The subtrees of `structure` at the leaves of `shallow`, in tf.nest.flatten order."""
+  """The subtrees of `structure` at the leaves of `shallow`, in tf.nest.flatten order.
+
+  Args:
+    shallow: the nest whose leaves cut `structure`; structure: a nest at least as deep.
+  Returns:
+    a list of subtrees.
+  """
   out = []
   map_up_to(shallow, lambda s: out.append(s), structure)
   return out

@@ -34,6 +34,12 @@ def eq1_noise_multiplier(clips, stddevs):
 
   Groups with S_g = 0 cost nothing; S_g > 0 with sigma~_g = 0 gives z = 0 (no privacy);
   no costly group gives z = inf.
+
+  Args:
+    clips: the sensitivities S_g (clips, or clips times the relation's factor).
+    stddevs: the noise standard deviations sigma~_g, same length.
+  Returns:
+    z, a float in [0, inf].
   """
   inv = 0.0
   for s, sd in zip(clips, stddevs):
@@ -46,5 +52,11 @@ def eq1_noise_multiplier(clips, stddevs):
 
 
 def is_event(x) -> bool:
-  """True for the privacy events a ledger records (Gaussian, Laplace, non-private)."""
+  """True for the privacy events a ledger records (Gaussian, Laplace, non-private).
+
+  Args:
+    x: any object.
+  Returns:
+    bool.
+  """
   return isinstance(x, (GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent))

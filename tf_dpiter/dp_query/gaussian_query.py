@@ -70,6 +70,13 @@ def add_gaussian_noise(generator, structure, stddev):
   whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
   1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
   afterwards (post-processing). Leaves of one compute dtype share a single draw.
+
+  Args:
+    generator: a tf.random.Generator or `randomness.SecureRandom`.
+    structure: a nest of float tensors (the sum).
+    stddev: sigma >= 0 (sum units), a number or scalar tensor.
+  Returns:
+    the noised nest, same structure and dtypes.
   """
   leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
   by_dtype = {}
@@ -145,7 +152,13 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return self._stddev
 
   def make_global_state(self, l2_norm_clip, stddev):
-    """The global state (S, sigma) as float32 tensors, e.g. to change them between samples."""
+    """The global state (S, sigma) as float32 tensors, e.g. to change them between samples.
+
+    Args:
+      l2_norm_clip: S; stddev: sigma (sum units).
+    Returns:
+      the query's global state namedtuple.
+    """
     return self._GlobalState(tf.cast(l2_norm_clip, tf.float32), tf.cast(stddev, tf.float32))
 
   def initial_global_state(self):

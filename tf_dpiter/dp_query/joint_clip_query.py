@@ -20,7 +20,16 @@ from tf_dpiter.dp_query import validation
 
 @serialization.register_query()
 class JointClipQuery(dp_query.SumAggregationDPQuery):
-  """Joint clipping: `scales` is a nest of alpha_j > 0 matching the record's structure."""
+  """Joint clipping of vectors on different scales (seed 002, Section 2).
+
+  Args:
+    scales: a nest of alpha_j > 0 matching the record's structure (down to its leaves).
+    l2_norm_clip: S_g, the joint clip of the scaled record.
+    stddev: sigma~_g, the noise of the scaled sum (the noise on vector j is alpha_j sigma~_g).
+    seed: fixes the noise (tests only: not private).
+  Raises:
+    PrivacyConfigError: a scale <= 0, or a bad clip or stddev.
+  """
 
   _GlobalState = collections.namedtuple("_GlobalState", ["l2_norm_clip", "stddev"])
 

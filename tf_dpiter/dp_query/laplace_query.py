@@ -16,7 +16,13 @@ from tf_dpiter.dp_query import validation
 
 
 def clip_by_l1_norm(record, l1_norm_clip):
-  """x * min(1, C / ||x||_1), the L1 norm taken over the whole nest."""
+  """x * min(1, C / ||x||_1), the L1 norm taken over the whole nest.
+
+  Args:
+    record: a nest of tensors; l1_norm_clip: C > 0.
+  Returns:
+    the clipped nest.
+  """
   leaves = tf.nest.flatten(record)
   norm = tf.add_n([tf.reduce_sum(tf.abs(tf.cast(x, tf.float32))) for x in leaves])
   factor = tf.minimum(1.0, tf.cast(l1_norm_clip, tf.float32) / tf.maximum(norm, 1e-30))
@@ -46,7 +52,17 @@ def laplace_noise(generator, shape, scale, dtype=tf.float32):
 
 @serialization.register_query()
 class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
-  """Sum of records clipped to L1 norm `l1_norm_clip` plus Laplace(0, scale) per coordinate."""
+  """Sum of records clipped to L1 norm C, plus Laplace(0, b) per coordinate.
+
+  Pure epsilon = C / b per sample (Dwork & Roth, Thm 3.6); the event is LaplaceSumEvent(C, b).
+
+  Args:
+    l1_norm_clip: C > 0, finite.
+    scale: b > 0, finite.
+    seed: fixes the noise (tests only: not private).
+  Raises:
+    PrivacyConfigError: C or b not positive and finite.
+  """
 
   _GlobalState = collections.namedtuple("_GlobalState", ["l1_norm_clip", "scale"])
 

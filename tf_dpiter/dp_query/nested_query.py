@@ -24,7 +24,13 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   """A nest (dict, list, tuple) of queries; a record has the same nest structure.
 
   Each leaf query sees its own part of every record; events are those of all leaves,
-  in `tf.nest.flatten` order.
+  in `tf.nest.flatten` order (seed 002, Section 2, footnote 2).
+
+  Args:
+    queries: a nest of SumAggregationDPQuery leaves (at least one).
+  Raises:
+    ParameterTypeError: a leaf is not a SumAggregationDPQuery.
+    ValueError: no leaf.
   """
 
   def __init__(self, queries):
@@ -90,7 +96,15 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
 # ---- Allocation strategies (seed 002, Sections 2 and 4) -------------------------------
 
 def per_layer_clips(total_clip, num_groups):
-  """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2)."""
+  """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2).
+
+  Args:
+    total_clip: S* > 0; num_groups: m >= 1.
+  Returns:
+    the list of m clips.
+  Raises:
+    PrivacyConfigError: S* <= 0 or m < 1.
+  """
   validation.check_positive("total_clip", total_clip)
   if int(num_groups) < 1:
     raise PrivacyConfigError(f"num_groups must be >= 1, got {num_groups!r}")
@@ -103,6 +117,13 @@ def dimension_adjusted_clips(total_clip, dims):
   The extracted text reads S*/sqrt(d_g/D); that would give sum_g S_g^2 > S*^2 and disagree
   with per-layer clipping for equal d_g, so we use the reading for which
   sum_g S_g^2 = S*^2 (the total L2 bound) and equal d_g recover S*/sqrt(m).
+
+  Args:
+    total_clip: S* > 0; dims: the group dimensions d_g (positive ints).
+  Returns:
+    the list of clips S_g.
+  Raises:
+    PrivacyConfigError: S* <= 0 or a dimension < 1.
   """
   validation.check_positive("total_clip", total_clip)
   dims = [int(d) for d in dims]
@@ -159,10 +180,21 @@ def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping=
                                noise_allocation="proportional", denominator=None, seed=None):
   """Builds a per-group Gaussian query over the leaves of `template` (Sections 2 and 4).
 
-  clipping: "flat" (one group, S*), "per_layer" (S*/sqrt(m)) or "dimension_adjusted"
-  (S* sqrt(d_g/D)); noise_allocation: "proportional" or "dimension_adjusted". The result
-  has effective noise multiplier `noise_multiplier` by Eq. (1). With `denominator` each
-  group is a GaussianAverageQuery.
+  By Eq. (1) the result has effective noise multiplier `noise_multiplier`.
+
+  Args:
+    template: a nest of tensors or TensorSpecs (the record's structure and shapes).
+    total_clip: S*, the L2 bound of a whole record.
+    noise_multiplier: z >= 0, finite.
+    clipping: "flat" (one group, S*), "per_layer" (S*/sqrt(m)) or "dimension_adjusted"
+      (S* sqrt(d_g/D)).
+    noise_allocation: "proportional" or "dimension_adjusted".
+    denominator: None (sums), or each group is a GaussianAverageQuery with this denominator.
+    seed: fixes the noise (tests only: not private).
+  Returns:
+    a GaussianSumQuery/NormalizedQuery ("flat") or a NestedQuery shaped like `template`.
+  Raises:
+    PrivacyConfigError: an unknown clipping or allocation, or a bad clip or z.
   """
   def leaf_query(clip, stddev):
     q = gaussian_query.GaussianSumQuery(clip, stddev, seed=seed)

@@ -11,18 +11,30 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 
 @serialization.register_query()
 class NormalizedQuery(dp_query.SumAggregationDPQuery):
-  """numerator_query's noised sum divided by `denominator` (e.g. q*n)."""
+  """numerator_query's noised sum divided by a fixed `denominator` (e.g. q n).
+
+  Seed 002, footnote 1: dividing by the expected sample size, never the realized one, is
+  post-processing; the events are the numerator's.
+
+  Args:
+    numerator_query: a SumAggregationDPQuery.
+    denominator: > 0, the public expected sample size.
+  Raises:
+    ParameterTypeError: numerator_query is not a SumAggregationDPQuery.
+    PrivacyConfigError: denominator missing or <= 0.
+  """
 
   def __init__(self, numerator_query, denominator):
-    if not isinstance(numerator_query, dp_query.SumAggregationDPQuery):
-      raise ValueError(f"numerator_query must be a SumAggregationDPQuery, got {numerator_query!r}")
+    validation.check_instance("numerator_query", numerator_query,
+                              dp_query.SumAggregationDPQuery, "a SumAggregationDPQuery")
     if denominator is None:
-      raise ValueError("denominator must be a positive number (the expected sample size q*n), "
-                       "got None")
+      raise PrivacyConfigError("denominator must be a positive number (the expected sample "
+                               "size q*n), got None")
     validation.check_positive("denominator", denominator)
     self._numerator = numerator_query
     self._denominator = denominator
@@ -73,7 +85,14 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
 @serialization.register_query()
 class GaussianAverageQuery(NormalizedQuery):
-  """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator."""
+  """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator.
+
+  Args:
+    l2_norm_clip: S; sum_stddev: sigma of the sum (= z S); denominator: q n > 0;
+    seed: fixes the noise (tests only: not private).
+  Raises:
+    PrivacyConfigError: see GaussianSumQuery and NormalizedQuery.
+  """
 
   def __init__(self, l2_norm_clip, sum_stddev, denominator, seed=None):
     super().__init__(gaussian_query.GaussianSumQuery(l2_norm_clip, sum_stddev, seed=seed),

@@ -22,13 +22,30 @@ from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 _BELOW_SENSITIVITY = 0.5
 
 
 @serialization.register_query()
 class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
-  """Private estimate of the `target_quantile` of scalar records. Result: the new estimate."""
+  """Private estimate of the `target_quantile` of scalar records (Andrew et al. 2021).
+
+  Each record contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the result is the new
+  estimate C exp(-eta (b_bar - gamma)) (geometric) or C - eta (b_bar - gamma).
+
+  Args:
+    initial_estimate: C_0 >= 0, finite.
+    target_quantile: gamma in [0, 1].
+    learning_rate: eta >= 0.
+    below_estimate_stddev: sigma_b, the noise on the sum of the b's.
+    expected_num_records: the (public) expected sample size, the denominator of b_bar.
+    geometric_update: geometric (default) or linear update.
+    seed: fixes the noise (tests only: not private).
+    generator: a generator shared with a parent query (then not serializable).
+  Raises:
+    PrivacyConfigError: a value out of range.
+  """
 
   _GlobalState = collections.namedtuple(
       "_GlobalState", ["current_estimate", "target_quantile", "learning_rate",
@@ -71,7 +88,15 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
 
   @staticmethod
   def set_expected_num_records(global_state, expected_num_records):
-    """Global state with a new expected sample size (e.g. a schedule of m_t clients)."""
+    """Global state with a new expected sample size (e.g. a schedule of m_t clients).
+
+    Args:
+      global_state: the current global state; expected_num_records: > 0.
+    Returns:
+      the new global state.
+    Raises:
+      PrivacyConfigError: expected_num_records <= 0.
+    """
     validation.check_positive("expected_num_records", expected_num_records)
     return global_state._replace(expected_num_records=tf.cast(expected_num_records, tf.float32))
 
@@ -86,7 +111,13 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     return tf.cast(tf.cast(record, tf.float32) <= params, tf.float32) - 0.5
 
   def update_estimate(self, below_sum, global_state):
-    """New global state from the (un-noised) sum of b values; returns (state, event)."""
+    """New global state from the (un-noised) sum of b values.
+
+    Args:
+      below_sum: sum of b = 1[x <= C] - 1/2 over the sample; global_state: the current state.
+    Returns:
+      (new global state, GaussianSumEvent(1/2, sigma_b)).
+    """
     noised = gaussian_query.add_gaussian_noise(self._generator, below_sum,
                                                global_state.below_estimate_stddev)
     denom = global_state.expected_num_records
@@ -109,13 +140,26 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
 
 
 def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
-  """z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2): the value query's share of a total z."""
+  """z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2): the value query's share of a total z.
+
+  By Eq. (1) of seed 002 the value query (z_v) and the count query (sensitivity 1/2, noise
+  sigma_b) of one sample together have noise multiplier z.
+
+  Args:
+    noise_multiplier: the total z >= 0 (0: no noise, z_v = 0).
+    clipped_count_stddev: sigma_b, > z / 2.
+  Returns:
+    z_v, a float.
+  Raises:
+    PrivacyConfigError: a bad z or sigma_b, or sigma_b <= z / 2 (the count alone would cost
+      more than z).
+  """
   validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
   validation.check_nonnegative("clipped_count_stddev", clipped_count_stddev, allow_inf=False)
   if noise_multiplier == 0:
     return 0.0
   if clipped_count_stddev <= noise_multiplier / 2:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"clipped_count_stddev must exceed noise_multiplier/2 = {noise_multiplier / 2} so that "
         f"the count's cost fits in the total noise multiplier, got {clipped_count_stddev!r} "
         "(Andrew et al. suggest expected_num_records / 20)")
@@ -124,7 +168,24 @@ def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
 
 @serialization.register_query()
 class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
-  """Gaussian sum query whose clip follows a private quantile of the record norms."""
+  """Gaussian sum query whose clip follows a private quantile of the record norms.
+
+  Each sample: records clipped to the current C, their sum + N(0, (z_v C)^2); the count of
+  norms below C (noise sigma_b) moves C toward the target quantile. Events:
+  GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z by Eq. (1).
+
+  Args:
+    initial_l2_norm_clip: C_0 >= 0, finite.
+    noise_multiplier: the total z (value and count queries together).
+    target_unclipped_quantile: gamma in [0, 1].
+    learning_rate: eta of the clip update.
+    clipped_count_stddev: sigma_b, > z / 2 (Andrew et al. suggest expected_num_records / 20).
+    expected_num_records: the public expected sample size.
+    geometric_update: geometric (default) or linear clip update.
+    seed: fixes the noise (tests only: not private).
+  Raises:
+    PrivacyConfigError: a value out of range (see value_noise_multiplier).
+  """
 
   _GlobalState = collections.namedtuple(
       "_GlobalState", ["l2_norm_clip", "value_noise_multiplier", "quantile_state"])
@@ -155,7 +216,13 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return {k: serialization.plain(v) for k, v in self._config.items()}
 
   def set_expected_num_records(self, global_state, expected_num_records):
-    """Global state whose quantile estimator expects `expected_num_records` records."""
+    """Global state whose quantile estimator expects `expected_num_records` records.
+
+    Args:
+      global_state: the current global state; expected_num_records: > 0.
+    Returns:
+      the new global state.
+    """
     return global_state._replace(quantile_state=self._quantile.set_expected_num_records(
         global_state.quantile_state, expected_num_records))
 

@@ -145,7 +145,13 @@ class DPFedAvg:
     return tf.cast(tf.where(keys < m / k)[:, 0], tf.int32)
 
   def client_updates(self, clients):
-    """Flattened updates [M, d] of the given clients (vectorized ClientUpdate from w_t)."""
+    """Flattened updates of the given clients (vectorized ClientUpdate from w_t).
+
+    Args:
+      clients: int client ids [M].
+    Returns:
+      float32 [M, d] updates Delta w_k = w_k - w_t.
+    """
     params = self.model.unflatten(self.server.weights)
     out = []
     clients = tf.convert_to_tensor(clients, tf.int32)
@@ -203,7 +209,17 @@ class DPFedAvg:
     return report
 
   def run(self, max_rounds, callback=None):
-    """Rounds until max_rounds or until the next round would pass the privacy budget."""
+    """Rounds until max_rounds or until the next round would pass the privacy budget.
+
+    Args:
+      max_rounds: an int >= 0.
+      callback: optional callable(RoundReport) after every round.
+    Returns:
+      the RunReport.
+    Raises:
+      ValueError: max_rounds is not an int >= 0; PrivacyConfigError: a schedule gives a bad m_t
+      or sigma_t.
+    """
     if not isinstance(max_rounds, int) or max_rounds < 0:
       raise ValueError(f"max_rounds must be an int >= 0, got {max_rounds!r}")
     reason = f"max_rounds={max_rounds} reached"
@@ -220,6 +236,12 @@ class DPFedAvg:
     return self.report(reason)
 
   def report(self, stopped_reason=""):
-    """RunReport with the accountant's statement on the current ledger."""
+    """RunReport with the accountant's statement on the current ledger.
+
+    Args:
+      stopped_reason: why the run ended.
+    Returns:
+      a RunReport.
+    """
     holds, statement, warnings = self.server.privacy_statement(self.diagnostics)
     return RunReport(list(self.rounds), stopped_reason, holds, statement, warnings)

@@ -35,7 +35,10 @@ NOT_PRIVATE_WARNING = (
 def median_of_masked(values, mask):
   """Median of values[mask > 0] (mean of the two middle values for an even count).
 
-  Returns 0 when the mask selects nothing.
+  Args:
+    values: float [n]; mask: [n], rows with mask > 0 count.
+  Returns:
+    a scalar float32 tensor; 0 when the mask selects nothing.
   """
   values = tf.convert_to_tensor(values, tf.float32)
   mask = tf.cast(mask, tf.bool)
@@ -116,9 +119,13 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 
   @staticmethod
   def clip_to_median(records, mask):
-    """(clipped records [n, d], median S): each row scaled by min(1, S / ||row||).
+    """Clips every kept record to the median of their norms.
 
-    Rows with mask 0 are zeroed; rows with norm > S end with norm exactly S.
+    Args:
+      records: float32 [n, d]; mask: [n] 0/1.
+    Returns:
+      (clipped records [n, d], median S): each row scaled by min(1, S / ||row||); rows with
+      mask 0 are zeroed; rows with norm > S end with norm exactly S.
     """
     norms = tf.norm(records, axis=1)
     s = median_of_masked(norms, mask)

@@ -105,14 +105,31 @@ class DPServer:
     self.is_non_private = isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery))
 
   def check_clients(self, m, t):
-    """m as an int; PrivacyConfigError unless an int in [1, K] (t: the round, for messages)."""
+    """m as an int, checked.
+
+    Args:
+      m: the clients of a round; t: the round (for the message).
+    Returns:
+      int(m).
+    Raises:
+      PrivacyConfigError: m is not an int in [1, K].
+    """
     if not isinstance(m, (int, np.integer)) or not 1 <= m <= self.population_size:
       raise PrivacyConfigError(f"clients_per_round must be in [1, K={self.population_size}] at round "
                        f"{t}, got {m}")
     return int(m)
 
   def begin_round(self, m, noise_multiplier=None, t=None):
-    """Sets the ledger's sampling (n = K, q = m/K, sample size m) and sigma_t for a round."""
+    """Sets the ledger's sampling (n = K, q = m/K, sample size m) and sigma_t for a round.
+
+    Args:
+      m: the clients of the round; noise_multiplier: sigma_t, or None to keep the query's;
+      t: the round (for messages).
+    Returns:
+      m, checked.
+    Raises:
+      PrivacyConfigError: a bad m or noise multiplier.
+    """
     m = self.check_clients(m, t)
     q = m / self.population_size
     if self.policy == ledger_lib.FIXED_SIZE:
@@ -162,7 +179,13 @@ class DPServer:
     return None, None
 
   def planned_sample(self, m):
-    """The next round of m clients as the ledger will record it (a lookahead.PlannedSample)."""
+    """The next round of m clients as the ledger will record it.
+
+    Args:
+      m: the clients of the round.
+    Returns:
+      a `lookahead.PlannedSample` (n = K, q = m/K, the planned events, the policy).
+    """
     return lookahead.PlannedSample(
         self.population_size, m / self.population_size, self.planned_events(),
         policy=self.policy, sample_size=m if self.policy == ledger_lib.FIXED_SIZE else 0)
@@ -214,17 +237,28 @@ class DPServer:
 
   @staticmethod
   def screen(records):
-    """(records with non-finite rows zeroed, mask [M] of accepted rows, rejected count)."""
+    """Rejects non-finite updates.
+
+    Args:
+      records: float [M, d] client updates.
+    Returns:
+      (records with non-finite rows zeroed, float mask [M] of accepted rows, rejected count).
+    """
     records = tf.convert_to_tensor(records, tf.float32)
     finite = tf.reduce_all(tf.math.is_finite(records), axis=1)
     rejected = int(tf.shape(records)[0]) - int(tf.reduce_sum(tf.cast(finite, tf.int32)))
     return tf.where(finite[:, None], records, 0.0), tf.cast(finite, tf.float32), rejected
 
   def apply(self, records, mask, m):
-    """Aggregates the round's records through the query (ledger entry) and steps w.
+    """Aggregates the round's records through the query (one ledger entry) and steps w.
 
     The noised sum is divided by the public expected sample size m_t, then
     v <- beta v + update; w <- w + eta_s v.
+
+    Args:
+      records: float32 [M, d]; mask: [M] 0/1 weights; m: m_t, the denominator.
+    Returns:
+      the update (noised sum / m_t), a float32 tensor [d].
     """
     noised_sum, self.global_state = self._aggregate_fn(int(m))(records, mask, self.global_state)
     update = noised_sum / float(m)
@@ -233,7 +267,14 @@ class DPServer:
     return update
 
   def privacy_statement(self, diagnostics=False):
-    """(guarantee_holds, statement, warnings) for a run report."""
+    """The privacy part of a run report.
+
+    Args:
+      diagnostics: whether V_c and U_s were computed (adds a warning: they are not private).
+    Returns:
+      (guarantee_holds, statement, warnings): False for median clipping or a non-private
+      query; the accountant's statement on the ledger; what the statement does not cover.
+    """
     warnings = []
     holds = not (self.is_median or self.is_non_private)
     if self.is_median:

@@ -10,6 +10,7 @@ import tensorflow as tf
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.ledger import records
 
@@ -20,12 +21,22 @@ class QueryWithLedger(dp_query.DPQuery):
 
   def __init__(self, query, population_size, selection_probability, ledger=None,
                policy=privacy_ledger.POISSON, sample_size=0, examples_per_record=1):
-    """Args: query (the top-level DPQuery), population_size n, selection_probability q,
-    ledger (a PrivacyLedger; a new one by default), policy (ledger.POLICIES), sample_size
-    (batch size for fixed_size/shuffle), examples_per_record k (microbatch size; 1 for
-    examples). Raises ValueError on a bad value, or k > 1 under an add/remove policy."""
-    if not isinstance(query, dp_query.DPQuery):
-      raise ValueError(f"query must be a DPQuery, got {query!r}")
+    """Wraps `query`; every get_noised_result records one sample in `ledger`.
+
+    Args:
+      query: the top-level DPQuery.
+      population_size: n > 0.
+      selection_probability: q in (0, 1].
+      ledger: a PrivacyLedger (a new one by default).
+      policy: one of ledger.POLICIES.
+      sample_size: the batch size (required in [1, n] for fixed_size and shuffle).
+      examples_per_record: k, the microbatch size (1: a record is an example).
+    Raises:
+      ParameterTypeError: `query` is not a DPQuery.
+      ValueError (PrivacyConfigError for the ranges): a bad value, or k > 1 under an
+        add/remove policy.
+    """
+    validation.check_instance("query", query, dp_query.DPQuery, "a DPQuery")
     privacy_ledger.policy_code(policy)
     self._check_sampling(population_size, selection_probability, sample_size, policy)
     records.check_examples_per_record(policy, examples_per_record)
@@ -46,7 +57,8 @@ class QueryWithLedger(dp_query.DPQuery):
     validation.check_probability("selection_probability", selection_probability)
     if policy in (privacy_ledger.FIXED_SIZE, privacy_ledger.SHUFFLE):
       if not 1 <= float(sample_size) <= float(population_size):
-        raise ValueError(f"sample_size must be in [1, population_size={population_size}] for "
+        raise PrivacyConfigError(
+            f"sample_size must be in [1, population_size={population_size}] for "
                          f"policy {policy!r}, got {sample_size!r}")
 
   @property
@@ -75,6 +87,21 @@ class QueryWithLedger(dp_query.DPQuery):
     return self._query
 
   @property
+  def population_size(self):
+    """n recorded with the following samples (float64 tensor; `set_sampling` changes it)."""
+    return self._population_size.read_value()
+
+  @property
+  def selection_probability(self):
+    """q recorded with the following samples (float64 tensor)."""
+    return self._selection_probability.read_value()
+
+  @property
+  def sample_size(self):
+    """The batch size recorded with the following samples (float64 tensor; 0 for Poisson)."""
+    return self._sample_size.read_value()
+
+  @property
   def policy(self):
     """The sampling policy recorded with every sample (one of ledger.POLICIES)."""
     return self._policy
@@ -89,6 +116,13 @@ class QueryWithLedger(dp_query.DPQuery):
     """Changes n, q (sample size, examples per record) for the following samples.
 
     A change of examples_per_record takes effect at the next trace of a tf.function.
+
+    Args:
+      population_size: n > 0; selection_probability: q in (0, 1];
+      sample_size: the batch size (required in [1, n] for fixed_size and shuffle; None keeps
+        the current one); examples_per_record: k >= 1 (None keeps it).
+    Raises:
+      PrivacyConfigError: a value out of range, or k > 1 under an add/remove policy.
     """
     if sample_size is None:
       sample_size = float(self._sample_size.numpy())
