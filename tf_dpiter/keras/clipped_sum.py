@@ -97,7 +97,7 @@ class ClippedSumMixin:
       grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, rec,
                                                           vectorize)
       grads, finite = chunking.unscale_records(grads, loss_scale)
-      with tf.control_dependencies(self._count_overflow(finite, mask)):
+      with tf.control_dependencies(self.count_overflowed(finite, mask)):
         state = self._accumulate(params, state, grads, mask)
       return state, tf.reduce_sum(losses / loss_scale * mask), aux
 

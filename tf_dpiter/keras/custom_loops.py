@@ -89,7 +89,7 @@ class CustomLoopMixin:
         rec_losses, rmask = self._record_losses(losses, mask, scale)
     grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
     grads, finite = chunking.unscale_records(grads, scale)
-    deps = self._count_overflow(finite, rmask)
+    deps = self.count_overflowed(finite, rmask)
     query = self._require_query()
     params = self._dp_params()
     state = query.initial_sample_state(chunking.wide_template(variables))

@@ -59,9 +59,10 @@ class MechanismMixin:
     self._make_dp_state()
     return self._dp_overflow_count
 
-  def _count_overflow(self, finite, record_mask):
+  def count_overflowed(self, finite, record_mask):
     """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
     `overflowed_records`, printing a warning when there are any. finite None: no loss scale.
+    Called by both clipping paths and the custom loops.
 
     Returns:
       a list of control dependencies for the accumulation.

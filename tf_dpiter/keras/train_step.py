@@ -125,7 +125,9 @@ class TrainStepMixin:
     """
     n_rep = float(tf.distribute.get_strategy().num_replicas_in_sync)
 
-    def chunk_fn(acc, chunk, _):
+    scaled = routing.loss_scale(self) != 1.0   # fast_clipping applies the scale itself
+
+    def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
       xc, yc, _ = tf.nest.map_structure(_flat_records, c_recs)
       weights = record_losses.record_weights(c_em, c_recs[2])
@@ -144,9 +146,13 @@ class TrainStepMixin:
             weights)
         return tf.repeat(losses * n_rep, k)
 
-      grads, _, outputs, losses = fast_clipping.clipped_grad_sum(
+      grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
           self, xc, yc, per_example_loss_fn, opt.l2_norm_clip, mask=_flat_records(c_em),
           examples_per_record=k, return_outputs=True)
+      # a record whose norm is not finite (float16 overflow) added nothing: count it
+      with tf.control_dependencies(opt.count_overflowed(
+          tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
+        grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
       rec_loss = tf.reduce_sum(losses * c_em, 1) / tf.maximum(tf.reduce_sum(c_em, 1), 1.0)
       acc = [a + tf.cast(g, a.dtype) for a, g in zip(acc, grads)]
