@@ -1,7 +1,8 @@
 """Calibration (seed 002, Section 4): find the noise multiplier, sampling rate or number of
 steps that meets a target (epsilon, delta).
 
-Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it.
+Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it
+(the one bisection of `accounting.lookahead`).
 The answer is always on the safe side of the target: the returned setting's epsilon is
 <= target_epsilon (noise rounded up; rate and steps rounded down).
 """
@@ -10,6 +11,7 @@ import math
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
+from tf_dpiter.accounting import lookahead
 from tf_dpiter.dp_query import validation
 
 
@@ -44,19 +46,14 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
   if int(steps) < 1:
     raise ValueError(f"steps must be a positive integer, got {steps!r}")
   n, b = _sampling_args(sampling_probability, population_size)
-  eps = lambda z: _epsilon(n, b, z, steps, target_delta, accountant, sampling, num_microbatches)
-  lo, hi = 0.0, 1.0
-  while eps(hi) > target_epsilon:
-    lo, hi = hi, hi * 2
-    if hi > 2 ** 20:
+  ok = lambda z: _epsilon(n, b, z, steps, target_delta, accountant, sampling,
+                         num_microbatches) <= target_epsilon
+  good = 1.0
+  while not ok(good):
+    good *= 2
+    if good > 2 ** 20:
       raise ValueError(f"no noise multiplier up to 2^20 reaches target_epsilon={target_epsilon}")
-  while hi - lo > tol * hi:
-    mid = 0.5 * (lo + hi)
-    if eps(mid) > target_epsilon:
-      lo = mid
-    else:
-      hi = mid
-  return hi
+  return lookahead.bisect(ok, good / 2 if good > 1 else 0.0, good, rel_tol=tol)
 
 
 def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplier, steps,
@@ -69,17 +66,13 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
   eps = lambda q: _epsilon(n, q * n, noise_multiplier, steps, target_delta, accountant, sampling)
   if eps(1.0) <= target_epsilon:
     return 1.0
-  lo, hi = 1.0 / n, 1.0
+  lo = 1.0 / n
   if eps(lo) > target_epsilon:
     raise ValueError(f"even q={lo:.3g} exceeds target_epsilon={target_epsilon} with "
                      f"noise_multiplier={noise_multiplier} over {steps} steps")
-  while (hi - lo) > tol * lo:
-    mid = math.sqrt(lo * hi)  # bisection in log q: the rate spans orders of magnitude
-    if eps(mid) > target_epsilon:
-      hi = mid
-    else:
-      lo = mid
-  return lo
+  # in log q: the rate spans orders of magnitude
+  return lookahead.bisect(lambda q: eps(q) <= target_epsilon, 1.0, lo, rel_tol=tol,
+                          geometric=True)
 
 
 def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_probability,
@@ -89,21 +82,9 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
   validation.check_positive("noise_multiplier", noise_multiplier)
   validation.check_probability("sampling_probability", sampling_probability)
   n, b = _sampling_args(sampling_probability, population_size)
-  eps = lambda t: _epsilon(n, b, noise_multiplier, t, target_delta, accountant, sampling)
-  if eps(1) > target_epsilon:
-    return 0
-  lo, hi = 1, 2
-  while eps(hi) <= target_epsilon:
-    lo, hi = hi, hi * 2
-    if hi > max_steps:
-      return max_steps
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    if eps(mid) <= target_epsilon:
-      lo = mid
-    else:
-      hi = mid
-  return lo
+  ok = lambda t: _epsilon(n, b, noise_multiplier, t, target_delta, accountant,
+                         sampling) <= target_epsilon
+  return max(0, lookahead.largest_integer(ok, 1, max_steps))
 
 
 def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant="rdp",
