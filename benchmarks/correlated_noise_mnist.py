@@ -19,7 +19,10 @@ Besides test accuracy it prints the expected prefix-sum RMSE of each strategy fr
 (per coordinate, in units of the clip S): sqrt(z^2 sens^2 ||A C^-1||_F^2 / T).
 The ledger is built from the events the queries actually returned, step by step.
 
-  python benchmarks/correlated_noise_mnist.py --epsilons 2 8 --epochs 3 --train-size 12000
+Reduced form measured on the shared 2-core CPU (full grid: drop --train-size, --epochs 5+):
+  python benchmarks/correlated_noise_mnist.py --train-size 10000 --batch 200 --epochs 4 \
+      --epsilons 1 2 4 8 --bands 1 2 4 8 16 32 [--mechanisms dpsgd bandmf tree blt]
+  python benchmarks/correlated_noise_mnist.py ... --errors-only   # calibration + errors only
 """
 
 import argparse
