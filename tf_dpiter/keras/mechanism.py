@@ -35,10 +35,9 @@ class MechanismMixin:
           "(build and compile the model inside it as usual)")
     with tf.init_scope():
       if self._dp_base_query is None:
-        stddev = 0.0 if self._dp_noise_multiplier == 0 else (
-            self._dp_noise_multiplier * self._dp_l2_norm_clip)
-        self._dp_base_query = dp_query_lib.GaussianSumQuery(
-            self._dp_l2_norm_clip, stddev, seed=self._dp_seed, secure_mode=self._dp_secure_mode)
+        self._dp_base_query = dp_query_lib.GaussianSumQuery.from_noise_multiplier(
+            self._dp_l2_norm_clip, self._dp_noise_multiplier, seed=self._dp_seed,
+            secure_mode=self._dp_secure_mode)
       self._dp_expected_records = tf.Variable(1.0, dtype=tf.float32, trainable=False,
                                               name="dp_expected_records")
       self._dp_ledger = ledger_lib.PrivacyLedger()
