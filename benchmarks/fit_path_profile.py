@@ -14,6 +14,8 @@ time / steps, timed by a callback at epoch begin and end):
                                Poisson sampling + padding to default_max_batch_size + generator
   fit_dp_poisson_unpadded      dp.data.poisson_batches(..., max_batch_size=None): no padding
   fit_dp_by_index              poisson_batches_from_source(ArraySource): O(q n) index draw
+  fit_dp_in_graph              dp.data graph_sampling.poisson_batches_in_graph: drawn and
+                               gathered by TF ops in tf.data (no Python generator)
 and, as one tf.function each (median of --steps * --epochs calls):
   bare_nonprivate, bare_fast   benchmarks/fast_clipping_step_time.py's steps (forward,
                                backward / ghost-norm clipping, noise, SGD update)
@@ -41,6 +43,8 @@ def _parse():
   p.add_argument("--epochs", type=int, default=5, help="rounds (one epoch per config each)")
   p.add_argument("--steps", type=int, default=64,
                  help="steps per epoch (a multiple of 32)")
+  p.add_argument("--configs", default="",
+                 help="comma-separated fit configurations to time (default: all + functions)")
   p.add_argument("--onednn", choices=["default", "0", "1"], default="default")
   return p.parse_args()
 
@@ -58,6 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fast_clipping_step_time as bare  # noqa: E402
 import tf_dpiter as dp  # noqa: E402
+from tf_dpiter.data import graph_sampling  # noqa: E402
 from tf_dpiter.data import indexed_records  # noqa: E402
 from tf_dpiter.data import indexed_sampling  # noqa: E402
 from tf_dpiter.keras import optimizers as opt_lib  # noqa: E402
@@ -109,7 +114,9 @@ def _fit_config(name, kind, spe, b, steps):
   xs, ys = _data(name, N_POP)
   if kind == "dp_poisson":         # arrays: fit samples by Poisson itself (padded)
     return model, dict(x=xs, y=ys, batch_size=b, steps_per_epoch=steps)
-  if kind == "dp_poisson_unpadded":
+  if kind == "dp_in_graph":
+    ds = graph_sampling.poisson_batches_in_graph(xs, ys, b, steps_per_epoch=steps)
+  elif kind == "dp_poisson_unpadded":
     ds = dp.data.poisson_batches(xs, ys, b, steps_per_epoch=steps, max_batch_size=None)
   else:                            # dp_by_index: Binomial count + uniform subset, padded
     ds = indexed_sampling.poisson_batches_from_source(indexed_records.ArraySource(xs, ys), b,
@@ -166,10 +173,17 @@ def _functions(name, b, dp_model):
 def profile(name, a):
   configs = {f"fit_{kind}_spe{spe}": _fit_config(name, kind, spe, a.batch, a.steps)
              for kind in ("nonprivate", "dp") for spe in (1, 8, 32)}
-  for kind in ("dp_poisson", "dp_poisson_unpadded", "dp_by_index"):
+  for kind in ("dp_poisson", "dp_poisson_unpadded", "dp_by_index", "dp_in_graph"):
     configs[f"fit_{kind}"] = _fit_config(name, kind, 1, a.batch, a.steps)
+  if a.configs:
+    keep = a.configs.split(",")
+    configs = {k: v for k, v in configs.items() if k in keep}
   sec = _fit_rounds(configs, a.epochs)
   ms = {k: 1e3 * v / a.steps for k, v in sec.items()}
+  if a.configs:      # the fit configurations only
+    return {"model": name, "ms_per_step": {k: round(v, 3) for k, v in ms.items()},
+            "ledger_steps": {k: int(m.ledger.sample_count.numpy())
+                             for k, (m, _) in configs.items() if k.startswith("fit_dp")}}
   ledger_steps = {k: int(m.ledger.sample_count.numpy()) for k, (m, _) in configs.items()
                   if k.startswith("fit_dp")}
   fns = _functions(name, a.batch, configs["fit_dp_spe1"][0])

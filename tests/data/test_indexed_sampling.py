@@ -1,6 +1,7 @@
 """Out-of-core Poisson sampling by index (tf_dpiter.data.indexed_records / indexed_sampling):
 TFRecord shards with an offset index written at test time, the selection law checked exactly,
-and fit on the sampled dataset recording the ledger of `poisson_batches`."""
+and fit on the sampled dataset recording the ledger of `poisson_batches`; the in-graph sampler
+(tf_dpiter.data.graph_sampling) against the same statistics."""
 
 import itertools
 import warnings
@@ -12,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tf_dpiter.data import graph_sampling
 from tf_dpiter.data import indexed_records
 from tf_dpiter.data import indexed_sampling
 from tf_dpiter.dp_query import NotPrivateSeedWarning
@@ -110,14 +112,21 @@ def test_selection_law_is_independent_bernoulli_exactly(num_parts):
   assert _chi2_subsets(draw, n, q, trials) < 61.1
 
 
-def test_dataset_inclusion_counts_sizes_and_padding(tmp_path, data):
+@pytest.mark.parametrize("sampler", ["tfrecord_by_index", "in_graph"])
+def test_dataset_inclusion_counts_sizes_and_padding(tmp_path, data, sampler):
   x, y = data
   n, eb, steps = len(x), 30, 400
   ids = np.arange(n, dtype="int32")
-  src = indexed_records.TFRecordSource(indexed_records.write_indexed_tfrecords(
-      str(tmp_path / "ds"), _chunks(ids[:, None].astype("float32"), ids, 200),
-      records_per_shard=256))
-  ds = _sampled(src, expected_batch_size=eb, steps_per_epoch=steps, seed=3)
+  if sampler == "in_graph":
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", NotPrivateSeedWarning)
+      ds = graph_sampling.poisson_batches_in_graph(ids[:, None].astype("float32"), ids, eb,
+                                                   steps_per_epoch=steps, seed=3)
+  else:
+    src = indexed_records.TFRecordSource(indexed_records.write_indexed_tfrecords(
+        str(tmp_path / "ds"), _chunks(ids[:, None].astype("float32"), ids, 200),
+        records_per_shard=256))
+    ds = _sampled(src, expected_batch_size=eb, steps_per_epoch=steps, seed=3)
   spec = dp.data.get_sampling_spec(ds)
   q = eb / n
   assert (spec.policy, spec.population_size, spec.sample_size) == ("poisson", n, eb)

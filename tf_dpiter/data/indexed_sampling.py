@@ -52,7 +52,8 @@ def poisson_indices(rng, lo, hi, q):
   return idx + lo
 
 
-def _check_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
+def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
+  """(q, steps_per_epoch) for a Poisson sampler of n records; ValueError naming a bad one."""
   if isinstance(expected_batch_size, bool) or not isinstance(
       expected_batch_size, (int, float, np.integer, np.floating)) or not (
           0 < expected_batch_size <= n):
@@ -106,7 +107,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     ValueError: an argument out of range.
   """
   n = int(source.num_records)
-  q, steps = _check_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
+  q, steps = check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
   ranges = [part_range(n, num_parts, p) for p in parts]
   if not ranges or len(set(parts)) != len(parts):
     raise ValueError(f"parts must be distinct part indices, got {parts!r}")
@@ -152,7 +153,7 @@ def distributed_poisson_batches(strategy, source, expected_batch_size=256,
     A distributed dataset for `model.fit` (give fit `steps_per_epoch` as well).
   """
   n_rep = int(strategy.num_replicas_in_sync)
-  q, steps = _check_args(int(source.num_records), expected_batch_size, steps_per_epoch,
+  q, steps = check_poisson_args(int(source.num_records), expected_batch_size, steps_per_epoch,
                          max_batch_size)
 
   def dataset_fn(ctx):

@@ -1,0 +1,67 @@
+"""Poisson sampling inside the tf.data graph: no Python generator in the input pipeline.
+
+`poisson_batches_in_graph` yields the batches of `poisson_batches` (same law, padding and
+SamplingSpec) but draws and gathers them with TensorFlow ops: step t compares n float64
+uniforms from a stateless Philox stream (key: 128 bits of OS entropy, counter: t) with q,
+gathers the selected rows and pads them, all in tf.data's C++ threads. `poisson_batches`
+runs a Python generator per step, which on a 2-core machine competes with Keras' Python
+loop for the GIL (benchmarks/fit_path_profile.py measures both through fit).
+
+Law: record i joins step t iff u_{t,i} < q with u uniform on the float64 grid of 2^-53
+spacing, as numpy's `Generator.random` in `poisson_batches`: P = q up to 2^-53. Draws of
+different steps and records are distinct outputs of the Philox stream (seed 002, Section 8).
+The arrays are held in memory as tf constants.
+"""
+
+import secrets
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.data import indexed_sampling
+
+
+def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None,
+                             max_batch_size="auto", seed=None):
+  """tf.data.Dataset of Poisson samples (x_pad, y_pad, weights), drawn in the graph.
+
+  Args:
+    x, y: arrays with n records on the leading axis (y may be None).
+    expected_batch_size, steps_per_epoch, max_batch_size: as in `poisson_batches`.
+    seed: tests only (reproducible, NOT private; warns). None: 128 bits of OS entropy.
+
+  Returns:
+    A dataset with the element structure and SamplingSpec of `poisson_batches`.
+
+  Raises:
+    ValueError: an argument out of range, or x and y of different lengths.
+  """
+  n = sampling_lib.num_records(tuple(a for a in (x, y) if a is not None))
+  q, steps = indexed_sampling.check_poisson_args(n, expected_batch_size, steps_per_epoch,
+                                                 max_batch_size)
+  pad = sampling_lib.default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
+  if seed is None:
+    key = [secrets.randbits(63), secrets.randbits(63)]
+  else:
+    rng = sampling_lib.make_rng(seed, who="poisson_batches_in_graph")
+    key = [int(k) for k in rng.integers(0, 2**63 - 1, size=2)]
+  tensors = [tf.constant(np.asarray(a)) for a in (x, y) if a is not None]
+  key0, key1 = tf.constant(key[0], tf.int64), tf.constant(key[1], tf.int64)
+
+  def draw(t):
+    u = tf.random.stateless_uniform([n], seed=tf.stack([key0, tf.bitwise.bitwise_xor(key1, t)]), dtype=tf.float64)
+    idx = tf.where(u < q)[:, 0]
+    m = tf.shape(idx)[0]
+    size = m if pad is None else pad * tf.maximum(1, (m + pad - 1) // pad)
+    out = []
+    for a in tensors:
+      rows = tf.gather(a, idx)
+      out.append(tf.pad(rows, [[0, size - m]] + [[0, 0]] * (len(a.shape) - 1)))
+    mask = tf.pad(tf.ones([m], tf.float32), [[0, size - m]])
+    return tuple(out) + (mask,)
+
+  ds = tf.data.Dataset.range(steps).map(draw, num_parallel_calls=tf.data.AUTOTUNE,
+                                        deterministic=True).prefetch(2)
+  return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
+      sampling_lib.POISSON, n, q, float(expected_batch_size)))
