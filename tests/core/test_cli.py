@@ -178,3 +178,13 @@ def test_help_imports_neither_tensorflow_nor_the_accountant(script):
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr
   assert out.stdout.strip() == "[]"
+
+
+def test_compute_dp_sgd_privacy_statement_cli(capsys):
+  rc = cli.compute_dp_sgd_privacy_main(["--N", "6e4", "--batch_size", "256", "--noise_multiplier",
+                                        "1.1", "--epochs", "3", "--delta", "1e-5", "--statement",
+                                        "--max_examples_per_user", "2"])
+  out = capsys.readouterr().out
+  assert rc == 0 and out.startswith("DP-SGD over 60000 examples with 256 examples per step")
+  assert "without microbatching, and at most 2 examples per user." in out
+  assert "User-level DP (a user is up to 2 examples" in out

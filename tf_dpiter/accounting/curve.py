@@ -84,8 +84,14 @@ def plot_epsilon_curve(curve, path, title=None, epoch_steps=None):
     path: output PNG path.
     title: figure title (default names delta and the accountant).
     epoch_steps: optional step counts at which epochs ended (dotted vertical lines).
+  Raises:
+    ImportError: matplotlib is not installed (the message says how to install it).
   """
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ImportError("plotting epsilon needs matplotlib: pip install matplotlib (or "
+                      "tf_dpiter[auditing])") from None
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6, 4))
