@@ -2,13 +2,14 @@
 
 `poisson_batches_in_graph` yields the batches of `poisson_batches` (same law, padding and
 SamplingSpec) but draws and gathers them with TensorFlow ops: step t compares n float64
-uniforms from a stateless Philox stream (key: 128 bits of OS entropy, counter: t) with q,
+uniforms of TF's stateless Philox (seed (k0, k1 xor t), k0 and k1 63 bits of OS entropy each,
+which TF turns into the step's Philox key and counter by one Philox round) with q,
 gathers the selected rows and pads them, all in tf.data's C++ threads. `poisson_batches`
 runs a Python generator per step, which on a 2-core machine competes with Keras' Python
 loop for the GIL (benchmarks/fit_path_profile.py measures both through fit).
 
-Law: record i joins step t iff u_{t,i} < q with u uniform on the float64 grid of 2^-53
-spacing, as numpy's `Generator.random` in `poisson_batches`: P = q up to 2^-53. Draws of
+Law: record i joins step t iff u_{t,i} < q with u uniform on a float64 grid of 2^-52
+spacing (numpy's `Generator.random` in `poisson_batches`: 2^-53): P = q up to 2^-52. Draws of
 different steps and records are distinct outputs of the Philox stream (seed 002, Section 8).
 The arrays are held in memory as tf constants.
 """
@@ -29,7 +30,7 @@ def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None
   Args:
     x, y: arrays with n records on the leading axis (y may be None).
     expected_batch_size, steps_per_epoch, max_batch_size: as in `poisson_batches`.
-    seed: tests only (reproducible, NOT private; warns). None: 128 bits of OS entropy.
+    seed: tests only (reproducible, NOT private; warns). None: 126 bits of OS entropy.
 
   Returns:
     A dataset with the element structure and SamplingSpec of `poisson_batches`.
