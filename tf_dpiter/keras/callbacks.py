@@ -21,16 +21,9 @@ import numpy as np
 from tf_dpiter import accounting
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.accounting import ledger_events
-
-
-def _ledger(model):
-  ledger = getattr(model, "ledger", None)
-  if ledger is None:
-    opt = getattr(model, "optimizer", None)
-    ledger = getattr(opt, "ledger", None)
-  if ledger is None:
-    raise ValueError("the model has no privacy ledger: train a tf_dpiter DP model")
-  return ledger
+from tf_dpiter.keras.ledger_callbacks import LedgerExport  # noqa: F401  (re-exported)
+from tf_dpiter.keras.ledger_callbacks import LedgerJournal  # noqa: F401  (re-exported)
+from tf_dpiter.keras.ledger_callbacks import model_ledger
 
 
 def _check_delta(delta):
@@ -133,7 +126,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     self._written = None
 
   def _epsilon(self):
-    ledger = _ledger(self.model)
+    ledger = model_ledger(self.model)
     if int(ledger.sample_count.numpy()) == 0:
       return 0.0
     return float(accounting.epsilon(ledger, self.delta, accountant=self.accountant))
@@ -149,10 +142,10 @@ class PrivacyMeter(keras.callbacks.Callback):
       self.epsilon = self._epsilon()
       if_poisson = None
       if self.epsilon > 0 and self.accountant in accounting.ACCOUNTANTS:
-        if_poisson = epsilon_if_poisson(_ledger(self.model).to_dict(), self.delta,
+        if_poisson = epsilon_if_poisson(model_ledger(self.model).to_dict(), self.delta,
                                         self.accountant)
       self._written = (epoch, if_poisson)
-      self.epoch_steps.append(int(_ledger(self.model).sample_count.numpy()))
+      self.epoch_steps.append(int(model_ledger(self.model).sample_count.numpy()))
     if logs is not None:
       logs["epsilon"] = self.epsilon
       logs["delta"] = self.delta
@@ -175,7 +168,7 @@ class PrivacyMeter(keras.callbacks.Callback):
 
   def write_plot(self, path):
     """Writes the PNG of epsilon over the steps the ledger holds; returns path (None if empty)."""
-    ledger = _ledger(self.model)
+    ledger = model_ledger(self.model)
     if int(ledger.sample_count.numpy()) == 0:
       warnings.warn(f"PrivacyMeter(plot={path!r}): the ledger holds no step, nothing drawn",
                     UserWarning, stacklevel=2)
@@ -229,7 +222,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   def _state(self):
     """(groups of the ledger, index of the last step's group, passes, ahead) or None."""
     ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
-    ledger = _ledger(self.model)
+    ledger = model_ledger(self.model)
     samples, queries = ledger.get_arrays()
     if samples.shape[0]:
       last_q = queries[queries[:, 0] == samples.shape[0] - 1].copy()
@@ -309,7 +302,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     # refuse any further step (also the first one, when checked before it).
     self.model.stop_training = True
     self.model._dp_halt = True  # pylint: disable=protected-access
-    self.stopped_at_step = int(_ledger(self.model).sample_count.numpy())
+    self.stopped_at_step = int(model_ledger(self.model).sample_count.numpy())
     message = (f"StopAtPrivacyBudget: stopping {step_label}: the next step would reach epsilon "
                f"{eps:.4g} > {self.epsilon:g} (delta {self.delta:g})")
     if self.stopped_at_step == 0:
@@ -337,74 +330,9 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     self._check("before training")
 
   def on_train_batch_end(self, batch, logs=None):
-    self._check(f"after step {int(_ledger(self.model).sample_count.numpy())}")
+    self._check(f"after step {int(model_ledger(self.model).sample_count.numpy())}")
 
   def on_train_end(self, logs=None):
     if self._hidden_metrics is not None:
       self.model._compile_metrics = self._hidden_metrics  # pylint: disable=protected-access
       self._hidden_metrics = None
-
-
-class LedgerExport(keras.callbacks.Callback):
-  """Writes the ledger JSON to `path` at the end of every epoch and of training."""
-
-  def __init__(self, path, every_epoch=True):
-    super().__init__()
-    if not isinstance(path, str) or not path:
-      raise ValueError(f"path must be a non-empty string, got {path!r}")
-    self.path = path
-    self.every_epoch = every_epoch
-
-  def on_epoch_end(self, epoch, logs=None):
-    if self.every_epoch:
-      _ledger(self.model).save_json(self.path)
-
-  def on_train_end(self, logs=None):
-    _ledger(self.model).save_json(self.path)
-
-
-class LedgerJournal(keras.callbacks.Callback):
-  """Crash safety: resumes the ledger from an append-only journal and appends every step.
-
-  On train begin the journal (tf_dpiter.ledger.LedgerJournal) is loaded into the model's
-  ledger when it holds more samples (a restart after a crash); after every training step
-  (execution) and at the end of training the new samples and passes are appended and
-  fsynced. Rule: every noised step ever taken is charged, steps re-run after a restore from
-  an older backup included, so the ledger's samples >= the restored optimizer's iterations.
-  `DPModel.fit` puts this callback first, after the pass sync, so a step is in the journal
-  before any other callback can save, log or print its result. Added automatically with
-  keras.callbacks.BackupAndRestore (backup_dir/privacy_ledger.journal; Keras deletes the
-  backup_dir, journal included, when training ends normally: export the ledger then) or
-  with fit(..., ledger_journal=path).
-
-  Args:
-    path: the journal file (created on the first append).
-    key: optional str/bytes: every chunk also carries an HMAC-SHA256 under this key.
-
-  Raises:
-    ValueError (on train begin): the journal was altered or is not a ledger journal.
-  """
-
-  def __init__(self, path, key=None):
-    super().__init__()
-    if not isinstance(path, str) or not path:
-      raise ValueError(f"path must be a non-empty string, got {path!r}")
-    self.path = path
-    self.key = key
-    self.resumed = 0
-    self._journal = None
-
-  def on_train_begin(self, logs=None):
-    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-    self._journal = ledger_lib.LedgerJournal(self.path, key=self.key)
-    self.resumed = self._journal.resume(_ledger(self.model))
-
-  def _append(self):
-    if self._journal is not None:
-      self._journal.append(_ledger(self.model))
-
-  def on_train_batch_end(self, batch, logs=None):
-    self._append()
-
-  def on_train_end(self, logs=None):
-    self._append()
