@@ -254,3 +254,21 @@ def test_epsilon_curve_matches_prefixes_composed_by_hand():
   assert c.epsilon[-1] == A.epsilon(led, 1e-5)
   with pytest.raises(ValueError, match="ledger is empty"):
     A.epsilon_curve(L.PrivacyLedger(), 1e-5)
+
+
+def test_epsilon_curve_charges_shuffled_passes_pro_rata():
+  """8 shuffled steps of 25 of n = 100 (4 per pass), 2 passes recorded: the prefix of k steps
+  is charged max(ceil(k / 4), ceil(2 k / 8)) passes, each one un-amplified Gaussian of
+  z = 1.0 / 2 under replace-one (sensitivity 2C)."""
+  led = L.PrivacyLedger()
+  for _ in range(8):
+    led.record_sample(100.0, 0.25, (dq.GaussianSumEvent(1.0, 1.0),), policy=L.SHUFFLE,
+                      sample_size=25.0)
+  led.record_passes(2)
+  c = A.epsilon_curve(led, 1e-5, num_points=4)
+  assert c.steps == (2, 4, 6, 8)
+  for k, eps in zip(c.steps, c.epsilon):
+    acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dpa.GaussianDpEvent(0.5), 1 if k <= 4 else 2)
+    assert eps == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+  assert c.epsilon[-1] == A.epsilon(led, 1e-5)
