@@ -26,7 +26,7 @@ def _data(n=64, seed=0):
   return x, (x[:, 0] > 0).astype("int32")
 
 
-@pytest.mark.parametrize("form", ["keywords", "positional"])
+@pytest.mark.parametrize("form", ["keywords", pytest.param("positional", marks=pytest.mark.slow)])
 def test_dp_sequential_with_tf_privacy_arguments(form):
   if form == "keywords":
     model = dp.keras.DPSequential(l2_norm_clip=1.0, noise_multiplier=1.1, num_microbatches=None,

@@ -20,7 +20,8 @@ CLIP = 0.5
 B = 6
 
 
-@pytest.fixture(params=POLICIES)
+@pytest.fixture(params=[pytest.param(p, marks=pytest.mark.slow) if p.endswith("bfloat16") else p
+                        for p in POLICIES])
 def policy(request):
   keras.config.set_dtype_policy(request.param)
   yield request.param
@@ -132,6 +133,7 @@ def test_vector_loss_form_refuses_a_batch_mixing_model():
                                 data=(x, y), model=model)
 
 
+@pytest.mark.slow
 def test_onednn_affected_model_through_custom_loop_matches_per_example_loop():
   """EinsumDense through the custom loop with model=: under oneDNN the per-record gradients
   come from a sequential loop (routing.use_vectorized_map); they match a per-example loop."""

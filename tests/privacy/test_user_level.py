@@ -88,7 +88,7 @@ def test_poisson_user_batches_layout_and_ledger():
   assert int(model.ledger.sample_count) == 3
 
 
-@pytest.mark.parametrize("clipping", ["auto", "vectorized"])
+@pytest.mark.parametrize("clipping", ["auto", pytest.param("vectorized", marks=pytest.mark.slow)])
 def test_removing_one_user_moves_the_sum_by_at_most_c(clipping):
   x, y, uid = _users(seed=2, num_users=6)
   users, rows = np.unique(uid), []
