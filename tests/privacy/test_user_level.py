@@ -82,7 +82,8 @@ def test_poisson_user_batches_layout_and_ledger():
       owners = {int(uid[np.flatnonzero((x == r).all(1))[0]]) for r in rows}
       assert len(owners) <= 1
   model = _model("auto")
-  model.fit(ds, epochs=1, verbose=0)
+  with pytest.warns(RuntimeWarning, match="NOT an example-level"):
+    model.fit(ds, epochs=1, verbose=0)
   ledger = model.ledger.to_dict()["runs"][-1]
   assert ledger["population_size"] == 10 and ledger["examples_per_record"] == 1
   assert int(model.ledger.sample_count) == 3

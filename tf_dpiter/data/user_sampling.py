@@ -12,6 +12,11 @@ Layout of a step's batch: users one after the other, k rows each (rows j*k ... j
 user j's), padded with rows of weight 0 when a user has fewer than k examples and with whole
 empty users up to a static size. `DPModel.fit` reads the `UserGrouping` in the dataset's
 `SamplingSpec` and clips per user (train_step), never per example.
+
+Limitation (stated by a warning in fit): the ledger has no "user" unit yet, so its statement
+names the unit "example" while its records are users. Its epsilon is the user-level epsilon;
+it is not an example-level add/remove epsilon at the same value (removing one example of a
+user who stays moves that user's record by up to 2C).
 """
 
 import dataclasses
