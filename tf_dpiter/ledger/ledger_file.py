@@ -60,15 +60,32 @@ def verify(d, key=None, what="ledger"):
       raise ValueError(f"{what} HMAC does not match under the given key: altered, or another key")
 
 
+# Query kinds in the file: kind code -> ("type", name of the clip field, name of the noise
+# field). Gaussian-noise kinds, correlated ones included (issue 16), keep (clip, stddev,
+# sensitivity); the structure a correlated row needs (bands, tree depth, min separation) is in
+# its sensitivity and in its sample's policy and sample_size (see `records`).
+_QUERY_FIELDS = {
+    rec.GAUSSIAN: ("gaussian", "l2_norm_clip", "stddev"),
+    rec.LAPLACE: ("laplace", "l1_norm_clip", "scale"),
+    rec.BANDED_GAUSSIAN: ("banded_gaussian", "l2_norm_clip", "stddev"),
+    rec.TREE_GAUSSIAN: ("tree_gaussian", "l2_norm_clip", "stddev"),
+    rec.MATRIX_GAUSSIAN: ("matrix_gaussian", "l2_norm_clip", "stddev"),
+}
+_KIND_OF_TYPE = {t: kind for kind, (t, _, _) in _QUERY_FIELDS.items()}
+_NON_PRIVATE_TYPE = "non_private"
+
+
 def _query_dict(row):
+  """The file form of one query row [sample_index, kind, clip, noise, sensitivity]."""
   kind = int(row[1])
-  if kind == rec.GAUSSIAN:
-    return {"type": "gaussian", "l2_norm_clip": float(row[2]), "stddev": float(row[3]),
-            "sensitivity": float(row[4])}
-  if kind == rec.LAPLACE:
-    return {"type": "laplace", "l1_norm_clip": float(row[2]), "scale": float(row[3]),
-            "sensitivity": float(row[4])}
-  return {"type": "non_private"}
+  if kind == rec.NON_PRIVATE:
+    return {"type": _NON_PRIVATE_TYPE}
+  if kind not in _QUERY_FIELDS:
+    raise ValueError(f"query kind {kind} has no file form; known kinds: "
+                     f"{sorted(_QUERY_FIELDS) + [rec.NON_PRIVATE]}")
+  t, clip_name, noise_name = _QUERY_FIELDS[kind]
+  return {"type": t, clip_name: float(row[2]), noise_name: float(row[3]),
+          "sensitivity": float(row[4])}
 
 
 def arrays_to_dict(samples, queries, passes=0, key=None):
@@ -104,14 +121,16 @@ def runs_to_dict(runs, passes=0, key=None):
 
 
 def _query_row(q):
+  """Inverse of `_query_dict`: [0, kind, clip, noise, sensitivity]."""
   t = q["type"]
-  if t == "gaussian":
-    return [0.0, rec.GAUSSIAN, float(q["l2_norm_clip"]), float(q["stddev"]), float(q["sensitivity"])]
-  if t == "laplace":
-    return [0.0, rec.LAPLACE, float(q["l1_norm_clip"]), float(q["scale"]), float(q["sensitivity"])]
-  if t == "non_private":
+  if t == _NON_PRIVATE_TYPE:
     return [0.0, rec.NON_PRIVATE, 0.0, 0.0, 0.0]
-  raise ValueError(f"query 'type' must be gaussian, laplace or non_private, got {t!r}")
+  if t not in _KIND_OF_TYPE:
+    raise ValueError(f"query 'type' must be one of {sorted(_KIND_OF_TYPE) + [_NON_PRIVATE_TYPE]}"
+                     f", got {t!r}")
+  kind = _KIND_OF_TYPE[t]
+  _, clip_name, noise_name = _QUERY_FIELDS[kind]
+  return [0.0, float(kind), float(q[clip_name]), float(q[noise_name]), float(q["sensitivity"])]
 
 
 def _parse_run(r):

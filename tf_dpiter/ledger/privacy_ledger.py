@@ -4,7 +4,9 @@ It records *sampling events* (population size n, selection probability q, sample
 policy, examples per record) and, for each, the *sum query events* of that sample: Gaussian
 (S_g, sigma~_g), Laplace (C, b) or non-private, each with its sensitivity under the sample's
 neighbouring relation (`records.sensitivity_factor`: S for add/remove of a whole record, 2S
-for replace-one or a microbatch). It also counts the shuffled passes a sampler started.
+for replace-one or a microbatch), and the steps of correlated-noise queries (issue 16:
+banded / tree / matrix rows of `records`, refused under a sampling that does not cover them).
+It also counts the shuffled passes a sampler started.
 Writes work inside `tf.function`; buffers double when full, so no event is ever dropped.
 The ledger is a `tf.Module`: `tf.train.Checkpoint` saves and restores it. The file format
 and the checks live in `records` / `ledger_file` (no TensorFlow).
@@ -16,6 +18,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
@@ -29,16 +32,56 @@ def _f64(x):
   return tf.cast(tf.convert_to_tensor(x, dtype_hint=tf.float64), tf.float64)
 
 
-def _event_row(event, factor):
-  """(kind, clip, noise, sensitivity) of one privacy event, as float64 tensors."""
+def _event_row(event, factor, policy, sample_size):
+  """(kind, clip, noise, sensitivity) of one privacy event, as float64 tensors, and the
+  in-graph checks the row needs (see `_correlated_row`)."""
   f = _f64
+  if correlated_events.is_correlated_event(event):
+    return _correlated_row(event, factor, policy, sample_size)
   if isinstance(event, events_lib.GaussianSumEvent):
-    return [f(rec.GAUSSIAN), f(event.l2_norm_clip), f(event.stddev), factor * f(event.l2_norm_clip)]
+    return [f(rec.GAUSSIAN), f(event.l2_norm_clip), f(event.stddev), factor * f(event.l2_norm_clip)], []
   if isinstance(event, events_lib.LaplaceSumEvent):
-    return [f(rec.LAPLACE), f(event.l1_norm_clip), f(event.scale), factor * f(event.l1_norm_clip)]
+    return [f(rec.LAPLACE), f(event.l1_norm_clip), f(event.scale), factor * f(event.l1_norm_clip)], []
   if isinstance(event, events_lib.NonPrivateEvent):
-    return [f(rec.NON_PRIVATE), f(0.0), f(0.0), f(0.0)]
-  raise ValueError(f"events must be GaussianSumEvent, LaplaceSumEvent or NonPrivateEvent, got {event!r}")
+    return [f(rec.NON_PRIVATE), f(0.0), f(0.0), f(0.0)], []
+  raise ValueError(f"events must be GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent, "
+                   f"BandedGaussianEvent, TreeGaussianEvent or MatrixGaussianEvent, got {event!r}")
+
+
+def _correlated_row(event, factor, policy, sample_size):
+  """Row and checks of a correlated-noise event (issue 16), by `records`' rules.
+
+  The sampling must cover the event (`records.correlated_requirement`): a wrong policy is
+  refused here; the least sample_size (cycle length b) is checked now when `sample_size` is a
+  Python number, else in the graph (an assertion the ledger write depends on).
+
+  The sensitivity is at least factor x clip (see below), erring on the costly side.
+
+  Raises:
+    ValueError: the policy, or a Python sample_size, does not cover the event.
+  """
+  wide = event._replace(l2_norm_clip=_f64(event.l2_norm_clip), stddev=_f64(event.stddev))
+  needed, least = rec.correlated_requirement(event)
+  checks = []
+  if needed is not None and policy != needed:
+    raise ValueError(
+        f"{type(event).__name__} is accounted only under sampling policy {needed!r}, got "
+        f"policy {policy!r}: sample with "
+        + ("dp.data.cyclic_poisson.cyclic_poisson_batches (num_groups >= "
+           f"{least})" if needed == rec.CYCLIC_POISSON else "shuffled passes")
+        + "; refusing to record an unproven guarantee")
+  if needed is not None and tf.is_tensor(sample_size):
+    checks.append(tf.debugging.assert_greater_equal(
+        _f64(sample_size), _f64(least),
+        message=f"{type(event).__name__} needs policy {needed!r} with sample_size (cycle "
+                f"length) >= {least}; refusing to record an unproven guarantee"))
+    values = rec.correlated_row_values(wide, factor)
+  else:
+    values = rec.correlated_query_row(wide, policy, sample_size, factor)
+  kind, clip, noise, sensitivity = [_f64(v) for v in values]
+  # A strategy normalized in floating point can have a column norm 1 ulp below 1: record at
+  # least factor x clip, the least the ledger's checks accept (never a smaller sensitivity).
+  return [kind, clip, noise, tf.maximum(sensitivity, factor * clip)], checks
 
 
 def _sensitivity_factor(relation, examples_per_record):
@@ -109,20 +152,30 @@ class PrivacyLedger(tf.Module):
     Works eagerly and inside `tf.function` (not under XLA: the buffers grow).
     `population_size` n, `selection_probability` q, `sample_size` and `examples_per_record`
     k may be tensors; `events` is the tuple returned by `DPQuery.get_noised_result`;
-    `policy` one of POLICIES. Each query's sensitivity is recorded as
-    `records.sensitivity_factor(relation_for_policy(policy), k)` times its clip.
+    `policy` one of records.ALL_POLICIES. Each query's sensitivity is recorded as
+    `records.sensitivity_factor(relation_for_policy(policy), k)` times its clip (times the
+    strategy's column norm, sqrt(tree depth) or equivalent sensitivity for a correlated-noise
+    event: `records.correlated_row_values`). A correlated-noise event is recorded only under
+    the sampling `records.correlated_requirement` names: the policy is checked at once, a
+    tensor `sample_size` (the cycle length b under cyclic_poisson) in the graph.
 
     Raises:
-      ValueError: unknown policy or event, or microbatches (k > 1) under add/remove.
+      ValueError: unknown policy or event, microbatches (k > 1) under add/remove, or a
+        correlated-noise event its sampling does not cover.
+      tf.errors.InvalidArgumentError: (when run) a tensor sample_size below the least the
+        correlated-noise event needs.
     """
     code = policy_code(policy)
     rec.check_examples_per_record(policy, examples_per_record)
     factor = _sensitivity_factor(relation_for_policy(policy), examples_per_record)
-    rows = [_event_row(e, factor) for e in tuple(events)]
+    built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
+    rows = [r for r, _ in built]
+    checks = [c for _, cs in built for c in cs]
     f = _f64
     idx = self._sample_count.read_value()
     qidx = self._query_count.read_value()
-    grew = [self._ensure_capacity(self._samples, idx + 1)]
+    with tf.control_dependencies(checks):
+      grew = [self._ensure_capacity(self._samples, idx + 1)]
     if rows:
       grew.append(self._ensure_capacity(self._queries, qidx + len(rows)))
     with tf.control_dependencies(grew):
