@@ -62,6 +62,10 @@ def main():
   strategy = tf.distribute.MultiWorkerMirroredStrategy()
   out = {"replicas": strategy.num_replicas_in_sync, "chief": multi_worker.is_chief(strategy),
          "workers": multi_worker.num_workers(strategy)}
+  mine = np.random.default_rng().integers(1, 2**62, size=3)   # differs between workers
+  out["own_value"] = [int(v) for v in mine]
+  out["broadcast"] = [int(v) for v in multi_worker.broadcast_from_chief(
+      strategy, tf.constant(mine, tf.int64)).numpy()]
   rng = np.random.RandomState(0)
   x, y = rng.randn(N, 6).astype("float32"), rng.randint(0, 3, N)
   cls = dp.keras.DPSequential if scenario == "unpatched" else MultiWorkerDPSequential

@@ -78,6 +78,8 @@ def test_two_workers_one_global_poisson_sample_per_step(os_entropy_run):
     assert run["selection_probability"] == pytest.approx(B / N, rel=1e-12)
     assert led["epsilon"] == pytest.approx(_single_worker_epsilon(STEPS), rel=1e-9)
   assert chief["weights"] == other["weights"]          # the workers stay in sync
+  assert chief["own_value"] != other["own_value"]
+  assert other["broadcast"] == chief["broadcast"] == chief["own_value"]
 
 
 # Relative standard error of a std estimated from 18000 draws: 1 / sqrt(2 * 18000) = 0.53%;

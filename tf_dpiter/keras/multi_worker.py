@@ -18,7 +18,8 @@ The data side is `tf_dpiter.data.indexed_sampling.distributed_poisson_batches` (
 Poisson sample per step). Noise: every worker's optimizer draws its own noise on the
 all-reduced clipped sum and Keras averages the workers' updates, so with independent
 generators the update carries noise of std z C / sqrt(W) for W workers, not z C: the
-generators must be made identical across workers (see the report of issue 18).
+generators must be made identical across workers, e.g. with `broadcast_from_chief` of the
+chief's generator state (see the report of issue 18).
 """
 
 import keras
@@ -43,6 +44,20 @@ def is_chief(strategy):
   if "chief" in spec:
     return resolver.task_type == "chief"
   return resolver.task_type == "worker" and int(resolver.task_id) == 0
+
+
+def broadcast_from_chief(strategy, value):
+  """The chief's `value` (a tensor) on every worker: an all-reduce SUM to which only global
+  replica 0 (on the chief) contributes. Call in cross-replica context (outside strategy.run),
+  e.g. to give every worker the chief's noise-generator state."""
+  value = tf.convert_to_tensor(value)
+
+  def contribute():
+    ctx = tf.distribute.get_replica_context()
+    keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), value.dtype)
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value * keep)
+
+  return strategy.experimental_local_results(strategy.run(contribute))[0]
 
 
 class MultiWorkerFitMixin:
