@@ -1,0 +1,183 @@
+"""~100M-parameter Transformer: ms/step and peak memory, DP vs non-private, full and LoRA.
+
+  python benchmarks/transformer_step_time.py --all [--batch 4] [--seq 32] [--steps 3]
+  python benchmarks/transformer_step_time.py --mode dp --lora 8 --clipping auto
+
+The model: keras_hub's BertBackbone built from the BERT-base config (12 layers, hidden 768,
+12 heads, intermediate 3072, vocabulary 30522: 109.5M parameters) with random weights (no
+weights can be downloaded), pooled output -> Dense(2). Without keras_hub (not a dependency of
+tf_dpiter; --model plain, or when it cannot be imported) a plain Keras encoder of the same
+shape (Embedding + 12 x [MultiHeadAttention, LayerNorm, Dense 3072, Dense 768, LayerNorm]).
+LoRA (--lora r): keras_hub's backbone.enable_lora(r) (query/value EinsumDense of every
+attention layer; all else frozen except the classification head).
+
+keras_hub without touching the project's environment (its dependencies tensorflow-text etc.
+are not needed to build a backbone from a config):
+  pip install --no-deps --target /tmp/kh keras-hub==0.32.0 regex kagglehub kagglesdk tqdm tokenizers
+  PYTHONPATH=/tmp/kh python benchmarks/transformer_step_time.py --all
+
+One configuration per process (--all runs the four: nonprivate/dp x full/LoRA, each in a
+subprocess) so the peak RSS (ru_maxrss) is the configuration's. Every step is
+model.train_on_batch (the DP step: per-example clipping routed by --clipping, noise, ledger).
+ms/step: median of --steps timed steps after --warmup steps. Prints one JSON line per run.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tf_dpiter as dp  # noqa: E402
+
+BERT_BASE = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
+                 intermediate_dim=3072, max_sequence_length=512)
+
+
+def _keras_hub():
+  try:
+    import keras_hub  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return keras_hub
+
+
+class _Positions(keras.layers.Layer):
+  """Learned position embedding added to the token embedding."""
+
+  def build(self, shape):
+    self.table = self.add_weight(shape=tuple(shape[1:]), initializer="random_normal")
+
+  def call(self, h):
+    return h + self.table
+
+
+def _plain_encoder(seq, lora):
+  c = BERT_BASE
+  L = keras.layers
+  ids = keras.Input((seq,), dtype="int32", name="token_ids")
+  h = L.Embedding(c["vocabulary_size"], c["hidden_dim"])(ids)
+  h = L.LayerNormalization()(_Positions()(h))
+  attn = []
+  for _ in range(c["num_layers"]):
+    mha = L.MultiHeadAttention(c["num_heads"], c["hidden_dim"] // c["num_heads"])
+    attn.append(mha)
+    h = L.LayerNormalization()(h + mha(h, h))
+    f = L.Dense(c["intermediate_dim"], activation="gelu")(h)
+    h = L.LayerNormalization()(h + L.Dense(c["hidden_dim"])(f))
+  head = L.Dense(2)
+  out = head(h[:, 0])
+  model_in, model_out = ids, out
+  if lora:
+    for layer in keras.Model(model_in, model_out)._flatten_layers(include_self=False):  # pylint: disable=protected-access
+      layer.trainable = False
+    head.trainable = True
+    for mha in attn:
+      mha.trainable = True
+      for sub in (mha.key_dense, mha.output_dense):
+        sub.trainable = False
+      mha.query_dense.enable_lora(lora)
+      mha.value_dense.enable_lora(lora)
+  return model_in, model_out
+
+
+def build(kind, seq, lora, private):
+  """(model, input batch builder, name of the architecture)."""
+  keras.utils.set_random_seed(0)
+  hub = _keras_hub() if kind == "keras_hub" else None
+  if hub is not None:
+    backbone = hub.models.BertBackbone(**BERT_BASE)
+    if lora:
+      backbone.enable_lora(lora)
+    inputs = {k: keras.Input((seq,), dtype="int32", name=k)
+              for k in ("token_ids", "segment_ids", "padding_mask")}
+    outputs = keras.layers.Dense(2)(backbone(inputs)["pooled_output"])
+    arch = "keras_hub.models.BertBackbone (BERT-base config, random weights)"
+  else:
+    inputs, outputs = _plain_encoder(seq, lora)
+    arch = "plain Keras encoder (BERT-base shape, random weights)"
+  model = (dp.keras.DPModel if private else keras.Model)(inputs, outputs)
+  return model, arch, hub is not None
+
+
+def batch(b, seq, hub):
+  rng = np.random.RandomState(0)
+  ids = rng.randint(1, 30522, (b, seq)).astype("int32")
+  y = rng.randint(0, 2, b).astype("int32")
+  if hub:
+    x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": np.ones_like(ids)}
+  else:
+    x = ids
+  return x, y
+
+
+def run_one(a):
+  warnings.simplefilter("ignore")
+  model, arch, hub = build(a.model, a.seq, a.lora, a.mode == "dp")
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  if a.mode == "dp":
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
+  else:
+    opt = keras.optimizers.SGD(0.01)
+  model.compile(optimizer=opt, loss=loss)
+  if a.mode == "dp":
+    opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
+  x, y = batch(a.batch, a.seq, hub)
+  rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  times = []
+  for i in range(a.warmup + a.steps):
+    t0 = time.perf_counter()
+    model.train_on_batch(x, y)
+    if i >= a.warmup:
+      times.append(1e3 * (time.perf_counter() - t0))
+  print(json.dumps({
+      "arch": arch, "params": int(model.count_params()),
+      "trainable_params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+      "mode": a.mode, "lora": a.lora, "batch": a.batch, "seq": a.seq,
+      "clipping": opt.resolve_clipping(model) if a.mode == "dp" else None,
+      "ms_per_step": round(float(np.median(times)), 1), "ms_all": [round(t) for t in times],
+      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+      "rss_after_build_mib": round(rss_built),
+      "ledger_steps": int(model.ledger.sample_count.numpy()) if a.mode == "dp" else None,
+      "load_avg": os.getloadavg()}), flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--all", action="store_true", help="the four configurations, one process each")
+  p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
+  p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
+  p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+  p.add_argument("--clipping", choices=["auto", "fast", "vectorized"], default="auto")
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=32)
+  p.add_argument("--steps", type=int, default=3)
+  p.add_argument("--warmup", type=int, default=1)
+  a = p.parse_args()
+  if not a.all:
+    return run_one(a)
+  common = ["--model", a.model, "--clipping", a.clipping, "--batch", str(a.batch),
+            "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+  for lora in (0, 8):
+    for mode in ("nonprivate", "dp"):
+      r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode, "--lora",
+                          str(lora)] + common, capture_output=True, text=True, check=False)
+      lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+      print(lines[-1] if lines else json.dumps(
+          {"mode": mode, "lora": lora, "failed": r.stderr.strip().splitlines()[-3:]}), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
