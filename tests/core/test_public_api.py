@@ -10,7 +10,8 @@ import pytest
 import tf_dpiter
 
 PACKAGES = ["tf_dpiter", "tf_dpiter.errors", "tf_dpiter.dp_query", "tf_dpiter.ledger",
-            "tf_dpiter.federated", "tf_dpiter.accounting.lookahead", "tf_dpiter.auditing",
+            "tf_dpiter.federated", "tf_dpiter.federated.flower", "tf_dpiter.accounting.lookahead",
+            "tf_dpiter.auditing",
             "tf_dpiter.draw_discard"]
 
 
