@@ -210,7 +210,6 @@ def test_band_mf_fit_on_cyclic_poisson_is_recorded_and_accounted(tmp_path):
   assert loaded.to_dict() == d
 
 
-@pytest.mark.slow
 def test_band_mf_fit_with_fewer_groups_than_bands_is_refused():
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"cycle length\) >= 2"):
     _fit_band_mf(num_bands=2, num_groups=1, steps_per_epoch=2, epochs=1)
@@ -237,3 +236,30 @@ def test_band_mf_fit_divides_by_the_expected_batch_of_one_group():
   assert len(set(sizes)) > 1                                 # the realized size varies
   np.testing.assert_allclose(model.trainable_variables[0].numpy()[:, 0],
                              -0.1 * sum(sizes) / 10.0, rtol=1e-5)
+
+
+def test_tree_fit_on_shuffled_passes_is_recorded_and_accounted():
+  """DP-FTRL (tree restarted every pass of 6 steps) in fit: tree rows under shuffle, one
+  SingleEpochTreeAggregationDpEvent per pass (replace-one leaf sensitivity 2 S)."""
+  from tf_dpiter.data.shuffling import shuffled_batches  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query.tree_aggregation_query import TreeAggregationQuery  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(120, 6).astype("float32"), rng.randint(0, 3, 120)
+  query = TreeAggregationQuery(1.0, 1.0, template=model.trainable_variables, restart_every=6)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(dp_query=query, learning_rate=0.1),
+                loss=LOSS)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # the test seed (not private)
+    model.fit(shuffled_batches(x, y, batch_size=20, seed=1), epochs=2, verbose=0)
+  d = model.ledger.to_dict()
+  [run] = d["runs"]
+  [row] = run["queries"]
+  assert (d["num_samples"], d["passes"], run["policy"], row["type"]) == (
+      12, 2, "shuffle", "tree_gaussian")
+  acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_SPECIAL)
+  acc.compose(dpa.SelfComposedDpEvent(dpa.SingleEpochTreeAggregationDpEvent(
+      row["stddev"] / (2 * row["l2_norm_clip"]), 2 ** math.ceil(math.log2(6 + 1)) - 1), 2))
+  assert dp.accounting.epsilon(model.ledger, DELTA) == pytest.approx(acc.get_epsilon(DELTA),
+                                                                     rel=1e-9)
