@@ -18,8 +18,10 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.data.cyclic_poisson import cyclic_poisson_batches
+from tf_dpiter.data.shuffling import shuffled_batches
 from tf_dpiter.dp_query import correlated_events as ce
 from tf_dpiter.dp_query.band_mf_query import BandMFQuery
+from tf_dpiter.dp_query.tree_aggregation_query import TreeAggregationQuery
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 
@@ -47,8 +49,11 @@ def _tensor_event(event):
 def test_ledger_row_is_the_records_row(event, policy, sample_size, factor, in_graph):
   led = dp.ledger.PrivacyLedger()
   size = tf.Variable(float(sample_size), dtype=tf.float64) if in_graph else sample_size
-  record = lambda: led.record_sample(100.0, 0.1, (_tensor_event(event),), policy=policy,  # pylint: disable=g-long-lambda
-                                     sample_size=size)
+
+  def record():
+    return led.record_sample(100.0, 0.1, (_tensor_event(event),), policy=policy,
+                             sample_size=size)
+
   (tf.function(record) if in_graph else record)()
   samples, queries = led.get_arrays()
   expected = rec.correlated_query_row(event, policy, sample_size, factor)
@@ -227,8 +232,11 @@ def test_band_mf_fit_divides_by_the_expected_batch_of_one_group():
   query = BandMFQuery(1.0, 0.0, template=model.trainable_variables, num_bands=2, num_steps=6)
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(dp_query=query, learning_rate=1.0),
                 loss=lambda y_true, y_pred: y_pred[:, 0])
-  make = lambda: cyclic_poisson_batches(x, y, expected_batch_size=10, num_groups=2,  # pylint: disable=g-long-lambda
-                                        steps_per_epoch=6, seed=1)
+
+  def make():
+    return cyclic_poisson_batches(x, y, expected_batch_size=10, num_groups=2,
+                                  steps_per_epoch=6, seed=1)
+
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")   # the test seed (not private)
     model.fit(make(), epochs=1, verbose=0)
@@ -241,8 +249,6 @@ def test_band_mf_fit_divides_by_the_expected_batch_of_one_group():
 def test_tree_fit_on_shuffled_passes_is_recorded_and_accounted():
   """DP-FTRL (tree restarted every pass of 6 steps) in fit: tree rows under shuffle, one
   SingleEpochTreeAggregationDpEvent per pass (replace-one leaf sensitivity 2 S)."""
-  from tf_dpiter.data.shuffling import shuffled_batches  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.dp_query.tree_aggregation_query import TreeAggregationQuery  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
   rng = np.random.RandomState(0)

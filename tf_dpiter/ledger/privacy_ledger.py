@@ -39,9 +39,11 @@ def _event_row(event, factor, policy, sample_size):
   if correlated_events.is_correlated_event(event):
     return _correlated_row(event, factor, policy, sample_size)
   if isinstance(event, events_lib.GaussianSumEvent):
-    return [f(rec.GAUSSIAN), f(event.l2_norm_clip), f(event.stddev), factor * f(event.l2_norm_clip)], []
+    clip = f(event.l2_norm_clip)
+    return [f(rec.GAUSSIAN), clip, f(event.stddev), factor * clip], []
   if isinstance(event, events_lib.LaplaceSumEvent):
-    return [f(rec.LAPLACE), f(event.l1_norm_clip), f(event.scale), factor * f(event.l1_norm_clip)], []
+    clip = f(event.l1_norm_clip)
+    return [f(rec.LAPLACE), clip, f(event.scale), factor * clip], []
   if isinstance(event, events_lib.NonPrivateEvent):
     return [f(rec.NON_PRIVATE), f(0.0), f(0.0), f(0.0)], []
   raise ValueError(f"events must be GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent, "
