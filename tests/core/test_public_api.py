@@ -11,7 +11,7 @@ import tf_dpiter
 
 PACKAGES = ["tf_dpiter", "tf_dpiter.errors", "tf_dpiter.dp_query", "tf_dpiter.ledger",
             "tf_dpiter.federated", "tf_dpiter.federated.flower", "tf_dpiter.accounting.lookahead",
-            "tf_dpiter.auditing",
+            "tf_dpiter.auditing", "tf_dpiter.keras", "tf_dpiter.data",
             "tf_dpiter.draw_discard"]
 
 

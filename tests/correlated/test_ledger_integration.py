@@ -220,8 +220,6 @@ def test_band_mf_fit_with_fewer_groups_than_bands_is_refused():
     _fit_band_mf(num_bands=2, num_groups=1, steps_per_epoch=2, epochs=1)
 
 
-@pytest.mark.xfail(strict=True, reason="keras.mechanism divides by the realized batch size "
-                   "under cyclic_poisson; the proposed change divides by q n / b (H8 report)")
 def test_band_mf_fit_divides_by_the_expected_batch_of_one_group():
   """Noise off, per-example loss w . x with x = 0.1 (gradient x, norm < S): each step moves w
   by -lr x |B_t| / (q n / b), the public expected batch, not by -lr x (realized |B_t|)."""

@@ -97,10 +97,6 @@ def test_noise_std_is_z_c_over_b_when_the_workers_generators_agree(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 18: each worker draws its own noise from OS entropy and Keras averages the "
-    "workers' updates: std z C / (B sqrt(2)). Needs the noise generators made identical "
-    "across workers (chief's key broadcast) in keras/optimizers.py"))
 def test_noise_std_is_z_c_over_b_with_os_entropy(os_entropy_run):
   chief, other = os_entropy_run
   assert abs(chief["noise_std_ratio"] - 1.0) < STD_TOL, chief["noise_std_ratio"]

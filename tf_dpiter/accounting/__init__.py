@@ -29,3 +29,7 @@ from tf_dpiter.accounting.dp_sgd import dp_sgd_steps
 from tf_dpiter.accounting.ledger_events import SampleGroup
 from tf_dpiter.accounting.ledger_events import eq1_noise_multiplier
 from tf_dpiter.accounting.statement import compute_dp_sgd_privacy_statement
+from tf_dpiter.accounting.lookahead import PlannedSample
+from tf_dpiter.accounting.lookahead import StepBudget
+from tf_dpiter.accounting.lookahead import delta_after
+from tf_dpiter.accounting.lookahead import epsilon_after

@@ -6,6 +6,10 @@ ledger); both carry the `SamplingSpec` that `DPModel.fit` declares to the ledger
 They survive prefetch, with_options, assert_cardinality, repeat and take; records are
 transformed one at a time with `map_fn=` or `map_records` (a map over whole batches, cache,
 batch, filter... lose the declaration, and fit names the transform).
+Also: cyclic Poisson (b-min-separation, for banded matrix factorization) and truncated Poisson
+samplers, out-of-core Poisson sampling by index from TFRecord shards
+(`poisson_batches_from_source`, `distributed_poisson_batches` for multi-worker) and user-level
+Poisson sampling (`poisson_user_batches`).
 """
 
 from tf_dpiter.data.sampling import SamplingSpec
@@ -16,3 +20,21 @@ from tf_dpiter.data.shuffling import ShuffleSampler
 from tf_dpiter.data.shuffling import shuffled_batches
 from tf_dpiter.data.shuffling import steps_per_pass
 from tf_dpiter.data.transforms import map_records
+from tf_dpiter.data.cyclic_poisson import CyclicPoissonSampler
+from tf_dpiter.data.cyclic_poisson import cyclic_poisson_batches
+from tf_dpiter.data.truncated_poisson import TruncatedPoissonSampler
+from tf_dpiter.data.truncated_poisson import truncated_poisson_batches
+from tf_dpiter.data.indexed_records import ArraySource
+from tf_dpiter.data.indexed_records import TFRecordSource
+from tf_dpiter.data.indexed_records import write_indexed_tfrecords
+from tf_dpiter.data.indexed_sampling import distributed_poisson_batches
+from tf_dpiter.data.indexed_sampling import poisson_batches_from_source
+from tf_dpiter.data.user_sampling import poisson_user_batches
+
+__all__ = [
+    "ArraySource", "CyclicPoissonSampler", "SamplingSpec", "ShuffleSampler", "TFRecordSource",
+    "TruncatedPoissonSampler", "cyclic_poisson_batches", "default_max_batch_size",
+    "distributed_poisson_batches", "get_sampling_spec", "map_records", "poisson_batches",
+    "poisson_batches_from_source", "poisson_user_batches", "shuffled_batches", "steps_per_pass",
+    "truncated_poisson_batches", "write_indexed_tfrecords",
+]

@@ -14,6 +14,10 @@ Public names (classes and functions; the implementation modules are not part of 
     `NoPrivacySumQuery`, `NoPrivacyAverageQuery`;
   * privacy events: `GaussianSumEvent`, `LaplaceSumEvent`, `NonPrivateEvent`;
   * randomness: `make_generator`, `NotPrivateSeedWarning`;
+  * correlated noise (issue 16): `BandMFQuery` (banded matrix factorization), `BLTQuery`
+    (buffered linear Toeplitz), `TreeAggregationQuery` (DP-FTRL), their base
+    `CorrelatedNoiseQuery` and events `BandedGaussianEvent`, `TreeGaussianEvent`,
+    `MatrixGaussianEvent`;
   * serialization: `serialize`, `deserialize`, `register_query`, `declare_query_module`.
 """
 
@@ -25,6 +29,13 @@ from tf_dpiter.errors import ParameterTypeError
 # so the accountant imports them without paying for TF.
 _EXPORTS = {
     'DPQuery': 'tf_dpiter.dp_query.dp_query',
+    'BandMFQuery': 'tf_dpiter.dp_query.band_mf_query',
+    'CorrelatedNoiseQuery': 'tf_dpiter.dp_query.band_mf_query',
+    'TreeAggregationQuery': 'tf_dpiter.dp_query.tree_aggregation_query',
+    'BLTQuery': 'tf_dpiter.dp_query.blt_query',
+    'BandedGaussianEvent': 'tf_dpiter.dp_query.correlated_events',
+    'TreeGaussianEvent': 'tf_dpiter.dp_query.correlated_events',
+    'MatrixGaussianEvent': 'tf_dpiter.dp_query.correlated_events',
     'SumAggregationDPQuery': 'tf_dpiter.dp_query.dp_query',
     'clip_by_global_l2_norm': 'tf_dpiter.dp_query.dp_query',
     'global_l2_norm': 'tf_dpiter.dp_query.dp_query',

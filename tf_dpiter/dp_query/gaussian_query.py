@@ -136,6 +136,13 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return cls(l2_norm_clip, gaussian_stddev(l2_norm_clip, noise_multiplier), seed=seed,
                secure_mode=secure_mode)
 
+  @property
+  def noise_generator(self):
+    """The random source of the noise: a `tf.random.Generator` (Philox), or a
+    `randomness.SecureRandom` in secure mode. Multi-worker training makes the generators of
+    all workers identical through it (`keras.multi_worker.synchronize_noise`)."""
+    return self._generator
+
   def get_config(self):
     p = serialization.plain
     return {"l2_norm_clip": p(self._l2_norm_clip), "stddev": p(self._stddev),

@@ -8,7 +8,6 @@ step to a crash-safe journal and resumes it. Epsilon is always computed from wha
 recorded (sampling policy, relation and passes included), never from the settings.
 """
 
-import dataclasses
 import math
 import os
 import warnings
@@ -16,11 +15,11 @@ import weakref
 
 import dp_accounting as dpa
 import keras
-import numpy as np
 
 from tf_dpiter import accounting
 from tf_dpiter import ledger as ledger_lib
-from tf_dpiter.accounting import ledger_events
+from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter.accounting import lookahead
 from tf_dpiter.keras.ledger_callbacks import LedgerExport  # noqa: F401  (re-exported)
 from tf_dpiter.keras.ledger_callbacks import LedgerJournal  # noqa: F401  (re-exported)
 from tf_dpiter.keras.ledger_callbacks import model_ledger
@@ -201,97 +200,40 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     self.verbose = verbose
     self.stopped_at_step = None
     self._hidden_metrics = None
-    self._cache = {}
+    self._budget = lookahead.StepBudget(self.epsilon, self.delta, self.accountant)
 
   def _predicted_sample(self):
-    """(samples [1, 6], queries [1, 5]) of the next step from the optimizer's Gaussian
-    settings, or None (no sampling declared yet, or a custom query)."""
+    """The first step, from the optimizer's Gaussian settings, as a PlannedSample; None when
+    no sampling is declared yet or the optimizer has a custom query."""
     opt = self.model.optimizer
     query = getattr(opt, "dp_query", None)
     if query is None or getattr(opt, "_dp_custom_query", True):
       return None
-    cfg = query.get_config()
-    k = query.examples_per_record
-    factor = ledger_lib.sensitivity_factor(ledger_lib.relation_for_policy(query.policy), k)
-    s, z = opt.l2_norm_clip, opt.noise_multiplier
-    sample = np.array([[cfg["population_size"], cfg["selection_probability"],
-                        cfg["sample_size"], ledger_lib.POLICIES.index(query.policy), k, 1]],
-                      np.float64)
-    return sample, np.array([[0, 0, s, s * z, factor * s]], np.float64)
+    s = opt.l2_norm_clip
+    event = dp_query_lib.GaussianSumEvent(s, dp_query_lib.gaussian_stddev(s, opt.noise_multiplier))
+    return lookahead.PlannedSample(
+        float(query.population_size), float(query.selection_probability), (event,),
+        query.policy, float(query.sample_size), query.examples_per_record)
 
-  def _state(self):
-    """(groups of the ledger, index of the last step's group, passes, ahead) or None."""
-    ahead = int(getattr(self.model, "steps_per_execution", 1) or 1)
+  def _planned(self):
+    """(ledger, the next step like the last one (or predicted), steps per execution)."""
     ledger = model_ledger(self.model)
-    samples, queries = ledger.get_arrays()
-    if samples.shape[0]:
-      last_q = queries[queries[:, 0] == samples.shape[0] - 1].copy()
-      last_q[:, 0] = 0
-      last = (samples[-1:], last_q)
-    else:
-      last = self._predicted_sample()
-      if last is None:
-        return None
-    groups = ledger_events.groups_from_arrays(samples, queries)
-    probe = ledger_events.groups_from_arrays(*last)[0]
-    keys = [dataclasses.replace(g, count=0) for g in groups]
-    key = dataclasses.replace(probe, count=0)
-    if key not in keys:
-      groups.append(key)
-      keys.append(key)
-    return groups, keys.index(key), int(ledger.passes.numpy()), ahead
-
-  def _epsilon_with(self, groups, i, passes, count):
-    """Epsilon of the ledger with group i holding `count` samples (more passes if needed)."""
-    g = dataclasses.replace(groups[i], count=int(count))
-    groups = groups[:i] + [g] + groups[i + 1:]
-    if g.policy == ledger_lib.SHUFFLE:
-      per_pass = math.ceil(g.population_size / g.sample_size)
-      passes = max(passes, math.ceil(count / per_pass))
-    content = accounting.LedgerContent(tuple(x for x in groups if x.count), passes)
-    if not content.groups:
-      return 0.0
-    return float(accounting.report_from_groups(content, delta=self.delta,
-                                               accountant=self.accountant).epsilon)
-
-  def _allowed_count(self, groups, i, passes):
-    """Largest count of group i with epsilon <= budget (binary search, cached)."""
-    key = (tuple(dataclasses.replace(g, count=0) if j == i else g
-                 for j, g in enumerate(groups)), i, passes)
-    if key in self._cache:
-      return self._cache[key]
-    lo, hi = groups[i].count, max(1, 2 * groups[i].count)
-    if self._epsilon_with(groups, i, passes, lo) > self.epsilon:
-      self._cache[key] = lo - 1
-      return lo - 1
-    while self._epsilon_with(groups, i, passes, hi) <= self.epsilon:
-      lo, hi = hi, hi * 2
-      if hi > 10**9:
-        break
-    while hi - lo > 1:
-      mid = (lo + hi) // 2
-      if self._epsilon_with(groups, i, passes, mid) <= self.epsilon:
-        lo = mid
-      else:
-        hi = mid
-    self._cache[key] = lo
-    return lo
+    planned = lookahead.last_sample(ledger) or self._predicted_sample()
+    return ledger, planned, int(getattr(self.model, "steps_per_execution", 1) or 1)
 
   def next_step_epsilon(self):
     """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
-    state = self._state()
-    if state is None:
+    ledger, planned, ahead = self._planned()
+    if planned is None:
       return None
-    groups, i, passes, ahead = state
-    return self._epsilon_with(groups, i, passes, groups[i].count + ahead)
+    return lookahead.epsilon_after(ledger, self.delta, planned, ahead, self.accountant)
 
   def _exceeds(self):
-    state = self._state()
-    if state is None:
+    ledger, planned, ahead = self._planned()
+    if planned is None:
       return False, None
-    groups, i, passes, ahead = state
-    allowed = self._allowed_count(groups, i, passes)
-    return groups[i].count + ahead > allowed, allowed
+    recorded, allowed = self._budget.allowed_total(ledger, planned)
+    return recorded + ahead > allowed, allowed
 
   def _check(self, step_label):
     exceeds, _ = self._exceeds()
@@ -324,7 +266,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     self.stopped_at_step = None
-    self._cache = {}
+    self._budget = lookahead.StepBudget(self.epsilon, self.delta, self.accountant)
     self._hidden_metrics = None
     self.model._dp_halt = False  # pylint: disable=protected-access
     self._check("before training")

@@ -4,7 +4,8 @@
 sum query of clip S and noise stddev z*S, or a user's query) wrapped in
 `ledger.QueryWithLedger`, the sampling declaration the ledger records with every step
 (`set_sampling`), and `noised_average`: one noise draw and one ledger sample per logical
-batch, then division by the batch's denominator (records in the batch; q*n under Poisson).
+batch, then division by the batch's denominator (records in the batch; the public expected size q*n under Poisson and truncated
+Poisson, q*n/b under cyclic Poisson: `expected_records`).
 """
 
 import sys
@@ -14,6 +15,21 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.ledger import records
+
+# Policies whose batch size is random: the noised sum is divided by its public expected size
+# (the realized size is not protected by the noise under add/remove one example).
+EXPECTED_SIZE_POLICIES = (ledger_lib.POISSON, records.CYCLIC_POISSON, records.TRUNCATED_POISSON)
+
+
+def expected_records(policy, population_size, selection_probability, sample_size):
+  """The public expected batch size of a sample: q n, or q n / b under cyclic_poisson (one of
+  its b = sample_size groups is sampled per step); truncated_poisson: q n, the mean before the
+  cap (any public constant keeps the guarantee)."""
+  expected = float(population_size) * float(selection_probability)
+  if policy == records.CYCLIC_POISSON:
+    expected /= float(sample_size)
+  return expected
 
 
 class MechanismMixin:
@@ -43,6 +59,21 @@ class MechanismMixin:
       self._dp_ledger = ledger_lib.PrivacyLedger()
       self._dp_overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="dp_overflowed_records")
+
+  @property
+  def noise_generator(self):
+    """The noise source of the optimizer's query (`GaussianSumQuery.noise_generator`).
+
+    Raises:
+      ValueError: a custom `dp_query` that does not expose `noise_generator`.
+    """
+    self._make_dp_state()
+    generator = getattr(self._dp_base_query, "noise_generator", None)
+    if generator is None:
+      raise ValueError(
+          f"dp_query={self._dp_base_query!r} does not expose `noise_generator`: its noise "
+          "cannot be synchronized across workers")
+    return generator
 
   @property
   def overflowed_records(self):
@@ -138,7 +169,8 @@ class MechanismMixin:
         flat = self._restore_global_state(tf.nest.flatten(init))
         self._dp_global_vars = [tf.Variable(t, trainable=False, name="dp_global_state")
                                 for t in flat]
-      self._dp_expected_records.assign(float(population_size) * float(selection_probability))
+      self._dp_expected_records.assign(
+          expected_records(policy, population_size, selection_probability, sample_size))
     # A call from user code declares data that fit cannot see (DPModel.fit overrides this).
     self._dp_sampling_source = "user"
     return changed
@@ -188,7 +220,7 @@ class MechanismMixin:
 
     Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
     noise is drawn once, in cross-replica context. num_records: records in this replica's
-    batch (the denominator, unless Poisson sampling, where it is q*n).
+    batch (the denominator, unless a Poisson-type policy: `expected_records`).
     """
     self._require_query()
     num_records = tf.cast(num_records, tf.float32)
@@ -207,7 +239,7 @@ class MechanismMixin:
       result = self._noise_and_record(sample_state)
     if not self._dp_normalize:
       denom = tf.constant(1.0)
-    elif self._dp_query.policy == ledger_lib.POISSON:
+    elif self._dp_query.policy in EXPECTED_SIZE_POLICIES:
       denom = self._dp_expected_records.read_value()
     else:
       denom = tf.maximum(num_records, 1.0)

@@ -15,11 +15,12 @@ so Keras' axis-0 MEAN is the mean over all replicas. Put it before the DP model 
 `class M(MultiWorkerFitMixin, DPSequential)`.
 
 The data side is `tf_dpiter.data.indexed_sampling.distributed_poisson_batches` (one global
-Poisson sample per step). Noise: every worker's optimizer draws its own noise on the
-all-reduced clipped sum and Keras averages the workers' updates, so with independent
-generators the update carries noise of std z C / sqrt(W) for W workers, not z C: the
-generators must be made identical across workers, e.g. with `broadcast_from_chief` of the
-chief's generator state (see the report of issue 18).
+Poisson sample per step). Noise: every worker's optimizer draws noise on the all-reduced
+clipped sum and Keras averages the workers' updates, so with independent generators the update
+would carry noise of std z C / sqrt(W) for W workers, not z C. `MultiWorkerFitMixin.fit`
+therefore gives every worker the chief's generator state before training
+(`synchronize_noise`): all workers then draw the same noise, whose mean is that noise, std z C.
+`secure_mode` (os.urandom, no state to share) is refused under several workers.
 """
 
 import keras
@@ -60,8 +61,36 @@ def broadcast_from_chief(strategy, value):
   return strategy.experimental_local_results(strategy.run(contribute))[0]
 
 
+def synchronize_noise(strategy, optimizer):
+  """Makes the DP optimizer's noise generator on every worker a copy of the chief's.
+
+  Call outside `strategy.scope()` and outside any tf.function, before training; afterwards
+  every worker draws the same noise at every step (the draws are made in the same order).
+
+  Args:
+    strategy: the MultiWorkerMirroredStrategy.
+    optimizer: a tf_dpiter DP optimizer.
+  Raises:
+    ValueError: secure_mode (os.urandom has no state to share), or a query without a
+      `noise_generator`.
+  """
+  generator = optimizer.noise_generator
+  if not isinstance(generator, tf.random.Generator):
+    raise ValueError(
+        f"secure_mode noise ({type(generator).__name__}) cannot be synchronized across "
+        f"{num_workers(strategy)} workers: each would add its own noise and the average "
+        "would carry std z C / sqrt(W). Train with secure_mode=False under "
+        "MultiWorkerMirroredStrategy")
+  generator.reset(broadcast_from_chief(strategy, generator.state))
+
+
 class MultiWorkerFitMixin:
   """`fit` under MultiWorkerMirroredStrategy (module docstring); inert on one worker."""
+
+  def fit(self, *args, **kwargs):  # pylint: disable=missing-function-docstring
+    if num_workers(self.distribute_strategy) > 1:
+      synchronize_noise(self.distribute_strategy, self.optimizer)
+    return super().fit(*args, **kwargs)
 
   def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     if iterator is not None and data_batch is None and num_workers(self.distribute_strategy) > 1:

@@ -55,11 +55,16 @@ class QueryWithLedger(dp_query.DPQuery):
   def _check_sampling(population_size, selection_probability, sample_size, policy):
     validation.check_positive("population_size", population_size)
     validation.check_probability("selection_probability", selection_probability)
-    if policy in (privacy_ledger.FIXED_SIZE, privacy_ledger.SHUFFLE):
+    if policy in (privacy_ledger.FIXED_SIZE, privacy_ledger.SHUFFLE, records.CYCLIC_POISSON,
+                  records.TRUNCATED_POISSON):
       if not 1 <= float(sample_size) <= float(population_size):
         raise PrivacyConfigError(
             f"sample_size must be in [1, population_size={population_size}] for "
                          f"policy {policy!r}, got {sample_size!r}")
+      if policy in records.EXTRA_POLICIES and float(sample_size) != int(float(sample_size)):
+        raise PrivacyConfigError(
+            f"sample_size (the cycle length b or the cap B) must be a whole number for policy "
+            f"{policy!r}, got {sample_size!r}")
 
   @property
   def ledger(self):
