@@ -5,6 +5,7 @@ of users and sensitivity C per user record. The real train step (fit, noise 0, l
 1, no normalization: the weights move by minus the clipped sum) is run on a batch of users and
 on its neighbours with one whole user removed, and compared with a per-user loop."""
 
+import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def _model(clipping):
 def _one_batch(batch, num_users):
   ds = tf.data.Dataset.from_tensors(batch)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
-      "poisson", num_users, 0.3, 0.3 * num_users, user_sampling.UserGrouping(K, num_users)))
+      "user_poisson", num_users, 0.3, 0.3 * num_users, user_sampling.UserGrouping(K, num_users)))
 
 
 def _fit_sum(model, batch, num_users):
@@ -73,7 +74,8 @@ def test_poisson_user_batches_layout_and_ledger():
   ds = user_sampling.poisson_user_batches(x, y, uid, expected_users_per_batch=4,
                                           max_examples_per_user=K, steps_per_epoch=3, seed=1)
   spec = sampling_lib.get_sampling_spec(ds)
-  assert (spec.policy, spec.population_size, spec.selection_probability) == ("poisson", 10, 0.4)
+  assert (spec.policy, spec.population_size, spec.selection_probability) == (
+      "user_poisson", 10, 0.4)
   for xb, yb, wb in ds.take(3):
     xb, wb = xb.numpy(), wb.numpy()
     assert len(wb) % K == 0
@@ -82,11 +84,28 @@ def test_poisson_user_batches_layout_and_ledger():
       owners = {int(uid[np.flatnonzero((x == r).all(1))[0]]) for r in rows}
       assert len(owners) <= 1
   model = _model("auto")
-  with pytest.warns(RuntimeWarning, match="NOT an example-level"):
-    model.fit(ds, epochs=1, verbose=0)
+  model.fit(ds, epochs=1, verbose=0)
   ledger = model.ledger.to_dict()["runs"][-1]
   assert ledger["population_size"] == 10 and ledger["examples_per_record"] == 1
+  assert ledger["policy"] == "user_poisson"
   assert int(model.ledger.sample_count) == 3
+
+
+def test_user_level_statement_names_the_user_and_epsilon_matches_dp_accounting():
+  """The ledger's claim is add/remove one user; epsilon = dp-accounting by hand (Poisson over
+  users, q = 4/10, z = 1.3, 3 steps)."""
+  x, y, uid = _users()
+  ds = user_sampling.poisson_user_batches(x, y, uid, expected_users_per_batch=4,
+                                          max_examples_per_user=K, steps_per_epoch=3, seed=1)
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 1.3, learning_rate=0.1), loss=LOSS)
+  model.fit(ds, epochs=1, verbose=0)
+  report = dp.accounting.privacy_report(model.ledger, delta=1e-5)
+  assert report.assumptions[0].startswith("neighbouring relation: add or remove one user")
+  accountant = dpa.rdp.RdpAccountant()
+  accountant.compose(dpa.PoissonSampledDpEvent(0.4, dpa.GaussianDpEvent(1.3)), 3)
+  assert report.epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
 
 
 @pytest.mark.parametrize("clipping", ["auto", pytest.param("vectorized", marks=pytest.mark.slow)])

@@ -41,9 +41,9 @@ def group_mu_squared(group):
   if not math.isfinite(z):
     return 0.0
   q = group.selection_probability
-  if group.policy == rec.FULL or (group.policy == rec.POISSON and q >= 1.0):
+  if group.policy == rec.FULL or (group.policy in rec.POISSON_POLICIES and q >= 1.0):
     return group.count / z ** 2
-  if group.policy == rec.POISSON:
+  if group.policy in rec.POISSON_POLICIES:
     return group.count * q ** 2 * math.expm1(1.0 / z ** 2)
   raise ValueError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
                    f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "

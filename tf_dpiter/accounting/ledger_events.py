@@ -141,6 +141,8 @@ def _mechanism(group):
 
 def _unit(group):
   k = group.examples_per_record
+  if rec.unit_of_policy(group.policy) == "user":
+    return "user (a record is all of one user's examples, up to max_examples_per_user)"
   return "example" if k <= 1 else f"example (records are microbatches of {k} examples: sensitivity 2C)"
 
 
@@ -178,7 +180,7 @@ def group_event(group, accountant="rdp", passes=0):
     return dpa.SelfComposedDpEvent(mech, group.count), notes
   if group.correlated or group.policy in rec.EXTRA_POLICIES:
     return _extra_event(group, mech, accountant, passes, notes), notes
-  if group.policy == rec.POISSON and q < 1:
+  if group.policy in rec.POISSON_POLICIES and q < 1:
     if gaussian_only or (accountant == "pld" and len(group.laplace_noise_multipliers) == 1
                          and not math.isfinite(group.noise_multiplier)):
       notes.append(f"Poisson sampling (q={q:.6g}, n={n:.0f}): amplification by subsampling "

@@ -5,18 +5,18 @@ Relation: add or remove one user with all of their examples. A record is a user:
 `max_examples_per_user` = k of their examples (the first k in data order: a function of that
 user's data alone, so removing one user changes no other user's record). Every step samples
 each user independently with probability q = expected_users_per_batch / U (U users); the
-ledger records n = U, q, policy "poisson" and one record per user (sensitivity C: the user's
-clipped gradient, that of the mean loss over their kept examples, appears or not).
+ledger records n = U, q, policy "user_poisson" (accounted as Poisson over users; its statement
+names the unit "user") and one record per user (sensitivity C: the user's clipped gradient,
+that of the mean loss over their kept examples, appears or not).
 
 Layout of a step's batch: users one after the other, k rows each (rows j*k ... j*k + k - 1 are
 user j's), padded with rows of weight 0 when a user has fewer than k examples and with whole
 empty users up to a static size. `DPModel.fit` reads the `UserGrouping` in the dataset's
 `SamplingSpec` and clips per user (train_step), never per example.
 
-Limitation (stated by a warning in fit): the ledger has no "user" unit yet, so its statement
-names the unit "example" while its records are users. Its epsilon is the user-level epsilon;
-it is not an example-level add/remove epsilon at the same value (removing one example of a
-user who stays moves that user's record by up to 2C).
+The epsilon is the user-level epsilon; it is not an example-level add/remove epsilon at the
+same value (removing one example of a user who stays moves that user's record by up to 2C),
+and the statement says so by naming the unit.
 """
 
 import dataclasses
@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.ledger import records
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,5 +117,5 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
   ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
-      sampling_lib.POISSON, num_users, q, float(expected_users_per_batch),
+      records.USER_POISSON, num_users, q, float(expected_users_per_batch),
       UserGrouping(k, num_users)))

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.ledger import records
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.data import shuffling
@@ -162,6 +163,9 @@ def describe(spec, reason, meter=None):
   if spec.policy == ledger_lib.POISSON:
     what = (f"Poisson sampling (q = {spec.selection_probability:.4g}, expected batch "
             f"{b:g} of n = {n}; add/remove-one adjacency, sensitivity S)")
+  elif spec.policy == records.USER_POISSON:
+    what = (f"Poisson sampling of users (q = {spec.selection_probability:.4g}, expected "
+            f"{b:g} users of n = {n}; add/remove-one-user adjacency, sensitivity S per user)")
   elif spec.policy == ledger_lib.SHUFFLE:
     what = (f"shuffled passes (batches of {b:g} of n = {n}; replace-one adjacency, "
             "sensitivity 2S, no amplification: each pass started costs one mechanism)")

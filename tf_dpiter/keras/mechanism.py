@@ -19,7 +19,8 @@ from tf_dpiter.ledger import records
 
 # Policies whose batch size is random: the noised sum is divided by its public expected size
 # (the realized size is not protected by the noise under add/remove one example).
-EXPECTED_SIZE_POLICIES = (ledger_lib.POISSON, records.CYCLIC_POISSON, records.TRUNCATED_POISSON)
+EXPECTED_SIZE_POLICIES = (ledger_lib.POISSON, records.USER_POISSON, records.CYCLIC_POISSON,
+                          records.TRUNCATED_POISSON)
 
 
 def expected_records(policy, population_size, selection_probability, sample_size):

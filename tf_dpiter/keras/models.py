@@ -22,7 +22,6 @@ The private step itself is in train_step.py.
 """
 
 import inspect
-import warnings
 
 import keras
 import tensorflow as tf
@@ -187,14 +186,6 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       raise ValueError(
           f"num_microbatches={num_microbatches} cannot be used with user-level batches "
           "(dp.data.poisson_user_batches): the record is already the user")
-    if per_user is not None:
-      warnings.warn(
-          "user-level batches: the ledger records one record per user (n = users, "
-          "sensitivity C for adding or removing one user with all of their examples), but its "
-          "statement still names the unit 'example' (the ledger has no 'user' unit yet). The "
-          "epsilon holds for one user; it is NOT an example-level add/remove epsilon (one "
-          "example removed from a user that stays moves that user's record by up to 2C)",
-          RuntimeWarning)
     if getattr(self, "_dp_examples_per_user", None) != per_user:
       self._dp_examples_per_user = per_user
       self.train_function = None

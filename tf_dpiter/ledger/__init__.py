@@ -20,6 +20,7 @@ from tf_dpiter.ledger.records import POLICIES
 from tf_dpiter.ledger.records import RELATIONS
 from tf_dpiter.ledger.records import REPLACE_ONE
 from tf_dpiter.ledger.records import SHUFFLE
+from tf_dpiter.ledger.records import USER_POISSON
 from tf_dpiter.ledger.records import QueryRecord
 from tf_dpiter.ledger.records import SampleRun
 from tf_dpiter.ledger.records import relation_for_policy
@@ -34,7 +35,7 @@ _LAZY = {
 
 __all__ = sorted(list(_LAZY) + [
     "ADD_OR_REMOVE", "FIXED_SIZE", "FULL", "POISSON", "POLICIES", "RELATIONS", "REPLACE_ONE",
-    "SHUFFLE", "QueryRecord", "SampleRun", "relation_for_policy", "run_length_encode",
+    "SHUFFLE", "USER_POISSON", "QueryRecord", "SampleRun", "relation_for_policy", "run_length_encode",
     "sensitivity_factor"])
 
 

@@ -38,7 +38,13 @@ CYCLIC_POISSON = "cyclic_poisson"        # n split into b fixed groups; step t P
 TRUNCATED_POISSON = "truncated_poisson"  # Poisson(q) then a uniform subset of at most B.
                                          # sample_size = B (the static cap)
 EXTRA_POLICIES = (CYCLIC_POISSON, TRUNCATED_POISSON)
-ALL_POLICIES = POLICIES + EXTRA_POLICIES
+# User-level Poisson sampling (seed 002, Table 1: a record is all of one user's data, up to
+# max_examples_per_user examples): each *user* joins each sample with probability q; the unit
+# of privacy is the user (add or remove one user with all of their examples). Accounted as
+# POISSON over n = users.
+USER_POISSON = "user_poisson"
+POISSON_POLICIES = (POISSON, USER_POISSON)
+ALL_POLICIES = POLICIES + EXTRA_POLICIES + (USER_POISSON,)
 _POLICY_CODE = {p: i for i, p in enumerate(ALL_POLICIES)}
 
 # Neighbouring relations (seed 002, Appendix A), spelled as dp-accounting's NeighboringRelation.
@@ -47,7 +53,13 @@ REPLACE_ONE = "replace_one"
 RELATIONS = (ADD_OR_REMOVE, REPLACE_ONE)
 _RELATION_OF_POLICY = {POISSON: ADD_OR_REMOVE, FULL: ADD_OR_REMOVE,
                        FIXED_SIZE: REPLACE_ONE, SHUFFLE: REPLACE_ONE}
-_RELATION_OF_POLICY.update({CYCLIC_POISSON: ADD_OR_REMOVE, TRUNCATED_POISSON: ADD_OR_REMOVE})
+_RELATION_OF_POLICY.update({CYCLIC_POISSON: ADD_OR_REMOVE, TRUNCATED_POISSON: ADD_OR_REMOVE,
+                            USER_POISSON: ADD_OR_REMOVE})
+
+
+def unit_of_policy(policy):
+  """The unit of privacy a policy's records stand for: "user" for user_poisson, else "example"."""
+  return "user" if policy == USER_POISSON else "example"
 
 # Query kinds.
 GAUSSIAN, LAPLACE, NON_PRIVATE = 0, 1, 2
@@ -169,7 +181,7 @@ def _check_samples(samples):
     i = _first_bad(mask)
     if i is not None:
       raise ValueError(f"{msg}, got {col[i]!r} at sample {i}")
-  add_remove = np.isin(pol, [_POLICY_CODE[POISSON], _POLICY_CODE[FULL]])
+  add_remove = np.isin(pol, [_POLICY_CODE[POISSON], _POLICY_CODE[FULL], _POLICY_CODE[USER_POISSON]])
   i = _first_bad(add_remove & (k > 1))
   if i is not None:
     raise ValueError(
