@@ -87,6 +87,29 @@ def test_from_budget_calibrates_noise_against_dp_accounting(caplog):
                                               noise_multiplier=1.0)
 
 
+def test_make_private_with_epsilon_calibrates_a_copy_of_the_plain_optimizer():
+  """Opacus' one call: the functional model becomes private, the plain Adam becomes a DP Adam
+  with its hyperparameters and a noise multiplier calibrated against dp-accounting."""
+  n, batch, epochs, eps, delta = 6000, 64, 2, 3.0, 1e-5
+  inputs = keras.Input((4,))
+  model = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+  model, opt = dp.keras.make_private_with_epsilon(
+      model, keras.optimizers.Adam(learning_rate=3e-3, beta_1=0.8), eps, delta, epochs,
+      batch, n, l2_norm_clip=0.5)
+  assert isinstance(model, dp.keras.DPModelMixin) and isinstance(opt, keras.optimizers.Adam)
+  assert opt.l2_norm_clip == 0.5 and opt.beta_1 == pytest.approx(0.8)
+  assert opt.learning_rate.numpy() == pytest.approx(3e-3)
+  z, steps, q = opt.noise_multiplier, math.ceil(epochs * n / batch), batch / n
+  assert _dp_accounting_epsilon(z, q, steps, delta) <= eps
+  assert _dp_accounting_epsilon(z * (1 - 2e-3), q, steps, delta) > eps
+  model.compile(optimizer=opt, loss=LOSS)
+  x, y = _data()
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert int(model.ledger.sample_count) > 0
+  with pytest.raises(ValueError, match="plain keras.optimizers.Optimizer"):
+    dp.keras.make_private_with_epsilon(model, opt, eps, delta, epochs, batch, n, 0.5)
+
+
 def test_gradient_accumulation_steps_is_refused_with_the_fix():
   """Keras' accumulation would noise and charge every micro-step (30 ledger samples for 7
   updates); the error points to max_physical_batch_size, which keeps one noise draw and one

@@ -11,6 +11,7 @@ from tf_dpiter.keras.models import DPSequential
 from tf_dpiter.keras.models import check_no_batch_mixing
 from tf_dpiter.keras.models import make_dp_model_class
 from tf_dpiter.keras.models import make_private
+from tf_dpiter.keras.models import make_private_with_epsilon
 from tf_dpiter.keras.models import private_class
 from tf_dpiter.keras.optimizers import CLIPPING_MODES
 from tf_dpiter.keras.optimizers import DPKerasAdagradOptimizer
@@ -33,6 +34,6 @@ __all__ = [
     "DPOptimizerMixin", "DPSequential", "LedgerJournal", "PrivacyMeter",
     "VectorizedDPKerasAdagradOptimizer", "VectorizedDPKerasAdamOptimizer",
     "VectorizedDPKerasSGDOptimizer", "callbacks", "check_no_batch_mixing", "example_models",
-    "fast_clipping", "make_dp_model_class", "make_dp_optimizer_class", "make_private",
+    "fast_clipping", "make_dp_model_class", "make_dp_optimizer_class", "make_private", "make_private_with_epsilon",
     "private_class",
 ]

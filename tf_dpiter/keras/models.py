@@ -277,6 +277,40 @@ def make_dp_model_class(cls):
   return _TFP_CLASSES[cls]
 
 
+def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_size,
+                              population_size, l2_norm_clip, sampling="poisson",
+                              accountant="rdp", **dp_kwargs):
+  """Opacus' `make_private_with_epsilon` for Keras: the model made private and a DP copy of the
+  plain `optimizer` whose noise multiplier the accountant calibrated to (epsilon, delta)
+  (`DPKeras*Optimizer.from_budget`: ceil(epochs n / B) steps at q = B / n under `sampling`).
+  Compile the model with the returned optimizer and train with the same batch size, epochs and
+  sampling.
+
+  Args:
+    model: a keras.Model (see make_private).
+    optimizer: a plain keras.optimizers.Optimizer instance (its hyperparameters are kept).
+    epsilon, delta: the target.
+    epochs, batch_size, population_size: E, B (expected batch size), n.
+    l2_norm_clip: the clipping norm S.
+    sampling, accountant: as in `from_budget`.
+    **dp_kwargs: other DP optimizer arguments (num_microbatches, clipping, ...).
+  Returns:
+    (model, dp_optimizer).
+  Raises:
+    ValueError: a DP or non-Keras optimizer, or what from_budget refuses.
+  """
+  if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
+      optimizer, opt_lib.DPOptimizerMixin):
+    raise ValueError(f"optimizer must be a plain keras.optimizers.Optimizer instance, got "
+                     f"{optimizer!r}")
+  z, calib = opt_lib.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
+                                      sampling, accountant, dp_kwargs.get("num_microbatches"),
+                                      who="make_private_with_epsilon")
+  dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)
+  dp_opt.calibration = calib
+  return make_private(model), dp_opt
+
+
 def make_private(model):
   """Turns a built or unbuilt keras.Model (sequential, functional or subclassed) into its
   DP version in place (its class becomes `private_class(type(model))`) and returns it.

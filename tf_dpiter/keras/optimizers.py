@@ -115,7 +115,9 @@ class DPOptimizerMixin(mechanism.MechanismMixin, clipped_sum.ClippedSumMixin,
       epochs, batch_size, population_size: E, B (expected batch size), n.
       sampling: "poisson", "shuffle" or "fixed_size" (ledger.POLICIES).
       *args, **kwargs: the class' other arguments; l2_norm_clip is required, noise_multiplier
-        and dp_query are not accepted.
+        and dp_query are not accepted (Adam's own `epsilon` cannot be passed here, its name
+        is the target's: use `dp.keras.make_private_with_epsilon(model, keras.optimizers.Adam(
+        epsilon=...), ...)`).
       accountant: "rdp" or "pld".
 
     Returns:
@@ -131,20 +133,12 @@ class DPOptimizerMixin(mechanism.MechanismMixin, clipped_sum.ClippedSumMixin,
     if kwargs.get("l2_norm_clip") is None:
       raise ValueError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
                        "multiplier is calibrated")
-    z = calibration.compute_noise_from_budget(
-        population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
-        sampling=sampling, num_microbatches=kwargs.get("num_microbatches"))
-    steps = dp_sgd.dp_sgd_steps(population_size, batch_size, epochs)
+    z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,
+                                accountant, kwargs.get("num_microbatches"),
+                                who=f"{cls.__name__}.from_budget")
     opt = cls(kwargs.pop("l2_norm_clip"), z, kwargs.pop("num_microbatches", None), *args,
               **{k: v for k, v in kwargs.items() if k not in ("noise_multiplier", "dp_query")})
-    opt.calibration = {"epsilon": float(epsilon), "delta": float(delta), "epochs": epochs,
-                       "batch_size": batch_size, "population_size": population_size,
-                       "sampling": sampling, "steps": steps, "accountant": accountant,
-                       "noise_multiplier": z}
-    _LOG.info("%s.from_budget: noise_multiplier=%.4f calibrated by the %s accountant for "
-              "epsilon=%g, delta=%g over %d steps (q=%.6g, %s sampling, n=%d)", cls.__name__, z,
-              accountant, epsilon, delta, steps, batch_size / population_size, sampling,
-              population_size)
+    opt.calibration = calib
     return opt
 
   # ---- properties ---------------------------------------------------------------------
@@ -302,14 +296,39 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
   if isinstance(optimizer, DPOptimizerMixin):
     raise ValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
   cls = make_dp_optimizer_class(type(optimizer))
-  config = dict(optimizer.get_config())
-  lr = config.get("learning_rate")
-  if isinstance(lr, dict):
-    config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
+  config = constructor_config(optimizer)
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
              max_physical_batch_size=max_physical_batch_size, clipping=clipping,
              normalize=normalize, seed=seed, ledger_journal=ledger_journal,
              secure_mode=secure_mode, **config)
+
+
+def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling="poisson",
+                     accountant="rdp", num_microbatches=None, who="from_budget"):
+  """(z, calibration dict): the smallest noise multiplier for which ceil(epochs n / B) DP-SGD
+  steps at q = B / n under `sampling` give epsilon <= the target at delta
+  (accounting.calibration.compute_noise_from_budget), logged on logger "tf_dpiter" (INFO)."""
+  z = calibration.compute_noise_from_budget(
+      population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
+      sampling=sampling, num_microbatches=num_microbatches)
+  steps = dp_sgd.dp_sgd_steps(population_size, batch_size, epochs)
+  calib = {"epsilon": float(epsilon), "delta": float(delta), "epochs": epochs,
+           "batch_size": batch_size, "population_size": population_size, "sampling": sampling,
+           "steps": steps, "accountant": accountant, "noise_multiplier": z}
+  _LOG.info("%s: noise_multiplier=%.4f calibrated by the %s accountant for epsilon=%g, "
+            "delta=%g over %d steps (q=%.6g, %s sampling, n=%d)", who, z, accountant, epsilon,
+            delta, steps, batch_size / population_size, sampling, population_size)
+  return z, calib
+
+
+def constructor_config(optimizer):
+  """The keyword arguments that rebuild a plain Keras `optimizer` (its get_config, with a
+  learning-rate schedule deserialized)."""
+  config = dict(optimizer.get_config())
+  lr = config.get("learning_rate")
+  if isinstance(lr, dict):
+    config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
+  return config
 
 
 DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)
