@@ -242,7 +242,10 @@ ADVERSARY_TWO_ASSUMPTION = (
     "    sees the instance a client drew and the one it returned has adversary I's view\n"
     "    (epsilon). The service upholds it by reading the store obliviously (whole snapshots,\n"
     "    the drawn index is never stored), requiring a token (serve --tokens) and limiting\n"
-    "    draws per token (--draw-quota); it does not hold against many colluding tokens.")
+    "    draws per token (--draw-quota), which must stay far below the store's update rate:\n"
+    "    with 100 updates/s, an attacker token recovered 0 of 40 victim steps at 2 draws/s,\n"
+    "    8 of 40 at 20/s and 38 of 40 at 200/s (BENCHMARKS.md). It does not hold against\n"
+    "    many colluding tokens.")
 
 
 @dataclasses.dataclass(frozen=True)
