@@ -40,13 +40,18 @@ def _centering_model():
   return dp.keras.DPModel(inp, keras.layers.Dense(3)(h))
 
 
+def _centering_data():
+  """30 records of 6 features (scale 3) and 3 classes, fixed seed."""
+  rng = np.random.RandomState(1)
+  return rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+
+
 def test_batch_mixing_layer_is_named():
   keras.utils.set_random_seed(0)
   model = _centering_model()
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
                                                        clipping="vectorized"), loss=LOSS)
-  rng = np.random.RandomState(1)
-  x, y = rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+  x, y = _centering_data()
   assert sensitivity.batch_mixing_layers(model, x[:8]) == ("batch_centering",)
   report = sensitivity.check_sensitivity(model, x, y, num_candidates=12)
   assert "batch_centering" in report.batch_mixing_layers
@@ -63,8 +68,7 @@ def test_batch_mixing_model_is_exact_on_its_path(clipping):
   model = _centering_model()
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
                                                        clipping=clipping), loss=LOSS)
-  rng = np.random.RandomState(1)
-  x, y = rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+  x, y = _centering_data()
   before = [w.copy() for w in model.get_weights()]
   report = sensitivity.check_sensitivity(model, x, y, num_candidates=20)
   assert report.path == "vectorized"
@@ -81,8 +85,7 @@ def test_fast_path_is_refused_on_batch_mixing_model():
   model = _centering_model()
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1,
                                                        clipping="fast"), loss=LOSS)
-  rng = np.random.RandomState(1)
-  x, y = rng.randn(30, 6).astype("float32") * 3, rng.randint(0, 3, 30)
+  x, y = _centering_data()
   with pytest.raises(ValueError, match="batch_centering"):
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
   with pytest.raises(ValueError, match="clipping='fast'.*batch_centering"):
