@@ -13,7 +13,6 @@ The step counter lives in the sampler, so a dataset iterated again (Keras starts
 epoch) continues the cycle where it stopped.
 """
 
-import math
 
 import numpy as np
 import tensorflow as tf
@@ -103,22 +102,17 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec):
   xs = tf.nest.map_structure(np.asarray, x)
   ys = None if y is None else tf.nest.map_structure(np.asarray, y)
 
-  def pad(a, idx, size):
-    out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
-    out[:len(idx)] = a[idx]
-    return out
-
   def gen():
     for _ in range(steps):
       idx = next_indices()
-      size = max_batch_size * max(1, math.ceil(len(idx) / max_batch_size))
+      size = sampling.padded_size(len(idx), max_batch_size)
       mask = np.zeros([size], np.float32)
       mask[:len(idx)] = 1.0
-      bx = tf.nest.map_structure(lambda a: pad(a, idx, size), xs)
+      bx = tf.nest.map_structure(lambda a: sampling.pad_rows(a[idx], size), xs)
       if ys is None:
         yield bx, mask
       else:
-        yield bx, tf.nest.map_structure(lambda a: pad(a, idx, size), ys), mask
+        yield bx, tf.nest.map_structure(lambda a: sampling.pad_rows(a[idx], size), ys), mask
 
   def sig(a):
     return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))

@@ -20,7 +20,6 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
-from tf_dpiter.data import indexed_sampling
 
 
 def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None,
@@ -39,8 +38,8 @@ def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None
     ValueError: an argument out of range, or x and y of different lengths.
   """
   n = sampling_lib.num_records(tuple(a for a in (x, y) if a is not None))
-  q, steps = indexed_sampling.check_poisson_args(n, expected_batch_size, steps_per_epoch,
-                                                 max_batch_size)
+  q, steps = sampling_lib.check_poisson_args(n, expected_batch_size, steps_per_epoch,
+                                            max_batch_size)
   pad = sampling_lib.default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
   if seed is None:
     key = [secrets.randbits(63), secrets.randbits(63)]

@@ -20,7 +20,6 @@ step t. The spec attached states the global n and q; the ledger records one samp
 global step (see `distributed_poisson_batches`).
 """
 
-import math
 
 import numpy as np
 import tensorflow as tf
@@ -50,30 +49,6 @@ def poisson_indices(rng, lo, hi, q):
   idx = rng.choice(hi - lo, size=m, replace=False, shuffle=False)
   idx = np.sort(idx.astype(np.int64))
   return idx + lo
-
-
-def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
-  """(q, steps_per_epoch) for a Poisson sampler of n records; ValueError naming a bad one."""
-  if isinstance(expected_batch_size, bool) or not isinstance(
-      expected_batch_size, (int, float, np.integer, np.floating)) or not (
-          0 < expected_batch_size <= n):
-    raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
-  q = float(expected_batch_size) / n
-  steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
-  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-    raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
-  if max_batch_size != "auto" and max_batch_size is not None and (
-      isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
-      or max_batch_size < 1):
-    raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
-                     f"{max_batch_size!r}")
-  return q, int(steps)
-
-
-def _padded(a, size):
-  out = np.zeros((size,) + a.shape[1:], a.dtype)
-  out[:a.shape[0]] = a
-  return out
 
 
 def _signature(source):
@@ -107,7 +82,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     ValueError: an argument out of range.
   """
   n = int(source.num_records)
-  q, steps = check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
+  q, steps = sampling_lib.check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
   ranges = [part_range(n, num_parts, p) for p in parts]
   if not ranges or len(set(parts)) != len(parts):
     raise ValueError(f"parts must be distinct part indices, got {parts!r}")
@@ -121,11 +96,11 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
       for rng, (lo, hi), pad in zip(rngs, ranges, pads):
         idx = poisson_indices(rng, lo, hi, q)
         m = idx.shape[0]
-        size = m if pad is None else pad * max(1, int(math.ceil(m / pad)))
+        size = sampling_lib.padded_size(m, pad)
         arrays = [a for a in source.read(idx) if a is not None]
         mask = np.zeros([size], np.float32)
         mask[:m] = 1.0
-        yield tuple(_padded(a, size) for a in arrays) + (mask,)
+        yield tuple(sampling_lib.pad_rows(a, size) for a in arrays) + (mask,)
 
   ds = tf.data.Dataset.from_generator(gen, output_signature=_signature(source))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps * len(parts))).prefetch(2)
@@ -153,8 +128,8 @@ def distributed_poisson_batches(strategy, source, expected_batch_size=256,
     A distributed dataset for `model.fit` (give fit `steps_per_epoch` as well).
   """
   n_rep = int(strategy.num_replicas_in_sync)
-  q, steps = check_poisson_args(int(source.num_records), expected_batch_size, steps_per_epoch,
-                         max_batch_size)
+  q, steps = sampling_lib.check_poisson_args(int(source.num_records), expected_batch_size,
+                                             steps_per_epoch, max_batch_size)
 
   def dataset_fn(ctx):
     local = n_rep // ctx.num_input_pipelines

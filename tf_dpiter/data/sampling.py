@@ -184,32 +184,27 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     ValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
-  q, steps_per_epoch, max_batch_size = _check_poisson_args(
-      n, expected_batch_size, steps_per_epoch, max_batch_size)
+  q, steps_per_epoch = check_poisson_args(n, expected_batch_size, steps_per_epoch,
+                                          max_batch_size)
+  if max_batch_size == "auto":
+    max_batch_size = default_max_batch_size(n, q)
   rng = make_rng(seed)
   xs = tf.nest.map_structure(np.asarray, x)
   ys = None if y is None else tf.nest.map_structure(np.asarray, y)
   ws = None if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(n)
 
-  def _pad(a, size):
-    out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
-    out[:a.shape[0]] = a
-    return out
-
   def gen():
     for _ in range(steps_per_epoch):
       idx = np.flatnonzero(rng.random(n) < q)
       m = idx.shape[0]
-      size = m
-      if max_batch_size is not None:
-        size = max_batch_size * max(1, int(math.ceil(m / max_batch_size)))
-      bx = tf.nest.map_structure(lambda a: _pad(a[idx], size), xs)
+      size = padded_size(m, max_batch_size)
+      bx = tf.nest.map_structure(lambda a: pad_rows(a[idx], size), xs)
       mask = np.zeros([size], np.float32)
       mask[:m] = 1.0 if ws is None else ws[idx]
       if ys is None:
         yield bx, mask
       else:
-        yield bx, tf.nest.map_structure(lambda a: _pad(a[idx], size), ys), mask
+        yield bx, tf.nest.map_structure(lambda a: pad_rows(a[idx], size), ys), mask
 
   # The batch dimension is left unknown in the element spec: samples are padded to
   # max_batch_size, so one concrete shape reaches XLA, except for a rare oversize sample
@@ -231,20 +226,34 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return attach_spec(ds.prefetch(2), get_sampling_spec(ds))
 
 
-def _check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
-  """(q, steps_per_epoch, max_batch_size) checked and defaulted; ValueError naming the bad one."""
-  if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
-      0 < expected_batch_size <= n):
+def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
+  """(q, steps_per_epoch) for a Poisson sampler of n records; ValueError naming a bad one."""
+  if isinstance(expected_batch_size, bool) or not isinstance(
+      expected_batch_size, (int, float, np.integer, np.floating)) or not (
+          0 < expected_batch_size <= n):
     raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
   q = float(expected_batch_size) / n
-  if steps_per_epoch is None:
-    steps_per_epoch = max(1, int(round(1.0 / q)))
-  if isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, (int, np.integer)) or (
-      steps_per_epoch < 1):
+  steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
+  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
     raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
-  if max_batch_size == "auto":
-    max_batch_size = default_max_batch_size(n, q)
-  elif max_batch_size is not None:
-    if not isinstance(max_batch_size, (int, np.integer)) or max_batch_size < 1:
-      raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got {max_batch_size!r}")
-  return q, int(steps_per_epoch), max_batch_size
+  if max_batch_size != "auto" and max_batch_size is not None and (
+      isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
+      or max_batch_size < 1):
+    raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
+                     f"{max_batch_size!r}")
+  return q, int(steps)
+
+
+def padded_size(num_sampled, max_batch_size):
+  """Rows a sample of `num_sampled` records is padded to: max_batch_size, or its next
+  multiple for a larger sample (never truncated); num_sampled itself when None."""
+  if max_batch_size is None:
+    return num_sampled
+  return max_batch_size * max(1, int(math.ceil(num_sampled / max_batch_size)))
+
+
+def pad_rows(a, size):
+  """a (rows on the leading axis) followed by zero rows up to `size` rows."""
+  out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
+  out[:a.shape[0]] = a
+  return out

@@ -20,7 +20,6 @@ and the statement says so by naming the unit.
 """
 
 import dataclasses
-import math
 
 import numpy as np
 import tensorflow as tf
@@ -102,7 +101,7 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
   def gen():
     for _ in range(steps):
       chosen = table[np.flatnonzero(rng.random(num_users) < q)]
-      size = cap * max(1, int(math.ceil(len(chosen) / cap)))
+      size = sampling_lib.padded_size(len(chosen), cap)
       idx = np.full((size, k), -1, np.int64)
       idx[:len(chosen)] = chosen
       flat = idx.reshape(-1)
