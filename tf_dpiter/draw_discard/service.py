@@ -127,7 +127,6 @@ class DDMLService:
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
     self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
-    self.k = int(k)
     self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight,
                                           spread_std=self.initial_std(),
                                           centre_factor=centre_factor)
@@ -199,13 +198,17 @@ class DDMLService:
         self.metrics.inc("snapshot_refreshes_total", help_text="full reads of the k slots")
     return self._snap
 
-  async def _snapshot_for_draw(self) -> store_lib.Snapshot:
-    seq = await self.store.touch(draws=1)
+  async def _snapshot_at(self, seq: int) -> store_lib.Snapshot:
+    """The last snapshot, or a new one when the store moved past it (memory: always; Redis:
+    once the last one is older than draw_max_age_s)."""
     snap = self._snap
     if snap is None or (snap.seq != seq and (
         self.store.kind == "memory" or time.monotonic() - self._snap_time > self.draw_max_age_s)):
       snap = await self._refresh(seq)
     return snap
+
+  async def _snapshot_for_draw(self) -> store_lib.Snapshot:
+    return await self._snapshot_at(await self.store.touch(draws=1))
 
   # ---- helpers ----
   def _weights_payload(self, w: np.ndarray, encoding: str) -> bytes:
@@ -291,8 +294,9 @@ class DDMLService:
       new = sub.weights
       if self.rebase:  # the step lands on an instance the server draws now
         new = (await self._recent_snapshot()).slots[secrets.randbelow(self.k)] + adm.step
-        if self.rule.value_reason(new):
-          raise await self._refuse(admission.rule_refusal(self.rule, self.rule.value_reason(new)))
+        bad = self.rule.value_reason(new)
+        if bad:
+          raise await self._refuse(admission.rule_refusal(self.rule, bad))
       return await self.store.replace(secrets.randbelow(self.k), new, adm.nonce,
                                       self.ticket_ttl_s, draws)
     except store_lib.TicketUsed as e:
@@ -319,10 +323,7 @@ class DDMLService:
     if request.query.get("draw") == "raw" and await self._may_draw(request):
       # the next round's draw in the same answer (one request per update in steady state);
       # the replace just checked the generation and returned seq: no extra store call
-      snap = self._snap
-      if snap is None or (snap.seq != seq and (
-          self.store.kind == "memory" or time.monotonic() - self._snap_time > self.draw_max_age_s)):
-        snap = await self._refresh(seq)
+      snap = await self._snapshot_at(seq)
       self._pending_draws += 1
       self.metrics.inc("draws_total", help_text="instances served")
       w = snap.slots[secrets.randbelow(self.k)].copy()
