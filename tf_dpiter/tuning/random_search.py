@@ -82,22 +82,17 @@ class SelectionReport:
 
 
 def _groups_and_passes(ledger):
-  """(SampleGroups, passes) of a PrivacyLedger or of (samples, queries[, passes]) arrays."""
-  if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
-    return ledger_events.groups_from_arrays(*ledger.get_arrays()), int(ledger.passes.numpy())
-  if isinstance(ledger, (tuple, list)) and len(ledger) in (2, 3):
-    passes = int(ledger[2]) if len(ledger) == 3 else 0
-    return ledger_events.groups_from_arrays(*ledger[:2]), passes
-  raise ValueError(f"a trial ledger must be a PrivacyLedger or (samples, queries[, passes]) "
-                   f"arrays, got {type(ledger).__name__}")
+  """(SampleGroups, passes) of anything `accountant.ledger_runs` reads."""
+  runs, passes = accountant_lib.ledger_runs(ledger)
+  return ledger_events.groups_from_runs(runs), passes
 
 
 def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp"):
   """Epsilon at `delta` of RepeatAndSelectDpEvent over the trials' common mechanism.
 
   Args:
-    trial_ledgers: the ledgers of the trials run (PrivacyLedger or (samples, queries[,
-      passes]) arrays); all must convert to the same dp-accounting event (a trial with other
+    trial_ledgers: the ledgers of the trials run (PrivacyLedger, ledger dict/JSON or
+      (samples, queries[, passes]) arrays); all must convert to the same dp-accounting event (a trial with other
       sampling or noise would need the worst case: refused).
     mean, shape: the distribution the number of trials was drawn from.
     delta: target delta. accountant: only "rdp" (dp-accounting implements the event there).
