@@ -92,8 +92,8 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp"):
 
   Args:
     trial_ledgers: the ledgers of the trials run (PrivacyLedger, ledger dict/JSON or
-      (samples, queries[, passes]) arrays); all must convert to the same dp-accounting event (a trial with other
-      sampling or noise would need the worst case: refused).
+      (samples, queries[, passes]) arrays); all must convert to the same dp-accounting
+      event (a trial with other sampling or noise would need the worst case: refused).
     mean, shape: the distribution the number of trials was drawn from.
     delta: target delta. accountant: only "rdp" (dp-accounting implements the event there).
   Raises:
