@@ -111,10 +111,13 @@ def sensitivity_factor(relation, examples_per_record=1):
   return 1.0 if relation == ADD_OR_REMOVE and examples_per_record <= 1 else 2.0
 
 
+# Codes of the add/remove policies (from _RELATION_OF_POLICY), for the vectorized checks.
+_ADD_REMOVE_CODES = [_POLICY_CODE[p] for p, r in _RELATION_OF_POLICY.items() if r == ADD_OR_REMOVE]
+
+
 def _sensitivity_factors(policy_codes, examples_per_record):
   """`sensitivity_factor` for arrays of policy codes and k (one rule, vectorized)."""
-  add_remove = np.isin(policy_codes, [_POLICY_CODE[p] for p, r in _RELATION_OF_POLICY.items()
-                                      if r == ADD_OR_REMOVE])
+  add_remove = np.isin(policy_codes, _ADD_REMOVE_CODES)
   return np.where(add_remove & (examples_per_record <= 1), 1.0, 2.0)
 
 
@@ -181,7 +184,7 @@ def _check_samples(samples):
     i = _first_bad(mask)
     if i is not None:
       raise ValueError(f"{msg}, got {col[i]!r} at sample {i}")
-  add_remove = np.isin(pol, [_POLICY_CODE[POISSON], _POLICY_CODE[FULL], _POLICY_CODE[USER_POISSON]])
+  add_remove = np.isin(pol, _ADD_REMOVE_CODES)
   i = _first_bad(add_remove & (k > 1))
   if i is not None:
     raise ValueError(
