@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import dp_query
+from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import matrix_factorization as mf
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
@@ -110,7 +111,8 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
 
   def _initial_state(self, sensitivity, noise_state):
     """Global state with stddev = noise_multiplier x S x sensitivity (per unit clip)."""
-    stddev = float(self._noise_multiplier) * float(self._l2_norm_clip) * float(sensitivity)
+    stddev = gaussian_query.gaussian_stddev(self._l2_norm_clip,
+                                            self._noise_multiplier) * float(sensitivity)
     return self._GlobalState(tf.constant(self._l2_norm_clip, tf.float32),
                              tf.constant(stddev, tf.float32), tf.constant(0, tf.int64),
                              noise_state)
