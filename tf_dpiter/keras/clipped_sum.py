@@ -13,7 +13,6 @@ import tensorflow as tf
 from tf_dpiter.keras import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras import gradients as grads_lib
-from tf_dpiter.keras import record_losses
 from tf_dpiter.keras import routing
 
 
@@ -43,8 +42,7 @@ class ClippedSumMixin:
     """
     if self._dp_clipping == "vectorized":
       return "vectorized"
-    reason = (record_losses.fast_path_obstacle(model)
-              or routing.fast_path_obstacle(self, model, fast_clipping, input_specs))
+    reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs)
     if reason is None:
       return "fast"
     if self._dp_clipping == "fast":

@@ -23,6 +23,7 @@ import os
 import keras
 
 from tf_dpiter.keras import batch_independence
+from tf_dpiter.keras import record_losses
 
 # Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
 ONEDNN_AFFECTED = (keras.layers.EinsumDense, keras.layers.MultiHeadAttention)
@@ -100,6 +101,9 @@ def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
   Returns:
     None, or a sentence naming the obstacle (layer names, dtype policy, setting).
   """
+  loss_obstacle = record_losses.fast_path_obstacle(model)   # compute_loss, layer losses
+  if loss_obstacle is not None:
+    return loss_obstacle
   if fast_clipping is None:
     return "tf_dpiter.keras.fast_clipping could not be imported"
   if model is None:
