@@ -81,6 +81,12 @@ def to_btk(x):
                         tf.shape(x)[-1]])
 
 
+def finite_float32(t):
+  """t cast to float32, its non-finite entries replaced by 0."""
+  t = tf.cast(t, tf.float32)
+  return tf.where(tf.math.is_finite(t), t, tf.zeros_like(t))
+
+
 def sqr_sum(x):
   """Per-row sum of squares in float32: [B, ...] -> [B]."""
   x = tf.cast(x, tf.float32)

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.keras import routing
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry
@@ -199,8 +200,7 @@ def _float32_args(rec):
   """The recorded call's floating inputs cast to float32, non-finite -> 0."""
   def cast(t):
     if tf.is_tensor(t) and t.dtype.is_floating:
-      t = tf.cast(t, tf.float32)
-      return tf.where(tf.math.is_finite(t), t, tf.zeros_like(t))
+      return algebra.finite_float32(t)
     return t
   return tf.nest.map_structure(cast, (rec["args"], rec["kwargs"]))
 

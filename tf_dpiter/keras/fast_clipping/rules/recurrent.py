@@ -122,11 +122,6 @@ def _run(layer, sequences, initial_state, mask):
   return output, xw, aux
 
 
-def _finite(t):
-  t = tf.cast(t, tf.float32)
-  return tf.where(tf.math.is_finite(t), t, tf.zeros_like(t))
-
-
 def _parts(cell, x, aux, g):
   """[(variable, [(a, b)] factor pairs, bias-like grads)] per trainable
   variable: grad v = sum over pairs of sum_t a_t^T b_t, or for a bias the list
@@ -154,9 +149,7 @@ def _sqr_norms(parts):
   for v, pairs, bias in parts:
     if not algebra.trainable(v):
       continue
-    if pairs is not None and len(pairs) == 1:
-      terms = [algebra.factored_sqr_norm(*pairs[0])[0]]
-    elif pairs is not None:   # GRU without reset_after: U = [U_zr | U_h] by columns
+    if pairs is not None:   # several pairs: GRU without reset_after, U = [U_zr | U_h]
       terms = [algebra.factored_sqr_norm(a, b)[0] for a, b in pairs]
     else:
       terms = [algebra.sqr_sum(registry.record_sum(tf.reduce_sum(b, axis=1)))
@@ -196,7 +189,8 @@ def recurrent_norm_fn(layer, sequences, initial_state=None, mask=None, training=
     def sum_fn(weighted):
       # Rows of examples that add nothing are zero in `weighted`; their
       # activations may be non-finite (float16 overflow): zeroed too.
-      parts = _parts(cell, _finite(x), _finite(aux), tf.cast(weighted, tf.float32))
+      parts = _parts(cell, algebra.finite_float32(x), algebra.finite_float32(aux),
+                     tf.cast(weighted, tf.float32))
       return _sums(layer, parts)
 
     return registry.GhostSums(sq, sum_fn)
