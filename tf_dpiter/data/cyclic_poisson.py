@@ -114,14 +114,7 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec):
       else:
         yield bx, tf.nest.map_structure(lambda a: sampling.pad_rows(a[idx], size), ys), mask
 
-  def sig(a):
-    return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
-
-  parts = [tf.nest.map_structure(sig, xs)]
-  if ys is not None:
-    parts.append(tf.nest.map_structure(sig, ys))
-  parts.append(tf.TensorSpec((None,), tf.float32))
-  ds = tf.data.Dataset.from_generator(gen, output_signature=tuple(parts))
+  ds = tf.data.Dataset.from_generator(gen, output_signature=sampling.batch_signature(xs, ys))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return sampling.attach_spec(ds, spec)
 

@@ -206,18 +206,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
       else:
         yield bx, tf.nest.map_structure(lambda a: pad_rows(a[idx], size), ys), mask
 
-  # The batch dimension is left unknown in the element spec: samples are padded to
-  # max_batch_size, so one concrete shape reaches XLA, except for a rare oversize sample
-  # (padded to a multiple of it: compiled once more, never truncated).
-  def spec(a):
-    return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
-
-  mask_spec = tf.TensorSpec((None,), tf.float32)
-  if ys is None:
-    sig = (tf.nest.map_structure(spec, xs), mask_spec)
-  else:
-    sig = (tf.nest.map_structure(spec, xs), tf.nest.map_structure(spec, ys), mask_spec)
-  ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+  ds = tf.data.Dataset.from_generator(gen, output_signature=batch_signature(xs, ys))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps_per_epoch))
   ds = attach_spec(ds, SamplingSpec(POISSON, n, q, float(expected_batch_size)))
   if map_fn is not None:
@@ -242,6 +231,22 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
     raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
                      f"{max_batch_size!r}")
   return q, int(steps)
+
+
+def batch_signature(xs, ys=None):
+  """output_signature of (x, [y,] weights) batches of the numpy nests xs, ys.
+
+  The batch dimension is left unknown: samples are padded to max_batch_size, so one
+  concrete shape reaches XLA, except for a rare oversize sample (padded to a multiple of
+  it: compiled once more, never truncated). The weights are float32 [batch].
+  """
+  def spec(a):
+    return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
+
+  parts = [tf.nest.map_structure(spec, xs)]
+  if ys is not None:
+    parts.append(tf.nest.map_structure(spec, ys))
+  return tuple(parts) + (tf.TensorSpec((None,), tf.float32),)
 
 
 def padded_size(num_sampled, max_batch_size):

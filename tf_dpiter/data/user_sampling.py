@@ -110,10 +110,8 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
       yield (tf.nest.map_structure(lambda a: a[take], xs),
              tf.nest.map_structure(lambda a: a[take], ys), weights)
 
-  spec = lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
-  sig = (tf.nest.map_structure(spec, xs), tf.nest.map_structure(spec, ys),
-         tf.TensorSpec((None,), tf.float32))
-  ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+  ds = tf.data.Dataset.from_generator(gen,
+                                      output_signature=sampling_lib.batch_signature(xs, ys))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
       records.USER_POISSON, num_users, q, float(expected_users_per_batch),
