@@ -87,12 +87,11 @@ def groups_from_runs(runs) -> List[SampleGroup]:
     key = (run.policy, run.population_size, run.selection_probability, run.sample_size, z,
            tuple(sorted(q.noise / q.sensitivity for q in lap)),
            any(q.kind == "non_private" for q in run.queries) or z == 0.0,
-           run.examples_per_record)
-    merged[key + extra[:2]] = merged.get(key + extra[:2], 0) + run.count
+           run.examples_per_record) + extra[:2]
+    merged[key] = merged.get(key, 0) + run.count
     if run.policy == rec.CYCLIC_POISSON:
       # A run of c consecutive steps holds at most ceil(c / b) steps of any one group.
-      participations[key + extra[:2]] = (participations.get(key + extra[:2], 0)
-                                         + math.ceil(run.count / run.sample_size))
+      participations[key] = participations.get(key, 0) + math.ceil(run.count / run.sample_size)
   return [SampleGroup(c, *k, participations=participations.get(k, 0)) for k, c in merged.items()]
 
 
