@@ -2,7 +2,7 @@
 steps that meets a target (epsilon, delta).
 
 Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it
-(the one bisection of `accounting.lookahead`).
+(the one bisection, `accounting.search`).
 The answer is always on the safe side of the target: the returned setting's epsilon is
 <= target_epsilon (noise rounded up; rate and steps rounded down).
 """
@@ -11,7 +11,7 @@ import math
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
-from tf_dpiter.accounting import lookahead
+from tf_dpiter.accounting import search
 from tf_dpiter.dp_query import validation
 
 
@@ -53,7 +53,7 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
     good *= 2
     if good > 2 ** 20:
       raise ValueError(f"no noise multiplier up to 2^20 reaches target_epsilon={target_epsilon}")
-  return lookahead.bisect(ok, good / 2 if good > 1 else 0.0, good, rel_tol=tol)
+  return search.bisect(ok, good / 2 if good > 1 else 0.0, good, rel_tol=tol)
 
 
 def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplier, steps,
@@ -71,7 +71,7 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
     raise ValueError(f"even q={lo:.3g} exceeds target_epsilon={target_epsilon} with "
                      f"noise_multiplier={noise_multiplier} over {steps} steps")
   # in log q: the rate spans orders of magnitude
-  return lookahead.bisect(lambda q: eps(q) <= target_epsilon, 1.0, lo, rel_tol=tol,
+  return search.bisect(lambda q: eps(q) <= target_epsilon, 1.0, lo, rel_tol=tol,
                           geometric=True)
 
 
@@ -84,7 +84,7 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
   n, b = _sampling_args(sampling_probability, population_size)
   ok = lambda t: _epsilon(n, b, noise_multiplier, t, target_delta, accountant,
                          sampling) <= target_epsilon
-  return max(0, lookahead.largest_integer(ok, 1, max_steps))
+  return max(0, search.largest_integer(ok, 1, max_steps))
 
 
 def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant="rdp",

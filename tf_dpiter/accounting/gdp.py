@@ -18,6 +18,7 @@ accounted; other policies and Laplace queries are refused.
 
 import math
 
+from tf_dpiter.accounting import search
 from tf_dpiter.ledger import records as rec
 
 CAVEAT = ("GDP accountant (mu-GDP; Poisson subsampling by the central limit theorem of Bu et "
@@ -76,13 +77,8 @@ def epsilon_from_mu(mu, delta):
     return math.inf
   if delta_from_mu(mu, 0.0) <= delta:
     return 0.0
-  lo, hi = 0.0, max(1.0, mu)
-  while delta_from_mu(mu, hi) > delta:
-    lo, hi = hi, 2 * hi
-  while hi - lo > 1e-10 * hi:
-    mid = (lo + hi) / 2
-    if delta_from_mu(mu, mid) > delta:
-      lo = mid
-    else:
-      hi = mid
-  return hi
+  ok = lambda e: delta_from_mu(mu, e) <= delta
+  bad, good = 0.0, max(1.0, mu)
+  while not ok(good):
+    bad, good = good, 2 * good
+  return search.bisect(ok, bad, good, rel_tol=1e-10)
