@@ -15,7 +15,6 @@ epoch) continues the cycle where it stopped.
 
 
 import numpy as np
-import tensorflow as tf
 
 from tf_dpiter.data import sampling
 from tf_dpiter.ledger import records
@@ -93,32 +92,6 @@ class CyclicPoissonSampler:
     return sampling.default_max_batch_size(largest, self._q, num_sd, multiple)
 
 
-def indexed_batches(next_indices, x, y, steps, max_batch_size, spec):
-  """tf.data.Dataset of (x_pad, [y_pad,] mask) for `steps` calls of next_indices() per pass.
-
-  Samples are padded with zeros to `max_batch_size` (a larger sample: to its next multiple,
-  never truncated); the mask is 1 for sampled rows (Keras' sample_weight).
-  """
-  xs = tf.nest.map_structure(np.asarray, x)
-  ys = None if y is None else tf.nest.map_structure(np.asarray, y)
-
-  def gen():
-    for _ in range(steps):
-      idx = next_indices()
-      size = sampling.padded_size(len(idx), max_batch_size)
-      mask = np.zeros([size], np.float32)
-      mask[:len(idx)] = 1.0
-      bx = tf.nest.map_structure(lambda a: sampling.pad_rows(a[idx], size), xs)
-      if ys is None:
-        yield bx, mask
-      else:
-        yield bx, tf.nest.map_structure(lambda a: sampling.pad_rows(a[idx], size), ys), mask
-
-  ds = tf.data.Dataset.from_generator(gen, output_signature=sampling.batch_signature(xs, ys))
-  ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
-  return sampling.attach_spec(ds, spec)
-
-
 def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
                            steps_per_epoch=None, max_batch_size="auto", seed=None):
   """tf.data.Dataset of cyclic Poisson samples, (x_pad, [y_pad,] mask) per step.
@@ -139,5 +112,5 @@ def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
     steps_per_epoch = num_groups * max(1, round(n / (num_groups * expected_batch_size)))
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()
-  return indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch), int(max_batch_size),
-                         sampler.spec())
+  return sampling.indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch),
+                                  int(max_batch_size), sampler.spec())

@@ -215,6 +215,32 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return attach_spec(ds.prefetch(2), get_sampling_spec(ds))
 
 
+def indexed_batches(next_indices, x, y, steps, max_batch_size, spec):
+  """tf.data.Dataset of (x_pad, [y_pad,] mask) for `steps` calls of next_indices() per pass.
+
+  Samples are padded with zeros to `max_batch_size` (a larger sample: to its next multiple,
+  never truncated); the mask is 1 for sampled rows (Keras' sample_weight).
+  """
+  xs = tf.nest.map_structure(np.asarray, x)
+  ys = None if y is None else tf.nest.map_structure(np.asarray, y)
+
+  def gen():
+    for _ in range(steps):
+      idx = next_indices()
+      size = padded_size(len(idx), max_batch_size)
+      mask = np.zeros([size], np.float32)
+      mask[:len(idx)] = 1.0
+      bx = tf.nest.map_structure(lambda a: pad_rows(a[idx], size), xs)
+      if ys is None:
+        yield bx, mask
+      else:
+        yield bx, tf.nest.map_structure(lambda a: pad_rows(a[idx], size), ys), mask
+
+  ds = tf.data.Dataset.from_generator(gen, output_signature=batch_signature(xs, ys))
+  ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
+  return attach_spec(ds, spec)
+
+
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
   """(q, steps_per_epoch) for a Poisson sampler of n records; ValueError naming a bad one."""
   if isinstance(expected_batch_size, bool) or not isinstance(

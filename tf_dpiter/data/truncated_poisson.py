@@ -10,7 +10,6 @@ example), which analyses exactly this sampler.
 
 import numpy as np
 
-from tf_dpiter.data import cyclic_poisson
 from tf_dpiter.data import sampling
 from tf_dpiter.ledger import records
 
@@ -65,5 +64,5 @@ def truncated_poisson_batches(x, y=None, expected_batch_size=256, max_batch_size
   sampler = TruncatedPoissonSampler(n, expected_batch_size, max_batch_size, seed)
   if steps_per_epoch is None:
     steps_per_epoch = max(1, round(n / expected_batch_size))
-  return cyclic_poisson.indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch),
-                                        int(max_batch_size), sampler.spec())
+  return sampling.indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch),
+                                  int(max_batch_size), sampler.spec())
