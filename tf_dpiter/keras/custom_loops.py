@@ -29,6 +29,7 @@ import tensorflow as tf
 from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import chunking
 from tf_dpiter.keras import gradients as grads_lib
+from tf_dpiter.keras import record_losses
 from tf_dpiter.keras import routing
 
 
@@ -105,9 +106,7 @@ class CustomLoopMixin:
       r_data, r_em = rec
       loss = tf.convert_to_tensor(loss_fn(r_data))
       if loss.shape.rank:
-        loss = tf.reshape(loss, [-1])
-        loss = tf.reduce_sum(loss * tf.cast(r_em, loss.dtype)) / tf.maximum(
-            tf.cast(tf.reduce_sum(r_em), loss.dtype), 1.0)
+        loss = record_losses.masked_record_mean(tf.reshape(loss, [-1]), r_em)
       return tf.cast(loss, tf.float32) * scale, ()
 
     k = grads_lib.examples_per_record(self._dp_num_microbatches,
@@ -147,9 +146,7 @@ class CustomLoopMixin:
     if self._dp_num_microbatches is None:
       return losses * example_mask, example_mask
     recs, em, rmask = grads_lib.to_records(losses, example_mask, self._dp_num_microbatches)
-    em = tf.cast(em, losses.dtype)
-    rec = tf.reduce_sum(recs * em, 1) / tf.maximum(tf.reduce_sum(em, 1), 1.0)
-    return rec, rmask
+    return record_losses.masked_record_mean(recs, em), rmask
 
   def minimize(self, loss, var_list, tape=None, mask=None, model=None):
     """One private step on a vector loss [B] (per-example losses).

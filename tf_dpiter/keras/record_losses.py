@@ -55,6 +55,16 @@ def record_weights(example_mask, sample_weight):
   return tf.nest.map_structure(weigh, sample_weight)
 
 
+def masked_record_mean(values, example_mask):
+  """The mean of each record's values over its real examples: [..., k] -> [...].
+
+  sum_j m_j v_j / max(sum_j m_j, 1), with m the example mask (0 for padding examples);
+  a record with no real example gets 0.
+  """
+  em = tf.cast(example_mask, values.dtype)
+  return tf.reduce_sum(values * em, -1) / tf.maximum(tf.reduce_sum(em, -1), 1.0)
+
+
 def example_mask_from_weights(sample_weight, batch_size):
   """[B] float 0/1: 1 for examples with a positive weight somewhere (any output, any token)."""
   if sample_weight is None:

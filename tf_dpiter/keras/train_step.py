@@ -154,7 +154,7 @@ class TrainStepMixin:
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
         grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
-      rec_loss = tf.reduce_sum(losses * c_em, 1) / tf.maximum(tf.reduce_sum(c_em, 1), 1.0)
+      rec_loss = record_losses.masked_record_mean(losses, c_em)
       acc = [a + tf.cast(g, a.dtype) for a, g in zip(acc, grads)]
       return acc, tf.reduce_sum(rec_loss), tf.nest.map_structure(regroup, outputs)
 
