@@ -124,9 +124,9 @@ def _read_ledger(path, key_file):
 
 
 def _query_text(q):
-  if q["type"] == "gaussian":
+  if "stddev" in q:   # gaussian, and the correlated banded/tree/matrix gaussian kinds
     z = q["stddev"] / q["sensitivity"] if q["sensitivity"] else math.inf
-    return (f"gaussian clip {q['l2_norm_clip']:g}, stddev {q['stddev']:g}, sensitivity "
+    return (f"{q['type']} clip {q['l2_norm_clip']:g}, stddev {q['stddev']:g}, sensitivity "
             f"{q['sensitivity']:g} (noise multiplier {z:.4g})")
   if q["type"] == "laplace":
     return (f"laplace clip {q['l1_norm_clip']:g}, scale {q['scale']:g}, sensitivity "
