@@ -7,7 +7,8 @@ For each oneDNN setting (TF_ENABLE_ONEDNN_OPTS, read when TensorFlow loads, so e
 is one child process) and each model, these fit configurations are timed round robin in ONE
 process (every configuration one epoch of --steps steps per round, --rounds rounds after a
 warm-up epoch; figure: median over rounds of epoch wall time / steps, and of the process CPU
-time / steps):
+time / steps, and the steady ms/step: the median interval between consecutive steps inside
+an epoch, which excludes each epoch's start — what long epochs cost per step):
   nonprivate_spe{k}   keras.Sequential + SGD, fit(x, y, batch_size=B): Keras' own shuffled
                       batches from the arrays, steps_per_execution k
   dp_spe{k}           DPSequential + DPKerasSGDOptimizer (clip 1.0, noise 1.1, the default
@@ -95,17 +96,29 @@ def _configs(name, a):
 
 
 def _time_round_robin(configs, rounds, steps):
-  """{name: (median wall ms/step, median CPU ms/step)} over rounds of one epoch each."""
+  """{name: (median wall ms/step, median CPU ms/step, median steady ms/step)}.
+
+  Wall and CPU: per epoch (one per round), so each epoch's start (a new iterator, the first
+  step) is included; steady: the median interval between consecutive steps inside an epoch,
+  what a long epoch costs per step.
+  """
   import keras  # pylint: disable=g-import-not-at-top
 
   class EpochTimer(keras.callbacks.Callback):
 
     def __init__(self):
       super().__init__()
-      self.wall, self.cpu = [], []
+      self.wall, self.cpu, self.steady = [], [], []
 
     def on_epoch_begin(self, epoch, logs=None):
       self._t, self._c = time.perf_counter(), time.process_time()
+      self._last = None
+
+    def on_train_batch_end(self, batch, logs=None):
+      now = time.perf_counter()       # called once per execution (steps_per_execution)
+      if self._last is not None and batch > self._last[1]:
+        self.steady.append((now - self._last[0]) / (batch - self._last[1]))
+      self._last = (now, batch)
 
     def on_epoch_end(self, epoch, logs=None):
       self.wall.append(time.perf_counter() - self._t)
@@ -118,7 +131,8 @@ def _time_round_robin(configs, rounds, steps):
     for k, (m, kw) in configs.items():
       m.fit(**kw, epochs=1, verbose=0, callbacks=[timers[k]])
   ms = lambda ts: round(1e3 * statistics.median(ts) / steps, 3)
-  return {k: (ms(t.wall), ms(t.cpu)) for k, t in timers.items()}
+  return {k: (ms(t.wall), ms(t.cpu), round(1e3 * statistics.median(t.steady), 3))
+          for k, t in timers.items()}
 
 
 def _child(a):
@@ -131,8 +145,9 @@ def _child(a):
     configs = _configs(name, a)
     t = _time_round_robin(configs, a.rounds, a.steps)
     res = {"model": name, "wall_ms_per_step": {k: v[0] for k, v in t.items()},
-           "cpu_ms_per_step": {k: v[1] for k, v in t.items()}, "ratios_wall": {},
-           "ratios_cpu": {},
+           "cpu_ms_per_step": {k: v[1] for k, v in t.items()},
+           "steady_ms_per_step": {k: v[2] for k, v in t.items()}, "ratios_wall": {},
+           "ratios_cpu": {}, "ratios_steady": {},
            "ledger_samples": {k: int(m.ledger.sample_count.numpy())
                               for k, (m, _) in configs.items() if k.startswith("dp")},
            "ledger_samples_expected": a.steps * (a.rounds + 1)}
@@ -141,6 +156,7 @@ def _child(a):
         base = "nonprivate_" + k[len("dp_"):]
         res["ratios_wall"][k] = round(t[k][0] / t[base][0], 3)
         res["ratios_cpu"][k] = round(t[k][1] / t[base][1], 3)
+        res["ratios_steady"][k] = round(t[k][2] / t[base][2], 3)
     out["results"].append(res)
   out["load_avg_end"] = os.getloadavg()
   print(json.dumps(out), flush=True)
