@@ -1,10 +1,12 @@
-"""Chooses the tutorial's parameter averaging on a validation split, never on the test set.
+"""Chooses the tutorial's learning-rate schedule and weight averaging on a validation split.
 
   python benchmarks/tutorial_ema_validation.py [--epochs 60] [--momenta 0.99,0.995,0.999]
-      [--data_path ../shared/data/mnist.npz] [--eval_every 5]
+      [--data_path ../shared/data/mnist.npz] [--eval_every 5] [--learning_rate 0.15]
+      [--decay constant|cosine]
 
 Trains the MNIST tutorial's DP-SGD run (TF Privacy's CNN, clip 1.0, noise 1.1, lr 0.15,
-Poisson samples of expected size 256 through `fit`) on the first 50,000 training images and
+Poisson samples of expected size 256 through `fit`; --learning_rate and --decay vary) on the
+first 50,000 training images and
 evaluates on the last 10,000 training images (the validation split; the test set is not
 read). Beside the raw iterate it keeps exponential moving averages of the weights, one per
 momentum m (the rule of Keras' `use_ema=True`: the average starts at the first iterate, then
@@ -82,6 +84,8 @@ def main():
   p.add_argument("--momenta", default="0.99,0.995,0.999")
   p.add_argument("--eval_every", type=int, default=5)
   p.add_argument("--learning_rate", type=float, default=0.15)
+  p.add_argument("--decay", choices=["constant", "cosine"], default="constant",
+                 help="cosine: keras.optimizers.schedules.CosineDecay to 0 over the run")
   a = p.parse_args()
   with np.load(a.data_path) as d:
     x, y = d["x_train"], d["y_train"]
@@ -89,15 +93,18 @@ def main():
   y = y.astype("int32")
   xtr, ytr, xval, yval = x[:50000], y[:50000], x[50000:], y[50000:]
   model = dp.keras.DPSequential(dp.keras.example_models.mnist_cnn_layers())
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=a.learning_rate),
+  lr = a.learning_rate if a.decay == "constant" else keras.optimizers.schedules.CosineDecay(
+      a.learning_rate, decay_steps=a.epochs * round(50000 / 256))
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=lr),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=["accuracy"])
-  momenta = [float(m) for m in a.momenta.split(",")]
+  momenta = [float(m) for m in a.momenta.split(",") if m]
   t0 = time.time()
   model.fit(xtr, ytr, batch_size=256, epochs=a.epochs, verbose=0,
             callbacks=[WeightAverages(momenta, xval, yval, a.eval_every, a.epochs)])
   eps = dp.accounting.privacy_report(model.ledger, delta=1e-5).epsilon
-  print(json.dumps({"epsilon_50k": round(float(eps), 4), "seconds": round(time.time() - t0)}))
+  print(json.dumps({"epsilon_50k": round(float(eps), 4), "seconds": round(time.time() - t0),
+                    "learning_rate": a.learning_rate, "decay": a.decay}))
 
 
 if __name__ == "__main__":
