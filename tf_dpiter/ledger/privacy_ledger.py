@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.ledger import correlated_records
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, POLICIES,  # pylint: disable=unused-import
@@ -51,11 +52,12 @@ def _event_row(event, factor, policy, sample_size):
 
 
 def _correlated_row(event, factor, policy, sample_size):
-  """Row and checks of a correlated-noise event (issue 16), by `records`' rules.
+  """Row and checks of a correlated-noise event (issue 16), by `correlated_records`' rules.
 
-  The sampling must cover the event (`records.correlated_requirement`): a wrong policy is
-  refused here; the least sample_size (cycle length b) is checked now when `sample_size` is a
-  Python number, else in the graph (an assertion the ledger write depends on).
+  The sampling must cover the event (`correlated_records.correlated_requirement`): a wrong
+  policy is refused here; the least sample_size (cycle length b) is checked now when
+  `sample_size` is a Python number, else in the graph (an assertion the ledger write depends
+  on).
 
   The sensitivity is at least factor x clip (see below), erring on the costly side.
 
@@ -63,7 +65,7 @@ def _correlated_row(event, factor, policy, sample_size):
     ValueError: the policy, or a Python sample_size, does not cover the event.
   """
   wide = event._replace(l2_norm_clip=_f64(event.l2_norm_clip), stddev=_f64(event.stddev))
-  needed, least = rec.correlated_requirement(event)
+  needed, least = correlated_records.correlated_requirement(event)
   checks = []
   if needed is not None and policy != needed:
     raise ValueError(
@@ -77,9 +79,9 @@ def _correlated_row(event, factor, policy, sample_size):
         _f64(sample_size), _f64(least),
         message=f"{type(event).__name__} needs policy {needed!r} with sample_size (cycle "
                 f"length) >= {least}; refusing to record an unproven guarantee"))
-    values = rec.correlated_row_values(wide, factor)
+    values = correlated_records.correlated_row_values(wide, factor)
   else:
-    values = rec.correlated_query_row(wide, policy, sample_size, factor)
+    values = correlated_records.correlated_query_row(wide, policy, sample_size, factor)
   kind, clip, noise, sensitivity = [_f64(v) for v in values]
   # A strategy normalized in floating point can have a column norm 1 ulp below 1: record at
   # least factor x clip, the least the ledger's checks accept (never a smaller sensitivity).
@@ -167,9 +169,10 @@ class PrivacyLedger(tf.Module):
     `policy` one of records.ALL_POLICIES. Each query's sensitivity is recorded as
     `records.sensitivity_factor(relation_for_policy(policy), k)` times its clip (times the
     strategy's column norm, sqrt(tree depth) or equivalent sensitivity for a correlated-noise
-    event: `records.correlated_row_values`). A correlated-noise event is recorded only under
-    the sampling `records.correlated_requirement` names: the policy is checked at once, a
-    tensor `sample_size` (the cycle length b under cyclic_poisson) in the graph.
+    event: `correlated_records.correlated_row_values`). A correlated-noise event is recorded
+    only under the sampling `correlated_records.correlated_requirement` names: the policy is
+    checked at once, a tensor `sample_size` (the cycle length b under cyclic_poisson) in the
+    graph.
 
     Raises:
       ValueError: unknown policy or event, microbatches (k > 1) under add/remove, or a
