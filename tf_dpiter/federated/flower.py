@@ -6,7 +6,7 @@ accountant (tf_dpiter.accounting) as the simulation. Clients are sampled uniform
 replacement from the K connected clients with the DP core's Philox generator (ledger policy
 fixed_size, n = K, m = m_t), and no work is sent once a round would pass the budget.
 
-Two Flower APIs share that server (`_DPRounds`):
+Two Flower APIs share that server (`flower_rounds.DPRounds`, which imports no Flower):
 - Flower's Message API (flwr >= 1.20, the one `flwr run` deploys): `DPFedAvgMessageStrategy`
   (a `flwr.serverapp.strategy.Strategy`), `make_server_app` and `make_client_app`.
 - Flower's legacy API: `DPFedAvgStrategy` (a `flwr.server.strategy.Strategy`) with
@@ -20,9 +20,6 @@ as a zero record (the denominator stays m_t).
 """
 
 import time
-
-import numpy as np
-import tensorflow as tf
 
 # flower_client imports Flower first and says how to install it when it is missing.
 from tf_dpiter.federated.flower_client import ARRAYS_KEY
@@ -47,137 +44,15 @@ from flwr.server.strategy import Strategy
 from flwr.serverapp import ServerApp
 from flwr.serverapp import strategy as message_strategy
 
-from tf_dpiter import dp_query as dpq
 from tf_dpiter.dp_query import validation
-from tf_dpiter.federated import schedules
-from tf_dpiter.federated import server as server_lib
+from tf_dpiter.federated import flower_rounds
 
 __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
            "DPFedAvgMessageStrategy", "DPFlowerClient", "client_update", "free_port",
            "make_client_app", "make_server_app", "run_loopback"]
 
 
-class _DPRounds:
-  """The DP rounds of a Flower deployment, whatever Flower API carries the messages.
-
-  Per round: check the connected population (must be K: it is the ledger's n), the budget
-  look-ahead, draw m_t of the K client ids; then screen the returned updates into records and
-  aggregate them through the DPServer's query (one ledger entry per round).
-  """
-
-  def __init__(self, model, query, initial_params, num_clients, clients_per_round,
-               noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
-               server_learning_rate, server_momentum, seed):
-    self.model = model
-    self.num_clients = int(num_clients)
-    self.schedule = schedules.RoundSchedule(clients_per_round, noise_multiplier)
-    w0 = model.flatten([tf.constant(p) for p in initial_params])
-    self.server = server_lib.DPServer(
-        query, w0, self.num_clients, self.schedule.clients_per_round(1), sampling="fixed_size",
-        fixed_epsilon=fixed_epsilon, max_delta=max_delta, fixed_delta=fixed_delta,
-        max_epsilon=max_epsilon, server_learning_rate=server_learning_rate,
-        server_momentum=server_momentum)
-    self._gen = dpq.make_generator(seed)
-    self._round_m = {}
-    self.rounds = []
-    self.stopped_reason = None
-
-  def params(self):
-    """The server model w_t as a list of numpy arrays in the model's layout."""
-    return [p.numpy() for p in self.model.unflatten(self.server.weights)]
-
-  def sample(self, server_round, client_ids):
-    """The ids of this round's m_t clients, [] once the budget stops the run."""
-    if self.stopped_reason is not None:
-      return []
-    ids = sorted(client_ids)
-    if len(ids) != self.num_clients:
-      raise ValueError(f"num_clients: expected {self.num_clients} connected clients, got "
-                       f"{len(ids)} (the ledger's population size must be exact)")
-    m = self.server.begin_round(*self.schedule(server_round), server_round)
-    over = self.server.would_exceed_budget(m, server_round)
-    if over:
-      self.stopped_reason = "privacy budget: " + over
-      return []
-    pick = tf.argsort(self._gen.uniform([len(ids)]))[:m].numpy()
-    self._round_m[server_round] = m
-    return [ids[i] for i in pick]
-
-  def record(self, arrays):
-    """A client's update as a flat float32 record [d], None if its shapes are wrong."""
-    shapes = [tuple(s) for s in self.model.shapes]
-    if len(arrays) != len(shapes) or any(tuple(a.shape) != s for a, s in zip(arrays, shapes)):
-      return None
-    return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
-
-  def aggregate(self, server_round, updates, failures):
-    """Aggregates a round's updates (lists of arrays); failures: count of lost replies.
-
-    Returns the round's info dict, or None for a round that sampled nobody (stopped).
-    """
-    if server_round not in self._round_m:
-      return None
-    m = self._round_m.pop(server_round)
-    rows, bad = [], int(failures)
-    for arrays in updates:
-      rec = self.record(arrays)
-      if rec is None:
-        bad += 1
-      else:
-        rows.append(rec)
-    records = np.stack(rows) if rows else np.zeros([1, self.server.dim], np.float32)
-    records, mask, rejected = self.server.screen(records)
-    if not rows:
-      mask = tf.zeros([1])
-    self.server.apply(records, mask, m)
-    eps, delta = self.server.guarantee()
-    info = dict(round=server_round, clients=m, returned=len(rows),
-                rejected=int(bad + rejected), clip=self.server.clip() or 0.0)
-    if eps is not None:
-      info.update(epsilon=float(eps), delta=float(delta))
-    self.rounds.append(info)
-    return info
-
-
-class _DeploymentMixin:
-  """Public state shared by both strategies (they hold a `_DPRounds` as `_dp`)."""
-
-  @property
-  def server(self):
-    """The `DPServer` (w_t, the query with its ledger, the budget look-ahead)."""
-    return self._dp.server
-
-  @property
-  def ledger(self):
-    """The `PrivacyLedger` every round is recorded in (one sample per round)."""
-    return self._dp.server.ledger
-
-  @property
-  def rounds(self):
-    """Per-round info dicts: round, clients (m_t), returned, rejected, clip, epsilon, delta."""
-    return self._dp.rounds
-
-  @property
-  def stopped_reason(self):
-    """Why no more rounds are run (the budget), or None."""
-    return self._dp.stopped_reason
-
-  @property
-  def model(self):
-    """The `MLP` shared with the clients."""
-    return self._dp.model
-
-  @property
-  def num_clients(self):
-    """K, the number of clients that must be connected (the ledger's n)."""
-    return self._dp.num_clients
-
-  def report(self):
-    """(guarantee_holds, privacy statement, warnings) from the ledger's accountant."""
-    return self._dp.server.privacy_statement()
-
-
-class DPFedAvgStrategy(_DeploymentMixin, Strategy):
+class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
 
   Args: as `DPFedAvgMessageStrategy`, with `fit_config` (the dict sent to every client, e.g.
@@ -190,7 +65,7 @@ class DPFedAvgStrategy(_DeploymentMixin, Strategy):
                max_delta=None, fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
                server_momentum=0.0, seed=None, wait_timeout=60):
     super().__init__()
-    self._dp = _DPRounds(model, query, initial_params, num_clients, clients_per_round,
+    self._dp = flower_rounds.DPRounds(model, query, initial_params, num_clients, clients_per_round,
                          noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
                          server_learning_rate, server_momentum, seed)
     self.fit_config = dict(fit_config or {})
@@ -270,7 +145,7 @@ class DPFedAvgStrategy(_DeploymentMixin, Strategy):
     return self.eval_fn(parameters_to_ndarrays(parameters))
 
 
-class DPFedAvgMessageStrategy(_DeploymentMixin, message_strategy.Strategy):
+class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.Strategy):
   """Flower Message-API strategy (`ServerApp`): DP federated averaging with a ledger.
 
   Use `strategy.start(grid, ArrayRecord(initial_params), num_rounds, ...)` inside a
@@ -296,7 +171,7 @@ class DPFedAvgMessageStrategy(_DeploymentMixin, message_strategy.Strategy):
                noise_multiplier=None, train_config=None, fixed_epsilon=None, max_delta=None,
                fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
                server_momentum=0.0, seed=None, wait_timeout=60):
-    self._dp = _DPRounds(model, query, initial_params, num_clients, clients_per_round,
+    self._dp = flower_rounds.DPRounds(model, query, initial_params, num_clients, clients_per_round,
                          noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
                          server_learning_rate, server_momentum, seed)
     self.train_config = dict(train_config or {})

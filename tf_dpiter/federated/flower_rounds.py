@@ -1,0 +1,139 @@
+"""The DP rounds of a Flower deployment, shared by both Flower APIs (`tf_dpiter.federated.flower`).
+
+`DPRounds` is the server's side of client-level DP FedAvg (seed 003, Algorithm 1) whatever
+carries the messages: it checks the connected population (K, the ledger's n), runs the budget
+look-ahead, samples m_t of the K clients uniformly without replacement with the DP core's Philox
+generator (ledger policy fixed_size), screens the returned updates into flat records and
+aggregates them through the `DPServer`'s query (one ledger entry per round).
+`DeploymentMixin` gives both strategies the same public state. Imports no Flower.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dpq
+from tf_dpiter.federated import schedules
+from tf_dpiter.federated import server as server_lib
+
+
+class DPRounds:
+  """The DP rounds of a Flower deployment, whatever Flower API carries the messages.
+
+  Per round: check the connected population (must be K: it is the ledger's n), the budget
+  look-ahead, draw m_t of the K client ids; then screen the returned updates into records and
+  aggregate them through the DPServer's query (one ledger entry per round).
+
+  Args: as `flower.DPFedAvgMessageStrategy` (model, query, initial_params, num_clients,
+  clients_per_round, noise_multiplier, the budget, the server step, seed), all required here.
+  """
+
+  def __init__(self, model, query, initial_params, num_clients, clients_per_round,
+               noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
+               server_learning_rate, server_momentum, seed):
+    self.model = model
+    self.num_clients = int(num_clients)
+    self.schedule = schedules.RoundSchedule(clients_per_round, noise_multiplier)
+    w0 = model.flatten([tf.constant(p) for p in initial_params])
+    self.server = server_lib.DPServer(
+        query, w0, self.num_clients, self.schedule.clients_per_round(1), sampling="fixed_size",
+        fixed_epsilon=fixed_epsilon, max_delta=max_delta, fixed_delta=fixed_delta,
+        max_epsilon=max_epsilon, server_learning_rate=server_learning_rate,
+        server_momentum=server_momentum)
+    self._gen = dpq.make_generator(seed)
+    self._round_m = {}
+    self.rounds = []
+    self.stopped_reason = None
+
+  def params(self):
+    """The server model w_t as a list of numpy arrays in the model's layout."""
+    return [p.numpy() for p in self.model.unflatten(self.server.weights)]
+
+  def sample(self, server_round, client_ids):
+    """The ids of this round's m_t clients, [] once the budget stops the run."""
+    if self.stopped_reason is not None:
+      return []
+    ids = sorted(client_ids)
+    if len(ids) != self.num_clients:
+      raise ValueError(f"num_clients: expected {self.num_clients} connected clients, got "
+                       f"{len(ids)} (the ledger's population size must be exact)")
+    m = self.server.begin_round(*self.schedule(server_round), server_round)
+    over = self.server.would_exceed_budget(m, server_round)
+    if over:
+      self.stopped_reason = "privacy budget: " + over
+      return []
+    pick = tf.argsort(self._gen.uniform([len(ids)]))[:m].numpy()
+    self._round_m[server_round] = m
+    return [ids[i] for i in pick]
+
+  def record(self, arrays):
+    """A client's update as a flat float32 record [d], None if its shapes are wrong."""
+    shapes = [tuple(s) for s in self.model.shapes]
+    if len(arrays) != len(shapes) or any(tuple(a.shape) != s for a, s in zip(arrays, shapes)):
+      return None
+    return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
+
+  def aggregate(self, server_round, updates, failures):
+    """Aggregates a round's updates (lists of arrays); failures: count of lost replies.
+
+    Returns the round's info dict, or None for a round that sampled nobody (stopped).
+    """
+    if server_round not in self._round_m:
+      return None
+    m = self._round_m.pop(server_round)
+    rows, bad = [], int(failures)
+    for arrays in updates:
+      rec = self.record(arrays)
+      if rec is None:
+        bad += 1
+      else:
+        rows.append(rec)
+    records = np.stack(rows) if rows else np.zeros([1, self.server.dim], np.float32)
+    records, mask, rejected = self.server.screen(records)
+    if not rows:
+      mask = tf.zeros([1])
+    self.server.apply(records, mask, m)
+    eps, delta = self.server.guarantee()
+    info = dict(round=server_round, clients=m, returned=len(rows),
+                rejected=int(bad + rejected), clip=self.server.clip() or 0.0)
+    if eps is not None:
+      info.update(epsilon=float(eps), delta=float(delta))
+    self.rounds.append(info)
+    return info
+
+
+class DeploymentMixin:
+  """Public state shared by both strategies (they hold a `DPRounds` as `_dp`)."""
+
+  @property
+  def server(self):
+    """The `DPServer` (w_t, the query with its ledger, the budget look-ahead)."""
+    return self._dp.server
+
+  @property
+  def ledger(self):
+    """The `PrivacyLedger` every round is recorded in (one sample per round)."""
+    return self._dp.server.ledger
+
+  @property
+  def rounds(self):
+    """Per-round info dicts: round, clients (m_t), returned, rejected, clip, epsilon, delta."""
+    return self._dp.rounds
+
+  @property
+  def stopped_reason(self):
+    """Why no more rounds are run (the budget), or None."""
+    return self._dp.stopped_reason
+
+  @property
+  def model(self):
+    """The `MLP` shared with the clients."""
+    return self._dp.model
+
+  @property
+  def num_clients(self):
+    """K, the number of clients that must be connected (the ledger's n)."""
+    return self._dp.num_clients
+
+  def report(self):
+    """(guarantee_holds, privacy statement, warnings) from the ledger's accountant."""
+    return self._dp.server.privacy_statement()
