@@ -3,6 +3,7 @@
 Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t.
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
+The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
 """
 
 import numpy as np
@@ -27,7 +28,7 @@ def dense_norm_fn(layer, inputs, training=None):
     this rule does not apply to the layer.
   """
   del training
-  if not algebra.plain_layer(layer):
+  if kernel_rule_entry(layer, lora=False) is None:
     return None
   x = inputs
   return kernel_bias_layer(
@@ -41,19 +42,37 @@ def kernel_bias_layer(layer, z, kernel_part):
   Shared by Dense and EinsumDense: `kernel_part(dz) -> (sqr_norms [B], g or None)`
   is the kernel's part, g its per-example gradient when materialized.
   """
+  kernel_on = algebra.trainable(layer.kernel)
+  return bias_and_parts(
+      layer, z, lambda dz: {id(layer.kernel): kernel_part(dz)} if kernel_on else {})
+
+
+def bias_and_parts(layer, z, parts_fn):
+  """Adds bias and activation to z; the norm function sums the kernel side's parts and the
+  bias's ||grad b_i||^2 (grad b_i: dz summed over the axes the bias is broadcast along,
+  `algebra.bias_grad`).
+
+  Shared by the plain Dense/EinsumDense rules (one part: W) and their LoRA rules (W0, A, B).
+
+  Args:
+    layer: a Dense or EinsumDense layer, plain or with LoRA on.
+    z: the kernel side's output f(x, W) [B, ..., units], before the bias.
+    parts_fn: callable(dz) -> {id(variable): (sqr_norms [B/k], g or None)} over the
+      trainable kernel-side variables; g is the per-record gradient when materialized.
+  Returns:
+    (outputs, watched, sqr_norm_fn) as in the registry module's contract (watched: z + b).
+  """
   if layer.bias is not None:
     z = ops.add(z, layer.bias)
   outputs = layer.activation(z) if layer.activation is not None else z
-  kernel_on, bias_on = algebra.trainable(layer.kernel), algebra.trainable(layer.bias)
+  bias_on = algebra.trainable(layer.bias)
 
   def sqr_norm_fn(dz):
-    sq = algebra.zeros(dz)
-    grads = {}
-    if kernel_on:
-      sq_k, g = kernel_part(dz)
-      sq += sq_k
+    sq, grads = algebra.zeros(dz), {}
+    for vid, (sq_v, g) in parts_fn(dz).items():
+      sq += sq_v
       if g is not None:
-        grads[id(layer.kernel)] = g
+        grads[vid] = g
     if bias_on:
       db = algebra.bias_grad(dz, layer.bias.shape)
       sq += algebra.sqr_sum(db)
@@ -61,6 +80,51 @@ def kernel_bias_layer(layer, z, kernel_part):
     return algebra.result(layer, sq, grads)
 
   return outputs, z, sqr_norm_fn
+
+
+def lora_base(layer, name):
+  """The stored (un-merged) weight W0 of a plain LoRA layer (LoRA on, not quantized).
+
+  Args:
+    layer: a Keras layer.
+    name: the attribute of the stored weight ("_kernel", "_embeddings").
+  Returns:
+    the variable, or None where a LoRA rule declines the layer (LoRA off, or quantized).
+  """
+  if not getattr(layer, "lora_enabled", False):
+    return None
+  if getattr(layer, "quantization_mode", None) is not None:
+    return None
+  return getattr(layer, name, None)
+
+
+def kernel_rule_entry(layer, lora, einsum=False):
+  """The entry checks of the Dense and EinsumDense rules, plain (here) and LoRA (rules/lora.py).
+
+  Args:
+    layer: a Dense or EinsumDense layer.
+    lora: False for a plain rule: the layer must be neither LoRA nor quantized
+      (`algebra.plain_layer`); True for a LoRA rule: LoRA on and not quantized (`lora_base`).
+    einsum: True for EinsumDense: the equation must be one these rules support (two
+      operands, no ellipsis, no repeated index, the batch index first in the input and the
+      output and not in the kernel, every kernel index in the input or the output).
+  Returns:
+    None where the rule declines the layer, else (kernel, parsed): kernel the weight the rule
+    differentiates (`layer.kernel` plain, the stored frozen base W0 with LoRA), parsed the
+    (input, kernel, output) subscripts of the equation, or None without `einsum`.
+  """
+  if lora:
+    kernel = lora_base(layer, "_kernel")
+    if kernel is None:
+      return None
+  elif algebra.plain_layer(layer):
+    kernel = layer.kernel
+  else:
+    return None
+  parsed = _parse_einsum(layer.equation) if einsum else None
+  if einsum and parsed is None:
+    return None
+  return kernel, parsed
 
 
 def _parse_einsum(equation):
@@ -92,12 +156,10 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
     this rule does not apply to the layer.
   """
   del training
-  if not algebra.plain_layer(layer):
+  entry = kernel_rule_entry(layer, lora=False, einsum=True)
+  if entry is None:
     return None
-  parsed = _parse_einsum(layer.equation)
-  if parsed is None:
-    return None
-  inp, ker, out = parsed
+  _, (inp, ker, out) = entry
   x = inputs
 
   keep = registry.keep_per_example(int(np.prod(layer.kernel.shape)))

@@ -17,7 +17,9 @@ and grad B_i = sum_t (s A[id_t]) dz_t^T, a factored product.
 The layer's forward is Keras's (merged kernel, cast to the compute dtype), so
 the watched tensor z is the one the model computes; the clipped sum of A and B
 is the vector-Jacobian product through the merge, as in non-private training.
-The dispatching functions at the end serve a layer with or without LoRA.
+The dispatching functions at the end serve a layer with or without LoRA. The entry
+checks, bias and activation are the plain rules' (rules/dense.py: `kernel_rule_entry`,
+`lora_base`, `bias_and_parts`).
 """
 
 import numpy as np
@@ -31,16 +33,6 @@ from tf_dpiter.keras.fast_clipping.rules import embedding
 from tf_dpiter.keras.fast_clipping.rules import tables
 
 _F32 = tf.float32
-
-
-def _frozen_base(layer, name):
-  """The layer's stored (un-merged) weight W0 if the layer is a plain LoRA layer
-  (LoRA on, not quantized), else None (the rule then declines)."""
-  if not getattr(layer, "lora_enabled", False):
-    return None
-  if getattr(layer, "quantization_mode", None) is not None:
-    return None
-  return getattr(layer, name, None)
 
 
 def _scale(layer):
@@ -60,31 +52,6 @@ def _part(g):
   return algebra.sqr_sum(g), (g if keep else None)
 
 
-def _with_bias(layer, z, parts_fn):
-  """Bias and activation on z; the norm function over the parts' variables.
-
-  parts_fn(dz) -> {id(variable): (sqr_norms [B/k], g or None)}, for the
-  trainable ones among W0, A and B.
-  """
-  if layer.bias is not None:
-    z = ops.add(z, layer.bias)
-  outputs = layer.activation(z) if layer.activation is not None else z
-
-  def sqr_norm_fn(dz):
-    sq, grads = algebra.zeros(dz), {}
-    for vid, (sq_v, g) in parts_fn(dz).items():
-      sq += sq_v
-      if g is not None:
-        grads[vid] = g
-    if algebra.trainable(layer.bias):
-      db = algebra.bias_grad(dz, layer.bias.shape)
-      sq += algebra.sqr_sum(db)
-      grads[id(layer.bias)] = db
-    return algebra.result(layer, sq, grads)
-
-  return outputs, z, sqr_norm_fn
-
-
 @registry.float32_watched
 @registry.supports_records
 def dense_lora_norm_fn(layer, inputs, training=None):
@@ -99,9 +66,10 @@ def dense_lora_norm_fn(layer, inputs, training=None):
     this rule does not apply to the layer.
   """
   del training
-  base = _frozen_base(layer, "_kernel")
-  if base is None:
+  entry = dense.kernel_rule_entry(layer, lora=True)
+  if entry is None:
     return None
+  base, _ = entry
   a_var, b_var, s, x = layer.lora_kernel_a, layer.lora_kernel_b, _scale(layer), inputs
   z = ops.matmul(x, _merged(base, a_var, b_var, s, x.dtype))
 
@@ -118,7 +86,7 @@ def dense_lora_norm_fn(layer, inputs, training=None):
       out[id(base)] = algebra.factored_sqr_norm(xb, dzb)
     return out
 
-  return _with_bias(layer, z, parts)
+  return dense.bias_and_parts(layer, z, parts)
 
 
 def _free_char(equation):
@@ -139,11 +107,10 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
     this rule does not apply to the layer.
   """
   del training
-  base = _frozen_base(layer, "_kernel")
-  parsed = dense._parse_einsum(layer.equation)  # pylint: disable=protected-access
-  if base is None or parsed is None:
+  entry = dense.kernel_rule_entry(layer, lora=True, einsum=True)
+  if entry is None:
     return None
-  inp, ker, out = parsed
+  base, (inp, ker, out) = entry
   r, e, rest, b = _free_char(layer.equation), ker[-1], ker[:-1], inp[0]
   a_var, b_var, s, x = layer.lora_kernel_a, layer.lora_kernel_b, _scale(layer), inputs
   z = ops.einsum(layer.equation, x, _merged(base, a_var, b_var, s, x.dtype))
@@ -162,7 +129,7 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
       grads[id(base)] = _part(registry.record_sum(g))
     return grads
 
-  return _with_bias(layer, z, parts)
+  return dense.bias_and_parts(layer, z, parts)
 
 
 @registry.float32_watched
@@ -170,7 +137,7 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
 def embedding_lora_norm_fn(layer, inputs):
   """Norm function (registry contract) of keras.layers.Embedding with LoRA on
   (also the lookup call of a LoRA ReversibleEmbedding)."""
-  base = _frozen_base(layer, "_embeddings")
+  base = dense.lora_base(layer, "_embeddings")
   if base is None:
     return None
   a_var, b_var, s = layer.lora_embeddings_a, layer.lora_embeddings_b, _scale(layer)
