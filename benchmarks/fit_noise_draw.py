@@ -1,57 +1,113 @@
-"""Cost of the Gaussian noise draw of one DP step against TensorFlow's own samplers (issue 18).
+"""Cost of the Gaussian noise draw of one DP step, before/after a change and against
+TensorFlow's own samplers (issue 18).
 
-  python benchmarks/fit_noise_draw.py [--size 407050] [--calls 60] [--rounds 5]
-                                      [--onednn default|0|1] [--threads 0]
+  python benchmarks/fit_noise_draw.py [--sizes 407050 26010] [--calls 15] [--rounds 10]
+                                      [--onednn default|0|1] [--threads 0] [--before COMMIT]
 
-Each sampler draws --size float32 standard normals (407,050 = the 784-512-10 MLP's
-parameters) in one tf.function; the samplers are called round robin (--rounds rounds of
---calls calls each, after warm-up); figure: median ms per draw over all calls. Samplers:
+For each size (407,050 = the 784-512-10 MLP's parameters, 26,010 = the tutorial CNN's), each
+sampler draws that many float32 standard normals in one tf.function; the samplers are called
+round robin in one process (--rounds rounds of --calls calls each, after warm-up); figure:
+median ms per draw (including the copy of the result to NumPy). Samplers:
   library_normal      tf_dpiter's `randomness.normal` (Box-Muller from Philox bits, radius
                       from an exponential exact in the tail: the noise every DP step draws)
-  library_secure      the same in secure mode (os.urandom bits, (z1 + z2) / sqrt(2))
+  library_noise_mlp   `gaussian_query.add_gaussian_noise` on the MLP's four gradient leaves
+                      (sigma = 1.3): the draw, its split and the additions of one DP step
+  library_secure      `randomness.normal` in secure mode (os.urandom bits, (z1 + z2)/sqrt 2)
+  before_normal, before_secure, before_noise_mlp
+                      the same with `tf_dpiter/dp_query/randomness.py` of --before (read
+                      with `git show`, loaded as its own module; before_noise_mlp re-creates
+                      that commit's add_gaussian_noise: one draw, tf.split, x sigma, add)
   generator_normal    tf.random.Generator(philox).normal (float32 Box-Muller from 23-bit
                       uniforms: a bounded tail, which the library avoids; a speed reference)
-  stateless_normal    tf.random.stateless_normal (Philox, a seed per call)
   uniform_full_int    the Philox bits alone (2 x 32 bits per pair of normals): a floor
-Prints one JSON object.
+Prints one JSON object per size.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
+import tempfile
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP_LEAVES = [(784, 512), (512,), (512, 10), (10,)]
 
 
 def _parse():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--size", type=int, default=407050)
-  p.add_argument("--calls", type=int, default=60)
-  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--sizes", type=int, nargs="+", default=[407050, 26010])
+  p.add_argument("--calls", type=int, default=15)
+  p.add_argument("--rounds", type=int, default=10)
   p.add_argument("--onednn", choices=["default", "0", "1"], default="default")
   p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
+  p.add_argument("--before", default=None, help="git commit whose randomness.py to compare")
   return p.parse_args()
 
 
-def _samplers(size):
+def _load_before(commit):
+  """`tf_dpiter/dp_query/randomness.py` of `commit` as a module of its own."""
+  src = subprocess.run(["git", "show", f"{commit}:tf_dpiter/dp_query/randomness.py"],
+                       cwd=ROOT, capture_output=True, check=True, text=True).stdout
+  with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+    f.write(src)
+  spec = importlib.util.spec_from_file_location("randomness_before", f.name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  os.unlink(f.name)
+  return module
+
+
+def _old_noise(tf, module, generator, leaves, stddev):
+  """The add_gaussian_noise of before this change: one draw, tf.split, x sigma, add."""
+  sizes = [tf.size(v) for v in leaves]
+  noise = module.normal(generator, [tf.add_n(sizes)])
+  parts = tf.split(noise, tf.stack(sizes))
+  return [v + tf.reshape(part, tf.shape(v)) * stddev for v, part in zip(leaves, parts)]
+
+
+def _samplers(size, before):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query import gaussian_query  # pylint: disable=g-import-not-at-top
   from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
   gen = randomness.make_generator()
   secure = randomness.make_generator(secure=True)
   tf_gen = tf.random.Generator.from_non_deterministic_state(alg="philox")
-  counter = tf.Variable(0, dtype=tf.int64)
-
-  def stateless():
-    counter.assign_add(1)
-    return tf.random.stateless_normal([size], seed=tf.stack([counter, 7 + 0 * counter]))
-
+  leaves = [tf.zeros(s) for s in MLP_LEAVES]
   fns = {"library_normal": lambda: randomness.normal(gen, [size]),
+         "library_noise_mlp": lambda: gaussian_query.add_gaussian_noise(gen, leaves, 1.3),
          "library_secure": lambda: randomness.normal(secure, [size]),
          "generator_normal": lambda: tf_gen.normal([size]),
-         "stateless_normal": stateless,
          "uniform_full_int": lambda: tf_gen.uniform_full_int([(size + 1) // 2], tf.int64)}
+  if before is not None:
+    fns["before_normal"] = lambda: before.normal(gen, [size])
+    fns["before_noise_mlp"] = lambda: _old_noise(tf, before, gen, leaves, 1.3)
+    fns["before_secure"] = lambda: before.normal(before.make_generator(secure=True), [size])
   return {k: tf.function(f) for k, f in fns.items()}
+
+
+def _fetch(out):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for t in tf.nest.flatten(out):
+    t.numpy()
+
+
+def _time(fns, rounds, calls):
+  """Median ms per call of each function, called round robin."""
+  times = {k: [] for k in fns}
+  for f in fns.values():
+    _fetch(f())
+    _fetch(f())
+  for _ in range(rounds):
+    for k, f in fns.items():
+      for _ in range(calls):
+        t = time.perf_counter()
+        _fetch(f())
+        times[k].append(1e3 * (time.perf_counter() - t))
+  return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
 def main():
@@ -60,24 +116,19 @@ def main():
     os.environ["TF_ENABLE_ONEDNN_OPTS"] = a.onednn
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.simplefilter("ignore")
   if a.threads:
     tf.config.threading.set_intra_op_parallelism_threads(a.threads)
-  fns = _samplers(a.size)
-  times = {k: [] for k in fns}
-  for f in fns.values():
-    f().numpy()
-    f().numpy()
-  for _ in range(a.rounds):
-    for k, f in fns.items():
-      for _ in range(a.calls):
-        t = time.perf_counter()
-        f().numpy()
-        times[k].append(1e3 * (time.perf_counter() - t))
-  ms = {k: round(statistics.median(v), 3) for k, v in times.items()}
-  print(json.dumps({"size": a.size, "calls": a.calls * a.rounds, "tf": tf.__version__,
-                    "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "ms_per_draw": ms,
-                    "vs_library_normal": {k: round(v / ms["library_normal"], 3)
-                                          for k, v in ms.items()}}))
+  before = _load_before(a.before) if a.before else None
+  for size in a.sizes:
+    ms = _time(_samplers(size, before), a.rounds, a.calls)
+    print(json.dumps({"size": size, "calls": a.calls * a.rounds, "tf": tf.__version__,
+                      "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+                      "before": a.before, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                      "ms_per_draw": ms,
+                      "vs_library_normal": {k: round(v / ms["library_normal"], 3)
+                                            for k, v in ms.items()}}), flush=True)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,10 @@ def add_gaussian_noise(generator, structure, stddev):
   The noise, stddev and the addition are computed in float32 (float64 leaves in float64)
   whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
   1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
-  afterwards (post-processing). Leaves of one compute dtype share a single draw.
+  afterwards (post-processing). Leaves of one compute dtype share a single draw
+  (`randomness.padded_normal`, sigma applied to the Box-Muller radius): leaf i gets the i.i.d.
+  values [o_i, o_i + size_i) of it, leaves whose size is a multiple of 16 first, so their
+  slices are views of the draw's buffer (no copy).
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -86,14 +89,30 @@ def add_gaussian_noise(generator, structure, stddev):
     by_dtype.setdefault(wide, []).append(i)
   out = list(leaves)
   for dtype, idx in by_dtype.items():
-    sizes = [tf.size(leaves[i]) for i in idx]
-    noise = randomness.normal(generator, [tf.add_n(sizes)], dtype=dtype)
-    parts = tf.split(noise, tf.stack(sizes)) if len(idx) > 1 else [noise]
-    scale = tf.cast(stddev, dtype)
-    for i, part in zip(idx, parts):
-      noised = tf.cast(leaves[i], dtype) + tf.reshape(part, tf.shape(leaves[i])) * scale
-      out[i] = tf.cast(noised, leaves[i].dtype)
+    sizes = {i: _size(leaves[i]) for i in idx}
+    if all(isinstance(s, int) for s in sizes.values()):
+      idx = sorted(idx, key=lambda i: sizes[i] % 16 != 0)  # aligned slices first (views)
+    noise = _noise(generator, sum(sizes.values()), dtype, stddev)
+    start = 0
+    for i in idx:
+      part = tf.reshape(noise[start:start + sizes[i]], tf.shape(leaves[i]))
+      out[i] = tf.cast(tf.cast(leaves[i], dtype) + part, leaves[i].dtype)
+      start = start + sizes[i]
   return tf.nest.pack_sequence_as(structure, out)
+
+
+def _size(tensor):
+  """The number of entries of `tensor`: a Python int when static, else an int32 tensor."""
+  size = tensor.shape.num_elements()
+  return size if size is not None else tf.size(tensor)
+
+
+def _noise(generator, size, dtype, stddev):
+  """At least `size` i.i.d. N(0, stddev^2) values of `dtype` (float32: the Box-Muller draw
+  with sigma folded into its radius; float64: `randomness.normal` times sigma)."""
+  if dtype == tf.float64:
+    return randomness.normal(generator, [size], dtype=dtype) * tf.cast(stddev, dtype)
+  return randomness.padded_normal(generator, size, stddev)
 
 
 @serialization.register_query()

@@ -64,36 +64,53 @@ def make_generator(seed=None, secure=False):
 
 _TWO_PI = 6.283185307179586
 _LN2 = 0.6931471805599453
+_ALIGN = 16  # float32/uint32 entries per 64 bytes: slices at multiples of it are buffer views
 
 
-def _words(generator, size):
-  """(lo, hi): 2 x `size` independent uniform 32-bit words (int64 tensors), one Philox draw."""
+def _static_or_tensor(x):
+  """x as a Python int when its value is known while tracing, else the int32 tensor."""
+  value = tf.get_static_value(x)
+  return int(value) if value is not None else x
+
+
+def _uint32_words(generator, shape):
+  """Uniform 32-bit words of `shape` (uint32), one Philox draw (or os.urandom in secure mode).
+
+  Args:
+    generator: a tf.random.Generator or a SecureRandom.
+    shape: the output shape (list of ints or int32 tensors).
+  Returns:
+    a uint32 tensor of `shape`.
+  """
   if isinstance(generator, SecureRandom):
-    bits = generator.words(size)
-  else:
-    bits = generator.uniform_full_int([size], dtype=tf.int64)
-  return (tf.bitwise.bitwise_and(bits, 0xFFFFFFFF),
-          tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 32), 0xFFFFFFFF))
+    count = tf.reduce_prod(tf.stack(shape))
+    words = tf.reshape(tf.bitcast(generator.words((count + 1) // 2), tf.uint32), [-1])
+    return tf.reshape(words[:count], shape)
+  return generator.uniform_full_int(shape, dtype=tf.uint32)
 
 
 def _bucket(word, bucket_bits):
-  """The top `bucket_bits` bits of a 32-bit word, as float32."""
-  return tf.cast(tf.bitwise.right_shift(word, 32 - bucket_bits), tf.float32)
+  """The top `bucket_bits` bits of uint32 words, as float32."""
+  if bucket_bits < 32:
+    word = tf.bitwise.right_shift(word, tf.constant(32 - bucket_bits, word.dtype))
+  return tf.cast(word, tf.float32)
 
 
 def exponential(generator, size, bucket_bits=32, refine_below=256):
   """`size` standard exponential samples E = -ln U (float32), exact in the tail.
 
   U = 2^-b (k + v) with k uniform on [0, 2^b) from Philox bits and v uniform on (0, 1):
-  E = b ln 2 - ln(k + v). For k >= `refine_below` v is the bucket's midpoint 1/2 (a relative
-  error of U <= 1 / (2 refine_below)); for 1 <= k < refine_below a fresh 32-bit v is drawn;
-  for k = 0 the exponential is memoryless, E = b ln 2 + E', and E' is drawn again the same
-  way. So the sampler has **no truncation**: P(E > t) is exact for every t (the loop ends
-  with probability 1). Refinements are rare (probability refine_below 2^-b per value), so
-  they cost a fresh full-size draw on about size * 2^-24 of the calls (b = 32).
+  E = -ln(2^-b (k + v)) = b ln 2 - ln(k + v). For k >= `refine_below` v is the bucket's
+  midpoint 1/2 (a relative error of U <= 1 / (2 refine_below)); for 1 <= k < refine_below a
+  fresh 32-bit v is drawn; for k = 0 the exponential is memoryless, E = b ln 2 + E', and E' is
+  drawn again the same way. So the sampler has **no truncation**: P(E > t) is exact for every
+  t (the loop ends with probability 1). Refinements are rare (probability refine_below 2^-b
+  per value); only the values that need one are redrawn, at the cost of a few small ops.
+  ln U is computed from U = 2^-b (k + 1/2) <= 1 itself (not as b ln 2 - ln(k + 1/2), whose
+  cancellation costs ~2e-6 absolute near E = 0), so E >= 0 and small E keep their precision.
 
   Args:
-    generator: a tf.random.Generator.
+    generator: a tf.random.Generator or a SecureRandom.
     size: number of values (int or scalar tensor).
     bucket_bits: b in [1, 32] (32 in use; smaller values exercise the recursion in tests).
     refine_below: k below which v is drawn (>= 1).
@@ -105,32 +122,66 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
   if not 1 <= int(bucket_bits) <= 32 or int(refine_below) < 1:
     raise ValueError(f"bucket_bits must be in [1, 32] and refine_below >= 1, got "
                      f"{bucket_bits!r}, {refine_below!r}")
-  return _exponential_from(generator, _bucket(_words(generator, size)[0], bucket_bits),
-                           bucket_bits, refine_below)
+  k = _bucket(_uint32_words(generator, [_static_or_tensor(size)]), int(bucket_bits))
+  return -_log_uniform(generator, k, int(bucket_bits), int(refine_below))
 
 
-def _exponential_from(generator, k, bucket_bits=32, refine_below=256):
-  """`exponential` given its first buckets k (float32): refines the rare small k."""
+def _log_uniform(generator, k, bucket_bits=32, refine_below=256):
+  """ln U = -E of `exponential` given its first buckets k (float32): ln(2^-b (k + 1/2)) <= 0
+  (2^-b (k + 1/2) <= 1 exactly in float32, and ln x <= 0 for x <= 1, checked for every float32
+  in [1/4, 1]), with the rare k < refine_below redrawn exactly (`_refined`) in a branch
+  taken only when one is present."""
+  log_u = tf.math.log((k + 0.5) * 2.0 ** -bucket_bits)
+  return tf.cond(tf.reduce_min(k) < float(refine_below),
+                 lambda: _refined(generator, log_u, k, bucket_bits, refine_below),
+                 lambda: log_u)
+
+
+def _refined(generator, log_u, k, bucket_bits, refine_below):
+  """log_u with its entries whose bucket k < refine_below replaced by exact draws (-E).
+
+  Static shapes throughout (XLA): up to `capacity` of the smallest k are taken at a time
+  (`tf.math.top_k`; capacity from the expected number size * refine_below * 2^-b, so one
+  round almost always), redrawn by `_exact_exponential` and written back."""
+  size = _static_or_tensor(tf.size(k))
+  expected = 0 if not isinstance(size, int) else size * refine_below * 2.0 ** -bucket_bits
+  capacity = tf.minimum(size, 64) if not isinstance(size, int) else min(size,
+                                                                        64 + int(2 * expected))
+
+  def body(log_u, k):
+    neg, where = tf.math.top_k(-k, capacity)
+    small = -neg < float(refine_below)
+    exact = -_exact_exponential(generator, -neg, small, bucket_bits, refine_below)
+    log_u = tf.tensor_scatter_nd_update(log_u, where[:, None],
+                                        tf.where(small, exact, tf.gather(log_u, where)))
+    k = tf.tensor_scatter_nd_update(k, where[:, None], tf.where(small, float("inf"), -neg))
+    return log_u, k
+
+  return tf.while_loop(lambda log_u, k: tf.reduce_min(k) < float(refine_below), body,
+                       [log_u, k])[0]
+
+
+def _exact_exponential(generator, k, pending, bucket_bits, refine_below):
+  """E for the buckets k < refine_below where `pending`: E = o + b ln 2 - ln(k + v), v a
+  fresh 32-bit uniform, o = b ln 2 per k = 0 met (memoryless restart with a fresh bucket)."""
   b_ln2 = float(bucket_bits) * _LN2
-  size = tf.size(k)
-  e = b_ln2 - tf.math.log(k + 0.5)
-  pending = k < float(refine_below)
-  offset = tf.zeros_like(e)
+  size = _static_or_tensor(tf.size(k))
+  e = tf.zeros_like(k)
+  offset = tf.zeros_like(k)
 
   def body(e, k, offset, pending):
-    fresh, nxt = (tf.ensure_shape(w, k.shape) for w in _words(generator, size))
-    v = (tf.cast(fresh, tf.float32) + 0.5) * (2.0 ** -32)
-    refine = pending & (k > 0.0)
-    e = tf.where(refine, offset + b_ln2 - tf.math.log(k + v), e)
+    words = _uint32_words(generator, [2, size])
+    v = (tf.cast(words[0], tf.float32) + 0.5) * (2.0 ** -32)
+    e = tf.where(pending & (k > 0.0), offset + b_ln2 - tf.math.log(k + v), e)
     zero = pending & tf.equal(k, 0.0)
     offset = tf.where(zero, offset + b_ln2, offset)
-    k_next = _bucket(nxt, bucket_bits)
+    k_next = _bucket(words[1], bucket_bits)
     e = tf.where(zero, offset + b_ln2 - tf.math.log(k_next + 0.5), e)
     k = tf.where(zero, k_next, k)
     return e, k, offset, zero & (k_next < float(refine_below))
 
   e, _, _, _ = tf.while_loop(lambda e, k, o, p: tf.reduce_any(p), body, [e, k, offset, pending])
-  return tf.maximum(e, 0.0)   # k + 1/2 can round to 2^b in float32: E = 0, never below
+  return e
 
 
 def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor:
@@ -151,21 +202,42 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
     a tensor of `shape` and `dtype`, N(0, 1) entries.
   """
   dtype = tf.as_dtype(dtype)
-  if isinstance(generator, SecureRandom):
-    z = (_box_muller(generator, shape) + _box_muller(generator, shape)) * (0.5 ** 0.5)
-    return tf.cast(z, dtype)
-  if dtype == tf.float64 or not dtype.is_floating:
+  if not isinstance(generator, SecureRandom) and (dtype == tf.float64 or not dtype.is_floating):
     return generator.normal(shape, dtype=dtype)
-  return tf.cast(_box_muller(generator, shape), dtype)
-
-
-def _box_muller(generator, shape):
-  """float32 standard normals of `shape` (see `normal`)."""
   shape = tf.convert_to_tensor(shape, tf.int32)
-  n = tf.reduce_prod(shape)
-  pairs = (n + 1) // 2
-  lo, hi = _words(generator, pairs)
-  r = tf.sqrt(2.0 * _exponential_from(generator, _bucket(lo, 32)))
-  theta = tf.cast(hi, tf.float32) * (_TWO_PI * 2.0 ** -32)
-  z = tf.reshape(tf.stack([r * tf.cos(theta), r * tf.sin(theta)]), [-1])[:n]
-  return tf.reshape(z, shape)
+  size = _static_or_tensor(tf.reduce_prod(shape))
+  return tf.cast(tf.reshape(padded_normal(generator, size)[:size], shape), dtype)
+
+
+def padded_normal(generator, size, stddev=None):
+  """At least `size` float32 N(0, stddev^2) values: Box-Muller on 32-bit words (see `normal`).
+
+  z = (sigma r cos(theta), sigma r sin(theta)) for m pairs, m = ceil(size / 2) rounded up to
+  a multiple of 16, so the two halves and any slice starting and ending at a multiple of 16
+  are views of one buffer (no copy); the caller uses the first `size` values (all 2m are
+  i.i.d.). r = sqrt(-2 ln U), U = 2^-32 (k + 1/2), so r = sqrt(2 E) with E from
+  `exponential` (exact in the tail), theta = 2 pi h 2^-32 (k, h: two 32-bit words). sigma multiplies r (m values), not
+  the 2m outputs. A `SecureRandom` gives (z1 + z2) / sqrt(2) of two such draws.
+
+  Args:
+    generator: a tf.random.Generator or a SecureRandom.
+    size: the number of values needed (int or int32 scalar tensor).
+    stddev: sigma (number or scalar tensor); None for 1.
+  Returns:
+    a float32 tensor [2m], 2m >= size.
+  """
+  if isinstance(generator, SecureRandom):
+    z = _box_muller(generator, size) + _box_muller(generator, size)
+    return z * (0.5 ** 0.5 if stddev is None else tf.cast(stddev, tf.float32) * 0.5 ** 0.5)
+  return _box_muller(generator, size, stddev)
+
+
+def _box_muller(generator, size, stddev=None):
+  """`padded_normal` for one Box-Muller draw from any source (formula there)."""
+  pairs = -(-((size + 1) // 2) // _ALIGN) * _ALIGN
+  words = _uint32_words(generator, [2, pairs])
+  r = tf.sqrt(_log_uniform(generator, _bucket(words[0], 32)) * -2.0)
+  if stddev is not None:
+    r = r * tf.cast(stddev, tf.float32)
+  theta = tf.cast(words[1], tf.float32) * (_TWO_PI * 2.0 ** -32)
+  return tf.concat([r * tf.cos(theta), r * tf.sin(theta)], 0)
