@@ -1,0 +1,115 @@
+"""The noise sampler's one-draw API (`randomness.padded_normal`) and the per-leaf noise of
+`gaussian_query.add_gaussian_noise`: law N(0, sigma^2) per leaf, no value used twice, every
+size and dtype, static and unknown shapes, graph and XLA.
+
+Statistical tolerances come from the sample size: Kolmogorov-Smirnov critical value
+1.95 / sqrt(N) (level 0.001), standard deviations within 5 standard errors sigma sqrt(2 / N).
+"""
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+import tensorflow as tf
+
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import randomness
+
+
+def _ks_normal(z, sigma):
+  z = np.asarray(z, np.float64).ravel()
+  assert stats.kstest(z / sigma, "norm").statistic < 1.95 / math.sqrt(z.size)
+  assert abs(z.std() - sigma) < 5 * sigma * math.sqrt(2.0 / z.size)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+@pytest.mark.parametrize("size, sigma", [(100_003, 1.0), (60_000, 2.5)])
+def test_padded_normal_is_normal_with_its_stddev(mode, size, sigma):
+  gen = tf.random.Generator.from_seed(21, alg="philox")
+  fn = lambda: randomness.padded_normal(gen, size, sigma)  # noqa: E731
+  if mode != "eager":
+    fn = tf.function(fn, jit_compile=(mode == "xla"))
+  z = fn().numpy()
+  assert z.dtype == np.float32 and z.ndim == 1 and z.size >= size and z.size % 32 == 0
+  assert np.all(np.isfinite(z))
+  _ks_normal(z, sigma)   # every value of the padded buffer is a normal, not only the first
+  assert len(np.unique(z)) > 0.99 * z.size
+
+
+@pytest.mark.parametrize("shape", [[0], [1], [3], [33], [2, 17]])
+def test_normal_small_and_empty_shapes(shape):
+  gen = tf.random.Generator.from_seed(2, alg="philox")
+  z = tf.function(lambda: randomness.normal(gen, shape))()
+  assert z.shape == tuple(shape) and z.dtype == tf.float32
+  assert np.all(np.isfinite(z.numpy()))
+
+
+def test_zero_stddev_gives_zero_noise():
+  gen = tf.random.Generator.from_seed(2, alg="philox")
+  assert not np.any(randomness.padded_normal(gen, 1000, 0.0).numpy())
+
+
+def test_normal_with_unknown_shape_in_graph():
+  """The shape known only at run time (refinement capacity a tensor): law unchanged."""
+  gen = tf.random.Generator.from_seed(8, alg="philox")
+  fn = tf.function(lambda x: randomness.normal(gen, tf.shape(x)),
+                   input_signature=[tf.TensorSpec([None], tf.float32)])
+  z = fn(tf.zeros([200_001])).numpy()
+  assert z.shape == (200_001,)
+  _ks_normal(z, 1.0)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_add_gaussian_noise_per_leaf(secure, mode):
+  """Leaves of aligned and unaligned sizes and of 16-bit dtypes get their own N(0, sigma^2)
+  values (each leaf within tolerance), and no noise value appears in two places."""
+  gen = randomness.make_generator(secure=True) if secure else tf.random.Generator.from_seed(
+      4, alg="philox")
+  shapes = [(300, 64), (7,), (1000, 13), (64,), (20_001,)]
+  dtypes = [tf.float32, tf.float32, tf.bfloat16, tf.float16, tf.float32]
+  leaves = [tf.zeros(s, d) for s, d in zip(shapes, dtypes)]
+  fn = lambda: gaussian_query.add_gaussian_noise(gen, leaves, 3.0)  # noqa: E731
+  if mode == "function":
+    fn = tf.function(fn)
+  out = fn()
+  values = []
+  for leaf, noised in zip(leaves, out):
+    assert noised.shape == leaf.shape and noised.dtype == leaf.dtype
+    z = tf.cast(noised, tf.float64).numpy().ravel()
+    if z.size >= 1000:
+      tol = 5 * 3.0 * math.sqrt(2.0 / z.size) + (0.01 * 3.0 if leaf.dtype != tf.float32 else 0)
+      assert abs(z.std() - 3.0) < tol
+    if leaf.dtype == tf.float32:
+      values.append(z)
+  values = np.concatenate(values)
+  assert len(np.unique(values)) > 0.999 * values.size
+
+
+def test_add_gaussian_noise_float64_leaves():
+  gen = tf.random.Generator.from_seed(6, alg="philox")
+  out = gaussian_query.add_gaussian_noise(gen, [tf.zeros([50_000], tf.float64),
+                                                tf.zeros([3], tf.float32)], 0.5)
+  assert out[0].dtype == tf.float64 and out[1].dtype == tf.float32
+  _ks_normal(out[0].numpy(), 0.5)
+
+
+@pytest.mark.parametrize("mode", ["xla", "unknown_size"])
+def test_exponential_refinement_in_xla_and_with_unknown_size(mode):
+  """b = 8 bits, refine_below = 16: 1/16 of the values take the exact refinement (about
+  1,250 of 20,000: several rounds of the fixed capacity when the size is unknown, 64 each).
+  KS against Exp(1) and the mass beyond 8 ln 2 (the first recursion) within 5 s.e."""
+  gen = tf.random.Generator.from_seed(13, alg="philox")
+  n = 20_000
+  if mode == "xla":
+    e = tf.function(lambda: randomness.exponential(gen, n, 8, 16), jit_compile=True)()
+  else:
+    fn = tf.function(lambda x: randomness.exponential(gen, tf.size(x), 8, 16),
+                     input_signature=[tf.TensorSpec([None], tf.float32)])
+    e = fn(tf.zeros([n]))
+  e = e.numpy().astype(np.float64)
+  assert e.shape == (n,) and np.all(e >= 0) and np.all(np.isfinite(e))
+  assert stats.kstest(e, "expon").statistic < 1.95 / math.sqrt(n)
+  p = 2.0 ** -8
+  assert abs(np.mean(e > 8 * math.log(2)) - p) < 5 * math.sqrt(p * (1 - p) / n)
