@@ -113,3 +113,14 @@ def test_exponential_refinement_in_xla_and_with_unknown_size(mode):
   assert stats.kstest(e, "expon").statistic < 1.95 / math.sqrt(n)
   p = 2.0 ** -8
   assert abs(np.mean(e > 8 * math.log(2)) - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_add_gaussian_noise_leaves_of_unknown_size():
+  """Leaf sizes known only at run time (one static, one not): each gets its own noise."""
+  gen = tf.random.Generator.from_seed(9, alg="philox")
+  fn = tf.function(lambda a: gaussian_query.add_gaussian_noise(gen, [a, tf.zeros([5])], 2.0),
+                   input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+  big, small = fn(tf.zeros([40_000, 3]))
+  assert big.shape == (40_000, 3) and small.shape == (5,)
+  _ks_normal(big.numpy(), 2.0)
+  assert not np.isin(small.numpy(), big.numpy()).any()
