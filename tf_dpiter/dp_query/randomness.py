@@ -151,9 +151,10 @@ def _refined(generator, log_u, k, bucket_bits, refine_below):
   (`tf.math.top_k`; capacity from the expected number size * refine_below * 2^-b, so one
   round almost always), redrawn by `_exact_exponential` and written back."""
   size = _static_or_tensor(tf.size(k))
-  expected = 0 if not isinstance(size, int) else size * refine_below * 2.0 ** -bucket_bits
-  capacity = tf.minimum(size, 64) if not isinstance(size, int) else min(size,
-                                                                        64 + int(2 * expected))
+  if isinstance(size, int):
+    capacity = min(size, 64 + int(2 * size * refine_below * 2.0 ** -bucket_bits))
+  else:
+    capacity = tf.minimum(size, 64)
 
   def body(log_u, k):
     neg, where = tf.math.top_k(-k, capacity)
