@@ -3,6 +3,9 @@ TensorFlow's own samplers (issue 18).
 
   python benchmarks/fit_noise_draw.py [--sizes 407050 26010] [--calls 15] [--rounds 10]
                                       [--onednn default|0|1] [--threads 0] [--before COMMIT]
+                                      [--only SAMPLER ...]
+  (BERT-base size: --sizes 110000000 --calls 1 --rounds 3
+                   --only library_normal before_normal uniform_full_int)
 
 For each size (407,050 = the 784-512-10 MLP's parameters, 26,010 = the tutorial CNN's), each
 sampler draws that many float32 standard normals in one tf.function; the samplers are called
@@ -21,6 +24,13 @@ median ms per draw (including the copy of the result to NumPy). Samplers:
                       uniforms: a bounded tail, which the library avoids; a speed reference)
   uniform_full_int    the Philox bits alone (2 x 32 bits per pair of normals): a floor
 Prints one JSON object per size.
+
+  python benchmarks/fit_noise_draw.py --step_overlap [--onednn 0|1]
+
+How much of the draw the MLP's DP train step (batch 256, fast clipping) pays: the step with
+its real noise against the same step whose `randomness.padded_normal` returns zeros (traced
+so, in the same process, called round robin), beside the draw alone. If the step's extra cost
+is below the draw's, part of the draw runs alongside the backward pass.
 """
 
 import argparse
@@ -45,6 +55,8 @@ def _parse():
   p.add_argument("--onednn", choices=["default", "0", "1"], default="default")
   p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
   p.add_argument("--before", default=None, help="git commit whose randomness.py to compare")
+  p.add_argument("--only", nargs="+", default=None, help="time only these samplers")
+  p.add_argument("--step_overlap", action="store_true", help="the MLP step's share of the draw")
   return p.parse_args()
 
 
@@ -92,7 +104,8 @@ def _samplers(size, before):
 def _fetch(out):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   for t in tf.nest.flatten(out):
-    t.numpy()
+    if tf.is_tensor(t):
+      t.numpy()
 
 
 def _time(fns, rounds, calls):
@@ -110,6 +123,39 @@ def _time(fns, rounds, calls):
   return {k: round(statistics.median(v), 3) for k, v in times.items()}
 
 
+def _step_overlap(rounds, calls):
+  """Median ms of the MLP DP step with real noise, with zero noise, and of the draw alone."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  x = tf.constant(rng.rand(256, 784).astype("float32"))
+  y = tf.constant(rng.randint(0, 10, 256).astype("int32"))
+
+  def model():
+    m = dp.keras.DPSequential(dp.keras.example_models.mlp_layers())
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.15, clipping="auto")
+    m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    opt.set_sampling(60000, 256 / 60000, "shuffle", 256)
+    m.train_on_batch(x, y)   # traced here
+    return lambda: m.train_on_batch(x, y)
+
+  real = model()
+  draw = randomness.padded_normal
+  randomness.padded_normal = lambda g, size, stddev=None: tf.zeros([size + 64])
+  zero = model()
+  randomness.padded_normal = draw
+  gen = randomness.make_generator()
+  alone = tf.function(lambda: draw(gen, 407050, 1.3))
+  ms = _time({"dp_step_real_noise": real, "dp_step_zero_noise": zero, "draw_alone": alone},
+             rounds, calls)
+  print(json.dumps({"figure": "mlp_dp_step_noise_overlap", "ms": ms,
+                    "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+                    "load_avg": os.getloadavg()}))
+
+
 def main():
   a = _parse()
   if a.onednn != "default":
@@ -120,15 +166,20 @@ def main():
   warnings.simplefilter("ignore")
   if a.threads:
     tf.config.threading.set_intra_op_parallelism_threads(a.threads)
+  if a.step_overlap:
+    return _step_overlap(a.rounds, a.calls)
   before = _load_before(a.before) if a.before else None
   for size in a.sizes:
-    ms = _time(_samplers(size, before), a.rounds, a.calls)
+    fns = _samplers(size, before)
+    fns = {k: f for k, f in fns.items() if a.only is None or k in a.only}
+    ms = _time(fns, a.rounds, a.calls)
     print(json.dumps({"size": size, "calls": a.calls * a.rounds, "tf": tf.__version__,
                       "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
                       "before": a.before, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                       "ms_per_draw": ms,
                       "vs_library_normal": {k: round(v / ms["library_normal"], 3)
-                                            for k, v in ms.items()}}), flush=True)
+                                            for k, v in ms.items() if "library_normal" in ms}}),
+          flush=True)
 
 
 if __name__ == "__main__":
