@@ -60,6 +60,9 @@ def main(argv=None):
   p.add_argument("--noise_multiplier", type=float, default=1.1)
   p.add_argument("--learning_rate", type=float, default=0.15)
   p.add_argument("--momentum", type=float, default=0.0)
+  p.add_argument("--decay", choices=["constant", "cosine"], default="constant",
+                 help="learning-rate schedule: constant (TF Privacy's tutorial) or cosine decay "
+                      "to 0 over the run (keras.optimizers.schedules.CosineDecay)")
   p.add_argument("--delta", type=float, default=1e-5)
   p.add_argument("--sampling", choices=["poisson", "shuffle"], default="poisson",
                  help="poisson: batch_size is the expected batch size; shuffle: passes")
@@ -83,9 +86,13 @@ def main(argv=None):
   t0 = time.time()
   xtr, ytr, xte, yte = load_mnist(args.data_path)
   model = make_cnn()
+  lr = args.learning_rate
+  if args.decay == "cosine":   # steps: fit's Poisson epochs are round(n / batch_size) steps
+    lr = keras.optimizers.schedules.CosineDecay(
+        lr, decay_steps=epochs * max(1, round(len(xtr) / args.batch_size)))
   opt = dp.keras.DPKerasSGDOptimizer(
       l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier,
-      num_microbatches=None, learning_rate=args.learning_rate, momentum=args.momentum,
+      num_microbatches=None, learning_rate=lr, momentum=args.momentum,
       clipping=args.clipping, max_physical_batch_size=args.max_physical_batch_size,
       secure_mode=args.secure_mode)
   # weighted_metrics: Keras 3's `metrics` ignore sample_weight, so the Poisson batches'
@@ -115,6 +122,7 @@ def main(argv=None):
       "steps": int(model.ledger.sample_count.numpy()), "sampling": args.sampling,
       "batch_size": args.batch_size, "l2_norm_clip": args.l2_norm_clip,
       "noise_multiplier": args.noise_multiplier, "learning_rate": args.learning_rate,
+      "decay": args.decay,
       "clipping": opt.resolve_clipping(model), "jit": args.jit}))
 
 

@@ -12,8 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
-def test_tutorial_quick_on_small_data(tmp_path, sampling):
+@pytest.mark.parametrize("sampling,decay", [("poisson", "constant"), ("shuffle", "cosine")])
+def test_tutorial_quick_on_small_data(tmp_path, sampling, decay):
   rng = np.random.RandomState(0)
   path = os.path.join(tmp_path, "mnist_small.npz")
   y_tr = rng.randint(0, 10, 600).astype("uint8")
@@ -24,12 +24,14 @@ def test_tutorial_quick_on_small_data(tmp_path, sampling):
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tutorials", "mnist_dpsgd_keras.py"), "--quick",
        "--data_path", path, "--batch_size", "64", "--verbose", "0", "--sampling", sampling,
+       "--decay", decay,
        "--ledger_path", os.path.join(tmp_path, "ledger.json")],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   assert set(out) >= {"test_accuracy", "epsilon", "delta", "epochs", "seconds"}
   assert out["epochs"] == 2 and out["delta"] == 1e-5 and out["sampling"] == sampling
+  assert out["decay"] == decay
   assert 0 < out["epsilon"] < 100 and 0 <= out["test_accuracy"] <= 1
   # --quick prints check_sensitivity's verdict on the tutorial CNN before training
   verdict = [l for l in proc.stdout.splitlines() if "[check_sensitivity" in l]
