@@ -106,6 +106,13 @@ LAYER_CASES = [
     ("conv2d_dilated", (8, 8, 2), lambda: [L.Conv2D(3, 3, dilation_rate=2,
                                                     padding="same")]),
     ("conv2d_nobias_1x1", (5, 5, 2), lambda: [L.Conv2D(3, 1, use_bias=False)]),
+    # Strides dividing the kernel: patches by stride-block folding (conv_unfold.py).
+    ("conv2d_same_k4s2", (9, 9, 2), lambda: [L.Conv2D(3, 4, strides=2, padding="same",
+                                                      activation="relu")]),
+    ("conv2d_valid_k4x2s2", (9, 7, 2), lambda: [L.Conv2D(3, (4, 2), strides=2)]),
+    ("conv2d_same_s2x1", (8, 7, 2), lambda: [L.Conv2D(3, (4, 3), strides=(2, 1),
+                                                      padding="same")]),
+    ("conv1d_same_k4s2", (9, 3), lambda: [L.Conv1D(4, 4, strides=2, padding="same")]),
     ("layernorm", (7,), lambda: [L.Dense(5), L.LayerNormalization()]),
     ("layernorm_seq", (6, 7), lambda: [L.Dense(5), L.LayerNormalization()]),
     ("layernorm_2axes", (4, 3, 2), lambda: [L.LayerNormalization(
@@ -163,11 +170,19 @@ def test_per_example_grads_kept_or_summed_by_bookkeeping(case, max_entries,
   monkeypatch.setitem(registry._REGISTRY, type(layer), spy)  # pylint: disable=protected-access
   check(model, x, y, variants=("bookkeeping",))
   res = rec["fn"](tf.ones_like(rec["watched"]))
-  kept = isinstance(res, registry.PerExampleGrads)
+  kept = isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock))
   assert kept == (max_entries > 0)
-  if kept:
+  if isinstance(res, registry.PerExampleGrads):
     for g, v in zip(res.grads, layer.trainable_variables):
       assert tuple(g.shape) == (B,) + tuple(v.shape)
+  elif kept:
+    rows = np.concatenate([b.numpy() for b in res.blocks], axis=1)
+    assert rows.shape[0] == B
+    np.testing.assert_allclose(res.sqr_norms.numpy(), np.sum(np.square(rows), axis=1),
+                               rtol=1e-5)
+    unpacked = res.unpack([b[0] for b in res.blocks])
+    for g, v in zip(unpacked, layer.trainable_variables):
+      assert tuple(g.shape) == tuple(v.shape)
 
 
 @pytest.mark.parametrize("ids_shape", [(6,), (1,), (2, 3)])

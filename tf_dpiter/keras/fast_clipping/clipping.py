@@ -138,8 +138,9 @@ def _sources(units):
 
 def _sqr_norms(ghost, vect, src_grads, k, num_records):
   """Per-record squared norms [B/k] float32 (scaled by S^2 under a loss scale),
-  the per-record gradients at hand ({id(unit): [g per variable]}) and the sum
-  functions of GhostSums results ({id(unit): sum_fn})."""
+  the per-record gradients at hand ({id(unit): [g per variable] or a
+  registry.PerExampleBlock}) and the sum functions of GhostSums results
+  ({id(unit): sum_fn})."""
   sq = tf.zeros([num_records], tf.float32)
   per_example, normed, sum_fns = {}, set(), {}
   for u, start, n in ghost:
@@ -149,6 +150,10 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
       res = rec["sqr_norm_fn"](grads_w)
     if isinstance(res, registry.PerExampleGrads):
       per_example[id(u)] = list(res.grads)
+      normed.add(id(u))
+      res = res.sqr_norms
+    elif isinstance(res, registry.PerExampleBlock):
+      per_example[id(u)] = res
       normed.add(id(u))
       res = res.sqr_norms
     elif isinstance(res, registry.GhostSums):
@@ -249,7 +254,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   else:
     result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
                               sum_fns, factors / scale, example_factors / scale,
-                              tape)
+                              tape, all_finite=tf.reduce_all(tf.math.is_finite(sq)))
   del tape
   out = summing.dense_result(model, result)
   if return_outputs:

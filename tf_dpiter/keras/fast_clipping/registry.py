@@ -17,7 +17,9 @@ A norm function has the contract
                 all of ``layer.trainable_variables`` (concatenated), given the
                 gradients of the summed loss at ``watched`` (same structure).
                 It may instead return ``PerExampleGrads(sqr_norms, grads)``
-                when it has the per-example gradients at hand anyway.
+                (or ``PerExampleBlock(sqr_norms, blocks, unpack)``, the same
+                gradients as [B, P] blocks in its own layout) when it has
+                the per-example gradients at hand anyway.
 
 The summed clipped gradient of such a layer is then obtained as a vector-Jacobian
 product of ``watched`` with the clip-weighted ``watched_grads`` (book-keeping,
@@ -82,6 +84,23 @@ class PerExampleGrads(NamedTuple):
   """
   sqr_norms: tf.Tensor
   grads: Sequence[tf.Tensor]
+
+
+class PerExampleBlock(NamedTuple):
+  """A sqr_norm_fn result that carries the per-example gradients as blocks in a layout
+  of the rule's choosing (e.g. the layout a batched matrix product leaves them in), so
+  that neither the norms nor the clipped sum need them reordered per example.
+
+  sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables (the squared
+             norm of row i of all blocks).
+  blocks:    [B, P_j] float32 tensors: row i of all blocks together holds every entry
+             of g_i over the layer's trainable variables, each once.
+  unpack:    one [P_j] tensor per block (a weighted sum of rows) -> one tensor per v
+             in layer.trainable_variables, of v's shape.
+  """
+  sqr_norms: tf.Tensor
+  blocks: Sequence[tf.Tensor]
+  unpack: Callable[[Sequence[tf.Tensor]], Sequence[tf.Tensor]]
 
 
 class GhostSums(NamedTuple):

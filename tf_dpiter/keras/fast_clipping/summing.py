@@ -13,6 +13,7 @@ import tensorflow as tf
 from tf_dpiter.keras import keras_internals
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
+from tf_dpiter.keras.fast_clipping import registry
 
 _ZERO = tf.UnconnectedGradients.ZERO
 
@@ -85,16 +86,38 @@ def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
   return [_dense(g) for g in grads]
 
 
+def _rows_sum(g, factors, all_finite):
+  """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one
+  matrix-vector product when every record's norm is finite (then every g_i is), else
+  the rows weighted one by one with 0 for c_i = 0 (a non-finite g_i adds nothing)."""
+  g = tf.cast(g, tf.float32)
+  if all_finite is None:
+    return tf.reduce_sum(_weighted(g, factors), axis=0)
+  return tf.cond(all_finite, lambda: tf.tensordot(factors, g, axes=1),
+                 lambda: tf.reduce_sum(_weighted(g, factors), axis=0))
+
+
+def _per_example_sums(grads, factors, all_finite):
+  """The clipped sums of a unit whose per-record gradients are at hand (a list aligned
+  with its variables, or a registry.PerExampleBlock)."""
+  if isinstance(grads, registry.PerExampleBlock):
+    return list(grads.unpack([_rows_sum(b, factors, all_finite) for b in grads.blocks]))
+  return [_rows_sum(g, factors, all_finite) for g in grads]
+
+
 def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
-                     factors, example_factors, tape):
+                     factors, example_factors, tape, all_finite=None):
   """{id(variable): clipped sum} by book-keeping (module docstring).
 
   Args:
     units: the plan's units; ghost: (unit, start, n) of ghost units; sources, src_grads:
       the first backward pass's tensors and their gradients; per_example: {id(unit):
-      per-record gradients}; sum_fns: {id(unit): GhostSums sum function}; factors,
-      example_factors: c per record and per example (divided by the loss scale); tape: the
-      persistent tape of the forward pass.
+      per-record gradients (a list per variable, or a registry.PerExampleBlock)}; sum_fns:
+      {id(unit): GhostSums sum function}; factors, example_factors: c per record and per
+      example (divided by the loss scale); tape: the persistent tape of the forward pass.
+    all_finite: optional scalar bool tensor, True when every record's squared norm is
+      finite: the per-record gradients at hand are then summed by one matrix-vector
+      product each (else, or when None, row by row, 0 for a record with c = 0).
   Returns:
     {id(variable): clipped sum tensor}.
   """
@@ -107,9 +130,11 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
     for v, g in zip(u.variables, grads):
       result[id(v)] = tf.cast(g, _sum_dtype(v))
   for u in units:
-    for v, g in zip(u.variables, per_example.get(id(u), ())):
-      result[id(v)] = tf.cast(tf.reduce_sum(_weighted(g, factors), axis=0),
-                              _sum_dtype(v))
+    if id(u) not in per_example:
+      continue
+    sums = _per_example_sums(per_example[id(u)], factors, all_finite)
+    for v, g in zip(u.variables, sums):
+      result[id(v)] = tf.cast(g, _sum_dtype(v))
   return result
 
 

@@ -1,8 +1,14 @@
 """Ghost norms of Conv1D / Conv2D (channels_last, groups=1).
 
-Unfold the input into patches P_i [T, kh*kw*cin]; grad W_i = P_i^T dz_i,
-grad b_i = sum_t dz_t. When the output has more positions than a patch has
-entries, per-example filter gradients are cheaper than the unfold.
+Unfold the input into patches P_i [T, kh*kw*cin] (conv_unfold.py); grad W_i =
+P_i^T dz_i, grad b_i = sum_t dz_t. A kernel small enough to keep per example
+(registry.keep_per_example) gets g_i as one block (registry.PerExampleBlock:
+its norms and clipped sum need no second weight-gradient product); a larger one
+gets the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and
+its sum by book-keeping. When the output has more positions than a patch has
+entries and oneDNN is on, the batch-as-channels depthwise filter gradient is
+faster than the unfold for few channels (BENCHMARKS.md); a large kernel there
+gets per-example Conv2DBackpropFilter.
 """
 
 import numpy as np
@@ -12,6 +18,7 @@ from keras import ops
 from tf_dpiter.keras import routing
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
 # Batch-as-channels per-example filter gradients replicate dz over the input
 # channels: at most this many entries per example.
@@ -77,51 +84,72 @@ def _per_example_filter_grads(x4, dz4, kernel_size, strides, padding, form):
   return tf.vectorized_map(one, (x4, dz4))
 
 
-def _choose_form(layer, dz, x4, ksize, dilated):
-  """The override, or "depthwise"/"filter" when the output has more positions
-  than a patch has entries, else None (unfold)."""
+def _choose_form(dz4, x4, ksize, dilated, keep):
+  """The override; else "depthwise" (oneDNN on, few entries) or "filter" (a
+  per-example gradient too large to keep) when the output has more positions than a
+  patch has entries; else None (unfold, conv_unfold.patches)."""
   form = registry.form_override()
   if form is not None or dilated:
     return form
-  positions = int(np.prod(dz.shape[1:-1])) if None not in dz.shape[1:-1] else 0
+  positions = int(np.prod(dz4.shape[1:-1])) if None not in dz4.shape[1:-1] else 0
   patch = ksize[0] * ksize[1] * int(x4.shape[-1])
   if positions <= patch:
     return None
-  small = positions * int(x4.shape[-1]) * layer.filters <= _MAX_DEPTHWISE_ENTRIES
-  return "depthwise" if small and routing.onednn_enabled() else "filter"
+  cout = int(dz4.shape[-1])
+  if (positions * int(x4.shape[-1]) * cout <= _MAX_DEPTHWISE_ENTRIES and
+      routing.onednn_enabled()):
+    return "depthwise"
+  return None if keep else "filter"
 
 
-def _conv_sqr_norm_fn(layer, patches_fn, x4=None, dz4_fn=None, padding=None):
-  """x4/dz4_fn/padding: the 2-D view used by the per-example filter path."""
+def _unpacker(layer, layout, ksize, with_bias):
+  """Row sums of [kernel block(, bias block)] -> [kernel(, bias)]; layout None: the
+  kernel block is in the kernel's order, else a conv_unfold block in `layout`."""
+  cout = layer.filters
+
+  def unpack(sums):
+    kernel = sums[0]
+    if layout is not None:
+      kernel = conv_unfold.to_kernel(kernel, layout, ksize, cout)
+    return [tf.reshape(kernel, layer.kernel.shape)] + list(sums[1:])
+
+  return unpack
+
+
+def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
+  """The sqr_norm_fn of a 2-D view of the convolution: x4 [B, H, W, cin] its input,
+  dz4_fn maps the watched gradient to [B, ho, wo, cout], padding "same"/"valid"."""
   kernel_on = algebra.trainable(layer.kernel)
   bias_on = layer.use_bias and algebra.trainable(layer.bias)
-  ksize = tuple(layer.kernel_size) if len(layer.kernel_size) == 2 else (
-      1, layer.kernel_size[0])
-  stride = tuple(layer.strides) if len(layer.strides) == 2 else (
-      1, layer.strides[0])
-  dilated = any(d != 1 for d in layer.dilation_rate)
+  pair = lambda t: tuple(t) if len(t) == 2 else (1, t[0])
+  ksize, stride, dilation = (pair(layer.kernel_size), pair(layer.strides),
+                             pair(layer.dilation_rate))
+  dilated = any(d != 1 for d in dilation)
   keep = registry.keep_per_example(int(np.prod(layer.kernel.shape)))
 
   def sqr_norm_fn(dz):
-    sq = algebra.zeros(dz)
-    grads = {}
-    if kernel_on:
-      form = _choose_form(layer, dz, x4, ksize, dilated)
-      if form in ("filter", "depthwise") and not dilated:
-        g = registry.record_sum(_per_example_filter_grads(
-            x4, dz4_fn(dz), ksize, stride, padding, form))
-        sq_k, g = algebra.sqr_sum(g), (g if keep else None)
-      else:
-        sq_k, g = algebra.factored_sqr_norm(algebra.to_btk(patches_fn()),
-                                            algebra.to_btk(dz))
-      sq += sq_k
-      if g is not None:
-        grads[id(layer.kernel)] = g
-    if bias_on:
-      db = algebra.bias_grad(dz, (layer.filters,))
-      sq += algebra.sqr_sum(db)
-      grads[id(layer.bias)] = db
-    return algebra.result(layer, sq, grads)
+    dz4 = dz4_fn(dz)
+    db = algebra.bias_grad(dz, (layer.filters,)) if bias_on else None
+    if not kernel_on:
+      return algebra.result(layer, algebra.sqr_sum(db), {id(layer.bias): db})
+    form = _choose_form(dz4, x4, ksize, dilated, keep)
+    if form in ("filter", "depthwise") and not dilated:
+      g = registry.record_sum(_per_example_filter_grads(
+          x4, dz4, ksize, stride, padding, form))
+      layout = None
+      blk = tf.reshape(g, [tf.shape(g)[0], -1])
+    else:
+      p, layout = conv_unfold.patches(x4, ksize, stride, dilation, padding,
+                                      tuple(dz4.shape[1:3]))
+      if not keep or form == "gram":
+        sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
+        return sq + algebra.sqr_sum(db) if bias_on else sq
+      blk = conv_unfold.block(p, algebra.to_btk(dz4))
+    blocks = [blk] if db is None else [blk, db]
+    sq = tf.add_n([algebra.sqr_sum(b) for b in blocks])
+    if not keep:
+      return sq
+    return registry.PerExampleBlock(sq, blocks, _unpacker(layer, layout, ksize, bias_on))
 
   return sqr_norm_fn
 
@@ -142,17 +170,7 @@ def conv2d_norm_fn(layer, inputs):
     return None
   x = inputs
   z, outputs = _conv_forward(layer, x, layer.padding)
-  kh, kw = layer.kernel_size
-  sh, sw = layer.strides
-  dh, dw = layer.dilation_rate
-
-  def patches_fn():
-    return tf.image.extract_patches(
-        tf.cast(x, tf.float32), sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1],
-        rates=[1, dh, dw, 1], padding=layer.padding.upper())
-
-  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn, x, lambda dz: dz,
-                                       layer.padding)
+  return outputs, z, _conv_sqr_norm_fn(layer, x, lambda dz: dz, layer.padding)
 
 
 @registry.float32_watched
@@ -175,13 +193,5 @@ def conv1d_norm_fn(layer, inputs):
     x = ops.pad(x, layer._compute_causal_padding())  # pylint: disable=protected-access
     padding = "valid"
   z, outputs = _conv_forward(layer, x, padding)
-  (k,), (s,), (d,) = layer.kernel_size, layer.strides, layer.dilation_rate
-
-  def patches_fn():
-    p = tf.image.extract_patches(
-        tf.cast(x, tf.float32)[:, None], sizes=[1, 1, k, 1],
-        strides=[1, 1, s, 1], rates=[1, 1, d, 1], padding=padding.upper())
-    return p[:, 0]
-
-  return outputs, z, _conv_sqr_norm_fn(layer, patches_fn, x[:, None],
-                                       lambda dz: dz[:, None], padding)
+  return outputs, z, _conv_sqr_norm_fn(layer, x[:, None], lambda dz: dz[:, None],
+                                       padding)
