@@ -87,9 +87,10 @@ def main(argv=None):
   xtr, ytr, xte, yte = load_mnist(args.data_path)
   model = make_cnn()
   lr = args.learning_rate
-  if args.decay == "cosine":   # steps: fit's Poisson epochs are round(n / batch_size) steps
-    lr = keras.optimizers.schedules.CosineDecay(
-        lr, decay_steps=epochs * max(1, round(len(xtr) / args.batch_size)))
+  if args.decay == "cosine":   # over every step fit takes: shuffled passes or Poisson epochs
+    per_epoch = (dp.data.steps_per_pass(len(xtr), args.batch_size) if args.sampling == "shuffle"
+                 else max(1, round(len(xtr) / args.batch_size)))
+    lr = keras.optimizers.schedules.CosineDecay(lr, decay_steps=epochs * per_epoch)
   opt = dp.keras.DPKerasSGDOptimizer(
       l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier,
       num_microbatches=None, learning_rate=lr, momentum=args.momentum,
