@@ -1,7 +1,7 @@
 """`model.fit` step time, DP against non-private, the way a user calls it (issue 18).
 
-  python benchmarks/fit_step_time.py [--models cnn,mlp] [--batch 256] [--steps 64]
-      [--rounds 5] [--spe 1,8] [--onednn 0,1] [--extra]
+  python benchmarks/fit_step_time.py [--models cnn,mlp,transformer] [--batch 256]
+      [--steps 64] [--rounds 5] [--spe 1,8] [--onednn 0,1] [--extra]
 
 For each oneDNN setting (TF_ENABLE_ONEDNN_OPTS, read when TensorFlow loads, so each setting
 is one child process) and each model, these fit configurations are timed round robin in ONE
@@ -20,7 +20,10 @@ and with --extra (steps_per_execution 1):
   dp_fixed_batch      DP fit on one fixed batch of B (repeated; sampling declared by
                       set_sampling): the DP step without any sampling
   nonprivate_fixed_batch
-Data: n = 60000 random MNIST-shaped records (28x28x1 for the CNN, 784 for the MLP). The
+Data: n = 60000 random MNIST-shaped records (28x28x1 for the CNN, 784 for the MLP); for the
+Transformer (`example_models.transformer_encoder`: Embedding 10k x 128, 2 blocks of 4-head
+attention + LayerNorm + Dense 256/128, mean-pooled, 2 classes; 1.6M parameters) n = 60000
+random token sequences of 128 ids with binary labels, batch --transformer_batch (64). The
 ledger's sample count is checked against the steps taken (exact with any spe). Prints one
 JSON object per oneDNN setting.
 """
@@ -42,6 +45,7 @@ def _parse(argv=None):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--models", default="cnn,mlp")
   p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--transformer_batch", type=int, default=64)
   p.add_argument("--steps", type=int, default=64, help="steps per epoch (a multiple of spe)")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--spe", default="1,8", help="steps_per_execution values")
@@ -59,19 +63,31 @@ def _configs(name, a):
   import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   rng = np.random.RandomState(0)
-  xs = rng.rand(N_POP, *((28, 28, 1) if name == "cnn" else (784,))).astype("float32")
-  ys = rng.randint(0, 10, N_POP).astype("int32")
   ex = dp.keras.example_models
-  layers = ex.mnist_cnn_layers if name == "cnn" else ex.mlp_layers
   b, steps = a.batch, a.steps
+  if name == "transformer":
+    xs = rng.randint(0, 10000, (N_POP, 128)).astype("int32")
+    ys = rng.randint(0, 2, N_POP).astype("int32")
+    b = a.transformer_batch
+  else:
+    xs = rng.rand(N_POP, *((28, 28, 1) if name == "cnn" else (784,))).astype("float32")
+    ys = rng.randint(0, 10, N_POP).astype("int32")
+
+  def build(private):
+    if name == "transformer":
+      net = ex.transformer_encoder()
+      cls = dp.keras.DPModel if private else keras.Model
+      return cls(net.inputs, net.outputs)
+    layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
+    return (dp.keras.DPSequential if private else keras.Sequential)(layers)
 
   def model(private, spe=1):
     keras.utils.set_random_seed(0)
     if not private:
-      m = keras.Sequential(layers())
+      m = build(False)
       m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, steps_per_execution=spe)
       return m
-    m = dp.keras.DPSequential(layers())
+    m = build(True)
     m.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=loss,
               steps_per_execution=spe)
     return m
@@ -144,7 +160,8 @@ def _child(a):
   for name in a.models.split(","):
     configs = _configs(name, a)
     t = _time_round_robin(configs, a.rounds, a.steps)
-    res = {"model": name, "wall_ms_per_step": {k: v[0] for k, v in t.items()},
+    res = {"model": name, "batch": a.transformer_batch if name == "transformer" else a.batch,
+           "wall_ms_per_step": {k: v[0] for k, v in t.items()},
            "cpu_ms_per_step": {k: v[1] for k, v in t.items()},
            "steady_ms_per_step": {k: v[2] for k, v in t.items()}, "ratios_wall": {},
            "ratios_cpu": {}, "ratios_steady": {},

@@ -144,3 +144,21 @@ def test_shuffled_batches_endless_passes_and_weights():
 def test_shuffled_batches_bad_arguments(kw, match):
   with pytest.raises(ValueError, match=match):
     dp.data.shuffled_batches(np.ones([100, 2]), **kw)
+
+
+@pytest.mark.parametrize("steps", [1, dp.data.sampling.INDEX_CHUNK + 3])
+def test_poisson_samples_in_draw_order_across_index_chunks_and_passes(steps):
+  """The generator hands indices to tf.data a chunk of steps at a time: every step is still
+  one sequential draw of the sampler (same seed -> the same sequence of samples, over two
+  passes), and a pass has exactly `steps` samples whatever the chunk size."""
+  n, eb, seed = 500, 20, 7
+  x = np.arange(n, dtype=np.int64)
+  ds = _ds(x=x, y=None, expected_batch_size=eb, steps_per_epoch=steps, max_batch_size=None,
+           seed=seed)
+  rng = np.random.Generator(np.random.Philox(seed))
+  for _ in range(2):
+    got = [xb.numpy()[w.numpy() > 0] for xb, w in ds]
+    assert len(got) == steps
+    for sample in got:
+      want = dp.data.sampling.poisson_indices(rng, 0, n, eb / n)
+      np.testing.assert_array_equal(sample, want)

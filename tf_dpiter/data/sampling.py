@@ -40,6 +40,9 @@ sampler: for "shuffle", the `shuffling.ShuffleSampler` counting the passes (else
 
 _SPEC_ATTR = "_tf_dpiter_sampling_spec"
 
+# Steps whose indices the sampler's Python generator hands to tf.data in one call.
+INDEX_CHUNK = 16
+
 
 # tf.data transforms that keep each step's batch exactly the sample drawn: the declaration is
 # carried through them (by class name, as tf.data names its dataset classes).
@@ -240,24 +243,41 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return ds
 
 
+def _records_variable(a):
+  """The records `a` as a non-trainable variable: the dataset's functions capture its handle,
+  not the data (a captured constant is copied into the dataset's graph, and that graph is
+  rewritten at every new iterator, i.e. at every epoch of fit)."""
+  return tf.Variable(a, trainable=False)
+
+
 def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None):
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
-  step's int indices; TensorFlow gathers the rows in tf.data's threads and prefetches, so
-  the next samples are ready while the current step runs. Samples are padded with zero rows
-  to `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
+  step's int indices; the generator hands them to TensorFlow `INDEX_CHUNK` steps at a time
+  (one Python call per chunk, the steps in their order), TensorFlow splits the chunk, gathers
+  the rows in tf.data's threads and prefetches, so the next samples are ready while the
+  current step runs. Each step's indices are still one call of next_indices(): the law of a
+  sample does not depend on the chunking. Samples are padded with zero rows to
+  `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
   for padding (Keras' sample_weight).
   """
-  xs = tf.nest.map_structure(tf.convert_to_tensor, x)
-  ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
-  ws = None if sample_weight is None else tf.reshape(
-      tf.convert_to_tensor(sample_weight, tf.float32), [-1])
+  with tf.init_scope():
+    xs = tf.nest.map_structure(_records_variable, x)
+    ys = None if y is None else tf.nest.map_structure(_records_variable, y)
+    ws = None if sample_weight is None else _records_variable(
+        np.reshape(np.asarray(sample_weight, np.float32), [-1]))
 
   def gen():
-    for _ in range(steps):
-      yield np.asarray(next_indices(), np.int64)
+    for start in range(0, steps, INDEX_CHUNK):
+      draws = [np.asarray(next_indices(), np.int64)
+               for _ in range(min(INDEX_CHUNK, steps - start))]
+      yield np.concatenate(draws), np.cumsum([0] + [len(d) for d in draws], dtype=np.int64)
+
+  def split(flat, bounds):
+    return tf.data.Dataset.range(tf.size(bounds, tf.int64) - 1).map(
+        lambda i: flat[bounds[i]:bounds[i + 1]])
 
   def gather(idx):
     m = tf.shape(idx)[0]
@@ -268,8 +288,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
     weights = pad(tf.ones([m], tf.float32)) if ws is None else rows(ws)
     return tuple(tf.nest.map_structure(rows, t) for t in (xs, ys) if t is not None) + (weights,)
 
-  ds = tf.data.Dataset.from_generator(gen, output_signature=tf.TensorSpec([None], tf.int64))
-  ds = ds.map(gather, num_parallel_calls=2, deterministic=True)
+  ds = tf.data.Dataset.from_generator(gen, output_signature=(
+      tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)))
+  ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return attach_spec(ds, spec)
 
