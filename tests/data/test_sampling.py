@@ -162,3 +162,22 @@ def test_poisson_samples_in_draw_order_across_index_chunks_and_passes(steps):
     for sample in got:
       want = dp.data.sampling.poisson_indices(rng, 0, n, eb / n)
       np.testing.assert_array_equal(sample, want)
+
+
+@pytest.mark.parametrize("in_strategy", [False, True])
+def test_poisson_rows_match_labels_inside_and_outside_a_strategy_scope(in_strategy):
+  """Rows are gathered from the records (a variable outside a strategy's scope, a constant
+  inside one): every yielded row is the record its label names, over two passes."""
+  n = 300
+  x = np.arange(n, dtype=np.float32).reshape(n, 1) * 10.0
+  y = np.arange(n, dtype=np.int32)
+  strategy = (tf.distribute.MirroredStrategy(["/cpu:0"]) if in_strategy
+              else tf.distribute.get_strategy())
+  with strategy.scope():
+    ds = _ds(x=x, y=y, expected_batch_size=30, steps_per_epoch=3, max_batch_size=64, seed=3)
+  for _ in range(2):
+    for xb, yb, w in ds:
+      real = w.numpy() > 0
+      assert real.sum() > 0
+      np.testing.assert_array_equal(xb.numpy()[real, 0], 10.0 * yb.numpy()[real])
+      assert not np.any(xb.numpy()[~real])
