@@ -166,8 +166,8 @@ def test_poisson_samples_in_draw_order_across_index_chunks_and_passes(steps):
 
 @pytest.mark.parametrize("in_strategy", [False, True])
 def test_poisson_rows_match_labels_inside_and_outside_a_strategy_scope(in_strategy):
-  """Rows are gathered from the records (a variable outside a strategy's scope, a constant
-  inside one): every yielded row is the record its label names, over two passes."""
+  """Every yielded row is the record its label names, over two passes, whether the dataset
+  is built inside a tf.distribute strategy's scope or not."""
   n = 300
   x = np.arange(n, dtype=np.float32).reshape(n, 1) * 10.0
   y = np.arange(n, dtype=np.int32)

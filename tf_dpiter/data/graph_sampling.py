@@ -46,7 +46,7 @@ def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None
   else:
     rng = sampling_lib.make_rng(seed, who="poisson_batches_in_graph")
     key = [int(k) for k in rng.integers(0, 2**63 - 1, size=2)]
-  tensors = [sampling_lib.records_variable(np.asarray(a)) for a in (x, y) if a is not None]
+  tensors = [tf.constant(np.asarray(a)) for a in (x, y) if a is not None]
   key0, key1 = tf.constant(key[0], tf.int64), tf.constant(key[1], tf.int64)
 
   def draw(t):

@@ -243,27 +243,6 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return ds
 
 
-def records_variable(a):
-  """The records `a` for a dataset's functions to gather from: a non-trainable variable.
-
-  The functions then capture the variable's handle, not the data: a captured constant is
-  copied into the dataset's graph, and that graph is rewritten at every new iterator (every
-  epoch of fit), ~0.1 s per epoch for MNIST-sized arrays (BENCHMARKS.md). Inside a
-  tf.distribute strategy's scope a variable would be mirrored (one copy of the data per
-  device), so there the records stay a constant tensor.
-
-  Args:
-    a: an array (or tensor) of records, leading axis n.
-  Returns:
-    a tf.Variable holding `a` (created outside any tf.function), or a constant tensor
-    inside a strategy's scope.
-  """
-  if tf.distribute.has_strategy():
-    return tf.convert_to_tensor(a)
-  with tf.init_scope():
-    return tf.Variable(a, trainable=False)
-
-
 def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None):
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
@@ -277,10 +256,10 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
   for padding (Keras' sample_weight).
   """
-  xs = tf.nest.map_structure(records_variable, x)
-  ys = None if y is None else tf.nest.map_structure(records_variable, y)
-  ws = None if sample_weight is None else records_variable(
-      np.reshape(np.asarray(sample_weight, np.float32), [-1]))
+  xs = tf.nest.map_structure(tf.convert_to_tensor, x)
+  ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
+  ws = None if sample_weight is None else tf.reshape(
+      tf.convert_to_tensor(sample_weight, tf.float32), [-1])
 
   def gen():
     for start in range(0, steps, INDEX_CHUNK):
