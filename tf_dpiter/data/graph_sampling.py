@@ -63,5 +63,6 @@ def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None
 
   ds = tf.data.Dataset.range(steps).map(draw, num_parallel_calls=tf.data.AUTOTUNE,
                                         deterministic=True).prefetch(2)
+  ds = ds.with_options(sampling_lib.PIPELINE_OPTIONS)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
       sampling_lib.POISSON, n, q, float(expected_batch_size)))

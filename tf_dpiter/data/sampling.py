@@ -46,8 +46,8 @@ INDEX_CHUNK = 16
 # tf.data's default graph rewrites serialize the dataset's graph, records included (they are
 # captured constants), at the first iterator: ~0.3 s per fit call for MNIST-sized arrays.
 # Keras' own array pipeline turns them off for the same reason.
-_NO_REWRITE = tf.data.Options()
-_NO_REWRITE.experimental_optimization.apply_default_optimizations = False
+PIPELINE_OPTIONS = tf.data.Options()
+PIPELINE_OPTIONS.experimental_optimization.apply_default_optimizations = False
 
 
 # tf.data transforms that keep each step's batch exactly the sample drawn: the declaration is
@@ -290,7 +290,7 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
       tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)))
   ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
-  return attach_spec(ds.with_options(_NO_REWRITE), spec)
+  return attach_spec(ds.with_options(PIPELINE_OPTIONS), spec)
 
 
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
