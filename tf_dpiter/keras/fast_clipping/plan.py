@@ -5,6 +5,17 @@ A unit is a layer whose trainable variables are clipped as one block of g_i:
 a registered layer (ghost norm, registry.py) or, for the rest, the smallest
 layer that owns its variables and has no registered descendant (vectorized
 per-example gradients, re-running the layer on each example).
+
+Which variables are clipped follows what the optimizer trains,
+`model.trainable_variables`, variable by variable, not the layers' `trainable`
+flags. In Keras 3, `layer.trainable_variables` is empty for a layer whose own
+flag is False even when a sublayer of it was set trainable again afterwards
+(keras_hub's `backbone.enable_lora(r)` freezes every sublayer, then unfreezes
+the LoRA targets); the model's list still holds the sublayer's variables. The
+plan therefore descends into such a frozen parent, and a registered leaf
+becomes a ghost unit only when its `trainable_variables` are exactly the
+variables of it that the model trains (else it is clipped on the vectorized
+path over those variables).
 """
 
 import keras
@@ -42,21 +53,35 @@ def computes_in_16_bits(layer):
   return dtype in SIXTEEN_BIT
 
 
-def _has_registered(layer):
+def _trained(layer, trained):
+  """The variables of `layer` (its sublayers' included) that the model trains:
+  those whose id is in `trained`, in the order of `layer.variables`."""
+  return [v for v in layer.variables if id(v) in trained]
+
+
+def _has_registered(layer, trained):
   for sub in _sublayers(layer):
-    if sub.trainable_variables and registry.lookup(sub) is not None:
+    if registry.lookup(sub) is not None and _trained(sub, trained):
       return True
   return False
 
 
 class Unit:
-  """A layer whose trainable variables are clipped as one block of g_i."""
+  """A layer and the variables of it clipped as one block of g_i.
 
-  def __init__(self, layer, kind, norm_fn):
+  Args:
+    layer: the Keras layer.
+    kind: GHOST (the layer's registered norm function) or VECTORIZED.
+    norm_fn: the norm function of a GHOST unit, else None.
+    variables: the variables clipped in this unit; by default
+      `layer.trainable_variables` (what a norm function sums over).
+  """
+
+  def __init__(self, layer, kind, norm_fn, variables=None):
     self.layer = layer
     self.kind = kind
     self.norm_fn = norm_fn
-    self.variables = list(layer.trainable_variables)
+    self.variables = list(layer.trainable_variables if variables is None else variables)
     self.records = []
     self.orig_call = None
 
@@ -77,8 +102,10 @@ def _children(layer):
   return out
 
 
-def _direct_trainable(layer):
-  return [v for v in getattr(layer, "_trainable_variables", []) if v.trainable]
+def _direct_trained(layer, children, trained):
+  """The trained variables of `layer` that none of its children owns."""
+  in_children = {id(v) for child in children for v in child.variables}
+  return [v for v in _trained(layer, trained) if id(v) not in in_children]
 
 
 def _check_deterministic(layer):
@@ -99,10 +126,16 @@ def _check_deterministic(layer):
           "register a rule that handles it)")
 
 
-def _ghost_norm_fn(layer, grouped):
-  """The layer's norm function if it can serve this plan, else None."""
+def _ghost_norm_fn(layer, grouped, variables):
+  """The layer's norm function if it can serve this plan, else None.
+
+  A norm function sums over `layer.trainable_variables`: it serves only if
+  those are exactly `variables`, the layer's variables the model trains.
+  """
   norm_fn = registry.lookup(layer)
   if norm_fn is None:
+    return None
+  if {id(v) for v in layer.trainable_variables} != {id(v) for v in variables}:
     return None
   if grouped and not getattr(norm_fn, "supports_records", False):
     return None
@@ -121,11 +154,17 @@ def _check_coverage(model, units):
             f"variable {v.path!r} is shared by layers "
             f"{covered[id(v)]!r} and {u.layer.name!r}; not supported")
       covered[id(v)] = u.layer.name
+  trained = {id(v) for v in model.trainable_variables}
   missing = [v.path for v in model.trainable_variables if id(v) not in covered]
   if missing:
     raise ValueError(
         f"trainable variables {missing} are not owned by any layer of model "
         f"{model.name!r}; cannot clip per example")
+  extra = [v.path for u in units for v in u.variables if id(v) not in trained]
+  if extra:
+    raise ValueError(
+        f"variables {extra} would be clipped but are not in "
+        f"{model.name!r}.trainable_variables (the optimizer does not train them)")
 
 
 def plan(model, grouped=False):
@@ -143,28 +182,30 @@ def plan(model, grouped=False):
         f"model must be built before clipping, got model.built=False "
         f"(model={model.name!r})")
   units, seen = [], set()
+  trained = {id(v) for v in model.trainable_variables}
 
   def visit(layer):
     if id(layer) in seen:
       return
     seen.add(id(layer))
-    if isinstance(layer, _BATCH_COUPLED) and layer.trainable_variables:
+    variables = _trained(layer, trained)
+    if isinstance(layer, _BATCH_COUPLED) and variables:
       raise ValueError(
           f"layer {layer.name!r} ({type(layer).__name__}) mixes examples of "
           "the batch; per-example gradient norms are undefined for it")
-    if not layer.trainable_variables:
+    if not variables:
       return
-    norm_fn = _ghost_norm_fn(layer, grouped)
+    norm_fn = _ghost_norm_fn(layer, grouped, variables)
     if norm_fn is not None:
       _check_deterministic(layer)   # a rule may decline the call at run time
       units.append(Unit(layer, GHOST, norm_fn))
       return
     children = _children(layer)
-    if (_direct_trainable(layer) or not children or
-        isinstance(layer, _OPAQUE) or not _has_registered(layer) or
+    if (_direct_trained(layer, children, trained) or not children or
+        isinstance(layer, _OPAQUE) or not _has_registered(layer, trained) or
         registry.lookup(layer) is not None):
       _check_deterministic(layer)
-      units.append(Unit(layer, VECTORIZED, None))
+      units.append(Unit(layer, VECTORIZED, None, variables))
       return
     for child in children:
       visit(child)
