@@ -8,13 +8,11 @@ The model: keras_hub's BertBackbone built from the BERT-base config (12 layers, 
 weights can be downloaded), pooled output -> Dense(2). Without keras_hub (not a dependency of
 tf_dpiter; --model plain, or when it cannot be imported) a plain Keras encoder of the same
 shape (Embedding + 12 x [MultiHeadAttention, LayerNorm, Dense 3072, Dense 768, LayerNorm]).
-LoRA (--lora r): Keras' layer.enable_lora(r) on the layers keras_hub's
-backbone.enable_lora(r) targets (backbone.default_lora_layer_names(): query/value
-EinsumDense of every attention layer), all else frozen except the classification head:
-the same trainable variables as backbone.enable_lora(r), but only the leaf layers are
-frozen (backbone.enable_lora sets `trainable=False` on the attention blocks around the
-LoRA layers, which the fast path's plan does not yet see through: it then falls back to
-the vectorized path).
+LoRA (--lora r): keras_hub's backbone.enable_lora(r) (every backbone layer frozen, then
+Keras' layer.enable_lora(r) on backbone.default_lora_layer_names(): query/value EinsumDense
+of every attention layer), the classification head trainable; the plain encoder gets the
+same trainable set. The fast path's plan follows model.trainable_variables through the
+frozen attention blocks (fast_clipping/plan.py), so the LoRA layers are ghost units.
 
 keras_hub without touching the project's environment (its dependencies tensorflow-text etc.
 are not needed to build a backbone from a config):
@@ -101,18 +99,6 @@ def _plain_encoder(seq, lora):
   return model_in, model_out
 
 
-def _enable_lora_leaves(backbone, rank):
-  """backbone.enable_lora(rank)'s trainable set, freezing leaf layers only."""
-  targets = set(backbone.default_lora_layer_names())
-  for layer in backbone._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if layer.weights and not list(layer._flatten_layers(include_self=False)):  # pylint: disable=protected-access
-      layer.trainable = False
-  for layer in backbone._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if layer.name in targets and hasattr(layer, "enable_lora"):
-      layer.trainable = True
-      layer.enable_lora(rank)
-
-
 def build(kind, seq, lora, private):
   """(model, input batch builder, name of the architecture)."""
   keras.utils.set_random_seed(0)
@@ -120,7 +106,7 @@ def build(kind, seq, lora, private):
   if hub is not None:
     backbone = hub.models.BertBackbone(**BERT_BASE)
     if lora:
-      _enable_lora_leaves(backbone, lora)
+      backbone.enable_lora(lora)
     inputs = {k: keras.Input((seq,), dtype="int32", name=k)
               for k in ("token_ids", "segment_ids", "padding_mask")}
     outputs = keras.layers.Dense(2)(backbone(inputs)["pooled_output"])
