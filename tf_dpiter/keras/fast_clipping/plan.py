@@ -168,12 +168,20 @@ def _check_coverage(model, units):
 
 
 def plan(model, grouped=False):
-  """Splits the model's trainable variables into units; raises ValueError.
+  """Splits `model.trainable_variables` into units (module docstring).
 
-  grouped: records of several examples; registered layers whose norm function
-  does not honour registry.examples_per_record take the vectorized path, as do
-  16-bit layers whose norm function is neither registry.float32_watched nor
-  registry.float32_sums.
+  Args:
+    model: a built keras.Model.
+    grouped: records of several examples; registered layers whose norm function
+      does not honour registry.examples_per_record take the vectorized path, as
+      do 16-bit layers whose norm function is neither registry.float32_watched
+      nor registry.float32_sums.
+  Returns:
+    a list of Unit whose variables are exactly model.trainable_variables, each once.
+  Raises:
+    ValueError: unbuilt model, a batch-coupled layer with trained variables, an
+      unregistered layer with internal dropout, a variable shared by two units,
+      or a trained variable no layer owns.
   """
   if not isinstance(model, keras.layers.Layer):
     raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
