@@ -62,7 +62,7 @@ class Block(L.Layer):
 
 
 def _random_b(layer, rng):
-  for v in layer.trainable_variables:
+  for v in layer.variables:
     if v.path.endswith("lora_kernel_b"):   # Keras starts B at 0: grad A would vanish
       v.assign(rng.normal(size=v.shape).astype("float32"))
 
@@ -168,10 +168,7 @@ def _bert_lora_model(keras_hub):
       vocabulary_size=100, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=64,
       max_sequence_length=16, dropout=0.0)
   backbone.enable_lora(2)
-  rng = np.random.default_rng(1)
-  for layer in backbone._flatten_layers(include_self=False):  # pylint: disable=protected-access
-    if getattr(layer, "lora_enabled", False):
-      _random_b(layer, rng)
+  _random_b(backbone, np.random.default_rng(1))   # every LoRA B of the backbone
   ids = keras.Input((SEQ,), dtype="int32")
   pooled = backbone({"token_ids": ids, "segment_ids": keras.ops.zeros_like(ids),
                      "padding_mask": keras.ops.ones_like(ids)})["pooled_output"]
