@@ -51,9 +51,8 @@ def _depthwise_filter_grads(x4, dz4, kernel_size, strides, padding):
   h, w = tf.shape(x4)[1], tf.shape(x4)[2]
   ho, wo = tf.shape(dz4)[1], tf.shape(dz4)[2]
   xt = tf.reshape(tf.transpose(x4, [1, 2, 0, 3]), [1, h, w, b * cin])
-  dt = tf.transpose(dz4, [1, 2, 0, 3])
-  if cin > 1:  # for cin == 1 the repetition would be a copy
-    dt = tf.broadcast_to(dt[:, :, :, None, :], [ho, wo, b, cin, cout])
+  dt = tf.transpose(dz4, [1, 2, 0, 3])[:, :, :, None, :]
+  dt = tf.broadcast_to(dt, [ho, wo, b, cin, cout])
   dt = tf.reshape(dt, [1, ho, wo, b * cin * cout])
   g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
       xt, tf.stack([kh, kw, b * cin, cout]), dt,
