@@ -257,7 +257,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   (one Python call per chunk, the steps in their order), TensorFlow splits the chunk, gathers
   the rows in tf.data's threads and prefetches, so the next samples are ready while the
   current step runs. Each step's indices are still one call of next_indices(): the law of a
-  sample does not depend on the chunking. Samples are padded with zero rows to
+  sample does not depend on the chunking. A sampler that counts the passes it starts (balls
+  in bins) may start one up to INDEX_CHUNK + 2 steps before its first step is taken: fit
+  charges it then (early, never missed: conservative if training stops first). Samples are padded with zero rows to
   `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
   for padding (Keras' sample_weight).
