@@ -145,7 +145,7 @@ def _ghost_norm_fn(layer, grouped, variables):
   return norm_fn
 
 
-def _check_coverage(model, units):
+def _check_coverage(model, units, trained):
   covered = {}
   for u in units:
     for v in u.variables:
@@ -154,7 +154,6 @@ def _check_coverage(model, units):
             f"variable {v.path!r} is shared by layers "
             f"{covered[id(v)]!r} and {u.layer.name!r}; not supported")
       covered[id(v)] = u.layer.name
-  trained = {id(v) for v in model.trainable_variables}
   missing = [v.path for v in model.trainable_variables if id(v) not in covered]
   if missing:
     raise ValueError(
@@ -219,7 +218,7 @@ def plan(model, grouped=False):
       visit(child)
 
   visit(model)
-  _check_coverage(model, units)
+  _check_coverage(model, units, trained)
   return units
 
 
