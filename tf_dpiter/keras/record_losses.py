@@ -114,24 +114,48 @@ def compiled_record_losses(model, y_true, y_pred, weights):
                      "DP training (the per-record loss is what the compiled loss gives)")
   yp_flat = tf.nest.flatten(y_pred)
   masks = [_mask_of(t) for t in yp_flat]
-  leaves = [tf.nest.flatten(y_true), yp_flat, [m for m in masks if m is not None],
+  others = [tf.nest.flatten(y_true), [m for m in masks if m is not None],
             tf.nest.flatten(weights)]
-  sizes = [len(x) for x in leaves]
+  sizes = [len(x) for x in others]
 
-  def one(flat):
-    yt_f, yp_f, m_f, w_f = _split(flat, sizes)
-    yp_f = [tf.identity(t) for t in yp_f]
-    it = iter(m_f)
-    for t, m in zip(yp_f, masks):
-      if m is not None:
-        keras_internals.set_keras_mask(t, next(it))
-    yt = tf.nest.pack_sequence_as(y_true, yt_f)
-    yp = tf.nest.pack_sequence_as(y_pred, yp_f)
-    w = tf.nest.pack_sequence_as(weights, w_f)
-    return tf.cast(compiled(yt, yp, w), tf.float32)
+  def one(elems):
+    yp_f, flat = elems
+    yt_f, m_f, w_f = _split(flat, sizes)
+    with tf.GradientTape() as tape:
+      tape.watch(yp_f)
+      yp_id = [tf.identity(t) for t in yp_f]
+      it = iter(m_f)
+      for t, m in zip(yp_id, masks):
+        if m is not None:
+          keras_internals.set_keras_mask(t, next(it))
+      yt = tf.nest.pack_sequence_as(y_true, yt_f)
+      yp = tf.nest.pack_sequence_as(y_pred, yp_id)
+      w = tf.nest.pack_sequence_as(weights, w_f)
+      loss = tf.cast(compiled(yt, yp, w), tf.float32)
+    grads = tape.gradient(loss, yp_f, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return loss, grads
 
-  flat = [t for group in leaves for t in group]
-  return tf.vectorized_map(one, flat, fallback_to_while_loop=True)
+  flat_others = [t for group in others for t in group]
+
+  @tf.custom_gradient
+  def losses_of(*yp_leaves):
+    losses, grads = tf.vectorized_map(one, (list(yp_leaves), flat_others),
+                                      fallback_to_while_loop=True)
+
+    def grad(upstream, variables=None):
+      # dL_i / dy_pred_i of each record alone, times the upstream gradient of L_i: the
+      # backward pass never differentiates through the vectorized map (under XLA a map is
+      # a nested function call, whose gradient would make the batch a compile-time constant
+      # and recompile the step at every step).
+      out = [tf.cast(tf.reshape(upstream, [-1] + [1] * (len(g.shape) - 1)) * tf.cast(
+          g, tf.float32), leaf.dtype) for g, leaf in zip(grads, yp_leaves)]
+      if variables:
+        return out, [None] * len(variables)
+      return out
+
+    return losses, grad
+
+  return losses_of(*yp_flat)
 
 
 def fast_path_obstacle(model):

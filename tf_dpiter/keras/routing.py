@@ -21,6 +21,7 @@ import math
 import os
 
 import keras
+import tensorflow as tf
 
 from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import keras_internals
@@ -40,6 +41,20 @@ def onednn_enabled():
     return bool(_pywrap_util_port.IsMklEnabled())
   except (ImportError, AttributeError):
     return flag not in (None, "0", "false", "False")
+
+
+def in_xla_context():
+  """True while a function is being traced for XLA (`tf.function(jit_compile=True)`, or a
+  Keras model compiled with `jit_compile=True`): the graph or one of its outer graphs is an
+  XLA context. Rules pick XLA-friendly forms there (XLA's CPU grouped convolutions, e.g. a
+  batch-as-channels depthwise filter gradient, are orders of magnitude slower than a matmul).
+
+  Returns:
+    bool.
+  """
+  # TensorFlow has no public spelling of this test; tf.vectorized_map makes the same one.
+  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def _layers(model):

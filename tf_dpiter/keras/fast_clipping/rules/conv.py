@@ -97,9 +97,11 @@ def _choose_form(dz4, x4, ksize, dilated, keep):
     return None
   cout = int(dz4.shape[-1])
   if (positions * int(x4.shape[-1]) * cout <= _MAX_DEPTHWISE_ENTRIES and
-      routing.onednn_enabled()):
+      routing.onednn_enabled() and not routing.in_xla_context()):
     return "depthwise"
-  return None if keep else "filter"
+  # Under XLA the per-example filter gradients are grouped convolutions (slow on XLA's
+  # CPU backend): the unfold or the Gram norm instead.
+  return None if keep or routing.in_xla_context() else "filter"
 
 
 def _unpacker(layer, layout, ksize, with_bias):
