@@ -89,6 +89,14 @@ def _add_serve(sub) -> None:
   s.add_argument("--port", type=int, default=8080)
   s.add_argument("--tokens", default=None,
                  help="file with one bearer token per line (only their SHA-256 is kept)")
+  s.add_argument("--key-file", default=None,
+                 help="file with the servers' shared secret (64 hex characters; default "
+                      "$DDML_SECRET). Ticket and slot-integrity keys derive from it; it is "
+                      "never written to the store. Required with a Redis store unless "
+                      "--insecure-key-in-store")
+  s.add_argument("--insecure-key-in-store", action="store_true",
+                 help="Redis without --key-file: keep the secret in the store (anyone who can "
+                      "read Redis can forge tickets)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
   s.add_argument("--draw-quota", type=float, default=None, help="draws/s per token (or address)")
@@ -134,6 +142,11 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ValueError("--tls-cert and --tls-key go together")
+  from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
+  secret = keys.load_secret(args.key_file)
+  if secret is None and args.store != "memory" and not args.insecure_key_in_store:
+    raise ValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
+                     "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
   quotas = None
@@ -150,7 +163,8 @@ def _serve(args) -> int:
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,
       body_timeout_s=args.body_timeout, seed=args.seed,
       reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
-      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase)
+      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase,
+      secret=secret, legacy_store_key=args.insecure_key_in_store)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

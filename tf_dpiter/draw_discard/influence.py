@@ -168,6 +168,14 @@ class InfluenceBudget:
     self._state: collections.OrderedDict = collections.OrderedDict()
     self._env: dict[int, tuple[float, float]] = {}
 
+  def describe(self) -> dict:
+    """The budget's settings (part of the store's join check).
+
+    Returns:
+      A JSON-serializable dict.
+    """
+    return dict(alpha=self.alpha)
+
   def limits(self, n: int) -> tuple[float, float]:
     """(per-weight limit on |C_nj|, aggregate limit on the excess) after n accepted steps.
 

@@ -48,6 +48,7 @@ from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import http_io
 from tf_dpiter.draw_discard import influence
+from tf_dpiter.draw_discard import keys
 from tf_dpiter.draw_discard import metrics as metrics_lib
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import server as server_lib
@@ -104,6 +105,11 @@ class DDMLService(service_status.StatusEndpoints):
     budget_alpha: lifetime false-rejection probability of an honest token's influence
       budget (influence.py).
     max_identities: identities whose influence budget is kept.
+    secret: the shared secret of the store's servers (keys.py; the ticket and slot-integrity
+      keys derive from it; never written to the store). None: a random one for this process
+      (no other server can join), or with legacy_store_key the one kept in the store.
+    legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
+      store can forge tickets); logged as a warning.
 
   Raises:
     ValueError: for k < 2, history < 0 or a bad acceptance parameter.
@@ -116,7 +122,8 @@ class DDMLService(service_status.StatusEndpoints):
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
                reset: bool = False, max_body_bytes: int | None = None, tickets: bool = True,
                ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
-               max_identities: int = 100_000, rebase: bool = True):
+               max_identities: int = 100_000, rebase: bool = True,
+               secret: bytes | None = None, legacy_store_key: bool = False):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -144,14 +151,33 @@ class DDMLService(service_status.StatusEndpoints):
     self.body_timeout_s = float(body_timeout_s)
     self.p = spec.num_weights
     self.max_body_bytes = int(max_body_bytes or (52 * self.p + 65536))
+    self.secret, self.legacy_store_key = secret, bool(legacy_store_key)
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
                      fingerprint=spec_fingerprint(spec), history=self.history,
-                     ticket_key=secrets.token_hex(32))
+                     settings=self.settings(alpha, budget_alpha, max_abs_weight, centre_factor))
     self.spec_json = json.dumps(spec.to_dict()).encode()
     self.metrics = metrics_lib.Registry()
     self.connection_guard = None  # set by http_server.serve
     self.snapshots = snapshots.SnapshotCache(store, self.metrics, self.draw_max_age_s)
     self.started = time.time()
+
+  def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
+    """Every acceptance, ticket, quota and influence setting: part of the store's join check.
+
+    Args:
+      alpha, budget_alpha, max_abs_weight, centre_factor: the constructor's arguments.
+
+    Returns:
+      A JSON-serializable dict; a server whose dict differs cannot join the store.
+    """
+    q = self.quotas
+    return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
+                max_abs_weight=float(max_abs_weight), centre_factor=float(centre_factor),
+                tickets=self.use_tickets, rebase=self.rebase, ticket_ttl_s=self.ticket_ttl_s,
+                history=self.history, draw_max_age_s=self.draw_max_age_s,
+                quotas=None if q is None else dict(rates=q.rates, burst=q.burst,
+                                                   cluster=q.cluster),
+                budget=self.budget.describe())
 
   def initial_std(self) -> float:
     """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
@@ -183,9 +209,17 @@ class DDMLService(service_status.StatusEndpoints):
     Raises:
       store.StoreMismatch: when the store holds a different model.
     """
+    secret = self.secret
+    if secret is None and self.legacy_store_key and self.store.kind == "redis":
+      secret = await self.store.shared_secret(keys.random_secret())
+      web_errors.log_event(log, "insecure_key_in_store", logging.WARNING,
+                           detail="the ticket and slot keys are kept in the store: anyone "
+                                  "who can read it can forge tickets; use --key-file")
+    secret = secret if secret is not None else keys.random_secret()
+    self.meta["key_id"] = keys.key_id(secret)
+    self.store.integrity_key = keys.derive(secret, "slots")
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
-    key = (await self.store.meta()).get("ticket_key") or self.meta["ticket_key"]
-    self.tickets = tickets_lib.Tickets(bytes.fromhex(key), self.ticket_ttl_s)
+    self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s)
     self.admission.tickets = self.tickets
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
