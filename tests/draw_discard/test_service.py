@@ -275,7 +275,8 @@ def test_make_store_rejects_unknown():
     store_lib.make_store("memcache://x")
 
 
-def _wait_healthy(port, proc, timeout=120):
+def _wait_healthy(port, proc, timeout=60):
+  last = None
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
@@ -283,11 +284,15 @@ def _wait_healthy(port, proc, timeout=120):
     try:
       conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
       conn.request("GET", "/healthz")
-      if conn.getresponse().status == 200:
+      r = conn.getresponse()
+      last = (r.status, r.read()[:300])
+      if r.status == 200:
         return
-    except OSError:
       time.sleep(0.2)
-  raise RuntimeError("server did not become healthy")
+    except OSError as e:
+      last = e
+      time.sleep(0.2)
+  raise RuntimeError(f"server did not become healthy: {last!r}")
 
 
 def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):

@@ -142,11 +142,6 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ValueError("--tls-cert and --tls-key go together")
-  from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
-  secret = keys.load_secret(args.key_file)
-  if secret is None and args.store != "memory" and not args.insecure_key_in_store:
-    raise ValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
-                     "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
   quotas = None
@@ -158,6 +153,11 @@ def _serve(args) -> int:
   limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
   store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
                                group_commit=not args.no_group_commit)
+  from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
+  secret = keys.load_secret(args.key_file)
+  if secret is None and args.store != "memory" and not args.insecure_key_in_store:
+    raise ValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
+                     "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
   svc = service.DDMLService(
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,

@@ -92,6 +92,11 @@ async def _admit(svc, request: web.Request) -> None:
       raise parsing.RequestError(status, why, "send Authorization: Bearer <token>"
                                  if status == 401 else "token not accepted",
                                  headers={"WWW-Authenticate": 'Bearer realm="ddml"'})
+    guard = svc.connection_guard
+    if guard is not None and not guard.bind(request.protocol, identity):
+      raise parsing.RequestError(503, "too_many_connections",
+                                 "this token holds too many connections; reuse one",
+                                 headers={"Retry-After": "1", "Connection": "close"})
   op = _OPS.get(request.path)
   identity = identity or (request.remote or "?")
   request[IDENTITY] = identity
@@ -157,7 +162,7 @@ def make_middleware(svc):
                         help_text="request latency")
     if resp.status >= 400:
       svc.metrics.inc("errors_total", status=resp.status, help_text="error answers")
-      if resp.status == 408:
+      if resp.status == 408 or resp.headers.get("Connection") == "close":
         resp.force_close()
     return resp
 
