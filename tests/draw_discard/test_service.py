@@ -305,7 +305,8 @@ def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):
              DDML_SECRET=os.urandom(32).hex())
   procs = [subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--k", "7",
                              "--model", str(spec_path), "--store", redis_url, "--prefix", prefix,
-                             "--port", str(p)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--port", str(p), "--model-interval", "0", "--draw-quota", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env) for p in ports]
   try:
     for p, proc in zip(ports, procs):

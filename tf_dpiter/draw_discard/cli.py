@@ -79,6 +79,10 @@ def _parse_eps(s: str) -> float | None:
   return float(s)
 
 
+def _parse_quota(s: str) -> float | None:
+  return None if s.lower() == "none" else float(s)
+
+
 def _add_serve(sub) -> None:
   s = sub.add_parser("serve", help="run the asynchronous HTTP service")
   s.add_argument("--k", type=int, default=20, help="number of model instances")
@@ -99,8 +103,16 @@ def _add_serve(sub) -> None:
                       "read Redis can forge tickets)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-  s.add_argument("--draw-quota", type=float, default=None, help="draws/s per token (or address)")
-  s.add_argument("--submit-quota", type=float, default=None, help="submits/s per token")
+  s.add_argument("--draw-quota", type=_parse_quota, default=2.0,
+                 help="draws (and /v1/model reads) per second per token, or per address "
+                      "without tokens (default 2; 'none' disables it: draw tracking, "
+                      "Section IV adversary II, then needs only a fast client)")
+  s.add_argument("--model-min-updates", type=int, default=None,
+                 help="/v1/model: release a new average only after this many updates "
+                      "(default k)")
+  s.add_argument("--model-interval", type=float, default=10.0,
+                 help="/v1/model: and only after this many seconds")
+  s.add_argument("--submit-quota", type=_parse_quota, default=None, help="submits/s per token")
   s.add_argument("--quota-burst", type=float, default=None, help="bucket size (default 2x rate)")
   s.add_argument("--cluster-quotas", action="store_true",
                  help="Redis: the quotas hold for all servers of the store together (one "
@@ -164,7 +176,8 @@ def _serve(args) -> int:
       body_timeout_s=args.body_timeout, seed=args.seed,
       reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
       ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase,
-      secret=secret, legacy_store_key=args.insecure_key_in_store)
+      secret=secret, legacy_store_key=args.insecure_key_in_store,
+      model_min_updates=args.model_min_updates, model_interval_s=args.model_interval)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

@@ -76,3 +76,25 @@ if g ~= ARGV[1] then return -1 end
 redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
 return 0
 """
+
+# The released model (model_release.py): KEYS gen, released-hash; ARGV gen, seq, sealed
+# payload ('' to peek), min_updates, min_interval_ms. Returns {-1|-2|-4}, {-5} (none yet and
+# peeking), or {seq, payload, due}.
+RELEASE = """
+local g = redis.call('GET', KEYS[1])
+if not g then return {-1} end
+if g ~= ARGV[1] then return {-2} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[2], 'seq', 't', 'w')
+local cs, ct = tonumber(cur[1]), tonumber(cur[2])
+local seq = tonumber(ARGV[2])
+if cs and seq < cs then return {-4} end
+local due = (not cs) or (seq >= cs + tonumber(ARGV[4]) and now - ct >= tonumber(ARGV[5]))
+if due and ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], 'seq', ARGV[2], 't', now, 'w', ARGV[3])
+  return {seq, ARGV[3], 0}
+end
+if not cs then return {-5} end
+return {cs, cur[3], due and 1 or 0}
+"""

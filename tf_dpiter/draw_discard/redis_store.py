@@ -68,6 +68,7 @@ class RedisStore:
     self._snapshot = self._r.register_script(redis_scripts.SNAPSHOT)
     self._quota = self._r.register_script(redis_scripts.QUOTA)
     self._incr = self._r.register_script(redis_scripts.INCR)
+    self._release = self._r.register_script(redis_scripts.RELEASE)
     self.generation: str | None = None
     self.integrity_key: bytes | None = None  # set by the service before initialize
     self.high_water = 0  # highest sequence number this process has seen
@@ -321,6 +322,41 @@ class RedisStore:
     if code == -3:
       raise store_lib.TicketUsed("draw ticket already used")
     return self._result(code)
+
+  async def release(self, seq: int, mean: np.ndarray | None, k: int, min_updates: int,
+                    min_interval_s: float):
+    """Peek at (mean None) or compare-and-set the released model (model_release.py).
+
+    Args:
+      seq: the sequence number now (peek) or of `mean` (set).
+      mean: [p] the average to release, or None.
+      k: number of instances (the release is tagged as slot index k).
+      min_updates: updates needed since the last release.
+      min_interval_s: seconds needed since the last release (Redis clock).
+
+    Returns:
+      (model_release.Released or None, whether a new release is due).
+
+    Raises:
+      StoreLost, StoreCorrupt, StoreRolledBack, StoreUnavailable.
+    """
+    from tf_dpiter.draw_discard import model_release  # pylint: disable=g-import-not-at-top
+    self._ok()
+    payload = b"" if mean is None else store_mac.seal(self.integrity_key, self.generation, k,
+                                                        mean)
+    out = await self._call(self._release(
+        keys=[self._k("gen"), self._k("released")],
+        args=[self.generation, int(seq), payload, int(min_updates),
+              int(min_interval_s * 1000)]))
+    if int(out[0]) == -5:
+      return None, True
+    if int(out[0]) < 0:
+      self._result(int(out[0]))
+    try:
+      raw = store_mac.open_many(self.integrity_key, self.generation, [out[1]], self._p, [k])
+    except store_lib.StoreCorrupt as e:
+      self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r} released model: {e}"))
+    return model_release.Released(int(out[0]), np.frombuffer(raw, dtype="<f8")), bool(out[2])
 
   async def take_quota(self, identity: str, op: str, rate: float, burst: float) -> float:
     """Takes one request from a token bucket shared by every server of this store.

@@ -18,7 +18,9 @@ client uses: the version then travels in the X-DDML-Version header):
                    ?draw=raw: on success the answer is instead the next drawn instance
                    (raw, X-DDML-Seq and X-DDML-Ticket headers), within the draw quota (else
                    the JSON above).
-  GET  /v1/model[?encoding=b64|raw] -> the average of the k instances.
+  GET  /v1/model[?encoding=b64|raw] -> the released average of the k instances (a new one
+                                   after >= model_min_updates updates and model_interval_s
+                                   seconds; model_release.py), charged to the draw quota.
   GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
 
 Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
@@ -50,6 +52,7 @@ from tf_dpiter.draw_discard import http_io
 from tf_dpiter.draw_discard import influence
 from tf_dpiter.draw_discard import keys
 from tf_dpiter.draw_discard import metrics as metrics_lib
+from tf_dpiter.draw_discard import model_release
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import server as server_lib
 from tf_dpiter.draw_discard import service_status
@@ -108,6 +111,9 @@ class DDMLService(service_status.StatusEndpoints):
     secret: the shared secret of the store's servers (keys.py; the ticket and slot-integrity
       keys derive from it; never written to the store). None: a random one for this process
       (no other server can join), or with legacy_store_key the one kept in the store.
+    model_min_updates: accepted updates between two releases of the average on /v1/model
+      (model_release.py; default k).
+    model_interval_s: seconds between two releases of the average.
     legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
       store can forge tickets); logged as a warning.
 
@@ -123,7 +129,8 @@ class DDMLService(service_status.StatusEndpoints):
                reset: bool = False, max_body_bytes: int | None = None, tickets: bool = True,
                ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
                max_identities: int = 100_000, rebase: bool = True,
-               secret: bytes | None = None, legacy_store_key: bool = False):
+               secret: bytes | None = None, legacy_store_key: bool = False,
+               model_min_updates: int | None = None, model_interval_s: float = 10.0):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -159,6 +166,11 @@ class DDMLService(service_status.StatusEndpoints):
     self.metrics = metrics_lib.Registry()
     self.connection_guard = None  # set by http_server.serve
     self.snapshots = snapshots.SnapshotCache(store, self.metrics, self.draw_max_age_s)
+    self.release = model_release.ModelRelease(
+        store, self.snapshots, self.k, self.k if model_min_updates is None else model_min_updates,
+        model_interval_s)
+    self.meta["settings"].update(model_min_updates=self.release.min_updates,
+                                 model_interval_s=self.release.min_interval_s)
     self.started = time.time()
 
   def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
@@ -376,22 +388,26 @@ class DDMLService(service_status.StatusEndpoints):
     return decision
 
   async def handle_model(self, request: web.Request) -> web.Response:
-    """GET /v1/model: the average of the k instances.
+    """GET /v1/model: the released average of the k instances (model_release.py).
+
+    Charged to the caller's draw quota (web_errors); a new average is released only after
+    `model_min_updates` updates and `model_interval_s` seconds.
 
     Args:
       request: the aiohttp request.
 
     Returns:
-      The average in the requested encoding, with k.
+      The released average in the requested encoding, with k and its sequence number.
 
     Raises:
       parsing.RequestError: 400 bad_encoding.
     """
     encoding = http_io.query_encoding(request)
-    seq = await self.store.touch()
-    snap = await self.snapshots.refresh(seq)
-    return http_io.weights_response(snap.slots.mean(axis=0), encoding, self.spec.version,
-                                    b',"k":' + str(self.k).encode() + b',')
+    rel = await self.release.current()
+    resp = http_io.weights_response(rel.mean, encoding, self.spec.version,
+                                    b',"k":%d,"seq":%d,' % (self.k, rel.seq))
+    resp.headers["X-DDML-Seq"] = str(rel.seq)
+    return resp
 
   def make_app(self) -> web.Application:
     """The aiohttp application (routes, JSON errors, auth, quotas, metrics).

@@ -22,7 +22,7 @@ from tf_dpiter.draw_discard import store as store_lib
 
 log = logging.getLogger(__name__)
 
-_OPS = {"/v1/draw": "draw", "/v1/submit": "submit"}
+_OPS = {"/v1/draw": "draw", "/v1/submit": "submit", "/v1/model": "draw"}  # model: read = draw
 IDENTITY = web.RequestKey("ddml_identity", str)  # token digest prefix, or the client address
 _OPEN = ("/healthz",)
 # Faults of our own code that must still produce a JSON 500 (RecursionError is a RuntimeError).
