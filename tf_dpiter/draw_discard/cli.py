@@ -101,6 +101,9 @@ def _add_serve(sub) -> None:
   s.add_argument("--insecure-key-in-store", action="store_true",
                  help="Redis without --key-file: keep the secret in the store (anyone who can "
                       "read Redis can forge tickets)")
+  s.add_argument("--insecure", action="store_true",
+                 help="allow serving a non-loopback address without TLS or without tokens "
+                      "(tokens and updates then travel in clear, or anyone may submit)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
   s.add_argument("--draw-quota", type=_parse_quota, default=2.0,
@@ -149,11 +152,32 @@ def _add_serve(sub) -> None:
   s.add_argument("--max-body-bytes", type=int, default=None)
 
 
+def _check_exposure(args) -> None:
+  """Refuses a non-loopback address without TLS and tokens (unless --insecure); warns else."""
+  import ipaddress  # pylint: disable=g-import-not-at-top
+  missing = [name for name, ok in (("TLS (--tls-cert/--tls-key)", args.tls_cert),
+                                   ("tokens (--tokens)", args.tokens)) if not ok]
+  if not missing:
+    return
+  try:
+    loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+  except ValueError:
+    loopback = False
+  what = " and ".join(missing)
+  if not loopback and not args.insecure:
+    raise ValueError(f"serving {args.host} without {what}: tokens and updates would travel in "
+                     "clear or anyone could submit; add them, or pass --insecure")
+  print(f"tf-dpiter-ddml: WARNING: serving without {what}"
+        + ("" if loopback else " on a non-loopback address (--insecure)"), file=sys.stderr,
+        flush=True)
+
+
 def _serve(args) -> int:
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ValueError("--tls-cert and --tls-key go together")
+  _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
   quotas = None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
 import signal
 import socket
 import ssl
@@ -58,6 +60,36 @@ class Running:
     await self.runner.cleanup()
 
 
+_SCRUBBED = ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.internal", "asyncio")
+
+
+class ScrubFilter(logging.Filter):
+  """Rewrites library log records as one JSON line with no client data.
+
+  aiohttp and asyncio log malformed requests and failed TLS handshakes with tracebacks,
+  client addresses and request headers (an over-long Authorization header included). Each
+  such record becomes {"event": "<logger>", "level", "error": <exception type>} with no
+  arguments, no traceback and no message text.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    fields = {"event": record.name.replace(".", "_"), "level": record.levelname}
+    if exc is not None:
+      fields["error"] = type(exc).__name__
+    record.msg, record.args = json.dumps(fields, sort_keys=True), ()
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
+def install_log_scrubber() -> None:
+  """Adds ScrubFilter to the aiohttp and asyncio loggers (idempotent)."""
+  for name in _SCRUBBED:
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, ScrubFilter) for f in logger.filters):
+      logger.addFilter(ScrubFilter())
+
+
 def _listen(host: str, port: int) -> socket.socket:
   family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                      flags=socket.AI_PASSIVE)[0]
@@ -87,6 +119,7 @@ async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
     OSError: when the address cannot be bound; store errors from the service's startup.
   """
   limits = limits or Limits()
+  install_log_scrubber()
   app = svc.make_app()
   runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.idle_timeout_s,
                          handle_signals=False)
@@ -102,7 +135,7 @@ async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
 
 def run(svc, host: str = "127.0.0.1", port: int = 8080,
         ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
-  """Blocking: serve `svc` until SIGINT/SIGTERM (uvloop when installed).
+  """Blocking: serve `svc` until SIGINT/SIGTERM (uvloop when installed); SIGHUP reloads tokens.
 
   Args:
     svc: the service.
@@ -120,6 +153,7 @@ def run(svc, host: str = "127.0.0.1", port: int = 8080,
   stop = asyncio.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     loop.add_signal_handler(sig, stop.set)
+  loop.add_signal_handler(signal.SIGHUP, svc.reload_tokens)
 
   async def main():
     running = await serve(svc, host, port, ssl_context, limits)

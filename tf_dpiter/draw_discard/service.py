@@ -141,6 +141,7 @@ class DDMLService(service_status.StatusEndpoints):
       raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
+    self.auth_throttle = auth.AuthThrottle()
     self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
     self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight,
                                           spread_std=self.initial_std(),

@@ -6,14 +6,17 @@ metrics and the store's sequence number.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from aiohttp import web
 
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import web_errors
 
 HEALTH_READ_S = 1.0
+log = logging.getLogger(__name__)
 
 
 class StatusEndpoints:
@@ -61,6 +64,21 @@ class StatusEndpoints:
     self.metrics.set("uptime_seconds", time.time() - self.started, help_text="process uptime")
     return web.Response(text=self.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"})
+
+  def reload_tokens(self) -> None:
+    """SIGHUP: re-reads the token file (revocation); on error keeps the old set and logs.
+
+    The server keeps running either way; the outcome is one JSON log line.
+    """
+    if self.tokens is None or self.tokens.path is None:
+      web_errors.log_event(log, "tokens_reload_skipped", detail="no token file")
+      return
+    try:
+      n = self.tokens.reload()
+    except (OSError, ValueError) as e:
+      web_errors.log_event(log, "tokens_reload_failed", logging.ERROR, error=type(e).__name__)
+      return
+    web_errors.log_event(log, "tokens_reloaded", tokens=n)
 
   async def handle_health(self, request: web.Request) -> web.Response:
     """GET /healthz: 200 only when the store holds this server's model, intact.

@@ -85,9 +85,19 @@ async def _admit(svc, request: web.Request) -> None:
     return
   identity = None
   if svc.tokens is not None:
+    addr = request.remote or "?"
+    wait = svc.auth_throttle.wait(addr)
+    if wait > 0:
+      svc.metrics.inc("auth_refused_total", reason="throttled",
+                      help_text="requests without a valid token")
+      raise parsing.RequestError(429, "auth_throttled", "too many failed authentications from "
+                                 "this address; retry later",
+                                 headers={"Retry-After": auth.retry_after_header(wait)})
     identity, why = svc.tokens.identify(request.headers.get("Authorization"))
     if identity is None:
       status = 401 if why == "missing_token" else 403
+      if status == 403:
+        svc.auth_throttle.failed(addr)
       svc.metrics.inc("auth_refused_total", reason=why, help_text="requests without a valid token")
       raise parsing.RequestError(status, why, "send Authorization: Bearer <token>"
                                  if status == 401 else "token not accepted",
