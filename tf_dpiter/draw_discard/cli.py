@@ -152,13 +152,17 @@ def _add_serve(sub) -> None:
   s.add_argument("--max-body-bytes", type=int, default=None)
 
 
-def _check_exposure(args) -> None:
-  """Refuses a non-loopback address without TLS and tokens (unless --insecure); warns else."""
+def _check_exposure(args) -> str:
+  """Refuses a non-loopback address without TLS and tokens (unless --insecure).
+
+  Returns:
+    The warning to print before serving ("" when TLS and tokens are on).
+  """
   import ipaddress  # pylint: disable=g-import-not-at-top
   missing = [name for name, ok in (("TLS (--tls-cert/--tls-key)", args.tls_cert),
                                    ("tokens (--tokens)", args.tokens)) if not ok]
   if not missing:
-    return
+    return ""
   try:
     loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
   except ValueError:
@@ -167,9 +171,8 @@ def _check_exposure(args) -> None:
   if not loopback and not args.insecure:
     raise ValueError(f"serving {args.host} without {what}: tokens and updates would travel in "
                      "clear or anyone could submit; add them, or pass --insecure")
-  print(f"tf-dpiter-ddml: WARNING: serving without {what}"
-        + ("" if loopback else " on a non-loopback address (--insecure)"), file=sys.stderr,
-        flush=True)
+  return (f"tf-dpiter-ddml: WARNING: serving without {what}"
+          + ("" if loopback else " on a non-loopback address (--insecure)"))
 
 
 def _serve(args) -> int:
@@ -177,7 +180,7 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ValueError("--tls-cert and --tls-key go together")
-  _check_exposure(args)
+  warning = _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
   quotas = None
@@ -206,6 +209,8 @@ def _serve(args) -> int:
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "
         f"{scheme}://{args.host}:{args.port}", flush=True)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   http_server.run(svc, args.host, args.port, ctx, limits)
   return 0
 
