@@ -21,7 +21,8 @@ def honest(w, rng):
 def _svc(store=None, **kw):
   return service.DDMLService(SPEC, K, store or store_lib.MemoryStore(), seed=0,
                              tokens=auth.TokenSet([VICTIM, ATTACKER]),
-                             secret=b"model-release-test-secret-0123456789", **kw)
+                             secret=b"model-release-test-secret-0123456789",
+                             influence_steps=None, **kw)
 
 
 def _differencing_attack(srv, n=20):

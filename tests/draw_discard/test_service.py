@@ -42,7 +42,8 @@ def _store(kind, request):
 
 @pytest.fixture(params=["memory", "redis"])
 def svc_and_client(request, start_service):
-  svc = service.DDMLService(SPEC, 5, _store(request.param, request), seed=0)
+  svc = service.DDMLService(SPEC, 5, _store(request.param, request), seed=0,
+                            influence_steps=None)  # many updates from one address
   srv = start_service(svc)
   with client_lib.DDMLClient(srv.url) as c:
     yield srv, c
@@ -305,7 +306,8 @@ def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):
              DDML_SECRET=os.urandom(32).hex())
   procs = [subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--k", "7",
                              "--model", str(spec_path), "--store", redis_url, "--prefix", prefix,
-                             "--port", str(p), "--model-interval", "0", "--draw-quota", "none"],
+                             "--port", str(p), "--model-interval", "0", "--draw-quota", "none",
+                             "--influence-steps", "none"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env) for p in ports]
   try:

@@ -88,7 +88,7 @@ def test_expired_ticket_is_refused(start_service):
 
 
 def test_biased_token_hits_its_budget_others_do_not(start_service):
-  srv = start_service(_svc())
+  srv = start_service(_svc(influence_steps=None, influence_half_life_s=None))  # the envelope
   rng = np.random.default_rng(3)
   a, b = srv.svc.rule.step, srv.svc.rule.scale
   refused = {}

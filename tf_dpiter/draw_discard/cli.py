@@ -135,6 +135,14 @@ def _add_serve(sub) -> None:
                       "discard draws can then select favourable pre-images")
   s.add_argument("--budget-alpha", type=float, default=1e-3,
                  help="influence budget: bound on an honest token's lifetime refusal probability")
+  s.add_argument("--influence-steps", type=_parse_quota, default=8.0,
+                 help="poisoning bound: at most this many updates of one token count at once "
+                      "(decayed count; 'none': no rate cap, one token may then move the model "
+                      "one full step per submit)")
+  s.add_argument("--influence-half-life", type=_parse_quota, default=300.0,
+                 help="half-life (s) of a token's influence budget ('none': no decay)")
+  s.add_argument("--budget-memory-mb", type=float, default=256.0,
+                 help="memory bound of the influence budgets (8 p + 160 bytes per token)")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
   s.add_argument("--centre-factor", type=float, default=36.0,
                  help="refuse updates farther (mean square) from the average than this many "
@@ -204,7 +212,9 @@ def _serve(args) -> int:
       reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
       ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase,
       secret=secret, legacy_store_key=args.insecure_key_in_store,
-      model_min_updates=args.model_min_updates, model_interval_s=args.model_interval)
+      model_min_updates=args.model_min_updates, model_interval_s=args.model_interval,
+      influence_steps=args.influence_steps, influence_half_life_s=args.influence_half_life,
+      budget_memory_bytes=int(args.budget_memory_mb * 2**20))
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

@@ -111,6 +111,10 @@ class DDMLService(service_status.StatusEndpoints):
     secret: the shared secret of the store's servers (keys.py; the ticket and slot-integrity
       keys derive from it; never written to the store). None: a random one for this process
       (no other server can join), or with legacy_store_key the one kept in the store.
+    influence_steps: rate cap of one identity's decayed update count (influence.py; None:
+      no cap: one identity may move the model by N steps in N submits).
+    influence_half_life_s: half-life of the influence budget's decay (None: no decay).
+    budget_memory_bytes: memory bound of the influence budgets (all identities).
     model_min_updates: accepted updates between two releases of the average on /v1/model
       (model_release.py; default k).
     model_interval_s: seconds between two releases of the average.
@@ -130,7 +134,9 @@ class DDMLService(service_status.StatusEndpoints):
                ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
                max_identities: int = 100_000, rebase: bool = True,
                secret: bytes | None = None, legacy_store_key: bool = False,
-               model_min_updates: int | None = None, model_interval_s: float = 10.0):
+               model_min_updates: int | None = None, model_interval_s: float = 10.0,
+               influence_steps: float | None = 8.0, influence_half_life_s: float | None = 300.0,
+               budget_memory_bytes: int = 256 << 20):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -151,7 +157,9 @@ class DDMLService(service_status.StatusEndpoints):
     self.ticket_ttl_s = float(ticket_ttl_s)
     tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
     self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
-    self.budget = influence.InfluenceBudget(self.rule, budget_alpha, max_identities)
+    self.budget = influence.InfluenceBudget(
+        self.rule, budget_alpha, max_identities, max_steps=influence_steps,
+        half_life_s=influence_half_life_s, max_memory_bytes=budget_memory_bytes)
     self.admission = admission.Admission(self.rule, self.budget)
     self._pending_draws = 0
     self.history = int(history)
@@ -291,7 +299,11 @@ class DDMLService(service_status.StatusEndpoints):
     await self.store.incr("rejected_invalid" if e.invalid else "rejected")
     self.metrics.inc("rejected_total", reason=e.reason, help_text="refused updates")
     extra = {"reason": e.reason} if e.code == "rejected_update" else None
-    return RequestError(e.status, e.code, e.message, extra=extra)
+    headers = None
+    if e.retry_after is not None:
+      headers = {"Retry-After": auth.retry_after_header(e.retry_after)}
+      extra = {"retry_after_s": round(e.retry_after, 3)}
+    return RequestError(e.status, e.code, e.message, headers=headers, extra=extra)
 
   async def _store_ticketed(self, request: web.Request, sub: parsing.Submission) -> int:
     """Admission (admission.py), then the write (rebased, see the class doc)."""
