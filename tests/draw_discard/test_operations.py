@@ -9,9 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
-import numpy as np
 import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client_lib, service

@@ -46,15 +46,13 @@ from aiohttp import web
 from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
-from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import http_io
 from tf_dpiter.draw_discard import influence
-from tf_dpiter.draw_discard import keys
 from tf_dpiter.draw_discard import metrics as metrics_lib
 from tf_dpiter.draw_discard import model_release
 from tf_dpiter.draw_discard import parsing
-from tf_dpiter.draw_discard import server as server_lib
+from tf_dpiter.draw_discard import service_setup
 from tf_dpiter.draw_discard import service_status
 from tf_dpiter.draw_discard import snapshots
 from tf_dpiter.draw_discard import store as store_lib
@@ -65,19 +63,7 @@ log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
 
 
-def spec_fingerprint(spec: glm.ModelSpec) -> str:
-  """SHA-256 of the canonical spec JSON (every field: gamma, epsilon, family, features...).
-
-  Args:
-    spec: the model spec.
-
-  Returns:
-    64 hex characters.
-  """
-  return auth.token_digest(json.dumps(spec.to_dict(), sort_keys=True))
-
-
-class DDMLService(service_status.StatusEndpoints):
+class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
   """State of one server process: the spec, a store, the acceptance rule and quotas.
 
   Args:
@@ -169,7 +155,7 @@ class DDMLService(service_status.StatusEndpoints):
     self.max_body_bytes = int(max_body_bytes or (52 * self.p + 65536))
     self.secret, self.legacy_store_key = secret, bool(legacy_store_key)
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
-                     fingerprint=spec_fingerprint(spec), history=self.history,
+                     fingerprint=service_setup.spec_fingerprint(spec), history=self.history,
                      settings=self.settings(alpha, budget_alpha, max_abs_weight, centre_factor))
     self.spec_json = json.dumps(spec.to_dict()).encode()
     self.metrics = metrics_lib.Registry()
@@ -182,78 +168,6 @@ class DDMLService(service_status.StatusEndpoints):
                                  model_interval_s=self.release.min_interval_s)
     self.started = time.time()
 
-  def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
-    """Every acceptance, ticket, quota and influence setting: part of the store's join check.
-
-    Args:
-      alpha, budget_alpha, max_abs_weight, centre_factor: the constructor's arguments.
-
-    Returns:
-      A JSON-serializable dict; a server whose dict differs cannot join the store.
-    """
-    q = self.quotas
-    return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
-                max_abs_weight=float(max_abs_weight), centre_factor=float(centre_factor),
-                tickets=self.use_tickets, rebase=self.rebase, ticket_ttl_s=self.ticket_ttl_s,
-                history=self.history, draw_max_age_s=self.draw_max_age_s,
-                quotas=None if q is None else dict(rates=q.rates, burst=q.burst,
-                                                   cluster=q.cluster),
-                budget=self.budget.describe())
-
-  def initial_std(self) -> float:
-    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
-
-    Returns:
-      The std (init_epsilon's Laplace noise when the spec has none).
-    """
-    noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
-    eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
-    noise = "laplace" if noise == "none" else noise
-    var = calibration.noise_std(noise, self.spec.gamma, eps, self.spec.clip, self.spec.delta) ** 2
-    return float(np.sqrt(calibration.init_variance(self.k, var)))
-
-  def initial_instances(self) -> np.ndarray:
-    """N(0, k/2 sigma^2) per weight (Theorem 1).
-
-    Returns:
-      [k, p] float64.
-    """
-    return server_lib.initial_instances(self.k, self.p, 0.0, self.initial_std(),
-                                        np.random.default_rng(self.seed))
-
-  async def startup(self, app=None) -> None:
-    """Initializes or joins the store (checks version, k, size, spec fingerprint, history).
-
-    Args:
-      app: the aiohttp application (on_startup signal), unused.
-
-    Raises:
-      store.StoreMismatch: when the store holds a different model.
-    """
-    secret = self.secret
-    if secret is None and self.legacy_store_key and self.store.kind == "redis":
-      secret = await self.store.shared_secret(keys.random_secret())
-      web_errors.log_event(log, "insecure_key_in_store", logging.WARNING,
-                           detail="the ticket and slot keys are kept in the store: anyone "
-                                  "who can read it can forge tickets; use --key-file")
-    secret = secret if secret is not None else keys.random_secret()
-    self.meta["key_id"] = keys.key_id(secret)
-    self.store.integrity_key = keys.derive(secret, "slots")
-    wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
-    self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s)
-    self.admission.tickets = self.tickets
-    web_errors.log_event(log, "store_ready", store=self.store.kind,
-                         action="initialized" if wrote else "joined")
-
-  async def shutdown(self, app=None) -> None:
-    """Closes the store.
-
-    Args:
-      app: the aiohttp application (on_cleanup signal), unused.
-    """
-    await self.store.close()
-
-  # ---- handlers ----
   async def handle_draw(self, request: web.Request) -> web.Response:
     """GET /v1/draw: one instance, drawn uniformly from a full snapshot.
 
@@ -267,14 +181,25 @@ class DDMLService(service_status.StatusEndpoints):
       parsing.RequestError: 400 bad_encoding.
     """
     encoding = http_io.query_encoding(request)
-    snap = await self.snapshots.for_draw()
-    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
-    self.metrics.inc("draws_total", help_text="instances served")
-    ticket = self.tickets.issue(self._identity(request), w)
+    w, ticket = await self.draw_for(self._identity(request))
     resp = http_io.weights_response(w, encoding, self.spec.version, b',"spec":' + self.spec_json + b',"ticket":"'
                                   + ticket.encode() + b'",')
     resp.headers["X-DDML-Ticket"] = ticket
     return resp
+
+  async def draw_for(self, identity: str) -> tuple[np.ndarray, str]:
+    """One instance drawn uniformly from a full snapshot, with its ticket for `identity`.
+
+    Args:
+      identity: who draws (token identity or address).
+
+    Returns:
+      ([p] instance, ticket).
+    """
+    snap = await self.snapshots.for_draw()
+    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
+    self.metrics.inc("draws_total", help_text="instances served")
+    return w, self.tickets.issue(identity, w)
 
   @staticmethod
   def _identity(request: web.Request) -> str:
@@ -305,10 +230,21 @@ class DDMLService(service_status.StatusEndpoints):
       extra = {"retry_after_s": round(e.retry_after, 3)}
     return RequestError(e.status, e.code, e.message, headers=headers, extra=extra)
 
-  async def _store_ticketed(self, request: web.Request, sub: parsing.Submission) -> int:
-    """Admission (admission.py), then the write (rebased, see the class doc)."""
+  async def store_ticketed(self, identity: str, sub: parsing.Submission) -> int:
+    """Admission (admission.py), then the write (rebased, see the class doc).
+
+    Args:
+      identity: the submitter (token identity or address).
+      sub: the parsed submission (with its drawn instance and ticket).
+
+    Returns:
+      The new sequence number.
+
+    Raises:
+      parsing.RequestError: when refused (status and code in the module docstring).
+    """
     try:
-      adm = self.admission.admit(self._identity(request), sub)
+      adm = self.admission.admit(identity, sub)
     except admission.Refused as e:
       raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
@@ -346,7 +282,7 @@ class DDMLService(service_status.StatusEndpoints):
     """
     sub = await self._parse(request)
     if self.use_tickets:
-      seq = await self._store_ticketed(request, sub)
+      seq = await self.store_ticketed(self._identity(request), sub)
     else:
       decision = await self._decide(sub.weights)
       if not decision.accepted:
