@@ -223,6 +223,7 @@ class InfluenceBudget:
     self.max_steps = None if max_steps is None else float(max_steps)
     self.half_life_s = None if half_life_s is None else float(half_life_s)
     self.clock = clock
+    self._env: dict = {}
     self._state: collections.OrderedDict = collections.OrderedDict()  # id -> [N, S1, S2, C, t]
 
   def describe(self) -> dict:
@@ -236,6 +237,11 @@ class InfluenceBudget:
   def limits(self, n: int, s1: float | None = None, s2: float | None = None) -> tuple:
     """(per-weight limit on |C_j|, aggregate limit on the excess) at the n-th submit.
 
+    The envelope is evaluated at S2 rounded up to a multiple of 1/16 and at the level
+    alpha_n' of n' = n rounded up to a power of two (cached): both only raise the limits,
+    so the false-rejection bound still holds; the extra slack is below 1/16 of a step's
+    noise allowance and one halving of alpha_n.
+
     Args:
       n: accepted steps including this one (>= 1), for the level alpha_n.
       s1: decayed count (default n).
@@ -246,7 +252,14 @@ class InfluenceBudget:
     """
     s1 = float(n) if s1 is None else s1
     s2 = float(n) if s2 is None else s2
-    x, u = envelope(self.noise, self.p, s2, lifetime_alpha(self.alpha, n) / 2)
+    key = (1 << (int(n) - 1).bit_length(), math.ceil(s2 * 16.0 - 1e-9) / 16.0)
+    env = self._env.get(key)
+    if env is None:
+      env = envelope(self.noise, self.p, max(1.0, key[1]), lifetime_alpha(self.alpha, key[0]) / 2)
+      if len(self._env) > 100_000:
+        self._env.clear()
+      self._env[key] = env
+    x, u = env
     return s1 * self.step + x * self.scale, u * self.scale
 
   def _decay(self, t_last: float, now: float) -> float:
