@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, keys, service
-from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import parsing, store as store_lib
 
 from conftest import start_redis
 
@@ -164,3 +164,37 @@ def test_secret_from_file_and_env(tmp_path):
   assert keys.load_secret(None, {}) is None
   with pytest.raises(ValueError, match="32 bytes"):
     keys.load_secret(None, {"DDML_SECRET": "abcd"})
+
+
+def test_anchor_file_detects_a_rollback_made_while_the_server_was_down(own_redis, tmp_path):
+  import redis
+  url, proc = own_redis
+  port = urllib.parse.urlparse(url).port
+  prefix, anchor = f"t{uuid.uuid4().hex[:8]}", str(tmp_path / "anchor.json")
+  rng = np.random.default_rng(4)
+
+  async def run_updates(n, state_file=anchor):
+    svc = _svc(url, prefix, state_file=state_file)
+    await svc.startup()
+    try:
+      for _ in range(n):
+        h, ticket = await svc.draw_for("me")
+        await svc.store_ticketed("me", parsing.Submission(honest(h, rng), h, ticket))
+    finally:
+      await svc.shutdown()  # writes the anchor
+
+  asyncio.run(run_updates(2))
+  r = redis.Redis.from_url(url)
+  r.save()
+  r.close()
+  asyncio.run(run_updates(3))  # seq 5 anchored
+  proc.terminate()
+  proc.wait(10)
+  again = start_redis(port, tmp_path)  # back at seq 2
+  try:
+    with pytest.raises(store_lib.StoreRolledBack, match="rolled back while it was down"):
+      asyncio.run(run_updates(0))
+    asyncio.run(run_updates(0, None))  # without the anchor it cannot tell (documented)
+  finally:
+    again.terminate()
+    again.wait(10)

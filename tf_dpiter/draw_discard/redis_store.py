@@ -27,6 +27,7 @@ import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from tf_dpiter.draw_discard import redis_pipeline
 from tf_dpiter.draw_discard import redis_scripts
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_mac
@@ -77,8 +78,7 @@ class RedisStore:
     self._k_slots: list[str] = []
     self._history = 0
     self.group_commit = bool(group_commit)
-    self._queue: list = []  # (script, keys, args, future) waiting for the next pipeline
-    self._flush_scheduled = False
+    self._pipeline = redis_pipeline.GroupCommit(self._r, url, _UNAVAILABLE)
 
   def _k(self, *parts) -> str:
     return ":".join((self.prefix,) + tuple(str(p) for p in parts))
@@ -93,45 +93,7 @@ class RedisStore:
     """Runs `script` in the next pipeline of this event-loop iteration; returns its reply."""
     if not self.group_commit:
       return await self._call(script(keys=keys, args=args))
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    self._queue.append((script, keys, args, fut))
-    if not self._flush_scheduled:
-      self._flush_scheduled = True
-      loop.call_soon(self._start_flush)
-    return await fut
-
-  def _start_flush(self) -> None:
-    self._flush_scheduled = False
-    batch, self._queue = self._queue, []
-    asyncio.ensure_future(self._flush(batch))
-
-  async def _flush(self, batch) -> None:
-    try:
-      if len(batch) == 1:
-        script, keys, args, _ = batch[0]
-        results = [await script(keys=keys, args=args)]
-      else:  # plain EVALSHA (redis-py's pipelined Script runs SCRIPT EXISTS first: a round trip)
-        pipe = self._r.pipeline(transaction=False)
-        for script, keys, args, _ in batch:
-          pipe.evalsha(script.sha, len(keys), *keys, *args)
-        results = await pipe.execute(raise_on_error=False)
-        for j, res in enumerate(results):  # scripts flushed (Redis restarted): load and rerun
-          if isinstance(res, redis_errors.NoScriptError):
-            script, keys, args, _ = batch[j]
-            results[j] = await script(keys=keys, args=args)
-    except _UNAVAILABLE as e:
-      err = store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}")
-      results = [err] * len(batch)
-    except redis_errors.RedisError as e:
-      results = [e] * len(batch)
-    for (_, _, _, fut), res in zip(batch, results):
-      if fut.done():  # the request was cancelled
-        continue
-      if isinstance(res, BaseException):
-        fut.set_exception(res)
-      else:
-        fut.set_result(res)
+    return await self._pipeline.run(script, keys, args)
 
   def _fail(self, err: store_lib.StoreLost):
     self._lost = err

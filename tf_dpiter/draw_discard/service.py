@@ -25,8 +25,9 @@ client uses: the version then travels in the X-DDML-Version header):
 
 Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
 408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
-refused by the acceptance rule (acceptance.py), 429 quota (Retry-After), 503 store lost
-or unavailable; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
+refused by the acceptance rule (acceptance.py), 429 quota_exceeded / auth_throttled /
+influence_rate_exceeded (Retry-After), 503 store_lost (flushed, corrupted, rolled back)
+or store_unavailable, too_many_connections, influence_table_full; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
 ticket_expired/ticket_used. The server keeps no record of which instance was drawn (the
 ticket lives with the client); per token it keeps only the cumulative step of its
 accepted updates. With tickets=False the older rule applies (any of the k instances and
@@ -44,6 +45,7 @@ import numpy as np
 from aiohttp import web
 
 from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
 from tf_dpiter.draw_discard import glm
@@ -101,6 +103,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       no cap: one identity may move the model by N steps in N submits).
     influence_half_life_s: half-life of the influence budget's decay (None: no decay).
     budget_memory_bytes: memory bound of the influence budgets (all identities).
+    state_file: Redis: this server's anchor file (anchor.py): detects a rollback of the
+      store that happened while the server was down. None: only rollbacks while it runs.
     model_min_updates: accepted updates between two releases of the average on /v1/model
       (model_release.py; default k).
     model_interval_s: seconds between two releases of the average.
@@ -122,7 +126,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                secret: bytes | None = None, legacy_store_key: bool = False,
                model_min_updates: int | None = None, model_interval_s: float = 10.0,
                influence_steps: float | None = 8.0, influence_half_life_s: float | None = 300.0,
-               budget_memory_bytes: int = 256 << 20):
+               budget_memory_bytes: int = 256 << 20, state_file: str | None = None):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -154,6 +158,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     self.p = spec.num_weights
     self.max_body_bytes = int(max_body_bytes or (52 * self.p + 65536))
     self.secret, self.legacy_store_key = secret, bool(legacy_store_key)
+    self.anchor = anchor_lib.Anchor(state_file) if state_file else None
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
                      fingerprint=service_setup.spec_fingerprint(spec), history=self.history,
                      settings=self.settings(alpha, budget_alpha, max_abs_weight, centre_factor))

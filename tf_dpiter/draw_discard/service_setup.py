@@ -9,6 +9,7 @@ identifier of their secret (keys.py) match (store.check_meta).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 
@@ -87,6 +88,7 @@ class StoreSetup:
 
     Raises:
       store.StoreMismatch: when the store holds a different model.
+      store.StoreRolledBack: when the store is below this server's anchor (anchor.py).
     """
     secret = self.secret
     if secret is None and self.legacy_store_key and self.store.kind == "redis":
@@ -100,15 +102,25 @@ class StoreSetup:
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
     self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s)
     self.admission.tickets = self.tickets
+    if self.anchor is not None and self.store.kind == "redis":
+      seq = await self.store.touch()
+      self.store.high_water = max(self.store.high_water,
+                                  self.anchor.check(self.store.generation, seq))
+      self.anchor.save(self.store.generation, self.store.high_water)
+      self._anchor_task = asyncio.get_running_loop().create_task(self.anchor.run(self.store))
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
 
   async def shutdown(self, app=None) -> None:
-    """Closes the store.
+    """Saves the anchor (anchor.py) and closes the store.
 
     Args:
       app: the aiohttp application (on_cleanup signal), unused.
     """
+    task = getattr(self, "_anchor_task", None)
+    if task is not None:
+      task.cancel()
+      self.anchor.save(self.store.generation, self.store.high_water)
     await self.store.close()
 
   # ---- handlers ----
