@@ -132,3 +132,26 @@ def test_privacy_floor_on_every_submit_path(start_service):
 
   asyncio.run(go())
   assert srv.call(srv.svc.store.counters())["submits"] == 0
+
+
+def test_internal_error_is_one_json_line_without_its_message(start_service, caplog):
+  caplog.set_level(logging.DEBUG)
+  svc = service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0)
+
+  async def broken():
+    raise RuntimeError("client data 127.0.0.1 S3CRET")
+
+  svc.snapshots.for_draw = broken
+  srv = start_service(svc)
+  assert _status(srv.port, path="/v1/draw") == 500
+  lines = [r.getMessage() for r in caplog.records if "internal_error" in r.getMessage()]
+  assert len(lines) == 1 and "\n" not in lines[0]
+  entry = json.loads(lines[0])
+  assert entry["error"] == "RuntimeError" and entry["frames"]
+  assert "S3CRET" not in caplog.text and "Traceback" not in caplog.text
+
+
+def test_redis_url_password_is_not_in_messages():
+  from tf_dpiter.draw_discard import redis_store
+  s = redis_store.RedisStore("redis://user:hunter2pw@127.0.0.1:1/0")
+  assert "hunter2pw" not in s.url and s.url == "redis://user:***@127.0.0.1:1/0"

@@ -36,6 +36,15 @@ _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, Connect
                 OSError, asyncio.TimeoutError)
 
 
+def _redact(url: str) -> str:
+  """The URL without its password (redis://user:pw@host -> redis://user:***@host)."""
+  parsed = urllib.parse.urlparse(url)
+  if parsed.password is None:
+    return url
+  netloc = parsed.netloc.replace(":" + parsed.password + "@", ":***@", 1)
+  return urllib.parse.urlunparse(parsed._replace(netloc=netloc))
+
+
 class RedisStore:
   """Shared store on Redis.
 
@@ -59,7 +68,7 @@ class RedisStore:
       raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
     if not lock_ttl_s > 0:
       raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
-    self.url = url
+    self.url = _redact(url)  # for messages and logs: no password
     self.prefix = prefix
     self.lock_ttl_s = float(lock_ttl_s)
     self._r = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout_s,
@@ -78,7 +87,7 @@ class RedisStore:
     self._k_slots: list[str] = []
     self._history = 0
     self.group_commit = bool(group_commit)
-    self._pipeline = redis_pipeline.GroupCommit(self._r, url, _UNAVAILABLE)
+    self._pipeline = redis_pipeline.GroupCommit(self._r, self.url, _UNAVAILABLE)
 
   def _k(self, *parts) -> str:
     return ":".join((self.prefix,) + tuple(str(p) for p in parts))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+import traceback
 import uuid
 
 from aiohttp import web
@@ -137,10 +139,12 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
     log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
     return json_error(503, "store_unavailable", "the model store cannot be reached; retry",
                       headers={"Retry-After": "1"})
-  except _SERVER_FAULTS:
+  except _SERVER_FAULTS as e:  # one JSON line: type and frames, no message (client data)
     error_id = uuid.uuid4().hex[:12]
-    log.exception(json.dumps({"event": "internal_error", "error_id": error_id,
-                              "path": request.path}))
+    frames = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+              for f in traceback.extract_tb(e.__traceback__)]
+    log.error(json.dumps({"event": "internal_error", "error_id": error_id,
+                          "path": request.path, "error": type(e).__name__, "frames": frames}))
     return json_error(500, "internal_error", f"internal error {error_id}")
 
 
