@@ -81,9 +81,14 @@ def test_budget_memory_is_bounded_and_active_identities_are_kept():
   for i in range(10):
     assert budget.reserve(f"id{i}", d) == ""
   assert budget.reserve("newcomer", d) == "influence_table_full"  # nobody is forgotten early
-  clock.t += 10 * budget.half_life_s  # id0 decayed to 2^-10 < FORGET_BELOW
+  clock.t += 1.0  # id0 now weighs 2^(-1/300) < 1 update: forgettable
+  assert budget.reserve("id0-again", d) == "" and budget.state("id0")[0] == 0
+  for i in range(1, 10):
+    assert budget.reserve(f"id{i}", d) == ""  # active again: S1 > 1
+  assert budget.reserve("newcomer", d) == "influence_table_full"
+  clock.t += 10 * budget.half_life_s
   assert budget.reserve("newcomer", d) == ""
-  assert budget.state("id0")[0] == 0 and len(budget._state) == 10
+  assert budget.state("id0-again")[0] == 0 and len(budget._state) == 10
 
 
 def test_http_answers_429_with_retry_after_past_the_rate(start_service):

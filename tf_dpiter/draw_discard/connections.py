@@ -276,14 +276,12 @@ class ConnectionGuard:
       return _Proxy(self, conn, inner)
 
     kw = {"ssl": self.ssl, "ssl_handshake_timeout": self.limits.idle_timeout_s} if self.ssl else {}
-    try:
+    try:  # the transport owns the socket from here: it closes it on failure (asyncio and
+      # uvloop alike); closing it here too could close a reused file descriptor under uvloop
       await loop.connect_accepted_socket(factory, sock, **kw)
-    except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError):
+    except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError,
+            asyncio.CancelledError):
       self.release(conn)
-      sock.close()
-    except asyncio.CancelledError:
-      self.release(conn)
-      sock.close()
     finally:
       conn.task = None
 

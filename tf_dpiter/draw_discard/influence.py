@@ -61,8 +61,8 @@ attacker: T identities (tokens; addresses without tokens) have T budgets, so T t
 bound. The budget is kept per server process: with P processes behind one store an
 identity has P budgets (P times the bound unless clients are routed to one process).
 Memory: 8 p + 160 bytes per identity, bounded by `max_memory_bytes`; when full, an
-identity is forgotten only once its decayed count has fallen below FORGET_BELOW, else the
-newcomer is refused (InfluenceBudget).
+identity is forgotten only once its decayed count has fallen below one update, else the
+newcomer is refused (InfluenceBudget); each forgetting grants at most one extra update.
 """
 
 from __future__ import annotations
@@ -190,16 +190,18 @@ class InfluenceBudget:
     clock: time source in seconds (tests, benchmarks).
 
   Identities are kept least-recently-used first. When the table is full the oldest is
-  forgotten only if its decayed count S1 is below `FORGET_BELOW` (it lost almost all of its
-  weight: forgetting grants it at most that much extra); otherwise the new identity is
-  refused ("influence_table_full"). Without decay the oldest is always forgotten.
+  forgotten only if its decayed count S1 is below `FORGET_BELOW` = 1 (less than one update's
+  weight left: forgetting it grants it at most one extra update's worth, and one-shot
+  clients become forgettable as soon as their weight starts to decay); otherwise the new
+  identity is refused ("influence_table_full"). Without decay the oldest is always
+  forgotten.
 
   Raises:
     ValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
       half_life_s <= 0 or max_memory_bytes too small for one identity.
   """
 
-  FORGET_BELOW = 0.05
+  FORGET_BELOW = 1.0
 
   def __init__(self, rule: acceptance.AcceptanceRule, alpha: float = 1e-3,
                max_identities: int = 100_000, *, max_steps: float | None = 8.0,
