@@ -113,7 +113,9 @@ def test_bad_slot_fails_health_and_reads(start_service, redis_url, fault):
 @pytest.mark.parametrize("change", [
     dict(alpha=1e-300), dict(budget_alpha=1e-300), dict(tickets=False, history=0),
     dict(ticket_ttl_s=600.0), dict(rebase=False), dict(max_abs_weight=1e9),
-    dict(quotas=auth.Quotas({"draw": 100.0}))])
+    dict(quotas=auth.Quotas({"draw": 100.0})), dict(tokens=auth.TokenSet(["t" * 16])),
+    dict(influence_steps=None), dict(influence_half_life_s=60.0), dict(model_interval_s=0.0),
+    dict(model_min_updates=1)])
 def test_join_check_covers_every_setting(redis_url, change):
   prefix = f"t{uuid.uuid4().hex[:8]}"
 

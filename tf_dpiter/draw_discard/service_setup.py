@@ -53,6 +53,7 @@ class StoreSetup:
     q = self.quotas
     return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
                 max_abs_weight=float(max_abs_weight), centre_factor=float(centre_factor),
+                tokens=self.tokens is not None,
                 tickets=self.use_tickets, rebase=self.rebase, ticket_ttl_s=self.ticket_ttl_s,
                 history=self.history, draw_max_age_s=self.draw_max_age_s,
                 quotas=None if q is None else dict(rates=q.rates, burst=q.burst,
