@@ -117,3 +117,29 @@ def test_budget_arguments_are_checked():
                      (dict(max_memory_bytes=10), "max_memory_bytes")):
     with pytest.raises(ValueError, match=match):
       influence.InfluenceBudget(rule, **bad)
+
+
+def test_influence_rate_holds_across_redis_servers(start_service, redis_url):
+  import uuid
+  token = "mallory-token-0123456789abcdef"
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  spec = dense_spec(33, epsilon=1.0, gamma=0.01)
+  srvs = [start_service(service.DDMLService(
+      spec, 5, store_lib.make_store(redis_url, prefix), tokens=auth.TokenSet([token]), seed=0,
+      influence_steps=3, secret=b"poisoning-test-shared-secret-0123456789"))
+      for _ in range(2)]
+  rng = np.random.default_rng(6)
+  codes = []
+  clients = [client_lib.DDMLClient(s.url, token=token, insecure=True) for s in srvs]
+  for i in range(6):  # alternate servers: each process alone would allow 3
+    c = clients[i % 2]
+    d = c.draw()
+    u = client.spec_update(spec, d.weights, {"x": rng.random((8, 32))}, np.zeros(8), rng=rng)
+    try:
+      codes.append(c.submit(d, u)["accepted"])
+    except client_lib.DDMLError as e:
+      codes.append((e.status, e.code))
+  for c in clients:
+    c.close()
+  assert codes[:3] == [True] * 3
+  assert codes[3:] == [(429, "influence_rate_exceeded")] * 3

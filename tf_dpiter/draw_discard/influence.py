@@ -58,8 +58,9 @@ update per 54 s) never meet the rate test.
 Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
 law) for honest clients; the server's draws use secrets.randbelow. One identity per
 attacker: T identities (tokens; addresses without tokens) have T budgets, so T times the
-bound. The budget is kept per server process: with P processes behind one store an
-identity has P budgets (P times the bound unless clients are routed to one process).
+bound. The budget is kept per server process; on a Redis store the rate test is also
+enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
+while the envelope of C stays per process.
 Memory: 8 p + 160 bytes per identity, bounded by `max_memory_bytes`; when full, an
 identity is forgotten only once its decayed count has fallen below one update, else the
 newcomer is refused (InfluenceBudget); each forgetting grants at most one extra update.

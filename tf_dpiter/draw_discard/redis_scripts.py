@@ -1,5 +1,9 @@
 """The Lua scripts of the Redis store (redis_store.py); each runs atomically in Redis.
 
+REPLACE also enforces the influence rate of the submitter's identity across every server
+of the store (influence.py's decayed count S1 <= max_steps, on the Redis clock; -5 when
+over, nothing written, the ticket not consumed), so P servers do not give P rates.
+
 Every script that reads or writes the model first checks the generation (-1: missing, -2:
 another one) and the sequence-number high-water mark ARGV `hw` passed by the calling
 process (-4: the store's sequence number is below one this process already saw, i.e. the
@@ -24,6 +28,17 @@ local seq = tonumber(redis.call('GET', KEYS[4]) or '-1')
 if seq < tonumber(ARGV[7]) then return -4 end
 local old = redis.call('GET', KEYS[2])
 if not old then return -1 end
+local rate = nil
+if ARGV[9] ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local v = redis.call('HMGET', KEYS[7], 's', 't')
+  local s1 = tonumber(v[1]) or 0
+  local last = tonumber(v[2]) or now
+  s1 = s1 * 2 ^ (-math.max(0, now - last) / tonumber(ARGV[8])) + 1
+  if s1 > tonumber(ARGV[9]) + 1e-9 then return -5 end
+  rate = {s1, now}
+end
 if ARGV[4] ~= '' then
   if not redis.call('SET', KEYS[6], '1', 'NX', 'PX', ARGV[5]) then return -3 end
 end
@@ -36,6 +51,10 @@ end
 if tonumber(ARGV[6]) > 0 then redis.call('HINCRBY', KEYS[5], 'draws', ARGV[6]) end
 redis.call('HINCRBY', KEYS[5], 'submits', 1)
 redis.call('HINCRBY', KEYS[5], 'accepted', 1)
+if rate then
+  redis.call('HSET', KEYS[7], 's', tostring(rate[1]), 't', rate[2])
+  redis.call('PEXPIRE', KEYS[7], math.ceil(tonumber(ARGV[8]) * 20))
+end
 return redis.call('INCR', KEYS[4])
 """
 

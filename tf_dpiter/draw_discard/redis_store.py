@@ -265,33 +265,42 @@ class RedisStore:
     return store_lib.Snapshot(seq, rows[:k], rows[k:], rows)
 
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
-                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+                    nonce_ttl_s: float = 60.0, draws: int = 0,
+                    rate: tuple | None = None) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number.
 
-    One Lua script: generation check, the ticket nonce marked used (SET NX PX, so two
-    servers cannot both accept one ticket), the write, the counters (draws served since
-    the last call included) and the sequence number.
+    One Lua script: generation and rollback checks, the identity's influence rate across
+    all servers (`rate`), the ticket nonce marked used (SET NX PX, so two servers cannot
+    both accept one ticket), the write, the counters (draws served since the last call
+    included) and the sequence number.
 
     Args:
       i, w, nonce, nonce_ttl_s, draws: as store.MemoryStore.replace.
+      rate: (identity, half_life_s, max_steps) or None: refuse (RateExceeded) when the
+        identity's decayed count of accepted updates would exceed max_steps.
 
     Returns:
       The new sequence number.
 
     Raises:
       TicketUsed: when the nonce was used before (nothing is written).
+      RateExceeded: over the identity's influence rate (nothing is written).
       StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
     """
     self._ok()
+    ident, half_life, max_steps = rate if rate is not None else ("-", 1.0, None)
     code = await self._batched(
         self._replace,
         [self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"), self._k("counters"),
-         self._k("nonce", nonce or "-")],
+         self._k("nonce", nonce or "-"), self._k("rate", ident)],
         [self.generation, store_mac.seal(self.integrity_key, self.generation, i, w),
          self._history, nonce or "", max(1, int(nonce_ttl_s * 1000)), int(draws),
-         self.high_water])
+         self.high_water, repr(float(half_life) * 1000.0),
+         "" if max_steps is None else repr(float(max_steps))])
     if code == -3:
       raise store_lib.TicketUsed("draw ticket already used")
+    if code == -5:
+      raise store_lib.RateExceeded("influence rate exceeded (all servers)")
     return self._result(code)
 
   async def release(self, seq: int, mean: np.ndarray | None, k: int, min_updates: int,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -261,16 +262,34 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         if bad:
           raise await self._refuse(admission.rule_refusal(self.rule, bad))
       return await self.store.replace(secrets.randbelow(self.k), new, adm.nonce,
-                                      self.ticket_ttl_s, draws)
+                                      self.ticket_ttl_s, draws, self._rate(identity))
     except store_lib.TicketUsed as e:
       self.admission.release(adm)
+      self._pending_draws += draws
       raise await self._refuse(admission.Refused(
           409, "ticket_used", "ticket_used", "this draw ticket was already used; draw again",
           True)) from e
+    except store_lib.RateExceeded as e:
+      self.admission.release(adm)
+      self._pending_draws += draws
+      b = self.budget
+      raise await self._refuse(admission.Refused(
+          429, "influence_rate_exceeded", "influence_rate",
+          "this token's updates exceed its influence rate on the servers of this store; "
+          "retry later", False,
+          retry_after=b.half_life_s * math.log2(b.max_steps / (b.max_steps - 1.0))
+          if b.max_steps > 1 else b.half_life_s)) from e
     except BaseException:
       self.admission.release(adm)
       self._pending_draws += draws
       raise
+
+  def _rate(self, identity: str) -> tuple | None:
+    """(identity, half-life, max_steps) for the store's cluster-wide rate check, or None."""
+    b = self.budget
+    if b.max_steps is None or b.half_life_s is None:
+      return None
+    return identity, b.half_life_s, b.max_steps
 
   async def handle_submit(self, request: web.Request) -> web.Response:
     """POST /v1/submit: parse strictly, check ticket, step and budget, replace a random slot.

@@ -76,6 +76,10 @@ class StoreUnavailable(RuntimeError):
   """The store cannot be reached (connection refused, timeout)."""
 
 
+class RateExceeded(RuntimeError):
+  """replace() refused: the identity's influence rate across all servers is used up."""
+
+
 class TicketUsed(RuntimeError):
   """replace() was given a draw-ticket nonce that an earlier accepted update already used."""
 
@@ -248,7 +252,7 @@ class MemoryStore:
     self._nonces[nonce] = now + ttl_s
 
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
-                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+                    nonce_ttl_s: float = 60.0, draws: int = 0, rate: tuple | None = None) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number.
 
     Args:
@@ -257,6 +261,7 @@ class MemoryStore:
       nonce: a draw ticket's nonce, marked used (for nonce_ttl_s) in the same step; None: none.
       nonce_ttl_s: how long the nonce is remembered (the ticket's lifetime).
       draws: added to the draw counter (draws served since the last store call).
+      rate: ignored (one process: the service's influence budget already holds the rate).
 
     Returns:
       The new sequence number.
