@@ -52,6 +52,20 @@ def _closed_by_server(s, wait=3.0):
     return False
 
 
+def _closed_count(socks, expect, timeout=3.0):
+  """How many of `socks` the server closed (waits up to `timeout` for `expect` of them)."""
+  closed, deadline = set(), time.time() + timeout
+  while time.time() < deadline:
+    for i, s in enumerate(socks):
+      if i not in closed and _closed_by_server(s, 0.01):
+        closed.add(i)
+    if len(closed) >= expect:
+      break
+  time.sleep(0.1)
+  return len(closed) + sum(_closed_by_server(s, 0.01) for i, s in enumerate(socks)
+                           if i not in closed)
+
+
 def _count(srv):
   return srv.call(_async(srv.svc.connection_guard.count))
 
@@ -60,15 +74,21 @@ async def _async(f, *a):
   return f(*a)
 
 
+def _settle(srv, want, timeout=5.0):
+  deadline = time.time() + timeout
+  while _count(srv) != want and time.time() < deadline:
+    time.sleep(0.05)
+  return _count(srv)
+
+
 def test_tls_handshakes_count_against_the_address_cap(start_service, tls_files):
   cert, key = tls_files
   srv = start_service(_svc(), ssl_context=http_server.tls_context(cert, key),
                       limits=http_server.Limits(max_connections=64, max_per_client=8,
                                                 idle_timeout_s=5.0))
   held = [_sock(srv.port) for _ in range(30)]  # TCP only: no handshake ever starts
-  time.sleep(0.3)
-  assert _count(srv) == 8
-  assert sum(_closed_by_server(s, 0.1) for s in held) == 22
+  assert _settle(srv, 8) == 8
+  assert _closed_count(held, 22) == 22
   ctx = ssl.create_default_context(cafile=cert)  # another address still gets in over TLS
   with ctx.wrap_socket(_sock(srv.port, "127.0.0.2"), server_hostname="127.0.0.1") as t:
     assert _get(t) == 200
@@ -80,11 +100,10 @@ def test_full_table_evicts_the_heaviest_address(start_service):
   srv = start_service(_svc(), limits=http_server.Limits(max_connections=20, max_per_client=20,
                                                         idle_timeout_s=10.0))
   held = [_sock(srv.port, f"127.0.0.{2 + i % 5}") for i in range(20)]  # 5 addresses x 4
-  time.sleep(0.3)
-  assert _count(srv) == 20
+  assert _settle(srv, 20) == 20
   newcomers = [_sock(srv.port, f"127.0.1.{n + 1}") for n in range(3)]
   assert [_get(s) for s in newcomers] == [200] * 3  # each evicted one idle connection
-  assert sum(_closed_by_server(s, 0.05) for s in held) == 3
+  assert _closed_count(held, 3) == 3
   with _sock(srv.port, "127.0.0.2") as s:  # a heavy address cannot evict its peers' share
     assert _get(s) == 503
   for s in held + newcomers:
@@ -101,10 +120,7 @@ def test_connect_close_churn_does_not_fill_the_table(start_service):
     with _sock(srv.port, "127.0.0.4") as s:
       ok += _get(s, close=True) == 200
   assert ok == 200
-  deadline = time.time() + 3
-  while _count(srv) and time.time() < deadline:
-    time.sleep(0.05)
-  assert _count(srv) == 0
+  assert _settle(srv, 0) == 0
 
 
 def test_one_token_is_held_to_max_per_token(start_service):

@@ -66,10 +66,12 @@ def test_sighup_reloads_tokens_and_keeps_serving(tmp_path):
 
 
 def test_token_guessing_is_throttled_per_address(start_service):
-  srv = start_service(service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0,
-                                          tokens=auth.TokenSet([ALICE])))
+  svc = service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0,
+                            tokens=auth.TokenSet([ALICE]))
+  svc.auth_throttle = auth.AuthThrottle(rate=1.0, burst=10, clock=lambda: 0.0)  # time frozen
+  srv = start_service(svc)
   codes = [_status(srv.port, f"guess-{i:04d}-0123456789abcdef") for i in range(40)]
-  assert codes.count(403) <= 12 and codes.count(429) >= 28  # burst 10, then 1/s
+  assert codes == [403] * 10 + [429] * 30  # burst 10, then nothing until it refills
   assert _status(srv.port, ALICE) == 429  # the address is throttled, whatever it sends
   assert _status(srv.port, ALICE, src="127.0.0.2") == 200  # other addresses are not
 
