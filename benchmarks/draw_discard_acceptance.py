@@ -61,7 +61,9 @@ class Sim:
     var = privacy.noise_std("laplace", self.spec.gamma, self.spec.epsilon, 1.0) ** 2
     std = math.sqrt(privacy.init_variance(k, var))
     self.rule = acceptance.AcceptanceRule(self.spec, alpha=alpha)
-    self.budget = influence.InfluenceBudget(self.rule, budget_alpha)
+    # the undecayed envelope, no rate cap (no clock here; dd_poisoning.py measures the cap)
+    self.budget = influence.InfluenceBudget(self.rule, budget_alpha, max_steps=None,
+                                            half_life_s=None)
     self.rng = np.random.default_rng(seed)
     self.slots = server.initial_instances(k, p, 0.0, std, self.rng)
     self.k, self.p, self.rebase = k, p, rebase

@@ -100,19 +100,26 @@ def start_cluster(store: str, servers: int, num_weights: int = 387, k: int = 20,
   with open(os.path.join(tmp, "tokens.txt"), "w") as f:
     f.write("\n".join(tokens) + "\n")
   cert, key = make_cert(tmp)
+  # The servers' shared secret (keys.py; required with Redis). Load clients reuse a few
+  # tokens at high rates: the per-token influence rate cap and the default draw quota
+  # would refuse them, so the benchmarks turn both off unless asked (dd_poisoning.py
+  # measures the cap); /v1/model is not used here.
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+  env.setdefault("DDML_SECRET", os.urandom(32).hex())
+  defaults = [] if "--influence-steps" in extra_args else ["--influence-steps", "none"]
+  defaults += [] if "--draw-quota" in extra_args else ["--draw-quota", "none"]
   procs, ports = [], []
   for i in range(servers):
     port = free_port()
     cmd = [sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--k", str(k),
            "--model", spec_path, "--store", store, "--port", str(port), "--prefix", prefix,
-           "--tokens", os.path.join(tmp, "tokens.txt"), *extra_args]
+           "--tokens", os.path.join(tmp, "tokens.txt"), *defaults, *extra_args]
     if tls:
       cmd += ["--tls-cert", cert, "--tls-key", key]
     if i == 0:
       cmd.append("--reset")
     log = open(os.path.join(tmp, f"server{i}.log"), "w")
-    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")))
+    procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     ports.append(port)
     wait_healthy(port, procs[-1], cert if tls else None)
   return Cluster(procs, ports, cert if tls else None, tokens, spec, tmp)

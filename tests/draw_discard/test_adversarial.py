@@ -295,7 +295,7 @@ def test_submit_with_next_draw(start_service, quota):
                             quotas=quotas, seed=0)
   srv = start_service(svc)
   rng = np.random.default_rng(3)
-  with client_lib.DDMLClient(srv.url, token=TOKEN) as c:
+  with client_lib.DDMLClient(srv.url, token=TOKEN, insecure=True) as c:
     d = c.draw()  # takes the only draw token when quota is 1
     answer, nxt = c.submit_and_draw(d, honest(d.weights, rng))
     assert answer == {"accepted": True, "seq": 1}

@@ -98,6 +98,7 @@ def test_redis_init_lock_expires(redis_url):
 
   async def go():
     s = _redis_store(redis_url, prefix, lock_ttl_s=5.0)
+    s.integrity_key = bytes(32)
     wrote = await s.initialize(meta, np.zeros((3, 4)), wait_s=5.0)
     await s.close()
     return wrote

@@ -87,7 +87,7 @@ def test_honest_token_is_never_refused(noise):
   """One honest token, 2,000 Algorithm 1 steps whose clipped gradients all point one way."""
   spec = dense_spec(33, noise=noise)
   rule = acceptance.AcceptanceRule(spec)
-  budget = influence.InfluenceBudget(rule)
+  budget = influence.InfluenceBudget(rule, max_steps=None, half_life_s=None)
   rng = np.random.default_rng(1)
   refused = 0
   for _ in range(2000):
@@ -101,7 +101,7 @@ def test_honest_token_is_never_refused(noise):
 @pytest.mark.parametrize("shape", ["all_weights", "one_weight"])
 def test_biased_token_is_held_to_the_envelope(shape):
   rule = _rule(387)
-  budget = influence.InfluenceBudget(rule)
+  budget = influence.InfluenceBudget(rule, max_steps=None, half_life_s=None)
   rng = np.random.default_rng(2)
   n_acc, total = 0, np.zeros(387)
   for _ in range(400):
@@ -121,7 +121,7 @@ def test_biased_token_is_held_to_the_envelope(shape):
 
 def test_release_undoes_a_reservation_and_identities_are_bounded():
   rule = _rule(33)
-  budget = influence.InfluenceBudget(rule, max_identities=2)
+  budget = influence.InfluenceBudget(rule, max_identities=2, half_life_s=None)
   d = np.full(33, rule.step)
   assert budget.reserve("a", d) == "" and budget.reserve("a", d) == ""
   budget.release("a", d)

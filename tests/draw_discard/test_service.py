@@ -42,7 +42,8 @@ def _store(kind, request):
 
 @pytest.fixture(params=["memory", "redis"])
 def svc_and_client(request, start_service):
-  svc = service.DDMLService(SPEC, 5, _store(request.param, request), seed=0)
+  svc = service.DDMLService(SPEC, 5, _store(request.param, request), seed=0,
+                            influence_steps=None)  # many updates from one address
   srv = start_service(svc)
   with client_lib.DDMLClient(srv.url) as c:
     yield srv, c
@@ -249,16 +250,21 @@ def test_redis_store_rejects_mismatched_model(redis_url):
   import asyncio
   prefix = f"t{uuid.uuid4().hex[:8]}"
 
+  def make():
+    s = store_lib.make_store(redis_url, prefix)
+    s.integrity_key = bytes(32)
+    return s
+
   async def go():
-    s1 = store_lib.make_store(redis_url, prefix)
+    s1 = make()
     meta = dict(version="1", k=3, num_weights=4, fingerprint="f", history=8)
     assert await s1.initialize(meta, np.zeros((3, 4)))
-    s2 = store_lib.make_store(redis_url, prefix)
+    s2 = make()
     assert not await s2.initialize(meta, np.ones((3, 4)))  # joins, keeps the first instances
     assert (await s2.snapshot()).slots.sum() == 0 and s2.generation == s1.generation
     for key, value in (("version", "2"), ("fingerprint", "g"), ("history", 9)):
       with pytest.raises(store_lib.StoreMismatch, match=key):
-        await store_lib.make_store(redis_url, prefix).initialize(dict(meta, **{key: value}),
+        await make().initialize(dict(meta, **{key: value}),
                                                                  np.zeros((3, 4)))
     await s1.close(); await s2.close()
 
@@ -270,7 +276,8 @@ def test_make_store_rejects_unknown():
     store_lib.make_store("memcache://x")
 
 
-def _wait_healthy(port, proc, timeout=120):
+def _wait_healthy(port, proc, timeout=60):
+  last = None
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
@@ -278,11 +285,15 @@ def _wait_healthy(port, proc, timeout=120):
     try:
       conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
       conn.request("GET", "/healthz")
-      if conn.getresponse().status == 200:
+      r = conn.getresponse()
+      last = (r.status, r.read()[:300])
+      if r.status == 200:
         return
-    except OSError:
       time.sleep(0.2)
-  raise RuntimeError("server did not become healthy")
+    except OSError as e:
+      last = e
+      time.sleep(0.2)
+  raise RuntimeError(f"server did not become healthy: {last!r}")
 
 
 def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):
@@ -291,10 +302,13 @@ def test_two_server_processes_share_one_redis_store(redis_url, tmp_path):
   spec_path.write_text(spec.to_json())
   prefix = f"t{uuid.uuid4().hex[:8]}"
   ports = [free_port(), free_port()]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.getcwd())
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=os.getcwd(),
+             DDML_SECRET=os.urandom(32).hex())
   procs = [subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--k", "7",
                              "--model", str(spec_path), "--store", redis_url, "--prefix", prefix,
-                             "--port", str(p)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--port", str(p), "--model-interval", "0", "--draw-quota", "none",
+                             "--influence-steps", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=env) for p in ports]
   try:
     for p, proc in zip(ports, procs):

@@ -25,7 +25,8 @@ def honest(w, rng):
 
 def _svc(store=None, **kw):
   return service.DDMLService(SPEC, 10, store or store_lib.MemoryStore(),
-                             tokens=auth.TokenSet([ALICE, MALLORY]), seed=0, **kw)
+                             tokens=auth.TokenSet([ALICE, MALLORY]), seed=0,
+                             secret=b"tickets-test-shared-secret-0123456789", **kw)
 
 
 def _state(srv):
@@ -51,7 +52,7 @@ def _refused(srv, before, got, status, code):
 
 def test_ticket_is_single_use(start_service):
   srv = start_service(_svc())
-  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+  with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
     u = honest(d.weights, np.random.default_rng(0))
     assert c.submit(d, u)["accepted"]
@@ -63,7 +64,7 @@ def test_ticket_is_single_use(start_service):
 def test_ticket_of_another_token_or_instance_is_refused(start_service):
   srv = start_service(_svc())
   rng = np.random.default_rng(1)
-  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+  with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
     before = _state(srv)
     u = honest(d.weights, rng)
@@ -78,7 +79,7 @@ def test_ticket_of_another_token_or_instance_is_refused(start_service):
 
 def test_expired_ticket_is_refused(start_service):
   srv = start_service(_svc(ticket_ttl_s=0.2))
-  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+  with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
     time.sleep(0.3)
     before = _state(srv)
@@ -87,12 +88,12 @@ def test_expired_ticket_is_refused(start_service):
 
 
 def test_biased_token_hits_its_budget_others_do_not(start_service):
-  srv = start_service(_svc())
+  srv = start_service(_svc(influence_steps=None, influence_half_life_s=None))  # the envelope
   rng = np.random.default_rng(3)
   a, b = srv.svc.rule.step, srv.svc.rule.scale
   refused = {}
-  with client_lib.DDMLClient(srv.url, token=MALLORY) as m, \
-       client_lib.DDMLClient(srv.url, token=ALICE) as c:
+  with client_lib.DDMLClient(srv.url, token=MALLORY, insecure=True) as m, \
+       client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     for _ in range(60):  # every weight pushed up by the step plus |noise|: passes one by one
       d = m.draw()
       noise = b * (rng.standard_exponential(P) - rng.standard_exponential(P))
@@ -123,8 +124,8 @@ def test_two_redis_servers_share_tickets(start_service, redis_url):
   a = start_service(_svc(store_lib.make_store(redis_url, prefix)))
   b = start_service(_svc(store_lib.make_store(redis_url, prefix)))
   rng = np.random.default_rng(4)
-  with client_lib.DDMLClient(a.url, token=ALICE) as ca, \
-       client_lib.DDMLClient(b.url, token=ALICE) as cb:
+  with client_lib.DDMLClient(a.url, token=ALICE, insecure=True) as ca, \
+       client_lib.DDMLClient(b.url, token=ALICE, insecure=True) as cb:
     d = ca.draw()
     u = honest(d.weights, rng)
     assert cb.submit(d, u)["accepted"]  # drawn on A, submitted to B
@@ -139,7 +140,7 @@ def test_two_redis_servers_share_tickets(start_service, redis_url):
 
 def test_without_tickets_the_candidate_rule_applies(start_service):
   srv = start_service(_svc(tickets=False))
-  with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+  with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
     assert c.submit(d.version, honest(d.weights, np.random.default_rng(5)))["accepted"]
     assert srv.svc.history == 256
@@ -153,7 +154,7 @@ def test_cluster_quotas_hold_across_redis_servers(start_service, redis_url, clus
              for _ in range(2)]
   statuses = []
   for srv in servers:
-    with client_lib.DDMLClient(srv.url, token=ALICE) as c:
+    with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
       try:
         statuses.append(c.draw() is not None and 200)
       except client_lib.DDMLError as e:

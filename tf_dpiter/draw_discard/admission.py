@@ -7,8 +7,10 @@ Order (each step refuses before anything is stored):
      drawn instance sent back (403), expired (409);
   3. step d = u - h against the served instance h (AcceptanceRule.check_step): 422
      step_too_large / excess_too_large / too_little_noise, P(honest refused) <= alpha;
-  4. influence budget (influence.py): the identity's cumulative step stays inside N honest
-     clients' envelope, else 422 cumulative_step_too_large / cumulative_excess_too_large.
+  4. influence budget (influence.py): the identity's decayed count stays under its rate
+     cap (else 429 influence_rate_exceeded, Retry-After) and its decayed cumulative step
+     inside honest clients' envelope, else 422 cumulative_step_too_large /
+     cumulative_excess_too_large (503 influence_table_full when the memory bound is hit).
 
 The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
 """
@@ -31,10 +33,11 @@ class Refused(Exception):
   """A refused submit: HTTP status, error code, the rule's reason and whether it was invalid
   input (counted as rejected_invalid) rather than a refused update (rejected)."""
 
-  def __init__(self, status: int, code: str, reason: str, message: str, invalid: bool):
+  def __init__(self, status: int, code: str, reason: str, message: str, invalid: bool,
+               retry_after: float | None = None):
     super().__init__(f"{status} {code} ({reason}): {message}")
     self.status, self.code, self.reason, self.message = status, code, reason, message
-    self.invalid = invalid
+    self.invalid, self.retry_after = invalid, retry_after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +107,15 @@ class Admission:
       raise rule_refusal(self.rule, decision.reason)
     step = sub.weights - sub.drawn
     reason = self.budget.reserve(identity, step)
+    if reason == "influence_rate":
+      raise Refused(429, "influence_rate_exceeded", reason,
+                    "this token's updates exceed its influence rate "
+                    f"({self.budget.max_steps:g} per {self.budget.half_life_s:g} s half-life); "
+                    "retry later", False, retry_after=self.budget.wait_s(identity))
+    if reason == "influence_table_full":
+      raise Refused(503, "influence_table_full", reason,
+                    "the server tracks as many active identities as its memory bound allows; "
+                    "retry later", False, retry_after=60.0)
     if reason:
       raise rule_refusal(self.rule, reason)
     return Admitted(identity, step, nonce)

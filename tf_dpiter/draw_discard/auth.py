@@ -6,6 +6,14 @@ starting with '#' are skipped) and keeps only their SHA-256 digests. A request c
 client's identity in quotas, metrics and logs is a short prefix of the digest, never
 the token.
 
+Revocation: `TokenSet.reload()` re-reads the token file in place (the server calls it on
+SIGHUP); every request is authenticated again, so a removed token is refused from its next
+request on, on any connection.
+
+Guessing: `AuthThrottle` keeps a token bucket of failed authentications per address; an
+address out of failures is answered 429 without its token being looked at, so guessing
+runs at `rate` attempts per second per address at most.
+
 Quotas: a token bucket per identity and per operation (draw, submit): `rate` requests
 per second on average, bursts of `burst`. A refused request gets the seconds until its
 next token (the service answers 429 with Retry-After).
@@ -51,6 +59,7 @@ class TokenSet:
     if not digests:
       raise ValueError("tokens: no token given")
     self._digests = frozenset(digests)
+    self.path: str | None = None
 
   @classmethod
   def from_file(cls, path: str) -> "TokenSet":
@@ -68,7 +77,24 @@ class TokenSet:
     """
     with open(path, encoding="utf-8") as f:
       lines = [ln.strip() for ln in f]
-    return cls([ln for ln in lines if ln and not ln.startswith("#")])
+    out = cls([ln for ln in lines if ln and not ln.startswith("#")])
+    out.path = path
+    return out
+
+  def reload(self) -> int:
+    """Re-reads the token file in place (revocation); keeps the old set on any error.
+
+    Returns:
+      The number of tokens now accepted.
+
+    Raises:
+      ValueError: when the set was not read from a file, or the file holds no valid token.
+      OSError: when the file cannot be read.
+    """
+    if self.path is None:
+      raise ValueError("this TokenSet was not read from a file; nothing to reload")
+    self._digests = TokenSet.from_file(self.path)._digests
+    return len(self._digests)
 
   def __len__(self) -> int:
     return len(self._digests)
@@ -89,6 +115,59 @@ class TokenSet:
     if digest not in self._digests:
       return None, "invalid_token"
     return digest[:12], ""
+
+
+class AuthThrottle:
+  """Failed authentications per address: a token bucket of `burst`, refilled at `rate`/s.
+
+  Args:
+    rate: failures per second allowed on average.
+    burst: failures allowed at once.
+    max_addresses: addresses remembered (least recently failed forgotten first).
+    clock: time source (tests).
+
+  Raises:
+    ValueError: for a non-positive rate or a burst < 1.
+  """
+
+  def __init__(self, rate: float = 1.0, burst: float = 10.0, max_addresses: int = 100_000,
+               clock=time.monotonic):
+    if not rate > 0:
+      raise ValueError(f"`rate` must be > 0. Received: rate={rate!r}")
+    if not burst >= 1:
+      raise ValueError(f"`burst` must be >= 1. Received: burst={burst!r}")
+    self.rate, self.burst, self._max, self._clock = float(rate), float(burst), max_addresses, clock
+    self._levels: collections.OrderedDict = collections.OrderedDict()
+
+  def _level(self, addr: str) -> float:
+    level, last = self._levels.get(addr, (self.burst, self._clock()))
+    return min(self.burst, level + (self._clock() - last) * self.rate)
+
+  def wait(self, addr: str) -> float:
+    """Seconds until `addr` may try a token again (0: now).
+
+    Args:
+      addr: the client address.
+
+    Returns:
+      Seconds to wait.
+    """
+    if addr not in self._levels:
+      return 0.0
+    level = self._level(addr)
+    return 0.0 if level >= 1.0 else (1.0 - level) / self.rate
+
+  def failed(self, addr: str) -> None:
+    """Records one failed authentication from `addr`.
+
+    Args:
+      addr: the client address.
+    """
+    level = self._level(addr)
+    self._levels.pop(addr, None)
+    self._levels[addr] = (max(0.0, level - 1.0), self._clock())
+    while len(self._levels) > self._max:
+      self._levels.popitem(last=False)
 
 
 class Quotas:

@@ -79,6 +79,10 @@ def _parse_eps(s: str) -> float | None:
   return float(s)
 
 
+def _parse_quota(s: str) -> float | None:
+  return None if s.lower() == "none" else float(s)
+
+
 def _add_serve(sub) -> None:
   s = sub.add_parser("serve", help="run the asynchronous HTTP service")
   s.add_argument("--k", type=int, default=20, help="number of model instances")
@@ -89,10 +93,32 @@ def _add_serve(sub) -> None:
   s.add_argument("--port", type=int, default=8080)
   s.add_argument("--tokens", default=None,
                  help="file with one bearer token per line (only their SHA-256 is kept)")
+  s.add_argument("--key-file", default=None,
+                 help="file with the servers' shared secret (64 hex characters; default "
+                      "$DDML_SECRET). Ticket and slot-integrity keys derive from it; it is "
+                      "never written to the store. Required with a Redis store unless "
+                      "--insecure-key-in-store")
+  s.add_argument("--state-file", default=None,
+                 help="Redis: this server's anchor file (its own disk): refuse to start on a "
+                      "store rolled back while it was down")
+  s.add_argument("--insecure-key-in-store", action="store_true",
+                 help="Redis without --key-file: keep the secret in the store (anyone who can "
+                      "read Redis can forge tickets)")
+  s.add_argument("--insecure", action="store_true",
+                 help="allow serving a non-loopback address without TLS or without tokens "
+                      "(tokens and updates then travel in clear, or anyone may submit)")
   s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key)")
   s.add_argument("--tls-key", default=None, help="PEM private key (with --tls-cert)")
-  s.add_argument("--draw-quota", type=float, default=None, help="draws/s per token (or address)")
-  s.add_argument("--submit-quota", type=float, default=None, help="submits/s per token")
+  s.add_argument("--draw-quota", type=_parse_quota, default=2.0,
+                 help="draws (and /v1/model reads) per second per token, or per address "
+                      "without tokens (default 2; 'none' disables it: draw tracking, "
+                      "Section IV adversary II, then needs only a fast client)")
+  s.add_argument("--model-min-updates", type=int, default=None,
+                 help="/v1/model: release a new average only after this many updates "
+                      "(default k)")
+  s.add_argument("--model-interval", type=float, default=10.0,
+                 help="/v1/model: and only after this many seconds")
+  s.add_argument("--submit-quota", type=_parse_quota, default=None, help="submits/s per token")
   s.add_argument("--quota-burst", type=float, default=None, help="bucket size (default 2x rate)")
   s.add_argument("--cluster-quotas", action="store_true",
                  help="Redis: the quotas hold for all servers of the store together (one "
@@ -112,6 +138,14 @@ def _add_serve(sub) -> None:
                       "discard draws can then select favourable pre-images")
   s.add_argument("--budget-alpha", type=float, default=1e-3,
                  help="influence budget: bound on an honest token's lifetime refusal probability")
+  s.add_argument("--influence-steps", type=_parse_quota, default=8.0,
+                 help="poisoning bound: at most this many updates of one token count at once "
+                      "(decayed count; 'none': no rate cap, one token may then move the model "
+                      "one full step per submit)")
+  s.add_argument("--influence-half-life", type=_parse_quota, default=300.0,
+                 help="half-life (s) of a token's influence budget ('none': no decay)")
+  s.add_argument("--budget-memory-mb", type=float, default=256.0,
+                 help="memory bound of the influence budgets (8 p + 160 bytes per token)")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
   s.add_argument("--centre-factor", type=float, default=36.0,
                  help="refuse updates farther (mean square) from the average than this many "
@@ -129,11 +163,35 @@ def _add_serve(sub) -> None:
   s.add_argument("--max-body-bytes", type=int, default=None)
 
 
+def _check_exposure(args) -> str:
+  """Refuses a non-loopback address without TLS and tokens (unless --insecure).
+
+  Returns:
+    The warning to print before serving ("" when TLS and tokens are on).
+  """
+  import ipaddress  # pylint: disable=g-import-not-at-top
+  missing = [name for name, ok in (("TLS (--tls-cert/--tls-key)", args.tls_cert),
+                                   ("tokens (--tokens)", args.tokens)) if not ok]
+  if not missing:
+    return ""
+  try:
+    loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+  except ValueError:
+    loopback = False
+  what = " and ".join(missing)
+  if not loopback and not args.insecure:
+    raise ValueError(f"serving {args.host} without {what}: tokens and updates would travel in "
+                     "clear or anyone could submit; add them, or pass --insecure")
+  return (f"tf-dpiter-ddml: WARNING: serving without {what}"
+          + ("" if loopback else " on a non-loopback address (--insecure)"))
+
+
 def _serve(args) -> int:
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ValueError("--tls-cert and --tls-key go together")
+  warning = _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
   quotas = None
@@ -145,16 +203,27 @@ def _serve(args) -> int:
   limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
   store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
                                group_commit=not args.no_group_commit)
+  from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
+  secret = keys.load_secret(args.key_file)
+  if secret is None and args.store != "memory" and not args.insecure_key_in_store:
+    raise ValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
+                     "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
   svc = service.DDMLService(
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,
       body_timeout_s=args.body_timeout, seed=args.seed,
       reset=args.reset, max_body_bytes=args.max_body_bytes, tickets=not args.no_tickets,
-      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase)
+      ticket_ttl_s=args.ticket_ttl, budget_alpha=args.budget_alpha, rebase=not args.no_rebase,
+      secret=secret, legacy_store_key=args.insecure_key_in_store,
+      model_min_updates=args.model_min_updates, model_interval_s=args.model_interval,
+      influence_steps=args.influence_steps, influence_half_life_s=args.influence_half_life,
+      budget_memory_bytes=int(args.budget_memory_mb * 2**20), state_file=args.state_file)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "
         f"{scheme}://{args.host}:{args.port}", flush=True)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   http_server.run(svc, args.host, args.port, ctx, limits)
   return 0
 

@@ -6,13 +6,15 @@ records (client.spec_update), submit. Weights travel as raw little-endian float6
 (application/octet-stream, version in X-DDML-Version); the spec is fetched once per version.
 
 Transport: `https://` URLs verify the server certificate (`cafile=` for a private CA);
-`token=` sends `Authorization: Bearer <token>`.
+`token=` sends `Authorization: Bearer <token>`, and is refused with an `http://` URL unless
+`insecure=True`.
 
 Privacy floor: the client does not trust the served spec. Before it trains on its
 records it checks the spec against its own floor (`PrivacyFloor`): epsilon at most
 `max_epsilon` (default the paper's ln 32), noise std at least `min_noise` times the
 per-weight sensitivity 2*gamma*clip, a known noise law and (Gaussian) delta at most
-`max_delta`. A weaker spec raises PrivacyFloorError and nothing is sent.
+`max_delta`. A weaker spec raises PrivacyFloorError and nothing is sent. The floor is
+checked on every submit path (`update`, `submit`, `submit_and_draw`, `submit_json`).
 
 The floor lives in client_floor.py and the wire format in client_wire.py; their public
 names are re-exported here.
@@ -48,15 +50,17 @@ class DDMLClient:
     cafile: PEM CA file to verify an https server (default: the system CAs).
     ssl_context: a client SSLContext (overrides cafile).
     max_epsilon, min_noise, max_delta: the client's PrivacyFloor (max_epsilon=None: none).
+    insecure: allow sending the token over http://.
 
   Raises:
-    ValueError: for a bad URL or floor.
+    ValueError: for a bad URL or floor, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, timeout: float = 30.0, *, token: str | None = None,
                cafile: str | None = None, ssl_context: ssl.SSLContext | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
-               max_delta: float = 1e-5):
+               max_delta: float = 1e-5, insecure: bool = False):
+    wire.check_token_transport(base_url, token, insecure)
     u = urllib.parse.urlparse(base_url)
     if u.scheme not in ("http", "https") or not u.hostname:
       raise ValueError(f"base_url must be http(s)://host:port, got {base_url!r}")
@@ -68,6 +72,8 @@ class DDMLClient:
     self._conn = None
     self._specs: dict[str, glm.ModelSpec] = {}
     self.last_ticket: str | None = None
+    self.last_model_seq: int | None = None  # sequence number of the last model() release
+    self._seq_header = None
 
   def _connect(self):
     if self._tls:
@@ -87,6 +93,7 @@ class DDMLClient:
         data = r.read()
         if raw and r.status < 400:
           self.last_ticket = r.getheader("X-DDML-Ticket")
+          self._seq_header = r.getheader("X-DDML-Seq")
           return r.getheader("X-DDML-Version"), data
         return wire.answer_or_raise(r.status, data, r.getheader("Retry-After"))
       except (http.client.HTTPException, ConnectionError):
@@ -125,10 +132,15 @@ class DDMLClient:
       {"accepted": True, "seq": n}.
 
     Raises:
+      PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
       DDMLError: for an error answer.
     """
+    self._check_floor(drawn)
     body, headers = wire.submit_request(drawn, weights)
     return self._request("POST", "/v1/submit", body, headers)
+
+  def _check_floor(self, drawn) -> None:
+    self.floor.check(drawn.spec if isinstance(drawn, Drawn) else self.spec())
 
   def submit_and_draw(self, drawn, weights: np.ndarray) -> tuple[dict, Drawn | None]:
     """Submits and receives the next draw in the same answer (POST /v1/submit?draw=raw).
@@ -142,8 +154,10 @@ class DDMLClient:
       gave no draw (draw quota).
 
     Raises:
+      PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
       DDMLError: for an error answer.
     """
+    self._check_floor(drawn)
     if self._conn is None:
       self._conn = self._connect()
     body, headers = wire.submit_request(drawn, weights)
@@ -171,8 +185,10 @@ class DDMLClient:
       {"accepted": True, "seq": n}.
 
     Raises:
+      PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
       DDMLError: for an error answer.
     """
+    self._check_floor(drawn)
     return self._request("POST", "/v1/submit", wire.json_submit_body(drawn, weights))
 
   def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
@@ -205,6 +221,7 @@ class DDMLClient:
       DDMLError: for an error answer.
     """
     _, data = self._request("GET", "/v1/model?encoding=raw", raw=True)
+    self.last_model_seq = int(self._seq_header) if self._seq_header else None
     return np.frombuffer(data, dtype="<f8").copy()
 
   def spec(self) -> glm.ModelSpec:
@@ -252,15 +269,17 @@ class AsyncDDMLClient:
     token: bearer token, or None.
     cafile: PEM CA file to verify an https server (default: the system CAs).
     max_epsilon, min_noise, max_delta: the client's PrivacyFloor (max_epsilon=None: none).
+    insecure: allow sending the token over http://.
 
   Raises:
-    ValueError: for a bad floor.
+    ValueError: for a bad floor, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, session=None, timeout: float = 30.0, *,
                token: str | None = None, cafile: str | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
-               max_delta: float = 1e-5):
+               max_delta: float = 1e-5, insecure: bool = False):
+    wire.check_token_transport(base_url, token, insecure)
     import aiohttp  # pylint: disable=g-import-not-at-top
     self._base = base_url.rstrip("/")
     self._own = session is None
@@ -310,8 +329,12 @@ class AsyncDDMLClient:
       The server's answer.
 
     Raises:
+      PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
       DDMLError: for an error answer.
     """
+    spec = drawn.spec if isinstance(drawn, Drawn) else glm.ModelSpec.from_dict(
+        await self._request("GET", "/v1/spec"))
+    self.floor.check(spec)
     body, headers = wire.submit_request(drawn, weights)
     return await self._request("POST", "/v1/submit", body, headers)
 

@@ -139,6 +139,22 @@ def answer_or_raise(status: int, body: bytes, retry_after: str | None = None) ->
   return d
 
 
+def check_token_transport(base_url: str, token: str | None, insecure: bool) -> None:
+  """Refuses to send a bearer token over plain http:// (anyone on the path could reuse it).
+
+  Args:
+    base_url: the service URL.
+    token: the bearer token, or None.
+    insecure: allow it anyway (tests on loopback).
+
+  Raises:
+    ValueError: for a token with an http:// URL and insecure False.
+  """
+  if token is not None and base_url.lower().startswith("http://") and not insecure:
+    raise ValueError("`token` would travel in clear text to an http:// URL; use https:// "
+                     f"(or insecure=True on a trusted network). Received: base_url={base_url!r}")
+
+
 def request_headers(token: str | None, extra: dict | None, has_body: bool) -> dict:
   """Headers of a request: JSON content type when it has a body, the bearer token, extras.
 

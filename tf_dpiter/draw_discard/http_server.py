@@ -1,158 +1,27 @@
-"""Serving a DDMLService: TLS, a connection cap, idle/slow-header timeouts, clean shutdown.
+"""Serving a DDMLService: TLS, connection accounting, idle/slow-header timeouts, shutdown.
 
 aiohttp has no connection cap and no header timeout, so the listening socket is ours:
-each new connection goes through ConnectionGuard, which refuses it with a JSON 503 when
-`max_connections` are open (or `max_per_client` from one address), and closes any
-connection that has no request in progress and has not started one for `idle_timeout_s`
-seconds (slow or missing headers, idle keep-alive). Slow bodies are the service's
-body timeout (408).
+connections.ConnectionGuard accepts every socket itself and counts it from accept to
+close, per address and per token, with fair eviction (connections.py). Slow bodies are
+the service's body timeout (408). SIGHUP reloads the token file (revocation) without
+stopping the server; SIGINT/SIGTERM stop it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
 import signal
+import socket
 import ssl
-import time
 
 from aiohttp import web
 
-_REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%s")
-_REFUSAL_BODY = b'{"error":"too_many_connections","message":"connection limit reached; retry"}'
+from tf_dpiter.draw_discard.connections import ConnectionGuard, Limits
 
-
-class _Refuse(asyncio.Protocol):
-  """Answers one JSON 503 and closes."""
-
-  def connection_made(self, transport):
-    transport.write(_REFUSAL % (len(_REFUSAL_BODY), _REFUSAL_BODY))
-    transport.close()
-
-
-@dataclasses.dataclass
-class Limits:
-  """Connection limits.
-
-  Attributes:
-    max_connections: open connections in all.
-    max_per_client: open connections from one address.
-    idle_timeout_s: a connection with no request in progress for this long is closed.
-  """
-  max_connections: int = 1024
-  max_per_client: int = 256
-  idle_timeout_s: float = 15.0
-
-  def __post_init__(self):
-    for name in ("max_connections", "max_per_client"):
-      v = getattr(self, name)
-      if int(v) != v or v < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    if not self.idle_timeout_s > 0:
-      raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s!r}")
-
-
-class ConnectionGuard:
-  """Protocol factory wrapper enforcing Limits on an aiohttp web.Server.
-
-  Args:
-    server: the runner's web.Server (a protocol factory).
-    limits: the Limits.
-    metrics: a metrics.Registry or None.
-  """
-
-  def __init__(self, server, limits: Limits, metrics=None):
-    self.server, self.limits, self.metrics = server, limits, metrics
-    self._state: dict = {}  # handler -> [last activity, requests in progress, peer]
-    self._sweeper = None
-
-  def factory(self):
-    """Called by the event loop for every new connection.
-
-    Returns:
-      The server's protocol, or a protocol that refuses the connection (over max_connections).
-    """
-    if len(self._state) >= self.limits.max_connections:
-      self._count("too_many_connections")
-      return _Refuse()
-    proto = self.server()
-    self._state[proto] = [time.monotonic(), 0, None]
-    asyncio.get_running_loop().call_soon(self._admit, proto)
-    return proto
-
-  def _count(self, reason: str) -> None:
-    if self.metrics is not None:
-      self.metrics.inc("connections_refused_total", reason=reason, help_text="connections closed")
-
-  def _admit(self, proto, attempt: int = 0) -> None:
-    transport = proto.transport
-    if transport is None:  # connection_made is scheduled after this factory call
-      if attempt < 3:
-        asyncio.get_running_loop().call_soon(self._admit, proto, attempt + 1)
-      else:
-        self._state.pop(proto, None)
-      return
-    peer = (transport.get_extra_info("peername") or ("?",))[0]
-    self._state[proto][2] = peer
-    same = sum(1 for s in self._state.values() if s[2] == peer)
-    if same > self.limits.max_per_client:
-      self._count("too_many_from_client")
-      transport.write(_REFUSAL % (len(_REFUSAL_BODY), _REFUSAL_BODY))
-      transport.close()
-
-  def begin(self, proto) -> None:
-    """A request started on `proto` (called by the middleware).
-
-    Args:
-      proto: the connection's protocol.
-    """
-    s = self._state.get(proto)
-    if s is not None:
-      s[0], s[1] = time.monotonic(), s[1] + 1
-
-  def end(self, proto) -> None:
-    """A request ended on `proto`.
-
-    Args:
-      proto: the connection's protocol.
-    """
-    s = self._state.get(proto)
-    if s is not None:
-      s[0], s[1] = time.monotonic(), s[1] - 1
-
-  def sweep(self) -> int:
-    """Closes idle connections and forgets closed ones; returns how many were closed.
-
-    Returns:
-      The number of idle connections closed.
-    """
-    now, closed = time.monotonic(), 0
-    for proto, (last, busy, _) in list(self._state.items()):
-      transport = proto.transport
-      if transport is None or transport.is_closing():
-        if now - last > 1.0:
-          self._state.pop(proto, None)
-        continue
-      if not busy and now - last > self.limits.idle_timeout_s:
-        transport.close()
-        self._state.pop(proto, None)
-        closed += 1
-        self._count("idle")
-    if self.metrics is not None:
-      self.metrics.set("open_connections", len(self._state), help_text="open connections")
-    return closed
-
-  async def run_sweeper(self, every_s: float = 1.0) -> None:
-    """Sweeps forever (cancel to stop).
-
-    Args:
-      every_s: seconds between sweeps.
-    """
-    while True:
-      await asyncio.sleep(every_s)
-      self.sweep()
-
+__all__ = ["ConnectionGuard", "Limits", "Running", "run", "serve", "tls_context"]
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
   """Server TLS context (TLS 1.2 or newer).
@@ -177,16 +46,59 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
 class Running:
   """A started server: its runner, listening server, guard and port."""
   runner: web.AppRunner
-  server: asyncio.AbstractServer
+  sock: socket.socket
   guard: ConnectionGuard
   port: int
-  sweeper: asyncio.Task
+  tasks: tuple
 
   async def stop(self) -> None:
     """Stops listening, closes connections and runs the app's cleanup (closes the store)."""
-    self.sweeper.cancel()
-    self.server.close()
+    for t in self.tasks:
+      t.cancel()
+    self.sock.close()
+    self.guard.close_all()
     await self.runner.cleanup()
+
+
+_SCRUBBED = ("aiohttp.server", "aiohttp.access", "aiohttp.web", "aiohttp.internal", "asyncio")
+
+
+class ScrubFilter(logging.Filter):
+  """Rewrites library log records as one JSON line with no client data.
+
+  aiohttp and asyncio log malformed requests and failed TLS handshakes with tracebacks,
+  client addresses and request headers (an over-long Authorization header included). Each
+  such record becomes {"event": "<logger>", "level", "error": <exception type>} with no
+  arguments, no traceback and no message text.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    fields = {"event": record.name.replace(".", "_"), "level": record.levelname}
+    if exc is not None:
+      fields["error"] = type(exc).__name__
+    record.msg, record.args = json.dumps(fields, sort_keys=True), ()
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return True
+
+
+def install_log_scrubber() -> None:
+  """Adds ScrubFilter to the aiohttp and asyncio loggers (idempotent)."""
+  for name in _SCRUBBED:
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, ScrubFilter) for f in logger.filters):
+      logger.addFilter(ScrubFilter())
+
+
+def _listen(host: str, port: int) -> socket.socket:
+  family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                     flags=socket.AI_PASSIVE)[0]
+  sock = socket.socket(family, kind, proto)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind(addr)
+  sock.listen(1024)
+  sock.setblocking(False)
+  return sock
 
 
 async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
@@ -207,23 +119,23 @@ async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
     OSError: when the address cannot be bound; store errors from the service's startup.
   """
   limits = limits or Limits()
+  install_log_scrubber()
   app = svc.make_app()
   runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.idle_timeout_s,
                          handle_signals=False)
   await runner.setup()
-  guard = ConnectionGuard(runner.server, limits, svc.metrics)
+  guard = ConnectionGuard(runner.server, limits, svc.metrics, ssl_context)
   svc.connection_guard = guard
   loop = asyncio.get_running_loop()
-  server = await loop.create_server(guard.factory, host, port, ssl=ssl_context, backlog=1024,
-                                    ssl_handshake_timeout=limits.idle_timeout_s if ssl_context
-                                    else None)
-  bound = server.sockets[0].getsockname()[1]
-  return Running(runner, server, guard, bound, loop.create_task(guard.run_sweeper()))
+  sock = _listen(host, port)
+  bound = sock.getsockname()[1]
+  tasks = (loop.create_task(guard.accept_loop(sock)), loop.create_task(guard.run_sweeper()))
+  return Running(runner, sock, guard, bound, tasks)
 
 
 def run(svc, host: str = "127.0.0.1", port: int = 8080,
         ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
-  """Blocking: serve `svc` until SIGINT/SIGTERM (uvloop when installed).
+  """Blocking: serve `svc` until SIGINT/SIGTERM (uvloop when installed); SIGHUP reloads tokens.
 
   Args:
     svc: the service.
@@ -241,6 +153,7 @@ def run(svc, host: str = "127.0.0.1", port: int = 8080,
   stop = asyncio.Event()
   for sig in (signal.SIGINT, signal.SIGTERM):
     loop.add_signal_handler(sig, stop.set)
+  loop.add_signal_handler(signal.SIGHUP, svc.reload_tokens)
 
   async def main():
     running = await serve(svc, host, port, ssl_context, limits)

@@ -45,20 +45,32 @@ remaining term has the law it has for honest clients. Without rebasing (Algorith
 literally: u itself is stored) an identity can discard draws until it holds a favourable
 h (the draw quota bounds how often), which this budget does not see.
 
+Decay and rate (the poisoning bound): the envelope alone lets one identity add N a per
+weight in N submits, i.e. move the model without limit at its submit quota (a noiseless
+attacker stepping -a on every weight is exactly an honest client whose gradients all point
+one way). The budget therefore decays (half-life `half_life_s`) and caps the decayed count
+S1 at `max_steps`: in any window of T seconds one identity gets at most
+max_steps (1 + T ln 2 / half_life_s) updates accepted, and its decayed displacement stays
+within max_steps a + x(S2) scale per weight (InfluenceBudget). Honest clients that submit
+at most about max_steps ln 2 / half_life_s times per second (defaults 8 and 300 s: one
+update per 54 s) never meet the rate test.
+
 Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
 law) for honest clients; the server's draws use secrets.randbelow. One identity per
-attacker: with T tokens each has its own envelope (the step term stays N a, the noise
-allowance grows as sqrt(N T) instead of sqrt(N)). The budget is kept per server process:
-with P processes behind one store an identity has P envelopes (noise allowance sqrt(P)
-times larger; the N a term is unchanged since each process counts its own N_i).
-Identities beyond `max_identities` are forgotten least-recently-used first, and a
-forgotten identity starts a new budget. Memory: 8 p bytes per identity.
+attacker: T identities (tokens; addresses without tokens) have T budgets, so T times the
+bound. The budget is kept per server process; on a Redis store the rate test is also
+enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
+while the envelope of C stays per process.
+Memory: 8 p + 160 bytes per identity, bounded by `max_memory_bytes`; when full, an
+identity is forgotten only once its decayed count has fallen below one update, else the
+newcomer is refused (InfluenceBudget); each forgetting grants at most one extra update.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import time
 
 import numpy as np
 
@@ -134,6 +146,8 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
   """
   if n < 1:
     raise ValueError(f"n must be >= 1, got {n!r}")
+  if n == int(n):
+    n = int(n)
   if noise == "none":
     return 0.0, 0.0
   if noise == "laplace":
@@ -146,58 +160,157 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
 
 
 class InfluenceBudget:
-  """Cumulative step per identity, checked against N honest clients' envelope.
+  """Decayed cumulative step per identity, checked against honest clients' envelope and rate.
+
+  State per identity (decay factor f = 2^(-dt / half_life_s) between two submits; f = 1
+  without a half-life): N accepted submits, S1 = sum_t f_t (decayed count), S2 = sum_t f_t^2
+  and C = sum_t f_t d_t (decayed cumulative step), f_t the decay since submit t. A submit is
+  accepted only if, with its step added,
+
+    * rate:        S1 <= max_steps                          (else "influence_rate"),
+    * per weight:  max_j |C_j| <= S1 a + x(S2) scale         (else "cumulative_step_too_large"),
+    * aggregate:   sum_j max(|C_j| - S1 a, 0) <= U(S2) scale (else "cumulative_excess_too_large"),
+
+  x and U the Chernoff bounds of `envelope` with S2 in place of n, at level alpha_N / 2.
+  For honest steps d_t = s_t + n_t (Algorithm 1): |sum_t f_t s_tj| <= a S1, and since
+  -ln(1 - l^2 f^2) <= -f^2 ln(1 - l^2) for 0 <= f <= 1 (convexity in f^2), the decayed noise
+  sum sum_t f_t n_tj has the moment bound of S2 undecayed noises: the envelope holds with
+  probability >= 1 - alpha_N at the N-th submit, and over a whole life with >= 1 - alpha.
+
+  Bound (one identity; docs/draw_discard_security.md): at every time its decayed
+  displacement is at most max_steps a + x(S2) scale per weight, and in any window of T
+  seconds it gets at most max_steps (1 + T ln 2 / half_life_s) submits accepted.
 
   Args:
     rule: the AcceptanceRule of the served spec (step a, noise law, scale, p).
     alpha: lifetime false-rejection probability of one honest identity, in (0, 0.5).
-    max_identities: identities kept (least recently used forgotten first).
+    max_identities: identities kept.
+    max_steps: rate cap on S1 (None: no cap).
+    half_life_s: decay half-life in seconds (None: no decay, the undecayed envelope).
+    max_memory_bytes: bound on the budget's memory (8 p + 160 bytes per identity).
+    clock: time source in seconds (tests, benchmarks).
+
+  Identities are kept least-recently-used first. When the table is full the oldest is
+  forgotten only if its decayed count S1 is below `FORGET_BELOW` = 1 (less than one update's
+  weight left: forgetting it grants it at most one extra update's worth, and one-shot
+  clients become forgettable as soon as their weight starts to decay); otherwise the new
+  identity is refused ("influence_table_full"). Without decay the oldest is always
+  forgotten.
 
   Raises:
-    ValueError: for alpha outside (0, 0.5) or max_identities < 1.
+    ValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
+      half_life_s <= 0 or max_memory_bytes too small for one identity.
   """
 
+  FORGET_BELOW = 1.0
+
   def __init__(self, rule: acceptance.AcceptanceRule, alpha: float = 1e-3,
-               max_identities: int = 100_000):
+               max_identities: int = 100_000, *, max_steps: float | None = 8.0,
+               half_life_s: float | None = 300.0, max_memory_bytes: int = 256 << 20,
+               clock=time.monotonic):
     if not 0 < alpha < 0.5:
       raise ValueError(f"budget alpha must be in (0, 0.5), got {alpha!r}")
     if int(max_identities) != max_identities or max_identities < 1:
       raise ValueError(f"max_identities must be an integer >= 1, got {max_identities!r}")
+    if max_steps is not None and not max_steps >= 1:
+      raise ValueError(f"`max_steps` must be >= 1 or None. Received: max_steps={max_steps!r}")
+    if half_life_s is not None and not half_life_s > 0:
+      raise ValueError(f"`half_life_s` must be > 0 or None. Received: half_life_s={half_life_s!r}")
+    per_identity = 8 * rule.p + 160
+    if max_memory_bytes < per_identity:
+      raise ValueError(f"`max_memory_bytes` must hold one identity ({per_identity} bytes). "
+                       f"Received: max_memory_bytes={max_memory_bytes!r}")
     self.p, self.step, self.scale, self.noise = rule.p, rule.step, rule.scale, rule.noise
-    self.alpha, self.max_identities = float(alpha), int(max_identities)
-    self._state: collections.OrderedDict = collections.OrderedDict()
-    self._env: dict[int, tuple[float, float]] = {}
+    self.alpha = float(alpha)
+    self.max_identities = min(int(max_identities), int(max_memory_bytes // per_identity))
+    self.max_steps = None if max_steps is None else float(max_steps)
+    self.half_life_s = None if half_life_s is None else float(half_life_s)
+    self.clock = clock
+    self._env: dict = {}
+    self._state: collections.OrderedDict = collections.OrderedDict()  # id -> [N, S1, S2, C, t]
 
-  def limits(self, n: int) -> tuple[float, float]:
-    """(per-weight limit on |C_nj|, aggregate limit on the excess) after n accepted steps.
-
-    Args:
-      n: accepted steps (>= 1).
+  def describe(self) -> dict:
+    """The budget's settings (part of the store's join check).
 
     Returns:
-      (n * step + x * scale, u * scale), in weight units.
+      A JSON-serializable dict.
     """
-    env = self._env.get(n)
+    return dict(alpha=self.alpha, max_steps=self.max_steps, half_life_s=self.half_life_s)
+
+  def limits(self, n: int, s1: float | None = None, s2: float | None = None) -> tuple:
+    """(per-weight limit on |C_j|, aggregate limit on the excess) at the n-th submit.
+
+    The envelope is evaluated at S2 rounded up to a multiple of 1/16 and at the level
+    alpha_n' of n' = n rounded up to a power of two (cached): both only raise the limits,
+    so the false-rejection bound still holds; the extra slack is below 1/16 of a step's
+    noise allowance and one halving of alpha_n.
+
+    Args:
+      n: accepted steps including this one (>= 1), for the level alpha_n.
+      s1: decayed count (default n).
+      s2: decayed sum of squared weights (default n).
+
+    Returns:
+      (s1 * step + x * scale, u * scale), in weight units.
+    """
+    s1 = float(n) if s1 is None else s1
+    s2 = float(n) if s2 is None else s2
+    key = (1 << (int(n) - 1).bit_length(), math.ceil(s2 * 16.0 - 1e-9) / 16.0)
+    env = self._env.get(key)
     if env is None:
-      env = envelope(self.noise, self.p, n, lifetime_alpha(self.alpha, n) / 2)
-      self._env[n] = env
+      env = envelope(self.noise, self.p, max(1.0, key[1]), lifetime_alpha(self.alpha, key[0]) / 2)
+      if len(self._env) > 100_000:
+        self._env.clear()
+      self._env[key] = env
     x, u = env
-    return n * self.step + x * self.scale, u * self.scale
+    return s1 * self.step + x * self.scale, u * self.scale
+
+  def _decay(self, t_last: float, now: float) -> float:
+    if self.half_life_s is None:
+      return 1.0
+    return 2.0 ** (-max(0.0, now - t_last) / self.half_life_s)
 
   def state(self, identity: str) -> tuple[int, np.ndarray]:
-    """(accepted steps, cumulative step C) of an identity (a copy; zeros when unknown).
+    """(accepted steps, decayed cumulative step C now) of an identity (zeros when unknown).
 
     Args:
       identity: the token digest prefix or the client address.
 
     Returns:
-      (n, C [p] float64).
+      (n, C [p] float64, a copy).
     """
-    n, c = self._state.get(identity, (0, None))
-    return n, (np.zeros(self.p) if c is None else c.copy())
+    st = self._state.get(identity)
+    if st is None:
+      return 0, np.zeros(self.p)
+    return st[0], st[3] * self._decay(st[4], self.clock())
+
+  def wait_s(self, identity: str) -> float:
+    """Seconds until the identity's rate allows one more submit (0: now).
+
+    Args:
+      identity: who asks.
+
+    Returns:
+      Seconds.
+    """
+    st = self._state.get(identity)
+    if st is None or self.max_steps is None or self.half_life_s is None:
+      return 0.0
+    s1 = st[1] * self._decay(st[4], self.clock())
+    if s1 + 1 <= self.max_steps:
+      return 0.0
+    return self.half_life_s * math.log2(s1 / (self.max_steps - 1.0))
+
+  def _make_room(self, now: float) -> bool:
+    while len(self._state) >= self.max_identities:
+      oldest, st = next(iter(self._state.items()))
+      if self.half_life_s is not None and st[1] * self._decay(st[4], now) >= self.FORGET_BELOW:
+        return False
+      del self._state[oldest]
+    return True
 
   def reserve(self, identity: str, d: np.ndarray) -> str:
-    """Adds step d to the identity's budget if the result stays inside the envelope.
+    """Adds step d to the identity's budget if the result passes the three tests.
 
     Call `release(identity, d)` when the update is not stored after all.
 
@@ -206,23 +319,32 @@ class InfluenceBudget:
       d: [p] the step u - h against the served instance.
 
     Returns:
-      "" when reserved, else "cumulative_step_too_large" or "cumulative_excess_too_large".
+      "" when reserved, else "influence_rate", "influence_table_full",
+      "cumulative_step_too_large" or "cumulative_excess_too_large".
     """
-    n, c = self._state.pop(identity, (0, None))
-    new = d.astype(np.float64) if c is None else c + d
-    lim_w, lim_u = self.limits(n + 1)
-    tol = 1e-9 * (lim_w + self.scale) + 1e-12
-    mag = np.abs(new)
+    now = self.clock()
+    st = self._state.pop(identity, None)
+    if st is None:
+      if not self._make_room(now):
+        return "influence_table_full"
+      st = [0, 0.0, 0.0, np.zeros(self.p), now]
+    f = self._decay(st[4], now)
+    n, s1, s2, c = st[0] + 1, st[1] * f + 1.0, st[2] * f * f + 1.0, st[3] * f + d
     reason = ""
-    if mag.max() > lim_w + tol:
-      reason = "cumulative_step_too_large"
-    elif np.maximum(mag - (n + 1) * self.step, 0.0).sum() > lim_u + tol * self.p:
-      reason = "cumulative_excess_too_large"
-    self._state[identity] = (n, c) if reason else (n + 1, new)
-    if reason and c is None:
-      del self._state[identity]
-    while len(self._state) > self.max_identities:
-      self._state.popitem(last=False)
+    if self.max_steps is not None and s1 > self.max_steps + 1e-9:
+      reason = "influence_rate"
+    else:
+      lim_w, lim_u = self.limits(n, s1, s2)
+      tol = 1e-9 * (lim_w + self.scale) + 1e-12
+      mag = np.abs(c)
+      if mag.max() > lim_w + tol:
+        reason = "cumulative_step_too_large"
+      elif np.maximum(mag - s1 * self.step, 0.0).sum() > lim_u + tol * self.p:
+        reason = "cumulative_excess_too_large"
+    if not reason:
+      st = [n, s1, s2, c, now]
+    if st[0] > 0:
+      self._state[identity] = st
     return reason
 
   def release(self, identity: str, d: np.ndarray) -> None:
@@ -232,10 +354,10 @@ class InfluenceBudget:
       identity: who submitted.
       d: [p] the step that was reserved.
     """
-    if identity not in self._state:
+    st = self._state.get(identity)
+    if st is None:
       return
-    n, c = self._state[identity]
-    if n <= 1:
+    if st[0] <= 1:
       del self._state[identity]
     else:
-      self._state[identity] = (n - 1, c - d)
+      self._state[identity] = [st[0] - 1, st[1] - 1.0, st[2] - 1.0, st[3] - d, st[4]]

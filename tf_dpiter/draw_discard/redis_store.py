@@ -4,7 +4,11 @@ Keys: <prefix>:gen (generation), <prefix>:meta, <prefix>:slot:<i>, <prefix>:hist
 replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <prefix>:init
 (initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring).
 Every operation is one Lua script or one MULTI transaction that checks the generation
-first (see store.py for the contract).
+first (see store.py for the contract), and every read or write of the model also checks
+that the sequence number is not below the highest one this process has seen (rollback:
+StoreRolledBack; redis_scripts.py). Stored instances carry an integrity tag checked on
+every read (store_mac.py; StoreCorrupt). Any of these faults is sticky: the process then
+refuses every operation until an operator restarts it.
 
 Group commit: the touch and replace scripts that requests issue in the same event-loop
 iteration travel in one pipeline (one write, one read, one wake-up of redis-server) instead
@@ -23,69 +27,22 @@ import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from tf_dpiter.draw_discard import redis_pipeline
+from tf_dpiter.draw_discard import redis_scripts
 from tf_dpiter.draw_discard import store as store_lib
-
-_TOUCH = """
-local g = redis.call('GET', KEYS[1])
-if not g then return -1 end
-if g ~= ARGV[1] then return -2 end
-if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[3], 'draws', ARGV[2]) end
-return tonumber(redis.call('GET', KEYS[2]) or '0')
-"""
-
-_REPLACE = """
-local g = redis.call('GET', KEYS[1])
-if not g then return -1 end
-if g ~= ARGV[1] then return -2 end
-local old = redis.call('GET', KEYS[2])
-if not old then return -1 end
-if ARGV[4] ~= '' then
-  if not redis.call('SET', KEYS[6], '1', 'NX', 'PX', ARGV[5]) then return -3 end
-end
-redis.call('SET', KEYS[2], ARGV[2])
-local h = tonumber(ARGV[3])
-if h > 0 then
-  redis.call('LPUSH', KEYS[3], old)
-  redis.call('LTRIM', KEYS[3], 0, h - 1)
-end
-if tonumber(ARGV[6]) > 0 then redis.call('HINCRBY', KEYS[5], 'draws', ARGV[6]) end
-redis.call('HINCRBY', KEYS[5], 'submits', 1)
-redis.call('HINCRBY', KEYS[5], 'accepted', 1)
-return redis.call('INCR', KEYS[4])
-"""
-
-_SNAPSHOT = """
-local g = redis.call('GET', KEYS[1])
-if not g then return {-1} end
-if g ~= ARGV[1] then return {-2} end
-local seq = tonumber(redis.call('GET', KEYS[2]) or '0')
-local prev, h = tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = seq - prev
-local full = 0
-if prev < 0 or n < 0 or n > h then n = h; full = 1 end
-local hist = {}
-if n > 0 then hist = redis.call('LRANGE', KEYS[3], 0, n - 1) end
-local slots = redis.call('MGET', unpack(KEYS, 4))
-return {seq, full, slots, hist}
-"""
-
-_QUOTA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local v = redis.call('HMGET', KEYS[1], 'l', 't')
-local level = tonumber(v[1]) or burst
-local last = tonumber(v[2]) or now
-level = math.min(burst, level + math.max(0, now - last) * rate / 1000)
-local wait = 0
-if level >= 1 then level = level - 1 else wait = math.ceil((1 - level) / rate * 1000) end
-redis.call('HSET', KEYS[1], 'l', tostring(level), 't', now)
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
-return wait
-"""
+from tf_dpiter.draw_discard import store_mac
 
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
+
+
+def _redact(url: str) -> str:
+  """The URL without its password (redis://user:pw@host -> redis://user:***@host)."""
+  parsed = urllib.parse.urlparse(url)
+  if parsed.password is None:
+    return url
+  netloc = parsed.netloc.replace(":" + parsed.password + "@", ":***@", 1)
+  return urllib.parse.urlunparse(parsed._replace(netloc=netloc))
 
 
 class RedisStore:
@@ -111,21 +68,26 @@ class RedisStore:
       raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
     if not lock_ttl_s > 0:
       raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
-    self.url = url
+    self.url = _redact(url)  # for messages and logs: no password
     self.prefix = prefix
     self.lock_ttl_s = float(lock_ttl_s)
     self._r = aioredis.from_url(url, decode_responses=False, socket_timeout=timeout_s,
                                 socket_connect_timeout=timeout_s)
-    self._touch = self._r.register_script(_TOUCH)
-    self._replace = self._r.register_script(_REPLACE)
-    self._snapshot = self._r.register_script(_SNAPSHOT)
-    self._quota = self._r.register_script(_QUOTA)
+    self._touch = self._r.register_script(redis_scripts.TOUCH)
+    self._replace = self._r.register_script(redis_scripts.REPLACE)
+    self._snapshot = self._r.register_script(redis_scripts.SNAPSHOT)
+    self._quota = self._r.register_script(redis_scripts.QUOTA)
+    self._incr = self._r.register_script(redis_scripts.INCR)
+    self._release = self._r.register_script(redis_scripts.RELEASE)
     self.generation: str | None = None
+    self.integrity_key: bytes | None = None  # set by the service before initialize
+    self.high_water = 0  # highest sequence number this process has seen
+    self._lost: store_lib.StoreLost | None = None  # sticky fault
+    self._p = 0
     self._k_slots: list[str] = []
     self._history = 0
     self.group_commit = bool(group_commit)
-    self._queue: list = []  # (script, keys, args, future) waiting for the next pipeline
-    self._flush_scheduled = False
+    self._pipeline = redis_pipeline.GroupCommit(self._r, self.url, _UNAVAILABLE)
 
   def _k(self, *parts) -> str:
     return ":".join((self.prefix,) + tuple(str(p) for p in parts))
@@ -140,53 +102,31 @@ class RedisStore:
     """Runs `script` in the next pipeline of this event-loop iteration; returns its reply."""
     if not self.group_commit:
       return await self._call(script(keys=keys, args=args))
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    self._queue.append((script, keys, args, fut))
-    if not self._flush_scheduled:
-      self._flush_scheduled = True
-      loop.call_soon(self._start_flush)
-    return await fut
+    return await self._pipeline.run(script, keys, args)
 
-  def _start_flush(self) -> None:
-    self._flush_scheduled = False
-    batch, self._queue = self._queue, []
-    asyncio.ensure_future(self._flush(batch))
+  def _fail(self, err: store_lib.StoreLost):
+    self._lost = err
+    raise err
 
-  async def _flush(self, batch) -> None:
-    try:
-      if len(batch) == 1:
-        script, keys, args, _ = batch[0]
-        results = [await script(keys=keys, args=args)]
-      else:  # plain EVALSHA (redis-py's pipelined Script runs SCRIPT EXISTS first: a round trip)
-        pipe = self._r.pipeline(transaction=False)
-        for script, keys, args, _ in batch:
-          pipe.evalsha(script.sha, len(keys), *keys, *args)
-        results = await pipe.execute(raise_on_error=False)
-        for j, res in enumerate(results):  # scripts flushed (Redis restarted): load and rerun
-          if isinstance(res, redis_errors.NoScriptError):
-            script, keys, args, _ = batch[j]
-            results[j] = await script(keys=keys, args=args)
-    except _UNAVAILABLE as e:
-      err = store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}")
-      results = [err] * len(batch)
-    except redis_errors.RedisError as e:
-      results = [e] * len(batch)
-    for (_, _, _, fut), res in zip(batch, results):
-      if fut.done():  # the request was cancelled
-        continue
-      if isinstance(res, BaseException):
-        fut.set_exception(res)
-      else:
-        fut.set_result(res)
+  def _ok(self) -> None:
+    if self._lost is not None:
+      raise type(self._lost)(str(self._lost))
 
   def _result(self, code: int) -> int:
     if code == -1:
-      raise store_lib.StoreLost(f"redis store {self.url} prefix {self.prefix!r} holds no model "
-                                "(flushed or restarted without persistence)")
+      self._fail(store_lib.StoreLost(
+          f"redis store {self.url} prefix {self.prefix!r} holds no model (flushed, a key "
+          "deleted, or restarted without persistence)"))
     if code == -2:
-      raise store_lib.StoreLost(f"redis store prefix {self.prefix!r} was re-initialized by "
-                                "another server (generation changed); restart this server")
+      self._fail(store_lib.StoreLost(
+          f"redis store prefix {self.prefix!r} was re-initialized by another server "
+          "(generation changed); restart this server"))
+    if code == -4:
+      self._fail(store_lib.StoreRolledBack(
+          f"redis store prefix {self.prefix!r} went back below sequence number "
+          f"{self.high_water} (restored from an older snapshot?): acknowledged updates are "
+          "lost and used tickets forgotten; restart this server after checking the store"))
+    self.high_water = max(self.high_water, int(code))
     return int(code)
 
   async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False,
@@ -208,6 +148,9 @@ class RedisStore:
       StoreUnavailable: when Redis cannot be reached.
     """
     k = int(meta["k"])
+    self._p = int(meta["num_weights"])
+    if self.integrity_key is None:
+      raise ValueError("RedisStore.integrity_key must be set (keys.derive) before initialize")
     self._k_slots = [self._k("slot", i) for i in range(k)]
     self._history = int(meta["history"])
     return await self._call(self._initialize(meta, instances, reset, wait_s))
@@ -228,8 +171,8 @@ class RedisStore:
       if await r.set(self._k("init"), token, nx=True, px=int(self.lock_ttl_s * 1000)):
         gen = uuid.uuid4().hex
         pipe = r.pipeline(transaction=True)
-        for key, row in zip(self._k_slots, instances):
-          pipe.set(key, store_lib.encode_weights(row))
+        for i, (key, row) in enumerate(zip(self._k_slots, instances)):
+          pipe.set(key, store_mac.seal(self.integrity_key, gen, i, row))
         pipe.set(self._k("meta"), json.dumps(dict(meta, generation=gen)).encode())
         pipe.delete(self._k("counters"), self._k("hist"))
         pipe.set(self._k("seq"), 0)
@@ -242,6 +185,21 @@ class RedisStore:
         raise TimeoutError(f"redis store {self.url} prefix {self.prefix!r}: no model after "
                            f"{wait_s}s (another server holds the init lock)")
       await asyncio.sleep(0.05)
+
+  async def shared_secret(self, candidate: bytes) -> bytes:
+    """Legacy mode (keys.py): the secret kept in the store, `candidate` if none is yet.
+
+    Anyone who can read the store can read it: forged tickets and slot tags become possible.
+
+    Args:
+      candidate: a fresh random secret.
+
+    Returns:
+      The secret every server of this prefix uses.
+    """
+    key = self._k("legacy_secret")
+    await self._call(self._r.set(key, candidate, nx=True))
+    return await self._call(self._r.get(key))
 
   async def meta(self) -> dict:
     """The stored meta. Raises StoreLost/StoreUnavailable.
@@ -266,8 +224,10 @@ class RedisStore:
     Raises:
       StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
     """
+    self._ok()
     code = await self._batched(self._touch, [self._k("gen"), self._k("seq"),
-                                             self._k("counters")], [self.generation, int(draws)])
+                                             self._k("counters")],
+                               [self.generation, int(draws), self.high_water])
     return self._result(code)
 
   async def snapshot(self, previous: store_lib.Snapshot | None = None) -> store_lib.Snapshot:
@@ -283,17 +243,21 @@ class RedisStore:
     Raises:
       StoreLost, StoreUnavailable.
     """
+    self._ok()
     prev_seq = previous.seq if previous is not None else -1
     out = await self._call(self._snapshot(
         keys=[self._k("gen"), self._k("seq"), self._k("hist"), *self._k_slots],
-        args=[self.generation, prev_seq, self._history]))
+        args=[self.generation, prev_seq, self._history, self.high_water]))
     if len(out) == 1:
       self._result(int(out[0]))
-    seq, full, slots, hist = int(out[0]), int(out[1]), out[2], out[3]
-    if any(x is None for x in slots):
-      self._result(-1)
-    p, k = len(slots[0]) // 8, len(slots)
-    new = np.frombuffer(b"".join(slots + hist), dtype="<f8").reshape(k + len(hist), p)
+    seq, full, slots, hist = self._result(int(out[0])), int(out[1]), out[2], out[3]
+    p, k = self._p, len(slots)
+    try:
+      raw = (store_mac.open_many(self.integrity_key, self.generation, slots, p, list(range(k)))
+             + store_mac.open_many(self.integrity_key, self.generation, hist, p))
+    except store_lib.StoreCorrupt as e:
+      self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r}: {e}"))
+    new = np.frombuffer(raw, dtype="<f8").reshape(k + len(hist), p)
     if full or previous is None:
       return store_lib.Snapshot(seq, new[:k], new[k:], new)
     keep = previous.history[:max(0, self._history - len(hist))]
@@ -301,32 +265,78 @@ class RedisStore:
     return store_lib.Snapshot(seq, rows[:k], rows[k:], rows)
 
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
-                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+                    nonce_ttl_s: float = 60.0, draws: int = 0,
+                    rate: tuple | None = None) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number.
 
-    One Lua script: generation check, the ticket nonce marked used (SET NX PX, so two
-    servers cannot both accept one ticket), the write, the counters (draws served since
-    the last call included) and the sequence number.
+    One Lua script: generation and rollback checks, the identity's influence rate across
+    all servers (`rate`), the ticket nonce marked used (SET NX PX, so two servers cannot
+    both accept one ticket), the write, the counters (draws served since the last call
+    included) and the sequence number.
 
     Args:
       i, w, nonce, nonce_ttl_s, draws: as store.MemoryStore.replace.
+      rate: (identity, half_life_s, max_steps) or None: refuse (RateExceeded) when the
+        identity's decayed count of accepted updates would exceed max_steps.
 
     Returns:
       The new sequence number.
 
     Raises:
       TicketUsed: when the nonce was used before (nothing is written).
+      RateExceeded: over the identity's influence rate (nothing is written).
       StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
     """
+    self._ok()
+    ident, half_life, max_steps = rate if rate is not None else ("-", 1.0, None)
     code = await self._batched(
         self._replace,
         [self._k("gen"), self._k_slots[i], self._k("hist"), self._k("seq"), self._k("counters"),
-         self._k("nonce", nonce or "-")],
-        [self.generation, store_lib.encode_weights(w), self._history, nonce or "",
-         max(1, int(nonce_ttl_s * 1000)), int(draws)])
+         self._k("nonce", nonce or "-"), self._k("rate", ident)],
+        [self.generation, store_mac.seal(self.integrity_key, self.generation, i, w),
+         self._history, nonce or "", max(1, int(nonce_ttl_s * 1000)), int(draws),
+         self.high_water, repr(float(half_life) * 1000.0),
+         "" if max_steps is None else repr(float(max_steps))])
     if code == -3:
       raise store_lib.TicketUsed("draw ticket already used")
+    if code == -5:
+      raise store_lib.RateExceeded("influence rate exceeded (all servers)")
     return self._result(code)
+
+  async def release(self, seq: int, mean: np.ndarray | None, k: int, min_updates: int,
+                    min_interval_s: float):
+    """Peek at (mean None) or compare-and-set the released model (model_release.py).
+
+    Args:
+      seq: the sequence number now (peek) or of `mean` (set).
+      mean: [p] the average to release, or None.
+      k: number of instances (the release is tagged as slot index k).
+      min_updates: updates needed since the last release.
+      min_interval_s: seconds needed since the last release (Redis clock).
+
+    Returns:
+      (model_release.Released or None, whether a new release is due).
+
+    Raises:
+      StoreLost, StoreCorrupt, StoreRolledBack, StoreUnavailable.
+    """
+    from tf_dpiter.draw_discard import model_release  # pylint: disable=g-import-not-at-top
+    self._ok()
+    payload = b"" if mean is None else store_mac.seal(self.integrity_key, self.generation, k,
+                                                        mean)
+    out = await self._call(self._release(
+        keys=[self._k("gen"), self._k("released")],
+        args=[self.generation, int(seq), payload, int(min_updates),
+              int(min_interval_s * 1000)]))
+    if int(out[0]) == -5:
+      return None, True
+    if int(out[0]) < 0:
+      self._result(int(out[0]))
+    try:
+      raw = store_mac.open_many(self.integrity_key, self.generation, [out[1]], self._p, [k])
+    except store_lib.StoreCorrupt as e:
+      self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r} released model: {e}"))
+    return model_release.Released(int(out[0]), np.frombuffer(raw, dtype="<f8")), bool(out[2])
 
   async def take_quota(self, identity: str, op: str, rate: float, burst: float) -> float:
     """Takes one request from a token bucket shared by every server of this store.
@@ -354,10 +364,11 @@ class RedisStore:
     Raises:
       StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
     """
-    self._result(await self._call(self._r.eval(
-        "local g = redis.call('GET', KEYS[1]) if g ~= ARGV[1] then return -1 end "
-        "redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3]) return 0", 2,
-        self._k("gen"), self._k("counters"), self.generation, name, int(n))))
+    self._ok()
+    code = await self._call(self._incr(keys=[self._k("gen"), self._k("counters")],
+                                       args=[self.generation, name, int(n)]))
+    if code == -1:
+      self._result(-1)
 
   async def counters(self) -> dict:
     """All counters, plus the sequence number as 'seq'.

@@ -18,13 +18,16 @@ client uses: the version then travels in the X-DDML-Version header):
                    ?draw=raw: on success the answer is instead the next drawn instance
                    (raw, X-DDML-Seq and X-DDML-Ticket headers), within the draw quota (else
                    the JSON above).
-  GET  /v1/model[?encoding=b64|raw] -> the average of the k instances.
+  GET  /v1/model[?encoding=b64|raw] -> the released average of the k instances (a new one
+                                   after >= model_min_updates updates and model_interval_s
+                                   seconds; model_release.py), charged to the draw quota.
   GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
 
 Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
 408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
-refused by the acceptance rule (acceptance.py), 429 quota (Retry-After), 503 store lost
-or unavailable; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
+refused by the acceptance rule (acceptance.py), 429 quota_exceeded / auth_throttled /
+influence_rate_exceeded (Retry-After), 503 store_lost (flushed, corrupted, rolled back)
+or store_unavailable, too_many_connections, influence_table_full; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
 ticket_expired/ticket_used. The server keeps no record of which instance was drawn (the
 ticket lives with the client); per token it keeps only the cumulative step of its
 accepted updates. With tickets=False the older rule applies (any of the k instances and
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 import time
 
@@ -42,15 +46,16 @@ import numpy as np
 from aiohttp import web
 
 from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
-from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import http_io
 from tf_dpiter.draw_discard import influence
 from tf_dpiter.draw_discard import metrics as metrics_lib
+from tf_dpiter.draw_discard import model_release
 from tf_dpiter.draw_discard import parsing
-from tf_dpiter.draw_discard import server as server_lib
+from tf_dpiter.draw_discard import service_setup
 from tf_dpiter.draw_discard import service_status
 from tf_dpiter.draw_discard import snapshots
 from tf_dpiter.draw_discard import store as store_lib
@@ -61,19 +66,7 @@ log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
 
 
-def spec_fingerprint(spec: glm.ModelSpec) -> str:
-  """SHA-256 of the canonical spec JSON (every field: gamma, epsilon, family, features...).
-
-  Args:
-    spec: the model spec.
-
-  Returns:
-    64 hex characters.
-  """
-  return auth.token_digest(json.dumps(spec.to_dict(), sort_keys=True))
-
-
-class DDMLService(service_status.StatusEndpoints):
+class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
   """State of one server process: the spec, a store, the acceptance rule and quotas.
 
   Args:
@@ -104,6 +97,20 @@ class DDMLService(service_status.StatusEndpoints):
     budget_alpha: lifetime false-rejection probability of an honest token's influence
       budget (influence.py).
     max_identities: identities whose influence budget is kept.
+    secret: the shared secret of the store's servers (keys.py; the ticket and slot-integrity
+      keys derive from it; never written to the store). None: a random one for this process
+      (no other server can join), or with legacy_store_key the one kept in the store.
+    influence_steps: rate cap of one identity's decayed update count (influence.py; None:
+      no cap: one identity may move the model by N steps in N submits).
+    influence_half_life_s: half-life of the influence budget's decay (None: no decay).
+    budget_memory_bytes: memory bound of the influence budgets (all identities).
+    state_file: Redis: this server's anchor file (anchor.py): detects a rollback of the
+      store that happened while the server was down. None: only rollbacks while it runs.
+    model_min_updates: accepted updates between two releases of the average on /v1/model
+      (model_release.py; default k).
+    model_interval_s: seconds between two releases of the average.
+    legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
+      store can forge tickets); logged as a warning.
 
   Raises:
     ValueError: for k < 2, history < 0 or a bad acceptance parameter.
@@ -116,7 +123,11 @@ class DDMLService(service_status.StatusEndpoints):
                body_timeout_s: float = 10.0, init_epsilon: float = 1.0, seed: int | None = None,
                reset: bool = False, max_body_bytes: int | None = None, tickets: bool = True,
                ticket_ttl_s: float = 60.0, budget_alpha: float = 1e-3,
-               max_identities: int = 100_000, rebase: bool = True):
+               max_identities: int = 100_000, rebase: bool = True,
+               secret: bytes | None = None, legacy_store_key: bool = False,
+               model_min_updates: int | None = None, model_interval_s: float = 10.0,
+               influence_steps: float | None = 8.0, influence_half_life_s: float | None = 300.0,
+               budget_memory_bytes: int = 256 << 20, state_file: str | None = None):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -127,6 +138,7 @@ class DDMLService(service_status.StatusEndpoints):
       raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
+    self.auth_throttle = auth.AuthThrottle()
     self.init_epsilon, self.seed, self.reset = init_epsilon, seed, reset
     self.rule = acceptance.AcceptanceRule(spec, alpha=alpha, max_abs_weight=max_abs_weight,
                                           spread_std=self.initial_std(),
@@ -136,7 +148,9 @@ class DDMLService(service_status.StatusEndpoints):
     self.ticket_ttl_s = float(ticket_ttl_s)
     tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
     self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
-    self.budget = influence.InfluenceBudget(self.rule, budget_alpha, max_identities)
+    self.budget = influence.InfluenceBudget(
+        self.rule, budget_alpha, max_identities, max_steps=influence_steps,
+        half_life_s=influence_half_life_s, max_memory_bytes=budget_memory_bytes)
     self.admission = admission.Admission(self.rule, self.budget)
     self._pending_draws = 0
     self.history = int(history)
@@ -144,61 +158,22 @@ class DDMLService(service_status.StatusEndpoints):
     self.body_timeout_s = float(body_timeout_s)
     self.p = spec.num_weights
     self.max_body_bytes = int(max_body_bytes or (52 * self.p + 65536))
+    self.secret, self.legacy_store_key = secret, bool(legacy_store_key)
+    self.anchor = anchor_lib.Anchor(state_file) if state_file else None
     self.meta = dict(version=spec.version, k=self.k, num_weights=self.p,
-                     fingerprint=spec_fingerprint(spec), history=self.history,
-                     ticket_key=secrets.token_hex(32))
+                     fingerprint=service_setup.spec_fingerprint(spec), history=self.history,
+                     settings=self.settings(alpha, budget_alpha, max_abs_weight, centre_factor))
     self.spec_json = json.dumps(spec.to_dict()).encode()
     self.metrics = metrics_lib.Registry()
     self.connection_guard = None  # set by http_server.serve
     self.snapshots = snapshots.SnapshotCache(store, self.metrics, self.draw_max_age_s)
+    self.release = model_release.ModelRelease(
+        store, self.snapshots, self.k, self.k if model_min_updates is None else model_min_updates,
+        model_interval_s)
+    self.meta["settings"].update(model_min_updates=self.release.min_updates,
+                                 model_interval_s=self.release.min_interval_s)
     self.started = time.time()
 
-  def initial_std(self) -> float:
-    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
-
-    Returns:
-      The std (init_epsilon's Laplace noise when the spec has none).
-    """
-    noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
-    eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
-    noise = "laplace" if noise == "none" else noise
-    var = calibration.noise_std(noise, self.spec.gamma, eps, self.spec.clip, self.spec.delta) ** 2
-    return float(np.sqrt(calibration.init_variance(self.k, var)))
-
-  def initial_instances(self) -> np.ndarray:
-    """N(0, k/2 sigma^2) per weight (Theorem 1).
-
-    Returns:
-      [k, p] float64.
-    """
-    return server_lib.initial_instances(self.k, self.p, 0.0, self.initial_std(),
-                                        np.random.default_rng(self.seed))
-
-  async def startup(self, app=None) -> None:
-    """Initializes or joins the store (checks version, k, size, spec fingerprint, history).
-
-    Args:
-      app: the aiohttp application (on_startup signal), unused.
-
-    Raises:
-      store.StoreMismatch: when the store holds a different model.
-    """
-    wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
-    key = (await self.store.meta()).get("ticket_key") or self.meta["ticket_key"]
-    self.tickets = tickets_lib.Tickets(bytes.fromhex(key), self.ticket_ttl_s)
-    self.admission.tickets = self.tickets
-    web_errors.log_event(log, "store_ready", store=self.store.kind,
-                         action="initialized" if wrote else "joined")
-
-  async def shutdown(self, app=None) -> None:
-    """Closes the store.
-
-    Args:
-      app: the aiohttp application (on_cleanup signal), unused.
-    """
-    await self.store.close()
-
-  # ---- handlers ----
   async def handle_draw(self, request: web.Request) -> web.Response:
     """GET /v1/draw: one instance, drawn uniformly from a full snapshot.
 
@@ -212,14 +187,25 @@ class DDMLService(service_status.StatusEndpoints):
       parsing.RequestError: 400 bad_encoding.
     """
     encoding = http_io.query_encoding(request)
-    snap = await self.snapshots.for_draw()
-    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
-    self.metrics.inc("draws_total", help_text="instances served")
-    ticket = self.tickets.issue(self._identity(request), w)
+    w, ticket = await self.draw_for(self._identity(request))
     resp = http_io.weights_response(w, encoding, self.spec.version, b',"spec":' + self.spec_json + b',"ticket":"'
                                   + ticket.encode() + b'",')
     resp.headers["X-DDML-Ticket"] = ticket
     return resp
+
+  async def draw_for(self, identity: str) -> tuple[np.ndarray, str]:
+    """One instance drawn uniformly from a full snapshot, with its ticket for `identity`.
+
+    Args:
+      identity: who draws (token identity or address).
+
+    Returns:
+      ([p] instance, ticket).
+    """
+    snap = await self.snapshots.for_draw()
+    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
+    self.metrics.inc("draws_total", help_text="instances served")
+    return w, self.tickets.issue(identity, w)
 
   @staticmethod
   def _identity(request: web.Request) -> str:
@@ -244,12 +230,27 @@ class DDMLService(service_status.StatusEndpoints):
     await self.store.incr("rejected_invalid" if e.invalid else "rejected")
     self.metrics.inc("rejected_total", reason=e.reason, help_text="refused updates")
     extra = {"reason": e.reason} if e.code == "rejected_update" else None
-    return RequestError(e.status, e.code, e.message, extra=extra)
+    headers = None
+    if e.retry_after is not None:
+      headers = {"Retry-After": auth.retry_after_header(e.retry_after)}
+      extra = {"retry_after_s": round(e.retry_after, 3)}
+    return RequestError(e.status, e.code, e.message, headers=headers, extra=extra)
 
-  async def _store_ticketed(self, request: web.Request, sub: parsing.Submission) -> int:
-    """Admission (admission.py), then the write (rebased, see the class doc)."""
+  async def store_ticketed(self, identity: str, sub: parsing.Submission) -> int:
+    """Admission (admission.py), then the write (rebased, see the class doc).
+
+    Args:
+      identity: the submitter (token identity or address).
+      sub: the parsed submission (with its drawn instance and ticket).
+
+    Returns:
+      The new sequence number.
+
+    Raises:
+      parsing.RequestError: when refused (status and code in the module docstring).
+    """
     try:
-      adm = self.admission.admit(self._identity(request), sub)
+      adm = self.admission.admit(identity, sub)
     except admission.Refused as e:
       raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
@@ -261,16 +262,34 @@ class DDMLService(service_status.StatusEndpoints):
         if bad:
           raise await self._refuse(admission.rule_refusal(self.rule, bad))
       return await self.store.replace(secrets.randbelow(self.k), new, adm.nonce,
-                                      self.ticket_ttl_s, draws)
+                                      self.ticket_ttl_s, draws, self._rate(identity))
     except store_lib.TicketUsed as e:
       self.admission.release(adm)
+      self._pending_draws += draws
       raise await self._refuse(admission.Refused(
           409, "ticket_used", "ticket_used", "this draw ticket was already used; draw again",
           True)) from e
+    except store_lib.RateExceeded as e:
+      self.admission.release(adm)
+      self._pending_draws += draws
+      b = self.budget
+      raise await self._refuse(admission.Refused(
+          429, "influence_rate_exceeded", "influence_rate",
+          "this token's updates exceed its influence rate on the servers of this store; "
+          "retry later", False,
+          retry_after=b.half_life_s * math.log2(b.max_steps / (b.max_steps - 1.0))
+          if b.max_steps > 1 else b.half_life_s)) from e
     except BaseException:
       self.admission.release(adm)
       self._pending_draws += draws
       raise
+
+  def _rate(self, identity: str) -> tuple | None:
+    """(identity, half-life, max_steps) for the store's cluster-wide rate check, or None."""
+    b = self.budget
+    if b.max_steps is None or b.half_life_s is None:
+      return None
+    return identity, b.half_life_s, b.max_steps
 
   async def handle_submit(self, request: web.Request) -> web.Response:
     """POST /v1/submit: parse strictly, check ticket, step and budget, replace a random slot.
@@ -287,7 +306,7 @@ class DDMLService(service_status.StatusEndpoints):
     """
     sub = await self._parse(request)
     if self.use_tickets:
-      seq = await self._store_ticketed(request, sub)
+      seq = await self.store_ticketed(self._identity(request), sub)
     else:
       decision = await self._decide(sub.weights)
       if not decision.accepted:
@@ -342,22 +361,26 @@ class DDMLService(service_status.StatusEndpoints):
     return decision
 
   async def handle_model(self, request: web.Request) -> web.Response:
-    """GET /v1/model: the average of the k instances.
+    """GET /v1/model: the released average of the k instances (model_release.py).
+
+    Charged to the caller's draw quota (web_errors); a new average is released only after
+    `model_min_updates` updates and `model_interval_s` seconds.
 
     Args:
       request: the aiohttp request.
 
     Returns:
-      The average in the requested encoding, with k.
+      The released average in the requested encoding, with k and its sequence number.
 
     Raises:
       parsing.RequestError: 400 bad_encoding.
     """
     encoding = http_io.query_encoding(request)
-    seq = await self.store.touch()
-    snap = await self.snapshots.refresh(seq)
-    return http_io.weights_response(snap.slots.mean(axis=0), encoding, self.spec.version,
-                                    b',"k":' + str(self.k).encode() + b',')
+    rel = await self.release.current()
+    resp = http_io.weights_response(rel.mean, encoding, self.spec.version,
+                                    b',"k":%d,"seq":%d,' % (self.k, rel.seq))
+    resp.headers["X-DDML-Seq"] = str(rel.seq)
+    return resp
 
   def make_app(self) -> web.Application:
     """The aiohttp application (routes, JSON errors, auth, quotas, metrics).

@@ -6,11 +6,17 @@ metrics and the store's sequence number.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from aiohttp import web
 
 from tf_dpiter.draw_discard import parsing
+from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import web_errors
+
+HEALTH_READ_S = 1.0
+log = logging.getLogger(__name__)
 
 
 class StatusEndpoints:
@@ -59,8 +65,28 @@ class StatusEndpoints:
     return web.Response(text=self.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"})
 
+  def reload_tokens(self) -> None:
+    """SIGHUP: re-reads the token file (revocation); on error keeps the old set and logs.
+
+    The server keeps running either way; the outcome is one JSON log line.
+    """
+    if self.tokens is None or self.tokens.path is None:
+      web_errors.log_event(log, "tokens_reload_skipped", detail="no token file")
+      return
+    try:
+      n = self.tokens.reload()
+    except (OSError, ValueError) as e:
+      web_errors.log_event(log, "tokens_reload_failed", logging.ERROR, error=type(e).__name__)
+      return
+    web_errors.log_event(log, "tokens_reloaded", tokens=n)
+
   async def handle_health(self, request: web.Request) -> web.Response:
-    """GET /healthz: 200 when the store answers with this server's generation, else 503.
+    """GET /healthz: 200 only when the store holds this server's model, intact.
+
+    Checks the generation and the rollback mark on every call, and at most once per
+    `HEALTH_READ_S` seconds reads all k slots and the history through the integrity check
+    (store_mac.py) and their shape, so a deleted, truncated, corrupted or swapped slot
+    gives 503 here as it does on draws.
 
     Args:
       request: the aiohttp request.
@@ -69,4 +95,11 @@ class StatusEndpoints:
       {"ok": true, "store", "seq"}; store errors become 503 in the middleware.
     """
     seq = await self.store.touch()
+    now = time.monotonic()
+    if now - getattr(self, "_health_read", -1e30) > HEALTH_READ_S:
+      snap = await self.store.snapshot()
+      if snap.slots.shape != (self.k, self.p):
+        raise store_lib.StoreCorrupt(f"store slots have shape {snap.slots.shape}, expected "
+                                     f"{(self.k, self.p)}")
+      self._health_read = now
     return web.json_response({"ok": True, "store": self.store.kind, "seq": seq})

@@ -63,8 +63,21 @@ class StoreLost(RuntimeError):
   """The store's data is gone or was re-initialized by someone else (generation check)."""
 
 
+class StoreCorrupt(StoreLost):
+  """A stored instance failed its integrity check (store_mac.py): length, tag, index."""
+
+
+class StoreRolledBack(StoreLost):
+  """The store's sequence number went below one this process already saw (a rollback,
+  e.g. Redis restarted from an older snapshot): acknowledged updates were lost."""
+
+
 class StoreUnavailable(RuntimeError):
   """The store cannot be reached (connection refused, timeout)."""
+
+
+class RateExceeded(RuntimeError):
+  """replace() refused: the identity's influence rate across all servers is used up."""
 
 
 class TicketUsed(RuntimeError):
@@ -103,7 +116,7 @@ class Snapshot:
     return self.slots.mean(axis=0)
 
 
-META_KEYS = ("version", "k", "num_weights", "fingerprint", "history")
+META_KEYS = ("version", "k", "num_weights", "fingerprint", "history", "settings", "key_id")
 
 
 def check_meta(existing: dict, wanted: dict) -> None:
@@ -117,7 +130,19 @@ def check_meta(existing: dict, wanted: dict) -> None:
     StoreMismatch: when any of META_KEYS differs.
   """
   for key in META_KEYS:
-    if existing.get(key) != wanted.get(key):
+    if key == "settings":
+      have, want = existing.get(key) or {}, wanted.get(key) or {}
+      for name in sorted(set(have) | set(want)):
+        if have.get(name) != want.get(name):
+          raise StoreMismatch(
+              f"store was initialized with setting {name}={have.get(name)!r}, this server "
+              f"has {name}={want.get(name)!r}; every server of one store must use the same "
+              "acceptance, ticket, quota and influence settings (or use a new prefix)")
+    elif key == "key_id" and existing.get(key) != wanted.get(key):
+      raise StoreMismatch(
+          "store was initialized with another secret (key_id differs); start every server "
+          "of one store with the same --key-file or $DDML_SECRET")
+    elif existing.get(key) != wanted.get(key):
       raise StoreMismatch(
           f"store holds {key}={existing.get(key)!r}, this server wants {wanted.get(key)!r}; "
           "use a new prefix or --reset")
@@ -227,7 +252,7 @@ class MemoryStore:
     self._nonces[nonce] = now + ttl_s
 
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
-                    nonce_ttl_s: float = 60.0, draws: int = 0) -> int:
+                    nonce_ttl_s: float = 60.0, draws: int = 0, rate: tuple | None = None) -> int:
     """Overwrites slot i (the old value goes to the history); returns the new sequence number.
 
     Args:
@@ -236,6 +261,7 @@ class MemoryStore:
       nonce: a draw ticket's nonce, marked used (for nonce_ttl_s) in the same step; None: none.
       nonce_ttl_s: how long the nonce is remembered (the ticket's lifetime).
       draws: added to the draw counter (draws served since the last store call).
+      rate: ignored (one process: the service's influence budget already holds the rate).
 
     Returns:
       The new sequence number.

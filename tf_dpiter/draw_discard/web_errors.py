@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+import traceback
 import uuid
 
 from aiohttp import web
@@ -22,7 +24,7 @@ from tf_dpiter.draw_discard import store as store_lib
 
 log = logging.getLogger(__name__)
 
-_OPS = {"/v1/draw": "draw", "/v1/submit": "submit"}
+_OPS = {"/v1/draw": "draw", "/v1/submit": "submit", "/v1/model": "draw"}  # model: read = draw
 IDENTITY = web.RequestKey("ddml_identity", str)  # token digest prefix, or the client address
 _OPEN = ("/healthz",)
 # Faults of our own code that must still produce a JSON 500 (RecursionError is a RuntimeError).
@@ -85,13 +87,28 @@ async def _admit(svc, request: web.Request) -> None:
     return
   identity = None
   if svc.tokens is not None:
+    addr = request.remote or "?"
+    wait = svc.auth_throttle.wait(addr)
+    if wait > 0:
+      svc.metrics.inc("auth_refused_total", reason="throttled",
+                      help_text="requests without a valid token")
+      raise parsing.RequestError(429, "auth_throttled", "too many failed authentications from "
+                                 "this address; retry later",
+                                 headers={"Retry-After": auth.retry_after_header(wait)})
     identity, why = svc.tokens.identify(request.headers.get("Authorization"))
     if identity is None:
       status = 401 if why == "missing_token" else 403
+      if status == 403:
+        svc.auth_throttle.failed(addr)
       svc.metrics.inc("auth_refused_total", reason=why, help_text="requests without a valid token")
       raise parsing.RequestError(status, why, "send Authorization: Bearer <token>"
                                  if status == 401 else "token not accepted",
                                  headers={"WWW-Authenticate": 'Bearer realm="ddml"'})
+    guard = svc.connection_guard
+    if guard is not None and not guard.bind(request.protocol, identity):
+      raise parsing.RequestError(503, "too_many_connections",
+                                 "this token holds too many connections; reuse one",
+                                 headers={"Retry-After": "1", "Connection": "close"})
   op = _OPS.get(request.path)
   identity = identity or (request.remote or "?")
   request[IDENTITY] = identity
@@ -122,10 +139,12 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
     log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
     return json_error(503, "store_unavailable", "the model store cannot be reached; retry",
                       headers={"Retry-After": "1"})
-  except _SERVER_FAULTS:
+  except _SERVER_FAULTS as e:  # one JSON line: type and frames, no message (client data)
     error_id = uuid.uuid4().hex[:12]
-    log.exception(json.dumps({"event": "internal_error", "error_id": error_id,
-                              "path": request.path}))
+    frames = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}"
+              for f in traceback.extract_tb(e.__traceback__)]
+    log.error(json.dumps({"event": "internal_error", "error_id": error_id,
+                          "path": request.path, "error": type(e).__name__, "frames": frames}))
     return json_error(500, "internal_error", f"internal error {error_id}")
 
 
@@ -157,7 +176,7 @@ def make_middleware(svc):
                         help_text="request latency")
     if resp.status >= 400:
       svc.metrics.inc("errors_total", status=resp.status, help_text="error answers")
-      if resp.status == 408:
+      if resp.status == 408 or resp.headers.get("Connection") == "close":
         resp.force_close()
     return resp
 

@@ -1,0 +1,104 @@
+"""GET /v1/model under the draws' privacy rule: batched releases, charged to the draw quota."""
+
+import uuid
+
+import numpy as np
+import pytest
+
+from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, service
+from tf_dpiter.draw_discard import store as store_lib
+
+SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
+K = 6
+VICTIM, ATTACKER = "victim-token-0123456789abcdef", "attacker-token-0123456789abc"
+
+
+def honest(w, rng):
+  x = {"x": rng.random((8, SPEC.num_weights - 1))}
+  return client_alg.spec_update(SPEC, w, x, rng.integers(0, 2, 8), rng=rng)
+
+
+def _svc(store=None, **kw):
+  return service.DDMLService(SPEC, K, store or store_lib.MemoryStore(), seed=0,
+                             tokens=auth.TokenSet([VICTIM, ATTACKER]),
+                             secret=b"model-release-test-secret-0123456789",
+                             influence_steps=None, **kw)
+
+
+def _differencing_attack(srv, n=20):
+  """Victim steps the attacker recovers from model reads around each victim update.
+
+  The attacker is granted every instance before the update (more than draws give it): it
+  recovers the stored update when k (m1 - m0) + x_r equals it for some slot r.
+  """
+  rng = np.random.default_rng(1)
+  recovered = 0
+  with client_lib.DDMLClient(srv.url, token=VICTIM, insecure=True) as v, \
+       client_lib.DDMLClient(srv.url, token=ATTACKER, insecure=True) as a:
+    for _ in range(n):
+      before = srv.call(srv.svc.store.snapshot()).slots.copy()
+      m0 = a.model()
+      d = v.draw()
+      v.submit(d, honest(d.weights, rng))
+      m1 = a.model()
+      after = srv.call(srv.svc.store.snapshot()).slots
+      new = [row for row in after if not any(np.array_equal(row, b) for b in before)]
+      guesses = K * (m1 - m0) + before
+      recovered += any(np.allclose(g, new[0], rtol=0, atol=1e-9) for g in guesses)
+  return recovered
+
+
+def test_differencing_model_reads_no_longer_recovers_victim_updates(start_service):
+  per_update = start_service(_svc(model_min_updates=1, model_interval_s=0.0))
+  assert _differencing_attack(per_update) == 20  # what /v1/model allowed before (control)
+  batched = start_service(_svc())  # defaults: >= k updates and >= 10 s between releases
+  assert _differencing_attack(batched) == 0
+
+
+def test_release_needs_min_updates_and_carries_its_seq(start_service):
+  srv = start_service(_svc(model_min_updates=3, model_interval_s=0.0))
+  rng = np.random.default_rng(2)
+  with client_lib.DDMLClient(srv.url, token=VICTIM, insecure=True) as c:
+    m0 = c.model()
+    seqs = []
+    for _ in range(7):
+      d = c.draw()
+      c.submit(d, honest(d.weights, rng))
+      c.model()
+      seqs.append(c.last_model_seq)
+  assert seqs == [0, 0, 3, 3, 3, 6, 6]
+  snap = srv.call(srv.svc.store.snapshot())
+  assert not np.array_equal(m0, snap.slots.mean(axis=0))
+
+
+def test_model_reads_are_charged_to_the_draw_quota(start_service):
+  now = [0.0]
+  quotas = auth.Quotas({"draw": 1.0}, {"draw": 2}, clock=lambda: now[0])
+  srv = start_service(_svc(quotas=quotas))
+  with client_lib.DDMLClient(srv.url, token=ATTACKER, insecure=True) as c:
+    c.model()
+    c.model()
+    with pytest.raises(client_lib.DDMLError) as e:
+      c.model()
+    assert e.value.status == 429
+    with pytest.raises(client_lib.DDMLError) as e:
+      c.draw()  # one bucket for draws and model reads
+    assert e.value.status == 429
+
+
+def test_two_redis_servers_share_one_release(start_service, redis_url):
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  srvs = [start_service(_svc(store_lib.make_store(redis_url, prefix), model_min_updates=2,
+                             model_interval_s=0.0)) for _ in range(2)]
+  rng = np.random.default_rng(3)
+  a = client_lib.DDMLClient(srvs[0].url, token=VICTIM, insecure=True)
+  b = client_lib.DDMLClient(srvs[1].url, token=ATTACKER, insecure=True)
+  a.model()
+  for i in range(5):
+    d = a.draw()
+    a.submit(d, honest(d.weights, rng))
+    ma, mb = a.model(), b.model()  # never two releases closer than 2 updates
+    assert a.last_model_seq == b.last_model_seq and np.array_equal(ma, mb)
+    assert a.last_model_seq in (0, 2, 4)
+  a.close()
+  b.close()

@@ -1,0 +1,100 @@
+"""Service secrets kept outside the store: the ticket key and the slot-integrity key.
+
+One secret (>= 32 bytes) is shared by the servers of one store and never written to it.
+It comes from a key file (`serve --key-file`, hex or raw bytes) or the environment
+(`DDML_SECRET`, hex). Two keys are derived from it with HMAC-SHA256 (RFC 2104) under
+fixed labels: the draw-ticket key (tickets.py) and the slot-integrity key (store_mac.py).
+The store's meta holds only `key_id`, an HMAC of a third label, so that a server started
+with another secret refuses to join (StoreMismatch) without the secret being revealed.
+
+Without a secret, a random one is made per process: one server on its own store is then
+fully protected; a second server cannot join (its key_id differs). `legacy_store_key=True`
+(the command line's `--insecure-key-in-store`) instead keeps the secret in the store's
+meta as older versions did: anyone who can read the store can then forge tickets and
+slot tags, and the service logs a warning at startup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+
+ENV = "DDML_SECRET"
+MIN_BYTES = 32
+
+
+def derive(secret: bytes, label: str) -> bytes:
+  """HMAC-SHA256(secret, label): a 32-byte key for one purpose.
+
+  Args:
+    secret: the shared secret.
+    label: the purpose ("tickets", "slots", "key_id").
+
+  Returns:
+    32 bytes.
+  """
+  return hmac.new(secret, b"ddml/" + label.encode(), hashlib.sha256).digest()
+
+
+def key_id(secret: bytes) -> str:
+  """Public identifier of a secret (stored in the meta; reveals nothing about the secret).
+
+  Args:
+    secret: the shared secret.
+
+  Returns:
+    32 hex characters.
+  """
+  return derive(secret, "key_id")[:16].hex()
+
+
+def _check(secret: bytes, where: str) -> bytes:
+  if len(secret) < MIN_BYTES:
+    raise ValueError(f"the secret from {where} must hold >= {MIN_BYTES} bytes "
+                     f"(64 hex characters); received {len(secret)} bytes. Make one with "
+                     "`python -c \"import secrets;print(secrets.token_hex(32))\"`")
+  return secret
+
+
+def _parse(raw: bytes, where: str) -> bytes:
+  text = raw.strip()
+  try:
+    return _check(bytes.fromhex(text.decode("ascii")), where)
+  except (UnicodeDecodeError, ValueError) as e:
+    if isinstance(e, ValueError) and "secret from" in str(e):
+      raise
+    return _check(raw, where)
+
+
+def load_secret(path: str | None = None, environ=None) -> bytes | None:
+  """The shared secret from `path` (hex or raw) or the DDML_SECRET variable (hex).
+
+  Args:
+    path: a key file, or None.
+    environ: the environment mapping (default os.environ).
+
+  Returns:
+    The secret bytes, or None when neither is given.
+
+  Raises:
+    OSError: when the file cannot be read.
+    ValueError: when the secret is shorter than 32 bytes.
+  """
+  if path is not None:
+    with open(path, "rb") as f:
+      return _parse(f.read(), f"--key-file {path}")
+  value = (os.environ if environ is None else environ).get(ENV)
+  if value:
+    return _parse(value.encode(), f"${ENV}")
+  return None
+
+
+def random_secret() -> bytes:
+  """A fresh 32-byte secret (one process on its own store).
+
+  Returns:
+    32 random bytes.
+  """
+  return secrets.token_bytes(MIN_BYTES)

@@ -1,0 +1,110 @@
+"""The released model of the Draw and Discard service: what GET /v1/model may reveal.
+
+The average of the k instances moves by (new - replaced) / k with every accepted update,
+so reading it after each update and differencing reveals each update to anyone who also
+holds the k instances (collected by draws): the draw privacy argument (adversaries I and
+II of Pihur et al., "Differentially-Private Draw and Discard Machine Learning", Section IV)
+would be bypassed. The service therefore releases the average only in batches: a new
+release is made when at least `min_updates` updates have landed since the previous one
+AND at least `min_interval_s` seconds have passed; between releases every reader gets
+the same bytes. The release is shared by all servers of one store (one atomic
+compare-and-set in the store, so two servers cannot release models fewer than
+`min_updates` updates apart), carries its sequence number, and is integrity-tagged like
+a slot (store_mac.py). Reads of /v1/model are also charged to the caller's draw quota.
+
+What remains: the difference of two consecutive releases is the sum of >= min_updates
+updates (each with its own local-DP noise); an attacker that itself submits all but one
+of them (min_updates - 1 updates of its own, known to it) can subtract them. Its
+submits are bounded by the submit quota and the per-identity influence rate
+(influence.py), so that attack costs min_updates - 1 accepted submits per victim update
+(docs/draw_discard_security.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+  """A released model: the average of the k instances at store sequence number `seq`."""
+  seq: int
+  mean: np.ndarray
+
+
+class MemoryRelease:
+  """The release state of a MemoryStore (one process)."""
+
+  def __init__(self):
+    self._cur: tuple | None = None  # (seq, monotonic time, mean)
+
+  def exchange(self, seq: int, mean: np.ndarray | None, min_updates: int,
+               min_interval_s: float) -> tuple[Released | None, bool]:
+    """Peek (mean None) or compare-and-set a release at `seq`.
+
+    Args:
+      seq: the store's sequence number now (peek) or of `mean` (set).
+      mean: the average to release, or None to peek.
+      min_updates: updates needed since the last release.
+      min_interval_s: seconds needed since the last release.
+
+    Returns:
+      (the current release or None, whether a new one is due).
+    """
+    now = time.monotonic()
+    cur = self._cur
+    due = cur is None or (seq >= cur[0] + min_updates and now - cur[1] >= min_interval_s)
+    if due and mean is not None:
+      self._cur = cur = (seq, now, mean)
+      due = False
+    return (None if cur is None else Released(cur[0], cur[2])), due
+
+
+class ModelRelease:
+  """Decides what GET /v1/model returns.
+
+  Args:
+    store: the service's store (MemoryStore or RedisStore).
+    snapshots: the service's SnapshotCache.
+    k: number of instances.
+    min_updates: accepted updates between two releases (>= 1).
+    min_interval_s: seconds between two releases (>= 0).
+
+  Raises:
+    ValueError: for min_updates < 1 or min_interval_s < 0.
+  """
+
+  def __init__(self, store, snapshots, k: int, min_updates: int, min_interval_s: float):
+    if int(min_updates) != min_updates or min_updates < 1:
+      raise ValueError(f"`model_min_updates` must be an integer >= 1. Received: "
+                       f"model_min_updates={min_updates!r}")
+    if not min_interval_s >= 0:
+      raise ValueError(f"`model_interval_s` must be >= 0. Received: "
+                       f"model_interval_s={min_interval_s!r}")
+    self.store, self.snapshots, self.k = store, snapshots, int(k)
+    self.min_updates, self.min_interval_s = int(min_updates), float(min_interval_s)
+    self._memory = MemoryRelease()
+
+  async def _exchange(self, seq: int, mean: np.ndarray | None):
+    if self.store.kind == "memory":
+      return self._memory.exchange(seq, mean, self.min_updates, self.min_interval_s)
+    return await self.store.release(seq, mean, self.k, self.min_updates, self.min_interval_s)
+
+  async def current(self) -> Released:
+    """The current release, making a new one when due.
+
+    Returns:
+      The Released model.
+
+    Raises:
+      store.StoreLost, store.StoreUnavailable: store faults.
+    """
+    seq = await self.store.touch()
+    rel, due = await self._exchange(seq, None)
+    if rel is None or due:
+      snap = await self.snapshots.refresh(seq)
+      rel, _ = await self._exchange(snap.seq, snap.slots.mean(axis=0))
+    return rel

@@ -1,0 +1,119 @@
+"""The Lua scripts of the Redis store (redis_store.py); each runs atomically in Redis.
+
+REPLACE also enforces the influence rate of the submitter's identity across every server
+of the store (influence.py's decayed count S1 <= max_steps, on the Redis clock; -5 when
+over, nothing written, the ticket not consumed), so P servers do not give P rates.
+
+Every script that reads or writes the model first checks the generation (-1: missing, -2:
+another one) and the sequence-number high-water mark ARGV `hw` passed by the calling
+process (-4: the store's sequence number is below one this process already saw, i.e. the
+store was rolled back), so nothing is read from or written to a rolled-back store.
+"""
+
+TOUCH = """
+local g = redis.call('GET', KEYS[1])
+if not g then return -1 end
+if g ~= ARGV[1] then return -2 end
+local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if seq < tonumber(ARGV[3]) then return -4 end
+if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[3], 'draws', ARGV[2]) end
+return seq
+"""
+
+REPLACE = """
+local g = redis.call('GET', KEYS[1])
+if not g then return -1 end
+if g ~= ARGV[1] then return -2 end
+local seq = tonumber(redis.call('GET', KEYS[4]) or '-1')
+if seq < tonumber(ARGV[7]) then return -4 end
+local old = redis.call('GET', KEYS[2])
+if not old then return -1 end
+local rate = nil
+if ARGV[9] ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local v = redis.call('HMGET', KEYS[7], 's', 't')
+  local s1 = tonumber(v[1]) or 0
+  local last = tonumber(v[2]) or now
+  s1 = s1 * 2 ^ (-math.max(0, now - last) / tonumber(ARGV[8])) + 1
+  if s1 > tonumber(ARGV[9]) + 1e-9 then return -5 end
+  rate = {s1, now}
+end
+if ARGV[4] ~= '' then
+  if not redis.call('SET', KEYS[6], '1', 'NX', 'PX', ARGV[5]) then return -3 end
+end
+redis.call('SET', KEYS[2], ARGV[2])
+local h = tonumber(ARGV[3])
+if h > 0 then
+  redis.call('LPUSH', KEYS[3], old)
+  redis.call('LTRIM', KEYS[3], 0, h - 1)
+end
+if tonumber(ARGV[6]) > 0 then redis.call('HINCRBY', KEYS[5], 'draws', ARGV[6]) end
+redis.call('HINCRBY', KEYS[5], 'submits', 1)
+redis.call('HINCRBY', KEYS[5], 'accepted', 1)
+if rate then
+  redis.call('HSET', KEYS[7], 's', tostring(rate[1]), 't', rate[2])
+  redis.call('PEXPIRE', KEYS[7], math.ceil(tonumber(ARGV[8]) * 20))
+end
+return redis.call('INCR', KEYS[4])
+"""
+
+SNAPSHOT = """
+local g = redis.call('GET', KEYS[1])
+if not g then return {-1} end
+if g ~= ARGV[1] then return {-2} end
+local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if seq < tonumber(ARGV[4]) then return {-4} end
+local prev, h = tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = seq - prev
+local full = 0
+if prev < 0 or n < 0 or n > h then n = h; full = 1 end
+local hist = {}
+if n > 0 then hist = redis.call('LRANGE', KEYS[3], 0, n - 1) end
+local slots = redis.call('MGET', unpack(KEYS, 4))
+return {seq, full, slots, hist}
+"""
+
+QUOTA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local v = redis.call('HMGET', KEYS[1], 'l', 't')
+local level = tonumber(v[1]) or burst
+local last = tonumber(v[2]) or now
+level = math.min(burst, level + math.max(0, now - last) * rate / 1000)
+local wait = 0
+if level >= 1 then level = level - 1 else wait = math.ceil((1 - level) / rate * 1000) end
+redis.call('HSET', KEYS[1], 'l', tostring(level), 't', now)
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return wait
+"""
+
+INCR = """
+local g = redis.call('GET', KEYS[1])
+if g ~= ARGV[1] then return -1 end
+redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
+return 0
+"""
+
+# The released model (model_release.py): KEYS gen, released-hash; ARGV gen, seq, sealed
+# payload ('' to peek), min_updates, min_interval_ms. Returns {-1|-2|-4}, {-5} (none yet and
+# peeking), or {seq, payload, due}.
+RELEASE = """
+local g = redis.call('GET', KEYS[1])
+if not g then return {-1} end
+if g ~= ARGV[1] then return {-2} end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cur = redis.call('HMGET', KEYS[2], 'seq', 't', 'w')
+local cs, ct = tonumber(cur[1]), tonumber(cur[2])
+local seq = tonumber(ARGV[2])
+if cs and seq < cs then return {-4} end
+local due = (not cs) or (seq >= cs + tonumber(ARGV[4]) and now - ct >= tonumber(ARGV[5]))
+if due and ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], 'seq', ARGV[2], 't', now, 'w', ARGV[3])
+  return {seq, ARGV[3], 0}
+end
+if not cs then return {-5} end
+return {cs, cur[3], due and 1 or 0}
+"""

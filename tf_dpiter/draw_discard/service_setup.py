@@ -1,0 +1,127 @@
+"""Store setup of the Draw and Discard service: initial instances, settings, join, keys.
+
+A base class of service.DDMLService. The first server of a store writes the k initial
+instances (Theorem 1's spread around 0, Pihur et al., "Differentially-Private Draw and
+Discard Machine Learning", Section IV) and its meta; later servers join only when their
+spec fingerprint, every acceptance, ticket, quota, influence and release setting, and the
+identifier of their secret (keys.py) match (store.check_meta).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import numpy as np
+
+from tf_dpiter.draw_discard import auth
+from tf_dpiter.draw_discard import calibration
+from tf_dpiter.draw_discard import glm
+from tf_dpiter.draw_discard import keys
+from tf_dpiter.draw_discard import server as server_lib
+from tf_dpiter.draw_discard import tickets as tickets_lib
+from tf_dpiter.draw_discard import web_errors
+
+log = logging.getLogger(__name__)
+
+
+def spec_fingerprint(spec: glm.ModelSpec) -> str:
+  """SHA-256 of the canonical spec JSON (every field: gamma, epsilon, family, features...).
+
+  Args:
+    spec: the model spec.
+
+  Returns:
+    64 hex characters.
+  """
+  return auth.token_digest(json.dumps(spec.to_dict(), sort_keys=True))
+
+
+class StoreSetup:
+  """Initialization and join (reads the service's spec, k, p, store, quotas, rule, budget)."""
+
+  def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
+    """Every acceptance, ticket, quota and influence setting: part of the store's join check.
+
+    Args:
+      alpha, budget_alpha, max_abs_weight, centre_factor: the constructor's arguments.
+
+    Returns:
+      A JSON-serializable dict; a server whose dict differs cannot join the store.
+    """
+    q = self.quotas
+    return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
+                max_abs_weight=float(max_abs_weight), centre_factor=float(centre_factor),
+                tokens=self.tokens is not None,
+                tickets=self.use_tickets, rebase=self.rebase, ticket_ttl_s=self.ticket_ttl_s,
+                history=self.history, draw_max_age_s=self.draw_max_age_s,
+                quotas=None if q is None else dict(rates=q.rates, burst=q.burst,
+                                                   cluster=q.cluster),
+                budget=self.budget.describe())
+
+  def initial_std(self) -> float:
+    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
+
+    Returns:
+      The std (init_epsilon's Laplace noise when the spec has none).
+    """
+    noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
+    eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
+    noise = "laplace" if noise == "none" else noise
+    var = calibration.noise_std(noise, self.spec.gamma, eps, self.spec.clip, self.spec.delta) ** 2
+    return float(np.sqrt(calibration.init_variance(self.k, var)))
+
+  def initial_instances(self) -> np.ndarray:
+    """N(0, k/2 sigma^2) per weight (Theorem 1).
+
+    Returns:
+      [k, p] float64.
+    """
+    return server_lib.initial_instances(self.k, self.p, 0.0, self.initial_std(),
+                                        np.random.default_rng(self.seed))
+
+  async def startup(self, app=None) -> None:
+    """Initializes or joins the store (checks version, k, size, spec fingerprint, history).
+
+    Args:
+      app: the aiohttp application (on_startup signal), unused.
+
+    Raises:
+      store.StoreMismatch: when the store holds a different model.
+      store.StoreRolledBack: when the store is below this server's anchor (anchor.py).
+    """
+    secret = self.secret
+    if secret is None and self.legacy_store_key and self.store.kind == "redis":
+      secret = await self.store.shared_secret(keys.random_secret())
+      web_errors.log_event(log, "insecure_key_in_store", logging.WARNING,
+                           detail="the ticket and slot keys are kept in the store: anyone "
+                                  "who can read it can forge tickets; use --key-file")
+    secret = secret if secret is not None else keys.random_secret()
+    self.meta["key_id"] = keys.key_id(secret)
+    self.store.integrity_key = keys.derive(secret, "slots")
+    wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
+    self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s)
+    self.admission.tickets = self.tickets
+    if self.anchor is not None and self.store.kind == "redis":
+      seq = await self.store.touch()
+      self.store.high_water = max(self.store.high_water,
+                                  self.anchor.check(self.store.generation, seq))
+      self.anchor.save(self.store.generation, self.store.high_water)
+      self._anchor_task = asyncio.get_running_loop().create_task(self.anchor.run(self.store))
+    web_errors.log_event(log, "store_ready", store=self.store.kind,
+                         action="initialized" if wrote else "joined")
+
+  async def shutdown(self, app=None) -> None:
+    """Saves the anchor (anchor.py) and closes the store.
+
+    Args:
+      app: the aiohttp application (on_cleanup signal), unused.
+    """
+    task = getattr(self, "_anchor_task", None)
+    if task is not None:
+      task.cancel()
+      self.anchor.save(self.store.generation, self.store.high_water)
+    await self.store.close()
+
+  # ---- handlers ----
