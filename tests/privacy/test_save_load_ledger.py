@@ -120,3 +120,28 @@ def test_checkpoint_of_iterations_without_ledger_refuses(tmp_path):
   assert int(restored.optimizer.iterations.numpy()) == STEPS
   with pytest.raises(ValueError, match="Supply the ledger"):
     restored.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_custom_loop_on_a_restored_optimizer_refuses_until_the_ledger_is_supplied(tmp_path):
+  model, x, y = _trained(1)
+  ledger_path = os.path.join(tmp_path, "ledger.json")
+  model.ledger.save_json(ledger_path)
+  restored = _model()
+  restored.optimizer.build(restored.trainable_variables)
+  restored.optimizer.iterations.assign(STEPS)          # e.g. restored by a partial checkpoint
+  opt = restored.optimizer
+  opt.set_sampling(N, BATCH / N, "poisson")
+
+  @tf.function
+  def step(bx, by):
+    grads = opt.compute_private_gradients(
+        lambda d: keras.losses.sparse_categorical_crossentropy(d[1], restored(d[0]),
+                                                               from_logits=True),
+        restored.trainable_variables, data=(bx, by), model=restored)
+    opt.apply_private_gradients(grads, restored.trainable_variables)
+
+  with pytest.raises(ValueError, match="restore_ledger"):
+    step(x[:BATCH], y[:BATCH])
+  opt.restore_ledger(ledger_path)
+  step(x[:BATCH], y[:BATCH])
+  assert int(opt.ledger.sample_count.numpy()) == STEPS + 1 == int(opt.iterations.numpy())

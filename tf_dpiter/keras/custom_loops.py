@@ -39,6 +39,7 @@ from tf_dpiter.keras import chunking
 from tf_dpiter.keras import gradients as grads_lib
 from tf_dpiter.keras import record_losses
 from tf_dpiter.keras import routing
+from tf_dpiter.keras import saved_ledger
 
 
 _LOG = logging.getLogger("tf_dpiter")
@@ -110,8 +111,11 @@ class CustomLoopMixin:
 
     Raises:
       ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
-        examples, or (form b with `model`) a layer that mixes the examples of a batch.
+        examples, (form b with `model`) a layer that mixes the examples of a batch, or an
+        optimizer whose iterations exceed its ledger's samples (restored without its
+        ledger: `restore_ledger`).
     """
+    saved_ledger.require_covers(self)   # a restored optimizer needs its ledger
     variables = list(variables)
     scale = _loss_scale(model)
     vectorize = vectorize_records(model)

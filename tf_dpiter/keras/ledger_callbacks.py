@@ -12,6 +12,7 @@ import os
 import keras
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras import saved_ledger
 
 
 def model_ledger(model):
@@ -52,18 +53,7 @@ def check_ledger_covers(model, ledger=None):
     ValueError: optimizer iterations > ledger samples (the message says how to supply it).
   """
   ledger = model_ledger(model) if ledger is None else ledger
-  iterations = model_iterations(model)
-  samples = int(ledger.sample_count.numpy())
-  if samples < iterations:
-    raise ValueError(
-        f"the model's optimizer has taken iterations={iterations} steps but its privacy "
-        f"ledger holds {samples} samples: the model was restored without its ledger (e.g. "
-        "load_weights, a tf.train.Checkpoint without the optimizer, or a copy saved before "
-        "this version) or from a journal that lost steps, so epsilon would leave out earlier "
-        "steps. Refusing to train. Supply "
-        "the ledger first: model.optimizer.restore_ledger(path) with the run's ledger JSON "
-        "(ledger.save_json / LedgerExport), or fit(..., ledger_journal=path) with the run's "
-        "journal")
+  saved_ledger.check_counts(model_iterations(model), int(ledger.sample_count.numpy()))
 
 
 class LedgerCoverage(keras.callbacks.Callback):

@@ -25,6 +25,47 @@ from tf_dpiter.ledger import ledger_file
 CONFIG_KEY = "dp_ledger"
 
 
+def check_counts(iterations, samples):
+  """Refuses `iterations` optimizer steps charged by fewer than `iterations` ledger samples.
+
+  Args:
+    iterations: int, the optimizer's iterations (steps taken).
+    samples: int, the ledger's samples.
+  Returns:
+    None.
+  Raises:
+    ValueError: samples < iterations (the message says how to supply the ledger).
+  """
+  if samples < iterations:
+    raise ValueError(
+        f"the model's optimizer has taken iterations={iterations} steps but its privacy "
+        f"ledger holds {samples} samples: the model was restored without its ledger (e.g. "
+        "load_weights, a tf.train.Checkpoint without the optimizer, or a copy saved before "
+        "this version) or from a journal that lost steps, so epsilon would leave out earlier "
+        "steps. Refusing to train. Supply the ledger first: "
+        "model.optimizer.restore_ledger(path) with the run's ledger JSON (ledger.save_json / "
+        "LedgerExport), or fit(..., ledger_journal=path) with the run's journal")
+
+
+def require_covers(opt):
+  """`check_counts` on a DP optimizer, read eagerly (also while a tf.function is traced).
+
+  Args:
+    opt: a DP optimizer.
+  Returns:
+    None.
+  Raises:
+    ValueError: its iterations exceed its ledger's samples.
+  """
+  ledger = opt._dp_ledger  # pylint: disable=protected-access
+  if ledger is None:   # no sampling declared yet: the private step refuses to run anyway
+    return
+  with tf.init_scope():
+    iterations = int(opt.iterations.numpy())
+    samples = int(ledger.sample_count.numpy())
+  check_counts(iterations, samples)
+
+
 def arrays_of_config(d):
   """(samples, queries, passes) of a config's "dp_ledger" dict, verified (digest).
 
