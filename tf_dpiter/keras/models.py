@@ -34,6 +34,7 @@ from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import keras_internals
 from tf_dpiter.keras import ledger_callbacks
 from tf_dpiter.keras import optimizers as opt_lib
+from tf_dpiter.keras import saved_ledger
 from tf_dpiter.keras import tf_privacy_args
 from tf_dpiter.keras import train_step as train_step_lib
 
@@ -169,9 +170,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
     Raises:
       ValueError: under a tf.distribute strategy with several replicas, or a ledger with
-        fewer samples than the optimizer's iterations (ledger_callbacks.check_ledger_covers).
+        fewer samples than the optimizer's iterations (saved_ledger.require_covers).
     """
-    ledger_callbacks.check_ledger_covers(self, self._dp_optimizer().ledger)
+    saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
       # Keras hands every replica the whole batch here: the all-reduced clipped sum would be
