@@ -128,11 +128,11 @@ class LedgerJournal:
           f"ledger journal {self.path!r} ends at {ends} steps ({self._written} samples, last "
           f"chunk at optimizer iteration {self._iterations}) but the model was restored at "
           f"iterations={iterations}: the journal lost steps the model took (its last lines "
-          "were cut, or it is an older copy or another run's journal). Refusing to train with "
-          "a ledger that misses steps. Restore the complete journal, or train from a model "
-          "whose ledger covers its iterations with a new journal path (fit(ledger_journal="
-          "...)); if the run's true ledger is lost, account it from its settings with "
-          "dp.accounting.compute_dp_sgd_privacy")
+          "were cut, or it is an older copy or another run's journal), and the steps after "
+          "the last saved model may be lost with them. Refusing to train with a ledger that "
+          "misses steps. Restore the complete journal file; if it is lost, the run's epsilon "
+          "must be computed from its settings and every step taken (e.g. "
+          "dp.accounting.compute_dp_sgd_privacy), not from this journal")
 
   def resume(self, ledger, iterations=None):
     """Loads the journal into `ledger` when the file holds more; returns the samples loaded.
