@@ -85,3 +85,96 @@ def test_journal_hmac_key(tmp_path):
   assert L.LedgerJournal(j.path, key="k1").resume(L.PrivacyLedger()) == 9
   with pytest.raises(ValueError, match="HMAC"):
     L.LedgerJournal(j.path, key="k2").resume(L.PrivacyLedger())
+
+
+def _journal_with_iterations(tmp_path, steps=9, key=None):
+  """One chunk per step, each carrying the optimizer iteration (as the Keras callback)."""
+  led = L.PrivacyLedger()
+  j = L.LedgerJournal(os.path.join(tmp_path, "it.journal"), key=key)
+  for it in range(1, steps + 1):
+    _steps(led, 1)
+    assert j.append(led, iterations=it) == 1
+  return led, j
+
+
+@pytest.mark.parametrize("key", [None, "k1"])
+def test_every_chunk_carries_the_optimizer_iteration(tmp_path, key):
+  _, j = _journal_with_iterations(tmp_path, key=key)
+  chunks = [json.loads(l) for l in open(j.path).read().splitlines()]
+  assert [c["iterations"] for c in chunks] == list(range(1, 10))
+  again = L.LedgerJournal(j.path, key=key)
+  assert again.resume(L.PrivacyLedger(), iterations=9) == 9
+  assert again.iterations == 9 and again.samples == 9
+
+
+@pytest.mark.parametrize("key", [None, "k1"])
+def test_cut_tail_is_refused_against_the_restored_iterations(tmp_path, key):
+  # crash after 9 steps; the last 4 lines are deleted; the model was restored at 9 (or 6)
+  _, j = _journal_with_iterations(tmp_path, key=key)
+  lines = open(j.path).read().splitlines()
+  open(j.path, "w").write("\n".join(lines[:-4]) + "\n")
+  cut = L.LedgerJournal(j.path, key=key)
+  fresh = L.PrivacyLedger()
+  for restored in (9, 6):
+    with pytest.raises(ValueError, match=r"ends at 5 steps.*iterations=%d" % restored):
+      cut.resume(fresh, iterations=restored)
+  # without the restored iterations the chain alone cannot tell (a chain proves what it holds)
+  assert L.LedgerJournal(j.path, key=key).resume(L.PrivacyLedger()) == 5
+  # a model restored at or before the journal's end is fine
+  assert L.LedgerJournal(j.path, key=key).resume(L.PrivacyLedger(), iterations=5) == 5
+
+
+def test_journal_without_iterations_is_checked_by_its_samples(tmp_path):
+  _, j = _journal(tmp_path)                       # 9 samples, no "iterations" fields
+  j2 = L.LedgerJournal(j.path)
+  j2.read()
+  assert j2.iterations is None
+  j2.check_covers(9)
+  with pytest.raises(ValueError, match="ends at 9 steps"):
+    j2.check_covers(10)
+  L.LedgerJournal(os.path.join(tmp_path, "new.journal")).check_covers(50)  # a new journal
+
+
+def _forge(d, count):
+  """A ledger dict with its first run's count changed and the digest recomputed (no key)."""
+  from tf_dpiter.ledger import ledger_file  # pylint: disable=import-outside-toplevel
+  d = json.loads(json.dumps(d))
+  d["num_samples"] += count - d["runs"][0]["count"]
+  d["runs"][0]["count"] = count
+  return ledger_file.sign({k: v for k, v in d.items() if k != "hmac"})
+
+
+def test_forged_file_without_key_is_accepted_and_the_report_says_so(tmp_path):
+  led = L.PrivacyLedger()
+  _steps(led, 10)
+  path = os.path.join(tmp_path, "ledger.json")
+  led.save_json(path)
+  forged = _forge(json.load(open(path)), 1)
+  open(path, "w").write(json.dumps(forged))
+  true_eps = accounting.epsilon(led, 1e-5)
+  report = accounting.privacy_report(open(path).read(), delta=1e-5)
+  assert report.num_samples == 1 and report.epsilon < true_eps   # the documented acceptance
+  assert "NOT forgery" in str(report) and "key" in str(report)
+  assert "detects accidents, not forgery" in L.PrivacyLedger.save_json.__doc__
+
+
+def test_forged_file_with_key_is_refused(tmp_path):
+  led = L.PrivacyLedger()
+  _steps(led, 10)
+  path = os.path.join(tmp_path, "ledger.json")
+  led.save_json(path, key="secret")
+  text = open(path).read()
+  report = accounting.privacy_report(text, delta=1e-5, key="secret")
+  assert "HMAC-SHA256 under the given key verified" in str(report)
+  forged = _forge(json.loads(text), 1)                 # digest recomputed, no valid HMAC
+  with pytest.raises(ValueError, match="hmac"):
+    accounting.privacy_report(json.dumps(forged), delta=1e-5, key="secret")
+  forged["hmac"] = json.loads(text)["hmac"]            # the old HMAC kept: does not match
+  with pytest.raises(ValueError, match="HMAC does not match"):
+    L.PrivacyLedger.load_json(_write(tmp_path, forged), key="secret")
+
+
+def _write(tmp_path, d):
+  path = os.path.join(tmp_path, "forged.json")
+  open(path, "w").write(json.dumps(d))
+  return path

@@ -230,12 +230,30 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
       approximation, labelled so; Poisson or full-batch Gaussian steps only); "prv" is
       refused (Opacus' PRV accountant is not installed): use "pld".
   Returns:
-    PrivacyReport, whose assumptions name the relation, the unit and the sampling.
+    PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a
+    ledger dict/JSON what its integrity check proves (an HMAC under `key`, or a SHA-256
+    digest, which detects accidents but not forgery).
   Raises:
-    ValueError: bad arguments, an altered file, or a ledger that cannot be accounted soundly.
+    ValueError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
+      missing HMAC), or a ledger that cannot be accounted soundly.
   """
-  return report_from_groups(_content(ledger, key), delta=delta, epsilon=epsilon,
-                            accountant=accountant)
+  report = report_from_groups(_content(ledger, key), delta=delta, epsilon=epsilon,
+                              accountant=accountant)
+  if isinstance(ledger, (str, dict)):
+    report = dataclasses.replace(report, assumptions=report.assumptions + (
+        _integrity_note(key),))
+  return report
+
+
+def _integrity_note(key):
+  """What the verification of a ledger dict/JSON proves (a line of the report)."""
+  if key is not None:
+    return ("integrity: HMAC-SHA256 under the given key verified; a file changed without "
+            "the key is refused")
+  return ("integrity: SHA-256 digest only (no key given): it detects accidental changes, "
+          "NOT forgery; anyone can edit the file and recompute the digest, so this epsilon "
+          "is only as trustworthy as the file's custody. Save with save_json(path, key=...) "
+          "and report with key=... to refuse a forged file")
 
 
 def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passes=0):

@@ -9,19 +9,27 @@ sampling first with `optimizer.set_sampling(n, q, policy, sample_size)`; under p
 starts. Apply the result with `optimizer.apply_private_gradients` (plain `apply_gradients`
 is refused).
 
-The protections of `fit` (issue 12) apply here too:
+The protections of `fit` apply here too, on every form (data or vector loss, callable or
+tape, `minimize`), with or without `model=`:
 * oneDNN guard: with `model=` given, a model with layers whose vectorized per-example
   gradients oneDNN gets wrong (routing.use_vectorized_map) gets its per-record gradients
-  from a sequential loop (tf.map_fn, or a while-loop jacobian);
+  from a sequential loop (tf.map_fn, or a while-loop jacobian). Without `model=` the layers
+  behind the variables are unknown, so on a oneDNN build (TensorFlow's default on many
+  CPUs) every form uses the sequential loop: exact for every layer, slower (measured: the
+  vectorized data form on MultiHeadAttention/EinsumDense aborted with `dnnl::error`). Pass
+  `model=` to vectorize a model that has no affected layer;
 * batch independence: the form with `data` runs each record alone (exact by construction);
   the form with a vector of losses computed on the whole batch is only exact if no layer
   mixes examples: with `model=` it is probed (batch_independence.probe_model) and refused if
-  a layer mixes;
+  a layer mixes; without `model=` there is nothing to probe (the loss closes over the batch):
+  pass `model=`, or use the data form;
 * float16: under a float16 compute dtype (`mixed_float16`; read from `model`, else from the
   global Keras dtype policy) each record's loss is multiplied by a static loss scale and its
   float32 gradient divided by it; a record whose gradient overflowed adds zero (norm 0 <= C)
   and is counted in `optimizer.overflowed_records`, with a warning.
 """
+
+import logging
 
 import keras
 import tensorflow as tf
@@ -31,10 +39,40 @@ from tf_dpiter.keras import chunking
 from tf_dpiter.keras import gradients as grads_lib
 from tf_dpiter.keras import record_losses
 from tf_dpiter.keras import routing
+from tf_dpiter.keras import saved_ledger
+
+
+_LOG = logging.getLogger("tf_dpiter")
 
 
 def _loss_scale(model):
   return routing.loss_scale(model if model is not None else keras.config.dtype_policy())
+
+
+def vectorize_records(model):
+  """Whether per-record gradients may be vectorized (tf.vectorized_map / a pfor jacobian).
+
+  With `model`: routing.use_vectorized_map(model) (False for oneDNN-affected layers, RNNs).
+  Without: False on a oneDNN build, since an affected layer (EinsumDense, MultiHeadAttention)
+  may be behind the variables and the sequential loop is exact for every layer; True else.
+
+  Args:
+    model: the keras.Model the loss runs, or None.
+  Returns:
+    bool.
+  """
+  if model is not None:
+    return routing.use_vectorized_map(model)
+  if routing.onednn_enabled():
+    if not getattr(vectorize_records, "_told", False):
+      vectorize_records._told = True   # once per process
+      _LOG.warning(
+          "tf_dpiter: compute_private_gradients without model= on a oneDNN build: per-record "
+          "gradients come from a sequential loop (exact for every layer; oneDNN breaks the "
+          "vectorized gradients of EinsumDense/MultiHeadAttention). Pass model=... to let "
+          "models without such layers vectorize.")
+    return False
+  return True
 
 
 class CustomLoopMixin:
@@ -64,7 +102,8 @@ class CustomLoopMixin:
       data: a nest of [B, ...] tensors (form a), or None (form b).
       mask: float [B] of 0/1, padding rows 0.
       tape: the GradientTape the loss tensor was computed under (form b with a tensor).
-      model: the keras.Model that loss_fn runs, for fit's protections (module docstring).
+      model: the keras.Model that loss_fn runs, for fit's protections (module docstring);
+        without it, on a oneDNN build, per-record gradients come from a sequential loop.
 
     Returns:
       list of noised, averaged gradients (float32, or float64 for float64 variables); apply
@@ -72,11 +111,14 @@ class CustomLoopMixin:
 
     Raises:
       ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
-        examples, or (form b with `model`) a layer that mixes the examples of a batch.
+        examples, (form b with `model`) a layer that mixes the examples of a batch, or an
+        optimizer whose iterations exceed its ledger's samples (restored without its
+        ledger: `restore_ledger`).
     """
+    saved_ledger.require_covers(self)   # a restored optimizer needs its ledger
     variables = list(variables)
     scale = _loss_scale(model)
-    vectorize = routing.use_vectorized_map(model)
+    vectorize = vectorize_records(model)
     if data is not None:
       return self._private_gradients_of_records(loss_fn, variables, data, mask, scale, vectorize)
     self._check_batch_independent(model)

@@ -1,12 +1,18 @@
 """Keras callbacks that write the privacy ledger to files: `LedgerExport` (JSON) and
-`LedgerJournal` (crash-safe append-only journal, resumed on restart). Re-exported by
-`tf_dpiter.keras.callbacks`."""
+`LedgerJournal` (crash-safe append-only journal, resumed on restart), and `LedgerCoverage`,
+which refuses to train a model whose ledger holds fewer samples than the steps its optimizer
+took (a model restored without its ledger). Re-exported by `tf_dpiter.keras.callbacks`.
+
+Rule: every noised step ever taken is charged, so a DP model's ledger holds at least one
+sample per optimizer iteration; one that holds fewer (e.g. weights restored from a
+checkpoint that did not carry the ledger) would report an epsilon below the truth."""
 
 import os
 
 import keras
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras import saved_ledger
 
 
 def model_ledger(model):
@@ -27,6 +33,49 @@ def model_ledger(model):
   if ledger is None:
     raise ValueError("the model has no privacy ledger: train a tf_dpiter DP model")
   return ledger
+
+
+def model_iterations(model):
+  """The optimizer iterations (steps taken) of a compiled model, an int (0 if none)."""
+  iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+  return 0 if iterations is None else int(iterations.numpy())
+
+
+def check_ledger_covers(model, ledger=None):
+  """Refuses a model whose optimizer took more steps than its ledger holds samples.
+
+  Args:
+    model: a compiled DP keras.Model.
+    ledger: its ledger (default: `model_ledger(model)`).
+  Returns:
+    None.
+  Raises:
+    ValueError: optimizer iterations > ledger samples (the message says how to supply it).
+  """
+  ledger = model_ledger(model) if ledger is None else ledger
+  saved_ledger.check_counts(model_iterations(model), int(ledger.sample_count.numpy()))
+
+
+class LedgerCoverage(keras.callbacks.Callback):
+  """Before the first step of `fit`: `check_ledger_covers` (DPModel.fit adds it).
+
+  The check runs at the first batch, after every on_train_begin (keras.callbacks.
+  BackupAndRestore restores the optimizer's iterations there, the journal resumes there).
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._checked = False
+
+  def on_train_begin(self, logs=None):
+    """keras.callbacks.Callback.on_train_begin: arms the check."""
+    self._checked = False
+
+  def on_train_batch_begin(self, batch, logs=None):
+    """keras.callbacks.Callback.on_train_batch_begin: checks once, before the first step."""
+    if not self._checked:
+      self._checked = True
+      check_ledger_covers(self.model)
 
 
 class LedgerExport(keras.callbacks.Callback):
@@ -63,12 +112,18 @@ class LedgerJournal(keras.callbacks.Callback):
   backup_dir, journal included, when training ends normally: export the ledger then) or
   with fit(..., ledger_journal=path).
 
+  Every chunk carries the optimizer's iterations at the append. Before the first step (after
+  every on_train_begin, so after BackupAndRestore restored the model), a journal that ends
+  before the restored model's iterations, keyed or not, is refused (`dp.ledger.LedgerJournal.
+  check_covers`): its tail was cut or it is an older copy.
+
   Args:
     path: the journal file (created on the first append).
     key: optional str/bytes: every chunk also carries an HMAC-SHA256 under this key.
 
   Raises:
-    ValueError (on train begin): the journal was altered or is not a ledger journal.
+    ValueError (on train begin): the journal was altered or is not a ledger journal; (before
+      the first step) it ends before the model's optimizer iterations.
   """
 
   def __init__(self, path, key=None):
@@ -79,6 +134,7 @@ class LedgerJournal(keras.callbacks.Callback):
     self.key = key
     self.resumed = 0
     self._journal = None
+    self._checked = False
 
   def on_train_begin(self, logs=None):
     """keras.callbacks.Callback.on_train_begin: opens the journal and resumes the ledger
@@ -86,10 +142,18 @@ class LedgerJournal(keras.callbacks.Callback):
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     self._journal = ledger_lib.LedgerJournal(self.path, key=self.key)
     self.resumed = self._journal.resume(model_ledger(self.model))
+    self._checked = False
 
   def _append(self):
     if self._journal is not None:
-      self._journal.append(model_ledger(self.model))
+      self._journal.append(model_ledger(self.model), iterations=model_iterations(self.model))
+
+  def on_train_batch_begin(self, batch, logs=None):
+    """keras.callbacks.Callback.on_train_batch_begin: before the first step, refuses a
+    journal that ends before the (restored) model's optimizer iterations."""
+    if not self._checked and self._journal is not None:
+      self._checked = True
+      self._journal.check_covers(model_iterations(self.model))
 
   def on_train_batch_end(self, batch, logs=None):
     """keras.callbacks.Callback.on_train_batch_end: appends the new step to the journal."""

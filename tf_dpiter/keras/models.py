@@ -32,7 +32,9 @@ from tf_dpiter.keras import batch_independence
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import keras_internals
+from tf_dpiter.keras import ledger_callbacks
 from tf_dpiter.keras import optimizers as opt_lib
+from tf_dpiter.keras import saved_ledger
 from tf_dpiter.keras import tf_privacy_args
 from tf_dpiter.keras import train_step as train_step_lib
 
@@ -102,7 +104,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     `optimizer.set_sampling` first. Crash safety: with keras.callbacks.BackupAndRestore among
     the callbacks, or `ledger_journal=path`, every step is appended to an append-only journal
     that the next fit resumes; every noised step ever taken is charged, re-runs after a
-    restore included, so the ledger's samples >= the restored optimizer's iterations.
+    restore included, so the ledger's samples >= the restored optimizer's iterations. A model
+    whose optimizer took more steps than its ledger holds (restored without its ledger) is
+    refused before the first step (ledger_callbacks.check_ledger_covers).
 
     Args:
       *args, **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
@@ -116,7 +120,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
     Raises:
       ValueError: undeclared data, sampling given for a dataset, microbatches with Poisson,
-        or more microbatches than examples in a batch.
+        more microbatches than examples in a batch, a ledger with fewer samples than the
+        optimizer's iterations, or a journal that ends before them.
     """
     opt = self._dp_optimizer()
     check_no_batch_mixing(self)
@@ -142,7 +147,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, callbacks_lib.LedgerJournal) for c in callbacks):
       internal.append(callbacks_lib.LedgerJournal(path))
-    a["callbacks"] = internal + callbacks
+    # last: before the first step, after every restore and every journal's own check
+    a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()]
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
@@ -163,8 +169,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     `optimizer.set_sampling` first); an unbuilt model is built eagerly on the batch.
 
     Raises:
-      ValueError: under a tf.distribute strategy with several replicas.
+      ValueError: under a tf.distribute strategy with several replicas, or a ledger with
+        fewer samples than the optimizer's iterations (saved_ledger.require_covers).
     """
+    saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
       # Keras hands every replica the whole batch here: the all-reduced clipped sum would be

@@ -38,6 +38,7 @@ from tf_dpiter.keras import clipped_sum
 from tf_dpiter.keras import custom_loops
 from tf_dpiter.keras import mechanism
 from tf_dpiter.keras import noise_mechanisms
+from tf_dpiter.keras import saved_ledger
 from tf_dpiter.keras import settings
 
 CLIPPING_MODES = settings.CLIPPING_MODES
@@ -242,10 +243,12 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     With a custom dp_query, "dp_global_state" (once training started) holds the query's
     current global state (e.g. the adaptive clip of QuantileAdaptiveClipSumQuery) as plain
     values: from_config resumes from it, as the learning rate resumes from its current
-    value. Delete that key to start from the query's initial state. The ledger is not part
-    of the config (save it with ledger.save_json); a seeded query's noise restarts its stream.
-    With noise != "iid" the mechanism and its parameters are in it; its state is in the
-    optimizer's variables (checkpoints), not in the config.
+    value. Delete that key to start from the query's initial state. A seeded query's noise
+    restarts its stream. With noise != "iid" the mechanism and its parameters are in it; its
+    state is in the optimizer's variables (checkpoints), not in the config.
+
+    The ledger travels with the model: "dp_ledger" is its signed dict (once it holds a
+    sample or a pass), which from_config loads into the new ledger (saved_ledger).
 
     Returns:
       the config dict.
@@ -271,6 +274,9 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
                                      for v in self._dp_global_vars]
       elif self._dp_restored_global_state is not None:
         config["dp_global_state"] = self._dp_restored_global_state
+    ledger = saved_ledger.config_ledger(self)
+    if ledger is not None:
+      config["dp_ledger"] = ledger
     return config
 
   @classmethod
@@ -286,9 +292,30 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     if isinstance(config.get("dp_query"), dict):
       config["dp_query"] = dp_query_lib.deserialize(config["dp_query"], custom_objects)
     state = config.pop("dp_global_state", None)
+    ledger = config.pop("dp_ledger", None)
+    if ledger is not None:
+      ledger = saved_ledger.arrays_of_config(ledger)   # verified now: a bad one fails the load
     opt = super().from_config(config, custom_objects=custom_objects)
     opt._dp_restored_global_state = state  # pylint: disable=protected-access
+    opt._dp_restored_ledger = ledger  # pylint: disable=protected-access
     return opt
+
+  # ---- the ledger in the config, and supplying a ledger (saved_ledger) --------------------
+
+  def _make_dp_state(self):
+    """MechanismMixin._make_dp_state, then loads a ledger restored by from_config."""
+    super()._make_dp_state()
+    saved_ledger.load_pending(self)
+
+  def restore_ledger(self, ledger, key=None):
+    """Supplies the run's ledger to a restored optimizer (see saved_ledger.restore_ledger).
+
+    Args:
+      ledger: a PrivacyLedger, a signed ledger dict or a ledger JSON path; key: its HMAC key.
+    Returns:
+      the optimizer's ledger.
+    """
+    return saved_ledger.restore_ledger(self, ledger, key)
 
 
 def _check_no_gradient_accumulation(steps):

@@ -5,10 +5,20 @@ every training step; a run restored from an older backup re-runs some steps, and
 charged again. So after any number of crashes the ledger holds at least every step the
 restored model's history contains, and every step taken before each crash.
 
-File: JSON lines, one chunk per append: {"seq", "start", "passes", "prev", "runs", ... ,
-"digest"[, "hmac"]}. Each chunk is a signed ledger dict (`ledger_file`) of the samples
-start..start+num_samples, with "passes" the ledger's pass total at the append and "prev" the
-previous chunk's digest, so that removing, reordering or editing a chunk is detected.
+File: JSON lines, one chunk per append: {"seq", "start", "passes", "iterations", "prev",
+"runs", ..., "digest"[, "hmac"]}. Each chunk is a signed ledger dict (`ledger_file`) of the
+samples start..start+num_samples, with "passes" the ledger's pass total at the append,
+"iterations" the optimizer's iteration count at the append (the steps the model had taken)
+and "prev" the previous chunk's digest, so that removing, reordering or editing a chunk is
+detected.
+
+A cut tail (the last chunks deleted) leaves a valid chain, keyed or not: a chain proves what
+it holds, not that nothing came after. So `check_covers(iterations)` compares the journal
+with the restored model: a journal that ends before the model's optimizer iterations (its
+last chunk's "iterations", or its samples, fewer than the model's steps) lost steps the
+model took, and is refused. Steps taken after the restored model's checkpoint and cut from
+the journal cannot be told from steps never taken; keep the journal where the trainer cannot
+truncate it (append-only storage) when that matters.
 """
 
 import json
@@ -36,11 +46,23 @@ class LedgerJournal:
     self._last_digest = None
     self._seq = 0
     self._passes_written = 0
+    self._iterations = None    # the last chunk's optimizer iterations (None: not recorded)
+
+  @property
+  def iterations(self):
+    """The optimizer iterations of the last chunk read or written (None: none recorded)."""
+    return self._iterations
+
+  @property
+  def samples(self):
+    """Samples (ledger rows) in the file, as last read or written."""
+    return self._written
 
   def read(self):
     """(samples, queries, passes) of everything in the file; ValueError if it was altered."""
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
+    self._iterations = None
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
@@ -64,10 +86,14 @@ class LedgerJournal:
       self._written += chunk["num_samples"] + ("selection" in chunk)   # + its marker row
       self._last_digest = chunk["digest"]
       self._seq += 1
+      self._iterations = _chunk_iterations(chunk, self._iterations, self._where(i))
     return (*rec.runs_to_arrays(runs), passes)
 
+  def _where(self, i):
+    return f"ledger journal {self.path!r} line {i + 1}"
+
   def _check_chain(self, chunk, i):
-    where = f"ledger journal {self.path!r} line {i + 1}"
+    where = self._where(i)
     if not isinstance(chunk, dict):
       raise ValueError(f"{where} is not a ledger chunk")
     ledger_file.verify(chunk, self.key, what=where)
@@ -77,14 +103,54 @@ class LedgerJournal:
                        f"{chunk.get('seq')!r}, start {chunk.get('start')!r}; expected seq "
                        f"{self._seq}, start {self._written})")
 
-  def resume(self, ledger):
+  def check_covers(self, iterations):
+    """Refuses a journal that ends before a model's `iterations` optimizer steps.
+
+    Every step a model took was appended before anything could save the model, so a
+    journal (of this model's run) whose last chunk records fewer iterations, or that holds
+    fewer samples, than the restored model's optimizer iterations lost its tail (cut, or
+    restored from an older copy). A file without chunks is a new journal and passes (the
+    model's own ledger must then cover its iterations: `fit` checks that too).
+
+    Args:
+      iterations: int, the restored model's optimizer iterations.
+    Returns:
+      None.
+    Raises:
+      ValueError: the journal ends before `iterations` (the message says what to do).
+    """
+    iterations = int(iterations)
+    if self._seq == 0:
+      return
+    ends = self._written if self._iterations is None else min(self._iterations, self._written)
+    if ends < iterations:
+      raise ValueError(
+          f"ledger journal {self.path!r} ends at {ends} steps ({self._written} samples, last "
+          f"chunk at optimizer iteration {self._iterations}) but the model was restored at "
+          f"iterations={iterations}: the journal lost steps the model took (its last lines "
+          "were cut, or it is an older copy or another run's journal), and the steps after "
+          "the last saved model may be lost with them. Refusing to train with a ledger that "
+          "misses steps. Restore the complete journal file; if it is lost, the run's epsilon "
+          "must be computed from its settings and every step taken (e.g. "
+          "dp.accounting.compute_dp_sgd_privacy), not from this journal")
+
+  def resume(self, ledger, iterations=None):
     """Loads the journal into `ledger` when the file holds more; returns the samples loaded.
 
+    Args:
+      ledger: the PrivacyLedger to top up.
+      iterations: optional int, the restored model's optimizer iterations: a journal that
+        ends before them is refused (`check_covers`). None skips that check (e.g. when the
+        model is restored later, as keras.callbacks.BackupAndRestore does; the Keras
+        callback checks before the first step).
+    Returns:
+      int, the samples in the journal.
     Raises:
-      ValueError: the journal was altered, or `ledger` holds samples the journal lacks at
-        positions the journal also covers in a different form.
+      ValueError: the journal was altered, or it ends before `iterations`.
     """
     samples, queries, passes = self.read()
+    if iterations is not None:
+      self.check_covers(iterations)
     have = int(ledger.sample_count.numpy())
     if samples.shape[0] > have:
       ledger.set_arrays(samples, queries, passes=max(passes, int(ledger.passes.numpy())))
@@ -93,11 +159,13 @@ class LedgerJournal:
       ledger.record_passes(passes - int(ledger.passes.numpy()))
     return samples.shape[0]
 
-  def append(self, ledger):
+  def append(self, ledger, iterations=None):
     """Appends what `ledger` recorded since the last append (fsync); returns samples written.
 
     Args:
       ledger: the PrivacyLedger to journal.
+      iterations: optional int, the optimizer's iterations now (the steps the model has
+        taken), written into the chunk so a resume can tell a cut journal (`check_covers`).
     Returns:
       int, samples written by this append (0 if nothing new).
     """
@@ -105,7 +173,9 @@ class LedgerJournal:
       self.read()
     total = int(ledger.sample_count.numpy())
     passes = int(ledger.passes.numpy())
-    if total <= self._written and passes == self._passes_written and self._seq > 0:
+    iterations = None if iterations is None else int(iterations)
+    if (total <= self._written and passes == self._passes_written and self._seq > 0
+        and (iterations is None or (self._iterations or 0) >= iterations)):
       return 0
     samples, queries = ledger.get_arrays(self._written)
     if queries.size:
@@ -113,6 +183,8 @@ class LedgerJournal:
       queries[:, 0] -= self._written
     chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes)
     chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
+    if iterations is not None:
+      chunk["iterations"] = iterations
     chunk = ledger_file.sign(chunk, self.key)
     with open(self.path, "a") as f:
       f.write(json.dumps(chunk, separators=(",", ":")) + "\n")
@@ -122,7 +194,18 @@ class LedgerJournal:
     self._last_digest = chunk["digest"]
     self._seq += 1
     self._passes_written = passes
+    self._iterations = _chunk_iterations(chunk, self._iterations, self.path)
     return int(samples.shape[0])
+
+
+def _chunk_iterations(chunk, previous, where):
+  """The optimizer iterations a chunk records (else `previous`); ValueError if malformed."""
+  if "iterations" not in chunk:
+    return previous
+  it = chunk["iterations"]
+  if not isinstance(it, int) or isinstance(it, bool) or it < 0:
+    raise ValueError(f"{where}: 'iterations' must be an integer >= 0, got {it!r}")
+  return it if previous is None else max(previous, it)
 
 
 def journal_arrays(path, key=None):

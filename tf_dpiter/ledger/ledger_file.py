@@ -8,6 +8,12 @@ key is given, a file without HMAC when a key is given, and version-1 files (they
 the neighbouring relation, the microbatch unit or the passes, so their epsilon may be too small).
 A ledger that records a private hyperparameter selection (`selection`) is written as version 3
 with a top-level "selection" field; versions 2 and 3 are read, and older readers refuse 3.
+
+What the signatures prove: the digest is a checksum anyone can recompute, so it detects
+accidental changes (a torn or corrupted file), NOT forgery: a file edited by hand (a count
+lowered, a noise raised) with its digest recomputed is accepted without a key, and
+`privacy_report` on a dict/JSON says so in its assumptions. Only the HMAC, checked with the
+key the file was written with, refuses a forged file.
 """
 
 import hashlib
@@ -43,7 +49,8 @@ def sign(d, key=None):
 
   Args:
     d: JSON-able dict; any existing signature fields are dropped.
-    key: optional HMAC key; None signs with the SHA-256 digest only.
+    key: optional HMAC key; None signs with the SHA-256 digest only, which detects
+      accidental changes, not forgery (anyone can recompute it): give a key for that.
   Returns:
     A new dict: `d` plus "digest" ("sha256:...") and, with `key`, "hmac" ("hmac-sha256:...").
   """
@@ -66,6 +73,7 @@ def verify(d, key=None, what="ledger"):
     None.
   Raises:
     ValueError: if the digest does not match, or with `key`, the HMAC is missing or wrong.
+      Without `key` a forged dict whose digest was recomputed passes: a digest is no MAC.
   """
   body = _canonical(d)
   expected = "sha256:" + hashlib.sha256(body).hexdigest()

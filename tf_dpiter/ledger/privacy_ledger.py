@@ -269,7 +269,9 @@ class PrivacyLedger(tf.Module):
 
     Args:
       path: destination file path (a `path`.tmp file is written, then renamed).
-      key: optional HMAC key (str or bytes).
+      key: optional HMAC key (str or bytes). Without it the file carries only a SHA-256
+        digest, which detects accidents, not forgery (anyone can recompute it); with it,
+        `load_json(path, key)` / `privacy_report(..., key=key)` refuse a forged file.
     Returns:
       None.
     """
