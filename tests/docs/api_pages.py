@@ -43,7 +43,9 @@ def page(namespace):
   others = []
   for name in module.__all__:
     obj = getattr(module, name)
-    if inspect.isclass(obj) or inspect.isfunction(obj):
+    if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__name__ != name:
+      others.append(f"| `{name}` | alias of `{obj.__name__}` |")
+    elif inspect.isclass(obj) or inspect.isfunction(obj):
       path = f"{obj.__module__}.{obj.__qualname__}"
       lines += [f"::: {path}", "    options:", "      heading_level: 2",
                 "      show_root_full_path: false", ""]
