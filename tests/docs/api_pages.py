@@ -11,7 +11,7 @@ import importlib
 import inspect
 import os
 
-from tests.docs import docs_support as S
+from . import docs_support as S
 
 # Docstrings that are not in Google style (their modules belong to other work in progress):
 # rendered as plain Markdown, so that `mkdocs build --strict` does not stop on them.

@@ -40,7 +40,7 @@ def python_blocks(text):
 def guide_pages():
   """Markdown pages whose code blocks must run: getting started, guides, migration, design."""
   pages = [os.path.join(DOCS, "getting-started.md"), os.path.join(DOCS, "design.md")]
-  for sub in ("guides", "migration"):
+  for sub in ("guides", "migration", "api"):
     folder = os.path.join(DOCS, sub)
     pages += sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".md"))
   return [p for p in pages if os.path.exists(p)]

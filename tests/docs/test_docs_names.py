@@ -9,8 +9,8 @@ import re
 import pytest
 
 import tf_dpiter
-from tests.docs import api_pages
-from tests.docs import docs_support as S
+from . import api_pages
+from . import docs_support as S
 
 _NAME = re.compile(r"(?<![\w.])dp\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 

@@ -17,7 +17,7 @@ import urllib.parse
 
 import pytest
 
-from tests.docs import docs_support as S
+from . import docs_support as S
 
 HAVE_MKDOCS = all(importlib.util.find_spec(m) for m in ("mkdocs", "material", "mkdocstrings"))
 needs_mkdocs = pytest.mark.skipif(

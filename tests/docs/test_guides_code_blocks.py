@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from tests.docs import docs_support as S
+from . import docs_support as S
 
 PAGES = S.guide_pages()
 

@@ -6,7 +6,7 @@ import re
 import sys
 
 import tf_dpiter
-from tests.docs import docs_support as S
+from . import docs_support as S
 
 if sys.version_info >= (3, 11):
   import tomllib  # pylint: disable=g-import-not-at-top
