@@ -40,6 +40,9 @@ def test_workspace_downloads_nothing():
   assert "http_archive" not in workspace and "git_repository" not in workspace
   for path in re.findall(r'path = "([^"]+)"', workspace):
     assert os.path.exists(os.path.join(S.REPO_ROOT, path, "WORKSPACE")), path
+  # The README's commands put the venv in the checkout: TensorFlow's headers there carry BUILD
+  # files that `//...` must not load.
+  assert ".venv" in _text(".bazelignore").split()
 
 
 def test_every_console_script_has_a_binary_calling_the_same_function():
