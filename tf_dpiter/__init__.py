@@ -1,16 +1,18 @@
 """tf_dpiter: differentially private iterative training for TensorFlow and Keras 3.
 
-Three concerns kept apart (seed 002): the privacy mechanism (`dp_query`), the privacy
-ledger and its accountant (`ledger`, `accounting`), and the training procedures (`keras`,
-`federated`, `draw_discard`); `data` holds the samplers and `auditing` the empirical checks.
+Three concerns kept apart, as in McMahan et al., "A General Approach to Adding Differential
+Privacy to Iterative Training Procedures", Section 2: the privacy mechanism (`dp_query`), the
+privacy ledger and its accountant (`ledger`, `accounting`), and the training procedures
+(`keras`, `federated`, `draw_discard`); `data` holds the samplers, `auditing` the empirical
+checks and `tuning` private hyperparameter selection.
 
-Public names (`__all__`):
-  * subpackages, loaded on first use (so that e.g. the Draw-and-Discard service does not pay
-    for TensorFlow's import): `dp_query`, `ledger`, `accounting`, `keras`, `data`,
-    `federated`, `draw_discard`, `auditing`;
-  * `errors` and its exceptions: `ParameterTypeError` (a TypeError), `PrivacyConfigError`
-    (a ValueError) and `BudgetConfigError`;
-  * `__version__`.
+Public names (`__all__`, 15 of them): the ten namespaces, loaded on first use (so that e.g.
+the Draw-and-Discard service does not pay for TensorFlow's import): the nine subpackages
+`dp_query`, `ledger`, `accounting`, `keras`, `data`, `federated`, `draw_discard`,
+`auditing`, `tuning` and the module `compat` (TF Privacy's and Opacus' spellings); `errors`
+and its three exceptions `ParameterTypeError` (a TypeError), `PrivacyConfigError` (a
+ValueError) and `BudgetConfigError`; and `__version__`. Everything else is reached through a
+namespace (`dp.keras.DPKerasSGDOptimizer`, `dp.accounting.epsilon`, ...).
 
 This root also wires the layers together: it tells the DPQuery registry (lowest layer) which
 upper-layer modules define serializable queries (`dp_query.declare_query_module`), so that
@@ -29,7 +31,7 @@ from tf_dpiter.errors import PrivacyConfigError
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("dp_query", "ledger", "accounting", "keras", "data", "federated",
-                "draw_discard", "auditing")
+                "draw_discard", "auditing", "tuning", "compat")
 
 __all__ = list(_SUBPACKAGES) + ["errors", "ParameterTypeError", "PrivacyConfigError",
                                 "BudgetConfigError", "__version__"]

@@ -1,39 +1,119 @@
-"""Keras 3 DP training (seed 002, Section 7): DP optimizers, DP models, privacy callbacks."""
+"""Keras 3 DP training: DP optimizers, DP models, privacy callbacks.
+
+The optimizer wrappers of McMahan et al., "A General Approach to Adding Differential Privacy
+to Iterative Training Procedures", Section 7 (a DPQuery clips and noises each logical
+batch; the privacy ledger records every sample).
+
+One way to do each thing (`__all__`):
+
+  * a DP optimizer: `DPKerasSGDOptimizer`, `DPKerasAdamOptimizer`, `DPKerasAdamWOptimizer`,
+    `DPKerasAdagradOptimizer`, `DPKerasRMSpropOptimizer` (TF Privacy's constructor
+    arguments), `DPOptimizer(any_keras_optimizer, ...)` for any other optimizer, and
+    `from_budget(optimizer, epsilon, delta, ...)` when the noise is to be calibrated to a
+    budget;
+  * a DP model: `DPSequential`, `DPModel` (functional), `make_private(model)` for any model,
+    `make_private_with_epsilon(model, optimizer, epsilon, delta, ...)` (Opacus' spelling: the
+    model and a calibrated optimizer), `private_class(cls)` before loading a saved subclassed
+    model;
+  * callbacks: `PrivacyMeter`, `LedgerJournal` and the module `callbacks`
+    (`StopAtPrivacyBudget`, `LedgerExport`);
+  * modules: `fast_clipping` (ghost norms), `example_models`, `compat` (TF Privacy's
+    spellings).
+
+Names kept working for existing code but not listed (see `compat`): `make_dp_model_class`,
+`make_dp_optimizer_class`, `DPOptimizerMixin`, `DPModelMixin`, `check_no_batch_mixing`,
+`CLIPPING_MODES`, and the `Vectorized*` optimizers.
+"""
+
+import importlib
+
+import keras
 
 from tf_dpiter.keras import callbacks
+from tf_dpiter.keras import compat
 from tf_dpiter.keras import example_models
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
 from tf_dpiter.keras.models import DPModel
-from tf_dpiter.keras.models import DPModelMixin
 from tf_dpiter.keras.models import DPSequential
-from tf_dpiter.keras.models import check_no_batch_mixing
-from tf_dpiter.keras.models import make_dp_model_class
 from tf_dpiter.keras.models import make_private
 from tf_dpiter.keras.models import make_private_with_epsilon
 from tf_dpiter.keras.models import private_class
-from tf_dpiter.keras.optimizers import CLIPPING_MODES
 from tf_dpiter.keras.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizers import DPKerasAdamWOptimizer
 from tf_dpiter.keras.optimizers import DPKerasRMSpropOptimizer
 from tf_dpiter.keras.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizers import DPOptimizer
-from tf_dpiter.keras.optimizers import DPOptimizerMixin
-from tf_dpiter.keras.optimizers import make_dp_optimizer_class
-
-# TF Privacy's names (keras.compat): clipping="vectorized" by default.
-from tf_dpiter.keras.compat import VectorizedDPKerasAdagradOptimizer
-from tf_dpiter.keras.compat import VectorizedDPKerasAdamOptimizer
-from tf_dpiter.keras.compat import VectorizedDPKerasSGDOptimizer
 
 __all__ = [
-    "CLIPPING_MODES", "DPKerasAdagradOptimizer", "DPKerasAdamOptimizer", "DPKerasAdamWOptimizer",
-    "DPKerasRMSpropOptimizer", "DPKerasSGDOptimizer", "DPModel", "DPModelMixin", "DPOptimizer",
-    "DPOptimizerMixin", "DPSequential", "LedgerJournal", "PrivacyMeter",
-    "VectorizedDPKerasAdagradOptimizer", "VectorizedDPKerasAdamOptimizer",
-    "VectorizedDPKerasSGDOptimizer", "callbacks", "check_no_batch_mixing", "example_models",
-    "fast_clipping", "make_dp_model_class", "make_dp_optimizer_class", "make_private", "make_private_with_epsilon",
-    "private_class",
+    "DPKerasSGDOptimizer", "DPKerasAdamOptimizer", "DPKerasAdamWOptimizer",
+    "DPKerasAdagradOptimizer", "DPKerasRMSpropOptimizer", "DPOptimizer", "from_budget",
+    "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
+    "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
 ]
+
+# Older spellings: still resolve (existing code and saved models), not part of `__all__`.
+_KEPT = {
+    "make_dp_model_class": "tf_dpiter.keras.models",
+    "make_dp_optimizer_class": "tf_dpiter.keras.optimizers",
+    "DPOptimizerMixin": "tf_dpiter.keras.optimizers",
+    "DPModelMixin": "tf_dpiter.keras.models",
+    "check_no_batch_mixing": "tf_dpiter.keras.models",
+    "CLIPPING_MODES": "tf_dpiter.keras.optimizers",
+    "VectorizedDPKerasSGDOptimizer": "tf_dpiter.keras.compat",
+    "VectorizedDPKerasAdamOptimizer": "tf_dpiter.keras.compat",
+    "VectorizedDPKerasAdagradOptimizer": "tf_dpiter.keras.compat",
+}
+
+
+def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, l2_norm_clip,
+                sampling="poisson", accountant="rdp", **dp_kwargs):
+  """A DP copy of `optimizer` whose noise multiplier the accountant calibrated to a budget.
+
+  z is the smallest noise multiplier for which ceil(epochs n / B) DP-SGD steps at sampling
+  rate q = B / n, under `sampling`, give epsilon <= the target at `delta` (dp-accounting's RDP
+  or PLD accountant inverted by bisection; McMahan et al., "A General Approach to Adding
+  Differential Privacy to Iterative Training Procedures", Section 4). Train with the same
+  batch size, epochs and sampling: the ledger then reports epsilon <= the target. The
+  calibration is logged (logger "tf_dpiter", INFO) and kept in `optimizer.calibration`.
+  Privacy unit: one example; relation: add/remove one example under "poisson", replace one
+  under "shuffle" and "fixed_size".
+
+  Args:
+    optimizer: a plain `keras.optimizers.Optimizer` instance (its hyperparameters are kept;
+      this form also lets Adam keep its own `epsilon`).
+    epsilon: the target epsilon (> 0).
+    delta: the target delta (in (0, 1)).
+    epochs: E, the number of passes over the data.
+    batch_size: B, the expected batch size.
+    population_size: n, the number of examples.
+    l2_norm_clip: the clipping norm S of each example's gradient.
+    sampling: "poisson" (default), "shuffle" or "fixed_size".
+    accountant: "rdp" (default) or "pld".
+    **dp_kwargs: other DP optimizer arguments (num_microbatches, clipping, ...).
+
+  Returns:
+    a DP optimizer (an instance of the DP class of `type(optimizer)`).
+
+  Raises:
+    ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
+  """
+  from tf_dpiter.keras import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
+  if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
+      optimizer, opt_lib.DPOptimizerMixin):
+    raise ValueError("`optimizer` must be a plain keras.optimizers.Optimizer instance (not a "
+                     f"DP optimizer). Received: optimizer={optimizer!r}")
+  z, calib = opt_lib.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
+                                      sampling, accountant, dp_kwargs.get("num_microbatches"),
+                                      who="dp.keras.from_budget")
+  dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)
+  dp_opt.calibration = calib
+  return dp_opt
+
+
+def __getattr__(name):
+  if name in _KEPT:
+    return getattr(importlib.import_module(_KEPT[name]), name)
+  raise AttributeError(f"module 'tf_dpiter.keras' has no attribute {name!r}")

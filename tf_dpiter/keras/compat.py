@@ -1,6 +1,9 @@
-"""TF Privacy spellings on tf_dpiter (migration aid; see the README's migration table).
+"""TF Privacy spellings on tf_dpiter (migration aid; see docs/migration/tf_privacy.md).
 
-  make_dp_model_class, DPKerasSGDOptimizer / ...Adam / ...Adagrad (tf_dpiter.keras's own)
+  DPSequential(l2_norm_clip=..., noise_multiplier=..., num_microbatches=..., layers=...),
+  make_dp_model_class(cls), DPKerasSGDOptimizer / ...Adam / ...Adagrad (tf_dpiter.keras's own)
+  make_keras_optimizer_class(cls) (= make_dp_optimizer_class): the DP class of any Keras
+      optimizer class, constructed with (l2_norm_clip, noise_multiplier, num_microbatches, ...)
   VectorizedDPKerasSGDOptimizer / ...AdamOptimizer / ...AdagradOptimizer
       the DP optimizers with clipping="vectorized" by default (TF Privacy's vectorized
       per-example gradients); any other `clipping` may still be given.
@@ -22,7 +25,10 @@ from tf_dpiter import accounting
 from tf_dpiter.keras import models
 from tf_dpiter.keras import optimizers
 
+DPSequential = models.DPSequential
 make_dp_model_class = models.make_dp_model_class
+make_dp_optimizer_class = optimizers.make_dp_optimizer_class
+make_keras_optimizer_class = optimizers.make_dp_optimizer_class
 DPKerasSGDOptimizer = optimizers.DPKerasSGDOptimizer
 DPKerasAdamOptimizer = optimizers.DPKerasAdamOptimizer
 DPKerasAdagradOptimizer = optimizers.DPKerasAdagradOptimizer
@@ -65,3 +71,12 @@ def compute_eps_poisson(epoch, noise_multi, n, batch_size, delta):
   """
   return accounting.compute_dp_sgd_privacy(n, batch_size, noise_multi, epoch, delta,
                                            accountant="gdp").epsilon
+
+
+__all__ = [
+    "DPSequential", "make_dp_model_class", "make_dp_optimizer_class",
+    "make_keras_optimizer_class", "DPKerasSGDOptimizer", "DPKerasAdamOptimizer",
+    "DPKerasAdagradOptimizer", "VectorizedDPKerasSGDOptimizer", "VectorizedDPKerasAdamOptimizer",
+    "VectorizedDPKerasAdagradOptimizer", "compute_dp_sgd_privacy",
+    "compute_dp_sgd_privacy_statement", "compute_eps_poisson",
+]
