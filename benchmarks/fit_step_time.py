@@ -1,7 +1,12 @@
 """`model.fit` step time, DP against non-private, the way a user calls it (issue 18).
 
-  python benchmarks/fit_step_time.py [--models cnn,mlp,transformer] [--batch 256]
-      [--steps 64] [--rounds 5] [--spe 1,8] [--onednn 0,1] [--extra]
+  python benchmarks/fit_step_time.py [--models cnn,mlp,transformer,lstm] [--batch 256]
+      [--steps 64] [--rounds 5] [--spe 1,8] [--onednn 0,1] [--extra] [--jit 0|1]
+
+--jit 1 compiles every configuration with jit_compile=True (XLA, what Keras picks by itself
+on a GPU/TPU machine): DP and non-private both under XLA. The LSTM language model
+(Embedding 2000 x 64, LSTM 128 with return_sequences, Dense 2000 logits per token, 40 tokens,
+per-token loss) uses batch --transformer_batch.
 
 For each oneDNN setting (TF_ENABLE_ONEDNN_OPTS, read when TensorFlow loads, so each setting
 is one child process) and each model, these fit configurations are timed round robin in ONE
@@ -51,6 +56,7 @@ def _parse(argv=None):
   p.add_argument("--spe", default="1,8", help="steps_per_execution values")
   p.add_argument("--onednn", default="0,1", help="TF_ENABLE_ONEDNN_OPTS values, one process each")
   p.add_argument("--extra", action="store_true", help="padded / fixed-batch configurations")
+  p.add_argument("--jit", type=int, default=0, help="1: compile(jit_compile=True) (XLA)")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
@@ -69,6 +75,10 @@ def _configs(name, a):
     xs = rng.randint(0, 10000, (N_POP, 128)).astype("int32")
     ys = rng.randint(0, 2, N_POP).astype("int32")
     b = a.transformer_batch
+  elif name == "lstm":
+    xs = rng.randint(0, 2000, (N_POP, 40)).astype("int32")
+    ys = rng.randint(0, 2000, (N_POP, 40)).astype("int32")
+    b = a.transformer_batch
   else:
     xs = rng.rand(N_POP, *((28, 28, 1) if name == "cnn" else (784,))).astype("float32")
     ys = rng.randint(0, 10, N_POP).astype("int32")
@@ -78,18 +88,23 @@ def _configs(name, a):
       net = ex.transformer_encoder()
       cls = dp.keras.DPModel if private else keras.Model
       return cls(net.inputs, net.outputs)
-    layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
+    if name == "lstm":
+      layers = [keras.Input((40,), dtype="int32"), keras.layers.Embedding(2000, 64),
+                keras.layers.LSTM(128, return_sequences=True), keras.layers.Dense(2000)]
+    else:
+      layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
     return (dp.keras.DPSequential if private else keras.Sequential)(layers)
 
   def model(private, spe=1):
     keras.utils.set_random_seed(0)
     if not private:
       m = build(False)
-      m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, steps_per_execution=spe)
+      m.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, steps_per_execution=spe,
+                jit_compile=bool(a.jit))
       return m
     m = build(True)
     m.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=loss,
-              steps_per_execution=spe)
+              steps_per_execution=spe, jit_compile=bool(a.jit))
     return m
 
   out = {}
@@ -154,13 +169,14 @@ def _time_round_robin(configs, rounds, steps):
 def _child(a):
   warnings.simplefilter("ignore")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  out = {"onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"), "batch": a.batch,
+  out = {"onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"), "jit": a.jit, "batch": a.batch,
          "steps": a.steps, "rounds": a.rounds, "tf": tf.__version__, "cpus": os.cpu_count(),
          "load_avg_start": os.getloadavg(), "results": []}
   for name in a.models.split(","):
     configs = _configs(name, a)
     t = _time_round_robin(configs, a.rounds, a.steps)
-    res = {"model": name, "batch": a.transformer_batch if name == "transformer" else a.batch,
+    res = {"model": name,
+           "batch": a.transformer_batch if name in ("transformer", "lstm") else a.batch,
            "wall_ms_per_step": {k: v[0] for k, v in t.items()},
            "cpu_ms_per_step": {k: v[1] for k, v in t.items()},
            "steady_ms_per_step": {k: v[2] for k, v in t.items()}, "ratios_wall": {},

@@ -8,6 +8,7 @@ batch, then division by the batch's denominator (records in the batch; the publi
 Poisson, q*n/b under cyclic Poisson: `expected_records`).
 """
 
+import contextlib
 import sys
 
 import numpy as np
@@ -254,8 +255,38 @@ class MechanismMixin:
                                     [v.read_value() for v in self._dp_global_vars])
 
   def _dp_params(self):
+    given = getattr(self, "_dp_given_params", None)
+    if given is not None:
+      return given
     query = self._require_query()
     return query.derive_sample_params(self._dp_global_state())
+
+  def sample_params(self):
+    """The query's sample params for this step, derived from its global state (read here).
+
+    Returns:
+      the params nest (`DPQuery.derive_sample_params`).
+    """
+    return self._dp_params()
+
+  @contextlib.contextmanager
+  def given_sample_params(self, params):
+    """Within the block the clipping uses `params` instead of reading the query's global
+    state: an XLA-compiled clipped sum receives them as arguments, so it reads no
+    variable that lives on another device (under tf.distribute each replica compiles its
+    own program, and the global state is one variable on the first device).
+
+    Args:
+      params: a nest from `sample_params()` (None: read the state as usual).
+    Yields:
+      None.
+    """
+    old = getattr(self, "_dp_given_params", None)
+    self._dp_given_params = params
+    try:
+      yield
+    finally:
+      self._dp_given_params = old
 
   # ---- noise, ledger ------------------------------------------------------------------
 

@@ -129,8 +129,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     a.pop("self")
     spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
     if spec is None and fit_sampling.num_rows(a.get("x")) is not None:
-      spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling,
-                                                    pad=bool(self.jit_compile))
+      # Padded to a static size (a multiple of 8, data.sampling.default_max_batch_size)
+      # under XLA (one shape) and under a multi-replica strategy (equal shards per replica).
+      pad = bool(self.jit_compile) or self.distribute_strategy.num_replicas_in_sync > 1
+      spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad)
     elif sampling is not None and (spec is None or spec.policy != sampling):
       raise ValueError(
           f"sampling={sampling!r} applies to arrays only; this data declares "

@@ -89,9 +89,17 @@ class TrainStepMixin:
   def _dp_inference(self, x):
     return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
 
-  def _dp_clipped_sum_step(self, x, y, sample_weight):
-    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred)."""
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None):
+    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred).
+
+    params: the query's sample params, read by the caller (so that an XLA-compiled step
+    reads no variable of the query's state; None: read here)."""
     opt = self._dp_optimizer()
+    with opt.given_sample_params(params):
+      return self._dp_clipped_sum_body(opt, x, y, sample_weight)
+
+  def _dp_clipped_sum_body(self, opt, x, y, sample_weight):
+    """_dp_clipped_sum_step with the sample params fixed."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
     m = opt.num_microbatches
@@ -200,7 +208,7 @@ class TrainStepMixin:
       self._dp_call(x)
     batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    state, loss_sum, num_records, y_pred = core(x, y, sample_weight)
+    state, loss_sum, num_records, y_pred = core(x, y, sample_weight, opt.sample_params())
     grads = opt.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
