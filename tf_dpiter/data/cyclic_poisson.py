@@ -1,36 +1,103 @@
 """Cyclic Poisson (b-min-separation) sampling for correlated-noise training.
 
-The n records are split once into b groups by a uniformly random permutation drawn
-independently of the data; step t Poisson-samples group t mod b: each of its records joins
-with probability q. An example can then only join steps t, t + b, t + 2b, ...: its
+Claim (relation and unit first): add or remove one example; the unit is the example. Each
+example is put in one of b groups by a hash of *its own identity* (by default the bytes of
+its record, x and y; or an id the caller gives), never by its position among the others or
+by n, so adding or removing one example moves no other example to another group. Step p of
+the ledger's cyclic stream Poisson-samples group p mod b: each of its examples joins with
+probability q, independently. An example can then only join steps p, p + b, p + 2b, ...: its
 participations are at least b steps apart, which is what amplified banded matrix
-factorization needs (Choquette-Choo et al. 2023, Section 5: "b-min-separation", cyclic
-Poisson). The expected batch is q n / b. The ledger records policy "cyclic_poisson" with
-the cycle length b in its `sample_size` column; the accountant charges each example
+factorization needs (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
+Section 5 and Theorem 4: b-min-separation, cyclic Poisson). Their analysis holds for any
+partition fixed independently of the other examples, so the group hash needs no secret: a
+fixed, public hash (BLAKE2b) keeps the partition identical in every `fit`, every dataset
+built from the same examples and every process, which is what lets the schedule survive a
+restart. The expected batch is q n / b. The ledger records policy "cyclic_poisson" with the
+cycle length b in its `sample_size` column; the accountant charges each example
 ceil(T / b) Poisson-sampled Gaussian steps (`tf_dpiter.accounting.ledger_events`).
 
-The step counter lives in the sampler, so a dataset iterated again (Keras starts a new
-epoch) continues the cycle where it stopped.
+The participation schedule is state the ledger owns: the position p of the next step is the
+number of cyclic_poisson samples the ledger holds (`PrivacyLedger.cycle_position`: a TF
+variable, counted by the training step itself, recomputed from the rows on a journal or file
+restore). `DPModel.fit` makes the sampler start every fit at that position (`resume_at`), so
+the 16 steps a dataset draws ahead (`sampling.INDEX_CHUNK`) and then drops at the end of a fit
+never shift the cycle: the next group is the one after the last step the optimizer took.
+Outside `fit`, iterate whole passes of the dataset or call `sampler.resume_at(ledger)` first.
 """
 
+import hashlib
+import threading
 
 import numpy as np
+import tensorflow as tf
 
 from tf_dpiter.data import sampling
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
 CYCLIC_POISSON = records.CYCLIC_POISSON
+_PERSON = b"tfdpiter.cyclic"   # BLAKE2b personalization: the group hash of this module only
+
+
+def record_identities(x, y=None):
+  """Per-example identities [n] (bytes): BLAKE2b-128 of each example's own x and y rows.
+
+  A function of that example's record alone (its dtype, shape and bytes), so it does not
+  change when other examples are added or removed. Identical records share an identity
+  (and hence a group), which the claim allows: each is still in exactly one group.
+
+  Args:
+    x: array or nest of arrays, n records on the leading axis. y: the same, or None.
+  Returns:
+    A list of n bytes objects.
+  """
+  leaves = [np.ascontiguousarray(np.asarray(a)) for a in tf.nest.flatten((x, y)) if a is not None]
+  n = int(leaves[0].shape[0])
+  out = []
+  for i in range(n):
+    h = hashlib.blake2b(digest_size=16, person=b"tfdpiter.record")
+    for a in leaves:
+      h.update(str((a.dtype.str, a.shape[1:])).encode())
+      h.update(a[i].tobytes())
+    out.append(h.digest())
+  return out
+
+
+def index_identities(n):
+  """Identities of examples known only by an index 0..n-1 (ids that never move).
+
+  Args:
+    n: int, the number of examples.
+  Returns:
+    A list of n bytes objects (the little-endian int64 index).
+  """
+  return [int(i).to_bytes(8, "little", signed=True) for i in range(int(n))]
+
+
+def group_of_identity(identity, num_groups):
+  """The group (0..b-1) of one identity: BLAKE2b-64 of it, modulo b (bias < b / 2^64).
+
+  Args:
+    identity: bytes. num_groups: b >= 1.
+  Returns:
+    int in [0, b).
+  """
+  digest = hashlib.blake2b(identity, digest_size=8, person=_PERSON).digest()
+  return int.from_bytes(digest, "little") % int(num_groups)
 
 
 class CyclicPoissonSampler:
-  """Index sampler: fixed random partition into `num_groups` groups, Poisson within a turn."""
+  """Index sampler: groups by a hash of each example's identity; Poisson within a turn."""
 
-  def __init__(self, population_size, num_groups, expected_batch_size, seed=None):
+  def __init__(self, population_size, num_groups, expected_batch_size, seed=None,
+               identities=None):
     """Args:
       population_size: n records.
       num_groups: b >= 1, the cycle length (the min separation; >= the strategy's bands).
       expected_batch_size: q n / b, so q = expected_batch_size b / n must be in (0, 1].
-      seed: tests only (reproducible, NOT private; warns). None: OS entropy.
+      seed: tests only (reproducible Poisson draws, NOT private; warns). None: OS entropy.
+      identities: n bytes objects, one per example (`record_identities`); None: the index
+        (then the claim needs neighbouring datasets that keep every other example's index).
     Raises:
       ValueError: an argument out of range, named.
     """
@@ -44,17 +111,18 @@ class CyclicPoissonSampler:
         0 < expected_batch_size * num_groups <= n):
       raise ValueError(f"expected_batch_size must be in (0, n / num_groups = {n / num_groups:g}]"
                        f", got {expected_batch_size!r}")
+    ids = index_identities(n) if identities is None else list(identities)
+    if len(ids) != n:
+      raise ValueError(f"identities must hold one id per example (n={n}), got {len(ids)}")
     self._n = n
     self._b = int(num_groups)
     self._q = float(expected_batch_size) * self._b / n
-    self._expected = float(expected_batch_size)
     self._rng = sampling.make_rng(seed, who="CyclicPoissonSampler")
-    perm = self._rng.permutation(n)
-    self._groups = [np.sort(g) for g in np.array_split(perm, self._b)]
-    self._group_of = np.empty(n, np.int64)
-    for g, members in enumerate(self._groups):
-      self._group_of[members] = g
+    self._group_of = np.asarray([group_of_identity(i, self._b) for i in ids], np.int64)
+    self._groups = [np.flatnonzero(self._group_of == g) for g in range(self._b)]
+    self._lock = threading.Lock()
     self._step = 0
+    self._pending = None
 
   @property
   def selection_probability(self):
@@ -68,7 +136,7 @@ class CyclicPoissonSampler:
 
   @property
   def step(self):
-    """Steps drawn so far (the next step samples group step mod b)."""
+    """The cycle position of the next draw (the next step samples group step mod b)."""
     return self._step
 
   def group_of(self, index):
@@ -85,6 +153,35 @@ class CyclicPoissonSampler:
       raise ValueError(f"index must be in [0, {self._n}), got {index!r}")
     return int(self._group_of[index])
 
+  def resume_at(self, position):
+    """Makes the next iterator of the dataset start at cycle position `position`.
+
+    `position` is an int, or a PrivacyLedger (its `cycle_position`: the cyclic steps it
+    holds). It takes effect when the next iterator starts drawing (a pass already being
+    drawn is not moved): `DPModel.fit` calls it before its first step and after its last.
+
+    Args:
+      position: int >= 0 or a PrivacyLedger.
+    Raises:
+      ValueError: a negative position.
+    """
+    if hasattr(position, "cycle_position"):
+      position = int(position.cycle_position.numpy())
+    if int(position) < 0:
+      raise ValueError(f"position must be >= 0, got {position!r}")
+    with self._lock:
+      self._pending = int(position)
+
+  def start_iterator(self):
+    """Called by the dataset's generator before its first draw: applies `resume_at`."""
+    with self._lock:
+      if self._pending is not None:
+        self._step, self._pending = self._pending, None
+
+  def take_new_passes(self):
+    """No passes are counted under cyclic Poisson (each step is charged by the step)."""
+    return 0
+
   def next_indices(self):
     """Sorted indices of the next step's sample (a Poisson sample of the active group)."""
     group = self._groups[self._step % self._b]
@@ -93,7 +190,7 @@ class CyclicPoissonSampler:
 
   def spec(self):
     """The SamplingSpec the ledger records (sample_size = the cycle length b)."""
-    return sampling.SamplingSpec(CYCLIC_POISSON, self._n, self._q, float(self._b))
+    return sampling.SamplingSpec(CYCLIC_POISSON, self._n, self._q, float(self._b), self)
 
   def max_batch_size(self, num_sd=4.0, multiple=8):
     """A static padded size for the largest group: mean + num_sd sd, rounded up.
@@ -105,12 +202,55 @@ class CyclicPoissonSampler:
     Returns:
       int, the padded batch size in records (see `sampling.default_max_batch_size`).
     """
-    largest = max(len(g) for g in self._groups)
-    return sampling.default_max_batch_size(largest, self._q, num_sd, multiple)
+    largest = max(1, max(len(g) for g in self._groups))
+    return sampling.default_max_batch_size(largest, min(1.0, self._q), num_sd, multiple)
+
+
+def check_continuation(ledger, sampler, iterations):
+  """Refuses, before the first step of a fit, a cyclic run the ledger's claim cannot cover.
+
+  Correlated-noise rows (BandMF, BLT) need every participation >= b rows of the mechanism
+  apart, and one mechanism run: a ledger that holds more samples than the optimizer's
+  iterations (a restore rolled the optimizer back, so rows are run again) or whose last
+  cyclic rows used another cycle length b is refused. Independent noise only needs the count
+  (ceil(run / b) per run of the ledger's stream), which any continuation keeps.
+
+  Args:
+    ledger: the PrivacyLedger. sampler: the CyclicPoissonSampler. iterations: int, the
+      optimizer's iterations.
+  Raises:
+    PrivacyConfigError: the continuation is not covered; the message says what to do.
+  """
+  count = int(ledger.sample_count.numpy())
+  if count == 0:
+    return
+  samples, queries = ledger.get_arrays(start=count - 1)
+  row = samples[-1]
+  if records.policy_name(row[3]) != CYCLIC_POISSON:
+    return
+  correlated = bool(np.isin(queries[:, 1], [records.BANDED_GAUSSIAN,
+                                            records.MATRIX_GAUSSIAN]).any())
+  if not correlated:
+    return
+  if int(row[2]) != sampler.num_groups:
+    raise PrivacyConfigError(
+        f"this model's ledger ends with a correlated-noise (BandMF/BLT) run on cyclic Poisson "
+        f"with num_groups={int(row[2])}, and this dataset has num_groups={sampler.num_groups}: "
+        "changing the cycle mid-run breaks the >= b separation the accounting assumes. Build "
+        f"the dataset with num_groups={int(row[2])}, or start a new model and optimizer")
+  if count > iterations:
+    raise PrivacyConfigError(
+        f"this model's ledger holds {count} steps but the optimizer is at iteration "
+        f"{iterations}: a restore rolled a correlated-noise (BandMF/BLT) run back, so its "
+        "next steps would rerun rows of the same matrix mechanism, which the cyclic Poisson "
+        "accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. Resume from a "
+        "checkpoint taken at the ledger's last step (tf.train.Checkpoint or model.save "
+        "after fit), or train with noise='iid'")
 
 
 def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
-                           steps_per_epoch=None, max_batch_size="auto", seed=None):
+                           steps_per_epoch=None, max_batch_size="auto", seed=None,
+                           example_ids=None):
   """tf.data.Dataset of cyclic Poisson samples, (x_pad, [y_pad,] mask) per step.
 
   Args:
@@ -120,14 +260,23 @@ def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
       about one pass over the data in whole cycles).
     max_batch_size: "auto", an int, as in `sampling.poisson_batches`.
     seed: tests only (NOT private). None: OS entropy.
+    example_ids: optional [n] ids (ints or strings) that name each example across datasets;
+      None: the example's own bytes (`record_identities`). The group is a hash of the id.
   Returns:
-    The dataset, carrying a SamplingSpec("cyclic_poisson", n, q, b) (`sampling.get_sampling_spec`).
+    The dataset, carrying a SamplingSpec("cyclic_poisson", n, q, b) whose `sampler` is the
+    CyclicPoissonSampler (`sampling.get_sampling_spec`).
   """
   n = sampling.num_records(x if y is None else (x, y))
-  sampler = CyclicPoissonSampler(n, num_groups, expected_batch_size, seed)
+  if example_ids is None:
+    ids = record_identities(x, y)
+  else:
+    ids = [str(i).encode() if not isinstance(i, bytes) else i for i in np.asarray(
+        example_ids, dtype=object).reshape(-1).tolist()]
+  sampler = CyclicPoissonSampler(n, num_groups, expected_batch_size, seed, identities=ids)
   if steps_per_epoch is None:
     steps_per_epoch = num_groups * max(1, round(n / (num_groups * expected_batch_size)))
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()
   return sampling.indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch),
-                                  int(max_batch_size), sampler.spec())
+                                  int(max_batch_size), sampler.spec(),
+                                  on_start=sampler.start_iterator)

@@ -249,7 +249,8 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return ds
 
 
-def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None):
+def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None,
+                    on_start=None):
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
@@ -262,7 +263,8 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   charges it then (early, never missed: conservative if training stops first). Samples are padded with zero rows to
   `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
-  for padding (Keras' sample_weight).
+  for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a
+  new iterator or a repeat), before its first draw (the cyclic sampler resumes there).
   """
   xs = tf.nest.map_structure(tf.convert_to_tensor, x)
   ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
@@ -270,6 +272,8 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
       tf.convert_to_tensor(sample_weight, tf.float32), [-1])
 
   def gen():
+    if on_start is not None:
+      on_start()
     for start in range(0, steps, INDEX_CHUNK):
       draws = [np.asarray(next_indices(), np.int64)
                for _ in range(min(INDEX_CHUNK, steps - start))]

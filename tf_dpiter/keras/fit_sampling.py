@@ -213,6 +213,19 @@ class SamplingSync(keras.callbacks.Callback):
     super().__init__()
     self.sampler = sampler
     self.line = line
+    self._resumed = False
+
+  def _resume_schedule(self):
+    """A sampler whose schedule the ledger owns (cyclic Poisson) starts at the ledger's
+    position: after the journal and BackupAndRestore have restored (they run in
+    on_train_begin, after this callback), before the first iterator draws."""
+    if self._resumed or not hasattr(self.sampler, "resume_at"):
+      return
+    from tf_dpiter.data import cyclic_poisson  # pylint: disable=g-import-not-at-top
+    cyclic_poisson.check_continuation(self.model.ledger, self.sampler,
+                                      int(self.model.optimizer.iterations.numpy()))
+    self.sampler.resume_at(self.model.ledger)
+    self._resumed = True
 
   def _sync(self):
     if self.sampler is not None:
@@ -226,6 +239,14 @@ class SamplingSync(keras.callbacks.Callback):
     if self.line:
       print(self.line)
 
+  def on_epoch_begin(self, epoch, logs=None):
+    """Starts a ledger-owned schedule at the ledger's position (first epoch of the fit)."""
+    self._resume_schedule()
+
+  def on_train_batch_begin(self, batch, logs=None):
+    """Same as on_epoch_begin, for a fit whose epoch hook did not run first."""
+    self._resume_schedule()
+
   def on_train_batch_end(self, batch, logs=None):
     """Records in the ledger the passes the sampler started during this batch."""
     self._sync()
@@ -236,8 +257,12 @@ class SamplingSync(keras.callbacks.Callback):
     callbacks_lib.write_privacy_logs(self.model, epoch, logs)
 
   def on_train_end(self, logs=None):
-    """Records the passes started since the last batch."""
+    """Records the passes started since the last batch; the next iterator of a ledger-owned
+    schedule starts where this fit's steps ended (draws prefetched and dropped do not count)."""
     self._sync()
+    if self._resumed:
+      self.sampler.resume_at(self.model.ledger)
+    self._resumed = False
 
 
 def journal_path(callbacks, ledger_journal):
