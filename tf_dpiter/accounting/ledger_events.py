@@ -230,8 +230,10 @@ def group_event(group, accountant="rdp", passes=0):
     if gaussian_only or (accountant == "pld" and len(group.laplace_noise_multipliers) == 1
                          and not math.isfinite(group.noise_multiplier)):
       notes.append(f"Poisson sampling (q={q:.6g}, n={n:.0f}): amplification by subsampling "
-                   "assumes each record joined each sample independently with probability q "
-                   "and the sample's membership stayed secret")
+                   "assumes each record joined each sample independently with probability q, "
+                   "q a public parameter fixed independently of the data (a neighbouring "
+                   "dataset is sampled with the same q), and the sample's membership stayed "
+                   "secret")
       return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, mech), group.count), notes
     notes.append("Poisson-sampled samples with Laplace queries: no amplification by sampling "
                  "claimed (the accountant does not support it for this mechanism)")

@@ -200,11 +200,15 @@ def poisson_indices(rng, lo, hi, q):
 
 
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
-                    max_batch_size="auto", seed=None, sample_weight=None, map_fn=None):
+                    max_batch_size="auto", seed=None, sample_weight=None, map_fn=None,
+                    population_size=None):
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
-  Each record joins each step independently with probability q = expected_batch_size / n
-  (seed 002, Section 1, step 1), drawn as a Binomial(n, q) size and a uniform subset
+  Each record joins each step independently with probability q = expected_batch_size / N
+  (seed 002, Section 1, step 1), N the *declared* population size (default: n, the records
+  given): q is a stated public parameter, fixed before sampling and recorded with N and the
+  expected batch size; a neighbouring dataset (one record more or less) is sampled with the
+  same q when N is declared. Drawn as a Binomial(n, q) size and a uniform subset
   (`poisson_indices`: the same law); the ledger records policy "poisson" (add or remove one
   example, sensitivity S of a clipped sum). The noised sum is divided by q n, the expected
   batch size (seed 002, Section 1, step 3). Only the indices are drawn in Python; the rows
@@ -226,6 +230,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
       y), applied to each record of a sample alone (tf.vectorized_map; padding rows too), so
       records cannot mix and the declaration is kept (`transforms.map_records`). A
       `dataset.map(f)` over whole batches is refused by fit, since f could mix records.
+    population_size: N, the public population size q is stated over (q = B / N); None: n.
 
   Returns:
     A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
@@ -236,11 +241,12 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     ValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
-  q, steps = check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
+  declared = n if population_size is None else check_population_size(population_size)
+  q, steps = check_poisson_args(declared, expected_batch_size, steps_per_epoch, max_batch_size)
   pad = default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
   rng = make_rng(seed)
   ds = indexed_batches(lambda: poisson_indices(rng, 0, n, q), x, y, steps, pad,
-                       SamplingSpec(POISSON, n, q, float(expected_batch_size)),
+                       SamplingSpec(POISSON, declared, q, float(expected_batch_size)),
                        sample_weight=sample_weight)
   if map_fn is not None:
     from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
@@ -297,6 +303,23 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return attach_spec(ds.with_options(PIPELINE_OPTIONS), spec)
+
+
+def check_population_size(population_size):
+  """The declared population size N as a float; ValueError unless a number >= 1.
+
+  Args:
+    population_size: N, the public population size q is stated over.
+  Returns:
+    float N.
+  Raises:
+    ValueError: N is not a number >= 1.
+  """
+  if isinstance(population_size, bool) or not isinstance(
+      population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
+    raise ValueError(f"population_size must be a number >= 1 (the public population size "
+                     f"q = B / N is stated over), got {population_size!r}")
+  return float(population_size)
 
 
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):

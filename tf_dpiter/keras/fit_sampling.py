@@ -161,13 +161,49 @@ def arrays_to_dataset(a, opt, sampling, pad=True):
   steps = a.get("steps_per_epoch")
   if policy == "poisson":
     ds = sampling_lib.poisson_batches(x, y, expected_batch_size=b, steps_per_epoch=steps,
-                                      sample_weight=sw, max_batch_size="auto" if pad else None)
+                                      sample_weight=sw, max_batch_size="auto" if pad else None,
+                                      population_size=run_population(opt, n, b))
   else:
     ds = shuffling.shuffled_batches(x, y, batch_size=b, sample_weight=sw,
                                     passes=None if steps else 1)
   a["x"] = ds
   a["shuffle"] = False
   return sampling_lib.get_sampling_spec(ds), reason
+
+
+def run_population(optimizer, n, batch_size):
+  """The population size q is stated over in this run: the one the run's ledger recorded for
+  its Poisson samples (q = B / N is fixed once per run, independently of the data fit is
+  given later: a neighbouring dataset, one record more or less, keeps the same q), else None
+  (the first fit: N = n of its arrays).
+
+  Args:
+    optimizer: the DP optimizer (its ledger, if made). n: records of this fit's arrays.
+    batch_size: B, the expected batch size.
+  Returns:
+    float N, or None.
+  Raises:
+    PrivacyConfigError: B > N (q would exceed 1).
+  """
+  led = getattr(optimizer, "_dp_ledger", None)
+  count = 0 if led is None else int(led.sample_count.numpy())
+  if count == 0:
+    return None
+  row = led.get_arrays(start=count - 1)[0][-1]
+  if records.policy_name(row[3]) != records.POISSON:
+    return None
+  declared = float(row[0])
+  if batch_size > declared:
+    raise PrivacyConfigError(
+        f"batch_size={batch_size} is more than the population size N={declared:g} this run's "
+        "q = B / N was stated over (its ledger's Poisson samples): q would exceed 1. Use "
+        "batch_size <= N, or a new optimizer for a new run")
+  if declared != n:
+    warnings.warn(
+        f"this run's Poisson rate is stated over N={declared:g} records (its ledger), and these "
+        f"arrays hold {n}: q stays {batch_size}/{declared:g} (fixed independently of the data); "
+        "the expected batch is q x (records given)", UserWarning, stacklevel=4)
+  return declared
 
 
 def describe(spec, reason, meter=None):
@@ -183,8 +219,9 @@ def describe(spec, reason, meter=None):
   """
   n, b = int(spec.population_size), spec.sample_size
   if spec.policy == ledger_lib.POISSON:
-    what = (f"Poisson sampling (q = {spec.selection_probability:.4g}, expected batch "
-            f"{b:g} of n = {n}; add/remove-one adjacency, sensitivity S)")
+    what = (f"Poisson sampling (q = {spec.selection_probability:.4g} = {b:g} / {n}: the stated "
+            "expected batch over the stated population, fixed before sampling; add/remove-one "
+            "adjacency, sensitivity S)")
   elif spec.policy == records.USER_POISSON:
     what = (f"Poisson sampling of users (q = {spec.selection_probability:.4g}, expected "
             f"{b:g} users of n = {n}; add/remove-one-user adjacency, sensitivity S per user)")
