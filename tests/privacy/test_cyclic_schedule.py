@@ -115,3 +115,39 @@ def test_a_backup_restore_that_reruns_band_mf_rows_is_refused_before_any_step(tm
   for a, b in zip(before, model.get_weights()):
     np.testing.assert_array_equal(a, b)
   assert int(model.ledger.sample_count.numpy()) == STEPS
+
+
+class _CrashAt(keras.callbacks.Callback):
+
+  def __init__(self, step):
+    super().__init__()
+    self.step = step
+
+  def on_train_batch_end(self, batch, logs=None):
+    if int(self.model.ledger.sample_count.numpy()) == self.step:
+      raise RuntimeError("crash")
+
+
+def test_a_crash_and_backup_and_restore_continue_the_ledgers_cycle(tmp_path):
+  """iid noise: a crash 3 steps into the second epoch, a new model resumed by
+  BackupAndRestore (weights at the epoch boundary, ledger from the journal: the 3 steps run
+  again are charged). The schedule continues at the ledger's position, so every step ever
+  run (reruns included) keeps the claim."""
+  joined = []
+  backup = str(tmp_path / "backup")
+  first = _model("iid")
+  with pytest.raises(RuntimeError, match="crash"):
+    first.fit(_dataset(), epochs=3, steps_per_epoch=STEPS, verbose=0,
+              callbacks=[_Recorder(joined), keras.callbacks.BackupAndRestore(backup),
+                         _CrashAt(STEPS + 3)])
+  resumed = _model("iid")
+  resumed.fit(_dataset(), epochs=3, steps_per_epoch=STEPS, verbose=0,
+              callbacks=[_Recorder(joined), keras.callbacks.BackupAndRestore(backup)])
+  assert int(resumed.optimizer.iterations.numpy()) == 3 * STEPS
+  samples, queries = resumed.ledger.get_arrays()
+  assert samples.shape[0] == len(joined) == 3 * STEPS + 3
+  groups = [g for g in ledger_events.groups_from_arrays(samples, queries) if g.count]
+  claimed = sum(g.participations for g in groups)
+  steps_of = [[t for t, s in enumerate(joined) if i in s] for i in range(N)]
+  assert max(len(s) for s in steps_of) <= claimed == math.ceil((3 * STEPS + 3) / B)
+  assert min(np.diff(s).min() for s in steps_of if len(s) > 1) >= B
