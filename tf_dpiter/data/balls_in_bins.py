@@ -10,8 +10,8 @@ relation is add or remove one example (another record's step does not depend on 
 clipped sum has sensitivity S.
 
 The ledger records policy "balls_in_bins" with sample_size = k and selection_probability =
-1 / k; the sampler counts the epochs it started (one allocation each) and `DPModel.fit` moves
-them into the ledger's `passes`. The accountant charges one un-amplified step mechanism per
+1 / k; the sampler counts the epochs it started (one allocation each) and `DPModel.fit`
+records in the ledger's `passes` every epoch one of whose steps was taken. The accountant charges one un-amplified step mechanism per
 epoch started (`tf_dpiter.accounting.composite_events.balls_in_bins_event`): a proven bound;
 amplification by the secret allocation is real but is not claimed.
 """

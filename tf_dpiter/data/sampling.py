@@ -266,7 +266,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   current step runs. Each step's indices are still one call of next_indices(): the law of a
   sample does not depend on the chunking. A sampler that counts the passes it starts (balls
   in bins) may start one up to INDEX_CHUNK + 2 steps before its first step is taken: fit
-  charges it then (early, never missed: conservative if training stops first). Samples are padded with zero rows to
+  charges a pass when one of its steps is taken (`shuffling.ShuffleSampler.take_used_passes`),
+  so the prefetch never changes what is charged; the cyclic schedule restarts each fit at the
+  ledger's position (`cyclic_poisson`). Samples are padded with zero rows to
   `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
   for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a

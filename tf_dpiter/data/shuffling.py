@@ -8,12 +8,14 @@ mechanism, under replace-one adjacency (n is public: the number of steps per pas
 so a clipped sum has sensitivity 2S (seed 002, Appendix A).
 
 The passes are counted by the sampler that made them. The generator runs in a tf.data
-thread and is prefetched, so it never writes TF variables: it increments a Python counter
-on its `ShuffleSampler`, and `DPModel.fit` (an internal callback, after every training step
-and at the end of training) moves the passes started since the last sync into the ledger
-with `ledger.record_passes`. A pass started by prefetching but never trained on is charged
-too: conservative. A new iterator (a new `fit` call, a new epoch over the finite dataset, a
-restart) starts a new pass with a new permutation.
+thread and is prefetched, so it never writes TF variables: it counts, on its
+`ShuffleSampler`, the steps it draws and where each pass starts, and `DPModel.fit` (an
+internal callback, after every training step and at the end of training) records in the
+ledger, with `ledger.record_passes`, every pass one of whose steps the optimizer took: what
+is charged is what was used, whatever the prefetch drew (a pass started by prefetching and
+dropped with its iterator costs nothing, since nothing of it was released). A new iterator
+(a new `fit` call, a new epoch over the finite dataset, a restart) starts a new pass with a
+new permutation.
 
 Custom training loops declare the same thing by hand: `optimizer.set_sampling(n, b / n,
 "shuffle", b)` and `optimizer.ledger.record_passes(1)` whenever a new permutation is drawn.

@@ -9,8 +9,8 @@ accounting of `fit(x, y, batch_size=B)` made true: the batches really are Poisso
 `fit(..., sampling="shuffle")` (the default when the optimizer has num_microbatches) cuts a
 fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
 the ledger records policy "shuffle" (replace one example, sensitivity 2S; no amplification:
-every pass started costs one un-amplified mechanism) and the number of passes, synced from
-the sampler after every step. Keras' own `shuffle=` is not used for DP.
+every pass used costs one un-amplified mechanism) and the number of passes whose steps were
+taken, synced from the sampler after every step (a pass only prefetched is not charged). Keras' own `shuffle=` is not used for DP.
 
 `validation_split` keeps Keras' meaning: the last fraction of the arrays (before any
 sampling) is held out. `sample_weight` and `class_weight` weigh each example's loss inside
