@@ -41,7 +41,9 @@ def _model(noise):
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
       1, use_bias=False, kernel_initializer="zeros")])
-  params = {"num_bands": B, "num_steps": FITS * STEPS} if noise == "band_mf" else {}
+  params = {"band_mf": {"num_bands": B, "num_steps": FITS * STEPS},
+            "blt": {"num_steps": FITS * STEPS, "num_buffers": 2, "min_separation": B},
+            "iid": {}}[noise]
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")   # noise 0: not private, on purpose
     opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, noise=noise, learning_rate=1.0, **params)
@@ -71,7 +73,7 @@ def _check_against_claim(model, joined):
   return most, gap, claimed
 
 
-@pytest.mark.parametrize("noise", ["iid", "band_mf"])
+@pytest.mark.parametrize("noise", ["iid", "band_mf", "blt"])
 @pytest.mark.parametrize("how", ["same_dataset", "new_dataset"])
 def test_eight_fits_of_five_steps_keep_the_ledgers_claim(noise, how):
   """n = 24, 4 groups, q = 1, 8 fits of 5 steps: the 16-step prefetch of each fit is dropped,
