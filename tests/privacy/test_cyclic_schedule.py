@@ -153,3 +153,25 @@ def test_a_crash_and_backup_and_restore_continue_the_ledgers_cycle(tmp_path):
   steps_of = [[t for t, s in enumerate(joined) if i in s] for i in range(N)]
   assert max(len(s) for s in steps_of) <= claimed == math.ceil((3 * STEPS + 3) / B)
   assert min(np.diff(s).min() for s in steps_of if len(s) > 1) >= B
+
+
+@pytest.mark.parametrize("noise", ["iid", "band_mf"])
+def test_one_fit_of_several_epochs_keeps_the_ledgers_claim(noise):
+  """Keras makes a new iterator at each epoch's end and, without fit's steps_per_epoch,
+  replaces it at the next epoch's start: the dropped one's prefetch must not shift the cycle
+  (5 steps per epoch, not a multiple of b = 4)."""
+  model = _model(noise)
+  x, y = np.eye(N, dtype=np.float32), np.zeros((N, 1), np.float32)
+  ds = cyclic_poisson.cyclic_poisson_batches(x, y, expected_batch_size=N / B, num_groups=B,
+                                             steps_per_epoch=STEPS)
+  joined = []
+  model.fit(ds, epochs=FITS, verbose=0, callbacks=[_Recorder(joined)])
+  assert _check_against_claim(model, joined) == (10, 4, 10)
+
+
+def test_a_repeated_cyclic_dataset_is_refused():
+  x, y = np.eye(N, dtype=np.float32), np.zeros((N, 1), np.float32)
+  ds = cyclic_poisson.cyclic_poisson_batches(x, y, expected_batch_size=N / B, num_groups=B)
+  model = _model("iid")
+  with pytest.raises(ValueError, match=r"cannot be repeated"):
+    model.fit(ds.repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)

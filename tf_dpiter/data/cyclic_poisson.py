@@ -19,14 +19,17 @@ ceil(T / b) Poisson-sampled Gaussian steps (`tf_dpiter.accounting.ledger_events`
 The participation schedule is state the ledger owns: the position p of the next step is the
 number of cyclic_poisson samples the ledger holds (`PrivacyLedger.cycle_position`: a TF
 variable, counted by the training step itself, recomputed from the rows on a journal or file
-restore). `DPModel.fit` makes the sampler start every fit at that position (`resume_at`), so
-the 16 steps a dataset draws ahead (`sampling.INDEX_CHUNK`) and then drops at the end of a fit
-never shift the cycle: the next group is the one after the last step the optimizer took.
-Outside `fit`, iterate whole passes of the dataset or call `sampler.resume_at(ledger)` first.
+restore). `DPModel.fit` binds the sampler to its ledger (`resume_at`), and every new iterator
+of the dataset starts at that position, read when its generator starts; so the 16 steps a
+dataset draws ahead (`sampling.INDEX_CHUNK`) and drops with its iterator (at the end of a fit,
+or the iterator Keras makes at an epoch's end and replaces) never shift the cycle: the next
+group is the one after the last step the optimizer took. Outside `fit`, call
+`sampler.resume_at(ledger)` (or iterate whole passes). `.repeat()` on the dataset is refused.
 """
 
 import hashlib
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -123,6 +126,12 @@ class CyclicPoissonSampler:
     self._lock = threading.Lock()
     self._step = 0
     self._pending = None
+    self._ledger = None
+
+  # The schedule is ledger state: a dataset of this sampler must not be repeated inside one
+  # iterator (`sampling.get_sampling_spec` refuses .repeat()), since a generator restarted by
+  # repeat would read the ledger's position while earlier draws still wait in the prefetch.
+  ledger_schedule = True
 
   @property
   def selection_probability(self):
@@ -154,29 +163,50 @@ class CyclicPoissonSampler:
     return int(self._group_of[index])
 
   def resume_at(self, position):
-    """Makes the next iterator of the dataset start at cycle position `position`.
+    """Makes every later iterator of the dataset start at the schedule's position.
 
-    `position` is an int, or a PrivacyLedger (its `cycle_position`: the cyclic steps it
-    holds). It takes effect when the next iterator starts drawing (a pass already being
-    drawn is not moved): `DPModel.fit` calls it before its first step and after its last.
+    `position` is a PrivacyLedger: the sampler is bound to it and each new iterator starts
+    at its `cycle_position` (the cyclic steps it holds), read when the iterator's generator
+    starts, so draws an earlier iterator prefetched and dropped never shift the cycle
+    (`DPModel.fit` binds it before its first step). An int starts the next iterator there.
 
     Args:
-      position: int >= 0 or a PrivacyLedger.
+      position: a PrivacyLedger, or an int >= 0.
     Raises:
       ValueError: a negative position.
     """
-    if hasattr(position, "cycle_position"):
-      position = int(position.cycle_position.numpy())
-    if int(position) < 0:
-      raise ValueError(f"position must be >= 0, got {position!r}")
     with self._lock:
-      self._pending = int(position)
+      if hasattr(position, "cycle_position"):
+        self._ledger = weakref.ref(position)
+        return
+      if int(position) < 0:
+        raise ValueError(f"position must be >= 0, got {position!r}")
+      self._ledger, self._pending = None, int(position)
 
   def start_iterator(self):
-    """Called by the dataset's generator before its first draw: applies `resume_at`."""
+    """Called by the dataset's generator before its first draw; returns that generator's
+    draw function, which starts at the bound ledger's position (else at `resume_at`'s, else
+    where the last draw stopped) and keeps its own position, so two iterators alive at once
+    (one being dropped) never share a counter."""
     with self._lock:
-      if self._pending is not None:
-        self._step, self._pending = self._pending, None
+      ledger = self._ledger() if self._ledger is not None else None
+      if ledger is not None:
+        start = int(ledger.cycle_position.numpy())
+      elif self._pending is not None:
+        start, self._pending = self._pending, None
+      else:
+        start = self._step
+    position = [start]
+
+    def draw():
+      p = position[0]
+      position[0] = p + 1
+      with self._lock:
+        self._step = p + 1
+      group = self._groups[p % self._b]
+      return group[self._rng.random(len(group)) < self._q]
+
+    return draw
 
   def take_new_passes(self):
     """No passes are counted under cyclic Poisson (each step is charged by the step)."""

@@ -111,6 +111,13 @@ def get_sampling_spec(dataset):
   lost = [d for i, d in enumerate(path)
           if i not in inner and type(d).__name__ not in _KEEPS_SAMPLING]
   if not lost:
+    if getattr(spec.sampler, "ledger_schedule", False) and any(
+        type(d).__name__ == "_RepeatDataset" for d in path):
+      raise ValueError(
+          f"a {spec.policy!r} dataset cannot be repeated (.repeat()): its schedule is ledger "
+          "state, read when each iterator starts, and a repeat restarts it while earlier draws "
+          "still wait in the prefetch. Give the dataset enough steps instead (steps_per_epoch "
+          "of cyclic_poisson_batches), or fit(..., steps_per_epoch=k) several times")
     return spec
   name = _transform_name(lost[0])
   raise ValueError(
@@ -272,7 +279,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
   for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a
-  new iterator or a repeat), before its first draw (the cyclic sampler resumes there).
+  new iterator or a repeat), before its first draw; if it returns a function, that function
+  draws this generator's steps in place of next_indices (the cyclic sampler's per-iterator
+  position).
   """
   xs = tf.nest.map_structure(tf.convert_to_tensor, x)
   ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
@@ -280,10 +289,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
       tf.convert_to_tensor(sample_weight, tf.float32), [-1])
 
   def gen():
-    if on_start is not None:
-      on_start()
+    draw = (on_start() if on_start is not None else None) or next_indices
     for start in range(0, steps, INDEX_CHUNK):
-      draws = [np.asarray(next_indices(), np.int64)
+      draws = [np.asarray(draw(), np.int64)
                for _ in range(min(INDEX_CHUNK, steps - start))]
       yield np.concatenate(draws), np.cumsum([0] + [len(d) for d in draws], dtype=np.int64)
 

@@ -335,11 +335,9 @@ class SamplingSync(keras.callbacks.Callback):
     callbacks_lib.write_privacy_logs(self.model, epoch, logs)
 
   def on_train_end(self, logs=None):
-    """Records the passes used since the last batch; the next iterator of a ledger-owned
-    schedule starts where this fit's steps ended (draws prefetched and dropped do not count)."""
+    """Records the passes used since the last batch (a ledger-owned schedule stays bound to
+    the ledger: its next iterator starts where this fit's steps ended)."""
     self._sync()
-    if self._begun and hasattr(self.sampler, "resume_at"):
-      self.sampler.resume_at(self.model.ledger)
     self._begun = False
     _ACTIVE.pop(self.model, None)
 
