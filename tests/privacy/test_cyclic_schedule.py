@@ -37,7 +37,7 @@ class _Recorder(keras.callbacks.Callback):
     self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
 
 
-def _model(noise):
+def _model(noise, journal=None):
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
       1, use_bias=False, kernel_initializer="zeros")])
@@ -46,7 +46,8 @@ def _model(noise):
             "iid": {}}[noise]
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")   # noise 0: not private, on purpose
-    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, noise=noise, learning_rate=1.0, **params)
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, noise=noise, learning_rate=1.0,
+                                       ledger_journal=journal, **params)
   model.compile(optimizer=opt, loss=lambda y_true, y_pred: y_pred[:, 0])
   return model
 
@@ -175,3 +176,20 @@ def test_a_repeated_cyclic_dataset_is_refused():
   model = _model("iid")
   with pytest.raises(ValueError, match=r"cannot be repeated"):
     model.fit(ds.repeat(), epochs=1, steps_per_epoch=STEPS, verbose=0)
+
+
+@pytest.mark.parametrize("noise", ["iid", "band_mf"])
+def test_save_load_model_then_fit_continues_the_ledgers_cycle(noise, tmp_path):
+  """model.save -> keras.models.load_model -> fit (a new dataset; the journal carries the
+  ledger): the cycle continues at the ledger's position and the partition is the same (a
+  hash of each example's record), so every step keeps the claim."""
+  model = _model(noise, journal=str(tmp_path / "run.journal"))
+  joined = []
+  model.fit(_dataset(), epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[_Recorder(joined)])
+  model.save(str(tmp_path / "m.keras"))
+  loaded = keras.models.load_model(str(tmp_path / "m.keras"), safe_mode=False)
+  for _ in range(FITS - 1):
+    loaded.fit(_dataset(), epochs=1, steps_per_epoch=STEPS, verbose=0,
+               callbacks=[_Recorder(joined)])
+  assert int(loaded.ledger.cycle_position.numpy()) == FITS * STEPS
+  assert _check_against_claim(loaded, joined) == (10, 4, 10)
