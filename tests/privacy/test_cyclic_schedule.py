@@ -193,3 +193,10 @@ def test_save_load_model_then_fit_continues_the_ledgers_cycle(noise, tmp_path):
                callbacks=[_Recorder(joined)])
   assert int(loaded.ledger.cycle_position.numpy()) == FITS * STEPS
   assert _check_against_claim(loaded, joined) == (10, 4, 10)
+
+
+def test_identities_of_text_records_are_their_content():
+  texts = np.array(["a cat", "a dog", "a cow"], dtype=object)
+  copy = np.array([str(t) for t in texts], dtype=object)     # other objects, same content
+  assert cyclic_poisson.record_identities(texts) == cyclic_poisson.record_identities(copy)
+  assert len(set(cyclic_poisson.record_identities(texts))) == 3

@@ -61,9 +61,18 @@ def record_identities(x, y=None):
     h = hashlib.blake2b(digest_size=16, person=b"tfdpiter.record")
     for a in leaves:
       h.update(str((a.dtype.str, a.shape[1:])).encode())
-      h.update(a[i].tobytes())
+      h.update(_row_bytes(a, i))
     out.append(h.digest())
   return out
+
+
+def _row_bytes(a, i):
+  """The content bytes of row i (object arrays, e.g. Python strings: their repr, since their
+  raw bytes would be pointers that differ between processes)."""
+  if a.dtype == object:
+    row = a[i]
+    return repr(row.tolist() if isinstance(row, np.ndarray) else row).encode()
+  return np.ascontiguousarray(a[i]).tobytes()
 
 
 def index_identities(n):
