@@ -26,7 +26,8 @@ def test_cyclic_poisson_keeps_participations_b_apart_with_probability_q(n, group
   # Each record had `cycles` turns, joining each with probability q: Binomial(cycles, q).
   sd = np.sqrt(cycles * q * (1 - q))
   assert np.all(np.abs(counts - cycles * q) <= 5 * sd + 1e-9)
-  assert sampler.spec() == sampling.SamplingSpec(records.CYCLIC_POISSON, n, q, float(groups))
+  assert sampler.spec() == sampling.SamplingSpec(records.CYCLIC_POISSON, n, q, float(groups),
+                                                 sampler)
 
 
 def test_cyclic_dataset_continues_the_cycle_across_epochs_and_carries_its_spec():

@@ -4,14 +4,16 @@ A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mech
 multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
 sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
 replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
-multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy:
+multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy, which the policy's object converts
+(`tf_dpiter.ledger.policies`: one object per policy, no if-chain here):
   poisson    -> PoissonSampledDpEvent(q, .)                 add or remove one
   fixed_size -> SampledWithoutReplacementDpEvent(n, m, .)   replace one
   shuffle    -> one un-amplified mechanism per pass started  replace one
   full       -> one mechanism per sample                    add or remove one
 Identical samples are composed with a count, so a ledger of 10^6 samples costs one event.
 
-Correlated noise and capped batches (issue 16; see `_extra_event`):
+Correlated noise and capped batches (issue 16; the CyclicPoisson, Shuffle and TruncatedPoisson
+objects):
   cyclic_poisson (b groups) -> per example, k = sum over runs of ceil(run length / b)
       participations of PoissonSampledDpEvent(q, Gaussian(sigma / (zeta S))): BandMF with b
       bands or fewer under b-min-separation is as private as k steps of Poisson-sampled DP-SGD
@@ -34,6 +36,7 @@ from typing import List, Tuple
 from tf_dpiter.accounting import composite_events
 from tf_dpiter.accounting.lazy_module import LazyModule
 from tf_dpiter.dp_query.events import effective_noise_multiplier
+from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
 
 dpa = LazyModule("dp_accounting")
@@ -138,9 +141,9 @@ def groups_from_runs(runs) -> List[SampleGroup]:
            any(q.kind == "non_private" for q in run.queries) or z == 0.0,
            run.examples_per_record) + extra[:2] + (selected,)
     merged[key] = merged.get(key, 0) + run.count
-    if run.policy == rec.CYCLIC_POISSON:
-      # A run of c consecutive steps holds at most ceil(c / b) steps of any one group.
-      participations[key] = participations.get(key, 0) + math.ceil(run.count / run.sample_size)
+    per_run = policies.get(run.policy).participations(run.count, run.sample_size)
+    if per_run:
+      participations[key] = participations.get(key, 0) + per_run
   return [SampleGroup(c, *k[:-1], participations=participations.get(k, 0), selected=k[-1])
           for k, c in merged.items()] + marker
 
@@ -199,7 +202,7 @@ def _mechanism(group):
 
 def _unit(group):
   k = group.examples_per_record
-  if rec.unit_of_policy(group.policy) == "user":
+  if policies.get(group.policy).unit == "user":
     return "user (a record is all of one user's examples, up to max_examples_per_user)"
   return "example" if k <= 1 else f"example (records are microbatches of {k} examples: sensitivity 2C)"
 
@@ -218,89 +221,9 @@ def group_event(group, accountant="rdp", passes=0):
   """
   mech = _mechanism(group)
   notes = []
-  n, q, m = group.population_size, group.selection_probability, group.sample_size
-  gaussian_only = not group.laplace_noise_multipliers
   if isinstance(mech, (dpa.NonPrivateDpEvent, dpa.NoOpDpEvent)):
     return dpa.SelfComposedDpEvent(mech, group.count), notes
-  if group.policy == rec.BALLS_IN_BINS:
-    return composite_events.balls_in_bins_event(group, mech, passes, notes), notes
-  if group.correlated or group.policy in rec.EXTRA_POLICIES:
-    return _extra_event(group, mech, accountant, passes, notes), notes
-  if group.policy in rec.POISSON_POLICIES and q < 1:
-    if gaussian_only or (accountant == "pld" and len(group.laplace_noise_multipliers) == 1
-                         and not math.isfinite(group.noise_multiplier)):
-      notes.append(f"Poisson sampling (q={q:.6g}, n={n:.0f}): amplification by subsampling "
-                   "assumes each record joined each sample independently with probability q "
-                   "and the sample's membership stayed secret")
-      return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, mech), group.count), notes
-    notes.append("Poisson-sampled samples with Laplace queries: no amplification by sampling "
-                 "claimed (the accountant does not support it for this mechanism)")
-    return dpa.SelfComposedDpEvent(mech, group.count), notes
-  if group.policy == rec.FIXED_SIZE and m < n:
-    if not gaussian_only:
-      notes.append("fixed-size samples with Laplace queries: no amplification claimed")
-      return dpa.SelfComposedDpEvent(mech, group.count), notes
-    notes.append(f"fixed-size sampling without replacement ({m:.0f} of {n:.0f}), samples "
-                 "independent across steps")
-    return dpa.SelfComposedDpEvent(
-        dpa.SampledWithoutReplacementDpEvent(int(n), int(m), mech), group.count), notes
-  if group.policy == rec.SHUFFLE:
-    return composite_events.shuffle_event(group, mech, passes, notes), notes
-  notes.append("every record in every sample: no amplification")
-  return dpa.SelfComposedDpEvent(mech, group.count), notes
-
-
-def _extra_event(group, mech, accountant, passes, notes):
-  """The event of a cyclic_poisson, truncated_poisson or tree group (see module doc)."""
-  n, q, m = group.population_size, group.selection_probability, group.sample_size
-  if group.laplace_noise_multipliers:
-    raise ValueError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
-                     "accounted for Gaussian queries only; this sample has Laplace queries")
-  if group.correlated == "tree":
-    tree = dpa.SingleEpochTreeAggregationDpEvent(group.noise_multiplier,
-                                                 2 ** group.tree_depth - 1)
-    if passes <= 0:
-      raise ValueError("tree aggregation rows with no shuffled pass recorded: one example may "
-                       "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
-                       "not cover; refusing to account it")
-    notes.append(f"tree aggregation (DP-FTRL, depth {group.tree_depth}): each example at most "
-                 "once per shuffled pass and every tree restarted at a pass boundary (the query's "
-                 "restart period divides the steps per pass): one SingleEpochTreeAggregation"
-                 "DpEvent per pass, accounted under REPLACE_SPECIAL with the recorded "
-                 "per-leaf sensitivity (the Gaussian bound depends only on it)")
-    return composite_events.shuffle_event(group, tree, passes, notes)
-  if group.policy == rec.TRUNCATED_POISSON:
-    if accountant != "pld":
-      raise ValueError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
-                       f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
-                       f"accountant='pld', got {accountant!r}")
-    notes.append(f"truncated Poisson sampling (q={q:.6g}, n={n:.0f}, at most {m:.0f} records: "
-                 "a uniformly random subset of a larger sample), relation add or remove one "
-                 "example: assumes each record joined independently with probability q, the "
-                 "subset was uniform and both stayed secret; an added example can displace "
-                 "another when the cap binds, which TruncatedSubsampledGaussianDpEvent charges "
-                 "as sensitivity 2")
-    return dpa.SelfComposedDpEvent(dpa.TruncatedSubsampledGaussianDpEvent(
-        int(n), q, int(m), group.noise_multiplier), group.count)
-  if group.policy == rec.CYCLIC_POISSON and group.correlated == "matrix":
-    notes.append(f"matrix mechanism (BLT) under cyclic sampling (b={m:.0f} groups): NO "
-                 "amplification by sampling claimed; each example's "
-                 f"{group.participations} participations >= b steps apart each cost a Gaussian "
-                 "of the strategy's equivalent per-participation sensitivity (their mu^2 add up "
-                 "to at least the whole run's)")
-    return dpa.SelfComposedDpEvent(mech, group.participations)
-  if group.policy == rec.CYCLIC_POISSON:
-    inner = mech if q >= 1 else dpa.PoissonSampledDpEvent(q, mech)
-    what = "banded matrix mechanism (noise multiplier over the strategy's largest column norm)" \
-        if group.correlated == "banded" else "independent Gaussian noise"
-    notes.append(f"cyclic Poisson sampling: n={n:.0f} split into b={m:.0f} fixed groups chosen "
-                 f"independently of the data, step t samples group t mod b with q={q:.6g}; "
-                 f"{what} with at most b bands, so each example's {group.participations} "
-                 "participations are >= b steps apart and the run is as private as that many "
-                 "Poisson-sampled Gaussian steps (Choquette-Choo et al. 2023, Theorem 4)")
-    return dpa.SelfComposedDpEvent(inner, group.participations)
-  raise ValueError(f"no accounting rule for {group.correlated!r} rows under policy "
-                   f"{group.policy!r}")
+  return policies.get(group.policy).event(group, mech, accountant, passes, notes), notes
 
 
 def relation_of(groups):
@@ -337,10 +260,8 @@ def neighboring_relation(groups):
 
 def _check_epochs(groups, passes):
   """ValueError when the shuffled passes / balls-in-bins epochs recorded are too few."""
-  pooled = [g for g in groups if g.policy in (rec.SHUFFLE, rec.BALLS_IN_BINS)
-            and not g.non_private]
-  per_pass = [math.ceil(g.population_size / g.sample_size) if g.policy == rec.SHUFFLE
-              else int(g.sample_size) for g in pooled]
+  pooled = [g for g in groups if policies.get(g.policy).pass_charged and not g.non_private]
+  per_pass = [policies.get(g.policy).steps_per_pass(g) for g in pooled]
   needed = math.ceil(sum(g.count / p for g, p in zip(pooled, per_pass)))
   if passes > 0 and passes < needed:
     raise ValueError(f"ledger holds {sum(g.count for g in pooled)} shuffled / balls-in-bins "

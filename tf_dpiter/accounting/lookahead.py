@@ -130,16 +130,19 @@ def _recorded_runs(ledger):
   return accountant_lib.ledger_runs(ledger)
 
 
-def content_after(ledger, planned=None, count=1):
+def content_after(ledger, planned=None, count=1, extra_passes=None):
   """What the accountant would read once `count` samples like `planned` are recorded.
 
   Args:
     ledger: a `PrivacyLedger` (read, not modified), or None for an empty one.
     planned: a `PlannedSample`, or None (the ledger alone).
     count: planned samples, an int >= 0.
+    extra_passes: the passes (epochs) the planned samples start, when the caller knows them
+      (the sampler does: `fit_sampling.passes_ahead`); None: as many as they need at least.
   Returns:
-    an `accounting.LedgerContent`. For a shuffled plan the passes are raised to what the
-    planned samples need (one more pass each ceil(n / m) samples), as a sampler would.
+    an `accounting.LedgerContent`. For a shuffled (balls-in-bins) plan the passes are raised
+    to what the planned samples need (one more pass each ceil(n / m) samples, one more epoch
+    each k samples), as a sampler would.
   Raises:
     ParameterTypeError: `ledger` or `planned` of the wrong type.
     PrivacyConfigError: bad planned values or count.
@@ -149,21 +152,45 @@ def content_after(ledger, planned=None, count=1):
   if planned is not None and count > 0:
     validation.check_instance("planned", planned, PlannedSample, "a PlannedSample")
     samples, queries = planned.arrays()
-    runs = runs + [(int(count), samples[0], queries)]
+    runs = _extend_runs(runs, int(count), samples[0], queries)
   groups = ledger_events.groups_from_runs(runs)
-  if planned is not None and count > 0 and planned.policy == rec.SHUFFLE:
+  recorded = passes
+  if planned is not None and count > 0 and planned.policy in (rec.SHUFFLE, rec.BALLS_IN_BINS):
     key = ledger_events.groups_from_runs([(1, samples[0], queries)])[0]
     for g in groups:
-      if dataclasses.replace(g, count=1) == key:
-        passes = max(passes, accountant_lib.shuffle_passes_needed(g))
+      if dataclasses.replace(g, count=1, participations=0) == key:
+        passes = max(passes, _passes_needed(g))
+  if extra_passes is not None:
+    passes = max(passes, recorded + int(extra_passes))
   return accountant_lib.LedgerContent(tuple(groups), passes)
 
 
-def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accountant="rdp"):
+def _extend_runs(runs, count, sample, queries):
+  """runs with `count` more samples like (sample, queries): the last run grows when it is the
+  same sample (the steps continue it, as the recorded ones will: a cyclic run of c + count
+  steps is charged ceil((c + count) / b) participations, not ceil(c / b) + ceil(count / b)),
+  else a new run is appended."""
+  if runs:
+    c, s, q = runs[-1]
+    if (np.array_equal(s[:5], sample[:5]) and q.shape == queries.shape
+        and np.array_equal(q[:, 1:], queries[:, 1:])):
+      return runs[:-1] + [(c + count, s, q)]
+  return runs + [(count, sample, queries)]
+
+
+def _passes_needed(group):
+  """Passes (shuffle) or epochs (balls in bins) that a group's samples start at least."""
+  if group.policy == rec.BALLS_IN_BINS:
+    return -(-group.count // int(group.sample_size))
+  return accountant_lib.shuffle_passes_needed(group)
+
+
+def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accountant="rdp",
+                 extra_passes=None):
   """`accounting.privacy_report` of the ledger with `count` planned samples added.
 
   Args:
-    ledger, planned, count: as in `content_after`.
+    ledger, planned, count, extra_passes: as in `content_after`.
     delta / epsilon: exactly one (epsilon at delta, or delta at epsilon).
     accountant: "rdp" or "pld".
   Returns:
@@ -172,7 +199,7 @@ def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accoun
   Raises:
     PrivacyConfigError: bad arguments, or a ledger that cannot be accounted soundly.
   """
-  content = content_after(ledger, planned, count)
+  content = content_after(ledger, planned, count, extra_passes)
   if not content.groups:
     if (delta is None) == (epsilon is None):
       raise PrivacyConfigError(
@@ -187,7 +214,8 @@ def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accoun
                                            accountant=accountant)
 
 
-def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp"):
+def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp",
+                  extra_passes=None):
   """Epsilon at `delta` once `extra_steps` samples like `planned` are recorded.
 
   Args: as `report_after` (`extra_steps` is its `count`).
@@ -197,7 +225,7 @@ def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp"):
     PrivacyConfigError: see `report_after`.
   """
   return float(report_after(ledger, planned, extra_steps, delta=delta,
-                            accountant=accountant).epsilon)
+                            accountant=accountant, extra_passes=extra_passes).epsilon)
 
 
 def delta_after(ledger, epsilon, planned=None, extra_steps=1, accountant="rdp"):

@@ -3,10 +3,12 @@
 `poisson_batches` (policy "poisson", the default of `DPModel.fit` on arrays) and
 `shuffled_batches` (policy "shuffle": a new permutation per pass, passes charged by the
 ledger); both carry the `SamplingSpec` that `DPModel.fit` declares to the ledger.
-They survive prefetch, with_options, assert_cardinality, repeat and take; records are
+They survive prefetch, with_options, assert_cardinality, repeat and take (repeat is refused
+for cyclic Poisson, whose schedule is ledger state); records are
 transformed one at a time with `map_fn=` or `map_records` (a map over whole batches, cache,
 batch, filter... lose the declaration, and fit names the transform).
-Also: cyclic Poisson (b-min-separation, for banded matrix factorization) and truncated Poisson
+Also: cyclic Poisson (b-min-separation, for banded matrix factorization; groups by a hash of
+each example's own identity, the cycle position owned by the ledger) and truncated Poisson
 samplers, out-of-core Poisson sampling by index from TFRecord shards
 (`poisson_batches_from_source`, `distributed_poisson_batches` for multi-worker) and user-level
 Poisson sampling (`poisson_user_batches`).

@@ -10,8 +10,8 @@ relation is add or remove one example (another record's step does not depend on 
 clipped sum has sensitivity S.
 
 The ledger records policy "balls_in_bins" with sample_size = k and selection_probability =
-1 / k; the sampler counts the epochs it started (one allocation each) and `DPModel.fit` moves
-them into the ledger's `passes`. The accountant charges one un-amplified step mechanism per
+1 / k; the sampler counts the epochs it started (one allocation each) and `DPModel.fit`
+records in the ledger's `passes` every epoch one of whose steps was taken. The accountant charges one un-amplified step mechanism per
 epoch started (`tf_dpiter.accounting.composite_events.balls_in_bins_event`): a proven bound;
 amplification by the secret allocation is real but is not claimed.
 """
@@ -45,7 +45,8 @@ class BallsInBinsSampler:
       raise ValueError(f"steps_per_epoch must be an integer in [1, n={n}], got {k!r}")
     self._n, self._k = int(n), int(k)
     self._rng = sampling.make_rng(seed, who="BallsInBinsSampler")
-    self._epochs = shuffling.ShuffleSampler()
+    self._epochs = shuffling.ShuffleSampler(self._k)
+    self._epochs.continues_across_iterators = True
 
   @property
   def steps_per_epoch(self):
@@ -58,12 +59,34 @@ class BallsInBinsSampler:
     return self._epochs.passes_started
 
   def take_new_passes(self):
-    """Epochs started since the last call; `DPModel.fit` records them as the ledger's passes.
+    """Epochs started since the last call (what a custom loop records as the ledger's passes).
 
     Returns:
       an int >= 0.
     """
     return self._epochs.take_new_passes()
+
+  def begin_fit(self):
+    """See `shuffling.ShuffleSampler.begin_fit`."""
+    self._epochs.begin_fit()
+
+  def passes_ahead(self, steps_taken, count):
+    """Epochs not yet charged that the fit's next `count` steps would use (at most)."""
+    return self._epochs.passes_ahead(steps_taken, count)
+
+  def take_used_passes(self, steps_taken):
+    """Epochs with a step among the fit's first `steps_taken` steps, not yet charged
+    (`shuffling.ShuffleSampler.take_used_passes`): what `DPModel.fit` records as passes."""
+    return self._epochs.take_used_passes(steps_taken)
+
+  def next_step(self, state):
+    """The index array of the next step (a new allocation when the last one is used up);
+    `state` is the dataset's dict holding the allocation in progress."""
+    if "it" not in state:
+      state["it"] = _endless_steps(self)
+    idx = next(state["it"])
+    self._epochs.step_drawn()
+    return idx
 
   def next_epoch(self):
     """Draws a new allocation and counts one epoch.
@@ -146,9 +169,7 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
   state = {}
 
   def next_indices():
-    if "it" not in state:
-      state["it"] = _endless_steps(sampler)
-    return next(state["it"])
+    return sampler.next_step(state)
 
   steps = int(epochs) * sampler.steps_per_epoch
   return sampling.indexed_batches(next_indices, x, y, steps, int(max_batch_size), sampler.spec())

@@ -1,36 +1,115 @@
 """Cyclic Poisson (b-min-separation) sampling for correlated-noise training.
 
-The n records are split once into b groups by a uniformly random permutation drawn
-independently of the data; step t Poisson-samples group t mod b: each of its records joins
-with probability q. An example can then only join steps t, t + b, t + 2b, ...: its
+Claim (relation and unit first): add or remove one example; the unit is the example. Each
+example is put in one of b groups by a hash of *its own identity* (by default the bytes of
+its record, x and y; or an id the caller gives), never by its position among the others or
+by n, so adding or removing one example moves no other example to another group. Step p of
+the ledger's cyclic stream Poisson-samples group p mod b: each of its examples joins with
+probability q, independently. An example can then only join steps p, p + b, p + 2b, ...: its
 participations are at least b steps apart, which is what amplified banded matrix
-factorization needs (Choquette-Choo et al. 2023, Section 5: "b-min-separation", cyclic
-Poisson). The expected batch is q n / b. The ledger records policy "cyclic_poisson" with
-the cycle length b in its `sample_size` column; the accountant charges each example
+factorization needs (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
+Section 5 and Theorem 4: b-min-separation, cyclic Poisson). Their analysis holds for any
+partition fixed independently of the other examples, so the group hash needs no secret: a
+fixed, public hash (BLAKE2b) keeps the partition identical in every `fit`, every dataset
+built from the same examples and every process, which is what lets the schedule survive a
+restart. The expected batch is q n / b. The ledger records policy "cyclic_poisson" with the
+cycle length b in its `sample_size` column; the accountant charges each example
 ceil(T / b) Poisson-sampled Gaussian steps (`tf_dpiter.accounting.ledger_events`).
 
-The step counter lives in the sampler, so a dataset iterated again (Keras starts a new
-epoch) continues the cycle where it stopped.
+The participation schedule is state the ledger owns: the position p of the next step is the
+number of cyclic_poisson samples the ledger holds (`PrivacyLedger.cycle_position`: a TF
+variable, counted by the training step itself, recomputed from the rows on a journal or file
+restore). `DPModel.fit` binds the sampler to its ledger (`resume_at`), and every new iterator
+of the dataset starts at that position, read when its generator starts; so the 16 steps a
+dataset draws ahead (`sampling.INDEX_CHUNK`) and drops with its iterator (at the end of a fit,
+or the iterator Keras makes at an epoch's end and replaces) never shift the cycle: the next
+group is the one after the last step the optimizer took. Outside `fit`, call
+`sampler.resume_at(ledger)` (or iterate whole passes). `.repeat()` on the dataset is refused.
 """
 
+import hashlib
+import threading
+import weakref
 
 import numpy as np
+import tensorflow as tf
 
 from tf_dpiter.data import sampling
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
 CYCLIC_POISSON = records.CYCLIC_POISSON
+_PERSON = b"tfdpiter.cyclic"   # BLAKE2b personalization: the group hash of this module only
+
+
+def record_identities(x, y=None):
+  """Per-example identities [n] (bytes): BLAKE2b-128 of each example's own x and y rows.
+
+  A function of that example's record alone (its dtype, shape and bytes), so it does not
+  change when other examples are added or removed. Identical records share an identity
+  (and hence a group), which the claim allows: each is still in exactly one group.
+
+  Args:
+    x: array or nest of arrays, n records on the leading axis. y: the same, or None.
+  Returns:
+    A list of n bytes objects.
+  """
+  leaves = [np.ascontiguousarray(np.asarray(a)) for a in tf.nest.flatten((x, y)) if a is not None]
+  n = int(leaves[0].shape[0])
+  out = []
+  for i in range(n):
+    h = hashlib.blake2b(digest_size=16, person=b"tfdpiter.record")
+    for a in leaves:
+      h.update(str((a.dtype.str, a.shape[1:])).encode())
+      h.update(_row_bytes(a, i))
+    out.append(h.digest())
+  return out
+
+
+def _row_bytes(a, i):
+  """The content bytes of row i (object arrays, e.g. Python strings: their repr, since their
+  raw bytes would be pointers that differ between processes)."""
+  if a.dtype == object:
+    row = a[i]
+    return repr(row.tolist() if isinstance(row, np.ndarray) else row).encode()
+  return np.ascontiguousarray(a[i]).tobytes()
+
+
+def index_identities(n):
+  """Identities of examples known only by an index 0..n-1 (ids that never move).
+
+  Args:
+    n: int, the number of examples.
+  Returns:
+    A list of n bytes objects (the little-endian int64 index).
+  """
+  return [int(i).to_bytes(8, "little", signed=True) for i in range(int(n))]
+
+
+def group_of_identity(identity, num_groups):
+  """The group (0..b-1) of one identity: BLAKE2b-64 of it, modulo b (bias < b / 2^64).
+
+  Args:
+    identity: bytes. num_groups: b >= 1.
+  Returns:
+    int in [0, b).
+  """
+  digest = hashlib.blake2b(identity, digest_size=8, person=_PERSON).digest()
+  return int.from_bytes(digest, "little") % int(num_groups)
 
 
 class CyclicPoissonSampler:
-  """Index sampler: fixed random partition into `num_groups` groups, Poisson within a turn."""
+  """Index sampler: groups by a hash of each example's identity; Poisson within a turn."""
 
-  def __init__(self, population_size, num_groups, expected_batch_size, seed=None):
+  def __init__(self, population_size, num_groups, expected_batch_size, seed=None,
+               identities=None):
     """Args:
       population_size: n records.
       num_groups: b >= 1, the cycle length (the min separation; >= the strategy's bands).
       expected_batch_size: q n / b, so q = expected_batch_size b / n must be in (0, 1].
-      seed: tests only (reproducible, NOT private; warns). None: OS entropy.
+      seed: tests only (reproducible Poisson draws, NOT private; warns). None: OS entropy.
+      identities: n bytes objects, one per example (`record_identities`); None: the index
+        (then the claim needs neighbouring datasets that keep every other example's index).
     Raises:
       ValueError: an argument out of range, named.
     """
@@ -44,17 +123,24 @@ class CyclicPoissonSampler:
         0 < expected_batch_size * num_groups <= n):
       raise ValueError(f"expected_batch_size must be in (0, n / num_groups = {n / num_groups:g}]"
                        f", got {expected_batch_size!r}")
+    ids = index_identities(n) if identities is None else list(identities)
+    if len(ids) != n:
+      raise ValueError(f"identities must hold one id per example (n={n}), got {len(ids)}")
     self._n = n
     self._b = int(num_groups)
     self._q = float(expected_batch_size) * self._b / n
-    self._expected = float(expected_batch_size)
     self._rng = sampling.make_rng(seed, who="CyclicPoissonSampler")
-    perm = self._rng.permutation(n)
-    self._groups = [np.sort(g) for g in np.array_split(perm, self._b)]
-    self._group_of = np.empty(n, np.int64)
-    for g, members in enumerate(self._groups):
-      self._group_of[members] = g
+    self._group_of = np.asarray([group_of_identity(i, self._b) for i in ids], np.int64)
+    self._groups = [np.flatnonzero(self._group_of == g) for g in range(self._b)]
+    self._lock = threading.Lock()
     self._step = 0
+    self._pending = None
+    self._ledger = None
+
+  # The schedule is ledger state: a dataset of this sampler must not be repeated inside one
+  # iterator (`sampling.get_sampling_spec` refuses .repeat()), since a generator restarted by
+  # repeat would read the ledger's position while earlier draws still wait in the prefetch.
+  ledger_schedule = True
 
   @property
   def selection_probability(self):
@@ -68,7 +154,7 @@ class CyclicPoissonSampler:
 
   @property
   def step(self):
-    """Steps drawn so far (the next step samples group step mod b)."""
+    """The cycle position of the next draw (the next step samples group step mod b)."""
     return self._step
 
   def group_of(self, index):
@@ -85,6 +171,56 @@ class CyclicPoissonSampler:
       raise ValueError(f"index must be in [0, {self._n}), got {index!r}")
     return int(self._group_of[index])
 
+  def resume_at(self, position):
+    """Makes every later iterator of the dataset start at the schedule's position.
+
+    `position` is a PrivacyLedger: the sampler is bound to it and each new iterator starts
+    at its `cycle_position` (the cyclic steps it holds), read when the iterator's generator
+    starts, so draws an earlier iterator prefetched and dropped never shift the cycle
+    (`DPModel.fit` binds it before its first step). An int starts the next iterator there.
+
+    Args:
+      position: a PrivacyLedger, or an int >= 0.
+    Raises:
+      ValueError: a negative position.
+    """
+    with self._lock:
+      if hasattr(position, "cycle_position"):
+        self._ledger = weakref.ref(position)
+        return
+      if int(position) < 0:
+        raise ValueError(f"position must be >= 0, got {position!r}")
+      self._ledger, self._pending = None, int(position)
+
+  def start_iterator(self):
+    """Called by the dataset's generator before its first draw; returns that generator's
+    draw function, which starts at the bound ledger's position (else at `resume_at`'s, else
+    where the last draw stopped) and keeps its own position, so two iterators alive at once
+    (one being dropped) never share a counter."""
+    with self._lock:
+      ledger = self._ledger() if self._ledger is not None else None
+      if ledger is not None:
+        start = int(ledger.cycle_position.numpy())
+      elif self._pending is not None:
+        start, self._pending = self._pending, None
+      else:
+        start = self._step
+    position = [start]
+
+    def draw():
+      p = position[0]
+      position[0] = p + 1
+      with self._lock:
+        self._step = p + 1
+      group = self._groups[p % self._b]
+      return group[self._rng.random(len(group)) < self._q]
+
+    return draw
+
+  def take_new_passes(self):
+    """No passes are counted under cyclic Poisson (each step is charged by the step)."""
+    return 0
+
   def next_indices(self):
     """Sorted indices of the next step's sample (a Poisson sample of the active group)."""
     group = self._groups[self._step % self._b]
@@ -93,7 +229,7 @@ class CyclicPoissonSampler:
 
   def spec(self):
     """The SamplingSpec the ledger records (sample_size = the cycle length b)."""
-    return sampling.SamplingSpec(CYCLIC_POISSON, self._n, self._q, float(self._b))
+    return sampling.SamplingSpec(CYCLIC_POISSON, self._n, self._q, float(self._b), self)
 
   def max_batch_size(self, num_sd=4.0, multiple=8):
     """A static padded size for the largest group: mean + num_sd sd, rounded up.
@@ -105,12 +241,55 @@ class CyclicPoissonSampler:
     Returns:
       int, the padded batch size in records (see `sampling.default_max_batch_size`).
     """
-    largest = max(len(g) for g in self._groups)
-    return sampling.default_max_batch_size(largest, self._q, num_sd, multiple)
+    largest = max(1, max(len(g) for g in self._groups))
+    return sampling.default_max_batch_size(largest, min(1.0, self._q), num_sd, multiple)
+
+
+def check_continuation(ledger, sampler, iterations):
+  """Refuses, before the first step of a fit, a cyclic run the ledger's claim cannot cover.
+
+  Correlated-noise rows (BandMF, BLT) need every participation >= b rows of the mechanism
+  apart, and one mechanism run: a ledger that holds more samples than the optimizer's
+  iterations (a restore rolled the optimizer back, so rows are run again) or whose last
+  cyclic rows used another cycle length b is refused. Independent noise only needs the count
+  (ceil(run / b) per run of the ledger's stream), which any continuation keeps.
+
+  Args:
+    ledger: the PrivacyLedger. sampler: the CyclicPoissonSampler. iterations: int, the
+      optimizer's iterations.
+  Raises:
+    PrivacyConfigError: the continuation is not covered; the message says what to do.
+  """
+  count = int(ledger.sample_count.numpy())
+  if count == 0:
+    return
+  samples, queries = ledger.get_arrays(start=count - 1)
+  row = samples[-1]
+  if records.policy_name(row[3]) != CYCLIC_POISSON:
+    return
+  correlated = bool(np.isin(queries[:, 1], [records.BANDED_GAUSSIAN,
+                                            records.MATRIX_GAUSSIAN]).any())
+  if not correlated:
+    return
+  if int(row[2]) != sampler.num_groups:
+    raise PrivacyConfigError(
+        f"this model's ledger ends with a correlated-noise (BandMF/BLT) run on cyclic Poisson "
+        f"with num_groups={int(row[2])}, and this dataset has num_groups={sampler.num_groups}: "
+        "changing the cycle mid-run breaks the >= b separation the accounting assumes. Build "
+        f"the dataset with num_groups={int(row[2])}, or start a new model and optimizer")
+  if count > iterations:
+    raise PrivacyConfigError(
+        f"this model's ledger holds {count} steps but the optimizer is at iteration "
+        f"{iterations}: a restore rolled a correlated-noise (BandMF/BLT) run back, so its "
+        "next steps would rerun rows of the same matrix mechanism, which the cyclic Poisson "
+        "accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. Resume from a "
+        "checkpoint taken at the ledger's last step (tf.train.Checkpoint or model.save "
+        "after fit), or train with noise='iid'")
 
 
 def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
-                           steps_per_epoch=None, max_batch_size="auto", seed=None):
+                           steps_per_epoch=None, max_batch_size="auto", seed=None,
+                           example_ids=None):
   """tf.data.Dataset of cyclic Poisson samples, (x_pad, [y_pad,] mask) per step.
 
   Args:
@@ -120,14 +299,23 @@ def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
       about one pass over the data in whole cycles).
     max_batch_size: "auto", an int, as in `sampling.poisson_batches`.
     seed: tests only (NOT private). None: OS entropy.
+    example_ids: optional [n] ids (ints or strings) that name each example across datasets;
+      None: the example's own bytes (`record_identities`). The group is a hash of the id.
   Returns:
-    The dataset, carrying a SamplingSpec("cyclic_poisson", n, q, b) (`sampling.get_sampling_spec`).
+    The dataset, carrying a SamplingSpec("cyclic_poisson", n, q, b) whose `sampler` is the
+    CyclicPoissonSampler (`sampling.get_sampling_spec`).
   """
   n = sampling.num_records(x if y is None else (x, y))
-  sampler = CyclicPoissonSampler(n, num_groups, expected_batch_size, seed)
+  if example_ids is None:
+    ids = record_identities(x, y)
+  else:
+    ids = [str(i).encode() if not isinstance(i, bytes) else i for i in np.asarray(
+        example_ids, dtype=object).reshape(-1).tolist()]
+  sampler = CyclicPoissonSampler(n, num_groups, expected_batch_size, seed, identities=ids)
   if steps_per_epoch is None:
     steps_per_epoch = num_groups * max(1, round(n / (num_groups * expected_batch_size)))
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()
   return sampling.indexed_batches(sampler.next_indices, x, y, int(steps_per_epoch),
-                                  int(max_batch_size), sampler.spec())
+                                  int(max_batch_size), sampler.spec(),
+                                  on_start=sampler.start_iterator)

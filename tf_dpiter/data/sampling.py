@@ -111,6 +111,13 @@ def get_sampling_spec(dataset):
   lost = [d for i, d in enumerate(path)
           if i not in inner and type(d).__name__ not in _KEEPS_SAMPLING]
   if not lost:
+    if getattr(spec.sampler, "ledger_schedule", False) and any(
+        type(d).__name__ == "_RepeatDataset" for d in path):
+      raise ValueError(
+          f"a {spec.policy!r} dataset cannot be repeated (.repeat()): its schedule is ledger "
+          "state, read when each iterator starts, and a repeat restarts it while earlier draws "
+          "still wait in the prefetch. Give the dataset enough steps instead (steps_per_epoch "
+          "of cyclic_poisson_batches), or fit(..., steps_per_epoch=k) several times")
     return spec
   name = _transform_name(lost[0])
   raise ValueError(
@@ -200,11 +207,15 @@ def poisson_indices(rng, lo, hi, q):
 
 
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
-                    max_batch_size="auto", seed=None, sample_weight=None, map_fn=None):
+                    max_batch_size="auto", seed=None, sample_weight=None, map_fn=None,
+                    population_size=None):
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
-  Each record joins each step independently with probability q = expected_batch_size / n
-  (seed 002, Section 1, step 1), drawn as a Binomial(n, q) size and a uniform subset
+  Each record joins each step independently with probability q = expected_batch_size / N
+  (seed 002, Section 1, step 1), N the *declared* population size (default: n, the records
+  given): q is a stated public parameter, fixed before sampling and recorded with N and the
+  expected batch size; a neighbouring dataset (one record more or less) is sampled with the
+  same q when N is declared. Drawn as a Binomial(n, q) size and a uniform subset
   (`poisson_indices`: the same law); the ledger records policy "poisson" (add or remove one
   example, sensitivity S of a clipped sum). The noised sum is divided by q n, the expected
   batch size (seed 002, Section 1, step 3). Only the indices are drawn in Python; the rows
@@ -226,6 +237,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
       y), applied to each record of a sample alone (tf.vectorized_map; padding rows too), so
       records cannot mix and the declaration is kept (`transforms.map_records`). A
       `dataset.map(f)` over whole batches is refused by fit, since f could mix records.
+    population_size: N, the public population size q is stated over (q = B / N); None: n.
 
   Returns:
     A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
@@ -236,11 +248,12 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     ValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
-  q, steps = check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
+  declared = n if population_size is None else check_population_size(population_size)
+  q, steps = check_poisson_args(declared, expected_batch_size, steps_per_epoch, max_batch_size)
   pad = default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
   rng = make_rng(seed)
   ds = indexed_batches(lambda: poisson_indices(rng, 0, n, q), x, y, steps, pad,
-                       SamplingSpec(POISSON, n, q, float(expected_batch_size)),
+                       SamplingSpec(POISSON, declared, q, float(expected_batch_size)),
                        sample_weight=sample_weight)
   if map_fn is not None:
     from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
@@ -249,7 +262,8 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   return ds
 
 
-def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None):
+def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None,
+                    on_start=None):
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
@@ -259,10 +273,15 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   current step runs. Each step's indices are still one call of next_indices(): the law of a
   sample does not depend on the chunking. A sampler that counts the passes it starts (balls
   in bins) may start one up to INDEX_CHUNK + 2 steps before its first step is taken: fit
-  charges it then (early, never missed: conservative if training stops first). Samples are padded with zero rows to
+  charges a pass when one of its steps is taken (`shuffling.ShuffleSampler.take_used_passes`),
+  so the prefetch never changes what is charged; the cyclic schedule restarts each fit at the
+  ledger's position (`cyclic_poisson`). Samples are padded with zero rows to
   `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
   padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
-  for padding (Keras' sample_weight).
+  for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a
+  new iterator or a repeat), before its first draw; if it returns a function, that function
+  draws this generator's steps in place of next_indices (the cyclic sampler's per-iterator
+  position).
   """
   xs = tf.nest.map_structure(tf.convert_to_tensor, x)
   ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
@@ -270,8 +289,9 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
       tf.convert_to_tensor(sample_weight, tf.float32), [-1])
 
   def gen():
+    draw = (on_start() if on_start is not None else None) or next_indices
     for start in range(0, steps, INDEX_CHUNK):
-      draws = [np.asarray(next_indices(), np.int64)
+      draws = [np.asarray(draw(), np.int64)
                for _ in range(min(INDEX_CHUNK, steps - start))]
       yield np.concatenate(draws), np.cumsum([0] + [len(d) for d in draws], dtype=np.int64)
 
@@ -293,6 +313,23 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return attach_spec(ds.with_options(PIPELINE_OPTIONS), spec)
+
+
+def check_population_size(population_size):
+  """The declared population size N as a float; ValueError unless a number >= 1.
+
+  Args:
+    population_size: N, the public population size q is stated over.
+  Returns:
+    float N.
+  Raises:
+    ValueError: N is not a number >= 1.
+  """
+  if isinstance(population_size, bool) or not isinstance(
+      population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
+    raise ValueError(f"population_size must be a number >= 1 (the public population size "
+                     f"q = B / N is stated over), got {population_size!r}")
+  return float(population_size)
 
 
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):

@@ -8,12 +8,14 @@ mechanism, under replace-one adjacency (n is public: the number of steps per pas
 so a clipped sum has sensitivity 2S (seed 002, Appendix A).
 
 The passes are counted by the sampler that made them. The generator runs in a tf.data
-thread and is prefetched, so it never writes TF variables: it increments a Python counter
-on its `ShuffleSampler`, and `DPModel.fit` (an internal callback, after every training step
-and at the end of training) moves the passes started since the last sync into the ledger
-with `ledger.record_passes`. A pass started by prefetching but never trained on is charged
-too: conservative. A new iterator (a new `fit` call, a new epoch over the finite dataset, a
-restart) starts a new pass with a new permutation.
+thread and is prefetched, so it never writes TF variables: it counts, on its
+`ShuffleSampler`, the steps it draws and where each pass starts, and `DPModel.fit` (an
+internal callback, after every training step and at the end of training) records in the
+ledger, with `ledger.record_passes`, every pass one of whose steps the optimizer took: what
+is charged is what was used, whatever the prefetch drew (a pass started by prefetching and
+dropped with its iterator costs nothing, since nothing of it was released). A new iterator
+(a new `fit` call, a new epoch over the finite dataset, a restart) starts a new pass with a
+new permutation.
 
 Custom training loops declare the same thing by hand: `optimizer.set_sampling(n, b / n,
 "shuffle", b)` and `optimizer.ledger.record_passes(1)` whenever a new permutation is drawn.
@@ -31,15 +33,28 @@ from tf_dpiter.errors import PrivacyConfigError
 
 
 class ShuffleSampler:
-  """Counts the shuffled passes (permutations) a `shuffled_batches` dataset started.
+  """Counts the shuffled passes (permutations) a `shuffled_batches` dataset started, and the
+  steps it drew, so that `DPModel.fit` charges the passes its steps used (not the ones a
+  prefetch started and the fit dropped).
 
-  Thread-safe: the tf.data thread increments, the training thread takes the new passes.
+  Thread-safe: the tf.data thread counts, the training thread takes the passes.
+
+  Args:
+    steps_per_pass: the steps of one pass (floor(n / B) with drop_remainder), or None.
   """
 
-  def __init__(self):
+  def __init__(self, steps_per_pass=None):
     self._lock = threading.Lock()
     self._started = 0
     self._taken = 0
+    self.steps_per_pass = steps_per_pass
+    self._drawn = 0          # steps drawn (yielded) so far, in order
+    self._starts = []        # the step index (in drawing order) at which each pass starts
+    self._charged = set()    # passes already charged by `take_used_passes`
+    self._base = 0           # the first step index of the current fit
+    # False: every new iterator starts a new pass (shuffled_batches); True: passes continue
+    # across iterators (a balls-in-bins allocation in progress).
+    self.continues_across_iterators = False
 
   @property
   def passes_started(self):
@@ -51,16 +66,74 @@ class ShuffleSampler:
     """Counts one more pass; called by the generator before its first batch."""
     with self._lock:
       self._started += 1
+      self._starts.append(self._drawn)
+
+  def step_drawn(self):
+    """Counts one step drawn (a batch handed to tf.data); called by the generator."""
+    with self._lock:
+      self._drawn += 1
 
   def take_new_passes(self):
     """Passes started since the last call; they are then marked as recorded.
 
     Returns:
-      an int >= 0 (what `DPModel.fit` moves into the ledger with `record_passes`).
+      an int >= 0 (what a custom loop moves into the ledger with `record_passes`).
     """
     with self._lock:
       new = self._started - self._taken
       self._taken = self._started
+      return new
+
+  def begin_fit(self):
+    """Marks the next step drawn as the first step of a fit (`take_used_passes` counts from
+    there): the steps drawn before were trained on or dropped with their iterator."""
+    with self._lock:
+      self._base = self._drawn
+
+  def passes_ahead(self, steps_taken, count):
+    """The passes not yet charged that the fit's next `count` steps would use (at most).
+
+    Args:
+      steps_taken: int, the steps the optimizer took in this fit.
+      count: int >= 1, the steps planned.
+    Returns:
+      an int >= 0: the pass in progress costs nothing more while it has steps left; each
+      further steps_per_pass steps start a new pass (without steps_per_pass: one per step).
+    """
+    per = self.steps_per_pass
+    if not per:
+      return int(count)
+    with self._lock:
+      p = self._base + int(steps_taken)
+      known = [(i, s) for i, s in enumerate(self._starts) if s <= p]
+      if known and (steps_taken > 0 or self.continues_across_iterators):
+        i, cur = known[-1]
+        if p < cur + per:
+          left = cur + per - p
+          first = 0 if i in self._charged else 1
+          return first + max(0, -(-(int(count) - left) // per))
+    return -(-int(count) // per)
+
+  def take_used_passes(self, steps_taken):
+    """Passes with a step among the first `steps_taken` steps of this fit, not yet charged.
+
+    Steps are consumed in drawing order within a fit, so the fit's steps are the drawing
+    indices [base, base + steps_taken); a pass is used when one of its steps is among them.
+
+    Args:
+      steps_taken: int >= 0, the steps the optimizer took in this fit.
+    Returns:
+      an int >= 0 (what `DPModel.fit` records with `ledger.record_passes`).
+    """
+    with self._lock:
+      self._taken = self._started
+      end = self._base + int(steps_taken)
+      new = 0
+      for i, start in enumerate(self._starts):
+        nxt = self._starts[i + 1] if i + 1 < len(self._starts) else float("inf")
+        if i not in self._charged and start < end and nxt > self._base and nxt > start:
+          self._charged.add(i)
+          new += 1
       return new
 
 
@@ -133,8 +206,8 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   _check_passes(passes)
   rng = sampling.make_rng(seed, "shuffled_batches")
   arrays = tf.nest.map_structure(np.asarray, data)
-  sampler = ShuffleSampler()
   per_pass = steps_per_pass(n, int(batch_size), drop_remainder)
+  sampler = ShuffleSampler(per_pass)
   gen = _permutation_batches(arrays, n, int(batch_size), per_pass, passes, rng, sampler)
   sig = tf.nest.map_structure(
       lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), arrays)
@@ -161,6 +234,7 @@ def _permutation_batches(arrays, n, batch_size, per_pass, passes, rng, sampler):
       for i in range(per_pass):
         idx = perm[i * batch_size:(i + 1) * batch_size]
         batch = tf.nest.map_structure(lambda a, idx=idx: a[idx], arrays)
+        sampler.step_drawn()
         yield batch if len(batch) > 1 else batch[0]
       done += 1
 

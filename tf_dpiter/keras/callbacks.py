@@ -221,7 +221,10 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   After each step (execution) the callback asks whether the ledger extended by
   steps_per_execution copies of its last sample would exceed `epsilon`; if so, training
   stops, so the ledger never holds a step past the budget (assuming the next step is like
-  the last one, which holds when the sampling and query do not change). The number of
+  the last one, which holds when the sampling and query do not change). The copies continue
+  the last run (a cyclic Poisson run of c + 1 steps costs ceil((c + 1) / b) participations);
+  under shuffled passes and balls in bins the fit's sampler says how many passes the next
+  steps start (a pass is charged when its first step is taken, never when prefetched). The number of
   allowed steps of the current kind is found once by binary search and cached. Before the
   first step the optimizer's Gaussian settings predict the step; with a custom query the
   first step is not checked.
@@ -259,17 +262,33 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     planned = lookahead.last_sample(ledger) or self._predicted_sample()
     return ledger, planned, int(getattr(self.model, "steps_per_execution", 1) or 1)
 
+  def _passes_ahead(self, planned, ahead):
+    """The passes / epochs the next `ahead` steps start, from the fit's sampler (it knows
+    where the pass in progress ends); None outside fit or for other policies."""
+    if planned.policy not in (ledger_lib.SHUFFLE, ledger_lib.BALLS_IN_BINS):
+      return None
+    from tf_dpiter.keras import fit_sampling  # pylint: disable=g-import-not-at-top
+    return fit_sampling.passes_ahead(self.model, ahead)
+
   def next_step_epsilon(self):
     """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""
     ledger, planned, ahead = self._planned()
     if planned is None:
       return None
-    return lookahead.epsilon_after(ledger, self.delta, planned, ahead, self.accountant)
+    return lookahead.epsilon_after(ledger, self.delta, planned, ahead, self.accountant,
+                                   extra_passes=self._passes_ahead(planned, ahead))
 
   def _exceeds(self):
     ledger, planned, ahead = self._planned()
     if planned is None:
       return False, None
+    extra = self._passes_ahead(planned, ahead)
+    if extra is not None:
+      # pass-charged policies: the next steps cost only the passes they start (none while
+      # the pass in progress lasts), which the sampler knows and a step count does not.
+      eps = lookahead.epsilon_after(ledger, self.delta, planned, ahead, self.accountant,
+                                    extra_passes=extra)
+      return eps > self.epsilon, None
     recorded, allowed = self._budget.allowed_total(ledger, planned)
     return recorded + ahead > allowed, allowed
 

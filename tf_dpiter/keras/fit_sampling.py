@@ -9,8 +9,8 @@ accounting of `fit(x, y, batch_size=B)` made true: the batches really are Poisso
 `fit(..., sampling="shuffle")` (the default when the optimizer has num_microbatches) cuts a
 fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
 the ledger records policy "shuffle" (replace one example, sensitivity 2S; no amplification:
-every pass started costs one un-amplified mechanism) and the number of passes, synced from
-the sampler after every step. Keras' own `shuffle=` is not used for DP.
+every pass used costs one un-amplified mechanism) and the number of passes whose steps were
+taken, synced from the sampler after every step (a pass only prefetched is not charged). Keras' own `shuffle=` is not used for DP.
 
 `validation_split` keeps Keras' meaning: the last fraction of the arrays (before any
 sampling) is held out. `sample_weight` and `class_weight` weigh each example's loss inside
@@ -23,6 +23,7 @@ PyDataset) is refused unless the sampling was declared with `optimizer.set_sampl
 import math
 import os
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -33,6 +34,7 @@ from tf_dpiter.ledger import records
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.data import shuffling
+from tf_dpiter.errors import PrivacyConfigError
 
 SAMPLINGS = (None, "poisson", "shuffle")
 JOURNAL_NAME = "privacy_ledger.journal"
@@ -159,13 +161,49 @@ def arrays_to_dataset(a, opt, sampling, pad=True):
   steps = a.get("steps_per_epoch")
   if policy == "poisson":
     ds = sampling_lib.poisson_batches(x, y, expected_batch_size=b, steps_per_epoch=steps,
-                                      sample_weight=sw, max_batch_size="auto" if pad else None)
+                                      sample_weight=sw, max_batch_size="auto" if pad else None,
+                                      population_size=run_population(opt, n, b))
   else:
     ds = shuffling.shuffled_batches(x, y, batch_size=b, sample_weight=sw,
                                     passes=None if steps else 1)
   a["x"] = ds
   a["shuffle"] = False
   return sampling_lib.get_sampling_spec(ds), reason
+
+
+def run_population(optimizer, n, batch_size):
+  """The population size q is stated over in this run: the one the run's ledger recorded for
+  its Poisson samples (q = B / N is fixed once per run, independently of the data fit is
+  given later: a neighbouring dataset, one record more or less, keeps the same q), else None
+  (the first fit: N = n of its arrays).
+
+  Args:
+    optimizer: the DP optimizer (its ledger, if made). n: records of this fit's arrays.
+    batch_size: B, the expected batch size.
+  Returns:
+    float N, or None.
+  Raises:
+    PrivacyConfigError: B > N (q would exceed 1).
+  """
+  led = getattr(optimizer, "_dp_ledger", None)
+  count = 0 if led is None else int(led.sample_count.numpy())
+  if count == 0:
+    return None
+  row = led.get_arrays(start=count - 1)[0][-1]
+  if records.policy_name(row[3]) != records.POISSON:
+    return None
+  declared = float(row[0])
+  if batch_size > declared:
+    raise PrivacyConfigError(
+        f"batch_size={batch_size} is more than the population size N={declared:g} this run's "
+        "q = B / N was stated over (its ledger's Poisson samples): q would exceed 1. Use "
+        "batch_size <= N, or a new optimizer for a new run")
+  if declared != n:
+    warnings.warn(
+        f"this run's Poisson rate is stated over N={declared:g} records (its ledger), and these "
+        f"arrays hold {n}: q stays {batch_size}/{declared:g} (fixed independently of the data); "
+        "the expected batch is q x (records given)", UserWarning, stacklevel=4)
+  return declared
 
 
 def describe(spec, reason, meter=None):
@@ -181,8 +219,9 @@ def describe(spec, reason, meter=None):
   """
   n, b = int(spec.population_size), spec.sample_size
   if spec.policy == ledger_lib.POISSON:
-    what = (f"Poisson sampling (q = {spec.selection_probability:.4g}, expected batch "
-            f"{b:g} of n = {n}; add/remove-one adjacency, sensitivity S)")
+    what = (f"Poisson sampling (q = {spec.selection_probability:.4g} = {b:g} / {n}: the stated "
+            "expected batch over the stated population, fixed before sampling; add/remove-one "
+            "adjacency, sensitivity S)")
   elif spec.policy == records.USER_POISSON:
     what = (f"Poisson sampling of users (q = {spec.selection_probability:.4g}, expected "
             f"{b:g} users of n = {n}; add/remove-one-user adjacency, sensitivity S per user)")
@@ -198,36 +237,96 @@ def describe(spec, reason, meter=None):
   return f"tf_dpiter DP-SGD: {what} [{reason}]; {acc}"
 
 
+# model -> the SamplingSync of its fit in progress (StopAtPrivacyBudget asks it what the next
+# steps start: `passes_ahead`).
+_ACTIVE = weakref.WeakKeyDictionary()
+
+
+def passes_ahead(model, count):
+  """The passes (shuffle) / epochs (balls in bins) not yet charged that the next `count`
+  steps of the model's fit in progress would use, or None when no sampler of the fit counts
+  them (outside fit, other policies).
+
+  Args:
+    model: the DP model. count: int >= 1.
+  Returns:
+    an int >= 0, or None.
+  """
+  sync = _ACTIVE.get(model)
+  if sync is None or not sync._begun or not hasattr(sync.sampler, "passes_ahead"):  # pylint: disable=protected-access
+    return None
+  taken = int(model.ledger.sample_count.numpy()) - sync._first_sample  # pylint: disable=protected-access
+  return sync.sampler.passes_ahead(taken, count)
+
+
 class SamplingSync(keras.callbacks.Callback):
-  """Internal: moves the sampler's new passes into the ledger, prints the log line, and has
-  the fit's PrivacyMeters write their epoch logs.
+  """Internal: moves the passes the fit's steps used into the ledger, starts a ledger-owned
+  schedule where the ledger says, prints the log line, and has the fit's PrivacyMeters write
+  their epoch logs.
 
   Runs first among the callbacks, so every later callback (PrivacyMeter, the journal,
   StopAtPrivacyBudget, checkpoints, the progress bar) sees a ledger that already holds the
   passes of the steps taken, and every callback (TensorBoard, CSVLogger, EarlyStopping...,
-  wherever they are listed) sees epsilon in the epoch logs. Passes started by prefetching
-  are charged too (conservative).
+  wherever they are listed) sees epsilon in the epoch logs. A pass (shuffle) or epoch
+  (balls in bins) is charged when one of its steps is taken: one a prefetch started and the
+  fit dropped costs nothing, and the prefetch never changes what is charged.
   """
 
   def __init__(self, sampler, line):
     super().__init__()
     self.sampler = sampler
     self.line = line
+    self._begun = False
+    self._first_sample = 0
+
+  def _begin(self):
+    """Once per fit, after the journal and BackupAndRestore restored (on_train_begin, after
+    this callback) and before the first iterator draws: the fit's first step is the next
+    one drawn, and a ledger-owned schedule (cyclic Poisson) starts at the ledger's position."""
+    if self._begun or self.sampler is None:
+      return
+    self._begun = True
+    _ACTIVE[self.model] = self
+    self._first_sample = int(self.model.ledger.sample_count.numpy())
+    if hasattr(self.sampler, "begin_fit"):
+      self.sampler.begin_fit()
+    check_tree_pass(self.model.optimizer, self.sampler)
+    if hasattr(self.sampler, "resume_at"):
+      from tf_dpiter.data import cyclic_poisson  # pylint: disable=g-import-not-at-top
+      cyclic_poisson.check_continuation(self.model.ledger, self.sampler,
+                                        int(self.model.optimizer.iterations.numpy()))
+      self.sampler.resume_at(self.model.ledger)
 
   def _sync(self):
-    if self.sampler is not None:
+    if self.sampler is None:
+      return
+    if hasattr(self.sampler, "take_used_passes"):
+      if not self._begun:
+        return
+      taken = int(self.model.ledger.sample_count.numpy()) - self._first_sample
+      new = self.sampler.take_used_passes(taken)
+    else:
       new = self.sampler.take_new_passes()
-      if new:
-        self.model.ledger.record_passes(new)
+    if new:
+      self.model.ledger.record_passes(new)
 
   def on_train_begin(self, logs=None):
     """Starts the fit's privacy logs and prints the sampling line (Keras callback hook)."""
+    self._begun = False
     callbacks_lib.begin_fit(self.model)
     if self.line:
       print(self.line)
 
+  def on_epoch_begin(self, epoch, logs=None):
+    """Begins the fit's sampling bookkeeping (first epoch only; see `_begin`)."""
+    self._begin()
+
+  def on_train_batch_begin(self, batch, logs=None):
+    """Same as on_epoch_begin, for a fit whose epoch hook did not run first."""
+    self._begin()
+
   def on_train_batch_end(self, batch, logs=None):
-    """Records in the ledger the passes the sampler started during this batch."""
+    """Records in the ledger the passes this batch's steps used."""
     self._sync()
 
   def on_epoch_end(self, epoch, logs=None):
@@ -236,8 +335,37 @@ class SamplingSync(keras.callbacks.Callback):
     callbacks_lib.write_privacy_logs(self.model, epoch, logs)
 
   def on_train_end(self, logs=None):
-    """Records the passes started since the last batch."""
+    """Records the passes used since the last batch (a ledger-owned schedule stays bound to
+    the ledger: its next iterator starts where this fit's steps ended)."""
     self._sync()
+    self._begun = False
+    _ACTIVE.pop(self.model, None)
+
+
+def check_tree_pass(optimizer, sampler):
+  """Refuses tree aggregation whose trees would span two shuffled passes of the real length.
+
+  The ledger charges one tree per shuffled pass, so `restart_every` must divide the steps of
+  a pass as the sampler really makes it: floor(n / B) with drop_remainder, ceil(n / B)
+  without (Kairouz et al. 2021, "Practical and Private (Deep) Learning without Sampling or
+  Shuffling", Appendix D: one participation per tree).
+
+  Args:
+    optimizer: the DP optimizer (its `noise` and `noise_params`, if any).
+    sampler: the data's sampler (its `steps_per_pass`, if any).
+  Raises:
+    PrivacyConfigError: restart_every does not divide the real pass length.
+  """
+  if getattr(optimizer, "noise", "iid") != "tree":
+    return
+  per_pass = getattr(sampler, "steps_per_pass", None)
+  r = optimizer.noise_params.get("restart_every")
+  if per_pass and r and per_pass % r:
+    raise PrivacyConfigError(
+        f"noise='tree' with restart_every={r}: the ledger charges one tree per shuffled pass, "
+        f"and a pass of this dataset is {per_pass} steps (drop_remainder drops the last, "
+        f"smaller batch), which restart_every must divide: use restart_every={per_pass} (or a "
+        "divisor), or drop_remainder=False if ceil(n / B) is a multiple of restart_every")
 
 
 def journal_path(callbacks, ledger_journal):

@@ -1,7 +1,8 @@
 """Ledger rows of correlated-noise steps (issue 16): banded and BLT matrix mechanisms, tree
 aggregation.
 
-Pure Python and numpy like `records` (the kinds and policies used here are defined there):
+Pure Python and numpy like `records` (the kinds and policies used here are named in the
+leaf `schema`, so this module and `records` no longer import each other):
 `correlated_requirement` states the sampling a correlated event may be recorded under,
 `correlated_row_values` its [kind, clip, noise, sensitivity] row (tensors allowed), and
 `correlated_query_row` both, checked. The rules and units of each kind are stated next to the
@@ -10,8 +11,8 @@ kinds in `records` (BANDED_GAUSSIAN, TREE_GAUSSIAN, MATRIX_GAUSSIAN).
 
 import numpy as np
 
-from tf_dpiter.ledger.records import (BANDED_GAUSSIAN, CYCLIC_POISSON, GAUSSIAN, MATRIX_GAUSSIAN,
-                                      SHUFFLE, TREE_GAUSSIAN)
+from tf_dpiter.ledger.schema import (BANDED_GAUSSIAN, CYCLIC_POISSON, GAUSSIAN, MATRIX_GAUSSIAN,
+                                     SHUFFLE, TREE_GAUSSIAN)
 
 
 def correlated_requirement(event):

@@ -115,6 +115,8 @@ class PrivacyLedger(tf.Module):
       self._sample_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="sample_count")
       self._query_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="query_count")
       self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes")
+      self._cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="cycle_position")
 
   @property
   def sample_count(self):
@@ -130,6 +132,16 @@ class PrivacyLedger(tf.Module):
   def passes(self):
     """Shuffled passes (permutations) started by the samplers feeding this ledger."""
     return self._passes.read_value()
+
+  @property
+  def cycle_position(self):
+    """The cyclic Poisson schedule's position: the cyclic_poisson samples recorded (int64).
+
+    The participation schedule is ledger state: the next cyclic step samples group
+    cycle_position mod b (`tf_dpiter.data.cyclic_poisson`). The training step counts it as it
+    records each sample; `set_arrays` (journal or file restore) recomputes it from the rows.
+    """
+    return self._cycle_position.read_value()
 
   def record_passes(self, count):
     """Adds `count` (>= 0) passes started; eager or inside tf.function. Returns the new total.
@@ -201,6 +213,8 @@ class PrivacyLedger(tf.Module):
         qrows = tf.stack([tf.stack([f(idx)] + r) for r in rows])
         qind = tf.reshape(qidx + tf.range(len(rows), dtype=tf.int64), [-1, 1])
         ops.append(self._queries.scatter_nd_update(qind, qrows))
+    if policy == rec.CYCLIC_POISSON:
+      ops.append(self._cycle_position.assign_add(1))
     with tf.control_dependencies(ops):
       new_count = self._sample_count.assign_add(1)
       self._query_count.assign_add(len(rows))
@@ -240,6 +254,7 @@ class PrivacyLedger(tf.Module):
     self._queries.assign(q)
     self._sample_count.assign(samples.shape[0])
     self._query_count.assign(queries.shape[0])
+    self._cycle_position.assign(int(np.sum(samples[:, 3] == policy_code(rec.CYCLIC_POISSON))))
     if passes is not None:
       self._passes.assign(int(passes))
 

@@ -11,6 +11,7 @@ from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.ledger import records
 
@@ -55,23 +56,13 @@ class QueryWithLedger(dp_query.DPQuery):
   def _check_sampling(population_size, selection_probability, sample_size, policy):
     validation.check_positive("population_size", population_size)
     validation.check_probability("selection_probability", selection_probability)
-    if policy in (privacy_ledger.FIXED_SIZE, privacy_ledger.SHUFFLE) + records.WHOLE_SIZE_POLICIES:
-      if not 1 <= float(sample_size) <= float(population_size):
-        raise PrivacyConfigError(
-            f"sample_size must be in [1, population_size={population_size}] for "
-                         f"policy {policy!r}, got {sample_size!r}")
-      if policy in records.WHOLE_SIZE_POLICIES and float(sample_size) != int(float(sample_size)):
-        raise PrivacyConfigError(
-            f"sample_size (the cycle length b, the cap B or the steps per epoch k) must be a "
-            f"whole number for policy {policy!r}, got {sample_size!r}")
-    if policy == records.BALLS_IN_BINS and abs(
-        float(selection_probability) * float(sample_size) - 1.0) > 1e-9:
-      raise PrivacyConfigError(
-          f"selection_probability must be 1 / sample_size (1 / k) for policy {policy!r}, got "
-          f"{selection_probability!r} with sample_size {sample_size!r}")
     if policy == records.REPEAT_AND_SELECT:
       raise PrivacyConfigError(f"{policy!r} marks a private selection (tf_dpiter.tuning), "
                                "not a sampling policy")
+    bad = policies.get(policy).check_sampling(population_size, selection_probability,
+                                              sample_size)
+    if bad is not None:
+      raise PrivacyConfigError(bad)
 
   @property
   def ledger(self):

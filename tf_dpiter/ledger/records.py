@@ -22,53 +22,18 @@ from typing import Tuple
 
 import numpy as np
 
-FORMAT_NAME = "tf_dpiter.privacy_ledger"
-FORMAT_VERSION = 2
-
-# Sampling policies (seed 002, Section 5).
-POISSON = "poisson"            # each record joins each sample independently with probability q
-FIXED_SIZE = "fixed_size"      # samples of `sample_size` records, drawn without replacement, independent
-SHUFFLE = "shuffle"            # passes over a public random permutation, disjoint batches
-FULL = "full"                  # every record in every sample (q = 1)
-POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, FULL)
-# Samplings of correlated-noise training and capped batches (issue 16); codes follow POLICIES.
-# Their sample row reuses `sample_size` for the one integer each needs:
-CYCLIC_POISSON = "cyclic_poisson"        # n split into b fixed groups; step t Poisson-samples
-                                         # group t mod b with probability q. sample_size = b
-TRUNCATED_POISSON = "truncated_poisson"  # Poisson(q) then a uniform subset of at most B.
-                                         # sample_size = B (the static cap)
-EXTRA_POLICIES = (CYCLIC_POISSON, TRUNCATED_POISSON)
-# User-level Poisson sampling (seed 002, Table 1: a record is all of one user's data, up to
-# max_examples_per_user examples): each *user* joins each sample with probability q; the unit
-# of privacy is the user (add or remove one user with all of their examples). Accounted as
-# POISSON over n = users.
-USER_POISSON = "user_poisson"
-POISSON_POLICIES = (POISSON, USER_POISSON)
-# Balls-in-bins / random allocation (issue 16): at the start of each epoch of k steps every
-# example is put in one of the k steps uniformly at random, independently of the others and
-# of the data; its step is its only one in the epoch. Add or remove one example.
-# sample_size = k (steps per epoch), selection_probability = 1 / k; each epoch started is
-# counted in the ledger's `passes`.
-BALLS_IN_BINS = "balls_in_bins"
-# Not a sampling: the marker of a private selection (`ledger.selection`). It stands for
-# "the samples before this row are one trial; the best of K trials was released, K drawn
-# from a distribution of `mean` and `shape`" (Papernot and Steinke 2022). Its row holds
-# population_size = mean, selection_probability = 1, sample_size = shape (-1: infinity, i.e.
-# Poisson), examples_per_record = the trials run, no query. Never recorded by a sampler.
-REPEAT_AND_SELECT = "repeat_and_select"
-ALL_POLICIES = POLICIES + EXTRA_POLICIES + (USER_POISSON, BALLS_IN_BINS, REPEAT_AND_SELECT)
-# Policies whose sample_size is a whole number in [1, n] (cycle length b, cap B, epoch k).
-WHOLE_SIZE_POLICIES = EXTRA_POLICIES + (BALLS_IN_BINS,)
-_POLICY_CODE = {p: i for i, p in enumerate(ALL_POLICIES)}
-
-# Neighbouring relations (seed 002, Appendix A), spelled as dp-accounting's NeighboringRelation.
-ADD_OR_REMOVE = "add_or_remove_one"
-REPLACE_ONE = "replace_one"
-RELATIONS = (ADD_OR_REMOVE, REPLACE_ONE)
-_RELATION_OF_POLICY = {POISSON: ADD_OR_REMOVE, FULL: ADD_OR_REMOVE,
-                       FIXED_SIZE: REPLACE_ONE, SHUFFLE: REPLACE_ONE}
-_RELATION_OF_POLICY.update({CYCLIC_POISSON: ADD_OR_REMOVE, TRUNCATED_POISSON: ADD_OR_REMOVE,
-                            USER_POISSON: ADD_OR_REMOVE, BALLS_IN_BINS: ADD_OR_REMOVE})
+from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
+    ADD_OR_REMOVE, ALL_POLICIES, BALLS_IN_BINS, CYCLIC_POISSON, EXTRA_POLICIES, FIXED_SIZE,
+    FORMAT_NAME, FORMAT_VERSION, FULL, POISSON, POISSON_POLICIES, POLICIES, RELATIONS,
+    REPEAT_AND_SELECT, REPLACE_ONE, SHUFFLE, TRUNCATED_POISSON, USER_POISSON,
+    WHOLE_SIZE_POLICIES)
+from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
+    BANDED_GAUSSIAN, GAUSSIAN, LAPLACE, MATRIX_GAUSSIAN, NON_PRIVATE, QUERY_COLUMNS,
+    SAMPLE_COLUMNS, TREE_GAUSSIAN)
+from tf_dpiter.ledger.schema import KIND_NAME as _KIND_NAME
+from tf_dpiter.ledger.schema import POLICY_CODE as _POLICY_CODE
+from tf_dpiter.ledger.schema import RELATION_OF_POLICY as _RELATION_OF_POLICY
+from tf_dpiter.ledger.schema import UNIT_OF_POLICY as _UNIT_OF_POLICY
 
 
 def unit_of_policy(policy):
@@ -79,13 +44,10 @@ def unit_of_policy(policy):
   Returns:
     "user" for user_poisson, else "example".
   """
-  return "user" if policy == USER_POISSON else "example"
+  return _UNIT_OF_POLICY.get(policy, "example")
 
-# Query kinds.
-GAUSSIAN, LAPLACE, NON_PRIVATE = 0, 1, 2
-_KIND_NAME = {GAUSSIAN: "gaussian", LAPLACE: "laplace", NON_PRIVATE: "non_private"}
-# Correlated-noise steps (issue 16). A BANDED_GAUSSIAN row is one step of a banded matrix
-# mechanism: clip S, noise sigma (per coordinate of Z), sensitivity = factor x zeta x S with zeta
+# Query kinds: codes in `schema`. Correlated-noise steps (issue 16). A BANDED_GAUSSIAN row is
+# one step of a banded matrix mechanism: clip S, noise sigma (per coordinate of Z), sensitivity = factor x zeta x S with zeta
 # the strategy's largest column norm; it is only recorded under cyclic_poisson with b >= the
 # strategy's bands. A TREE_GAUSSIAN row is one leaf of online tree aggregation: clip S, noise
 # sigma per node, sensitivity = factor x S x sqrt(depth), depth = ceil(log2(tree_size + 1)) the
@@ -93,13 +55,6 @@ _KIND_NAME = {GAUSSIAN: "gaussian", LAPLACE: "laplace", NON_PRIVATE: "non_privat
 # A MATRIX_GAUSSIAN row is one step of a non-banded matrix mechanism (BLT) under b-min-
 # separation: clip S, noise sigma, sensitivity = factor x Delta x S with Delta its equivalent
 # per-participation sensitivity; only under cyclic_poisson with b >= its min separation.
-BANDED_GAUSSIAN, TREE_GAUSSIAN, MATRIX_GAUSSIAN = 3, 4, 5
-_KIND_NAME.update({BANDED_GAUSSIAN: "banded_gaussian", TREE_GAUSSIAN: "tree_gaussian",
-                   MATRIX_GAUSSIAN: "matrix_gaussian"})
-
-SAMPLE_COLUMNS = ("population_size", "selection_probability", "sample_size", "policy",
-                  "examples_per_record", "num_queries")
-QUERY_COLUMNS = ("sample_index", "kind", "clip", "noise", "sensitivity")
 
 
 def policy_code(policy):
@@ -375,8 +330,8 @@ def to_records(runs):
                     tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
 
 
-# The correlated-noise rows live in `correlated_records` (imported after every name above, which
-# that module uses). Re-exported here for callers outside the ledger and accounting that call
-# them as `records.correlated_*` (keras/noise_mechanisms.py, tests, benchmarks).
+# The correlated-noise rows live in `correlated_records` (which imports only the leaf `schema`:
+# no cycle). Re-exported here for callers that call them as `records.correlated_*`
+# (keras/noise_mechanisms.py, tests, benchmarks).
 from tf_dpiter.ledger.correlated_records import (  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
     correlated_query_row, correlated_requirement, correlated_row_values)

@@ -1,0 +1,78 @@
+"""Shuffled passes and balls-in-bins epochs across fits: participations vs the ledger's claim.
+
+The real pipeline, noise 0, a one-hot linear model (the trained weights show which examples
+each step used; see test_cyclic_schedule). Over several fits with steps_per_epoch (every fit
+drops what its iterator prefetched) and a new dataset per fit, each example joins at most once
+per pass (epoch) the ledger charges, and the ledger charges exactly the passes that were used.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter.data import balls_in_bins
+from tf_dpiter.data import shuffling
+
+N = 24
+
+
+class _Recorder(keras.callbacks.Callback):
+
+  def __init__(self, joined):
+    super().__init__()
+    self.joined = joined
+
+  def on_train_batch_begin(self, batch, logs=None):
+    self.before = self.model.trainable_variables[0].numpy()[:, 0].copy()
+
+  def on_train_batch_end(self, batch, logs=None):
+    moved = self.before - self.model.trainable_variables[0].numpy()[:, 0]
+    self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+
+
+def _model():
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
+      1, use_bias=False, kernel_initializer="zeros")])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0),
+                  loss=lambda y_true, y_pred: y_pred[:, 0])
+  return model
+
+
+def _data():
+  return np.eye(N, dtype=np.float32), np.zeros((N, 1), np.float32)
+
+
+@pytest.mark.parametrize("policy", ["shuffle", "balls_in_bins"])
+@pytest.mark.parametrize("new_dataset", [False, True])
+def test_each_example_joins_at_most_once_per_charged_pass(policy, new_dataset):
+  x, y = _data()
+  make = {"shuffle": lambda: shuffling.shuffled_batches(x, y, batch_size=6, passes=None),
+          "balls_in_bins": lambda: balls_in_bins.balls_in_bins_batches(
+              x, y, steps_per_epoch=4, epochs=16)}[policy]
+  model, joined, ds = _model(), [], make()
+  for _ in range(6):
+    if new_dataset:
+      ds = make()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      model.fit(ds, epochs=1, steps_per_epoch=3, verbose=0, callbacks=[_Recorder(joined)])
+  passes = int(model.ledger.passes)
+  assert len(joined) == int(model.ledger.sample_count) == 18
+  joins = [sum(i in s for s in joined) for i in range(N)]
+  assert max(joins) <= passes
+  # the passes charged are the passes used: a shuffled fit of 3 steps (4 per pass) is one
+  # new pass; balls in bins continues its allocation (same dataset) or starts one (new).
+  if policy == "shuffle":
+    assert passes == 6
+  elif new_dataset:
+    assert passes == 6
+  else:
+    assert passes <= 6 and passes >= -(-18 // 4)
+  # the ledger is accountable: it records at least the passes its samples need
+  assert dp.accounting.epsilon(model.ledger, 1e-5) == float("inf")   # noise 0

@@ -1,0 +1,42 @@
+"""Each sampling policy is one object (issue 26): relation, unit, participation, event."""
+
+import math
+
+import pytest
+
+from tf_dpiter.accounting import ledger_events
+from tf_dpiter.ledger import policies
+from tf_dpiter.ledger import records
+from tf_dpiter.ledger import schema
+
+
+def test_every_sampling_policy_has_one_object_stating_relation_and_unit():
+  names = [p for p in schema.ALL_POLICIES if p != schema.REPEAT_AND_SELECT]
+  for name in names:
+    policy = policies.get(name)
+    assert policy.name == name
+    assert policy.relation == records.relation_for_policy(name)
+    assert policy.unit == ("user" if name == schema.USER_POISSON else "example")
+  with pytest.raises(ValueError, match="policy must be one of"):
+    policies.get(schema.REPEAT_AND_SELECT)
+
+
+def test_participation_rule_and_pass_length_come_from_the_policy():
+  cyclic = policies.get(schema.CYCLIC_POISSON)
+  assert [cyclic.participations(c, 4) for c in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+  assert policies.get(schema.POISSON).participations(10, 0) == 0
+  group = ledger_events.SampleGroup(10, schema.SHUFFLE, 50, 0.24, 12, 1.0, (), False)
+  assert policies.get(schema.SHUFFLE).steps_per_pass(group) == math.ceil(50 / 12)
+
+
+@pytest.mark.parametrize("policy,n,q,m,match", [
+    (schema.SHUFFLE, 10, 0.5, 11, r"sample_size must be in \[1, population_size=10\]"),
+    (schema.CYCLIC_POISSON, 10, 0.5, 2.5, r"must be a whole number"),
+    (schema.BALLS_IN_BINS, 10, 0.5, 4, r"must be 1 / sample_size"),
+])
+def test_declared_sampling_is_checked_by_its_policy(policy, n, q, m, match):
+  assert policies.get(policy).check_sampling(n, q, m) is not None
+  from tf_dpiter.ledger.query_with_ledger import QueryWithLedger  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query import GaussianSumQuery  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=match):
+    QueryWithLedger(GaussianSumQuery(1.0, 1.0), n, q, policy=policy, sample_size=m)
