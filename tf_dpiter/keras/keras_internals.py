@@ -125,6 +125,43 @@ def compile_metrics(model):
   return getattr(model, "_compile_metrics", None)
 
 
+def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
+  """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, except
+  that the unweighted metrics (`compile(metrics=...)`) are weighted by `example_mask`: a
+  padding row of a padded Poisson sample (mask 0) never reaches any metric, so every metric
+  is its value on the real examples only. Weighted metrics get `sample_weight` (already 0 on
+  padding rows), as Keras gives them.
+
+  Args:
+    model: a compiled keras.Model.
+    y, y_pred: the batch's targets and outputs (nests).
+    sample_weight: the batch's sample weights (a nest or None).
+    example_mask: [B] float 0/1, 1 for the batch's real examples.
+  Raises:
+    AttributeError: the installed Keras lacks the container's attributes (names them).
+  """
+  cm = compile_metrics(model)
+  if cm is None:
+    return
+  if not cm.built:
+    cm.build(y, y_pred)
+  flat_metrics = _require(cm, "_flat_metrics", "CompileMetrics")
+  flat_weighted = _require(cm, "_flat_weighted_metrics", "CompileMetrics")
+  y_true, y_pred = cm._flatten_y(y), cm._flatten_y(y_pred)  # pylint: disable=protected-access
+  for m, y_t, y_p in zip(flat_metrics, y_true, y_pred):
+    if m:
+      m.update_state(y_t, y_p, sample_weight=example_mask)
+  if sample_weight is not None:
+    sample_weight = cm._flatten_y(sample_weight)  # pylint: disable=protected-access
+    if len(sample_weight) < len(y_true):   # one weight for every output, as Keras does
+      sample_weight = [sample_weight[0]] * len(y_true)
+  else:
+    sample_weight = [None] * len(y_true)
+  for m, y_t, y_p, s_w in zip(flat_weighted, y_true, y_pred, sample_weight):
+    if m:
+      m.update_state(y_t, y_p, s_w)
+
+
 def set_compile_metrics(model, metrics):
   """Replaces the compiled metrics container of `model` (None detaches it).
 

@@ -197,6 +197,18 @@ class TrainStepMixin:
     state = query.accumulate_preprocessed_record(state, grad_sum)
     return state, loss_sum, outputs
 
+  def _dp_metrics(self, x, y, y_pred, sample_weight):
+    """The metrics' logs after this batch. With sample weights (a padded Poisson sample
+    carries weight 0 on its padding rows) the unweighted compiled metrics are weighted by
+    the example mask, so they are Keras' values on the real examples; a model that overrides
+    `compute_metrics` gets its own method."""
+    if sample_weight is None or type(self).compute_metrics is not keras.Model.compute_metrics:
+      return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    mask = record_losses.example_mask_from_weights(sample_weight,
+                                                   grads_lib.dynamic_batch_size(x))
+    keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
+    return self.get_metrics_result()
+
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring). Returns the metrics' logs."""
@@ -213,7 +225,7 @@ class TrainStepMixin:
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)
-    logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    logs = self._dp_metrics(x, y, y_pred, sample_weight)
     if routing.loss_scale(self) != 1.0:
       logs = dict(logs)
       logs["dp_overflowed_records"] = opt.overflow_counter
