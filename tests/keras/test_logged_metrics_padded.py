@@ -62,3 +62,21 @@ def test_fit_on_arrays_under_xla_metrics_equal_evaluate():
   ev = model.evaluate(x, y, batch_size=N, verbose=0, return_dict=True)
   assert hist.history["acc"][0] == pytest.approx(ev["acc"], abs=1e-6)
   assert hist.history["loss"][0] == pytest.approx(ev["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["fast", "vectorized"])
+def test_unreduced_loss_is_logged_as_the_mean_record_loss(clipping):
+  """A loss with reduction=None (TF Privacy's idiom) logs the mean per-record loss, as plain
+  Keras' evaluate does (it logged ~batch-size times that on the vectorized path)."""
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((5,)), keras.layers.Dense(3)])
+  model.compile(
+      optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.0, clipping=clipping),
+      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None))
+  with pytest.warns(UserWarning):
+    data = dp.data.poisson_batches(x, y, expected_batch_size=N, steps_per_epoch=2, seed=1)
+  hist = model.fit(data, epochs=1, verbose=0)
+  per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)(
+      y, model.predict(x, verbose=0))
+  assert hist.history["loss"][0] == pytest.approx(float(np.mean(per_example)), rel=1e-5)

@@ -97,7 +97,10 @@ class ClippedSumMixin:
       grads, finite = chunking.unscale_records(grads, loss_scale)
       with tf.control_dependencies(self.count_overflowed(finite, mask)):
         state = self._accumulate(params, state, grads, mask)
-      return state, tf.reduce_sum(losses / loss_scale * mask), aux
+      # a loss without reduction (reduction=None, TF Privacy's idiom) gives each record a
+      # vector: its logged value is the record's mean, as Keras reduces it
+      rec_losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(mask)[0], -1]), axis=1)
+      return state, tf.reduce_sum(rec_losses / loss_scale * tf.cast(mask, rec_losses.dtype)), aux
 
     record_mask = tf.cast(record_mask, tf.float32)
     m_static = tf.TensorShape(record_mask.shape)[0]
