@@ -9,6 +9,7 @@ import json
 import logging
 import math
 from typing import Tuple
+import warnings
 
 from absl import logging as absl_logging
 
@@ -191,6 +192,42 @@ def check_accountant(accountant):
                      "like PRV) or 'rdp'")
 
 
+def warn_if_delta_too_large(delta, population_size, stacklevel=3):
+  """Warns (UserWarning) when delta >= 1/n: such a guarantee allows publishing a record.
+
+  An (epsilon, delta)-DP mechanism may, with probability delta, reveal a record outright
+  (the "name and shame" mechanism: publish each of the n records with probability delta is
+  (0, delta)-DP), so delta >= 1/n allows revealing about one record in expectation
+  (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
+
+  Args:
+    delta: the delta of the guarantee, in (0, 1).
+    population_size: n, the records (or users) the guarantee protects; ignored unless a
+      finite number > 0.
+    stacklevel: passed to `warnings.warn`.
+  Returns:
+    True when it warned.
+  """
+  try:
+    n, d = float(population_size), float(delta)
+  except (TypeError, ValueError):
+    return False   # not numbers: the callers' own checks name them
+  if not (math.isfinite(n) and n > 0) or not d >= 1.0 / n:
+    return False
+  warnings.warn(
+      f"delta={d:g} is >= 1/n = 1/{n:g} = {1.0 / n:.3g} (n = population_size, the "
+      f"{n:g} records the guarantee protects): an (epsilon, delta) guarantee with delta >= 1/n "
+      "allows revealing about one record outright. Use delta well below 1/n, e.g. "
+      f"delta={1.0 / n ** 1.1:.2g} (1/n^1.1) or smaller", UserWarning, stacklevel=stacklevel)
+  return True
+
+
+def _population(groups):
+  """The largest population size of the sampling groups (not selection records), or 0."""
+  sizes = [g.population_size for g in groups if not g.is_selection and g.count > 0]
+  return max(sizes) if sizes else 0.0
+
+
 def _gdp_report(content, delta, epsilon):
   """PrivacyReport by the GDP accountant (accounting.gdp; an approximation, labelled so)."""
   groups = content.groups
@@ -278,6 +315,7 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   num = sum(g.count for g in groups)
   if delta is not None:
     delta = validation.check_delta("delta", delta)
+    warn_if_delta_too_large(delta, _population(groups), stacklevel=4)
     if any(g.non_private for g in groups):
       return PrivacyReport(math.inf, delta, accountant, num,
                            tuple(ledger_events.events_from_groups(groups, accountant)[2]))
