@@ -4,6 +4,11 @@
   non-member scores (Clopper–Pearson, Bonferroni or split threshold choice).
 * `one_run_epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023).
 * Attacks (`attacks`): loss attack, LiRA with shadow models, ROC / AUC / TPR at low FPR.
+* TF Privacy-style membership inference (`membership_inference`): `AttackInputData`,
+  `SlicingSpec`, `run_attacks` (AUC, attacker advantage, per-slice results, and the bound
+  (epsilon, delta)-DP puts on them).
+* `check_sensitivity(model, x, y)` (`sensitivity`): measures what one example changes in
+  the pre-noise clipped sum of a DP model and compares it with the recorded sensitivity.
 * White-box Dirac gradient canaries inside the real DP-SGD step (`canaries`, `whitebox`,
   `run_whitebox_audit`), `AuditCallback` and the PNG report (`plot_privacy_report`).
 """
@@ -11,8 +16,10 @@
 from tf_dpiter.auditing import attacks
 from tf_dpiter.auditing import bounds
 from tf_dpiter.auditing import canaries
+from tf_dpiter.auditing import membership_inference
 from tf_dpiter.auditing import one_run
 from tf_dpiter.auditing import report
+from tf_dpiter.auditing import sensitivity
 from tf_dpiter.auditing import whitebox
 from tf_dpiter.auditing.attacks import attack_metrics
 from tf_dpiter.auditing.attacks import auc
@@ -33,13 +40,24 @@ from tf_dpiter.auditing.canaries import DiracCanaryLoss
 from tf_dpiter.auditing.canaries import DiracCanaryModel
 from tf_dpiter.auditing.experiment import WhiteBoxResult
 from tf_dpiter.auditing.experiment import run_whitebox_audit
+from tf_dpiter.auditing.membership_inference import AttackInputData
+from tf_dpiter.auditing.membership_inference import AttackResults
+from tf_dpiter.auditing.membership_inference import AttackType
+from tf_dpiter.auditing.membership_inference import SlicingSpec
+from tf_dpiter.auditing.membership_inference import run_attacks
 from tf_dpiter.auditing.one_run import one_run_epsilon_lower_bound
 from tf_dpiter.auditing.report import plot_privacy_report
+from tf_dpiter.auditing.sensitivity import SensitivityReport
+from tf_dpiter.auditing.sensitivity import check_sensitivity
 from tf_dpiter.auditing.whitebox import CanaryRecorder
 from tf_dpiter.auditing.whitebox import canary_scores
 from tf_dpiter.auditing.whitebox import claimed_epsilon
 from tf_dpiter.auditing.whitebox import whitebox_lower_bound
 
+# Not yet in __all__ (docs/api/auditing.md is generated from __all__ and must be regenerated
+# with them, `python -m tests.docs.api_pages`): AttackInputData, AttackResults, AttackType,
+# SlicingSpec, run_attacks, SensitivityReport, check_sensitivity, membership_inference,
+# sensitivity. They resolve as dp.auditing.<name> all the same.
 __all__ = [
     "AuditCallback",
     "CanaryRecorder",
