@@ -55,10 +55,29 @@ def test_report_with_delta_at_least_one_over_n_warns():
   _no_warning(lambda: accounting.privacy_report(led, delta=1e-3))
 
 
-def test_compute_dp_sgd_privacy_with_large_delta_warns():
+def test_statement_with_large_delta_warns():
   with pytest.warns(UserWarning, match=r"delta=0\.001 is >= 1/n = 1/1000"):
-    accounting.compute_dp_sgd_privacy(1000, 10, 1.0, 1, 1e-3)
-  _no_warning(lambda: accounting.compute_dp_sgd_privacy(1000, 10, 1.0, 1, 9e-4))
+    accounting.compute_dp_sgd_privacy_statement(1000, 10, 1, 1.0, 1e-3,
+                                                used_microbatching=False)
+  _no_warning(lambda: accounting.compute_dp_sgd_privacy_statement(
+      1000, 10, 1, 1.0, 9e-4, used_microbatching=False))
+
+
+def test_cli_prints_the_delta_warning_once(capsys):
+  from tf_dpiter.accounting import cli  # pylint: disable=g-import-not-at-top
+  argv = ["--N", "1000", "--batch_size", "10", "--noise_multiplier", "1", "--epochs", "1",
+          "--delta", "0.002"]
+  for extra in ([], ["--noused_microbatching"]):
+    assert cli.compute_dp_sgd_privacy_main(argv + extra) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning: delta=0.002 is >= 1/n = 1/1000") == 1, err
+  assert cli.compute_dp_sgd_privacy_main(argv[:-1] + ["1e-4"]) == 0
+  assert "warning" not in capsys.readouterr().err
+
+
+def test_calibration_without_a_population_does_not_warn():
+  """calibrate_noise_multiplier(q, steps) uses a placeholder n: no delta warning."""
+  _no_warning(lambda: accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.01, 100))
 
 
 # ---- from_budget / make_private_with_epsilon --------------------------------------------

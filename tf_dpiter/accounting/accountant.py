@@ -200,8 +200,12 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
   (0, delta)-DP), so delta >= 1/n allows revealing about one record in expectation
   (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
 
+  Called where n is the real data size: `privacy_report` (the ledger's population), the
+  statement and the command line (N), the Keras budget calibration (population_size); not
+  in `report_from_groups`, which calibration also calls with a placeholder n.
+
   Args:
-    delta: the delta of the guarantee, in (0, 1).
+    delta: the delta of the guarantee (ignored unless in (0, 1)).
     population_size: n, the records (or users) the guarantee protects; ignored unless a
       finite number > 0.
     stacklevel: passed to `warnings.warn`.
@@ -212,7 +216,7 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
     n, d = float(population_size), float(delta)
   except (TypeError, ValueError):
     return False   # not numbers: the callers' own checks name them
-  if not (math.isfinite(n) and n > 0) or not d >= 1.0 / n:
+  if not (math.isfinite(n) and n > 0) or not 0.0 < d < 1.0 or d < 1.0 / n:
     return False
   warnings.warn(
       f"delta={d:g} is >= 1/n = 1/{n:g} = {1.0 / n:.3g} (n = population_size, the "
@@ -270,12 +274,16 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a
     ledger dict/JSON what its integrity check proves (an HMAC under `key`, or a SHA-256
     digest, which detects accidents but not forgery).
+  Warns:
+    UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
   Raises:
     ValueError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
   """
-  report = report_from_groups(_content(ledger, key), delta=delta, epsilon=epsilon,
-                              accountant=accountant)
+  content = _content(ledger, key)
+  if delta is not None and epsilon is None:
+    warn_if_delta_too_large(delta, _population(content.groups), stacklevel=3)
+  report = report_from_groups(content, delta=delta, epsilon=epsilon, accountant=accountant)
   if isinstance(ledger, (str, dict)):
     report = dataclasses.replace(report, assumptions=report.assumptions + (
         _integrity_note(key),))
@@ -315,7 +323,6 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   num = sum(g.count for g in groups)
   if delta is not None:
     delta = validation.check_delta("delta", delta)
-    warn_if_delta_too_large(delta, _population(groups), stacklevel=4)
     if any(g.non_private for g in groups):
       return PrivacyReport(math.inf, delta, accountant, num,
                            tuple(ledger_events.events_from_groups(groups, accountant)[2]))

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import sys
+import warnings
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
@@ -78,13 +79,29 @@ def absl_bool(text):
   raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
 
 
+def _warn_delta(delta, n):
+  """Warns when delta >= 1/n (`accountant.warn_if_delta_too_large`; `_run` prints it)."""
+  accountant_lib.warn_if_delta_too_large(delta, n)
+
+
 def _run(fn):
-  try:
-    fn()
-    return 0
-  except ValueError as e:
-    print(f"error: {plain_numbers(str(e))}", file=sys.stderr)
-    return 2
+  """Runs fn: 0, or 2 after "error: ..." for a ValueError; its warnings are printed once
+  each as "warning: ..." on stderr."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      fn()
+      status = 0
+    except ValueError as e:
+      print(f"error: {plain_numbers(str(e))}", file=sys.stderr)
+      status = 2
+  for message in dict.fromkeys(str(w.message) for w in caught
+                               if issubclass(w.category, UserWarning)):
+    print(f"warning: {plain_numbers(message)}", file=sys.stderr)
+  for w in caught:
+    if not issubclass(w.category, UserWarning):
+      warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+  return status
 
 
 def _dp_sgd_parser(prog, description, knob):
@@ -155,6 +172,7 @@ def compute_dp_sgd_privacy_main(argv=None):
 
   def go():
     accountant = _accountant(a)
+    _warn_delta(a.delta, a.N)
     if tfp_style:
       print(statement_lib.compute_dp_sgd_privacy_statement(
           a.N, a.batch_size, a.epochs, a.noise_multiplier, a.delta,
@@ -211,6 +229,7 @@ def compute_noise_from_budget_main(argv=None):
 
   def go():
     accountant, sampling = _accountant(a), a.sampling or rec.POISSON
+    _warn_delta(a.delta, a.N)
     z = calibration.compute_noise_from_budget(a.N, a.batch_size, a.epsilon, a.epochs, a.delta,
                                               accountant=accountant, sampling=sampling)
     eps = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, z, a.epochs, a.delta,

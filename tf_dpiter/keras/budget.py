@@ -3,7 +3,6 @@
 
 import logging
 import math
-import warnings
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
@@ -31,11 +30,9 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
   """
   _check_batch_fits(batch_size, population_size, who)
   accountant_lib.warn_if_delta_too_large(delta, population_size, stacklevel=4)
-  with warnings.catch_warnings():   # warned once above, not at every bisection step
-    warnings.filterwarnings("ignore", message=r"delta=.* is >= 1/n", category=UserWarning)
-    z = calibration.compute_noise_from_budget(
-        population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
-        sampling=sampling, num_microbatches=num_microbatches)
+  z = calibration.compute_noise_from_budget(
+      population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
+      sampling=sampling, num_microbatches=num_microbatches)
   steps = dp_sgd.dp_sgd_steps(population_size, batch_size, epochs)
   calib = {"epsilon": float(epsilon), "delta": float(delta), "epochs": epochs,
            "batch_size": batch_size, "population_size": population_size, "sampling": sampling,
