@@ -193,22 +193,17 @@ def check_accountant(accountant):
 
 
 def warn_if_delta_too_large(delta, population_size, stacklevel=3):
-  """Warns (UserWarning) when delta >= 1/n: such a guarantee allows publishing a record.
-
-  An (epsilon, delta)-DP mechanism may, with probability delta, reveal a record outright
-  (the "name and shame" mechanism: publish each of the n records with probability delta is
-  (0, delta)-DP), so delta >= 1/n allows revealing about one record in expectation
+  """Warns (UserWarning) when delta >= 1/n: publishing each of n records with probability
+  delta is (0, delta)-DP, so such a guarantee allows revealing about one record outright
   (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
 
-  Called where n is the real data size: `privacy_report` (the ledger's population), the
-  statement and the command line (N), the Keras budget calibration (population_size); not
-  in `report_from_groups`, which calibration also calls with a placeholder n.
+  Called where n is the real data size (privacy_report, the statement, the command line,
+  the Keras calibration), not in report_from_groups, which calibration calls with a
+  placeholder n.
 
   Args:
-    delta: the delta of the guarantee (ignored unless in (0, 1)).
-    population_size: n, the records (or users) the guarantee protects; ignored unless a
-      finite number > 0.
-    stacklevel: passed to `warnings.warn`.
+    delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.
+    stacklevel: of `warnings.warn`.
   Returns:
     True when it warned.
   """
@@ -219,8 +214,8 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
   if not (math.isfinite(n) and n > 0) or not 0.0 < d < 1.0 or d < 1.0 / n:
     return False
   warnings.warn(
-      f"delta={d:g} is >= 1/n = 1/{n:g} = {1.0 / n:.3g} (n = population_size, the "
-      f"{n:g} records the guarantee protects): an (epsilon, delta) guarantee with delta >= 1/n "
+      f"delta={d:g} is >= 1/n = 1/{n:g} = {1.0 / n:.3g} (n = population_size, the {n:g} "
+      "records the guarantee protects): an (epsilon, delta) guarantee with delta >= 1/n "
       "allows revealing about one record outright. Use delta well below 1/n, e.g. "
       f"delta={1.0 / n ** 1.1:.2g} (1/n^1.1) or smaller", UserWarning, stacklevel=stacklevel)
   return True
@@ -228,8 +223,7 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
 
 def _population(groups):
   """The largest population size of the sampling groups (not selection records), or 0."""
-  sizes = [g.population_size for g in groups if not g.is_selection and g.count > 0]
-  return max(sizes) if sizes else 0.0
+  return max([g.population_size for g in groups if not g.is_selection and g.count > 0] or [0])
 
 
 def _gdp_report(content, delta, epsilon):
