@@ -146,7 +146,11 @@ class RocCurve:
 
 @dataclasses.dataclass(frozen=True)
 class SingleAttackResult:
-  """One attack on one slice: roc_curve, auc, attacker_advantage = max(TPR - FPR)."""
+  """One attack on one slice: roc_curve, auc, attacker_advantage = max(TPR - FPR).
+
+  TF Privacy reports max |TPR - FPR| (the flipped test counted too); the two differ only
+  where the attack does worse than chance. Both are bounded by `max_advantage`.
+  """
   slice_spec: SingleSliceSpec
   attack_type: AttackType
   roc_curve: RocCurve
