@@ -144,3 +144,14 @@ def test_incomplete_inputs_are_refused_with_the_field_named():
                     mia.SlicingSpec(by_class=True))
   with pytest.raises(ValueError, match="epsilon must be a number >= 0, got epsilon=-1"):
     mia.max_advantage(-1)
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0])
+def test_the_gaussian_mechanism_attack_stays_inside_its_dp_bound(mu):
+  """Scores N(mu, 1) against N(0, 1) are the optimal attack on a mu-GDP mechanism: its
+  population AUC Phi(mu / sqrt 2) and advantage 2 Phi(mu / 2) - 1 must lie within the
+  bounds at the (epsilon, delta) that mu-GDP implies (Dong, Roth & Su 2019, Cor. 2.13)."""
+  for delta in (1e-5, 1e-2):
+    eps = dp.auditing.gdp_epsilon(mu, delta)
+    assert stats.norm.cdf(mu / math.sqrt(2)) <= mia.max_auc(eps, delta)
+    assert 2 * stats.norm.cdf(mu / 2) - 1 <= mia.max_advantage(eps, delta) + 1e-12
