@@ -9,6 +9,7 @@ import json
 import logging
 import math
 from typing import Tuple
+import warnings
 
 from absl import logging as absl_logging
 
@@ -191,6 +192,40 @@ def check_accountant(accountant):
                      "like PRV) or 'rdp'")
 
 
+def warn_if_delta_too_large(delta, population_size, stacklevel=3):
+  """Warns (UserWarning) when delta >= 1/n: publishing each of n records with probability
+  delta is (0, delta)-DP, so such a guarantee allows revealing about one record outright
+  (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
+
+  Called where n is the real data size (privacy_report, the statement, the command line,
+  the Keras calibration), not in report_from_groups, which calibration calls with a
+  placeholder n.
+
+  Args:
+    delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.
+    stacklevel: of `warnings.warn`.
+  Returns:
+    True when it warned.
+  """
+  try:
+    n, d = float(population_size), float(delta)
+  except (TypeError, ValueError):
+    return False   # not numbers: the callers' own checks name them
+  if not (math.isfinite(n) and n > 0) or not 0.0 < d < 1.0 or d < 1.0 / n:
+    return False
+  warnings.warn(
+      f"delta={d:g} is >= 1/n = 1/{n:g} = {1.0 / n:.3g} (n = population_size, the {n:g} "
+      "records the guarantee protects): an (epsilon, delta) guarantee with delta >= 1/n "
+      "allows revealing about one record outright. Use delta well below 1/n, e.g. "
+      f"delta={1.0 / n ** 1.1:.2g} (1/n^1.1) or smaller", UserWarning, stacklevel=stacklevel)
+  return True
+
+
+def _population(groups):
+  """The largest population size of the sampling groups (not selection records), or 0."""
+  return max([g.population_size for g in groups if not g.is_selection and g.count > 0] or [0])
+
+
 def _gdp_report(content, delta, epsilon):
   """PrivacyReport by the GDP accountant (accounting.gdp; an approximation, labelled so)."""
   groups = content.groups
@@ -233,12 +268,16 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a
     ledger dict/JSON what its integrity check proves (an HMAC under `key`, or a SHA-256
     digest, which detects accidents but not forgery).
+  Warns:
+    UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
   Raises:
     ValueError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
   """
-  report = report_from_groups(_content(ledger, key), delta=delta, epsilon=epsilon,
-                              accountant=accountant)
+  content = _content(ledger, key)
+  if delta is not None and epsilon is None:
+    warn_if_delta_too_large(delta, _population(content.groups), stacklevel=3)
+  report = report_from_groups(content, delta=delta, epsilon=epsilon, accountant=accountant)
   if isinstance(ledger, (str, dict)):
     report = dataclasses.replace(report, assumptions=report.assumptions + (
         _integrity_note(key),))

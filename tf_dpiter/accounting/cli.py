@@ -1,6 +1,10 @@
 """Console scripts: compute_dp_sgd_privacy, compute_noise_from_budget, dp_ledger.
 
-They import no TensorFlow (and dp-accounting only when a number is computed), so `--help`
+Also `python -m tf_dpiter.accounting <command> ...` (`tf_dpiter/accounting/__main__.py`).
+`compute_dp_sgd_privacy` takes TF Privacy's flags too: `--used_microbatching` /
+`--noused_microbatching` (absl style, also `--used_microbatching=false`),
+`--max_examples_per_user` and `--accountant_type RDP|PLD`; any of them prints TF Privacy's
+privacy statement, as TF Privacy's command does. They import no TensorFlow (and dp-accounting only when a number is computed), so `--help`
 answers at once. Counts accept float notation when it is a whole number (`--N 1e5`); errors
 print plain numbers.
 """
@@ -10,6 +14,7 @@ import json
 import math
 import re
 import sys
+import warnings
 
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
@@ -51,13 +56,52 @@ def whole_number(text):
   return int(v)
 
 
+# Accountants the commands offer: privacy_report's, less "prv" (Opacus' PRV accountant is
+# not available: dp-accounting has none and the prv-accountant package is not called).
+CLI_ACCOUNTANTS = tuple(a for a in accountant_lib.REPORT_ACCOUNTANTS if a != "prv")
+_TRUE, _FALSE = ("1", "t", "true", "y", "yes"), ("0", "f", "false", "n", "no")
+
+
+def absl_bool(text):
+  """argparse type: an absl boolean flag value (true/false, 1/0, yes/no; any case).
+
+  Args:
+    text: the command-line string.
+  Returns:
+    the bool.
+  Raises:
+    argparse.ArgumentTypeError: another string.
+  """
+  if text.lower() in _TRUE:
+    return True
+  if text.lower() in _FALSE:
+    return False
+  raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
+
+
+def _warn_delta(delta, n):
+  """Warns when delta >= 1/n (`accountant.warn_if_delta_too_large`; `_run` prints it)."""
+  accountant_lib.warn_if_delta_too_large(delta, n)
+
+
 def _run(fn):
-  try:
-    fn()
-    return 0
-  except ValueError as e:
-    print(f"error: {plain_numbers(str(e))}", file=sys.stderr)
-    return 2
+  """Runs fn: 0, or 2 after "error: ..." for a ValueError; its warnings are printed once
+  each as "warning: ..." on stderr."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+      fn()
+      status = 0
+    except ValueError as e:
+      print(f"error: {plain_numbers(str(e))}", file=sys.stderr)
+      status = 2
+  for message in dict.fromkeys(str(w.message) for w in caught
+                               if issubclass(w.category, UserWarning)):
+    print(f"warning: {plain_numbers(message)}", file=sys.stderr)
+  for w in caught:
+    if not issubclass(w.category, UserWarning):
+      warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+  return status
 
 
 def _dp_sgd_parser(prog, description, knob):
@@ -68,18 +112,37 @@ def _dp_sgd_parser(prog, description, knob):
   p.add_argument(knob, type=float, required=True)
   p.add_argument("--epochs", type=float, required=True)
   p.add_argument("--delta", type=float, required=True)
-  p.add_argument("--accountant", choices=accountant_lib.REPORT_ACCOUNTANTS, default="rdp",
-                 help="rdp, pld (dp-accounting); gdp is an approximation (TF Privacy's GDP)")
-  p.add_argument("--sampling", choices=rec.POLICIES, default=rec.POISSON,
-                 help="poisson (add/remove one example), fixed_size or shuffle (replace one)")
+  p.add_argument("--accountant", choices=CLI_ACCOUNTANTS, default=None,
+                 help="rdp (default), pld (dp-accounting); gdp is an approximation (TF "
+                      "Privacy's GDP)")
+  p.add_argument("--accountant_type", choices=("RDP", "PLD"), default=None,
+                 help="TF Privacy's spelling of --accountant rdp / pld")
+  p.add_argument("--sampling", choices=rec.POLICIES, default=None,
+                 help="poisson (default; add/remove one example: fit(x, y) on arrays without "
+                      "microbatches), fixed_size or shuffle (replace one: a shuffled "
+                      "pipeline, or fit with num_microbatches)")
   return p
+
+
+def _accountant(a):
+  """The accountant of --accountant / --accountant_type (they must agree); rdp by default."""
+  if a.accountant_type is not None:
+    if a.accountant is not None and a.accountant != a.accountant_type.lower():
+      raise ValueError(f"--accountant {a.accountant} and --accountant_type "
+                       f"{a.accountant_type} disagree: give one of them")
+    return a.accountant_type.lower()
+  return a.accountant or "rdp"
 
 
 def compute_dp_sgd_privacy_main(argv=None):
   """Command `compute_dp_sgd_privacy`: epsilon of DP-SGD from its hyperparameters.
 
-  Prints `accounting.compute_dp_sgd_privacy` (or, with --statement, TF Privacy's statement)
-  for --N records, --batch_size, --noise_multiplier, --epochs at --delta.
+  Prints `accounting.compute_dp_sgd_privacy` for --N records, --batch_size,
+  --noise_multiplier, --epochs at --delta, or TF Privacy's statement
+  (`compute_dp_sgd_privacy_statement`) with --statement or any of TF Privacy's flags
+  --used_microbatching / --noused_microbatching / --max_examples_per_user / --accountant_type.
+  With TF Privacy's meaning, --used_microbatching (its default) says gradients were clipped
+  per microbatch, so only the each-example-once-per-epoch number is given.
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
@@ -93,22 +156,61 @@ def compute_dp_sgd_privacy_main(argv=None):
   p.add_argument("--statement", action="store_true",
                  help="print TF Privacy's statement instead (both samplings, user level)")
   p.add_argument("--max_examples_per_user", type=whole_number, default=None,
-                 help="with --statement: also a user-level epsilon (group privacy)")
+                 help="TF Privacy's flag: also a user-level epsilon (group privacy); prints "
+                      "the statement")
+  p.add_argument("--used_microbatching", nargs="?", const=True, default=None, type=absl_bool,
+                 metavar="true|false",
+                 help="TF Privacy's flag (its default is true): gradients were clipped per "
+                      "microbatch, so no Poisson number is given; prints the statement")
+  p.add_argument("--noused_microbatching", dest="used_microbatching", action="store_false",
+                 default=None,
+                 help="TF Privacy's flag: clipped per example (no microbatches); prints the "
+                      "statement with the Poisson number too")
   a = p.parse_args(argv)
+  tfp_style = a.statement or a.used_microbatching is not None or (
+      a.max_examples_per_user is not None) or a.accountant_type is not None
 
   def go():
-    if a.statement:
+    accountant = _accountant(a)
+    _warn_delta(a.delta, a.N)
+    if tfp_style:
       print(statement_lib.compute_dp_sgd_privacy_statement(
           a.N, a.batch_size, a.epochs, a.noise_multiplier, a.delta,
-          used_microbatching=a.num_microbatches is not None,
-          max_examples_per_user=a.max_examples_per_user, accountant=a.accountant))
+          used_microbatching=_used_microbatching(a),
+          max_examples_per_user=a.max_examples_per_user, accountant=accountant))
       return
+    sampling = a.sampling or rec.POISSON
     r = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, a.noise_multiplier, a.epochs, a.delta,
-                                      accountant=a.accountant, sampling=a.sampling,
+                                      accountant=accountant, sampling=sampling,
                                       num_microbatches=a.num_microbatches)
     print(r.statement)
     print(f"epsilon = {r.epsilon:.6g}")
+    if sampling == rec.POISSON:
+      print(POISSON_NOTE)
   return _run(go)
+
+
+POISSON_NOTE = (
+    "note: this epsilon assumes Poisson sampling, which fit(x, y, batch_size=B) on arrays "
+    "does without num_microbatches. A run with num_microbatches (TF Privacy's habit) or on "
+    "a shuffled tf.data pipeline samples by shuffled passes and spends more: compute it with "
+    "--sampling shuffle [--num_microbatches M], or read the run's own ledger with "
+    "`dp_ledger report`, which states how the run sampled.")
+
+
+def _used_microbatching(a):
+  """TF Privacy's used_microbatching: the flag, else whether --num_microbatches was given
+  (they must agree); refuses --sampling, which the statement does not take."""
+  if a.sampling is not None:
+    raise ValueError(f"--sampling {a.sampling} is not used by the statement (it gives the "
+                     "each-example-once-per-epoch number and, without microbatching, the "
+                     "Poisson one): drop --sampling, or drop the statement flags")
+  if a.used_microbatching is None:
+    return a.num_microbatches is not None
+  if a.used_microbatching is False and a.num_microbatches is not None:
+    raise ValueError(f"--noused_microbatching contradicts --num_microbatches "
+                     f"{a.num_microbatches}: give one of them")
+  return a.used_microbatching
 
 
 def compute_noise_from_budget_main(argv=None):
@@ -126,12 +228,16 @@ def compute_noise_from_budget_main(argv=None):
                      "--epsilon").parse_args(argv)
 
   def go():
+    accountant, sampling = _accountant(a), a.sampling or rec.POISSON
+    _warn_delta(a.delta, a.N)
     z = calibration.compute_noise_from_budget(a.N, a.batch_size, a.epsilon, a.epochs, a.delta,
-                                              accountant=a.accountant, sampling=a.sampling)
+                                              accountant=accountant, sampling=sampling)
     eps = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, z, a.epochs, a.delta,
-                                        accountant=a.accountant, sampling=a.sampling).epsilon
+                                        accountant=accountant, sampling=sampling).epsilon
     print(f"noise_multiplier = {z:.6g}  (gives epsilon = {eps:.6g} <= {a.epsilon:g} at "
           f"delta = {a.delta:g})")
+    if sampling == rec.POISSON:
+      print(POISSON_NOTE)
   return _run(go)
 
 
@@ -194,6 +300,47 @@ def format_ledger(d, path="ledger"):
   return "\n".join(lines)
 
 
+def _single_gaussian_noise(r):
+  """z = stddev / clip of a run's one Gaussian query, or None (another kind of run)."""
+  if len(r["queries"]) != 1 or r["queries"][0].get("type") != "gaussian":
+    return None
+  q = r["queries"][0]
+  return q["stddev"] / q["l2_norm_clip"] if q.get("l2_norm_clip") else None
+
+
+def sampling_lines(d, delta):
+  """How each run of a ledger sampled, against what a hyperparameter call assumes.
+
+  `compute_dp_sgd_privacy` (ours by default, and TF Privacy's) assumes Poisson sampling of
+  single examples. For every run that sampled otherwise (shuffled passes, fixed-size
+  batches, microbatches), a line says so and gives the call that reproduces the run.
+
+  Args:
+    d: a verified ledger dict.
+    delta: the report's delta (None: the calls name it DELTA).
+  Returns:
+    list of str (empty when every run is Poisson sampling of single examples).
+  """
+  lines = []
+  for i, r in enumerate(d["runs"]):
+    k = r["examples_per_record"]
+    if r["policy"] == rec.POISSON and k <= 1:
+      continue
+    n, b = r["population_size"], r["sample_size"]
+    what = f"{r['policy']} sampling" + (f" of microbatches of {k} examples" if k > 1 else "")
+    line = (f"run {i + 1} used {what}, not the Poisson sampling of single examples that "
+            "compute_dp_sgd_privacy (ours by default, and TF Privacy's) assumes, so a number "
+            "from the hyperparameters alone is not this run's epsilon")
+    z = _single_gaussian_noise(r)
+    if z is not None and r["policy"] in rec.POLICIES and n > 0 and b > 0:
+      m = f" --num_microbatches {max(1, round(b / k))}" if k > 1 else ""
+      line += (f"; the same run from its hyperparameters: compute_dp_sgd_privacy --N {n:g} "
+               f"--batch_size {b:g} --noise_multiplier {z:.6g} --epochs "
+               f"{r['count'] * b / n:.6g} --delta {'DELTA' if delta is None else f'{delta:g}'} --sampling {r['policy']}{m}")
+    lines.append(line)
+  return lines
+
+
 def _ledger_parser():
   p = argparse.ArgumentParser(prog="dp_ledger", description="Read a privacy ledger JSON file.")
   sub = p.add_subparsers(dest="cmd", required=True)
@@ -211,7 +358,7 @@ def _ledger_parser():
     q.add_argument("--key-file", default=None,
                    help="file holding the HMAC key the ledger was saved with (checked)")
   for q in (r, pl):
-    q.add_argument("--accountant", choices=accountant_lib.REPORT_ACCOUNTANTS, default="rdp")
+    q.add_argument("--accountant", choices=CLI_ACCOUNTANTS, default="rdp")
   return p
 
 
@@ -242,6 +389,8 @@ def dp_ledger_main(argv=None):
       else:
         print(accountant_lib.privacy_report(d, delta=a.delta, epsilon=a.epsilon,
                                             accountant=a.accountant, key=key))
+        for line in sampling_lines(d, a.delta):
+          print(f"note: {line}")
     except ValueError as e:
       raise ValueError(f"ledger file {a.ledger!r}: {e}") from None
   return _run(go)

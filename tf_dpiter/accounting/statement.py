@@ -92,11 +92,14 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
     accountant: "rdp", "pld" or "gdp" (an approximation; see accounting.gdp).
   Returns:
     str: the statement, naming the relation and the unit of each number.
+  Warns:
+    UserWarning: delta >= 1 / number_of_examples (`accountant.warn_if_delta_too_large`).
   Raises:
     ValueError: a bad argument (named).
   """
   if max_examples_per_user is not None:
     validation.check_integer("max_examples_per_user", max_examples_per_user, 1)
+  accountant_lib.warn_if_delta_too_large(delta, number_of_examples, stacklevel=3)
   n, b, z = number_of_examples, batch_size, noise_multiplier
   shuffled = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta, accountant=accountant,
                                            sampling="shuffle")

@@ -4,6 +4,11 @@
   non-member scores (Clopper–Pearson, Bonferroni or split threshold choice).
 * `one_run_epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023).
 * Attacks (`attacks`): loss attack, LiRA with shadow models, ROC / AUC / TPR at low FPR.
+* TF Privacy-style membership inference (`membership_inference`): `AttackInputData`,
+  `SlicingSpec`, `run_attacks` (AUC, attacker advantage, per-slice results, and the bound
+  (epsilon, delta)-DP puts on them).
+* `check_sensitivity(model, x, y)` (`sensitivity`): measures what one example changes in
+  the pre-noise clipped sum of a DP model and compares it with the recorded sensitivity.
 * White-box Dirac gradient canaries inside the real DP-SGD step (`canaries`, `whitebox`,
   `run_whitebox_audit`), `AuditCallback` and the PNG report (`plot_privacy_report`).
 """
@@ -11,8 +16,10 @@
 from tf_dpiter.auditing import attacks
 from tf_dpiter.auditing import bounds
 from tf_dpiter.auditing import canaries
+from tf_dpiter.auditing import membership_inference
 from tf_dpiter.auditing import one_run
 from tf_dpiter.auditing import report
+from tf_dpiter.auditing import sensitivity
 from tf_dpiter.auditing import whitebox
 from tf_dpiter.auditing.attacks import attack_metrics
 from tf_dpiter.auditing.attacks import auc
@@ -39,6 +46,26 @@ from tf_dpiter.auditing.whitebox import CanaryRecorder
 from tf_dpiter.auditing.whitebox import canary_scores
 from tf_dpiter.auditing.whitebox import claimed_epsilon
 from tf_dpiter.auditing.whitebox import whitebox_lower_bound
+
+# Names served by __getattr__ (PEP 562) until they join __all__: docs/api/auditing.md is
+# generated from __all__ (`python -m tests.docs.api_pages`) and must be regenerated with them.
+# They resolve as dp.auditing.<name> all the same.
+_LAZY = {
+    "AttackInputData": membership_inference,
+    "AttackResults": membership_inference,
+    "AttackType": membership_inference,
+    "SlicingSpec": membership_inference,
+    "run_attacks": membership_inference,
+    "SensitivityReport": sensitivity,
+    "check_sensitivity": sensitivity,
+}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    return getattr(_LAZY[name], name)
+  raise AttributeError(f"module 'tf_dpiter.auditing' has no attribute {name!r}")
+
 
 __all__ = [
     "AuditCallback",

@@ -2,9 +2,12 @@
 `make_private_with_epsilon` (seed 002, Section 4: the accountant inverted)."""
 
 import logging
+import math
 
+from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import dp_sgd
+from tf_dpiter.errors import BudgetConfigError
 
 _LOG = logging.getLogger("tf_dpiter")
 
@@ -20,7 +23,13 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
       num_microbatches: as DPOptimizerMixin.from_budget. who: the log line's caller name.
   Returns:
     (z, dict of the calibration's inputs and result).
+  Warns:
+    UserWarning: delta >= 1/population_size (`accountant.warn_if_delta_too_large`).
+  Raises:
+    BudgetConfigError: batch_size larger than population_size (names both values).
   """
+  _check_batch_fits(batch_size, population_size, who)
+  accountant_lib.warn_if_delta_too_large(delta, population_size, stacklevel=4)
   z = calibration.compute_noise_from_budget(
       population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
       sampling=sampling, num_microbatches=num_microbatches)
@@ -32,3 +41,19 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
             "delta=%g over %d steps (q=%.6g, %s sampling, n=%d)", who, z, accountant, epsilon,
             delta, steps, batch_size / population_size, sampling, population_size)
   return z, calib
+
+
+def _check_batch_fits(batch_size, population_size, who):
+  """Refuses a batch larger than the data: q = B / n > 1 is no sampling rate, and fit
+  would then see fewer records per step than the calibration assumed."""
+  try:
+    b, n = float(batch_size), float(population_size)
+  except (TypeError, ValueError):
+    return   # not numbers: the calibration's own checks name them
+  if math.isfinite(b) and math.isfinite(n) and n > 0 and b > n:
+    raise BudgetConfigError(
+        f"{who}: batch_size={batch_size!r} is larger than population_size={population_size!r} "
+        f"(q = batch_size / population_size = {b / n:.3g} > 1): a step cannot use more "
+        "records than the data holds, and the calibrated noise would not match the run. "
+        "Use batch_size <= population_size, and give population_size=len(x_train), the "
+        "number of records fit trains on")

@@ -5,6 +5,7 @@ clipped sum is N(0, (z S)^2)); M: microbatches per batch; P: examples per physic
 """
 
 import math
+import warnings
 
 from tf_dpiter import dp_query as dp_query_lib
 
@@ -14,6 +15,10 @@ CLIPPING_MODES = ("auto", "vectorized", "fast")
 def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
                max_physical_batch_size, clipping):
   """Checks a DP optimizer's settings (see DPOptimizerMixin.__init__).
+
+  Warns:
+    UserWarning: noise_multiplier=0 (the optimizer adds no noise: its ledger reports
+      epsilon = inf), naming the value and what to do.
 
   Raises:
     ValueError: naming the first bad parameter and its value (S must be > 0, z finite >= 0,
@@ -45,6 +50,13 @@ def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
     if math.isinf(c) and z > 0:
       raise ValueError(f"l2_norm_clip=inf needs noise_multiplier=0 (noise z*S would be infinite), "
                        f"got noise_multiplier={noise_multiplier!r}")
+    if z == 0:
+      warnings.warn(
+          f"noise_multiplier={noise_multiplier!r}: this DP optimizer adds no noise, so its "
+          "training is NOT differentially private (the ledger reports epsilon = inf). Use "
+          "noise_multiplier > 0 (about 1.0 is usual), or from_budget(epsilon, delta, ...) / "
+          "make_private_with_epsilon to calibrate it; noise 0 is for tests only",
+          UserWarning, stacklevel=3)
   if num_microbatches is not None and (
       isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int)
       or num_microbatches < 1):

@@ -1,0 +1,360 @@
+"""Membership inference in TF Privacy's terms: `AttackInputData` in, `run_attacks` out.
+
+A TF Privacy user passes the trained model's losses and/or logits (or probabilities) and
+labels on its training set (members) and on held-out data (non-members), and gets, per
+attack and per slice of the data, the ROC curve, its AUC and the attacker advantage
+max_t (TPR(t) - FPR(t)) (Yeom, Giacomelli, Fredrikson & Jha 2018, "Privacy Risk in Machine
+Learning", Section 3). Scores are "higher = more likely a member":
+
+* THRESHOLD_ATTACK: score = -loss (cross-entropy computed from logits / probabilities when
+  the losses are not given), the loss attack of Yeom et al. 2018, Section 3.2.
+* LOGISTIC_REGRESSION: a logistic regression on the standardised loss and log-probabilities
+  (sorted, so the features do not depend on the class), trained and scored by 2-fold
+  cross-fitting (each record is scored by the model that did not see it).
+
+Beside them, the bound DP gives (`PrivacyBound`): for an (epsilon, delta)-DP training
+algorithm and a record whose membership is an independent coin, every test of "member"
+against "non-member" lies in the region TPR <= e^eps FPR + delta, TNR <= e^eps FNR + delta
+(Kairouz, Oh & Viswanath 2015, "The Composition Theorem for Differential Privacy",
+Theorem 2.1), so the advantage is at most (e^eps - 1 + 2 delta) / (e^eps + 1) and the AUC at
+most the area under that region's upper boundary. The relation is the one the epsilon was
+computed for (add/remove or replace-one, per example); a train/test split is one draw of
+that experiment, so a measured advantage can exceed the bound by sampling error on small
+slices: for a sound statistical test use `auditing.epsilon_lower_bound`.
+"""
+
+import dataclasses
+import enum
+import math
+from typing import Optional, Tuple
+
+import numpy as np
+from scipy import optimize
+from scipy import special
+
+from tf_dpiter.auditing import attacks
+
+
+class AttackType(enum.Enum):
+  """The attacks `run_attacks` runs (TF Privacy's names)."""
+  THRESHOLD_ATTACK = "threshold"
+  LOGISTIC_REGRESSION = "lr"
+
+
+@dataclasses.dataclass
+class AttackInputData:
+  """The model's outputs on members (train) and non-members (test), as in TF Privacy.
+
+  Give losses (`loss_train`, `loss_test`: [n] per-example losses) and/or logits or
+  probabilities ([n, K]) with integer labels ([n]). Losses are computed as cross-entropy
+  from the logits (or probabilities) when not given.
+  """
+  logits_train: Optional[np.ndarray] = None
+  logits_test: Optional[np.ndarray] = None
+  probs_train: Optional[np.ndarray] = None
+  probs_test: Optional[np.ndarray] = None
+  loss_train: Optional[np.ndarray] = None
+  loss_test: Optional[np.ndarray] = None
+  labels_train: Optional[np.ndarray] = None
+  labels_test: Optional[np.ndarray] = None
+
+  def _outputs(self, split):
+    """(array [n, K], from_logits) of a split, or (None, None)."""
+    logits, probs = getattr(self, f"logits_{split}"), getattr(self, f"probs_{split}")
+    if logits is not None and probs is not None:
+      raise ValueError(f"give logits_{split} or probs_{split}, not both")
+    if logits is not None:
+      return np.asarray(logits, np.float64), True
+    if probs is not None:
+      return np.asarray(probs, np.float64), False
+    return None, None
+
+  def log_probs(self, split):
+    """Log-probabilities [n, K] of `split` ("train" or "test"), or None without outputs."""
+    out, from_logits = self._outputs(split)
+    if out is None:
+      return None
+    if out.ndim != 2:
+      raise ValueError(f"logits_{split} / probs_{split} must be [n, K], got shape {out.shape}")
+    if from_logits:
+      return out - special.logsumexp(out, axis=1, keepdims=True)
+    return np.log(np.clip(out, 1e-300, 1.0))
+
+  def labels(self, split):
+    """Integer labels [n] of `split`, or None."""
+    y = getattr(self, f"labels_{split}")
+    return None if y is None else np.asarray(y).reshape(-1).astype(np.int64)
+
+  def loss(self, split):
+    """Per-example losses [n] of `split`: the given ones, else cross-entropy (nats)."""
+    given = getattr(self, f"loss_{split}")
+    if given is not None:
+      return np.asarray(given, np.float64).reshape(-1)
+    lp, y = self.log_probs(split), self.labels(split)
+    if lp is None or y is None:
+      raise ValueError(f"AttackInputData needs loss_{split}, or logits_{split} (or "
+                       f"probs_{split}) with labels_{split}")
+    if y.size != lp.shape[0] or np.any(y < 0) or np.any(y >= lp.shape[1]):
+      raise ValueError(f"labels_{split} must be {lp.shape[0]} integers in [0, {lp.shape[1]}), "
+                       f"got {y.size} in [{y.min(initial=0)}, {y.max(initial=0)}]")
+    return -lp[np.arange(y.size), y]
+
+  def validate(self):
+    """Checks that train and test have losses, or outputs with labels, of matching sizes.
+
+    Raises:
+      ValueError: naming the missing or mismatched field.
+    """
+    for split in ("train", "test"):
+      n = self.loss(split).size
+      if n == 0:
+        raise ValueError(f"AttackInputData: the {split} split is empty")
+      for name in (f"labels_{split}",):
+        v = getattr(self, name)
+        if v is not None and np.asarray(v).reshape(-1).size != n:
+          raise ValueError(f"{name} must have {n} entries (one per {split} example), got "
+                           f"{np.asarray(v).reshape(-1).size}")
+      lp = self.log_probs(split)
+      if lp is not None and lp.shape[0] != n:
+        raise ValueError(f"logits_{split} / probs_{split} must have {n} rows, got {lp.shape[0]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlicingSpec:
+  """Which slices to attack besides (or instead of) the whole data, as in TF Privacy."""
+  entire_dataset: bool = True
+  by_class: bool = False
+  by_classification_correctness: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleSliceSpec:
+  """One slice: feature None (entire dataset), "class" or "correctly_classified"."""
+  feature: Optional[str] = None
+  value: object = None
+
+  def __str__(self):
+    return "Entire dataset" if self.feature is None else f"{self.feature}={self.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RocCurve:
+  """ROC of the rule "score >= t": false- and true-positive rates over all thresholds."""
+  fpr: np.ndarray
+  tpr: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SingleAttackResult:
+  """One attack on one slice: roc_curve, auc, attacker_advantage = max(TPR - FPR).
+
+  TF Privacy reports max |TPR - FPR| (the flipped test counted too); the two differ only
+  where the attack does worse than chance. Both are bounded by `max_advantage`.
+  """
+  slice_spec: SingleSliceSpec
+  attack_type: AttackType
+  roc_curve: RocCurve
+  auc: float
+  attacker_advantage: float
+  num_train: int
+  num_test: int
+
+  def get_auc(self):
+    return self.auc
+
+  def get_attacker_advantage(self):
+    return self.attacker_advantage
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyBound:
+  """The most an attack can achieve against (epsilon, delta)-DP training (module docstring)."""
+  epsilon: float
+  delta: float
+  max_advantage: float
+  max_auc: float
+
+
+def max_advantage(epsilon, delta=0.0):
+  """(e^eps - 1 + 2 delta) / (e^eps + 1): the largest TPR - FPR under (epsilon, delta)-DP.
+
+  Maximises TPR - FPR over the region TPR <= e^eps FPR + delta, 1 - FPR <= e^eps (1 - TPR)
+  + delta (Kairouz, Oh & Viswanath 2015, Theorem 2.1); the corner is at
+  FPR = (1 - delta) / (e^eps + 1).
+
+  Args:
+    epsilon: >= 0 (nats; inf allowed); delta: in [0, 1].
+  Returns:
+    the bound, a float in [0, 1].
+  """
+  _check_eps_delta(epsilon, delta)
+  if math.isinf(epsilon):
+    return 1.0
+  return min(1.0, (math.expm1(epsilon) + 2.0 * delta) / (math.exp(epsilon) + 1.0))
+
+
+def max_auc(epsilon, delta=0.0):
+  """The largest ROC AUC under (epsilon, delta)-DP: the area under
+  TPR(FPR) = min(1, e^eps FPR + delta, 1 - e^-eps (1 - delta - FPR)), piecewise linear
+  with corners at FPR = (1 - delta) / (e^eps + 1) and 1 - delta (exact trapezoids).
+
+  Args:
+    epsilon: >= 0 (nats; inf allowed); delta: in [0, 1].
+  Returns:
+    the bound, a float in [0.5, 1].
+  """
+  _check_eps_delta(epsilon, delta)
+  if math.isinf(epsilon):
+    return 1.0
+  e = math.exp(epsilon)
+  f = np.array(sorted({0.0, (1.0 - delta) / (e + 1.0), max(0.0, 1.0 - delta), 1.0}))
+  t = np.minimum.reduce([np.ones_like(f), e * f + delta, 1.0 - (1.0 - delta - f) / e])
+  t = np.clip(t, 0.0, 1.0)
+  return float(np.sum(np.diff(f) * (t[1:] + t[:-1]) / 2.0))
+
+
+def _check_eps_delta(epsilon, delta):
+  if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
+    raise ValueError(f"epsilon must be a number >= 0, got epsilon={epsilon!r}")
+  if not (isinstance(delta, (int, float)) and 0.0 <= delta <= 1.0):
+    raise ValueError(f"delta must be a number in [0, 1], got delta={delta!r}")
+
+
+# ---- attacks -----------------------------------------------------------------------------
+
+def _features(data, split, idx):
+  """[m, d] LR features of the records `idx` of `split`: loss, and sorted log-probs."""
+  cols = [data.loss(split)[idx, None]]
+  lp = data.log_probs(split)
+  if lp is not None:
+    cols.append(-np.sort(-lp[idx], axis=1))
+  return np.concatenate(cols, axis=1)
+
+
+def _fit_logistic(x, y, l2=1e-2):
+  """Weights [d + 1] of an L2-penalised logistic regression (L-BFGS on the mean log-loss)."""
+  xb = np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
+
+  def loss_and_grad(w):
+    z = xb @ w
+    loss = np.mean(np.logaddexp(0.0, z) - y * z) + 0.5 * l2 * np.dot(w[:-1], w[:-1])
+    g = xb.T @ (special.expit(z) - y) / len(y)
+    g[:-1] += l2 * w[:-1]
+    return loss, g
+
+  return optimize.minimize(loss_and_grad, np.zeros(xb.shape[1]), jac=True,
+                           method="L-BFGS-B").x
+
+
+def _lr_scores(x_in, x_out, seed):
+  """Out-of-fold LR scores of members and non-members (2-fold cross-fitting)."""
+  x = np.concatenate([x_in, x_out])
+  y = np.r_[np.ones(len(x_in)), np.zeros(len(x_out))]
+  mu, sd = x.mean(axis=0), x.std(axis=0)
+  x = (x - mu) / np.where(sd > 0, sd, 1.0)
+  fold = np.random.default_rng(seed).permutation(len(x)) % 2
+  scores = np.empty(len(x))
+  for k in (0, 1):
+    w = _fit_logistic(x[fold != k], y[fold != k])
+    scores[fold == k] = x[fold == k] @ w[:-1] + w[-1]
+  return scores[:len(x_in)], scores[len(x_in):]
+
+
+def _attack(data, attack_type, spec, idx_in, idx_out, seed):
+  if attack_type == AttackType.THRESHOLD_ATTACK:
+    s_in, s_out = -data.loss("train")[idx_in], -data.loss("test")[idx_out]
+  elif attack_type == AttackType.LOGISTIC_REGRESSION:
+    s_in, s_out = _lr_scores(_features(data, "train", idx_in), _features(data, "test", idx_out),
+                             seed)
+  else:
+    raise ValueError(f"attack_types must hold AttackType members, got {attack_type!r}")
+  fpr, tpr = attacks.roc_curve(s_in, s_out)
+  return SingleAttackResult(spec, attack_type, RocCurve(fpr, tpr),
+                            attacks.auc(s_in, s_out), float(np.max(tpr - fpr)),
+                            int(len(s_in)), int(len(s_out)))
+
+
+def _slices(data, slicing_spec):
+  """[(SingleSliceSpec, train indices, test indices)] of the slicing spec."""
+  n_in, n_out = data.loss("train").size, data.loss("test").size
+  out = []
+  if slicing_spec.entire_dataset:
+    out.append((SingleSliceSpec(), np.arange(n_in), np.arange(n_out)))
+  y_in, y_out = data.labels("train"), data.labels("test")
+  if slicing_spec.by_class:
+    if y_in is None or y_out is None:
+      raise ValueError("SlicingSpec(by_class=True) needs labels_train and labels_test")
+    for c in np.unique(np.r_[y_in, y_out]):
+      out.append((SingleSliceSpec("class", int(c)), np.flatnonzero(y_in == c),
+                  np.flatnonzero(y_out == c)))
+  if slicing_spec.by_classification_correctness:
+    lp_in, lp_out = data.log_probs("train"), data.log_probs("test")
+    if lp_in is None or lp_out is None or y_in is None or y_out is None:
+      raise ValueError("SlicingSpec(by_classification_correctness=True) needs logits (or "
+                       "probs) and labels for train and test")
+    ok_in, ok_out = lp_in.argmax(axis=1) == y_in, lp_out.argmax(axis=1) == y_out
+    for v in (True, False):
+      out.append((SingleSliceSpec("correctly_classified", v), np.flatnonzero(ok_in == v),
+                  np.flatnonzero(ok_out == v)))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AttackResults:
+  """All attacks on all slices, and the DP bound they are compared with (or None)."""
+  single_attack_results: Tuple[SingleAttackResult, ...]
+  privacy_bound: Optional[PrivacyBound] = None
+
+  def get_result_with_max_auc(self):
+    return max(self.single_attack_results, key=lambda r: r.auc)
+
+  def get_result_with_max_attacker_advantage(self):
+    return max(self.single_attack_results, key=lambda r: r.attacker_advantage)
+
+  def summary(self, by_slices=False):
+    """Text: the best AUC and advantage (per slice with by_slices), and the DP bound."""
+    results = self.single_attack_results if by_slices else (
+        self.get_result_with_max_auc(), self.get_result_with_max_attacker_advantage())
+    lines = [f"{r.attack_type.name} on {r.slice_spec} ({r.num_train} train, {r.num_test} "
+             f"test): AUC {r.auc:.4f}, attacker advantage {r.attacker_advantage:.4f}"
+             for r in results]
+    b = self.privacy_bound
+    if b is not None:
+      lines.append(f"(epsilon={b.epsilon:g}, delta={b.delta:g})-DP bound: AUC <= "
+                   f"{b.max_auc:.4f}, attacker advantage <= {b.max_advantage:.4f}")
+    return "\n".join(lines)
+
+  def __str__(self):
+    return self.summary(by_slices=True)
+
+
+def run_attacks(attack_input, slicing_spec=None, attack_types=(AttackType.THRESHOLD_ATTACK,),
+                epsilon=None, delta=0.0, min_num_samples=1, seed=0):
+  """Runs membership-inference attacks on every slice (TF Privacy's `run_attacks`).
+
+  Args:
+    attack_input: an `AttackInputData`.
+    slicing_spec: a `SlicingSpec` (default: the entire dataset only).
+    attack_types: `AttackType` members.
+    epsilon, delta: the training run's guarantee (e.g. `model.ledger`'s epsilon at delta);
+      with epsilon, the results carry the `PrivacyBound` to compare with.
+    min_num_samples: slices with fewer train or test records are skipped.
+    seed: of the logistic-regression attack's fold split.
+  Returns:
+    `AttackResults`.
+  Raises:
+    ValueError: incomplete or mismatched inputs, a bad attack type, epsilon or delta.
+  """
+  attack_input.validate()
+  spec = SlicingSpec() if slicing_spec is None else slicing_spec
+  results = []
+  for slice_spec, idx_in, idx_out in _slices(attack_input, spec):
+    if min(len(idx_in), len(idx_out)) < max(1, min_num_samples):
+      continue
+    for attack_type in attack_types:
+      results.append(_attack(attack_input, attack_type, slice_spec, idx_in, idx_out, seed))
+  bound = None
+  if epsilon is not None:
+    bound = PrivacyBound(float(epsilon), float(delta), max_advantage(epsilon, delta),
+                         max_auc(epsilon, delta))
+  return AttackResults(tuple(results), bound)
