@@ -40,43 +40,36 @@ from tf_dpiter.auditing.canaries import DiracCanaryLoss
 from tf_dpiter.auditing.canaries import DiracCanaryModel
 from tf_dpiter.auditing.experiment import WhiteBoxResult
 from tf_dpiter.auditing.experiment import run_whitebox_audit
+from tf_dpiter.auditing.membership_inference import AttackInputData
+from tf_dpiter.auditing.membership_inference import AttackResults
+from tf_dpiter.auditing.membership_inference import AttackType
+from tf_dpiter.auditing.membership_inference import SlicingSpec
+from tf_dpiter.auditing.membership_inference import run_attacks
 from tf_dpiter.auditing.one_run import one_run_epsilon_lower_bound
+from tf_dpiter.auditing.sensitivity import SensitivityReport
+from tf_dpiter.auditing.sensitivity import check_sensitivity
 from tf_dpiter.auditing.report import plot_privacy_report
 from tf_dpiter.auditing.whitebox import CanaryRecorder
 from tf_dpiter.auditing.whitebox import canary_scores
 from tf_dpiter.auditing.whitebox import claimed_epsilon
 from tf_dpiter.auditing.whitebox import whitebox_lower_bound
 
-# Names served by __getattr__ (PEP 562) until they join __all__: docs/api/auditing.md is
-# generated from __all__ (`python -m tests.docs.api_pages`) and must be regenerated with them.
-# They resolve as dp.auditing.<name> all the same.
-_LAZY = {
-    "AttackInputData": membership_inference,
-    "AttackResults": membership_inference,
-    "AttackType": membership_inference,
-    "SlicingSpec": membership_inference,
-    "run_attacks": membership_inference,
-    "SensitivityReport": sensitivity,
-    "check_sensitivity": sensitivity,
-}
-
-
-def __getattr__(name):
-  if name in _LAZY:
-    return getattr(_LAZY[name], name)
-  raise AttributeError(f"module 'tf_dpiter.auditing' has no attribute {name!r}")
-
-
 __all__ = [
+    "AttackInputData",
+    "AttackResults",
+    "AttackType",
     "AuditCallback",
     "CanaryRecorder",
     "DiracCanaryLoss",
     "DiracCanaryModel",
     "LowerBound",
+    "SensitivityReport",
+    "SlicingSpec",
     "WhiteBoxResult",
     "attack_metrics",
     "auc",
     "canary_scores",
+    "check_sensitivity",
     "claimed_epsilon",
     "clopper_pearson",
     "epsilon_lower_bound",
@@ -89,6 +82,7 @@ __all__ = [
     "one_run_epsilon_lower_bound",
     "plot_privacy_report",
     "roc_curve",
+    "run_attacks",
     "run_whitebox_audit",
     "shadow_confidences",
     "tpr_at_fpr",
