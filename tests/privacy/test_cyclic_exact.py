@@ -23,6 +23,8 @@ from scipy import special
 import tf_dpiter as dp
 from tf_dpiter.data import cyclic_poisson
 
+import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+
 DELTA = 1e-3
 
 
@@ -64,18 +66,7 @@ def test_neighbours_release_differs_by_one_records_contribution_exactly():
       assert mixed[out] == pytest.approx(p, rel=1e-12, abs=1e-15)
 
 
-class _Joins(keras.callbacks.Callback):
-
-  def __init__(self, joined):
-    super().__init__()
-    self.joined = joined
-
-  def on_train_batch_begin(self, batch, logs=None):
-    self.before = self.model.trainable_variables[0].numpy()[:, 0].copy()
-
-  def on_train_batch_end(self, batch, logs=None):
-    moved = self.before - self.model.trainable_variables[0].numpy()[:, 0]
-    self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+_Joins = privacy_joins.JoinRecorder
 
 
 def _run(n, b, q, fits, steps):

@@ -19,22 +19,12 @@ from tf_dpiter.accounting import ledger_events
 from tf_dpiter.data import cyclic_poisson
 from tf_dpiter.errors import PrivacyConfigError
 
+import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+
 N, B, STEPS, FITS = 24, 4, 5, 8   # q = 1: every example of the active group joins
 
 
-class _Recorder(keras.callbacks.Callback):
-  """Appends, after every step, the set of examples the step moved."""
-
-  def __init__(self, joined):
-    super().__init__()
-    self.joined = joined
-
-  def on_train_batch_begin(self, batch, logs=None):
-    self.before = self.model.trainable_variables[0].numpy()[:, 0].copy()
-
-  def on_train_batch_end(self, batch, logs=None):
-    moved = self.before - self.model.trainable_variables[0].numpy()[:, 0]
-    self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+_Recorder = privacy_joins.JoinRecorder
 
 
 def _model(noise, journal=None):

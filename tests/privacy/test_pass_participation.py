@@ -16,21 +16,12 @@ import tf_dpiter as dp
 from tf_dpiter.data import balls_in_bins
 from tf_dpiter.data import shuffling
 
+import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+
 N = 24
 
 
-class _Recorder(keras.callbacks.Callback):
-
-  def __init__(self, joined):
-    super().__init__()
-    self.joined = joined
-
-  def on_train_batch_begin(self, batch, logs=None):
-    self.before = self.model.trainable_variables[0].numpy()[:, 0].copy()
-
-  def on_train_batch_end(self, batch, logs=None):
-    moved = self.before - self.model.trainable_variables[0].numpy()[:, 0]
-    self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+_Recorder = privacy_joins.JoinRecorder
 
 
 def _model():

@@ -100,17 +100,10 @@ def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, 
   Raises:
     ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
   """
-  from tf_dpiter.keras import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
-  if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
-      optimizer, opt_lib.DPOptimizerMixin):
-    raise ValueError("`optimizer` must be a plain keras.optimizers.Optimizer instance (not a "
-                     f"DP optimizer). Received: optimizer={optimizer!r}")
-  z, calib = opt_lib.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
-                                      sampling, accountant, dp_kwargs.get("num_microbatches"),
-                                      who="dp.keras.from_budget")
-  dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)
-  dp_opt.calibration = calib
-  return dp_opt
+  from tf_dpiter.keras import budget  # pylint: disable=g-import-not-at-top
+  return budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
+                                   population_size, l2_norm_clip, sampling, accountant,
+                                   dp_kwargs, who="dp.keras.from_budget")
 
 
 def __getattr__(name):

@@ -29,6 +29,7 @@ import tensorflow as tf
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.data import user_sampling
 from tf_dpiter.keras import batch_independence
+from tf_dpiter.keras import budget
 from tf_dpiter.keras import callbacks as callbacks_lib
 from tf_dpiter.keras import fit_sampling
 from tf_dpiter.keras import keras_internals
@@ -337,15 +338,9 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   Raises:
     ValueError: a DP or non-Keras optimizer, or what from_budget refuses.
   """
-  if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
-      optimizer, opt_lib.DPOptimizerMixin):
-    raise ValueError(f"optimizer must be a plain keras.optimizers.Optimizer instance, got "
-                     f"{optimizer!r}")
-  z, calib = opt_lib.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
-                                      sampling, accountant, dp_kwargs.get("num_microbatches"),
-                                      who="make_private_with_epsilon")
-  dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)
-  dp_opt.calibration = calib
+  dp_opt = budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
+                                     population_size, l2_norm_clip, sampling, accountant,
+                                     dp_kwargs, who="make_private_with_epsilon")
   return make_private(model), dp_opt
 
 
