@@ -1,6 +1,6 @@
 """Issue 11: what fixed-size (replace-one) sampling costs after the sensitivity fix.
 
-For each setting, the delta at epsilon = 8 (seed 003 fixes epsilon) and the epsilon at the
+For each setting, the delta at epsilon = 8 (Geyer et al. 2017 fixes epsilon) and the epsilon at the
 preset's delta_0: as the old code accounted it (dp-accounting's SampledWithoutReplacement
 with z = sigma / S) and as the ledger accounts it now (z = sigma / 2S under replace one),
 next to Poisson sampling with q = m / K (what Table 1 used). Accounting only: the training

@@ -3,7 +3,7 @@
 Prints (1) the median time of one `randomness.normal` draw of 407,050 values (the MLP's
 gradient size) in a tf.function, beside TF's own `Generator.normal` and secure mode; (2) for the settings
 below, the largest |z| the sampler can reach and the delta floor a bound B would imply,
-T q P(Z > B - 1/z) (the record's shift is 1/z standard deviations; seed 002 Section 8).
+T q P(Z > B - 1/z) (the record's shift is 1/z standard deviations; McMahan et al. 2018 Section 8).
 The sampler in use has no bound (`randomness.exponential` is exact in the tail), so its
 floor is 0; the old one stopped at sqrt(2 * 33 ln 2) = 6.764.
 

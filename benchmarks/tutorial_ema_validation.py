@@ -11,7 +11,7 @@ evaluates on the last 10,000 training images (the validation split; the test set
 read). Beside the raw iterate it keeps exponential moving averages of the weights, one per
 momentum m (the rule of Keras' `use_ema=True`: the average starts at the first iterate, then
 avg <- m avg + (1 - m) w after every step). Averaging the released iterates is
-post-processing of the DP outputs: it costs no privacy (seed 002, Section 1; De et al. 2022
+post-processing of the DP outputs: it costs no privacy (McMahan et al. 2018, Section 1; De et al. 2022
 average iterates the same way). Prints one JSON line per evaluation: epoch, validation
 accuracy of the raw weights and of each average.
 """

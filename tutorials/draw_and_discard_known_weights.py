@@ -1,4 +1,4 @@
-"""Logistic regression with known weights (seed 004, Section V-C, Figure 5).
+"""Logistic regression with known weights (Pihur et al. 2018, Section V-C, Figure 5).
 
 33 weights: intercept, B (boolean), E1 (3 levels), E2 (4 levels), D (double), I (integer)
 and all 10 two-way crosses, k = 30, gamma = 0.005, no client noise (as the paper). The

@@ -1,4 +1,4 @@
-"""Draw and Discard on MNIST: multinomial logistic regression (seed 004, Section V, Figs. 2-3).
+"""Draw and Discard on MNIST: multinomial logistic regression (Pihur et al. 2018, Section V, Figs. 2-3).
 
 gamma = 0.001, features in [0, 1], N_c = 10 examples per client (6,000 clients), 20 passes.
 Training loss (averaged model, a fixed 10,000-record training subset) and test accuracy against the sample

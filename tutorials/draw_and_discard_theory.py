@@ -1,4 +1,4 @@
-"""Theorem 1 and Lemma 2 of Draw and Discard (seed 004) by simulation, with PNG plots.
+"""Theorem 1 and Lemma 2 of Draw and Discard (Pihur et al. 2018) by simulation, with PNG plots.
 
 Theorem 1 (Section III-D1): with N(0, k/2 sigma^2) initialization and client noise of
 variance sigma^2, the intra-model variance stays k/2 sigma^2 (here over 10^5 updates, 300

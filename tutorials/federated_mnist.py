@@ -1,4 +1,4 @@
-"""Client-level DP federated averaging on non-IID MNIST: Table 1 / Figure 2 of seed 003.
+"""Client-level DP federated averaging on non-IID MNIST: Table 1 / Figure 2 of Geyer et al. 2017.
 
 Each run: K clients holding 600 examples each (two label-sorted shards of 300, data points
 repeated for K > 100), an MLP without bias (the paper's 784-600-100-10 by default; the
@@ -35,7 +35,7 @@ absl.logging.set_verbosity(absl.logging.ERROR)
 
 from tf_dpiter import federated as F  # pylint: disable=g-import-not-at-top
 
-# Table 1 rows of seed 003 (paper: ACC, CR, CC) and the settings we found best for each
+# Table 1 rows of Geyer et al. 2017 (paper: ACC, CR, CC) and the settings we found best for each
 # (BENCHMARKS.md). Poisson sampling: the ledger records it; its add/remove-one RDP bound is
 # tighter than fixed-size sampling's. Any flag given on the command line wins.
 PRESETS = {

@@ -1,4 +1,4 @@
-"""DP-SGD on MNIST with Keras 3 and tf_dpiter (seed 002, Section 7; Abadi et al. 2016).
+"""DP-SGD on MNIST with Keras 3 and tf_dpiter (McMahan et al. 2018, Section 7; Abadi et al. 2016).
 
 The CNN of TF Privacy's MNIST tutorial, trained with TF Privacy's idiom
 `model.fit(x, y, batch_size=256)`: on arrays, tf_dpiter's fit draws Poisson samples of

@@ -1,4 +1,4 @@
-"""Poisson sampling of batches (seed 002, Section 5)."""
+"""Poisson sampling of batches (McMahan et al. 2018, Section 5)."""
 
 import warnings
 

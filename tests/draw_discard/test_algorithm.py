@@ -1,4 +1,4 @@
-"""Algorithm 1 (client), Algorithm 2 (server), GLMs, model spec, spam filter (seed 004)."""
+"""Algorithm 1 (client), Algorithm 2 (server), GLMs, model spec, spam filter (Pihur et al. 2018)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Theorem 1, Lemmas 1-3 and the privacy statement (seed 004, Sections III-D1, IV)."""
+"""Theorem 1, Lemmas 1-3 and the privacy statement (Pihur et al. 2018, Sections III-D1, IV)."""
 
 import math
 

@@ -89,7 +89,7 @@ def test_infinite_clip_zero_noise_equals_nonprivate(kind):
 
 @pytest.mark.parametrize("m", [B // 4, 3])
 def test_microbatches_mean_then_clip(m):
-  # m = B/4: mean within each microbatch, then clip (seed 002, Table 1); m = 3 does not
+  # m = B/4: mean within each microbatch, then clip (McMahan et al. 2018, Table 1); m = 3 does not
   # divide B = 8: example i goes to microbatch i mod m, no reshape error.
   rng = np.random.RandomState(2)
   x, y = _data("dense", rng)

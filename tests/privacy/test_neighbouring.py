@@ -1,4 +1,4 @@
-"""Neighbouring-dataset checks of the real Keras train step (issue 11; seed 002, Appendix A).
+"""Neighbouring-dataset checks of the real Keras train step (issue 11; McMahan et al. 2018, Appendix A).
 
 For each sampling policy the ledger states a neighbouring relation and, per query, the
 sensitivity of the clipped sum under it. Here the real train step (DPModel.train_on_batch:

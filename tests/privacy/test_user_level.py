@@ -1,4 +1,4 @@
-"""User-level DP in fit (issue 14; seed 002, Table 1: a record is all of one user's data).
+"""User-level DP in fit (issue 14; McMahan et al. 2018, Table 1: a record is all of one user's data).
 
 Relation: add or remove one user with all of their examples; the ledger records n = number
 of users and sensitivity C per user record. The real train step (fit, noise 0, learning rate

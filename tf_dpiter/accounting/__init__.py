@@ -1,4 +1,4 @@
-"""Accounting: the ledger read by dp-accounting's RDP or PLD accountant (seed 002, Sections 3-6).
+"""Accounting: the ledger read by dp-accounting's RDP or PLD accountant (McMahan et al. 2018, Sections 3-6).
 
 Also: a GDP accountant (an approximation, as TF Privacy's), epsilon over steps
 (`epsilon_curve`), the budget look-ahead (`epsilon_after`, `delta_after`, `StepBudget`;

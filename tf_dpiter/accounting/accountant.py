@@ -1,4 +1,4 @@
-"""The accountant: reads a privacy ledger and returns (epsilon, delta) (seed 002, Section 6).
+"""The accountant: reads a privacy ledger and returns (epsilon, delta) (McMahan et al. 2018, Section 6).
 
 RDP (default) or PLD accounting, both from dp-accounting. The report states every
 assumption it rests on (adjacency, sampling policy, amplification claimed or not).
@@ -112,7 +112,7 @@ def ledger_runs(ledger, key=None):
 
 
 def shuffle_passes_needed(group):
-  """The shuffled passes a group's samples need: ceil(count / ceil(n / m)) (seed 002, §5).
+  """The shuffled passes a group's samples need: ceil(count / ceil(n / m)) (McMahan et al. 2018, §5).
 
   A pass of a shuffled policy is ceil(n / m) samples of m of the n records, so `count`
   samples start at least ceil(count / ceil(n / m)) passes.
@@ -136,7 +136,7 @@ def _content(ledger, key=None):
 
 
 def ledger_to_dp_event(ledger, accountant="rdp"):
-  """The dp-accounting event equivalent to the ledger (Eq. (1) of seed 002 per sample,
+  """The dp-accounting event equivalent to the ledger (Eq. (1) of McMahan et al. 2018 per sample,
   composed with the counts of identical samples).
 
   Args:
@@ -399,7 +399,7 @@ def epsilon(ledger, delta, accountant="rdp", key=None):
 
 
 def delta(ledger, epsilon, accountant="rdp", key=None):
-  """Delta of everything the ledger recorded, at `epsilon` (seed 003 fixes epsilon).
+  """Delta of everything the ledger recorded, at `epsilon` (Geyer et al. 2017 fixes epsilon).
 
   Args:
     ledger: as `epsilon`.

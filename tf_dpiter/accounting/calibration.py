@@ -1,4 +1,4 @@
-"""Calibration (seed 002, Section 4): find the noise multiplier, sampling rate or number of
+"""Calibration (McMahan et al. 2018, Section 4): find the noise multiplier, sampling rate or number of
 steps that meets a target (epsilon, delta).
 
 Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it
@@ -38,7 +38,7 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
   """Smallest noise multiplier z (within relative `tol`, rounded up) meeting the target.
 
   Epsilon falls as z grows: a doubling search brackets z, then `search.bisect` keeps the
-  side whose epsilon is <= target_epsilon (seed 002, Section 4).
+  side whose epsilon is <= target_epsilon (McMahan et al. 2018, Section 4).
 
   Args:
     target_epsilon: > 0; target_delta: in (0, 1).

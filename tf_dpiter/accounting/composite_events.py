@@ -1,4 +1,4 @@
-"""dp-accounting events of ledger rows that span many samples (issue 16). No TensorFlow.
+"""dp-accounting events of ledger rows that span many samples. No TensorFlow.
 
   shuffle groups        -> one un-amplified mechanism per pass started (`shuffle_event`)
   balls_in_bins groups  -> one un-amplified step mechanism per epoch started

@@ -58,7 +58,7 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
   """The ledger content of `steps` identical DP-SGD steps, as the ledger would record them.
 
   One Gaussian query of clip 1 and noise multiplier z per step, sensitivity factor of the
-  policy's relation (seed 002, Appendix A). Shuffle: steps / ceil(n / B) passes, rounded up
+  policy's relation (McMahan et al. 2018, Appendix A). Shuffle: steps / ceil(n / B) passes, rounded up
   (a partial pass costs a whole one; `accountant.shuffle_passes_needed`).
 
   Args:

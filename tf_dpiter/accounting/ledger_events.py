@@ -1,4 +1,4 @@
-"""Ledger -> dp-accounting events (seed 002, Eq. (1), Section 5, Appendix A). No TensorFlow.
+"""Ledger -> dp-accounting events (McMahan et al. 2018, Eq. (1), Section 5, Appendix A). No TensorFlow.
 
 A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mechanism of noise
 multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
@@ -12,7 +12,7 @@ multiplier is sigma over that sensitivity. It is placed in the sampling event of
   full       -> one mechanism per sample                    add or remove one
 Identical samples are composed with a count, so a ledger of 10^6 samples costs one event.
 
-Correlated noise and capped batches (issue 16; the CyclicPoisson, Shuffle and TruncatedPoisson
+Correlated noise and capped batches (the CyclicPoisson, Shuffle and TruncatedPoisson
 objects):
   cyclic_poisson (b groups) -> per example, k = sum over runs of ceil(run length / b)
       participations of PoissonSampledDpEvent(q, Gaussian(sigma / (zeta S))): BandMF with b

@@ -1,4 +1,4 @@
-"""Budget look-ahead: the guarantee a ledger would give after planned samples (seed 002, §6).
+"""Budget look-ahead: the guarantee a ledger would give after planned samples (McMahan et al. 2018, §6).
 
 A training loop that stops at a budget asks, before each step or round, what (epsilon, delta)
 the ledger *would* show once the next samples are recorded. This module answers it in one

@@ -1,4 +1,4 @@
-"""A sensitivity check anyone can run on their own DP model (issue 12; seed 002, Appendix A).
+"""A sensitivity check anyone can run on their own DP model (McMahan et al. 2018, Appendix A).
 
 `check_sensitivity(model, x, y)` measures what one example can do to the pre-noise clipped
 sum of the model's *real* train step and compares it with the sensitivity the ledger records:

@@ -1,4 +1,4 @@
-"""Sampling of training batches for DP training (seed 002, Section 5).
+"""Sampling of training batches for DP training (McMahan et al. 2018, Section 5).
 
 `poisson_batches` (policy "poisson", the default of `DPModel.fit` on arrays) and
 `shuffled_batches` (policy "shuffle": a new permutation per pass, passes charged by the

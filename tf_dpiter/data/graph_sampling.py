@@ -10,7 +10,7 @@ loop for the GIL (benchmarks/fit_path_profile.py measures both through fit).
 
 Law: record i joins step t iff u_{t,i} < q with u uniform on a float64 grid of 2^-52
 spacing (numpy's `Generator.random` in `poisson_batches`: 2^-53): P = q up to 2^-52. Draws of
-different steps and records are distinct outputs of the Philox stream (seed 002, Section 8).
+different steps and records are distinct outputs of the Philox stream (McMahan et al. 2018, Section 8).
 The arrays are held in memory as tf constants.
 """
 

@@ -1,4 +1,4 @@
-"""Random-access record sources for out-of-core sampling (seed 002, Section 5).
+"""Random-access record sources for out-of-core sampling (McMahan et al. 2018, Section 5).
 
 Poisson sampling picks each record independently, so a step's sample is scattered over the
 whole data set: a sampler needs to read record i without reading records 0..i-1. This module

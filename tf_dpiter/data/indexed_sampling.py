@@ -1,7 +1,7 @@
 """Poisson sampling by index from a random-access source, on one or many workers.
 
 `poisson_batches_from_source` samples a `TFRecordSource` (shards larger than memory) or an
-`ArraySource` with the law of `poisson_batches` (seed 002, Section 1, step 1): at every step
+`ArraySource` with the law of `poisson_batches` (McMahan et al. 2018, Section 1, step 1): at every step
 each of the n records joins the sample independently with probability q = B / n. A step
 draws m ~ Binomial(n, q) and then a uniformly random m-subset of the n indices (Floyd's
 algorithm in numpy's `Generator.choice`, O(m) memory): the subset has exactly the law of n

@@ -1,4 +1,4 @@
-"""Batches for DP training with a stated sampling policy (seed 002, Section 5).
+"""Batches for DP training with a stated sampling policy (McMahan et al. 2018, Section 5).
 
 `poisson_batches` (here) and `shuffled_batches` (`shuffling`). `poisson_batches` draws each
 step's sample by Poisson sampling: every record joins the sample independently with selection
@@ -6,7 +6,7 @@ probability q = expected_batch_size / n (drawn as a Binomial size and a uniform 
 same law). The sample is padded to a static size with a 0/1 mask (yielded as Keras'
 sample_weight) so that XLA sees one shape, or left unpadded where nothing needs a static
 shape. Python draws only the indices; TensorFlow gathers the rows ahead of the step. Draws
-come from a counter-based Philox generator seeded from OS entropy (seed 002, Section 8); a
+come from a counter-based Philox generator seeded from OS entropy (McMahan et al. 2018, Section 8); a
 fixed seed is for tests only and warns.
 
 The dataset carries a `SamplingSpec` (policy, n, q, sample size) that `DPModel.fit`
@@ -199,7 +199,7 @@ def poisson_indices(rng, lo, hi, q):
   m ~ Binomial(hi - lo, q), then a uniformly random m-subset (numpy's `Generator.choice`
   without replacement): P(S) = C(n, |S|) q^|S| (1-q)^(n-|S|) / C(n, |S|) = q^|S| (1-q)^(n-|S|)
   for every subset S of the n = hi - lo records, exactly the law of n independent
-  Bernoulli(q) trials (seed 002, Section 1, step 1), in O(q n) work instead of n uniforms.
+  Bernoulli(q) trials (McMahan et al. 2018, Section 1, step 1), in O(q n) work instead of n uniforms.
   """
   m = int(rng.binomial(hi - lo, q))
   idx = rng.choice(hi - lo, size=m, replace=False, shuffle=False)
@@ -212,13 +212,13 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
   Each record joins each step independently with probability q = expected_batch_size / N
-  (seed 002, Section 1, step 1), N the *declared* population size (default: n, the records
+  (McMahan et al. 2018, Section 1, step 1), N the *declared* population size (default: n, the records
   given): q is a stated public parameter, fixed before sampling and recorded with N and the
   expected batch size; a neighbouring dataset (one record more or less) is sampled with the
   same q when N is declared. Drawn as a Binomial(n, q) size and a uniform subset
   (`poisson_indices`: the same law); the ledger records policy "poisson" (add or remove one
   example, sensitivity S of a clipped sum). The noised sum is divided by q n, the expected
-  batch size (seed 002, Section 1, step 3). Only the indices are drawn in Python; the rows
+  batch size (McMahan et al. 2018, Section 1, step 3). Only the indices are drawn in Python; the rows
   are gathered (and padded) by TensorFlow in tf.data's threads, ahead of the step.
 
   Args:

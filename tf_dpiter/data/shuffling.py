@@ -1,11 +1,11 @@
-"""Shuffled passes whose count the ledger charges (seed 002, Section 5, third policy).
+"""Shuffled passes whose count the ledger charges (McMahan et al. 2018, Section 5, third policy).
 
 `shuffled_batches` draws, for every pass over the data, a fresh uniformly random permutation
-of the n records (Philox seeded from OS entropy, seed 002 Section 8) and cuts it into
+of the n records (Philox seeded from OS entropy, McMahan et al. 2018 Section 8) and cuts it into
 disjoint batches of `batch_size`. No amplification by sampling is claimed for this policy:
 the accountant charges every pass started, complete or partial, one un-amplified Gaussian
 mechanism, under replace-one adjacency (n is public: the number of steps per pass shows it),
-so a clipped sum has sensitivity 2S (seed 002, Appendix A).
+so a clipped sum has sensitivity 2S (McMahan et al. 2018, Appendix A).
 
 The passes are counted by the sampler that made them. The generator runs in a tf.data
 thread and is prefetched, so it never writes TF variables: it counts, on its

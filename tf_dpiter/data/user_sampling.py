@@ -1,4 +1,4 @@
-"""User-level DP batches: Poisson sampling of users (seed 002, Table 1: a record can be all of
+"""User-level DP batches: Poisson sampling of users (McMahan et al. 2018, Table 1: a record can be all of
 one user's data; jax_privacy's user selection; TF Privacy's max_examples_per_user).
 
 Relation: add or remove one user with all of their examples. A record is a user: up to

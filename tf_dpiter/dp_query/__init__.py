@@ -1,4 +1,4 @@
-"""Privacy mechanisms: DPQuery objects that clip records and add noise (seed 002, Sections 1-4, 7).
+"""Privacy mechanisms: DPQuery objects that clip records and add noise (McMahan et al. 2018, Sections 1-4, 7).
 
 Public names (classes and functions; the implementation modules are not part of the API):
   * the interface: `DPQuery` (`record_clip_factors`), `SumAggregationDPQuery`,
@@ -16,7 +16,7 @@ Public names (classes and functions; the implementation modules are not part of 
     `NoPrivacySumQuery`, `NoPrivacyAverageQuery`;
   * privacy events: `GaussianSumEvent`, `LaplaceSumEvent`, `NonPrivateEvent`;
   * randomness: `make_generator`, `NotPrivateSeedWarning`;
-  * correlated noise (issue 16): `BandMFQuery` (banded matrix factorization), `BLTQuery`
+  * correlated noise: `BandMFQuery` (banded matrix factorization), `BLTQuery`
     (buffered linear Toeplitz), `TreeAggregationQuery` (DP-FTRL), their base
     `CorrelatedNoiseQuery` and events `BandedGaussianEvent`, `TreeGaussianEvent`,
     `MatrixGaussianEvent`;

@@ -1,4 +1,4 @@
-"""The per-record L2 clip, the one place its arithmetic lives (seed 002, Section 1).
+"""The per-record L2 clip, the one place its arithmetic lives (McMahan et al. 2018, Section 1).
 
 A record x (a nest of tensors read as one concatenated vector) is clipped to L2 norm S by
 
@@ -56,7 +56,7 @@ def clip_factors(record_norms, l2_norm_clip):
 
 
 def clip_by_global_l2_norm(record, l2_norm_clip):
-  """pi_S(x) = x * min(1, S / ||x||_2) (seed 002, Section 1), over the whole nest.
+  """pi_S(x) = x * min(1, S / ||x||_2) (McMahan et al. 2018, Section 1), over the whole nest.
 
   Args:
     record: a nest of float tensors x.

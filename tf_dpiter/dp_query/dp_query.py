@@ -1,4 +1,4 @@
-"""The DPQuery interface (seed 002, Section 7) and the sum-aggregation base class.
+"""The DPQuery interface (McMahan et al. 2018, Section 7) and the sum-aggregation base class.
 
 A DPQuery turns a sample of records into a private aggregate in four moves:
 params = derive_sample_params(global_state); each record is clipped by

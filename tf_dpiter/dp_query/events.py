@@ -1,4 +1,4 @@
-"""Privacy events returned by `DPQuery.get_noised_result` (seed 002, Section 6).
+"""Privacy events returned by `DPQuery.get_noised_result` (McMahan et al. 2018, Section 6).
 
 Every field is in *sum* units: a Gaussian sum query with privacy tuple
 (S_g, sigma~_g) reports `GaussianSumEvent(l2_norm_clip=S_g, stddev=sigma~_g)`, whatever
@@ -30,7 +30,7 @@ class NonPrivateEvent(NamedTuple):
 
 
 def effective_noise_multiplier(clips, stddevs):
-  """The noise multiplier of one sample's Gaussian queries taken together (seed 002, Eq. (1)).
+  """The noise multiplier of one sample's Gaussian queries taken together (McMahan et al. 2018, Eq. (1)).
 
   z = (sum_g (S_g / sigma~_g)^2)^(-1/2): the groups g of a sample (per-layer clipping,
   Section 2) cost as much as one Gaussian query of noise multiplier z. Groups with S_g = 0

@@ -1,4 +1,4 @@
-"""Gaussian sum query (seed 002, Section 1, step 2-3).
+"""Gaussian sum query (McMahan et al. 2018, Section 1, step 2-3).
 
 Each record is clipped to L2 norm S; the sum gets N(0, sigma^2 I) noise. Privacy tuple
 (S, sigma); noise multiplier z = sigma / S. `gaussian_stddev` is the one place where

@@ -1,4 +1,4 @@
-"""Joint clipping of a group of vectors on different scales (seed 002, Section 2).
+"""Joint clipping of a group of vectors on different scales (McMahan et al. 2018, Section 2).
 
 Pre-processing s(v; alpha) = (v_1/alpha_1, ..., v_k/alpha_k); the scaled record is clipped
 jointly to L2 norm S_g; the sum gets N(0, sigma~_g^2) noise; the output is scaled back by
@@ -20,7 +20,7 @@ from tf_dpiter.dp_query import validation
 
 @serialization.register_query()
 class JointClipQuery(dp_query.SumAggregationDPQuery):
-  """Joint clipping of vectors on different scales (seed 002, Section 2).
+  """Joint clipping of vectors on different scales (McMahan et al. 2018, Section 2).
 
   Args:
     scales: a nest of alpha_j > 0 matching the record's structure (down to its leaves).

@@ -1,4 +1,4 @@
-"""Per-group clipping over any nest of queries, and the allocation strategies of seed 002.
+"""Per-group clipping over any nest of queries, and the allocation strategies of McMahan et al. 2018.
 
 `NestedQuery` evaluates one query per group of vectors (Section 2, footnote 2). The helpers
 pick S_g and sigma~_g per group (Sections 2 and 4); with any of them Eq. (1) gives
@@ -28,7 +28,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   """A nest (dict, list, tuple) of queries; a record has the same nest structure.
 
   Each leaf query sees its own part of every record; events are those of all leaves,
-  in `tf.nest.flatten` order (seed 002, Section 2, footnote 2).
+  in `tf.nest.flatten` order (McMahan et al. 2018, Section 2, footnote 2).
 
   Args:
     queries: a nest of SumAggregationDPQuery leaves (at least one).
@@ -90,7 +90,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: per leaf; the events of all leaves, in
-    `tf.nest.flatten` order (Eq. (1) of seed 002 composes them)
+    `tf.nest.flatten` order (Eq. (1) of McMahan et al. 2018 composes them)
     """
     outs = self._map(lambda q, s, g: _NoisedResult(*q.get_noised_result(s, g)),
                      sample_state, global_state)
@@ -110,7 +110,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return metrics
 
 
-# ---- Allocation strategies (seed 002, Sections 2 and 4) -------------------------------
+# ---- Allocation strategies (McMahan et al. 2018, Sections 2 and 4) -------------------------------
 
 def per_layer_clips(total_clip, num_groups):
   """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2).

@@ -7,9 +7,9 @@ and C <- C * exp(-eta (b_bar - gamma)) (geometric) or C <- C - eta (b_bar - gamm
 
 `QuantileAdaptiveClipSumQuery` clips records to the current C, sums them with noise, and
 moves C toward the quantile. For a total noise multiplier z, the value query uses
-z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that by Eq. (1) of seed 002 the two queries of a
+z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that by Eq. (1) of McMahan et al. 2018 the two queries of a
 sample together have noise multiplier exactly z. This replaces the (non-private) median
-clipping of seed 003.
+clipping of Geyer et al. 2017.
 """
 
 import collections
@@ -156,7 +156,7 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
 def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
   """z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2): the value query's share of a total z.
 
-  By Eq. (1) of seed 002 the value query (z_v) and the count query (sensitivity 1/2, noise
+  By Eq. (1) of McMahan et al. 2018 the value query (z_v) and the count query (sensitivity 1/2, noise
   sigma_b) of one sample together have noise multiplier z.
 
   Args:

@@ -1,4 +1,4 @@
-"""Source of randomness for noise and sampling (seed 002, Section 8).
+"""Source of randomness for noise and sampling (McMahan et al. 2018, Section 8).
 
 Noise and sampling come from a counter-based Philox `tf.random.Generator` (Salmon et al.
 2011) seeded from operating-system entropy. A fixed seed exists for tests only: with it the
@@ -38,7 +38,7 @@ class SecureRandom:
 
 
 def make_generator(seed=None, secure=False):
-  """The random source of a DP mechanism (seed 002, Section 8).
+  """The random source of a DP mechanism (McMahan et al. 2018, Section 8).
 
   Args:
     seed: None: a Philox generator seeded from OS entropy; an int: seeded Philox (tests only:

@@ -1,4 +1,4 @@
-"""Noise calibration of Draw and Discard clients (seed 004, Algorithm 1 and Section IV-B).
+"""Noise calibration of Draw and Discard clients (Pihur et al. 2018, Algorithm 1 and Section IV-B).
 
 Units: epsilon in nats; gamma is the learning rate; clip c bounds each coordinate of the
 average gradient to [-c, c], so one client's update moves a weight by at most

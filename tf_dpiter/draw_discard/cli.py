@@ -237,7 +237,7 @@ def main(argv=None) -> int:
   Returns:
     The exit status: 0 on success, 2 for bad input (a one-line message, no traceback).
   """
-  ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (seed 004)")
+  ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (Pihur et al. 2018)")
   sub = ap.add_subparsers(dest="cmd", required=True)
   _add_serve(sub)
   p = sub.add_parser("privacy", help="print the guarantees against adversaries I, II, III")

@@ -1,4 +1,4 @@
-"""Client side of Draw and Discard: Algorithm 1 of seed 004 (Section III-B).
+"""Client side of Draw and Discard: Algorithm 1 of Pihur et al. 2018 (Section III-B).
 
     G = clip_[-c, c]( 1/N_c sum_i (Y-hat_i - Y_i) X_i )          (Eq. 3, clipped per weight)
     B' = B - gamma * G + Laplace(0, 2 gamma c / epsilon)          (per weight: feature-level LDP)

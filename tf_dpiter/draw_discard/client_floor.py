@@ -1,4 +1,4 @@
-"""The client's privacy floor for Draw and Discard (seed 004, Section IV).
+"""The client's privacy floor for Draw and Discard (Pihur et al. 2018, Section IV).
 
 The client does not trust the served spec. Before it trains on its records it checks the
 spec against its own floor: epsilon at most `max_epsilon` (default the paper's ln 32, the

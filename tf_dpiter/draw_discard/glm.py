@@ -1,6 +1,6 @@
 """Generalized linear models and server-side model specs for Draw and Discard.
 
-Section III-A of Pihur et al. (seed 004): E(Y) = g^-1(b_0 + b_1 X_1 + ... + b_p X_p), Eq. (1).
+Section III-A of Pihur et al. 2018: E(Y) = g^-1(b_0 + b_1 X_1 + ... + b_p X_p), Eq. (1).
 Section V-C: the model spec (which features, which two-way crosses) is sent by the
 server, so several models train on the same client-side records.
 

@@ -1,4 +1,4 @@
-"""GLM mean, gradient and loss for Draw and Discard (seed 004, Section III-A, Eqs. 1 and 3).
+"""GLM mean, gradient and loss for Draw and Discard (Pihur et al. 2018, Section III-A, Eqs. 1 and 3).
 
 E(Y) = g^-1(X B) with the canonical link of each family; the average gradient of the
 negative log-likelihood is G = 1/N_c sum_i (Y-hat_i - Y_i) X_i for all four families.

@@ -1,4 +1,4 @@
-"""Noise calibration and the privacy analyses of Draw and Discard (seed 004, Section IV).
+"""Noise calibration and the privacy analyses of Draw and Discard (Pihur et al. 2018, Section IV).
 
 All guarantees are feature-level (per weight) local DP, as the paper states (Section VII).
 Units: epsilon in nats; gamma is the learning rate; clip c bounds each coordinate of the

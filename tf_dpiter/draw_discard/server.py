@@ -1,4 +1,4 @@
-"""Server side of Draw and Discard: Algorithm 2 of seed 004 (Section III-C), in memory.
+"""Server side of Draw and Discard: Algorithm 2 of Pihur et al. 2018 (Section III-C), in memory.
 
 k model instances; each request draws one uniformly at random; the returned instance
 replaces one uniformly at random (discard). Initialization N(b^0, k/2 sigma^2) is the
@@ -16,7 +16,7 @@ of the same class, for the comparisons of Figures 2-4:
 The spam filter of Section III-D4 refuses an update with any weight outside
 mu +- t*sigma of the k instances (per weight; sigma with ddof=1). It is kept for the
 paper's simulations only: its statistics can be steered by the submitters (variance
-collapse, ratchet; issue 13), so the HTTP service uses acceptance.AcceptanceRule instead.
+collapse, ratchet), so the HTTP service uses acceptance.AcceptanceRule instead.
 
 This class is the simulation server: `draw` returns the drawn index so that the
 strategies that need the pre-image can use it. The HTTP service (service.py) never

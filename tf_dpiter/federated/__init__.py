@@ -1,4 +1,4 @@
-"""Client-level DP federated averaging (seed 003) on the privacy core (seed 002).
+"""Client-level DP federated averaging (Geyer et al. 2017) on the privacy core (McMahan et al. 2018).
 
 A record is one client's flattened model update; a sample is the set of clients of a round;
 the unit of privacy is the client.
@@ -6,7 +6,7 @@ the unit of privacy is the client.
 Public names:
   * simulation: `DPFedAvg` (vectorized clients), `DPServer` (the server: w_t, the query with
     its ledger, the budget look-ahead), `RoundReport`, `RunReport`, `update_statistics`;
-  * queries: `make_query` (kinds `QUERY_KINDS`), `MedianNormClipSumQuery` (seed 003's clip:
+  * queries: `make_query` (kinds `QUERY_KINDS`), `MedianNormClipSumQuery` (Geyer et al. 2017's clip:
     NOT private, `NOT_PRIVATE_WARNING`), `set_noise_multiplier`, `median_of_masked`;
   * schedules of m_t and sigma_t: `RoundSchedule`, `as_schedule`, `linear_schedule`;
   * clients: `LocalSGD`, `local_sgd_one_client`, `draw_example_order`;

@@ -1,4 +1,4 @@
-"""ClientUpdate of seed 003 (Algorithm 1, lines 10-18), vectorized over the clients of a round.
+"""ClientUpdate of Geyer et al. 2017 (Algorithm 1, lines 10-18), vectorized over the clients of a round.
 
 Every sampled client k starts from the server model w_t, runs E local epochs of minibatch SGD
 (batch B examples, learning rate eta, loss = mean softmax cross-entropy of the batch) on its

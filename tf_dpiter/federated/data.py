@@ -1,4 +1,4 @@
-"""Client partitions of a labelled data set for federated simulation (seed 003, Section 4).
+"""Client partitions of a labelled data set for federated simulation (Geyer et al. 2017, Section 4).
 
 A partition is a `FederatedData`: the shared arrays `x`, `y` and, per client k, the indices
 of the examples client k holds (`client_indices[k, :client_sizes[k]]`; the rest is padding
@@ -135,7 +135,7 @@ def _cycled_permutations(n_items, n_needed, rng):
 
 def partition_noniid_shards(x, y, num_clients, shards_per_client=2, examples_per_client=600,
                             seed=None):
-  """Pathological non-IID split of McMahan et al. 2017 used in seed 003, Section 4.
+  """Pathological non-IID split of McMahan et al. 2017 used in Geyer et al. 2017, Section 4.
 
   Examples are sorted by label and cut into shards of examples_per_client/shards_per_client
   consecutive examples; each client gets `shards_per_client` shards (so most MNIST clients

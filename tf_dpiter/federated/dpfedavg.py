@@ -1,4 +1,4 @@
-"""Client-level DP federated averaging (seed 003, Algorithm 1; record/sample of seed 002, Table 1).
+"""Client-level DP federated averaging (Geyer et al. 2017, Algorithm 1; record/sample of McMahan et al. 2018, Table 1).
 
 Each round t: the server samples m_t of the K clients (uniformly without replacement, as in
 the paper, or Poisson with q_t = m_t / K); every sampled client runs ClientUpdate (E local
@@ -58,7 +58,7 @@ class DPFedAvg:
     sampling: "fixed_size" (m_t clients uniformly without replacement; ledger policy
       fixed_size) or "poisson" (each client with q_t = m_t/K; ledger policy poisson).
     fixed_epsilon + max_delta: stop before delta(fixed_epsilon) would exceed max_delta
-      (seed 003: epsilon = 8, delta_0); fixed_delta + max_epsilon: stop before
+      (Geyer et al. 2017: epsilon = 8, delta_0); fixed_delta + max_epsilon: stop before
       epsilon(fixed_delta) would exceed max_epsilon. Either alone only reports the other.
     accountant: "rdp" (required for fixed_size sampling) or "pld".
     eval_data: (x, y) for per-round accuracy, or None.

@@ -1,6 +1,6 @@
 """Flower clients of client-level DP federated averaging (optional: pip install flwr>=1.38).
 
-A client runs ClientUpdate (seed 003, Algorithm 1: E epochs of minibatch SGD, `LocalSGD`
+A client runs ClientUpdate (Geyer et al. 2017, Algorithm 1: E epochs of minibatch SGD, `LocalSGD`
 with one client) on its own examples and returns Delta w_k = w_k - w_t, never its data:
 `DPFlowerClient` for Flower's legacy API, `make_client_app` for the Message API. `run_loopback`
 runs a legacy-API server and its clients on 127.0.0.1 (tests, demos). The server side is
@@ -39,7 +39,7 @@ _LOCAL_KEYS = ("epochs", "batch_size", "lr")
 
 
 def client_update(model, x, y, generator, epochs, batch_size, learning_rate, parameters):
-  """ClientUpdate on one client's examples (seed 003, Algorithm 1): E epochs of SGD from w_t.
+  """ClientUpdate on one client's examples (Geyer et al. 2017, Algorithm 1): E epochs of SGD from w_t.
 
   Args:
     model: the `MLP`.
@@ -99,7 +99,7 @@ class DPFlowerClient(NumPyClient):
     return []
 
   def fit(self, parameters, config):
-    """Flower's `NumPyClient.fit`: ClientUpdate from w_t (seed 003, Algorithm 1).
+    """Flower's `NumPyClient.fit`: ClientUpdate from w_t (Geyer et al. 2017, Algorithm 1).
 
     Args:
       parameters: w_t as a list of numpy arrays.

@@ -1,6 +1,6 @@
 """The DP rounds of a Flower deployment, shared by both Flower APIs (`tf_dpiter.federated.flower`).
 
-`DPRounds` is the server's side of client-level DP FedAvg (seed 003, Algorithm 1) whatever
+`DPRounds` is the server's side of client-level DP FedAvg (Geyer et al. 2017, Algorithm 1) whatever
 carries the messages: it checks the connected population (K, the ledger's n), runs the budget
 look-ahead, samples m_t of the K clients uniformly without replacement with the DP core's Philox
 generator (ledger policy fixed_size), screens the returned updates into flat records and

@@ -1,4 +1,4 @@
-"""Functional fully connected classifier of seed 003 (Section 4: 784-600-100-10, ReLU, no bias).
+"""Functional fully connected classifier of Geyer et al. 2017 (Section 4: 784-600-100-10, ReLU, no bias).
 
 The parameters are a plain list of tensors, so the same code evaluates one model
 (weights [in, out]) or a stack of M client models (weights [M, in, out]) with batched
@@ -15,7 +15,7 @@ class MLP:
   """Fully connected ReLU network given by `layer_sizes` (input, hidden..., classes).
 
   A functional model: parameters are a list of arrays passed to `logits`, so that many
-  clients train at once with leading batch dimensions (seed 003 uses
+  clients train at once with leading batch dimensions (Geyer et al. 2017 uses
   MLP((784, 600, 100, 10), use_bias=False)).
 
   Args:

@@ -1,6 +1,6 @@
 """Aggregation queries for client-level DP federated averaging.
 
-`MedianNormClipSumQuery` is the clip rule of seed 003 (Section 3, "Choosing S"): the clip
+`MedianNormClipSumQuery` is the clip rule of Geyer et al. 2017 (Section 3, "Choosing S"): the clip
 S_t is the median of the L2 norms of the round's unclipped client updates, each update is
 clipped to S_t (pi_S(x) = x min(1, S/||x||): updates above the median are scaled DOWN to norm
 S_t, smaller ones are left as they are, never scaled up), and the sum gets N(0, (sigma S_t)^2)
@@ -9,7 +9,7 @@ NOT differentially private: the ledger records the Gaussian event (S_t, sigma S_
 applied, but the (epsilon, delta) computed from it does not hold. Prefer
 `tf_dpiter.dp_query.QuantileAdaptiveClipSumQuery` (private quantile, Andrew et al. 2021).
 
-`set_noise_multiplier` changes sigma_t between rounds (schedules of seed 003, Section 6) for
+`set_noise_multiplier` changes sigma_t between rounds (schedules of Geyer et al. 2017, Section 6) for
 the queries DP federated averaging uses; `make_query` builds the aggregation query of a round
 by kind (`QUERY_KINDS`). Every noise standard deviation here is
 `dp_query.gaussian_stddev(S, z)`.
@@ -27,7 +27,7 @@ from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import PrivacyConfigError
 
 NOT_PRIVATE_WARNING = (
-    "median-norm clipping (seed 003) sets the clip S_t to the median of the unclipped update "
+    "median-norm clipping (Geyer et al. 2017) sets the clip S_t to the median of the unclipped update "
     "norms without a randomized mechanism: the reported (epsilon, delta) is computed as if "
     "S_t were fixed in advance and the guarantee DOES NOT HOLD for this run")
 
@@ -63,7 +63,7 @@ class MedianNormClipSumQuery(dpq.DPQuery):
   the sample size.
 
   Args:
-    noise_multiplier: z (sigma in seed 003): the noise stddev is z * S_t.
+    noise_multiplier: z (sigma in Geyer et al. 2017): the noise stddev is z * S_t.
     initial_l2_norm_clip: S used only to report events before any sample was seen
       (the budget look-ahead of the first round).
   """
@@ -205,8 +205,8 @@ def make_query(kind="quantile", noise_multiplier=1.0, clients_per_round=100, l2_
   Args:
     kind: "quantile" (default; private adaptive clip, Andrew et al. 2021, starting at
       `l2_norm_clip`), "fixed" (GaussianSumQuery with clip S, noise sigma = z S), "median"
-      (seed 003's median-norm clip: NOT private) or "none" (plain sum, epsilon = infinity).
-    noise_multiplier: z, the total noise multiplier of a round (Eq. (1) of seed 002).
+      (Geyer et al. 2017's median-norm clip: NOT private) or "none" (plain sum, epsilon = infinity).
+    noise_multiplier: z, the total noise multiplier of a round (Eq. (1) of McMahan et al. 2018).
     clients_per_round: m, the expected records per sample (the quantile's denominator).
     l2_norm_clip: S (the initial clip for "quantile" and "median").
     target_unclipped_quantile, clip_learning_rate: the quantile's gamma and eta.

@@ -1,8 +1,8 @@
-"""Reports of a DP federated averaging run (seed 003, Table 1 and Section 6).
+"""Reports of a DP federated averaging run (Geyer et al. 2017, Table 1 and Section 6).
 
 `RoundReport` describes one communication round, `RunReport` the run with its privacy
 statement; `update_statistics` computes the between-clients variance V_c and the update scale
-U_s of seed 003, Section 6 (diagnostics on raw client updates: NOT differentially private).
+U_s of Geyer et al. 2017, Section 6 (diagnostics on raw client updates: NOT differentially private).
 """
 
 import dataclasses
@@ -15,18 +15,18 @@ __all__ = ["RoundReport", "RunReport", "update_statistics"]
 
 @dataclasses.dataclass
 class RoundReport:
-  """One communication round (seed 003, Table 1).
+  """One communication round (Geyer et al. 2017, Table 1).
 
   Attributes:
     round: t, counting from 1.
     clients: the records aggregated this round (m_t, or the Poisson draw).
-    noise_multiplier: the round's total z (Eq. (1) of seed 002 over its events).
+    noise_multiplier: the round's total z (Eq. (1) of McMahan et al. 2018 over its events).
     accuracy: accuracy of w_t on the evaluation data, or None.
-    communication_rounds: communication rounds so far ("CR" of seed 003, Table 1).
+    communication_rounds: communication rounds so far ("CR" of Geyer et al. 2017, Table 1).
     communication_costs: communication costs so far, the clients of every round summed
-      ("CC" of seed 003, Table 1; in client updates).
+      ("CC" of Geyer et al. 2017, Table 1; in client updates).
     clip: the clip the round used (None without one).
-    between_clients_variance, update_scale: V_c and U_s (seed 003, Section 6) of the
+    between_clients_variance, update_scale: V_c and U_s (Geyer et al. 2017, Section 6) of the
       round's unclipped updates: simulation diagnostics, NOT differentially private.
     rejected: updates rejected (non-finite, wrong shape, lost).
     epsilon, delta: the guarantee after this round (one of them is the fixed value).
@@ -80,12 +80,12 @@ class RunReport:
 
   @property
   def communication_rounds(self):
-    """Communication rounds run ("CR" of seed 003, Table 1), an int."""
+    """Communication rounds run ("CR" of Geyer et al. 2017, Table 1), an int."""
     return len(self.rounds)
 
   @property
   def communication_costs(self):
-    """Communication costs: client updates summed over the rounds ("CC" of seed 003, Table 1)."""
+    """Communication costs: client updates summed over the rounds ("CC" of Geyer et al. 2017, Table 1)."""
     return self.rounds[-1].communication_costs if self.rounds else 0
 
   def __str__(self):
@@ -99,7 +99,7 @@ class RunReport:
 
 
 def update_statistics(records, mask):
-  """(V_c, U_s) of seed 003, Section 6 over the rows of `records` with mask 1.
+  """(V_c, U_s) of Geyer et al. 2017, Section 6 over the rows of `records` with mask 1.
 
   V_c = (1/qp) sum_ij Var_k[Delta w_ij]; U_s = (1/qp) sum_ij mu_ij^2, mu = mean_k Delta w.
 

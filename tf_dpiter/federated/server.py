@@ -1,4 +1,4 @@
-"""The server of client-level DP federated averaging (seed 003, Algorithm 1, server side).
+"""The server of client-level DP federated averaging (Geyer et al. 2017, Algorithm 1, server side).
 
 `DPServer` is shared by the simulation (`DPFedAvg`) and the Flower strategies. It owns the
 server model w_t, the DPQuery wrapped in `QueryWithLedger` (records: the round's flat client
@@ -161,7 +161,7 @@ class DPServer:
     return tuple(events)
 
   def noise_multiplier(self):
-    """Total noise multiplier z of the next round (Eq. (1) of seed 002 over its events).
+    """Total noise multiplier z of the next round (Eq. (1) of McMahan et al. 2018 over its events).
 
     Returns:
       z, a float (0.0 without a Gaussian event).

@@ -1,4 +1,4 @@
-"""Batch independence, verified rather than assumed (issue 12; seed 002, Sections 2 and 7).
+"""Batch independence, verified rather than assumed (McMahan et al. 2018, Sections 2 and 7).
 
 Per-example clipping bounds one example's influence on the clipped sum by C only if example
 i's loss is a function of example i alone: L_i(theta; x_i, y_i). The vectorized path makes

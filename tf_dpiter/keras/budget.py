@@ -1,5 +1,5 @@
 """Noise calibration for a DP-SGD budget, shared by `DPKeras*Optimizer.from_budget` and
-`make_private_with_epsilon` (seed 002, Section 4: the accountant inverted)."""
+`make_private_with_epsilon` (McMahan et al. 2018, Section 4: the accountant inverted)."""
 
 import logging
 import math

@@ -1,4 +1,4 @@
-"""Keras callbacks reading the privacy ledger (seed 002, Section 6: accounting post hoc).
+"""Keras callbacks reading the privacy ledger (McMahan et al. 2018, Section 6: accounting post hoc).
 
 `PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History, TensorBoard and
 CSVLogger show them (inside `DPModel.fit` before any other callback reads the logs, whatever
@@ -51,7 +51,7 @@ def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
   Each "shuffle" run of T steps with batch b of n and Eq. (1) multiplier z (over the clip
   S) becomes T Poisson-sampled Gaussian mechanisms (q = b / n, z) under add/remove-one
   adjacency (sensitivity S): what `fit(x, y, batch_size=b)` with sampling="poisson" would
-  have cost (seed 002, Sections 1 and 5). Poisson runs are kept as they are. Returns None
+  have cost (McMahan et al. 2018, Sections 1 and 5). Poisson runs are kept as they are. Returns None
   when the ledger has no shuffle run or a query that is not Gaussian.
   """
   events, any_shuffle = [], False

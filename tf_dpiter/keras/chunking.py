@@ -1,4 +1,4 @@
-"""Physical chunks of a logical batch, and the dtype of the privacy arithmetic (seed 002, Sec. 7).
+"""Physical chunks of a logical batch, and the dtype of the privacy arithmetic (McMahan et al. 2018, Sec. 7).
 
 A logical batch (one noise draw, one ledger sample) may be processed in physical chunks of at
 most `max_physical_batch_size` examples (whole records each): the clipped sums of the chunks
@@ -7,7 +7,7 @@ clipping paths (vectorized per-record gradients, fast ghost norms) run through
 `sum_over_chunks`.
 
 The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noise) is done in
-float32, or float64 for float64 variables, whatever the Keras dtype policy (issue 12).
+float32, or float64 for float64 variables, whatever the Keras dtype policy.
 """
 
 import tensorflow as tf

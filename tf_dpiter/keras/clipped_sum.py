@@ -1,4 +1,4 @@
-"""The clipped sum of per-record gradients, for the DP optimizers (seed 002, Sections 2 and 7).
+"""The clipped sum of per-record gradients, for the DP optimizers (McMahan et al. 2018, Sections 2 and 7).
 
 `ClippedSumMixin` is a base of `optimizers.DPOptimizerMixin`: `resolve_clipping` picks the
 path (routing.fast_path_obstacle), `clipped_sum` forms the DPQuery's sample state

@@ -1,4 +1,4 @@
-"""Private gradients in custom training loops (seed 002, Section 7), for the DP optimizers.
+"""Private gradients in custom training loops (McMahan et al. 2018, Section 7), for the DP optimizers.
 
 `CustomLoopMixin` is a base of `optimizers.DPOptimizerMixin`: `compute_private_gradients`
 (the noised average of clipped per-record gradients) and `minimize` (one private step on a

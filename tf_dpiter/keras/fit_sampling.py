@@ -1,4 +1,4 @@
-"""How `DPModel.fit` samples its batches and declares them to the ledger (seed 002, Section 5).
+"""How `DPModel.fit` samples its batches and declares them to the ledger (McMahan et al. 2018, Section 5).
 
 `fit(x, y, batch_size=B)` on arrays samples by Poisson by default: each record joins each
 step independently with probability q = B / n (B is the *expected* batch size), for

@@ -1,4 +1,4 @@
-"""Per-record gradients, vectorized over the batch (seed 002, Table 1: record, sample).
+"""Per-record gradients, vectorized over the batch (McMahan et al. 2018, Table 1: record, sample).
 
 A *record* is one example (num_microbatches=None) or one microbatch: example i of a batch
 of B goes to microbatch i mod M, so every microbatch holds ceil(B/M) or floor(B/M)
@@ -6,7 +6,7 @@ examples and a batch that M does not divide needs no reshape. The record's gradi
 the gradient of the mean loss over its examples. Gradients of all records come from one
 traced computation (`tf.vectorized_map`), optionally in physical chunks.
 
-Why the i mod M dealing is sound, and where (issue 11): microbatches are offered only under
+Why the i mod M dealing is sound, and where: microbatches are offered only under
 replace-one sampling ("shuffle", "fixed_size"), where n is fixed and an example's position
 in the batch comes from the public permutation (or draw) of indices. Replacing one example
 keeps every position, so only the replaced example's microbatch changes: its clipped mean

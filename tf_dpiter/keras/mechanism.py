@@ -1,4 +1,4 @@
-"""The DP optimizers' mechanism state: query, ledger, sampling and noise (seed 002, Secs. 2-5).
+"""The DP optimizers' mechanism state: query, ledger, sampling and noise (McMahan et al. 2018, Secs. 2-5).
 
 `MechanismMixin` is a base of `optimizers.DPOptimizerMixin`. It owns the DPQuery (the Gaussian
 sum query of clip S and noise stddev z*S, or a user's query) wrapped in
@@ -179,7 +179,7 @@ class MechanismMixin:
 
     With num_microbatches M a record is a microbatch of k = ceil(sample_size / M) examples
     (`examples_per_record`); the ledger then charges a clipped sum at sensitivity 2S
-    (seed 002, Table 1 and Appendix A). Microbatches need a policy whose positions come
+    (McMahan et al. 2018, Table 1 and Appendix A). Microbatches need a policy whose positions come
     from a public permutation with n fixed (replace-one: "shuffle", "fixed_size"): under
     add/remove (Poisson, full batches) removing an example would re-deal the later
     examples among the microbatches (gradients.to_records).

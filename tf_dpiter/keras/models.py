@@ -1,4 +1,4 @@
-"""Keras models whose `fit` trains with DP-SGD (seed 002, Sections 5-7).
+"""Keras models whose `fit` trains with DP-SGD (McMahan et al. 2018, Sections 5-7).
 
 `DPSequential`, `DPModel` (functional) and `make_private(model)` give a model whose train
 step computes per-record gradients (vectorized), clips and sums them through the DP

@@ -1,7 +1,7 @@
 """The DP optimizers' choice of noise mechanism: `noise="iid" | "tree" | "band_mf" | "blt"`.
 
 "iid" is DP-SGD (independent Gaussian noise z S per step; the default, unchanged). The others
-add noise correlated across steps (issue 16), through the queries of `tf_dpiter.dp_query`:
+add noise correlated across steps, through the queries of `tf_dpiter.dp_query`:
 
   "tree"    `TreeAggregationQuery` (DP-FTRL, Kairouz et al. 2021): `restart_every` R leaves
             per tree. Accounted under shuffled passes only, one tree per pass, so R must

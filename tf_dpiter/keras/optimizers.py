@@ -1,4 +1,4 @@
-"""DP versions of Keras 3 optimizers (seed 002, Section 7; DP-SGD of Abadi et al. 2016).
+"""DP versions of Keras 3 optimizers (McMahan et al. 2018, Section 7; DP-SGD of Abadi et al. 2016).
 
 `make_dp_optimizer_class(keras.optimizers.X)` returns a subclass of X whose gradients are
 private: per-record gradients are clipped to L2 norm S and summed by a DPQuery, the sum
@@ -121,7 +121,7 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     z is the smallest noise multiplier (to a relative 1e-4, rounded up) for which
     ceil(epochs * n / B) DP-SGD steps at q = B / n, under `sampling`, give epsilon <= the
     target at delta (accounting.calibration.compute_noise_from_budget: dp-accounting's RDP or
-    PLD accountant, seed 002 Section 4). Train with the same batch_size, epochs and sampling
+    PLD accountant, McMahan et al. 2018 Section 4). Train with the same batch_size, epochs and sampling
     (model.fit(x, y, batch_size=B, epochs=E) samples by Poisson at q = B / n): the ledger
     then reports epsilon <= the target. The calibration is logged (logger "tf_dpiter", INFO)
     and kept in `optimizer.calibration`.

@@ -1,4 +1,4 @@
-"""Per-record losses of a compiled Keras model, for any loss shape (issue 14; seed 002, Sec. 2).
+"""Per-record losses of a compiled Keras model, for any loss shape (McMahan et al. 2018, Sec. 2).
 
 DP-SGD clips the gradient of each record's loss L_i (a record: one example, or one microbatch
 of k examples). Here L_i is defined as what the model's compiled loss (`compile(loss=...,

@@ -1,4 +1,4 @@
-"""Which per-example clipping path a DP step takes, and why (issue 12; seed 002, Section 7).
+"""Which per-example clipping path a DP step takes, and why (McMahan et al. 2018, Section 7).
 
 Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2018, Sec. 2):
 * vectorized: per-record gradients under `tf.vectorized_map` (each record is run alone, so it
@@ -12,7 +12,7 @@ Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2
 `fast_path_obstacle` says why the fast path cannot be used (None: it can). The vectorized
 path has its own hazard: on CPUs where TensorFlow runs oneDNN kernels, per-example
 gradients of `EinsumDense`/`MultiHeadAttention` under `tf.vectorized_map` come out wrong or
-crash (TensorFlow's bug, issue 12), so `use_vectorized_map` sends such models to a sequential
+crash (TensorFlow's bug), so `use_vectorized_map` sends such models to a sequential
 per-record loop (`tf.map_fn`): the same gradients, slower.
 """
 

@@ -1,4 +1,4 @@
-"""Checks of the DP optimizer settings (seed 002, Section 2: clip S and noise multiplier z).
+"""Checks of the DP optimizer settings (McMahan et al. 2018, Section 2: clip S and noise multiplier z).
 
 S: L2 clipping norm per record (loss-gradient units); z: noise stddev over S (the noise on a
 clipped sum is N(0, (z S)^2)); M: microbatches per batch; P: examples per physical chunk.

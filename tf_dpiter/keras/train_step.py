@@ -1,4 +1,4 @@
-"""The private train step of the DP models (seed 002, Sections 2 and 7; Abadi et al. 2016).
+"""The private train step of the DP models (McMahan et al. 2018, Sections 2 and 7; Abadi et al. 2016).
 
 `TrainStepMixin` is a base of `models.DPModelMixin`. One step: per-record gradients of the
 compiled loss, clipped to S and summed (vectorized path: `optimizer.clipped_sum`; fast path:

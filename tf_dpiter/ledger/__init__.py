@@ -1,10 +1,10 @@
-"""The privacy ledger (seed 002, Section 6): sampling and sum-query events in TF variables.
+"""The privacy ledger (McMahan et al. 2018, Section 6): sampling and sum-query events in TF variables.
 
 Public names: `PrivacyLedger` (the ledger), `QueryWithLedger` (a DPQuery wrapper recording
 every sample), `LedgerJournal` (crash-safe append-only journal); the sampling policies
 (`POLICIES`: `POISSON`, `FIXED_SIZE`, `SHUFFLE`, `FULL`) and neighbouring relations
 (`RELATIONS`: `ADD_OR_REMOVE`, `REPLACE_ONE`) with `relation_for_policy` and
-`sensitivity_factor`; `USER_POISSON` and `BALLS_IN_BINS` (issue 16; add or remove one); the
+`sensitivity_factor`; `USER_POISSON` and `BALLS_IN_BINS` (add or remove one); the
 record types `QueryRecord`, `SampleRun` and `run_length_encode`. A private hyperparameter
 selection is recorded by `selection` (written by `tf_dpiter.tuning`).
 

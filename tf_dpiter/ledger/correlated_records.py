@@ -1,4 +1,4 @@
-"""Ledger rows of correlated-noise steps (issue 16): banded and BLT matrix mechanisms, tree
+"""Ledger rows of correlated-noise steps: banded and BLT matrix mechanisms, tree
 aggregation.
 
 Pure Python and numpy like `records` (the kinds and policies used here are named in the

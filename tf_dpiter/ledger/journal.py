@@ -1,4 +1,4 @@
-"""An append-only journal of a ledger, so that a crash loses no step (issue 11).
+"""An append-only journal of a ledger, so that a crash loses no step.
 
 Rule: every noised step ever taken is charged. The journal is appended (and fsynced) after
 every training step; a run restored from an older backup re-runs some steps, and those are

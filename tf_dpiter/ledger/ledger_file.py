@@ -89,7 +89,7 @@ def verify(d, key=None, what="ledger"):
 
 
 # Query kinds in the file: kind code -> ("type", name of the clip field, name of the noise
-# field). Gaussian-noise kinds, correlated ones included (issue 16), keep (clip, stddev,
+# field). Gaussian-noise kinds, correlated ones included, keep (clip, stddev,
 # sensitivity); the structure a correlated row needs (bands, tree depth, min separation) is in
 # its sensitivity and in its sample's policy and sample_size (see `records`).
 _QUERY_FIELDS = {

@@ -1,10 +1,10 @@
-"""The privacy ledger (seed 002, Section 6), held in TF variables.
+"""The privacy ledger (McMahan et al. 2018, Section 6), held in TF variables.
 
 It records *sampling events* (population size n, selection probability q, sample size,
 policy, examples per record) and, for each, the *sum query events* of that sample: Gaussian
 (S_g, sigma~_g), Laplace (C, b) or non-private, each with its sensitivity under the sample's
 neighbouring relation (`records.sensitivity_factor`: S for add/remove of a whole record, 2S
-for replace-one or a microbatch), and the steps of correlated-noise queries (issue 16:
+for replace-one or a microbatch), and the steps of correlated-noise queries (the
 banded / tree / matrix rows of `records`, refused under a sampling that does not cover them).
 It also counts the shuffled passes a sampler started.
 Writes work inside `tf.function`; buffers double when full, so no event is ever dropped.
@@ -52,7 +52,7 @@ def _event_row(event, factor, policy, sample_size):
 
 
 def _correlated_row(event, factor, policy, sample_size):
-  """Row and checks of a correlated-noise event (issue 16), by `correlated_records`' rules.
+  """Row and checks of a correlated-noise event, by `correlated_records`' rules.
 
   The sampling must cover the event (`correlated_records.correlated_requirement`): a wrong
   policy is refused here; the least sample_size (cycle length b) is checked now when

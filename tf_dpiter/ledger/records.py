@@ -1,4 +1,4 @@
-"""The ledger's records and file format (seed 002, Section 6; Appendix A for adjacency).
+"""The ledger's records and file format (McMahan et al. 2018, Section 6; Appendix A for adjacency).
 
 Pure Python and numpy: no TensorFlow, so that `tf_dpiter.accounting` and `dp_ledger report`
 start fast. A ledger is a sequence of *samples* (sampling events). Each sample states
@@ -46,7 +46,7 @@ def unit_of_policy(policy):
   """
   return _UNIT_OF_POLICY.get(policy, "example")
 
-# Query kinds: codes in `schema`. Correlated-noise steps (issue 16). A BANDED_GAUSSIAN row is
+# Query kinds: codes in `schema`. Correlated-noise steps. A BANDED_GAUSSIAN row is
 # one step of a banded matrix mechanism: clip S, noise sigma (per coordinate of Z), sensitivity = factor x zeta x S with zeta
 # the strategy's largest column norm; it is only recorded under cyclic_poisson with b >= the
 # strategy's bands. A TREE_GAUSSIAN row is one leaf of online tree aggregation: clip S, noise
@@ -108,7 +108,7 @@ def sensitivity_factor(relation, examples_per_record=1):
 
   1 when one unit is one whole record added or removed; 2 when one example changes inside a
   record that stays (replace-one; a microbatch of k > 1 examples): the record's clipped
-  vector goes from one point of the S-ball to another (seed 002, Appendix A).
+  vector goes from one point of the S-ball to another (McMahan et al. 2018, Appendix A).
   """
   if relation not in RELATIONS:
     raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")

@@ -1,4 +1,4 @@
-"""The ledger's record of a private hyperparameter selection (issue 16). Pure Python/numpy.
+"""The ledger's record of a private hyperparameter selection. Pure Python/numpy.
 
 Papernot and Steinke 2022 ("Hyperparameter tuning with Renyi differential privacy"): run K
 trials, K drawn from a distribution fixed in advance and independent of the data (a truncated

@@ -1,4 +1,4 @@
-"""Fast per-example clipping with ghost norms (issue #6).
+"""Fast per-example clipping with ghost norms.
 
 Public API:
   clipped_grad_sum(model, inputs, targets, per_example_loss_fn, l2_norm_clip,

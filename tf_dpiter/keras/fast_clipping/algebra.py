@@ -2,7 +2,7 @@
 
 Per-example (or per-record, see registry.examples_per_record) squared norms of
 weight gradients of the form g_i = sum_t a_t b_t^T, formed in float32 whatever
-the dtype of a and b (issue 12: privacy arithmetic in float32).
+the dtype of a and b (privacy arithmetic in float32).
 """
 
 import tensorflow as tf

@@ -21,7 +21,7 @@ Both are exact in float32; the default is the one measured faster
 gradients (registry.PerExampleGrads: small convolutions, LayerNorm) is summed
 as sum_i c_i g_i instead of by a vector-Jacobian product.
 
-Dtype policies (issue 12). The norms, the clip factors and the clipped sum are
+Dtype policies. The norms, the clip factors and the clipped sum are
 float32 whatever the compute dtype: the ghost products cast activations and
 backprops to float32, and the vector-Jacobian product of a 16-bit layer is
 taken through its norm function's float32 recomputation of the watched tensor

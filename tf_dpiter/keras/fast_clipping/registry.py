@@ -45,7 +45,7 @@ Optional capabilities, declared by attributes of the norm function:
       ``watched`` computed in float32 from the float32 variables. Layers that
       compute in 16 bits (mixed_bfloat16, mixed_float16, ...) keep the ghost
       path only with such a function: their clipped sum is the vector-Jacobian
-      product of that float32 recomputation (issue 12: privacy arithmetic in
+      product of that float32 recomputation (privacy arithmetic in
       float32 whatever the dtype policy). Others then take the vectorized path.
   float32_sums (``@float32_sums``): its results are always PerExampleGrads or
       GhostSums formed in float32, so it serves 16-bit layers as they are.

@@ -1,4 +1,4 @@
-"""Ghost norms of SimpleRNN, LSTM and GRU (issue 14); Bidirectional is covered
+"""Ghost norms of SimpleRNN, LSTM and GRU; Bidirectional is covered
 through its two sublayers.
 
 The input kernel W and the recurrent kernel U are Dense-like maps applied at
