@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.accounting (the folder mirrors the package)."""

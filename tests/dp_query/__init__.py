@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.dp_query (the folder mirrors the package)."""

@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.ledger (the folder mirrors the package)."""

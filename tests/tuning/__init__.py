@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.tuning (the folder mirrors the package)."""
