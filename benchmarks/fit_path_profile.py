@@ -66,7 +66,7 @@ import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.data import graph_sampling  # noqa: E402
 from tf_dpiter.data import indexed_records  # noqa: E402
 from tf_dpiter.data import indexed_sampling  # noqa: E402
-from tf_dpiter.keras import optimizers as opt_lib  # noqa: E402
+from tf_dpiter.keras.optimizer import optimizers as opt_lib  # noqa: E402
 
 N_POP = 60000
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

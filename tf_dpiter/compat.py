@@ -12,6 +12,6 @@ Loading this module imports TensorFlow and Keras (it is loaded lazily by `tf_dpi
 
 from tf_dpiter.keras.compat import *  # noqa: F401,F403  pylint: disable=wildcard-import
 from tf_dpiter.keras.compat import __all__ as _KERAS_COMPAT_ALL
-from tf_dpiter.keras.models import make_private_with_epsilon
+from tf_dpiter.keras.model.models import make_private_with_epsilon
 
 __all__ = list(_KERAS_COMPAT_ALL) + ["make_private_with_epsilon"]

@@ -12,7 +12,7 @@ import tensorflow as tf
 import keras
 
 from tf_dpiter.keras import example_models
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.fast_clipping import clipping
 
 B = 8

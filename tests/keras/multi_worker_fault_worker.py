@@ -28,7 +28,7 @@ import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.data import indexed_records  # noqa: E402
 from tf_dpiter.data import indexed_sampling  # noqa: E402
 from tf_dpiter.keras import callbacks as dp_callbacks  # noqa: E402
-from tf_dpiter.keras import multi_worker  # noqa: E402
+from tf_dpiter.keras.model import multi_worker  # noqa: E402
 
 warnings.simplefilter("ignore")
 N, B, Z, C, LR = 400, 40, 1.25, 1.0, 0.5

@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.data import indexed_records  # noqa: E402
 from tf_dpiter.data import indexed_sampling  # noqa: E402
-from tf_dpiter.keras import multi_worker  # noqa: E402
+from tf_dpiter.keras.model import multi_worker  # noqa: E402
 
 warnings.simplefilter("ignore")
 N, B, STEPS, Z, C, LR = 400, 40, 6, 1.25, 1.0, 1.0

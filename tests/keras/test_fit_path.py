@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
-from tf_dpiter.keras import fit_sampling
+from tf_dpiter.keras.model import fit_sampling
 
 N, B = 240, 24
 

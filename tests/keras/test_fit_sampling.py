@@ -11,7 +11,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter import accounting
-from tf_dpiter.keras import fit_sampling
+from tf_dpiter.keras.model import fit_sampling
 import dp_keras_helpers as helpers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

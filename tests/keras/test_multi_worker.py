@@ -3,7 +3,7 @@
 of the records, tf_dpiter.data.indexed_sampling.distributed_poisson_batches), one ledger
 sample per step, epsilon equal to a single-worker run of the same steps (dp-accounting by
 hand), workers in sync, and the noise scale z C / B. Keras' fit under the strategy needs
-tf_dpiter.keras.multi_worker.MultiWorkerFitMixin (see there). Kill and resume: a worker is
+tf_dpiter.keras.model.multi_worker.MultiWorkerFitMixin (see there). Kill and resume: a worker is
 SIGKILLed mid-training, the job is restarted from BackupAndRestore, and the chief's ledger
 (the only one written) charges every noised step taken. Each run starts 2-3 processes
 (3-8 min on a loaded 2-core machine): slow."""

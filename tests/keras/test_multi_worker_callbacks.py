@@ -1,4 +1,4 @@
-"""Only the chief writes ledger and backup files (tf_dpiter.keras.multi_worker.worker_callbacks),
+"""Only the chief writes ledger and backup files (tf_dpiter.keras.model.multi_worker.worker_callbacks),
 checked in one process: the callbacks a non-chief worker runs read the chief's journal and
 backup and write nothing. The multi-process runs are in test_multi_worker (slow)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter.keras import callbacks as dp_callbacks
-from tf_dpiter.keras import multi_worker
+from tf_dpiter.keras.model import multi_worker
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -5,7 +5,7 @@ Each case runs one real train step with noise 0, learning rate 1 and no normaliz
 weights move by minus the clipped sum, and compares it with a per-record loop: for each example
 alone, the gradient of the compiled loss (keras' compute_loss on a batch of one), clipped to C,
 summed. The per-record loss is defined as what the compiled, mean-reduced loss gives for that
-record (tf_dpiter.keras.record_losses)."""
+record (tf_dpiter.keras.optimizer.record_losses)."""
 
 import keras
 import numpy as np

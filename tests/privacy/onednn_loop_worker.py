@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
-from tf_dpiter.keras import routing  # noqa: E402
+from tf_dpiter.keras.optimizer import routing  # noqa: E402
 
 CLIP, B = 0.05, 6
 FORMS = ("data", "data_model", "vector", "vector_model", "tape", "tape_model")

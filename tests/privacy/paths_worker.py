@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.auditing import sensitivity  # noqa: E402
-from tf_dpiter.keras import routing  # noqa: E402
+from tf_dpiter.keras.optimizer import routing  # noqa: E402
 
 warnings.simplefilter("ignore")
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

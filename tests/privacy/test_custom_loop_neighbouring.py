@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import routing
 
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16", "bfloat16"]
 CLIP = 0.5

@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-from tf_dpiter.keras import custom_loops
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import custom_loops
+from tf_dpiter.keras.optimizer import routing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.keras import models as dp_models
+from tf_dpiter.keras.model import models as dp_models
 from tf_dpiter.dp_query import validation
 
 ADD_REMOVE = "add_remove"

@@ -16,7 +16,7 @@ from tf_dpiter.auditing import callback as callback_lib
 from tf_dpiter.auditing import canaries as canaries_lib
 from tf_dpiter.auditing import whitebox
 from tf_dpiter.data import sampling
-from tf_dpiter.keras import optimizers as dp_optimizers
+from tf_dpiter.keras.optimizer import optimizers as dp_optimizers
 
 
 @dataclasses.dataclass

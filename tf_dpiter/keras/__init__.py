@@ -35,17 +35,17 @@ from tf_dpiter.keras import example_models
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
-from tf_dpiter.keras.models import DPModel
-from tf_dpiter.keras.models import DPSequential
-from tf_dpiter.keras.models import make_private
-from tf_dpiter.keras.models import make_private_with_epsilon
-from tf_dpiter.keras.models import private_class
-from tf_dpiter.keras.optimizers import DPKerasAdagradOptimizer
-from tf_dpiter.keras.optimizers import DPKerasAdamOptimizer
-from tf_dpiter.keras.optimizers import DPKerasAdamWOptimizer
-from tf_dpiter.keras.optimizers import DPKerasRMSpropOptimizer
-from tf_dpiter.keras.optimizers import DPKerasSGDOptimizer
-from tf_dpiter.keras.optimizers import DPOptimizer
+from tf_dpiter.keras.model.models import DPModel
+from tf_dpiter.keras.model.models import DPSequential
+from tf_dpiter.keras.model.models import make_private
+from tf_dpiter.keras.model.models import make_private_with_epsilon
+from tf_dpiter.keras.model.models import private_class
+from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
+from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
+from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
+from tf_dpiter.keras.optimizer.optimizers import DPKerasRMSpropOptimizer
+from tf_dpiter.keras.optimizer.optimizers import DPKerasSGDOptimizer
+from tf_dpiter.keras.optimizer.optimizers import DPOptimizer
 
 __all__ = [
     "DPKerasSGDOptimizer", "DPKerasAdamOptimizer", "DPKerasAdamWOptimizer",
@@ -56,12 +56,12 @@ __all__ = [
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.
 _KEPT = {
-    "make_dp_model_class": "tf_dpiter.keras.models",
-    "make_dp_optimizer_class": "tf_dpiter.keras.optimizers",
-    "DPOptimizerMixin": "tf_dpiter.keras.optimizers",
-    "DPModelMixin": "tf_dpiter.keras.models",
-    "check_no_batch_mixing": "tf_dpiter.keras.models",
-    "CLIPPING_MODES": "tf_dpiter.keras.optimizers",
+    "make_dp_model_class": "tf_dpiter.keras.model.models",
+    "make_dp_optimizer_class": "tf_dpiter.keras.optimizer.optimizers",
+    "DPOptimizerMixin": "tf_dpiter.keras.optimizer.optimizers",
+    "DPModelMixin": "tf_dpiter.keras.model.models",
+    "check_no_batch_mixing": "tf_dpiter.keras.model.models",
+    "CLIPPING_MODES": "tf_dpiter.keras.optimizer.optimizers",
     "VectorizedDPKerasSGDOptimizer": "tf_dpiter.keras.compat",
     "VectorizedDPKerasAdamOptimizer": "tf_dpiter.keras.compat",
     "VectorizedDPKerasAdagradOptimizer": "tf_dpiter.keras.compat",
@@ -100,7 +100,7 @@ def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, 
   Raises:
     ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
   """
-  from tf_dpiter.keras import budget  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import budget  # pylint: disable=g-import-not-at-top
   return budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
                                    population_size, l2_norm_clip, sampling, accountant,
                                    dp_kwargs, who="dp.keras.from_budget")

@@ -22,8 +22,8 @@ orders. Each accounting number comes from the same ledger path as `accounting.ep
 import keras
 
 from tf_dpiter import accounting
-from tf_dpiter.keras import models
-from tf_dpiter.keras import optimizers
+from tf_dpiter.keras.model import models
+from tf_dpiter.keras.optimizer import optimizers
 
 DPSequential = models.DPSequential
 make_dp_model_class = models.make_dp_model_class

@@ -332,6 +332,6 @@ def to_records(runs):
 
 # The correlated-noise rows live in `correlated_records` (which imports only the leaf `schema`:
 # no cycle). Re-exported here for callers that call them as `records.correlated_*`
-# (keras/noise_mechanisms.py, tests, benchmarks).
+# (keras/optimizer/noise_mechanisms.py, tests, benchmarks).
 from tf_dpiter.ledger.correlated_records import (  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
     correlated_query_row, correlated_requirement, correlated_row_values)

@@ -38,7 +38,7 @@ import numbers
 import tensorflow as tf
 
 from tf_dpiter import dp_query
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry

@@ -20,7 +20,7 @@ path over those variables).
 
 import keras
 
-from tf_dpiter.keras import keras_internals
+from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.fast_clipping import registry
 
 GHOST = "ghost"

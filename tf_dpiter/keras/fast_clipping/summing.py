@@ -10,7 +10,7 @@ sum_i c_i L_i).
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras import keras_internals
+from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import registry

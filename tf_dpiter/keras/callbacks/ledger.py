@@ -12,7 +12,7 @@ import os
 import keras
 
 from tf_dpiter import ledger as ledger_lib
-from tf_dpiter.keras import saved_ledger
+from tf_dpiter.keras.optimizer import saved_ledger
 
 
 def model_ledger(model):

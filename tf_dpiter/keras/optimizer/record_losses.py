@@ -22,7 +22,7 @@ handled by the vectorized path only.
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras import keras_internals
+from tf_dpiter.keras.model import keras_internals
 
 
 def _mask_of(t):

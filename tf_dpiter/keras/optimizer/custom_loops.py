@@ -34,12 +34,12 @@ import logging
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras import batch_independence
-from tf_dpiter.keras import chunking
-from tf_dpiter.keras import gradients as grads_lib
-from tf_dpiter.keras import record_losses
-from tf_dpiter.keras import routing
-from tf_dpiter.keras import saved_ledger
+from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.optimizer import chunking
+from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.optimizer import record_losses
+from tf_dpiter.keras.optimizer import routing
+from tf_dpiter.keras.optimizer import saved_ledger
 
 
 _LOG = logging.getLogger("tf_dpiter")

@@ -15,7 +15,7 @@ import numbers
 
 import keras
 
-from tf_dpiter.keras import optimizers as opt_lib
+from tf_dpiter.keras.optimizer import optimizers as opt_lib
 
 _NAMES = ("l2_norm_clip", "noise_multiplier", "num_microbatches", "use_xla", "layer_registry")
 

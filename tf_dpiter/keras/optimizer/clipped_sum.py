@@ -10,10 +10,10 @@ float32 before the norms, the clip factors and the sum, in physical chunks
 
 import tensorflow as tf
 
-from tf_dpiter.keras import chunking
+from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
-from tf_dpiter.keras import gradients as grads_lib
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.optimizer import routing
 
 
 class ClippedSumMixin:

@@ -61,7 +61,7 @@ def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population
     ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
   """
   import keras  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.keras import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
   if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
       optimizer, opt_lib.DPOptimizerMixin):
     raise ValueError(f"{who}: `optimizer` must be a plain keras.optimizers.Optimizer instance "

@@ -12,7 +12,7 @@ float32, or float64 for float64 variables, whatever the Keras dtype policy.
 
 import tensorflow as tf
 
-from tf_dpiter.keras import gradients as grads_lib
+from tf_dpiter.keras.optimizer import gradients as grads_lib
 
 
 def wide_dtype(dtype):

@@ -23,9 +23,9 @@ import os
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras import batch_independence
-from tf_dpiter.keras import keras_internals
-from tf_dpiter.keras import record_losses
+from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.optimizer import record_losses
 
 # Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
 ONEDNN_AFFECTED = (keras.layers.EinsumDense, keras.layers.MultiHeadAttention)

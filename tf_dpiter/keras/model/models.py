@@ -28,16 +28,16 @@ import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.data import user_sampling
-from tf_dpiter.keras import batch_independence
-from tf_dpiter.keras import budget
-from tf_dpiter.keras import callbacks as callbacks_lib
-from tf_dpiter.keras import fit_sampling
-from tf_dpiter.keras import keras_internals
-from tf_dpiter.keras import ledger_callbacks
-from tf_dpiter.keras import optimizers as opt_lib
-from tf_dpiter.keras import saved_ledger
-from tf_dpiter.keras import tf_privacy_args
-from tf_dpiter.keras import train_step as train_step_lib
+from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.optimizer import budget
+from tf_dpiter.keras.callbacks import privacy as callbacks_lib
+from tf_dpiter.keras.model import fit_sampling
+from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
+from tf_dpiter.keras.optimizer import optimizers as opt_lib
+from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.keras.optimizer import tf_privacy_args
+from tf_dpiter.keras.model import train_step as train_step_lib
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 

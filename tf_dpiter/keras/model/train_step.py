@@ -14,13 +14,13 @@ non-compiled train function, so every step is recorded.
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras import batch_independence
-from tf_dpiter.keras import chunking
+from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
-from tf_dpiter.keras import gradients as grads_lib
-from tf_dpiter.keras import keras_internals
-from tf_dpiter.keras import record_losses
-from tf_dpiter.keras import routing
+from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.optimizer import record_losses
+from tf_dpiter.keras.optimizer import routing
 
 
 def _unpack(data):

@@ -21,10 +21,10 @@ from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter.accounting import lookahead
 from tf_dpiter.dp_query import validation
-from tf_dpiter.keras import keras_internals
-from tf_dpiter.keras.ledger_callbacks import LedgerExport  # noqa: F401  (re-exported)
-from tf_dpiter.keras.ledger_callbacks import LedgerJournal  # noqa: F401  (re-exported)
-from tf_dpiter.keras.ledger_callbacks import model_ledger
+from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.callbacks.ledger import LedgerExport  # noqa: F401  (re-exported)
+from tf_dpiter.keras.callbacks.ledger import LedgerJournal  # noqa: F401  (re-exported)
+from tf_dpiter.keras.callbacks.ledger import model_ledger
 
 
 def _halt_private_steps(model, halted):
@@ -267,7 +267,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     where the pass in progress ends); None outside fit or for other policies."""
     if planned.policy not in (ledger_lib.SHUFFLE, ledger_lib.BALLS_IN_BINS):
       return None
-    from tf_dpiter.keras import fit_sampling  # pylint: disable=g-import-not-at-top
+    from tf_dpiter.keras.model import fit_sampling  # pylint: disable=g-import-not-at-top
     return fit_sampling.passes_ahead(self.model, ahead)
 
   def next_step_epsilon(self):

@@ -32,7 +32,7 @@ import tensorflow as tf
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.ledger import records
 from tf_dpiter.data import sampling as sampling_lib
-from tf_dpiter.keras import callbacks as callbacks_lib
+from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.data import shuffling
 from tf_dpiter.errors import PrivacyConfigError
 

@@ -32,14 +32,14 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
-from tf_dpiter.keras import budget
-from tf_dpiter.keras import chunking
-from tf_dpiter.keras import clipped_sum
-from tf_dpiter.keras import custom_loops
-from tf_dpiter.keras import mechanism
-from tf_dpiter.keras import noise_mechanisms
-from tf_dpiter.keras import saved_ledger
-from tf_dpiter.keras import settings
+from tf_dpiter.keras.optimizer import budget
+from tf_dpiter.keras.optimizer import chunking
+from tf_dpiter.keras.optimizer import clipped_sum
+from tf_dpiter.keras.optimizer import custom_loops
+from tf_dpiter.keras.optimizer import mechanism
+from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.keras.optimizer import settings
 
 CLIPPING_MODES = settings.CLIPPING_MODES
 # Re-exported: the dtype of the privacy arithmetic (chunking).

@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.keras import keras_internals
+from tf_dpiter.keras.model import keras_internals
 
 _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"

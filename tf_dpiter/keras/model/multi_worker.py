@@ -48,8 +48,8 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
-from tf_dpiter.keras import fit_sampling
-from tf_dpiter.keras import ledger_callbacks
+from tf_dpiter.keras.model import fit_sampling
+from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 _DP_FIT_KWARGS = ("sampling", "ledger_journal")   # DPModel.fit's own keywords

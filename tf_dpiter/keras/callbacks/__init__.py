@@ -1,0 +1,16 @@
+"""Keras callbacks of the privacy ledger (McMahan et al., "A General Approach to Adding
+Differential Privacy to Iterative Training Procedures", Section 6: accounting post hoc).
+
+`PrivacyMeter` (epsilon in the epoch logs) and `StopAtPrivacyBudget` read the ledger
+(`privacy`); `LedgerExport`, `LedgerJournal` and `LedgerCoverage` write it to files or check
+that it covers every step taken (`ledger`).
+"""
+
+from tf_dpiter.keras.callbacks.ledger import LedgerCoverage
+from tf_dpiter.keras.callbacks.ledger import LedgerExport
+from tf_dpiter.keras.callbacks.ledger import LedgerJournal
+from tf_dpiter.keras.callbacks.privacy import PrivacyMeter
+from tf_dpiter.keras.callbacks.privacy import StopAtPrivacyBudget
+
+__all__ = ["PrivacyMeter", "StopAtPrivacyBudget", "LedgerExport", "LedgerJournal",
+           "LedgerCoverage"]
