@@ -38,12 +38,16 @@ class SamplingPolicy:
     sized: sample_size must be in [1, n] (the batch of fixed_size / shuffle).
     covers: the correlated-noise row kinds ("banded", "matrix", "tree") its accounting covers.
     pass_charged: its samples are charged per pass / epoch the ledger counts.
+    expected_size_denominator: the batch size is random, so the noised sum is divided by its
+      public expected size (`expected_records`), never by the realized size (which the noise
+      does not protect under add or remove one).
   """
   name = None
   whole_size = False
   sized = False
   covers = ()
   pass_charged = False
+  expected_size_denominator = False
 
   @property
   def relation(self):
@@ -81,6 +85,59 @@ class SamplingPolicy:
     """Steps of one pass / epoch the ledger counts (pass-charged policies), else None."""
     return None
 
+  def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
+    """The public expected batch size of one sample: q n (cyclic Poisson: q n / b).
+
+    Args:
+      population_size: n; selection_probability: q; sample_size: the policy's size field.
+    Returns:
+      a float (records).
+    """
+    return float(population_size) * float(selection_probability)
+
+  def pass_lengths(self, population_size, sample_size):
+    """The steps a pass / epoch can have (pass-charged policies; else ()): batches of B of n
+    make ceil(n / B) steps, floor(n / B) with drop_remainder (one length when B divides n).
+
+    Args:
+      population_size: n; sample_size: B (the steps k of an epoch under balls in bins).
+    Returns:
+      a tuple of ints, shortest first.
+    """
+    del population_size, sample_size
+    return ()
+
+  def describe(self, population_size, selection_probability, sample_size):
+    """One line for the start-of-fit log: the sampling, its adjacency and sensitivity.
+
+    Args:
+      population_size: n; selection_probability: q; sample_size: the policy's size field.
+    Returns:
+      a str.
+    """
+    return (f"policy {self.name!r} (n = {int(population_size)}, q = "
+            f"{float(selection_probability):.4g}; {self.relation} adjacency)")
+
+  def participation_bound(self, group, passes):
+    """The most samples of `group` one unit may join under the claim its event makes.
+
+    Every sample is charged (Poisson, fixed size, full, truncated, user level): the group's
+    count. Pass-charged policies charge min(passes, count) un-amplified mechanisms (each
+    unit at most once per pass / epoch); cyclic Poisson charges `group.participations`.
+
+    Args:
+      group: a `ledger_events.SampleGroup` of this policy. passes: the ledger's passes.
+    Returns:
+      an int >= 0.
+    """
+    if self.pass_charged and passes > 0:
+      return min(int(passes), int(group.count))
+    return int(group.count)
+
+  def min_gap(self, group):  # pylint: disable=unused-argument
+    """The fewest steps between two samples one unit joins that the claim assumes (1: none)."""
+    return 1
+
   def event(self, group, mech, accountant, passes, notes):
     """The dp-accounting event of a group of this policy's samples (mech: the per-sample
     mechanism, private); assumption strings are appended to `notes`.
@@ -103,10 +160,20 @@ class Full(SamplingPolicy):
   """Every record in every sample; add or remove one example."""
   name = schema.FULL
 
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"full batches (all n = {int(population_size)} records every step; add/remove-one "
+            "adjacency, sensitivity S, no amplification)")
+
 
 class Poisson(SamplingPolicy):
   """Each record joins each sample independently with probability q; add or remove one."""
   name = schema.POISSON
+  expected_size_denominator = True
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"Poisson sampling (q = {float(selection_probability):.4g} = {float(sample_size):g}"
+            f" / {int(population_size)}: the stated expected batch over the stated population, "
+            "fixed before sampling; add/remove-one adjacency, sensitivity S)")
 
   def _event(self, group, mech, accountant, passes, notes):
     q, n = group.selection_probability, group.population_size
@@ -131,11 +198,20 @@ class UserPoisson(Poisson):
   """Poisson sampling of users; the unit is the user (add or remove one user)."""
   name = schema.USER_POISSON
 
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"Poisson sampling of users (q = {float(selection_probability):.4g}, expected "
+            f"{float(sample_size):g} users of n = {int(population_size)}; add/remove-one-user "
+            "adjacency, sensitivity S per user)")
+
 
 class FixedSize(SamplingPolicy):
   """Independent samples of m records without replacement; replace one example."""
   name = schema.FIXED_SIZE
   sized = True
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"fixed-size samples ({float(sample_size):g} of n = {int(population_size)} without "
+            "replacement, independent across steps; replace-one adjacency, sensitivity 2S)")
 
   def _event(self, group, mech, accountant, passes, notes):
     n, m = group.population_size, group.sample_size
@@ -161,6 +237,15 @@ class Shuffle(SamplingPolicy):
   def steps_per_pass(self, group):
     return math.ceil(group.population_size / group.sample_size)
 
+  def pass_lengths(self, population_size, sample_size):
+    n, m = int(population_size), int(sample_size)
+    return tuple(sorted({n // m, -(-n // m)} - {0}))
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"shuffled passes (batches of {float(sample_size):g} of n = {int(population_size)}; "
+            "replace-one adjacency, sensitivity 2S, no amplification: each pass started costs "
+            "one mechanism)")
+
   def _event(self, group, mech, accountant, passes, notes):
     composite = _composite()
     if group.correlated != "tree":
@@ -185,10 +270,29 @@ class CyclicPoisson(SamplingPolicy):
   name = schema.CYCLIC_POISSON
   whole_size = True
   covers = ("banded", "matrix")
+  expected_size_denominator = True
+
+  def expected_records(self, population_size, selection_probability, sample_size):
+    # one of the b = sample_size groups is sampled per step
+    return float(population_size) * float(selection_probability) / float(sample_size)
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"cyclic Poisson sampling (b = {int(sample_size)} groups fixed by a hash of each "
+            f"example, q = {float(selection_probability):.4g} within the active group, n = "
+            f"{int(population_size)}; add/remove-one adjacency, sensitivity S, participations "
+            ">= b steps apart)")
 
   def participations(self, run_count, sample_size):
     # c consecutive positions of the ledger's cyclic stream hold ceil(c / b) turns of a group
     return math.ceil(run_count / sample_size)
+
+  def participation_bound(self, group, passes):
+    return int(group.participations)
+
+  def min_gap(self, group):
+    # group p mod b is sampled at step p: turns of one group are b positions apart; only the
+    # correlated-noise rows (BandMF, BLT) rely on it, independent noise needs the count only
+    return int(group.sample_size) if group.correlated else 1
 
   def _event(self, group, mech, accountant, passes, notes):
     _gaussian_only(group)
@@ -218,6 +322,12 @@ class TruncatedPoisson(SamplingPolicy):
   """Poisson(q), then a uniform subset of at most B; add or remove one (PLD only)."""
   name = schema.TRUNCATED_POISSON
   whole_size = True
+  expected_size_denominator = True   # q n, the mean before the cap (a public constant)
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"truncated Poisson sampling (q = {float(selection_probability):.4g}, n = "
+            f"{int(population_size)}, at most {int(sample_size)} records; add/remove-one "
+            "adjacency, charged at sensitivity 2S when the cap binds)")
 
   def _event(self, group, mech, accountant, passes, notes):
     _gaussian_only(group)
@@ -253,6 +363,15 @@ class BallsInBins(SamplingPolicy):
   def steps_per_pass(self, group):
     return int(group.sample_size)
 
+  def pass_lengths(self, population_size, sample_size):
+    del population_size
+    return (int(sample_size),)
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"balls in bins (every example in one uniform step of each epoch of "
+            f"{int(sample_size)} steps, n = {int(population_size)}; add/remove-one adjacency, "
+            "sensitivity S, each epoch started costs one mechanism)")
+
   def event(self, group, mech, accountant, passes, notes):
     return _composite().balls_in_bins_event(group, mech, passes, notes)
 
@@ -277,6 +396,11 @@ def register(policy):
     raise ValueError(f"policy name must be one of {schema.ALL_POLICIES}, got {policy.name!r}")
   _REGISTRY[policy.name] = policy
   return policy
+
+
+def names():
+  """The registered sampling policy names, in registration order (a tuple of str)."""
+  return tuple(_REGISTRY)
 
 
 def get(name):

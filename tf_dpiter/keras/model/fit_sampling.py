@@ -29,7 +29,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import records
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
@@ -217,20 +217,8 @@ def describe(spec, reason, meter=None):
   Returns:
     The log line, a str.
   """
-  n, b = int(spec.population_size), spec.sample_size
-  if spec.policy == ledger_lib.POISSON:
-    what = (f"Poisson sampling (q = {spec.selection_probability:.4g} = {b:g} / {n}: the stated "
-            "expected batch over the stated population, fixed before sampling; add/remove-one "
-            "adjacency, sensitivity S)")
-  elif spec.policy == records.USER_POISSON:
-    what = (f"Poisson sampling of users (q = {spec.selection_probability:.4g}, expected "
-            f"{b:g} users of n = {n}; add/remove-one-user adjacency, sensitivity S per user)")
-  elif spec.policy == ledger_lib.SHUFFLE:
-    what = (f"shuffled passes (batches of {b:g} of n = {n}; replace-one adjacency, "
-            "sensitivity 2S, no amplification: each pass started costs one mechanism)")
-  else:
-    what = (f"policy {spec.policy!r} (n = {n}, q = {spec.selection_probability:.4g}; "
-            f"{ledger_lib.relation_for_policy(spec.policy)} adjacency)")
+  what = ledger_policies.get(spec.policy).describe(
+      spec.population_size, spec.selection_probability, spec.sample_size)
   acc = ("no PrivacyMeter: epsilon from dp.accounting.epsilon(model.ledger, delta)"
          if meter is None else f"epsilon by the {meter.accountant.upper()} accountant "
          f"(dp-accounting) from the ledger, PrivacyMeter delta = {meter.delta:g}")
