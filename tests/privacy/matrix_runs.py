@@ -251,3 +251,10 @@ def measured(case, joined):
   most = max((len(s) for s in steps_of.values()), default=0)
   gap = min((int(np.diff(s).min()) for s in steps_of.values() if len(s) > 1), default=math.inf)
   return most, gap, max((len(s) for s in joined), default=0), per_step
+
+
+def cyclic_groups():
+  """{example: its cyclic Poisson group}, from the hash of its record (as the sampler does)."""
+  x, y = _arrays()
+  ids = cyclic_poisson.record_identities(x, y)
+  return {i: cyclic_poisson.group_of_identity(ids[i], GROUPS) for i in range(N)}

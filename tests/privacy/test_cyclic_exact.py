@@ -142,3 +142,61 @@ def test_exact_delta_of_a_neighbouring_pair_is_at_most_the_claim(n, b, q, z):
   else:
     exact = _subsampled_delta(q, z, k, eps)
   assert exact <= DELTA, (eps, exact)
+
+
+def _fits(x, b, q, plan, rng):
+  """The real pipeline (noise 0) over several fits: `plan` lists (steps, new dataset?); a new
+  dataset holds the same records in a new row order. Returns (ledger arrays, the examples
+  (columns of x) each step used, {example: group} read from the datasets' samplers)."""
+  n, dim = x.shape
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((dim,)), keras.layers.Dense(
+      1, use_bias=False, kernel_initializer="zeros")])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0),
+                  loss=lambda y_true, y_pred: y_pred[:, 0])
+  joined, group, ds = [], {}, None
+  for steps, new in plan:
+    if ds is None or new:
+      rows = x[rng.permutation(n)] if ds is not None else x
+      ds = cyclic_poisson.cyclic_poisson_batches(rows, np.zeros((n, 1), np.float32),
+                                                 expected_batch_size=q * n / b, num_groups=b,
+                                                 steps_per_epoch=16)
+      sampler = dp.data.sampling.get_sampling_spec(ds).sampler
+      for i in range(n):
+        group.setdefault(int(np.argmax(rows[i])), sampler.group_of(i))
+        assert group[int(np.argmax(rows[i]))] == sampler.group_of(i)
+    model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[_Joins(joined)])
+  return model.ledger.get_arrays(), joined, group
+
+
+@pytest.mark.parametrize("q,z", [(1.0, 1.0), (0.5, 1.0)])
+def test_removing_one_example_after_several_fits_keeps_the_ledgers_claim(q, z):
+  """D = 9 examples, b = 3, and D' = D without example r, each trained by the real pipeline
+  over 3 fits (4, 5 and 4 steps; the third on a new dataset in another row order). Per step,
+  the examples used are all of the group the ledger's position names (step t: group t mod b),
+  the other examples' groups are the same in D and D' (so with q = 1 the two runs use the
+  same other examples at every step), and the exact delta of the pair, at the epsilon each
+  run's ledger claims, is at most the claimed delta: the removed example's k turns are k
+  Gaussian (q = 1, closed form) or Poisson-subsampled Gaussian (quadrature) steps."""
+  n, b, r, plan = 9, 3, 4, [(4, False), (5, False), (4, True)]
+  x = np.eye(n, dtype=np.float32)
+  arrays, joined, group = _fits(x, b, q, plan, np.random.RandomState(1))
+  arrays_n, joined_n, group_n = _fits(np.delete(x, r, axis=0), b, q, plan,
+                                      np.random.RandomState(1))
+  total = sum(s for s, _ in plan)
+  assert len(joined) == len(joined_n) == total
+  assert {i: g for i, g in group.items() if i != r} == group_n
+  for t in range(total):
+    assert all(group[i] == t % b for i in joined[t])
+    assert all(group_n[i] == t % b for i in joined_n[t])
+    if q == 1.0:
+      assert joined[t] - {r} == joined_n[t]
+  k = sum(1 for t in range(total) if t % b == group[r])   # turns of r's group
+  assert sum(r in s for s in joined) <= k
+  for run in (arrays, arrays_n):
+    eps = _claimed(run, z)
+    exact = (_gaussian_delta(math.sqrt(k) / z, eps) if q == 1.0
+             else _subsampled_delta(q, z, k, eps))
+    assert exact <= DELTA, (eps, exact, k)

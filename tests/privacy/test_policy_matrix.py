@@ -45,6 +45,10 @@ def _check_premise(policy, joined, samples):
     assert set(sizes) == {matrix_runs.N}
   elif policy == "truncated_poisson":
     assert max(sizes) <= matrix_runs.CAP == samples[0, 2]
+  elif policy == "cyclic_poisson":
+    # step t of the ledger's cyclic stream samples group t mod b, in every fit
+    group = matrix_runs.cyclic_groups()
+    assert all(group[i] == t % matrix_runs.GROUPS for t, s in enumerate(joined) for i in s)
   if policies.get(policy).expected_size_denominator:
     assert len({(row[0], row[1]) for row in samples}) == 1   # one stated (N, q) per run
 

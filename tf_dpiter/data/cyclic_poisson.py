@@ -20,7 +20,9 @@ The participation schedule is state the ledger owns: the position p of the next 
 number of cyclic_poisson samples the ledger holds (`PrivacyLedger.cycle_position`: a TF
 variable, counted by the training step itself, recomputed from the rows on a journal or file
 restore). `DPModel.fit` binds the sampler to its ledger (`resume_at`), and every new iterator
-of the dataset starts at that position, read when its generator starts; so the 16 steps a
+of the dataset starts at that position, as fit read it between steps (`snapshot_position`:
+the generator starts inside the step that pulls its first batch, concurrently with that
+step's own ledger write, so it never reads the live variable during fit); so the 16 steps a
 dataset draws ahead (`sampling.INDEX_CHUNK`) and drops with its iterator (at the end of a fit,
 or the iterator Keras makes at an epoch's end and replaces) never shift the cycle: the next
 group is the one after the last step the optimizer took. Outside `fit`, call
@@ -136,6 +138,7 @@ class CyclicPoissonSampler:
     self._step = 0
     self._pending = None
     self._ledger = None
+    self._snapshot = None
 
   # The schedule is ledger state: a dataset of this sampler must not be repeated inside one
   # iterator (`sampling.get_sampling_spec` refuses .repeat()), since a generator restarted by
@@ -192,6 +195,19 @@ class CyclicPoissonSampler:
         raise ValueError(f"position must be >= 0, got {position!r}")
       self._ledger, self._pending = None, int(position)
 
+  def snapshot_position(self, position):
+    """Sets (an int) or clears (None) the position the next iterator starts at, read from
+    the ledger by the training thread while no step runs (`DPModel.fit` does it before and
+    after every step). A generator starts inside the first step that pulls from it, while
+    that step's own ledger write may already have run: reading the live ledger then would
+    skip (or, timing-dependent, not skip) a position, so fit never lets it.
+
+    Args:
+      position: an int >= 0, or None (read the bound ledger, outside fit).
+    """
+    with self._lock:
+      self._snapshot = None if position is None else int(position)
+
   def start_iterator(self):
     """Called by the dataset's generator before its first draw; returns that generator's
     draw function, which starts at the bound ledger's position (else at `resume_at`'s, else
@@ -199,8 +215,11 @@ class CyclicPoissonSampler:
     (one being dropped) never share a counter."""
     with self._lock:
       ledger = self._ledger() if self._ledger is not None else None
-      if ledger is not None:
-        start = int(ledger.cycle_position.numpy())
+      live = None if ledger is None else int(ledger.cycle_position.numpy())
+      if live is not None and self._snapshot is not None and 0 <= live - self._snapshot <= 1:
+        start = self._snapshot   # inside fit: the live value may include the running step
+      elif live is not None:
+        start = live             # outside fit (or a stale snapshot left by a crashed fit)
       elif self._pending is not None:
         start, self._pending = self._pending, None
       else:

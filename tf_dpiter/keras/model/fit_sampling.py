@@ -284,6 +284,14 @@ class SamplingSync(keras.callbacks.Callback):
       cyclic_poisson.check_continuation(self.model.ledger, self.sampler,
                                         int(self.model.optimizer.iterations.numpy()))
       self.sampler.resume_at(self.model.ledger)
+    self._snapshot()
+
+  def _snapshot(self):
+    """Hands a ledger-owned schedule the position of the next step, read here between steps
+    (`CyclicPoissonSampler.snapshot_position`): an iterator's generator starts inside the step
+    that pulls its first batch, racing that step's own ledger write."""
+    if self._begun and hasattr(self.sampler, "snapshot_position"):
+      self.sampler.snapshot_position(int(self.model.ledger.cycle_position.numpy()))
 
   def _sync(self):
     if self.sampler is None:
@@ -312,10 +320,12 @@ class SamplingSync(keras.callbacks.Callback):
   def on_train_batch_begin(self, batch, logs=None):
     """Same as on_epoch_begin, for a fit whose epoch hook did not run first."""
     self._begin()
+    self._snapshot()
 
   def on_train_batch_end(self, batch, logs=None):
     """Records in the ledger the passes this batch's steps used."""
     self._sync()
+    self._snapshot()
 
   def on_epoch_end(self, epoch, logs=None):
     """Records new passes, then writes epsilon and delta into the epoch's logs."""
@@ -326,6 +336,8 @@ class SamplingSync(keras.callbacks.Callback):
     """Records the passes used since the last batch (a ledger-owned schedule stays bound to
     the ledger: its next iterator starts where this fit's steps ended)."""
     self._sync()
+    if hasattr(self.sampler, "snapshot_position"):
+      self.sampler.snapshot_position(None)
     self._begun = False
     _ACTIVE.pop(self.model, None)
 
