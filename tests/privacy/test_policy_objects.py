@@ -69,3 +69,19 @@ def test_participation_bound_and_gap_are_the_events_charge():
   assert policies.get(schema.CYCLIC_POISSON).participation_bound(cyclic, 0) == 3
   assert policies.get(schema.CYCLIC_POISSON).min_gap(cyclic) == 4
   assert policies.get(schema.POISSON).min_gap(group) == 1
+
+
+def test_passes_gdp_and_cycle_come_from_the_policy():
+  shuffle = ledger_events.SampleGroup(11, schema.SHUFFLE, 50, 0.24, 12, 1.0, (), False)
+  balls = ledger_events.SampleGroup(11, schema.BALLS_IN_BINS, 50, 0.25, 4, 1.0, (), False)
+  assert policies.get(schema.SHUFFLE).passes_needed(shuffle) == math.ceil(11 / 5)
+  assert policies.get(schema.BALLS_IN_BINS).passes_needed(balls) == math.ceil(11 / 4)
+  assert policies.get(schema.POISSON).passes_needed(shuffle) == 0
+  poisson = ledger_events.SampleGroup(10, schema.POISSON, 100, 0.1, 10, 2.0, (), False)
+  assert policies.get(schema.POISSON).gdp_mu_squared(poisson) == pytest.approx(
+      10 * 0.01 * math.expm1(0.25))
+  assert policies.get(schema.FULL).gdp_mu_squared(poisson) == pytest.approx(10 / 4)
+  with pytest.raises(ValueError, match="accountant='gdp' accounts Poisson"):
+    policies.get(schema.SHUFFLE).gdp_mu_squared(shuffle)
+  assert [p for p in policies.names() if policies.get(p).advances_cycle] == [
+      schema.CYCLIC_POISSON]

@@ -19,7 +19,7 @@ accounted; other policies and Laplace queries are refused.
 import math
 
 from tf_dpiter.accounting import search
-from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import policies
 
 CAVEAT = ("GDP accountant (mu-GDP; Poisson subsampling by the central limit theorem of Bu et "
           "al. 2020, as TF Privacy's gdp_accountant): an APPROXIMATION, not an upper bound; "
@@ -51,14 +51,7 @@ def group_mu_squared(group):
   z = group.noise_multiplier
   if not math.isfinite(z):
     return 0.0
-  q = group.selection_probability
-  if group.policy == rec.FULL or (group.policy in rec.POISSON_POLICIES and q >= 1.0):
-    return group.count / z ** 2
-  if group.policy in rec.POISSON_POLICIES:
-    return group.count * q ** 2 * math.expm1(1.0 / z ** 2)
-  raise ValueError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
-                   f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "
-                   "accountant='rdp' or 'pld'")
+  return policies.get(group.policy).gdp_mu_squared(group)
 
 
 def mu_of_groups(groups):

@@ -30,6 +30,7 @@ from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
 
 __all__ = ["PlannedSample", "content_after", "report_after", "epsilon_after", "delta_after",
@@ -155,11 +156,11 @@ def content_after(ledger, planned=None, count=1, extra_passes=None):
     runs = _extend_runs(runs, int(count), samples[0], queries)
   groups = ledger_events.groups_from_runs(runs)
   recorded = passes
-  if planned is not None and count > 0 and planned.policy in (rec.SHUFFLE, rec.BALLS_IN_BINS):
+  if planned is not None and count > 0 and policies.get(planned.policy).pass_charged:
     key = ledger_events.groups_from_runs([(1, samples[0], queries)])[0]
     for g in groups:
       if dataclasses.replace(g, count=1, participations=0) == key:
-        passes = max(passes, _passes_needed(g))
+        passes = max(passes, policies.get(g.policy).passes_needed(g))
   if extra_passes is not None:
     passes = max(passes, recorded + int(extra_passes))
   return accountant_lib.LedgerContent(tuple(groups), passes)
@@ -176,13 +177,6 @@ def _extend_runs(runs, count, sample, queries):
         and np.array_equal(q[:, 1:], queries[:, 1:])):
       return runs[:-1] + [(c + count, s, q)]
   return runs + [(count, sample, queries)]
-
-
-def _passes_needed(group):
-  """Passes (shuffle) or epochs (balls in bins) that a group's samples start at least."""
-  if group.policy == rec.BALLS_IN_BINS:
-    return -(-group.count // int(group.sample_size))
-  return accountant_lib.shuffle_passes_needed(group)
 
 
 def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accountant="rdp",

@@ -5,7 +5,8 @@ Approach to Adding Differential Privacy to Iterative Training Procedures", Secti
 Appendix A): the neighbouring relation and the unit of privacy, how often and how far apart
 one unit can take part (`participations`, `steps_per_pass`), the checks a declared sampling
 must pass (`check_sampling`), and the dp-accounting event of a group of its samples (`event`).
-Adding a policy is one subclass here plus `register` (and its name and code in `schema`).
+The base class is `policy_base.SamplingPolicy`. Adding a policy is one subclass here plus
+`register` (and its name and code in `schema`).
 `tf_dpiter.accounting.ledger_events` and `QueryWithLedger` dispatch on `get(name)`; no
 if-chain over policy names is left there. Pure Python (dp-accounting loads on first use).
 """
@@ -13,152 +14,20 @@ if-chain over policy names is left there. Pure Python (dp-accounting loads on fi
 import math
 
 from tf_dpiter.ledger import schema
+from tf_dpiter.ledger.policy_base import SamplingPolicy
+from tf_dpiter.ledger.policy_base import composite as _composite
+from tf_dpiter.ledger.policy_base import dpa as _dpa
+from tf_dpiter.ledger.policy_base import gaussian_only as _gaussian_only
 
 _REGISTRY = {}
-
-
-def _dpa():
-  from tf_dpiter.accounting.lazy_module import LazyModule  # pylint: disable=g-import-not-at-top
-  return LazyModule("dp_accounting")
-
-
-def _composite():
-  from tf_dpiter.accounting import composite_events  # pylint: disable=g-import-not-at-top
-  return composite_events
-
-
-class SamplingPolicy:
-  """Base of the policy objects; subclasses set the class attributes and override `_event`.
-
-  Attributes:
-    name: the policy name (`schema.ALL_POLICIES`).
-    relation: `schema.ADD_OR_REMOVE` or `schema.REPLACE_ONE`.
-    unit: "example" or "user".
-    whole_size: sample_size must be a whole number in [1, n] (b, B, k).
-    sized: sample_size must be in [1, n] (the batch of fixed_size / shuffle).
-    covers: the correlated-noise row kinds ("banded", "matrix", "tree") its accounting covers.
-    pass_charged: its samples are charged per pass / epoch the ledger counts.
-    expected_size_denominator: the batch size is random, so the noised sum is divided by its
-      public expected size (`expected_records`), never by the realized size (which the noise
-      does not protect under add or remove one).
-  """
-  name = None
-  whole_size = False
-  sized = False
-  covers = ()
-  pass_charged = False
-  expected_size_denominator = False
-
-  @property
-  def relation(self):
-    """The neighbouring relation of the claim (the schema's table: one source)."""
-    return schema.RELATION_OF_POLICY[self.name]
-
-  @property
-  def unit(self):
-    """The unit of privacy one record stands for ("example" or "user")."""
-    return schema.UNIT_OF_POLICY[self.name]
-
-  def check_sampling(self, population_size, selection_probability, sample_size):
-    """Refuses a declared sampling the policy's claim cannot cover.
-
-    Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
-    Returns:
-      None, or an error message (str) naming the bad field.
-    """
-    n, m = float(population_size), float(sample_size)
-    if (self.sized or self.whole_size) and not 1 <= m <= n:
-      return (f"sample_size must be in [1, population_size={population_size}] for policy "
-              f"{self.name!r}, got {sample_size!r}")
-    if self.whole_size and m != int(m):
-      return (f"sample_size (the cycle length b, the cap B or the steps per epoch k) must be a "
-              f"whole number for policy {self.name!r}, got {sample_size!r}")
-    return None
-
-  def participations(self, run_count, sample_size):  # pylint: disable=unused-argument
-    """The most samples of a run of `run_count` consecutive samples one unit can join, when
-    the policy bounds it below run_count (cyclic Poisson); 0: not used by its event."""
-    return 0
-
-  def steps_per_pass(self, group):  # pylint: disable=unused-argument
-    """Steps of one pass / epoch the ledger counts (pass-charged policies), else None."""
-    return None
-
-  def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
-    """The public expected batch size of one sample: q n (cyclic Poisson: q n / b).
-
-    Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
-    Returns:
-      a float (records).
-    """
-    return float(population_size) * float(selection_probability)
-
-  def pass_lengths(self, population_size, sample_size):
-    """The steps a pass / epoch can have (pass-charged policies; else ()): batches of B of n
-    make ceil(n / B) steps, floor(n / B) with drop_remainder (one length when B divides n).
-
-    Args:
-      population_size: n; sample_size: B (the steps k of an epoch under balls in bins).
-    Returns:
-      a tuple of ints, shortest first.
-    """
-    del population_size, sample_size
-    return ()
-
-  def describe(self, population_size, selection_probability, sample_size):
-    """One line for the start-of-fit log: the sampling, its adjacency and sensitivity.
-
-    Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
-    Returns:
-      a str.
-    """
-    return (f"policy {self.name!r} (n = {int(population_size)}, q = "
-            f"{float(selection_probability):.4g}; {self.relation} adjacency)")
-
-  def participation_bound(self, group, passes):
-    """The most samples of `group` one unit may join under the claim its event makes.
-
-    Every sample is charged (Poisson, fixed size, full, truncated, user level): the group's
-    count. Pass-charged policies charge min(passes, count) un-amplified mechanisms (each
-    unit at most once per pass / epoch); cyclic Poisson charges `group.participations`.
-
-    Args:
-      group: a `ledger_events.SampleGroup` of this policy. passes: the ledger's passes.
-    Returns:
-      an int >= 0.
-    """
-    if self.pass_charged and passes > 0:
-      return min(int(passes), int(group.count))
-    return int(group.count)
-
-  def min_gap(self, group):  # pylint: disable=unused-argument
-    """The fewest steps between two samples one unit joins that the claim assumes (1: none)."""
-    return 1
-
-  def event(self, group, mech, accountant, passes, notes):
-    """The dp-accounting event of a group of this policy's samples (mech: the per-sample
-    mechanism, private); assumption strings are appended to `notes`.
-
-    Raises:
-      ValueError: correlated-noise rows this policy does not cover, or a group its rule
-        refuses (see the subclass).
-    """
-    if group.correlated and group.correlated not in self.covers:
-      raise ValueError(f"no accounting rule for {group.correlated!r} rows under policy "
-                       f"{group.policy!r}")
-    return self._event(group, mech, accountant, passes, notes)
-
-  def _event(self, group, mech, accountant, passes, notes):
-    notes.append("every record in every sample: no amplification")
-    return _dpa().SelfComposedDpEvent(mech, group.count)
 
 
 class Full(SamplingPolicy):
   """Every record in every sample; add or remove one example."""
   name = schema.FULL
+
+  def gdp_mu_squared(self, group):
+    return group.count / group.noise_multiplier ** 2
 
   def describe(self, population_size, selection_probability, sample_size):
     return (f"full batches (all n = {int(population_size)} records every step; add/remove-one "
@@ -169,6 +38,12 @@ class Poisson(SamplingPolicy):
   """Each record joins each sample independently with probability q; add or remove one."""
   name = schema.POISSON
   expected_size_denominator = True
+
+  def gdp_mu_squared(self, group):
+    q, z = group.selection_probability, group.noise_multiplier
+    if q >= 1.0:
+      return group.count / z ** 2
+    return group.count * q ** 2 * math.expm1(1.0 / z ** 2)
 
   def describe(self, population_size, selection_probability, sample_size):
     return (f"Poisson sampling (q = {float(selection_probability):.4g} = {float(sample_size):g}"
@@ -271,6 +146,7 @@ class CyclicPoisson(SamplingPolicy):
   whole_size = True
   covers = ("banded", "matrix")
   expected_size_denominator = True
+  advances_cycle = True
 
   def expected_records(self, population_size, selection_probability, sample_size):
     # one of the b = sample_size groups is sampled per step
@@ -374,12 +250,6 @@ class BallsInBins(SamplingPolicy):
 
   def event(self, group, mech, accountant, passes, notes):
     return _composite().balls_in_bins_event(group, mech, passes, notes)
-
-
-def _gaussian_only(group):
-  if group.laplace_noise_multipliers:
-    raise ValueError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
-                     "accounted for Gaussian queries only; this sample has Laplace queries")
 
 
 def register(policy):

@@ -22,10 +22,15 @@ from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.ledger import correlated_records
 from tf_dpiter.ledger import ledger_file
+from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
 from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, POLICIES,  # pylint: disable=unused-import
                                       QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS, SHUFFLE,
                                       policy_code, policy_name, relation_for_policy)
+
+# the policies whose samples advance the ledger's cycle position (names and codes)
+_CYCLIC_NAMES = tuple(p for p in policies.names() if policies.get(p).advances_cycle)
+_CYCLIC_CODES = [policy_code(p) for p in _CYCLIC_NAMES]
 
 
 def _f64(x):
@@ -213,7 +218,7 @@ class PrivacyLedger(tf.Module):
         qrows = tf.stack([tf.stack([f(idx)] + r) for r in rows])
         qind = tf.reshape(qidx + tf.range(len(rows), dtype=tf.int64), [-1, 1])
         ops.append(self._queries.scatter_nd_update(qind, qrows))
-    if policy == rec.CYCLIC_POISSON:
+    if policy in _CYCLIC_NAMES:
       ops.append(self._cycle_position.assign_add(1))
     with tf.control_dependencies(ops):
       new_count = self._sample_count.assign_add(1)
@@ -254,7 +259,7 @@ class PrivacyLedger(tf.Module):
     self._queries.assign(q)
     self._sample_count.assign(samples.shape[0])
     self._query_count.assign(queries.shape[0])
-    self._cycle_position.assign(int(np.sum(samples[:, 3] == policy_code(rec.CYCLIC_POISSON))))
+    self._cycle_position.assign(int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES))))
     if passes is not None:
       self._passes.assign(int(passes))
 
