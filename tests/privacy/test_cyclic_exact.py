@@ -171,7 +171,7 @@ def _fits(x, b, q, plan, rng):
   return model.ledger.get_arrays(), joined, group
 
 
-@pytest.mark.parametrize("q,z", [(1.0, 1.0), (0.5, 1.0)])
+@pytest.mark.parametrize("q,z", [(1.0, 1.0), pytest.param(0.5, 1.0, marks=pytest.mark.slow)])
 def test_removing_one_example_after_several_fits_keeps_the_ledgers_claim(q, z):
   """D = 9 examples, b = 3, and D' = D without example r, each trained by the real pipeline
   over 3 fits (4, 5 and 4 steps; the third on a new dataset in another row order). Per step,
