@@ -20,9 +20,10 @@ from tf_dpiter.ledger import policies
 
 import matrix_runs  # noqa: E402  (tests/privacy, on the path under pytest)
 
-# policies whose schedule is ledger state (passes, epochs, the cycle): their new-dataset,
-# restart and reload cells run by default; the others' (a schedule of independent draws)
-# are marked slow, as is every one-fit cell (the other scenarios contain one)
+# policies whose schedule is ledger state (passes, epochs, the cycle): their restart and
+# reload cells (and cyclic Poisson's new-dataset cell) run by default; the others' (a
+# schedule of independent draws) are marked slow, as is every one-fit cell (the other
+# scenarios contain one); `-m slow` runs the rest of the matrix
 _STATEFUL = ("shuffle", "cyclic_poisson", "balls_in_bins")
 # cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below
 # the ledger's rows (the rerun rows would break the b-separation), refused before any step
@@ -32,7 +33,9 @@ _REFUSED = {("cyclic_poisson", "crash_resume"): r"rerun rows of the same matrix 
 def _cells():
   for policy in policies.names():
     for scenario in matrix_runs.SCENARIOS:
-      fast = scenario == "fits_steps" or (scenario != "one_fit" and policy in _STATEFUL)
+      fast = scenario == "fits_steps" or (
+          policy in _STATEFUL and scenario in ("crash_resume", "save_load")) or (
+              policy == "cyclic_poisson" and scenario == "new_dataset")
       yield pytest.param(policy, scenario, id=f"{policy}-{scenario}",
                          marks=() if fast else pytest.mark.slow)
 
