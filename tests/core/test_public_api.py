@@ -120,13 +120,13 @@ def test_import_tf_dpiter_does_not_import_tensorflow():
 
 def test_error_families():
   from tf_dpiter import errors  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.dp_query import validation  # pylint: disable=g-import-not-at-top
+  from tf_dpiter import validation  # pylint: disable=g-import-not-at-top
   assert issubclass(errors.ParameterTypeError, TypeError)
   assert issubclass(errors.PrivacyConfigError, ValueError)
   assert issubclass(errors.BudgetConfigError, errors.PrivacyConfigError)
-  with pytest.raises(TypeError, match="l2_norm_clip must be a number, got 'one'"):
+  with pytest.raises(TypeError, match="`l2_norm_clip` must be .*Received: l2_norm_clip='one'"):
     validation.check_nonnegative("l2_norm_clip", "one")
-  with pytest.raises(errors.PrivacyConfigError, match="noise_multiplier .* got -1"):
+  with pytest.raises(errors.PrivacyConfigError, match="noise_multiplier.*Received: .*=-1"):
     validation.check_nonnegative("noise_multiplier", -1)
   with pytest.raises(TypeError, match="SumAggregationDPQuery"):
     tf_dpiter.dp_query.NestedQuery([object()])

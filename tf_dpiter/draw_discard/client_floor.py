@@ -14,6 +14,8 @@ import math
 
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 PAPER_EPSILON = math.log(32)
 
@@ -39,11 +41,11 @@ class PrivacyFloor:
 
   def __post_init__(self):
     if self.max_epsilon is not None and not self.max_epsilon > 0:
-      raise ValueError(f"max_epsilon must be > 0 or None, got {self.max_epsilon!r}")
+      raise PrivacyConfigError(f"max_epsilon must be > 0 or None, got {self.max_epsilon!r}")
     if self.min_noise is not None and not self.min_noise > 0:
-      raise ValueError(f"min_noise must be > 0 or None, got {self.min_noise!r}")
+      raise PrivacyConfigError(f"min_noise must be > 0 or None, got {self.min_noise!r}")
     if not 0 < self.max_delta < 1:
-      raise ValueError(f"max_delta must be in (0, 1), got {self.max_delta!r}")
+      raise ParameterValueError(f"max_delta must be in (0, 1), got {self.max_delta!r}")
 
   def check(self, spec: glm.ModelSpec) -> None:
     """Raises PrivacyFloorError if `spec` is weaker than this floor.

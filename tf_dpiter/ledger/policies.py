@@ -12,6 +12,8 @@ if-chain over policy names is left there. Pure Python (dp-accounting loads on fi
 
 import math
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
 
 _REGISTRY = {}
@@ -90,8 +92,8 @@ class SamplingPolicy:
         refuses (see the subclass).
     """
     if group.correlated and group.correlated not in self.covers:
-      raise ValueError(f"no accounting rule for {group.correlated!r} rows under policy "
-                       f"{group.policy!r}")
+      raise PrivacyConfigError(f"no accounting rule for {group.correlated!r} rows under policy "
+                               f"{group.policy!r}")
     return self._event(group, mech, accountant, passes, notes)
 
   def _event(self, group, mech, accountant, passes, notes):
@@ -167,9 +169,9 @@ class Shuffle(SamplingPolicy):
       return composite.shuffle_event(group, mech, passes, notes)
     _gaussian_only(group)
     if passes <= 0:
-      raise ValueError("tree aggregation rows with no shuffled pass recorded: one example may "
-                       "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
-                       "not cover; refusing to account it")
+      raise ParameterValueError("tree aggregation rows with no shuffled pass recorded: one example may "
+                                "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
+                                "not cover; refusing to account it")
     tree = _dpa().SingleEpochTreeAggregationDpEvent(group.noise_multiplier,
                                                     2 ** group.tree_depth - 1)
     notes.append(f"tree aggregation (DP-FTRL, depth {group.tree_depth}): each example at most "
@@ -223,9 +225,9 @@ class TruncatedPoisson(SamplingPolicy):
     _gaussian_only(group)
     n, q, m = group.population_size, group.selection_probability, group.sample_size
     if accountant != "pld":
-      raise ValueError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
-                       f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
-                       f"accountant='pld', got {accountant!r}")
+      raise PrivacyConfigError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
+                               f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
+                               f"accountant='pld', got {accountant!r}")
     notes.append(f"truncated Poisson sampling (q={q:.6g}, n={n:.0f}, at most {m:.0f} records: "
                  "a uniformly random subset of a larger sample), relation add or remove one "
                  "example: assumes each record joined independently with probability q, the "
@@ -259,8 +261,8 @@ class BallsInBins(SamplingPolicy):
 
 def _gaussian_only(group):
   if group.laplace_noise_multipliers:
-    raise ValueError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
-                     "accounted for Gaussian queries only; this sample has Laplace queries")
+    raise PrivacyConfigError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
+                             "accounted for Gaussian queries only; this sample has Laplace queries")
 
 
 def register(policy):
@@ -274,7 +276,7 @@ def register(policy):
     ValueError: a name the schema does not know.
   """
   if policy.name not in schema.POLICY_CODE:
-    raise ValueError(f"policy name must be one of {schema.ALL_POLICIES}, got {policy.name!r}")
+    raise PrivacyConfigError(f"policy name must be one of {schema.ALL_POLICIES}, got {policy.name!r}")
   _REGISTRY[policy.name] = policy
   return policy
 
@@ -290,7 +292,7 @@ def get(name):
     ValueError: an unknown name, or the selection marker (it samples nothing).
   """
   if name not in _REGISTRY:
-    raise ValueError(f"policy must be one of {tuple(_REGISTRY)}, got {name!r}")
+    raise PrivacyConfigError(f"policy must be one of {tuple(_REGISTRY)}, got {name!r}")
   return _REGISTRY[name]
 
 
