@@ -65,11 +65,15 @@ def test_every_subpackage_of_the_source_tree_is_reachable_from_the_root():
 
 
 def test_root_all_is_curated():
-  """15 names: 10 namespaces (9 subpackages + compat), errors, its 3 exceptions, __version__."""
+  """17 names: 10 namespaces (9 subpackages + compat), errors, its 5 exceptions, __version__."""
   assert sorted(tf_dpiter.__all__) == sorted(
-      SUBPACKAGES | {"compat", "errors", "ParameterTypeError", "PrivacyConfigError",
-                     "BudgetConfigError", "__version__"})
-  assert len(tf_dpiter.__all__) == 15
+      SUBPACKAGES | {"compat", "errors", "DPiterError", "ParameterTypeError",
+                     "ParameterValueError", "PrivacyConfigError", "BudgetConfigError",
+                     "__version__"})
+  assert len(tf_dpiter.__all__) == 17
+  import tf_dpiter.errors as errors_module  # pylint: disable=g-import-not-at-top
+  for name in errors_module.__all__:  # the whole family, at the root
+    assert getattr(tf_dpiter, name) is getattr(errors_module, name)
 
 
 def test_keras_namespace_has_one_way_per_task_and_keeps_old_names():
