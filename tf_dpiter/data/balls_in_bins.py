@@ -18,6 +18,7 @@ amplification by the secret allocation is real but is not claimed.
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.data import shuffling
 from tf_dpiter.errors import ParameterValueError
@@ -39,8 +40,7 @@ class BallsInBinsSampler:
 
   def __init__(self, population_size, steps_per_epoch, seed=None):
     n = population_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-      raise ParameterValueError(f"population_size must be an integer >= 1, got {population_size!r}")
+    validation.check_integer("population_size", n, 1)
     k = steps_per_epoch
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
       raise ParameterValueError(f"steps_per_epoch must be an integer in [1, n={n}], got {k!r}")
@@ -158,8 +158,7 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
                                 f"in (0, n], got steps_per_epoch=None, expected_batch_size="
                                 f"{expected_batch_size!r}")
     steps_per_epoch = max(1, round(n / expected_batch_size))
-  if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-    raise ParameterValueError(f"epochs must be a positive integer, got {epochs!r}")
+  validation.check_integer("epochs", epochs, 1)
   sampler = BallsInBinsSampler(n, steps_per_epoch, seed)
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()

@@ -25,6 +25,7 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 META_NAME = "records.json"
@@ -76,9 +77,7 @@ def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
     ValueError: records_per_shard < 1, an existing data set, no record, or chunks whose
       layout differs.
   """
-  if isinstance(records_per_shard, bool) or not isinstance(records_per_shard, int) or (
-      records_per_shard < 1):
-    raise ParameterValueError(f"records_per_shard must be a positive integer, got {records_per_shard!r}")
+  validation.check_integer("records_per_shard", records_per_shard, 1)
   os.makedirs(directory, exist_ok=True)
   if os.path.exists(os.path.join(directory, META_NAME)):
     raise ParameterValueError(f"directory {directory!r} already holds an indexed data set")

@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -353,8 +354,7 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
     raise ParameterValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
   q = float(expected_batch_size) / n
   steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
-  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-    raise ParameterValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+  validation.check_integer("steps_per_epoch", steps, 1)
   if max_batch_size != "auto" and max_batch_size is not None and (
       isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
       or max_batch_size < 1):

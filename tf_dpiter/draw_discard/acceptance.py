@@ -51,10 +51,10 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
 
 _LAMBDAS_UPPER = np.concatenate([np.geomspace(1e-4, 0.999, 400), np.geomspace(1.0, 40.0, 200)])
 _LAMBDAS_LOWER = np.geomspace(1e-4, 40.0, 600)
@@ -166,14 +166,13 @@ class AcceptanceRule:
                spread_std: float | None = None, centre_factor: float = 36.0):
     if spread_std is not None and not spread_std >= 0:
       raise ParameterValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
-    if not centre_factor > 0:
-      raise ParameterValueError(f"centre_factor must be > 0, got {centre_factor!r}")
+    validation.check_positive("centre_factor", centre_factor, allow_inf=True,
+                              error=ParameterValueError)
     if not 0 < alpha < 0.5:
       raise ParameterValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
-    if not max_abs_weight > 0:
-      raise ParameterValueError(f"max_abs_weight must be > 0, got {max_abs_weight!r}")
-    if not noise_cap > 0:
-      raise PrivacyConfigError(f"noise_cap must be > 0, got {noise_cap!r}")
+    validation.check_positive("max_abs_weight", max_abs_weight, allow_inf=True,
+                              error=ParameterValueError)
+    validation.check_positive("noise_cap", noise_cap, allow_inf=True)
     self.p = spec.num_weights
     self.alpha = float(alpha)
     self.max_abs_weight = float(max_abs_weight)

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard.glm_math import (  # re-exported
     FAMILIES, average_gradient, check_family, mean_loss, predict_label, predict_mean,
     response_matrix, weights_matrix)
@@ -154,12 +155,10 @@ class ModelSpec:
           raise ParameterValueError(f"crosses: unknown feature {n!r} in {cross!r}")
     if self.family == "multinomial" and self.num_classes < 2:
       raise ParameterValueError(f"num_classes must be >= 2, got {self.num_classes}")
-    if not self.gamma > 0:
-      raise ParameterValueError(f"gamma must be > 0, got {self.gamma}")
-    if self.epsilon is not None and not self.epsilon > 0:
-      raise PrivacyConfigError(f"epsilon must be > 0 or None, got {self.epsilon}")
-    if not self.clip > 0:
-      raise PrivacyConfigError(f"clip must be > 0, got {self.clip}")
+    validation.check_positive("gamma", self.gamma, allow_inf=True, error=ParameterValueError)
+    if self.epsilon is not None:
+      validation.check_positive("epsilon", self.epsilon, allow_inf=True)
+    validation.check_positive("clip", self.clip, allow_inf=True)
     if self.noise not in ("laplace", "gaussian", "none"):
       raise PrivacyConfigError(f"noise must be 'laplace', 'gaussian' or 'none', got {self.noise!r}")
 

@@ -29,6 +29,7 @@ import collections
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.errors import ParameterValueError
 
@@ -57,8 +58,7 @@ def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float =
     raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
   if int(num_weights) != num_weights or num_weights < 1:
     raise ParameterValueError(f"num_weights must be an integer >= 1, got {num_weights!r}")
-  if not init_std >= 0:
-    raise ParameterValueError(f"init_std must be >= 0, got {init_std!r}")
+  validation.check_nonnegative("init_std", init_std, error=ParameterValueError)
   rng = rng if rng is not None else np.random.default_rng()
   mean = np.broadcast_to(np.asarray(init_mean, dtype=np.float64), (num_weights,))
   return mean + init_std * rng.standard_normal((int(k), int(num_weights)))
@@ -71,10 +71,8 @@ class SpamFilter:
   """
 
   def __init__(self, t: float, min_std: float = 0.0):
-    if not t > 0:
-      raise ParameterValueError(f"spam t must be > 0, got {t!r}")
-    if not min_std >= 0:
-      raise ParameterValueError(f"spam min_std must be >= 0, got {min_std!r}")
+    validation.check_positive("t", t, allow_inf=True, error=ParameterValueError)
+    validation.check_nonnegative("min_std", min_std, error=ParameterValueError)
     self.t = float(t)
     self.min_std = float(min_std)
     self.mu = None

@@ -45,6 +45,7 @@ import time
 import numpy as np
 from aiohttp import web
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
@@ -135,8 +136,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       raise ParameterValueError(f"k must be an integer >= 2, got {k!r}")
     if int(history) != history or history < 0:
       raise ParameterValueError(f"history must be an integer >= 0, got {history!r}")
-    if not body_timeout_s > 0:
-      raise ParameterValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
+    validation.check_positive("body_timeout_s", body_timeout_s, allow_inf=True,
+                              error=ParameterValueError)
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
     self.auth_throttle = auth.AuthThrottle()
