@@ -155,7 +155,7 @@ def num_records(x):
   """
   leaves = tf.nest.flatten(x)
   if not leaves:
-    raise ParameterValueError("x must hold at least one array")
+    raise ParameterValueError(f"`x` must hold at least one array. Received: x={x!r}")
   n = int(np.shape(leaves[0])[0])
   for leaf in leaves:
     if int(np.shape(leaf)[0]) != n:

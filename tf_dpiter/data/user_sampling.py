@@ -65,7 +65,7 @@ def _check(n, expected_users, k, num_users):
     raise ParameterValueError(f"expected_users_per_batch must be in (0, number of users={num_users}], "
                               f"got {expected_users!r}")
   if n == 0:
-    raise ParameterValueError("x holds no examples")
+    raise ParameterValueError(f"`x` must hold at least one example. Received: x with n={n}")
 
 
 def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_per_user,

@@ -121,7 +121,8 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
       raise ParameterValueError(f"strategy matrix must be square, got shape {matrix.shape}")
     if np.any(np.diag(matrix) <= 0):
-      raise ParameterValueError("strategy matrix must have a positive diagonal (invertible)")
+      raise ParameterValueError("`strategy` must have a positive diagonal (invertible). Received: "
+                                f"a diagonal with minimum {np.diag(matrix).min()!r}")
   b = mf.num_bands(matrix)
   zeta = mf.column_norms(matrix).max()
   return mf.band_rows(matrix / zeta, b), False

@@ -51,7 +51,8 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
     self._num_steps, self._min_sep = int(num_steps), int(min_separation)
     self._num_buffers = int(num_buffers)
     if (theta is None) != (omega is None):
-      raise ParameterValueError("give both theta and omega, or neither")
+      raise ParameterValueError("give both `theta` and `omega`, or neither. Received: "
+                                f"theta={theta!r}, omega={omega!r}")
     if theta is None:
       theta, omega = blt_strategy.optimize_blt(self._num_steps, self._num_buffers, self._min_sep,
                                                -(-self._num_steps // self._min_sep))

@@ -102,7 +102,9 @@ def num_bands(matrix, tol=0.0):
   c = np.asarray(matrix)
   i, j = np.nonzero(np.abs(c) > tol)
   if np.any(i < j):
-    raise ParameterValueError("matrix must be lower triangular")
+    k = int(np.argmax(j - i))
+    raise ParameterValueError(f"`matrix` must be lower triangular. Received: a matrix of shape "
+                              f"{c.shape} with entry [{i[k]}, {j[k]}] = {c[i[k], j[k]]!r}")
   return int((i - j).max()) + 1 if i.size else 0
 
 

@@ -191,7 +191,8 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
-    raise ParameterValueError("--tls-cert and --tls-key go together")
+    raise ParameterValueError("`--tls-cert` and `--tls-key` go together. Received: "
+                              f"--tls-cert={args.tls_cert!r}, --tls-key={args.tls_key!r}")
   warning = _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None

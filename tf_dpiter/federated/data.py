@@ -78,10 +78,15 @@ class FederatedData:
       raise ParameterValueError(f"client_sizes: client(s) {empty[:10].tolist()} hold no data; "
                                 "every client needs at least one example")
     if np.any(self.client_sizes > self.client_indices.shape[1]):
-      raise ParameterValueError("client_sizes: an entry exceeds client_indices.shape[1]")
+      raise ParameterValueError(
+          "`client_sizes` must not exceed client_indices.shape[1]="
+          f"{self.client_indices.shape[1]}. Received: max(client_sizes)="
+          f"{int(np.max(self.client_sizes))}")
     used = self.client_indices
     if used.size and (used.min() < 0 or used.max() >= self.x.shape[0]):
-      raise ParameterValueError("client_indices: an index is outside [0, len(x))")
+      raise ParameterValueError(
+          f"`client_indices` must lie in [0, len(x)={self.x.shape[0]}). Received: indices in "
+          f"[{int(used.min())}, {int(used.max())}]")
 
   @property
   def num_clients(self):
