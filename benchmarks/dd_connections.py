@@ -15,7 +15,7 @@ One in-process server (TLS, tokens, default limits: 1024 connections, 256 per ad
 Reports the honest updates that succeeded. Client addresses are 127.0.0.x (Linux routes
 all of 127/8 to the loopback interface).
 
-  python benchmarks/dd_connections.py --hold 1800 --updates 125
+  python -m benchmarks.dd_connections --hold 1800 --updates 125   # from the repository root
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ import os
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
-                                "draw_discard"))
-from conftest import ThreadedService  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tests.draw_discard.conftest import ThreadedService
 
 from tf_dpiter.draw_discard import auth, client, client_lib, http_server, service  # noqa: E402
 from tf_dpiter.draw_discard import store as store_lib  # noqa: E402

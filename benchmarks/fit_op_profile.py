@@ -16,7 +16,6 @@ import argparse
 import glob
 import json
 import os
-import sys
 import tempfile
 import warnings
 
@@ -49,7 +48,6 @@ def main():
   a = _parse()
   warnings.simplefilter("ignore")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import fit_step_time  # pylint: disable=g-import-not-at-top
   configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
       ["--steps", str(a.steps), "--spe", "1", "--extra"]))

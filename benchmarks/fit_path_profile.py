@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 
@@ -59,8 +58,6 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fast_clipping_step_time as bare  # noqa: E402
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.data import graph_sampling  # noqa: E402

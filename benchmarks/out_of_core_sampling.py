@@ -21,7 +21,6 @@ on a cold disk the sampler pays one random read per record. Prints one JSON line
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -31,7 +30,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.data import indexed_records  # noqa: E402
 from tf_dpiter.data import indexed_sampling  # noqa: E402

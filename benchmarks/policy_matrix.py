@@ -8,7 +8,7 @@ unit measured / claimed by the ledger's rows through the policy object, the leas
 two of them measured / claimed; "-" when no unit joined twice), or "refused" when a fit of the
 scenario was refused before its first step.
 
-usage: PYTHONPATH=. python benchmarks/policy_matrix.py [--policies a,b] [--scenarios c,d]
+usage: python -m benchmarks.policy_matrix [--policies a,b] [--scenarios c,d]
 """
 
 import argparse
@@ -20,10 +20,8 @@ import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests", "privacy"))
 
-import matrix_runs  # noqa: E402  pylint: disable=wrong-import-position
+from tests.privacy import matrix_runs  # noqa: E402  pylint: disable=wrong-import-position
 from tf_dpiter.ledger import policies  # noqa: E402  pylint: disable=wrong-import-position
 
 

@@ -6,12 +6,13 @@ privacy ledger and its accountant (`ledger`, `accounting`), and the training pro
 (`keras`, `federated`, `draw_discard`); `data` holds the samplers, `auditing` the empirical
 checks and `tuning` private hyperparameter selection.
 
-Public names (`__all__`, 15 of them): the ten namespaces, loaded on first use (so that e.g.
+Public names (`__all__`, 17 of them): the ten namespaces, loaded on first use (so that e.g.
 the Draw-and-Discard service does not pay for TensorFlow's import): the nine subpackages
 `dp_query`, `ledger`, `accounting`, `keras`, `data`, `federated`, `draw_discard`,
 `auditing`, `tuning` and the module `compat` (TF Privacy's and Opacus' spellings); `errors`
-and its three exceptions `ParameterTypeError` (a TypeError), `PrivacyConfigError` (a
-ValueError) and `BudgetConfigError`; and `__version__`. Everything else is reached through a
+and its five exceptions, the family every refused argument raises: `DPiterError` (the base),
+`ParameterTypeError` (a TypeError), `ParameterValueError`, `PrivacyConfigError` (ValueErrors)
+and `BudgetConfigError`; and `__version__`. Everything else is reached through a
 namespace (`dp.keras.DPKerasSGDOptimizer`, `dp.accounting.epsilon`, ...).
 
 This root also wires the layers together: it tells the DPQuery registry (lowest layer) which
@@ -25,7 +26,9 @@ import sys
 from tf_dpiter import errors
 from tf_dpiter.dp_query import declare_query_module as _declare_query_module
 from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 __version__ = "0.1.0"
@@ -33,7 +36,8 @@ __version__ = "0.1.0"
 _SUBPACKAGES = ("dp_query", "ledger", "accounting", "keras", "data", "federated",
                 "draw_discard", "auditing", "tuning", "compat")
 
-__all__ = list(_SUBPACKAGES) + ["errors", "ParameterTypeError", "PrivacyConfigError",
+__all__ = list(_SUBPACKAGES) + ["errors", "DPiterError", "ParameterTypeError",
+                                "ParameterValueError", "PrivacyConfigError",
                                 "BudgetConfigError", "__version__"]
 
 # Serializable queries of the upper layers: registered name -> module that registers it.

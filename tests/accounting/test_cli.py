@@ -43,7 +43,7 @@ def test_cli_bad_input_is_a_clear_error(tmp_path, capsys):
   rc = cli.compute_dp_sgd_privacy_main(["--N", "60000", "--batch_size", "256",
                                         "--noise_multiplier", "1.1", "--epochs", "60",
                                         "--delta", "2"])
-  assert rc == 2 and "delta must be in (0, 1), got 2.0" in capsys.readouterr().err
+  assert rc == 2 and "`delta` must be a number in (0, 1). Received: delta=2.0" in capsys.readouterr().err
   bad = tmp_path / "bad.json"
   bad.write_text("[1, 2")
   assert cli.dp_ledger_main(["report", str(bad), "--delta", "1e-5"]) == 2

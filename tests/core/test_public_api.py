@@ -65,11 +65,15 @@ def test_every_subpackage_of_the_source_tree_is_reachable_from_the_root():
 
 
 def test_root_all_is_curated():
-  """15 names: 10 namespaces (9 subpackages + compat), errors, its 3 exceptions, __version__."""
+  """17 names: 10 namespaces (9 subpackages + compat), errors, its 5 exceptions, __version__."""
   assert sorted(tf_dpiter.__all__) == sorted(
-      SUBPACKAGES | {"compat", "errors", "ParameterTypeError", "PrivacyConfigError",
-                     "BudgetConfigError", "__version__"})
-  assert len(tf_dpiter.__all__) == 15
+      SUBPACKAGES | {"compat", "errors", "DPiterError", "ParameterTypeError",
+                     "ParameterValueError", "PrivacyConfigError", "BudgetConfigError",
+                     "__version__"})
+  assert len(tf_dpiter.__all__) == 17
+  import tf_dpiter.errors as errors_module  # pylint: disable=g-import-not-at-top
+  for name in errors_module.__all__:  # the whole family, at the root
+    assert getattr(tf_dpiter, name) is getattr(errors_module, name)
 
 
 def test_keras_namespace_has_one_way_per_task_and_keeps_old_names():
@@ -120,13 +124,13 @@ def test_import_tf_dpiter_does_not_import_tensorflow():
 
 def test_error_families():
   from tf_dpiter import errors  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.dp_query import validation  # pylint: disable=g-import-not-at-top
+  from tf_dpiter import validation  # pylint: disable=g-import-not-at-top
   assert issubclass(errors.ParameterTypeError, TypeError)
   assert issubclass(errors.PrivacyConfigError, ValueError)
   assert issubclass(errors.BudgetConfigError, errors.PrivacyConfigError)
-  with pytest.raises(TypeError, match="l2_norm_clip must be a number, got 'one'"):
+  with pytest.raises(TypeError, match="`l2_norm_clip` must be .*Received: l2_norm_clip='one'"):
     validation.check_nonnegative("l2_norm_clip", "one")
-  with pytest.raises(errors.PrivacyConfigError, match="noise_multiplier .* got -1"):
+  with pytest.raises(errors.PrivacyConfigError, match="noise_multiplier.*Received: .*=-1"):
     validation.check_nonnegative("noise_multiplier", -1)
   with pytest.raises(TypeError, match="SumAggregationDPQuery"):
     tf_dpiter.dp_query.NestedQuery([object()])

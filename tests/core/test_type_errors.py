@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
-from tf_dpiter.dp_query import validation
+from tf_dpiter import validation
 
 
 CASES = [
@@ -17,7 +17,7 @@ CASES = [
     (lambda: validation.check_probability("sampling_probability", "0.1"),
      "sampling_probability.*'0.1'"),
     (lambda: validation.check_delta("delta", b"1e-5"), "delta.*b'1e-5'"),
-    (lambda: validation.check_integer("steps", 2.5, 1), "steps must be an int >= 1, got 2.5"),
+    (lambda: validation.check_integer("steps", 2.5, 1), "`steps` must be an int >= 1. Received: steps=2.5"),
     (lambda: dp.accounting.make_accountant(5), "accountant.*got 5"),
     (lambda: dp.accounting.check_accountant(None), "accountant.*got None"),
     (lambda: dp.accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.01, 10.5), "steps.*10.5"),

@@ -427,7 +427,7 @@ def test_secure_mode_query_noise_and_config():
 
 
 @pytest.mark.parametrize("clip, z, expected", [
-    (2.0, 1.5, 3.0), (0.0, 1.5, 0.0), (math.inf, 0.0, 0.0), (2.0, 0.0, 0.0), (3, 2, 6.0)])
+    (2.0, 1.5, 3.0), (math.inf, 0.0, 0.0), (2.0, 0.0, 0.0), (3, 2, 6.0)])
 def test_gaussian_stddev_is_z_times_clip_with_explicit_edges(clip, z, expected):
   assert dq.gaussian_stddev(clip, z) == expected
   q = dq.GaussianSumQuery.from_noise_multiplier(clip, z, seed=0)
@@ -447,9 +447,11 @@ def test_gaussian_stddev_on_tensors_never_gives_nan(mode):
 
 
 @pytest.mark.parametrize("clip, z, match", [
-    (math.inf, 1.0, "l2_norm_clip=inf with noise_multiplier=1.0"),
-    (1.0, math.inf, "noise_multiplier must be a non-negative finite number"),
-    (-1.0, 1.0, "l2_norm_clip must be a non-negative number"),
+    (math.inf, 1.0, "`l2_norm_clip` must be finite when the noise multiplier is > 0.*"
+     "Received: l2_norm_clip=inf"),
+    (1.0, math.inf, "`noise_multiplier` must be a finite number >= 0"),
+    (-1.0, 1.0, "`l2_norm_clip` must be a number > 0. Received: l2_norm_clip=-1.0"),
+    (0.0, 1.5, "`l2_norm_clip` must be a number > 0. Received: l2_norm_clip=0.0"),
     (1.0, float("nan"), "noise_multiplier"),
 ])
 def test_gaussian_stddev_refuses_what_has_no_meaning(clip, z, match):

@@ -15,7 +15,7 @@ import pytest
 from tf_dpiter.draw_discard import auth, cli, client_lib, service
 from tf_dpiter.draw_discard import store as store_lib
 
-from conftest import free_port
+from tests.draw_discard.conftest import free_port
 
 SPEC = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"

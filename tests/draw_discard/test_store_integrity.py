@@ -15,7 +15,7 @@ import pytest
 from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, keys, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
 
-from conftest import start_redis
+from tests.draw_discard.conftest import start_redis
 
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 SECRET = bytes(range(32))

@@ -4,7 +4,6 @@ Each replica clips its half of the batch; the sum over replicas must equal the
 single-device clipped sum of the whole batch. Prints 'OK <max abs diff>'.
 """
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # pylint: disable=g-import-not-at-top
@@ -15,8 +14,6 @@ tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 import keras  # pylint: disable=g-import-not-at-top
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
 from tf_dpiter.keras import fast_clipping  # pylint: disable=g-import-not-at-top
 
 

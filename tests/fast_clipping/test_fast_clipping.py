@@ -391,8 +391,10 @@ def test_mirrored_strategy_sum_of_replicas_equals_single_device():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   script = os.path.join(os.path.dirname(__file__), "mirrored_check.py")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
   res = subprocess.run([sys.executable, script], capture_output=True,
-                       text=True, timeout=900, check=False)
+                       text=True, timeout=900, check=False, env=env)
   last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
   assert res.returncode == 0 and last.startswith("OK"), (last, res.stderr[-2000:])
 

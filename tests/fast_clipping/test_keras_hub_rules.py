@@ -23,7 +23,7 @@ import tf_dpiter as dp
 from tf_dpiter.keras import fast_clipping as fc
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import keras_hub as hub_rules
-from test_lora_rules import check_exact   # same directory, as tests/keras/test_api.py does
+from tests.fast_clipping.test_lora_rules import check_exact
 
 L = keras.layers
 N, T, V, D = 6, 5, 7, 4       # examples, positions, vocabulary (< T * N: repeats), width

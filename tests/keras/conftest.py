@@ -1,9 +1,7 @@
 import os
-import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # dp_keras_helpers
 
 import pytest  # noqa: E402
 

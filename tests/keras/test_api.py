@@ -12,7 +12,7 @@ from tf_dpiter import accounting
 from tf_dpiter import dp_query
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.ledger import ledger_file
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -92,16 +92,15 @@ _LOAD_IN_NEW_PROCESS = """
 import sys
 import keras, numpy as np
 import tf_dpiter as dp
-sys.path.insert(0, sys.argv[1])
-from test_api import SubclassedMLP
+from tests.keras.test_api import SubclassedMLP
 dp.keras.private_class(SubclassedMLP)     # registers DPSubclassedMLP before loading
-m = keras.models.load_model(sys.argv[2])
+m = keras.models.load_model(sys.argv[1])
 assert type(m).__name__ == "DPSubclassedMLP" and isinstance(m, dp.keras.DPModelMixin), type(m)
 assert isinstance(m, SubclassedMLP) and m.units == 5
 o = m.optimizer
 assert (type(o).__name__, o.l2_norm_clip, o.noise_multiplier) == ("DPKerasSGDOptimizer", 0.7, 1.1)
-x = np.load(sys.argv[3])
-np.testing.assert_allclose(m.predict(x, verbose=0), np.load(sys.argv[4]), rtol=1e-5)
+x = np.load(sys.argv[2])
+np.testing.assert_allclose(m.predict(x, verbose=0), np.load(sys.argv[3]), rtol=1e-5)
 m.fit(x, np.zeros(len(x), "int32"), batch_size=8, epochs=1, verbose=0)
 assert int(m.ledger.sample_count.numpy()) == 2 * (len(x) // 8)   # the saved steps + the new
 print("LOADED-OK")
@@ -122,9 +121,12 @@ def test_make_private_subclassed_unbuilt_fits_saves_and_loads_in_new_process(tmp
   model.save(path)
   np.save(tmp_path / "x.npy", x)
   np.save(tmp_path / "p.npy", model.predict(x, verbose=0))
-  out = subprocess.run([sys.executable, "-c", _LOAD_IN_NEW_PROCESS, os.path.dirname(__file__),
+  # The repository root on the child's path: `tests.keras.test_api` and this tree's tf_dpiter.
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", _LOAD_IN_NEW_PROCESS,
                         path, str(tmp_path / "x.npy"), str(tmp_path / "p.npy")],
-                       capture_output=True, text=True, timeout=300, check=False)
+                       capture_output=True, text=True, timeout=300, check=False, env=env)
   assert out.returncode == 0 and "LOADED-OK" in out.stdout, out.stderr[-3000:]
   with pytest.raises(ValueError, match="cls must be a keras.Model subclass"):
     dp.keras.private_class(int)

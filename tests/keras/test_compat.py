@@ -10,7 +10,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter.keras import compat
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

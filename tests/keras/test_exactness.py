@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 B = 8
 

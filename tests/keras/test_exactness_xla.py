@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
-import dp_keras_helpers as helpers
-import test_exactness as base
+from tests.keras import dp_keras_helpers as helpers
+from tests.keras import test_exactness as base
 
 LOSS = base.LOSS
 B, CLIP = base.B, 0.05

@@ -12,7 +12,7 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter import accounting
 from tf_dpiter.keras.model import fit_sampling
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

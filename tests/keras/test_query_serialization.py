@@ -9,7 +9,7 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter import dp_query
 
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -9,7 +9,7 @@ import keras
 import pytest
 
 import tf_dpiter as dp
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 _MISSING = importlib.util.find_spec("tensorboard") is None
 

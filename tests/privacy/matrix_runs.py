@@ -35,7 +35,7 @@ from tf_dpiter.data import user_sampling
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 
-import privacy_joins
+from tests.privacy import privacy_joins
 
 N = 24                 # examples
 BATCH = 5              # (expected) batch size: passes of 5 steps, the last of 4

@@ -23,7 +23,7 @@ from scipy import special
 import tf_dpiter as dp
 from tf_dpiter.data import cyclic_poisson
 
-import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+from tests.privacy import privacy_joins  # noqa: E402
 
 DELTA = 1e-3
 

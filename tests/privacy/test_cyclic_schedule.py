@@ -19,7 +19,7 @@ from tf_dpiter.accounting import ledger_events
 from tf_dpiter.data import cyclic_poisson
 from tf_dpiter.errors import PrivacyConfigError
 
-import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+from tests.privacy import privacy_joins  # noqa: E402
 
 N, B, STEPS, FITS = 24, 4, 5, 8   # q = 1: every example of the active group joins
 

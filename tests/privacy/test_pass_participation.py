@@ -16,7 +16,7 @@ import tf_dpiter as dp
 from tf_dpiter.data import balls_in_bins
 from tf_dpiter.data import shuffling
 
-import privacy_joins  # noqa: E402  (tests/privacy, on the path under pytest)
+from tests.privacy import privacy_joins  # noqa: E402
 
 N = 24
 

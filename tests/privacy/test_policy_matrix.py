@@ -18,7 +18,7 @@ import pytest
 
 from tf_dpiter.ledger import policies
 
-import matrix_runs  # noqa: E402  (tests/privacy, on the path under pytest)
+from tests.privacy import matrix_runs  # noqa: E402
 
 # policies whose schedule is ledger state (passes, epochs, the cycle): their restart and
 # reload cells (and cyclic Poisson's new-dataset cell) run by default; the others' (a

@@ -13,11 +13,13 @@ import warnings
 
 from absl import logging as absl_logging
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import gdp
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.accounting.ledger_events import dpa
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 
@@ -62,7 +64,7 @@ def make_accountant(accountant="rdp", neighboring_relation=None):
     return dpa.rdp.RdpAccountant(neighboring_relation=neighboring_relation)
   if accountant == "pld":
     return dpa.pld.PLDAccountant(neighboring_relation=neighboring_relation)
-  raise ValueError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+  raise PrivacyConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +101,7 @@ def ledger_runs(ledger, key=None):
     try:
       ledger = json.loads(ledger)
     except json.JSONDecodeError as e:
-      raise ValueError(f"ledger JSON could not be parsed: {e}") from None
+      raise ParameterValueError(f"ledger JSON could not be parsed: {e}") from None
   if isinstance(ledger, dict):
     return ledger_file.dict_to_runs(ledger, key)
   if isinstance(ledger, (tuple, list)) and len(ledger) in (2, 3):
@@ -180,16 +182,16 @@ def check_accountant(accountant):
   if not isinstance(accountant, str):
     raise ParameterTypeError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
   if accountant not in REPORT_ACCOUNTANTS:
-    raise ValueError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
+    raise PrivacyConfigError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
   if accountant == "prv":
     try:
       import prv_accountant  # pylint: disable=g-import-not-at-top,unused-import
       why = "tf_dpiter does not call the installed prv-accountant package yet"
     except ImportError:
       why = "the prv-accountant package (Opacus' PRV accountant) is not installed"
-    raise ValueError(f"accountant='prv' is not available: {why}. Use accountant='pld' "
-                     "(dp-accounting's privacy loss distribution accountant, numerically tight "
-                     "like PRV) or 'rdp'")
+    raise PrivacyConfigError(f"accountant='prv' is not available: {why}. Use accountant='pld' "
+                             "(dp-accounting's privacy loss distribution accountant, numerically tight "
+                             "like PRV) or 'rdp'")
 
 
 def warn_if_delta_too_large(delta, population_size, stacklevel=3):
@@ -243,9 +245,9 @@ def _compose(content, accountant):
                                                             content.passes)
   acc = make_accountant(accountant, relation)
   if not acc.supports(event):
-    raise ValueError(f"accountant={accountant!r} cannot analyse this ledger under "
-                     f"{relation.name} (e.g. PLD has no fixed-size sampling without "
-                     "replacement); use accountant='rdp'")
+    raise PrivacyConfigError(f"accountant={accountant!r} cannot analyse this ledger under "
+                             f"{relation.name} (e.g. PLD has no fixed-size sampling without "
+                             "replacement); use accountant='rdp'")
   acc.compose(event)
   notes = notes + [("RDP accountant (dp-accounting RdpAccountant, default orders)"
                     if accountant == "rdp" else
@@ -312,7 +314,7 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups), passes)
   groups = content.groups
   if (delta is None) == (epsilon is None):
-    raise ValueError(f"give exactly one of delta and epsilon, got delta={delta!r}, epsilon={epsilon!r}")
+    raise PrivacyConfigError(f"give exactly one of delta and epsilon, got delta={delta!r}, epsilon={epsilon!r}")
   check_accountant(accountant)
   num = sum(g.count for g in groups)
   if delta is not None:

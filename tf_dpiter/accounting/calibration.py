@@ -8,10 +8,12 @@ The answer is always on the safe side of the target: the returned setting's epsi
 """
 
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.accounting import search
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import ParameterValueError
 
 
 def _epsilon(n, batch_size, noise_multiplier, steps, delta, accountant, sampling,
@@ -66,7 +68,7 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
                          num_microbatches) <= target_epsilon
   bad, good = search.doubling_bracket(ok, 1.0, limit=2 ** 20)
   if good is None:
-    raise ValueError(f"no noise multiplier up to 2^20 reaches target_epsilon={target_epsilon}")
+    raise BudgetConfigError(f"no noise multiplier up to 2^20 reaches target_epsilon={target_epsilon}")
   return search.bisect(ok, bad, good, rel_tol=tol)
 
 
@@ -95,8 +97,8 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
     return 1.0
   lo = 1.0 / n
   if eps(lo) > target_epsilon:
-    raise ValueError(f"even q={lo:.3g} exceeds target_epsilon={target_epsilon} with "
-                     f"noise_multiplier={noise_multiplier} over {steps} steps")
+    raise BudgetConfigError(f"even q={lo:.3g} exceeds target_epsilon={target_epsilon} with "
+                            f"noise_multiplier={noise_multiplier} over {steps} steps")
   # in log q: the rate spans orders of magnitude
   return search.bisect(lambda q: eps(q) <= target_epsilon, 1.0, lo, rel_tol=tol,
                           geometric=True)
@@ -145,7 +147,7 @@ def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant=
   validation.check_positive("batch_size", batch_size, allow_inf=False)
   validation.check_positive("epochs", epochs, allow_inf=False)
   if batch_size > n:
-    raise ValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
+    raise ParameterValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
   steps = dp_sgd.dp_sgd_steps(n, batch_size, epochs)
   return calibrate_noise_multiplier(epsilon, delta, batch_size / n, steps, accountant,
                                     sampling, population_size=n,

@@ -21,6 +21,8 @@ from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import curve as curve_lib
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.accounting import statement as statement_lib
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records as rec
 
 _NUMPY_SCALAR = re.compile(r"np\.(?:float|int|uint)\d*\(([^()]*)\)")
@@ -128,8 +130,8 @@ def _accountant(a):
   """The accountant of --accountant / --accountant_type (they must agree); rdp by default."""
   if a.accountant_type is not None:
     if a.accountant is not None and a.accountant != a.accountant_type.lower():
-      raise ValueError(f"--accountant {a.accountant} and --accountant_type "
-                       f"{a.accountant_type} disagree: give one of them")
+      raise PrivacyConfigError(f"--accountant {a.accountant} and --accountant_type "
+                               f"{a.accountant_type} disagree: give one of them")
     return a.accountant_type.lower()
   return a.accountant or "rdp"
 
@@ -202,14 +204,14 @@ def _used_microbatching(a):
   """TF Privacy's used_microbatching: the flag, else whether --num_microbatches was given
   (they must agree); refuses --sampling, which the statement does not take."""
   if a.sampling is not None:
-    raise ValueError(f"--sampling {a.sampling} is not used by the statement (it gives the "
-                     "each-example-once-per-epoch number and, without microbatching, the "
-                     "Poisson one): drop --sampling, or drop the statement flags")
+    raise PrivacyConfigError(f"--sampling {a.sampling} is not used by the statement (it gives the "
+                             "each-example-once-per-epoch number and, without microbatching, the "
+                             "Poisson one): drop --sampling, or drop the statement flags")
   if a.used_microbatching is None:
     return a.num_microbatches is not None
   if a.used_microbatching is False and a.num_microbatches is not None:
-    raise ValueError(f"--noused_microbatching contradicts --num_microbatches "
-                     f"{a.num_microbatches}: give one of them")
+    raise PrivacyConfigError(f"--noused_microbatching contradicts --num_microbatches "
+                             f"{a.num_microbatches}: give one of them")
   return a.used_microbatching
 
 
@@ -249,16 +251,16 @@ def _read_ledger(path, key_file):
       with open(key_file, "rb") as f:
         key = f.read().strip()
     except OSError as e:
-      raise ValueError(f"key file {key_file!r} could not be read: {e}") from None
+      raise ParameterValueError(f"key file {key_file!r} could not be read: {e}") from None
   try:
     with open(path) as f:
       d = json.load(f)
   except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"ledger file {path!r} could not be read: {e}") from None
+    raise ParameterValueError(f"ledger file {path!r} could not be read: {e}") from None
   try:
     accountant_lib.ledger_runs(d, key)     # verifies digest / HMAC and every run
   except ValueError as e:
-    raise ValueError(f"ledger file {path!r}: {e}") from None
+    raise ParameterValueError(f"ledger file {path!r}: {e}") from None
   return d, key
 
 
@@ -392,5 +394,5 @@ def dp_ledger_main(argv=None):
         for line in sampling_lines(d, a.delta):
           print(f"note: {line}")
     except ValueError as e:
-      raise ValueError(f"ledger file {a.ledger!r}: {e}") from None
+      raise ParameterValueError(f"ledger file {a.ledger!r}: {e}") from None
   return _run(go)

@@ -11,6 +11,8 @@ Used by `ledger_events`, which turns the other rows into events.
 import math
 
 from tf_dpiter.accounting.lazy_module import LazyModule
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 dpa = LazyModule("dp_accounting")
 
@@ -52,7 +54,7 @@ def _passes_charged(group, passes, steps_per_pass, what):
     return None
   needed = math.ceil(group.count / steps_per_pass)
   if passes < needed:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"ledger holds {group.count} {what} ({steps_per_pass} per pass) but records only "
         f"{passes} passes (at least {needed} needed): the data was not sampled as declared; "
         "refusing to account it")
@@ -116,12 +118,12 @@ def selection_events(groups, accountant, passes, events_from_groups):
   trial = [g for g in groups if g.selected]
   rest = [g for g in groups if not g.selected and not g.is_selection]
   if len(marks) != 1 or not trial:
-    raise ValueError(f"a ledger holds one selection record after a non-empty trial, got "
-                     f"{len(marks)} records and {len(trial)} trial groups")
+    raise ParameterValueError(f"a ledger holds one selection record after a non-empty trial, got "
+                              f"{len(marks)} records and {len(trial)} trial groups")
   if accountant != "rdp":
-    raise ValueError(f"this ledger records a private selection (RepeatAndSelectDpEvent), which "
-                     f"dp-accounting accounts with its RDP accountant only: use "
-                     f"accountant='rdp', got {accountant!r}")
+    raise PrivacyConfigError(f"this ledger records a private selection (RepeatAndSelectDpEvent), which "
+                             f"dp-accounting accounts with its RDP accountant only: use "
+                             f"accountant='rdp', got {accountant!r}")
   sel = marks[0]
   shape = math.inf if sel.sample_size == -1 else sel.sample_size
   event, relation, notes = events_from_groups(trial, accountant, passes)
@@ -137,8 +139,8 @@ def selection_events(groups, accountant, passes, events_from_groups):
   if rest:
     more, rel2, notes2 = events_from_groups(rest, accountant, passes)
     if rel2 != relation:
-      raise ValueError(f"the selected trial is accounted under {relation.name} and the later "
-                       f"samples under {rel2.name}: account them separately")
+      raise PrivacyConfigError(f"the selected trial is accounted under {relation.name} and the later "
+                               f"samples under {rel2.name}: account them separately")
     event = dpa.ComposedDpEvent([event, more])
     notes += [n for n in notes2 if n not in notes]
   return event, relation, notes

@@ -12,9 +12,10 @@ import dataclasses
 import math
 from typing import Tuple
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def epsilon_curve(ledger, delta, accountant="rdp", num_points=50, key=None):
   runs, passes = accountant_lib.ledger_runs(ledger, key)
   total = sum(c for c, _, _ in runs)
   if total == 0:
-    raise ValueError("ledger is empty: no samples were recorded, so there is no curve to draw")
+    raise PrivacyConfigError("ledger is empty: no samples were recorded, so there is no curve to draw")
   ks = sorted({max(1, round(total * (i + 1) / num_points)) for i in range(num_points)})
   eps = []
   for k in ks:

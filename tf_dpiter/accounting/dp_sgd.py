@@ -12,9 +12,11 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records as rec
 
 
@@ -33,11 +35,11 @@ def _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches=N
   validation.check_positive("n", n, allow_inf=False)
   validation.check_positive("batch_size", batch_size, allow_inf=False)
   if batch_size > n:
-    raise ValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
+    raise ParameterValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
   validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
   validation.check_positive("epochs", epochs, allow_inf=False)
   if sampling not in rec.POLICIES:
-    raise ValueError(f"sampling must be one of {rec.POLICIES}, got {sampling!r}")
+    raise PrivacyConfigError(f"sampling must be one of {rec.POLICIES}, got {sampling!r}")
   if num_microbatches is not None:
     validation.check_integer("num_microbatches", num_microbatches, 1, batch_size)
 

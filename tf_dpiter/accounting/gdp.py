@@ -19,6 +19,7 @@ accounted; other policies and Laplace queries are refused.
 import math
 
 from tf_dpiter.accounting import search
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 
 CAVEAT = ("GDP accountant (mu-GDP; Poisson subsampling by the central limit theorem of Bu et "
@@ -46,8 +47,8 @@ def group_mu_squared(group):
   if group.non_private:
     return math.inf
   if group.laplace_noise_multipliers:
-    raise ValueError("accountant='gdp' accounts Gaussian queries only; this ledger has Laplace "
-                     "queries: use accountant='rdp' or 'pld'")
+    raise PrivacyConfigError("accountant='gdp' accounts Gaussian queries only; this ledger has Laplace "
+                             "queries: use accountant='rdp' or 'pld'")
   z = group.noise_multiplier
   if not math.isfinite(z):
     return 0.0
@@ -65,7 +66,7 @@ def mu_of_groups(groups):
     ValueError: no group (an empty ledger), or a group GDP cannot account.
   """
   if not groups:
-    raise ValueError("ledger is empty: no samples were recorded, so there is nothing to account")
+    raise PrivacyConfigError("ledger is empty: no samples were recorded, so there is nothing to account")
   return math.sqrt(sum(group_mu_squared(g) for g in groups))
 
 

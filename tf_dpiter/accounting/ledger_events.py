@@ -36,6 +36,7 @@ from typing import List, Tuple
 from tf_dpiter.accounting import composite_events
 from tf_dpiter.accounting.lazy_module import LazyModule
 from tf_dpiter.dp_query.events import effective_noise_multiplier
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
 
@@ -56,7 +57,7 @@ def dpa_relation(relation):
     return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
   if relation == rec.REPLACE_ONE:
     return dpa.NeighboringRelation.REPLACE_ONE
-  raise ValueError(f"relation must be one of {rec.RELATIONS}, got {relation!r}")
+  raise PrivacyConfigError(f"relation must be one of {rec.RELATIONS}, got {relation!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +160,8 @@ def _correlated_fields(run):
   if not corr:
     return "", 0, ()
   if len(kinds) > 1:
-    raise ValueError(f"a sample mixes correlated-noise queries with others ({sorted(kinds)}): "
-                     "no accounting rule covers it; record them in separate ledgers")
+    raise PrivacyConfigError(f"a sample mixes correlated-noise queries with others ({sorted(kinds)}): "
+                             "no accounting rule covers it; record them in separate ledgers")
   if corr == {"banded_gaussian"}:
     return "banded", 0, tuple(run.queries)
   if corr == {"matrix_gaussian"}:
@@ -168,7 +169,7 @@ def _correlated_fields(run):
   factor = rec.sensitivity_factor(run.relation, run.examples_per_record)
   depths = {round((q.sensitivity / (factor * q.clip)) ** 2) for q in run.queries}
   if len(depths) != 1 or min(depths) < 1:
-    raise ValueError(f"tree rows of one sample must share one depth >= 1, got {sorted(depths)}")
+    raise PrivacyConfigError(f"tree rows of one sample must share one depth >= 1, got {sorted(depths)}")
   leaves = tuple(dataclasses.replace(q, sensitivity=factor * q.clip) for q in run.queries)
   return "tree", int(depths.pop()), leaves
 
@@ -239,9 +240,9 @@ def relation_of(groups):
   relations = {g.relation for g in groups if not g.non_private and not g.is_selection}
   if len(relations) > 1:
     policies = sorted({g.policy for g in groups if not g.non_private})
-    raise ValueError(f"ledger mixes policies {policies} whose claims use different neighbouring "
-                     "relations (add/remove one vs replace one); dp-accounting cannot compose "
-                     "them: account them separately")
+    raise PrivacyConfigError(f"ledger mixes policies {policies} whose claims use different neighbouring "
+                             "relations (add/remove one vs replace one); dp-accounting cannot compose "
+                             "them: account them separately")
   return relations.pop() if relations else rec.ADD_OR_REMOVE
 
 
@@ -264,9 +265,9 @@ def _check_epochs(groups, passes):
   per_pass = [policies.get(g.policy).steps_per_pass(g) for g in pooled]
   needed = math.ceil(sum(g.count / p for g, p in zip(pooled, per_pass)))
   if passes > 0 and passes < needed:
-    raise ValueError(f"ledger holds {sum(g.count for g in pooled)} shuffled / balls-in-bins "
-                     f"samples, which need at least {needed} passes (epochs), but records "
-                     f"{passes}: the data was not sampled as declared; refusing to account it")
+    raise PrivacyConfigError(f"ledger holds {sum(g.count for g in pooled)} shuffled / balls-in-bins "
+                             f"samples, which need at least {needed} passes (epochs), but records "
+                             f"{passes}: the data was not sampled as declared; refusing to account it")
 
 
 def events_from_groups(groups, accountant="rdp", passes=0):
@@ -281,7 +282,7 @@ def events_from_groups(groups, accountant="rdp", passes=0):
     ValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
   """
   if not groups:
-    raise ValueError("ledger is empty: no samples were recorded, so there is nothing to account")
+    raise PrivacyConfigError("ledger is empty: no samples were recorded, so there is nothing to account")
   if any(g.is_selection for g in groups):
     return composite_events.selection_events(groups, accountant, passes, events_from_groups)
   relation = relation_of(groups)

@@ -22,12 +22,12 @@ from typing import Any, Tuple
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.accounting.search import bisect  # pylint: disable=unused-import
 from tf_dpiter.accounting.search import largest_integer
 from tf_dpiter.dp_query import events as events_lib
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies

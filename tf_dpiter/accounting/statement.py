@@ -14,10 +14,10 @@ delta d is the largest one whose group delta stays within `delta` (bisection on 
 
 import math
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.accounting import search
-from tf_dpiter.dp_query import validation
 
 _LOG_DELTA_REL_TOL = 1e-9   # relative to |log d| (>= 11 for d <= 1e-5): ~1e-8 in log d
 

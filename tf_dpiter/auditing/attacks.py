@@ -23,8 +23,10 @@ from typing import Dict, Optional
 import numpy as np
 from scipy import special
 
+from tf_dpiter import validation
 from tf_dpiter.auditing import one_run
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 
 # ---- scores ------------------------------------------------------------------------------
@@ -32,7 +34,7 @@ from tf_dpiter.dp_query import validation
 def _log_probs(outputs, from_logits):
   out = np.asarray(outputs, np.float64)
   if out.ndim != 2:
-    raise ValueError(f"outputs must be [n, K] logits or probabilities, got shape {out.shape}")
+    raise PrivacyConfigError(f"outputs must be [n, K] logits or probabilities, got shape {out.shape}")
   if from_logits:
     return out - special.logsumexp(out, axis=1, keepdims=True)
   return np.log(np.clip(out, 1e-300, 1.0))
@@ -41,8 +43,8 @@ def _log_probs(outputs, from_logits):
 def _labels(labels, n, k):
   y = np.asarray(labels).reshape(-1).astype(np.int64)
   if y.size != n or np.any(y < 0) or np.any(y >= k):
-    raise ValueError(f"labels must be {n} integers in [0, {k}), got shape {y.shape}, "
-                     f"range [{y.min() if y.size else None}, {y.max() if y.size else None}]")
+    raise ParameterValueError(f"labels must be {n} integers in [0, {k}), got shape {y.shape}, "
+                              f"range [{y.min() if y.size else None}, {y.max() if y.size else None}]")
   return y
 
 
@@ -98,8 +100,8 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3,
   s = np.asarray(shadow_phi, np.float64)
   inn = np.asarray(shadow_in, bool)
   if s.ndim != 2 or s.shape != inn.shape or s.shape[1] != t.size:
-    raise ValueError(f"need target_phi [n], shadow_phi and shadow_in [N, n]; got {t.shape}, "
-                     f"{s.shape}, {inn.shape}")
+    raise ParameterValueError(f"need target_phi [n], shadow_phi and shadow_in [N, n]; got {t.shape}, "
+                              f"{s.shape}, {inn.shape}")
 
   def fit(mask):
     cnt = mask.sum(0)
@@ -133,7 +135,7 @@ def lira_leave_one_out(phi, in_masks, online=True, fix_variance=False):
   phi = np.asarray(phi, np.float64)
   masks = np.asarray(in_masks, bool)
   if phi.ndim != 2 or phi.shape != masks.shape or phi.shape[0] < 2:
-    raise ValueError(f"phi and in_masks must both be [N >= 2, n], got {phi.shape}, {masks.shape}")
+    raise ParameterValueError(f"phi and in_masks must both be [N >= 2, n], got {phi.shape}, {masks.shape}")
   out = np.empty_like(phi)
   for i in range(phi.shape[0]):
     rest = np.arange(phi.shape[0]) != i
@@ -152,7 +154,7 @@ def roc_curve(member_scores, nonmember_scores):
   pos = np.asarray(member_scores, np.float64).reshape(-1)
   neg = np.asarray(nonmember_scores, np.float64).reshape(-1)
   if pos.size == 0 or neg.size == 0:
-    raise ValueError(f"need members and non-members, got {pos.size} and {neg.size} scores")
+    raise ParameterValueError(f"need members and non-members, got {pos.size} and {neg.size} scores")
   values = np.concatenate([pos, neg])
   lab = np.concatenate([np.ones(pos.size), np.zeros(neg.size)])
   order = np.argsort(-values, kind="stable")
@@ -189,7 +191,7 @@ def tpr_at_fpr(member_scores, nonmember_scores, fpr):
     ValueError: fpr outside [0, 1], or an empty or non-finite score array.
   """
   if not 0.0 <= fpr <= 1.0:
-    raise ValueError(f"fpr must be in [0, 1], got {fpr!r}")
+    raise ParameterValueError(f"fpr must be in [0, 1], got {fpr!r}")
   f, t = roc_curve(member_scores, nonmember_scores)
   return float(t[f <= fpr].max())
 
@@ -220,7 +222,7 @@ def attack_metrics(scores, is_member, labels=None, delta=1e-5, confidence=0.95,
   s = np.asarray(scores, np.float64).reshape(-1)
   mem = np.asarray(is_member, bool).reshape(-1)
   if mem.shape != s.shape:
-    raise ValueError(f"is_member must have the shape of scores {s.shape}, got {mem.shape}")
+    raise ParameterValueError(f"is_member must have the shape of scores {s.shape}, got {mem.shape}")
   fpr, tpr = roc_curve(s[mem], s[~mem])
   by_class = {}
   if labels is not None:

@@ -35,9 +35,11 @@ import numpy as np
 from scipy import special
 from scipy import stats
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import search
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 METHODS = ("bonferroni", "split")
 
@@ -47,10 +49,10 @@ METHODS = ("bonferroni", "split")
 def _scores(name, values):
   arr = np.asarray(values, dtype=np.float64).reshape(-1)
   if arr.size == 0:
-    raise ValueError(f"{name} must hold at least one score, got an empty array")
+    raise ParameterValueError(f"{name} must hold at least one score, got an empty array")
   if not np.all(np.isfinite(arr)):
-    raise ValueError(f"{name} must be finite numbers, got {int(np.sum(~np.isfinite(arr)))} "
-                     "non-finite values (NaN or inf)")
+    raise ParameterValueError(f"{name} must be finite numbers, got {int(np.sum(~np.isfinite(arr)))} "
+                              "non-finite values (NaN or inf)")
   return arr
 
 
@@ -59,7 +61,7 @@ def _check_delta(delta):
   if isinstance(delta, bool) or not isinstance(delta, (int, float, np.integer, np.floating)):
     raise ParameterTypeError(f"delta must be a number in [0, 1), got {delta!r}")
   if not 0.0 <= float(delta) < 1.0:
-    raise ValueError(f"delta must be a number in [0, 1), got {delta!r}")
+    raise PrivacyConfigError(f"delta must be a number in [0, 1), got {delta!r}")
   return float(delta)
 
 
@@ -70,7 +72,7 @@ def _check_confidence(confidence):
                                                     (int, float, np.integer, np.floating)):
     raise ParameterTypeError(f"confidence must be a number in (0, 1), got {confidence!r}")
   if not 0.0 < float(confidence) < 1.0:
-    raise ValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
+    raise ParameterValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
   return float(confidence)
 
 
@@ -96,17 +98,17 @@ def clopper_pearson(successes, trials, alpha, side):
   k = np.asarray(successes, dtype=np.float64)
   n = np.asarray(trials, dtype=np.float64)
   if np.any(n < 1) or np.any(k < 0) or np.any(k > n):
-    raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got successes={successes!r}, "
-                     f"trials={trials!r}")
+    raise ParameterValueError(f"need 0 <= successes <= trials and trials >= 1, got successes={successes!r}, "
+                              f"trials={trials!r}")
   if not 0.0 < float(alpha) < 1.0:
-    raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+    raise ParameterValueError(f"alpha must be in (0, 1), got {alpha!r}")
   with np.errstate(invalid="ignore", divide="ignore"):
     if side == "lower":
       out = np.where(k > 0, special.betaincinv(np.maximum(k, 1e-300), n - k + 1, alpha), 0.0)
     elif side == "upper":
       out = np.where(k < n, special.betaincinv(k + 1, np.maximum(n - k, 1e-300), 1.0 - alpha), 1.0)
     else:
-      raise ValueError(f"side must be 'lower' or 'upper', got {side!r}")
+      raise ParameterValueError(f"side must be 'lower' or 'upper', got {side!r}")
   return out if out.ndim else float(out)
 
 
@@ -200,13 +202,13 @@ def _bonferroni(pos, neg, delta, alpha, thresholds, num_thresholds, rng):
 
 def _split(pos, neg, delta, alpha, split_fraction, num_thresholds, rng):
   if not 0.0 < split_fraction < 1.0:
-    raise ValueError(f"split_fraction must be in (0, 1), got {split_fraction!r}")
+    raise ParameterValueError(f"split_fraction must be in (0, 1), got {split_fraction!r}")
   pos, neg = rng.permutation(pos), rng.permutation(neg)
   i_pos, i_neg = int(round(pos.size * split_fraction)), int(round(neg.size * split_fraction))
   if min(i_pos, i_neg, pos.size - i_pos, neg.size - i_neg) < 1:
-    raise ValueError(f"method='split' needs at least one score of each class in each part; got "
-                     f"{pos.size} member and {neg.size} non-member scores with "
-                     f"split_fraction={split_fraction}")
+    raise ParameterValueError(f"method='split' needs at least one score of each class in each part; got "
+                              f"{pos.size} member and {neg.size} non-member scores with "
+                              f"split_fraction={split_fraction}")
   # Selection part: any rule may be used; here the Bonferroni bound on that part.
   _, t, _, _, _, _ = _bonferroni(pos[:i_pos], neg[:i_neg], delta, alpha, None, num_thresholds, rng)
   eps, t, name, a, b = _fixed_thresholds(pos[i_pos:], neg[i_neg:], [t], alpha / 2, delta)
@@ -238,13 +240,13 @@ def lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, *, meth
   delta = _check_delta(delta)
   alpha = 1.0 - _check_confidence(confidence)
   if method not in METHODS:
-    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    raise ParameterValueError(f"method must be one of {METHODS}, got {method!r}")
   validation.check_integer("num_thresholds", num_thresholds, 1)
   if thresholds is not None:
     if method != "bonferroni":
-      raise ValueError(f"thresholds are used by method='bonferroni' only, got method={method!r}")
+      raise ParameterValueError(f"thresholds are used by method='bonferroni' only, got method={method!r}")
     if np.size(thresholds) == 0 or not np.all(np.isfinite(thresholds)):
-      raise ValueError(f"thresholds must be a non-empty array of finite values, got {thresholds!r}")
+      raise ParameterValueError(f"thresholds must be a non-empty array of finite values, got {thresholds!r}")
   rng = np.random.default_rng(seed)
   if method == "bonferroni":
     eps, t, name, a, b, k = _bonferroni(pos, neg, delta, alpha, thresholds, num_thresholds, rng)
@@ -288,7 +290,7 @@ def gdp_delta(mu, epsilon):
     ValueError: mu <= 0.
   """
   if not mu > 0:
-    raise ValueError(f"mu must be > 0, got {mu!r}")
+    raise ParameterValueError(f"mu must be > 0, got {mu!r}")
   return float(stats.norm.cdf(-epsilon / mu + mu / 2)
                - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
 
@@ -308,7 +310,7 @@ def gdp_epsilon(mu, delta):
     ValueError: mu <= 0 or delta outside (0, 1).
   """
   if not 0.0 < delta < 1.0:
-    raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    raise PrivacyConfigError(f"delta must be in (0, 1), got {delta!r}")
   ok = lambda eps: gdp_delta(mu, eps) <= delta
   if ok(0.0):
     return 0.0

@@ -17,11 +17,12 @@ import keras
 import numpy as np
 
 from tf_dpiter import accounting
+from tf_dpiter import validation
 from tf_dpiter.auditing import attacks
 from tf_dpiter.auditing import canaries as canaries_lib
 from tf_dpiter.auditing import report as report_lib
 from tf_dpiter.auditing import whitebox
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
 
 
 class AuditCallback(keras.callbacks.Callback):
@@ -51,10 +52,10 @@ class AuditCallback(keras.callbacks.Callback):
     super().__init__()
     if recorder is not None and (included is None or sampling_probability is None
                                  or noise_multiplier is None):
-      raise ValueError("recorder needs included, sampling_probability and noise_multiplier; got "
-                       f"included={'set' if included is not None else None}, "
-                       f"sampling_probability={sampling_probability!r}, "
-                       f"noise_multiplier={noise_multiplier!r}")
+      raise PrivacyConfigError("recorder needs included, sampling_probability and noise_multiplier; got "
+                               f"included={'set' if included is not None else None}, "
+                               f"sampling_probability={sampling_probability!r}, "
+                               f"noise_multiplier={noise_multiplier!r}")
     validation.check_integer("every_n_epochs", every_n_epochs, 1)
     self.delta = float(delta)
     self.recorder = recorder

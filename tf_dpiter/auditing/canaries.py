@@ -27,8 +27,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import models as dp_models
-from tf_dpiter.dp_query import validation
 
 ADD_REMOVE = "add_remove"
 REPLACE = "replace"
@@ -126,7 +128,7 @@ def draw_membership(num_canaries, seed, p_in=0.5):
   p_in in (0, 1). Returns: bool array [m]. Raises: ValueError for p_in outside (0, 1).
   """
   if not 0.0 < p_in < 1.0:
-    raise ValueError(f"p_in must be in (0, 1), got {p_in!r}")
+    raise ParameterValueError(f"p_in must be in (0, 1), got {p_in!r}")
   return np.random.default_rng(seed).random(int(num_canaries)) < p_in
 
 
@@ -146,7 +148,7 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
     ValueError: unknown neighbouring.
   """
   if neighbouring not in NEIGHBOURING:
-    raise ValueError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
+    raise PrivacyConfigError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
   included = np.asarray(included, bool)
   m = included.size
   k = np.arange(m)
@@ -179,14 +181,14 @@ def check_optimizer(optimizer, model=None):
   Raises: ValueError naming the offending setting.
   """
   if not isinstance(optimizer, keras.optimizers.SGD):
-    raise ValueError(f"white-box canaries need a DP SGD optimizer (update = -lr * gradient), got "
-                     f"{type(optimizer).__name__}")
+    raise ParameterValueError(f"white-box canaries need a DP SGD optimizer (update = -lr * gradient), got "
+                              f"{type(optimizer).__name__}")
   if float(optimizer.momentum) != 0.0 or optimizer.weight_decay:
-    raise ValueError(f"white-box canaries need momentum=0 and no weight_decay, got "
-                     f"momentum={optimizer.momentum!r}, weight_decay={optimizer.weight_decay!r}")
+    raise ParameterValueError(f"white-box canaries need momentum=0 and no weight_decay, got "
+                              f"momentum={optimizer.momentum!r}, weight_decay={optimizer.weight_decay!r}")
   if optimizer.num_microbatches is not None:
-    raise ValueError("white-box canaries need num_microbatches=None (one record per example), "
-                     f"got {optimizer.num_microbatches!r}")
+    raise PrivacyConfigError("white-box canaries need num_microbatches=None (one record per example), "
+                             f"got {optimizer.num_microbatches!r}")
   if model is not None and optimizer.resolve_clipping(model) != "vectorized":
-    raise ValueError("white-box canaries need clipping='vectorized' (the canary weights are not "
-                     f"a layer fast clipping knows), got clipping={optimizer.clipping!r}")
+    raise PrivacyConfigError("white-box canaries need clipping='vectorized' (the canary weights are not "
+                             f"a layer fast clipping knows), got clipping={optimizer.clipping!r}")

@@ -33,6 +33,8 @@ from scipy import optimize
 from scipy import special
 
 from tf_dpiter.auditing import attacks
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 
 class AttackType(enum.Enum):
@@ -62,7 +64,7 @@ class AttackInputData:
     """(array [n, K], from_logits) of a split, or (None, None)."""
     logits, probs = getattr(self, f"logits_{split}"), getattr(self, f"probs_{split}")
     if logits is not None and probs is not None:
-      raise ValueError(f"give logits_{split} or probs_{split}, not both")
+      raise ParameterValueError(f"give logits_{split} or probs_{split}, not both")
     if logits is not None:
       return np.asarray(logits, np.float64), True
     if probs is not None:
@@ -75,7 +77,7 @@ class AttackInputData:
     if out is None:
       return None
     if out.ndim != 2:
-      raise ValueError(f"logits_{split} / probs_{split} must be [n, K], got shape {out.shape}")
+      raise ParameterValueError(f"logits_{split} / probs_{split} must be [n, K], got shape {out.shape}")
     if from_logits:
       return out - special.logsumexp(out, axis=1, keepdims=True)
     return np.log(np.clip(out, 1e-300, 1.0))
@@ -92,11 +94,11 @@ class AttackInputData:
       return np.asarray(given, np.float64).reshape(-1)
     lp, y = self.log_probs(split), self.labels(split)
     if lp is None or y is None:
-      raise ValueError(f"AttackInputData needs loss_{split}, or logits_{split} (or "
-                       f"probs_{split}) with labels_{split}")
+      raise ParameterValueError(f"AttackInputData needs loss_{split}, or logits_{split} (or "
+                                f"probs_{split}) with labels_{split}")
     if y.size != lp.shape[0] or np.any(y < 0) or np.any(y >= lp.shape[1]):
-      raise ValueError(f"labels_{split} must be {lp.shape[0]} integers in [0, {lp.shape[1]}), "
-                       f"got {y.size} in [{y.min(initial=0)}, {y.max(initial=0)}]")
+      raise ParameterValueError(f"labels_{split} must be {lp.shape[0]} integers in [0, {lp.shape[1]}), "
+                                f"got {y.size} in [{y.min(initial=0)}, {y.max(initial=0)}]")
     return -lp[np.arange(y.size), y]
 
   def validate(self):
@@ -108,15 +110,15 @@ class AttackInputData:
     for split in ("train", "test"):
       n = self.loss(split).size
       if n == 0:
-        raise ValueError(f"AttackInputData: the {split} split is empty")
+        raise ParameterValueError(f"AttackInputData: the {split} split is empty")
       for name in (f"labels_{split}",):
         v = getattr(self, name)
         if v is not None and np.asarray(v).reshape(-1).size != n:
-          raise ValueError(f"{name} must have {n} entries (one per {split} example), got "
-                           f"{np.asarray(v).reshape(-1).size}")
+          raise ParameterValueError(f"{name} must have {n} entries (one per {split} example), got "
+                                    f"{np.asarray(v).reshape(-1).size}")
       lp = self.log_probs(split)
       if lp is not None and lp.shape[0] != n:
-        raise ValueError(f"logits_{split} / probs_{split} must have {n} rows, got {lp.shape[0]}")
+        raise ParameterValueError(f"logits_{split} / probs_{split} must have {n} rows, got {lp.shape[0]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +217,9 @@ def max_auc(epsilon, delta=0.0):
 
 def _check_eps_delta(epsilon, delta):
   if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
-    raise ValueError(f"epsilon must be a number >= 0, got epsilon={epsilon!r}")
+    raise PrivacyConfigError(f"epsilon must be a number >= 0, got epsilon={epsilon!r}")
   if not (isinstance(delta, (int, float)) and 0.0 <= delta <= 1.0):
-    raise ValueError(f"delta must be a number in [0, 1], got delta={delta!r}")
+    raise PrivacyConfigError(f"delta must be a number in [0, 1], got delta={delta!r}")
 
 
 # ---- attacks -----------------------------------------------------------------------------
@@ -267,7 +269,7 @@ def _attack(data, attack_type, spec, idx_in, idx_out, seed):
     s_in, s_out = _lr_scores(_features(data, "train", idx_in), _features(data, "test", idx_out),
                              seed)
   else:
-    raise ValueError(f"attack_types must hold AttackType members, got {attack_type!r}")
+    raise ParameterValueError(f"attack_types must hold AttackType members, got {attack_type!r}")
   fpr, tpr = attacks.roc_curve(s_in, s_out)
   return SingleAttackResult(spec, attack_type, RocCurve(fpr, tpr),
                             attacks.auc(s_in, s_out), float(np.max(tpr - fpr)),
@@ -283,15 +285,15 @@ def _slices(data, slicing_spec):
   y_in, y_out = data.labels("train"), data.labels("test")
   if slicing_spec.by_class:
     if y_in is None or y_out is None:
-      raise ValueError("SlicingSpec(by_class=True) needs labels_train and labels_test")
+      raise ParameterValueError("SlicingSpec(by_class=True) needs labels_train and labels_test")
     for c in np.unique(np.r_[y_in, y_out]):
       out.append((SingleSliceSpec("class", int(c)), np.flatnonzero(y_in == c),
                   np.flatnonzero(y_out == c)))
   if slicing_spec.by_classification_correctness:
     lp_in, lp_out = data.log_probs("train"), data.log_probs("test")
     if lp_in is None or lp_out is None or y_in is None or y_out is None:
-      raise ValueError("SlicingSpec(by_classification_correctness=True) needs logits (or "
-                       "probs) and labels for train and test")
+      raise ParameterValueError("SlicingSpec(by_classification_correctness=True) needs logits (or "
+                                "probs) and labels for train and test")
     ok_in, ok_out = lp_in.argmax(axis=1) == y_in, lp_out.argmax(axis=1) == y_out
     for v in (True, False):
       out.append((SingleSliceSpec("correctly_classified", v), np.flatnonzero(ok_in == v),

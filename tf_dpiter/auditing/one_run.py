@@ -32,6 +32,7 @@ from scipy import special
 from scipy import stats
 
 from tf_dpiter.auditing import bounds as bounds_lib
+from tf_dpiter.errors import ParameterValueError
 
 # Fixed slack grids for ε' - ε and for j (chosen before any data is seen; the bound is a
 # minimum of valid bounds, so no multiple-testing correction is needed).
@@ -60,9 +61,9 @@ def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
     ValueError: counts out of range.
   """
   if not (0 <= num_correct <= num_guesses <= num_canaries):
-    raise ValueError("need 0 <= num_correct <= num_guesses <= num_canaries, got "
-                     f"num_correct={num_correct!r}, num_guesses={num_guesses!r}, "
-                     f"num_canaries={num_canaries!r}")
+    raise ParameterValueError("need 0 <= num_correct <= num_guesses <= num_canaries, got "
+                              f"num_correct={num_correct!r}, num_guesses={num_guesses!r}, "
+                              f"num_canaries={num_canaries!r}")
   if delta == 0:
     return float(_tail(num_guesses, num_correct, epsilon))
   gaps = np.asarray(_GAPS)[:, None]
@@ -99,7 +100,7 @@ def guesses_from_scores(scores, num_guesses):
   scores = np.asarray(scores, dtype=np.float64).reshape(-1)
   m = scores.size
   if not (isinstance(num_guesses, (int, np.integer)) and 1 <= num_guesses <= m):
-    raise ValueError(f"num_guesses must be an integer in [1, {m}], got {num_guesses!r}")
+    raise ParameterValueError(f"num_guesses must be an integer in [1, {m}], got {num_guesses!r}")
   order = np.argsort(scores, kind="stable")
   guesses = np.zeros(m, np.int8)
   k_pos = (num_guesses + 1) // 2
@@ -127,7 +128,7 @@ def one_run_epsilon_lower_bound(scores, included, delta, confidence=0.95, num_gu
   scores = bounds_lib._scores("scores", scores)  # pylint: disable=protected-access
   inc = np.asarray(included).reshape(-1)
   if inc.shape != scores.shape:
-    raise ValueError(f"included must have the shape of scores {scores.shape}, got {inc.shape}")
+    raise ParameterValueError(f"included must have the shape of scores {scores.shape}, got {inc.shape}")
   truth = np.where(inc.astype(bool), 1, -1)
   delta = bounds_lib._check_delta(delta)  # pylint: disable=protected-access
   alpha = 1.0 - bounds_lib._check_confidence(confidence)  # pylint: disable=protected-access

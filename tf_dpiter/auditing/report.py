@@ -4,6 +4,8 @@ import math
 
 import numpy as np
 
+from tf_dpiter.errors import PrivacyConfigError
+
 _BOUND_KEYS = (("whitebox_epsilon_lb", "white-box bound (per run)"),
                ("whitebox_step_epsilon_lb", "white-box bound (per step)"),
                ("attack_epsilon_lb", "black-box bound (one run)"))
@@ -28,8 +30,8 @@ def plot_privacy_report(history, path, title="Privacy audit"):
     ValueError: empty history or a row without "epoch" / "claimed_epsilon".
   """
   if not history or any("epoch" not in r or "claimed_epsilon" not in r for r in history):
-    raise ValueError("history must be a non-empty list of dicts with 'epoch' and "
-                     f"'claimed_epsilon', got {history!r:.200}")
+    raise PrivacyConfigError("history must be a non-empty list of dicts with 'epoch' and "
+                             f"'claimed_epsilon', got {history!r:.200}")
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top

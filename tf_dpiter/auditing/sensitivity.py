@@ -26,6 +26,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
 from tf_dpiter.keras.model.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
 
@@ -64,15 +66,15 @@ def _dp_copy(model, policy, n, batch):
   from tf_dpiter import keras as dpk  # pylint: disable=g-import-not-at-top
   opt = model.optimizer
   if not hasattr(opt, "l2_norm_clip") or opt.l2_norm_clip is None:
-    raise ValueError("check_sensitivity needs a model compiled with a tf_dpiter DP optimizer "
-                     f"built from l2_norm_clip and noise_multiplier, got {opt!r}")
+    raise PrivacyConfigError("check_sensitivity needs a model compiled with a tf_dpiter DP optimizer "
+                             f"built from l2_norm_clip and noise_multiplier, got {opt!r}")
   # The copy shares the model's layers (and so its weights, which the caller restores): no
   # re-serialization of user layers, and the model's own optimizer and ledger stay untouched.
   try:
     copy = keras.models.clone_model(model, clone_function=lambda layer: layer)
   except (ValueError, TypeError) as e:
-    raise ValueError(f"check_sensitivity needs a functional or Sequential model; "
-                     f"{type(model).__name__} could not be rebuilt: {e}") from None
+    raise PrivacyConfigError(f"check_sensitivity needs a functional or Sequential model; "
+                             f"{type(model).__name__} could not be rebuilt: {e}") from None
   if not isinstance(copy, type(model)):   # clone_model rebuilds a plain Keras model
     copy = dpk.make_private(copy)
   test_opt = _recording_sgd_class(dpk)(
@@ -184,7 +186,7 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
   from tf_dpiter import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   x, y = np.asarray(x), np.asarray(y)
   if not 1 <= batch_size <= len(x):
-    raise ValueError(f"batch_size must be in [1, len(x)={len(x)}], got {batch_size!r}")
+    raise ParameterValueError(f"batch_size must be in [1, len(x)={len(x)}], got {batch_size!r}")
   policy = policy or getattr(model.optimizer, "sampling_policy", None) or "poisson"
   relation = ledger_lib.relation_for_policy(policy)
   copy, opt = _dp_copy(model, policy, max(len(x), batch_size + 1), batch_size)

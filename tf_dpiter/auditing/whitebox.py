@@ -22,9 +22,11 @@ import dp_accounting
 import keras
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.auditing import bounds as bounds_lib
 from tf_dpiter.auditing import canaries as canaries_lib
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 PER = ("run", "step")
 
@@ -60,8 +62,8 @@ class CanaryRecorder(keras.callbacks.Callback):
     canaries_lib.check_optimizer(self._canary_model.optimizer, self._canary_model)
     spe = int(getattr(self._canary_model, "steps_per_execution", 1) or 1)
     if spe != 1:
-      raise ValueError("CanaryRecorder reads the canary weights around every step; compile with "
-                       f"steps_per_execution=1, got {spe}")
+      raise ParameterValueError("CanaryRecorder reads the canary weights around every step; compile with "
+                                f"steps_per_execution=1, got {spe}")
 
   def on_train_batch_begin(self, batch, logs=None):
     """Keras hook: reads w^t and the learning rate eta before the step."""
@@ -103,13 +105,13 @@ def canary_scores(observations, sampling_probability, noise_multiplier,
   x = np.asarray(observations, np.float64)
   q, z = float(sampling_probability), float(noise_multiplier)
   if not 0.0 < q <= 1.0:
-    raise ValueError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
+    raise PrivacyConfigError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
   if not z >= 0.0:
-    raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
+    raise PrivacyConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
   if neighbouring not in canaries_lib.NEIGHBOURING:
-    raise ValueError(f"neighbouring must be one of {canaries_lib.NEIGHBOURING}, got {neighbouring!r}")
+    raise PrivacyConfigError(f"neighbouring must be one of {canaries_lib.NEIGHBOURING}, got {neighbouring!r}")
   if per not in PER:
-    raise ValueError(f"per must be one of {PER}, got {per!r}")
+    raise ParameterValueError(f"per must be one of {PER}, got {per!r}")
   if z == 0.0:
     s = x
   else:
@@ -139,10 +141,10 @@ def whitebox_lower_bound(observations, included, sampling_probability, noise_mul
   inc = np.asarray(included, bool).reshape(-1)
   x = np.asarray(observations, np.float64)
   if x.ndim != 2 or x.shape[0] != inc.size:
-    raise ValueError(f"observations must be [m={inc.size}, T], got shape {x.shape}")
+    raise ParameterValueError(f"observations must be [m={inc.size}, T], got shape {x.shape}")
   if inc.all() or not inc.any():
-    raise ValueError("included must mark at least one canary in and one out, got "
-                     f"{int(inc.sum())} of {inc.size} in")
+    raise ParameterValueError("included must mark at least one canary in and one out, got "
+                              f"{int(inc.sum())} of {inc.size} in")
   s = canary_scores(x, sampling_probability, noise_multiplier, neighbouring, per)
   return bounds_lib.lower_bound(s[inc].ravel(), s[~inc].ravel(), delta, confidence, **kwargs)
 
@@ -165,12 +167,12 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
     ValueError: unknown accountant or arguments out of range.
   """
   if accountant not in ("pld", "rdp"):
-    raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+    raise PrivacyConfigError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
   if not (0.0 < sampling_probability <= 1.0 and noise_multiplier >= 0 and steps >= 1
           and sensitivity > 0 and 0.0 < delta < 1.0):
-    raise ValueError("need q in (0, 1], z >= 0, steps >= 1, sensitivity > 0, delta in (0, 1); got "
-                     f"q={sampling_probability!r}, z={noise_multiplier!r}, steps={steps!r}, "
-                     f"sensitivity={sensitivity!r}, delta={delta!r}")
+    raise PrivacyConfigError("need q in (0, 1], z >= 0, steps >= 1, sensitivity > 0, delta in (0, 1); got "
+                             f"q={sampling_probability!r}, z={noise_multiplier!r}, steps={steps!r}, "
+                             f"sensitivity={sensitivity!r}, delta={delta!r}")
   if noise_multiplier == 0:
     return math.inf
   event = dp_accounting.SelfComposedDpEvent(

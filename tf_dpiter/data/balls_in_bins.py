@@ -18,8 +18,10 @@ amplification by the secret allocation is real but is not claimed.
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.data import shuffling
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import records
 
 BALLS_IN_BINS = records.BALLS_IN_BINS
@@ -38,11 +40,10 @@ class BallsInBinsSampler:
 
   def __init__(self, population_size, steps_per_epoch, seed=None):
     n = population_size
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-      raise ValueError(f"population_size must be an integer >= 1, got {population_size!r}")
+    validation.check_integer("population_size", n, 1)
     k = steps_per_epoch
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-      raise ValueError(f"steps_per_epoch must be an integer in [1, n={n}], got {k!r}")
+      raise ParameterValueError(f"steps_per_epoch must be an integer in [1, n={n}], got {k!r}")
     self._n, self._k = int(n), int(k)
     self._rng = sampling.make_rng(seed, who="BallsInBinsSampler")
     self._epochs = shuffling.ShuffleSampler(self._k)
@@ -153,19 +154,18 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
   n = sampling.num_records(x if y is None else (x, y))
   if steps_per_epoch is None:
     if expected_batch_size is None or not 0 < expected_batch_size <= n:
-      raise ValueError(f"give steps_per_epoch (an integer in [1, n={n}]) or expected_batch_size "
-                       f"in (0, n], got steps_per_epoch=None, expected_batch_size="
-                       f"{expected_batch_size!r}")
+      raise ParameterValueError(f"give steps_per_epoch (an integer in [1, n={n}]) or expected_batch_size "
+                                f"in (0, n], got steps_per_epoch=None, expected_batch_size="
+                                f"{expected_batch_size!r}")
     steps_per_epoch = max(1, round(n / expected_batch_size))
-  if isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1:
-    raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+  validation.check_integer("epochs", epochs, 1)
   sampler = BallsInBinsSampler(n, steps_per_epoch, seed)
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()
   if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)) or (
       max_batch_size < 1):
-    raise ValueError(f"max_batch_size must be 'auto' or a positive integer, got "
-                     f"{max_batch_size!r}")
+    raise ParameterValueError(f"max_batch_size must be 'auto' or a positive integer, got "
+                              f"{max_batch_size!r}")
   state = {}
 
   def next_indices():

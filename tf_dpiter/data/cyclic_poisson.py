@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.data import sampling
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
@@ -117,17 +118,17 @@ class CyclicPoissonSampler:
     """
     n = int(population_size)
     if n < 1 or n != population_size:
-      raise ValueError(f"population_size must be an integer >= 1, got {population_size!r}")
+      raise ParameterValueError(f"population_size must be an integer >= 1, got {population_size!r}")
     if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or not (
         1 <= num_groups <= n):
-      raise ValueError(f"num_groups must be an integer in [1, n={n}], got {num_groups!r}")
+      raise ParameterValueError(f"num_groups must be an integer in [1, n={n}], got {num_groups!r}")
     if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
         0 < expected_batch_size * num_groups <= n):
-      raise ValueError(f"expected_batch_size must be in (0, n / num_groups = {n / num_groups:g}]"
-                       f", got {expected_batch_size!r}")
+      raise ParameterValueError(f"expected_batch_size must be in (0, n / num_groups = {n / num_groups:g}]"
+                                f", got {expected_batch_size!r}")
     ids = index_identities(n) if identities is None else list(identities)
     if len(ids) != n:
-      raise ValueError(f"identities must hold one id per example (n={n}), got {len(ids)}")
+      raise ParameterValueError(f"identities must hold one id per example (n={n}), got {len(ids)}")
     self._n = n
     self._b = int(num_groups)
     self._q = float(expected_batch_size) * self._b / n
@@ -171,7 +172,7 @@ class CyclicPoissonSampler:
       ValueError: if `index` is not in [0, n).
     """
     if not 0 <= index < self._n:
-      raise ValueError(f"index must be in [0, {self._n}), got {index!r}")
+      raise ParameterValueError(f"index must be in [0, {self._n}), got {index!r}")
     return int(self._group_of[index])
 
   def resume_at(self, position):
@@ -192,7 +193,7 @@ class CyclicPoissonSampler:
         self._ledger = weakref.ref(position)
         return
       if int(position) < 0:
-        raise ValueError(f"position must be >= 0, got {position!r}")
+        raise ParameterValueError(f"position must be >= 0, got {position!r}")
       self._ledger, self._pending = None, int(position)
 
   def snapshot_position(self, position):

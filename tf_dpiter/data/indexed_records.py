@@ -25,6 +25,9 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
+
 META_NAME = "records.json"
 _HEADER = 12   # uint64 length + uint32 masked CRC of the length
 _FOOTER = 4    # uint32 masked CRC of the payload
@@ -49,8 +52,8 @@ def record_dtype(x, y=None):
 def _to_records(x, y, dtype):
   n = int(np.shape(x)[0])
   if y is not None and int(np.shape(y)[0]) != n:
-    raise ValueError(f"x and y must have the same number of records; got {n} and "
-                     f"{np.shape(y)[0]}")
+    raise ParameterValueError(f"x and y must have the same number of records; got {n} and "
+                              f"{np.shape(y)[0]}")
   rec = np.empty(n, dtype)
   rec["x"] = x
   if y is not None:
@@ -74,12 +77,10 @@ def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
     ValueError: records_per_shard < 1, an existing data set, no record, or chunks whose
       layout differs.
   """
-  if isinstance(records_per_shard, bool) or not isinstance(records_per_shard, int) or (
-      records_per_shard < 1):
-    raise ValueError(f"records_per_shard must be a positive integer, got {records_per_shard!r}")
+  validation.check_integer("records_per_shard", records_per_shard, 1)
   os.makedirs(directory, exist_ok=True)
   if os.path.exists(os.path.join(directory, META_NAME)):
-    raise ValueError(f"directory {directory!r} already holds an indexed data set")
+    raise ParameterValueError(f"directory {directory!r} already holds an indexed data set")
   dtype, shards, counts = None, [], []
   writer, offsets = None, None
 
@@ -91,7 +92,7 @@ def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
   for x, y in chunks:
     dtype = record_dtype(x, y) if dtype is None else dtype
     if record_dtype(x, y) != dtype:
-      raise ValueError(f"chunk layout {record_dtype(x, y)} differs from the first chunk's {dtype}")
+      raise ParameterValueError(f"chunk layout {record_dtype(x, y)} differs from the first chunk's {dtype}")
     for row in _to_records(x, y, dtype):
       if writer is None or len(offsets) - 1 == records_per_shard:
         if writer is not None:
@@ -103,7 +104,7 @@ def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
       writer.write(payload)
       offsets.append(offsets[-1] + _HEADER + len(payload) + _FOOTER)
   if writer is None:
-    raise ValueError("chunks held no record")
+    raise ParameterValueError("chunks held no record")
   close_shard()
   meta = {"shards": shards, "counts": counts,
           "dtype": np.lib.format.dtype_to_descr(dtype)}
@@ -125,8 +126,8 @@ class ArraySource:
     self._y = y
     n = int(np.shape(x)[0])
     if y is not None and int(np.shape(y)[0]) != n:
-      raise ValueError(f"x and y must have the same number of records; got {n} and "
-                       f"{np.shape(y)[0]}")
+      raise ParameterValueError(f"x and y must have the same number of records; got {n} and "
+                                f"{np.shape(y)[0]}")
     self._n = n
 
   @property
@@ -169,7 +170,7 @@ class TFRecordSource:
   def __init__(self, directory):
     path = os.path.join(directory, META_NAME)
     if not os.path.exists(path):
-      raise ValueError(f"no indexed data set in {directory!r} (missing {META_NAME})")
+      raise ParameterValueError(f"no indexed data set in {directory!r} (missing {META_NAME})")
     with open(path, encoding="utf-8") as f:
       meta = json.load(f)
     self._dtype = np.lib.format.descr_to_dtype(
@@ -178,12 +179,12 @@ class TFRecordSource:
     self._offsets = [np.load(p + ".offsets.npy") for p in self._paths]
     counts = [len(o) - 1 for o in self._offsets]
     if counts != list(meta["counts"]):
-      raise ValueError(f"offset indexes of {directory!r} hold {counts} records, "
-                       f"{META_NAME} says {meta['counts']}")
+      raise ParameterValueError(f"offset indexes of {directory!r} hold {counts} records, "
+                                f"{META_NAME} says {meta['counts']}")
     for p, o in zip(self._paths, self._offsets):
       if os.path.getsize(p) < o[-1]:
-        raise ValueError(f"shard {p!r} holds {os.path.getsize(p)} bytes, its offset index "
-                         f"{o[-1]} (truncated file?)")
+        raise ParameterValueError(f"shard {p!r} holds {os.path.getsize(p)} bytes, its offset index "
+                                  f"{o[-1]} (truncated file?)")
     self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     self._maps = None
 
@@ -225,8 +226,8 @@ class TFRecordSource:
     """
     indices = np.asarray(indices, np.int64)
     if indices.size and (indices[0] < 0 or indices[-1] >= self.num_records):
-      raise ValueError(f"record indices must be in [0, {self.num_records}), got "
-                       f"[{indices[0]}, {indices[-1]}]")
+      raise ParameterValueError(f"record indices must be in [0, {self.num_records}), got "
+                                f"[{indices[0]}, {indices[-1]}]")
     if self._maps is None:   # mapped lazily: the source may be built in another process
       self._maps = [np.memmap(p, np.uint8, "r") for p in self._paths]
     shard = np.searchsorted(self._starts, indices, side="right") - 1
@@ -235,8 +236,8 @@ class TFRecordSource:
     for s in np.unique(shard):
       offs = self._offsets[s][indices[shard == s] - self._starts[s]] + _HEADER
       if offs.size and offs[-1] + size > self._maps[s].shape[0]:
-        raise ValueError(f"shard {self._paths[s]!r} is shorter than its offset index "
-                         "(truncated file?)")
+        raise ParameterValueError(f"shard {self._paths[s]!r} is shorter than its offset index "
+                                  "(truncated file?)")
       parts.append(self._maps[s][offs[:, None] + np.arange(size)])   # one gather per shard
     buf = np.concatenate(parts) if parts else np.zeros([0, size], np.uint8)
     return _decode(buf.reshape(-1), self._dtype)

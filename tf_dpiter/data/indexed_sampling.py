@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
+from tf_dpiter.errors import ParameterValueError
 
 
 def part_range(n, num_parts, part_index):
@@ -32,10 +33,10 @@ def part_range(n, num_parts, part_index):
   at most one); ValueError for an out-of-range part."""
   for name, v in (("num_parts", num_parts), ("part_index", part_index)):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-      raise ValueError(f"{name} must be an integer, got {v!r}")
+      raise ParameterValueError(f"{name} must be an integer, got {v!r}")
   if not 1 <= num_parts <= n or not 0 <= part_index < num_parts:
-    raise ValueError(f"need 1 <= num_parts <= n={n} and 0 <= part_index < num_parts; got "
-                     f"num_parts={num_parts}, part_index={part_index}")
+    raise ParameterValueError(f"need 1 <= num_parts <= n={n} and 0 <= part_index < num_parts; got "
+                              f"num_parts={num_parts}, part_index={part_index}")
   return (n * int(part_index)) // int(num_parts), (n * (int(part_index) + 1)) // int(num_parts)
 
 
@@ -76,7 +77,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
   q, steps = sampling_lib.check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
   ranges = [part_range(n, num_parts, p) for p in parts]
   if not ranges or len(set(parts)) != len(parts):
-    raise ValueError(f"parts must be distinct part indices, got {parts!r}")
+    raise ParameterValueError(f"parts must be distinct part indices, got {parts!r}")
   base = sampling_lib.make_rng(seed, who="poisson_batches_from_source")
   rngs = [np.random.Generator(base.bit_generator.jumped(int(p))) for p in parts]
   pads = [sampling_lib.default_max_batch_size(hi - lo, q) if max_batch_size == "auto"

@@ -22,7 +22,10 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
 POISSON = records.POISSON
@@ -113,14 +116,14 @@ def get_sampling_spec(dataset):
   if not lost:
     if getattr(spec.sampler, "ledger_schedule", False) and any(
         type(d).__name__ == "_RepeatDataset" for d in path):
-      raise ValueError(
+      raise ParameterValueError(
           f"a {spec.policy!r} dataset cannot be repeated (.repeat()): its schedule is ledger "
           "state, read when each iterator starts, and a repeat restarts it while earlier draws "
           "still wait in the prefetch. Give the dataset enough steps instead (steps_per_epoch "
           "of cyclic_poisson_batches), or fit(..., steps_per_epoch=k) several times")
     return spec
   name = _transform_name(lost[0])
-  raise ValueError(
+  raise PrivacyConfigError(
       f"this dataset was built by a tf_dpiter sampler (policy {spec.policy!r}, n = "
       f"{int(spec.population_size)}, q = {spec.selection_probability:.4g}) but its sampling "
       f"declaration was lost at .{name}(): {_WHY_LOST.get(name, _WHY_LOST_DEFAULT)}. "
@@ -152,11 +155,11 @@ def num_records(x):
   """
   leaves = tf.nest.flatten(x)
   if not leaves:
-    raise ValueError("x must hold at least one array")
+    raise ParameterValueError(f"`x` must hold at least one array. Received: x={x!r}")
   n = int(np.shape(leaves[0])[0])
   for leaf in leaves:
     if int(np.shape(leaf)[0]) != n:
-      raise ValueError(f"all arrays must have the same number of records; got {np.shape(leaf)[0]} and {n}")
+      raise ParameterValueError(f"all arrays must have the same number of records; got {np.shape(leaf)[0]} and {n}")
   return n
 
 
@@ -327,8 +330,8 @@ def check_population_size(population_size):
   """
   if isinstance(population_size, bool) or not isinstance(
       population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
-    raise ValueError(f"population_size must be a number >= 1 (the public population size "
-                     f"q = B / N is stated over), got {population_size!r}")
+    raise ParameterValueError(f"population_size must be a number >= 1 (the public population size "
+                              f"q = B / N is stated over), got {population_size!r}")
   return float(population_size)
 
 
@@ -348,16 +351,15 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
   if isinstance(expected_batch_size, bool) or not isinstance(
       expected_batch_size, (int, float, np.integer, np.floating)) or not (
           0 < expected_batch_size <= n):
-    raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
+    raise ParameterValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
   q = float(expected_batch_size) / n
   steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
-  if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-    raise ValueError(f"steps_per_epoch must be a positive integer, got {steps_per_epoch!r}")
+  validation.check_integer("steps_per_epoch", steps, 1)
   if max_batch_size != "auto" and max_batch_size is not None and (
       isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
       or max_batch_size < 1):
-    raise ValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
-                     f"{max_batch_size!r}")
+    raise ParameterValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
+                              f"{max_batch_size!r}")
   return q, int(steps)
 
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import PrivacyConfigError
 
 
 def _per_record(fn, components):
@@ -40,9 +41,9 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   """
   spec = sampling.get_sampling_spec(dataset)
   if spec is None:
-    raise ValueError("map_records needs a dataset from dp.data.poisson_batches or "
-                     "shuffled_batches (it carries their sampling declaration); for other data "
-                     "use dataset.map and declare the sampling with optimizer.set_sampling")
+    raise PrivacyConfigError("map_records needs a dataset from dp.data.poisson_batches or "
+                             "shuffled_batches (it carries their sampling declaration); for other data "
+                             "use dataset.map and declare the sampling with optimizer.set_sampling")
   if not callable(fn):
     raise ParameterTypeError(f"fn must be callable, got {fn!r}")
 

@@ -11,6 +11,7 @@ example), which analyses exactly this sampler.
 import numpy as np
 
 from tf_dpiter.data import sampling
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import records
 
 TRUNCATED_POISSON = records.TRUNCATED_POISSON
@@ -30,13 +31,13 @@ class TruncatedPoissonSampler:
     """
     n = int(population_size)
     if n < 1 or n != population_size:
-      raise ValueError(f"population_size must be an integer >= 1, got {population_size!r}")
+      raise ParameterValueError(f"population_size must be an integer >= 1, got {population_size!r}")
     if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
         0 < expected_batch_size <= n):
-      raise ValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
+      raise ParameterValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)) or (
         not 1 <= max_batch_size <= n):
-      raise ValueError(f"max_batch_size must be an integer in [1, n={n}], got {max_batch_size!r}")
+      raise ParameterValueError(f"max_batch_size must be an integer in [1, n={n}], got {max_batch_size!r}")
     self._n, self._cap = n, int(max_batch_size)
     self._q = float(expected_batch_size) / n
     self._rng = sampling.make_rng(seed, who="TruncatedPoissonSampler")

@@ -24,8 +24,9 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling as sampling_lib
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import records
 
 
@@ -61,10 +62,10 @@ def _kept_rows(user_ids, k):
 def _check(n, expected_users, k, num_users):
   validation.check_integer("max_examples_per_user", k, 1)
   if not 0 < expected_users <= num_users:
-    raise ValueError(f"expected_users_per_batch must be in (0, number of users={num_users}], "
-                     f"got {expected_users!r}")
+    raise ParameterValueError(f"expected_users_per_batch must be in (0, number of users={num_users}], "
+                              f"got {expected_users!r}")
   if n == 0:
-    raise ValueError("x holds no examples")
+    raise ParameterValueError(f"`x` must hold at least one example. Received: x with n={n}")
 
 
 def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_per_user,

@@ -26,6 +26,7 @@ Public names (classes and functions; the implementation modules are not part of 
 import importlib
 
 from tf_dpiter.errors import ParameterTypeError as _ParameterTypeError
+from tf_dpiter.errors import ParameterValueError as _ParameterValueError
 
 # Loaded on first use: `tf_dpiter.dp_query.events` and `.validation` stay free of TensorFlow,
 # so the accountant imports them without paying for TF.
@@ -98,8 +99,8 @@ def declare_query_module(name, module):
       raise _ParameterTypeError(f"{arg} must be a non-empty string, got {value!r}")
   old = _DECLARED_QUERY_MODULES.get(name)
   if old is not None and old != module:
-    raise ValueError(f"the DPQuery name {name!r} is already declared in module {old!r}, "
-                     f"got {module!r}")
+    raise _ParameterValueError(f"the DPQuery name {name!r} is already declared in module {old!r}, "
+                               f"got {module!r}")
   _DECLARED_QUERY_MODULES[name] = module
 
 

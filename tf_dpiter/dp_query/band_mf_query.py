@@ -24,6 +24,7 @@ import collections
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import clipping
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import dp_query
@@ -31,7 +32,7 @@ from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import matrix_factorization as mf
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 
 STRATEGIES = ("toeplitz", "banded")
 
@@ -55,7 +56,7 @@ def template_shapes(template):
     shape = t.shape if hasattr(t, "shape") else np.shape(t)
     dtype = tf.as_dtype(getattr(t, "dtype", tf.float32)).name
     if not tf.TensorShape(shape).is_fully_defined():
-      raise ValueError(f"template leaves must have fully defined shapes, got {shape}")
+      raise ParameterValueError(f"template leaves must have fully defined shapes, got {shape}")
     out.append(([int(s) for s in shape], dtype))
   return out
 
@@ -110,7 +111,7 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
   """
   if isinstance(strategy, str):
     if strategy not in STRATEGIES:
-      raise ValueError(f"strategy must be one of {STRATEGIES} or a matrix, got {strategy!r}")
+      raise ParameterValueError(f"strategy must be one of {STRATEGIES} or a matrix, got {strategy!r}")
     if strategy == "toeplitz":
       c = mf.optimize_banded_toeplitz(num_steps, num_bands, cache_dir=cache_dir)
       return mf.band_rows(mf.toeplitz_matrix(c, len(c)), len(c)), True
@@ -118,9 +119,10 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
   else:
     matrix = np.asarray(strategy, np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-      raise ValueError(f"strategy matrix must be square, got shape {matrix.shape}")
+      raise ParameterValueError(f"strategy matrix must be square, got shape {matrix.shape}")
     if np.any(np.diag(matrix) <= 0):
-      raise ValueError("strategy matrix must have a positive diagonal (invertible)")
+      raise ParameterValueError("`strategy` must have a positive diagonal (invertible). Received: "
+                                f"a diagonal with minimum {np.diag(matrix).min()!r}")
   b = mf.num_bands(matrix)
   zeta = mf.column_norms(matrix).max()
   return mf.band_rows(matrix / zeta, b), False
@@ -133,7 +135,7 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
   define `_GlobalState` and `get_noised_result`."""
 
   def _init_common(self, l2_norm_clip, noise_multiplier, template, seed):
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._l2_norm_clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip)
     self._noise_multiplier = validation.check_nonnegative(
         "noise_multiplier", noise_multiplier, allow_inf=False)
     self._shapes = template_shapes(template)
@@ -215,7 +217,7 @@ class BandMFQuery(CorrelatedNoiseQuery):
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(strategy, str) and num_steps is None:
       if num_bands != 1:
-        raise ValueError(f"num_steps is required to optimize a strategy of {num_bands} bands")
+        raise ParameterValueError(f"num_steps is required to optimize a strategy of {num_bands} bands")
       num_steps = 1
     self._config_strategy = strategy if isinstance(strategy, str) else np.asarray(strategy).tolist()
     self._num_steps = num_steps

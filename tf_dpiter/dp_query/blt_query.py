@@ -23,6 +23,7 @@ from tf_dpiter.dp_query import blt_strategy
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
+from tf_dpiter.errors import ParameterValueError
 
 
 @serialization.register_query()
@@ -50,15 +51,16 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
     self._num_steps, self._min_sep = int(num_steps), int(min_separation)
     self._num_buffers = int(num_buffers)
     if (theta is None) != (omega is None):
-      raise ValueError("give both theta and omega, or neither")
+      raise ParameterValueError("give both `theta` and `omega`, or neither. Received: "
+                                f"theta={theta!r}, omega={omega!r}")
     if theta is None:
       theta, omega = blt_strategy.optimize_blt(self._num_steps, self._num_buffers, self._min_sep,
                                                -(-self._num_steps // self._min_sep))
     self._theta = np.asarray(theta, np.float64).reshape(-1)
     self._omega = np.asarray(omega, np.float64).reshape(-1)
     if self._theta.shape != self._omega.shape or np.any((self._theta <= 0) | (self._theta >= 1)):
-      raise ValueError(f"theta must lie in (0, 1) and match omega's length, got theta="
-                       f"{self._theta.tolist()}, omega={self._omega.tolist()}")
+      raise ParameterValueError(f"theta must lie in (0, 1) and match omega's length, got theta="
+                                f"{self._theta.tolist()}, omega={self._omega.tolist()}")
     coefs = blt_strategy.strategy_coefficients(self._theta, self._omega, self._num_steps)
     self._sensitivity = blt_strategy.equivalent_sensitivity(coefs, self._min_sep)
     self._generator = randomness.make_generator(seed)

@@ -23,6 +23,8 @@ import numpy as np
 from scipy import optimize as sp_optimize
 from scipy import signal as sp_signal
 
+from tf_dpiter.errors import ParameterValueError
+
 
 def _polys(theta, omega):
   """(P, Q) polynomial coefficients (ascending powers of z) of c(z) = P / Q."""
@@ -86,7 +88,7 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
   c = np.maximum.accumulate(c[::-1])[::-1]            # non-increasing envelope (upper bound)
   n, b = len(c), int(min_separation)
   if b < 1:
-    raise ValueError(f"min_separation must be >= 1, got {min_separation!r}")
+    raise ParameterValueError(f"min_separation must be >= 1, got {min_separation!r}")
   k = -(-n // b) if max_participations is None else min(int(max_participations), -(-n // b))
   column = np.zeros(n)
   for j in range(k):
@@ -177,7 +179,7 @@ def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=20
   for name, v in (("n", n), ("buffers", buffers), ("min_separation", min_separation),
                   ("max_participations", max_participations)):
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+      raise ParameterValueError(f"{name} must be an integer >= 1, got {v!r}")
   theta, omega = _optimize_cached(int(n), int(buffers), int(min_separation),
                                   int(max_participations), int(max_iter))
   return np.array(theta), np.array(omega)

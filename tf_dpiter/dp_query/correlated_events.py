@@ -9,6 +9,8 @@ know what it was, and accounts it only under a sampling whose analysis covers it
 import math
 from typing import Any, NamedTuple
 
+from tf_dpiter.errors import ParameterValueError
+
 
 class BandedGaussianEvent(NamedTuple):
   """One step of a banded matrix mechanism (BandMF / banded BLT).
@@ -62,7 +64,7 @@ def tree_depth(tree_size):
     ValueError: tree_size not an integer >= 1.
   """
   if isinstance(tree_size, bool) or int(tree_size) != tree_size or tree_size < 1:
-    raise ValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")
+    raise ParameterValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")
   return int(math.ceil(math.log2(int(tree_size) + 1)))
 
 

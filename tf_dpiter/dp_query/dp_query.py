@@ -17,6 +17,7 @@ import tensorflow as tf
 from tf_dpiter.dp_query.clipping import clip_by_global_l2_norm  # re-exported
 from tf_dpiter.dp_query.clipping import clip_factors  # re-exported
 from tf_dpiter.dp_query.clipping import global_l2_norm  # re-exported
+from tf_dpiter.errors import ParameterValueError
 
 
 def zeros_like_template(template):
@@ -57,12 +58,12 @@ def map_up_to(shallow, fn, *structures):
   if isinstance(shallow, dict):
     for s in structures:
       if not isinstance(s, dict) or set(s) != set(shallow):
-        raise ValueError(f"structure mismatch: expected keys {sorted(shallow)}, got {s!r}")
+        raise ParameterValueError(f"structure mismatch: expected keys {sorted(shallow)}, got {s!r}")
     return type(shallow)((k, map_up_to(shallow[k], fn, *(s[k] for s in structures)))
                          for k in sorted(shallow))  # tf.nest order
   for s in structures:
     if not _is_nest(s) or len(s) != len(shallow):
-      raise ValueError(f"structure mismatch: expected {len(shallow)} parts, got {s!r}")
+      raise ParameterValueError(f"structure mismatch: expected {len(shallow)} parts, got {s!r}")
   parts = [map_up_to(sh, fn, *(s[i] for s in structures)) for i, sh in enumerate(shallow)]
   if hasattr(shallow, "_fields"):
     return type(shallow)(*parts)

@@ -7,17 +7,15 @@ server builds its Gaussian noise through it).
 """
 
 import collections
-import math
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import clipping
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
-from tf_dpiter.errors import PrivacyConfigError
 
 
 def _float_dtype(*values):
@@ -32,36 +30,33 @@ def _float_dtype(*values):
 def gaussian_stddev(l2_norm_clip, noise_multiplier):
   """sigma = z * S, the noise standard deviation (sum units) of a Gaussian sum query.
 
-  Seed 002, Section 1: records clipped to L2 norm S, noise N(0, sigma^2) with sigma = z S.
+  McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
+  Procedures", Section 1: records clipped to L2 norm S, noise N(0, sigma^2) with sigma = z S.
   The edge cases are explicit: z = 0 means no noise (sigma = 0, also for S = +inf, where
-  z * S would be NaN); S = 0 gives sigma = 0; z = +inf, and S = +inf with z > 0 (infinite
-  noise), are refused.
+  z * S would be NaN); S <= 0 (`tf_dpiter.validation.check_clip_norm`: the ledger's
+  z = sigma / S would be 0 / 0), z = +inf, and S = +inf with z > 0 (infinite noise) are
+  refused.
 
   Args:
-    l2_norm_clip: S >= 0 (+inf allowed with z = 0); a number or a float tensor.
+    l2_norm_clip: S > 0 (+inf allowed with z = 0); a number or a float tensor.
     noise_multiplier: z >= 0, finite; a number or a float tensor.
   Returns:
     sigma: a Python float for numbers; for tensors a float32 (float64 if an input is float64)
     tensor, `tf.where(z == 0, 0, z * S)`, computed in graph mode and under XLA.
   Raises:
     ParameterTypeError: an argument is not a number.
-    PrivacyConfigError: S < 0 or NaN, z < 0, NaN or inf, or S = inf with z > 0.
+    PrivacyConfigError: S <= 0 or NaN, z < 0, NaN or inf, or S = inf with z > 0.
   """
-  clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip, allow_inf=True)
-  z = validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
+  z = validation.check_noise_multiplier("noise_multiplier", noise_multiplier)
+  clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip,
+                                    noise_multiplier=None if tf.is_tensor(z) else z)
   if tf.is_tensor(clip) or tf.is_tensor(z) or isinstance(clip, tf.Variable) or isinstance(
       z, tf.Variable):
     dtype = _float_dtype(clip, z)
     clip, z = tf.cast(clip, dtype), tf.cast(z, dtype)
     return tf.where(tf.equal(z, 0.0), tf.zeros_like(z * clip), z * clip)
   clip, z = float(clip), float(z)
-  if z == 0.0:
-    return 0.0
-  if math.isinf(clip):
-    raise PrivacyConfigError(
-        f"l2_norm_clip=inf with noise_multiplier={noise_multiplier!r} > 0 asks for infinite "
-        "noise: give a finite l2_norm_clip, or noise_multiplier=0 for no noise")
-  return z * clip
+  return 0.0 if z == 0.0 else z * clip
 
 
 def add_gaussian_noise(generator, structure, stddev):
@@ -125,16 +120,16 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """Builds the query from its privacy tuple (S, sigma).
 
     Args:
-      l2_norm_clip: S >= 0 (+inf: no clipping), the per-record L2 bound.
+      l2_norm_clip: S > 0 (+inf: no clipping), the per-record L2 bound.
       stddev: sigma >= 0, finite, the noise standard deviation in sum units (sigma = z S:
         build from a noise multiplier with `from_noise_multiplier`).
       seed: fixes the noise (tests only: the output is then not private).
       secure_mode: noise from os.urandom, sum of two draws (`randomness.SecureRandom`).
     Raises:
       ParameterTypeError: a non-numeric S or sigma.
-      PrivacyConfigError: S < 0, sigma < 0 or infinite, or a seed with secure_mode.
+      PrivacyConfigError: S <= 0 or NaN, sigma < 0 or infinite, or a seed with secure_mode.
     """
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._l2_norm_clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
     self._seed = seed
     self._secure_mode = bool(secure_mode)
@@ -145,7 +140,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """The query with clip S and noise sigma = `gaussian_stddev(S, z)`.
 
     Args:
-      l2_norm_clip: S >= 0 (+inf only with z = 0).
+      l2_norm_clip: S > 0 (+inf only with z = 0).
       noise_multiplier: z >= 0, finite (0: no noise).
       seed, secure_mode: as in the constructor.
     Returns:

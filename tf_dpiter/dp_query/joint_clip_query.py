@@ -10,12 +10,12 @@ import collections
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 
 
 @serialization.register_query()
@@ -37,7 +37,7 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
     for a in tf.nest.flatten(scales):
       validation.check_positive("scales", a)
     self._scales = scales
-    self._l2_norm_clip = validation.check_nonnegative("l2_norm_clip", l2_norm_clip)
+    self._l2_norm_clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip)
     self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
     self._seed = seed
     self._generator = randomness.make_generator(seed)

@@ -8,11 +8,11 @@ import collections
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 
 
 def clip_by_l1_norm(record, l1_norm_clip):

@@ -35,12 +35,15 @@ from scipy import optimize as sp_optimize
 from scipy import signal as sp_signal
 from scipy.linalg import solve_triangular
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 
 def _check_sizes(n, bands):
   if not isinstance(n, (int, np.integer)) or n < 1:
-    raise ValueError(f"n (number of steps) must be an integer >= 1, got {n!r}")
+    raise ParameterValueError(f"n (number of steps) must be an integer >= 1, got {n!r}")
   if not isinstance(bands, (int, np.integer)) or bands < 1:
-    raise ValueError(f"bands must be an integer >= 1, got {bands!r}")
+    raise ParameterValueError(f"bands must be an integer >= 1, got {bands!r}")
 
 
 def prefix_sum_matrix(n):
@@ -99,7 +102,9 @@ def num_bands(matrix, tol=0.0):
   c = np.asarray(matrix)
   i, j = np.nonzero(np.abs(c) > tol)
   if np.any(i < j):
-    raise ValueError("matrix must be lower triangular")
+    k = int(np.argmax(j - i))
+    raise ParameterValueError(f"`matrix` must be lower triangular. Received: a matrix of shape "
+                              f"{c.shape} with entry [{i[k]}, {j[k]}] = {c[i[k], j[k]]!r}")
   return int((i - j).max()) + 1 if i.size else 0
 
 
@@ -136,12 +141,12 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
   n = c.shape[1]
   b = num_bands(c)
   if not isinstance(min_separation, (int, np.integer)) or min_separation < max(b, 1):
-    raise ValueError(f"min_separation must be an integer >= the matrix's bands ({b}), got "
-                     f"{min_separation!r}: participations closer than the bands overlap")
+    raise PrivacyConfigError(f"min_separation must be an integer >= the matrix's bands ({b}), got "
+                             f"{min_separation!r}: participations closer than the bands overlap")
   k_max = -(-n // min_separation)
   k = k_max if max_participations is None else min(int(max_participations), k_max)
   if k < 1:
-    raise ValueError(f"max_participations must be >= 1, got {max_participations!r}")
+    raise PrivacyConfigError(f"max_participations must be >= 1, got {max_participations!r}")
   w = column_norms(c) ** 2
   # best[j][t]: the largest sum of j squared norms of columns >= t, >= min_separation apart.
   best = np.zeros([k + 1, n + min_separation])
@@ -275,8 +280,8 @@ def optimize_banded(n, bands, max_iter=300, cache_dir=None):
   _check_sizes(n, bands)
   bands = min(int(bands), int(n))
   if n > 2048:
-    raise ValueError(f"optimize_banded is O(n^3) per iteration; n={n} is too large, use "
-                     "optimize_banded_toeplitz")
+    raise ParameterValueError(f"optimize_banded is O(n^3) per iteration; n={n} is too large, use "
+                              "optimize_banded_toeplitz")
   return _with_disk_cache(cache_dir, f"banded_n{n}_b{bands}_it{max_iter}",
                           lambda: _banded_cached(int(n), bands, int(max_iter)).copy())
 

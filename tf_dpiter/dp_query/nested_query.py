@@ -11,11 +11,12 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import normalized_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 
@@ -40,7 +41,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   def __init__(self, queries):
     leaves = tf.nest.flatten(queries)
     if not leaves:
-      raise ValueError(f"queries must contain at least one DPQuery, got {queries!r}")
+      raise ParameterValueError(f"queries must contain at least one DPQuery, got {queries!r}")
     for q in leaves:
       validation.check_instance("queries (every leaf)", q, dp_query.SumAggregationDPQuery,
                                 "a SumAggregationDPQuery")

@@ -7,10 +7,10 @@ is post-processing, so the privacy events are those of the numerator.
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import PrivacyConfigError
 
 

@@ -16,12 +16,13 @@ import collections
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 _BELOW_SENSITIVITY = 0.5
@@ -75,8 +76,8 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
       ValueError: the query was built with a shared `generator` (not a config value).
     """
     if self._shared_generator:
-      raise ValueError("a QuantileEstimatorQuery given a `generator` cannot be serialized (a "
-                       "generator is not a config value); build it with `seed` instead")
+      raise ParameterValueError("a QuantileEstimatorQuery given a `generator` cannot be serialized (a "
+                                "generator is not a config value); build it with `seed` instead")
     p = serialization.plain
     return {"initial_estimate": p(self._initial_estimate),
             "target_quantile": p(self._target_quantile),
@@ -189,7 +190,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z by Eq. (1).
 
   Args:
-    initial_l2_norm_clip: C_0 >= 0, finite.
+    initial_l2_norm_clip: C_0 > 0, finite (a geometric update keeps C = 0 at 0).
     noise_multiplier: the total z (value and count queries together).
     target_unclipped_quantile: gamma in [0, 1].
     learning_rate: eta of the clip update.
@@ -207,7 +208,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   def __init__(self, initial_l2_norm_clip, noise_multiplier, target_unclipped_quantile,
                learning_rate, clipped_count_stddev, expected_num_records,
                geometric_update=True, seed=None):
-    validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
+    validation.check_positive("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
     self._noise_multiplier = noise_multiplier
     self._config = {"initial_l2_norm_clip": initial_l2_norm_clip,
                     "noise_multiplier": noise_multiplier,

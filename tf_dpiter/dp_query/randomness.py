@@ -11,6 +11,8 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
 
 class NotPrivateSeedWarning(UserWarning):
   """A DP mechanism was given a fixed seed: its output is reproducible, not private."""
@@ -51,7 +53,7 @@ def make_generator(seed=None, secure=False):
   """
   if secure:
     if seed is not None:
-      raise ValueError(f"secure_mode draws from os.urandom and takes no seed, got seed={seed!r}")
+      raise ParameterValueError(f"secure_mode draws from os.urandom and takes no seed, got seed={seed!r}")
     return SecureRandom()
   if seed is None:
     return tf.random.Generator.from_non_deterministic_state(alg="philox")
@@ -127,8 +129,8 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
     ValueError: bucket_bits outside [1, 32] or refine_below < 1.
   """
   if not 1 <= int(bucket_bits) <= 32 or int(refine_below) < 1:
-    raise ValueError(f"bucket_bits must be in [1, 32] and refine_below >= 1, got "
-                     f"{bucket_bits!r}, {refine_below!r}")
+    raise ParameterValueError(f"bucket_bits must be in [1, 32] and refine_below >= 1, got "
+                              f"{bucket_bits!r}, {refine_below!r}")
   k = _bucket(_uint32_words(generator, [_static_or_tensor(size)]), int(bucket_bits))
   return -_log_uniform(generator, k, int(bucket_bits), int(refine_below))
 

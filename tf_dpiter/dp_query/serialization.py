@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_package
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
 
 _REGISTRY = {}       # name -> class
 _NAMES = {}          # class -> name
@@ -55,8 +56,8 @@ def register_query(name=None):
     old = _REGISTRY.get(key)
     if old is not None and old is not cls and (
         old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-      raise ValueError(f"the DPQuery name {key!r} is already registered for "
-                       f"{old.__module__}.{old.__qualname__}; pass another name")
+      raise ParameterValueError(f"the DPQuery name {key!r} is already registered for "
+                                f"{old.__module__}.{old.__qualname__}; pass another name")
     _REGISTRY[key] = cls
     _NAMES[cls] = key
     return cls
@@ -112,8 +113,8 @@ def serialize(query):
   cls = type(query)
   name = registered_name(cls)
   if name is None:
-    raise ValueError(f"DPQuery class {cls.__qualname__!r} is not registered for "
-                     f"serialization: {_how_to_register(cls.__name__)}")
+    raise ParameterValueError(f"DPQuery class {cls.__qualname__!r} is not registered for "
+                              f"serialization: {_how_to_register(cls.__name__)}")
   config = query.get_config()
   if not isinstance(config, dict):
     raise ParameterTypeError(f"{cls.__qualname__}.get_config() must return a dict, "
@@ -160,12 +161,12 @@ def deserialize(config, custom_objects=None):
     return config
   if not (isinstance(config, dict) and isinstance(config.get("class_name"), str)
           and isinstance(config.get("config", {}), dict)):
-    raise ValueError('a serialized DPQuery is a dict {"class_name": str, "config": dict}, '
-                     f"got {config!r}")
+    raise ParameterValueError('a serialized DPQuery is a dict {"class_name": str, "config": dict}, '
+                              f"got {config!r}")
   name = config["class_name"]
   cls = _lookup(name, custom_objects)
   if cls is None:
-    raise ValueError(f"unknown DPQuery class {name!r}: {_how_to_register(name)}")
+    raise ParameterValueError(f"unknown DPQuery class {name!r}: {_how_to_register(name)}")
   if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
     raise ParameterTypeError(f"{name!r} names {cls!r}, which is not a DPQuery subclass")
   inner = dict(config.get("config") or {})
@@ -240,8 +241,8 @@ def encode_nest(nest, leaf_fn=plain):
         raise ParameterTypeError(f"a nest with a non-string key {k!r} cannot be serialized "
                                  "(JSON keys are strings)")
     if "class_name" in nest or _TUPLE_KEY in nest:
-      raise ValueError(f"a nest with a key 'class_name' or {_TUPLE_KEY!r} cannot be serialized "
-                       f"unambiguously, got keys {sorted(nest)}")
+      raise ParameterValueError(f"a nest with a key 'class_name' or {_TUPLE_KEY!r} cannot be serialized "
+                                f"unambiguously, got keys {sorted(nest)}")
     return {k: encode_nest(v, leaf_fn) for k, v in nest.items()}
   return leaf_fn(nest)
 

@@ -28,6 +28,7 @@ from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
+from tf_dpiter.errors import ParameterValueError
 
 
 def tree_prefix_error(num_steps, restart_every):
@@ -75,7 +76,7 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(restart_every, bool) or not isinstance(restart_every, (int, np.integer)) or (
         restart_every < 1):
-      raise ValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
+      raise ParameterValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
     self._depth = correlated_events.tree_depth(restart_every)
     self._restart_every = int(restart_every)
     self._generator = randomness.make_generator(seed)

@@ -51,8 +51,10 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
 
 _LAMBDAS_UPPER = np.concatenate([np.geomspace(1e-4, 0.999, 400), np.geomspace(1.0, 40.0, 200)])
 _LAMBDAS_LOWER = np.geomspace(1e-4, 40.0, 600)
@@ -163,15 +165,14 @@ class AcceptanceRule:
                noise_cap: float = 2.0, prefilter_columns: int = 32, max_full_checks: int = 16,
                spread_std: float | None = None, centre_factor: float = 36.0):
     if spread_std is not None and not spread_std >= 0:
-      raise ValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
-    if not centre_factor > 0:
-      raise ValueError(f"centre_factor must be > 0, got {centre_factor!r}")
+      raise ParameterValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
+    validation.check_positive("centre_factor", centre_factor, allow_inf=True,
+                              error=ParameterValueError)
     if not 0 < alpha < 0.5:
-      raise ValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
-    if not max_abs_weight > 0:
-      raise ValueError(f"max_abs_weight must be > 0, got {max_abs_weight!r}")
-    if not noise_cap > 0:
-      raise ValueError(f"noise_cap must be > 0, got {noise_cap!r}")
+      raise ParameterValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
+    validation.check_positive("max_abs_weight", max_abs_weight, allow_inf=True,
+                              error=ParameterValueError)
+    validation.check_positive("noise_cap", noise_cap, allow_inf=True)
     self.p = spec.num_weights
     self.alpha = float(alpha)
     self.max_abs_weight = float(max_abs_weight)
@@ -197,7 +198,7 @@ class AcceptanceRule:
       self.centre_var = spread_std**2 + noise_var + self.step**2
     self._prefilter = max(1, min(self.p, int(prefilter_columns)))
     if int(max_full_checks) != max_full_checks or max_full_checks < 1:
-      raise ValueError(f"max_full_checks must be an integer >= 1, got {max_full_checks!r}")
+      raise ParameterValueError(f"max_full_checks must be an integer >= 1, got {max_full_checks!r}")
     self.max_full_checks = int(max_full_checks)
 
   def describe(self) -> dict:
@@ -252,8 +253,8 @@ class AcceptanceRule:
       ValueError: if the shapes do not match the spec.
     """
     if update.shape != (self.p,) or drawn.shape != (self.p,):
-      raise ValueError(f"update and drawn must be [{self.p}], got {update.shape} and "
-                       f"{drawn.shape}")
+      raise ParameterValueError(f"update and drawn must be [{self.p}], got {update.shape} and "
+                                f"{drawn.shape}")
     reason = self.value_reason(update) or self._full(np.abs(update - drawn))
     return Decision(not reason, reason)
 
@@ -295,8 +296,8 @@ class AcceptanceRule:
       ValueError: if the shapes do not match the spec.
     """
     if update.shape != (self.p,) or candidates.ndim != 2 or candidates.shape[1] != self.p:
-      raise ValueError(f"update must be [{self.p}] and candidates [n, {self.p}], got "
-                       f"{update.shape} and {candidates.shape}")
+      raise ParameterValueError(f"update must be [{self.p}] and candidates [n, {self.p}], got "
+                                f"{update.shape} and {candidates.shape}")
     bad = self.value_reason(update)
     if bad:
       return Decision(False, bad)

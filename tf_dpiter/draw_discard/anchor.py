@@ -15,6 +15,7 @@ import json
 import os
 
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.errors import ParameterValueError
 
 
 class Anchor:
@@ -46,8 +47,8 @@ class Anchor:
     with open(self.path, encoding="utf-8") as f:
       data = json.load(f)
     if not isinstance(data, dict) or "generation" not in data or "seq" not in data:
-      raise ValueError(f"`state_file` {self.path!r} is not an anchor file; remove it or pass "
-                       "another path")
+      raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file; remove it or pass "
+                                "another path")
     return int(data["seq"]) if data["generation"] == generation else 0
 
   def check(self, generation: str, seq: int) -> int:

@@ -26,6 +26,8 @@ import hashlib
 import math
 import time
 
+from tf_dpiter.errors import ParameterValueError
+
 
 def token_digest(token: str) -> str:
   """SHA-256 hex digest of a token.
@@ -53,11 +55,11 @@ class TokenSet:
     digests = set()
     for i, t in enumerate(tokens):
       if len(t) < 16 or any(c.isspace() for c in t):
-        raise ValueError(f"token {i + 1} must be >= 16 characters without spaces, "
-                         f"got one of {len(t)} characters")
+        raise ParameterValueError(f"token {i + 1} must be >= 16 characters without spaces, "
+                                  f"got one of {len(t)} characters")
       digests.add(token_digest(t))
     if not digests:
-      raise ValueError("tokens: no token given")
+      raise ParameterValueError("tokens: no token given")
     self._digests = frozenset(digests)
     self.path: str | None = None
 
@@ -92,7 +94,7 @@ class TokenSet:
       OSError: when the file cannot be read.
     """
     if self.path is None:
-      raise ValueError("this TokenSet was not read from a file; nothing to reload")
+      raise ParameterValueError("this TokenSet was not read from a file; nothing to reload")
     self._digests = TokenSet.from_file(self.path)._digests
     return len(self._digests)
 
@@ -133,9 +135,9 @@ class AuthThrottle:
   def __init__(self, rate: float = 1.0, burst: float = 10.0, max_addresses: int = 100_000,
                clock=time.monotonic):
     if not rate > 0:
-      raise ValueError(f"`rate` must be > 0. Received: rate={rate!r}")
+      raise ParameterValueError(f"`rate` must be > 0. Received: rate={rate!r}")
     if not burst >= 1:
-      raise ValueError(f"`burst` must be >= 1. Received: burst={burst!r}")
+      raise ParameterValueError(f"`burst` must be >= 1. Received: burst={burst!r}")
     self.rate, self.burst, self._max, self._clock = float(rate), float(burst), max_addresses, clock
     self._levels: collections.OrderedDict = collections.OrderedDict()
 
@@ -193,10 +195,10 @@ class Quotas:
       if r is None:
         continue
       if not r > 0:
-        raise ValueError(f"quota rate for {op!r} must be > 0 per second, got {r!r}")
+        raise ParameterValueError(f"quota rate for {op!r} must be > 0 per second, got {r!r}")
       b = (burst or {}).get(op) or max(1.0, 2.0 * r)
       if not b >= 1:
-        raise ValueError(f"quota burst for {op!r} must be >= 1, got {b!r}")
+        raise ParameterValueError(f"quota burst for {op!r} must be >= 1, got {b!r}")
       self.rates[op], self.burst[op] = float(r), float(b)
     self._buckets: collections.OrderedDict = collections.OrderedDict()
     self._max = int(max_identities)

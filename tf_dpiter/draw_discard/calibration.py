@@ -13,6 +13,9 @@ import math
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 
 def check_positive(name: str, value: float) -> float:
   """`value` as a float after checking it is a finite number > 0.
@@ -28,7 +31,7 @@ def check_positive(name: str, value: float) -> float:
     ValueError: naming the parameter and the value.
   """
   if value is None or not np.isfinite(value) or not value > 0:
-    raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    raise ParameterValueError(f"{name} must be a finite number > 0, got {value!r}")
   return float(value)
 
 
@@ -45,7 +48,7 @@ def check_k(k: int) -> int:
     ValueError: naming k and the value.
   """
   if int(k) != k or k < 1:
-    raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
   return int(k)
 
 
@@ -122,7 +125,7 @@ def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
   """
   check_positive("epsilon", epsilon)
   if not 0 < delta < 0.5:
-    raise ValueError(f"delta must be in (0, 0.5), got {delta!r}")
+    raise PrivacyConfigError(f"delta must be in (0, 0.5), got {delta!r}")
   return check_positive("sensitivity", sens) * math.sqrt(2.0 * (math.log(1.0 / (2.0 * delta)) + epsilon)) / epsilon
 
 
@@ -152,7 +155,7 @@ def noise_std(noise: str, gamma: float, epsilon: float | None, clip: float = 1.0
     return math.sqrt(laplace_variance(gamma, epsilon, clip))
   if noise == "gaussian":
     return gaussian_sigma(epsilon, delta, sensitivity(gamma, clip))
-  raise ValueError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
+  raise PrivacyConfigError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
 
 
 def init_variance(k: int, noise_variance: float) -> float:
@@ -170,5 +173,5 @@ def init_variance(k: int, noise_variance: float) -> float:
   """
   check_k(k)
   if not noise_variance >= 0:
-    raise ValueError(f"noise_variance must be >= 0, got {noise_variance!r}")
+    raise PrivacyConfigError(f"noise_variance must be >= 0, got {noise_variance!r}")
   return 0.5 * k * noise_variance

@@ -16,6 +16,7 @@ import sys
 
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import privacy
+from tf_dpiter.errors import ParameterValueError
 
 
 def known_weights_spec(**kw) -> glm.ModelSpec:
@@ -54,7 +55,7 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
     ValueError: for num_weights < 2.
   """
   if num_weights < 2:
-    raise ValueError(f"num_weights must be >= 2, got {num_weights}")
+    raise ParameterValueError(f"num_weights must be >= 2, got {num_weights}")
   args = dict(family="logistic", features=(glm.Feature("x", "vector", size=num_weights - 1),),
               name=f"dense{num_weights}", version="1", gamma=0.001, epsilon=math.log(32))
   args.update(kw)
@@ -180,8 +181,8 @@ def _check_exposure(args) -> str:
     loopback = False
   what = " and ".join(missing)
   if not loopback and not args.insecure:
-    raise ValueError(f"serving {args.host} without {what}: tokens and updates would travel in "
-                     "clear or anyone could submit; add them, or pass --insecure")
+    raise ParameterValueError(f"serving {args.host} without {what}: tokens and updates would travel in "
+                              "clear or anyone could submit; add them, or pass --insecure")
   return (f"tf-dpiter-ddml: WARNING: serving without {what}"
           + ("" if loopback else " on a non-loopback address (--insecure)"))
 
@@ -190,7 +191,8 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
-    raise ValueError("--tls-cert and --tls-key go together")
+    raise ParameterValueError("`--tls-cert` and `--tls-key` go together. Received: "
+                              f"--tls-cert={args.tls_cert!r}, --tls-key={args.tls_key!r}")
   warning = _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None
@@ -206,8 +208,8 @@ def _serve(args) -> int:
   from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
   secret = keys.load_secret(args.key_file)
   if secret is None and args.store != "memory" and not args.insecure_key_in_store:
-    raise ValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
-                     "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
+    raise ParameterValueError("a Redis store needs the servers' shared secret: --key-file FILE or "
+                              "$DDML_SECRET (64 hex characters), or --insecure-key-in-store")
   svc = service.DDMLService(
       spec, args.k, store, tokens=tokens, quotas=quotas, alpha=args.alpha, history=args.history,
       max_abs_weight=args.max_abs_weight, centre_factor=args.centre_factor,

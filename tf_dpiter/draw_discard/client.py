@@ -14,8 +14,11 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 
 def laplace_noise(rng: np.random.Generator, scale: float, shape) -> np.ndarray:
@@ -58,7 +61,7 @@ def make_noise(rng: np.random.Generator, noise: str, gamma: float, epsilon: floa
     return laplace_noise(rng, calibration.laplace_scale(gamma, epsilon, clip), shape)
   if noise == "gaussian":
     return rng.normal(0.0, calibration.noise_std("gaussian", gamma, epsilon, clip, delta), size=shape)
-  raise ValueError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
+  raise PrivacyConfigError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
 
 
 def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
@@ -83,8 +86,7 @@ def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
   Raises:
     ValueError: for clip <= 0.
   """
-  if not clip > 0:
-    raise ValueError(f"clip must be > 0, got {clip!r}")
+  validation.check_positive("clip", clip, allow_inf=True)
   weights = np.asarray(weights, dtype=np.float64)
   x = np.asarray(x, dtype=np.float64)
   p = x.shape[-1]
@@ -124,10 +126,9 @@ def client_update(weights: np.ndarray, x: np.ndarray, y: np.ndarray, *, family: 
   Raises:
     ValueError: for gamma <= 0, epsilon <= 0, clip <= 0 or an unknown noise law.
   """
-  if not gamma > 0:
-    raise ValueError(f"gamma must be > 0, got {gamma!r}")
-  if epsilon is not None and not epsilon > 0:
-    raise ValueError(f"epsilon must be > 0 or None, got {epsilon!r}")
+  validation.check_positive("gamma", gamma, allow_inf=True, error=ParameterValueError)
+  if epsilon is not None:
+    validation.check_positive("epsilon", epsilon, allow_inf=True)
   weights = np.asarray(weights, dtype=np.float64)
   if weights.ndim == 1:
     return client_update(weights[None], np.asarray(x)[None], np.asarray(y)[None], family=family,
@@ -204,10 +205,8 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (lazy: the service needs no TF)
   glm.check_family(family)
-  if not gamma > 0:
-    raise ValueError(f"gamma must be > 0, got {gamma!r}")
-  if not clip > 0:
-    raise ValueError(f"clip must be > 0, got {clip!r}")
+  validation.check_positive("gamma", gamma, allow_inf=True, error=ParameterValueError)
+  validation.check_positive("clip", clip, allow_inf=True)
   std = calibration.noise_std(noise, gamma, epsilon, clip, delta)
   scale = std / math.sqrt(2.0) if noise == "laplace" else std
   from tf_dpiter import dp_query  # pylint: disable=g-import-not-at-top

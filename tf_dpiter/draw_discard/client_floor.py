@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
 
 PAPER_EPSILON = math.log(32)
 
@@ -38,12 +40,12 @@ class PrivacyFloor:
   max_delta: float = 1e-5
 
   def __post_init__(self):
-    if self.max_epsilon is not None and not self.max_epsilon > 0:
-      raise ValueError(f"max_epsilon must be > 0 or None, got {self.max_epsilon!r}")
-    if self.min_noise is not None and not self.min_noise > 0:
-      raise ValueError(f"min_noise must be > 0 or None, got {self.min_noise!r}")
+    if self.max_epsilon is not None:
+      validation.check_positive("max_epsilon", self.max_epsilon, allow_inf=True)
+    if self.min_noise is not None:
+      validation.check_positive("min_noise", self.min_noise, allow_inf=True)
     if not 0 < self.max_delta < 1:
-      raise ValueError(f"max_delta must be in (0, 1), got {self.max_delta!r}")
+      raise ParameterValueError(f"max_delta must be in (0, 1), got {self.max_delta!r}")
 
   def check(self, spec: glm.ModelSpec) -> None:
     """Raises PrivacyFloorError if `spec` is weaker than this floor.

@@ -31,6 +31,7 @@ import numpy as np
 from tf_dpiter.draw_discard import client as client_alg
 from tf_dpiter.draw_discard import client_wire as wire
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.draw_discard.client_floor import (  # re-exported: public names
     PAPER_EPSILON, PrivacyFloor, PrivacyFloorError)
 from tf_dpiter.draw_discard.client_wire import (  # re-exported: public names
@@ -63,7 +64,7 @@ class DDMLClient:
     wire.check_token_transport(base_url, token, insecure)
     u = urllib.parse.urlparse(base_url)
     if u.scheme not in ("http", "https") or not u.hostname:
-      raise ValueError(f"base_url must be http(s)://host:port, got {base_url!r}")
+      raise ParameterValueError(f"base_url must be http(s)://host:port, got {base_url!r}")
     self._tls = u.scheme == "https"
     self._ctx = (ssl_context or client_ssl_context(cafile)) if self._tls else None
     self._host, self._port, self._timeout = u.hostname, u.port or (443 if self._tls else 80), timeout

@@ -16,6 +16,7 @@ import ssl
 import numpy as np
 
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
 
 
 class DDMLError(RuntimeError):
@@ -151,8 +152,8 @@ def check_token_transport(base_url: str, token: str | None, insecure: bool) -> N
     ValueError: for a token with an http:// URL and insecure False.
   """
   if token is not None and base_url.lower().startswith("http://") and not insecure:
-    raise ValueError("`token` would travel in clear text to an http:// URL; use https:// "
-                     f"(or insecure=True on a trusted network). Received: base_url={base_url!r}")
+    raise ParameterValueError("`token` would travel in clear text to an http:// URL; use https:// "
+                              f"(or insecure=True on a trusted network). Received: base_url={base_url!r}")
 
 
 def request_headers(token: str | None, extra: dict | None, has_body: bool) -> dict:

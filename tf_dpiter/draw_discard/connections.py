@@ -34,6 +34,8 @@ import socket
 import ssl
 import time
 
+from tf_dpiter.errors import ParameterValueError
+
 log = logging.getLogger(__name__)
 
 _REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -63,10 +65,10 @@ class Limits:
     for name in ("max_connections", "max_per_client", "max_per_token"):
       v = getattr(self, name)
       if int(v) != v or v < 1:
-        raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={v!r}")
+        raise ParameterValueError(f"`{name}` must be an integer >= 1. Received: {name}={v!r}")
     if not self.idle_timeout_s > 0:
-      raise ValueError(f"`idle_timeout_s` must be > 0. Received: "
-                       f"idle_timeout_s={self.idle_timeout_s!r}")
+      raise ParameterValueError(f"`idle_timeout_s` must be > 0. Received: "
+                                f"idle_timeout_s={self.idle_timeout_s!r}")
 
 
 class _Conn:

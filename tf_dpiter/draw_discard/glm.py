@@ -18,10 +18,14 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard.glm_math import (  # re-exported
     FAMILIES, average_gradient, check_family, mean_loss, predict_label, predict_mean,
     response_matrix, weights_matrix)
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 __all__ = ["FAMILIES", "FEATURE_TYPES", "Feature", "ModelSpec", "average_gradient",
            "check_family", "mean_loss", "predict_label", "predict_mean", "response_matrix",
            "weights_matrix"]
@@ -48,14 +52,14 @@ class Feature:
 
   def __post_init__(self):
     if self.type not in FEATURE_TYPES:
-      raise ValueError(f"feature type must be one of {FEATURE_TYPES}, got {self.type!r} "
-                       f"(feature {self.name!r})")
+      raise ParameterValueError(f"feature type must be one of {FEATURE_TYPES}, got {self.type!r} "
+                                f"(feature {self.name!r})")
     if self.type in ("numeric", "vector") and not self.max > self.min:
-      raise ValueError(f"feature {self.name!r}: max must exceed min, got min={self.min}, max={self.max}")
+      raise ParameterValueError(f"feature {self.name!r}: max must exceed min, got min={self.min}, max={self.max}")
     if self.type == "categorical" and len(self.levels) < 2:
-      raise ValueError(f"feature {self.name!r}: categorical needs >= 2 levels, got {self.levels!r}")
+      raise ParameterValueError(f"feature {self.name!r}: categorical needs >= 2 levels, got {self.levels!r}")
     if self.type == "vector" and self.size < 1:
-      raise ValueError(f"feature {self.name!r}: size must be >= 1, got {self.size}")
+      raise ParameterValueError(f"feature {self.name!r}: size must be >= 1, got {self.size}")
 
   @property
   def column_names(self) -> list[str]:
@@ -94,7 +98,7 @@ class Feature:
       known = set(self.levels)
       for v in set(vals.tolist()):
         if v not in known:
-          raise ValueError(f"feature {self.name!r}: unknown level {v!r}; levels are {self.levels!r}")
+          raise ParameterValueError(f"feature {self.name!r}: unknown level {v!r}; levels are {self.levels!r}")
       for j, lvl in enumerate(self.levels[1:]):
         out[:, j] = vals == lvl
       return out
@@ -102,11 +106,11 @@ class Feature:
     if self.type == "vector":
       x = x.reshape(x.shape[0], -1)
       if x.shape[1] != self.size:
-        raise ValueError(f"feature {self.name!r}: expected {self.size} values per record, got {x.shape[1]}")
+        raise ParameterValueError(f"feature {self.name!r}: expected {self.size} values per record, got {x.shape[1]}")
     else:
       x = x.reshape(-1, 1)
     if not np.all(np.isfinite(x)):
-      raise ValueError(f"feature {self.name!r}: non-finite values")
+      raise ParameterValueError(f"feature {self.name!r}: non-finite values")
     if self.type == "boolean":
       return (x != 0).astype(np.float64)
     return np.clip((x - self.min) / (self.max - self.min), 0.0, 1.0)
@@ -142,23 +146,21 @@ class ModelSpec:
     check_family(self.family)
     names = [f.name for f in self.features]
     if len(set(names)) != len(names):
-      raise ValueError(f"features: duplicate names in {names!r}")
+      raise ParameterValueError(f"features: duplicate names in {names!r}")
     for cross in self.crosses:
       if len(cross) < 2:
-        raise ValueError(f"crosses: each cross needs >= 2 features, got {cross!r}")
+        raise ParameterValueError(f"crosses: each cross needs >= 2 features, got {cross!r}")
       for n in cross:
         if n not in names:
-          raise ValueError(f"crosses: unknown feature {n!r} in {cross!r}")
+          raise ParameterValueError(f"crosses: unknown feature {n!r} in {cross!r}")
     if self.family == "multinomial" and self.num_classes < 2:
-      raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
-    if not self.gamma > 0:
-      raise ValueError(f"gamma must be > 0, got {self.gamma}")
-    if self.epsilon is not None and not self.epsilon > 0:
-      raise ValueError(f"epsilon must be > 0 or None, got {self.epsilon}")
-    if not self.clip > 0:
-      raise ValueError(f"clip must be > 0, got {self.clip}")
+      raise ParameterValueError(f"num_classes must be >= 2, got {self.num_classes}")
+    validation.check_positive("gamma", self.gamma, allow_inf=True, error=ParameterValueError)
+    if self.epsilon is not None:
+      validation.check_positive("epsilon", self.epsilon, allow_inf=True)
+    validation.check_positive("clip", self.clip, allow_inf=True)
     if self.noise not in ("laplace", "gaussian", "none"):
-      raise ValueError(f"noise must be 'laplace', 'gaussian' or 'none', got {self.noise!r}")
+      raise PrivacyConfigError(f"noise must be 'laplace', 'gaussian' or 'none', got {self.noise!r}")
 
   # ---- shapes ----
   @property
@@ -268,7 +270,7 @@ class ModelSpec:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - known
     if unknown:
-      raise ValueError(f"model spec: unknown keys {sorted(unknown)!r}")
+      raise ParameterValueError(f"model spec: unknown keys {sorted(unknown)!r}")
     return cls(features=feats, crosses=crosses, **d)
 
   @classmethod

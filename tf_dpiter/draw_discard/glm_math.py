@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+
 FAMILIES = ("linear", "logistic", "poisson", "multinomial")
 
 # exp() argument cap for the Poisson mean; keeps the gradient finite (it is clipped anyway).
@@ -29,7 +31,7 @@ def check_family(family: str) -> str:
     ValueError: naming the family.
   """
   if family not in FAMILIES:
-    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    raise ParameterValueError(f"family must be one of {FAMILIES}, got {family!r}")
   return family
 
 

@@ -75,6 +75,9 @@ import time
 import numpy as np
 
 from tf_dpiter.draw_discard import acceptance
+from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 _LAM = np.geomspace(1e-7, 0.999, 3000)
 
@@ -145,7 +148,7 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
     ValueError: for an unknown noise law or n < 1.
   """
   if n < 1:
-    raise ValueError(f"n must be >= 1, got {n!r}")
+    raise ParameterValueError(f"n must be >= 1, got {n!r}")
   if n == int(n):
     n = int(n)
   if noise == "none":
@@ -156,7 +159,7 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
     r = math.sqrt(n)
     return (r * acceptance.per_weight_quantile("gaussian", p, alpha),
             r * acceptance.upper_quantile("gaussian", p, alpha))
-  raise ValueError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
+  raise PrivacyConfigError(f"noise must be 'laplace', 'gaussian' or 'none', got {noise!r}")
 
 
 class InfluenceBudget:
@@ -209,17 +212,17 @@ class InfluenceBudget:
                half_life_s: float | None = 300.0, max_memory_bytes: int = 256 << 20,
                clock=time.monotonic):
     if not 0 < alpha < 0.5:
-      raise ValueError(f"budget alpha must be in (0, 0.5), got {alpha!r}")
+      raise BudgetConfigError(f"budget alpha must be in (0, 0.5), got {alpha!r}")
     if int(max_identities) != max_identities or max_identities < 1:
-      raise ValueError(f"max_identities must be an integer >= 1, got {max_identities!r}")
+      raise ParameterValueError(f"max_identities must be an integer >= 1, got {max_identities!r}")
     if max_steps is not None and not max_steps >= 1:
-      raise ValueError(f"`max_steps` must be >= 1 or None. Received: max_steps={max_steps!r}")
+      raise ParameterValueError(f"`max_steps` must be >= 1 or None. Received: max_steps={max_steps!r}")
     if half_life_s is not None and not half_life_s > 0:
-      raise ValueError(f"`half_life_s` must be > 0 or None. Received: half_life_s={half_life_s!r}")
+      raise ParameterValueError(f"`half_life_s` must be > 0 or None. Received: half_life_s={half_life_s!r}")
     per_identity = 8 * rule.p + 160
     if max_memory_bytes < per_identity:
-      raise ValueError(f"`max_memory_bytes` must hold one identity ({per_identity} bytes). "
-                       f"Received: max_memory_bytes={max_memory_bytes!r}")
+      raise ParameterValueError(f"`max_memory_bytes` must hold one identity ({per_identity} bytes). "
+                                f"Received: max_memory_bytes={max_memory_bytes!r}")
     self.p, self.step, self.scale, self.noise = rule.p, rule.step, rule.scale, rule.noise
     self.alpha = float(alpha)
     self.max_identities = min(int(max_identities), int(max_memory_bytes // per_identity))

@@ -21,6 +21,8 @@ import hmac
 import os
 import secrets
 
+from tf_dpiter.errors import ParameterValueError
+
 ENV = "DDML_SECRET"
 MIN_BYTES = 32
 
@@ -52,9 +54,9 @@ def key_id(secret: bytes) -> str:
 
 def _check(secret: bytes, where: str) -> bytes:
   if len(secret) < MIN_BYTES:
-    raise ValueError(f"the secret from {where} must hold >= {MIN_BYTES} bytes "
-                     f"(64 hex characters); received {len(secret)} bytes. Make one with "
-                     "`python -c \"import secrets;print(secrets.token_hex(32))\"`")
+    raise ParameterValueError(f"the secret from {where} must hold >= {MIN_BYTES} bytes "
+                              f"(64 hex characters); received {len(secret)} bytes. Make one with "
+                              "`python -c \"import secrets;print(secrets.token_hex(32))\"`")
   return secret
 
 

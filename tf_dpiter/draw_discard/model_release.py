@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+
 
 @dataclasses.dataclass(frozen=True)
 class Released:
@@ -79,11 +81,11 @@ class ModelRelease:
 
   def __init__(self, store, snapshots, k: int, min_updates: int, min_interval_s: float):
     if int(min_updates) != min_updates or min_updates < 1:
-      raise ValueError(f"`model_min_updates` must be an integer >= 1. Received: "
-                       f"model_min_updates={min_updates!r}")
+      raise ParameterValueError(f"`model_min_updates` must be an integer >= 1. Received: "
+                                f"model_min_updates={min_updates!r}")
     if not min_interval_s >= 0:
-      raise ValueError(f"`model_interval_s` must be >= 0. Received: "
-                       f"model_interval_s={min_interval_s!r}")
+      raise ParameterValueError(f"`model_interval_s` must be >= 0. Received: "
+                                f"model_interval_s={min_interval_s!r}")
     self.store, self.snapshots, self.k = store, snapshots, int(k)
     self.min_updates, self.min_interval_s = int(min_updates), float(min_interval_s)
     self._memory = MemoryRelease()

@@ -18,6 +18,9 @@ from tf_dpiter.draw_discard.calibration import (  # re-exported
     check_k, check_positive, gaussian_sigma, init_variance, laplace_scale, laplace_variance,
     noise_std, sensitivity)
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 __all__ = [
     "check_k", "check_positive", "gaussian_sigma", "init_variance", "laplace_scale",
     "laplace_variance", "noise_std", "sensitivity",
@@ -68,11 +71,11 @@ def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: floa
   """
   check_positive("epsilon", epsilon)
   if int(num_updates) != num_updates or num_updates < 1:
-    raise ValueError(f"num_updates must be an integer >= 1, got {num_updates!r}")
+    raise ParameterValueError(f"num_updates must be an integer >= 1, got {num_updates!r}")
   if delta == 0:
     return num_updates * epsilon
   if not 0 < delta < 1:
-    raise ValueError(f"delta must be in [0, 1), got {delta!r}")
+    raise PrivacyConfigError(f"delta must be in [0, 1), got {delta!r}")
   group = _full_group(int(num_updates), laplace_noise_multipliers=(1.0 / epsilon,))
   return min(num_updates * epsilon, _core_epsilon(group, delta))
 
@@ -224,7 +227,7 @@ def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: f
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
   if not 0 < delta_t < 0.5:
-    raise ValueError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+    raise PrivacyConfigError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
   w = check_positive("w_over_gamma", w_over_gamma)  # in units of gamma
   log_term = math.log(1.0 / (2.0 * delta_t))
   if not exact:
@@ -257,7 +260,7 @@ def epsilon_adversary_three_accounted(epsilon: float, num_later_updates: float,
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
   if not 0 < delta_t < 0.5:
-    raise ValueError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+    raise PrivacyConfigError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
   z = 2.0 * math.sqrt(2.0 * t) / (epsilon * check_positive("w_over_gamma", w_over_gamma))
   return _core_epsilon(_full_group(1, noise_multiplier=z), delta_t)
 

@@ -31,6 +31,7 @@ from tf_dpiter.draw_discard import redis_pipeline
 from tf_dpiter.draw_discard import redis_scripts
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_mac
+from tf_dpiter.errors import ParameterValueError
 
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
@@ -65,9 +66,9 @@ class RedisStore:
                timeout_s: float = 2.0, group_commit: bool = True):
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix"):
-      raise ValueError(f"store url must be redis://host:port/db, got {url!r}")
+      raise ParameterValueError(f"store url must be redis://host:port/db, got {url!r}")
     if not lock_ttl_s > 0:
-      raise ValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
+      raise ParameterValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
     self.url = _redact(url)  # for messages and logs: no password
     self.prefix = prefix
     self.lock_ttl_s = float(lock_ttl_s)
@@ -150,7 +151,7 @@ class RedisStore:
     k = int(meta["k"])
     self._p = int(meta["num_weights"])
     if self.integrity_key is None:
-      raise ValueError("RedisStore.integrity_key must be set (keys.derive) before initialize")
+      raise ParameterValueError("RedisStore.integrity_key must be set (keys.derive) before initialize")
     self._k_slots = [self._k("slot", i) for i in range(k)]
     self._history = int(meta["history"])
     return await self._call(self._initialize(meta, instances, reset, wait_s))

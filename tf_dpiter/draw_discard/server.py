@@ -29,7 +29,9 @@ import collections
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.errors import ParameterValueError
 
 STRATEGIES = ("draw_discard", "same_instance", "average_draw_discard", "average_same_instance",
               "accept_1_over_k", "server_batch")
@@ -53,11 +55,10 @@ def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float =
     ValueError: for a bad k, num_weights or init_std.
   """
   if int(k) != k or k < 1:
-    raise ValueError(f"k must be an integer >= 1, got {k!r}")
+    raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
   if int(num_weights) != num_weights or num_weights < 1:
-    raise ValueError(f"num_weights must be an integer >= 1, got {num_weights!r}")
-  if not init_std >= 0:
-    raise ValueError(f"init_std must be >= 0, got {init_std!r}")
+    raise ParameterValueError(f"num_weights must be an integer >= 1, got {num_weights!r}")
+  validation.check_nonnegative("init_std", init_std, error=ParameterValueError)
   rng = rng if rng is not None else np.random.default_rng()
   mean = np.broadcast_to(np.asarray(init_mean, dtype=np.float64), (num_weights,))
   return mean + init_std * rng.standard_normal((int(k), int(num_weights)))
@@ -70,10 +71,8 @@ class SpamFilter:
   """
 
   def __init__(self, t: float, min_std: float = 0.0):
-    if not t > 0:
-      raise ValueError(f"spam t must be > 0, got {t!r}")
-    if not min_std >= 0:
-      raise ValueError(f"spam min_std must be >= 0, got {min_std!r}")
+    validation.check_positive("t", t, allow_inf=True, error=ParameterValueError)
+    validation.check_nonnegative("min_std", min_std, error=ParameterValueError)
     self.t = float(t)
     self.min_std = float(min_std)
     self.mu = None
@@ -89,7 +88,7 @@ class SpamFilter:
       ValueError: for fewer than 2 instances.
     """
     if instances.shape[0] < 2:
-      raise ValueError(f"spam filter needs k >= 2 instances, got k={instances.shape[0]}")
+      raise ParameterValueError(f"spam filter needs k >= 2 instances, got k={instances.shape[0]}")
     self.mu = instances.mean(axis=0)
     self.sigma = np.maximum(instances.std(axis=0, ddof=1), self.min_std)
 
@@ -114,11 +113,11 @@ class DrawDiscardServer:
                spam_t: float | None = None, spam_min_std: float = 0.0,
                rng: np.random.Generator | None = None, instances: np.ndarray | None = None):
     if strategy not in STRATEGIES:
-      raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+      raise ParameterValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if int(k) != k or k < 1:
-      raise ValueError(f"k must be an integer >= 1, got {k!r}")
+      raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
     if int(batch_size) != batch_size or batch_size < 1:
-      raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+      raise ParameterValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     self.k = int(k)
     self.strategy = strategy
     self.batch_size = int(batch_size) if strategy == "server_batch" else 1
@@ -128,7 +127,7 @@ class DrawDiscardServer:
       instances = initial_instances(n_inst, num_weights, init_mean, init_std, self.rng)
     instances = np.array(instances, dtype=np.float64)
     if instances.shape != (n_inst, num_weights):
-      raise ValueError(f"instances must have shape {(n_inst, num_weights)}, got {instances.shape}")
+      raise ParameterValueError(f"instances must have shape {(n_inst, num_weights)}, got {instances.shape}")
     self.instances = instances
     self.spam = SpamFilter(spam_t, spam_min_std) if spam_t is not None else None
     self._buffer: list[np.ndarray] = []
@@ -177,7 +176,7 @@ class DrawDiscardServer:
       updates = updates[None]
     n = updates.shape[0]
     if updates.shape[1] != self.num_weights:
-      raise ValueError(f"updates must have {self.num_weights} weights, got {updates.shape[1]}")
+      raise ParameterValueError(f"updates must have {self.num_weights} weights, got {updates.shape[1]}")
     self.counters["submits"] += n
     ok = np.ones(n, dtype=bool)
     if self.spam is not None:
@@ -203,7 +202,7 @@ class DrawDiscardServer:
       return ok
     if s in ("same_instance", "average_same_instance"):
       if drawn is None:
-        raise ValueError(f"strategy {s!r} needs the drawn indices")
+        raise ParameterValueError(f"strategy {s!r} needs the drawn indices")
       slots = np.asarray(drawn).reshape(-1)
     else:
       slots = self.rng.integers(0, self.k, size=n)
@@ -248,7 +247,7 @@ class DrawDiscardServer:
     if mode == "predictions":
       w = glm.weights_matrix(self.instances, p, outputs)
       return np.mean([glm.predict_mean(family, wi, x) for wi in w], axis=0)
-    raise ValueError(f"mode must be 'weights' or 'predictions', got {mode!r}")
+    raise ParameterValueError(f"mode must be 'weights' or 'predictions', got {mode!r}")
 
   def metrics(self) -> dict:
     """Counters of draws, submits, accepted, spam-rejected (and dropped, batches), k and strategy.

@@ -45,6 +45,7 @@ import time
 import numpy as np
 from aiohttp import web
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
@@ -61,6 +62,7 @@ from tf_dpiter.draw_discard import snapshots
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import tickets as tickets_lib
 from tf_dpiter.draw_discard import web_errors
+from tf_dpiter.errors import ParameterValueError
 
 log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
@@ -131,11 +133,11 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
-      raise ValueError(f"k must be an integer >= 2, got {k!r}")
+      raise ParameterValueError(f"k must be an integer >= 2, got {k!r}")
     if int(history) != history or history < 0:
-      raise ValueError(f"history must be an integer >= 0, got {history!r}")
-    if not body_timeout_s > 0:
-      raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s!r}")
+      raise ParameterValueError(f"history must be an integer >= 0, got {history!r}")
+    validation.check_positive("body_timeout_s", body_timeout_s, allow_inf=True,
+                              error=ParameterValueError)
     self.spec, self.k, self.store = spec, int(k), store
     self.tokens, self.quotas = tokens, quotas
     self.auth_throttle = auth.AuthThrottle()

@@ -14,6 +14,7 @@ import numpy as np
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import client as client_lib
 from tf_dpiter.draw_discard import server as server_lib
+from tf_dpiter.errors import ParameterValueError
 
 
 def assign_clients(num_records: int, records_per_client: int,
@@ -32,7 +33,7 @@ def assign_clients(num_records: int, records_per_client: int,
     ValueError: for records_per_client < 1.
   """
   if records_per_client < 1:
-    raise ValueError(f"records_per_client must be >= 1, got {records_per_client!r}")
+    raise ParameterValueError(f"records_per_client must be >= 1, got {records_per_client!r}")
   n_clients = num_records // records_per_client
   perm = rng.permutation(num_records)[: n_clients * records_per_client]
   return perm.reshape(n_clients, records_per_client)
@@ -98,7 +99,7 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
   """
   rng = rng if rng is not None else np.random.default_rng()
   if concurrency < 1:
-    raise ValueError(f"concurrency must be >= 1, got {concurrency!r}")
+    raise ParameterValueError(f"concurrency must be >= 1, got {concurrency!r}")
   wave = server.batch_size if server.strategy == "server_batch" else concurrency
   history = []
   samples = updates = 0
@@ -180,9 +181,9 @@ def variance_trajectory(k: int, noise_std: float, num_updates: int, *, replicate
   """
   rng = rng if rng is not None else np.random.default_rng()
   if k < 2:
-    raise ValueError(f"k must be >= 2 for an intra-model variance, got {k!r}")
+    raise ParameterValueError(f"k must be >= 2 for an intra-model variance, got {k!r}")
   if strategy not in ("draw_discard", "same_instance"):
-    raise ValueError(f"strategy must be 'draw_discard' or 'same_instance', got {strategy!r}")
+    raise ParameterValueError(f"strategy must be 'draw_discard' or 'same_instance', got {strategy!r}")
   sd0 = np.sqrt(0.5 * k) * noise_std if init == "stabilized" else 0.0
   inst = sd0 * rng.standard_normal((replicates, k, num_weights))
   steps = np.linspace(num_updates / checkpoints, num_updates, checkpoints).astype(int)
@@ -222,7 +223,7 @@ def survival_share(k: int, num_tracked: int, *, rng: np.random.Generator | None 
   """
   rng = rng if rng is not None else np.random.default_rng()
   if k < 1:
-    raise ValueError(f"k must be >= 1, got {k!r}")
+    raise ParameterValueError(f"k must be >= 1, got {k!r}")
   if k == 1:
     return 1.0
   desc = np.zeros((k, num_tracked), dtype=bool)

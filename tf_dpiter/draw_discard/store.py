@@ -28,6 +28,8 @@ import uuid
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+
 COUNTERS = ("draws", "submits", "accepted", "rejected", "rejected_invalid")
 
 
@@ -332,4 +334,4 @@ def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
     from tf_dpiter.draw_discard import redis_store  # pylint: disable=g-import-not-at-top
     return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s,
                                   group_commit=group_commit)
-  raise ValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")
+  raise ParameterValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")

@@ -31,6 +31,9 @@ import time
 
 import numpy as np
 
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
+
 _NONCE = 12
 _MAC = 16
 _LEN = 8 + _NONCE + _MAC  # 36 bytes -> 48 base64 characters
@@ -70,9 +73,8 @@ class Tickets:
 
   def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time):
     if len(key) < 16:
-      raise ValueError(f"ticket key must be >= 16 bytes, got {len(key)}")
-    if not ttl_s > 0:
-      raise ValueError(f"ticket ttl_s must be > 0, got {ttl_s!r}")
+      raise ParameterValueError(f"ticket key must be >= 16 bytes, got {len(key)}")
+    validation.check_positive("ttl_s", ttl_s, allow_inf=True, error=ParameterValueError)
     self._key, self.ttl_s, self._clock = bytes(key), float(ttl_s), clock
 
   def _mac(self, identity: str, digest: bytes, head: bytes) -> bytes:

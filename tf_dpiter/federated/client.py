@@ -14,7 +14,9 @@ of its own examples followed by padding, and padded positions are masked out of 
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.dp_query import validation
+from tf_dpiter import validation
+
+from tf_dpiter.errors import ParameterValueError
 
 
 def draw_example_order(generator, client_sizes, n_max, epochs):
@@ -97,7 +99,7 @@ class LocalSGD:
     """
     order = tf.convert_to_tensor(order, tf.int32)
     if order.shape.rank != 3 or (order.shape[1] is not None and order.shape[1] != self.epochs):
-      raise ValueError(f"order must be [M, {self.epochs}, n_max], got shape {order.shape}")
+      raise ParameterValueError(f"order must be [M, {self.epochs}, n_max], got shape {order.shape}")
     return self._fn([tf.convert_to_tensor(p, tf.float32) for p in params],
                     tf.convert_to_tensor(x_all, tf.float32),
                     tf.convert_to_tensor(y_all, tf.int32),

@@ -11,8 +11,9 @@ import os
 
 import numpy as np
 
-from tf_dpiter.dp_query import validation
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
 
 
 def default_mnist_path():
@@ -40,7 +41,7 @@ def load_mnist(path=None):
   """
   path = path or default_mnist_path()
   if not os.path.exists(path):
-    raise ValueError(f"path: MNIST file not found, got {path!r} (set TF_DPITER_MNIST)")
+    raise ParameterValueError(f"path: MNIST file not found, got {path!r} (set TF_DPITER_MNIST)")
   with np.load(path) as d:
     def _x(a):
       return (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
@@ -66,21 +67,26 @@ class FederatedData:
     self.client_indices = np.asarray(self.client_indices, np.int32)
     self.client_sizes = np.asarray(self.client_sizes, np.int32)
     if self.x.shape[0] != self.y.shape[0]:
-      raise ValueError(f"y: length {self.y.shape[0]} differs from x length {self.x.shape[0]}")
+      raise ParameterValueError(f"y: length {self.y.shape[0]} differs from x length {self.x.shape[0]}")
     if self.client_indices.ndim != 2:
-      raise ValueError(f"client_indices must be [K, n_max], got shape {self.client_indices.shape}")
+      raise ParameterValueError(f"client_indices must be [K, n_max], got shape {self.client_indices.shape}")
     k = self.client_indices.shape[0]
     if self.client_sizes.shape != (k,):
-      raise ValueError(f"client_sizes must have shape ({k},), got {self.client_sizes.shape}")
+      raise ParameterValueError(f"client_sizes must have shape ({k},), got {self.client_sizes.shape}")
     empty = np.flatnonzero(self.client_sizes <= 0)
     if empty.size:
-      raise ValueError(f"client_sizes: client(s) {empty[:10].tolist()} hold no data; "
-                       "every client needs at least one example")
+      raise ParameterValueError(f"client_sizes: client(s) {empty[:10].tolist()} hold no data; "
+                                "every client needs at least one example")
     if np.any(self.client_sizes > self.client_indices.shape[1]):
-      raise ValueError("client_sizes: an entry exceeds client_indices.shape[1]")
+      raise ParameterValueError(
+          "`client_sizes` must not exceed client_indices.shape[1]="
+          f"{self.client_indices.shape[1]}. Received: max(client_sizes)="
+          f"{int(np.max(self.client_sizes))}")
     used = self.client_indices
     if used.size and (used.min() < 0 or used.max() >= self.x.shape[0]):
-      raise ValueError("client_indices: an index is outside [0, len(x))")
+      raise ParameterValueError(
+          f"`client_indices` must lie in [0, len(x)={self.x.shape[0]}). Received: indices in "
+          f"[{int(used.min())}, {int(used.max())}]")
 
   @property
   def num_clients(self):
@@ -123,8 +129,8 @@ def _check_counts(num_clients, examples_per_client, shards_per_client=1):
         f"shards_per_client must be an int >= 1 dividing examples_per_client="
         f"{examples_per_client}, got {shards_per_client!r}")
   if shards_per_client < 1 or examples_per_client % shards_per_client:
-    raise ValueError(f"shards_per_client must be an int >= 1 dividing examples_per_client="
-                     f"{examples_per_client}, got {shards_per_client!r}")
+    raise ParameterValueError(f"shards_per_client must be an int >= 1 dividing examples_per_client="
+                              f"{examples_per_client}, got {shards_per_client!r}")
 
 
 def _cycled_permutations(n_items, n_needed, rng):
@@ -160,7 +166,7 @@ def partition_noniid_shards(x, y, num_clients, shards_per_client=2, examples_per
   shard_size = examples_per_client // shards_per_client
   n_shards = x.shape[0] // shard_size
   if n_shards < 1:
-    raise ValueError(f"x: {x.shape[0]} examples is fewer than one shard of {shard_size}")
+    raise ParameterValueError(f"x: {x.shape[0]} examples is fewer than one shard of {shard_size}")
   rng = np.random.default_rng(seed)
   order = np.argsort(y, kind="stable")[:n_shards * shard_size]
   shards = order.reshape(n_shards, shard_size)

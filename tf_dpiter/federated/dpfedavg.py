@@ -24,7 +24,8 @@ from typing import List
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
-from tf_dpiter.dp_query import validation
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated import client as client_lib
 from tf_dpiter.federated import model as model_lib
 from tf_dpiter.federated.queries import QUERY_KINDS
@@ -91,7 +92,7 @@ class DPFedAvg:
                max_clients_per_chunk=128, diagnostics=True, eval_every=1, average_decay=None):
     if average_decay is not None and not (
         0.0 <= validation.check_number("average_decay", average_decay) < 1.0):
-      raise ValueError(f"average_decay must be None or in [0, 1), got {average_decay!r}")
+      raise ParameterValueError(f"average_decay must be None or in [0, 1), got {average_decay!r}")
     self.average_decay = None if average_decay is None else float(average_decay)
     self._average = None
     validation.check_integer("max_clients_per_chunk", max_clients_per_chunk, 1)

@@ -22,6 +22,8 @@ as a zero record (the denominator stays m_t).
 import time
 
 # flower_client imports Flower first and says how to install it when it is missing.
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated.flower_client import ARRAYS_KEY
 from tf_dpiter.federated.flower_client import CONFIG_KEY
 from tf_dpiter.federated.flower_client import DPFlowerClient
@@ -44,7 +46,6 @@ from flwr.server.strategy import Strategy
 from flwr.serverapp import ServerApp
 from flwr.serverapp import strategy as message_strategy
 
-from tf_dpiter.dp_query import validation
 from tf_dpiter.federated import flower_rounds
 
 __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
@@ -95,8 +96,8 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     if self.stopped_reason is not None:
       return []
     if not client_manager.wait_for(self.num_clients, timeout=self.wait_timeout):
-      raise ValueError(f"num_clients: only {client_manager.num_available()} of "
-                       f"{self.num_clients} clients connected")
+      raise ParameterValueError(f"num_clients: only {client_manager.num_available()} of "
+                                f"{self.num_clients} clients connected")
     available = client_manager.all()
     picked = self._dp.sample(server_round, available)
     ins = FitIns(ndarrays_to_parameters(self._dp.params()), dict(self.fit_config))
@@ -272,7 +273,7 @@ def make_server_app(strategy_fn, num_rounds, evaluate_fn=None, timeout=3600, on_
     rounds = (int(context.run_config[num_rounds]) if isinstance(num_rounds, str)
               else int(num_rounds))
     if rounds < 1:
-      raise ValueError(f"num_rounds must be >= 1, got {rounds}")
+      raise ParameterValueError(f"num_rounds must be >= 1, got {rounds}")
     strategy = strategy_fn(context)
     validation.check_instance("strategy_fn(context)", strategy, DPFedAvgMessageStrategy,
                               "a DPFedAvgMessageStrategy")

@@ -27,6 +27,7 @@ except ImportError as e:  # pragma: no cover
   raise ImportError("tf_dpiter.federated.flower needs Flower: pip install 'flwr>=1.38' "
                     "(extra tf_dpiter[flower])") from e
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated import client as client_lib
 
 __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "client_update", "DPFlowerClient",
@@ -61,7 +62,7 @@ def client_update(model, x, y, generator, epochs, batch_size, learning_rate, par
 
 def _client_examples(x, y):
   if len(x) == 0:
-    raise ValueError("x: a Flower client needs at least one example, got 0")
+    raise ParameterValueError("x: a Flower client needs at least one example, got 0")
   return np.asarray(x, np.float32).reshape(len(x), -1), np.asarray(y, np.int32)
 
 

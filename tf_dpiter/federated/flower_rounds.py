@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated import schedules
 from tf_dpiter.federated import server as server_lib
 
@@ -54,8 +55,8 @@ class DPRounds:
       return []
     ids = sorted(client_ids)
     if len(ids) != self.num_clients:
-      raise ValueError(f"num_clients: expected {self.num_clients} connected clients, got "
-                       f"{len(ids)} (the ledger's population size must be exact)")
+      raise ParameterValueError(f"num_clients: expected {self.num_clients} connected clients, got "
+                                f"{len(ids)} (the ledger's population size must be exact)")
     m = self.server.begin_round(*self.schedule(server_round), server_round)
     over = self.server.would_exceed_budget(m, server_round)
     if over:

@@ -10,6 +10,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
 
 class MLP:
   """Fully connected ReLU network given by `layer_sizes` (input, hidden..., classes).
@@ -28,7 +30,7 @@ class MLP:
   def __init__(self, layer_sizes=(784, 600, 100, 10), use_bias=False):
     sizes = tuple(int(s) for s in layer_sizes)
     if len(sizes) < 2 or min(sizes) < 1:
-      raise ValueError(f"layer_sizes must hold >= 2 positive ints, got {layer_sizes!r}")
+      raise ParameterValueError(f"layer_sizes must hold >= 2 positive ints, got {layer_sizes!r}")
     self.layer_sizes = sizes
     self.use_bias = bool(use_bias)
 

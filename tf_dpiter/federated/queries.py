@@ -20,10 +20,11 @@ import collections
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dpq
+from tf_dpiter import validation
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 NOT_PRIVATE_WARNING = (
@@ -74,7 +75,7 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 
   def __init__(self, noise_multiplier, initial_l2_norm_clip=1.0, seed=None):
     validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
-    validation.check_nonnegative("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
+    validation.check_positive("initial_l2_norm_clip", initial_l2_norm_clip, allow_inf=False)
     self._noise_multiplier = noise_multiplier
     self._initial_clip = initial_l2_norm_clip
     self._seed = seed
@@ -100,7 +101,7 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     spec = template if isinstance(template, tf.TensorSpec) else tf.TensorSpec(
         tf.convert_to_tensor(template).shape, tf.float32)
     if spec.shape.rank != 1:
-      raise ValueError(f"template must describe a flat record [d], got shape {spec.shape}")
+      raise ParameterValueError(f"template must describe a flat record [d], got shape {spec.shape}")
     return (tf.zeros([0, spec.shape[0]], tf.float32), tf.zeros([0], tf.float32))
 
   def preprocess_record(self, params, record):

@@ -19,9 +19,10 @@ import tensorflow as tf
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dpq
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter import validation
 from tf_dpiter.accounting import lookahead
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.federated import queries as queries_lib
 
@@ -81,9 +82,9 @@ class DPServer:
                                                         server_learning_rate)
     self.server_momentum = validation.check_number("server_momentum", server_momentum)
     if not 0 <= self.server_momentum < 1:
-      raise ValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
+      raise ParameterValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
     if not self.server_learning_rate > 0:
-      raise ValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
+      raise ParameterValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
     self.population_size = int(population_size)
     m1 = self.check_clients(clients_per_round, 1)
     self.inner_query = query

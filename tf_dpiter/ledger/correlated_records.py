@@ -14,6 +14,9 @@ import numpy as np
 from tf_dpiter.ledger.schema import (BANDED_GAUSSIAN, CYCLIC_POISSON, GAUSSIAN, MATRIX_GAUSSIAN,
                                      SHUFFLE, TREE_GAUSSIAN)
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 
 def correlated_requirement(event):
   """(policy, least sample_size) a correlated-noise event may be recorded under, from its
@@ -31,8 +34,8 @@ def correlated_requirement(event):
     return SHUFFLE, 0
   if isinstance(event, correlated_events.MatrixGaussianEvent):
     return CYCLIC_POISSON, int(event.min_separation)
-  raise ValueError(f"event must be a BandedGaussianEvent, TreeGaussianEvent or "
-                   f"MatrixGaussianEvent, got {event!r}")
+  raise ParameterValueError(f"event must be a BandedGaussianEvent, TreeGaussianEvent or "
+                            f"MatrixGaussianEvent, got {event!r}")
 
 
 def correlated_row_values(event, factor):
@@ -66,7 +69,7 @@ def correlated_query_row(event, policy, sample_size, factor):
   """
   needed_policy, least = correlated_requirement(event)
   if needed_policy is not None and (policy != needed_policy or not least <= int(sample_size)):
-    raise ValueError(
+    raise PrivacyConfigError(
         f"{type(event).__name__} needs policy {needed_policy!r}"
         + (f" with cycle length >= {least} (participations >= {least} steps apart)"
            if needed_policy == CYCLIC_POISSON else " (one participation per pass)")

@@ -27,6 +27,8 @@ import warnings
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 
@@ -77,7 +79,7 @@ class LedgerJournal:
       try:
         chunk = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"ledger journal {self.path!r} line {i + 1} is not JSON: {e}") from None
+        raise ParameterValueError(f"ledger journal {self.path!r} line {i + 1} is not JSON: {e}") from None
       self._check_chain(chunk, i)
       chunk_runs, chunk_passes = ledger_file.dict_to_runs(chunk, self.key)
       runs.extend(chunk_runs)
@@ -95,13 +97,13 @@ class LedgerJournal:
   def _check_chain(self, chunk, i):
     where = self._where(i)
     if not isinstance(chunk, dict):
-      raise ValueError(f"{where} is not a ledger chunk")
+      raise ParameterValueError(f"{where} is not a ledger chunk")
     ledger_file.verify(chunk, self.key, what=where)
     if chunk.get("seq") != self._seq or chunk.get("start") != self._written or (
         chunk.get("prev") != self._last_digest):
-      raise ValueError(f"{where}: chunks were removed, reordered or edited (seq "
-                       f"{chunk.get('seq')!r}, start {chunk.get('start')!r}; expected seq "
-                       f"{self._seq}, start {self._written})")
+      raise ParameterValueError(f"{where}: chunks were removed, reordered or edited (seq "
+                                f"{chunk.get('seq')!r}, start {chunk.get('start')!r}; expected seq "
+                                f"{self._seq}, start {self._written})")
 
   def check_covers(self, iterations):
     """Refuses a journal that ends before a model's `iterations` optimizer steps.
@@ -124,7 +126,7 @@ class LedgerJournal:
       return
     ends = self._written if self._iterations is None else min(self._iterations, self._written)
     if ends < iterations:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"ledger journal {self.path!r} ends at {ends} steps ({self._written} samples, last "
           f"chunk at optimizer iteration {self._iterations}) but the model was restored at "
           f"iterations={iterations}: the journal lost steps the model took (its last lines "
@@ -204,7 +206,7 @@ def _chunk_iterations(chunk, previous, where):
     return previous
   it = chunk["iterations"]
   if not isinstance(it, int) or isinstance(it, bool) or it < 0:
-    raise ValueError(f"{where}: 'iterations' must be an integer >= 0, got {it!r}")
+    raise ParameterValueError(f"{where}: 'iterations' must be an integer >= 0, got {it!r}")
   return it if previous is None else max(previous, it)
 
 

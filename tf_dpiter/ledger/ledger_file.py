@@ -22,6 +22,8 @@ import json
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records as rec
 from tf_dpiter.ledger import selection as selection_lib
 
@@ -33,14 +35,14 @@ def _canonical(d):
   try:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
   except ValueError:
-    raise ValueError("ledger has a non-finite number (NaN or infinity) in a field") from None
+    raise ParameterValueError("ledger has a non-finite number (NaN or infinity) in a field") from None
 
 
 def _key_bytes(key):
   if isinstance(key, str):
     key = key.encode()
   if not isinstance(key, (bytes, bytearray)) or not key:
-    raise ValueError(f"key must be a non-empty str or bytes, got {type(key).__name__}")
+    raise ParameterValueError(f"key must be a non-empty str or bytes, got {type(key).__name__}")
   return bytes(key)
 
 
@@ -78,14 +80,14 @@ def verify(d, key=None, what="ledger"):
   body = _canonical(d)
   expected = "sha256:" + hashlib.sha256(body).hexdigest()
   if d.get("digest") != expected:
-    raise ValueError(f"{what} was altered or is incomplete: its 'digest' is {d.get('digest')!r}, "
-                     f"its content hashes to {expected!r}; refusing to account it")
+    raise ParameterValueError(f"{what} was altered or is incomplete: its 'digest' is {d.get('digest')!r}, "
+                              f"its content hashes to {expected!r}; refusing to account it")
   if key is not None:
     mac = "hmac-sha256:" + hmac_lib.new(_key_bytes(key), body, hashlib.sha256).hexdigest()
     if "hmac" not in d:
-      raise ValueError(f"{what} has no 'hmac' but a key was given: it was not written with this key")
+      raise ParameterValueError(f"{what} has no 'hmac' but a key was given: it was not written with this key")
     if not hmac_lib.compare_digest(str(d["hmac"]), mac):
-      raise ValueError(f"{what} HMAC does not match under the given key: altered, or another key")
+      raise ParameterValueError(f"{what} HMAC does not match under the given key: altered, or another key")
 
 
 # Query kinds in the file: kind code -> ("type", name of the clip field, name of the noise
@@ -109,8 +111,8 @@ def _query_dict(row):
   if kind == rec.NON_PRIVATE:
     return {"type": _NON_PRIVATE_TYPE}
   if kind not in _QUERY_FIELDS:
-    raise ValueError(f"query kind {kind} has no file form; known kinds: "
-                     f"{sorted(_QUERY_FIELDS) + [rec.NON_PRIVATE]}")
+    raise ParameterValueError(f"query kind {kind} has no file form; known kinds: "
+                              f"{sorted(_QUERY_FIELDS) + [rec.NON_PRIVATE]}")
   t, clip_name, noise_name = _QUERY_FIELDS[kind]
   return {"type": t, clip_name: float(row[2]), noise_name: float(row[3]),
           "sensitivity": float(row[4])}
@@ -175,8 +177,8 @@ def _query_row(q):
   if t == _NON_PRIVATE_TYPE:
     return [0.0, rec.NON_PRIVATE, 0.0, 0.0, 0.0]
   if t not in _KIND_OF_TYPE:
-    raise ValueError(f"query 'type' must be one of {sorted(_KIND_OF_TYPE) + [_NON_PRIVATE_TYPE]}"
-                     f", got {t!r}")
+    raise ParameterValueError(f"query 'type' must be one of {sorted(_KIND_OF_TYPE) + [_NON_PRIVATE_TYPE]}"
+                              f", got {t!r}")
   kind = _KIND_OF_TYPE[t]
   _, clip_name, noise_name = _QUERY_FIELDS[kind]
   return [0.0, float(kind), float(q[clip_name]), float(q[noise_name]), float(q["sensitivity"])]
@@ -185,12 +187,12 @@ def _query_row(q):
 def _parse_run(r):
   count = r["count"]
   if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-    raise ValueError(f"'count' must be a positive integer, got {count!r}")
+    raise ParameterValueError(f"'count' must be a positive integer, got {count!r}")
   policy = r["policy"]
   pol = rec.policy_code(policy)
   if r["relation"] != rec.relation_for_policy(policy):
-    raise ValueError(f"'relation' must be {rec.relation_for_policy(policy)!r} for policy "
-                     f"{policy!r}, got {r['relation']!r}")
+    raise PrivacyConfigError(f"'relation' must be {rec.relation_for_policy(policy)!r} for policy "
+                             f"{policy!r}, got {r['relation']!r}")
   qs = [_query_row(q) for q in r["queries"]]
   row = [float(r["population_size"]), float(r["selection_probability"]),
          float(r["sample_size"]), float(pol), float(r["examples_per_record"]), float(len(qs))]
@@ -200,22 +202,22 @@ def _parse_run(r):
 
 def _check_header(d):
   if not isinstance(d, dict) or d.get("format") != rec.FORMAT_NAME:
-    raise ValueError(f"not a tf_dpiter ledger: field 'format' must be {rec.FORMAT_NAME!r}, "
-                     f"got {d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
+    raise ParameterValueError(f"not a tf_dpiter ledger: field 'format' must be {rec.FORMAT_NAME!r}, "
+                              f"got {d.get('format') if isinstance(d, dict) else type(d).__name__!r}")
   if d.get("version") == 1:
-    raise ValueError("ledger version 1 did not record the neighbouring relation, the "
-                     "microbatch unit or the shuffled passes, so its epsilon can be too small; "
-                     "it is refused. Account that run again from its settings with "
-                     "compute_dp_sgd_privacy(..., sampling=..., num_microbatches=...)")
+    raise PrivacyConfigError("ledger version 1 did not record the neighbouring relation, the "
+                             "microbatch unit or the shuffled passes, so its epsilon can be too small; "
+                             "it is refused. Account that run again from its settings with "
+                             "compute_dp_sgd_privacy(..., sampling=..., num_microbatches=...)")
   version = d.get("version")
   if version not in (rec.FORMAT_VERSION, selection_lib.SELECTION_VERSION):
-    raise ValueError(f"unsupported ledger version {version!r}; this tf_dpiter reads versions "
-                     f"{rec.FORMAT_VERSION} and {selection_lib.SELECTION_VERSION} (with a "
-                     "private selection)")
+    raise PrivacyConfigError(f"unsupported ledger version {version!r}; this tf_dpiter reads versions "
+                             f"{rec.FORMAT_VERSION} and {selection_lib.SELECTION_VERSION} (with a "
+                             "private selection)")
   if (version == selection_lib.SELECTION_VERSION) != ("selection" in d):
-    raise ValueError(f"ledger version {version} {'needs' if 'selection' not in d else 'cannot hold'}"
-                     f" a 'selection' field: version {selection_lib.SELECTION_VERSION} is the "
-                     "version of ledgers that record a private selection")
+    raise PrivacyConfigError(f"ledger version {version} {'needs' if 'selection' not in d else 'cannot hold'}"
+                             f" a 'selection' field: version {selection_lib.SELECTION_VERSION} is the "
+                             "version of ledgers that record a private selection")
 
 
 def dict_to_runs(d, key=None):
@@ -235,22 +237,22 @@ def dict_to_runs(d, key=None):
   verify(d, key)
   runs = d.get("runs")
   if not isinstance(runs, list):
-    raise ValueError(f"ledger field 'runs' must be a list, got {type(runs).__name__}")
+    raise ParameterValueError(f"ledger field 'runs' must be a list, got {type(runs).__name__}")
   out = []
   for i, r in enumerate(runs):
     try:
       out.append(_parse_run(r))
     except (KeyError, TypeError, AttributeError) as e:
-      raise ValueError(f"ledger run {i} is malformed: missing or bad field {e}") from None
+      raise ParameterValueError(f"ledger run {i} is malformed: missing or bad field {e}") from None
     except ValueError as e:
-      raise ValueError(f"ledger run {i}: {e}") from None
+      raise ParameterValueError(f"ledger run {i}: {e}") from None
   total = int(sum(c for c, _, _ in out))
   if d.get("num_samples") != total:
-    raise ValueError(f"inconsistent ledger: 'num_samples' is {d.get('num_samples')!r} but the "
-                     f"runs hold {total} samples")
+    raise PrivacyConfigError(f"inconsistent ledger: 'num_samples' is {d.get('num_samples')!r} but the "
+                             f"runs hold {total} samples")
   passes = d.get("passes")
   if not isinstance(passes, int) or isinstance(passes, bool) or passes < 0:
-    raise ValueError(f"ledger field 'passes' must be an integer >= 0, got {passes!r}")
+    raise ParameterValueError(f"ledger field 'passes' must be an integer >= 0, got {passes!r}")
   if "selection" in d:
     out = selection_lib.insert_marker(out, selection_lib.from_field(d["selection"]))
   return out, passes
@@ -284,7 +286,7 @@ def loads(text, key=None):
   try:
     d = json.loads(text)
   except (json.JSONDecodeError, TypeError) as e:
-    raise ValueError(f"ledger JSON could not be parsed: {e}") from None
+    raise ParameterValueError(f"ledger JSON could not be parsed: {e}") from None
   return dict_to_arrays(d, key)
 
 
@@ -303,8 +305,8 @@ def load(path, key=None):
     with open(path) as f:
       text = f.read()
   except OSError as e:
-    raise ValueError(f"ledger file {path!r} could not be read: {e}") from None
+    raise ParameterValueError(f"ledger file {path!r} could not be read: {e}") from None
   try:
     return loads(text, key)
   except ValueError as e:
-    raise ValueError(f"ledger file {path!r}: {e}") from None
+    raise ParameterValueError(f"ledger file {path!r}: {e}") from None

@@ -13,6 +13,8 @@ if-chain over policy names is left there. Pure Python (dp-accounting loads on fi
 
 import math
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
 from tf_dpiter.ledger.policy_base import SamplingPolicy
 from tf_dpiter.ledger.policy_base import composite as _composite
@@ -127,9 +129,9 @@ class Shuffle(SamplingPolicy):
       return composite.shuffle_event(group, mech, passes, notes)
     _gaussian_only(group)
     if passes <= 0:
-      raise ValueError("tree aggregation rows with no shuffled pass recorded: one example may "
-                       "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
-                       "not cover; refusing to account it")
+      raise ParameterValueError("tree aggregation rows with no shuffled pass recorded: one example may "
+                                "join a tree several times, which SingleEpochTreeAggregationDpEvent does "
+                                "not cover; refusing to account it")
     tree = _dpa().SingleEpochTreeAggregationDpEvent(group.noise_multiplier,
                                                     2 ** group.tree_depth - 1)
     notes.append(f"tree aggregation (DP-FTRL, depth {group.tree_depth}): each example at most "
@@ -209,9 +211,9 @@ class TruncatedPoisson(SamplingPolicy):
     _gaussian_only(group)
     n, q, m = group.population_size, group.selection_probability, group.sample_size
     if accountant != "pld":
-      raise ValueError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
-                       f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
-                       f"accountant='pld', got {accountant!r}")
+      raise PrivacyConfigError(f"truncated Poisson sampling is accounted by dp-accounting's PLD "
+                               f"accountant only (TruncatedSubsampledGaussianDpEvent): use "
+                               f"accountant='pld', got {accountant!r}")
     notes.append(f"truncated Poisson sampling (q={q:.6g}, n={n:.0f}, at most {m:.0f} records: "
                  "a uniformly random subset of a larger sample), relation add or remove one "
                  "example: assumes each record joined independently with probability q, the "
@@ -263,7 +265,7 @@ def register(policy):
     ValueError: a name the schema does not know.
   """
   if policy.name not in schema.POLICY_CODE:
-    raise ValueError(f"policy name must be one of {schema.ALL_POLICIES}, got {policy.name!r}")
+    raise PrivacyConfigError(f"policy name must be one of {schema.ALL_POLICIES}, got {policy.name!r}")
   _REGISTRY[policy.name] = policy
   return policy
 
@@ -284,7 +286,7 @@ def get(name):
     ValueError: an unknown name, or the selection marker (it samples nothing).
   """
   if name not in _REGISTRY:
-    raise ValueError(f"policy must be one of {tuple(_REGISTRY)}, got {name!r}")
+    raise PrivacyConfigError(f"policy must be one of {tuple(_REGISTRY)}, got {name!r}")
   return _REGISTRY[name]
 
 

@@ -7,6 +7,7 @@ checks a declared sampling must pass and the dp-accounting event. Pure Python (d
 loads on first use).
 """
 
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
 
 
@@ -138,9 +139,9 @@ class SamplingPolicy:
     Raises:
       ValueError: a policy GDP does not account.
     """
-    raise ValueError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
-                     f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "
-                     "accountant='rdp' or 'pld'")
+    raise PrivacyConfigError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
+                             f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "
+                             "accountant='rdp' or 'pld'")
 
   def participation_bound(self, group, passes):
     """The most samples of `group` one unit may join under the claim its event makes.
@@ -171,8 +172,8 @@ class SamplingPolicy:
         refuses (see the subclass).
     """
     if group.correlated and group.correlated not in self.covers:
-      raise ValueError(f"no accounting rule for {group.correlated!r} rows under policy "
-                       f"{group.policy!r}")
+      raise PrivacyConfigError(f"no accounting rule for {group.correlated!r} rows under policy "
+                               f"{group.policy!r}")
     return self._event(group, mech, accountant, passes, notes)
 
   def _event(self, group, mech, accountant, passes, notes):
@@ -182,5 +183,5 @@ class SamplingPolicy:
 
 def gaussian_only(group):
   if group.laplace_noise_multipliers:
-    raise ValueError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
-                     "accounted for Gaussian queries only; this sample has Laplace queries")
+    raise PrivacyConfigError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
+                             "accounted for Gaussian queries only; this sample has Laplace queries")

@@ -20,6 +20,8 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import correlated_records
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import policies
@@ -52,8 +54,8 @@ def _event_row(event, factor, policy, sample_size):
     return [f(rec.LAPLACE), clip, f(event.scale), factor * clip], []
   if isinstance(event, events_lib.NonPrivateEvent):
     return [f(rec.NON_PRIVATE), f(0.0), f(0.0), f(0.0)], []
-  raise ValueError(f"events must be GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent, "
-                   f"BandedGaussianEvent, TreeGaussianEvent or MatrixGaussianEvent, got {event!r}")
+  raise PrivacyConfigError(f"events must be GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent, "
+                           f"BandedGaussianEvent, TreeGaussianEvent or MatrixGaussianEvent, got {event!r}")
 
 
 def _correlated_row(event, factor, policy, sample_size):
@@ -73,7 +75,7 @@ def _correlated_row(event, factor, policy, sample_size):
   needed, least = correlated_records.correlated_requirement(event)
   checks = []
   if needed is not None and policy != needed:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"{type(event).__name__} is accounted only under sampling policy {needed!r}, got "
         f"policy {policy!r}: sample with "
         + ("dp.data.cyclic_poisson.cyclic_poisson_batches (num_groups >= "
@@ -109,7 +111,7 @@ class PrivacyLedger(tf.Module):
     super().__init__(name=name)
     cap = int(initial_capacity)
     if cap < 1:
-      raise ValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
+      raise ParameterValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
     with tf.name_scope(name):
       self._samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
                                   shape=tf.TensorShape([None, len(SAMPLE_COLUMNS)]),
@@ -159,7 +161,7 @@ class PrivacyLedger(tf.Module):
       ValueError: if a Python/numpy int `count` is negative.
     """
     if isinstance(count, (int, np.integer)) and count < 0:
-      raise ValueError(f"count must be >= 0, got {count!r}")
+      raise ParameterValueError(f"count must be >= 0, got {count!r}")
     return self._passes.assign_add(tf.cast(count, tf.int64))
 
   @staticmethod

@@ -7,9 +7,9 @@ events the inner query reports.
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import privacy_ledger

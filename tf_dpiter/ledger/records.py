@@ -30,6 +30,8 @@ from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-expo
 from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
     BANDED_GAUSSIAN, GAUSSIAN, LAPLACE, MATRIX_GAUSSIAN, NON_PRIVATE, QUERY_COLUMNS,
     SAMPLE_COLUMNS, TREE_GAUSSIAN)
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger.schema import KIND_NAME as _KIND_NAME
 from tf_dpiter.ledger.schema import POLICY_CODE as _POLICY_CODE
 from tf_dpiter.ledger.schema import RELATION_OF_POLICY as _RELATION_OF_POLICY
@@ -68,7 +70,7 @@ def policy_code(policy):
     ValueError: if `policy` is unknown.
   """
   if policy not in _POLICY_CODE:
-    raise ValueError(f"policy must be one of {ALL_POLICIES}, got {policy!r}")
+    raise PrivacyConfigError(f"policy must be one of {ALL_POLICIES}, got {policy!r}")
   return _POLICY_CODE[policy]
 
 
@@ -97,9 +99,9 @@ def relation_for_policy(policy):
   """
   policy_code(policy)
   if policy == REPEAT_AND_SELECT:
-    raise ValueError(f"{REPEAT_AND_SELECT!r} marks a private selection, not a sampling: it "
-                     "has no neighbouring relation of its own (a ledger with a selection record "
-                     "is accounted by the RDP accountant only)")
+    raise PrivacyConfigError(f"{REPEAT_AND_SELECT!r} marks a private selection, not a sampling: it "
+                             "has no neighbouring relation of its own (a ledger with a selection record "
+                             "is accounted by the RDP accountant only)")
   return _RELATION_OF_POLICY[policy]
 
 
@@ -111,7 +113,7 @@ def sensitivity_factor(relation, examples_per_record=1):
   vector goes from one point of the S-ball to another (McMahan et al. 2018, Appendix A).
   """
   if relation not in RELATIONS:
-    raise ValueError(f"relation must be one of {RELATIONS}, got {relation!r}")
+    raise PrivacyConfigError(f"relation must be one of {RELATIONS}, got {relation!r}")
   return 1.0 if relation == ADD_OR_REMOVE and examples_per_record <= 1 else 2.0
 
 
@@ -139,9 +141,9 @@ def check_examples_per_record(policy, examples_per_record):
   k = examples_per_record
   if isinstance(k, (int, float, np.integer, np.floating)) and not isinstance(k, bool):
     if not k >= 1:
-      raise ValueError(f"examples_per_record must be >= 1, got {k!r}")
+      raise ParameterValueError(f"examples_per_record must be >= 1, got {k!r}")
     if k > 1 and relation_for_policy(policy) == ADD_OR_REMOVE:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"examples_per_record={k!r} (microbatches) with policy {policy!r} is refused: under "
           "add or remove one example, removing an example can re-deal the others among "
           "microbatches. Sample with a replace-one policy ('shuffle' or 'fixed_size')")
@@ -186,7 +188,7 @@ def _first_bad(mask):
 def _check_samples(samples):
   if not np.all(np.isfinite(samples)):
     i = int(np.argwhere(~np.isfinite(samples))[0][0])
-    raise ValueError(f"sample {i} has a non-finite field: {samples[i].tolist()}")
+    raise PrivacyConfigError(f"sample {i} has a non-finite field: {samples[i].tolist()}")
   n, q, m, pol, k, _ = samples.T
   checks = [
       (n <= 0, "population_size must be > 0", n),
@@ -204,11 +206,11 @@ def _check_samples(samples):
   for mask, msg, col in checks:
     i = _first_bad(mask)
     if i is not None:
-      raise ValueError(f"{msg}, got {col[i]!r} at sample {i}")
+      raise PrivacyConfigError(f"{msg}, got {col[i]!r} at sample {i}")
   add_remove = np.isin(pol, _ADD_REMOVE_CODES)
   i = _first_bad(add_remove & (k > 1))
   if i is not None:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"sample {i}: microbatches (examples_per_record={k[i]:.0f}) under policy "
         f"{policy_name(pol[i])!r} (add or remove one example) are refused: removing an example "
         "can re-deal the others among microbatches. Use a replace-one policy (shuffle, fixed_size)")
@@ -217,16 +219,16 @@ def _check_samples(samples):
 def _check_queries(samples, queries):
   nq = samples[:, 5]
   if int(nq.sum()) != queries.shape[0]:
-    raise ValueError(f"inconsistent ledger: samples declare {int(nq.sum())} queries, "
-                     f"found {queries.shape[0]}")
+    raise PrivacyConfigError(f"inconsistent ledger: samples declare {int(nq.sum())} queries, "
+                             f"found {queries.shape[0]}")
   if not queries.size:
     return
   if not np.all(np.isfinite(queries)):
     i = int(np.argwhere(~np.isfinite(queries))[0][0])
-    raise ValueError(f"query {i} has a non-finite field: {queries[i].tolist()}")
+    raise ParameterValueError(f"query {i} has a non-finite field: {queries[i].tolist()}")
   expected_idx = np.repeat(np.arange(samples.shape[0]), nq.astype(np.int64))
   if not np.array_equal(queries[:, 0], expected_idx):
-    raise ValueError("inconsistent ledger: query sample_index does not match the samples' num_queries")
+    raise PrivacyConfigError("inconsistent ledger: query sample_index does not match the samples' num_queries")
   kind, clip, noise, sens = queries[:, 1], queries[:, 2], queries[:, 3], queries[:, 4]
   s = samples[queries[:, 0].astype(np.int64)]
   factor = _sensitivity_factors(s[:, 3], s[:, 4])
@@ -247,8 +249,8 @@ def _check_queries(samples, queries):
   for mask, msg, col in checks:
     i = _first_bad(mask)
     if i is not None:
-      raise ValueError(f"{msg}, got {col[i]!r} at query {i} (clip {clip[i]!r}, needed "
-                       f"sensitivity >= {factor[i] * clip[i]!r})")
+      raise PrivacyConfigError(f"{msg}, got {col[i]!r} at query {i} (clip {clip[i]!r}, needed "
+                               f"sensitivity >= {factor[i] * clip[i]!r})")
 
 
 def validate_arrays(samples, queries):

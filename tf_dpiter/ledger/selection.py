@@ -23,6 +23,8 @@ import math
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records as rec
 
 SELECTION_VERSION = 3
@@ -60,13 +62,13 @@ def check(mean, shape, trials):
   """
   shape = float(shape)
   if math.isnan(shape) or shape < 0:
-    raise ValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
+    raise ParameterValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
   if not (isinstance(mean, (int, float, np.integer, np.floating)) and math.isfinite(mean)
           and mean > 0) or (not math.isinf(shape) and mean < 1):
-    raise ValueError(f"mean must be finite and > 0 (>= 1 for a truncated negative binomial), "
-                     f"got {mean!r}")
+    raise ParameterValueError(f"mean must be finite and > 0 (>= 1 for a truncated negative binomial), "
+                              f"got {mean!r}")
   if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
-    raise ValueError(f"trials must be an integer >= 1 (the trials run), got {trials!r}")
+    raise ParameterValueError(f"trials must be an integer >= 1 (the trials run), got {trials!r}")
 
 
 def marker_row(selection):
@@ -117,10 +119,10 @@ def with_selection(runs, mean, shape, trials):
     ValueError: bad parameters, or `runs` already holds a selection marker or no sample.
   """
   if any(is_marker(s) for _, s, _ in runs):
-    raise ValueError("this ledger already records a selection; a trial cannot be selected twice")
+    raise ParameterValueError("this ledger already records a selection; a trial cannot be selected twice")
   total = int(sum(c for c, _, _ in runs))
   if total == 0:
-    raise ValueError("the trial's ledger is empty: record the trial's samples first")
+    raise PrivacyConfigError("the trial's ledger is empty: record the trial's samples first")
   sel = Selection(float(mean), float(shape), trials, total)
   return list(runs) + [(1, marker_row(sel), np.zeros([0, len(rec.QUERY_COLUMNS)]))]
 
@@ -150,19 +152,19 @@ def from_field(field):
     ValueError: a malformed field, named.
   """
   if not isinstance(field, dict):
-    raise ValueError(f"ledger field 'selection' must be an object, got {type(field).__name__}")
+    raise ParameterValueError(f"ledger field 'selection' must be an object, got {type(field).__name__}")
   dist = field.get("distribution")
   if dist not in (_POISSON, _TNB):
-    raise ValueError(f"selection 'distribution' must be {_POISSON!r} or {_TNB!r}, got {dist!r}")
+    raise ParameterValueError(f"selection 'distribution' must be {_POISSON!r} or {_TNB!r}, got {dist!r}")
   if (dist == _POISSON) != (field.get("shape") is None):
-    raise ValueError(f"selection 'shape' must be null for {_POISSON!r} and a number for "
-                     f"{_TNB!r}, got {field.get('shape')!r}")
+    raise ParameterValueError(f"selection 'shape' must be null for {_POISSON!r} and a number for "
+                              f"{_TNB!r}, got {field.get('shape')!r}")
   after = field.get("after_samples")
   if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-    raise ValueError(f"selection 'after_samples' must be an integer >= 1, got {after!r}")
+    raise PrivacyConfigError(f"selection 'after_samples' must be an integer >= 1, got {after!r}")
   shape = math.inf if dist == _POISSON else field["shape"]
   if isinstance(shape, bool) or not isinstance(shape, (int, float)):
-    raise ValueError(f"selection 'shape' must be a number, got {shape!r}")
+    raise ParameterValueError(f"selection 'shape' must be a number, got {shape!r}")
   return Selection(field.get("mean"), float(shape), field.get("trials"), after)
 
 
@@ -212,8 +214,8 @@ def insert_marker(runs, selection):
       out.append(marker)
       placed = True
   if not placed:
-    raise ValueError(f"selection 'after_samples' is {selection.after_samples} but the ledger "
-                     f"holds {seen} samples")
+    raise PrivacyConfigError(f"selection 'after_samples' is {selection.after_samples} but the ledger "
+                             f"holds {seen} samples")
   return out
 
 

@@ -23,9 +23,11 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import selection as selection_lib
 
@@ -55,12 +57,12 @@ def num_trials_distribution(mean, shape):
   """
   shape = float(shape)
   if math.isnan(shape) or shape < 0:
-    raise ValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
+    raise ParameterValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
   if math.isinf(shape):
     validation.check_positive("mean", mean)
     return lambda rng: int(rng.poisson(mean))
   if not mean >= 1:
-    raise ValueError(f"mean must be >= 1 for the truncated negative binomial, got {mean!r}")
+    raise ParameterValueError(f"mean must be >= 1 for the truncated negative binomial, got {mean!r}")
   if mean == 1:
     return lambda rng: 1
   gamma = _gamma_for_mean(float(mean), shape)
@@ -127,8 +129,8 @@ def _common_mechanism(trial_ledgers, accountant):
   first, relation, _ = events[0]
   for i, (e, r, _) in enumerate(events[1:], 1):
     if e != first or r != relation:
-      raise ValueError(f"trial {i}'s ledger describes another mechanism than trial 0's "
-                       f"({e} vs {first}); the selection bound needs one mechanism per trial")
+      raise ParameterValueError(f"trial {i}'s ledger describes another mechanism than trial 0's "
+                                f"({e} vs {first}); the selection bound needs one mechanism per trial")
 
 
 def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", selected=0):
@@ -148,11 +150,11 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
     ValueError: no ledger, ledgers of different mechanisms, or an unsupported accountant.
   """
   if accountant != "rdp":
-    raise ValueError(f"RepeatAndSelectDpEvent is accounted by dp-accounting's RDP accountant "
-                     f"only: use accountant='rdp', got {accountant!r}")
+    raise PrivacyConfigError(f"RepeatAndSelectDpEvent is accounted by dp-accounting's RDP accountant "
+                             f"only: use accountant='rdp', got {accountant!r}")
   delta = validation.check_delta("delta", delta)
   if not trial_ledgers:
-    raise ValueError("trial_ledgers is empty: record at least one trial's ledger")
+    raise ParameterValueError("trial_ledgers is empty: record at least one trial's ledger")
   _common_mechanism(trial_ledgers, accountant)
   ledger = selection_ledger(trial_ledgers[selected], mean, shape, len(trial_ledgers))
   report = accountant_lib.privacy_report(ledger, delta=delta, accountant=accountant)

@@ -38,6 +38,9 @@ import numbers
 import tensorflow as tf
 
 from tf_dpiter import dp_query
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import recording
@@ -54,7 +57,7 @@ _ZERO = tf.UnconnectedGradients.ZERO
 def _check_clip(l2_norm_clip):
   if isinstance(l2_norm_clip, numbers.Number):
     if not (l2_norm_clip > 0 and l2_norm_clip < float("inf")):
-      raise ValueError(
+      raise PrivacyConfigError(
           f"l2_norm_clip must be a positive finite number, got {l2_norm_clip}")
     return tf.constant(float(l2_norm_clip), tf.float32)
   return tf.cast(l2_norm_clip, tf.float32)
@@ -69,7 +72,7 @@ def _check_examples_per_record(k):
       return tf.cast(k, tf.int32)
     k = int(static)
   if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(
+    raise ParameterValueError(
         f"examples_per_record must be a positive integer, got {k!r}")
   return k
 
@@ -92,12 +95,12 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
       recording.uninstall(installed)
   raw_losses = tf.cast(per_example_loss_fn(targets, outputs), tf.float32)
   if raw_losses.shape.rank != 1:
-    raise ValueError(
+    raise ParameterValueError(
         f"per_example_loss_fn must return a [B] tensor, got shape "
         f"{raw_losses.shape}")
   b_static = raw_losses.shape[0]
   if _grouped(k) and not tf.is_tensor(k) and b_static is not None and b_static % k:
-    raise ValueError(
+    raise ParameterValueError(
         f"the batch of {b_static} examples is not a whole number of records "
         f"of examples_per_record={k}; pad it (with mask 0)")
   batch = tf.shape(raw_losses)[0]
@@ -205,23 +208,23 @@ def gaussian_clip_factors(l2_norm_clip):
 def _factors_fn(l2_norm_clip, clip_factors_fn):
   """The clip factor function from exactly one of (l2_norm_clip, clip_factors_fn)."""
   if (l2_norm_clip is None) == (clip_factors_fn is None):
-    raise ValueError(
+    raise PrivacyConfigError(
         "give exactly one of l2_norm_clip and clip_factors_fn, got "
         f"l2_norm_clip={l2_norm_clip!r}, clip_factors_fn={clip_factors_fn!r}")
   if clip_factors_fn is None:
     return gaussian_clip_factors(l2_norm_clip)
   if not callable(clip_factors_fn):
-    raise TypeError(f"clip_factors_fn must be callable, got {clip_factors_fn!r}")
+    raise ParameterTypeError(f"clip_factors_fn must be callable, got {clip_factors_fn!r}")
   return clip_factors_fn
 
 
 def _check_variant(variant, scale):
   if variant not in ("bookkeeping", "two_pass"):
-    raise ValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
-                     f"{variant!r}")
+    raise ParameterValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
+                              f"{variant!r}")
   if scale != 1.0 and variant == "two_pass":
-    raise ValueError("variant='two_pass' is not supported under a loss scale "
-                     f"({scale}); use variant='bookkeeping'")
+    raise ParameterValueError("variant='two_pass' is not supported under a loss scale "
+                              f"({scale}); use variant='bookkeeping'")
 
 
 def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,

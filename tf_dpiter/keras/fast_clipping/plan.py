@@ -20,6 +20,8 @@ path over those variables).
 
 import keras
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.fast_clipping import registry
 
@@ -119,7 +121,7 @@ def _check_deterministic(layer):
       rates.append(sub.rate)
     if max(float(r) if isinstance(r, (int, float)) else 0.0
            for r in rates) > 0:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"layer {layer.name!r} contains dropout ({sub.name!r}) and no "
           "registered rule clips it in one pass; its per-example gradients "
           "cannot be recomputed. Move the dropout to its own layer (or "
@@ -150,18 +152,18 @@ def _check_coverage(model, units, trained):
   for u in units:
     for v in u.variables:
       if id(v) in covered:
-        raise ValueError(
+        raise ParameterValueError(
             f"variable {v.path!r} is shared by layers "
             f"{covered[id(v)]!r} and {u.layer.name!r}; not supported")
       covered[id(v)] = u.layer.name
   missing = [v.path for v in model.trainable_variables if id(v) not in covered]
   if missing:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"trainable variables {missing} are not owned by any layer of model "
         f"{model.name!r}; cannot clip per example")
   extra = [v.path for u in units for v in u.variables if id(v) not in trained]
   if extra:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"variables {extra} would be clipped but are not in "
         f"{model.name!r}.trainable_variables (the optimizer does not train them)")
 
@@ -183,9 +185,9 @@ def plan(model, grouped=False):
       or a trained variable no layer owns.
   """
   if not isinstance(model, keras.layers.Layer):
-    raise ValueError(f"model must be a keras.Model, got {type(model).__name__}")
+    raise ParameterValueError(f"model must be a keras.Model, got {type(model).__name__}")
   if not model.built:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"model must be built before clipping, got model.built=False "
         f"(model={model.name!r})")
   units, seen = [], set()
@@ -197,7 +199,7 @@ def plan(model, grouped=False):
     seen.add(id(layer))
     variables = _trained(layer, trained)
     if isinstance(layer, _BATCH_COUPLED) and variables:
-      raise ValueError(
+      raise ParameterValueError(
           f"layer {layer.name!r} ({type(layer).__name__}) mixes examples of "
           "the batch; per-example gradient norms are undefined for it")
     if not variables:

@@ -61,6 +61,8 @@ from typing import Callable, NamedTuple, Sequence
 import tensorflow as tf
 import keras
 
+from tf_dpiter.errors import ParameterValueError
+
 _LOCK = threading.Lock()
 _REGISTRY = {}  # layer class -> norm_fn
 
@@ -218,10 +220,10 @@ def register_layer(layer_class, norm_fn):
   """
   if not (isinstance(layer_class, type) and
           issubclass(layer_class, keras.layers.Layer)):
-    raise ValueError(
+    raise ParameterValueError(
         f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
   if not callable(norm_fn):
-    raise ValueError(f"norm_fn must be callable, got {norm_fn!r}")
+    raise ParameterValueError(f"norm_fn must be callable, got {norm_fn!r}")
   with _LOCK:
     _REGISTRY[layer_class] = norm_fn
 

@@ -10,6 +10,8 @@ sum_i c_i L_i).
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
@@ -62,7 +64,7 @@ def _float32_vjp(unit, weighted):
       watched = tf.nest.flatten(unit.norm_fn(unit.layer, *args, **kwargs)[1])
   bad = [w.dtype.name for w in watched if w.dtype != tf.float32]
   if bad:
-    raise ValueError(
+    raise ParameterValueError(
         f"the norm function of layer {unit.layer.name!r} is marked "
         f"float32_watched but returned watched tensors of dtype {bad}")
   return tape.gradient(watched, w32, output_gradients=weighted,
@@ -150,8 +152,8 @@ def two_pass_sum(units, losses, example_factors, tape):
     ValueError: a unit computes in 16 bits.
   """
   if any(plan_lib.computes_in_16_bits(u.layer) for u in units):
-    raise ValueError("variant='two_pass' forms the clipped sum in the layers' "
-                     "16-bit compute dtype; use variant='bookkeeping'")
+    raise PrivacyConfigError("variant='two_pass' forms the clipped sum in the layers' "
+                             "16-bit compute dtype; use variant='bookkeeping'")
   with tape:
     weighted = tf.reduce_sum(example_factors * losses)
   all_vars = [v for u in units for v in u.variables]

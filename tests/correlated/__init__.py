@@ -1,0 +1,1 @@
+"""Tests of the correlated-noise mechanisms across dp_query, ledger, accounting and keras."""

@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.data (the folder mirrors the package)."""

@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.keras.fast_clipping."""

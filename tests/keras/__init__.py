@@ -1,0 +1,1 @@
+"""Tests of tf_dpiter.keras (the folder mirrors the package)."""

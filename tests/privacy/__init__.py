@@ -1,0 +1,1 @@
+"""Cross-cutting neighbouring suites: the privacy claims, run end to end."""
