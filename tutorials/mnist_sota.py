@@ -159,10 +159,14 @@ def main(argv=None):
   t_feat = time.time() - t0
   epochs = 2 if args.quick else args.epochs
   batch = min(args.batch_size, len(ftr) // 4)
+  # fit's Poisson epochs take round(n / B) steps each; from_budget plans ceil(E n / B) steps,
+  # so it is given the epochs that make its plan the steps fit takes (or one more: epsilon
+  # then stays below the target)
+  steps = epochs * max(1, round(len(ftr) / batch))
   opt = dp.keras.from_budget(
       keras.optimizers.SGD(args.learning_rate, momentum=args.momentum), epsilon=args.epsilon,
-      delta=args.delta, epochs=epochs, batch_size=batch, population_size=len(ftr),
-      l2_norm_clip=args.l2_norm_clip)
+      delta=args.delta, epochs=steps * batch / len(ftr), batch_size=batch,
+      population_size=len(ftr), l2_norm_clip=args.l2_norm_clip)
   model = make_model(args.model, ftr.shape[1:], args.width)
   model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 weighted_metrics=["accuracy"], jit_compile=args.jit)
