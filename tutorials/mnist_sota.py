@@ -61,22 +61,23 @@ def load_mnist(path):
             d["x_test"].astype("float32") / 255.0, d["y_test"].astype("int32"))
 
 
-def feature_extractor(shape=(28, 28)):
+def feature_extractor(shape=(28, 28), group_norm=True):
   """Scattering (J = 2, L = 8) then per-example group normalization; no weights, no data."""
-  return keras.Sequential([
-      keras.Input(shape),
-      Scattering2D(J=2, L=8),
-      keras.layers.GroupNormalization(groups=27, center=False, scale=False, epsilon=1e-5),
-  ])
+  layers = [keras.Input(shape), Scattering2D(J=2, L=8)]
+  if group_norm:
+    layers.append(
+        keras.layers.GroupNormalization(groups=27, center=False, scale=False, epsilon=1e-5))
+  return keras.Sequential(layers)
 
 
-def features(x, cache_dir, batch=1000):
+def features(x, cache_dir, group_norm=True, batch=1000):
   """The extractor's output on x, computed once (XLA, in batches) and cached by content."""
   key = hashlib.sha256(x.tobytes()).hexdigest()[:16]
-  path = os.path.join(cache_dir, f"scattering_J2_L8_gn27_{key}.npy") if cache_dir else None
+  name = f"scattering_J2_L8_{'gn27' if group_norm else 'raw'}_{key}.npy"
+  path = os.path.join(cache_dir, name) if cache_dir else None
   if path and os.path.exists(path):
     return np.load(path)
-  extractor = feature_extractor(x.shape[1:])
+  extractor = feature_extractor(x.shape[1:], group_norm)
   run = tf.function(lambda b: extractor(b, training=False), jit_compile=True)
   out = []
   for i in range(0, len(x), batch):
@@ -137,6 +138,8 @@ def parse(argv):
   p.add_argument("--width", type=int, default=16, help="channels of the CNN's first conv")
   p.add_argument("--ema_decay", type=float, default=0.999,
                  help="EMA of the weights evaluated at the end (0: no averaging)")
+  p.add_argument("--no_group_norm", dest="group_norm", action="store_false",
+                 help="ablation: raw scattering features (no per-example group norm)")
   p.add_argument("--validation_size", type=int, default=5000)
   p.add_argument("--eval_on", choices=["test", "validation"], default="test")
   p.add_argument("--seed", type=int, default=0)
@@ -158,7 +161,7 @@ def main(argv=None):
   if args.model == "pixels_cnn":
     ftr, fev = xtr[..., None], xev[..., None]
   else:
-    ftr, fev = features(xtr, cache), features(xev, cache)
+    ftr, fev = features(xtr, cache, args.group_norm), features(xev, cache, args.group_norm)
   t_feat = time.time() - t0
   epochs = 2 if args.quick else args.epochs
   batch = min(args.batch_size, len(ftr) // 4)
@@ -188,7 +191,8 @@ def main(argv=None):
       "population": len(ftr), "batch_size": batch,
       "noise_multiplier": float(opt.noise_multiplier), "l2_norm_clip": args.l2_norm_clip,
       "learning_rate": args.learning_rate, "momentum": args.momentum, "model": args.model,
-      "width": args.width, "ema_decay": args.ema_decay, "seed": args.seed,
+      "width": args.width, "ema_decay": args.ema_decay, "group_norm": args.group_norm,
+      "seed": args.seed,
       "feature_seconds": round(t_feat, 1), "seconds": round(time.time() - t0, 1)}))
 
 
