@@ -30,6 +30,10 @@ are not protected by it. The test set is only used for the final figure.
   python tutorials/mnist_sota.py --eval_on validation ... # for choosing hyperparameters
 
 The last line printed is JSON: {"accuracy", "eval_on", "epsilon", "delta", "steps", ...}.
+
+Measured (2 shared CPU cores under load 6-14, 55,000 training examples, delta 1e-5): test
+accuracy 98.62 % (6 seeds, 98.55-98.70 %) at epsilon 2.99995, 2 to 4 minutes a run (features
+cached; 3.6 min with the features computed); 97.83 % (3 seeds, 97.78-97.89 %) at epsilon 1.
 """
 
 import argparse
