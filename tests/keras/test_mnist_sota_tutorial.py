@@ -1,0 +1,46 @@
+"""tutorials/mnist_sota.py --quick runs end to end (on a small synthetic keras-layout npz) and
+prints the epsilon that dp-accounting gives for the steps it took, composed here by hand."""
+
+import json
+import os
+import subprocess
+import sys
+
+import dp_accounting
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _synthetic_mnist(path):
+  rng = np.random.RandomState(0)
+  y_tr = rng.randint(0, 10, 700).astype("uint8")
+  x_tr = (rng.rand(700, 28, 28) * 60 + y_tr[:, None, None] * 19).astype("uint8")
+  y_te = rng.randint(0, 10, 200).astype("uint8")
+  x_te = (rng.rand(200, 28, 28) * 60 + y_te[:, None, None] * 19).astype("uint8")
+  np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
+
+
+def test_quick_run_prints_the_ledger_epsilon(tmp_path):
+  path = os.path.join(tmp_path, "mnist_small.npz")
+  _synthetic_mnist(path)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tutorials", "mnist_sota.py"), "--quick",
+       "--data_path", path, "--validation_size", "100", "--cache_dir", "",
+       "--ema_decay", "0.9", "--epsilon", "2.5", "--seed", "1"],
+      capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["population"] == 600 and out["epochs"] == 2 and out["eval_on"] == "test"
+  assert out["steps"] > 0 and 0.0 <= out["accuracy"] <= 1.0
+  # epsilon of `steps` Poisson-sampled Gaussian steps at q = batch / n, composed by hand
+  q = out["batch_size"] / out["population"]
+  event = dp_accounting.SelfComposedDpEvent(
+      dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(
+          out["noise_multiplier"])), out["steps"])
+  accountant = dp_accounting.rdp.RdpAccountant()
+  accountant.compose(event)
+  # (the ledger keeps the noise in float32: agreement to float32 precision)
+  np.testing.assert_allclose(out["epsilon"], accountant.get_epsilon(out["delta"]), rtol=1e-6)
+  # the noise was calibrated to the target for the planned steps (2 epochs of n / B)
+  assert out["epsilon"] <= 2.5 * (1 + 1e-6) or out["steps"] > 2 * round(1 / q)

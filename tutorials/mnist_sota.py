@@ -1,0 +1,204 @@
+"""MNIST at epsilon <= 3 with ScatterNet features, DP-SGD and weight averaging.
+
+The recipe of Tramer and Boneh, "Differentially Private Learning Needs Better Features (or
+Much More Data)", ICLR 2021, Sections 3-4, through tf_dpiter's public API:
+
+  1. features: the scattering transform (`dp.keras.layers.Scattering2D`, J = 2, L = 8: 81
+     channels at 7 x 7), then a group normalization of each example's own 81 channels
+     (27 groups, no learned scale: `keras.layers.GroupNormalization`). Both are fixed
+     functions of one example, computed once before training: no privacy cost.
+  2. model: a linear classifier on the 7 x 7 x 81 features (their ScatterNet + linear;
+     `--model cnn` for a small tanh CNN on them), trained with DP-SGD with momentum 0.9,
+     clipping norm 0.1, learning rate 2, expected batch 1024, 40 epochs
+     (`dp.keras.from_budget` calibrates the noise to --epsilon for the steps fit takes),
+     Poisson sampling (the DP model's fit default on arrays).
+  3. weight averaging (`dp.keras.callbacks.ExponentialMovingAverage`): post-processing of the
+     released iterates, no privacy cost; the model evaluated is the average.
+
+Privacy: add/remove one training example (unit: one example of the training split), Poisson
+sampling; epsilon is computed from the model's own privacy ledger (RDP accountant) at
+--delta, and the last JSON line prints it. The validation split (--validation_size examples
+held out of the training set, never trained on) was used, without privacy, to choose the
+default hyperparameters among 7 configurations at epsilon 3 (linear: learning rate 1, 2, 4, 8
+at batch 1024 / 40 epochs, 4 with and without EMA, 8 at batch 2048 / 60 epochs; the CNN at
+learning rate 4): that selection is not covered by this epsilon, and the validation examples
+are not protected by it. The test set is only used for the final figure.
+
+  python tutorials/mnist_sota.py --quick                  # smoke run (2,000 examples, 2 epochs)
+  python tutorials/mnist_sota.py --seed 0                 # epsilon 3 (the default recipe)
+  python tutorials/mnist_sota.py --epsilon 1 --seed 0
+  python tutorials/mnist_sota.py --eval_on validation ... # for choosing hyperparameters
+
+The last line printed is JSON: {"accuracy", "eval_on", "epsilon", "delta", "steps", ...}.
+
+Measured (2 shared CPU cores under load 6-14, 55,000 training examples, delta 1e-5): test
+accuracy 98.62 % (6 seeds, 98.55-98.70 %) at epsilon 2.99995, 2 to 4 minutes a run (features
+cached; 3.6 min with the features computed); 97.83 % (3 seeds, 97.78-97.89 %) at epsilon 1.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_dpiter as dp  # noqa: E402  (pip install -e . : see README)
+from tf_dpiter.keras.callbacks.averaging import ExponentialMovingAverage  # noqa: E402
+from tf_dpiter.keras.layers import Scattering2D  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DATA = os.environ.get("TF_DPITER_MNIST",
+                              os.path.join(REPO, "..", "shared", "data", "mnist.npz"))
+
+
+def load_mnist(path):
+  if not os.path.exists(path):
+    raise SystemExit(f"--data_path {path!r} does not exist (keras-layout mnist.npz expected)")
+  with np.load(path) as d:
+    return (d["x_train"].astype("float32") / 255.0, d["y_train"].astype("int32"),
+            d["x_test"].astype("float32") / 255.0, d["y_test"].astype("int32"))
+
+
+def feature_extractor(shape=(28, 28), group_norm=True):
+  """Scattering (J = 2, L = 8) then per-example group normalization; no weights, no data."""
+  layers = [keras.Input(shape), Scattering2D(J=2, L=8)]
+  if group_norm:
+    layers.append(
+        keras.layers.GroupNormalization(groups=27, center=False, scale=False, epsilon=1e-5))
+  return keras.Sequential(layers)
+
+
+def features(x, cache_dir, group_norm=True, batch=1000):
+  """The extractor's output on x, computed once (XLA, in batches) and cached by content."""
+  key = hashlib.sha256(x.tobytes()).hexdigest()[:16]
+  name = f"scattering_J2_L8_{'gn27' if group_norm else 'raw'}_{key}.npy"
+  path = os.path.join(cache_dir, name) if cache_dir else None
+  if path and os.path.exists(path):
+    return np.load(path)
+  extractor = feature_extractor(x.shape[1:], group_norm)
+  run = tf.function(lambda b: extractor(b, training=False), jit_compile=True)
+  out = []
+  for i in range(0, len(x), batch):
+    chunk = x[i:i + batch]
+    pad = batch - len(chunk)   # one static shape: a single XLA compilation
+    res = run(tf.constant(np.concatenate([chunk, np.zeros((pad,) + chunk.shape[1:], "float32")])
+                          if pad else chunk)).numpy()
+    out.append(res[:len(chunk)])
+  out = np.concatenate(out)
+  if path:
+    os.makedirs(cache_dir, exist_ok=True)
+    np.save(path, out)
+  return out
+
+
+def make_model(kind, shape, width):
+  """The classifier on scattering features: a tanh CNN (Tramer and Boneh's ScatterNet+CNN,
+  smaller) or a linear model (their ScatterNet+linear); or the raw-pixel baseline."""
+  L = keras.layers
+  if kind == "pixels_cnn":     # the baseline: TF Privacy's tutorial CNN on raw pixels
+    return dp.keras.DPSequential(dp.keras.example_models.mnist_cnn_layers())
+  if kind == "linear":
+    layers = [keras.Input(shape), L.Flatten(), L.Dense(10)]
+  else:
+    layers = [keras.Input(shape),
+              L.Conv2D(width, 3, padding="same", activation="tanh"),
+              L.MaxPooling2D(2),
+              L.Conv2D(2 * width, 3, padding="same", activation="tanh"),
+              L.Flatten(), L.Dense(10)]
+  return dp.keras.DPSequential(layers)
+
+
+def split(x, y, validation_size, seed=12345):
+  """A fixed split of the training set (the same for every run seed)."""
+  order = np.random.RandomState(seed).permutation(len(x))
+  val, train = order[:validation_size], order[validation_size:]
+  return x[train], y[train], x[val], y[val]
+
+
+def parse(argv):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--data_path", default=DEFAULT_DATA)
+  p.add_argument("--cache_dir", default="/tmp/tf_dpiter_features",
+                 help="where the scattering features are cached ('' for no cache)")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke run: 2,000 training examples, 2 epochs")
+  p.add_argument("--epsilon", type=float, default=3.0, help="target epsilon (from_budget)")
+  p.add_argument("--delta", type=float, default=1e-5)
+  p.add_argument("--epochs", type=int, default=40)
+  p.add_argument("--batch_size", type=int, default=1024, help="expected batch size (Poisson)")
+  p.add_argument("--l2_norm_clip", type=float, default=0.1)
+  p.add_argument("--learning_rate", type=float, default=2.0)
+  p.add_argument("--momentum", type=float, default=0.9)
+  p.add_argument("--model", choices=["cnn", "linear", "pixels_cnn"], default="linear",
+                 help="cnn / linear on scattering features; pixels_cnn: plain DP-SGD "
+                      "baseline, TF Privacy's tutorial CNN on raw pixels (no features)")
+  p.add_argument("--width", type=int, default=16, help="channels of the CNN's first conv")
+  p.add_argument("--ema_decay", type=float, default=0.999,
+                 help="EMA of the weights evaluated at the end (0: no averaging)")
+  p.add_argument("--no_group_norm", dest="group_norm", action="store_false",
+                 help="ablation: raw scattering features (no per-example group norm)")
+  p.add_argument("--validation_size", type=int, default=5000)
+  p.add_argument("--eval_on", choices=["test", "validation"], default="test")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--jit", action="store_true", help="jit_compile=True (XLA) for training")
+  p.add_argument("--verbose", type=int, default=0)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse(argv)
+  t0 = time.time()
+  keras.utils.set_random_seed(args.seed)
+  xtr, ytr, xte, yte = load_mnist(args.data_path)
+  xtr, ytr, xval, yval = split(xtr, ytr, args.validation_size)
+  if args.quick:
+    xtr, ytr = xtr[:2000], ytr[:2000]
+  cache = args.cache_dir or None
+  xev, yev = (xval, yval) if args.eval_on == "validation" else (xte, yte)
+  if args.model == "pixels_cnn":
+    ftr, fev = xtr[..., None], xev[..., None]
+  else:
+    ftr, fev = features(xtr, cache, args.group_norm), features(xev, cache, args.group_norm)
+  t_feat = time.time() - t0
+  epochs = 2 if args.quick else args.epochs
+  batch = min(args.batch_size, len(ftr) // 4)
+  # fit's Poisson epochs take round(n / B) steps each; from_budget plans ceil(E n / B) steps,
+  # so it is given the epochs that make its plan the steps fit takes (or one more: epsilon
+  # then stays below the target)
+  steps = epochs * max(1, round(len(ftr) / batch))
+  opt = dp.keras.from_budget(
+      keras.optimizers.SGD(args.learning_rate, momentum=args.momentum), epsilon=args.epsilon,
+      delta=args.delta, epochs=steps * batch / len(ftr), batch_size=batch,
+      population_size=len(ftr), l2_norm_clip=args.l2_norm_clip)
+  model = make_model(args.model, ftr.shape[1:], args.width)
+  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                weighted_metrics=["accuracy"], jit_compile=args.jit)
+  callbacks = []
+  if args.ema_decay:
+    callbacks.append(ExponentialMovingAverage(decay=args.ema_decay))
+  model.fit(ftr, ytr, batch_size=batch, epochs=epochs, callbacks=callbacks,
+            verbose=args.verbose)
+  _, acc = model.evaluate(fev, yev, batch_size=1000, verbose=0)
+  report = dp.accounting.privacy_report(model.ledger, delta=args.delta)
+  print(f"{args.eval_on} accuracy {acc:.4f}; {report}")
+  print(json.dumps({
+      "accuracy": round(float(acc), 4), "eval_on": args.eval_on,
+      "epsilon": float(report.epsilon), "target_epsilon": args.epsilon, "delta": args.delta,
+      "steps": int(model.ledger.sample_count.numpy()), "epochs": epochs,
+      "population": len(ftr), "batch_size": batch,
+      "noise_multiplier": float(opt.noise_multiplier), "l2_norm_clip": args.l2_norm_clip,
+      "learning_rate": args.learning_rate, "momentum": args.momentum, "model": args.model,
+      "width": args.width, "ema_decay": args.ema_decay, "group_norm": args.group_norm,
+      "seed": args.seed,
+      "feature_seconds": round(t_feat, 1), "seconds": round(time.time() - t0, 1)}))
+
+
+if __name__ == "__main__":
+  main()
