@@ -43,6 +43,7 @@ from tf_dpiter.keras.model.models import private_class
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
+from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer  # Tang et al., DP-AdamBC
 from tf_dpiter.keras.optimizer.optimizers import DPKerasRMSpropOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPOptimizer
