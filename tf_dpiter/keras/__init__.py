@@ -44,6 +44,7 @@ from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
 from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer  # Tang et al., DP-AdamBC
+from tf_dpiter.keras.model.augmentation import augmentation_multiplicity  # De et al. 2022
 from tf_dpiter.keras.optimizer.optimizers import DPKerasRMSpropOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPOptimizer
