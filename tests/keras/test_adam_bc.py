@@ -49,15 +49,15 @@ def _per_example_clipped_mean(model, x, y, clip):
   return [t / len(x) for t in total]
 
 
-@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-def test_dp_step_with_fixed_variance_matches_recurrence(clipping):
+@pytest.mark.parametrize("clipping,jit", [("vectorized", False), ("fast", False), ("fast", True)])
+def test_dp_step_with_fixed_variance_matches_recurrence(clipping, jit):
   """Noise 0, Phi given: three real DP steps = Algorithm 1 on the clipped mean gradients."""
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
                                  keras.layers.Dense(2)])
   opt = adam_bc.DPKerasAdamBCOptimizer(0.5, 0.0, learning_rate=0.02, noise_variance=1e-3,
                                        variance_floor=1e-6, clipping=clipping)
-  model.compile(optimizer=opt, loss=LOSS)
+  model.compile(optimizer=opt, loss=LOSS, jit_compile=jit)
   rng = np.random.RandomState(1)
   x, y = rng.randn(6, 4).astype("float32") * 2, rng.randint(0, 2, 6)
   opt.set_sampling(60, 0.1, "poisson", 6)
@@ -123,7 +123,7 @@ def test_dp_step_sets_variance_from_z_s_b():
     model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
     opt = adam_bc.DPKerasAdamBCOptimizer(0.5, 1.1, learning_rate=0.02, noise_variance=phi,
                                          seed=3)
-    model.compile(optimizer=opt, loss=LOSS)
+    model.compile(optimizer=opt, loss=LOSS, jit_compile=True)
     opt.set_sampling(60, 0.1, "poisson", 6)
     rng = np.random.RandomState(1)
     x, y = rng.randn(6, 4).astype("float32"), rng.randint(0, 2, 6)

@@ -26,7 +26,7 @@ def _augment(x, view):
   return x * (1.0 + 0.2 * view) + SHIFTS[view]
 
 
-def _wrapped(clipping, lr, normalize, conv=False):
+def _wrapped(clipping, lr, normalize, conv=False, jit=False):
   keras.utils.set_random_seed(0)
   if conv:
     layers = [keras.Input((6,)), keras.layers.Reshape((6, 1)),
@@ -38,7 +38,7 @@ def _wrapped(clipping, lr, normalize, conv=False):
   model = dp.keras.augmentation_multiplicity(inner, _augment, K)
   opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=lr, clipping=clipping,
                                      normalize=normalize)
-  model.compile(optimizer=opt, loss=model.view_loss(BASE_LOSS))
+  model.compile(optimizer=opt, loss=model.view_loss(BASE_LOSS), jit_compile=jit)
   opt.set_sampling(N, B / N, "poisson", B)
   assert opt.resolve_clipping(model, tf.zeros([B, 6])) == clipping
   return model, inner
@@ -65,10 +65,11 @@ def _batch(seed):
 
 
 @pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-@pytest.mark.parametrize("conv", [False, True], ids=["dense", "conv"])
-def test_update_clips_the_mean_of_view_gradients(clipping, conv):
+@pytest.mark.parametrize("conv,jit", [(False, False), (True, False), (False, True)],
+                         ids=["dense", "conv", "dense_xla"])
+def test_update_clips_the_mean_of_view_gradients(clipping, conv, jit):
   lr = 0.5
-  model, inner = _wrapped(clipping, lr, True, conv)
+  model, inner = _wrapped(clipping, lr, True, conv, jit)
   x, y, _ = _batch(0)
   w0 = [w.copy() for w in inner.get_weights()]
   expected = _expected_update(inner, x, y, lr)

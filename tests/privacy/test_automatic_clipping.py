@@ -31,12 +31,12 @@ def _model(kind="dense"):
   return dp.keras.DPSequential(layers)
 
 
-def _compiled(kind, clipping, lr, normalize):
+def _compiled(kind, clipping, lr, normalize, jit=False):
   model = _model(kind)
   query = dp.dp_query.AutomaticClippingSumQuery(CLIP, 0.0, stability=GAMMA)
   opt = dp.keras.DPKerasSGDOptimizer(dp_query=query, learning_rate=lr, clipping=clipping,
                                      normalize=normalize)
-  model.compile(optimizer=opt, loss=LOSS)
+  model.compile(optimizer=opt, loss=LOSS, jit_compile=jit)
   opt.set_sampling(N, B / N, "poisson", B)
   model(np.zeros([1, 6], "float32"))
   assert opt.resolve_clipping(model) == clipping
@@ -61,10 +61,11 @@ def _expected_update(model, x, y, lr):
 
 
 @pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-@pytest.mark.parametrize("kind", ["dense", "conv"])
-def test_update_is_sum_of_normalized_gradients(clipping, kind):
+@pytest.mark.parametrize("kind,jit", [("dense", False), ("conv", False), ("dense", True)],
+                         ids=["dense", "conv", "dense_xla"])
+def test_update_is_sum_of_normalized_gradients(clipping, kind, jit):
   lr = 0.3
-  model = _compiled(kind, clipping, lr, True)
+  model = _compiled(kind, clipping, lr, True, jit)
   x, y, _ = _batch(0)
   x[0] *= 1e-3   # a small gradient is amplified (factor > 1), not left alone as by min(1, .)
   w0 = [w.copy() for w in model.get_weights()]
@@ -141,3 +142,13 @@ def test_bad_arguments_are_refused(kwargs, match):
   args.update(kwargs)
   with pytest.raises(PrivacyConfigError, match=match):
     dp.dp_query.AutomaticClippingSumQuery(**args)
+
+
+def test_optimizer_config_round_trip_keeps_the_query():
+  query = dp.dp_query.AutomaticClippingSumQuery(2.0, 1.3, stability=0.02)
+  opt = dp.keras.DPKerasAdamOptimizer(dp_query=query, learning_rate=0.01)
+  again = dp.keras.DPKerasAdamOptimizer.from_config(opt.get_config())
+  rebuilt = again._dp_base_query  # pylint: disable=protected-access
+  assert type(rebuilt) is dp.dp_query.AutomaticClippingSumQuery
+  assert (rebuilt.l2_norm_clip, rebuilt.noise_multiplier, rebuilt.stability) == (2.0, 1.3, 0.02)
+  assert rebuilt.stddev == pytest.approx(2.6)
