@@ -54,6 +54,7 @@ __all__ = [
     "DPKerasAdagradOptimizer", "DPKerasRMSpropOptimizer", "DPOptimizer", "from_budget",
     "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
     "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
+    "DPKerasAdamBCOptimizer", "augmentation_multiplicity",
 ]
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.
