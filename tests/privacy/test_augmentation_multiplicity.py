@@ -135,3 +135,18 @@ def test_bad_arguments(kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     augmentation.AugmentationMultiplicity(**args)
+
+
+def test_view_mean_loss_is_the_mean_of_view_losses_and_round_trips():
+  rng = np.random.RandomState(3)
+  logits = tf.constant(rng.randn(4, K, 3).astype("float32"))
+  y = tf.constant(rng.randint(0, 3, 4))
+  loss = augmentation.ViewMeanLoss(BASE_LOSS, output_rank=2)
+  per_view = np.stack([keras.losses.sparse_categorical_crossentropy(y, logits[:, k],
+                                                                    from_logits=True)
+                       for k in range(K)], 1)
+  np.testing.assert_allclose(loss.call(y, logits), per_view.mean(1), rtol=1e-6)
+  np.testing.assert_allclose(loss(y, logits), per_view.mean(), rtol=1e-6)
+  np.testing.assert_allclose(loss.call(y, logits[:, 0]), per_view[:, 0], rtol=1e-6)
+  again = keras.losses.deserialize(keras.losses.serialize(loss))
+  np.testing.assert_allclose(again(y, logits), loss(y, logits), rtol=1e-6)

@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 
+@keras.saving.register_keras_serializable(package="tf_dpiter", name="ViewMeanLoss")
 class ViewMeanLoss(keras.losses.Loss):
   """Per-example mean over K views of a base loss (labels repeated over the view axis)."""
 
@@ -46,15 +47,18 @@ class ViewMeanLoss(keras.losses.Loss):
     self._base = keras.losses.get(base_loss)
     self._output_rank = int(output_rank)
 
+  def _unreduced(self, y_true, y_pred):
+    if isinstance(self._base, keras.losses.Loss):
+      return self._base.call(y_true, y_pred)    # per-element, before the Loss' reduction
+    return self._base(y_true, y_pred)
+
   def call(self, y_true, y_pred):
     """Mean over the view axis of base(y_true repeated, y_pred); [B] (or [B, ...])."""
-    base = getattr(self._base, "fn", self._base)
-    kwargs = getattr(self._base, "_fn_kwargs", {})
     if len(y_pred.shape) == self._output_rank:     # inference: no view axis
-      return base(y_true, y_pred, **kwargs)
+      return self._unreduced(y_true, y_pred)
     k = tf.shape(y_pred)[1]
     y = tf.repeat(tf.expand_dims(y_true, 1), k, axis=1)
-    return tf.reduce_mean(base(y, y_pred, **kwargs), axis=1)
+    return tf.reduce_mean(self._unreduced(y, y_pred), axis=1)
 
   def get_config(self):
     """Keras config."""
