@@ -26,6 +26,7 @@ _CASES = {
     "gaussian_sum": (lambda: dq.GaussianSumQuery(1.0, 0.7, seed=1), _VEC),
     "gaussian_from_z": (lambda: dq.GaussianSumQuery.from_noise_multiplier(1.5, 0.4, seed=2),
                         _VEC),
+    "automatic_clipping": (lambda: dq.AutomaticClippingSumQuery(1.0, 0.7, 0.05, seed=16), _VEC),
     "gaussian_average": (lambda: dq.GaussianAverageQuery(1.0, 0.7, 4.0, seed=3), _VEC),
     "normalized": (lambda: dq.NormalizedQuery(dq.GaussianSumQuery(2.0, 0.3, seed=4), 2.0),
                    _VEC),

@@ -36,6 +36,7 @@ CASES = {
     "gaussian_tensor_args": (lambda: dq.GaussianSumQuery(tf.constant(1.25), np.float32(0.5),
                                                          seed=np.int64(3)), _vec),
     "gaussian_average": (lambda: dq.GaussianAverageQuery(1.0, 0.8, 12.0, seed=2), _vec),
+    "automatic_clipping": (lambda: dq.AutomaticClippingSumQuery(1.5, 0.7, 0.02, seed=12), _vec),
     "normalized": (lambda: dq.NormalizedQuery(dq.LaplaceSumQuery(2.0, 0.5, seed=4), 7), _vec),
     "laplace": (lambda: dq.LaplaceSumQuery(1.0, 0.3, seed=5), _vec),
     "no_privacy_sum": (dq.NoPrivacySumQuery, _vec),

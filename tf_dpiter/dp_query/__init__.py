@@ -12,6 +12,7 @@ Public names (classes and functions; the implementation modules are not part of 
     `proportional_noise`, `dimension_adjusted_noise`, `effective_noise_multiplier`);
   * adaptive clipping: `QuantileEstimatorQuery`, `QuantileAdaptiveClipSumQuery`,
     `value_noise_multiplier`;
+  * automatic clipping (Bu et al., AUTO-S): `AutomaticClippingSumQuery`;
   * other mechanisms: `LaplaceSumQuery` (`clip_by_l1_norm`, `laplace_noise`),
     `NoPrivacySumQuery`, `NoPrivacyAverageQuery`;
   * privacy events: `GaussianSumEvent`, `LaplaceSumEvent`, `NonPrivateEvent`;
@@ -32,6 +33,7 @@ from tf_dpiter.errors import ParameterValueError as _ParameterValueError
 # so the accountant imports them without paying for TF.
 _EXPORTS = {
     'DPQuery': 'tf_dpiter.dp_query.dp_query',
+    'AutomaticClippingSumQuery': 'tf_dpiter.dp_query.automatic_clipping',
     'BandMFQuery': 'tf_dpiter.dp_query.band_mf_query',
     'CorrelatedNoiseQuery': 'tf_dpiter.dp_query.band_mf_query',
     'TreeAggregationQuery': 'tf_dpiter.dp_query.tree_aggregation_query',

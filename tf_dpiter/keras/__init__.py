@@ -43,6 +43,8 @@ from tf_dpiter.keras.model.models import private_class
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
+from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer  # Tang et al., DP-AdamBC
+from tf_dpiter.keras.model.augmentation import augmentation_multiplicity  # De et al. 2022
 from tf_dpiter.keras.optimizer.optimizers import DPKerasRMSpropOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPOptimizer
@@ -52,6 +54,7 @@ __all__ = [
     "DPKerasAdagradOptimizer", "DPKerasRMSpropOptimizer", "DPOptimizer", "from_budget",
     "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
     "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
+    "DPKerasAdamBCOptimizer", "augmentation_multiplicity",
 ]
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.

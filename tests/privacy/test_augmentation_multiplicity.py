@@ -1,0 +1,152 @@
+"""Augmentation multiplicity (De et al. 2022, Sec. 3.1) through the real Keras train step.
+
+Exactness (noise 0, fast and vectorized paths): one step moves the weights by
+-lr * sum_i clip_S(mean_k grad loss(f(A_k(x_i)), y_i)) / B, the K view gradients of each
+example computed here one by one with tf.GradientTape, averaged, then clipped.
+Neighbouring (add/remove one example, Poisson padding row; noise 0, lr 1, normalize=False):
+the pre-noise sum moves by at most S, and the ledger records sensitivity S.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpiter as dp
+from tf_dpiter.keras.model import augmentation
+
+BASE_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+B, PAD, N, CLIP, K = 6, 3, 1000, 1.0, 3
+SHIFTS = np.array([[0.0] * 6, [0.5, -0.5, 0.2, 0.0, 1.0, -1.0], [-2.0, 0.0, 0.3, 1.5, 0.0, 0.7]],
+                  np.float32)
+
+
+def _augment(x, view):
+  """View k: x * (1 + 0.2 k) + SHIFTS[k] (deterministic, per example)."""
+  return x * (1.0 + 0.2 * view) + SHIFTS[view]
+
+
+def _wrapped(clipping, lr, normalize, conv=False, jit=False):
+  keras.utils.set_random_seed(0)
+  if conv:
+    layers = [keras.Input((6,)), keras.layers.Reshape((6, 1)),
+              keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
+              keras.layers.Dense(3)]
+  else:
+    layers = [keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
+  inner = keras.Sequential(layers)
+  model = dp.keras.augmentation_multiplicity(inner, _augment, K)
+  opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=lr, clipping=clipping,
+                                     normalize=normalize)
+  model.compile(optimizer=opt, loss=model.view_loss(BASE_LOSS), jit_compile=jit)
+  opt.set_sampling(N, B / N, "poisson", B)
+  assert opt.resolve_clipping(model, tf.zeros([B, 6])) == clipping
+  return model, inner
+
+
+def _expected_update(inner, x, y, lr):
+  total = [np.zeros(v.shape, np.float64) for v in inner.trainable_variables]
+  for i in range(len(x)):
+    mean = [np.zeros(v.shape, np.float64) for v in inner.trainable_variables]
+    for view in range(K):
+      xv = _augment(x[i:i + 1], view)
+      with tf.GradientTape() as tape:
+        loss = BASE_LOSS(y[i:i + 1], inner(xv, training=True))
+      g = tape.gradient(loss, inner.trainable_variables)
+      mean = [m + t.numpy().astype(np.float64) / K for m, t in zip(mean, g)]
+    norm = np.sqrt(sum(np.sum(m * m) for m in mean))
+    total = [t + m * min(1.0, CLIP / norm) for t, m in zip(total, mean)]
+  return [-lr * t / B for t in total]
+
+
+def _batch(seed):
+  rng = np.random.RandomState(seed)
+  return (rng.randn(B, 6) * 2).astype("float32"), rng.randint(0, 3, B), rng
+
+
+@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
+@pytest.mark.parametrize("conv,jit", [(False, False), (True, False), (False, True)],
+                         ids=["dense", "conv", "dense_xla"])
+def test_update_clips_the_mean_of_view_gradients(clipping, conv, jit):
+  lr = 0.5
+  model, inner = _wrapped(clipping, lr, True, conv, jit)
+  x, y, _ = _batch(0)
+  w0 = [w.copy() for w in inner.get_weights()]
+  expected = _expected_update(inner, x, y, lr)
+  model.train_on_batch(x, y)
+  for a, b, e in zip(w0, inner.get_weights(), expected):
+    np.testing.assert_allclose(b - a, e, rtol=2e-4, atol=1e-6)
+  assert any(np.abs(e).max() > 1e-4 for e in expected)
+
+
+def _clipped_sum(model, w0, x, y, weights):
+  model.set_weights(w0)
+  model.train_on_batch(x, y, sample_weight=weights)
+  return np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]).astype(
+      np.float64)
+
+
+@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
+def test_add_remove_one_example_moves_sum_by_at_most_s(clipping):
+  model, _ = _wrapped(clipping, 1.0, False)
+  w0 = [w.copy() for w in model.get_weights()]
+  x, y, rng = _batch(1)
+  xp = np.concatenate([x, np.zeros([PAD, 6], "float32")])
+  yp = np.concatenate([y, np.zeros([PAD], y.dtype)])
+  mask = np.concatenate([np.ones(B), np.zeros(PAD)]).astype("float32")
+  base = _clipped_sum(model, w0, xp, yp, mask)
+  changes = []
+  for j in range(B):
+    m2 = mask.copy()
+    m2[j] = 0.0
+    changes.append(np.linalg.norm(_clipped_sum(model, w0, xp, yp, m2) - base))
+  for _ in range(12):
+    xc = (rng.randn(6) * rng.choice([0.3, 3.0, 30.0])).astype("float32")
+    x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
+    x2[B], y2[B], m2[B] = xc, rng.randint(0, 3), 1.0
+    changes.append(np.linalg.norm(_clipped_sum(model, w0, x2, y2, m2) - base))
+  run = model.ledger.to_dict()["runs"][-1]
+  assert run["relation"] == "add_or_remove_one"
+  (query,) = run["queries"]
+  assert query["sensitivity"] == CLIP
+  assert max(changes) <= CLIP * (1 + 1e-5), max(changes)
+  assert max(changes) > 0.99 * CLIP   # the clip binds
+
+
+def test_fit_with_random_augmentation_and_inference_is_the_inner_model():
+  keras.utils.set_random_seed(0)
+  inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+  model = dp.keras.augmentation_multiplicity(
+      inner, lambda x, view: x + tf.random.normal(tf.shape(x), stddev=0.1), 4)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1),
+                loss=model.view_loss(BASE_LOSS))
+  rng = np.random.RandomState(2)
+  x, y = rng.randn(40, 6).astype("float32"), rng.randint(0, 3, 40)
+  model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  assert int(model.ledger.sample_count) > 0
+  np.testing.assert_allclose(model.predict(x, verbose=0), inner.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("kwargs,match", [({"k": 0}, "`k`"), ({"k": 2.0}, "`k`"),
+                                          ({"augment_fn": 3}, "augment_fn")])
+def test_bad_arguments(kwargs, match):
+  inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+  args = dict(model=inner, augment_fn=_augment, k=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    augmentation.AugmentationMultiplicity(**args)
+
+
+def test_view_mean_loss_is_the_mean_of_view_losses_and_round_trips():
+  rng = np.random.RandomState(3)
+  logits = tf.constant(rng.randn(4, K, 3).astype("float32"))
+  y = tf.constant(rng.randint(0, 3, 4))
+  loss = augmentation.ViewMeanLoss(BASE_LOSS, output_rank=2)
+  per_view = np.stack([keras.losses.sparse_categorical_crossentropy(y, logits[:, k],
+                                                                    from_logits=True)
+                       for k in range(K)], 1)
+  np.testing.assert_allclose(loss.call(y, logits), per_view.mean(1), rtol=1e-6)
+  np.testing.assert_allclose(loss(y, logits), per_view.mean(), rtol=1e-6)
+  np.testing.assert_allclose(loss.call(y, logits[:, 0]), per_view[:, 0], rtol=1e-6)
+  again = keras.losses.deserialize(keras.losses.serialize(loss))
+  np.testing.assert_allclose(again(y, logits), loss(y, logits), rtol=1e-6)

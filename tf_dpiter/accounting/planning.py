@@ -1,0 +1,102 @@
+"""Large-batch planning: batch size, steps and noise for a privacy budget and a compute budget.
+
+Given (epsilon, delta), the data size n and a compute budget C in example-gradients (B T <= C),
+every candidate batch size B gets T = floor(C / B) DP-SGD steps under Poisson sampling
+(q = B / n, add/remove one example, unit: one example) and the smallest noise multiplier z
+that the accountant (dp-accounting, through `calibrate_noise_multiplier`) lets reach epsilon
+at delta. The candidates are compared by the total amount of noise of Sander, Stock and
+Sablayrolles, "TAN without a burn: Scaling laws of DP-SGD" (ICML 2023), Section 3:
+
+    eta = z / (q sqrt(T))   =  (z / B) / sqrt(T) * n,
+
+the noise standard deviation on the averaged gradient (z S / B) relative to the signal
+accumulated over T steps; at equal eta they find equal accuracy, and lower eta better. At
+fixed compute C = q n T this is eta = z / sqrt(q C / n): since z grows slower than q sqrt(T)
+when the noise is small, large batches win, which is De et al.'s ("Unlocking High-Accuracy
+Differentially Private Image Classification through Scale", 2022, Section 3.2) and
+jax_privacy's guidance (largest batch the compute allows, with enough steps). `min_steps`
+keeps enough optimizer steps (TAN's scaling holds only with enough of them).
+
+Every plan's epsilon is the accountant's for the plan itself (z rounded up), never above the
+target.
+"""
+
+import dataclasses
+import math
+from typing import Tuple
+
+from tf_dpiter.accounting import calibration
+from tf_dpiter.accounting import dp_sgd
+from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.dp_query import validation
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+  """One (B, T, z) with its cost and noise figures (module docstring)."""
+  batch_size: int             # B, the expected batch size (Poisson)
+  steps: int                  # T
+  noise_multiplier: float     # z (noise stddev z S on the clipped sum)
+  sampling_probability: float  # q = B / n
+  epochs: float               # B T / n
+  example_gradients: int      # B T <= the compute budget
+  noise_per_step: float       # z / B: noise stddev on the averaged gradient, units of S
+  total_noise: float          # eta = z / (q sqrt(T)) (Sander et al. 2023)
+  epsilon: float              # the accountant's epsilon of this plan (<= the target)
+
+
+def _candidates(n, budget, batch_sizes, max_batch_size, min_steps):
+  if batch_sizes is None:
+    batch_sizes = [2 ** i for i in range(4, 40) if 2 ** i <= n]
+  cap = min(n, max_batch_size or n, budget // min_steps)
+  out = sorted({int(b) for b in batch_sizes if 1 <= int(b) <= cap})
+  if not out:
+    raise ValueError(f"no batch size fits: B <= min(n={n}, max_batch_size={max_batch_size}, "
+                     f"compute_budget // min_steps = {budget // min_steps}). Raise "
+                     "`compute_budget` or lower `min_steps`")
+  return out
+
+
+def plan_for(epsilon, delta, population_size, batch_size, steps, accountant="rdp"):
+  """The BatchPlan of a given (B, T): z calibrated to (epsilon, delta) under Poisson sampling.
+
+  Args:
+    epsilon, delta: the target; population_size: n; batch_size: B <= n; steps: T >= 1.
+    accountant: "rdp" or "pld".
+  Returns:
+    a BatchPlan.
+  """
+  q = batch_size / population_size
+  z = calibration.calibrate_noise_multiplier(epsilon, delta, q, steps, accountant=accountant)
+  groups = dp_sgd.dp_sgd_groups(population_size, batch_size, z, steps, "poisson")
+  eps = accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant).epsilon
+  return BatchPlan(batch_size, steps, z, q, batch_size * steps / population_size,
+                   batch_size * steps, z / batch_size, z / (q * math.sqrt(steps)), eps)
+
+
+def plan_batch_size(epsilon, delta, population_size, compute_budget, min_steps=100,
+                    batch_sizes=None, max_batch_size=None,
+                    accountant="rdp") -> Tuple[BatchPlan, Tuple[BatchPlan, ...]]:
+  """Proposes (B, T, z) for a privacy budget and a compute budget (module docstring).
+
+  Args:
+    epsilon: target epsilon > 0; delta: target delta in (0, 1).
+    population_size: n, examples in the data set.
+    compute_budget: C, the number of per-example gradients the run may compute (B T <= C).
+    min_steps: the fewest optimizer steps a plan may have (T >= min_steps).
+    batch_sizes: candidate B (default: the powers of two from 16 up to n).
+    max_batch_size: an upper bound on B (e.g. memory with max_physical_batch_size unset).
+    accountant: "rdp" (default) or "pld".
+  Returns:
+    (the plan with the smallest total noise eta, all candidate plans by increasing B).
+  Raises:
+    ValueError: a bad argument, or no candidate B with T = C // B >= min_steps.
+  """
+  validation.check_positive("epsilon", epsilon)
+  validation.check_delta("delta", delta)
+  n = validation.check_integer("population_size", population_size, 1)
+  budget = validation.check_integer("compute_budget", compute_budget, 1)
+  min_steps = validation.check_integer("min_steps", min_steps, 1)
+  plans = tuple(plan_for(epsilon, delta, n, b, budget // b, accountant)
+                for b in _candidates(n, budget, batch_sizes, max_batch_size, min_steps))
+  return min(plans, key=lambda p: p.total_noise), plans

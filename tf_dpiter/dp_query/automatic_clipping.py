@@ -1,0 +1,127 @@
+"""Automatic clipping (per-record normalization) with Gaussian noise: Bu et al., AUTO-S.
+
+Bu, Wang, Zha and Karypis, "Automatic Clipping: Differentially Private Deep Learning Made
+Easier and Stronger" (NeurIPS 2023), Section 4 (AUTO-S): each record g_i is scaled by
+
+    c_i = S / (||g_i||_2 + gamma)          (instead of min(1, S / ||g_i||_2))
+
+with a stability constant gamma > 0 (the paper's default 0.01). Then
+||c_i g_i|| = S ||g_i|| / (||g_i|| + gamma) < S for every record, so the sum over records has
+L2 sensitivity S under add/remove one record (unit: one example, or one microbatch when the
+optimizer clips microbatches; the replace-one sensitivity is 2S), exactly as the Gaussian
+sum query's: the noise N(0, (z S)^2 I) and the privacy event `GaussianSumEvent(S, z S)` are
+the same, so the accountant charges it like DP-SGD. A record whose norm is not finite gets
+c_i = 0 (it adds nothing: a function of that record alone). Unlike min(1, S/||g||), every
+record is rescaled, small gradients are amplified towards norm S: the paper shows the
+learning rate then absorbs S (AUTO-S with S = 1 needs no clip tuning).
+
+The rule lives in `record_clip_factors` (the fast, ghost-norm path asks the query for the
+factors of norms it computed) and in `preprocess_record` (the vectorized path), which apply
+the same factors.
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.dp_query import clipping
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import serialization
+from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import PrivacyConfigError
+
+DEFAULT_STABILITY = 0.01
+
+
+def automatic_clip_factors(record_norms, l2_norm_clip, stability):
+  """c_i = S / (||g_i||_2 + gamma), 0 for a non-finite norm (Bu et al., AUTO-S, Section 4).
+
+  Args:
+    record_norms: ||g_i||_2 >= 0, a float tensor of any shape.
+    l2_norm_clip: S >= 0, finite, a number or scalar tensor.
+    stability: gamma > 0, a number or scalar tensor.
+  Returns:
+    float32 factors shaped like `record_norms`; c_i ||g_i|| < S.
+  """
+  norms = tf.cast(record_norms, tf.float32)
+  factors = tf.cast(l2_norm_clip, tf.float32) / (norms + tf.cast(stability, tf.float32))
+  return tf.where(tf.math.is_finite(norms), factors, tf.zeros_like(factors))
+
+
+@serialization.register_query()
+class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
+  """Sum of records normalized by S / (||g|| + gamma) (AUTO-S), plus N(0, (z S)^2) noise.
+
+  Sensitivity S under add/remove one record (module docstring); events and accounting are
+  those of `GaussianSumQuery`. Usable as `dp_query=` on every DP optimizer, on the fast and
+  vectorized clipping paths.
+  """
+
+  def __init__(self, l2_norm_clip, noise_multiplier, stability=DEFAULT_STABILITY, seed=None,
+               secure_mode=False):
+    """Builds the query from the clip S, the noise multiplier z and gamma.
+
+    Args:
+      l2_norm_clip: S > 0, finite: the bound on each normalized record's L2 norm.
+      noise_multiplier: z >= 0, finite: the noise stddev is z S on the sum (0: no noise).
+      stability: gamma > 0, finite (Bu et al. use 0.01); in gradient-norm units.
+      seed: fixes the noise (tests only: the output is then not private).
+      secure_mode: noise from os.urandom (`randomness.SecureRandom`).
+    Raises:
+      ParameterTypeError: a non-numeric argument.
+      PrivacyConfigError: S <= 0 or infinite, z < 0 or infinite, gamma <= 0 or infinite.
+    """
+    clip = validation.check_positive("l2_norm_clip", l2_norm_clip)
+    gamma = validation.check_nonnegative("stability", stability, allow_inf=False)
+    if not tf.is_tensor(gamma) and gamma <= 0:
+      raise PrivacyConfigError(
+          f"`stability` must be > 0 (gamma in S / (||g|| + gamma); Bu et al. use 0.01). "
+          f"Received: stability={stability!r}")
+    self._noise_multiplier = validation.check_nonnegative("noise_multiplier", noise_multiplier,
+                                                          allow_inf=False)
+    self._stability = gamma
+    super().__init__(clip, gaussian_query.gaussian_stddev(clip, noise_multiplier), seed=seed,
+                     secure_mode=secure_mode)
+
+  @classmethod
+  def from_noise_multiplier(cls, l2_norm_clip, noise_multiplier, seed=None, secure_mode=False,
+                            stability=DEFAULT_STABILITY):
+    """The query with clip S, noise multiplier z and gamma (the constructor's arguments)."""
+    return cls(l2_norm_clip, noise_multiplier, stability, seed=seed, secure_mode=secure_mode)
+
+  @property
+  def noise_multiplier(self):
+    """z, the noise stddev in units of S."""
+    return self._noise_multiplier
+
+  @property
+  def stability(self):
+    """gamma, the stability constant of S / (||g|| + gamma)."""
+    return self._stability
+
+  def get_config(self):
+    """DPQuery.get_config: {l2_norm_clip, noise_multiplier, stability, seed, secure_mode}."""
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
+            "stability": p(self._stability), "seed": p(self._seed),
+            "secure_mode": self._secure_mode}
+
+  def preprocess_record(self, params, record):
+    """record * S / (||record||_2 + gamma), over the whole nest.
+
+    Args:
+      params: S, from `derive_sample_params`; record: a nest of float tensors.
+    Returns:
+      the normalized record (same structure and dtypes).
+    """
+    factor = automatic_clip_factors(clipping.global_l2_norm(record), params, self._stability)
+    return tf.nest.map_structure(lambda x: x * tf.cast(factor, x.dtype), record)
+
+  def record_clip_factors(self, params, record_norms):
+    """c_i = S / (||x_i||_2 + gamma), 0 for a non-finite norm (`automatic_clip_factors`).
+
+    Args:
+      params: S, from `derive_sample_params`.
+      record_norms: ||x_i||_2, a float tensor.
+    Returns:
+      float32 factors shaped like `record_norms`.
+    """
+    return automatic_clip_factors(record_norms, params, self._stability)
