@@ -73,8 +73,9 @@ class RunStatement:
     lines = [head,
              f"  sampling: {self.policy}, q = {self.selection_probability:.4g}, "
              f"n = {self.population_size:g}",
-             f"  steps: {self.steps}" + (f" in {self.passes} shuffled passes"
-                                         if self.passes else ""),
+             f"  steps: {self.steps}" + (
+                 f" in {self.passes} shuffled pass" + ("es" if self.passes > 1 else "")
+                 if self.passes else ""),
              f"  noise multiplier z = {self.noise_multiplier:.4g}"]
     lines += [f"  - {note}" for note in self.notes]
     return "\n".join(lines)
