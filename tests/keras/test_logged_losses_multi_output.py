@@ -95,3 +95,34 @@ def test_per_output_losses_are_not_a_single_output_value():
   assert hist["cls_loss"][1] == pytest.approx(expected_cls, rel=1e-5)
   assert hist["reg_loss"][1] == pytest.approx(expected_reg, rel=1e-5)
   assert expected_cls != pytest.approx(expected_reg, rel=1e-2)
+
+
+class TwoOut(keras.Model):
+  """A subclassed two-output model."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.hidden = keras.layers.Dense(8, activation="relu")
+    self.cls, self.reg = keras.layers.Dense(3), keras.layers.Dense(1)
+
+  def call(self, x):
+    h = self.hidden(x)
+    return self.cls(h), self.reg(h)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_subclassed_multi_output_losses_equal_evaluate(jit):
+  x, y_cls, y_reg = _data()
+  keras.utils.set_random_seed(0)
+  model = dp.keras.make_private(TwoOut())
+  model.compile(
+      optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.0),
+      loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"],
+      loss_weights=[1.0, 0.5], jit_compile=jit)
+  hist = model.fit(x, (y_cls, y_reg), batch_size=N // 4, sampling="shuffle", epochs=1,
+                   verbose=0).history
+  ev = model.evaluate(x, (y_cls, y_reg), batch_size=N, verbose=0, return_dict=True)
+  per_output = [k for k in ev if k.endswith("_loss")]
+  assert len(per_output) == 2, ev
+  for key, value in ev.items():
+    assert hist[key][0] == pytest.approx(value, rel=2e-5, abs=1e-6), key

@@ -14,6 +14,7 @@ attribute and the Keras version.
 import contextlib
 
 import keras
+import tensorflow as tf
 
 
 def keras_version():
@@ -210,6 +211,24 @@ def compile_loss_unbuilt(model):
   """
   compiled = getattr(model, "_compile_loss", None)
   return compiled is not None and not compiled.built
+
+
+def build_compile_loss(model, y, y_pred, sample_weight):
+  """Builds `model`'s compiled loss (its per-output trackers) symbolically, from the shapes of
+  a batch: Keras' `backend.compute_output_spec` of the compiled loss, as its
+  `_symbolic_build` does, without running the model symbolically.
+
+  Args:
+    model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors (or None).
+  """
+  compiled = _require(model, "_compile_loss", "Model")
+
+  def symbolic(t):
+    return None if t is None else keras.KerasTensor(
+        t.shape, keras.backend.standardize_dtype(t.dtype))
+
+  y, y_pred, sample_weight = tf.nest.map_structure(symbolic, (y, y_pred, sample_weight))
+  keras.src.backend.compute_output_spec(compiled, y, y_pred, sample_weight)
 
 
 def call_compile_loss(model, y, y_pred, sample_weight):

@@ -24,6 +24,7 @@ divided by n times the number of values per example.
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from tf_dpiter.keras.model import keras_internals
@@ -45,8 +46,8 @@ def silenced(model, data):
   """Within the block the compiled loss of `model` updates no per-output loss tracker.
 
   The trackers exist once the compiled loss is built; an unbuilt one is built first from
-  the shapes of `data` (Keras' symbolic build: no operation is added to the step), so that
-  it does not build, and update, them inside the block.
+  the shapes of `data` and of the model's outputs on it (symbolically: the loss adds no
+  operation to the step), so that it does not build, and update, them inside the block.
 
   Args:
     model: a compiled keras.Model.
@@ -54,14 +55,28 @@ def silenced(model, data):
   Yields:
     None.
   """
-  if keras_internals.compile_loss_unbuilt(model):
-    keras_internals.symbolic_build(model, data)
+  if keras_internals.compile_loss_unbuilt(model) and _may_have_several_outputs(model):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    # a forward pass for the outputs' shapes (unused ops: pruned from the step), under a
+    # name scope (a model named "_x" is no valid root scope)
+    with tf.name_scope("dp_output_shapes"):
+      y_pred = model(x, training=False) if keras_internals.call_has_training_arg(model) else (
+          model(x))
+    keras_internals.build_compile_loss(model, y, y_pred, sample_weight)
   trackers = keras_internals.output_loss_trackers(model)
   if not trackers:
     yield
     return
   with keras_internals.output_loss_trackers_swapped(model, [None] * len(trackers)):
     yield
+
+
+def _may_have_several_outputs(model):
+  """False for a functional or Sequential model with one output (no per-output tracker)."""
+  graph = keras_internals.functional_graph(model)
+  if graph is None:
+    return True
+  return len(tf.nest.flatten(graph[0].outputs)) > 1
 
 
 def _batch_size(y_pred):
