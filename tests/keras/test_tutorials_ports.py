@@ -56,3 +56,76 @@ def test_lstm_language_model_tutorial():
   assert out["epsilon"] == pytest.approx(_poisson_epsilon(100 / 2000, 1.0, 40, 1e-5), rel=1e-6)
   assert out["test_accuracy"] > 0.2, stdout          # chance: 1/40; the chain's best ~0.6
   assert math.isfinite(out["bayes_accuracy"])
+
+
+# ---- TF Privacy's MNIST tutorials and an Opacus user's script (tutorials/mnist_*.py) -------
+# Quick mode: the first 2000 training images (500 test), expected batch 100 (q = 0.05). MNIST
+# from $TF_DPITER_MNIST or /work/shared/data/mnist.npz; a synthetic keras-layout npz when
+# neither exists (the accounting checks do not depend on the images).
+
+MNIST_N, MNIST_B = 2000, 100
+
+
+@pytest.fixture(scope="module")
+def mnist_path(tmp_path_factory):
+  for path in (os.environ.get("TF_DPITER_MNIST"), "/work/shared/data/mnist.npz"):
+    if path and os.path.exists(path):
+      return path
+  import numpy as np   # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(0)
+  arrays = {}
+  for split, n in (("train", MNIST_N), ("test", 500)):
+    y = rng.randint(0, 10, n).astype("uint8")
+    arrays[f"x_{split}"] = (rng.rand(n, 28, 28) * 60 + y[:, None, None] * 19).astype("uint8")
+    arrays[f"y_{split}"] = y
+  path = str(tmp_path_factory.mktemp("mnist") / "mnist_small.npz")
+  np.savez(path, **arrays)
+  return path
+
+
+def test_mnist_keras_sequential_tutorial(mnist_path):
+  """TF Privacy's Keras tutorial: num_microbatches makes fit cut shuffled passes; each pass
+  is one Gaussian mechanism of multiplier z / 2 (replace one, sensitivity 2C); the printed
+  epsilon is that, and the run's statement names TF Privacy's Poisson number as not its own."""
+  stdout, out = _run("mnist_keras_sequential.py", "--data_path", mnist_path)
+  assert (out["sampling"], out["steps"], out["passes"]) == ("shuffle", MNIST_N // MNIST_B, 1)
+  acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+  acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.1 / 2), out["passes"]))
+  assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+  assert out["epsilon_if_poisson"] == pytest.approx(
+      _poisson_epsilon(MNIST_B / MNIST_N, 1.1, out["steps"], 1e-5), rel=1e-6)
+  assert "NOT this run's epsilon" in stdout and "num_microbatches=100" in stdout
+  assert 0 <= out["test_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("script", ["mnist_keras_functional.py", "mnist_vectorized.py",
+                                    "mnist_lr.py"])
+def test_mnist_poisson_tutorials(script, mnist_path):
+  """Functional model with TF Privacy's DP model arguments, the vectorized optimizer, and
+  logistic regression: Poisson samples (q = 0.05), epsilon of the steps taken."""
+  stdout, out = _run(script, "--data_path", mnist_path)
+  epochs = 2 if script == "mnist_lr.py" else 1
+  assert (out["sampling"], out["steps"]) == ("poisson", epochs * MNIST_N // MNIST_B)
+  assert out["q"] == pytest.approx(MNIST_B / MNIST_N)
+  assert out["epsilon"] == pytest.approx(
+      _poisson_epsilon(MNIST_B / MNIST_N, 1.1, out["steps"], 1e-5), rel=1e-6)
+  assert "NOT this run's" not in stdout and "add or remove one" in stdout
+  if script == "mnist_keras_functional.py":   # TF Privacy's call agrees: the run was Poisson
+    assert out["epsilon_tf_privacy_call"] == pytest.approx(out["epsilon"], rel=1e-6)
+  if script == "mnist_vectorized.py":
+    assert out["clipping"] == "vectorized"
+  if script == "mnist_lr.py":
+    assert out["test_accuracy"] > 0.4, stdout   # chance: 0.1 (measured 0.68 on MNIST)
+
+
+def test_opacus_style_script(mnist_path):
+  """make_private_with_epsilon + a train_on_batch loop on Poisson batches: the printed
+  epsilon is the ledger's, dp-accounting's for the calibrated z, and within the target."""
+  stdout, out = _run("opacus_style_mnist.py", "--data_path", mnist_path)
+  assert (out["sampling"], out["steps"]) == ("poisson", 2 * MNIST_N // MNIST_B)
+  assert out["epsilon"] == pytest.approx(
+      _poisson_epsilon(MNIST_B / MNIST_N, out["noise_multiplier"], out["steps"], 1e-5),
+      rel=1e-6)
+  assert out["epsilon"] <= out["target_epsilon"] * (1 + 1e-6)
+  assert out["epsilon"] > 0.9 * out["target_epsilon"]   # calibrated, not merely bounded
+  assert stdout.count("Train Epoch:") == 2

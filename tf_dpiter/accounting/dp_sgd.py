@@ -121,12 +121,15 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
     num_microbatches: M, or None; with M, one example moves its microbatch by 2C.
   Returns:
     DpSgdPrivacy: unpacks as TF Privacy's (eps, opt_order); .statement names the relation
-    and the unit.
+    and the unit (and, when delta >= 1/n, says what that allows).
+  Warns:
+    UserWarning: delta >= 1/n (`accountant.warn_if_delta_too_large`).
   Raises:
     ValueError: a bad argument, or microbatches with an add/remove sampling.
   """
   _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches)
   delta = validation.check_delta("delta", delta)
+  large_delta = accountant_lib.warn_if_delta_too_large(delta, n, stacklevel=3)
   steps = dp_sgd_steps(n, batch_size, epochs)
   groups = dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling, num_microbatches)
   report = accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant)
@@ -136,6 +139,8 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
       f"{noise_multiplier}, {epochs} epochs = {steps} steps, {sampling} sampling"
       + (f", {num_microbatches} microbatches" if num_microbatches else "") + " satisfies "
       f"({report.epsilon:.4g}, {delta:.3g})-DP ({accountant.upper()} accountant).\n"
-      + "\n".join(f"  - {a}" for a in report.assumptions))
+      + "\n".join(f"  - {a}" for a in report.assumptions)
+      + (f"\n  - delta = {delta:g} >= 1/n = {1.0 / n:.3g}: such a guarantee allows revealing "
+         "about one record outright; use delta well below 1/n" if large_delta else ""))
   order = accountant_lib.optimal_rdp_order(groups, delta) if accountant == "rdp" else None
   return DpSgdPrivacy(report.epsilon, order, delta, steps, q, statement, report.assumptions)

@@ -12,7 +12,9 @@ that is (e, d)-DP for one example is (k e, k e^((k-1) e) d)-DP for k examples; t
 delta d is the largest one whose group delta stays within `delta` (bisection on log d).
 """
 
+import contextlib
 import math
+import warnings
 
 from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
@@ -50,6 +52,14 @@ def group_epsilon(epsilon_at, k, delta):
     return math.inf   # group privacy gives no finite bound at this delta
   # feasible at lo, not at hi: the largest feasible log d, to ~1e-8 (about 32 halvings)
   return at(search.bisect(feasible, hi, lo, rel_tol=_LOG_DELTA_REL_TOL))[1]
+
+
+@contextlib.contextmanager
+def _delta_warned():
+  """Within the block the delta >= 1/n warning (already given by the caller) is not repeated."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"delta=.* is >= 1/n", category=UserWarning)
+    yield
 
 
 def _line(label, value):
@@ -101,8 +111,9 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
     validation.check_integer("max_examples_per_user", max_examples_per_user, 1)
   accountant_lib.warn_if_delta_too_large(delta, number_of_examples, stacklevel=3)
   n, b, z = number_of_examples, batch_size, noise_multiplier
-  shuffled = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta, accountant=accountant,
-                                           sampling="shuffle")
+  with _delta_warned():   # warned above, once
+    shuffled = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta,
+                                             accountant=accountant, sampling="shuffle")
   head = (f"DP-SGD over {n} examples with {b} examples per step, noise multiplier {z:g}, for "
           f"{num_epochs:g} epochs ({shuffled.steps} steps), "
           f"{'with' if used_microbatching else 'without'} microbatching, and "
@@ -120,7 +131,9 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
                        "not given: with microbatches, removing an example re-deals the "
                        "others among microbatches"))
   else:
-    poisson = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta, accountant=accountant)
+    with _delta_warned():
+      poisson = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta,
+                                              accountant=accountant)
     lines.append(_line("Epsilon assuming Poisson sampling (*) (add/remove-one adjacency, "
                        "sensitivity C)", poisson.epsilon))
   lines += [""] + _user_lines(n, b, z, num_epochs, delta, max_examples_per_user, accountant,

@@ -11,13 +11,15 @@ Also: cyclic Poisson (b-min-separation, for banded matrix factorization; groups 
 each example's own identity, the cycle position owned by the ledger) and truncated Poisson
 samplers, out-of-core Poisson sampling by index from TFRecord shards
 (`poisson_batches_from_source`, `distributed_poisson_batches` for multi-worker) and user-level
-Poisson sampling (`poisson_user_batches`).
+Poisson sampling (`poisson_user_batches`). A user's own shuffled, batched tf.data pipeline is
+declared with `declare_shuffled(dataset, n, B)`, which counts its passes itself.
 """
 
 from tf_dpiter.data.sampling import SamplingSpec
 from tf_dpiter.data.sampling import default_max_batch_size
 from tf_dpiter.data.sampling import get_sampling_spec
 from tf_dpiter.data.sampling import poisson_batches
+from tf_dpiter.data.declared import declare_shuffled
 from tf_dpiter.data.shuffling import ShuffleSampler
 from tf_dpiter.data.shuffling import shuffled_batches
 from tf_dpiter.data.shuffling import steps_per_pass
@@ -37,7 +39,7 @@ from tf_dpiter.data.user_sampling import poisson_user_batches
 __all__ = [
     "ArraySource", "CyclicPoissonSampler", "SamplingSpec", "ShuffleSampler", "TFRecordSource",
     "TruncatedPoissonSampler", "cyclic_poisson_batches", "default_max_batch_size",
-    "distributed_poisson_batches", "get_sampling_spec", "map_records", "poisson_batches",
+    "declare_shuffled", "distributed_poisson_batches", "get_sampling_spec", "map_records", "poisson_batches",
     "poisson_batches_from_source", "poisson_user_batches", "shuffled_batches", "steps_per_pass",
     "truncated_poisson_batches", "write_indexed_tfrecords",
     "balls_in_bins_batches",

@@ -10,6 +10,8 @@ map_fn=f)` and `shuffled_batches(..., map_fn=f)` do the same on (x, y) only, lea
 weights (the Poisson padding mask) untouched.
 """
 
+import inspect
+
 import tensorflow as tf
 
 from tf_dpiter.data import sampling
@@ -26,17 +28,26 @@ def _per_record(fn, components):
 def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   """`dataset` with `fn` applied to each record alone; keeps its SamplingSpec.
 
+  `fn` is written as for one record, the way users write it: `fn(x, y) -> (x, y)` (or
+  `fn(x) -> x`) transforms the leading components and the trailing ones (the sample weights,
+  the Poisson padding mask) pass through unchanged; `fn(x, y, weight) -> (x, y, weight)`
+  receives every component. Which one is meant is read from the number of required
+  positional parameters of `fn` (a `*args` function gets every component).
+
   Args:
     dataset: a dataset from poisson_batches / shuffled_batches (or derived from one through
-      a transform that keeps the declaration).
-    fn: called with one record's components as positional arguments (for poisson_batches
-      (x, y, weight), with the leading batch axis removed) and returning the same number of
-      components; it may not see other records.
+      a transform that keeps the declaration); its elements are (x, y, weight) for
+      poisson_batches, (x, y) or (x, y, weight) for shuffled_batches.
+    fn: called with the first k components of one record (leading batch axis removed) as
+      positional arguments, k its number of required positional parameters (all components
+      for `*args`), and returning k components (one value when k = 1); it may not see other
+      records.
     num_parallel_calls: as in tf.data.Dataset.map.
   Returns:
     The mapped dataset, carrying the same SamplingSpec.
   Raises:
-    ValueError: `dataset` declares no sampling.
+    ValueError: `dataset` declares no sampling, or `fn` requires more arguments than a
+      record has components (names both).
     ParameterTypeError: `fn` is not callable (a TypeError).
   """
   spec = sampling.get_sampling_spec(dataset)
@@ -47,12 +58,39 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   if not callable(fn):
     raise ParameterTypeError(f"fn must be callable, got {fn!r}")
 
+  arity = _required_positional(fn)
+
   def per_batch(*components):
-    out = _per_record(fn, components)
+    k = len(components) if arity is None else arity
+    if k > len(components):
+      raise ValueError(
+          f"fn={getattr(fn, '__name__', fn)!r} requires {k} positional arguments, but the "
+          f"dataset's records have {len(components)} components (x, y[, weight]); write "
+          "fn(x, y) or fn(x, y, weight)")
+    head, tail = components[:k], components[k:]
+    if k == 1:
+      out = _per_record(lambda c: (fn(c),), head)
+    else:
+      out = _per_record(lambda *c: tuple(fn(*c)), head)
+    out = tuple(out) + tuple(tail)
     return out if len(out) > 1 else out[0]
 
   mapped = dataset.map(per_batch, num_parallel_calls=num_parallel_calls)
   return sampling.attach_spec(mapped, spec)
+
+
+def _required_positional(fn):
+  """The number of required positional parameters of `fn`, or None (`*args`, or a callable
+  whose signature cannot be read: it then gets every component)."""
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    return None
+  if any(p.kind == p.VAR_POSITIONAL for p in params):
+    return None
+  n = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+          and p.default is p.empty)
+  return n or None
 
 
 def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOTUNE):

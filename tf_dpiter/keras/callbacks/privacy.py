@@ -109,6 +109,12 @@ def _check_accountant(accountant):
   return accountant
 
 
+def _progress_bar_open(params):
+  """True when Keras' progress bar (fit verbose=1 or "auto") is still on its line at a
+  callback's on_epoch_end: it ends the line after the user callbacks."""
+  return (params or {}).get("verbose") in (1, "auto")
+
+
 class PrivacyMeter(keras.callbacks.Callback):
   """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end).
 
@@ -139,6 +145,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     self.epsilon = None
     self.epoch_steps = []
     self._written = None
+    self._pending = None
 
   def _epsilon(self):
     ledger = model_ledger(self.model)
@@ -177,15 +184,31 @@ class PrivacyMeter(keras.callbacks.Callback):
         logs["epsilon_if_poisson"] = self._written[1]
 
   def on_epoch_end(self, epoch, logs=None):
-    """keras.callbacks.Callback.on_epoch_end: writes epsilon into `logs` (`write_logs`)."""
+    """keras.callbacks.Callback.on_epoch_end: writes epsilon into `logs` (`write_logs`);
+    with `verbose`, prints it on its own line (after Keras' progress bar has ended its line:
+    under fit(verbose=1) the line is printed when the next epoch or the training ends)."""
     self.write_logs(epoch, logs)
     if self.verbose:
       if_poisson = self._written[1]
       extra = "" if if_poisson is None else f" (Poisson sampling would give {if_poisson:.4g})"
-      print(f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = {self.delta:g}{extra}")
+      self._pending = (f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = "
+                       f"{self.delta:g}{extra}")
+      if not _progress_bar_open(self.params):
+        self._print_pending()
+
+  def on_epoch_begin(self, epoch, logs=None):
+    """keras.callbacks.Callback.on_epoch_begin: prints the last epoch's line if pending."""
+    self._print_pending()
+
+  def _print_pending(self):
+    if getattr(self, "_pending", None):
+      print(self._pending, flush=True)
+    self._pending = None
 
   def on_train_end(self, logs=None):
-    """keras.callbacks.Callback.on_train_end: unregisters the meter, writes the plot."""
+    """keras.callbacks.Callback.on_train_end: prints a pending epsilon line, unregisters the
+    meter, writes the plot."""
+    self._print_pending()
     meters = _FIT_METERS.get(self.model, [])
     if self in meters:
       meters.remove(self)

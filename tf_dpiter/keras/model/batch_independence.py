@@ -25,6 +25,8 @@ scale). A passing probe is evidence, not proof; `tf_dpiter.auditing.check_sensit
 measures the end-to-end effect on the real train step.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -218,4 +220,30 @@ def probe_model(model, input_specs=None, seed=0):
     # first train step) cannot be read yet: unprobed, and not cached
     return None
   object.__setattr__(model, _CACHE_ATTR, verdict)
+  if verdict:
+    warn_batch_mixing(verdict)
   return verdict
+
+
+def warn_batch_mixing(layers, stacklevel=4):
+  """Warns that `layers` mix the examples of a batch, and what clipping="auto" does then.
+
+  The step then takes the vectorized path, which runs each record alone: a layer computing a
+  batch statistic computes it over one example in training (a batch-mean centering outputs
+  0), while evaluate and predict run it on whole batches, so the model trained is not the one
+  evaluated. Per-example clipping stays exact (the privacy holds); the warning is about the
+  model.
+
+  Args:
+    layers: the mixing layers' names (`batch_mixing_layers`).
+    stacklevel: for warnings.warn.
+  """
+  warnings.warn(
+      f"layers {list(layers)} make one example's activations depend on the other examples "
+      "of the batch. Under clipping='auto' the private step runs each example alone "
+      "(vectorized path, so that clipping bounds each example's influence): in training "
+      f"{list(layers)} see a batch of one example (a batch mean is the example itself, and "
+      "x - mean(x) is 0), while evaluate and predict run them on whole batches. Replace them "
+      "by per-example layers (LayerNormalization, a statistic fixed beforehand from public "
+      "data), or pass clipping='vectorized' if training on single examples is what you mean",
+      UserWarning, stacklevel=stacklevel)

@@ -14,6 +14,7 @@ attribute and the Keras version.
 import contextlib
 
 import keras
+import tensorflow as tf
 
 
 def keras_version():
@@ -162,6 +163,90 @@ def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
       m.update_state(y_t, y_p, s_w)
 
 
+def output_loss_trackers(model):
+  """The per-output loss metrics of `model`'s compiled loss (`logs["<output>_loss"]`, one
+  keras.metrics.Mean per output of a multi-output model; empty for one output), in the order
+  of the compiled loss's outputs (Keras' `CompileLoss.metrics`).
+
+  Args:
+    model: a compiled keras.Model.
+  Returns:
+    a list of metrics (empty: no compiled loss, or a single output).
+  """
+  compiled = getattr(model, "_compile_loss", None)
+  return list(compiled.metrics) if compiled is not None else []
+
+
+@contextlib.contextmanager
+def output_loss_trackers_swapped(model, stand_ins):
+  """Within the block `model`'s compiled loss updates `stand_ins[i]` in place of its i-th
+  per-output loss metric (Keras' `CompileLoss._metrics`); a None stand-in updates nothing.
+
+  Args:
+    model: a compiled keras.Model whose compiled loss is built.
+    stand_ins: a list as long as `output_loss_trackers(model)`: objects with
+      `update_state(value, sample_weight)`, or None.
+  Yields:
+    None.
+  Raises:
+    AttributeError: the installed Keras lacks the attribute (names it and the version).
+  """
+  compiled = model._compile_loss  # pylint: disable=protected-access
+  old = _require(compiled, "_metrics", "CompileLoss")
+  compiled._metrics = list(stand_ins)  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    compiled._metrics = old  # pylint: disable=protected-access
+
+
+def compile_loss_unbuilt(model):
+  """True if `model` has a compiled loss that is not built yet (its per-output trackers do
+  not exist before it is built).
+
+  Args:
+    model: a keras.Model.
+  Returns:
+    bool.
+  """
+  compiled = getattr(model, "_compile_loss", None)
+  return compiled is not None and not compiled.built
+
+
+def build_compile_loss(model, y, y_pred, sample_weight):
+  """Builds `model`'s compiled loss (its per-output trackers) symbolically, from the shapes of
+  a batch: Keras' `backend.compute_output_spec` of the compiled loss, as its
+  `_symbolic_build` does, without running the model symbolically.
+
+  Args:
+    model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors (or None).
+  """
+  compiled = _require(model, "_compile_loss", "Model")
+
+  def symbolic(t):
+    return None if t is None else keras.KerasTensor(
+        t.shape, keras.backend.standardize_dtype(t.dtype))
+
+  y, y_pred, sample_weight = tf.nest.map_structure(symbolic, (y, y_pred, sample_weight))
+  keras.src.backend.compute_output_spec(compiled, y, y_pred, sample_weight)
+
+
+def call_compile_loss(model, y, y_pred, sample_weight):
+  """Evaluates `model`'s compiled loss (Keras' `CompileLoss`, no layer losses) on a batch.
+
+  Args:
+    model: a compiled keras.Model; y, y_pred, sample_weight: the batch's nests.
+  Returns:
+    the weighted total of the outputs' losses.
+  """
+  return _require(model, "_compile_loss", "Model")(y, y_pred, sample_weight)
+
+
+def unscale_loss_for_distribution(value):
+  """Keras' undoing of a loss's 1/replicas scaling (what its per-output loss metrics log)."""
+  return keras.src.losses.loss.unscale_loss_for_distribution(value)
+
+
 def set_compile_metrics(model, metrics):
   """Replaces the compiled metrics container of `model` (None detaches it).
 
@@ -298,8 +383,12 @@ def missing_internals():
   model = _probe_model()
   needed = [(model, "Model", name) for name in (
       "_flatten_layers", "_compute_loss", "_call_has_training_arg", "_symbolic_build",
-      "_loss_tracker", "_jit_compile", "_compile_metrics", "_nodes_by_depth")]
+      "_loss_tracker", "_jit_compile", "_compile_metrics", "_nodes_by_depth",
+      "_compile_loss")]
   needed.append((keras.src.backend, "keras.src.backend", "rnn"))
+  needed.append((model._compile_loss, "CompileLoss", "_metrics"))  # pylint: disable=protected-access
+  needed.append((keras.src.losses.loss, "keras.src.losses.loss",
+                 "unscale_loss_for_distribution"))
   needed.append((keras.src.models.functional, "keras.src.models.functional", "Functional"))
   with keras.StatelessScope() as scope:
     needed.append((scope, "StatelessScope", "state_mapping"))

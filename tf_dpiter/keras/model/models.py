@@ -36,6 +36,7 @@ from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 from tf_dpiter.keras.optimizer import optimizers as opt_lib
 from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
 from tf_dpiter.keras.model import train_step as train_step_lib
 
@@ -93,6 +94,11 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
   def ledger(self):
     """The privacy ledger of this model's DP optimizer."""
     return self._dp_optimizer().ledger
+
+  def privacy_statement(self, delta, accountant="rdp"):
+    """The privacy statement of the run this model trained, from its ledger: relation, unit,
+    sampling, q, steps, z and epsilon at `delta` (`statement.run_statement`; print it)."""
+    return statement_lib.run_statement(self, delta, accountant)
 
   # ---- fit: declare the sampling ------------------------------------------------------
 

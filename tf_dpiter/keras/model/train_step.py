@@ -19,6 +19,7 @@ from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.model import output_losses
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
 
@@ -220,11 +221,13 @@ class TrainStepMixin:
       self._dp_call(x)
     batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    state, loss_sum, num_records, y_pred = core(x, y, sample_weight, opt.sample_params())
+    with output_losses.silenced(self, data):   # per-record losses: no per-output tracker update
+      state, loss_sum, num_records, y_pred = core(x, y, sample_weight, opt.sample_params())
     grads = opt.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)
+    output_losses.update(self, y, y_pred, sample_weight)   # per-output epoch means
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
     if routing.loss_scale(self) != 1.0:
       logs = dict(logs)

@@ -131,7 +131,9 @@ def compiled_record_losses(model, y_true, y_pred, weights):
       yt = tf.nest.pack_sequence_as(y_true, yt_f)
       yp = tf.nest.pack_sequence_as(y_pred, yp_id)
       w = tf.nest.pack_sequence_as(weights, w_f)
-      loss = tf.cast(compiled(yt, yp, w), tf.float32)
+      # an unreduced loss (reduction=None) gives one value per example: their mean (the
+      # weights w already average over the record's real examples)
+      loss = tf.reduce_mean(tf.cast(compiled(yt, yp, w), tf.float32))
     grads = tape.gradient(loss, yp_f, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, grads
 

@@ -1,0 +1,124 @@
+"""The per-output losses a DP model logs (`logs["<output>_loss"]`) are Keras' epoch means.
+
+On a multi-output model Keras' compiled loss keeps one `Mean` per output and updates it every
+time the compiled loss is evaluated, with the batch mean of that output's loss weighted by the
+batch size. The private step evaluates the compiled loss once per record (inside a vectorized
+map on the vectorized path, record by record on the fast path), so those updates would average
+per-record values with wrong weights and count the padding rows of a padded Poisson sample.
+
+Here the private step evaluates the compiled loss with its per-output trackers silenced
+(`silenced`), and `update` then adds each output's loss over the batch's real examples once:
+for output o with per-example loss l_o(i), sample weight w_i (1 by default) and the example
+mask m_i (0 on padding rows),
+
+    L_o = sum_i m_i w_i l_o(i) / n,     n = sum_i m_i,
+
+added to the tracker with weight n. Over an epoch the tracker then holds
+sum_steps sum_i m_i w_i l_o(i) / sum_steps n, which is what `model.evaluate` logs on the same
+records (its batches carry no padding: the mean over batches weighted by their sizes). The
+value is computed by the compiled loss itself (Keras' reduction "sum_over_batch_size" divides
+by the batch size B, padding included, so L_o = value * B / n); an unreduced loss
+(`reduction=None`, TF Privacy's idiom) gives per-example values, summed over the batch and
+divided by n times the number of values per example.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from tf_dpiter.keras.model import keras_internals
+
+
+class _Capture:
+  """Stands in for a per-output loss metric: keeps the values the compiled loss gives it."""
+
+  def __init__(self):
+    self.value = None
+
+  def update_state(self, value, sample_weight=None):
+    del sample_weight
+    self.value = value
+
+
+@contextlib.contextmanager
+def silenced(model, data):
+  """Within the block the compiled loss of `model` updates no per-output loss tracker.
+
+  The trackers exist once the compiled loss is built; an unbuilt one is built first from
+  the shapes of `data` and of the model's outputs on it (symbolically: the loss adds no
+  operation to the step), so that it does not build, and update, them inside the block.
+
+  Args:
+    model: a compiled keras.Model.
+    data: the batch (x, y[, sample_weight]), tensors.
+  Yields:
+    None.
+  """
+  if keras_internals.compile_loss_unbuilt(model) and _may_have_several_outputs(model):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    # a forward pass for the outputs' shapes (unused ops: pruned from the step), under a
+    # name scope (a model named "_x" is no valid root scope)
+    with tf.name_scope("dp_output_shapes"):
+      y_pred = model(x, training=False) if keras_internals.call_has_training_arg(model) else (
+          model(x))
+    keras_internals.build_compile_loss(model, y, y_pred, sample_weight)
+  trackers = keras_internals.output_loss_trackers(model)
+  if not trackers:
+    yield
+    return
+  with keras_internals.output_loss_trackers_swapped(model, [None] * len(trackers)):
+    yield
+
+
+def _may_have_several_outputs(model):
+  """False for a functional or Sequential model with one output (no per-output tracker)."""
+  graph = keras_internals.functional_graph(model)
+  if graph is None:
+    return True
+  return len(tf.nest.flatten(graph[0].outputs)) > 1
+
+
+def _batch_size(y_pred):
+  return tf.shape(tf.nest.flatten(y_pred)[0])[0]
+
+
+def _example_mask(sample_weight, b):
+  if sample_weight is None:
+    return tf.ones([b], tf.float32)
+  flags = [tf.reduce_any(tf.reshape(tf.cast(t, tf.float32), [b, -1]) > 0, axis=1)
+           for t in tf.nest.flatten(sample_weight)]
+  return tf.cast(tf.reduce_any(tf.stack(flags, 0), 0), tf.float32)
+
+
+def _real_mean(value, b, n):
+  """The output's loss over the real examples (module docstring), from the compiled loss's
+  value on the whole batch (scalar: mean over B rows; [B, ...]: unreduced)."""
+  value = tf.cast(keras_internals.unscale_loss_for_distribution(value), tf.float32)
+  b = tf.cast(b, tf.float32)
+  if value.shape.rank == 0:
+    return value * b / tf.maximum(n, 1.0)
+  per_example = tf.cast(tf.size(value), tf.float32) / tf.maximum(b, 1.0)
+  return tf.reduce_sum(value) / tf.maximum(n * per_example, 1.0)
+
+
+def update(model, y, y_pred, sample_weight):
+  """Adds this batch's per-output losses over its real examples to `model`'s trackers.
+
+  Args:
+    model: a compiled keras.Model (a single-output model has no per-output tracker: nothing
+      is done).
+    y, y_pred: the batch's targets and outputs (nests, [B, ...] leaves).
+    sample_weight: None or the batch's sample weights (0 on padding rows).
+  """
+  trackers = keras_internals.output_loss_trackers(model)
+  if not trackers:
+    return
+  captures = [_Capture() for _ in trackers]
+  with keras_internals.output_loss_trackers_swapped(model, captures):
+    keras_internals.call_compile_loss(model, y, y_pred, sample_weight)
+  b = _batch_size(y_pred)
+  n = tf.reduce_sum(_example_mask(sample_weight, b))
+  for tracker, capture in zip(trackers, captures):
+    if capture.value is not None:
+      tracker.update_state(_real_mean(capture.value, b, n), sample_weight=n)

@@ -1,0 +1,146 @@
+"""The privacy statement of the run a DP model trained: one source of truth for its epsilon.
+
+`model.privacy_statement(delta)` reads the model's privacy ledger (every private step it
+took, as recorded when it was taken) and states what those steps cost: the neighbouring
+relation and the unit, the sampling policy with its q and n, the steps (and, for shuffled
+passes, the passes started), the noise multiplier z of Eq. (1) of McMahan et al. 2018, "A
+General Approach to Adding Differential Privacy to Iterative Training Procedures", and
+epsilon at delta by dp-accounting's accountant composed over the ledger's samples
+(`dp.accounting.privacy_report`).
+
+TF Privacy's habit is to compute epsilon from the hyperparameters
+(`compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)`), which assumes
+Poisson sampling with q = batch_size / n. When the run sampled otherwise (e.g. TF Privacy's
+`num_microbatches` made `fit` cut shuffled passes: replace-one adjacency, sensitivity 2C, no
+amplification) that number is not the run's epsilon, and the statement says so, with the
+number the Poisson assumption gives for the same steps beside the run's own.
+"""
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+from tf_dpiter import accounting
+from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.accounting import ledger_events
+from tf_dpiter.keras.callbacks import privacy as privacy_callbacks
+from tf_dpiter.ledger import records
+
+_RELATION_TEXT = {records.ADD_OR_REMOVE: "add or remove one", records.REPLACE_ONE:
+                  "replace one"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatement:
+  """What a run's ledger says its private steps cost (see module docstring).
+
+  Attributes:
+    epsilon: epsilon at `delta` over every recorded step (inf if a step was not private).
+    delta: the delta asked for.
+    accountant: "rdp", "pld" or "gdp".
+    relation: the neighbouring relation ("add or remove one" / "replace one"; several
+      joined by " + " when the run changed policy).
+    unit: what one neighbour differs by: "example" ("user" for user-level sampling), with
+      the microbatch size when records are microbatches.
+    policy: the sampling policy of the steps ("poisson", "shuffle", ...; joined by " + ").
+    selection_probability: q of the last sampling group (batch / n for shuffle).
+    population_size: n of the last sampling group.
+    steps: private steps recorded.
+    passes: shuffled passes started (policy "shuffle"), else 0.
+    noise_multiplier: z of the last sampling group (noise stddev over the sensitivity C).
+    epsilon_if_poisson: epsilon had every shuffled step been a Poisson sample with the same
+      q, z and count (what TF Privacy's `compute_dp_sgd_privacy` computes for these
+      hyperparameters), or None when the run was Poisson-sampled.
+    notes: the accountant's assumptions and the warnings, one sentence each.
+  """
+  epsilon: float
+  delta: float
+  accountant: str
+  relation: str
+  unit: str
+  policy: str
+  selection_probability: float
+  population_size: float
+  steps: int
+  passes: int
+  noise_multiplier: float
+  epsilon_if_poisson: Optional[float]
+  notes: Tuple[str, ...]
+
+  def __str__(self):
+    head = (f"This run: ({self.epsilon:.4g}, {self.delta:.3g})-DP for one {self.unit} "
+            f"({self.relation}), {self.accountant.upper()} accountant over its ledger.")
+    lines = [head,
+             f"  sampling: {self.policy}, q = {self.selection_probability:.4g}, "
+             f"n = {self.population_size:g}",
+             f"  steps: {self.steps}" + (
+                 f" in {self.passes} shuffled pass" + ("es" if self.passes > 1 else "")
+                 if self.passes else ""),
+             f"  noise multiplier z = {self.noise_multiplier:.4g}"]
+    lines += [f"  - {note}" for note in self.notes]
+    return "\n".join(lines)
+
+
+def _unique(values):
+  out = []
+  for v in values:
+    if v not in out:
+      out.append(v)
+  return " + ".join(str(v) for v in out)
+
+
+def _mismatch_note(policy, eps_poisson, epsilon, num_microbatches):
+  """The sentence saying that TF Privacy's hyperparameter epsilon is not this run's."""
+  why = (f"TF Privacy's num_microbatches={num_microbatches} made fit sample shuffled passes"
+         if num_microbatches else f"this run sampled by {policy!r}, not by Poisson")
+  return (f"compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta) assumes "
+          f"Poisson sampling (q = batch_size / n, add or remove one example) and gives "
+          f"{eps_poisson:.4g} for these steps; that is NOT this run's epsilon: {why}, whose "
+          f"epsilon is {epsilon:.4g}. Report {epsilon:.4g}, or train with Poisson sampling "
+          "(fit(x, y, batch_size=B) without num_microbatches) to earn the smaller number.")
+
+
+def run_statement(model, delta, accountant="rdp"):
+  """The statement of the run `model` trained, from its ledger.
+
+  Args:
+    model: a DP keras.Model (or a DP optimizer: anything with a `ledger`).
+    delta: in (0, 1).
+    accountant: "rdp" or "pld" (dp-accounting, upper bounds), or "gdp" (an approximation).
+  Returns:
+    a RunStatement (print it for the multi-line statement).
+  Warns:
+    UserWarning: delta >= 1/n for the ledger's population n.
+  Raises:
+    ValueError: the ledger has no private step yet (`model.ledger` is empty), a bad delta or
+      accountant (named), or a ledger that cannot be accounted soundly.
+  """
+  ledger = model.ledger
+  runs, passes = accountant_lib.ledger_runs(ledger)
+  groups = [g for g in ledger_events.groups_from_runs(runs) if not g.is_selection and g.count > 0]
+  if not groups:
+    raise ValueError("the model took no private step yet: privacy_statement(delta) states "
+                     "the cost of the steps its ledger recorded. Call it after fit.")
+  report = accounting.privacy_report(ledger, delta=delta, accountant=accountant)
+  last = groups[-1]
+  policy = _unique(g.policy for g in groups)
+  eps_poisson = None
+  if any(g.policy != "poisson" for g in groups):
+    eps_poisson = privacy_callbacks.epsilon_if_poisson(ledger.to_dict(), report.delta,
+                                                       accountant if accountant != "gdp"
+                                                       else "rdp")
+  notes = list(report.assumptions)
+  if eps_poisson is not None and not math.isclose(eps_poisson, report.epsilon, rel_tol=1e-9):
+    opt = getattr(model, "optimizer", model)
+    notes.insert(0, _mismatch_note(policy, eps_poisson, report.epsilon,
+                                   getattr(opt, "num_microbatches", None)))
+  k = _unique(g.examples_per_record for g in groups)
+  unit = _unique(records.unit_of_policy(g.policy) for g in groups)
+  return RunStatement(
+      epsilon=report.epsilon, delta=report.delta, accountant=report.accountant,
+      relation=_unique(_RELATION_TEXT.get(g.relation, g.relation) for g in groups),
+      unit=unit if k == "1" else f"{unit} (records: microbatches of {k} examples)",
+      policy=policy, selection_probability=float(last.selection_probability),
+      population_size=float(last.population_size), steps=int(sum(g.count for g in groups)),
+      passes=int(passes), noise_multiplier=float(last.noise_multiplier),
+      epsilon_if_poisson=eps_poisson, notes=tuple(notes))
