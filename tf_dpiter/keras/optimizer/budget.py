@@ -14,9 +14,9 @@ _LOG = logging.getLogger("tf_dpiter")
 
 def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling="poisson",
                      accountant="rdp", num_microbatches=None, who="from_budget"):
-  """(z, calibration dict): the smallest noise multiplier for which ceil(epochs n / B) DP-SGD
-  steps at q = B / n under `sampling` give epsilon <= the target at delta
-  (accounting.calibration.compute_noise_from_budget), logged on logger "tf_dpiter" (INFO).
+  """(z, calibration dict): the smallest noise multiplier for which the DP-SGD steps `fit`
+  takes (`fit_steps`) at q = B / n under `sampling` give epsilon <= the target at delta
+  (accounting.calibration.calibrate_noise_multiplier), logged on logger "tf_dpiter" (INFO).
 
   Args:
     epsilon, delta, epochs, batch_size, population_size, sampling, accountant,
@@ -30,10 +30,13 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
   """
   _check_batch_fits(batch_size, population_size, who)
   accountant_lib.warn_if_delta_too_large(delta, population_size, stacklevel=4)
-  z = calibration.compute_noise_from_budget(
+  calibration.compute_noise_from_budget(     # validates the arguments, names a bad one
       population_size, batch_size, epsilon, epochs, delta, accountant=accountant,
       sampling=sampling, num_microbatches=num_microbatches)
-  steps = dp_sgd.dp_sgd_steps(population_size, batch_size, epochs)
+  steps = fit_steps(population_size, batch_size, epochs, sampling)
+  z = calibration.calibrate_noise_multiplier(
+      epsilon, delta, batch_size / population_size, steps, accountant, sampling,
+      population_size=population_size, num_microbatches=num_microbatches)
   calib = {"epsilon": float(epsilon), "delta": float(delta), "epochs": epochs,
            "batch_size": batch_size, "population_size": population_size, "sampling": sampling,
            "steps": steps, "accountant": accountant, "noise_multiplier": z}
@@ -41,6 +44,28 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
             "delta=%g over %d steps (q=%.6g, %s sampling, n=%d)", who, z, accountant, epsilon,
             delta, steps, batch_size / population_size, sampling, population_size)
   return z, calib
+
+
+def fit_steps(population_size, batch_size, epochs, sampling):
+  """The steps `fit(x, y, batch_size=B, epochs=E)` takes, as the calibration must count them.
+
+  A Poisson `fit` takes round(n / B) samples per epoch (`dp.data.poisson_batches`), which can
+  exceed ceil(E n / B) (n = 55,000, B = 1,024, E = 40: 2,160 against 2,149); the calibration
+  counts the larger of the two, so the ledger's epsilon stays <= the target either way.
+
+  Args:
+    population_size: n.
+    batch_size: B, the expected batch size.
+    epochs: E (whole or fractional).
+    sampling: the ledger policy of the calibration ("poisson", "shuffle", "fixed_size").
+  Returns:
+    T, an int >= 1.
+  """
+  steps = dp_sgd.dp_sgd_steps(population_size, batch_size, epochs)
+  if sampling == "poisson" and float(epochs) == int(epochs):
+    per_epoch = max(1, int(round(population_size / batch_size)))
+    steps = max(steps, int(epochs) * per_epoch)
+  return steps
 
 
 def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population_size,
