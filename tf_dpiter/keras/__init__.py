@@ -17,8 +17,12 @@ One way to do each thing (`__all__`):
     model;
   * callbacks: `PrivacyMeter`, `LedgerJournal` and the module `callbacks`
     (`StopAtPrivacyBudget`, `LedgerExport`);
-  * modules: `fast_clipping` (ghost norms), `example_models`, `compat` (TF Privacy's
-    spellings).
+  * recipes: `DPKerasAdamBCOptimizer` (Tang et al., bias-corrected DP Adam),
+    `augmentation_multiplicity(model, augment_fn, k)` (De et al. 2022, Section 3.1),
+    `layers.Scattering2D` (ScatterNet features, Tramèr and Boneh 2021), and the averaging
+    callbacks `callbacks.ExponentialMovingAverage` / `callbacks.PolyakAveraging`;
+  * modules: `fast_clipping` (ghost norms), `layers`, `example_models`, `compat` (TF
+    Privacy's spellings).
 
 Names kept working for existing code but not listed (see `compat`): `make_dp_model_class`,
 `make_dp_optimizer_class`, `DPOptimizerMixin`, `DPModelMixin`, `check_no_batch_mixing`,
@@ -33,18 +37,19 @@ from tf_dpiter.keras import callbacks
 from tf_dpiter.keras import compat
 from tf_dpiter.keras import example_models
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras import layers
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
+from tf_dpiter.keras.model.augmentation import augmentation_multiplicity
 from tf_dpiter.keras.model.models import DPModel
 from tf_dpiter.keras.model.models import DPSequential
 from tf_dpiter.keras.model.models import make_private
 from tf_dpiter.keras.model.models import make_private_with_epsilon
 from tf_dpiter.keras.model.models import private_class
+from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
-from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer  # Tang et al., DP-AdamBC
-from tf_dpiter.keras.model.augmentation import augmentation_multiplicity  # De et al. 2022
 from tf_dpiter.keras.optimizer.optimizers import DPKerasRMSpropOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasSGDOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPOptimizer
@@ -54,7 +59,7 @@ __all__ = [
     "DPKerasAdagradOptimizer", "DPKerasRMSpropOptimizer", "DPOptimizer", "from_budget",
     "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
     "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
-    "DPKerasAdamBCOptimizer", "augmentation_multiplicity",
+    "DPKerasAdamBCOptimizer", "augmentation_multiplicity", "layers",
 ]
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.

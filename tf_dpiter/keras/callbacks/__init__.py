@@ -3,9 +3,13 @@ Differential Privacy to Iterative Training Procedures", Section 6: accounting po
 
 `PrivacyMeter` (epsilon in the epoch logs) and `StopAtPrivacyBudget` read the ledger
 (`privacy`); `LedgerExport`, `LedgerJournal` and `LedgerCoverage` write it to files or check
-that it covers every step taken (`ledger`).
+that it covers every step taken (`ledger`); `ExponentialMovingAverage` and `PolyakAveraging`
+evaluate averaged weights (`averaging`: post-processing of the released iterates, no privacy
+cost).
 """
 
+from tf_dpiter.keras.callbacks.averaging import ExponentialMovingAverage
+from tf_dpiter.keras.callbacks.averaging import PolyakAveraging
 from tf_dpiter.keras.callbacks.ledger import LedgerCoverage
 from tf_dpiter.keras.callbacks.ledger import LedgerExport
 from tf_dpiter.keras.callbacks.ledger import LedgerJournal
@@ -13,4 +17,4 @@ from tf_dpiter.keras.callbacks.privacy import PrivacyMeter
 from tf_dpiter.keras.callbacks.privacy import StopAtPrivacyBudget
 
 __all__ = ["PrivacyMeter", "StopAtPrivacyBudget", "LedgerExport", "LedgerJournal",
-           "LedgerCoverage"]
+           "LedgerCoverage", "ExponentialMovingAverage", "PolyakAveraging"]
