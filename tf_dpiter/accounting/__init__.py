@@ -35,16 +35,18 @@ from tf_dpiter.accounting.lookahead import PlannedSample
 from tf_dpiter.accounting.lookahead import StepBudget
 from tf_dpiter.accounting.lookahead import delta_after
 from tf_dpiter.accounting.lookahead import epsilon_after
+from tf_dpiter.accounting.planning import BatchPlan
+from tf_dpiter.accounting.planning import plan_batch_size
 from tf_dpiter.dp_query.events import effective_noise_multiplier
 
 __all__ = [
-    "ACCOUNTANTS", "DpSgdPrivacy", "EpsilonCurve", "LedgerContent", "PlannedSample",
+    "ACCOUNTANTS", "BatchPlan", "DpSgdPrivacy", "EpsilonCurve", "LedgerContent", "PlannedSample",
     "PrivacyReport", "REPORT_ACCOUNTANTS", "SampleGroup", "StepBudget",
     "calibrate_noise_multiplier",
     "calibrate_sampling_probability", "calibrate_steps", "check_accountant",
     "compute_dp_sgd_privacy", "compute_dp_sgd_privacy_statement", "compute_noise_from_budget",
     "delta", "delta_after", "dp_sgd_steps", "effective_noise_multiplier", "epsilon",
     "epsilon_after", "epsilon_curve", "ledger_to_dp_event", "make_accountant",
-    "optimal_rdp_order", "plot_epsilon_curve", "privacy_report", "report_from_groups",
+    "optimal_rdp_order", "plan_batch_size", "plot_epsilon_curve", "privacy_report", "report_from_groups",
     "shuffle_passes_needed",
 ]
