@@ -25,10 +25,11 @@ import dataclasses
 import math
 from typing import Tuple
 
+from tf_dpiter import validation
 from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.accounting import accountant as accountant_lib
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,9 @@ def _candidates(n, budget, batch_sizes, max_batch_size, min_steps):
   cap = min(n, max_batch_size or n, budget // min_steps)
   out = sorted({int(b) for b in batch_sizes if 1 <= int(b) <= cap})
   if not out:
-    raise ValueError(f"no batch size fits: B <= min(n={n}, max_batch_size={max_batch_size}, "
-                     f"compute_budget // min_steps = {budget // min_steps}). Raise "
-                     "`compute_budget` or lower `min_steps`")
+    raise ParameterValueError(f"no batch size fits: B <= min(n={n}, max_batch_size={max_batch_size}, "
+                              f"compute_budget // min_steps = {budget // min_steps}). Raise "
+                              "`compute_budget` or lower `min_steps`")
   return out
 
 

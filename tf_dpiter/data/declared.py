@@ -81,8 +81,8 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
     steps_per_pass = int(math.ceil(population_size / batch_size))
   _check_int("steps_per_pass", steps_per_pass, 1)
   if sampling.get_sampling_spec(dataset) is not None:
-    raise ValueError("`dataset` already carries a sampling declaration (it was made by a "
-                     "tf_dpiter sampler); pass it to fit as it is")
+    raise PrivacyConfigError("`dataset` already carries a sampling declaration (it was made by a "
+                             "tf_dpiter sampler); pass it to fit as it is")
   _check_batch_axis(dataset, int(batch_size))
   sampler = shuffling.ShuffleSampler(int(steps_per_pass))
   per = int(steps_per_pass)

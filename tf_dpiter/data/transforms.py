@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 
@@ -63,7 +64,7 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   def per_batch(*components):
     k = len(components) if arity is None else arity
     if k > len(components):
-      raise ValueError(
+      raise ParameterValueError(
           f"fn={getattr(fn, '__name__', fn)!r} requires {k} positional arguments, but the "
           f"dataset's records have {len(components)} components (x, y[, weight]); write "
           "fn(x, y) or fn(x, y, weight)")

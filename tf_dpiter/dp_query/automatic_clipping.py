@@ -22,10 +22,10 @@ the same factors.
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import clipping
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.dp_query import validation
 from tf_dpiter.errors import PrivacyConfigError
 
 DEFAULT_STABILITY = 0.01

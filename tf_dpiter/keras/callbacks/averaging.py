@@ -17,6 +17,8 @@ epsilon covers the averaged model.
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
 
 class _WeightAveraging(keras.callbacks.Callback):
   """Keeps an average of the model's trainable weights; swaps it in for evaluation.
@@ -128,7 +130,7 @@ class ExponentialMovingAverage(_WeightAveraging):
   def __init__(self, decay=0.999, warmup=False, swap_on_train_end=True):
     super().__init__(swap_on_train_end)
     if not 0.0 <= decay < 1.0:
-      raise ValueError(f"`decay` must be in [0, 1). Received: decay={decay!r}")
+      raise ParameterValueError(f"`decay` must be in [0, 1). Received: decay={decay!r}")
     self.decay = float(decay)
     self.warmup = bool(warmup)
 
@@ -161,7 +163,7 @@ class PolyakAveraging(_WeightAveraging):
   def __init__(self, start=1, swap_on_train_end=True):
     super().__init__(swap_on_train_end)
     if not isinstance(start, int) or start < 1:
-      raise ValueError(f"`start` must be an integer >= 1. Received: start={start!r}")
+      raise ParameterValueError(f"`start` must be an integer >= 1. Received: start={start!r}")
     self.start = start
 
   def _update(self):

@@ -12,6 +12,8 @@ import os
 import keras
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import saved_ledger
 
 
@@ -31,7 +33,7 @@ def model_ledger(model):
   if ledger is None:
     ledger = getattr(getattr(model, "optimizer", None), "ledger", None)
   if ledger is None:
-    raise ValueError("the model has no privacy ledger: train a tf_dpiter DP model")
+    raise PrivacyConfigError("the model has no privacy ledger: train a tf_dpiter DP model")
   return ledger
 
 
@@ -84,7 +86,7 @@ class LedgerExport(keras.callbacks.Callback):
   def __init__(self, path, every_epoch=True):
     super().__init__()
     if not isinstance(path, str) or not path:
-      raise ValueError(f"path must be a non-empty string, got {path!r}")
+      raise ParameterValueError(f"path must be a non-empty string, got {path!r}")
     self.path = path
     self.every_epoch = every_epoch
 
@@ -129,7 +131,7 @@ class LedgerJournal(keras.callbacks.Callback):
   def __init__(self, path, key=None):
     super().__init__()
     if not isinstance(path, str) or not path:
-      raise ValueError(f"path must be a non-empty string, got {path!r}")
+      raise ParameterValueError(f"path must be a non-empty string, got {path!r}")
     self.path = path
     self.key = key
     self.resumed = 0

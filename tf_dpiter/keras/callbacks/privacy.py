@@ -19,8 +19,10 @@ import keras
 from tf_dpiter import accounting
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import validation
 from tf_dpiter.accounting import lookahead
-from tf_dpiter.dp_query import validation
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.callbacks.ledger import LedgerExport  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import LedgerJournal  # noqa: F401  (re-exported)
@@ -139,7 +141,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     self.accountant = _check_accountant(accountant)
     self.verbose = verbose
     if plot is not None and (not isinstance(plot, (str, os.PathLike)) or not os.fspath(plot)):
-      raise ValueError(f"plot must be None or a PNG file path, got {plot!r}")
+      raise ParameterValueError(f"plot must be None or a PNG file path, got {plot!r}")
     self.plot = plot
     self.plot_points = plot_points
     self.epsilon = None
@@ -257,7 +259,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     super().__init__()
     e = float(epsilon) if isinstance(epsilon, (int, float)) else None
     if e is None or not e > 0 or math.isinf(e):
-      raise ValueError(f"epsilon must be a finite number > 0, got {epsilon!r}")
+      raise PrivacyConfigError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     self.epsilon = e
     self.delta = validation.check_delta("delta", delta)
     self.accountant = _check_accountant(accountant)

@@ -29,6 +29,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
 
 def _gabor(m, n, sigma, theta, xi, slant=1.0):
   """Spatial Gabor g_sigma(u) exp(i xi . u) on an m x n grid, periodized over 5 x 5 copies."""
@@ -138,11 +140,11 @@ class Scattering2D(keras.layers.Layer):
   def __init__(self, J=2, L=8, max_order=2, **kwargs):  # pylint: disable=invalid-name
     super().__init__(trainable=False, **kwargs)
     if not isinstance(J, int) or J < 1:
-      raise ValueError(f"`J` must be an integer >= 1. Received: J={J!r}")
+      raise ParameterValueError(f"`J` must be an integer >= 1. Received: J={J!r}")
     if not isinstance(L, int) or L < 1:
-      raise ValueError(f"`L` must be an integer >= 1. Received: L={L!r}")
+      raise ParameterValueError(f"`L` must be an integer >= 1. Received: L={L!r}")
     if max_order not in (1, 2):
-      raise ValueError(f"`max_order` must be 1 or 2. Received: max_order={max_order!r}")
+      raise ParameterValueError(f"`max_order` must be 1 or 2. Received: max_order={max_order!r}")
     self.J, self.L, self.max_order = J, L, max_order  # pylint: disable=invalid-name
     self._banks = {}
 
@@ -154,8 +156,8 @@ class Scattering2D(keras.layers.Layer):
 
   def _bank(self, h, w):
     if min(h, w) < 2 ** self.J:
-      raise ValueError(f"Scattering2D with J={self.J} needs images of at least "
-                       f"{2 ** self.J} x {2 ** self.J} pixels. Received: {h} x {w}")
+      raise ParameterValueError(f"Scattering2D with J={self.J} needs images of at least "
+                                f"{2 ** self.J} x {2 ** self.J} pixels. Received: {h} x {w}")
     if (h, w) not in self._banks:
       self._banks[(h, w)] = filter_bank(padded_size(h, self.J), padded_size(w, self.J),
                                         self.J, self.L)
@@ -191,8 +193,8 @@ class Scattering2D(keras.layers.Layer):
     if squeeze:
       x = x[..., None]
     if len(x.shape) != 4:
-      raise ValueError("Scattering2D expects (batch, H, W) or (batch, H, W, C) inputs. "
-                       f"Received: shape={x.shape}")
+      raise ParameterValueError("Scattering2D expects (batch, H, W) or (batch, H, W, C) inputs. "
+                                f"Received: shape={x.shape}")
     h, w, c = x.shape[1], x.shape[2], x.shape[3]
     psi, phi = self._bank(h, w)
     pad_h, pad_w = padded_size(h, self.J) - h, padded_size(w, self.J) - w
