@@ -7,9 +7,12 @@ clipped to S and summed (vectorized path: `step.clipped_sum`; fast path: ghost n
 (`step.noised_average`), then the optimizer's update. The path is chosen by
 `step.resolve_clipping` (routing.fast_path_obstacle).
 
-With `jit_compile=True` the per-record gradients and clipping run under XLA; the noise, the
-ledger write (growing buffers, no XLA) and the update run right after, in the same
-non-compiled train function, so every step is recorded.
+With `jit_compile=True` the per-record gradients, the clipping and (DP-SGD's Gaussian noise,
+`step.compiles_noise`) the stateless noise draw and the normalization run in one XLA
+program (noise_draw); the ledger write (growing buffers, no XLA) and the update run right
+after, in the same non-compiled train function, so every step is recorded. Other
+mechanisms (correlated noise, secure_mode, a custom query) and multi-replica strategies
+draw their noise right after the program.
 """
 
 import keras
@@ -46,6 +49,8 @@ class TrainStepMixin:
     step = self._dp_optimizer().private_step
     if step.clipping != "vectorized" and self.built:
       batch_independence.probe_model(self)   # eagerly, cached (None: probed in the trace)
+    self._dp_noise_inside = (jit and step.compiles_noise
+                             and self.distribute_strategy.num_replicas_in_sync == 1)
     if jit:
       # autograph=False: the step has no tensor-dependent Python control flow, and the
       # converted source would be re-read from disk at trace time.
@@ -90,14 +95,20 @@ class TrainStepMixin:
   def _dp_inference(self, x):
     return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
 
-  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None):
-    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred).
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, noise_seed=None):
+    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
+    with noise_seed, the noised average in place of the sample state.
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
-    reads no variable of the query's state; None: read here)."""
+    reads no variable of the query's state; None: read here). noise_seed: the step's
+    (key, counter) (PrivateStep.noise_seed), or None (no noise here)."""
     step = self._dp_optimizer().private_step
     with step.given_sample_params(params):
-      return self._dp_clipped_sum_body(step, x, y, sample_weight)
+      state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(step, x, y,
+                                                                       sample_weight)
+    if noise_seed is not None:
+      state = step.compiled_noised_average(state, num_records, noise_seed)
+    return state, loss_sum, num_records, y_pred
 
   def _dp_clipped_sum_body(self, step, x, y, sample_weight):
     """_dp_clipped_sum_step with the sample params fixed."""
@@ -223,8 +234,13 @@ class TrainStepMixin:
       self._dp_call(x)
     batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params())
-    grads = step.noised_average(state, num_records)
+    if getattr(self, "_dp_noise_inside", False):
+      grads, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                                  step.noise_seed())
+      grads = step.record_compiled_sample(grads)   # the ledger append, outside XLA, exact
+    else:
+      state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params())
+      grads = step.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)

@@ -35,6 +35,7 @@ from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import mechanism
+from tf_dpiter.keras.optimizer import noise_draw
 from tf_dpiter.keras.optimizer import noise_mechanisms
 
 
@@ -94,6 +95,7 @@ class PrivateStep:
     self._global_struct = None
     self._pending_sampling = None
     self._given_params = None
+    self._noise_key = None   # never tracked: see noise_draw
 
   # ---- state (variables tracked by the optimizer) -------------------------------------
 
@@ -401,6 +403,60 @@ class PrivateStep:
     (custom_loops.compute_private_gradients: its Args, Returns and Raises)."""
     return custom_loops.compute_private_gradients(self, loss_fn, variables, data, mask, tape,
                                                   model)
+
+  # ---- noise drawn inside the compiled program (noise_draw) --------------------------
+
+  @property
+  def compiles_noise(self):
+    """True when the noise can be drawn inside an XLA program (noise_draw): the default
+    Gaussian query of DP-SGD (not a custom dp_query, not a correlated mechanism, not
+    secure_mode, whose os.urandom draw is a host call)."""
+    return self.noise == "iid" and not self.custom_query and not self.secure_mode
+
+  def noise_seed(self):
+    """The (key, counter) pair of this step's stateless draw, read outside the program.
+
+    Returns:
+      an int64 [2] tensor: the untracked key (noise_draw.make_key) and the optimizer's
+      iterations.
+    """
+    if self._noise_key is None:
+      with tf.init_scope():
+        self._noise_key = tf.Variable(noise_draw.make_key(self.seed), dtype=tf.int64,
+                                      trainable=False, name="dp_noise_key")
+    return tf.stack([self._noise_key.read_value(), tf.cast(self.optimizer.iterations, tf.int64)])
+
+  def compiled_noised_average(self, sample_state, num_records, seed):
+    """Noised sum / denominator inside the compiled program (no ledger write here: the caller
+    must call `record_compiled_sample` right after, outside it).
+
+    Args:
+      sample_state: the clipped sum. num_records: records in the batch.
+      seed: `noise_seed()`, passed in as an argument of the compiled function.
+    Returns:
+      the list of noised average gradients.
+    """
+    noised = noise_draw.noised_sum(sample_state, self.stddev, seed)
+    denom = self.denominator(tf.cast(num_records, tf.float32))
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(noised)]
+
+  def record_compiled_sample(self, grads):
+    """The ledger append of a step whose noise was drawn in the compiled program: the same
+    sample and GaussianSumEvent(S, sigma) as the query's get_noised_result would record.
+
+    Args:
+      grads: the noised averages from `compiled_noised_average`.
+    Returns:
+      grads, after the ledger write.
+    """
+    query = self.require_query()
+    state = self.global_state()
+    event = dp_query_lib.GaussianSumEvent(state.l2_norm_clip, state.stddev)
+    count = query.ledger.record_sample(
+        query.population_size, query.selection_probability, (event,), policy=query.policy,
+        sample_size=query.sample_size, examples_per_record=query.examples_per_record)
+    with tf.control_dependencies([count]):
+      return [tf.identity(g) for g in grads]
 
   # ---- noise and ledger -------------------------------------------------------------
 
