@@ -70,7 +70,7 @@ def test_noise_key_is_not_saved(tmp_path):
   model, opt = _model(jit=True)
   x, y = _data()
   model.fit(x, y, batch_size=B, epochs=1, verbose=0)
-  key = int(opt.private_step._noise_key.numpy())   # pylint: disable=protected-access
+  key = int(opt.private_step.state.noise_key(None).numpy())
   path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ck"))
   reader = tf.train.load_checkpoint(path)
   for name, _ in tf.train.list_variables(path):

@@ -26,6 +26,8 @@ import os
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import dp_query as dp_query_lib
+
 
 def make_key(seed=None):
   """A 64-bit Philox key: from os.urandom, or (seed given; tests only) from the seed.
@@ -38,6 +40,22 @@ def make_key(seed=None):
   if seed is None:
     return int.from_bytes(os.urandom(8), "little") >> 1
   return int(np.random.SeedSequence(int(seed)).generate_state(1, np.uint64)[0]) >> 1
+
+
+def record_gaussian_sample(query, global_state):
+  """Appends to the ledger the sample and the GaussianSumEvent(S, sigma) that the Gaussian
+  query's `get_noised_result` records (QueryWithLedger), for a noise drawn elsewhere.
+
+  Args:
+    query: the step's QueryWithLedger (its ledger and declared sampling).
+    global_state: the Gaussian query's global state (l2_norm_clip, stddev).
+  Returns:
+    the ledger's sample-count op.
+  """
+  event = dp_query_lib.GaussianSumEvent(global_state.l2_norm_clip, global_state.stddev)
+  return query.ledger.record_sample(
+      query.population_size, query.selection_probability, (event,), policy=query.policy,
+      sample_size=query.sample_size, examples_per_record=query.examples_per_record)
 
 
 def noised_sum(sample_state, stddev, seed):

@@ -34,10 +34,10 @@ calibrates the noise multiplier with the accountant.
 import keras
 import tensorflow as tf
 
-from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.optimizer import settings
@@ -83,7 +83,7 @@ class DPOptimizerBase:
                         max_physical_batch_size, clipping)
     if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
       raise ValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
-    _check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
+    optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
     noise_params = {"restart_every": restart_every, "num_bands": num_bands,
                     "num_steps": num_steps, "band_strategy": band_strategy,
                     "num_buffers": num_buffers, "min_separation": min_separation}
@@ -126,22 +126,10 @@ class DPOptimizerBase:
     Raises:
       ValueError: no l2_norm_clip, a noise_multiplier or dp_query given, or a bad target.
     """
-    if kwargs.get("noise", "iid") != "iid":
-      raise ValueError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
-                       f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
-                       "accounting (dp.accounting on its ledger)")
-    for name in ("noise_multiplier", "dp_query"):
-      if kwargs.get(name) is not None:
-        raise ValueError(f"from_budget calibrates the noise: {name}={kwargs[name]!r} cannot "
-                         "be given")
-    if kwargs.get("l2_norm_clip") is None:
-      raise ValueError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
-                       "multiplier is calibrated")
-    z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,
-                                accountant, kwargs.get("num_microbatches"),
-                                who=f"{cls.__name__}.from_budget")
-    opt = cls(kwargs.pop("l2_norm_clip"), z, kwargs.pop("num_microbatches", None), *args,
-              **{k: v for k, v in kwargs.items() if k not in ("noise_multiplier", "dp_query")})
+    z, calib, args, kwargs = optimizer_config.calibrated_arguments(
+        cls.__name__, epsilon, delta, epochs, batch_size, population_size, sampling,
+        accountant, args, kwargs)
+    opt = cls(*args, **kwargs)
     opt.calibration = calib
     return opt
 
@@ -350,30 +338,8 @@ class DPOptimizerBase:
     Returns:
       the config dict.
     """
-    step = self.private_step
     config = super().get_config()
-    config.update({
-        "l2_norm_clip": step.l2_norm_clip,
-        "noise_multiplier": step.noise_multiplier,
-        "num_microbatches": step.num_microbatches,
-        "max_physical_batch_size": step.max_physical_batch_size,
-        "clipping": step.clipping,
-        "normalize": step.normalize,
-        "seed": step.seed,
-        "ledger_journal": self._ledger_journal,
-        "secure_mode": step.secure_mode,
-    })
-    if step.noise != "iid":   # the mechanism and its parameters; "iid" adds nothing
-      config.update(dict({"noise": step.noise}, **step.noise_params))
-    if step.custom_query:
-      # The default query's state is fixed by (S, z); a custom one's may adapt.
-      config["dp_query"] = dp_query_lib.serialize(step.base_query)
-      state = step.global_state_values()
-      if state is not None:
-        config["dp_global_state"] = state
-    ledger = saved_ledger.config_ledger(self)
-    if ledger is not None:
-      config["dp_ledger"] = ledger
+    config.update(optimizer_config.dp_config(self))
     return config
 
   @classmethod
@@ -385,34 +351,15 @@ class DPOptimizerBase:
     Returns:
       the optimizer.
     """
-    config = dict(config)
-    if isinstance(config.get("dp_query"), dict):
-      config["dp_query"] = dp_query_lib.deserialize(config["dp_query"], custom_objects)
-    state = config.pop("dp_global_state", None)
-    ledger = config.pop("dp_ledger", None)
-    if ledger is not None:
-      ledger = saved_ledger.arrays_of_config(ledger)   # verified now: a bad one fails the load
+    config, state, ledger = optimizer_config.split_config(config, custom_objects)
     opt = super().from_config(config, custom_objects=custom_objects)
-    opt.private_step.restored_global_state = state
-    opt.private_step.restored_ledger = ledger
+    opt.private_step.state.restored_global_state = state
+    opt.private_step.state.restored_ledger = ledger
     return opt
 
 
 # The older name of the DP base (existing code, docs and saved models resolve it).
 DPOptimizerMixin = DPOptimizerBase
-
-
-def _check_no_gradient_accumulation(steps):
-  """ValueError for Keras' gradient_accumulation_steps > 1 (see the message)."""
-  if steps is None or steps == 1:
-    return
-  raise ValueError(
-      f"gradient_accumulation_steps={steps!r} is not supported by DP optimizers: Keras would "
-      "add noise and charge the ledger at every micro-step, and the k batches it accumulates "
-      "are not one sample of the data (an example could be in several). For a large logical "
-      "batch that does not fit in memory, sample it once (batch_size=B) and set "
-      "max_physical_batch_size=P: the batch is processed in chunks of P examples, with one "
-      "noise draw and one ledger sample per batch")
 
 
 _CLASS_CACHE = {}

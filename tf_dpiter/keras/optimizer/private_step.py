@@ -20,10 +20,8 @@ and keeps only the Keras face. Its state is in TF variables tracked by the optim
 global state (a correlated mechanism's noise history), the expected batch size, the
 float16 overflow counter and, for the compiled noise, its draw counter (noise_draw).
 
-Where the parts live: `mechanism` (expected denominator, overflow count, saved query
-state), `noise_mechanisms` (noise="tree" | "band_mf" | "blt"), `clipped_sum` (clipping
-path and the vectorized clipped sum), `chunking` (physical chunks), `custom_loops`
-(compute_private_gradients), `noise_draw` (the noise drawn inside an XLA program).
+Helpers: `mechanism`, `noise_mechanisms`, `noise_draw`, `clipped_sum`, `chunking`,
+`custom_loops` (plain functions of the step).
 """
 
 import contextlib
@@ -37,6 +35,7 @@ from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_draw
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import step_state
 
 
 class PrivateStep:
@@ -86,23 +85,11 @@ class PrivateStep:
     self.base_query = dp_query        # made lazily (make_state) unless given
     self.query = None                 # QueryWithLedger, made by set_sampling
     self.sampling_source = None
-    self.restored_global_state = None   # from from_config: the saved query state
-    self.restored_ledger = None         # from from_config: the saved ledger arrays
-    self._ledger = None
-    self._expected_records = None
-    self._overflow_count = None
-    self._global_vars = None
-    self._global_struct = None
+    self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
     self._pending_sampling = None
     self._given_params = None
-    self._noise_key = None   # never tracked: see noise_draw
 
-  # ---- state (variables tracked by the optimizer) -------------------------------------
-
-  def _track(self, name, trackable):
-    """Makes `trackable` a checkpoint dependency of the optimizer under `name`."""
-    self.optimizer._track_trackable(trackable, name=name, overwrite=True)  # pylint: disable=protected-access
-    return trackable
+  # ---- state (step_state.StepState) --------------------------------------------------
 
   def make_state(self):
     """Creates the default query, the ledger and the sampling variables, once.
@@ -113,7 +100,7 @@ class PrivateStep:
     Raises:
       ValueError: called in a tf.distribute cross-replica scope.
     """
-    if self._ledger is not None:
+    if self.state.ledger is not None:
       return
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
       raise ValueError(
@@ -126,32 +113,24 @@ class PrivateStep:
       if self.base_query is None:   # sigma = z S, computed once in the constructor
         self.base_query = dp_query_lib.GaussianSumQuery(
             self.l2_norm_clip, self.stddev, seed=self.seed, secure_mode=self.secure_mode)
-      self._expected_records = self._track("_dp_expected_records", tf.Variable(
-          1.0, dtype=tf.float32, trainable=False, name="dp_expected_records"))
-      self._overflow_count = self._track("_dp_overflow_count", tf.Variable(
-          0, dtype=tf.int64, trainable=False, name="dp_overflowed_records"))
-      self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
-    if self.restored_ledger is not None:   # from from_config (saved_ledger)
-      pending, self.restored_ledger = self.restored_ledger, None
-      with tf.init_scope():
-        self._ledger.set_arrays(*pending)
+      self.state.make()
 
   @property
   def ledger(self):
     """The PrivacyLedger every private step writes to (made on first use)."""
     self.make_state()
-    return self._ledger
+    return self.state.ledger
 
   @property
   def existing_ledger(self):
     """The ledger if it was made, else None (nothing is created)."""
-    return self._ledger
+    return self.state.ledger
 
   @property
   def overflow_counter(self):
     """The int64 variable counting records whose float16 gradient overflowed (zeroed)."""
     self.make_state()
-    return self._overflow_count
+    return self.state.overflow_count
 
   def count_overflowed(self, finite, record_mask):
     """mechanism.count_overflowed on this step's counter.
@@ -185,21 +164,13 @@ class PrivateStep:
     """True if the query can clip norms computed elsewhere (the fast path needs it)."""
     return self.base_query is None or dp_query_lib.gives_clip_factors(self.base_query)
 
-  def global_state_values(self):
-    """The query's global state as plain nested lists (for the config), or None."""
-    if self._global_vars is not None:
-      return [v.numpy().tolist() for v in self._global_vars]
-    return self.restored_global_state
-
   def noise_state(self):
     """The correlated query's global state as numpy values; None for "iid" or before build.
 
     Returns:
       a namedtuple (step, noise history / tree nodes / BLT buffers, clip, stddev), or None.
     """
-    if self.noise == "iid" or self._global_vars is None:
-      return None
-    return tf.nest.pack_sequence_as(self._global_struct, [v.numpy() for v in self._global_vars])
+    return None if self.noise == "iid" else self.state.global_state_numpy()
 
   # ---- sampling -----------------------------------------------------------------------
 
@@ -246,28 +217,18 @@ class PrivateStep:
     with tf.init_scope():
       if self.query is None or self.query.policy != policy:
         self.query = ledger_lib.QueryWithLedger(
-            self.base_query, population_size, selection_probability, ledger=self._ledger,
+            self.base_query, population_size, selection_probability, ledger=self.state.ledger,
             policy=policy, sample_size=sample_size, examples_per_record=k)
         changed = True
       else:
         changed = self.query.examples_per_record != k
         self.query.set_sampling(population_size, selection_probability, sample_size,
                                 examples_per_record=k)
-      if self._global_vars is None:
-        init = tf.nest.map_structure(tf.convert_to_tensor, self.query.initial_global_state())
-        flat = mechanism.restore_global_state(self.restored_global_state, tf.nest.flatten(init))
-        self.restored_global_state = None
-        self._set_global_state(init, [tf.Variable(t, trainable=False, name="dp_global_state")
-                                      for t in flat])
-      self._expected_records.assign(mechanism.expected_records(
+      if not self.state.has_global_state:
+        self.state.make_global_state(self.query.initial_global_state())
+      self.state.expected_records.assign(mechanism.expected_records(
           policy, population_size, selection_probability, sample_size))
     return changed
-
-  def _set_global_state(self, struct, variables):
-    self._global_struct = struct
-    self._global_vars = variables
-    for i, v in enumerate(variables):
-      self._track(f"_dp_global_state_{i}", v)
 
   def mark_sampling_from_fit(self):
     """Records that DPModel.fit, not the user, declared the current sampling."""
@@ -318,7 +279,7 @@ class PrivateStep:
     for v in state_vars + [query.noise_generator.state]:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
     self.base_query = query
-    self._set_global_state(init, state_vars)
+    self.state.set_global_state(init, state_vars)
     if self._pending_sampling is not None:
       pending, self._pending_sampling = self._pending_sampling, None
       source = self.sampling_source
@@ -338,11 +299,6 @@ class PrivateStep:
 
   # ---- sample params ------------------------------------------------------------------
 
-  def global_state(self):
-    """The query's global state, read from its variables."""
-    return tf.nest.pack_sequence_as(self._global_struct,
-                                    [v.read_value() for v in self._global_vars])
-
   def sample_params(self):
     """The query's sample params for this step (given ones inside `given_sample_params`).
 
@@ -353,7 +309,7 @@ class PrivateStep:
     """
     if self._given_params is not None:
       return self._given_params
-    return self.require_query().derive_sample_params(self.global_state())
+    return self.require_query().derive_sample_params(self.state.global_state())
 
   @contextlib.contextmanager
   def given_sample_params(self, params):
@@ -420,11 +376,8 @@ class PrivateStep:
       an int64 [2] tensor: the untracked key (noise_draw.make_key) and the optimizer's
       iterations.
     """
-    if self._noise_key is None:
-      with tf.init_scope():
-        self._noise_key = tf.Variable(noise_draw.make_key(self.seed), dtype=tf.int64,
-                                      trainable=False, name="dp_noise_key")
-    return tf.stack([self._noise_key.read_value(), tf.cast(self.optimizer.iterations, tf.int64)])
+    key = self.state.noise_key(self.seed)
+    return tf.stack([key.read_value(), tf.cast(self.optimizer.iterations, tf.int64)])
 
   def compiled_noised_average(self, sample_state, num_records, seed):
     """Noised sum / denominator inside the compiled program (no ledger write here: the caller
@@ -449,12 +402,7 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    query = self.require_query()
-    state = self.global_state()
-    event = dp_query_lib.GaussianSumEvent(state.l2_norm_clip, state.stddev)
-    count = query.ledger.record_sample(
-        query.population_size, query.selection_probability, (event,), policy=query.policy,
-        sample_size=query.sample_size, examples_per_record=query.examples_per_record)
+    count = noise_draw.record_gaussian_sample(self.require_query(), self.state.global_state())
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
@@ -463,8 +411,8 @@ class PrivateStep:
   def _noise_and_record(self, sample_state):
     """One noise draw and one ledger sample (the query's get_noised_result)."""
     query = self.require_query()
-    result, new_state, _ = query.get_noised_result(sample_state, self.global_state())
-    assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
+    result, new_state, _ = query.get_noised_result(sample_state, self.state.global_state())
+    assigns = self.state.assign_global_state(new_state)
     with tf.control_dependencies(assigns):
       return tf.nest.map_structure(tf.identity, result)
 
@@ -480,7 +428,7 @@ class PrivateStep:
     if not self.normalize:
       return tf.constant(1.0)
     if self.require_query().policy in mechanism.EXPECTED_SIZE_POLICIES:
-      return self._expected_records.read_value()
+      return self.state.expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
   def noised_average(self, sample_state, num_records):
@@ -499,19 +447,7 @@ class PrivateStep:
       ValueError: the sampling is not declared (`set_sampling`).
     """
     self.require_query()
-    num_records = tf.cast(num_records, tf.float32)
-    ctx = tf.distribute.get_replica_context()
-    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
-    if ctx is not None and n_rep > 1:
-      sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
-      num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
-
-      def merge_fn(strategy, state):
-        local = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], state)
-        return self._noise_and_record(local)
-
-      result = ctx.merge_call(merge_fn, args=(sample_state,))
-    else:
-      result = self._noise_and_record(sample_state)
+    result, num_records, n_rep = mechanism.noised_across_replicas(
+        sample_state, tf.cast(num_records, tf.float32), self._noise_and_record)
     denom = self.denominator(num_records) * float(n_rep)
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]

@@ -90,7 +90,7 @@ def config_ledger(opt):
   Returns:
     a ledger dict, or None when there is no ledger or it holds no sample and no pass.
   """
-  pending = opt.private_step.restored_ledger
+  pending = opt.private_step.state.restored_ledger
   ledger = opt.private_step.existing_ledger
   if ledger is None:
     return None if pending is None else ledger_file.arrays_to_dict(*pending[:2],
@@ -128,7 +128,7 @@ def restore_ledger(opt, ledger, key=None):
     raise ValueError(f"the ledger holds {arrays[0].shape[0]} samples but the optimizer has "
                      f"taken iterations={iterations} steps: it is not this run's complete "
                      "ledger; supply the ledger written at or after the last step")
-  opt.private_step.restored_ledger = None
+  opt.private_step.state.restored_ledger = None
   target = opt.private_step.ledger
   with tf.init_scope():
     target.set_arrays(*arrays)
