@@ -1,7 +1,8 @@
 """DP-SGD's noise drawn inside the XLA program (keras.optimizer.noise_draw).
 
 Under jit_compile=True the default Gaussian query's noise is a stateless counter-based draw
-in the same compiled program as the clipped sum, keyed by a key that is never saved; the
+in the same compiled program as the clipped sum (by default on accelerators; forced here on
+CPU), keyed by a key that is never saved; the
 ledger append stays outside and exact. Checked here on the real fit step: the noise's
 standard deviation (estimated from 12,000 coordinates of one update, against sigma / (q n)
 computed by hand), independence of consecutive steps, the ledger identical to the
@@ -20,6 +21,7 @@ S, Z, N, B = 0.01, 10.0, 64, 16
 def _model(jit, seed=None):
   model = dp.keras.DPSequential([keras.Input((300,)), keras.layers.Dense(40)])
   opt = dp.keras.DPKerasSGDOptimizer(S, Z, learning_rate=1.0, seed=seed)
+  opt.private_step.noise_in_compiled_program = True   # the default on accelerators only
   model.compile(opt, keras.losses.MeanSquaredError(), jit_compile=jit)
   return model, opt
 

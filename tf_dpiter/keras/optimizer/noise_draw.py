@@ -18,7 +18,9 @@ XLA program as the clipped sum: `tf.random.stateless_normal` (Philox) keyed by
   (key, counter) pair is used twice.
 
 Only the ledger append stays outside the compiled program (its buffers grow); it is
-exact, one sample per step (`private_step.PrivateStep.record_compiled_sample`).
+exact, one sample per step (`private_step.PrivateStep.record_compiled_sample`). By default
+the draw is compiled on accelerators only: XLA:CPU generates it single-threaded, slower
+than TensorFlow's kernel (`PrivateStep.compiles_noise`).
 """
 
 import os
