@@ -189,6 +189,6 @@ def check_optimizer(optimizer, model=None):
   if optimizer.num_microbatches is not None:
     raise PrivacyConfigError("white-box canaries need num_microbatches=None (one record per example), "
                              f"got {optimizer.num_microbatches!r}")
-  if model is not None and optimizer.resolve_clipping(model) != "vectorized":
+  if model is not None and optimizer.private_step.resolve_clipping(model) != "vectorized":
     raise PrivacyConfigError("white-box canaries need clipping='vectorized' (the canary weights are not "
                              f"a layer fast clipping knows), got clipping={optimizer.clipping!r}")

@@ -98,16 +98,16 @@ def _recording_sgd_class(dpk):
 
     def make_records(self, variables):
       with tf.init_scope():
-        self._dp_records = [tf.Variable(tf.zeros(v.shape, optimizers.wide_template([v])[0].dtype),
+        self._last_grads = [tf.Variable(tf.zeros(v.shape, optimizers.wide_template([v])[0].dtype),
                                         trainable=False) for v in variables]
 
     def apply_private_gradients(self, grads, trainable_variables):
-      assigns = [r.assign(tf.cast(g, r.dtype)) for r, g in zip(self._dp_records, grads)]
+      assigns = [r.assign(tf.cast(g, r.dtype)) for r, g in zip(self._last_grads, grads)]
       with tf.control_dependencies(assigns):
         return super().apply_private_gradients(grads, trainable_variables)
 
     def last_sum(self):
-      return np.concatenate([np.asarray(r.numpy(), np.float64).ravel() for r in self._dp_records])
+      return np.concatenate([np.asarray(r.numpy(), np.float64).ravel() for r in self._last_grads])
 
   return RecordingSGD
 
@@ -190,7 +190,7 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
   policy = policy or getattr(model.optimizer, "sampling_policy", None) or "poisson"
   relation = ledger_lib.relation_for_policy(policy)
   copy, opt = _dp_copy(model, policy, max(len(x), batch_size + 1), batch_size)
-  path = opt.resolve_clipping(copy)
+  path = opt.private_step.resolve_clipping(copy)
   w0 = [np.array(w) for w in copy.get_weights()]
   try:
     changes = _neighbour_changes(copy, w0, x[:batch_size], y[:batch_size], relation,

@@ -112,7 +112,7 @@ def _resolve_sampling(sampling, opt):
   """(policy name, reason) for fit on arrays."""
   if sampling not in SAMPLINGS:
     raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
-  m = opt.num_microbatches
+  m = opt.private_step.num_microbatches
   if sampling is None:
     if m is not None:
       return "shuffle", f"sampling=None with num_microbatches={m} means shuffled passes"
@@ -185,7 +185,7 @@ def run_population(optimizer, n, batch_size):
   Raises:
     PrivacyConfigError: B > N (q would exceed 1).
   """
-  led = getattr(optimizer, "_dp_ledger", None)
+  led = optimizer.private_step.existing_ledger
   count = 0 if led is None else int(led.sample_count.numpy())
   if count == 0:
     return None
@@ -359,7 +359,7 @@ def check_tree_pass(optimizer, sampler):
   if getattr(optimizer, "noise", "iid") != "tree":
     return
   per_pass = getattr(sampler, "steps_per_pass", None)
-  r = optimizer.noise_params.get("restart_every")
+  r = optimizer.private_step.noise_params.get("restart_every")
   if per_pass and r and per_pass % r:
     raise PrivacyConfigError(
         f"noise='tree' with restart_every={r}: the ledger charges one tree per shuffled pass, "

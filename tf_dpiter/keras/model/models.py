@@ -53,7 +53,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   def _dp_optimizer(self):
     opt = getattr(self, "optimizer", None)
-    if not isinstance(opt, opt_lib.DPOptimizerMixin):
+    if not isinstance(opt, opt_lib.DPOptimizerBase):
       raise ValueError(
           f"{type(self).__name__} needs a DP optimizer (dp.keras.DPKerasSGDOptimizer, "
           f"dp.keras.make_dp_optimizer_class(...), dp.keras.DPOptimizer(...)), got {opt!r}")
@@ -65,7 +65,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     is unwrapped, and the private step applies a static loss scale itself
     (routing.loss_scale)."""
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
-        optimizer.inner_optimizer, opt_lib.DPOptimizerMixin):
+        optimizer.inner_optimizer, opt_lib.DPOptimizerBase):
       optimizer = optimizer.inner_optimizer
     if isinstance(self, tf_privacy_args.TFPrivacyArgsMixin):
       optimizer = self._dp_private_optimizer(optimizer, kwargs)
@@ -144,11 +144,11 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       raise ValueError(
           f"sampling={sampling!r} applies to arrays only; this data declares "
           f"{'no sampling' if spec is None else repr(spec.policy)}")
-    self._dp_declare(opt, spec)
+    self._dp_declare(opt.private_step, spec)
     if isinstance(a.get("x"), tf.data.Dataset):
       self._dp_build_for_probe(a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
-    opt.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
+    opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
     callbacks = list(a.get("callbacks") or [])
     internal = [fit_sampling.SamplingSync(
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
@@ -196,22 +196,23 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
     return super().train_on_batch(*args, **kwargs)
 
-  def _dp_declare(self, opt, spec):
-    """Writes the data's SamplingSpec into the optimizer (or checks set_sampling was called)."""
+  def _dp_declare(self, step, spec):
+    """Writes the data's SamplingSpec into the optimizer's private step (or checks that
+    set_sampling was called)."""
     if spec is None:
-      if opt.dp_query is None or opt.sampling_source != "user":
+      if (step.query or step.pending_query()) is None or step.sampling_source != "user":
         raise ValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
-      self._dp_declare_users(None, opt.num_microbatches)
+      self._dp_declare_users(None, step.num_microbatches)
       return
-    m = opt.num_microbatches
+    m = step.num_microbatches
     self._dp_declare_users(user_sampling.user_grouping(spec), m)
     if m is not None and spec.sample_size and m > spec.sample_size:
       raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
                        "each microbatch needs at least one example")
-    if opt.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
+    if step.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
                         spec.sample_size):
       self.train_function = None
-    opt.mark_sampling_from_fit()
+    step.mark_sampling_from_fit()
 
   def _dp_declare_users(self, grouping, num_microbatches):
     """Records are users (data.user_sampling) or examples; retraces the step on a change."""
@@ -370,7 +371,7 @@ def make_private(model):
   model.__class__ = new_cls
   opt = getattr(model, "optimizer", None)
   if isinstance(opt, keras.optimizers.LossScaleOptimizer) and isinstance(
-      opt.inner_optimizer, opt_lib.DPOptimizerMixin):
+      opt.inner_optimizer, opt_lib.DPOptimizerBase):
     model.optimizer = opt.inner_optimizer   # compiled under mixed_float16 before make_private
   if getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False):
     model._dp_optimizer()  # pylint: disable=protected-access

@@ -124,7 +124,7 @@ def synchronize_noise(strategy, optimizer):
     ValueError: secure_mode (os.urandom has no state to share), or a query without a
       `noise_generator`.
   """
-  generator = optimizer.noise_generator
+  generator = optimizer.private_step.noise_generator
   if not isinstance(generator, tf.random.Generator):
     raise ValueError(
         f"secure_mode noise ({type(generator).__name__}) cannot be synchronized across "

@@ -1,14 +1,18 @@
 """The private train step of the DP models (McMahan et al. 2018, Sections 2 and 7; Abadi et al. 2016).
 
-`TrainStepMixin` is a base of `models.DPModelMixin`. One step: per-record gradients of the
-compiled loss, clipped to S and summed (vectorized path: `optimizer.clipped_sum`; fast path:
-ghost norms, `fast_clipping.clipped_grad_sum`), one noise draw and one ledger sample
-(`optimizer.noised_average`), then the optimizer's update. The path is chosen by
-`optimizer.resolve_clipping` (routing.fast_path_obstacle).
+`TrainStepMixin` is a base of `models.DPModelMixin`. One step goes through the optimizer's
+`private_step` (private_step.PrivateStep): per-record gradients of the compiled loss,
+clipped to S and summed (vectorized path: `step.clipped_sum`; fast path: ghost norms,
+`fast_clipping.clipped_grad_sum`), one noise draw and one ledger sample
+(`step.noised_average`), then the optimizer's update. The path is chosen by
+`step.resolve_clipping` (routing.fast_path_obstacle).
 
-With `jit_compile=True` the per-record gradients and clipping run under XLA; the noise, the
-ledger write (growing buffers, no XLA) and the update run right after, in the same
-non-compiled train function, so every step is recorded.
+With `jit_compile=True` the per-record gradients, the clipping and (DP-SGD's Gaussian noise,
+`step.compiles_noise`) the stateless noise draw and the normalization run in one XLA
+program (noise_draw); the ledger write (growing buffers, no XLA) and the update run right
+after, in the same non-compiled train function, so every step is recorded. Other
+mechanisms (correlated noise, secure_mode, a custom query) and multi-replica strategies
+draw their noise right after the program.
 """
 
 import keras
@@ -43,9 +47,11 @@ class TrainStepMixin:
     if self.train_function is not None and not force:
       return self.train_function
     jit = bool(self.jit_compile) and not self.run_eagerly
-    opt = self._dp_optimizer()
-    if opt.clipping != "vectorized" and self.built:
+    step = self._dp_optimizer().private_step
+    if step.clipping != "vectorized" and self.built:
       batch_independence.probe_model(self)   # eagerly, cached (None: probed in the trace)
+    self._dp_noise_inside = (jit and step.compiles_noise
+                             and self.distribute_strategy.num_replicas_in_sync == 1)
     if jit:
       # autograph=False: the step has no tensor-dependent Python control flow, and the
       # converted source would be re-read from disk at trace time.
@@ -90,20 +96,26 @@ class TrainStepMixin:
   def _dp_inference(self, x):
     return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
 
-  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None):
-    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred).
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, noise_seed=None):
+    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
+    with noise_seed, the noised average in place of the sample state.
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
-    reads no variable of the query's state; None: read here)."""
-    opt = self._dp_optimizer()
-    with opt.given_sample_params(params):
-      return self._dp_clipped_sum_body(opt, x, y, sample_weight)
+    reads no variable of the query's state; None: read here). noise_seed: the step's
+    (key, counter) (PrivateStep.noise_seed), or None (no noise here)."""
+    step = self._dp_optimizer().private_step
+    with step.given_sample_params(params):
+      state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(step, x, y,
+                                                                       sample_weight)
+    if noise_seed is not None:
+      state = step.compiled_noised_average(state, num_records, noise_seed)
+    return state, loss_sum, num_records, y_pred
 
-  def _dp_clipped_sum_body(self, opt, x, y, sample_weight):
+  def _dp_clipped_sum_body(self, step, x, y, sample_weight):
     """_dp_clipped_sum_step with the sample params fixed."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
-    m = opt.num_microbatches
+    m = step.num_microbatches
     if not getattr(self, "_dp_in_fit", False):
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = record_losses.example_mask_from_weights(sample_weight, b)
@@ -116,18 +128,19 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    if opt.resolve_clipping(self, input_specs=x) == "fast":
-      state, loss_sum, records_out = self._dp_fast_sum(opt, recs, em, rmask, k, variables)
+    if step.resolve_clipping(self, input_specs=x) == "fast":
+      state, loss_sum, records_out = self._dp_fast_sum(step, recs, em, rmask, k, variables)
     else:
-      state, loss_sum, records_out = self._dp_vectorized_sum(opt, recs, em, rmask, k, variables)
+      state, loss_sum, records_out = self._dp_vectorized_sum(step, recs, em, rmask, k,
+                                                             variables)
     if records_out is None:
       y_pred = self._dp_inference(x)
     else:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
-  def _dp_vectorized_sum(self, opt, recs, em, rmask, k, variables):
-    """Clipped sum by the optimizer's vectorized path: (state, loss sum, outputs [M, k, ...])."""
+  def _dp_vectorized_sum(self, step, recs, em, rmask, k, variables):
+    """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = routing.loss_scale(self)
 
@@ -138,10 +151,10 @@ class TrainStepMixin:
       loss = keras_internals.compiled_loss(self, xr, yr, y_pred, w, training=True)
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
-    return opt.clipped_sum(record_loss, variables, (recs, em), rmask, k,
+    return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
                            vectorize=routing.use_vectorized_map(self), loss_scale=scale)
 
-  def _dp_fast_sum(self, opt, recs, em, rmask, k, variables):
+  def _dp_fast_sum(self, step, recs, em, rmask, k, variables):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
@@ -151,7 +164,7 @@ class TrainStepMixin:
     n_rep = float(tf.distribute.get_strategy().num_replicas_in_sync)
 
     scaled = routing.loss_scale(self) != 1.0   # fast_clipping applies the scale itself
-    clip_factors_fn = opt.record_clip_factors_fn()   # the query clips, by its own rule
+    clip_factors_fn = step.record_clip_factors_fn()   # the query clips, by its own rule
 
     def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
@@ -177,7 +190,7 @@ class TrainStepMixin:
           self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
           return_outputs=True, clip_factors_fn=clip_factors_fn)
       # a record whose norm is not finite (float16 overflow) added nothing: count it
-      with tf.control_dependencies(opt.count_overflowed(
+      with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
         grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
@@ -187,13 +200,13 @@ class TrainStepMixin:
 
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
-    per_chunk = chunking.records_per_chunk(opt.max_physical_batch_size, k, m_static)
+    per_chunk = chunking.records_per_chunk(step.max_physical_batch_size, k, m_static)
     zeros = [tf.zeros(t.shape, t.dtype) for t in template]
     grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, zeros, (recs, em), rmask,
                                                            per_chunk)
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
-    query = opt.dp_query
+    query = step.require_query()
     state = query.initial_sample_state(template)
     state = query.accumulate_preprocessed_record(state, grad_sum)
     return state, loss_sum, outputs
@@ -214,6 +227,7 @@ class TrainStepMixin:
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring). Returns the metrics' logs."""
     opt = self._dp_optimizer()
+    step = opt.private_step
     x, y, sample_weight = _unpack(data)
     if not all(layer.built for layer in keras_internals.flatten_layers(self)):
       # Keras builds an unbuilt (e.g. subclassed) model on the first trace of the train
@@ -222,8 +236,13 @@ class TrainStepMixin:
     batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
     with output_losses.silenced(self, data):   # per-record losses: no per-output tracker update
-      state, loss_sum, num_records, y_pred = core(x, y, sample_weight, opt.sample_params())
-    grads = opt.noised_average(state, num_records)
+      if getattr(self, "_dp_noise_inside", False):
+        grads, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                                    step.noise_seed())
+        grads = step.record_compiled_sample(grads)   # the ledger append, outside XLA, exact
+      else:
+        state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params())
+        grads = step.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)
@@ -231,5 +250,5 @@ class TrainStepMixin:
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
     if routing.loss_scale(self) != 1.0:
       logs = dict(logs)
-      logs["dp_overflowed_records"] = opt.overflow_counter
+      logs["dp_overflowed_records"] = step.overflow_counter
     return logs

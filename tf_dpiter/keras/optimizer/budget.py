@@ -20,7 +20,7 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
 
   Args:
     epsilon, delta, epochs, batch_size, population_size, sampling, accountant,
-      num_microbatches: as DPOptimizerMixin.from_budget. who: the log line's caller name.
+      num_microbatches: as DPOptimizerBase.from_budget. who: the log line's caller name.
   Returns:
     (z, dict of the calibration's inputs and result).
   Warns:
@@ -88,7 +88,7 @@ def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population
   import keras  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.optimizer import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
   if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
-      optimizer, opt_lib.DPOptimizerMixin):
+      optimizer, opt_lib.DPOptimizerBase):
     raise ValueError(f"{who}: `optimizer` must be a plain keras.optimizers.Optimizer instance "
                      f"(not a DP optimizer). Received: optimizer={optimizer!r}")
   z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,

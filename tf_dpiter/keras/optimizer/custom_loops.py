@@ -1,9 +1,11 @@
-"""Private gradients in custom training loops (McMahan et al. 2018, Section 7), for the DP optimizers.
+"""Private gradients in custom training loops (McMahan et al., "A General Approach to Adding
+Differential Privacy to Iterative Training Procedures", Section 7).
 
-`CustomLoopMixin` is a base of `optimizers.DPOptimizerMixin`: `compute_private_gradients`
-(the noised average of clipped per-record gradients) and `minimize` (one private step on a
-vector of per-example losses). They use the optimizer's clipping (`clipped_sum`), noise and
-ledger (`noised_average`): a custom loop writes the same ledger samples as `fit`. Declare the
+`compute_private_gradients(step, ...)` is the noised average of clipped per-record
+gradients of a `private_step.PrivateStep`; the DP optimizers expose it as
+`optimizer.compute_private_gradients` and build `minimize` (one private step on a vector of
+per-example losses) on it. They use the step's clipping (`clipped_sum`), noise and ledger
+(`noised_average`): a custom loop writes the same ledger samples as `fit`. Declare the
 sampling first with `optimizer.set_sampling(n, q, policy, sample_size)`; under policy
 "shuffle" call `optimizer.ledger.record_passes(1)` whenever a pass over a new permutation
 starts. Apply the result with `optimizer.apply_private_gradients` (plain `apply_gradients`
@@ -36,6 +38,7 @@ import tensorflow as tf
 
 from tf_dpiter.keras.model import batch_independence
 from tf_dpiter.keras.optimizer import chunking
+from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
@@ -75,135 +78,120 @@ def vectorize_records(model):
   return True
 
 
-class CustomLoopMixin:
-  """compute_private_gradients / minimize on top of DPOptimizerMixin's private path."""
+def _records_and_masks(step, data, mask):
+  b_static = grads_lib.static_batch_size(data)
+  grads_lib.check_num_microbatches(step.num_microbatches, b_static)
+  b = grads_lib.dynamic_batch_size(data)
+  example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
+  return grads_lib.to_records(data, example_mask, step.num_microbatches)
 
-  def _records_and_masks(self, data, mask):
-    b_static = grads_lib.static_batch_size(data)
-    grads_lib.check_num_microbatches(self._dp_num_microbatches, b_static)
-    b = grads_lib.dynamic_batch_size(data)
-    example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
-    return grads_lib.to_records(data, example_mask, self._dp_num_microbatches)
 
-  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
-                                model=None):
-    """Noised average of clipped per-record gradients, aligned with `variables`.
+def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, tape=None,
+                              model=None):
+  """Noised average of clipped per-record gradients, aligned with `variables`.
 
-    Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's
-    examples (a vector [k], or a scalar mean), where record_data is `data` with leading
-    axis k (k = 1 with num_microbatches=None); gradients are vectorized over records, each
-    record run alone. (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the
-    vector [B] of per-example losses computed on the whole batch; per-record gradients come
-    from a batched jacobian, exact only if no layer mixes examples.
+  Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's
+  examples (a vector [k], or a scalar mean), where record_data is `data` with leading
+  axis k (k = 1 with num_microbatches=None); gradients are vectorized over records, each
+  record run alone. (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the
+  vector [B] of per-example losses computed on the whole batch; per-record gradients come
+  from a batched jacobian, exact only if no layer mixes examples.
 
-    Args:
-      loss_fn: see the two forms above.
-      variables: the variables to differentiate (the result is aligned with them).
-      data: a nest of [B, ...] tensors (form a), or None (form b).
-      mask: float [B] of 0/1, padding rows 0.
-      tape: the GradientTape the loss tensor was computed under (form b with a tensor).
-      model: the keras.Model that loss_fn runs, for fit's protections (module docstring);
-        without it, on a oneDNN build, per-record gradients come from a sequential loop.
+  Args:
+    step: the optimizer's PrivateStep.
+    loss_fn: see the two forms above.
+    variables: the variables to differentiate (the result is aligned with them).
+    data: a nest of [B, ...] tensors (form a), or None (form b).
+    mask: float [B] of 0/1, padding rows 0.
+    tape: the GradientTape the loss tensor was computed under (form b with a tensor).
+    model: the keras.Model that loss_fn runs, for fit's protections (module docstring);
+      without it, on a oneDNN build, per-record gradients come from a sequential loop.
 
-    Returns:
-      list of noised, averaged gradients (float32, or float64 for float64 variables); apply
-      them with `apply_private_gradients`.
+  Returns:
+    list of noised, averaged gradients (float32, or float64 for float64 variables); apply
+    them with `apply_private_gradients`.
 
-    Raises:
-      ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
-        examples, (form b with `model`) a layer that mixes the examples of a batch, or an
-        optimizer whose iterations exceed its ledger's samples (restored without its
-        ledger: `restore_ledger`).
-    """
-    saved_ledger.require_covers(self)   # a restored optimizer needs its ledger
-    variables = list(variables)
-    scale = _loss_scale(model)
-    vectorize = vectorize_records(model)
-    if data is not None:
-      return self._private_gradients_of_records(loss_fn, variables, data, mask, scale, vectorize)
-    self._check_batch_independent(model)
-    if tape is None:
-      with tf.GradientTape(persistent=True) as tape:
-        losses = self._vector_loss(loss_fn())
-        rec_losses, rmask = self._record_losses(losses, mask, scale)
-    else:
-      losses = self._vector_loss(loss_fn)
-      with tape:
-        rec_losses, rmask = self._record_losses(losses, mask, scale)
-    grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
-    grads, finite = chunking.unscale_records(grads, scale)
-    deps = self.count_overflowed(finite, rmask)
-    query = self._require_query()
-    params = self._dp_params()
-    state = query.initial_sample_state(chunking.wide_template(variables))
-    with tf.control_dependencies(deps):
-      state = self._accumulate(params, state, grads, rmask)
-    return self.noised_average(state, tf.reduce_sum(rmask))
+  Raises:
+    ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
+      examples, (form b with `model`) a layer that mixes the examples of a batch, or an
+      optimizer whose iterations exceed its ledger's samples (restored without its
+      ledger: `restore_ledger`).
+  """
+  variables = list(variables)
+  step.prepare_mechanism(variables)   # a correlated mechanism needs the variables' shapes
+  saved_ledger.require_covers(step.optimizer)   # a restored optimizer needs its ledger
+  scale = _loss_scale(model)
+  vectorize = vectorize_records(model)
+  if data is not None:
+    return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
+                                         vectorize)
+  _check_batch_independent(model)
+  if tape is None:
+    with tf.GradientTape(persistent=True) as tape:
+      losses = _vector_loss(loss_fn())
+      rec_losses, rmask = _record_losses(step, losses, mask, scale)
+  else:
+    losses = _vector_loss(loss_fn)
+    with tape:
+      rec_losses, rmask = _record_losses(step, losses, mask, scale)
+  grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
+  grads, finite = chunking.unscale_records(grads, scale)
+  deps = step.count_overflowed(finite, rmask)
+  query = step.require_query()
+  params = step.sample_params()
+  state = query.initial_sample_state(chunking.wide_template(variables))
+  with tf.control_dependencies(deps):
+    state = clipped_sum.accumulate(query, params, state, grads, rmask)
+  return step.noised_average(state, tf.reduce_sum(rmask))
 
-  def _private_gradients_of_records(self, loss_fn, variables, data, mask, scale, vectorize):
-    """Form (a) of compute_private_gradients: each record run alone through loss_fn."""
-    recs, em, rmask = self._records_and_masks(data, mask)
 
-    def record_loss(rec):
-      r_data, r_em = rec
-      loss = tf.convert_to_tensor(loss_fn(r_data))
-      if loss.shape.rank:
-        loss = record_losses.masked_record_mean(tf.reshape(loss, [-1]), r_em)
-      return tf.cast(loss, tf.float32) * scale, ()
+def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, vectorize):
+  """Form (a) of compute_private_gradients: each record run alone through loss_fn."""
+  recs, em, rmask = _records_and_masks(step, data, mask)
 
-    k = grads_lib.examples_per_record(self._dp_num_microbatches,
-                                      grads_lib.static_batch_size(data), em)
-    state, _, _ = self.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                                   vectorize=vectorize, loss_scale=scale)
-    return self.noised_average(state, tf.reduce_sum(rmask))
+  def record_loss(rec):
+    r_data, r_em = rec
+    loss = tf.convert_to_tensor(loss_fn(r_data))
+    if loss.shape.rank:
+      loss = record_losses.masked_record_mean(tf.reshape(loss, [-1]), r_em)
+    return tf.cast(loss, tf.float32) * scale, ()
 
-  @staticmethod
-  def _check_batch_independent(model):
-    """Refuses form (b) on a model whose probe finds a layer that mixes examples."""
-    if model is None:
-      return
-    mixing = batch_independence.probe_model(model)
-    if mixing:
-      raise ValueError(
-          f"layers {list(mixing)} make one example's outputs depend on other examples of the "
-          "batch, so per-example losses computed on the whole batch do not bound one "
-          "example's influence. Pass the batch as data=... with a loss_fn of one record "
-          "(each record is then run alone)")
+  k = grads_lib.examples_per_record(step.num_microbatches, grads_lib.static_batch_size(data),
+                                    em)
+  state, _, _ = step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
+                                 vectorize=vectorize, loss_scale=scale)
+  return step.noised_average(state, tf.reduce_sum(rmask))
 
-  @staticmethod
-  def _vector_loss(loss):
-    loss = tf.convert_to_tensor(loss)
-    if loss.shape.rank == 0:
-      raise ValueError(
-          "a scalar loss was given where a vector of per-example losses [batch] is needed: "
-          "compute the loss with reduction='none' (e.g. keras.losses.X(reduction=None))")
-    return loss
 
-  def _record_losses(self, losses, mask, scale=1.0):
-    b = tf.shape(losses)[0]
-    losses = tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1]))
-    losses = tf.reduce_mean(losses, axis=1) * scale
-    grads_lib.check_num_microbatches(self._dp_num_microbatches, losses.shape[0])
-    example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
-    if self._dp_num_microbatches is None:
-      return losses * example_mask, example_mask
-    recs, em, rmask = grads_lib.to_records(losses, example_mask, self._dp_num_microbatches)
-    return record_losses.masked_record_mean(recs, em), rmask
+def _check_batch_independent(model):
+  """Refuses form (b) on a model whose probe finds a layer that mixes examples."""
+  if model is None:
+    return
+  mixing = batch_independence.probe_model(model)
+  if mixing:
+    raise ValueError(
+        f"layers {list(mixing)} make one example's outputs depend on other examples of the "
+        "batch, so per-example losses computed on the whole batch do not bound one "
+        "example's influence. Pass the batch as data=... with a loss_fn of one record "
+        "(each record is then run alone)")
 
-  def minimize(self, loss, var_list, tape=None, mask=None, model=None):
-    """One private step on a vector loss [B] (per-example losses).
 
-    loss: a tensor computed under `tape`, or a callable returning it (tape made here).
-    model: as in compute_private_gradients.
-    A scalar loss raises ValueError: per-example losses are needed for clipping.
-    """
-    var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
-                    else var_list)
-    if callable(loss):
-      grads = self.compute_private_gradients(loss, var_list, mask=mask, model=model)
-    else:
-      if tape is None:
-        raise ValueError("minimize with a loss tensor needs the tape it was computed under "
-                         "(tape=...), or pass a callable loss")
-      grads = self.compute_private_gradients(loss, var_list, mask=mask, tape=tape, model=model)
-    return self.apply_private_gradients(grads, var_list)
+def _vector_loss(loss):
+  loss = tf.convert_to_tensor(loss)
+  if loss.shape.rank == 0:
+    raise ValueError(
+        "a scalar loss was given where a vector of per-example losses [batch] is needed: "
+        "compute the loss with reduction='none' (e.g. keras.losses.X(reduction=None))")
+  return loss
+
+
+def _record_losses(step, losses, mask, scale=1.0):
+  b = tf.shape(losses)[0]
+  losses = tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1]))
+  losses = tf.reduce_mean(losses, axis=1) * scale
+  grads_lib.check_num_microbatches(step.num_microbatches, losses.shape[0])
+  example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
+  if step.num_microbatches is None:
+    return losses * example_mask, example_mask
+  recs, em, rmask = grads_lib.to_records(losses, example_mask, step.num_microbatches)
+  return record_losses.masked_record_mean(recs, em), rmask

@@ -14,9 +14,9 @@ add noise correlated across steps, through the queries of `tf_dpiter.dp_query`:
             beyond it are refused), `min_separation` b (default 1): cyclic Poisson with >= b
             groups only.
 
-The mechanism is built when the optimizer is built (it needs the trainable variables' shapes),
-and its state (step, noise history / tree nodes / BLT buffers, and the noise generator's Philox
-state) are optimizer variables: `model.save`, `tf.train.Checkpoint`, `save_weights` and
+The mechanism is built when the optimizer is built (it needs the trainable variables'
+shapes; `private_step.PrivateStep.build_mechanism`), and its state (step, noise history /
+tree nodes / BLT buffers, and the noise generator's Philox state) are optimizer variables: `model.save`, `tf.train.Checkpoint`, `save_weights` and
 `keras.callbacks.BackupAndRestore` keep them, so a resumed run draws the noise an
 uninterrupted one would have. The sampling each mechanism needs comes from the ledger's own
 rule (`ledger.records.correlated_requirement`), checked when the sampling is declared.
@@ -185,7 +185,7 @@ def make_query(noise, params, l2_norm_clip, noise_multiplier, variables, seed=No
   raise ValueError(f"make_query builds the correlated mechanisms, got noise={noise!r}")
 
 
-class _Unbuilt:
+class Unbuilt:
   """Stands for a correlated query until the optimizer is built (any use raises)."""
 
   def __init__(self, noise):
@@ -198,175 +198,23 @@ class _Unbuilt:
         "variables) first)")
 
 
-class NoiseMechanismMixin:
-  """The optimizer side of `noise=`: builds the query on `build`, keeps its state (and its
-  generator's) in optimizer variables, checks the declared sampling (module docstring).
+def check_tree_boundary(noise, params, state):
+  """Refuses a (re)declared sampling inside a tree: a new sampling starts new shuffled passes,
+  and a tree spanning two passes would hold one example twice (the per-pass accounting of
+  the ledger would not cover that).
 
-  A base of `optimizers.DPOptimizerMixin`, before `mechanism.MechanismMixin` in the MRO.
+  Args:
+    noise, params: as returned by check_noise_args.
+    state: the mechanism's current global state (`PrivateStep.noise_state()`), or None.
+  Raises:
+    ValueError: noise == "tree" and its step is not a multiple of restart_every.
   """
-
-  def _dp_init_noise(self, noise, params, dp_query, secure_mode):
-    """Stores the validated mechanism (check_noise_args; raises its ValueError)."""
-    self._dp_noise_params = check_noise_args(noise, params, dp_query, secure_mode)
-    self._dp_noise = noise
-    self._dp_pending_sampling = None
-
-  @property
-  def noise(self):
-    """The noise mechanism: "iid", "tree", "band_mf" or "blt"."""
-    return self._dp_noise
-
-  @property
-  def noise_params(self):
-    """The mechanism's parameters, defaults filled in (a copy; {} for "iid")."""
-    return dict(self._dp_noise_params)
-
-  def noise_state(self):
-    """The correlated query's current global state as numpy values (a namedtuple: step,
-    noise history / tree nodes / BLT buffers, clip and stddev); None before it exists.
-
-    Returns:
-      the state, or None for "iid" or before the optimizer is built.
-    """
-    if self._dp_noise == "iid" or self._dp_global_vars is None:
-      return None
-    return tf.nest.pack_sequence_as(self._dp_global_struct,
-                                    [v.numpy() for v in self._dp_global_vars])
-
-  def pending_query(self):
-    """A placeholder for the query while a declared sampling waits for `build` (any use of
-    it raises, naming what to do), else None.
-
-    Returns:
-      the placeholder or None.
-    """
-    if getattr(self, "_dp_pending_sampling", None) is None:
-      return None
-    return _Unbuilt(self._dp_noise)
-
-  def noise_config(self):
-    """The config entries of the mechanism.
-
-    Returns:
-      {"noise": ..., its parameters}; {} for "iid", so its config is unchanged.
-    """
-    if self._dp_noise == "iid":
-      return {}
-    return dict({"noise": self._dp_noise}, **self._dp_noise_params)
-
-  def _make_dp_state(self):
-    if self._dp_noise != "iid" and self._dp_base_query is None:
-      self._dp_base_query = _Unbuilt(self._dp_noise)   # replaced in build
-    super()._make_dp_state()
-
-  def set_sampling(self, population_size, selection_probability, policy="poisson",
-                   sample_size=0):
-    """`MechanismMixin.set_sampling`, after checking that the ledger can account the
-    mechanism under this sampling (check_sampling). Before the optimizer is built, a
-    correlated mechanism keeps the declaration and applies it in `build`.
-
-    Args:
-      population_size, selection_probability, policy, sample_size: as
-        MechanismMixin.set_sampling.
-
-    Returns:
-      True when the recorded policy or record unit changed (or the declaration waits).
-
-    Raises:
-      ValueError: see check_sampling and MechanismMixin.set_sampling.
-    """
-    check_sampling(self._dp_noise, self._dp_noise_params, policy, population_size, sample_size)
-    self._dp_check_tree_boundary()
-    if self._dp_noise != "iid" and not self.built:
-      self._dp_pending_sampling = (population_size, selection_probability, policy, sample_size)
-      self._dp_sampling_source = "user"
-      return True
-    return super().set_sampling(population_size, selection_probability, policy, sample_size)
-
-  def _dp_check_tree_boundary(self):
-    """A (re)declared sampling starts new shuffled passes: refuses it inside a tree, where a
-    tree would span two passes (one example twice in it; the per-pass accounting would not
-    cover that)."""
-    state = self.noise_state() if self._dp_noise == "tree" else None
-    r = self._dp_noise_params.get("restart_every")
-    if state is not None and int(state.step) % r:
-      raise ValueError(
-          f"noise='tree' with restart_every={r}: the mechanism is at step {int(state.step)}, "
-          "inside a tree, and a new sampling (a new fit or dataset) starts new passes: a tree "
-          "would span two passes. Train in whole trees (steps_per_epoch a multiple of "
-          "restart_every, whole passes)")
-
-  def prepare_mechanism(self, variables):
-    """Builds the optimizer on `variables` now when a correlated mechanism waits for their
-    shapes (DPModel.fit calls it before the train step is traced); a no-op for "iid" or
-    once built.
-
-    Args:
-      variables: the model's trainable variables.
-    """
-    if self._dp_noise != "iid" and not self.built:
-      self.build(list(variables))
-
-  def compute_private_gradients(self, loss_fn, variables, *args, **kwargs):
-    """`CustomLoopMixin.compute_private_gradients`, building a correlated mechanism on
-    `variables` first (prepare_mechanism).
-
-    Args:
-      loss_fn, variables, *args, **kwargs: as CustomLoopMixin.compute_private_gradients.
-    Returns:
-      the noised, averaged gradients, aligned with `variables`.
-    """
-    variables = list(variables)
-    self.prepare_mechanism(variables)
-    return super().compute_private_gradients(loss_fn, variables, *args, **kwargs)
-
-  def minimize(self, loss, var_list, *args, **kwargs):
-    """`CustomLoopMixin.minimize`, building a correlated mechanism on `var_list` first.
-
-    Args:
-      loss, var_list, *args, **kwargs: as CustomLoopMixin.minimize.
-    Returns:
-      as CustomLoopMixin.minimize.
-    """
-    var_list = list(var_list)
-    self.prepare_mechanism(var_list)
-    return super().minimize(loss, var_list, *args, **kwargs)
-
-  def _require_query(self):
-    if self._dp_pending_sampling is not None:
-      raise ValueError(
-          f"noise={self._dp_noise!r}: the sampling is declared but the mechanism is not built "
-          "yet (it needs the trainable variables' shapes): call optimizer.build(model."
-          "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
-    return super()._require_query()
-
-  def build(self, variables):
-    """Keras' build, then (noise != "iid") the mechanism's query and state variables.
-
-    Args:
-      variables: the trainable variables the optimizer updates.
-    """
-    super().build(variables)
-    if self._dp_noise != "iid":
-      self._dp_build_mechanism(variables)
-
-  def _dp_build_mechanism(self, variables):
-    """Makes the query; its global state and generator state become optimizer variables
-    (in a fixed order, so save_weights / load_weights match them by position)."""
-    self._make_dp_state()
-    with tf.init_scope():
-      query = make_query(self._dp_noise, self._dp_noise_params, self._dp_l2_norm_clip,
-                         self._dp_noise_multiplier, variables, seed=self._dp_seed)
-      init = tf.nest.map_structure(tf.convert_to_tensor, query.initial_global_state())
-      state_vars = [tf.Variable(t, trainable=False, name=f"dp_noise_state_{i}")
-                    for i, t in enumerate(tf.nest.flatten(init))]
-    for v in state_vars + [query.noise_generator.state]:
-      self._track_variable(v)
-    self._dp_base_query = query
-    self._dp_global_struct = init
-    self._dp_global_vars = state_vars
-    if self._dp_pending_sampling is not None:
-      pending, self._dp_pending_sampling = self._dp_pending_sampling, None
-      source = self._dp_sampling_source
-      super().set_sampling(*pending)
-      self._dp_sampling_source = source
+  if noise != "tree" or state is None:
+    return
+  r = params["restart_every"]
+  if int(state.step) % r:
+    raise ValueError(
+        f"noise='tree' with restart_every={r}: the mechanism is at step {int(state.step)}, "
+        "inside a tree, and a new sampling (a new fit or dataset) starts new passes: a tree "
+        "would span two passes. Train in whole trees (steps_per_epoch a multiple of "
+        "restart_every, whole passes)")

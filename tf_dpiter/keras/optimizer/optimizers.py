@@ -1,4 +1,6 @@
-"""DP versions of Keras 3 optimizers (McMahan et al. 2018, Section 7; DP-SGD of Abadi et al. 2016).
+"""DP versions of Keras 3 optimizers (McMahan et al., "A General Approach to Adding Differential
+Privacy to Iterative Training Procedures", Section 7; DP-SGD of Abadi et al., "Deep Learning
+with Differential Privacy", 2016).
 
 `make_dp_optimizer_class(keras.optimizers.X)` returns a subclass of X whose gradients are
 private: per-record gradients are clipped to L2 norm S and summed by a DPQuery, the sum
@@ -19,25 +21,24 @@ sampling with `set_sampling(n, q, policy, sample_size)` and, under "shuffle", ca
 `optimizer.ledger.record_passes(1)` whenever they start a pass over a new permutation (a
 ledger with shuffled samples and no passes charges every sample as its own pass).
 
-Where each part lives: this module holds the constructor, the settings, the update and the
-Keras serialization; `mechanism` the query, ledger, sampling and noise; `clipped_sum` the
-choice of clipping path and the vectorized clipped sum; `chunking` the physical chunks and
-the float32 privacy dtype; `custom_loops` compute_private_gradients / minimize.
+Where each part lives: this module is the Keras face (the constructor and its checks, the
+properties, the config, the refusal of plain `apply`, `apply_private_gradients`,
+`from_budget`, and thin delegations users call). The DP step itself is one object the
+optimizer holds, `optimizer.private_step` (`private_step.PrivateStep`): it owns the query
+and the ledger write, the sampling declaration, the clipping (`clipped_sum`, `chunking`),
+the noise mechanism (`noise_mechanisms`) and the custom-loop gradients (`custom_loops`).
 `DPKeras*Optimizer.from_budget(epsilon, delta, epochs, batch_size, population_size)`
 calibrates the noise multiplier with the accountant.
 """
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import chunking
-from tf_dpiter.keras.optimizer import clipped_sum
-from tf_dpiter.keras.optimizer import custom_loops
-from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import optimizer_config
+from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.optimizer import settings
 
@@ -50,9 +51,10 @@ unscale_records = chunking.unscale_records
 calibrated_noise = budget.calibrated_noise
 
 
-class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.MechanismMixin,
-                       clipped_sum.ClippedSumMixin, custom_loops.CustomLoopMixin):
-  """Private-gradient logic shared by every DP optimizer class (see module docstring)."""
+class DPOptimizerBase:
+  """The Keras face of every DP optimizer class: constructor and checks, properties, config,
+  refusal of plain `apply`, `apply_private_gradients`, `from_budget`. The DP step itself
+  (query, clipping, noise, ledger) is `self.private_step` (private_step.PrivateStep)."""
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
                dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
@@ -81,37 +83,19 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
                         max_physical_batch_size, clipping)
     if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
       raise ValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
-    _check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
+    optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
     noise_params = {"restart_every": restart_every, "num_bands": num_bands,
                     "num_steps": num_steps, "band_strategy": band_strategy,
                     "num_buffers": num_buffers, "min_separation": min_separation}
     noise_mechanisms.check_noise_args(noise, noise_params, dp_query, secure_mode)
     super().__init__(*args, **kwargs)
-    self._dp_init_noise(noise, noise_params, dp_query, secure_mode)
-    self._dp_ledger_journal = ledger_journal
-    self._dp_l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
-    self._dp_noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-    self._dp_num_microbatches = num_microbatches
-    self._dp_max_physical_batch_size = max_physical_batch_size
-    self._dp_clipping = clipping
-    self._dp_normalize = bool(normalize)
-    self._dp_seed = seed
-    if secure_mode and (dp_query is not None or seed is not None):
-      raise ValueError("secure_mode applies to the default query and takes no seed; got "
-                       f"dp_query={dp_query!r}, seed={seed!r}")
-    self._dp_secure_mode = bool(secure_mode)
-    self._dp_custom_query = dp_query is not None
-    # The default query, the ledger and the sampling variables are made lazily, outside
-    # any tf.distribute scope (see _make_dp_state): the ledger's growing buffers cannot be
-    # mirrored variables, and the noise must come from one generator.
-    self._dp_base_query = dp_query
-    self._dp_ledger = None
-    self._dp_expected_records = None
-    self._dp_query = None         # QueryWithLedger, made by set_sampling
-    self._dp_global_vars = None
-    self._dp_restored_global_state = None  # from from_config: the saved query state
-    self._dp_private_apply = False
-    self._dp_sampling_source = None  # "user" (set_sampling) or "fit" (declared by fit)
+    self._ledger_journal = ledger_journal
+    self._private_apply = False
+    self.private_step = private_step_lib.PrivateStep(
+        self, l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
+        max_physical_batch_size=max_physical_batch_size, clipping=clipping,
+        normalize=normalize, seed=seed, secure_mode=secure_mode, noise=noise,
+        noise_params=noise_params)
 
   @classmethod
   def from_budget(cls, epsilon, delta, epochs, batch_size, population_size, sampling="poisson",
@@ -142,64 +126,165 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     Raises:
       ValueError: no l2_norm_clip, a noise_multiplier or dp_query given, or a bad target.
     """
-    if kwargs.get("noise", "iid") != "iid":
-      raise ValueError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
-                       f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
-                       "accounting (dp.accounting on its ledger)")
-    for name in ("noise_multiplier", "dp_query"):
-      if kwargs.get(name) is not None:
-        raise ValueError(f"from_budget calibrates the noise: {name}={kwargs[name]!r} cannot "
-                         "be given")
-    if kwargs.get("l2_norm_clip") is None:
-      raise ValueError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
-                       "multiplier is calibrated")
-    z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,
-                                accountant, kwargs.get("num_microbatches"),
-                                who=f"{cls.__name__}.from_budget")
-    opt = cls(kwargs.pop("l2_norm_clip"), z, kwargs.pop("num_microbatches", None), *args,
-              **{k: v for k, v in kwargs.items() if k not in ("noise_multiplier", "dp_query")})
+    z, calib, args, kwargs = optimizer_config.calibrated_arguments(
+        cls.__name__, epsilon, delta, epochs, batch_size, population_size, sampling,
+        accountant, args, kwargs)
+    opt = cls(*args, **kwargs)
     opt.calibration = calib
     return opt
 
-  # ---- properties ---------------------------------------------------------------------
+  # ---- properties (the step's settings) ----------------------------------------------
 
   @property
   def l2_norm_clip(self):
     """S, the per-record L2 clip (None with a custom dp_query)."""
-    return self._dp_l2_norm_clip
+    return self.private_step.l2_norm_clip
 
   @property
   def noise_multiplier(self):
     """z, the noise multiplier (None with a custom dp_query)."""
-    return self._dp_noise_multiplier
+    return self.private_step.noise_multiplier
 
   @property
   def num_microbatches(self):
     """M, microbatches per batch (None: one example per record)."""
-    return self._dp_num_microbatches
+    return self.private_step.num_microbatches
 
   @property
   def max_physical_batch_size(self):
     """P, examples per physical chunk (None: the whole batch)."""
-    return self._dp_max_physical_batch_size
+    return self.private_step.max_physical_batch_size
 
   @property
   def ledger_journal(self):
     """Path of the ledger journal DPModel.fit keeps (None: none unless fit is given one)."""
-    return self._dp_ledger_journal
+    return self._ledger_journal
 
   @property
   def clipping(self):
     """The clipping path: "auto", "vectorized" or "fast"."""
-    return self._dp_clipping
+    return self.private_step.clipping
+
+  @property
+  def noise(self):
+    """The noise mechanism: "iid", "tree", "band_mf" or "blt"."""
+    return self.private_step.noise
+
+  @property
+  def noise_params(self):
+    """The mechanism's parameters, defaults filled in (a copy; {} for "iid")."""
+    return dict(self.private_step.noise_params)
 
   @property
   def dp_query(self):
     """The QueryWithLedger in use (None until the sampling is known; for a correlated noise
     declared before the optimizer is built, a placeholder that raises on use until then)."""
-    return self._dp_query or self.pending_query()
+    return self.private_step.query or self.private_step.pending_query()
 
-  # ---- update ------------------------------------------------------------------------
+  @property
+  def ledger(self):
+    """The PrivacyLedger every private step writes to."""
+    return self.private_step.ledger
+
+  @property
+  def noise_generator(self):
+    """The noise source of the query (PrivateStep.noise_generator)."""
+    return self.private_step.noise_generator
+
+  @property
+  def overflowed_records(self):
+    """Records whose float16 gradient overflowed (non-finite) and were zeroed, since the
+    optimizer was made (mixed_float16 only; see chunking.unscale_records)."""
+    return int(self.private_step.overflow_counter.numpy())
+
+  @property
+  def sampling_policy(self):
+    """The sampling policy the ledger records (ledger.POLICIES), None before set_sampling."""
+    query = self.private_step.query
+    return None if query is None else query.policy
+
+  @property
+  def uses_custom_query(self):
+    """True when the optimizer was built with a user's `dp_query` (not from S and z)."""
+    return self.private_step.custom_query
+
+  def noise_state(self):
+    """The correlated mechanism's state as numpy values (PrivateStep.noise_state)."""
+    return self.private_step.noise_state()
+
+  # ---- the step, for users (thin delegations) -----------------------------------------
+
+  def set_sampling(self, population_size, selection_probability, policy="poisson",
+                   sample_size=0):
+    """Declares how batches are sampled (PrivateStep.set_sampling: Args, Returns, Raises)."""
+    return self.private_step.set_sampling(population_size, selection_probability, policy,
+                                          sample_size)
+
+  def sample_params(self):
+    """The query's sample params for this step (PrivateStep.sample_params)."""
+    return self.private_step.sample_params()
+
+  def resolve_clipping(self, model=None, input_specs=None):
+    """"vectorized" or "fast" for `model` (clipped_sum.resolve_clipping: Args, Raises)."""
+    return self.private_step.resolve_clipping(model, input_specs)
+
+  def prepare_mechanism(self, variables):
+    """Builds a correlated mechanism on `variables` (PrivateStep.prepare_mechanism)."""
+    self.private_step.prepare_mechanism(variables)
+
+  def noised_average(self, sample_state, num_records):
+    """Noised sum / denominator, one ledger sample (PrivateStep.noised_average)."""
+    return self.private_step.noised_average(sample_state, num_records)
+
+  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
+                                model=None):
+    """Noised average of clipped per-record gradients, aligned with `variables`
+    (custom_loops.compute_private_gradients: its two forms, Args, Returns and Raises)."""
+    return self.private_step.compute_private_gradients(loss_fn, variables, data, mask, tape,
+                                                       model)
+
+  def minimize(self, loss, var_list, tape=None, mask=None, model=None):
+    """One private step on a vector loss [B] (per-example losses).
+
+    Args:
+      loss: a tensor computed under `tape`, or a callable returning it (tape made here).
+      var_list: the variables (or a callable returning them).
+      tape, mask, model: as compute_private_gradients.
+    Returns:
+      the base optimizer's `apply` result.
+    Raises:
+      ValueError: a loss tensor without its tape, a scalar loss (per-example losses are
+        needed for clipping), or see compute_private_gradients.
+    """
+    var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
+                    else var_list)
+    if not callable(loss) and tape is None:
+      raise ValueError("minimize with a loss tensor needs the tape it was computed under "
+                       "(tape=...), or pass a callable loss")
+    grads = self.compute_private_gradients(loss, var_list, mask=mask,
+                                           tape=None if callable(loss) else tape, model=model)
+    return self.apply_private_gradients(grads, var_list)
+
+  def restore_ledger(self, ledger, key=None):
+    """Supplies the run's ledger to a restored optimizer (see saved_ledger.restore_ledger).
+
+    Args:
+      ledger: a PrivacyLedger, a signed ledger dict or a ledger JSON path; key: its HMAC key.
+    Returns:
+      the optimizer's ledger.
+    """
+    return saved_ledger.restore_ledger(self, ledger, key)
+
+  # ---- build and update ---------------------------------------------------------------
+
+  def build(self, variables):
+    """Keras' build, then (noise != "iid") the mechanism's query and state variables.
+
+    Args:
+      variables: the trainable variables the optimizer updates.
+    """
+    super().build(variables)
+    self.private_step.build_mechanism(variables)
 
   def apply_private_gradients(self, grads, trainable_variables):
     """Applies gradients that came out of `noised_average`.
@@ -209,12 +294,12 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     Returns:
       the base optimizer's `apply` result.
     """
-    self._dp_private_apply = True
+    self._private_apply = True
     grads = [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
     try:
       return super().apply(grads, trainable_variables)
     finally:
-      self._dp_private_apply = False
+      self._private_apply = False
 
   def apply(self, grads, trainable_variables=None):
     """Refuses plain gradients (the private path goes through apply_private_gradients).
@@ -226,7 +311,7 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     Raises:
       ValueError: called from outside the private path.
     """
-    if not self._dp_private_apply:
+    if not self._private_apply:
       raise ValueError(
           f"{type(self).__name__}.apply/apply_gradients received plain (non-private) "
           "gradients, outside the private path. Gradients from optimizer.compute_private_gradients are applied with "
@@ -254,29 +339,7 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
       the config dict.
     """
     config = super().get_config()
-    config.update({
-        "l2_norm_clip": self._dp_l2_norm_clip,
-        "noise_multiplier": self._dp_noise_multiplier,
-        "num_microbatches": self._dp_num_microbatches,
-        "max_physical_batch_size": self._dp_max_physical_batch_size,
-        "clipping": self._dp_clipping,
-        "normalize": self._dp_normalize,
-        "seed": self._dp_seed,
-        "ledger_journal": self._dp_ledger_journal,
-        "secure_mode": self._dp_secure_mode,
-    })
-    config.update(self.noise_config())
-    if self._dp_custom_query:
-      # The default query's state is fixed by (S, z); a custom one's may adapt.
-      config["dp_query"] = dp_query_lib.serialize(self._dp_base_query)
-      if self._dp_global_vars is not None:
-        config["dp_global_state"] = [np.asarray(v.numpy()).tolist()
-                                     for v in self._dp_global_vars]
-      elif self._dp_restored_global_state is not None:
-        config["dp_global_state"] = self._dp_restored_global_state
-    ledger = saved_ledger.config_ledger(self)
-    if ledger is not None:
-      config["dp_ledger"] = ledger
+    config.update(optimizer_config.dp_config(self))
     return config
 
   @classmethod
@@ -288,47 +351,15 @@ class DPOptimizerMixin(noise_mechanisms.NoiseMechanismMixin, mechanism.Mechanism
     Returns:
       the optimizer.
     """
-    config = dict(config)
-    if isinstance(config.get("dp_query"), dict):
-      config["dp_query"] = dp_query_lib.deserialize(config["dp_query"], custom_objects)
-    state = config.pop("dp_global_state", None)
-    ledger = config.pop("dp_ledger", None)
-    if ledger is not None:
-      ledger = saved_ledger.arrays_of_config(ledger)   # verified now: a bad one fails the load
+    config, state, ledger = optimizer_config.split_config(config, custom_objects)
     opt = super().from_config(config, custom_objects=custom_objects)
-    opt._dp_restored_global_state = state  # pylint: disable=protected-access
-    opt._dp_restored_ledger = ledger  # pylint: disable=protected-access
+    opt.private_step.state.restored_global_state = state
+    opt.private_step.state.restored_ledger = ledger
     return opt
 
-  # ---- the ledger in the config, and supplying a ledger (saved_ledger) --------------------
 
-  def _make_dp_state(self):
-    """MechanismMixin._make_dp_state, then loads a ledger restored by from_config."""
-    super()._make_dp_state()
-    saved_ledger.load_pending(self)
-
-  def restore_ledger(self, ledger, key=None):
-    """Supplies the run's ledger to a restored optimizer (see saved_ledger.restore_ledger).
-
-    Args:
-      ledger: a PrivacyLedger, a signed ledger dict or a ledger JSON path; key: its HMAC key.
-    Returns:
-      the optimizer's ledger.
-    """
-    return saved_ledger.restore_ledger(self, ledger, key)
-
-
-def _check_no_gradient_accumulation(steps):
-  """ValueError for Keras' gradient_accumulation_steps > 1 (see the message)."""
-  if steps is None or steps == 1:
-    return
-  raise ValueError(
-      f"gradient_accumulation_steps={steps!r} is not supported by DP optimizers: Keras would "
-      "add noise and charge the ledger at every micro-step, and the k batches it accumulates "
-      "are not one sample of the data (an example could be in several). For a large logical "
-      "batch that does not fit in memory, sample it once (batch_size=B) and set "
-      "max_physical_batch_size=P: the batch is processed in chunks of P examples, with one "
-      "noise draw and one ledger sample per batch")
+# The older name of the DP base (existing code, docs and saved models resolve it).
+DPOptimizerMixin = DPOptimizerBase
 
 
 _CLASS_CACHE = {}
@@ -357,14 +388,14 @@ def make_dp_optimizer_class(cls):
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
     raise ValueError(f"cls must be a keras.optimizers.Optimizer subclass, got {cls!r}")
-  if issubclass(cls, DPOptimizerMixin):
+  if issubclass(cls, DPOptimizerBase):
     return cls
   if cls in _CLASS_CACHE:
     return _CLASS_CACHE[cls]
   name = _READY_NAMES.get(cls.__name__) if cls.__module__.startswith("keras") else None
   name = name or f"DP{cls.__name__}"
-  new_cls = type(name, (DPOptimizerMixin, cls), {
-      "__doc__": f"DP version of {cls.__module__}.{cls.__qualname__} (see DPOptimizerMixin).",
+  new_cls = type(name, (DPOptimizerBase, cls), {
+      "__doc__": f"DP version of {cls.__module__}.{cls.__qualname__} (see DPOptimizerBase).",
       "__module__": __name__,
   })
   new_cls = keras.saving.register_keras_serializable(package="tf_dpiter", name=name)(new_cls)
@@ -382,7 +413,7 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
 
   Args:
     optimizer: a plain keras.optimizers.Optimizer instance.
-    l2_norm_clip, ..., secure_mode: as DPOptimizerMixin.__init__.
+    l2_norm_clip, ..., secure_mode: as DPOptimizerBase.__init__.
     noise: "iid" | "tree" | "band_mf" | "blt"; noise_params: its parameters
       (keras.noise_mechanisms).
 
@@ -394,7 +425,7 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
   """
   if not isinstance(optimizer, keras.optimizers.Optimizer):
     raise ValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")
-  if isinstance(optimizer, DPOptimizerMixin):
+  if isinstance(optimizer, DPOptimizerBase):
     raise ValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
   cls = make_dp_optimizer_class(type(optimizer))
   config = constructor_config(optimizer)

@@ -122,11 +122,11 @@ def _onednn_in_vectorized_units(model, fast_clipping):
   return tuple(out)
 
 
-def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
+def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
   """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can.
 
   Args:
-    optimizer: the DP optimizer (its l2_norm_clip and query decide).
+    step: the DP optimizer's PrivateStep (its l2_norm_clip and query decide).
     model: the keras.Model (None: no model, the fast path needs one).
     fast_clipping: the fast_clipping module, or None if it could not be imported.
     input_specs: a nest of tensors/specs with the batch's shapes, for the batch-independence
@@ -142,11 +142,11 @@ def fast_path_obstacle(optimizer, model, fast_clipping, input_specs=None):
     return "tf_dpiter.keras.fast_clipping could not be imported"
   if model is None:
     return "no model was given"
-  if not optimizer.clips_by_factors:
+  if not step.clips_by_factors:
     return ("the dp_query gives no per-record clip factors (DPQuery.record_clip_factors), "
             "so norms computed on the whole batch cannot be clipped by its rule")
-  if optimizer.l2_norm_clip is not None and not math.isfinite(optimizer.l2_norm_clip):
-    return f"l2_norm_clip={optimizer.l2_norm_clip!r} is not finite"
+  if step.l2_norm_clip is not None and not math.isfinite(step.l2_norm_clip):
+    return f"l2_norm_clip={step.l2_norm_clip!r} is not finite"
   if model.losses:
     return "the model has regularization losses"
   # supports() answers False for what it cannot plan; anything it raises is a bug: fail loudly.

@@ -1,13 +1,13 @@
 """The privacy ledger of a DP optimizer in its Keras config, and supplying a ledger by hand.
 
 Rule: every noised step ever taken is charged, so the ledger travels with the model.
-`DPOptimizerMixin.get_config` writes the ledger's signed dict (`ledger.to_dict()`, the file
+The DP optimizer's `get_config` writes the ledger's signed dict (`ledger.to_dict()`, the file
 format of `save_json`; McMahan et al., "A General Approach to Adding Differential Privacy to
 Iterative Training Procedures", Section 6: the ledger records every sampling and query event
 of the run) under "dp_ledger"; `from_config` verifies it and the new optimizer's ledger
 starts from it. So `model.save` -> `keras.models.load_model` -> `fit` charges every step
 taken before the save. A `tf.train.Checkpoint` of the optimizer carries the ledger as its
-`_dp_ledger` dependency (a tf.Module). A model restored without its ledger (optimizer
+`_dp_ledger` dependency (a tf.Module, made by its `private_step`). A model restored without its ledger (optimizer
 iterations > ledger samples) is refused by `fit` until `optimizer.restore_ledger(...)`
 supplies it (ledger_callbacks.check_ledger_covers).
 
@@ -57,7 +57,7 @@ def require_covers(opt):
   Raises:
     ValueError: its iterations exceed its ledger's samples.
   """
-  ledger = opt._dp_ledger  # pylint: disable=protected-access
+  ledger = opt.private_step.existing_ledger
   if ledger is None:   # no sampling declared yet: the private step refuses to run anyway
     return
   with tf.init_scope():
@@ -90,29 +90,14 @@ def config_ledger(opt):
   Returns:
     a ledger dict, or None when there is no ledger or it holds no sample and no pass.
   """
-  pending = getattr(opt, "_dp_restored_ledger", None)
-  ledger = opt._dp_ledger  # pylint: disable=protected-access
+  pending = opt.private_step.state.restored_ledger
+  ledger = opt.private_step.existing_ledger
   if ledger is None:
     return None if pending is None else ledger_file.arrays_to_dict(*pending[:2],
                                                                     passes=pending[2])
   if int(ledger.sample_count.numpy()) == 0 and int(ledger.passes.numpy()) == 0:
     return None
   return ledger.to_dict()
-
-
-def load_pending(opt):
-  """Loads the ledger from_config kept into `opt`'s (just made) ledger, once.
-
-  Args:
-    opt: a DP optimizer whose ledger exists.
-  Returns:
-    None.
-  """
-  pending = getattr(opt, "_dp_restored_ledger", None)
-  if pending is not None:
-    opt._dp_restored_ledger = None  # pylint: disable=protected-access
-    with tf.init_scope():
-      opt._dp_ledger.set_arrays(*pending)  # pylint: disable=protected-access
 
 
 def restore_ledger(opt, ledger, key=None):
@@ -143,8 +128,8 @@ def restore_ledger(opt, ledger, key=None):
     raise ValueError(f"the ledger holds {arrays[0].shape[0]} samples but the optimizer has "
                      f"taken iterations={iterations} steps: it is not this run's complete "
                      "ledger; supply the ledger written at or after the last step")
-  opt._dp_restored_ledger = None  # pylint: disable=protected-access
-  target = opt.ledger
+  opt.private_step.state.restored_ledger = None
+  target = opt.private_step.ledger
   with tf.init_scope():
     target.set_arrays(*arrays)
   return target

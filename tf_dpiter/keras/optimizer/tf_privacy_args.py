@@ -74,7 +74,7 @@ class TFPrivacyArgsMixin:
     if not settings:
       return optimizer
     optimizer = keras.optimizers.get(optimizer)
-    if isinstance(optimizer, opt_lib.DPOptimizerMixin):
+    if isinstance(optimizer, opt_lib.DPOptimizerBase):
       raise ValueError(
           f"{type(self).__name__} was given l2_norm_clip={settings['l2_norm_clip']!r} and "
           f"noise_multiplier={settings['noise_multiplier']!r} (TF Privacy's spelling) and "

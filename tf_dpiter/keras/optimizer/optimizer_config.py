@@ -1,0 +1,119 @@
+"""The Keras config of a DP optimizer, and the arguments `from_budget` builds one from.
+
+The config holds the private step's settings (S, z, M, P, clipping, normalize, seed,
+secure_mode, the noise mechanism and its parameters), a custom dp_query serialized with its
+current global state, and the ledger's signed dict (saved_ledger). It never holds the key
+of the compiled noise draw (noise_draw): knowing it would let whoever sees the updates
+subtract the noise.
+"""
+
+from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter.keras.optimizer import budget
+from tf_dpiter.keras.optimizer import saved_ledger
+
+
+def dp_config(opt):
+  """The DP entries of `opt`'s Keras config (added to the base optimizer's).
+
+  Args:
+    opt: a DP optimizer (its `private_step` and ledger journal are read).
+  Returns:
+    a dict: the settings, {"noise", its parameters} unless noise == "iid", "dp_query" and
+    "dp_global_state" for a custom query, "dp_ledger" once the ledger holds a sample.
+  """
+  step = opt.private_step
+  config = {
+      "l2_norm_clip": step.l2_norm_clip,
+      "noise_multiplier": step.noise_multiplier,
+      "num_microbatches": step.num_microbatches,
+      "max_physical_batch_size": step.max_physical_batch_size,
+      "clipping": step.clipping,
+      "normalize": step.normalize,
+      "seed": step.seed,
+      "ledger_journal": opt.ledger_journal,
+      "secure_mode": step.secure_mode,
+  }
+  if step.noise != "iid":   # the mechanism and its parameters; "iid" adds nothing
+    config.update(dict({"noise": step.noise}, **step.noise_params))
+  if step.custom_query:
+    # The default query's state is fixed by (S, z); a custom one's may adapt.
+    config["dp_query"] = dp_query_lib.serialize(step.base_query)
+    state = step.state.global_state_values()
+    if state is not None:
+      config["dp_global_state"] = state
+  ledger = saved_ledger.config_ledger(opt)
+  if ledger is not None:
+    config["dp_ledger"] = ledger
+  return config
+
+
+def split_config(config, custom_objects=None):
+  """A config's constructor arguments, its saved query state and its verified ledger.
+
+  Args:
+    config: a get_config dict. custom_objects: for Keras deserialization.
+  Returns:
+    (constructor config with the dp_query rebuilt, dp_global_state or None, the ledger's
+    (samples, queries, passes) or None).
+  Raises:
+    ValueError: a malformed or altered "dp_ledger" (saved_ledger.arrays_of_config).
+  """
+  config = dict(config)
+  if isinstance(config.get("dp_query"), dict):
+    config["dp_query"] = dp_query_lib.deserialize(config["dp_query"], custom_objects)
+  state = config.pop("dp_global_state", None)
+  ledger = config.pop("dp_ledger", None)
+  if ledger is not None:
+    ledger = saved_ledger.arrays_of_config(ledger)   # verified now: a bad one fails the load
+  return config, state, ledger
+
+
+def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, population_size,
+                         sampling, accountant, args, kwargs):
+  """The constructor arguments of `from_budget`, with z calibrated (budget.calibrated_noise).
+
+  Args:
+    class_name: the DP class' name (for the log line). epsilon ... accountant, args, kwargs:
+      as DPOptimizerBase.from_budget.
+  Returns:
+    (z, calibration dict, positional args, keyword args) for the class' constructor.
+  Raises:
+    ValueError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
+  """
+  kwargs = dict(kwargs)
+  if kwargs.get("noise", "iid") != "iid":
+    raise ValueError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
+                     f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
+                     "accounting (dp.accounting on its ledger)")
+  for name in ("noise_multiplier", "dp_query"):
+    if kwargs.get(name) is not None:
+      raise ValueError(f"from_budget calibrates the noise: {name}={kwargs[name]!r} cannot "
+                       "be given")
+  if kwargs.get("l2_norm_clip") is None:
+    raise ValueError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
+                     "multiplier is calibrated")
+  z, calib = budget.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
+                                     sampling, accountant, kwargs.get("num_microbatches"),
+                                     who=f"{class_name}.from_budget")
+  positional = (kwargs.pop("l2_norm_clip"), z, kwargs.pop("num_microbatches", None)) + tuple(args)
+  rest = {k: v for k, v in kwargs.items() if k not in ("noise_multiplier", "dp_query")}
+  return z, calib, positional, rest
+
+
+def check_no_gradient_accumulation(steps):
+  """Refuses Keras' gradient_accumulation_steps > 1.
+
+  Args:
+    steps: the optimizer's gradient_accumulation_steps argument (None or 1: fine).
+  Raises:
+    ValueError: steps > 1 (the message says what to do instead).
+  """
+  if steps is None or steps == 1:
+    return
+  raise ValueError(
+      f"gradient_accumulation_steps={steps!r} is not supported by DP optimizers: Keras would "
+      "add noise and charge the ledger at every micro-step, and the k batches it accumulates "
+      "are not one sample of the data (an example could be in several). For a large logical "
+      "batch that does not fit in memory, sample it once (batch_size=B) and set "
+      "max_physical_batch_size=P: the batch is processed in chunks of P examples, with one "
+      "noise draw and one ledger sample per batch")

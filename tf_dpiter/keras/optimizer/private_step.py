@@ -1,0 +1,462 @@
+"""The private step of the DP optimizers, as one object: query, clipping, noise and ledger write.
+
+McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
+Procedures" (2018), Section 7: a private training step is a DPQuery over the records of a
+sample. Each record's gradient is clipped to L2 norm S and the clipped gradients are summed;
+N(0, sigma^2) noise with sigma = z S is added once per logical batch; the noised sum is
+divided by the batch's denominator; the ledger records the sample (Section 6). With the
+default Gaussian query this is DP-SGD (Abadi et al., "Deep Learning with Differential
+Privacy", 2016, Algorithm 1).
+
+Neighbouring relation and unit: those of the declared sampling policy, which the ledger
+records with every sample: add/remove one example under Poisson-type sampling,
+replace-one example under "shuffle" and "fixed_size". The unit of privacy is the example
+(or the user, under user-level batches); a record is one example or one microbatch of
+k = ceil(B / M) examples, whose clipped sum the ledger charges at sensitivity 2S.
+
+`PrivateStep` owns all of it; the Keras DP optimizer holds one (`optimizer.private_step`)
+and keeps only the Keras face. Its state is in TF variables tracked by the optimizer (so
+`tf.train.Checkpoint`, `save_weights` and `model.save` carry them): the ledger, the query's
+global state (a correlated mechanism's noise history), the expected batch size, the
+float16 overflow counter and, for the compiled noise, its draw counter (noise_draw).
+
+Helpers: `mechanism`, `noise_mechanisms`, `noise_draw`, `clipped_sum`, `chunking`,
+`custom_loops` (plain functions of the step).
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras.optimizer import clipped_sum
+from tf_dpiter.keras.optimizer import custom_loops
+from tf_dpiter.keras.optimizer import mechanism
+from tf_dpiter.keras.optimizer import noise_draw
+from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import step_state
+
+
+class PrivateStep:
+  """The DP step of one optimizer (see module docstring).
+
+  Attributes (read-only for users):
+    optimizer: the Keras optimizer holding this step (its variables are tracked by it).
+    l2_norm_clip, noise_multiplier: S and z (None with a custom dp_query).
+    stddev: sigma = z S in sum units, computed once (None with a custom dp_query).
+    num_microbatches, max_physical_batch_size, clipping, normalize, seed, secure_mode: the
+      optimizer's settings.
+    noise, noise_params: the noise mechanism and its parameters (noise_mechanisms).
+    query: the QueryWithLedger (None until the sampling is declared).
+    sampling_source: "user", "fit" or None (who declared the sampling).
+  """
+
+  def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None, *,
+               dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
+               seed=None, secure_mode=False, noise="iid", noise_params=None):
+    """Args:
+      optimizer: the Keras optimizer that holds the step.
+      l2_norm_clip, noise_multiplier, num_microbatches, dp_query, max_physical_batch_size,
+        clipping, normalize, seed, secure_mode: as the DP optimizer's constructor (already
+        checked by settings.check_args).
+      noise, noise_params: the mechanism and its parameters (noise_mechanisms.check_noise_args).
+    Raises:
+      ValueError: secure_mode with a dp_query or a seed.
+    """
+    if secure_mode and (dp_query is not None or seed is not None):
+      raise ValueError("secure_mode applies to the default query and takes no seed; got "
+                       f"dp_query={dp_query!r}, seed={seed!r}")
+    self.optimizer = optimizer
+    self.l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
+    self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
+    self.stddev = (None if dp_query is not None else
+                   dp_query_lib.gaussian_stddev(self.l2_norm_clip, self.noise_multiplier))
+    self.num_microbatches = num_microbatches
+    self.max_physical_batch_size = max_physical_batch_size
+    self.clipping = clipping
+    self.normalize = bool(normalize)
+    self.seed = seed
+    self.secure_mode = bool(secure_mode)
+    self.noise = noise
+    self.noise_params = noise_mechanisms.check_noise_args(noise, dict(noise_params or {}),
+                                                          dp_query, secure_mode)
+    self.custom_query = dp_query is not None
+    self.base_query = dp_query        # made lazily (make_state) unless given
+    self.query = None                 # QueryWithLedger, made by set_sampling
+    self.sampling_source = None
+    self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
+    self._pending_sampling = None
+    self._given_params = None
+    self.noise_in_compiled_program = None   # None: on an accelerator only (compiles_noise)
+
+  # ---- state (step_state.StepState) --------------------------------------------------
+
+  def make_state(self):
+    """Creates the default query, the ledger and the sampling variables, once.
+
+    They are made outside any tf.distribute scope: the ledger's growing buffers cannot be
+    mirrored variables, and the noise must come from one generator.
+
+    Raises:
+      ValueError: called in a tf.distribute cross-replica scope.
+    """
+    if self.state.ledger is not None:
+      return
+    if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+      raise ValueError(
+          "the DP state (ledger, noise generator) must be created outside a tf.distribute "
+          "scope: call model.fit / optimizer.set_sampling outside `with strategy.scope():` "
+          "(build and compile the model inside it as usual)")
+    if self.noise != "iid" and self.base_query is None:
+      self.base_query = noise_mechanisms.Unbuilt(self.noise)   # replaced in build_mechanism
+    with tf.init_scope():
+      if self.base_query is None:   # sigma = z S, computed once in the constructor
+        self.base_query = dp_query_lib.GaussianSumQuery(
+            self.l2_norm_clip, self.stddev, seed=self.seed, secure_mode=self.secure_mode)
+      self.state.make()
+
+  @property
+  def ledger(self):
+    """The PrivacyLedger every private step writes to (made on first use)."""
+    self.make_state()
+    return self.state.ledger
+
+  @property
+  def existing_ledger(self):
+    """The ledger if it was made, else None (nothing is created)."""
+    return self.state.ledger
+
+  @property
+  def overflow_counter(self):
+    """The int64 variable counting records whose float16 gradient overflowed (zeroed)."""
+    self.make_state()
+    return self.state.overflow_count
+
+  def count_overflowed(self, finite, record_mask):
+    """mechanism.count_overflowed on this step's counter.
+
+    Args:
+      finite: [R] bool per record (None: no loss scale). record_mask: [R] 0/1.
+    Returns:
+      a list of control dependencies.
+    """
+    if finite is None:
+      return []
+    return mechanism.count_overflowed(self.overflow_counter, finite, record_mask)
+
+  @property
+  def noise_generator(self):
+    """The noise source of the query (`GaussianSumQuery.noise_generator`).
+
+    Raises:
+      ValueError: a custom `dp_query` that does not expose `noise_generator`.
+    """
+    self.make_state()
+    generator = getattr(self.base_query, "noise_generator", None)
+    if generator is None:
+      raise ValueError(
+          f"dp_query={self.base_query!r} does not expose `noise_generator`: its noise "
+          "cannot be synchronized across workers")
+    return generator
+
+  @property
+  def clips_by_factors(self):
+    """True if the query can clip norms computed elsewhere (the fast path needs it)."""
+    return self.base_query is None or dp_query_lib.gives_clip_factors(self.base_query)
+
+  def noise_state(self):
+    """The correlated query's global state as numpy values; None for "iid" or before build.
+
+    Returns:
+      a namedtuple (step, noise history / tree nodes / BLT buffers, clip, stddev), or None.
+    """
+    return None if self.noise == "iid" else self.state.global_state_numpy()
+
+  # ---- sampling -----------------------------------------------------------------------
+
+  def set_sampling(self, population_size, selection_probability, policy="poisson",
+                   sample_size=0):
+    """Declares how batches are sampled; the ledger records it with every step.
+
+    Microbatches (a record of k = ceil(sample_size / M) examples, charged at sensitivity 2S:
+    McMahan et al. 2018, Table 1 and Appendix A) need replace-one sampling ("shuffle",
+    "fixed_size"). A correlated mechanism is checked against the ledger's rule
+    (noise_mechanisms.check_sampling) and, before the optimizer is built, kept until
+    `build_mechanism`.
+
+    Args:
+      population_size: n. selection_probability: q. policy: one of ledger.POLICIES.
+      sample_size: the batch size (expected under Poisson; groups under cyclic_poisson).
+    Returns:
+      True when the recorded policy or record unit changed (the step must be retraced).
+    Raises:
+      ValueError: microbatches under add/remove, a sampling the mechanism is not accounted
+        under, a new sampling inside a tree, or a bad argument.
+    """
+    noise_mechanisms.check_sampling(self.noise, self.noise_params, policy, population_size,
+                                    sample_size)
+    noise_mechanisms.check_tree_boundary(self.noise, self.noise_params, self.noise_state())
+    m = self.num_microbatches
+    if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
+      raise ValueError(
+          f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
+          "one example, removing an example re-deals the others among microbatches. Sample "
+          "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
+          "dp.data.shuffled_batches), or use num_microbatches=None")
+    self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
+    if self.noise != "iid" and not self.optimizer.built:
+      self._pending_sampling = (population_size, selection_probability, policy, sample_size)
+      return True
+    return self._declare(population_size, selection_probability, policy, sample_size)
+
+  def _declare(self, population_size, selection_probability, policy, sample_size):
+    """The query (re)made or re-declared, its global state variables made once."""
+    m = self.num_microbatches
+    k = 1 if m is None else max(1, -(-int(sample_size) // m))
+    self.make_state()
+    with tf.init_scope():
+      if self.query is None or self.query.policy != policy:
+        self.query = ledger_lib.QueryWithLedger(
+            self.base_query, population_size, selection_probability, ledger=self.state.ledger,
+            policy=policy, sample_size=sample_size, examples_per_record=k)
+        changed = True
+      else:
+        changed = self.query.examples_per_record != k
+        self.query.set_sampling(population_size, selection_probability, sample_size,
+                                examples_per_record=k)
+      if not self.state.has_global_state:
+        self.state.make_global_state(self.query.initial_global_state())
+      self.state.expected_records.assign(mechanism.expected_records(
+          policy, population_size, selection_probability, sample_size))
+    return changed
+
+  def mark_sampling_from_fit(self):
+    """Records that DPModel.fit, not the user, declared the current sampling."""
+    self.sampling_source = "fit"
+
+  def pending_query(self):
+    """A placeholder that raises on use while a declared sampling waits for the optimizer's
+    build (correlated noise), else None."""
+    return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
+
+  def require_query(self):
+    """The QueryWithLedger of the declared sampling.
+
+    Raises:
+      ValueError: the sampling is undeclared, or declared but the mechanism is not built.
+    """
+    if self._pending_sampling is not None:
+      raise ValueError(
+          f"noise={self.noise!r}: the sampling is declared but the mechanism is not built "
+          "yet (it needs the trainable variables' shapes): call optimizer.build(model."
+          "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
+    if self.query is None:
+      raise ValueError(
+          "the sampling policy is unknown, so the ledger cannot record this step: train with "
+          "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
+          "optimizer.set_sampling(population_size, selection_probability, policy, sample_size) first")
+    return self.query
+
+  # ---- the correlated mechanism -------------------------------------------------------
+
+  def build_mechanism(self, variables):
+    """Makes a correlated mechanism's query on `variables` (noise != "iid"); its global and
+    generator state become optimizer variables (fixed order: save_weights matches them by
+    position). Applies a sampling declared before the build.
+
+    Args:
+      variables: the trainable variables the optimizer was built on.
+    """
+    if self.noise == "iid":
+      return
+    self.make_state()
+    with tf.init_scope():
+      query = noise_mechanisms.make_query(self.noise, self.noise_params, self.l2_norm_clip,
+                                          self.noise_multiplier, variables, seed=self.seed)
+      init = tf.nest.map_structure(tf.convert_to_tensor, query.initial_global_state())
+      state_vars = [tf.Variable(t, trainable=False, name=f"dp_noise_state_{i}")
+                    for i, t in enumerate(tf.nest.flatten(init))]
+    for v in state_vars + [query.noise_generator.state]:
+      self.optimizer._track_variable(v)  # pylint: disable=protected-access
+    self.base_query = query
+    self.state.set_global_state(init, state_vars)
+    if self._pending_sampling is not None:
+      pending, self._pending_sampling = self._pending_sampling, None
+      source = self.sampling_source
+      self._declare(*pending)
+      self.sampling_source = source
+
+  def prepare_mechanism(self, variables):
+    """Builds the optimizer on `variables` now when a correlated mechanism waits for their
+    shapes (DPModel.fit calls it before the train step is traced); a no-op for "iid" or
+    once built.
+
+    Args:
+      variables: the model's trainable variables.
+    """
+    if self.noise != "iid" and not self.optimizer.built:
+      self.optimizer.build(list(variables))
+
+  # ---- sample params ------------------------------------------------------------------
+
+  def sample_params(self):
+    """The query's sample params for this step (given ones inside `given_sample_params`).
+
+    Returns:
+      the params nest (`DPQuery.derive_sample_params`).
+    Raises:
+      ValueError: the sampling is not declared.
+    """
+    if self._given_params is not None:
+      return self._given_params
+    return self.require_query().derive_sample_params(self.state.global_state())
+
+  @contextlib.contextmanager
+  def given_sample_params(self, params):
+    """Within the block the clipping uses `params` instead of reading the query's state: an
+    XLA-compiled clipped sum receives them as arguments (under tf.distribute each replica
+    compiles its own program, and the state is one variable on the first device).
+
+    Args:
+      params: a nest from `sample_params()` (None: read the state as usual).
+    Yields:
+      None.
+    """
+    old, self._given_params = self._given_params, params
+    try:
+      yield
+    finally:
+      self._given_params = old
+
+  def record_clip_factors_fn(self):
+    """norms -> clip factors of this sample, by the query's own rule (for the fast path).
+
+    Returns:
+      a callable float32 norms [R] -> factors [R].
+    Raises:
+      ValueError: undeclared sampling. NotImplementedError: the query gives no factors.
+    """
+    query = self.require_query()
+    params = self.sample_params()
+    return lambda norms: query.record_clip_factors(params, norms)
+
+  # ---- clipping ---------------------------------------------------------------------
+
+  def resolve_clipping(self, model=None, input_specs=None):
+    """"vectorized" or "fast" for `model` (clipped_sum.resolve_clipping)."""
+    return clipped_sum.resolve_clipping(self, model, input_specs)
+
+  def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
+                  vectorize=True, loss_scale=1.0):
+    """The vectorized clipped sum (clipped_sum.vectorized_clipped_sum) of this step."""
+    return clipped_sum.vectorized_clipped_sum(self, record_loss_fn, variables, records,
+                                              record_mask, examples_per_record, vectorize,
+                                              loss_scale)
+
+  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
+                                model=None):
+    """The noised average of clipped per-record gradients of a custom loop
+    (custom_loops.compute_private_gradients: its Args, Returns and Raises)."""
+    return custom_loops.compute_private_gradients(self, loss_fn, variables, data, mask, tape,
+                                                  model)
+
+  # ---- noise drawn inside the compiled program (noise_draw) --------------------------
+
+  @property
+  def compiles_noise(self):
+    """True when DP-SGD's noise is drawn inside the XLA program (noise_draw): the default
+    Gaussian query only (not a custom dp_query, a correlated mechanism or secure_mode, whose
+    os.urandom draw is a host call), by default on an accelerator. On CPU XLA generates the
+    normal draw single-threaded (measured through fit: the MLP's DP step took 143 ms of CPU
+    time per step with the draw inside vs 24 ms outside), so there the draw stays right
+    after the program, in TensorFlow's kernel. `noise_in_compiled_program = True` forces
+    it (tests), False refuses it."""
+    if self.noise != "iid" or self.custom_query or self.secure_mode:
+      return False
+    if self.noise_in_compiled_program is not None:
+      return bool(self.noise_in_compiled_program)
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+
+  def noise_seed(self):
+    """The (key, counter) pair of this step's stateless draw, read outside the program.
+
+    Returns:
+      an int64 [2] tensor: the untracked key (noise_draw.make_key) and the optimizer's
+      iterations.
+    """
+    key = self.state.noise_key(self.seed)
+    return tf.stack([key.read_value(), tf.cast(self.optimizer.iterations, tf.int64)])
+
+  def compiled_noised_average(self, sample_state, num_records, seed):
+    """Noised sum / denominator inside the compiled program (no ledger write here: the caller
+    must call `record_compiled_sample` right after, outside it).
+
+    Args:
+      sample_state: the clipped sum. num_records: records in the batch.
+      seed: `noise_seed()`, passed in as an argument of the compiled function.
+    Returns:
+      the list of noised average gradients.
+    """
+    noised = noise_draw.noised_sum(sample_state, self.stddev, seed)
+    denom = self.denominator(tf.cast(num_records, tf.float32))
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(noised)]
+
+  def record_compiled_sample(self, grads):
+    """The ledger append of a step whose noise was drawn in the compiled program: the same
+    sample and GaussianSumEvent(S, sigma) as the query's get_noised_result would record.
+
+    Args:
+      grads: the noised averages from `compiled_noised_average`.
+    Returns:
+      grads, after the ledger write.
+    """
+    count = noise_draw.record_gaussian_sample(self.require_query(), self.state.global_state())
+    with tf.control_dependencies([count]):
+      return [tf.identity(g) for g in grads]
+
+  # ---- noise and ledger -------------------------------------------------------------
+
+  def _noise_and_record(self, sample_state):
+    """One noise draw and one ledger sample (the query's get_noised_result)."""
+    query = self.require_query()
+    result, new_state, _ = query.get_noised_result(sample_state, self.state.global_state())
+    assigns = self.state.assign_global_state(new_state)
+    with tf.control_dependencies(assigns):
+      return tf.nest.map_structure(tf.identity, result)
+
+  def denominator(self, num_records):
+    """The public denominator of the average: 1 (normalize=False), the expected batch size
+    under a Poisson-type policy (mechanism.EXPECTED_SIZE_POLICIES), else max(records, 1).
+
+    Args:
+      num_records: records in the batch (float32 scalar).
+    Returns:
+      a float32 scalar tensor.
+    """
+    if not self.normalize:
+      return tf.constant(1.0)
+    if self.require_query().policy in mechanism.EXPECTED_SIZE_POLICIES:
+      return self.state.expected_records.read_value()
+    return tf.maximum(num_records, 1.0)
+
+  def noised_average(self, sample_state, num_records):
+    """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
+
+    Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
+    noise is drawn once, in cross-replica context; the result is pre-divided by the replica
+    count (Keras sums gradients over replicas in apply()).
+
+    Args:
+      sample_state: the clipped sum of this replica's records (the query's sample state).
+      num_records: records in this replica's batch.
+    Returns:
+      the list of noised average gradients (flattened result).
+    Raises:
+      ValueError: the sampling is not declared (`set_sampling`).
+    """
+    self.require_query()
+    result, num_records, n_rep = mechanism.noised_across_replicas(
+        sample_state, tf.cast(num_records, tf.float32), self._noise_and_record)
+    denom = self.denominator(num_records) * float(n_rep)
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
