@@ -22,7 +22,7 @@ Protocol (nothing is chosen on the test set):
 The step (clipped sum by ghost norms, the query's noise, update -lr * noised sum / B) and the
 calibration are those of benchmarks/correlated_noise_mnist.py, imported from it.
 
-  nice -n 10 timeout 3600 python benchmarks/correlated_long_horizon.py \
+  nice -n 10 timeout 3600 python -m benchmarks.correlated_long_horizon \
       --out benchmarks/results_correlated_long_horizon.json
 `--out` keeps every finished run (JSON list, rewritten after each run); a rerun with the same
 file skips the runs already in it, so an interrupted grid resumes.
@@ -36,13 +36,12 @@ import time
 
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
 
-import correlated_noise_mnist as cn  # noqa: E402
+from benchmarks import correlated_noise_mnist as cn  # noqa: E402
 from tf_dpiter.accounting import accountant  # noqa: E402
 from tf_dpiter.dp_query import band_mf_query  # noqa: E402
 from tf_dpiter.dp_query import blt_query  # noqa: E402

@@ -29,7 +29,7 @@ import importlib
 from tf_dpiter.errors import ParameterTypeError as _ParameterTypeError
 from tf_dpiter.errors import ParameterValueError as _ParameterValueError
 
-# Loaded on first use: `tf_dpiter.dp_query.events` and `.validation` stay free of TensorFlow,
+# Loaded on first use: `tf_dpiter.dp_query.events` (and `tf_dpiter.validation`) stay free of TensorFlow,
 # so the accountant imports them without paying for TF.
 _EXPORTS = {
     'DPQuery': 'tf_dpiter.dp_query.dp_query',

@@ -27,6 +27,7 @@ from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.callbacks.ledger import LedgerExport  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import LedgerJournal  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import model_ledger
+from tf_dpiter.ledger import policies as ledger_policies
 
 
 def _halt_private_steps(model, halted):
@@ -290,7 +291,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   def _passes_ahead(self, planned, ahead):
     """The passes / epochs the next `ahead` steps start, from the fit's sampler (it knows
     where the pass in progress ends); None outside fit or for other policies."""
-    if planned.policy not in (ledger_lib.SHUFFLE, ledger_lib.BALLS_IN_BINS):
+    if not ledger_policies.get(planned.policy).pass_charged:
       return None
     from tf_dpiter.keras.model import fit_sampling  # pylint: disable=g-import-not-at-top
     return fit_sampling.passes_ahead(self.model, ahead)

@@ -31,6 +31,8 @@ evaluate (inference: `model(x)`) for accuracy.
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="ViewMeanLoss")
 class ViewMeanLoss(keras.losses.Loss):
@@ -80,12 +82,12 @@ class AugmentationMultiplicity(keras.Model):
       ValueError: K not a positive int, augment_fn not callable, model not a built Model.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ValueError(f"`k` must be a positive integer (views per example). Received: k={k!r}")
+      raise ParameterValueError(f"`k` must be a positive integer (views per example). Received: k={k!r}")
     if not callable(augment_fn):
-      raise ValueError(f"`augment_fn` must be callable. Received: augment_fn={augment_fn!r}")
+      raise ParameterValueError(f"`augment_fn` must be callable. Received: augment_fn={augment_fn!r}")
     if not isinstance(model, keras.Model) or not model.built:
-      raise ValueError("`model` must be a built keras.Model (call it once or give it an Input). "
-                       f"Received: model={model!r}")
+      raise ParameterValueError("`model` must be a built keras.Model (call it once or give it an Input). "
+                                f"Received: model={model!r}")
     super().__init__(**kwargs)
     self.views = keras.layers.TimeDistributed(model)   # the only reference: no shared layer
     self.augment_fn = augment_fn

@@ -31,6 +31,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import keras_internals
 
 _PROBE_BATCH = 4
@@ -47,7 +49,7 @@ def check_no_batch_mixing(model):
   """
   for layer in keras_internals.flatten_layers(model, include_self=False):
     if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
           "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
           "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
@@ -106,7 +108,7 @@ def batch_mixing_layers(model, x, atol=1e-6):
   xs = [np.asarray(t) for t in tf.nest.flatten(x)]
   n = len(xs[0])
   if n < 2:
-    raise ValueError(f"x must hold at least 2 examples to probe batch mixing, got {n}")
+    raise ParameterValueError(f"x must hold at least 2 examples to probe batch mixing, got {n}")
   nodes = _graph_nodes(model)
   fixed = [t.shape[0] for t in nodes[0].inputs if t.shape[0] is not None] if nodes else []
   if fixed and fixed[0] != n and fixed[0] >= 2:
@@ -172,13 +174,13 @@ def _probe_inputs(model, specs, seed):
   def make(spec):
     shape = tuple(spec.shape)[1:]
     if any(d is None for d in shape):
-      raise ValueError(f"cannot probe an input of unknown shape {spec.shape}")
+      raise ParameterValueError(f"cannot probe an input of unknown shape {spec.shape}")
     dtype = tf.as_dtype(spec.dtype)
     if dtype.is_floating:
       return rng.randn(_PROBE_BATCH, *shape).astype(dtype.as_numpy_dtype)
     if dtype.is_integer:
       return rng.randint(0, 2, size=(_PROBE_BATCH,) + shape).astype(dtype.as_numpy_dtype)
-    raise ValueError(f"cannot probe an input of dtype {dtype.name}")
+    raise ParameterValueError(f"cannot probe an input of dtype {dtype.name}")
 
   try:
     return tf.nest.map_structure(make, specs)

@@ -34,6 +34,7 @@ from tf_dpiter.ledger import records
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.data import shuffling
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 SAMPLINGS = (None, "poisson", "shuffle")
@@ -78,10 +79,10 @@ def class_weight_to_sample_weight(y, class_weight):
   missing from the dict weigh 1. Raises ValueError for other label layouts.
   """
   if not isinstance(class_weight, dict):
-    raise ValueError(f"class_weight must be a dict {{class index: weight}}, got {class_weight!r}")
+    raise ParameterValueError(f"class_weight must be a dict {{class index: weight}}, got {class_weight!r}")
   if y is None or isinstance(y, (dict, list, tuple)):
-    raise ValueError("class_weight needs a single label array y (one output); pass "
-                     "sample_weight instead")
+    raise PrivacyConfigError("class_weight needs a single label array y (one output); pass "
+                             "sample_weight instead")
   y = np.asarray(y)
   if y.ndim == 2 and y.shape[1] > 1:
     y = np.argmax(y, axis=1)
@@ -95,12 +96,12 @@ def _split_validation(a, x, y, sw):
   if not split or a.get("validation_data") is not None:
     return x, y, sw
   if not 0.0 < split < 1.0:
-    raise ValueError(f"validation_split must be in [0, 1), got {split!r}")
+    raise ParameterValueError(f"validation_split must be in [0, 1), got {split!r}")
   n = num_rows(x)
   at = int(math.floor(n * (1.0 - split)))
   if at in (0, n):
-    raise ValueError(f"validation_split={split} leaves no training or no validation example "
-                     f"out of {n}")
+    raise ParameterValueError(f"validation_split={split} leaves no training or no validation example "
+                              f"out of {n}")
   head = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[:at], t)
   tail = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[at:], t)
   val = (tail(x), tail(y)) if sw is None else (tail(x), tail(y), tail(sw))
@@ -111,14 +112,14 @@ def _split_validation(a, x, y, sw):
 def _resolve_sampling(sampling, opt):
   """(policy name, reason) for fit on arrays."""
   if sampling not in SAMPLINGS:
-    raise ValueError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    raise PrivacyConfigError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
   m = opt.private_step.num_microbatches
   if sampling is None:
     if m is not None:
       return "shuffle", f"sampling=None with num_microbatches={m} means shuffled passes"
     return "poisson", "sampling=None on arrays means Poisson sampling"
   if sampling == "poisson" and m is not None:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"sampling='poisson' cannot be used with num_microbatches={m}: under add or remove one "
         "example, removing an example re-deals the others among microbatches. Use "
         "sampling='shuffle' or num_microbatches=None")
@@ -135,15 +136,15 @@ def arrays_to_dataset(a, opt, sampling, pad=True):
   """
   x, y = _to_numpy(a.pop("x")), _to_numpy(a.pop("y", None))
   if y is None:
-    raise ValueError("fit on arrays needs y: the DP samplers yield (x, y, weights); for a "
-                     "model without targets build dp.data.poisson_batches(x, ...) yourself")
+    raise PrivacyConfigError("fit on arrays needs y: the DP samplers yield (x, y, weights); for a "
+                             "model without targets build dp.data.poisson_batches(x, ...) yourself")
   sw = a.pop("sample_weight", None)
   cw = a.pop("class_weight", None)
   if sw is not None:
     sw = np.asarray(sw, np.float32)
     if sw.size != num_rows(x):
-      raise ValueError(f"sample_weight must hold one weight per example ({num_rows(x)}), got "
-                       f"shape {sw.shape}: per-timestep weights are not supported for DP")
+      raise PrivacyConfigError(f"sample_weight must hold one weight per example ({num_rows(x)}), got "
+                               f"shape {sw.shape}: per-timestep weights are not supported for DP")
     sw = sw.reshape(-1)
   if cw is not None:
     w = class_weight_to_sample_weight(y, cw)
@@ -384,7 +385,7 @@ def journal_path(callbacks, ledger_journal):
   """
   if ledger_journal is not None:
     if not isinstance(ledger_journal, (str, os.PathLike)) or not os.fspath(ledger_journal):
-      raise ValueError(f"ledger_journal must be a file path, got {ledger_journal!r}")
+      raise ParameterValueError(f"ledger_journal must be a file path, got {ledger_journal!r}")
     return os.fspath(ledger_journal)
   for cb in callbacks:
     if isinstance(cb, keras.callbacks.BackupAndRestore):

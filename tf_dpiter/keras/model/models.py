@@ -28,6 +28,9 @@ import tensorflow as tf
 
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.data import user_sampling
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import batch_independence
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
@@ -39,6 +42,7 @@ from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
 from tf_dpiter.keras.model import train_step as train_step_lib
+from tf_dpiter.ledger import policies as ledger_policies
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
@@ -54,7 +58,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
   def _dp_optimizer(self):
     opt = getattr(self, "optimizer", None)
     if not isinstance(opt, opt_lib.DPOptimizerBase):
-      raise ValueError(
+      raise ParameterValueError(
           f"{type(self).__name__} needs a DP optimizer (dp.keras.DPKerasSGDOptimizer, "
           f"dp.keras.make_dp_optimizer_class(...), dp.keras.DPOptimizer(...)), got {opt!r}")
     return opt
@@ -141,7 +145,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       pad = bool(self.jit_compile) or self.distribute_strategy.num_replicas_in_sync > 1
       spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad)
     elif sampling is not None and (spec is None or spec.policy != sampling):
-      raise ValueError(
+      raise PrivacyConfigError(
           f"sampling={sampling!r} applies to arrays only; this data declares "
           f"{'no sampling' if spec is None else repr(spec.policy)}")
     self._dp_declare(opt.private_step, spec)
@@ -186,7 +190,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if n_rep > 1:
       # Keras hands every replica the whole batch here: the all-reduced clipped sum would be
       # n_rep times the batch's (one example moving it by n_rep * C) under noise drawn once.
-      raise ValueError(
+      raise PrivacyConfigError(
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
@@ -201,14 +205,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     set_sampling was called)."""
     if spec is None:
       if (step.query or step.pending_query()) is None or step.sampling_source != "user":
-        raise ValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
+        raise ParameterValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
       self._dp_declare_users(None, step.num_microbatches)
       return
     m = step.num_microbatches
     self._dp_declare_users(user_sampling.user_grouping(spec), m)
     if m is not None and spec.sample_size and m > spec.sample_size:
-      raise ValueError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
-                       "each microbatch needs at least one example")
+      raise PrivacyConfigError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
+                               "each microbatch needs at least one example")
     if step.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
                         spec.sample_size):
       self.train_function = None
@@ -218,7 +222,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """Records are users (data.user_sampling) or examples; retraces the step on a change."""
     per_user = None if grouping is None else grouping.examples_per_user
     if per_user is not None and num_microbatches is not None:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"num_microbatches={num_microbatches} cannot be used with user-level batches "
           "(dp.data.poisson_user_batches): the record is already the user")
     if getattr(self, "_dp_examples_per_user", None) != per_user:
@@ -235,7 +239,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
                                        cfg["selection_probability"], cfg["sample_size"])
       reason = "declared by optimizer.set_sampling" + (
           "; record each new permutation with model.ledger.record_passes(1), else every "
-          "step is charged as its own pass" if spec.policy == "shuffle" else "")
+          "step is charged as its own pass" if ledger_policies.get(spec.policy).pass_charged
+          else "")
     return fit_sampling.describe(spec, reason or "the dataset's own sampling",
                                  meters[0] if meters else None)
 
@@ -277,7 +282,7 @@ def private_class(cls):
     ValueError: cls is not a keras.Model subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
-    raise ValueError(f"cls must be a keras.Model subclass, got {cls!r}")
+    raise ParameterValueError(f"cls must be a keras.Model subclass, got {cls!r}")
   if issubclass(cls, DPModelMixin):
     return cls
   new_cls = _PRIVATE_CLASSES.get(cls)
@@ -308,7 +313,7 @@ def make_dp_model_class(cls):
     TypeError: cls is not a keras.Model subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
-    raise TypeError(f"cls must be a keras.Model subclass, got {cls!r}")
+    raise ParameterTypeError(f"cls must be a keras.Model subclass, got {cls!r}")
   if cls is keras.Model:
     return DPModel
   dp_cls = private_class(cls)
@@ -364,7 +369,7 @@ def make_private(model):
     ValueError: not a keras.Model, or a trainable BatchNormalization (check_no_batch_mixing).
   """
   if not isinstance(model, keras.Model):
-    raise ValueError(f"model must be a keras.Model, got {model!r}")
+    raise ParameterValueError(f"model must be a keras.Model, got {model!r}")
   if isinstance(model, DPModelMixin):
     return model
   new_cls = private_class(type(model))

@@ -48,6 +48,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 
@@ -126,7 +127,7 @@ def synchronize_noise(strategy, optimizer):
   """
   generator = optimizer.private_step.noise_generator
   if not isinstance(generator, tf.random.Generator):
-    raise ValueError(
+    raise PrivacyConfigError(
         f"secure_mode noise ({type(generator).__name__}) cannot be synchronized across "
         f"{num_workers(strategy)} workers: each would add its own noise and the average "
         "would carry std z C / sqrt(W). Train with secure_mode=False under "

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 from tf_dpiter import accounting
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import ledger_events
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.callbacks import privacy as privacy_callbacks
 from tf_dpiter.ledger import records
 
@@ -119,8 +120,8 @@ def run_statement(model, delta, accountant="rdp"):
   runs, passes = accountant_lib.ledger_runs(ledger)
   groups = [g for g in ledger_events.groups_from_runs(runs) if not g.is_selection and g.count > 0]
   if not groups:
-    raise ValueError("the model took no private step yet: privacy_statement(delta) states "
-                     "the cost of the steps its ledger recorded. Call it after fit.")
+    raise PrivacyConfigError("the model took no private step yet: privacy_statement(delta) states "
+                             "the cost of the steps its ledger recorded. Call it after fit.")
   report = accounting.privacy_report(ledger, delta=delta, accountant=accountant)
   last = groups[-1]
   policy = _unique(g.policy for g in groups)

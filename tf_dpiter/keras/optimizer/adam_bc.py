@@ -25,6 +25,8 @@ own size there, so Phi is underestimated on that step), 1 with normalize=False.
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
 
 DEFAULT_VARIANCE_FLOOR = 1e-8
@@ -50,21 +52,21 @@ class AdamBC(keras.optimizers.Adam):
         non-DP AdamBC.
     """
     if kwargs.pop("amsgrad", False):
-      raise ValueError("`amsgrad` is not supported by AdamBC (Tang et al. define the bias "
-                       "correction for Adam). Received: amsgrad=True")
+      raise ParameterValueError("`amsgrad` is not supported by AdamBC (Tang et al. define the bias "
+                                "correction for Adam). Received: amsgrad=True")
     super().__init__(learning_rate=learning_rate, beta_1=beta_1, beta_2=beta_2,
                      epsilon=epsilon, name=name, **kwargs)
     if noise_variance is None:
       if not isinstance(self, optimizers.DPOptimizerMixin):
-        raise ValueError("`noise_variance` must be a number >= 0 for a non-DP AdamBC (use "
-                         "dp.keras.DPKerasAdamBCOptimizer to have it set from z, S and B). "
-                         "Received: noise_variance=None")
+        raise PrivacyConfigError("`noise_variance` must be a number >= 0 for a non-DP AdamBC (use "
+                                 "dp.keras.DPKerasAdamBCOptimizer to have it set from z, S and B). "
+                                 "Received: noise_variance=None")
     elif not (float(noise_variance) >= 0 and float(noise_variance) < float("inf")):
-      raise ValueError("`noise_variance` must be a finite number >= 0 (Phi = (z S / B)^2). "
-                       f"Received: noise_variance={noise_variance!r}")
+      raise PrivacyConfigError("`noise_variance` must be a finite number >= 0 (Phi = (z S / B)^2). "
+                               f"Received: noise_variance={noise_variance!r}")
     if not float(variance_floor) > 0 or float(variance_floor) == float("inf"):
-      raise ValueError("`variance_floor` must be a finite number > 0 (gamma'). "
-                       f"Received: variance_floor={variance_floor!r}")
+      raise ParameterValueError("`variance_floor` must be a finite number > 0 (gamma'). "
+                                f"Received: variance_floor={variance_floor!r}")
     self.noise_variance = None if noise_variance is None else float(noise_variance)
     self.variance_floor = float(variance_floor)
 
@@ -114,18 +116,18 @@ def dp_noise_variance(opt):
       i.i.d.), microbatches, or a custom dp_query without a `stddev`.
   """
   if opt.noise != "iid":
-    raise ValueError("DP-AdamBC needs i.i.d. Gaussian noise per step (Phi = (z S / B)^2); "
-                     f"correlated noise has another per-step variance. Received: noise={opt.noise!r}")
+    raise PrivacyConfigError("DP-AdamBC needs i.i.d. Gaussian noise per step (Phi = (z S / B)^2); "
+                             f"correlated noise has another per-step variance. Received: noise={opt.noise!r}")
   if opt.num_microbatches is not None:
-    raise ValueError("DP-AdamBC sets Phi from the per-example denominator; microbatches "
-                     f"divide by another count. Received: num_microbatches={opt.num_microbatches!r}")
-  opt.ledger  # pylint: disable=pointless-statement  (makes the DP state: query, denominator)
-  stddev = getattr(opt._dp_base_query, "stddev", None)  # pylint: disable=protected-access
+    raise PrivacyConfigError("DP-AdamBC sets Phi from the per-example denominator; microbatches "
+                             f"divide by another count. Received: num_microbatches={opt.num_microbatches!r}")
+  step = opt.private_step
+  step.make_state()   # the DP state: the query and the denominator variable
+  stddev = getattr(step.base_query, "stddev", None)
   if stddev is None:
-    raise ValueError(f"dp_query={opt._dp_base_query!r} has no `stddev`: give AdamBC "  # pylint: disable=protected-access
-                     "noise_variance=Phi explicitly")
-  denom = (opt._dp_expected_records.read_value() if opt._dp_normalize  # pylint: disable=protected-access
-           else tf.constant(1.0))
+    raise PrivacyConfigError(f"dp_query={step.base_query!r} has no `stddev`: give AdamBC "
+                             "noise_variance=Phi explicitly")
+  denom = step.state.expected_records.read_value() if step.normalize else tf.constant(1.0)
   return tf.square(tf.cast(stddev, tf.float32) / tf.maximum(denom, 1.0))
 
 

@@ -8,6 +8,7 @@ from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.errors import BudgetConfigError
+from tf_dpiter.errors import ParameterValueError
 
 _LOG = logging.getLogger("tf_dpiter")
 
@@ -89,8 +90,8 @@ def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population
   from tf_dpiter.keras.optimizer import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
   if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
       optimizer, opt_lib.DPOptimizerBase):
-    raise ValueError(f"{who}: `optimizer` must be a plain keras.optimizers.Optimizer instance "
-                     f"(not a DP optimizer). Received: optimizer={optimizer!r}")
+    raise ParameterValueError(f"{who}: `optimizer` must be a plain keras.optimizers.Optimizer instance "
+                              f"(not a DP optimizer). Received: optimizer={optimizer!r}")
   z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,
                               accountant, dp_kwargs.get("num_microbatches"), who=who)
   dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)

@@ -11,6 +11,7 @@ float32 before the norms, the clip factors and the sum, in physical chunks
 
 import tensorflow as tf
 
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -45,7 +46,7 @@ def resolve_clipping(step, model=None, input_specs=None):
   if reason is None:
     return "fast"
   if step.clipping == "fast":
-    raise ValueError(
+    raise PrivacyConfigError(
         f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
         "'vectorized' (each record is clipped alone, exact for it)")
   return "vectorized"

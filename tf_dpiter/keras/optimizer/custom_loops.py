@@ -36,6 +36,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.model import batch_independence
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
@@ -169,7 +170,7 @@ def _check_batch_independent(model):
     return
   mixing = batch_independence.probe_model(model)
   if mixing:
-    raise ValueError(
+    raise ParameterValueError(
         f"layers {list(mixing)} make one example's outputs depend on other examples of the "
         "batch, so per-example losses computed on the whole batch do not bound one "
         "example's influence. Pass the batch as data=... with a loss_fn of one record "
@@ -179,7 +180,7 @@ def _check_batch_independent(model):
 def _vector_loss(loss):
   loss = tf.convert_to_tensor(loss)
   if loss.shape.rank == 0:
-    raise ValueError(
+    raise ParameterValueError(
         "a scalar loss was given where a vector of per-example losses [batch] is needed: "
         "compute the loss with reduction='none' (e.g. keras.losses.X(reduction=None))")
   return loss

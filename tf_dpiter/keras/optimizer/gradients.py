@@ -18,6 +18,9 @@ Padding rows (mask 0) keep their positions too: they never move a real example.
 
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+
+from tf_dpiter.errors import PrivacyConfigError
 
 def _ceil_div(a, b):
   return (a + b - 1) // b
@@ -37,7 +40,7 @@ def static_batch_size(nest):
   """
   leaves = [t for t in tf.nest.flatten(nest) if t is not None]
   if not leaves:
-    raise ValueError("the batch holds no tensor")
+    raise ParameterValueError("the batch holds no tensor")
   return tf.TensorShape(leaves[0].shape)[0]
 
 
@@ -70,7 +73,7 @@ def check_num_microbatches(num_microbatches, batch_size):
   if num_microbatches is None:
     return
   if batch_size is not None and num_microbatches > batch_size:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"num_microbatches={num_microbatches} is more than the {batch_size} examples of the "
         "batch: each microbatch needs at least one example")
 
@@ -114,8 +117,8 @@ def consecutive_records(nest, example_mask, k):
   """
   b = static_batch_size((nest, example_mask))
   if b is not None and b % k:
-    raise ValueError(f"a user-level batch of {b} rows is not whole users of "
-                     f"max_examples_per_user={k} rows")
+    raise ParameterValueError(f"a user-level batch of {b} rows is not whole users of "
+                              f"max_examples_per_user={k} rows")
 
   def split(t):
     if t is None:

@@ -15,31 +15,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter import ledger as ledger_lib
-from tf_dpiter.ledger import records
-
-# Policies whose batch size is random: the noised sum is divided by its public expected size
-# (the realized size is not protected by the noise under add/remove one example).
-EXPECTED_SIZE_POLICIES = (ledger_lib.POISSON, records.USER_POISSON, records.CYCLIC_POISSON,
-                          records.TRUNCATED_POISSON)
-
-
-def expected_records(policy, population_size, selection_probability, sample_size):
-  """The public expected batch size of a sample: q n, or q n / b under cyclic_poisson (one of
-  its b = sample_size groups is sampled per step); truncated_poisson: q n, the mean before the
-  cap (any public constant keeps the guarantee).
-
-  Args:
-    policy: the sampling policy (ledger.POLICIES); population_size: n;
-    selection_probability: q; sample_size: b (groups under cyclic_poisson).
-  Returns:
-    the expected number of records, a float.
-  """
-  expected = float(population_size) * float(selection_probability)
-  if policy == records.CYCLIC_POISSON:
-    expected /= float(sample_size)
-  return expected
-
+from tf_dpiter.errors import ParameterValueError
 
 def count_overflowed(counter, finite, record_mask):
   """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
@@ -109,7 +85,7 @@ def restore_global_state(saved, flat_init):
     return flat_init
   if not isinstance(saved, (list, tuple)) or len(saved) != len(flat_init) or any(
       tuple(np.shape(s)) != tuple(t.shape) for s, t in zip(saved, flat_init)):
-    raise ValueError(
+    raise ParameterValueError(
         "the saved dp_global_state does not match the query's state (expected "
         f"{len(flat_init)} values of shapes {[tuple(t.shape) for t in flat_init]}). "
         f"Received: dp_global_state={saved!r}")

@@ -30,6 +30,8 @@ from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import blt_query
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import tree_aggregation_query
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
 NOISE_KINDS = ("iid", "tree", "band_mf", "blt")
@@ -46,7 +48,7 @@ PARAM_NAMES = ("restart_every", "num_bands", "num_steps", "band_strategy", "num_
 
 def _positive_int(name, value, noise):
   if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"noise={noise!r}: {name} must be an integer >= 1, got {value!r}")
+    raise PrivacyConfigError(f"noise={noise!r}: {name} must be an integer >= 1, got {value!r}")
   return value
 
 
@@ -67,38 +69,38 @@ def check_noise_args(noise, params, dp_query=None, secure_mode=False):
       one (named with its value), or noise != "iid" with dp_query or secure_mode.
   """
   if noise not in NOISE_KINDS:
-    raise ValueError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
+    raise PrivacyConfigError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
   given = {k: v for k, v in params.items() if v is not None}
   extra = sorted(set(given) - set(_PARAMS[noise]))
   if extra:
-    raise ValueError(f"noise={noise!r} takes no {extra[0]} (got {extra[0]}={given[extra[0]]!r}); "
-                     f"its parameters are {sorted(_PARAMS[noise]) or 'none'}")
+    raise PrivacyConfigError(f"noise={noise!r} takes no {extra[0]} (got {extra[0]}={given[extra[0]]!r}); "
+                             f"its parameters are {sorted(_PARAMS[noise]) or 'none'}")
   if noise == "iid":
     return {}
   if dp_query is not None:
-    raise ValueError(f"noise={noise!r} builds its own query; give it or dp_query={dp_query!r}, "
-                     "not both")
+    raise PrivacyConfigError(f"noise={noise!r} builds its own query; give it or dp_query={dp_query!r}, "
+                             "not both")
   if secure_mode:
-    raise ValueError(f"secure_mode=True applies to noise='iid' only, got noise={noise!r}")
+    raise PrivacyConfigError(f"secure_mode=True applies to noise='iid' only, got noise={noise!r}")
   out = dict(_PARAMS[noise], **given)
   for name in ("restart_every", "num_bands", "num_steps", "num_buffers", "min_separation"):
     if name in out and out[name] is not None:
       _positive_int(name, out[name], noise)
   if noise == "tree" and out["restart_every"] is None:
-    raise ValueError("noise='tree' needs restart_every (leaves per tree; the steps per "
-                     "shuffled pass or a divisor of it), got restart_every=None")
+    raise PrivacyConfigError("noise='tree' needs restart_every (leaves per tree; the steps per "
+                             "shuffled pass or a divisor of it), got restart_every=None")
   if noise == "band_mf":
     if out["num_bands"] is None:
-      raise ValueError("noise='band_mf' needs num_bands (1 = DP-SGD), got num_bands=None")
+      raise PrivacyConfigError("noise='band_mf' needs num_bands (1 = DP-SGD), got num_bands=None")
     if out["num_bands"] > 1 and out["num_steps"] is None:
-      raise ValueError(f"noise='band_mf' with num_bands={out['num_bands']} needs num_steps "
-                       "(the training steps the strategy is optimized for), got None")
+      raise PrivacyConfigError(f"noise='band_mf' with num_bands={out['num_bands']} needs num_steps "
+                               "(the training steps the strategy is optimized for), got None")
     if out["band_strategy"] not in band_mf_query.STRATEGIES:
-      raise ValueError(f"band_strategy must be one of {band_mf_query.STRATEGIES}, got "
-                       f"{out['band_strategy']!r}")
+      raise ParameterValueError(f"band_strategy must be one of {band_mf_query.STRATEGIES}, got "
+                                f"{out['band_strategy']!r}")
   if noise == "blt" and out["num_steps"] is None:
-    raise ValueError("noise='blt' needs num_steps (the horizon; later steps are refused), "
-                     "got num_steps=None")
+    raise PrivacyConfigError("noise='blt' needs num_steps (the horizon; later steps are refused), "
+                             "got num_steps=None")
   return out
 
 
@@ -141,14 +143,14 @@ def check_sampling(noise, params, policy, population_size, sample_size):
     hint = ("dp.data.shuffled_batches(x, y, batch_size=B) or fit(x, y, sampling='shuffle')"
             if needed == records.SHUFFLE else
             f"dp.data.cyclic_poisson_batches(x, y, expected_batch_size=B, num_groups>={least})")
-    raise ValueError(
+    raise PrivacyConfigError(
         f"noise={noise!r} with {what}={params[what]!r} is accounted only under sampling "
         f"policy {needed!r}" + (f" with at least {least} groups" if least else "")
         + f" ({hint}); got policy {policy!r}, sample_size {sample_size!r}")
   if noise == "tree":
     per_pass = math.ceil(float(population_size) / float(sample_size))
     if per_pass % params["restart_every"]:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"noise='tree' with restart_every={params['restart_every']}: the ledger charges one "
           f"tree per shuffled pass, so every tree must end at a pass boundary; a pass here is "
           f"ceil(n / B) = ceil({population_size:g} / {float(sample_size):g}) = {per_pass} "
@@ -182,7 +184,7 @@ def make_query(noise, params, l2_norm_clip, noise_multiplier, variables, seed=No
     return blt_query.BLTQuery(
         l2_norm_clip, noise_multiplier, template, params["num_steps"],
         num_buffers=params["num_buffers"], min_separation=params["min_separation"], seed=seed)
-  raise ValueError(f"make_query builds the correlated mechanisms, got noise={noise!r}")
+  raise PrivacyConfigError(f"make_query builds the correlated mechanisms, got noise={noise!r}")
 
 
 class Unbuilt:
@@ -192,7 +194,7 @@ class Unbuilt:
     self.noise = noise
 
   def __getattr__(self, name):
-    raise ValueError(
+    raise PrivacyConfigError(
         f"noise={self.noise!r}: the mechanism is made when the optimizer is built on the model's "
         "trainable variables (model.fit does it; or call optimizer.build(model.trainable_"
         "variables) first)")
@@ -213,7 +215,7 @@ def check_tree_boundary(noise, params, state):
     return
   r = params["restart_every"]
   if int(state.step) % r:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"noise='tree' with restart_every={r}: the mechanism is at step {int(state.step)}, "
         "inside a tree, and a new sampling (a new fit or dataset) starts new passes: a tree "
         "would span two passes. Train in whole trees (steps_per_epoch a multiple of "

@@ -8,6 +8,7 @@ subtract the noise.
 """
 
 from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import saved_ledger
 
@@ -82,16 +83,16 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
   """
   kwargs = dict(kwargs)
   if kwargs.get("noise", "iid") != "iid":
-    raise ValueError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
-                     f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
-                     "accounting (dp.accounting on its ledger)")
+    raise PrivacyConfigError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
+                             f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
+                             "accounting (dp.accounting on its ledger)")
   for name in ("noise_multiplier", "dp_query"):
     if kwargs.get(name) is not None:
-      raise ValueError(f"from_budget calibrates the noise: {name}={kwargs[name]!r} cannot "
-                       "be given")
+      raise PrivacyConfigError(f"from_budget calibrates the noise: {name}={kwargs[name]!r} cannot "
+                               "be given")
   if kwargs.get("l2_norm_clip") is None:
-    raise ValueError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
-                     "multiplier is calibrated")
+    raise PrivacyConfigError("from_budget needs l2_norm_clip=... (the clipping norm S); the noise "
+                             "multiplier is calibrated")
   z, calib = budget.calibrated_noise(epsilon, delta, epochs, batch_size, population_size,
                                      sampling, accountant, kwargs.get("num_microbatches"),
                                      who=f"{class_name}.from_budget")
@@ -110,7 +111,7 @@ def check_no_gradient_accumulation(steps):
   """
   if steps is None or steps == 1:
     return
-  raise ValueError(
+  raise PrivacyConfigError(
       f"gradient_accumulation_steps={steps!r} is not supported by DP optimizers: Keras would "
       "add noise and charge the ledger at every micro-step, and the k batches it accumulates "
       "are not one sample of the data (an example could be in several). For a large logical "

@@ -34,6 +34,8 @@ calibrates the noise multiplier with the accountant.
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import noise_mechanisms
@@ -82,7 +84,7 @@ class DPOptimizerBase:
     settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
                         max_physical_batch_size, clipping)
     if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
-      raise ValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
+      raise ParameterValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
     optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
     noise_params = {"restart_every": restart_every, "num_bands": num_bands,
                     "num_steps": num_steps, "band_strategy": band_strategy,
@@ -259,8 +261,8 @@ class DPOptimizerBase:
     var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
                     else var_list)
     if not callable(loss) and tape is None:
-      raise ValueError("minimize with a loss tensor needs the tape it was computed under "
-                       "(tape=...), or pass a callable loss")
+      raise ParameterValueError("minimize with a loss tensor needs the tape it was computed under "
+                                "(tape=...), or pass a callable loss")
     grads = self.compute_private_gradients(loss, var_list, mask=mask,
                                            tape=None if callable(loss) else tape, model=model)
     return self.apply_private_gradients(grads, var_list)
@@ -312,7 +314,7 @@ class DPOptimizerBase:
       ValueError: called from outside the private path.
     """
     if not self._private_apply:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"{type(self).__name__}.apply/apply_gradients received plain (non-private) "
           "gradients, outside the private path. Gradients from optimizer.compute_private_gradients are applied with "
           "optimizer.apply_private_gradients(grads, variables) (not apply_gradients); "
@@ -387,7 +389,7 @@ def make_dp_optimizer_class(cls):
     ValueError: cls is not an Optimizer subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
-    raise ValueError(f"cls must be a keras.optimizers.Optimizer subclass, got {cls!r}")
+    raise ParameterValueError(f"cls must be a keras.optimizers.Optimizer subclass, got {cls!r}")
   if issubclass(cls, DPOptimizerBase):
     return cls
   if cls in _CLASS_CACHE:
@@ -424,9 +426,9 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
     ValueError: not a plain Keras optimizer instance, or a bad DP setting.
   """
   if not isinstance(optimizer, keras.optimizers.Optimizer):
-    raise ValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")
+    raise ParameterValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")
   if isinstance(optimizer, DPOptimizerBase):
-    raise ValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
+    raise ParameterValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
   cls = make_dp_optimizer_class(type(optimizer))
   config = constructor_config(optimizer)
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,

@@ -30,12 +30,15 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_draw
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import step_state
+from tf_dpiter.ledger import policies as ledger_policies
 
 
 class PrivateStep:
@@ -65,8 +68,8 @@ class PrivateStep:
       ValueError: secure_mode with a dp_query or a seed.
     """
     if secure_mode and (dp_query is not None or seed is not None):
-      raise ValueError("secure_mode applies to the default query and takes no seed; got "
-                       f"dp_query={dp_query!r}, seed={seed!r}")
+      raise ParameterValueError("secure_mode applies to the default query and takes no seed; got "
+                                f"dp_query={dp_query!r}, seed={seed!r}")
     self.optimizer = optimizer
     self.l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
     self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
@@ -104,7 +107,7 @@ class PrivateStep:
     if self.state.ledger is not None:
       return
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
-      raise ValueError(
+      raise PrivacyConfigError(
           "the DP state (ledger, noise generator) must be created outside a tf.distribute "
           "scope: call model.fit / optimizer.set_sampling outside `with strategy.scope():` "
           "(build and compile the model inside it as usual)")
@@ -155,7 +158,7 @@ class PrivateStep:
     self.make_state()
     generator = getattr(self.base_query, "noise_generator", None)
     if generator is None:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"dp_query={self.base_query!r} does not expose `noise_generator`: its noise "
           "cannot be synchronized across workers")
     return generator
@@ -199,7 +202,7 @@ class PrivateStep:
     noise_mechanisms.check_tree_boundary(self.noise, self.noise_params, self.noise_state())
     m = self.num_microbatches
     if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
           "one example, removing an example re-deals the others among microbatches. Sample "
           "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
@@ -227,8 +230,8 @@ class PrivateStep:
                                 examples_per_record=k)
       if not self.state.has_global_state:
         self.state.make_global_state(self.query.initial_global_state())
-      self.state.expected_records.assign(mechanism.expected_records(
-          policy, population_size, selection_probability, sample_size))
+      self.state.expected_records.assign(ledger_policies.get(policy).expected_records(
+          population_size, selection_probability, sample_size))
     return changed
 
   def mark_sampling_from_fit(self):
@@ -247,12 +250,12 @@ class PrivateStep:
       ValueError: the sampling is undeclared, or declared but the mechanism is not built.
     """
     if self._pending_sampling is not None:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"noise={self.noise!r}: the sampling is declared but the mechanism is not built "
           "yet (it needs the trainable variables' shapes): call optimizer.build(model."
           "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
     if self.query is None:
-      raise ValueError(
+      raise PrivacyConfigError(
           "the sampling policy is unknown, so the ledger cannot record this step: train with "
           "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
           "optimizer.set_sampling(population_size, selection_probability, policy, sample_size) first")
@@ -427,7 +430,8 @@ class PrivateStep:
 
   def denominator(self, num_records):
     """The public denominator of the average: 1 (normalize=False), the expected batch size
-    under a Poisson-type policy (mechanism.EXPECTED_SIZE_POLICIES), else max(records, 1).
+    under a policy whose batch size is random (its policy object's
+    `expected_size_denominator`), else max(records, 1).
 
     Args:
       num_records: records in the batch (float32 scalar).
@@ -436,7 +440,7 @@ class PrivateStep:
     """
     if not self.normalize:
       return tf.constant(1.0)
-    if self.require_query().policy in mechanism.EXPECTED_SIZE_POLICIES:
+    if ledger_policies.get(self.require_query().policy).expected_size_denominator:
       return self.state.expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 

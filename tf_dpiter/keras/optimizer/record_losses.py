@@ -22,6 +22,7 @@ handled by the vectorized path only.
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.model import keras_internals
 
 
@@ -110,8 +111,8 @@ def compiled_record_losses(model, y_true, y_pred, weights):
   """
   compiled = getattr(model, "_compile_loss", None)   # keras.Model internals: see module doc
   if compiled is None:
-    raise ValueError("the model was compiled without a loss: compile(loss=...) is needed for "
-                     "DP training (the per-record loss is what the compiled loss gives)")
+    raise ParameterValueError("the model was compiled without a loss: compile(loss=...) is needed for "
+                              "DP training (the per-record loss is what the compiled loss gives)")
   yp_flat = tf.nest.flatten(y_pred)
   masks = [_mask_of(t) for t in yp_flat]
   others = [tf.nest.flatten(y_true), [m for m in masks if m is not None],

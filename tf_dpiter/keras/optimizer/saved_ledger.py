@@ -20,6 +20,8 @@ import os
 
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 
 CONFIG_KEY = "dp_ledger"
@@ -37,7 +39,7 @@ def check_counts(iterations, samples):
     ValueError: samples < iterations (the message says how to supply the ledger).
   """
   if samples < iterations:
-    raise ValueError(
+    raise PrivacyConfigError(
         f"the model's optimizer has taken iterations={iterations} steps but its privacy "
         f"ledger holds {samples} samples: the model was restored without its ledger (e.g. "
         "load_weights, a tf.train.Checkpoint without the optimizer, or a copy saved before "
@@ -79,7 +81,7 @@ def arrays_of_config(d):
   try:
     return ledger_file.dict_to_arrays(d)
   except ValueError as e:
-    raise ValueError(f"the optimizer config's {CONFIG_KEY!r}: {e}") from None
+    raise ParameterValueError(f"the optimizer config's {CONFIG_KEY!r}: {e}") from None
 
 
 def config_ledger(opt):
@@ -121,13 +123,13 @@ def restore_ledger(opt, ledger, key=None):
   elif isinstance(ledger, (str, os.PathLike)):
     arrays = ledger_file.load(os.fspath(ledger), key)
   else:
-    raise ValueError(f"ledger must be a PrivacyLedger, a ledger dict or a ledger JSON path. "
-                     f"Received: ledger={ledger!r}")
+    raise PrivacyConfigError(f"ledger must be a PrivacyLedger, a ledger dict or a ledger JSON path. "
+                             f"Received: ledger={ledger!r}")
   iterations = int(opt.iterations.numpy())
   if arrays[0].shape[0] < iterations:
-    raise ValueError(f"the ledger holds {arrays[0].shape[0]} samples but the optimizer has "
-                     f"taken iterations={iterations} steps: it is not this run's complete "
-                     "ledger; supply the ledger written at or after the last step")
+    raise PrivacyConfigError(f"the ledger holds {arrays[0].shape[0]} samples but the optimizer has "
+                             f"taken iterations={iterations} steps: it is not this run's complete "
+                             "ledger; supply the ledger written at or after the last step")
   opt.private_step.state.restored_ledger = None
   target = opt.private_step.ledger
   with tf.init_scope():

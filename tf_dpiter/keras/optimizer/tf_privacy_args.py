@@ -15,6 +15,8 @@ import numbers
 
 import keras
 
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers as opt_lib
 
 _NAMES = ("l2_norm_clip", "noise_multiplier", "num_microbatches", "use_xla", "layer_registry")
@@ -53,15 +55,15 @@ class TFPrivacyArgsMixin:
     for name in _NAMES:
       if name in kwargs:
         if name in settings:
-          raise TypeError(f"{type(self).__name__} got multiple values for argument {name!r}")
+          raise ParameterTypeError(f"{type(self).__name__} got multiple values for argument {name!r}")
         settings[name] = kwargs.pop(name)
     if settings.get("layer_registry") is not None:
-      raise ValueError(
+      raise PrivacyConfigError(
           f"layer_registry={settings['layer_registry']!r} is TF Privacy's fast-clipping "
           "registry; tf_dpiter chooses the fast path itself (clipping='auto') and takes new "
           "layers through dp.keras.fast_clipping.register_layer. Pass layer_registry=None")
     if settings and ("l2_norm_clip" not in settings or "noise_multiplier" not in settings):
-      raise ValueError(
+      raise PrivacyConfigError(
           "l2_norm_clip and noise_multiplier go together (TF Privacy's DP model arguments); "
           f"got {sorted(settings)}")
     super().__init__(*args, **kwargs)
@@ -75,7 +77,7 @@ class TFPrivacyArgsMixin:
       return optimizer
     optimizer = keras.optimizers.get(optimizer)
     if isinstance(optimizer, opt_lib.DPOptimizerBase):
-      raise ValueError(
+      raise PrivacyConfigError(
           f"{type(self).__name__} was given l2_norm_clip={settings['l2_norm_clip']!r} and "
           f"noise_multiplier={settings['noise_multiplier']!r} (TF Privacy's spelling) and "
           f"compiled with a DP optimizer ({type(optimizer).__name__}): give the DP settings "
