@@ -31,26 +31,11 @@ import numpy as np  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402  (was: import tensorflow_privacy)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.environ.get("TF_DPITER_MNIST",
-                              os.path.join(REPO, "..", "shared", "data", "mnist.npz"))
-
-
-def load_mnist(path, train_size=None, test_size=None):
-  """MNIST from a keras-layout npz: images [n, 28, 28, 1] in [0, 1], int labels."""
-  if not os.path.exists(path):
-    raise SystemExit(f"--data_path {path!r} does not exist (keras-layout mnist.npz expected)")
-  with np.load(path) as d:
-    xtr, ytr, xte, yte = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
-  xtr, ytr, xte, yte = xtr[:train_size], ytr[:train_size], xte[:test_size], yte[:test_size]
-  scale = lambda a: (a.astype("float32") / 255.0)[..., None]
-  return scale(xtr), ytr.astype("int32"), scale(xte), yte.astype("int32")
-
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_path", default=DEFAULT_DATA)
+  p.add_argument("--data_path", default=dp.data.default_mnist_path())
   p.add_argument("--quick", action="store_true", help="1 epoch on 2000 training examples")
   p.add_argument("--learning_rate", type=float, default=0.15)
   p.add_argument("--noise_multiplier", type=float, default=1.1)
@@ -65,19 +50,10 @@ def main(argv=None):
     args.epochs, args.batch_size, args.microbatches, args.learning_rate = 1, 100, 100, 0.25
   if args.batch_size % args.microbatches != 0:
     raise ValueError("batch_size must be a multiple of microbatches")
-  train_data, train_labels, test_data, test_labels = load_mnist(args.data_path, train_size,
-                                                                test_size)
+  train_data, train_labels, test_data, test_labels = dp.data.load_mnist(
+      args.data_path, train_size, test_size)
 
-  model = keras.Sequential([
-      keras.Input((28, 28, 1)),
-      keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Flatten(),
-      keras.layers.Dense(32, activation="relu"),
-      keras.layers.Dense(10),
-  ])
+  model = keras.Sequential(dp.keras.example_models.mnist_cnn_layers())   # TF Privacy's CNN
   model = dp.keras.make_private(model)   # the one changed line (Keras 3: the step is the model's)
 
   optimizer = dp.keras.DPKerasSGDOptimizer(

@@ -35,35 +35,11 @@ import numpy as np  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402  (was: import tensorflow_privacy)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.environ.get("TF_DPITER_MNIST",
-                              os.path.join(REPO, "..", "shared", "data", "mnist.npz"))
-
-
-def load_mnist(path, train_size=None, test_size=None):
-  """MNIST from a keras-layout npz: images [n, 28, 28, 1] in [0, 1], int labels."""
-  if not os.path.exists(path):
-    raise SystemExit(f"--data_path {path!r} does not exist (keras-layout mnist.npz expected)")
-  with np.load(path) as d:
-    xtr, ytr, xte, yte = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
-  xtr, ytr, xte, yte = xtr[:train_size], ytr[:train_size], xte[:test_size], yte[:test_size]
-  scale = lambda a: (a.astype("float32") / 255.0)[..., None]
-  return scale(xtr), ytr.astype("int32"), scale(xte), yte.astype("int32")
-
 
 def make_model():
   """Opacus' SampleConvNet: conv 16 8x8/2, max-pool 2/1, conv 32 4x4/2, max-pool 2/1, dense 32,
   10 logits."""
-  return keras.Sequential([
-      keras.Input((28, 28, 1)),
-      keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
-      keras.layers.MaxPool2D(2, 1),
-      keras.layers.Flatten(),
-      keras.layers.Dense(32, activation="relu"),
-      keras.layers.Dense(10),
-  ])
+  return keras.Sequential(dp.keras.example_models.mnist_cnn_layers())   # TF Privacy's CNN
 
 
 def test(model, test_data, test_labels):
@@ -74,7 +50,7 @@ def test(model, test_data, test_labels):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_path", default=DEFAULT_DATA)
+  p.add_argument("--data_path", default=dp.data.default_mnist_path())
   p.add_argument("--quick", action="store_true", help="2 epochs on 2000 training examples")
   p.add_argument("--lr", type=float, default=0.25)
   p.add_argument("--epsilon", type=float, default=2.0, help="target epsilon")
@@ -86,8 +62,8 @@ def main(argv=None):
   train_size, test_size = (2000, 500) if args.quick else (None, None)
   if args.quick:
     args.epochs, args.batch_size, args.epsilon = 2, 100, 4.0
-  train_data, train_labels, test_data, test_labels = load_mnist(args.data_path, train_size,
-                                                                test_size)
+  train_data, train_labels, test_data, test_labels = dp.data.load_mnist(
+      args.data_path, train_size, test_size)
 
   model = make_model()
   optimizer = keras.optimizers.SGD(learning_rate=args.lr, momentum=0.0)

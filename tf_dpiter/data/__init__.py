@@ -20,6 +20,8 @@ from tf_dpiter.data.sampling import default_max_batch_size
 from tf_dpiter.data.sampling import get_sampling_spec
 from tf_dpiter.data.sampling import poisson_batches
 from tf_dpiter.data.declared import declare_shuffled
+from tf_dpiter.data.mnist import default_mnist_path
+from tf_dpiter.data.mnist import load_mnist
 from tf_dpiter.data.shuffling import ShuffleSampler
 from tf_dpiter.data.shuffling import shuffled_batches
 from tf_dpiter.data.shuffling import steps_per_pass
@@ -39,7 +41,7 @@ from tf_dpiter.data.user_sampling import poisson_user_batches
 __all__ = [
     "ArraySource", "CyclicPoissonSampler", "SamplingSpec", "ShuffleSampler", "TFRecordSource",
     "TruncatedPoissonSampler", "cyclic_poisson_batches", "default_max_batch_size",
-    "declare_shuffled", "distributed_poisson_batches", "get_sampling_spec", "map_records", "poisson_batches",
+    "declare_shuffled", "default_mnist_path", "distributed_poisson_batches", "get_sampling_spec", "load_mnist", "map_records", "poisson_batches",
     "poisson_batches_from_source", "poisson_user_batches", "shuffled_batches", "steps_per_pass",
     "truncated_poisson_batches", "write_indexed_tfrecords",
     "balls_in_bins_batches",

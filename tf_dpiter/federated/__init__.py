@@ -19,7 +19,7 @@ from tf_dpiter.federated.client import LocalSGD
 from tf_dpiter.federated.client import draw_example_order
 from tf_dpiter.federated.client import local_sgd_one_client
 from tf_dpiter.federated.data import FederatedData
-from tf_dpiter.federated.data import default_mnist_path
+from tf_dpiter.data.mnist import default_mnist_path
 from tf_dpiter.federated.data import load_mnist
 from tf_dpiter.federated.data import partition_iid
 from tf_dpiter.federated.data import partition_noniid_shards

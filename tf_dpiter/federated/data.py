@@ -7,30 +7,16 @@ clients of 600 examples each, data points repeat, as in the paper.
 """
 
 import dataclasses
-import os
-
 import numpy as np
 
 from tf_dpiter import validation
+from tf_dpiter.data import mnist
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 
 
-def default_mnist_path():
-  """Path of mnist.npz: env TF_DPITER_MNIST, else ../shared/data/mnist.npz from the repo root.
-
-  Returns:
-    a path string (not checked for existence).
-  """
-  env = os.environ.get("TF_DPITER_MNIST")
-  if env:
-    return env
-  repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  return os.path.normpath(os.path.join(repo_root, "..", "shared", "data", "mnist.npz"))
-
-
 def load_mnist(path=None):
-  """Loads MNIST from an .npz file (no download).
+  """MNIST as flat vectors, the clients' examples (`tf_dpiter.data.mnist.load_mnist`).
 
   Args:
     path: the .npz path (keys x_train, y_train, x_test, y_test); None: `default_mnist_path()`.
@@ -39,14 +25,7 @@ def load_mnist(path=None):
   Raises:
     ValueError: the file does not exist.
   """
-  path = path or default_mnist_path()
-  if not os.path.exists(path):
-    raise ParameterValueError(f"path: MNIST file not found, got {path!r} (set TF_DPITER_MNIST)")
-  with np.load(path) as d:
-    def _x(a):
-      return (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
-    return (_x(d["x_train"]), d["y_train"].astype(np.int32),
-            _x(d["x_test"]), d["y_test"].astype(np.int32))
+  return mnist.load_mnist(path, flatten=True)
 
 
 @dataclasses.dataclass
