@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
-import dp_keras_helpers as helpers
+from tests.keras import dp_keras_helpers as helpers
 
 B, M = 8, 4
 
