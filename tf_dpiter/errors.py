@@ -26,6 +26,12 @@ __all__ = ["DPiterError", "ParameterTypeError", "ParameterValueError", "PrivacyC
 class DPiterError(Exception):
   """The base of every exception tf_dpiter raises on purpose for a refused argument."""
 
+  # Exception's own constructor (not ValueError's or TypeError's): TensorFlow's autograph
+  # re-raises an error met while tracing a tf.function under its own type only when the type
+  # is constructed as Exception is; any other becomes a StagingError, which is neither a
+  # ValueError nor a DPiterError, and `except ValueError` around `fit` would miss it.
+  __init__ = Exception.__init__
+
 
 class ParameterTypeError(DPiterError, TypeError, ValueError):
   """An argument has the wrong type (names the parameter and the type it got).

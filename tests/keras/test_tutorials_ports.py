@@ -98,8 +98,10 @@ def test_mnist_keras_sequential_tutorial(mnist_path):
   assert 0 <= out["test_accuracy"] <= 1
 
 
-@pytest.mark.parametrize("script", ["mnist_keras_functional.py", "mnist_vectorized.py",
-                                    "mnist_lr.py"])
+@pytest.mark.parametrize("script", [
+    "mnist_keras_functional.py",
+    pytest.param("mnist_vectorized.py", marks=pytest.mark.slow),   # the same CNN, vectorized
+    pytest.param("mnist_lr.py", marks=pytest.mark.slow)])
 def test_mnist_poisson_tutorials(script, mnist_path):
   """Functional model with TF Privacy's DP model arguments, the vectorized optimizer, and
   logistic regression: Poisson samples (q = 0.05), epsilon of the steps taken."""

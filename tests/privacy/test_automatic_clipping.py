@@ -148,7 +148,7 @@ def test_optimizer_config_round_trip_keeps_the_query():
   query = dp.dp_query.AutomaticClippingSumQuery(2.0, 1.3, stability=0.02)
   opt = dp.keras.DPKerasAdamOptimizer(dp_query=query, learning_rate=0.01)
   again = dp.keras.DPKerasAdamOptimizer.from_config(opt.get_config())
-  rebuilt = again._dp_base_query  # pylint: disable=protected-access
+  rebuilt = again.private_step.base_query
   assert type(rebuilt) is dp.dp_query.AutomaticClippingSumQuery
   assert (rebuilt.l2_norm_clip, rebuilt.noise_multiplier, rebuilt.stability) == (2.0, 1.3, 0.02)
   assert rebuilt.stddev == pytest.approx(2.6)

@@ -20,11 +20,13 @@ from tf_dpiter.ledger import policies
 
 from tests.privacy import matrix_runs  # noqa: E402
 
-# policies whose schedule is ledger state (passes, epochs, the cycle): their restart and
-# reload cells (and cyclic Poisson's new-dataset cell) run by default; the others' (a
-# schedule of independent draws) are marked slow, as is every one-fit cell (the other
-# scenarios contain one); `-m slow` runs the rest of the matrix
-_STATEFUL = ("shuffle", "cyclic_poisson", "balls_in_bins")
+# The default suite runs the cells of the policies whose schedule is ledger state (passes,
+# epochs, the cycle) across fits, cyclic Poisson's new-dataset and reload cells, shuffle's
+# restart cell and Poisson across fits; `-m slow` runs the whole matrix (41 cells).
+_DEFAULT_CELLS = {("shuffle", "fits_steps"), ("cyclic_poisson", "fits_steps"),
+                  ("balls_in_bins", "fits_steps"), ("poisson", "fits_steps"),
+                  ("cyclic_poisson", "new_dataset"), ("cyclic_poisson", "save_load"),
+                  ("shuffle", "crash_resume")}
 # cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below
 # the ledger's rows (the rerun rows would break the b-separation), refused before any step
 _REFUSED = {("cyclic_poisson", "crash_resume"): r"rerun rows of the same matrix mechanism"}
@@ -33,9 +35,7 @@ _REFUSED = {("cyclic_poisson", "crash_resume"): r"rerun rows of the same matrix 
 def _cells():
   for policy in policies.names():
     for scenario in matrix_runs.SCENARIOS:
-      fast = scenario == "fits_steps" or (
-          policy in _STATEFUL and scenario in ("crash_resume", "save_load")) or (
-              policy == "cyclic_poisson" and scenario == "new_dataset")
+      fast = (policy, scenario) in _DEFAULT_CELLS
       yield pytest.param(policy, scenario, id=f"{policy}-{scenario}",
                          marks=() if fast else pytest.mark.slow)
 

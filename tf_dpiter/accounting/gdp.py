@@ -46,6 +46,10 @@ def group_mu_squared(group):
   """
   if group.non_private:
     return math.inf
+  if group.is_selection:
+    raise PrivacyConfigError("accountant='gdp' cannot account a private selection record "
+                             "(repeat_and_select): a ledger with one is accounted by the RDP "
+                             "accountant only. Received: accountant='gdp'")
   if group.laplace_noise_multipliers:
     raise PrivacyConfigError("accountant='gdp' accounts Gaussian queries only; this ledger has Laplace "
                              "queries: use accountant='rdp' or 'pld'")
