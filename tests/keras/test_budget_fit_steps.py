@@ -2,10 +2,12 @@
 ledger's epsilon after fit is <= the target (it overshot when round(n / B) > n / B)."""
 
 import math
+import warnings
 
 import dp_accounting as dpa
 import keras
 import numpy as np
+import pytest
 
 import tf_dpiter as dp
 from tf_dpiter.keras.optimizer import budget
@@ -44,3 +46,22 @@ def test_from_budget_epsilon_after_fit_is_within_the_target():
   assert _epsilon(b / n, z, steps, delta) <= target
   eps = dp.accounting.privacy_report(model.ledger, delta=delta).epsilon
   assert eps <= target * (1 + 1e-6)
+
+
+def test_training_past_the_calibrated_target_warns_naming_both_epsilons():
+  n, b, delta = 100, 20, 1e-3
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(n, 4)).astype("float32")
+  y = rng.integers(0, 2, size=n)
+  model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+  opt = dp.keras.from_budget(keras.optimizers.SGD(0.1), 2.0, delta, 1, b, n, l2_norm_clip=1.0)
+  model.compile(optimizer=opt,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*calibrated target")   # the calibrated epoch
+    model.fit(x, y, batch_size=b, epochs=1, verbose=0)
+  with pytest.warns(UserWarning, match=r"past the calibrated target.*epsilon=2\b"):
+    model.fit(x, y, batch_size=b, epochs=1, verbose=0)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*calibrated target")   # once per optimizer
+    model.fit(x, y, batch_size=b, epochs=1, verbose=0)

@@ -166,9 +166,11 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
     try:
-      return super().fit(**a)
+      history = super().fit(**a)
     finally:
       self._dp_in_fit = False
+    statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
+    return history
 
   def _dp_build_for_probe(self, data_spec):
     """Builds an unbuilt model from the data's shapes before the train function is traced,

@@ -18,6 +18,8 @@ number the Poisson assumption gives for the same steps beside the run's own.
 
 import dataclasses
 import math
+import warnings
+import weakref
 from typing import Optional, Tuple
 
 from tf_dpiter import accounting
@@ -145,3 +147,37 @@ def run_statement(model, delta, accountant="rdp"):
       population_size=float(last.population_size), steps=int(sum(g.count for g in groups)),
       passes=int(passes), noise_multiplier=float(last.noise_multiplier),
       epsilon_if_poisson=eps_poisson, notes=tuple(notes))
+
+
+_WARNED_PAST_TARGET = weakref.WeakSet()   # optimizers already warned
+
+
+def warn_if_past_target(model):
+  """Warns once per optimizer when training went past the target its noise was calibrated to.
+
+  `from_budget` / `make_private_with_epsilon` calibrate z for a number of steps; a run that
+  takes more (more epochs, another fit) is still accounted exactly by its ledger, but its
+  epsilon is then above the target the user asked for, and the warning names both.
+
+  Args:
+    model: a DP model whose optimizer may carry `calibration` (the calibration's inputs).
+  Returns:
+    the ledger's epsilon when it exceeds the target (a warning was issued), else None.
+  """
+  opt = getattr(model, "optimizer", None)
+  calib = getattr(opt, "calibration", None)
+  if not calib or opt in _WARNED_PAST_TARGET:
+    return None
+  report = accounting.privacy_report(opt.ledger, delta=calib["delta"],
+                                     accountant=calib.get("accountant", "rdp"))
+  if report.epsilon <= calib["epsilon"] * (1 + 1e-6):
+    return None
+  _WARNED_PAST_TARGET.add(opt)
+  warnings.warn(
+      f"training went past the calibrated target: the ledger's epsilon={report.epsilon:.4g} "
+      f"at delta={calib['delta']:g} exceeds epsilon={calib['epsilon']:g}, the target the "
+      f"noise was calibrated to for {calib.get('steps')} steps (the run took "
+      f"{report.num_samples} private steps). The run's guarantee is the ledger's epsilon; "
+      "to stay within the target, train the calibrated epochs or add "
+      "dp.keras.callbacks.StopAtPrivacyBudget(epsilon, delta)", UserWarning, stacklevel=3)
+  return report.epsilon
