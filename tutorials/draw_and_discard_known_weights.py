@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tf_dpiter.draw_discard import glm, simulate  # noqa: E402  pylint: disable=g-import-not-at-top
 from tf_dpiter.draw_discard.cli import known_weights_spec  # noqa: E402
 

@@ -23,12 +23,10 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tf_dpiter.draw_discard import glm, simulate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tf_dpiter.draw_discard import privacy, simulate  # noqa: E402  pylint: disable=g-import-not-at-top
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

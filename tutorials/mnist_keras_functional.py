@@ -23,7 +23,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402  (was: import tensorflow_privacy)
 

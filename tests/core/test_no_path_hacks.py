@@ -1,4 +1,4 @@
-"""Tests and benchmarks import the package and their helpers as packages: no `sys.path` edits.
+"""Tests, benchmarks and tutorials import the package and their helpers: no `sys.path` edits.
 
 Tests run from the repository root (`pytest`; `tests` is a package, so a helper is imported as
 `tests.keras.dp_keras_helpers`), against the installed package (`pip install -e .`) or the
@@ -31,7 +31,7 @@ def _path_edits(path):
   return out
 
 
-@pytest.mark.parametrize("folder", ["tests", "benchmarks"])
+@pytest.mark.parametrize("folder", ["tests", "benchmarks", "tutorials"])
 def test_no_sys_path_edits(folder):
   found = {}
   for path in sorted((REPO / folder).rglob("*.py")):
