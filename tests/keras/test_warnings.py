@@ -96,3 +96,15 @@ def test_from_budget_warns_once_for_large_delta():
                                                    learning_rate=0.1)
   assert sum("1/n" in str(w.message) for w in rec) == 1
   assert opt.noise_multiplier > 0
+
+
+def test_fit_with_a_batch_larger_than_the_data_warns_naming_both():
+  import keras  # pylint: disable=g-import-not-at-top
+  x = np.random.default_rng(0).random((20, 4)).astype("float32")
+  y = np.arange(20) % 2
+  model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  with pytest.warns(UserWarning, match=r"batch_size=50 is larger than the 20 training examples"):
+    model.fit(x, y, batch_size=50, epochs=1, verbose=0)
+  assert model.optimizer.dp_query.get_config()["selection_probability"] == 1.0

@@ -155,7 +155,13 @@ def arrays_to_dataset(a, opt, sampling, pad=True):
                   "(sampling='poisson' or 'shuffle')", UserWarning, stacklevel=4)
   x, y, sw = _split_validation(a, x, y, sw)
   n = num_rows(x)
-  b = min(int(a.pop("batch_size", None) or 32), n)
+  asked = int(a.pop("batch_size", None) or 32)
+  if asked > n:
+    warnings.warn(f"batch_size={asked} is larger than the {n} training examples: every step "
+                  f"uses every example (batch_size={n}, q = 1: no amplification by sampling, a "
+                  "larger epsilon per step). Pass batch_size <= the number of examples to "
+                  "sample batches", UserWarning, stacklevel=4)
+  b = min(asked, n)
   if isinstance(a.get("validation_data"), (tuple, list)):
     a.setdefault("validation_batch_size", b)
   policy, reason = _resolve_sampling(sampling, opt)
