@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.model import augmentation
+from tests.privacy import neighbours
 
 BASE_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B, PAD, N, CLIP, K = 6, 3, 1000, 1.0, 3
@@ -94,17 +95,8 @@ def test_add_remove_one_example_moves_sum_by_at_most_s(clipping):
   xp = np.concatenate([x, np.zeros([PAD, 6], "float32")])
   yp = np.concatenate([y, np.zeros([PAD], y.dtype)])
   mask = np.concatenate([np.ones(B), np.zeros(PAD)]).astype("float32")
-  base = _clipped_sum(model, w0, xp, yp, mask)
-  changes = []
-  for j in range(B):
-    m2 = mask.copy()
-    m2[j] = 0.0
-    changes.append(np.linalg.norm(_clipped_sum(model, w0, xp, yp, m2) - base))
-  for _ in range(12):
-    xc = (rng.randn(6) * rng.choice([0.3, 3.0, 30.0])).astype("float32")
-    x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
-    x2[B], y2[B], m2[B] = xc, rng.randint(0, 3), 1.0
-    changes.append(np.linalg.norm(_clipped_sum(model, w0, x2, y2, m2) - base))
+  changes = neighbours.add_remove_changes(
+      lambda x_, y_, m_: _clipped_sum(model, w0, x_, y_, m_), xp, yp, mask, B, rng, 12)
   run = model.ledger.to_dict()["runs"][-1]
   assert run["relation"] == "add_or_remove_one"
   (query,) = run["queries"]

@@ -57,7 +57,9 @@ class _WeightAveraging(keras.callbacks.Callback):
       self._update_fn = tf.function(self._update)
 
   def _update(self):
-    raise NotImplementedError
+    """One step of the average (traced once by `_ensure_built`): each subclass' rule,
+    `ExponentialMovingAverage` or `PolyakAveraging`; this base is never used alone."""
+    raise NotImplementedError(f"{type(self).__name__} must define its averaging step")
 
   def on_train_begin(self, logs=None):
     if self._raw is not None:       # a previous fit ended with the average swapped in

@@ -338,7 +338,9 @@ class PrivateStep:
     Returns:
       a callable float32 norms [R] -> factors [R].
     Raises:
-      ValueError: undeclared sampling. NotImplementedError: the query gives no factors.
+      ValueError: undeclared sampling.
+      NotImplementedError: the query has no per-record clip factors
+        (`DPQuery.record_clip_factors`; the fast path is then not offered).
     """
     query = self.require_query()
     params = self.sample_params()

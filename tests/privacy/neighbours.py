@@ -1,0 +1,33 @@
+"""Add/remove-one neighbours of a padded batch, for tests of a clipped sum's sensitivity."""
+
+import numpy as np
+
+
+def add_remove_changes(clipped_sum, xp, yp, mask, real, rng, candidates, num_classes=3):
+  """Norms of the change of `clipped_sum(x, y, mask)` for every add/remove-one neighbour tried.
+
+  Removes each of the `real` examples in turn (mask 0), then adds `candidates` random
+  examples of varied scale in the first padding row (index `real`).
+
+  Args:
+    clipped_sum: (x, y, mask) -> the flat pre-noise sum (float64 vector).
+    xp, yp, mask: the padded batch and its 0/1 mask (the first `real` rows real).
+    real: the number of real examples.
+    rng: a numpy RandomState.
+    candidates: how many added examples to try.
+    num_classes: labels of the added examples are drawn from range(num_classes).
+  Returns:
+    the list of L2 norms of the changes.
+  """
+  base = clipped_sum(xp, yp, mask)
+  changes = []
+  for j in range(real):
+    m2 = mask.copy()
+    m2[j] = 0.0
+    changes.append(np.linalg.norm(clipped_sum(xp, yp, m2) - base))
+  for _ in range(candidates):
+    xc = (rng.randn(xp.shape[1]) * rng.choice([0.3, 3.0, 30.0])).astype("float32")
+    x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
+    x2[real], y2[real], m2[real] = xc, rng.randint(0, num_classes), 1.0
+    changes.append(np.linalg.norm(clipped_sum(x2, y2, m2) - base))
+  return changes
