@@ -150,7 +150,8 @@ def test_custom_loop_compute_private_gradients_both_forms():
   vector_loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
   g1 = opt.compute_private_gradients(lambda d: vector_loss(d[1], model(d[0])),
                                      model.trainable_variables, data=(x, y))
-  g2 = opt.compute_private_gradients(lambda: vector_loss(y, model(x)), model.trainable_variables)
+  g2 = opt.compute_private_gradients(lambda: vector_loss(y, model(x)), model.trainable_variables,
+                                     model=model)
   for a, b, r in zip(g1, g2, ref):
     np.testing.assert_allclose(a.numpy(), r, rtol=2e-4, atol=2e-6)
     np.testing.assert_allclose(b.numpy(), r, rtol=2e-4, atol=2e-6)
@@ -158,7 +159,7 @@ def test_custom_loop_compute_private_gradients_both_forms():
   before = [v.numpy().copy() for v in model.trainable_variables]
   with tf.GradientTape(persistent=True) as tape:
     losses = vector_loss(y, model(x))
-  opt.minimize(losses, model.trainable_variables, tape=tape)
+  opt.minimize(losses, model.trainable_variables, tape=tape, model=model)
   for b0, v, r in zip(before, model.trainable_variables, ref):
     np.testing.assert_allclose(b0 - v.numpy(), r, rtol=2e-4, atol=2e-6)
   assert int(opt.ledger.sample_count.numpy()) == 3

@@ -16,12 +16,16 @@ def test_update_stddev_is_lr_z_c_over_b():
   # lr * N(0, (z C)^2) / B per coordinate. 20 steps x 5000 coordinates = 1e5 draws: the
   # sample std has relative standard error 1/sqrt(2 * 1e5) = 0.22%; we allow 1.5% (~7 se).
   lr, z, c, b = 0.5, 1.3, 2.0, 16
-  w = tf.Variable(tf.zeros([5000]))
+  # a 1 x 5000 kernel w; the loss is 0 * (w's output): zero gradients, per-example losses
+  model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(5000, use_bias=False,
+                                                                  kernel_initializer="zeros")])
+  w = model.trainable_variables[0]
   opt = dp.keras.DPKerasSGDOptimizer(c, z, learning_rate=lr, seed=7)
   opt.set_sampling(1000, b / 1000, "shuffle", b)
   x = tf.zeros([b, 1])
   deltas = []
-  step = tf.function(lambda: opt.minimize(lambda: tf.reduce_sum(x, 1) + 0.0 * tf.reduce_sum(w), [w]))
+  step = tf.function(lambda: opt.minimize(lambda: 0.0 * tf.reduce_sum(model(x), 1), [w],
+                                          model=model))
   for _ in range(20):
     before = w.numpy().copy()
     step()
@@ -147,11 +151,12 @@ def test_more_microbatches_than_examples():
 
 
 def test_scalar_loss_refused():
-  w = tf.Variable([1.0, 2.0])
+  model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+  x = tf.ones([4, 2])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0)
   opt.set_sampling(10, 0.1)
   with pytest.raises(ValueError, match="scalar loss"):
-    opt.minimize(lambda: tf.reduce_sum(w * w), [w])
+    opt.minimize(lambda: tf.reduce_sum(model(x)), model.trainable_variables, model=model)
 
 
 def test_plain_gradients_refused():

@@ -1,11 +1,23 @@
-"""Runs every custom-loop form of compute_private_gradients on an EinsumDense model with noise
-0 (the output is the pre-noise clipped sum) and prints one line "RESULT {json}": per form,
-the largest change of the clipped sum when one example is removed or an adversarial one is
-added, in units of the recorded sensitivity, and the largest deviation from a per-example
-reference sum; or "refused" with the message (test_custom_loop_onednn runs it with
-TF_ENABLE_ONEDNN_OPTS=1 in a subprocess, so a crash is a failing exit code, not a dead test).
+"""Runs every custom-loop form of the private step with noise 0 (the output is the pre-noise
+clipped sum) and prints one line "RESULT {json}": per "model:form", the largest change of the
+clipped sum when one example is removed or an adversarial one is added, in units of the
+recorded sensitivity, and the largest deviation from a per-example reference sum; or
+"refused" with the message (test_custom_loop_onednn runs it with TF_ENABLE_ONEDNN_OPTS=1 in a
+subprocess, so a crash is a failing exit code, not a dead test).
 
-usage: onednn_loop_worker.py [FORM ...]
+Models: "einsum" (MultiHeadAttention + 3-D EinsumDense: the layers whose vectorized
+per-example gradients oneDNN breaks), "bn" (a BatchNormalization in training mode) and
+"centering" (a weightless layer subtracting the batch mean): the last two mix the examples of
+a batch. Forms, each also with the suffix "_model" (model= passed):
+  data           optimizer.compute_private_gradients(loss_of_one_record, vars, data=(x, y))
+  vector         optimizer.compute_private_gradients(lambda: losses_of_the_batch, vars)
+  tape           optimizer.compute_private_gradients(losses, vars, tape=tape)
+  minimize       VectorizedDPKerasSGDOptimizer(...).minimize(lambda: losses, vars)
+  minimize_tape  make_keras_optimizer_class(SGD)(...).minimize(losses, vars, tape=tape)
+The minimize forms (TF Privacy's spellings, learning rate 1, no momentum) give the sum as the
+weights' change; the weights are restored after each call.
+
+usage: onednn_loop_worker.py [MODEL:FORM ...]
 """
 
 import json
@@ -18,21 +30,32 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
+from tf_dpiter.keras import compat  # noqa: E402
 from tf_dpiter.keras.optimizer import routing  # noqa: E402
 
 CLIP, B = 0.05, 6
-FORMS = ("data", "data_model", "vector", "vector_model", "tape", "tape_model")
-
-
+BASE_FORMS = ("data", "vector", "tape", "minimize", "minimize_tape")
+FORMS = tuple(f + s for f in BASE_FORMS for s in ("", "_model"))
 SHAPE = (5, 8)
 
 
-def _model():
-  """MultiHeadAttention and a 3-D EinsumDense (the layers oneDNN breaks under vectorization)."""
+class BatchCentering(keras.layers.Layer):
+  """Subtracts the batch mean: mixes the examples of a batch, and has no weights."""
+
+  def call(self, h):
+    return h - keras.ops.mean(h, axis=0, keepdims=True)
+
+
+def _model(kind):
   keras.utils.set_random_seed(0)
   inp = keras.Input(SHAPE)
-  h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
-  h = keras.layers.EinsumDense("btd,dk->btk", output_shape=(5, 3), name="einsum")(h)
+  if kind == "einsum":
+    h = keras.layers.MultiHeadAttention(2, 4, name="mha")(inp, inp)
+    h = keras.layers.EinsumDense("btd,dk->btk", output_shape=(5, 3), name="einsum")(h)
+  else:
+    h = keras.layers.Dense(4, activation="tanh")(inp)
+    h = (keras.layers.BatchNormalization(name="bn")(h) if kind == "bn"
+         else BatchCentering(name="centering")(h))
   return keras.Model(inp, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
 
 
@@ -41,25 +64,56 @@ def _losses(model, x, y):
                                                       from_logits=True)
 
 
+def _optimizer(form):
+  if form.startswith("minimize_tape"):
+    cls = compat.make_keras_optimizer_class(keras.optimizers.SGD)
+  elif form.startswith("minimize"):
+    cls = compat.VectorizedDPKerasSGDOptimizer
+  else:
+    cls = dp.keras.DPKerasSGDOptimizer
+  opt = cls(CLIP, 0.0, normalize=False, learning_rate=1.0)
+  opt.set_sampling(1000, B / 1000, "poisson")
+  return opt
+
+
+def _grads(opt, model, form, given, x, y, mask):
+  variables = model.trainable_variables
+  if form.startswith("data"):
+    return opt.compute_private_gradients(lambda d: _losses(model, d[0], d[1]), variables,
+                                         data=(x, y), mask=mask, model=given)
+  if form.startswith("vector"):
+    return opt.compute_private_gradients(lambda: _losses(model, x, y), variables, mask=mask,
+                                         model=given)
+  with tf.GradientTape(persistent=True) as tape:
+    losses = _losses(model, x, y)
+  return opt.compute_private_gradients(losses, variables, mask=mask, tape=tape, model=given)
+
+
+def _minimize(opt, model, form, given, x, y, mask):
+  """The weights' change of one minimize step (= minus the sum at learning rate 1)."""
+  variables = model.trainable_variables
+  before = [tf.identity(v) for v in variables]
+  if form.startswith("minimize_tape"):
+    with tf.GradientTape(persistent=True) as tape:
+      losses = _losses(model, x, y)
+    opt.minimize(losses, variables, tape=tape, mask=mask, model=given)
+  else:
+    opt.minimize(lambda: _losses(model, x, y), variables, mask=mask, model=given)
+  change = [b - v for b, v in zip(before, variables)]
+  with tf.control_dependencies(change):
+    for b, v in zip(before, variables):
+      v.assign(b)
+  return [tf.identity(c) for c in change]
+
+
 def _step(opt, model, form):
   """(x, y, mask) -> flat pre-noise clipped sum, through the custom-loop `form`, in a tf.function."""
   given = model if form.endswith("_model") else None
-  variables = model.trainable_variables
+  run = _minimize if form.startswith("minimize") else _grads
 
   @tf.function
   def step(x, y, mask):
-    if form.startswith("data"):
-      grads = opt.compute_private_gradients(lambda d: _losses(model, d[0], d[1]), variables,
-                                            data=(x, y), mask=mask, model=given)
-    elif form.startswith("vector"):
-      grads = opt.compute_private_gradients(lambda: _losses(model, x, y), variables,
-                                            mask=mask, model=given)
-    else:
-      with tf.GradientTape(persistent=True) as tape:
-        losses = _losses(model, x, y)
-      grads = opt.compute_private_gradients(losses, variables, mask=mask, tape=tape,
-                                            model=given)
-    return tf.concat([tf.reshape(g, [-1]) for g in grads], 0)
+    return tf.concat([tf.reshape(g, [-1]) for g in run(opt, model, form, given, x, y, mask)], 0)
 
   return lambda x, y, mask: np.asarray(step(x, y, mask), np.float64)
 
@@ -78,10 +132,10 @@ def _reference(model, x, y, mask):
   return total
 
 
-def run_form(form, seeds=(0, 1)):
-  model = _model()
-  opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, normalize=False)
-  opt.set_sampling(1000, B / 1000, "poisson")
+def run_form(kind, form, seeds=(0, 1)):
+  """Worst move / recorded sensitivity and deviation from the reference, or the refusal."""
+  model = _model(kind)
+  opt = _optimizer(form)
   private_sum = _step(opt, model, form)
   worst_move, worst_dev = 0.0, 0.0
   try:
@@ -108,10 +162,12 @@ def run_form(form, seeds=(0, 1)):
           "max_deviation_from_reference": worst_dev}
 
 
-def main(forms):
+def main(cases):
   out = {"onednn": routing.onednn_enabled()}
-  for form in forms or FORMS:
-    out[form] = run_form(form)
+  for case in cases or ["einsum:" + f for f in FORMS]:
+    kind, form = case.split(":")
+    # minimize runs the vector / tape path of compute_private_gradients: one seed suffices
+    out[case] = run_form(kind, form, (0,) if form.startswith("minimize") else (0, 1))
   print("RESULT " + json.dumps(out))
 
 

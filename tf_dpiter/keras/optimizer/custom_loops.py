@@ -12,19 +12,32 @@ starts. Apply the result with `optimizer.apply_private_gradients` (plain `apply_
 is refused).
 
 The protections of `fit` apply here too, on every form (data or vector loss, callable or
-tape, `minimize`), with or without `model=`:
+tape, `minimize`), with or without `model=`. The relation is add/remove one example (one
+microbatch with num_microbatches); the ledger records the sensitivity C of one record's
+clipped gradient, which bounds the move of the pre-noise sum only if record i's loss is a
+function of record i alone:
 * oneDNN guard: with `model=` given, a model with layers whose vectorized per-example
   gradients oneDNN gets wrong (routing.use_vectorized_map) gets its per-record gradients
-  from a sequential loop (tf.map_fn, or a while-loop jacobian). Without `model=` the layers
-  behind the variables are unknown, so on a oneDNN build (TensorFlow's default on many
-  CPUs) every form uses the sequential loop: exact for every layer, slower (measured: the
-  vectorized data form on MultiHeadAttention/EinsumDense aborted with `dnnl::error`). Pass
-  `model=` to vectorize a model that has no affected layer;
-* batch independence: the form with `data` runs each record alone (exact by construction);
-  the form with a vector of losses computed on the whole batch is only exact if no layer
-  mixes examples: with `model=` it is probed (batch_independence.probe_model) and refused if
-  a layer mixes; without `model=` there is nothing to probe (the loss closes over the batch):
-  pass `model=`, or use the data form;
+  from a sequential loop (tf.map_fn, or a while-loop jacobian). Without `model=` (data form
+  only, see below) the layers behind the variables are unknown, so on a oneDNN build
+  (TensorFlow's default on many CPUs) the sequential loop is used: exact for every layer,
+  slower (measured: the vectorized data form on MultiHeadAttention/EinsumDense aborted with
+  `dnnl::error`). Pass `model=` to vectorize a model that has no affected layer;
+* batch independence: the form with `data` runs each record alone through `loss_fn`, so
+  record i's loss depends on record i only (exact by construction, for every layer and
+  every loss). The form with a vector of losses computed on the whole batch (`data=None`:
+  `compute_private_gradients(loss_fn, variables)`, the tape form, and `minimize`, which
+  always takes this form) is exact only if nothing mixes the examples of the batch: a
+  BatchNormalization in training mode or a batch-centering layer lets one example move
+  every other example's loss, and the sum moves by more than C. It therefore needs
+  `model=` (the keras.Model that computed the losses): a trainable BatchNormalization is
+  refused by name, and the model is probed (batch_independence.probe_model, in inference
+  mode: its limits are stated there); a mixing layer, or a model that cannot be probed
+  (subclassed, inputs unknown), is refused. Without `model=` the vector form is refused:
+  the losses close over the batch, so no probe can see the inputs, and the variables do
+  not reveal layers that mix without weights (a `Lambda` centering, BatchNormalization
+  with center=False, scale=False). The loss itself must still compute loss i from
+  example i's outputs only (not probed: use the data form if in doubt);
 * float16: under a float16 compute dtype (`mixed_float16`; read from `model`, else from the
   global Keras dtype policy) each record's loss is multiplied by a static loss scale and its
   float32 gradient divided by it; a record whose gradient overflowed adds zero (norm 0 <= C)
@@ -37,7 +50,9 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -96,7 +111,8 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   axis k (k = 1 with num_microbatches=None); gradients are vectorized over records, each
   record run alone. (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the
   vector [B] of per-example losses computed on the whole batch; per-record gradients come
-  from a batched jacobian, exact only if no layer mixes examples.
+  from a batched jacobian, exact only if no layer mixes examples: needs `model`, which is
+  probed (refused without it; module docstring).
 
   Args:
     step: the optimizer's PrivateStep.
@@ -105,8 +121,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     data: a nest of [B, ...] tensors (form a), or None (form b).
     mask: float [B] of 0/1, padding rows 0.
     tape: the GradientTape the loss tensor was computed under (form b with a tensor).
-    model: the keras.Model that loss_fn runs, for fit's protections (module docstring);
-      without it, on a oneDNN build, per-record gradients come from a sequential loop.
+    model: the keras.Model that loss_fn runs, for fit's protections (module docstring).
+      Required by form (b); in form (a) without it, on a oneDNN build, per-record
+      gradients come from a sequential loop.
 
   Returns:
     list of noised, averaged gradients (float32, or float64 for float64 variables); apply
@@ -114,7 +131,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
 
   Raises:
     ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
-      examples, (form b with `model`) a layer that mixes the examples of a batch, or an
+      examples, form (b) without `model`, or with a model that has a trainable
+      BatchNormalization, a layer that mixes the examples of a batch or inputs the probe
+      cannot see (ParameterValueError / PrivacyConfigError, module docstring), or an
       optimizer whose iterations exceed its ledger's samples (restored without its
       ledger: `restore_ledger`).
   """
@@ -126,7 +145,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   if data is not None:
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
-  _check_batch_independent(model)
+  _check_batch_independent(model, tape is not None)
   if tape is None:
     with tf.GradientTape(persistent=True) as tape:
       losses = _vector_loss(loss_fn())
@@ -164,17 +183,59 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
   return step.noised_average(state, tf.reduce_sum(rmask))
 
 
-def _check_batch_independent(model):
-  """Refuses form (b) on a model whose probe finds a layer that mixes examples."""
+_VECTOR_CALL = ("optimizer.compute_private_gradients(loss_fn, variables) without data= (or "
+                "optimizer.minimize(loss_fn, var_list))")
+_TAPE_CALL = ("optimizer.compute_private_gradients(losses, variables, tape=tape) (or "
+              "optimizer.minimize(loss, var_list, tape=tape), TF Privacy's spelling)")
+_WHAT_TO_DO = ("Pass model=<the keras.Model that computed the losses> (it is probed for "
+               "layers that mix examples) or pass the batch as data=... with a loss_fn of one "
+               "record (each record is then run alone; minimize has no data form: use "
+               "compute_private_gradients(loss_fn, variables, data=...) and "
+               "apply_private_gradients)")
+
+
+def _check_batch_independent(model, with_tape):
+  """Refuses the vector form (b) unless `model` is given, has no trainable
+  BatchNormalization and its probe finds no layer that mixes examples (module docstring).
+
+  Args:
+    model: the keras.Model given as model=, or None.
+    with_tape: whether the loss tensor came with a tape (names the call in the message).
+  Raises:
+    ParameterValueError: model None, unprobeable, or a mixing layer.
+    PrivacyConfigError: a trainable BatchNormalization.
+  """
+  call = _TAPE_CALL if with_tape else _VECTOR_CALL
   if model is None:
-    return
+    raise ParameterValueError(
+        f"{call} takes per-example losses computed on the whole batch; without model= "
+        "nothing shows that example i's loss depends on example i alone (a "
+        "BatchNormalization in training mode, or any layer that mixes the examples of a "
+        "batch, lets one example move the other examples' losses, and the recorded "
+        f"sensitivity would not bound it). {_WHAT_TO_DO}. Received: model=None, data=None")
+  norms = [layer.name for layer in keras_internals.flatten_layers(model, include_self=False)
+           if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
+  if norms:
+    raise PrivacyConfigError(
+        f"{call}: layers {norms} are BatchNormalization in training mode: they mix the "
+        "examples of a batch, so per-example losses computed on the whole batch do not bound "
+        "one example's influence. Freeze them (layer.trainable = False), use "
+        "LayerNormalization/GroupNormalization, or pass the batch as data=... with a loss_fn "
+        f"of one record (each record is then run alone). Received: model={model.name!r}")
   mixing = batch_independence.probe_model(model)
+  if mixing is None:
+    raise ParameterValueError(
+        f"{call}: model={model.name!r} could not be probed for layers that mix the examples "
+        "of a batch (its inputs are unknown: a subclassed model, or one not built yet). "
+        "Build it on keras.Input(...) (a functional or Sequential model, called once before "
+        "the loop), or pass the batch as data=... with a loss_fn of one record. "
+        f"Received: model={model.name!r}")
   if mixing:
     raise ParameterValueError(
-        f"layers {list(mixing)} make one example's outputs depend on other examples of the "
-        "batch, so per-example losses computed on the whole batch do not bound one "
+        f"{call}: layers {list(mixing)} make one example's outputs depend on other examples "
+        "of the batch, so per-example losses computed on the whole batch do not bound one "
         "example's influence. Pass the batch as data=... with a loss_fn of one record "
-        "(each record is then run alone)")
+        f"(each record is then run alone). Received: model={model.name!r}")
 
 
 def _vector_loss(loss):
