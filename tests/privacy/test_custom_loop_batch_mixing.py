@@ -4,7 +4,8 @@ Relation: add/remove one example; the ledger records sensitivity C (the clip). T
 the private step that take a vector of per-example losses computed on the whole batch
 (`compute_private_gradients(loss_fn, vars)` without data=, the tape form, `minimize`) bound
 one example's influence by C only if example i's loss depends on example i alone. On a
-BatchNormalization in training mode, or a weightless batch-centering layer, it does not: with
+BatchNormalization in training mode, a weightless batch-centering layer, or a layer that
+centers only in training mode (which the inference-mode probe cannot see), it does not: with
 the refusal switched off, real neighbouring batches (one example physically removed or added,
 not masked: a masked row still enters the batch statistics) move the pre-noise sum (noise 0,
 normalize=False) by more than C. The library refuses those calls (without model=, and with a
@@ -30,9 +31,18 @@ class _BatchCentering(keras.layers.Layer):
     return h - keras.ops.mean(h, axis=0, keepdims=True)
 
 
+class _CenteringInTraining(keras.layers.Layer):
+  """Mixes only in training mode (the inference-mode probe cannot see it)."""
+
+  def call(self, h, training=None):
+    return h - keras.ops.mean(h, axis=0, keepdims=True) if training else h
+
+
 def _model(kind):
   keras.utils.set_random_seed(0)
-  mix = keras.layers.BatchNormalization() if kind == "bn" else _BatchCentering()
+  mix = {"bn": keras.layers.BatchNormalization, "centering": _BatchCentering,
+         "training_only": _CenteringInTraining, "dropout": lambda: keras.layers.Dropout(0.5)}
+  mix = mix[kind]()
   return keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), mix,
                            keras.layers.Dense(3)])
 
@@ -70,7 +80,7 @@ def _largest_move(private_sum, rng):
   return max(np.linalg.norm(private_sum(xn, yn) - base) for xn, yn in others)
 
 
-@pytest.mark.parametrize("kind", ["bn", "centering"])
+@pytest.mark.parametrize("kind", ["bn", "centering", "training_only"])
 def test_whole_batch_form_on_a_mixing_model_exceeds_c_so_it_is_refused(kind, monkeypatch):
   model, opt = _model(kind), _optimizer()
   variables = model.trainable_variables
@@ -92,6 +102,16 @@ def test_whole_batch_form_on_a_mixing_model_exceeds_c_so_it_is_refused(kind, mon
   monkeypatch.setattr(custom_loops, "_check_batch_independent", lambda *a: None)
   moved = _largest_move(whole_batch, np.random.RandomState(1))
   assert moved > 1.2 * CLIP, (kind, moved / CLIP)
+
+
+def test_dropout_is_not_taken_for_mixing():
+  """The training-mode probe restores the seed generators: dropout's masks are the same in
+  both probe runs, so a per-example layer with randomness is accepted."""
+  model, opt = _model("dropout"), _optimizer()
+  x, y = _neighbours(np.random.RandomState(0))[0]
+  grads = opt.compute_private_gradients(lambda: _losses(model, x, y), model.trainable_variables,
+                                        model=model)
+  assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
 
 
 def _tfp_model():
