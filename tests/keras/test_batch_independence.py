@@ -79,3 +79,29 @@ def test_probe_needs_two_examples():
   model = _functional(False)
   with pytest.raises(ValueError, match="at least 2 examples"):
     batch_independence.batch_mixing_layers(model, np.zeros((1, 5), "float32"))
+
+
+class _CenteringInTraining(keras.layers.Layer):
+  """Subtracts the batch mean only in training mode (inference mode is the identity)."""
+
+  def call(self, h, training=None):
+    return h - keras.ops.mean(h, axis=0, keepdims=True) if training else h
+
+
+def test_layer_mixing_only_in_training_keeps_fit_off_the_fast_path():
+  """fit runs the model with training=True: a layer that mixes only then is found by the
+  training-mode probe, clipping='auto' takes the vectorized path (each example alone) and
+  one example's effect on the real clipped sum stays within the recorded sensitivity."""
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                                 _CenteringInTraining(name="centre"), keras.layers.Dense(3)])
+  opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, learning_rate=0.1)
+  model.compile(optimizer=opt, loss=LOSS)
+  with pytest.warns(UserWarning, match="in training mode"):
+    verdict = batch_independence.probe_model(model)
+  assert verdict == (f"{model.name} (in training mode)",)
+  assert opt.resolve_clipping(model) == "vectorized"
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(16, 5).astype("float32"), rng.randint(0, 3, 16)
+  report = dp.auditing.check_sensitivity(model, x, y, batch_size=8, num_candidates=8)
+  assert report.passed, report

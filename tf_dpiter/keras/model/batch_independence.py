@@ -17,9 +17,9 @@ model's inputs and caches the verdict on the model.
 
 What the probe catches: any deterministic layer that mixes rows on the probe inputs, with or
 without parameters (Lambda, custom layers, `ops.mean(axis=0)`, batch-level softmax).
-What it cannot catch: mixing that happens only in training mode (it runs in inference mode;
-BatchNormalization is refused by name elsewhere), only through randomness, only on inputs
-far from the probe's (e.g. a branch taken for large batches or special values), in the loss
+The whole model is also run in training mode (`mixes_in_training_mode`), which catches a
+layer that mixes only in training. What it cannot catch: mixing only through randomness,
+only on inputs far from the probe's (e.g. a branch taken for large batches or special values), in the loss
 function rather than the model, or below the tolerance `atol` (relative to the output's
 scale). A passing probe is evidence, not proof; `tf_dpiter.auditing.check_sensitivity`
 measures the end-to-end effect on the real train step.
@@ -110,11 +110,7 @@ def batch_mixing_layers(model, x, atol=1e-6):
   if n < 2:
     raise ParameterValueError(f"x must hold at least 2 examples to probe batch mixing, got {n}")
   nodes = _graph_nodes(model)
-  fixed = [t.shape[0] for t in nodes[0].inputs if t.shape[0] is not None] if nodes else []
-  if fixed and fixed[0] != n and fixed[0] >= 2:
-    # a graph traced at a fixed batch size (a lazily built Sequential): probe at that size
-    n = fixed[0]
-    xs = [np.resize(t, (n,) + t.shape[1:]) for t in xs]
+  xs, n = _at_graph_batch(nodes, xs)
   x1 = tf.nest.pack_sequence_as(x, xs)
   x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 0) for t in xs])
   compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
@@ -145,6 +141,17 @@ def batch_mixing_layers(model, x, atol=1e-6):
     if outs_moved and not ins_moved and node.operation.name not in mixing:
       mixing.append(node.operation.name)
   return tuple(mixing)
+
+
+def _at_graph_batch(nodes, xs):
+  """(xs, n): xs resized to the batch size a graph was traced at (a lazily built
+  Sequential), else unchanged; n its number of examples."""
+  n = len(xs[0])
+  fixed = [t.shape[0] for t in nodes[0].inputs if t.shape[0] is not None] if nodes else []
+  if fixed and fixed[0] != n and fixed[0] >= 2:
+    n = fixed[0]
+    xs = [np.resize(t, (n,) + t.shape[1:]) for t in xs]
+  return xs, n
 
 
 def _model_inputs(model):
@@ -193,7 +200,8 @@ def probe_model(model, input_specs=None, seed=0):
 
   Runs `batch_mixing_layers` once per model (eagerly, lifted out of any trace) on a random
   batch of 4 examples shaped like `input_specs` (a nest of tf.TensorSpec with a leading
-  batch axis; default: the model's inputs). A model whose inputs are unknown is reported
+  batch axis; default: the model's inputs), then, if no layer mixed, the whole model in
+  training mode (`mixes_in_training_mode`). A model whose inputs are unknown is reported
   as unprobed: None, not cached (also when it cannot run yet, e.g. its variables are being
   created by the trace in progress).
 
@@ -217,6 +225,8 @@ def probe_model(model, input_specs=None, seed=0):
   try:
     with tf.init_scope():
       verdict = batch_mixing_layers(model, x)
+      if not verdict and mixes_in_training_mode(model, x):
+        verdict = (f"{model.name} (in training mode)",)
   except (tf.errors.OpError, ValueError, TypeError):
     # e.g. variables created in the trace that is running (a model built lazily by the
     # first train step) cannot be read yet: unprobed, and not cached
@@ -225,6 +235,42 @@ def probe_model(model, input_specs=None, seed=0):
   if verdict:
     warn_batch_mixing(verdict)
   return verdict
+
+
+def mixes_in_training_mode(model, x):
+  """Whether `model` run in training mode makes one example's outputs depend on another.
+
+  `batch_mixing_layers` runs in inference mode, but the training step runs the model with
+  training=True, where a layer may mix only then (a centering that uses the batch mean in
+  training). The whole model is run eagerly, training=True, on `x` and on `x` with its last
+  example replaced; before each run and after both, every non-trainable variable (Keras'
+  seed-generator states, statistics) is restored, so dropout draws the same masks and the
+  model is left unchanged. Randomness outside the model's seed generators moves the other
+  rows too and is reported as mixing (when in doubt, the whole-batch paths are not used).
+
+  Args:
+    model: a built keras.Model.
+    x: a probe batch (a nest of arrays with at least 2 examples).
+
+  Returns:
+    bool: True if any output row of the examples other than the last moved.
+  """
+  flat, n = _at_graph_batch(_graph_nodes(model), [np.asarray(t) for t in tf.nest.flatten(x)])
+  x = tf.nest.pack_sequence_as(x, flat)
+  x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 1) for t in flat])
+  compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
+  atol = 1e-2 if compute in ("float16", "bfloat16") else 1e-6
+  state = [v.numpy() for v in model.non_trainable_variables]
+  outs = []
+  try:
+    for batch in (x, x2):
+      for v, value in zip(model.non_trainable_variables, state):
+        v.assign(value)
+      outs.append(tf.nest.flatten(model(batch, training=True)))
+  finally:
+    for v, value in zip(model.non_trainable_variables, state):
+      v.assign(value)
+  return any(_rows_moved(np.asarray(a), np.asarray(b), n, atol) for a, b in zip(*outs))
 
 
 def warn_batch_mixing(layers, stacklevel=4):

@@ -49,7 +49,6 @@ function of record i alone:
 import logging
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
@@ -186,11 +185,6 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
   return step.noised_average(state, tf.reduce_sum(rmask))
 
 
-_TRAINING_VERDICT = "_dp_training_mode_mixing"
-# the inference-mode probe's batch and comparison, reused by the training-mode probe
-_probe_inputs = batch_independence._probe_inputs   # pylint: disable=protected-access
-_replace_last = batch_independence._replace_last   # pylint: disable=protected-access
-_rows_moved = batch_independence._rows_moved   # pylint: disable=protected-access
 _VECTOR_CALL = ("optimizer.compute_private_gradients(loss_fn, variables) without data= (or "
                 "optimizer.minimize(loss_fn, var_list))")
 _TAPE_CALL = ("optimizer.compute_private_gradients(losses, variables, tape=tape) (or "
@@ -230,69 +224,20 @@ def _check_batch_independent(model, with_tape):
         "one example's influence. Freeze them (layer.trainable = False), use "
         "LayerNormalization/GroupNormalization, or pass the batch as data=... with a loss_fn "
         f"of one record (each record is then run alone). Received: model={model.name!r}")
-  mixing = batch_independence.probe_model(model)
-  if not mixing:   # None (unprobed) stays None; () is probed again in training mode
-    in_training = None if mixing is None else _mixes_in_training_mode(model)
-    if in_training is None:
-      raise ParameterValueError(
-          f"{call}: model={model.name!r} could not be probed for layers that mix the "
-          "examples of a batch (its inputs are unknown: a subclassed model, or one not built "
-          "yet). Build it on keras.Input(...) (a functional or Sequential model, called once "
-          "before the loop), or pass the batch as data=... with a loss_fn of one record. "
-          f"Received: model={model.name!r}")
-    mixing = (f"{model.name} (in training mode)",) if in_training else ()
+  mixing = batch_independence.probe_model(model)   # inference and training mode
+  if mixing is None:
+    raise ParameterValueError(
+        f"{call}: model={model.name!r} could not be probed for layers that mix the "
+        "examples of a batch (its inputs are unknown: a subclassed model, or one not built "
+        "yet). Build it on keras.Input(...) (a functional or Sequential model, called once "
+        "before the loop), or pass the batch as data=... with a loss_fn of one record. "
+        f"Received: model={model.name!r}")
   if mixing:
     raise ParameterValueError(
         f"{call}: layers {list(mixing)} make one example's outputs depend on other examples "
         "of the batch, so per-example losses computed on the whole batch do not bound one "
         "example's influence. Pass the batch as data=... with a loss_fn of one record "
         f"(each record is then run alone). Received: model={model.name!r}")
-
-
-def _mixes_in_training_mode(model):
-  """Whether `model` run in training mode mixes examples (cached on the model).
-
-  batch_independence.probe_model runs in inference mode; the whole-batch losses are computed
-  in training mode, where a layer may mix only then. The model is run eagerly, training=True,
-  on a probe batch and on the same batch with its last example replaced; before each run and
-  after both, every non-trainable variable (Keras' seed-generator states, statistics) is
-  restored, so dropout draws the same masks and the model is left unchanged. True if any
-  output row of the other examples moved (randomness outside the model's seed generators
-  moves them too: refused, when in doubt).
-
-  Args:
-    model: a keras.Model whose inference-mode probe found no mixing.
-  Returns:
-    bool, or None if the model could not be run so (not cached).
-  """
-  cached = getattr(model, _TRAINING_VERDICT, None)
-  if cached is not None:
-    return cached
-  x1 = _probe_inputs(model, None, 1)
-  if x1 is None:
-    return None
-  flat = tf.nest.flatten(x1)
-  x2 = tf.nest.pack_sequence_as(x1, [_replace_last(t, 1) for t in flat])
-  n = len(flat[0])
-  compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
-  atol = 1e-2 if compute in ("float16", "bfloat16") else 1e-6
-  try:
-    with tf.init_scope():
-      state = [v.numpy() for v in model.non_trainable_variables]
-      outs = []
-      try:
-        for x in (x1, x2):
-          for v, value in zip(model.non_trainable_variables, state):
-            v.assign(value)
-          outs.append(tf.nest.flatten(model(x, training=True)))
-      finally:
-        for v, value in zip(model.non_trainable_variables, state):
-          v.assign(value)
-      moved = any(_rows_moved(np.asarray(a), np.asarray(b), n, atol) for a, b in zip(*outs))
-  except (tf.errors.OpError, ValueError, TypeError):
-    return None
-  object.__setattr__(model, _TRAINING_VERDICT, moved)
-  return moved
 
 
 def _vector_loss(loss):
