@@ -8,7 +8,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 MAIN = ('python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
         'python tutorials/mnist_dpsgd_keras.py --quick --data_path ../shared/data/mnist.npz')
 TEST = ('python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
-        'python -m pytest -q')
+        'python -m pytest -q -n 2')
 
 
 def _readme():

@@ -15,7 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-@pytest.mark.parametrize("onednn", ["0", "1"])
+@pytest.mark.parametrize("onednn", [pytest.param("0", marks=pytest.mark.slow), "1"])
 def test_tutorial_cnn_fast_sum_equals_per_example_loop(onednn):
   env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=onednn,
              PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

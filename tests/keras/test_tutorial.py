@@ -12,7 +12,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("sampling,decay", [("poisson", "constant"), ("shuffle", "cosine")])
+@pytest.mark.parametrize("sampling,decay", [("poisson", "constant"),
+                                           pytest.param("shuffle", "cosine", marks=pytest.mark.slow)])
 def test_tutorial_quick_on_small_data(tmp_path, sampling, decay):
   rng = np.random.RandomState(0)
   path = os.path.join(tmp_path, "mnist_small.npz")

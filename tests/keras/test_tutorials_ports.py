@@ -37,6 +37,7 @@ def test_eager_loop_tutorial():
   assert "add or remove one example" in stdout
 
 
+@pytest.mark.slow   # a full tutorial run; -m slow
 def test_movielens_tutorial():
   """User and movie embeddings (functional DPModel, dict inputs), Poisson fit, RMSE."""
   stdout, out = _run("movielens_dp.py", "--verbose", "0")
@@ -49,6 +50,7 @@ def test_movielens_tutorial():
   assert "an approximation, not an upper bound" in stdout
 
 
+@pytest.mark.slow   # a full tutorial run; -m slow
 def test_lstm_language_model_tutorial():
   """Per-token compiled loss on an LSTM (unroll=False) with clipping='auto'."""
   stdout, out = _run("lstm_lm_dp.py", "--verbose", "0")
@@ -120,6 +122,7 @@ def test_mnist_poisson_tutorials(script, mnist_path):
     assert out["test_accuracy"] > 0.4, stdout   # chance: 0.1 (measured 0.68 on MNIST)
 
 
+@pytest.mark.slow   # a full tutorial run; -m slow
 def test_opacus_style_script(mnist_path):
   """make_private_with_epsilon + a train_on_batch loop on Poisson batches: the printed
   epsilon is the ledger's, dp-accounting's for the calibrated z, and within the target."""

@@ -31,7 +31,7 @@ def _run(case):
   return int(out["ITERATIONS"]), int(out["SAMPLES"]), compiles
 
 
-@pytest.mark.parametrize("case", ["fast", "vectorized", "band_mf", "cnn"])
+@pytest.mark.parametrize("case", ["fast", "vectorized", "band_mf", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_dp_fit_under_xla_compiles_once(case):
   iterations, samples, compiles = _run(case)
   assert iterations == 18

@@ -32,7 +32,7 @@ def _run(mode, phase, work):
 
 @pytest.mark.parametrize("mode,journal_name", [
     ("backup", os.path.join("backup", "privacy_ledger.journal")),
-    ("checkpoint", "ledger.journal")])
+    pytest.param("checkpoint", "ledger.journal", marks=pytest.mark.slow)])
 def test_sigkill_then_resume_charges_every_step(tmp_path, mode, journal_name):
   first = _run(mode, "first", tmp_path)
   assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]

@@ -66,7 +66,7 @@ def _check(out, kind, form):
   assert got["max_deviation_from_reference"] <= 1e-6 * got["recorded"] * 6, (kind, form, got)
 
 
-@pytest.mark.parametrize("kinds", [("einsum",), ("bn", "centering")])
+@pytest.mark.parametrize("kinds", [("einsum",), pytest.param(("bn", "centering"), marks=pytest.mark.slow)])
 def test_every_custom_loop_form_under_onednn_stays_within_sensitivity_or_is_refused(kinds):
   out = _worker([f"{kind}:{form}" for kind in kinds for form in FORMS])
   if not out["onednn"]:
