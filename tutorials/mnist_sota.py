@@ -51,6 +51,7 @@ cached; 3.6 min with the features computed); 97.83 % (3 seeds, 97.78-97.89 %) at
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -214,22 +215,31 @@ def train(args, ftr, ytr, learning_rate, noise_multiplier=None):
   return model, opt
 
 
-def summary(args, model, opt, n, acc, report, t0, t_feat, **extra):
-  """The JSON line the tutorial ends with."""
+def summary(args, n, acc, epsilon, run, t0, t_feat, **extra):
+  """The JSON line the tutorial ends with (`run`: steps, noise_multiplier, learning_rate)."""
   epochs, batch, _ = plan(args, n)
   out = {
       "accuracy": round(float(acc), 4), "eval_on": args.eval_on,
-      "epsilon": float(report.epsilon), "target_epsilon": args.epsilon, "delta": args.delta,
-      "steps": int(model.ledger.sample_count.numpy()), "epochs": epochs,
-      "population": n, "batch_size": batch,
-      "noise_multiplier": float(opt.noise_multiplier), "l2_norm_clip": args.l2_norm_clip,
-      "learning_rate": float(keras.ops.convert_to_numpy(opt.learning_rate)),
-      "momentum": args.momentum, "model": args.model,
+      "epsilon": float(epsilon), "target_epsilon": args.epsilon, "delta": args.delta,
+      "steps": run["steps"], "epochs": epochs, "population": n, "batch_size": batch,
+      "noise_multiplier": run["noise_multiplier"], "l2_norm_clip": args.l2_norm_clip,
+      "learning_rate": run["learning_rate"], "momentum": args.momentum, "model": args.model,
       "width": args.width, "ema_decay": args.ema_decay, "group_norm": args.group_norm,
       "seed": args.seed}
   out.update(extra)
   out.update({"feature_seconds": round(t_feat, 1), "seconds": round(time.time() - t0, 1)})
   return json.dumps(out)
+
+
+def predict(model, x):
+  """The predicted classes of x."""
+  return np.argmax(model.predict(x, batch_size=1000, verbose=0), -1)
+
+
+def ledger_arrays(ledger):
+  """(samples, queries, passes) of a ledger: what the accountant reads, without the model."""
+  passes = ledger.passes
+  return ledger.get_arrays() + (int(passes.numpy() if hasattr(passes, "numpy") else passes),)
 
 
 def tune(args, ftr, ytr, fval, yval, fte, yte, t0, t_feat):
@@ -252,11 +262,18 @@ def tune(args, ftr, ytr, fval, yval, fte, yte, t0, t_feat):
 
   def trial(learning_rate):
     model, opt = train(args, ftr, ytr, learning_rate, noise_multiplier=z)
-    correct = int(np.sum(np.argmax(model.predict(fval, batch_size=1000, verbose=0), -1) == yval))
+    correct = int(np.sum(predict(model, fval) == yval))
     score = dp.tuning.noisy_count(model.ledger, correct, len(fval), args.score_noise)
     trials.append({"learning_rate": learning_rate,
                    "noisy_validation_accuracy": round(score / len(fval), 4)})
-    return score, (model, opt), model.ledger
+    kept = {"weights": model.get_weights(), "ledger": ledger_arrays(model.ledger),
+            "run": {"steps": int(model.ledger.sample_count.numpy()) - 1,  # last: the score
+                    "noise_multiplier": float(opt.noise_multiplier),
+                    "learning_rate": learning_rate}}
+    del model, opt
+    keras.backend.clear_session()   # the trial's graphs and data copies: K runs in one process
+    gc.collect()
+    return score, kept, kept["ledger"]
 
   search = dp.tuning.RandomSearch(args.tuning_mean, args.tuning_shape, seed=args.tuning_seed)
   rate, result, score, report = search.run(
@@ -264,20 +281,20 @@ def tune(args, ftr, ytr, fval, yval, fte, yte, t0, t_feat):
   if result is None:      # K = 0 (Poisson only): nothing trained, nothing released
     print(json.dumps({"accuracy": None, "epsilon": 0.0, "private_tuning": True, "trials": 0}))
     return
-  model, opt = result
-  _, acc = model.evaluate(fte, yte, batch_size=1000, verbose=0)
-  trial_eps = dp.accounting.privacy_report(model.ledger, delta=args.delta).epsilon
+  model = make_model(args.model, fte.shape[1:], args.width)
+  model.set_weights(result["weights"])          # the selected trial's (EMA) weights
+  acc = float(np.mean(predict(model, fte) == yte))
+  trial_eps = dp.accounting.privacy_report(result["ledger"], delta=args.delta).epsilon
   print(f"test accuracy {acc:.4f} of the selected trial (learning rate {rate}); "
         f"epsilon {report.epsilon:.5f} including the selection (one trial: {trial_eps:.5f})")
   extra = {"private_tuning": True, "selected_learning_rate": rate,
            "noisy_validation_accuracy": round(score / len(fval), 4),
            "tuning_mean": args.tuning_mean, "tuning_shape": args.tuning_shape,
            "candidates": rates, "score_noise": args.score_noise, "validation_size": len(fval),
-           "trial_epsilon": float(trial_eps),
-           "steps": int(model.ledger.sample_count.numpy()) - 1}   # the last sample: the score
+           "trial_epsilon": float(trial_eps)}
   if args.report_trials:
     extra.update({"trials": len(trials), "trial_scores": trials})
-  print(summary(args, model, opt, len(ftr), acc, report, t0, t_feat, **extra))
+  print(summary(args, len(ftr), acc, report.epsilon, result["run"], t0, t_feat, **extra))
 
 
 def main(argv=None):
@@ -305,7 +322,9 @@ def main(argv=None):
   _, acc = model.evaluate(fev, yev, batch_size=1000, verbose=0)
   report = dp.accounting.privacy_report(model.ledger, delta=args.delta)
   print(f"{args.eval_on} accuracy {acc:.4f}; {report}")
-  print(summary(args, model, opt, len(ftr), acc, report, t0, t_feat))
+  run = {"steps": int(model.ledger.sample_count.numpy()),
+         "noise_multiplier": float(opt.noise_multiplier), "learning_rate": args.learning_rate}
+  print(summary(args, len(ftr), acc, report.epsilon, run, t0, t_feat))
 
 
 if __name__ == "__main__":
