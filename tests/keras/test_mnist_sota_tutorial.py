@@ -8,6 +8,7 @@ import sys
 
 import dp_accounting
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,3 +45,47 @@ def test_quick_run_prints_the_ledger_epsilon(tmp_path):
   np.testing.assert_allclose(out["epsilon"], accountant.get_epsilon(out["delta"]), rtol=1e-6)
   # the noise was calibrated to the target for the planned steps (2 epochs of n / B)
   assert out["epsilon"] <= 2.5 * (1 + 1e-6) or out["steps"] > 2 * round(1 / q)
+
+
+def _by_hand_selection(out):
+  """dp-accounting by hand: the best of K ~ TNB(mean, shape) trials, each `steps` Poisson
+  Gaussian steps at q = B / n then a Gaussian count of multiplier score_noise."""
+  q = out["batch_size"] / out["population"]
+  trial = dp_accounting.ComposedDpEvent([
+      dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+          q, dp_accounting.GaussianDpEvent(out["noise_multiplier"])), out["steps"]),
+      dp_accounting.GaussianDpEvent(out["score_noise"])])
+  with_selection = dp_accounting.rdp.RdpAccountant()
+  with_selection.compose(dp_accounting.dp_event.RepeatAndSelectDpEvent(
+      trial, out["tuning_mean"], out["tuning_shape"]))
+  one_trial = dp_accounting.rdp.RdpAccountant()
+  one_trial.compose(trial)
+  return with_selection.get_epsilon(out["delta"]), one_trial.get_epsilon(out["delta"])
+
+
+def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path):
+  path = os.path.join(tmp_path, "mnist_small.npz")
+  _synthetic_mnist(path)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "tutorials", "mnist_sota.py"), "--quick",
+       "--data_path", path, "--validation_size", "100", "--cache_dir", "",
+       "--ema_decay", "0.9", "--epsilon", "3", "--seed", "1", "--private_tuning",
+       "--tuning_learning_rates", "0.5,2", "--tuning_mean", "2", "--tuning_seed", "1",
+       "--report_trials"],
+      capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["private_tuning"] and out["eval_on"] == "test" and out["validation_size"] == 100
+  assert out["trials"] == 2 and len(out["trial_scores"]) == 2   # K drawn with --tuning_seed 1
+  assert out["selected_learning_rate"] in (0.5, 2.0) and out["learning_rate"] == pytest.approx(
+      out["selected_learning_rate"])
+  # the released trial is the one with the best noisy score
+  assert out["noisy_validation_accuracy"] == max(
+      t["noisy_validation_accuracy"] for t in out["trial_scores"])
+  assert out["steps"] == 2 * round(out["population"] / out["batch_size"])
+  expected, one_trial = _by_hand_selection(out)
+  np.testing.assert_allclose(out["epsilon"], expected, rtol=1e-6)
+  np.testing.assert_allclose(out["trial_epsilon"], one_trial, rtol=1e-6)
+  # the training noise was calibrated so that the selection meets the target
+  assert out["epsilon"] <= 3.0 * (1 + 1e-6) and out["epsilon"] > 2.9
+  assert out["trial_epsilon"] < out["epsilon"]

@@ -142,3 +142,44 @@ def test_view_mean_loss_is_the_mean_of_view_losses_and_round_trips():
   np.testing.assert_allclose(loss.call(y, logits[:, 0]), per_view[:, 0], rtol=1e-6)
   again = keras.losses.deserialize(keras.losses.serialize(loss))
   np.testing.assert_allclose(again(y, logits), loss(y, logits), rtol=1e-6)
+
+
+@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
+def test_metrics_see_the_mean_over_views_of_each_example(clipping):
+  """Noise 0, lr 0 (the weights stay put): the training accuracy logged by fit is the
+  accuracy of the mean over the K views' logits, computed here by hand, over real examples."""
+  keras.utils.set_random_seed(0)
+  inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+  model = dp.keras.augmentation_multiplicity(inner, _augment, K)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=0.0,
+                                                       clipping=clipping),
+                loss=model.view_loss(BASE_LOSS), metrics=["accuracy"])
+  rng = np.random.RandomState(4)
+  x, y = rng.randn(30, 6).astype("float32"), rng.randint(0, 3, 30)
+  history = model.fit(x, y, batch_size=30, epochs=1, steps_per_epoch=1, sampling="shuffle",
+                      verbose=0)
+  mean_logits = np.mean([inner.predict(_augment(x, k), verbose=0) for k in range(K)], axis=0)
+  expected = np.mean(np.argmax(mean_logits, -1) == y)
+  assert history.history["accuracy"][0] == pytest.approx(expected, abs=1e-6)
+  # evaluate: the un-augmented inputs through the inner model
+  _, acc = model.evaluate(x, y, verbose=0)
+  assert acc == pytest.approx(np.mean(np.argmax(inner.predict(x, verbose=0), -1) == y), abs=1e-6)
+
+
+def test_metrics_with_sample_weights_count_the_weighted_in_examples_only():
+  """Examples of weight 0 join no record (as Poisson padding rows): the unweighted accuracy
+  is that of the mean over views on the examples of positive weight, computed by hand."""
+  keras.utils.set_random_seed(1)
+  inner = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+  model = dp.keras.augmentation_multiplicity(inner, _augment, K)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=0.0),
+                loss=model.view_loss(BASE_LOSS), metrics=["accuracy"])
+  rng = np.random.RandomState(5)
+  x, y = rng.randn(30, 6).astype("float32"), rng.randint(0, 3, 30)
+  w = (np.arange(30) % 3 != 0).astype("float32")
+  history = model.fit(x, y, sample_weight=w, batch_size=30, epochs=1, steps_per_epoch=1,
+                      sampling="shuffle", verbose=0)
+  mean_logits = np.mean([inner.predict(_augment(x, k), verbose=0) for k in range(K)], axis=0)
+  correct = np.argmax(mean_logits, -1) == y
+  assert history.history["accuracy"][0] == pytest.approx(np.mean(correct[w > 0]), abs=1e-6)
+  assert np.mean(correct[w > 0]) != pytest.approx(np.mean(correct))   # the mask matters

@@ -24,14 +24,23 @@ gradients (fast_clipping.plan treats it as one opaque block), so it is exact but
 
 `augment_fn(x, view) -> x'` must act on each example alone (no batch statistics); `view` is
 the index 0..K-1 of the view (a Python int), and a random augmentation may ignore it (a fresh
-draw on each of its K calls). Compile metrics see the [B, K, ...] training outputs;
-evaluate (inference: `model(x)`) for accuracy.
+draw on each of its K calls).
+
+Metrics (`compile(metrics=...)`) see one prediction per example: in training, the mean over
+the K views of the model's outputs (for logits, the mean logit; `view_mean` of the outputs
+[B, K, ...] -> [B, ...]), computed from the outputs the step already has (no extra forward
+pass; it is not the un-augmented view's prediction); in evaluation, `model(x)` on the
+un-augmented inputs. Metrics are outside the clipped sum: they change nothing in the update or
+the ledger.
 """
 
 import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.optimizer import record_losses
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="ViewMeanLoss")
@@ -110,6 +119,25 @@ class AugmentationMultiplicity(keras.Model):
       return self.inner(x, training=False)
     views = tf.stack([self.augment_fn(x, view) for view in range(self.k)], axis=1)
     return self.views(views, training=True)
+
+  def view_mean(self, y_pred):
+    """One prediction per example: the mean over the view axis of training outputs
+    [B, K, ...] -> [B, ...]; inference outputs (no view axis) are returned as they are."""
+    if len(y_pred.shape) == self.output_rank:
+      return y_pred
+    return tf.reduce_mean(y_pred, axis=1)
+
+  def compute_metrics(self, x, y, y_pred, sample_weight=None):
+    """Keras' compute_metrics on `view_mean(y_pred)`. With sample weights (a padded Poisson
+    sample weighs its padding rows 0) the unweighted metrics are weighted by the example mask,
+    as the DP train step does for any model: metrics count the real examples only."""
+    y_pred = tf.nest.map_structure(self.view_mean, y_pred)
+    if sample_weight is None:
+      return super().compute_metrics(x, y, y_pred, sample_weight=None)
+    mask = record_losses.example_mask_from_weights(sample_weight,
+                                                   grads_lib.dynamic_batch_size(x))
+    keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
+    return self.get_metrics_result()
 
   def view_loss(self, base_loss):
     """The loss to compile with: `ViewMeanLoss(base_loss)` for this model's outputs.

@@ -1,0 +1,130 @@
+"""The pieces of a private selection's trial: a noisy score in its ledger and its noise.
+
+Papernot and Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022,
+Section 3: each trial outputs its model and its score, and the guarantee of releasing the best
+trial (Theorem 2, truncated negative binomial number of trials; Theorem 6, Poisson) holds if
+every trial, score included, is (lambda, eps(lambda))-RDP. A score computed without noise on
+held-out examples of the same data set would leave those examples unprotected, so:
+
+  * `noisy_count` releases the count of scoring examples that pass a test (e.g. classified
+    correctly) plus N(0, z^2) noise, and records it in the trial's ledger as one Gaussian sum
+    query over the whole scoring set (selection probability 1, clip 1: under add/remove one
+    example the count changes by at most 1). The ledger then composes it with the training
+    (sequential composition: an upper bound; the training and scoring examples are disjoint,
+    so the max of the two would also hold, Dwork and Roth, "The Algorithmic Foundations of
+    Differential Privacy", parallel composition).
+  * `trial_noise_multiplier` calibrates the training noise so that the whole selection (the
+    RepeatAndSelectDpEvent of dp-accounting over one trial = training + noisy score) meets an
+    epsilon target.
+
+Relation: add or remove one example (the Poisson-sampled DP-SGD of `DPModel.fit`); unit: one
+example of the training or scoring split.
+"""
+
+import dp_accounting as dpa
+import numpy as np
+
+from tf_dpiter import validation
+from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import privacy_ledger
+
+
+def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
+  """`count` plus N(0, z^2) noise, recorded in `ledger` as a Gaussian sum query.
+
+  The count must be a sum over the `population_size` scoring examples of a 0/1 value per
+  example (L2 sensitivity 1 under add/remove one example); the ledger records one sample
+  (policy "poisson", selection probability 1: every scoring example is used) with a
+  GaussianSumEvent(l2_norm_clip=1, stddev=z), i.e. the Gaussian mechanism of multiplier z.
+
+  Args:
+    ledger: the trial's PrivacyLedger (e.g. `model.ledger`).
+    count: the exact count (0 <= count <= population_size).
+    population_size: the number of scoring examples.
+    noise_multiplier: z > 0, the noise standard deviation in counts.
+    rng: a numpy Generator (default: a fresh one seeded from the OS).
+  Returns:
+    the noisy count (float).
+  Raises:
+    ValueError: z <= 0, population_size <= 0, or count outside [0, population_size].
+  """
+  validation.check_positive("noise_multiplier", noise_multiplier)
+  validation.check_positive("population_size", population_size)
+  if not 0 <= count <= population_size:
+    raise ParameterValueError(f"`count` must be in [0, population_size={population_size}]. "
+                              f"Received: count={count!r}")
+  rng = rng if rng is not None else np.random.default_rng()
+  event = events_lib.GaussianSumEvent(l2_norm_clip=1.0, stddev=float(noise_multiplier))
+  ledger.record_sample(float(population_size), 1.0, (event,), policy=privacy_ledger.POISSON)
+  return float(count) + float(rng.normal(0.0, noise_multiplier))
+
+
+def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier=None):
+  """dp-accounting event of one trial: `steps` Poisson-sampled Gaussian steps (rate q,
+  multiplier z), then, if given, the noisy score (Gaussian mechanism of multiplier z_s)."""
+  train = dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(sampling_probability, dpa.GaussianDpEvent(noise_multiplier)),
+      int(steps))
+  if score_noise_multiplier is None:
+    return train
+  return dpa.ComposedDpEvent([train, dpa.GaussianDpEvent(score_noise_multiplier)])
+
+
+def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape, delta,
+                      score_noise_multiplier=None):
+  """Epsilon at `delta` of releasing the best of K trials (RDP; Papernot and Steinke)."""
+  event = trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier)
+  accountant = dpa.rdp.RdpAccountant()
+  accountant.compose(dpa.dp_event.RepeatAndSelectDpEvent(event, float(mean), float(shape)))
+  return accountant.get_epsilon(delta)
+
+
+def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, shape,
+                           score_noise_multiplier=None, tolerance=1e-4):
+  """The smallest DP-SGD noise multiplier z (to `tolerance`) for which releasing the best of
+  K trials, each `steps` Poisson-sampled steps at rate q and an optional noisy score, has
+  epsilon <= `epsilon` at `delta` (bisection on `selection_epsilon`).
+
+  The result is rounded up by a relative 1e-5 so that the ledger, which keeps the noise in
+  float32, still reports at most the target.
+
+  Args:
+    epsilon: target epsilon of the whole selection. delta: its delta.
+    sampling_probability: q in (0, 1]. steps: DP-SGD steps of one trial.
+    mean, shape: the distribution of the number of trials (`num_trials_distribution`).
+    score_noise_multiplier: z_s of each trial's noisy score, or None (no score in the ledger).
+    tolerance: relative precision of z.
+  Returns:
+    z (float).
+  Raises:
+    PrivacyConfigError: the target cannot be met with any z (the score and the selection
+      alone cost more than `epsilon`).
+  """
+  validation.check_positive("epsilon", epsilon)
+  validation.check_probability("sampling_probability", sampling_probability)
+
+  def eps(z):
+    return selection_epsilon(z, sampling_probability, steps, mean, shape, delta,
+                             score_noise_multiplier)
+  lo, hi = 0.1, 1.0
+  while eps(hi) > epsilon:
+    lo, hi = hi, 2.0 * hi
+    if hi > 1e4:
+      raise PrivacyConfigError(
+          f"`epsilon`={epsilon} cannot be met by a selection of mean {mean} trials (shape "
+          f"{shape}) with a noisy score of multiplier {score_noise_multiplier}, whatever the "
+          "training noise: raise epsilon, lower the mean or raise the score's noise")
+  if eps(lo) <= epsilon:
+    return lo
+  while (hi - lo) > tolerance * hi:
+    mid = 0.5 * (lo + hi)
+    if eps(mid) > epsilon:
+      lo = mid
+    else:
+      hi = mid
+  return hi * (1.0 + 1e-5)
+
+
+__all__ = ["noisy_count", "selection_epsilon", "trial_event", "trial_noise_multiplier"]
