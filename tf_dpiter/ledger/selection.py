@@ -39,8 +39,10 @@ class Selection:
     mean: E[K] (>= 1 for a truncated negative binomial, > 0 for Poisson).
     shape: eta in [0, inf): truncated negative binomial (1 geometric, 0 logarithmic);
       math.inf: Poisson.
-    trials: the number of trials actually run (K; data-independent, so recording it
-      reveals nothing about the data).
+    trials: the number of trials actually run (K). K is drawn independently of the data,
+      but Papernot and Steinke's bound (Theorem 2) is for releasing the best trial with K
+      kept hidden: a reader who also learns K is not covered by it. A file holding this
+      record is for the accountant and the auditor, not for publication with the model.
     after_samples: the samples of the ledger before the marker (the trial).
   """
   mean: float
