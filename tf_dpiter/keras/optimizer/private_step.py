@@ -92,6 +92,7 @@ class PrivateStep:
     self._pending_sampling = None
     self._given_params = None
     self.noise_in_compiled_program = None   # None: on an accelerator only (compiles_noise)
+    self.skip_padding_tail = True   # chunking.chunk_layout (False: compute every padding row)
 
   # ---- state (step_state.StepState) --------------------------------------------------
 
