@@ -1,7 +1,7 @@
 """Where the DP step's time goes under XLA on CPU, against the non-private step (issue 25).
 
   python benchmarks/xla_step_breakdown.py [--models cnn,mlp,transformer,lstm] [--batch 256]
-      [--seq_batch 64] [--calls 20] [--rounds 3] [--onednn 1]
+      [--transformer_batch 64] [--calls 20] [--rounds 3] [--onednn 1]
 
 For each model (those of benchmarks/fit_step_time.py: the tutorial CNN, the MLP, the
 Transformer encoder, the LSTM language model) one process builds a non-private Keras model
@@ -35,56 +35,24 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 
-N_POP = 60000
-
+import fit_step_time   # benchmarks/ (the script's directory): the same models and data
 
 def _parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--models", default="cnn,mlp,transformer,lstm")
   p.add_argument("--batch", type=int, default=256)
-  p.add_argument("--seq_batch", type=int, default=64, help="batch of the Transformer, LSTM")
+  p.add_argument("--transformer_batch", type=int, default=64,
+                 help="batch of the Transformer and the LSTM")
   p.add_argument("--calls", type=int, default=20)
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--onednn", default="1")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
-
-
-def _data(name, a):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.RandomState(0)
-  if name == "transformer":
-    b = a.seq_batch
-    return rng.randint(0, 10000, (b, 128)).astype("int32"), rng.randint(0, 2, b).astype("int32")
-  if name == "lstm":
-    b = a.seq_batch
-    return (rng.randint(0, 2000, (b, 40)).astype("int32"),
-            rng.randint(0, 2000, (b, 40)).astype("int32"))
-  shape = (28, 28, 1) if name == "cnn" else (784,)
-  return (rng.rand(a.batch, *shape).astype("float32"),
-          rng.randint(0, 10, a.batch).astype("int32"))
-
-
-def _build(name, private):
-  import keras  # pylint: disable=g-import-not-at-top
-  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
-  ex = dp.keras.example_models
-  keras.utils.set_random_seed(0)
-  if name == "transformer":
-    net = ex.transformer_encoder()
-    return (dp.keras.DPModel if private else keras.Model)(net.inputs, net.outputs)
-  if name == "lstm":
-    layers = [keras.Input((40,), dtype="int32"), keras.layers.Embedding(2000, 64),
-              keras.layers.LSTM(128, return_sequences=True), keras.layers.Dense(2000)]
-  else:
-    layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
-  return (dp.keras.DPSequential if private else keras.Sequential)(layers)
 
 
 def _components(name, a):
@@ -94,18 +62,20 @@ def _components(name, a):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.optimizer import noise_draw  # pylint: disable=g-import-not-at-top
-  x, y = _data(name, a)
-  b = len(x)
+  xs, ys, b = fit_step_time.dataset(name, a)
+  x, y = xs[:b], ys[:b]
   w = np.ones(b, "float32")
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  plain = _build(name, False)
+  keras.utils.set_random_seed(0)
+  plain = fit_step_time.build_model(name, False)
   plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss, jit_compile=True)
-  private = _build(name, True)
+  keras.utils.set_random_seed(0)
+  private = fit_step_time.build_model(name, True)
   private.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1),
                   loss=loss, jit_compile=True)
   opt = private.optimizer
   step = opt.private_step
-  opt.set_sampling(N_POP, b / N_POP, "poisson", b)
+  opt.set_sampling(fit_step_time.N_POP, b / fit_step_time.N_POP, "poisson", b)
   plain_ds = tf.data.Dataset.from_tensors((x, y)).repeat()
   dp_ds = tf.data.Dataset.from_tensors((x, y, w)).repeat()
   plain.fit(plain_ds, steps_per_epoch=1, epochs=1, verbose=0)
@@ -204,10 +174,7 @@ def main():
   if a.child:
     _child(a)
     return
-  for setting in a.onednn.split(","):
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=setting, TF_CPP_MIN_LOG_LEVEL="3")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:],
-                   env=env, check=True)
+  fit_step_time.run_children(__file__, sys.argv[1:], a.onednn)
 
 
 if __name__ == "__main__":
