@@ -22,6 +22,8 @@ ms per call):
   noise_tf          the Gaussian draw alone on the model's shapes, TensorFlow's kernel
                     (outside XLA, how CPU steps draw it)
   noise_xla         the same draw inside XLA (stateless Philox, noise_draw.noised_sum)
+  noise_xla_auto    the same with tf.random.stateless_normal's default alg="auto_select"
+                    (what noise_draw used before it named "philox")
   noise_ledger      `PrivateStep.noised_average` on a zero sum: noise + ledger append + query
                     state, as the DP train step calls it after the program
   update            the SGD update alone (apply_private_gradients, not compiled)
@@ -104,6 +106,11 @@ def _components(name, a):
 
   seed = tf.constant([1, 2], tf.int64)
 
+  @tf.function(jit_compile=True)
+  def noise_xla_auto(seed):
+    n = int(sum(np.prod(s) for s in shapes))
+    return tf.random.stateless_normal([n], seed=seed) * stddev
+
   @tf.function
   def noise_ledger():
     return step.noised_average(zeros, tf.constant(float(b)))
@@ -124,6 +131,7 @@ def _components(name, a):
       "clipped_sum": lambda: core(xt, yt, wt, params),
       "noise_tf": noise_tf,
       "noise_xla": lambda: noise_xla(seed),
+      "noise_xla_auto": lambda: noise_xla_auto(seed),
       "noise_ledger": noise_ledger,
       "update": update,
   }, private

@@ -48,10 +48,10 @@ def compiles_noise(step):
   """True when the step's noise is drawn inside the XLA program: the default Gaussian query
   only (not a custom dp_query, a correlated mechanism or secure_mode, whose os.urandom draw
   is a host call), by default on an accelerator. On CPU XLA generates the normal draw
-  single-threaded (measured: 0.33 s for the MLP's 407k coordinates against 6 ms with
-  TensorFlow's kernel, benchmarks/xla_step_breakdown.py), so there the draw stays right
-  after the program. `step.noise_in_compiled_program` True forces it (tests), False
-  refuses it.
+  single-threaded, slower than TensorFlow's kernel (measured for the MLP's 407k
+  coordinates: 53 ms against 13 ms, one process, benchmarks/xla_step_breakdown.py), so
+  there the draw stays right after the program. `step.noise_in_compiled_program` True
+  forces it (tests), False refuses it.
 
   Args:
     step: the PrivateStep.
@@ -114,7 +114,9 @@ def noised_sum(sample_state, stddev, seed):
   for j, (dtype, idx) in enumerate(sorted(by_dtype.items(), key=lambda kv: kv[0].name)):
     sizes = [leaves[i].shape.num_elements() for i in idx]
     draw_seed = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), j)
-    noise = tf.random.stateless_normal([sum(sizes)], seed=draw_seed, dtype=dtype)
+    # alg="philox" explicitly: the same stream on every device, and under XLA:CPU about 12x
+    # faster than the default "auto_select" (benchmarks/xla_step_breakdown.py)
+    noise = tf.random.stateless_normal([sum(sizes)], seed=draw_seed, dtype=dtype, alg="philox")
     noise = noise * tf.constant(stddev, dtype)
     offset = 0
     for i, size in zip(idx, sizes):
