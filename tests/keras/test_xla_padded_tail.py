@@ -21,20 +21,21 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 CLIP, N, E, M = 0.05, 1000, 16, 48     # first chunk: ceil((16 + 4) / 8) * 8 = 24 records
 
 
-def _model(clipping):
+def _model(clipping, physical=None):
   keras.utils.set_random_seed(1)
   model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
                                  keras.layers.Dense(3)])
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0,
-                                                       clipping=clipping),
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(
+      CLIP, 0.0, learning_rate=1.0, clipping=clipping, max_physical_batch_size=physical),
                 loss=LOSS, jit_compile=True)
   model.optimizer.set_sampling(N, E / N, "poisson", E)
   return model
 
 
-@pytest.mark.parametrize("clipping", ["fast", "vectorized"])
+@pytest.mark.parametrize("clipping,physical,layout", [
+    ("fast", None, (24, 24)), ("vectorized", None, (24, 24)), ("fast", 16, (16, 16, 16))])
 @pytest.mark.parametrize("real", [10, 40])   # 10: the tail is all padding; 40: it runs
-def test_padded_poisson_step_under_xla_is_exact(clipping, real, monkeypatch):
+def test_padded_poisson_step_under_xla_is_exact(clipping, physical, layout, real, monkeypatch):
   layouts = []
   layout_fn = chunking.chunk_layout
   monkeypatch.setattr(chunking, "chunk_layout", lambda *a, **k: layouts.append(
@@ -45,13 +46,13 @@ def test_padded_poisson_step_under_xla_is_exact(clipping, real, monkeypatch):
   x[:real], y[:real] = rng.randn(real, 6), rng.randint(0, 3, real)
   w = np.zeros(M, "float32")
   w[:real] = 1.0
-  model = _model(clipping)
+  model = _model(clipping, physical)
   ref = helpers.reference_gradient(model, LOSS, x[:real], y[:real], clip=CLIP)
   got = helpers.one_step_update(model, x, y, sample_weight=w)
   for g, r in zip(got, ref):   # reference: the mean over the real rows; update: sum / E
     np.testing.assert_allclose(g, r * real / E, rtol=2e-4, atol=2e-6)
   assert int(model.optimizer.ledger.sample_count.numpy()) == 1
-  assert [tuple(t) for t in layouts] == [(24, 24)]   # traced once, with the skippable tail
+  assert [tuple(t) for t in layouts] == [layout]   # traced once, with the skippable tail
 
 
 def test_tail_chunk_runs_only_when_it_holds_a_real_record():

@@ -123,8 +123,9 @@ def chunk_layout(step, examples_per_record, num_records_static, records=None, mu
   per_chunk = records_per_chunk(step.max_physical_batch_size, examples_per_record,
                                 num_records_static)
   query = step.query
-  if (query is None or not step.skip_padding_tail or num_records_static is None or not isinstance(examples_per_record, int)
-      or not routing.in_xla_context() or not _all_static(records)):
+  if (query is None or not step.skip_padding_tail or num_records_static is None
+      or not isinstance(examples_per_record, int) or not routing.in_xla_context()
+      or not _all_static(records)):
     return per_chunk
   policy = ledger_policies.get(query.policy)
   if not policy.expected_size_denominator:
