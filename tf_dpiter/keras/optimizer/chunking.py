@@ -100,22 +100,24 @@ def records_per_chunk(max_physical_batch_size, examples_per_record, num_records_
 
 
 class TailChunks(tuple):
-  """Static record counts of the consecutive chunks of a padded batch: the first chunk always
-  runs, every later one only if it holds a real record (`sum_over_chunks`)."""
+  """Record counts of the consecutive chunks of a padded batch (None: the rest of the batch,
+  its size known when XLA compiles): the first chunk always runs, every later one only if it
+  holds a real record (`sum_over_chunks`)."""
 
 
-def chunk_layout(step, examples_per_record, num_records_static, records=None, multiple=8):
+def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   """How `sum_over_chunks` splits a batch: `records_per_chunk`, or, for a padded sample of a
-  random-size policy (Poisson) under XLA, a `TailChunks` whose first chunk holds
-  ceil((E + sqrt(E)) / multiple) * multiple records (E: the expected records, as declared
-  when the step is traced; the rest is skipped when it is all padding: module docstring).
+  random-size policy (Poisson) under XLA, a `TailChunks`: without a physical chunk size, a
+  first chunk of ceil((E + sqrt(E)) / multiple) * multiple records (E: the expected records,
+  as declared when the step is traced) and the rest; with one (and a static batch), its
+  chunks. Chunks after the first are skipped when they are all padding (module docstring).
   Whatever E, the sum is the same: the layout only decides which padding is not computed.
 
   Args:
     step: the PrivateStep (max_physical_batch_size, the declared sampling; its
       `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
-    examples_per_record: k. num_records_static: M if static, else None.
-    records: the batch's record nest (the tail layout needs every shape static), or None.
+    examples_per_record: k. num_records_static: M if static, else None (under XLA the
+      compiled program still sees the batch's size).
     multiple: the first chunk's size is rounded up to a multiple of it.
   Returns:
     None, an int (equal chunks), or a TailChunks.
@@ -123,50 +125,41 @@ def chunk_layout(step, examples_per_record, num_records_static, records=None, mu
   per_chunk = records_per_chunk(step.max_physical_batch_size, examples_per_record,
                                 num_records_static)
   query = step.query
-  if (query is None or not step.skip_padding_tail or num_records_static is None
-      or not isinstance(examples_per_record, int) or not routing.in_xla_context()
-      or not _all_static(records)):
+  if (query is None or not step.skip_padding_tail or not isinstance(examples_per_record, int)
+      or not routing.in_xla_context()
+      or not ledger_policies.get(query.policy).expected_size_denominator):
     return per_chunk
-  policy = ledger_policies.get(query.policy)
-  if not policy.expected_size_denominator:
-    return per_chunk
+  m = None if num_records_static is None else int(num_records_static)
+  if per_chunk is not None:
+    if m is None:
+      return per_chunk
+    sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
+    return TailChunks(sizes) if len(sizes) > 1 else per_chunk
   with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
     expected = float(step.state.expected_records.numpy())
-  m = int(num_records_static)
-  if per_chunk is not None:
-    sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
-  else:
-    first = int(math.ceil((expected + math.sqrt(max(expected, 0.0))) / multiple) * multiple)
-    if first >= m:
-      return None
-    sizes = [first, m - first]
-  return TailChunks(sizes) if len(sizes) > 1 else per_chunk
-
-
-def _all_static(records):
-  return records is not None and all(
-      t.shape.is_fully_defined() for t in tf.nest.flatten(records) if t is not None)
+  first = int(math.ceil((expected + math.sqrt(max(expected, 0.0))) / multiple) * multiple)
+  if m is not None and first >= m:
+    return None
+  return TailChunks([first, None])
 
 
 def _slice(nest, start, size):
-  return tf.nest.map_structure(lambda t: None if t is None else t[start:start + size], nest)
+  end = None if size is None else start + size
+  return tf.nest.map_structure(lambda t: None if t is None else t[start:end], nest)
 
 
-def _unless_empty(chunk_fn, acc, chunk, mask):
-  """chunk_fn on a chunk, run only if its mask has a real record (else: acc, 0, zeros)."""
-  specs = []
+def _unless_empty(chunk_fn, acc, chunk, mask, first_aux):
+  """chunk_fn on a chunk, run only if its mask has a real record (else: acc, 0, and zeros
+  shaped like the first chunk's aux with this chunk's rows)."""
+  rows = tf.shape(mask)[0]
 
   def run():
     new_acc, loss, aux = chunk_fn(acc, chunk, mask)
-    specs.append(tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), aux))
     return new_acc, tf.cast(loss, tf.float32), aux
 
   def skip():
-    def zeros(spec):
-      if not spec.shape.is_fully_defined():
-        raise ValueError(f"a skippable chunk's output must have a static shape, got {spec}")
-      return tf.zeros(spec.shape, spec.dtype)
-    return acc, tf.constant(0.0), tf.nest.map_structure(zeros, specs[0])
+    zeros = lambda t: tf.zeros(tf.concat([[rows], tf.shape(t)[1:]], 0), t.dtype)
+    return acc, tf.constant(0.0), tf.nest.map_structure(zeros, first_aux)
 
   return tf.cond(tf.reduce_any(mask > 0), run, skip)
 
@@ -174,12 +167,13 @@ def _unless_empty(chunk_fn, acc, chunk, mask):
 def _sum_over_tail_chunks(chunk_fn, acc, records, record_mask, sizes):
   loss_sum, auxes, start = tf.constant(0.0), [], 0
   for i, size in enumerate(sizes):
-    chunk, mask = _slice(records, start, size), record_mask[start:start + size]
+    chunk, mask = _slice(records, start, size), _slice(record_mask, start, size)
     if i == 0:
       acc, loss, aux = chunk_fn(acc, chunk, mask)
     else:
-      acc, loss, aux = _unless_empty(chunk_fn, acc, chunk, mask)
-    loss_sum, start = loss_sum + loss, start + size
+      acc, loss, aux = _unless_empty(chunk_fn, acc, chunk, mask, auxes[0])
+    loss_sum = loss_sum + loss
+    start += 0 if size is None else size
     auxes.append(aux)
   return acc, loss_sum, tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *auxes)
 
