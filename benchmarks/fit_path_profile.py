@@ -22,7 +22,7 @@ and, as one tf.function each (median of --steps * --epochs calls):
                                backward / ghost-norm clipping, noise, SGD update)
   bare_fast_no_noise           the fast step without the noise draw
   noise_only                   the library's Gaussian draw on the model's shapes
-  noised_average               optimizer.noised_average on a zero clipped sum: noise + ledger
+  noised_average               optimizer.private_step.noised_average on a zero clipped sum: noise + ledger
                                write + query state update, as the DP train_step calls it
 The ratios printed are within one run. Data: random, MNIST-shaped (28x28x1 / 784).
 """
@@ -162,7 +162,7 @@ def _functions(name, b, dp_model):
     query = opt.dp_query
     state = query.initial_sample_state(opt_lib.wide_template(variables))
     state = query.accumulate_preprocessed_record(state, zeros)
-    return opt.noised_average(state, tf.constant(float(b)))
+    return opt.private_step.noised_average(state, tf.constant(float(b)))
 
   fns["noised_average"] = lambda: noised_average()[0].numpy()
   return fns

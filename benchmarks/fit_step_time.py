@@ -2,6 +2,7 @@
 
   python benchmarks/fit_step_time.py [--models cnn,mlp,transformer,lstm] [--batch 256]
       [--steps 64] [--rounds 5] [--spe 1,8] [--onednn 0,1] [--extra] [--jit 0|1]
+      [--compare_tail]
 
 --jit 1 compiles every configuration with jit_compile=True (XLA, what Keras picks by itself
 on a GPU/TPU machine): DP and non-private both under XLA. The LSTM language model
@@ -19,6 +20,10 @@ an epoch, which excludes each epoch's start — what long epochs cost per step):
   dp_spe{k}           DPSequential + DPKerasSGDOptimizer (clip 1.0, noise 1.1, the default
                       clipping: fast), fit(x, y, batch_size=B): Poisson samples (q = B / n,
                       unpadded without XLA), one ledger sample per step, steps_per_execution k
+with --compare_tail (under --jit 1; steps_per_execution 1), the step before the padded tail
+was skipped, in the same process, alternated with the others:
+  dp_whole_padding    dp_spe1 with `optimizer.private_step.skip_padding_tail = False`: every
+                      padding row of the padded Poisson sample computed (chunking.chunk_layout)
 and with --extra (steps_per_execution 1):
   dp_padded           fit on dp.data.poisson_batches(..., max_batch_size="auto") (padded to
                       default_max_batch_size, as XLA needs)
@@ -57,8 +62,40 @@ def _parse(argv=None):
   p.add_argument("--onednn", default="0,1", help="TF_ENABLE_ONEDNN_OPTS values, one process each")
   p.add_argument("--extra", action="store_true", help="padded / fixed-batch configurations")
   p.add_argument("--jit", type=int, default=0, help="1: compile(jit_compile=True) (XLA)")
+  p.add_argument("--compare_tail", action="store_true",
+                 help="add dp_whole_padding (skip_padding_tail=False)")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   return p.parse_args(argv)
+
+
+def dataset(name, a):
+  """(xs, ys, batch) of the n = 60000 random records of model `name` (module docstring)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(0)
+  if name == "transformer":
+    return (rng.randint(0, 10000, (N_POP, 128)).astype("int32"),
+            rng.randint(0, 2, N_POP).astype("int32"), a.transformer_batch)
+  if name == "lstm":
+    return (rng.randint(0, 2000, (N_POP, 40)).astype("int32"),
+            rng.randint(0, 2000, (N_POP, 40)).astype("int32"), a.transformer_batch)
+  xs = rng.rand(N_POP, *((28, 28, 1) if name == "cnn" else (784,))).astype("float32")
+  return xs, rng.randint(0, 10, N_POP).astype("int32"), a.batch
+
+
+def build_model(name, private):
+  """The uncompiled model `name` (cnn, mlp, transformer, lstm); a DP model if private."""
+  import keras  # pylint: disable=g-import-not-at-top
+  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
+  ex = dp.keras.example_models
+  if name == "transformer":
+    net = ex.transformer_encoder()
+    return (dp.keras.DPModel if private else keras.Model)(net.inputs, net.outputs)
+  if name == "lstm":
+    layers = [keras.Input((40,), dtype="int32"), keras.layers.Embedding(2000, 64),
+              keras.layers.LSTM(128, return_sequences=True), keras.layers.Dense(2000)]
+  else:
+    layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
+  return (dp.keras.DPSequential if private else keras.Sequential)(layers)
 
 
 def _configs(name, a):
@@ -68,32 +105,9 @@ def _configs(name, a):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  rng = np.random.RandomState(0)
-  ex = dp.keras.example_models
-  b, steps = a.batch, a.steps
-  if name == "transformer":
-    xs = rng.randint(0, 10000, (N_POP, 128)).astype("int32")
-    ys = rng.randint(0, 2, N_POP).astype("int32")
-    b = a.transformer_batch
-  elif name == "lstm":
-    xs = rng.randint(0, 2000, (N_POP, 40)).astype("int32")
-    ys = rng.randint(0, 2000, (N_POP, 40)).astype("int32")
-    b = a.transformer_batch
-  else:
-    xs = rng.rand(N_POP, *((28, 28, 1) if name == "cnn" else (784,))).astype("float32")
-    ys = rng.randint(0, 10, N_POP).astype("int32")
-
-  def build(private):
-    if name == "transformer":
-      net = ex.transformer_encoder()
-      cls = dp.keras.DPModel if private else keras.Model
-      return cls(net.inputs, net.outputs)
-    if name == "lstm":
-      layers = [keras.Input((40,), dtype="int32"), keras.layers.Embedding(2000, 64),
-                keras.layers.LSTM(128, return_sequences=True), keras.layers.Dense(2000)]
-    else:
-      layers = ex.mnist_cnn_layers() if name == "cnn" else ex.mlp_layers()
-    return (dp.keras.DPSequential if private else keras.Sequential)(layers)
+  xs, ys, b = dataset(name, a)
+  steps = a.steps
+  build = lambda private: build_model(name, private)
 
   def model(private, spe=1):
     keras.utils.set_random_seed(0)
@@ -112,6 +126,10 @@ def _configs(name, a):
     for private in (False, True):
       out[f"{'dp' if private else 'nonprivate'}_spe{spe}"] = (model(private, spe), dict(
           x=xs, y=ys, batch_size=b, steps_per_epoch=steps))
+  if a.compare_tail:
+    whole = model(True)
+    whole.optimizer.private_step.skip_padding_tail = False
+    out["dp_whole_padding"] = (whole, dict(x=xs, y=ys, batch_size=b, steps_per_epoch=steps))
   if a.extra:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")
@@ -185,8 +203,8 @@ def _child(a):
                               for k, (m, _) in configs.items() if k.startswith("dp")},
            "ledger_samples_expected": a.steps * (a.rounds + 1)}
     for k in t:
-      if k.startswith("dp_spe"):
-        base = "nonprivate_" + k[len("dp_"):]
+      if k.startswith("dp_spe") or k == "dp_whole_padding":
+        base = "nonprivate_spe1" if k == "dp_whole_padding" else "nonprivate_" + k[len("dp_"):]
         res["ratios_wall"][k] = round(t[k][0] / t[base][0], 3)
         res["ratios_cpu"][k] = round(t[k][1] / t[base][1], 3)
         res["ratios_steady"][k] = round(t[k][2] / t[base][2], 3)
@@ -195,15 +213,21 @@ def _child(a):
   print(json.dumps(out), flush=True)
 
 
+def run_children(script, argv, onednn):
+  """Runs `script --child argv` once per setting of `onednn` ("0,1": TF_ENABLE_ONEDNN_OPTS is
+  read when TensorFlow loads, so each setting is its own process)."""
+  for setting in onednn.split(","):
+    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=setting, TF_CPP_MIN_LOG_LEVEL="3")
+    subprocess.run([sys.executable, os.path.abspath(script), "--child"] + list(argv), env=env,
+                   check=True)
+
+
 def main():
   a = _parse()
   if a.child:
     _child(a)
     return
-  for setting in a.onednn.split(","):
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS=setting, TF_CPP_MIN_LOG_LEVEL="3")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:],
-                   env=env, check=True)
+  run_children(__file__, sys.argv[1:], a.onednn)
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ class TrainStepMixin:
 
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
-    per_chunk = chunking.records_per_chunk(step.max_physical_batch_size, k, m_static)
+    per_chunk = chunking.chunk_layout(step, k, m_static)
     zeros = [tf.zeros(t.shape, t.dtype) for t in template]
     grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, zeros, (recs, em), rmask,
                                                            per_chunk)

@@ -6,13 +6,25 @@ add up to the clipped sum of the batch, so chunking changes memory, not the mech
 clipping paths (vectorized per-record gradients, fast ghost norms) run through
 `sum_over_chunks`.
 
+Under XLA a Poisson sample is padded to a static size well above its expected size (E + 4 sd,
+data.sampling.default_max_batch_size: 1.5 E at E = 64). `chunk_layout` then splits the padded
+batch into a first chunk of about E + 1 sd records, always run, and a tail that runs (tf.cond)
+only when it holds a real record (probability about 0.16): the expected work falls from
+E + 4 sd to about E + 1.2 sd records, shapes stay static and nothing is dropped. Skipping a
+chunk of padding records changes nothing in the sum (a padding record adds exactly 0); the
+step's time then depends on the sample size, as it does without XLA (unpadded batches).
+
 The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noise) is done in
 float32, or float64 for float64 variables, whatever the Keras dtype policy.
 """
 
+import math
+
 import tensorflow as tf
 
 from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.optimizer import routing
+from tf_dpiter.ledger import policies as ledger_policies
 
 
 def wide_dtype(dtype):
@@ -87,6 +99,85 @@ def records_per_chunk(max_physical_batch_size, examples_per_record, num_records_
   return per_chunk
 
 
+class TailChunks(tuple):
+  """Record counts of the consecutive chunks of a padded batch (None: the rest of the batch,
+  its size known when XLA compiles): the first chunk always runs, every later one only if it
+  holds a real record (`sum_over_chunks`)."""
+
+
+def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
+  """How `sum_over_chunks` splits a batch: `records_per_chunk`, or, for a padded sample of a
+  random-size policy (Poisson) under XLA, a `TailChunks`: without a physical chunk size, a
+  first chunk of ceil((E + sqrt(E)) / multiple) * multiple records (E: the expected records,
+  as declared when the step is traced) and the rest; with one (and a static batch), its
+  chunks. Chunks after the first are skipped when they are all padding (module docstring).
+  Whatever E, the sum is the same: the layout only decides which padding is not computed.
+
+  Args:
+    step: the PrivateStep (max_physical_batch_size, the declared sampling; its
+      `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
+    examples_per_record: k. num_records_static: M if static, else None (under XLA the
+      compiled program still sees the batch's size).
+    multiple: the first chunk's size is rounded up to a multiple of it.
+  Returns:
+    None, an int (equal chunks), or a TailChunks.
+  """
+  per_chunk = records_per_chunk(step.max_physical_batch_size, examples_per_record,
+                                num_records_static)
+  query = step.query
+  if (query is None or not step.skip_padding_tail or not isinstance(examples_per_record, int)
+      or not routing.in_xla_context()
+      or not ledger_policies.get(query.policy).expected_size_denominator):
+    return per_chunk
+  m = None if num_records_static is None else int(num_records_static)
+  if per_chunk is not None:
+    if m is None:
+      return per_chunk
+    sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
+    return TailChunks(sizes) if len(sizes) > 1 else per_chunk
+  with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
+    expected = float(step.state.expected_records.numpy())
+  first = int(math.ceil((expected + math.sqrt(max(expected, 0.0))) / multiple) * multiple)
+  if m is not None and first >= m:
+    return None
+  return TailChunks([first, None])
+
+
+def _slice(nest, start, size):
+  end = None if size is None else start + size
+  return tf.nest.map_structure(lambda t: None if t is None else t[start:end], nest)
+
+
+def _unless_empty(chunk_fn, acc, chunk, mask, first_aux):
+  """chunk_fn on a chunk, run only if its mask has a real record (else: acc, 0, and zeros
+  shaped like the first chunk's aux with this chunk's rows)."""
+  rows = tf.shape(mask)[0]
+
+  def run():
+    new_acc, loss, aux = chunk_fn(acc, chunk, mask)
+    return new_acc, tf.cast(loss, tf.float32), aux
+
+  def skip():
+    zeros = lambda t: tf.zeros(tf.concat([[rows], tf.shape(t)[1:]], 0), t.dtype)
+    return acc, tf.constant(0.0), tf.nest.map_structure(zeros, first_aux)
+
+  return tf.cond(tf.reduce_any(mask > 0), run, skip)
+
+
+def _sum_over_tail_chunks(chunk_fn, acc, records, record_mask, sizes):
+  loss_sum, auxes, start = tf.constant(0.0), [], 0
+  for i, size in enumerate(sizes):
+    chunk, mask = _slice(records, start, size), _slice(record_mask, start, size)
+    if i == 0:
+      acc, loss, aux = chunk_fn(acc, chunk, mask)
+    else:
+      acc, loss, aux = _unless_empty(chunk_fn, acc, chunk, mask, auxes[0])
+    loss_sum = loss_sum + loss
+    start += 0 if size is None else size
+    auxes.append(aux)
+  return acc, loss_sum, tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *auxes)
+
+
 def _take(nest, i):
   return tf.nest.map_structure(lambda t: None if t is None else t[i], nest)
 
@@ -100,7 +191,8 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
     acc: the initial accumulator (a nest of tensors: a DPQuery sample state, or sums).
     records: nest of [M, ...] tensors (None leaves allowed).
     record_mask: [M] float, 0 for padding records.
-    per_chunk: records per chunk (`records_per_chunk`), or None for one chunk.
+    per_chunk: records per chunk (`records_per_chunk`), None for one chunk, or a TailChunks
+      (`chunk_layout`).
 
   Returns:
     (acc, loss_sum, aux): aux concatenated over chunks (its leading axis may hold padding
@@ -108,6 +200,8 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
   """
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
+  if isinstance(per_chunk, TailChunks):
+    return _sum_over_tail_chunks(chunk_fn, acc, records, record_mask, per_chunk)
   chunks, cmask, nchunks = grads_lib.chunked(records, record_mask, per_chunk)
   static_chunks = tf.get_static_value(nchunks)
   loss_sum = tf.constant(0.0)

@@ -114,8 +114,7 @@ def vectorized_clipped_sum(step, record_loss_fn, variables, records, record_mask
 
   record_mask = tf.cast(record_mask, tf.float32)
   m_static = tf.TensorShape(record_mask.shape)[0]
-  per_chunk = chunking.records_per_chunk(step.max_physical_batch_size,
-                                         examples_per_record, m_static)
+  per_chunk = chunking.chunk_layout(step, examples_per_record, m_static)
   state = query.initial_sample_state(chunking.wide_template(variables))
   state, loss_sum, aux = chunking.sum_over_chunks(chunk_fn, state, records, record_mask,
                                                   per_chunk)

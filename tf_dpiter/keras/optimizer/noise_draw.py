@@ -44,6 +44,39 @@ def make_key(seed=None):
   return int(np.random.SeedSequence(int(seed)).generate_state(1, np.uint64)[0]) >> 1
 
 
+def compiles_noise(step):
+  """True when the step's noise is drawn inside the XLA program: the default Gaussian query
+  only (not a custom dp_query, a correlated mechanism or secure_mode, whose os.urandom draw
+  is a host call), by default on an accelerator. On CPU XLA generates the normal draw
+  single-threaded, slower than TensorFlow's kernel (measured for the MLP's 407k
+  coordinates: 53 ms against 13 ms, one process, benchmarks/xla_step_breakdown.py), so
+  there the draw stays right after the program. `step.noise_in_compiled_program` True
+  forces it (tests), False refuses it.
+
+  Args:
+    step: the PrivateStep.
+  Returns:
+    bool.
+  """
+  if step.noise != "iid" or step.custom_query or step.secure_mode:
+    return False
+  if step.noise_in_compiled_program is not None:
+    return bool(step.noise_in_compiled_program)
+  return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+
+
+def step_seed(step):
+  """The (key, counter) pair of the step's stateless draw, read outside the program.
+
+  Args:
+    step: the PrivateStep (its untracked key variable, its optimizer's iterations).
+  Returns:
+    an int64 [2] tensor: the key (make_key) and the optimizer's iterations.
+  """
+  key = step.state.noise_key(step.seed)
+  return tf.stack([key.read_value(), tf.cast(step.optimizer.iterations, tf.int64)])
+
+
 def record_gaussian_sample(query, global_state):
   """Appends to the ledger the sample and the GaussianSumEvent(S, sigma) that the Gaussian
   query's `get_noised_result` records (QueryWithLedger), for a noise drawn elsewhere.
@@ -81,7 +114,9 @@ def noised_sum(sample_state, stddev, seed):
   for j, (dtype, idx) in enumerate(sorted(by_dtype.items(), key=lambda kv: kv[0].name)):
     sizes = [leaves[i].shape.num_elements() for i in idx]
     draw_seed = tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), j)
-    noise = tf.random.stateless_normal([sum(sizes)], seed=draw_seed, dtype=dtype)
+    # alg="philox" explicitly: the same stream on every device, and under XLA:CPU about 12x
+    # faster than the default "auto_select" (benchmarks/xla_step_breakdown.py)
+    noise = tf.random.stateless_normal([sum(sizes)], seed=draw_seed, dtype=dtype, alg="philox")
     noise = noise * tf.constant(stddev, dtype)
     offset = 0
     for i, size in zip(idx, sizes):

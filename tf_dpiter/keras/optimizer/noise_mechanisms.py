@@ -157,6 +157,24 @@ def check_sampling(noise, params, policy, population_size, sample_size):
           f"steps, which restart_every must divide (e.g. restart_every={per_pass})")
 
 
+def make_query_with_state(step, variables):
+  """The step's correlated query on `variables` and its global state as new variables (in
+  a fixed order: save_weights matches optimizer variables by position).
+
+  Args:
+    step: the PrivateStep (noise, noise_params, S, z, seed). variables: the trainable ones.
+  Returns:
+    (query, initial global state nest, list of its state variables).
+  """
+  with tf.init_scope():
+    query = make_query(step.noise, step.noise_params, step.l2_norm_clip, step.noise_multiplier,
+                       variables, seed=step.seed)
+    init = tf.nest.map_structure(tf.convert_to_tensor, query.initial_global_state())
+    state_vars = [tf.Variable(t, trainable=False, name=f"dp_noise_state_{i}")
+                  for i, t in enumerate(tf.nest.flatten(init))]
+  return query, init, state_vars
+
+
 def make_query(noise, params, l2_norm_clip, noise_multiplier, variables, seed=None):
   """The correlated-noise DPQuery for `variables` (their shapes; sums kept in float32).
 

@@ -7,6 +7,8 @@ of the compiled noise draw (noise_draw): knowing it would let whoever sees the u
 subtract the noise.
 """
 
+import keras
+
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
@@ -118,3 +120,19 @@ def check_no_gradient_accumulation(steps):
       "batch that does not fit in memory, sample it once (batch_size=B) and set "
       "max_physical_batch_size=P: the batch is processed in chunks of P examples, with one "
       "noise draw and one ledger sample per batch")
+
+
+def constructor_config(optimizer):
+  """The keyword arguments that rebuild a plain Keras `optimizer` (its get_config, with a
+  learning-rate schedule deserialized).
+
+  Args:
+    optimizer: a Keras optimizer instance.
+  Returns:
+    dict of constructor arguments.
+  """
+  config = dict(optimizer.get_config())
+  lr = config.get("learning_rate")
+  if isinstance(lr, dict):
+    config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
+  return config

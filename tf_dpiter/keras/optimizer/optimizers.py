@@ -13,20 +13,18 @@ The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside th
 path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
 `minimize` with a vector of per-example losses.
 
-Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples, the
-unit of privacy stays the example, and the ledger charges a clipped sum at sensitivity 2S
-(one example changes inside a record that stays). They need replace-one sampling
-("shuffle", "fixed_size"); see gradients.py for why. Custom training loops declare their
-sampling with `set_sampling(n, q, policy, sample_size)` and, under "shuffle", call
-`optimizer.ledger.record_passes(1)` whenever they start a pass over a new permutation (a
-ledger with shuffled samples and no passes charges every sample as its own pass).
+Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples,
+charged at sensitivity 2S; they need replace-one sampling (step_sampling). Custom loops
+declare their sampling with `set_sampling(n, q, policy, sample_size)` (under "shuffle", with
+`optimizer.ledger.record_passes(1)` at every new permutation).
 
 Where each part lives: this module is the Keras face (the constructor and its checks, the
 properties, the config, the refusal of plain `apply`, `apply_private_gradients`,
-`from_budget`, and thin delegations users call). The DP step itself is one object the
+`from_budget`, `minimize`, and the few step methods users call on the optimizer). The DP step itself is one object the
 optimizer holds, `optimizer.private_step` (`private_step.PrivateStep`): it owns the query
 and the ledger write, the sampling declaration, the clipping (`clipped_sum`, `chunking`),
-the noise mechanism (`noise_mechanisms`) and the custom-loop gradients (`custom_loops`).
+the noise mechanism (`noise_mechanisms`, `noise_draw`) and the custom-loop gradients
+(`custom_loops`).
 `DPKeras*Optimizer.from_budget(epsilon, delta, epochs, batch_size, population_size)`
 calibrates the noise multiplier with the accountant.
 """
@@ -53,9 +51,13 @@ unscale_records = chunking.unscale_records
 calibrated_noise = budget.calibrated_noise
 
 
+def _from_step(attr, doc):
+  """A read-only property of the DP optimizer that reads `optimizer.private_step.<attr>`."""
+  return property(lambda self: getattr(self.private_step, attr), doc=doc)
+
+
 class DPOptimizerBase:
-  """The Keras face of every DP optimizer class: constructor and checks, properties, config,
-  refusal of plain `apply`, `apply_private_gradients`, `from_budget`. The DP step itself
+  """The Keras face of every DP optimizer class (module docstring); the DP step itself
   (query, clipping, noise, ledger) is `self.private_step` (private_step.PrivateStep)."""
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
@@ -82,13 +84,11 @@ class DPOptimizerBase:
       ValueError: a bad setting, named with its value (settings.check_args,
         noise_mechanisms.check_noise_args)."""
     settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
-                        max_physical_batch_size, clipping)
-    if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
-      raise ParameterValueError(f"ledger_journal must be None or a file path, got {ledger_journal!r}")
+                        max_physical_batch_size, clipping, ledger_journal)
     optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
-    noise_params = {"restart_every": restart_every, "num_bands": num_bands,
-                    "num_steps": num_steps, "band_strategy": band_strategy,
-                    "num_buffers": num_buffers, "min_separation": min_separation}
+    noise_params = dict(restart_every=restart_every, num_bands=num_bands, num_steps=num_steps,
+                        band_strategy=band_strategy, num_buffers=num_buffers,
+                        min_separation=min_separation)
     noise_mechanisms.check_noise_args(noise, noise_params, dp_query, secure_mode)
     super().__init__(*args, **kwargs)
     self._ledger_journal = ledger_journal
@@ -106,11 +106,9 @@ class DPOptimizerBase:
 
     z is the smallest noise multiplier (to a relative 1e-4, rounded up) for which
     ceil(epochs * n / B) DP-SGD steps at q = B / n, under `sampling`, give epsilon <= the
-    target at delta (accounting.calibration.compute_noise_from_budget: dp-accounting's RDP or
-    PLD accountant, McMahan et al. 2018 Section 4). Train with the same batch_size, epochs and sampling
-    (model.fit(x, y, batch_size=B, epochs=E) samples by Poisson at q = B / n): the ledger
-    then reports epsilon <= the target. The calibration is logged (logger "tf_dpiter", INFO)
-    and kept in `optimizer.calibration`.
+    target at delta (budget.calibrated_noise; McMahan et al. 2018, Section 4). Train with the
+    same batch_size, epochs and sampling: the ledger then reports epsilon <= the target. The
+    calibration is logged (logger "tf_dpiter", INFO) and kept in `optimizer.calibration`.
 
     Args:
       epsilon, delta: the target.
@@ -137,40 +135,27 @@ class DPOptimizerBase:
 
   # ---- properties (the step's settings) ----------------------------------------------
 
-  @property
-  def l2_norm_clip(self):
-    """S, the per-record L2 clip (None with a custom dp_query)."""
-    return self.private_step.l2_norm_clip
-
-  @property
-  def noise_multiplier(self):
-    """z, the noise multiplier (None with a custom dp_query)."""
-    return self.private_step.noise_multiplier
-
-  @property
-  def num_microbatches(self):
-    """M, microbatches per batch (None: one example per record)."""
-    return self.private_step.num_microbatches
-
-  @property
-  def max_physical_batch_size(self):
-    """P, examples per physical chunk (None: the whole batch)."""
-    return self.private_step.max_physical_batch_size
+  # Read-only views of the step's settings (PrivateStep attributes).
+  l2_norm_clip = _from_step(
+      "l2_norm_clip", "S, the per-record L2 clip (None with a custom dp_query).")
+  noise_multiplier = _from_step(
+      "noise_multiplier", "z, the noise multiplier (None with a custom dp_query).")
+  num_microbatches = _from_step(
+      "num_microbatches", "M, microbatches per batch (None: one example per record).")
+  max_physical_batch_size = _from_step(
+      "max_physical_batch_size", "P, examples per physical chunk (None: the whole batch).")
+  clipping = _from_step("clipping", 'The clipping path: "auto", "vectorized" or "fast".')
+  noise = _from_step("noise", 'The noise mechanism: "iid", "tree", "band_mf" or "blt".')
+  ledger = _from_step("ledger", "The PrivacyLedger every private step writes to.")
+  noise_generator = _from_step(
+      "noise_generator", "The noise source of the query (PrivateStep.noise_generator).")
+  uses_custom_query = _from_step(
+      "custom_query", "True when the optimizer was built with a user's `dp_query` (not S, z).")
 
   @property
   def ledger_journal(self):
     """Path of the ledger journal DPModel.fit keeps (None: none unless fit is given one)."""
     return self._ledger_journal
-
-  @property
-  def clipping(self):
-    """The clipping path: "auto", "vectorized" or "fast"."""
-    return self.private_step.clipping
-
-  @property
-  def noise(self):
-    """The noise mechanism: "iid", "tree", "band_mf" or "blt"."""
-    return self.private_step.noise
 
   @property
   def noise_params(self):
@@ -184,16 +169,6 @@ class DPOptimizerBase:
     return self.private_step.query or self.private_step.pending_query()
 
   @property
-  def ledger(self):
-    """The PrivacyLedger every private step writes to."""
-    return self.private_step.ledger
-
-  @property
-  def noise_generator(self):
-    """The noise source of the query (PrivateStep.noise_generator)."""
-    return self.private_step.noise_generator
-
-  @property
   def overflowed_records(self):
     """Records whose float16 gradient overflowed (non-finite) and were zeroed, since the
     optimizer was made (mixed_float16 only; see chunking.unscale_records)."""
@@ -204,11 +179,6 @@ class DPOptimizerBase:
     """The sampling policy the ledger records (ledger.POLICIES), None before set_sampling."""
     query = self.private_step.query
     return None if query is None else query.policy
-
-  @property
-  def uses_custom_query(self):
-    """True when the optimizer was built with a user's `dp_query` (not from S and z)."""
-    return self.private_step.custom_query
 
   def noise_state(self):
     """The correlated mechanism's state as numpy values (PrivateStep.noise_state)."""
@@ -222,10 +192,6 @@ class DPOptimizerBase:
     return self.private_step.set_sampling(population_size, selection_probability, policy,
                                           sample_size)
 
-  def sample_params(self):
-    """The query's sample params for this step (PrivateStep.sample_params)."""
-    return self.private_step.sample_params()
-
   def resolve_clipping(self, model=None, input_specs=None):
     """"vectorized" or "fast" for `model` (clipped_sum.resolve_clipping: Args, Raises)."""
     return self.private_step.resolve_clipping(model, input_specs)
@@ -233,10 +199,6 @@ class DPOptimizerBase:
   def prepare_mechanism(self, variables):
     """Builds a correlated mechanism on `variables` (PrivateStep.prepare_mechanism)."""
     self.private_step.prepare_mechanism(variables)
-
-  def noised_average(self, sample_state, num_records):
-    """Noised sum / denominator, one ledger sample (PrivateStep.noised_average)."""
-    return self.private_step.noised_average(sample_state, num_records)
 
   def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
                                 model=None):
@@ -325,17 +287,11 @@ class DPOptimizerBase:
   # ---- serialization ------------------------------------------------------------------
 
   def get_config(self):
-    """Keras config; a custom dp_query is stored as tf_dpiter.dp_query.serialize(query).
-
-    With a custom dp_query, "dp_global_state" (once training started) holds the query's
-    current global state (e.g. the adaptive clip of QuantileAdaptiveClipSumQuery) as plain
-    values: from_config resumes from it, as the learning rate resumes from its current
-    value. Delete that key to start from the query's initial state. A seeded query's noise
-    restarts its stream. With noise != "iid" the mechanism and its parameters are in it; its
-    state is in the optimizer's variables (checkpoints), not in the config.
-
-    The ledger travels with the model: "dp_ledger" is its signed dict (once it holds a
-    sample or a pass), which from_config loads into the new ledger (saved_ledger).
+    """Keras config with the DP entries of optimizer_config.dp_config: the settings, a custom
+    dp_query serialized with its current global state ("dp_global_state": from_config
+    resumes from it; delete the key to start afresh), the noise mechanism's parameters (its
+    state is in the optimizer's variables), and "dp_ledger", the ledger's signed dict, which
+    from_config loads into the new ledger (saved_ledger).
 
     Returns:
       the config dict.
@@ -430,27 +386,11 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
   if isinstance(optimizer, DPOptimizerBase):
     raise ParameterValueError(f"optimizer is already a DP optimizer ({type(optimizer).__name__})")
   cls = make_dp_optimizer_class(type(optimizer))
-  config = constructor_config(optimizer)
+  config = optimizer_config.constructor_config(optimizer)
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
              max_physical_batch_size=max_physical_batch_size, clipping=clipping,
              normalize=normalize, seed=seed, ledger_journal=ledger_journal,
              secure_mode=secure_mode, noise=noise, **noise_params, **config)
-
-
-def constructor_config(optimizer):
-  """The keyword arguments that rebuild a plain Keras `optimizer` (its get_config, with a
-  learning-rate schedule deserialized).
-
-  Args:
-    optimizer: a Keras optimizer instance.
-  Returns:
-    dict of constructor arguments.
-  """
-  config = dict(optimizer.get_config())
-  lr = config.get("learning_rate")
-  if isinstance(lr, dict):
-    config["learning_rate"] = keras.optimizers.schedules.deserialize(lr)
-  return config
 
 
 DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)

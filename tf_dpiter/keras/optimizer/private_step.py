@@ -20,8 +20,9 @@ and keeps only the Keras face. Its state is in TF variables tracked by the optim
 global state (a correlated mechanism's noise history), the expected batch size, the
 float16 overflow counter and, for the compiled noise, its draw counter (noise_draw).
 
-Helpers: `mechanism`, `noise_mechanisms`, `noise_draw`, `clipped_sum`, `chunking`,
-`custom_loops` (plain functions of the step).
+Helpers (plain functions of the step): `step_sampling` (the declaration), `mechanism`,
+`noise_mechanisms`, `noise_draw` (the compiled draw), `clipped_sum`, `chunking`,
+`custom_loops`.
 """
 
 import contextlib
@@ -29,7 +30,6 @@ import contextlib
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
-from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import clipped_sum
@@ -37,6 +37,7 @@ from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_draw
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import step_sampling
 from tf_dpiter.keras.optimizer import step_state
 from tf_dpiter.ledger import policies as ledger_policies
 
@@ -92,6 +93,7 @@ class PrivateStep:
     self._pending_sampling = None
     self._given_params = None
     self.noise_in_compiled_program = None   # None: on an accelerator only (compiles_noise)
+    self.skip_padding_tail = True   # chunking.chunk_layout (False: compute every padding row)
 
   # ---- state (step_state.StepState) --------------------------------------------------
 
@@ -180,13 +182,9 @@ class PrivateStep:
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
                    sample_size=0):
-    """Declares how batches are sampled; the ledger records it with every step.
-
-    Microbatches (a record of k = ceil(sample_size / M) examples, charged at sensitivity 2S:
-    McMahan et al. 2018, Table 1 and Appendix A) need replace-one sampling ("shuffle",
-    "fixed_size"). A correlated mechanism is checked against the ledger's rule
-    (noise_mechanisms.check_sampling) and, before the optimizer is built, kept until
-    `build_mechanism`.
+    """Declares how batches are sampled; the ledger records it with every step
+    (step_sampling: microbatches need replace-one sampling). A correlated mechanism's
+    sampling declared before the optimizer is built is kept until `build_mechanism`.
 
     Args:
       population_size: n. selection_probability: q. policy: one of ledger.POLICIES.
@@ -197,42 +195,13 @@ class PrivateStep:
       ValueError: microbatches under add/remove, a sampling the mechanism is not accounted
         under, a new sampling inside a tree, or a bad argument.
     """
-    noise_mechanisms.check_sampling(self.noise, self.noise_params, policy, population_size,
-                                    sample_size)
-    noise_mechanisms.check_tree_boundary(self.noise, self.noise_params, self.noise_state())
-    m = self.num_microbatches
-    if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
-      raise PrivacyConfigError(
-          f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
-          "one example, removing an example re-deals the others among microbatches. Sample "
-          "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
-          "dp.data.shuffled_batches), or use num_microbatches=None")
+    step_sampling.check(self, population_size, policy, sample_size)
     self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
     if self.noise != "iid" and not self.optimizer.built:
       self._pending_sampling = (population_size, selection_probability, policy, sample_size)
       return True
-    return self._declare(population_size, selection_probability, policy, sample_size)
-
-  def _declare(self, population_size, selection_probability, policy, sample_size):
-    """The query (re)made or re-declared, its global state variables made once."""
-    m = self.num_microbatches
-    k = 1 if m is None else max(1, -(-int(sample_size) // m))
-    self.make_state()
-    with tf.init_scope():
-      if self.query is None or self.query.policy != policy:
-        self.query = ledger_lib.QueryWithLedger(
-            self.base_query, population_size, selection_probability, ledger=self.state.ledger,
-            policy=policy, sample_size=sample_size, examples_per_record=k)
-        changed = True
-      else:
-        changed = self.query.examples_per_record != k
-        self.query.set_sampling(population_size, selection_probability, sample_size,
-                                examples_per_record=k)
-      if not self.state.has_global_state:
-        self.state.make_global_state(self.query.initial_global_state())
-      self.state.expected_records.assign(ledger_policies.get(policy).expected_records(
-          population_size, selection_probability, sample_size))
-    return changed
+    return step_sampling.declare(self, population_size, selection_probability, policy,
+                                 sample_size)
 
   def mark_sampling_from_fit(self):
     """Records that DPModel.fit, not the user, declared the current sampling."""
@@ -244,22 +213,8 @@ class PrivateStep:
     return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
 
   def require_query(self):
-    """The QueryWithLedger of the declared sampling.
-
-    Raises:
-      ValueError: the sampling is undeclared, or declared but the mechanism is not built.
-    """
-    if self._pending_sampling is not None:
-      raise PrivacyConfigError(
-          f"noise={self.noise!r}: the sampling is declared but the mechanism is not built "
-          "yet (it needs the trainable variables' shapes): call optimizer.build(model."
-          "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
-    if self.query is None:
-      raise PrivacyConfigError(
-          "the sampling policy is unknown, so the ledger cannot record this step: train with "
-          "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
-          "optimizer.set_sampling(population_size, selection_probability, policy, sample_size) first")
-    return self.query
+    """The QueryWithLedger of the declared sampling (step_sampling.require: Raises)."""
+    return step_sampling.require(self, self._pending_sampling is not None)
 
   # ---- the correlated mechanism -------------------------------------------------------
 
@@ -274,12 +229,7 @@ class PrivateStep:
     if self.noise == "iid":
       return
     self.make_state()
-    with tf.init_scope():
-      query = noise_mechanisms.make_query(self.noise, self.noise_params, self.l2_norm_clip,
-                                          self.noise_multiplier, variables, seed=self.seed)
-      init = tf.nest.map_structure(tf.convert_to_tensor, query.initial_global_state())
-      state_vars = [tf.Variable(t, trainable=False, name=f"dp_noise_state_{i}")
-                    for i, t in enumerate(tf.nest.flatten(init))]
+    query, init, state_vars = noise_mechanisms.make_query_with_state(self, variables)
     for v in state_vars + [query.noise_generator.state]:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
     self.base_query = query
@@ -287,7 +237,7 @@ class PrivateStep:
     if self._pending_sampling is not None:
       pending, self._pending_sampling = self._pending_sampling, None
       source = self.sampling_source
-      self._declare(*pending)
+      step_sampling.declare(self, *pending)
       self.sampling_source = source
 
   def prepare_mechanism(self, variables):
@@ -370,32 +320,18 @@ class PrivateStep:
 
   @property
   def compiles_noise(self):
-    """True when DP-SGD's noise is drawn inside the XLA program (noise_draw): the default
-    Gaussian query only (not a custom dp_query, a correlated mechanism or secure_mode, whose
-    os.urandom draw is a host call), by default on an accelerator. On CPU XLA generates the
-    normal draw single-threaded (measured through fit: the MLP's DP step took 143 ms of CPU
-    time per step with the draw inside vs 24 ms outside), so there the draw stays right
-    after the program, in TensorFlow's kernel. `noise_in_compiled_program = True` forces
-    it (tests), False refuses it."""
-    if self.noise != "iid" or self.custom_query or self.secure_mode:
-      return False
-    if self.noise_in_compiled_program is not None:
-      return bool(self.noise_in_compiled_program)
-    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
+    """True when DP-SGD's noise is drawn inside the XLA program (noise_draw.compiles_noise:
+    the default Gaussian query, by default on an accelerator only;
+    `noise_in_compiled_program` True forces it, False refuses it)."""
+    return noise_draw.compiles_noise(self)
 
   def noise_seed(self):
-    """The (key, counter) pair of this step's stateless draw, read outside the program.
-
-    Returns:
-      an int64 [2] tensor: the untracked key (noise_draw.make_key) and the optimizer's
-      iterations.
-    """
-    key = self.state.noise_key(self.seed)
-    return tf.stack([key.read_value(), tf.cast(self.optimizer.iterations, tf.int64)])
+    """The (key, counter) int64 [2] of this step's stateless draw (noise_draw.step_seed)."""
+    return noise_draw.step_seed(self)
 
   def compiled_noised_average(self, sample_state, num_records, seed):
-    """Noised sum / denominator inside the compiled program (no ledger write here: the caller
-    must call `record_compiled_sample` right after, outside it).
+    """Noised sum / denominator inside the compiled program; the caller then calls
+    `record_compiled_sample` outside it (noise_draw.noised_sum).
 
     Args:
       sample_state: the clipped sum. num_records: records in the batch.
@@ -408,14 +344,8 @@ class PrivateStep:
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(noised)]
 
   def record_compiled_sample(self, grads):
-    """The ledger append of a step whose noise was drawn in the compiled program: the same
-    sample and GaussianSumEvent(S, sigma) as the query's get_noised_result would record.
-
-    Args:
-      grads: the noised averages from `compiled_noised_average`.
-    Returns:
-      grads, after the ledger write.
-    """
+    """The ledger append of a step whose noise was drawn in the compiled program
+    (noise_draw.record_gaussian_sample); returns grads after the write."""
     count = noise_draw.record_gaussian_sample(self.require_query(), self.state.global_state())
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]

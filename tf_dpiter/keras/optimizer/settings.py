@@ -14,8 +14,8 @@ CLIPPING_MODES = ("auto", "vectorized", "fast")
 
 
 def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
-               max_physical_batch_size, clipping):
-  """Checks a DP optimizer's settings (see DPOptimizerMixin.__init__).
+               max_physical_batch_size, clipping, ledger_journal=None):
+  """Checks a DP optimizer's settings (see DPOptimizerBase.__init__).
 
   The clip S follows the one rule of `tf_dpiter.validation.check_clip_norm` (the same as
   `GaussianSumQuery`): S > 0, S = +inf only with z = 0.
@@ -30,7 +30,7 @@ def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
     PrivacyConfigError: S <= 0 or NaN, z < 0, NaN or infinite, S = inf with z > 0 (a
       ValueError).
     ParameterValueError: M or P < 1, an unknown clipping mode, dp_query given with (S, z), or
-      neither given.
+      neither given, a ledger_journal that is not a non-empty path string.
   """
   if dp_query is not None:
     validation.check_instance("dp_query", dp_query, dp_query_lib.DPQuery, "a tf_dpiter DPQuery")
@@ -55,3 +55,6 @@ def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
   validation.check_optional_integer("num_microbatches", num_microbatches, 1)
   validation.check_optional_integer("max_physical_batch_size", max_physical_batch_size, 1)
   validation.check_one_of("clipping", clipping, CLIPPING_MODES)
+  if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
+    raise ParameterValueError(
+        f"`ledger_journal` must be None or a file path. Received: ledger_journal={ledger_journal!r}")

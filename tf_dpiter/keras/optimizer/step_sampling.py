@@ -1,0 +1,95 @@
+"""The sampling a DP step declares: the QueryWithLedger that records it with every sample.
+
+McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
+Procedures" (2018), Section 6: the privacy ledger records, with every sample, the population
+size n, the selection probability q, the sampling policy (its neighbouring relation: add or
+remove one example under Poisson-type sampling, replace-one under "shuffle" and
+"fixed_size") and the sample size. A record is one example, or a microbatch of
+k = ceil(B / M) examples (charged at sensitivity 2S: Table 1 and Appendix A), which needs a
+replace-one policy. These functions are the declaration half of `private_step.PrivateStep`
+(`set_sampling`, `require_query`); the sampling itself lives in the ledger's variables.
+"""
+
+import tensorflow as tf
+
+from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.ledger import policies as ledger_policies
+
+
+def check(step, population_size, policy, sample_size):
+  """Refuses a declaration the step cannot be accounted under.
+
+  Args:
+    step: the PrivateStep. population_size: n. policy: one of ledger.POLICIES.
+    sample_size: the batch size.
+  Raises:
+    ValueError: microbatches under add/remove, a sampling the correlated mechanism is not
+      accounted under, or a new sampling inside one of its trees.
+  """
+  noise_mechanisms.check_sampling(step.noise, step.noise_params, policy, population_size,
+                                  sample_size)
+  noise_mechanisms.check_tree_boundary(step.noise, step.noise_params, step.noise_state())
+  m = step.num_microbatches
+  if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
+    raise PrivacyConfigError(
+        f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
+        "one example, removing an example re-deals the others among microbatches. Sample "
+        "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
+        "dp.data.shuffled_batches), or use num_microbatches=None")
+
+
+def declare(step, population_size, selection_probability, policy, sample_size):
+  """Makes the step's QueryWithLedger, or re-declares its sampling; the query's global state
+  variables are made once and the expected records (the Poisson denominator) set.
+
+  Args:
+    step: the PrivateStep (its state made here if needed).
+    population_size, selection_probability, policy, sample_size: the sampling.
+  Returns:
+    True when the recorded policy or record unit changed (the step must be retraced).
+  """
+  m = step.num_microbatches
+  k = 1 if m is None else max(1, -(-int(sample_size) // m))
+  step.make_state()
+  with tf.init_scope():
+    if step.query is None or step.query.policy != policy:
+      step.query = ledger_lib.QueryWithLedger(
+          step.base_query, population_size, selection_probability, ledger=step.state.ledger,
+          policy=policy, sample_size=sample_size, examples_per_record=k)
+      changed = True
+    else:
+      changed = step.query.examples_per_record != k
+      step.query.set_sampling(population_size, selection_probability, sample_size,
+                              examples_per_record=k)
+    if not step.state.has_global_state:
+      step.state.make_global_state(step.query.initial_global_state())
+    step.state.expected_records.assign(ledger_policies.get(policy).expected_records(
+        population_size, selection_probability, sample_size))
+  return changed
+
+
+def require(step, pending):
+  """The step's QueryWithLedger.
+
+  Args:
+    step: the PrivateStep. pending: True while a declared sampling waits for the correlated
+      mechanism's build.
+  Returns:
+    the QueryWithLedger.
+  Raises:
+    ValueError: the sampling is undeclared, or declared but the mechanism is not built.
+  """
+  if pending:
+    raise PrivacyConfigError(
+        f"noise={step.noise!r}: the sampling is declared but the mechanism is not built "
+        "yet (it needs the trainable variables' shapes): call optimizer.build(model."
+        "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
+  if step.query is None:
+    raise PrivacyConfigError(
+        "the sampling policy is unknown, so the ledger cannot record this step: train with "
+        "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
+        "optimizer.set_sampling(population_size, selection_probability, policy, "
+        "sample_size) first")
+  return step.query
