@@ -11,7 +11,7 @@ writes its sampling event and its sum query events to the optimizer's `ledger`.
 
 The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside the private
 path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
-`minimize` with a vector of per-example losses.
+`minimize` with a vector of per-example losses and `model=`.
 
 Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples,
 charged at sensitivity 2S; they need replace-one sampling (step_sampling). Custom loops
@@ -213,12 +213,15 @@ class DPOptimizerBase:
     Args:
       loss: a tensor computed under `tape`, or a callable returning it (tape made here).
       var_list: the variables (or a callable returning them).
-      tape, mask, model: as compute_private_gradients.
+      tape, mask: as compute_private_gradients.
+      model: required: the keras.Model that computed the losses, probed for layers that mix
+        the examples of a batch (custom_loops); without it the call is refused.
     Returns:
       the base optimizer's `apply` result.
     Raises:
       ValueError: a loss tensor without its tape, a scalar loss (per-example losses are
-        needed for clipping), or see compute_private_gradients.
+        needed for clipping), no model=, a model that mixes examples or cannot be probed, or
+        see compute_private_gradients.
     """
     var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
                     else var_list)
