@@ -22,16 +22,21 @@ def _synthetic_mnist(path):
   np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
 
 
-def test_quick_run_prints_the_ledger_epsilon(tmp_path):
+def _quick_run(tmp_path, *flags):
+  """Runs `mnist_sota.py --quick` on a small synthetic npz; its last JSON line."""
   path = os.path.join(tmp_path, "mnist_small.npz")
   _synthetic_mnist(path)
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "tutorials", "mnist_sota.py"), "--quick",
        "--data_path", path, "--validation_size", "100", "--cache_dir", "",
-       "--ema_decay", "0.9", "--epsilon", "2.5", "--seed", "1"],
+       "--ema_decay", "0.9", "--seed", "1", *flags],
       capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_quick_run_prints_the_ledger_epsilon(tmp_path):
+  out = _quick_run(tmp_path, "--epsilon", "2.5")
   assert out["population"] == 600 and out["epochs"] == 2 and out["eval_on"] == "test"
   assert out["steps"] > 0 and 0.0 <= out["accuracy"] <= 1.0
   # epsilon of `steps` Poisson-sampled Gaussian steps at q = batch / n, composed by hand
@@ -64,17 +69,9 @@ def _by_hand_selection(out):
 
 
 def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path):
-  path = os.path.join(tmp_path, "mnist_small.npz")
-  _synthetic_mnist(path)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "tutorials", "mnist_sota.py"), "--quick",
-       "--data_path", path, "--validation_size", "100", "--cache_dir", "",
-       "--ema_decay", "0.9", "--epsilon", "3", "--seed", "1", "--private_tuning",
-       "--tuning_learning_rates", "0.5,2", "--tuning_mean", "2", "--tuning_seed", "1",
-       "--report_trials"],
-      capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  out = _quick_run(tmp_path, "--epsilon", "3", "--private_tuning",
+                   "--tuning_learning_rates", "0.5,2", "--tuning_mean", "2",
+                   "--tuning_seed", "1", "--report_trials")
   assert out["private_tuning"] and out["eval_on"] == "test" and out["validation_size"] == 100
   assert out["trials"] == 2 and len(out["trial_scores"]) == 2   # K drawn with --tuning_seed 1
   assert out["selected_learning_rate"] in (0.5, 2.0) and out["learning_rate"] == pytest.approx(
