@@ -158,12 +158,8 @@ def check_nonnegative(name, value, allow_inf=True, error=PrivacyConfigError):
   """
   if _is_tensor(value):
     return value
-  requirement = f"a{'' if allow_inf else ' finite'} number >= 0"
-  if not _is_python_number(value):
-    value = _as_float(name, value, requirement)
-  if math.isnan(value) or value < 0 or (math.isinf(value) and not allow_inf):
-    raise error(message(name, requirement, value))
-  return value
+  v = _check_above_zero(name, value, allow_inf, error, strict=False)
+  return value if _is_python_number(value) else v
 
 
 def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
@@ -182,11 +178,17 @@ def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
   """
   if _is_tensor(value):
     return value
-  requirement = f"a{'' if allow_inf else ' finite'} number > 0"
-  v = _as_float(name, value, requirement)
-  if math.isnan(v) or v <= 0 or (math.isinf(v) and not allow_inf):
-    raise error(message(name, requirement, value))
+  _check_above_zero(name, value, allow_inf, error, strict=True)
   return value
+
+
+def _check_above_zero(name, value, allow_inf, error, strict):
+  """`value` as a float, checked > 0 (`strict`) or >= 0, finite unless `allow_inf`."""
+  requirement = f"a{'' if allow_inf else ' finite'} number {'>' if strict else '>='} 0"
+  v = _as_float(name, value, requirement)
+  if math.isnan(v) or (v <= 0 if strict else v < 0) or (math.isinf(v) and not allow_inf):
+    raise error(message(name, requirement, value))
+  return v
 
 
 def check_probability(name, value, allow_zero=False):
