@@ -25,25 +25,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402  (pip install -e . : see README)
 from tf_dpiter.auditing import sensitivity  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.environ.get("TF_DPITER_MNIST",
-                              os.path.join(REPO, "..", "shared", "data", "mnist.npz"))
-
-
-def load_mnist(path):
-  if not os.path.exists(path):
-    raise SystemExit(f"--data_path {path!r} does not exist (keras-layout mnist.npz expected)")
-  with np.load(path) as d:
-    xtr, ytr, xte, yte = d["x_train"], d["y_train"], d["x_test"], d["y_test"]
-  xtr = (xtr.astype("float32") / 255.0)[..., None]
-  xte = (xte.astype("float32") / 255.0)[..., None]
-  return xtr, ytr.astype("int32"), xte, yte.astype("int32")
-
 
 def make_cnn():
   """TF Privacy's MNIST tutorial CNN: conv 16x8x8/2, pool, conv 32x4x4/2, pool, dense 32, 10."""
@@ -52,7 +36,7 @@ def make_cnn():
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_path", default=DEFAULT_DATA)
+  p.add_argument("--data_path", default=dp.data.default_mnist_path())
   p.add_argument("--epochs", type=int, default=60)
   p.add_argument("--quick", action="store_true", help="2 epochs (the README's main command)")
   p.add_argument("--batch_size", type=int, default=256, help="expected batch size (Poisson)")
@@ -84,7 +68,7 @@ def main(argv=None):
   epochs = 2 if args.quick else args.epochs
 
   t0 = time.time()
-  xtr, ytr, xte, yte = load_mnist(args.data_path)
+  xtr, ytr, xte, yte = dp.data.load_mnist(args.data_path)
   model = make_cnn()
   lr = args.learning_rate
   if args.decay == "cosine":   # over every step fit takes: shuffled passes or Poisson epochs

@@ -71,19 +71,6 @@ import tf_dpiter as dp  # noqa: E402  (pip install -e . : see README)
 from tf_dpiter.keras.callbacks.averaging import ExponentialMovingAverage  # noqa: E402
 from tf_dpiter.keras.layers import Scattering2D  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_DATA = os.environ.get("TF_DPITER_MNIST",
-                              os.path.join(REPO, "..", "shared", "data", "mnist.npz"))
-
-
-def load_mnist(path):
-  if not os.path.exists(path):
-    raise SystemExit(f"--data_path {path!r} does not exist (keras-layout mnist.npz expected)")
-  with np.load(path) as d:
-    return (d["x_train"].astype("float32") / 255.0, d["y_train"].astype("int32"),
-            d["x_test"].astype("float32") / 255.0, d["y_test"].astype("int32"))
-
-
 def feature_extractor(shape=(28, 28), group_norm=True):
   """Scattering (J = 2, L = 8) then per-example group normalization; no weights, no data."""
   layers = [keras.Input(shape), Scattering2D(J=2, L=8)]
@@ -143,7 +130,7 @@ def split(x, y, validation_size, seed=12345):
 def parse(argv):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--data_path", default=DEFAULT_DATA)
+  p.add_argument("--data_path", default=dp.data.default_mnist_path())
   p.add_argument("--cache_dir", default="/tmp/tf_dpiter_features",
                  help="where the scattering features are cached ('' for no cache)")
   p.add_argument("--quick", action="store_true",
@@ -305,7 +292,8 @@ def main(argv=None):
   args = parse(argv)
   t0 = time.time()
   keras.utils.set_random_seed(args.seed)
-  xtr, ytr, xte, yte = load_mnist(args.data_path)
+  xtr, ytr, xte, yte = dp.data.load_mnist(args.data_path)
+  xtr, xte = xtr[..., 0], xte[..., 0]   # [n, 28, 28]: the scattering input
   xtr, ytr, xval, yval = split(xtr, ytr, args.validation_size)
   if args.quick:
     xtr, ytr = xtr[:2000], ytr[:2000]
