@@ -1,6 +1,35 @@
-"""Add/remove-one neighbours of a padded batch, for tests of a clipped sum's sensitivity."""
+"""Add/remove-one neighbours of a padded batch, for tests of a clipped sum's sensitivity: the
+small models they train, the padded batch and the real step's pre-noise sum."""
 
+import keras
 import numpy as np
+
+
+def small_layers(kind="dense", features=6, classes=3):
+  """The layers of the small test model: "dense" (Dense tanh + Dense) or "conv" (Conv1D)."""
+  if kind == "dense":
+    return [keras.Input((features,)), keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(classes)]
+  return [keras.Input((features,)), keras.layers.Reshape((features, 1)),
+          keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
+          keras.layers.Dense(classes)]
+
+
+def padded(x, y, pad):
+  """(xp, yp, mask): the batch followed by `pad` zero rows, mask 1 on the real rows."""
+  xp = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
+  yp = np.concatenate([y, np.zeros([pad], y.dtype)])
+  mask = np.concatenate([np.ones(len(x)), np.zeros(pad)]).astype("float32")
+  return xp, yp, mask
+
+
+def update_sum(model, w0, x, y, weights):
+  """The pre-noise clipped sum of one real train step from weights w0: w0 - w1 (noise 0,
+  lr 1 and no division where the caller compiled it so), flat, float64."""
+  model.set_weights(w0)
+  model.train_on_batch(x, y, sample_weight=weights)
+  return np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]).astype(
+      np.float64)
 
 
 def add_remove_changes(clipped_sum, xp, yp, mask, real, rng, candidates, num_classes=3):

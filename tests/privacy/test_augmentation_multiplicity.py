@@ -29,13 +29,7 @@ def _augment(x, view):
 
 def _wrapped(clipping, lr, normalize, conv=False, jit=False):
   keras.utils.set_random_seed(0)
-  if conv:
-    layers = [keras.Input((6,)), keras.layers.Reshape((6, 1)),
-              keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
-              keras.layers.Dense(3)]
-  else:
-    layers = [keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
-  inner = keras.Sequential(layers)
+  inner = keras.Sequential(neighbours.small_layers("conv" if conv else "dense"))
   model = dp.keras.augmentation_multiplicity(inner, _augment, K)
   opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=lr, clipping=clipping,
                                      normalize=normalize)
@@ -80,23 +74,14 @@ def test_update_clips_the_mean_of_view_gradients(clipping, conv, jit):
   assert any(np.abs(e).max() > 1e-4 for e in expected)
 
 
-def _clipped_sum(model, w0, x, y, weights):
-  model.set_weights(w0)
-  model.train_on_batch(x, y, sample_weight=weights)
-  return np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]).astype(
-      np.float64)
-
-
 @pytest.mark.parametrize("clipping", ["vectorized", "fast"])
 def test_add_remove_one_example_moves_sum_by_at_most_s(clipping):
   model, _ = _wrapped(clipping, 1.0, False)
   w0 = [w.copy() for w in model.get_weights()]
   x, y, rng = _batch(1)
-  xp = np.concatenate([x, np.zeros([PAD, 6], "float32")])
-  yp = np.concatenate([y, np.zeros([PAD], y.dtype)])
-  mask = np.concatenate([np.ones(B), np.zeros(PAD)]).astype("float32")
+  xp, yp, mask = neighbours.padded(x, y, PAD)
   changes = neighbours.add_remove_changes(
-      lambda x_, y_, m_: _clipped_sum(model, w0, x_, y_, m_), xp, yp, mask, B, rng, 12)
+      lambda x_, y_, m_: neighbours.update_sum(model, w0, x_, y_, m_), xp, yp, mask, B, rng, 12)
   run = model.ledger.to_dict()["runs"][-1]
   assert run["relation"] == "add_or_remove_one"
   (query,) = run["queries"]

@@ -23,13 +23,7 @@ B, PAD, N, CLIP, GAMMA = 8, 4, 1000, 1.0, 0.05
 
 def _model(kind="dense"):
   keras.utils.set_random_seed(0)
-  if kind == "dense":
-    layers = [keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
-  else:
-    layers = [keras.Input((6,)), keras.layers.Reshape((6, 1)),
-              keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
-              keras.layers.Dense(3)]
-  return dp.keras.DPSequential(layers)
+  return dp.keras.DPSequential(neighbours.small_layers(kind))
 
 
 def _compiled(kind, clipping, lr, normalize, jit=False):
@@ -76,23 +70,14 @@ def test_update_is_sum_of_normalized_gradients(clipping, kind, jit):
     np.testing.assert_allclose(b - a, e, rtol=2e-4, atol=1e-6)
 
 
-def _clipped_sum(model, w0, x, y, weights):
-  model.set_weights(w0)
-  model.train_on_batch(x, y, sample_weight=weights)
-  return np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]).astype(
-      np.float64)
-
-
 @pytest.mark.parametrize("clipping", ["vectorized", "fast"])
 def test_add_remove_one_example_moves_sum_by_at_most_s(clipping):
   model = _compiled("dense", clipping, 1.0, False)
   w0 = [w.copy() for w in model.get_weights()]
   x, y, rng = _batch(1)
-  xp = np.concatenate([x, np.zeros([PAD, 6], "float32")])
-  yp = np.concatenate([y, np.zeros([PAD], y.dtype)])
-  mask = np.concatenate([np.ones(B), np.zeros(PAD)]).astype("float32")
+  xp, yp, mask = neighbours.padded(x, y, PAD)
   changes = neighbours.add_remove_changes(
-      lambda x_, y_, m_: _clipped_sum(model, w0, x_, y_, m_), xp, yp, mask, B, rng, 16)
+      lambda x_, y_, m_: neighbours.update_sum(model, w0, x_, y_, m_), xp, yp, mask, B, rng, 16)
   run = model.ledger.to_dict()["runs"][-1]
   assert run["relation"] == "add_or_remove_one"
   (query,) = run["queries"]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
+from tests.privacy import neighbours
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B, PAD, N, CLIP, CANDIDATES = 8, 4, 1000, 1.0, 30
@@ -25,13 +26,7 @@ B, PAD, N, CLIP, CANDIDATES = 8, 4, 1000, 1.0, 30
 
 def _model(kind):
   keras.utils.set_random_seed(0)
-  if kind == "dense":
-    layers = [keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)]
-  else:
-    layers = [keras.Input((6,)), keras.layers.Reshape((6, 1)),
-              keras.layers.Conv1D(3, 3, activation="relu"), keras.layers.Flatten(),
-              keras.layers.Dense(3)]
-  return dp.keras.DPSequential(layers)
+  return dp.keras.DPSequential(neighbours.small_layers(kind))
 
 
 def _compiled(kind, clipping, microbatches, policy):
@@ -46,14 +41,6 @@ def _compiled(kind, clipping, microbatches, policy):
   model(np.zeros([1, 6], "float32"))
   assert opt.resolve_clipping(model) == clipping
   return model
-
-
-def _clipped_sum(model, w0, x, y, weights):
-  """The pre-noise clipped sum of one real train step: w0 - w1 (noise 0, lr 1, no division)."""
-  model.set_weights(w0)
-  model.train_on_batch(x, y, sample_weight=weights)
-  return np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]).astype(
-      np.float64)
 
 
 def _candidate(rng, x_ref):
@@ -85,22 +72,20 @@ def test_poisson_add_remove_one_example(kind, clipping):
   model = _compiled(kind, clipping, None, "poisson")
   w0 = [w.copy() for w in model.get_weights()]
   x, y, rng = _base_batch(1)
-  xp = np.concatenate([x, np.zeros([PAD, 6], "float32")])
-  yp = np.concatenate([y, np.zeros([PAD], y.dtype)])
-  mask = np.concatenate([np.ones(B), np.zeros(PAD)]).astype("float32")
-  base = _clipped_sum(model, w0, xp, yp, mask)
+  xp, yp, mask = neighbours.padded(x, y, PAD)
+  base = neighbours.update_sum(model, w0, xp, yp, mask)
   bound = _ledger_sensitivity(model, "add_or_remove_one")
   assert bound == CLIP
   changes = []
   for j in range(B):   # remove an example of the batch: its row becomes padding
     m2 = mask.copy()
     m2[j] = 0.0
-    changes.append(np.linalg.norm(_clipped_sum(model, w0, xp, yp, m2) - base))
+    changes.append(np.linalg.norm(neighbours.update_sum(model, w0, xp, yp, m2) - base))
   for _ in range(CANDIDATES):   # add an adversarial example in the first padding row
     xc, yc = _candidate(rng, x[rng.randint(B)])
     x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
     x2[B], y2[B], m2[B] = xc, yc, 1.0
-    changes.append(np.linalg.norm(_clipped_sum(model, w0, x2, y2, m2) - base))
+    changes.append(np.linalg.norm(neighbours.update_sum(model, w0, x2, y2, m2) - base))
   assert max(changes) <= bound * (1 + 1e-5), max(changes)
   assert max(changes) > 0.99 * bound   # the clip binds: the bound is reached
 
@@ -114,7 +99,7 @@ def test_replace_one_example_at_its_position(policy, kind, microbatches, clippin
   w0 = [w.copy() for w in model.get_weights()]
   x, y, rng = _base_batch(2)
   ones = np.ones(B, "float32")
-  base = _clipped_sum(model, w0, x, y, ones)
+  base = neighbours.update_sum(model, w0, x, y, ones)
   bound = _ledger_sensitivity(model, "replace_one")
   assert bound == 2 * CLIP
   run = model.ledger.to_dict()["runs"][-1]
@@ -125,7 +110,7 @@ def test_replace_one_example_at_its_position(policy, kind, microbatches, clippin
     xc, yc = _candidate(rng, x[j])
     x2, y2 = x.copy(), y.copy()
     x2[j], y2[j] = xc, yc
-    changes.append(np.linalg.norm(_clipped_sum(model, w0, x2, y2, ones) - base))
+    changes.append(np.linalg.norm(neighbours.update_sum(model, w0, x2, y2, ones) - base))
   assert max(changes) <= bound * (1 + 1e-5), max(changes)
   # replacing one example moves the sum by more than S: a sensitivity of S would be unsound
   assert max(changes) > 1.2 * CLIP, max(changes)
