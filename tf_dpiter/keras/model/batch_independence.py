@@ -47,12 +47,18 @@ def check_no_batch_mixing(model):
   Raises:
     ValueError: naming the layer and the fix.
   """
-  for layer in keras_internals.flatten_layers(model, include_self=False):
-    if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-      raise PrivacyConfigError(
-          f"layer {layer.name!r} is a BatchNormalization in training mode: it mixes the examples "
-          "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
-          "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
+  norms = trainable_batch_norms(model)
+  if norms:
+    raise PrivacyConfigError(
+        f"layer {norms[0].name!r} is a BatchNormalization in training mode: it mixes the examples "
+        "of a batch, so per-example clipping does not bound one example's influence. Freeze it "
+        "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
+
+
+def trainable_batch_norms(model):
+  """The trainable BatchNormalization layers of `model` (they mix examples in training)."""
+  return [layer for layer in keras_internals.flatten_layers(model, include_self=False)
+          if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
 
 
 def _rows_moved(a, b, n, atol):

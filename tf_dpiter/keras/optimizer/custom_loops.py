@@ -54,7 +54,6 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import batch_independence
-from tf_dpiter.keras.model import keras_internals
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -215,8 +214,7 @@ def _check_batch_independent(model, with_tape):
         "BatchNormalization in training mode, or any layer that mixes the examples of a "
         "batch, lets one example move the other examples' losses, and the recorded "
         f"sensitivity would not bound it). {_WHAT_TO_DO}. Received: model=None, data=None")
-  norms = [layer.name for layer in keras_internals.flatten_layers(model, include_self=False)
-           if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable]
+  norms = [layer.name for layer in batch_independence.trainable_batch_norms(model)]
   if norms:
     raise PrivacyConfigError(
         f"{call}: layers {norms} are BatchNormalization in training mode: they mix the "
