@@ -151,9 +151,11 @@ KEEP_CASES = [c for c in LAYER_CASES
 def test_per_example_grads_kept_or_summed_by_bookkeeping(case, max_entries,
                                                          monkeypatch):
   """Small layers return their per-example gradients (summed as sum_i c_i g_i);
-  with the cap at 0 every layer goes through the vector-Jacobian product."""
+  with both caps at 0 every layer forms its sum by book-keeping (a vector-Jacobian product
+  or the rule's FactorSums)."""
   _, in_shape, make = case
   monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", max_entries)
+  monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", max_entries)
   layers = make()
   model = seq_model(in_shape, layers)
   x, y = data(in_shape, 3)

@@ -1,8 +1,8 @@
 """Padded Poisson samples under XLA: the padding tail is skipped, the step stays exact.
 
 Under jit_compile=True a Poisson sample is padded to a static size; chunking.chunk_layout
-splits it into a first chunk of about E + sqrt(E) records (E = q n, the expected sample
-size) and a tail that runs only when it holds a real record. With noise 0 the update must be
+splits it into a first chunk of E records (E = q n, the expected sample
+size) and a tail of small chunks run in a loop up to the last real record. With noise 0 the update must be
 -lr * sum_i clip(g_i) / E over the real examples (add/remove one example, Poisson: the
 denominator is the public E) whether the tail ran or not; the chunk count is checked on a
 counting chunk function.
@@ -18,7 +18,7 @@ from tests.keras import dp_keras_helpers as helpers
 from tf_dpiter.keras.optimizer import chunking
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-CLIP, N, E, M = 0.05, 1000, 16, 48     # first chunk: ceil((16 + 4) / 8) * 8 = 24 records
+CLIP, N, E, M = 0.05, 1000, 16, 48     # first chunk: ceil(16 / 8) * 8 = 16 records, tail chunks of 8
 
 
 def _model(clipping, physical=None):
@@ -46,10 +46,10 @@ def _one_step(model, x, y, w, dynamic):
 
 
 @pytest.mark.parametrize("clipping,physical,dynamic,layout", [
-    ("fast", None, False, (24, None)), ("vectorized", None, False, (24, None)),
-    ("fast", 16, False, (16, 16, 16)), ("fast", None, True, (24, None)),
-    ("vectorized", None, True, (24, None))])
-@pytest.mark.parametrize("real", [10, 40])   # 10: the tail is all padding; 40: it runs
+    ("fast", None, False, (16, 8)), ("vectorized", None, False, (16, 8)),
+    ("fast", 16, False, (16, 16, 16)), ("fast", None, True, (16, 8)),
+    ("vectorized", None, True, (16, 8))])
+@pytest.mark.parametrize("real", [5, 21, 47])   # 5: no tail chunk runs; 21: one; 47: all four
 def test_padded_poisson_step_under_xla_is_exact(clipping, physical, dynamic, layout, real,
                                                  monkeypatch):
   layouts = []
@@ -71,20 +71,21 @@ def test_padded_poisson_step_under_xla_is_exact(clipping, physical, dynamic, lay
   assert [tuple(t) for t in layouts] == [layout]   # traced once, with the skippable tail
 
 
-def test_tail_chunk_runs_only_when_it_holds_a_real_record():
+def test_tail_chunks_run_up_to_the_last_real_record():
   step = _model("fast").optimizer.private_step
   runs = tf.Variable(0)
   layouts = []
 
   def chunk_fn(acc, chunk, mask):
     runs.assign_add(1)
-    return [acc[0] + tf.reduce_sum(chunk * mask[:, None])], tf.reduce_sum(mask), chunk
+    return [acc[0] + tf.reduce_sum(chunk * mask[:, None])], tf.reduce_sum(mask), chunk * 3.0
 
   @tf.function(jit_compile=True, input_signature=[tf.TensorSpec([None, 2]),
                                                  tf.TensorSpec([None])])
   def total_dynamic(x, mask):
-    return chunking.sum_over_chunks(chunk_fn, [tf.constant(0.0)], x, mask,
-                                    chunking.chunk_layout(step, 1, None))
+    layout = chunking.chunk_layout(step, 1, None)
+    layouts.append(layout)
+    return chunking.sum_over_chunks(chunk_fn, [tf.constant(0.0)], x, mask, layout)
 
   @tf.function(jit_compile=True)
   def total(x, mask):
@@ -92,12 +93,37 @@ def test_tail_chunk_runs_only_when_it_holds_a_real_record():
     layouts.append(layout)
     return chunking.sum_over_chunks(chunk_fn, [tf.constant(0.0)], x, mask, layout)
 
-  x = tf.ones((M, 2))
   for fn in (total, total_dynamic):
-    for real, chunks in ((10, 1), (24, 1), (25, 2), (48, 2)):
-      runs.assign(0)
-      mask = tf.constant([1.0] * real + [0.0] * (M - real))
-      acc, loss, aux = fn(x, mask)
-      assert float(acc[0]) == 2.0 * real and float(loss) == real and aux.shape == (M, 2)
-      assert int(runs.numpy()) == chunks, (fn, real, int(runs.numpy()))
-  assert tuple(layouts[0]) == (24, None) and isinstance(layouts[0], chunking.TailChunks)
+    for rows in (M, M - 3):    # M - 3: the last tail chunk is padded inside the loop
+      x = tf.ones((rows, 2))
+      # real: the last real record's index + 1 (a weight-0 record inside counts as padding)
+      for real, chunks in ((0, 1), (5, 1), (16, 1), (17, 2), (24, 2), (25, 3), (rows, 5)):
+        runs.assign(0)
+        mask = np.zeros(rows, "float32")
+        mask[:real] = 1.0
+        if real > 2:
+          mask[real - 2] = 0.0
+        acc, loss, aux = fn(x, tf.constant(mask))
+        assert float(acc[0]) == 2.0 * mask.sum() and float(loss) == mask.sum()
+        ran = min(rows, 16 + 8 * (chunks - 1))   # rows whose aux was computed (the rest: 0)
+        np.testing.assert_array_equal(aux.numpy(), np.r_[np.full((ran, 2), 3.0),
+                                                         np.zeros((rows - ran, 2))])
+        assert int(runs.numpy()) == chunks, (fn, rows, real, int(runs.numpy()))
+  assert all(tuple(t) == (16, 8) and isinstance(t, chunking.PaddedTail) for t in layouts)
+
+
+@pytest.mark.parametrize("expected,first,chunk", [(16, 16, 8), (60, 64, 8), (256, 256, 8),
+                                                  (4096, 4096, 32)])
+def test_padded_tail_layout_sizes(expected, first, chunk):
+  step = _model("fast").optimizer.private_step
+  step.state.expected_records.assign(float(expected))
+
+  layouts = []
+
+  @tf.function(jit_compile=True)
+  def trace():
+    layouts.append(chunking.chunk_layout(step, 1, None))
+    return tf.constant(0)
+
+  trace()
+  assert layouts == [chunking.PaddedTail(first, chunk)]

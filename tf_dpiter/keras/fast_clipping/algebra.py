@@ -5,6 +5,7 @@ weight gradients of the form g_i = sum_t a_t b_t^T, formed in float32 whatever
 the dtype of a and b (privacy arithmetic in float32).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import registry
@@ -56,7 +57,8 @@ def factored_sqr_norm(a, b):
   """Per-example ||sum_t a_t b_t^T||_F^2 for a: [B, T, K], b: [B, T, N].
 
   Returns (sqr_norms [B], g) with g the [B, K, N] per-example gradient when it
-  was materialized (else None). Forms (Li et al. 2021, Sec. 4):
+  was materialized and is small enough to keep (registry.keep_per_example, or
+  MAX_DIRECT_PER_EXAMPLE_ENTRIES for a direct form chosen as the cheaper; else None). Forms (Li et al. 2021, Sec. 4):
     direct: g_i = a_i^T b_i, cost B T K N; kept when K N is small, since it
             then also replaces the book-keeping product of the same cost;
     Gram:   sum_{t,s} <a_t, a_s><b_t, b_s>, cost B T^2 (K+N), no g;
@@ -80,6 +82,8 @@ def factored_sqr_norm(a, b):
   if form == "gram":
     return gram_sqr_norm(a, b), None
   g = tf.einsum("btk,btn->bkn", a, b)
+  keep = keep or (k is not None and n is not None and
+                  k * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES)
   return tf.reduce_sum(tf.square(g), axis=[1, 2]), (g if keep else None)
 
 
@@ -109,8 +113,24 @@ def to_btk(x):
   k = static_dim(x, -1)
   if x.shape.rank == 2:
     return x[:, None, :]
-  return tf.reshape(x, [tf.shape(x)[0], -1, k if k is not None else
-                        tf.shape(x)[-1]])
+  return tf.reshape(x, [tf.shape(x)[0], static_positions(x.shape[1:-1]),
+                        k if k is not None else tf.shape(x)[-1]])
+
+
+def static_positions(dims):
+  """The product of `dims` when all are static, else -1 (for tf.reshape).
+
+  A reshape to [tf.shape(x)[0], -1, ...] leaves the positions unknown to the trace when the
+  batch is (fit's sampled datasets), and the rules then pick forms by static sizes (the
+  Gram form of factored_sqr_norm needs T): the static product keeps them known.
+
+  Args:
+    dims: a TensorShape (or list of ints / None).
+  Returns:
+    int.
+  """
+  dims = list(dims)
+  return int(np.prod(dims, dtype=np.int64)) if all(d is not None for d in dims) else -1
 
 
 def finite_float32(t):

@@ -142,8 +142,8 @@ def _sources(units):
 def _sqr_norms(ghost, vect, src_grads, k, num_records):
   """Per-record squared norms [B/k] float32 (scaled by S^2 under a loss scale),
   the per-record gradients at hand ({id(unit): [g per variable] or a
-  registry.PerExampleBlock}) and the sum functions of GhostSums results
-  ({id(unit): sum_fn})."""
+  registry.PerExampleBlock}) and the sum functions of GhostSums and FactorSums results
+  ({id(unit): sum_fn or the FactorSums})."""
   sq = tf.zeros([num_records], tf.float32)
   per_example, normed, sum_fns = {}, set(), {}
   for u, start, n in ghost:
@@ -161,6 +161,9 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
       res = res.sqr_norms
     elif isinstance(res, registry.GhostSums):
       sum_fns[id(u)] = res.sum_fn
+      res = res.sqr_norms
+    elif isinstance(res, registry.FactorSums):
+      sum_fns[id(u)] = res
       res = res.sqr_norms
     sq += tf.cast(res, tf.float32)
   for u, rec, start, n in vect:

@@ -49,6 +49,9 @@ Optional capabilities, declared by attributes of the norm function:
       float32 whatever the dtype policy). Others then take the vectorized path.
   float32_sums (``@float32_sums``): its results are always PerExampleGrads or
       GhostSums formed in float32, so it serves 16-bit layers as they are.
+A norm function may also return ``FactorSums(sqr_norms, sum_fn)``: ``sum_fn(example_factors,
+all_finite)`` forms the clipped sum in float32 from the clip factors themselves (a Dense
+layer weights whichever of its input and its output gradient is smaller).
 
 The built-in norm functions live in ``fast_clipping/rules/`` (one module per
 layer family) and are registered when ``tf_dpiter.keras.fast_clipping`` is
@@ -75,6 +78,10 @@ _FORM_OVERRIDE = None
 # gradient has at most this many entries: 64 KiB in float32, 64 MiB per layer at
 # batch 1024. Larger ones are reduced to their norm and summed by book-keeping.
 MAX_PER_EXAMPLE_ENTRIES = 1 << 14
+# A per-example gradient that the direct norm form computes anyway (it was the cheaper form)
+# is kept up to this many entries: its clipped sum is then sum_i c_i g_i, which saves the
+# book-keeping matrix product (256 KiB per example in float32).
+MAX_DIRECT_PER_EXAMPLE_ENTRIES = 1 << 16
 
 
 class PerExampleGrads(NamedTuple):
@@ -112,6 +119,21 @@ class GhostSums(NamedTuple):
   sum_fn:    (weighted watched gradients, same structure as watched, each row
              i multiplied by c_i) -> one float32 tensor per v in
              layer.trainable_variables: sum_i c_i g_i.
+  """
+  sqr_norms: tf.Tensor
+  sum_fn: Callable[..., Sequence[tf.Tensor]]
+
+
+class FactorSums(NamedTuple):
+  """A sqr_norm_fn result that forms the clipped sum itself from the clip factors (it
+  chooses which operand to weight: the smaller one, Bu et al. 2023, Sec. 3).
+
+  sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables.
+  sum_fn:    (example_factors [B] float32, c_i of each example's record, 0 for an example
+             that adds nothing; all_finite: scalar bool tensor, True when every record's
+             squared norm is finite, or None when unknown) -> one float32 tensor per v in
+             layer.trainable_variables: sum_i c_i g_i. Unless all_finite, the rows with
+             c_i = 0 must add exactly nothing even where they are not finite.
   """
   sqr_norms: tf.Tensor
   sum_fn: Callable[..., Sequence[tf.Tensor]]

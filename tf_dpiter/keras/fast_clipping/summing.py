@@ -71,10 +71,12 @@ def _float32_vjp(unit, weighted):
                        unconnected_gradients=_ZERO)
 
 
-def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
-  """sum_i c_i g_i of a ghost unit: the rule's own sum (GhostSums), else the
+def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None, all_finite=None):
+  """sum_i c_i g_i of a ghost unit: the rule's own sum (FactorSums, GhostSums), else the
   vector-Jacobian product of the watched tensors with the clip-weighted
   gradients, in float32 for 16-bit layers."""
+  if isinstance(sum_fn, registry.FactorSums):
+    return [_dense(g) for g in sum_fn.sum_fn(example_factors, all_finite)]
   weighted = [_weighted(g, example_factors) for g in grads_w]
   if sum_fn is not None:
     grads = sum_fn(tf.nest.pack_sequence_as(unit.records[0]["watched"], weighted))
@@ -115,11 +117,12 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
     units: the plan's units; ghost: (unit, start, n) of ghost units; sources, src_grads:
       the first backward pass's tensors and their gradients; per_example: {id(unit):
       per-record gradients (a list per variable, or a registry.PerExampleBlock)}; sum_fns:
-      {id(unit): GhostSums sum function}; factors, example_factors: c per record and per
+      {id(unit): GhostSums sum function or FactorSums}; factors, example_factors: c per record and per
       example (divided by the loss scale); tape: the persistent tape of the forward pass.
     all_finite: optional scalar bool tensor, True when every record's squared norm is
       finite: the per-record gradients at hand are then summed by one matrix-vector
-      product each (else, or when None, row by row, 0 for a record with c = 0).
+      product each (else, or when None, row by row, 0 for a record with c = 0); FactorSums
+      rules receive it.
   Returns:
     {id(variable): clipped sum tensor}.
   """
@@ -128,7 +131,7 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
     if id(u) in per_example:
       continue
     grads = _ghost_vjp(u, sources[start:start + n], src_grads[start:start + n],
-                       example_factors, tape, sum_fns.get(id(u)))
+                       example_factors, tape, sum_fns.get(id(u)), all_finite)
     for v, g in zip(u.variables, grads):
       result[id(v)] = tf.cast(g, _sum_dtype(v))
   for u in units:

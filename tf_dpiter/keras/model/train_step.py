@@ -96,22 +96,32 @@ class TrainStepMixin:
   def _dp_inference(self, x):
     return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
 
-  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, noise_seed=None):
+  def _dp_wants_outputs(self):
+    """Whether the step's logs need the model's outputs: compiled metrics, per-output losses
+    or an overridden compute_metrics (else the compiled step returns none: the outputs of a
+    padded batch are large, and nothing would read them)."""
+    return (keras_internals.compile_metrics(self) is not None
+            or bool(keras_internals.output_loss_trackers(self))
+            or type(self).compute_metrics is not keras.Model.compute_metrics)
+
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, noise_seed=None,
+                           outputs=True):
     """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
     with noise_seed, the noised average in place of the sample state.
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
     reads no variable of the query's state; None: read here). noise_seed: the step's
-    (key, counter) (PrivateStep.noise_seed), or None (no noise here)."""
+    (key, counter) (PrivateStep.noise_seed), or None (no noise here). outputs: False
+    returns None for y_pred (`_dp_wants_outputs`)."""
     step = self._dp_optimizer().private_step
     with step.given_sample_params(params):
       state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(step, x, y,
-                                                                       sample_weight)
+                                                                       sample_weight, outputs)
     if noise_seed is not None:
       state = step.compiled_noised_average(state, num_records, noise_seed)
     return state, loss_sum, num_records, y_pred
 
-  def _dp_clipped_sum_body(self, step, x, y, sample_weight):
+  def _dp_clipped_sum_body(self, step, x, y, sample_weight, outputs=True):
     """_dp_clipped_sum_step with the sample params fixed."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
@@ -133,7 +143,9 @@ class TrainStepMixin:
     else:
       state, loss_sum, records_out = self._dp_vectorized_sum(step, recs, em, rmask, k,
                                                              variables)
-    if records_out is None:
+    if not outputs:
+      y_pred = None
+    elif records_out is None:
       y_pred = self._dp_inference(x)
     else:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
@@ -236,12 +248,14 @@ class TrainStepMixin:
     batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
     with output_losses.silenced(self, data):   # per-record losses: no per-output tracker update
+      want = self._dp_wants_outputs()
       if getattr(self, "_dp_noise_inside", False):
         grads, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
-                                                    step.noise_seed())
+                                                    step.noise_seed(), outputs=want)
         grads = step.record_compiled_sample(grads)   # the ledger append, outside XLA, exact
       else:
-        state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params())
+        state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                                    outputs=want)
         grads = step.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
     keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),

@@ -7,10 +7,12 @@ clipping paths (vectorized per-record gradients, fast ghost norms) run through
 `sum_over_chunks`.
 
 Under XLA a Poisson sample is padded to a static size well above its expected size (E + 4 sd,
-data.sampling.default_max_batch_size: 1.5 E at E = 64). `chunk_layout` then splits the padded
-batch into a first chunk of about E + 1 sd records, always run, and a tail that runs (tf.cond)
-only when it holds a real record (probability about 0.16): the expected work falls from
-E + 4 sd to about E + 1.2 sd records, shapes stay static and nothing is dropped. Skipping a
+data.sampling.default_max_batch_size: 1.5 E at E = 64), its real records first. `chunk_layout`
+then splits the padded batch into a first chunk of E records (rounded up to a multiple of 8),
+always run, and a tail of small chunks (about sd / 2 records, at least 8) run by a
+tf.while_loop up to the last chunk holding a real record (`PaddedTail`): the expected work
+falls from E + 4 sd records to about E + sd / 3 (E = 64 or 256: 69 or 264 records, with
+0.65 tail chunks run on average), shapes stay static (one compiled program), nothing is dropped. Skipping a
 chunk of padding records changes nothing in the sum (a padding record adds exactly 0); the
 step's time then depends on the sample size, as it does without XLA (unpadded batches).
 
@@ -18,6 +20,7 @@ The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noi
 float32, or float64 for float64 variables, whatever the Keras dtype policy.
 """
 
+import collections
 import math
 
 import tensorflow as tf
@@ -100,27 +103,36 @@ def records_per_chunk(max_physical_batch_size, examples_per_record, num_records_
 
 
 class TailChunks(tuple):
-  """Record counts of the consecutive chunks of a padded batch (None: the rest of the batch,
-  its size known when XLA compiles): the first chunk always runs, every later one only if it
-  holds a real record (`sum_over_chunks`)."""
+  """Record counts of the consecutive physical chunks of a padded batch: the first chunk
+  always runs, every later one only if it holds a real record (`sum_over_chunks`)."""
+
+
+class PaddedTail(collections.namedtuple("PaddedTail", ["first", "chunk"])):
+  """A padded batch as a first chunk of `first` records, always run, then chunks of `chunk`
+  records (the last one padded) run in a tf.while_loop up to the last one holding a real
+  record (`sum_over_chunks`); the batch's size is known when XLA compiles."""
 
 
 def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   """How `sum_over_chunks` splits a batch: `records_per_chunk`, or, for a padded sample of a
-  random-size policy (Poisson) under XLA, a `TailChunks`: without a physical chunk size, a
-  first chunk of ceil((E + sqrt(E)) / multiple) * multiple records (E: the expected records,
-  as declared when the step is traced) and the rest; with one (and a static batch), its
-  chunks. Chunks after the first are skipped when they are all padding (module docstring).
-  Whatever E, the sum is the same: the layout only decides which padding is not computed.
+  random-size policy (Poisson) under XLA, a `PaddedTail` (without a physical chunk size) or a
+  `TailChunks` (with one, and a static batch): later chunks run only up to the last real
+  record (module docstring). With E the expected records of this replica (declared when the
+  step is traced) and sd = sqrt(E), the first chunk has max(multiple, ceil(E / multiple) *
+  multiple) records and the tail's chunks max(multiple, ceil(sd / 2 / multiple) * multiple)
+  (measured best of the layouts tried for a sequential model, the LSTM, whose small chunks
+  cost more per record, and as good for the others: BENCHMARKS.md). Whatever E, the sum is the same: the layout only decides which padding is
+  not computed.
 
   Args:
     step: the PrivateStep (max_physical_batch_size, the declared sampling; its
       `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
-    examples_per_record: k. num_records_static: M if static, else None (under XLA the
-      compiled program still sees the batch's size).
-    multiple: the first chunk's size is rounded up to a multiple of it.
+    examples_per_record: k.
+    num_records_static: M if static, else None (under XLA the compiled program still sees
+      the batch's size).
+    multiple: chunk sizes are multiples of it.
   Returns:
-    None, an int (equal chunks), or a TailChunks.
+    None, an int (equal chunks), a TailChunks or a PaddedTail.
   """
   per_chunk = records_per_chunk(step.max_physical_batch_size, examples_per_record,
                                 num_records_static)
@@ -137,10 +149,12 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
     return TailChunks(sizes) if len(sizes) > 1 else per_chunk
   with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
     expected = float(step.state.expected_records.numpy())
-  first = int(math.ceil((expected + math.sqrt(max(expected, 0.0))) / multiple) * multiple)
+  expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
+  sd = math.sqrt(max(expected, 0.0))
+  first = max(multiple, int(math.ceil(expected / multiple)) * multiple)
   if m is not None and first >= m:
     return None
-  return TailChunks([first, None])
+  return PaddedTail(first, max(multiple, int(math.ceil(sd / 2 / multiple)) * multiple))
 
 
 def _slice(nest, start, size):
@@ -182,6 +196,33 @@ def _take(nest, i):
   return tf.nest.map_structure(lambda t: None if t is None else t[i], nest)
 
 
+def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
+  """The first chunk, then the tail's chunks in a tf.while_loop that stops after the last
+  chunk holding a real record; the aux of chunks not run is zeros (padding rows)."""
+  acc, loss_sum, aux = chunk_fn(acc, _slice(records, 0, layout.first),
+                                record_mask[:layout.first])
+  rest_mask = record_mask[layout.first:]
+  chunks, cmask, nchunks = grads_lib.chunked(_slice(records, layout.first, None), rest_mask,
+                                             layout.chunk)
+  holds_real = tf.cast(tf.reduce_any(cmask > 0, axis=1), tf.int32)
+  runs = tf.reduce_max(tf.concat([[0], holds_real * tf.range(1, nchunks + 1)], 0))
+  buf = tf.nest.map_structure(
+      lambda t: tf.zeros(tf.concat([[nchunks, layout.chunk], tf.shape(t)[1:]], 0), t.dtype), aux)
+
+  def body(i, acc, loss_sum, buf):
+    acc, loss, chunk_aux = chunk_fn(acc, _take(chunks, i), cmask[i])
+    buf = tf.nest.map_structure(
+        lambda b, t: tf.tensor_scatter_nd_update(b, [[i]], t[None]), buf, chunk_aux)
+    return i + 1, acc, loss_sum + tf.cast(loss, tf.float32), buf
+
+  _, acc, loss_sum, buf = tf.while_loop(lambda i, *_: i < runs, body,
+                                        [tf.constant(0), acc, tf.cast(loss_sum, tf.float32), buf])
+  rows = tf.shape(rest_mask)[0]
+  tail = tf.nest.map_structure(
+      lambda b: tf.reshape(b, tf.concat([[-1], tf.shape(b)[2:]], 0))[:rows], buf)
+  return acc, loss_sum, tf.nest.map_structure(lambda h, t: tf.concat([h, t], 0), aux, tail)
+
+
 def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
   """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
 
@@ -200,6 +241,8 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
   """
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
+  if isinstance(per_chunk, PaddedTail):
+    return _sum_over_padded_tail(chunk_fn, acc, records, record_mask, per_chunk)
   if isinstance(per_chunk, TailChunks):
     return _sum_over_tail_chunks(chunk_fn, acc, records, record_mask, per_chunk)
   chunks, cmask, nchunks = grads_lib.chunked(records, record_mask, per_chunk)

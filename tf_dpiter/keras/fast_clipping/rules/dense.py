@@ -1,6 +1,8 @@
 """Ghost norms of Dense and EinsumDense.
 
-Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t.
+Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t; its clipped sum
+(registry.FactorSums) weights the smaller of x and dz by the clip factors and takes one
+matrix product over every position of every example.
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
@@ -31,9 +33,50 @@ def dense_norm_fn(layer, inputs, training=None):
   if kernel_rule_entry(layer, lora=False) is None:
     return None
   x = inputs
-  return kernel_bias_layer(
+  outputs, z, sqr_norm_fn = kernel_bias_layer(
       layer, ops.matmul(x, layer.kernel),
       lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
+
+  def norms_and_sums(dz):
+    res = sqr_norm_fn(dz)
+    if isinstance(res, registry.PerExampleGrads):
+      return res
+    return registry.FactorSums(res, lambda c, all_finite: _dense_sums(layer, x, dz, c,
+                                                                      all_finite))
+
+  return outputs, z, norms_and_sums
+
+
+def _by_rows(t, factors):
+  return t * tf.reshape(factors, [-1] + [1] * (t.shape.rank - 1))
+
+
+def _dense_sums(layer, x, dz, factors, all_finite):
+  """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
+  rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
+  bias sum_i c_i sum_t dz_t. Unless all_finite, rows with c_i = 0 are zeroed first (they
+  may hold non-finite values and must add nothing)."""
+  k, n = int(x.shape[-1]), int(dz.shape[-1])
+
+  def sums(clean):
+    xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
+    if clean:
+      keep = lambda t: tf.reshape(factors > 0, [-1] + [1] * (t.shape.rank - 1))
+      xf = tf.where(keep(xf), algebra.finite_float32(xf), 0.0)
+      dzf = tf.where(keep(dzf), algebra.finite_float32(dzf), 0.0)
+    out = {}
+    if algebra.trainable(layer.kernel):
+      xw, dw = (_by_rows(xf, factors), dzf) if k <= n else (xf, _by_rows(dzf, factors))
+      out[id(layer.kernel)] = tf.matmul(tf.reshape(xw, [-1, k]), tf.reshape(dw, [-1, n]),
+                                        transpose_a=True)
+    if algebra.trainable(layer.bias):
+      per_example = tf.reduce_sum(tf.reshape(dzf, [tf.shape(dzf)[0], -1, n]), axis=1)
+      out[id(layer.bias)] = tf.linalg.matvec(per_example, factors, transpose_a=True)
+    return [out[id(v)] for v in layer.trainable_variables]
+
+  if all_finite is None:
+    return sums(True)
+  return tf.cond(all_finite, lambda: sums(False), lambda: sums(True))
 
 
 def kernel_bias_layer(layer, z, kernel_part):

@@ -9,6 +9,7 @@ from keras import ops
 
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import tables
 
 
 @registry.float32_watched
@@ -32,17 +33,7 @@ def embedding_norm_fn(layer, inputs):
   outputs = ops.cast(z, layer.compute_dtype)
 
   def sqr_norm_fn(dz):
-    dz = tf.cast(dz, tf.float32)
-    b = tf.shape(ids)[0]
-    flat_ids = ids[:, None] if ids.shape.rank == 1 else tf.reshape(ids, [b, -1])
-    d = algebra.regroup_btk(algebra.to_btk(dz) if ids.shape.rank > 1
-                            else dz[:, None, :])
-    flat_ids = algebra.regroup_btk(flat_ids[:, :, None])[:, :, 0]
-    if algebra.static_dim(flat_ids, 1) == 1:
-      return algebra.sqr_sum(d)
-    same = tf.cast(tf.equal(flat_ids[:, :, None], flat_ids[:, None, :]),
-                   tf.float32)
-    gd = tf.einsum("btd,bsd->bts", d, d)
-    return tf.reduce_sum(same * gd, axis=[1, 2])
+    d = algebra.to_btk(dz) if ids.shape.rank > 1 else dz[:, None, :]
+    return tables.same_id_sqr_norm(tables.flat_ids(ids), d)
 
   return outputs, z, sqr_norm_fn

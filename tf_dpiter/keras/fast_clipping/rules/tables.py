@@ -40,4 +40,4 @@ def flat_ids(ids):
     ids = tf.cast(ids, tf.int32)
   if ids.shape.rank == 1:
     return ids[:, None]
-  return tf.reshape(ids, [tf.shape(ids)[0], -1])
+  return tf.reshape(ids, [tf.shape(ids)[0], algebra.static_positions(ids.shape[1:])])

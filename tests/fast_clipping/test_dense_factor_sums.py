@@ -1,0 +1,60 @@
+"""The Dense rule's clipped sum from the clip factors (registry.FactorSums).
+
+sum_i c_i g_i with g_i = (sum_t x_t dz_t^T, sum_t dz_t) must equal the sum formed from
+per-example gradients in numpy, whichever operand carries the factors (K <= N: the input,
+else the output gradient), and a record with c_i = 0 must add exactly nothing even when
+its input and output gradient are not finite (a float16 overflow; then all_finite is False).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping.rules import dense
+
+
+def _reference(x, dz, c):
+  keep = c > 0
+  kernel = np.einsum("btk,btn,b->kn", x[keep], dz[keep], c[keep])
+  bias = np.einsum("btn,b->n", dz[keep], c[keep])
+  return kernel, bias
+
+
+@pytest.mark.parametrize("k,n", [(3, 7), (7, 3)])
+@pytest.mark.parametrize("poisoned", [False, True])
+def test_dense_sums_match_per_example_gradients(k, n, poisoned):
+  rng = np.random.RandomState(k)
+  b, t = 5, 4
+  x = rng.randn(b, t, k).astype("float32")
+  dz = rng.randn(b, t, n).astype("float32")
+  c = np.array([1.0, 0.3, 0.0, 0.7, 0.0], "float32")
+  if poisoned:       # records 2 and 4 add nothing; their values are not finite
+    x[2, 1, 0], dz[4, 0, 1], dz[2, 3, 2] = np.inf, np.nan, -np.inf
+  layer = keras.layers.Dense(n)
+  layer.build((None, t, k))
+  want_kernel, want_bias = _reference(np.nan_to_num(x), np.nan_to_num(dz), c)
+  for all_finite in ([None, tf.constant(False)] if poisoned else
+                     [None, tf.constant(True), tf.constant(False)]):
+    kernel, bias = dense._dense_sums(layer, tf.constant(x), tf.constant(dz), tf.constant(c),
+                                     all_finite)
+    np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(kernel.numpy()).all() and np.isfinite(bias.numpy()).all()
+
+
+def test_dense_without_bias_and_frozen_kernel():
+  rng = np.random.RandomState(0)
+  x, dz = rng.randn(3, 2, 4).astype("float32"), rng.randn(3, 2, 6).astype("float32")
+  c = np.array([0.5, 1.0, 0.0], "float32")
+  want_kernel, want_bias = _reference(x, dz, c)
+  no_bias = keras.layers.Dense(6, use_bias=False)
+  no_bias.build((None, 2, 4))
+  (kernel,) = dense._dense_sums(no_bias, tf.constant(x), tf.constant(dz), tf.constant(c), None)
+  np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
+  frozen = keras.layers.Dense(6)
+  frozen.build((None, 2, 4))
+  frozen.kernel.trainable = False
+  (bias,) = dense._dense_sums(frozen, tf.constant(x), tf.constant(dz), tf.constant(c),
+                              tf.constant(True))
+  np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)
