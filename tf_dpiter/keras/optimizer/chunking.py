@@ -203,7 +203,7 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
                                 record_mask[:layout.first])
   rest_mask = record_mask[layout.first:]
   chunks, cmask, nchunks = grads_lib.chunked(_slice(records, layout.first, None), rest_mask,
-                                             layout.chunk)
+                                             layout.chunk, min_chunks=1)
   holds_real = tf.cast(tf.reduce_any(cmask > 0, axis=1), tf.int32)
   runs = tf.reduce_max(tf.concat([[0], holds_real * tf.range(1, nchunks + 1)], 0))
   buf = tf.nest.map_structure(

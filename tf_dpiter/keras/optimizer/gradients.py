@@ -221,13 +221,16 @@ def jacobian_record_gradients(tape, record_losses, variables, use_pfor=True):
   return [tf.convert_to_tensor(j) for j in jac]
 
 
-def chunked(records, record_mask, records_per_chunk):
+def chunked(records, record_mask, records_per_chunk, min_chunks=0):
   """Pads the record axis to a multiple of records_per_chunk and adds a chunk axis.
+
+  min_chunks: at least this many chunks (padding records only past the batch): a loop body
+  that indexes chunk i must compile (XLA) even when the batch has no record.
 
   Returns (chunks: leaves [C, R, ...], chunk_masks [C, R], num_chunks).
   """
   m = tf.shape(record_mask)[0]
-  c = _ceil_div(m, records_per_chunk)
+  c = tf.maximum(_ceil_div(m, records_per_chunk), min_chunks)
   pad = c * records_per_chunk - m
 
   def split(t):
