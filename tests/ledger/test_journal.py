@@ -9,6 +9,7 @@ import pytest
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
+from tests.ledger import forgery
 
 
 def _steps(led, count, z=1.1, policy="poisson"):
@@ -135,21 +136,12 @@ def test_journal_without_iterations_is_checked_by_its_samples(tmp_path):
   L.LedgerJournal(os.path.join(tmp_path, "new.journal")).check_covers(50)  # a new journal
 
 
-def _forge(d, count):
-  """A ledger dict with its first run's count changed and the digest recomputed (no key)."""
-  from tf_dpiter.ledger import ledger_file  # pylint: disable=import-outside-toplevel
-  d = json.loads(json.dumps(d))
-  d["num_samples"] += count - d["runs"][0]["count"]
-  d["runs"][0]["count"] = count
-  return ledger_file.sign({k: v for k, v in d.items() if k != "hmac"})
-
-
 def test_forged_file_without_key_is_accepted_and_the_report_says_so(tmp_path):
   led = L.PrivacyLedger()
   _steps(led, 10)
   path = os.path.join(tmp_path, "ledger.json")
   led.save_json(path)
-  forged = _forge(json.load(open(path)), 1)
+  forged = forgery.forge_count(json.load(open(path)), 1)
   open(path, "w").write(json.dumps(forged))
   true_eps = accounting.epsilon(led, 1e-5)
   report = accounting.privacy_report(open(path).read(), delta=1e-5)
@@ -166,7 +158,7 @@ def test_forged_file_with_key_is_refused(tmp_path):
   text = open(path).read()
   report = accounting.privacy_report(text, delta=1e-5, key="secret")
   assert "HMAC-SHA256 under the given key verified" in str(report)
-  forged = _forge(json.loads(text), 1)                 # digest recomputed, no valid HMAC
+  forged = forgery.forge_count(json.loads(text), 1)                 # digest recomputed, no valid HMAC
   with pytest.raises(ValueError, match="hmac"):
     accounting.privacy_report(json.dumps(forged), delta=1e-5, key="secret")
   forged["hmac"] = json.loads(text)["hmac"]            # the old HMAC kept: does not match

@@ -17,7 +17,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter import accounting
-from tf_dpiter.ledger import ledger_file
+from tests.ledger import forgery
 
 N, BATCH, DELTA = 100, 10, 1e-5
 
@@ -34,19 +34,11 @@ def _fitted_ledger():
   return model.ledger
 
 
-def _forge(d, count):
-  """`d` with its first run's count set to `count` and the digest recomputed (no key)."""
-  d = json.loads(json.dumps(d))
-  d["num_samples"] += count - d["runs"][0]["count"]
-  d["runs"][0]["count"] = count
-  return ledger_file.sign({k: v for k, v in d.items() if k != "hmac"})
-
-
 def test_unkeyed_forgery_is_accepted_and_the_report_says_a_key_is_needed(tmp_path):
   ledger = _fitted_ledger()
   path = os.path.join(tmp_path, "ledger.json")
   ledger.save_json(path)
-  forged = json.dumps(_forge(json.load(open(path)), 1))
+  forged = json.dumps(forgery.forge_count(json.load(open(path)), 1))
   report = accounting.privacy_report(forged, delta=DELTA)
   assert report.num_samples == 1 and report.epsilon < accounting.epsilon(ledger, DELTA)
   assert "NOT forgery" in str(report) and "key" in str(report)
@@ -59,7 +51,7 @@ def test_keyed_forgery_is_refused(tmp_path):
   ledger.save_json(path, key="secret")
   text = open(path).read()
   assert accounting.privacy_report(text, delta=DELTA, key="secret").num_samples == N // BATCH
-  forged = _forge(json.loads(text), 1)                       # digest recomputed, no HMAC
+  forged = forgery.forge_count(json.loads(text), 1)                       # digest recomputed, no HMAC
   with pytest.raises(ValueError, match="hmac"):
     accounting.privacy_report(json.dumps(forged), delta=DELTA, key="secret")
   forged["hmac"] = json.loads(text)["hmac"]                  # the old HMAC kept

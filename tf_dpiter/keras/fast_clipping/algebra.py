@@ -58,7 +58,8 @@ def factored_sqr_norm(a, b):
 
   Returns (sqr_norms [B], g) with g the [B, K, N] per-example gradient when it
   was materialized and is small enough to keep (registry.keep_per_example, or
-  MAX_DIRECT_PER_EXAMPLE_ENTRIES for a direct form chosen as the cheaper; else None). Forms (Li et al. 2021, Sec. 4):
+  MAX_DIRECT_PER_EXAMPLE_ENTRIES for a direct form chosen as the cheaper; else
+  None). Forms (Li et al. 2021, Sec. 4):
     direct: g_i = a_i^T b_i, cost B T K N; kept when K N is small, since it
             then also replaces the book-keeping product of the same cost;
     Gram:   sum_{t,s} <a_t, a_s><b_t, b_s>, cost B T^2 (K+N), no g;

@@ -12,9 +12,10 @@ then splits the padded batch into a first chunk of E records (rounded up to a mu
 always run, and a tail of small chunks (about sd / 2 records, at least 8) run by a
 tf.while_loop up to the last chunk holding a real record (`PaddedTail`): the expected work
 falls from E + 4 sd records to about E + sd / 3 (E = 64 or 256: 69 or 264 records, with
-0.65 tail chunks run on average), shapes stay static (one compiled program), nothing is dropped. Skipping a
-chunk of padding records changes nothing in the sum (a padding record adds exactly 0); the
-step's time then depends on the sample size, as it does without XLA (unpadded batches).
+0.65 tail chunks run on average), shapes stay static (one compiled program), nothing is
+dropped. Skipping a chunk of padding records changes nothing in the sum (a padding record
+adds exactly 0); the step's time then depends on the sample size, as it does without XLA
+(unpadded batches).
 
 The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noise) is done in
 float32, or float64 for float64 variables, whatever the Keras dtype policy.
@@ -121,8 +122,8 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   step is traced) and sd = sqrt(E), the first chunk has max(multiple, ceil(E / multiple) *
   multiple) records and the tail's chunks max(multiple, ceil(sd / 2 / multiple) * multiple)
   (measured best of the layouts tried for a sequential model, the LSTM, whose small chunks
-  cost more per record, and as good for the others: BENCHMARKS.md). Whatever E, the sum is the same: the layout only decides which padding is
-  not computed.
+  cost more per record, and as good for the others: BENCHMARKS.md). Whatever E, the sum is
+  the same: the layout only decides which padding is not computed.
 
   Args:
     step: the PrivateStep (max_physical_batch_size, the declared sampling; its
@@ -187,7 +188,7 @@ def _sum_over_tail_chunks(chunk_fn, acc, records, record_mask, sizes):
     else:
       acc, loss, aux = _unless_empty(chunk_fn, acc, chunk, mask, auxes[0])
     loss_sum = loss_sum + loss
-    start += 0 if size is None else size
+    start += size
     auxes.append(aux)
   return acc, loss_sum, tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *auxes)
 

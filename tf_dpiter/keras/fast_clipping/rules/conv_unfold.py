@@ -7,10 +7,10 @@ dz_i [T, cout] the gradient at the pre-activation output (T output positions).
 `patches` unfolds the input. When each stride divides its kernel size (and the
 convolution is not dilated) the input is first folded into stride blocks (space to
 depth: [B, H, W, C] -> [B, H/s, W/s, s*s*C]); the convolution is then a stride-1 one with
-a (kh/sh) x (kw/sw) kernel, and a patch is (kh/sh)*(kw/sw) folded pixels side by side: fewer and cheaper
-operations than ExtractImagePatches for a
-strided kernel (shifted slices concatenated on the channel axis). The entries of a patch are then in the order (kh/sh, kw/sw, sh, sw, cin),
-not the kernel's (kh, kw, cin); `Layout` says which, and `to_kernel` maps a sum of
+a (kh/sh) x (kw/sw) kernel, and a patch is (kh/sh)*(kw/sw) folded pixels side by side:
+fewer and cheaper operations than ExtractImagePatches for a strided kernel (shifted slices
+concatenated on the channel axis). The entries of a patch are then in the order
+(kh/sh, kw/sw, sh, sw, cin), not the kernel's (kh, kw, cin); `Layout` says which, and `to_kernel` maps a sum of
 gradients in that order back to the kernel's shape (once, after the sum over examples).
 Otherwise TensorFlow's ExtractImagePatches is used (order (kh, 1, kw, 1, cin)).
 
@@ -66,10 +66,9 @@ def _folded_patches(x, ksize, strides, padding, out_hw):
   x = tf.pad(x, [[0, 0], [top, max(hh - h - top, 0)], [left, max(ww - w - left, 0)],
                  [0, 0]])[:, :hh, :ww]
   xs = _fold(x, sh, sw)
-  hs, ws, cs = hh // sh, ww // sw, sh * sw * int(x.shape[3])
+  cs = sh * sw * int(x.shape[3])
   # Patch t = (h, w) holds folded pixels (h + a, w + c), a < qh, c < qw: qh * qw shifted
   # slices side by side on the channel axis (one fused copy; a gather is slower under XLA).
-  del hs, ws
   p = tf.concat([xs[:, a:a + ho, c:c + wo, :] for a in range(qh) for c in range(qw)], axis=-1)
   return (tf.reshape(p, [-1, ho * wo, qh * qw * cs]),
           Layout(qh, qw, sh, sw, int(x.shape[3])))

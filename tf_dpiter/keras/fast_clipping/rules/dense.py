@@ -47,8 +47,9 @@ def dense_norm_fn(layer, inputs, training=None):
   return outputs, z, norms_and_sums
 
 
-def _by_rows(t, factors):
-  return t * tf.reshape(factors, [-1] + [1] * (t.shape.rank - 1))
+def _rows(f, like):
+  """The per-example vector f [B] shaped to broadcast over `like` [B, ...]."""
+  return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
 
 
 def _dense_sums(layer, x, dz, factors, all_finite):
@@ -61,12 +62,11 @@ def _dense_sums(layer, x, dz, factors, all_finite):
   def sums(clean):
     xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
     if clean:
-      keep = lambda t: tf.reshape(factors > 0, [-1] + [1] * (t.shape.rank - 1))
-      xf = tf.where(keep(xf), algebra.finite_float32(xf), 0.0)
-      dzf = tf.where(keep(dzf), algebra.finite_float32(dzf), 0.0)
+      xf = tf.where(_rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
+      dzf = tf.where(_rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
     out = {}
     if algebra.trainable(layer.kernel):
-      xw, dw = (_by_rows(xf, factors), dzf) if k <= n else (xf, _by_rows(dzf, factors))
+      xw, dw = (xf * _rows(factors, xf), dzf) if k <= n else (xf, dzf * _rows(factors, dzf))
       out[id(layer.kernel)] = tf.matmul(tf.reshape(xw, [-1, k]), tf.reshape(dw, [-1, n]),
                                         transpose_a=True)
     if algebra.trainable(layer.bias):

@@ -33,7 +33,6 @@ def embedding_norm_fn(layer, inputs):
   outputs = ops.cast(z, layer.compute_dtype)
 
   def sqr_norm_fn(dz):
-    d = algebra.to_btk(dz) if ids.shape.rank > 1 else dz[:, None, :]
-    return tables.same_id_sqr_norm(tables.flat_ids(ids), d)
+    return tables.same_id_sqr_norm(tables.flat_ids(ids), algebra.to_btk(dz))
 
   return outputs, z, sqr_norm_fn

@@ -148,7 +148,7 @@ def embedding_lora_norm_fn(layer, inputs):
 
   def sqr_norm_fn(dz):
     flat = tables.flat_ids(ids)
-    d = algebra.to_btk(tf.cast(dz, _F32)) if dz.shape.rank > 2 else tf.cast(dz, _F32)[:, None]
+    d = algebra.to_btk(tf.cast(dz, _F32))
     sq = algebra.zeros(dz)
     if algebra.trainable(a_var):
       sq += tables.same_id_sqr_norm(flat, s * tf.einsum("btd,rd->btr", d,
