@@ -55,7 +55,7 @@ def add_remove_changes(clipped_sum, xp, yp, mask, real, rng, candidates, num_cla
     m2[j] = 0.0
     changes.append(np.linalg.norm(clipped_sum(xp, yp, m2) - base))
   for _ in range(candidates):
-    xc = (rng.randn(xp.shape[1]) * rng.choice([0.3, 3.0, 30.0])).astype("float32")
+    xc = (rng.randn(*xp.shape[1:]) * rng.choice([0.3, 3.0, 30.0])).astype("float32")
     x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
     x2[real], y2[real], m2[real] = xc, rng.randint(0, num_classes), 1.0
     changes.append(np.linalg.norm(clipped_sum(x2, y2, m2) - base))
