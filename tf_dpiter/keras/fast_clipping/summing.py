@@ -92,13 +92,34 @@ def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None, all_f
 
 def _rows_sum(g, factors, all_finite):
   """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one
-  matrix-vector product when every record's norm is finite (then every g_i is), else
+  matrix product when every record's norm is finite (then every g_i is), else
   the rows weighted one by one with 0 for c_i = 0 (a non-finite g_i adds nothing)."""
   g = tf.cast(g, tf.float32)
   if all_finite is None:
     return tf.reduce_sum(_weighted(g, factors), axis=0)
-  return tf.cond(all_finite, lambda: tf.tensordot(factors, g, axes=1),
+  return tf.cond(all_finite, lambda: factor_product(factors, g),
                  lambda: tf.reduce_sum(_weighted(g, factors), axis=0))
+
+
+def factor_product(factors, g):
+  """sum_i c_i g_i for g [R, ...], as the first row of [c; 0] [R, P] (a two-row product).
+
+  The sum is a matrix-vector product, but XLA:CPU fuses a one-row product with the
+  reshape of g into an elementwise loop that reads g column by column: for R = 64 and a
+  [256, 128] gradient it took 3.9 ms, the two-row product 0.4 ms
+  (benchmarks/xla_factor_product.py). The zero row adds R x P multiply-adds, as many as
+  the sum itself, which is cheap next to the per-example gradients it reads.
+
+  Args:
+    factors: [R] float32, c_i.
+    g: [R, ...] float32, g_i.
+  Returns:
+    float32 tensor of shape g.shape[1:].
+  """
+  shape = g.shape[1:] if g.shape[1:].is_fully_defined() else tf.shape(g)[1:]
+  rows = tf.reshape(g, [tf.shape(g)[0], -1])
+  two = tf.stack([factors, tf.zeros_like(factors)])
+  return tf.reshape(tf.matmul(two, rows)[0], shape)
 
 
 def _per_example_sums(grads, factors, all_finite):
