@@ -9,7 +9,7 @@ For each shape R x K x N, one process times, with and without XLA (jit_compile=T
 plain tf.function; figure: the median over --rounds of the mean wall ms over --calls calls):
 
   one_row      tf.tensordot(c, g, 1): a one-row (matrix-vector) product
-  two_row      summing.factor_product: row 0 of [c; 0] times g as [R, K N]
+  two_row      algebra.factor_product: row 0 of [c; 0] times g as [R, K N]
   weighted_sum reduce_sum(c_i g_i, axis 0): an elementwise product and a reduction
 
 and checks that the three agree. Prints one JSON object per shape.
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.keras.fast_clipping import summing
+from tf_dpiter.keras.fast_clipping import algebra
 
 
 def _parse(argv=None):
@@ -39,7 +39,7 @@ def _parse(argv=None):
 def _forms():
   return {
       "one_row": lambda c, g: tf.tensordot(c, g, axes=1),
-      "two_row": summing.factor_product,
+      "two_row": algebra.factor_product,
       "weighted_sum": lambda c, g: tf.reduce_sum(g * c[:, None, None], axis=0),
   }
 

@@ -1,4 +1,4 @@
-"""The clipped sum of kept per-example gradients (summing.factor_product, summing._rows_sum).
+"""The clipped sum of kept per-example gradients (algebra.factor_product, summing._rows_sum).
 
 sum_i c_i g_i must equal the numpy sum for static and unknown row counts, with and without
 XLA, and a record with c_i = 0 must add exactly nothing even when its gradient is not finite
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import summing
 
 
@@ -23,7 +24,7 @@ def _data(shape, seed=0):
 @pytest.mark.parametrize("shape", [(5, 3, 7), (64, 32, 16), (4, 9)])
 def test_factor_product_is_the_weighted_sum(jit, shape):
   g, c = _data(shape)
-  fn = tf.function(summing.factor_product, jit_compile=jit)
+  fn = tf.function(algebra.factor_product, jit_compile=jit)
   got = fn(tf.constant(c), tf.constant(g)).numpy()
   want = np.einsum("b...,b->...", g.astype("float64"), c.astype("float64"))
   assert got.shape == shape[1:]
@@ -33,7 +34,7 @@ def test_factor_product_is_the_weighted_sum(jit, shape):
 def test_factor_product_keeps_the_static_shape_and_takes_unknown_rows():
   g, c = _data((6, 4, 5), seed=1)
   spec = (tf.TensorSpec([None], tf.float32), tf.TensorSpec([None, 4, 5], tf.float32))
-  fn = tf.function(summing.factor_product, input_signature=spec)
+  fn = tf.function(algebra.factor_product, input_signature=spec)
   assert fn.get_concrete_function().structured_outputs.shape.as_list() == [4, 5]
   np.testing.assert_allclose(fn(tf.constant(c), tf.constant(g)).numpy(),
                              np.einsum("bkn,b->kn", g, c), rtol=1e-5, atol=1e-5)

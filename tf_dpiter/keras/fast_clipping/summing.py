@@ -24,14 +24,10 @@ def _dense(g):
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _rows(f, like):
-  return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
-
-
 def _weighted(g, f):
   """g * f per row (float32), 0 where f == 0 (even if g is not finite)."""
   g = tf.cast(g, tf.float32)
-  return tf.where(_rows(f, g) > 0, g * _rows(f, g), tf.zeros_like(g))
+  return tf.where(algebra.rows(f, g) > 0, g * algebra.rows(f, g), tf.zeros_like(g))
 
 
 def _float32_args(rec):
@@ -97,29 +93,8 @@ def _rows_sum(g, factors, all_finite):
   g = tf.cast(g, tf.float32)
   if all_finite is None:
     return tf.reduce_sum(_weighted(g, factors), axis=0)
-  return tf.cond(all_finite, lambda: factor_product(factors, g),
+  return tf.cond(all_finite, lambda: algebra.factor_product(factors, g),
                  lambda: tf.reduce_sum(_weighted(g, factors), axis=0))
-
-
-def factor_product(factors, g):
-  """sum_i c_i g_i for g [R, ...], as the first row of [c; 0] [R, P] (a two-row product).
-
-  The sum is a matrix-vector product, but XLA:CPU fuses a one-row product with the
-  reshape of g into an elementwise loop that reads g column by column: for R = 64 and a
-  [256, 128] gradient it took 3.9 ms, the two-row product 0.4 ms
-  (benchmarks/xla_factor_product.py). The zero row adds R x P multiply-adds, as many as
-  the sum itself, which is cheap next to the per-example gradients it reads.
-
-  Args:
-    factors: [R] float32, c_i.
-    g: [R, ...] float32, g_i.
-  Returns:
-    float32 tensor of shape g.shape[1:].
-  """
-  shape = g.shape[1:] if g.shape[1:].is_fully_defined() else tf.shape(g)[1:]
-  rows = tf.reshape(g, [tf.shape(g)[0], -1])
-  two = tf.stack([factors, tf.zeros_like(factors)])
-  return tf.reshape(tf.matmul(two, rows)[0], shape)
 
 
 def _per_example_sums(grads, factors, all_finite):

@@ -47,11 +47,6 @@ def dense_norm_fn(layer, inputs, training=None):
   return outputs, z, norms_and_sums
 
 
-def _rows(f, like):
-  """The per-example vector f [B] shaped to broadcast over `like` [B, ...]."""
-  return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
-
-
 def _dense_sums(layer, x, dz, factors, all_finite):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
   rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
@@ -62,16 +57,17 @@ def _dense_sums(layer, x, dz, factors, all_finite):
   def sums(clean):
     xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
     if clean:
-      xf = tf.where(_rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
-      dzf = tf.where(_rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
+      xf = tf.where(algebra.rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
+      dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
     out = {}
     if algebra.trainable(layer.kernel):
-      xw, dw = (xf * _rows(factors, xf), dzf) if k <= n else (xf, dzf * _rows(factors, dzf))
+      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if k <= n
+                else (xf, dzf * algebra.rows(factors, dzf)))
       out[id(layer.kernel)] = tf.matmul(tf.reshape(xw, [-1, k]), tf.reshape(dw, [-1, n]),
                                         transpose_a=True)
     if algebra.trainable(layer.bias):
       per_example = tf.reduce_sum(tf.reshape(dzf, [tf.shape(dzf)[0], -1, n]), axis=1)
-      out[id(layer.bias)] = tf.linalg.matvec(per_example, factors, transpose_a=True)
+      out[id(layer.bias)] = algebra.factor_product(factors, per_example)
     return [out[id(v)] for v in layer.trainable_variables]
 
   if all_finite is None:
