@@ -2,7 +2,10 @@
 
 Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t; its clipped sum
 (registry.FactorSums) weights the smaller of x and dz by the clip factors and takes one
-matrix product over every position of every example.
+matrix product over every position of every example. When both W and b are trained, b is
+the weight of a constant input 1 (z = [x, 1] [W; b]): the norm and the sum of [W; b] are
+those of one kernel on [x, 1], so the bias needs no pass of its own over dz (in the Gram
+form its squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already formed).
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
@@ -33,13 +36,17 @@ def dense_norm_fn(layer, inputs, training=None):
   if kernel_rule_entry(layer, lora=False) is None:
     return None
   x = inputs
-  outputs, z, sqr_norm_fn = kernel_bias_layer(
-      layer, ops.matmul(x, layer.kernel),
-      lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
+  z = ops.matmul(x, layer.kernel)
+  if _bias_folded(layer):
+    outputs, z = _add_bias_and_activation(layer, z)
+    sqr_norm_fn = lambda dz: _folded_sqr_norm(layer, x, dz)
+  else:
+    outputs, z, sqr_norm_fn = kernel_bias_layer(
+        layer, z, lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
 
   def norms_and_sums(dz):
     res = sqr_norm_fn(dz)
-    if isinstance(res, registry.PerExampleGrads):
+    if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
     return registry.FactorSums(res, lambda c, all_finite: _dense_sums(layer, x, dz, c,
                                                                       all_finite))
@@ -47,12 +54,43 @@ def dense_norm_fn(layer, inputs, training=None):
   return outputs, z, norms_and_sums
 
 
+def _bias_folded(layer):
+  """Both the kernel and the bias are trained: the bias is the weight of an input 1."""
+  return algebra.trainable(layer.kernel) and algebra.trainable(layer.bias)
+
+
+def _with_one(x):
+  """x [..., K] in float32 with a last column of ones: [..., K + 1] (the bias's input)."""
+  x = tf.cast(x, tf.float32)
+  return tf.concat([x, tf.ones_like(x[..., :1])], -1)
+
+
+def _folded_sqr_norm(layer, x, dz):
+  """||[grad W; grad b]||^2 per record as one kernel on [x, 1] (algebra.factored_sqr_norm).
+
+  When the per-example gradients [B, K + 1, N] are kept they are one registry.PerExampleBlock:
+  summed once, then split into the kernel's K rows and the bias's last row."""
+  sq, g = algebra.factored_sqr_norm(_with_one(algebra.to_btk(x)), algebra.to_btk(dz))
+  if g is None:
+    return sq
+  k, n = int(g.shape[1]) - 1, int(g.shape[2])
+
+  def unpack(sums):
+    by_id = {id(layer.kernel): tf.reshape(sums[0][:k * n], [k, n]),
+             id(layer.bias): sums[0][k * n:]}
+    return [by_id[id(v)] for v in layer.trainable_variables]
+
+  return registry.PerExampleBlock(sq, [tf.reshape(g, [tf.shape(g)[0], (k + 1) * n])], unpack)
+
+
 def _dense_sums(layer, x, dz, factors, all_finite):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
   rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
-  bias sum_i c_i sum_t dz_t. Unless all_finite, rows with c_i = 0 are zeroed first (they
-  may hold non-finite values and must add nothing)."""
+  bias sum_i c_i sum_t dz_t: with the kernel, the last row of the same product on [x, 1].
+  Unless all_finite, rows with c_i = 0 are zeroed first (they may hold non-finite values and
+  must add nothing)."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
+  fold = _bias_folded(layer)
 
   def sums(clean):
     xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
@@ -61,11 +99,15 @@ def _dense_sums(layer, x, dz, factors, all_finite):
       dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
     out = {}
     if algebra.trainable(layer.kernel):
-      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if k <= n
+      kk = k + 1 if fold else k
+      xf = _with_one(xf) if fold else xf
+      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if kk <= n
                 else (xf, dzf * algebra.rows(factors, dzf)))
-      out[id(layer.kernel)] = tf.matmul(tf.reshape(xw, [-1, k]), tf.reshape(dw, [-1, n]),
-                                        transpose_a=True)
-    if algebra.trainable(layer.bias):
+      product = tf.matmul(tf.reshape(xw, [-1, kk]), tf.reshape(dw, [-1, n]), transpose_a=True)
+      out[id(layer.kernel)] = product[:k] if fold else product
+      if fold:
+        out[id(layer.bias)] = product[k]
+    if algebra.trainable(layer.bias) and not fold:
       per_example = tf.reduce_sum(tf.reshape(dzf, [tf.shape(dzf)[0], -1, n]), axis=1)
       out[id(layer.bias)] = algebra.factor_product(factors, per_example)
     return [out[id(v)] for v in layer.trainable_variables]
@@ -101,9 +143,7 @@ def bias_and_parts(layer, z, parts_fn):
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract (watched: z + b).
   """
-  if layer.bias is not None:
-    z = ops.add(z, layer.bias)
-  outputs = layer.activation(z) if layer.activation is not None else z
+  outputs, z = _add_bias_and_activation(layer, z)
   bias_on = algebra.trainable(layer.bias)
 
   def sqr_norm_fn(dz):
@@ -119,6 +159,13 @@ def bias_and_parts(layer, z, parts_fn):
     return algebra.result(layer, sq, grads)
 
   return outputs, z, sqr_norm_fn
+
+
+def _add_bias_and_activation(layer, z):
+  """(outputs, z + b): the layer's activation of z + b (b if the layer has one)."""
+  if layer.bias is not None:
+    z = ops.add(z, layer.bias)
+  return (layer.activation(z) if layer.activation is not None else z), z
 
 
 def lora_base(layer, name):
