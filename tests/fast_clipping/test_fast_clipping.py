@@ -146,9 +146,10 @@ def test_registered_layer_exact(case, form, monkeypatch):
 @pytest.mark.parametrize("form", [None, "gram", "direct"])
 @pytest.mark.parametrize("in_shape", [(7,), (6, 7)])
 def test_dense_bias_as_weight_of_an_input_one(frozen, form, in_shape, monkeypatch):
-  """With kernel and bias both trained, the Dense rule takes [W; b] as one kernel on [x, 1]
-  (one Gram or per-example product for both); with either frozen it takes the other alone.
-  Norms and clipped sums equal the per-example reference in every form."""
+  """With kernel and bias both trained and a sequence input, the Dense rule takes [W; b] as
+  one kernel on [x, 1] (one Gram or per-example product for both); with either frozen, or a
+  [B, K] input, it takes them apart. Norms and clipped sums equal the per-example reference
+  in every form."""
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   dense_layer = L.Dense(5, activation="tanh")
   model = seq_model(in_shape, [dense_layer])

@@ -2,10 +2,11 @@
 
 Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t; its clipped sum
 (registry.FactorSums) weights the smaller of x and dz by the clip factors and takes one
-matrix product over every position of every example. When both W and b are trained, b is
-the weight of a constant input 1 (z = [x, 1] [W; b]): the norm and the sum of [W; b] are
-those of one kernel on [x, 1], so the bias needs no pass of its own over dz (in the Gram
-form its squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already formed).
+matrix product over every position of every example. When both W and b are trained and x
+has positions t, b is the weight of a constant input 1 (z = [x, 1] [W; b]): the norm and
+the sum of [W; b] are those of one kernel on [x, 1], so the bias needs no pass of its own
+over dz (in the Gram form its squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already
+formed).
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
@@ -37,7 +38,7 @@ def dense_norm_fn(layer, inputs, training=None):
     return None
   x = inputs
   z = ops.matmul(x, layer.kernel)
-  if _bias_folded(layer):
+  if _bias_folded(layer, x):
     outputs, z = _add_bias_and_activation(layer, z)
     sqr_norm_fn = lambda dz: _folded_sqr_norm(layer, x, dz)
   else:
@@ -54,9 +55,12 @@ def dense_norm_fn(layer, inputs, training=None):
   return outputs, z, norms_and_sums
 
 
-def _bias_folded(layer):
-  """Both the kernel and the bias are trained: the bias is the weight of an input 1."""
-  return algebra.trainable(layer.kernel) and algebra.trainable(layer.bias)
+def _bias_folded(layer, x):
+  """The bias is taken as the weight of an input 1: both the kernel and the bias are trained
+  and x has positions ([B, T.., K]), where the bias's gradient is a sum over them. For a
+  [B, K] input it is dz itself, and the extra column would only copy x."""
+  return (algebra.trainable(layer.kernel) and algebra.trainable(layer.bias)
+          and x.shape.rank is not None and x.shape.rank > 2)
 
 
 def _with_one(x):
@@ -90,7 +94,7 @@ def _dense_sums(layer, x, dz, factors, all_finite):
   Unless all_finite, rows with c_i = 0 are zeroed first (they may hold non-finite values and
   must add nothing)."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
-  fold = _bias_folded(layer)
+  fold = _bias_folded(layer, x)
 
   def sums(clean):
     xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
