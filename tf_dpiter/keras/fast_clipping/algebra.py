@@ -158,7 +158,6 @@ def sqr_sum(x):
   return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
 
 
-
 def rows(f, like):
   """The per-row vector f [B] shaped to broadcast over `like` [B, ...].
 
@@ -190,6 +189,7 @@ def factor_product(factors, g):
   flat = tf.reshape(g, [tf.shape(g)[0], -1])
   two = tf.stack([factors, tf.zeros_like(factors)])
   return tf.reshape(tf.matmul(two, flat)[0], shape)
+
 
 def bias_grad(dz, bias_shape):
   """Per-record gradient of a bias broadcast (right-aligned) onto dz: dz

@@ -102,13 +102,15 @@ def _dense_sums(layer, x, dz, factors, all_finite):
       xf = tf.where(algebra.rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
       dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
     out = {}
+    if fold:
+      xf = _with_one(xf)
     if algebra.trainable(layer.kernel):
-      kk = k + 1 if fold else k
-      xf = _with_one(xf) if fold else xf
-      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if kk <= n
+      rows_in = int(xf.shape[-1])   # K, or K + 1 with the bias's input
+      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if rows_in <= n
                 else (xf, dzf * algebra.rows(factors, dzf)))
-      product = tf.matmul(tf.reshape(xw, [-1, kk]), tf.reshape(dw, [-1, n]), transpose_a=True)
-      out[id(layer.kernel)] = product[:k] if fold else product
+      product = tf.matmul(tf.reshape(xw, [-1, rows_in]), tf.reshape(dw, [-1, n]),
+                          transpose_a=True)
+      out[id(layer.kernel)] = product[:k]
       if fold:
         out[id(layer.bias)] = product[k]
     if algebra.trainable(layer.bias) and not fold:
