@@ -85,3 +85,56 @@ def test_passes_gdp_and_cycle_come_from_the_policy():
     policies.get(schema.SHUFFLE).gdp_mu_squared(shuffle)
   assert [p for p in policies.names() if policies.get(p).advances_cycle] == [
       schema.CYCLIC_POISSON]
+
+
+# --- issue 38, finding 8: every policy's event runs the coverage check (event is final) ---
+
+@pytest.mark.parametrize("correlated,depth", [("banded", 0), ("matrix", 0), ("tree", 3)])
+def test_report_from_groups_refuses_balls_in_bins_rows_its_policy_does_not_cover(correlated,
+                                                                                  depth):
+  """Before: BallsInBins overrode `event` and skipped the check, ε = 4.377 was returned."""
+  from tf_dpiter.accounting import accountant  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
+  assert policies.get(schema.BALLS_IN_BINS).covers == ()
+  group = ledger_events.SampleGroup(10, schema.BALLS_IN_BINS, 1000.0, 0.1, 10.0, 1.0, (), False,
+                                    correlated=correlated, tree_depth=depth)
+  for acc in ("rdp", "pld"):
+    with pytest.raises(PrivacyConfigError, match=f"no accounting rule for '{correlated}' rows"):
+      accountant.report_from_groups([group], delta=1e-5, accountant=acc, passes=1)
+  plain = ledger_events.SampleGroup(10, schema.BALLS_IN_BINS, 1000.0, 0.1, 10.0, 1.0, (), False)
+  assert math.isfinite(accountant.report_from_groups([plain], delta=1e-5, accountant="pld",
+                                                     passes=1).epsilon)
+
+
+def test_event_refuses_a_group_its_own_check_sampling_refuses():
+  from tf_dpiter.accounting import accountant  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
+  # balls in bins with q != 1 / k: check_sampling refuses it when recorded, and now by hand too
+  group = ledger_events.SampleGroup(10, schema.BALLS_IN_BINS, 1000.0, 0.5, 10.0, 1.0, (), False)
+  with pytest.raises(PrivacyConfigError, match=r"must be 1 / sample_size"):
+    accountant.report_from_groups([group], delta=1e-5, accountant="pld", passes=1)
+
+
+def test_every_registered_policy_keeps_the_final_event():
+  from tf_dpiter.ledger.policy_base import SamplingPolicy  # pylint: disable=g-import-not-at-top
+  for name in policies.names():
+    assert type(policies.get(name)).event is SamplingPolicy.event
+
+
+def test_a_policy_overriding_event_is_refused_at_class_creation():
+  from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.ledger.policy_base import SamplingPolicy  # pylint: disable=g-import-not-at-top
+  with pytest.raises(PrivacyConfigError, match=r"`event` must not be overridden.*_event"):
+    class Skips(policies.BallsInBins):  # pylint: disable=unused-variable
+      def event(self, group, mech, accountant, passes, notes):
+        return None
+  with pytest.raises(PrivacyConfigError, match=r"`event` must not be overridden"):
+    class SkipsToo(SamplingPolicy):  # pylint: disable=unused-variable
+      event = None
+
+  class Hook(SamplingPolicy):  # overriding the hook is the supported way
+    name = schema.POISSON
+
+    def _event(self, group, mech, accountant, passes, notes):
+      return super()._event(group, mech, accountant, passes, notes)
+  assert Hook.event is SamplingPolicy.event

@@ -250,7 +250,7 @@ class BallsInBins(SamplingPolicy):
             f"{int(sample_size)} steps, n = {int(population_size)}; add/remove-one adjacency, "
             "sensitivity S, each epoch started costs one mechanism)")
 
-  def event(self, group, mech, accountant, passes, notes):
+  def _event(self, group, mech, accountant, passes, notes):
     return _composite().balls_in_bins_event(group, mech, passes, notes)
 
 

@@ -24,6 +24,11 @@ def composite():
 class SamplingPolicy:
   """Base of the policy objects; subclasses set the class attributes and override `_event`.
 
+  `event` is final: it runs the coverage check (correlated-noise rows the policy's `covers`
+  does not list are refused) and then the subclass's `_event` hook, so no policy can return
+  an event for rows its accounting does not cover. A subclass that defines `event` is
+  refused when the class is created (`__init_subclass__`).
+
   Attributes:
     name: the policy name (`schema.ALL_POLICIES`).
     relation: `schema.ADD_OR_REMOVE` or `schema.REPLACE_ONE`.
@@ -45,6 +50,21 @@ class SamplingPolicy:
   pass_charged = False
   expected_size_denominator = False
   advances_cycle = False
+
+  def __init_subclass__(cls, **kwargs):
+    """Refuses a subclass that overrides the final `event` (it would skip the coverage check).
+
+    Args:
+      **kwargs: passed on to `object.__init_subclass__`.
+    Raises:
+      PrivacyConfigError: the subclass defines `event`.
+    """
+    super().__init_subclass__(**kwargs)
+    if "event" in vars(cls):
+      raise PrivacyConfigError(
+          f"`event` must not be overridden by a sampling policy (it is final: it runs the "
+          f"coverage check, then the `_event` hook); override `_event` instead. Received: "
+          f"class {cls.__qualname__} defining event")
 
   @property
   def relation(self):
@@ -164,19 +184,54 @@ class SamplingPolicy:
     return 1
 
   def event(self, group, mech, accountant, passes, notes):
-    """The dp-accounting event of a group of this policy's samples (mech: the per-sample
-    mechanism, private); assumption strings are appended to `notes`.
+    """The dp-accounting event of a group of this policy's samples (final: see the class).
 
+    Checks first that the group is this policy's, that its correlated-noise rows are ones the
+    policy's accounting covers (`covers`) and that its sampling passes `check_sampling` (the
+    check a declared sampling passes when it is recorded: a group built by hand, e.g. for
+    `report_from_groups`, meets it too), then calls the `_event` hook.
+
+    Args:
+      group: a `ledger_events.SampleGroup` of this policy.
+      mech: the per-sample dp-accounting mechanism (private).
+      accountant: "rdp" or "pld".
+      passes: the passes / epochs the ledger recorded (pass-charged policies).
+      notes: a list the assumption strings are appended to.
+    Returns:
+      a dp-accounting DpEvent for the whole group.
     Raises:
-      ValueError: correlated-noise rows this policy does not cover, or a group its rule
-        refuses (see the subclass).
+      PrivacyConfigError: a group of another policy, correlated-noise rows this policy does
+        not cover, a sampling `check_sampling` refuses, or a group its rule refuses (see the
+        subclass's `_event`).
     """
+    if group.policy != self.name:
+      raise PrivacyConfigError(f"`group.policy` must be {self.name!r} for this policy object. "
+                               f"Received: group.policy={group.policy!r}")
     if group.correlated and group.correlated not in self.covers:
-      raise PrivacyConfigError(f"no accounting rule for {group.correlated!r} rows under policy "
-                               f"{group.policy!r}")
+      raise PrivacyConfigError(
+          f"`group.correlated` must be one of the rows policy {group.policy!r} covers "
+          f"({', '.join(self.covers) or 'independent noise only'}): no accounting rule for "
+          f"{group.correlated!r} rows under it. Received: group.correlated={group.correlated!r}")
+    bad = self.check_sampling(group.population_size, group.selection_probability,
+                              group.sample_size)
+    if bad is not None:
+      raise PrivacyConfigError(f"a group of policy {group.policy!r} must have the sampling the "
+                               f"policy's claim covers: {bad}")
     return self._event(group, mech, accountant, passes, notes)
 
   def _event(self, group, mech, accountant, passes, notes):
+    """The hook `event` calls after its checks: the default charges every sample, unamplified.
+
+    Args:
+      group: a `ledger_events.SampleGroup` of this policy (checked by `event`).
+      mech: the per-sample dp-accounting mechanism.
+      accountant: "rdp" or "pld".
+      passes: the passes / epochs the ledger recorded.
+      notes: a list the assumption strings are appended to.
+    Returns:
+      a dp-accounting DpEvent for the whole group.
+    """
+    del accountant, passes
     notes.append("every record in every sample: no amplification")
     return dpa().SelfComposedDpEvent(mech, group.count)
 
