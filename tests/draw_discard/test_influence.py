@@ -153,3 +153,44 @@ def test_check_step_tests_against_the_served_instance():
   assert rule.check_step(h.copy(), h).reason == "too_little_noise"
   assert rule.check_step(h + 40 * rule.step, h).reason == "step_too_large"
   assert rule.check_step(np.r_[h[:-1], np.nan], h).reason == "non_finite"
+
+
+# ---- eviction: no head-of-line block (issue 39, finding 2) ----
+
+def test_busy_oldest_identity_does_not_block_newcomers_over_http(start_service):
+  """Table of 5: the least recently used identity has 3 recent updates, four one-shot
+  clients follow; 6 newcomers (distinct 127.1.0.x addresses, tokens off) must all get in by
+  forgetting the one-shot clients, while the busy identity is kept."""
+  from tf_dpiter.draw_discard import service
+  from tf_dpiter.draw_discard import store as store_lib
+  from tests.draw_discard import loopback
+  spec = dense_spec(9, epsilon=1.0, gamma=0.01)
+  svc = service.DDMLService(spec, 4, store_lib.MemoryStore(), seed=0, max_identities=5)
+  srv = start_service(svc)
+  rng = np.random.default_rng(2)
+  outcomes = []
+  for i in [0, 0, 0, 1, 2, 3, 4] + list(range(5, 11)):
+    with loopback.BoundClient(srv.url, loopback.source(i)) as c:
+      ok, code, _, _ = loopback.honest_submit(c, rng)
+      outcomes.append(code if not ok else "ok")
+  assert outcomes == ["ok"] * 13
+  assert svc.budget.state(loopback.source(0))[0] == 3  # the busy identity was not forgotten
+  assert len(svc.budget._state) == 5
+
+
+def test_eviction_picks_the_identity_that_became_forgettable_first():
+  clock = [0.0]
+  rule = _rule(33)
+  budget = influence.InfluenceBudget(rule, max_identities=3, clock=lambda: clock[0])
+  d = np.zeros(33)
+  for _ in range(4):
+    assert budget.reserve("busy", d) == ""
+  clock[0] = 1.0
+  assert budget.reserve("once-a", d) == "" and budget.reserve("once-b", d) == ""
+  clock[0] = 2.0
+  assert budget.reserve("new-1", d) == ""  # forgets once-a (forgettable since t = 1)
+  assert budget.state("busy")[0] == 4 and budget.state("once-a")[0] == 0
+  assert budget.reserve("new-1", d) == "" and budget.reserve("once-b", d) == ""
+  assert budget.reserve("new-2", d) == "influence_table_full"  # S1 >= 1 for all three now
+  clock[0] = 2.0 + budget.half_life_s * math.log2(2.0) + 1e-6  # new-1 and once-b decayed
+  assert budget.reserve("new-2", d) == ""

@@ -61,14 +61,15 @@ attacker: T identities (tokens; addresses without tokens) have T budgets, so T t
 bound. The budget is kept per server process; on a Redis store the rate test is also
 enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
 while the envelope of C stays per process.
-Memory: 8 p + 160 bytes per identity, bounded by `max_memory_bytes`; when full, an
-identity is forgotten only once its decayed count has fallen below one update, else the
-newcomer is refused (InfluenceBudget); each forgetting grants at most one extra update.
+Memory: 8 p + 160 bytes per identity, bounded by `max_memory_bytes`; when full, the
+identity whose decayed count fell below one update first is forgotten (a heap keyed by
+that time), and a newcomer is refused only when no identity is below one update
+(InfluenceBudget); each forgetting grants at most one extra update.
 """
 
 from __future__ import annotations
 
-import collections
+import heapq
 import math
 import time
 
@@ -193,12 +194,15 @@ class InfluenceBudget:
     max_memory_bytes: bound on the budget's memory (8 p + 160 bytes per identity).
     clock: time source in seconds (tests, benchmarks).
 
-  Identities are kept least-recently-used first. When the table is full the oldest is
-  forgotten only if its decayed count S1 is below `FORGET_BELOW` = 1 (less than one update's
-  weight left: forgetting it grants it at most one extra update's worth, and one-shot
-  clients become forgettable as soon as their weight starts to decay); otherwise the new
-  identity is refused ("influence_table_full"). Without decay the oldest is always
-  forgotten.
+  Eviction: an identity may be forgotten once its decayed count S1 is below `FORGET_BELOW`
+  = 1 (less than one update's weight left: forgetting it grants it at most one extra
+  update's worth, and one-shot clients become forgettable as soon as their weight starts to
+  decay), i.e. from the time t_last + half_life_s log2(S1) on (seconds; t_last its last
+  accepted submit). Identities sit in a heap keyed by that time, so when the table is full
+  the identity that became forgettable first is forgotten, whatever its place in the order
+  of use: a newcomer is refused ("influence_table_full") only when no identity at all can
+  be forgotten yet, never behind one busy identity (no head-of-line block). Without decay
+  the key is t_last: the least recently used identity is forgotten.
 
   Raises:
     ValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
@@ -230,7 +234,8 @@ class InfluenceBudget:
     self.half_life_s = None if half_life_s is None else float(half_life_s)
     self.clock = clock
     self._env: dict = {}
-    self._state: collections.OrderedDict = collections.OrderedDict()  # id -> [N, S1, S2, C, t]
+    self._state: dict = {}  # id -> [N, S1, S2, C, t]
+    self._heap: list = []  # (forgettable-from time, id); stale pairs are skipped lazily
 
   def describe(self) -> dict:
     """The budget's settings (part of the store's join check).
@@ -304,11 +309,43 @@ class InfluenceBudget:
       return 0.0
     return self.half_life_s * math.log2(s1 / (self.max_steps - 1.0))
 
+  def forget_time(self, st: list) -> float:
+    """When an identity's decayed count S1 falls below FORGET_BELOW (seconds, its clock).
+
+    t_last + half_life_s log2(S1 / FORGET_BELOW), strictly after which S1 < FORGET_BELOW
+    (-inf when already below; t_last without decay: least recently used first).
+
+    Args:
+      st: the identity's state [N, S1, S2, C, t_last].
+
+    Returns:
+      The time from which the identity may be forgotten.
+    """
+    if self.half_life_s is None:
+      return st[4]
+    if st[1] < self.FORGET_BELOW:
+      return -math.inf
+    return st[4] + self.half_life_s * math.log2(st[1] / self.FORGET_BELOW)
+
+  def _keep(self, identity: str, st: list) -> None:
+    self._state[identity] = st
+    heapq.heappush(self._heap, (self.forget_time(st), identity))
+    if len(self._heap) > 2 * len(self._state) + 64:  # drop stale pairs: O(n) every n pushes
+      self._heap = [(self.forget_time(v), k) for k, v in self._state.items()]
+      heapq.heapify(self._heap)
+
   def _make_room(self, now: float) -> bool:
     while len(self._state) >= self.max_identities:
-      oldest, st = next(iter(self._state.items()))
-      if self.half_life_s is not None and st[1] * self._decay(st[4], now) >= self.FORGET_BELOW:
+      if not self._heap:
         return False
+      when, oldest = self._heap[0]
+      st = self._state.get(oldest)
+      if st is None or self.forget_time(st) != when:
+        heapq.heappop(self._heap)  # stale: the identity was forgotten or used since
+        continue
+      if self.half_life_s is not None and when >= now:
+        return False  # the earliest forgettable identity is not forgettable yet: nobody is
+      heapq.heappop(self._heap)
       del self._state[oldest]
     return True
 
@@ -347,7 +384,7 @@ class InfluenceBudget:
     if not reason:
       st = [n, s1, s2, c, now]
     if st[0] > 0:
-      self._state[identity] = st
+      self._keep(identity, st)
     return reason
 
   def release(self, identity: str, d: np.ndarray) -> None:
@@ -363,4 +400,4 @@ class InfluenceBudget:
     if st[0] <= 1:
       del self._state[identity]
     else:
-      self._state[identity] = [st[0] - 1, st[1] - 1.0, st[2] - 1.0, st[3] - d, st[4]]
+      self._keep(identity, [st[0] - 1, st[1] - 1.0, st[2] - 1.0, st[3] - d, st[4]])
