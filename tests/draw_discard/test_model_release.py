@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, service
-from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import parsing, store as store_lib
 
 SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
 K = 6
@@ -102,3 +102,42 @@ def test_two_redis_servers_share_one_release(start_service, redis_url):
     assert a.last_model_seq in (0, 2, 4)
   a.close()
   b.close()
+
+
+def test_stale_release_reader_gets_the_current_release_not_a_rollback(redis_url):
+  """Issue 39 finding 1: a reader whose snapshot is older than a release another server
+  made meanwhile gets that release; only the store's own sequence number going back is a
+  rollback."""
+  import asyncio
+  import redis
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  rng = np.random.default_rng(5)
+
+  async def run():
+    a, b = (_svc(store_lib.make_store(redis_url, prefix), model_min_updates=2,
+                 model_interval_s=0.0) for _ in range(2))
+    await a.startup()
+    await b.startup()
+    try:
+      stale = await b.snapshots.refresh(await b.store.touch())  # b's snapshot at seq 0
+      first = await b.release.current()  # the release at seq 0
+      for _ in range(2):
+        h, ticket = await a.draw_for(VICTIM)
+        await a.store_ticketed(VICTIM, parsing.Submission(honest(h, rng), h, ticket))
+      newer = await a.release.current()  # a releases the average at seq 2
+      assert (first.seq, newer.seq) == (0, 2)
+      # b sets with its older snapshot (seq 0 < 2), as ModelRelease.current does in the race
+      got, due = await b.store.release(stale.seq + 1, stale.slots.mean(axis=0), K, 1, 0.0)
+      assert got.seq == 2 and np.array_equal(got.mean, newer.mean) and not due
+      assert (await b.release.current()).seq == 2  # b keeps serving: nothing sticky
+      assert await b.store.touch() == 2
+      r = redis.Redis.from_url(redis_url)
+      r.set(f"{prefix}:seq", 1)  # the store's own number goes back: that is a rollback
+      r.close()
+      with pytest.raises(store_lib.StoreRolledBack):
+        await b.store.release(1, None, K, 2, 0.0)
+    finally:
+      await a.shutdown()
+      await b.shutdown()
+
+  asyncio.run(run())

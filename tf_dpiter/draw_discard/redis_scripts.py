@@ -96,19 +96,26 @@ redis.call('HINCRBY', KEYS[2], ARGV[2], ARGV[3])
 return 0
 """
 
-# The released model (model_release.py): KEYS gen, released-hash; ARGV gen, seq, sealed
-# payload ('' to peek), min_updates, min_interval_ms. Returns {-1|-2|-4}, {-5} (none yet and
-# peeking), or {seq, payload, due}.
+# The released model (model_release.py): KEYS gen, released-hash, seq; ARGV gen, seq of the
+# caller's average (or of its peek), sealed payload ('' to peek), min_updates,
+# min_interval_ms, hw. Returns {-1|-2} (generation), {-4} only when the store's OWN sequence
+# number is below this process's high-water mark `hw` or below the current release's (the
+# store went back: a rollback), {-5} (none yet and peeking), or {seq, payload, due}. A caller
+# whose seq is below the current release's (another request released a newer average while
+# it read its snapshot: a benign race) gets the current release, unchanged.
 RELEASE = """
 local g = redis.call('GET', KEYS[1])
 if not g then return {-1} end
 if g ~= ARGV[1] then return {-2} end
+local store_seq = tonumber(redis.call('GET', KEYS[3]) or '-1')
+if store_seq < tonumber(ARGV[6]) then return {-4} end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local cur = redis.call('HMGET', KEYS[2], 'seq', 't', 'w')
 local cs, ct = tonumber(cur[1]), tonumber(cur[2])
+if cs and store_seq < cs then return {-4} end
 local seq = tonumber(ARGV[2])
-if cs and seq < cs then return {-4} end
+if cs and seq < cs then return {cs, cur[3], 0} end
 local due = (not cs) or (seq >= cs + tonumber(ARGV[4]) and now - ct >= tonumber(ARGV[5]))
 if due and ARGV[3] ~= '' then
   redis.call('HSET', KEYS[2], 'seq', ARGV[2], 't', now, 'w', ARGV[3])

@@ -308,6 +308,11 @@ class RedisStore:
                     min_interval_s: float):
     """Peek at (mean None) or compare-and-set the released model (model_release.py).
 
+    A `seq` below the current release's is a benign race (another request released a newer
+    average meanwhile): the current release is returned. Only the store's own sequence
+    number below this process's high-water mark, or below the current release's, is a
+    rollback (StoreRolledBack, sticky).
+
     Args:
       seq: the sequence number now (peek) or of `mean` (set).
       mean: [p] the average to release, or None.
@@ -326,9 +331,9 @@ class RedisStore:
     payload = b"" if mean is None else store_mac.seal(self.integrity_key, self.generation, k,
                                                         mean)
     out = await self._call(self._release(
-        keys=[self._k("gen"), self._k("released")],
+        keys=[self._k("gen"), self._k("released"), self._k("seq")],
         args=[self.generation, int(seq), payload, int(min_updates),
-              int(min_interval_s * 1000)]))
+              int(min_interval_s * 1000), self.high_water]))
     if int(out[0]) == -5:
       return None, True
     if int(out[0]) < 0:
