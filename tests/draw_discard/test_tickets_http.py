@@ -138,6 +138,27 @@ def test_two_redis_servers_share_tickets(start_service, redis_url):
     assert ca.submit(nxt, honest(nxt.weights, rng))["seq"] == 3
 
 
+@pytest.mark.parametrize("where", ["memory", "redis"])
+def test_tickets_do_not_cross_models_that_share_the_secret(start_service, where, request):
+  """Issue 39 finding 5: model A's ticket is refused by model B (same secret, another
+  prefix or process) and still admits exactly one update on A; with --no-rebase on B, B's
+  slot never becomes A's instance plus the step."""
+  def store():
+    if where == "memory":
+      return store_lib.MemoryStore()
+    return store_lib.make_store(request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}")
+
+  a, b = start_service(_svc(store())), start_service(_svc(store(), rebase=False))
+  rng = np.random.default_rng(6)
+  d = client_lib.DDMLClient(a.url, token=ALICE, insecure=True).draw()
+  u = honest(d.weights, rng)
+  before = _state(b)
+  _refused(b, before, _post(b.port, d.weights, d.ticket, u), 403, "invalid_ticket")
+  assert not any(np.array_equal(row, u) for row in b.call(b.svc.store.snapshot()).slots)
+  assert _post(a.port, d.weights, d.ticket, u)[0] == 200  # one draw, one submit
+  _refused(a, _state(a), _post(a.port, d.weights, d.ticket, u), 409, "ticket_used")
+
+
 def test_without_tickets_the_candidate_rule_applies(start_service):
   srv = start_service(_svc(tickets=False))
   with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:

@@ -90,6 +90,15 @@ class RedisStore:
     self.group_commit = bool(group_commit)
     self._pipeline = redis_pipeline.GroupCommit(self._r, self.url, _UNAVAILABLE)
 
+  @property
+  def scope(self) -> str:
+    """The model this store holds, for draw tickets (tickets.py): prefix and generation.
+
+    Returns:
+      "redis:<prefix>:<generation>".
+    """
+    return f"redis:{self.prefix}:{self.generation}"
+
   def _k(self, *parts) -> str:
     return ":".join((self.prefix,) + tuple(str(p) for p in parts))
 

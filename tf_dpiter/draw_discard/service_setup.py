@@ -101,7 +101,8 @@ class StoreSetup:
     self.meta["key_id"] = keys.key_id(secret)
     self.store.integrity_key = keys.derive(secret, "slots")
     wrote = await self.store.initialize(self.meta, self.initial_instances(), reset=self.reset)
-    self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s)
+    self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s,
+                                       scope=self.store.scope)
     self.admission.tickets = self.tickets
     if self.anchor is not None and self.store.kind == "redis":
       seq = await self.store.touch()

@@ -191,6 +191,15 @@ class MemoryStore:
     self._counters = dict.fromkeys(COUNTERS, 0)
     return True
 
+  @property
+  def scope(self) -> str:
+    """The model this store holds, for draw tickets (tickets.py): "memory:<generation>".
+
+    Returns:
+      The scope string (a new one after every initialization).
+    """
+    return f"memory:{self.generation}"
+
   def flush(self) -> None:
     """Drops all data, as a Redis FLUSHALL would (for fault tests)."""
     self._rows, self._meta = None, None

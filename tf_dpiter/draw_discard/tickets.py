@@ -1,9 +1,15 @@
 """Draw tickets: proof that a submitted update starts from an instance this service served.
 
-Every draw comes with a ticket, an HMAC-SHA256 (key shared by the servers of one store,
-kept in the store's meta) over
+Every draw comes with a ticket, an HMAC-SHA256 (key derived from the secret shared by the
+servers of one store, keys.py) over
 
-    identity | BLAKE2b-128(drawn instance bytes) | issue time (ms) | 96-bit random nonce,
+    scope | identity | BLAKE2b-128(drawn instance bytes) | issue time (ms) | 96-bit nonce,
+
+where `scope` names the model that issued it: the store kind, its key prefix and its
+generation (store.MemoryStore.scope, redis_store.RedisStore.scope). Two models whose servers
+share one secret (two prefixes, or a model re-initialized with --reset) therefore refuse
+each other's tickets: one draw cannot be submitted to both (the used-nonce record is per
+prefix, so without the scope it could).
 
 sent to the client as 48 URL-safe base64 characters (X-DDML-Ticket header or the "ticket"
 JSON field). A submit carries the ticket and the drawn instance h itself; the server
@@ -66,19 +72,24 @@ class Tickets:
     key: the shared secret (>= 16 bytes).
     ttl_s: a ticket is valid this many seconds after its draw.
     clock: wall-clock time source in seconds (tests).
+    scope: the model that issues and accepts the tickets (the store's `scope`: kind, prefix
+      and generation); a ticket of another scope is refused.
 
   Raises:
-    ValueError: for a short key or a non-positive ttl.
+    ParameterValueError: for a short key, a non-positive ttl or a scope holding a NUL.
   """
 
-  def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time):
+  def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time, scope: str = ""):
     if len(key) < 16:
       raise ParameterValueError(f"ticket key must be >= 16 bytes, got {len(key)}")
     validation.check_positive("ttl_s", ttl_s, allow_inf=True, error=ParameterValueError)
+    if "\0" in scope:
+      raise ParameterValueError(f"`scope` must not hold a NUL character. Received: scope={scope!r}")
     self._key, self.ttl_s, self._clock = bytes(key), float(ttl_s), clock
+    self.scope = scope
 
   def _mac(self, identity: str, digest: bytes, head: bytes) -> bytes:
-    msg = identity.encode() + b"\0" + digest + head
+    msg = self.scope.encode() + b"\0" + identity.encode() + b"\0" + digest + head
     return hmac.new(self._key, msg, hashlib.sha256).digest()[:_MAC]
 
   def issue(self, identity: str, h: np.ndarray) -> str:
@@ -107,7 +118,7 @@ class Tickets:
 
     Raises:
       TicketError: 400 missing_ticket / bad_ticket (malformed), 403 invalid_ticket (MAC,
-        identity or instance mismatch), 409 ticket_expired.
+        scope, identity or instance mismatch), 409 ticket_expired.
     """
     if not ticket:
       raise TicketError(400, "missing_ticket", "submit needs the ticket returned by its draw "
@@ -121,7 +132,8 @@ class Tickets:
     head, mac = raw[:8 + _NONCE], raw[8 + _NONCE:]
     if not hmac.compare_digest(mac, self._mac(identity, instance_digest(h), head)):
       raise TicketError(403, "invalid_ticket",
-                        "ticket was not issued to this token for the drawn instance sent")
+                        "ticket was not issued by this model (store prefix and generation) "
+                        "to this token for the drawn instance sent")
     age = self._clock() - struct.unpack(">Q", head[:8])[0] / 1000.0
     if age > self.ttl_s:
       raise TicketError(409, "ticket_expired",
