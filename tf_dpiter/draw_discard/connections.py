@@ -9,16 +9,24 @@ a refused socket is never counted.
 Limits (Limits):
 
   * per address: at most `max_per_client` open connections (handshakes included);
+  * per address prefix (/24 for IPv4, /64 for IPv6, `prefix_of`): at most `max_per_prefix`;
   * per token: at most `max_per_token` connections carrying requests of one token (checked
     when a request is authenticated; a connection belongs to the first token it carries);
-  * in all: `max_connections`. When the table is full, a new connection from an address
-    holding fewer connections than the heaviest address evicts one of the heaviest
-    address's connections (an idle one first, else its oldest); otherwise it is refused.
-    So no address (nor any set of addresses) can hold the table against an address with
-    fewer connections: every address can always reach `max_connections / A` connections
-    when A addresses compete (max-min fairness).
-  * idle: a connection with no request in progress and none started for `idle_timeout_s`
-    seconds is closed; a TLS handshake has the same time limit.
+  * in all: `max_connections`. When the table is full, a new connection from a prefix
+    holding fewer connections than the heaviest prefix evicts one of that prefix's
+    connections (of its heaviest address: an idle one first, else its oldest). So no set of
+    addresses inside P prefixes can hold the table against a prefix with fewer connections
+    (max-min fairness over prefixes: each of P competing prefixes can reach
+    `max_connections / P`). Else an address holding fewer connections than the heaviest
+    address evicts one of that address's (fairness between neighbours). Otherwise, the connection idle longest among prefixes holding
+    more connections than the newcomer's is evicted if it has been idle (or in its TLS
+    handshake) for at least `min_idle_s`; only when there is none is the newcomer refused.
+  * idle: a connection with no request in progress and none started for `timeout_s()`
+    seconds is closed, and a TLS handshake has the same limit. The limit shrinks as the
+    table fills: `idle_timeout_s` up to half full, then linearly down to `min_idle_s` when
+    full (units: seconds). So holding one idle connection per address (or one endless
+    handshake) costs an attacker a reconnect every `min_idle_s` when the table is full, and
+    each of those connections is evictable by a newcomer once `min_idle_s` old.
 
 Refused plain-HTTP connections get a JSON 503 before the close; TLS ones are closed (no
 HTTP can be spoken before the handshake).
@@ -29,6 +37,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
+import ipaddress
 import logging
 import socket
 import ssl
@@ -53,31 +63,76 @@ class Limits:
     max_per_client: open connections from one address.
     idle_timeout_s: a connection with no request in progress for this long is closed.
     max_per_token: connections carrying one token's requests (default max_per_client).
+    max_per_prefix: open connections from one /24 (IPv4) or /64 (IPv6) prefix (default
+      max(2 max_per_client, max_connections // 4)).
+    min_idle_s: the idle and handshake timeout when the table is full (seconds; at most
+      idle_timeout_s is used).
   """
   max_connections: int = 1024
   max_per_client: int = 256
   idle_timeout_s: float = 15.0
   max_per_token: int | None = None
+  max_per_prefix: int | None = None
+  min_idle_s: float = 1.0
 
   def __post_init__(self):
     if self.max_per_token is None:
       self.max_per_token = self.max_per_client
-    for name in ("max_connections", "max_per_client", "max_per_token"):
+    if self.max_per_prefix is None:
+      self.max_per_prefix = max(2 * self.max_per_client, self.max_connections // 4)
+    for name in ("max_connections", "max_per_client", "max_per_token", "max_per_prefix"):
       v = getattr(self, name)
       if int(v) != v or v < 1:
         raise ParameterValueError(f"`{name}` must be an integer >= 1. Received: {name}={v!r}")
-    if not self.idle_timeout_s > 0:
-      raise ParameterValueError(f"`idle_timeout_s` must be > 0. Received: "
-                                f"idle_timeout_s={self.idle_timeout_s!r}")
+    for name in ("idle_timeout_s", "min_idle_s"):
+      v = getattr(self, name)
+      if not v > 0:
+        raise ParameterValueError(f"`{name}` must be > 0. Received: {name}={v!r}")
+
+  def timeout_s(self, open_count: int) -> float:
+    """The idle and handshake timeout with `open_count` connections open (seconds).
+
+    idle_timeout_s while at most half the table is used, then linear down to
+    min(min_idle_s, idle_timeout_s) when it is full.
+
+    Args:
+      open_count: open connections.
+
+    Returns:
+      The timeout in seconds.
+    """
+    floor = min(self.min_idle_s, self.idle_timeout_s)
+    free = max(0.0, 1.0 - open_count / self.max_connections)
+    return floor + (self.idle_timeout_s - floor) * min(1.0, 2.0 * free)
+
+
+@functools.lru_cache(maxsize=65536)
+def prefix_of(addr: str) -> str:
+  """The address's /24 (IPv4, IPv4-mapped IPv6 included) or /64 (IPv6) network.
+
+  Args:
+    addr: a peer address as accept() returns it.
+
+  Returns:
+    The network in CIDR notation (the address itself when it is not an IP address).
+  """
+  try:
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])
+  except ValueError:
+    return addr
+  if ip.version == 6 and ip.ipv4_mapped is not None:
+    ip = ip.ipv4_mapped
+  return str(ipaddress.ip_network(f"{ip}/{24 if ip.version == 4 else 64}", strict=False))
 
 
 class _Conn:
   """One accepted socket: address, token, requests in progress, last activity."""
 
-  __slots__ = ("addr", "identity", "busy", "last", "born", "inner", "transport", "task", "open")
+  __slots__ = ("addr", "prefix", "identity", "busy", "last", "born", "inner", "transport",
+               "task", "open")
 
   def __init__(self, addr: str):
-    self.addr, self.identity, self.busy = addr, None, 0
+    self.addr, self.prefix, self.identity, self.busy = addr, prefix_of(addr), None, 0
     self.last = self.born = time.monotonic()
     self.inner = self.transport = self.task = None
     self.open = True
@@ -124,6 +179,8 @@ class ConnectionGuard:
                ssl_context: ssl.SSLContext | None = None):
     self.server, self.limits, self.metrics, self.ssl = server, limits, metrics, ssl_context
     self._by_addr: dict[str, dict[_Conn, None]] = {}
+    self._by_prefix: dict[str, dict[str, None]] = {}  # prefix -> its addresses
+    self._prefix_open: dict[str, int] = {}
     self._by_token: dict[str, int] = {}
     self._by_inner: dict = {}
     self.open = 0
@@ -153,22 +210,53 @@ class ConnectionGuard:
     Returns:
       The new connection's record, or None when it must be refused.
     """
-    mine = len(self._by_addr.get(addr, ()))
-    if mine >= self.limits.max_per_client:
+    mine_addr = len(self._by_addr.get(addr, ()))
+    if mine_addr >= self.limits.max_per_client:
       self._refused("too_many_from_client")
       return None
+    prefix = prefix_of(addr)
+    mine = self._prefix_open.get(prefix, 0)
+    if mine >= self.limits.max_per_prefix:
+      self._refused("too_many_from_prefix")
+      return None
     if self.open >= self.limits.max_connections:
-      heavy = max(self._by_addr, key=lambda a: len(self._by_addr[a]))
-      if len(self._by_addr[heavy]) <= mine + 1:
+      victim, reason = self._victim(mine, mine_addr)
+      if victim is None:
         self._refused("too_many_connections")
         return None
-      conns = self._by_addr[heavy]
-      victim = next((c for c in conns if not c.busy), next(iter(conns)))
-      self.evict(victim, "evicted_fair_share")
+      self.evict(victim, reason)
     conn = _Conn(addr)
     self._by_addr.setdefault(addr, {})[conn] = None
+    self._by_prefix.setdefault(prefix, {})[addr] = None
+    self._prefix_open[prefix] = mine + 1
     self.open += 1
     return conn
+
+  def _victim(self, mine: int, mine_addr: int) -> tuple[_Conn | None, str]:
+    """The connection a newcomer may evict from a full table (module docstring).
+
+    Args:
+      mine: open connections of the newcomer's prefix.
+      mine_addr: open connections of the newcomer's address.
+
+    Returns:
+      (connection or None, metrics label).
+    """
+    heavy = max(self._prefix_open, key=self._prefix_open.__getitem__)
+    if self._prefix_open[heavy] > mine + 1:  # fair share over prefixes
+      addr = max(self._by_prefix[heavy], key=lambda a: len(self._by_addr[a]))
+    else:  # then over addresses (neighbours in one prefix)
+      addr = max(self._by_addr, key=lambda a: len(self._by_addr[a]))
+    conns = self._by_addr[addr]
+    if self._prefix_open[heavy] > mine + 1 or len(conns) > mine_addr + 1:
+      return next((c for c in conns if not c.busy), next(iter(conns))), "evicted_fair_share"
+    now, best, idle = time.monotonic(), None, min(self.limits.min_idle_s,
+                                                   self.limits.idle_timeout_s)
+    for conns in self._by_addr.values():
+      for c in conns:
+        if not c.busy and now - c.last >= idle and self._prefix_open[c.prefix] > mine:
+          best, idle = c, now - c.last
+    return best, "evicted_idle"
 
   def release(self, conn: _Conn) -> None:
     """Uncounts a connection (idempotent).
@@ -185,6 +273,13 @@ class ConnectionGuard:
       conns.pop(conn, None)
       if not conns:
         del self._by_addr[conn.addr]
+        self._by_prefix.get(conn.prefix, {}).pop(conn.addr, None)
+    left = self._prefix_open.get(conn.prefix, 1) - 1
+    if left > 0:
+      self._prefix_open[conn.prefix] = left
+    else:
+      self._prefix_open.pop(conn.prefix, None)
+      self._by_prefix.pop(conn.prefix, None)
     if conn.identity is not None:
       left = self._by_token.get(conn.identity, 1) - 1
       if left > 0:
@@ -277,7 +372,8 @@ class ConnectionGuard:
       self._by_inner[inner] = conn
       return _Proxy(self, conn, inner)
 
-    kw = {"ssl": self.ssl, "ssl_handshake_timeout": self.limits.idle_timeout_s} if self.ssl else {}
+    kw = ({"ssl": self.ssl, "ssl_handshake_timeout": self.limits.timeout_s(self.open)}
+          if self.ssl else {})
     try:  # the transport owns the socket from here: it closes it on failure (asyncio and
       # uvloop alike); closing it here too could close a reused file descriptor under uvloop
       await loop.connect_accepted_socket(factory, sock, **kw)
@@ -304,28 +400,29 @@ class ConnectionGuard:
         self._refused("accept_failed")
         await asyncio.sleep(0.05)
         continue
-      for _ in range(64):
+      for i in range(64):  # the accepted socket is always started (was: every 65th dropped)
         sock.setblocking(False)
         self._start(sock, peer[0])
+        if i == 63:
+          break
         try:
           sock, peer = lsock.accept()
-        except (BlockingIOError, InterruptedError):
-          break
-        except OSError:
+        except OSError:  # BlockingIOError (nothing pending), EMFILE: back to the awaited accept
           break
 
   def sweep(self) -> int:
-    """Closes idle connections; returns how many.
+    """Closes connections idle (or in their TLS handshake) for longer than `timeout_s`.
 
     Returns:
-      The number of idle connections closed.
+      The number of connections closed.
     """
     now, closed = time.monotonic(), 0
+    limit = self.limits.timeout_s(self.open)
     for conns in list(self._by_addr.values()):
       for conn in list(conns):
-        if conn.transport is not None and not conn.busy and (
-            now - conn.last > self.limits.idle_timeout_s):
-          self.evict(conn, "idle")
+        if not conn.busy and now - conn.last > limit and (
+            conn.transport is not None or conn.task is not None):
+          self.evict(conn, "idle" if conn.transport is not None else "handshake_timeout")
           closed += 1
     if self.metrics is not None:
       self.metrics.set("open_connections", self.open, help_text="open connections")

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import resource
 import signal
 import socket
 import ssl
@@ -20,6 +21,9 @@ import ssl
 from aiohttp import web
 
 from tf_dpiter.draw_discard.connections import ConnectionGuard, Limits
+from tf_dpiter.errors import ParameterValueError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["ConnectionGuard", "Limits", "Running", "run", "serve", "tls_context"]
 
@@ -90,6 +94,40 @@ def install_log_scrubber() -> None:
       logger.addFilter(ScrubFilter())
 
 
+FD_RESERVE = 64  # descriptors besides connections: listener, loop, store, logs, files
+
+
+def ensure_open_files(max_connections: int) -> int:
+  """Raises the open-file soft limit to max_connections + FD_RESERVE, or refuses.
+
+  Without it, accept() fails with EMFILE before the connection table is full, so fair
+  eviction (connections.py) never runs and any few addresses starve the others.
+
+  Args:
+    max_connections: the connection table's size.
+
+  Returns:
+    The soft limit now in force.
+
+  Raises:
+    ParameterValueError: when the hard limit (RLIMIT_NOFILE) is below what
+      max_connections needs.
+  """
+  need = int(max_connections) + FD_RESERVE
+  soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+  if soft != resource.RLIM_INFINITY and soft < need:
+    if hard != resource.RLIM_INFINITY and hard < need:
+      raise ParameterValueError(
+          f"`max_connections` needs {need} open files ({FD_RESERVE} for the server itself), "
+          f"above this process's hard limit RLIMIT_NOFILE = {hard}. Received: "
+          f"max_connections={max_connections!r}; use --max-connections <= "
+          f"{max(1, hard - FD_RESERVE)} or raise the hard limit (ulimit -Hn, LimitNOFILE=)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info(json.dumps({"event": "open_file_limit_raised", "from": soft, "to": need}))
+    soft = need
+  return soft
+
+
 def _listen(host: str, port: int) -> socket.socket:
   family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                      flags=socket.AI_PASSIVE)[0]
@@ -117,8 +155,10 @@ async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
 
   Raises:
     OSError: when the address cannot be bound; store errors from the service's startup.
+    ParameterValueError: when the open-file limit cannot hold limits.max_connections.
   """
   limits = limits or Limits()
+  ensure_open_files(limits.max_connections)
   install_log_scrubber()
   app = svc.make_app()
   runner = web.AppRunner(app, access_log=None, keepalive_timeout=limits.idle_timeout_s,
