@@ -113,3 +113,52 @@ def test_privacy_meter_refuses_bad_arguments():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     dp.keras.PrivacyMeter(DELTA, accountant="gdp")
+
+
+# --- issue 38, finding 7: GDP is an approximation; stopping and calibration refuse it ---
+
+_GDP_REFUSED = r"`accountant` must be 'pld' or 'rdp' .*accountant='gdp'.*Received: accountant='gdp'"
+
+
+def test_stop_at_privacy_budget_refuses_gdp():
+  """Before: StopAtPrivacyBudget(4, accountant="gdp") let a run reach a true epsilon of 7.78."""
+  with pytest.raises(dp.errors.BudgetConfigError, match=_GDP_REFUSED):
+    dp.keras.callbacks.StopAtPrivacyBudget(4.0, DELTA, accountant="gdp")
+  assert dp.keras.callbacks.StopAtPrivacyBudget(4.0, DELTA, accountant="pld").accountant == "pld"
+
+
+def test_from_budget_and_make_private_with_epsilon_refuse_gdp():
+  args = dict(epsilon=4.0, delta=1e-6, epochs=3, batch_size=10000, population_size=800167,
+              l2_norm_clip=1.0, accountant="gdp")
+  with pytest.raises(dp.errors.BudgetConfigError, match=_GDP_REFUSED):
+    dp.keras.from_budget(keras.optimizers.SGD(0.1), **args)
+  with pytest.raises(dp.errors.BudgetConfigError, match=_GDP_REFUSED):
+    dp.keras.make_private_with_epsilon(keras.Sequential([keras.layers.Dense(1)]),
+                                       keras.optimizers.SGD(0.1), **args)
+  with pytest.raises(dp.errors.BudgetConfigError, match=_GDP_REFUSED):
+    dp.keras.DPKerasSGDOptimizer.from_budget(4.0, 1e-6, 3, 10000, 800167, l2_norm_clip=1.0,
+                                             accountant="gdp")
+
+
+def test_privacy_meter_marks_gdp_as_approximate_in_its_line(capsys):
+  import math  # pylint: disable=g-import-not-at-top
+  from scipy import optimize, stats  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  model = _built_model()
+  recorder = _LogRecorder()
+  meter = dp.keras.PrivacyMeter(DELTA, accountant="gdp", verbose=1)
+  model.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[recorder, meter])
+  logs = recorder.epoch_logs[-1]
+  # never under the key a budget reads as a bound
+  assert "epsilon" not in logs and "epsilon_gdp_approximate" in logs
+  steps = int(model.ledger.sample_count.numpy())
+  q = float(model.optimizer.dp_query.selection_probability)
+  mu = q * math.sqrt(steps * math.expm1(1.0))             # z = 1 (Bu et al. CLT), by hand
+  f = lambda e: stats.norm.cdf(-e / mu + mu / 2) - math.exp(e) * stats.norm.cdf(-e / mu - mu / 2)
+  by_hand = optimize.brentq(lambda e: f(e) - DELTA, 0, 100, xtol=1e-12)
+  assert logs["epsilon_gdp_approximate"] == pytest.approx(by_hand, rel=1e-6)
+  out = capsys.readouterr().out
+  line = [s for s in out.splitlines() if s.startswith("epoch 2:")][0]
+  assert f"{logs['epsilon_gdp_approximate']:.4g}" in line and "approximate" in line
+  statement = str(model.privacy_statement(DELTA, accountant="gdp")).splitlines()[0]
+  assert "approximate" in statement and f"{by_hand:.4g}" in statement

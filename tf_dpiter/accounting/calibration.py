@@ -5,6 +5,8 @@ Privacy cost is monotone in each knob, so bisection on the accountant's epsilon 
 (the one bisection, `accounting.search`).
 The answer is always on the safe side of the target: the returned setting's epsilon is
 <= target_epsilon (noise rounded up; rate and steps rounded down).
+Only accountants that give an upper bound are taken ("rdp", "pld"): accountant="gdp" is an
+approximation and is refused (`accountant.check_bound_accountant`).
 """
 
 
@@ -46,7 +48,7 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
     target_epsilon: > 0; target_delta: in (0, 1).
     sampling_probability: q in (0, 1].
     steps: T, an int >= 1 (an integral float is accepted).
-    accountant: "rdp", "pld" or "gdp".
+    accountant: "rdp" or "pld" (upper bounds; "gdp", an approximation, is refused).
     sampling: a ledger policy ("poisson", "fixed_size", "shuffle").
     population_size: n (matters for fixed_size and shuffle); None: 1e9.
     tol: relative tolerance of z.
@@ -56,8 +58,10 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
     z, a float; its epsilon is <= target_epsilon.
   Raises:
     ParameterTypeError: steps is not an integer.
+    BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad target, q or steps, or no z up to 2^20 meets the target.
   """
+  accountant_lib.check_bound_accountant(accountant, "calibrate_noise_multiplier")
   target_delta = _check_targets(target_epsilon, target_delta)
   validation.check_probability("sampling_probability", sampling_probability)
   if isinstance(steps, float) and steps.is_integer():
@@ -87,8 +91,10 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
   Returns:
     q, a float in (0, 1]; its epsilon is <= target_epsilon.
   Raises:
+    BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad target or z, or even q = 1/n exceeds the target.
   """
+  accountant_lib.check_bound_accountant(accountant, "calibrate_sampling_probability")
   target_delta = _check_targets(target_epsilon, target_delta)
   validation.check_positive("noise_multiplier", noise_multiplier)
   n = float(population_size) if population_size else 1e9
@@ -116,8 +122,10 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
   Returns:
     T, an int in [0, max_steps].
   Raises:
+    BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad target, z or q.
   """
+  accountant_lib.check_bound_accountant(accountant, "calibrate_steps")
   target_delta = _check_targets(target_epsilon, target_delta)
   validation.check_positive("noise_multiplier", noise_multiplier)
   validation.check_probability("sampling_probability", sampling_probability)
@@ -141,8 +149,10 @@ def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant=
   Returns:
     z, a float.
   Raises:
+    BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad argument (named).
   """
+  accountant_lib.check_bound_accountant(accountant, "compute_noise_from_budget")
   validation.check_positive("n", n, allow_inf=False)
   validation.check_positive("batch_size", batch_size, allow_inf=False)
   validation.check_positive("epochs", epochs, allow_inf=False)

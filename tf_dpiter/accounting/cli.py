@@ -116,7 +116,8 @@ def _dp_sgd_parser(prog, description, knob):
   p.add_argument("--delta", type=float, required=True)
   p.add_argument("--accountant", choices=CLI_ACCOUNTANTS, default=None,
                  help="rdp (default), pld (dp-accounting); gdp is an approximation (TF "
-                      "Privacy's GDP)")
+                      "Privacy's GDP; its value is labelled approximate, and "
+                      "compute_noise_from_budget refuses it)")
   p.add_argument("--accountant_type", choices=("RDP", "PLD"), default=None,
                  help="TF Privacy's spelling of --accountant rdp / pld")
   p.add_argument("--sampling", choices=rec.POLICIES, default=None,

@@ -102,7 +102,9 @@ def plot_epsilon_curve(curve, path, title=None, epoch_steps=None):
   ax.set_xlabel("training steps (ledger samples)")
   ax.set_ylabel("ε")
   ax.set_title(title or f"ε over training at δ = {curve.delta:g} "
-               f"({curve.accountant.upper()} accountant)")
+               f"({curve.accountant.upper()} accountant"
+               + (", approximate: not an upper bound" if curve.accountant == "gdp" else "")
+               + ")")
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -115,7 +115,8 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
 
   Args:
     n, batch_size, noise_multiplier, epochs, delta: the run (noise stddev z*C on the sum).
-    accountant: "rdp" or "pld".
+    accountant: "rdp" or "pld" (upper bounds), or "gdp" (an approximation, labelled so in
+      the statement: Poisson or full sampling only).
     sampling: "poisson" (q = B/n, add/remove one example), "fixed_size" (B of n without
       replacement, replace one), "shuffle" (ceil(epochs) passes, replace one) or "full".
     num_microbatches: M, or None; with M, one example moves its microbatch by 2C.
@@ -137,8 +138,10 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
   statement = (
       f"DP-SGD on n={n} records, batch size {batch_size} (q={q:.4g}), noise multiplier "
       f"{noise_multiplier}, {epochs} epochs = {steps} steps, {sampling} sampling"
-      + (f", {num_microbatches} microbatches" if num_microbatches else "") + " satisfies "
-      f"({report.epsilon:.4g}, {delta:.3g})-DP ({accountant.upper()} accountant).\n"
+      + (f", {num_microbatches} microbatches" if num_microbatches else "")
+      + (" satisfies " if accountant != "gdp" else " satisfies approximately ")
+      + f"({report.epsilon:.4g}, {delta:.3g})-DP ({accountant.upper()} accountant"
+      + (": an approximate value, not an upper bound" if accountant == "gdp" else "") + ").\n"
       + "\n".join(f"  - {a}" for a in report.assumptions)
       + (f"\n  - delta = {delta:g} >= 1/n = {1.0 / n:.3g}: such a guarantee allows revealing "
          "about one record outright; use delta well below 1/n" if large_delta else ""))

@@ -238,13 +238,15 @@ def max_extra_samples(ledger, planned, max_epsilon, delta, accountant="rdp", lim
     ledger, planned: as in `content_after`.
     max_epsilon: the budget, a number > 0.
     delta: the delta of the statement.
-    accountant: "rdp" or "pld".
+    accountant: "rdp" or "pld" ("gdp", an approximation, is refused: a budget needs a bound).
     limit: the search stops there (returns at most `limit`).
   Returns:
     an int >= 0 (-1 when the ledger alone already exceeds the budget).
   Raises:
+    BudgetConfigError: accountant="gdp".
     PrivacyConfigError: see `report_after`.
   """
+  accountant_lib.check_bound_accountant(accountant, "max_extra_samples")
   validation.check_positive("max_epsilon", max_epsilon)
   ok = lambda n: epsilon_after(ledger, delta, planned, n, accountant) <= max_epsilon
   return largest_integer(ok, 0, limit)
@@ -259,17 +261,18 @@ class StepBudget:
   else the ledger holds, so a loop that repeats one kind of step pays one search.
 
   Args:
-    max_epsilon: the budget, > 0 and finite; delta: in (0, 1); accountant: an accountant
-      name `accounting.report_from_groups` accepts ("rdp", "pld", ...).
+    max_epsilon: the budget, > 0 and finite; delta: in (0, 1); accountant: "rdp" or "pld"
+      (an upper bound; "gdp", an approximation, is refused).
   Raises:
+    BudgetConfigError: accountant="gdp" (`accountant.check_bound_accountant`).
     PrivacyConfigError: a bad budget.
   """
 
   def __init__(self, max_epsilon, delta, accountant="rdp"):
+    self.accountant = accountant_lib.check_bound_accountant(accountant, "StepBudget")
     validation.check_positive("max_epsilon", max_epsilon)
     self.max_epsilon = float(max_epsilon)
     self.delta = validation.check_delta("delta", delta)
-    self.accountant = accountant          # checked by the accountant at the first search
     self._allowed = {}
 
   def allowed_total(self, ledger, planned):

@@ -62,8 +62,13 @@ def _delta_warned():
     yield
 
 
-def _line(label, value):
-  return f"    {label}: " + (f"{value:.4g}" if isinstance(value, float) else str(value))
+def _line(label, value, accountant="rdp"):
+  """One statement line; a GDP number says on its own line that it is approximate."""
+  if not isinstance(value, float):
+    return f"    {label}: {value}"
+  if accountant == "gdp":
+    return f"    {label}: ~{value:.4g} (GDP: approximate, not an upper bound)"
+  return f"    {label}: {value:.4g}"
 
 
 def _user_lines(n, batch_size, noise_multiplier, epochs, delta, k, accountant, microbatches):
@@ -79,10 +84,10 @@ def _user_lines(n, batch_size, noise_multiplier, epochs, delta, k, accountant, m
     return accountant_lib.epsilon_function(groups, accountant)
 
   lines.append(_line("Epsilon with each example once per epoch",
-                     group_epsilon(eps("shuffle"), k, delta)))
+                     group_epsilon(eps("shuffle"), k, delta), accountant))
   if not microbatches:
     lines.append(_line("Epsilon assuming Poisson sampling (*)",
-                       group_epsilon(eps("poisson"), k, delta)))
+                       group_epsilon(eps("poisson"), k, delta), accountant))
   return lines
 
 
@@ -125,7 +130,7 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
            f"Example-level DP at delta = {delta:g}, {accountant.upper()} accountant"
            + (" (an approximation, not an upper bound)" if accountant == "gdp" else "") + ":",
            _line("Epsilon with each example once per epoch (replace-one adjacency, "
-                 "sensitivity 2C, no amplification)", shuffled.epsilon)]
+                 "sensitivity 2C, no amplification)", shuffled.epsilon, accountant)]
   if used_microbatching:
     lines.append(_line("Epsilon assuming Poisson sampling (*)",
                        "not given: with microbatches, removing an example re-deals the "
@@ -135,7 +140,7 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
       poisson = dp_sgd.compute_dp_sgd_privacy(n, b, z, num_epochs, delta,
                                               accountant=accountant)
     lines.append(_line("Epsilon assuming Poisson sampling (*) (add/remove-one adjacency, "
-                       "sensitivity C)", poisson.epsilon))
+                       "sensitivity C)", poisson.epsilon, accountant))
   lines += [""] + _user_lines(n, b, z, num_epochs, delta, max_examples_per_user, accountant,
                               used_microbatching)
   lines += ["", "(*) tf_dpiter's fit(x, y, batch_size=B) on arrays samples by Poisson, so this "

@@ -77,6 +77,8 @@ class DPServer:
       validation.check_delta("max_delta", max_delta)
     if max_epsilon is not None:
       validation.check_positive("max_epsilon", max_epsilon)
+    if max_epsilon is not None or max_delta is not None:
+      accounting.accountant.check_bound_accountant(accountant, "a max_epsilon / max_delta budget")
     validation.check_instance("query", query, dpq.DPQuery, "a DPQuery")
     self.server_learning_rate = validation.check_number("server_learning_rate",
                                                         server_learning_rate)

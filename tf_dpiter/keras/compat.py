@@ -24,6 +24,8 @@ The privacy is the same as with the tf_dpiter names: these only choose defaults 
 orders. Each accounting number comes from the same ledger path as `accounting.epsilon`.
 """
 
+import warnings
+
 import keras
 
 from tf_dpiter import accounting
@@ -73,9 +75,28 @@ def compute_eps_poisson(epoch, noise_multi, n, batch_size, delta):
   batch_size) steps (TF Privacy uses epoch n / batch_size unrounded), then the mu-GDP
   epsilon at delta. An approximation, not an upper bound: prefer
   `accounting.compute_dp_sgd_privacy(..., accountant="rdp")` or "pld" for a guarantee.
+
+  Args:
+    epoch: epochs E.
+    noise_multi: the noise multiplier z.
+    n: records.
+    batch_size: the expected batch size B.
+    delta: in (0, 1).
+  Returns:
+    the GDP epsilon, a float (an approximation: it can be below the true epsilon).
+  Warns:
+    UserWarning: on every call, naming the value as approximate (a float cannot carry the
+      label) and the accountants that give a bound.
   """
-  return accounting.compute_dp_sgd_privacy(n, batch_size, noise_multi, epoch, delta,
-                                           accountant="gdp").epsilon
+  eps = accounting.compute_dp_sgd_privacy(n, batch_size, noise_multi, epoch, delta,
+                                          accountant="gdp").epsilon
+  warnings.warn(
+      f"compute_eps_poisson: epsilon ~ {eps:.4g} at delta={delta:g} is TF Privacy's GDP value, "
+      "an approximation (central limit theorem), not an upper bound; it can be below the true "
+      "epsilon. For a guarantee use dp.accounting.compute_dp_sgd_privacy(n, batch_size, "
+      "noise_multiplier, epochs, delta, accountant='pld') (or 'rdp')", UserWarning,
+      stacklevel=2)
+  return eps
 
 
 __all__ = [

@@ -126,10 +126,15 @@ class PrivacyMeter(keras.callbacks.Callback):
   ledger holds shuffled passes, logs['epsilon_if_poisson'] also shows what Poisson sampling
   with the same q, noise and number of steps would have cost (`epsilon_if_poisson`).
 
+  Under accountant="gdp" the value is an approximation (a central limit theorem, not an upper
+  bound: `accounting.gdp`), so it is never written as logs['epsilon']: it goes to
+  logs['epsilon_gdp_approximate'] (the CSV column, History key and TensorBoard tag say it),
+  and the verbose line reads "epsilon ~ x (GDP: approximate, not an upper bound)".
+
   Args:
     delta: the delta of the (epsilon, delta) statement, in (0, 1).
-    accountant: "rdp" or "pld" (dp-accounting), or "gdp" (an approximation, see
-      accounting.gdp).
+    accountant: "rdp" or "pld" (dp-accounting, upper bounds), or "gdp" (an approximation,
+      labelled so; see accounting.gdp).
     verbose: print epsilon after every epoch.
     plot: optional PNG path: at the end of training, epsilon over steps
       (`accounting.epsilon_curve`, up to `plot_points` points; dotted lines at epoch ends).
@@ -140,6 +145,8 @@ class PrivacyMeter(keras.callbacks.Callback):
     super().__init__()
     self.delta = validation.check_delta("delta", delta)
     self.accountant = _check_accountant(accountant)
+    self.epsilon_key = "epsilon" if accountant in accounting.ACCOUNTANTS else (
+        "epsilon_gdp_approximate")
     self.verbose = verbose
     if plot is not None and (not isinstance(plot, (str, os.PathLike)) or not os.fspath(plot)):
       raise ParameterValueError(f"plot must be None or a PNG file path, got {plot!r}")
@@ -181,7 +188,7 @@ class PrivacyMeter(keras.callbacks.Callback):
       self._written = (epoch, if_poisson)
       self.epoch_steps.append(int(model_ledger(self.model).sample_count.numpy()))
     if logs is not None:
-      logs["epsilon"] = self.epsilon
+      logs[self.epsilon_key] = self.epsilon
       logs["delta"] = self.delta
       if self._written[1] is not None:
         logs["epsilon_if_poisson"] = self._written[1]
@@ -194,8 +201,12 @@ class PrivacyMeter(keras.callbacks.Callback):
     if self.verbose:
       if_poisson = self._written[1]
       extra = "" if if_poisson is None else f" (Poisson sampling would give {if_poisson:.4g})"
-      self._pending = (f"epoch {epoch + 1}: epsilon = {self.epsilon:.4g} at delta = "
-                       f"{self.delta:g}{extra}")
+      if self.accountant in accounting.ACCOUNTANTS:
+        value = f"epsilon = {self.epsilon:.4g}"
+      else:
+        value = (f"epsilon ~ {self.epsilon:.4g} (GDP: approximate, not an upper bound; use "
+                 "accountant='pld' or 'rdp' for a guarantee)")
+      self._pending = f"epoch {epoch + 1}: {value} at delta = {self.delta:g}{extra}"
       if not _progress_bar_open(self.params):
         self._print_pending()
 
@@ -254,6 +265,17 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   allowed steps of the current kind is found once by binary search and cached. Before the
   first step the optimizer's Gaussian settings predict the step; with a custom query the
   first step is not checked.
+
+  Args:
+    epsilon: the budget, a finite number > 0.
+    delta: the delta of the budget, in (0, 1).
+    accountant: "rdp" or "pld" (upper bounds). "gdp" is refused: its epsilon is an
+      approximation that can be far below the truth, so a run stopped by it can exceed the
+      budget.
+    verbose: print the line saying why training stopped.
+  Raises:
+    PrivacyConfigError: a bad epsilon or delta.
+    BudgetConfigError: accountant="gdp" (or an accountant that is not available).
   """
 
   def __init__(self, epsilon, delta, accountant="rdp", verbose=0):
@@ -263,7 +285,8 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
       raise PrivacyConfigError(f"epsilon must be a finite number > 0, got {epsilon!r}")
     self.epsilon = e
     self.delta = validation.check_delta("delta", delta)
-    self.accountant = _check_accountant(accountant)
+    self.accountant = accounting.accountant.check_bound_accountant(accountant,
+                                                                   "StopAtPrivacyBudget")
     self.verbose = verbose
     self.stopped_at_step = None
     self._hidden_metrics = None

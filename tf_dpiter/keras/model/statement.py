@@ -71,8 +71,11 @@ class RunStatement:
   notes: Tuple[str, ...]
 
   def __str__(self):
-    head = (f"This run: ({self.epsilon:.4g}, {self.delta:.3g})-DP for one {self.unit} "
-            f"({self.relation}), {self.accountant.upper()} accountant over its ledger.")
+    approx = self.accountant == "gdp"
+    head = (f"This run: {'approximately ' if approx else ''}({self.epsilon:.4g}, "
+            f"{self.delta:.3g})-DP for one {self.unit} ({self.relation}), "
+            f"{self.accountant.upper()} accountant over its ledger"
+            + (" (GDP: an approximate value, not an upper bound)." if approx else "."))
     lines = [head,
              f"  sampling: {self.policy}, q = {self.selection_probability:.4g}, "
              f"n = {self.population_size:g}",

@@ -27,8 +27,10 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
   Warns:
     UserWarning: delta >= 1/population_size (`accountant.warn_if_delta_too_large`).
   Raises:
-    BudgetConfigError: batch_size larger than population_size (names both values).
+    BudgetConfigError: batch_size larger than population_size (names both values), or
+      accountant="gdp" (an approximation: a calibration needs an upper bound, "pld" or "rdp").
   """
+  accountant_lib.check_bound_accountant(accountant, who)
   _check_batch_fits(batch_size, population_size, who)
   accountant_lib.warn_if_delta_too_large(delta, population_size, stacklevel=4)
   calibration.compute_noise_from_budget(     # validates the arguments, names a bad one
