@@ -8,11 +8,23 @@ the token.
 
 Revocation: `TokenSet.reload()` re-reads the token file in place (the server calls it on
 SIGHUP); every request is authenticated again, so a removed token is refused from its next
-request on, on any connection.
+request on, on any connection (403 revoked_token).
+
+Reading the file is all or nothing: a file modified less than `SETTLE_S` seconds ago is not
+read yet (TokenFileUnsettled: the server retries when it has settled), a file that changes
+while it is read, or whose last line has no newline (a partial write), is refused, and a
+refused file keeps the old set. Writing a new file and renaming it over the old one is
+atomic and needs none of this.
+
+SIGHUP before the event loop runs: `catch_early_hangups()` (the command line's first
+instruction) replaces SIGHUP's default action (terminate) with a flag, which the service
+reads at startup (`take_early_hangup()`) and answers with one reload.
 
 Guessing: `AuthThrottle` keeps a token bucket of failed authentications per address; an
 address out of failures is answered 429 without its token being looked at, so guessing
-runs at `rate` attempts per second per address at most.
+runs at `rate` attempts per second per address at most. A revoked token (once valid, now
+removed) is not a guess: its retries are refused without being counted, so a revoked
+client cannot throttle the other tokens of its address.
 
 Quotas: a token bucket per identity and per operation (draw, submit): `rate` requests
 per second on average, bursts of `burst`. A refused request gets the seconds until its
@@ -24,9 +36,93 @@ from __future__ import annotations
 import collections
 import hashlib
 import math
+import os
+import signal
+import stat
+import threading
 import time
 
 from tf_dpiter.errors import ParameterValueError
+
+SETTLE_S = 1.0  # a token file is read only once unchanged for this many seconds
+MAX_REVOKED = 100_000  # digests of revoked tokens remembered (oldest forgotten first)
+_early_hangups = {"pending": False, "caught": False}
+
+
+def catch_early_hangups() -> None:
+  """Makes SIGHUP set a flag instead of terminating the process (until the loop takes over).
+
+  Call it as the first instruction of a server's entry point: SIGHUP's default action kills
+  the process, and the event loop installs its own handler only once it runs. Does nothing
+  off the main thread or where SIGHUP does not exist.
+  """
+  if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
+    return
+
+  def note(signum, frame):  # pylint: disable=unused-argument
+    _early_hangups["pending"] = True
+
+  signal.signal(signal.SIGHUP, note)
+  _early_hangups["caught"] = True
+
+
+def take_early_hangup() -> bool:
+  """Whether a SIGHUP arrived since catch_early_hangups() (clears the flag).
+
+  Returns:
+    True once per early SIGHUP burst.
+  """
+  pending, _early_hangups["pending"] = _early_hangups["pending"], False
+  return pending
+
+
+class TokenFileUnsettled(OSError):
+  """The token file was modified less than SETTLE_S seconds ago: retry in `wait_s` seconds."""
+
+  def __init__(self, message: str, wait_s: float):
+    super().__init__(message)
+    self.wait_s = float(wait_s)
+
+
+def read_token_file(path: str, settle_s: float = SETTLE_S, clock=time.time,
+                    whole_lines: bool = True) -> list:
+  """The tokens of a token file, read as one consistent whole.
+
+  Args:
+    path: the token file (one token per line; blank and '#' lines skipped).
+    settle_s: seconds the file must have been unchanged (0: read now).
+    clock: wall-clock time source in seconds (compared with the file's mtime).
+    whole_lines: refuse a file whose last line has no newline (a partial write).
+
+  Returns:
+    The token strings.
+
+  A regular file must not change while it is read (size, mtime, inode); other files
+  (a pipe at start-up) are read as they come.
+
+  Raises:
+    TokenFileUnsettled: the file was modified less than settle_s seconds ago.
+    OSError: the file cannot be read.
+    ParameterValueError: the file changed while read, or its last line has no newline.
+  """
+  with open(path, "rb") as f:
+    before = os.fstat(f.fileno())
+    age = clock() - before.st_mtime_ns / 1e9
+    if age < settle_s:
+      raise TokenFileUnsettled(f"token file {path!r} was modified {max(age, 0):.2f} s ago; "
+                               f"read once unchanged for {settle_s:g} s", settle_s - age)
+    raw = f.read()
+    after = os.fstat(f.fileno())
+  now = os.stat(path)
+  seen = [(st.st_ino, st.st_size, st.st_mtime_ns) for st in (before, after, now)]
+  if stat.S_ISREG(before.st_mode) and not seen[0] == seen[1] == seen[2]:
+    raise ParameterValueError(f"token file {path!r} changed while it was read; the old "
+                              "set is kept (write a new file and rename it over the old one)")
+  if whole_lines and raw and not raw.endswith(b"\n"):
+    raise ParameterValueError(f"token file {path!r} does not end with a newline (a partial "
+                              "write?); the old set is kept")
+  lines = [ln.strip() for ln in raw.decode("utf-8").splitlines()]
+  return [ln for ln in lines if ln and not ln.startswith("#")]
 
 
 def token_digest(token: str) -> str:
@@ -61,41 +157,57 @@ class TokenSet:
     if not digests:
       raise ParameterValueError("tokens: no token given")
     self._digests = frozenset(digests)
+    self._revoked: collections.OrderedDict = collections.OrderedDict()  # digest -> None
     self.path: str | None = None
 
   @classmethod
-  def from_file(cls, path: str) -> "TokenSet":
-    """Reads one token per line.
+  def from_file(cls, path: str, settle_s: float = 0.0) -> "TokenSet":
+    """Reads one token per line (read_token_file: all or nothing).
 
     Args:
       path: the token file.
+      settle_s: seconds the file must have been unchanged (0 at start-up: read now, and a
+        last line without its newline is accepted; > 0: reloads, where it is refused).
 
     Returns:
       A TokenSet.
 
     Raises:
+      TokenFileUnsettled: the file was modified less than settle_s seconds ago.
       OSError: when the file cannot be read.
-      ValueError: when it holds no valid token.
+      ValueError: when it holds no valid token, changed while read or ends mid-line.
     """
-    with open(path, encoding="utf-8") as f:
-      lines = [ln.strip() for ln in f]
-    out = cls([ln for ln in lines if ln and not ln.startswith("#")])
+    out = cls(read_token_file(path, settle_s, whole_lines=settle_s > 0))
     out.path = path
     return out
 
-  def reload(self) -> int:
+  def reload(self, settle_s: float = SETTLE_S) -> int:
     """Re-reads the token file in place (revocation); keeps the old set on any error.
+
+    Tokens dropped from the file are remembered as revoked (at most MAX_REVOKED).
+
+    Args:
+      settle_s: seconds the file must have been unchanged before it is read.
 
     Returns:
       The number of tokens now accepted.
 
     Raises:
-      ValueError: when the set was not read from a file, or the file holds no valid token.
+      TokenFileUnsettled: the file is too fresh; call again after its `wait_s`.
+      ValueError: when the set was not read from a file, or the file holds no valid token,
+        changed while read or ends mid-line.
       OSError: when the file cannot be read.
     """
     if self.path is None:
       raise ParameterValueError("this TokenSet was not read from a file; nothing to reload")
-    self._digests = TokenSet.from_file(self.path)._digests
+    new = TokenSet.from_file(self.path, settle_s)._digests
+    for digest in self._digests - new:
+      self._revoked[digest] = None
+    for digest in new:
+      self._revoked.pop(digest, None)
+    while len(self._revoked) > MAX_REVOKED:
+      self._revoked.popitem(last=False)
+    self._digests = new
     return len(self._digests)
 
   def __len__(self) -> int:
@@ -108,14 +220,14 @@ class TokenSet:
       authorization: the header value or None.
 
     Returns:
-      (identity, "") when the token is known; (None, "missing_token") or
-      (None, "invalid_token") otherwise.
+      (identity, "") when the token is known; (None, "missing_token"),
+      (None, "revoked_token") for a token removed by a reload, or (None, "invalid_token").
     """
     if not authorization or not authorization.startswith("Bearer "):
       return None, "missing_token"
     digest = token_digest(authorization[7:].strip())
     if digest not in self._digests:
-      return None, "invalid_token"
+      return None, "revoked_token" if digest in self._revoked else "invalid_token"
     return digest[:12], ""
 
 

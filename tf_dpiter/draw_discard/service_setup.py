@@ -112,6 +112,8 @@ class StoreSetup:
       self._anchor_task = asyncio.get_running_loop().create_task(self.anchor.run(self.store))
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
+    if auth.take_early_hangup():  # a SIGHUP before the loop handled signals: reload now
+      self.reload_tokens()
 
   async def shutdown(self, app=None) -> None:
     """Saves the anchor (anchor.py) and closes the store.

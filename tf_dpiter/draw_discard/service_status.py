@@ -6,11 +6,13 @@ metrics and the store's sequence number.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from aiohttp import web
 
+from tf_dpiter.draw_discard import auth
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import web_errors
@@ -68,17 +70,30 @@ class StatusEndpoints:
   def reload_tokens(self) -> None:
     """SIGHUP: re-reads the token file (revocation); on error keeps the old set and logs.
 
-    The server keeps running either way; the outcome is one JSON log line.
+    A file modified less than auth.SETTLE_S seconds ago is read once it has settled (one
+    retry scheduled on the running loop). The server keeps running either way; the outcome
+    is one JSON log line.
     """
     if self.tokens is None or self.tokens.path is None:
       web_errors.log_event(log, "tokens_reload_skipped", detail="no token file")
       return
     try:
       n = self.tokens.reload()
+    except auth.TokenFileUnsettled as e:
+      if not getattr(self, "_reload_scheduled", False):
+        self._reload_scheduled = True
+        asyncio.get_running_loop().call_later(e.wait_s + 0.05, self._reload_settled)
+      web_errors.log_event(log, "tokens_reload_deferred", wait_s=round(e.wait_s, 3))
+      return
     except (OSError, ValueError) as e:
-      web_errors.log_event(log, "tokens_reload_failed", logging.ERROR, error=type(e).__name__)
+      web_errors.log_event(log, "tokens_reload_failed", logging.ERROR, error=type(e).__name__,
+                           detail=str(e))
       return
     web_errors.log_event(log, "tokens_reloaded", tokens=n)
+
+  def _reload_settled(self) -> None:
+    self._reload_scheduled = False
+    self.reload_tokens()
 
   async def handle_health(self, request: web.Request) -> web.Response:
     """GET /healthz: 200 only when the store holds this server's model, intact.

@@ -98,11 +98,12 @@ async def _admit(svc, request: web.Request) -> None:
     identity, why = svc.tokens.identify(request.headers.get("Authorization"))
     if identity is None:
       status = 401 if why == "missing_token" else 403
-      if status == 403:
+      if why == "invalid_token":  # a revoked token's retries are not guesses
         svc.auth_throttle.failed(addr)
       svc.metrics.inc("auth_refused_total", reason=why, help_text="requests without a valid token")
       raise parsing.RequestError(status, why, "send Authorization: Bearer <token>"
-                                 if status == 401 else "token not accepted",
+                                 if status == 401 else "token revoked" if why == "revoked_token"
+                                 else "token not accepted",
                                  headers={"WWW-Authenticate": 'Bearer realm="ddml"'})
     guard = svc.connection_guard
     if guard is not None and not guard.bind(request.protocol, identity):
