@@ -50,6 +50,7 @@ from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
+from tf_dpiter.draw_discard import draw_gate
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import http_io
 from tf_dpiter.draw_discard import influence
@@ -113,6 +114,9 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     model_interval_s: seconds between two releases of the average.
     legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
       store can forge tickets); logged as a warning.
+    draw_min_updates: with rebasing, a value is served only once it is this many accepted
+      updates (in its lineage) away from every value already served; else a draw gets the
+      slot's last served value again (draw_gate.py). 1: Algorithm 2's draws.
 
   Raises:
     ValueError: for k < 2, history < 0 or a bad acceptance parameter.
@@ -129,7 +133,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                secret: bytes | None = None, legacy_store_key: bool = False,
                model_min_updates: int | None = None, model_interval_s: float = 10.0,
                influence_steps: float | None = 8.0, influence_half_life_s: float | None = 300.0,
-               budget_memory_bytes: int = 256 << 20, state_file: str | None = None):
+               budget_memory_bytes: int = 256 << 20, state_file: str | None = None,
+               draw_min_updates: int = 4):
     if history is None:
       history = 0 if tickets else 256
     if int(k) != k or k < 2:
@@ -154,6 +159,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         self.rule, budget_alpha, max_identities, max_steps=influence_steps,
         half_life_s=influence_half_life_s, max_memory_bytes=budget_memory_bytes)
     self.admission = admission.Admission(self.rule, self.budget)
+    self.draw_gate = draw_gate.DrawGate(self.k, draw_min_updates if self.rebase else 1)
     self._pending_draws = 0
     self.history = int(history)
     self.draw_max_age_s = float(draw_max_age_s)
@@ -205,9 +211,15 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       ([p] instance, ticket).
     """
     snap = await self.snapshots.for_draw()
-    w = snap.slots[secrets.randbelow(self.k)].copy()  # never stored, never logged
-    self.metrics.inc("draws_total", help_text="instances served")
+    w = self._gated_draw(snap)  # never stored, never logged
     return w, self.tickets.issue(identity, w)
+
+  def _gated_draw(self, snap) -> np.ndarray:
+    w, stale = self.draw_gate.draw(snap)
+    self.metrics.inc("draws_total", help_text="instances served")
+    if stale:
+      self.metrics.inc("draws_stale_total", help_text="draws that got an already served value")
+    return w
 
   @staticmethod
   def _identity(request: web.Request) -> str:
@@ -257,14 +269,21 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
     try:
-      new = sub.weights
+      new, parent, slot = sub.weights, None, secrets.randbelow(self.k)
       if self.rebase:  # the step lands on an instance the server draws now
-        new = (await self.snapshots.recent()).slots[secrets.randbelow(self.k)] + adm.step
+        base, q = await self.snapshots.recent(), secrets.randbelow(self.k)
+        new, parent = base.slots[q] + adm.step, self.draw_gate.parent(base, q)
         bad = self.rule.value_reason(new)
         if bad:
           raise await self._refuse(admission.rule_refusal(self.rule, bad))
-      return await self.store.replace(secrets.randbelow(self.k), new, adm.nonce,
-                                      self.ticket_ttl_s, draws, self._rate(identity))
+      node = self.draw_gate.pending(slot, new, parent)
+      try:
+        seq = await self.store.replace(slot, new, adm.nonce, self.ticket_ttl_s, draws,
+                                       self._rate(identity))
+      finally:
+        self.draw_gate.dropped(slot, node)
+      self.draw_gate.written(slot, node, seq)
+      return seq
     except store_lib.TicketUsed as e:
       self.admission.release(adm)
       self._pending_draws += draws
@@ -320,8 +339,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       # the replace just checked the generation and returned seq: no extra store call
       snap = await self.snapshots.at(seq)
       self._pending_draws += 1
-      self.metrics.inc("draws_total", help_text="instances served")
-      w = snap.slots[secrets.randbelow(self.k)].copy()
+      w = self._gated_draw(snap)
       return http_io.raw_weights_response(
           w, self.spec.version,
           {"X-DDML-Seq": str(seq), "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)})

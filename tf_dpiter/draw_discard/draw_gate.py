@@ -1,0 +1,187 @@
+"""Draw privacy at low traffic: a value is served only m updates away from every served one.
+
+The attack (issue 39, finding 8): a tracker keeps every instance it is served. With
+rebasing (service.DDMLService(rebase=True)) a victim's update is stored as h' + d, h' an
+instance in the store; once h' and later h' + d are both served to the tracker, the
+difference is the victim's noised step d exactly. Local DP (Lemma 1 of the paper: the
+noise of d) is then the victim's only protection.
+
+The rule (DrawGate): the stored values form a lineage forest (h' + d is a child of h').
+For each slot the gate keeps `dist`, the lineage distance from the slot's value to the
+nearest value already served (capped at m). A draw picks a slot uniformly; if its value is
+at distance >= m it is served (and distances are updated), else the slot's last served
+value is served again (a *stale* draw: the tracker learns nothing new from it). So any
+two distinct served values x, y differ by a path of at least m accepted updates in the
+lineage: x - y is a signed sum of >= m local-DP steps (with their Algorithm-1 noise), never
+one victim's step alone.
+
+Cost (staleness): a stale draw returns an instance that lags its slot by < m updates of
+its lineage; clients train on it as usual (the step lands on a fresh instance anyway:
+rebasing). `draws_stale_total` counts them. m = 1 is Algorithm 2 unchanged.
+
+Guarantee below the traffic that renews the values: with little traffic most draws are
+stale, and a value is served fresh only after m updates chained onto it, whatever the
+time; so the statement above holds at every traffic level, and only the staleness grows.
+What it does not give: a differencing attack still sees a sum of m local-DP steps (the
+local-DP guarantee of each step holds; the sum adds the others' noise but no formal
+amplification is claimed). Limits: the gate is per server process. Values written by
+another process (Redis) are taken as one update away from a served value (their parent
+may have been served), which is safe for that parent but not for their other relatives;
+values present when the process starts count as never served. Without rebasing every
+stored value is one step from a served draw, so the gate is off (m = 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+
+import numpy as np
+
+from tf_dpiter.errors import ParameterValueError
+
+
+class _Node:
+  """One stored value: its id, its ancestors' ids (itself first, at most m) and `dist`."""
+
+  __slots__ = ("chain", "dist", "value", "seq")
+
+  def __init__(self, chain: tuple, dist: int, value: np.ndarray, seq: int):
+    self.chain, self.dist, self.value, self.seq = chain, dist, value, seq
+
+
+class DrawGate:
+  """Serves a slot's value only when it is >= m lineage steps from every served value.
+
+  Args:
+    k: number of slots.
+    m: minimum number of accepted updates between two served values (>= 1; 1: no gate).
+
+  Raises:
+    ParameterValueError: for k < 2 or m < 1.
+  """
+
+  def __init__(self, k: int, m: int):
+    if int(k) != k or k < 2:
+      raise ParameterValueError(f"`k` must be an integer >= 2. Received: k={k!r}")
+    if int(m) != m or m < 1:
+      raise ParameterValueError(f"`draw_min_updates` must be an integer >= 1. "
+                                f"Received: draw_min_updates={m!r}")
+    self.k, self.m = int(k), int(m)
+    self._ids = itertools.count(1)
+    self._slots: list[_Node | None] = [None] * self.k
+    self._pending: dict[int, list[_Node]] = {}
+    self._served: list[np.ndarray | None] = [None] * self.k
+    self._last_served: np.ndarray | None = None
+    self.stale = 0
+
+  def _node(self, i: int, snap) -> _Node:
+    """The lineage node of slot i's value in `snap` (registering values it did not write)."""
+    node, value = self._slots[i], snap.slots[i]
+    if node is not None and (node.seq > snap.seq or np.array_equal(node.value, value)):
+      return node
+    for cand in self._pending.get(i, ()):
+      if np.array_equal(cand.value, value):
+        return cand
+    dist = self.m if node is None else 1  # first sight: never served; a foreign write: its
+    node = _Node((next(self._ids),), dist, value.copy(), snap.seq)  # parent may have been
+    self._slots[i] = node
+    return node
+
+  @staticmethod
+  def _distance(a: _Node, b: _Node, cap: int) -> int:
+    pos = {x: n for n, x in enumerate(a.chain)}
+    best = cap
+    for n, x in enumerate(b.chain):
+      if x in pos:
+        best = min(best, pos[x] + n)
+    return best
+
+  def draw(self, snap) -> tuple[np.ndarray, bool]:
+    """One instance for a draw: slot i uniform, its value if m steps from all served ones.
+
+    Args:
+      snap: a store Snapshot (slots [k, p], seq).
+
+    Returns:
+      ([p] instance, a copy; True when it is a stale, already served value).
+    """
+    i = secrets.randbelow(self.k)
+    if self.m == 1:
+      return snap.slots[i].copy(), False
+    node = self._node(i, snap)
+    if node.dist < self.m and self._last_served is not None:
+      self.stale += 1
+      old = self._served[i] if self._served[i] is not None else self._last_served
+      return old.copy(), True
+    node.dist = 0
+    for other in self._slots:
+      if other is not None and other is not node:
+        other.dist = min(other.dist, self._distance(node, other, self.m))
+    for cands in self._pending.values():
+      for other in cands:
+        other.dist = min(other.dist, self._distance(node, other, self.m))
+    self._served[i] = self._last_served = node.value
+    return node.value.copy(), False
+
+  def parent(self, snap, i: int) -> _Node:
+    """The node of slot i's value in `snap`, the base h' of a rebased update.
+
+    Args:
+      snap: the Snapshot the base was taken from.
+      i: the base slot.
+
+    Returns:
+      An opaque node for `pending`.
+    """
+    return self._node(i, snap)
+
+  def pending(self, slot: int, value: np.ndarray, parent: _Node | None) -> _Node:
+    """Registers a value about to be written to `slot`, one update below `parent`.
+
+    Args:
+      slot: the slot the store will replace.
+      value: [p] the new value (h' + d).
+      parent: the base's node (None: unknown, e.g. not rebased: taken as served).
+
+    Returns:
+      The new node; pass it to `written` or `dropped`.
+    """
+    if parent is None:
+      chain, dist = (next(self._ids),), 1
+    else:
+      chain, dist = (next(self._ids),) + parent.chain[:self.m - 1], min(self.m, parent.dist + 1)
+    node = _Node(chain, dist, np.asarray(value, dtype=np.float64).copy(), -1)
+    if self.m == 1:
+      return node
+    self._pending.setdefault(slot, []).append(node)
+    return node
+
+  def written(self, slot: int, node: _Node, seq: int) -> None:
+    """The store replaced `slot` with the pending node's value at sequence number seq.
+
+    Args:
+      slot: the replaced slot.
+      node: the node from `pending`.
+      seq: the store's sequence number of the write.
+    """
+    if self.m == 1:
+      return
+    self.dropped(slot, node)
+    node.seq = seq
+    cur = self._slots[slot]
+    if cur is None or cur.seq <= seq:
+      self._slots[slot] = node
+
+  def dropped(self, slot: int, node: _Node) -> None:
+    """Forgets a pending node (the write failed, or it was recorded).
+
+    Args:
+      slot: its slot.
+      node: the node from `pending`.
+    """
+    cands = self._pending.get(slot)
+    if cands and node in cands:
+      cands.remove(node)
+      if not cands:
+        del self._pending[slot]
