@@ -74,7 +74,7 @@ def test_honest_token_within_the_rate_is_not_refused():
 
 def test_budget_memory_is_bounded_and_active_identities_are_kept():
   rule, clock = acceptance.AcceptanceRule(dense_spec(P)), Clock()
-  per_identity = 8 * P + 160
+  per_identity = 16 * P + 160
   budget = influence.InfluenceBudget(rule, max_memory_bytes=10 * per_identity, clock=clock)
   assert budget.max_identities == 10
   d = np.full(P, rule.step)

@@ -9,8 +9,9 @@ Order (each step refuses before anything is stored):
      step_too_large / excess_too_large / too_little_noise, P(honest refused) <= alpha;
   4. influence budget (influence.py): the identity's decayed count stays under its rate
      cap (else 429 influence_rate_exceeded, Retry-After) and its decayed cumulative step
-     inside honest clients' envelope, else 422 cumulative_step_too_large /
-     cumulative_excess_too_large (503 influence_table_full when the memory bound is hit).
+     inside honest clients' envelope, and its undecayed per-weight sum inside N honest
+     steps' envelope, else 422 cumulative_step_too_large / cumulative_excess_too_large /
+     lifetime_step_too_large (503 influence_table_full when the memory bound is hit).
 
 The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
 """
