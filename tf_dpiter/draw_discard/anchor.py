@@ -1,11 +1,31 @@
-"""A local anchor of the store's sequence number: detects a rollback across restarts.
+"""A local anchor of the store's sequence number: a lost acknowledged update is detected.
 
 The Redis store refuses a sequence number below the highest one its process has seen
-(redis_store.py), but a restarted process starts from nothing. With an anchor file
-(`serve --state-file PATH`, one per server, on the server's own disk) the server writes
-{"generation", "seq"} once a second (write to a temporary file, fsync, rename) and at
-shutdown, and at startup refuses a store of the same generation whose sequence number is
-below the anchored one (StoreRolledBack): acknowledged updates were lost while it was down.
+(redis_store.py), but a restarted process starts from nothing, and Redis itself may lose
+its last writes (AOF `everysec`, an RDB restore). With an anchor file (`serve --state-file
+PATH`, one per server, on the server's own disk) the server records
+
+    {"generation", "seq", "epochs", "last_epoch"}
+
+(written to a temporary file, fsynced, renamed, directory fsynced) and:
+
+* writes it **before acknowledging an update** (RedisStore.replace awaits `commit`): the
+  writes of one event-loop turn share one fsync (group commit). So every acknowledged
+  sequence number is on the server's disk before the client hears of it;
+* at start-up refuses (StoreRolledBack) a store of the same generation whose sequence number
+  is below the anchored one, a store of another generation (flushed and re-created, or
+  re-initialized) unless this server itself reset it, and, when the anchor file is missing,
+  a store that already holds updates (the anchor was deleted or this server is new to the
+  store): `adopt=True` (`--adopt-store`) accepts the store as it is, once;
+* detects sequence numbers re-issued after a rollback. Every server start appends an
+  *epoch* `id:seq` to the store's epoch list (seq: the store's number at that start). The
+  anchor records the list's length n and last entry, read after the anchored seq was seen.
+  In a store that never went back, entry n - 1 is still the recorded one and every later
+  entry starts at or above the anchored seq; a rollback to a state before the anchored seq,
+  followed by any server start (with a restored anchor, or none), breaks one of the two.
+
+What remains (docs/draw_discard_security.md): a rollback that no server start follows
+and that no running server sees; every anchor lost or restored together with Redis.
 """
 
 from __future__ import annotations
@@ -13,9 +33,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
+
+_FIELDS = ("generation", "seq")
 
 
 class Anchor:
@@ -23,74 +46,175 @@ class Anchor:
 
   Args:
     path: the file (created on the first save).
+    adopt: at start-up, accept the store as it is when the anchor is missing or records
+      another generation (the operator's decision, e.g. a new server joining).
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, adopt: bool = False):
     self.path = path
-    self._saved: tuple | None = None
+    self.adopt = bool(adopt)
+    self._saved: tuple | None = None  # (generation, seq) on disk
+    self._waiters: list = []  # (seq, future) waiting for the next write
+    self._writer: asyncio.Future | None = None
 
-  def load(self, generation: str) -> int:
-    """The anchored sequence number for `generation` (0 when none or another generation).
-
-    Args:
-      generation: the store's generation.
+  def load(self) -> dict | None:
+    """The anchor record, or None when the file does not exist.
 
     Returns:
-      The sequence number.
+      {"generation", "seq"[, "epochs", "last_epoch"]} or None.
 
     Raises:
       OSError: when the file exists but cannot be read.
-      ValueError: when it is not an anchor file.
+      ParameterValueError: when it is not an anchor file.
     """
     if not os.path.exists(self.path):
-      return 0
+      return None
     with open(self.path, encoding="utf-8") as f:
-      data = json.load(f)
-    if not isinstance(data, dict) or "generation" not in data or "seq" not in data:
-      raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file; remove it or pass "
-                                "another path")
-    return int(data["seq"]) if data["generation"] == generation else 0
+      try:
+        data = json.load(f)
+      except ValueError as e:
+        raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file ({e}); "
+                                  "restore it, or remove it and start with --adopt-store") from e
+    if not isinstance(data, dict) or any(k not in data for k in _FIELDS):
+      raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file; restore "
+                                "it, or remove it and start with --adopt-store")
+    return data
 
-  def check(self, generation: str, seq: int) -> int:
-    """Raises StoreRolledBack when the store is below the anchor; returns the anchor.
+  def _refuse(self, what: str) -> None:
+    raise store_lib.StoreRolledBack(
+        f"{what}; acknowledged updates may be lost. Check the store; to accept it as it is, "
+        f"start this server once with --adopt-store (anchor {self.path!r})")
+
+  async def check(self, store, wrote: bool, reset: bool) -> int:
+    """Start-up check of `store` against the anchor; returns the anchored sequence number.
 
     Args:
-      generation: the store's generation.
-      seq: the store's sequence number now.
+      store: a RedisStore that was just initialized or joined.
+      wrote: whether this start wrote a fresh model into the store.
+      reset: whether this start was asked to overwrite the model (--reset).
 
     Returns:
-      The anchored sequence number (the process's starting high-water mark).
+      The anchored sequence number (0 when none applies).
 
     Raises:
-      store.StoreRolledBack: when seq is below the anchored sequence number.
+      store.StoreRolledBack: see the module docstring.
     """
-    anchored = self.load(generation)
+    rec = self.load()
+    seq, _, _ = await store.epochs()
+    if self.adopt:
+      return 0
+    if rec is None:
+      if not wrote and seq > 0:
+        self._refuse(f"the anchor file {self.path!r} does not exist but the store already "
+                     f"holds {seq} updates (the anchor was deleted, or this server is new to "
+                     "the store)")
+      return 0
+    if rec["generation"] != store.generation:
+      if not (wrote and reset) and int(rec["seq"]) > 0:
+        self._refuse(f"the anchor records generation {rec['generation']} at sequence number "
+                     f"{rec['seq']} but the store holds generation {store.generation} (it was "
+                     "flushed and re-created, or re-initialized by another server)")
+      return 0
+    anchored = int(rec["seq"])
     if seq < anchored:
-      raise store_lib.StoreRolledBack(
-          f"the store's sequence number is {seq}, below {anchored} recorded in "
-          f"{self.path!r} by this server: the store was rolled back while it was down "
-          "(acknowledged updates lost); check the store, then remove the file to accept it")
+      self._refuse(f"the store's sequence number is {seq}, below {anchored} recorded in "
+                   f"{self.path!r} by this server: the store was rolled back while it was down")
+    n = int(rec.get("epochs", 0))
+    if n > 0:
+      entries = await store.epoch_entries(n - 1)
+      if not entries or entries[0] != rec.get("last_epoch"):
+        self._refuse("the store's epoch list no longer holds the entry this server anchored: "
+                     "the store was rolled back and its sequence numbers re-issued")
+      for entry in entries[1:]:
+        if int(entry.rsplit(":", 1)[1]) < anchored:
+          self._refuse(f"a server started on the store at sequence number "
+                       f"{entry.rsplit(':', 1)[1]}, below {anchored} anchored here: the store "
+                       "was rolled back and its sequence numbers re-issued")
     return anchored
 
-  def save(self, generation: str, seq: int) -> None:
-    """Writes the anchor atomically (unchanged values are not rewritten).
+  async def start(self, store, wrote: bool, reset: bool) -> None:
+    """check(), then this start's epoch entry, the high-water mark and a first anchor.
+
+    Args:
+      store: the RedisStore.
+      wrote: whether this start wrote a fresh model.
+      reset: whether this start was asked to overwrite the model.
+
+    Raises:
+      store.StoreRolledBack: see check().
+    """
+    anchored = await self.check(store, wrote, reset)
+    store.high_water = max(store.high_water, anchored)
+    await store.epochs(new_epoch=uuid.uuid4().hex[:16])
+    store.anchor = self
+    await self.commit(store, store.high_water)
+
+  def save(self, generation: str, seq: int, epochs: int = 0, last_epoch: str = "") -> None:
+    """Writes the anchor atomically and durably (file and directory fsynced).
 
     Args:
       generation: the store's generation.
-      seq: the highest sequence number seen.
+      seq: the highest sequence number to anchor (never lowered within a generation).
+      epochs: length of the store's epoch list, read after `seq` was seen.
+      last_epoch: its last entry.
     """
-    if self._saved == (generation, seq):
-      return
+    if self._saved is not None and self._saved[0] == generation:
+      seq = max(seq, self._saved[1])
     tmp = self.path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-      json.dump({"generation": generation, "seq": int(seq)}, f)
+      json.dump({"generation": generation, "seq": int(seq), "epochs": int(epochs),
+                 "last_epoch": last_epoch}, f)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, self.path)
-    self._saved = (generation, seq)
+    fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    self._saved = (generation, int(seq))
+
+  async def commit(self, store, seq: int) -> None:
+    """Returns once the anchor on disk holds at least `seq` (one write per batch).
+
+    Args:
+      store: the RedisStore (generation; its epoch list is read for each write).
+      seq: the sequence number that must be anchored.
+
+    Raises:
+      store.StoreUnavailable: the anchor file cannot be written (the update is stored
+        but must not be acknowledged).
+      store.StoreLost: the store's checks failed while reading the epoch list.
+    """
+    if self._saved is not None and self._saved[0] == store.generation and self._saved[1] >= seq:
+      return
+    fut = asyncio.get_running_loop().create_future()
+    self._waiters.append((int(seq), fut))
+    if self._writer is None:
+      self._writer = asyncio.ensure_future(self._drain(store))
+    await fut
+
+  async def _drain(self, store) -> None:
+    try:
+      while self._waiters:
+        batch, self._waiters = self._waiters, []
+        target = max(s for s, _ in batch)
+        try:
+          _, n, last = await store.epochs()
+          await asyncio.to_thread(self.save, store.generation, target, n, last)
+        except (store_lib.StoreLost, store_lib.StoreUnavailable) as e:
+          _settle(batch, e)
+        except OSError as e:
+          _settle(batch, store_lib.StoreUnavailable(
+              f"anchor file {self.path!r} cannot be written ({e}); updates are not "
+              "acknowledged until it can"))
+        else:
+          _settle(batch, None)
+    finally:
+      self._writer = None
 
   async def run(self, store, every_s: float = 1.0) -> None:
-    """Saves the store's high-water mark every `every_s` seconds (cancel to stop).
+    """Anchors the store's high-water mark every `every_s` seconds (cancel to stop).
 
     Args:
       store: a RedisStore (its generation and high_water).
@@ -98,4 +222,17 @@ class Anchor:
     """
     while True:
       await asyncio.sleep(every_s)
-      self.save(store.generation, store.high_water)
+      try:
+        await self.commit(store, store.high_water)
+      except (store_lib.StoreLost, store_lib.StoreUnavailable):
+        pass  # refused requests report it; the next tick retries
+
+
+def _settle(batch: list, error: BaseException | None) -> None:
+  for _, fut in batch:
+    if fut.done():
+      continue
+    if error is None:
+      fut.set_result(None)
+    else:
+      fut.set_exception(error)

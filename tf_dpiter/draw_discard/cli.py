@@ -100,8 +100,12 @@ def _add_serve(sub) -> None:
                       "never written to the store. Required with a Redis store unless "
                       "--insecure-key-in-store")
   s.add_argument("--state-file", default=None,
-                 help="Redis: this server's anchor file (its own disk): refuse to start on a "
-                      "store rolled back while it was down")
+                 help="Redis: this server's anchor file (its own disk), written before each "
+                      "update is acknowledged: refuse to start on a store that lost "
+                      "acknowledged updates, or whose anchor is missing")
+  s.add_argument("--adopt-store", action="store_true",
+                 help="with --state-file: accept the store as it is although the anchor is "
+                      "missing or records another generation (a server new to the store)")
   s.add_argument("--insecure-key-in-store", action="store_true",
                  help="Redis without --key-file: keep the secret in the store (anyone who can "
                       "read Redis can forge tickets)")
@@ -219,7 +223,8 @@ def _serve(args) -> int:
       secret=secret, legacy_store_key=args.insecure_key_in_store,
       model_min_updates=args.model_min_updates, model_interval_s=args.model_interval,
       influence_steps=args.influence_steps, influence_half_life_s=args.influence_half_life,
-      budget_memory_bytes=int(args.budget_memory_mb * 2**20), state_file=args.state_file)
+      budget_memory_bytes=int(args.budget_memory_mb * 2**20), state_file=args.state_file,
+      adopt_state=args.adopt_store)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

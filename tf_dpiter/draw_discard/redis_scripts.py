@@ -124,3 +124,18 @@ end
 if not cs then return {-5} end
 return {cs, cur[3], due and 1 or 0}
 """
+
+# Epochs (anchor.py): KEYS gen, seq, epochs-list; ARGV gen, hw, a new epoch id ('' to only
+# read). Appends "<id>:<seq>" when given; returns {-1|-2|-4} or {seq, list length, last entry}.
+EPOCH = """
+local g = redis.call('GET', KEYS[1])
+if not g then return {-1} end
+if g ~= ARGV[1] then return {-2} end
+local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
+if seq < tonumber(ARGV[2]) then return {-4} end
+if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3] .. ':' .. seq) end
+local n = redis.call('LLEN', KEYS[3])
+local last = ''
+if n > 0 then last = redis.call('LINDEX', KEYS[3], -1) end
+return {seq, n, last}
+"""

@@ -2,7 +2,13 @@
 
 Keys: <prefix>:gen (generation), <prefix>:meta, <prefix>:slot:<i>, <prefix>:hist (list of
 replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <prefix>:init
-(initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring).
+(initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring),
+<prefix>:epochs (one "<id>:<seq>" per server start, anchor.py).
+
+Used ticket nonces are also kept by the process that accepted them (for their TTL, at most
+`MAX_LOCAL_NONCES`), so a nonce key deleted from Redis does not re-admit its ticket on that
+server. With an anchor (anchor.py), replace() returns only once the new sequence number is
+on the server's disk: an acknowledged update lost by Redis is detected at the next start.
 Every operation is one Lua script or one MULTI transaction that checks the generation
 first (see store.py for the contract), and every read or write of the model also checks
 that the sequence number is not below the highest one this process has seen (rollback:
@@ -18,6 +24,7 @@ of one round trip each; each script stays atomic on its own.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import urllib.parse
@@ -33,6 +40,7 @@ from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_mac
 from tf_dpiter.errors import ParameterValueError
 
+MAX_LOCAL_NONCES = 1_000_000  # used ticket nonces kept in process memory (oldest dropped)
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
 
@@ -80,6 +88,9 @@ class RedisStore:
     self._quota = self._r.register_script(redis_scripts.QUOTA)
     self._incr = self._r.register_script(redis_scripts.INCR)
     self._release = self._r.register_script(redis_scripts.RELEASE)
+    self._epoch = self._r.register_script(redis_scripts.EPOCH)
+    self.anchor = None  # anchor.Anchor: replace() returns once its seq is anchored
+    self._used_nonces: collections.OrderedDict = collections.OrderedDict()  # nonce -> expiry
     self.generation: str | None = None
     self.integrity_key: bytes | None = None  # set by the service before initialize
     self.high_water = 0  # highest sequence number this process has seen
@@ -169,7 +180,7 @@ class RedisStore:
     r = self._r
     if reset:
       await r.delete(self._k("init"), self._k("gen"), self._k("meta"), self._k("counters"),
-                     self._k("hist"), self._k("seq"), *self._k_slots)
+                     self._k("hist"), self._k("seq"), self._k("epochs"), *self._k_slots)
     deadline = time.monotonic() + wait_s
     while True:
       if await r.exists(self._k("gen")):
@@ -184,7 +195,7 @@ class RedisStore:
         for i, (key, row) in enumerate(zip(self._k_slots, instances)):
           pipe.set(key, store_mac.seal(self.integrity_key, gen, i, row))
         pipe.set(self._k("meta"), json.dumps(dict(meta, generation=gen)).encode())
-        pipe.delete(self._k("counters"), self._k("hist"))
+        pipe.delete(self._k("counters"), self._k("hist"), self._k("epochs"))
         pipe.set(self._k("seq"), 0)
         pipe.set(self._k("gen"), gen)
         pipe.delete(self._k("init"))
@@ -293,11 +304,15 @@ class RedisStore:
       The new sequence number.
 
     Raises:
-      TicketUsed: when the nonce was used before (nothing is written).
+      TicketUsed: when the nonce was used before, here or (per Redis) anywhere (nothing is
+        written).
       RateExceeded: over the identity's influence rate (nothing is written).
-      StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
+      StoreLost, StoreUnavailable: the data is gone or Redis does not answer, or the
+        anchor (anchor.py) cannot be written: the update is then stored, not acknowledged.
     """
     self._ok()
+    if nonce is not None:
+      self._local_nonce(nonce, nonce_ttl_s)
     ident, half_life, max_steps = rate if rate is not None else ("-", 1.0, None)
     code = await self._batched(
         self._replace,
@@ -311,7 +326,54 @@ class RedisStore:
       raise store_lib.TicketUsed("draw ticket already used")
     if code == -5:
       raise store_lib.RateExceeded("influence rate exceeded (all servers)")
-    return self._result(code)
+    seq = self._result(code)
+    if nonce is not None:
+      self._used_nonces[nonce] = time.monotonic() + nonce_ttl_s
+    if self.anchor is not None:
+      await self.anchor.commit(self, seq)
+    return seq
+
+  def _local_nonce(self, nonce: str, ttl_s: float) -> None:
+    """Raises TicketUsed for a nonce this process accepted within its TTL."""
+    now, used = time.monotonic(), self._used_nonces
+    while used and (next(iter(used.values())) < now or len(used) > MAX_LOCAL_NONCES):
+      used.popitem(last=False)
+    if nonce in used:
+      raise store_lib.TicketUsed("draw ticket already used (this server)")
+
+  async def epochs(self, new_epoch: str | None = None) -> tuple[int, int, str]:
+    """The store's sequence number and epoch list (anchor.py), appending `new_epoch`.
+
+    Args:
+      new_epoch: an id to append as "<id>:<seq>" (a server start), or None to only read.
+
+    Returns:
+      (sequence number, length of the epoch list, its last entry or "").
+
+    Raises:
+      StoreLost, StoreRolledBack, StoreUnavailable.
+    """
+    self._ok()
+    out = await self._call(self._epoch(
+        keys=[self._k("gen"), self._k("seq"), self._k("epochs")],
+        args=[self.generation, self.high_water, new_epoch or ""]))
+    seq = self._result(int(out[0]))
+    return seq, int(out[1]), out[2].decode() if isinstance(out[2], bytes) else str(out[2])
+
+  async def epoch_entries(self, start: int) -> list[str]:
+    """The epoch list from index `start` on (anchor.py).
+
+    Args:
+      start: the first index.
+
+    Returns:
+      The "<id>:<seq>" entries.
+
+    Raises:
+      StoreUnavailable: Redis does not answer.
+    """
+    raw = await self._call(self._r.lrange(self._k("epochs"), int(start), -1))
+    return [e.decode() for e in raw]
 
   async def release(self, seq: int, mean: np.ndarray | None, k: int, min_updates: int,
                     min_interval_s: float):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import keys
 from tf_dpiter.draw_discard import server as server_lib
+from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import tickets as tickets_lib
 from tf_dpiter.draw_discard import web_errors
 
@@ -89,7 +91,8 @@ class StoreSetup:
 
     Raises:
       store.StoreMismatch: when the store holds a different model.
-      store.StoreRolledBack: when the store is below this server's anchor (anchor.py).
+      store.StoreRolledBack: when the store lost acknowledged updates this server's anchor
+        records, or the anchor is missing for a store that holds updates (anchor.py).
     """
     secret = self.secret
     if secret is None and self.legacy_store_key and self.store.kind == "redis":
@@ -104,12 +107,14 @@ class StoreSetup:
     self.tickets = tickets_lib.Tickets(keys.derive(secret, "tickets"), self.ticket_ttl_s,
                                        scope=self.store.scope)
     self.admission.tickets = self.tickets
-    if self.anchor is not None and self.store.kind == "redis":
-      seq = await self.store.touch()
-      self.store.high_water = max(self.store.high_water,
-                                  self.anchor.check(self.store.generation, seq))
-      self.anchor.save(self.store.generation, self.store.high_water)
+    if self.store.kind == "redis" and self.anchor is not None:
+      await self.anchor.start(self.store, wrote, self.reset)
       self._anchor_task = asyncio.get_running_loop().create_task(self.anchor.run(self.store))
+    elif self.store.kind == "redis":  # still an epoch: anchored peers see a re-issue after it
+      await self.store.epochs(new_epoch=uuid.uuid4().hex[:16])
+      web_errors.log_event(log, "no_state_file", logging.WARNING,
+                           detail="without --state-file this server cannot tell, when it "
+                                  "starts, that the store lost acknowledged updates")
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
     if auth.take_early_hangup():  # a SIGHUP before the loop handled signals: reload now
@@ -124,7 +129,10 @@ class StoreSetup:
     task = getattr(self, "_anchor_task", None)
     if task is not None:
       task.cancel()
-      self.anchor.save(self.store.generation, self.store.high_water)
+      try:
+        await self.anchor.commit(self.store, self.store.high_water)
+      except (store_lib.StoreLost, store_lib.StoreUnavailable) as e:
+        web_errors.log_event(log, "anchor_not_saved", logging.ERROR, detail=str(e))
     await self.store.close()
 
   # ---- handlers ----

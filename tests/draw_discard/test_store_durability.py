@@ -1,0 +1,160 @@
+"""Issue 39 finding 9: a Redis store cannot lose acknowledged updates silently.
+
+Each test runs its own redis-server on 127.0.0.1 (no persistence; SAVE writes the RDB
+snapshot a restart comes back to) and in-process servers (DDMLService.startup/shutdown).
+"""
+
+import asyncio
+import os
+import shutil
+import signal
+import urllib.parse
+import uuid
+
+import numpy as np
+import pytest
+
+from tf_dpiter.draw_discard import cli, client as client_alg, parsing, service
+from tf_dpiter.draw_discard import store as store_lib
+
+from tests.draw_discard.conftest import start_redis
+
+SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
+SECRET = bytes(range(32, 64))
+
+
+def honest(weights, rng):
+  x = {"x": rng.random((8, SPEC.num_weights - 1))}
+  return client_alg.spec_update(SPEC, weights, x, rng.integers(0, 2, 8), rng=rng)
+
+
+class Cluster:
+  """One redis-server (restartable from its RDB snapshot) and one key prefix."""
+
+  def __init__(self, url, proc, data_dir):
+    self.url, self.proc, self.dir = url, proc, data_dir
+    self.prefix = f"t{uuid.uuid4().hex[:8]}"
+    self.rng = np.random.default_rng(9)
+
+  def svc(self, state_file=None, **kw):
+    return service.DDMLService(SPEC, 5, store_lib.make_store(self.url, self.prefix), seed=0,
+                               secret=SECRET, influence_steps=None, state_file=state_file,
+                               **kw)
+
+  async def updates(self, n, state_file=None, crash=False, **kw):
+    """Starts a server, makes n acknowledged updates, stops it (crash: as kill -9 would)."""
+    svc = self.svc(state_file, **kw)
+    await svc.startup()
+    try:
+      for _ in range(n):
+        h, ticket = await svc.draw_for("me")
+        await svc.store_ticketed("me", parsing.Submission(honest(h, self.rng), h, ticket))
+      return await svc.store.touch()
+    finally:
+      if crash:  # no final anchor write, no goodbye
+        task = getattr(svc, "_anchor_task", None)
+        if task is not None:
+          task.cancel()
+        await svc.store.close()
+      else:
+        await svc.shutdown()
+
+  def run(self, n, state_file=None, **kw):
+    return asyncio.run(self.updates(n, state_file, **kw))
+
+  def save(self):
+    import redis
+    r = redis.Redis.from_url(self.url)
+    r.save()
+    r.close()
+
+  def redis(self):
+    import redis
+    return redis.Redis.from_url(self.url)
+
+  def kill_and_restore(self):
+    """kill -9 of redis-server, then a restart from the last SAVE."""
+    self.proc.send_signal(signal.SIGKILL)
+    self.proc.wait(10)
+    self.proc = start_redis(urllib.parse.urlparse(self.url).port, self.dir)
+
+
+@pytest.fixture
+def cluster(own_redis, tmp_path):
+  url, proc = own_redis
+  c = Cluster(url, proc, tmp_path)
+  yield c
+  if c.proc.poll() is None:
+    c.proc.terminate()
+    c.proc.wait(10)
+
+
+def test_kill_9_of_server_and_redis_after_acknowledged_updates_is_detected(cluster, tmp_path):
+  anchor = str(tmp_path / "a.json")
+  assert cluster.run(2, anchor) == 2
+  cluster.save()  # what Redis will come back with
+  assert cluster.run(3, anchor, crash=True) == 5  # acknowledged, then kill -9 of the server
+  cluster.kill_and_restore()  # ... and of Redis: back at seq 2
+  with pytest.raises(store_lib.StoreRolledBack, match="below 5"):
+    cluster.run(0, anchor)
+
+
+def test_a_deleted_anchor_is_refused_until_adopted(cluster, tmp_path):
+  anchor = tmp_path / "a.json"
+  cluster.run(3, str(anchor))
+  os.remove(anchor)
+  with pytest.raises(store_lib.StoreRolledBack, match="does not exist"):
+    cluster.run(1, str(anchor))
+  assert cluster.run(1, str(anchor), adopt_state=True) == 4  # the operator's decision
+  assert cluster.run(1, str(anchor)) == 5
+
+
+def test_a_store_flushed_and_recreated_is_refused(cluster, tmp_path):
+  anchor = str(tmp_path / "a.json")
+  cluster.run(3, anchor)
+  r = cluster.redis()
+  r.flushall()
+  r.close()
+  with pytest.raises(store_lib.StoreRolledBack, match="another server|flushed"):
+    cluster.run(0, anchor)
+
+
+@pytest.mark.parametrize("restarted_with", ["restored_anchor", "no_anchor"])
+def test_sequence_numbers_reissued_after_a_rollback_are_detected_by_a_peer(
+    cluster, tmp_path, restarted_with):
+  """Server A's anchor is restored together with Redis (or A runs without one); A
+  re-issues sequence numbers past server B's anchor; B must refuse at its next start."""
+  a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+  assert cluster.run(0, b) == 0  # B initializes the store, A joins it at seq 0
+  assert cluster.run(2, a) == 2
+  cluster.save()
+  shutil.copy(a, a + ".bak")
+  assert cluster.run(4, b) == 6  # B's acknowledged updates 3..6
+  cluster.kill_and_restore()  # Redis back at seq 2
+  os.replace(a + ".bak", a)
+  assert cluster.run(5, a if restarted_with == "restored_anchor" else None) == 7
+  with pytest.raises(store_lib.StoreRolledBack, match="re-issued"):
+    cluster.run(0, b)
+
+
+def test_a_deleted_nonce_does_not_readmit_its_ticket(cluster):
+  async def go():
+    svc = cluster.svc()
+    await svc.startup()
+    try:
+      h, ticket = await svc.draw_for("me")
+      sub = parsing.Submission(honest(h, cluster.rng), h, ticket)
+      await svc.store_ticketed("me", sub)
+      r = cluster.redis()
+      keys = r.keys(f"{cluster.prefix}:nonce:*")
+      assert len(keys) == 1
+      r.delete(*keys)
+      r.close()
+      with pytest.raises(parsing.RequestError) as e:
+        await svc.store_ticketed("me", sub)
+      assert (e.value.status, e.value.code) == (409, "ticket_used")
+      assert await svc.store.touch() == 1
+    finally:
+      await svc.shutdown()
+
+  asyncio.run(go())
