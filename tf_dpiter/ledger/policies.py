@@ -64,7 +64,9 @@ class Poisson(SamplingPolicy):
                    "assumes each record joined each sample independently with probability q, "
                    "q a public parameter fixed independently of the data (a neighbouring "
                    "dataset is sampled with the same q), and the sample's membership stayed "
-                   "secret")
+                   f"secret; q is stated over the population size n={n:.0f}: when that is "
+                   "the training data's own size (DPModel.fit's default without "
+                   "population_size), the dataset's size is treated as public")
       return dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, mech), group.count)
     notes.append("Poisson-sampled samples with Laplace queries: no amplification by sampling "
                  "claimed (the accountant does not support it for this mechanism)")

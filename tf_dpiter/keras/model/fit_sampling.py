@@ -1,10 +1,36 @@
 """How `DPModel.fit` samples its batches and declares them to the ledger (McMahan et al. 2018, Section 5).
 
 `fit(x, y, batch_size=B)` on arrays samples by Poisson by default: each record joins each
-step independently with probability q = B / n (B is the *expected* batch size), for
-round(n / B) steps per epoch unless `steps_per_epoch` is given; the ledger records policy
-"poisson" (add or remove one example; a clipped sum has sensitivity S). This is TF Privacy's
-accounting of `fit(x, y, batch_size=B)` made true: the batches really are Poisson samples.
+step independently with probability q = B / N (B is the *expected* batch size, N the
+population size q is stated over), for round(N / B) steps per epoch unless `steps_per_epoch`
+is given; the ledger records policy "poisson" (add or remove one example; a clipped sum has
+sensitivity S). This is TF Privacy's accounting of `fit(x, y, batch_size=B)` made true: the
+batches really are Poisson samples.
+
+Neighbouring relation under Poisson sampling, and where q comes from. The guarantee compares
+the run on a dataset D with the run on D' = D with one example added or removed, both sampled
+at the SAME q (the accountant's PoissonSampledDpEvent(q, ...)). So q must not be computed
+from the private data:
+
+* `fit(..., population_size=N)` declares N, a public number (the population's size, or a
+  public upper bound on the dataset's size): q = B / N and the steps per epoch round(N / B)
+  depend on public values only, and the sampler includes each of the n records given with
+  probability q whatever n is (the expected batch is q n; the noised sum is still divided by
+  the public q N = B). The guarantee then holds for every pair of neighbours, whatever their
+  sizes: the dataset's size stays private.
+* Without it (the default), N = n = len(x) of the run's first Poisson fit, kept for the run
+  (`run_population`): the dataset's size is TREATED AS PUBLIC, which is the convention of TF
+  Privacy (`compute_dp_sgd_privacy(n, ...)` takes n) and Opacus (`sample_rate =
+  1 / len(data_loader)`). The guarantee holds for neighbours sampled at that same q, i.e.
+  when n is known to the adversary; the fit's log line, `model.privacy_statement` and every
+  Poisson report say so. Where n itself is sensitive (it matters for small n: at n = 8,
+  B = 6, z = 1 and 10 steps the neighbour with 7 records would be sampled at q = 6/7, and the
+  exact epsilon of such a pair is 21.11 against the stated 15.57 (RDP) / 14.39 (PLD)),
+  declare population_size.
+
+`population_size` is refused with `sampling="shuffle"`: shuffled passes are accounted under
+replace one example, a relation that keeps n fixed (no amplification by sampling is claimed,
+so q is descriptive only).
 
 `fit(..., sampling="shuffle")` (the default when the optimizer has num_microbatches) cuts a
 fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
@@ -126,13 +152,23 @@ def _resolve_sampling(sampling, opt):
   return sampling, f"sampling={sampling!r}"
 
 
-def arrays_to_dataset(a, opt, sampling, pad=True):
+def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
   """Replaces the array arguments of fit (dict `a`, edited) by a sampled dataset.
 
-  pad: Poisson samples are padded to a static size (XLA needs one shape); False leaves them
-  unpadded (no compute on padding rows; the train function takes any batch size).
-
-  Returns (SamplingSpec, reason string for the log line).
+  Args:
+    a: fit's bound arguments (a dict, edited in place: the arrays become the dataset).
+    opt: the DP optimizer.
+    sampling: fit's `sampling` (None, "poisson" or "shuffle").
+    pad: Poisson samples are padded to a static size (XLA needs one shape); False leaves
+      them unpadded (no compute on padding rows; the train function takes any batch size).
+    population_size: N, the public population size q = B / N is stated over (Poisson only;
+      see the module docstring for the relation); None: the run's N, else len(x), which is
+      then treated as public.
+  Returns:
+    (SamplingSpec, reason string for the log line).
+  Raises:
+    PrivacyConfigError: population_size with shuffled passes, not a number >= 1, or smaller
+      than batch_size; other bad fit arguments (named).
   """
   x, y = _to_numpy(a.pop("x")), _to_numpy(a.pop("y", None))
   if y is None:
@@ -156,26 +192,120 @@ def arrays_to_dataset(a, opt, sampling, pad=True):
   x, y, sw = _split_validation(a, x, y, sw)
   n = num_rows(x)
   asked = int(a.pop("batch_size", None) or 32)
-  if asked > n:
+  policy, reason = _resolve_sampling(sampling, opt)
+  # a declared N is compared with B (q = B / N <= 1), never with the private n
+  declared = _check_declared_population(population_size, policy, asked)
+  if declared is None and asked > n:
     warnings.warn(f"batch_size={asked} is larger than the {n} training examples: every step "
                   f"uses every example (batch_size={n}, q = 1: no amplification by sampling, a "
                   "larger epsilon per step). Pass batch_size <= the number of examples to "
                   "sample batches", UserWarning, stacklevel=4)
-  b = min(asked, n)
+  b = asked if declared is not None else min(asked, n)
   if isinstance(a.get("validation_data"), (tuple, list)):
-    a.setdefault("validation_batch_size", b)
-  policy, reason = _resolve_sampling(sampling, opt)
+    a.setdefault("validation_batch_size", min(b, n))
   steps = a.get("steps_per_epoch")
   if policy == "poisson":
+    if declared is None:
+      declared, source = run_population(opt, n, b), "run"
+      if declared is None:
+        declared, source = float(n), "data"
+    else:
+      source = "declared"
+    source = _POPULATION_SOURCE.get(opt, source) if source == "run" else source
+    _POPULATION_SOURCE[opt] = source
+    reason += "; " + population_reason(source, declared, b)
     ds = sampling_lib.poisson_batches(x, y, expected_batch_size=b, steps_per_epoch=steps,
                                       sample_weight=sw, max_batch_size="auto" if pad else None,
-                                      population_size=run_population(opt, n, b))
+                                      population_size=declared)
   else:
     ds = shuffling.shuffled_batches(x, y, batch_size=b, sample_weight=sw,
                                     passes=None if steps else 1)
   a["x"] = ds
   a["shuffle"] = False
   return sampling_lib.get_sampling_spec(ds), reason
+
+
+# optimizer -> where the population size of its run's Poisson fits came from: "declared"
+# (fit's population_size) or "data" (len(x) of its first fit: treated as public).
+_POPULATION_SOURCE = weakref.WeakKeyDictionary()
+
+
+def _check_declared_population(population_size, policy, batch_size):
+  """The declared N as a float (None when not declared), checked against the policy and B.
+
+  Args:
+    population_size: fit's `population_size` (None: not declared).
+    policy: the policy fit samples by ("poisson" or "shuffle").
+    batch_size: B, the expected batch size asked for.
+  Returns:
+    float N, or None.
+  Raises:
+    PrivacyConfigError: N with shuffled passes, N not a number >= 1, or B > N.
+  """
+  if population_size is None:
+    return None
+  if policy != "poisson":
+    raise PrivacyConfigError(
+        f"`population_size` must be None with sampling={policy!r}: it states the public N of "
+        "Poisson sampling's q = batch_size / N, and shuffled passes are accounted under "
+        "replace one example (n fixed, no amplification by sampling). Received: "
+        f"population_size={population_size!r}")
+  if isinstance(population_size, bool) or not isinstance(
+      population_size, (int, float, np.integer, np.floating)) or not (
+          math.isfinite(float(population_size)) and population_size >= 1):
+    raise PrivacyConfigError(
+        "`population_size` must be a finite number >= 1 (the public population size q = "
+        f"batch_size / N is stated over). Received: population_size={population_size!r}")
+  if batch_size > population_size:
+    raise PrivacyConfigError(
+        f"`population_size` must be >= batch_size={batch_size} (q = batch_size / N would "
+        f"exceed 1). Received: population_size={population_size!r}")
+  return float(population_size)
+
+
+def population_reason(source, population, batch_size):
+  """The log line's words on where q's population size came from (the relation it implies).
+
+  Args:
+    source: "declared" (fit's population_size), "data" (len(x): treated as public) or "run"
+      (the N this run's ledger recorded, from a fit of another process).
+    population: N.
+    batch_size: B.
+  Returns:
+    a str.
+  """
+  if source == "declared":
+    return (f"q = {batch_size:g} / {population:g} over the declared population_size "
+            f"N = {population:g}, public: the dataset's size stays private")
+  if source == "run":
+    return (f"q = {batch_size:g} / {population:g} over the population size N = "
+            f"{population:g} this run's ledger recorded (kept for the run)")
+  return (f"q = {batch_size:g} / {population:g} with n = {population:g} taken from the data "
+          "and treated as PUBLIC (neighbours are sampled at this same q); pass "
+          "population_size=N, a public bound, if the dataset's size is private")
+
+
+def population_note(optimizer):
+  """The statement's sentence on where the Poisson q of `optimizer`'s fits came from.
+
+  Args:
+    optimizer: a DP optimizer (or anything; only its fits on arrays are known).
+  Returns:
+    a str, or None when no fit on arrays declared a Poisson population for it (then the
+    Poisson report's own note states the assumption).
+  """
+  source = _POPULATION_SOURCE.get(optimizer) if optimizer is not None else None
+  if source == "data":
+    return ("fit's Poisson q = batch_size / n took n = len(x) from the training data "
+            "(population_size not given): the dataset's size is treated as public, and the "
+            "guarantee compares neighbouring datasets sampled at that same q. Pass "
+            "fit(..., population_size=N) with a public N for a guarantee that keeps the size "
+            "private.")
+  if source == "declared":
+    return ("fit's Poisson q = batch_size / N over the declared, public population_size N: "
+            "the guarantee holds for every pair of neighbouring datasets, whatever their "
+            "sizes.")
+  return None
 
 
 def run_population(optimizer, n, batch_size):

@@ -106,7 +106,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   # ---- fit: declare the sampling ------------------------------------------------------
 
-  def fit(self, *args, sampling=None, ledger_journal=None, **kwargs):
+  def fit(self, *args, sampling=None, population_size=None, ledger_journal=None, **kwargs):
     """keras.Model.fit with DP sampling declared to the ledger (see fit_sampling).
 
     On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n) unless
@@ -122,6 +122,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     Args:
       *args, **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
       sampling: None, "poisson" or "shuffle" (arrays only).
+      population_size: N, the public population size Poisson sampling on arrays states q over
+        (q = batch_size / N, round(N / batch_size) steps an epoch; N may exceed len(x), e.g.
+        a public bound): the guarantee then holds whatever the dataset's size. None: N is the
+        run's, else len(x), and the dataset's size is treated as public (fit_sampling).
       ledger_journal: path of the ledger journal to resume and append (None: the
         optimizer's ledger_journal, else only with BackupAndRestore, at
         backup_dir/privacy_ledger.journal).
@@ -143,7 +147,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       # Padded to a static size (a multiple of 8, data.sampling.default_max_batch_size)
       # under XLA (one shape) and under a multi-replica strategy (equal shards per replica).
       pad = bool(self.jit_compile) or self.distribute_strategy.num_replicas_in_sync > 1
-      spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad)
+      spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad,
+                                                    population_size=population_size)
+    elif population_size is not None:
+      raise PrivacyConfigError(
+          "`population_size` must be None when fit is given a dataset: it applies to arrays "
+          "(a dataset declares its own sampling; dp.data.poisson_batches(x, y, "
+          "expected_batch_size=B, population_size=N) declares N for one). Received: "
+          f"population_size={population_size!r}")
     elif sampling is not None and (spec is None or spec.policy != sampling):
       raise PrivacyConfigError(
           f"sampling={sampling!r} applies to arrays only; this data declares "

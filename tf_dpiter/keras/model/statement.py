@@ -136,6 +136,10 @@ def run_statement(model, delta, accountant="rdp"):
                                                        accountant if accountant != "gdp"
                                                        else "rdp")
   notes = list(report.assumptions)
+  from tf_dpiter.keras.model import fit_sampling  # pylint: disable=g-import-not-at-top
+  population = fit_sampling.population_note(getattr(model, "optimizer", model))
+  if population is not None and any(g.policy == "poisson" for g in groups):
+    notes.insert(0, population)
   if eps_poisson is not None and not math.isclose(eps_poisson, report.epsilon, rel_tol=1e-9):
     opt = getattr(model, "optimizer", model)
     notes.insert(0, _mismatch_note(policy, eps_poisson, report.epsilon,

@@ -6,7 +6,11 @@ size n, the selection probability q, the sampling policy (its neighbouring relat
 remove one example under Poisson-type sampling, replace-one under "shuffle" and
 "fixed_size") and the sample size. A record is one example, or a microbatch of
 k = ceil(B / M) examples (charged at sensitivity 2S: Table 1 and Appendix A), which needs a
-replace-one policy. These functions are the declaration half of `private_step.PrivateStep`
+replace-one policy. The declared n and q are public parameters: the claim compares
+neighbouring datasets sampled at this q (add or remove one example for Poisson-type policies),
+so they must not be computed from the private data (`DPModel.fit` on arrays: its
+`population_size`, or len(x) treated as public; see `keras.model.fit_sampling`). These
+functions are the declaration half of `private_step.PrivateStep`
 (`set_sampling`, `require_query`); the sampling itself lives in the ledger's variables.
 """
 
