@@ -28,9 +28,10 @@ ms per call):
                     clipped_sum_padded, clipped_sum_padded_whole: on the padded batch
   noise_tf          the Gaussian draw alone on the model's shapes, TensorFlow's kernel
                     (outside XLA, how CPU steps draw it)
-  noise_xla         the same draw inside XLA (stateless Philox, noise_draw.noised_sum)
-  noise_xla_auto    the same with tf.random.stateless_normal's default alg="auto_select"
-                    (what noise_draw used before it named "philox")
+  noise_xla         the same draw inside XLA: the Gaussian query's own get_noised_result (its
+                    Philox generator), as a jit_compile=True step on an accelerator runs it
+  noise_xla_stateless  a stateless Philox draw of the same size inside XLA (the compiled draw
+                    before it became the query's own; for comparison only)
   noise_ledger      `PrivateStep.noised_average` on a zero sum: noise + ledger append + query
                     state, as the DP train step calls it after the program
   update            the SGD update alone (apply_private_gradients, not compiled)
@@ -83,20 +84,21 @@ def _dp_model(name, loss, b, x, y, w, skip=True):
 
 
 def _noise_fns(step, shapes, b):
-  """The noise components: TensorFlow's kernel, XLA (philox, auto_select), with the ledger."""
+  """The noise components: TensorFlow's kernel, the query's draw under XLA, a stateless draw
+  under XLA, with the ledger."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.keras.optimizer import noise_draw  # pylint: disable=g-import-not-at-top
   zeros = [tf.zeros(s) for s in shapes]
   stddev, seed = step.stddev, tf.constant([1, 2], tf.int64)
   size = int(sum(np.prod(s) for s in shapes))
   noise_tf = tf.function(lambda: [z + tf.random.normal(z.shape, stddev=stddev) for z in zeros])
-  noise_xla = tf.function(lambda s: noise_draw.noised_sum(zeros, stddev, s), jit_compile=True)
-  noise_auto = tf.function(lambda s: tf.random.stateless_normal([size], seed=s) * stddev,
-                           jit_compile=True)
+  query, state = step.require_query().query, step.global_state()
+  noise_xla = tf.function(lambda: query.get_noised_result(zeros, state)[0], jit_compile=True)
+  stateless = tf.function(lambda s: tf.random.stateless_normal([size], seed=s, alg="philox")
+                          * stddev, jit_compile=True)
   ledger = tf.function(lambda: step.noised_average(zeros, tf.constant(float(b))))
-  return {"noise_tf": noise_tf, "noise_xla": lambda: noise_xla(seed),
-          "noise_xla_auto": lambda: noise_auto(seed), "noise_ledger": ledger}
+  return {"noise_tf": noise_tf, "noise_xla": noise_xla,
+          "noise_xla_stateless": lambda: stateless(seed), "noise_ledger": ledger}
 
 
 def _components(name, a):

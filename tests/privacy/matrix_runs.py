@@ -43,7 +43,8 @@ GROUPS = 3             # cyclic Poisson: b
 STEPS = 3              # steps per fit in the scenarios with steps_per_epoch
 USERS_K = 2            # user level: examples per user (N / 2 users)
 CAP = 4                # truncated Poisson: B
-SCENARIOS = ("one_fit", "fits_steps", "new_dataset", "crash_resume", "save_load")
+SCENARIOS = ("one_fit", "fits_steps", "new_dataset", "crash_resume", "save_load",
+             "checkpoint_rollback", "retry", "iterations_rollback", "xla_compiled_draw")
 
 
 class _Crash(keras.callbacks.Callback):
@@ -138,9 +139,11 @@ def first_output(y_true, y_pred):  # pylint: disable=unused-argument
   return y_pred[:, 0]
 
 
-def model(policy=None):
+def model(policy=None, **compile_kwargs):
   """The one-hot probe model with a noise-0 DP-SGD optimizer (clip 1, learning rate 1); under
-  cyclic Poisson the noise is BandMF with b bands (the mechanism cyclic sampling is for)."""
+  cyclic Poisson the noise is BandMF with b bands (the mechanism cyclic sampling is for).
+  `compile_kwargs` go to compile (jit_compile); with jit_compile the
+  noise is drawn inside the XLA program, as on an accelerator."""
   keras.utils.set_random_seed(0)
   net = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
       1, use_bias=False, kernel_initializer="zeros")])
@@ -149,7 +152,9 @@ def model(policy=None):
     extra = (dict(noise="band_mf", num_bands=GROUPS, num_steps=64)
              if policy == "cyclic_poisson" else {})
     opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, **extra)
-  net.compile(optimizer=opt, loss=first_output)
+  if compile_kwargs.get("jit_compile"):
+    opt.private_step.noise_in_compiled_program = True
+  net.compile(optimizer=opt, loss=first_output, **compile_kwargs)
   return net
 
 
@@ -181,7 +186,7 @@ def run(policy, scenario, workdir):
     fit of the scenario was refused (the scenario stops there).
   """
   case, rng, joined = Case(policy), np.random.default_rng(0), []
-  net = model(policy)
+  net = model(policy, **_COMPILE.get(scenario, {}))
   try:
     net = _scenario(net, case, scenario, workdir, rng, joined)
   except Refused as refused:
@@ -217,9 +222,46 @@ def _scenario(net, case, scenario, workdir, rng, joined):
     net.save(path)
     net = keras.models.load_model(path)
     _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=2)
+  elif scenario in ("checkpoint_rollback", "iterations_rollback"):
+    _rollback(net, case, scenario, workdir, joined)
+  elif scenario == "retry":   # an in-process retry on the same model object
+    backup = os.path.join(workdir, "backup")
+    try:
+      _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3, callbacks=[
+          keras.callbacks.BackupAndRestore(backup, save_freq=2), _Crash(_epoch_steps(policy) + 2)])
+    except RuntimeError:
+      pass
+    _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3,
+         callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+  elif scenario in _COMPILE:
+    args = case.fit_args(None, 16)
+    for _ in range(3):
+      _fit(net, case, args, joined, epochs=1, steps_per_epoch=STEPS + 1)
   else:
     raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
   return net
+
+
+# (steps_per_execution > 1 runs several steps per batch callback, so joins cannot be read per
+# step here: tests/keras/test_noise_and_ledger.py checks its ledger.)
+_COMPILE = {"xla_compiled_draw": {"jit_compile": True}}
+
+
+def _rollback(net, case, scenario, workdir, joined):
+  """Trains, goes back in one process (a tf.train.Checkpoint restore of an earlier step, or
+  the weights and iterations assigned back), and trains on from there."""
+  args = case.fit_args(None, 16)
+  _fit(net, case, args, joined, epochs=1, steps_per_epoch=STEPS)
+  ckpt = tf.train.Checkpoint(model=net, optimizer=net.optimizer)
+  saved = ckpt.save(os.path.join(workdir, "ck"))
+  weights, iterations = net.get_weights(), int(net.optimizer.iterations.numpy())
+  _fit(net, case, args, joined, epochs=1, steps_per_epoch=STEPS)
+  if scenario == "checkpoint_rollback":
+    ckpt.restore(saved)
+  else:
+    net.set_weights(weights)
+    net.optimizer.iterations.assign(iterations)
+  _fit(net, case, args, joined, epochs=2, steps_per_epoch=STEPS)
 
 
 def _epoch_steps(policy):

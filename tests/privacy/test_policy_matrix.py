@@ -1,5 +1,8 @@
 """Every sampling policy x {one fit, several fits with steps_per_epoch, a new dataset, a crash
-and BackupAndRestore, save/load}: participations never exceed the ledger's claim (issue 26).
+and BackupAndRestore, save/load, an in-process rollback (tf.train.Checkpoint restore of an
+earlier step; weights and iterations assigned back), an in-process retry with
+BackupAndRestore on the same model, jit_compile with the noise drawn inside the XLA
+program}: participations never exceed the ledger's claim.
 
 The real Keras pipeline and training step with noise 0 (`matrix_runs`): the weights read back
 after every step show which examples it used. Per cell: every step ever taken (a crashed
@@ -26,10 +29,15 @@ from tests.privacy import matrix_runs  # noqa: E402
 _DEFAULT_CELLS = {("shuffle", "fits_steps"), ("cyclic_poisson", "fits_steps"),
                   ("balls_in_bins", "fits_steps"), ("poisson", "fits_steps"),
                   ("cyclic_poisson", "new_dataset"), ("cyclic_poisson", "save_load"),
-                  ("shuffle", "crash_resume")}
+                  ("shuffle", "crash_resume"), ("poisson", "checkpoint_rollback"),
+                  ("shuffle", "checkpoint_rollback"), ("balls_in_bins", "retry"),
+                  ("truncated_poisson", "iterations_rollback"),
+                  ("poisson", "xla_compiled_draw")}
 # cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below
 # the ledger's rows (the rerun rows would break the b-separation), refused before any step
-_REFUSED = {("cyclic_poisson", "crash_resume"): r"rerun rows of the same matrix mechanism"}
+_ROLLBACK = r"rerun rows of the same matrix mechanism"
+_REFUSED = {("cyclic_poisson", s): _ROLLBACK for s in ("crash_resume", "checkpoint_rollback",
+                                                       "retry", "iterations_rollback")}
 
 
 def _cells():

@@ -49,6 +49,7 @@ class LedgerJournal:
     self._seq = 0
     self._passes_written = 0
     self._iterations = None    # the last chunk's optimizer iterations (None: not recorded)
+    self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
 
   @property
   def iterations(self):
@@ -64,7 +65,7 @@ class LedgerJournal:
     """(samples, queries, passes) of everything in the file; ValueError if it was altered."""
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
-    self._iterations = None
+    self._iterations, self._chunk_iterations = None, set()
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
@@ -89,6 +90,8 @@ class LedgerJournal:
       self._last_digest = chunk["digest"]
       self._seq += 1
       self._iterations = _chunk_iterations(chunk, self._iterations, self._where(i))
+      if "iterations" in chunk:
+        self._chunk_iterations.add(chunk["iterations"])
     return (*rec.runs_to_arrays(runs), passes)
 
   def _where(self, i):
@@ -114,12 +117,19 @@ class LedgerJournal:
     restored from an older copy). A file without chunks is a new journal and passes (the
     model's own ledger must then cover its iterations: `fit` checks that too).
 
+    It is also refused when its chunks record optimizer iterations and none of them is
+    `iterations`: the resuming optimizer was not restored at a step of this run (a fresh
+    optimizer given trained weights, another run's optimizer), so the journal's tail may
+    be missing with nothing to show it. A model restored from a backup or checkpoint of the
+    run is at an iteration the journal recorded (a chunk is appended after every step).
+
     Args:
       iterations: int, the restored model's optimizer iterations.
     Returns:
       None.
     Raises:
-      ValueError: the journal ends before `iterations` (the message says what to do).
+      PrivacyConfigError: the journal ends before `iterations`, or no chunk recorded
+        `iterations` (the message says what to do).
     """
     iterations = int(iterations)
     if self._seq == 0:
@@ -135,9 +145,19 @@ class LedgerJournal:
           "misses steps. Restore the complete journal file; if it is lost, the run's epsilon "
           "must be computed from its settings and every step taken (e.g. "
           "dp.accounting.compute_dp_sgd_privacy), not from this journal")
+    if self._chunk_iterations and iterations not in self._chunk_iterations:
+      raise PrivacyConfigError(
+          f"ledger journal {self.path!r} was not written at optimizer iterations={iterations}"
+          f" (its chunks record iterations {min(self._chunk_iterations)}.."
+          f"{max(self._chunk_iterations)}): the optimizer resuming it was not restored at a "
+          "step of this journal's run (a fresh optimizer given trained weights, or another "
+          "run's), so steps missing from the journal could not be told apart. Restore the "
+          "model and its optimizer from this run (BackupAndRestore, tf.train.Checkpoint, "
+          "keras.models.load_model), or start a new journal for a new run")
 
   def resume(self, ledger, iterations=None):
-    """Loads the journal into `ledger` when the file holds more; returns the samples loaded.
+    """Merges the journal into `ledger` (`PrivacyLedger.merge_arrays`: the longer of the
+    two when one extends the other); returns the samples in the journal.
 
     Args:
       ledger: the PrivacyLedger to top up.
@@ -153,12 +173,7 @@ class LedgerJournal:
     samples, queries, passes = self.read()
     if iterations is not None:
       self.check_covers(iterations)
-    have = int(ledger.sample_count.numpy())
-    if samples.shape[0] > have:
-      ledger.set_arrays(samples, queries, passes=max(passes, int(ledger.passes.numpy())))
-      return samples.shape[0]
-    if passes > int(ledger.passes.numpy()):
-      ledger.record_passes(passes - int(ledger.passes.numpy()))
+    ledger.merge_arrays(samples, queries, passes)   # never loses a row the ledger holds
     return samples.shape[0]
 
   def append(self, ledger, iterations=None):
@@ -187,6 +202,7 @@ class LedgerJournal:
     chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
     if iterations is not None:
       chunk["iterations"] = iterations
+      self._chunk_iterations.add(iterations)
     chunk = ledger_file.sign(chunk, self.key)
     with open(self.path, "a") as f:
       f.write(json.dumps(chunk, separators=(",", ":")) + "\n")

@@ -8,7 +8,8 @@ for replace-one or a microbatch), and the steps of correlated-noise queries (the
 banded / tree / matrix rows of `records`, refused under a sampling that does not cover them).
 It also counts the shuffled passes a sampler started.
 Writes work inside `tf.function`; buffers double when full, so no event is ever dropped.
-The ledger is a `tf.Module`: `tf.train.Checkpoint` saves and restores it. The file format
+The ledger is a `tf.Module`: `tf.train.Checkpoint` saves it, and a restore merges the saved
+rows into it (`merge_arrays`): no checkpoint can roll a ledger back. The file format
 and the checks live in `records` / `ledger_file` (no TensorFlow).
 """
 
@@ -104,6 +105,64 @@ def _sensitivity_factor(relation, examples_per_record):
   return tf.where(_f64(examples_per_record) > 1.0, _f64(2.0), _f64(1.0))
 
 
+class _Buffers:
+  """The ledger's variables. A plain object, so that tf.Module does not make them checkpoint
+  dependencies: the ledger saves and restores them itself (PrivacyLedger)."""
+
+  def __init__(self, cap):
+    self.samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
+                               shape=tf.TensorShape([None, len(SAMPLE_COLUMNS)]),
+                               trainable=False, name="samples")
+    self.queries = tf.Variable(tf.zeros([cap, len(QUERY_COLUMNS)], tf.float64),
+                               shape=tf.TensorShape([None, len(QUERY_COLUMNS)]),
+                               trainable=False, name="queries")
+    self.sample_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="sample_count")
+    self.query_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="query_count")
+    self.passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes")
+    self.cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                      name="cycle_position")
+
+
+def _common_prefix(a, b):
+  """The number of leading samples two ledgers (samples, queries) share row for row."""
+  (sa, qa), (sb, qb) = a, b
+  m = min(sa.shape[0], sb.shape[0])
+  same = np.all(sa[:m] == sb[:m], axis=1)
+  p = m if same.all() else int(np.argmin(same))
+  while p > 0:   # the query rows of the shared samples must match too
+    qa_p, qb_p = qa[qa[:, 0] < p], qb[qb[:, 0] < p]
+    if qa_p.shape == qb_p.shape and np.all(qa_p == qb_p):
+      return p
+    p -= 1
+  return 0
+
+
+def merged_arrays(current, restored):
+  """The ledger that charges every step of two ledgers of one run: (samples, queries, passes).
+
+  Rule (every released update stays charged): when one ledger is a prefix of the other
+  (a checkpoint of this run restored after more steps were taken, or a later checkpoint
+  resumed), the longer one; otherwise (two branches of one run, or two runs) the restored
+  ledger followed by the current ledger's samples after their common prefix (query rows
+  re-indexed), and the passes of both added. Charging more than was used is the safe side.
+
+  Args:
+    current: (samples, queries, passes) of the ledger being restored into.
+    restored: (samples, queries, passes) of the ledger being restored.
+  Returns:
+    (samples, queries, passes) numpy arrays and an int.
+  """
+  (sc, qc, pc), (sr, qr, pr) = current, restored
+  p = _common_prefix((sc, qc), (sr, qr))
+  if p == sr.shape[0]:
+    return sc, qc, max(pc, pr)
+  if p == sc.shape[0]:
+    return sr, qr, max(pc, pr)
+  tail_q = qc[qc[:, 0] >= p].copy()
+  tail_q[:, 0] += sr.shape[0] - p
+  return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr)
+
+
 class PrivacyLedger(tf.Module):
   """Growable record of sampling and sum-query events, in TF variables."""
 
@@ -113,32 +172,39 @@ class PrivacyLedger(tf.Module):
     if cap < 1:
       raise ParameterValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
     with tf.name_scope(name):
-      self._samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
-                                  shape=tf.TensorShape([None, len(SAMPLE_COLUMNS)]),
-                                  trainable=False, name="samples")
-      self._queries = tf.Variable(tf.zeros([cap, len(QUERY_COLUMNS)], tf.float64),
-                                  shape=tf.TensorShape([None, len(QUERY_COLUMNS)]),
-                                  trainable=False, name="queries")
-      self._sample_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="sample_count")
-      self._query_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="query_count")
-      self._passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes")
-      self._cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                         name="cycle_position")
+      self._v = _Buffers(cap)
+
+  # The buffers are not checkpoint dependencies of their own: `tf.train.Checkpoint` saves the
+  # ledger through the two methods below, and a restore MERGES into the ledger instead of
+  # assigning it (`merge_arrays`), so no restore can lower what this ledger has recorded.
+  def _serialize_to_tensors(self):
+    """The rows recorded so far and the pass count, as the checkpoint's tensors."""
+    v = self._v
+    return {"samples": v.samples[:v.sample_count.read_value()],
+            "queries": v.queries[:v.query_count.read_value()],
+            "passes": v.passes.read_value()}
+
+  def _restore_from_tensors(self, restored_tensors):
+    """A checkpoint restore: `merge_arrays` of the saved rows (never a rollback)."""
+    self.merge_arrays(np.asarray(restored_tensors["samples"]),
+                      np.asarray(restored_tensors["queries"]),
+                      int(restored_tensors["passes"]))
+    return tf.no_op()
 
   @property
   def sample_count(self):
     """Samples recorded so far (int64 tensor)."""
-    return self._sample_count.read_value()
+    return self._v.sample_count.read_value()
 
   @property
   def query_count(self):
     """Query rows recorded so far (int64 tensor)."""
-    return self._query_count.read_value()
+    return self._v.query_count.read_value()
 
   @property
   def passes(self):
     """Shuffled passes (permutations) started by the samplers feeding this ledger."""
-    return self._passes.read_value()
+    return self._v.passes.read_value()
 
   @property
   def cycle_position(self):
@@ -148,7 +214,7 @@ class PrivacyLedger(tf.Module):
     cycle_position mod b (`tf_dpiter.data.cyclic_poisson`). The training step counts it as it
     records each sample; `set_arrays` (journal or file restore) recomputes it from the rows.
     """
-    return self._cycle_position.read_value()
+    return self._v.cycle_position.read_value()
 
   def record_passes(self, count):
     """Adds `count` (>= 0) passes started; eager or inside tf.function. Returns the new total.
@@ -162,7 +228,7 @@ class PrivacyLedger(tf.Module):
     """
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
-    return self._passes.assign_add(tf.cast(count, tf.int64))
+    return self._v.passes.assign_add(tf.cast(count, tf.int64))
 
   @staticmethod
   def _ensure_capacity(buffer, needed):
@@ -206,25 +272,25 @@ class PrivacyLedger(tf.Module):
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]
     f = _f64
-    idx = self._sample_count.read_value()
-    qidx = self._query_count.read_value()
+    idx = self._v.sample_count.read_value()
+    qidx = self._v.query_count.read_value()
     with tf.control_dependencies(checks):
-      grew = [self._ensure_capacity(self._samples, idx + 1)]
+      grew = [self._ensure_capacity(self._v.samples, idx + 1)]
     if rows:
-      grew.append(self._ensure_capacity(self._queries, qidx + len(rows)))
+      grew.append(self._ensure_capacity(self._v.queries, qidx + len(rows)))
     with tf.control_dependencies(grew):
       srow = tf.stack([f(population_size), f(selection_probability), f(sample_size),
                        f(code), f(examples_per_record), f(len(rows))])
-      ops = [self._samples.scatter_nd_update(tf.reshape(idx, [1, 1]), srow[tf.newaxis])]
+      ops = [self._v.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), srow[tf.newaxis])]
       if rows:
         qrows = tf.stack([tf.stack([f(idx)] + r) for r in rows])
         qind = tf.reshape(qidx + tf.range(len(rows), dtype=tf.int64), [-1, 1])
-        ops.append(self._queries.scatter_nd_update(qind, qrows))
+        ops.append(self._v.queries.scatter_nd_update(qind, qrows))
     if policy in _CYCLIC_NAMES:
-      ops.append(self._cycle_position.assign_add(1))
+      ops.append(self._v.cycle_position.assign_add(1))
     with tf.control_dependencies(ops):
-      new_count = self._sample_count.assign_add(1)
-      self._query_count.assign_add(len(rows))
+      new_count = self._v.sample_count.assign_add(1)
+      self._v.query_count.assign_add(len(rows))
     return new_count
 
   # ---- reading and (de)serialization ---------------------------------------------------
@@ -234,13 +300,13 @@ class PrivacyLedger(tf.Module):
 
     Query rows keep their absolute sample_index. Reads only the rows asked for.
     """
-    n = int(self._sample_count.numpy())
-    q = int(self._query_count.numpy())
-    samples = self._samples[start:n].numpy()
+    n = int(self._v.sample_count.numpy())
+    q = int(self._v.query_count.numpy())
+    samples = self._v.samples[start:n].numpy()
     if start == 0:
-      return samples, self._queries[:q].numpy()
-    skipped = int(self._samples[:start, len(SAMPLE_COLUMNS) - 1].numpy().sum())
-    return samples, self._queries[skipped:q].numpy()
+      return samples, self._v.queries[:q].numpy()
+    skipped = int(self._v.samples[:start, len(SAMPLE_COLUMNS) - 1].numpy().sum())
+    return samples, self._v.queries[skipped:q].numpy()
 
   def set_arrays(self, samples, queries, passes=None):
     """Replaces the content by validated arrays (used by import and by journal resume).
@@ -257,13 +323,37 @@ class PrivacyLedger(tf.Module):
     cap_q = max(1, queries.shape[0])
     s = np.zeros([cap_s, len(SAMPLE_COLUMNS)]); s[:samples.shape[0]] = samples
     q = np.zeros([cap_q, len(QUERY_COLUMNS)]); q[:queries.shape[0]] = queries
-    self._samples.assign(s)
-    self._queries.assign(q)
-    self._sample_count.assign(samples.shape[0])
-    self._query_count.assign(queries.shape[0])
-    self._cycle_position.assign(int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES))))
+    self._v.samples.assign(s)
+    self._v.queries.assign(q)
+    self._v.sample_count.assign(samples.shape[0])
+    self._v.query_count.assign(queries.shape[0])
+    self._v.cycle_position.assign(int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES))))
     if passes is not None:
-      self._passes.assign(int(passes))
+      self._v.passes.assign(int(passes))
+
+  def merge_arrays(self, samples, queries, passes=0):
+    """Merges a ledger of the same run into this one: nothing recorded here is ever lost.
+
+    `merged_arrays`' rule: a checkpoint of an earlier step (an in-process rollback with
+    `tf.train.Checkpoint.restore`) leaves this ledger as it is, so the updates released on the
+    abandoned branch stay charged and the steps taken again are charged again; a ledger that
+    extends this one replaces it. Used by checkpoint restores, `restore_ledger` and the
+    model files that carry a ledger.
+
+    Args:
+      samples: ledger sample array (rows of SAMPLE_COLUMNS).
+      queries: ledger query array (rows of QUERY_COLUMNS).
+      passes: int, the shuffled passes that ledger counted.
+    Returns:
+      None.
+    Raises:
+      ValueError: the arrays are malformed (records.validate_arrays).
+    """
+    samples, queries = rec.validate_arrays(samples, queries)
+    current = (*self.get_arrays(), int(self._v.passes.numpy()))
+    merged = merged_arrays(current, (samples, queries, int(passes)))
+    if merged[0] is not current[0] or merged[2] != current[2]:
+      self.set_arrays(*merged)
 
   def to_dict(self, key=None):
     """The signed JSON-able dict (see ledger_file); `key` adds an HMAC.
@@ -273,7 +363,7 @@ class PrivacyLedger(tf.Module):
     Returns:
       dict (see `ledger_file.arrays_to_dict`).
     """
-    return ledger_file.arrays_to_dict(*self.get_arrays(), passes=int(self._passes.numpy()),
+    return ledger_file.arrays_to_dict(*self.get_arrays(), passes=int(self._v.passes.numpy()),
                                       key=key)
 
   def to_json(self, key=None):

@@ -179,12 +179,26 @@ class QueryWithLedger(dp_query.DPQuery):
   def get_noised_result(self, sample_state, global_state):
     """The inner query's result; records the sample (n, q, policy, events) in the ledger."""
     result, new_state, events = self._query.get_noised_result(sample_state, global_state)
-    count = self._ledger.record_sample(self._population_size, self._selection_probability,
-                                       events, policy=self._policy, sample_size=self._sample_size,
-                                       examples_per_record=self._examples_per_record)
+    count = self.record(events)
     with tf.control_dependencies([count]):
       result = tf.nest.map_structure(tf.identity, result)
     return result, new_state, events
+
+  def record(self, events):
+    """Records one sample (n, q, policy, sample size, k) with `events`, the events the
+    wrapped query's `get_noised_result` returned for it. `get_noised_result` calls it; an
+    XLA-compiled step calls the wrapped query's `get_noised_result` inside the program and
+    this outside it (the ledger's buffers grow), so the event recorded is always the one the
+    code that drew the noise built.
+
+    Args:
+      events: the tuple of privacy events of one noised result.
+    Returns:
+      the ledger's new sample count (int64 tensor).
+    """
+    return self._ledger.record_sample(self._population_size, self._selection_probability,
+                                      events, policy=self._policy, sample_size=self._sample_size,
+                                      examples_per_record=self._examples_per_record)
 
   def derive_metrics(self, global_state):
     """The wrapped query's metrics of `global_state`."""

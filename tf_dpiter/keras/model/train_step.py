@@ -8,8 +8,8 @@ clipped to S and summed (vectorized path: `step.clipped_sum`; fast path: ghost n
 `step.resolve_clipping` (routing.fast_path_obstacle).
 
 With `jit_compile=True` the per-record gradients, the clipping and (DP-SGD's Gaussian noise,
-`step.compiles_noise`) the stateless noise draw and the normalization run in one XLA
-program (noise_draw); the ledger write (growing buffers, no XLA) and the update run right
+`step.compiles_noise`) the query's own noise draw and the normalization run in one XLA
+program; the ledger write (growing buffers, no XLA) and the update run right
 after, in the same non-compiled train function, so every step is recorded. Other
 mechanisms (correlated noise, secure_mode, a custom query) and multi-replica strategies
 draw their noise right after the program.
@@ -104,21 +104,22 @@ class TrainStepMixin:
             or bool(keras_internals.output_loss_trackers(self))
             or type(self).compute_metrics is not keras.Model.compute_metrics)
 
-  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, noise_seed=None,
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, global_state=None,
                            outputs=True):
     """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
-    with noise_seed, the noised average in place of the sample state.
+    with global_state, (noised average, events) in place of the sample state.
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
-    reads no variable of the query's state; None: read here). noise_seed: the step's
-    (key, counter) (PrivateStep.noise_seed), or None (no noise here). outputs: False
-    returns None for y_pred (`_dp_wants_outputs`)."""
+    reads no variable of the query's state; None: read here). global_state: the query's
+    global state (PrivateStep.global_state) to draw the noise here with the query's own
+    `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
+    (`_dp_wants_outputs`)."""
     step = self._dp_optimizer().private_step
     with step.given_sample_params(params):
       state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(step, x, y,
                                                                        sample_weight, outputs)
-    if noise_seed is not None:
-      state = step.compiled_noised_average(state, num_records, noise_seed)
+    if global_state is not None:
+      state = step.compiled_noised_average(state, num_records, global_state)
     return state, loss_sum, num_records, y_pred
 
   def _dp_clipped_sum_body(self, step, x, y, sample_weight, outputs=True):
@@ -250,9 +251,9 @@ class TrainStepMixin:
     with output_losses.silenced(self, data):   # per-record losses: no per-output tracker update
       want = self._dp_wants_outputs()
       if getattr(self, "_dp_noise_inside", False):
-        grads, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
-                                                    step.noise_seed(), outputs=want)
-        grads = step.record_compiled_sample(grads)   # the ledger append, outside XLA, exact
+        (grads, events), loss_sum, num_records, y_pred = core(
+            x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
+        grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
       else:
         state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
                                                     outputs=want)

@@ -315,7 +315,8 @@ class DPOptimizerBase:
     config, state, ledger = optimizer_config.split_config(config, custom_objects)
     opt = super().from_config(config, custom_objects=custom_objects)
     opt.private_step.state.restored_global_state = state
-    opt.private_step.state.restored_ledger = ledger
+    if ledger is not None:
+      opt.private_step.state.adopt_ledger(*ledger)
     return opt
 
 

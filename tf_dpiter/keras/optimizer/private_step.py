@@ -18,11 +18,11 @@ k = ceil(B / M) examples, whose clipped sum the ledger charges at sensitivity 2S
 and keeps only the Keras face. Its state is in TF variables tracked by the optimizer (so
 `tf.train.Checkpoint`, `save_weights` and `model.save` carry them): the ledger, the query's
 global state (a correlated mechanism's noise history), the expected batch size, the
-float16 overflow counter and, for the compiled noise, its draw counter (noise_draw).
+float16 overflow counter. The noise generator is deliberately not among them: a restore,
+`load_weights` or `iterations.assign` cannot make it draw a noise it drew before.
 
 Helpers (plain functions of the step): `step_sampling` (the declaration), `mechanism`,
-`noise_mechanisms`, `noise_draw` (the compiled draw), `clipped_sum`, `chunking`,
-`custom_loops`.
+`noise_mechanisms`, `clipped_sum`, `chunking`, `custom_loops`.
 """
 
 import contextlib
@@ -35,7 +35,6 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import mechanism
-from tf_dpiter.keras.optimizer import noise_draw
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import step_sampling
 from tf_dpiter.keras.optimizer import step_state
@@ -219,9 +218,12 @@ class PrivateStep:
   # ---- the correlated mechanism -------------------------------------------------------
 
   def build_mechanism(self, variables):
-    """Makes a correlated mechanism's query on `variables` (noise != "iid"); its global and
-    generator state become optimizer variables (fixed order: save_weights matches them by
-    position). Applies a sampling declared before the build.
+    """Makes a correlated mechanism's query on `variables` (noise != "iid"); its global state
+    becomes optimizer variables (fixed order: save_weights matches them by position). Its
+    noise generator's state does only with a `seed` (tests: a resumed run then reproduces an
+    uninterrupted one exactly; not private): without one it is never saved nor restored, so
+    a resumed or rolled-back run cannot draw again a noise it already released. Applies a
+    sampling declared before the build.
 
     Args:
       variables: the trainable variables the optimizer was built on.
@@ -230,7 +232,8 @@ class PrivateStep:
       return
     self.make_state()
     query, init, state_vars = noise_mechanisms.make_query_with_state(self, variables)
-    for v in state_vars + [query.noise_generator.state]:
+    seeded = [query.noise_generator.state] if self.seed is not None else []
+    for v in state_vars + seeded:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
     self.base_query = query
     self.state.set_global_state(init, state_vars)
@@ -316,46 +319,85 @@ class PrivateStep:
     return custom_loops.compute_private_gradients(self, loss_fn, variables, data, mask, tape,
                                                   model)
 
-  # ---- noise drawn inside the compiled program (noise_draw) --------------------------
+  # ---- noise drawn inside the compiled program --------------------------------------
 
   @property
   def compiles_noise(self):
-    """True when DP-SGD's noise is drawn inside the XLA program (noise_draw.compiles_noise:
-    the default Gaussian query, by default on an accelerator only;
-    `noise_in_compiled_program` True forces it, False refuses it)."""
-    return noise_draw.compiles_noise(self)
+    """True when the noise is drawn inside the XLA program of a `jit_compile=True` step.
 
-  def noise_seed(self):
-    """The (key, counter) int64 [2] of this step's stateless draw (noise_draw.step_seed)."""
-    return noise_draw.step_seed(self)
+    Only DP-SGD's default Gaussian query (not a custom dp_query, a correlated mechanism or
+    secure_mode, whose os.urandom draw is a host call), by default on an accelerator: XLA:CPU
+    generates the draw single-threaded, slower than TensorFlow's kernel (measured for the
+    MLP's 407k coordinates: 53 ms against 13 ms, benchmarks/xla_step_breakdown.py), so on a
+    CPU the draw runs right after the program. `noise_in_compiled_program` True forces it
+    (tests), False refuses it. Either way the draw is the query's own `get_noised_result`
+    from its own generator (never saved, never restored, so never repeated).
+    """
+    if self.noise != "iid" or self.custom_query or self.secure_mode:
+      return False
+    if self.noise_in_compiled_program is not None:
+      return bool(self.noise_in_compiled_program)
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
-  def compiled_noised_average(self, sample_state, num_records, seed):
-    """Noised sum / denominator inside the compiled program; the caller then calls
-    `record_compiled_sample` outside it (noise_draw.noised_sum).
+  def compiled_noised_average(self, sample_state, num_records, global_state):
+    """Noised sum / denominator inside the compiled program: the wrapped query's own
+    `get_noised_result` (its noise, drawn from its generator, and its events). The caller
+    records the events with `record_compiled_sample` right after the program.
 
     Args:
-      sample_state: the clipped sum. num_records: records in the batch.
-      seed: `noise_seed()`, passed in as an argument of the compiled function.
+      sample_state: the clipped sum.
+      num_records: records in the batch.
+      global_state: the query's global state, read outside the program (`global_state()`).
     Returns:
-      the list of noised average gradients.
+      (the list of noised average gradients, the events of the noised result).
     """
-    noised = noise_draw.noised_sum(sample_state, self.stddev, seed)
+    result, _, events = self.require_query().query.get_noised_result(sample_state,
+                                                                     global_state)
     denom = self.denominator(tf.cast(num_records, tf.float32))
-    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(noised)]
+    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)], events
 
-  def record_compiled_sample(self, grads):
-    """The ledger append of a step whose noise was drawn in the compiled program
-    (noise_draw.record_gaussian_sample); returns grads after the write."""
-    count = noise_draw.record_gaussian_sample(self.require_query(), self.state.global_state())
+  def global_state(self):
+    """The query's global state, read from its variables."""
+    return self.state.global_state()
+
+  def record_compiled_sample(self, grads, events):
+    """The ledger append of a step whose noise was drawn in the compiled program: the
+    sample with the `events` that draw returned (QueryWithLedger.record); returns grads
+    after the write.
+
+    Args:
+      grads: the noised average gradients.
+      events: the events `compiled_noised_average` returned.
+    Returns:
+      grads, after the ledger write.
+    """
+    count = self.require_query().record(events)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
   # ---- noise and ledger -------------------------------------------------------------
 
   def _noise_and_record(self, sample_state):
-    """One noise draw and one ledger sample (the query's get_noised_result)."""
+    """One noise draw and one ledger sample (the query's get_noised_result).
+
+    A correlated mechanism refuses to continue a rolled-back run: its accounting is that of
+    one sequence of steps, so when the ledger (which no restore lowers) holds more samples
+    than the optimizer's iterations, the updates of an abandoned branch were released and
+    the step fails with an InvalidArgumentError saying so.
+    """
     query = self.require_query()
-    result, new_state, _ = query.get_noised_result(sample_state, self.state.global_state())
+    checks = []
+    if self.noise != "iid":
+      checks.append(tf.debugging.assert_less_equal(
+          self.state.ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
+          message=f"noise={self.noise!r}: the optimizer's iterations went back below the "
+                  "steps already released and charged (ledger sample_count): a correlated-"
+                  "noise mechanism cannot continue a rolled-back run (checkpoint restore, "
+                  "load_weights, iterations.assign or a retry with BackupAndRestore), since "
+                  "its accounting covers one sequence of steps. Start a new optimizer, and "
+                  "a new ledger, for a new run."))
+    with tf.control_dependencies(checks):
+      result, new_state, _ = query.get_noised_result(sample_state, self.state.global_state())
     assigns = self.state.assign_global_state(new_state)
     with tf.control_dependencies(assigns):
       return tf.nest.map_structure(tf.identity, result)

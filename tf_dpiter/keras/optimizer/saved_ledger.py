@@ -18,11 +18,14 @@ edited, or export the ledger with `save_json(path, key=...)` for an HMAC.
 
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
+from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import schema
 
 CONFIG_KEY = "dp_ledger"
 
@@ -102,8 +105,43 @@ def config_ledger(opt):
   return ledger.to_dict()
 
 
+def _mechanism_mismatch(opt, samples, queries):
+  """Why the ledger's last sample was not made by `opt`'s mechanism and sampling, or None.
+
+  Compared: the noise multiplier z = sigma / S and the clip S of the default Gaussian query
+  (a custom dp_query or a correlated mechanism: the kind of its rows), and, once the
+  optimizer's sampling is declared, the policy (hence the relation and the unit) and the
+  examples per record k.
+  """
+  if samples.shape[0] == 0:
+    return None
+  last = samples.shape[0] - 1
+  rows = queries[queries[:, 0] == last]
+  step = opt.private_step
+  if not step.custom_query and step.noise == "iid" and rows.shape[0]:
+    kind, clip, noise = rows[0, 1], rows[0, 2], rows[0, 3]
+    z = noise / clip if clip > 0 else float("inf")
+    if (kind != rec.GAUSSIAN or not np.isclose(clip, step.l2_norm_clip, rtol=1e-6)
+        or not np.isclose(z, step.noise_multiplier, rtol=1e-6)):
+      return (f"its last step used a {schema.KIND_NAME.get(int(kind), kind)} query with "
+              f"l2_norm_clip={clip:g} and noise_multiplier={z:g}, this optimizer uses "
+              f"l2_norm_clip={step.l2_norm_clip:g} and noise_multiplier="
+              f"{step.noise_multiplier:g}")
+  query = step.query
+  if query is not None:
+    policy = rec.policy_name(int(samples[last, 3]))
+    k = int(samples[last, 4])
+    if policy != query.policy or k != query.examples_per_record:
+      return (f"its last step was sampled under policy {policy!r} ({rec.relation_for_policy(policy)}"
+              f", {rec.unit_of_policy(policy)}) with examples_per_record={k}, this optimizer "
+              f"declares policy {query.policy!r} with examples_per_record="
+              f"{query.examples_per_record}")
+  return None
+
+
 def restore_ledger(opt, ledger, key=None):
-  """Replaces `opt`'s ledger content by the run's ledger (for a model restored without it).
+  """Supplies the run's ledger to a restored optimizer: merged into its ledger
+  (`PrivacyLedger.merge_arrays`, so nothing the optimizer recorded is lost).
 
   Args:
     opt: a DP optimizer.
@@ -111,10 +149,12 @@ def restore_ledger(opt, ledger, key=None):
       (`PrivacyLedger.save_json`, `callbacks.LedgerExport`).
     key: the HMAC key the dict or file was signed with, or None (digest only).
   Returns:
-    `opt.ledger`, now holding `ledger`'s samples and passes.
+    `opt.ledger`, now charging `ledger`'s samples and passes.
   Raises:
-    ValueError: the file or dict is malformed or fails verification, or it holds fewer
-      samples than the optimizer's iterations.
+    ParameterValueError: the file or dict is malformed or fails verification.
+    PrivacyConfigError: it holds fewer samples than the optimizer's iterations, or its last
+      step's mechanism (clip, noise multiplier) or sampling (policy, hence relation and
+      unit; examples per record) is not this optimizer's: it is another run's ledger.
   """
   if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
     arrays = (*ledger.get_arrays(), int(ledger.passes.numpy()))
@@ -130,8 +170,57 @@ def restore_ledger(opt, ledger, key=None):
     raise PrivacyConfigError(f"the ledger holds {arrays[0].shape[0]} samples but the optimizer has "
                              f"taken iterations={iterations} steps: it is not this run's complete "
                              "ledger; supply the ledger written at or after the last step")
-  opt.private_step.state.restored_ledger = None
+  mismatch = _mechanism_mismatch(opt, arrays[0], arrays[1])
+  if mismatch is not None:
+    raise PrivacyConfigError(f"restore_ledger: this ledger is not this run's: {mismatch}. "
+                             "Supply the ledger of the run that trained these weights")
   target = opt.private_step.ledger
   with tf.init_scope():
-    target.set_arrays(*arrays)
+    target.merge_arrays(*arrays)
   return target
+
+
+# The ledger in the model's own weights-file entry (`DPModelMixin.save_own_variables`): a
+# model saved with `model.save` or `save_weights` carries its ledger even where its optimizer
+# is not restored (`load_model(compile=False)`, `load_weights` into a new model), and a DP
+# optimizer compiled on it continues that ledger.
+STORE_KEYS = ("dp_ledger_samples", "dp_ledger_queries", "dp_ledger_passes")
+
+
+def write_to_store(opt, store):
+  """Writes `opt`'s ledger arrays into a Keras weights-store entry (no-op without a ledger).
+
+  Args:
+    opt: the model's optimizer (anything; only a DP optimizer's ledger is written).
+    store: the dict-like entry Keras passes to `save_own_variables`.
+  """
+  step = getattr(opt, "private_step", None)
+  ledger = None if step is None else step.existing_ledger
+  if ledger is None or int(ledger.sample_count.numpy()) == 0:
+    return
+  samples, queries = ledger.get_arrays()
+  for name, value in zip(STORE_KEYS, (samples, queries, np.int64(ledger.passes.numpy()))):
+    store[name] = value
+
+
+def split_store(store):
+  """(the entry without the ledger's keys as a dict, the carried (samples, queries, passes)
+  or None), from the dict-like entry Keras passes to `load_own_variables`.
+
+  Args:
+    store: the weights-store entry.
+  Returns:
+    (dict of the other entries, arrays or None).
+  Raises:
+    ParameterValueError: the carried arrays are malformed.
+  """
+  keys = list(store.keys())
+  rest = {k: store[k] for k in keys if k not in STORE_KEYS}
+  if STORE_KEYS[0] not in keys:
+    return rest, None
+  samples, queries = (np.asarray(store[k], np.float64) for k in STORE_KEYS[:2])
+  try:
+    samples, queries = rec.validate_arrays(samples, queries)
+  except ValueError as e:
+    raise ParameterValueError(f"the ledger carried by the weights file is malformed: {e}") from None
+  return rest, (samples, queries, int(np.asarray(store[STORE_KEYS[2]])))

@@ -6,16 +6,16 @@ query's global state (a correlated mechanism's noise history, an adaptive clip),
 public expected batch size and the float16 overflow counter are variables made here and
 made checkpoint dependencies of the optimizer under fixed names ("_dp_ledger",
 "_dp_expected_records", "_dp_overflow_count", "_dp_global_state_<i>"), so
-`tf.train.Checkpoint` and `BackupAndRestore` carry them. The key of the compiled noise draw
-is the one variable that is deliberately NOT tracked (noise_draw: knowing it lets whoever
-sees the updates subtract the noise).
+`tf.train.Checkpoint` and `BackupAndRestore` carry them. The query's noise generator is
+deliberately NOT among them: restoring it would draw again a noise already released (and
+knowing it lets whoever sees the updates subtract the noise).
 """
 
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.keras.optimizer import mechanism
-from tf_dpiter.keras.optimizer import noise_draw
 
 
 class StepState:
@@ -39,7 +39,6 @@ class StepState:
     self.restored_global_state = None
     self._global_vars = None
     self._global_struct = None
-    self._noise_key = None
 
   def _track(self, name, trackable):
     """Makes `trackable` a checkpoint dependency of the optimizer under `name`."""
@@ -56,9 +55,27 @@ class StepState:
     self.overflow_count = self._track("_dp_overflow_count", tf.Variable(
         0, dtype=tf.int64, trainable=False, name="dp_overflowed_records"))
     self.ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
-    if self.restored_ledger is not None:   # from from_config (saved_ledger)
+    if self.restored_ledger is not None:   # from from_config or adopt_ledger
       pending, self.restored_ledger = self.restored_ledger, None
-      self.ledger.set_arrays(*pending)
+      self.ledger.merge_arrays(*pending)
+
+  def adopt_ledger(self, samples, queries, passes):
+    """Merges a ledger of this run (a model file's, a checkpoint's, one supplied by hand) into
+    the ledger (`PrivacyLedger.merge_arrays`: nothing recorded is ever lost), or, before the
+    ledger exists, into the one `make` will start from.
+
+    Args:
+      samples: ledger sample array.
+      queries: ledger query array.
+      passes: int, the shuffled passes that ledger counted.
+    """
+    if self.ledger is not None:
+      self.ledger.merge_arrays(samples, queries, passes)
+    elif self.restored_ledger is None:
+      self.restored_ledger = (samples, queries, int(passes))
+    else:
+      self.restored_ledger = privacy_ledger.merged_arrays(self.restored_ledger,
+                                                      (samples, queries, int(passes)))
 
   @property
   def has_global_state(self):
@@ -106,11 +123,3 @@ class StepState:
     if self._global_vars is not None:
       return [v.numpy().tolist() for v in self._global_vars]
     return self.restored_global_state
-
-  def noise_key(self, seed):
-    """The untracked int64 key variable of the compiled noise (made once: noise_draw)."""
-    if self._noise_key is None:
-      with tf.init_scope():
-        self._noise_key = tf.Variable(noise_draw.make_key(seed), dtype=tf.int64,
-                                      trainable=False, name="dp_noise_key")
-    return self._noise_key
