@@ -158,3 +158,28 @@ def test_a_deleted_nonce_does_not_readmit_its_ticket(cluster):
       await svc.shutdown()
 
   asyncio.run(go())
+
+
+def test_an_older_value_written_back_into_a_slot_is_refused(cluster):
+  """A writer of Redis (without the secret) puts a slot's own earlier sealed value back."""
+  async def go():
+    svc = cluster.svc()
+    await svc.startup()
+    try:
+      r = cluster.redis()
+      keys = [f"{cluster.prefix}:slot:{i}" for i in range(svc.k)]
+      before = r.mget(keys)
+      for _ in range(20):
+        h, ticket = await svc.draw_for("me")
+        await svc.store_ticketed("me", parsing.Submission(honest(h, cluster.rng), h, ticket))
+      await svc.store.snapshot()  # untouched: fine
+      now = r.mget(keys)
+      i = next(j for j in range(svc.k) if now[j] != before[j])
+      r.set(keys[i], before[i])  # valid tag, right slot index, right generation: but old
+      r.close()
+      with pytest.raises(store_lib.StoreCorrupt, match=f"slot {i} holds a value that an earlier"):
+        await svc.store.snapshot()
+    finally:
+      await svc.shutdown()
+
+  asyncio.run(go())

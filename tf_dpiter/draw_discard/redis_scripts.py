@@ -1,6 +1,7 @@
 """The Lua scripts of the Redis store (redis_store.py); each runs atomically in Redis.
 
-REPLACE also enforces the influence rate of the submitter's identity across every server
+REPLACE returns {new sequence number, write id of the replaced value} (store_mac.py), so
+the writing process can refuse that value if it is ever written back. It also enforces the influence rate of the submitter's identity across every server
 of the store (influence.py's decayed count S1 <= max_steps, on the Redis clock; -5 when
 over, nothing written, the ticket not consumed), so P servers do not give P rates.
 
@@ -55,7 +56,7 @@ if rate then
   redis.call('HSET', KEYS[7], 's', tostring(rate[1]), 't', rate[2])
   redis.call('PEXPIRE', KEYS[7], math.ceil(tonumber(ARGV[8]) * 20))
 end
-return redis.call('INCR', KEYS[4])
+return {redis.call('INCR', KEYS[4]), string.sub(old, -24, -17)}
 """
 
 SNAPSHOT = """

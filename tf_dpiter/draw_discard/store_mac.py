@@ -11,8 +11,10 @@ value of another generation (an older model in the same prefix) or one written b
 without the secret is refused on read (StoreCorrupt). The slot key lives outside the store,
 so reading the store does not allow forging. What a tag cannot show is *which* of the
 values legitimately written to a slot is the newest: rolling the whole store back is
-caught by the sequence-number high-water mark (redis_store.py); replaying an older value
-of one slot by someone with write access to the store is not (docs/draw_discard_security.md).
+caught by the sequence-number high-water mark (redis_store.py). An older value of one slot
+written back by someone with write access to the store carries a write id that was retired
+when that value was replaced: the process that replaced it remembers the id (`write_ids`,
+redis_store.RedisStore) and refuses the slot (docs/draw_discard_security.md).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from tf_dpiter.draw_discard.store import StoreCorrupt
 
 TAIL = 4 + 8 + 16
-__all__ = ["StoreCorrupt", "TAIL", "open_many", "seal"]
+__all__ = ["StoreCorrupt", "TAIL", "open_many", "seal", "write_ids"]
 
 
 def seal(key: bytes, generation: str, index: int, w: np.ndarray) -> bytes:
@@ -85,3 +87,16 @@ def open_many(key: bytes, generation: str, raws: list, p: int,
       raise StoreCorrupt(f"slot {indices[j]} holds the value of another slot")
     out.append(body[:8 * p])
   return b"".join(out)
+
+
+def write_ids(raws: list, p: int) -> list:
+  """The write ids of stored values (checked by open_many first).
+
+  Args:
+    raws: stored values of 8 p + TAIL bytes.
+    p: number of weights.
+
+  Returns:
+    One 8-byte id per value.
+  """
+  return [raw[8 * p + 4:8 * p + 12] for raw in raws]
