@@ -17,6 +17,11 @@ def source(i: int, prefix: int = 1) -> str:
   return f"127.{prefix}.{i // 254}.{1 + i % 254}"
 
 
+def prefix_source(i: int, first: int = 20) -> str:
+  """The i-th loopback address in its own /24: 127.(first + i // 256).(i % 256).1."""
+  return f"127.{first + i // 256}.{i % 256}.1"
+
+
 class BoundClient(client_lib.DDMLClient):
   """DDMLClient whose connections leave from `src` (an address in 127.0.0.0/8)."""
 

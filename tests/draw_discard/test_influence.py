@@ -159,7 +159,7 @@ def test_check_step_tests_against_the_served_instance():
 
 def test_busy_oldest_identity_does_not_block_newcomers_over_http(start_service):
   """Table of 5: the least recently used identity has 3 recent updates, four one-shot
-  clients follow; 6 newcomers (distinct 127.1.0.x addresses, tokens off) must all get in by
+  clients follow; 6 newcomers (distinct /24 prefixes, tokens off) must all get in by
   forgetting the one-shot clients, while the busy identity is kept."""
   from tf_dpiter.draw_discard import service
   from tf_dpiter.draw_discard import store as store_lib
@@ -170,11 +170,11 @@ def test_busy_oldest_identity_does_not_block_newcomers_over_http(start_service):
   rng = np.random.default_rng(2)
   outcomes = []
   for i in [0, 0, 0, 1, 2, 3, 4] + list(range(5, 11)):
-    with loopback.BoundClient(srv.url, loopback.source(i)) as c:
+    with loopback.BoundClient(srv.url, loopback.prefix_source(i)) as c:
       ok, code, _, _ = loopback.honest_submit(c, rng)
       outcomes.append(code if not ok else "ok")
   assert outcomes == ["ok"] * 13
-  assert svc.budget.state(loopback.source(0))[0] == 3  # the busy identity was not forgotten
+  assert svc.budget.state("127.20.0.0/24")[0] == 3  # the busy identity was not forgotten
   assert len(svc.budget._state) == 5
 
 

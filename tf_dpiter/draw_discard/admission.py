@@ -11,7 +11,13 @@ Order (each step refuses before anything is stored):
      cap (else 429 influence_rate_exceeded, Retry-After) and its decayed cumulative step
      inside honest clients' envelope, and its undecayed per-weight sum inside N honest
      steps' envelope, else 422 cumulative_step_too_large / cumulative_excess_too_large /
-     lifetime_step_too_large (503 influence_table_full when the memory bound is hit).
+     lifetime_step_too_large (503 influence_table_full when the memory bound is hit);
+  5. new identities' share (sybil.py, when set): a new identity's update is refused with
+     429 new_identity_share (Retry-After) when new identities already hold their capped
+     share of recent accepted updates.
+
+The budget's key is the token identity, or without tokens the address's /24 or /64 prefix
+(sybil.budget_key); the ticket stays bound to the token or address that drew.
 
 The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
 """
@@ -43,10 +49,12 @@ class Refused(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Admitted:
-  """An admitted submit: who, its step u - h (reserved in the budget) and the ticket nonce."""
+  """An admitted submit: its budget key, its step u - h (reserved in the budget), the ticket
+  nonce and whether it was counted as a new identity's update (sybil.NewIdentityShare)."""
   identity: str
   step: np.ndarray
   nonce: str
+  new: bool = False
 
 
 def rule_refusal(rule: acceptance.AcceptanceRule, reason: str) -> Refused:
@@ -76,18 +84,21 @@ class Admission:
     rule: the served spec's AcceptanceRule.
     budget: the per-identity InfluenceBudget.
     tickets: the Tickets (set once the store's key is known).
+    newcomers: a sybil.NewIdentityShare, or None (no cap on new identities' share).
   """
 
   def __init__(self, rule: acceptance.AcceptanceRule, budget: influence.InfluenceBudget,
-               tickets: tickets_lib.Tickets | None = None):
+               tickets: tickets_lib.Tickets | None = None, newcomers=None):
     self.rule, self.budget, self.tickets = rule, budget, tickets
+    self.newcomers = newcomers
 
-  def admit(self, identity: str, sub: parsing.Submission) -> Admitted:
-    """Steps 1-4 of the module docstring; reserves the step in the budget.
+  def admit(self, identity: str, sub: parsing.Submission, key: str | None = None) -> Admitted:
+    """Steps 1-5 of the module docstring; reserves the step in the budget.
 
     Args:
-      identity: the submitter (token identity or address).
+      identity: the submitter (token identity or address; the ticket's binding).
       sub: the parsed submission.
+      key: the budget key (default identity; sybil.budget_key).
 
     Returns:
       The Admitted submit; call `release` if it is not stored after all.
@@ -107,19 +118,32 @@ class Admission:
     if not decision.accepted:
       raise rule_refusal(self.rule, decision.reason)
     step = sub.weights - sub.drawn
-    reason = self.budget.reserve(identity, step)
+    key = identity if key is None else key
+    reason = self.budget.reserve(key, step)
     if reason == "influence_rate":
       raise Refused(429, "influence_rate_exceeded", reason,
                     "this token's updates exceed its influence rate "
                     f"({self.budget.max_steps:g} per {self.budget.half_life_s:g} s half-life); "
-                    "retry later", False, retry_after=self.budget.wait_s(identity))
+                    "retry later", False, retry_after=self.budget.wait_s(key))
     if reason == "influence_table_full":
       raise Refused(503, "influence_table_full", reason,
                     "the server tracks as many active identities as its memory bound allows; "
                     "retry later", False, retry_after=60.0)
     if reason:
       raise rule_refusal(self.rule, reason)
-    return Admitted(identity, step, nonce)
+    return Admitted(key, step, nonce, self._newcomer(key, step))
+
+  def _newcomer(self, key: str, step: np.ndarray) -> bool:
+    """Step 5: counts the update in the new-identity share, or releases the step and refuses."""
+    if self.newcomers is None:
+      return False
+    wait, new = self.newcomers.take(key)
+    if wait > 0:
+      self.budget.release(key, step)
+      raise Refused(429, "new_identity_share", "new_identity_share",
+                    "new identities already hold their share of recent updates; retry later",
+                    False, retry_after=wait)
+    return new
 
   def release(self, admitted: Admitted) -> None:
     """Undoes the budget reservation of a submit that was not stored.
@@ -128,3 +152,5 @@ class Admission:
       admitted: what admit returned.
     """
     self.budget.release(admitted.identity, admitted.step)
+    if self.newcomers is not None:
+      self.newcomers.untake(admitted.new)

@@ -66,8 +66,8 @@ update per 54 s) never meet the rate test.
 
 Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
 law) for honest clients; the server's draws use secrets.randbelow. One identity per
-attacker: T identities (tokens; addresses without tokens) have T budgets, so T times the
-bound. The budget is kept per server process; on a Redis store the rate test is also
+attacker: T identities (tokens; address prefixes without tokens, sybil.py) have T budgets,
+so T times the bound. The budget is kept per server process; on a Redis store the rate test is also
 enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
 while the envelope of C stays per process.
 Memory: 16 p + 160 bytes per identity (C and L), bounded by `max_memory_bytes`; when full, the

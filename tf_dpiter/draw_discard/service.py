@@ -61,6 +61,7 @@ from tf_dpiter.draw_discard import service_setup
 from tf_dpiter.draw_discard import service_status
 from tf_dpiter.draw_discard import snapshots
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import sybil
 from tf_dpiter.draw_discard import tickets as tickets_lib
 from tf_dpiter.draw_discard import web_errors
 from tf_dpiter.errors import ParameterValueError
@@ -117,6 +118,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     model_interval_s: seconds between two releases of the average.
     legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
       store can forge tickets); logged as a warning.
+    new_identity_share: cap on the share of recent accepted updates from identities first
+      seen less than an hour ago (sybil.NewIdentityShare; None: no cap).
     draw_min_updates: with rebasing, a value is served only once it is this many accepted
       updates (in its lineage) away from every value already served; else a draw gets the
       slot's last served value again (draw_gate.py). 1: Algorithm 2's draws.
@@ -136,6 +139,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                secret: bytes | None = None, legacy_store_key: bool = False,
                model_min_updates: int | None = None, model_interval_s: float = 10.0,
                influence_steps: float | None = 8.0, influence_half_life_s: float | None = 300.0,
+               new_identity_share: float | None = None,
                budget_memory_bytes: int = 256 << 20, state_file: str | None = None,
                draw_min_updates: int = 4, adopt_state: bool = False):
     if history is None:
@@ -161,7 +165,9 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     self.budget = influence.InfluenceBudget(
         self.rule, budget_alpha, max_identities, max_steps=influence_steps,
         half_life_s=influence_half_life_s, max_memory_bytes=budget_memory_bytes)
-    self.admission = admission.Admission(self.rule, self.budget)
+    self.admission = admission.Admission(
+        self.rule, self.budget, newcomers=None if new_identity_share is None
+        else sybil.NewIdentityShare(new_identity_share))
     self.draw_gate = draw_gate.DrawGate(self.k, draw_min_updates if self.rebase else 1)
     self._pending_draws = 0
     self.history = int(history)
@@ -266,8 +272,9 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     Raises:
       parsing.RequestError: when refused (status and code in the module docstring).
     """
+    key = sybil.budget_key(identity, self.tokens is not None)
     try:
-      adm = self.admission.admit(identity, sub)
+      adm = self.admission.admit(identity, sub, key)
     except admission.Refused as e:
       raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
@@ -282,7 +289,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       node = self.draw_gate.pending(slot, new, parent)
       try:
         seq = await self.store.replace(slot, new, adm.nonce, self.ticket_ttl_s, draws,
-                                       self._rate(identity))
+                                       self._rate(key))
       finally:
         self.draw_gate.dropped(slot, node)
       self.draw_gate.written(slot, node, seq)

@@ -1,0 +1,138 @@
+"""Sybils: what k identities cost, per token and per address prefix.
+
+The influence budget (influence.py) binds one identity; k identities get k budgets. Two
+mechanisms make k sybils cost what docs/draw_discard_security.md states:
+
+  * Without tokens the budget's identity is the client's address *prefix* (/24 for IPv4,
+    /64 for IPv6; connections.prefix_of), not the address: k addresses inside one prefix
+    share one budget, so a sybil needs k prefixes, not k addresses (`budget_key`).
+  * A global cap on the share of recent accepted updates that come from *new* identities
+    (NewIdentityShare): an identity is new for `new_age_s` seconds after its first
+    accepted update. With decayed counts (half-life `window_s`) T of all accepted updates
+    and N of those from new identities, a new identity's update is accepted only if
+
+        N + 1 <= max(min_new, share (T + 1)),
+
+    so while k fresh sybils are new they get at most share / (1 - share) times the
+    established identities' accepted updates (plus `min_new`), whatever k is; they must
+    first age `new_age_s` inside their own rate bound before the per-identity bound is
+    all that limits them.
+
+Bound (k identities over T seconds): at most k m (1 + T ln 2 / H) accepted updates (m, H:
+influence.InfluenceBudget's max_steps and half-life), each identity within its envelope;
+with tokens off, k = the number of distinct prefixes. While new, their share of recent
+accepted updates is at most `share` (above min_new). Residual: a patient operator of k
+tokens (or k prefixes) that lets them age, or one that outnumbers the honest traffic, gets
+k times one identity's bound; token issuance is the operator's control.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+
+from tf_dpiter.draw_discard.connections import prefix_of
+from tf_dpiter.errors import ParameterValueError
+
+
+def budget_key(identity: str, tokens: bool) -> str:
+  """The influence budget's key: the token identity, or the address's /24 or /64 prefix.
+
+  Args:
+    identity: the token identity (tokens on) or the client address (tokens off).
+    tokens: whether the service authenticates tokens.
+
+  Returns:
+    The key.
+  """
+  return identity if tokens else prefix_of(identity)
+
+
+class NewIdentityShare:
+  """Global cap on the share of recent accepted updates from new identities.
+
+  Args:
+    share: the cap, in (0, 1).
+    window_s: half-life of the decayed counts T and N (seconds).
+    new_age_s: an identity is new this long after its first accepted update (seconds).
+    min_new: new identities' updates always allowed in the decayed window (cold start).
+    max_identities: first-seen times kept (the oldest are dropped: they become new again).
+    clock: time source in seconds.
+
+  Raises:
+    ParameterValueError: for share outside (0, 1), window_s <= 0, new_age_s < 0,
+      min_new < 1 or max_identities < 1.
+  """
+
+  def __init__(self, share: float = 0.5, window_s: float = 600.0, new_age_s: float = 3600.0,
+               min_new: float = 16.0, max_identities: int = 1_000_000, clock=time.monotonic):
+    if not 0 < share < 1:
+      raise ParameterValueError(f"`new_identity_share` must be in (0, 1). Received: "
+                                f"new_identity_share={share!r}")
+    if not window_s > 0:
+      raise ParameterValueError(f"`window_s` must be > 0. Received: window_s={window_s!r}")
+    if not min_new >= 1:
+      raise ParameterValueError(f"`min_new` must be >= 1. Received: min_new={min_new!r}")
+    if not new_age_s >= 0:
+      raise ParameterValueError(f"`new_age_s` must be >= 0. Received: new_age_s={new_age_s!r}")
+    if int(max_identities) != max_identities or max_identities < 1:
+      raise ParameterValueError(f"`max_identities` must be an integer >= 1. "
+                                f"Received: max_identities={max_identities!r}")
+    self.share, self.window_s, self.new_age_s = float(share), float(window_s), float(new_age_s)
+    self.min_new, self.max_identities, self.clock = float(min_new), int(max_identities), clock
+    self._first: collections.OrderedDict = collections.OrderedDict()
+    self.total = self.new = 0.0
+    self._t = clock()
+
+  def _decay(self, now: float) -> None:
+    f = 2.0 ** (-max(0.0, now - self._t) / self.window_s)
+    self.total, self.new, self._t = self.total * f, self.new * f, now
+
+  def is_new(self, key: str, now: float | None = None) -> bool:
+    """Whether `key`'s first accepted update is less than new_age_s old (or unknown).
+
+    Args:
+      key: the budget key.
+      now: the time (default: the clock).
+
+    Returns:
+      True when new.
+    """
+    first = self._first.get(key)
+    return first is None or (self.clock() if now is None else now) - first < self.new_age_s
+
+  def take(self, key: str) -> tuple[float, bool]:
+    """Counts one accepted update of `key` if the cap allows it.
+
+    Args:
+      key: the budget key.
+
+    Returns:
+      (0.0, counted-as-new) when allowed, else (seconds to wait, False).
+    """
+    now = self.clock()
+    self._decay(now)
+    new = self.is_new(key, now)
+    if new:
+      cap = max(self.min_new, self.share * (self.total + 1.0))
+      if self.new + 1.0 > cap + 1e-9:
+        wait = self.window_s * math.log2(max(1.0 + 1e-9, self.new / max(self.min_new - 1.0, 0.5)))
+        return max(wait, 1.0), False
+      self.new += 1.0
+      if key not in self._first:
+        self._first[key] = now
+        while len(self._first) > self.max_identities:
+          self._first.popitem(last=False)
+    self.total += 1.0
+    return 0.0, new
+
+  def untake(self, new: bool) -> None:
+    """Undoes a `take` whose update was not stored.
+
+    Args:
+      new: the second value `take` returned.
+    """
+    self.total = max(0.0, self.total - 1.0)
+    if new:
+      self.new = max(0.0, self.new - 1.0)
