@@ -95,3 +95,15 @@ def test_federated_server_budget_refuses_gdp():
                     accountant="gdp")
   # reporting alone (no budget) still takes it
   server.DPServer(query, np.zeros(3, np.float32), 100, 10, fixed_delta=1e-5, accountant="gdp")
+
+
+def test_command_line_marks_the_gdp_number_as_approximate(capsys):
+  from tf_dpiter.accounting import cli  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    cli.compute_dp_sgd_privacy_main(["--N", str(N), "--batch_size", str(B), "--noise_multiplier",
+                                     str(Z), "--epochs", str(EPOCHS), "--delta", str(DELTA),
+                                     "--accountant", "gdp"])
+  out = capsys.readouterr().out.splitlines()
+  numbered = [l for l in out if "4.855" in l]
+  assert numbered and all("approximate" in l for l in numbered)

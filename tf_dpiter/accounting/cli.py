@@ -187,7 +187,8 @@ def compute_dp_sgd_privacy_main(argv=None):
                                       accountant=accountant, sampling=sampling,
                                       num_microbatches=a.num_microbatches)
     print(r.statement)
-    print(f"epsilon = {r.epsilon:.6g}")
+    print(f"epsilon = {r.epsilon:.6g}" if accountant != "gdp" else
+          f"epsilon ~ {r.epsilon:.6g} (GDP: approximate, not an upper bound)")
     if sampling == rec.POISSON:
       print(POISSON_NOTE)
   return _run(go)
@@ -388,7 +389,8 @@ def dp_ledger_main(argv=None):
                                     key=key)
         curve_lib.plot_epsilon_curve(c, a.out)
         print(f"wrote {a.out}: epsilon from {c.epsilon[0]:.4g} (step {c.steps[0]}) to "
-              f"{c.epsilon[-1]:.4g} (step {c.steps[-1]}) at delta = {a.delta:g}")
+              f"{c.epsilon[-1]:.4g} (step {c.steps[-1]}) at delta = {a.delta:g}"
+              + (" (GDP: approximate, not an upper bound)" if a.accountant == "gdp" else ""))
       else:
         print(accountant_lib.privacy_report(d, delta=a.delta, epsilon=a.epsilon,
                                             accountant=a.accountant, key=key))
