@@ -183,3 +183,30 @@ def test_an_older_value_written_back_into_a_slot_is_refused(cluster):
       await svc.shutdown()
 
   asyncio.run(go())
+
+
+def test_a_snapshot_read_before_a_replacement_is_not_taken_for_a_replay(cluster):
+  """The replacement's reply (which retires the old value) is processed before the older
+  snapshot that still holds that value: a benign race, not a fault."""
+  async def go():
+    svc = cluster.svc()
+    await svc.startup()
+    store = svc.store
+    script = store._snapshot
+
+    async def read_then_replace(**kw):
+      out = await script(**kw)  # slots at seq s
+      await store.replace(3, np.zeros(SPEC.num_weights))  # seq s + 1 retires slot 3's value
+      return out
+
+    try:
+      store._snapshot = read_then_replace
+      snap = await store.snapshot()
+      store._snapshot = script
+      assert snap.seq == 0 and await store.touch() == 1
+      assert not np.array_equal(snap.slots[3], np.zeros(SPEC.num_weights))
+      assert (await store.snapshot()).seq == 1
+    finally:
+      await svc.shutdown()
+
+  asyncio.run(go())

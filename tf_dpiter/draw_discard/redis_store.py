@@ -92,7 +92,7 @@ class RedisStore:
     self._epoch = self._r.register_script(redis_scripts.EPOCH)
     self.anchor = None  # anchor.Anchor: replace() returns once its seq is anchored
     self._used_nonces: collections.OrderedDict = collections.OrderedDict()  # nonce -> expiry
-    self._retired: collections.OrderedDict = collections.OrderedDict()  # write id -> None
+    self._retired: collections.OrderedDict = collections.OrderedDict()  # write id -> seq
     self.generation: str | None = None
     self.integrity_key: bytes | None = None  # set by the service before initialize
     self.high_water = 0  # highest sequence number this process has seen
@@ -280,7 +280,7 @@ class RedisStore:
              + store_mac.open_many(self.integrity_key, self.generation, hist, p))
     except store_lib.StoreCorrupt as e:
       self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r}: {e}"))
-    self._check_fresh(slots, p)
+    self._check_fresh(slots, p, seq)
     new = np.frombuffer(raw, dtype="<f8").reshape(k + len(hist), p)
     if full or previous is None:
       return store_lib.Snapshot(seq, new[:k], new[k:], new)
@@ -329,28 +329,32 @@ class RedisStore:
       raise store_lib.TicketUsed("draw ticket already used")
     if code == -5:
       raise store_lib.RateExceeded("influence rate exceeded (all servers)")
+    old_id = None
     if isinstance(code, list):  # {seq, write id of the replaced value}
       code, old_id = code
-      self._retire(old_id)
     seq = self._result(code)
+    if old_id is not None:
+      self._retire(old_id, seq)
     if nonce is not None:
       self._used_nonces[nonce] = time.monotonic() + nonce_ttl_s
     if self.anchor is not None:
       await self.anchor.commit(self, seq)
     return seq
 
-  def _retire(self, write_id: bytes) -> None:
-    """Remembers the write id of a value this process replaced (at most MAX_RETIRED)."""
-    self._retired[bytes(write_id)] = None
+  def _retire(self, write_id: bytes, seq: int) -> None:
+    """Remembers that update `seq` replaced the value `write_id` (at most MAX_RETIRED)."""
+    self._retired[bytes(write_id)] = seq
     while len(self._retired) > MAX_RETIRED:
       self._retired.popitem(last=False)
 
-  def _check_fresh(self, slots: list, p: int) -> None:
-    """Refuses (StoreCorrupt, sticky) a slot holding a value this process replaced before."""
+  def _check_fresh(self, slots: list, p: int, seq: int) -> None:
+    """Refuses (StoreCorrupt, sticky) a snapshot at `seq` whose slot holds a value that an
+    update at or before `seq` replaced (a snapshot read before the replacement may hold it)."""
     if not self._retired:
       return
     for i, wid in enumerate(store_mac.write_ids(slots, p)):
-      if wid in self._retired:
+      retired_at = self._retired.get(wid)
+      if retired_at is not None and retired_at <= seq:
         self._fail(store_lib.StoreCorrupt(
             f"redis store prefix {self.prefix!r}: slot {i} holds a value that an earlier "
             "update replaced (an older value written back into the store)"))
