@@ -210,3 +210,28 @@ def test_a_snapshot_read_before_a_replacement_is_not_taken_for_a_replay(cluster)
       await svc.shutdown()
 
   asyncio.run(go())
+
+
+def test_a_server_that_checked_before_another_initialized_joins_it(cluster):
+  """B finds no model, A initializes (and frees the lock), B takes the free lock: B must
+  join A's model, not initialize a second one under A (A would then be refused)."""
+  async def go():
+    a, b = cluster.svc(), cluster.svc()
+    await a.startup()
+    real = b.store._r.exists
+    calls = []
+
+    async def first_check_too_early(*keys):
+      calls.append(keys)
+      return 0 if len(calls) == 1 else await real(*keys)
+
+    b.store._r.exists = first_check_too_early
+    try:
+      await b.startup()
+      assert b.store.generation == a.store.generation
+      assert await a.store.touch() == 0  # A's generation still holds
+    finally:
+      await a.shutdown()
+      await b.shutdown()
+
+  asyncio.run(go())

@@ -192,6 +192,9 @@ class RedisStore:
         return False
       token = uuid.uuid4().hex
       if await r.set(self._k("init"), token, nx=True, px=int(self.lock_ttl_s * 1000)):
+        if await r.exists(self._k("gen")):  # initialized between our check and our lock
+          await r.delete(self._k("init"))
+          continue
         gen = uuid.uuid4().hex
         pipe = r.pipeline(transaction=True)
         for i, (key, row) in enumerate(zip(self._k_slots, instances)):
