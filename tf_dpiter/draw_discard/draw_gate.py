@@ -24,16 +24,20 @@ stale, and a value is served fresh only after m updates chained onto it, whateve
 time; so the statement above holds at every traffic level, and only the staleness grows.
 What it does not give: a differencing attack still sees a sum of m local-DP steps (the
 local-DP guarantee of each step holds; the sum adds the others' noise but no formal
-amplification is claimed). Limits: the gate is per server process. Values written by
-another process (Redis) are taken as one update away from a served value (their parent
-may have been served), which is safe for that parent but not for their other relatives;
-values present when the process starts count as never served. Without rebasing every
+amplification is claimed). Limits: the gate is per server process. A value written by
+another process (Redis) is placed in the lineage conservatively: j steps below the known
+value v it is closest to, j = ceil(max_j |x_j - v_j| / linf) (linf: one accepted step's
+per-weight bound; a step of j updates cannot be shorter), so its distance to this
+process's served values is never overestimated; but values the *other* process served
+are unknown here. Values present when the process starts count as never served. Without rebasing every
 stored value is one step from a served draw, so the gate is off (m = 1).
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
 import secrets
 
 import numpy as np
@@ -56,12 +60,14 @@ class DrawGate:
   Args:
     k: number of slots.
     m: minimum number of accepted updates between two served values (>= 1; 1: no gate).
+    linf: per-weight bound of one accepted step (AcceptanceRule.linf), for placing values
+      other processes wrote; None: such values count as one step from a served value.
 
   Raises:
     ParameterValueError: for k < 2 or m < 1.
   """
 
-  def __init__(self, k: int, m: int):
+  def __init__(self, k: int, m: int, linf: float | None = None):
     if int(k) != k or k < 2:
       raise ParameterValueError(f"`k` must be an integer >= 2. Received: k={k!r}")
     if int(m) != m or m < 1:
@@ -73,6 +79,8 @@ class DrawGate:
     self._pending: dict[int, list[_Node]] = {}
     self._served: list[np.ndarray | None] = [None] * self.k
     self._last_served: np.ndarray | None = None
+    self._recent: collections.deque = collections.deque(maxlen=4 * self.k)
+    self.linf = linf
     self.stale = 0
 
   def _node(self, i: int, snap) -> _Node:
@@ -83,10 +91,27 @@ class DrawGate:
     for cand in self._pending.get(i, ()):
       if np.array_equal(cand.value, value):
         return cand
-    dist = self.m if node is None else 1  # first sight: never served; a foreign write: its
-    node = _Node((next(self._ids),), dist, value.copy(), snap.seq)  # parent may have been
+    if node is None:  # first sight (start-up): never served by this process
+      node = _Node((next(self._ids),), self.m, value.copy(), snap.seq)
+    else:  # written by another process
+      node = self._foreign(value, snap.seq)
     self._slots[i] = node
+    self._recent.append(node)
     return node
+
+  def _foreign(self, value: np.ndarray, seq: int) -> _Node:
+    """A node for a value another process wrote: j steps below its closest known value."""
+    if self.linf is None or not self._recent:
+      return _Node((next(self._ids),), 1, value.copy(), seq)
+    best, j = None, self.m
+    for v in self._recent:
+      steps = max(1, math.ceil(float(np.max(np.abs(value - v.value))) / self.linf - 1e-9))
+      if best is None or v.dist + steps < best.dist + j:
+        best, j = v, steps
+    if best.dist + j >= self.m:
+      return _Node((next(self._ids),), self.m, value.copy(), seq)
+    chain = tuple(next(self._ids) for _ in range(j)) + best.chain
+    return _Node(chain[:self.m], best.dist + j, value.copy(), seq)
 
   @staticmethod
   def _distance(a: _Node, b: _Node, cap: int) -> int:
@@ -115,11 +140,9 @@ class DrawGate:
       old = self._served[i] if self._served[i] is not None else self._last_served
       return old.copy(), True
     node.dist = 0
-    for other in self._slots:
-      if other is not None and other is not node:
-        other.dist = min(other.dist, self._distance(node, other, self.m))
-    for cands in self._pending.values():
-      for other in cands:
+    known = itertools.chain(self._slots, self._recent, *self._pending.values())
+    for other in known:  # every node a later value may descend from or be placed under
+      if other is not None and other is not node and other.dist > 0:
         other.dist = min(other.dist, self._distance(node, other, self.m))
     self._served[i] = self._last_served = node.value
     return node.value.copy(), False
@@ -155,6 +178,7 @@ class DrawGate:
     if self.m == 1:
       return node
     self._pending.setdefault(slot, []).append(node)
+    self._recent.append(node)
     return node
 
   def written(self, slot: int, node: _Node, seq: int) -> None:

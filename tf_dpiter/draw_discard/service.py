@@ -168,7 +168,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     self.admission = admission.Admission(
         self.rule, self.budget, newcomers=None if new_identity_share is None
         else sybil.NewIdentityShare(new_identity_share))
-    self.draw_gate = draw_gate.DrawGate(self.k, draw_min_updates if self.rebase else 1)
+    self.draw_gate = draw_gate.DrawGate(self.k, draw_min_updates if self.rebase else 1,
+                                        self.rule.linf)
     self._pending_draws = 0
     self.history = int(history)
     self.draw_max_age_s = float(draw_max_age_s)
