@@ -235,3 +235,22 @@ def test_a_server_that_checked_before_another_initialized_joins_it(cluster):
       await b.shutdown()
 
   asyncio.run(go())
+
+
+def test_anchor_keeps_the_older_record_when_the_newest_is_torn(tmp_path):
+  from tf_dpiter.draw_discard import anchor as anchor_lib
+  path = tmp_path / "a.json"
+  path.write_text('{"generation": "g", "seq": 3}')  # an older version's anchor
+  a = anchor_lib.Anchor(str(path))
+  assert a.load()["seq"] == 3
+  for seq in (4, 5, 6):
+    a.save("g", seq)
+  a.close()
+  raw = bytearray(path.read_bytes())
+  n = anchor_lib.Anchor(str(path)).load()["n"]
+  raw[(n % 2) * 256 + 30] ^= 1  # the newest record torn by a crash mid-write
+  path.write_bytes(bytes(raw))
+  assert anchor_lib.Anchor(str(path)).load()["seq"] == 5
+  path.write_text("not an anchor")
+  with pytest.raises(ValueError, match="not an anchor file"):
+    anchor_lib.Anchor(str(path)).load()

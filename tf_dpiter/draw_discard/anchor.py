@@ -7,7 +7,7 @@ PATH`, one per server, on the server's own disk) the server records
 
     {"generation", "seq", "epochs", "last_epoch"}
 
-(written to a temporary file, fsynced, renamed, directory fsynced) and:
+(two checksummed records overwritten in turn and fdatasynced; see Anchor.save) and:
 
 * writes it **before acknowledging an update** (RedisStore.replace awaits `commit`): the
   writes of one event-loop turn share one fsync (group commit). So every acknowledged
@@ -31,6 +31,7 @@ and that no running server sees; every anchor lost or restored together with Red
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import uuid
@@ -39,6 +40,29 @@ from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 
 _FIELDS = ("generation", "seq")
+_REC = 256  # bytes per record; the file holds two
+
+
+def _record(data: dict, n: int) -> bytes:
+  """One record: BLAKE2b-64 (hex) of the JSON, the JSON, padded to _REC bytes."""
+  body = json.dumps(dict(data, n=n), sort_keys=True).encode()
+  rec = hashlib.blake2b(body, digest_size=8).hexdigest().encode() + body
+  if len(rec) >= _REC:
+    raise ParameterValueError(f"anchor record of {len(rec)} bytes does not fit {_REC}")
+  return rec.ljust(_REC - 1) + b"\n"
+
+
+def _parse(rec: bytes) -> dict | None:
+  """The record's data, or None when its checksum does not hold (torn, blank, foreign)."""
+  rec = rec.rstrip()
+  digest, body = rec[:16], rec[16:]
+  if not body or hashlib.blake2b(body, digest_size=8).hexdigest().encode() != digest:
+    return None
+  try:
+    data = json.loads(body)
+  except ValueError:
+    return None
+  return data if isinstance(data, dict) else None
 
 
 class Anchor:
@@ -54,11 +78,16 @@ class Anchor:
     self.path = path
     self.adopt = bool(adopt)
     self._saved: tuple | None = None  # (generation, seq) on disk
+    self._fd: int | None = None  # the file, open for in-place saves
+    self._counter = 0  # n of the newest record
     self._waiters: list = []  # (seq, future) waiting for the next write
     self._writer: asyncio.Future | None = None
 
   def load(self) -> dict | None:
     """The anchor record, or None when the file does not exist.
+
+    Reads both records of the file (see save) and returns the newest intact one; a file
+    written by an older version (one JSON object) is read too.
 
     Returns:
       {"generation", "seq"[, "epochs", "last_epoch"]} or None.
@@ -69,15 +98,20 @@ class Anchor:
     """
     if not os.path.exists(self.path):
       return None
-    with open(self.path, encoding="utf-8") as f:
+    with open(self.path, "rb") as f:
+      raw = f.read()
+    if raw.lstrip().startswith(b"{"):  # an older version's anchor: one JSON object
       try:
-        data = json.load(f)
-      except ValueError as e:
-        raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file ({e}); "
-                                  "restore it, or remove it and start with --adopt-store") from e
+        data = json.loads(raw)
+      except ValueError:
+        data = None
+    else:
+      records = [r for r in (_parse(raw[:_REC]), _parse(raw[_REC:2 * _REC])) if r is not None]
+      data = max(records, key=lambda r: r.get("n", 0)) if records else None
     if not isinstance(data, dict) or any(k not in data for k in _FIELDS):
       raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file; restore "
                                 "it, or remove it and start with --adopt-store")
+    self._counter = max(self._counter, int(data.get("n", 0)))
     return data
 
   def _refuse(self, what: str) -> None:
@@ -150,7 +184,13 @@ class Anchor:
     await self.commit(store, store.high_water)
 
   def save(self, generation: str, seq: int, epochs: int = 0, last_epoch: str = "") -> None:
-    """Writes the anchor atomically and durably (file and directory fsynced).
+    """Writes the anchor durably (fdatasync) without a window where none is on disk.
+
+    The file holds two records of _REC bytes, each `BLAKE2b-64 hex | JSON` with a counter
+    n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
+    other intact (load takes the newest record whose checksum holds). The file itself is
+    created, or converted from an older version's format, by writing a temporary file,
+    fsyncing it, renaming it and fsyncing the directory.
 
     Args:
       generation: the store's generation.
@@ -160,19 +200,44 @@ class Anchor:
     """
     if self._saved is not None and self._saved[0] == generation:
       seq = max(seq, self._saved[1])
-    tmp = self.path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump({"generation": generation, "seq": int(seq), "epochs": int(epochs),
-                 "last_epoch": last_epoch}, f)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, self.path)
-    fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+    data = {"generation": generation, "seq": int(seq), "epochs": int(epochs),
+            "last_epoch": last_epoch}
+    if self._fd is None and self._in_place():
+      self._fd = os.open(self.path, os.O_RDWR)
+    if self._fd is None:
+      tmp = self.path + ".tmp"
+      with open(tmp, "wb") as f:
+        f.write(_record(data, 0) + b" " * (_REC - 1) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+      os.replace(tmp, self.path)
+      dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
+      try:
+        os.fsync(dir_fd)
+      finally:
+        os.close(dir_fd)
+      self._counter = 0  # the record just written: slot 0, n = 0
+      self._fd = os.open(self.path, os.O_RDWR)
+    else:
+      self._counter += 1  # record n goes to slot n % 2: the older of the two
+      os.pwrite(self._fd, _record(data, self._counter), (self._counter % 2) * _REC)
+      os.fdatasync(self._fd)
     self._saved = (generation, int(seq))
+
+  def _in_place(self) -> bool:
+    """Whether the file exists in the two-record format (else save rewrites it whole)."""
+    try:
+      with open(self.path, "rb") as f:
+        head = f.read(2 * _REC)
+    except FileNotFoundError:
+      return False
+    return len(head) == 2 * _REC and _parse(head[:_REC]) is not None
+
+  def close(self) -> None:
+    """Closes the file (after the last save)."""
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
 
   async def commit(self, store, seq: int) -> None:
     """Returns once the anchor on disk holds at least `seq` (one write per batch).

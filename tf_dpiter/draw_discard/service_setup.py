@@ -133,6 +133,7 @@ class StoreSetup:
         await self.anchor.commit(self.store, self.store.high_water)
       except (store_lib.StoreLost, store_lib.StoreUnavailable) as e:
         web_errors.log_event(log, "anchor_not_saved", logging.ERROR, detail=str(e))
+      self.anchor.close()
     await self.store.close()
 
   # ---- handlers ----
