@@ -5,9 +5,9 @@ replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <pref
 (initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring),
 <prefix>:epochs (one "<id>:<seq>" per server start, anchor.py).
 
-Used ticket nonces are also kept by the process that accepted them (for their TTL, at most
-`MAX_LOCAL_NONCES`), so a nonce key deleted from Redis does not re-admit its ticket on that
-server. With an anchor (anchor.py), replace() returns only once the new sequence number is
+Used ticket nonces and the write ids of replaced values are also kept by the process
+(replay_guard.py), so a nonce key deleted from Redis does not re-admit its ticket on that
+server, and a slot's older value written back is refused. With an anchor (anchor.py), replace() returns only once the new sequence number is
 on the server's disk: an acknowledged update lost by Redis is detected at the next start.
 Every operation is one Lua script or one MULTI transaction that checks the generation
 first (see store.py for the contract), and every read or write of the model also checks
@@ -24,7 +24,6 @@ of one round trip each; each script stays atomic on its own.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
 import time
 import urllib.parse
@@ -35,13 +34,12 @@ import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
 from tf_dpiter.draw_discard import redis_pipeline
+from tf_dpiter.draw_discard import replay_guard
 from tf_dpiter.draw_discard import redis_scripts
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_mac
 from tf_dpiter.errors import ParameterValueError
 
-MAX_LOCAL_NONCES = 1_000_000  # used ticket nonces kept in process memory (oldest dropped)
-MAX_RETIRED = 1 << 18  # write ids of values this process replaced, remembered (oldest dropped)
 _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, ConnectionError,
                 OSError, asyncio.TimeoutError)
 
@@ -91,8 +89,7 @@ class RedisStore:
     self._release = self._r.register_script(redis_scripts.RELEASE)
     self._epoch = self._r.register_script(redis_scripts.EPOCH)
     self.anchor = None  # anchor.Anchor: replace() returns once its seq is anchored
-    self._used_nonces: collections.OrderedDict = collections.OrderedDict()  # nonce -> expiry
-    self._retired: collections.OrderedDict = collections.OrderedDict()  # write id -> seq
+    self.guard = replay_guard.ReplayGuard()
     self.generation: str | None = None
     self.integrity_key: bytes | None = None  # set by the service before initialize
     self.high_water = 0  # highest sequence number this process has seen
@@ -283,7 +280,11 @@ class RedisStore:
              + store_mac.open_many(self.integrity_key, self.generation, hist, p))
     except store_lib.StoreCorrupt as e:
       self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r}: {e}"))
-    self._check_fresh(slots, p, seq)
+    replayed = self.guard.replayed_slot(slots, p, seq)
+    if replayed is not None:
+      self._fail(store_lib.StoreCorrupt(
+          f"redis store prefix {self.prefix!r}: slot {replayed} holds a value that an earlier "
+          "update replaced (an older value written back into the store)"))
     new = np.frombuffer(raw, dtype="<f8").reshape(k + len(hist), p)
     if full or previous is None:
       return store_lib.Snapshot(seq, new[:k], new[k:], new)
@@ -318,7 +319,7 @@ class RedisStore:
     """
     self._ok()
     if nonce is not None:
-      self._local_nonce(nonce, nonce_ttl_s)
+      self.guard.check_nonce(nonce)
     ident, half_life, max_steps = rate if rate is not None else ("-", 1.0, None)
     code = await self._batched(
         self._replace,
@@ -337,38 +338,12 @@ class RedisStore:
       code, old_id = code
     seq = self._result(code)
     if old_id is not None:
-      self._retire(old_id, seq)
+      self.guard.retire(old_id, seq)
     if nonce is not None:
-      self._used_nonces[nonce] = time.monotonic() + nonce_ttl_s
+      self.guard.used(nonce, nonce_ttl_s)
     if self.anchor is not None:
       await self.anchor.commit(self, seq)
     return seq
-
-  def _retire(self, write_id: bytes, seq: int) -> None:
-    """Remembers that update `seq` replaced the value `write_id` (at most MAX_RETIRED)."""
-    self._retired[bytes(write_id)] = seq
-    while len(self._retired) > MAX_RETIRED:
-      self._retired.popitem(last=False)
-
-  def _check_fresh(self, slots: list, p: int, seq: int) -> None:
-    """Refuses (StoreCorrupt, sticky) a snapshot at `seq` whose slot holds a value that an
-    update at or before `seq` replaced (a snapshot read before the replacement may hold it)."""
-    if not self._retired:
-      return
-    for i, wid in enumerate(store_mac.write_ids(slots, p)):
-      retired_at = self._retired.get(wid)
-      if retired_at is not None and retired_at <= seq:
-        self._fail(store_lib.StoreCorrupt(
-            f"redis store prefix {self.prefix!r}: slot {i} holds a value that an earlier "
-            "update replaced (an older value written back into the store)"))
-
-  def _local_nonce(self, nonce: str, ttl_s: float) -> None:
-    """Raises TicketUsed for a nonce this process accepted within its TTL."""
-    now, used = time.monotonic(), self._used_nonces
-    while used and (next(iter(used.values())) < now or len(used) > MAX_LOCAL_NONCES):
-      used.popitem(last=False)
-    if nonce in used:
-      raise store_lib.TicketUsed("draw ticket already used (this server)")
 
   async def epochs(self, new_epoch: str | None = None) -> tuple[int, int, str]:
     """The store's sequence number and epoch list (anchor.py), appending `new_epoch`.
