@@ -98,9 +98,13 @@ def test_ledger_journal_resumes_in_a_new_model_and_refuses_tampering(tmp_path):
   first = _compiled()
   first.fit(x, y, batch_size=16, epochs=2, verbose=0, ledger_journal=path)
   assert int(first.ledger.sample_count.numpy()) == 8
-  second = _compiled()                      # a restart: a fresh model, the same journal
+  first.save(str(tmp_path / "m.keras"))
+  second = keras.models.load_model(str(tmp_path / "m.keras"))   # a restart from the save
   second.fit(x, y, batch_size=16, epochs=1, verbose=0, ledger_journal=path)
   assert int(second.ledger.sample_count.numpy()) == 12
+  # a fresh optimizer (iterations 0) was restored at no step of the journal: refused
+  with pytest.raises(ValueError, match="not written at optimizer iterations=0"):
+    _compiled().fit(x, y, batch_size=16, epochs=1, verbose=0, ledger_journal=path)
   assert accounting.epsilon(second.ledger, 1e-5) > accounting.epsilon(first.ledger, 1e-5)
   with open(path) as f:
     lines = f.read().splitlines()
@@ -139,7 +143,8 @@ def test_ledger_journal_callback_with_key(tmp_path):
   model.fit(x, y, batch_size=16, verbose=0,
             callbacks=[dp.keras.LedgerJournal(path, key="secret")])
   again = dp.keras.LedgerJournal(path, key="secret")
-  resumed = _compiled()
+  model.save(str(tmp_path / "m.keras"))
+  resumed = keras.models.load_model(str(tmp_path / "m.keras"))
   resumed.fit(x, y, batch_size=16, verbose=0, callbacks=[again])
   assert again.resumed == 4 and int(resumed.ledger.sample_count.numpy()) == 8
   with pytest.raises(ValueError, match="HMAC"):

@@ -44,7 +44,8 @@ STEPS = 3              # steps per fit in the scenarios with steps_per_epoch
 USERS_K = 2            # user level: examples per user (N / 2 users)
 CAP = 4                # truncated Poisson: B
 SCENARIOS = ("one_fit", "fits_steps", "new_dataset", "crash_resume", "save_load",
-             "checkpoint_rollback", "retry", "iterations_rollback", "xla_compiled_draw")
+             "checkpoint_rollback", "retry", "iterations_rollback", "xla_compiled_draw",
+             "journal_resume")
 
 
 class _Crash(keras.callbacks.Callback):
@@ -233,6 +234,17 @@ def _scenario(net, case, scenario, workdir, rng, joined):
       pass
     _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3,
          callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
+  elif scenario == "journal_resume":   # a crash after a save; load_model resumes the journal
+    journal, path = os.path.join(workdir, "run.journal"), os.path.join(workdir, "m.keras")
+    _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=1, ledger_journal=journal)
+    net.save(path)
+    try:
+      _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=2, ledger_journal=journal,
+           callbacks=[_Crash(_epoch_steps(policy) + 2)])
+    except RuntimeError:
+      pass
+    net = keras.models.load_model(path)
+    _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=2, ledger_journal=journal)
   elif scenario in _COMPILE:
     args = case.fit_args(None, 16)
     for _ in range(3):

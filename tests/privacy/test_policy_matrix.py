@@ -2,7 +2,12 @@
 and BackupAndRestore, save/load, an in-process rollback (tf.train.Checkpoint restore of an
 earlier step; weights and iterations assigned back), an in-process retry with
 BackupAndRestore on the same model, jit_compile with the noise drawn inside the XLA
-program}: participations never exceed the ledger's claim.
+program, a journal resumed by a model loaded from a save taken before a crash}:
+participations never exceed the ledger's claim. (Not here, since this probe reads each step's
+examples back through batch callbacks and noise 0: steps_per_execution > 1 is checked in
+tests/keras/test_noise_and_ledger.py, MirroredStrategy in tests/keras/test_mirrored_poisson.py,
+StopAtPrivacyBudget in tests/keras/test_budget_fit_steps.py, noise on across rollbacks in
+tests/privacy/test_rollback_noise.py.)
 
 The real Keras pipeline and training step with noise 0 (`matrix_runs`): the weights read back
 after every step show which examples it used. Per cell: every step ever taken (a crashed
@@ -32,12 +37,13 @@ _DEFAULT_CELLS = {("shuffle", "fits_steps"), ("cyclic_poisson", "fits_steps"),
                   ("shuffle", "crash_resume"), ("poisson", "checkpoint_rollback"),
                   ("shuffle", "checkpoint_rollback"), ("balls_in_bins", "retry"),
                   ("truncated_poisson", "iterations_rollback"),
-                  ("poisson", "xla_compiled_draw")}
+                  ("poisson", "xla_compiled_draw"), ("shuffle", "journal_resume")}
 # cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below
 # the ledger's rows (the rerun rows would break the b-separation), refused before any step
 _ROLLBACK = r"rerun rows of the same matrix mechanism"
 _REFUSED = {("cyclic_poisson", s): _ROLLBACK for s in ("crash_resume", "checkpoint_rollback",
-                                                       "retry", "iterations_rollback")}
+                                                       "retry", "iterations_rollback",
+                                                       "journal_resume")}
 
 
 def _cells():
