@@ -123,10 +123,10 @@ def test_two_servers_on_redis_one_tracked_process(start_service, redis_url):
   """Per-process gates on one Redis store: a tracker drawing from server A learns no step of
   victims who submit through A or B (B's writes are placed under their closest value known
   to A). Drawing from both servers is not covered: each process knows only what it served
-  itself (measured: 0-3 of 60 steps recovered; docs/guides/draw-discard.md)."""
-  recovered, distinct = _two_servers(start_service, redis_url, tracked=[0], updates=60)
-  assert recovered == 0  # every update was accepted (_two_servers asserts it)
-  assert distinct >= 4  # A serves 1-4 fresh values in 60 updates (docs); not asserted: slow
+  itself (measured: 1 of 60 steps recovered; docs/guides/draw-discard.md)."""
+  recovered, _ = _two_servers(start_service, redis_url, tracked=[0], updates=60)
+  assert recovered == 0  # and every update was accepted (_two_servers asserts it); A serves
+  # few fresh values meanwhile (docs), which is not asserted
 
 
 def test_a_value_written_elsewhere_is_placed_under_its_closest_known_value():

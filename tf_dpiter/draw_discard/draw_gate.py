@@ -28,8 +28,8 @@ amplification is claimed). Limits: the gate is per server process. A value writt
 another process (Redis) is placed in the lineage conservatively: j steps below the known
 value v it is closest to, j = ceil(max_j |x_j - v_j| / linf) (linf: one accepted step's
 per-weight bound; a step of j updates cannot be shorter), so its distance to this
-process's served values is never overestimated; but values the *other* process served
-are unknown here. Values present when the process starts count as never served. Without rebasing every
+process's served values (its last SERVED_KEPT = 1,024 fresh ones) is never
+overestimated; but values the *other* process served are unknown here. Values present when the process starts count as never served. Without rebasing every
 stored value is one step from a served draw, so the gate is off (m = 1).
 """
 
@@ -43,6 +43,9 @@ import secrets
 import numpy as np
 
 from tf_dpiter.errors import ParameterValueError
+
+
+SERVED_KEPT = 1024  # served values a foreign value is compared with (most recent first)
 
 
 class _Node:
@@ -80,6 +83,7 @@ class DrawGate:
     self._served: list[np.ndarray | None] = [None] * self.k
     self._last_served: np.ndarray | None = None
     self._recent: collections.deque = collections.deque(maxlen=4 * self.k)
+    self._served_nodes: collections.deque = collections.deque(maxlen=SERVED_KEPT)
     self.linf = linf
     self.stale = 0
 
@@ -104,7 +108,10 @@ class DrawGate:
     if self.linf is None or not self._recent:
       return _Node((next(self._ids),), 1, value.copy(), seq)
     best, j = None, self.m
-    for v in self._recent:
+    for v in reversed(self._served_nodes):  # one step from a served value: the common case
+      if float(np.max(np.abs(value - v.value))) <= self.linf:
+        return _Node((next(self._ids),) + v.chain[:self.m - 1], 1, value.copy(), seq)
+    for v in itertools.chain(self._recent, self._served_nodes):
       steps = max(1, math.ceil(float(np.max(np.abs(value - v.value))) / self.linf - 1e-9))
       if best is None or v.dist + steps < best.dist + j:
         best, j = v, steps
@@ -145,6 +152,7 @@ class DrawGate:
       if other is not None and other is not node and other.dist > 0:
         other.dist = min(other.dist, self._distance(node, other, self.m))
     self._served[i] = self._last_served = node.value
+    self._served_nodes.append(node)
     return node.value.copy(), False
 
   def parent(self, snap, i: int) -> _Node:
@@ -157,6 +165,13 @@ class DrawGate:
     Returns:
       An opaque node for `pending`.
     """
+    node, value = self._slots[i], snap.slots[i]
+    if node is not None and node.seq > snap.seq and not np.array_equal(node.value, value):
+      # the snapshot is older than what this process wrote since: the base is an older value
+      for v in itertools.chain(reversed(self._recent), reversed(self._served_nodes)):
+        if np.array_equal(v.value, value):
+          return v
+      return self._foreign(value, snap.seq)
     return self._node(i, snap)
 
   def pending(self, slot: int, value: np.ndarray, parent: _Node | None) -> _Node:
