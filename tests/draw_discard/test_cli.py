@@ -43,3 +43,10 @@ def test_help_imports_no_tensorflow_or_server_stack():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_adopt_store_needs_a_state_file(tmp_path, capsys):
+  spec = tmp_path / "spec.json"
+  spec.write_text(cli.known_weights_spec().to_json())
+  assert cli.main(["serve", "--model", str(spec), "--adopt-store"]) == 2
+  assert "--adopt-store" in capsys.readouterr().err

@@ -197,6 +197,9 @@ def _serve(args) -> int:
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ParameterValueError("`--tls-cert` and `--tls-key` go together. Received: "
                               f"--tls-cert={args.tls_cert!r}, --tls-key={args.tls_key!r}")
+  if args.adopt_store and args.state_file is None:
+    raise ParameterValueError("`--adopt-store` accepts a store against an anchor: it needs "
+                              "--state-file. Received: --adopt-store without --state-file")
   warning = _check_exposure(args)
   spec = glm.ModelSpec.load(args.model)
   tokens = auth.TokenSet.from_file(args.tokens) if args.tokens else None

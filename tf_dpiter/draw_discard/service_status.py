@@ -80,9 +80,14 @@ class StatusEndpoints:
     try:
       n = self.tokens.reload()
     except auth.TokenFileUnsettled as e:
+      try:
+        loop = asyncio.get_running_loop()
+      except RuntimeError:  # called outside the server's loop: nothing to retry on
+        web_errors.log_event(log, "tokens_reload_failed", logging.ERROR, detail=str(e))
+        return
       if not getattr(self, "_reload_scheduled", False):
         self._reload_scheduled = True
-        asyncio.get_running_loop().call_later(e.wait_s + 0.05, self._reload_settled)
+        loop.call_later(e.wait_s + 0.05, self._reload_settled)
       web_errors.log_event(log, "tokens_reload_deferred", wait_s=round(e.wait_s, 3))
       return
     except (OSError, ValueError) as e:
