@@ -194,3 +194,14 @@ def test_eviction_picks_the_identity_that_became_forgettable_first():
   assert budget.reserve("new-2", d) == "influence_table_full"  # S1 >= 1 for all three now
   clock[0] = 2.0 + budget.half_life_s * math.log2(2.0) + 1e-6  # new-1 and once-b decayed
   assert budget.reserve("new-2", d) == ""
+
+
+def test_a_full_table_says_when_room_frees():
+  clock = [0.0]
+  budget = influence.InfluenceBudget(_rule(33), max_identities=2, clock=lambda: clock[0])
+  d = np.zeros(33)
+  assert budget.room_in_s() == 0.0
+  for ident in ("a", "a", "b", "b"):
+    assert budget.reserve(ident, d) == ""
+  assert budget.reserve("c", d) == "influence_table_full"
+  assert budget.room_in_s() == pytest.approx(budget.half_life_s)  # S1 = 2 halves to 1

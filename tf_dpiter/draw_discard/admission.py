@@ -128,7 +128,7 @@ class Admission:
     if reason == "influence_table_full":
       raise Refused(503, "influence_table_full", reason,
                     "the server tracks as many active identities as its memory bound allows; "
-                    "retry later", False, retry_after=60.0)
+                    "retry later", False, retry_after=max(1.0, self.budget.room_in_s()))
     if reason:
       raise rule_refusal(self.rule, reason)
     return Admitted(key, step, nonce, self._newcomer(key, step))

@@ -350,6 +350,17 @@ class InfluenceBudget:
       self._heap = [(self.forget_time(v), k) for k, v in self._state.items()]
       heapq.heapify(self._heap)
 
+  def room_in_s(self) -> float:
+    """Seconds until some identity can be forgotten (0: now or the table is not full).
+
+    Returns:
+      Seconds (the earliest forget time of the heap, minus now).
+    """
+    now = self.clock()
+    if len(self._state) < self.max_identities or self._make_room(now) or not self._heap:
+      return 0.0
+    return max(0.0, self._heap[0][0] - now)  # _make_room left the earliest valid entry on top
+
   def _make_room(self, now: float) -> bool:
     while len(self._state) >= self.max_identities:
       if not self._heap:
