@@ -98,6 +98,11 @@ class ModelRelease:
   async def current(self) -> Released:
     """The current release, making a new one when due.
 
+    The peek uses the sequence number of touch() and the set that of a snapshot read
+    since; when another request (or server) released a newer average in between, the store
+    answers with that release (a benign race, never a rollback: only the store's own
+    sequence number going back is one, redis_scripts.RELEASE).
+
     Returns:
       The Released model.
 
