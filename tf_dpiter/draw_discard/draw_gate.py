@@ -28,8 +28,9 @@ amplification is claimed). Limits: the gate is per server process. A value writt
 another process (Redis) is placed in the lineage conservatively: j steps below the known
 value v it is closest to, j = ceil(max_j |x_j - v_j| / linf) (linf: one accepted step's
 per-weight bound; a step of j updates cannot be shorter), so its distance to this
-process's served values (its last SERVED_KEPT = 1,024 fresh ones) is never
-overestimated; but values the *other* process served are unknown here. Values present when the process starts count as never served. Without rebasing every
+process's served values (its last SERVED_KEPT = 128 fresh ones) is never
+overestimated; but values the *other* process served are unknown here. Memory: about
+(5 k + 128) p float64 values (k slots' served copies, 4 k recent values, 128 served ones). Values present when the process starts count as never served. Without rebasing every
 stored value is one step from a served draw, so the gate is off (m = 1).
 """
 
@@ -45,7 +46,7 @@ import numpy as np
 from tf_dpiter.errors import ParameterValueError
 
 
-SERVED_KEPT = 1024  # served values a foreign value is compared with (most recent first)
+SERVED_KEPT = 128  # served values a foreign value is compared with (most recent first)
 
 
 class _Node:
