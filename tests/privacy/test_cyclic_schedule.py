@@ -200,7 +200,7 @@ def test_an_iterator_started_inside_a_step_starts_at_the_position_fit_read_betwe
   ledger = dp.ledger.PrivacyLedger()
   sampler = cyclic_poisson.CyclicPoissonSampler(N, B, N / B, seed=0)
   sampler.resume_at(ledger)
-  ledger._cycle_position.assign(5)   # pylint: disable=protected-access  (the running step wrote)
+  ledger._v.cycle_position.assign(5)   # pylint: disable=protected-access  (the running step wrote)
   sampler.snapshot_position(4)
   first = sampler.start_iterator()()
   assert {sampler.group_of(int(i)) for i in first} == {4 % B}
