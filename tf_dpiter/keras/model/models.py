@@ -77,7 +77,41 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       kwargs["auto_scale_loss"] = False
     super().compile(optimizer, *args, **kwargs)
     self._dp_optimizer()
+    self._dp_adopt_carried_ledger()
     check_no_batch_mixing(self)
+
+  def save_own_variables(self, store):
+    """keras.Model.save_own_variables, plus the DP optimizer's ledger: `model.save` and
+    `save_weights` files carry it, so the ledger is continued by whatever DP optimizer later
+    trains weights loaded from them (saved_ledger.write_to_store).
+
+    Args:
+      store: the dict-like weights-file entry of this model.
+    """
+    super().save_own_variables(store)
+    saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
+
+  def load_own_variables(self, store):
+    """keras.Model.load_own_variables; a ledger the file carries is merged into the DP
+    optimizer's ledger now, or when a DP optimizer is compiled on this model (a model loaded
+    with `compile=False`, weights loaded into a new model): weights trained by earlier steps
+    are never trained on from an empty ledger.
+
+    Args:
+      store: the dict-like weights-file entry of this model.
+    """
+    rest, carried = saved_ledger.split_store(store)
+    super().load_own_variables(rest)
+    if carried is not None:
+      self._dp_carried_ledger = carried
+      self._dp_adopt_carried_ledger()
+
+  def _dp_adopt_carried_ledger(self):
+    """Merges a ledger carried by a loaded weights file into the DP optimizer's ledger."""
+    carried = getattr(self, "_dp_carried_ledger", None)
+    opt = getattr(self, "optimizer", None)
+    if carried is not None and isinstance(opt, opt_lib.DPOptimizerBase):
+      opt.private_step.state.adopt_ledger(*carried)
 
   def compile_from_config(self, config):
     """Re-compiles after keras.models.load_model (the DP optimizer config included).
