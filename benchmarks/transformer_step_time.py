@@ -69,6 +69,12 @@ class _Positions(keras.layers.Layer):
     return h + self.table
 
 
+# The same table is added to every example: per example, so clipping="auto" may take the fast
+# path (an undeclared custom layer would send it to the vectorized one).
+dp.keras.declare_per_example(_Positions, "adds one learned table to each example's embeddings; "
+                             "nothing is taken across the batch")
+
+
 def _plain_encoder(seq, lora):
   c = BERT_BASE
   L = keras.layers

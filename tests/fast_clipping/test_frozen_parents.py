@@ -61,6 +61,13 @@ class Block(L.Layer):
     return self.inner(h)
 
 
+# The stand-in of a keras_hub transformer block; a custom layer sends `clipping="auto"` to the
+# vectorized path unless declared, and this one acts on each example alone (per-token products
+# and a LayerNormalization over features, nothing taken across the batch).
+dp.keras.declare_per_example(Block, "per-token projections and a per-token LayerNormalization "
+                             "of each example; no batch statistic, no state across calls")
+
+
 def _random_b(layer, rng):
   for v in layer.variables:
     if v.path.endswith("lora_kernel_b"):   # Keras starts B at 0: grad A would vanish

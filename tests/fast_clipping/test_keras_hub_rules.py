@@ -54,6 +54,10 @@ class PositionTable(L.Layer):
 
 
 registry.register_layer(PositionTable, hub_rules.position_embedding_norm_fn)
+# keras_hub's own PositionEmbedding is known to act per example; this stand-in is declared so.
+dp.keras.declare_per_example(
+    PositionTable, "each example gets the table's rows for its positions, broadcast to its "
+    "own shape; no statistic of the batch and no state across calls")
 
 
 def _head(h):

@@ -167,6 +167,12 @@ def test_a_model_the_probe_cannot_see_is_refused_and_the_data_form_runs():
   model, opt = _Subclassed(), _optimizer()
   x, y = np.ones((B, 4), "float32"), np.zeros(B, "int32")
   model(x)
+  # a subclassed model's call is not known to act per example: refused before any probe
+  with pytest.raises(ParameterValueError, match="not known to act on each example.*data="):
+    opt.compute_private_gradients(lambda: _losses(model, x, y), model.trainable_variables,
+                                  model=model)
+  # declared per example, it is still probed (second line of defence), and cannot be
+  dp.keras.declare_per_example(model, "its call is one Dense layer applied to each row")
   with pytest.raises(ParameterValueError, match="could not be probed.*data="):
     opt.compute_private_gradients(lambda: _losses(model, x, y), model.trainable_variables,
                                   model=model)

@@ -14,7 +14,8 @@ One way to do each thing (`__all__`):
   * a DP model: `DPSequential`, `DPModel` (functional), `make_private(model)` for any model,
     `make_private_with_epsilon(model, optimizer, epsilon, delta, ...)` (Opacus' spelling: the
     model and a calibrated optimizer), `private_class(cls)` before loading a saved subclassed
-    model;
+    model, `declare_per_example(layer_or_class, reason)` for a custom layer that acts on each
+    example alone (else `clipping="auto"` runs each example alone: the vectorized path);
   * callbacks: `PrivacyMeter`, `LedgerJournal` and the module `callbacks`
     (`StopAtPrivacyBudget`, `LedgerExport`);
   * recipes: `DPKerasAdamBCOptimizer` (Tang et al., bias-corrected DP Adam),
@@ -46,6 +47,7 @@ from tf_dpiter.keras.model.models import DPSequential
 from tf_dpiter.keras.model.models import make_private
 from tf_dpiter.keras.model.models import make_private_with_epsilon
 from tf_dpiter.keras.model.models import private_class
+from tf_dpiter.keras.model.per_example import declare_per_example
 from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
@@ -59,7 +61,7 @@ __all__ = [
     "DPKerasAdagradOptimizer", "DPKerasRMSpropOptimizer", "DPOptimizer", "from_budget",
     "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
     "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
-    "DPKerasAdamBCOptimizer", "augmentation_multiplicity", "layers",
+    "DPKerasAdamBCOptimizer", "augmentation_multiplicity", "layers", "declare_per_example",
 ]
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.

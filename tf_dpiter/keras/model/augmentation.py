@@ -21,6 +21,9 @@ Here this is a model and a loss (no change to the DP step):
 Both clipping paths apply: the vectorized path computes each example's gradient alone (any
 model); the fast (ghost-norm) path clips the TimeDistributed block from per-example
 gradients (fast_clipping.plan treats it as one opaque block), so it is exact but not faster.
+`clipping="auto"` takes the vectorized path: the wrapper runs the user's `augment_fn`, which
+the library cannot know acts per example (`dp.keras.declare_per_example(wrapped, reason)`
+says it does, and allows the fast path).
 
 `augment_fn(x, view) -> x'` must act on each example alone (no batch statistics); `view` is
 the index 0..K-1 of the view (a Python int), and a random augmentation may ignore it (a fresh

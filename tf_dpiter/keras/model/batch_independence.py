@@ -12,8 +12,14 @@ The probe (`batch_mixing_layers`): the model is run, in inference mode, on a pro
 on the same batch with its last example replaced; every layer whose output rows for the
 *other* examples moved while its inputs' rows did not is named (the source of the mixing,
 not the layers downstream). Models whose layers cannot be probed one by one (subclassed) are
-probed as a whole. `probe_model` runs it once per model on random inputs shaped like the
-model's inputs and caches the verdict on the model.
+probed as a whole. `probe_model` runs it once per model and batch size on random inputs shaped
+like the model's inputs (or on real rows) and caches the verdict on the model; the train step
+runs it at the batch size it really uses (`probe_at_batch_size`: fit's padded batch, on random
+inputs and on the first rows of fit's arrays).
+
+The probe is the second line of defence: the fast path is taken only for models whose every
+layer is known to act per example (per_example: Keras' own layers, or layers the user declared
+with `dp.keras.declare_per_example`), since a layer can pass any finite probe and still mix.
 
 What the probe catches: any deterministic layer that mixes rows on the probe inputs, with or
 without parameters (Lambda, custom layers, `ops.mean(axis=0)`, batch-level softmax).
@@ -37,6 +43,8 @@ from tf_dpiter.keras.model import keras_internals
 
 _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"
+_PROBED_ATTR = "_dp_batch_mixing_probed"   # the (batch size, real data) probes already run
+PROBE_ROWS_ATTR = "_dp_probe_rows"   # the first rows of fit's array data (DPModelMixin.fit)
 
 
 def check_no_batch_mixing(model):
@@ -175,8 +183,9 @@ def _model_inputs(model):
   return None if inputs is None or (isinstance(inputs, (list, tuple)) and not inputs) else inputs
 
 
-def _probe_inputs(model, specs, seed):
-  """Random probe batch shaped like `specs` (else model.inputs); None if unknown."""
+def _probe_inputs(model, specs, seed, n=_PROBE_BATCH):
+  """Random probe batch of n examples shaped like `specs` (else model.inputs); None if
+  unknown."""
   if specs is None:
     inputs = _model_inputs(model)
     if inputs is None:
@@ -190,9 +199,9 @@ def _probe_inputs(model, specs, seed):
       raise ParameterValueError(f"cannot probe an input of unknown shape {spec.shape}")
     dtype = tf.as_dtype(spec.dtype)
     if dtype.is_floating:
-      return rng.randn(_PROBE_BATCH, *shape).astype(dtype.as_numpy_dtype)
+      return rng.randn(n, *shape).astype(dtype.as_numpy_dtype)
     if dtype.is_integer:
-      return rng.randint(0, 2, size=(_PROBE_BATCH,) + shape).astype(dtype.as_numpy_dtype)
+      return rng.randint(0, 2, size=(n,) + shape).astype(dtype.as_numpy_dtype)
     raise ParameterValueError(f"cannot probe an input of dtype {dtype.name}")
 
   try:
@@ -201,33 +210,79 @@ def _probe_inputs(model, specs, seed):
     return None
 
 
-def probe_model(model, input_specs=None, seed=0):
+def probe_batch_sizes(input_specs, step=None):
+  """The batch sizes the probe runs at, those the model really sees in the step: the static
+  size of the traced batch (fit's padded batch under XLA) and the declared batch size of the
+  step's sampling, none above `max_physical_batch_size` (the model then runs on chunks of
+  that many examples, which is probed too); 4 when none is known.
+
+  Args:
+    input_specs: a nest of tensors/specs shaped like a batch, or None.
+    step: the PrivateStep (its declared sampling and physical batch size), or None.
+
+  Returns:
+    a sorted tuple of ints >= 2.
+  """
+  sizes = set()
+  for t in tf.nest.flatten(input_specs) if input_specs is not None else ():
+    shape = tf.TensorShape(getattr(t, "shape", None))
+    if shape.rank and isinstance(shape[0], int):
+      sizes.add(shape[0])
+      break
+  query = getattr(step, "query", None)
+  if query is not None:
+    with tf.init_scope():
+      sizes.add(int(np.ceil(float(query.sample_size))))
+  physical = getattr(step, "max_physical_batch_size", None)
+  if physical:
+    sizes = {min(n, int(physical)) for n in sizes} | {int(physical)}
+  sizes = {n for n in sizes if n >= 2}
+  return tuple(sorted(sizes)) or (_PROBE_BATCH,)
+
+
+def _real_probe_inputs(data, n):
+  """A probe batch of n examples from real rows `data` (cycled when fewer), or None."""
+  flat = [np.asarray(t) for t in tf.nest.flatten(data)]
+  if not flat or any(t.ndim == 0 or len(t) == 0 for t in flat):
+    return None
+  return tf.nest.pack_sequence_as(data, [np.resize(t, (n,) + t.shape[1:]) for t in flat])
+
+
+def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   """Cached batch-independence verdict of `model`: the tuple of mixing layers' names.
 
-  Runs `batch_mixing_layers` once per model (eagerly, lifted out of any trace) on a random
-  batch of 4 examples shaped like `input_specs` (a nest of tf.TensorSpec with a leading
-  batch axis; default: the model's inputs), then, if no layer mixed, the whole model in
-  training mode (`mixes_in_training_mode`). A model whose inputs are unknown is reported
-  as unprobed: None, not cached (also when it cannot run yet, e.g. its variables are being
-  created by the trace in progress).
+  Runs `batch_mixing_layers` (eagerly, lifted out of any trace) on a probe batch of
+  `batch_size` examples: random, shaped like `input_specs` (a nest of tf.TensorSpec with a
+  leading batch axis; default: the model's inputs), or made of the real rows `data` (the
+  first batch of fit's data); then, if no layer mixed, the whole model in training mode
+  (`mixes_in_training_mode`). Each (batch size, random or real) is probed once per model and
+  the verdicts add up: once a layer was seen mixing it stays named. A model whose inputs are
+  unknown is reported as unprobed: None, not cached (also when it cannot run yet, e.g. its
+  variables are being created by the trace in progress).
 
   Args:
     model: a built keras.Model.
     input_specs: optional nest of tf.TensorSpec / tensors giving the input shapes.
-    seed: seed of the probe batch.
+    seed: seed of the random probe batch.
+    batch_size: examples in the probe batch (None: 4); at least 2.
+    data: optional nest of real example rows (arrays with a leading batch axis).
 
   Returns:
     tuple of layer names (empty: no mixing seen), or None if the model could not be probed.
   """
+  n = max(2, int(batch_size or _PROBE_BATCH))
   cached = getattr(model, _CACHE_ATTR, None)
-  if cached is not None:
+  key = (n, data is not None)
+  if cached or (cached is not None and key in getattr(model, _PROBED_ATTR, ())):
     return cached
-  if input_specs is not None:
-    input_specs = tf.nest.map_structure(
-        lambda t: tf.TensorSpec(t.shape, t.dtype), input_specs)
-  x = _probe_inputs(model, input_specs, seed)
+  if data is not None:
+    x = _real_probe_inputs(data, n)
+  else:
+    if input_specs is not None:
+      input_specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), input_specs)
+    x = _probe_inputs(model, input_specs, seed, n)
   if x is None:
-    return None
+    return cached
   try:
     with tf.init_scope():
       verdict = batch_mixing_layers(model, x)
@@ -236,10 +291,51 @@ def probe_model(model, input_specs=None, seed=0):
   except (tf.errors.OpError, ValueError, TypeError):
     # e.g. variables created in the trace that is running (a model built lazily by the
     # first train step) cannot be read yet: unprobed, and not cached
-    return None
+    return cached
   object.__setattr__(model, _CACHE_ATTR, verdict)
+  object.__setattr__(model, _PROBED_ATTR, getattr(model, _PROBED_ATTR, frozenset()) | {key})
   if verdict:
     warn_batch_mixing(verdict)
+  return verdict
+
+
+def keep_probe_rows(model, x, max_rows=512):
+  """Keeps a copy of the first `max_rows` rows of fit's array data on `model`, for the probe
+  (`probe_at_batch_size`); does nothing when x is not a nest of arrays.
+
+  Args:
+    model: the keras.Model fit trains.
+    x: fit's `x`: a nest of arrays or tensors with a leading batch axis.
+    max_rows: how many rows to keep at most.
+  """
+  leaves = tf.nest.flatten(x)
+  if not leaves or not all(getattr(t, "shape", None) is not None and len(t.shape) > 0
+                           for t in leaves):
+    return
+  rows = tf.nest.map_structure(lambda t: np.array(np.asarray(t)[:max_rows]), x)
+  object.__setattr__(model, PROBE_ROWS_ATTR, rows)
+
+
+def probe_at_batch_size(model, input_specs, step=None):
+  """`probe_model` at the batch sizes the step really uses (`probe_batch_sizes`): on random
+  inputs, then on the first rows of fit's array data when fit kept them (`keep_probe_rows`).
+
+  Args:
+    model: a built keras.Model.
+    input_specs: a nest of tensors/specs shaped like the batch (the traced batch), or None.
+    step: the PrivateStep (its declared sampling), or None.
+
+  Returns:
+    the verdict of `probe_model`: tuple of mixing layers' names, or None if unprobed.
+  """
+  rows = getattr(model, PROBE_ROWS_ATTR, None)
+  verdict = None
+  for n in probe_batch_sizes(input_specs, step):
+    verdict = probe_model(model, input_specs, batch_size=n)
+    if rows is not None and verdict is not None and not verdict:
+      verdict = probe_model(model, input_specs, batch_size=n, data=rows)
+    if verdict is None or verdict:
+      return verdict
   return verdict
 
 

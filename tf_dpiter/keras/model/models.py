@@ -181,6 +181,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       # Padded to a static size (a multiple of 8, data.sampling.default_max_batch_size)
       # under XLA (one shape) and under a multi-replica strategy (equal shards per replica).
       pad = bool(self.jit_compile) or self.distribute_strategy.num_replicas_in_sync > 1
+      batch_independence.keep_probe_rows(self, a["x"])   # the probe runs on real rows too
       spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad,
                                                     population_size=population_size)
     elif population_size is not None:

@@ -22,10 +22,12 @@ def resolve_clipping(step, model=None, input_specs=None):
   """'vectorized' or 'fast': which per-example clipping a step uses.
 
   "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
-  nothing in the way: among others, a batch-independence probe (run once per model,
-  cached; see batch_independence) must see no layer that mixes examples, and no trainable
-  layer may compute in 16 bits. Otherwise "auto" takes the vectorized path, which is exact
-  for such models (each record is run and clipped alone, in float32).
+  nothing in the way: among others, every layer must be known to act per example (Keras'
+  own per-example layers, or declared with `dp.keras.declare_per_example`; per_example),
+  and a batch-independence probe (run once per model and batch size, cached; see
+  batch_independence) must see no layer that mixes examples. Otherwise "auto" takes the
+  vectorized path, which is exact for any model (each record is run and clipped alone, in
+  float32).
 
   Args:
     step: the PrivateStep (its clipping setting and query decide).

@@ -31,11 +31,13 @@ function of record i alone:
   BatchNormalization in training mode or a batch-centering layer lets one example move
   every other example's loss, and the sum moves by more than C. It therefore needs
   `model=` (the keras.Model that computed the losses): a trainable BatchNormalization is
-  refused by name, and the model is probed (batch_independence.probe_model, layer by layer
-  in inference mode, then as a whole in training mode with its seed generators restored
-  between runs, so dropout is not taken for mixing; the limits of a probe are stated in
-  batch_independence); a mixing layer, or a model that cannot be probed (subclassed,
-  inputs unknown), is refused. Without `model=` the vector form is refused:
+  refused by name, so is a layer not known to act per example (per_example: a custom or
+  `Lambda` layer, a subclassed model's call, unless declared with
+  `dp.keras.declare_per_example`), and the model is probed (batch_independence.probe_model,
+  layer by layer in inference mode, then as a whole in training mode with its seed
+  generators restored between runs, so dropout is not taken for mixing; the limits of a
+  probe are stated in batch_independence); a mixing layer, or a model that cannot be probed
+  (subclassed, inputs unknown), is refused. Without `model=` the vector form is refused:
   the losses close over the batch, so no probe can see the inputs, and the variables do
   not reveal layers that mix without weights (a `Lambda` centering, BatchNormalization
   with center=False, scale=False). The loss itself must still compute loss i from
@@ -54,6 +56,7 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.model import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -197,13 +200,15 @@ _WHAT_TO_DO = ("Pass model=<the keras.Model that computed the losses> (it is pro
 
 def _check_batch_independent(model, with_tape):
   """Refuses the vector form (b) unless `model` is given, has no trainable
-  BatchNormalization and its probe finds no layer that mixes examples (module docstring).
+  BatchNormalization, every layer is known to act per example (or declared so) and its
+  probe finds no layer that mixes examples (module docstring).
 
   Args:
     model: the keras.Model given as model=, or None.
     with_tape: whether the loss tensor came with a tape (names the call in the message).
   Raises:
-    ParameterValueError: model None, unprobeable, or a mixing layer.
+    ParameterValueError: model None, unprobeable, a layer not known to act per example,
+      or a mixing layer.
     PrivacyConfigError: a trainable BatchNormalization.
   """
   call = _TAPE_CALL if with_tape else _VECTOR_CALL
@@ -222,6 +227,15 @@ def _check_batch_independent(model, with_tape):
         "one example's influence. Freeze them (layer.trainable = False), use "
         "LayerNormalization/GroupNormalization, or pass the batch as data=... with a loss_fn "
         f"of one record (each record is then run alone). Received: model={model.name!r}")
+  unknown = per_example.undeclared_layers(model)
+  if unknown:
+    raise ParameterValueError(
+        f"{call}: layers {list(unknown)} are not known to act on each example alone (a custom "
+        "or Lambda layer, a subclassed model's call or a graph operation), so per-example "
+        "losses computed on the whole batch may not bound one example's influence. Pass the "
+        "batch as data=... with a loss_fn of one record (each record is then run alone), or "
+        "declare each such layer with dp.keras.declare_per_example(layer, reason). "
+        f"Received: model={model.name!r}")
   mixing = batch_independence.probe_model(model)   # inference and training mode
   if mixing is None:
     raise ParameterValueError(

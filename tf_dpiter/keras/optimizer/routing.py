@@ -4,8 +4,10 @@ Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2
 * vectorized: per-record gradients under `tf.vectorized_map` (each record is run alone, so it
   is exact for any model), clipped and summed in float32 (float64 for float64 variables);
 * fast: ghost norms on one pass over the whole batch (fast_clipping), exact only if example
-  i's loss depends on example i alone. Its norms, clip factors and clipped sum are float32
-  under every dtype policy (16-bit layers keep their 16-bit math; fast_clipping forms the
+  i's loss depends on example i alone: taken only when every layer is known to act per
+  example (per_example) and the batch-independence probe sees no mixing. Its norms, clip
+  factors and clipped sum are float32 under every dtype policy (16-bit layers keep their
+  16-bit math; fast_clipping forms the
   ghost products and the weight-gradient sums from their activations and backprops cast to
   float32, or gives a layer whose rule cannot do that vectorized per-example gradients).
 
@@ -25,6 +27,7 @@ import tensorflow as tf
 
 from tf_dpiter.keras.model import batch_independence
 from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.model import per_example
 from tf_dpiter.keras.optimizer import record_losses
 
 # Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
@@ -125,8 +128,13 @@ def _onednn_in_vectorized_units(model, fast_clipping):
 def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
   """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can.
 
+  The fast path is taken only when every layer of `model` is known to act on each example
+  alone (per_example: Keras' own per-example layers, or layers the user declared with
+  `declare_per_example`); the batch-independence probe then runs as a second line of
+  defence, at the batch size the step really uses.
+
   Args:
-    step: the DP optimizer's PrivateStep (its l2_norm_clip and query decide).
+    step: the DP optimizer's PrivateStep (its l2_norm_clip, query and sampling decide).
     model: the keras.Model (None: no model, the fast path needs one).
     fast_clipping: the fast_clipping module, or None if it could not be imported.
     input_specs: a nest of tensors/specs with the batch's shapes, for the batch-independence
@@ -142,6 +150,12 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
     return "tf_dpiter.keras.fast_clipping could not be imported"
   if model is None:
     return "no model was given"
+  unknown = per_example.undeclared_layers(model)
+  if unknown:
+    return (f"layers {list(unknown)} are not known to act on each example alone (a custom or "
+            "Lambda layer, a subclassed model's call or a graph operation), and the fast path "
+            "runs the whole batch through them; if each does, declare it with "
+            "dp.keras.declare_per_example(layer, reason)")
   if not step.clips_by_factors:
     return ("the dp_query gives no per-record clip factors (DPQuery.record_clip_factors), "
             "so norms computed on the whole batch cannot be clipped by its rule")
@@ -156,7 +170,9 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
   if blocked:
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
-  mixing = batch_independence.probe_model(model, input_specs)
+  # second line of defence: the probe, at the batch size fit really uses, on random inputs
+  # and on the first rows of fit's data
+  mixing = batch_independence.probe_at_batch_size(model, input_specs, step)
   if mixing is None:
     return "the model's inputs are unknown, so batch independence could not be probed"
   if mixing:
