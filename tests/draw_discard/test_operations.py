@@ -157,3 +157,37 @@ def test_redis_url_password_is_not_in_messages():
   from tf_dpiter.draw_discard import redis_store
   s = redis_store.RedisStore("redis://user:hunter2pw@127.0.0.1:1/0")
   assert "hunter2pw" not in s.url and s.url == "redis://user:***@127.0.0.1:1/0"
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "redis"])
+@pytest.mark.parametrize("name,a,b", [("draw_min_updates", 4, 1),
+                                      ("new_identity_share", None, 0.5),
+                                      ("new_identity_share", 0.5, 0.25)])
+def test_join_check_covers_draw_gate_and_new_identity_share(request, store_kind, name, a, b):
+  """Servers of one store must share the draw gate's m and the new-identity cap: a server
+  with another value is refused (StoreMismatch naming the setting), one with the same joins."""
+  import uuid
+  if store_kind == "memory":
+    shared = store_lib.MemoryStore()
+    make = lambda: shared  # noqa: E731 (one store object, as servers of one process share it)
+  else:
+    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}"
+    make = lambda: store_lib.make_store(url, prefix)  # noqa: E731
+  secret = bytes(range(32))
+
+  def svc(value):
+    return service.DDMLService(SPEC, 4, make(), seed=0, secret=secret, **{name: value})
+
+  async def go():
+    first, same, other = svc(a), svc(a), svc(b)
+    try:
+      await first.startup()
+      await same.startup()  # the same settings: joins
+      with pytest.raises(store_lib.StoreMismatch, match=f"setting {name}="):
+        await other.startup()
+    finally:
+      if store_kind == "redis":
+        for s in (first, same, other):
+          await s.shutdown()
+
+  asyncio.run(go())

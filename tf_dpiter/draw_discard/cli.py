@@ -16,6 +16,7 @@ import sys
 
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import privacy
+from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -65,8 +66,8 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
 def _cli_errors() -> tuple:
   import ssl  # pylint: disable=g-import-not-at-top
   from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
-  return (ValueError, OSError, ssl.SSLError, TimeoutError, KeyError, store_lib.StoreMismatch,
-          store_lib.StoreLost, store_lib.StoreUnavailable)
+  return (DPiterError, ValueError, OSError, ssl.SSLError, TimeoutError, KeyError,
+          store_lib.StoreMismatch, store_lib.StoreLost, store_lib.StoreUnavailable)
 
 
 _CLI_ERRORS = _cli_errors()
@@ -150,15 +151,39 @@ def _add_serve(sub) -> None:
   s.add_argument("--influence-half-life", type=_parse_quota, default=300.0,
                  help="half-life (s) of a token's influence budget ('none': no decay)")
   s.add_argument("--budget-memory-mb", type=float, default=256.0,
-                 help="memory bound of the influence budgets (8 p + 160 bytes per token)")
+                 help="memory bound of the influence budgets, in MiB (default 256; 16 p + 160 "
+                      "bytes per identity, p the number of weights)")
+  s.add_argument("--new-identity-share", type=_parse_quota, default=None,
+                 help="cap, in (0, 1), on the share of recent accepted updates (decayed "
+                      "counts, half-life 600 s) from identities first seen less than an hour "
+                      "ago; against freshly minted sybils (default 'none': no cap, since "
+                      "one-shot honest clients are new identities too)")
+  s.add_argument("--draw-min-updates", type=int, default=4,
+                 help="draw gate: serve an instance only once it is at least this many "
+                      "accepted updates away from every instance already served, else the "
+                      "slot's last served instance again (default 4; 1: every draw fresh, "
+                      "the local-DP guarantee of each step alone; off with --no-rebase)")
   s.add_argument("--max-abs-weight", type=float, default=1e6)
   s.add_argument("--centre-factor", type=float, default=36.0,
                  help="refuse updates farther (mean square) from the average than this many "
                       "times an honest update's expectation (anti-chaining; empirical)")
-  s.add_argument("--max-connections", type=int, default=1024)
-  s.add_argument("--max-per-client", type=int, default=256, help="connections per address")
+  s.add_argument("--max-connections", type=int, default=1024,
+                 help="open connections in all (default 1024; the open-file soft limit is "
+                      "raised to this + 64 at start-up, or the server refuses to start)")
+  s.add_argument("--max-per-client", type=int, default=256,
+                 help="open connections per address (default 256)")
+  s.add_argument("--max-per-prefix", type=int, default=None,
+                 help="open connections per /24 (IPv4) or /64 (IPv6) address prefix (default "
+                      "max(2 x --max-per-client, --max-connections / 4): 512 at the defaults)")
   s.add_argument("--idle-timeout", type=float, default=15.0,
-                 help="close a connection with no request started for this many seconds")
+                 help="close a connection with no request started (or a TLS handshake not "
+                      "done) for this many seconds while the connection table is at most half "
+                      "full (default 15)")
+  s.add_argument("--min-idle", type=float, default=1.0,
+                 help="the idle and TLS handshake timeout (s) when the connection table is "
+                      "full, and the idle time after which a newcomer may evict a connection "
+                      "(default 1; from half full the timeout falls linearly from "
+                      "--idle-timeout to this)")
   s.add_argument("--body-timeout", type=float, default=10.0, help="seconds to send a body")
   s.add_argument("--lock-ttl", type=float, default=10.0, help="Redis init lock expiry (s)")
   s.add_argument("--no-group-commit", action="store_true",
@@ -209,7 +234,9 @@ def _serve(args) -> int:
     quotas = auth.Quotas({"draw": args.draw_quota, "submit": args.submit_quota}, burst,
                          cluster=args.cluster_quotas)
   ctx = http_server.tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-  limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout)
+  limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout,
+                              max_per_prefix=args.max_per_prefix, min_idle_s=args.min_idle)
+  http_server.ensure_open_files(limits.max_connections)  # refuse before touching the store
   store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
                                group_commit=not args.no_group_commit)
   from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
@@ -227,7 +254,8 @@ def _serve(args) -> int:
       model_min_updates=args.model_min_updates, model_interval_s=args.model_interval,
       influence_steps=args.influence_steps, influence_half_life_s=args.influence_half_life,
       budget_memory_bytes=int(args.budget_memory_mb * 2**20), state_file=args.state_file,
-      adopt_state=args.adopt_store)
+      adopt_state=args.adopt_store, new_identity_share=args.new_identity_share,
+      draw_min_updates=args.draw_min_updates)
   scheme = "https" if ctx else "http"
   print(f"tf-dpiter-ddml: serving {spec.name} v{spec.version} ({spec.num_weights} weights), "
         f"k={args.k}, store={store.kind}, tokens={len(tokens) if tokens else 'off'} on "

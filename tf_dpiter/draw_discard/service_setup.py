@@ -3,8 +3,9 @@
 A base class of service.DDMLService. The first server of a store writes the k initial
 instances (Theorem 1's spread around 0, Pihur et al., "Differentially-Private Draw and
 Discard Machine Learning", Section IV) and its meta; later servers join only when their
-spec fingerprint, every acceptance, ticket, quota, influence and release setting, and the
-identifier of their secret (keys.py) match (store.check_meta).
+spec fingerprint, every acceptance, ticket, quota, influence, sybil (new-identity share),
+draw-gate and release setting, and the identifier of their secret (keys.py) match
+(store.check_meta).
 """
 
 from __future__ import annotations
@@ -44,15 +45,22 @@ class StoreSetup:
   """Initialization and join (reads the service's spec, k, p, store, quotas, rule, budget)."""
 
   def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
-    """Every acceptance, ticket, quota and influence setting: part of the store's join check.
+    """Every acceptance, ticket, quota, influence, sybil and draw-gate setting (join check).
+
+    Reads the service's budget, admission (its new-identity cap) and draw gate, so these
+    must be built before it is called.
 
     Args:
-      alpha, budget_alpha, max_abs_weight, centre_factor: the constructor's arguments.
+      alpha: the acceptance rule's false-rejection probability.
+      budget_alpha: the influence budget's lifetime false-rejection probability.
+      max_abs_weight: the bound on a stored weight's magnitude.
+      centre_factor: the acceptance rule's anti-chaining factor.
 
     Returns:
       A JSON-serializable dict; a server whose dict differs cannot join the store.
     """
     q = self.quotas
+    newcomers = self.admission.newcomers
     return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
                 max_abs_weight=float(max_abs_weight), centre_factor=float(centre_factor),
                 tokens=self.tokens is not None,
@@ -60,7 +68,9 @@ class StoreSetup:
                 history=self.history, draw_max_age_s=self.draw_max_age_s,
                 quotas=None if q is None else dict(rates=q.rates, burst=q.burst,
                                                    cluster=q.cluster),
-                budget=self.budget.describe())
+                budget=self.budget.describe(),
+                new_identity_share=None if newcomers is None else newcomers.share,
+                draw_min_updates=self.draw_gate.m)
 
   def initial_std(self) -> float:
     """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
