@@ -8,8 +8,9 @@ for replace-one or a microbatch), and the steps of correlated-noise queries (the
 banded / tree / matrix rows of `records`, refused under a sampling that does not cover them).
 It also counts the shuffled passes a sampler started.
 Writes work inside `tf.function`; buffers double when full, so no event is ever dropped.
-The ledger is a `tf.Module`: `tf.train.Checkpoint` saves it, and a restore merges the saved
-rows into it (`merge_arrays`): no checkpoint can roll a ledger back. The file format
+The ledger is a `tf.Module`: `tf.train.Checkpoint` saves and restores it, and a restore
+never rolls it back: a mirror of every row the object recorded, held in no checkpoint, is
+reconciled with the restored rows before every write and eager read (`reconcile`). The file format
 and the checks live in `records` / `ledger_file` (no TensorFlow).
 """
 
@@ -106,21 +107,40 @@ def _sensitivity_factor(relation, examples_per_record):
 
 
 class _Buffers:
-  """The ledger's variables. A plain object, so that tf.Module does not make them checkpoint
-  dependencies: the ledger saves and restores them itself (PrivacyLedger)."""
+  """One set of the ledger's variables (rows, counts, passes, cycle position); a plain object,
+  so tf.Module does not track it (PrivacyLedger decides which set a checkpoint holds)."""
 
-  def __init__(self, cap):
+  NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position")
+
+  def __init__(self, cap, suffix=""):
     self.samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
                                shape=tf.TensorShape([None, len(SAMPLE_COLUMNS)]),
-                               trainable=False, name="samples")
+                               trainable=False, name="samples" + suffix)
     self.queries = tf.Variable(tf.zeros([cap, len(QUERY_COLUMNS)], tf.float64),
                                shape=tf.TensorShape([None, len(QUERY_COLUMNS)]),
-                               trainable=False, name="queries")
-    self.sample_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="sample_count")
-    self.query_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="query_count")
-    self.passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes")
+                               trainable=False, name="queries" + suffix)
+    self.sample_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                    name="sample_count" + suffix)
+    self.query_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                   name="query_count" + suffix)
+    self.passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes" + suffix)
     self.cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name="cycle_position")
+                                      name="cycle_position" + suffix)
+
+  def rows(self):
+    """(samples, queries) up to the counts (tensors)."""
+    return (self.samples[:self.sample_count.read_value()],
+            self.queries[:self.query_count.read_value()])
+
+  def assign_rows(self, samples, queries, passes):
+    """Ops writing rows (tensors) and a pass count; the cycle position follows the rows."""
+    cyclic = tf.constant(_CYCLIC_CODES or [-1.0], tf.float64)
+    in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
+    return [self.samples.assign(samples), self.queries.assign(queries),
+            self.sample_count.assign(tf.shape(samples, out_type=tf.int64)[0]),
+            self.query_count.assign(tf.shape(queries, out_type=tf.int64)[0]),
+            self.passes.assign(passes),
+            self.cycle_position.assign(tf.reduce_sum(tf.cast(in_cycle, tf.int64)))]
 
 
 def _common_prefix(a, b):
@@ -172,39 +192,103 @@ class PrivacyLedger(tf.Module):
     if cap < 1:
       raise ParameterValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
     with tf.name_scope(name):
-      self._v = _Buffers(cap)
+      self._v = _Buffers(cap)                  # the rows checkpoints save and restore
+      self._mirror = _Buffers(cap, "_mirror")  # what this object recorded: in no checkpoint
+    for attr in _Buffers.NAMES:   # tracked under the names of earlier versions' checkpoints
+      setattr(self, "_" + attr, getattr(self._v, attr))
 
-  # The buffers are not checkpoint dependencies of their own: `tf.train.Checkpoint` saves the
-  # ledger through the two methods below, and a restore MERGES into the ledger instead of
-  # assigning it (`merge_arrays`), so no restore can lower what this ledger has recorded.
-  def _serialize_to_tensors(self):
-    """The rows recorded so far and the pass count, as the checkpoint's tensors."""
-    v = self._v
-    return {"samples": v.samples[:v.sample_count.read_value()],
-            "queries": v.queries[:v.query_count.read_value()],
-            "passes": v.passes.read_value()}
+  # No restore can roll the ledger back. A restore (tf.train.Checkpoint, a SavedModel) assigns
+  # the checkpointed set `_v`; the mirror, in no checkpoint, holds every row this object
+  # recorded or adopted. Every write first reconciles the two in the graph
+  # (`_reconcile_ops`), and every eager read reconciles them with `merged_arrays`.
 
-  def _restore_from_tensors(self, restored_tensors):
-    """A checkpoint restore: `merge_arrays` of the saved rows (never a rollback)."""
-    self.merge_arrays(np.asarray(restored_tensors["samples"]),
-                      np.asarray(restored_tensors["queries"]),
-                      int(restored_tensors["passes"]))
-    return tf.no_op()
+  def _reconcile_ops(self):
+    """In-graph reconciliation before a write: the longer of the two sets when one is a
+    prefix of the other (a restore of an earlier step of this run: the mirror; a restore
+    into a new ledger, or of a later step: the checkpointed rows); two sets that diverge
+    (another run's checkpoint restored into a ledger that recorded steps) fail the step,
+    since only the eager `reconcile` can merge them."""
+    v, m = self._v, self._mirror
+    (vs, vq), (ms, mq) = v.rows(), m.rows()
+    n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
+    nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
+    prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
+                            tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
+    passes = tf.maximum(v.passes.read_value(), m.passes.read_value())
+    mirror_longer = tf.shape(ms)[0] >= tf.shape(vs)[0]
+    in_sync = tf.reduce_all(tf.stack([
+        tf.equal(tf.shape(vs)[0], tf.shape(ms)[0]), tf.equal(tf.shape(vq)[0], tf.shape(mq)[0]),
+        prefix, tf.equal(v.passes.read_value(), m.passes.read_value())]))
+
+    def fix():
+      check = tf.debugging.Assert(prefix, [
+          "the privacy ledger was restored from a checkpoint of another run after this "
+          "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
+          "use a new optimizer for the other run"])
+      with tf.control_dependencies([check]):
+        to_v = lambda: tf.group(v.assign_rows(ms, mq, passes))
+        to_m = lambda: tf.group(m.assign_rows(vs, vq, passes))
+        return tf.cond(mirror_longer, to_v, to_m)
+
+    return [tf.cond(in_sync, tf.no_op, fix)]
+
+  def reconcile(self):
+    """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
+    that a restore never lowers the ledger; eager. Every eager read and `fit` call it.
+
+    Returns:
+      None.
+    """
+    v, m = self._v, self._mirror
+    if (int(v.sample_count.numpy()) == int(m.sample_count.numpy())
+        and int(v.query_count.numpy()) == int(m.query_count.numpy())
+        and int(v.passes.numpy()) == int(m.passes.numpy())):
+      vs, vq = (t.numpy() for t in v.rows())
+      ms, mq = (t.numpy() for t in m.rows())
+      if np.array_equal(vs, ms) and np.array_equal(vq, mq):
+        return
+    restored = (*(t.numpy() for t in v.rows()), int(v.passes.numpy()))
+    mine = (*(t.numpy() for t in m.rows()), int(m.passes.numpy()))
+    self._write(*merged_arrays(mine, restored))
+
+  def _write(self, samples, queries, passes):
+    """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
+    s = np.zeros([max(1, samples.shape[0]), len(SAMPLE_COLUMNS)]); s[:samples.shape[0]] = samples
+    q = np.zeros([max(1, queries.shape[0]), len(QUERY_COLUMNS)]); q[:queries.shape[0]] = queries
+    cycle = int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES)))
+    for b in (self._v, self._mirror):
+      b.samples.assign(s)
+      b.queries.assign(q)
+      b.sample_count.assign(samples.shape[0])
+      b.query_count.assign(queries.shape[0])
+      b.passes.assign(int(passes))
+      b.cycle_position.assign(cycle)
+
+  def _read(self, name):
+    """A count of the ledger: eagerly after `reconcile` when the two sets' counts differ; in
+    a graph the larger of the two (a restore may have lowered the checkpointed one)."""
+    v, m = getattr(self._v, name), getattr(self._mirror, name)
+    if tf.executing_eagerly():
+      if any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
+             for k in ("sample_count", "query_count", "passes")):
+        self.reconcile()
+      return v.read_value()
+    return tf.maximum(v.read_value(), m.read_value())
 
   @property
   def sample_count(self):
-    """Samples recorded so far (int64 tensor)."""
-    return self._v.sample_count.read_value()
+    """Samples recorded so far (int64 tensor; never lowered by a restore)."""
+    return self._read("sample_count")
 
   @property
   def query_count(self):
     """Query rows recorded so far (int64 tensor)."""
-    return self._v.query_count.read_value()
+    return self._read("query_count")
 
   @property
   def passes(self):
     """Shuffled passes (permutations) started by the samplers feeding this ledger."""
-    return self._v.passes.read_value()
+    return self._read("passes")
 
   @property
   def cycle_position(self):
@@ -214,7 +298,7 @@ class PrivacyLedger(tf.Module):
     cycle_position mod b (`tf_dpiter.data.cyclic_poisson`). The training step counts it as it
     records each sample; `set_arrays` (journal or file restore) recomputes it from the rows.
     """
-    return self._v.cycle_position.read_value()
+    return self._read("cycle_position")
 
   def record_passes(self, count):
     """Adds `count` (>= 0) passes started; eager or inside tf.function. Returns the new total.
@@ -228,7 +312,9 @@ class PrivacyLedger(tf.Module):
     """
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
-    return self._v.passes.assign_add(tf.cast(count, tf.int64))
+    with tf.control_dependencies(self._reconcile_ops()):
+      self._mirror.passes.assign_add(tf.cast(count, tf.int64))
+      return self._v.passes.assign_add(tf.cast(count, tf.int64))
 
   @staticmethod
   def _ensure_capacity(buffer, needed):
@@ -271,36 +357,43 @@ class PrivacyLedger(tf.Module):
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]
+    with tf.control_dependencies(checks + self._reconcile_ops()):
+      new_count = [self._append(b, events_rows=rows, cyclic=policy in _CYCLIC_NAMES,
+                                srow=[population_size, selection_probability, sample_size, code,
+                                      examples_per_record])
+                   for b in (self._mirror, self._v)]
+    return new_count[1]
+
+  def _append(self, b, events_rows, cyclic, srow):
+    """Appends one sample row and its query rows to the buffers `b` (grown when full)."""
     f = _f64
-    idx = self._v.sample_count.read_value()
-    qidx = self._v.query_count.read_value()
-    with tf.control_dependencies(checks):
-      grew = [self._ensure_capacity(self._v.samples, idx + 1)]
-    if rows:
-      grew.append(self._ensure_capacity(self._v.queries, qidx + len(rows)))
+    idx = b.sample_count.read_value()
+    qidx = b.query_count.read_value()
+    grew = [self._ensure_capacity(b.samples, idx + 1)]
+    if events_rows:
+      grew.append(self._ensure_capacity(b.queries, qidx + len(events_rows)))
     with tf.control_dependencies(grew):
-      srow = tf.stack([f(population_size), f(selection_probability), f(sample_size),
-                       f(code), f(examples_per_record), f(len(rows))])
-      ops = [self._v.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), srow[tf.newaxis])]
-      if rows:
-        qrows = tf.stack([tf.stack([f(idx)] + r) for r in rows])
-        qind = tf.reshape(qidx + tf.range(len(rows), dtype=tf.int64), [-1, 1])
-        ops.append(self._v.queries.scatter_nd_update(qind, qrows))
-    if policy in _CYCLIC_NAMES:
-      ops.append(self._v.cycle_position.assign_add(1))
+      row = tf.stack([f(x) for x in srow] + [f(len(events_rows))])
+      ops = [b.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), row[tf.newaxis])]
+      if events_rows:
+        qrows = tf.stack([tf.stack([f(idx)] + r) for r in events_rows])
+        qind = tf.reshape(qidx + tf.range(len(events_rows), dtype=tf.int64), [-1, 1])
+        ops.append(b.queries.scatter_nd_update(qind, qrows))
+    if cyclic:
+      ops.append(b.cycle_position.assign_add(1))
     with tf.control_dependencies(ops):
-      new_count = self._v.sample_count.assign_add(1)
-      self._v.query_count.assign_add(len(rows))
-    return new_count
+      b.query_count.assign_add(len(events_rows))
+      return b.sample_count.assign_add(1)
 
   # ---- reading and (de)serialization ---------------------------------------------------
 
   def get_arrays(self, start=0):
     """(samples [N, 6], queries [Q, 5]) float64 numpy arrays of samples start.. (all by default).
 
-    Query rows keep their absolute sample_index. Reads only the rows asked for.
+    Query rows keep their absolute sample_index. Reads only the rows asked for (after
+    reconciling a restore: `reconcile`).
     """
-    n = int(self._v.sample_count.numpy())
+    n = int(self.sample_count.numpy())
     q = int(self._v.query_count.numpy())
     samples = self._v.samples[start:n].numpy()
     if start == 0:
@@ -309,7 +402,8 @@ class PrivacyLedger(tf.Module):
     return samples, self._v.queries[skipped:q].numpy()
 
   def set_arrays(self, samples, queries, passes=None):
-    """Replaces the content by validated arrays (used by import and by journal resume).
+    """Replaces the content by validated arrays (a new ledger read from a file; restores of a
+    run's ledger go through `merge_arrays`, which never loses a row).
 
     Args:
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
@@ -317,28 +411,20 @@ class PrivacyLedger(tf.Module):
       passes: int pass count, or None to keep the current one.
     Returns:
       None.
+    Raises:
+      ValueError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
-    cap_s = max(1, samples.shape[0])
-    cap_q = max(1, queries.shape[0])
-    s = np.zeros([cap_s, len(SAMPLE_COLUMNS)]); s[:samples.shape[0]] = samples
-    q = np.zeros([cap_q, len(QUERY_COLUMNS)]); q[:queries.shape[0]] = queries
-    self._v.samples.assign(s)
-    self._v.queries.assign(q)
-    self._v.sample_count.assign(samples.shape[0])
-    self._v.query_count.assign(queries.shape[0])
-    self._v.cycle_position.assign(int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES))))
-    if passes is not None:
-      self._v.passes.assign(int(passes))
+    self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes))
 
   def merge_arrays(self, samples, queries, passes=0):
     """Merges a ledger of the same run into this one: nothing recorded here is ever lost.
 
-    `merged_arrays`' rule: a checkpoint of an earlier step (an in-process rollback with
-    `tf.train.Checkpoint.restore`) leaves this ledger as it is, so the updates released on the
-    abandoned branch stay charged and the steps taken again are charged again; a ledger that
-    extends this one replaces it. Used by checkpoint restores, `restore_ledger` and the
-    model files that carry a ledger.
+    `merged_arrays`' rule: a ledger of an earlier step leaves this ledger as it is (the
+    updates released after that step stay charged, and the steps taken again are charged
+    again); a ledger that extends this one replaces it. Used by `restore_ledger`, journal
+    resumes and the model files that carry a ledger (a checkpoint restore is reconciled the
+    same way: `reconcile`).
 
     Args:
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
@@ -350,10 +436,11 @@ class PrivacyLedger(tf.Module):
       ValueError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
+    self.reconcile()
     current = (*self.get_arrays(), int(self._v.passes.numpy()))
     merged = merged_arrays(current, (samples, queries, int(passes)))
     if merged[0] is not current[0] or merged[2] != current[2]:
-      self.set_arrays(*merged)
+      self._write(*merged)
 
   def to_dict(self, key=None):
     """The signed JSON-able dict (see ledger_file); `key` adds an HMAC.
