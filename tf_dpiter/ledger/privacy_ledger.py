@@ -234,7 +234,9 @@ class PrivacyLedger(tf.Module):
 
   def reconcile(self):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
-    that a restore never lowers the ledger; eager. Every eager read and `fit` call it.
+    that a restore never lowers the ledger; eager. The eager reads (`sample_count`,
+    `get_arrays`, ...) call it when the two sets' counts differ; call it after restoring
+    another run's checkpoint into a ledger that recorded steps.
 
     Returns:
       None.
