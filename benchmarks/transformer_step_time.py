@@ -14,8 +14,9 @@ of every attention layer), the classification head trainable; the plain encoder 
 same trainable set. The fast path's plan follows model.trainable_variables through the
 frozen attention blocks (fast_clipping/plan.py), so the LoRA layers are ghost units.
 
-keras_hub without touching the project's environment (its dependencies tensorflow-text etc.
-are not needed to build a backbone from a config):
+keras_hub: `pip install -e ".[test]"` installs keras-hub 0.32 (whose layers the fast path
+knows to act per example: clipping="auto" takes it). Without touching the project's
+environment (tensorflow-text etc. are not needed to build a backbone from a config):
   pip install --no-deps --target /tmp/kh keras-hub==0.32.0 regex kagglehub kagglesdk tqdm tokenizers
   PYTHONPATH=/tmp/kh python benchmarks/transformer_step_time.py --all
 

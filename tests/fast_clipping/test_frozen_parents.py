@@ -183,9 +183,8 @@ def _bert_lora_model(keras_hub):
 
 
 def test_keras_hub_backbone_enable_lora(clip_reference):
-  # keras_hub is not a dependency of tf_dpiter (CI does not install it): this runs where it is
-  # importable (PYTHONPATH=/tmp/kh here); the plain-Keras surrogate above covers the same
-  # frozen-parent plan in CI.
+  # keras_hub is not a dependency of tf_dpiter (the test extra installs it): this runs where it
+  # is importable; the plain-Keras surrogate above covers the same frozen-parent plan without.
   keras_hub = pytest.importorskip("keras_hub")
   model = _bert_lora_model(keras_hub)
   kinds = [u.kind for u in plan_lib.plan(model)]

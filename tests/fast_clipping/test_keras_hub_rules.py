@@ -212,7 +212,7 @@ def test_train_step_neighbours_within_clip(lora):
 def _keras_hub():
   return pytest.importorskip(
       "keras_hub", reason="keras_hub is not installed (not a dependency of tf_dpiter; "
-      "pip install --target DIR keras-hub --no-deps and PYTHONPATH=DIR to run these)")
+      "pip install -e '.[test]' installs it)")
 
 
 def test_keras_hub_layers_are_registered_once_imported():

@@ -15,8 +15,14 @@ example:
   The class must be exactly the Keras class: a subclass may change what `call` does. A layer
   with an `axis` must not act along the batch axis (Softmax(axis=0) mixes), and a
   BatchNormalization must be frozen (inference mode, fixed statistics);
+* the keras_hub layers of _KERAS_HUB_PER_EXAMPLE (BERT's and Gemma's blocks, the transformer
+  encoder and decoder, token and position embeddings), each read in keras_hub's source, known
+  only when the installed keras_hub is a version read (_KERAS_HUB_READ) and the user imported
+  it (keras_hub is not a dependency and is never imported here);
 * Sequential and functional models (their graphs' operations too: the elementwise `keras.ops`
-  a functional model may apply between layers);
+  a functional model may apply between layers), keras_hub's backbones and tasks included; a
+  layer a functional model tracks but its graph does not run (a keras_hub task's
+  preprocessor) is not checked;
 * any layer, layer class or model the user declared with `declare_per_example`, with the
   reason in their own words (a declared layer is trusted as a whole, its sublayers included).
 
@@ -60,6 +66,107 @@ _KERAS_PER_EXAMPLE = (
     "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Masking",
     "UnitNormalization", "Rescaling", "Normalization", "BatchNormalization",
 )
+
+# keras_hub layers whose `call` was read (keras_hub 0.32.0) and acts on each example alone:
+# module that defines the class -> {class name: why}. Exactly these classes (not subclasses),
+# and only for the keras_hub versions of _KERAS_HUB_READ: another version may change a `call`
+# (its layers then take the vectorized path until read and added here, or declared by the
+# user). Every sublayer a layer holds is checked on its own (a Keras MultiHeadAttention,
+# Dense, Dropout, Softmax...). What all of them share: no reduction, sort or mixing over the
+# batch axis, no batch statistic, no state kept across calls that reaches the output (the
+# generation caches are inputs and outputs of a call, each example its own row), masks that
+# are per example ([B, T] padding, [B, T, S] attention, a causal [T, S] broadcast to the
+# batch), dropout through keras.layers.Dropout (per element). Their serving-only vLLM route
+# (`get_vllm_context()` set by a vLLM engine) is not a training path.
+# Backbones and tasks (BertBackbone, BertTextClassifier, GemmaBackbone, GemmaCausalLM ...) are
+# functional models whose `call` is Functional's: walked as containers, graph ops included.
+_KERAS_HUB_PER_EXAMPLE = {
+    "keras_hub.src.layers.modeling.transformer_encoder": {
+        "TransformerEncoder": (
+            "BERT's block: self-attention (keras MultiHeadAttention) on x with the mask "
+            "merge_padding_and_attention_mask gives: the [B, T] padding mask expanded to "
+            "[B, 1, T], or the [B, T, T] attention mask, min of both; residual adds, "
+            "LayerNormalization, Dense -> Dense (the activation is the intermediate Dense's, "
+            "checked there), Dropout; every op is per example"),
+    },
+    "keras_hub.src.layers.modeling.transformer_decoder": {
+        "TransformerDecoder": (
+            "self-attention (CachedMultiHeadAttention) with the per-example padding/attention "
+            "mask min the causal mask (compute_causal_mask: a [T, S] pattern broadcast to the "
+            "batch), optional cross-attention on the example's own encoder_sequence and its "
+            "[B, S] mask, residual adds, LayerNormalization, Dense -> Dense, Dropout; a cache "
+            "is an input and output of the call, one row per example"),
+    },
+    "keras_hub.src.layers.modeling.cached_multi_head_attention": {
+        "CachedMultiHeadAttention": (
+            "keras MultiHeadAttention with only `call` overridden: the query/key/value "
+            "EinsumDense projections, an optional cache [B, 2, S, H, D] updated with "
+            "slice_update at [0, index, 0, 0] (each example its own row), then Keras' own "
+            "_compute_attention (softmax over the key axis, masked per example) and the "
+            "output projection"),
+    },
+    "keras_hub.src.layers.modeling.position_embedding": {
+        "PositionEmbedding": (
+            "the table's rows start_index..start_index+T (or P[positions], positions [T] or "
+            "[B, T]) broadcast to the input's shape: the output does not depend on the batch"),
+    },
+    "keras_hub.src.layers.modeling.reversible_embedding": {
+        "ReversibleEmbedding": (
+            "`class ReversibleEmbedding(keras.layers.ReversibleEmbedding): pass`: Keras' "
+            "lookup (or x @ E^T with reverse=True), row by row"),
+    },
+    "keras_hub.src.layers.modeling.token_and_position_embedding": {
+        "TokenAndPositionEmbedding": (
+            "keras.layers.ReversibleEmbedding(ids) + PositionEmbedding(of that, start_index or "
+            "positions), the token embedding's mask kept: per example"),
+    },
+    "keras_hub.src.layers.modeling.rotary_embedding": {
+        "RotaryEmbedding": (
+            "rotates each (position, feature pair) by an angle of the position alone "
+            "(arange(T) + start_index, or the given [T] / [B, T] positions) times fixed "
+            "inverse frequencies; no weights; its sequence_axis and feature_axis must not be "
+            "the batch axis (checked)"),
+    },
+    "keras_hub.src.models.gemma.rms_normalization": {
+        "RMSNormalization": (
+            "Gemma's: x / sqrt(mean(x^2 over the last axis) + eps) * (1 + scale), per token"),
+    },
+    "keras_hub.src.models.gemma.gemma_attention": {
+        "CachedGemmaAttention": (
+            "EinsumDense q/k/v ('btd,ndh->btnh', 'bsd,kdh->bskh'), RotaryEmbedding, an "
+            "optional cache updated per row (slice_update at [0, index, 0, 0]), the "
+            "sliding-window band (a [T, S] pattern) and'ed with the per-example mask, logits "
+            "einsum 'btkgh,bskh->bkgts' (batch kept), optional tanh soft cap, Keras Softmax "
+            "over the key axis, Dropout, 'bkgts,bskh->btkgh', rows with no attended key set "
+            "to 0 (all over the key axis), output EinsumDense; on GPU/TPU the fused "
+            "ops.dot_product_attention, batched per example"),
+    },
+    "keras_hub.src.models.gemma.gemma_decoder_block": {
+        "GemmaDecoderBlock": (
+            "RMSNormalization, the per-example padding mask min a causal [T, S] mask, "
+            "CachedGemmaAttention, optional RMSNormalization and Dropout, residual add, "
+            "RMSNormalization, two EinsumDense 'btd,df->btf', gelu(x1, approximate=True) * "
+            "x2, EinsumDense 'btf,fd->btd', optional RMSNormalization, residual add"),
+    },
+}
+# keras_hub versions whose source the classes above were read in (major.minor).
+_KERAS_HUB_READ = ("0.32",)
+# keras_hub activation functions read (module -> names): elementwise.
+_KERAS_HUB_ACTIVATIONS = {
+    "keras_hub.src.utils.keras_utils": (
+        "gelu_approximate",   # keras.activations.gelu(x, approximate=True): BERT's
+    ),
+}
+# Layers whose axis attributes are not `axis` (by class name) -> (attribute names, the
+# smallest input rank the layer accepts): keras_hub's RotaryEmbedding refuses equal or
+# out-of-range sequence and feature axes, so its input has rank >= 2.
+_OTHER_AXES = {"RotaryEmbedding": (("sequence_axis", "feature_axis"), 2)}
+# The smallest rank of what a layer of _KERAS_HUB_PER_EXAMPLE passes its own sublayers (read
+# with them): the LayerNormalization(axis=-1) of the transformer blocks gets [B, T, D] (a
+# rank-1 input fails their build: the width is the last axis), CachedGemmaAttention's
+# Softmax(axis=-1) its [B, K, G, T, S] logits. Their sublayers are built inside and have no
+# graph node giving their input's rank, and axis=-1 is the batch axis only at rank 1.
+_KERAS_HUB_SUBLAYER_MIN_RANK = 2
 
 # Elementwise keras.ops a functional graph may hold between its layers (by class name).
 _ELEMENTWISE_OPS = frozenset((
@@ -141,8 +248,42 @@ def _keras_classes():
     module = sys.modules.get(module_name)
     if module is not None:
       classes.update(getattr(module, class_name, None) for class_name in rules)
+  classes.update(_keras_hub_classes())
   classes.discard(None)
   return classes
+
+
+def _keras_hub_classes():
+  """The keras_hub classes read (_KERAS_HUB_PER_EXAMPLE) whose module the user imported.
+
+  Returns:
+    a frozenset of classes, empty without keras_hub or for a keras_hub version not read.
+  """
+  found = (getattr(module, name, None)
+           for module, names in _keras_hub_read(_KERAS_HUB_PER_EXAMPLE) for name in names)
+  return frozenset(cls for cls in found if cls is not None)
+
+
+def _keras_hub_read(table):
+  """The keras_hub modules of `table` the user imported, with their names read; keras_hub is
+  never imported here.
+
+  Args:
+    table: {keras_hub module name: names (of classes or functions) read in it}.
+
+  Returns:
+    a list of (module, tuple of names); empty when keras_hub is not imported or its version
+    is not one read (_KERAS_HUB_READ).
+  """
+  version = getattr(sys.modules.get("keras_hub.src.version"), "__version__", None)
+  if not isinstance(version, str) or ".".join(version.split(".")[:2]) not in _KERAS_HUB_READ:
+    return []
+  found = []
+  for module_name, names in table.items():
+    module = sys.modules.get(module_name)
+    if module is not None:
+      found.append((module, tuple(names)))
+  return found
 
 
 def _input_rank(layer):
@@ -156,17 +297,21 @@ def _input_rank(layer):
   return None if shape is None else len(shape)
 
 
-def _acts_off_batch_axis(layer):
-  """False if the layer's `axis` is, or may be, the batch axis 0."""
+def _acts_off_batch_axis(layer, min_rank=1):
+  """False if the layer's `axis` (or its other axis attributes, _OTHER_AXES) is, or may be,
+  the batch axis 0, its input having rank >= min_rank."""
   if isinstance(layer, keras.layers.BatchNormalization):
     return not layer.trainable   # frozen: the moving statistics, fixed within a step
   if isinstance(layer, (keras.layers.Normalization, keras.layers.Rescaling)):
     return True   # fixed statistics: their axis is the kept one, not a reduced one
-  axis = getattr(layer, "axis", None)
-  if axis is None:
-    return True
-  axes = [axis] if isinstance(axis, int) else list(axis)
-  if all(a > 0 for a in axes):
+  attrs, own_min_rank = _OTHER_AXES.get(type(layer).__name__, (("axis",), 1))
+  min_rank = max(min_rank, own_min_rank)
+  axes = []
+  for attr in attrs:
+    axis = getattr(layer, attr, None)
+    if axis is not None:
+      axes.extend([axis] if isinstance(axis, int) else list(axis))
+  if all(a > 0 or 0 < -a < min_rank for a in axes):   # -a < min_rank <= rank: a % rank != 0
     return True
   rank = _input_rank(layer)
   return rank is not None and all((a % rank) != 0 for a in axes)
@@ -180,17 +325,29 @@ def _keras_activations():
   return frozenset(getattr(keras.activations, n) for n in names)
 
 
-def _known_keras_layer(layer, keras_classes):
-  """Whether `layer` is exactly one of the known Keras classes, off the batch axis, with
-  Keras' own activations and its class's own `call` (not one set on the instance)."""
+def _known_activations():
+  """Keras' own activation functions, and keras_hub's read ones (_KERAS_HUB_ACTIVATIONS).
+
+  Returns:
+    a frozenset of functions.
+  """
+  found = [getattr(module, name, None)
+           for module, names in _keras_hub_read(_KERAS_HUB_ACTIVATIONS) for name in names]
+  return _keras_activations().union(fn for fn in found if fn is not None)
+
+
+def _known_keras_layer(layer, keras_classes, min_rank=1):
+  """Whether `layer` is exactly one of the known Keras classes, off the batch axis (its input
+  of rank >= min_rank), with Keras' own activations and its class's own `call` (not one set
+  on the instance)."""
   if type(layer) not in keras_classes or "call" in vars(layer):
     return False
-  activations = _keras_activations()
+  activations = _known_activations()
   for attr in ("activation", "recurrent_activation"):
     fn = getattr(layer, attr, None)
     if fn is not None and fn not in activations:
       return False   # a function of the user's: it could mix the batch
-  return _acts_off_batch_axis(layer)
+  return _acts_off_batch_axis(layer, min_rank)
 
 
 def _is_plain_container(layer):
@@ -208,6 +365,26 @@ def _graph_operations(model):
           if not node.is_input and not isinstance(node.operation, keras.layers.Layer)]
 
 
+def _graph_layer_ids(model):
+  """The ids of the operations of a functional graph: the layers its call runs.
+
+  A layer the model tracks but its graph does not hold (a keras_hub task's preprocessor,
+  applied to the data before the step) is not run by the model's call: whether it acts per
+  example does not decide the clipping path (both paths get the batch it made).
+
+  Args:
+    model: a Sequential or functional keras.Model.
+
+  Returns:
+    a set of ids, or None when the model has no graph (then every sublayer is checked).
+  """
+  found = keras_internals.functional_graph(model)
+  if found is None:
+    return None
+  _, by_depth = found
+  return {id(node.operation) for nodes in by_depth.values() for node in nodes}
+
+
 def _known_operation(node):
   """Whether a graph operation acts per example: an elementwise op, or an indexing
   `x[:, ...]` that keeps the whole batch axis."""
@@ -222,19 +399,25 @@ def _known_operation(node):
   return first == slice(None, None, None)
 
 
-def _collect_unknown(layer, keras_classes, out):
+def _collect_unknown(layer, keras_classes, hub_classes, out, min_rank=1):
   """Appends to `out` the names of the layers and operations under `layer` that are neither
-  known nor declared per example."""
+  known nor declared per example (min_rank: the smallest rank of `layer`'s input, where its
+  parent fixes it)."""
   if declared_reason(layer) is not None:
     return
+  in_graph = None
   if _is_plain_container(layer):
     out.extend(node.operation.name for node in _graph_operations(layer)
                if not _known_operation(node))
-  elif not _known_keras_layer(layer, keras_classes):
+    in_graph = _graph_layer_ids(layer)
+  elif not _known_keras_layer(layer, keras_classes, min_rank):
     out.append(layer.name)
     return
+  sub_rank = _KERAS_HUB_SUBLAYER_MIN_RANK if type(layer) in hub_classes else 1
   for sub in keras_internals.flatten_layers(layer, include_self=False, recursive=False):
-    _collect_unknown(sub, keras_classes, out)
+    if in_graph is not None and id(sub) not in in_graph:
+      continue   # tracked but never run by the model's call (a keras_hub task's preprocessor)
+    _collect_unknown(sub, keras_classes, hub_classes, out, sub_rank)
 
 
 def undeclared_layers(model):
@@ -248,7 +431,7 @@ def undeclared_layers(model):
     per-example Keras layer or declared with `declare_per_example`.
   """
   out = []
-  _collect_unknown(model, _keras_classes(), out)
+  _collect_unknown(model, _keras_classes(), _keras_hub_classes(), out)
   return tuple(dict.fromkeys(out))
 
 
