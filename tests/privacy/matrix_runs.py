@@ -207,14 +207,15 @@ def _scenario(net, case, scenario, workdir, rng, joined):
   elif scenario == "new_dataset":
     for _ in range(4):
       _fit(net, case, case.fit_args(rng, 16), joined, epochs=1, steps_per_epoch=STEPS)
-  elif scenario == "crash_resume":
+  elif scenario in ("crash_resume", "retry"):   # a new model after the crash, or the same one
     backup = os.path.join(workdir, "backup")
     try:
       _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3, callbacks=[
           keras.callbacks.BackupAndRestore(backup, save_freq=2), _Crash(_epoch_steps(policy) + 2)])
     except RuntimeError:
       pass
-    net = model(policy)
+    if scenario == "crash_resume":
+      net = model(policy)
     _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=3,
          callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
   elif scenario == "save_load":
@@ -225,15 +226,6 @@ def _scenario(net, case, scenario, workdir, rng, joined):
     _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=2)
   elif scenario in ("checkpoint_rollback", "iterations_rollback"):
     _rollback(net, case, scenario, workdir, joined)
-  elif scenario == "retry":   # an in-process retry on the same model object
-    backup = os.path.join(workdir, "backup")
-    try:
-      _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3, callbacks=[
-          keras.callbacks.BackupAndRestore(backup, save_freq=2), _Crash(_epoch_steps(policy) + 2)])
-    except RuntimeError:
-      pass
-    _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=3,
-         callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=2)])
   elif scenario == "journal_resume":   # a crash after a save; load_model resumes the journal
     journal, path = os.path.join(workdir, "run.journal"), os.path.join(workdir, "m.keras")
     _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=1, ledger_journal=journal)
