@@ -125,7 +125,7 @@ LAYER_CASES = [
 # Dense and Conv choose between the Gram and the direct form (Conv also the
 # per-example filter gradient) by cost: test the automatic and forced forms.
 FORMS = {"dense": (None, "gram", "direct"),
-         "conv": (None, "gram", "direct", "filter", "depthwise")}
+         "conv": (None, "gram", "direct", "filter", "depthwise", "foldgram")}
 FORM_CASES = [(c, f) for c in LAYER_CASES
               for f in FORMS.get(c[0][:4] if c[0].startswith("conv")
                                  else c[0].split("_")[0], (None,))]
@@ -444,7 +444,7 @@ RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
 
 
 @pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("form", [None, "gram", "filter", "depthwise"])
+@pytest.mark.parametrize("form", [None, "gram", "filter", "depthwise", "foldgram"])
 @pytest.mark.parametrize("case", RECORD_CASES, ids=[c[0] for c in RECORD_CASES])
 def test_microbatch_records_exact(case, form, k, monkeypatch, clip_reference):
   _, in_shape, make = case

@@ -1,5 +1,6 @@
-"""The tutorial CNN (8x8/2 'same' and 4x4/2 'valid' convolutions: depthwise per-example
-filter gradients under oneDNN, stride-block folded patches otherwise) clipped exactly under
+"""The tutorial CNN (8x8/2 'same' and 4x4/2 'valid' convolutions: the first by chunked
+depthwise per-example filter gradients under oneDNN, stride-block folded patches otherwise;
+the second by the folded patch Gram and a book-keeping sum) clipped exactly under
 both oneDNN settings: each runs in its own process, since TensorFlow reads
 TF_ENABLE_ONEDNN_OPTS once per process. Tolerance: float32 round-off of sums of a few
 thousand terms, 1e-5 of the largest reference entry."""

@@ -18,6 +18,9 @@ Otherwise TensorFlow's ExtractImagePatches is used (order (kh, 1, kw, 1, cin)).
 needs no transpose of the patches), flattened: a [B, P] tensor whose row norms are the
 per-example norms and whose clip-weighted row sum is the clipped sum
 (registry.PerExampleBlock).
+
+`patch_gram` forms the Gram of a record's patches, <p_t, p_s>, from the Gram of its folded
+pixels without unfolding (for the Gram norm when the kernel is larger than its stride).
 """
 
 from typing import NamedTuple
@@ -55,8 +58,10 @@ def _fold(x, sh, sw):
   return tf.reshape(x, [b, h // sh, w // sw, sh * sw * c])
 
 
-def _folded_patches(x, ksize, strides, padding, out_hw):
-  """Patches [B, ho*wo, kh*kw*cin] by stride-block folding (module docstring)."""
+def _folded_input(x, ksize, strides, padding, out_hw):
+  """The input padded, cropped and folded into stride blocks: [B, ho+qh-1, wo+qw-1, sh*sw*cin]
+  (qh = kh/sh, qw = kw/sw); output position (h, w) reads folded pixels (h + a, w + c),
+  a < qh, c < qw (module docstring)."""
   (kh, kw), (sh, sw), (ho, wo) = ksize, strides, out_hw
   qh, qw = kh // sh, kw // sw
   h, w = x.shape[1], x.shape[2]
@@ -65,13 +70,67 @@ def _folded_patches(x, ksize, strides, padding, out_hw):
   hh, ww = (ho + qh - 1) * sh, (wo + qw - 1) * sw
   x = tf.pad(x, [[0, 0], [top, max(hh - h - top, 0)], [left, max(ww - w - left, 0)],
                  [0, 0]])[:, :hh, :ww]
-  xs = _fold(x, sh, sw)
-  cs = sh * sw * int(x.shape[3])
+  return _fold(x, sh, sw), Layout(qh, qw, sh, sw, int(x.shape[3]))
+
+
+def _folded_patches(x, ksize, strides, padding, out_hw):
+  """Patches [B, ho*wo, kh*kw*cin] by stride-block folding (module docstring)."""
+  ho, wo = out_hw
+  xs, layout = _folded_input(x, ksize, strides, padding, out_hw)
+  qh, qw = layout.qh, layout.qw
+  cs = int(xs.shape[3])
   # Patch t = (h, w) holds folded pixels (h + a, w + c), a < qh, c < qw: qh * qw shifted
   # slices side by side on the channel axis (one fused copy; a gather is slower under XLA).
   p = tf.concat([xs[:, a:a + ho, c:c + wo, :] for a in range(qh) for c in range(qw)], axis=-1)
-  return (tf.reshape(p, [-1, ho * wo, qh * qw * cs]),
-          Layout(qh, qw, sh, sw, int(x.shape[3])))
+  return tf.reshape(p, [-1, ho * wo, qh * qw * cs]), layout
+
+
+def foldable(x, ksize, strides, dilation, out_hw):
+  """Whether `patches` folds stride blocks (so `patch_gram` applies).
+
+  Args:
+    x: [B, H, W, cin] the convolution's input.
+    ksize: (kh, kw).
+    strides: (sh, sw).
+    dilation: (dh, dw).
+    out_hw: (ho, wo) the static output size, or None.
+  Returns:
+    bool: static spatial sizes, no dilation, each stride dividing its kernel size.
+  """
+  (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilation
+  static = out_hw is not None and None not in out_hw and None not in x.shape[1:]
+  return static and dh == dw == 1 and kh % sh == 0 and kw % sw == 0
+
+
+def patch_gram(x, ksize, strides, padding, out_hw, k):
+  """Per-record Gram of the input patches, <p_t, p_s>, without unfolding them.
+
+  A patch is qh x qw folded pixels (module docstring), so <p_t, p_s> = sum over a < qh,
+  c < qw of <f_{t+(a,c)}, f_{s+(a,c)}>: the Gram of the U = (ho+qh-1)(wo+qw-1) folded
+  pixels f (cost U^2 sh sw cin per example, against T^2 kh kw cin for the unfolded patches)
+  summed over qh*qw shifted [T, T] windows. With the Gram of the output gradients this gives
+  the squared norm sum_{t,s} <p_t, p_s><dz_t, dz_s> (Li et al. 2021, Sec. 4) at a fraction
+  of the unfolded Gram's cost when the kernel is larger than its stride.
+
+  Args:
+    x: [B, H, W, cin] the convolution's input; foldable(...) must hold.
+    ksize: (kh, kw).
+    strides: (sh, sw).
+    padding: "same" or "valid".
+    out_hw: (ho, wo) static ints.
+    k: examples per record (a Python int; B a multiple of k): a record's positions are
+      its examples' (algebra.regroup_btk order).
+  Returns:
+    [B/k, k*ho*wo, k*ho*wo] float32.
+  """
+  ho, wo = out_hw
+  xs, layout = _folded_input(tf.cast(x, tf.float32), ksize, strides, padding, out_hw)
+  hu, wu, cs = int(xs.shape[1]), int(xs.shape[2]), int(xs.shape[3])
+  f = tf.reshape(xs, [-1, k * hu * wu, cs])
+  g = tf.reshape(tf.linalg.matmul(f, f, transpose_b=True), [-1, k, hu, wu, k, hu, wu])
+  g = tf.add_n([g[:, :, a:a + ho, c:c + wo, :, a:a + ho, c:c + wo]
+                for a in range(layout.qh) for c in range(layout.qw)])
+  return tf.reshape(g, [-1, k * ho * wo, k * ho * wo])
 
 
 def patches(x, ksize, strides, dilation, padding, out_hw):
@@ -87,8 +146,7 @@ def patches(x, ksize, strides, dilation, padding, out_hw):
   """
   x = tf.cast(x, tf.float32)
   (kh, kw), (sh, sw), (dh, dw) = ksize, strides, dilation
-  static = out_hw is not None and None not in out_hw and None not in x.shape[1:]
-  if static and dh == dw == 1 and kh % sh == 0 and kw % sw == 0:
+  if foldable(x, ksize, strides, dilation, out_hw):
     return _folded_patches(x, ksize, strides, padding, out_hw)
   p = tf.image.extract_patches(x, sizes=[1, kh, kw, 1], strides=[1, sh, sw, 1],
                                rates=[1, dh, dw, 1], padding=padding.upper())
