@@ -136,7 +136,8 @@ class _Buffers:
     """Ops writing rows (tensors) and a pass count; the cycle position follows the rows."""
     cyclic = tf.constant(_CYCLIC_CODES or [-1.0], tf.float64)
     in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
-    return [self.samples.assign(samples), self.queries.assign(queries),
+    spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
+    return [self.samples.assign(spare(samples)), self.queries.assign(spare(queries)),
             self.sample_count.assign(tf.shape(samples, out_type=tf.int64)[0]),
             self.query_count.assign(tf.shape(queries, out_type=tf.int64)[0]),
             self.passes.assign(passes),
@@ -207,30 +208,37 @@ class PrivacyLedger(tf.Module):
     prefix of the other (a restore of an earlier step of this run: the mirror; a restore
     into a new ledger, or of a later step: the checkpointed rows); two sets that diverge
     (another run's checkpoint restored into a ledger that recorded steps) fail the step,
-    since only the eager `reconcile` can merge them."""
+    since only the eager `reconcile` can merge them. The sets are compared by their counts,
+    passes and last rows (reads of single rows: O(1) a step); rows are read whole only when
+    those differ."""
     v, m = self._v, self._mirror
-    (vs, vq), (ms, mq) = v.rows(), m.rows()
-    n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
-    nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
-    prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
-                            tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
-    passes = tf.maximum(v.passes.read_value(), m.passes.read_value())
-    mirror_longer = tf.shape(ms)[0] >= tf.shape(vs)[0]
-    in_sync = tf.reduce_all(tf.stack([
-        tf.equal(tf.shape(vs)[0], tf.shape(ms)[0]), tf.equal(tf.shape(vq)[0], tf.shape(mq)[0]),
-        prefix, tf.equal(v.passes.read_value(), m.passes.read_value())]))
+    counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
+              for b in (v, m)]
+
+    def last(buffer, n):   # the row before n (row 0 when n = 0: both then compare zeros)
+      return buffer.sparse_read(tf.reshape(tf.maximum(n - 1, 0), [1]))
+
+    same = [tf.equal(a, b) for a, b in zip(*counts)] + [
+        tf.reduce_all(tf.equal(last(v.samples, counts[0][0]), last(m.samples, counts[1][0]))),
+        tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1])))]
 
     def fix():
+      (vs, vq), (ms, mq) = v.rows(), m.rows()
+      n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
+      nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
+      prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
+                              tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
       check = tf.debugging.Assert(prefix, [
           "the privacy ledger was restored from a checkpoint of another run after this "
           "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
           "use a new optimizer for the other run"])
+      passes = tf.maximum(counts[0][2], counts[1][2])
       with tf.control_dependencies([check]):
-        to_v = lambda: tf.group(v.assign_rows(ms, mq, passes))
-        to_m = lambda: tf.group(m.assign_rows(vs, vq, passes))
-        return tf.cond(mirror_longer, to_v, to_m)
+        return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0],
+                       lambda: tf.group(v.assign_rows(ms, mq, passes)),
+                       lambda: tf.group(m.assign_rows(vs, vq, passes)))
 
-    return [tf.cond(in_sync, tf.no_op, fix)]
+    return [tf.cond(tf.reduce_all(tf.stack(same)), tf.no_op, fix)]
 
   def reconcile(self):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
