@@ -17,8 +17,10 @@ and consecutive participations at least `policy.min_gap(group)` steps apart; a r
 units exceed it is a defect (or must be refused before its first step).
 """
 
+import contextlib
 import math
 import os
+import re
 import warnings
 
 import keras
@@ -45,7 +47,9 @@ USERS_K = 2            # user level: examples per user (N / 2 users)
 CAP = 4                # truncated Poisson: B
 SCENARIOS = ("one_fit", "fits_steps", "new_dataset", "crash_resume", "save_load",
              "checkpoint_rollback", "retry", "iterations_rollback", "xla_compiled_draw",
-             "journal_resume")
+             "journal_resume", "steps_per_execution")
+# run in a process of its own with 2 logical CPUs (tests/privacy/matrix_mirrored_worker.py)
+MIRRORED = "mirrored"
 
 
 class _Crash(keras.callbacks.Callback):
@@ -140,22 +144,26 @@ def first_output(y_true, y_pred):  # pylint: disable=unused-argument
   return y_pred[:, 0]
 
 
-def model(policy=None, **compile_kwargs):
+def model(policy=None, strategy=None, normalize=True, **compile_kwargs):
   """The one-hot probe model with a noise-0 DP-SGD optimizer (clip 1, learning rate 1); under
   cyclic Poisson the noise is BandMF with b bands (the mechanism cyclic sampling is for).
-  `compile_kwargs` go to compile (jit_compile); with jit_compile the
-  noise is drawn inside the XLA program, as on an accelerator."""
+  Built in `strategy`'s scope when given. `normalize=False`: a participation moves w[i] by
+  exactly 1 (for counting under steps_per_execution). `compile_kwargs` go to compile
+  (jit_compile, steps_per_execution); with jit_compile the noise is drawn inside the XLA
+  program, as on an accelerator."""
   keras.utils.set_random_seed(0)
-  net = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  with warnings.catch_warnings():
+  scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+  with scope, warnings.catch_warnings():
     warnings.simplefilter("ignore")   # noise 0: not private, on purpose
+    net = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
+        1, use_bias=False, kernel_initializer="zeros")])
     extra = (dict(noise="band_mf", num_bands=GROUPS, num_steps=64)
              if policy == "cyclic_poisson" else {})
-    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, **extra)
-  if compile_kwargs.get("jit_compile"):
-    opt.private_step.noise_in_compiled_program = True
-  net.compile(optimizer=opt, loss=first_output, **compile_kwargs)
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, normalize=normalize,
+                                       **extra)
+    if compile_kwargs.get("jit_compile"):
+      opt.private_step.noise_in_compiled_program = True
+    net.compile(optimizer=opt, loss=first_output, **compile_kwargs)
   return net
 
 
@@ -169,7 +177,11 @@ class Refused(Exception):
 
 def _fit(net, case, args, joined, **kwargs):
   case.prepare(net)
-  cbs = [privacy_joins.JoinRecorder(joined)] + kwargs.pop("callbacks", [])
+  # under steps_per_execution, participations are counted: one moves w[i] by 1 (a user's
+  # record by 1 / k per example: the mean loss over its k rows)
+  unit = 1.0 / USERS_K if case.policy == "user_poisson" else 1.0
+  counts = unit if getattr(net, "steps_per_execution", 1) > 1 else None
+  cbs = [privacy_joins.JoinRecorder(joined, counts=counts)] + kwargs.pop("callbacks", [])
   before = len(joined)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -179,15 +191,15 @@ def _fit(net, case, args, joined, **kwargs):
       raise Refused(e, len(joined) - before) from e
 
 
-def run(policy, scenario, workdir):
-  """Runs one cell of the matrix.
+def run(policy, scenario, workdir, strategy=None):
+  """Runs one cell of the matrix (scenario MIRRORED: with `strategy`).
 
   Returns:
     (final model, joins of every step ever taken, None), or (model, joins, Refused) when a
     fit of the scenario was refused (the scenario stops there).
   """
   case, rng, joined = Case(policy), np.random.default_rng(0), []
-  net = model(policy, **_COMPILE.get(scenario, {}))
+  net = model(policy, strategy=strategy, **_COMPILE.get(scenario, {}))
   try:
     net = _scenario(net, case, scenario, workdir, rng, joined)
   except Refused as refused:
@@ -237,7 +249,7 @@ def _scenario(net, case, scenario, workdir, rng, joined):
       pass
     net = keras.models.load_model(path)
     _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=2, ledger_journal=journal)
-  elif scenario in _COMPILE:
+  elif scenario in _COMPILE:   # fits of STEPS + 1 steps (MIRRORED: in its strategy)
     args = case.fit_args(None, 16)
     for _ in range(3):
       _fit(net, case, args, joined, epochs=1, steps_per_epoch=STEPS + 1)
@@ -246,9 +258,10 @@ def _scenario(net, case, scenario, workdir, rng, joined):
   return net
 
 
-# (steps_per_execution > 1 runs several steps per batch callback, so joins cannot be read per
-# step here: tests/keras/test_noise_and_ledger.py checks its ledger.)
-_COMPILE = {"xla_compiled_draw": {"jit_compile": True}}
+# steps_per_execution 2: one batch callback per 2 steps, so joins are counted, not placed
+# (normalize=False: a participation moves w[i] by 1; JoinRecorder(counts=True)).
+_COMPILE = {"xla_compiled_draw": {"jit_compile": True}, MIRRORED: {},
+            "steps_per_execution": {"steps_per_execution": 2, "normalize": False}}
 
 
 def _rollback(net, case, scenario, workdir, joined):
@@ -304,3 +317,56 @@ def cyclic_groups():
   x, y = _arrays()
   ids = cyclic_poisson.record_identities(x, y)
   return {i: cyclic_poisson.group_of_identity(ids[i], GROUPS) for i in range(N)}
+
+
+# cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below
+# the ledger's rows (the rerun rows would break the b-separation), refused before any step
+ROLLBACK = r"rerun rows of the same matrix mechanism"
+REFUSED = {("cyclic_poisson", s): ROLLBACK for s in ("crash_resume", "checkpoint_rollback",
+                                                       "retry", "iterations_rollback",
+                                                       "journal_resume")}
+
+
+def _check_premise(policy, joined, samples):
+  sizes = [len(s) for s in joined]
+  if policy == "fixed_size":
+    assert set(sizes) == {BATCH}
+  elif policy == "full":
+    assert set(sizes) == {N}
+  elif policy == "truncated_poisson":
+    assert max(sizes) <= CAP == samples[0, 2]
+  elif policy == "cyclic_poisson":
+    # step t of the ledger's cyclic stream samples group t mod b, in every fit
+    group = cyclic_groups()
+    assert all(group[i] == t % GROUPS for t, s in enumerate(joined) for i in s)
+  if policies.get(policy).expected_size_denominator:
+    assert len({(row[0], row[1]) for row in samples}) == 1   # one stated (N, q) per run
+
+
+def check_cell(policy, scenario, net, joined, refused):
+  """The cell's assertions: refused before its first step where REFUSED says so; else every
+  step ever taken charged, each unit's participations within the ledger's claim and (when
+  steps are read one by one: not under steps_per_execution) at least min_gap apart, and
+  the policy's premise (batch sizes, the cycle, one stated q).
+
+  Raises:
+    AssertionError: the cell breaks the claim.
+  """
+  if (policy, scenario) in REFUSED:
+    assert refused is not None, "expected a refusal before the first step"
+    assert refused.steps == 0
+    assert re.search(REFUSED[(policy, scenario)], str(refused))
+    return
+  assert refused is None, str(refused)
+  samples, _ = net.ledger.get_arrays()
+  iterations = int(net.optimizer.iterations.numpy())
+  most, gap = claim(net.ledger)
+  got_most, got_gap, _, per_unit = measured(Case(policy), joined)
+  assert 0 < got_most <= most, (got_most, most)
+  if scenario == "steps_per_execution":   # joins counted per execution, not placed
+    assert samples.shape[0] == iterations > 0
+    return
+  assert samples.shape[0] == len(joined) >= iterations > 0   # every step ever taken charged
+  assert got_gap >= gap, (got_gap, gap)
+  assert per_unit <= (USERS_K if policy == "user_poisson" else 1)
+  _check_premise(policy, joined, samples)

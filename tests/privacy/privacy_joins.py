@@ -10,15 +10,28 @@ import numpy as np
 
 
 class JoinRecorder(keras.callbacks.Callback):
-  """Appends to `joined`, after every step, the set of examples the step moved."""
+  """Appends to `joined`, after every step, the set of examples the step moved.
 
-  def __init__(self, joined):
+  With `counts` (steps_per_execution > 1: one callback per execution of several steps; the
+  model's optimizer must not normalize, so a participation moves w[i] by exactly `counts`)
+  it appends, per execution, one set per participation rank: {i : i joined more than j of
+  its steps} for j = 0, 1, ...: each example's participations are counted, not their steps.
+  """
+
+  def __init__(self, joined, counts=None):
     super().__init__()
     self.joined = joined
+    self.counts = counts
 
   def on_train_batch_begin(self, batch, logs=None):
     self.before = self.model.trainable_variables[0].numpy()[:, 0].copy()
 
   def on_train_batch_end(self, batch, logs=None):
     moved = self.before - self.model.trainable_variables[0].numpy()[:, 0]
-    self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+    if not self.counts:
+      self.joined.append(set(np.flatnonzero(np.abs(moved) > 1e-6).tolist()))
+      return
+    times = np.rint(moved / self.counts).astype(int)
+    assert np.allclose(moved / self.counts, times, atol=1e-4), moved   # whole participations
+    for j in range(int(times.max(initial=0))):
+      self.joined.append(set(np.flatnonzero(times > j).tolist()))

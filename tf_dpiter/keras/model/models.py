@@ -196,6 +196,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           f"{'no sampling' if spec is None else repr(spec.policy)}")
     self._dp_declare(opt.private_step, spec)
     if isinstance(a.get("x"), tf.data.Dataset):
+      replicas = self.distribute_strategy.num_replicas_in_sync
+      if replicas > 1:   # equal replica shards (a batch already a multiple: unchanged)
+        a["x"] = fit_sampling.pad_for_replicas(a["x"], replicas)
       self._dp_build_for_probe(a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
