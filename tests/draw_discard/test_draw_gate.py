@@ -139,3 +139,40 @@ def test_a_value_written_elsewhere_is_placed_under_its_closest_known_value():
   assert gate.parent(near, 1).dist == 1  # one step below the served value: stale
   far = _Snap(np.array([[0.0, 0.0], [2.5, 0.0]]), 2)
   assert gate.parent(far, 1).dist == 3  # >= 3 steps from anything served: may be served
+
+
+def test_same_value_is_array_equal():
+  a = np.array([1.0, 2.0, 3.0])
+  cases = [(a, a.copy()), (a, np.array([1.0, 2.0, 4.0])), (a, np.array([0.0, 2.0, 3.0])),
+           (a, a[:2]), (np.array([np.nan, 1.0]), np.array([np.nan, 1.0])),
+           (np.array([-0.0, 1.0]), np.array([0.0, 1.0])), (np.zeros(0), np.zeros(0)),
+           (np.zeros(0), a)]
+  for x, y in cases:
+    assert draw_gate.same_value(x, y) == np.array_equal(x, y)
+
+
+def test_parent_finds_the_base_in_an_older_snapshot():
+  """Redis: the base was read from a snapshot older than this process's own later writes."""
+  k, rng = 4, np.random.default_rng(3)
+  gate = draw_gate.DrawGate(k, 3, linf=10.0)
+  slots, seq, snaps, nodes = rng.normal(size=(k, 6)), 0, [], {}
+  for _ in range(12):
+    snap = _Snap(slots.copy(), seq)
+    snaps.append(snap)
+    q, r = int(rng.integers(k)), int(rng.integers(k))
+    new = slots[q] + rng.normal(size=6) * 0.1
+    node = gate.pending(r, new, gate.parent(snap, q))
+    slots[r], seq = new, seq + 1
+    gate.written(r, node, seq)
+    nodes[new.tobytes()] = node
+  old = snaps[5]
+  decoy = old.slots[0].copy()
+  decoy[3] += 1.0  # same first coordinate, another value: written last, found first
+  node = gate.pending(1, decoy, gate.parent(_Snap(slots.copy(), seq), 1))
+  slots[1], seq = decoy, seq + 1
+  gate.written(1, node, seq)
+  for q in range(k):
+    base = gate.parent(old, q)
+    assert np.array_equal(base.value, old.slots[q])
+    if old.slots[q].tobytes() in nodes:  # a value this process wrote: its own node
+      assert base is nodes[old.slots[q].tobytes()]
