@@ -326,10 +326,10 @@ class PrivateStep:
     """True when the noise is drawn inside the XLA program of a `jit_compile=True` step.
 
     Only DP-SGD's default Gaussian query (not a custom dp_query, a correlated mechanism or
-    secure_mode, whose os.urandom draw is a host call), by default on an accelerator: XLA:CPU
-    generates the draw single-threaded, slower than TensorFlow's kernel (measured for the
-    MLP's 407k coordinates: 53 ms against 13 ms, benchmarks/xla_step_breakdown.py), so on a
-    CPU the draw runs right after the program. `noise_in_compiled_program` True forces it
+    secure_mode, whose os.urandom draw is a host call), by default on an accelerator: on a CPU
+    the draw is slower inside XLA than TensorFlow's kernel after the program (for the MLP's
+    407k coordinates 10.9 ms against 7.8 ms, benchmarks/xla_step_breakdown.py, 2026-11-28),
+    so there it runs after the program. `noise_in_compiled_program` True forces it
     (tests), False refuses it. Either way the draw is the query's own `get_noised_result`
     from its own generator (never saved, never restored, so never repeated).
     """
