@@ -263,16 +263,9 @@ class PrivacyLedger(tf.Module):
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
-    s = np.zeros([max(1, samples.shape[0]), len(SAMPLE_COLUMNS)]); s[:samples.shape[0]] = samples
-    q = np.zeros([max(1, queries.shape[0]), len(QUERY_COLUMNS)]); q[:queries.shape[0]] = queries
-    cycle = int(np.sum(np.isin(samples[:, 3], _CYCLIC_CODES)))
     for b in (self._v, self._mirror):
-      b.samples.assign(s)
-      b.queries.assign(q)
-      b.sample_count.assign(samples.shape[0])
-      b.query_count.assign(queries.shape[0])
-      b.passes.assign(int(passes))
-      b.cycle_position.assign(cycle)
+      b.assign_rows(tf.constant(samples, tf.float64), tf.constant(queries, tf.float64),
+                    tf.constant(int(passes), tf.int64))
 
   def _read(self, name):
     """A count of the ledger: eagerly after `reconcile` when the two sets' counts differ; in
