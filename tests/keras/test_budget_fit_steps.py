@@ -65,3 +65,47 @@ def test_training_past_the_calibrated_target_warns_naming_both_epsilons():
   with warnings.catch_warnings():
     warnings.filterwarnings("error", message=".*calibrated target")   # once per optimizer
     model.fit(x, y, batch_size=b, epochs=1, verbose=0)
+
+
+
+def _calibrated_run(n_calibrated, b_calibrated, epochs_calibrated, n, b, steps):
+  """The message for a run of `steps` Poisson samples at q = b / n, against a calibration for
+  (n_calibrated, b_calibrated, epochs_calibrated) to epsilon = 2 at delta = 1e-3 (the dict
+  from_budget keeps, with z = 1.16, about what it calibrates for 20 steps at q = 0.1: the
+  calibration itself takes seconds); the ledger is written by the query wrapper itself
+  (eagerly, no fit: fast)."""
+  from tf_dpiter.keras.model import statement  # pylint: disable=g-import-not-at-top
+  z = 1.16
+  calib = {"epsilon": 2.0, "delta": 1e-3, "epochs": epochs_calibrated,
+           "batch_size": b_calibrated, "population_size": n_calibrated, "sampling": "poisson",
+           "steps": budget.fit_steps(n_calibrated, b_calibrated, epochs_calibrated, "poisson"),
+           "accountant": "rdp", "noise_multiplier": z}
+  ledger = dp.ledger.PrivacyLedger()
+  query = dp.ledger.QueryWithLedger(dp.dp_query.GaussianSumQuery(1.0, z), n, b / n,
+                                    ledger=ledger, policy="poisson", sample_size=b)
+  template = np.zeros(3, np.float32)
+  for _ in range(steps):
+    query.get_noised_result(query.initial_sample_state(template),
+                            query.initial_global_state())
+  report = dp.accounting.privacy_report(ledger, delta=1e-3)
+  assert report.epsilon > 2.0
+  return calib, statement.past_target_message(ledger, calib, report)
+
+
+def test_fewer_steps_at_a_larger_q_warns_which_way_with_both_numbers():
+  # Calibrated for n = 200, B = 20 (q = 0.1), 2 epochs: 20 steps. The run has half the data
+  # (n = 100, q = 0.2): 10 steps, FEWER than calibrated, each costing more.
+  calib, text = _calibrated_run(200, 20, 2, 100, 20, 10)
+  assert calib["steps"] == 20
+  assert text.startswith("the run's epsilon went past the calibrated target")
+  assert "FEWER private steps than calibrated (10 against 20)" in text
+  assert "LARGER sampling probability: q=0.2 with population n=100" in text
+  assert "calibrated q=0.1 with n=200" in text
+  assert "MORE" not in text and "exceeds epsilon=2," in text
+
+
+def test_more_steps_than_calibrated_warns_with_both_step_counts():
+  calib, text = _calibrated_run(100, 20, 1, 100, 20, 10)
+  assert calib["steps"] == 5
+  assert "MORE private steps than calibrated: 10 against 5." in text
+  assert "FEWER" not in text and "larger q" not in text

@@ -21,6 +21,7 @@ worst case; a ratio above 1 is a proven violation.
 
 import dataclasses
 from typing import Tuple
+import warnings
 
 import keras
 import numpy as np
@@ -29,6 +30,7 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
+from tf_dpiter.keras.optimizer.settings import NO_NOISE_WARNING
 from tf_dpiter.keras.model.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
 
 ADD_OR_REMOVE = "add_or_remove_one"
@@ -77,9 +79,14 @@ def _dp_copy(model, policy, n, batch):
                              f"{type(model).__name__} could not be rebuilt: {e}") from None
   if not isinstance(copy, type(model)):   # clone_model rebuilds a plain Keras model
     copy = dpk.make_private(copy)
-  test_opt = _recording_sgd_class(dpk)(
-      opt.l2_norm_clip, 0.0, opt.num_microbatches, learning_rate=1.0, clipping=opt.clipping,
-      normalize=False, max_physical_batch_size=opt.max_physical_batch_size)
+  # The probe measures the clipped sum, so it adds no noise (z = 0) on purpose: the
+  # optimizer's "adds no noise, NOT differentially private" warning is for a user's own
+  # configuration, not for this internal copy (the user's optimizer keeps its own z).
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=NO_NOISE_WARNING, category=UserWarning)
+    test_opt = _recording_sgd_class(dpk)(
+        opt.l2_norm_clip, 0.0, opt.num_microbatches, learning_rate=1.0, clipping=opt.clipping,
+        normalize=False, max_physical_batch_size=opt.max_physical_batch_size)
   copy.compile(optimizer=test_opt, loss=model.loss,
                jit_compile=bool(getattr(model, "jit_compile", False)))
   test_opt.set_sampling(n, batch / n, policy, batch)

@@ -1,19 +1,51 @@
 """A DPQuery wrapper that writes every sample and its queries to a PrivacyLedger.
 
-Seed 002, Section 6: the training code never computes privacy; the wrapper records, at each
+McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
+Procedures" (2018), Section 6: the training code never computes privacy; the wrapper records, at each
 `get_noised_result`, one sampling event (n, q, sample size, policy) with all the sum query
 events the inner query reports.
 """
+
+import math
 
 import tensorflow as tf
 
 from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import serialization
+from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.ledger import records
+
+
+_SAMPLE_SIZE = ("a finite number >= 0, the batch size: the expected one under \"poisson\" "
+                "(q * n; 0 when not known) and the number of examples per batch under "
+                "\"shuffle\" and \"fixed_size\"; pass it, or leave the default")
+
+
+def check_sample_size(sample_size):
+  """Refuses a declared sample size that is not a finite number >= 0 (e.g. None).
+
+  Args:
+    sample_size: the batch size of a sampling declaration.
+  Returns:
+    float(sample_size), or a tensor unchanged (checked by the policy when it is read).
+  Raises:
+    ParameterTypeError: `sample_size` is not a number (None, a string, a bool).
+    PrivacyConfigError: `sample_size` is negative, NaN or infinite.
+  """
+  if tf.is_tensor(sample_size):
+    return sample_size
+  try:
+    value = validation.check_number("sample_size", sample_size)
+  except ParameterTypeError:
+    raise ParameterTypeError(
+        validation.message("sample_size", _SAMPLE_SIZE, sample_size)) from None
+  if not math.isfinite(value) or value < 0:
+    raise PrivacyConfigError(validation.message("sample_size", _SAMPLE_SIZE, sample_size))
+  return value
 
 
 @serialization.register_query()
@@ -56,6 +88,7 @@ class QueryWithLedger(dp_query.DPQuery):
   def _check_sampling(population_size, selection_probability, sample_size, policy):
     validation.check_positive("population_size", population_size)
     validation.check_probability("selection_probability", selection_probability)
+    check_sample_size(sample_size)
     if policy == records.REPEAT_AND_SELECT:
       raise PrivacyConfigError(f"{policy!r} marks a private selection (tf_dpiter.tuning), "
                                "not a sampling policy")

@@ -160,11 +160,16 @@ _WARNED_PAST_TARGET = weakref.WeakSet()   # optimizers already warned
 
 
 def warn_if_past_target(model):
-  """Warns once per optimizer when training went past the target its noise was calibrated to.
+  """Warns once per optimizer when the run's epsilon went past the target its noise was
+  calibrated to, and says which way the run left the calibration.
 
-  `from_budget` / `make_private_with_epsilon` calibrate z for a number of steps; a run that
-  takes more (more epochs, another fit) is still accounted exactly by its ledger, but its
-  epsilon is then above the target the user asked for, and the warning names both.
+  `from_budget` / `make_private_with_epsilon` calibrate z for a number of steps T at a
+  sampling probability q = batch_size / population_size. A run is still accounted exactly by
+  its ledger, but its epsilon is above the target the user asked for when it took MORE steps
+  than T (more epochs, another fit), or FEWER steps at a LARGER q (a smaller dataset or a
+  larger batch than calibrated: each step then costs more), or sampled by another policy.
+  The warning names the target and the ledger's epsilon, the run's steps against T, and the
+  run's q and n against the calibrated ones.
 
   Args:
     model: a DP model whose optimizer may carry `calibration` (the calibration's inputs).
@@ -180,11 +185,48 @@ def warn_if_past_target(model):
   if report.epsilon <= calib["epsilon"] * (1 + 1e-6):
     return None
   _WARNED_PAST_TARGET.add(opt)
-  warnings.warn(
-      f"training went past the calibrated target: the ledger's epsilon={report.epsilon:.4g} "
-      f"at delta={calib['delta']:g} exceeds epsilon={calib['epsilon']:g}, the target the "
-      f"noise was calibrated to for {calib.get('steps')} steps (the run took "
-      f"{report.num_samples} private steps). The run's guarantee is the ledger's epsilon; "
-      "to stay within the target, train the calibrated epochs or add "
-      "dp.keras.callbacks.StopAtPrivacyBudget(epsilon, delta)", UserWarning, stacklevel=3)
+  warnings.warn(past_target_message(opt.ledger, calib, report), UserWarning, stacklevel=3)
   return report.epsilon
+
+
+def past_target_message(ledger, calib, report):
+  """The text of `warn_if_past_target`: which way the run left its calibration, both numbers.
+
+  Args:
+    ledger: the run's PrivacyLedger.
+    calib: the optimizer's `calibration` dict (epsilon, delta, steps, batch_size,
+      population_size, sampling, noise_multiplier).
+    report: the ledger's PrivacyReport at the calibration's delta.
+  Returns:
+    str.
+  """
+  runs, _ = accountant_lib.ledger_runs(ledger)
+  groups = [g for g in ledger_events.groups_from_runs(runs) if not g.is_selection and g.count > 0]
+  steps, planned = int(report.num_samples), calib.get("steps")
+  batch, population = calib.get("batch_size"), calib.get("population_size")
+  planned_q = batch / population if batch and population else None
+  run_q = max((float(g.selection_probability) for g in groups), default=None)
+  run_n = min((float(g.population_size) for g in groups), default=None)
+  policies = sorted({g.policy for g in groups})
+  head = (f"the run's epsilon went past the calibrated target: the ledger's "
+          f"epsilon={report.epsilon:.4g} at delta={calib['delta']:g} exceeds "
+          f"epsilon={calib['epsilon']:g}, the target the noise was calibrated to (for "
+          f"{planned} steps at q={planned_q:.6g} = batch_size {batch} / population_size "
+          f"{population}, {calib.get('sampling')!r} sampling). ")
+  same_q = run_q is None or planned_q is None or run_q <= planned_q * (1 + 1e-9)
+  if planned is not None and steps > planned:
+    why = (f"The run took MORE private steps than calibrated: {steps} against {planned}"
+           + ("" if same_q else f", and at a larger q={run_q:.6g} (n={run_n:g})") + ". To stay "
+           "within the target, train the calibrated epochs")
+  elif not same_q:
+    why = (f"The run took FEWER private steps than calibrated ({steps} against {planned}), but "
+           f"at a LARGER sampling probability: q={run_q:.6g} with population n={run_n:g}, "
+           f"against the calibrated q={planned_q:.6g} with n={population} (a smaller dataset or "
+           "a larger batch than calibrated), and each step costs more. To stay within the "
+           "target, calibrate with the batch_size and population_size the run uses")
+  else:
+    why = (f"The run took {steps} private steps against {planned} calibrated, at q={run_q:.6g} "
+           f"(n={run_n:g}), sampled by {', '.join(map(repr, policies))}. To stay within the "
+           "target, train with the calibrated sampling, batch size and epochs")
+  return (head + why + ", or add dp.keras.callbacks.StopAtPrivacyBudget(epsilon, delta). "
+          "The run's guarantee is the ledger's epsilon")

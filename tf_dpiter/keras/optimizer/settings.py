@@ -11,6 +11,10 @@ from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 CLIPPING_MODES = ("auto", "vectorized", "fast")
+# The start of the warning for noise_multiplier=0, as a `warnings.filterwarnings` pattern: an
+# internal probe that builds a noise-free optimizer on purpose (auditing.check_sensitivity)
+# silences exactly this warning, so that it fires only for a user's own configuration.
+NO_NOISE_WARNING = r"noise_multiplier=\S+: this DP optimizer adds no noise"
 
 
 def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
