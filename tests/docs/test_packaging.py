@@ -3,6 +3,7 @@
 import ast
 import os
 import re
+import subprocess
 import sys
 
 import tf_dpiter
@@ -49,7 +50,20 @@ def test_one_version_source():
   assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
   assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "tf_dpiter.__version__"}
   assert re.fullmatch(r"\d+\.\d+\.\d+", tf_dpiter.__version__)
-  assert not os.path.exists(os.path.join(S.REPO_ROOT, "setup.py"))
+
+
+def test_setup_py_defers_to_pyproject():
+  """The top-level setup.py calls setuptools' setup() with no argument (pyproject.toml is the
+  one metadata source), and `python setup.py --version` is tf_dpiter.__version__."""
+  path = os.path.join(S.REPO_ROOT, "setup.py")
+  calls = [node for node in ast.walk(ast.parse(S.read(path)))
+           if isinstance(node, ast.Call) and getattr(node.func, "attr",
+                                                     getattr(node.func, "id", None)) == "setup"]
+  assert len(calls) == 1 and not calls[0].args and not calls[0].keywords
+  out = subprocess.run([sys.executable, "setup.py", "--version"], cwd=S.REPO_ROOT,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == tf_dpiter.__version__
 
 
 def test_every_dependency_is_imported_by_the_package():
