@@ -30,6 +30,12 @@ def test_the_two_commands_are_between_their_markers():
   assert "<!-- main-command -->" in head and "<!-- test-command -->" in head
 
 
+def test_readme_says_how_to_obtain_mnist_npz():
+  text = " ".join(_readme().split())
+  assert 'keras.datasets.mnist.load_data()"` downloads it and caches it at `~/.keras/datasets/mnist.npz`' in text
+  assert "copy that file to `../shared/data/mnist.npz`" in text and "`--data_path`" in text
+
+
 def test_readme_is_an_entry_point_of_about_150_lines():
   assert len(_readme().split("\n")) <= 170
 

@@ -42,6 +42,11 @@ def test_environment_variable_gives_the_default_path(monkeypatch, tmp_path):
 def test_missing_file_and_bad_size_name_the_parameter(tmp_path):
   with pytest.raises(ValueError, match=r"`path` must be .*Received: path="):
     dp.data.load_mnist(str(tmp_path / "missing.npz"))
+  # ... and says how to obtain the file.
+  with pytest.raises(dp.ParameterValueError,
+                     match=r"keras\.datasets\.mnist\.load_data\(\) caches it at "
+                           r"~/\.keras/datasets/mnist\.npz; copy it"):
+    dp.data.load_mnist(str(tmp_path / "missing.npz"))
   path = _write(tmp_path / "m.npz")
   with pytest.raises(ValueError, match="train_size"):
     dp.data.load_mnist(path, train_size=0)

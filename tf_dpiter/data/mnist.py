@@ -43,8 +43,10 @@ def load_mnist(path=None, train_size=None, test_size=None, flatten=False):
   path = path or default_mnist_path()
   if not os.path.exists(path):
     raise ParameterValueError(
-        f"`path` must be an existing keras-layout mnist.npz (set TF_DPITER_MNIST or pass "
-        f"--data_path). Received: path={path!r}")
+        f"`path` must be an existing keras-layout mnist.npz: on a machine with internet, "
+        f"keras.datasets.mnist.load_data() caches it at ~/.keras/datasets/mnist.npz; copy it "
+        f"to this path, or pass its path (--data_path) or set TF_DPITER_MNIST. Received: "
+        f"path={path!r}")
   for name, size in (("train_size", train_size), ("test_size", test_size)):
     if size is not None:
       validation.check_integer(name, size, 1)
