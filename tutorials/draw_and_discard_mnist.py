@@ -185,7 +185,12 @@ def plot_fig4(results, out_dir, gamma):
   print("wrote", path)
 
 
-def main():
+def main(argv=None):
+  """Runs the figure's configurations and writes their plot and histories.
+
+  Args:
+    argv: the command-line arguments (default: sys.argv[1:]).
+  """
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--mnist", default=DEFAULT_MNIST)
   ap.add_argument("--figure", choices=("2-3", "4"), default="2-3",
@@ -202,7 +207,7 @@ def main():
   ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "plots"))
   ap.add_argument("--json", default=None, help="write the histories here (Figure 4 default: "
                   "draw_discard_mnist_fig4.json in --out)")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   fig4 = args.figure == "4"
   configs = fig4_configs(args.ks) if fig4 else CONFIGS
   gamma = args.gamma if args.gamma is not None else (FIG4_GAMMA if fig4 else 0.001)

@@ -181,16 +181,25 @@ def test_client_privacy_floor_accepts_paper_settings(start_service):
     (["serve", "--model", "{bad}"], "error"),
     (["privacy", "--epsilon", "-1", "--k", "20"], "epsilon must be"),
 ])
-def test_cli_errors_are_one_line(tmp_path, argv, match):
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, match):
   spec_path, bad = tmp_path / "spec.json", tmp_path / "bad.json"
   spec_path.write_text(SPEC.to_json())
   bad.write_text("{not json")
   argv = [a.format(spec=spec_path, bad=bad) for a in argv]
-  out = subprocess.run([sys.executable, "-m", "tf_dpiter.draw_discard.cli", *argv],
-                       capture_output=True, text=True, timeout=60)
+  assert cli.main(argv) == 2   # in process: main returns the exit status
+  err = capsys.readouterr().err
+  assert "Traceback" not in err and match in err
+  assert err.startswith("tf-dpiter-ddml: error:") and err.count("\n") == 1
+
+
+def test_cli_error_exit_status_of_the_installed_entry_point(tmp_path):
+  """The module entry point (`python -m tf_dpiter.draw_discard.cli`, what the
+  `tf-dpiter-ddml` script runs) turns main's status into the process's exit status."""
+  out = subprocess.run([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve", "--model",
+                        str(tmp_path / "missing.json")], capture_output=True, text=True,
+                       timeout=60)
   assert out.returncode == 2
-  assert "Traceback" not in out.stderr and match in out.stderr
-  assert out.stderr.startswith("tf-dpiter-ddml: error:")
+  assert "Traceback" not in out.stderr and "No such file" in out.stderr
 
 
 def test_spec_from_json_refuses_unknown_noise():
