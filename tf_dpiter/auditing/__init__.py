@@ -5,8 +5,11 @@
 * `one_run_epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023).
 * Attacks (`attacks`): loss attack, LiRA with shadow models, ROC / AUC / TPR at low FPR.
 * TF Privacy-style membership inference (`membership_inference`): `AttackInputData`,
-  `SlicingSpec`, `run_attacks` (AUC, attacker advantage, per-slice results, and the bound
-  (epsilon, delta)-DP puts on them).
+  `SlicingSpec`, `run_attacks` (AUC, attacker advantage, per-slice results, per-example
+  membership scores, and the bound (epsilon, delta)-DP puts on them); results that save and
+  load, turn into a data frame and collect over epochs with `PrivacyReportMetadata`
+  (`mia_results`: `AttackResultsCollection`, `PrivacyMetric`); their figures (`mia_plotting`:
+  `plot_roc_curve`, `plot_by_epochs`, `plot_privacy_vs_accuracy`, `save_plot`).
 * `check_sensitivity(model, x, y)` (`sensitivity`): measures what one example changes in
   the pre-noise clipped sum of a DP model and compares it with the recorded sensitivity.
 * White-box Dirac gradient canaries inside the real DP-SGD step (`canaries`, `whitebox`,
@@ -17,6 +20,8 @@ from tf_dpiter.auditing import attacks
 from tf_dpiter.auditing import bounds
 from tf_dpiter.auditing import canaries
 from tf_dpiter.auditing import membership_inference
+from tf_dpiter.auditing import mia_plotting
+from tf_dpiter.auditing import mia_results
 from tf_dpiter.auditing import one_run
 from tf_dpiter.auditing import report
 from tf_dpiter.auditing import sensitivity
@@ -41,10 +46,18 @@ from tf_dpiter.auditing.canaries import DiracCanaryModel
 from tf_dpiter.auditing.experiment import WhiteBoxResult
 from tf_dpiter.auditing.experiment import run_whitebox_audit
 from tf_dpiter.auditing.membership_inference import AttackInputData
-from tf_dpiter.auditing.membership_inference import AttackResults
-from tf_dpiter.auditing.membership_inference import AttackType
 from tf_dpiter.auditing.membership_inference import SlicingSpec
 from tf_dpiter.auditing.membership_inference import run_attacks
+from tf_dpiter.auditing.mia_plotting import plot_by_epochs
+from tf_dpiter.auditing.mia_plotting import plot_privacy_vs_accuracy
+from tf_dpiter.auditing.mia_plotting import plot_roc_curve
+from tf_dpiter.auditing.mia_plotting import save_plot
+from tf_dpiter.auditing.mia_results import AttackResults
+from tf_dpiter.auditing.mia_results import AttackResultsCollection
+from tf_dpiter.auditing.mia_results import AttackType
+from tf_dpiter.auditing.mia_results import PrivacyMetric
+from tf_dpiter.auditing.mia_results import PrivacyReportMetadata
+from tf_dpiter.auditing.mia_results import SingleAttackResult
 from tf_dpiter.auditing.one_run import one_run_epsilon_lower_bound
 from tf_dpiter.auditing.sensitivity import SensitivityReport
 from tf_dpiter.auditing.sensitivity import check_sensitivity
@@ -57,13 +70,17 @@ from tf_dpiter.auditing.whitebox import whitebox_lower_bound
 __all__ = [
     "AttackInputData",
     "AttackResults",
+    "AttackResultsCollection",
     "AttackType",
     "AuditCallback",
     "CanaryRecorder",
     "DiracCanaryLoss",
     "DiracCanaryModel",
     "LowerBound",
+    "PrivacyMetric",
+    "PrivacyReportMetadata",
     "SensitivityReport",
+    "SingleAttackResult",
     "SlicingSpec",
     "WhiteBoxResult",
     "attack_metrics",
@@ -80,10 +97,14 @@ __all__ = [
     "loss_scores",
     "lower_bound",
     "one_run_epsilon_lower_bound",
+    "plot_by_epochs",
     "plot_privacy_report",
+    "plot_privacy_vs_accuracy",
+    "plot_roc_curve",
     "roc_curve",
     "run_attacks",
     "run_whitebox_audit",
+    "save_plot",
     "shadow_confidences",
     "tpr_at_fpr",
     "whitebox_lower_bound",

@@ -24,23 +24,24 @@ slices: for a sound statistical test use `auditing.epsilon_lower_bound`.
 """
 
 import dataclasses
-import enum
 import math
-from typing import Optional, Tuple
+from typing import Optional
 
 import numpy as np
 from scipy import optimize
 from scipy import special
 
+from tf_dpiter import validation
 from tf_dpiter.auditing import attacks
+from tf_dpiter.auditing.mia_results import AttackResults
+from tf_dpiter.auditing.mia_results import AttackType
+from tf_dpiter.auditing.mia_results import PrivacyBound
+from tf_dpiter.auditing.mia_results import PrivacyReportMetadata
+from tf_dpiter.auditing.mia_results import RocCurve
+from tf_dpiter.auditing.mia_results import SingleAttackResult
+from tf_dpiter.auditing.mia_results import SingleSliceSpec
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-
-
-class AttackType(enum.Enum):
-  """The attacks `run_attacks` runs (TF Privacy's names)."""
-  THRESHOLD_ATTACK = "threshold"
-  LOGISTIC_REGRESSION = "lr"
 
 
 @dataclasses.dataclass
@@ -129,54 +130,6 @@ class SlicingSpec:
   by_classification_correctness: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class SingleSliceSpec:
-  """One slice: feature None (entire dataset), "class" or "correctly_classified"."""
-  feature: Optional[str] = None
-  value: object = None
-
-  def __str__(self):
-    return "Entire dataset" if self.feature is None else f"{self.feature}={self.value}"
-
-
-@dataclasses.dataclass(frozen=True)
-class RocCurve:
-  """ROC of the rule "score >= t": false- and true-positive rates over all thresholds."""
-  fpr: np.ndarray
-  tpr: np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class SingleAttackResult:
-  """One attack on one slice: roc_curve, auc, attacker_advantage = max(TPR - FPR).
-
-  TF Privacy reports max |TPR - FPR| (the flipped test counted too); the two differ only
-  where the attack does worse than chance. Both are bounded by `max_advantage`.
-  """
-  slice_spec: SingleSliceSpec
-  attack_type: AttackType
-  roc_curve: RocCurve
-  auc: float
-  attacker_advantage: float
-  num_train: int
-  num_test: int
-
-  def get_auc(self):
-    return self.auc
-
-  def get_attacker_advantage(self):
-    return self.attacker_advantage
-
-
-@dataclasses.dataclass(frozen=True)
-class PrivacyBound:
-  """The most an attack can achieve against (epsilon, delta)-DP training (module docstring)."""
-  epsilon: float
-  delta: float
-  max_advantage: float
-  max_auc: float
-
-
 def max_advantage(epsilon, delta=0.0):
   """(e^eps - 1 + 2 delta) / (e^eps + 1): the largest TPR - FPR under (epsilon, delta)-DP.
 
@@ -262,18 +215,36 @@ def _lr_scores(x_in, x_out, seed):
   return scores[:len(x_in)], scores[len(x_in):]
 
 
-def _attack(data, attack_type, spec, idx_in, idx_out, seed):
+def _attack(data, attack_type, spec, idx_in, idx_out, seed, with_indices):
+  """`SingleAttackResult` of one attack on the slice (members idx_in, non-members idx_out)."""
   if attack_type == AttackType.THRESHOLD_ATTACK:
     s_in, s_out = -data.loss("train")[idx_in], -data.loss("test")[idx_out]
   elif attack_type == AttackType.LOGISTIC_REGRESSION:
     s_in, s_out = _lr_scores(_features(data, "train", idx_in), _features(data, "test", idx_out),
                              seed)
   else:
-    raise ParameterValueError(f"attack_types must hold AttackType members, got {attack_type!r}")
+    raise ParameterValueError(validation.message(
+        "attack_types", "a sequence of AttackType members", attack_type))
   fpr, tpr = attacks.roc_curve(s_in, s_out)
-  return SingleAttackResult(spec, attack_type, RocCurve(fpr, tpr),
-                            attacks.auc(s_in, s_out), float(np.max(tpr - fpr)),
-                            int(len(s_in)), int(len(s_out)))
+  return SingleAttackResult(
+      spec, attack_type, RocCurve(fpr, tpr, len(s_out) / len(s_in)), attacks.auc(s_in, s_out),
+      float(np.max(tpr - fpr)), int(len(s_in)), int(len(s_out)),
+      membership_scores_train=s_in, membership_scores_test=s_out,
+      train_indices=idx_in if with_indices else None,
+      test_indices=idx_out if with_indices else None)
+
+
+def _filled_metadata(metadata, data):
+  """`metadata` (or a default one) with its missing accuracies and mean losses computed."""
+  meta = PrivacyReportMetadata() if metadata is None else metadata
+  filled = {}
+  for split in ("train", "test"):
+    lp, y = data.log_probs(split), data.labels(split)
+    if getattr(meta, f"accuracy_{split}") is None and lp is not None and y is not None:
+      filled[f"accuracy_{split}"] = float(np.mean(lp.argmax(axis=1) == y))
+    if getattr(meta, f"loss_{split}") is None:
+      filled[f"loss_{split}"] = float(np.mean(data.loss(split)))
+  return dataclasses.replace(meta, **filled)
 
 
 def _slices(data, slicing_spec):
@@ -301,62 +272,50 @@ def _slices(data, slicing_spec):
   return out
 
 
-@dataclasses.dataclass(frozen=True)
-class AttackResults:
-  """All attacks on all slices, and the DP bound they are compared with (or None)."""
-  single_attack_results: Tuple[SingleAttackResult, ...]
-  privacy_bound: Optional[PrivacyBound] = None
-
-  def get_result_with_max_auc(self):
-    return max(self.single_attack_results, key=lambda r: r.auc)
-
-  def get_result_with_max_attacker_advantage(self):
-    return max(self.single_attack_results, key=lambda r: r.attacker_advantage)
-
-  def summary(self, by_slices=False):
-    """Text: the best AUC and advantage (per slice with by_slices), and the DP bound."""
-    results = self.single_attack_results if by_slices else (
-        self.get_result_with_max_auc(), self.get_result_with_max_attacker_advantage())
-    lines = [f"{r.attack_type.name} on {r.slice_spec} ({r.num_train} train, {r.num_test} "
-             f"test): AUC {r.auc:.4f}, attacker advantage {r.attacker_advantage:.4f}"
-             for r in results]
-    b = self.privacy_bound
-    if b is not None:
-      lines.append(f"(epsilon={b.epsilon:g}, delta={b.delta:g})-DP bound: AUC <= "
-                   f"{b.max_auc:.4f}, attacker advantage <= {b.max_advantage:.4f}")
-    return "\n".join(lines)
-
-  def __str__(self):
-    return self.summary(by_slices=True)
-
-
 def run_attacks(attack_input, slicing_spec=None, attack_types=(AttackType.THRESHOLD_ATTACK,),
-                epsilon=None, delta=0.0, min_num_samples=1, seed=0):
+                privacy_report_metadata=None, *, return_slice_indices=False, epsilon=None,
+                delta=0.0, min_num_samples=1, seed=0):
   """Runs membership-inference attacks on every slice (TF Privacy's `run_attacks`).
 
   Args:
     attack_input: an `AttackInputData`.
     slicing_spec: a `SlicingSpec` (default: the entire dataset only).
     attack_types: `AttackType` members.
-    epsilon, delta: the training run's guarantee (e.g. `model.ledger`'s epsilon at delta);
-      with epsilon, the results carry the `PrivacyBound` to compare with.
+    privacy_report_metadata: a `PrivacyReportMetadata` of the model (epoch, variant label,
+      accuracies, mean losses) or None; the results carry it with the accuracies (argmax
+      of the logits or probabilities against the labels) and mean losses (nats) it lacks
+      computed from `attack_input` (a default one when None).
+    return_slice_indices: whether each result of a slice other than the entire dataset
+      carries `train_indices` / `test_indices`, the rows of `attack_input` in the slice.
+    epsilon: the training run's epsilon (nats, e.g. `model.ledger`'s epsilon at `delta`);
+      with it, the results carry the `PrivacyBound` to compare with.
+    delta: the delta of that guarantee, in [0, 1].
     min_num_samples: slices with fewer train or test records are skipped.
     seed: of the logistic-regression attack's fold split.
   Returns:
-    `AttackResults`.
+    `AttackResults`: per attack and slice the ROC curve, AUC, attacker advantage and the
+    per-example membership scores (`membership_scores_train` / `membership_scores_test`).
   Raises:
-    ValueError: incomplete or mismatched inputs, a bad attack type, epsilon or delta.
+    ParameterTypeError: `privacy_report_metadata` is not a `PrivacyReportMetadata`.
+    ParameterValueError: incomplete or mismatched inputs or a bad attack type.
+    PrivacyConfigError: a bad epsilon or delta.
   """
   attack_input.validate()
+  if privacy_report_metadata is not None:
+    validation.check_instance("privacy_report_metadata", privacy_report_metadata,
+                              PrivacyReportMetadata, "a PrivacyReportMetadata or None")
   spec = SlicingSpec() if slicing_spec is None else slicing_spec
   results = []
   for slice_spec, idx_in, idx_out in _slices(attack_input, spec):
     if min(len(idx_in), len(idx_out)) < max(1, min_num_samples):
       continue
+    with_indices = bool(return_slice_indices) and not slice_spec.entire_dataset
     for attack_type in attack_types:
-      results.append(_attack(attack_input, attack_type, slice_spec, idx_in, idx_out, seed))
+      results.append(_attack(attack_input, attack_type, slice_spec, idx_in, idx_out, seed,
+                             with_indices))
   bound = None
   if epsilon is not None:
     bound = PrivacyBound(float(epsilon), float(delta), max_advantage(epsilon, delta),
                          max_auc(epsilon, delta))
-  return AttackResults(tuple(results), bound)
+  return AttackResults(tuple(results), bound,
+                       _filled_metadata(privacy_report_metadata, attack_input))
