@@ -22,7 +22,7 @@ an epoch, which excludes each epoch's start — what long epochs cost per step):
                       unpadded without XLA), one ledger sample per step, steps_per_execution k
 with --compare_tail (under --jit 1; steps_per_execution 1), the step before the padded tail
 was skipped, in the same process, alternated with the others:
-  dp_whole_padding    dp_spe1 with `optimizer.private_step.skip_padding_tail = False`: every
+  dp_whole_padding    dp_spe1 with `optimizer.private_step.set_flags(skip_padding_tail=False)`: every
                       padding row of the padded Poisson sample computed (chunking.chunk_layout)
 and with --extra (steps_per_execution 1):
   dp_padded           fit on dp.data.poisson_batches(..., max_batch_size="auto") (padded to
@@ -128,7 +128,7 @@ def _configs(name, a):
           x=xs, y=ys, batch_size=b, steps_per_epoch=steps))
   if a.compare_tail:
     whole = model(True)
-    whole.optimizer.private_step.skip_padding_tail = False
+    whole.optimizer.private_step.set_flags(skip_padding_tail=False)
     out["dp_whole_padding"] = (whole, dict(x=xs, y=ys, batch_size=b, steps_per_epoch=steps))
   if a.extra:
     with warnings.catch_warnings():

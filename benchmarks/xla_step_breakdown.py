@@ -19,7 +19,7 @@ ms per call):
                     noise, the ledger append and the update), B examples
   dp_step_padded    the same on the padded batch (the all-padding tail skipped,
                     chunking.chunk_layout)
-  dp_step_padded_whole  the same with `private_step.skip_padding_tail = False`: every
+  dp_step_padded_whole  the same with `private_step.set_flags(skip_padding_tail=False)`: every
                     padding row computed (before the tail was skipped)
   backward          one forward + backward pass of the mean loss, alone (XLA): what "one
                     backward pass" costs, the reference of the fast path
@@ -76,7 +76,7 @@ def _dp_model(name, loss, b, x, y, w, skip=True):
   model = fit_step_time.build_model(name, True)
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1),
                 loss=loss, jit_compile=True)
-  model.optimizer.private_step.skip_padding_tail = skip
+  model.optimizer.private_step.set_flags(skip_padding_tail=skip)
   model.optimizer.set_sampling(fit_step_time.N_POP, b / fit_step_time.N_POP, "poisson", b)
   ds = tf.data.Dataset.from_tensors((x, y, w)).repeat()
   model.fit(ds, steps_per_epoch=1, epochs=1, verbose=0)

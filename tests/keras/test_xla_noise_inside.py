@@ -21,7 +21,7 @@ S, Z, N, B = 0.01, 10.0, 64, 16
 def _model(jit, seed=None):
   model = dp.keras.DPSequential([keras.Input((300,)), keras.layers.Dense(40)])
   opt = dp.keras.DPKerasSGDOptimizer(S, Z, learning_rate=1.0, seed=seed)
-  opt.private_step.noise_in_compiled_program = True   # the default on accelerators only
+  opt.private_step.set_flags(compiled_noise=True)   # the default on accelerators only
   model.compile(opt, keras.losses.MeanSquaredError(), jit_compile=jit)
   return model, opt
 

@@ -162,7 +162,7 @@ def model(policy=None, strategy=None, normalize=True, **compile_kwargs):
     opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, normalize=normalize,
                                        **extra)
     if compile_kwargs.get("jit_compile"):
-      opt.private_step.noise_in_compiled_program = True
+      opt.private_step.set_flags(compiled_noise=True)
     net.compile(optimizer=opt, loss=first_output, **compile_kwargs)
   return net
 

@@ -25,7 +25,7 @@ S, Z, N, B, DELTA = 0.01, 10.0, 64, 16, 1e-5
 def _model(compiled_draw):
   model = dp.keras.DPSequential([keras.Input((300,)), keras.layers.Dense(40)])
   opt = dp.keras.DPKerasSGDOptimizer(S, Z, learning_rate=1.0)
-  opt.private_step.noise_in_compiled_program = compiled_draw
+  opt.private_step.set_flags(compiled_noise=compiled_draw)
   model.compile(opt, keras.losses.MeanSquaredError(), jit_compile=True)
   return model, opt
 

@@ -16,6 +16,10 @@ One way to do each thing (`__all__`):
     model and a calibrated optimizer), `private_class(cls)` before loading a saved subclassed
     model, `declare_per_example(layer_or_class, reason)` for a custom layer that acts on each
     example alone (else `clipping="auto"` runs each example alone: the vectorized path);
+  * the DP plan as a value: `DPConfig` (clip, noise mechanism, sampling policy, accountant;
+    frozen, validated once; `DPKerasSGDOptimizer(dp_config=...)`), `PerformanceFlags` (chunk
+    size, clipping path, compiled noise) and the mechanisms of `noise` (`noise.BLT(...)`,
+    `noise.BandMF(...)`, `noise.Tree(...)`, `noise.IID()`);
   * callbacks: `PrivacyMeter`, `LedgerJournal` and the module `callbacks`
     (`StopAtPrivacyBudget`, `LedgerExport`);
   * recipes: `DPKerasAdamBCOptimizer` (Tang et al., bias-corrected DP Adam),
@@ -39,6 +43,7 @@ from tf_dpiter.keras import compat
 from tf_dpiter.keras import example_models
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras import layers
+from tf_dpiter.keras import noise
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
 from tf_dpiter.keras.model.augmentation import augmentation_multiplicity
@@ -49,6 +54,8 @@ from tf_dpiter.keras.model.models import make_private_with_epsilon
 from tf_dpiter.keras.model.models import private_class
 from tf_dpiter.keras.model.per_example import declare_per_example
 from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer
+from tf_dpiter.keras.optimizer.dp_config import DPConfig
+from tf_dpiter.keras.optimizer.dp_config import PerformanceFlags
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdagradOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamOptimizer
 from tf_dpiter.keras.optimizer.optimizers import DPKerasAdamWOptimizer
@@ -62,6 +69,7 @@ __all__ = [
     "DPSequential", "DPModel", "make_private", "make_private_with_epsilon", "private_class",
     "PrivacyMeter", "LedgerJournal", "callbacks", "fast_clipping", "example_models", "compat",
     "DPKerasAdamBCOptimizer", "augmentation_multiplicity", "layers", "declare_per_example",
+    "DPConfig", "PerformanceFlags", "noise",
 ]
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.

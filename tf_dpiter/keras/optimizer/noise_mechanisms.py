@@ -1,214 +1,462 @@
-"""The DP optimizers' choice of noise mechanism: `noise="iid" | "tree" | "band_mf" | "blt"`.
+"""The DP optimizers' noise mechanisms as values: `dp.keras.noise.IID()`, `Tree(...)`,
+`BandMF(...)`, `BLT(...)` (the strings `noise="iid" | "tree" | "band_mf" | "blt"` with flat
+keywords are shorthands that build them: `from_shorthand`).
 
-"iid" is DP-SGD (independent Gaussian noise z S per step; the default, unchanged). The others
-add noise correlated across steps, through the queries of `tf_dpiter.dp_query`:
+Each mechanism is a final, frozen dataclass that owns, in one place: its parameters (checked
+in its constructor), the DPQuery that draws its noise (`make_query`), the sampling its
+accounting needs (`sampling_requirement`, `check_sampling`) and the structural privacy event
+the ledger judges (`requirement_event`). Adding a mechanism is one final subclass of
+`NoiseMechanism` (and, for a built-in one, its export in `tf_dpiter.keras.noise`).
 
-  "tree"    `TreeAggregationQuery` (DP-FTRL, Kairouz et al. 2021): `restart_every` R leaves
-            per tree. Accounted under shuffled passes only, one tree per pass, so R must
-            divide the steps per pass ceil(n / B) (every tree ends at a pass boundary).
-  "band_mf" `BandMFQuery` (Choquette-Choo et al. 2023): `num_bands` b, optimized for
-            `num_steps` n (required when b > 1); `band_strategy` "toeplitz" or "banded".
-            b > 1 is accounted under cyclic Poisson sampling with >= b groups only
-            (`dp.data.cyclic_poisson_batches(..., num_groups=b)`); b = 1 is DP-SGD.
-  "blt"     `BLTQuery` (Dvijotham et al. 2024): `num_buffers`, horizon `num_steps` (steps
-            beyond it are refused), `min_separation` b (default 1): cyclic Poisson with >= b
-            groups only.
+  IID     DP-SGD: independent Gaussian noise N(0, (z S)^2) per step (Abadi et al., "Deep
+          Learning with Differential Privacy", 2016, Algorithm 1); the default.
+  Tree    `TreeAggregationQuery` (Kairouz et al., "Practical and Private (Deep) Learning
+          without Sampling or Shuffling", 2021, Section 3): `restart_every` R leaves per tree.
+          Accounted under shuffled passes only, one tree per pass, so R must divide the
+          steps per pass ceil(n / B).
+  BandMF  `BandMFQuery` (Choquette-Choo et al., "Correlated Noise Provably Beats Independent
+          Noise for Differentially Private Learning", 2023, Section 3): `num_bands` b,
+          optimized for `num_steps` (required when b > 1), `strategy` "toeplitz" or
+          "banded". b > 1: cyclic Poisson sampling with >= b groups only; b = 1 is DP-SGD.
+  BLT     `BLTQuery` (Dvijotham et al., "Efficient and Near-Optimal Noise Generation for
+          Streaming Differential Privacy", 2024, Section 4): `num_buffers`, horizon
+          `num_steps` (later steps are refused), `min_separation` b: cyclic Poisson with
+          >= b groups only.
 
-The mechanism is built when the optimizer is built (it needs the trainable variables'
-shapes; `private_step.PrivateStep.build_mechanism`), and its state (step, noise history /
-tree nodes / BLT buffers, and the noise generator's Philox state) are optimizer variables: `model.save`, `tf.train.Checkpoint`, `save_weights` and
-`keras.callbacks.BackupAndRestore` keep them, so a resumed run draws the noise an
-uninterrupted one would have. The sampling each mechanism needs comes from the ledger's own
-rule (`ledger.records.correlated_requirement`), checked when the sampling is declared.
+A correlated mechanism's query is made when the optimizer is built (it needs the trainable
+variables' shapes: `needs_variables`), and its state (step, noise history / tree nodes / BLT
+buffers) is kept in optimizer variables (`private_step.PrivateStep.build_mechanism`).
 """
 
+import abc
+import dataclasses
 import math
+from typing import ClassVar, Optional
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import blt_query
 from tf_dpiter.dp_query import correlated_events
+from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import tree_aggregation_query
-from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
 
-NOISE_KINDS = ("iid", "tree", "band_mf", "blt")
-# Parameters each mechanism takes (name -> default); None: required (see check_noise_args).
-_PARAMS = {
-    "iid": {},
-    "tree": {"restart_every": None},
-    "band_mf": {"num_bands": None, "num_steps": None, "band_strategy": "toeplitz"},
-    "blt": {"num_steps": None, "num_buffers": 4, "min_separation": 1},
-}
-PARAM_NAMES = ("restart_every", "num_bands", "num_steps", "band_strategy", "num_buffers",
-               "min_separation")
+_REGISTRY = {}   # NoiseMechanism.name -> final class (shorthands and config tags)
 
 
-def _positive_int(name, value, noise):
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise PrivacyConfigError(f"noise={noise!r}: {name} must be an integer >= 1, got {value!r}")
-  return value
+class NoiseMechanism(abc.ABC):
+  """A noise mechanism of a DP optimizer (abstract; every subclass is final).
 
+  A subclass is a frozen dataclass with a class attribute `name` (its config tag and
+  `noise=` shorthand), validates its fields in `__post_init__` and defines `make_query`.
+  Subclassing a concrete mechanism is refused (abstract-or-final).
 
-def check_noise_args(noise, params, dp_query=None, secure_mode=False):
-  """Validates the mechanism and its parameters; returns them with defaults filled in.
-
-  Args:
-    noise: one of NOISE_KINDS.
-    params: {name: value} of PARAM_NAMES (None values count as not given).
-    dp_query: the optimizer's dp_query argument (must be None unless noise == "iid").
-    secure_mode: the optimizer's secure_mode (the correlated queries draw from Philox).
-
-  Returns:
-    dict of the mechanism's parameters (empty for "iid").
-
-  Raises:
-    ValueError: an unknown noise, a parameter the mechanism does not take, a missing or bad
-      one (named with its value), or noise != "iid" with dp_query or secure_mode.
+  Class attributes:
+    name: the tag of the mechanism in configs (and its `noise=` string for built-in ones).
+    needs_variables: True if the query needs the trainable variables' shapes (made when the
+      optimizer is built).
+    correlated: True if the noise is correlated across steps (its state is then kept in
+      optimizer variables, and a rolled-back run is refused).
   """
-  if noise not in NOISE_KINDS:
-    raise PrivacyConfigError(f"noise must be one of {NOISE_KINDS}, got {noise!r}")
-  given = {k: v for k, v in params.items() if v is not None}
-  extra = sorted(set(given) - set(_PARAMS[noise]))
-  if extra:
-    raise PrivacyConfigError(f"noise={noise!r} takes no {extra[0]} (got {extra[0]}={given[extra[0]]!r}); "
-                             f"its parameters are {sorted(_PARAMS[noise]) or 'none'}")
-  if noise == "iid":
-    return {}
-  if dp_query is not None:
-    raise PrivacyConfigError(f"noise={noise!r} builds its own query; give it or dp_query={dp_query!r}, "
-                             "not both")
-  if secure_mode:
-    raise PrivacyConfigError(f"secure_mode=True applies to noise='iid' only, got noise={noise!r}")
-  out = dict(_PARAMS[noise], **given)
-  for name in ("restart_every", "num_bands", "num_steps", "num_buffers", "min_separation"):
-    if name in out and out[name] is not None:
-      _positive_int(name, out[name], noise)
-  if noise == "tree" and out["restart_every"] is None:
-    raise PrivacyConfigError("noise='tree' needs restart_every (leaves per tree; the steps per "
-                             "shuffled pass or a divisor of it), got restart_every=None")
-  if noise == "band_mf":
-    if out["num_bands"] is None:
-      raise PrivacyConfigError("noise='band_mf' needs num_bands (1 = DP-SGD), got num_bands=None")
-    if out["num_bands"] > 1 and out["num_steps"] is None:
-      raise PrivacyConfigError(f"noise='band_mf' with num_bands={out['num_bands']} needs num_steps "
-                               "(the training steps the strategy is optimized for), got None")
-    if out["band_strategy"] not in band_mf_query.STRATEGIES:
-      raise ParameterValueError(f"band_strategy must be one of {band_mf_query.STRATEGIES}, got "
-                                f"{out['band_strategy']!r}")
-  if noise == "blt" and out["num_steps"] is None:
-    raise PrivacyConfigError("noise='blt' needs num_steps (the horizon; later steps are refused), "
-                             "got num_steps=None")
-  return out
 
+  name: ClassVar[str] = ""
+  needs_variables: ClassVar[bool] = True
+  correlated: ClassVar[bool] = True
+  # Legacy flat keyword -> field (the optimizer's `band_strategy` is BandMF's `strategy`).
+  flat_names: ClassVar[dict] = {}
 
-def requirement_event(noise, params):
-  """The structural event the ledger's rule `records.correlated_requirement` judges, or None
-  for "iid" (clip and stddev are placeholders: only the structure matters).
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    for base in cls.__mro__[1:]:
+      if (base is not NoiseMechanism and isinstance(base, type)
+          and issubclass(base, NoiseMechanism) and not getattr(base, "__abstractmethods__", ())):
+        raise ParameterTypeError(
+            f"{cls.__name__} subclasses the concrete mechanism {base.__name__}: mechanisms are "
+            f"abstract or final. Subclass NoiseMechanism directly")
+    if cls.name:
+      old = _REGISTRY.get(cls.name)
+      if old is not None and (old.__module__, old.__qualname__) != (cls.__module__,
+                                                                     cls.__qualname__):
+        raise PrivacyConfigError(
+            f"`name` must be unique among noise mechanisms ({old.__qualname__} has it). "
+            f"Received: name={cls.name!r}")
+      _REGISTRY[cls.name] = cls
 
-  Args:
-    noise, params: as returned by check_noise_args.
-  Returns:
-    a correlated_events event, or None.
-  """
-  if noise == "tree":
-    return correlated_events.TreeGaussianEvent(1.0, 1.0, params["restart_every"])
-  if noise == "band_mf":
-    return correlated_events.BandedGaussianEvent(1.0, 1.0, 1.0, params["num_bands"])
-  if noise == "blt":
-    return correlated_events.MatrixGaussianEvent(1.0, 1.0, 1.0, params["min_separation"])
-  return None
+  @abc.abstractmethod
+  def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
+    """The DPQuery that draws this mechanism's noise and returns its ledger events.
 
+    Args:
+      l2_norm_clip: S, the per-record L2 clip (loss-gradient units).
+      noise_multiplier: z (noise stddev over the sensitivity).
+      template: the float32 TensorSpecs of the trainable variables (None when
+        `needs_variables` is False).
+      seed: tests only (not private).
+      secure_mode: draw from os.urandom (mechanisms that support it).
+    Returns:
+      a DPQuery whose result is the noised sum over records.
+    """
 
-def check_sampling(noise, params, policy, population_size, sample_size):
-  """Refuses a sampling under which the ledger cannot account the mechanism.
+  def requirement_event(self):
+    """The structural privacy event of one step that the ledger's rule judges
+    (`ledger.records.correlated_requirement`), clip and stddev set to 1 (only the structure
+    matters); None for a mechanism accounted under any sampling.
 
-  Args:
-    noise, params: as returned by check_noise_args.
-    policy, population_size, sample_size: the declared sampling (ledger.POLICIES; n; the
-      batch size, or the number of groups b under cyclic_poisson).
+    Returns:
+      a correlated_events event, or None.
+    """
+    return None
 
-  Raises:
-    ValueError: the policy or its sample_size does not cover the mechanism (the ledger's
-      rule), or a tree whose restart period does not divide the steps per shuffled pass.
-  """
-  event = requirement_event(noise, params)
-  if event is None:
-    return
-  needed, least = records.correlated_requirement(event)
-  what = {"tree": "restart_every", "band_mf": "num_bands", "blt": "min_separation"}[noise]
-  if needed is not None and (policy != needed or float(sample_size) < least):
+  def sampling_requirement(self):
+    """(policy, least sample_size) the ledger can account this mechanism under.
+
+    Returns:
+      (None, 0) for any sampling, else (a ledger policy, the fewest groups / batch size).
+    """
+    event = self.requirement_event()
+    return (None, 0) if event is None else records.correlated_requirement(event)
+
+  def describe(self):
+    """`noise='blt' with min_separation=3`: how messages name the mechanism."""
+    return f"noise={self.name!r}"
+
+  def check_sampling(self, policy, population_size, sample_size):
+    """Refuses a sampling under which the ledger cannot account the mechanism.
+
+    Args:
+      policy: the declared ledger policy (ledger.POLICIES).
+      population_size: n, examples in the dataset.
+      sample_size: the batch size (the number of groups under cyclic_poisson).
+    Raises:
+      PrivacyConfigError: the policy or its sample_size does not cover the mechanism.
+    """
+    needed, least = self.sampling_requirement()
+    if needed is None or (policy == needed and float(sample_size) >= least):
+      return
     hint = ("dp.data.shuffled_batches(x, y, batch_size=B) or fit(x, y, sampling='shuffle')"
             if needed == records.SHUFFLE else
             f"dp.data.cyclic_poisson_batches(x, y, expected_batch_size=B, num_groups>={least})")
     raise PrivacyConfigError(
-        f"noise={noise!r} with {what}={params[what]!r} is accounted only under sampling "
-        f"policy {needed!r}" + (f" with at least {least} groups" if least else "")
+        f"{self.describe()} is accounted only under sampling policy {needed!r}"
+        + (f" with at least {least} groups" if least else "")
         + f" ({hint}); got policy {policy!r}, sample_size {sample_size!r}")
-  if noise == "tree":
+
+  def check_boundary(self, state):
+    """Refuses a new sampling declared at this point of the mechanism's state (none by
+    default).
+
+    Args:
+      state: the mechanism's global state as numpy values, or None before it exists.
+    """
+    del state
+
+  def get_config(self):
+    """The mechanism's parameters (a JSON-able dict; `from_config` inverts it).
+
+    Returns:
+      dict of field name -> value.
+    """
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+  @classmethod
+  def from_config(cls, config):
+    """The mechanism of `get_config`'s dict.
+
+    Args:
+      config: dict of field name -> value.
+    Returns:
+      an instance of cls.
+    """
+    return cls(**config)
+
+  def flat_params(self):
+    """The optimizer's flat keywords for this mechanism (the `noise=` shorthand's).
+
+    Returns:
+      dict keyword -> value ({} for IID).
+    """
+    back = {field: flat for flat, field in self.flat_names.items()}
+    return {back.get(k, k): v for k, v in self.get_config().items()}
+
+
+def _positive(name, value, required_because=None):
+  """An int >= 1 (None allowed when `required_because` is None)."""
+  if value is None and required_because is None:
+    return None
+  if value is None:
+    raise PrivacyConfigError(validation.message(name, f"an int >= 1 ({required_because})",
+                                                value))
+  return validation.check_integer(name, value, 1, error=PrivacyConfigError)
+
+
+@dataclasses.dataclass(frozen=True)
+class IID(NoiseMechanism):
+  """DP-SGD's independent Gaussian noise: N(0, sigma^2) per coordinate per step, sigma = z S
+  (Abadi et al. 2016, Algorithm 1). No parameters; any sampling; the only mechanism that
+  takes `secure_mode` or a custom `dp_query`."""
+
+  name: ClassVar[str] = "iid"
+  needs_variables: ClassVar[bool] = False
+  correlated: ClassVar[bool] = False
+
+  def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
+    """`GaussianSumQuery(S, z S)` (the stddev computed once, in float64).
+
+    Args:
+      l2_norm_clip: S.
+      noise_multiplier: z.
+      template: unused (the sum takes the records' structure).
+      seed: tests only.
+      secure_mode: draw from os.urandom.
+    Returns:
+      a GaussianSumQuery.
+    """
+    del template
+    return gaussian_query.GaussianSumQuery(
+        l2_norm_clip, gaussian_query.gaussian_stddev(l2_norm_clip, noise_multiplier),
+        seed=seed, secure_mode=secure_mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree(NoiseMechanism):
+  """Online tree aggregation (DP-FTRL; Kairouz et al. 2021, Section 3).
+
+  Attributes:
+    restart_every: R, leaves per tree (the tree restarts every R steps); must divide the
+      steps per shuffled pass ceil(n / B).
+  """
+
+  restart_every: Optional[int] = None
+  name: ClassVar[str] = "tree"
+
+  def __post_init__(self):
+    _positive("restart_every", self.restart_every,
+              "leaves per tree: the steps per shuffled pass or a divisor of it")
+
+  def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
+    """A TreeAggregationQuery of R leaves per tree (Args as NoiseMechanism.make_query)."""
+    del secure_mode
+    return tree_aggregation_query.TreeAggregationQuery(
+        l2_norm_clip, noise_multiplier, template, self.restart_every, seed=seed)
+
+  def requirement_event(self):
+    """A TreeGaussianEvent of tree_size R (shuffled passes only)."""
+    return correlated_events.TreeGaussianEvent(1.0, 1.0, self.restart_every)
+
+  def describe(self):
+    return f"noise='tree' with restart_every={self.restart_every!r}"
+
+  def check_sampling(self, policy, population_size, sample_size):
+    """Shuffled passes, and R dividing the steps per pass (NoiseMechanism.check_sampling)."""
+    super().check_sampling(policy, population_size, sample_size)
     per_pass = math.ceil(float(population_size) / float(sample_size))
-    if per_pass % params["restart_every"]:
+    if per_pass % self.restart_every:
       raise PrivacyConfigError(
-          f"noise='tree' with restart_every={params['restart_every']}: the ledger charges one "
+          f"noise='tree' with restart_every={self.restart_every}: the ledger charges one "
           f"tree per shuffled pass, so every tree must end at a pass boundary; a pass here is "
           f"ceil(n / B) = ceil({population_size:g} / {float(sample_size):g}) = {per_pass} "
           f"steps, which restart_every must divide (e.g. restart_every={per_pass})")
 
+  def check_boundary(self, state):
+    """Refuses a new sampling inside a tree: a new sampling starts new shuffled passes, and a
+    tree spanning two passes would hold one example twice.
 
-def make_query_with_state(step, variables):
-  """The step's correlated query on `variables` and its global state as new variables (in
-  a fixed order: save_weights matches optimizer variables by position).
+    Args:
+      state: the query's global state (numpy), or None.
+    Raises:
+      PrivacyConfigError: the mechanism's step is not a multiple of restart_every.
+    """
+    r = self.restart_every
+    if state is not None and int(state.step) % r:
+      raise PrivacyConfigError(
+          f"noise='tree' with restart_every={r}: the mechanism is at step {int(state.step)}, "
+          "inside a tree, and a new sampling (a new fit or dataset) starts new passes: a tree "
+          "would span two passes. Train in whole trees (steps_per_epoch a multiple of "
+          "restart_every, whole passes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BandMF(NoiseMechanism):
+  """Banded matrix factorization (Choquette-Choo et al. 2023, Section 3).
+
+  Attributes:
+    num_bands: b, bands of the strategy (1 = DP-SGD).
+    num_steps: the training steps the strategy is optimized for (required when b > 1).
+    strategy: "toeplitz" or "banded" (band_mf_query.STRATEGIES).
+  """
+
+  num_bands: Optional[int] = None
+  num_steps: Optional[int] = None
+  strategy: str = "toeplitz"
+  name: ClassVar[str] = "band_mf"
+  flat_names: ClassVar[dict] = {"band_strategy": "strategy"}
+
+  def __post_init__(self):
+    _positive("num_bands", self.num_bands, "the strategy's bands; 1 is DP-SGD")
+    _positive("num_steps", self.num_steps)
+    if self.num_bands > 1 and self.num_steps is None:
+      raise PrivacyConfigError(validation.message(
+          "num_steps", f"an int >= 1 with num_bands={self.num_bands} (the training steps the "
+          "strategy is optimized for)", None))
+    validation.check_one_of("strategy", self.strategy, band_mf_query.STRATEGIES)
+
+  def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
+    """A BandMFQuery (Args as NoiseMechanism.make_query)."""
+    del secure_mode
+    return band_mf_query.BandMFQuery(
+        l2_norm_clip, noise_multiplier, template, num_bands=self.num_bands,
+        num_steps=self.num_steps, strategy=self.strategy, seed=seed)
+
+  def requirement_event(self):
+    """A BandedGaussianEvent of b bands (b > 1: cyclic Poisson with >= b groups)."""
+    return correlated_events.BandedGaussianEvent(1.0, 1.0, 1.0, self.num_bands)
+
+  def describe(self):
+    return f"noise='band_mf' with num_bands={self.num_bands!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BLT(NoiseMechanism):
+  """Buffered linear Toeplitz noise (Dvijotham et al. 2024, Section 4).
+
+  Attributes:
+    num_steps: the horizon (steps beyond it are refused).
+    num_buffers: buffers of the strategy (memory O(buffers d)).
+    min_separation: b, the fewest steps between two participations of an example.
+  """
+
+  num_steps: Optional[int] = None
+  num_buffers: int = 4
+  min_separation: int = 1
+  name: ClassVar[str] = "blt"
+
+  def __post_init__(self):
+    _positive("num_steps", self.num_steps, "the horizon; later steps are refused")
+    _positive("num_buffers", self.num_buffers, "buffers of the strategy")
+    _positive("min_separation", self.min_separation, "steps between participations")
+
+  def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
+    """A BLTQuery (Args as NoiseMechanism.make_query)."""
+    del secure_mode
+    return blt_query.BLTQuery(
+        l2_norm_clip, noise_multiplier, template, self.num_steps,
+        num_buffers=self.num_buffers, min_separation=self.min_separation, seed=seed)
+
+  def requirement_event(self):
+    """A MatrixGaussianEvent of min_separation b (cyclic Poisson with >= b groups)."""
+    return correlated_events.MatrixGaussianEvent(1.0, 1.0, 1.0, self.min_separation)
+
+  def describe(self):
+    return f"noise='blt' with min_separation={self.min_separation!r}"
+
+
+NOISE_KINDS = ("iid", "tree", "band_mf", "blt")
+PARAM_NAMES = ("restart_every", "num_bands", "num_steps", "band_strategy", "num_buffers",
+               "min_separation")
+
+
+def from_shorthand(noise, params=None):
+  """The mechanism of `noise="blt"` and the optimizer's flat keywords.
 
   Args:
-    step: the PrivateStep (noise, noise_params, S, z, seed). variables: the trainable ones.
+    noise: a NoiseMechanism (returned as is; then no params may be given), its `serialize`
+      dict, or one of NOISE_KINDS.
+    params: {flat keyword: value} of PARAM_NAMES (None values count as not given).
+  Returns:
+    a NoiseMechanism.
+  Raises:
+    PrivacyConfigError: an unknown noise, a keyword the mechanism does not take, or a bad
+      parameter (named with its value).
+  """
+  given = {k: v for k, v in (params or {}).items() if v is not None}
+  if isinstance(noise, dict):   # a config's {"class_name", "config"} (one's own mechanism)
+    noise = deserialize(noise)
+  if isinstance(noise, NoiseMechanism):
+    if given:
+      key = sorted(given)[0]
+      raise PrivacyConfigError(
+          f"`{key}` must not be given with noise={noise!r} (the object holds its parameters). "
+          f"Received: {key}={given[key]!r}")
+    return noise
+  if noise not in NOISE_KINDS:
+    raise PrivacyConfigError(validation.message(
+        "noise", f"one of {NOISE_KINDS} or a dp.keras.noise mechanism object", noise))
+  cls = _REGISTRY[noise]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  takes = {flat for flat in PARAM_NAMES if cls.flat_names.get(flat, flat) in fields}
+  extra = sorted(set(given) - takes)
+  if extra:
+    raise PrivacyConfigError(validation.message(
+        extra[0], f"left out with noise={noise!r} (its parameters: {sorted(takes) or 'none'})",
+        given[extra[0]]))
+  return cls(**{cls.flat_names.get(k, k): v for k, v in given.items()})
+
+
+def serialize(mechanism):
+  """{"class_name": name, "config": get_config()} of a mechanism.
+
+  Args:
+    mechanism: a NoiseMechanism.
+  Returns:
+    a JSON-able dict.
+  """
+  return {"class_name": mechanism.name, "config": mechanism.get_config()}
+
+
+def deserialize(config):
+  """The mechanism of `serialize`'s dict (or of a shorthand string with no parameters).
+
+  Args:
+    config: a dict from `serialize`, a NoiseMechanism, or a name.
+  Returns:
+    a NoiseMechanism.
+  Raises:
+    PrivacyConfigError: an unknown mechanism name (its class is not defined in this process).
+  """
+  if isinstance(config, NoiseMechanism):
+    return config
+  if isinstance(config, str):
+    return from_shorthand(config)
+  name = config.get("class_name") if isinstance(config, dict) else None
+  if name not in _REGISTRY:
+    raise PrivacyConfigError(validation.message(
+        "noise", f"a registered mechanism ({sorted(_REGISTRY)}; define the mechanism's class "
+        "before loading)", config))
+  return _REGISTRY[name].from_config(dict(config.get("config") or {}))
+
+
+def make_query_with_state(mechanism, l2_norm_clip, noise_multiplier, variables, seed=None):
+  """The mechanism's query on `variables` and its global state as new variables (in a
+  fixed order: save_weights matches optimizer variables by position).
+
+  Args:
+    mechanism: a NoiseMechanism with needs_variables.
+    l2_norm_clip: S.
+    noise_multiplier: z.
+    variables: the trainable variables (their shapes; sums kept in float32).
+    seed: tests only (not private).
   Returns:
     (query, initial global state nest, list of its state variables).
   """
   with tf.init_scope():
-    query = make_query(step.noise, step.noise_params, step.l2_norm_clip, step.noise_multiplier,
-                       variables, seed=step.seed)
+    template = [tf.TensorSpec(v.shape, tf.float32) for v in variables]
+    query = mechanism.make_query(l2_norm_clip, noise_multiplier, template, seed=seed)
     init = tf.nest.map_structure(tf.convert_to_tensor, query.initial_global_state())
     state_vars = [tf.Variable(t, trainable=False, name=f"dp_noise_state_{i}")
                   for i, t in enumerate(tf.nest.flatten(init))]
   return query, init, state_vars
 
 
-def make_query(noise, params, l2_norm_clip, noise_multiplier, variables, seed=None):
-  """The correlated-noise DPQuery for `variables` (their shapes; sums kept in float32).
-
-  Args:
-    noise, params: as returned by check_noise_args (noise != "iid").
-    l2_norm_clip, noise_multiplier: S and z.
-    variables: the trainable variables the optimizer was built for.
-    seed: tests only (not private).
-
-  Returns:
-    a TreeAggregationQuery, BandMFQuery or BLTQuery.
-
-  Raises:
-    ValueError: noise == "iid" or an unknown one.
-  """
-  template = [tf.TensorSpec(v.shape, tf.float32) for v in variables]
-  if noise == "tree":
-    return tree_aggregation_query.TreeAggregationQuery(
-        l2_norm_clip, noise_multiplier, template, params["restart_every"], seed=seed)
-  if noise == "band_mf":
-    return band_mf_query.BandMFQuery(
-        l2_norm_clip, noise_multiplier, template, num_bands=params["num_bands"],
-        num_steps=params["num_steps"], strategy=params["band_strategy"], seed=seed)
-  if noise == "blt":
-    return blt_query.BLTQuery(
-        l2_norm_clip, noise_multiplier, template, params["num_steps"],
-        num_buffers=params["num_buffers"], min_separation=params["min_separation"], seed=seed)
-  raise PrivacyConfigError(f"make_query builds the correlated mechanisms, got noise={noise!r}")
-
-
 class Unbuilt:
   """Stands for a correlated query until the optimizer is built (any use raises)."""
 
   def __init__(self, noise):
+    """Args:
+      noise: the mechanism's name (for the message)."""
     self.noise = noise
 
   def __getattr__(self, name):
@@ -216,25 +464,3 @@ class Unbuilt:
         f"noise={self.noise!r}: the mechanism is made when the optimizer is built on the model's "
         "trainable variables (model.fit does it; or call optimizer.build(model.trainable_"
         "variables) first)")
-
-
-def check_tree_boundary(noise, params, state):
-  """Refuses a (re)declared sampling inside a tree: a new sampling starts new shuffled passes,
-  and a tree spanning two passes would hold one example twice (the per-pass accounting of
-  the ledger would not cover that).
-
-  Args:
-    noise, params: as returned by check_noise_args.
-    state: the mechanism's current global state (`PrivateStep.noise_state()`), or None.
-  Raises:
-    ValueError: noise == "tree" and its step is not a multiple of restart_every.
-  """
-  if noise != "tree" or state is None:
-    return
-  r = params["restart_every"]
-  if int(state.step) % r:
-    raise PrivacyConfigError(
-        f"noise='tree' with restart_every={r}: the mechanism is at step {int(state.step)}, "
-        "inside a tree, and a new sampling (a new fit or dataset) starts new passes: a tree "
-        "would span two passes. Train in whole trees (steps_per_epoch a multiple of "
-        "restart_every, whole passes)")

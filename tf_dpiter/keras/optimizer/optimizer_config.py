@@ -12,6 +12,7 @@ import keras
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
+from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import saved_ledger
 
 
@@ -25,19 +26,27 @@ def dp_config(opt):
     "dp_global_state" for a custom query, "dp_ledger" once the ledger holds a sample.
   """
   step = opt.private_step
+  plan, flags = step.plan, step.flags
   config = {
-      "l2_norm_clip": step.l2_norm_clip,
-      "noise_multiplier": step.noise_multiplier,
-      "num_microbatches": step.num_microbatches,
-      "max_physical_batch_size": step.max_physical_batch_size,
-      "clipping": step.clipping,
-      "normalize": step.normalize,
-      "seed": step.seed,
+      "l2_norm_clip": plan.l2_norm_clip,
+      "noise_multiplier": plan.noise_multiplier,
+      "num_microbatches": plan.num_microbatches,
+      "max_physical_batch_size": flags.max_physical_batch_size,
+      "clipping": flags.clipping,
+      "normalize": plan.normalize,
+      "seed": plan.seed,
       "ledger_journal": opt.ledger_journal,
-      "secure_mode": step.secure_mode,
+      "secure_mode": plan.secure_mode,
   }
-  if step.noise != "iid":   # the mechanism and its parameters; "iid" adds nothing
-    config.update(dict({"noise": step.noise}, **step.noise_params))
+  mechanism = plan.noise
+  if mechanism.name in noise_mechanisms.NOISE_KINDS:   # the shorthand and its flat keywords
+    if mechanism.name != "iid":                        # "iid" adds nothing
+      config.update(dict({"noise": mechanism.name}, **mechanism.flat_params()))
+  else:   # one's own mechanism: {"class_name", "config"} (its class defined before loading)
+    config["noise"] = noise_mechanisms.serialize(mechanism)
+  for name, default in (("sampling", None), ("accountant", "rdp")):
+    if getattr(plan, name) != default:
+      config[name] = getattr(plan, name)
   if step.custom_query:
     # The default query's state is fixed by (S, z); a custom one's may adapt.
     config["dp_query"] = dp_query_lib.serialize(step.base_query)
@@ -84,9 +93,15 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
     ValueError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
   """
   kwargs = dict(kwargs)
-  if kwargs.get("noise", "iid") != "iid":
+  for name in ("dp_config", "plan"):
+    if kwargs.get(name) is not None:
+      raise PrivacyConfigError(f"from_budget builds the plan from its keywords: {name}="
+                               f"{kwargs[name]!r} cannot be given (calibrate, then "
+                               "dp_config.replace(noise_multiplier=z))")
+  noise = kwargs.get("noise", "iid")
+  if noise != "iid" and not isinstance(noise, noise_mechanisms.IID):
     raise PrivacyConfigError(f"from_budget calibrates DP-SGD (noise='iid'), got noise="
-                             f"{kwargs['noise']!r}; calibrate a correlated mechanism with its own "
+                             f"{getattr(noise, 'name', noise)!r}; calibrate a correlated mechanism with its own "
                              "accounting (dp.accounting on its ledger)")
   for name in ("noise_multiplier", "dp_query"):
     if kwargs.get(name) is not None:

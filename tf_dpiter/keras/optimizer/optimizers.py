@@ -32,11 +32,12 @@ calibrates the noise multiplier with the accountant.
 import keras
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import chunking
-from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
@@ -64,7 +65,8 @@ class DPOptimizerBase:
                dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
                seed=None, ledger_journal=None, secure_mode=False, noise="iid",
                restart_every=None, num_bands=None, num_steps=None, band_strategy=None,
-               num_buffers=None, min_separation=None, **kwargs):
+               num_buffers=None, min_separation=None, dp_config=None, plan=None, flags=None,
+               sampling=None, accountant="rdp", **kwargs):
     """Args:
       l2_norm_clip: S (L2 norm, loss-gradient units). noise_multiplier: z (stddev z S on the
         sum; for noise != "iid" the multiplier of the mechanism, see keras.noise_mechanisms).
@@ -76,28 +78,38 @@ class DPOptimizerBase:
       ledger_journal: path of a ledger journal that DPModel.fit resumes and appends (crash
         safety; kept in the config, so a model loaded from a checkpoint resumes it).
       secure_mode: the default GaussianSumQuery draws from os.urandom (SecureRandom); no seed.
-      noise: "iid" (DP-SGD) | "tree" | "band_mf" | "blt"; restart_every, num_bands,
-        num_steps, band_strategy, num_buffers, min_separation: its parameters (see
-        keras.noise_mechanisms for which each takes and the sampling it is accounted under).
+      noise: a mechanism object of `dp.keras.noise` (`IID()`, `Tree(...)`, `BandMF(...)`,
+        `BLT(...)`, or one's own), or its shorthand "iid" (DP-SGD) | "tree" | "band_mf" |
+        "blt" with the flat keywords restart_every, num_bands, num_steps, band_strategy,
+        num_buffers, min_separation (noise_mechanisms.from_shorthand).
+      dp_config: a `dp.keras.DPConfig` (the frozen plan) instead of the privacy keywords
+        above (S, z, M, dp_query, normalize, seed, secure_mode, noise, sampling,
+        accountant); `plan` is its alias.
+      plan: alias of dp_config.
+      flags: a `dp.keras.PerformanceFlags` instead of max_physical_batch_size and clipping.
+      sampling: the sampling policy the run must declare (None: the one fit declares).
+      accountant: "rdp" or "pld" (the plan's `epsilon`).
       *args, **kwargs: the Keras optimizer's own arguments.
     Raises:
-      ValueError: a bad setting, named with its value (settings.check_args,
-        noise_mechanisms.check_noise_args)."""
-    settings.check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
-                        max_physical_batch_size, clipping, ledger_journal)
+      ValueError: a bad setting, named with its value (dp_config.DPConfig,
+        dp_config.PerformanceFlags), or a plan given with privacy keywords."""
+    plan = dp_config_lib.plan_of_arguments(
+        dp_config, plan, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+        num_microbatches=num_microbatches, dp_query=dp_query, normalize=normalize, seed=seed,
+        secure_mode=secure_mode, noise=noise, sampling=sampling, accountant=accountant,
+        noise_params=dict(restart_every=restart_every, num_bands=num_bands,
+                          num_steps=num_steps, band_strategy=band_strategy,
+                          num_buffers=num_buffers, min_separation=min_separation))
+    flags = dp_config_lib.flags_of_arguments(flags, max_physical_batch_size=max_physical_batch_size,
+                                             clipping=clipping)
+    if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
+      raise ParameterValueError(validation.message("ledger_journal", "None or a file path",
+                                                   ledger_journal))
     optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
-    noise_params = dict(restart_every=restart_every, num_bands=num_bands, num_steps=num_steps,
-                        band_strategy=band_strategy, num_buffers=num_buffers,
-                        min_separation=min_separation)
-    noise_mechanisms.check_noise_args(noise, noise_params, dp_query, secure_mode)
     super().__init__(*args, **kwargs)
     self._ledger_journal = ledger_journal
     self._private_apply = False
-    self.private_step = private_step_lib.PrivateStep(
-        self, l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
-        max_physical_batch_size=max_physical_batch_size, clipping=clipping,
-        normalize=normalize, seed=seed, secure_mode=secure_mode, noise=noise,
-        noise_params=noise_params)
+    self.private_step = private_step_lib.PrivateStep(self, plan, flags)
 
   @classmethod
   def from_budget(cls, epsilon, delta, epochs, batch_size, population_size, sampling="poisson",
@@ -145,7 +157,11 @@ class DPOptimizerBase:
   max_physical_batch_size = _from_step(
       "max_physical_batch_size", "P, examples per physical chunk (None: the whole batch).")
   clipping = _from_step("clipping", 'The clipping path: "auto", "vectorized" or "fast".')
-  noise = _from_step("noise", 'The noise mechanism: "iid", "tree", "band_mf" or "blt".')
+  noise = _from_step("noise", 'The noise mechanism\'s name: "iid", "tree", "band_mf", "blt"...')
+  noise_mechanism = _from_step("mechanism", "The noise mechanism object (dp.keras.noise).")
+  dp_config = _from_step("plan", "The frozen DP plan (dp.keras.DPConfig).")
+  plan = _from_step("plan", "The frozen DP plan (alias of dp_config).")
+  flags = _from_step("flags", "The performance flags (dp.keras.PerformanceFlags).")
   ledger = _from_step("ledger", "The PrivacyLedger every private step writes to.")
   noise_generator = _from_step(
       "noise_generator", "The noise source of the query (PrivateStep.noise_generator).")
@@ -314,9 +330,7 @@ class DPOptimizerBase:
     """
     config, state, ledger = optimizer_config.split_config(config, custom_objects)
     opt = super().from_config(config, custom_objects=custom_objects)
-    opt.private_step.state.restored_global_state = state
-    if ledger is not None:
-      opt.private_step.state.adopt_ledger(*ledger)
+    opt.private_step.restore_saved(state, ledger)
     return opt
 
 

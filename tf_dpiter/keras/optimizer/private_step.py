@@ -30,10 +30,12 @@ import contextlib
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
+from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import step_sampling
@@ -44,55 +46,97 @@ from tf_dpiter.ledger import policies as ledger_policies
 class PrivateStep:
   """The DP step of one optimizer (see module docstring).
 
-  Attributes (read-only for users):
+  Built from a frozen plan (`dp_config.DPConfig`: S, z, the noise mechanism, microbatches,
+  normalization, sampling policy, accountant) and performance flags
+  (`dp_config.PerformanceFlags`); every field below is read-only, and only this class writes
+  its own state (the query, the sampling, the flags).
+
+  Attributes (read-only):
     optimizer: the Keras optimizer holding this step (its variables are tracked by it).
-    l2_norm_clip, noise_multiplier: S and z (None with a custom dp_query).
-    stddev: sigma = z S in sum units, computed once (None with a custom dp_query).
-    num_microbatches, max_physical_batch_size, clipping, normalize, seed, secure_mode: the
-      optimizer's settings.
-    noise, noise_params: the noise mechanism and its parameters (noise_mechanisms).
+    plan: the DPConfig. flags: the PerformanceFlags.
+    l2_norm_clip, noise_multiplier, num_microbatches, normalize, seed, secure_mode,
+      custom_query: the plan's (S and z are None with a custom dp_query).
+    stddev: sigma = z S in sum units (None with a custom dp_query).
+    max_physical_batch_size, clipping, skip_padding_tail, noise_in_compiled_program: the
+      flags'.
+    mechanism: the plan's noise mechanism object; noise, noise_params: its name and flat
+      parameters.
     query: the QueryWithLedger (None until the sampling is declared).
     sampling_source: "user", "fit" or None (who declared the sampling).
   """
 
-  def __init__(self, optimizer, l2_norm_clip, noise_multiplier, num_microbatches=None, *,
-               dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-               seed=None, secure_mode=False, noise="iid", noise_params=None):
+  def __init__(self, optimizer, plan, flags=None):
     """Args:
       optimizer: the Keras optimizer that holds the step.
-      l2_norm_clip, noise_multiplier, num_microbatches, dp_query, max_physical_batch_size,
-        clipping, normalize, seed, secure_mode: as the DP optimizer's constructor (already
-        checked by settings.check_args).
-      noise, noise_params: the mechanism and its parameters (noise_mechanisms.check_noise_args).
-    Raises:
-      ValueError: secure_mode with a dp_query or a seed.
+      plan: a dp_config.DPConfig (validated when it was made).
+      flags: a dp_config.PerformanceFlags (None: the defaults).
     """
-    if secure_mode and (dp_query is not None or seed is not None):
-      raise ParameterValueError("secure_mode applies to the default query and takes no seed; got "
-                                f"dp_query={dp_query!r}, seed={seed!r}")
     self.optimizer = optimizer
-    self.l2_norm_clip = None if l2_norm_clip is None else float(l2_norm_clip)
-    self.noise_multiplier = None if noise_multiplier is None else float(noise_multiplier)
-    self.stddev = (None if dp_query is not None else
-                   dp_query_lib.gaussian_stddev(self.l2_norm_clip, self.noise_multiplier))
-    self.num_microbatches = num_microbatches
-    self.max_physical_batch_size = max_physical_batch_size
-    self.clipping = clipping
-    self.normalize = bool(normalize)
-    self.seed = seed
-    self.secure_mode = bool(secure_mode)
-    self.noise = noise
-    self.noise_params = noise_mechanisms.check_noise_args(noise, dict(noise_params or {}),
-                                                          dp_query, secure_mode)
-    self.custom_query = dp_query is not None
-    self.base_query = dp_query        # made lazily (make_state) unless given
+    self._plan = plan
+    self._flags = flags if flags is not None else dp_config.PerformanceFlags()
+    self.base_query = plan.dp_query   # made lazily (make_state) unless given
     self.query = None                 # QueryWithLedger, made by set_sampling
     self.sampling_source = None
     self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
     self._pending_sampling = None
     self._given_params = None
-    self.noise_in_compiled_program = None   # None: on an accelerator only (compiles_noise)
-    self.skip_padding_tail = True   # chunking.chunk_layout (False: compute every padding row)
+
+  # ---- the plan and the flags (read-only) -----------------------------------------------
+
+  plan = property(lambda self: self._plan, doc="The frozen DPConfig of this step.")
+  flags = property(lambda self: self._flags, doc="The PerformanceFlags of this step.")
+  mechanism = property(lambda self: self._plan.noise, doc="The noise mechanism object.")
+  l2_norm_clip = property(lambda self: self._plan.l2_norm_clip, doc="S (None: dp_query).")
+  noise_multiplier = property(lambda self: self._plan.noise_multiplier, doc="z (None: dp_query).")
+  num_microbatches = property(lambda self: self._plan.num_microbatches, doc="M.")
+  normalize = property(lambda self: self._plan.normalize, doc="Divide by the denominator.")
+  seed = property(lambda self: self._plan.seed, doc="The noise seed (tests only).")
+  secure_mode = property(lambda self: self._plan.secure_mode, doc="os.urandom noise.")
+  custom_query = property(lambda self: self._plan.custom_query, doc="A user's dp_query.")
+  noise = property(lambda self: self._plan.noise.name, doc='The mechanism\'s name ("iid", ...).')
+  max_physical_batch_size = property(lambda self: self._flags.max_physical_batch_size,
+                                     doc="P, examples per physical chunk.")
+  clipping = property(lambda self: self._flags.clipping, doc="The clipping path.")
+  skip_padding_tail = property(lambda self: self._flags.skip_padding_tail,
+                               doc="chunking.chunk_layout skips all-padding chunks.")
+  noise_in_compiled_program = property(lambda self: self._flags.compiled_noise,
+                                       doc="None: on an accelerator only (compiles_noise).")
+
+  @property
+  def noise_params(self):
+    """The mechanism's flat parameters (the optimizer's keywords; {} for IID)."""
+    return self._plan.noise.flat_params()
+
+  @property
+  def stddev(self):
+    """sigma = z S in sum units (None with a custom dp_query)."""
+    if self._plan.custom_query:
+      return None
+    return dp_query_lib.gaussian_stddev(self._plan.l2_norm_clip, self._plan.noise_multiplier)
+
+  def set_flags(self, **changes):
+    """Replaces performance flags (PerformanceFlags.replace: validated); the privacy plan is
+    unchanged. A traced train step keeps the flags it was traced with.
+
+    Args:
+      **changes: PerformanceFlags field -> value (e.g. skip_padding_tail=False).
+    Returns:
+      the new PerformanceFlags.
+    """
+    self._flags = self._flags.replace(**changes)
+    return self._flags
+
+  def restore_saved(self, global_state=None, ledger=None):
+    """Applies what a saved config held (from_config): the query's saved global state (used
+    when the state variables are made) and the ledger's arrays (merged into the ledger).
+
+    Args:
+      global_state: the config's "dp_global_state", or None.
+      ledger: (samples, queries, passes) of the config's verified "dp_ledger", or None.
+    """
+    self.state.restored_global_state = global_state
+    if ledger is not None:
+      self.state.adopt_ledger(*ledger)
 
   # ---- state (step_state.StepState) --------------------------------------------------
 
@@ -112,12 +156,11 @@ class PrivateStep:
           "the DP state (ledger, noise generator) must be created outside a tf.distribute "
           "scope: call model.fit / optimizer.set_sampling outside `with strategy.scope():` "
           "(build and compile the model inside it as usual)")
-    if self.noise != "iid" and self.base_query is None:
+    if self.mechanism.needs_variables and self.base_query is None:
       self.base_query = noise_mechanisms.Unbuilt(self.noise)   # replaced in build_mechanism
     with tf.init_scope():
-      if self.base_query is None:   # sigma = z S, computed once in the constructor
-        self.base_query = dp_query_lib.GaussianSumQuery(
-            self.l2_norm_clip, self.stddev, seed=self.seed, secure_mode=self.secure_mode)
+      if self.base_query is None:   # the mechanism's query (IID: sigma = z S, computed once)
+        self.base_query = self._plan.make_query()
       self.state.make()
 
   @property
@@ -175,7 +218,7 @@ class PrivateStep:
     Returns:
       a namedtuple (step, noise history / tree nodes / BLT buffers, clip, stddev), or None.
     """
-    return None if self.noise == "iid" else self.state.global_state_numpy()
+    return self.state.global_state_numpy() if self.mechanism.correlated else None
 
   # ---- sampling -----------------------------------------------------------------------
 
@@ -194,13 +237,26 @@ class PrivateStep:
       ValueError: microbatches under add/remove, a sampling the mechanism is not accounted
         under, a new sampling inside a tree, or a bad argument.
     """
+    if self._plan.sampling is not None and policy != self._plan.sampling:
+      raise PrivacyConfigError(validation.message(
+          "policy", f"{self._plan.sampling!r}, the plan's sampling (DPConfig(sampling=...); "
+          f"e.g. model.fit(..., sampling={self._plan.sampling!r}))", policy))
     step_sampling.check(self, population_size, policy, sample_size)
     self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
-    if self.noise != "iid" and not self.optimizer.built:
+    if self.mechanism.needs_variables and not self.optimizer.built:
       self._pending_sampling = (population_size, selection_probability, policy, sample_size)
       return True
     return step_sampling.declare(self, population_size, selection_probability, policy,
                                  sample_size)
+
+  def adopt_query(self, query):
+    """Makes `query` (a QueryWithLedger of the declared sampling) the step's query
+    (step_sampling.declare).
+
+    Args:
+      query: a ledger.QueryWithLedger wrapping this step's base query.
+    """
+    self.query = query
 
   def mark_sampling_from_fit(self):
     """Records that DPModel.fit, not the user, declared the current sampling."""
@@ -228,10 +284,11 @@ class PrivateStep:
     Args:
       variables: the trainable variables the optimizer was built on.
     """
-    if self.noise == "iid":
+    if not self.mechanism.needs_variables or self.custom_query:
       return
     self.make_state()
-    query, init, state_vars = noise_mechanisms.make_query_with_state(self, variables)
+    query, init, state_vars = noise_mechanisms.make_query_with_state(
+        self.mechanism, self.l2_norm_clip, self.noise_multiplier, variables, seed=self.seed)
     seeded = [query.noise_generator.state] if self.seed is not None else []
     for v in state_vars + seeded:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
@@ -251,7 +308,7 @@ class PrivateStep:
     Args:
       variables: the model's trainable variables.
     """
-    if self.noise != "iid" and not self.optimizer.built:
+    if self.mechanism.needs_variables and not self.optimizer.built:
       self.optimizer.build(list(variables))
 
   # ---- sample params ------------------------------------------------------------------
@@ -333,7 +390,7 @@ class PrivateStep:
     (tests), False refuses it. Either way the draw is the query's own `get_noised_result`
     from its own generator (never saved, never restored, so never repeated).
     """
-    if self.noise != "iid" or self.custom_query or self.secure_mode:
+    if not isinstance(self.mechanism, noise_mechanisms.IID) or self.custom_query or self.secure_mode:
       return False
     if self.noise_in_compiled_program is not None:
       return bool(self.noise_in_compiled_program)
@@ -387,7 +444,7 @@ class PrivateStep:
     """
     query = self.require_query()
     checks = []
-    if self.noise != "iid":
+    if self.mechanism.correlated:
       checks.append(tf.debugging.assert_less_equal(
           self.state.ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
           message=f"noise={self.noise!r}: the optimizer's iterations went back below the "

@@ -18,7 +18,6 @@ import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import query_with_ledger
 
@@ -34,9 +33,8 @@ def check(step, population_size, policy, sample_size):
       accounted under, or a new sampling inside one of its trees.
   """
   query_with_ledger.check_sample_size(sample_size)
-  noise_mechanisms.check_sampling(step.noise, step.noise_params, policy, population_size,
-                                  sample_size)
-  noise_mechanisms.check_tree_boundary(step.noise, step.noise_params, step.noise_state())
+  step.mechanism.check_sampling(policy, population_size, sample_size)
+  step.mechanism.check_boundary(step.noise_state())
   m = step.num_microbatches
   if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
     raise PrivacyConfigError(
@@ -61,9 +59,9 @@ def declare(step, population_size, selection_probability, policy, sample_size):
   step.make_state()
   with tf.init_scope():
     if step.query is None or step.query.policy != policy:
-      step.query = ledger_lib.QueryWithLedger(
+      step.adopt_query(ledger_lib.QueryWithLedger(
           step.base_query, population_size, selection_probability, ledger=step.state.ledger,
-          policy=policy, sample_size=sample_size, examples_per_record=k)
+          policy=policy, sample_size=sample_size, examples_per_record=k))
       changed = True
     else:
       changed = step.query.examples_per_record != k
