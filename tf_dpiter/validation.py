@@ -39,6 +39,7 @@ def message(name, requirement, value):
     name: the parameter's name.
     requirement: what it must be, e.g. "a number > 0".
     value: the value received.
+
   Returns:
     str.
   """
@@ -73,8 +74,10 @@ def check_number(name, value):
   Args:
     name: the parameter's name, for the message.
     value: the argument.
+
   Returns:
     float(value).
+
   Raises:
     ParameterTypeError: `value` is not a number (a TypeError).
   """
@@ -86,6 +89,7 @@ def is_integer(value):
 
   Args:
     value: any object.
+
   Returns:
     bool.
   """
@@ -104,8 +108,10 @@ def check_integer(name, value, minimum=None, maximum=None, error=ParameterValueE
     minimum, maximum: inclusive bounds, or None for none.
     error: the ValueError subclass raised for an integer out of range (e.g.
       PrivacyConfigError for a privacy parameter).
+
   Returns:
     int(value).
+
   Raises:
     ParameterTypeError: `value` is not an integer (a TypeError).
     error: `value` is out of range.
@@ -126,8 +132,10 @@ def check_optional_integer(name, value, minimum=1, error=ParameterValueError):
   Args:
     name: the parameter's name; value: None or the argument; minimum: inclusive lower bound;
     error: raised for an integer below `minimum`.
+
   Returns:
     None or int(value).
+
   Raises:
     ParameterTypeError: `value` is neither None nor an integer.
     error: `value` < minimum.
@@ -150,8 +158,10 @@ def check_nonnegative(name, value, allow_inf=True, error=PrivacyConfigError):
     value: a Python or numpy number, or a tensor (passed through unchecked).
     allow_inf: whether +inf is accepted.
     error: the ValueError subclass raised for a value out of range.
+
   Returns:
     `value` (a float when it was not a Python number, the tensor itself for a tensor).
+
   Raises:
     ParameterTypeError: `value` is not a number.
     error: NaN, negative, or +inf when not allowed.
@@ -170,8 +180,10 @@ def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
     value: a Python or numpy number, or a tensor (passed through unchecked).
     allow_inf: whether +inf is accepted.
     error: the ValueError subclass raised for a value out of range.
+
   Returns:
     `value`.
+
   Raises:
     ParameterTypeError: `value` is not a number.
     error: `value` is NaN, <= 0, or +inf when not allowed.
@@ -198,8 +210,10 @@ def check_probability(name, value, allow_zero=False):
     name: the parameter's name, for the message.
     value: a number, or a tensor (passed through unchecked).
     allow_zero: whether q = 0 is accepted.
+
   Returns:
     q as a float (a tensor passes through unchecked).
+
   Raises:
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: `value` is outside the interval.
@@ -220,8 +234,10 @@ def check_delta(name, value):
   Args:
     name: the parameter's name, for the message.
     value: a number.
+
   Returns:
     delta as a float.
+
   Raises:
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: `value` is outside (0, 1).
@@ -238,8 +254,10 @@ def check_instance(name, value, types, expected):
   Args:
     name: the parameter's name; value: the argument; types: a type or tuple of types;
     expected: how the message describes the expected type (e.g. "a DPQuery").
+
   Returns:
     `value`.
+
   Raises:
     ParameterTypeError: `value` is not an instance of `types`.
   """
@@ -254,8 +272,10 @@ def check_one_of(name, value, choices, error=ParameterValueError):
   Args:
     name: the parameter's name; value: the argument; choices: a tuple of accepted values;
     error: the ValueError subclass raised otherwise.
+
   Returns:
     `value`.
+
   Raises:
     error: `value` is not in `choices`.
   """
@@ -269,8 +289,10 @@ def check_noise_multiplier(name, value):
 
   Args:
     name: the parameter's name; value: a number or a tensor (passed through unchecked).
+
   Returns:
     `value`.
+
   Raises:
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: z < 0, NaN or infinite.
@@ -289,8 +311,10 @@ def check_clip_norm(name, value, noise_multiplier=None):
     value: S, a number or a tensor (passed through unchecked).
     noise_multiplier: z when known (a number), to refuse S = +inf with z > 0 (infinite
       noise z S); None to skip that check.
+
   Returns:
     `value`.
+
   Raises:
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: S <= 0 or NaN, or S = +inf with z > 0.

@@ -31,6 +31,7 @@ def main(argv=None):
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
+
   Returns:
     the exit status: the command's, 0 for --help, 2 for a missing or unknown command.
   """

@@ -45,7 +45,8 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
   side whose epsilon is <= target_epsilon (McMahan et al. 2018, Section 4).
 
   Args:
-    target_epsilon: > 0; target_delta: in (0, 1).
+    target_epsilon: > 0.
+    target_delta: in (0, 1).
     sampling_probability: q in (0, 1].
     steps: T, an int >= 1 (an integral float is accepted).
     accountant: "rdp" or "pld" (upper bounds; "gdp", an approximation, is refused).
@@ -54,8 +55,10 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
     tol: relative tolerance of z.
     num_microbatches: M, records are microbatches of ceil(B / M) examples (sensitivity 2C
       under replace-one sampling, as the ledger records it).
+
   Returns:
     z, a float; its epsilon is <= target_epsilon.
+
   Raises:
     ParameterTypeError: steps is not an integer.
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
@@ -84,12 +87,18 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
   A geometric `search.bisect` in log q (the rate spans orders of magnitude).
 
   Args:
-    target_epsilon: > 0; target_delta: in (0, 1).
+    target_epsilon: > 0.
+    target_delta: in (0, 1).
     noise_multiplier: z > 0.
     steps: T, the number of samples.
-    accountant, sampling, population_size, tol: as `calibrate_noise_multiplier`.
+    accountant: as `calibrate_noise_multiplier`.
+    sampling: as `calibrate_noise_multiplier`.
+    population_size: as `calibrate_noise_multiplier`.
+    tol: as `calibrate_noise_multiplier`.
+
   Returns:
     q, a float in (0, 1]; its epsilon is <= target_epsilon.
+
   Raises:
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad target or z, or even q = 1/n exceeds the target.
@@ -115,12 +124,18 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
   """Largest number of steps T meeting the target (0 if even one step exceeds it).
 
   Args:
-    target_epsilon: > 0; target_delta: in (0, 1).
-    noise_multiplier: z > 0; sampling_probability: q in (0, 1].
-    accountant, sampling, population_size: as `calibrate_noise_multiplier`.
+    target_epsilon: > 0.
+    target_delta: in (0, 1).
+    noise_multiplier: z > 0.
+    sampling_probability: q in (0, 1].
+    accountant: as `calibrate_noise_multiplier`.
+    sampling: as `calibrate_noise_multiplier`.
+    population_size: as `calibrate_noise_multiplier`.
     max_steps: the search stops there.
+
   Returns:
     T, an int in [0, max_steps].
+
   Raises:
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
     ValueError: a bad target, z or q.
@@ -143,14 +158,21 @@ def compute_noise_from_budget(n, batch_size, epsilon, epochs, delta, accountant=
   (TF Privacy's `compute_noise_from_budget`).
 
   Args:
-    n: records; batch_size: expected batch size (<= n); epsilon: the target, > 0;
-    epochs: > 0; delta: in (0, 1).
-    accountant, sampling, num_microbatches: as `calibrate_noise_multiplier`.
+    n: records.
+    batch_size: expected batch size (<= n).
+    epsilon: the target, > 0.
+    epochs: > 0.
+    delta: in (0, 1).
+    accountant: as `calibrate_noise_multiplier`.
+    sampling: as `calibrate_noise_multiplier`.
+    num_microbatches: as `calibrate_noise_multiplier`.
+
   Returns:
     z, a float.
+
   Raises:
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
-    ValueError: a bad argument (named).
+    ParameterValueError: a bad argument (named).
   """
   accountant_lib.check_bound_accountant(accountant, "compute_noise_from_budget")
   validation.check_positive("n", n, allow_inf=False)

@@ -26,8 +26,10 @@ def shuffle_event(group, mech, passes, notes):
     group: a SampleGroup of policy shuffle. mech: its per-sample (or per-tree) mechanism.
     passes: the passes the ledger recorded (0: none, every sample is charged).
     notes: list the assumption is appended to.
+
   Returns:
     a SelfComposedDpEvent.
+
   Raises:
     ValueError: fewer passes recorded than the samples need.
   """
@@ -79,8 +81,10 @@ def balls_in_bins_event(group, mech, passes, notes):
     group: a `ledger_events.SampleGroup` of policy balls_in_bins (sample_size = k).
     mech: its per-step dp-accounting mechanism. passes: the epochs the ledger recorded.
     notes: list the assumption is appended to.
+
   Returns:
     a SelfComposedDpEvent.
+
   Raises:
     ValueError: fewer epochs recorded than the samples need.
   """
@@ -108,8 +112,10 @@ def selection_events(groups, accountant, passes, events_from_groups):
     groups: SampleGroups with one selection record (`SampleGroup.is_selection`).
     accountant: must be "rdp". passes: the ledger's passes / epochs.
     events_from_groups: `ledger_events.events_from_groups` (for the trial and the rest).
+
   Returns:
     (event, NeighboringRelation, assumption strings), as events_from_groups.
+
   Raises:
     ValueError: more than one record, an empty trial, accountant other than "rdp", or
       relations that differ.

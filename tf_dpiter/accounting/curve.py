@@ -55,10 +55,12 @@ def epsilon_curve(ledger, delta, accountant="rdp", num_points=50, key=None):
     accountant: one of accounting.REPORT_ACCOUNTANTS.
     num_points: at most this many points, evenly spaced in steps, the last one all samples.
     key: HMAC key of a signed ledger dict/JSON (checked).
+
   Returns:
     EpsilonCurve.
+
   Raises:
-    ValueError: an empty ledger, num_points < 1, or what `privacy_report` refuses.
+    PrivacyConfigError: an empty ledger, num_points < 1, or what `privacy_report` refuses.
   """
   validation.check_integer("num_points", num_points, 1)
   runs, passes = accountant_lib.ledger_runs(ledger, key)
@@ -84,6 +86,7 @@ def plot_epsilon_curve(curve, path, title=None, epoch_steps=None):
     path: output PNG path.
     title: figure title (default names delta and the accountant).
     epoch_steps: optional step counts at which epochs ended (dotted vertical lines).
+
   Raises:
     ImportError: matplotlib is not installed (the message says how to install it).
   """

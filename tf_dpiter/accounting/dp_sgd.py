@@ -24,7 +24,10 @@ def dp_sgd_steps(n, batch_size, epochs):
   """Number of steps of `epochs` passes at `batch_size` over n records.
 
   Args:
-    n: records; batch_size: B (expected batch size); epochs: passes (may be fractional).
+    n: records.
+    batch_size: B (expected batch size).
+    epochs: passes (may be fractional).
+
   Returns:
     ceil(epochs * n / B), an int.
   """
@@ -49,6 +52,7 @@ def examples_per_record(batch_size, num_microbatches):
 
   Args:
     batch_size: B; num_microbatches: M, or None.
+
   Returns:
     k, an int (1 without microbatches).
   """
@@ -67,8 +71,10 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
     n: records; batch_size: B; noise_multiplier: z; steps: T.
     sampling: a ledger policy.
     num_microbatches: M, or None.
+
   Returns:
     an `accountant.LedgerContent`.
+
   Raises:
     ValueError: microbatches with a policy that does not allow them.
   """
@@ -114,17 +120,24 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
   """Epsilon of DP-SGD over n records, batch size B, noise multiplier z, `epochs`, at delta.
 
   Args:
-    n, batch_size, noise_multiplier, epochs, delta: the run (noise stddev z*C on the sum).
+    n: the run (noise stddev z*C on the sum).
+    batch_size: the run (noise stddev z*C on the sum).
+    noise_multiplier: the run (noise stddev z*C on the sum).
+    epochs: the run (noise stddev z*C on the sum).
+    delta: the run (noise stddev z*C on the sum).
     accountant: "rdp" or "pld" (upper bounds), or "gdp" (an approximation, labelled so in
       the statement: Poisson or full sampling only).
     sampling: "poisson" (q = B/n, add/remove one example), "fixed_size" (B of n without
       replacement, replace one), "shuffle" (ceil(epochs) passes, replace one) or "full".
     num_microbatches: M, or None; with M, one example moves its microbatch by 2C.
+
   Returns:
     DpSgdPrivacy: unpacks as TF Privacy's (eps, opt_order); .statement names the relation
     and the unit (and, when delta >= 1/n, says what that allows).
+
   Warns:
     UserWarning: delta >= 1/n (`accountant.warn_if_delta_too_large`).
+
   Raises:
     ValueError: a bad argument, or microbatches with an add/remove sampling.
   """

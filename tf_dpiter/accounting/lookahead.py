@@ -75,9 +75,11 @@ class PlannedSample:
     Returns:
       (samples [1, 6], queries [Q, 5]) float64 arrays (`records.SAMPLE_COLUMNS`,
       `records.QUERY_COLUMNS`).
+
     Raises:
       PrivacyConfigError (a ValueError): an unknown policy or event, or values the ledger
         would refuse.
+      PrivacyConfigError: events must be GaussianSumEvent, LaplaceSumEvent or NonPrivateEvent.
     """
     code = rec.policy_code(self.policy)
     k = self.examples_per_record
@@ -108,6 +110,7 @@ def last_sample(ledger):
 
   Args:
     ledger: a PrivacyLedger.
+
   Returns:
     a PlannedSample, or None for an empty ledger.
   """
@@ -140,10 +143,12 @@ def content_after(ledger, planned=None, count=1, extra_passes=None):
     count: planned samples, an int >= 0.
     extra_passes: the passes (epochs) the planned samples start, when the caller knows them
       (the sampler does: `fit_sampling.passes_ahead`); None: as many as they need at least.
+
   Returns:
     an `accounting.LedgerContent`. For a shuffled (balls-in-bins) plan the passes are raised
     to what the planned samples need (one more pass each ceil(n / m) samples, one more epoch
     each k samples), as a sampler would.
+
   Raises:
     ParameterTypeError: `ledger` or `planned` of the wrong type.
     PrivacyConfigError: bad planned values or count.
@@ -184,12 +189,18 @@ def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accoun
   """`accounting.privacy_report` of the ledger with `count` planned samples added.
 
   Args:
-    ledger, planned, count, extra_passes: as in `content_after`.
-    delta / epsilon: exactly one (epsilon at delta, or delta at epsilon).
+    ledger: as in `content_after`.
+    planned: as in `content_after`.
+    count: as in `content_after`.
+    extra_passes: as in `content_after`.
+    delta: exactly one (epsilon at delta, or delta at epsilon).
+    epsilon: exactly one (epsilon at delta, or delta at epsilon).
     accountant: "rdp" or "pld".
+
   Returns:
     a `PrivacyReport`; with nothing recorded nor planned, a report of epsilon 0 (at delta)
     or delta 0 (at epsilon) over 0 samples.
+
   Raises:
     PrivacyConfigError: bad arguments, or a ledger that cannot be accounted soundly.
   """
@@ -213,8 +224,10 @@ def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp",
   """Epsilon at `delta` once `extra_steps` samples like `planned` are recorded.
 
   Args: as `report_after` (`extra_steps` is its `count`).
+
   Returns:
     epsilon, a float (inf when a sample is not private).
+
   Raises:
     PrivacyConfigError: see `report_after`.
   """
@@ -235,13 +248,16 @@ def max_extra_samples(ledger, planned, max_epsilon, delta, accountant="rdp", lim
   """The most samples like `planned` that keep epsilon(delta) <= `max_epsilon`.
 
   Args:
-    ledger, planned: as in `content_after`.
+    ledger: as in `content_after`.
+    planned: as in `content_after`.
     max_epsilon: the budget, a number > 0.
     delta: the delta of the statement.
     accountant: "rdp" or "pld" ("gdp", an approximation, is refused: a budget needs a bound).
     limit: the search stops there (returns at most `limit`).
+
   Returns:
     an int >= 0 (-1 when the ledger alone already exceeds the budget).
+
   Raises:
     BudgetConfigError: accountant="gdp".
     PrivacyConfigError: see `report_after`.
@@ -261,8 +277,10 @@ class StepBudget:
   else the ledger holds, so a loop that repeats one kind of step pays one search.
 
   Args:
-    max_epsilon: the budget, > 0 and finite; delta: in (0, 1); accountant: "rdp" or "pld"
-      (an upper bound; "gdp", an approximation, is refused).
+    max_epsilon: the budget, > 0 and finite.
+    delta: in (0, 1).
+    accountant: "rdp" or "pld" (an upper bound; "gdp", an approximation, is refused).
+
   Raises:
     BudgetConfigError: accountant="gdp" (`accountant.check_bound_accountant`).
     PrivacyConfigError: a bad budget.
@@ -279,7 +297,9 @@ class StepBudget:
     """How many samples like `planned` the ledger holds, and the most the budget allows.
 
     Args:
-      ledger: a PrivacyLedger; planned: a PlannedSample.
+      ledger: a PrivacyLedger.
+      planned: a PlannedSample.
+
     Returns:
       (recorded, allowed), ints; allowed < recorded when the budget is already passed.
     """
@@ -300,7 +320,10 @@ class StepBudget:
     """Whether `ahead` more samples like `planned` would pass the budget.
 
     Args:
-      ledger: a PrivacyLedger; planned: a PlannedSample; ahead: samples about to run (>= 1).
+      ledger: a PrivacyLedger.
+      planned: a PlannedSample.
+      ahead: samples about to run (>= 1).
+
     Returns:
       bool.
     """

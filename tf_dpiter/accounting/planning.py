@@ -64,6 +64,7 @@ def plan_for(epsilon, delta, population_size, batch_size, steps, accountant="rdp
   Args:
     epsilon, delta: the target; population_size: n; batch_size: B <= n; steps: T >= 1.
     accountant: "rdp" or "pld".
+
   Returns:
     a BatchPlan.
   """
@@ -81,15 +82,18 @@ def plan_batch_size(epsilon, delta, population_size, compute_budget, min_steps=1
   """Proposes (B, T, z) for a privacy budget and a compute budget (module docstring).
 
   Args:
-    epsilon: target epsilon > 0; delta: target delta in (0, 1).
+    epsilon: target epsilon > 0.
+    delta: target delta in (0, 1).
     population_size: n, examples in the data set.
     compute_budget: C, the number of per-example gradients the run may compute (B T <= C).
     min_steps: the fewest optimizer steps a plan may have (T >= min_steps).
     batch_sizes: candidate B (default: the powers of two from 16 up to n).
     max_batch_size: an upper bound on B (e.g. memory with max_physical_batch_size unset).
     accountant: "rdp" (default) or "pld".
+
   Returns:
     (the plan with the smallest total noise eta, all candidate plans by increasing B).
+
   Raises:
     ValueError: a bad argument, or no candidate B with T = C // B >= min_steps.
   """

@@ -13,7 +13,9 @@ def largest_integer(ok, start, limit=10**9):
 
   Args:
     ok: a monotone predicate of an int (True, then False from some n on).
-    start: the first candidate; limit: the largest candidate (>= start).
+    start: the first candidate.
+    limit: the largest candidate (>= start).
+
   Returns:
     the int n, or start - 1 when ok(start) is False.
   """
@@ -42,6 +44,7 @@ def doubling_bracket(ok, start, limit=math.inf):
     ok: a predicate, False below some point and True above it.
     start: the first value tried, > 0.
     limit: no value above it is tried.
+
   Returns:
     (bad, good) with ok(good) True, or (bad, None) when no value up to `limit` holds.
   """
@@ -62,9 +65,11 @@ def bisect(ok, bad, good, rel_tol=1e-4, geometric=False):
 
   Args:
     ok: a predicate, False at `bad`, True at `good`, monotone between them.
-    bad, good: the two ends (either order on the line); both > 0 when `geometric`.
+    bad: the two ends (either order on the line); both > 0 when `geometric`.
+    good: the two ends (either order on the line); both > 0 when `geometric`.
     rel_tol: the relative width at which the search stops.
     geometric: bisect at sqrt(bad * good) instead of (bad + good) / 2.
+
   Returns:
     a float with ok(result) True (`good` itself if the interval is already narrow).
   """

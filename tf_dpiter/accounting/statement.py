@@ -34,6 +34,7 @@ def group_epsilon(epsilon_at, k, delta):
     epsilon_at: per-example epsilon as a function of the per-example delta (decreasing).
     k: examples per group (user), an int >= 1.
     delta: the group's delta, in (0, 1).
+
   Returns:
     epsilon, a float; inf when no such d exists in that range.
   """
@@ -105,10 +106,13 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
     used_microbatching: True if gradients were clipped per microbatch (TF Privacy's default).
     max_examples_per_user: k, or None (no user-level number).
     accountant: "rdp", "pld" or "gdp" (an approximation; see accounting.gdp).
+
   Returns:
     str: the statement, naming the relation and the unit of each number.
+
   Warns:
     UserWarning: delta >= 1 / number_of_examples (`accountant.warn_if_delta_too_large`).
+
   Raises:
     ValueError: a bad argument (named).
   """

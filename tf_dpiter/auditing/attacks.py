@@ -66,8 +66,10 @@ def logit_confidence(outputs, labels, from_logits=True):
     outputs: model outputs [n, K] (logits, or probabilities with from_logits=False).
     labels: integer labels [n] in [0, K).
     from_logits: whether `outputs` are logits.
+
   Returns:
     float64 [n] (nats; Gaussian-looking over training runs).
+
   Raises:
     ValueError: labels of the wrong shape or out of range.
   """
@@ -90,11 +92,13 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3,
     min_std: floor on the fitted standard deviations.
     fix_variance: one global standard deviation per class (in / out) instead of one per
       example; better with few shadow models (Carlini et al. 2022, Sec. VI-A).
+
   Returns:
     float64 [n] scores (higher = member). Examples lacking in- or out-shadows get the
     global in/out statistics.
+
   Raises:
-    ValueError: shapes disagree.
+    ParameterValueError: shapes disagree.
   """
   t = np.asarray(target_phi, np.float64).reshape(-1)
   s = np.asarray(shadow_phi, np.float64)
@@ -131,6 +135,9 @@ def lira_leave_one_out(phi, in_masks, online=True, fix_variance=False):
   Args: phi [N, n] φ of all models; in_masks [N, n] bool memberships; online, fix_variance
   as in lira_scores.
   Returns: float64 [N, n]. Raises: ValueError for N < 2 or shape mismatch.
+
+  Raises:
+    ParameterValueError: phi and in_masks must both be [N >= 2, n].
   """
   phi = np.asarray(phi, np.float64)
   masks = np.asarray(in_masks, bool)
@@ -150,6 +157,9 @@ def roc_curve(member_scores, nonmember_scores):
 
   Args: member_scores [n1], nonmember_scores [n0] (non-empty). Returns: two float64
   arrays of equal length. Raises: ValueError for empty inputs.
+
+  Raises:
+    ParameterValueError: need members and non-members.
   """
   pos = np.asarray(member_scores, np.float64).reshape(-1)
   neg = np.asarray(nonmember_scores, np.float64).reshape(-1)
@@ -169,9 +179,12 @@ def auc(member_scores, nonmember_scores):
   """Area under the ROC curve = P[member score > non-member score] + ½ P[tie].
 
   Args:
-    member_scores, nonmember_scores: 1-D arrays of finite scores (higher = member).
+    member_scores: 1-D arrays of finite scores (higher = member).
+    nonmember_scores: 1-D arrays of finite scores (higher = member).
+
   Returns:
     the AUC, a float in [0, 1].
+
   Raises:
     ValueError: an empty or non-finite score array.
   """
@@ -183,12 +196,15 @@ def tpr_at_fpr(member_scores, nonmember_scores, fpr):
   """Largest true-positive rate among thresholds whose false-positive rate is <= fpr.
 
   Args:
-    member_scores, nonmember_scores: 1-D arrays of finite scores (higher = member).
+    member_scores: 1-D arrays of finite scores (higher = member).
+    nonmember_scores: 1-D arrays of finite scores (higher = member).
     fpr: the false-positive budget, in [0, 1].
+
   Returns:
     the TPR, a float in [0, 1].
+
   Raises:
-    ValueError: fpr outside [0, 1], or an empty or non-finite score array.
+    ParameterValueError: fpr outside [0, 1], or an empty or non-finite score array.
   """
   if not 0.0 <= fpr <= 1.0:
     raise ParameterValueError(f"fpr must be in [0, 1], got {fpr!r}")
@@ -213,11 +229,16 @@ def attack_metrics(scores, is_member, labels=None, delta=1e-5, confidence=0.95,
   """Metrics of one attack on one target model.
 
   Args:
-    scores: [n] scores (higher = member); is_member: [n] bools; labels: optional [n] class
-      labels for the per-class slices; delta, confidence: of the one-run bound;
+    scores: [n] scores (higher = member).
+    is_member: [n] bools.
+    labels: optional [n] class labels for the per-class slices; delta, confidence: of the one-run
+      bound.
     fair_coin_membership: True if each example was a member by an independent fair coin
       drawn before training (then the one-run bound is sound and computed).
   Returns: AttackMetrics. Raises: ValueError for shape mismatches.
+
+  Raises:
+    ParameterValueError: is_member must have the shape of scores.
   """
   s = np.asarray(scores, np.float64).reshape(-1)
   mem = np.asarray(is_member, bool).reshape(-1)
@@ -243,12 +264,15 @@ def shadow_confidences(train_and_predict, x, y, num_models, seed=0, from_logits=
   Args:
     train_and_predict: callable(x_train, y_train) -> outputs [n, K] on the full x (logits if
       from_logits, else probabilities); called once per model.
-    x, y: arrays with n examples; y integer labels.
+    x: arrays with n examples; y integer labels.
+    y: arrays with n examples; y integer labels.
     num_models: N >= 2.
     seed: seeds the memberships (audit design).
     from_logits: how to read the outputs.
+
   Returns:
     (phi [N, n] logit-scaled confidences, in_masks [N, n] bool memberships).
+
   Raises:
     ValueError: num_models < 2.
   """

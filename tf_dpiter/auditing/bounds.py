@@ -90,10 +90,12 @@ def clopper_pearson(successes, trials, alpha, side):
     trials: n >= 1 (int or array broadcasting with k).
     alpha: one-sided error probability in (0, 1).
     side: "lower" or "upper".
+
   Returns:
     float64 array (or float) of limits in [0, 1].
+
   Raises:
-    ValueError: for k outside [0, n], n < 1, alpha outside (0, 1) or an unknown side.
+    ParameterValueError: for k outside [0, n], n < 1, alpha outside (0, 1) or an unknown side.
   """
   k = np.asarray(successes, dtype=np.float64)
   n = np.asarray(trials, dtype=np.float64)
@@ -230,10 +232,12 @@ def lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, *, meth
     num_thresholds: ranks per direction (geometric grid over 1..m) for "bonferroni".
     split_fraction: share of each class used to choose the threshold ("split").
     seed: seeds the tie-breaking keys and the split (not a privacy parameter).
+
   Returns:
     LowerBound (epsilon in nats, >= 0).
+
   Raises:
-    ValueError: empty or non-finite scores, delta/confidence/method/thresholds out of range.
+    ParameterValueError: empty or non-finite scores, delta/confidence/method/thresholds out of range.
   """
   pos = _scores("member_scores", member_scores)
   neg = _scores("nonmember_scores", nonmember_scores)
@@ -268,8 +272,10 @@ def epsilon_lower_bound(member_scores, nonmember_scores, delta, confidence=0.95,
     nonmember_scores: 1-D array of non-member scores.
     delta: δ in [0, 1).
     confidence: 1 - α in (0, 1).
+
   Returns:
     float ε >= 0 such that P[ε_true < returned] <= α if M is (ε_true, δ)-DP.
+
   Raises:
     ValueError: see `lower_bound`.
   """
@@ -284,8 +290,10 @@ def gdp_delta(mu, epsilon):
   Args:
     mu: μ > 0 (the mean shift of N(μ, 1) against N(0, 1)).
     epsilon: ε >= 0, in nats.
+
   Returns:
     δ, a float in [0, 1].
+
   Raises:
     ValueError: mu <= 0.
   """
@@ -304,10 +312,12 @@ def gdp_epsilon(mu, delta):
   Args:
     mu: μ > 0 (the mean shift, in units of the noise's standard deviation).
     delta: in (0, 1).
+
   Returns:
     ε in nats.
+
   Raises:
-    ValueError: mu <= 0 or delta outside (0, 1).
+    PrivacyConfigError: mu <= 0 or delta outside (0, 1).
   """
   if not 0.0 < delta < 1.0:
     raise PrivacyConfigError(f"delta must be in (0, 1), got {delta!r}")

@@ -44,6 +44,7 @@ class DiracCanaryModel(keras.Model):
   Args:
     base: a Keras model mapping x to logits [B, K] (built or buildable on x).
     num_canaries: m >= 1, one weight per canary.
+
   Raises:
     ValueError: num_canaries not a positive integer.
   """
@@ -62,6 +63,7 @@ class DiracCanaryModel(keras.Model):
     Args:
       x: the base model's input batch.
       training: passed to the base model.
+
     Returns:
       a tensor [B, K + m].
     """
@@ -98,6 +100,7 @@ class DiracCanaryLoss(keras.losses.Loss):
     Args:
       y_true: sparse labels [B] (canary encoding in the module docstring).
       y_pred: the wrapped model's outputs [B, K + m].
+
     Returns:
       a float tensor [B].
     """
@@ -142,8 +145,10 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
     neighbouring: "add_remove" (only included canaries are records, sign +1) or "replace"
       (every canary is a record: sign +1 if included, -1 if not; neighbours differ by a
       record's value, sensitivity 2S).
+
   Returns:
     (x [r, *x_shape] zeros, y [r] int64 labels) with r = #included or m.
+
   Raises:
     ValueError: unknown neighbouring.
   """
@@ -166,8 +171,10 @@ def wrap_model(base, num_canaries):
   Args:
     base: the user's Keras model x -> logits [B, K].
     num_canaries: m, an int >= 1.
+
   Returns:
     the DP DiracCanaryModel (compile it with a DP SGD optimizer).
+
   Raises:
     ParameterTypeError: num_canaries not an int; ValueError: num_canaries < 1.
   """

@@ -51,6 +51,7 @@ class WhiteBoxResult:
     Args:
       accountant: "pld" or "rdp".
       sensitivity: the sensitivity in units of the clip S (2 for replace-one adjacency).
+
     Returns:
       ε, a float (inf when z = 0).
     """
@@ -61,7 +62,9 @@ class WhiteBoxResult:
     """The claimed ε of one step (T = 1) of the run: the claim the per-step trials audit.
 
     Args:
-      accountant, sensitivity: as `claimed_epsilon`.
+      accountant: as `claimed_epsilon`.
+      sensitivity: as `claimed_epsilon`.
+
     Returns:
       ε, a float.
     """
@@ -79,26 +82,32 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
 
   Args:
     base_model: Keras model x -> logits [B, num_classes] (sparse cross-entropy on logits).
-    x, y: training arrays (n examples, integer labels).
+    x: training arrays (n examples, integer labels).
+    y: training arrays (n examples, integer labels).
     num_classes: K.
     num_canaries: m (about p_in * m become records; all m with neighbouring="replace").
     noise_multiplier: z of the DP optimizer (noise stddev z * S).
     sampling_probability: Poisson q in (0, 1]; the expected batch size is q * n_total
       (n_total includes the canary records).
     steps: Poisson samples per epoch (T = steps * epochs in all).
-    l2_norm_clip: S. learning_rate: SGD step (any value; the audit divides it out).
-    delta, confidence: of the claim and of the bounds.
+    l2_norm_clip: S.
+    learning_rate: SGD step (any value; the audit divides it out).
+    delta: of the claim and of the bounds.
+    confidence: of the claim and of the bounds.
     p_in: probability a canary is included (or has sign +1).
     neighbouring: "add_remove" or "replace".
     design_seed: seeds the canary membership (audit design).
-    sampling_seed, noise_seed: tests only (they make the run reproducible and NOT private).
+    sampling_seed: tests only (they make the run reproducible and NOT private).
+    noise_seed: tests only (they make the run reproducible and NOT private).
     ledger_accountant: accountant for the ledger's ε ("pld" or "rdp"), or None to skip it.
     epochs: epochs of `steps` samples each.
     audit_kwargs: if given, an AuditCallback(delta, recorder=..., **audit_kwargs) audits every
       epoch (e.g. attack_fn=..., report_path=...); it is returned as result.audit_callback.
     callbacks: further Keras callbacks for fit.
+
   Returns:
     WhiteBoxResult.
+
   Raises:
     ValueError: arguments out of range (from the helpers it calls).
   """

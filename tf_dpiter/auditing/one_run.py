@@ -55,8 +55,10 @@ def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
     num_guesses: k, guesses made (fixed in advance).
     num_canaries: m, canaries randomized.
     delta: δ in [0, 1).
+
   Returns:
     float in [0, 1]: the smallest bound (3) over the fixed grids of ε' > ε and j.
+
   Raises:
     ValueError: counts out of range.
   """
@@ -120,10 +122,12 @@ def one_run_epsilon_lower_bound(scores, included, delta, confidence=0.95, num_gu
     confidence: 1 - α in (0, 1).
     num_guesses: an int k or a list of k (Bonferroni over the list); default a fixed grid
       of k in {m/100, m/50, m/20, m/10, m/5, m/2, m} (at least 1).
+
   Returns:
     float ε lower bound (nats, >= 0): the largest ε rejected by (3) at level α / len(list).
+
   Raises:
-    ValueError: shapes differ, bad delta/confidence, or k outside [1, m].
+    ParameterValueError: shapes differ, bad delta/confidence, or k outside [1, m].
   """
   scores = bounds_lib._scores("scores", scores)  # pylint: disable=protected-access
   inc = np.asarray(included).reshape(-1)

@@ -24,10 +24,12 @@ def plot_privacy_report(history, path, title="Privacy audit"):
       (as made by AuditCallback).
     path: output PNG path.
     title: figure title.
+
   Returns:
     path.
+
   Raises:
-    ValueError: empty history or a row without "epoch" / "claimed_epsilon".
+    PrivacyConfigError: empty history or a row without "epoch" / "claimed_epsilon".
   """
   if not history or any("epoch" not in r or "claimed_epsilon" not in r for r in history):
     raise PrivacyConfigError("history must be a non-empty list of dicts with 'epoch' and "
@@ -71,6 +73,7 @@ def format_summary(rows):
   Args:
     rows: {model name: {"claimed_epsilon": ..., "lira_epsilon_lb": ..., ...}}; missing
       entries print as "-".
+
   Returns:
     the table, a str (one line per model).
   """

@@ -180,15 +180,20 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
 
   Args:
     model: a compiled tf_dpiter DP model (DPSequential, DPModel, make_private(...)).
-    x, y: arrays; the first `batch_size` examples form the base batch.
+    x: arrays; the first `batch_size` examples form the base batch.
+    y: arrays; the first `batch_size` examples form the base batch.
     policy: "poisson" (add/remove one) | "fixed_size" | "shuffle" (replace one); default: the
       optimizer's current sampling policy, else "poisson".
-    batch_size, num_candidates, seed: the base batch and the random search.
+    batch_size: the base batch and the random search.
+    num_candidates: the base batch and the random search.
+    seed: the base batch and the random search.
     rtol: relative tolerance of the comparison.
+
   Returns:
     SensitivityReport (`passed`, the worst change, the layers that mix examples).
+
   Raises:
-    ValueError: the model has no tf_dpiter DP optimizer, or bad arguments.
+    ParameterValueError: the model has no tf_dpiter DP optimizer, or bad arguments.
   """
   from tf_dpiter import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   x, y = np.asarray(x), np.asarray(y)

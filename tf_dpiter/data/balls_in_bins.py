@@ -34,6 +34,7 @@ class BallsInBinsSampler:
     population_size: n records (an integer >= 1).
     steps_per_epoch: k, the steps (bins) of an epoch: an integer in [1, n].
     seed: tests only (reproducible, NOT private; warns). None: OS entropy.
+
   Raises:
     ValueError: an argument out of range, named.
   """
@@ -115,6 +116,7 @@ class BallsInBinsSampler:
 
     Args:
       num_sd: standard deviations above the mean. multiple: rounding.
+
     Returns:
       an int (a larger step is padded to its next multiple, never truncated).
     """
@@ -137,7 +139,8 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
   prefetch discarded) only leave their records unused in that epoch.
 
   Args:
-    x, y: arrays (or nests) with n records on the leading axis; y may be None.
+    x: arrays (or nests) with n records on the leading axis; y may be None.
+    y: arrays (or nests) with n records on the leading axis; y may be None.
     steps_per_epoch: k, the steps of an epoch; or give `expected_batch_size` instead
       (k = round(n / expected_batch_size)).
     expected_batch_size: n / k, used when steps_per_epoch is None.
@@ -145,11 +148,13 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
     max_batch_size: "auto" (mean + 4 sd, rounded up to 8) or an int; a larger step is padded
       to the next multiple, never truncated.
     seed: tests only (NOT private; warns). None: OS entropy.
+
   Returns:
     The dataset, carrying SamplingSpec("balls_in_bins", n, 1/k, k) with the sampler that
     counts its epochs (`sampling.get_sampling_spec`).
+
   Raises:
-    ValueError: bad or missing arguments, named.
+    ParameterValueError: bad or missing arguments, named.
   """
   n = sampling.num_records(x if y is None else (x, y))
   if steps_per_epoch is None:

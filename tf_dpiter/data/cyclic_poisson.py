@@ -54,6 +54,7 @@ def record_identities(x, y=None):
 
   Args:
     x: array or nest of arrays, n records on the leading axis. y: the same, or None.
+
   Returns:
     A list of n bytes objects.
   """
@@ -83,6 +84,7 @@ def index_identities(n):
 
   Args:
     n: int, the number of examples.
+
   Returns:
     A list of n bytes objects (the little-endian int64 index).
   """
@@ -94,6 +96,7 @@ def group_of_identity(identity, num_groups):
 
   Args:
     identity: bytes. num_groups: b >= 1.
+
   Returns:
     int in [0, b).
   """
@@ -113,8 +116,9 @@ class CyclicPoissonSampler:
       seed: tests only (reproducible Poisson draws, NOT private; warns). None: OS entropy.
       identities: n bytes objects, one per example (`record_identities`); None: the index
         (then the claim needs neighbouring datasets that keep every other example's index).
+
     Raises:
-      ValueError: an argument out of range, named.
+      ParameterValueError: an argument out of range, named.
     """
     n = int(population_size)
     if n < 1 or n != population_size:
@@ -166,10 +170,12 @@ class CyclicPoissonSampler:
 
     Args:
       index: int, a record index in [0, n).
+
     Returns:
       int, the group in [0, b) that the record belongs to.
+
     Raises:
-      ValueError: if `index` is not in [0, n).
+      ParameterValueError: if `index` is not in [0, n).
     """
     if not 0 <= index < self._n:
       raise ParameterValueError(f"index must be in [0, {self._n}), got {index!r}")
@@ -185,8 +191,9 @@ class CyclicPoissonSampler:
 
     Args:
       position: a PrivacyLedger, or an int >= 0.
+
     Raises:
-      ValueError: a negative position.
+      ParameterValueError: a negative position.
     """
     with self._lock:
       if hasattr(position, "cycle_position"):
@@ -258,6 +265,7 @@ class CyclicPoissonSampler:
       num_sd: float, standard deviations of Binomial(m, q) above its mean q m, where m is
         the size of the largest group.
       multiple: int, the size is rounded up to a multiple of this (records).
+
     Returns:
       int, the padded batch size in records (see `sampling.default_max_batch_size`).
     """
@@ -277,6 +285,7 @@ def check_continuation(ledger, sampler, iterations):
   Args:
     ledger: the PrivacyLedger. sampler: the CyclicPoissonSampler. iterations: int, the
       optimizer's iterations.
+
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.
   """
@@ -313,14 +322,17 @@ def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
   """tf.data.Dataset of cyclic Poisson samples, (x_pad, [y_pad,] mask) per step.
 
   Args:
-    x, y: arrays (or nests) with n records on the leading axis; y may be None.
-    expected_batch_size: q n / b. num_groups: b (the cycle length).
+    x: arrays (or nests) with n records on the leading axis; y may be None.
+    y: arrays (or nests) with n records on the leading axis; y may be None.
+    expected_batch_size: q n / b.
+    num_groups: b (the cycle length).
     steps_per_epoch: steps per iteration of the dataset (default b round(n / (b B)), i.e.
       about one pass over the data in whole cycles).
     max_batch_size: "auto", an int, as in `sampling.poisson_batches`.
     seed: tests only (NOT private). None: OS entropy.
     example_ids: optional [n] ids (ints or strings) that name each example across datasets;
       None: the example's own bytes (`record_identities`). The group is a hash of the id.
+
   Returns:
     The dataset, carrying a SamplingSpec("cyclic_poisson", n, q, b) whose `sampler` is the
     CyclicPoissonSampler (`sampling.get_sampling_spec`).

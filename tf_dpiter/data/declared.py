@@ -63,9 +63,11 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
     batch_size: B, the records per batch (the last batch of a pass may be smaller).
     steps_per_pass: batches in one pass; default ceil(n / B) (floor(n / B) if the pipeline
       batches with drop_remainder=True: pass it then).
+
   Returns:
     a tf.data.Dataset with the same elements, counting its passes on a ShuffleSampler and
     carrying a SamplingSpec with policy "shuffle", q = B / n (`dp.data.get_sampling_spec`).
+
   Raises:
     ParameterTypeError: `dataset` is not a tf.data.Dataset, or a count is not an integer.
     PrivacyConfigError: population_size < 1, batch_size outside [1, population_size],

@@ -74,7 +74,7 @@ def write_indexed_tfrecords(directory, chunks, records_per_shard=100_000):
     `directory`, readable by `TFRecordSource(directory)`.
 
   Raises:
-    ValueError: records_per_shard < 1, an existing data set, no record, or chunks whose
+    ParameterValueError: records_per_shard < 1, an existing data set, no record, or chunks whose
       layout differs.
   """
   validation.check_integer("records_per_shard", records_per_shard, 1)
@@ -153,6 +153,7 @@ class ArraySource:
 
     Args:
       indices: sorted int64 array of record indices in [0, n).
+
     Returns:
       Tuple (x[indices], y[indices]), the second None when the source has no y.
     """
@@ -218,10 +219,12 @@ class TFRecordSource:
 
     Args:
       indices: sorted int64 array of global record indices in [0, num_records).
+
     Returns:
       Tuple (x[indices], y[indices]), the second None when the records have no y.
+
     Raises:
-      ValueError: if an index is out of range, or a shard is shorter than its offset
+      ParameterValueError: if an index is out of range, or a shard is shorter than its offset
         index (truncated file).
     """
     indices = np.asarray(indices, np.int64)

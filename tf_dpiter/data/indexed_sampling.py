@@ -71,7 +71,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     padding. With num_parts=1 its SamplingSpec is that of `poisson_batches`.
 
   Raises:
-    ValueError: an argument out of range.
+    ParameterValueError: an argument out of range.
   """
   n = int(source.num_records)
   q, steps = sampling_lib.check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size)
@@ -113,8 +113,11 @@ def distributed_poisson_batches(strategy, source, expected_batch_size=256,
 
   Args:
     strategy: a tf.distribute.Strategy (MultiWorkerMirroredStrategy, MirroredStrategy).
-    source, expected_batch_size, steps_per_epoch, max_batch_size, seed: as in
-      `poisson_batches_from_source` (B and steps are global).
+    source: as in `poisson_batches_from_source` (B and steps are global).
+    expected_batch_size: as in `poisson_batches_from_source` (B and steps are global).
+    steps_per_epoch: as in `poisson_batches_from_source` (B and steps are global).
+    max_batch_size: as in `poisson_batches_from_source` (B and steps are global).
+    seed: as in `poisson_batches_from_source` (B and steps are global).
 
   Returns:
     A distributed dataset for `model.fit` (give fit `steps_per_epoch` as well).

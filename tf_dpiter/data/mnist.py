@@ -35,8 +35,10 @@ def load_mnist(path=None, train_size=None, test_size=None, flatten=False):
     train_size: keep the first `train_size` training examples (None: all 60,000).
     test_size: keep the first `test_size` test examples (None: all 10,000).
     flatten: images as float32 [n, 784] instead of [n, 28, 28, 1].
+
   Returns:
     (x_train, y_train, x_test, y_test).
+
   Raises:
     ParameterValueError: the file does not exist, or a size below 1.
   """

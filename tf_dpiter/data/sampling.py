@@ -97,9 +97,11 @@ def get_sampling_spec(dataset):
   with_options, assert_cardinality, repeat or take), or None for data not sampled here.
 
   Raises:
-    ValueError: the dataset derives from a sampled dataset through a transform that loses
+    ParameterValueError: the dataset derives from a sampled dataset through a transform that loses
       the declaration (map over batches, cache, batch, unbatch, filter, shuffle, ...); the
       message names that transform and the way to keep the declaration.
+    PrivacyConfigError: this dataset was built by a tf_dpiter sampler (policy, n =, q = ) but its
+      sampling declaration was lost at .(): .
   """
   spec = getattr(dataset, _SPEC_ATTR, None)
   if spec is not None or not isinstance(dataset, tf.data.Dataset):
@@ -136,6 +138,7 @@ def attach_spec(dataset, spec):
   Args:
     dataset: the tf.data.Dataset to annotate (modified in place).
     spec: the SamplingSpec to attach.
+
   Returns:
     The same dataset.
   """
@@ -148,8 +151,10 @@ def num_records(x):
 
   Args:
     x: an array or nest of arrays, records on the leading axis.
+
   Returns:
     int, the number of records n.
+
   Raises:
     ValueError: if x holds no array, or the leading dimensions differ.
   """
@@ -182,8 +187,10 @@ def make_rng(seed, who="poisson_batches"):
   Args:
     seed: None for OS entropy (private); an int makes sampling reproducible and NOT private.
     who: str, the caller's name used in the warning.
+
   Returns:
     A numpy.random.Generator.
+
   Warns:
     randomness.NotPrivateSeedWarning: if a seed is given.
   """
@@ -323,8 +330,10 @@ def check_population_size(population_size):
 
   Args:
     population_size: N, the public population size q is stated over.
+
   Returns:
     float N.
+
   Raises:
     ValueError: N is not a number >= 1.
   """
@@ -343,8 +352,10 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
     expected_batch_size: expected records per step B, in (0, n]; q = B / n.
     steps_per_epoch: positive int, or None for max(1, round(1 / q)).
     max_batch_size: positive int, "auto" or None.
+
   Returns:
     Tuple (q, steps_per_epoch): float sampling probability and int steps.
+
   Raises:
     ValueError: if an argument is out of range or of the wrong type.
   """
@@ -393,6 +404,7 @@ def pad_rows(a, size):
   Args:
     a: numpy array, rows on the leading axis, at most `size` rows.
     size: int, rows of the output.
+
   Returns:
     numpy array of shape (size,) + a.shape[1:] and a's dtype.
   """

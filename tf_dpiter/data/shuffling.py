@@ -96,6 +96,7 @@ class ShuffleSampler:
     Args:
       steps_taken: int, the steps the optimizer took in this fit.
       count: int >= 1, the steps planned.
+
     Returns:
       an int >= 0: the pass in progress costs nothing more while it has steps left; each
       further steps_per_pass steps start a new pass (without steps_per_pass: one per step).
@@ -122,6 +123,7 @@ class ShuffleSampler:
 
     Args:
       steps_taken: int >= 0, the steps the optimizer took in this fit.
+
     Returns:
       an int >= 0 (what `DPModel.fit` records with `ledger.record_passes`).
     """
@@ -164,6 +166,7 @@ def steps_per_pass(n, batch_size, drop_remainder=False):
     n: records in the data set (int >= 1).
     batch_size: b, records per batch (int >= 1).
     drop_remainder: whether the last, smaller batch of a pass is dropped.
+
   Returns:
     floor(n / b) with drop_remainder, else ceil(n / b) (an int).
   """

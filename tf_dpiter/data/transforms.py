@@ -44,10 +44,12 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
       for `*args`), and returning k components (one value when k = 1); it may not see other
       records.
     num_parallel_calls: as in tf.data.Dataset.map.
+
   Returns:
     The mapped dataset, carrying the same SamplingSpec.
+
   Raises:
-    ValueError: `dataset` declares no sampling, or `fn` requires more arguments than a
+    PrivacyConfigError: `dataset` declares no sampling, or `fn` requires more arguments than a
       record has components (names both).
     ParameterTypeError: `fn` is not callable (a TypeError).
   """
@@ -106,8 +108,10 @@ def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOT
     has_y: whether the batches carry labels.
     num_weights: trailing components passed through.
     num_parallel_calls: for `Dataset.map`.
+
   Returns:
     the mapped dataset with the same SamplingSpec.
+
   Raises:
     ParameterTypeError: map_fn is not callable.
   """

@@ -26,8 +26,9 @@ class TruncatedPoissonSampler:
       expected_batch_size: q n, in (0, n].
       max_batch_size: B, the cap, an integer in [1, n].
       seed: tests only (reproducible, NOT private; warns). None: OS entropy.
+
     Raises:
-      ValueError: an argument out of range, named.
+      ParameterValueError: an argument out of range, named.
     """
     n = int(population_size)
     if n < 1 or n != population_size:
@@ -66,14 +67,17 @@ def truncated_poisson_batches(x, y=None, expected_batch_size=256, max_batch_size
   Relation: add or remove one example (accounted by TruncatedSubsampledGaussianDpEvent, PLD).
 
   Args:
-    x, y: arrays (or nests) with n records on the leading axis; y may be None.
+    x: arrays (or nests) with n records on the leading axis; y may be None.
+    y: arrays (or nests) with n records on the leading axis; y may be None.
     expected_batch_size: q n, in (0, n].
     max_batch_size: B; default `sampling.default_max_batch_size(n, q)` (mean + 4 sd), where
       truncation is rare; a smaller B trades more truncation for less compute.
     steps_per_epoch: steps per iteration of the dataset (default round(n / (q n))).
     seed: tests only (NOT private; warns). None: OS entropy.
+
   Returns:
     The dataset, carrying SamplingSpec("truncated_poisson", n, q, B).
+
   Raises:
     ValueError: an argument out of range, named.
   """

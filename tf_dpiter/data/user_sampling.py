@@ -42,6 +42,7 @@ def user_grouping(spec):
 
   Args:
     spec: a SamplingSpec, or None.
+
   Returns:
     its UserGrouping, or None for example-level data.
   """
@@ -73,7 +74,8 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
   """tf.data.Dataset of Poisson samples of users: (x_pad, y_pad, weights) per step.
 
   Args:
-    x, y: arrays (or nests) with n examples on the leading axis.
+    x: arrays (or nests) with n examples on the leading axis.
+    y: arrays (or nests) with n examples on the leading axis.
     user_ids: [n] the user of each example (any hashable dtype numpy can sort).
     expected_users_per_batch: q U, in (0, U].
     max_examples_per_user: k, examples kept per user (the first k in data order).

@@ -92,9 +92,10 @@ def declare_query_module(name, module):
   Args:
     name: the registered name (a non-empty str).
     module: the dotted module path whose import registers the class (a non-empty str).
+
   Raises:
     ParameterTypeError: a name or module that is not a non-empty string.
-    ValueError: `name` is already declared for another module.
+    ParameterValueError: `name` is already declared for another module.
   """
   for arg, value in (("name", name), ("module", module)):
     if not isinstance(value, str) or not value:
@@ -111,6 +112,7 @@ def declared_query_module(name):
 
   Args:
     name: a registered DPQuery name.
+
   Returns:
     the dotted module path, or None when nothing is declared.
   """

@@ -38,6 +38,7 @@ def automatic_clip_factors(record_norms, l2_norm_clip, stability):
     record_norms: ||g_i||_2 >= 0, a float tensor of any shape.
     l2_norm_clip: S >= 0, finite, a number or scalar tensor.
     stability: gamma > 0, a number or scalar tensor.
+
   Returns:
     float32 factors shaped like `record_norms`; c_i ||g_i|| < S.
   """
@@ -65,6 +66,7 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
       stability: gamma > 0, finite (Bu et al. use 0.01); in gradient-norm units.
       seed: fixes the noise (tests only: the output is then not private).
       secure_mode: noise from os.urandom (`randomness.SecureRandom`).
+
     Raises:
       ParameterTypeError: a non-numeric argument.
       PrivacyConfigError: S <= 0 or infinite, z < 0 or infinite, gamma <= 0 or infinite.
@@ -84,7 +86,8 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
   @classmethod
   def from_noise_multiplier(cls, l2_norm_clip, noise_multiplier, seed=None, secure_mode=False,
                             stability=DEFAULT_STABILITY):
-    """The query with clip S, noise multiplier z and gamma (the constructor's arguments)."""
+    """The query with clip S, noise multiplier z and gamma (the constructor's arguments).
+    """
     return cls(l2_norm_clip, noise_multiplier, stability, seed=seed, secure_mode=secure_mode)
 
   @property
@@ -108,7 +111,9 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
     """record * S / (||record||_2 + gamma), over the whole nest.
 
     Args:
-      params: S, from `derive_sample_params`; record: a nest of float tensors.
+      params: S, from `derive_sample_params`.
+      record: a nest of float tensors.
+
     Returns:
       the normalized record (same structure and dtypes).
     """
@@ -121,6 +126,7 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
     Args:
       params: S, from `derive_sample_params`.
       record_norms: ||x_i||_2, a float tensor.
+
     Returns:
       float32 factors shaped like `record_norms`.
     """

@@ -43,8 +43,10 @@ def template_shapes(template):
   Args:
     template: tensors, variables or TensorSpecs (any nest), or the list of
       {"shape", "dtype"} dicts `template_config` returns.
+
   Returns:
     a list of (list of ints, dtype name), one per leaf in tf.nest order.
+
   Raises:
     ValueError: a leaf whose shape is not fully defined.
   """
@@ -66,6 +68,7 @@ def template_config(shapes):
 
   Args:
     shapes: the output of `template_shapes`.
+
   Returns:
     a list of {"shape": [...], "dtype": name} dicts.
   """
@@ -79,6 +82,7 @@ def add_flat_noise(structure, flat_noise):
   Args:
     structure: a nest of tensors (the clipped sum) with d values in all.
     flat_noise: a float tensor [d].
+
   Returns:
     the noised nest, same structure and dtypes.
   """
@@ -103,8 +107,10 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
       "banded" (general banded, n <= 2048), or an explicit lower-triangular banded matrix
       (normalized here to max column norm 1).
     cache_dir: on-disk strategy cache (None: memory only).
+
   Returns:
     (rows, extendable: whether steps beyond n may reuse the last row).
+
   Raises:
     ValueError: an unknown strategy name, or a matrix that is not square with a positive
       diagonal.
@@ -161,6 +167,7 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
 
     Args:
       global_state: the query's global state.
+
     Returns:
       S, a float32 scalar tensor.
     """
@@ -172,6 +179,7 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
     Args:
       params: S, from `derive_sample_params`.
       record: a nest of float tensors shaped like the template.
+
     Returns:
       the clipped record (same structure and dtypes).
     """
@@ -186,6 +194,7 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
 
     Args:
       global_state: the query's global state.
+
     Returns:
       an OrderedDict of scalar tensors.
     """
@@ -211,8 +220,9 @@ class BandMFQuery(CorrelatedNoiseQuery):
         explicit matrix is given).
       strategy: "toeplitz", "banded", or a lower-triangular banded matrix.
       seed: tests only (not private). cache_dir: on-disk strategy cache.
+
     Raises:
-      ValueError: a bad argument, named.
+      ParameterValueError: a bad argument, named.
     """
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(strategy, str) and num_steps is None:
@@ -292,8 +302,10 @@ class BandMFQuery(CorrelatedNoiseQuery):
     Args:
       sample_state: the clipped sum (a nest shaped like the template).
       global_state: the query's global state.
+
     Returns:
       (noised sum, next global state, (BandedGaussianEvent,)).
+
     Raises:
       tf.errors.InvalidArgumentError: a non-extendable strategy's step beyond num_steps.
     """

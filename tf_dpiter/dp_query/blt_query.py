@@ -43,8 +43,9 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
       min_separation: b, the least gap between two participations the sampling guarantees.
       theta, omega: an explicit BLT (theta in (0, 1), omega); optimized when None.
       seed: tests only (not private).
+
     Raises:
-      ValueError: only one of theta / omega, theta outside (0, 1) or of another length than
+      ParameterValueError: only one of theta / omega, theta outside (0, 1) or of another length than
         omega, or a bad argument of the optimization.
     """
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
@@ -108,8 +109,10 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
     Args:
       sample_state: the clipped sum (a nest shaped like the template).
       global_state: the query's global state.
+
     Returns:
       (noised sum, next global state, (MatrixGaussianEvent,)).
+
     Raises:
       tf.errors.InvalidArgumentError: a step beyond num_steps (the sensitivity's horizon).
     """

@@ -47,6 +47,7 @@ def strategy_coefficients(theta, omega, n):
   Args:
     theta, omega: the BLT's parameters (equal lengths).
     n: coefficients wanted.
+
   Returns:
     float64 array [n].
   """
@@ -62,6 +63,7 @@ def inverse_coefficients(theta, omega, n):
   Args:
     theta, omega: the BLT's parameters (equal lengths).
     n: coefficients wanted.
+
   Returns:
     float64 array [n].
   """
@@ -79,8 +81,10 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
     coefs: c_0..c_{n-1} (other than non-negative non-increasing: their envelope is used).
     min_separation: b >= 1.
     max_participations: k (None: ceil(n / b)).
+
   Returns:
     the sensitivity per unit clip (float).
+
   Raises:
     ValueError: min_separation < 1.
   """
@@ -105,6 +109,7 @@ def equivalent_sensitivity(coefs, min_separation, max_participations=None):
     coefs: c_0..c_{n-1}.
     min_separation: b >= 1.
     max_participations: k (None: ceil(n / b)).
+
   Returns:
     Delta, per unit clip (float).
   """
@@ -118,6 +123,7 @@ def inverse_prefix_error(coefs_inverse):
 
   Args:
     coefs_inverse: C^-1's first column [n].
+
   Returns:
     float.
   """
@@ -171,8 +177,10 @@ def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=20
     min_separation: b, the least gap between participations.
     max_participations: k.
     max_iter: L-BFGS iterations.
+
   Returns:
     (theta, omega), float64 arrays [buffers].
+
   Raises:
     ValueError: n, buffers, min_separation or max_participations not an integer >= 1.
   """

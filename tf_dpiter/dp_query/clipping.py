@@ -24,6 +24,7 @@ def global_l2_norm(record):
 
   Args:
     record: a nest of numeric tensors.
+
   Returns:
     a scalar float32 tensor.
   """
@@ -47,6 +48,7 @@ def clip_factors(record_norms, l2_norm_clip):
   Args:
     record_norms: ||g_i||_2 >= 0, a float tensor of any shape (e.g. [B], one per record).
     l2_norm_clip: S >= 0, a number or scalar tensor.
+
   Returns:
     a float32 tensor shaped like `record_norms`, each entry in [0, 1].
   """
@@ -62,6 +64,7 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
     record: a nest of float tensors x.
     l2_norm_clip: S >= 0, a number or scalar tensor; S = +inf leaves x unchanged, and
       ||x|| = 0 gives factor 1.
+
   Returns:
     (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2.
   """

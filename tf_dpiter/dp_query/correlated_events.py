@@ -58,8 +58,10 @@ def tree_depth(tree_size):
 
   Args:
     tree_size: the most leaves one tree holds (an integer >= 1).
+
   Returns:
     the depth (int).
+
   Raises:
     ValueError: tree_size not an integer >= 1.
   """
@@ -73,6 +75,7 @@ def is_correlated_event(x) -> bool:
 
   Args:
     x: any object.
+
   Returns:
     bool.
   """

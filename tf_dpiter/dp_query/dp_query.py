@@ -25,6 +25,7 @@ def zeros_like_template(template):
 
   Args:
     template: a nest of tensors, variables or `tf.TensorSpec`s.
+
   Returns:
     the same nest of zero tensors.
   """
@@ -48,8 +49,10 @@ def map_up_to(shallow, fn, *structures):
       its leaves and may go deeper below them.
     fn: called as fn(*subtrees) at every leaf of `shallow`.
     *structures: the nests to walk.
+
   Returns:
     a nest shaped like `shallow` holding fn's results (dict keys in tf.nest order).
+
   Raises:
     ValueError: a structure does not match `shallow`.
   """
@@ -75,6 +78,7 @@ def flatten_up_to(shallow, structure):
 
   Args:
     shallow: the nest whose leaves cut `structure`; structure: a nest at least as deep.
+
   Returns:
     a list of subtrees.
   """
@@ -95,6 +99,7 @@ class DPQuery(metaclass=abc.ABCMeta):
 
     Args:
       global_state: the state from `initial_global_state` or the last `get_noised_result`.
+
     Returns:
       the sample's params (default: ()).
     """
@@ -107,6 +112,7 @@ class DPQuery(metaclass=abc.ABCMeta):
 
     Args:
       template: a nest of tensors, variables or `tf.TensorSpec`s shaped like one record.
+
     Returns:
       the empty sample state.
     """
@@ -118,6 +124,7 @@ class DPQuery(metaclass=abc.ABCMeta):
     Args:
       params: this sample's parameters (`derive_sample_params`).
       record: a nest of tensors, one record (a per-record gradient).
+
     Returns:
       the preprocessed record.
     """
@@ -133,8 +140,10 @@ class DPQuery(metaclass=abc.ABCMeta):
     Args:
       params: this sample's parameters (`derive_sample_params`).
       record_norms: ||x_i||_2, a float tensor (e.g. [B], one per record).
+
     Returns:
       float32 factors shaped like `record_norms`.
+
     Raises:
       NotImplementedError: the query does not clip by a factor of the record's L2 norm.
     """
@@ -149,7 +158,9 @@ class DPQuery(metaclass=abc.ABCMeta):
     """Adds a preprocessed record into the sample state.
 
     Args:
-      sample_state: the state so far; preprocessed_record: `preprocess_record`'s output.
+      sample_state: the state so far.
+      preprocessed_record: `preprocess_record`'s output.
+
     Returns:
       the new sample state.
     """
@@ -158,7 +169,10 @@ class DPQuery(metaclass=abc.ABCMeta):
     """preprocess_record followed by accumulate_preprocessed_record.
 
     Args:
-      params: the sample's params; sample_state: the state so far; record: one record.
+      params: the sample's params.
+      sample_state: the state so far.
+      record: one record.
+
     Returns:
       the new sample state.
     """
@@ -172,9 +186,11 @@ class DPQuery(metaclass=abc.ABCMeta):
     vectorized version. Records whose `mask` entry is 0 are skipped.
 
     Args:
-      params: the sample's params; sample_state: the state so far.
+      params: the sample's params.
+      sample_state: the state so far.
       records: a nest of [B, ...] tensors, record i at index i of every leaf.
       mask: optional [B] 0/1 vector (0: padding, skipped).
+
     Returns:
       the new sample state.
     """
@@ -196,7 +212,9 @@ class DPQuery(metaclass=abc.ABCMeta):
     """Combines two sample states (e.g. from two replicas).
 
     Args:
-      sample_state_1, sample_state_2: sample states of disjoint records.
+      sample_state_1: sample states of disjoint records.
+      sample_state_2: sample states of disjoint records.
+
     Returns:
       the state of their union.
     """
@@ -206,7 +224,9 @@ class DPQuery(metaclass=abc.ABCMeta):
     """Adds the noise and reports what was released.
 
     Args:
-      sample_state: the accumulated (clipped) records; global_state: the current state.
+      sample_state: the accumulated (clipped) records.
+      global_state: the current state.
+
     Returns:
       (result, new_global_state, events): the noised aggregate, the state for the next
       sample, and a tuple of privacy events in sum units (what the ledger records).
@@ -217,6 +237,7 @@ class DPQuery(metaclass=abc.ABCMeta):
 
     Args:
       global_state: the query's global state.
+
     Returns:
       an OrderedDict of name -> tensor (default: empty).
     """
@@ -243,6 +264,7 @@ class DPQuery(metaclass=abc.ABCMeta):
 
     Args:
       config: a dict from `get_config`.
+
     Returns:
       the query.
     """
@@ -258,6 +280,7 @@ def gives_clip_factors(query):
 
   Args:
     query: a DPQuery instance.
+
   Returns:
     bool.
   """
@@ -276,22 +299,39 @@ class SumAggregationDPQuery(DPQuery):
   """A DPQuery whose sample state is the plain sum of preprocessed records."""
 
   def initial_sample_state(self, template):
-    """DPQuery.initial_sample_state: zeros shaped like `template`."""
+    """DPQuery.initial_sample_state: zeros shaped like `template`.
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return zeros_like_template(template)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """DPQuery.accumulate_preprocessed_record: sample_state + preprocessed_record."""
+    """DPQuery.accumulate_preprocessed_record: sample_state + preprocessed_record.
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      preprocessed_record: one record as `preprocess_record` returned it (clipped).
+    """
     return tf.nest.map_structure(tf.add, sample_state, preprocessed_record)
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """DPQuery.merge_sample_states: the sum of the two states."""
+    """DPQuery.merge_sample_states: the sum of the two states.
+
+    Args:
+      sample_state_1: a sample state (the sum over some of the records).
+      sample_state_2: another sample state, of the other records.
+    """
     return tf.nest.map_structure(tf.add, sample_state_1, sample_state_2)
 
   def preprocess_records(self, params, records):
     """Vectorized preprocess_record over the leading (batch) axis of every leaf.
 
     Args:
-      params: the sample's params; records: a nest of [B, ...] tensors.
+      params: the sample's params.
+      records: a nest of [B, ...] tensors.
+
     Returns:
       the preprocessed records, [B, ...] leaves.
     """
@@ -304,8 +344,11 @@ class SumAggregationDPQuery(DPQuery):
     which lets a Poisson sample be padded to a static shape.
 
     Args:
-      params: the sample's params; sample_state: the state so far.
-      records: a nest of [B, ...] tensors; mask: optional [B] 0/1 weights.
+      params: the sample's params.
+      sample_state: the state so far.
+      records: a nest of [B, ...] tensors.
+      mask: optional [B] 0/1 weights.
+
     Returns:
       the new sample state.
     """

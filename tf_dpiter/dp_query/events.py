@@ -40,6 +40,7 @@ def effective_noise_multiplier(clips, stddevs):
   Args:
     clips: the sensitivities S_g (clips, or clips times the relation's factor).
     stddevs: the noise standard deviations sigma~_g, same length.
+
   Returns:
     z, a float in [0, inf].
   """
@@ -59,6 +60,7 @@ def is_event(x) -> bool:
 
   Args:
     x: any object.
+
   Returns:
     bool.
   """

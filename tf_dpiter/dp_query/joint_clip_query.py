@@ -27,6 +27,7 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
     l2_norm_clip: S_g, the joint clip of the scaled record.
     stddev: sigma~_g, the noise of the scaled sum (the noise on vector j is alpha_j sigma~_g).
     seed: fixes the noise (tests only: not private).
+
   Raises:
     PrivacyConfigError: a scale <= 0, or a bad clip or stddev.
   """
@@ -51,7 +52,11 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: rebuilds the scales nest"""
+    """See `DPQuery.from_config`: rebuilds the scales nest
+
+    Args:
+      config: a dict as `get_config` returned it.
+    """
     config = dict(config)
     config["scales"] = serialization.decode_nest(config["scales"])
     return cls(**config)
@@ -62,7 +67,12 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
                              tf.cast(self._stddev, tf.float32))
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the joint clip S_g"""
+    """See `DPQuery.derive_sample_params`: the joint clip S_g
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return global_state.l2_norm_clip
 
   def _scale(self, record, inverse):
@@ -73,13 +83,23 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
 
   def preprocess_record(self, params, record):
     """See `DPQuery.preprocess_record`: s(v; alpha) = (v_j / alpha_j)_j clipped jointly to
-    L2 norm S_g."""
+    L2 norm S_g.
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     clipped, _ = dp_query.clip_by_global_l2_norm(self._scale(record, inverse=False), params)
     return clipped
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: the scaled sum plus N(0, sigma~_g^2),
     scaled back by alpha_j; event GaussianSumEvent(S_g, sigma~_g) (the scaled sum's)
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     noised = gaussian_query.add_gaussian_noise(self._generator, sample_state, global_state.stddev)
     result = self._scale(noised, inverse=True)

@@ -19,7 +19,9 @@ def clip_by_l1_norm(record, l1_norm_clip):
   """x * min(1, C / ||x||_1), the L1 norm taken over the whole nest.
 
   Args:
-    record: a nest of tensors; l1_norm_clip: C > 0.
+    record: a nest of tensors.
+    l1_norm_clip: C > 0.
+
   Returns:
     the clipped nest.
   """
@@ -38,8 +40,11 @@ def laplace_noise(generator, shape, scale, dtype=tf.float32):
   `tf.function` and under XLA. Computed in float32, then cast to `dtype`.
 
   Args:
-    generator: a tf.random.Generator; shape: the output shape; scale: b >= 0;
+    generator: a tf.random.Generator.
+    shape: the output shape.
+    scale: b >= 0.
     dtype: the output dtype.
+
   Returns:
     a tensor of `shape` and `dtype`.
   """
@@ -60,6 +65,7 @@ class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
     l1_norm_clip: C > 0, finite.
     scale: b > 0, finite.
     seed: fixes the noise (tests only: not private).
+
   Raises:
     PrivacyConfigError: C or b not positive and finite.
   """
@@ -85,16 +91,31 @@ class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
                              tf.cast(self._scale, tf.float32))
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the L1 clip C"""
+    """See `DPQuery.derive_sample_params`: the L1 clip C
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return global_state.l1_norm_clip
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: the record clipped to L1 norm C (`clip_by_l1_norm`)"""
+    """See `DPQuery.preprocess_record`: the record clipped to L1 norm C (`clip_by_l1_norm`)
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return clip_by_l1_norm(record, params)
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: the sum plus Laplace(0, b) noise per coordinate
     (in float32 or wider); event LaplaceSumEvent(C, b), pure epsilon = C / b
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     def _add(v):
       # Noise and sum in float32 (float64 stays float64), cast back afterwards.

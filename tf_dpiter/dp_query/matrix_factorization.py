@@ -51,6 +51,7 @@ def prefix_sum_matrix(n):
 
   Args:
     n: steps.
+
   Returns:
     float64 array [n, n].
   """
@@ -63,6 +64,7 @@ def sqrt_prefix_coefficients(k):
 
   Args:
     k: number of coefficients.
+
   Returns:
     float64 array [k].
   """
@@ -78,6 +80,7 @@ def toeplitz_matrix(coefs, n):
   Args:
     coefs: the first column's leading values (later ones are 0; extra ones are dropped).
     n: size.
+
   Returns:
     float64 array [n, n].
   """
@@ -94,8 +97,10 @@ def num_bands(matrix, tol=0.0):
   Args:
     matrix: a square array.
     tol: entries with |C[i, j]| <= tol count as zero.
+
   Returns:
     b (int; 0 for the zero matrix).
+
   Raises:
     ValueError: the matrix is not lower triangular.
   """
@@ -113,6 +118,7 @@ def column_norms(matrix):
 
   Args:
     matrix: a 2-D array.
+
   Returns:
     float64 array [columns].
   """
@@ -131,8 +137,10 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
     matrix: the strategy C, lower triangular [n, n].
     min_separation: b', the least gap between two participations (>= C's bands).
     max_participations: k, at most this many participations (None: ceil(n / b')).
+
   Returns:
     the sensitivity per unit clip (float).
+
   Raises:
     ValueError: min_separation below the number of bands (no such simple formula holds), or
       max_participations < 1.
@@ -162,6 +170,7 @@ def prefix_error(matrix):
 
   Args:
     matrix: the strategy C, lower triangular and invertible [n, n].
+
   Returns:
     float.
   """
@@ -213,8 +222,10 @@ def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
     bands: b (capped at n).
     max_iter: L-BFGS iterations.
     cache_dir: on-disk cache (None: memory only).
+
   Returns:
     float64 array [bands].
+
   Raises:
     ValueError: n or bands not an integer >= 1.
   """
@@ -272,8 +283,10 @@ def optimize_banded(n, bands, max_iter=300, cache_dir=None):
     bands: b (capped at n).
     max_iter: L-BFGS iterations.
     cache_dir: on-disk cache (None: memory only).
+
   Returns:
     float64 array [n, n], lower triangular, banded.
+
   Raises:
     ValueError: n or bands not an integer >= 1, or n > 2048.
   """
@@ -292,6 +305,7 @@ def band_rows(matrix, bands):
   Args:
     matrix: a lower-triangular banded array [n, n].
     bands: b, the rows' width.
+
   Returns:
     float64 array [n, b].
   """

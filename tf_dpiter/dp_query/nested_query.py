@@ -33,6 +33,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
 
   Args:
     queries: a nest of SumAggregationDPQuery leaves (at least one).
+
   Raises:
     ParameterTypeError: a leaf is not a SumAggregationDPQuery.
     ValueError: no leaf.
@@ -58,7 +59,11 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: deserializes the nest of leaf queries"""
+    """See `DPQuery.from_config`: deserializes the nest of leaf queries
+
+    Args:
+      config: a dict as `get_config` returned it.
+    """
     return cls(serialization.decode_queries(config["queries"]))
 
   def _map(self, fn, *inputs):
@@ -69,29 +74,59 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return self._map(lambda q: q.initial_global_state())
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: per leaf"""
+    """See `DPQuery.derive_sample_params`: per leaf
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return self._map(lambda q, s: q.derive_sample_params(s), global_state)
 
   def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: per leaf, on its part of `template`"""
+    """See `DPQuery.initial_sample_state`: per leaf, on its part of `template`
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return self._map(lambda q, t: q.initial_sample_state(t), template)
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: each leaf clips its own part of the record"""
+    """See `DPQuery.preprocess_record`: each leaf clips its own part of the record
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return self._map(lambda q, p, r: q.preprocess_record(p, r), params, record)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """See `DPQuery.accumulate_preprocessed_record`: per leaf"""
+    """See `DPQuery.accumulate_preprocessed_record`: per leaf
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      preprocessed_record: one record as `preprocess_record` returned it (clipped).
+    """
     return self._map(lambda q, s, r: q.accumulate_preprocessed_record(s, r),
                      sample_state, preprocessed_record)
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """See `DPQuery.merge_sample_states`: per leaf"""
+    """See `DPQuery.merge_sample_states`: per leaf
+
+    Args:
+      sample_state_1: a sample state (the sum over some of the records).
+      sample_state_2: another sample state, of the other records.
+    """
     return self._map(lambda q, a, b: q.merge_sample_states(a, b), sample_state_1, sample_state_2)
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: per leaf; the events of all leaves, in
     `tf.nest.flatten` order (Eq. (1) of McMahan et al. 2018 composes them)
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     outs = self._map(lambda q, s, g: _NoisedResult(*q.get_noised_result(s, g)),
                      sample_state, global_state)
@@ -101,7 +136,12 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return result, new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: the leaves' metrics as group_{i}/{name}."""
+    """See `DPQuery.derive_metrics`: the leaves' metrics as group_{i}/{name}.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     metrics = {}
     flat_q = tf.nest.flatten(self._queries)
     flat_s = dp_query.flatten_up_to(self._queries, global_state)
@@ -117,9 +157,12 @@ def per_layer_clips(total_clip, num_groups):
   """S_g = S* / sqrt(m) for each of m groups ("per-layer clipping", Section 2).
 
   Args:
-    total_clip: S* > 0; num_groups: m >= 1.
+    total_clip: S* > 0.
+    num_groups: m >= 1.
+
   Returns:
     the list of m clips.
+
   Raises:
     PrivacyConfigError: S* <= 0 or m < 1.
   """
@@ -137,9 +180,12 @@ def dimension_adjusted_clips(total_clip, dims):
   sum_g S_g^2 = S*^2 (the total L2 bound) and equal d_g recover S*/sqrt(m).
 
   Args:
-    total_clip: S* > 0; dims: the group dimensions d_g (positive ints).
+    total_clip: S* > 0.
+    dims: the group dimensions d_g (positive ints).
+
   Returns:
     the list of clips S_g.
+
   Raises:
     PrivacyConfigError: S* <= 0 or a dimension < 1.
   """
@@ -159,8 +205,10 @@ def proportional_noise(noise_multiplier, clips):
   Args:
     noise_multiplier: z >= 0, finite.
     clips: the G clips S_g.
+
   Returns:
     the list of sigma~_g (`gaussian_query.gaussian_stddev(S_g, z_g)`).
+
   Raises:
     PrivacyConfigError: a bad z or clip.
   """
@@ -176,9 +224,12 @@ def dimension_adjusted_noise(noise_multiplier, clips, dims):
 
   Args:
     noise_multiplier: z >= 0, finite.
-    clips: the clips S_g; dims: the dimensions d_g (same length).
+    clips: the clips S_g.
+    dims: the dimensions d_g (same length).
+
   Returns:
     the list of sigma~_g (`gaussian_query.gaussian_stddev(S_g, z_g)`).
+
   Raises:
     PrivacyConfigError: a bad z or clip, or lists of different lengths.
   """
@@ -207,8 +258,10 @@ def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping=
     noise_allocation: "proportional" or "dimension_adjusted".
     denominator: None (sums), or each group is a GaussianAverageQuery with this denominator.
     seed: fixes the noise (tests only: not private).
+
   Returns:
     a GaussianSumQuery/NormalizedQuery ("flat") or a NestedQuery shaped like `template`.
+
   Raises:
     PrivacyConfigError: an unknown clipping or allocation, or a bad clip or z.
   """

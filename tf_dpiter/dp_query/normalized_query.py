@@ -24,6 +24,7 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
   Args:
     numerator_query: a SumAggregationDPQuery.
     denominator: > 0, the public expected sample size.
+
   Raises:
     ParameterTypeError: numerator_query is not a SumAggregationDPQuery.
     PrivacyConfigError: denominator missing or <= 0.
@@ -51,7 +52,11 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: deserializes the numerator query"""
+    """See `DPQuery.from_config`: deserializes the numerator query
+
+    Args:
+      config: a dict as `get_config` returned it.
+    """
     config = dict(config)
     config["numerator_query"] = serialization.deserialize(config["numerator_query"])
     return cls(**config)
@@ -66,20 +71,40 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     return self._numerator.initial_global_state()
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the numerator's"""
+    """See `DPQuery.derive_sample_params`: the numerator's
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return self._numerator.derive_sample_params(global_state)
 
   def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: the numerator's"""
+    """See `DPQuery.initial_sample_state`: the numerator's
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return self._numerator.initial_sample_state(template)
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: the numerator's"""
+    """See `DPQuery.preprocess_record`: the numerator's
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return self._numerator.preprocess_record(params, record)
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: the numerator's noised sum divided by the public
     denominator (post-processing); the numerator's events, in sum units
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     noised_sum, new_state, events = self._numerator.get_noised_result(sample_state, global_state)
 
@@ -89,7 +114,12 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     return tf.nest.map_structure(_normalize, noised_sum), new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: the numerator's"""
+    """See `DPQuery.derive_metrics`: the numerator's
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return self._numerator.derive_metrics(global_state)
 
 
@@ -98,8 +128,11 @@ class GaussianAverageQuery(NormalizedQuery):
   """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator.
 
   Args:
-    l2_norm_clip: S; sum_stddev: sigma of the sum (= z S); denominator: q n > 0;
+    l2_norm_clip: S.
+    sum_stddev: sigma of the sum (= z S).
+    denominator: q n > 0.
     seed: fixes the noise (tests only: not private).
+
   Raises:
     PrivacyConfigError: see GaussianSumQuery and NormalizedQuery.
   """
@@ -116,5 +149,9 @@ class GaussianAverageQuery(NormalizedQuery):
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`."""
+    """See `DPQuery.from_config`.
+
+    Args:
+      config: a dict as `get_config` returned it.
+    """
     return cls(**config)

@@ -44,6 +44,7 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     geometric_update: geometric (default) or linear update.
     seed: fixes the noise (tests only: not private).
     generator: a generator shared with a parent query (then not serializable).
+
   Raises:
     PrivacyConfigError: a value out of range.
   """
@@ -73,7 +74,7 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     """See `DPQuery.get_config`: the constructor's arguments.
 
     Raises:
-      ValueError: the query was built with a shared `generator` (not a config value).
+      ParameterValueError: the query was built with a shared `generator` (not a config value).
     """
     if self._shared_generator:
       raise ParameterValueError("a QuantileEstimatorQuery given a `generator` cannot be serialized (a "
@@ -100,9 +101,12 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     """Global state with a new expected sample size (e.g. a schedule of m_t clients).
 
     Args:
-      global_state: the current global state; expected_num_records: > 0.
+      global_state: the current global state.
+      expected_num_records: > 0.
+
     Returns:
       the new global state.
+
     Raises:
       PrivacyConfigError: expected_num_records <= 0.
     """
@@ -110,22 +114,39 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     return global_state._replace(expected_num_records=tf.cast(expected_num_records, tf.float32))
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the current estimate C"""
+    """See `DPQuery.derive_sample_params`: the current estimate C
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return global_state.current_estimate
 
   def initial_sample_state(self, template=None):
-    """See `DPQuery.initial_sample_state`: the sum of b, 0.0"""
+    """See `DPQuery.initial_sample_state`: the sum of b, 0.0
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return tf.constant(0.0)
 
   def preprocess_record(self, params, record):
-    """b = 1[record <= estimate] - 1/2 for a scalar record."""
+    """b = 1[record <= estimate] - 1/2 for a scalar record.
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return tf.cast(tf.cast(record, tf.float32) <= params, tf.float32) - 0.5
 
   def update_estimate(self, below_sum, global_state):
     """New global state from the (un-noised) sum of b values.
 
     Args:
-      below_sum: sum of b = 1[x <= C] - 1/2 over the sample; global_state: the current state.
+      below_sum: sum of b = 1[x <= C] - 1/2 over the sample.
+      global_state: the current state.
+
     Returns:
       (new global state, GaussianSumEvent(1/2, sigma_b)).
     """
@@ -145,12 +166,22 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: the new estimate (`update_estimate`);
     event GaussianSumEvent(1/2, sigma_b)
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     new_state, event = self.update_estimate(sample_state, global_state)
     return new_state.current_estimate, new_state, (event,)
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"estimate": C}"""
+    """See `DPQuery.derive_metrics`: {"estimate": C}
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return collections.OrderedDict(estimate=global_state.current_estimate)
 
 
@@ -163,8 +194,10 @@ def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
   Args:
     noise_multiplier: the total z >= 0 (0: no noise, z_v = 0).
     clipped_count_stddev: sigma_b, > z / 2.
+
   Returns:
     z_v, a float.
+
   Raises:
     PrivacyConfigError: a bad z or sigma_b, or sigma_b <= z / 2 (the count alone would cost
       more than z).
@@ -198,6 +231,7 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     expected_num_records: the public expected sample size.
     geometric_update: geometric (default) or linear clip update.
     seed: fixes the noise (tests only: not private).
+
   Raises:
     PrivacyConfigError: a value out of range (see value_noise_multiplier).
   """
@@ -235,7 +269,9 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     """Global state whose quantile estimator expects `expected_num_records` records.
 
     Args:
-      global_state: the current global state; expected_num_records: > 0.
+      global_state: the current global state.
+      expected_num_records: > 0.
+
     Returns:
       the new global state.
     """
@@ -251,16 +287,30 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
                              qstate)
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the current clip C"""
+    """See `DPQuery.derive_sample_params`: the current clip C
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return global_state.l2_norm_clip
 
   def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: (zero sum, 0.0 sum of b)"""
+    """See `DPQuery.initial_sample_state`: (zero sum, 0.0 sum of b)
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return (dp_query.zeros_like_template(template), tf.constant(0.0))
 
   def preprocess_record(self, params, record):
     """See `DPQuery.preprocess_record`: (record clipped to L2 norm C,
     b = 1[||record|| <= C] - 1/2)
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
     """
     clipped, norm = dp_query.clip_by_global_l2_norm(record, params)
     return (clipped, self._quantile.preprocess_record(params, norm))
@@ -269,6 +319,11 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     """See `DPQuery.get_noised_result`: the clipped sum plus N(0, (z_v C)^2);
     the clip moves toward the target quantile (Andrew et al. 2021); events
     GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), of total z by Eq. (1)
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
     """
     value_sum, below_sum = sample_state
     clip = global_state.l2_norm_clip
@@ -281,5 +336,10 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return result, new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"clip": C}"""
+    """See `DPQuery.derive_metrics`: {"clip": C}
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return collections.OrderedDict(clip=global_state.l2_norm_clip)

@@ -30,6 +30,7 @@ class SecureRandom:
 
     Args:
       size: the number of words (int or scalar tensor).
+
     Returns:
       an int64 tensor [size].
     """
@@ -46,10 +47,12 @@ def make_generator(seed=None, secure=False):
     seed: None: a Philox generator seeded from OS entropy; an int: seeded Philox (tests only:
       warns NotPrivateSeedWarning, the output is reproducible and NOT private).
     secure: return a `SecureRandom` (os.urandom for every bit; no seed allowed).
+
   Returns:
     a tf.random.Generator (alg="philox"), or a SecureRandom.
+
   Raises:
-    ValueError: a seed with secure=True.
+    ParameterValueError: a seed with secure=True.
   """
   if secure:
     if seed is not None:
@@ -83,6 +86,7 @@ def _uint32_words(generator, shape):
   Args:
     generator: a tf.random.Generator or a SecureRandom.
     shape: the output shape (list of ints or int32 tensors).
+
   Returns:
     a uint32 tensor of `shape`.
   """
@@ -123,8 +127,10 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
     size: number of values (int or scalar tensor).
     bucket_bits: b in [1, 32] (32 in use; smaller values exercise the recursion in tests).
     refine_below: k below which v is drawn (>= 1).
+
   Returns:
     float32 tensor [size].
+
   Raises:
     ValueError: bucket_bits outside [1, 32] or refine_below < 1.
   """
@@ -208,6 +214,7 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
     generator: a tf.random.Generator or a SecureRandom.
     shape: the output shape (list or int32 tensor).
     dtype: the output dtype.
+
   Returns:
     a tensor of `shape` and `dtype`, N(0, 1) entries.
   """
@@ -233,6 +240,7 @@ def padded_normal(generator, size, stddev=None):
     generator: a tf.random.Generator or a SecureRandom.
     size: the number of values needed (int or int32 scalar tensor).
     stddev: sigma (number or scalar tensor); None for 1.
+
   Returns:
     a float32 tensor [2m], 2m >= size.
   """

@@ -39,8 +39,10 @@ def register_query(name=None):
   Args:
     name: the registered name (default: the class name). The class must implement
       `get_config()` (and `from_config` unless its constructor takes the config).
+
   Returns:
     the decorator, which returns the class unchanged.
+
   Raises:
     ParameterTypeError: the decorated object is not a DPQuery subclass, or `name` is not a
       non-empty string.
@@ -77,6 +79,7 @@ def registered_name(cls):
 
   Args:
     cls: a class.
+
   Returns:
     the registered name (ours, else Keras'), or None when it is not registered.
   """
@@ -101,11 +104,13 @@ def serialize(query):
 
   Args:
     query: a DPQuery whose class is registered (`register_query`, or Keras' registration).
+
   Returns:
     {"class_name": its registered name, "config": query.get_config()}.
+
   Raises:
     ParameterTypeError: `query` is not a DPQuery, or its config is not plain JSON values.
-    ValueError: its class is not registered.
+    ParameterValueError: its class is not registered.
   """
   from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
   if not isinstance(query, dp_query.DPQuery):
@@ -150,10 +155,12 @@ def deserialize(config, custom_objects=None):
   Args:
     config: a dict {"class_name": str, "config": dict} (a DPQuery is returned as it is).
     custom_objects: optional {name: class} for unregistered classes (child queries too).
+
   Returns:
     the DPQuery, built by `cls.from_config(config["config"])`.
+
   Raises:
-    ValueError: a malformed dict or an unknown class name.
+    ParameterValueError: a malformed dict or an unknown class name.
     ParameterTypeError: the name resolves to something that is not a DPQuery subclass.
   """
   from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top
@@ -184,6 +191,7 @@ def plain(value):
 
   Args:
     value: a tensor, variable, numpy array or scalar, or a plain value.
+
   Returns:
     a Python number/str/None/bool, or a nested list for an array.
   """
@@ -222,8 +230,10 @@ def encode_nest(nest, leaf_fn=plain):
   Args:
     nest: a dict/list/tuple nest.
     leaf_fn: the leaf encoder (default `plain`).
+
   Returns:
     the encoded nest (dicts, lists, plain leaves).
+
   Raises:
     ParameterTypeError: a namedtuple or a non-string key.
     ValueError: a dict with a key "class_name" or "__tuple__" (ambiguous).
@@ -253,6 +263,7 @@ def decode_nest(data, leaf_fn=lambda x: x, is_leaf=lambda x: False):
   Args:
     data: an encoded nest.
     leaf_fn: the leaf decoder; is_leaf: says which dicts/lists are leaves.
+
   Returns:
     the nest, with tuples restored (lists stay lists).
   """
@@ -272,8 +283,10 @@ def encode_queries(nest):
 
   Args:
     nest: a nest of DPQuery objects.
+
   Returns:
     the JSON-able nest.
+
   Raises:
     ParameterTypeError, ValueError: see `encode_nest` and `serialize`.
   """
@@ -285,6 +298,7 @@ def decode_queries(data, custom_objects=None):
 
   Args:
     data: the encoded nest; custom_objects: {name: class} for unregistered queries.
+
   Returns:
     the nest of DPQuery objects.
   """

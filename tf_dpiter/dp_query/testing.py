@@ -129,8 +129,10 @@ class DPQueryContract:
     Args:
       name: the case's name (a test id).
       factory, records, xla: see `QueryCase`.
+
     Returns:
       `factory`, so that `register` can be applied to a factory function.
+
     Raises:
       ParameterValueError: `name` is already a case of this class.
     """
@@ -160,6 +162,7 @@ class DPQueryContract:
 
     Returns:
       the list of (check, case, mode) run.
+
     Raises:
       AssertionError: the first check that fails.
     """

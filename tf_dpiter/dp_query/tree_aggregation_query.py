@@ -39,8 +39,10 @@ def tree_prefix_error(num_steps, restart_every):
   Args:
     num_steps: n, steps released.
     restart_every: R, leaves per tree.
+
   Returns:
     the mean squared error (float).
+
   Raises:
     ValueError: restart_every not an integer >= 1.
   """
@@ -70,8 +72,9 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
       restart_every: R, leaves per tree (the accounting charges one tree per shuffled pass:
         R must divide the steps per pass).
       seed: tests only (not private).
+
     Raises:
-      ValueError: a bad argument, named with its value.
+      ParameterValueError: a bad argument, named with its value.
     """
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
     if isinstance(restart_every, bool) or not isinstance(restart_every, (int, np.integer)) or (
@@ -119,6 +122,7 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
     Args:
       sample_state: the clipped sum (a nest shaped like the template).
       global_state: the query's global state.
+
     Returns:
       (noised sum, next global state, (TreeGaussianEvent,)).
     """

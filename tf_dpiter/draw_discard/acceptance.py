@@ -250,7 +250,7 @@ class AcceptanceRule:
       "excess_too_large", "too_little_noise". P(refusing an honest update) <= alpha.
 
     Raises:
-      ValueError: if the shapes do not match the spec.
+      ParameterValueError: if the shapes do not match the spec.
     """
     if update.shape != (self.p,) or drawn.shape != (self.p,):
       raise ParameterValueError(f"update and drawn must be [{self.p}], got {update.shape} and "
@@ -293,7 +293,7 @@ class AcceptanceRule:
       "step_too_large", "excess_too_large", "too_little_noise", "no_candidates".
 
     Raises:
-      ValueError: if the shapes do not match the spec.
+      ParameterValueError: if the shapes do not match the spec.
     """
     if update.shape != (self.p,) or candidates.ndim != 2 or candidates.shape[1] != self.p:
       raise ParameterValueError(f"update must be [{self.p}] and candidates [n, {self.p}], got "

@@ -121,7 +121,7 @@ def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
     The noise std sigma, in weight units.
 
   Raises:
-    ValueError: for epsilon or sens not a finite number > 0, or delta outside (0, 1/2).
+    PrivacyConfigError: for epsilon or sens not a finite number > 0, or delta outside (0, 1/2).
   """
   check_positive("epsilon", epsilon)
   if not 0 < delta < 0.5:
@@ -147,7 +147,7 @@ def noise_std(noise: str, gamma: float, epsilon: float | None, clip: float = 1.0
     The std, in weight units.
 
   Raises:
-    ValueError: for an unknown noise law or a bad parameter.
+    PrivacyConfigError: for an unknown noise law or a bad parameter.
   """
   if noise == "none" or epsilon is None:
     return 0.0
@@ -169,7 +169,7 @@ def init_variance(k: int, noise_variance: float) -> float:
     k/2 * sigma^2.
 
   Raises:
-    ValueError: for k not an integer >= 1 or a negative variance.
+    PrivacyConfigError: for k not an integer >= 1 or a negative variance.
   """
   check_k(k)
   if not noise_variance >= 0:

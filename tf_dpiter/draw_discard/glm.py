@@ -90,7 +90,7 @@ class Feature:
       [N, len(column_names)] float64.
 
     Raises:
-      ValueError: for an unknown level, a wrong vector size or a non-finite value.
+      ParameterValueError: for an unknown level, a wrong vector size or a non-finite value.
     """
     if self.type == "categorical":
       vals = np.asarray(values).reshape(-1)
@@ -262,7 +262,7 @@ class ModelSpec:
       A ModelSpec.
 
     Raises:
-      ValueError: for unknown keys or an invalid field.
+      ParameterValueError: for unknown keys or an invalid field.
     """
     d = dict(d)
     feats = tuple(Feature(**dict(f, levels=tuple(f.get("levels", ())))) for f in d.pop("features"))

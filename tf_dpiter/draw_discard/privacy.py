@@ -67,7 +67,8 @@ def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: floa
     The composed epsilon (nats), never above n * epsilon.
 
   Raises:
-    ValueError: for a bad epsilon, num_updates or delta.
+    ParameterValueError: for a bad epsilon, num_updates or delta.
+    PrivacyConfigError: delta must be in [0, 1).
   """
   check_positive("epsilon", epsilon)
   if int(num_updates) != num_updates or num_updates < 1:
@@ -222,7 +223,7 @@ def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: f
     epsilon_T (nats).
 
   Raises:
-    ValueError: for a bad epsilon, T, delta_t or w_over_gamma.
+    PrivacyConfigError: for a bad epsilon, T, delta_t or w_over_gamma.
   """
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
@@ -255,7 +256,7 @@ def epsilon_adversary_three_accounted(epsilon: float, num_later_updates: float,
     epsilon_T (nats) from the PLD accountant.
 
   Raises:
-    ValueError: for a bad epsilon, T, delta_t or w_over_gamma.
+    PrivacyConfigError: for a bad epsilon, T, delta_t or w_over_gamma.
   """
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
@@ -376,7 +377,8 @@ def print_privacy_statement(*args, **kwargs) -> PrivacyStatement:
   """Prints and returns privacy_statement(*args, **kwargs).
 
   Args:
-    *args, **kwargs: as privacy_statement.
+    *args: as privacy_statement.
+    **kwargs: as privacy_statement.
 
   Returns:
     The PrivacyStatement.

@@ -52,7 +52,7 @@ def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float =
     [k, p] float64.
 
   Raises:
-    ValueError: for a bad k, num_weights or init_std.
+    ParameterValueError: for a bad k, num_weights or init_std.
   """
   if int(k) != k or k < 1:
     raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
@@ -85,7 +85,7 @@ class SpamFilter:
       instances: [k, p] the server's instances.
 
     Raises:
-      ValueError: for fewer than 2 instances.
+      ParameterValueError: for fewer than 2 instances.
     """
     if instances.shape[0] < 2:
       raise ParameterValueError(f"spam filter needs k >= 2 instances, got k={instances.shape[0]}")
@@ -169,7 +169,7 @@ class DrawDiscardServer:
       [n] bool: which updates were stored.
 
     Raises:
-      ValueError: for a wrong number of weights, or missing drawn indices.
+      ParameterValueError: for a wrong number of weights, or missing drawn indices.
     """
     updates = np.asarray(updates, dtype=np.float64)
     if updates.ndim == 1:
@@ -239,7 +239,7 @@ class DrawDiscardServer:
       [N, C] float64.
 
     Raises:
-      ValueError: for an unknown mode.
+      ParameterValueError: for an unknown mode.
     """
     p = x.shape[-1]
     if mode == "weights":

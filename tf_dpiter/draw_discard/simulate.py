@@ -30,7 +30,7 @@ def assign_clients(num_records: int, records_per_client: int,
     [N // N_c, N_c] int indices.
 
   Raises:
-    ValueError: for records_per_client < 1.
+    ParameterValueError: for records_per_client < 1.
   """
   if records_per_client < 1:
     raise ParameterValueError(f"records_per_client must be >= 1, got {records_per_client!r}")
@@ -82,7 +82,12 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
     x: [N, p] features in [0, 1].
     y: [N] responses.
     clients: [num_clients, N_c] record indices.
-    family, gamma, epsilon, clip, outputs, noise: Algorithm 1's (client.client_update).
+    family: Algorithm 1's (client.client_update).
+    gamma: Algorithm 1's (client.client_update).
+    epsilon: Algorithm 1's (client.client_update).
+    clip: Algorithm 1's (client.client_update).
+    outputs: Algorithm 1's (client.client_update).
+    noise: Algorithm 1's (client.client_update).
     passes: passes over the clients.
     concurrency: clients in flight at once (they all draw before any returns; 1 = the
       paper's sequential simulation). For "server_batch" a wave is the batch N_s.
@@ -95,7 +100,7 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
     The history: dicts with samples, updates, seconds and eval_fn's keys.
 
   Raises:
-    ValueError: for concurrency < 1 or a bad Algorithm 1 parameter.
+    ParameterValueError: for concurrency < 1 or a bad Algorithm 1 parameter.
   """
   rng = rng if rng is not None else np.random.default_rng()
   if concurrency < 1:
@@ -177,7 +182,7 @@ def variance_trajectory(k: int, noise_std: float, num_updates: int, *, replicate
     (steps [checkpoints], variances [checkpoints, replicates]).
 
   Raises:
-    ValueError: for k < 2 or an unknown strategy.
+    ParameterValueError: for k < 2 or an unknown strategy.
   """
   rng = rng if rng is not None else np.random.default_rng()
   if k < 2:
@@ -219,7 +224,7 @@ def survival_share(k: int, num_tracked: int, *, rng: np.random.Generator | None 
     The share of tracked updates that survived (expected 1/k).
 
   Raises:
-    ValueError: for k < 1.
+    ParameterValueError: for k < 1.
   """
   rng = rng if rng is not None else np.random.default_rng()
   if k < 1:

@@ -27,6 +27,7 @@ def draw_example_order(generator, client_sizes, n_max, epochs):
     client_sizes: int [M], the number of examples of each client.
     n_max: the padded length of a client's index row (>= max client size).
     epochs: E, local epochs.
+
   Returns:
     int32 [M, E, n_max]: row (k, e) is a permutation of positions with the client's valid
     positions (< client_sizes[k]) first; the rest is padding, never read by training.
@@ -113,9 +114,12 @@ def local_sgd_one_client(model, params, x, y, order, batch_size, learning_rate):
   Args:
     model: the `MLP`.
     params: w_t, a list of arrays.
-    x, y: the client's own examples.
+    x: the client's own examples.
+    y: the client's own examples.
     order: int [E, n] with the client's shuffles (the first len(x) entries of each row used).
-    batch_size: B; learning_rate: eta.
+    batch_size: B.
+    learning_rate: eta.
+
   Returns:
     the update Delta w_k = w_k - w_t, a list of float32 tensors.
   """

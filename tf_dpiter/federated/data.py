@@ -20,8 +20,10 @@ def load_mnist(path=None):
 
   Args:
     path: the .npz path (keys x_train, y_train, x_test, y_test); None: `default_mnist_path()`.
+
   Returns:
     (x_train, y_train, x_test, y_test): x float32 [n, 784] in [0, 1], y int32 [n].
+
   Raises:
     ValueError: the file does not exist.
   """
@@ -77,7 +79,10 @@ class FederatedData:
     """Builds a partition from a list of per-client index lists (ragged).
 
     Args:
-      x, y: the shared examples; client_lists: for each client, the indices of its examples.
+      x: the shared examples.
+      client_lists: for each client.
+      y: the indices of its examples.
+
     Returns:
       a FederatedData (rows padded with 0 to the largest client).
     """
@@ -93,6 +98,7 @@ class FederatedData:
 
     Args:
       k: the client's index in [0, K).
+
     Returns:
       (x_k, y_k), unpadded numpy arrays.
     """
@@ -128,16 +134,19 @@ def partition_noniid_shards(x, y, num_clients, shards_per_client=2, examples_per
   each cycle over all shards is a fresh random permutation, so data points repeat evenly.
 
   Args:
-    x, y: the examples and their integer labels.
+    x: the examples and their integer labels.
+    y: the examples and their integer labels.
     num_clients: K >= 1.
     shards_per_client: shards per client, an int >= 1 dividing examples_per_client.
     examples_per_client: examples per client, an int >= 1.
     seed: seeds the shard assignment (the partition is public, not a privacy mechanism).
+
   Returns:
     a FederatedData with K clients of examples_per_client examples each.
+
   Raises:
     ParameterTypeError: a count that is not an int (a TypeError).
-    ValueError: a count out of range, or fewer examples than one shard.
+    ParameterValueError: a count out of range, or fewer examples than one shard.
   """
   _check_counts(num_clients, examples_per_client, shards_per_client)
   x = np.asarray(x)
@@ -158,11 +167,15 @@ def partition_iid(x, y, num_clients, examples_per_client=600, seed=None):
   """IID split: shuffled examples dealt out, examples_per_client each (repeating if needed).
 
   Args:
-    x, y: the examples and their labels.
-    num_clients: K >= 1; examples_per_client: an int >= 1.
+    x: the examples and their labels.
+    y: the examples and their labels.
+    num_clients: K >= 1.
+    examples_per_client: an int >= 1.
     seed: seeds the split (public, not a privacy mechanism).
+
   Returns:
     a FederatedData with K clients of examples_per_client examples each.
+
   Raises:
     ParameterTypeError: a count that is not an int; ValueError: a count < 1.
   """

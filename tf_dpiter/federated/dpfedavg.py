@@ -54,13 +54,19 @@ class DPFedAvg:
     clients_per_round: m_t: int, sequence or callable of the round (1-based).
     noise_multiplier: sigma_t schedule; None keeps the query's own z. Changed between rounds
       with `queries.set_noise_multiplier`.
-    local_epochs, batch_size, client_learning_rate: E, B (examples), eta of ClientUpdate.
-    server_learning_rate, server_momentum: eta_s, beta of the server step (1, 0: the paper).
+    local_epochs: E.
+    batch_size: B (examples).
+    client_learning_rate: eta of ClientUpdate.
+    server_learning_rate: eta_s.
+    server_momentum: beta of the server step (1, 0: the paper).
     sampling: "fixed_size" (m_t clients uniformly without replacement; ledger policy
       fixed_size) or "poisson" (each client with q_t = m_t/K; ledger policy poisson).
-    fixed_epsilon + max_delta: stop before delta(fixed_epsilon) would exceed max_delta
-      (Geyer et al. 2017: epsilon = 8, delta_0); fixed_delta + max_epsilon: stop before
-      epsilon(fixed_delta) would exceed max_epsilon. Either alone only reports the other.
+    fixed_epsilon: stop before delta(fixed_epsilon) would exceed max_delta (Geyer et al. 2017:
+      epsilon = 8, delta_0); fixed_delta + max_epsilon: stop before epsilon(fixed_delta) would
+      exceed max_epsilon. Either alone only reports the other.
+    max_delta: stop before delta(fixed_epsilon) would exceed max_delta (Geyer et al. 2017: epsilon =
+      8, delta_0); fixed_delta + max_epsilon: stop before epsilon(fixed_delta) would exceed
+      max_epsilon. Either alone only reports the other.
     accountant: "rdp" (required for fixed_size sampling) or "pld".
     eval_data: (x, y) for per-round accuracy, or None.
     initial_params: list of numpy arrays, else model.init_params(seed).
@@ -154,6 +160,7 @@ class DPFedAvg:
 
     Args:
       clients: int client ids [M].
+
     Returns:
       float32 [M, d] updates Delta w_k = w_k - w_t.
     """
@@ -220,8 +227,10 @@ class DPFedAvg:
     Args:
       max_rounds: an int >= 0.
       callback: optional callable(RoundReport) after every round.
+
     Returns:
       the RunReport.
+
     Raises:
       ParameterTypeError: max_rounds is not an int (a TypeError).
       ValueError: max_rounds < 0.
@@ -246,6 +255,7 @@ class DPFedAvg:
 
     Args:
       stopped_reason: why the run ended.
+
     Returns:
       a RunReport.
     """

@@ -76,7 +76,8 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   def initialize_parameters(self, client_manager):
     """Flower's `Strategy.initialize_parameters`: w_0 from the DPServer (Flower `Parameters`).
 
-    Args: client_manager: Flower's ClientManager (unused). Returns: w_0 as `Parameters`."""
+    Args: client_manager: Flower's ClientManager (unused). Returns: w_0 as `Parameters`.
+    """
     return ndarrays_to_parameters(self._dp.params())
 
   def configure_fit(self, server_round, parameters, client_manager):
@@ -86,12 +87,15 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     look-ahead stops the run.
 
     Args:
-      server_round: t (from 1); parameters: Flower's copy of the model (w_t lives in the
+      server_round: t (from 1).
+      parameters: Flower's copy of the model (w_t lives in the
       DPServer); client_manager: Flower's ClientManager.
+
     Returns:
       [(ClientProxy, FitIns)] for the sampled clients ([] once stopped).
+
     Raises:
-      ValueError: fewer than K clients connected.
+      ParameterValueError: fewer than K clients connected.
     """
     if self.stopped_reason is not None:
       return []
@@ -109,7 +113,10 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     Failures and malformed updates are rejected (aggregated as zero records; denominator m_t).
 
     Args:
-      server_round: t; results: [(ClientProxy, FitRes)]; failures: the lost replies.
+      server_round: t.
+      results: [(ClientProxy, FitRes)].
+      failures: the lost replies.
+
     Returns:
       (w_{t+1} as Flower `Parameters`, the round's numeric info), or (None, {}) for a round
       that sampled nobody.
@@ -124,20 +131,24 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   def configure_evaluate(self, server_round, parameters, client_manager):
     """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
 
-    Args: server_round, parameters, client_manager: from Flower (unused). Returns: []."""
+    Args: server_round, parameters, client_manager: from Flower (unused). Returns: [].
+    """
     return []
 
   def aggregate_evaluate(self, server_round, results, failures):
     """Flower's `Strategy.aggregate_evaluate`: (None, {}).
 
-    Args: server_round, results, failures: from Flower (unused). Returns: (None, {})."""
+    Args: server_round, results, failures: from Flower (unused). Returns: (None, {}).
+    """
     return None, {}
 
   def evaluate(self, server_round, parameters):
     """Flower's `Strategy.evaluate`: `eval_fn` on the server's w_t, if given.
 
     Args:
-      server_round: t; parameters: w_t as Flower `Parameters`.
+      server_round: t.
+      parameters: w_t as Flower `Parameters`.
+
     Returns:
       eval_fn(list of arrays), or None without eval_fn.
     """
@@ -161,9 +172,12 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     clients_per_round: m_t (int, sequence or callable of the round).
     noise_multiplier: optional sigma_t schedule.
     train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
-    fixed_epsilon/max_delta, fixed_delta/max_epsilon: the budget; no round starts that
-      would pass it.
-    server_learning_rate, server_momentum: the server step, as in `DPServer`.
+    fixed_epsilon: the budget; no round starts that would pass it.
+    max_delta: the budget; no round starts that would pass it.
+    fixed_delta: the budget; no round starts that would pass it.
+    max_epsilon: the budget; no round starts that would pass it.
+    server_learning_rate: the server step.
+    server_momentum: as in `DPServer`.
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
   """
@@ -196,10 +210,14 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     """Flower's `Strategy.configure_train`: TRAIN messages with w_t to m_t sampled nodes.
 
     Args:
-      server_round: t; arrays: Flower's copy of the model (ignored: w_t lives in the
+      server_round: t.
+      arrays: Flower's copy of the model (ignored: w_t lives in the
       DPServer); config: Flower's ConfigRecord, merged with train_config; grid: the Grid.
+      config: a dict as `get_config` returned it.
+
     Returns:
       a list of `Message` ([] once the budget stopped the run).
+
     Raises:
       ValueError: the number of connected nodes is not K.
     """
@@ -218,7 +236,9 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     Error replies and malformed updates are rejected (aggregated as zero records).
 
     Args:
-      server_round: t; replies: the reply Messages.
+      server_round: t.
+      replies: the reply Messages.
+
     Returns:
       (ArrayRecord of w_{t+1}, MetricRecord of the round's info), or (None, None) for a round
       that sampled nobody.
@@ -238,13 +258,18 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
   def configure_evaluate(self, server_round, arrays, config, grid):
     """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
 
-    Args: server_round, arrays, config, grid: from Flower (unused). Returns: []."""
+    Args: server_round, arrays, config, grid: from Flower (unused). Returns: [].
+
+    Args:
+      config: a dict as `get_config` returned it.
+    """
     return []
 
   def aggregate_evaluate(self, server_round, replies):
     """Flower's `Strategy.aggregate_evaluate`: None.
 
-    Args: server_round, replies: from Flower (unused). Returns: None."""
+    Args: server_round, replies: from Flower (unused). Returns: None.
+    """
     return None
 
 
@@ -260,6 +285,7 @@ def make_server_app(strategy_fn, num_rounds, evaluate_fn=None, timeout=3600, on_
     timeout: seconds to wait for a round's replies.
     on_finish: optional callable(strategy, result, context) after the last round, e.g. to
       write `strategy.report()` or the ledger (`strategy.ledger`) somewhere durable.
+
   Returns:
     a `flwr.serverapp.ServerApp`.
   Raises (when the app runs):

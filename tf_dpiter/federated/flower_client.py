@@ -44,10 +44,14 @@ def client_update(model, x, y, generator, epochs, batch_size, learning_rate, par
 
   Args:
     model: the `MLP`.
-    x, y: the client's examples.
+    x: the client's examples.
+    y: the client's examples.
     generator: a tf.random.Generator for the local example order.
-    epochs, batch_size, learning_rate: E, B (examples), eta.
+    epochs: E.
+    batch_size: B (examples).
+    learning_rate: eta.
     parameters: w_t, a list of arrays.
+
   Returns:
     Delta w_k = w_k - w_t, a list of numpy arrays in the model's layout.
   """
@@ -76,9 +80,13 @@ class DPFlowerClient(NumPyClient):
 
   Args:
     model: the `MLP` the server trains.
-    x, y: this client's examples (at least one).
-    epochs, batch_size, learning_rate: local defaults, overridden by the server's fit config.
+    x: this client's examples (at least one).
+    y: this client's examples (at least one).
+    epochs: local defaults, overridden by the server's fit config.
+    batch_size: local defaults, overridden by the server's fit config.
+    learning_rate: local defaults, overridden by the server's fit config.
     seed: seeds the local example order (tests only).
+
   Raises:
     ValueError: no example.
   """
@@ -94,6 +102,7 @@ class DPFlowerClient(NumPyClient):
 
     Args:
       config: Flower's config dict (unused).
+
     Returns:
       [].
     """
@@ -105,6 +114,7 @@ class DPFlowerClient(NumPyClient):
     Args:
       parameters: w_t as a list of numpy arrays.
       config: the server's train config; its "epochs", "batch_size", "lr" override the defaults.
+
     Returns:
       (Delta w_k = w_k - w_t as a list of arrays, number of local examples, {}).
     """
@@ -117,7 +127,9 @@ class DPFlowerClient(NumPyClient):
     """Flower's `NumPyClient.evaluate`: no local evaluation (the server evaluates w_t).
 
     Args:
-      parameters, config: from Flower (unused).
+      parameters: from Flower (unused).
+      config: from Flower (unused).
+
     Returns:
       (0.0, number of local examples, {}).
     """
@@ -135,9 +147,11 @@ def make_client_app(model, load_examples, epochs=1, batch_size=60, learning_rate
     model: the `MLP` the server trains.
     load_examples: callable(context) -> (x, y), this node's own examples (e.g. read from
       `context.node_config["partition-id"]`).
-    epochs, batch_size, learning_rate: local defaults; the server's train config overrides
-      them with its "epochs", "batch_size", "lr" entries.
+    epochs: local defaults; the server's train config overrides them with its "epochs".
+    batch_size: "batch_size".
+    learning_rate: "lr" entries.
     seed_fn: optional callable(context) -> int seeding the local example order (tests only).
+
   Returns:
     a `flwr.clientapp.ClientApp`.
   """
@@ -203,6 +217,7 @@ def run_loopback(strategy, clients, num_rounds, port=None):
     clients: `DPFlowerClient`s (their number must be the strategy's K).
     num_rounds: rounds to run (the budget may stop earlier).
     port: the server port (None: `free_port()`).
+
   Returns:
     Flower's History.
   """

@@ -23,6 +23,7 @@ class MLP:
   Args:
     layer_sizes: the widths, input first and classes last (at least two positive ints).
     use_bias: whether each layer has a bias vector.
+
   Raises:
     ValueError: fewer than two widths, or a width < 1.
   """
@@ -55,6 +56,7 @@ class MLP:
 
     Args:
       seed: seeds numpy's generator (None: fresh entropy).
+
     Returns:
       a list of float32 numpy arrays, shapes `self.shapes`.
     """
@@ -79,6 +81,7 @@ class MLP:
       params: the parameter list; arrays may carry leading dims shared with x (a client
         batch).
       x: float [..., b, in].
+
     Returns:
       float [..., b, classes].
     """
@@ -100,6 +103,7 @@ class MLP:
     Args:
       params: the parameter list (each with `batch_dims` leading dims).
       batch_dims: leading dims kept (1 for a stack of clients).
+
     Returns:
       a tensor [..., d], d = `num_params`.
     """
@@ -117,6 +121,7 @@ class MLP:
 
     Args:
       vector: a flat tensor [d].
+
     Returns:
       the list of parameter tensors, shapes `self.shapes`.
     """
@@ -133,9 +138,12 @@ def accuracy(model, params, x, y, batch_size=5000):
   """Fraction of correctly classified examples.
 
   Args:
-    model: the `MLP`; params: its parameter list.
-    x: float [n, in]; y: int labels [n].
+    model: the `MLP`.
+    params: its parameter list.
+    x: float [n, in].
+    y: int labels [n].
     batch_size: examples per forward pass (memory bound).
+
   Returns:
     a float in [0, 1] (0 for n = 0).
   """

@@ -37,7 +37,9 @@ def median_of_masked(values, mask):
   """Median of values[mask > 0] (mean of the two middle values for an even count).
 
   Args:
-    values: float [n]; mask: [n], rows with mask > 0 count.
+    values: float [n].
+    mask: [n], rows with mask > 0 count.
+
   Returns:
     a scalar float32 tensor; 0 when the mask selects nothing.
   """
@@ -95,8 +97,12 @@ class MedianNormClipSumQuery(dpq.DPQuery):
   def initial_sample_state(self, template):
     """See `DPQuery.initial_sample_state`: (records [0, d], mask [0]), empty.
 
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+
     Raises:
-      ValueError: the template is not a flat record [d].
+      ParameterValueError: the template is not a flat record [d].
     """
     spec = template if isinstance(template, tf.TensorSpec) else tf.TensorSpec(
         tf.convert_to_tensor(template).shape, tf.float32)
@@ -106,17 +112,34 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 
   def preprocess_record(self, params, record):
     # The clip depends on the whole sample: records are kept as they are until the end.
-    """See `DPQuery.preprocess_record`: the record unclipped (the clip needs the whole sample)."""
+    """See `DPQuery.preprocess_record`: the record unclipped (the clip needs the whole sample).
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return tf.convert_to_tensor(record, tf.float32)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """See `DPQuery.accumulate_preprocessed_record`: appends the record (mask 1)."""
+    """See `DPQuery.accumulate_preprocessed_record`: appends the record (mask 1).
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      preprocessed_record: one record as `preprocess_record` returned it (clipped).
+    """
     records, mask = sample_state
     return (tf.concat([records, preprocessed_record[None]], 0),
             tf.concat([mask, tf.ones([1])], 0))
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """See `DPQuery.accumulate_records`: appends the records [M, d] and their mask [M]."""
+    """See `DPQuery.accumulate_records`: appends the records [M, d] and their mask [M].
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      sample_state: the sample state accumulated over the records of this sample.
+      records: a batch of records: a nest of tensors with a leading record axis.
+      mask: None, or a [num_records] tensor: 1 for a real record, 0 for padding (not counted).
+    """
     records = tf.convert_to_tensor(records, tf.float32)
     if mask is None:
       mask = tf.ones(tf.shape(records)[:1], tf.float32)
@@ -125,7 +148,12 @@ class MedianNormClipSumQuery(dpq.DPQuery):
             tf.concat([old_mask, tf.cast(mask, tf.float32)], 0))
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """See `DPQuery.merge_sample_states`: concatenates the kept records and masks."""
+    """See `DPQuery.merge_sample_states`: concatenates the kept records and masks.
+
+    Args:
+      sample_state_1: a sample state (the sum over some of the records).
+      sample_state_2: another sample state, of the other records.
+    """
     records_1, mask_1 = sample_state_1
     records_2, mask_2 = sample_state_2
     return tf.concat([records_1, records_2], 0), tf.concat([mask_1, mask_2], 0)
@@ -135,7 +163,9 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     """Clips every kept record to the median of their norms.
 
     Args:
-      records: float32 [n, d]; mask: [n] 0/1.
+      records: float32 [n, d].
+      mask: [n] 0/1.
+
     Returns:
       (clipped records [n, d], median S): each row scaled by min(1, S / ||row||); rows with
       mask 0 are zeroed; rows with norm > S end with norm exactly S.
@@ -146,7 +176,13 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return records * (factor * tf.cast(mask, tf.float32))[:, None], s
 
   def get_noised_result(self, sample_state, global_state):
-    """Clips the kept records to their median norm S_t, adds N(0, (z S_t)^2) to the sum."""
+    """Clips the kept records to their median norm S_t, adds N(0, (z S_t)^2) to the sum.
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     records, mask = sample_state
     has_records = tf.reduce_sum(mask) > 0
     clipped, median = self.clip_to_median(records, mask)
@@ -158,7 +194,12 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return result, new_state, (dpq.GaussianSumEvent(clip, stddev),)
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"clip": the last S_t}."""
+    """See `DPQuery.derive_metrics`: {"clip": the last S_t}.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return collections.OrderedDict(clip=global_state.l2_norm_clip)
 
 
@@ -170,10 +211,13 @@ def set_noise_multiplier(query, global_state, noise_multiplier):
   the no-privacy queries (z must be 0).
 
   Args:
-    query: the inner DPQuery of a round; global_state: its current global state.
+    query: the inner DPQuery of a round.
+    global_state: its current global state.
     noise_multiplier: z >= 0, finite.
+
   Returns:
     the new global state (same structure).
+
   Raises:
     PrivacyConfigError: a bad z, z != 0 for a no-privacy query, or a query of another kind.
   """
@@ -210,12 +254,15 @@ def make_query(kind="quantile", noise_multiplier=1.0, clients_per_round=100, l2_
     noise_multiplier: z, the total noise multiplier of a round (Eq. (1) of McMahan et al. 2018).
     clients_per_round: m, the expected records per sample (the quantile's denominator).
     l2_norm_clip: S (the initial clip for "quantile" and "median").
-    target_unclipped_quantile, clip_learning_rate: the quantile's gamma and eta.
+    target_unclipped_quantile: the quantile's gamma and eta.
+    clip_learning_rate: the quantile's gamma and eta.
     clipped_count_stddev: the count noise sigma_b; default max(m / 20, z) (Andrew et al.
       suggest m / 20; at least z so that the count takes <= 1/4 of the budget).
     seed: fixes the noise (tests only: not private).
+
   Returns:
     a DPQuery.
+
   Raises:
     PrivacyConfigError: an unknown kind or a bad value.
   """

@@ -104,7 +104,9 @@ def update_statistics(records, mask):
   V_c = (1/qp) sum_ij Var_k[Delta w_ij]; U_s = (1/qp) sum_ij mu_ij^2, mu = mean_k Delta w.
 
   Args:
-    records: float32 [M, d] client updates; mask: [M] 0/1 weights of the accepted rows.
+    records: float32 [M, d] client updates.
+    mask: [M] 0/1 weights of the accepted rows.
+
   Returns:
     (V_c, U_s), scalar float32 tensors.
   """

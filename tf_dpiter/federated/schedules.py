@@ -22,8 +22,10 @@ def as_schedule(name, value, integer=False):
     value: a number (constant), a sequence (value[t-1], the last entry held after its end)
       or a callable of the round.
     integer: values must be ints (floats with an integral value are accepted).
+
   Returns:
     schedule(t) -> an int (integer=True) or a finite float.
+
   Raises:
     ParameterTypeError: `value` is none of the above (at once), or a scheduled value is not
       an int when `integer` (when called).
@@ -61,11 +63,14 @@ def linear_schedule(start, end, rounds, integer=False):
   """`start` at round 1, moving linearly to `end` at round `rounds`, then held.
 
   Args:
-    start, end: the values at rounds 1 and `rounds`.
+    start: the values at rounds 1 and `rounds`.
+    end: the values at rounds 1 and `rounds`.
     rounds: an int >= 1.
     integer: round every value to the nearest int.
+
   Returns:
     fn(t), for `as_schedule` or DPFedAvg's clients_per_round / noise_multiplier.
+
   Raises:
     PrivacyConfigError: rounds < 1.
   """
@@ -91,6 +96,7 @@ class RoundSchedule:
       integer values).
     noise_multiplier: sigma_t: None (keep the query's own z), a number, a sequence or a
       callable of the round.
+
   Raises:
     ParameterTypeError, PrivacyConfigError: as `as_schedule`.
   """
@@ -105,8 +111,10 @@ class RoundSchedule:
 
     Args:
       t: the round, from 1.
+
     Returns:
       an int.
+
     Raises:
       ParameterTypeError: the schedule gives a non-int.
     """
@@ -117,8 +125,10 @@ class RoundSchedule:
 
     Args:
       t: the round, from 1.
+
     Returns:
       a finite float, or None when the query keeps its own.
+
     Raises:
       PrivacyConfigError: the schedule gives a non-finite value.
     """

@@ -39,9 +39,11 @@ class DPServer:
   Args:
     query: the inner DPQuery (records: flat updates [d]).
     initial_weights: flat float32 vector w_0 [d].
-    population_size: K; clients_per_round: m of the first round (for the ledger).
+    population_size: K.
+    clients_per_round: m of the first round (for the ledger).
     sampling, fixed_epsilon, max_delta, fixed_delta, max_epsilon, accountant,
-    server_learning_rate, server_momentum: as in `DPFedAvg`.
+    server_learning_rate: as in `DPFedAvg`.
+    server_momentum: as in `DPFedAvg`.
 
   Attributes:
     weights: the server model w_t, a float32 variable [d].
@@ -113,9 +115,12 @@ class DPServer:
     """m as an int, checked.
 
     Args:
-      m: the clients of a round; t: the round (for the message).
+      m: the clients of a round.
+      t: the round (for the message).
+
     Returns:
       int(m).
+
     Raises:
       PrivacyConfigError: m is not an int in [1, K].
     """
@@ -128,10 +133,13 @@ class DPServer:
     """Sets the ledger's sampling (n = K, q = m/K, sample size m) and sigma_t for a round.
 
     Args:
-      m: the clients of the round; noise_multiplier: sigma_t, or None to keep the query's;
+      m: the clients of the round.
+      noise_multiplier: sigma_t, or None to keep the query's.
       t: the round (for messages).
+
     Returns:
       m, checked.
+
     Raises:
       PrivacyConfigError: a bad m or noise multiplier.
     """
@@ -207,6 +215,7 @@ class DPServer:
 
     Args:
       m: the clients of the round.
+
     Returns:
       a `lookahead.PlannedSample` (n = K, q = m/K, the planned events, the policy).
     """
@@ -218,7 +227,9 @@ class DPServer:
     """Accounts the ledger plus a planned round of m clients (`lookahead.report_after`).
 
     Args:
-      m: the clients of the next round; t: its number (for the message).
+      m: the clients of the next round.
+      t: its number (for the message).
+
     Returns:
       a reason string when the round would pass max_delta (at fixed_epsilon) or max_epsilon
       (at fixed_delta), else None.
@@ -265,6 +276,7 @@ class DPServer:
 
     Args:
       records: float [M, d] client updates.
+
     Returns:
       (records with non-finite rows zeroed, float mask [M] of accepted rows, rejected count).
     """
@@ -280,7 +292,10 @@ class DPServer:
     v <- beta v + update; w <- w + eta_s v.
 
     Args:
-      records: float32 [M, d]; mask: [M] 0/1 weights; m: m_t, the denominator.
+      records: float32 [M, d].
+      mask: [M] 0/1 weights.
+      m: m_t, the denominator.
+
     Returns:
       the update (noised sum / m_t), a float32 tensor [d].
     """
@@ -295,6 +310,7 @@ class DPServer:
 
     Args:
       diagnostics: whether V_c and U_s were computed (adds a warning: they are not private).
+
     Returns:
       (guarantee_holds, statement, warnings): False for median clipping or a non-private
       query; the accountant's statement on the ledger; what the statement does not cover.

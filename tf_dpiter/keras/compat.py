@@ -82,8 +82,10 @@ def compute_eps_poisson(epoch, noise_multi, n, batch_size, delta):
     n: records.
     batch_size: the expected batch size B.
     delta: in (0, 1).
+
   Returns:
     the GDP epsilon, a float (an approximation: it can be below the true epsilon).
+
   Warns:
     UserWarning: on every call, naming the value as approximate (a float cannot carry the
       label) and the accountants that give a bound.

@@ -31,6 +31,7 @@ def mlp_layers(hidden=512):
 
   Args:
     hidden: width of the hidden layer.
+
   Returns:
     a list of keras layers, starting with keras.Input((784,)).
   """
@@ -46,6 +47,7 @@ def transformer_encoder(vocab_size=10000, seq_len=128, width=128, heads=4, block
     vocab_size, seq_len: token ids in [0, vocab_size), sequences of seq_len.
     width, heads, blocks: model width, attention heads per block, encoder blocks.
     num_classes: logits out.
+
   Returns:
     a keras.Model (int32 [B, seq_len] -> [B, num_classes]).
   """

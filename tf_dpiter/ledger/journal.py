@@ -62,7 +62,11 @@ class LedgerJournal:
     return self._written
 
   def read(self):
-    """(samples, queries, passes) of everything in the file; ValueError if it was altered."""
+    """(samples, queries, passes) of everything in the file, checked against alteration.
+
+    Raises:
+      ParameterValueError: a line that is not JSON, or a file that was altered.
+    """
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
     self._iterations, self._chunk_iterations = None, set()
@@ -125,8 +129,10 @@ class LedgerJournal:
 
     Args:
       iterations: int, the restored model's optimizer iterations.
+
     Returns:
       None.
+
     Raises:
       PrivacyConfigError: the journal ends before `iterations`, or no chunk recorded
         `iterations` (the message says what to do).
@@ -165,8 +171,10 @@ class LedgerJournal:
         ends before them is refused (`check_covers`). None skips that check (e.g. when the
         model is restored later, as keras.callbacks.BackupAndRestore does; the Keras
         callback checks before the first step).
+
     Returns:
       int, the samples in the journal.
+
     Raises:
       ValueError: the journal was altered, or it ends before `iterations`.
     """
@@ -183,6 +191,7 @@ class LedgerJournal:
       ledger: the PrivacyLedger to journal.
       iterations: optional int, the optimizer's iterations now (the steps the model has
         taken), written into the chunk so a resume can tell a cut journal (`check_covers`).
+
     Returns:
       int, samples written by this append (0 if nothing new).
     """
@@ -232,6 +241,7 @@ def journal_arrays(path, key=None):
   Args:
     path: path of the journal file.
     key: optional HMAC key to verify with.
+
   Returns:
     Tuple (samples, queries, passes): two numpy arrays and the int pass count.
   """

@@ -53,6 +53,7 @@ def sign(d, key=None):
     d: JSON-able dict; any existing signature fields are dropped.
     key: optional HMAC key; None signs with the SHA-256 digest only, which detects
       accidental changes, not forgery (anyone can recompute it): give a key for that.
+
   Returns:
     A new dict: `d` plus "digest" ("sha256:...") and, with `key`, "hmac" ("hmac-sha256:...").
   """
@@ -71,8 +72,10 @@ def verify(d, key=None, what="ledger"):
     d: a signed dict, as returned by `sign`.
     key: optional HMAC key; when given, the HMAC is checked too.
     what: str naming `d` in error messages.
+
   Returns:
     None.
+
   Raises:
     ValueError: if the digest does not match, or with `key`, the HMAC is missing or wrong.
       Without `key` a forged dict whose digest was recomputed passes: a digest is no MAC.
@@ -126,6 +129,7 @@ def arrays_to_dict(samples, queries, passes=0, key=None):
     queries: ledger query array (rows of QUERY_COLUMNS).
     passes: int, the ledger's pass count.
     key: optional HMAC key (see `sign`).
+
   Returns:
     The signed dict (see `runs_to_dict`).
   """
@@ -142,8 +146,10 @@ def runs_to_dict(runs, passes=0, key=None):
   Args:
     runs: [(count, sample_row, query_rows)]. passes: shuffled passes / epochs started.
     key: optional HMAC key (str or bytes).
+
   Returns:
     the signed dict.
+
   Raises:
     ValueError: a run fails the checks of `records.validate_arrays`.
   """
@@ -228,8 +234,10 @@ def dict_to_runs(d, key=None):
 
   Args:
     d: the dict. key: the HMAC key it was signed with, or None.
+
   Returns:
     (runs, passes).
+
   Raises:
     ValueError: a bad header, digest or HMAC, or a malformed or invalid run or selection.
   """
@@ -264,6 +272,7 @@ def dict_to_arrays(d, key=None):
   Args:
     d: a ledger dict, as written by `arrays_to_dict`.
     key: optional HMAC key to verify with.
+
   Returns:
     Tuple (samples, queries, passes): the two numpy arrays and the int pass count.
   """
@@ -278,8 +287,10 @@ def loads(text, key=None):
   Args:
     text: str, the ledger JSON.
     key: optional HMAC key to verify with.
+
   Returns:
     Tuple (samples, queries, passes), as `dict_to_arrays`.
+
   Raises:
     ValueError: if the JSON cannot be parsed, or the ledger is malformed or fails verification.
   """
@@ -296,8 +307,10 @@ def load(path, key=None):
   Args:
     path: path of the ledger JSON file.
     key: optional HMAC key to verify with.
+
   Returns:
     Tuple (samples, queries, passes), as `dict_to_arrays`.
+
   Raises:
     ValueError: if the file cannot be read, or its content is malformed or fails verification.
   """

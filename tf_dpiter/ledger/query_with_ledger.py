@@ -30,8 +30,10 @@ def check_sample_size(sample_size):
 
   Args:
     sample_size: the batch size of a sampling declaration.
+
   Returns:
     float(sample_size), or a tensor unchanged (checked by the policy when it is read).
+
   Raises:
     ParameterTypeError: `sample_size` is not a number (None, a string, a bool).
     PrivacyConfigError: `sample_size` is negative, NaN or infinite.
@@ -64,6 +66,7 @@ class QueryWithLedger(dp_query.DPQuery):
       policy: one of ledger.POLICIES.
       sample_size: the batch size (required in [1, n] for fixed_size and shuffle).
       examples_per_record: k, the microbatch size (1: a record is an example).
+
     Raises:
       ParameterTypeError: `query` is not a DPQuery.
       ValueError (PrivacyConfigError for the ranges): a bad value, or k > 1 under an
@@ -117,6 +120,7 @@ class QueryWithLedger(dp_query.DPQuery):
 
     Args:
       config: a dict from get_config.
+
     Returns:
       a QueryWithLedger.
     """
@@ -161,9 +165,12 @@ class QueryWithLedger(dp_query.DPQuery):
     A change of examples_per_record takes effect at the next trace of a tf.function.
 
     Args:
-      population_size: n > 0; selection_probability: q in (0, 1];
-      sample_size: the batch size (required in [1, n] for fixed_size and shuffle; None keeps
-        the current one); examples_per_record: k >= 1 (None keeps it).
+      population_size: n > 0.
+      selection_probability: q in (0, 1].
+      sample_size: the batch size (required in [1, n] for fixed_size and shuffle; None keeps the
+        current one).
+      examples_per_record: k >= 1 (None keeps it).
+
     Raises:
       PrivacyConfigError: a value out of range, or k > 1 under an add/remove policy.
     """
@@ -182,35 +189,77 @@ class QueryWithLedger(dp_query.DPQuery):
     return self._query.initial_global_state()
 
   def derive_sample_params(self, global_state):
-    """The wrapped query's sample params of `global_state`."""
+    """The wrapped query's sample params of `global_state`.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return self._query.derive_sample_params(global_state)
 
   def initial_sample_state(self, template):
-    """The wrapped query's empty sample state shaped like `template`."""
+    """The wrapped query's empty sample state shaped like `template`.
+
+    Args:
+      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
+        record.
+    """
     return self._query.initial_sample_state(template)
 
   def preprocess_record(self, params, record):
-    """The wrapped query's preprocessing (clipping) of one record."""
+    """The wrapped query's preprocessing (clipping) of one record.
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      record: one record: a nest of tensors with the structure of the template.
+    """
     return self._query.preprocess_record(params, record)
 
   def record_clip_factors(self, params, record_norms):
-    """The wrapped query's clip factors for per-record norms computed elsewhere."""
+    """The wrapped query's clip factors for per-record norms computed elsewhere.
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+    """
     return self._query.record_clip_factors(params, record_norms)
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """The wrapped query's accumulation of a batch of records (mask: 0 for padding)."""
+    """The wrapped query's accumulation of a batch of records (mask: 0 for padding).
+
+    Args:
+      params: the sample params (`derive_sample_params` of the global state).
+      sample_state: the sample state accumulated over the records of this sample.
+      records: a batch of records: a nest of tensors with a leading record axis.
+      mask: None, or a [num_records] tensor: 1 for a real record, 0 for padding (not counted).
+    """
     return self._query.accumulate_records(params, sample_state, records, mask)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """The wrapped query's accumulation of one preprocessed record."""
+    """The wrapped query's accumulation of one preprocessed record.
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      preprocessed_record: one record as `preprocess_record` returned it (clipped).
+    """
     return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """The wrapped query's merge of two sample states."""
+    """The wrapped query's merge of two sample states.
+
+    Args:
+      sample_state_1: a sample state (the sum over some of the records).
+      sample_state_2: another sample state, of the other records.
+    """
     return self._query.merge_sample_states(sample_state_1, sample_state_2)
 
   def get_noised_result(self, sample_state, global_state):
-    """The inner query's result; records the sample (n, q, policy, events) in the ledger."""
+    """The inner query's result; records the sample (n, q, policy, events) in the ledger.
+
+    Args:
+      sample_state: the sample state accumulated over the records of this sample.
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     result, new_state, events = self._query.get_noised_result(sample_state, global_state)
     count = self.record(events)
     with tf.control_dependencies([count]):
@@ -226,6 +275,7 @@ class QueryWithLedger(dp_query.DPQuery):
 
     Args:
       events: the tuple of privacy events of one noised result.
+
     Returns:
       the ledger's new sample count (int64 tensor).
     """
@@ -234,5 +284,10 @@ class QueryWithLedger(dp_query.DPQuery):
                                       examples_per_record=self._examples_per_record)
 
   def derive_metrics(self, global_state):
-    """The wrapped query's metrics of `global_state`."""
+    """The wrapped query's metrics of `global_state`.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return self._query.derive_metrics(global_state)

@@ -45,10 +45,12 @@ def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
     population_size: the number of scoring examples.
     noise_multiplier: z > 0, the noise standard deviation in counts.
     rng: a numpy Generator (default: a fresh one seeded from the OS).
+
   Returns:
     the noisy count (float).
+
   Raises:
-    ValueError: z <= 0, population_size <= 0, or count outside [0, population_size].
+    ParameterValueError: z <= 0, population_size <= 0, or count outside [0, population_size].
   """
   validation.check_positive("noise_multiplier", noise_multiplier)
   validation.check_positive("population_size", population_size)
@@ -63,7 +65,8 @@ def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
 
 def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier=None):
   """dp-accounting event of one trial: `steps` Poisson-sampled Gaussian steps (rate q,
-  multiplier z), then, if given, the noisy score (Gaussian mechanism of multiplier z_s)."""
+  multiplier z), then, if given, the noisy score (Gaussian mechanism of multiplier z_s).
+  """
   train = dpa.SelfComposedDpEvent(
       dpa.PoissonSampledDpEvent(sampling_probability, dpa.GaussianDpEvent(noise_multiplier)),
       int(steps))
@@ -74,7 +77,8 @@ def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multi
 
 def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape, delta,
                       score_noise_multiplier=None):
-  """Epsilon at `delta` of releasing the best of K trials (RDP; Papernot and Steinke)."""
+  """Epsilon at `delta` of releasing the best of K trials (RDP; Papernot and Steinke).
+  """
   event = trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier)
   accountant = dpa.rdp.RdpAccountant()
   accountant.compose(dpa.dp_event.RepeatAndSelectDpEvent(event, float(mean), float(shape)))
@@ -91,13 +95,18 @@ def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, sh
   float32, still reports at most the target.
 
   Args:
-    epsilon: target epsilon of the whole selection. delta: its delta.
-    sampling_probability: q in (0, 1]. steps: DP-SGD steps of one trial.
-    mean, shape: the distribution of the number of trials (`num_trials_distribution`).
+    epsilon: target epsilon of the whole selection.
+    delta: its delta.
+    sampling_probability: q in (0, 1].
+    steps: DP-SGD steps of one trial.
+    mean: the distribution of the number of trials (`num_trials_distribution`).
+    shape: the distribution of the number of trials (`num_trials_distribution`).
     score_noise_multiplier: z_s of each trial's noisy score, or None (no score in the ledger).
     tolerance: relative precision of z.
+
   Returns:
     z (float).
+
   Raises:
     PrivacyConfigError: the target cannot be met with any z (the score and the selection
       alone cost more than `epsilon`).

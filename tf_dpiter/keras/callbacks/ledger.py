@@ -49,8 +49,10 @@ def check_ledger_covers(model, ledger=None):
   Args:
     model: a compiled DP keras.Model.
     ledger: its ledger (default: `model_ledger(model)`).
+
   Returns:
     None.
+
   Raises:
     ValueError: optimizer iterations > ledger samples (the message says how to supply it).
   """
@@ -140,7 +142,11 @@ class LedgerJournal(keras.callbacks.Callback):
 
   def on_train_begin(self, logs=None):
     """keras.callbacks.Callback.on_train_begin: opens the journal and resumes the ledger
-    from it (`resumed` holds the number of samples read back)."""
+    from it (`resumed` holds the number of samples read back).
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
     self._journal = ledger_lib.LedgerJournal(self.path, key=self.key)
     self.resumed = self._journal.resume(model_ledger(self.model))
@@ -152,15 +158,29 @@ class LedgerJournal(keras.callbacks.Callback):
 
   def on_train_batch_begin(self, batch, logs=None):
     """keras.callbacks.Callback.on_train_batch_begin: before the first step, refuses a
-    journal that ends before the (restored) model's optimizer iterations."""
+    journal that ends before the (restored) model's optimizer iterations.
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     if not self._checked and self._journal is not None:
       self._checked = True
       self._journal.check_covers(model_iterations(self.model))
 
   def on_train_batch_end(self, batch, logs=None):
-    """keras.callbacks.Callback.on_train_batch_end: appends the new step to the journal."""
+    """keras.callbacks.Callback.on_train_batch_end: appends the new step to the journal.
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._append()
 
   def on_train_end(self, logs=None):
-    """keras.callbacks.Callback.on_train_end: appends what is not journaled yet."""
+    """keras.callbacks.Callback.on_train_end: appends what is not journaled yet.
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._append()

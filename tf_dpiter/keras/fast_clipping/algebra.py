@@ -17,6 +17,7 @@ def static_dim(x, axis):
   Args:
     x: a tensor.
     axis: an axis of x.
+
   Returns:
     int or None.
   """
@@ -29,6 +30,7 @@ def regroup_btk(x):
 
   Args:
     x: [B, T, K] with B a multiple of k (k from the caller's record grouping).
+
   Returns:
     [B/k, k*T, K] tensor.
   """
@@ -46,6 +48,7 @@ def zeros(dz):
 
   Args:
     dz: a [B, ...] tensor whose records (k examples each) the norm runs over.
+
   Returns:
     [B/k] float32 zeros.
   """
@@ -94,6 +97,7 @@ def gram_sqr_norm(a, b):
   Args:
     a: [B, T, K] layer inputs.
     b: [B, T, N] output gradients.
+
   Returns:
     [B] float32 squared per-example gradient norms ||a^T b||_F^2.
   """
@@ -107,6 +111,7 @@ def to_btk(x):
 
   Args:
     x: [B, d1, ..., dm, K] tensor.
+
   Returns:
     [B, T, K] tensor.
   """
@@ -127,6 +132,7 @@ def static_positions(dims):
 
   Args:
     dims: a TensorShape (or list of ints / None).
+
   Returns:
     int.
   """
@@ -139,6 +145,7 @@ def finite_float32(t):
 
   Args:
     t: a tensor.
+
   Returns:
     float32 tensor of t's shape.
   """
@@ -151,6 +158,7 @@ def sqr_sum(x):
 
   Args:
     x: [B, ...] tensor.
+
   Returns:
     [B] float32.
   """
@@ -164,6 +172,7 @@ def rows(f, like):
   Args:
     f: [B] tensor.
     like: [B, ...] tensor of known rank.
+
   Returns:
     f reshaped to [B, 1, ..., 1] (like's rank).
   """
@@ -182,6 +191,7 @@ def factor_product(factors, g):
   Args:
     factors: [R] float32, c_i.
     g: [R, ...] float32, g_i.
+
   Returns:
     float32 tensor of shape g.shape[1:].
   """
@@ -206,6 +216,7 @@ def plain_layer(layer):
 
   Args:
     layer: a Keras layer.
+
   Returns:
     bool.
   """
@@ -218,6 +229,7 @@ def trainable(v):
 
   Args:
     v: a variable or None.
+
   Returns:
     bool.
   """

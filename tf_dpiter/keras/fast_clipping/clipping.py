@@ -199,8 +199,10 @@ def gaussian_clip_factors(l2_norm_clip):
 
   Args:
     l2_norm_clip: C > 0, finite (a number or a float tensor).
+
   Returns:
     a callable [R] float32 norms -> [R] float32 factors.
+
   Raises:
     ValueError: C is a number that is not positive and finite.
   """

@@ -48,6 +48,7 @@ def computes_in_16_bits(layer):
 
   Args:
     layer: a Keras layer.
+
   Returns:
     bool.
   """
@@ -177,8 +178,10 @@ def plan(model, grouped=False):
       does not honour registry.examples_per_record take the vectorized path, as
       do 16-bit layers whose norm function is neither registry.float32_watched
       nor registry.float32_sums.
+
   Returns:
     a list of Unit whose variables are exactly model.trainable_variables, each once.
+
   Raises:
     ValueError: unbuilt model, a batch-coupled layer with trained variables, an
       unregistered layer with internal dropout, a variable shared by two units,
@@ -245,6 +248,7 @@ def unregistered_layers(model):
 
   Args:
     model: a built keras.Model.
+
   Returns:
     list of layer names (str).
   """

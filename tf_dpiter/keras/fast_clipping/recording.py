@@ -21,6 +21,7 @@ def install(units):
 
   Args:
     units: the plan's units (layers with their norm functions).
+
   Returns:
     tokens for `uninstall`.
   """
@@ -54,6 +55,7 @@ def uninstall(installed):
 
   Args:
     installed: the tokens `install` returned.
+
   Returns:
     None.
   """

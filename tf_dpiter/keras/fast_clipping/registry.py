@@ -149,6 +149,7 @@ def keep_per_example(num_entries):
 
   Args:
     num_entries: entries of one per-example gradient.
+
   Returns:
     bool.
   """
@@ -189,6 +190,7 @@ def record_sum(t):
 
   Args:
     t: [B, ...] per-example tensor, B a multiple of the record size k.
+
   Returns:
     [B/k, ...] tensor.
   """
@@ -205,6 +207,7 @@ def supports_records(fn):
 
   Args:
     fn: a norm function.
+
   Returns:
     fn, marked.
   """
@@ -255,6 +258,7 @@ def lookup(layer):
 
   Args:
     layer: a Keras layer.
+
   Returns:
     the registered norm function, or None.
   """

@@ -119,6 +119,7 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
       finite: the per-record gradients at hand are then summed by one matrix-vector
       product each (else, or when None, row by row, 0 for a record with c = 0); FactorSums
       rules receive it.
+
   Returns:
     {id(variable): clipped sum tensor}.
   """
@@ -145,8 +146,10 @@ def two_pass_sum(units, losses, example_factors, tape):
   Args:
     units: the plan's units; losses: [B] weighted losses; example_factors: [B] c_i;
     tape: the persistent tape of the forward pass.
+
   Returns:
     {id(variable): clipped sum tensor}.
+
   Raises:
     ValueError: a unit computes in 16 bits.
   """
@@ -166,6 +169,7 @@ def dense_result(model, result):
 
   Args:
     model: the keras.Model; result: {id(variable): clipped sum}.
+
   Returns:
     a list of tensors, one per trainable variable (float32 for 16-bit variables).
   """

@@ -90,6 +90,7 @@ class AugmentationMultiplicity(keras.Model):
         the view's index 0..K-1 (a Python int; random augmentations may ignore it).
       k: K >= 1, views per example.
       **kwargs: keras.Model arguments.
+
     Raises:
       ValueError: K not a positive int, augment_fn not callable, model not a built Model.
     """
@@ -147,6 +148,7 @@ class AugmentationMultiplicity(keras.Model):
 
     Args:
       base_loss: a Keras loss (instance or name).
+
     Returns:
       a ViewMeanLoss.
     """
@@ -164,6 +166,7 @@ def augmentation_multiplicity(model, augment_fn, k):
     augment_fn: (x [B, ...], view) -> [B, ...], one view per example (`view` in 0..K-1; the
       function may be random and ignore it).
     k: views per example (K >= 1).
+
   Returns:
     an AugmentationMultiplicity made private (`make_private`).
   """

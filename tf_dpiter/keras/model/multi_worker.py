@@ -121,6 +121,7 @@ def synchronize_noise(strategy, optimizer):
   Args:
     strategy: the MultiWorkerMirroredStrategy.
     optimizer: a tf_dpiter DP optimizer.
+
   Raises:
     ValueError: secure_mode (os.urandom has no state to share), or a query without a
       `noise_generator`.

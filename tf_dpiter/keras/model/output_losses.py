@@ -52,6 +52,7 @@ def silenced(model, data):
   Args:
     model: a compiled keras.Model.
     data: the batch (x, y[, sample_weight]), tensors.
+
   Yields:
     None.
   """

@@ -113,10 +113,13 @@ def run_statement(model, delta, accountant="rdp"):
     model: a DP keras.Model (or a DP optimizer: anything with a `ledger`).
     delta: in (0, 1).
     accountant: "rdp" or "pld" (dp-accounting, upper bounds), or "gdp" (an approximation).
+
   Returns:
     a RunStatement (print it for the multi-line statement).
+
   Warns:
     UserWarning: delta >= 1/n for the ledger's population n.
+
   Raises:
     ValueError: the ledger has no private step yet (`model.ledger` is empty), a bad delta or
       accountant (named), or a ledger that cannot be accounted soundly.
@@ -173,6 +176,7 @@ def warn_if_past_target(model):
 
   Args:
     model: a DP model whose optimizer may carry `calibration` (the calibration's inputs).
+
   Returns:
     the ledger's epsilon when it exceeds the target (a warning was issued), else None.
   """
@@ -197,6 +201,7 @@ def past_target_message(ledger, calib, report):
     calib: the optimizer's `calibration` dict (epsilon, delta, steps, batch_size,
       population_size, sampling, noise_multiplier).
     report: the ledger's PrivacyReport at the calibration's delta.
+
   Returns:
     str.
   """

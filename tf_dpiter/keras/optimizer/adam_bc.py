@@ -47,6 +47,7 @@ class AdamBC(keras.optimizers.Adam):
         step (only for the DP class, DPKerasAdamBCOptimizer).
       variance_floor: gamma' > 0, the floor of v^ - Phi.
       name, **kwargs: as keras.optimizers.Adam (amsgrad is not supported).
+
     Raises:
       ValueError: a negative or non-finite Phi, gamma' <= 0, amsgrad=True, or Phi=None on a
         non-DP AdamBC.
@@ -77,7 +78,8 @@ class AdamBC(keras.optimizers.Adam):
     return dp_noise_variance(self)
 
   def update_step(self, gradient, variable, learning_rate):
-    """One DP-AdamBC step of `variable` (module docstring, Algorithm 1)."""
+    """One DP-AdamBC step of `variable` (module docstring, Algorithm 1).
+    """
     dtype = variable.dtype
     lr = tf.cast(learning_rate, dtype)
     gradient = tf.cast(gradient, dtype)
@@ -109,8 +111,10 @@ def dp_noise_variance(opt):
 
   Args:
     opt: a tf_dpiter DP optimizer.
+
   Returns:
     the float32 tensor Phi.
+
   Raises:
     ValueError: correlated noise (noise != "iid": the per-step noise is not N(0, sigma^2)
       i.i.d.), microbatches, or a custom dp_query without a `stddev`.

@@ -22,10 +22,13 @@ def calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampli
   Args:
     epsilon, delta, epochs, batch_size, population_size, sampling, accountant,
       num_microbatches: as DPOptimizerBase.from_budget. who: the log line's caller name.
+
   Returns:
     (z, dict of the calibration's inputs and result).
+
   Warns:
     UserWarning: delta >= 1/population_size (`accountant.warn_if_delta_too_large`).
+
   Raises:
     BudgetConfigError: batch_size larger than population_size (names both values), or
       accountant="gdp" (an approximation: a calibration needs an upper bound, "pld" or "rdp").
@@ -61,6 +64,7 @@ def fit_steps(population_size, batch_size, epochs, sampling):
     batch_size: B, the expected batch size.
     epochs: E (whole or fractional).
     sampling: the ledger policy of the calibration ("poisson", "shuffle", "fixed_size").
+
   Returns:
     T, an int >= 1.
   """
@@ -83,8 +87,10 @@ def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population
     l2_norm_clip: the clipping norm S.
     dp_kwargs: dict of the other DP optimizer arguments.
     who: the caller's public name (messages and the log line).
+
   Returns:
     the DP optimizer, its calibration in `.calibration`.
+
   Raises:
     ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
   """

@@ -132,6 +132,7 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
     num_records_static: M if static, else None (under XLA the compiled program still sees
       the batch's size).
     multiple: chunk sizes are multiples of it.
+
   Returns:
     None, an int (equal chunks), a TailChunks or a PaddedTail.
   """

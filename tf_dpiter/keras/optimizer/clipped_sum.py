@@ -61,6 +61,7 @@ def accumulate(query, params, sample_state, grads, record_mask):
     query: the DPQuery (its preprocess_record clips). params: its sample params.
     sample_state: the sum so far. grads: per-record gradients, each [M, ...].
     record_mask: [M] 0/1, the real records.
+
   Returns:
     the new sample state.
   """

@@ -26,6 +26,7 @@ def count_overflowed(counter, finite, record_mask):
     counter: the int64 tf.Variable of overflowed records.
     finite: [R] bool, whether each record's gradient was finite.
     record_mask: [R] 0/1, the real records.
+
   Returns:
     a list of control dependencies for the accumulation.
   """
@@ -53,6 +54,7 @@ def noised_across_replicas(sample_state, num_records, noise_and_record):
   Args:
     sample_state: this replica's clipped sum. num_records: its records (float32).
     noise_and_record: sample_state -> noised result (and the ledger write).
+
   Returns:
     (noised result, records of the whole batch, replicas in sync).
   """
@@ -76,8 +78,10 @@ def restore_global_state(saved, flat_init):
   Args:
     saved: None, or the config's "dp_global_state" (a list of nested lists).
     flat_init: the query's flattened initial global state (tensors).
+
   Returns:
     a list of tensors like flat_init.
+
   Raises:
     ValueError: the saved state does not match the query's (count or shapes).
   """

@@ -67,6 +67,7 @@ def masked_record_mean(values, example_mask):
   Args:
     values: [..., k] float tensor, one value per example of each record.
     example_mask: [..., k] 0/1 mask.
+
   Returns:
     [...] means, in values' dtype.
   """
@@ -80,6 +81,7 @@ def example_mask_from_weights(sample_weight, batch_size):
   Args:
     sample_weight: None (all ones) or a nest of [B, ...] weights.
     batch_size: B, an int or scalar int tensor.
+
   Returns:
     a [B] float32 tensor.
   """
@@ -170,6 +172,7 @@ def fast_path_obstacle(model):
 
   Args:
     model: a keras.Model, or None.
+
   Returns:
     None, or a sentence naming the obstacle.
   """

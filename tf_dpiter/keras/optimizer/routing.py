@@ -70,6 +70,7 @@ def onednn_affected_layers(model):
 
   Args:
     model: a keras.Model, or None.
+
   Returns:
     a tuple of layer names.
   """
@@ -84,6 +85,7 @@ def use_vectorized_map(model):
 
   Args:
     model: a keras.Model, or None (True).
+
   Returns:
     bool.
   """
@@ -104,6 +106,7 @@ def loss_scale(model):
 
   Args:
     model: a keras.Model (its compute_dtype decides).
+
   Returns:
     the scale, a float.
   """

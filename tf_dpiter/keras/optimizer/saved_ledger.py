@@ -36,8 +36,10 @@ def check_counts(iterations, samples):
   Args:
     iterations: int, the optimizer's iterations (steps taken).
     samples: int, the ledger's samples.
+
   Returns:
     None.
+
   Raises:
     ValueError: samples < iterations (the message says how to supply the ledger).
   """
@@ -57,8 +59,10 @@ def require_covers(opt):
 
   Args:
     opt: a DP optimizer.
+
   Returns:
     None.
+
   Raises:
     ValueError: its iterations exceed its ledger's samples.
   """
@@ -76,8 +80,10 @@ def arrays_of_config(d):
 
   Args:
     d: the signed ledger dict.
+
   Returns:
     the arrays and the pass count.
+
   Raises:
     ValueError: the dict is malformed or altered (names the config field).
   """
@@ -92,6 +98,7 @@ def config_ledger(opt):
 
   Args:
     opt: a DP optimizer.
+
   Returns:
     a ledger dict, or None when there is no ledger or it holds no sample and no pass.
   """
@@ -148,8 +155,10 @@ def restore_ledger(opt, ledger, key=None):
     ledger: a PrivacyLedger, a signed ledger dict, or the path of a ledger JSON file
       (`PrivacyLedger.save_json`, `callbacks.LedgerExport`).
     key: the HMAC key the dict or file was signed with, or None (digest only).
+
   Returns:
     `opt.ledger`, now charging `ledger`'s samples and passes.
+
   Raises:
     ParameterValueError: the file or dict is malformed or fails verification.
     PrivacyConfigError: it holds fewer samples than the optimizer's iterations, or its last
@@ -209,8 +218,10 @@ def split_store(store):
 
   Args:
     store: the weights-store entry.
+
   Returns:
     (dict of the other entries, arrays or None).
+
   Raises:
     ParameterValueError: the carried arrays are malformed.
   """

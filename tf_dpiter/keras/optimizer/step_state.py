@@ -87,6 +87,7 @@ class StepState:
 
     Args:
       initial: the query's initial global state (a nest of tensors).
+
     Raises:
       ValueError: the saved state does not match (mechanism.restore_global_state).
     """

@@ -49,7 +49,10 @@ class TFPrivacyArgsMixin:
     use_xla=None, layer_registry=None), then the Keras model's own arguments.
 
     Raises:
-      ValueError: only one of l2_norm_clip and noise_multiplier, or a layer_registry.
+      ParameterTypeError: only one of l2_norm_clip and noise_multiplier, or a layer_registry.
+      PrivacyConfigError: layer_registry is TF Privacy's fast-clipping registry; tf_dpiter chooses
+        the fast path itself (clipping='auto') and …; or l2_norm_clip and noise_multiplier go
+        together (TF Privacy's DP model arguments).
     """
     settings, args = _positional(args)
     for name in _NAMES:

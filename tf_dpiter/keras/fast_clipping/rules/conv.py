@@ -76,6 +76,7 @@ def _depthwise_filter_grads(x4, dz4, kernel_size, strides, padding):
     kernel_size: (kh, kw).
     strides: (s, s), equal strides.
     padding: "same" or "valid".
+
   Returns:
     [B, kh, kw, cin, cout] float32.
   """
@@ -152,6 +153,7 @@ def _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
     ksize: (kh, kw).
     stride: (sh, sw).
     dilation: (dh, dw).
+
   Returns:
     bool.
   """
@@ -183,6 +185,7 @@ def _choose_form(dz4, x4, ksize, stride, dilation, keep):
     stride: (sh, sw).
     dilation: (dh, dw).
     keep: the per-example kernel gradient is small enough to keep.
+
   Returns:
     "foldgram", "depthwise", "filter", an override, or None.
   """
@@ -227,6 +230,7 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
     ksize: (kh, kw).
     stride: (sh, sw).
     padding: "same" or "valid".
+
   Returns:
     [B/k] float32 (k = registry.current_examples_per_record(), a Python int).
   """
@@ -286,6 +290,7 @@ def conv2d_norm_fn(layer, inputs):
   Args:
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.
@@ -305,6 +310,7 @@ def conv1d_norm_fn(layer, inputs):
   Args:
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

@@ -94,6 +94,7 @@ def foldable(x, ksize, strides, dilation, out_hw):
     strides: (sh, sw).
     dilation: (dh, dw).
     out_hw: (ho, wo) the static output size, or None.
+
   Returns:
     bool: static spatial sizes, no dilation, each stride dividing its kernel size.
   """
@@ -120,6 +121,7 @@ def patch_gram(x, ksize, strides, padding, out_hw, k):
     out_hw: (ho, wo) static ints.
     k: examples per record (a Python int; B a multiple of k): a record's positions are
       its examples' (algebra.regroup_btk order).
+
   Returns:
     [B/k, k*ho*wo, k*ho*wo] float32.
   """
@@ -141,6 +143,7 @@ def patches(x, ksize, strides, dilation, padding, out_hw):
     ksize, strides, dilation: (h, w) pairs of ints.
     padding: "same" or "valid".
     out_hw: (ho, wo) the static output size, or None if unknown.
+
   Returns:
     (patches [B, ho*wo, kh*kw*cin] float32, Layout).
   """
@@ -161,6 +164,7 @@ def to_kernel(g, layout, ksize, cout):
     layout: the patches' Layout.
     ksize: (kh, kw).
     cout: output channels.
+
   Returns:
     [kh, kw, cin, cout] tensor.
   """
@@ -177,6 +181,7 @@ def block(p, dz):
     p: [B, T, K] patches (float32).
     dz: [B, T, cout] output gradients. Records of registry.examples_per_record are
       merged into T (algebra.regroup_btk).
+
   Returns:
     [B/k, cout*K] float32.
   """

@@ -29,6 +29,7 @@ def dense_norm_fn(layer, inputs, training=None):
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
     training: the call's training flag.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.
@@ -146,6 +147,7 @@ def bias_and_parts(layer, z, parts_fn):
     z: the kernel side's output f(x, W) [B, ..., units], before the bias.
     parts_fn: callable(dz) -> {id(variable): (sqr_norms [B/k], g or None)} over the
       trainable kernel-side variables; g is the per-record gradient when materialized.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract (watched: z + b).
   """
@@ -180,6 +182,7 @@ def lora_base(layer, name):
   Args:
     layer: a Keras layer.
     name: the attribute of the stored weight ("_kernel", "_embeddings").
+
   Returns:
     the variable, or None where a LoRA rule declines the layer (LoRA off, or quantized).
   """
@@ -200,6 +203,7 @@ def kernel_rule_entry(layer, lora, einsum=False):
     einsum: True for EinsumDense: the equation must be one these rules support (two
       operands, no ellipsis, no repeated index, the batch index first in the input and the
       output and not in the kernel, every kernel index in the input or the output).
+
   Returns:
     None where the rule declines the layer, else (kernel, parsed): kernel the weight the rule
     differentiates (`layer.kernel` plain, the stored frozen base W0 with LoRA), parsed the
@@ -243,6 +247,7 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
     training: the call's training flag.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

@@ -20,6 +20,7 @@ def embedding_norm_fn(layer, inputs):
   Args:
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

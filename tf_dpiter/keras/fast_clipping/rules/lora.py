@@ -61,6 +61,7 @@ def dense_lora_norm_fn(layer, inputs, training=None):
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
     training: the call's training flag.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.
@@ -102,6 +103,7 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
     training: the call's training flag.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

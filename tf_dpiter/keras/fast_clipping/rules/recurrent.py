@@ -182,6 +182,7 @@ def recurrent_norm_fn(layer, sequences, initial_state=None, mask=None, training=
     initial_state: the call's initial state (or None).
     mask: [B, T] mask (or None).
     training: the call's training flag.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

@@ -95,6 +95,7 @@ def reversible_embedding_norm_fn(layer, inputs, reverse=False):
     layer: the layer being called.
     inputs: the call's input tensor(s) [B, ...].
     reverse: True for the reverse projection (logits), False for the lookup.
+
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract, or None where
     this rule does not apply to the layer.

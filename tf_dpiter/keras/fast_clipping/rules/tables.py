@@ -33,6 +33,7 @@ def flat_ids(ids):
 
   Args:
     ids: integer ids [B] or [B, d1, ...].
+
   Returns:
     [B, T] int32.
   """
