@@ -105,7 +105,7 @@ class AttackInputData:
     """Checks that train and test have losses, or outputs with labels, of matching sizes.
 
     Raises:
-      ValueError: naming the missing or mismatched field.
+      ParameterValueError: naming the missing or mismatched field.
     """
     for split in ("train", "test"):
       n = self.loss(split).size
@@ -137,9 +137,14 @@ def max_advantage(epsilon, delta=0.0):
   FPR = (1 - delta) / (e^eps + 1).
 
   Args:
-    epsilon: >= 0 (nats; inf allowed); delta: in [0, 1].
+    epsilon: >= 0 (nats; inf allowed).
+    delta: in [0, 1].
+
   Returns:
     the bound, a float in [0, 1].
+
+  Raises:
+    PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
   """
   _check_eps_delta(epsilon, delta)
   if math.isinf(epsilon):
@@ -153,9 +158,14 @@ def max_auc(epsilon, delta=0.0):
   with corners at FPR = (1 - delta) / (e^eps + 1) and 1 - delta (exact trapezoids).
 
   Args:
-    epsilon: >= 0 (nats; inf allowed); delta: in [0, 1].
+    epsilon: >= 0 (nats; inf allowed).
+    delta: in [0, 1].
+
   Returns:
     the bound, a float in [0.5, 1].
+
+  Raises:
+    PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
   """
   _check_eps_delta(epsilon, delta)
   if math.isinf(epsilon):
@@ -200,6 +210,7 @@ def _fit_logistic(x, y, l2=1e-2, max_iter=100, tol=1e-10):
     l2: the penalty on the non-intercept weights.
     max_iter: the most Newton steps.
     tol: stop when no weight moves by more than this.
+
   Returns:
     float64 [d + 1]: the weights, intercept last.
   """
@@ -323,9 +334,11 @@ def run_attacks(attack_input, slicing_spec=None, attack_types=(AttackType.THRESH
     delta: the delta of that guarantee, in [0, 1].
     min_num_samples: slices with fewer train or test records are skipped.
     seed: of the logistic-regression attack's fold split.
+
   Returns:
     `AttackResults`: per attack and slice the ROC curve, AUC, attacker advantage and the
     per-example membership scores (`membership_scores_train` / `membership_scores_test`).
+
   Raises:
     ParameterTypeError: `privacy_report_metadata` is not a `PrivacyReportMetadata`.
     ParameterValueError: incomplete or mismatched inputs or a bad attack type.

@@ -41,8 +41,10 @@ def plot_roc_curve(roc_curve):
 
   Args:
     roc_curve: a `RocCurve`, e.g. `results.get_result_with_max_auc().roc_curve`.
+
   Returns:
     a matplotlib `Figure`.
+
   Raises:
     ParameterTypeError: `roc_curve` is not a `RocCurve`.
     ImportError: matplotlib is not installed.
@@ -66,6 +68,7 @@ def save_plot(figure, path, outformat="png"):
     figure: a matplotlib `Figure`.
     path: the output file.
     outformat: the image format ("png", "pdf", "svg", ...).
+
   Returns:
     path.
   """
@@ -159,8 +162,10 @@ def plot_by_epochs(results, privacy_metrics):
     results: an `AttackResultsCollection` (or a list of `AttackResults`) whose
       `privacy_report_metadata.epoch_num` is set.
     privacy_metrics: `PrivacyMetric` members, one panel each.
+
   Returns:
     a matplotlib `Figure`.
+
   Raises:
     ParameterTypeError: `results` is not an `AttackResultsCollection` or list of
       `AttackResults`.
@@ -178,8 +183,10 @@ def plot_privacy_vs_accuracy(results, privacy_metrics):
       `privacy_report_metadata.accuracy_train` is set (`run_attacks` computes it from
       logits or probabilities with labels).
     privacy_metrics: `PrivacyMetric` members, one panel each.
+
   Returns:
     a matplotlib `Figure`.
+
   Raises:
     ParameterTypeError: `results` is not an `AttackResultsCollection` or list of
       `AttackResults`.

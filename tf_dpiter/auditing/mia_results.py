@@ -257,6 +257,7 @@ class AttackResults:
 
     Args:
       by_slices: one line per attack and slice instead of the best two.
+
     Returns:
       the summary, a str.
     """
@@ -285,6 +286,7 @@ class AttackResults:
 
     Returns:
       a `pandas.DataFrame`.
+
     Raises:
       ImportError: pandas is not installed (`pip install "tf_dpiter[report]"`).
     """
@@ -310,6 +312,7 @@ class AttackResults:
 
     Args:
       filepath: the file to write (overwritten).
+
     Returns:
       filepath.
     """
@@ -324,8 +327,10 @@ class AttackResults:
 
     Args:
       filepath: a file written by `AttackResults.save`.
+
     Returns:
       the `AttackResults`, equal (==) to the saved ones.
+
     Raises:
       ParameterValueError: the file is not one `save` wrote.
     """
@@ -404,6 +409,7 @@ class AttackResultsCollection:
 
     Args:
       attack_results: an `AttackResults`.
+
     Raises:
       ParameterTypeError: `attack_results` is not an `AttackResults`.
     """
@@ -419,6 +425,7 @@ class AttackResultsCollection:
 
     Args:
       dirname: the directory.
+
     Returns:
       the list of the paths written.
     """
@@ -438,8 +445,10 @@ class AttackResultsCollection:
 
     Args:
       dirname: a directory written by `AttackResultsCollection.save`.
+
     Returns:
       the `AttackResultsCollection`.
+
     Raises:
       ParameterValueError: `dirname` is not a directory, or one of its .npz files was not
         written by `AttackResults.save`.
