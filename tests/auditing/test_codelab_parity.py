@@ -224,3 +224,44 @@ def test_plots_draw_the_dp_bound_and_refuse_missing_metadata(tmp_path):
     dp.auditing.plot_by_epochs([no_epoch], [dp.auditing.PrivacyMetric.AUC])
   with pytest.raises(dp.ParameterTypeError, match="Received: results="):
     dp.auditing.plot_privacy_vs_accuracy("results", [dp.auditing.PrivacyMetric.AUC])
+
+
+@pytest.mark.slow
+def test_codelab_loop_on_a_trained_dp_keras_model(tmp_path):
+  """The codelab's loop on a real DP Keras model (about 20 s on 2 loaded cores, mostly the
+  first fit's tracing; the default suite runs the same calls on synthetic logits above)."""
+  import keras  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(256, 8)).astype("float32")
+  y = rng.integers(0, 3, 256)
+  x_tr, y_tr, x_te, y_te = x[:128], y[:128], x[128:], y[128:]
+  model = dp.keras.DPSequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                 keras.layers.Dense(3)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.8, learning_rate=0.5),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  collection = dp.auditing.AttackResultsCollection([])
+  for rnd in (1, 2):
+    model.fit(x_tr, y_tr, batch_size=32, epochs=2, verbose=0)
+    z_tr, z_te = model.predict(x_tr, verbose=0), model.predict(x_te, verbose=0)
+    eps = model.privacy_statement(1e-5).epsilon
+    collection.append(dp.auditing.run_attacks(
+        dp.auditing.AttackInputData(logits_train=z_tr, logits_test=z_te, labels_train=y_tr,
+                                    labels_test=y_te),
+        dp.auditing.SlicingSpec(entire_dataset=True, by_class=True), attack_types=_BOTH,
+        privacy_report_metadata=dp.auditing.PrivacyReportMetadata(epoch_num=2 * rnd),
+        epsilon=eps, delta=1e-5))
+    res = collection.attack_results_list[-1]
+    assert res.privacy_report_metadata.accuracy_train == pytest.approx(
+        np.mean(z_tr.argmax(1) == y_tr))
+    whole = res.single_attack_results[0]
+    assert whole.auc == pytest.approx(_pairwise_auc(-_cross_entropy(z_tr.astype(float), y_tr),
+                                                    -_cross_entropy(z_te.astype(float), y_te)),
+                                      abs=1e-6)
+    assert whole.auc <= res.privacy_bound.max_auc
+  eps1, eps2 = (r.privacy_bound.epsilon for r in collection.attack_results_list)
+  assert 0 < eps1 < eps2
+  collection.save(str(tmp_path / "runs"))
+  assert dp.auditing.AttackResultsCollection.load(str(tmp_path / "runs")) == collection
+  path = dp.auditing.save_plot(dp.auditing.plot_by_epochs(
+      collection, [dp.auditing.PrivacyMetric.AUC]), str(tmp_path / "epochs.png"))
+  assert os.path.getsize(path) > 5000
