@@ -33,6 +33,7 @@ def plain_numbers(text):
 
   Args:
     text: a message.
+
   Returns:
     the message, for a command-line user.
   """
@@ -44,8 +45,10 @@ def whole_number(text):
 
   Args:
     text: the command-line string.
+
   Returns:
     the int.
+
   Raises:
     argparse.ArgumentTypeError: not a finite whole number.
   """
@@ -69,8 +72,10 @@ def absl_bool(text):
 
   Args:
     text: the command-line string.
+
   Returns:
     the bool.
+
   Raises:
     argparse.ArgumentTypeError: another string.
   """
@@ -149,6 +154,7 @@ def compute_dp_sgd_privacy_main(argv=None):
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
+
   Returns:
     the exit status: 0, or 2 after printing "error: ..." for a refused argument.
   """
@@ -224,6 +230,7 @@ def compute_noise_from_budget_main(argv=None):
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
+
   Returns:
     the exit status: 0, or 2 after printing "error: ..." for a refused argument.
   """
@@ -283,6 +290,7 @@ def format_ledger(d, path="ledger"):
   Args:
     d: a ledger dict, already verified (`ledger_file`).
     path: how the header names the ledger.
+
   Returns:
     the text, a str.
   """
@@ -322,6 +330,7 @@ def sampling_lines(d, delta):
   Args:
     d: a verified ledger dict.
     delta: the report's delta (None: the calls name it DELTA).
+
   Returns:
     list of str (empty when every run is Poisson sampling of single examples).
   """
@@ -373,6 +382,7 @@ def dp_ledger_main(argv=None):
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
+
   Returns:
     the exit status: 0, or 2 after printing "error: ..." (naming the file) for a refused
     ledger or argument.

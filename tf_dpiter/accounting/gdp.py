@@ -44,8 +44,10 @@ def group_mu_squared(group):
 
   Args:
     group: a `ledger_events.SampleGroup`.
+
   Returns:
     mu^2, a float (inf for a non-private group, 0 without noise cost).
+
   Raises:
     ValueError: Laplace queries, or a policy other than Poisson or full batch.
   """
@@ -69,8 +71,10 @@ def mu_of_groups(groups):
 
   Args:
     groups: SampleGroups.
+
   Returns:
     mu, a float.
+
   Raises:
     ValueError: no group (an empty ledger), or a group GDP cannot account.
   """
@@ -86,6 +90,7 @@ def delta_from_mu(mu, epsilon):
 
   Args:
     mu: >= 0 (inf: no privacy); epsilon: >= 0.
+
   Returns:
     delta, a float in [0, 1].
   """
@@ -105,6 +110,7 @@ def epsilon_from_mu(mu, delta):
 
   Args:
     mu: >= 0 (inf: no privacy); delta: in (0, 1).
+
   Returns:
     epsilon, a float (inf for mu = inf).
   """

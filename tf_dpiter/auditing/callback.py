@@ -41,6 +41,7 @@ class AuditCallback(keras.callbacks.Callback):
     confidence: 1 - α of the bounds.
     every_n_epochs: audit period (epochs).
     report_path: optional PNG path written at the end of training.
+
   Raises:
     ValueError: recorder given without included / sampling_probability / noise_multiplier,
       or every_n_epochs < 1.
@@ -72,18 +73,32 @@ class AuditCallback(keras.callbacks.Callback):
 
   # The recorder's hooks run from here, so the order relative to other callbacks is fixed.
   def on_train_begin(self, logs=None):
-    """Keras hook: binds the recorder (if any) to the model and starts it."""
+    """Keras hook: binds the recorder (if any) to the model and starts it.
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     if self.recorder is not None:
       self.recorder.set_model(self.model)
       self.recorder.on_train_begin(logs)
 
   def on_train_batch_begin(self, batch, logs=None):
-    """Keras hook: the recorder reads the canary weights before the step."""
+    """Keras hook: the recorder reads the canary weights before the step.
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     if self.recorder is not None:
       self.recorder.on_train_batch_begin(batch, logs)
 
   def on_train_batch_end(self, batch, logs=None):
-    """Keras hook: the recorder turns the step's canary update into x_kt (Eq. 4)."""
+    """Keras hook: the recorder turns the step's canary update into x_kt (Eq. 4).
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     if self.recorder is not None:
       self.recorder.on_train_batch_end(batch, logs)
 
@@ -120,6 +135,10 @@ class AuditCallback(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     """Keras hook: every `every_n_epochs` epochs, appends `audit()` (with "epoch") to
     `history` and to the epoch's logs.
+
+    Args:
+      epoch: the index of the epoch, from 0 (Keras).
+      logs: the dict of metric values Keras passes to the callback.
     """
     if (epoch + 1) % self.every_n_epochs:
       return
@@ -130,6 +149,10 @@ class AuditCallback(keras.callbacks.Callback):
       logs.update({k: v for k, v in row.items() if v is not None})
 
   def on_train_end(self, logs=None):
-    """Keras hook: writes the PNG report to `report_path` (if set and audited)."""
+    """Keras hook: writes the PNG report to `report_path` (if set and audited).
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     if self.report_path and self.history:
       report_lib.plot_privacy_report(self.history, self.report_path)

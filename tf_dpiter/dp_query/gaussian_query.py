@@ -40,9 +40,11 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier):
   Args:
     l2_norm_clip: S > 0 (+inf allowed with z = 0); a number or a float tensor.
     noise_multiplier: z >= 0, finite; a number or a float tensor.
+
   Returns:
     sigma: a Python float for numbers; for tensors a float32 (float64 if an input is float64)
     tensor, `tf.where(z == 0, 0, z * S)`, computed in graph mode and under XLA.
+
   Raises:
     ParameterTypeError: an argument is not a number.
     PrivacyConfigError: S <= 0 or NaN, z < 0, NaN or inf, or S = inf with z > 0.
@@ -74,6 +76,7 @@ def add_gaussian_noise(generator, structure, stddev):
     generator: a tf.random.Generator or `randomness.SecureRandom`.
     structure: a nest of float tensors (the sum).
     stddev: sigma >= 0 (sum units), a number or scalar tensor.
+
   Returns:
     the noised nest, same structure and dtypes.
   """
@@ -125,6 +128,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
         build from a noise multiplier with `from_noise_multiplier`).
       seed: fixes the noise (tests only: the output is then not private).
       secure_mode: noise from os.urandom, sum of two draws (`randomness.SecureRandom`).
+
     Raises:
       ParameterTypeError: a non-numeric S or sigma.
       PrivacyConfigError: S <= 0 or NaN, sigma < 0 or infinite, or a seed with secure_mode.
@@ -142,9 +146,12 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     Args:
       l2_norm_clip: S > 0 (+inf only with z = 0).
       noise_multiplier: z >= 0, finite (0: no noise).
-      seed, secure_mode: as in the constructor.
+      seed: as in the constructor.
+      secure_mode: as in the constructor.
+
     Returns:
       a GaussianSumQuery.
+
     Raises:
       PrivacyConfigError: see `gaussian_stddev`.
     """
@@ -178,7 +185,9 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """The global state (S, sigma) as float32 tensors, e.g. to change them between samples.
 
     Args:
-      l2_norm_clip: S; stddev: sigma (sum units).
+      l2_norm_clip: S.
+      stddev: sigma (sum units).
+
     Returns:
       the query's global state namedtuple.
     """
@@ -189,14 +198,21 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return self.make_global_state(self._l2_norm_clip, self._stddev)
 
   def derive_sample_params(self, global_state):
-    """DPQuery.derive_sample_params: the clip S of this sample."""
+    """DPQuery.derive_sample_params: the clip S of this sample.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return global_state.l2_norm_clip
 
   def preprocess_record(self, params, record):
     """pi_S(record) = record * min(1, S / ||record||_2) (`clipping.clip_by_global_l2_norm`).
 
     Args:
-      params: S, from `derive_sample_params`; record: a nest of float tensors.
+      params: S, from `derive_sample_params`.
+      record: a nest of float tensors.
+
     Returns:
       the clipped record (same structure and dtypes).
     """
@@ -209,6 +225,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     Args:
       params: S, from `derive_sample_params`.
       record_norms: ||x_i||_2, a float tensor.
+
     Returns:
       float32 factors shaped like `record_norms`.
     """
@@ -218,7 +235,9 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """(sum + N(0, sigma^2), global_state, (GaussianSumEvent(S, sigma),)).
 
     Args:
-      sample_state: the clipped sum; global_state: (S, sigma).
+      sample_state: the clipped sum.
+      global_state: (S, sigma).
+
     Returns:
       (noised sum, the unchanged global state, a one-event tuple in sum units).
     """
@@ -227,6 +246,11 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return result, global_state, (event,)
 
   def derive_metrics(self, global_state):
-    """DPQuery.derive_metrics: {l2_norm_clip, stddev}."""
+    """DPQuery.derive_metrics: {l2_norm_clip, stddev}.
+
+    Args:
+      global_state: the query's global state (from `initial_global_state`, or returned by the
+        previous `get_noised_result`).
+    """
     return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
                                    stddev=global_state.stddev)

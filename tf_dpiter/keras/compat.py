@@ -48,6 +48,16 @@ def _vectorized(base, name):
 
   def __init__(self, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None, *args,
                clipping="vectorized", **kwargs):
+    """TF Privacy's vectorized DP optimizer: the DP optimizer with clipping="vectorized".
+
+    Args:
+      l2_norm_clip: S, the per-record L2 clip.
+      noise_multiplier: z, the noise standard deviation over S.
+      num_microbatches: M (None: one example per record).
+      *args: the Keras optimizer's own positional arguments.
+      clipping: "vectorized" by default (per-example gradients by vectorized_map).
+      **kwargs: the other DP arguments (DPOptimizerBase.__init__) and Keras' own.
+    """
     base.__init__(self, l2_norm_clip, noise_multiplier, num_microbatches, *args,
                   clipping=clipping, **kwargs)
 

@@ -170,6 +170,7 @@ def merged_arrays(current, restored):
   Args:
     current: (samples, queries, passes) of the ledger being restored into.
     restored: (samples, queries, passes) of the ledger being restored.
+
   Returns:
     (samples, queries, passes) numpy arrays and an int.
   """
@@ -308,10 +309,12 @@ class PrivacyLedger(tf.Module):
 
     Args:
       count: int or int tensor, passes started (>= 0).
+
     Returns:
       The new total pass count (int64, from assign_add).
+
     Raises:
-      ValueError: if a Python/numpy int `count` is negative.
+      ParameterValueError: if a Python/numpy int `count` is negative.
     """
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
@@ -412,8 +415,10 @@ class PrivacyLedger(tf.Module):
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int pass count, or None to keep the current one.
+
     Returns:
       None.
+
     Raises:
       ValueError: the arrays are malformed (records.validate_arrays).
     """
@@ -433,8 +438,10 @@ class PrivacyLedger(tf.Module):
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int, the shuffled passes that ledger counted.
+
     Returns:
       None.
+
     Raises:
       ValueError: the arrays are malformed (records.validate_arrays).
     """
@@ -450,6 +457,7 @@ class PrivacyLedger(tf.Module):
 
     Args:
       key: optional HMAC key (str or bytes).
+
     Returns:
       dict (see `ledger_file.arrays_to_dict`).
     """
@@ -461,6 +469,7 @@ class PrivacyLedger(tf.Module):
 
     Args:
       key: optional HMAC key (str or bytes).
+
     Returns:
       str (see `ledger_file`).
     """
@@ -474,6 +483,7 @@ class PrivacyLedger(tf.Module):
       key: optional HMAC key (str or bytes). Without it the file carries only a SHA-256
         digest, which detects accidents, not forgery (anyone can recompute it); with it,
         `load_json(path, key)` / `privacy_report(..., key=key)` refuse a forged file.
+
     Returns:
       None.
     """
@@ -493,9 +503,12 @@ class PrivacyLedger(tf.Module):
     """A PrivacyLedger holding a ledger dict's samples and passes.
 
     Args:
-      d: a signed ledger dict. key: the HMAC key it was signed with, or None.
+      d: a signed ledger dict.
+      key: the HMAC key it was signed with, or None.
+
     Returns:
       a new PrivacyLedger.
+
     Raises:
       ValueError: the dict is malformed, altered or version 1.
     """
@@ -506,9 +519,12 @@ class PrivacyLedger(tf.Module):
     """A PrivacyLedger from a JSON string (see `from_dict`).
 
     Args:
-      text: the JSON. key: the HMAC key, or None.
+      text: the JSON.
+      key: the HMAC key, or None.
+
     Returns:
       a new PrivacyLedger.
+
     Raises:
       ValueError: unparsable, malformed, altered or version-1 JSON.
     """
@@ -521,6 +537,7 @@ class PrivacyLedger(tf.Module):
     Args:
       path: path of the ledger JSON file.
       key: optional HMAC key to verify with.
+
     Returns:
       A new PrivacyLedger holding the file's content.
     """

@@ -164,7 +164,11 @@ class PrivacyMeter(keras.callbacks.Callback):
     return float(accounting.epsilon(ledger, self.delta, accountant=self.accountant))
 
   def on_train_begin(self, logs=None):
-    """keras.callbacks.Callback.on_train_begin: registers the meter with DPModel.fit."""
+    """keras.callbacks.Callback.on_train_begin: registers the meter with DPModel.fit.
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._written = None
     self.epoch_steps = []
     _FIT_METERS.setdefault(self.model, []).append(self)
@@ -196,7 +200,12 @@ class PrivacyMeter(keras.callbacks.Callback):
   def on_epoch_end(self, epoch, logs=None):
     """keras.callbacks.Callback.on_epoch_end: writes epsilon into `logs` (`write_logs`);
     with `verbose`, prints it on its own line (after Keras' progress bar has ended its line:
-    under fit(verbose=1) the line is printed when the next epoch or the training ends)."""
+    under fit(verbose=1) the line is printed when the next epoch or the training ends).
+
+    Args:
+      epoch: the index of the epoch, from 0 (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self.write_logs(epoch, logs)
     if self.verbose:
       if_poisson = self._written[1]
@@ -211,7 +220,12 @@ class PrivacyMeter(keras.callbacks.Callback):
         self._print_pending()
 
   def on_epoch_begin(self, epoch, logs=None):
-    """keras.callbacks.Callback.on_epoch_begin: prints the last epoch's line if pending."""
+    """keras.callbacks.Callback.on_epoch_begin: prints the last epoch's line if pending.
+
+    Args:
+      epoch: the index of the epoch, from 0 (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._print_pending()
 
   def _print_pending(self):
@@ -221,7 +235,11 @@ class PrivacyMeter(keras.callbacks.Callback):
 
   def on_train_end(self, logs=None):
     """keras.callbacks.Callback.on_train_end: prints a pending epsilon line, unregisters the
-    meter, writes the plot."""
+    meter, writes the plot.
+
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._print_pending()
     meters = _FIT_METERS.get(self.model, [])
     if self in meters:
@@ -273,6 +291,7 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
       approximation that can be far below the truth, so a run stopped by it can exceed the
       budget.
     verbose: print the line saying why training stopped.
+
   Raises:
     PrivacyConfigError: a bad epsilon or delta.
     BudgetConfigError: accountant="gdp" (or an accountant that is not available).

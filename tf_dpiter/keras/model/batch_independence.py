@@ -52,6 +52,7 @@ def check_no_batch_mixing(model):
 
   Args:
     model: a keras.Model.
+
   Raises:
     ValueError: naming the layer and the fix.
   """

@@ -128,6 +128,7 @@ def pad_for_replicas(dataset, replicas):
   Args:
     dataset: a tf.data.Dataset of batches (x, y[, sample_weight]).
     replicas: the strategy's number of replicas in sync (> 1).
+
   Returns:
     the padded dataset, elements (x, y, sample_weight).
   """
@@ -194,8 +195,10 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
     population_size: N, the public population size q = B / N is stated over (Poisson only;
       see the module docstring for the relation); None: the run's N, else len(x), which is
       then treated as public.
+
   Returns:
     (SamplingSpec, reason string for the log line).
+
   Raises:
     PrivacyConfigError: population_size with shuffled passes, not a number >= 1, or smaller
       than batch_size; other bad fit arguments (named).
@@ -267,8 +270,10 @@ def _check_declared_population(population_size, policy, batch_size):
     population_size: fit's `population_size` (None: not declared).
     policy: the policy fit samples by ("poisson" or "shuffle").
     batch_size: B, the expected batch size asked for.
+
   Returns:
     float N, or None.
+
   Raises:
     PrivacyConfigError: N with shuffled passes, N not a number >= 1, or B > N.
   """
@@ -301,6 +306,7 @@ def population_reason(source, population, batch_size):
       (the N this run's ledger recorded, from a fit of another process).
     population: N.
     batch_size: B.
+
   Returns:
     a str.
   """
@@ -320,6 +326,7 @@ def population_note(optimizer):
 
   Args:
     optimizer: a DP optimizer (or anything; only its fits on arrays are known).
+
   Returns:
     a str, or None when no fit on arrays declared a Poisson population for it (then the
     Poisson report's own note states the assumption).
@@ -347,8 +354,10 @@ def run_population(optimizer, n, batch_size):
   Args:
     optimizer: the DP optimizer (its ledger, if made). n: records of this fit's arrays.
     batch_size: B, the expected batch size.
+
   Returns:
     float N, or None.
+
   Raises:
     PrivacyConfigError: B > N (q would exceed 1).
   """
@@ -404,6 +413,7 @@ def passes_ahead(model, count):
 
   Args:
     model: the DP model. count: int >= 1.
+
   Returns:
     an int >= 0, or None.
   """
@@ -520,6 +530,7 @@ def check_tree_pass(optimizer, sampler):
   Args:
     optimizer: the DP optimizer (its `noise` and `noise_params`, if any).
     sampler: the data's sampler (its `steps_per_pass`, if any).
+
   Raises:
     PrivacyConfigError: restart_every does not divide the real pass length.
   """

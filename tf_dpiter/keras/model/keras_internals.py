@@ -39,6 +39,7 @@ def flatten_layers(model, include_self=True, recursive=True):
     model: a keras.Layer or keras.Model.
     include_self: include `model` itself.
     recursive: descend into nested layers and models.
+
   Returns:
     a list of layers (Keras' `_flatten_layers`).
   """
@@ -53,6 +54,7 @@ def compiled_loss(model, x, y, y_pred, sample_weight, training=True):
     model: a compiled keras.Model.
     x, y, y_pred, sample_weight: as in `keras.Model.compute_loss`.
     training: the training flag passed on.
+
   Returns:
     the scalar loss (Keras' `Model._compute_loss`).
   """
@@ -65,8 +67,10 @@ def call_has_training_arg(model):
 
   Args:
     model: a keras.Layer or keras.Model.
+
   Returns:
     bool.
+
   Raises:
     AttributeError: the installed Keras lacks the attribute (names it and the version).
   """
@@ -89,8 +93,10 @@ def loss_tracker(model):
 
   Args:
     model: a compiled keras.Model.
+
   Returns:
     the metric.
+
   Raises:
     AttributeError: the installed Keras lacks the attribute (names it and the version).
   """
@@ -104,6 +110,7 @@ def jit_compile_off(model):
 
   Args:
     model: a compiled keras.Model.
+
   Yields:
     None.
   """
@@ -120,6 +127,7 @@ def compile_metrics(model):
 
   Args:
     model: a keras.Model.
+
   Returns:
     the container, or None (not compiled, or detached).
   """
@@ -138,6 +146,7 @@ def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
     y, y_pred: the batch's targets and outputs (nests).
     sample_weight: the batch's sample weights (a nest or None).
     example_mask: [B] float 0/1, 1 for the batch's real examples.
+
   Raises:
     AttributeError: the installed Keras lacks the container's attributes (names them).
   """
@@ -170,6 +179,7 @@ def output_loss_trackers(model):
 
   Args:
     model: a compiled keras.Model.
+
   Returns:
     a list of metrics (empty: no compiled loss, or a single output).
   """
@@ -186,8 +196,10 @@ def output_loss_trackers_swapped(model, stand_ins):
     model: a compiled keras.Model whose compiled loss is built.
     stand_ins: a list as long as `output_loss_trackers(model)`: objects with
       `update_state(value, sample_weight)`, or None.
+
   Yields:
     None.
+
   Raises:
     AttributeError: the installed Keras lacks the attribute (names it and the version).
   """
@@ -206,6 +218,7 @@ def compile_loss_unbuilt(model):
 
   Args:
     model: a keras.Model.
+
   Returns:
     bool.
   """
@@ -236,6 +249,7 @@ def call_compile_loss(model, y, y_pred, sample_weight):
 
   Args:
     model: a compiled keras.Model; y, y_pred, sample_weight: the batch's nests.
+
   Returns:
     the weighted total of the outputs' losses.
   """
@@ -252,6 +266,7 @@ def set_compile_metrics(model, metrics):
 
   Args:
     model: a compiled keras.Model; metrics: a container from `compile_metrics`, or None.
+
   Raises:
     AttributeError: the installed Keras lacks the attribute (names it and the version).
   """
@@ -271,6 +286,7 @@ def functional_graph(model):
 
   Args:
     model: a keras.Model.
+
   Returns:
     (graph, {depth: [nodes]}), or None.
   """
@@ -287,6 +303,7 @@ def keras_mask(tensor):
 
   Args:
     tensor: a tensor.
+
   Returns:
     the mask tensor, or None.
   """
@@ -326,6 +343,7 @@ def swap_call(layer, call):
 
   Args:
     layer: a keras.Layer; call: a callable with the layer's call signature.
+
   Returns:
     the token for `restore_call`: (layer, whether it had an instance `call`, that call).
   """
@@ -358,6 +376,7 @@ def gradient_sources(variables):
 
   Args:
     variables: a list of keras.Variable (other entries are passed through).
+
   Returns:
     a list of the same length.
   """

@@ -43,7 +43,14 @@ class TrainStepMixin:
   def make_train_function(self, force=False):
     """keras.Model.make_train_function for the private step: with jit_compile the clipped
     sum is its own XLA function and the outer one (noise, ledger, update) is not compiled;
-    the function refuses to start a step once `halt_private_steps()` was called."""
+    the function refuses to start a step once `halt_private_steps()` was called.
+
+    Args:
+      force: rebuild the function even when one exists.
+
+    Returns:
+      the train function.
+    """
     if self.train_function is not None and not force:
       return self.train_function
     jit = bool(self.jit_compile) and not self.run_eagerly
@@ -238,7 +245,14 @@ class TrainStepMixin:
 
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
-    update (module docstring). Returns the metrics' logs."""
+    update (module docstring).
+
+    Args:
+      data: one batch as Keras hands it: x, (x, y) or (x, y, sample_weight).
+
+    Returns:
+      the metrics' logs.
+    """
     opt = self._dp_optimizer()
     step = opt.private_step
     x, y, sample_weight = _unpack(data)

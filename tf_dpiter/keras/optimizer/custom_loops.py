@@ -81,6 +81,7 @@ def vectorize_records(model):
 
   Args:
     model: the keras.Model the loss runs, or None.
+
   Returns:
     bool.
   """
@@ -206,6 +207,7 @@ def _check_batch_independent(model, with_tape):
   Args:
     model: the keras.Model given as model=, or None.
     with_tape: whether the loss tensor came with a tape (names the call in the message).
+
   Raises:
     ParameterValueError: model None, unprobeable, a layer not known to act per example,
       or a mixing layer.

@@ -97,6 +97,7 @@ class NoiseMechanism(abc.ABC):
         `needs_variables` is False).
       seed: tests only (not private).
       secure_mode: draw from os.urandom (mechanisms that support it).
+
     Returns:
       a DPQuery whose result is the noised sum over records.
     """
@@ -131,6 +132,7 @@ class NoiseMechanism(abc.ABC):
       policy: the declared ledger policy (ledger.POLICIES).
       population_size: n, examples in the dataset.
       sample_size: the batch size (the number of groups under cyclic_poisson).
+
     Raises:
       PrivacyConfigError: the policy or its sample_size does not cover the mechanism.
     """
@@ -168,6 +170,7 @@ class NoiseMechanism(abc.ABC):
 
     Args:
       config: dict of field name -> value.
+
     Returns:
       an instance of cls.
     """
@@ -212,6 +215,7 @@ class IID(NoiseMechanism):
       template: unused (the sum takes the records' structure).
       seed: tests only.
       secure_mode: draw from os.urandom.
+
     Returns:
       a GaussianSumQuery.
     """
@@ -267,6 +271,7 @@ class Tree(NoiseMechanism):
 
     Args:
       state: the query's global state (numpy), or None.
+
     Raises:
       PrivacyConfigError: the mechanism's step is not a multiple of restart_every.
     """
@@ -366,8 +371,10 @@ def from_shorthand(noise, params=None):
     noise: a NoiseMechanism (returned as is; then no params may be given), its `serialize`
       dict, or one of NOISE_KINDS.
     params: {flat keyword: value} of PARAM_NAMES (None values count as not given).
+
   Returns:
     a NoiseMechanism.
+
   Raises:
     PrivacyConfigError: an unknown noise, a keyword the mechanism does not take, or a bad
       parameter (named with its value).
@@ -401,6 +408,7 @@ def serialize(mechanism):
 
   Args:
     mechanism: a NoiseMechanism.
+
   Returns:
     a JSON-able dict.
   """
@@ -412,8 +420,10 @@ def deserialize(config):
 
   Args:
     config: a dict from `serialize`, a NoiseMechanism, or a name.
+
   Returns:
     a NoiseMechanism.
+
   Raises:
     PrivacyConfigError: an unknown mechanism name (its class is not defined in this process).
   """
@@ -439,6 +449,7 @@ def make_query_with_state(mechanism, l2_norm_clip, noise_multiplier, variables, 
     noise_multiplier: z.
     variables: the trainable variables (their shapes; sums kept in float32).
     seed: tests only (not private).
+
   Returns:
     (query, initial global state nest, list of its state variables).
   """

@@ -21,6 +21,7 @@ def dp_config(opt):
 
   Args:
     opt: a DP optimizer (its `private_step` and ledger journal are read).
+
   Returns:
     a dict: the settings, {"noise", its parameters} unless noise == "iid", "dp_query" and
     "dp_global_state" for a custom query, "dp_ledger" once the ledger holds a sample.
@@ -64,9 +65,11 @@ def split_config(config, custom_objects=None):
 
   Args:
     config: a get_config dict. custom_objects: for Keras deserialization.
+
   Returns:
     (constructor config with the dp_query rebuilt, dp_global_state or None, the ledger's
     (samples, queries, passes) or None).
+
   Raises:
     ValueError: a malformed or altered "dp_ledger" (saved_ledger.arrays_of_config).
   """
@@ -87,8 +90,10 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
   Args:
     class_name: the DP class' name (for the log line). epsilon ... accountant, args, kwargs:
       as DPOptimizerBase.from_budget.
+
   Returns:
     (z, calibration dict, positional args, keyword args) for the class' constructor.
+
   Raises:
     ValueError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
   """
@@ -123,6 +128,7 @@ def check_no_gradient_accumulation(steps):
 
   Args:
     steps: the optimizer's gradient_accumulation_steps argument (None or 1: fine).
+
   Raises:
     ValueError: steps > 1 (the message says what to do instead).
   """
@@ -143,6 +149,7 @@ def constructor_config(optimizer):
 
   Args:
     optimizer: a Keras optimizer instance.
+
   Returns:
     dict of constructor arguments.
   """

@@ -67,21 +67,34 @@ class DPOptimizerBase:
                restart_every=None, num_bands=None, num_steps=None, band_strategy=None,
                num_buffers=None, min_separation=None, dp_config=None, plan=None, flags=None,
                sampling=None, accountant="rdp", **kwargs):
-    """Args:
-      l2_norm_clip: S (L2 norm, loss-gradient units). noise_multiplier: z (stddev z S on the
-        sum; for noise != "iid" the multiplier of the mechanism, see keras.noise_mechanisms).
+    """A DP optimizer: Keras' optimizer on the noised average of clipped per-record gradients.
+
+    Args:
+      l2_norm_clip: S, the L2 norm every record's gradient is clipped to (loss-gradient
+        units).
+      noise_multiplier: z: Gaussian noise of standard deviation z S is added to the clipped
+        sum (for noise != "iid", the multiplier of the mechanism, see
+        keras.noise_mechanisms).
       num_microbatches: M (None: one example per record).
       dp_query: instead of S, z: any DPQuery whose result is a sum over records.
       max_physical_batch_size: P, examples per physical chunk (noise once per logical batch).
-      clipping: "auto" | "vectorized" | "fast". normalize: divide the noised sum by the
-        denominator. seed: tests only (not private).
+      clipping: "auto" | "vectorized" | "fast".
+      normalize: divide the noised sum by the denominator (the batch's records, or q n, the
+        expected batch size, under Poisson sampling); False keeps the sum.
+      seed: seeds the noise, for tests only (a seeded run is NOT private).
       ledger_journal: path of a ledger journal that DPModel.fit resumes and appends (crash
         safety; kept in the config, so a model loaded from a checkpoint resumes it).
       secure_mode: the default GaussianSumQuery draws from os.urandom (SecureRandom); no seed.
       noise: a mechanism object of `dp.keras.noise` (`IID()`, `Tree(...)`, `BandMF(...)`,
         `BLT(...)`, or one's own), or its shorthand "iid" (DP-SGD) | "tree" | "band_mf" |
-        "blt" with the flat keywords restart_every, num_bands, num_steps, band_strategy,
-        num_buffers, min_separation (noise_mechanisms.from_shorthand).
+        "blt" with the flat keywords below (noise_mechanisms.from_shorthand).
+      restart_every: "tree": steps between restarts of the tree (None: never).
+      num_bands: "band_mf": the bands b of the banded matrix factorization.
+      num_steps: "band_mf" / "blt": the steps n the strategy is optimized for.
+      band_strategy: "band_mf": the banded strategy's name, or its matrix.
+      num_buffers: "blt": the buffers d of the buffered linear Toeplitz strategy.
+      min_separation: "band_mf" / "blt": the least number of steps between two
+        participations of one record (cyclic sampling).
       dp_config: a `dp.keras.DPConfig` (the frozen plan) instead of the privacy keywords
         above (S, z, M, dp_query, normalize, seed, secure_mode, noise, sampling,
         accountant); `plan` is its alias.
@@ -89,10 +102,13 @@ class DPOptimizerBase:
       flags: a `dp.keras.PerformanceFlags` instead of max_physical_batch_size and clipping.
       sampling: the sampling policy the run must declare (None: the one fit declares).
       accountant: "rdp" or "pld" (the plan's `epsilon`).
-      *args, **kwargs: the Keras optimizer's own arguments.
+      *args: the Keras optimizer's own positional arguments (after the DP ones).
+      **kwargs: the Keras optimizer's own keyword arguments (e.g. learning_rate).
+
     Raises:
-      ValueError: a bad setting, named with its value (dp_config.DPConfig,
-        dp_config.PerformanceFlags), or a plan given with privacy keywords."""
+      ParameterValueError: a bad setting, named with its value (dp_config.DPConfig,
+        dp_config.PerformanceFlags), or a plan given with privacy keywords.
+    """
     plan = dp_config_lib.plan_of_arguments(
         dp_config, plan, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
         num_microbatches=num_microbatches, dp_query=dp_query, normalize=normalize, seed=seed,
@@ -123,14 +139,18 @@ class DPOptimizerBase:
     calibration is logged (logger "tf_dpiter", INFO) and kept in `optimizer.calibration`.
 
     Args:
-      epsilon, delta: the target.
-      epochs, batch_size, population_size: E, B (expected batch size), n.
+      epsilon: the target epsilon, > 0.
+      delta: the target delta, in (0, 1).
+      epochs: E, the passes over the data the run will train.
+      batch_size: B, the (expected) batch size.
+      population_size: n, the records in the training data.
       sampling: "poisson", "shuffle" or "fixed_size" (ledger.POLICIES).
-      *args, **kwargs: the class' other arguments; l2_norm_clip is required, noise_multiplier
-        and dp_query are not accepted (Adam's own `epsilon` cannot be passed here, its name
-        is the target's: use `dp.keras.make_private_with_epsilon(model, keras.optimizers.Adam(
-        epsilon=...), ...)`).
+      *args: the class' other positional arguments.
       accountant: "rdp" or "pld".
+      **kwargs: the class' other keyword arguments: l2_norm_clip is required, noise_multiplier
+        and dp_query are not accepted (Adam's own `epsilon` cannot be passed here, its name
+        is the target's: use `dp.keras.make_private_with_epsilon(model,
+        keras.optimizers.Adam(epsilon=...), ...)`).
 
     Returns:
       an instance of cls.
@@ -204,22 +224,69 @@ class DPOptimizerBase:
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
                    sample_size=0):
-    """Declares how batches are sampled (PrivateStep.set_sampling: Args, Returns, Raises)."""
+    """Declares how batches are sampled; the ledger records it with every step
+    (PrivateStep.set_sampling).
+
+    Args:
+      population_size: n, the records batches are drawn from (public).
+      selection_probability: q, each record's probability to be in a batch (Poisson), or
+        B / n for the other policies.
+      policy: one of ledger.POLICIES ("poisson", "shuffle", "fixed_size", ...).
+      sample_size: the batch size B (the expected one under Poisson, 0 when unknown; the
+        groups under "cyclic_poisson").
+
+    Returns:
+      True when the recorded policy or record unit changed (the step must be retraced).
+
+    Raises:
+      ParameterTypeError: `sample_size` (or n, q) is not a number, e.g. None.
+      PrivacyConfigError: a value out of range, microbatches under add/remove, a sampling the
+        mechanism is not accounted under, or a new sampling inside a tree.
+    """
     return self.private_step.set_sampling(population_size, selection_probability, policy,
                                           sample_size)
 
   def resolve_clipping(self, model=None, input_specs=None):
-    """"vectorized" or "fast" for `model` (clipped_sum.resolve_clipping: Args, Raises)."""
+    """"vectorized" or "fast": the per-example clipping the step uses for `model`
+    (clipped_sum.resolve_clipping).
+
+    Args:
+      model: the keras.Model the optimizer trains.
+      input_specs: optional nest of tensors/specs shaped like a batch (for the probe of a
+        model without known inputs).
+
+    Returns:
+      "vectorized" or "fast".
+    """
     return self.private_step.resolve_clipping(model, input_specs)
 
   def prepare_mechanism(self, variables):
-    """Builds a correlated mechanism on `variables` (PrivateStep.prepare_mechanism)."""
+    """Builds a correlated mechanism on `variables` (PrivateStep.prepare_mechanism).
+
+    Args:
+      variables: the model's trainable variables.
+    """
     self.private_step.prepare_mechanism(variables)
 
   def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
                                 model=None):
     """Noised average of clipped per-record gradients, aligned with `variables`
-    (custom_loops.compute_private_gradients: its two forms, Args, Returns and Raises)."""
+    (custom_loops.compute_private_gradients: its two forms and Raises).
+
+    Args:
+      loss_fn: with `data`: loss_fn(record_data) returns the losses of one record's examples;
+        without: loss_fn() (or, with `tape`, the tensor itself) is the vector [B] of
+        per-example losses of the whole batch.
+      variables: the variables to differentiate (the result is aligned with them).
+      data: a nest of [B, ...] tensors, or None (the second form).
+      mask: float [B] of 0/1, padding rows 0 (None: every row is a record).
+      tape: the GradientTape the loss tensor was computed under (second form, a tensor).
+      model: the keras.Model that loss_fn runs, probed for layers that mix the examples of a
+        batch (required by the second form).
+
+    Returns:
+      the noised averages, one per variable.
+    """
     return self.private_step.compute_private_gradients(loss_fn, variables, data, mask, tape,
                                                        model)
 
@@ -229,13 +296,16 @@ class DPOptimizerBase:
     Args:
       loss: a tensor computed under `tape`, or a callable returning it (tape made here).
       var_list: the variables (or a callable returning them).
-      tape, mask: as compute_private_gradients.
+      tape: as compute_private_gradients.
+      mask: as compute_private_gradients.
       model: required: the keras.Model that computed the losses, probed for layers that mix
         the examples of a batch (custom_loops); without it the call is refused.
+
     Returns:
       the base optimizer's `apply` result.
+
     Raises:
-      ValueError: a loss tensor without its tape, a scalar loss (per-example losses are
+      ParameterValueError: a loss tensor without its tape, a scalar loss (per-example losses are
         needed for clipping), no model=, a model that mixes examples or cannot be probed, or
         see compute_private_gradients.
     """
@@ -252,7 +322,9 @@ class DPOptimizerBase:
     """Supplies the run's ledger to a restored optimizer (see saved_ledger.restore_ledger).
 
     Args:
-      ledger: a PrivacyLedger, a signed ledger dict or a ledger JSON path; key: its HMAC key.
+      ledger: a PrivacyLedger, a signed ledger dict or a ledger JSON path.
+      key: its HMAC key.
+
     Returns:
       the optimizer's ledger.
     """
@@ -273,7 +345,9 @@ class DPOptimizerBase:
     """Applies gradients that came out of `noised_average`.
 
     Args:
-      grads: the noised averages, one per variable. trainable_variables: the variables.
+      grads: the noised averages, one per variable.
+      trainable_variables: the variables.
+
     Returns:
       the base optimizer's `apply` result.
     """
@@ -288,11 +362,14 @@ class DPOptimizerBase:
     """Refuses plain gradients (the private path goes through apply_private_gradients).
 
     Args:
-      grads, trainable_variables: as keras.optimizers.Optimizer.apply.
+      grads: as keras.optimizers.Optimizer.apply.
+      trainable_variables: as keras.optimizers.Optimizer.apply.
+
     Returns:
       the base optimizer's `apply` result (inside the private path only).
+
     Raises:
-      ValueError: called from outside the private path.
+      PrivacyConfigError: called from outside the private path.
     """
     if not self._private_apply:
       raise PrivacyConfigError(
@@ -324,7 +401,9 @@ class DPOptimizerBase:
     """Inverse of get_config (a serialized dp_query is rebuilt; the query state resumed).
 
     Args:
-      config: a get_config dict. custom_objects: for Keras deserialization.
+      config: a get_config dict.
+      custom_objects: for Keras deserialization.
+
     Returns:
       the optimizer.
     """
@@ -360,7 +439,7 @@ def make_dp_optimizer_class(cls):
     the DP subclass (cached: the same class for the same cls).
 
   Raises:
-    ValueError: cls is not an Optimizer subclass.
+    ParameterValueError: cls is not an Optimizer subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer)):
     raise ParameterValueError(f"cls must be a keras.optimizers.Optimizer subclass, got {cls!r}")
@@ -389,15 +468,24 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
 
   Args:
     optimizer: a plain keras.optimizers.Optimizer instance.
-    l2_norm_clip, ..., secure_mode: as DPOptimizerBase.__init__.
-    noise: "iid" | "tree" | "band_mf" | "blt"; noise_params: its parameters
-      (keras.noise_mechanisms).
+    l2_norm_clip: S, the per-record L2 clip (as DPOptimizerBase.__init__).
+    noise_multiplier: z, the noise standard deviation over S.
+    num_microbatches: M (None: one example per record).
+    dp_query: instead of S, z: any DPQuery whose result is a sum over records.
+    max_physical_batch_size: P, examples per physical chunk.
+    clipping: "auto" | "vectorized" | "fast".
+    normalize: divide the noised sum by the denominator.
+    seed: seeds the noise, for tests only (NOT private).
+    ledger_journal: path of a ledger journal DPModel.fit resumes and appends.
+    secure_mode: draw the noise from os.urandom (no seed).
+    noise: "iid" | "tree" | "band_mf" | "blt".
+    **noise_params: its parameters (keras.noise_mechanisms).
 
   Returns:
     an instance of make_dp_optimizer_class(type(optimizer)).
 
   Raises:
-    ValueError: not a plain Keras optimizer instance, or a bad DP setting.
+    ParameterValueError: not a plain Keras optimizer instance, or a bad DP setting.
   """
   if not isinstance(optimizer, keras.optimizers.Optimizer):
     raise ParameterValueError(f"optimizer must be a keras.optimizers.Optimizer instance, got {optimizer!r}")

@@ -120,6 +120,7 @@ class PrivateStep:
 
     Args:
       **changes: PerformanceFlags field -> value (e.g. skip_padding_tail=False).
+
     Returns:
       the new PerformanceFlags.
     """
@@ -185,6 +186,7 @@ class PrivateStep:
 
     Args:
       finite: [R] bool per record (None: no loss scale). record_mask: [R] 0/1.
+
     Returns:
       a list of control dependencies.
     """
@@ -231,8 +233,10 @@ class PrivateStep:
     Args:
       population_size: n. selection_probability: q. policy: one of ledger.POLICIES.
       sample_size: the batch size (expected under Poisson; groups under cyclic_poisson).
+
     Returns:
       True when the recorded policy or record unit changed (the step must be retraced).
+
     Raises:
       ValueError: microbatches under add/remove, a sampling the mechanism is not accounted
         under, a new sampling inside a tree, or a bad argument.
@@ -318,6 +322,7 @@ class PrivateStep:
 
     Returns:
       the params nest (`DPQuery.derive_sample_params`).
+
     Raises:
       ValueError: the sampling is not declared.
     """
@@ -333,6 +338,7 @@ class PrivateStep:
 
     Args:
       params: a nest from `sample_params()` (None: read the state as usual).
+
     Yields:
       None.
     """
@@ -347,6 +353,7 @@ class PrivateStep:
 
     Returns:
       a callable float32 norms [R] -> factors [R].
+
     Raises:
       ValueError: undeclared sampling.
       NotImplementedError: the query has no per-record clip factors
@@ -405,6 +412,7 @@ class PrivateStep:
       sample_state: the clipped sum.
       num_records: records in the batch.
       global_state: the query's global state, read outside the program (`global_state()`).
+
     Returns:
       (the list of noised average gradients, the events of the noised result).
     """
@@ -425,6 +433,7 @@ class PrivateStep:
     Args:
       grads: the noised average gradients.
       events: the events `compiled_noised_average` returned.
+
     Returns:
       grads, after the ledger write.
     """
@@ -466,6 +475,7 @@ class PrivateStep:
 
     Args:
       num_records: records in the batch (float32 scalar).
+
     Returns:
       a float32 scalar tensor.
     """
@@ -485,8 +495,10 @@ class PrivateStep:
     Args:
       sample_state: the clipped sum of this replica's records (the query's sample state).
       num_records: records in this replica's batch.
+
     Returns:
       the list of noised average gradients (flattened result).
+
     Raises:
       ValueError: the sampling is not declared (`set_sampling`).
     """

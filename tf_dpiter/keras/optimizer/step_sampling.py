@@ -28,6 +28,7 @@ def check(step, population_size, policy, sample_size):
   Args:
     step: the PrivateStep. population_size: n. policy: one of ledger.POLICIES.
     sample_size: the batch size.
+
   Raises:
     ValueError: microbatches under add/remove, a sampling the correlated mechanism is not
       accounted under, or a new sampling inside one of its trees.
@@ -51,6 +52,7 @@ def declare(step, population_size, selection_probability, policy, sample_size):
   Args:
     step: the PrivateStep (its state made here if needed).
     population_size, selection_probability, policy, sample_size: the sampling.
+
   Returns:
     True when the recorded policy or record unit changed (the step must be retraced).
   """
@@ -80,8 +82,10 @@ def require(step, pending):
   Args:
     step: the PrivateStep. pending: True while a declared sampling waits for the correlated
       mechanism's build.
+
   Returns:
     the QueryWithLedger.
+
   Raises:
     ValueError: the sampling is undeclared, or declared but the mechanism is not built.
   """
