@@ -111,6 +111,16 @@ def sensitivity_factor(relation, examples_per_record=1):
   1 when one unit is one whole record added or removed; 2 when one example changes inside a
   record that stays (replace-one; a microbatch of k > 1 examples): the record's clipped
   vector goes from one point of the S-ball to another (McMahan et al. 2018, Appendix A).
+
+  Args:
+    relation: ADD_OR_REMOVE or REPLACE_ONE.
+    examples_per_record: k, the examples in one record (1: a record is an example).
+
+  Returns:
+    1.0 or 2.0.
+
+  Raises:
+    PrivacyConfigError: `relation` is not one of RELATIONS.
   """
   if relation not in RELATIONS:
     raise PrivacyConfigError(f"relation must be one of {RELATIONS}, got {relation!r}")
@@ -133,8 +143,10 @@ def check_examples_per_record(policy, examples_per_record):
   Args:
     policy: str, the sampling policy name.
     examples_per_record: k, examples per record (microbatch size); a tensor is not checked.
+
   Returns:
     None.
+
   Raises:
     ValueError: if k < 1, or k > 1 under an add-or-remove policy.
   """
@@ -272,6 +284,7 @@ def run_length_encode(samples, queries):
   Args:
     samples: ledger sample array (rows of SAMPLE_COLUMNS).
     queries: ledger query array (rows of QUERY_COLUMNS).
+
   Returns:
     List of (count, sample_row, query_rows); empty when there are no samples.
   """
@@ -300,6 +313,7 @@ def runs_to_arrays(runs):
 
   Args:
     runs: list of (count, sample_row, query_rows), as from `run_length_encode`.
+
   Returns:
     Tuple (samples, queries) of numpy arrays; query column 0 is the sample index.
   """
@@ -325,6 +339,7 @@ def to_records(runs):
 
   Args:
     runs: list of (count, sample_row, query_rows).
+
   Returns:
     List of SampleRun, one per run.
   """

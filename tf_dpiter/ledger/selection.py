@@ -59,6 +59,7 @@ def check(mean, shape, trials):
 
   Args:
     mean: E[K]. shape: eta >= 0 or inf. trials: K run, an integer >= 1.
+
   Raises:
     ValueError: naming the parameter and its value.
   """
@@ -78,6 +79,7 @@ def marker_row(selection):
 
   Args:
     selection: a Selection.
+
   Returns:
     float64 array of `records.SAMPLE_COLUMNS`.
   """
@@ -91,6 +93,7 @@ def is_marker(sample_row):
 
   Args:
     sample_row: a row of `records.SAMPLE_COLUMNS`.
+
   Returns:
     bool.
   """
@@ -102,6 +105,7 @@ def from_row(sample_row, after_samples=0):
 
   Args:
     sample_row: a marker row (`is_marker`). after_samples: the samples before it.
+
   Returns:
     a Selection.
   """
@@ -115,8 +119,10 @@ def with_selection(runs, mean, shape, trials):
   Args:
     runs: [(count, sample_row, query_rows)] of the trial (no marker yet).
     mean, shape, trials: see Selection.
+
   Returns:
     runs + [(1, marker row, no queries)].
+
   Raises:
     ValueError: bad parameters, or `runs` already holds a selection marker or no sample.
   """
@@ -134,6 +140,7 @@ def to_field(selection):
 
   Args:
     selection: a Selection.
+
   Returns:
     dict with distribution, mean, shape (None for Poisson), trials, after_samples.
   """
@@ -148,8 +155,10 @@ def from_field(field):
 
   Args:
     field: the "selection" dict of a ledger file.
+
   Returns:
     a Selection.
+
   Raises:
     ValueError: a malformed field, named.
   """
@@ -175,6 +184,7 @@ def split_runs(runs):
 
   Args:
     runs: [(count, sample_row, query_rows)].
+
   Returns:
     (sample runs, Selection with after_samples set, or None).
   """
@@ -194,8 +204,10 @@ def insert_marker(runs, selection):
 
   Args:
     runs: [(count, sample_row, query_rows)] without a marker. selection: a Selection.
+
   Returns:
     runs with the marker inserted.
+
   Raises:
     ValueError: after_samples is beyond the ledger's samples.
   """

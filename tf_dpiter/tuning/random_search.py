@@ -53,7 +53,7 @@ def num_trials_distribution(mean, shape):
   else the truncated negative binomial of Papernot and Steinke (K >= 1) with E[K] = mean.
 
   Raises:
-    ValueError: mean < 1 (or <= 0 for Poisson), or shape < 0.
+    ParameterValueError: mean < 1 (or <= 0 for Poisson), or shape < 0.
   """
   shape = float(shape)
   if math.isnan(shape) or shape < 0:
@@ -107,11 +107,14 @@ def selection_ledger(trial_ledger, mean, shape, trials, key=None):
 
   Args:
     trial_ledger: the trial's ledger (anything `accountant.ledger_runs` reads).
-    mean, shape: the distribution the number of trials K was drawn from (shape inf: Poisson).
+    mean: the distribution the number of trials K was drawn from (shape inf: Poisson).
+    shape: the distribution the number of trials K was drawn from (shape inf: Poisson).
     trials: the K trials run (>= 1).
     key: optional HMAC key.
+
   Returns:
     the signed ledger dict; `privacy_report` on it accounts RepeatAndSelectDpEvent.
+
   Raises:
     ValueError: bad parameters, an empty trial or one that already records a selection.
   """
@@ -167,7 +170,8 @@ class RandomSearch:
 
   def __init__(self, mean_trials, shape=1.0, seed=None):
     """mean_trials: E[K]; shape: of K's distribution (1: geometric, inf: Poisson);
-    seed: tests only (a reproducible K is not private)."""
+    seed: tests only (a reproducible K is not private).
+    """
     self._draw = num_trials_distribution(mean_trials, shape)
     self._mean, self._shape = float(mean_trials), float(shape)
     self._rng = np.random.default_rng(seed) if seed is not None else np.random.default_rng()

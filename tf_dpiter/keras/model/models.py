@@ -67,7 +67,13 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """keras.Model.compile with a DP optimizer. Under `mixed_float16` Keras' dynamic loss
     scaling (a data-dependent scale) is not used: a LossScaleOptimizer around a DP optimizer
     is unwrapped, and the private step applies a static loss scale itself
-    (routing.loss_scale)."""
+    (routing.loss_scale).
+
+    Args:
+      optimizer: a DP optimizer (a LossScaleOptimizer around one is unwrapped).
+      *args: keras.Model.compile's other positional arguments.
+      **kwargs: keras.Model.compile's keyword arguments (loss, metrics, jit_compile, ...).
+    """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
         optimizer.inner_optimizer, opt_lib.DPOptimizerBase):
       optimizer = optimizer.inner_optimizer
@@ -135,7 +141,15 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   def privacy_statement(self, delta, accountant="rdp"):
     """The privacy statement of the run this model trained, from its ledger: relation, unit,
-    sampling, q, steps, z and epsilon at `delta` (`statement.run_statement`; print it)."""
+    sampling, q, steps, z and epsilon at `delta` (`statement.run_statement`; print it).
+
+    Args:
+      delta: the delta epsilon is stated at, in (0, 1).
+      accountant: "rdp" or "pld" (dp-accounting, upper bounds), or "gdp" (an approximation).
+
+    Returns:
+      a RunStatement.
+    """
     return statement_lib.run_statement(self, delta, accountant)
 
   # ---- fit: declare the sampling ------------------------------------------------------
@@ -154,7 +168,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     refused before the first step (ledger_callbacks.check_ledger_covers).
 
     Args:
-      *args, **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
+      *args: keras.Model.fit's arguments (`shuffle` is not used for DP).
+      **kwargs: keras.Model.fit's arguments (`shuffle` is not used for DP).
       sampling: None, "poisson" or "shuffle" (arrays only).
       population_size: N, the public population size Poisson sampling on arrays states q over
         (q = batch_size / N, round(N / batch_size) steps an epoch; N may exceed len(x), e.g.
@@ -168,7 +183,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       The History object of keras.Model.fit.
 
     Raises:
-      ValueError: undeclared data, sampling given for a dataset, microbatches with Poisson,
+      PrivacyConfigError: undeclared data, sampling given for a dataset, microbatches with Poisson,
         more microbatches than examples in a batch, a ledger with fewer samples than the
         optimizer's iterations, or a journal that ends before them.
     """
@@ -233,7 +248,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     `optimizer.set_sampling` first); an unbuilt model is built eagerly on the batch.
 
     Raises:
-      ValueError: under a tf.distribute strategy with several replicas, or a ledger with
+      PrivacyConfigError: under a tf.distribute strategy with several replicas, or a ledger with
         fewer samples than the optimizer's iterations (saved_ledger.require_covers).
     """
     saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
@@ -327,10 +342,12 @@ def private_class(cls):
 
   Args:
     cls: a keras.Model subclass.
+
   Returns:
     the DP class (cls itself if it is one already).
+
   Raises:
-    ValueError: cls is not a keras.Model subclass.
+    ParameterValueError: cls is not a keras.Model subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
     raise ParameterValueError(f"cls must be a keras.Model subclass, got {cls!r}")
@@ -358,10 +375,12 @@ def make_dp_model_class(cls):
 
   Args:
     cls: a keras.Model subclass.
+
   Returns:
     the DP class taking TF Privacy's arguments.
+
   Raises:
-    TypeError: cls is not a keras.Model subclass.
+    ParameterTypeError: cls is not a keras.Model subclass.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
     raise ParameterTypeError(f"cls must be a keras.Model subclass, got {cls!r}")
@@ -391,13 +410,19 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   Args:
     model: a keras.Model (see make_private).
     optimizer: a plain keras.optimizers.Optimizer instance (its hyperparameters are kept).
-    epsilon, delta: the target.
-    epochs, batch_size, population_size: E, B (expected batch size), n.
+    epsilon: the target.
+    delta: the target.
+    epochs: E.
+    batch_size: B (expected batch size).
+    population_size: n.
     l2_norm_clip: the clipping norm S.
-    sampling, accountant: as in `from_budget`.
+    sampling: as in `from_budget`.
+    accountant: as in `from_budget`.
     **dp_kwargs: other DP optimizer arguments (num_microbatches, clipping, ...).
+
   Returns:
     (model, dp_optimizer).
+
   Raises:
     ValueError: a DP or non-Keras optimizer, or what from_budget refuses.
   """
