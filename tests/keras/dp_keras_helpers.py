@@ -18,10 +18,13 @@ def one_step_update(model, x, y, sample_weight=None):
   return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
 
 
-def reference_gradient(model, loss_obj, x, y, clip, num_microbatches=None, reg=True):
+def reference_gradient(model, loss_obj, x, y, clip, num_microbatches=None, reg=True,
+                       sample_weight=None):
   """Mean of clipped per-record gradients, computed by an independent Python loop.
 
   Record j of a batch of B holds examples {i : i mod M == j} (one example if M is None).
+  x and y may be nests of arrays (rows on the leading axis); with sample_weight [B], the
+  record's loss is loss_obj(y_j, pred_j, sample_weight=w_j).
   """
   leaves = tf.nest.flatten(x)
   b = int(leaves[0].shape[0])
@@ -30,10 +33,13 @@ def reference_gradient(model, loss_obj, x, y, clip, num_microbatches=None, reg=T
   total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
   for idx in groups:
     xi = tf.nest.map_structure(lambda a: tf.gather(a, idx), x)
-    yi = tf.gather(y, idx)
+    yi = tf.nest.map_structure(lambda a: tf.gather(a, idx), y)
     with tf.GradientTape() as tape:
       pred = model(xi, training=True)
-      loss = loss_obj(yi, pred)
+      if sample_weight is None:
+        loss = loss_obj(yi, pred)
+      else:
+        loss = loss_obj(yi, pred, sample_weight=tf.gather(sample_weight, idx))
       if reg and model.losses:
         loss = loss + tf.add_n(model.losses)
     g = tape.gradient(loss, model.trainable_variables,

@@ -140,9 +140,13 @@ def batch_mixing_layers(model, x, atol=1e-6):
     return (model.name,) if moved else ()
   graph, nodes = nodes
   tensors = [t for node in nodes for t in list(node.output_tensors) + list(node.input_tensors)]
-  ins = graph.inputs
-  if len(ins) == 1:   # a single input: plain tensors, no one-element lists (Keras warns)
-    ins = ins[0]
+  # the probe takes the graph's own input structure (a nest such as {"a": a, "pair": [b, c]}
+  # included), so it reads x as the model does; the flat `graph.inputs` did not match a nest
+  ins = getattr(graph, "_inputs_struct", None)
+  if ins is None:
+    ins = graph.inputs
+  if len(tf.nest.flatten(ins)) == 1:   # one input: plain tensors, no one-element lists
+    ins = tf.nest.flatten(ins)[0]
     x1, x2 = tf.nest.flatten(x1)[0], tf.nest.flatten(x2)[0]
   probe = keras.Model(ins, tensors)
   out1, out2 = probe(x1, training=False), probe(x2, training=False)
@@ -313,7 +317,10 @@ def keep_probe_rows(model, x, max_rows=512):
   if not leaves or not all(getattr(t, "shape", None) is not None and len(t.shape) > 0
                            for t in leaves):
     return
-  rows = tf.nest.map_structure(lambda t: np.array(np.asarray(t)[:max_rows]), x)
+  arrays = tf.nest.map_structure(np.asarray, x)
+  if any(a.ndim == 0 for a in tf.nest.flatten(arrays)):
+    return   # a ragged or sparse leaf: no dense rows to keep (fit refuses it, fit_sampling)
+  rows = tf.nest.map_structure(lambda a: np.array(a[:max_rows]), arrays)
   object.__setattr__(model, PROBE_ROWS_ATTR, rows)
 
 

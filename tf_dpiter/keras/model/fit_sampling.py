@@ -94,8 +94,39 @@ def num_rows(x):
   return int(leaves[0].shape[0])
 
 
-def _to_numpy(nest):
-  return None if nest is None else tf.nest.map_structure(np.asarray, nest)
+def _to_numpy(nest, name):
+  """fit's array argument as numpy arrays in the same nest, its lists made tuples.
+
+  Keras reads a list in fit's x or y as a sequence of arrays (`fit([a, b], y)` feeds a
+  two-input model), but tf.data reads a list in a dataset's element as ONE tensor to stack:
+  the DP sampler's batches of [a, b] were stacked into one input, or failed to convert. As
+  Keras' own array adapter does (`keras.tree.lists_to_tuples`), every list becomes a tuple
+  before the sampler builds its dataset; the model gets the same inputs in the same order.
+
+  Args:
+    nest: an array, or a nest (list, tuple, dict) of arrays, or None.
+    name: the fit argument's name ("x" or "y"), for the error message.
+
+  Returns:
+    the nest of numpy arrays with every list a tuple, or None.
+
+  Raises:
+    PrivacyConfigError: a leaf is not a dense array (a tf.RaggedTensor, a tf.SparseTensor,
+      a scipy sparse matrix): the samplers and the per-record clipping need dense rows.
+  """
+  if nest is None:
+    return None
+  nest = keras.tree.lists_to_tuples(nest)
+  arrays = tf.nest.map_structure(np.asarray, nest)
+  for leaf, array in zip(tf.nest.flatten(nest), tf.nest.flatten(arrays)):
+    if array.ndim == 0:   # a composite (ragged, sparse) leaf: an opaque 0-d object array
+      raise PrivacyConfigError(
+          f"`{name}` must hold dense arrays for DP fit: the Poisson and shuffle samplers and "
+          "the per-record clipping gather and pad dense rows. Pad ragged rows to one length "
+          "(`.to_tensor()`, with `mask_zero=True` or a Masking layer to ignore the padding) "
+          "and densify sparse ones (`tf.sparse.to_dense`, `.toarray()`). Received: "
+          f"{name} holding a {type(leaf).__name__}")
+  return arrays
 
 
 def class_weight_to_sample_weight(y, class_weight):
@@ -203,7 +234,7 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
     PrivacyConfigError: population_size with shuffled passes, not a number >= 1, or smaller
       than batch_size; other bad fit arguments (named).
   """
-  x, y = _to_numpy(a.pop("x")), _to_numpy(a.pop("y", None))
+  x, y = _to_numpy(a.pop("x"), "x"), _to_numpy(a.pop("y", None), "y")
   if y is None:
     raise PrivacyConfigError("fit on arrays needs y: the DP samplers yield (x, y, weights); for a "
                              "model without targets build dp.data.poisson_batches(x, ...) yourself")
