@@ -77,9 +77,8 @@ class PlannedSample:
       `records.QUERY_COLUMNS`).
 
     Raises:
-      PrivacyConfigError (a ValueError): an unknown policy or event, or values the ledger
-        would refuse.
-      PrivacyConfigError: events must be GaussianSumEvent, LaplaceSumEvent or NonPrivateEvent.
+      PrivacyConfigError: an unknown policy or event (not a Gaussian, Laplace or non-private
+        sum event), or values the ledger would refuse.
     """
     code = rec.policy_code(self.policy)
     k = self.examples_per_record
@@ -223,7 +222,14 @@ def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp",
                   extra_passes=None):
   """Epsilon at `delta` once `extra_steps` samples like `planned` are recorded.
 
-  Args: as `report_after` (`extra_steps` is its `count`).
+  Args:
+    ledger: a `PrivacyLedger` (read, not modified), or None for an empty one.
+    delta: the delta epsilon is stated at.
+    planned: a `PlannedSample`, or None (the ledger alone).
+    extra_steps: the samples about to run (`report_after`'s `count`).
+    accountant: "rdp" or "pld".
+    extra_passes: the passes those samples start (as `content_after`; None: as many as they
+      need at least).
 
   Returns:
     epsilon, a float (inf when a sample is not private).
@@ -238,7 +244,18 @@ def epsilon_after(ledger, delta, planned=None, extra_steps=1, accountant="rdp",
 def delta_after(ledger, epsilon, planned=None, extra_steps=1, accountant="rdp"):
   """Delta at `epsilon` once `extra_steps` samples like `planned` are recorded.
 
-  Args: as `report_after`. Returns: delta, a float. Raises: see `report_after`.
+  Args:
+    ledger: a `PrivacyLedger` (read, not modified), or None for an empty one.
+    epsilon: the epsilon delta is stated at.
+    planned: a `PlannedSample`, or None (the ledger alone).
+    extra_steps: the samples about to run (`report_after`'s `count`).
+    accountant: "rdp" or "pld".
+
+  Returns:
+    delta, a float.
+
+  Raises:
+    PrivacyConfigError: see `report_after`.
   """
   return float(report_after(ledger, planned, extra_steps, epsilon=epsilon,
                             accountant=accountant).delta)

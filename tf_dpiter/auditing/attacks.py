@@ -51,8 +51,16 @@ def _labels(labels, n, k):
 def loss_scores(outputs, labels, from_logits=True):
   """Loss-attack scores -CE(y, p) (nats), [n].
 
-  Args: outputs [n, K] logits (from_logits) or probabilities; labels [n] ints in [0, K).
-  Returns: float64 [n]. Raises: ValueError for bad shapes or labels.
+  Args:
+    outputs: [n, K] logits (from_logits) or probabilities.
+    labels: [n] ints in [0, K).
+    from_logits: whether `outputs` are logits.
+
+  Returns:
+    float64 [n].
+
+  Raises:
+    ParameterValueError: bad shapes or labels.
   """
   lp = _log_probs(outputs, from_logits)
   y = _labels(labels, lp.shape[0], lp.shape[1])
@@ -132,12 +140,17 @@ def lira_scores(target_phi, shadow_phi, shadow_in, online=True, min_std=1e-3,
 def lira_leave_one_out(phi, in_masks, online=True, fix_variance=False):
   """Each model as target, the others as shadows: LiRA scores [N, n].
 
-  Args: phi [N, n] φ of all models; in_masks [N, n] bool memberships; online, fix_variance
-  as in lira_scores.
-  Returns: float64 [N, n]. Raises: ValueError for N < 2 or shape mismatch.
+  Args:
+    phi: [N, n] φ of all models.
+    in_masks: [N, n] bool memberships.
+    online: as in lira_scores.
+    fix_variance: as in lira_scores.
+
+  Returns:
+    float64 [N, n].
 
   Raises:
-    ParameterValueError: phi and in_masks must both be [N >= 2, n].
+    ParameterValueError: N < 2, or phi and in_masks not both [N, n].
   """
   phi = np.asarray(phi, np.float64)
   masks = np.asarray(in_masks, bool)
@@ -155,11 +168,15 @@ def lira_leave_one_out(phi, in_masks, online=True, fix_variance=False):
 def roc_curve(member_scores, nonmember_scores):
   """(fpr, tpr) of the rule "score >= t" over all thresholds t, from (0, 0) to (1, 1).
 
-  Args: member_scores [n1], nonmember_scores [n0] (non-empty). Returns: two float64
-  arrays of equal length. Raises: ValueError for empty inputs.
+  Args:
+    member_scores: [n1] scores of the members (non-empty).
+    nonmember_scores: [n0] scores of the non-members (non-empty).
+
+  Returns:
+    two float64 arrays of equal length.
 
   Raises:
-    ParameterValueError: need members and non-members.
+    ParameterValueError: empty scores.
   """
   pos = np.asarray(member_scores, np.float64).reshape(-1)
   neg = np.asarray(nonmember_scores, np.float64).reshape(-1)
@@ -179,8 +196,8 @@ def auc(member_scores, nonmember_scores):
   """Area under the ROC curve = P[member score > non-member score] + ½ P[tie].
 
   Args:
-    member_scores: 1-D arrays of finite scores (higher = member).
-    nonmember_scores: 1-D arrays of finite scores (higher = member).
+    member_scores: 1-D array of the members' finite scores (higher = member).
+    nonmember_scores: 1-D array of the non-members' finite scores.
 
   Returns:
     the AUC, a float in [0, 1].
@@ -196,8 +213,8 @@ def tpr_at_fpr(member_scores, nonmember_scores, fpr):
   """Largest true-positive rate among thresholds whose false-positive rate is <= fpr.
 
   Args:
-    member_scores: 1-D arrays of finite scores (higher = member).
-    nonmember_scores: 1-D arrays of finite scores (higher = member).
+    member_scores: 1-D array of the members' finite scores (higher = member).
+    nonmember_scores: 1-D array of the non-members' finite scores.
     fpr: the false-positive budget, in [0, 1].
 
   Returns:
@@ -231,14 +248,17 @@ def attack_metrics(scores, is_member, labels=None, delta=1e-5, confidence=0.95,
   Args:
     scores: [n] scores (higher = member).
     is_member: [n] bools.
-    labels: optional [n] class labels for the per-class slices; delta, confidence: of the one-run
-      bound.
+    labels: optional [n] class labels for the per-class slices.
+    delta: the delta of the one-run bound.
+    confidence: the confidence of the one-run bound.
     fair_coin_membership: True if each example was a member by an independent fair coin
       drawn before training (then the one-run bound is sound and computed).
-  Returns: AttackMetrics. Raises: ValueError for shape mismatches.
+
+  Returns:
+    AttackMetrics.
 
   Raises:
-    ParameterValueError: is_member must have the shape of scores.
+    ParameterValueError: is_member does not have the shape of scores.
   """
   s = np.asarray(scores, np.float64).reshape(-1)
   mem = np.asarray(is_member, bool).reshape(-1)

@@ -119,7 +119,15 @@ def _decode(buf, dtype):
 
 
 class ArraySource:
-  """Records held as arrays (in memory or np.memmap): the same interface as TFRecordSource."""
+  """Records held as arrays (in memory or np.memmap): the same interface as TFRecordSource.
+
+  Args:
+    x: the features, an array (or np.memmap) with the records on the leading axis.
+    y: the labels, with as many records as x, or None.
+
+  Raises:
+    ParameterValueError: x and y hold different numbers of records.
+  """
 
   def __init__(self, x, y=None):
     self._x = x
@@ -166,6 +174,12 @@ class TFRecordSource:
   `read(indices)` gathers the records at their indexed offsets from memory-mapped shards (one
   vectorized gather per shard; the OS pages in only what is touched): memory is the offset
   index (8 bytes a record) plus the records read.
+
+  Args:
+    directory: the directory `write_indexed_tfrecords` wrote.
+
+  Raises:
+    ParameterValueError: no indexed data set in `directory`.
   """
 
   def __init__(self, directory):

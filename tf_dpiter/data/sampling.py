@@ -96,12 +96,18 @@ def get_sampling_spec(dataset):
   """The SamplingSpec of a dataset made here (or derived from one through prefetch,
   with_options, assert_cardinality, repeat or take), or None for data not sampled here.
 
+  Args:
+    dataset: a tf.data.Dataset, or any object (None is returned for what is not sampled here).
+
+  Returns:
+    the SamplingSpec, or None.
+
   Raises:
-    ParameterValueError: the dataset derives from a sampled dataset through a transform that loses
-      the declaration (map over batches, cache, batch, unbatch, filter, shuffle, ...); the
-      message names that transform and the way to keep the declaration.
-    PrivacyConfigError: this dataset was built by a tf_dpiter sampler (policy, n =, q = ) but its
-      sampling declaration was lost at .(): .
+    ParameterValueError: a dataset whose schedule is ledger state (cyclic Poisson) repeated
+      with .repeat().
+    PrivacyConfigError: the dataset derives from a sampled dataset through a transform that
+      loses the declaration (map over batches, cache, batch, unbatch, filter, shuffle, ...);
+      the message names that transform and the way to keep the declaration.
   """
   spec = getattr(dataset, _SPEC_ATTR, None)
   if spec is not None or not isinstance(dataset, tf.data.Dataset):
@@ -173,6 +179,15 @@ def default_max_batch_size(population_size, selection_probability, num_sd=4.0, m
 
   A sample larger than this (probability about 3e-5 per step for num_sd=4) is padded to the
   next multiple of it instead: records are never dropped, only XLA retraces once.
+
+  Args:
+    population_size: n.
+    selection_probability: q.
+    num_sd: the standard deviations of |R| above its mean the size covers.
+    multiple: the size is rounded up to a multiple of this.
+
+  Returns:
+    the padded batch size, an int.
   """
   mean = population_size * selection_probability
   sd = math.sqrt(population_size * selection_probability * (1.0 - selection_probability))

@@ -68,7 +68,7 @@ def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: floa
 
   Raises:
     ParameterValueError: for a bad epsilon, num_updates or delta.
-    PrivacyConfigError: delta must be in [0, 1).
+    PrivacyConfigError: epsilon <= 0 (validation.check_positive), or delta outside [0, 1).
   """
   check_positive("epsilon", epsilon)
   if int(num_updates) != num_updates or num_updates < 1:

@@ -68,6 +68,13 @@ class SpamFilter:
   """Refuse an instance with any weight outside mu +- t sigma of the k instances (III-D4).
 
   min_std floors sigma (instances that coincide would otherwise refuse every update).
+
+  Args:
+    t: the accepted band's half-width in standard deviations (> 0; inf: accept all).
+    min_std: the floor of sigma (>= 0).
+
+  Raises:
+    ParameterValueError: t <= 0 or min_std < 0.
   """
 
   def __init__(self, t: float, min_std: float = 0.0):
@@ -106,7 +113,24 @@ class SpamFilter:
 
 
 class DrawDiscardServer:
-  """k instances with draw / discard (Algorithm 2) and the Section V-B alternatives."""
+  """k instances with draw / discard (Algorithm 2) and the Section V-B alternatives.
+
+  Args:
+    k: the number of instances (an integer >= 1).
+    num_weights: p, the weights of one instance.
+    strategy: one of STRATEGIES ("draw_discard": Algorithm 2; the others: Section V-B).
+    init_mean: b^0, the initial weights' mean, a scalar or [p].
+    init_std: the initial weights' per-weight std (>= 0; Theorem 1: k/2 sigma^2 as variance).
+    batch_size: updates averaged per write ("server_batch" only).
+    spam_t: the spam filter's band in standard deviations (None: no filter; `SpamFilter`).
+    spam_min_std: the spam filter's floor of sigma.
+    rng: numpy Generator of the draws (default: fresh OS entropy).
+    instances: [k, p] initial instances instead of drawing them.
+
+  Raises:
+    ParameterValueError: an unknown strategy, k or batch_size not an integer >= 1, or
+      instances of the wrong shape.
+  """
 
   def __init__(self, k: int, num_weights: int, *, strategy: str = "draw_discard",
                init_mean=0.0, init_std: float = 0.0, batch_size: int = 1,

@@ -56,9 +56,26 @@ __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
 class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
 
-  Args: as `DPFedAvgMessageStrategy`, with `fit_config` (the dict sent to every client, e.g.
-  {"epochs": 1, "batch_size": 60, "lr": 0.1}) in place of train_config, and
-  eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
+  Args:
+    model: an `MLP` shared with the clients.
+    query: the inner DPQuery (records: flat updates [d]).
+    initial_params: list of numpy arrays w_0.
+    num_clients: K, the number of clients that must be connected (population size).
+    clients_per_round: m_t (int, sequence or callable of the round).
+    noise_multiplier: optional sigma_t schedule.
+    fit_config: the dict sent to every client with the model (e.g. {"epochs": 1,
+      "batch_size": 60, "lr": 0.1}).
+    eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
+    fixed_epsilon: with `max_delta`, a budget in delta: no round starts whose delta at this
+      epsilon would pass max_delta.
+    max_delta: the largest delta allowed at `fixed_epsilon`.
+    fixed_delta: with `max_epsilon`, a budget in epsilon: no round starts whose epsilon at
+      this delta would pass max_epsilon.
+    max_epsilon: the largest epsilon allowed at `fixed_delta`.
+    server_learning_rate: the server step (as in `DPServer`).
+    server_momentum: the server's momentum (as in `DPServer`).
+    seed: fixes the client sampling (tests only: not private).
+    wait_timeout: seconds to wait for K clients to connect.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
@@ -76,7 +93,11 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   def initialize_parameters(self, client_manager):
     """Flower's `Strategy.initialize_parameters`: w_0 from the DPServer (Flower `Parameters`).
 
-    Args: client_manager: Flower's ClientManager (unused). Returns: w_0 as `Parameters`.
+    Args:
+      client_manager: Flower's ClientManager (unused).
+
+    Returns:
+      w_0 as `Parameters`.
     """
     return ndarrays_to_parameters(self._dp.params())
 
@@ -88,8 +109,8 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
 
     Args:
       server_round: t (from 1).
-      parameters: Flower's copy of the model (w_t lives in the
-      DPServer); client_manager: Flower's ClientManager.
+      parameters: Flower's copy of the model (ignored: w_t lives in the DPServer).
+      client_manager: Flower's ClientManager.
 
     Returns:
       [(ClientProxy, FitIns)] for the sampled clients ([] once stopped).
@@ -131,14 +152,26 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   def configure_evaluate(self, server_round, parameters, client_manager):
     """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
 
-    Args: server_round, parameters, client_manager: from Flower (unused). Returns: [].
+    Args:
+      server_round: t (unused).
+      parameters: Flower's copy of the model (unused).
+      client_manager: Flower's ClientManager (unused).
+
+    Returns:
+      [].
     """
     return []
 
   def aggregate_evaluate(self, server_round, results, failures):
     """Flower's `Strategy.aggregate_evaluate`: (None, {}).
 
-    Args: server_round, results, failures: from Flower (unused). Returns: (None, {}).
+    Args:
+      server_round: t (unused).
+      results: the evaluation replies (unused).
+      failures: the lost replies (unused).
+
+    Returns:
+      (None, {}).
     """
     return None, {}
 
@@ -172,12 +205,14 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     clients_per_round: m_t (int, sequence or callable of the round).
     noise_multiplier: optional sigma_t schedule.
     train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
-    fixed_epsilon: the budget; no round starts that would pass it.
-    max_delta: the budget; no round starts that would pass it.
-    fixed_delta: the budget; no round starts that would pass it.
-    max_epsilon: the budget; no round starts that would pass it.
-    server_learning_rate: the server step.
-    server_momentum: as in `DPServer`.
+    fixed_epsilon: with `max_delta`, a budget in delta: no round starts whose delta at this
+      epsilon would pass max_delta.
+    max_delta: the largest delta allowed at `fixed_epsilon`.
+    fixed_delta: with `max_epsilon`, a budget in epsilon: no round starts whose epsilon at
+      this delta would pass max_epsilon.
+    max_epsilon: the largest epsilon allowed at `fixed_delta`.
+    server_learning_rate: the server step (as in `DPServer`).
+    server_momentum: the server's momentum (as in `DPServer`).
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
   """
@@ -211,9 +246,9 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
 
     Args:
       server_round: t.
-      arrays: Flower's copy of the model (ignored: w_t lives in the
-      DPServer); config: Flower's ConfigRecord, merged with train_config; grid: the Grid.
-      config: a dict as `get_config` returned it.
+      arrays: Flower's copy of the model (ignored: w_t lives in the DPServer).
+      config: Flower's ConfigRecord, merged with train_config.
+      grid: the Grid.
 
     Returns:
       a list of `Message` ([] once the budget stopped the run).
@@ -258,17 +293,26 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
   def configure_evaluate(self, server_round, arrays, config, grid):
     """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
 
-    Args: server_round, arrays, config, grid: from Flower (unused). Returns: [].
-
     Args:
-      config: a dict as `get_config` returned it.
+      server_round: t (unused).
+      arrays: Flower's copy of the model (unused).
+      config: Flower's ConfigRecord (unused).
+      grid: the Grid (unused).
+
+    Returns:
+      [].
     """
     return []
 
   def aggregate_evaluate(self, server_round, replies):
     """Flower's `Strategy.aggregate_evaluate`: None.
 
-    Args: server_round, replies: from Flower (unused). Returns: None.
+    Args:
+      server_round: t (unused).
+      replies: the evaluation replies (unused).
+
+    Returns:
+      None.
     """
     return None
 

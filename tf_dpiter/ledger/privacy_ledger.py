@@ -186,7 +186,15 @@ def merged_arrays(current, restored):
 
 
 class PrivacyLedger(tf.Module):
-  """Growable record of sampling and sum-query events, in TF variables."""
+  """Growable record of sampling and sum-query events, in TF variables.
+
+  Args:
+    initial_capacity: rows allocated for samples (and queries) before the buffers grow.
+    name: the tf.Module's name (and name scope of its variables).
+
+  Raises:
+    ParameterValueError: initial_capacity < 1.
+  """
 
   def __init__(self, initial_capacity=1024, name="privacy_ledger"):
     super().__init__(name=name)
@@ -351,9 +359,17 @@ class PrivacyLedger(tf.Module):
     checked at once, a tensor `sample_size` (the cycle length b under cyclic_poisson) in the
     graph.
 
+    Args:
+      population_size: n, the population the sample was drawn from (float or tensor).
+      selection_probability: q, each record's probability to be in the sample.
+      events: the tuple of privacy events `DPQuery.get_noised_result` returned.
+      policy: the sampling policy, one of records.ALL_POLICIES.
+      sample_size: the batch size (the cycle length b under cyclic_poisson; 0 for Poisson).
+      examples_per_record: k, the examples in one record (1: a record is an example).
+
     Raises:
-      ValueError: unknown policy or event, microbatches (k > 1) under add/remove, or a
-        correlated-noise event its sampling does not cover.
+      PrivacyConfigError: unknown policy or event, microbatches (k > 1) under add/remove, or
+        a correlated-noise event its sampling does not cover.
       tf.errors.InvalidArgumentError: (when run) a tensor sample_size below the least the
         correlated-noise event needs.
     """
@@ -398,6 +414,12 @@ class PrivacyLedger(tf.Module):
 
     Query rows keep their absolute sample_index. Reads only the rows asked for (after
     reconciling a restore: `reconcile`).
+
+    Args:
+      start: the index of the first sample returned (0: all).
+
+    Returns:
+      (samples [N, 6], queries [Q, 5]), float64 numpy arrays.
     """
     n = int(self.sample_count.numpy())
     q = int(self._v.query_count.numpy())

@@ -45,14 +45,18 @@ class TFPrivacyArgsMixin:
   """Accepts TF Privacy's DP model arguments (see module docstring)."""
 
   def __init__(self, *args, **kwargs):
-    """Args: TF Privacy's (l2_norm_clip, noise_multiplier, num_microbatches=None,
-    use_xla=None, layer_registry=None), then the Keras model's own arguments.
+    """TF Privacy's DP model arguments, then the Keras model's own.
+
+    Args:
+      *args: TF Privacy's (l2_norm_clip, noise_multiplier, num_microbatches=None,
+        use_xla=None, layer_registry=None) by position, then the Keras model's own.
+      **kwargs: the same by keyword, and the Keras model's own keyword arguments.
 
     Raises:
-      ParameterTypeError: only one of l2_norm_clip and noise_multiplier, or a layer_registry.
-      PrivacyConfigError: layer_registry is TF Privacy's fast-clipping registry; tf_dpiter chooses
-        the fast path itself (clipping='auto') and …; or l2_norm_clip and noise_multiplier go
-        together (TF Privacy's DP model arguments).
+      ParameterTypeError: a DP argument given both by position and by keyword.
+      PrivacyConfigError: a layer_registry (tf_dpiter chooses the fast path itself and takes
+        new layers through dp.keras.fast_clipping.register_layer), or only one of
+        l2_norm_clip and noise_multiplier.
     """
     settings, args = _positional(args)
     for name in _NAMES:
