@@ -89,9 +89,11 @@ def ledger_runs(ledger, key=None):
       or JSON string (verified: digest; HMAC with `key`), or (samples, queries[, passes])
       arrays.
     key: HMAC key of a signed ledger dict/JSON, or None.
+
   Returns:
     (runs, passes): runs [(count, sample_row, query_rows)] in recording order
     (`records.run_length_encode`), passes the shuffled passes started (int).
+
   Raises:
     ParameterTypeError: `ledger` is none of the above (a TypeError).
     ValueError: unparsable JSON, a bad digest or HMAC, or rows the ledger would refuse.
@@ -125,6 +127,7 @@ def shuffle_passes_needed(group):
 
   Args:
     group: a `ledger_events.SampleGroup`.
+
   Returns:
     an int >= 0 (0 for a group whose policy is not shuffle).
   """
@@ -148,8 +151,10 @@ def ledger_to_dp_event(ledger, accountant="rdp"):
   Args:
     ledger: anything `ledger_runs` reads, or a LedgerContent.
     accountant: "rdp" or "pld" (which events the accountant supports).
+
   Returns:
     a dp_accounting.DpEvent.
+
   Raises:
     ValueError: a ledger that cannot be accounted soundly (see `privacy_report`).
   """
@@ -238,6 +243,7 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
   Args:
     delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.
     stacklevel: of `warnings.warn`.
+
   Returns:
     True when it warned.
   """
@@ -293,17 +299,21 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
   Args:
     ledger: a PrivacyLedger, a ledger dict or JSON string (verified; `key` checks its HMAC),
       a LedgerContent, or (samples, queries[, passes]) arrays.
-    delta / epsilon: exactly one.
+    delta: exactly one.
+    epsilon: exactly one.
     accountant: "rdp" or "pld" (dp-accounting, upper bounds); "gdp" (mu-GDP with Poisson
       subsampling by a central limit theorem, as TF Privacy's GDP accountant: an
       approximation, labelled so; Poisson or full-batch Gaussian steps only); "prv" is
       refused (Opacus' PRV accountant is not installed): use "pld".
+
   Returns:
     PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a
     ledger dict/JSON what its integrity check proves (an HMAC under `key`, or a SHA-256
     digest, which detects accidents but not forgery).
+
   Warns:
     UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
+
   Raises:
     ValueError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
@@ -334,13 +344,16 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
 
   Args:
     groups: SampleGroups, or a LedgerContent (then `passes` is ignored).
-    delta / epsilon: exactly one (epsilon at delta, or delta at epsilon).
+    delta: exactly one (epsilon at delta, or delta at epsilon).
+    epsilon: exactly one (epsilon at delta, or delta at epsilon).
     accountant: one of REPORT_ACCOUNTANTS.
     passes: shuffled passes started (policy shuffle).
+
   Returns:
     a PrivacyReport (epsilon inf, or delta 1, when a sample is not private).
+
   Raises:
-    ValueError: both or neither of delta and epsilon, a bad value, a bad accountant, or
+    PrivacyConfigError: both or neither of delta and epsilon, a bad value, a bad accountant, or
       groups that cannot be accounted soundly.
   """
   content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups), passes)
@@ -377,8 +390,10 @@ def epsilon_function(groups, accountant="rdp"):
   Args:
     groups: SampleGroups or a LedgerContent.
     accountant: one of REPORT_ACCOUNTANTS.
+
   Returns:
     a function delta -> epsilon (a float; inf when a sample is not private).
+
   Raises:
     ValueError: a bad accountant (at once) or delta (when called).
   """
@@ -401,8 +416,10 @@ def optimal_rdp_order(groups, delta):
   Args:
     groups: SampleGroups or a LedgerContent.
     delta: in (0, 1).
+
   Returns:
     the order, a float; None when epsilon is 0 or infinite.
+
   Raises:
     PrivacyConfigError: delta outside (0, 1).
   """
@@ -424,8 +441,10 @@ def epsilon(ledger, delta, accountant="rdp", key=None):
     delta: in (0, 1).
     accountant: one of REPORT_ACCOUNTANTS.
     key: HMAC key of a signed ledger dict/JSON.
+
   Returns:
     epsilon, a float (inf when a sample is not private).
+
   Raises:
     ValueError: see `privacy_report`.
   """
@@ -438,9 +457,12 @@ def delta(ledger, epsilon, accountant="rdp", key=None):
   Args:
     ledger: as `epsilon`.
     epsilon: >= 0, finite.
-    accountant, key: as `epsilon`.
+    accountant: as `epsilon`.
+    key: as `epsilon`.
+
   Returns:
     delta, a float in [0, 1].
+
   Raises:
     ValueError: see `privacy_report`.
   """

@@ -48,8 +48,10 @@ def dpa_relation(relation):
 
   Args:
     relation: one of `records.RELATIONS`.
+
   Returns:
     dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE or REPLACE_ONE.
+
   Raises:
     ValueError: an unknown relation.
   """
@@ -116,8 +118,10 @@ def groups_from_runs(runs) -> List[SampleGroup]:
 
   Args:
     runs: [(count, sample_row, query_rows)] (`records.run_length_encode`).
+
   Returns:
     the SampleGroups, in first-seen order.
+
   Raises:
     ValueError: rows no accounting rule covers (see `_correlated_fields`).
   """
@@ -179,8 +183,10 @@ def groups_from_arrays(samples, queries) -> List[SampleGroup]:
 
   Args:
     samples: [N, 6] sample rows. queries: [Q, 5] query rows (`records`).
+
   Returns:
     the SampleGroups (`groups_from_runs`).
+
   Raises:
     ValueError: rows `records.validate_arrays` refuses.
   """
@@ -215,8 +221,10 @@ def group_event(group, accountant="rdp", passes=0):
     group: a SampleGroup (not a selection record). accountant: "rdp" or "pld".
     passes: the shuffled passes / balls-in-bins epochs the ledger recorded (used by
       policies shuffle and balls_in_bins only).
+
   Returns:
     (dp_accounting DpEvent, list of assumption strings).
+
   Raises:
     ValueError: a sampling recorded inconsistently (too few passes) or rows no rule covers.
   """
@@ -232,8 +240,10 @@ def relation_of(groups):
 
   Args:
     groups: SampleGroups.
+
   Returns:
     one of `records.RELATIONS` (ADD_OR_REMOVE when no group is private).
+
   Raises:
     ValueError: the groups' relations differ.
   """
@@ -251,8 +261,10 @@ def neighboring_relation(groups):
 
   Args:
     groups: SampleGroups.
+
   Returns:
     a dp_accounting.NeighboringRelation.
+
   Raises:
     ValueError: the groups' relations differ.
   """

@@ -72,7 +72,17 @@ class AttackInputData:
     return None, None
 
   def log_probs(self, split):
-    """Log-probabilities [n, K] of `split` ("train" or "test"), or None without outputs."""
+    """Log-probabilities [n, K] of `split`, or None without outputs.
+
+    Args:
+      split: "train" or "test".
+
+    Returns:
+      float64 [n, K], or None.
+
+    Raises:
+      ParameterValueError: the outputs of `split` are not a matrix [n, K].
+    """
     out, from_logits = self._outputs(split)
     if out is None:
       return None
@@ -83,12 +93,27 @@ class AttackInputData:
     return np.log(np.clip(out, 1e-300, 1.0))
 
   def labels(self, split):
-    """Integer labels [n] of `split`, or None."""
+    """Integer labels [n] of `split`, or None.
+
+    Args:
+      split: "train" or "test".
+    """
     y = getattr(self, f"labels_{split}")
     return None if y is None else np.asarray(y).reshape(-1).astype(np.int64)
 
   def loss(self, split):
-    """Per-example losses [n] of `split`: the given ones, else cross-entropy (nats)."""
+    """Per-example losses [n] of `split`: the given ones, else cross-entropy (nats).
+
+    Args:
+      split: "train" or "test".
+
+    Returns:
+      float64 [n].
+
+    Raises:
+      ParameterValueError: `split` has neither losses nor outputs with labels, or labels
+        outside [0, K).
+    """
     given = getattr(self, f"loss_{split}")
     if given is not None:
       return np.asarray(given, np.float64).reshape(-1)

@@ -38,6 +38,7 @@ class CanaryRecorder(keras.callbacks.Callback):
     canary_model: the (DP) DiracCanaryModel being trained.
     l2_norm_clip: S of the DP optimizer.
     expected_batch_size: q·n, the Poisson denominator of the DP optimizer.
+
   Attributes:
     observations: float64 array [m, T] of x_kt (T steps seen so far).
   """
@@ -55,8 +56,11 @@ class CanaryRecorder(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     """Keras hook: checks the optimizer (plain DP SGD) and steps_per_execution = 1.
 
+    Args:
+      logs: the dict of metric values Keras passes to the callback.
+
     Raises:
-      ValueError: another optimizer, or steps_per_execution != 1 (the weights are read around
+      ParameterValueError: another optimizer, or steps_per_execution != 1 (the weights are read around
         every step).
     """
     canaries_lib.check_optimizer(self._canary_model.optimizer, self._canary_model)
@@ -66,12 +70,22 @@ class CanaryRecorder(keras.callbacks.Callback):
                                 f"steps_per_execution=1, got {spe}")
 
   def on_train_batch_begin(self, batch, logs=None):
-    """Keras hook: reads w^t and the learning rate eta before the step."""
+    """Keras hook: reads w^t and the learning rate eta before the step.
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     self._before = np.array(self._canary_model.canary_weights.numpy(), np.float64)
     self._lr = float(keras.ops.convert_to_numpy(self._canary_model.optimizer.learning_rate))
 
   def on_train_batch_end(self, batch, logs=None):
-    """Keras hook: appends x_kt = -(w^{t+1} - w^t) q n / (eta S) (Eq. 4) for every canary."""
+    """Keras hook: appends x_kt = -(w^{t+1} - w^t) q n / (eta S) (Eq. 4) for every canary.
+
+    Args:
+      batch: the index of the batch in the epoch (Keras).
+      logs: the dict of metric values Keras passes to the callback.
+    """
     after = np.array(self._canary_model.canary_weights.numpy(), np.float64)
     self._rows.append(-(after - self._before) * self._scale / self._lr)
 
@@ -97,10 +111,13 @@ def canary_scores(observations, sampling_probability, noise_multiplier,
     noise_multiplier: z >= 0 (z = 0: raw x).
     neighbouring: "add_remove" or "replace" (see canaries.canary_records).
     per: "run" ([m] scores) or "step" ([m, T] scores).
+
   Returns:
     float64 array of scores, [m] or [m, T].
+
   Raises:
-    ValueError: q, z, neighbouring or per out of range.
+    ParameterValueError: q, z, neighbouring or per out of range.
+    PrivacyConfigError: sampling_probability must be in (0, 1]; or noise_multiplier must be >= 0.
   """
   x = np.asarray(observations, np.float64)
   q, z = float(sampling_probability), float(noise_multiplier)
@@ -131,12 +148,18 @@ def whitebox_lower_bound(observations, included, sampling_probability, noise_mul
   Args:
     observations: [m, T] from CanaryRecorder.observations.
     included: bool [m] from canaries.draw_membership.
-    sampling_probability, noise_multiplier, neighbouring, per: see `canary_scores`.
-    delta, confidence: of the bound. kwargs go to bounds.lower_bound.
+    sampling_probability: see `canary_scores`.
+    noise_multiplier: see `canary_scores`.
+    neighbouring: see `canary_scores`.
+    per: see `canary_scores`.
+    delta: of the bound. kwargs go to bounds.lower_bound.
+    confidence: of the bound. kwargs go to bounds.lower_bound.
+
   Returns:
     bounds.LowerBound.
+
   Raises:
-    ValueError: shapes or arguments out of range, or no canary in one of the two classes.
+    ParameterValueError: shapes or arguments out of range, or no canary in one of the two classes.
   """
   inc = np.asarray(included, bool).reshape(-1)
   x = np.asarray(observations, np.float64)

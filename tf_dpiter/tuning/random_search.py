@@ -52,6 +52,13 @@ def num_trials_distribution(mean, shape):
   """A function rng -> K drawing the number of trials: Poisson(mean) for shape = inf,
   else the truncated negative binomial of Papernot and Steinke (K >= 1) with E[K] = mean.
 
+  Args:
+    mean: E[K], the expected number of trials.
+    shape: the distribution's shape (1: geometric, inf: Poisson).
+
+  Returns:
+    a function rng -> K (an int).
+
   Raises:
     ParameterValueError: mean < 1 (or <= 0 for Poisson), or shape < 0.
   """
@@ -169,8 +176,12 @@ class RandomSearch:
   """Random search with a random number of trials; returns the best trial and its ledgers."""
 
   def __init__(self, mean_trials, shape=1.0, seed=None):
-    """mean_trials: E[K]; shape: of K's distribution (1: geometric, inf: Poisson);
-    seed: tests only (a reproducible K is not private).
+    """A random search whose number of trials K is drawn at random.
+
+    Args:
+      mean_trials: E[K].
+      shape: the shape of K's distribution (1: geometric, inf: Poisson).
+      seed: tests only (a reproducible K is not private).
     """
     self._draw = num_trials_distribution(mean_trials, shape)
     self._mean, self._shape = float(mean_trials), float(shape)
@@ -180,8 +191,15 @@ class RandomSearch:
     """Draws K, runs `train(params)` for K independent `sample_params(rng)`.
 
     `train` returns (score, result, ledger) with a privately computed score (higher is better).
-    Returns (best_params, best_result, best_score, SelectionReport); (None, None, None, report)
-    when K = 0 (Poisson only).
+
+    Args:
+      sample_params: callable(rng) -> the hyperparameters of one trial.
+      train: callable(params) -> (score, result, ledger) of one private training run.
+      delta: the delta the selection's epsilon is stated at.
+
+    Returns:
+      (best_params, best_result, best_score, SelectionReport); (None, None, None, report)
+      when K = 0 (Poisson only).
     """
     k = self._draw(self._rng)
     best, best_index = (None, None, None), 0
