@@ -34,8 +34,8 @@ def _bert():
   backbone = hub.models.BertBackbone(vocabulary_size=V, num_layers=1, num_heads=2,
                                      hidden_dim=4, intermediate_dim=8,
                                      max_sequence_length=T, dropout=0.0)
-  # compile=False: keras_hub compiles a task with Adam, and make_private refuses a model
-  # compiled with a non-DP optimizer
+  # compile=False: the test compiles it with its own DP optimizer (a task compiled by
+  # keras_hub needs make_private(task, l2_norm_clip=..., noise_multiplier=...) instead)
   return hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None,
                                        dropout=0.0, compile=False)
 

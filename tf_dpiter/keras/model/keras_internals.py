@@ -3,8 +3,9 @@
 Keras 3 has no public way to do a few things the DP train step needs: list a model's nested
 layers, evaluate its compiled loss, switch XLA off for the outer train function, update its
 loss tracker, build it from a data spec, read its functional graph, substitute variables in a
-`StatelessScope`, carry a Keras mask on a tensor, detach its compiled metrics, run the
-backend's RNN loop, and swap a layer's `call` for one forward pass (the fast path's recording).
+`StatelessScope`, carry a Keras mask on a tensor, detach its compiled metrics, swap its
+compiled optimizer, run the backend's RNN loop, and swap a layer's `call` for one forward pass
+(the fast path's recording).
 Each such use goes through one function here, and nowhere else in tf_dpiter.keras, so a Keras
 upgrade that renames one breaks in one place: `missing_internals()` lists what the installed
 Keras lacks, and tests/keras/test_keras_internals.py (the upgrade test) fails naming the
@@ -274,6 +275,24 @@ def set_compile_metrics(model, metrics):
   model._compile_metrics = metrics  # pylint: disable=protected-access
 
 
+def replace_compiled_optimizer(model, optimizer):
+  """Puts `optimizer` in place of a compiled model's optimizer, keeping everything else that
+  `compile` set (loss, metrics, jit_compile, steps_per_execution, a task's own settings):
+  Keras has no public way, and compiling again would rebuild them from arguments a subclass
+  may have resolved itself. The compile config (what `model.save` records) names the new one.
+
+  Args:
+    model: a compiled keras.Model.
+    optimizer: the keras.optimizers.Optimizer instance to train with.
+  Raises:
+    AttributeError: the installed Keras lacks the attribute (names it and the version).
+  """
+  config = _require(model, "_compile_config", "Model")
+  _require(config, "config", "SerializableDict")["optimizer"] = optimizer
+  model.optimizer = optimizer
+  model.train_function = None   # traced with the old optimizer
+
+
 def functional_class():
   """The class of functional models, `keras.Model(inputs, outputs)` (not exported publicly)."""
   return keras.src.models.functional.Functional
@@ -403,9 +422,10 @@ def missing_internals():
   needed = [(model, "Model", name) for name in (
       "_flatten_layers", "_compute_loss", "_call_has_training_arg", "_symbolic_build",
       "_loss_tracker", "_jit_compile", "_compile_metrics", "_nodes_by_depth",
-      "_compile_loss")]
+      "_compile_loss", "_compile_config")]
   needed.append((keras.src.backend, "keras.src.backend", "rnn"))
   needed.append((model._compile_loss, "CompileLoss", "_metrics"))  # pylint: disable=protected-access
+  needed.append((model._compile_config, "SerializableDict", "config"))  # pylint: disable=protected-access
   needed.append((keras.src.losses.loss, "keras.src.losses.loss",
                  "unscale_loss_for_distribution"))
   needed.append((keras.src.models.functional, "keras.src.models.functional", "Functional"))

@@ -22,6 +22,7 @@ The private step itself is in train_step.py.
 """
 
 import inspect
+import warnings
 
 import keras
 import tensorflow as tf
@@ -36,6 +37,7 @@ from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 from tf_dpiter.keras.optimizer import optimizers as opt_lib
 from tf_dpiter.keras.optimizer import saved_ledger
@@ -60,7 +62,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if not isinstance(opt, opt_lib.DPOptimizerBase):
       raise ParameterValueError(
           f"{type(self).__name__} needs a DP optimizer (dp.keras.DPKerasSGDOptimizer, "
-          f"dp.keras.make_dp_optimizer_class(...), dp.keras.DPOptimizer(...)), got {opt!r}")
+          f"dp.keras.make_dp_optimizer_class(...), dp.keras.DPOptimizer(...)), got {opt!r}; "
+          "dp.keras.make_private(model, l2_norm_clip=..., noise_multiplier=...) makes a "
+          "compiled plain optimizer private")
     return opt
 
   def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
@@ -79,12 +83,31 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       optimizer = optimizer.inner_optimizer
     if isinstance(self, tf_privacy_args.TFPrivacyArgsMixin):
       optimizer = self._dp_private_optimizer(optimizer, kwargs)
+    if getattr(self, "_dp_pending_settings", None) and isinstance(
+        _unscaled(optimizer), opt_lib.DPOptimizerBase):
+      raise PrivacyConfigError(
+          "`optimizer` must be a plain Keras optimizer (or a name such as 'adam'): make_private "
+          f"was given the DP settings {self._dp_pending_settings!r} for the optimizer this "
+          "model is compiled with; give the DP settings in one place. Received: "
+          f"optimizer={type(_unscaled(optimizer)).__name__}")
     if len(args) < 8:
       kwargs["auto_scale_loss"] = False
     super().compile(optimizer, *args, **kwargs)
+    self._dp_apply_pending_settings()
     self._dp_optimizer()
     self._dp_adopt_carried_ledger()
     check_no_batch_mixing(self)
+
+  def _dp_apply_pending_settings(self):
+    """Swaps the compiled plain optimizer for its DP copy (`optimizers.DPOptimizer`: same
+    hyperparameters, fresh state) with the DP settings make_private was given, keeping the
+    compiled loss and metrics; the settings are used once."""
+    settings = getattr(self, "_dp_pending_settings", None)
+    if not settings:
+      return
+    dp_opt = opt_lib.DPOptimizer(_unscaled(self.optimizer), **settings)
+    keras_internals.replace_compiled_optimizer(self, dp_opt)
+    self._dp_pending_settings = None
 
   def save_own_variables(self, store):
     """keras.Model.save_own_variables, plus the DP optimizer's ledger: `model.save` and
@@ -432,30 +455,115 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   return make_private(model), dp_opt
 
 
-def make_private(model):
-  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed) into its
-  DP version in place (its class becomes `private_class(type(model))`) and returns it.
-  Compile it with a DP optimizer afterwards (or again).
+def _unscaled(optimizer):
+  """`optimizer` without a Keras LossScaleOptimizer around it (mixed_float16's dynamic loss
+  scaling; the private step applies a static scale itself, routing.loss_scale)."""
+  if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+    return optimizer.inner_optimizer
+  return optimizer
+
+
+def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
+  """make_private's DP settings, checked now as DPOptimizer checks them, or None if none given.
+
+  Args:
+    l2_norm_clip: S, or None.
+    noise_multiplier: z, or None.
+    dp_kwargs: dict of DPOptimizer's other arguments.
+  Returns:
+    dict of DPOptimizer keyword arguments, or None.
+  Raises:
+    ParameterTypeError: an argument DPOptimizer does not take.
+    ValueError: a bad setting (DPOptimizer's own checks, which name it).
+  """
+  takes = tuple(name for name, p in inspect.signature(opt_lib.DPOptimizer).parameters.items()
+                if name != "optimizer" and p.kind != p.VAR_KEYWORD) + tuple(
+                    noise_mechanisms.PARAM_NAMES)
+  for name, value in dp_kwargs.items():
+    if name not in takes:
+      raise ParameterTypeError(
+          f"`{name}` must be one of make_private's DP settings {takes} (the arguments of "
+          f"dp.keras.DPOptimizer). Received: {name}={value!r}")
+  if l2_norm_clip is None and noise_multiplier is None and not dp_kwargs:
+    return None
+  settings = dict(dp_kwargs, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier)
+  with warnings.catch_warnings():   # the optimizer made from them warns (noise 0) when used
+    warnings.simplefilter("ignore")
+    opt_lib.DPOptimizer(keras.optimizers.SGD(), **settings)   # its checks, before any change
+  return settings
+
+
+def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs):
+  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed, a keras_hub
+  task) into its DP version in place (its class becomes `private_class(type(model))`) and
+  returns it.
+
+  Three cases, by what the model is compiled with:
+    * nothing: compile it afterwards with a DP optimizer; or, given the DP settings here,
+      with a plain Keras optimizer (or a name, or a keras_hub task's default), which the
+      first `compile` turns into its DP copy;
+    * a plain Keras optimizer (a keras_hub task compiles itself with Adam): the DP settings
+      are required, and that optimizer is replaced now by its DP copy
+      (`dp.keras.DPOptimizer(optimizer, l2_norm_clip, noise_multiplier, ...)`: the same
+      hyperparameters from its get_config, learning-rate schedule, betas and weight decay
+      included; fresh slots and step count), keeping the compiled loss, metrics and other
+      compile settings. Steps it took before are not private and are not in the ledger;
+    * a DP optimizer: kept as it is (giving DP settings too is refused).
+
+  The DP step clips each example's gradient to L2 norm `l2_norm_clip` and adds Gaussian noise
+  of standard deviation `noise_multiplier * l2_norm_clip` to the sum once per batch (McMahan
+  et al., "A General Approach to Adding Differential Privacy to Iterative Training
+  Procedures", Section 7); the ledger records every step.
 
   Args:
     model: a keras.Model instance.
+    l2_norm_clip: S, the clipping norm of each example's gradient (loss-gradient units), or
+      None (no DP settings; give it with `noise_multiplier`).
+    noise_multiplier: z, the noise standard deviation in units of S, or None.
+    **dp_kwargs: dp.keras.DPOptimizer's other arguments (num_microbatches, clipping,
+      max_physical_batch_size, dp_query instead of S and z, noise and its parameters, ...).
   Returns:
     the same object, now a DPModelMixin.
   Raises:
-    ValueError: not a keras.Model, or a trainable BatchNormalization (check_no_batch_mixing).
+    ParameterTypeError: not a keras.Model, or an argument DPOptimizer does not take.
+    PrivacyConfigError: a model compiled with a plain optimizer and no DP settings, DP
+      settings with a model compiled with a DP optimizer or given TF Privacy's model
+      arguments, a bad DP setting, or a trainable BatchNormalization (check_no_batch_mixing).
   """
   if not isinstance(model, keras.Model):
-    raise ParameterValueError(f"model must be a keras.Model, got {model!r}")
-  if isinstance(model, DPModelMixin):
-    return model
-  new_cls = private_class(type(model))
-  model.__class__ = new_cls
-  opt = getattr(model, "optimizer", None)
-  if isinstance(opt, keras.optimizers.LossScaleOptimizer) and isinstance(
-      opt.inner_optimizer, opt_lib.DPOptimizerBase):
-    model.optimizer = opt.inner_optimizer   # compiled under mixed_float16 before make_private
-  if getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False):
+    raise ParameterTypeError(
+        f"`model` must be a keras.Model instance. Received: model={model!r}")
+  settings = _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs)
+  compiled = getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False)
+  opt = _unscaled(model.optimizer) if compiled else None
+  if opt is not None and not isinstance(opt, opt_lib.DPOptimizerBase) and settings is None:
+    raise PrivacyConfigError(
+        "`l2_norm_clip` and `noise_multiplier` must be given to make_private for a model "
+        f"compiled with a plain Keras optimizer ({type(opt).__name__}): make_private(model, "
+        "l2_norm_clip=1.0, noise_multiplier=1.1) turns it into its DP copy, keeping its "
+        "hyperparameters, loss and metrics. Received: l2_norm_clip=None, noise_multiplier=None")
+  given = None if settings is None else ", ".join(
+      f"{k}={v!r}" for k, v in sorted(settings.items()) if v is not None)
+  if settings is not None and isinstance(opt, opt_lib.DPOptimizerBase):
+    raise PrivacyConfigError(
+        "the DP settings must not be given to make_private for a model compiled with a DP "
+        f"optimizer ({type(opt).__name__}), which holds them: call make_private(model) alone, "
+        f"or compile with a plain Keras optimizer first. Received: {given}")
+  if settings is not None and getattr(model, "_dp_tfp_settings", None):
+    raise PrivacyConfigError(
+        f"the DP settings must not be given to make_private for a {type(model).__name__} given "
+        "TF Privacy's DP model arguments (l2_norm_clip, noise_multiplier) already: give them in "
+        f"one place. Received: {given}")
+  check_no_batch_mixing(model)
+  if not isinstance(model, DPModelMixin):
+    model.__class__ = private_class(type(model))
+  if isinstance(opt, opt_lib.DPOptimizerBase) and opt is not model.optimizer:
+    model.optimizer = opt   # compiled under mixed_float16 before make_private
+  if settings is not None:
+    model._dp_pending_settings = settings  # pylint: disable=protected-access
+    if compiled:
+      model._dp_apply_pending_settings()  # pylint: disable=protected-access
+  if compiled:
     model._dp_optimizer()  # pylint: disable=protected-access
     model.train_function = None
-  check_no_batch_mixing(model)
   return model
