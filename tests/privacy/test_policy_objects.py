@@ -1,17 +1,20 @@
-"""Each sampling policy is one object (issue 26): relation, unit, participation, event."""
+"""Each sampling policy is one object (issue 26): code, relation, unit, participation; its
+event is its accounting object's (the ledger imports no accounting)."""
 
 import math
 
 import pytest
 
 from tf_dpiter.accounting import ledger_events
+from tf_dpiter.accounting import policy_accounting
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records
 from tf_dpiter.ledger import schema
 
 
 def test_every_sampling_policy_has_one_object_stating_relation_and_unit():
-  names = [p for p in schema.ALL_POLICIES if p != schema.REPEAT_AND_SELECT]
+  names = policies.names()
+  assert len(names) == 8
   for name in names:
     policy = policies.get(name)
     assert policy.name == name
@@ -30,7 +33,7 @@ def test_participation_rule_and_pass_length_come_from_the_policy():
 
 
 @pytest.mark.parametrize("policy,n,q,m,match", [
-    (schema.SHUFFLE, 10, 0.5, 11, r"sample_size must be in \[1, population_size=10\]"),
+    (schema.SHUFFLE, 10, 0.5, 11, r"`sample_size` must be in \[1, population_size=10\]"),
     (schema.CYCLIC_POISSON, 10, 0.5, 2.5, r"must be a whole number"),
     (schema.BALLS_IN_BINS, 10, 0.5, 4, r"must be 1 / sample_size"),
 ])
@@ -78,11 +81,11 @@ def test_passes_gdp_and_cycle_come_from_the_policy():
   assert policies.get(schema.BALLS_IN_BINS).passes_needed(balls) == math.ceil(11 / 4)
   assert policies.get(schema.POISSON).passes_needed(shuffle) == 0
   poisson = ledger_events.SampleGroup(10, schema.POISSON, 100, 0.1, 10, 2.0, (), False)
-  assert policies.get(schema.POISSON).gdp_mu_squared(poisson) == pytest.approx(
+  assert policy_accounting.get(schema.POISSON).gdp_mu_squared(poisson) == pytest.approx(
       10 * 0.01 * math.expm1(0.25))
-  assert policies.get(schema.FULL).gdp_mu_squared(poisson) == pytest.approx(10 / 4)
+  assert policy_accounting.get(schema.FULL).gdp_mu_squared(poisson) == pytest.approx(10 / 4)
   with pytest.raises(ValueError, match="accountant='gdp' accounts Poisson"):
-    policies.get(schema.SHUFFLE).gdp_mu_squared(shuffle)
+    policy_accounting.get(schema.SHUFFLE).gdp_mu_squared(shuffle)
   assert [p for p in policies.names() if policies.get(p).advances_cycle] == [
       schema.CYCLIC_POISSON]
 
@@ -116,16 +119,15 @@ def test_event_refuses_a_group_its_own_check_sampling_refuses():
 
 
 def test_every_registered_policy_keeps_the_final_event():
-  from tf_dpiter.ledger.policy_base import SamplingPolicy  # pylint: disable=g-import-not-at-top
   for name in policies.names():
-    assert type(policies.get(name)).event is SamplingPolicy.event
+    assert type(policy_accounting.get(name)).event is policy_accounting.PolicyAccounting.event
 
 
 def test_a_policy_overriding_event_is_refused_at_class_creation():
   from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.ledger.policy_base import SamplingPolicy  # pylint: disable=g-import-not-at-top
+  SamplingPolicy = policy_accounting.PolicyAccounting  # pylint: disable=invalid-name
   with pytest.raises(PrivacyConfigError, match=r"`event` must not be overridden.*_event"):
-    class Skips(policies.BallsInBins):  # pylint: disable=unused-variable
+    class Skips(policy_accounting.BallsInBinsAccounting):  # pylint: disable=unused-variable
       def event(self, group, mech, accountant, passes, notes):
         return None
   with pytest.raises(PrivacyConfigError, match=r"`event` must not be overridden"):
@@ -133,7 +135,7 @@ def test_a_policy_overriding_event_is_refused_at_class_creation():
       event = None
 
   class Hook(SamplingPolicy):  # overriding the hook is the supported way
-    name = schema.POISSON
+    policy = schema.POISSON
 
     def _event(self, group, mech, accountant, passes, notes):
       return super()._event(group, mech, accountant, passes, notes)

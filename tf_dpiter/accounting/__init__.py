@@ -3,7 +3,10 @@
 Also: a GDP accountant (an approximation, as TF Privacy's), epsilon over steps
 (`epsilon_curve`), the budget look-ahead (`epsilon_after`, `delta_after`, `StepBudget`;
 module `lookahead`), calibration (`calibrate_*`) and TF Privacy's
-`compute_dp_sgd_privacy_statement`. Public names are listed in `__all__`.
+`compute_dp_sgd_privacy_statement`. Accountants are looked up by name in a registry
+(`register_accountant`, module `accountants`): "rdp" and "pld" are built in, and every
+reader of `accountant=` (reports, calibration, callbacks, auditing, tuning, the command
+line) takes a registered name. Public names are listed in `__all__`.
 """
 
 from tf_dpiter.accounting.accountant import ACCOUNTANTS
@@ -19,6 +22,10 @@ from tf_dpiter.accounting.accountant import optimal_rdp_order
 from tf_dpiter.accounting.accountant import privacy_report
 from tf_dpiter.accounting.accountant import report_from_groups
 from tf_dpiter.accounting.accountant import shuffle_passes_needed
+from tf_dpiter.accounting.accountants import RegisteredAccountant
+from tf_dpiter.accounting.accountants import accountant_names
+from tf_dpiter.accounting.accountants import register_accountant
+from tf_dpiter.accounting.accountants import unregister_accountant
 from tf_dpiter.accounting.calibration import calibrate_noise_multiplier
 from tf_dpiter.accounting.calibration import calibrate_sampling_probability
 from tf_dpiter.accounting.calibration import calibrate_steps
@@ -41,12 +48,12 @@ from tf_dpiter.dp_query.events import effective_noise_multiplier
 
 __all__ = [
     "ACCOUNTANTS", "BatchPlan", "DpSgdPrivacy", "EpsilonCurve", "LedgerContent", "PlannedSample",
-    "PrivacyReport", "REPORT_ACCOUNTANTS", "SampleGroup", "StepBudget",
-    "calibrate_noise_multiplier",
+    "PrivacyReport", "REPORT_ACCOUNTANTS", "RegisteredAccountant", "SampleGroup", "StepBudget",
+    "accountant_names", "calibrate_noise_multiplier",
     "calibrate_sampling_probability", "calibrate_steps", "check_accountant",
     "compute_dp_sgd_privacy", "compute_dp_sgd_privacy_statement", "compute_noise_from_budget",
     "delta", "delta_after", "dp_sgd_steps", "effective_noise_multiplier", "epsilon",
     "epsilon_after", "epsilon_curve", "ledger_to_dp_event", "make_accountant",
-    "optimal_rdp_order", "plan_batch_size", "plot_epsilon_curve", "privacy_report", "report_from_groups",
-    "shuffle_passes_needed",
+    "optimal_rdp_order", "plan_batch_size", "plot_epsilon_curve", "privacy_report",
+    "register_accountant", "report_from_groups", "shuffle_passes_needed", "unregister_accountant",
 ]

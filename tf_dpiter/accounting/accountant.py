@@ -14,6 +14,7 @@ import warnings
 from absl import logging as absl_logging
 
 from tf_dpiter import validation
+from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import gdp
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.accounting.ledger_events import dpa
@@ -24,15 +25,14 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 
+# The built-in accountants (dp-accounting's RDP and PLD). Every reader takes any name of the
+# registry (`accountants.register_accountant`; `accountants.accountant_names()` lists them).
 ACCOUNTANTS = ("rdp", "pld")
-# Accountants privacy_report also takes: "gdp" (mu-GDP, Poisson by a CLT: an approximation;
+# Names privacy_report also takes: "gdp" (mu-GDP, Poisson by a CLT: an approximation;
 # accounting.gdp) and "prv" (Opacus' PRV accountant: refused, its package is not installed).
-REPORT_ACCOUNTANTS = ACCOUNTANTS + ("gdp", "prv")
-_SOURCE = {"rdp": "dp-accounting", "pld": "dp-accounting",
-           "gdp": "an approximate value by a central limit theorem, not an upper bound"}
-# The accountants whose epsilon is an upper bound: the only ones a budget, a stopping rule or
-# a calibration may rest on ("gdp" is an approximation: `check_bound_accountant`).
-BOUND_ACCOUNTANTS = ACCOUNTANTS
+_REPORT_ONLY = ("gdp", "prv")
+REPORT_ACCOUNTANTS = ACCOUNTANTS + _REPORT_ONLY
+_GDP_SOURCE = "an approximate value by a central limit theorem, not an upper bound"
 
 
 class _DropExcludedOrderWarnings(logging.Filter):
@@ -49,26 +49,30 @@ absl_logging.get_absl_logger().addFilter(_DropExcludedOrderWarnings())
 
 
 def make_accountant(accountant="rdp", neighboring_relation=None):
-  """A fresh dp-accounting accountant: 'rdp' (RdpAccountant) or 'pld' (PLDAccountant).
+  """A fresh dp-accounting accountant of a registered name ("rdp": RdpAccountant, "pld":
+  PLDAccountant, or one `register_accountant` added).
 
   Args:
-    accountant: "rdp" or "pld".
+    accountant: a registered accountant name (`accountant_names()`).
     neighboring_relation: a dp-accounting NeighboringRelation (default add or remove one).
   Returns:
     the dp-accounting accountant, empty.
   Raises:
     ParameterTypeError: `accountant` is not a str.
-    ValueError: another accountant name.
+    PrivacyConfigError: a name not registered.
   """
   if not isinstance(accountant, str):
-    raise ParameterTypeError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    raise ParameterTypeError(f"accountant must be one of {accountants.accountant_names()}, got "
+                             f"{accountant!r}")
   if neighboring_relation is None:
     neighboring_relation = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
-  if accountant == "rdp":
-    return dpa.rdp.RdpAccountant(neighboring_relation=neighboring_relation)
-  if accountant == "pld":
-    return dpa.pld.PLDAccountant(neighboring_relation=neighboring_relation)
-  raise PrivacyConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+  return accountants.make(accountant, neighboring_relation)
+
+
+def report_accountant_names():
+  """The names `privacy_report` takes: the registered accountants and "gdp" (and "prv",
+  which it refuses with the reason)."""
+  return accountants.accountant_names() + _REPORT_ONLY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,24 +179,35 @@ class PrivacyReport:
   def __str__(self):
     approx = "approximately " if self.accountant == "gdp" else ""
     lines = [f"{approx}({self.epsilon:.4g}, {self.delta:.3g})-DP over {self.num_samples} "
-             f"samples ({self.accountant.upper()} accountant, {_SOURCE[self.accountant]})."]
+             f"samples ({self.accountant.upper()} accountant, {_source(self.accountant)})."]
     lines += [f"  - {a}" for a in self.assumptions]
     return "\n".join(lines)
+
+
+def _source(accountant):
+  """Where a report's value comes from (a phrase of its first line)."""
+  if accountant == "gdp":
+    return _GDP_SOURCE
+  if accountant in ACCOUNTANTS:
+    return "dp-accounting"
+  return "a registered accountant, dp-accounting"
 
 
 def check_accountant(accountant):
   """Checks that `accountant` is one `privacy_report` can use here.
 
   Args:
-    accountant: the name ("rdp", "pld", "gdp"; "prv" is refused with the reason).
+    accountant: the name (a registered one, e.g. "rdp" or "pld"; "gdp"; "prv" is refused
+      with the reason).
   Raises:
     ParameterTypeError: `accountant` is not a str.
     ValueError: an unknown or unavailable accountant (names it).
   """
+  names = report_accountant_names()
   if not isinstance(accountant, str):
-    raise ParameterTypeError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
-  if accountant not in REPORT_ACCOUNTANTS:
-    raise PrivacyConfigError(f"accountant must be one of {REPORT_ACCOUNTANTS}, got {accountant!r}")
+    raise ParameterTypeError(f"accountant must be one of {names}, got {accountant!r}")
+  if accountant not in names:
+    raise PrivacyConfigError(f"accountant must be one of {names}, got {accountant!r}")
   if accountant == "prv":
     try:
       import prv_accountant  # pylint: disable=g-import-not-at-top,unused-import
@@ -202,6 +217,18 @@ def check_accountant(accountant):
     raise PrivacyConfigError(f"accountant='prv' is not available: {why}. Use accountant='pld' "
                              "(dp-accounting's privacy loss distribution accountant, numerically tight "
                              "like PRV) or 'rdp'")
+
+
+def is_bound_accountant(accountant):
+  """Whether an accountant's epsilon is an upper bound (a registered dp-accounting accountant;
+  not "gdp", an approximation).
+
+  Args:
+    accountant: an accountant name.
+  Returns:
+    bool.
+  """
+  return isinstance(accountant, str) and accountant in accountants.accountant_names()
 
 
 def check_bound_accountant(accountant, who):
@@ -216,15 +243,16 @@ def check_bound_accountant(accountant, who):
     accountant: the accountant name.
     who: the caller's public name, for the message (e.g. "StopAtPrivacyBudget").
   Returns:
-    the accountant (a str in `BOUND_ACCOUNTANTS`).
+    the accountant (a registered name: `is_bound_accountant`).
   Raises:
     ParameterTypeError: `accountant` is not a str.
     BudgetConfigError: accountant='gdp' (an approximation), or an unknown or unavailable one.
   """
   check_accountant(accountant)
-  if accountant not in BOUND_ACCOUNTANTS:
+  if not is_bound_accountant(accountant):
     raise BudgetConfigError(
-        f"`accountant` must be 'pld' or 'rdp' for {who}: accountant={accountant!r} gives an "
+        f"`accountant` must be 'pld' or 'rdp' (or another registered accountant: "
+        f"{accountants.accountant_names()}) for {who}: accountant={accountant!r} gives an "
         "approximation (a central limit theorem), not an upper bound on epsilon, so a budget, "
         "a stopping rule or a calibration resting on it can be exceeded without notice. Use "
         f"accountant='pld' or 'rdp'. Received: accountant={accountant!r}")
@@ -287,9 +315,7 @@ def _compose(content, accountant):
                              f"{relation.name} (e.g. PLD has no fixed-size sampling without "
                              "replacement); use accountant='rdp'")
   acc.compose(event)
-  notes = notes + [("RDP accountant (dp-accounting RdpAccountant, default orders)"
-                    if accountant == "rdp" else
-                    "PLD accountant (dp-accounting PLDAccountant, default discretization)")]
+  notes = notes + [accountants.get_accountant(accountant).description]
   return acc, notes
 
 

@@ -61,9 +61,15 @@ def whole_number(text):
   return int(v)
 
 
-# Accountants the commands offer: privacy_report's, less "prv" (Opacus' PRV accountant is
-# not available: dp-accounting has none and the prv-accountant package is not called).
-CLI_ACCOUNTANTS = tuple(a for a in accountant_lib.REPORT_ACCOUNTANTS if a != "prv")
+def cli_accountants():
+  """The accountants the commands offer (`--accountant` choices): the registered ones
+  (`accounting.register_accountant`) and "gdp"; not "prv" (Opacus' PRV accountant is not
+  available: dp-accounting has none and the prv-accountant package is not called).
+
+  Returns:
+    a tuple of names, read when a command's parser is built.
+  """
+  return tuple(a for a in accountant_lib.report_accountant_names() if a != "prv")
 _TRUE, _FALSE = ("1", "t", "true", "y", "yes"), ("0", "f", "false", "n", "no")
 
 
@@ -119,8 +125,9 @@ def _dp_sgd_parser(prog, description, knob):
   p.add_argument(knob, type=float, required=True)
   p.add_argument("--epochs", type=float, required=True)
   p.add_argument("--delta", type=float, required=True)
-  p.add_argument("--accountant", choices=CLI_ACCOUNTANTS, default=None,
-                 help="rdp (default), pld (dp-accounting); gdp is an approximation (TF "
+  p.add_argument("--accountant", choices=cli_accountants(), default=None,
+                 help="rdp (default), pld (dp-accounting) or a registered accountant "
+                      "(accounting.register_accountant); gdp is an approximation (TF "
                       "Privacy's GDP; its value is labelled approximate, and "
                       "compute_noise_from_budget refuses it)")
   p.add_argument("--accountant_type", choices=("RDP", "PLD"), default=None,
@@ -371,7 +378,7 @@ def _ledger_parser():
     q.add_argument("--key-file", default=None,
                    help="file holding the HMAC key the ledger was saved with (checked)")
   for q in (r, pl):
-    q.add_argument("--accountant", choices=CLI_ACCOUNTANTS, default="rdp")
+    q.add_argument("--accountant", choices=cli_accountants(), default="rdp")
   return p
 
 

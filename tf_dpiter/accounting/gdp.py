@@ -23,9 +23,9 @@ accounted; other policies and Laplace queries are refused.
 
 import math
 
+from tf_dpiter.accounting import policy_accounting
 from tf_dpiter.accounting import search
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.ledger import policies
 
 CAVEAT = ("GDP accountant (mu-GDP; Poisson subsampling by the central limit theorem of Bu et "
           "al. 2020, as TF Privacy's gdp_accountant): an APPROXIMATION, not an upper bound; "
@@ -63,7 +63,7 @@ def group_mu_squared(group):
   z = group.noise_multiplier
   if not math.isfinite(z):
     return 0.0
-  return policies.get(group.policy).gdp_mu_squared(group)
+  return policy_accounting.get(group.policy).gdp_mu_squared(group)
 
 
 def mu_of_groups(groups):

@@ -4,8 +4,8 @@ A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mech
 multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
 sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
 replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
-multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy, which the policy's object converts
-(`tf_dpiter.ledger.policies`: one object per policy, no if-chain here):
+multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy, which the policy's accounting
+object converts (`policy_accounting`: one object per policy, no if-chain here):
   poisson    -> PoissonSampledDpEvent(q, .)                 add or remove one
   fixed_size -> SampledWithoutReplacementDpEvent(n, m, .)   replace one
   shuffle    -> one un-amplified mechanism per pass started  replace one
@@ -33,7 +33,9 @@ import dataclasses
 import math
 from typing import List, Tuple
 
+from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import composite_events
+from tf_dpiter.accounting import policy_accounting
 from tf_dpiter.accounting.lazy_module import LazyModule
 from tf_dpiter.dp_query.events import effective_noise_multiplier
 from tf_dpiter.errors import PrivacyConfigError
@@ -228,11 +230,12 @@ def group_event(group, accountant="rdp", passes=0):
   Raises:
     ValueError: a sampling recorded inconsistently (too few passes) or rows no rule covers.
   """
+  accountant = accountants.event_family(accountant)
   mech = _mechanism(group)
   notes = []
   if isinstance(mech, (dpa.NonPrivateDpEvent, dpa.NoOpDpEvent)):
     return dpa.SelfComposedDpEvent(mech, group.count), notes
-  return policies.get(group.policy).event(group, mech, accountant, passes, notes), notes
+  return policy_accounting.get(group.policy).event(group, mech, accountant, passes, notes), notes
 
 
 def relation_of(groups):
@@ -286,13 +289,16 @@ def events_from_groups(groups, accountant="rdp", passes=0):
   """(composed DpEvent, dp-accounting neighboring relation, assumption strings).
 
   Args:
-    groups: SampleGroups (`groups_from_runs`). accountant: "rdp" or "pld".
+    groups: SampleGroups (`groups_from_runs`).
+    accountant: a registered accountant name (the events are built for its family, "rdp"
+      or "pld": `accountants.event_family`).
     passes: the shuffled passes / balls-in-bins epochs the ledger recorded.
   Returns:
     (event, NeighboringRelation, assumption strings stating relation, unit and sampling).
   Raises:
     ValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
   """
+  accountant = accountants.event_family(accountant)
   if not groups:
     raise PrivacyConfigError("ledger is empty: no samples were recorded, so there is nothing to account")
   if any(g.is_selection for g in groups):

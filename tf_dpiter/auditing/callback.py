@@ -37,7 +37,8 @@ class AuditCallback(keras.callbacks.Callback):
     noise_multiplier: z of the DP optimizer (needed with recorder).
     neighbouring: "add_remove" or "replace" (canary design).
     attack_fn: optional callable(model) -> (scores [n], is_member [n], labels [n] or None).
-    accountant: "rdp" or "pld" for the ledger's ε.
+    accountant: "rdp", "pld" or another registered accountant
+      (`accounting.register_accountant`) for the ledger's ε.
     confidence: 1 - α of the bounds.
     every_n_epochs: audit period (epochs).
     report_path: optional PNG path written at the end of training.
@@ -58,6 +59,7 @@ class AuditCallback(keras.callbacks.Callback):
                                f"sampling_probability={sampling_probability!r}, "
                                f"noise_multiplier={noise_multiplier!r}")
     validation.check_integer("every_n_epochs", every_n_epochs, 1)
+    accounting.accountant.check_bound_accountant(accountant, "AuditCallback")
     self.delta = float(delta)
     self.recorder = recorder
     self.included = None if included is None else np.asarray(included, bool)

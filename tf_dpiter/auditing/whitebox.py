@@ -23,6 +23,7 @@ import keras
 import numpy as np
 
 from tf_dpiter import validation
+from tf_dpiter.accounting import accountants
 from tf_dpiter.auditing import bounds as bounds_lib
 from tf_dpiter.auditing import canaries as canaries_lib
 from tf_dpiter.errors import ParameterValueError
@@ -183,14 +184,16 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
 
   Args:
     sampling_probability: q in (0, 1]; noise_multiplier: z >= 0; steps: T >= 1;
-    delta in (0, 1); accountant: "pld" or "rdp"; sensitivity > 0.
+    delta in (0, 1); accountant: "pld", "rdp" or another registered accountant
+    (`accounting.register_accountant`); sensitivity > 0.
   Returns:
     float ε (inf for z = 0).
   Raises:
     ValueError: unknown accountant or arguments out of range.
   """
-  if accountant not in ("pld", "rdp"):
-    raise PrivacyConfigError(f"accountant must be 'pld' or 'rdp', got {accountant!r}")
+  if accountant not in accountants.accountant_names():
+    raise PrivacyConfigError(f"accountant must be one of {accountants.accountant_names()} "
+                             f"(registered accountants), got {accountant!r}")
   if not (0.0 < sampling_probability <= 1.0 and noise_multiplier >= 0 and steps >= 1
           and sensitivity > 0 and 0.0 < delta < 1.0):
     raise PrivacyConfigError("need q in (0, 1], z >= 0, steps >= 1, sensitivity > 0, delta in (0, 1); got "
@@ -202,6 +205,5 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
       dp_accounting.PoissonSampledDpEvent(
           sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity)),
       int(steps))
-  acc = (dp_accounting.pld.PLDAccountant() if accountant == "pld"
-         else dp_accounting.rdp.RdpAccountant())
+  acc = accountants.make(accountant, dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
   return float(acc.compose(event).get_epsilon(delta))

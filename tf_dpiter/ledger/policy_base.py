@@ -1,41 +1,35 @@
-"""The base of the sampling policy objects (`tf_dpiter.ledger.policies`) and their helpers.
+"""The base of the sampling policy objects (`tf_dpiter.ledger.policies`).
 
 `SamplingPolicy` states what a claim over a policy's samples assumes (McMahan et al., "A
 General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5
-and Appendix A): relation, unit, participation rule, pass length, denominator, log line, the
-checks a declared sampling must pass and the dp-accounting event. Pure Python (dp-accounting
-loads on first use).
+and Appendix A): its stable code in the ledger's rows, the neighbouring relation, the unit of
+privacy, the participation rule, the pass length, the denominator, the log line and the
+checks a declared sampling must pass, on one sampling (`check_sampling`) and on the ledger's
+arrays (`sampling_checks`, which `records` runs). The dp-accounting event of a policy's
+samples is built on the accounting side (`tf_dpiter.accounting.policy_accounting`): this
+package imports neither `tf_dpiter.accounting` nor dp-accounting. Pure Python and numpy.
 """
+
+import numpy as np
 
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
 
 
-def dpa():
-  from tf_dpiter.accounting.lazy_module import LazyModule  # pylint: disable=g-import-not-at-top
-  return LazyModule("dp_accounting")
-
-
-def composite():
-  from tf_dpiter.accounting import composite_events  # pylint: disable=g-import-not-at-top
-  return composite_events
-
-
 class SamplingPolicy:
-  """Base of the policy objects; subclasses set the class attributes and override `_event`.
-
-  `event` is final: it runs the coverage check (correlated-noise rows the policy's `covers`
-  does not list are refused) and then the subclass's `_event` hook, so no policy can return
-  an event for rows its accounting does not cover. A subclass that defines `event` is
-  refused when the class is created (`__init_subclass__`).
+  """Base of the policy objects (abstract: a subclass sets `name`, `code` and `relation`).
 
   Attributes:
-    name: the policy name (`schema.ALL_POLICIES`).
-    relation: `schema.ADD_OR_REMOVE` or `schema.REPLACE_ONE`.
-    unit: "example" or "user".
+    name: the policy name, as the ledger's files and the `policy` arguments spell it.
+    code: the policy's number in the ledger's sample rows (column "policy"): stable, never
+      reused or renumbered, since checkpoints store it (a new policy takes a new number).
+    relation: `schema.ADD_OR_REMOVE` or `schema.REPLACE_ONE`, the neighbouring relation of
+      the claim.
+    unit: the unit of privacy one record stands for, "example" or "user".
     whole_size: sample_size must be a whole number in [1, n] (b, B, k).
     sized: sample_size must be in [1, n] (the batch of fixed_size / shuffle).
-    covers: the correlated-noise row kinds ("banded", "matrix", "tree") its accounting covers.
+    covers: the correlated-noise row kinds ("banded", "matrix", "tree") its accounting covers;
+      the ledger refuses such rows under any other policy.
     pass_charged: its samples are charged per pass / epoch the ledger counts.
     advances_cycle: each of its samples advances the ledger's cycle position (the schedule
       the ledger owns: cyclic Poisson).
@@ -44,6 +38,9 @@ class SamplingPolicy:
       does not protect under add or remove one).
   """
   name = None
+  code = None
+  relation = None
+  unit = "example"
   whole_size = False
   sized = False
   covers = ()
@@ -51,62 +48,98 @@ class SamplingPolicy:
   expected_size_denominator = False
   advances_cycle = False
 
-  def __init_subclass__(cls, **kwargs):
-    """Refuses a subclass that overrides the final `event` (it would skip the coverage check).
+  def sampling_checks(self, population_size, selection_probability, sample_size):
+    """The rules a declared sampling of this policy must meet, one row per element.
+
+    The one statement of the policy's sampling rules: `check_sampling` runs it on one
+    sampling, `records.validate_arrays` on every row of a ledger of this policy.
 
     Args:
-      **kwargs: passed on to `object.__init_subclass__`.
-    Raises:
-      PrivacyConfigError: the subclass defines `event`.
+      population_size: n, a float array (records).
+      selection_probability: q, a float array of the same shape.
+      sample_size: the policy's size field, a float array of the same shape.
+    Returns:
+      a list of (bad, field, rule): bad a bool array (True where the rule fails), field the
+      name of the field the rule is about, rule the requirement (a str with `{n}`, `{q}` and
+      `{m}` placeholders for the failing row's values).
     """
-    super().__init_subclass__(**kwargs)
-    if "event" in vars(cls):
-      raise PrivacyConfigError(
-          f"`event` must not be overridden by a sampling policy (it is final: it runs the "
-          f"coverage check, then the `_event` hook); override `_event` instead. Received: "
-          f"class {cls.__qualname__} defining event")
-
-  @property
-  def relation(self):
-    """The neighbouring relation of the claim (the schema's table: one source)."""
-    return schema.RELATION_OF_POLICY[self.name]
-
-  @property
-  def unit(self):
-    """The unit of privacy one record stands for ("example" or "user")."""
-    return schema.UNIT_OF_POLICY[self.name]
+    n, m = np.asarray(population_size, np.float64), np.asarray(sample_size, np.float64)
+    checks = []
+    if self.sized or self.whole_size:
+      checks.append((~((m >= 1) & (m <= n)), "sample_size", "must be in [1, population_size={n:g}]"))
+    if self.whole_size:
+      checks.append((m != np.floor(m), "sample_size",
+                     "(the cycle length b, the cap B or the steps per epoch k) must be a whole "
+                     "number"))
+    return checks
 
   def check_sampling(self, population_size, selection_probability, sample_size):
-    """Refuses a declared sampling the policy's claim cannot cover.
+    """Refuses a declared sampling the policy's claim cannot cover (`sampling_checks`).
 
     Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
+      population_size: n (records).
+      selection_probability: q.
+      sample_size: the policy's size field.
     Returns:
-      None, or an error message (str) naming the bad field.
+      None, or an error message (str) naming the bad field and its value.
     """
-    n, m = float(population_size), float(sample_size)
-    if (self.sized or self.whole_size) and not 1 <= m <= n:
-      return (f"sample_size must be in [1, population_size={population_size}] for policy "
-              f"{self.name!r}, got {sample_size!r}")
-    if self.whole_size and m != int(m):
-      return (f"sample_size (the cycle length b, the cap B or the steps per epoch k) must be a "
-              f"whole number for policy {self.name!r}, got {sample_size!r}")
+    n, q, m = (np.asarray([float(v)]) for v in (population_size, selection_probability,
+                                                  sample_size))
+    for bad, field, rule in self.sampling_checks(n, q, m):
+      if bad[0]:
+        return self.sampling_message(field, rule, population_size, selection_probability,
+                                     sample_size)
     return None
+
+  def sampling_message(self, field, rule, population_size, selection_probability, sample_size):
+    """The message of a failed sampling rule (see `sampling_checks`) at one row.
+
+    Args:
+      field: the field the rule is about ("sample_size", "selection_probability").
+      rule: the requirement, with `{n}`, `{q}`, `{m}` placeholders.
+      population_size: n of the row.
+      selection_probability: q of the row.
+      sample_size: the size field of the row.
+    Returns:
+      a str "`field` must be ... for policy 'name' ... Received: field=value".
+    """
+    values = {"population_size": population_size, "selection_probability": selection_probability,
+              "sample_size": sample_size}
+    text = rule.format(n=float(population_size), q=float(selection_probability),
+                       m=float(sample_size))
+    return (f"`{field}` {text} for policy {self.name!r} (n = {float(population_size):g}, q = "
+            f"{float(selection_probability):g}, sample_size = {float(sample_size):g}): declare "
+            f"the sampling the data pipeline runs. Received: {field}={values[field]!r}")
 
   def participations(self, run_count, sample_size):  # pylint: disable=unused-argument
     """The most samples of a run of `run_count` consecutive samples one unit can join, when
-    the policy bounds it below run_count (cyclic Poisson); 0: not used by its event."""
+    the policy bounds it below run_count (cyclic Poisson); 0: not used by its event.
+
+    Args:
+      run_count: the run's consecutive samples.
+      sample_size: the policy's size field.
+    Returns:
+      an int >= 0.
+    """
     return 0
 
   def steps_per_pass(self, group):  # pylint: disable=unused-argument
-    """Steps of one pass / epoch the ledger counts (pass-charged policies), else None."""
+    """Steps of one pass / epoch the ledger counts (pass-charged policies), else None.
+
+    Args:
+      group: a `SampleGroup` of this policy.
+    Returns:
+      an int, or None.
+    """
     return None
 
   def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
     """The public expected batch size of one sample: q n (cyclic Poisson: q n / b).
 
     Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
+      population_size: n.
+      selection_probability: q.
+      sample_size: the policy's size field.
     Returns:
       a float (records).
     """
@@ -117,7 +150,8 @@ class SamplingPolicy:
     make ceil(n / B) steps, floor(n / B) with drop_remainder (one length when B divides n).
 
     Args:
-      population_size: n; sample_size: B (the steps k of an epoch under balls in bins).
+      population_size: n.
+      sample_size: B (the steps k of an epoch under balls in bins).
     Returns:
       a tuple of ints, shortest first.
     """
@@ -128,10 +162,13 @@ class SamplingPolicy:
     """One line for the start-of-fit log: the sampling, its adjacency and sensitivity.
 
     Args:
-      population_size: n; selection_probability: q; sample_size: the policy's size field.
+      population_size: n.
+      selection_probability: q.
+      sample_size: the policy's size field.
     Returns:
       a str.
     """
+    del sample_size
     return (f"policy {self.name!r} (n = {int(population_size)}, q = "
             f"{float(selection_probability):.4g}; {self.relation} adjacency)")
 
@@ -140,28 +177,12 @@ class SamplingPolicy:
     ceil(count / steps_per_pass)); 0 for the others.
 
     Args:
-      group: a `ledger_events.SampleGroup` of this policy.
+      group: a `SampleGroup` of this policy.
     Returns:
       an int >= 0.
     """
     per = self.steps_per_pass(group)
     return -(-int(group.count) // int(per)) if self.pass_charged and per else 0
-
-  def gdp_mu_squared(self, group):
-    """mu^2 of a group under Gaussian DP (Dong, Roth and Su, "Gaussian Differential Privacy",
-    Section 5: the CLT of Poisson-subsampled Gaussian steps); only Poisson-type and full-batch
-    policies have one.
-
-    Args:
-      group: a Gaussian `ledger_events.SampleGroup` of this policy, finite noise multiplier.
-    Returns:
-      a float.
-    Raises:
-      ValueError: a policy GDP does not account.
-    """
-    raise PrivacyConfigError(f"accountant='gdp' accounts Poisson-sampled (or full-batch) steps only, the "
-                             f"ledger has policy {group.policy!r} ({group.relation} adjacency): use "
-                             "accountant='rdp' or 'pld'")
 
   def participation_bound(self, group, passes):
     """The most samples of `group` one unit may join under the claim its event makes.
@@ -171,7 +192,8 @@ class SamplingPolicy:
     unit at most once per pass / epoch); cyclic Poisson charges `group.participations`.
 
     Args:
-      group: a `ledger_events.SampleGroup` of this policy. passes: the ledger's passes.
+      group: a `SampleGroup` of this policy.
+      passes: the ledger's passes.
     Returns:
       an int >= 0.
     """
@@ -180,63 +202,49 @@ class SamplingPolicy:
     return int(group.count)
 
   def min_gap(self, group):  # pylint: disable=unused-argument
-    """The fewest steps between two samples one unit joins that the claim assumes (1: none)."""
+    """The fewest steps between two samples one unit joins that the claim assumes (1: none).
+
+    Args:
+      group: a `SampleGroup` of this policy.
+    Returns:
+      an int >= 1.
+    """
     return 1
 
-  def event(self, group, mech, accountant, passes, notes):
-    """The dp-accounting event of a group of this policy's samples (final: see the class).
 
-    Checks first that the group is this policy's, that its correlated-noise rows are ones the
-    policy's accounting covers (`covers`) and that its sampling passes `check_sampling` (the
-    check a declared sampling passes when it is recorded: a group built by hand, e.g. for
-    `report_from_groups`, meets it too), then calls the `_event` hook.
+def check_policy(policy):
+  """Checks a policy object's stated fields before it is registered.
 
-    Args:
-      group: a `ledger_events.SampleGroup` of this policy.
-      mech: the per-sample dp-accounting mechanism (private).
-      accountant: "rdp" or "pld".
-      passes: the passes / epochs the ledger recorded (pass-charged policies).
-      notes: a list the assumption strings are appended to.
-    Returns:
-      a dp-accounting DpEvent for the whole group.
-    Raises:
-      PrivacyConfigError: a group of another policy, correlated-noise rows this policy does
-        not cover, a sampling `check_sampling` refuses, or a group its rule refuses (see the
-        subclass's `_event`).
-    """
-    if group.policy != self.name:
-      raise PrivacyConfigError(f"`group.policy` must be {self.name!r} for this policy object. "
-                               f"Received: group.policy={group.policy!r}")
-    if group.correlated and group.correlated not in self.covers:
-      raise PrivacyConfigError(
-          f"`group.correlated` must be one of the rows policy {group.policy!r} covers "
-          f"({', '.join(self.covers) or 'independent noise only'}): no accounting rule for "
-          f"{group.correlated!r} rows under it. Received: group.correlated={group.correlated!r}")
-    bad = self.check_sampling(group.population_size, group.selection_probability,
-                              group.sample_size)
-    if bad is not None:
-      raise PrivacyConfigError(f"a group of policy {group.policy!r} must have the sampling the "
-                               f"policy's claim covers: {bad}")
-    return self._event(group, mech, accountant, passes, notes)
-
-  def _event(self, group, mech, accountant, passes, notes):
-    """The hook `event` calls after its checks: the default charges every sample, unamplified.
-
-    Args:
-      group: a `ledger_events.SampleGroup` of this policy (checked by `event`).
-      mech: the per-sample dp-accounting mechanism.
-      accountant: "rdp" or "pld".
-      passes: the passes / epochs the ledger recorded.
-      notes: a list the assumption strings are appended to.
-    Returns:
-      a dp-accounting DpEvent for the whole group.
-    """
-    del accountant, passes
-    notes.append("every record in every sample: no amplification")
-    return dpa().SelfComposedDpEvent(mech, group.count)
-
-
-def gaussian_only(group):
-  if group.laplace_noise_multipliers:
-    raise PrivacyConfigError(f"policy {group.policy!r} / {group.correlated or 'gaussian'} rows are "
-                             "accounted for Gaussian queries only; this sample has Laplace queries")
+  Args:
+    policy: a SamplingPolicy instance.
+  Raises:
+    PrivacyConfigError: not a SamplingPolicy, or a name, code, relation, unit or covers the
+      ledger cannot store or account.
+  """
+  if not isinstance(policy, SamplingPolicy):
+    raise PrivacyConfigError(f"`policy` must be a SamplingPolicy instance. Received: "
+                             f"policy={policy!r}")
+  if not isinstance(policy.name, str) or not policy.name or policy.name == schema.REPEAT_AND_SELECT:
+    raise PrivacyConfigError(f"`name` must be a non-empty str other than "
+                             f"{schema.REPEAT_AND_SELECT!r} (the selection marker). Received: "
+                             f"name={policy.name!r}")
+  code = policy.code
+  if isinstance(code, bool) or not isinstance(code, int) or code < 0 or code > schema.MAX_POLICY_CODE:
+    raise PrivacyConfigError(f"`code` of policy {policy.name!r} must be an int in [0, "
+                             f"{schema.MAX_POLICY_CODE}] (exactly representable in the ledger's "
+                             f"float rows). Received: code={code!r}")
+  if code == schema.REPEAT_AND_SELECT_CODE:
+    raise PrivacyConfigError(f"`code` of policy {policy.name!r} must not be "
+                             f"{schema.REPEAT_AND_SELECT_CODE}, the selection marker's; take an "
+                             f"unused number. Received: code={code!r}")
+  if policy.relation not in schema.RELATIONS:
+    raise PrivacyConfigError(f"`relation` of policy {policy.name!r} must be one of "
+                             f"{schema.RELATIONS}. Received: relation={policy.relation!r}")
+  if policy.unit not in schema.UNITS:
+    raise PrivacyConfigError(f"`unit` of policy {policy.name!r} must be one of {schema.UNITS}. "
+                             f"Received: unit={policy.unit!r}")
+  unknown = set(policy.covers) - set(schema.CORRELATED_KIND_OF_ROWS)
+  if unknown:
+    raise PrivacyConfigError(f"`covers` of policy {policy.name!r} must hold only "
+                             f"{tuple(schema.CORRELATED_KIND_OF_ROWS)}. Received: "
+                             f"covers={tuple(policy.covers)!r}")

@@ -351,7 +351,7 @@ class PrivacyLedger(tf.Module):
     Works eagerly and inside `tf.function` (not under XLA: the buffers grow).
     `population_size` n, `selection_probability` q, `sample_size` and `examples_per_record`
     k may be tensors; `events` is the tuple returned by `DPQuery.get_noised_result`;
-    `policy` one of records.ALL_POLICIES. Each query's sensitivity is recorded as
+    `policy` a registered policy name (`policies.names()`). Each query's sensitivity is recorded as
     `records.sensitivity_factor(relation_for_policy(policy), k)` times its clip (times the
     strategy's column norm, sqrt(tree depth) or equivalent sensitivity for a correlated-noise
     event: `correlated_records.correlated_row_values`). A correlated-noise event is recorded

@@ -22,31 +22,34 @@ from typing import Tuple
 
 import numpy as np
 
+from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import policies
+from tf_dpiter.ledger import selection as _selection
 from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
-    ADD_OR_REMOVE, ALL_POLICIES, BALLS_IN_BINS, CYCLIC_POISSON, EXTRA_POLICIES, FIXED_SIZE,
-    FORMAT_NAME, FORMAT_VERSION, FULL, POISSON, POISSON_POLICIES, POLICIES, RELATIONS,
-    REPEAT_AND_SELECT, REPLACE_ONE, SHUFFLE, TRUNCATED_POISSON, USER_POISSON,
-    WHOLE_SIZE_POLICIES)
+    ADD_OR_REMOVE, BALLS_IN_BINS, CYCLIC_POISSON, FIXED_SIZE, FORMAT_NAME, FORMAT_VERSION, FULL,
+    POISSON, POLICIES, RELATIONS, REPEAT_AND_SELECT, REPEAT_AND_SELECT_CODE, REPLACE_ONE,
+    SHUFFLE, TRUNCATED_POISSON, USER_POISSON)
 from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
     BANDED_GAUSSIAN, GAUSSIAN, LAPLACE, MATRIX_GAUSSIAN, NON_PRIVATE, QUERY_COLUMNS,
     SAMPLE_COLUMNS, TREE_GAUSSIAN)
-from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger.schema import CORRELATED_KIND_OF_ROWS as _CORRELATED_KIND_OF_ROWS
 from tf_dpiter.ledger.schema import KIND_NAME as _KIND_NAME
-from tf_dpiter.ledger.schema import POLICY_CODE as _POLICY_CODE
-from tf_dpiter.ledger.schema import RELATION_OF_POLICY as _RELATION_OF_POLICY
-from tf_dpiter.ledger.schema import UNIT_OF_POLICY as _UNIT_OF_POLICY
 
 
 def unit_of_policy(policy):
-  """The unit of privacy a policy's records stand for.
+  """The unit of privacy a policy's records stand for (the policy object's `unit`).
 
   Args:
-    policy: a name of `ALL_POLICIES`.
+    policy: a registered policy name (the selection marker: "example").
   Returns:
-    "user" for user_poisson, else "example".
+    "user" or "example".
+  Raises:
+    PrivacyConfigError: an unknown policy.
   """
-  return _UNIT_OF_POLICY.get(policy, "example")
+  if policy == REPEAT_AND_SELECT:
+    return "example"
+  return policies.get(policy).unit
 
 # Query kinds: codes in `schema`. Correlated-noise steps. A BANDED_GAUSSIAN row is
 # one step of a banded matrix mechanism: clip S, noise sigma (per coordinate of Z), sensitivity = factor x zeta x S with zeta
@@ -60,31 +63,44 @@ def unit_of_policy(policy):
 
 
 def policy_code(policy):
-  """Integer code of a policy name; ValueError naming the policy if unknown.
+  """The stable integer code of a policy name (the policy object's `code`).
 
   Args:
-    policy: str, one of ALL_POLICIES.
+    policy: a registered policy name, or the selection marker `REPEAT_AND_SELECT`.
   Returns:
     int, the policy's code.
   Raises:
-    ValueError: if `policy` is unknown.
+    PrivacyConfigError: if `policy` is unknown.
   """
-  if policy not in _POLICY_CODE:
-    raise PrivacyConfigError(f"policy must be one of {ALL_POLICIES}, got {policy!r}")
-  return _POLICY_CODE[policy]
+  if policy == REPEAT_AND_SELECT:
+    return REPEAT_AND_SELECT_CODE
+  return policies.get(policy).code
 
 
 def policy_name(code):
   """The policy name of an integer code.
 
   Args:
-    code: an index of `ALL_POLICIES` (int or float).
+    code: a policy's code (int or float), or the selection marker's.
   Returns:
     The policy name.
   Raises:
-    IndexError: an unknown code.
+    PrivacyConfigError: an unknown code.
   """
-  return ALL_POLICIES[int(code)]
+  if int(code) == REPEAT_AND_SELECT_CODE:
+    return REPEAT_AND_SELECT
+  policy = policies.by_code(int(code))
+  if policy is None:
+    raise PrivacyConfigError(f"`code` must be a registered policy's code ({_known_codes()}). "
+                             f"Received: code={code!r}")
+  return policy.name
+
+
+def _known_codes():
+  """{code: name} of the registered policies and the selection marker."""
+  known = {p.code: p.name for p in map(policies.get, policies.names())}
+  known[REPEAT_AND_SELECT_CODE] = REPEAT_AND_SELECT
+  return dict(sorted(known.items()))
 
 
 def relation_for_policy(policy):
@@ -93,16 +109,15 @@ def relation_for_policy(policy):
   Args:
     policy: a sampling policy name.
   Returns:
-    ADD_OR_REMOVE or REPLACE_ONE.
+    ADD_OR_REMOVE or REPLACE_ONE (the policy object's `relation`).
   Raises:
-    ValueError: an unknown policy, or the selection marker (it samples nothing).
+    PrivacyConfigError: an unknown policy, or the selection marker (it samples nothing).
   """
-  policy_code(policy)
   if policy == REPEAT_AND_SELECT:
     raise PrivacyConfigError(f"{REPEAT_AND_SELECT!r} marks a private selection, not a sampling: it "
                              "has no neighbouring relation of its own (a ledger with a selection record "
                              "is accounted by the RDP accountant only)")
-  return _RELATION_OF_POLICY[policy]
+  return policies.get(policy).relation
 
 
 def sensitivity_factor(relation, examples_per_record=1):
@@ -127,13 +142,14 @@ def sensitivity_factor(relation, examples_per_record=1):
   return 1.0 if relation == ADD_OR_REMOVE and examples_per_record <= 1 else 2.0
 
 
-# Codes of the add/remove policies (from _RELATION_OF_POLICY), for the vectorized checks.
-_ADD_REMOVE_CODES = [_POLICY_CODE[p] for p, r in _RELATION_OF_POLICY.items() if r == ADD_OR_REMOVE]
+def _add_remove_codes():
+  """The codes of the registered add/remove-one policies (for the vectorized checks)."""
+  return [p.code for p in map(policies.get, policies.names()) if p.relation == ADD_OR_REMOVE]
 
 
 def _sensitivity_factors(policy_codes, examples_per_record):
   """`sensitivity_factor` for arrays of policy codes and k (one rule, vectorized)."""
-  add_remove = np.isin(policy_codes, _ADD_REMOVE_CODES)
+  add_remove = np.isin(policy_codes, _add_remove_codes())
   return np.where(add_remove & (examples_per_record <= 1), 1.0, 2.0)
 
 
@@ -187,45 +203,66 @@ class SampleRun:
     return relation_for_policy(self.policy)
 
 
-def _selection_lib():
-  from tf_dpiter.ledger import selection  # pylint: disable=g-import-not-at-top
-  return selection
-
-
 def _first_bad(mask):
   bad = np.flatnonzero(mask)
   return int(bad[0]) if bad.size else None
+
+
+def _policy_sampling_problem(samples):
+  """The first row whose sampling its own policy's `sampling_checks` refuses, as a message.
+
+  Each registered policy checks the rows of its code (one statement of its rules, shared with
+  the check of a declared sampling); no per-policy table here.
+  """
+  n, q, m, pol = samples[:, 0], samples[:, 1], samples[:, 2], samples[:, 3]
+  first = None
+  for policy in map(policies.get, policies.names()):
+    rows = np.flatnonzero(pol == policy.code)
+    if not rows.size:
+      continue
+    for bad, field, rule in policy.sampling_checks(n[rows], q[rows], m[rows]):
+      j = _first_bad(bad)
+      if j is not None and (first is None or rows[j] < first[0]):
+        i = int(rows[j])
+        first = (i, policy.sampling_message(field, rule, n[i], q[i], m[i]) + f" at sample {i}")
+  return None if first is None else first[1]
 
 
 def _check_samples(samples):
   if not np.all(np.isfinite(samples)):
     i = int(np.argwhere(~np.isfinite(samples))[0][0])
     raise PrivacyConfigError(f"sample {i} has a non-finite field: {samples[i].tolist()}")
-  n, q, m, pol, k, _ = samples.T
+  n, q, _, pol, k, _ = samples.T
+  known = _known_codes()
   checks = [
       (n <= 0, "population_size must be > 0", n),
       (~((q > 0) & (q <= 1)), "selection_probability must be in (0, 1]", q),
-      (~np.isin(pol, np.arange(len(ALL_POLICIES))), f"policy code must be in 0..{len(ALL_POLICIES) - 1}", pol),
+      (~np.isin(pol, list(known)), f"policy code must be one of {known}", pol),
       ((k < 1) | (k != np.floor(k)), "examples_per_record must be an integer >= 1", k),
-      (np.isin(pol, [_POLICY_CODE[FIXED_SIZE], _POLICY_CODE[SHUFFLE]]) & ~((m >= 1) & (m <= n)),
-       "sample_size must be in [1, population_size] for fixed_size/shuffle", m),
-      (np.isin(pol, [_POLICY_CODE[p] for p in WHOLE_SIZE_POLICIES]) & ~((m >= 1) & (m <= n) & (m == np.floor(m))),
-       "sample_size (cycle length b / cap B / steps per epoch k) must be an integer in "
-       "[1, population_size] for cyclic_poisson/truncated_poisson/balls_in_bins", m),
-      ((pol == _POLICY_CODE[BALLS_IN_BINS]) & (np.abs(q * m - 1.0) > 1e-9),
-       "selection_probability must be 1 / sample_size (1 / k) for balls_in_bins", q),
-  ] + _selection_lib().marker_checks(samples, _POLICY_CODE[REPEAT_AND_SELECT])
+  ] + _selection.marker_checks(samples)
   for mask, msg, col in checks:
     i = _first_bad(mask)
     if i is not None:
       raise PrivacyConfigError(f"{msg}, got {col[i]!r} at sample {i}")
-  add_remove = np.isin(pol, _ADD_REMOVE_CODES)
+  problem = _policy_sampling_problem(samples)
+  if problem is not None:
+    raise PrivacyConfigError(problem)
+  add_remove = np.isin(pol, _add_remove_codes())
   i = _first_bad(add_remove & (k > 1))
   if i is not None:
     raise PrivacyConfigError(
         f"sample {i}: microbatches (examples_per_record={k[i]:.0f}) under policy "
         f"{policy_name(pol[i])!r} (add or remove one example) are refused: removing an example "
         "can re-deal the others among microbatches. Use a replace-one policy (shuffle, fixed_size)")
+
+
+def _covering_codes():
+  """{correlated query kind code: (codes of the policies covering it, their names)}."""
+  out = {}
+  for rows, kind in _CORRELATED_KIND_OF_ROWS.items():
+    covering = [p for p in map(policies.get, policies.names()) if rows in p.covers]
+    out[kind] = ([p.code for p in covering], ", ".join(p.name for p in covering) or "none")
+  return out
 
 
 def _check_queries(samples, queries):
@@ -251,13 +288,9 @@ def _check_queries(samples, queries):
       ((kind == LAPLACE) & ((clip <= 0) | (noise <= 0)), "Laplace query needs clip > 0 and scale > 0", clip),
       ((kind != NON_PRIVATE) & (sens < factor * clip),
        "query sensitivity is below what its relation and record unit imply (factor x clip)", sens),
-      ((kind == BANDED_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[CYCLIC_POISSON]),
-       "a banded_gaussian query is accounted only under policy cyclic_poisson", kind),
-      ((kind == TREE_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[SHUFFLE]),
-       "a tree_gaussian query is accounted only under policy shuffle", kind),
-      ((kind == MATRIX_GAUSSIAN) & (s[:, 3] != _POLICY_CODE[CYCLIC_POISSON]),
-       "a matrix_gaussian query is accounted only under policy cyclic_poisson", kind),
-  ]
+  ] + [((kind == k) & ~np.isin(s[:, 3], codes),
+         f"a {_KIND_NAME[k]} query is accounted only under policy {covering}", kind)
+        for k, (codes, covering) in _covering_codes().items()]
   for mask, msg, col in checks:
     i = _first_bad(mask)
     if i is not None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import schema
 
 SELECTION_VERSION = 3
 _POISSON, _TNB = "poisson", "truncated_negative_binomial"
@@ -84,7 +84,7 @@ def marker_row(selection):
     float64 array of `records.SAMPLE_COLUMNS`.
   """
   shape = -1.0 if math.isinf(selection.shape) else float(selection.shape)
-  return np.array([selection.mean, 1.0, shape, rec.policy_code(rec.REPEAT_AND_SELECT),
+  return np.array([selection.mean, 1.0, shape, schema.REPEAT_AND_SELECT_CODE,
                    float(selection.trials), 0.0])
 
 
@@ -97,7 +97,7 @@ def is_marker(sample_row):
   Returns:
     bool.
   """
-  return int(sample_row[3]) == rec.policy_code(rec.REPEAT_AND_SELECT)
+  return int(sample_row[3]) == schema.REPEAT_AND_SELECT_CODE
 
 
 def from_row(sample_row, after_samples=0):
@@ -132,7 +132,7 @@ def with_selection(runs, mean, shape, trials):
   if total == 0:
     raise PrivacyConfigError("the trial's ledger is empty: record the trial's samples first")
   sel = Selection(float(mean), float(shape), trials, total)
-  return list(runs) + [(1, marker_row(sel), np.zeros([0, len(rec.QUERY_COLUMNS)]))]
+  return list(runs) + [(1, marker_row(sel), np.zeros([0, len(schema.QUERY_COLUMNS)]))]
 
 
 def to_field(selection):
@@ -212,7 +212,7 @@ def insert_marker(runs, selection):
     ValueError: after_samples is beyond the ledger's samples.
   """
   out, seen, placed = [], 0, False
-  marker = (1, marker_row(selection), np.zeros([0, len(rec.QUERY_COLUMNS)]))
+  marker = (1, marker_row(selection), np.zeros([0, len(schema.QUERY_COLUMNS)]))
   for count, s, qs in runs:
     if not placed and seen + count > selection.after_samples:
       head = selection.after_samples - seen
@@ -233,16 +233,16 @@ def insert_marker(runs, selection):
   return out
 
 
-def marker_checks(samples, code):
+def marker_checks(samples):
   """Checks of the marker rows among ledger sample rows, for `records.validate_arrays`.
 
   Args:
-    samples: [N, 6] float64 sample rows. code: the marker's policy code.
+    samples: [N, 6] float64 sample rows (the marker's code is `schema.REPEAT_AND_SELECT_CODE`).
   Returns:
     [(bad-row mask, message, column)].
   """
   n, q, m, pol, k, nq = samples.T
-  marker = pol == code
+  marker = pol == schema.REPEAT_AND_SELECT_CODE
   return [
       (marker & (np.cumsum(marker) > 1), "a ledger holds at most one selection record", pol),
       (marker & ((q != 1) | (nq != 0)),

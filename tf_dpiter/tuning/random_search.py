@@ -25,6 +25,7 @@ import numpy as np
 
 from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
+from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -151,7 +152,10 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
       (samples, queries[, passes]) arrays); all must convert to the same dp-accounting
       event (a trial with other sampling or noise would need the worst case: refused).
     mean, shape: the distribution the number of trials was drawn from.
-    delta: target delta. accountant: only "rdp" (dp-accounting implements the event there).
+    delta: target delta.
+    accountant: "rdp" or a registered accountant of the RDP family
+      (`accounting.register_accountant(..., events="rdp")`): dp-accounting implements the
+      event for RDP only.
     selected: index of the released trial (its ledger carries the selection record).
   Returns:
     a SelectionReport whose `ledger` is `selection_ledger` of the selected trial; epsilon is
@@ -159,9 +163,11 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
   Raises:
     ValueError: no ledger, ledgers of different mechanisms, or an unsupported accountant.
   """
-  if accountant != "rdp":
+  accountant_lib.check_accountant(accountant)
+  if accountants.event_family(accountant) != "rdp":
     raise PrivacyConfigError(f"RepeatAndSelectDpEvent is accounted by dp-accounting's RDP accountant "
-                             f"only: use accountant='rdp', got {accountant!r}")
+                             f"only: use accountant='rdp' (or a registered RDP-family one), got "
+                             f"{accountant!r}")
   delta = validation.check_delta("delta", delta)
   if not trial_ledgers:
     raise ParameterValueError("trial_ledgers is empty: record at least one trial's ledger")

@@ -70,7 +70,7 @@ def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
       events.append(dpa.SelfComposedDpEvent(event, int(run["count"])))
   if not any_shuffle:
     return None
-  acc = dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
+  acc = accounting.make_accountant(accountant)
   acc.compose(dpa.ComposedDpEvent(events))
   return float(acc.get_epsilon(delta))
 
@@ -133,8 +133,9 @@ class PrivacyMeter(keras.callbacks.Callback):
 
   Args:
     delta: the delta of the (epsilon, delta) statement, in (0, 1).
-    accountant: "rdp" or "pld" (dp-accounting, upper bounds), or "gdp" (an approximation,
-      labelled so; see accounting.gdp).
+    accountant: "rdp" or "pld" (dp-accounting, upper bounds) or another registered
+      accountant (`accounting.register_accountant`), or "gdp" (an approximation, labelled
+      so; see accounting.gdp).
     verbose: print epsilon after every epoch.
     plot: optional PNG path: at the end of training, epsilon over steps
       (`accounting.epsilon_curve`, up to `plot_points` points; dotted lines at epoch ends).
@@ -145,7 +146,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     super().__init__()
     self.delta = validation.check_delta("delta", delta)
     self.accountant = _check_accountant(accountant)
-    self.epsilon_key = "epsilon" if accountant in accounting.ACCOUNTANTS else (
+    self.epsilon_key = "epsilon" if accounting.accountant.is_bound_accountant(accountant) else (
         "epsilon_gdp_approximate")
     self.verbose = verbose
     if plot is not None and (not isinstance(plot, (str, os.PathLike)) or not os.fspath(plot)):
@@ -186,7 +187,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     if self._written is None or self._written[0] != epoch:
       self.epsilon = self._epsilon()
       if_poisson = None
-      if self.epsilon > 0 and self.accountant in accounting.ACCOUNTANTS:
+      if self.epsilon > 0 and accounting.accountant.is_bound_accountant(self.accountant):
         if_poisson = epsilon_if_poisson(model_ledger(self.model).to_dict(), self.delta,
                                         self.accountant)
       self._written = (epoch, if_poisson)
@@ -210,7 +211,7 @@ class PrivacyMeter(keras.callbacks.Callback):
     if self.verbose:
       if_poisson = self._written[1]
       extra = "" if if_poisson is None else f" (Poisson sampling would give {if_poisson:.4g})"
-      if self.accountant in accounting.ACCOUNTANTS:
+      if accounting.accountant.is_bound_accountant(self.accountant):
         value = f"epsilon = {self.epsilon:.4g}"
       else:
         value = (f"epsilon ~ {self.epsilon:.4g} (GDP: approximate, not an upper bound; use "

@@ -1,0 +1,114 @@
+"""An accountant registered from a test file is used by the callbacks and the command line.
+
+`register_accountant(name, factory)` is the one place an accountant is added: the fixture
+below wraps dp-accounting's RDP accountant over a short list of orders (a coarser, still
+valid upper bound: epsilon is the minimum over the orders of Mironov's conversion, "Renyi
+Differential Privacy", Proposition 3, so fewer orders give an epsilon >= the default's) and
+touches no package file. Relation: add or remove one example (Poisson sampling).
+"""
+
+import contextlib
+import io
+import json
+
+import dp_accounting as dpa
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter import accounting
+from tf_dpiter.accounting import cli
+from tf_dpiter.errors import PrivacyConfigError
+
+NAME = "rdp_coarse_orders"
+ORDERS = (2.0, 4.0, 8.0, 16.0, 32.0)
+N, BATCH, Z, DELTA = 64, 16, 1.0, 1e-5
+
+
+@pytest.fixture
+def coarse_rdp():
+  entry = accounting.register_accountant(
+      NAME, lambda relation: dpa.rdp.RdpAccountant(ORDERS, neighboring_relation=relation),
+      description=f"RDP accountant over the orders {ORDERS}")
+  yield entry
+  accounting.unregister_accountant(NAME)
+
+
+def _hand_epsilon(q, z, steps, orders):
+  event = dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z)), steps)
+  return dpa.rdp.RdpAccountant(orders).compose(event).get_epsilon(DELTA)
+
+
+def _ledger_dict(steps, q=BATCH / N):
+  samples = np.array([[N, q, BATCH, 0, 1, 1]] * steps, np.float64)   # code 0: poisson
+  queries = np.array([[i, 0, 1.0, Z, 1.0] for i in range(steps)], np.float64)
+  return dp.ledger.ledger_file.arrays_to_dict(samples, queries)
+
+
+def test_the_registry_resolves_the_name_everywhere_in_accounting(coarse_rdp):
+  assert NAME in accounting.accountant_names() and coarse_rdp.events == "rdp"
+  d = _ledger_dict(8)
+  got = accounting.privacy_report(d, delta=DELTA, accountant=NAME)
+  want = _hand_epsilon(BATCH / N, Z, 8, ORDERS)
+  assert got.epsilon == pytest.approx(want, rel=1e-9)
+  assert f"RDP accountant over the orders {ORDERS}" in got.assumptions
+  # coarser orders: a valid bound at least the default's
+  assert got.epsilon >= accounting.epsilon(d, DELTA, accountant="rdp")
+  # budgets and calibration take it (an upper bound), the GDP approximation stays refused
+  z = accounting.calibrate_noise_multiplier(2.0, DELTA, BATCH / N, 8, accountant=NAME)
+  assert _hand_epsilon(BATCH / N, z, 8, ORDERS) <= 2.0 + 1e-6
+  assert accounting.accountant.check_bound_accountant(NAME, "a test") == NAME
+
+
+def test_a_registered_accountant_is_a_command_line_choice(coarse_rdp, tmp_path):
+  path = tmp_path / "ledger.json"
+  path.write_text(json.dumps(_ledger_dict(8)))
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    status = cli.dp_ledger_main(["report", str(path), "--delta", str(DELTA), "--accountant", NAME])
+  assert status == 0
+  assert f"{_hand_epsilon(BATCH / N, Z, 8, ORDERS):.4g}" in out.getvalue()
+  assert NAME in cli.cli_accountants()
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    status = cli.compute_dp_sgd_privacy_main([
+        "--N", str(N), "--batch_size", str(BATCH), "--noise_multiplier", str(Z),
+        "--epochs", "2", "--delta", str(DELTA), "--accountant", NAME])
+  assert status == 0
+  want = _hand_epsilon(BATCH / N, Z, 2 * N // BATCH, ORDERS)
+  assert f"epsilon = {want:.6g}" in out.getvalue()
+
+
+def test_an_unregistered_name_is_refused_by_the_command_line():
+  err = io.StringIO()
+  with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+    cli.dp_ledger_main(["report", "x.json", "--delta", "1e-5", "--accountant", NAME])
+  assert "invalid choice" in err.getvalue()
+  with pytest.raises(PrivacyConfigError, match=r"accountant must be one of"):
+    accounting.epsilon(_ledger_dict(2), DELTA, accountant=NAME)
+
+
+def test_a_registered_accountant_drives_the_privacy_meter(coarse_rdp):
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(N, 6).astype("float32"), rng.randint(0, 3, N)
+  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=0.1),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  meter = dp.keras.PrivacyMeter(DELTA, accountant=NAME)
+  history = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[meter])
+  steps = int(model.ledger.sample_count.numpy())
+  assert steps == N // BATCH
+  assert history.history["epsilon"] == [pytest.approx(_hand_epsilon(BATCH / N, Z, steps,
+                                                                    ORDERS), rel=1e-9)]
+
+
+def test_built_in_accountants_cannot_be_replaced_or_removed():
+  with pytest.raises(PrivacyConfigError, match=r"`name` must not be registered or reserved"):
+    accounting.register_accountant("rdp", lambda r: dpa.rdp.RdpAccountant(ORDERS))
+  with pytest.raises(PrivacyConfigError, match=r"`name` must not be registered or reserved"):
+    accounting.register_accountant("gdp", lambda r: dpa.rdp.RdpAccountant(ORDERS))
+  with pytest.raises(PrivacyConfigError, match=r"built-in"):
+    accounting.unregister_accountant("pld")
+  with pytest.raises(PrivacyConfigError, match=r"`events` must be one of"):
+    accounting.register_accountant("other", lambda r: None, events="prv")

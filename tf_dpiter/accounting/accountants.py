@@ -1,0 +1,156 @@
+"""The accountant registry: a name -> a factory of dp-accounting accountants.
+
+Every reader of an accountant name (`privacy_report`, `epsilon`, the calibrations, the
+budget look-ahead, `PrivacyMeter` and the budget callbacks, the auditing callbacks, tuning's
+selection report and the `dp_ledger` / `compute_dp_sgd_privacy` commands, whose
+`--accountant` choices are the registered names) resolves it here. "rdp" (dp-accounting's
+`RdpAccountant`, default orders) and "pld" (its `PLDAccountant`, default discretization) are
+registered at import; `register_accountant` adds one, e.g. RDP over another list of orders.
+
+A registered accountant is a dp-accounting `PrivacyAccountant`: its epsilon is an upper bound
+(Mironov, "Renyi Differential Privacy", Proposition 3, for RDP; the PLD accountant's
+pessimistic discretization), so budgets and calibrations may rest on it. The GDP
+approximation ("gdp", `accounting.gdp`) is not one and is not in the registry.
+"""
+
+import dataclasses
+from typing import Callable
+
+from tf_dpiter.accounting.lazy_module import LazyModule
+from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import PrivacyConfigError
+
+dpa = LazyModule("dp_accounting")
+
+# The dp-accounting event families a registered accountant reads: the ledger's events are
+# built for one of them (e.g. truncated Poisson sampling has a PLD event only; a private
+# selection an RDP one).
+EVENT_FAMILIES = ("rdp", "pld")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisteredAccountant:
+  """One registered accountant (final).
+
+  Attributes:
+    name: the name callers pass as `accountant=`.
+    factory: neighboring_relation -> a fresh dp-accounting PrivacyAccountant.
+    events: the event family ("rdp" or "pld") the ledger's events are built for.
+    description: one line for the report's assumptions (what it is, its parameters).
+  """
+  name: str
+  factory: Callable
+  events: str
+  description: str
+
+
+_REGISTRY = {}
+_BUILT_IN = ("rdp", "pld")
+
+
+def register_accountant(name, factory, events="rdp", description=None):
+  """Registers an accountant under `name`.
+
+  Args:
+    name: a new name (str, not "gdp" or "prv", which `privacy_report` reserves).
+    factory: a callable taking one argument, the dp-accounting NeighboringRelation, and
+      returning a fresh dp-accounting PrivacyAccountant (e.g.
+      `lambda r: dp_accounting.rdp.RdpAccountant(orders, neighboring_relation=r)`).
+    events: "rdp" or "pld": the event family it reads (RDP-type accountants read what
+      dp-accounting's RdpAccountant reads, PLD-type what its PLDAccountant reads).
+    description: one line stating the accountant for the report (default: its name).
+  Returns:
+    the RegisteredAccountant.
+  Raises:
+    ParameterTypeError: a name that is not a str, or a factory that is not callable.
+    PrivacyConfigError: a name already registered or reserved, or an unknown event family.
+  """
+  if not isinstance(name, str) or not name:
+    raise ParameterTypeError(f"`name` must be a non-empty str. Received: name={name!r}")
+  if name in _REGISTRY or name in ("gdp", "prv"):
+    raise PrivacyConfigError(f"`name` must not be registered or reserved yet ({accountant_names()}"
+                             f", 'gdp', 'prv'); `unregister_accountant` a registered one first. "
+                             f"Received: name={name!r}")
+  if not callable(factory):
+    raise ParameterTypeError(f"`factory` must be callable (NeighboringRelation -> dp-accounting "
+                             f"PrivacyAccountant). Received: factory={factory!r}")
+  if events not in EVENT_FAMILIES:
+    raise PrivacyConfigError(f"`events` must be one of {EVENT_FAMILIES}. Received: "
+                             f"events={events!r}")
+  entry = RegisteredAccountant(name, factory, events, description or f"{name} accountant")
+  _REGISTRY[name] = entry
+  return entry
+
+
+def unregister_accountant(name):
+  """Removes a registered accountant (the built-in "rdp" and "pld" stay).
+
+  Args:
+    name: a registered name other than "rdp" and "pld".
+  Returns:
+    the RegisteredAccountant removed.
+  Raises:
+    PrivacyConfigError: an unknown or built-in name.
+  """
+  get_accountant(name)
+  if name in _BUILT_IN:
+    raise PrivacyConfigError(f"`name` must not be a built-in accountant {_BUILT_IN}. Received: "
+                             f"name={name!r}")
+  return _REGISTRY.pop(name)
+
+
+def accountant_names():
+  """The registered accountant names, built-in first (a tuple of str)."""
+  return tuple(_REGISTRY)
+
+
+def get_accountant(name):
+  """The registered accountant of a name.
+
+  Args:
+    name: a registered name.
+  Returns:
+    its RegisteredAccountant.
+  Raises:
+    PrivacyConfigError: an unknown name.
+  """
+  if not isinstance(name, str) or name not in _REGISTRY:
+    raise PrivacyConfigError(f"`accountant` must be one of {accountant_names()}. Received: "
+                             f"accountant={name!r}")
+  return _REGISTRY[name]
+
+
+def event_family(name):
+  """The event family the ledger's events are built for under accountant `name`.
+
+  Args:
+    name: an accountant name.
+  Returns:
+    "rdp" or "pld" for a registered accountant; any other name unchanged (e.g. "gdp").
+  """
+  entry = _REGISTRY.get(name) if isinstance(name, str) else None
+  return entry.events if entry is not None else name
+
+
+def make(name, neighboring_relation):
+  """A fresh accountant of a registered name.
+
+  Args:
+    name: a registered name.
+    neighboring_relation: the dp-accounting NeighboringRelation of the ledger.
+  Returns:
+    the dp-accounting PrivacyAccountant its factory returns.
+  Raises:
+    PrivacyConfigError: an unknown name, or a factory that returned no PrivacyAccountant.
+  """
+  acc = get_accountant(name).factory(neighboring_relation)
+  if not isinstance(acc, dpa.PrivacyAccountant):
+    raise PrivacyConfigError(f"the factory of accountant {name!r} must return a dp-accounting "
+                             f"PrivacyAccountant. Received: {type(acc).__name__}")
+  return acc
+
+
+register_accountant("rdp", lambda r: dpa.rdp.RdpAccountant(neighboring_relation=r), "rdp",
+                    "RDP accountant (dp-accounting RdpAccountant, default orders)")
+register_accountant("pld", lambda r: dpa.pld.PLDAccountant(neighboring_relation=r), "pld",
+                    "PLD accountant (dp-accounting PLDAccountant, default discretization)")
