@@ -331,6 +331,8 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
       subsampling by a central limit theorem, as TF Privacy's GDP accountant: an
       approximation, labelled so; Poisson or full-batch Gaussian steps only); "prv" is
       refused (Opacus' PRV accountant is not installed): use "pld".
+    key: the HMAC key a signed ledger dict or JSON string is verified with (None: its
+      SHA-256 digest only).
 
   Returns:
     PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a

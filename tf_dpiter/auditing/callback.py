@@ -44,8 +44,9 @@ class AuditCallback(keras.callbacks.Callback):
     report_path: optional PNG path written at the end of training.
 
   Raises:
-    ValueError: recorder given without included / sampling_probability / noise_multiplier,
-      or every_n_epochs < 1.
+    PrivacyConfigError: recorder given without included / sampling_probability /
+      noise_multiplier.
+    ParameterValueError: every_n_epochs < 1.
   """
 
   def __init__(self, delta, *, recorder=None, included=None, sampling_probability=None,

@@ -84,6 +84,8 @@ class DiracCanaryLoss(keras.losses.Loss):
     l2_norm_clip: S, the DP optimizer's clipping norm (the canary gradient's L2 norm).
     from_logits: the base loss is sparse categorical cross-entropy on logits (True) or
       probabilities (False).
+    reduction: Keras' loss reduction.
+    name: the loss' name.
   """
 
   def __init__(self, num_classes, num_canaries, l2_norm_clip, from_logits=True,

@@ -86,7 +86,14 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
   @classmethod
   def from_noise_multiplier(cls, l2_norm_clip, noise_multiplier, seed=None, secure_mode=False,
                             stability=DEFAULT_STABILITY):
-    """The query with clip S, noise multiplier z and gamma (the constructor's arguments).
+    """The query with clip S, noise multiplier z and gamma.
+
+    Args:
+      l2_norm_clip: S > 0, finite (as the constructor).
+      noise_multiplier: z >= 0, finite: the noise stddev is z S on the sum.
+      seed: fixes the noise (tests only: the output is then not private).
+      secure_mode: noise from os.urandom (`randomness.SecureRandom`).
+      stability: gamma > 0, finite (in gradient-norm units).
     """
     return cls(l2_norm_clip, noise_multiplier, stability, seed=seed, secure_mode=secure_mode)
 

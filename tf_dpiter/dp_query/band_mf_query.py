@@ -219,7 +219,8 @@ class BandMFQuery(CorrelatedNoiseQuery):
       num_steps: n, the steps the strategy is optimized for (required unless b = 1 or an
         explicit matrix is given).
       strategy: "toeplitz", "banded", or a lower-triangular banded matrix.
-      seed: tests only (not private). cache_dir: on-disk strategy cache.
+      seed: tests only (not private).
+      cache_dir: the directory of the on-disk strategy cache (None: the default one).
 
     Raises:
       ParameterValueError: a bad argument, named.

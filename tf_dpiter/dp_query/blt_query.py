@@ -36,12 +36,14 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
   def __init__(self, l2_norm_clip, noise_multiplier, template, num_steps, num_buffers=4,
                min_separation=1, theta=None, omega=None, seed=None):
     """Args:
-      l2_norm_clip: S. noise_multiplier: z = sigma / (Delta S).
+      l2_norm_clip: S.
+      noise_multiplier: z = sigma / (Delta S).
       template: a record's structure (tensors, variables, TensorSpecs or shape lists).
       num_steps: n, the horizon (steps beyond it are refused).
       num_buffers: buffers of an optimized strategy (ignored when theta/omega are given).
       min_separation: b, the least gap between two participations the sampling guarantees.
-      theta, omega: an explicit BLT (theta in (0, 1), omega); optimized when None.
+      theta: an explicit BLT's theta, each in (0, 1) (with omega); optimized when None.
+      omega: an explicit BLT's omega, as long as theta; optimized when None.
       seed: tests only (not private).
 
     Raises:

@@ -36,7 +36,7 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
 
   Raises:
     ParameterTypeError: a leaf is not a SumAggregationDPQuery.
-    ValueError: no leaf.
+    ParameterValueError: no leaf.
   """
 
   def __init__(self, queries):

@@ -156,9 +156,15 @@ class AcceptanceRule:
       first; when none passes, every candidate is tested (vectorized), so the search is
       exhaustive and the bound exact. A refused update costs that full search (bounded
       by the submit quota).
+    spread_std: the instances' stationary spread (Theorem 1), which enables the fourth test
+      (distance to the instances' average); None: that test is off.
+    centre_factor: the fourth test refuses an update whose mean squared distance to the
+      instances' average exceeds this many times an honest update's (> 0).
 
   Raises:
-    ValueError: for alpha outside (0, 0.5), non-positive max_abs_weight or noise_cap.
+    ParameterValueError: alpha outside (0, 0.5), non-positive max_abs_weight or
+      centre_factor, or a negative spread_std.
+    PrivacyConfigError: a non-positive noise_cap (validation.check_positive).
   """
 
   def __init__(self, spec: glm.ModelSpec, alpha: float = 1e-3, max_abs_weight: float = 1e6,

@@ -61,12 +61,12 @@ class DPFedAvg:
     server_momentum: beta of the server step (1, 0: the paper).
     sampling: "fixed_size" (m_t clients uniformly without replacement; ledger policy
       fixed_size) or "poisson" (each client with q_t = m_t/K; ledger policy poisson).
-    fixed_epsilon: stop before delta(fixed_epsilon) would exceed max_delta (Geyer et al. 2017:
-      epsilon = 8, delta_0); fixed_delta + max_epsilon: stop before epsilon(fixed_delta) would
-      exceed max_epsilon. Either alone only reports the other.
-    max_delta: stop before delta(fixed_epsilon) would exceed max_delta (Geyer et al. 2017: epsilon =
-      8, delta_0); fixed_delta + max_epsilon: stop before epsilon(fixed_delta) would exceed
-      max_epsilon. Either alone only reports the other.
+    fixed_epsilon: with max_delta, stop before delta(fixed_epsilon) would exceed max_delta
+      (Geyer et al. 2017: epsilon = 8, delta_0); alone, only report delta at it.
+    max_delta: the largest delta allowed at fixed_epsilon.
+    fixed_delta: with max_epsilon, stop before epsilon(fixed_delta) would exceed
+      max_epsilon; alone, only report epsilon at it.
+    max_epsilon: the largest epsilon allowed at fixed_delta.
     accountant: "rdp" (required for fixed_size sampling) or "pld".
     eval_data: (x, y) for per-round accuracy, or None.
     initial_params: list of numpy arrays, else model.init_params(seed).
@@ -86,8 +86,9 @@ class DPFedAvg:
 
   Raises:
     ParameterTypeError: an argument of the wrong type (a TypeError).
-    PrivacyConfigError, BudgetConfigError: see `DPServer` and `RoundSchedule`.
-    ValueError: average_decay outside [0, 1), max_clients_per_chunk < 1.
+    PrivacyConfigError: see `DPServer` and `RoundSchedule`.
+    BudgetConfigError: an inconsistent or out-of-range budget (`DPServer`).
+    ParameterValueError: average_decay outside [0, 1), max_clients_per_chunk < 1.
   """
 
   def __init__(self, model, data, query=None, clients_per_round=10, noise_multiplier=None,

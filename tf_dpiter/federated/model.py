@@ -25,7 +25,7 @@ class MLP:
     use_bias: whether each layer has a bias vector.
 
   Raises:
-    ValueError: fewer than two widths, or a width < 1.
+    ParameterValueError: fewer than two widths, or a width < 1.
   """
 
   def __init__(self, layer_sizes=(784, 600, 100, 10), use_bias=False):

@@ -69,6 +69,7 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     noise_multiplier: z (sigma in Geyer et al. 2017): the noise stddev is z * S_t.
     initial_l2_norm_clip: S used only to report events before any sample was seen
       (the budget look-ahead of the first round).
+    seed: fixes the noise (tests only: the output is then not private).
   """
 
   _GlobalState = collections.namedtuple("_GlobalState", ["noise_multiplier", "l2_norm_clip"])

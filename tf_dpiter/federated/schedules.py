@@ -98,7 +98,8 @@ class RoundSchedule:
       callable of the round.
 
   Raises:
-    ParameterTypeError, PrivacyConfigError: as `as_schedule`.
+    ParameterTypeError: a schedule of the wrong type (as `as_schedule`).
+    PrivacyConfigError: a schedule value out of range (as `as_schedule`).
   """
 
   def __init__(self, clients_per_round, noise_multiplier=None):

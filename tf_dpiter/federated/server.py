@@ -41,9 +41,14 @@ class DPServer:
     initial_weights: flat float32 vector w_0 [d].
     population_size: K.
     clients_per_round: m of the first round (for the ledger).
-    sampling, fixed_epsilon, max_delta, fixed_delta, max_epsilon, accountant,
-    server_learning_rate: as in `DPFedAvg`.
-    server_momentum: as in `DPFedAvg`.
+    sampling: "fixed_size" or "poisson" (as in `DPFedAvg`).
+    fixed_epsilon: with max_delta, a budget in delta (as in `DPFedAvg`).
+    max_delta: the largest delta allowed at fixed_epsilon.
+    fixed_delta: with max_epsilon, a budget in epsilon (as in `DPFedAvg`).
+    max_epsilon: the largest epsilon allowed at fixed_delta.
+    accountant: "rdp" or "pld".
+    server_learning_rate: eta_s (as in `DPFedAvg`).
+    server_momentum: beta of the server step (as in `DPFedAvg`).
 
   Attributes:
     weights: the server model w_t, a float32 variable [d].
@@ -54,7 +59,7 @@ class DPServer:
     ParameterTypeError: `query` is not a DPQuery, or a server rate that is not a number.
     BudgetConfigError: an inconsistent or out-of-range budget.
     PrivacyConfigError: a bad sampling, population or clients_per_round.
-    ValueError: server_momentum outside [0, 1) or server_learning_rate <= 0.
+    ParameterValueError: server_momentum outside [0, 1) or server_learning_rate <= 0.
   """
 
   def __init__(self, query, initial_weights, population_size, clients_per_round,

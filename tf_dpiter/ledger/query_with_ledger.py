@@ -69,8 +69,8 @@ class QueryWithLedger(dp_query.DPQuery):
 
     Raises:
       ParameterTypeError: `query` is not a DPQuery.
-      ValueError (PrivacyConfigError for the ranges): a bad value, or k > 1 under an
-        add/remove policy.
+      PrivacyConfigError: a value out of range (sample_size not a finite number >= 0
+        included), or k > 1 under an add/remove policy.
     """
     validation.check_instance("query", query, dp_query.DPQuery, "a DPQuery")
     privacy_ledger.policy_code(policy)
@@ -220,6 +220,7 @@ class QueryWithLedger(dp_query.DPQuery):
 
     Args:
       params: the sample params (`derive_sample_params` of the global state).
+      record_norms: [num_records] the records' L2 norms.
     """
     return self._query.record_clip_factors(params, record_norms)
 

@@ -66,6 +66,15 @@ def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
 def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier=None):
   """dp-accounting event of one trial: `steps` Poisson-sampled Gaussian steps (rate q,
   multiplier z), then, if given, the noisy score (Gaussian mechanism of multiplier z_s).
+
+  Args:
+    noise_multiplier: z of the trial's training steps.
+    sampling_probability: q of the trial's Poisson sampling.
+    steps: the trial's training steps.
+    score_noise_multiplier: z_s of the noisy score, or None (no score released).
+
+  Returns:
+    a dp_accounting DpEvent.
   """
   train = dpa.SelfComposedDpEvent(
       dpa.PoissonSampledDpEvent(sampling_probability, dpa.GaussianDpEvent(noise_multiplier)),
@@ -78,6 +87,18 @@ def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multi
 def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape, delta,
                       score_noise_multiplier=None):
   """Epsilon at `delta` of releasing the best of K trials (RDP; Papernot and Steinke).
+
+  Args:
+    noise_multiplier: z of every trial's training steps.
+    sampling_probability: q of every trial's Poisson sampling.
+    steps: the training steps of one trial.
+    mean: E[K], the expected number of trials.
+    shape: the shape of K's distribution (1: geometric, inf: Poisson).
+    delta: the delta epsilon is stated at.
+    score_noise_multiplier: z_s of each trial's noisy score, or None.
+
+  Returns:
+    epsilon, a float.
   """
   event = trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier)
   accountant = dpa.rdp.RdpAccountant()

@@ -126,8 +126,9 @@ class LedgerJournal(keras.callbacks.Callback):
     key: optional str/bytes: every chunk also carries an HMAC-SHA256 under this key.
 
   Raises:
-    ValueError (on train begin): the journal was altered or is not a ledger journal; (before
-      the first step) it ends before the model's optimizer iterations.
+    ParameterValueError: `path` is not a non-empty string; on train begin, a journal that
+      was altered or is not a ledger journal; before the first step, one that ends before
+      the model's optimizer iterations.
   """
 
   def __init__(self, path, key=None):

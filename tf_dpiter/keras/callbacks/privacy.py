@@ -140,6 +140,10 @@ class PrivacyMeter(keras.callbacks.Callback):
     plot: optional PNG path: at the end of training, epsilon over steps
       (`accounting.epsilon_curve`, up to `plot_points` points; dotted lines at epoch ends).
     plot_points: points of the plotted curve.
+
+  Raises:
+    ParameterValueError: `plot` is neither None nor a PNG file path.
+    PrivacyConfigError: delta outside (0, 1) (validation.check_delta).
   """
 
   def __init__(self, delta, accountant="rdp", verbose=0, plot=None, plot_points=50):

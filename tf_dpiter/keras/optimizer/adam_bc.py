@@ -79,6 +79,11 @@ class AdamBC(keras.optimizers.Adam):
 
   def update_step(self, gradient, variable, learning_rate):
     """One DP-AdamBC step of `variable` (module docstring, Algorithm 1).
+
+    Args:
+      gradient: the noised average gradient of `variable`.
+      variable: the variable updated.
+      learning_rate: the step size at this iteration.
     """
     dtype = variable.dtype
     lr = tf.cast(learning_rate, dtype)
