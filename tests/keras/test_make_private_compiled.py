@@ -179,3 +179,32 @@ def test_keras_hub_task_compiled_by_its_constructor():
   assert [type(m) for m in task._compile_config.config["metrics"]] == [   # pylint: disable=protected-access
       keras.metrics.SparseCategoricalAccuracy]
   assert int(task.ledger.sample_count.numpy()) == 0
+
+
+def test_make_private_with_epsilon_on_a_compiled_model_compiles_the_calibrated_optimizer():
+  model = _functional()
+  model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS, weighted_metrics=["accuracy"])
+  model, opt = dp.keras.make_private_with_epsilon(
+      model, keras.optimizers.SGD(0.1, momentum=0.5), epsilon=2.0, delta=1e-5, epochs=1,
+      batch_size=16, population_size=48, l2_norm_clip=1.0)
+  assert model.optimizer is opt and isinstance(opt, dp.keras.DPKerasSGDOptimizer)
+  assert opt.get_config()["momentum"] == 0.5 and model.loss is LOSS
+  x, y = helpers.small_data(48, seed=4)
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)      # no compile needed
+  assert 0 < dp.accounting.epsilon(model.ledger, 1e-5) <= 2.0
+
+
+def test_saved_and_loaded_after_make_private_on_a_compiled_model(tmp_path):
+  model = _functional()
+  model.compile(optimizer=keras.optimizers.Adam(3e-3, beta_1=0.7), loss=LOSS)
+  dp.keras.make_private(model, l2_norm_clip=0.8, noise_multiplier=1.2)
+  x, y = helpers.small_data(48, seed=5)
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  path = str(tmp_path / "m.keras")
+  model.save(path)
+  loaded = keras.models.load_model(path)
+  opt = loaded.optimizer
+  assert isinstance(opt, dp.keras.DPKerasAdamOptimizer)
+  assert opt.get_config()["beta_1"] == pytest.approx(0.7)
+  assert (opt.private_step.l2_norm_clip, opt.private_step.noise_multiplier) == (0.8, 1.2)
+  assert int(loaded.ledger.sample_count.numpy()) == int(model.ledger.sample_count.numpy()) > 0

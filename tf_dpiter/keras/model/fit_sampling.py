@@ -32,7 +32,9 @@ from the private data:
 replace one example, a relation that keeps n fixed (no amplification by sampling is claimed,
 so q is descriptive only).
 
-`fit(..., sampling="shuffle")` (the default when the optimizer has num_microbatches) cuts a
+`fit(..., sampling="shuffle")` (the default when the optimizer's num_microbatches M makes
+microbatches of several examples, M < batch_size; M = batch_size is one example per
+microbatch, per-example clipping, and samples by Poisson as M = None does) cuts a
 fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
 the ledger records policy "shuffle" (replace one example, sensitivity 2S; no amplification:
 every pass used costs one un-amplified mechanism) and the number of passes whose steps were
@@ -197,20 +199,41 @@ def _split_validation(a, x, y, sw):
   return head(x), head(y), head(sw)
 
 
-def _resolve_sampling(sampling, opt):
-  """(policy name, reason) for fit on arrays."""
+def _resolve_sampling(sampling, opt, batch_size):
+  """(policy name, reason) for fit on arrays.
+
+  `num_microbatches` equal to `batch_size` (TF Privacy's default: one example per
+  microbatch) is per-example clipping, so it samples as num_microbatches=None does: by
+  Poisson (step_sampling.record_microbatches). Only microbatches of several examples make
+  the default shuffled passes, and refuse sampling="poisson".
+
+  Args:
+    sampling: fit's `sampling` (None, "poisson" or "shuffle").
+    opt: the DP optimizer (its num_microbatches M).
+    batch_size: B, the batch size fit was asked for.
+  Returns:
+    (policy, reason for the log line).
+  Raises:
+    PrivacyConfigError: an unknown sampling, or "poisson" with microbatches of several
+      examples.
+  """
   if sampling not in SAMPLINGS:
     raise PrivacyConfigError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
   m = opt.private_step.num_microbatches
+  per_example = m is not None and m == batch_size
   if sampling is None:
-    if m is not None:
+    if m is not None and not per_example:
       return "shuffle", f"sampling=None with num_microbatches={m} means shuffled passes"
-    return "poisson", "sampling=None on arrays means Poisson sampling"
-  if sampling == "poisson" and m is not None:
+    return "poisson", "sampling=None on arrays means Poisson sampling" + (
+        f"; num_microbatches={m} = batch_size: one example per microbatch, i.e. per-example "
+        "clipping" if per_example else "")
+  if sampling == "poisson" and m is not None and not per_example:
     raise PrivacyConfigError(
-        f"sampling='poisson' cannot be used with num_microbatches={m}: under add or remove one "
-        "example, removing an example re-deals the others among microbatches. Use "
-        "sampling='shuffle' or num_microbatches=None")
+        f"`num_microbatches` must be None or equal to batch_size={batch_size} with "
+        f"sampling='poisson' (num_microbatches={m} makes microbatches of several examples, and "
+        "under add or remove one example removing one re-deals the others among them). Use "
+        f"sampling='shuffle', or num_microbatches=None or {batch_size} (per-example "
+        f"clipping). Received: num_microbatches={m}")
   return sampling, f"sampling={sampling!r}"
 
 
@@ -256,7 +279,7 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
   x, y, sw = _split_validation(a, x, y, sw)
   n = num_rows(x)
   asked = int(a.pop("batch_size", None) or 32)
-  policy, reason = _resolve_sampling(sampling, opt)
+  policy, reason = _resolve_sampling(sampling, opt, asked)
   # a declared N is compared with B (q = B / N <= 1), never with the private n
   declared = _check_declared_population(population_size, policy, asked)
   if declared is None and asked > n:

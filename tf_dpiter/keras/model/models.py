@@ -181,7 +181,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """keras.Model.fit with DP sampling declared to the ledger (see fit_sampling).
 
     On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n) unless
-    `sampling="shuffle"` (the default with num_microbatches): shuffled passes. A dataset from
+    `sampling="shuffle"` (the default with num_microbatches < batch_size: microbatches of
+    several examples): shuffled passes (num_microbatches = batch_size is per-example
+    clipping and samples by Poisson, as num_microbatches=None). A dataset from
     dp.data.poisson_batches / shuffled_batches declares its own sampling; other data needs
     `optimizer.set_sampling` first. Crash safety: with keras.callbacks.BackupAndRestore among
     the callbacks, or `ledger_journal=path`, every step is appended to an append-only journal
@@ -428,7 +430,8 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   plain `optimizer` whose noise multiplier the accountant calibrated to (epsilon, delta)
   (`DPKeras*Optimizer.from_budget`: ceil(epochs n / B) steps at q = B / n under `sampling`).
   Compile the model with the returned optimizer and train with the same batch size, epochs and
-  sampling.
+  sampling. A model already compiled with a plain Keras optimizer (a keras_hub task) is
+  compiled with the returned optimizer here, its compiled loss and metrics kept.
 
   Args:
     model: a keras.Model (see make_private).
@@ -449,9 +452,16 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   Raises:
     ValueError: a DP or non-Keras optimizer, or what from_budget refuses.
   """
+  if not isinstance(model, keras.Model):
+    raise ParameterTypeError(
+        f"`model` must be a keras.Model instance. Received: model={model!r}")
   dp_opt = budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
                                      population_size, l2_norm_clip, sampling, accountant,
                                      dp_kwargs, who="make_private_with_epsilon")
+  compiled = _compiled_optimizer(model)
+  if compiled is not None and not isinstance(compiled, opt_lib.DPOptimizerBase):
+    check_no_batch_mixing(model)   # refused before anything changes
+    keras_internals.replace_compiled_optimizer(model, dp_opt)
   return make_private(model), dp_opt
 
 
@@ -461,6 +471,13 @@ def _unscaled(optimizer):
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     return optimizer.inner_optimizer
   return optimizer
+
+
+def _compiled_optimizer(model):
+  """The optimizer `model` is compiled with (a LossScaleOptimizer's inner one), or None."""
+  if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
+    return None
+  return _unscaled(model.optimizer)
 
 
 def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
@@ -534,8 +551,8 @@ def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs
     raise ParameterTypeError(
         f"`model` must be a keras.Model instance. Received: model={model!r}")
   settings = _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs)
-  compiled = getattr(model, "optimizer", None) is not None and getattr(model, "compiled", False)
-  opt = _unscaled(model.optimizer) if compiled else None
+  opt = _compiled_optimizer(model)
+  compiled = opt is not None
   if opt is not None and not isinstance(opt, opt_lib.DPOptimizerBase) and settings is None:
     raise PrivacyConfigError(
         "`l2_norm_clip` and `noise_multiplier` must be given to make_private for a model "

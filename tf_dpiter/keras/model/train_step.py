@@ -133,7 +133,7 @@ class TrainStepMixin:
     """_dp_clipped_sum_step with the sample params fixed."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
-    m = step.num_microbatches
+    m = step.record_microbatches   # None: one example per record (also M == batch size)
     if not getattr(self, "_dp_in_fit", False):
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = record_losses.example_mask_from_weights(sample_weight, b)

@@ -101,10 +101,10 @@ def vectorize_records(model):
 
 def _records_and_masks(step, data, mask):
   b_static = grads_lib.static_batch_size(data)
-  grads_lib.check_num_microbatches(step.num_microbatches, b_static)
+  grads_lib.check_num_microbatches(step.record_microbatches, b_static)
   b = grads_lib.dynamic_batch_size(data)
   example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
-  return grads_lib.to_records(data, example_mask, step.num_microbatches)
+  return grads_lib.to_records(data, example_mask, step.record_microbatches)
 
 
 def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, tape=None,
@@ -181,7 +181,7 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
       loss = record_losses.masked_record_mean(tf.reshape(loss, [-1]), r_em)
     return tf.cast(loss, tf.float32) * scale, ()
 
-  k = grads_lib.examples_per_record(step.num_microbatches, grads_lib.static_batch_size(data),
+  k = grads_lib.examples_per_record(step.record_microbatches, grads_lib.static_batch_size(data),
                                     em)
   state, _, _ = step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
                                  vectorize=vectorize, loss_scale=scale)
@@ -267,9 +267,9 @@ def _record_losses(step, losses, mask, scale=1.0):
   b = tf.shape(losses)[0]
   losses = tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1]))
   losses = tf.reduce_mean(losses, axis=1) * scale
-  grads_lib.check_num_microbatches(step.num_microbatches, losses.shape[0])
+  grads_lib.check_num_microbatches(step.record_microbatches, losses.shape[0])
   example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
-  if step.num_microbatches is None:
+  if step.record_microbatches is None:
     return losses * example_mask, example_mask
-  recs, em, rmask = grads_lib.to_records(losses, example_mask, step.num_microbatches)
+  recs, em, rmask = grads_lib.to_records(losses, example_mask, step.record_microbatches)
   return record_losses.masked_record_mean(recs, em), rmask

@@ -59,6 +59,9 @@ class PrivateStep:
     stddev: sigma = z S in sum units (None with a custom dp_query).
     max_physical_batch_size, clipping, skip_padding_tail, noise_in_compiled_program: the
       flags'.
+    record_microbatches: M as the records are cut for the declared sampling: None (one
+      example per record) when num_microbatches is None or equals the declared batch size
+      (step_sampling.record_microbatches), else num_microbatches.
     mechanism: the plan's noise mechanism object; noise, noise_params: its name and flat
       parameters.
     query: the QueryWithLedger (None until the sampling is declared).
@@ -74,6 +77,7 @@ class PrivateStep:
     self.optimizer = optimizer
     self._plan = plan
     self._flags = flags if flags is not None else dp_config.PerformanceFlags()
+    self.record_microbatches = plan.num_microbatches   # set again by each declared sampling
     self.base_query = plan.dp_query   # made lazily (make_state) unless given
     self.query = None                 # QueryWithLedger, made by set_sampling
     self.sampling_source = None
@@ -261,6 +265,21 @@ class PrivateStep:
       query: a ledger.QueryWithLedger wrapping this step's base query.
     """
     self.query = query
+
+  def adopt_record_microbatches(self, num_microbatches):
+    """Sets how the train step cuts a batch into records for the declared sampling
+    (step_sampling.declare; `step_sampling.record_microbatches`).
+
+    Args:
+      num_microbatches: M, or None (one example per record: num_microbatches None or equal
+        to the declared batch size).
+
+    Returns:
+      True when the cut changed (the step must be retraced).
+    """
+    changed = self.record_microbatches != num_microbatches
+    self.record_microbatches = num_microbatches
+    return changed
 
   def mark_sampling_from_fit(self):
     """Records that DPModel.fit, not the user, declared the current sampling."""

@@ -6,7 +6,11 @@ size n, the selection probability q, the sampling policy (its neighbouring relat
 remove one example under Poisson-type sampling, replace-one under "shuffle" and
 "fixed_size") and the sample size. A record is one example, or a microbatch of
 k = ceil(B / M) examples (charged at sensitivity 2S: Table 1 and Appendix A), which needs a
-replace-one policy. The declared n and q are public parameters: the claim compares
+replace-one policy. TF Privacy's `num_microbatches = batch_size` (its tutorials' default) is
+k = 1: one example per microbatch IS per-example clipping, so its records are cut as with
+`num_microbatches=None` (`record_microbatches`) and any policy, Poisson included, is accepted
+(Abadi et al., "Deep Learning with Differential Privacy", 2016, Section 3.1: the per-example
+clipped sum of a Poisson lot). The declared n and q are public parameters: the claim compares
 neighbouring datasets sampled at this q (add or remove one example for Poisson-type policies),
 so they must not be computed from the private data (`DPModel.fit` on arrays: its
 `population_size`, or len(x) treated as public; see `keras.model.fit_sampling`). These
@@ -20,6 +24,26 @@ from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import query_with_ledger
+
+
+def record_microbatches(num_microbatches, sample_size):
+  """M as the records of a batch are cut, for the declared (expected) batch size B.
+
+  TF Privacy's `num_microbatches = batch_size` means one example per microbatch: k =
+  ceil(B / M) = 1, a record is an example, and it is cut as with num_microbatches=None (one
+  record per example of whatever size the batch really has, e.g. a Poisson batch larger
+  than B), so that removing an example removes its own record and nothing else.
+
+  Args:
+    num_microbatches: M, the optimizer's num_microbatches (None: one example per record).
+    sample_size: B, the declared batch size (expected under Poisson; 0 or None: unknown).
+
+  Returns:
+    None when a record is one example (M is None, or M == B), else M.
+  """
+  if num_microbatches is None or (sample_size and float(num_microbatches) == float(sample_size)):
+    return None
+  return num_microbatches
 
 
 def check(step, population_size, policy, sample_size):
@@ -36,13 +60,15 @@ def check(step, population_size, policy, sample_size):
   query_with_ledger.check_sample_size(sample_size)
   step.mechanism.check_sampling(policy, population_size, sample_size)
   step.mechanism.check_boundary(step.noise_state())
-  m = step.num_microbatches
+  m = record_microbatches(step.num_microbatches, sample_size)
   if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
     raise PrivacyConfigError(
-        f"num_microbatches={m} cannot be used with policy {policy!r}: under add or remove "
-        "one example, removing an example re-deals the others among microbatches. Sample "
-        "with shuffled passes (model.fit(..., sampling=\"shuffle\") or "
-        "dp.data.shuffled_batches), or use num_microbatches=None")
+        f"num_microbatches={m} cannot be used with policy {policy!r} and batch size "
+        f"{sample_size:g}: under add or remove one example, removing an example re-deals the "
+        "others among microbatches of several examples. Sample with shuffled passes "
+        "(model.fit(..., sampling=\"shuffle\") or dp.data.shuffled_batches), or use "
+        "num_microbatches=None or num_microbatches equal to the batch size (one example "
+        "per microbatch: per-example clipping)")
 
 
 def declare(step, population_size, selection_probability, policy, sample_size):
@@ -56,8 +82,9 @@ def declare(step, population_size, selection_probability, policy, sample_size):
   Returns:
     True when the recorded policy or record unit changed (the step must be retraced).
   """
-  m = step.num_microbatches
+  m = record_microbatches(step.num_microbatches, sample_size)
   k = 1 if m is None else max(1, -(-int(sample_size) // m))
+  changed_cut = step.adopt_record_microbatches(m)   # None: the train step cuts per example
   step.make_state()
   with tf.init_scope():
     if step.query is None or step.query.policy != policy:
@@ -66,7 +93,7 @@ def declare(step, population_size, selection_probability, policy, sample_size):
           policy=policy, sample_size=sample_size, examples_per_record=k))
       changed = True
     else:
-      changed = step.query.examples_per_record != k
+      changed = step.query.examples_per_record != k or changed_cut
       step.query.set_sampling(population_size, selection_probability, sample_size,
                               examples_per_record=k)
     if not step.state.has_global_state:
