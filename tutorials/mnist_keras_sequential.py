@@ -1,20 +1,27 @@
-"""TF Privacy's Keras MNIST tutorial (a plain keras.Sequential CNN, DPKerasSGDOptimizer with
-microbatches, an unreduced loss, `model.fit`), written for tf_dpiter.
+"""TF Privacy's `mnist_dpsgd_tutorial_keras.py`, rewritten for tf_dpiter by the migration
+guide's rows (docs/migration/tf-privacy.md): a plain Keras Sequential CNN compiled with
+`DPKerasSGDOptimizer` (num_microbatches = batch_size), trained by `model.fit`.
 
-The one changed line against TF Privacy's tutorial is `model = dp.keras.make_private(model)`:
-in Keras 3 the private step lives in the model's `train_step`, so a plain `keras.Sequential`
-compiled with a DP optimizer is refused at its first step with a message naming
-`make_private`. Everything else is TF Privacy's code with `tensorflow_privacy` spelled `dp`.
+What changed against TF Privacy's file, one row of the guide each:
 
-What changes in the numbers: with `num_microbatches` tf_dpiter's `fit` cuts shuffled passes
-(removing an example would re-deal the others among microbatches, so Poisson sampling is
-refused); a pass costs one un-amplified Gaussian mechanism under replace-one adjacency
-(sensitivity 2C). TF Privacy's `compute_dp_sgd_privacy(n, batch_size, noise_multiplier,
-epochs, delta)` assumes Poisson sampling, so the number it prints is not this run's; the script
-prints it beside the run's own statement (`model.privacy_statement(delta)`, from the ledger),
-which says so. Privacy claim: (epsilon, delta)-DP for replacing one example.
+* `from tensorflow_privacy... import DPKerasSGDOptimizer` -> `dp.keras.DPKerasSGDOptimizer`,
+  the same arguments.
+* `model = dp.keras.make_private(model)` after the Sequential: in Keras 3 the private step is
+  the model's `train_step`.
+* its hand-written `compute_epsilon(steps)` (a dp-accounting RdpAccountant composing a
+  Poisson event of q = batch_size / 60000 for epochs * 60000 // batch_size steps) ->
+  `model.privacy_statement(delta)`, the run's own ledger: the q, n, z, relation and steps of
+  what ran.
 
-  python tutorials/mnist_keras_sequential.py --quick      # 2000 examples, 1 epoch
+Kept as TF Privacy wrote it: `num_microbatches = batch_size` (one example per microbatch), the
+unreduced loss, `validation_data`. One example per microbatch is per-example clipping, so `fit`
+draws Poisson samples of expected size B (q = B / n), the sampling TF Privacy's accounting
+assumed, and the epsilon printed is the run's. Privacy claim: (epsilon, delta)-DP for adding or
+removing one training example, RDP accountant over the ledger, n = len(training set) treated
+as public. The noise multiplier defaults to 1.1 (TF Privacy's README table; its file's flag now
+says 0.1, an epsilon in the hundreds).
+
+  python tutorials/mnist_keras_sequential.py --quick      # 500 examples, 1 epoch (seconds)
   python tutorials/mnist_keras_sequential.py              # TF Privacy's 60 epochs (hours on 2 cores)
 
 The last line printed is JSON: {"test_accuracy", "epsilon", "delta", "steps", ...}.
@@ -30,56 +37,87 @@ import keras  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402  (was: import tensorflow_privacy)
 
+QUICK = dict(train_size=500, test_size=100, epochs=1, batch_size=50, microbatches=50,
+             learning_rate=0.25)
 
-def main(argv=None):
+
+def parse_flags(argv, batch_size=250, epochs=60):
+  """TF Privacy's flags (same names and defaults, noise 1.1), plus --quick and --data_path."""
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--data_path", default=dp.data.default_mnist_path())
-  p.add_argument("--quick", action="store_true", help="1 epoch on 2000 training examples")
+  p.add_argument("--quick", action="store_true",
+                 help="1 epoch on 500 training examples, expected batch 50 (10 steps)")
   p.add_argument("--learning_rate", type=float, default=0.15)
   p.add_argument("--noise_multiplier", type=float, default=1.1)
   p.add_argument("--l2_norm_clip", type=float, default=1.0)
-  p.add_argument("--batch_size", type=int, default=250)
-  p.add_argument("--epochs", type=int, default=60)
-  p.add_argument("--microbatches", type=int, default=250)
+  p.add_argument("--batch_size", type=int, default=batch_size)
+  p.add_argument("--epochs", type=int, default=epochs)
+  p.add_argument("--microbatches", type=int, default=batch_size)
   p.add_argument("--delta", type=float, default=1e-5)
+  p.add_argument("--verbose", type=int, default=2)
   args = p.parse_args(argv)
-  train_size, test_size = (2000, 500) if args.quick else (None, None)
+  args.train_size = args.test_size = None
   if args.quick:
-    args.epochs, args.batch_size, args.microbatches, args.learning_rate = 1, 100, 100, 0.25
+    for key, value in QUICK.items():
+      setattr(args, key, value)
   if args.batch_size % args.microbatches != 0:
-    raise ValueError("batch_size must be a multiple of microbatches")
-  train_data, train_labels, test_data, test_labels = dp.data.load_mnist(
-      args.data_path, train_size, test_size)
+    raise ValueError("Number of microbatches should divide evenly batch_size")
+  return args
 
-  model = keras.Sequential(dp.keras.example_models.mnist_cnn_layers())   # TF Privacy's CNN
-  model = dp.keras.make_private(model)   # the one changed line (Keras 3: the step is the model's)
+
+def load_mnist(args):
+  """TF Privacy's load_mnist: images in [0, 1] of shape [28, 28, 1], one-hot labels."""
+  train_data, train_labels, test_data, test_labels = dp.data.load_mnist(
+      args.data_path, args.train_size, args.test_size)
+  return (train_data, keras.utils.to_categorical(train_labels, 10), test_data,
+          keras.utils.to_categorical(test_labels, 10))
+
+
+def report(model, args, accuracy, train_size, **extra):
+  """Prints TF Privacy's closing line with the ledger's epsilon, the run's statement and the
+  JSON summary; returns the summary (a dict)."""
+  statement = model.privacy_statement(args.delta)   # was: compute_epsilon(steps)
+  print(f"For delta={args.delta:g}, the current epsilon is: {statement.epsilon:.2f}")
+  print(statement)
+  out = {"test_accuracy": round(float(accuracy), 4), "epsilon": statement.epsilon,
+         "delta": args.delta, "steps": statement.steps, "sampling": statement.policy,
+         "relation": statement.relation, "unit": statement.unit,
+         "q": statement.selection_probability, "noise_multiplier": args.noise_multiplier,
+         "batch_size": args.batch_size, "microbatches": args.microbatches,
+         "train_size": train_size, **extra}
+  print(json.dumps(out))
+  return out
+
+
+def main(argv=None):
+  """Runs the tutorial; returns (JSON summary dict, trained model)."""
+  args = parse_flags(argv)
+  train_data, train_labels, test_data, test_labels = load_mnist(args)
+
+  model = keras.Sequential([
+      keras.Input((28, 28, 1)),
+      keras.layers.Conv2D(16, 8, strides=2, padding="same", activation="relu"),
+      keras.layers.MaxPool2D(2, 1),
+      keras.layers.Conv2D(32, 4, strides=2, padding="valid", activation="relu"),
+      keras.layers.MaxPool2D(2, 1),
+      keras.layers.Flatten(),
+      keras.layers.Dense(32, activation="relu"),
+      keras.layers.Dense(10),
+  ])
+  model = dp.keras.make_private(model)   # Keras 3: the private step is the model's
 
   optimizer = dp.keras.DPKerasSGDOptimizer(
       l2_norm_clip=args.l2_norm_clip, noise_multiplier=args.noise_multiplier,
       num_microbatches=args.microbatches, learning_rate=args.learning_rate)
-  # per-example losses, as TF Privacy asks (reduction NONE)
-  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  # Compute vector of per-example loss rather than its mean over a minibatch.
+  loss = keras.losses.CategoricalCrossentropy(from_logits=True, reduction=None)
   model.compile(optimizer=optimizer, loss=loss, metrics=["accuracy"])
   model.fit(train_data, train_labels, epochs=args.epochs,
-            validation_data=(test_data, test_labels), batch_size=args.batch_size, verbose=2)
+            validation_data=(test_data, test_labels), batch_size=args.batch_size,
+            verbose=args.verbose)
   _, accuracy = model.evaluate(test_data, test_labels, batch_size=500, verbose=0)
-
-  # TF Privacy's closing lines: epsilon from the hyperparameters (assumes Poisson sampling) ...
-  eps, _ = dp.accounting.compute_dp_sgd_privacy(len(train_data), args.batch_size,
-                                                args.noise_multiplier, args.epochs,
-                                                args.delta)
-  print(f"compute_dp_sgd_privacy(...) (assumes Poisson sampling): epsilon = {eps:.3f}")
-  # ... and the run's own statement, from its ledger: the number to report
-  statement = model.privacy_statement(args.delta)
-  print(statement)
-  print(f"test accuracy {accuracy:.4f}, epsilon {statement.epsilon:.4g} at delta {args.delta:g}")
-  print(json.dumps({
-      "test_accuracy": round(float(accuracy), 4), "epsilon": statement.epsilon,
-      "delta": args.delta, "steps": statement.steps, "passes": statement.passes,
-      "sampling": statement.policy, "noise_multiplier": args.noise_multiplier,
-      "batch_size": args.batch_size, "train_size": len(train_data),
-      "epsilon_if_poisson": statement.epsilon_if_poisson}))
+  return report(model, args, accuracy, len(train_data)), model
 
 
 if __name__ == "__main__":

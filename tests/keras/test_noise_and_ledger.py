@@ -185,15 +185,17 @@ def test_poisson_with_microbatches_refused():
 
 
 def test_fit_with_partial_last_batch_smaller_than_microbatches():
-  # 50 examples, batch 16, 16 microbatches: the last batch holds 2 examples (TF Privacy's
-  # reshape crash); here its 14 empty microbatches are masked out.
+  # 50 examples, batch 16, 8 microbatches of 2 (shuffled passes): the last batch holds 2
+  # examples (TF Privacy's reshape crash); here its 6 empty microbatches are masked out.
+  # (16 microbatches of a batch of 16 would be one example each: Poisson, per example.)
   rng = np.random.RandomState(3)
   x = rng.randn(50, 6).astype("float32")
   y = rng.randint(0, 3, 50)
   model = _mlp()
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, 16, learning_rate=0.1), loss=LOSS)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, 8, learning_rate=0.1), loss=LOSS)
   model.fit(x, y, batch_size=16, epochs=1, verbose=0)
   assert int(model.ledger.sample_count.numpy()) == 4
+  assert model.ledger.to_dict()["runs"][0]["policy"] == "shuffle"
   assert all(np.all(np.isfinite(w)) for w in model.get_weights())
-  with pytest.raises(ValueError, match="num_microbatches=16"):
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  with pytest.raises(ValueError, match="num_microbatches=8"):
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)

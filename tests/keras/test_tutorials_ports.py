@@ -1,6 +1,7 @@
 """Ports of TF Privacy's tutorials run end to end in quick mode with the default clipping
 ("auto"): each prints its task metric and epsilon, and epsilon is the ledger's (checked
-against dp-accounting composed by hand for the steps taken)."""
+against dp-accounting composed by hand for the steps taken). TF Privacy's Keras MNIST
+tutorials and its MovieLens tutorial: tests/keras/test_tf_privacy_tutorials.py."""
 
 import json
 import math
@@ -38,19 +39,6 @@ def test_eager_loop_tutorial():
 
 
 @pytest.mark.slow   # a full tutorial run; -m slow
-def test_movielens_tutorial():
-  """User and movie embeddings (functional DPModel, dict inputs), Poisson fit, RMSE."""
-  stdout, out = _run("movielens_dp.py", "--verbose", "0")
-  assert out["steps"] == 2 * 30
-  assert out["epsilon"] == pytest.approx(_poisson_epsilon(200 / 6000, 0.8, 60, 1e-5), rel=1e-6)
-  assert out["test_rmse"] < 0.95 * out["baseline_rmse"], stdout
-  assert 0.25 < out["test_accuracy"] <= 1
-  # TF Privacy's GDP number is printed beside, labelled as an approximation
-  assert 0 < out["epsilon_gdp"] < out["epsilon"]
-  assert "an approximation, not an upper bound" in stdout
-
-
-@pytest.mark.slow   # a full tutorial run; -m slow
 def test_lstm_language_model_tutorial():
   """Per-token compiled loss on an LSTM (unroll=False) with clipping='auto'."""
   stdout, out = _run("lstm_lm_dp.py", "--verbose", "0")
@@ -85,28 +73,13 @@ def mnist_path(tmp_path_factory):
   return path
 
 
-def test_mnist_keras_sequential_tutorial(mnist_path):
-  """TF Privacy's Keras tutorial: num_microbatches makes fit cut shuffled passes; each pass
-  is one Gaussian mechanism of multiplier z / 2 (replace one, sensitivity 2C); the printed
-  epsilon is that, and the run's statement names TF Privacy's Poisson number as not its own."""
-  stdout, out = _run("mnist_keras_sequential.py", "--data_path", mnist_path)
-  assert (out["sampling"], out["steps"], out["passes"]) == ("shuffle", MNIST_N // MNIST_B, 1)
-  acc = dpa.rdp.RdpAccountant(neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
-  acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(1.1 / 2), out["passes"]))
-  assert out["epsilon"] == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
-  assert out["epsilon_if_poisson"] == pytest.approx(
-      _poisson_epsilon(MNIST_B / MNIST_N, 1.1, out["steps"], 1e-5), rel=1e-6)
-  assert "NOT this run's epsilon" in stdout and "num_microbatches=100" in stdout
-  assert 0 <= out["test_accuracy"] <= 1
-
-
 @pytest.mark.parametrize("script", [
     "mnist_keras_functional.py",
-    pytest.param("mnist_vectorized.py", marks=pytest.mark.slow),   # the same CNN, vectorized
     pytest.param("mnist_lr.py", marks=pytest.mark.slow)])
 def test_mnist_poisson_tutorials(script, mnist_path):
-  """Functional model with TF Privacy's DP model arguments, the vectorized optimizer, and
-  logistic regression: Poisson samples (q = 0.05), epsilon of the steps taken."""
+  """Functional model with TF Privacy's DP model arguments, and logistic regression: Poisson
+  samples (q = 0.05), epsilon of the steps taken (TF Privacy's Keras MNIST tutorials and
+  MovieLens: tests/keras/test_tf_privacy_tutorials.py)."""
   stdout, out = _run(script, "--data_path", mnist_path)
   epochs = 2 if script == "mnist_lr.py" else 1
   assert (out["sampling"], out["steps"]) == ("poisson", epochs * MNIST_N // MNIST_B)
@@ -116,8 +89,6 @@ def test_mnist_poisson_tutorials(script, mnist_path):
   assert "NOT this run's" not in stdout and "add or remove one" in stdout
   if script == "mnist_keras_functional.py":   # TF Privacy's call agrees: the run was Poisson
     assert out["epsilon_tf_privacy_call"] == pytest.approx(out["epsilon"], rel=1e-6)
-  if script == "mnist_vectorized.py":
-    assert out["clipping"] == "vectorized"
   if script == "mnist_lr.py":
     assert out["test_accuracy"] > 0.4, stdout   # chance: 0.1 (measured 0.68 on MNIST)
 

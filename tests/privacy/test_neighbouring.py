@@ -124,7 +124,8 @@ def test_microbatches_refused_under_add_remove(policy):
   model = _model("dense")
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 1.0, 4), loss=LOSS)
   x, y, _ = _base_batch(3)
+  # microbatches of 2 examples (4 of a batch of B = 8); 4 of 4 would be per-example clipping
   with pytest.raises(ValueError, match="sampling='poisson'.*num_microbatches=4.*'shuffle'"):
-    model.fit(x, y, batch_size=4, sampling="poisson", verbose=0)
+    model.fit(x, y, batch_size=B, sampling="poisson", verbose=0)
   with pytest.raises(ValueError, match="num_microbatches=4"):
-    model.fit(dp.data.poisson_batches(x, y, expected_batch_size=4), verbose=0)
+    model.fit(dp.data.poisson_batches(x, y, expected_batch_size=B), verbose=0)
