@@ -113,3 +113,15 @@ def test_plan_sampling_and_accountant_round_trip_and_are_enforced():
   assert int(model.ledger.sample_count) == 4
   assert opt.dp_config.epsilon(model.ledger, 1e-5) == pytest.approx(
       dp.accounting.epsilon(model.ledger, 1e-5, accountant="pld"), rel=1e-12)
+
+
+def test_dp_optimizer_and_make_private_take_the_plan():
+  plan = dp.keras.DPConfig(l2_norm_clip=0.5, noise_multiplier=1.4)
+  flags = dp.keras.PerformanceFlags(max_physical_batch_size=4)
+  opt = dp.keras.DPOptimizer(keras.optimizers.Adam(1e-3), dp_config=plan, flags=flags)
+  assert opt.dp_config is plan and opt.flags is flags and opt.learning_rate.numpy() == \
+      pytest.approx(1e-3)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  dp.keras.make_private(model, plan=plan)
+  model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+  assert model.optimizer.dp_config == plan

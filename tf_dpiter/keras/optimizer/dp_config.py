@@ -20,12 +20,12 @@ import warnings
 from typing import Any, Optional
 
 from tf_dpiter import dp_query as dp_query_lib
-from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import validation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = ("auto", "vectorized", "fast")
 ACCOUNTANTS = ("rdp", "pld")
@@ -73,8 +73,8 @@ class DPConfig:
     normalize: divide the noised sum by the public denominator (else the sum is applied).
     seed: the noise generator's seed, tests only (not private).
     secure_mode: draw DP-SGD's noise from os.urandom (IID only; no seed, no dp_query).
-    sampling: the sampling policy the run must declare (ledger.POLICIES), or None for the
-      one fit or set_sampling declares.
+    sampling: the sampling policy the run must declare (a registered ledger policy:
+      `ledger.policies.names()`), or None for the one fit or set_sampling declares.
     accountant: the accountant `epsilon` uses: "rdp" or "pld".
   """
 
@@ -125,7 +125,7 @@ class DPConfig:
     set_("normalize", bool(self.normalize))
     set_("secure_mode", bool(self.secure_mode))
     if self.sampling is not None:
-      validation.check_one_of("sampling", self.sampling, ledger_lib.POLICIES,
+      validation.check_one_of("sampling", self.sampling, tuple(ledger_policies.names()),
                               error=PrivacyConfigError)
       needed, _ = mech.sampling_requirement()
       if needed is not None and needed != self.sampling:

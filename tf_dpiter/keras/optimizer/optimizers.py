@@ -14,9 +14,7 @@ path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradien
 `minimize` with a vector of per-example losses and `model=`.
 
 Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples,
-charged at sensitivity 2S; they need replace-one sampling (step_sampling). M equal to the
-declared batch size B (TF Privacy's default) is k = 1, one example per record: per-example
-clipping, any sampling, Poisson included. Custom loops
+charged at sensitivity 2S; they need replace-one sampling (step_sampling). Custom loops
 declare their sampling with `set_sampling(n, q, policy, sample_size)` (under "shuffle", with
 `optimizer.ledger.record_passes(1)` at every new permutation).
 
@@ -462,7 +460,8 @@ def make_dp_optimizer_class(cls):
 
 def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microbatches=None,  # pylint: disable=invalid-name
                 dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True,
-                seed=None, ledger_journal=None, secure_mode=False, noise="iid", **noise_params):
+                seed=None, ledger_journal=None, secure_mode=False, noise="iid", *, dp_config=None,
+                plan=None, flags=None, sampling=None, accountant="rdp", **noise_params):
   """DP copy of a Keras optimizer instance (same hyperparameters; fresh state).
 
   Either (l2_norm_clip, noise_multiplier) or dp_query (a sum query, e.g. a NestedQuery
@@ -480,8 +479,13 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
     seed: seeds the noise, for tests only (NOT private).
     ledger_journal: path of a ledger journal DPModel.fit resumes and appends.
     secure_mode: draw the noise from os.urandom (no seed).
-    noise: "iid" | "tree" | "band_mf" | "blt".
-    **noise_params: its parameters (keras.noise_mechanisms).
+    noise: a dp.keras.noise mechanism, or "iid" | "tree" | "band_mf" | "blt".
+    dp_config: a dp.keras.DPConfig instead of the privacy arguments.
+    plan: alias of dp_config.
+    flags: a dp.keras.PerformanceFlags instead of max_physical_batch_size and clipping.
+    sampling: the sampling policy the run must declare (None: fit's).
+    accountant: "rdp" or "pld".
+    **noise_params: the shorthand's flat parameters (keras.noise_mechanisms).
 
   Returns:
     an instance of make_dp_optimizer_class(type(optimizer)).
@@ -498,7 +502,8 @@ def DPOptimizer(optimizer, l2_norm_clip=None, noise_multiplier=None, num_microba
   return cls(l2_norm_clip, noise_multiplier, num_microbatches, dp_query=dp_query,
              max_physical_batch_size=max_physical_batch_size, clipping=clipping,
              normalize=normalize, seed=seed, ledger_journal=ledger_journal,
-             secure_mode=secure_mode, noise=noise, **noise_params, **config)
+             secure_mode=secure_mode, noise=noise, dp_config=dp_config, plan=plan, flags=flags,
+             sampling=sampling, accountant=accountant, **noise_params, **config)
 
 
 DPKerasSGDOptimizer = make_dp_optimizer_class(keras.optimizers.SGD)
