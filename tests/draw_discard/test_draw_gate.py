@@ -12,6 +12,7 @@ import pytest
 
 from tf_dpiter.draw_discard import cli, draw_gate, service
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.errors import ParameterValueError
 from tests.draw_discard import loopback
 
@@ -99,7 +100,7 @@ def _two_servers(start_service, redis_url, tracked, updates=30):
   import uuid
   prefix = f"g{uuid.uuid4().hex[:8]}"
   srvs = [start_service(service.DDMLService(
-      SPEC, 4, store_lib.make_store(redis_url, prefix), seed=0,
+      SPEC, 4, store_factory.make_store(redis_url, prefix), seed=0,
       secret=b"draw-gate-test-shared-secret-0123456789")) for _ in range(2)]
   rng, seen, steps = np.random.default_rng(5), {}, []
   trackers = [loopback.BoundClient(srvs[i].url, "127.80.0.1") for i in tracked]

@@ -14,6 +14,7 @@ import pytest
 
 from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, http_server, service
 from tf_dpiter.draw_discard import cli, glm, store as store_lib
+from tf_dpiter.draw_discard import store_factory
 
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 TOKEN = "alice-token-0123456789abcdef"
@@ -35,7 +36,7 @@ def get(port, path, body=None, method="GET"):
 
 
 def _redis_store(url, prefix=None, **kw):
-  return store_lib.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}", **kw)
+  return store_factory.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}", **kw)
 
 
 def _lost_everywhere(srv, code):

@@ -7,6 +7,7 @@ import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
+from tf_dpiter.draw_discard import store_factory
 
 SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
 K = 6
@@ -88,7 +89,7 @@ def test_model_reads_are_charged_to_the_draw_quota(start_service):
 
 def test_two_redis_servers_share_one_release(start_service, redis_url):
   prefix = f"t{uuid.uuid4().hex[:8]}"
-  srvs = [start_service(_svc(store_lib.make_store(redis_url, prefix), model_min_updates=2,
+  srvs = [start_service(_svc(store_factory.make_store(redis_url, prefix), model_min_updates=2,
                              model_interval_s=0.0)) for _ in range(2)]
   rng = np.random.default_rng(3)
   a = client_lib.DDMLClient(srvs[0].url, token=VICTIM, insecure=True)
@@ -114,7 +115,7 @@ def test_stale_release_reader_gets_the_current_release_not_a_rollback(redis_url)
   rng = np.random.default_rng(5)
 
   async def run():
-    a, b = (_svc(store_lib.make_store(redis_url, prefix), model_min_updates=2,
+    a, b = (_svc(store_factory.make_store(redis_url, prefix), model_min_updates=2,
                  model_interval_s=0.0) for _ in range(2))
     await a.startup()
     await b.startup()

@@ -14,6 +14,7 @@ import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client_lib, service
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import store_factory
 
 from tests.draw_discard.conftest import free_port
 
@@ -172,7 +173,7 @@ def test_join_check_covers_draw_gate_and_new_identity_share(request, store_kind,
     make = lambda: shared  # noqa: E731 (one store object, as servers of one process share it)
   else:
     url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}"
-    make = lambda: store_lib.make_store(url, prefix)  # noqa: E731
+    make = lambda: store_factory.make_store(url, prefix)  # noqa: E731
   secret = bytes(range(32))
 
   def svc(value):

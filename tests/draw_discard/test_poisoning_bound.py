@@ -10,6 +10,7 @@ import pytest
 
 from tf_dpiter.draw_discard import acceptance, auth, client, client_lib, influence, service
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec
 
 P = 387
@@ -125,7 +126,7 @@ def test_influence_rate_holds_across_redis_servers(start_service, redis_url):
   prefix = f"t{uuid.uuid4().hex[:8]}"
   spec = dense_spec(33, epsilon=1.0, gamma=0.01)
   srvs = [start_service(service.DDMLService(
-      spec, 5, store_lib.make_store(redis_url, prefix), tokens=auth.TokenSet([token]), seed=0,
+      spec, 5, store_factory.make_store(redis_url, prefix), tokens=auth.TokenSet([token]), seed=0,
       influence_steps=3, secret=b"poisoning-test-shared-secret-0123456789"))
       for _ in range(2)]
   rng = np.random.default_rng(6)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tf_dpiter.draw_discard import client as client_alg, client_lib, service, store as store_lib
+from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec, known_weights_spec
 
 SPEC = dense_spec(12, epsilon=1.0, gamma=0.01)
@@ -37,7 +38,7 @@ def _store(kind, request):
   if kind == "memory":
     return store_lib.MemoryStore()
   url = request.getfixturevalue("redis_url")
-  return store_lib.make_store(url, prefix=f"t{uuid.uuid4().hex[:8]}")
+  return store_factory.make_store(url, prefix=f"t{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -251,7 +252,7 @@ def test_redis_store_rejects_mismatched_model(redis_url):
   prefix = f"t{uuid.uuid4().hex[:8]}"
 
   def make():
-    s = store_lib.make_store(redis_url, prefix)
+    s = store_factory.make_store(redis_url, prefix)
     s.integrity_key = bytes(32)
     return s
 
@@ -273,7 +274,7 @@ def test_redis_store_rejects_mismatched_model(redis_url):
 
 def test_make_store_rejects_unknown():
   with pytest.raises(ValueError, match="store"):
-    store_lib.make_store("memcache://x")
+    store_factory.make_store("memcache://x")
 
 
 def _wait_healthy(port, proc, timeout=60):

@@ -16,6 +16,7 @@ import pytest
 
 from tf_dpiter.draw_discard import cli, client as client_alg, parsing, service
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import store_factory
 
 from tests.draw_discard.conftest import start_redis
 
@@ -37,7 +38,7 @@ class Cluster:
     self.rng = np.random.default_rng(9)
 
   def svc(self, state_file=None, **kw):
-    return service.DDMLService(SPEC, 5, store_lib.make_store(self.url, self.prefix), seed=0,
+    return service.DDMLService(SPEC, 5, store_factory.make_store(self.url, self.prefix), seed=0,
                                secret=SECRET, influence_steps=None, state_file=state_file,
                                **kw)
 

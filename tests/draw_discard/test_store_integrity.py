@@ -14,6 +14,7 @@ import pytest
 
 from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, keys, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
+from tf_dpiter.draw_discard import store_factory
 
 from tests.draw_discard.conftest import start_redis
 
@@ -36,7 +37,7 @@ def get(port, path):
 
 
 def _svc(url, prefix=None, **kw):
-  store = store_lib.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}")
+  store = store_factory.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}")
   return service.DDMLService(SPEC, 5, store, seed=0, secret=SECRET, **kw)
 
 
@@ -140,7 +141,7 @@ def test_join_needs_the_same_secret_and_store_holds_no_key(redis_url):
 
   async def go():
     a = _svc(redis_url, prefix)
-    b = service.DDMLService(SPEC, 5, store_lib.make_store(redis_url, prefix), seed=0,
+    b = service.DDMLService(SPEC, 5, store_factory.make_store(redis_url, prefix), seed=0,
                             secret=bytes(32))
     try:
       await a.startup()

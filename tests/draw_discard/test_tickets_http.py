@@ -10,6 +10,7 @@ import pytest
 
 from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, service
 from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec
 
 SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
@@ -121,8 +122,8 @@ def _get(port, path):
 
 def test_two_redis_servers_share_tickets(start_service, redis_url):
   prefix = f"t{uuid.uuid4().hex[:8]}"
-  a = start_service(_svc(store_lib.make_store(redis_url, prefix)))
-  b = start_service(_svc(store_lib.make_store(redis_url, prefix)))
+  a = start_service(_svc(store_factory.make_store(redis_url, prefix)))
+  b = start_service(_svc(store_factory.make_store(redis_url, prefix)))
   rng = np.random.default_rng(4)
   with client_lib.DDMLClient(a.url, token=ALICE, insecure=True) as ca, \
        client_lib.DDMLClient(b.url, token=ALICE, insecure=True) as cb:
@@ -146,7 +147,7 @@ def test_tickets_do_not_cross_models_that_share_the_secret(start_service, where,
   def store():
     if where == "memory":
       return store_lib.MemoryStore()
-    return store_lib.make_store(request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}")
+    return store_factory.make_store(request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}")
 
   a, b = start_service(_svc(store())), start_service(_svc(store(), rebase=False))
   rng = np.random.default_rng(6)
@@ -170,7 +171,7 @@ def test_without_tickets_the_candidate_rule_applies(start_service):
 @pytest.mark.parametrize("cluster", [False, True])
 def test_cluster_quotas_hold_across_redis_servers(start_service, redis_url, cluster):
   prefix = f"t{uuid.uuid4().hex[:8]}"
-  servers = [start_service(_svc(store_lib.make_store(redis_url, prefix),
+  servers = [start_service(_svc(store_factory.make_store(redis_url, prefix),
                                 quotas=auth.Quotas({"draw": 0.5}, {"draw": 1}, cluster=cluster)))
              for _ in range(2)]
   statuses = []

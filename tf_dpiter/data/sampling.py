@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tf_dpiter import validation
 from tf_dpiter.dp_query import randomness
+from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
@@ -281,8 +282,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
                        SamplingSpec(POISSON, declared, q, float(expected_batch_size)),
                        sample_weight=sample_weight)
   if map_fn is not None:
-    from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
-    ds = attach_spec(transforms.map_xy(ds, map_fn, has_y=y is not None, num_weights=1),
+    ds = attach_spec(map_xy(ds, map_fn, has_y=y is not None, num_weights=1),
                      get_sampling_spec(ds))
   return ds
 
@@ -426,3 +426,54 @@ def pad_rows(a, size):
   out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
   out[:a.shape[0]] = a
   return out
+
+
+def per_record(fn, components):
+  """fn applied to each record of `components` (a tuple of batched nests) alone.
+
+  Args:
+    fn: called with one record's components (leading batch axis removed).
+    components: a tuple of batched nests.
+
+  Returns:
+    the stacked outputs of fn, one per record.
+  """
+  return tf.vectorized_map(lambda rec: fn(*rec), tuple(components),
+                           fallback_to_while_loop=True)
+
+
+def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOTUNE):
+  """Applies a per-record transform to a sampler's batches, keeping the SamplingSpec.
+
+  For the samplers: map_fn(x, y) -> (x, y) (or map_fn(x) -> x without y) on each record; the
+  last `num_weights` components (weights, the Poisson mask) pass through unchanged.
+
+  Args:
+    dataset: a sampled dataset (carrying a SamplingSpec).
+    map_fn: the per-record transform.
+    has_y: whether the batches carry labels.
+    num_weights: trailing components passed through.
+    num_parallel_calls: for `Dataset.map`.
+
+  Returns:
+    the mapped dataset with the same SamplingSpec.
+
+  Raises:
+    ParameterTypeError: map_fn is not callable.
+  """
+  if not callable(map_fn):
+    raise ParameterTypeError(f"map_fn must be callable, got {map_fn!r}")
+  spec = get_sampling_spec(dataset)
+
+  def per_batch(*components):
+    k = len(components) - num_weights
+    data, weights = components[:k], components[k:]
+    if has_y:
+      out = per_record(lambda x, y: tuple(map_fn(x, y)), data)
+    else:
+      out = per_record(lambda x: (map_fn(x),), (data[0] if k == 1 else tuple(data),))
+    out = tuple(out) + tuple(weights)
+    return out if len(out) > 1 else out[0]
+
+  mapped = dataset.map(per_batch, num_parallel_calls=num_parallel_calls)
+  return attach_spec(mapped, spec)

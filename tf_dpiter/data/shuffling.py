@@ -219,9 +219,8 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
     ds = ds.apply(tf.data.experimental.assert_cardinality(per_pass * passes))
   spec = sampling.SamplingSpec(sampling.SHUFFLE, n, batch_size / n, float(batch_size), sampler)
   if map_fn is not None:
-    from tf_dpiter.data import transforms  # pylint: disable=g-import-not-at-top
-    ds = transforms.map_xy(sampling.attach_spec(ds, spec), map_fn, has_y=y is not None,
-                           num_weights=int(sample_weight is not None))
+    ds = sampling.map_xy(sampling.attach_spec(ds, spec), map_fn, has_y=y is not None,
+                         num_weights=int(sample_weight is not None))
   return sampling.attach_spec(ds.prefetch(2), spec)
 
 

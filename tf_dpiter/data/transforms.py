@@ -20,12 +20,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 
-def _per_record(fn, components):
-  """fn applied to each record of `components` (a tuple of batched nests) alone."""
-  return tf.vectorized_map(lambda rec: fn(*rec), tuple(components),
-                           fallback_to_while_loop=True)
-
-
 def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   """`dataset` with `fn` applied to each record alone; keeps its SamplingSpec.
 
@@ -72,9 +66,9 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
           "fn(x, y) or fn(x, y, weight)")
     head, tail = components[:k], components[k:]
     if k == 1:
-      out = _per_record(lambda c: (fn(c),), head)
+      out = sampling.per_record(lambda c: (fn(c),), head)
     else:
-      out = _per_record(lambda *c: tuple(fn(*c)), head)
+      out = sampling.per_record(lambda *c: tuple(fn(*c)), head)
     out = tuple(out) + tuple(tail)
     return out if len(out) > 1 else out[0]
 
@@ -94,40 +88,3 @@ def _required_positional(fn):
   n = sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
           and p.default is p.empty)
   return n or None
-
-
-def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOTUNE):
-  """Applies a per-record transform to a sampler's batches, keeping the SamplingSpec.
-
-  For the samplers: map_fn(x, y) -> (x, y) (or map_fn(x) -> x without y) on each record; the
-  last `num_weights` components (weights, the Poisson mask) pass through unchanged.
-
-  Args:
-    dataset: a sampled dataset (carrying a SamplingSpec).
-    map_fn: the per-record transform.
-    has_y: whether the batches carry labels.
-    num_weights: trailing components passed through.
-    num_parallel_calls: for `Dataset.map`.
-
-  Returns:
-    the mapped dataset with the same SamplingSpec.
-
-  Raises:
-    ParameterTypeError: map_fn is not callable.
-  """
-  if not callable(map_fn):
-    raise ParameterTypeError(f"map_fn must be callable, got {map_fn!r}")
-  spec = sampling.get_sampling_spec(dataset)
-
-  def per_batch(*components):
-    k = len(components) - num_weights
-    data, weights = components[:k], components[k:]
-    if has_y:
-      out = _per_record(lambda x, y: tuple(map_fn(x, y)), data)
-    else:
-      out = _per_record(lambda x: (map_fn(x),), (data[0] if k == 1 else tuple(data),))
-    out = tuple(out) + tuple(weights)
-    return out if len(out) > 1 else out[0]
-
-  mapped = dataset.map(per_batch, num_parallel_calls=num_parallel_calls)
-  return sampling.attach_spec(mapped, spec)

@@ -218,7 +218,7 @@ def _check_exposure(args) -> str:
 
 def _serve(args) -> int:
   from tf_dpiter.draw_discard import auth, http_server, service  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.draw_discard import store_factory  # pylint: disable=g-import-not-at-top
   if (args.tls_cert is None) != (args.tls_key is None):
     raise ParameterValueError("`--tls-cert` and `--tls-key` go together. Received: "
                               f"--tls-cert={args.tls_cert!r}, --tls-key={args.tls_key!r}")
@@ -237,8 +237,8 @@ def _serve(args) -> int:
   limits = http_server.Limits(args.max_connections, args.max_per_client, args.idle_timeout,
                               max_per_prefix=args.max_per_prefix, min_idle_s=args.min_idle)
   http_server.ensure_open_files(limits.max_connections)  # refuse before touching the store
-  store = store_lib.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
-                               group_commit=not args.no_group_commit)
+  store = store_factory.make_store(args.store, prefix=args.prefix, lock_ttl_s=args.lock_ttl,
+                                   group_commit=not args.no_group_commit)
   from tf_dpiter.draw_discard import keys  # pylint: disable=g-import-not-at-top
   secret = keys.load_secret(args.key_file)
   if secret is None and args.store != "memory" and not args.insecure_key_in_store:

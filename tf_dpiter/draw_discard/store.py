@@ -28,7 +28,6 @@ import uuid
 
 import numpy as np
 
-from tf_dpiter.errors import ParameterValueError
 
 COUNTERS = ("draws", "submits", "accepted", "rejected", "rejected_invalid")
 
@@ -319,28 +318,3 @@ class MemoryStore:
 
   async def close(self) -> None:
     """Nothing to release."""
-
-
-def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
-               group_commit: bool = True):
-  """Builds a store from its command-line form.
-
-  Args:
-    spec: 'memory' or 'redis://host:port/db' (also rediss://, unix://).
-    prefix: Redis key prefix.
-    lock_ttl_s: Redis initialization lock expiry.
-    group_commit: Redis: pipeline the scripts of one event-loop iteration.
-
-  Returns:
-    A MemoryStore or a RedisStore.
-
-  Raises:
-    ValueError: for any other spec.
-  """
-  if spec == "memory":
-    return MemoryStore()
-  if spec.startswith(("redis://", "rediss://", "unix://")):
-    from tf_dpiter.draw_discard import redis_store  # pylint: disable=g-import-not-at-top
-    return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s,
-                                  group_commit=group_commit)
-  raise ParameterValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")

@@ -1,0 +1,34 @@
+"""The store of a command-line spec: 'memory' (MemoryStore) or a Redis URL (RedisStore).
+
+Above both stores: `store` (the in-memory store and the interface) and `redis_store` (which
+builds on `store`) import nothing from here, so there is no import cycle between them. The
+Redis module loads only when a Redis URL is given (the redis package is optional).
+"""
+
+from tf_dpiter.draw_discard import store as store_lib
+from tf_dpiter.errors import ParameterValueError
+
+
+def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
+               group_commit: bool = True):
+  """Builds a store from its command-line form.
+
+  Args:
+    spec: 'memory' or 'redis://host:port/db' (also rediss://, unix://).
+    prefix: Redis key prefix.
+    lock_ttl_s: Redis initialization lock expiry.
+    group_commit: Redis: pipeline the scripts of one event-loop iteration.
+
+  Returns:
+    A MemoryStore or a RedisStore.
+
+  Raises:
+    ValueError: for any other spec.
+  """
+  if spec == "memory":
+    return store_lib.MemoryStore()
+  if spec.startswith(("redis://", "rediss://", "unix://")):
+    from tf_dpiter.draw_discard import redis_store  # pylint: disable=g-import-not-at-top  (redis is optional)
+    return redis_store.RedisStore(spec, prefix=prefix, lock_ttl_s=lock_ttl_s,
+                                  group_commit=group_commit)
+  raise ParameterValueError(f"store must be 'memory' or 'redis://host:port/db', got {spec!r}")
