@@ -118,10 +118,10 @@ def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, 
   Raises:
     ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
   """
-  from tf_dpiter.keras.optimizer import budget  # pylint: disable=g-import-not-at-top
-  return budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
-                                   population_size, l2_norm_clip, sampling, accountant,
-                                   dp_kwargs, who="dp.keras.from_budget")
+  from tf_dpiter.keras.optimizer import budget_copy  # pylint: disable=g-import-not-at-top
+  return budget_copy.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
+                                        population_size, l2_norm_clip, sampling, accountant,
+                                        dp_kwargs, who="dp.keras.from_budget")
 
 
 def __getattr__(name):

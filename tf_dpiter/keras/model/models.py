@@ -33,7 +33,7 @@ from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import batch_independence
-from tf_dpiter.keras.optimizer import budget
+from tf_dpiter.keras.optimizer import budget_copy
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.model import keras_internals
@@ -455,9 +455,9 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
   if not isinstance(model, keras.Model):
     raise ParameterTypeError(
         f"`model` must be a keras.Model instance. Received: model={model!r}")
-  dp_opt = budget.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
-                                     population_size, l2_norm_clip, sampling, accountant,
-                                     dp_kwargs, who="make_private_with_epsilon")
+  dp_opt = budget_copy.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,
+                                          population_size, l2_norm_clip, sampling, accountant,
+                                          dp_kwargs, who="make_private_with_epsilon")
   compiled = _compiled_optimizer(model)
   if compiled is not None and not isinstance(compiled, opt_lib.DPOptimizerBase):
     check_no_batch_mixing(model)   # refused before anything changes

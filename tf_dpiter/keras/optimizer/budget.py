@@ -8,7 +8,6 @@ from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import calibration
 from tf_dpiter.accounting import dp_sgd
 from tf_dpiter.errors import BudgetConfigError
-from tf_dpiter.errors import ParameterValueError
 
 _LOG = logging.getLogger("tf_dpiter")
 
@@ -73,38 +72,6 @@ def fit_steps(population_size, batch_size, epochs, sampling):
     per_epoch = max(1, int(round(population_size / batch_size)))
     steps = max(steps, int(epochs) * per_epoch)
   return steps
-
-
-def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population_size,
-                       l2_norm_clip, sampling, accountant, dp_kwargs, who):
-  """A DP copy of the plain Keras `optimizer` with the noise multiplier `calibrated_noise`
-  finds (the shared body of `dp.keras.from_budget` and `make_private_with_epsilon`).
-
-  Args:
-    optimizer: a plain keras.optimizers.Optimizer instance (its hyperparameters are kept).
-    epsilon, delta, epochs, batch_size, population_size, sampling, accountant: the budget, as
-      `calibrated_noise`.
-    l2_norm_clip: the clipping norm S.
-    dp_kwargs: dict of the other DP optimizer arguments.
-    who: the caller's public name (messages and the log line).
-
-  Returns:
-    the DP optimizer, its calibration in `.calibration`.
-
-  Raises:
-    ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
-  """
-  import keras  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.keras.optimizer import optimizers as opt_lib  # pylint: disable=g-import-not-at-top
-  if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
-      optimizer, opt_lib.DPOptimizerBase):
-    raise ParameterValueError(f"{who}: `optimizer` must be a plain keras.optimizers.Optimizer instance "
-                              f"(not a DP optimizer). Received: optimizer={optimizer!r}")
-  z, calib = calibrated_noise(epsilon, delta, epochs, batch_size, population_size, sampling,
-                              accountant, dp_kwargs.get("num_microbatches"), who=who)
-  dp_opt = opt_lib.DPOptimizer(optimizer, l2_norm_clip, z, **dp_kwargs)
-  dp_opt.calibration = calib
-  return dp_opt
 
 
 def _check_batch_fits(batch_size, population_size, who):
