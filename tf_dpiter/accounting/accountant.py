@@ -55,8 +55,10 @@ def make_accountant(accountant="rdp", neighboring_relation=None):
   Args:
     accountant: a registered accountant name (`accountant_names()`).
     neighboring_relation: a dp-accounting NeighboringRelation (default add or remove one).
+
   Returns:
     the dp-accounting accountant, empty.
+
   Raises:
     ParameterTypeError: `accountant` is not a str.
     PrivacyConfigError: a name not registered.
@@ -77,7 +79,12 @@ def report_accountant_names():
 
 @dataclasses.dataclass(frozen=True)
 class LedgerContent:
-  """What the accountant reads: the SampleGroups and the shuffled passes of a ledger."""
+  """What the accountant reads: the SampleGroups and the shuffled passes of a ledger.
+
+  Attributes:
+    groups: the SampleGroups the accountant composes.
+    passes: the shuffled passes the ledger recorded (0 without shuffling).
+  """
   groups: Tuple[ledger_events.SampleGroup, ...]
   passes: int = 0
 
@@ -169,7 +176,15 @@ def ledger_to_dp_event(ledger, accountant="rdp"):
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyReport:
-  """The guarantee computed from a ledger, and the assumptions it rests on."""
+  """The guarantee computed from a ledger, and the assumptions it rests on.
+
+  Attributes:
+    epsilon: the guarantee's epsilon (inf when a sample is not private).
+    delta: the guarantee's delta.
+    accountant: the accountant used ("rdp", "pld" or "gdp").
+    num_samples: the samples (private steps) the ledger holds.
+    assumptions: what the guarantee rests on (relation, unit, sampling, integrity of the ledger).
+  """
   epsilon: float
   delta: float
   accountant: str
@@ -199,9 +214,10 @@ def check_accountant(accountant):
   Args:
     accountant: the name (a registered one, e.g. "rdp" or "pld"; "gdp"; "prv" is refused
       with the reason).
+
   Raises:
     ParameterTypeError: `accountant` is not a str.
-    ValueError: an unknown or unavailable accountant (names it).
+    PrivacyConfigError: an unknown or unavailable accountant (names it).
   """
   names = report_accountant_names()
   if not isinstance(accountant, str):
@@ -225,6 +241,7 @@ def is_bound_accountant(accountant):
 
   Args:
     accountant: an accountant name.
+
   Returns:
     bool.
   """
@@ -242,8 +259,10 @@ def check_bound_accountant(accountant, who):
   Args:
     accountant: the accountant name.
     who: the caller's public name, for the message (e.g. "StopAtPrivacyBudget").
+
   Returns:
     the accountant (a registered name: `is_bound_accountant`).
+
   Raises:
     ParameterTypeError: `accountant` is not a str.
     BudgetConfigError: accountant='gdp' (an approximation), or an unknown or unavailable one.

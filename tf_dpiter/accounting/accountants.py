@@ -59,8 +59,10 @@ def register_accountant(name, factory, events="rdp", description=None):
     events: "rdp" or "pld": the event family it reads (RDP-type accountants read what
       dp-accounting's RdpAccountant reads, PLD-type what its PLDAccountant reads).
     description: one line stating the accountant for the report (default: its name).
+
   Returns:
     the RegisteredAccountant.
+
   Raises:
     ParameterTypeError: a name that is not a str, or a factory that is not callable.
     PrivacyConfigError: a name already registered or reserved, or an unknown event family.
@@ -87,8 +89,10 @@ def unregister_accountant(name):
 
   Args:
     name: a registered name other than "rdp" and "pld".
+
   Returns:
     the RegisteredAccountant removed.
+
   Raises:
     PrivacyConfigError: an unknown or built-in name.
   """
@@ -109,8 +113,10 @@ def get_accountant(name):
 
   Args:
     name: a registered name.
+
   Returns:
     its RegisteredAccountant.
+
   Raises:
     PrivacyConfigError: an unknown name.
   """
@@ -125,6 +131,7 @@ def event_family(name):
 
   Args:
     name: an accountant name.
+
   Returns:
     "rdp" or "pld" for a registered accountant; any other name unchanged (e.g. "gdp").
   """
@@ -138,8 +145,10 @@ def make(name, neighboring_relation):
   Args:
     name: a registered name.
     neighboring_relation: the dp-accounting NeighboringRelation of the ledger.
+
   Returns:
     the dp-accounting PrivacyAccountant its factory returns.
+
   Raises:
     PrivacyConfigError: an unknown name, or a factory that returned no PrivacyAccountant.
   """

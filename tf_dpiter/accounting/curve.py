@@ -20,7 +20,14 @@ from tf_dpiter.errors import PrivacyConfigError
 
 @dataclasses.dataclass(frozen=True)
 class EpsilonCurve:
-  """epsilon[i] is the ledger's epsilon at `delta` after its first steps[i] samples."""
+  """epsilon[i] is the ledger's epsilon at `delta` after its first steps[i] samples.
+
+  Attributes:
+    steps: the sample counts at which epsilon was computed, increasing.
+    epsilon: epsilon after the first steps[i] samples.
+    delta: the delta every epsilon is stated at.
+    accountant: the accountant that computed them ("rdp", "pld" or "gdp").
+  """
   steps: Tuple[int, ...]
   epsilon: Tuple[float, ...]
   delta: float

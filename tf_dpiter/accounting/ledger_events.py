@@ -66,7 +66,23 @@ def dpa_relation(relation):
 
 @dataclasses.dataclass(frozen=True)
 class SampleGroup:
-  """All samples with the same sampling parameters and the same queries."""
+  """All samples with the same sampling parameters and the same queries.
+
+  Attributes:
+    count: the number of samples in the group.
+    policy: their sampling policy.
+    population_size: n.
+    selection_probability: q.
+    sample_size: the recorded batch size (0 for Poisson).
+    noise_multiplier: Eq. (1) over the Gaussian queries' sensitivities; inf if none.
+    laplace_noise_multipliers: the Laplace queries' scale over sensitivity, one per query.
+    non_private: True when a query of the samples adds no noise.
+    examples_per_record: k, the examples in one record.
+    correlated: "banded" / "tree" / "matrix" for correlated rows, else "".
+    tree_depth: nodes one participation touches (tree rows).
+    participations: cyclic_poisson: most steps one example can join.
+    selected: a sample of the trial a selection record covers.
+  """
   count: int
   policy: str
   population_size: float
@@ -293,8 +309,10 @@ def events_from_groups(groups, accountant="rdp", passes=0):
     accountant: a registered accountant name (the events are built for its family, "rdp"
       or "pld": `accountants.event_family`).
     passes: the shuffled passes / balls-in-bins epochs the ledger recorded.
+
   Returns:
     (event, NeighboringRelation, assumption strings stating relation, unit and sampling).
+
   Raises:
     ValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
   """

@@ -34,7 +34,19 @@ from tf_dpiter.errors import ParameterValueError
 
 @dataclasses.dataclass(frozen=True)
 class BatchPlan:
-  """One (B, T, z) with its cost and noise figures (module docstring)."""
+  """One (B, T, z) with its cost and noise figures (module docstring).
+
+  Attributes:
+    batch_size: B, the expected batch size (Poisson).
+    steps: T.
+    noise_multiplier: z (noise stddev z S on the clipped sum).
+    sampling_probability: q = B / n.
+    epochs: B T / n.
+    example_gradients: B T <= the compute budget.
+    noise_per_step: z / B: noise stddev on the averaged gradient, units of S.
+    total_noise: eta = z / (q sqrt(T)) (Sander et al. 2023).
+    epsilon: the accountant's epsilon of this plan (<= the target).
+  """
   batch_size: int             # B, the expected batch size (Poisson)
   steps: int                  # T
   noise_multiplier: float     # z (noise stddev z S on the clipped sum)

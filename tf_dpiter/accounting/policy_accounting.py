@@ -52,6 +52,7 @@ class PolicyAccounting:
 
     Args:
       **kwargs: passed on to `object.__init_subclass__`.
+
     Raises:
       PrivacyConfigError: the subclass defines `event`.
     """
@@ -81,8 +82,10 @@ class PolicyAccounting:
       accountant: "rdp" or "pld".
       passes: the passes / epochs the ledger recorded (pass-charged policies).
       notes: a list the assumption strings are appended to.
+
     Returns:
       a dp-accounting DpEvent for the whole group.
+
     Raises:
       PrivacyConfigError: a group of another policy, correlated-noise rows this policy does
         not cover, a sampling `check_sampling` refuses, or a group its rule refuses (see the
@@ -113,6 +116,7 @@ class PolicyAccounting:
       accountant: "rdp" or "pld".
       passes: the passes / epochs the ledger recorded.
       notes: a list the assumption strings are appended to.
+
     Returns:
       a dp-accounting DpEvent for the whole group.
     """
@@ -127,8 +131,10 @@ class PolicyAccounting:
 
     Args:
       group: a Gaussian `ledger_events.SampleGroup` of this policy, finite noise multiplier.
+
     Returns:
       a float.
+
     Raises:
       PrivacyConfigError: a policy GDP does not account.
     """
@@ -288,8 +294,10 @@ def register(accounting):
   Args:
     accounting: a PolicyAccounting instance whose `policy` is registered in
       `tf_dpiter.ledger.policies` and has no accounting object yet.
+
   Returns:
     the accounting object.
+
   Raises:
     PrivacyConfigError: not a PolicyAccounting, an unknown policy, or one already registered.
   """
@@ -310,8 +318,10 @@ def unregister(policy):
 
   Args:
     policy: a policy name with a registered accounting object.
+
   Returns:
     the accounting object removed.
+
   Raises:
     PrivacyConfigError: a policy without one.
   """
@@ -324,8 +334,10 @@ def get(policy):
 
   Args:
     policy: a registered policy name.
+
   Returns:
     its PolicyAccounting.
+
   Raises:
     PrivacyConfigError: a policy with no accounting object (or an unknown one).
   """

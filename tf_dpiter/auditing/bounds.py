@@ -129,11 +129,17 @@ def _eps_from_rates(tpr_lo, fpr_hi, delta):
 class LowerBound:
   """An (ε, δ) lower bound and the test that gives it.
 
-  epsilon: the bound (nats, >= 0); delta; confidence (1 - α); threshold: score threshold of
-  the best test (direction "member": a score above it is the evidence; "nonmember": a score
-  at or below it, ties broken at random); tpr_lower, fpr_upper: its Clopper–Pearson limits
-  (rates of the direction's positive class); num_tests: thresholds α was divided over;
-  method.
+  Attributes:
+    epsilon: the bound (nats, >= 0).
+    delta: the delta it is stated at.
+    confidence: 1 - alpha, the probability the bound holds.
+    threshold: the score threshold of the best test.
+    direction: "member" (a score above the threshold is the evidence) or "nonmember" (at or below
+      it, ties broken at random).
+    tpr_lower: the Clopper-Pearson lower limit of the test's true-positive rate.
+    fpr_upper: the Clopper-Pearson upper limit of its false-positive rate.
+    num_tests: the thresholds alpha was divided over.
+    method: the interval method.
   """
   epsilon: float
   delta: float

@@ -23,14 +23,24 @@ from tf_dpiter.keras.optimizer import optimizers as dp_optimizers
 class WhiteBoxResult:
   """Outcome of `run_whitebox_audit`.
 
-  ledger_epsilon: ε the model's ledger reports, None if not asked;
-  run_bound / step_bound: bounds.LowerBound from per-run and per-step scores;
-  observations [m, T], included [m]; sampling_probability q, steps T, noise_multiplier z,
-  delta, neighbouring; model (the trained DiracCanaryModel; `model.base` is the user's
-  model); audit_callback (the AuditCallback if audit_kwargs was given). The claims are computed on demand from dp_accounting events:
+  The claims are computed on demand from dp_accounting events:
   `claimed_epsilon()` for the T-step run, `step_claimed_epsilon()` for one step (the claim
   the per-step trials audit: every step is an independent one-step run for the canary
   coordinates).
+
+  Attributes:
+    ledger_epsilon: epsilon the model's ledger reports, None if not asked.
+    run_bound: the bounds.LowerBound from per-run scores.
+    step_bound: the bounds.LowerBound from per-step scores.
+    observations: [m, T] the canaries' observed updates.
+    included: [m] which canaries were in the training data.
+    sampling_probability: q.
+    steps: T.
+    noise_multiplier: z.
+    delta: the delta of the claims and bounds.
+    neighbouring: the neighbouring relation audited.
+    model: the trained DiracCanaryModel (`model.base` is the user's model).
+    audit_callback: the AuditCallback if audit_kwargs was given, else None.
   """
   ledger_epsilon: Optional[float]
   run_bound: object

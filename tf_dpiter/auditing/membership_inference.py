@@ -50,6 +50,16 @@ class AttackInputData:
   Give losses (`loss_train`, `loss_test`: [n] per-example losses) and/or logits or
   probabilities ([n, K]) with integer labels ([n]). Losses are computed as cross-entropy
   from the logits (or probabilities) when not given.
+
+  Attributes:
+    logits_train: [n, K] logits on the members, or None.
+    logits_test: [m, K] logits on the non-members, or None.
+    probs_train: [n, K] probabilities on the members (instead of logits), or None.
+    probs_test: [m, K] probabilities on the non-members, or None.
+    loss_train: [n] per-example losses of the members, or None.
+    loss_test: [m] per-example losses of the non-members, or None.
+    labels_train: [n] integer labels of the members, or None.
+    labels_test: [m] integer labels of the non-members, or None.
   """
   logits_train: Optional[np.ndarray] = None
   logits_test: Optional[np.ndarray] = None
@@ -148,7 +158,14 @@ class AttackInputData:
 
 @dataclasses.dataclass(frozen=True)
 class SlicingSpec:
-  """Which slices to attack besides (or instead of) the whole data, as in TF Privacy."""
+  """Which slices to attack besides (or instead of) the whole data, as in TF Privacy.
+
+  Attributes:
+    entire_dataset: attack the whole data.
+    by_class: also attack each class apart.
+    by_classification_correctness: also attack the correctly and the wrongly classified examples
+      apart.
+  """
   entire_dataset: bool = True
   by_class: bool = False
   by_classification_correctness: bool = False

@@ -142,6 +142,19 @@ class SingleAttackResult:
   epsilon lower bound. `train_indices` / `test_indices` (with
   `run_attacks(..., return_slice_indices=True)`, on slices other than the entire dataset) are
   the rows of the input the slice holds.
+
+  Attributes:
+    slice_spec: the slice attacked.
+    attack_type: the attack (an AttackType).
+    roc_curve: its ROC curve (fpr, tpr, thresholds).
+    auc: the area under that curve.
+    attacker_advantage: max |TPR - FPR| over the thresholds.
+    num_train: the members in the slice.
+    num_test: the non-members in the slice.
+    membership_scores_train: the attack's scores of the slice's members (higher = member).
+    membership_scores_test: the attack's scores of the slice's non-members.
+    train_indices: the rows of the members' input the slice holds, or None.
+    test_indices: the rows of the non-members' input the slice holds, or None.
   """
   slice_spec: SingleSliceSpec
   attack_type: AttackType
@@ -202,6 +215,14 @@ class PrivacyReportMetadata:
   `run_attacks(..., privacy_report_metadata=m)` returns results whose metadata is `m` with
   its missing accuracies (argmax of the logits or probabilities against the labels) and
   mean losses (nats) filled in from the attack input.
+
+  Attributes:
+    accuracy_train: accuracy on the members (training data), or None.
+    accuracy_test: accuracy on the non-members, or None.
+    loss_train: mean loss on the members (nats), or None.
+    loss_test: mean loss on the non-members (nats), or None.
+    model_variant_label: the label of the model variant in reports.
+    epoch_num: the epoch the model was attacked at, or None.
   """
   accuracy_train: Optional[float] = None
   accuracy_test: Optional[float] = None
@@ -235,7 +256,13 @@ def _pandas():
 @dataclasses.dataclass(frozen=True)
 class AttackResults:
   """All attacks on all slices, the DP bound they are compared with (or None) and the
-  model's `PrivacyReportMetadata` (or None)."""
+  model's `PrivacyReportMetadata` (or None).
+
+  Attributes:
+    single_attack_results: the SingleAttackResults, one per attack and slice.
+    privacy_bound: the DP bound they are compared with, or None.
+    privacy_report_metadata: the model's PrivacyReportMetadata, or None.
+  """
   single_attack_results: Tuple[SingleAttackResult, ...]
   privacy_bound: Optional[PrivacyBound] = None
   privacy_report_metadata: Optional[PrivacyReportMetadata] = None
@@ -401,7 +428,11 @@ def _decode(description, arrays):
 @dataclasses.dataclass
 class AttackResultsCollection:
   """`AttackResults` of several epochs or model variants (TF Privacy's collection), e.g. one
-  per evaluation during training, for `plot_by_epochs` and `plot_privacy_vs_accuracy`."""
+  per evaluation during training, for `plot_by_epochs` and `plot_privacy_vs_accuracy`.
+
+  Attributes:
+    attack_results_list: the AttackResults, one per epoch or model variant.
+  """
   attack_results_list: List[AttackResults] = dataclasses.field(default_factory=list)
 
   def append(self, attack_results):

@@ -38,7 +38,17 @@ ADD_OR_REMOVE = "add_or_remove_one"
 
 @dataclasses.dataclass(frozen=True)
 class SensitivityReport:
-  """Result of `check_sensitivity`; `passed` is measured <= recorded (1 + rtol)."""
+  """Result of `check_sensitivity`; `passed` is measured <= recorded (1 + rtol).
+
+  Attributes:
+    relation: the neighbouring relation checked.
+    path: the clipping path ("fast" or "vectorized").
+    recorded_sensitivity: the sensitivity the ledger records.
+    measured_sensitivity: the largest change of the clipped sum measured over neighbouring batches.
+    worst_change: the neighbouring change that gave it.
+    batch_mixing_layers: the layers whose outputs for one example depend on the others.
+    passed: measured <= recorded (1 + rtol).
+  """
   relation: str
   path: str
   recorded_sensitivity: float

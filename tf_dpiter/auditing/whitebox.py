@@ -183,13 +183,19 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
   microbatch). Passing 1 where 2 is true is the "halved sensitivity" bug an audit must catch.
 
   Args:
-    sampling_probability: q in (0, 1]; noise_multiplier: z >= 0; steps: T >= 1;
-    delta in (0, 1); accountant: "pld", "rdp" or another registered accountant
-    (`accounting.register_accountant`); sensitivity > 0.
+    sampling_probability: q in (0, 1].
+    noise_multiplier: z >= 0.
+    steps: T >= 1.
+    delta: in (0, 1).
+    accountant: "pld", "rdp" or another registered accountant
+      (`accounting.register_accountant`).
+    sensitivity: > 0, in units of S (1: add/remove one record; 2: replace one).
+
   Returns:
     float ε (inf for z = 0).
+
   Raises:
-    ValueError: unknown accountant or arguments out of range.
+    PrivacyConfigError: unknown accountant or arguments out of range.
   """
   if accountant not in accountants.accountant_names():
     raise PrivacyConfigError(f"accountant must be one of {accountants.accountant_names()} "

@@ -42,6 +42,14 @@ class Feature:
   type "categorical": levels; dummy coded with the first level as reference
     (len(levels) - 1 columns), as the E_1, E_2 coding of Section V-C.
   type "vector": a dense block of `size` values (MNIST pixels), rescaled by min/max.
+
+  Attributes:
+    name: the predictor's name.
+    type: "numeric", "boolean", "categorical" or "vector".
+    min: numeric / vector: the raw value mapped to 0.
+    max: numeric / vector: the raw value mapped to 1.
+    levels: categorical: the levels (the first is the reference).
+    size: vector: the number of values.
   """
   name: str
   type: str = "numeric"
@@ -120,14 +128,22 @@ class Feature:
 class ModelSpec:
   """Server-controlled model specification (Section V-C).
 
-  family: "linear" | "logistic" | "poisson" | "multinomial".
-  features: predictors, each encoded to [0, 1] columns.
-  crosses: pairs (or tuples) of feature names; every product of their columns is a column.
-  num_classes: classes C of the multinomial model (ignored otherwise).
-  intercept: prepend a constant-1 column (b_0).
-  version: opaque model version string; a submitted instance must carry the same one.
-  gamma, epsilon, clip, noise, delta: the client-side training parameters of Algorithm 1
-    (epsilon None = no noise), sent to clients together with the instance.
+  gamma, epsilon, clip, noise and delta are the client-side training parameters of
+  Algorithm 1, sent to clients together with the instance.
+
+  Attributes:
+    family: "linear" | "logistic" | "poisson" | "multinomial".
+    features: the predictors, each encoded to [0, 1] columns.
+    crosses: pairs (or tuples) of feature names; every product of their columns is a column.
+    num_classes: classes C of the multinomial model (ignored otherwise).
+    intercept: prepend a constant-1 column (b_0).
+    name: the model's name.
+    version: opaque model version string; a submitted instance must carry the same one.
+    gamma: the clients' learning rate (Algorithm 1).
+    epsilon: the clients' local epsilon (None: no noise).
+    clip: the clients' gradient clip (Algorithm 1).
+    noise: the clients' noise law ("laplace", "gaussian" or "none").
+    delta: the clients' delta (Gaussian noise).
   """
   family: str
   features: tuple

@@ -304,7 +304,22 @@ ADVERSARY_TWO_ASSUMPTION = (
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyStatement:
-  """All three guarantees of Section IV for one configuration."""
+  """All three guarantees of Section IV for one configuration.
+
+  Attributes:
+    epsilon: the local epsilon of one update.
+    k: the server's number of instances.
+    num_later_updates: T, the updates adversary III observes after the target's.
+    delta_t: delta_T of adversary III's guarantee.
+    adversary_one: epsilon against a channel listener, per update.
+    adversary_two_expected: expected epsilon against the internal threat, (k - 1) / (2k) epsilon
+      (Lemma 1).
+    adversary_three: epsilon_T against the opportunistic adversary (Lemma 3, large-T CLT).
+    adversary_three_expected: expected epsilon_T / k (Lemma 2).
+    discard_probability: 1 - 1/k (Lemma 2).
+    noise: the noise law.
+    adversary_three_accounted: epsilon_T of the same Gaussian by the PLD accountant, or None.
+  """
   epsilon: float
   k: int
   num_later_updates: float

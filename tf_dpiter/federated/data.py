@@ -34,8 +34,11 @@ def load_mnist(path=None):
 class FederatedData:
   """Shared examples plus each client's example indices (padded to the largest client).
 
-  x: float32 [n, ...]; y: int32 [n]; client_indices: int32 [K, n_max];
-  client_sizes: int32 [K], every entry >= 1.
+  Attributes:
+    x: float32 [n, ...], the shared examples.
+    y: int32 [n], their labels.
+    client_indices: int32 [K, n_max], each client's example indices (padded to the largest client).
+    client_sizes: int32 [K], each client's number of examples, every entry >= 1.
   """
   x: np.ndarray
   y: np.ndarray

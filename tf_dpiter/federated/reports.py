@@ -26,10 +26,15 @@ class RoundReport:
     communication_costs: communication costs so far, the clients of every round summed
       ("CC" of Geyer et al. 2017, Table 1; in client updates).
     clip: the clip the round used (None without one).
-    between_clients_variance, update_scale: V_c and U_s (Geyer et al. 2017, Section 6) of the
-      round's unclipped updates: simulation diagnostics, NOT differentially private.
+    between_clients_variance: V_c (Geyer et al. 2017, Section 6) of the round's unclipped
+      updates: a simulation diagnostic, NOT differentially private.
+    update_scale: U_s (Geyer et al. 2017, Section 6) of the round's unclipped updates: a
+      simulation diagnostic, NOT differentially private.
     rejected: updates rejected (non-finite, wrong shape, lost).
-    epsilon, delta: the guarantee after this round (one of them is the fixed value).
+    epsilon: the guarantee's epsilon after this round (the fixed value, or the one at the
+      fixed delta).
+    delta: the guarantee's delta after this round (the fixed value, or the one at the
+      fixed epsilon).
     seconds: wall time of the round.
     average_accuracy: accuracy of the moving average of the w_t, or None.
   """

@@ -178,8 +178,10 @@ def register(policy):
   Args:
     policy: a SamplingPolicy instance whose name and code no other registered policy has
       (`policy_base.check_policy` states the rest).
+
   Returns:
     the policy.
+
   Raises:
     PrivacyConfigError: a field `check_policy` refuses, or a name or code already taken.
   """
@@ -201,8 +203,10 @@ def unregister(name):
 
   Args:
     name: a registered policy name.
+
   Returns:
     the policy object removed.
+
   Raises:
     PrivacyConfigError: a name not registered.
   """
@@ -220,8 +224,10 @@ def get(name):
 
   Args:
     name: a policy name.
+
   Returns:
     the registered SamplingPolicy.
+
   Raises:
     PrivacyConfigError: an unknown name, or the selection marker (it samples nothing).
   """
@@ -235,6 +241,7 @@ def by_code(code):
 
   Args:
     code: an int or float code.
+
   Returns:
     the registered SamplingPolicy, or None when no policy has that code (the selection
     marker's code, or an unknown one).

@@ -58,6 +58,7 @@ class SamplingPolicy:
       population_size: n, a float array (records).
       selection_probability: q, a float array of the same shape.
       sample_size: the policy's size field, a float array of the same shape.
+
     Returns:
       a list of (bad, field, rule): bad a bool array (True where the rule fails), field the
       name of the field the rule is about, rule the requirement (a str with `{n}`, `{q}` and
@@ -80,6 +81,7 @@ class SamplingPolicy:
       population_size: n (records).
       selection_probability: q.
       sample_size: the policy's size field.
+
     Returns:
       None, or an error message (str) naming the bad field and its value.
     """
@@ -100,6 +102,7 @@ class SamplingPolicy:
       population_size: n of the row.
       selection_probability: q of the row.
       sample_size: the size field of the row.
+
     Returns:
       a str "`field` must be ... for policy 'name' ... Received: field=value".
     """
@@ -118,6 +121,7 @@ class SamplingPolicy:
     Args:
       run_count: the run's consecutive samples.
       sample_size: the policy's size field.
+
     Returns:
       an int >= 0.
     """
@@ -128,6 +132,7 @@ class SamplingPolicy:
 
     Args:
       group: a `SampleGroup` of this policy.
+
     Returns:
       an int, or None.
     """
@@ -140,6 +145,7 @@ class SamplingPolicy:
       population_size: n.
       selection_probability: q.
       sample_size: the policy's size field.
+
     Returns:
       a float (records).
     """
@@ -152,6 +158,7 @@ class SamplingPolicy:
     Args:
       population_size: n.
       sample_size: B (the steps k of an epoch under balls in bins).
+
     Returns:
       a tuple of ints, shortest first.
     """
@@ -165,6 +172,7 @@ class SamplingPolicy:
       population_size: n.
       selection_probability: q.
       sample_size: the policy's size field.
+
     Returns:
       a str.
     """
@@ -178,6 +186,7 @@ class SamplingPolicy:
 
     Args:
       group: a `SampleGroup` of this policy.
+
     Returns:
       an int >= 0.
     """
@@ -194,6 +203,7 @@ class SamplingPolicy:
     Args:
       group: a `SampleGroup` of this policy.
       passes: the ledger's passes.
+
     Returns:
       an int >= 0.
     """
@@ -206,6 +216,7 @@ class SamplingPolicy:
 
     Args:
       group: a `SampleGroup` of this policy.
+
     Returns:
       an int >= 1.
     """
@@ -217,6 +228,7 @@ def check_policy(policy):
 
   Args:
     policy: a SamplingPolicy instance.
+
   Raises:
     PrivacyConfigError: not a SamplingPolicy, or a name, code, relation, unit or covers the
       ledger cannot store or account.

@@ -42,8 +42,10 @@ def unit_of_policy(policy):
 
   Args:
     policy: a registered policy name (the selection marker: "example").
+
   Returns:
     "user" or "example".
+
   Raises:
     PrivacyConfigError: an unknown policy.
   """
@@ -67,8 +69,10 @@ def policy_code(policy):
 
   Args:
     policy: a registered policy name, or the selection marker `REPEAT_AND_SELECT`.
+
   Returns:
     int, the policy's code.
+
   Raises:
     PrivacyConfigError: if `policy` is unknown.
   """
@@ -82,8 +86,10 @@ def policy_name(code):
 
   Args:
     code: a policy's code (int or float), or the selection marker's.
+
   Returns:
     The policy name.
+
   Raises:
     PrivacyConfigError: an unknown code.
   """
@@ -108,8 +114,10 @@ def relation_for_policy(policy):
 
   Args:
     policy: a sampling policy name.
+
   Returns:
     ADD_OR_REMOVE or REPLACE_ONE (the policy object's `relation`).
+
   Raises:
     PrivacyConfigError: an unknown policy, or the selection marker (it samples nothing).
   """
@@ -179,7 +187,14 @@ def check_examples_per_record(policy, examples_per_record):
 
 @dataclasses.dataclass(frozen=True)
 class QueryRecord:
-  """One sum query of a sample: kind, clip S (per record), noise, sensitivity (relation units)."""
+  """One sum query of a sample: kind, clip S (per record), noise, sensitivity (relation units).
+
+  Attributes:
+    kind: the query's kind: "gaussian", "laplace" or "non_private".
+    clip: S, the per-record clip.
+    noise: the noise's standard deviation (Gaussian) or scale (Laplace), in sum units.
+    sensitivity: the sum's sensitivity under the sample's relation (S times the relation's factor).
+  """
   kind: str
   clip: float = 0.0
   noise: float = 0.0
@@ -188,7 +203,17 @@ class QueryRecord:
 
 @dataclasses.dataclass(frozen=True)
 class SampleRun:
-  """`count` consecutive identical samples."""
+  """`count` consecutive identical samples.
+
+  Attributes:
+    count: the number of consecutive identical samples.
+    policy: the sampling policy (one of records.ALL_POLICIES).
+    population_size: n, the population of every sample.
+    selection_probability: q, each record's probability to be in a sample.
+    sample_size: the batch size recorded (0 for Poisson).
+    examples_per_record: k, the examples in one record (1: a record is an example).
+    queries: the QueryRecords of every sample of the run.
+  """
   count: int
   policy: str
   population_size: float

@@ -238,6 +238,7 @@ def marker_checks(samples):
 
   Args:
     samples: [N, 6] float64 sample rows (the marker's code is `schema.REPEAT_AND_SELECT_CODE`).
+
   Returns:
     [(bad-row mask, message, column)].
   """

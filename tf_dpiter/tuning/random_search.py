@@ -90,8 +90,10 @@ class SelectionReport:
   """The guarantee of releasing the best of a random number of trials.
 
   Attributes:
-    epsilon, delta: the guarantee of the whole selection.
-    mean, shape: the distribution the number of trials was drawn from.
+    epsilon: the epsilon of the whole selection.
+    delta: the delta of the whole selection.
+    mean: E[K] of the distribution the number of trials was drawn from.
+    shape: the shape of that distribution (1: geometric, inf: Poisson).
     assumptions: what the guarantee rests on (relation, sampling, selection).
     ledger: the signed ledger dict of the selected trial with its selection record (save it
       with json.dump; `dp_ledger report` and `privacy_report` read it), or None (no trial).
@@ -151,17 +153,22 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
     trial_ledgers: the ledgers of the trials run (PrivacyLedger, ledger dict/JSON or
       (samples, queries[, passes]) arrays); all must convert to the same dp-accounting
       event (a trial with other sampling or noise would need the worst case: refused).
-    mean, shape: the distribution the number of trials was drawn from.
+    mean: E[K] of the distribution the number of trials was drawn from.
+    shape: the shape of that distribution (1: geometric, inf: Poisson).
     delta: target delta.
     accountant: "rdp" or a registered accountant of the RDP family
       (`accounting.register_accountant(..., events="rdp")`): dp-accounting implements the
       event for RDP only.
     selected: index of the released trial (its ledger carries the selection record).
+
   Returns:
     a SelectionReport whose `ledger` is `selection_ledger` of the selected trial; epsilon is
     `privacy_report` of that ledger.
+
   Raises:
-    ValueError: no ledger, ledgers of different mechanisms, or an unsupported accountant.
+    ParameterValueError: no ledger, ledgers of different mechanisms, or an unsupported accountant.
+    PrivacyConfigError: an accountant that is not of the RDP family (dp-accounting accounts
+      RepeatAndSelectDpEvent by RDP only).
   """
   accountant_lib.check_accountant(accountant)
   if accountants.event_family(accountant) != "rdp":

@@ -211,8 +211,10 @@ def _resolve_sampling(sampling, opt, batch_size):
     sampling: fit's `sampling` (None, "poisson" or "shuffle").
     opt: the DP optimizer (its num_microbatches M).
     batch_size: B, the batch size fit was asked for.
+
   Returns:
     (policy, reason for the log line).
+
   Raises:
     PrivacyConfigError: an unknown sampling, or "poisson" with microbatches of several
       examples.

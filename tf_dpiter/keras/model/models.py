@@ -77,6 +77,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       optimizer: a DP optimizer (a LossScaleOptimizer around one is unwrapped).
       *args: keras.Model.compile's other positional arguments.
       **kwargs: keras.Model.compile's keyword arguments (loss, metrics, jit_compile, ...).
+
+    Raises:
+      PrivacyConfigError: a DP optimizer on a model make_private was given DP settings for
+        (give the DP settings in one place).
     """
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
         optimizer.inner_optimizer, opt_lib.DPOptimizerBase):
@@ -450,7 +454,9 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
     (model, dp_optimizer).
 
   Raises:
-    ValueError: a DP or non-Keras optimizer, or what from_budget refuses.
+    ParameterTypeError: `model` is not a keras.Model.
+    ParameterValueError: a DP or non-Keras optimizer (budget.dp_copy_for_budget).
+    BudgetConfigError: a target the calibration refuses (as from_budget).
   """
   if not isinstance(model, keras.Model):
     raise ParameterTypeError(
@@ -487,8 +493,10 @@ def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
     l2_norm_clip: S, or None.
     noise_multiplier: z, or None.
     dp_kwargs: dict of DPOptimizer's other arguments.
+
   Returns:
     dict of DPOptimizer keyword arguments, or None.
+
   Raises:
     ParameterTypeError: an argument DPOptimizer does not take.
     ValueError: a bad setting (DPOptimizer's own checks, which name it).
@@ -539,8 +547,10 @@ def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs
     noise_multiplier: z, the noise standard deviation in units of S, or None.
     **dp_kwargs: dp.keras.DPOptimizer's other arguments (num_microbatches, clipping,
       max_physical_batch_size, dp_query instead of S and z, noise and its parameters, ...).
+
   Returns:
     the same object, now a DPModelMixin.
+
   Raises:
     ParameterTypeError: not a keras.Model, or an argument DPOptimizer does not take.
     PrivacyConfigError: a model compiled with a plain optimizer and no DP settings, DP

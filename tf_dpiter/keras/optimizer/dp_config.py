@@ -146,6 +146,7 @@ class DPConfig:
 
     Args:
       **changes: field name -> new value.
+
     Returns:
       a DPConfig.
     """
@@ -157,6 +158,7 @@ class DPConfig:
     Args:
       template: the trainable variables' float32 TensorSpecs (mechanisms with
         needs_variables).
+
     Returns:
       a DPQuery.
     """
@@ -171,6 +173,7 @@ class DPConfig:
     Args:
       ledger: a PrivacyLedger (or what dp.accounting.epsilon takes).
       delta: in (0, 1).
+
     Returns:
       epsilon, a float.
     """
@@ -197,6 +200,7 @@ class DPConfig:
     Args:
       config: the dict.
       custom_objects: for a serialized dp_query's Keras deserialization.
+
     Returns:
       a DPConfig.
     """
@@ -246,6 +250,7 @@ class PerformanceFlags:
 
     Args:
       **changes: field name -> new value.
+
     Returns:
       PerformanceFlags.
     """
@@ -265,6 +270,7 @@ class PerformanceFlags:
 
     Args:
       config: the dict.
+
     Returns:
       PerformanceFlags.
     """
@@ -286,8 +292,10 @@ def plan_of_arguments(dp_config, plan, noise_params=None, **keywords):
     noise_params: the flat noise keywords {restart_every, num_bands, ...} (None: not given).
     **keywords: the optimizer's privacy keywords (the DPConfig fields; `noise` may be a
       shorthand string).
+
   Returns:
     a DPConfig.
+
   Raises:
     PrivacyConfigError: a plan given with a privacy keyword or a flat noise keyword, or two
       different plans; see DPConfig and noise_mechanisms.from_shorthand.
@@ -322,8 +330,10 @@ def flags_of_arguments(flags, max_physical_batch_size=None, clipping="auto"):
     flags: a PerformanceFlags or None.
     max_physical_batch_size: P (None: not given).
     clipping: the clipping mode ("auto": not given).
+
   Returns:
     PerformanceFlags.
+
   Raises:
     PrivacyConfigError: flags given with max_physical_batch_size or clipping.
     ParameterTypeError: flags that are not PerformanceFlags.
