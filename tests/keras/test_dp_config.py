@@ -125,3 +125,11 @@ def test_dp_optimizer_and_make_private_take_the_plan():
   dp.keras.make_private(model, plan=plan)
   model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
   assert model.optimizer.dp_config == plan
+
+
+def test_the_no_noise_warning_points_at_the_users_line():
+  with pytest.warns(UserWarning, match="adds no noise") as record:
+    dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=0.1)
+  with pytest.warns(UserWarning, match="adds no noise") as record_plan:
+    dp.keras.DPConfig(l2_norm_clip=1.0, noise_multiplier=0.0)
+  assert [w.filename for w in record] == [w.filename for w in record_plan] == [__file__]

@@ -16,6 +16,8 @@ noise_multiplier=..., ...)`) or take one (`dp_config=` or its alias `plan=`).
 """
 
 import dataclasses
+import os
+import sys
 import warnings
 from typing import Any, Optional
 
@@ -29,6 +31,20 @@ from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = ("auto", "vectorized", "fast")
 ACCOUNTANTS = ("rdp", "pld")
+
+
+def _caller_level():
+  """The warnings stacklevel of the first frame outside tf_dpiter and dataclasses' generated
+  code (the user's line that made the plan or the optimizer)."""
+  package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  frame, level = sys._getframe(2), 2   # pylint: disable=protected-access
+  def internal(f):
+    generated = (f.f_code.co_name == "__init__" and
+                 type(f.f_locals.get("self")).__name__ in ("DPConfig", "PerformanceFlags"))
+    return f.f_code.co_filename.startswith(package) or generated
+  while frame is not None and internal(frame):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _check_clip_and_noise(l2_norm_clip, noise_multiplier, dp_query):
@@ -52,7 +68,7 @@ def _check_clip_and_noise(l2_norm_clip, noise_multiplier, dp_query):
         "training is NOT differentially private (the ledger reports epsilon = inf). Use "
         "noise_multiplier > 0 (about 1.0 is usual), or from_budget(epsilon, delta, ...) / "
         "make_private_with_epsilon to calibrate it; noise 0 is for tests only",
-        UserWarning, stacklevel=5)
+        UserWarning, stacklevel=_caller_level())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,6 @@ calibrates the noise multiplier with the accountant.
 import keras
 import tensorflow as tf
 
-from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
@@ -118,9 +117,7 @@ class DPOptimizerBase:
                           num_buffers=num_buffers, min_separation=min_separation))
     flags = dp_config_lib.flags_of_arguments(flags, max_physical_batch_size=max_physical_batch_size,
                                              clipping=clipping)
-    if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
-      raise ParameterValueError(validation.message("ledger_journal", "None or a file path",
-                                                   ledger_journal))
+    settings.check_ledger_journal(ledger_journal)
     optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
     super().__init__(*args, **kwargs)
     self._ledger_journal = ledger_journal

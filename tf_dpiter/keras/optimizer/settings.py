@@ -2,15 +2,15 @@
 
 S: L2 clipping norm per record (loss-gradient units); z: noise stddev over S (the noise on a
 clipped sum is N(0, (z S)^2)); M: microbatches per batch; P: examples per physical chunk.
+The checks themselves are those of the plan and the flags (`dp_config.DPConfig`,
+`dp_config.PerformanceFlags`), validated once when they are made; `check_args` runs them.
 """
 
-import warnings
-
-from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.keras.optimizer import dp_config
 
-CLIPPING_MODES = ("auto", "vectorized", "fast")
+CLIPPING_MODES = dp_config.CLIPPING_MODES
 # The start of the warning for noise_multiplier=0, as a `warnings.filterwarnings` pattern: an
 # internal probe that builds a noise-free optimizer on purpose (auditing.check_sensitivity)
 # silences exactly this warning, so that it fires only for a user's own configuration.
@@ -19,7 +19,16 @@ NO_NOISE_WARNING = r"noise_multiplier=\S+: this DP optimizer adds no noise"
 
 def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
                max_physical_batch_size, clipping, ledger_journal=None):
-  """Checks a DP optimizer's settings (see DPOptimizerBase.__init__).
+  """Checks a DP optimizer's settings (see DPOptimizerBase.__init__) as its plan and flags do.
+
+  Args:
+    l2_norm_clip: S, or None with a dp_query.
+    noise_multiplier: z, or None with a dp_query.
+    num_microbatches: M, or None.
+    dp_query: a custom DPQuery, or None.
+    max_physical_batch_size: P, or None.
+    clipping: "auto" | "vectorized" | "fast".
+    ledger_journal: None or a file path.
 
   The clip S follows the one rule of `tf_dpiter.validation.check_clip_norm` (the same as
   `GaussianSumQuery`): S > 0, S = +inf only with z = 0.
@@ -36,29 +45,20 @@ def check_args(l2_norm_clip, noise_multiplier, num_microbatches, dp_query,
     ParameterValueError: M or P < 1, an unknown clipping mode, dp_query given with (S, z), or
       neither given, a ledger_journal that is not a non-empty path string.
   """
-  if dp_query is not None:
-    validation.check_instance("dp_query", dp_query, dp_query_lib.DPQuery, "a tf_dpiter DPQuery")
-    if l2_norm_clip is not None or noise_multiplier is not None:
-      raise ParameterValueError(
-          "give either `dp_query` or (`l2_norm_clip`, `noise_multiplier`), not both. Received: "
-          f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
-  else:
-    if l2_norm_clip is None or noise_multiplier is None:
-      raise ParameterValueError(
-          "`l2_norm_clip` and `noise_multiplier` are required without `dp_query`. Received: "
-          f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
-    z = float(validation.check_noise_multiplier("noise_multiplier", noise_multiplier))
-    validation.check_clip_norm("l2_norm_clip", l2_norm_clip, noise_multiplier=z)
-    if z == 0:
-      warnings.warn(
-          f"noise_multiplier={noise_multiplier!r}: this DP optimizer adds no noise, so its "
-          "training is NOT differentially private (the ledger reports epsilon = inf). Use "
-          "noise_multiplier > 0 (about 1.0 is usual), or from_budget(epsilon, delta, ...) / "
-          "make_private_with_epsilon to calibrate it; noise 0 is for tests only",
-          UserWarning, stacklevel=3)
-  validation.check_optional_integer("num_microbatches", num_microbatches, 1)
-  validation.check_optional_integer("max_physical_batch_size", max_physical_batch_size, 1)
-  validation.check_one_of("clipping", clipping, CLIPPING_MODES)
+  dp_config.DPConfig(l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+                     num_microbatches=num_microbatches, dp_query=dp_query)
+  dp_config.PerformanceFlags(max_physical_batch_size=max_physical_batch_size, clipping=clipping)
+  check_ledger_journal(ledger_journal)
+
+
+def check_ledger_journal(ledger_journal):
+  """Checks the optimizer's ledger journal path.
+
+  Args:
+    ledger_journal: None or a non-empty file path string.
+  Raises:
+    ParameterValueError: anything else, named with its value.
+  """
   if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
-    raise ParameterValueError(
-        f"`ledger_journal` must be None or a file path. Received: ledger_journal={ledger_journal!r}")
+    raise ParameterValueError(validation.message("ledger_journal", "None or a file path",
+                                                 ledger_journal))
