@@ -107,7 +107,7 @@ def ledger_runs(ledger, key=None):
 
   Raises:
     ParameterTypeError: `ledger` is none of the above (a TypeError).
-    ValueError: unparsable JSON, a bad digest or HMAC, or rows the ledger would refuse.
+    ParameterValueError: unparsable JSON, a bad digest or HMAC, or rows the ledger would refuse.
   """
   if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
     samples, queries = rec.validate_arrays(*ledger.get_arrays())
@@ -167,7 +167,7 @@ def ledger_to_dp_event(ledger, accountant="rdp"):
     a dp_accounting.DpEvent.
 
   Raises:
-    ValueError: a ledger that cannot be accounted soundly (see `privacy_report`).
+    PrivacyConfigError: a ledger that cannot be accounted soundly (see `privacy_report`).
   """
   c = _content(ledger)
   event, _, _ = ledger_events.events_from_groups(c.groups, accountant, c.passes)
@@ -362,7 +362,7 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
 
   Raises:
-    ValueError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
+    PrivacyConfigError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
   """
   content = _content(ledger, key)
@@ -442,7 +442,7 @@ def epsilon_function(groups, accountant="rdp"):
     a function delta -> epsilon (a float; inf when a sample is not private).
 
   Raises:
-    ValueError: a bad accountant (at once) or delta (when called).
+    PrivacyConfigError: a bad accountant (at once) or delta (when called).
   """
   content = groups if isinstance(groups, LedgerContent) else LedgerContent(tuple(groups))
   check_accountant(accountant)

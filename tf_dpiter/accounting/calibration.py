@@ -62,7 +62,7 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
   Raises:
     ParameterTypeError: steps is not an integer.
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
-    ValueError: a bad target, q or steps, or no z up to 2^20 meets the target.
+    ParameterValueError: a bad target, q or steps, or no z up to 2^20 meets the target.
   """
   accountant_lib.check_bound_accountant(accountant, "calibrate_noise_multiplier")
   target_delta = _check_targets(target_epsilon, target_delta)
@@ -101,7 +101,7 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
 
   Raises:
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
-    ValueError: a bad target or z, or even q = 1/n exceeds the target.
+    PrivacyConfigError: a bad target or z, or even q = 1/n exceeds the target.
   """
   accountant_lib.check_bound_accountant(accountant, "calibrate_sampling_probability")
   target_delta = _check_targets(target_epsilon, target_delta)
@@ -138,7 +138,7 @@ def calibrate_steps(target_epsilon, target_delta, noise_multiplier, sampling_pro
 
   Raises:
     BudgetConfigError: accountant="gdp" (an approximation, not an upper bound).
-    ValueError: a bad target, z or q.
+    PrivacyConfigError: a bad target, z or q.
   """
   accountant_lib.check_bound_accountant(accountant, "calibrate_steps")
   target_delta = _check_targets(target_epsilon, target_delta)

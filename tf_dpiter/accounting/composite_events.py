@@ -31,7 +31,7 @@ def shuffle_event(group, mech, passes, notes):
     a SelfComposedDpEvent.
 
   Raises:
-    ValueError: fewer passes recorded than the samples need.
+    PrivacyConfigError: fewer passes recorded than the samples need.
   """
   n, m = group.population_size, group.sample_size
   charged = _passes_charged(group, passes, math.ceil(n / m),
@@ -50,7 +50,7 @@ def _passes_charged(group, passes, steps_per_pass, what):
   """Mechanisms a group is charged: min(passes, count); None when no pass was recorded.
 
   Raises:
-    ValueError: fewer passes than the group's samples need (ceil(count / steps_per_pass)).
+    PrivacyConfigError: fewer passes than the group's samples need (ceil(count / steps_per_pass)).
   """
   if passes <= 0:
     return None
@@ -86,7 +86,7 @@ def balls_in_bins_event(group, mech, passes, notes):
     a SelfComposedDpEvent.
 
   Raises:
-    ValueError: fewer epochs recorded than the samples need.
+    PrivacyConfigError: fewer epochs recorded than the samples need.
   """
   k, n = int(group.sample_size), group.population_size
   charged = _passes_charged(group, passes, k, f"balls-in-bins samples from n={n:.0f}")
@@ -117,7 +117,7 @@ def selection_events(groups, accountant, passes, events_from_groups):
     (event, NeighboringRelation, assumption strings), as events_from_groups.
 
   Raises:
-    ValueError: more than one record, an empty trial, accountant other than "rdp", or
+    ParameterValueError: more than one record, an empty trial, accountant other than "rdp", or
       relations that differ.
   """
   marks = [g for g in groups if g.is_selection]

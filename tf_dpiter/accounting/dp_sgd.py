@@ -76,7 +76,7 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
     an `accountant.LedgerContent`.
 
   Raises:
-    ValueError: microbatches with a policy that does not allow them.
+    ParameterValueError: microbatches with a policy that does not allow them.
   """
   k = examples_per_record(batch_size, num_microbatches)
   rec.check_examples_per_record(sampling, k)
@@ -139,7 +139,7 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
     UserWarning: delta >= 1/n (`accountant.warn_if_delta_too_large`).
 
   Raises:
-    ValueError: a bad argument, or microbatches with an add/remove sampling.
+    ParameterValueError: a bad argument, or microbatches with an add/remove sampling.
   """
   _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches)
   delta = validation.check_delta("delta", delta)

@@ -49,7 +49,7 @@ def group_mu_squared(group):
     mu^2, a float (inf for a non-private group, 0 without noise cost).
 
   Raises:
-    ValueError: Laplace queries, or a policy other than Poisson or full batch.
+    PrivacyConfigError: Laplace queries, or a policy other than Poisson or full batch.
   """
   if group.non_private:
     return math.inf
@@ -76,7 +76,7 @@ def mu_of_groups(groups):
     mu, a float.
 
   Raises:
-    ValueError: no group (an empty ledger), or a group GDP cannot account.
+    PrivacyConfigError: no group (an empty ledger), or a group GDP cannot account.
   """
   if not groups:
     raise PrivacyConfigError("ledger is empty: no samples were recorded, so there is nothing to account")

@@ -55,7 +55,7 @@ def dpa_relation(relation):
     dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE or REPLACE_ONE.
 
   Raises:
-    ValueError: an unknown relation.
+    PrivacyConfigError: an unknown relation.
   """
   if relation == rec.ADD_OR_REMOVE:
     return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
@@ -141,7 +141,7 @@ def groups_from_runs(runs) -> List[SampleGroup]:
     the SampleGroups, in first-seen order.
 
   Raises:
-    ValueError: rows no accounting rule covers (see `_correlated_fields`).
+    PrivacyConfigError: rows no accounting rule covers (see `_correlated_fields`).
   """
   merged = {}
   participations = {}
@@ -175,7 +175,7 @@ def _correlated_fields(run):
   """(kind, tree depth, leaf-level QueryRecords) of a run's correlated rows; ("", 0, ()) if none.
 
   Raises:
-    ValueError: correlated rows mixed with other queries in one sample, or unequal depths.
+    PrivacyConfigError: correlated rows mixed with other queries in one sample, or unequal depths.
   """
   kinds = {q.kind for q in run.queries}
   corr = kinds & {"banded_gaussian", "tree_gaussian", "matrix_gaussian"}
@@ -244,7 +244,7 @@ def group_event(group, accountant="rdp", passes=0):
     (dp_accounting DpEvent, list of assumption strings).
 
   Raises:
-    ValueError: a sampling recorded inconsistently (too few passes) or rows no rule covers.
+    PrivacyConfigError: a sampling recorded inconsistently (too few passes) or rows no rule covers.
   """
   accountant = accountants.event_family(accountant)
   mech = _mechanism(group)
@@ -264,7 +264,7 @@ def relation_of(groups):
     one of `records.RELATIONS` (ADD_OR_REMOVE when no group is private).
 
   Raises:
-    ValueError: the groups' relations differ.
+    PrivacyConfigError: the groups' relations differ.
   """
   relations = {g.relation for g in groups if not g.non_private and not g.is_selection}
   if len(relations) > 1:
@@ -285,7 +285,7 @@ def neighboring_relation(groups):
     a dp_accounting.NeighboringRelation.
 
   Raises:
-    ValueError: the groups' relations differ.
+    PrivacyConfigError: the groups' relations differ.
   """
   return dpa_relation(relation_of(groups))
 
@@ -314,7 +314,7 @@ def events_from_groups(groups, accountant="rdp", passes=0):
     (event, NeighboringRelation, assumption strings stating relation, unit and sampling).
 
   Raises:
-    ValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
+    ParameterValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
   """
   accountant = accountants.event_family(accountant)
   if not groups:

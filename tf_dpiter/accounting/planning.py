@@ -107,7 +107,7 @@ def plan_batch_size(epsilon, delta, population_size, compute_budget, min_steps=1
     (the plan with the smallest total noise eta, all candidate plans by increasing B).
 
   Raises:
-    ValueError: a bad argument, or no candidate B with T = C // B >= min_steps.
+    ParameterValueError: a bad argument, or no candidate B with T = C // B >= min_steps.
   """
   validation.check_positive("epsilon", epsilon)
   validation.check_delta("delta", delta)

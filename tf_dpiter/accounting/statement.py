@@ -114,7 +114,7 @@ def compute_dp_sgd_privacy_statement(number_of_examples, batch_size, num_epochs,
     UserWarning: delta >= 1 / number_of_examples (`accountant.warn_if_delta_too_large`).
 
   Raises:
-    ValueError: a bad argument (named).
+    ParameterValueError: a bad argument (named).
   """
   if max_examples_per_user is not None:
     validation.check_integer("max_examples_per_user", max_examples_per_user, 1)

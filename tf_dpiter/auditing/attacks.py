@@ -79,7 +79,7 @@ def logit_confidence(outputs, labels, from_logits=True):
     float64 [n] (nats; Gaussian-looking over training runs).
 
   Raises:
-    ValueError: labels of the wrong shape or out of range.
+    ParameterValueError: labels of the wrong shape or out of range.
   """
   lp = _log_probs(outputs, from_logits)
   y = _labels(labels, lp.shape[0], lp.shape[1])
@@ -203,7 +203,7 @@ def auc(member_scores, nonmember_scores):
     the AUC, a float in [0, 1].
 
   Raises:
-    ValueError: an empty or non-finite score array.
+    ParameterValueError: an empty or non-finite score array.
   """
   fpr, tpr = roc_curve(member_scores, nonmember_scores)
   return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2.0))
@@ -294,7 +294,7 @@ def shadow_confidences(train_and_predict, x, y, num_models, seed=0, from_logits=
     (phi [N, n] logit-scaled confidences, in_masks [N, n] bool memberships).
 
   Raises:
-    ValueError: num_models < 2.
+    ParameterValueError: num_models < 2.
   """
   validation.check_integer("num_models", num_models, 2)
   n = len(y)

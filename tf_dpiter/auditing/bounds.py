@@ -283,7 +283,7 @@ def epsilon_lower_bound(member_scores, nonmember_scores, delta, confidence=0.95,
     float ε >= 0 such that P[ε_true < returned] <= α if M is (ε_true, δ)-DP.
 
   Raises:
-    ValueError: see `lower_bound`.
+    ParameterValueError: see `lower_bound`.
   """
   return lower_bound(member_scores, nonmember_scores, delta, confidence, **kwargs).epsilon
 
@@ -301,7 +301,7 @@ def gdp_delta(mu, epsilon):
     δ, a float in [0, 1].
 
   Raises:
-    ValueError: mu <= 0.
+    ParameterValueError: mu <= 0.
   """
   if not mu > 0:
     raise ParameterValueError(f"mu must be > 0, got {mu!r}")

@@ -46,7 +46,7 @@ class DiracCanaryModel(keras.Model):
     num_canaries: m >= 1, one weight per canary.
 
   Raises:
-    ValueError: num_canaries not a positive integer.
+    ParameterValueError: num_canaries not a positive integer.
   """
 
   def __init__(self, base, num_canaries, **kwargs):
@@ -152,7 +152,7 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
     (x [r, *x_shape] zeros, y [r] int64 labels) with r = #included or m.
 
   Raises:
-    ValueError: unknown neighbouring.
+    PrivacyConfigError: unknown neighbouring.
   """
   if neighbouring not in NEIGHBOURING:
     raise PrivacyConfigError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")

@@ -119,7 +119,7 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
     WhiteBoxResult.
 
   Raises:
-    ValueError: arguments out of range (from the helpers it calls).
+    ParameterValueError: arguments out of range (from the helpers it calls).
   """
   included = canaries_lib.draw_membership(num_canaries, design_seed, p_in)
   x_all, y_all = _with_canaries(x, y, num_classes, included, neighbouring)

@@ -60,7 +60,7 @@ def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
     float in [0, 1]: the smallest bound (3) over the fixed grids of ε' > ε and j.
 
   Raises:
-    ValueError: counts out of range.
+    ParameterValueError: counts out of range.
   """
   if not (0 <= num_correct <= num_guesses <= num_canaries):
     raise ParameterValueError("need 0 <= num_correct <= num_guesses <= num_canaries, got "

@@ -36,7 +36,7 @@ class BallsInBinsSampler:
     seed: tests only (reproducible, NOT private; warns). None: OS entropy.
 
   Raises:
-    ValueError: an argument out of range, named.
+    ParameterValueError: an argument out of range, named.
   """
 
   def __init__(self, population_size, steps_per_epoch, seed=None):

@@ -72,7 +72,7 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
     ParameterTypeError: `dataset` is not a tf.data.Dataset, or a count is not an integer.
     PrivacyConfigError: population_size < 1, batch_size outside [1, population_size],
       steps_per_pass < 1, or static batches larger than batch_size.
-    ValueError: the dataset already carries a sampling declaration.
+    ParameterValueError: the dataset already carries a sampling declaration.
   """
   if not isinstance(dataset, tf.data.Dataset):
     raise ParameterTypeError(

@@ -35,7 +35,7 @@ def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None
     A dataset with the element structure and SamplingSpec of `poisson_batches`.
 
   Raises:
-    ValueError: an argument out of range, or x and y of different lengths.
+    ParameterValueError: an argument out of range, or x and y of different lengths.
   """
   n = sampling_lib.num_records(tuple(a for a in (x, y) if a is not None))
   q, steps = sampling_lib.check_poisson_args(n, expected_batch_size, steps_per_epoch,

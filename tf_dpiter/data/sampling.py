@@ -163,7 +163,7 @@ def num_records(x):
     int, the number of records n.
 
   Raises:
-    ValueError: if x holds no array, or the leading dimensions differ.
+    ParameterValueError: if x holds no array, or the leading dimensions differ.
   """
   leaves = tf.nest.flatten(x)
   if not leaves:
@@ -271,7 +271,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     passes them as sample_weight.
 
   Raises:
-    ValueError: an argument out of range, or arrays of different lengths.
+    ParameterValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
   declared = n if population_size is None else check_population_size(population_size)
@@ -350,7 +350,7 @@ def check_population_size(population_size):
     float N.
 
   Raises:
-    ValueError: N is not a number >= 1.
+    ParameterValueError: N is not a number >= 1.
   """
   if isinstance(population_size, bool) or not isinstance(
       population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
@@ -372,7 +372,7 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
     Tuple (q, steps_per_epoch): float sampling probability and int steps.
 
   Raises:
-    ValueError: if an argument is out of range or of the wrong type.
+    ParameterValueError: if an argument is out of range or of the wrong type.
   """
   if isinstance(expected_batch_size, bool) or not isinstance(
       expected_batch_size, (int, float, np.integer, np.floating)) or not (

@@ -201,7 +201,7 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   Raises:
     ParameterTypeError: batch_size or passes is not an integer (a TypeError).
     PrivacyConfigError: batch_size outside [1, n] or passes < 1 (a ValueError).
-    ValueError: arrays of different lengths.
+    ParameterValueError: arrays of different lengths.
   """
   data = tuple(a for a in (x, y, sample_weight) if a is not None)
   n = sampling.num_records(data)

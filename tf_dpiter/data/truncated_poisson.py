@@ -79,7 +79,7 @@ def truncated_poisson_batches(x, y=None, expected_batch_size=256, max_batch_size
     The dataset, carrying SamplingSpec("truncated_poisson", n, q, B).
 
   Raises:
-    ValueError: an argument out of range, named.
+    ParameterValueError: an argument out of range, named.
   """
   n = sampling.num_records(x if y is None else (x, y))
   if max_batch_size is None:

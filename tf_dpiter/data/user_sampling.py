@@ -91,7 +91,7 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
     U, q, q U, UserGrouping(k, U)).
 
   Raises:
-    ValueError: arrays of different lengths or an argument out of range.
+    ParameterValueError: arrays of different lengths or an argument out of range.
   """
   n = sampling_lib.num_records((x, y, np.asarray(user_ids)))
   users, rows = _kept_rows(user_ids, max_examples_per_user)

@@ -48,7 +48,7 @@ def template_shapes(template):
     a list of (list of ints, dtype name), one per leaf in tf.nest order.
 
   Raises:
-    ValueError: a leaf whose shape is not fully defined.
+    ParameterValueError: a leaf whose shape is not fully defined.
   """
   if isinstance(template, list) and template and all(
       isinstance(t, dict) and set(t) == {"shape", "dtype"} for t in template):
@@ -112,7 +112,7 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
     (rows, extendable: whether steps beyond n may reuse the last row).
 
   Raises:
-    ValueError: an unknown strategy name, or a matrix that is not square with a positive
+    ParameterValueError: an unknown strategy name, or a matrix that is not square with a positive
       diagonal.
   """
   if isinstance(strategy, str):

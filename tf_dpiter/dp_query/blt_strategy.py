@@ -86,7 +86,7 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
     the sensitivity per unit clip (float).
 
   Raises:
-    ValueError: min_separation < 1.
+    ParameterValueError: min_separation < 1.
   """
   c = np.abs(np.asarray(coefs, np.float64))
   c = np.maximum.accumulate(c[::-1])[::-1]            # non-increasing envelope (upper bound)
@@ -182,7 +182,7 @@ def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=20
     (theta, omega), float64 arrays [buffers].
 
   Raises:
-    ValueError: n, buffers, min_separation or max_participations not an integer >= 1.
+    ParameterValueError: n, buffers, min_separation or max_participations not an integer >= 1.
   """
   for name, v in (("n", n), ("buffers", buffers), ("min_separation", min_separation),
                   ("max_participations", max_participations)):

@@ -63,7 +63,7 @@ def tree_depth(tree_size):
     the depth (int).
 
   Raises:
-    ValueError: tree_size not an integer >= 1.
+    ParameterValueError: tree_size not an integer >= 1.
   """
   if isinstance(tree_size, bool) or int(tree_size) != tree_size or tree_size < 1:
     raise ParameterValueError(f"tree_size must be an integer >= 1, got {tree_size!r}")

@@ -54,7 +54,7 @@ def map_up_to(shallow, fn, *structures):
     a nest shaped like `shallow` holding fn's results (dict keys in tf.nest order).
 
   Raises:
-    ValueError: a structure does not match `shallow`.
+    ParameterValueError: a structure does not match `shallow`.
   """
   if not _is_nest(shallow):
     return fn(*structures)

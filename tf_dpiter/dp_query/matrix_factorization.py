@@ -102,7 +102,7 @@ def num_bands(matrix, tol=0.0):
     b (int; 0 for the zero matrix).
 
   Raises:
-    ValueError: the matrix is not lower triangular.
+    ParameterValueError: the matrix is not lower triangular.
   """
   c = np.asarray(matrix)
   i, j = np.nonzero(np.abs(c) > tol)
@@ -142,7 +142,7 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
     the sensitivity per unit clip (float).
 
   Raises:
-    ValueError: min_separation below the number of bands (no such simple formula holds), or
+    ParameterValueError: min_separation below the number of bands (no such simple formula holds), or
       max_participations < 1.
   """
   c = np.asarray(matrix, np.float64)
@@ -227,7 +227,7 @@ def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
     float64 array [bands].
 
   Raises:
-    ValueError: n or bands not an integer >= 1.
+    ParameterValueError: n or bands not an integer >= 1.
   """
   _check_sizes(n, bands)
   bands = min(int(bands), int(n))
@@ -288,7 +288,7 @@ def optimize_banded(n, bands, max_iter=300, cache_dir=None):
     float64 array [n, n], lower triangular, banded.
 
   Raises:
-    ValueError: n or bands not an integer >= 1, or n > 2048.
+    ParameterValueError: n or bands not an integer >= 1, or n > 2048.
   """
   _check_sizes(n, bands)
   bands = min(int(bands), int(n))

@@ -132,7 +132,7 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
     float32 tensor [size].
 
   Raises:
-    ValueError: bucket_bits outside [1, 32] or refine_below < 1.
+    ParameterValueError: bucket_bits outside [1, 32] or refine_below < 1.
   """
   if not 1 <= int(bucket_bits) <= 32 or int(refine_below) < 1:
     raise ParameterValueError(f"bucket_bits must be in [1, 32] and refine_below >= 1, got "

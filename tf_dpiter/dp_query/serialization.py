@@ -236,7 +236,7 @@ def encode_nest(nest, leaf_fn=plain):
 
   Raises:
     ParameterTypeError: a namedtuple or a non-string key.
-    ValueError: a dict with a key "class_name" or "__tuple__" (ambiguous).
+    ParameterValueError: a dict with a key "class_name" or "__tuple__" (ambiguous).
   """
   if isinstance(nest, tuple) and hasattr(nest, "_fields"):
     raise ParameterTypeError(f"a namedtuple nest ({type(nest).__name__}) cannot be serialized; "

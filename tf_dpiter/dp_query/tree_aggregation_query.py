@@ -44,7 +44,7 @@ def tree_prefix_error(num_steps, restart_every):
     the mean squared error (float).
 
   Raises:
-    ValueError: restart_every not an integer >= 1.
+    ParameterValueError: restart_every not an integer >= 1.
   """
   depth = correlated_events.tree_depth(restart_every)
   total, frozen = 0.0, 0.0

@@ -144,7 +144,7 @@ class TokenSet:
     tokens: the plain tokens (only their digests are kept).
 
   Raises:
-    ValueError: for an empty set or a token shorter than 16 characters.
+    ParameterValueError: for an empty set or a token shorter than 16 characters.
   """
 
   def __init__(self, tokens):
@@ -175,7 +175,7 @@ class TokenSet:
     Raises:
       TokenFileUnsettled: the file was modified less than settle_s seconds ago.
       OSError: when the file cannot be read.
-      ValueError: when it holds no valid token, changed while read or ends mid-line.
+      ParameterValueError: when it holds no valid token, changed while read or ends mid-line.
     """
     out = cls(read_token_file(path, settle_s, whole_lines=settle_s > 0))
     out.path = path
@@ -194,7 +194,7 @@ class TokenSet:
 
     Raises:
       TokenFileUnsettled: the file is too fresh; call again after its `wait_s`.
-      ValueError: when the set was not read from a file, or the file holds no valid token,
+      ParameterValueError: when the set was not read from a file, or the file holds no valid token,
         changed while read or ends mid-line.
       OSError: when the file cannot be read.
     """
@@ -241,7 +241,7 @@ class AuthThrottle:
     clock: time source (tests).
 
   Raises:
-    ValueError: for a non-positive rate or a burst < 1.
+    ParameterValueError: for a non-positive rate or a burst < 1.
   """
 
   def __init__(self, rate: float = 1.0, burst: float = 10.0, max_addresses: int = 100_000,
@@ -296,7 +296,7 @@ class Quotas:
       Redis store together allow `rate` per identity (service.DDMLService checks both).
 
   Raises:
-    ValueError: for a non-positive rate or burst.
+    ParameterValueError: for a non-positive rate or burst.
   """
 
   def __init__(self, rates: dict, burst: dict | None = None, max_identities: int = 100_000,

@@ -28,7 +28,7 @@ def check_positive(name: str, value: float) -> float:
     float(value).
 
   Raises:
-    ValueError: naming the parameter and the value.
+    ParameterValueError: naming the parameter and the value.
   """
   if value is None or not np.isfinite(value) or not value > 0:
     raise ParameterValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -45,7 +45,7 @@ def check_k(k: int) -> int:
     int(k).
 
   Raises:
-    ValueError: naming k and the value.
+    ParameterValueError: naming k and the value.
   """
   if int(k) != k or k < 1:
     raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
@@ -67,7 +67,7 @@ def sensitivity(gamma: float, clip: float = 1.0) -> float:
     2 * gamma * c, in weight units.
 
   Raises:
-    ValueError: for a gamma or clip that is not a finite number > 0.
+    ParameterValueError: for a gamma or clip that is not a finite number > 0.
   """
   return 2.0 * check_positive("gamma", gamma) * check_positive("clip", clip)
 
@@ -84,7 +84,7 @@ def laplace_scale(gamma: float, epsilon: float, clip: float = 1.0) -> float:
     The Laplace scale b, in weight units.
 
   Raises:
-    ValueError: for a gamma, epsilon or clip that is not a finite number > 0.
+    ParameterValueError: for a gamma, epsilon or clip that is not a finite number > 0.
   """
   return sensitivity(gamma, clip) / check_positive("epsilon", epsilon)
 

@@ -53,7 +53,7 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
     A ModelSpec.
 
   Raises:
-    ValueError: for num_weights < 2.
+    ParameterValueError: for num_weights < 2.
   """
   if num_weights < 2:
     raise ParameterValueError(f"num_weights must be >= 2, got {num_weights}")

@@ -53,7 +53,7 @@ def make_noise(rng: np.random.Generator, noise: str, gamma: float, epsilon: floa
     float64 noise of `shape`, or None without noise.
 
   Raises:
-    ValueError: for an unknown noise law or a bad parameter.
+    PrivacyConfigError: for an unknown noise law or a bad parameter.
   """
   if noise == "none" or epsilon is None:
     return None
@@ -84,7 +84,7 @@ def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
     [M, p*C] float64.
 
   Raises:
-    ValueError: for clip <= 0.
+    PrivacyConfigError: for clip <= 0.
   """
   validation.check_positive("clip", clip, allow_inf=True)
   weights = np.asarray(weights, dtype=np.float64)
@@ -124,7 +124,7 @@ def client_update(weights: np.ndarray, x: np.ndarray, y: np.ndarray, *, family: 
     The updated instances, the shape of `weights`.
 
   Raises:
-    ValueError: for gamma <= 0, epsilon <= 0, clip <= 0 or an unknown noise law.
+    ParameterValueError: for gamma <= 0, epsilon <= 0, clip <= 0 or an unknown noise law.
   """
   validation.check_positive("gamma", gamma, allow_inf=True, error=ParameterValueError)
   if epsilon is not None:
@@ -201,7 +201,7 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
     The tf.function update(weights, x, y) -> [p*C] float64.
 
   Raises:
-    ValueError: for an unknown family, gamma <= 0 or clip <= 0.
+    ParameterValueError: for an unknown family, gamma <= 0 or clip <= 0.
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top  (lazy: the service needs no TF)
   glm.check_family(family)

@@ -54,7 +54,7 @@ class DDMLClient:
     insecure: allow sending the token over http://.
 
   Raises:
-    ValueError: for a bad URL or floor, or a token with an http:// URL.
+    ParameterValueError: for a bad URL or floor, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, timeout: float = 30.0, *, token: str | None = None,
@@ -273,7 +273,7 @@ class AsyncDDMLClient:
     insecure: allow sending the token over http://.
 
   Raises:
-    ValueError: for a bad floor, or a token with an http:// URL.
+    ParameterValueError: for a bad floor, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, session=None, timeout: float = 30.0, *,

@@ -149,7 +149,7 @@ def check_token_transport(base_url: str, token: str | None, insecure: bool) -> N
     insecure: allow it anyway (tests on loopback).
 
   Raises:
-    ValueError: for a token with an http:// URL and insecure False.
+    ParameterValueError: for a token with an http:// URL and insecure False.
   """
   if token is not None and base_url.lower().startswith("http://") and not insecure:
     raise ParameterValueError("`token` would travel in clear text to an http:// URL; use https:// "

@@ -28,7 +28,7 @@ def check_family(family: str) -> str:
     family.
 
   Raises:
-    ValueError: naming the family.
+    ParameterValueError: naming the family.
   """
   if family not in FAMILIES:
     raise ParameterValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -66,7 +66,7 @@ def predict_mean(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
     [..., N, C] float64.
 
   Raises:
-    ValueError: for an unknown family.
+    ParameterValueError: for an unknown family.
   """
   check_family(family)
   eta = np.matmul(x, weights)

@@ -155,7 +155,7 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
     (per-weight allowance, aggregate allowance); (0, 0) without noise.
 
   Raises:
-    ValueError: for an unknown noise law or n < 1.
+    ParameterValueError: for an unknown noise law or n < 1.
   """
   if n < 1:
     raise ParameterValueError(f"n must be >= 1, got {n!r}")
@@ -221,7 +221,7 @@ class InfluenceBudget:
   the key is t_last: the least recently used identity is forgotten.
 
   Raises:
-    ValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
+    ParameterValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
       half_life_s <= 0 or max_memory_bytes too small for one identity.
   """
 

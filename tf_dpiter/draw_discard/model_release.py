@@ -76,7 +76,7 @@ class ModelRelease:
     min_interval_s: seconds between two releases (>= 0).
 
   Raises:
-    ValueError: for min_updates < 1 or min_interval_s < 0.
+    ParameterValueError: for min_updates < 1 or min_interval_s < 0.
   """
 
   def __init__(self, store, snapshots, k: int, min_updates: int, min_interval_s: float):

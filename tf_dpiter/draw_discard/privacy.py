@@ -46,7 +46,7 @@ def epsilon_adversary_one(epsilon: float) -> float:
     epsilon (per weight, per update).
 
   Raises:
-    ValueError: for epsilon not a finite number > 0.
+    ParameterValueError: for epsilon not a finite number > 0.
   """
   return check_positive("epsilon", epsilon)
 
@@ -112,7 +112,7 @@ def epsilon_adversary_two(epsilon: float, k: int) -> float:
     The expected loss (nats).
 
   Raises:
-    ValueError: for a bad epsilon or k.
+    ParameterValueError: for a bad epsilon or k.
   """
   check_k(k)
   return (k - 1) / k * 0.5 * check_positive("epsilon", epsilon)
@@ -154,7 +154,7 @@ def discard_probability(k: int) -> float:
     1 - 1/k.
 
   Raises:
-    ValueError: for k not an integer >= 1.
+    ParameterValueError: for k not an integer >= 1.
   """
   return 1.0 - 1.0 / check_k(k)
 
@@ -176,7 +176,7 @@ def discard_probability_chain(k: int) -> float:
     q_1 (0 for k = 1).
 
   Raises:
-    ValueError: for k not an integer >= 1.
+    ParameterValueError: for k not an integer >= 1.
   """
   k = check_k(k)
   if k == 1:
@@ -282,7 +282,7 @@ def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: 
     epsilon_T / k (nats).
 
   Raises:
-    ValueError: for a bad parameter.
+    ParameterValueError: for a bad parameter.
   """
   return epsilon_adversary_three(epsilon, num_later_updates, delta_t, **kwargs) / check_k(k)
 
@@ -372,7 +372,7 @@ def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
     A PrivacyStatement (str() prints the summary).
 
   Raises:
-    ValueError: for a bad parameter.
+    PrivacyConfigError: for a bad parameter.
   """
   eps_t = epsilon_adversary_three(epsilon, num_later_updates, delta_t, w_over_gamma)
   return PrivacyStatement(

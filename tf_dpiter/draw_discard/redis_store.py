@@ -64,7 +64,7 @@ class RedisStore:
     group_commit: send the touch/replace scripts of one event-loop iteration in one pipeline.
 
   Raises:
-    ValueError: for a URL of another scheme.
+    ParameterValueError: for a URL of another scheme.
   """
 
   kind = "redis"

@@ -125,7 +125,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       slot's last served value again (draw_gate.py). 1: Algorithm 2's draws.
 
   Raises:
-    ValueError: for k < 2, history < 0 or a bad acceptance parameter.
+    ParameterValueError: for k < 2, history < 0 or a bad acceptance parameter.
   """
 
   def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,

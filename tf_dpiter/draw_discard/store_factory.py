@@ -23,7 +23,7 @@ def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
     A MemoryStore or a RedisStore.
 
   Raises:
-    ValueError: for any other spec.
+    ParameterValueError: for any other spec.
   """
   if spec == "memory":
     return store_lib.MemoryStore()

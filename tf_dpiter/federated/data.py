@@ -25,7 +25,7 @@ def load_mnist(path=None):
     (x_train, y_train, x_test, y_test): x float32 [n, 784] in [0, 1], y int32 [n].
 
   Raises:
-    ValueError: the file does not exist.
+    ParameterValueError: the file does not exist.
   """
   return mnist.load_mnist(path, flatten=True)
 

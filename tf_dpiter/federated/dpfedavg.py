@@ -234,7 +234,7 @@ class DPFedAvg:
 
     Raises:
       ParameterTypeError: max_rounds is not an int (a TypeError).
-      ValueError: max_rounds < 0.
+      ParameterValueError: max_rounds < 0.
       PrivacyConfigError: a schedule gives a bad m_t or sigma_t.
     """
     validation.check_integer("max_rounds", max_rounds, 0)

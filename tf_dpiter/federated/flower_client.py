@@ -88,7 +88,7 @@ class DPFlowerClient(NumPyClient):
     seed: seeds the local example order (tests only).
 
   Raises:
-    ValueError: no example.
+    ParameterValueError: no example.
   """
 
   def __init__(self, model, x, y, epochs=1, batch_size=60, learning_rate=0.1, seed=None):

@@ -24,7 +24,7 @@ def correlated_requirement(event):
   (cyclic_poisson, min_separation); tree -> (shuffle, 0); one band -> (None, 0): any policy.
 
   Raises:
-    ValueError: not a correlated event.
+    ParameterValueError: not a correlated event.
   """
   from tf_dpiter.dp_query import correlated_events  # pylint: disable=g-import-not-at-top
   if isinstance(event, correlated_events.BandedGaussianEvent):
@@ -65,7 +65,7 @@ def correlated_query_row(event, policy, sample_size, factor):
   separation; tree rows shuffle. One band is a plain Gaussian sum query of clip zeta S.
 
   Raises:
-    ValueError: the event's structure is not covered by the sampling.
+    ParameterValueError: the event's structure is not covered by the sampling.
   """
   needed_policy, least = correlated_requirement(event)
   if needed_policy is not None and (policy != needed_policy or not least <= int(sample_size)):

@@ -77,7 +77,7 @@ def verify(d, key=None, what="ledger"):
     None.
 
   Raises:
-    ValueError: if the digest does not match, or with `key`, the HMAC is missing or wrong.
+    ParameterValueError: if the digest does not match, or with `key`, the HMAC is missing or wrong.
       Without `key` a forged dict whose digest was recomputed passes: a digest is no MAC.
   """
   body = _canonical(d)
@@ -151,7 +151,7 @@ def runs_to_dict(runs, passes=0, key=None):
     the signed dict.
 
   Raises:
-    ValueError: a run fails the checks of `records.validate_arrays`.
+    ParameterValueError: a run fails the checks of `records.validate_arrays`.
   """
   runs, selected = selection_lib.split_runs(runs)
   out = []
@@ -239,7 +239,7 @@ def dict_to_runs(d, key=None):
     (runs, passes).
 
   Raises:
-    ValueError: a bad header, digest or HMAC, or a malformed or invalid run or selection.
+    ParameterValueError: a bad header, digest or HMAC, or a malformed or invalid run or selection.
   """
   _check_header(d)
   verify(d, key)
@@ -292,7 +292,7 @@ def loads(text, key=None):
     Tuple (samples, queries, passes), as `dict_to_arrays`.
 
   Raises:
-    ValueError: if the JSON cannot be parsed, or the ledger is malformed or fails verification.
+    ParameterValueError: if the JSON cannot be parsed, or the ledger is malformed or fails verification.
   """
   try:
     d = json.loads(text)
@@ -312,7 +312,7 @@ def load(path, key=None):
     Tuple (samples, queries, passes), as `dict_to_arrays`.
 
   Raises:
-    ValueError: if the file cannot be read, or its content is malformed or fails verification.
+    ParameterValueError: if the file cannot be read, or its content is malformed or fails verification.
   """
   try:
     with open(path) as f:

@@ -71,7 +71,7 @@ def _correlated_row(event, factor, policy, sample_size):
   The sensitivity is at least factor x clip (see below), erring on the costly side.
 
   Raises:
-    ValueError: the policy, or a Python sample_size, does not cover the event.
+    ParameterValueError: the policy, or a Python sample_size, does not cover the event.
   """
   wide = event._replace(l2_norm_clip=_f64(event.l2_norm_clip), stddev=_f64(event.stddev))
   needed, least = correlated_records.correlated_requirement(event)
@@ -548,7 +548,7 @@ class PrivacyLedger(tf.Module):
       a new PrivacyLedger.
 
     Raises:
-      ValueError: unparsable, malformed, altered or version-1 JSON.
+      ParameterValueError: unparsable, malformed, altered or version-1 JSON.
     """
     return cls._from_arrays(*ledger_file.loads(text, key))
 

@@ -172,7 +172,7 @@ def check_examples_per_record(policy, examples_per_record):
     None.
 
   Raises:
-    ValueError: if k < 1, or k > 1 under an add-or-remove policy.
+    ParameterValueError: if k < 1, or k > 1 under an add-or-remove policy.
   """
   k = examples_per_record
   if isinstance(k, (int, float, np.integer, np.floating)) and not isinstance(k, bool):

@@ -61,7 +61,7 @@ def check(mean, shape, trials):
     mean: E[K]. shape: eta >= 0 or inf. trials: K run, an integer >= 1.
 
   Raises:
-    ValueError: naming the parameter and its value.
+    ParameterValueError: naming the parameter and its value.
   """
   shape = float(shape)
   if math.isnan(shape) or shape < 0:
@@ -124,7 +124,7 @@ def with_selection(runs, mean, shape, trials):
     runs + [(1, marker row, no queries)].
 
   Raises:
-    ValueError: bad parameters, or `runs` already holds a selection marker or no sample.
+    ParameterValueError: bad parameters, or `runs` already holds a selection marker or no sample.
   """
   if any(is_marker(s) for _, s, _ in runs):
     raise ParameterValueError("this ledger already records a selection; a trial cannot be selected twice")
@@ -160,7 +160,7 @@ def from_field(field):
     a Selection.
 
   Raises:
-    ValueError: a malformed field, named.
+    ParameterValueError: a malformed field, named.
   """
   if not isinstance(field, dict):
     raise ParameterValueError(f"ledger field 'selection' must be an object, got {type(field).__name__}")
@@ -209,7 +209,7 @@ def insert_marker(runs, selection):
     runs with the marker inserted.
 
   Raises:
-    ValueError: after_samples is beyond the ledger's samples.
+    PrivacyConfigError: after_samples is beyond the ledger's samples.
   """
   out, seen, placed = [], 0, False
   marker = (1, marker_row(selection), np.zeros([0, len(schema.QUERY_COLUMNS)]))

@@ -126,7 +126,7 @@ def selection_ledger(trial_ledger, mean, shape, trials, key=None):
     the signed ledger dict; `privacy_report` on it accounts RepeatAndSelectDpEvent.
 
   Raises:
-    ValueError: bad parameters, an empty trial or one that already records a selection.
+    ParameterValueError: bad parameters, an empty trial or one that already records a selection.
   """
   runs, passes = accountant_lib.ledger_runs(trial_ledger)
   return ledger_file.runs_to_dict(selection_lib.with_selection(runs, mean, shape, trials),

@@ -126,7 +126,7 @@ class ExponentialMovingAverage(_WeightAveraging):
     swap_on_train_end: leave the average in the model after `fit`.
 
   Raises:
-    ValueError: a decay outside [0, 1).
+    ParameterValueError: a decay outside [0, 1).
   """
 
   def __init__(self, decay=0.999, warmup=False, swap_on_train_end=True):
@@ -159,7 +159,7 @@ class PolyakAveraging(_WeightAveraging):
     swap_on_train_end: leave the average in the model after `fit`.
 
   Raises:
-    ValueError: start < 1.
+    ParameterValueError: start < 1.
   """
 
   def __init__(self, start=1, swap_on_train_end=True):

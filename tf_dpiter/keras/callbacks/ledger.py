@@ -27,7 +27,7 @@ def model_ledger(model):
     The model's `ledger`, else its optimizer's `ledger`.
 
   Raises:
-    ValueError: neither the model nor its optimizer has a ledger.
+    PrivacyConfigError: neither the model nor its optimizer has a ledger.
   """
   ledger = getattr(model, "ledger", None)
   if ledger is None:
@@ -54,7 +54,7 @@ def check_ledger_covers(model, ledger=None):
     None.
 
   Raises:
-    ValueError: optimizer iterations > ledger samples (the message says how to supply it).
+    PrivacyConfigError: optimizer iterations > ledger samples (the message says how to supply it).
   """
   ledger = model_ledger(model) if ledger is None else ledger
   saved_ledger.check_counts(model_iterations(model), int(ledger.sample_count.numpy()))

@@ -263,7 +263,7 @@ class PrivacyMeter(keras.callbacks.Callback):
       when the ledger holds no step.
 
     Raises:
-      ValueError: the model has no privacy ledger.
+      PrivacyConfigError: the model has no privacy ledger.
     """
     ledger = model_ledger(self.model)
     if int(ledger.sample_count.numpy()) == 0:

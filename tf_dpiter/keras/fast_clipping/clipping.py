@@ -204,7 +204,7 @@ def gaussian_clip_factors(l2_norm_clip):
     a callable [R] float32 norms -> [R] float32 factors.
 
   Raises:
-    ValueError: C is a number that is not positive and finite.
+    PrivacyConfigError: C is a number that is not positive and finite.
   """
   clip = _check_clip(l2_norm_clip)
   return lambda norms: dp_query.clip_factors(norms, clip)

@@ -183,7 +183,7 @@ def plan(model, grouped=False):
     a list of Unit whose variables are exactly model.trainable_variables, each once.
 
   Raises:
-    ValueError: unbuilt model, a batch-coupled layer with trained variables, an
+    ParameterValueError: unbuilt model, a batch-coupled layer with trained variables, an
       unregistered layer with internal dropout, a variable shared by two units,
       or a trained variable no layer owns.
   """

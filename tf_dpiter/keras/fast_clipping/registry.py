@@ -241,7 +241,7 @@ def register_layer(layer_class, norm_fn):
     norm_fn: the norm function.
 
   Raises:
-    ValueError: layer_class is not a Layer subclass or norm_fn not callable.
+    ParameterValueError: layer_class is not a Layer subclass or norm_fn not callable.
   """
   if not (isinstance(layer_class, type) and
           issubclass(layer_class, keras.layers.Layer)):

@@ -151,7 +151,7 @@ def two_pass_sum(units, losses, example_factors, tape):
     {id(variable): clipped sum tensor}.
 
   Raises:
-    ValueError: a unit computes in 16 bits.
+    PrivacyConfigError: a unit computes in 16 bits.
   """
   if any(plan_lib.computes_in_16_bits(u.layer) for u in units):
     raise PrivacyConfigError("variant='two_pass' forms the clipped sum in the layers' "

@@ -134,7 +134,7 @@ class Scattering2D(keras.layers.Layer):
     max_order: 1 or 2.
 
   Raises:
-    ValueError: J, L or max_order out of range, or an image smaller than 2^J.
+    ParameterValueError: J, L or max_order out of range, or an image smaller than 2^J.
   """
 
   def __init__(self, J=2, L=8, max_order=2, **kwargs):  # pylint: disable=invalid-name

@@ -92,7 +92,7 @@ class AugmentationMultiplicity(keras.Model):
       **kwargs: keras.Model arguments.
 
     Raises:
-      ValueError: K not a positive int, augment_fn not callable, model not a built Model.
+      ParameterValueError: K not a positive int, augment_fn not callable, model not a built Model.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
       raise ParameterValueError(f"`k` must be a positive integer (views per example). Received: k={k!r}")

@@ -614,7 +614,7 @@ def journal_path(callbacks, ledger_journal):
     the first BackupAndRestore callback, else None.
 
   Raises:
-    ValueError: `ledger_journal` is not a non-empty str or path-like.
+    ParameterValueError: `ledger_journal` is not a non-empty str or path-like.
   """
   if ledger_journal is not None:
     if not isinstance(ledger_journal, (str, os.PathLike)) or not os.fspath(ledger_journal):

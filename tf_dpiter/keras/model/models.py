@@ -499,7 +499,7 @@ def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
 
   Raises:
     ParameterTypeError: an argument DPOptimizer does not take.
-    ValueError: a bad setting (DPOptimizer's own checks, which name it).
+    ParameterValueError: a bad setting (DPOptimizer's own checks, which name it).
   """
   takes = tuple(name for name, p in inspect.signature(opt_lib.DPOptimizer).parameters.items()
                 if name != "optimizer" and p.kind != p.VAR_KEYWORD) + tuple(

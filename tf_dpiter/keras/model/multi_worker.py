@@ -123,7 +123,7 @@ def synchronize_noise(strategy, optimizer):
     optimizer: a tf_dpiter DP optimizer.
 
   Raises:
-    ValueError: secure_mode (os.urandom has no state to share), or a query without a
+    PrivacyConfigError: secure_mode (os.urandom has no state to share), or a query without a
       `noise_generator`.
   """
   generator = optimizer.private_step.noise_generator
@@ -233,7 +233,7 @@ class MultiWorkerFitMixin:
       The History object of keras.Model.fit.
 
     Raises:
-      ValueError: secure_mode noise under several workers, or as DPModel.fit.
+      ParameterValueError: secure_mode noise under several workers, or as DPModel.fit.
     """
     strategy = self.distribute_strategy
     if num_workers(strategy) > 1:

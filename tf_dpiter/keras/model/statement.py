@@ -121,7 +121,7 @@ def run_statement(model, delta, accountant="rdp"):
     UserWarning: delta >= 1/n for the ledger's population n.
 
   Raises:
-    ValueError: the ledger has no private step yet (`model.ledger` is empty), a bad delta or
+    ParameterValueError: the ledger has no private step yet (`model.ledger` is empty), a bad delta or
       accountant (named), or a ledger that cannot be accounted soundly.
   """
   ledger = model.ledger

@@ -49,7 +49,7 @@ class AdamBC(keras.optimizers.Adam):
       name, **kwargs: as keras.optimizers.Adam (amsgrad is not supported).
 
     Raises:
-      ValueError: a negative or non-finite Phi, gamma' <= 0, amsgrad=True, or Phi=None on a
+      ParameterValueError: a negative or non-finite Phi, gamma' <= 0, amsgrad=True, or Phi=None on a
         non-DP AdamBC.
     """
     if kwargs.pop("amsgrad", False):
@@ -121,7 +121,7 @@ def dp_noise_variance(opt):
     the float32 tensor Phi.
 
   Raises:
-    ValueError: correlated noise (noise != "iid": the per-step noise is not N(0, sigma^2)
+    PrivacyConfigError: correlated noise (noise != "iid": the per-step noise is not N(0, sigma^2)
       i.i.d.), microbatches, or a custom dp_query without a `stddev`.
   """
   if opt.noise != "iid":

@@ -39,7 +39,7 @@ def resolve_clipping(step, model=None, input_specs=None):
     "vectorized" or "fast".
 
   Raises:
-    ValueError: clipping="fast" and the fast path cannot clip this model exactly (the
+    PrivacyConfigError: clipping="fast" and the fast path cannot clip this model exactly (the
       message names the offending layer, dtype policy or setting).
   """
   if step.clipping == "vectorized":

@@ -135,7 +135,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     them with `apply_private_gradients`.
 
   Raises:
-    ValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
+    ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
       examples, form (b) without `model`, or with a model that has a trainable
       BatchNormalization, a layer that mixes the examples of a batch or inputs the probe
       cannot see (ParameterValueError / PrivacyConfigError, module docstring), or an

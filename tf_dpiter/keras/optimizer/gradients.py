@@ -36,7 +36,7 @@ def static_batch_size(nest):
     The static leading dimension (an int), or None if unknown.
 
   Raises:
-    ValueError: the nest holds no tensor.
+    ParameterValueError: the nest holds no tensor.
   """
   leaves = [t for t in tf.nest.flatten(nest) if t is not None]
   if not leaves:
@@ -68,7 +68,7 @@ def check_num_microbatches(num_microbatches, batch_size):
     None.
 
   Raises:
-    ValueError: num_microbatches > batch_size.
+    PrivacyConfigError: num_microbatches > batch_size.
   """
   if num_microbatches is None:
     return
@@ -113,7 +113,7 @@ def consecutive_records(nest, example_mask, k):
   [B, ...] -> [B / k, k, ...]; returns (records, example_mask [B / k, k], record_mask).
 
   Raises:
-    ValueError: a static batch size that is not a multiple of k.
+    ParameterValueError: a static batch size that is not a multiple of k.
   """
   b = static_batch_size((nest, example_mask))
   if b is not None and b % k:

@@ -83,7 +83,7 @@ def restore_global_state(saved, flat_init):
     a list of tensors like flat_init.
 
   Raises:
-    ValueError: the saved state does not match the query's (count or shapes).
+    ParameterValueError: the saved state does not match the query's (count or shapes).
   """
   if saved is None:
     return flat_init

@@ -71,7 +71,7 @@ def split_config(config, custom_objects=None):
     (samples, queries, passes) or None).
 
   Raises:
-    ValueError: a malformed or altered "dp_ledger" (saved_ledger.arrays_of_config).
+    ParameterValueError: a malformed or altered "dp_ledger" (saved_ledger.arrays_of_config).
   """
   config = dict(config)
   if isinstance(config.get("dp_query"), dict):
@@ -95,7 +95,7 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
     (z, calibration dict, positional args, keyword args) for the class' constructor.
 
   Raises:
-    ValueError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
+    PrivacyConfigError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
   """
   kwargs = dict(kwargs)
   for name in ("dp_config", "plan"):
@@ -130,7 +130,7 @@ def check_no_gradient_accumulation(steps):
     steps: the optimizer's gradient_accumulation_steps argument (None or 1: fine).
 
   Raises:
-    ValueError: steps > 1 (the message says what to do instead).
+    PrivacyConfigError: steps > 1 (the message says what to do instead).
   """
   if steps is None or steps == 1:
     return

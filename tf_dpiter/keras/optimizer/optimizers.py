@@ -153,7 +153,7 @@ class DPOptimizerBase:
       an instance of cls.
 
     Raises:
-      ValueError: no l2_norm_clip, a noise_multiplier or dp_query given, or a bad target.
+      PrivacyConfigError: no l2_norm_clip, a noise_multiplier or dp_query given, or a bad target.
     """
     z, calib, args, kwargs = optimizer_config.calibrated_arguments(
         cls.__name__, epsilon, delta, epochs, batch_size, population_size, sampling,

@@ -152,7 +152,7 @@ class PrivateStep:
     mirrored variables, and the noise must come from one generator.
 
     Raises:
-      ValueError: called in a tf.distribute cross-replica scope.
+      PrivacyConfigError: called in a tf.distribute cross-replica scope.
     """
     if self.state.ledger is not None:
       return
@@ -203,7 +203,7 @@ class PrivateStep:
     """The noise source of the query (`GaussianSumQuery.noise_generator`).
 
     Raises:
-      ValueError: a custom `dp_query` that does not expose `noise_generator`.
+      PrivacyConfigError: a custom `dp_query` that does not expose `noise_generator`.
     """
     self.make_state()
     generator = getattr(self.base_query, "noise_generator", None)
@@ -242,7 +242,7 @@ class PrivateStep:
       True when the recorded policy or record unit changed (the step must be retraced).
 
     Raises:
-      ValueError: microbatches under add/remove, a sampling the mechanism is not accounted
+      PrivacyConfigError: microbatches under add/remove, a sampling the mechanism is not accounted
         under, a new sampling inside a tree, or a bad argument.
     """
     if self._plan.sampling is not None and policy != self._plan.sampling:

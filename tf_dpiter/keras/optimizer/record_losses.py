@@ -109,7 +109,7 @@ def compiled_record_losses(model, y_true, y_pred, weights):
     distribution scaling, no layer losses).
 
   Raises:
-    ValueError: the model was compiled without a loss.
+    ParameterValueError: the model was compiled without a loss.
   """
   compiled = getattr(model, "_compile_loss", None)   # keras.Model internals: see module doc
   if compiled is None:

@@ -41,7 +41,7 @@ def check_counts(iterations, samples):
     None.
 
   Raises:
-    ValueError: samples < iterations (the message says how to supply the ledger).
+    PrivacyConfigError: samples < iterations (the message says how to supply the ledger).
   """
   if samples < iterations:
     raise PrivacyConfigError(
@@ -64,7 +64,7 @@ def require_covers(opt):
     None.
 
   Raises:
-    ValueError: its iterations exceed its ledger's samples.
+    PrivacyConfigError: its iterations exceed its ledger's samples.
   """
   ledger = opt.private_step.existing_ledger
   if ledger is None:   # no sampling declared yet: the private step refuses to run anyway
@@ -85,7 +85,7 @@ def arrays_of_config(d):
     the arrays and the pass count.
 
   Raises:
-    ValueError: the dict is malformed or altered (names the config field).
+    ParameterValueError: the dict is malformed or altered (names the config field).
   """
   try:
     return ledger_file.dict_to_arrays(d)

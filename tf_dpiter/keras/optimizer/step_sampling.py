@@ -54,7 +54,7 @@ def check(step, population_size, policy, sample_size):
     sample_size: the batch size.
 
   Raises:
-    ValueError: microbatches under add/remove, a sampling the correlated mechanism is not
+    PrivacyConfigError: microbatches under add/remove, a sampling the correlated mechanism is not
       accounted under, or a new sampling inside one of its trees.
   """
   query_with_ledger.check_sample_size(sample_size)
@@ -114,7 +114,7 @@ def require(step, pending):
     the QueryWithLedger.
 
   Raises:
-    ValueError: the sampling is undeclared, or declared but the mechanism is not built.
+    PrivacyConfigError: the sampling is undeclared, or declared but the mechanism is not built.
   """
   if pending:
     raise PrivacyConfigError(

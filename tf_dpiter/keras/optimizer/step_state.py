@@ -89,7 +89,7 @@ class StepState:
       initial: the query's initial global state (a nest of tensors).
 
     Raises:
-      ValueError: the saved state does not match (mechanism.restore_global_state).
+      ParameterValueError: the saved state does not match (mechanism.restore_global_state).
     """
     init = tf.nest.map_structure(tf.convert_to_tensor, initial)
     flat = mechanism.restore_global_state(self.restored_global_state, tf.nest.flatten(init))
