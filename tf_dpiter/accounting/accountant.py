@@ -493,7 +493,7 @@ def epsilon(ledger, delta, accountant="rdp", key=None):
     epsilon, a float (inf when a sample is not private).
 
   Raises:
-    ValueError: see `privacy_report`.
+    PrivacyConfigError: see `privacy_report`.
   """
   return privacy_report(ledger, delta=delta, accountant=accountant, key=key).epsilon
 
@@ -511,6 +511,6 @@ def delta(ledger, epsilon, accountant="rdp", key=None):
     delta, a float in [0, 1].
 
   Raises:
-    ValueError: see `privacy_report`.
+    PrivacyConfigError: see `privacy_report`.
   """
   return privacy_report(ledger, epsilon=epsilon, accountant=accountant, key=key).delta

@@ -46,7 +46,7 @@ def register_query(name=None):
   Raises:
     ParameterTypeError: the decorated object is not a DPQuery subclass, or `name` is not a
       non-empty string.
-    ValueError: `name` is already registered for another class.
+    ParameterValueError: `name` is already registered for another class.
   """
   def decorator(cls):
     from tf_dpiter.dp_query import dp_query  # pylint: disable=g-import-not-at-top

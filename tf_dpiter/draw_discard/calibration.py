@@ -101,7 +101,7 @@ def laplace_variance(gamma: float, epsilon: float, clip: float = 1.0) -> float:
     The variance, in squared weight units.
 
   Raises:
-    ValueError: for a gamma, epsilon or clip that is not a finite number > 0.
+    PrivacyConfigError: for a gamma, epsilon or clip that is not a finite number > 0.
   """
   return 2.0 * laplace_scale(gamma, epsilon, clip) ** 2
 

@@ -333,7 +333,7 @@ def make_server_app(strategy_fn, num_rounds, evaluate_fn=None, timeout=3600, on_
   Returns:
     a `flwr.serverapp.ServerApp`.
   Raises (when the app runs):
-    ValueError: num_rounds < 1.
+    ParameterValueError: num_rounds < 1.
     ParameterTypeError: strategy_fn returned something else than a DPFedAvgMessageStrategy.
   """
   app = ServerApp()
