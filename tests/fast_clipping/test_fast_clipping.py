@@ -142,9 +142,17 @@ def test_registered_layer_exact(case, form, monkeypatch):
   check(model, x, y)
 
 
-@pytest.mark.parametrize("frozen", [None, "kernel", "bias"])
-@pytest.mark.parametrize("form", [None, "gram", "direct"])
-@pytest.mark.parametrize("in_shape", [(7,), (6, 7)])
+def latin_pairs(first, second, third):
+  """Every (first, second) pair once, with third[(i + j) % len(third)]: as len(third) <=
+  len(first), len(second), every (first, third) and (second, third) pair occurs too
+  (all-pairs coverage of three axes in len(first) * len(second) cases)."""
+  assert len(third) <= min(len(first), len(second))
+  return [(a, b, third[(i + j) % len(third)])
+          for i, a in enumerate(first) for j, b in enumerate(second)]
+
+
+@pytest.mark.parametrize("frozen,form,in_shape", latin_pairs(
+    [None, "kernel", "bias"], [None, "gram", "direct"], [(7,), (6, 7)]))
 def test_dense_bias_as_weight_of_an_input_one(frozen, form, in_shape, monkeypatch):
   """With kernel and bias both trained and a sequence input, the Dense rule takes [W; b] as
   one kernel on [x, 1] (one Gram or per-example product for both); with either frozen, or a
@@ -443,9 +451,12 @@ RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
     "conv2d_valid", "layernorm_seq")]
 
 
-@pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("form", [None, "gram", "filter", "depthwise", "foldgram"])
-@pytest.mark.parametrize("case", RECORD_CASES, ids=[c[0] for c in RECORD_CASES])
+MICROBATCH_CASES = latin_pairs(RECORD_CASES, [None, "gram", "filter", "depthwise", "foldgram"],
+                               [2, 3])
+
+
+@pytest.mark.parametrize("case,form,k", MICROBATCH_CASES,
+                         ids=[f"{c[0]}-{f}-{k}" for c, f, k in MICROBATCH_CASES])
 def test_microbatch_records_exact(case, form, k, monkeypatch, clip_reference):
   _, in_shape, make = case
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
