@@ -9,6 +9,7 @@ test_guides_code_blocks.py.
 import html.parser
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -106,6 +107,23 @@ def test_site_builds_strictly_and_every_internal_link_resolves(site):
       if not os.path.exists(target) and not pending:
         broken.append(f"{md}: {href}")
   assert not broken, f"links that resolve to nothing: {broken[:20]}"
+
+
+def test_the_dp_optimizer_page_renders_a_row_for_every_dp_argument(site):
+  """The user study's page: the constructor's Parameters table has one row per DP argument
+  (a docstring row naming several parameters rendered as none of them)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import optimizers  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(site, SCREENSHOT_PAGES["api_dp_keras_sgd_optimizer"]),
+            encoding="utf-8") as f:
+    page = f.read()
+  start = page.index('doc-section-title">Parameters:')
+  table = page[start:page.index("</table>", start)]
+  rows = set(re.findall(r"<td>\s*<code>\s*([A-Za-z_]\w*)\s*</code>\s*</td>", table))
+  dp_args = [n for n in inspect.signature(optimizers.DPOptimizerBase.__init__).parameters
+             if n not in ("self", "args", "kwargs")]
+  assert {"l2_norm_clip", "noise_multiplier", "normalize", "seed"} <= set(dp_args)
+  assert set(dp_args) <= rows, sorted(set(dp_args) - rows)
 
 
 @needs_mkdocs
