@@ -109,7 +109,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     settings = getattr(self, "_dp_pending_settings", None)
     if not settings:
       return
-    dp_opt = opt_lib.DPOptimizer(_unscaled(self.optimizer), **settings)
+    with self.distribute_strategy.scope():   # its variables where the model's are
+      dp_opt = opt_lib.DPOptimizer(_unscaled(self.optimizer), **settings)
     keras_internals.replace_compiled_optimizer(self, dp_opt)
     self._dp_pending_settings = None
 
