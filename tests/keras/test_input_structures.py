@@ -149,17 +149,58 @@ def test_auto_clipping_takes_the_fast_path(structure):
   assert model.optimizer.resolve_clipping(model) == "fast"
 
 
-def test_ragged_arrays_are_refused_before_any_step():
-  # Keras' fit takes a tf.RaggedTensor (Input(ragged=True)); DP fit's samplers and per-record
-  # clipping need dense rows, so fit refuses it at once, naming x and the remedy
+RAGGED_ROWS = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 1], [2], [3, 3]]
+
+
+def _ragged_model(clipping, jit=False):
   keras.utils.set_random_seed(1)
   model = dp.keras.make_private(keras.Sequential([
       keras.Input((None,), ragged=True, dtype="int32"), keras.layers.Embedding(10, 4),
       keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)]))
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0),
-                loss=SCCE)
-  x = tf.ragged.constant([[1, 2, 3], [4], [5, 6], [7, 8, 9, 1], [2], [3, 3]], dtype=tf.int32)
-  with pytest.raises(PrivacyConfigError, match=r"`x` must hold dense arrays(.|\n)*"
-                                               r"to_tensor(.|\n)*RaggedTensor"):
-    model.fit(x, np.arange(N) % 3, batch_size=N, verbose=0)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0,
+                                                       clipping=clipping),
+                loss=SCCE, jit_compile=jit)
+  return model
+
+
+@pytest.mark.parametrize("data,clipping", [("arrays", "auto"), ("dp_data_padded", "vectorized")])
+def test_ragged_fit_is_exact(data, clipping):
+  # Keras' fit takes a tf.RaggedTensor (Input(ragged=True)); DP fit samples its rows by
+  # Poisson and clips them record by record (the vectorized path, looping over records:
+  # "auto" takes it, the fast path's probe cannot shape ragged inputs). The dp.data sampler
+  # pads the 6 rows to 8 with rows of one zero (weight 0), which must add nothing.
+  x = tf.ragged.constant(RAGGED_ROWS, dtype=tf.int32)
+  y = np.arange(N) % 3
+  model = _ragged_model(clipping)
+  start = [v.numpy().copy() for v in model.trainable_variables]
+  ref = helpers.reference_gradient(model, SCCE, x, y, CLIP)
+  if data == "arrays":
+    model.fit(x, y, batch_size=N, epochs=1, verbose=0)
+  else:
+    model.fit(dp.data.poisson_batches(x, y, expected_batch_size=N, max_batch_size=8),
+              epochs=1, verbose=0)
+  got = [s - v.numpy() for s, v in zip(start, model.trainable_variables)]
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+  assert max(float(np.abs(r).max()) for r in ref) > 1e-4
+  assert int(model.ledger.sample_count.numpy()) == 1
+
+
+@pytest.mark.parametrize("case", ["ragged_xla", "ragged_shuffle", "sparse"])
+def test_unsupported_arrays_are_refused_before_any_step(case):
+  # ragged rows have no static shape (XLA, replica shards) and shuffled passes slice numpy
+  # arrays; sparse arrays are not sampled: each is refused at once, naming what to do
+  y = np.arange(N) % 3
+  if case == "sparse":
+    model = dp.keras.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]))
+    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0),
+                  loss=SCCE)
+    x, kwargs, match = tf.sparse.from_dense(np.eye(N, 4, dtype="float32")), {}, "tf.sparse.to_dense"
+  else:
+    model = _ragged_model("vectorized", jit=case == "ragged_xla")
+    x = tf.ragged.constant(RAGGED_ROWS, dtype=tf.int32)
+    kwargs = {"sampling": "shuffle"} if case == "ragged_shuffle" else {}
+    match = "Received: sampling='shuffle'" if kwargs else "`jit_compile` must be False"
+  with pytest.raises(PrivacyConfigError, match=match):
+    model.fit(x, y, batch_size=N, verbose=0, **kwargs)
   assert int(model.optimizer.iterations.numpy()) == 0

@@ -308,8 +308,8 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   draws this generator's steps in place of next_indices (the cyclic sampler's per-iterator
   position).
   """
-  xs = tf.nest.map_structure(tf.convert_to_tensor, x)
-  ys = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
+  xs = tf.nest.map_structure(_as_tensor, x)
+  ys = None if y is None else tf.nest.map_structure(_as_tensor, y)
   ws = None if sample_weight is None else tf.reshape(
       tf.convert_to_tensor(sample_weight, tf.float32), [-1])
 
@@ -328,8 +328,8 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
     m = tf.shape(idx)[0]
     size = tf.maximum(m, 1) if max_batch_size is None else (
         max_batch_size * tf.maximum(1, (m + max_batch_size - 1) // max_batch_size))
-    pad = lambda t: tf.pad(t, [[0, size - m]] + [[0, 0]] * (t.shape.rank - 1))
-    rows = lambda a: pad(tf.gather(a, idx))
+    rows = lambda a: _pad_rows_to(tf.gather(a, idx), size)
+    pad = lambda t: _pad_rows_to(t, size)
     weights = pad(tf.ones([m], tf.float32)) if ws is None else rows(ws)
     return tuple(tf.nest.map_structure(rows, t) for t in (xs, ys) if t is not None) + (weights,)
 
@@ -338,6 +338,45 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return attach_spec(ds.with_options(PIPELINE_OPTIONS), spec)
+
+
+def _as_tensor(a):
+  """An array as a tensor; a tf.RaggedTensor as it is (its rows are gathered as rows)."""
+  return a if isinstance(a, tf.RaggedTensor) else tf.convert_to_tensor(a)
+
+
+def _pad_rows_to(t, size):
+  """t followed by zero rows up to `size` rows.
+
+  A ragged t gets rows of ONE zero element each (`_zero_rows`), not empty rows: a mean over
+  an empty row (a pooling layer) is 0/0, and a NaN times a padding row's weight 0 is NaN.
+
+  Args:
+    t: a tensor or tf.RaggedTensor, rows on the leading axis, at most `size` rows.
+    size: scalar int32 tensor, rows of the output.
+
+  Returns:
+    t with size rows, of t's type and dtype.
+  """
+  if isinstance(t, tf.RaggedTensor):
+    return tf.concat([t, _zero_rows(t, size - tf.cast(t.nrows(), tf.int32))], 0)
+  return tf.pad(t, [[0, size - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+
+
+def _zero_rows(t, n):
+  """n rows shaped like the rows of the ragged t, each holding one zero element.
+
+  Args:
+    t: a tf.RaggedTensor (any ragged rank).
+    n: scalar int32 tensor, the number of rows.
+
+  Returns:
+    a tf.RaggedTensor of n rows, t's dtype, ragged rank and row-splits dtype.
+  """
+  values = t.values
+  inner = (_zero_rows(values, n) if isinstance(values, tf.RaggedTensor)
+           else tf.zeros(tf.concat([[n], tf.shape(values)[1:]], 0), values.dtype))
+  return tf.RaggedTensor.from_row_lengths(inner, tf.ones([n], t.row_splits.dtype))
 
 
 def check_population_size(population_size):

@@ -104,31 +104,68 @@ def _to_numpy(nest, name):
   the DP sampler's batches of [a, b] were stacked into one input, or failed to convert. As
   Keras' own array adapter does (`keras.tree.lists_to_tuples`), every list becomes a tuple
   before the sampler builds its dataset; the model gets the same inputs in the same order.
+  A tf.RaggedTensor is kept as it is (the Poisson sampler gathers its rows).
 
   Args:
     nest: an array, or a nest (list, tuple, dict) of arrays, or None.
     name: the fit argument's name ("x" or "y"), for the error message.
 
   Returns:
-    the nest of numpy arrays with every list a tuple, or None.
+    the nest of numpy arrays (and ragged tensors) with every list a tuple, or None.
 
   Raises:
-    PrivacyConfigError: a leaf is not a dense array (a tf.RaggedTensor, a tf.SparseTensor,
-      a scipy sparse matrix): the samplers and the per-record clipping need dense rows.
+    PrivacyConfigError: a leaf is sparse (a tf.SparseTensor, a scipy sparse matrix): the
+      samplers and the per-record clipping need dense rows.
   """
   if nest is None:
     return None
-  nest = keras.tree.lists_to_tuples(nest)
-  arrays = tf.nest.map_structure(np.asarray, nest)
-  for leaf, array in zip(tf.nest.flatten(nest), tf.nest.flatten(arrays)):
-    if array.ndim == 0:   # a composite (ragged, sparse) leaf: an opaque 0-d object array
+
+  def convert(leaf):
+    if isinstance(leaf, tf.RaggedTensor):
+      return leaf
+    array = np.asarray(leaf)
+    if array.ndim == 0:   # a sparse leaf: an opaque 0-d object array
       raise PrivacyConfigError(
-          f"`{name}` must hold dense arrays for DP fit: the Poisson and shuffle samplers and "
-          "the per-record clipping gather and pad dense rows. Pad ragged rows to one length "
-          "(`.to_tensor()`, with `mask_zero=True` or a Masking layer to ignore the padding) "
-          "and densify sparse ones (`tf.sparse.to_dense`, `.toarray()`). Received: "
-          f"{name} holding a {type(leaf).__name__}")
-  return arrays
+          f"`{name}` must hold dense or ragged arrays for DP fit: the samplers and the "
+          "per-record clipping gather and pad rows. Densify sparse ones "
+          f"(`tf.sparse.to_dense`, `.toarray()`). Received: {name} holding a "
+          f"{type(leaf).__name__}")
+    return array
+
+  return tf.nest.map_structure(convert, keras.tree.lists_to_tuples(nest))
+
+
+def _check_ragged(x, y, policy, pad):
+  """Refuses ragged arrays where DP fit cannot take them.
+
+  A tf.RaggedTensor is sampled by Poisson without padding and clipped record by record on
+  the vectorized path (a loop over records: tf.vectorized_map cannot batch ragged rows).
+  Shuffled passes slice numpy arrays, and padded samples (XLA, several replicas) need one
+  static shape, which ragged rows do not have.
+
+  Args:
+    x: fit's x after `_to_numpy`.
+    y: fit's y after `_to_numpy`.
+    policy: the sampling policy fit uses ("poisson" or "shuffle").
+    pad: whether the samples are padded to a static size (jit_compile, several replicas).
+
+  Raises:
+    PrivacyConfigError: a ragged leaf with shuffled passes, or with padded samples.
+  """
+  if not any(isinstance(t, tf.RaggedTensor) for t in tf.nest.flatten((x, y))):
+    return
+  if policy != "poisson":
+    raise PrivacyConfigError(
+        "`sampling` must be 'poisson' (the default) for ragged arrays: shuffled passes slice "
+        "dense arrays. Pad the rows to one length (`.to_tensor()`, with `mask_zero=True` or a "
+        f"Masking layer) to shuffle them. Received: sampling={policy!r}")
+  if pad:
+    raise PrivacyConfigError(
+        "`jit_compile` must be False, and the strategy a single replica, for ragged arrays: "
+        "XLA and replica shards need padded samples of one static shape, which ragged rows do "
+        "not have. Pad the rows to one length (`.to_tensor()`, with `mask_zero=True` or a "
+        "Masking layer), or compile with jit_compile=False. Received: ragged arrays with "
+        "padded samples")
 
 
 def class_weight_to_sample_weight(y, class_weight):
@@ -282,6 +319,7 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
   n = num_rows(x)
   asked = int(a.pop("batch_size", None) or 32)
   policy, reason = _resolve_sampling(sampling, opt, asked)
+  _check_ragged(x, y, policy, pad)
   # a declared N is compared with B (q = B / N <= 1), never with the private n
   declared = _check_declared_population(population_size, policy, asked)
   if declared is None and asked > n:

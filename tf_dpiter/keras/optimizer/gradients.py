@@ -184,6 +184,8 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
     return grads, loss, aux
 
   elems = [flat[i] for i in present]
+  if any(isinstance(t, tf.RaggedTensor) for t in elems):
+    vectorize = False   # pfor cannot batch ragged rows (RaggedTensorFromVariant): a loop
   if not vectorize:
     probe = one([t[0] for t in elems])
     sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
