@@ -2,7 +2,7 @@
 
 The keras_hub layers they are made of (TransformerEncoder; GemmaDecoderBlock,
 CachedGemmaAttention, Gemma's RMSNormalization, RotaryEmbedding) are on the allowlist of
-layers known to act per example (tf_dpiter/keras/model/per_example.py, each read in
+layers known to act per example (tf_dpiter/keras/internals/per_example.py, each read in
 keras_hub's source). A BertTextClassifier and a GemmaCausalLM from tiny configs (no
 download, no preprocessor), made private in place, route to "fast", and one real
 `train_on_batch` step (noise 0, SGD lr 1, normalize=False, Poisson padding masked out) moves
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tests.keras import dp_keras_helpers as helpers
-from tf_dpiter.keras.model import per_example
+from tf_dpiter.keras.internals import per_example
 
 hub = pytest.importorskip("keras_hub", reason="keras_hub is not installed (pip install -e "
                           "'.[test]' installs it)")

@@ -1,11 +1,11 @@
-"""The batch-independence probe that runs before the fast path (tf_dpiter.keras.model.batch_independence)."""
+"""The batch-independence probe that runs before the fast path (tf_dpiter.keras.internals.batch_independence)."""
 
 import keras
 import numpy as np
 import pytest
 
 import tf_dpiter as dp
-from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.internals import batch_independence
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

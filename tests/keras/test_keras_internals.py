@@ -1,13 +1,13 @@
 """The upgrade test: every private Keras API tf_dpiter.keras uses (keras_internals) exists and
 behaves as the DP train step expects in the installed Keras. A failure names the attribute and
-the Keras version: adapt tf_dpiter/keras/model/keras_internals.py to the new Keras."""
+the Keras version: adapt tf_dpiter/keras/internals/keras_internals.py to the new Keras."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_dpiter.keras.model import keras_internals as ki
+from tf_dpiter.keras.internals import keras_internals as ki
 
 VERSION = keras.__version__
 

@@ -1,5 +1,5 @@
 """The fast path is exact by construction: `clipping="auto"` takes ghost clipping only when
-every layer is known to act per example (tf_dpiter.keras.model.per_example).
+every layer is known to act per example (tf_dpiter.keras.internals.per_example).
 
 Relation: add/remove one example (Poisson sampling); the ledger records sensitivity C (the
 clip norm) for the sum query. Three parameter-free layers mix the examples of a batch in a way
@@ -151,7 +151,7 @@ def _routed(middle, clipping="auto"):
 
 def _undeclared(model):
   # imported here: the evading-layer tests above also run on code without the allowlist
-  from tf_dpiter.keras.model import per_example  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.internals import per_example  # pylint: disable=g-import-not-at-top
   return per_example.undeclared_layers(model)
 
 

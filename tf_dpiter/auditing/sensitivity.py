@@ -11,7 +11,7 @@ sum of the model's *real* train step and compares it with the sensitivity the le
      one example at its position (fixed-size, shuffle), with candidates from a small random
      search: other examples of `x`, scaled noise, scaled negations, random labels;
   3. the largest change of the sum is compared with the recorded sensitivity;
-  4. a batch-independence probe (tf_dpiter.keras.model.batch_independence, the one the training
+  4. a batch-independence probe (tf_dpiter.keras.internals.batch_independence, the one the training
      step runs before choosing the fast path) runs the model's layers on the batch with one
      example perturbed and names every layer whose outputs for the *other* examples moved.
 What the probe cannot see: see batch_independence's docstring (training-mode-only or random
@@ -31,7 +31,7 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
 from tf_dpiter.keras.optimizer.settings import NO_NOISE_WARNING
-from tf_dpiter.keras.model.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
+from tf_dpiter.keras.internals.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
 
 ADD_OR_REMOVE = "add_or_remove_one"
 

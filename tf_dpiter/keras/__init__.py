@@ -35,6 +35,7 @@ Names kept working for existing code but not listed (see `compat`): `make_dp_mod
 """
 
 import importlib
+import sys
 
 import keras
 
@@ -46,13 +47,16 @@ from tf_dpiter.keras import layers
 from tf_dpiter.keras import noise
 from tf_dpiter.keras.callbacks import LedgerJournal
 from tf_dpiter.keras.callbacks import PrivacyMeter
+from tf_dpiter.keras.fast_clipping.rules import keras_hub as _keras_hub_rules
+from tf_dpiter.keras.internals import per_example as _per_example
+from tf_dpiter.keras.layers import scattering as _scattering
 from tf_dpiter.keras.model.augmentation import augmentation_multiplicity
 from tf_dpiter.keras.model.models import DPModel
 from tf_dpiter.keras.model.models import DPSequential
 from tf_dpiter.keras.model.models import make_private
 from tf_dpiter.keras.model.models import make_private_with_epsilon
 from tf_dpiter.keras.model.models import private_class
-from tf_dpiter.keras.model.per_example import declare_per_example
+from tf_dpiter.keras.internals.per_example import declare_per_example
 from tf_dpiter.keras.optimizer.adam_bc import DPKerasAdamBCOptimizer
 from tf_dpiter.keras.optimizer.dp_config import DPConfig
 from tf_dpiter.keras.optimizer.dp_config import PerformanceFlags
@@ -71,6 +75,26 @@ __all__ = [
     "DPKerasAdamBCOptimizer", "augmentation_multiplicity", "layers", "declare_per_example",
     "DPConfig", "PerformanceFlags", "noise",
 ]
+
+def _library_per_example_classes():
+  """The library's own layers that act per example (fixed filters: `layers.Scattering2D`)."""
+  return (_scattering.Scattering2D,)
+
+
+def _keras_hub_rule_classes():
+  """The keras_hub classes with a ghost-norm rule (`fast_clipping.rules.keras_hub.RULES`)
+  whose module the user imported (keras_hub is never imported here)."""
+  for module_name, rules in _keras_hub_rules.RULES.items():
+    module = sys.modules.get(module_name)
+    if module is not None:
+      yield from (getattr(module, class_name, None) for class_name in rules)
+
+
+# The lowest sub-package (`internals`) learns the per-example classes the upper ones define
+# from here, the package root, so that it imports none of them.
+_per_example.add_class_source(_library_per_example_classes)
+_per_example.add_class_source(_keras_hub_rule_classes)
+
 
 # Older spellings: still resolve (existing code and saved models), not part of `__all__`.
 _KEPT = {

@@ -23,7 +23,7 @@ from tf_dpiter import validation
 from tf_dpiter.accounting import lookahead
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.callbacks.ledger import LedgerExport  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import LedgerJournal  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import model_ledger
@@ -76,20 +76,35 @@ def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
 
 
 # The PrivacyMeters of the fit running on each model: DPModel.fit's first internal callback
-# (fit_sampling.SamplingSync) has them write their logs before any user callback runs.
+# (the model sub-package's SamplingSync) has them write their logs before any user callback
+# runs.
 _FIT_METERS = weakref.WeakKeyDictionary()
 
 
-def begin_fit(model):
+# The fit in progress on each model says how many passes / epochs its next steps start (its
+# sampler knows where the pass in progress ends): `begin_fit` records it, so that this module
+# (below the model sub-package) never imports the fit's machinery.
+_PASSES_AHEAD = weakref.WeakKeyDictionary()
+
+
+def begin_fit(model, passes_ahead=None):
   """Forgets the meters of earlier fits on `model` (called by the first callback of a fit).
 
   Args:
     model: the keras.Model whose fit is starting.
+    passes_ahead: the fit's function `(model, count) -> the passes (shuffle) / epochs (balls
+      in bins) not yet charged that the next `count` steps would use, or None`; None: the
+      fit has no sampler that counts them. A module-level function (it must not hold the
+      model: the table is keyed weakly by it).
 
   Returns:
     None.
   """
   _FIT_METERS[model] = []
+  if passes_ahead is None:
+    _PASSES_AHEAD.pop(model, None)
+  else:
+    _PASSES_AHEAD[model] = passes_ahead
 
 
 def write_privacy_logs(model, epoch, logs):
@@ -340,8 +355,8 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     where the pass in progress ends); None outside fit or for other policies."""
     if not ledger_policies.get(planned.policy).pass_charged:
       return None
-    from tf_dpiter.keras.model import fit_sampling  # pylint: disable=g-import-not-at-top
-    return fit_sampling.passes_ahead(self.model, ahead)
+    count = _PASSES_AHEAD.get(self.model)
+    return None if count is None else count(self.model, ahead)
 
   def next_step_epsilon(self):
     """Epsilon if the next execution (steps_per_execution steps like the last one) is run."""

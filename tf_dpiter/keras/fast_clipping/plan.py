@@ -22,7 +22,7 @@ import keras
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.fast_clipping import registry
 
 GHOST = "ghost"

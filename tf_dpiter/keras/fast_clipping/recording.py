@@ -10,7 +10,7 @@ import threading
 
 import tensorflow as tf
 
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 
 CALL_LOCK = threading.RLock()

@@ -41,7 +41,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import record_losses
 

@@ -32,11 +32,11 @@ from tf_dpiter.data import user_sampling
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import budget_copy
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.keras.model import fit_sampling
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 from tf_dpiter.keras.optimizer import optimizers as opt_lib

@@ -27,7 +27,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 
 
 class _Capture:

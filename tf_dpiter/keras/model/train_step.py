@@ -18,11 +18,11 @@ draw their noise right after the program.
 import keras
 import tensorflow as tf
 
-from tf_dpiter.keras.model import batch_independence
+from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.optimizer import gradients as grads_lib
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.model import output_losses
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing

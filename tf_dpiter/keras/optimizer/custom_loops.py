@@ -55,8 +55,8 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.model import batch_independence
-from tf_dpiter.keras.model import per_example
+from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib

@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 
 
 def _mask_of(t):

@@ -18,101 +18,19 @@ crash (TensorFlow's bug), so `use_vectorized_map` sends such models to a sequent
 per-record loop (`tf.map_fn`): the same gradients, slower.
 """
 
-import functools
 import math
-import os
 
-import keras
-import tensorflow as tf
-
-from tf_dpiter.keras.model import batch_independence
-from tf_dpiter.keras.model import keras_internals
-from tf_dpiter.keras.model import per_example
+from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import per_example
+from tf_dpiter.keras.internals.runtime import ONEDNN_AFFECTED  # noqa: F401  (re-exported)
+from tf_dpiter.keras.internals.runtime import model_layers
+from tf_dpiter.keras.internals.runtime import in_xla_context  # noqa: F401  (re-exported)
+from tf_dpiter.keras.internals.runtime import loss_scale  # noqa: F401  (re-exported)
+from tf_dpiter.keras.internals.runtime import onednn_affected_layers
+from tf_dpiter.keras.internals.runtime import onednn_enabled  # noqa: F401  (re-exported)
+from tf_dpiter.keras.internals.runtime import use_vectorized_map  # noqa: F401  (re-exported)
 from tf_dpiter.keras.optimizer import record_losses
-
-# Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
-ONEDNN_AFFECTED = (keras.layers.EinsumDense, keras.layers.MultiHeadAttention)
-
-
-@functools.lru_cache(maxsize=None)
-def onednn_enabled():
-  """True when TensorFlow's oneDNN CPU kernels are on (TF_ENABLE_ONEDNN_OPTS, or TF's default
-  for this build and CPU); read once per process, as TensorFlow does."""
-  flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
-  try:
-    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
-    return bool(_pywrap_util_port.IsMklEnabled())
-  except (ImportError, AttributeError):
-    return flag not in (None, "0", "false", "False")
-
-
-def in_xla_context():
-  """True while a function is being traced for XLA (`tf.function(jit_compile=True)`, or a
-  Keras model compiled with `jit_compile=True`): the graph or one of its outer graphs is an
-  XLA context. Rules pick XLA-friendly forms there (XLA's CPU grouped convolutions, e.g. a
-  batch-as-channels depthwise filter gradient, are orders of magnitude slower than a matmul).
-
-  Returns:
-    bool.
-  """
-  # TensorFlow has no public spelling of this test; tf.vectorized_map makes the same one.
-  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-  return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
-def _layers(model):
-  return keras_internals.flatten_layers(model, include_self=False)
-
-
-def onednn_affected_layers(model):
-  """Names of the layers of `model` whose vectorized per-example gradients oneDNN breaks
-  (empty when oneDNN is off).
-
-  Args:
-    model: a keras.Model, or None.
-
-  Returns:
-    a tuple of layer names.
-  """
-  if model is None or not onednn_enabled():
-    return ()
-  return tuple(layer.name for layer in _layers(model) if isinstance(layer, ONEDNN_AFFECTED))
-
-
-def use_vectorized_map(model):
-  """False if per-record gradients must come from a sequential loop: a Keras RNN layer with
-  unroll=False (pfor cannot vectorize its while_loop) or oneDNN-affected layers.
-
-  Args:
-    model: a keras.Model, or None (True).
-
-  Returns:
-    bool.
-  """
-  if model is None:
-    return True
-  for layer in _layers(model):
-    if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
-      return False
-  return not onednn_affected_layers(model)
-
-
-def loss_scale(model):
-  """Static loss scale for float16 compute (2^7; 1 otherwise). The vectorized path multiplies
-  each record's loss by it and divides the float32 per-record gradient by it; the fast path
-  scales the summed loss and divides the norms and the sum. Either way a record whose
-  gradient is not finite adds zero (a function of that record alone, so the sensitivity
-  bound holds). Dynamic scaling would make the scale depend on the data, so it is not used.
-
-  Args:
-    model: a keras.Model (its compute_dtype decides).
-
-  Returns:
-    the scale, a float.
-  """
-  dtype = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
-  return 2.0 ** 7 if dtype == "float16" else 1.0
-
 
 def _onednn_in_vectorized_units(model, fast_clipping):
   """oneDNN-affected layers inside the fast path's unregistered (vectorized) units."""
@@ -121,7 +39,7 @@ def _onednn_in_vectorized_units(model, fast_clipping):
     return ()
   units = set(fast_clipping.unregistered_layers(model))
   out = []
-  for layer in _layers(model):
+  for layer in model_layers(model):
     if layer.name in units:
       out.extend(sub.name for sub in keras_internals.flatten_layers(layer)
                  if sub.name in affected)

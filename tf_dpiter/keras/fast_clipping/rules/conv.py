@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from tf_dpiter.keras.optimizer import routing
+from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold

@@ -25,7 +25,7 @@ or recurrent dropout, LoRA/quantized cells, cells other than Keras' own.
 import keras
 import tensorflow as tf
 from keras import ops
-from tf_dpiter.keras.model import keras_internals as keras_backend  # .rnn: keras' RNN loop
+from tf_dpiter.keras.internals import keras_internals as keras_backend  # .rnn: keras' RNN loop
 
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry

@@ -38,7 +38,7 @@ import keras
 
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 
 _REASON_ATTR = "_dp_per_example_reason"
 _LOCK = threading.Lock()
@@ -237,17 +237,46 @@ def declared_reason(layer):
     return _DECLARED_CLASSES.get(type(layer))
 
 
+# Sources of more per-example classes, registered by the sub-packages that define them (the
+# library's own layers, the ghost-norm rules for keras_hub): this module imports none of them.
+_CLASS_SOURCES = []
+
+
+def add_class_source(source):
+  """Registers a source of layer classes known to act per example.
+
+  Called by `tf_dpiter.keras` (the package root) for the classes the upper sub-packages
+  define: the library's own layers (`layers.scattering.Scattering2D`) and the keras_hub
+  classes with a ghost-norm rule (`fast_clipping.rules.keras_hub`), so that this module, the
+  lowest of the Keras sub-packages, imports neither.
+
+  Args:
+    source: a callable returning an iterable of classes (None entries are ignored); called
+      each time the known classes are read.
+
+  Returns:
+    None.
+
+  Raises:
+    ParameterTypeError: `source` is not callable.
+  """
+  if not callable(source):
+    raise ParameterTypeError(f"`source` must be callable (returning layer classes). Received: "
+                             f"source={source!r}")
+  with _LOCK:
+    if source not in _CLASS_SOURCES:
+      _CLASS_SOURCES.append(source)
+
+
 def _keras_classes():
   """The Keras layer classes of _KERAS_PER_EXAMPLE present in this Keras, plus the classes
-  with a ghost-norm rule of keras_hub (those whose module the user imported)."""
+  the registered sources give (`add_class_source`: the library's own layers, the classes
+  with a ghost-norm rule of keras_hub whose module the user imported)."""
   classes = {getattr(keras.layers, name, None) for name in _KERAS_PER_EXAMPLE}
-  from tf_dpiter.keras.fast_clipping.rules import keras_hub  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.keras.layers import scattering  # pylint: disable=g-import-not-at-top
-  classes.add(scattering.Scattering2D)   # the library's own: fixed filters, per example
-  for module_name, rules in keras_hub.RULES.items():
-    module = sys.modules.get(module_name)
-    if module is not None:
-      classes.update(getattr(module, class_name, None) for class_name in rules)
+  with _LOCK:
+    sources = tuple(_CLASS_SOURCES)
+  for source in sources:
+    classes.update(source())
   classes.update(_keras_hub_classes())
   classes.discard(None)
   return classes

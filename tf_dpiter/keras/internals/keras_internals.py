@@ -27,7 +27,7 @@ def _require(obj, attribute, where):
   if not hasattr(obj, attribute):
     raise AttributeError(
         f"tf_dpiter needs the private Keras attribute {where}.{attribute}, which Keras "
-        f"{keras_version()} does not have (tf_dpiter/keras/model/keras_internals.py adapts to it)")
+        f"{keras_version()} does not have (tf_dpiter/keras/internals/keras_internals.py adapts to it)")
   return getattr(obj, attribute)
 
 

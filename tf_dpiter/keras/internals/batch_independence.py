@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.model import keras_internals
+from tf_dpiter.keras.internals import keras_internals
 
 _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"
