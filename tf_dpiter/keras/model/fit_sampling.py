@@ -580,7 +580,7 @@ class SamplingSync(keras.callbacks.Callback):
   def on_train_begin(self, logs=None):
     """Starts the fit's privacy logs and prints the sampling line (Keras callback hook)."""
     self._begun = False
-    callbacks_lib.begin_fit(self.model)
+    callbacks_lib.begin_fit(self.model, passes_ahead=passes_ahead)
     if self.line:
       print(self.line)
 
