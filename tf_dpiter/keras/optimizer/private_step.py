@@ -412,11 +412,12 @@ class PrivateStep:
     secure_mode, whose os.urandom draw is a host call), by default on an accelerator: on a CPU
     the draw is slower inside XLA than TensorFlow's kernel after the program (for the MLP's
     407k coordinates 10.9 ms against 7.8 ms, benchmarks/xla_step_breakdown.py, 2026-11-28),
-    so there it runs after the program. `noise_in_compiled_program` True forces it
+    so there it runs after the program. `set_flags(compiled_noise=True)` forces it
     (tests), False refuses it. Either way the draw is the query's own `get_noised_result`
     from its own generator (never saved, never restored, so never repeated).
     """
-    if not isinstance(self.mechanism, noise_mechanisms.IID) or self.custom_query or self.secure_mode:
+    if (not isinstance(self.mechanism, noise_mechanisms.IID) or self.custom_query
+        or self.secure_mode):
       return False
     if self.noise_in_compiled_program is not None:
       return bool(self.noise_in_compiled_program)
