@@ -206,7 +206,7 @@ def groups_from_arrays(samples, queries) -> List[SampleGroup]:
     the SampleGroups (`groups_from_runs`).
 
   Raises:
-    ValueError: rows `records.validate_arrays` refuses.
+    PrivacyConfigError: rows `records.validate_arrays` refuses.
   """
   samples, queries = rec.validate_arrays(samples, queries)
   return groups_from_runs(rec.run_length_encode(samples, queries))

@@ -300,7 +300,7 @@ class ModelSpec:
       A ModelSpec.
 
     Raises:
-      ValueError: for invalid JSON, unknown keys or an invalid field.
+      ParameterValueError: for invalid JSON, unknown keys or an invalid field.
     """
     return cls.from_dict(json.loads(text))
 
@@ -316,7 +316,7 @@ class ModelSpec:
 
     Raises:
       OSError: when the file cannot be read.
-      ValueError: for an invalid spec.
+      ParameterValueError: for an invalid spec.
     """
     with open(path) as f:
       return cls.from_json(f.read())

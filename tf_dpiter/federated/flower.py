@@ -254,7 +254,7 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
       a list of `Message` ([] once the budget stopped the run).
 
     Raises:
-      ValueError: the number of connected nodes is not K.
+      ParameterValueError: the number of connected nodes is not K.
     """
     if self.stopped_reason is not None:
       return []

@@ -140,7 +140,8 @@ def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, 
     a DP optimizer (an instance of the DP class of `type(optimizer)`).
 
   Raises:
-    ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
+    ParameterValueError: a DP or non-Keras optimizer.
+    BudgetConfigError: a target the calibration refuses.
   """
   from tf_dpiter.keras.optimizer import budget_copy  # pylint: disable=g-import-not-at-top
   return budget_copy.dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size,

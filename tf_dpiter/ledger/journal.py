@@ -176,7 +176,8 @@ class LedgerJournal:
       int, the samples in the journal.
 
     Raises:
-      ValueError: the journal was altered, or it ends before `iterations`.
+      ParameterValueError: the journal was altered (`read`).
+      PrivacyConfigError: it ends before `iterations` (`check_covers`).
     """
     samples, queries, passes = self.read()
     if iterations is not None:

@@ -442,7 +442,7 @@ class PrivacyLedger(tf.Module):
       None.
 
     Raises:
-      ValueError: the arrays are malformed (records.validate_arrays).
+      PrivacyConfigError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
     self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes))
@@ -465,7 +465,7 @@ class PrivacyLedger(tf.Module):
       None.
 
     Raises:
-      ValueError: the arrays are malformed (records.validate_arrays).
+      PrivacyConfigError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
     self.reconcile()
@@ -532,7 +532,7 @@ class PrivacyLedger(tf.Module):
       a new PrivacyLedger.
 
     Raises:
-      ValueError: the dict is malformed, altered or version 1.
+      ParameterValueError: the dict is malformed, altered or version 1 (ledger_file).
     """
     return cls._from_arrays(*ledger_file.dict_to_arrays(d, key))
 

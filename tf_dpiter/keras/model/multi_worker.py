@@ -148,7 +148,8 @@ class ReadOnlyLedgerJournal(ledger_callbacks.LedgerJournal):
     key: the journal's HMAC key, if any.
 
   Raises:
-    ValueError (on train begin): the journal was altered or is not a ledger journal.
+    ParameterValueError: on train begin, the journal was altered or is not a ledger
+      journal.
   """
 
   def on_train_begin(self, logs=None):

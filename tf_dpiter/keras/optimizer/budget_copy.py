@@ -34,7 +34,8 @@ def dp_copy_for_budget(optimizer, epsilon, delta, epochs, batch_size, population
     the DP optimizer, its calibration in `.calibration`.
 
   Raises:
-    ValueError: a DP or non-Keras optimizer, or a target the accountant refuses.
+    ParameterValueError: a DP or non-Keras optimizer.
+    BudgetConfigError: a target the calibration refuses (calibrated_noise).
   """
   if not isinstance(optimizer, keras.optimizers.Optimizer) or isinstance(
       optimizer, opt_lib.DPOptimizerBase):

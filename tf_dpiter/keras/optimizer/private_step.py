@@ -343,7 +343,7 @@ class PrivateStep:
       the params nest (`DPQuery.derive_sample_params`).
 
     Raises:
-      ValueError: the sampling is not declared.
+      PrivacyConfigError: the sampling is not declared.
     """
     if self._given_params is not None:
       return self._given_params
@@ -374,7 +374,7 @@ class PrivateStep:
       a callable float32 norms [R] -> factors [R].
 
     Raises:
-      ValueError: undeclared sampling.
+      PrivacyConfigError: undeclared sampling.
       NotImplementedError: the query has no per-record clip factors
         (`DPQuery.record_clip_factors`; the fast path is then not offered).
     """
@@ -520,7 +520,7 @@ class PrivateStep:
       the list of noised average gradients (flattened result).
 
     Raises:
-      ValueError: the sampling is not declared (`set_sampling`).
+      PrivacyConfigError: the sampling is not declared (`set_sampling`).
     """
     self.require_query()
     result, num_records, n_rep = mechanism.noised_across_replicas(
