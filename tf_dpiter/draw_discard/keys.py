@@ -82,7 +82,7 @@ def load_secret(path: str | None = None, environ=None) -> bytes | None:
 
   Raises:
     OSError: when the file cannot be read.
-    ValueError: when the secret is shorter than 32 bytes.
+    ParameterValueError: when the secret is shorter than 32 bytes.
   """
   if path is not None:
     with open(path, "rb") as f:

@@ -312,8 +312,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     gradient is not: that record adds nothing).
 
   Raises:
-    TypeError: clip_factors_fn is not callable.
-    ValueError: not exactly one of l2_norm_clip and clip_factors_fn, bad
+    ParameterTypeError: clip_factors_fn is not callable.
+    ParameterValueError: not exactly one of l2_norm_clip and clip_factors_fn, bad
       l2_norm_clip, variant or examples_per_record, a batch that is not
       whole records, a loss that is not [B], or a model that cannot be clipped
       per example (see supports).
