@@ -54,7 +54,7 @@ def check_no_batch_mixing(model):
     model: a keras.Model.
 
   Raises:
-    ValueError: naming the layer and the fix.
+    PrivacyConfigError: naming the layer and the fix.
   """
   norms = trainable_batch_norms(model)
   if norms:
@@ -118,7 +118,7 @@ def batch_mixing_layers(model, x, atol=1e-6):
     mixes as a whole); empty when no mixing was seen.
 
   Raises:
-    ValueError: x holds fewer than 2 examples.
+    ParameterValueError: x holds fewer than 2 examples.
   """
   xs = [np.asarray(t) for t in tf.nest.flatten(x)]
   n = len(xs[0])
