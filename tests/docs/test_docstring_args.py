@@ -274,3 +274,27 @@ def test_the_raises_checker_sees_a_missing_library_class():
       raise errors.PrivacyConfigError(f"`x` ... Received: x={x!r}")
   problems = raises_problems(Item("f", f, (f.__doc__,), skip_first=False))
   assert problems == ["raises PrivacyConfigError but its Raises section does not name it"]
+
+
+def test_no_raises_entry_in_the_package_names_a_plain_value_or_type_error():
+  """The library raises its own family (tf_dpiter/errors.py), so no docstring of the package,
+  public or not, says `ValueError:` / `TypeError:` in its Raises section."""
+  import os  # pylint: disable=g-import-not-at-top
+  import tf_dpiter  # pylint: disable=g-import-not-at-top
+  assert _raises_names("Doc.\n\nRaises:\n  ValueError: x.\n") == ["ValueError"]   # the probe
+  root = os.path.dirname(tf_dpiter.__file__)
+  found = []
+  for d, _, files in os.walk(root):
+    for name in files:
+      if not name.endswith(".py"):
+        continue
+      path = os.path.join(d, name)
+      with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+      for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module)):
+          names = _raises_names(ast.get_docstring(node, clean=False) or "")
+          found += [f"{os.path.relpath(path, root)}:{getattr(node, 'name', '<module>')}: {n}"
+                    for n in names if str(n).split(" ")[0] in ("ValueError", "TypeError")]
+  assert not found, found
+
