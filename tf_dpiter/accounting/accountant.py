@@ -391,8 +391,8 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
 
   Args:
     groups: SampleGroups, or a LedgerContent (then `passes` is ignored).
-    delta: exactly one (epsilon at delta, or delta at epsilon).
-    epsilon: exactly one (epsilon at delta, or delta at epsilon).
+    delta: the delta to compute epsilon at (give exactly one of delta and epsilon).
+    epsilon: the epsilon to compute delta at (give exactly one of delta and epsilon).
     accountant: one of REPORT_ACCOUNTANTS.
     passes: shuffled passes started (policy shuffle).
 

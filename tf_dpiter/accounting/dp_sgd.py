@@ -120,11 +120,11 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
   """Epsilon of DP-SGD over n records, batch size B, noise multiplier z, `epochs`, at delta.
 
   Args:
-    n: the run (noise stddev z*C on the sum).
-    batch_size: the run (noise stddev z*C on the sum).
-    noise_multiplier: the run (noise stddev z*C on the sum).
-    epochs: the run (noise stddev z*C on the sum).
-    delta: the run (noise stddev z*C on the sum).
+    n: the records of the training data.
+    batch_size: B, the (expected) batch size.
+    noise_multiplier: z (noise stddev z*C on the clipped sum).
+    epochs: the passes over the data.
+    delta: the delta epsilon is stated at.
     accountant: "rdp" or "pld" (upper bounds), or "gdp" (an approximation, labelled so in
       the statement: Poisson or full sampling only).
     sampling: "poisson" (q = B/n, add/remove one example), "fixed_size" (B of n without

@@ -192,8 +192,8 @@ def report_after(ledger, planned=None, count=1, delta=None, epsilon=None, accoun
     planned: as in `content_after`.
     count: as in `content_after`.
     extra_passes: as in `content_after`.
-    delta: exactly one (epsilon at delta, or delta at epsilon).
-    epsilon: exactly one (epsilon at delta, or delta at epsilon).
+    delta: the delta to compute epsilon at (give exactly one of delta and epsilon).
+    epsilon: the epsilon to compute delta at (give exactly one of delta and epsilon).
     accountant: "rdp" or "pld".
 
   Returns:

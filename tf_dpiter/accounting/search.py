@@ -65,8 +65,8 @@ def bisect(ok, bad, good, rel_tol=1e-4, geometric=False):
 
   Args:
     ok: a predicate, False at `bad`, True at `good`, monotone between them.
-    bad: the two ends (either order on the line); both > 0 when `geometric`.
-    good: the two ends (either order on the line); both > 0 when `geometric`.
+    bad: the end where `ok` is False (either side of `good`); > 0 when `geometric`.
+    good: the end where `ok` is True; > 0 when `geometric`.
     rel_tol: the relative width at which the search stops.
     geometric: bisect at sqrt(bad * good) instead of (bad + good) / 2.
 

@@ -284,8 +284,8 @@ def shadow_confidences(train_and_predict, x, y, num_models, seed=0, from_logits=
   Args:
     train_and_predict: callable(x_train, y_train) -> outputs [n, K] on the full x (logits if
       from_logits, else probabilities); called once per model.
-    x: arrays with n examples; y integer labels.
-    y: arrays with n examples; y integer labels.
+    x: the features, an array with n examples.
+    y: their integer labels [n].
     num_models: N >= 2.
     seed: seeds the memberships (audit design).
     from_logits: how to read the outputs.

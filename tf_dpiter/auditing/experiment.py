@@ -92,8 +92,8 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
 
   Args:
     base_model: Keras model x -> logits [B, num_classes] (sparse cross-entropy on logits).
-    x: training arrays (n examples, integer labels).
-    y: training arrays (n examples, integer labels).
+    x: the training features (n examples).
+    y: their integer labels [n].
     num_classes: K.
     num_canaries: m (about p_in * m become records; all m with neighbouring="replace").
     noise_multiplier: z of the DP optimizer (noise stddev z * S).
@@ -102,13 +102,13 @@ def run_whitebox_audit(base_model, x, y, num_classes, *, num_canaries, noise_mul
     steps: Poisson samples per epoch (T = steps * epochs in all).
     l2_norm_clip: S.
     learning_rate: SGD step (any value; the audit divides it out).
-    delta: of the claim and of the bounds.
-    confidence: of the claim and of the bounds.
+    delta: the delta of the claim and of the bounds.
+    confidence: the confidence of the bounds.
     p_in: probability a canary is included (or has sign +1).
     neighbouring: "add_remove" or "replace".
     design_seed: seeds the canary membership (audit design).
-    sampling_seed: tests only (they make the run reproducible and NOT private).
-    noise_seed: tests only (they make the run reproducible and NOT private).
+    sampling_seed: seeds the sampling, for tests only (a reproducible run is NOT private).
+    noise_seed: seeds the noise, for tests only (a reproducible run is NOT private).
     ledger_accountant: accountant for the ledger's ε ("pld" or "rdp"), or None to skip it.
     epochs: epochs of `steps` samples each.
     audit_kwargs: if given, an AuditCallback(delta, recorder=..., **audit_kwargs) audits every

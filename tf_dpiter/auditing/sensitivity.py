@@ -190,13 +190,13 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
 
   Args:
     model: a compiled tf_dpiter DP model (DPSequential, DPModel, make_private(...)).
-    x: arrays; the first `batch_size` examples form the base batch.
-    y: arrays; the first `batch_size` examples form the base batch.
+    x: the features, an array; the first `batch_size` examples form the base batch.
+    y: their labels.
     policy: "poisson" (add/remove one) | "fixed_size" | "shuffle" (replace one); default: the
       optimizer's current sampling policy, else "poisson".
-    batch_size: the base batch and the random search.
-    num_candidates: the base batch and the random search.
-    seed: the base batch and the random search.
+    batch_size: the size of the base batch.
+    num_candidates: the adversarial candidates of the random search.
+    seed: the random search's seed.
     rtol: relative tolerance of the comparison.
 
   Returns:

@@ -153,8 +153,9 @@ def whitebox_lower_bound(observations, included, sampling_probability, noise_mul
     noise_multiplier: see `canary_scores`.
     neighbouring: see `canary_scores`.
     per: see `canary_scores`.
-    delta: of the bound. kwargs go to bounds.lower_bound.
-    confidence: of the bound. kwargs go to bounds.lower_bound.
+    delta: the delta of the bound.
+    confidence: the confidence of the bound (further keyword arguments go to
+      bounds.lower_bound).
 
   Returns:
     bounds.LowerBound.

@@ -139,8 +139,8 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
   prefetch discarded) only leave their records unused in that epoch.
 
   Args:
-    x: arrays (or nests) with n records on the leading axis; y may be None.
-    y: arrays (or nests) with n records on the leading axis; y may be None.
+    x: the features: arrays (or nests) with n records on the leading axis.
+    y: the labels, arrays (or nests) with n records on the leading axis, or None.
     steps_per_epoch: k, the steps of an epoch; or give `expected_batch_size` instead
       (k = round(n / expected_batch_size)).
     expected_batch_size: n / k, used when steps_per_epoch is None.

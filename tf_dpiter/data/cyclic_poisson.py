@@ -322,8 +322,8 @@ def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
   """tf.data.Dataset of cyclic Poisson samples, (x_pad, [y_pad,] mask) per step.
 
   Args:
-    x: arrays (or nests) with n records on the leading axis; y may be None.
-    y: arrays (or nests) with n records on the leading axis; y may be None.
+    x: the features: arrays (or nests) with n records on the leading axis.
+    y: the labels, arrays (or nests) with n records on the leading axis, or None.
     expected_batch_size: q n / b.
     num_groups: b (the cycle length).
     steps_per_epoch: steps per iteration of the dataset (default b round(n / (b B)), i.e.

@@ -67,8 +67,8 @@ def truncated_poisson_batches(x, y=None, expected_batch_size=256, max_batch_size
   Relation: add or remove one example (accounted by TruncatedSubsampledGaussianDpEvent, PLD).
 
   Args:
-    x: arrays (or nests) with n records on the leading axis; y may be None.
-    y: arrays (or nests) with n records on the leading axis; y may be None.
+    x: the features: arrays (or nests) with n records on the leading axis.
+    y: the labels, arrays (or nests) with n records on the leading axis, or None.
     expected_batch_size: q n, in (0, n].
     max_batch_size: B; default `sampling.default_max_batch_size(n, q)` (mean + 4 sd), where
       truncation is rare; a smaller B trades more truncation for less compute.

@@ -74,8 +74,8 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
   """tf.data.Dataset of Poisson samples of users: (x_pad, y_pad, weights) per step.
 
   Args:
-    x: arrays (or nests) with n examples on the leading axis.
-    y: arrays (or nests) with n examples on the leading axis.
+    x: the features: arrays (or nests) with n examples on the leading axis.
+    y: the labels, arrays (or nests) with n examples on the leading axis.
     user_ids: [n] the user of each example (any hashable dtype numpy can sort).
     expected_users_per_batch: q U, in (0, U].
     max_examples_per_user: k, examples kept per user (the first k in data order).

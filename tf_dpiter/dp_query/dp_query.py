@@ -212,8 +212,8 @@ class DPQuery(metaclass=abc.ABCMeta):
     """Combines two sample states (e.g. from two replicas).
 
     Args:
-      sample_state_1: sample states of disjoint records.
-      sample_state_2: sample states of disjoint records.
+      sample_state_1: the sample state of some records.
+      sample_state_2: the sample state of records disjoint from them.
 
     Returns:
       the state of their union.
