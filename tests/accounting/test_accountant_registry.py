@@ -18,6 +18,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter import accounting
+from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import cli
 from tf_dpiter.errors import PrivacyConfigError
 
@@ -48,6 +49,9 @@ def _ledger_dict(steps, q=BATCH / N):
 
 def test_the_registry_resolves_the_name_everywhere_in_accounting(coarse_rdp):
   assert NAME in accounting.accountant_names() and coarse_rdp.events == "rdp"
+  # the ledger's events are built for the accountant's family; "gdp" is not registered
+  assert accountants.event_family(NAME) == "rdp" and accountants.event_family("pld") == "pld"
+  assert accountants.event_family("gdp") == "gdp"
   d = _ledger_dict(8)
   got = accounting.privacy_report(d, delta=DELTA, accountant=NAME)
   want = _hand_epsilon(BATCH / N, Z, 8, ORDERS)
