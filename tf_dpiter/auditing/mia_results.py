@@ -412,7 +412,7 @@ _ARRAY_FIELDS = ("membership_scores_train", "membership_scores_test", "train_ind
 
 def _decode(description, arrays):
   if description.get("format") != _FORMAT:
-    raise ValueError(f"format {description.get('format')!r}, expected {_FORMAT!r}")
+    raise ParameterValueError(f"format {description.get('format')!r}, expected {_FORMAT!r}")
   results = []
   for i, e in enumerate(description["results"]):
     optional = {n: arrays.get(f"r{i}_{n}") for n in _ARRAY_FIELDS}
