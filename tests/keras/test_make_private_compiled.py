@@ -208,3 +208,17 @@ def test_saved_and_loaded_after_make_private_on_a_compiled_model(tmp_path):
   assert opt.get_config()["beta_1"] == pytest.approx(0.7)
   assert (opt.private_step.l2_norm_clip, opt.private_step.noise_multiplier) == (0.8, 1.2)
   assert int(loaded.ledger.sample_count.numpy()) == int(model.ledger.sample_count.numpy()) > 0
+
+
+def test_keras_hub_task_made_private_before_its_default_compile():
+  hub = pytest.importorskip("keras_hub", reason="keras_hub is not installed (pip install -e "
+                            "'.[test]' installs it)")
+  backbone = hub.models.BertBackbone(vocabulary_size=11, num_layers=1, num_heads=2,
+                                     hidden_dim=4, intermediate_dim=8, max_sequence_length=5)
+  task = hub.models.BertTextClassifier(backbone, num_classes=3, preprocessor=None,
+                                       compile=False)
+  dp.keras.make_private(task, l2_norm_clip=1.0, noise_multiplier=1.1)
+  task.compile()          # keras_hub's defaults: Adam(5e-5), sparse cross-entropy, accuracy
+  assert isinstance(task.optimizer, dp.keras.DPKerasAdamOptimizer)
+  assert task.optimizer.get_config()["learning_rate"] == pytest.approx(5e-5)
+  assert isinstance(task.loss, keras.losses.SparseCategoricalCrossentropy)

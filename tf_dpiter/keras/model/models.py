@@ -52,6 +52,10 @@ _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 check_no_batch_mixing = batch_independence.check_no_batch_mixing
 
 
+# compile's optimizer when none is given: the model class' own default is used.
+_OWN_DEFAULT = object()
+
+
 class DPModelMixin(train_step_lib.TrainStepMixin):
   """Private fit / train_on_batch / compile for any keras.Model subclass (the step: train_step)."""
 
@@ -67,14 +71,16 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           "compiled plain optimizer private")
     return opt
 
-  def compile(self, optimizer="rmsprop", *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
+  def compile(self, optimizer=_OWN_DEFAULT, *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
     """keras.Model.compile with a DP optimizer. Under `mixed_float16` Keras' dynamic loss
     scaling (a data-dependent scale) is not used: a LossScaleOptimizer around a DP optimizer
     is unwrapped, and the private step applies a static loss scale itself
     (routing.loss_scale).
 
     Args:
-      optimizer: a DP optimizer (a LossScaleOptimizer around one is unwrapped).
+      optimizer: a DP optimizer (a LossScaleOptimizer around one is unwrapped); a plain one
+        or a name after make_private was given DP settings. Not given: the model class' own
+        default (Keras' "rmsprop"; a keras_hub task's "auto", its Adam).
       *args: keras.Model.compile's other positional arguments.
       **kwargs: keras.Model.compile's keyword arguments (loss, metrics, jit_compile, ...).
 
@@ -82,6 +88,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       PrivacyConfigError: a DP optimizer on a model make_private was given DP settings for
         (give the DP settings in one place).
     """
+    if optimizer is _OWN_DEFAULT and (
+        args or isinstance(self, tf_privacy_args.TFPrivacyArgsMixin)):
+      optimizer = "rmsprop"   # keras.Model.compile's default
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
         optimizer.inner_optimizer, opt_lib.DPOptimizerBase):
       optimizer = optimizer.inner_optimizer
@@ -96,7 +105,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           f"optimizer={type(_unscaled(optimizer)).__name__}")
     if len(args) < 8:
       kwargs["auto_scale_loss"] = False
-    super().compile(optimizer, *args, **kwargs)
+    if optimizer is _OWN_DEFAULT:   # the class' own default (a keras_hub task's "auto")
+      super().compile(**kwargs)
+    else:
+      super().compile(optimizer, *args, **kwargs)
     self._dp_apply_pending_settings()
     self._dp_optimizer()
     self._dp_adopt_carried_ledger()
