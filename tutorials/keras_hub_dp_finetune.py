@@ -190,6 +190,9 @@ def main(argv=None):
   test_text, y_test = sentences(n_test, seq_len - 2, rng)
   x_public, x_train, x_test = (tokenize(t, seq_len) for t in (public_text, train_text, test_text))
   print("e.g.", " ".join(train_text[0]), "->", int(y_train[0]))
+  print("offline: BertBackbone + BertTextClassifier built from constructor arguments (no "
+        "download); a preset (from_preset('bert_tiny_en_uncased')) needs the network or a "
+        "preset directory copied here")
 
   # 1. The stand-in for a preset: the architecture from a config, pretrained without DP on
   # PUBLIC data (a preset's weights come from public pretraining the same way).

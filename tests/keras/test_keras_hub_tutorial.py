@@ -50,7 +50,7 @@ def test_tutorial_tiny_prints_the_ledgers_epsilon(lora, pretrain_epochs, tmp_pat
   assert printed["epsilon"] == dp.accounting.epsilon(ledger_json, printed["delta"])
   assert 0 < printed["epsilon"] < float("inf")
   assert "optimizer DPKerasAdamOptimizer" in out
-  assert "(RDP accountant" in out and "test accuracy" in out
+  assert "(RDP accountant" in out and "test accuracy" in out and "offline:" in out
   assert 0.0 <= printed["test_accuracy"] <= 1.0
   assert printed["clipping"] == "fast"   # keras_hub's BERT layers are on the allowlist
   # full fine-tuning trains every weight; LoRA the adapters and the head only
