@@ -42,11 +42,11 @@ Privacy claim: (ε, δ)-DP for adding or removing ONE SENTENCE of the private fi
   python tutorials/keras_hub_dp_finetune.py --lora 4        # LoRA, rank 4
   python tutorials/keras_hub_dp_finetune.py --tiny --lora 2 # the CI size (a few steps)
 
-Measured on 2 shared, loaded cores (2026-11-28), default size (4,000 private sentences, 48
-steps of expected batch 250, z = 1.0, S = 1.0): ε = 3.80 at δ = 1e-5; test accuracy 0.743
-after public pretraining, 0.904 after full DP fine-tuning (75,586 parameters trained), 0.840
-after LoRA rank 4 (2,946 parameters trained); 139 s and 158 s a run (two at once, load
-about 12), most of it tracing the steps.
+Measured on 2 shared cores (2026-11-28), default size (4,000 private sentences, 48 steps of
+expected batch 250, z = 1.0, S = 1.0): ε = 3.80 at δ = 1e-5; test accuracy 0.743 after public
+pretraining, 0.900-0.904 after full DP fine-tuning (75,586 parameters trained; 3 runs, the
+noise is not seeded), 0.799-0.840 after LoRA rank 4 (2,946 parameters trained; 3 runs);
+20-25 s a run at load 4-5 (plus about 10 s of imports), most of it tracing the steps.
 
 The last line printed is JSON: {"mode", "test_accuracy", "epsilon", "delta", "steps",
 "trainable_params", ...}; `--ledger_path` also writes the ledger, from which the ε printed is
