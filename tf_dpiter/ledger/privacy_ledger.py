@@ -32,9 +32,10 @@ from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, 
                                       QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS, SHUFFLE,
                                       policy_code, policy_name, relation_for_policy)
 
-# the policies whose samples advance the ledger's cycle position (names and codes)
-_CYCLIC_NAMES = tuple(p for p in policies.names() if policies.get(p).advances_cycle)
-_CYCLIC_CODES = [policy_code(p) for p in _CYCLIC_NAMES]
+def _cyclic_names():
+  """The registered policies whose samples advance the ledger's cycle position, read at call
+  time (a policy registered after this module was imported counts too)."""
+  return tuple(p for p in policies.names() if policies.get(p).advances_cycle)
 
 
 def _f64(x):
@@ -134,7 +135,7 @@ class _Buffers:
 
   def assign_rows(self, samples, queries, passes):
     """Ops writing rows (tensors) and a pass count; the cycle position follows the rows."""
-    cyclic = tf.constant(_CYCLIC_CODES or [-1.0], tf.float64)
+    cyclic = tf.constant([policy_code(p) for p in _cyclic_names()] or [-1.0], tf.float64)
     in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
     spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
     return [self.samples.assign(spare(samples)), self.queries.assign(spare(queries)),
@@ -380,7 +381,7 @@ class PrivacyLedger(tf.Module):
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]
     with tf.control_dependencies(checks + self._reconcile_ops()):
-      new_count = [self._append(b, events_rows=rows, cyclic=policy in _CYCLIC_NAMES,
+      new_count = [self._append(b, events_rows=rows, cyclic=policy in _cyclic_names(),
                                 srow=[population_size, selection_probability, sample_size, code,
                                       examples_per_record])
                    for b in (self._mirror, self._v)]
