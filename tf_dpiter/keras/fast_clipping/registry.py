@@ -253,6 +253,27 @@ def register_layer(layer_class, norm_fn):
     _REGISTRY[layer_class] = norm_fn
 
 
+_LOOKUP_HOOKS = []
+
+
+def add_lookup_hook(hook):
+  """Runs `hook()` before every lookup: a rule module whose layer classes live in an optional
+  package (rules/keras_hub.py) registers them once that package has been imported, without
+  this module importing the rule module.
+
+  Args:
+    hook: a callable taking no argument; cheap when it has nothing to do.
+
+  Raises:
+    ParameterValueError: `hook` is not callable.
+  """
+  if not callable(hook):
+    raise ParameterValueError(f"`hook` must be callable. Received: hook={hook!r}")
+  with _LOCK:
+    if hook not in _LOOKUP_HOOKS:
+      _LOOKUP_HOOKS.append(hook)
+
+
 def lookup(layer):
   """Returns the norm function for ``layer`` or None.
 
@@ -262,8 +283,8 @@ def lookup(layer):
   Returns:
     the registered norm function, or None.
   """
-  from tf_dpiter.keras.fast_clipping.rules import keras_hub  # pylint: disable=g-import-not-at-top
-  keras_hub.register_imported()   # rules of keras_hub classes, once keras_hub is imported
+  for hook in _LOOKUP_HOOKS:   # e.g. rules of keras_hub classes, once keras_hub is imported
+    hook()
   cls = type(layer)
   with _LOCK:
     if cls in _REGISTRY:

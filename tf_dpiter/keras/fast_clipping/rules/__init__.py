@@ -1,12 +1,13 @@
 """Built-in ghost-norm rules, one module per layer family (registry contract in
 fast_clipping/registry.py). Importing this package registers them; the keras_hub
-rules (rules/keras_hub.py) are registered by registry.lookup once keras_hub's
+rules (rules/keras_hub.py) are registered by its hook on registry.lookup once keras_hub's
 modules are imported (keras_hub is not a dependency)."""
 
 import keras
 
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import conv
+from tf_dpiter.keras.fast_clipping.rules import keras_hub  # installs its lookup hook
 from tf_dpiter.keras.fast_clipping.rules import lora
 from tf_dpiter.keras.fast_clipping.rules import normalization
 from tf_dpiter.keras.fast_clipping.rules import recurrent

@@ -95,3 +95,6 @@ def register_imported():
       _DONE.add(module_name)
       for class_name, norm_fn in rules.items():
         registry.register_layer(getattr(module, class_name), norm_fn)
+
+
+registry.add_lookup_hook(register_imported)
