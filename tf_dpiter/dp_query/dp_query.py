@@ -165,6 +165,24 @@ class DPQuery(metaclass=abc.ABCMeta):
       the new sample state.
     """
 
+  def sample_state_of_sum(self, template, preprocessed_sum):
+    """The sample state holding `preprocessed_sum`, the sum of preprocessed records formed
+    elsewhere (the ghost-norm fast path's sum_i c_i x_i).
+
+    Default: `accumulate_preprocessed_record(initial_sample_state(template), sum)`.
+    `SumAggregationDPQuery` returns the sum itself (0 + s = s), so no zeros template nor a
+    second weight-sized tensor is made.
+
+    Args:
+      template: a nest of tensors, variables or `tf.TensorSpec`s shaped like one record.
+      preprocessed_sum: a nest shaped like `template`, the sum of preprocessed records.
+
+    Returns:
+      the sample state.
+    """
+    return self.accumulate_preprocessed_record(self.initial_sample_state(template),
+                                               preprocessed_sum)
+
   def accumulate_record(self, params, sample_state, record):
     """preprocess_record followed by accumulate_preprocessed_record.
 
@@ -315,6 +333,26 @@ class SumAggregationDPQuery(DPQuery):
       preprocessed_record: one record as `preprocess_record` returned it (clipped).
     """
     return tf.nest.map_structure(tf.add, sample_state, preprocessed_record)
+
+  def sample_state_of_sum(self, template, preprocessed_sum):
+    """DPQuery.sample_state_of_sum: the sum itself, cast to the template's dtypes (no
+    copy when they match), when this class keeps SumAggregationDPQuery's state (zeros
+    plus records); otherwise DPQuery's default.
+
+    Args:
+      template: a nest of tensors, variables or `tf.TensorSpec`s shaped like one record.
+      preprocessed_sum: a nest shaped like `template`.
+
+    Returns:
+      the sample state.
+    """
+    cls = type(self)
+    if (cls.initial_sample_state is not SumAggregationDPQuery.initial_sample_state
+        or cls.accumulate_preprocessed_record is not
+        SumAggregationDPQuery.accumulate_preprocessed_record):
+      return super().sample_state_of_sum(template, preprocessed_sum)
+    tf.nest.assert_same_structure(template, preprocessed_sum)
+    return tf.nest.map_structure(lambda t, s: tf.cast(s, t.dtype), template, preprocessed_sum)
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
     """DPQuery.merge_sample_states: the sum of the two states.

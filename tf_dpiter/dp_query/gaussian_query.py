@@ -61,16 +61,25 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier):
   return 0.0 if z == 0.0 else z * clip
 
 
+# Values drawn at once when a leaf is noised in place: a larger leaf is noised block by
+# block, so the draw's temporaries (its 32-bit words and the Box-Muller terms, about 4 values
+# each per noise value) stay near 64 MiB whatever the leaf's size.
+BLOCK_VALUES = 1 << 22
+
+
 def add_gaussian_noise(generator, structure, stddev):
-  """structure + N(0, stddev^2) per coordinate, drawn from `generator`.
+  """structure + N(0, stddev^2) per coordinate, drawn from `generator`, leaf after leaf.
 
   The noise, stddev and the addition are computed in float32 (float64 leaves in float64)
   whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
   1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
-  afterwards (post-processing). Leaves of one compute dtype share a single draw
-  (`randomness.padded_normal`, sigma applied to the Box-Muller radius): leaf i gets the i.i.d.
-  values [o_i, o_i + size_i) of it, leaves whose size is a multiple of 16 first, so their
-  slices are views of the draw's buffer (no copy).
+  afterwards (post-processing). Each leaf gets its own i.i.d. draw (`randomness.padded_normal`,
+  sigma applied to the Box-Muller radius), added where the sum is: a leaf of more than
+  `BLOCK_VALUES` values (static size) is noised in consecutive blocks of that many values,
+  each block's draw added into the leaf's buffer (`tf.raw_ops.TensorStridedSliceUpdate`, which
+  reuses the buffer of a sum nothing else reads). The leaves are noised one after the other
+  (each draw waits for the previous leaf's noised result), so besides the sum itself only
+  one block's draw is alive at a time: memory O(sum + block), not O(2 x sum).
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -80,23 +89,32 @@ def add_gaussian_noise(generator, structure, stddev):
   Returns:
     the noised nest, same structure and dtypes.
   """
-  leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
-  by_dtype = {}
-  for i, v in enumerate(leaves):
-    wide = tf.float64 if v.dtype == tf.float64 else tf.float32
-    by_dtype.setdefault(wide, []).append(i)
-  out = list(leaves)
-  for dtype, idx in by_dtype.items():
-    sizes = {i: _size(leaves[i]) for i in idx}
-    if all(isinstance(s, int) for s in sizes.values()):
-      idx = sorted(idx, key=lambda i: sizes[i] % 16 != 0)  # aligned slices first (views)
-    noise = _noise(generator, sum(sizes.values()), dtype, stddev)
-    start = 0
-    for i in idx:
-      part = tf.reshape(noise[start:start + sizes[i]], tf.shape(leaves[i]))
-      out[i] = tf.cast(tf.cast(leaves[i], dtype) + part, leaves[i].dtype)
-      start = start + sizes[i]
+  out, previous = [], []
+  for leaf in tf.nest.flatten(structure):
+    with tf.control_dependencies(previous):
+      noised = _noised_leaf(generator, tf.convert_to_tensor(leaf), stddev)
+    previous = [noised]
+    out.append(noised)
   return tf.nest.pack_sequence_as(structure, out)
+
+
+def _noised_leaf(generator, leaf, stddev):
+  """leaf + N(0, stddev^2 I) in the privacy dtype, cast back to leaf.dtype
+  (`add_gaussian_noise`: in blocks of BLOCK_VALUES values for a large static leaf)."""
+  dtype = tf.float64 if leaf.dtype == tf.float64 else tf.float32
+  size = _size(leaf)
+  wide = tf.cast(leaf, dtype)
+  if not isinstance(size, int) or size <= BLOCK_VALUES:
+    noise = _noise(generator, size, dtype, stddev)[:size]
+    return tf.cast(wide + tf.reshape(noise, tf.shape(leaf)), leaf.dtype)
+  flat = tf.reshape(wide, [-1])
+  for start in range(0, size, BLOCK_VALUES):
+    stop = min(start + BLOCK_VALUES, size)
+    with tf.control_dependencies([flat]):   # one block's draw alive at a time
+      noise = _noise(generator, stop - start, dtype, stddev)[:stop - start]
+    flat = tf.raw_ops.TensorStridedSliceUpdate(
+        input=flat, begin=[start], end=[stop], strides=[1], value=flat[start:stop] + noise)
+  return tf.cast(tf.reshape(flat, tf.shape(leaf)), leaf.dtype)
 
 
 def _size(tensor):

@@ -244,6 +244,10 @@ class QueryWithLedger(dp_query.DPQuery):
     """
     return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)
 
+  def sample_state_of_sum(self, template, preprocessed_sum):
+    """The wrapped query's sample state holding a sum of preprocessed records."""
+    return self._query.sample_state_of_sum(template, preprocessed_sum)
+
   def merge_sample_states(self, sample_state_1, sample_state_2):
     """The wrapped query's merge of two sample states.
 

@@ -215,20 +215,21 @@ class TrainStepMixin:
         grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
       rec_loss = record_losses.masked_record_mean(losses, c_em)
-      acc = [a + tf.cast(g, a.dtype) for a, g in zip(acc, grads)]
-      return acc, tf.reduce_sum(rec_loss), tf.nest.map_structure(regroup, outputs)
+      grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]
+      if acc is not None:   # a later chunk: added into the first chunk's sums
+        grads = [a + g for a, g in zip(acc, grads)]
+      return grads, tf.reduce_sum(rec_loss), tf.nest.map_structure(regroup, outputs)
 
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
     per_chunk = chunking.chunk_layout(step, k, m_static)
-    zeros = [tf.zeros(t.shape, t.dtype) for t in template]
-    grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, zeros, (recs, em), rmask,
-                                                           per_chunk)
+    # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
+    # tensor per variable), and the query's sample state is that sum itself
+    grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
+                                                           per_chunk, template=template)
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
-    query = step.require_query()
-    state = query.initial_sample_state(template)
-    state = query.accumulate_preprocessed_record(state, grad_sum)
+    state = step.require_query().sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):

@@ -26,6 +26,7 @@ import math
 
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.ledger import policies as ledger_policies
@@ -225,21 +226,33 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
   return acc, loss_sum, tf.nest.map_structure(lambda h, t: tf.concat([h, t], 0), aux, tail)
 
 
-def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
+def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=None):
   """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
+
+  With acc=None the first chunk's result is the accumulator (chunk_fn receives None for it
+  and returns its own sums), so no zeros are made and each accumulated tensor exists once:
+  a later chunk adds into it. Only a dynamic number of chunks (a tf.while_loop from the first
+  chunk) starts from zeros shaped like `template`.
 
   Args:
     chunk_fn: (acc, records_chunk, record_mask_chunk) -> (acc, loss_sum, aux), where aux is
-      a nest of tensors with the chunk's records on the leading axis.
-    acc: the initial accumulator (a nest of tensors: a DPQuery sample state, or sums).
+      a nest of tensors with the chunk's records on the leading axis; acc may be None (the
+      first chunk, see above).
+    acc: the initial accumulator (a nest of tensors: a DPQuery sample state, or sums), or
+      None.
     records: nest of [M, ...] tensors (None leaves allowed).
     record_mask: [M] float, 0 for padding records.
     per_chunk: records per chunk (`records_per_chunk`), None for one chunk, or a TailChunks
       (`chunk_layout`).
+    template: with acc=None, a nest of `tf.TensorSpec`s shaped like the accumulator (zeros
+      of it start a loop over a dynamic number of chunks).
 
   Returns:
     (acc, loss_sum, aux): aux concatenated over chunks (its leading axis may hold padding
     records past M), or None when the number of chunks is dynamic (tf.while_loop).
+
+  Raises:
+    ParameterValueError: acc=None without `template` and a dynamic number of chunks.
   """
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
@@ -263,6 +276,12 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk):
     acc, loss, _ = chunk_fn(acc, _take(chunks, i), cmask[i])
     return i + 1, acc, loss_acc + loss
 
+  if acc is None:
+    if template is None:
+      raise ParameterValueError(
+          "sum_over_chunks with acc=None needs `template` when the number of chunks is "
+          "dynamic. Received: template=None")
+    acc = tf.nest.map_structure(lambda t: tf.zeros(t.shape, t.dtype), template)
   _, acc, loss_sum = tf.while_loop(lambda i, *_: i < nchunks, body,
                                    [tf.constant(0), acc, loss_sum])
   return acc, loss_sum, None

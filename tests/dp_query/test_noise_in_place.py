@@ -1,0 +1,83 @@
+"""The Gaussian query's noise added leaf by leaf and, for a large leaf, block by block into
+the sum's own buffer (`gaussian_query.add_gaussian_noise`), and the sample state of a sum
+formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy of the sum."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter import dp_query
+from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import normalized_query
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla"])
+def test_blocked_leaf_gets_every_coordinate_noised_once(mode, monkeypatch):
+  """With blocks of 1,000 values a leaf of 4,500 (four full blocks and a partial one) and a
+  leaf below one block: every value is noised (none left at 0), the law is
+  N(0, sigma^2) within 5 standard errors of the standard deviation, no value repeats
+  across blocks or leaves, shapes and dtypes are kept, also inside an XLA program."""
+  monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1000)
+  gen = tf.random.Generator.from_seed(21, alg="philox")
+  leaves = [tf.zeros([90, 50]), tf.zeros([300]), tf.zeros([40, 25])]
+  fn = lambda: gaussian_query.add_gaussian_noise(gen, leaves, 2.0)  # noqa: E731
+  if mode != "eager":
+    fn = tf.function(fn, jit_compile=mode == "xla")
+  out = fn()
+  noise = []
+  for leaf, noised in zip(leaves, out):
+    assert noised.shape == leaf.shape and noised.dtype == leaf.dtype
+    z = noised.numpy().ravel()
+    assert np.all(z != 0.0)
+    noise.append(z)
+  z = np.concatenate(noise)
+  assert abs(z.std() - 2.0) < 5 * 2.0 * math.sqrt(2.0 / z.size)
+  assert abs(z.mean()) < 5 * 2.0 / math.sqrt(z.size)
+  assert len(np.unique(z)) > 0.999 * z.size   # a repeated block would repeat 1,000
+
+
+def test_blocked_leaf_16_bit_and_graph_updates_in_place(monkeypatch):
+  """A bfloat16 leaf larger than a block comes back bfloat16 with its noise computed in
+  float32; the blocked path writes each block with TensorStridedSliceUpdate (in place when
+  nothing else reads the sum) and draws nothing the size of the whole leaf."""
+  monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1024)
+  gen = tf.random.Generator.from_seed(22, alg="philox")
+  fn = tf.function(lambda x: gaussian_query.add_gaussian_noise(gen, [x * 1.0], 3.0))
+  x = tf.zeros([64, 80], tf.bfloat16)
+  (out,) = fn(x)
+  assert out.dtype == tf.bfloat16 and out.shape == (64, 80)
+  z = tf.cast(out, tf.float64).numpy().ravel()
+  assert abs(z.std() - 3.0) < 5 * 3.0 * math.sqrt(2.0 / z.size) + 0.03
+  ops = fn.get_concrete_function(x).graph.get_operations()
+  assert sum(op.type == "TensorStridedSliceUpdate" for op in ops) == 5   # ceil(5120 / 1024)
+  widest = max((int(np.prod(o.shape)) for op in ops if "Random" in op.type or "Philox" in op.type
+                for o in op.outputs if o.shape.is_fully_defined()), default=0)
+  assert 0 < widest <= 2 * 1024
+
+
+def test_sum_aggregation_state_is_the_sum_itself():
+  """GaussianSumQuery's (and its ledger wrapper's) state of a sum is the sum's own tensors (no
+  zeros, no add); a float32 template turns a float64 sum into float32."""
+  query = gaussian_query.GaussianSumQuery(1.0, 0.0)
+  template = [tf.TensorSpec([3, 2], tf.float32), tf.TensorSpec([4], tf.float32)]
+  total = [tf.ones([3, 2]), tf.range(4, dtype=tf.float32)]
+  state = query.sample_state_of_sum(template, total)
+  assert state[0] is total[0] and state[1] is total[1]
+  cast = query.sample_state_of_sum(template[1:], [tf.ones([4], tf.float64)])
+  assert cast[0].dtype == tf.float32
+
+
+def test_query_with_its_own_state_gets_initial_plus_accumulate():
+  """A query whose sample state is not the plain sum (NormalizedQuery) gets
+  accumulate_preprocessed_record(initial_sample_state(template), sum): the same state as
+  accumulating the sum by hand."""
+  query = normalized_query.NormalizedQuery(gaussian_query.GaussianSumQuery(1.0, 0.0), 4.0)
+  template = [tf.TensorSpec([2], tf.float32)]
+  total = [tf.constant([1.0, -2.0])]
+  by_hand = query.accumulate_preprocessed_record(query.initial_sample_state(template), total)
+  got = query.sample_state_of_sum(template, total)
+  tf.nest.map_structure(lambda a, b: np.testing.assert_array_equal(a.numpy(), b.numpy()),
+                        by_hand, got)
+  assert isinstance(query, dp_query.DPQuery)
