@@ -133,3 +133,28 @@ def test_the_no_noise_warning_points_at_the_users_line():
   with pytest.warns(UserWarning, match="adds no noise") as record_plan:
     dp.keras.DPConfig(l2_norm_clip=1.0, noise_multiplier=0.0)
   assert [w.filename for w in record] == [w.filename for w in record_plan] == [__file__]
+
+
+def test_no_module_but_private_step_writes_the_steps_fields():
+  """`step.x = ...` / `opt.private_step.x = ...` (and `step.state.x = ...`) appear only in
+  keras/optimizer/private_step.py: the step is the one owner of its fields."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  def is_step(node):
+    return ((isinstance(node, ast.Name) and node.id in ("step", "private_step"))
+            or (isinstance(node, ast.Attribute) and node.attr == "private_step"))
+
+  package = pathlib.Path(dp.__file__).parent
+  found = []
+  for path in sorted(package.rglob("*.py")):
+    if path.name == "private_step.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      targets = (node.targets if isinstance(node, ast.Assign) else
+                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+      for t in targets:
+        if isinstance(t, ast.Attribute) and (
+            is_step(t.value) or (isinstance(t.value, ast.Attribute) and is_step(t.value.value))):
+          found.append(f"{path.relative_to(package)}:{node.lineno}")
+  assert found == []
