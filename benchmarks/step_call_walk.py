@@ -13,8 +13,8 @@ lives in the `tf_dpiter` package, and prints:
 The walk starts at the model's train step (first tf_dpiter frame) and covers the whole
 step: the per-record clipped sum, the noise, the ledger write and the optimizer update.
 
-Run from a checkout's root (it measures the tf_dpiter found on sys.path first):
-  python benchmarks/step_call_walk.py [--clipping fast|vectorized] [--files]
+Run from a checkout's root (it measures the tf_dpiter that checkout holds):
+  python -m benchmarks.step_call_walk [--clipping fast|vectorized] [--files]
 """
 
 import argparse
@@ -22,7 +22,6 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-sys.path.insert(0, os.getcwd())
 
 import keras  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
