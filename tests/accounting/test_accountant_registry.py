@@ -116,3 +116,13 @@ def test_built_in_accountants_cannot_be_replaced_or_removed():
     accounting.unregister_accountant("pld")
   with pytest.raises(PrivacyConfigError, match=r"`events` must be one of"):
     accounting.register_accountant("other", lambda r: None, events="prv")
+
+
+def test_the_dp_plan_takes_a_registered_accountant(coarse_rdp):
+  """`dp.keras.DPConfig(accountant=...)` accepts a registered name and its `epsilon` uses it;
+  an unregistered name is refused by name and value."""
+  plan = dp.keras.DPConfig(l2_norm_clip=1.0, noise_multiplier=Z, accountant=NAME)
+  got = plan.epsilon(_ledger_dict(8), DELTA)
+  assert got == pytest.approx(_hand_epsilon(BATCH / N, Z, 8, ORDERS), rel=1e-9)
+  with pytest.raises(PrivacyConfigError, match="accountant='no_such_accountant'"):
+    dp.keras.DPConfig(l2_norm_clip=1.0, noise_multiplier=Z, accountant="no_such_accountant")

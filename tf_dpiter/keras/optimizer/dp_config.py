@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import validation
+from tf_dpiter.accounting import accountants
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -30,7 +31,6 @@ from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = ("auto", "vectorized", "fast")
-ACCOUNTANTS = ("rdp", "pld")
 
 
 def _caller_level():
@@ -91,7 +91,8 @@ class DPConfig:
     secure_mode: draw DP-SGD's noise from os.urandom (IID only; no seed, no dp_query).
     sampling: the sampling policy the run must declare (a registered ledger policy:
       `ledger.policies.names()`), or None for the one fit or set_sampling declares.
-    accountant: the accountant `epsilon` uses: "rdp" or "pld".
+    accountant: the accountant `epsilon` uses: "rdp", "pld" or a name given to
+      `dp.accounting.register_accountant`.
   """
 
   l2_norm_clip: Optional[float] = None
@@ -147,7 +148,8 @@ class DPConfig:
       if needed is not None and needed != self.sampling:
         raise PrivacyConfigError(validation.message(
             "sampling", f"{needed!r} (or None) for {mech.describe()}", self.sampling))
-    validation.check_one_of("accountant", self.accountant, ACCOUNTANTS, error=PrivacyConfigError)
+    validation.check_one_of("accountant", self.accountant, accountants.accountant_names(),
+                            error=PrivacyConfigError)
 
   def __init_subclass__(cls, **kwargs):
     raise ParameterTypeError(f"DPConfig is final; {cls.__name__} cannot subclass it (compose it)")
