@@ -14,7 +14,9 @@ path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradien
 `minimize` with a vector of per-example losses and `model=`.
 
 Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples,
-charged at sensitivity 2S; they need replace-one sampling (step_sampling). Custom loops
+charged at sensitivity 2S; they need replace-one sampling (step_sampling). M equal to the
+declared batch size B (TF Privacy's default) is k = 1, one example per record: per-example
+clipping, any sampling, Poisson included. Custom loops
 declare their sampling with `set_sampling(n, q, policy, sample_size)` (under "shuffle", with
 `optimizer.ledger.record_passes(1)` at every new permutation).
 
