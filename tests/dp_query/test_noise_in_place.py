@@ -1,6 +1,7 @@
-"""The Gaussian query's noise added leaf by leaf and, for a large leaf, block by block into
-the sum's own buffer (`gaussian_query.add_gaussian_noise`), and the sample state of a sum
-formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy of the sum."""
+"""The Gaussian query's noise in bounded draws (small leaves share one, a large leaf is noised
+block by block into the sum's own buffer: `gaussian_query.add_gaussian_noise`), and the sample
+state of a sum formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy
+of the sum."""
 
 import math
 
@@ -81,3 +82,26 @@ def test_query_with_its_own_state_gets_initial_plus_accumulate():
   tf.nest.map_structure(lambda a, b: np.testing.assert_array_equal(a.numpy(), b.numpy()),
                         by_hand, got)
   assert isinstance(query, dp_query.DPQuery)
+
+
+def test_small_leaves_share_bounded_draws(monkeypatch):
+  """Ten leaves of 300 values with blocks of 1,000: four draws (3 + 3 + 3 + 1 leaves), none
+  of more than 1,000 values; a float64 leaf starts its own draw; each leaf gets distinct
+  N(0, sigma^2) values."""
+  monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1000)
+  sizes = []
+  real_noise = gaussian_query._noise  # pylint: disable=protected-access
+
+  def counted(generator, size, dtype, stddev):
+    sizes.append((size, dtype))
+    return real_noise(generator, size, dtype, stddev)
+
+  monkeypatch.setattr(gaussian_query, "_noise", counted)
+  gen = tf.random.Generator.from_seed(23, alg="philox")
+  leaves = [tf.zeros([300]) for _ in range(10)] + [tf.zeros([200], tf.float64)]
+  out = gaussian_query.add_gaussian_noise(gen, leaves, 1.5)
+  assert sizes == [(900, tf.float32)] * 3 + [(300, tf.float32), (200, tf.float64)]
+  z = np.concatenate([o.numpy().ravel() for o in out[:10]])
+  assert len(np.unique(z)) > 0.999 * z.size   # a value used twice would repeat 300
+  assert abs(z.std() - 1.5) < 5 * 1.5 * math.sqrt(2.0 / z.size)
+  assert out[10].dtype == tf.float64 and np.all(out[10].numpy() != 0.0)

@@ -68,18 +68,21 @@ BLOCK_VALUES = 1 << 22
 
 
 def add_gaussian_noise(generator, structure, stddev):
-  """structure + N(0, stddev^2) per coordinate, drawn from `generator`, leaf after leaf.
+  """structure + N(0, stddev^2) per coordinate, drawn from `generator`, in bounded draws.
 
   The noise, stddev and the addition are computed in float32 (float64 leaves in float64)
   whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
   1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
-  afterwards (post-processing). Each leaf gets its own i.i.d. draw (`randomness.padded_normal`,
-  sigma applied to the Box-Muller radius), added where the sum is: a leaf of more than
-  `BLOCK_VALUES` values (static size) is noised in consecutive blocks of that many values,
-  each block's draw added into the leaf's buffer (`tf.raw_ops.TensorStridedSliceUpdate`, which
-  reuses the buffer of a sum nothing else reads). The leaves are noised one after the other
-  (each draw waits for the previous leaf's noised result), so besides the sum itself only
-  one block's draw is alive at a time: memory O(sum + block), not O(2 x sum).
+  afterwards (post-processing). The draws (`randomness.padded_normal`, sigma applied to the
+  Box-Muller radius) hold at most `BLOCK_VALUES` values each: consecutive leaves of one dtype
+  share a draw while their sizes add up to at most that (leaf i gets the i.i.d. values
+  [o_i, o_i + size_i) of it, views of its buffer), a larger leaf is noised in consecutive
+  blocks of that many values, each block's draw added into the leaf's buffer
+  (`tf.raw_ops.TensorStridedSliceUpdate`, which reuses the buffer of a sum nothing else
+  reads), and a leaf of unknown size gets its own draw. The draws run one after the other
+  (each waits for the previous one's noised leaves), so besides the sum itself one draw's
+  temporaries are alive at a time: memory O(sum + block), not O(2 x sum), with about
+  size / BLOCK_VALUES draws in the graph.
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -89,19 +92,63 @@ def add_gaussian_noise(generator, structure, stddev):
   Returns:
     the noised nest, same structure and dtypes.
   """
-  out, previous = [], []
-  for leaf in tf.nest.flatten(structure):
-    with tf.control_dependencies(previous):
-      noised = _noised_leaf(generator, tf.convert_to_tensor(leaf), stddev)
-    previous = [noised]
-    out.append(noised)
+  leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
+  out = list(leaves)
+  previous = []   # the last draw's noised leaves: the next draw waits for them
+  group, group_size, group_dtype = [], 0, None
+
+  def flush():
+    nonlocal previous, group, group_size
+    if group:
+      with tf.control_dependencies(previous):
+        noised = _noised_group(generator, [leaves[i] for i in group], stddev)
+      for i, n in zip(group, noised):
+        out[i] = n
+      previous = noised
+    group, group_size = [], 0
+
+  for i, leaf in enumerate(leaves):
+    dtype = _wide(leaf.dtype)
+    size = _size(leaf)
+    if not isinstance(size, int) or size > BLOCK_VALUES:
+      flush()
+      with tf.control_dependencies(previous):
+        out[i] = _noised_leaf(generator, leaf, stddev)
+      previous = [out[i]]
+      continue
+    if group and (dtype != group_dtype or group_size + size > BLOCK_VALUES):
+      flush()
+    group.append(i)
+    group_size += size
+    group_dtype = dtype
+  flush()
   return tf.nest.pack_sequence_as(structure, out)
+
+
+def _wide(dtype):
+  """float64 for float64 leaves, else float32 (the dtype of the noise arithmetic)."""
+  return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def _noised_group(generator, leaves, stddev):
+  """Leaves of one wide dtype and static sizes summing to <= BLOCK_VALUES, noised from one
+  draw (the leaves whose size is a multiple of 16 first, so their slices are views)."""
+  dtype = _wide(leaves[0].dtype)
+  sizes = [_size(leaf) for leaf in leaves]
+  order = sorted(range(len(leaves)), key=lambda i: sizes[i] % 16 != 0)
+  noise = _noise(generator, sum(sizes), dtype, stddev)
+  out, start = [None] * len(leaves), 0
+  for i in order:
+    part = tf.reshape(noise[start:start + sizes[i]], tf.shape(leaves[i]))
+    out[i] = tf.cast(tf.cast(leaves[i], dtype) + part, leaves[i].dtype)
+    start += sizes[i]
+  return out
 
 
 def _noised_leaf(generator, leaf, stddev):
   """leaf + N(0, stddev^2 I) in the privacy dtype, cast back to leaf.dtype
   (`add_gaussian_noise`: in blocks of BLOCK_VALUES values for a large static leaf)."""
-  dtype = tf.float64 if leaf.dtype == tf.float64 else tf.float32
+  dtype = _wide(leaf.dtype)
   size = _size(leaf)
   wide = tf.cast(leaf, dtype)
   if not isinstance(size, int) or size <= BLOCK_VALUES:
