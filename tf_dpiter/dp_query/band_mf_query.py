@@ -25,7 +25,6 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import validation
-from tf_dpiter.dp_query import clipping
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
@@ -162,44 +161,13 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
     must keep for a resumed run to draw the noise an uninterrupted one would have)."""
     return self._generator
 
-  def derive_sample_params(self, global_state):
-    """The clip S of this sample (fixed: the correlated queries do not adapt it).
-
-    Args:
-      global_state: the query's global state.
-
-    Returns:
-      S, a float32 scalar tensor.
-    """
-    return global_state.l2_norm_clip
-
-  def preprocess_record(self, params, record):
-    """pi_S(x) = x min(1, S / ||x||_2) over the whole nest (`clipping.clip_by_global_l2_norm`).
-
-    Args:
-      params: S, from `derive_sample_params`.
-      record: a nest of float tensors shaped like the template.
-
-    Returns:
-      the clipped record (same structure and dtypes).
-    """
-    clipped, _ = clipping.clip_by_global_l2_norm(record, params)
-    return clipped
-
-  # The same per-record L2 clip as the Gaussian sum (params is S): one definition.
+  # The clip S, the per-record L2 clip of the records and the metrics {l2_norm_clip, stddev}
+  # are the Gaussian sum's (params is S; the correlated queries do not adapt S): one
+  # definition each.
+  derive_sample_params = gaussian_query.GaussianSumQuery.derive_sample_params
+  preprocess_record = gaussian_query.GaussianSumQuery.preprocess_record
   record_clip_factors = gaussian_query.GaussianSumQuery.record_clip_factors
-
-  def derive_metrics(self, global_state):
-    """{"l2_norm_clip": S, "stddev": sigma} of the current global state.
-
-    Args:
-      global_state: the query's global state.
-
-    Returns:
-      an OrderedDict of scalar tensors.
-    """
-    return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
-                                   stddev=global_state.stddev)
+  derive_metrics = gaussian_query.GaussianSumQuery.derive_metrics
 
 
 @serialization.register_query()

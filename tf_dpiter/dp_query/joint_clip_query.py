@@ -66,14 +66,8 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
     return self._GlobalState(tf.cast(self._l2_norm_clip, tf.float32),
                              tf.cast(self._stddev, tf.float32))
 
-  def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the joint clip S_g
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return global_state.l2_norm_clip
+  # The sample params are the global state's clip (the joint clip S_g), as in the Gaussian sum.
+  derive_sample_params = gaussian_query.GaussianSumQuery.derive_sample_params
 
   def _scale(self, record, inverse):
     return dp_query.map_up_to(

@@ -46,18 +46,6 @@ def _check_sizes(n, bands):
     raise ParameterValueError(f"bands must be an integer >= 1, got {bands!r}")
 
 
-def prefix_sum_matrix(n):
-  """A: the n x n lower-triangular matrix of ones (the workload of prefix sums).
-
-  Args:
-    n: steps.
-
-  Returns:
-    float64 array [n, n].
-  """
-  return np.tril(np.ones([n, n]))
-
-
 def sqrt_prefix_coefficients(k):
   """r_j = binom(2j, j) / 4^j, j < k: the Toeplitz square root of A (Fichtenberger et al.
   2023); its first b terms are the starting point of the banded optimization.

@@ -286,14 +286,8 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return self._GlobalState(qstate.current_estimate, tf.constant(self._value_z, tf.float32),
                              qstate)
 
-  def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the current clip C
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return global_state.l2_norm_clip
+  # The sample params are the global state's clip (the current clip C), as in the Gaussian sum.
+  derive_sample_params = gaussian_query.GaussianSumQuery.derive_sample_params
 
   def initial_sample_state(self, template):
     """See `DPQuery.initial_sample_state`: (zero sum, 0.0 sum of b)

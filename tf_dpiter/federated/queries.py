@@ -22,6 +22,7 @@ import tensorflow as tf
 from tf_dpiter import dp_query as dpq
 from tf_dpiter import validation
 from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import quantile_queries
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.errors import ParameterValueError
@@ -194,14 +195,8 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     new_state = global_state._replace(l2_norm_clip=clip)
     return result, new_state, (dpq.GaussianSumEvent(clip, stddev),)
 
-  def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"clip": the last S_t}.
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return collections.OrderedDict(clip=global_state.l2_norm_clip)
+  # {"clip": the last S_t}: the metric of the quantile-adaptive clip, one definition.
+  derive_metrics = quantile_queries.QuantileAdaptiveClipSumQuery.derive_metrics
 
 
 def set_noise_multiplier(query, global_state, noise_multiplier):
