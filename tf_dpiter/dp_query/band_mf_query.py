@@ -146,6 +146,13 @@ class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
     self._shapes = template_shapes(template)
     self._size = int(sum(np.prod(s) for s, _ in self._shapes))
     self._seed = seed
+    self._generator = randomness.make_generator(seed)
+
+  def _config(self, **fields):
+    """The shared constructor arguments (S, z, template, seed) as plain values, and `fields`."""
+    p = serialization.plain
+    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
+            "template": template_config(self._shapes), "seed": p(self._seed), **fields}
 
   def _initial_state(self, sensitivity, noise_state):
     """Global state with stddev = noise_multiplier x S x sensitivity (per unit clip)."""
@@ -207,7 +214,6 @@ class BandMFQuery(CorrelatedNoiseQuery):
     self._num_bands = rows.shape[1]
     self._rows = tf.constant(rows, tf.float32)
     self._column_norm = self._compute_column_norm()
-    self._generator = randomness.make_generator(seed)
 
   def get_config(self):
     """The constructor's arguments as plain values (`serialization`).
@@ -215,11 +221,8 @@ class BandMFQuery(CorrelatedNoiseQuery):
     Returns:
       a dict that `BandMFQuery(**config)` rebuilds the query from.
     """
-    p = serialization.plain
-    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": template_config(self._shapes), "num_bands": self._requested_bands,
-            "num_steps": self._num_steps, "strategy": self._config_strategy,
-            "seed": p(self._seed), "cache_dir": self._cache_dir}
+    return self._config(num_bands=self._requested_bands, num_steps=self._num_steps,
+                        strategy=self._config_strategy, cache_dir=self._cache_dir)
 
   @property
   def num_bands(self):

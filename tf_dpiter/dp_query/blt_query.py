@@ -66,7 +66,6 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
                                 f"{self._theta.tolist()}, omega={self._omega.tolist()}")
     coefs = blt_strategy.strategy_coefficients(self._theta, self._omega, self._num_steps)
     self._sensitivity = blt_strategy.equivalent_sensitivity(coefs, self._min_sep)
-    self._generator = randomness.make_generator(seed)
 
   def get_config(self):
     """The constructor's arguments as plain values, theta and omega included (a rebuilt query
@@ -75,11 +74,9 @@ class BLTQuery(band_mf_query.CorrelatedNoiseQuery):
     Returns:
       a dict that `BLTQuery(**config)` rebuilds the query from.
     """
-    p = serialization.plain
-    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": band_mf_query.template_config(self._shapes), "num_steps": self._num_steps,
-            "num_buffers": self._num_buffers, "min_separation": self._min_sep,
-            "theta": self._theta.tolist(), "omega": self._omega.tolist(), "seed": p(self._seed)}
+    return self._config(num_steps=self._num_steps, num_buffers=self._num_buffers,
+                        min_separation=self._min_sep, theta=self._theta.tolist(),
+                        omega=self._omega.tolist())
 
   @property
   def theta(self):

@@ -82,7 +82,6 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
       raise ParameterValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
     self._depth = correlated_events.tree_depth(restart_every)
     self._restart_every = int(restart_every)
-    self._generator = randomness.make_generator(seed)
 
   def get_config(self):
     """The constructor's arguments as plain values (`serialization`).
@@ -90,11 +89,7 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
     Returns:
       a dict that `TreeAggregationQuery(**config)` rebuilds the query from.
     """
-    p = serialization.plain
-    return {"l2_norm_clip": p(self._l2_norm_clip), "noise_multiplier": p(self._noise_multiplier),
-            "template": band_mf_query.template_config(self._shapes),
-            "restart_every": self._restart_every,
-            "seed": p(self._seed)}
+    return self._config(restart_every=self._restart_every)
 
   @property
   def depth(self):
