@@ -7,6 +7,13 @@ that is not a number, `PrivacyConfigError` (a ValueError) for a privacy paramete
 `ParameterValueError` (a ValueError) for any other argument out of range. Tensors pass through
 unchecked (their value is only known when the graph runs).
 
+A public entry point declares its parameters' rules as one table {name: constraint}
+(`Interval`, `Integer`, `Finite`, `OneOf`, `InstanceOf`, `Callable`, `Optional`, `Required`):
+`check_params` checks a table, and the decorator `validates` applies it to a function or a
+class constructor. Each constraint owns its description, the class it raises for a wrong type
+(ParameterTypeError) and for a wrong value (its `error`), and the invalid values a generated
+test feeds it, so the message, the class and the `Raises:` entries follow from the table.
+
 Leaf module: it imports only `tf_dpiter.errors` and the standard library (no TensorFlow), so
 the accountant and the Draw-and-Discard service use it without paying for TF.
 
@@ -19,6 +26,9 @@ recovers z = sigma / S from the query: S = 0 makes that 0 / 0, and every clipped
 zero vector (the model cannot learn), so it is refused rather than accounted.
 """
 
+import abc
+import functools
+import inspect
 import math
 import numbers
 import sys
@@ -29,7 +39,9 @@ from tf_dpiter.errors import PrivacyConfigError
 
 __all__ = ["message", "check_number", "is_integer", "check_integer", "check_optional_integer",
            "check_nonnegative", "check_positive", "check_probability", "check_delta",
-           "check_instance", "check_one_of", "check_clip_norm", "check_noise_multiplier"]
+           "check_instance", "check_one_of", "check_clip_norm", "check_noise_multiplier",
+           "Constraint", "Interval", "Integer", "Finite", "OneOf", "InstanceOf", "Callable",
+           "Optional", "Required", "check_params", "validates", "ENTRY_POINTS"]
 
 
 def message(name, requirement, value):
@@ -328,3 +340,320 @@ def check_clip_norm(name, value, noise_multiplier=None):
         message(name, "finite when the noise multiplier is > 0 (the noise z*S would be "
                 "infinite); give a finite clip, or noise_multiplier=0 for no noise", value))
   return value
+
+
+# ---- Declarative constraints -------------------------------------------------------------
+# A public entry point declares its parameters' constraints as one table {name: constraint}
+# (a module-level dict, or a class attribute `_parameter_constraints`); `check_params` checks
+# it, and `validates` applies it to a function or a class. Each constraint owns what the
+# message says ("a finite number > 0"), the error class of a wrong type and of a wrong value,
+# and the invalid values a generated test feeds it (tests/core/test_param_constraints.py).
+
+ENTRY_POINTS = []   # what `validates` decorated, in import order (the generated test's list)
+
+
+class Constraint(abc.ABC):
+  """What one parameter must be (abstract; the constraints below are final).
+
+  Attributes:
+    error: the ValueError subclass raised for a value of the right type out of range.
+  """
+
+  error = ParameterValueError
+
+  @abc.abstractmethod
+  def description(self):
+    """What the value must be, for the message ("a finite number > 0").
+
+    Returns:
+      str.
+    """
+
+  @abc.abstractmethod
+  def failure(self, value):
+    """The exception class `value` violates the constraint with, or None if it satisfies it.
+
+    Args:
+      value: the argument.
+
+    Returns:
+      ParameterTypeError, self.error, or None.
+    """
+
+  @abc.abstractmethod
+  def invalid_values(self):
+    """Values the constraint refuses, with the class each one raises (for generated tests).
+
+    Returns:
+      list of (value, exception class).
+    """
+
+  def raises(self):
+    """The exception classes this constraint can raise.
+
+    Returns:
+      set of classes.
+    """
+    return {cls for _, cls in self.invalid_values()}
+
+
+class Interval(Constraint):
+  """A number (kind float) or an int (kind int), never a bool or a str, in an interval.
+
+  Args:
+    kind: float (any real number) or int (an integer).
+    low: the lower bound, or None.
+    high: the upper bound, or None.
+    closed: "both", "left", "right" or "neither": which bounds are included.
+    allow_inf: whether +-inf pass (a float interval without the bound that excludes them).
+    error: the class raised for a number out of range (PrivacyConfigError for privacy ones).
+  A tensor passes unchecked (its value is known only when the graph runs).
+  """
+
+  def __init__(self, kind, low, high, closed="both", allow_inf=False, error=PrivacyConfigError):
+    self.kind, self.low, self.high, self.closed = kind, low, high, closed
+    self.allow_inf, self.error = allow_inf, error
+
+  def description(self):
+    lo_in, hi_in = self.closed in ("both", "left"), self.closed in ("both", "right")
+    if self.kind is int:
+      bounds = ([f">= {self.low if lo_in else self.low + 1}"] if self.low is not None else [])
+      bounds += [f"<= {self.high if hi_in else self.high - 1}"] if self.high is not None else []
+      return "an int" + (" " + " and ".join(bounds) if bounds else "")
+    if self.low is not None and self.high is not None:
+      return f"a number in {'[' if lo_in else '('}{self.low}, {self.high}{']' if hi_in else ')'}"
+    finite = "" if self.allow_inf else " finite"
+    if self.low is not None:
+      return f"a{finite} number {'>=' if lo_in else '>'} {self.low}"
+    if self.high is not None:
+      return f"a{finite} number {'<=' if hi_in else '<'} {self.high}"
+    return f"a{finite} number"
+
+  def failure(self, value):
+    if _is_tensor(value):
+      return None
+    if (not is_integer(value)) if self.kind is int else (
+        isinstance(value, (str, bytes, bool)) or not _floats(value)):
+      return ParameterTypeError
+    v = float(value)
+    lo_in, hi_in = self.closed in ("both", "left"), self.closed in ("both", "right")
+    if (math.isnan(v) or (math.isinf(v) and not self.allow_inf)
+        or (self.low is not None and (v < self.low if lo_in else v <= self.low))
+        or (self.high is not None and (v > self.high if hi_in else v >= self.high))):
+      return self.error
+    return None
+
+  def invalid_values(self):
+    out = [("1", ParameterTypeError), (True, ParameterTypeError)]
+    if self.kind is int:
+      out.append((1.5, ParameterTypeError))
+    step = 1 if self.kind is int else 0.5
+    lo_in, hi_in = self.closed in ("both", "left"), self.closed in ("both", "right")
+    if self.low is not None:
+      out.append(((self.low - step) if lo_in else self.low, self.error))
+    if self.high is not None:
+      out.append(((self.high + step) if hi_in else self.high, self.error))
+    if self.kind is float:
+      out.append((math.nan, self.error))
+      if not self.allow_inf:
+        out.append((math.inf if self.high is None else -math.inf, self.error))
+    return out
+
+
+def _floats(value):
+  """True when float(value) works (a number, a numpy scalar)."""
+  try:
+    float(value)
+    return True
+  except (TypeError, ValueError):
+    return False
+
+
+def Integer(min=None, max=None, error=ParameterValueError):   # pylint: disable=invalid-name,redefined-builtin
+  """An int (not a bool) in [min, max]: `Interval(int, min, max, error=error)`.
+
+  Args:
+    min: the least value, or None.
+    max: the largest value, or None.
+    error: the class raised for an int out of range.
+
+  Returns:
+    an Interval.
+  """
+  return Interval(int, min, max, error=error)
+
+
+def Finite(error=PrivacyConfigError):   # pylint: disable=invalid-name
+  """Any finite number (not NaN, not +-inf): `Interval(float, None, None, error=error)`.
+
+  Args:
+    error: the class raised for NaN or an infinity.
+
+  Returns:
+    an Interval.
+  """
+  return Interval(float, None, None, error=error)
+
+
+class OneOf(Constraint):
+  """One of a set of values (compared with ==), e.g. a mode's name.
+
+  Args:
+    choices: a tuple of the accepted values, or a function returning it (a registry read
+      when the check runs).
+    error: the class raised for any other value.
+  """
+
+  def __init__(self, choices, error=ParameterValueError):
+    self.choices, self.error = choices, error
+
+  def _choices(self):
+    return tuple(self.choices() if callable(self.choices) else self.choices)
+
+  def description(self):
+    return f"one of {self._choices()!r}"
+
+  def failure(self, value):
+    try:
+      return None if value in self._choices() else self.error
+    except TypeError:   # an unhashable or incomparable value is not one of them
+      return self.error
+
+  def invalid_values(self):
+    return [("no such choice", self.error)]
+
+
+class InstanceOf(Constraint):
+  """An instance of a type (or a tuple of types); another type raises ParameterTypeError.
+
+  Args:
+    types: a type or a tuple of types.
+    expected: how the message names them ("a DPQuery").
+  """
+
+  def __init__(self, types, expected):
+    self.types, self.expected = types, expected
+
+  def description(self):
+    return self.expected
+
+  def failure(self, value):
+    return None if isinstance(value, self.types) else ParameterTypeError
+
+  def invalid_values(self):
+    return [(object(), ParameterTypeError)]
+
+
+class Callable(Constraint):
+  """A callable (a function, or an object with __call__); anything else: ParameterTypeError."""
+
+  def description(self):
+    return "a callable"
+
+  def failure(self, value):
+    return None if callable(value) else ParameterTypeError
+
+  def invalid_values(self):
+    return [(1, ParameterTypeError)]
+
+
+class Optional(Constraint):   # pylint: disable=invalid-name
+  """None, or a value satisfying `inner`.
+
+  Args:
+    inner: a Constraint.
+    say_none: whether the message says "None or ..." (False when None is allowed only with
+      another argument, e.g. the clip with a custom query: the message then states the rule
+      of a value alone, the same as where the parameter is required).
+  """
+
+  def __init__(self, inner, say_none=True):
+    self.inner, self.say_none = inner, say_none
+    self.error = inner.error
+
+  def description(self):
+    return ("None or " if self.say_none else "") + self.inner.description()
+
+  def failure(self, value):
+    return None if value is None else self.inner.failure(value)
+
+  def invalid_values(self):
+    return self.inner.invalid_values()
+
+
+class Required(Constraint):
+  """A value satisfying `inner` that has no usable default: None raises `inner.error`.
+
+  Args:
+    inner: a Constraint.
+    why: what the parameter is, appended to the description ("the horizon").
+  """
+
+  def __init__(self, inner, why):
+    self.inner, self.why, self.error = inner, why, inner.error
+
+  def description(self):
+    return f"{self.inner.description()} ({self.why})"
+
+  def failure(self, value):
+    return self.error if value is None else self.inner.failure(value)
+
+  def invalid_values(self):
+    return [(None, self.error)] + self.inner.invalid_values()
+
+
+def check_params(constraints, values):
+  """Checks every value against its parameter's constraint, in the table's order.
+
+  Args:
+    constraints: {parameter name: Constraint}.
+    values: {parameter name: value}; a name missing from it is not checked.
+
+  Raises:
+    ParameterTypeError: a value of the wrong type.
+    ParameterValueError: (or the constraint's subclass, e.g. PrivacyConfigError) a value of
+      the right type out of range. The message is "`name` must be <description>.
+      Received: name=<value>".
+  """
+  for name, constraint in constraints.items():
+    if name in values:
+      error = constraint.failure(values[name])
+      if error is not None:
+        raise error(message(name, constraint.description(), values[name]))
+
+
+def validates(constraints, also_raises=()):
+  """Decorator: checks a function's (or a class constructor's) arguments by `constraints`.
+
+  The table is kept as `_parameter_constraints` (and the other classes the body raises, for
+  the docstring test, as `_also_raises`), and the entry point joins ENTRY_POINTS.
+
+  Args:
+    constraints: {parameter name: Constraint}.
+    also_raises: the exception classes the body raises besides the constraints' ones.
+
+  Returns:
+    the decorator.
+  """
+  def decorate(target):
+    fn = target.__init__ if isinstance(target, type) else target
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+      bound = signature.bind(*args, **kwargs)
+      bound.apply_defaults()
+      check_params(constraints, bound.arguments)
+      return fn(*args, **kwargs)
+
+    target._parameter_constraints = constraints   # pylint: disable=protected-access
+    target._also_raises = tuple(also_raises)   # pylint: disable=protected-access
+    ENTRY_POINTS.append(target)
+    if isinstance(target, type):
+      target.__init__ = checked
+      return target
+    checked._parameter_constraints = constraints   # pylint: disable=protected-access
+    checked._also_raises = tuple(also_raises)   # pylint: disable=protected-access
+    ENTRY_POINTS[-1] = checked
+    return checked
+  return decorate

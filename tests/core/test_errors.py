@@ -1,9 +1,9 @@
 """One exception family and one validation module, used everywhere.
 
 * Every `raise` of a bad argument in tf_dpiter uses the `tf_dpiter.errors` family (a plain
-  `raise ValueError(` / `raise TypeError(` is found by parsing every module), except in the
-  modules listed in `NOT_YET_CONVERTED` (converted by `tools/convert_raises.py`; the list only
-  shrinks).
+  `raise ValueError(` / `raise TypeError(` is found by parsing every module); a public entry
+  point declares its parameters' constraints (`validation.validates`, tested from the tables in
+  test_param_constraints.py).
 * No `except Exception` (or bare `except:`) fallback anywhere in the package.
 * The family keeps `except ValueError` / `except TypeError` working.
 * The clip norm S follows one rule in the queries and in the Keras optimizers (S > 0; +inf only
@@ -14,8 +14,6 @@ import ast
 import contextlib
 import math
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -24,11 +22,8 @@ from tf_dpiter import errors
 from tf_dpiter import validation
 
 ROOT = pathlib.Path(dp.__file__).resolve().parent
-REPO = ROOT.parent
 # The family and the checks themselves.
 FAMILY_MODULES = {"errors.py", "validation.py"}
-# Modules still to convert (`python tools/convert_raises.py <path>`); the list only shrinks.
-NOT_YET_CONVERTED = set()
 
 
 def _modules():
@@ -51,21 +46,14 @@ def test_no_plain_value_or_type_error_outside_the_family():
   found = {}
   for path in _modules():
     rel = _rel(path)
-    if rel in FAMILY_MODULES or rel in NOT_YET_CONVERTED:
+    if rel in FAMILY_MODULES:
       continue
     lines = _plain_raises(path)
     if lines:
       found[rel] = lines
   assert not found, (
-      "plain `raise ValueError(`/`raise TypeError(` (use tf_dpiter.errors, or run "
-      f"`python tools/convert_raises.py <path>`): {found}")
-
-
-def test_exemption_list_names_real_modules_that_still_need_it():
-  """An exempted module that is converted (or gone) must leave the list."""
-  stale = sorted(m for m in NOT_YET_CONVERTED
-                 if not (ROOT / m).exists() or not _plain_raises(ROOT / m))
-  assert not stale, f"remove from NOT_YET_CONVERTED: {stale}"
+      "plain `raise ValueError(`/`raise TypeError(` (declare the parameter's constraint, "
+      f"validation.validates, or raise a tf_dpiter.errors class): {found}")
 
 
 def _broad_handlers(path):
@@ -173,35 +161,3 @@ def test_clip_norm_accepted_alike_by_queries_and_optimizers(clip, z):
   with pytest.warns(UserWarning) if z == 0 else contextlib.nullcontext():
     assert _optimizer_error(clip, z) is None
   assert _query_error(clip, z) is None
-
-
-def test_convert_raises_script_converts_and_inserts_imports(tmp_path):
-  """The script the remaining keras/ modules are converted with: message kept, family class
-  chosen from the message, the import inserted, the result still valid Python."""
-  src = tmp_path / "mod.py"
-  src.write_text(
-      '"""Doc."""\n\nimport math\n\nfrom tf_dpiter.dp_query import validation\n'
-      "from tf_dpiter.keras import x\n\n\n"
-      "def f(a, l2_norm_clip):\n"
-      "  if a:\n"
-      '    raise ValueError(f"mode must be one of (1, 2), got {a!r}")\n'
-      "  if l2_norm_clip < 0:\n"
-      '    raise ValueError(f"l2_norm_clip must be > 0, "\n'
-      '                     f"got {l2_norm_clip}")\n'
-      '  raise TypeError(f"a must be a str, got {a!r}")\n')
-  out = subprocess.run([sys.executable, str(REPO / "tools" / "convert_raises.py"), str(src)],
-                       capture_output=True, text=True, check=True)
-  assert "3 raise(s) converted" in out.stdout
-  text = src.read_text()
-  assert 'raise ParameterValueError(f"mode must be one of (1, 2), got {a!r}")' in text
-  assert ('    raise PrivacyConfigError(f"l2_norm_clip must be > 0, "\n'
-          '                             f"got {l2_norm_clip}")\n') in text
-  assert 'raise ParameterTypeError(f"a must be a str, got {a!r}")' in text
-  assert ("from tf_dpiter import validation\nfrom tf_dpiter.errors import ParameterTypeError\n"
-          "from tf_dpiter.errors import ParameterValueError\n"
-          "from tf_dpiter.errors import PrivacyConfigError\nfrom tf_dpiter.keras import x\n"
-          ) in text
-  assert not _plain_raises(src)
-  check = subprocess.run([sys.executable, str(REPO / "tools" / "convert_raises.py"), "--check",
-                          str(src)], capture_output=True, text=True)
-  assert check.returncode == 0 and "total: 0" in check.stdout

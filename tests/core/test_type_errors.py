@@ -19,7 +19,7 @@ CASES = [
     (lambda: validation.check_delta("delta", b"1e-5"), "delta.*b'1e-5'"),
     (lambda: validation.check_integer("steps", 2.5, 1), "`steps` must be an int >= 1. Received: steps=2.5"),
     (lambda: dp.accounting.make_accountant(5), "accountant.*got 5"),
-    (lambda: dp.accounting.check_accountant(None), "accountant.*got None"),
+    (lambda: dp.accounting.check_accountant(None), "accountant.*None"),
     (lambda: dp.accounting.calibrate_noise_multiplier(1.0, 1e-5, 0.01, 10.5), "steps.*10.5"),
     (lambda: dp.accounting.lookahead.content_after(None, None, 1.0), "count.*1.0"),
     (lambda: dp.accounting.epsilon(object(), 1e-5), "ledger must be .*got object"),

@@ -84,7 +84,7 @@ def _class_items(klass, seen):
   init = next((vars(k)["__init__"] for k in klass.__mro__ if "__init__" in vars(k)), None)
   owner = next((k for k in klass.__mro__ if "__init__" in vars(k)), object)
   generated = dataclasses.is_dataclass(klass) and init is not None and \
-      init.__code__.co_filename == "<string>"
+      inspect.unwrap(init).__code__.co_filename == "<string>"   # under validation.validates
   if init is not None and (_in_package(owner) or generated):
     docs = (klass.__doc__, init.__doc__ if not generated else None)
     yield Item(f"{klass.__module__}.{klass.__qualname__}", init, docs,

@@ -104,7 +104,7 @@ def test_privacy_meter_plot_writes_a_png_of_the_ledger_curve(tmp_path):
 
 
 def test_privacy_meter_refuses_bad_arguments():
-  with pytest.raises(ValueError, match="accountant must be one of"):
+  with pytest.raises(ValueError, match="accountant`? must be one of"):
     dp.keras.PrivacyMeter(DELTA, accountant="moments")
   with pytest.raises(ValueError, match="accountant='prv' is not available"):
     dp.keras.PrivacyMeter(DELTA, accountant="prv")

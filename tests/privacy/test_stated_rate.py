@@ -35,9 +35,9 @@ def test_declared_population_fixes_q_for_a_neighbouring_dataset():
 
 def test_bad_population_size_is_refused():
   x = np.zeros((8, 1), np.float32)
-  with pytest.raises(ValueError, match=r"population_size must be a number >= 1"):
+  with pytest.raises(ValueError, match=r"`population_size` must be (None or )?a number >= 1"):
     sampling.poisson_batches(x, expected_batch_size=2, population_size=0)
-  with pytest.raises(ValueError, match=r"expected_batch_size must be in \(0, n=4"):
+  with pytest.raises(ValueError, match=r"`expected_batch_size` must be a number in \(0, n=4"):
     sampling.poisson_batches(x, expected_batch_size=6, population_size=4)
 
 

@@ -221,9 +221,9 @@ def check_accountant(accountant):
   """
   names = report_accountant_names()
   if not isinstance(accountant, str):
-    raise ParameterTypeError(f"accountant must be one of {names}, got {accountant!r}")
+    raise ParameterTypeError(validation.message("accountant", f"one of {names}", accountant))
   if accountant not in names:
-    raise PrivacyConfigError(f"accountant must be one of {names}, got {accountant!r}")
+    raise PrivacyConfigError(validation.message("accountant", f"one of {names}", accountant))
   if accountant == "prv":
     try:
       import prv_accountant  # pylint: disable=g-import-not-at-top,unused-import
@@ -338,6 +338,15 @@ def _compose(content, accountant):
   return acc, notes
 
 
+# Each of privacy_report's numbers alone (`validation.check_params`); the accountant is checked
+# against the registry (`check_accountant`), and exactly one of delta and epsilon is required.
+PRIVACY_REPORT_CONSTRAINTS = {
+    "delta": validation.Optional(validation.Interval(float, 0, 1, closed="neither")),
+    "epsilon": validation.Optional(validation.Interval(float, 0, None, closed="left")),
+}
+
+
+@validation.validates(PRIVACY_REPORT_CONSTRAINTS)
 def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None):
   """Epsilon at a given delta, or delta at a given epsilon (exactly one of them).
 
@@ -362,6 +371,7 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
 
   Raises:
+    ParameterTypeError: delta, epsilon or the accountant of the wrong type.
     PrivacyConfigError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
   """

@@ -34,17 +34,24 @@ def dp_sgd_steps(n, batch_size, epochs):
   return int(math.ceil(epochs * n / batch_size))
 
 
-def _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches=None):
-  validation.check_positive("n", n, allow_inf=False)
-  validation.check_positive("batch_size", batch_size, allow_inf=False)
+def _check(n, batch_size, num_microbatches=None):
+  """What depends on two arguments (each alone: DP_SGD_PRIVACY_CONSTRAINTS): B <= n, M <= B."""
   if batch_size > n:
-    raise ParameterValueError(f"batch_size must be <= n={n}, got {batch_size!r}")
-  validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
-  validation.check_positive("epochs", epochs, allow_inf=False)
-  if sampling not in rec.POLICIES:
-    raise PrivacyConfigError(f"sampling must be one of {rec.POLICIES}, got {sampling!r}")
+    raise ParameterValueError(validation.message("batch_size", f"<= n={n}", batch_size))
   if num_microbatches is not None:
     validation.check_integer("num_microbatches", num_microbatches, 1, batch_size)
+
+
+# Each argument of compute_dp_sgd_privacy alone (`validation.check_params`).
+DP_SGD_PRIVACY_CONSTRAINTS = {
+    "n": validation.Interval(float, 0, None, closed="neither"),
+    "batch_size": validation.Interval(float, 0, None, closed="neither"),
+    "noise_multiplier": validation.Interval(float, 0, None, closed="left"),
+    "epochs": validation.Interval(float, 0, None, closed="neither"),
+    "delta": validation.Interval(float, 0, 1, closed="neither"),
+    "sampling": validation.OneOf(rec.POLICIES, error=PrivacyConfigError),
+    "num_microbatches": validation.Optional(validation.Integer(min=1)),
+}
 
 
 def examples_per_record(batch_size, num_microbatches):
@@ -115,6 +122,7 @@ class DpSgdPrivacy(collections.namedtuple("DpSgdPrivacy", ["epsilon", "opt_order
             f"delta={self.delta!r}, steps={self.steps!r})")
 
 
+@validation.validates(DP_SGD_PRIVACY_CONSTRAINTS, also_raises=(ParameterValueError,))
 def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accountant="rdp",
                            sampling="poisson", num_microbatches=None):
   """Epsilon of DP-SGD over n records, batch size B, noise multiplier z, `epochs`, at delta.
@@ -139,10 +147,13 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
     UserWarning: delta >= 1/n (`accountant.warn_if_delta_too_large`).
 
   Raises:
-    ParameterValueError: a bad argument, or microbatches with an add/remove sampling.
+    ParameterTypeError: an argument that is not a number (num_microbatches: an int).
+    PrivacyConfigError: n, B or epochs <= 0, z < 0, delta outside (0, 1), NaN or infinite
+      values, an unknown sampling or accountant.
+    ParameterValueError: B > n, M < 1 or > B, or microbatches with an add/remove sampling.
   """
-  _check(n, batch_size, noise_multiplier, epochs, sampling, num_microbatches)
-  delta = validation.check_delta("delta", delta)
+  _check(n, batch_size, num_microbatches)
+  delta = float(delta)
   large_delta = accountant_lib.warn_if_delta_too_large(delta, n, stacklevel=3)
   steps = dp_sgd_steps(n, batch_size, epochs)
   groups = dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling, num_microbatches)

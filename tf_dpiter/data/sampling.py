@@ -232,6 +232,20 @@ def poisson_indices(rng, lo, hi, q):
   return np.sort(idx.astype(np.int64)) + lo
 
 
+# Each of poisson_batches' arguments alone (`validation.check_params`); B <= n is checked with
+# the data (`check_poisson_args`), max_batch_size there too ("auto", None or an int >= 1).
+POISSON_BATCHES_CONSTRAINTS = {
+    "expected_batch_size": validation.Interval(float, 0, None, closed="neither",
+                                               error=ParameterValueError),
+    "steps_per_epoch": validation.Optional(validation.Integer(min=1)),
+    "population_size": validation.Optional(
+        validation.Interval(float, 1, None, closed="left", allow_inf=True,
+                            error=ParameterValueError)),
+    "map_fn": validation.Optional(validation.Callable()),
+}
+
+
+@validation.validates(POISSON_BATCHES_CONSTRAINTS)
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
                     max_batch_size="auto", seed=None, sample_weight=None, map_fn=None,
                     population_size=None):
@@ -271,6 +285,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     passes them as sample_weight.
 
   Raises:
+    ParameterTypeError: a number or a map_fn of the wrong type.
     ParameterValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
@@ -393,8 +408,9 @@ def check_population_size(population_size):
   """
   if isinstance(population_size, bool) or not isinstance(
       population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
-    raise ParameterValueError(f"population_size must be a number >= 1 (the public population size "
-                              f"q = B / N is stated over), got {population_size!r}")
+    raise ParameterValueError(validation.message(
+        "population_size", "a number >= 1 (the public population size q = B / N is stated "
+        "over)", population_size))
   return float(population_size)
 
 
@@ -416,15 +432,16 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
   if isinstance(expected_batch_size, bool) or not isinstance(
       expected_batch_size, (int, float, np.integer, np.floating)) or not (
           0 < expected_batch_size <= n):
-    raise ParameterValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
+    raise ParameterValueError(validation.message("expected_batch_size", f"a number in (0, n={n}]",
+                                                 expected_batch_size))
   q = float(expected_batch_size) / n
   steps = max(1, int(round(1.0 / q))) if steps_per_epoch is None else steps_per_epoch
   validation.check_integer("steps_per_epoch", steps, 1)
   if max_batch_size != "auto" and max_batch_size is not None and (
       isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer))
       or max_batch_size < 1):
-    raise ParameterValueError(f"max_batch_size must be a positive integer, 'auto' or None, got "
-                              f"{max_batch_size!r}")
+    raise ParameterValueError(validation.message("max_batch_size", "an int >= 1, 'auto' or None",
+                                                 max_batch_size))
   return q, int(steps)
 
 

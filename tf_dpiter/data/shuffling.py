@@ -27,8 +27,9 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
-from tf_dpiter.errors import ParameterTypeError
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
 
@@ -140,23 +141,19 @@ class ShuffleSampler:
 
 
 def _check_batch_size(batch_size, n):
-  """Raises ParameterTypeError (not an int) or PrivacyConfigError (outside [1, n])."""
-  if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)):
-    raise ParameterTypeError(f"batch_size must be an integer in [1, n={n}], got {batch_size!r}")
-  if not 1 <= batch_size <= n:
-    raise PrivacyConfigError(f"batch_size must be an integer in [1, n={n}], got {batch_size!r}")
+  """Raises PrivacyConfigError for b > n (b alone: SHUFFLED_BATCHES_CONSTRAINTS)."""
+  if batch_size > n:
+    raise PrivacyConfigError(validation.message("batch_size", f"an int in [1, n={n}]",
+                                                batch_size))
 
 
-def _check_passes(passes):
-  """Raises ParameterTypeError (not None or an int) or PrivacyConfigError (an int < 1)."""
-  if passes is None:
-    return
-  if isinstance(passes, bool) or not isinstance(passes, (int, np.integer)):
-    raise ParameterTypeError(
-        f"passes must be None (endless) or a positive integer, got {passes!r}")
-  if passes < 1:
-    raise PrivacyConfigError(
-        f"passes must be None (endless) or a positive integer, got {passes!r}")
+# Each of shuffled_batches' arguments alone (`validation.check_params`); b <= n is checked
+# with the data.
+SHUFFLED_BATCHES_CONSTRAINTS = {
+    "batch_size": validation.Integer(min=1, error=PrivacyConfigError),
+    "passes": validation.Optional(validation.Integer(min=1, error=PrivacyConfigError)),
+    "map_fn": validation.Optional(validation.Callable()),
+}
 
 
 def steps_per_pass(n, batch_size, drop_remainder=False):
@@ -173,6 +170,7 @@ def steps_per_pass(n, batch_size, drop_remainder=False):
   return n // batch_size if drop_remainder else int(math.ceil(n / batch_size))
 
 
+@validation.validates(SHUFFLED_BATCHES_CONSTRAINTS, also_raises=(ParameterValueError,))
 def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
                      sample_weight=None, passes=1, map_fn=None):
   """tf.data.Dataset of disjoint batches of a fresh random permutation per pass.
@@ -199,14 +197,14 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
     A tf.data.Dataset of (x, y[, sample_weight]) batches (x alone if y is None).
 
   Raises:
-    ParameterTypeError: batch_size or passes is not an integer (a TypeError).
+    ParameterTypeError: batch_size or passes is not an integer, map_fn is not callable (a
+      TypeError).
     PrivacyConfigError: batch_size outside [1, n] or passes < 1 (a ValueError).
     ParameterValueError: arrays of different lengths.
   """
   data = tuple(a for a in (x, y, sample_weight) if a is not None)
   n = sampling.num_records(data)
   _check_batch_size(batch_size, n)
-  _check_passes(passes)
   rng = sampling.make_rng(seed, "shuffled_batches")
   arrays = tf.nest.map_structure(np.asarray, data)
   per_pass = steps_per_pass(n, int(batch_size), drop_remainder)

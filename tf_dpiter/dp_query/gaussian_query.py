@@ -7,6 +7,7 @@ server builds its Gaussian noise through it).
 """
 
 import collections
+import numbers
 
 import tensorflow as tf
 
@@ -178,7 +179,15 @@ def _noise(generator, size, dtype, stddev):
   return randomness.padded_normal(generator, size, stddev)
 
 
+# Each argument of GaussianSumQuery alone (`validation.check_params`).
+GAUSSIAN_SUM_CONSTRAINTS = {
+    "l2_norm_clip": validation.Interval(float, 0, None, closed="neither", allow_inf=True),
+    "stddev": validation.Interval(float, 0, None, closed="left"),
+}
+
+
 @serialization.register_query()
+@validation.validates(GAUSSIAN_SUM_CONSTRAINTS)
 class GaussianSumQuery(dp_query.SumAggregationDPQuery):
   """Sum of records clipped to `l2_norm_clip`, plus N(0, stddev^2) noise per coordinate."""
 
@@ -198,8 +207,9 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
       ParameterTypeError: a non-numeric S or sigma.
       PrivacyConfigError: S <= 0 or NaN, sigma < 0 or infinite, or a seed with secure_mode.
     """
-    self._l2_norm_clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip)
-    self._stddev = validation.check_nonnegative("stddev", stddev, allow_inf=False)
+    self._l2_norm_clip = l2_norm_clip
+    keep = tf.is_tensor(stddev) or isinstance(stddev, (numbers.Real, tf.Variable))
+    self._stddev = stddev if keep else float(stddev)   # e.g. a 0-d array: a float
     self._seed = seed
     self._secure_mode = bool(secure_mode)
     self._generator = randomness.make_generator(seed, secure=self._secure_mode)

@@ -48,9 +48,9 @@ def _caller_level():
 
 
 def _check_clip_and_noise(l2_norm_clip, noise_multiplier, dp_query):
-  """S and z, or a custom dp_query (one of the two), with the z = 0 warning."""
+  """S and z, or a custom dp_query (one of the two; each value is checked by
+  DP_CONFIG_CONSTRAINTS), S = +inf only with z = 0, and the z = 0 warning."""
   if dp_query is not None:
-    validation.check_instance("dp_query", dp_query, dp_query_lib.DPQuery, "a tf_dpiter DPQuery")
     if l2_norm_clip is not None or noise_multiplier is not None:
       raise ParameterValueError(
           "give either `dp_query` or (`l2_norm_clip`, `noise_multiplier`), not both. Received: "
@@ -60,7 +60,7 @@ def _check_clip_and_noise(l2_norm_clip, noise_multiplier, dp_query):
     raise ParameterValueError(
         "`l2_norm_clip` and `noise_multiplier` are required without `dp_query`. Received: "
         f"l2_norm_clip={l2_norm_clip!r}, noise_multiplier={noise_multiplier!r}")
-  z = float(validation.check_noise_multiplier("noise_multiplier", noise_multiplier))
+  z = float(noise_multiplier)
   validation.check_clip_norm("l2_norm_clip", l2_norm_clip, noise_multiplier=z)
   if z == 0:
     warnings.warn(
@@ -71,6 +71,31 @@ def _check_clip_and_noise(l2_norm_clip, noise_multiplier, dp_query):
         UserWarning, stacklevel=_caller_level())
 
 
+# The constraints of DPConfig's fields, each checked alone (`validation.check_params`); what
+# depends on several fields (dp_query or (S, z); S = +inf only with z = 0; the mechanism's
+# sampling and secure_mode) is checked in DPConfig.__post_init__.
+DP_CONFIG_CONSTRAINTS = {
+    "l2_norm_clip": validation.Optional(
+        validation.Interval(float, 0, None, closed="neither", allow_inf=True), say_none=False),
+    "noise_multiplier": validation.Optional(
+        validation.Interval(float, 0, None, closed="left"), say_none=False),
+    "num_microbatches": validation.Optional(validation.Integer(min=1)),
+    "dp_query": validation.Optional(
+        validation.InstanceOf(dp_query_lib.DPQuery, "a tf_dpiter DPQuery")),
+    "sampling": validation.Optional(validation.OneOf(ledger_policies.names,
+                                                     error=PrivacyConfigError)),
+    "accountant": validation.OneOf(accountants.accountant_names, error=PrivacyConfigError),
+}
+
+PERFORMANCE_FLAGS_CONSTRAINTS = {
+    "max_physical_batch_size": validation.Optional(validation.Integer(min=1)),
+    "clipping": validation.OneOf(CLIPPING_MODES),
+    "compiled_noise": validation.Optional(validation.InstanceOf(bool, "a bool")),
+    "skip_padding_tail": validation.InstanceOf(bool, "a bool"),
+}
+
+
+@validation.validates(DP_CONFIG_CONSTRAINTS, also_raises=(ParameterValueError,))
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DPConfig:
   """What a DP optimizer's privacy claim depends on, validated once (final, immutable).
@@ -107,7 +132,9 @@ class DPConfig:
   accountant: str = "rdp"
 
   def __post_init__(self):
-    """Raises:
+    """Checks what depends on several fields (each field alone: DP_CONFIG_CONSTRAINTS).
+
+    Raises:
       ParameterTypeError: a non-numeric S or z, a non-integer M, a dp_query that is not a
         DPQuery, a noise that is not a mechanism (a TypeError, also a ValueError).
       PrivacyConfigError: S <= 0 or NaN, z < 0, NaN or infinite, S = inf with z > 0, a
@@ -121,7 +148,6 @@ class DPConfig:
     if self.l2_norm_clip is not None:
       set_("l2_norm_clip", float(self.l2_norm_clip))
       set_("noise_multiplier", float(self.noise_multiplier))
-    validation.check_optional_integer("num_microbatches", self.num_microbatches, 1)
     if isinstance(self.noise, str):
       set_("noise", noise_mechanisms.from_shorthand(self.noise))
     validation.check_instance("noise", self.noise, noise_mechanisms.NoiseMechanism,
@@ -142,14 +168,10 @@ class DPConfig:
     set_("normalize", bool(self.normalize))
     set_("secure_mode", bool(self.secure_mode))
     if self.sampling is not None:
-      validation.check_one_of("sampling", self.sampling, tuple(ledger_policies.names()),
-                              error=PrivacyConfigError)
       needed, _ = mech.sampling_requirement()
       if needed is not None and needed != self.sampling:
         raise PrivacyConfigError(validation.message(
             "sampling", f"{needed!r} (or None) for {mech.describe()}", self.sampling))
-    validation.check_one_of("accountant", self.accountant, accountants.accountant_names(),
-                            error=PrivacyConfigError)
 
   def __init_subclass__(cls, **kwargs):
     raise ParameterTypeError(f"DPConfig is final; {cls.__name__} cannot subclass it (compose it)")
@@ -230,6 +252,7 @@ class DPConfig:
     return cls(**config)
 
 
+@validation.validates(PERFORMANCE_FLAGS_CONSTRAINTS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerformanceFlags:
   """How a DP step is computed, not what it releases (final, immutable).
@@ -241,23 +264,18 @@ class PerformanceFlags:
     compiled_noise: True draws the noise inside a jit_compile=True program, False after
       it; None: inside on an accelerator only.
     skip_padding_tail: skip the all-padding chunks of a padded batch (False computes them).
+
+  Each field is checked by PERFORMANCE_FLAGS_CONSTRAINTS when the flags are made.
+
+  Raises:
+    ParameterTypeError: a non-integer P, a non-bool flag.
+    ParameterValueError: P < 1, an unknown clipping mode.
   """
 
   max_physical_batch_size: Optional[int] = None
   clipping: str = "auto"
   compiled_noise: Optional[bool] = None
   skip_padding_tail: bool = True
-
-  def __post_init__(self):
-    """Raises:
-      ParameterTypeError: a non-integer P, a non-bool flag.
-      ParameterValueError: P < 1, an unknown clipping mode.
-    """
-    validation.check_optional_integer("max_physical_batch_size", self.max_physical_batch_size, 1)
-    validation.check_one_of("clipping", self.clipping, CLIPPING_MODES)
-    if self.compiled_noise is not None:
-      validation.check_instance("compiled_noise", self.compiled_noise, bool, "None or a bool")
-    validation.check_instance("skip_padding_tail", self.skip_padding_tail, bool, "a bool")
 
   def __init_subclass__(cls, **kwargs):
     raise ParameterTypeError(

@@ -52,7 +52,8 @@ class NoiseMechanism(abc.ABC):
   """A noise mechanism of a DP optimizer (abstract; every subclass is final).
 
   A subclass is a frozen dataclass with a class attribute `name` (its config tag and
-  `noise=` shorthand), validates its fields in `__post_init__` and defines `make_query`.
+  `noise=` shorthand), declares its fields' constraints (`validation.validates`), checks what
+  depends on several fields in `__post_init__`, and defines `make_query`.
   Subclassing a concrete mechanism is refused (abstract-or-final).
 
   Class attributes:
@@ -186,14 +187,11 @@ class NoiseMechanism(abc.ABC):
     return {back.get(k, k): v for k, v in self.get_config().items()}
 
 
-def _positive(name, value, required_because=None):
-  """An int >= 1 (None allowed when `required_because` is None)."""
-  if value is None and required_because is None:
-    return None
-  if value is None:
-    raise PrivacyConfigError(validation.message(name, f"an int >= 1 ({required_because})",
-                                                value))
-  return validation.check_integer(name, value, 1, error=PrivacyConfigError)
+def _count(why=None):
+  """The constraint of a mechanism's count parameter: an int >= 1 (PrivacyConfigError), None
+  allowed when `why` is None, else required (`why` says what it is)."""
+  count = validation.Integer(min=1, error=PrivacyConfigError)
+  return validation.Optional(count) if why is None else validation.Required(count, why)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +223,8 @@ class IID(NoiseMechanism):
         seed=seed, secure_mode=secure_mode)
 
 
+@validation.validates({
+    "restart_every": _count("leaves per tree: the steps per shuffled pass or a divisor of it")})
 @dataclasses.dataclass(frozen=True)
 class Tree(NoiseMechanism):
   """Online tree aggregation (DP-FTRL; Kairouz et al. 2021, Section 3).
@@ -232,14 +232,14 @@ class Tree(NoiseMechanism):
   Attributes:
     restart_every: R, leaves per tree (the tree restarts every R steps); must divide the
       steps per shuffled pass ceil(n / B).
+
+  Raises:
+    ParameterTypeError: R is not an int.
+    PrivacyConfigError: R is None or < 1.
   """
 
   restart_every: Optional[int] = None
   name: ClassVar[str] = "tree"
-
-  def __post_init__(self):
-    _positive("restart_every", self.restart_every,
-              "leaves per tree: the steps per shuffled pass or a divisor of it")
 
   def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
     """A TreeAggregationQuery of R leaves per tree (Args as NoiseMechanism.make_query)."""
@@ -284,6 +284,10 @@ class Tree(NoiseMechanism):
           "restart_every, whole passes)")
 
 
+@validation.validates({
+    "num_bands": _count("the strategy's bands; 1 is DP-SGD"),
+    "num_steps": _count(),
+    "strategy": validation.OneOf(band_mf_query.STRATEGIES)}, also_raises=(PrivacyConfigError,))
 @dataclasses.dataclass(frozen=True)
 class BandMF(NoiseMechanism):
   """Banded matrix factorization (Choquette-Choo et al. 2023, Section 3).
@@ -292,6 +296,11 @@ class BandMF(NoiseMechanism):
     num_bands: b, bands of the strategy (1 = DP-SGD).
     num_steps: the training steps the strategy is optimized for (required when b > 1).
     strategy: "toeplitz" or "banded" (band_mf_query.STRATEGIES).
+
+  Raises:
+    ParameterTypeError: b or num_steps is not an int.
+    PrivacyConfigError: b None or < 1, num_steps < 1, or None with b > 1.
+    ParameterValueError: an unknown strategy.
   """
 
   num_bands: Optional[int] = None
@@ -301,13 +310,11 @@ class BandMF(NoiseMechanism):
   flat_names: ClassVar[dict] = {"band_strategy": "strategy"}
 
   def __post_init__(self):
-    _positive("num_bands", self.num_bands, "the strategy's bands; 1 is DP-SGD")
-    _positive("num_steps", self.num_steps)
+    """Requires num_steps when b > 1 (each field alone: the class's constraints)."""
     if self.num_bands > 1 and self.num_steps is None:
       raise PrivacyConfigError(validation.message(
           "num_steps", f"an int >= 1 with num_bands={self.num_bands} (the training steps the "
           "strategy is optimized for)", None))
-    validation.check_one_of("strategy", self.strategy, band_mf_query.STRATEGIES)
 
   def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
     """A BandMFQuery (Args as NoiseMechanism.make_query)."""
@@ -324,6 +331,10 @@ class BandMF(NoiseMechanism):
     return f"noise='band_mf' with num_bands={self.num_bands!r}"
 
 
+@validation.validates({
+    "num_steps": _count("the horizon; later steps are refused"),
+    "num_buffers": _count("buffers of the strategy"),
+    "min_separation": _count("steps between participations")})
 @dataclasses.dataclass(frozen=True)
 class BLT(NoiseMechanism):
   """Buffered linear Toeplitz noise (Dvijotham et al. 2024, Section 4).
@@ -332,17 +343,16 @@ class BLT(NoiseMechanism):
     num_steps: the horizon (steps beyond it are refused).
     num_buffers: buffers of the strategy (memory O(buffers d)).
     min_separation: b, the fewest steps between two participations of an example.
+
+  Raises:
+    ParameterTypeError: a parameter that is not an int.
+    PrivacyConfigError: a parameter None or < 1.
   """
 
   num_steps: Optional[int] = None
   num_buffers: int = 4
   min_separation: int = 1
   name: ClassVar[str] = "blt"
-
-  def __post_init__(self):
-    _positive("num_steps", self.num_steps, "the horizon; later steps are refused")
-    _positive("num_buffers", self.num_buffers, "buffers of the strategy")
-    _positive("min_separation", self.min_separation, "steps between participations")
 
   def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
     """A BLTQuery (Args as NoiseMechanism.make_query)."""
