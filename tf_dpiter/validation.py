@@ -128,13 +128,7 @@ def check_integer(name, value, minimum=None, maximum=None, error=ParameterValueE
     ParameterTypeError: `value` is not an integer (a TypeError).
     error: `value` is out of range.
   """
-  bounds = [f">= {minimum}"] if minimum is not None else []
-  bounds += [f"<= {maximum}"] if maximum is not None else []
-  text = message(name, "an int" + (" " + " and ".join(bounds) if bounds else ""), value)
-  if not is_integer(value):
-    raise ParameterTypeError(text)
-  if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-    raise error(text)
+  check_params({name: Integer(minimum, maximum, error)}, {name: value})
   return int(value)
 
 
@@ -152,14 +146,8 @@ def check_optional_integer(name, value, minimum=1, error=ParameterValueError):
     ParameterTypeError: `value` is neither None nor an integer.
     error: `value` < minimum.
   """
-  if value is None:
-    return None
-  text = message(name, f"None or an int >= {minimum}", value)
-  if not is_integer(value):
-    raise ParameterTypeError(text)
-  if value < minimum:
-    raise error(text)
-  return int(value)
+  check_params({name: Optional(Integer(minimum, None, error))}, {name: value})
+  return None if value is None else int(value)
 
 
 def check_nonnegative(name, value, allow_inf=True, error=PrivacyConfigError):
@@ -178,10 +166,8 @@ def check_nonnegative(name, value, allow_inf=True, error=PrivacyConfigError):
     ParameterTypeError: `value` is not a number.
     error: NaN, negative, or +inf when not allowed.
   """
-  if _is_tensor(value):
-    return value
-  v = _check_above_zero(name, value, allow_inf, error, strict=False)
-  return value if _is_python_number(value) else v
+  check_params({name: Interval(float, 0, None, "left", allow_inf, error)}, {name: value})
+  return value if _is_python_number(value) or _is_tensor(value) else float(value)
 
 
 def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
@@ -200,19 +186,8 @@ def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
     ParameterTypeError: `value` is not a number.
     error: `value` is NaN, <= 0, or +inf when not allowed.
   """
-  if _is_tensor(value):
-    return value
-  _check_above_zero(name, value, allow_inf, error, strict=True)
+  check_params({name: Interval(float, 0, None, "neither", allow_inf, error)}, {name: value})
   return value
-
-
-def _check_above_zero(name, value, allow_inf, error, strict):
-  """`value` as a float, checked > 0 (`strict`) or >= 0, finite unless `allow_inf`."""
-  requirement = f"a{'' if allow_inf else ' finite'} number {'>' if strict else '>='} 0"
-  v = _as_float(name, value, requirement)
-  if math.isnan(v) or (v <= 0 if strict else v < 0) or (math.isinf(v) and not allow_inf):
-    raise error(message(name, requirement, value))
-  return v
 
 
 def check_probability(name, value, allow_zero=False):
@@ -230,14 +205,9 @@ def check_probability(name, value, allow_zero=False):
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: `value` is outside the interval.
   """
-  if _is_tensor(value):
-    return value
-  requirement = f"a number in {'[' if allow_zero else '('}0, 1]"
-  v = _as_float(name, value, requirement)
-  lo_ok = v >= 0 if allow_zero else v > 0
-  if math.isnan(v) or not lo_ok or v > 1:
-    raise PrivacyConfigError(message(name, requirement, value))
-  return v
+  check_params({name: Interval(float, 0, 1, "both" if allow_zero else "right")},
+               {name: value})
+  return value if _is_tensor(value) else float(value)
 
 
 def check_delta(name, value):
@@ -291,8 +261,7 @@ def check_one_of(name, value, choices, error=ParameterValueError):
   Raises:
     error: `value` is not in `choices`.
   """
-  if value not in choices:
-    raise error(message(name, f"one of {tuple(choices)!r}", value))
+  check_params({name: OneOf(tuple(choices), error)}, {name: value})
   return value
 
 

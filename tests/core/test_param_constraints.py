@@ -143,3 +143,16 @@ def test_check_params_one_message_and_classes():
     validation.check_params(table, {"f": 3})
   with pytest.raises(PrivacyConfigError, match=r"`z` must be a finite number\."):
     validation.check_params(table, {"z": math.inf})
+
+
+def test_warnings_of_a_checked_entry_point_point_at_the_callers_line():
+  """The `validates` wrapper is one more frame: the warnings still name the user's line."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sampling.poisson_batches(np.zeros((8, 1), np.float32), expected_batch_size=2, seed=1)
+    shuffling.shuffled_batches(np.zeros((8, 1), np.float32), batch_size=2, seed=1)
+    dp_sgd.compute_dp_sgd_privacy(100, 10, 1.0, 1, 0.5)
+    accountant.privacy_report(_ledger(), delta=0.5)
+  assert len(caught) == 4
+  assert {w.filename for w in caught} == {__file__}

@@ -377,7 +377,8 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
   """
   content = _content(ledger, key)
   if delta is not None and epsilon is None:
-    warn_if_delta_too_large(delta, _population(content.groups), stacklevel=3)
+    # stacklevel 4: the user's line is behind this function and its `validates` wrapper.
+    warn_if_delta_too_large(delta, _population(content.groups), stacklevel=4)
   report = report_from_groups(content, delta=delta, epsilon=epsilon, accountant=accountant)
   if isinstance(ledger, (str, dict)):
     report = dataclasses.replace(report, assumptions=report.assumptions + (

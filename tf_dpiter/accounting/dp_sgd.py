@@ -154,7 +154,8 @@ def compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta, accou
   """
   _check(n, batch_size, num_microbatches)
   delta = float(delta)
-  large_delta = accountant_lib.warn_if_delta_too_large(delta, n, stacklevel=3)
+  # stacklevel 4: the user's line is behind this function and its `validates` wrapper.
+  large_delta = accountant_lib.warn_if_delta_too_large(delta, n, stacklevel=4)
   steps = dp_sgd_steps(n, batch_size, epochs)
   groups = dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling, num_microbatches)
   report = accountant_lib.report_from_groups(groups, delta=delta, accountant=accountant)

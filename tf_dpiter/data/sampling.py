@@ -197,12 +197,13 @@ def default_max_batch_size(population_size, selection_probability, num_sd=4.0, m
   return min(size, int(math.ceil(population_size / multiple) * multiple))
 
 
-def make_rng(seed, who="poisson_batches"):
+def make_rng(seed, who="poisson_batches", stacklevel=3):
   """numpy Generator on Philox: from 128 bits of OS entropy, or (tests only, warns) a seed.
 
   Args:
     seed: None for OS entropy (private); an int makes sampling reproducible and NOT private.
     who: str, the caller's name used in the warning.
+    stacklevel: of the warning (3: the caller's caller; 4 behind a `validates` wrapper).
 
   Returns:
     A numpy.random.Generator.
@@ -215,7 +216,7 @@ def make_rng(seed, who="poisson_batches"):
   warnings.warn(
       f"seed={seed!r} given to {who}: the sampling is reproducible and the "
       "output is NOT differentially private. Use a seed for tests only.",
-      randomness.NotPrivateSeedWarning, stacklevel=3)
+      randomness.NotPrivateSeedWarning, stacklevel=stacklevel)
   return np.random.Generator(np.random.Philox(int(seed)))
 
 
@@ -292,7 +293,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   declared = n if population_size is None else check_population_size(population_size)
   q, steps = check_poisson_args(declared, expected_batch_size, steps_per_epoch, max_batch_size)
   pad = default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
-  rng = make_rng(seed)
+  rng = make_rng(seed, stacklevel=4)
   ds = indexed_batches(lambda: poisson_indices(rng, 0, n, q), x, y, steps, pad,
                        SamplingSpec(POISSON, declared, q, float(expected_batch_size)),
                        sample_weight=sample_weight)

@@ -205,7 +205,7 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   data = tuple(a for a in (x, y, sample_weight) if a is not None)
   n = sampling.num_records(data)
   _check_batch_size(batch_size, n)
-  rng = sampling.make_rng(seed, "shuffled_batches")
+  rng = sampling.make_rng(seed, "shuffled_batches", stacklevel=4)
   arrays = tf.nest.map_structure(np.asarray, data)
   per_pass = steps_per_pass(n, int(batch_size), drop_remainder)
   sampler = ShuffleSampler(per_pass)
