@@ -11,6 +11,7 @@ Every method is graph-compatible: it works inside `tf.function`, and with
 
 import abc
 import collections
+import functools
 
 import tensorflow as tf
 
@@ -287,6 +288,28 @@ class DPQuery(metaclass=abc.ABCMeta):
       the query.
     """
     return cls(**config)
+
+
+def forwarded(name, inner):
+  """A method of a wrapper query that calls method `name` of the query it wraps, unchanged.
+
+  The method takes the arguments of `DPQuery.<name>` and returns what the wrapped query's
+  method returns; its docstring and signature are `DPQuery`'s (one statement of the
+  contract). E.g. in a class holding the wrapped query in `self._query`:
+  `derive_sample_params = forwarded("derive_sample_params", "_query")`.
+
+  Args:
+    name: a DPQuery method name.
+    inner: the name of the wrapper's attribute that holds the wrapped query.
+
+  Returns:
+    the function to bind as the wrapper's method.
+  """
+  # updated=(): the method is concrete even where DPQuery's is abstract (no __dict__ copied)
+  @functools.wraps(getattr(DPQuery, name), updated=())
+  def method(self, *args, **kwargs):
+    return getattr(getattr(self, inner), name)(*args, **kwargs)
+  return method
 
 
 def gives_clip_factors(query):

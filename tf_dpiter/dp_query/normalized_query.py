@@ -18,8 +18,9 @@ from tf_dpiter.errors import PrivacyConfigError
 class NormalizedQuery(dp_query.SumAggregationDPQuery):
   """numerator_query's noised sum divided by a fixed `denominator` (e.g. q n).
 
-  Seed 002, footnote 1: dividing by the expected sample size, never the realized one, is
-  post-processing; the events are the numerator's.
+  Dividing by the expected sample size, never the realized one, is post-processing; the
+  events are the numerator's (McMahan et al., "A General Approach to Adding Differential
+  Privacy to Iterative Training Procedures", footnote 1).
 
   Args:
     numerator_query: a SumAggregationDPQuery.
@@ -66,36 +67,11 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     """The fixed, public denominator (the expected sample size q n)."""
     return self._denominator
 
-  def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: the numerator's"""
-    return self._numerator.initial_global_state()
-
-  def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the numerator's
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return self._numerator.derive_sample_params(global_state)
-
-  def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: the numerator's
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
-    return self._numerator.initial_sample_state(template)
-
-  def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: the numerator's
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
-    return self._numerator.preprocess_record(params, record)
+  # The numerator's state, params and clipping, unchanged (forwarded).
+  initial_global_state = dp_query.forwarded("initial_global_state", "_numerator")
+  derive_sample_params = dp_query.forwarded("derive_sample_params", "_numerator")
+  initial_sample_state = dp_query.forwarded("initial_sample_state", "_numerator")
+  preprocess_record = dp_query.forwarded("preprocess_record", "_numerator")
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: the numerator's noised sum divided by the public

@@ -184,78 +184,17 @@ class QueryWithLedger(dp_query.DPQuery):
     self._selection_probability.assign(float(selection_probability))
     self._sample_size.assign(float(sample_size))
 
-  def initial_global_state(self):
-    """The wrapped query's initial global state."""
-    return self._query.initial_global_state()
-
-  def derive_sample_params(self, global_state):
-    """The wrapped query's sample params of `global_state`.
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return self._query.derive_sample_params(global_state)
-
-  def initial_sample_state(self, template):
-    """The wrapped query's empty sample state shaped like `template`.
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
-    return self._query.initial_sample_state(template)
-
-  def preprocess_record(self, params, record):
-    """The wrapped query's preprocessing (clipping) of one record.
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
-    return self._query.preprocess_record(params, record)
-
-  def record_clip_factors(self, params, record_norms):
-    """The wrapped query's clip factors for per-record norms computed elsewhere.
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record_norms: [num_records] the records' L2 norms.
-    """
-    return self._query.record_clip_factors(params, record_norms)
-
-  def accumulate_records(self, params, sample_state, records, mask=None):
-    """The wrapped query's accumulation of a batch of records (mask: 0 for padding).
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      sample_state: the sample state accumulated over the records of this sample.
-      records: a batch of records: a nest of tensors with a leading record axis.
-      mask: None, or a [num_records] tensor: 1 for a real record, 0 for padding (not counted).
-    """
-    return self._query.accumulate_records(params, sample_state, records, mask)
-
-  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """The wrapped query's accumulation of one preprocessed record.
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      preprocessed_record: one record as `preprocess_record` returned it (clipped).
-    """
-    return self._query.accumulate_preprocessed_record(sample_state, preprocessed_record)
-
-  def sample_state_of_sum(self, template, preprocessed_sum):
-    """The wrapped query's sample state holding a sum of preprocessed records."""
-    return self._query.sample_state_of_sum(template, preprocessed_sum)
-
-  def merge_sample_states(self, sample_state_1, sample_state_2):
-    """The wrapped query's merge of two sample states.
-
-    Args:
-      sample_state_1: a sample state (the sum over some of the records).
-      sample_state_2: another sample state, of the other records.
-    """
-    return self._query.merge_sample_states(sample_state_1, sample_state_2)
+  # The DPQuery contract's methods, forwarded to the wrapped query unchanged.
+  initial_global_state = dp_query.forwarded("initial_global_state", "_query")
+  derive_sample_params = dp_query.forwarded("derive_sample_params", "_query")
+  initial_sample_state = dp_query.forwarded("initial_sample_state", "_query")
+  preprocess_record = dp_query.forwarded("preprocess_record", "_query")
+  record_clip_factors = dp_query.forwarded("record_clip_factors", "_query")
+  accumulate_records = dp_query.forwarded("accumulate_records", "_query")
+  accumulate_preprocessed_record = dp_query.forwarded("accumulate_preprocessed_record", "_query")
+  sample_state_of_sum = dp_query.forwarded("sample_state_of_sum", "_query")
+  merge_sample_states = dp_query.forwarded("merge_sample_states", "_query")
+  derive_metrics = dp_query.forwarded("derive_metrics", "_query")
 
   def get_noised_result(self, sample_state, global_state):
     """The inner query's result; records the sample (n, q, policy, events) in the ledger.
@@ -287,12 +226,3 @@ class QueryWithLedger(dp_query.DPQuery):
     return self._ledger.record_sample(self._population_size, self._selection_probability,
                                       events, policy=self._policy, sample_size=self._sample_size,
                                       examples_per_record=self._examples_per_record)
-
-  def derive_metrics(self, global_state):
-    """The wrapped query's metrics of `global_state`.
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return self._query.derive_metrics(global_state)
