@@ -330,6 +330,12 @@ class Constraint(abc.ABC):
 
   error = ParameterValueError
 
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    if any(base is not Constraint and issubclass(base, Constraint) for base in cls.__bases__):
+      raise ParameterTypeError(f"{cls.__name__} subclasses a concrete constraint: constraints "
+                               "are abstract or final. Subclass Constraint directly")
+
   @abc.abstractmethod
   def description(self):
     """What the value must be, for the message ("a finite number > 0").

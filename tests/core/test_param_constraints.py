@@ -156,3 +156,9 @@ def test_warnings_of_a_checked_entry_point_point_at_the_callers_line():
     accountant.privacy_report(_ledger(), delta=0.5)
   assert len(caught) == 4
   assert {w.filename for w in caught} == {__file__}
+
+
+def test_constraints_are_final():
+  with pytest.raises(ParameterTypeError, match="abstract or final"):
+    class Wider(validation.Interval):   # pylint: disable=unused-variable
+      pass
