@@ -6,6 +6,8 @@ z = (sum_g (S_g / sigma~_g)^2)^(-1/2) equal to the requested noise multiplier.
 """
 
 import collections
+import functools
+import inspect
 import math
 
 import numpy as np
@@ -22,6 +24,25 @@ from tf_dpiter.errors import PrivacyConfigError
 
 # The three outputs of `DPQuery.get_noised_result`.
 _NoisedResult = collections.namedtuple("_NoisedResult", ["result", "global_state", "events"])
+
+
+def _per_leaf(name):
+  """A NestedQuery method: `DPQuery.<name>` of every leaf query, each on its own part of
+  every argument (the arguments are nests over the leaves); returns the nest of results.
+
+  Args:
+    name: a DPQuery method name.
+
+  Returns:
+    the function to bind as NestedQuery's method (DPQuery's docstring and signature).
+  """
+  signature = inspect.signature(getattr(dp_query.DPQuery, name))
+
+  @functools.wraps(getattr(dp_query.DPQuery, name), updated=())
+  def method(self, *args, **kwargs):
+    parts = signature.bind(self, *args, **kwargs).args[1:]
+    return self._map(lambda q, *leaf_parts: getattr(q, name)(*leaf_parts), *parts)
+  return method
 
 
 @serialization.register_query()
@@ -69,55 +90,14 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   def _map(self, fn, *inputs):
     return dp_query.map_up_to(self._queries, fn, self._queries, *inputs)
 
-  def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: the nest of the leaves' global states"""
-    return self._map(lambda q: q.initial_global_state())
-
-  def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: per leaf
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
-    return self._map(lambda q, s: q.derive_sample_params(s), global_state)
-
-  def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: per leaf, on its part of `template`
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
-    return self._map(lambda q, t: q.initial_sample_state(t), template)
-
-  def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: each leaf clips its own part of the record
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
-    return self._map(lambda q, p, r: q.preprocess_record(p, r), params, record)
-
-  def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """See `DPQuery.accumulate_preprocessed_record`: per leaf
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      preprocessed_record: one record as `preprocess_record` returned it (clipped).
-    """
-    return self._map(lambda q, s, r: q.accumulate_preprocessed_record(s, r),
-                     sample_state, preprocessed_record)
-
-  def merge_sample_states(self, sample_state_1, sample_state_2):
-    """See `DPQuery.merge_sample_states`: per leaf
-
-    Args:
-      sample_state_1: a sample state (the sum over some of the records).
-      sample_state_2: another sample state, of the other records.
-    """
-    return self._map(lambda q, a, b: q.merge_sample_states(a, b), sample_state_1, sample_state_2)
+  # Each leaf query's own method on its own part of every argument (a leaf clips its own
+  # part of the record), the nest of the results.
+  initial_global_state = _per_leaf("initial_global_state")
+  derive_sample_params = _per_leaf("derive_sample_params")
+  initial_sample_state = _per_leaf("initial_sample_state")
+  preprocess_record = _per_leaf("preprocess_record")
+  accumulate_preprocessed_record = _per_leaf("accumulate_preprocessed_record")
+  merge_sample_states = _per_leaf("merge_sample_states")
 
   def get_noised_result(self, sample_state, global_state):
     """See `DPQuery.get_noised_result`: per leaf; the events of all leaves, in
