@@ -267,5 +267,40 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
                                       tf.cast(dz, tf.float32)))
     return algebra.sqr_sum(g), (g if keep else None)
 
-  return kernel_bias_layer(layer, ops.einsum(layer.equation, x, layer.kernel),
-                           kernel_part)
+  outputs, z, sqr_norm_fn = kernel_bias_layer(
+      layer, ops.einsum(layer.equation, x, layer.kernel), kernel_part)
+
+  def norms_and_sums(dz):
+    res = sqr_norm_fn(dz)
+    if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
+      return res
+    return registry.FactorSums(res, lambda c, all_finite: _einsum_sums(
+        layer, (inp, ker, out), x, dz, c, all_finite))
+
+  return outputs, z, norms_and_sums
+
+
+def _einsum_sums(layer, equation, x, dz, factors, all_finite):
+  """sum_i c_i g_i of an EinsumDense layer, float32, as one einsum over the batch: kernel
+  einsum("in,out->ker", x, c * dz), bias sum_i c_i grad b_i (dz weighted, summed over the
+  axes the bias is broadcast along). Unless all_finite, rows with c_i = 0 are zeroed first
+  (they may hold non-finite values and must add nothing). No backward pass through the
+  network (a tape gradient per layer would trace one)."""
+  inp, ker, out = equation
+
+  def sums(clean):
+    xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
+    if clean:
+      xf = tf.where(algebra.rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
+      dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
+    dw = dzf * algebra.rows(factors, dzf)
+    result = {}
+    if algebra.trainable(layer.kernel):
+      result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}", xf, dw)
+    if algebra.trainable(layer.bias):
+      result[id(layer.bias)] = tf.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
+    return [result[id(v)] for v in layer.trainable_variables]
+
+  if all_finite is None:
+    return sums(True)
+  return tf.cond(all_finite, lambda: sums(False), lambda: sums(True))
