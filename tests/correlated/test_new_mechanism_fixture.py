@@ -18,6 +18,8 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter.data.cyclic_poisson import cyclic_poisson_batches
+from tests.correlated.test_keras_noise import _data  # pylint: disable=unused-import
+from tests.correlated.test_keras_noise import _model
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -40,18 +42,6 @@ class TwoBandToeplitz(dp.keras.noise.NoiseMechanism):
 
   def requirement_event(self):
     return dp.dp_query.BandedGaussianEvent(1.0, 1.0, 1.0, 2)
-
-
-def _data(n=48):
-  rng = np.random.RandomState(0)
-  return rng.randn(n, 6).astype("float32"), rng.randint(0, 3, n)
-
-
-def _model(optimizer):
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
-  model.compile(optimizer=optimizer, loss=LOSS)
-  return model
 
 
 def _cyclic(num_groups):

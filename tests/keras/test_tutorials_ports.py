@@ -57,20 +57,8 @@ MNIST_N, MNIST_B = 2000, 100
 
 
 @pytest.fixture(scope="module")
-def mnist_path(tmp_path_factory):
-  for path in (os.environ.get("TF_DPITER_MNIST"), "/work/shared/data/mnist.npz"):
-    if path and os.path.exists(path):
-      return path
-  import numpy as np   # pylint: disable=import-outside-toplevel
-  rng = np.random.RandomState(0)
-  arrays = {}
-  for split, n in (("train", MNIST_N), ("test", 500)):
-    y = rng.randint(0, 10, n).astype("uint8")
-    arrays[f"x_{split}"] = (rng.rand(n, 28, 28) * 60 + y[:, None, None] * 19).astype("uint8")
-    arrays[f"y_{split}"] = y
-  path = str(tmp_path_factory.mktemp("mnist") / "mnist_small.npz")
-  np.savez(path, **arrays)
-  return path
+def mnist_path(mnist_or_synthetic_path):
+  return mnist_or_synthetic_path
 
 
 @pytest.mark.parametrize("script", [
