@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dq
+from tf_dpiter.accounting import effective_noise_multiplier
 
 
 def run_query(query, records, mask=None, mode="eager", template=None):
@@ -125,8 +126,8 @@ def test_make_nested_gaussian_query_events_give_target_z(clipping):
                                     noise_allocation="dimension_adjusted", seed=0)
   recs = [tf.random.normal([4, 10, 3]), tf.random.normal([4, 3])]
   _, _, events = run_query(q, recs, template=tmpl)
-  z = dq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
-                                    [float(e.stddev) for e in events])
+  z = effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                 [float(e.stddev) for e in events])
   assert z == pytest.approx(0.9, rel=1e-6)
 
 
@@ -188,8 +189,8 @@ def test_adaptive_clip_tracks_quantile(mode):
   # The median norm is 1.05; the count noise (std 2 over 200 records => 1% in fraction)
   # keeps the estimate inside the 40%-60% quantile band of the norms.
   assert np.quantile(norms, 0.4) < clip < np.quantile(norms, 0.6)
-  z = dq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
-                                    [float(e.stddev) for e in events])
+  z = effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                 [float(e.stddev) for e in events])
   assert z == pytest.approx(0.5, rel=1e-5)
 
 

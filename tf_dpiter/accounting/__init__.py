@@ -37,6 +37,7 @@ from tf_dpiter.accounting.dp_sgd import DpSgdPrivacy
 from tf_dpiter.accounting.dp_sgd import compute_dp_sgd_privacy
 from tf_dpiter.accounting.dp_sgd import dp_sgd_steps
 from tf_dpiter.accounting.ledger_events import SampleGroup
+from tf_dpiter.accounting.ledger_events import effective_noise_multiplier
 from tf_dpiter.accounting.statement import compute_dp_sgd_privacy_statement
 from tf_dpiter.accounting.lookahead import PlannedSample
 from tf_dpiter.accounting.lookahead import StepBudget
@@ -44,7 +45,6 @@ from tf_dpiter.accounting.lookahead import delta_after
 from tf_dpiter.accounting.lookahead import epsilon_after
 from tf_dpiter.accounting.planning import BatchPlan
 from tf_dpiter.accounting.planning import plan_batch_size
-from tf_dpiter.dp_query.events import effective_noise_multiplier
 
 __all__ = [
     "ACCOUNTANTS", "BatchPlan", "DpSgdPrivacy", "EpsilonCurve", "LedgerContent", "PlannedSample",

@@ -37,7 +37,6 @@ from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import composite_events
 from tf_dpiter.accounting import policy_accounting
 from tf_dpiter.accounting.lazy_module import LazyModule
-from tf_dpiter.dp_query.events import effective_noise_multiplier
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
@@ -106,6 +105,31 @@ class SampleGroup:
   def is_selection(self):
     """Whether this is a selection record (count 0; mean, shape and trials in its fields)."""
     return self.policy == rec.REPEAT_AND_SELECT
+
+
+def effective_noise_multiplier(clips, stddevs):
+  """The noise multiplier of one sample's Gaussian queries taken together (McMahan et al. 2018, Eq. (1)).
+
+  z = (sum_g (S_g / sigma~_g)^2)^(-1/2): the groups g of a sample (per-layer clipping,
+  Section 2) cost as much as one Gaussian query of noise multiplier z. Groups with S_g = 0
+  cost nothing; S_g > 0 with sigma~_g = 0 gives z = 0 (no privacy); no costly group gives
+  z = inf.
+
+  Args:
+    clips: the sensitivities S_g (clips, or clips times the relation's factor).
+    stddevs: the noise standard deviations sigma~_g, same length.
+
+  Returns:
+    z, a float in [0, inf].
+  """
+  inv = 0.0
+  for s, sd in zip(clips, stddevs):
+    if s == 0:
+      continue
+    if sd == 0:
+      return 0.0
+    inv += (s / sd) ** 2
+  return math.inf if inv == 0 else inv ** -0.5
 
 
 def _round_down(z, digits=12):

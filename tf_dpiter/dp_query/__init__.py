@@ -9,7 +9,8 @@ Public names (classes and functions; the implementation modules are not part of 
     (sigma = z S, the one place it is computed), `GaussianAverageQuery`, `NormalizedQuery`,
     `JointClipQuery`, `NestedQuery` with the allocation helpers of Sections 2 and 4
     (`make_nested_gaussian_query`, `per_layer_clips`, `dimension_adjusted_clips`,
-    `proportional_noise`, `dimension_adjusted_noise`, `effective_noise_multiplier`);
+    `proportional_noise`, `dimension_adjusted_noise`; the z these allocations amount to is
+    `tf_dpiter.accounting.effective_noise_multiplier`);
   * adaptive clipping: `QuantileEstimatorQuery`, `QuantileAdaptiveClipSumQuery`,
     `value_noise_multiplier`;
   * automatic clipping (Bu et al., AUTO-S): `AutomaticClippingSumQuery`;
@@ -58,7 +59,6 @@ _EXPORTS = {
     'NestedQuery': 'tf_dpiter.dp_query.nested_query',
     'dimension_adjusted_clips': 'tf_dpiter.dp_query.nested_query',
     'dimension_adjusted_noise': 'tf_dpiter.dp_query.nested_query',
-    'effective_noise_multiplier': 'tf_dpiter.dp_query.events',
     'make_nested_gaussian_query': 'tf_dpiter.dp_query.nested_query',
     'per_layer_clips': 'tf_dpiter.dp_query.nested_query',
     'proportional_noise': 'tf_dpiter.dp_query.nested_query',

@@ -28,7 +28,7 @@ def _float_dtype(*values):
   return tf.float32
 
 
-def gaussian_stddev(l2_norm_clip, noise_multiplier):
+def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
   """sigma = z * S, the noise standard deviation (sum units) of a Gaussian sum query.
 
   McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
@@ -41,6 +41,8 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier):
   Args:
     l2_norm_clip: S > 0 (+inf allowed with z = 0); a number or a float tensor.
     noise_multiplier: z >= 0, finite; a number or a float tensor.
+    validate: False when S and z were validated already (a `DPConfig`'s, which its noise
+      mechanism passes on): the arithmetic only.
 
   Returns:
     sigma: a Python float for numbers; for tensors a float32 (float64 if an input is float64)
@@ -50,9 +52,11 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier):
     ParameterTypeError: an argument is not a number.
     PrivacyConfigError: S <= 0 or NaN, z < 0, NaN or inf, or S = inf with z > 0.
   """
-  z = validation.check_noise_multiplier("noise_multiplier", noise_multiplier)
-  clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip,
-                                    noise_multiplier=None if tf.is_tensor(z) else z)
+  z, clip = noise_multiplier, l2_norm_clip
+  if validate:
+    z = validation.check_noise_multiplier("noise_multiplier", noise_multiplier)
+    clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip,
+                                      noise_multiplier=None if tf.is_tensor(z) else z)
   if tf.is_tensor(clip) or tf.is_tensor(z) or isinstance(clip, tf.Variable) or isinstance(
       z, tf.Variable):
     dtype = _float_dtype(clip, z)

@@ -185,8 +185,8 @@ class DPServer:
     events = [e for e in self.planned_events() if isinstance(e, dpq.GaussianSumEvent)]
     if not events:
       return 0.0
-    return dpq.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
-                                          [float(e.stddev) for e in events])
+    return accounting.effective_noise_multiplier([float(e.l2_norm_clip) for e in events],
+                                                 [float(e.stddev) for e in events])
 
   def clip(self):
     """The clip S the next round uses.

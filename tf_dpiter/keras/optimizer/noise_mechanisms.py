@@ -205,11 +205,12 @@ class IID(NoiseMechanism):
   correlated: ClassVar[bool] = False
 
   def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
-    """`GaussianSumQuery(S, z S)` (the stddev computed once, in float64).
+    """`GaussianSumQuery(S, z S)` (the stddev computed once, in float64; S and z are the
+    plan's, validated by `DPConfig`, so only the query checks its own (S, sigma)).
 
     Args:
-      l2_norm_clip: S.
-      noise_multiplier: z.
+      l2_norm_clip: S (validated).
+      noise_multiplier: z (validated).
       template: unused (the sum takes the records' structure).
       seed: tests only.
       secure_mode: draw from os.urandom.
@@ -219,7 +220,8 @@ class IID(NoiseMechanism):
     """
     del template
     return gaussian_query.GaussianSumQuery(
-        l2_norm_clip, gaussian_query.gaussian_stddev(l2_norm_clip, noise_multiplier),
+        l2_norm_clip, gaussian_query.gaussian_stddev(l2_norm_clip, noise_multiplier,
+                                                     validate=False),
         seed=seed, secure_mode=secure_mode)
 
 
