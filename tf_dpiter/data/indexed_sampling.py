@@ -24,6 +24,7 @@ global step (see `distributed_poisson_batches`).
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.data import python_source
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import ParameterValueError
 
@@ -94,7 +95,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
         mask[:m] = 1.0
         yield tuple(sampling_lib.pad_rows(a, size) for a in arrays) + (mask,)
 
-  ds = tf.data.Dataset.from_generator(gen, output_signature=_signature(source))
+  ds = python_source.python_dataset(gen, _signature(source))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps * len(parts))).prefetch(2)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
       sampling_lib.POISSON, n, q, float(expected_batch_size)))

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import validation
+from tf_dpiter.data import python_source
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
@@ -349,7 +350,7 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
     weights = pad(tf.ones([m], tf.float32)) if ws is None else rows(ws)
     return tuple(tf.nest.map_structure(rows, t) for t in (xs, ys) if t is not None) + (weights,)
 
-  ds = tf.data.Dataset.from_generator(gen, output_signature=(
+  ds = python_source.python_dataset(gen, (
       tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)))
   ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)

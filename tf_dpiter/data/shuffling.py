@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import validation
+from tf_dpiter.data import python_source
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -212,7 +213,7 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   gen = _permutation_batches(arrays, n, int(batch_size), per_pass, passes, rng, sampler)
   sig = tf.nest.map_structure(
       lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), arrays)
-  ds = tf.data.Dataset.from_generator(gen, output_signature=sig if len(sig) > 1 else sig[0])
+  ds = python_source.python_dataset(gen, sig if len(sig) > 1 else sig[0])
   if passes is not None:
     ds = ds.apply(tf.data.experimental.assert_cardinality(per_pass * passes))
   spec = sampling.SamplingSpec(sampling.SHUFFLE, n, batch_size / n, float(batch_size), sampler)

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import validation
+from tf_dpiter.data import python_source
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import records
@@ -119,8 +120,7 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
       yield (tf.nest.map_structure(lambda a: a[take], xs),
              tf.nest.map_structure(lambda a: a[take], ys), weights)
 
-  ds = tf.data.Dataset.from_generator(gen,
-                                      output_signature=sampling_lib.batch_signature(xs, ys))
+  ds = python_source.python_dataset(gen, sampling_lib.batch_signature(xs, ys))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
   return sampling_lib.attach_spec(ds, sampling_lib.SamplingSpec(
       records.USER_POISSON, num_users, q, float(expected_users_per_batch),
