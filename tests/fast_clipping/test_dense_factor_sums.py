@@ -3,7 +3,8 @@
 sum_i c_i g_i with g_i = (sum_t x_t dz_t^T, sum_t dz_t) must equal the sum formed from
 per-example gradients in numpy, whichever operand carries the factors (K <= N: the input,
 else the output gradient), and a record with c_i = 0 must add exactly nothing even when
-its input and output gradient are not finite (a float16 overflow; then all_finite is False).
+its input and output gradient are not finite (a float16 overflow), with no branch on
+finiteness (algebra.weight_rows / drop_rows), with and without XLA.
 """
 
 import keras
@@ -23,7 +24,8 @@ def _reference(x, dz, c):
 
 @pytest.mark.parametrize("k,n", [(3, 7), (7, 3)])
 @pytest.mark.parametrize("poisoned", [False, True])
-def test_dense_sums_match_per_example_gradients(k, n, poisoned):
+@pytest.mark.parametrize("jit", [False, True])
+def test_dense_sums_match_per_example_gradients(k, n, poisoned, jit):
   rng = np.random.RandomState(k)
   b, t = 5, 4
   x = rng.randn(b, t, k).astype("float32")
@@ -34,13 +36,11 @@ def test_dense_sums_match_per_example_gradients(k, n, poisoned):
   layer = keras.layers.Dense(n)
   layer.build((None, t, k))
   want_kernel, want_bias = _reference(np.nan_to_num(x), np.nan_to_num(dz), c)
-  for all_finite in ([None, tf.constant(False)] if poisoned else
-                     [None, tf.constant(True), tf.constant(False)]):
-    kernel, bias = dense._dense_sums(layer, tf.constant(x), tf.constant(dz), tf.constant(c),
-                                     all_finite)
-    np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)
-    assert np.isfinite(kernel.numpy()).all() and np.isfinite(bias.numpy()).all()
+  fn = tf.function(lambda x, dz, c: dense._dense_sums(layer, x, dz, c), jit_compile=jit)
+  kernel, bias = fn(tf.constant(x), tf.constant(dz), tf.constant(c))
+  np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)
+  assert np.isfinite(kernel.numpy()).all() and np.isfinite(bias.numpy()).all()
 
 
 def test_dense_without_bias_and_frozen_kernel():
@@ -50,11 +50,10 @@ def test_dense_without_bias_and_frozen_kernel():
   want_kernel, want_bias = _reference(x, dz, c)
   no_bias = keras.layers.Dense(6, use_bias=False)
   no_bias.build((None, 2, 4))
-  (kernel,) = dense._dense_sums(no_bias, tf.constant(x), tf.constant(dz), tf.constant(c), None)
+  (kernel,) = dense._dense_sums(no_bias, tf.constant(x), tf.constant(dz), tf.constant(c))
   np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
   frozen = keras.layers.Dense(6)
   frozen.build((None, 2, 4))
   frozen.kernel.trainable = False
-  (bias,) = dense._dense_sums(frozen, tf.constant(x), tf.constant(dz), tf.constant(c),
-                              tf.constant(True))
+  (bias,) = dense._dense_sums(frozen, tf.constant(x), tf.constant(dz), tf.constant(c))
   np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)

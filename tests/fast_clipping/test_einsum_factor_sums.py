@@ -55,7 +55,7 @@ def test_einsum_sum_equals_per_example_reference(bias_axes):
 
 def test_non_finite_record_adds_nothing():
   """A record with an infinite input: c = 0, and the kernel's and bias's sums are those of
-  the other records (the all_finite=False branch zeroes its rows before the einsum)."""
+  the other records (its rows are zeroed in both operands of the einsum, no branch)."""
   model = _model("de")
   rng = np.random.RandomState(1)
   x = rng.normal(size=(4, 5, _C)).astype("float32")

@@ -179,6 +179,40 @@ def rows(f, like):
   return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
 
 
+def weight_rows(t, factors):
+  """t [B, ...] in float32 with row i multiplied by c_i, and exactly 0 where c_i = 0 even
+  where row i is not finite (tf.math.multiply_no_nan: one elementwise op, no branch).
+
+  A record whose squared norm is not finite gets c_i = 0 (clipping.py); its rows of the
+  layer inputs and output gradients may then hold inf or NaN, which must add nothing.
+
+  Args:
+    t: [B, ...] tensor of known rank.
+    factors: [B] float32 clip factors, >= 0.
+
+  Returns:
+    float32 tensor of t's shape.
+  """
+  t = tf.cast(t, tf.float32)
+  return tf.math.multiply_no_nan(t, rows(factors, t))
+
+
+def drop_rows(t, factors):
+  """t [B, ...] in float32 with the rows of c_i = 0 set to exactly 0 (even where they are not
+  finite) and the other rows unchanged: the unweighted operand of a clipped-sum product whose
+  other operand is `weight_rows(., factors)` (0 * inf would otherwise give NaN).
+
+  Args:
+    t: [B, ...] tensor of known rank.
+    factors: [B] float32 clip factors, >= 0.
+
+  Returns:
+    float32 tensor of t's shape.
+  """
+  t = tf.cast(t, tf.float32)
+  return tf.math.multiply_no_nan(t, rows(tf.cast(factors > 0, tf.float32), t))
+
+
 def factor_product(factors, g):
   """sum_i c_i g_i for g [R, ...], as the first row of [c; 0] [R, P] (a two-row product).
 

@@ -243,26 +243,29 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   scale = routing.loss_scale(model)
   _check_variant(variant, scale)
 
-  with tf.GradientTape(persistent=True) as tape:
+  with tf.GradientTape(persistent=True) as tape, tf.name_scope("forward"):
     outputs, raw_losses, losses, record_mask, total = _forward(
         model, units, inputs, targets, per_example_loss_fn, mask, k, scale)
 
   # First backward pass: gradients at the watched tensors of ghost units and
   # at the outputs of vectorized units (one pass through the network).
+  # Name scopes: the phases of the traced graph (op counts and profiles by phase).
   ghost, vect, sources = _sources(units)
-  src_grads = tape.gradient(total, sources, unconnected_gradients=_ZERO)
-  num_records = tf.shape(raw_losses)[0] // k
-  sq, per_example, sum_fns = _sqr_norms(ghost, vect, src_grads, k, num_records)
-  norms, factors = _clip_factors(sq, factors_fn, record_mask, scale,
-                                 mask is not None or _grouped(k))
-  example_factors = tf.repeat(factors, k) if _grouped(k) else factors
+  with tf.name_scope("backward_to_layers"):
+    src_grads = tape.gradient(total, sources, unconnected_gradients=_ZERO)
+  with tf.name_scope("norms"):
+    num_records = tf.shape(raw_losses)[0] // k
+    sq, per_example, sum_fns = _sqr_norms(ghost, vect, src_grads, k, num_records)
+    norms, factors = _clip_factors(sq, factors_fn, record_mask, scale,
+                                   mask is not None or _grouped(k))
+    example_factors = tf.repeat(factors, k) if _grouped(k) else factors
 
-  if variant == "two_pass":
-    result = summing.two_pass_sum(units, losses, example_factors, tape)
-  else:
-    result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
-                              sum_fns, factors / scale, example_factors / scale,
-                              tape, all_finite=tf.reduce_all(tf.math.is_finite(sq)))
+  with tf.name_scope("clipped_sum"):
+    if variant == "two_pass":
+      result = summing.two_pass_sum(units, losses, example_factors, tape)
+    else:
+      result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
+                                       sum_fns, factors / scale, example_factors / scale, tape)
   del tape
   out = summing.dense_result(model, result)
   if return_outputs:

@@ -49,8 +49,8 @@ Optional capabilities, declared by attributes of the norm function:
       float32 whatever the dtype policy). Others then take the vectorized path.
   float32_sums (``@float32_sums``): its results are always PerExampleGrads or
       GhostSums formed in float32, so it serves 16-bit layers as they are.
-A norm function may also return ``FactorSums(sqr_norms, sum_fn)``: ``sum_fn(example_factors,
-all_finite)`` forms the clipped sum in float32 from the clip factors themselves (a Dense
+A norm function may also return ``FactorSums(sqr_norms, sum_fn)``: ``sum_fn(example_factors)``
+forms the clipped sum in float32 from the clip factors themselves (a Dense
 layer weights whichever of its input and its output gradient is smaller).
 
 The built-in norm functions live in ``fast_clipping/rules/`` (one module per
@@ -130,10 +130,9 @@ class FactorSums(NamedTuple):
 
   sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables.
   sum_fn:    (example_factors [B] float32, c_i of each example's record, 0 for an example
-             that adds nothing; all_finite: scalar bool tensor, True when every record's
-             squared norm is finite, or None when unknown) -> one float32 tensor per v in
-             layer.trainable_variables: sum_i c_i g_i. Unless all_finite, the rows with
-             c_i = 0 must add exactly nothing even where they are not finite.
+             that adds nothing) -> one float32 tensor per v in layer.trainable_variables:
+             sum_i c_i g_i. The rows with c_i = 0 must add exactly nothing even where they
+             are not finite (algebra.weight_rows / drop_rows do it without a branch).
   """
   sqr_norms: tf.Tensor
   sum_fn: Callable[..., Sequence[tf.Tensor]]

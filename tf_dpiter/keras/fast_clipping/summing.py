@@ -26,8 +26,7 @@ def _dense(g):
 
 def _weighted(g, f):
   """g * f per row (float32), 0 where f == 0 (even if g is not finite)."""
-  g = tf.cast(g, tf.float32)
-  return tf.where(algebra.rows(f, g) > 0, g * algebra.rows(f, g), tf.zeros_like(g))
+  return algebra.weight_rows(g, f)
 
 
 def _float32_args(rec):
@@ -67,12 +66,12 @@ def _float32_vjp(unit, weighted):
                        unconnected_gradients=_ZERO)
 
 
-def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None, all_finite=None):
+def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
   """sum_i c_i g_i of a ghost unit: the rule's own sum (FactorSums, GhostSums), else the
   vector-Jacobian product of the watched tensors with the clip-weighted
   gradients, in float32 for 16-bit layers."""
   if isinstance(sum_fn, registry.FactorSums):
-    return [_dense(g) for g in sum_fn.sum_fn(example_factors, all_finite)]
+    return [_dense(g) for g in sum_fn.sum_fn(example_factors)]
   weighted = [_weighted(g, example_factors) for g in grads_w]
   if sum_fn is not None:
     grads = sum_fn(tf.nest.pack_sequence_as(unit.records[0]["watched"], weighted))
@@ -86,39 +85,39 @@ def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None, all_f
   return [_dense(g) for g in grads]
 
 
-def _rows_sum(g, factors, all_finite):
-  """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one
-  matrix product when every record's norm is finite (then every g_i is), else
-  the rows weighted one by one with 0 for c_i = 0 (a non-finite g_i adds nothing)."""
-  g = tf.cast(g, tf.float32)
-  if all_finite is None:
-    return tf.reduce_sum(_weighted(g, factors), axis=0)
-  return tf.cond(all_finite, lambda: algebra.factor_product(factors, g),
-                 lambda: tf.reduce_sum(_weighted(g, factors), axis=0))
+def _rows_sum(g, factors):
+  """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one matrix
+  product of the rows with c = 0 set to 0 first (algebra.drop_rows: a non-finite g_i adds
+  nothing; one elementwise op, no branch)."""
+  return algebra.factor_product(factors, algebra.drop_rows(g, factors))
 
 
-def _per_example_sums(grads, factors, all_finite):
+def _per_example_sums(grads, factors):
   """The clipped sums of a unit whose per-record gradients are at hand (a list aligned
   with its variables, or a registry.PerExampleBlock)."""
   if isinstance(grads, registry.PerExampleBlock):
-    return list(grads.unpack([_rows_sum(b, factors, all_finite) for b in grads.blocks]))
-  return [_rows_sum(g, factors, all_finite) for g in grads]
+    return list(grads.unpack([_rows_sum(b, factors) for b in grads.blocks]))
+  return [_rows_sum(g, factors) for g in grads]
 
 
 def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
-                     factors, example_factors, tape, all_finite=None):
+                    factors, example_factors, tape):
   """{id(variable): clipped sum} by book-keeping (module docstring).
 
+  A record with c = 0 (its norm not finite, or masked) adds exactly nothing: every sum
+  zeroes its rows (algebra.weight_rows / drop_rows), with no branch on finiteness.
+
   Args:
-    units: the plan's units; ghost: (unit, start, n) of ghost units; sources, src_grads:
-      the first backward pass's tensors and their gradients; per_example: {id(unit):
-      per-record gradients (a list per variable, or a registry.PerExampleBlock)}; sum_fns:
-      {id(unit): GhostSums sum function or FactorSums}; factors, example_factors: c per record and per
-      example (divided by the loss scale); tape: the persistent tape of the forward pass.
-    all_finite: optional scalar bool tensor, True when every record's squared norm is
-      finite: the per-record gradients at hand are then summed by one matrix-vector
-      product each (else, or when None, row by row, 0 for a record with c = 0); FactorSums
-      rules receive it.
+    units: the plan's units.
+    ghost: (unit, start, n) of the ghost units, their watched tensors at sources[start:start+n].
+    sources: the tensors of the first backward pass.
+    src_grads: the gradients of the summed loss at `sources`.
+    per_example: {id(unit): per-record gradients (a list per variable, or a
+      registry.PerExampleBlock)}.
+    sum_fns: {id(unit): a GhostSums sum function or a registry.FactorSums}.
+    factors: [R] float32 clip factors c per record (divided by the loss scale).
+    example_factors: [B] float32, each example's record's c (divided by the loss scale).
+    tape: the persistent tape of the forward pass.
 
   Returns:
     {id(variable): clipped sum tensor}.
@@ -128,13 +127,13 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
     if id(u) in per_example:
       continue
     grads = _ghost_vjp(u, sources[start:start + n], src_grads[start:start + n],
-                       example_factors, tape, sum_fns.get(id(u)), all_finite)
+                       example_factors, tape, sum_fns.get(id(u)))
     for v, g in zip(u.variables, grads):
       result[id(v)] = tf.cast(g, _sum_dtype(v))
   for u in units:
     if id(u) not in per_example:
       continue
-    sums = _per_example_sums(per_example[id(u)], factors, all_finite)
+    sums = _per_example_sums(per_example[id(u)], factors)
     for v, g in zip(u.variables, sums):
       result[id(v)] = tf.cast(g, _sum_dtype(v))
   return result

@@ -50,8 +50,7 @@ def dense_norm_fn(layer, inputs, training=None):
     res = sqr_norm_fn(dz)
     if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
-    return registry.FactorSums(res, lambda c, all_finite: _dense_sums(layer, x, dz, c,
-                                                                      all_finite))
+    return registry.FactorSums(res, lambda c: _dense_sums(layer, x, dz, c))
 
   return outputs, z, norms_and_sums
 
@@ -88,40 +87,33 @@ def _folded_sqr_norm(layer, x, dz):
   return registry.PerExampleBlock(sq, [tf.reshape(g, [tf.shape(g)[0], (k + 1) * n])], unpack)
 
 
-def _dense_sums(layer, x, dz, factors, all_finite):
+def _dense_sums(layer, x, dz, factors):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
   rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
   bias sum_i c_i sum_t dz_t: with the kernel, the last row of the same product on [x, 1].
-  Unless all_finite, rows with c_i = 0 are zeroed first (they may hold non-finite values and
-  must add nothing)."""
+  Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows / drop_rows: one
+  elementwise op each, no branch), so a record whose values are not finite adds nothing."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
   fold = _bias_folded(layer, x)
-
-  def sums(clean):
-    xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
-    if clean:
-      xf = tf.where(algebra.rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
-      dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
-    out = {}
+  out = {}
+  if algebra.trainable(layer.kernel):
+    x1 = _with_one(x) if fold else x   # with the bias's input 1
+    rows_in = int(x1.shape[-1])
+    if rows_in <= n:
+      xw, dw = algebra.weight_rows(x1, factors), algebra.drop_rows(dz, factors)
+    else:
+      xw, dw = algebra.drop_rows(x1, factors), algebra.weight_rows(dz, factors)
+    product = tf.matmul(tf.reshape(xw, [-1, rows_in]), tf.reshape(dw, [-1, n]),
+                        transpose_a=True)
+    out[id(layer.kernel)] = product[:k]
     if fold:
-      xf = _with_one(xf)
-    if algebra.trainable(layer.kernel):
-      rows_in = int(xf.shape[-1])   # K, or K + 1 with the bias's input
-      xw, dw = ((xf * algebra.rows(factors, xf), dzf) if rows_in <= n
-                else (xf, dzf * algebra.rows(factors, dzf)))
-      product = tf.matmul(tf.reshape(xw, [-1, rows_in]), tf.reshape(dw, [-1, n]),
-                          transpose_a=True)
-      out[id(layer.kernel)] = product[:k]
-      if fold:
-        out[id(layer.bias)] = product[k]
-    if algebra.trainable(layer.bias) and not fold:
-      per_example = tf.reduce_sum(tf.reshape(dzf, [tf.shape(dzf)[0], -1, n]), axis=1)
-      out[id(layer.bias)] = algebra.factor_product(factors, per_example)
-    return [out[id(v)] for v in layer.trainable_variables]
-
-  if all_finite is None:
-    return sums(True)
-  return tf.cond(all_finite, lambda: sums(False), lambda: sums(True))
+      out[id(layer.bias)] = product[k]
+  if algebra.trainable(layer.bias) and not fold:
+    per_example = tf.reduce_sum(tf.reshape(tf.cast(dz, tf.float32), [tf.shape(dz)[0], -1, n]),
+                                axis=1)
+    out[id(layer.bias)] = algebra.factor_product(factors,
+                                                 algebra.drop_rows(per_example, factors))
+  return [out[id(v)] for v in layer.trainable_variables]
 
 
 def kernel_bias_layer(layer, z, kernel_part):
@@ -274,33 +266,23 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
     res = sqr_norm_fn(dz)
     if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
-    return registry.FactorSums(res, lambda c, all_finite: _einsum_sums(
-        layer, (inp, ker, out), x, dz, c, all_finite))
+    return registry.FactorSums(res, lambda c: _einsum_sums(layer, (inp, ker, out), x, dz, c))
 
   return outputs, z, norms_and_sums
 
 
-def _einsum_sums(layer, equation, x, dz, factors, all_finite):
+def _einsum_sums(layer, equation, x, dz, factors):
   """sum_i c_i g_i of an EinsumDense layer, float32, as one einsum over the batch: kernel
   einsum("in,out->ker", x, c * dz), bias sum_i c_i grad b_i (dz weighted, summed over the
-  axes the bias is broadcast along). Unless all_finite, rows with c_i = 0 are zeroed first
-  (they may hold non-finite values and must add nothing). No backward pass through the
-  network (a tape gradient per layer would trace one)."""
+  axes the bias is broadcast along). Rows with c_i = 0 are exactly 0 in both operands
+  (algebra.weight_rows / drop_rows), so a record whose values are not finite adds nothing.
+  No backward pass through the network (a tape gradient per layer would trace one)."""
   inp, ker, out = equation
-
-  def sums(clean):
-    xf, dzf = tf.cast(x, tf.float32), tf.cast(dz, tf.float32)
-    if clean:
-      xf = tf.where(algebra.rows(factors > 0, xf), algebra.finite_float32(xf), 0.0)
-      dzf = tf.where(algebra.rows(factors > 0, dzf), algebra.finite_float32(dzf), 0.0)
-    dw = dzf * algebra.rows(factors, dzf)
-    result = {}
-    if algebra.trainable(layer.kernel):
-      result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}", xf, dw)
-    if algebra.trainable(layer.bias):
-      result[id(layer.bias)] = tf.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
-    return [result[id(v)] for v in layer.trainable_variables]
-
-  if all_finite is None:
-    return sums(True)
-  return tf.cond(all_finite, lambda: sums(False), lambda: sums(True))
+  dw = algebra.weight_rows(dz, factors)
+  result = {}
+  if algebra.trainable(layer.kernel):
+    result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}",
+                                         algebra.drop_rows(x, factors), dw)
+  if algebra.trainable(layer.bias):
+    result[id(layer.bias)] = tf.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
+  return [result[id(v)] for v in layer.trainable_variables]

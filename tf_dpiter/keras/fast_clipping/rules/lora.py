@@ -87,7 +87,44 @@ def dense_lora_norm_fn(layer, inputs, training=None):
       out[id(base)] = algebra.factored_sqr_norm(xb, dzb)
     return out
 
-  return dense.bias_and_parts(layer, z, parts)
+  def sums(dz, c):   # sum_i c_i g_i of the kernel side: rank-r products, never W-sized
+    xb, dw = algebra.drop_rows(algebra.to_btk(x), c), algebra.weight_rows(algebra.to_btk(dz), c)
+    out = {}
+    if algebra.trainable(a_var):     # s X^T (C dZ) B^T
+      out[id(a_var)] = s * tf.einsum("btk,btr->kr", xb,
+                                     tf.einsum("btn,rn->btr", dw, tf.cast(b_var, _F32)))
+    if algebra.trainable(b_var):     # s A^T X^T (C dZ)
+      out[id(b_var)] = s * tf.einsum("btr,btn->rn",
+                                     tf.einsum("btk,kr->btr", xb, tf.cast(a_var, _F32)), dw)
+    if algebra.trainable(base):
+      out[id(base)] = tf.einsum("btk,btn->kn", xb, dw)
+    return out
+
+  return _with_factor_sums(layer, dense.bias_and_parts(layer, z, parts), sums)
+
+
+def _with_factor_sums(layer, res, kernel_sums):
+  """The LoRA rule's (outputs, watched, sqr_norm_fn) whose sqr_norm_fn returns
+  registry.FactorSums (unless it kept every per-example gradient): the clipped sum from the
+  clip factors, `kernel_sums(dz, c)` -> {id(variable): sum} of the kernel side and the bias's
+  sum_i c_i grad b_i, instead of a vector-Jacobian product through the merged kernel (a tape
+  gradient per layer, which traces a backward pass through the network below the layer)."""
+  outputs, z, sqr_norm_fn = res
+
+  def sums(dz, c):
+    out = kernel_sums(dz, c)
+    if algebra.trainable(layer.bias):
+      out[id(layer.bias)] = tf.reduce_sum(
+          algebra.bias_grad(algebra.weight_rows(dz, c), layer.bias.shape), 0)
+    return [out[id(v)] for v in layer.trainable_variables]
+
+  def norms_and_sums(dz):
+    res = sqr_norm_fn(dz)
+    if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
+      return res
+    return registry.FactorSums(res, lambda c: sums(dz, c))
+
+  return outputs, z, norms_and_sums
 
 
 def _free_char(equation):
@@ -131,7 +168,20 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
       grads[id(base)] = _part(registry.record_sum(g))
     return grads
 
-  return dense.bias_and_parts(layer, z, parts)
+  def sums(dz, c):   # sum_i c_i g_i of the kernel side: the same contractions without b
+    xf, dw = algebra.drop_rows(x, c), algebra.weight_rows(dz, c)
+    out_sums = {}
+    if algebra.trainable(a_var):
+      out_sums[id(a_var)] = s * tf.einsum(f"{inp},{out},{r}{e}->{rest}{r}", xf, dw,
+                                          tf.cast(b_var, _F32))
+    if algebra.trainable(b_var):
+      out_sums[id(b_var)] = s * tf.einsum(f"{inp},{out},{rest}{r}->{r}{e}", xf, dw,
+                                          tf.cast(a_var, _F32))
+    if algebra.trainable(base):
+      out_sums[id(base)] = tf.einsum(f"{inp},{out}->{ker}", xf, dw)
+    return out_sums
+
+  return _with_factor_sums(layer, dense.bias_and_parts(layer, z, parts), sums)
 
 
 @registry.float32_watched
