@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_dpiter.data import python_source
 import tf_dpiter as dp
 from tests.keras import dp_keras_helpers as helpers
 from tf_dpiter.keras.optimizer import chunking
@@ -39,7 +40,7 @@ def _one_step(model, x, y, w, dynamic):
     return helpers.one_step_update(model, x, y, sample_weight=w)
   spec = (tf.TensorSpec([None, 6], tf.float32), tf.TensorSpec([None], tf.int64),
           tf.TensorSpec([None], tf.float32))
-  ds = tf.data.Dataset.from_generator(lambda: iter([(x, y, w)]), output_signature=spec)
+  ds = python_source.python_dataset(lambda: iter([(x, y, w)]), spec)
   before = [v.numpy().copy() for v in model.trainable_variables]
   model.fit(ds.repeat(), steps_per_epoch=1, epochs=1, verbose=0)
   return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]

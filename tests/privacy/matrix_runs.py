@@ -27,6 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.data import python_source
 import tf_dpiter as dp
 import tf_dpiter.keras  # noqa: F401  (registers the DP classes for load_model)
 from tf_dpiter.accounting import ledger_events
@@ -91,7 +92,7 @@ def _declared(n, m, fixed):
         yield x[idx], y[idx]
 
     sig = (tf.TensorSpec((m, N), tf.float32), tf.TensorSpec((m, 1), tf.float32))
-    ds = tf.data.Dataset.from_generator(gen, output_signature=sig)
+    ds = python_source.python_dataset(gen, sig)
     return ds.apply(tf.data.experimental.assert_cardinality(steps))
 
   return build

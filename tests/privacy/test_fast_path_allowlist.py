@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_dpiter.data import python_source
 import tf_dpiter as dp
 from tests.keras import dp_keras_helpers as helpers
 from tests.privacy import neighbours
@@ -90,7 +91,7 @@ def _fit_sum(model, w0):
   def clipped_sum(xb, yb, wb):
     model.set_weights(w0)
     before = [v.numpy() for v in model.trainable_variables]
-    ds = tf.data.Dataset.from_generator(lambda: iter([(xb, yb, wb)]), output_signature=spec)
+    ds = python_source.python_dataset(lambda: iter([(xb, yb, wb)]), spec)
     model.fit(ds.repeat(), steps_per_epoch=1, epochs=1, verbose=0)
     after = [v.numpy() for v in model.trainable_variables]
     return E * np.concatenate([(a - b).ravel() for a, b in zip(before, after)]

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_dpiter.data import python_source
 import tf_dpiter as dp
 from tests.keras import dp_keras_helpers as helpers
 from tests.privacy import neighbours
@@ -57,7 +58,7 @@ def test_fit_under_xla_moves_the_clipped_sum_by_at_most_c(sequence, monkeypatch)
 
   def clipped_sum(xb, yb, wb):
     model.set_weights(w0)
-    ds = tf.data.Dataset.from_generator(lambda: iter([(xb, yb, wb)]), output_signature=spec)
+    ds = python_source.python_dataset(lambda: iter([(xb, yb, wb)]), spec)
     model.fit(ds.repeat(), steps_per_epoch=1, epochs=1, verbose=0)
     return E * np.concatenate([(a - b).ravel() for a, b in zip(w0, model.get_weights())]
                               ).astype(np.float64)
