@@ -12,7 +12,9 @@ checked out in a git worktree):
   other both ways;
 * the imports from tf_dpiter.ledger to tf_dpiter.accounting and to dp_accounting (the ledger
   is the lower layer);
-* the modules no test file imports directly.
+* the modules no test file imports directly, and those no test reaches at all: not through
+  the modules a test file imports, their imports in turn, or a lazy table of theirs (a string
+  literal naming a module, as `tf_dpiter.dp_query`'s `__getattr__` table).
 
 `from p import x` is an edge to p.x when p.x is a module of the tree, else to p (a name
 defined in p). Parent packages are not counted as imported (`import a.b` is an edge to a.b
@@ -218,6 +220,48 @@ def test_imported_modules(root, modules):
   return seen
 
 
+def lazy_table_edges(root, files, names):
+  """{module: the package modules it names in a string literal} (lazy import tables).
+
+  Args:
+    root: the repository root.
+    files: the package's Python files.
+    names: the package's module names.
+  Returns:
+    a dict of module name -> set of module names (files under tests/ included: a test may
+    import the modules of a list by name).
+  """
+  out = {}
+  for path in files:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    this = module_name(root, path)
+    strings = {n.value for n in ast.walk(tree)
+               if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    # a package's __getattr__ table may name its children by their short names
+    children = {f"{this}.{v}" for v in strings} if path.name == "__init__.py" else set()
+    out[this] = (strings | children) & names
+  return out
+
+
+def reached_modules(edges, lazy, tested):
+  """The modules reached from `tested` over import edges and lazy-table names.
+
+  Args:
+    edges: {module: modules it imports} (import_graph).
+    lazy: {module: modules its string literals name} (lazy_table_edges).
+    tested: the modules test files import directly.
+  Returns:
+    a set of module names.
+  """
+  seen, stack = set(), list(tested)
+  while stack:
+    m = stack.pop()
+    if m not in seen:
+      seen.add(m)
+      stack += list(edges.get(m, ())) + list(lazy.get(m, ()))
+  return seen
+
+
 def measure(root):
   """All figures of the checkout at `root` (see the module docstring).
 
@@ -239,6 +283,10 @@ def measure(root):
   tested = test_imported_modules(root, edges)
   untested = sorted(m for m in edges if m not in tested
                     and not m.endswith("__main__"))
+  test_strings = lazy_table_edges(root, sorted((root / "tests").rglob("*.py")), set(edges))
+  seeds = tested.union(*test_strings.values())
+  reached = reached_modules(edges, lazy_table_edges(root, files, set(edges)), seeds)
+  unreached = sorted(m for m in edges if m not in reached and not m.endswith("__main__"))
   pairs = keras_two_way_pairs(edges, root)
   return {
       "root": str(root),
@@ -255,6 +303,8 @@ def measure(root):
       "ledger_to_dp_accounting": to_dpa,
       "modules_not_imported_by_tests": len(untested),
       "untested_modules": untested,
+      "modules_not_reached_by_tests": len(unreached),
+      "unreached_modules": unreached,
   }
 
 
@@ -297,6 +347,10 @@ def main(argv=None):
     print(f"  {e}")
   print(f"modules not imported by any test file: {m['modules_not_imported_by_tests']}")
   for u in m["untested_modules"]:
+    print(f"  {u}")
+  print(f"modules no test reaches (imports, transitively, and lazy tables): "
+        f"{m['modules_not_reached_by_tests']}")
+  for u in m["unreached_modules"]:
     print(f"  {u}")
   return 0
 

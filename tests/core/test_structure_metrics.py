@@ -45,6 +45,12 @@ def test_a_small_tree_gives_its_known_figures(tmp_path):
   assert m["ledger_to_accounting"] == ["tf_dpiter.ledger.rows -> tf_dpiter.accounting.events"]
   assert m["ledger_to_dp_accounting_imports"] == 1
   assert "tf_dpiter.a" not in m["untested_modules"] and "tf_dpiter.b" in m["untested_modules"]
+  # b is reached through a, accounting.events through ledger.rows; the keras modules and the
+  # empty package modules through nothing
+  assert m["unreached_modules"] == [
+      "tf_dpiter.accounting", "tf_dpiter.keras", "tf_dpiter.keras.model", "tf_dpiter.keras.model.m1",
+      "tf_dpiter.keras.model.m2", "tf_dpiter.keras.optimizer", "tf_dpiter.keras.optimizer.o1",
+      "tf_dpiter.keras.optimizer.o2", "tf_dpiter.ledger"]
   assert m["package_lines"] == sum(
       len(p.read_text().splitlines()) for p in (tmp_path / "tf_dpiter").rglob("*.py"))
 
@@ -54,3 +60,4 @@ def test_this_checkout_keeps_its_layering():
   assert m["ledger_to_accounting_imports"] == 0 and m["ledger_to_dp_accounting_imports"] == 0
   assert m["keras_two_way_pairs"] == 0, m["keras_pairs"]
   assert m["cycles"] == [], m["cycles"]   # none, function-level imports included
+  assert m["unreached_modules"] == [], m["unreached_modules"]   # every module some test reaches
