@@ -109,6 +109,9 @@ def gram_sqr_norm(a, b):
 def to_btk(x):
   """Reshapes [B, d1, ..., dm, K] to [B, T, K] with T = d1 * ... * dm.
 
+  A rank-3 input is returned as it is, and a reshape whose non-batch sizes are static takes
+  -1 for the batch (no shape ops in the graph).
+
   Args:
     x: [B, d1, ..., dm, K] tensor.
 
@@ -119,8 +122,12 @@ def to_btk(x):
   k = static_dim(x, -1)
   if x.shape.rank == 2:
     return x[:, None, :]
-  return tf.reshape(x, [tf.shape(x)[0], static_positions(x.shape[1:-1]),
-                        k if k is not None else tf.shape(x)[-1]])
+  if x.shape.rank == 3:
+    return x
+  t = static_positions(x.shape[1:-1])
+  if k is not None and t != -1:
+    return tf.reshape(x, [-1, t, k])
+  return tf.reshape(x, [tf.shape(x)[0], t, k if k is not None else tf.shape(x)[-1]])
 
 
 def static_positions(dims):
@@ -163,7 +170,26 @@ def sqr_sum(x):
     [B] float32.
   """
   x = tf.cast(x, tf.float32)
+  if x.shape.rank is not None:   # no reshape: a reduction over the static axes
+    return tf.reduce_sum(tf.square(x), axis=list(range(1, x.shape.rank)))
   return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+
+
+def add_norms(total, part):
+  """total + part for per-record squared norms, with None for "nothing yet" (no zeros tensor
+  in the graph for the first part).
+
+  Args:
+    total: [R] float32 or None.
+    part: [R] tensor or None.
+
+  Returns:
+    [R] float32 or None (when both are None).
+  """
+  if part is None:
+    return total
+  part = tf.cast(part, tf.float32)
+  return part if total is None else total + part
 
 
 def rows(f, like):
@@ -210,7 +236,7 @@ def drop_rows(t, factors):
     float32 tensor of t's shape.
   """
   t = tf.cast(t, tf.float32)
-  return tf.math.multiply_no_nan(t, rows(tf.cast(factors > 0, tf.float32), t))
+  return tf.math.multiply_no_nan(t, rows(tf.sign(factors), t))   # c >= 0: sign(c) is 0 or 1
 
 
 def factor_product(factors, g):
@@ -229,8 +255,12 @@ def factor_product(factors, g):
   Returns:
     float32 tensor of shape g.shape[1:].
   """
-  shape = g.shape[1:] if g.shape[1:].is_fully_defined() else tf.shape(g)[1:]
-  flat = tf.reshape(g, [tf.shape(g)[0], -1])
+  if g.shape[1:].is_fully_defined() and g.shape[1:].num_elements() > 0:
+    shape = g.shape[1:]   # static: no shape ops
+    flat = g if g.shape.rank == 2 else tf.reshape(g, [-1, shape.num_elements()])
+  else:
+    shape = tf.shape(g)[1:]
+    flat = tf.reshape(g, [tf.shape(g)[0], -1])
   two = tf.stack([factors, tf.zeros_like(factors)])
   return tf.reshape(tf.matmul(two, flat)[0], shape)
 

@@ -42,6 +42,7 @@ from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry
@@ -144,7 +145,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   the per-record gradients at hand ({id(unit): [g per variable] or a
   registry.PerExampleBlock}) and the sum functions of GhostSums and FactorSums results
   ({id(unit): sum_fn or the FactorSums})."""
-  sq = tf.zeros([num_records], tf.float32)
+  sq = None   # the first part is the running sum (no zeros tensor)
   per_example, normed, sum_fns = {}, set(), {}
   for u, start, n in ghost:
     rec = u.records[0]
@@ -165,7 +166,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
     elif isinstance(res, registry.FactorSums):
       sum_fns[id(u)] = res
       res = res.sqr_norms
-    sq += tf.cast(res, tf.float32)
+    sq = algebra.add_norms(sq, res)
   for u, rec, start, n in vect:
     g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
     with registry.examples_per_record(k):
@@ -178,7 +179,9 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
     if uid in normed:
       continue
     for g in gs:
-      sq += tf.reduce_sum(tf.reshape(tf.square(g), [num_records, -1]), axis=1)
+      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
+  if sq is None:
+    sq = tf.zeros([num_records], tf.float32)
   return sq, per_example, sum_fns
 
 

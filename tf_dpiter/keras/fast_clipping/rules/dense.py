@@ -147,16 +147,16 @@ def bias_and_parts(layer, z, parts_fn):
   bias_on = algebra.trainable(layer.bias)
 
   def sqr_norm_fn(dz):
-    sq, grads = algebra.zeros(dz), {}
+    sq, grads = None, {}
     for vid, (sq_v, g) in parts_fn(dz).items():
-      sq += sq_v
+      sq = algebra.add_norms(sq, sq_v)
       if g is not None:
         grads[vid] = g
     if bias_on:
       db = algebra.bias_grad(dz, layer.bias.shape)
-      sq += algebra.sqr_sum(db)
+      sq = algebra.add_norms(sq, algebra.sqr_sum(db))
       grads[id(layer.bias)] = db
-    return algebra.result(layer, sq, grads)
+    return algebra.result(layer, algebra.zeros(dz) if sq is None else sq, grads)
 
   return outputs, z, sqr_norm_fn
 

@@ -48,17 +48,17 @@ def layer_norm_norm_fn(layer, inputs):
 
   def sqr_norm_fn(dy):
     dy = tf.cast(dy, tf.float32)
-    sq = algebra.zeros(dy)
-    grads = {}
+    sq, grads = None, {}
     if algebra.trainable(gamma):
       g = dy * tf.cast(xhat, tf.float32)
       g = registry.record_sum(tf.reduce_sum(g, axis=red) if red else g)
-      sq += algebra.sqr_sum(g)
+      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
       grads[id(gamma)] = g
     if algebra.trainable(beta):
       g = registry.record_sum(tf.reduce_sum(dy, axis=red) if red else dy)
-      sq += algebra.sqr_sum(g)
+      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
       grads[id(beta)] = g
+    sq = algebra.zeros(dy) if sq is None else sq
     return algebra.result(layer, sq, grads) if keep else sq
 
   return outputs, y, sqr_norm_fn
