@@ -1,12 +1,16 @@
 """The convolution rule's forms (rules/conv.py, rules/conv_unfold.py): the folded patch Gram
-equals the Gram of the unfolded patches, the chunked depthwise per-example filter gradients
-equal per-example Conv2DBackpropFilter across chunk boundaries, and the cost model picks the
+equals the Gram of the unfolded patches, the depthwise per-example filter gradients equal
+per-example Conv2DBackpropFilter, the per-example forms over chunks of the batch and under the
+keep budget (the memory budget) give the per-record reference's norms and clipped sums (static
+and unknown batch, records, XLA, a non-finite record), and the cost model picks the
 measured-cheaper form for the tutorial CNN's two convolutions."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import conv
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
@@ -43,19 +47,113 @@ def test_patch_gram_not_for_dilated_or_nondividing_strides():
   assert not conv_unfold.foldable(x, (4, 4), (2, 2), (1, 1), None)
 
 
-@pytest.mark.parametrize("batch", [1, conv._DEPTHWISE_CHUNK + 3])
-def test_depthwise_chunks_equal_per_example_filter_gradients(batch):
-  """Two chunks, the second padded with zero examples: each row is its example's
-  Conv2DBackpropFilter."""
+def test_depthwise_chunk_equals_per_example_filter_gradients():
+  """One batch-as-channels depthwise filter gradient (cin > 1: dz repeated over cin): row i
+  of [kh kw, m, cin cout] is example i's Conv2DBackpropFilter."""
   rng = np.random.default_rng(1)
-  x = tf.constant(rng.normal(size=(batch, 10, 10, 2)), tf.float32)
-  dz = tf.constant(rng.normal(size=(batch, 5, 5, 3)), tf.float32)
-  got = conv._depthwise_filter_grads(x, dz, (4, 4), (2, 2), "same").numpy()
-  assert got.shape == (batch, 4, 4, 2, 3)
-  for i in range(batch):
+  x = tf.constant(rng.normal(size=(5, 10, 10, 2)), tf.float32)
+  dz = tf.constant(rng.normal(size=(5, 5, 5, 3)), tf.float32)
+  got = conv._depthwise_chunk(x, dz, (4, 4), (2, 2), "same").numpy()
+  assert got.shape == (16, 5, 6)
+  for i in range(5):
     want = tf.compat.v1.nn.conv2d_backprop_filter(
         x[i:i + 1], [4, 4, 2, 3], dz[i:i + 1], [1, 2, 2, 1], "SAME").numpy()
-    np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:, i, :].reshape(4, 4, 2, 3), want, rtol=1e-5, atol=1e-5)
+
+
+def _cnn(first_filters=4):
+  """A small CNN with the tutorial's geometry (a large strided first kernel, then a folded
+  one): conv 8x8/2 same, conv 4x4/2 valid, dense."""
+  keras.utils.set_random_seed(0)
+  L = keras.layers
+  return keras.Sequential([keras.Input((16, 16, 1)),
+                           L.Conv2D(first_filters, 8, strides=2, padding="same",
+                                    activation="relu"),
+                           L.Conv2D(3, 4, strides=2, activation="relu"),
+                           L.Flatten(), L.Dense(3)])
+
+
+def _xent(y, logits):
+  return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+
+
+# (form override or None for the cost model's, _CHUNK_BYTES, _KEEP_BYTES, unknown batch, XLA,
+# examples per record): one chunk or chunks of 8 examples (the last padded), per-example
+# gradients kept or the sum by book-keeping (the folded Gram: norms over chunks); under XLA the CPU-kernel forms fall back to the
+# unfolded patches, and the batch is static (XLA compiles one).
+BIG = 1 << 30
+CASES = [("depthwise", BIG, BIG, False, False, 1), ("depthwise", 1, BIG, True, False, 2),
+         ("depthwise", 1, 0, True, False, 1), ("depthwise", 1, 0, False, False, 2),
+         ("filter", 1, BIG, False, False, 1), ("filter", BIG, 0, True, False, 2),
+         ("direct", 1, BIG, True, False, 1), ("direct", 1, BIG, False, True, 2),
+         ("direct", BIG, 0, False, True, 1), ("depthwise", 1, BIG, False, True, 1),
+         ("foldgram", 1, BIG, True, False, 2), ("foldgram", 1, BIG, False, True, 1),
+         (None, None, None, True, False, 1), (None, 1, 0, False, True, 2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, clip_reference):
+  """The per-example forms over chunks and under the keep budget give the per-record
+  reference's norms and clipped sum, in a tf.function with a static or unknown batch and
+  under XLA."""
+  form, chunk_bytes, keep_bytes, dynamic_batch, jit, k = case
+  if chunk_bytes is not None:
+    monkeypatch.setattr(conv, "_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(conv, "_KEEP_BYTES", keep_bytes)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  model = _cnn()
+  rng = np.random.default_rng(2)
+  b = 18   # chunks of 8 examples: 3 chunks, the last with 6 padding examples
+  x = tf.constant(rng.normal(size=(b, 16, 16, 1)), tf.float32)
+  y = tf.constant(rng.integers(0, 3, b), tf.int32)
+  shape = [None if dynamic_batch else b]
+  spec = [tf.TensorSpec(shape + [16, 16, 1]), tf.TensorSpec(shape, tf.int32)]
+  fn = tf.function(lambda x, y: clipping.clipped_grad_sum(model, x, y, _xent, 0.5,
+                                                          examples_per_record=k),
+                   input_signature=spec, jit_compile=jit)
+  grads, norms = fn(x, y)
+  want, want_norms = clip_reference(model, x, y, _xent, 0.5, k=k)
+  np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4, atol=1e-6)
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept", "bookkeeping"])
+def test_non_finite_record_adds_nothing(keep_bytes, monkeypatch, clip_reference):
+  """A record whose gradient is not finite (an inf input) gets clip factor 0 and adds
+  exactly nothing, from the kept gradients and by book-keeping alike."""
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "depthwise")
+  monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+  monkeypatch.setattr(conv, "_KEEP_BYTES", keep_bytes)
+  model = _cnn()
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=(10, 16, 16, 1)).astype(np.float32)
+  y = rng.integers(0, 3, 10).astype(np.int32)
+  bad = x.copy()
+  bad[4, 3, 3, 0] = np.inf
+  grads, norms = tf.function(lambda x, y: clipping.clipped_grad_sum(
+      model, x, y, _xent, 0.5))(tf.constant(bad), tf.constant(y))
+  assert not np.isfinite(norms.numpy()[4])
+  keep = [i for i in range(10) if i != 4]
+  want, _ = clip_reference(model, tf.constant(x[keep]), tf.constant(y[keep]), _xent, 0.5)
+  for g, w in zip(grads, want):
+    assert np.all(np.isfinite(g.numpy()))
+    np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=2e-5)
+
+
+def test_chunk_size_from_the_budget(monkeypatch):
+  """The tutorial CNN's first convolution: depthwise chunks of _DEPTHWISE_CHUNK examples
+  under the default budget, fewer when the budget is small, whole records always."""
+  x, dz = tf.zeros([3, 28, 28, 1]), tf.zeros([3, 14, 14, 16])
+  form = conv._per_example_form("depthwise", x, dz, (8, 8), (2, 2), (1, 1), "same")
+  size = lambda k: conv._chunk_size(form.temp_bytes, form.cap, k)
+  assert size(1) == conv._DEPTHWISE_CHUNK
+  monkeypatch.setattr(conv, "_CHUNK_BYTES", 64 * form.temp_bytes)
+  assert size(1) == 64
+  assert size(3) == 63
+  monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+  assert size(1) == 8
+  assert size(16) == 16
 
 
 def _form(in_shape, ksize, strides, out_shape, k=1):

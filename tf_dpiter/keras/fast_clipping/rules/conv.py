@@ -12,15 +12,25 @@ convolution"):
       Bu et al. 2023, Sec. 3);
   "depthwise": when the output has more positions than a patch has entries, oneDNN is
       on (not under XLA) and few channels, the batch-as-channels depthwise filter
-      gradient (Rochette et al. 2019), at most _DEPTHWISE_CHUNK examples per call;
+      gradient (Rochette et al. 2019);
   "filter": such a layer whose per-example gradient is too large to keep:
       per-example Conv2DBackpropFilter;
   otherwise the unfolded patches: a kernel small enough to keep per example
-  (registry.keep_per_example) gets g_i as one block (registry.PerExampleBlock: its
-  norms and clipped sum need no second weight-gradient product), a larger one the
-  cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
+  (registry.keep_per_example) gets g_i = dz_i^T P_i by one batched matrix product, a larger
+  one the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
   book-keeping.
+
+Memory budget (issue 42): every per-example form ("depthwise", "filter", the unfolded
+g_i, and the folded Gram's norms) runs over chunks of the batch whose temporaries take at
+most _CHUNK_BYTES, one chunk at a time (`_over_chunks`; the whole batch in one call when it
+fits one chunk), so a convolution's extra memory does not grow with the batch. The
+per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
+no second filter gradient) only while the batch's take at most _KEEP_BYTES; beyond, the
+norms alone are kept and the clipped sum is one whole-batch filter gradient of c_i dz_i. With
+an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B).
 """
+
+from typing import Callable, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -43,6 +53,17 @@ _DEPTHWISE_CHUNK = 256
 # (tutorial CNN, B = 256: 4-6x; BENCHMARKS.md): the cost model's weight of per-example
 # work against the book-keeping sum.
 _PER_EXAMPLE_SLOWDOWN = 4
+# Memory budget of one convolution's per-example work (issue 42): the per-example
+# gradients are formed over chunks of examples whose temporaries (inputs regrouped, output
+# gradients, per-example gradients) take at most _CHUNK_BYTES, one chunk at a time, so that
+# the layer's extra memory does not grow with the batch; and they are kept for the clipped
+# sum (sum_i c_i g_i, which saves the whole-batch filter gradient) only while the batch's
+# gradients take at most _KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms
+# are kept and the clipped sum is one whole-batch filter gradient of the clip-weighted
+# output gradients (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution
+# (P = 1,024): kept up to B = 2,048, chunks of 256 examples.
+_CHUNK_BYTES = 8 << 20
+_KEEP_BYTES = 8 << 20
 
 
 def _conv_forward(layer, x, padding):
@@ -61,64 +82,43 @@ def _conv_accepts(layer):
           and getattr(layer, "groups", 1) == 1)
 
 
-def _depthwise_filter_grads(x4, dz4, kernel_size, strides, padding):
-  """Per-example filter gradients [B, kh, kw, cin, cout] by batch-as-channels depthwise
-  filter gradients (Rochette et al. 2019, Sec. 3), at most _DEPTHWISE_CHUNK examples per call.
-
-  The batch is split into n = ceil(B / _DEPTHWISE_CHUNK) chunks of m = ceil(B / n) examples
-  (padded with fewer than n zero examples, whose zero gradients are sliced off); a chunk is
-  one input [1, H, W, m cin] and one output gradient [1, H', W', m cin cout] (dz_i repeated
-  over cin).
+def _depthwise_chunk(x4, dz4, kernel_size, strides, padding):
+  """Per-example filter gradients of a chunk of m examples by one batch-as-channels
+  depthwise filter gradient (Rochette et al. 2019, Sec. 3): the input regrouped as
+  [1, H, W, m cin], the output gradient as [1, H', W', m cin cout] (dz_i repeated over cin).
 
   Args:
-    x4: [B, H, W, cin] float32 inputs.
-    dz4: [B, H', W', cout] float32 output gradients.
+    x4: [m, H, W, cin] float32 inputs.
+    dz4: [m, H', W', cout] float32 output gradients.
     kernel_size: (kh, kw).
     strides: (s, s), equal strides.
     padding: "same" or "valid".
 
   Returns:
-    [B, kh, kw, cin, cout] float32.
+    [kh kw, m, cin cout] float32: example i's gradient is [:, i, :] (in the kernel's order
+    once reshaped to [kh, kw, cin, cout]); left in this layout, which needs no transpose.
   """
   kh, kw = kernel_size
   cin, cout = int(x4.shape[-1]), int(dz4.shape[-1])
-  b = tf.shape(x4)[0]
-  n = tf.maximum((b + _DEPTHWISE_CHUNK - 1) // _DEPTHWISE_CHUNK, 1)
-  m = (b + n - 1) // n
+  m = tf.shape(x4)[0]
   h, w = (algebra.static_dim(x4, i) or tf.shape(x4)[i] for i in (1, 2))
   ho, wo = (algebra.static_dim(dz4, i) or tf.shape(dz4)[i] for i in (1, 2))
-  x4 = tf.pad(x4, [[0, n * m - b], [0, 0], [0, 0], [0, 0]])
-  dz4 = tf.pad(dz4, [[0, n * m - b], [0, 0], [0, 0], [0, 0]])
-  xt = tf.transpose(tf.reshape(x4, [n, m, h, w, cin]), [0, 2, 3, 1, 4])
-  xt = tf.reshape(xt, [n, 1, h, w, m * cin])
-  dt = tf.transpose(tf.reshape(dz4, [n, m, ho, wo, cout]), [0, 2, 3, 1, 4])
-  dt = tf.broadcast_to(dt[:, :, :, :, None, :], [n, ho, wo, m, cin, cout])
-  dt = tf.reshape(dt, [n, 1, ho, wo, m * cin * cout])
-  shape = tf.stack([kh, kw, m * cin, cout])
-
-  def chunk(pair):
-    return tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
-        pair[0], shape, pair[1], [1, strides[0], strides[1], 1], padding.upper())
-
-  g = tf.map_fn(chunk, (xt, dt), parallel_iterations=2,
-                fn_output_signature=tf.TensorSpec([kh, kw, None, cout], tf.float32))
-  g = tf.transpose(tf.reshape(g, [n, kh, kw, m, cin, cout]), [0, 3, 1, 2, 4, 5])
-  return tf.reshape(g, [n * m, kh, kw, cin, cout])[:b]
+  xt = tf.reshape(tf.transpose(x4, [1, 2, 0, 3]), [1, h, w, m * cin])
+  dt = tf.transpose(dz4, [1, 2, 0, 3])
+  if cin > 1:
+    dt = tf.broadcast_to(dt[:, :, :, None, :], [ho, wo, m, cin, cout])
+  dt = tf.reshape(dt, [1, ho, wo, m * cin * cout])
+  g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+      xt, tf.stack([kh, kw, m * cin, cout]), dt, [1, strides[0], strides[1], 1],
+      padding.upper())
+  return tf.reshape(g, [kh * kw, m, cin * cout])
 
 
-def _per_example_filter_grads(x4, dz4, kernel_size, strides, padding, form):
-  """Per-example filter gradients [B, kh, kw, cin, cout] (dilation 1), float32.
-
-  form "depthwise": _depthwise_filter_grads; form "filter":
-  Conv2DBackpropFilter per example (tf.vectorized_map). Which of the two is
-  faster depends on the CPU kernels (oneDNN or not, BENCHMARKS.md).
-  """
+def _filter_chunk(x4, dz4, kernel_size, strides, padding):
+  """Per-example filter gradients of a chunk by Conv2DBackpropFilter per example
+  (tf.vectorized_map): [1, m, kh kw cin cout] float32, each row in the kernel's order."""
   kh, kw = kernel_size
   cin, cout = int(x4.shape[-1]), int(dz4.shape[-1])
-  x4 = tf.cast(x4, tf.float32)
-  dz4 = tf.cast(dz4, tf.float32)
-  if form == "depthwise" and strides[0] == strides[1]:  # TF's CPU kernel
-    return _depthwise_filter_grads(x4, dz4, kernel_size, strides, padding)
 
   def one(pair):
     xi, di = pair
@@ -126,7 +126,210 @@ def _per_example_filter_grads(x4, dz4, kernel_size, strides, padding, form):
         xi[None], [kh, kw, cin, cout], di[None], [1, strides[0], strides[1], 1],
         padding.upper())
 
-  return tf.vectorized_map(one, (x4, dz4))
+  g = tf.vectorized_map(one, (x4, dz4))
+  return tf.reshape(g, [1, tf.shape(x4)[0], kh * kw * cin * cout])
+
+
+def _unfold_chunk(x4, dz4, kernel_size, strides, dilation, padding):
+  """Per-example filter gradients of a chunk from the unfolded input, dz_i^T P_i (the order
+  of the batched matrix product that needs no transpose of the patches):
+  ([1, m, cout K] float32 in conv_unfold's patch order, its conv_unfold.Layout)."""
+  p, layout = conv_unfold.patches(x4, kernel_size, strides, dilation, padding,
+                                  tuple(dz4.shape[1:3]))
+  g = tf.linalg.matmul(algebra.to_btk(dz4), p, transpose_a=True)
+  return tf.reshape(g, [1, tf.shape(g)[0], -1]), layout
+
+
+class _Form(NamedTuple):
+  """A per-example form of a convolution: chunk_fn(x4 [m, ...], dz4 [m, ...]) -> g
+  [rows, m, cols] float32 (example i's gradient is g[:, i, :]); temp_bytes: its temporaries
+  per example; cap: at most this many examples per chunk; to_kernel: a sum of g over the
+  examples [rows, cols] -> [kh, kw, cin, cout]."""
+  chunk_fn: Callable
+  rows: int
+  cols: int
+  temp_bytes: int
+  cap: int
+  to_kernel: Callable
+
+
+def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
+  """The _Form of `form` ("depthwise", "filter", or else the unfolded patches) for this
+  layer's shapes (static spatial sizes and channels)."""
+  kh, kw = ksize
+  cin, cout = int(x4.shape[-1]), int(dz4.shape[-1])
+  size = lambda t: int(np.prod([d for d in t.shape[1:] if d is not None]))
+  p = kh * kw * cin * cout
+  kernel = lambda g: tf.reshape(g, [kh, kw, cin, cout])
+  if form == "depthwise" and stride[0] == stride[1]:
+    return _Form(lambda x, d: _depthwise_chunk(x, d, ksize, stride, padding), kh * kw,
+                 cin * cout, 4 * (size(x4) + size(dz4) * cin + 2 * p), _DEPTHWISE_CHUNK, kernel)
+  if form in ("depthwise", "filter"):
+    return _Form(lambda x, d: _filter_chunk(x, d, ksize, stride, padding), 1, p,
+                 4 * (size(x4) + size(dz4) + 2 * p), 1 << 30, kernel)
+  t = size(dz4) // cout
+  layout = (conv_unfold.Layout(kh // stride[0], kw // stride[1], stride[0], stride[1], cin)
+            if conv_unfold.foldable(x4, ksize, stride, dilation, tuple(dz4.shape[1:3])) else
+            conv_unfold.Layout(kh, kw, 1, 1, cin))
+  return _Form(lambda x, d: _unfold_chunk(x, d, ksize, stride, dilation, padding)[0], 1, p,
+               4 * (t * kh * kw * cin + size(dz4) + 2 * p), 1 << 30,
+               lambda g: conv_unfold.to_kernel(g, layout, ksize, cout))
+
+
+def _chunk_size(temp_bytes, cap, k):
+  """Examples per chunk: the largest power of two whose temporaries (temp_bytes per example)
+  fit _CHUNK_BYTES (at least 8, at most cap), rounded down to whole records of k (a Python
+  int) examples."""
+  m = 8
+  while m * 2 <= cap and m * 2 * temp_bytes <= _CHUNK_BYTES:
+    m *= 2
+  return max(k, m // k * k)
+
+
+def _record_sqr_norms(g, k):
+  """[A, m, P] per-example gradients -> [m / k] squared norms of the records' sums."""
+  if not (isinstance(k, int) and k == 1):
+    g = tf.reduce_sum(tf.reshape(g, [g.shape[0], -1, k, g.shape[2]]), axis=2)
+  return tf.reduce_sum(tf.square(g), axis=[0, 2])
+
+
+def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
+  """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m', c]) over
+  the batch: on the whole batch when it fits one chunk of m examples (or m is None), else one
+  chunk at a time (tf.map_fn, one iteration alive at once, the last chunk padded with zero
+  examples whose rows are cut from sq).
+
+  Args:
+    body: the per-chunk function.
+    x4: [B, H, W, cin] float32 inputs.
+    dz4: [B, ho, wo, cout] float32 output gradients.
+    m: examples per chunk (a multiple of k), or None for one call on the batch.
+    k: examples per record (a Python int, or a tensor when m is None).
+    extra_specs: tf.TensorSpec of each extra output of one chunk.
+
+  Returns:
+    (sq [B / k], *extras [n, a, m, c]) (n = 1 and m = B for one call on the batch).
+  """
+  b = tf.shape(x4)[0]
+
+  def one_shot():
+    out = body(x4, dz4)
+    return (out[0],) + tuple(e[None] for e in out[1:])
+
+  if m is None:
+    return one_shot()
+
+  def chunked():
+    n = (b + m - 1) // m
+    split = lambda t: tf.reshape(tf.pad(t, [[0, n * m - b], [0, 0], [0, 0], [0, 0]]),
+                                 tf.concat([[n, m], tf.shape(t)[1:]], 0))
+    xs, ds = split(x4), split(dz4)
+    xs.set_shape([None, m] + x4.shape[1:].as_list())
+    ds.set_shape([None, m] + dz4.shape[1:].as_list())
+    out = tf.map_fn(lambda pair: tuple(body(pair[0], pair[1])), (xs, ds),
+                    parallel_iterations=1,
+                    fn_output_signature=(tf.TensorSpec([m // k], tf.float32),) +
+                    tuple(extra_specs))
+    return (tf.reshape(out[0], [-1])[:b // k],) + tuple(out[1:])
+
+  static_b = x4.shape[0]
+  if static_b is not None:
+    return one_shot() if static_b <= m else chunked()
+  return tf.cond(b <= m, one_shot, chunked)
+
+
+def _per_example_pass(form, x4, dz4, k, with_grads):
+  """The per-record squared kernel-gradient norms [B / k], and with_grads the per-example
+  gradients [n, A, m, P] (n chunks of m examples, the last padded with zero examples), formed
+  one chunk at a time (_chunk_size) unless the batch fits one chunk (or k is a tensor)."""
+  x4 = tf.cast(x4, tf.float32)
+  dz4 = tf.cast(dz4, tf.float32)
+  m = _chunk_size(form.temp_bytes, form.cap, k) if isinstance(k, int) else None
+
+  def body(x, d):
+    g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
+    return (_record_sqr_norms(g, k), g) if with_grads else (_record_sqr_norms(g, k),)
+
+  specs = (tf.TensorSpec([form.rows, m, form.cols], tf.float32),) if with_grads else ()
+  out = _over_chunks(body, x4, dz4, m, k, specs)
+  return out if with_grads else out[0]
+
+
+def _factor_rows(factors, g):
+  """sum_i c_i g_i of per-example gradients g [n, A, m, P] (factors [B], padded with zeros
+  to n m), a row with c_i = 0 adding exactly nothing even where it is not finite:
+  [A, P] float32."""
+  n, m = tf.shape(g)[0], tf.shape(g)[2]
+  c = tf.reshape(tf.pad(factors, [[0, n * m - tf.shape(factors)[0]]]), [n, 1, 1, m])
+  g = tf.math.multiply_no_nan(g, tf.cast(c > 0, tf.float32)[:, :, 0, :, None])
+  return tf.reduce_sum(tf.linalg.matmul(tf.broadcast_to(c, [n, tf.shape(g)[1], 1, m]), g),
+                       axis=0)[:, 0, :]
+
+
+def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, padding):
+  """sum_i c_i g_i of the kernel as one whole-batch filter gradient of the clip-weighted
+  output gradients (the gradient TensorFlow takes of the convolution itself): rows with c_i = 0
+  of the input and the output gradient set to exactly 0 first. [kh, kw, cin, cout] float32."""
+  kh, kw = ksize
+  cin, cout = int(x4.shape[-1]), int(dz4.shape[-1])
+  rows = lambda f, t: tf.reshape(f, [-1, 1, 1, 1])
+  x4 = tf.cast(x4, tf.float32)
+  dz4 = tf.cast(dz4, tf.float32)
+  x4 = tf.math.multiply_no_nan(x4, rows(tf.cast(factors > 0, tf.float32), x4))
+  dz4 = tf.math.multiply_no_nan(dz4, rows(factors, dz4))
+  kernel = tf.zeros([kh, kw, cin, cout], tf.float32)
+  with tf.GradientTape() as tape:
+    tape.watch(kernel)
+    z = tf.nn.conv2d(x4, kernel, [1, stride[0], stride[1], 1], padding.upper(),
+                     dilations=[1, dilation[0], dilation[1], 1])
+  return tape.gradient(z, kernel, output_gradients=dz4)
+
+
+def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padding, bias_on):
+  """registry.FactorSums of a convolution whose per-example kernel gradients are formed
+  (forms "depthwise", "filter" or the unfolded patches), within the memory budget
+  (_CHUNK_BYTES, _KEEP_BYTES): the norms of the records, and the clipped sum from the kept
+  gradients or by book-keeping."""
+  k = registry.current_examples_per_record()
+  form = _per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
+  p = int(np.prod(layer.kernel.shape))
+  b = tf.shape(dz4)[0]
+  static_b = dz4.shape[0]
+  if not registry.keep_per_example(p):
+    keep = False
+  elif static_b is not None:
+    keep = static_b * p * 4 <= _KEEP_BYTES
+  else:
+    keep = b * p * 4 <= _KEEP_BYTES
+  db_e = tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]) if bias_on else None
+  if isinstance(keep, bool):
+    sq, g = (_per_example_pass(form, x4, dz4, k, True) if keep else
+             (_per_example_pass(form, x4, dz4, k, False), None))
+  else:
+    sq, g = tf.cond(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
+                    lambda: (_per_example_pass(form, x4, dz4, k, False),
+                             tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
+  if bias_on:
+    sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
+
+  def sum_fn(example_factors, all_finite=None):
+    del all_finite   # rows with c = 0 are dropped exactly (multiply_no_nan), no branch
+    factors = tf.cast(example_factors, tf.float32)
+    from_g = lambda: form.to_kernel(_factor_rows(factors, g))
+    by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
+                                                     dilation, padding)
+    if isinstance(keep, bool):
+      kernel = from_g() if keep else by_bookkeeping()
+    else:
+      kernel = tf.cond(keep, from_g, by_bookkeeping)
+    sums = [tf.reshape(kernel, layer.kernel.shape)]
+    if bias_on:
+      db = tf.math.multiply_no_nan(db_e, tf.cast(factors > 0, tf.float32)[:, None])
+      sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
+    return sums
+
+  sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
+  return registry.FactorSums(sq, sum_fn)
 
 
 def _fold_gram_applies(x4, dz4, ksize, stride, dilation):
@@ -206,18 +409,16 @@ def _choose_form(dz4, x4, ksize, stride, dilation, keep):
   return None if keep or routing.in_xla_context() else "filter"
 
 
-def _unpacker(layer, layout, ksize, with_bias):
-  """Row sums of [kernel block(, bias block)] -> [kernel(, bias)]; layout None: the
-  kernel block is in the kernel's order, else a conv_unfold block in `layout`."""
-  cout = layer.filters
-
-  def unpack(sums):
-    kernel = sums[0]
-    if layout is not None:
-      kernel = conv_unfold.to_kernel(kernel, layout, ksize, cout)
-    return [tf.reshape(kernel, layer.kernel.shape)] + list(sums[1:])
-
-  return unpack
+def _fold_gram_temp_bytes(x4, dz4, ksize, stride):
+  """Bytes of the folded patch Gram's temporaries per example: the folded input, the Gram of
+  the U folded pixels (and its reshape), the qh qw windows and their sum, the output gradients'
+  Gram and the product (float32)."""
+  (kh, kw), (sh, sw), (ho, wo) = ksize, stride, tuple(dz4.shape[1:3])
+  qh, qw = kh // sh, kw // sw
+  u = (ho + qh - 1) * (wo + qw - 1)
+  t = ho * wo
+  return 4 * (u * sh * sw * int(x4.shape[-1]) + 2 * u * u + (qh * qw + 3) * t * t +
+              t * int(dz4.shape[-1]))
 
 
 def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
@@ -259,25 +460,18 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
       return algebra.result(layer, algebra.sqr_sum(db), {id(layer.bias): db})
     form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
-      sq = _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding)
+      k = registry.current_examples_per_record()
+      m = _chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), 1 << 30, k)
+      sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding),),
+                        x4, dz4, m, k)[0]
       return sq + algebra.sqr_sum(db) if bias_on else sq
-    if form in ("filter", "depthwise") and not dilated:
-      g = registry.record_sum(_per_example_filter_grads(
-          x4, dz4, ksize, stride, padding, form))
-      layout = None
-      blk = tf.reshape(g, [tf.shape(g)[0], -1])
-    else:
-      p, layout = conv_unfold.patches(x4, ksize, stride, dilation, padding,
-                                      tuple(dz4.shape[1:3]))
-      if not keep or form in ("gram", "foldgram"):
-        sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
-        return sq + algebra.sqr_sum(db) if bias_on else sq
-      blk = conv_unfold.block(p, algebra.to_btk(dz4))
-    blocks = [blk] if db is None else [blk, db]
-    sq = tf.add_n([algebra.sqr_sum(b) for b in blocks])
-    if not keep:
-      return sq
-    return registry.PerExampleBlock(sq, blocks, _unpacker(layer, layout, ksize, bias_on))
+    if (form in ("filter", "depthwise") and not dilated) or (
+        keep and form not in ("gram", "foldgram")):
+      return _per_example_result(layer, None if dilated else form, x4, dz4, ksize, stride,
+                                 dilation, padding, bias_on)
+    p, _ = conv_unfold.patches(x4, ksize, stride, dilation, padding, tuple(dz4.shape[1:3]))
+    sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
+    return sq + algebra.sqr_sum(db) if bias_on else sq
 
   return sqr_norm_fn
 
