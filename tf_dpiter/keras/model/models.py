@@ -271,10 +271,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
+    self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
     try:
       history = super().fit(**a)
     finally:
       self._dp_in_fit = False
+      self._dp_fit_verbose = 0
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
 

@@ -15,6 +15,8 @@ mechanisms (correlated noise, secure_mode, a custom query) and multi-replica str
 draw their noise right after the program.
 """
 
+import time
+
 import keras
 import tensorflow as tf
 
@@ -30,6 +32,26 @@ from tf_dpiter.keras.optimizer import routing
 
 def _unpack(data):
   return keras.utils.unpack_x_y_sample_weight(data)
+
+
+# A first step (tracing, graph optimization, first run) longer than this many seconds is
+# reported in the fit log, with how long tracing the train step took.
+SLOW_FIRST_STEP_SECONDS = 10.0
+
+
+def _first_step_line(model, seconds):
+  """The fit log's line about a slow first step (None when it was not slow)."""
+  if seconds <= SLOW_FIRST_STEP_SECONDS:
+    return None
+  traced = getattr(model, "_dp_trace_seconds", None)
+  path = {"fast": "ghost norms", "vectorized": "vectorized per-example gradients"}.get(
+      getattr(model, "_dp_traced_clipping", None), "per-example gradients")
+  parts = (f"tracing {traced:.1f} s, graph optimization or XLA compilation and first run "
+           f"{seconds - traced:.1f} s" if traced is not None and traced <= seconds else
+           "tracing, graph optimization or XLA compilation and first run")
+  return (f"tf_dpiter: the first private step took {seconds:.1f} s ({parts}) to build the "
+          f"train step (clipped sum by {path}, noise, ledger write, update); later steps and "
+          "later fit calls on this model reuse it")
 
 
 def _flat_records(t):
@@ -70,12 +92,21 @@ class TrainStepMixin:
       self._dp_core_fn = self._dp_clipped_sum_step
       super().make_train_function(force=True)
     inner = self.train_function
+    first = [True]
 
     def guarded(iterator):
       # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
       if self.private_steps_halted:
         raise StopIteration
-      return inner(iterator)
+      if not first[0]:
+        return inner(iterator)
+      start = time.perf_counter()
+      logs = inner(iterator)
+      first[0] = False
+      line = _first_step_line(self, time.perf_counter() - start)
+      if line is not None and getattr(self, "_dp_fit_verbose", 0) not in (0, None):
+        print(line)   # the fit log (as the sampling line)
+      return logs
 
     self.train_function = guarded
     return self.train_function
@@ -146,7 +177,8 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    if step.resolve_clipping(self, input_specs=x) == "fast":
+    self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
+    if self._dp_traced_clipping == "fast":
       state, loss_sum, records_out = self._dp_fast_sum(step, recs, em, rmask, k, variables)
     else:
       state, loss_sum, records_out = self._dp_vectorized_sum(step, recs, em, rmask, k,
@@ -254,6 +286,7 @@ class TrainStepMixin:
     Returns:
       the metrics' logs.
     """
+    traced_from = time.perf_counter()   # runs when the step is traced
     opt = self._dp_optimizer()
     step = opt.private_step
     x, y, sample_weight = _unpack(data)
@@ -281,4 +314,5 @@ class TrainStepMixin:
     if routing.loss_scale(self) != 1.0:
       logs = dict(logs)
       logs["dp_overflowed_records"] = step.overflow_counter
+    self._dp_trace_seconds = time.perf_counter() - traced_from
     return logs
