@@ -50,25 +50,29 @@ def _one_step(model, x, y, w, dynamic):
     ("fast", None, False, (16, 8)), ("vectorized", None, False, (16, 8)),
     ("fast", 16, False, (16, 16, 16)), ("fast", None, True, (16, 8)),
     ("vectorized", None, True, (16, 8))])
-@pytest.mark.parametrize("real", [5, 21, 47])   # 5: no tail chunk runs; 21: one; 47: all four
-def test_padded_poisson_step_under_xla_is_exact(clipping, physical, dynamic, layout, real,
+def test_padded_poisson_step_under_xla_is_exact(clipping, physical, dynamic, layout,
                                                  monkeypatch):
+  """One model per layout takes three padded samples in a row (one trace): 5 real rows (no
+  tail chunk runs), 21 (one) and 47 (all four); each step is checked against the reference
+  at the weights it started from."""
   layouts = []
   layout_fn = chunking.chunk_layout
   monkeypatch.setattr(chunking, "chunk_layout", lambda *a, **k: layouts.append(
       layout_fn(*a, **k)) or layouts[-1])
-  rng = np.random.RandomState(real)
-  x = np.zeros((M, 6), "float32")
-  y = np.zeros(M, "int64")
-  x[:real], y[:real] = rng.randn(real, 6), rng.randint(0, 3, real)
-  w = np.zeros(M, "float32")
-  w[:real] = 1.0
   model = _model(clipping, physical)
-  ref = helpers.reference_gradient(model, LOSS, x[:real], y[:real], clip=CLIP)
-  got = _one_step(model, x, y, w, dynamic)
-  for g, r in zip(got, ref):   # reference: the mean over the real rows; update: sum / E
-    np.testing.assert_allclose(g, r * real / E, rtol=2e-4, atol=2e-6)
-  assert int(model.optimizer.ledger.sample_count.numpy()) == 1
+  reals = (5, 21, 47)
+  for real in reals:
+    rng = np.random.RandomState(real)
+    x = np.zeros((M, 6), "float32")
+    y = np.zeros(M, "int64")
+    x[:real], y[:real] = rng.randn(real, 6), rng.randint(0, 3, real)
+    w = np.zeros(M, "float32")
+    w[:real] = 1.0
+    ref = helpers.reference_gradient(model, LOSS, x[:real], y[:real], clip=CLIP)
+    got = _one_step(model, x, y, w, dynamic)
+    for g, r in zip(got, ref):   # reference: the mean over the real rows; update: sum / E
+      np.testing.assert_allclose(g, r * real / E, rtol=2e-4, atol=2e-6, err_msg=str(real))
+  assert int(model.optimizer.ledger.sample_count.numpy()) == len(reals)
   assert [tuple(t) for t in layouts] == [layout]   # traced once, with the skippable tail
 
 

@@ -108,23 +108,37 @@ def _rollback_updates(path, model, x, y, tmp_path):
   return first, kernel.numpy() - start, 3
 
 
-@pytest.mark.parametrize("compiled_draw", [True, False])
-@pytest.mark.parametrize("path", ["backup_and_restore", "checkpoint", "load_weights",
-                                  "iterations_assign"])
-def test_a_rollback_draws_fresh_noise_and_stays_charged(path, compiled_draw, tmp_path):
-  model, opt = _model(compiled_draw)
-  x, y = _data()
-  if path == "backup_and_restore":
-    first, second, released = _retry_updates(model, x, y, tmp_path)
-  else:
-    first, second, released = _rollback_updates(path, model, x, y, tmp_path)
+def _assert_fresh_and_charged(model, opt, compiled_draw, path, first, second, released):
   assert model._dp_noise_inside == compiled_draw   # pylint: disable=protected-access
   corr = _corr(first.ravel(), second.ravel())
   assert abs(corr) < 0.1, (path, compiled_draw, corr)
   # every released update is charged: the ledger holds them all, epsilon as by hand
-  assert int(opt.ledger.sample_count.numpy()) == released
+  assert int(opt.ledger.sample_count.numpy()) == released, path
   eps = dp.accounting.epsilon(opt.ledger, DELTA, accountant="rdp")
   assert eps == pytest.approx(_hand_epsilon(released), rel=1e-6)
+
+
+@pytest.mark.parametrize("compiled_draw", [True, False])
+def test_a_retry_with_backup_and_restore_draws_fresh_noise_and_stays_charged(compiled_draw,
+                                                                              tmp_path):
+  model, opt = _model(compiled_draw)
+  x, y = _data()
+  first, second, released = _retry_updates(model, x, y, tmp_path)
+  _assert_fresh_and_charged(model, opt, compiled_draw, "backup_and_restore", first, second,
+                            released)
+
+
+@pytest.mark.parametrize("compiled_draw", [True, False])
+def test_a_rollback_draws_fresh_noise_and_stays_charged(compiled_draw, tmp_path):
+  """The three rollbacks in turn on one model (one compiled program): each one's retaken
+  step is independent of the step it replaces, and the ledger charges all steps so far."""
+  model, opt = _model(compiled_draw)
+  x, y = _data()
+  released = 0
+  for path in ("checkpoint", "load_weights", "iterations_assign"):
+    first, second, count = _rollback_updates(path, model, x, y, tmp_path)
+    released += count
+    _assert_fresh_and_charged(model, opt, compiled_draw, path, first, second, released)
 
 
 def _band_mf_model(seed=None, bands=2):
