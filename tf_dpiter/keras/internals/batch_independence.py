@@ -370,16 +370,25 @@ def mixes_in_training_mode(model, x):
   x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 1) for t in flat])
   compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
   atol = 1e-2 if compute in ("float16", "bfloat16") else 1e-6
-  state = [v.numpy() for v in model.non_trainable_variables]
+  variables = model.non_trainable_variables
+  # Reads share the variables' buffers (no copy: a frozen backbone's weights, e.g. LoRA's
+  # 110M, are non-trainable too; a numpy copy of them took 420 MB of peak memory), and a
+  # variable the run assigns gets a new buffer, so `state` keeps the old values. Only the
+  # variables the run changed are assigned back.
+  state = [tf.convert_to_tensor(v) for v in variables]
+
+  def restore():
+    for v, value in zip(variables, state):
+      if not bool(tf.reduce_all(tf.equal(tf.convert_to_tensor(v), value))):
+        v.assign(value)
+
   outs = []
   try:
     for batch in (x, x2):
-      for v, value in zip(model.non_trainable_variables, state):
-        v.assign(value)
+      restore()
       outs.append(tf.nest.flatten(model(batch, training=True)))
   finally:
-    for v, value in zip(model.non_trainable_variables, state):
-      v.assign(value)
+    restore()
   return any(_rows_moved(np.asarray(a), np.asarray(b), n, atol) for a, b in zip(*outs))
 
 
