@@ -46,8 +46,12 @@ from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 _MAX_DEPTHWISE_ENTRIES = 1 << 16
 # At most this many examples per depthwise filter-gradient call: oneDNN's kernel slows down
 # per example with the channel count (B cout channels); at B = 1024 the tutorial CNN's first
-# convolution took 47-86 ms in one call and 10-14 ms in chunks of 64 to 256 (BENCHMARKS.md).
-_DEPTHWISE_CHUNK = 256
+# convolution took 47-86 ms in one call and 10-14 ms in chunks of 64 to 256 (BENCHMARKS.md),
+# and oneDNN's own scratch memory (outside TensorFlow's allocator) grows with the chunk: the
+# per-example pass of that convolution at B = 1024 raised the peak RSS by 62 MiB in chunks of
+# 256, 40 in chunks of 128, 36 in chunks of 64, for 13.7, 13.2 and 14.2 ms of CPU time
+# (2026-11-28, 2-core machine under load 7).
+_DEPTHWISE_CHUNK = 128
 # A per-example product (batched matrix product or depthwise filter gradient) costs about
 # this many times a whole-batch convolution filter gradient per multiply-add on CPU
 # (tutorial CNN, B = 256: 4-6x; BENCHMARKS.md): the cost model's weight of per-example
@@ -61,7 +65,7 @@ _PER_EXAMPLE_SLOWDOWN = 4
 # gradients take at most _KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms
 # are kept and the clipped sum is one whole-batch filter gradient of the clip-weighted
 # output gradients (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution
-# (P = 1,024): kept up to B = 2,048, chunks of 256 examples.
+# (P = 1,024): kept up to B = 2,048, chunks of 128 examples.
 _CHUNK_BYTES = 8 << 20
 _KEEP_BYTES = 8 << 20
 
@@ -219,20 +223,31 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   if m is None:
     return one_shot()
 
+  static_b = x4.shape[0]
+  pad = lambda t, rows: tf.pad(t, [[0, rows], [0, 0], [0, 0], [0, 0]])
+  specs = (tf.TensorSpec([m // k], tf.float32),) + tuple(extra_specs)
+
   def chunked():
     n = (b + m - 1) // m
-    split = lambda t: tf.reshape(tf.pad(t, [[0, n * m - b], [0, 0], [0, 0], [0, 0]]),
-                                 tf.concat([[n, m], tf.shape(t)[1:]], 0))
-    xs, ds = split(x4), split(dz4)
-    xs.set_shape([None, m] + x4.shape[1:].as_list())
-    ds.set_shape([None, m] + dz4.shape[1:].as_list())
-    out = tf.map_fn(lambda pair: tuple(body(pair[0], pair[1])), (xs, ds),
-                    parallel_iterations=1,
-                    fn_output_signature=(tf.TensorSpec([m // k], tf.float32),) +
-                    tuple(extra_specs))
-    return (tf.reshape(out[0], [-1])[:b // k],) + tuple(out[1:])
+    if static_b is not None:   # XLA: static slices of the padded batch
+      split = lambda t: tf.reshape(pad(t, n * m - b), [n, m] + t.shape[1:].as_list())
+      return_rows = tf.map_fn(lambda pair: tuple(body(pair[0], pair[1])),
+                              (split(x4), split(dz4)), parallel_iterations=1,
+                              fn_output_signature=specs)
+    else:   # each chunk sliced from the batch and padded alone: no copy of the batch
 
-  static_b = x4.shape[0]
+      def one(i):
+        xc, dc = x4[i * m:(i + 1) * m], dz4[i * m:(i + 1) * m]
+        rows = m - tf.shape(xc)[0]
+        xc, dc = pad(xc, rows), pad(dc, rows)
+        xc.set_shape([m] + x4.shape[1:].as_list())
+        dc.set_shape([m] + dz4.shape[1:].as_list())
+        return tuple(body(xc, dc))
+
+      return_rows = tf.map_fn(one, tf.range(n), parallel_iterations=1,
+                              fn_output_signature=specs)
+    return (tf.reshape(return_rows[0], [-1])[:b // k],) + tuple(return_rows[1:])
+
   if static_b is not None:
     return one_shot() if static_b <= m else chunked()
   return tf.cond(b <= m, one_shot, chunked)
