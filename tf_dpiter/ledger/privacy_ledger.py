@@ -47,8 +47,6 @@ def _event_row(event, factor, policy, sample_size):
   """(kind, clip, noise, sensitivity) of one privacy event, as float64 tensors, and the
   in-graph checks the row needs (see `_correlated_row`)."""
   f = _f64
-  if correlated_events.is_correlated_event(event):
-    return _correlated_row(event, factor, policy, sample_size)
   if isinstance(event, events_lib.GaussianSumEvent):
     clip = f(event.l2_norm_clip)
     return [f(rec.GAUSSIAN), clip, f(event.stddev), factor * clip], []
@@ -57,6 +55,8 @@ def _event_row(event, factor, policy, sample_size):
     return [f(rec.LAPLACE), clip, f(event.scale), factor * clip], []
   if isinstance(event, events_lib.NonPrivateEvent):
     return [f(rec.NON_PRIVATE), f(0.0), f(0.0), f(0.0)], []
+  if correlated_events.is_correlated_event(event):   # independent classes: checked last
+    return _correlated_row(event, factor, policy, sample_size)
   raise PrivacyConfigError(f"events must be GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent, "
                            f"BandedGaussianEvent, TreeGaussianEvent or MatrixGaussianEvent, got {event!r}")
 
@@ -374,16 +374,16 @@ class PrivacyLedger(tf.Module):
       tf.errors.InvalidArgumentError: (when run) a tensor sample_size below the least the
         correlated-noise event needs.
     """
-    code = policy_code(policy)
+    sampling = policies.get(policy)   # its code, relation and cycle rule, read once
     rec.check_examples_per_record(policy, examples_per_record)
-    factor = _sensitivity_factor(relation_for_policy(policy), examples_per_record)
+    factor = _sensitivity_factor(sampling.relation, examples_per_record)
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]
+    srow = [population_size, selection_probability, sample_size, sampling.code,
+            examples_per_record]
     with tf.control_dependencies(checks + self._reconcile_ops()):
-      new_count = [self._append(b, events_rows=rows, cyclic=policy in _cyclic_names(),
-                                srow=[population_size, selection_probability, sample_size, code,
-                                      examples_per_record])
+      new_count = [self._append(b, events_rows=rows, cyclic=sampling.advances_cycle, srow=srow)
                    for b in (self._mirror, self._v)]
     return new_count[1]
 

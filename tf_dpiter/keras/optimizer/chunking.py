@@ -127,8 +127,8 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   the same: the layout only decides which padding is not computed.
 
   Args:
-    step: the PrivateStep (max_physical_batch_size, the declared sampling; its
-      `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
+    step: the PrivateStep (its flags' max_physical_batch_size, the declared sampling; its
+      flags' `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
     examples_per_record: k.
     num_records_static: M if static, else None (under XLA the compiled program still sees
       the batch's size).
@@ -137,10 +137,11 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   Returns:
     None, an int (equal chunks), a TailChunks or a PaddedTail.
   """
-  per_chunk = records_per_chunk(step.max_physical_batch_size, examples_per_record,
+  flags = step.flags
+  per_chunk = records_per_chunk(flags.max_physical_batch_size, examples_per_record,
                                 num_records_static)
   query = step.query
-  if (query is None or not step.skip_padding_tail or not isinstance(examples_per_record, int)
+  if (query is None or not flags.skip_padding_tail or not isinstance(examples_per_record, int)
       or not routing.in_xla_context()
       or not ledger_policies.get(query.policy).expected_size_denominator):
     return per_chunk

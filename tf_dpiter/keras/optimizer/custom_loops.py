@@ -162,8 +162,8 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
   grads, finite = chunking.unscale_records(grads, scale)
   deps = step.count_overflowed(finite, rmask)
-  query = step.require_query()
-  params = step.sample_params()
+  params = step.sample_params()   # raises while the sampling is undeclared
+  query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
   with tf.control_dependencies(deps):
     state = clipped_sum.accumulate(query, params, state, grads, rmask)

@@ -45,33 +45,6 @@ def count_overflowed(counter, finite, record_mask):
     return [tf.cond(count > 0, warn, lambda: tf.constant(False))]
 
 
-def noised_across_replicas(sample_state, num_records, noise_and_record):
-  """One noise draw and one ledger sample for the whole logical batch.
-
-  Under a tf.distribute strategy with several replicas the replicas' clipped sums and record
-  counts are all-reduced first and `noise_and_record` runs once, in cross-replica context.
-
-  Args:
-    sample_state: this replica's clipped sum. num_records: its records (float32).
-    noise_and_record: sample_state -> noised result (and the ledger write).
-
-  Returns:
-    (noised result, records of the whole batch, replicas in sync).
-  """
-  ctx = tf.distribute.get_replica_context()
-  n_rep = tf.distribute.get_strategy().num_replicas_in_sync
-  if ctx is None or n_rep == 1:
-    return noise_and_record(sample_state), num_records, n_rep
-  sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
-  num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
-
-  def merge_fn(strategy, state):
-    local = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0], state)
-    return noise_and_record(local)
-
-  return ctx.merge_call(merge_fn, args=(sample_state,)), num_records, n_rep
-
-
 def restore_global_state(saved, flat_init):
   """The saved query state (e.g. an adaptive clip) in place of the initial one, if any.
 

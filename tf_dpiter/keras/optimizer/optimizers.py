@@ -247,7 +247,7 @@ class DPOptimizerBase:
 
   def resolve_clipping(self, model=None, input_specs=None):
     """"vectorized" or "fast": the per-example clipping the step uses for `model`
-    (clipped_sum.resolve_clipping).
+    (PrivateStep.resolve_clipping).
 
     Args:
       model: the keras.Model the optimizer trains.

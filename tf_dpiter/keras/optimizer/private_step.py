@@ -21,11 +21,14 @@ global state (a correlated mechanism's noise history), the expected batch size, 
 float16 overflow counter. The noise generator is deliberately not among them: a restore,
 `load_weights` or `iterations.assign` cannot make it draw a noise it drew before.
 
-Helpers (plain functions of the step): `step_sampling` (the declaration), `mechanism`,
-`noise_mechanisms`, `clipped_sum`, `chunking`, `custom_loops`.
+It picks the clipping path, forms the vectorized clipped sum, requires the declared sampling
+and draws the noise (across replicas: once) itself. Helpers: `step_sampling` (the
+declaration), `mechanism` (overflow count, saved state), `noise_mechanisms`, `clipped_sum`
+(the accumulation of a chunk), `chunking`, `custom_loops`.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
@@ -33,11 +36,15 @@ from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import dp_config
+from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import step_sampling
 from tf_dpiter.keras.optimizer import step_state
 from tf_dpiter.ledger import policies as ledger_policies
@@ -76,7 +83,7 @@ class PrivateStep:
     """
     self.optimizer = optimizer
     self._plan = plan
-    self._flags = flags if flags is not None else dp_config.PerformanceFlags()
+    self.flags = flags if flags is not None else dp_config.PerformanceFlags()
     self.record_microbatches = plan.num_microbatches   # set again by each declared sampling
     self.base_query = plan.dp_query   # made lazily (make_state) unless given
     self.query = None                 # QueryWithLedger, made by set_sampling
@@ -84,11 +91,12 @@ class PrivateStep:
     self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
     self._pending_sampling = None
     self._given_params = None
+    self._expected_size_denominator = False   # set by adopt_query from the declared policy
+    self._clip_factors_of = None   # (base query, gives_clip_factors of it)
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
   plan = property(lambda self: self._plan, doc="The frozen DPConfig of this step.")
-  flags = property(lambda self: self._flags, doc="The PerformanceFlags of this step.")
   mechanism = property(lambda self: self._plan.noise, doc="The noise mechanism object.")
   l2_norm_clip = property(lambda self: self._plan.l2_norm_clip, doc="S (None: dp_query).")
   noise_multiplier = property(lambda self: self._plan.noise_multiplier, doc="z (None: dp_query).")
@@ -98,12 +106,12 @@ class PrivateStep:
   secure_mode = property(lambda self: self._plan.secure_mode, doc="os.urandom noise.")
   custom_query = property(lambda self: self._plan.custom_query, doc="A user's dp_query.")
   noise = property(lambda self: self._plan.noise.name, doc='The mechanism\'s name ("iid", ...).')
-  max_physical_batch_size = property(lambda self: self._flags.max_physical_batch_size,
+  max_physical_batch_size = property(lambda self: self.flags.max_physical_batch_size,
                                      doc="P, examples per physical chunk.")
-  clipping = property(lambda self: self._flags.clipping, doc="The clipping path.")
-  skip_padding_tail = property(lambda self: self._flags.skip_padding_tail,
+  clipping = property(lambda self: self.flags.clipping, doc="The clipping path.")
+  skip_padding_tail = property(lambda self: self.flags.skip_padding_tail,
                                doc="chunking.chunk_layout skips all-padding chunks.")
-  noise_in_compiled_program = property(lambda self: self._flags.compiled_noise,
+  noise_in_compiled_program = property(lambda self: self.flags.compiled_noise,
                                        doc="None: on an accelerator only (compiles_noise).")
 
   @property
@@ -128,8 +136,8 @@ class PrivateStep:
     Returns:
       the new PerformanceFlags.
     """
-    self._flags = self._flags.replace(**changes)
-    return self._flags
+    self.flags = self.flags.replace(**changes)   # frozen: replaced whole, never edited
+    return self.flags
 
   def restore_saved(self, global_state=None, ledger=None):
     """Applies what a saved config held (from_config): the query's saved global state (used
@@ -215,8 +223,14 @@ class PrivateStep:
 
   @property
   def clips_by_factors(self):
-    """True if the query can clip norms computed elsewhere (the fast path needs it)."""
-    return self.base_query is None or dp_query_lib.gives_clip_factors(self.base_query)
+    """True if the query can clip norms computed elsewhere (the fast path needs it):
+    `dp_query.gives_clip_factors` of the base query, read once per query (not per step)."""
+    query = self.base_query
+    if query is None:
+      return True
+    if self._clip_factors_of is None or self._clip_factors_of[0] is not query:
+      self._clip_factors_of = (query, dp_query_lib.gives_clip_factors(query))
+    return self._clip_factors_of[1]
 
   def noise_state(self):
     """The correlated query's global state as numpy values; None for "iid" or before build.
@@ -265,6 +279,8 @@ class PrivateStep:
       query: a ledger.QueryWithLedger wrapping this step's base query.
     """
     self.query = query
+    # the policy's denominator rule, read once per declared policy (not at every step)
+    self._expected_size_denominator = ledger_policies.get(query.policy).expected_size_denominator
 
   def adopt_record_microbatches(self, num_microbatches):
     """Sets how the train step cuts a batch into records for the declared sampling
@@ -291,8 +307,28 @@ class PrivateStep:
     return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
 
   def require_query(self):
-    """The QueryWithLedger of the declared sampling (step_sampling.require: Raises)."""
-    return step_sampling.require(self, self._pending_sampling is not None)
+    """The QueryWithLedger of the declared sampling.
+
+    Returns:
+      the QueryWithLedger (its wrapped query is `base_query`: the step calls that one
+      directly for everything but the noised result, which the wrapper records).
+
+    Raises:
+      PrivacyConfigError: the sampling is undeclared, or declared but the correlated
+        mechanism is not built yet.
+    """
+    if self._pending_sampling is not None:
+      raise PrivacyConfigError(
+          f"noise={self.noise!r}: the sampling is declared but the mechanism is not built "
+          "yet (it needs the trainable variables' shapes): call optimizer.build(model."
+          "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
+    if self.query is None:
+      raise PrivacyConfigError(
+          "the sampling policy is unknown, so the ledger cannot record this step: train with "
+          "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
+          "optimizer.set_sampling(population_size, selection_probability, policy, "
+          "sample_size) first")
+    return self.query
 
   # ---- the correlated mechanism -------------------------------------------------------
 
@@ -347,7 +383,8 @@ class PrivateStep:
     """
     if self._given_params is not None:
       return self._given_params
-    return self.require_query().derive_sample_params(self.state.global_state())
+    self.require_query()
+    return self.base_query.derive_sample_params(self.state.global_state())
 
   @contextlib.contextmanager
   def given_sample_params(self, params):
@@ -378,22 +415,96 @@ class PrivateStep:
       NotImplementedError: the query has no per-record clip factors
         (`DPQuery.record_clip_factors`; the fast path is then not offered).
     """
-    query = self.require_query()
-    params = self.sample_params()
-    return lambda norms: query.record_clip_factors(params, norms)
+    return functools.partial(self.base_query.record_clip_factors, self.sample_params())
 
   # ---- clipping ---------------------------------------------------------------------
 
   def resolve_clipping(self, model=None, input_specs=None):
-    """"vectorized" or "fast" for `model` (clipped_sum.resolve_clipping)."""
-    return clipped_sum.resolve_clipping(self, model, input_specs)
+    """'vectorized' or 'fast': which per-example clipping this step uses for `model`.
+
+    "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
+    nothing in the way: among others, every layer must be known to act per example (Keras'
+    own per-example layers, or declared with `dp.keras.declare_per_example`; per_example),
+    and a batch-independence probe (run once per model and batch size, cached; see
+    batch_independence) must see no layer that mixes examples. Otherwise "auto" takes the
+    vectorized path, which is exact for any model (each record is run and clipped alone, in
+    float32).
+
+    Args:
+      model: the keras.Model the step trains.
+      input_specs: optional nest of tensors/specs shaped like a batch (for the probe of a
+        model without known inputs).
+
+    Returns:
+      "vectorized" or "fast".
+
+    Raises:
+      PrivacyConfigError: clipping="fast" and the fast path cannot clip this model exactly
+        (the message names the offending layer, dtype policy or setting).
+    """
+    clipping = self.flags.clipping
+    if clipping == "vectorized":
+      return "vectorized"
+    reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs)
+    if reason is None:
+      return "fast"
+    if clipping == "fast":
+      raise PrivacyConfigError(
+          f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
+          "'vectorized' (each record is clipped alone, exact for it)")
+    return "vectorized"
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
                   vectorize=True, loss_scale=1.0):
-    """The vectorized clipped sum (clipped_sum.vectorized_clipped_sum) of this step."""
-    return clipped_sum.vectorized_clipped_sum(self, record_loss_fn, variables, records,
-                                              record_mask, examples_per_record, vectorize,
-                                              loss_scale)
+    """Sample state (clipped sum) over records, vectorized, in physical chunks.
+
+    The per-record gradients are cast to float32 (float64 for float64 variables) before the
+    norms, the clip factors and the sum, whatever the dtype policy; with loss_scale s != 1
+    (float16), record_loss_fn's loss is s times the record's loss and the gradients are
+    divided by s; a record whose gradient overflowed adds zero and is counted in
+    `overflowed_records` (chunking.unscale_records).
+
+    Args:
+      record_loss_fn: record -> (scalar loss, aux nest).
+      variables: the trainable variables.
+      records: nest of [M, ...] tensors.
+      record_mask: [M], 0 for padding records.
+      examples_per_record: k (int, or a scalar tensor).
+      vectorize: False for a sequential loop over records (routing.use_vectorized_map).
+      loss_scale: the static loss scale s.
+
+    Returns:
+      (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
+      with a dynamic number of chunks).
+
+    Raises:
+      PrivacyConfigError: the sampling is not declared.
+    """
+    params = self.sample_params()   # raises while the sampling is undeclared
+    query = self.base_query         # the step's own query (the ledger wrapper only records)
+    loss_scale = float(loss_scale)
+    variables = list(variables)
+
+    def chunk_fn(state, rec, mask):
+      grads, losses, aux = grads_lib.per_record_gradients(record_loss_fn, variables, rec,
+                                                          vectorize)
+      grads, finite = chunking.unscale_records(grads, loss_scale)
+      with tf.control_dependencies(self.count_overflowed(finite, mask)):
+        state = clipped_sum.accumulate(query, params, state, grads, mask)
+      # a loss without reduction (reduction=None, TF Privacy's idiom) gives each record a
+      # vector: its logged value is the record's mean, as Keras reduces it
+      rec_losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(mask)[0], -1]), axis=1)
+      return state, tf.reduce_sum(rec_losses / loss_scale * tf.cast(mask, rec_losses.dtype)), aux
+
+    record_mask = tf.cast(record_mask, tf.float32)
+    m_static = tf.TensorShape(record_mask.shape)[0]
+    per_chunk = chunking.chunk_layout(self, examples_per_record, m_static)
+    state = query.initial_sample_state(chunking.wide_template(variables))
+    state, loss_sum, aux = chunking.sum_over_chunks(chunk_fn, state, records, record_mask,
+                                                    per_chunk)
+    if aux is not None and per_chunk is not None:
+      aux = tf.nest.map_structure(lambda t: t[:m_static], aux)
+    return state, loss_sum, aux
 
   def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
                                 model=None):
@@ -501,7 +612,8 @@ class PrivateStep:
     """
     if not self.normalize:
       return tf.constant(1.0)
-    if ledger_policies.get(self.require_query().policy).expected_size_denominator:
+    self.require_query()
+    if self._expected_size_denominator:
       return self.state.expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
@@ -523,7 +635,20 @@ class PrivateStep:
       PrivacyConfigError: the sampling is not declared (`set_sampling`).
     """
     self.require_query()
-    result, num_records, n_rep = mechanism.noised_across_replicas(
-        sample_state, tf.cast(num_records, tf.float32), self._noise_and_record)
+    num_records = tf.cast(num_records, tf.float32)
+    ctx = tf.distribute.get_replica_context()
+    n_rep = tf.distribute.get_strategy().num_replicas_in_sync
+    if ctx is None or n_rep == 1:
+      result = self._noise_and_record(sample_state)
+    else:   # the replicas' sums and counts all-reduced, one draw in cross-replica context
+      sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
+      num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
+
+      def merge_fn(strategy, state):
+        local = tf.nest.map_structure(lambda t: strategy.experimental_local_results(t)[0],
+                                      state)
+        return self._noise_and_record(local)
+
+      result = ctx.merge_call(merge_fn, args=(sample_state,))
     denom = self.denominator(num_records) * float(n_rep)
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]

@@ -15,7 +15,7 @@ neighbouring datasets sampled at this q (add or remove one example for Poisson-t
 so they must not be computed from the private data (`DPModel.fit` on arrays: its
 `population_size`, or len(x) treated as public; see `keras.model.fit_sampling`). These
 functions are the declaration half of `private_step.PrivateStep`
-(`set_sampling`, `require_query`); the sampling itself lives in the ledger's variables.
+(`set_sampling`); the sampling itself lives in the ledger's variables.
 """
 
 import tensorflow as tf
@@ -102,29 +102,3 @@ def declare(step, population_size, selection_probability, policy, sample_size):
         population_size, selection_probability, sample_size))
   return changed
 
-
-def require(step, pending):
-  """The step's QueryWithLedger.
-
-  Args:
-    step: the PrivateStep. pending: True while a declared sampling waits for the correlated
-      mechanism's build.
-
-  Returns:
-    the QueryWithLedger.
-
-  Raises:
-    PrivacyConfigError: the sampling is undeclared, or declared but the mechanism is not built.
-  """
-  if pending:
-    raise PrivacyConfigError(
-        f"noise={step.noise!r}: the sampling is declared but the mechanism is not built "
-        "yet (it needs the trainable variables' shapes): call optimizer.build(model."
-        "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
-  if step.query is None:
-    raise PrivacyConfigError(
-        "the sampling policy is unknown, so the ledger cannot record this step: train with "
-        "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
-        "optimizer.set_sampling(population_size, selection_probability, policy, "
-        "sample_size) first")
-  return step.query
