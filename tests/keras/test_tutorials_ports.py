@@ -3,6 +3,7 @@
 against dp-accounting composed by hand for the steps taken). TF Privacy's Keras MNIST
 tutorials and its MovieLens tutorial: tests/keras/test_tf_privacy_tutorials.py."""
 
+import importlib.util
 import json
 import math
 import os
@@ -16,10 +17,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(script, *args):
+  """Runs tutorials/<script> as a script in a process of its own: (stdout, its JSON line)."""
   proc = subprocess.run([sys.executable, os.path.join(ROOT, "tutorials", script), "--quick",
                          *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run_here(capsys, script, *args):
+  """Runs tutorials/<script>'s main(["--quick", *args]) in this process (what the script's
+  `__main__` calls; these tutorials set no process-wide state): (stdout, its JSON line)."""
+  spec = importlib.util.spec_from_file_location(
+      "tutorial_" + script[:-3], os.path.join(ROOT, "tutorials", script))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  capsys.readouterr()
+  module.main(["--quick", *args])
+  stdout = capsys.readouterr().out
+  return stdout, json.loads(stdout.strip().splitlines()[-1])
 
 
 def _poisson_epsilon(q, z, steps, delta):
@@ -29,9 +44,9 @@ def _poisson_epsilon(q, z, steps, delta):
   return acc.get_epsilon(delta)   # the ledger holds q and z in float32: compare at 1e-6
 
 
-def test_eager_loop_tutorial():
+def test_eager_loop_tutorial(capsys):
   """compute_private_gradients + apply_private_gradients in a custom loop (10 classes)."""
-  stdout, out = _run("eager_loop_dp.py")
+  stdout, out = _run_here(capsys, "eager_loop_dp.py")
   assert out["steps"] == 3 * 40     # 3 epochs of round(1 / q) = 40 Poisson samples
   assert out["epsilon"] == pytest.approx(_poisson_epsilon(50 / 2000, 1.1, 120, 1e-5), rel=1e-6)
   assert out["test_accuracy"] > 0.5, stdout          # chance: 0.1
@@ -64,11 +79,11 @@ def mnist_path(mnist_or_synthetic_path):
 @pytest.mark.parametrize("script", [
     "mnist_keras_functional.py",
     pytest.param("mnist_lr.py", marks=pytest.mark.slow)])
-def test_mnist_poisson_tutorials(script, mnist_path):
+def test_mnist_poisson_tutorials(script, mnist_path, capsys):
   """Functional model with TF Privacy's DP model arguments, and logistic regression: Poisson
   samples (q = 0.05), epsilon of the steps taken (TF Privacy's Keras MNIST tutorials and
   MovieLens: tests/keras/test_tf_privacy_tutorials.py)."""
-  stdout, out = _run(script, "--data_path", mnist_path)
+  stdout, out = _run_here(capsys, script, "--data_path", mnist_path)
   epochs = 2 if script == "mnist_lr.py" else 1
   assert (out["sampling"], out["steps"]) == ("poisson", epochs * MNIST_N // MNIST_B)
   assert out["q"] == pytest.approx(MNIST_B / MNIST_N)

@@ -90,10 +90,34 @@ def test_poisson_add_remove_one_example(kind, clipping):
   assert max(changes) > 0.99 * bound   # the clip binds: the bound is reached
 
 
-@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-@pytest.mark.parametrize("microbatches", [None, 3])
-@pytest.mark.parametrize("policy,kind", [("fixed_size", "dense"), ("shuffle", "dense"),
-                                         ("shuffle", "conv")])
+_REPLACE_AXES = ([("fixed_size", "dense"), ("shuffle", "dense"), ("shuffle", "conv")],
+                 [None, 3], ["vectorized", "fast"])
+
+
+def _replace_cases():
+  """Every (policy and model) x microbatches pair with the clipping path alternating: all
+  pairs of the three axes in 6 runs (the other 6 of the product run with -m slow)."""
+  policies_, micros, clippings = _REPLACE_AXES
+  default = {(pk, m, clippings[(i + j) % 2]) for i, pk in enumerate(policies_)
+             for j, m in enumerate(micros)}
+  for pk in policies_:
+    for m in micros:
+      for c in clippings:
+        yield pytest.param(*pk, m, c, marks=() if (pk, m, c) in default else pytest.mark.slow,
+                           id=f"{pk[0]}-{pk[1]}-{m}-{c}")
+
+
+def test_the_default_replace_one_runs_cover_every_pair():
+  default = [tuple(p.values) for p in _replace_cases() if not p.marks]
+  assert len(default) == 6
+  product = [tuple(p.values) for p in _replace_cases()]
+  for axes in (((0, 1), 2), ((0, 1), 3), (2, 3)):   # (policy, kind) counts as one axis
+    def key(case, axes=axes):
+      return tuple(case[a] if isinstance(a, int) else tuple(case[i] for i in a) for a in axes)
+    assert {key(c) for c in default} == {key(c) for c in product}, axes
+
+
+@pytest.mark.parametrize("policy,kind,microbatches,clipping", list(_replace_cases()))
 def test_replace_one_example_at_its_position(policy, kind, microbatches, clipping):
   model = _compiled(kind, clipping, microbatches, policy)
   w0 = [w.copy() for w in model.get_weights()]

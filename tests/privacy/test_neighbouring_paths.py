@@ -14,6 +14,7 @@ largest change of the clipped sum never exceeds the sensitivity the ledger recor
 Dtype policies are in test_dtype_policies.py.
 """
 
+import itertools
 import json
 import os
 import subprocess
@@ -84,9 +85,15 @@ def _mlp(clipping, jit, physical):
   return model
 
 
+# Every pair of clipping path, jit_compile and physical chunk in 4 runs; the rest of the
+# product runs with -m slow.
+_PATH_CASES = [("fast", True, 3), ("vectorized", False, 3), ("vectorized", True, None),
+               ("fast", False, None)]
+
+
 @pytest.mark.parametrize("clipping,jit,physical", [
-    ("fast", True, 3), ("vectorized", False, 3), ("fast", True, None), ("vectorized", True, None),
-    ("fast", False, 3), ("vectorized", True, 3)])
+    pytest.param(*c, marks=() if c in _PATH_CASES else pytest.mark.slow)
+    for c in itertools.product(["fast", "vectorized"], [True, False], [3, None])])
 def test_jit_and_physical_batches(clipping, jit, physical):
   model = _mlp(clipping, jit, physical)
   x, y = _data()
@@ -95,6 +102,12 @@ def test_jit_and_physical_batches(clipping, jit, physical):
   assert report.passed, str(report)
   assert report.measured_sensitivity > 0.5 * report.recorded_sensitivity
 
+
+
+def test_the_default_path_runs_cover_every_pair():
+  product = list(itertools.product(["fast", "vectorized"], [True, False], [3, None]))
+  for i, j in itertools.combinations(range(3), 2):
+    assert {(c[i], c[j]) for c in _PATH_CASES} == {(c[i], c[j]) for c in product}, (i, j)
 
 def _worker(mode, **env):
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **env)
