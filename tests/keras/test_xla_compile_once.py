@@ -1,8 +1,9 @@
 """The DP step under XLA is compiled a bounded number of times per fit, whatever the number
 of steps (the accelerator path: Keras sets jit_compile=True on any GPU/TPU machine).
 
-Each case runs `xla_compile_worker.py` in a fresh process with TensorFlow's device-compiler
-log on and counts the XLA compilations of the clipped-sum step in its log; the fit takes 18
+The cases run in `xla_compile_worker.py` (a process with TensorFlow's device-compiler log
+on; the default cases one after the other in one process, each with its own model) and the
+XLA compilations of each case's clipped-sum step are counted in its part of the log; the fit takes 18
 steps over 3 epochs. Before the fix every step compiled anew (18 compilations: the batch
 was a compile-time constant because the backward pass went through the per-record loss map).
 The ledger holds one sample per optimizer step.
@@ -19,25 +20,37 @@ WORKER = os.path.join(os.path.dirname(__file__), "xla_compile_worker.py")
 COMPILE_LINE = re.compile(r"Instantly compiling for signature: (\S+)")
 
 
-def _run(case):
+def _run_worker(cases):
+  """{case: (iterations, ledger samples, compiled signatures)}: the cases run in one worker
+  process, one after the other (each its own model and fit, so its own compilations, told
+  apart by the worker's case markers)."""
   env = dict(os.environ, TF_CPP_VMODULE="device_compiler=2", TF_CPP_MIN_LOG_LEVEL="0")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-  proc = subprocess.run([sys.executable, WORKER, case], capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, WORKER, *cases], capture_output=True, text=True,
                         env=env, timeout=600, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  out = dict(line.split() for line in proc.stdout.splitlines() if line.startswith(("ITER", "SAMP")))
-  compiles = COMPILE_LINE.findall(proc.stderr)
-  return int(out["ITERATIONS"]), int(out["SAMPLES"]), compiles
+  stdout = proc.stdout.split("CASE ")[1:]
+  stderr = proc.stderr.split("@@CASE ")[1:]
+  assert [c.split()[0] for c in stdout] == [c.split("@@")[0] for c in stderr] == list(cases)
+  results = {}
+  for name, out_part, err_part in zip(cases, stdout, stderr):
+    out = dict(line.split() for line in out_part.splitlines()
+               if line.startswith(("ITER", "SAMP")))
+    results[name] = (int(out["ITERATIONS"]), int(out["SAMPLES"]),
+                     COMPILE_LINE.findall(err_part))
+  return results
 
 
-@pytest.mark.parametrize("case", ["fast", "vectorized", "band_mf", pytest.param("cnn", marks=pytest.mark.slow)])
-def test_dp_fit_under_xla_compiles_once(case):
-  iterations, samples, compiles = _run(case)
-  assert iterations == 18
-  assert samples == iterations          # the ledger is exact: one sample per step
-  step_compiles = [c for c in compiles if "dp_clipped_sum_step" in c]
-  assert compiles, "no XLA compilation logged: was jit_compile honoured?"
-  # bounded, independent of the 18 steps (one signature per fit; 2 allows a retrace)
-  assert 1 <= len(step_compiles) <= 2, compiles
-  assert len(compiles) <= 3, compiles
+@pytest.mark.parametrize("cases", [("fast", "vectorized", "band_mf"),
+                                   pytest.param(("cnn",), marks=pytest.mark.slow)],
+                         ids=lambda c: "-".join(c))
+def test_dp_fit_under_xla_compiles_once(cases):
+  for case, (iterations, samples, compiles) in _run_worker(cases).items():
+    assert iterations == 18, case
+    assert samples == iterations, case    # the ledger is exact: one sample per step
+    step_compiles = [c for c in compiles if "dp_clipped_sum_step" in c]
+    assert compiles, f"{case}: no XLA compilation logged: was jit_compile honoured?"
+    # bounded, independent of the 18 steps (one signature per fit; 2 allows a retrace)
+    assert 1 <= len(step_compiles) <= 2, (case, compiles)
+    assert len(compiles) <= 3, (case, compiles)

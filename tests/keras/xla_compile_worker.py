@@ -2,7 +2,9 @@
 optimizer's iterations (tests/keras/test_xla_compile_once.py reads TensorFlow's XLA log for
 the number of compilations).
 
-Usage: python xla_compile_worker.py {fast,vectorized,band_mf,cnn}
+Usage: python xla_compile_worker.py CASE [CASE ...], CASE in {fast,vectorized,band_mf,cnn}:
+the cases run one after the other, each after a line `@@CASE name@@` on stderr (where
+TensorFlow logs the compilations) and `CASE name` on stdout.
 """
 
 import sys
@@ -40,8 +42,12 @@ def main(case):
   else:
     model.fit(x, y, batch_size=batch, epochs=3, verbose=0)
   print("ITERATIONS", int(opt.iterations.numpy()))
-  print("SAMPLES", int(model.optimizer.ledger.sample_count.numpy()))
+  print("SAMPLES", int(model.optimizer.ledger.sample_count.numpy()), flush=True)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  for name in sys.argv[1:]:
+    sys.stderr.write(f"@@CASE {name}@@\n")
+    sys.stderr.flush()
+    print("CASE", name, flush=True)
+    main(name)
