@@ -25,6 +25,12 @@ gradient (one tape.gradient of the mean loss), the fast clipped sum
 (fast_clipping.clipped_grad_sum), the Gaussian noise for every trainable variable
 (tf.random.Generator.normal), and the whole DP train_on_batch.
 
+--ops: the size of the traced graphs, in one process: ops of the non-private gradient (one
+tape.gradient of the mean loss) and of the fast clipped sum (fast_clipping.clipped_grad_sum)
+in their traced functions (get_concrete_function().graph), the clipped sum's by phase (its
+name scopes: forward, backward_to_layers, norms, clipped_sum; the rest is the tape's backward
+pass), nodes in function bodies (a tf.cond or while loop's branches), and the trace time.
+
 One configuration per process (--all runs the four: nonprivate/dp x full/LoRA, each in a
 subprocess) so the peak RSS (ru_maxrss) is the configuration's. Every step is
 model.train_on_batch (the DP step: per-example clipping routed by --clipping, noise, ledger).
@@ -217,6 +223,45 @@ def profile(a):
                     "load_avg": os.getloadavg()}), flush=True)
 
 
+def _graph_size(fn):
+  """(ops, ops per top-level name scope, function-body nodes, trace seconds) of fn traced."""
+  t0 = time.perf_counter()
+  graph = tf.function(fn).get_concrete_function().graph
+  seconds = round(time.perf_counter() - t0, 1)
+  phases = {}
+  for op in graph.get_operations():
+    scope = op.name.split("/")[0]
+    scope = scope if scope in ("forward", "backward_to_layers", "norms", "clipped_sum") else (
+        "backward" if scope == "gradient_tape" else "other")
+    phases[scope] = phases.get(scope, 0) + 1
+  library = sum(len(f.node_def) for f in graph.as_graph_def().library.function)
+  return len(graph.get_operations()), phases, library, seconds
+
+
+def graph_ops(a):
+  """Op counts of the non-private gradient and of the clipped sum (see module docstring)."""
+  warnings.simplefilter("ignore")
+  model, _, hub = build(a.model, a.seq, a.lora, True)
+  x, y = batch(a.batch, a.seq, hub)
+  per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  variables = model.trainable_variables
+
+  def grads():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(per_example(y, model(x, training=True)))
+    return tape.gradient(loss, variables)
+
+  out = {}
+  for name, fn in (("nonprivate_gradient", grads),
+                   ("fast_clipped_sum", lambda: dp.keras.fast_clipping.clipped_grad_sum(
+                       model, x, y, per_example, 1.0)[0])):
+    ops, phases, library, seconds = _graph_size(fn)
+    out[name] = {"ops": ops, "by_phase": phases, "function_body_nodes": library,
+                 "trace_s": seconds}
+  print(json.dumps({"graph_ops": out, "lora": a.lora, "batch": a.batch, "seq": a.seq,
+                    "load_avg": os.getloadavg()}), flush=True)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -230,9 +275,13 @@ def main():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--profile", action="store_true", help="time the DP step's parts (one process)")
+  p.add_argument("--ops", action="store_true",
+                 help="op counts of the traced non-private gradient and clipped sum")
   a = p.parse_args()
   if a.profile:
     return profile(a)
+  if a.ops:
+    return graph_ops(a)
   if not a.all:
     return run_one(a)
   common = ["--model", a.model, "--clipping", a.clipping, "--batch", str(a.batch),
