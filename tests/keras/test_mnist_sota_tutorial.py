@@ -1,10 +1,9 @@
 """tutorials/mnist_sota.py --quick runs end to end (on a small synthetic keras-layout npz) and
 prints the epsilon that dp-accounting gives for the steps it took, composed here by hand."""
 
+import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import dp_accounting
 import numpy as np
@@ -22,21 +21,23 @@ def _synthetic_mnist(path):
   np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
 
 
-def _quick_run(tmp_path, *flags):
-  """Runs `mnist_sota.py --quick` on a small synthetic npz; its last JSON line."""
+def _quick_run(tmp_path, capsys, *flags):
+  """Runs `mnist_sota.py --quick` (its main(), in this process: what the script's `__main__`
+  calls) on a small synthetic npz; its last JSON line."""
   path = os.path.join(tmp_path, "mnist_small.npz")
   _synthetic_mnist(path)
-  proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "tutorials", "mnist_sota.py"), "--quick",
-       "--data_path", path, "--validation_size", "100", "--cache_dir", "",
-       "--ema_decay", "0.9", "--seed", "1", *flags],
-      capture_output=True, text=True, timeout=600, cwd=ROOT)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  spec = importlib.util.spec_from_file_location(
+      "tutorial_mnist_sota", os.path.join(ROOT, "tutorials", "mnist_sota.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  capsys.readouterr()
+  module.main(["--quick", "--data_path", path, "--validation_size", "100", "--cache_dir", "",
+               "--ema_decay", "0.9", "--seed", "1", *flags])
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_quick_run_prints_the_ledger_epsilon(tmp_path):
-  out = _quick_run(tmp_path, "--epsilon", "2.5")
+def test_quick_run_prints_the_ledger_epsilon(tmp_path, capsys):
+  out = _quick_run(tmp_path, capsys, "--epsilon", "2.5")
   assert out["population"] == 600 and out["epochs"] == 2 and out["eval_on"] == "test"
   assert out["steps"] > 0 and 0.0 <= out["accuracy"] <= 1.0
   # epsilon of `steps` Poisson-sampled Gaussian steps at q = batch / n, composed by hand
@@ -68,8 +69,8 @@ def _by_hand_selection(out):
   return with_selection.get_epsilon(out["delta"]), one_trial.get_epsilon(out["delta"])
 
 
-def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path):
-  out = _quick_run(tmp_path, "--epsilon", "3", "--private_tuning",
+def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path, capsys):
+  out = _quick_run(tmp_path, capsys, "--epsilon", "3", "--private_tuning",
                    "--tuning_learning_rates", "0.5,2", "--tuning_mean", "2",
                    "--tuning_seed", "1", "--report_trials")
   assert out["private_tuning"] and out["eval_on"] == "test" and out["validation_size"] == 100
