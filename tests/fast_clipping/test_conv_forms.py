@@ -80,7 +80,7 @@ def _xent(y, logits):
 # (form override or None for the cost model's, _CHUNK_BYTES, _KEEP_BYTES, unknown batch, XLA,
 # examples per record): one chunk or chunks of 8 examples (the last padded), per-example
 # gradients kept or the sum by book-keeping (the folded Gram: norms over chunks); under XLA the CPU-kernel forms fall back to the
-# unfolded patches, and the batch is static (XLA compiles one).
+# unfolded patches; a batch the XLA trace does not know is one call with the gradients kept.
 BIG = 1 << 30
 CASES = [("depthwise", BIG, BIG, False, False, 1), ("depthwise", 1, BIG, True, False, 2),
          ("depthwise", 1, 0, True, False, 1), ("depthwise", 1, 0, False, False, 2),
@@ -88,7 +88,8 @@ CASES = [("depthwise", BIG, BIG, False, False, 1), ("depthwise", 1, BIG, True, F
          ("direct", 1, BIG, True, False, 1), ("direct", 1, BIG, False, True, 2),
          ("direct", BIG, 0, False, True, 1), ("depthwise", 1, BIG, False, True, 1),
          ("foldgram", 1, BIG, True, False, 2), ("foldgram", 1, BIG, False, True, 1),
-         (None, None, None, True, False, 1), (None, 1, 0, False, True, 2)]
+         (None, None, None, True, False, 1), (None, 1, 0, False, True, 2),
+         ("depthwise", 1, 0, True, True, 1), ("foldgram", 1, 0, True, True, 2)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])

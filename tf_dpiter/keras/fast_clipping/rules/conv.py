@@ -27,7 +27,9 @@ fits one chunk), so a convolution's extra memory does not grow with the batch. T
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
 no second filter gradient) only while the batch's take at most _KEEP_BYTES; beyond, the
 norms alone are kept and the clipped sum is one whole-batch filter gradient of c_i dz_i. With
-an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B).
+an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B);
+under XLA with a batch the trace does not know, the batch is one call and the gradients are
+kept (registry.keep_per_example) as before: XLA compiles one static batch.
 """
 
 from typing import Callable, NamedTuple
@@ -197,6 +199,13 @@ def _record_sqr_norms(g, k):
   return tf.reduce_sum(tf.square(g), axis=[0, 2])
 
 
+def _chunkable(x4, k):
+  """Whether the batch may be split into chunks: records of a Python int k, and under XLA a
+  batch known to the trace (XLA compiles one static batch; a loop over chunks of a batch the
+  trace does not know cannot be compiled, and there the whole batch is one call)."""
+  return isinstance(k, int) and (x4.shape[0] is not None or not routing.in_xla_context())
+
+
 def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m', c]) over
   the batch: on the whole batch when it fits one chunk of m examples (or m is None), else one
@@ -259,7 +268,7 @@ def _per_example_pass(form, x4, dz4, k, with_grads):
   one chunk at a time (_chunk_size) unless the batch fits one chunk (or k is a tensor)."""
   x4 = tf.cast(x4, tf.float32)
   dz4 = tf.cast(dz4, tf.float32)
-  m = _chunk_size(form.temp_bytes, form.cap, k) if isinstance(k, int) else None
+  m = _chunk_size(form.temp_bytes, form.cap, k) if _chunkable(x4, k) else None
 
   def body(x, d):
     g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
@@ -312,6 +321,8 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   static_b = dz4.shape[0]
   if not registry.keep_per_example(p):
     keep = False
+  elif static_b is None and routing.in_xla_context():   # no run-time choice under XLA
+    keep = True
   elif static_b is not None:
     keep = static_b * p * 4 <= _KEEP_BYTES
   else:
@@ -476,7 +487,8 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
     form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
       k = registry.current_examples_per_record()
-      m = _chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), 1 << 30, k)
+      m = (_chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), 1 << 30, k)
+           if _chunkable(x4, k) else None)
       sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding),),
                         x4, dz4, m, k)[0]
       return sq + algebra.sqr_sum(db) if bias_on else sq
