@@ -1,7 +1,7 @@
 """DP step memory minus non-private step memory against the batch size (issue 42, item 3).
 
   python benchmarks/dp_memory_by_batch.py [--models cnn,transformer,lstm]
-      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1]
+      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1] [--two_pass]
 
 For each model, batch and mode, one fresh child process builds the model and one tf.function
 step on a fixed random batch, runs it once (tracing, graph optimization, first allocations),
@@ -14,11 +14,14 @@ and the process's peak RSS (tracing and graph optimization included). Modes:
   nonprivate  forward, backward of the mean loss, SGD update (assign_sub)
   dp          fast_clipping.clipped_grad_sum (clip 1.0, the layer rules' forms), the
               library's Gaussian noise (stddev 1.1), the division by B and the same update
+  dp_two_pass (with --two_pass) the same with variant="two_pass": the clipped sum by a second
+              backward pass of sum_i c_i L_i instead of book-keeping (which keeps every
+              layer's output gradient until the clip factors are known)
 Models: the tutorial CNN (example_models.mnist_cnn_layers, 28x28x1 inputs), the Transformer
 encoder (example_models.transformer_encoder: 1.6M parameters, sequences of 128 ids) and the LSTM
 language model of benchmarks/fit_step_time.py (Embedding 2000 x 64, LSTM 128 with
 return_sequences, Dense 2000 logits per token, 40 tokens, per-token loss summed per example).
-Prints one JSON line per (model, batch) with both modes and dp_minus_nonprivate of each
+Prints one JSON line per (model, batch) with the modes and {mode}_minus_nonprivate of each
 figure. The Transformer at batch 1024 needs several GiB; --models and --batches pick what fits.
 """
 
@@ -92,14 +95,17 @@ def _step(model, loss, mode, jit):
     apply(tape.gradient(value, model.trainable_variables), 1.0)
     return value
 
-  def dp(x, y):
-    grads, norms = clipping.clipped_grad_sum(model, x, y, loss, l2_norm_clip=L2_NORM_CLIP)
+  def dp(x, y, variant="bookkeeping"):
+    grads, norms = clipping.clipped_grad_sum(model, x, y, loss, l2_norm_clip=L2_NORM_CLIP,
+                                             variant=variant)
     noised = gaussian_query.add_gaussian_noise(
         generator, [tf.convert_to_tensor(g) for g in grads], NOISE_MULTIPLIER * L2_NORM_CLIP)
     apply(noised, 1.0 / tf.cast(tf.shape(norms)[0], tf.float32))
     return tf.reduce_mean(norms)
 
-  return tf.function({"nonprivate": nonprivate, "dp": dp}[mode], jit_compile=jit)
+  fns = {"nonprivate": nonprivate, "dp": dp,
+         "dp_two_pass": lambda x, y: dp(x, y, variant="two_pass")}
+  return tf.function(fns[mode], jit_compile=jit)
 
 
 def child(name, mode, batch, steps, jit):
@@ -125,6 +131,7 @@ def main():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--jit", type=int, default=0)
   p.add_argument("--onednn", default="1", help="TF_ENABLE_ONEDNN_OPTS of the children")
+  p.add_argument("--two_pass", action="store_true", help="also dp_two_pass")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.child:
@@ -137,17 +144,18 @@ def main():
     for batch in (int(b) for b in a.batches.split(",")):
       row = {"model": name, "batch": batch, "jit": a.jit, "onednn": a.onednn,
              "load_avg": os.getloadavg()}
-      for mode in ("nonprivate", "dp"):
+      for mode in ("nonprivate", "dp") + (("dp_two_pass",) if a.two_pass else ()):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{name}:{mode}:{batch}",
                "--steps", str(a.steps), "--jit", str(a.jit)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         lines = res.stdout.strip().splitlines()
         row[mode] = json.loads(lines[-1]) if res.returncode == 0 and lines else {
             "error": res.stderr.strip().splitlines()[-3:]}
-      if "error" not in row["dp"] and "error" not in row["nonprivate"]:
-        row["dp_minus_nonprivate"] = {
-            k: round(row["dp"][k] - row["nonprivate"][k], 1)
-            for k in ("step_mib", "alloc_peak_mib", "peak_rss_mib")}
+      for mode in ("dp", "dp_two_pass"):
+        if mode in row and "error" not in row[mode] and "error" not in row["nonprivate"]:
+          row[f"{mode}_minus_nonprivate"] = {
+              k: round(row[mode][k] - row["nonprivate"][k], 1)
+              for k in ("step_mib", "alloc_peak_mib", "peak_rss_mib")}
       print(json.dumps(row), flush=True)
 
 
