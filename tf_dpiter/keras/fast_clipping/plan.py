@@ -16,7 +16,13 @@ plan therefore descends into such a frozen parent, and a registered leaf
 becomes a ghost unit only when its `trainable_variables` are exactly the
 variables of it that the model trains (else it is clipped on the vectorized
 path over those variables).
+
+Within one DP step (`one_plan_per_step`) a model's plan is built once and reused by the
+routing checks and the clipped sum.
 """
+
+import contextlib
+import threading
 
 import keras
 
@@ -38,9 +44,43 @@ _OPAQUE = (keras.layers.RNN, keras.layers.TimeDistributed)
 
 SIXTEEN_BIT = ("float16", "bfloat16")
 
+# Inside `one_plan_per_step`: {(id(model), grouped): (model, units)}, per thread (a
+# tf.distribute strategy runs each replica's step in its own thread).
+_STEP_PLANS = threading.local()
 
-def _sublayers(layer, include_self=False, recursive=True):
-  return keras_internals.flatten_layers(layer, include_self=include_self, recursive=recursive)
+
+@contextlib.contextmanager
+def one_plan_per_step():
+  """Within the block `plan(model, grouped)` is built once per model and `grouped` and then
+  reused (as new `Unit` objects: a clipped sum records into its units). The block is one DP
+  step (or its trace): the layers, their trainable variables and the registered rules, all a
+  plan reads, do not change within it; the plan is built afresh at every step, so a layer
+  frozen or unfrozen between steps is planned as it is then.
+
+  Yields:
+    None.
+  """
+  outer = getattr(_STEP_PLANS, "plans", None)
+  _STEP_PLANS.plans = {} if outer is None else outer
+  try:
+    yield
+  finally:
+    _STEP_PLANS.plans = outer
+
+
+def _sublayers(tree, layer, include_self=False, recursive=True):
+  """The layers under `layer` (direct ones unless `recursive`), each once, from `tree`
+  (`keras_internals.layer_children` of the model)."""
+  out, seen, todo = [layer] if include_self else [], {id(layer)}, list(tree[id(layer)])
+  while todo:
+    sub = todo.pop(0)
+    if id(sub) in seen:
+      continue
+    seen.add(id(sub))
+    out.append(sub)
+    if recursive:
+      todo.extend(tree[id(sub)])
+  return out
 
 
 def computes_in_16_bits(layer):
@@ -62,8 +102,8 @@ def _trained(layer, trained):
   return [v for v in layer.variables if id(v) in trained]
 
 
-def _has_registered(layer, trained):
-  for sub in _sublayers(layer):
+def _has_registered(tree, layer, trained):
+  for sub in _sublayers(tree, layer):
     if registry.lookup(sub) is not None and _trained(sub, trained):
       return True
   return False
@@ -96,9 +136,9 @@ class Unit:
             not getattr(self.norm_fn, "float32_sums", False))
 
 
-def _children(layer):
+def _children(tree, layer):
   seen, out = set(), []
-  for child in _sublayers(layer, recursive=False):
+  for child in _sublayers(tree, layer, recursive=False):
     if id(child) not in seen:
       seen.add(id(child))
       out.append(child)
@@ -111,11 +151,11 @@ def _direct_trained(layer, children, trained):
   return [v for v in _trained(layer, trained) if id(v) not in in_children]
 
 
-def _check_deterministic(layer):
+def _check_deterministic(tree, layer):
   """The vectorized path re-runs a layer per example (so does a ghost unit
   whose rule declines the call): it must be a function of its inputs (no
   internal dropout), or the gradients would be wrong."""
-  for sub in _sublayers(layer, include_self=True):
+  for sub in _sublayers(tree, layer, include_self=True):
     rates = [getattr(sub, "dropout", 0), getattr(sub, "recurrent_dropout", 0),
              getattr(sub, "_dropout", 0)]
     if isinstance(sub, keras.layers.Dropout):
@@ -193,8 +233,14 @@ def plan(model, grouped=False):
     raise PrivacyConfigError(
         f"model must be built before clipping, got model.built=False "
         f"(model={model.name!r})")
+  memo = getattr(_STEP_PLANS, "plans", None)
+  hit = memo.get((id(model), grouped)) if memo is not None else None
+  if hit is not None and hit[0] is model:
+    # fresh units (a clipped sum records its forward pass into them, one chunk at a time)
+    return [Unit(u.layer, u.kind, u.norm_fn, u.variables) for u in hit[1]]
   units, seen = [], set()
   trained = {id(v) for v in model.trainable_variables}
+  tree = keras_internals.layer_children(model)
 
   def visit(layer):
     if id(layer) in seen:
@@ -209,14 +255,14 @@ def plan(model, grouped=False):
       return
     norm_fn = _ghost_norm_fn(layer, grouped, variables)
     if norm_fn is not None:
-      _check_deterministic(layer)   # a rule may decline the call at run time
+      _check_deterministic(tree, layer)   # a rule may decline the call at run time
       units.append(Unit(layer, GHOST, norm_fn))
       return
-    children = _children(layer)
+    children = _children(tree, layer)
     if (_direct_trained(layer, children, trained) or not children or
-        isinstance(layer, _OPAQUE) or not _has_registered(layer, trained) or
+        isinstance(layer, _OPAQUE) or not _has_registered(tree, layer, trained) or
         registry.lookup(layer) is not None):
-      _check_deterministic(layer)
+      _check_deterministic(tree, layer)
       units.append(Unit(layer, VECTORIZED, None, variables))
       return
     for child in children:
@@ -224,6 +270,9 @@ def plan(model, grouped=False):
 
   visit(model)
   _check_coverage(model, units, trained)
+  if memo is not None:
+    memo[(id(model), grouped)] = (model, [Unit(u.layer, u.kind, u.norm_fn, u.variables)
+                                          for u in units])
   return units
 
 

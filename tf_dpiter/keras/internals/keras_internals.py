@@ -48,6 +48,27 @@ def flatten_layers(model, include_self=True, recursive=True):
   return list(fn(include_self=include_self, recursive=recursive))
 
 
+def layer_children(layer):
+  """The direct sublayers of `layer` and of every layer under it, in one walk.
+
+  Args:
+    layer: a keras.Layer or keras.Model.
+
+  Returns:
+    {id(l): [its direct sublayers, as `flatten_layers(l, include_self=False,
+    recursive=False)` lists them]} for `layer` and each layer nested in it.
+  """
+  children, todo = {}, [layer]
+  while todo:
+    current = todo.pop()
+    if id(current) in children:
+      continue
+    subs = flatten_layers(current, include_self=False, recursive=False)
+    children[id(current)] = subs
+    todo.extend(subs)
+  return children
+
+
 def compiled_loss(model, x, y, y_pred, sample_weight, training=True):
   """The compiled loss of `model` on one batch, without Keras' loss scaling and tracking.
 
@@ -61,6 +82,22 @@ def compiled_loss(model, x, y, y_pred, sample_weight, training=True):
   """
   fn = _require(model, "_compute_loss", "Model")
   return fn(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
+
+
+def compiled_loss_fn(model):
+  """The function `compiled_loss` calls, for a caller that evaluates it many times (Keras'
+  `Model._compute_loss`, bound to `model`).
+
+  Args:
+    model: a compiled keras.Model.
+
+  Returns:
+    a callable taking the keyword arguments x, y, y_pred, sample_weight and training.
+
+  Raises:
+    AttributeError: the installed Keras lacks the attribute (names it and the version).
+  """
+  return _require(model, "_compute_loss", "Model")
 
 
 def call_has_training_arg(model):

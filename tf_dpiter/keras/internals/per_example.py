@@ -384,9 +384,15 @@ def _is_plain_container(layer):
   return any(isinstance(layer, cls) and type(layer).call is cls.call for cls in _CONTAINERS)
 
 
-def _graph_operations(model):
-  """The non-layer nodes of a functional graph (keras.ops applied to KerasTensors)."""
-  found = keras_internals.functional_graph(model)
+def _graph_operations(found):
+  """The non-layer nodes of a functional graph (keras.ops applied to KerasTensors).
+
+  Args:
+    found: `keras_internals.functional_graph(model)`: (graph, {depth: [nodes]}), or None.
+
+  Returns:
+    a list of nodes.
+  """
   if found is None:
     return []
   _, by_depth = found
@@ -394,7 +400,7 @@ def _graph_operations(model):
           if not node.is_input and not isinstance(node.operation, keras.layers.Layer)]
 
 
-def _graph_layer_ids(model):
+def _graph_layer_ids(found):
   """The ids of the operations of a functional graph: the layers its call runs.
 
   A layer the model tracks but its graph does not hold (a keras_hub task's preprocessor,
@@ -402,12 +408,12 @@ def _graph_layer_ids(model):
   example does not decide the clipping path (both paths get the batch it made).
 
   Args:
-    model: a Sequential or functional keras.Model.
+    found: `keras_internals.functional_graph(model)` of a Sequential or functional
+      keras.Model: (graph, {depth: [nodes]}), or None.
 
   Returns:
     a set of ids, or None when the model has no graph (then every sublayer is checked).
   """
-  found = keras_internals.functional_graph(model)
   if found is None:
     return None
   _, by_depth = found
@@ -428,25 +434,26 @@ def _known_operation(node):
   return first == slice(None, None, None)
 
 
-def _collect_unknown(layer, keras_classes, hub_classes, out, min_rank=1):
+def _collect_unknown(layer, keras_classes, hub_classes, children, out, min_rank=1):
   """Appends to `out` the names of the layers and operations under `layer` that are neither
-  known nor declared per example (min_rank: the smallest rank of `layer`'s input, where its
-  parent fixes it)."""
+  known nor declared per example (children: `keras_internals.layer_children` of the model;
+  min_rank: the smallest rank of `layer`'s input, where its parent fixes it)."""
   if declared_reason(layer) is not None:
     return
   in_graph = None
   if _is_plain_container(layer):
-    out.extend(node.operation.name for node in _graph_operations(layer)
+    found = keras_internals.functional_graph(layer)
+    out.extend(node.operation.name for node in _graph_operations(found)
                if not _known_operation(node))
-    in_graph = _graph_layer_ids(layer)
+    in_graph = _graph_layer_ids(found)
   elif not _known_keras_layer(layer, keras_classes, min_rank):
     out.append(layer.name)
     return
   sub_rank = _KERAS_HUB_SUBLAYER_MIN_RANK if type(layer) in hub_classes else 1
-  for sub in keras_internals.flatten_layers(layer, include_self=False, recursive=False):
+  for sub in children[id(layer)]:
     if in_graph is not None and id(sub) not in in_graph:
       continue   # tracked but never run by the model's call (a keras_hub task's preprocessor)
-    _collect_unknown(sub, keras_classes, hub_classes, out, sub_rank)
+    _collect_unknown(sub, keras_classes, hub_classes, children, out, sub_rank)
 
 
 def undeclared_layers(model):
@@ -460,7 +467,8 @@ def undeclared_layers(model):
     per-example Keras layer or declared with `declare_per_example`.
   """
   out = []
-  _collect_unknown(model, _keras_classes(), _keras_hub_classes(), out)
+  _collect_unknown(model, _keras_classes(), _keras_hub_classes(),
+                   keras_internals.layer_children(model), out)
   return tuple(dict.fromkeys(out))
 
 

@@ -305,7 +305,11 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
     x = args[0] if args else kwargs.get("x")
-    if x is not None and not all(layer.built for layer in keras_internals.flatten_layers(self)):
+    # a step ran on this train function with every layer built (its trace facts exist) and
+    # the model was not made unbuilt since (Sequential.add): no layer to build
+    built = getattr(self, "_dp_facts", None) is not None and self.built
+    if x is not None and not built and not all(
+        layer.built for layer in keras_internals.flatten_layers(self)):
       # built eagerly on the batch's first example (output unused), not inside the trace
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
     return super().train_on_batch(*args, **kwargs)

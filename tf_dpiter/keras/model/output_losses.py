@@ -41,22 +41,32 @@ class _Capture:
     self.value = value
 
 
-@contextlib.contextmanager
-def silenced(model, data):
-  """Within the block the compiled loss of `model` updates no per-output loss tracker.
+def needs_build(model):
+  """True if `model`'s compiled loss is not built and the model may have several outputs
+  (then `build` builds it: its per-output trackers do not exist before).
 
-  The trackers exist once the compiled loss is built; an unbuilt one is built first from
-  the shapes of `data` and of the model's outputs on it (symbolically: the loss adds no
-  operation to the step), so that it does not build, and update, them inside the block.
+  Args:
+    model: a keras.Model.
+
+  Returns:
+    bool.
+  """
+  return keras_internals.compile_loss_unbuilt(model) and _may_have_several_outputs(model)
+
+
+def build(model, data):
+  """Builds an unbuilt compiled loss of a model that may have several outputs, so that its
+  per-output trackers exist before the step (and `silenced` can silence them).
+
+  The compiled loss is built from the shapes of `data` and of the model's outputs on it
+  (symbolically: the loss adds no operation to the step). Nothing is done when it is built
+  or the model has one output.
 
   Args:
     model: a compiled keras.Model.
     data: the batch (x, y[, sample_weight]), tensors.
-
-  Yields:
-    None.
   """
-  if keras_internals.compile_loss_unbuilt(model) and _may_have_several_outputs(model):
+  if needs_build(model):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     # a forward pass for the outputs' shapes (unused ops: pruned from the step), under a
     # name scope (a model named "_x" is no valid root scope)
@@ -64,7 +74,20 @@ def silenced(model, data):
       y_pred = model(x, training=False) if keras_internals.call_has_training_arg(model) else (
           model(x))
     keras_internals.build_compile_loss(model, y, y_pred, sample_weight)
-  trackers = keras_internals.output_loss_trackers(model)
+
+
+@contextlib.contextmanager
+def silenced(model, trackers):
+  """Within the block the compiled loss of `model` updates none of its per-output loss
+  trackers (`build` them first).
+
+  Args:
+    model: a compiled keras.Model whose compiled loss is built.
+    trackers: its per-output loss trackers (`keras_internals.output_loss_trackers`).
+
+  Yields:
+    None.
+  """
   if not trackers:
     yield
     return
@@ -103,16 +126,17 @@ def _real_mean(value, b, n):
   return tf.reduce_sum(value) / tf.maximum(n * per_example, 1.0)
 
 
-def update(model, y, y_pred, sample_weight):
+def update(model, trackers, y, y_pred, sample_weight):
   """Adds this batch's per-output losses over its real examples to `model`'s trackers.
 
   Args:
-    model: a compiled keras.Model (a single-output model has no per-output tracker: nothing
-      is done).
-    y, y_pred: the batch's targets and outputs (nests, [B, ...] leaves).
+    model: a compiled keras.Model.
+    trackers: its per-output loss trackers (`keras_internals.output_loss_trackers`; empty
+      for a single-output model: nothing is done).
+    y: the batch's targets (a nest of [B, ...] tensors).
+    y_pred: the batch's outputs (a nest of [B, ...] tensors).
     sample_weight: None or the batch's sample weights (0 on padding rows).
   """
-  trackers = keras_internals.output_loss_trackers(model)
   if not trackers:
     return
   captures = [_Capture() for _ in trackers]

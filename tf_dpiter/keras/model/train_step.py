@@ -13,8 +13,13 @@ program; the ledger write (growing buffers, no XLA) and the update run right
 after, in the same non-compiled train function, so every step is recorded. Other
 mechanisms (correlated noise, secure_mode, a custom query) and multi-replica strategies
 draw their noise right after the program.
+
+What the step reads of the model's structure and compile (its optimizer, the per-output loss
+trackers, the loss scale, whether records are vectorized) is read once per train function
+(`_TraceFacts`); the clip, the query, the noise and the sampling are read every step.
 """
 
+import contextlib
 import time
 
 import keras
@@ -23,6 +28,7 @@ import tensorflow as tf
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.fast_clipping import plan as fast_plan
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.model import output_losses
@@ -30,8 +36,45 @@ from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
 
 
-def _unpack(data):
-  return keras.utils.unpack_x_y_sample_weight(data)
+class _TraceFacts:
+  """What the step reads of a model's structure and compile, once per train function.
+
+  Final. Every field follows from the model's layers, its compile (loss, metrics, optimizer
+  object) and its compute dtype, all fixed for one traced train function; `key` holds those
+  objects, and `TrainStepMixin._dp_trace_facts` rebuilds the facts when one of them is no
+  longer the same object (a new compile, another optimizer, a dtype change, a model made
+  unbuilt by adding a layer) and when the train function is rebuilt. Nothing here depends
+  on the data, the clip, the query, the noise or the sampling: those are read every step.
+  The layers' `trainable` flags are read every step too (`batch_norms` lists the
+  BatchNormalization layers; whether one of them trains is checked per step).
+  """
+
+  __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
+               "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
+               "compute_loss")
+
+  def __init__(self, model, key):
+    self.key = key
+    self.optimizer = model._dp_optimizer()   # pylint: disable=protected-access
+    layers = keras_internals.flatten_layers(model, include_self=False)
+    self.batch_norms = [layer for layer in layers
+                        if isinstance(layer, keras.layers.BatchNormalization)]
+    self.loss_unbuilt = output_losses.needs_build(model)
+    self.output_trackers = keras_internals.output_loss_trackers(model)
+    self.wants_outputs = (keras_internals.compile_metrics(model) is not None
+                          or bool(self.output_trackers)
+                          or type(model).compute_metrics is not keras.Model.compute_metrics)
+    self.loss_scale = routing.loss_scale(model)
+    self.vectorize = routing.use_vectorized_map(model)
+    self.training_arg = keras_internals.call_has_training_arg(model)
+    self.loss_tracker = keras_internals.loss_tracker(model)
+    self.compute_loss = keras_internals.compiled_loss_fn(model)
+
+
+def _facts_key(model):
+  """The objects the trace facts of `model` follow from (compared by identity)."""
+  return (getattr(model, "optimizer", None), getattr(model, "_compile_loss", None),
+          getattr(model, "_compile_metrics", None), model.compute_dtype, model.built)
 
 
 # A first step (tracing, graph optimization, first run) longer than this many seconds is
@@ -75,6 +118,7 @@ class TrainStepMixin:
     """
     if self.train_function is not None and not force:
       return self.train_function
+    self._dp_facts = None   # a new train function: its trace reads the model afresh
     jit = bool(self.jit_compile) and not self.run_eagerly
     step = self._dp_optimizer().private_step
     if step.clipping != "vectorized" and self.built:
@@ -126,21 +170,26 @@ class TrainStepMixin:
     """True after `halt_private_steps()`: no private step may start."""
     return bool(getattr(self, "_dp_halt", False))
 
+  def _dp_trace_facts(self):
+    """The model's `_TraceFacts`, built once per train function (and again when an object
+    they follow from changed, `_facts_key`); None while a layer is unbuilt (not cached)."""
+    facts = getattr(self, "_dp_facts", None)
+    key = _facts_key(self)
+    if facts is not None and facts.key == key:   # tuple ==: `is` first, element by element
+      return facts
+    if not all(layer.built for layer in keras_internals.flatten_layers(self)):
+      return None
+    self._dp_facts = _TraceFacts(self, key)
+    return self._dp_facts
+
   def _dp_call(self, x):
-    if keras_internals.call_has_training_arg(self):
+    facts = self._dp_trace_facts()
+    if facts.training_arg if facts is not None else keras_internals.call_has_training_arg(self):
       return self(x, training=True)
     return self(x)
 
   def _dp_inference(self, x):
     return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
-
-  def _dp_wants_outputs(self):
-    """Whether the step's logs need the model's outputs: compiled metrics, per-output losses
-    or an overridden compute_metrics (else the compiled step returns none: the outputs of a
-    padded batch are large, and nothing would read them)."""
-    return (keras_internals.compile_metrics(self) is not None
-            or bool(keras_internals.output_loss_trackers(self))
-            or type(self).compute_metrics is not keras.Model.compute_metrics)
 
   def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, global_state=None,
                            outputs=True):
@@ -151,16 +200,20 @@ class TrainStepMixin:
     reads no variable of the query's state; None: read here). global_state: the query's
     global state (PrivateStep.global_state) to draw the noise here with the query's own
     `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
-    (`_dp_wants_outputs`)."""
-    step = self._dp_optimizer().private_step
+    (`_TraceFacts.wants_outputs`)."""
+    facts = self._dp_trace_facts()
+    if facts is None:   # called before any step on a model with an unbuilt layer: build it
+      self._dp_call(x)
+      facts = self._dp_trace_facts()
+    step = facts.optimizer.private_step
     with step.given_sample_params(params):
-      state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(step, x, y,
-                                                                       sample_weight, outputs)
+      state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(
+          step, facts, x, y, sample_weight, outputs)
     if global_state is not None:
       state = step.compiled_noised_average(state, num_records, global_state)
     return state, loss_sum, num_records, y_pred
 
-  def _dp_clipped_sum_body(self, step, x, y, sample_weight, outputs=True):
+  def _dp_clipped_sum_body(self, step, facts, x, y, sample_weight, outputs=True):
     """_dp_clipped_sum_step with the sample params fixed."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
@@ -177,12 +230,16 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
-    if self._dp_traced_clipping == "fast":
-      state, loss_sum, records_out = self._dp_fast_sum(step, recs, em, rmask, k, variables)
-    else:
-      state, loss_sum, records_out = self._dp_vectorized_sum(step, recs, em, rmask, k,
-                                                             variables)
+    # the routing checks and the fast clipped sum plan the model's layers once in this step
+    with (fast_plan.one_plan_per_step() if step.flags.clipping != "vectorized"
+          else contextlib.nullcontext()):
+      self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
+      if self._dp_traced_clipping == "fast":
+        state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
+                                                         variables)
+      else:
+        state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
+                                                               k, variables)
     if not outputs:
       y_pred = None
     elif records_out is None:
@@ -191,22 +248,22 @@ class TrainStepMixin:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
-  def _dp_vectorized_sum(self, step, recs, em, rmask, k, variables):
+  def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables):
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
-    scale = routing.loss_scale(self)
+    scale = facts.loss_scale
 
     def record_loss(rec):
       (xr, yr, wr), emr = rec
       w = record_losses.record_weights(emr, wr)
-      y_pred = self._dp_call(xr)
-      loss = keras_internals.compiled_loss(self, xr, yr, y_pred, w, training=True)
+      y_pred = self(xr, training=True) if facts.training_arg else self(xr)
+      loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                           vectorize=routing.use_vectorized_map(self), loss_scale=scale)
+                           vectorize=facts.vectorize, loss_scale=scale)
 
-  def _dp_fast_sum(self, step, recs, em, rmask, k, variables):
+  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
@@ -215,7 +272,7 @@ class TrainStepMixin:
     """
     n_rep = float(tf.distribute.get_strategy().num_replicas_in_sync)
 
-    scaled = routing.loss_scale(self) != 1.0   # fast_clipping applies the scale itself
+    scaled = facts.loss_scale != 1.0   # fast_clipping applies the scale itself
     clip_factors_fn = step.record_clip_factors_fn()   # the query clips, by its own rule
 
     def chunk_fn(acc, chunk, chunk_rmask):
@@ -287,17 +344,26 @@ class TrainStepMixin:
       the metrics' logs.
     """
     traced_from = time.perf_counter()   # runs when the step is traced
-    opt = self._dp_optimizer()
-    step = opt.private_step
-    x, y, sample_weight = _unpack(data)
-    if not all(layer.built for layer in keras_internals.flatten_layers(self)):
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    facts = self._dp_trace_facts()
+    if facts is None:
       # Keras builds an unbuilt (e.g. subclassed) model on the first trace of the train
       # function; the per-record gradients need its variables first: one forward pass.
       self._dp_call(x)
-    batch_independence.check_no_batch_mixing(self)
+      facts = self._dp_trace_facts()
+    if facts.loss_unbuilt:   # its per-output trackers do not exist yet: build it first
+      output_losses.build(self, data)
+      self._dp_facts = None
+      facts = self._dp_trace_facts()
+    opt = facts.optimizer
+    step = opt.private_step
+    if any(layer.trainable for layer in facts.batch_norms):   # read every step
+      batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    with output_losses.silenced(self, data):   # per-record losses: no per-output tracker update
-      want = self._dp_wants_outputs()
+    # per-record losses: no per-output tracker update inside the clipped sum
+    with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
+          else contextlib.nullcontext()):
+      want = facts.wants_outputs
       if getattr(self, "_dp_noise_inside", False):
         (grads, events), loss_sum, num_records, y_pred = core(
             x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
@@ -307,11 +373,12 @@ class TrainStepMixin:
                                                     outputs=want)
         grads = step.noised_average(state, num_records)
     opt.apply_private_gradients(grads, self.trainable_variables)
-    keras_internals.loss_tracker(self).update_state(loss_sum / tf.maximum(num_records, 1.0),
+    facts.loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)
-    output_losses.update(self, y, y_pred, sample_weight)   # per-output epoch means
+    if facts.output_trackers:   # per-output epoch means
+      output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
-    if routing.loss_scale(self) != 1.0:
+    if facts.loss_scale != 1.0:
       logs = dict(logs)
       logs["dp_overflowed_records"] = step.overflow_counter
     self._dp_trace_seconds = time.perf_counter() - traced_from
