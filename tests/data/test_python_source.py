@@ -47,21 +47,20 @@ def test_interleaved_iterators_keep_their_own_generators():
   assert got == [0, 0, 1, 2, 1]
 
 
-def test_reads_no_further_ahead_than_from_generator():
-  def run(build):
-    drawn = []
+def test_reads_no_further_ahead_than_the_prefetch():
+  """7 elements taken through prefetch(2): at most 9 drawn, as from_generator draws (measured
+  with from_generator in a separate process: building one in this worker would set the
+  allocator option this module avoids, for every later test of the worker)."""
+  drawn = []
 
-    def make():
-      for i in range(100):
-        drawn.append(i)
-        yield np.int64(i)
-    it = iter(build(make, tf.TensorSpec([], tf.int64)).prefetch(2))
-    assert [int(next(it)) for _ in range(7)] == list(range(7))
-    time.sleep(0.5)   # let the prefetch fill its buffer
-    return len(drawn)
-  ours = run(python_source.python_dataset)
-  theirs = run(lambda m, s: tf.data.Dataset.from_generator(m, output_signature=s))
-  assert 7 <= ours <= theirs
+  def make():
+    for i in range(100):
+      drawn.append(i)
+      yield np.int64(i)
+  it = iter(python_source.python_dataset(make, tf.TensorSpec([], tf.int64)).prefetch(2))
+  assert [int(next(it)) for _ in range(7)] == list(range(7))
+  time.sleep(0.5)   # let the prefetch fill its buffer
+  assert 7 <= len(drawn) <= 9
 
 
 def test_bad_elements_and_arguments_are_refused():
