@@ -9,11 +9,14 @@ figure: the median over rounds of wall and of process CPU time per call):
   nonprivate      forward, backward: the gradient of the mean loss
   dp_auto         fast_clipping.clipped_grad_sum with the forms of the cost model
                   (rules/conv.py: the second convolution's folded patch Gram with a
-                  book-keeping sum, the first's depthwise filter gradients in chunks)
+                  book-keeping sum, the first's depthwise filter gradients in chunks of
+                  _DEPTHWISE_CHUNK examples, both within the layer's memory budget)
   dp_no_foldgram  the same without the folded Gram (the second convolution keeps its
                   per-example gradient from the unfolded patches: the forms before issue 42)
-  dp_one_chunk    the same with the depthwise filter gradients in one call for the batch
-  dp_before       both: the forms before issue 42
+  dp_one_chunk    the same with _DEPTHWISE_CHUNK = B (since the memory budget of
+                  rules/conv.py, _CHUNK_BYTES still caps the chunk: 256 examples for the
+                  first convolution)
+  dp_before       both
 Random 28x28x1 inputs, clip 1.0, no noise. Prints one JSON line with the medians and the
 ratios to nonprivate.
 """
