@@ -224,19 +224,18 @@ def weight_rows(t, factors):
 
 
 def drop_rows(t, factors):
-  """t [B, ...] in float32 with the rows of c_i = 0 set to exactly 0 (even where they are not
-  finite) and the other rows unchanged: the unweighted operand of a clipped-sum product whose
-  other operand is `weight_rows(., factors)` (0 * inf would otherwise give NaN).
+  """weight_rows(t, sign(c)): the rows of c_i = 0 set to exactly 0 (even where they are not
+  finite), the others unchanged; the unweighted operand of a clipped-sum product whose other
+  operand is `weight_rows(., factors)` (0 * inf would otherwise give NaN).
 
   Args:
     t: [B, ...] tensor of known rank.
-    factors: [B] float32 clip factors, >= 0.
+    factors: [B] float32 clip factors, >= 0 (so sign(c) is 0 or 1).
 
   Returns:
     float32 tensor of t's shape.
   """
-  t = tf.cast(t, tf.float32)
-  return tf.math.multiply_no_nan(t, rows(tf.sign(factors), t))   # c >= 0: sign(c) is 0 or 1
+  return weight_rows(t, tf.sign(factors))
 
 
 def factor_product(factors, g):
