@@ -48,11 +48,8 @@ _SPEC_ATTR = "_tf_dpiter_sampling_spec"
 # Steps whose indices the sampler's Python generator hands to tf.data in one call.
 INDEX_CHUNK = 16
 
-# tf.data's default graph rewrites serialize the dataset's graph, records included (they are
-# captured constants), at the first iterator: ~0.3 s per fit call for MNIST-sized arrays.
-# Keras' own array pipeline turns them off for the same reason.
-PIPELINE_OPTIONS = tf.data.Options()
-PIPELINE_OPTIONS.experimental_optimization.apply_default_optimizations = False
+# tf.data options of the library's pipelines (no default graph rewrites: python_source).
+PIPELINE_OPTIONS = python_source.PIPELINE_OPTIONS
 
 
 # tf.data transforms that keep each step's batch exactly the sample drawn: the declaration is

@@ -136,15 +136,6 @@ class Unit:
             not getattr(self.norm_fn, "float32_sums", False))
 
 
-def _children(tree, layer):
-  seen, out = set(), []
-  for child in _sublayers(tree, layer, recursive=False):
-    if id(child) not in seen:
-      seen.add(id(child))
-      out.append(child)
-  return out
-
-
 def _direct_trained(layer, children, trained):
   """The trained variables of `layer` that none of its children owns."""
   in_children = {id(v) for child in children for v in child.variables}
@@ -258,7 +249,7 @@ def plan(model, grouped=False):
       _check_deterministic(tree, layer)   # a rule may decline the call at run time
       units.append(Unit(layer, GHOST, norm_fn))
       return
-    children = _children(tree, layer)
+    children = _sublayers(tree, layer, recursive=False)
     if (_direct_trained(layer, children, trained) or not children or
         isinstance(layer, _OPAQUE) or not _has_registered(tree, layer, trained) or
         registry.lookup(layer) is not None):
