@@ -338,8 +338,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   if bias_on:
     sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
 
-  def sum_fn(example_factors, all_finite=None):
-    del all_finite   # rows with c = 0 are dropped exactly (multiply_no_nan), no branch
+  def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     factors = tf.cast(example_factors, tf.float32)
     from_g = lambda: form.to_kernel(_factor_rows(factors, g))
     by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
@@ -350,7 +349,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
       kernel = tf.cond(keep, from_g, by_bookkeeping)
     sums = [tf.reshape(kernel, layer.kernel.shape)]
     if bias_on:
-      db = tf.math.multiply_no_nan(db_e, tf.cast(factors > 0, tf.float32)[:, None])
+      db = algebra.drop_rows(db_e, factors)
       sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
     return sums
 
