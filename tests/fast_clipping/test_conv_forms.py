@@ -104,7 +104,9 @@ def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, cl
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   model = _cnn()
   rng = np.random.default_rng(2)
-  b = 18   # chunks of 8 examples: 3 chunks, the last with 6 padding examples
+  # chunks of at most 8 examples: 17 examples in 3 chunks of 6 (the last padded with one zero
+  # example); 9 records of 2 in 3 chunks of 3 records
+  b = 18 if k == 2 else 17
   x = tf.constant(rng.normal(size=(b, 16, 16, 1)), tf.float32)
   y = tf.constant(rng.integers(0, 3, b), tf.int32)
   shape = [None if dynamic_batch else b]
@@ -155,6 +157,21 @@ def test_chunk_size_from_the_budget(monkeypatch):
   monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
   assert size(1) == 8
   assert size(16) == 16
+
+
+@pytest.mark.parametrize("b", [1, 7, 8, 9, 17, 127, 128, 129, 256, 257, 383, 1000])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_balanced_chunks_pad_less_than_one_record_per_chunk(b, k):
+  """A batch of b examples in n = ceil(b / m) chunks of equal size: at most m examples per
+  chunk, whole records, and fewer than n k padding examples (chunks of exactly m padded a
+  Poisson batch of 257 to 384 when m = 128); the same with a tensor batch."""
+  b = b // k * k or k
+  m = 128 // k * k
+  n, chunk = conv._balanced_chunk(b, m, k)
+  assert n == -(-b // m) and chunk <= m and chunk % k == 0
+  assert b <= n * chunk < b + n * k
+  n_t, chunk_t = conv._balanced_chunk(tf.constant(b), m, k)
+  assert (int(n_t), int(chunk_t)) == (n, chunk)
 
 
 def _form(in_shape, ksize, strides, out_shape, k=1):

@@ -22,8 +22,9 @@ convolution"):
 
 Memory budget (issue 42): every per-example form ("depthwise", "filter", the unfolded
 g_i, and the folded Gram's norms) runs over chunks of the batch whose temporaries take at
-most _CHUNK_BYTES, one chunk at a time (`_over_chunks`; the whole batch in one call when it
-fits one chunk), so a convolution's extra memory does not grow with the batch. The
+most _CHUNK_BYTES, one chunk at a time, the chunks of one size (`_over_chunks`,
+`_balanced_chunk`: a Poisson batch just above a multiple of the chunk is not padded up to the
+next multiple; the whole batch in one call when it fits one chunk), so a convolution's extra memory does not grow with the batch. The
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
 no second filter gradient) only while the batch's take at most _KEEP_BYTES; beyond, the
 norms alone are kept and the clipped sum is one whole-batch filter gradient of c_i dz_i. With
@@ -206,22 +207,47 @@ def _chunkable(x4, k):
   return isinstance(k, int) and (x4.shape[0] is not None or not routing.in_xla_context())
 
 
+def _balanced_chunk(b, m, k):
+  """Examples per chunk when a batch of b examples is split into n = ceil(b / m) chunks of at
+  most m: the smallest multiple of k that covers b in n chunks, k ceil(ceil(b / k) / n), so
+  the last chunk is padded with fewer than n k zero examples (chunks of exactly m would pad up
+  to m - 1: a Poisson batch of 257 in chunks of 128 computed 384 examples).
+
+  Args:
+    b: examples in the batch (a Python int, or a scalar int32 tensor).
+    m: at most this many examples per chunk (a Python int, a multiple of k).
+    k: examples per record (a Python int).
+
+  Returns:
+    (n, chunk): chunks and examples per chunk, Python ints when b is one, else int32 tensors.
+  """
+  n = (b + m - 1) // m
+  if isinstance(b, int):
+    n = max(n, 1)
+  else:
+    n = tf.maximum(n, 1)
+  records = (b + k - 1) // k
+  return n, (records + n - 1) // n * k
+
+
 def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m', c]) over
   the batch: on the whole batch when it fits one chunk of m examples (or m is None), else one
-  chunk at a time (tf.map_fn, one iteration alive at once, the last chunk padded with zero
-  examples whose rows are cut from sq).
+  chunk at a time (tf.map_fn, one iteration alive at once) in n = ceil(B / m) chunks of equal
+  size (_balanced_chunk), the last padded with fewer than n k zero examples whose rows are cut
+  from sq.
 
   Args:
     body: the per-chunk function.
     x4: [B, H, W, cin] float32 inputs.
     dz4: [B, ho, wo, cout] float32 output gradients.
-    m: examples per chunk (a multiple of k), or None for one call on the batch.
+    m: at most this many examples per chunk (a multiple of k), or None for one call on the
+      batch.
     k: examples per record (a Python int, or a tensor when m is None).
-    extra_specs: tf.TensorSpec of each extra output of one chunk.
+    extra_specs: tf.TensorSpec of each extra output of one chunk, its chunk axis None.
 
   Returns:
-    (sq [B / k], *extras [n, a, m, c]) (n = 1 and m = B for one call on the batch).
+    (sq [B / k], *extras [n, a, m', c]) (n = 1 and m' = B for one call on the batch).
   """
   b = tf.shape(x4)[0]
 
@@ -234,23 +260,27 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
 
   static_b = x4.shape[0]
   pad = lambda t, rows: tf.pad(t, [[0, rows], [0, 0], [0, 0], [0, 0]])
-  specs = (tf.TensorSpec([m // k], tf.float32),) + tuple(extra_specs)
 
   def chunked():
-    n = (b + m - 1) // m
     if static_b is not None:   # XLA: static slices of the padded batch
-      split = lambda t: tf.reshape(pad(t, n * m - b), [n, m] + t.shape[1:].as_list())
+      n, mc = _balanced_chunk(static_b, m, k)
+      specs = (tf.TensorSpec([mc // k], tf.float32),) + tuple(
+          tf.TensorSpec(s.shape[:1].concatenate([mc]).concatenate(s.shape[2:]), s.dtype)
+          for s in extra_specs)
+      split = lambda t: tf.reshape(pad(t, n * mc - static_b), [n, mc] + t.shape[1:].as_list())
       return_rows = tf.map_fn(lambda pair: tuple(body(pair[0], pair[1])),
                               (split(x4), split(dz4)), parallel_iterations=1,
                               fn_output_signature=specs)
     else:   # each chunk sliced from the batch and padded alone: no copy of the batch
+      n, mc = _balanced_chunk(b, m, k)
+      specs = (tf.TensorSpec([None], tf.float32),) + tuple(extra_specs)
 
       def one(i):
-        xc, dc = x4[i * m:(i + 1) * m], dz4[i * m:(i + 1) * m]
-        rows = m - tf.shape(xc)[0]
+        xc, dc = x4[i * mc:(i + 1) * mc], dz4[i * mc:(i + 1) * mc]
+        rows = mc - tf.shape(xc)[0]
         xc, dc = pad(xc, rows), pad(dc, rows)
-        xc.set_shape([m] + x4.shape[1:].as_list())
-        dc.set_shape([m] + dz4.shape[1:].as_list())
+        xc.set_shape([None] + x4.shape[1:].as_list())
+        dc.set_shape([None] + dz4.shape[1:].as_list())
         return tuple(body(xc, dc))
 
       return_rows = tf.map_fn(one, tf.range(n), parallel_iterations=1,
@@ -274,7 +304,7 @@ def _per_example_pass(form, x4, dz4, k, with_grads):
     g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
     return (_record_sqr_norms(g, k), g) if with_grads else (_record_sqr_norms(g, k),)
 
-  specs = (tf.TensorSpec([form.rows, m, form.cols], tf.float32),) if with_grads else ()
+  specs = (tf.TensorSpec([form.rows, None, form.cols], tf.float32),) if with_grads else ()
   out = _over_chunks(body, x4, dz4, m, k, specs)
   return out if with_grads else out[0]
 
