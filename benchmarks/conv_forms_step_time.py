@@ -1,7 +1,7 @@
 """The tutorial CNN's clipped-sum step with each per-layer convolution form (issue 42).
 
   TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/conv_forms_step_time.py [--batch 256]
-      [--rounds 9] [--calls 10] [--jit 0|1]
+      [--rounds 9] [--calls 10] [--jit 0|1] [--poisson]
 
 One tf.function per configuration (batch axis unknown to the trace, as in `model.fit` on
 Poisson samples), timed round robin in ONE process (--rounds rounds of --calls calls each;
@@ -17,8 +17,10 @@ figure: the median over rounds of wall and of process CPU time per call):
                   rules/conv.py, _CHUNK_BYTES still caps the chunk: 256 examples for the
                   first convolution)
   dp_before       both
-Random 28x28x1 inputs, clip 1.0, no noise. Prints one JSON line with the medians and the
-ratios to nonprivate.
+Random 28x28x1 inputs, clip 1.0, no noise. With --poisson every call gets a batch of
+Binomial(60000, B / 60000) examples (as fit's unpadded Poisson samples; the same sizes for
+every configuration, drawn from a fixed seed) instead of B. Prints one JSON line with the
+medians and the ratios to nonprivate.
 """
 
 import argparse
@@ -29,8 +31,9 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # pylint: disable=g-import-not-at-top
 import keras
+import numpy as np
+import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
 from tf_dpiter.keras import example_models
 from tf_dpiter.keras.fast_clipping import clipping
@@ -77,28 +80,34 @@ def main():
   p.add_argument("--rounds", type=int, default=9)
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--jit", type=int, default=0)
+  p.add_argument("--poisson", action="store_true",
+                 help="batch sizes Binomial(60000, B / 60000), one per call (not with --jit 1:"
+                 " XLA compiles each size)")
   a = p.parse_args()
   keras.utils.set_random_seed(0)
   model = keras.Sequential(example_models.mnist_cnn_layers())
-  x = tf.random.normal([a.batch, 28, 28, 1])
-  y = tf.random.uniform([a.batch], 0, 10, tf.int32)
+  sizes = (np.random.default_rng(0).binomial(60000, a.batch / 60000, a.calls * a.rounds)
+           if a.poisson else np.full(a.calls * a.rounds, a.batch))
+  x = tf.random.normal([int(sizes.max()), 28, 28, 1])
+  y = tf.random.uniform([int(sizes.max())], 0, 10, tf.int32)
+  batches = [(x[:s], y[:s]) for s in sizes]
   steps = _steps(model, a.batch, bool(a.jit))
   for fn in steps.values():
     for _ in range(3):
-      fn(x, y)
+      fn(*batches[0])
   wall, cpu = {k: [] for k in steps}, {k: [] for k in steps}
   load_start = os.getloadavg()
-  for _ in range(a.rounds):
+  for r in range(a.rounds):
     for name, fn in steps.items():
       t, c = time.perf_counter(), time.process_time()
-      for _ in range(a.calls):
-        out = fn(x, y)
+      for i in range(a.calls):
+        out = fn(*batches[r * a.calls + i])
       out[0].numpy()
       wall[name].append((time.perf_counter() - t) / a.calls * 1e3)
       cpu[name].append((time.process_time() - c) / a.calls * 1e3)
   med = lambda d: {k: round(statistics.median(v), 2) for k, v in d.items()}
   mw, mc = med(wall), med(cpu)
-  print(json.dumps({"batch": a.batch, "jit": a.jit, "rounds": a.rounds,
+  print(json.dumps({"batch": a.batch, "poisson": a.poisson, "jit": a.jit, "rounds": a.rounds,
                     "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
                     "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                     "wall_ms": mw, "cpu_ms": mc,
