@@ -1,7 +1,8 @@
 """The privacy ledger (McMahan et al. 2018, Section 6): sampling and sum-query events in TF variables.
 
-Public names: `PrivacyLedger` (the ledger), `QueryWithLedger` (a DPQuery wrapper recording
-every sample), `LedgerJournal` (crash-safe append-only journal); the sampling policies
+Public names: `PrivacyLedger` (the ledger), `LedgerSampling` (the declared sampling that
+records one sample per noised result), `QueryWithLedger` (a DPQuery wrapper recording every
+sample with one), `LedgerJournal` (crash-safe append-only journal); the sampling policies
 (`POLICIES`: `POISSON`, `FIXED_SIZE`, `SHUFFLE`, `FULL`) and neighbouring relations
 (`RELATIONS`: `ADD_OR_REMOVE`, `REPLACE_ONE`) with `relation_for_policy` and
 `sensitivity_factor`; `USER_POISSON` and `BALLS_IN_BINS` (add or remove one); the
@@ -9,7 +10,8 @@ record types `QueryRecord`, `SampleRun` and `run_length_encode`. A private hyper
 selection is recorded by `selection` (written by `tf_dpiter.tuning`).
 
 `records` and `ledger_file` (the record types, the checks and the JSON format) import no
-TensorFlow; `PrivacyLedger`, `QueryWithLedger` and `LedgerJournal` load on first use.
+TensorFlow; `PrivacyLedger`, `LedgerSampling`, `QueryWithLedger` and `LedgerJournal` load on
+first use.
 """
 
 import importlib
@@ -32,6 +34,7 @@ from tf_dpiter.ledger.records import sensitivity_factor
 
 _LAZY = {
     "PrivacyLedger": "tf_dpiter.ledger.privacy_ledger",
+    "LedgerSampling": "tf_dpiter.ledger.query_with_ledger",
     "QueryWithLedger": "tf_dpiter.ledger.query_with_ledger",
     "LedgerJournal": "tf_dpiter.ledger.journal",
 }

@@ -98,10 +98,8 @@ def _correlated_row(event, factor, policy, sample_size):
   return [kind, clip, noise, tf.maximum(sensitivity, factor * clip)], checks
 
 
-def _sensitivity_factor(relation, examples_per_record):
-  """records.sensitivity_factor for a Python int or a tensor k (float64 tensor)."""
-  if isinstance(examples_per_record, (int, float, np.integer, np.floating)):
-    return _f64(rec.sensitivity_factor(relation, examples_per_record))
+def _tensor_sensitivity_factor(relation, examples_per_record):
+  """records.sensitivity_factor for a tensor k (float64 tensor)."""
   if relation == REPLACE_ONE:
     return _f64(2.0)
   return tf.where(_f64(examples_per_record) > 1.0, _f64(2.0), _f64(1.0))
@@ -376,7 +374,10 @@ class PrivacyLedger(tf.Module):
     """
     sampling = policies.get(policy)   # its code, relation and cycle rule, read once
     rec.check_examples_per_record(policy, examples_per_record)
-    factor = _sensitivity_factor(sampling.relation, examples_per_record)
+    if isinstance(examples_per_record, (int, float, np.integer, np.floating)):
+      factor = _f64(rec.sensitivity_factor(sampling.relation, examples_per_record))
+    else:
+      factor = _tensor_sensitivity_factor(sampling.relation, examples_per_record)
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]

@@ -34,7 +34,7 @@ def regroup_btk(x):
   Returns:
     [B/k, k*T, K] tensor.
   """
-  k = registry.current_examples_per_record()
+  k = registry.RECORDS.k
   if isinstance(k, int) and k == 1:
     return x
   t, last = static_dim(x, 1), static_dim(x, 2)
@@ -52,7 +52,7 @@ def zeros(dz):
   Returns:
     [B/k] float32 zeros.
   """
-  return tf.zeros([tf.shape(dz)[0] // registry.current_examples_per_record()],
+  return tf.zeros([tf.shape(dz)[0] // registry.RECORDS.k],
                   tf.float32)
 
 

@@ -102,9 +102,9 @@ def _trained(layer, trained):
   return [v for v in layer.variables if id(v) in trained]
 
 
-def _has_registered(tree, layer, trained):
+def _has_registered(tree, layer, trained, rules):
   for sub in _sublayers(tree, layer):
-    if registry.lookup(sub) is not None and _trained(sub, trained):
+    if rules[id(sub)] is not None and _trained(sub, trained):
       return True
   return False
 
@@ -160,13 +160,13 @@ def _check_deterministic(tree, layer):
           "register a rule that handles it)")
 
 
-def _ghost_norm_fn(layer, grouped, variables):
-  """The layer's norm function if it can serve this plan, else None.
+def _ghost_norm_fn(layer, grouped, variables, norm_fn):
+  """`norm_fn`, the layer's registered norm function (or None), if it can serve this plan,
+  else None.
 
   A norm function sums over `layer.trainable_variables`: it serves only if
   those are exactly `variables`, the layer's variables the model trains.
   """
-  norm_fn = registry.lookup(layer)
   if norm_fn is None:
     return None
   if {id(v) for v in layer.trainable_variables} != {id(v) for v in variables}:
@@ -232,6 +232,8 @@ def plan(model, grouped=False):
   units, seen = [], set()
   trained = {id(v) for v in model.trainable_variables}
   tree = keras_internals.layer_children(model)
+  # every layer's registered rule, looked up once per plan (the rules do not change in it)
+  rules = registry.lookup_all(_sublayers(tree, model, include_self=True))
 
   def visit(layer):
     if id(layer) in seen:
@@ -244,15 +246,15 @@ def plan(model, grouped=False):
           "the batch; per-example gradient norms are undefined for it")
     if not variables:
       return
-    norm_fn = _ghost_norm_fn(layer, grouped, variables)
+    norm_fn = _ghost_norm_fn(layer, grouped, variables, rules[id(layer)])
     if norm_fn is not None:
       _check_deterministic(tree, layer)   # a rule may decline the call at run time
       units.append(Unit(layer, GHOST, norm_fn))
       return
     children = _sublayers(tree, layer, recursive=False)
     if (_direct_trained(layer, children, trained) or not children or
-        isinstance(layer, _OPAQUE) or not _has_registered(tree, layer, trained) or
-        registry.lookup(layer) is not None):
+        isinstance(layer, _OPAQUE) or not _has_registered(tree, layer, trained, rules) or
+        rules[id(layer)] is not None):
       _check_deterministic(tree, layer)
       units.append(Unit(layer, VECTORIZED, None, variables))
       return

@@ -160,7 +160,13 @@ def keep_per_example(num_entries):
 # j*k, ..., j*k + k - 1. A record's gradient is the sum of its examples'
 # contributions, so every per-example quantity is summed over the record
 # before squaring, and factored forms merge k into the position axis.
-_RECORDS = threading.local()
+class _Records(threading.local):
+  k = 1   # outside any examples_per_record context: a record is one example
+
+
+# The k of the innermost examples_per_record context of this thread: read as
+# `RECORDS.k` by the norm functions (current_examples_per_record() is the same).
+RECORDS = _Records()
 
 
 class examples_per_record:  # pylint: disable=invalid-name
@@ -171,17 +177,17 @@ class examples_per_record:  # pylint: disable=invalid-name
     self._k = k
 
   def __enter__(self):
-    self._prev = getattr(_RECORDS, "k", 1)
-    _RECORDS.k = self._k
+    self._prev = RECORDS.k
+    RECORDS.k = self._k
     return self
 
   def __exit__(self, *exc):
-    _RECORDS.k = self._prev
+    RECORDS.k = self._prev
 
 
 def current_examples_per_record():
-  """k of the enclosing examples_per_record context (1 outside)."""
-  return getattr(_RECORDS, "k", 1)
+  """k of the enclosing examples_per_record context (1 outside): `RECORDS.k`."""
+  return RECORDS.k
 
 
 def record_sum(t):
@@ -193,7 +199,7 @@ def record_sum(t):
   Returns:
     [B/k, ...] tensor.
   """
-  k = current_examples_per_record()
+  k = RECORDS.k
   if isinstance(k, int) and k == 1:
     return t
   shape = tf.shape(t)
@@ -284,7 +290,25 @@ def lookup(layer):
   """
   for hook in _LOOKUP_HOOKS:   # e.g. rules of keras_hub classes, once keras_hub is imported
     hook()
-  cls = type(layer)
+  return _rule_of(type(layer))
+
+
+def lookup_all(layers):
+  """The norm function of each of ``layers`` (``lookup``), the lookup hooks run once.
+
+  Args:
+    layers: Keras layers.
+
+  Returns:
+    {id(layer): its norm function or None}.
+  """
+  for hook in _LOOKUP_HOOKS:
+    hook()
+  return {id(layer): _rule_of(type(layer)) for layer in layers}
+
+
+def _rule_of(cls):
+  """The norm function registered for layer class ``cls`` (or inherited: see lookup)."""
   with _LOCK:
     if cls in _REGISTRY:
       return _REGISTRY[cls]

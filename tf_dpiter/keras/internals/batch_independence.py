@@ -234,10 +234,10 @@ def probe_batch_sizes(input_specs, step=None):
     if shape.rank and isinstance(shape[0], int):
       sizes.add(shape[0])
       break
-  query = getattr(step, "query", None)
-  if query is not None:
+  sampling = getattr(step, "sampling", None)
+  if sampling is not None:
     with tf.init_scope():
-      sizes.add(int(np.ceil(float(query.sample_size))))
+      sizes.add(int(np.ceil(float(sampling.sample_size))))
   physical = getattr(step, "max_physical_batch_size", None)
   if physical:
     sizes = {min(n, int(physical)) for n in sizes} | {int(physical)}

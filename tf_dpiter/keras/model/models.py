@@ -318,7 +318,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """Writes the data's SamplingSpec into the optimizer's private step (or checks that
     set_sampling was called)."""
     if spec is None:
-      if (step.query or step.pending_query()) is None or step.sampling_source != "user":
+      if (step.sampling or step.pending_query()) is None or step.sampling_source != "user":
         raise ParameterValueError(fit_sampling.UNDECLARED_DATA_MESSAGE)
       self._dp_declare_users(None, step.num_microbatches)
       return

@@ -20,6 +20,7 @@ trackers, the loss scale, whether records are vectorized) is read once per train
 """
 
 import contextlib
+import functools
 import time
 
 import keras
@@ -197,7 +198,8 @@ class TrainStepMixin:
     with global_state, (noised average, events) in place of the sample state.
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
-    reads no variable of the query's state; None: read here). global_state: the query's
+    reads no variable of the query's state; None: read here) and passed down to the clipping.
+    global_state: the query's
     global state (PrivateStep.global_state) to draw the noise here with the query's own
     `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
     (`_TraceFacts.wants_outputs`)."""
@@ -206,15 +208,16 @@ class TrainStepMixin:
       self._dp_call(x)
       facts = self._dp_trace_facts()
     step = facts.optimizer.private_step
-    with step.given_sample_params(params):
-      state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(
-          step, facts, x, y, sample_weight, outputs)
+    if params is None:
+      params = step.sample_params()
+    state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(
+        step, facts, x, y, sample_weight, params, outputs)
     if global_state is not None:
       state = step.compiled_noised_average(state, num_records, global_state)
     return state, loss_sum, num_records, y_pred
 
-  def _dp_clipped_sum_body(self, step, facts, x, y, sample_weight, outputs=True):
-    """_dp_clipped_sum_step with the sample params fixed."""
+  def _dp_clipped_sum_body(self, step, facts, x, y, sample_weight, params, outputs=True):
+    """_dp_clipped_sum_step with the sample params `params` given."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
     m = step.record_microbatches   # None: one example per record (also M == batch size)
@@ -236,10 +239,10 @@ class TrainStepMixin:
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
         state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
-                                                         variables)
+                                                         variables, params)
       else:
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
-                                                               k, variables)
+                                                               k, variables, params)
     if not outputs:
       y_pred = None
     elif records_out is None:
@@ -248,7 +251,7 @@ class TrainStepMixin:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
-  def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables):
+  def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables, params):
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
@@ -261,9 +264,9 @@ class TrainStepMixin:
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                           vectorize=facts.vectorize, loss_scale=scale)
+                           vectorize=facts.vectorize, loss_scale=scale, params=params)
 
-  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables):
+  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
@@ -273,7 +276,8 @@ class TrainStepMixin:
     n_rep = float(tf.distribute.get_strategy().num_replicas_in_sync)
 
     scaled = facts.loss_scale != 1.0   # fast_clipping applies the scale itself
-    clip_factors_fn = step.record_clip_factors_fn()   # the query clips, by its own rule
+    # norms -> clip factors of this sample, by the query's own rule
+    clip_factors_fn = functools.partial(step.base_query.record_clip_factors, params)
 
     def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
@@ -318,7 +322,7 @@ class TrainStepMixin:
                                                            per_chunk, template=template)
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
-    state = step.require_query().sample_state_of_sum(template, grad_sum)
+    state = step.base_query.sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):

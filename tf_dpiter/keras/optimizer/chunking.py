@@ -140,10 +140,10 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   flags = step.flags
   per_chunk = records_per_chunk(flags.max_physical_batch_size, examples_per_record,
                                 num_records_static)
-  query = step.query
-  if (query is None or not flags.skip_padding_tail or not isinstance(examples_per_record, int)
+  sampling = step.sampling
+  if (sampling is None or not flags.skip_padding_tail or not isinstance(examples_per_record, int)
       or not routing.in_xla_context()
-      or not ledger_policies.get(query.policy).expected_size_denominator):
+      or not ledger_policies.get(sampling.policy).expected_size_denominator):
     return per_chunk
   m = None if num_records_static is None else int(num_records_static)
   if per_chunk is not None:

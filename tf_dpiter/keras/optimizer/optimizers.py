@@ -6,8 +6,8 @@ with Differential Privacy", 2016).
 private: per-record gradients are clipped to L2 norm S and summed by a DPQuery, the sum
 gets Gaussian noise of standard deviation z*S once per logical batch, and the result is
 divided by the batch's denominator (records in the batch; q*n, the expected batch size,
-under Poisson sampling). The query is wrapped in `ledger.QueryWithLedger`, so every step
-writes its sampling event and its sum query events to the optimizer's `ledger`.
+under Poisson sampling). Every step writes its sampling event (`ledger.LedgerSampling`) and
+the sum query events of its noise draw to the optimizer's `ledger`.
 
 The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside the private
 path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
@@ -199,8 +199,10 @@ class DPOptimizerBase:
 
   @property
   def dp_query(self):
-    """The QueryWithLedger in use (None until the sampling is known; for a correlated noise
-    declared before the optimizer is built, a placeholder that raises on use until then)."""
+    """The step's query wrapped in a QueryWithLedger that records in the optimizer's ledger
+    with its declared sampling (read-only: PrivateStep.query; None until the sampling is known;
+    for a correlated noise declared before the optimizer is built, a placeholder that raises
+    on use until then)."""
     return self.private_step.query or self.private_step.pending_query()
 
   @property
@@ -212,8 +214,8 @@ class DPOptimizerBase:
   @property
   def sampling_policy(self):
     """The sampling policy the ledger records (ledger.POLICIES), None before set_sampling."""
-    query = self.private_step.query
-    return None if query is None else query.policy
+    sampling = self.private_step.sampling
+    return None if sampling is None else sampling.policy
 
   def noise_state(self):
     """The correlated mechanism's state as numpy values (PrivateStep.noise_state)."""

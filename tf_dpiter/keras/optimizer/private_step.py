@@ -27,12 +27,10 @@ declaration), `mechanism` (overflow count, saved state), `noise_mechanisms`, `cl
 (the accumulation of a chunk), `chunking`, `custom_loops`.
 """
 
-import contextlib
-import functools
-
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -71,7 +69,12 @@ class PrivateStep:
       (step_sampling.record_microbatches), else num_microbatches.
     mechanism: the plan's noise mechanism object; noise, noise_params: its name and flat
       parameters.
-    query: the QueryWithLedger (None until the sampling is declared).
+    base_query: the query that clips and draws the noise (the mechanism's, or the user's).
+    sampling: the ledger.LedgerSampling of the declared sampling (None until declared): the
+      step records each noised result with it, in the step's ledger.
+    query: base_query wrapped in a ledger.QueryWithLedger sharing `sampling` (None until the
+      sampling is declared; for code that drives the query itself, e.g. TF Privacy's
+      `optimizer.dp_query`): what it records lands in the same ledger.
     sampling_source: "user", "fit" or None (who declared the sampling).
   """
 
@@ -86,12 +89,12 @@ class PrivateStep:
     self.flags = flags if flags is not None else dp_config.PerformanceFlags()
     self.record_microbatches = plan.num_microbatches   # set again by each declared sampling
     self.base_query = plan.dp_query   # made lazily (make_state) unless given
-    self.query = None                 # QueryWithLedger, made by set_sampling
+    self.sampling = None              # ledger.LedgerSampling, made by set_sampling
+    self._wrapped = None              # (base_query, sampling, their QueryWithLedger)
     self.sampling_source = None
     self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
     self._pending_sampling = None
-    self._given_params = None
-    self._expected_size_denominator = False   # set by adopt_query from the declared policy
+    self._expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._clip_factors_of = None   # (base query, gives_clip_factors of it)
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
@@ -271,16 +274,32 @@ class PrivateStep:
     return step_sampling.declare(self, population_size, selection_probability, policy,
                                  sample_size)
 
-  def adopt_query(self, query):
-    """Makes `query` (a QueryWithLedger of the declared sampling) the step's query
+  def adopt_sampling(self, sampling):
+    """Makes `sampling` the declared sampling every noised result is recorded with
     (step_sampling.declare).
 
     Args:
-      query: a ledger.QueryWithLedger wrapping this step's base query.
+      sampling: a ledger.LedgerSampling writing to this step's ledger.
     """
-    self.query = query
+    self.sampling = sampling
     # the policy's denominator rule, read once per declared policy (not at every step)
-    self._expected_size_denominator = ledger_policies.get(query.policy).expected_size_denominator
+    self._expected_size_denominator = ledger_policies.get(
+        sampling.policy).expected_size_denominator
+
+  @property
+  def query(self):
+    """`base_query` wrapped in a ledger.QueryWithLedger that shares `sampling` (its n, q
+    variables and the step's ledger), made once per (base query, sampling); None while the
+    sampling is undeclared. The step itself does not go through it: it calls `base_query`
+    and records with `sampling`."""
+    if self.sampling is None:
+      return None
+    wrapped = self._wrapped
+    if wrapped is None or wrapped[0] is not self.base_query or wrapped[1] is not self.sampling:
+      wrapped = (self.base_query, self.sampling,
+                 ledger_lib.QueryWithLedger.sharing(self.base_query, self.sampling))
+      self._wrapped = wrapped
+    return wrapped[2]
 
   def adopt_record_microbatches(self, num_microbatches):
     """Sets how the train step cuts a batch into records for the declared sampling
@@ -306,12 +325,11 @@ class PrivateStep:
     build (correlated noise), else None."""
     return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
 
-  def require_query(self):
-    """The QueryWithLedger of the declared sampling.
+  def require_sampling(self):
+    """The LedgerSampling of the declared sampling (the step records with it).
 
     Returns:
-      the QueryWithLedger (its wrapped query is `base_query`: the step calls that one
-      directly for everything but the noised result, which the wrapper records).
+      the ledger.LedgerSampling.
 
     Raises:
       PrivacyConfigError: the sampling is undeclared, or declared but the correlated
@@ -322,12 +340,25 @@ class PrivateStep:
           f"noise={self.noise!r}: the sampling is declared but the mechanism is not built "
           "yet (it needs the trainable variables' shapes): call optimizer.build(model."
           "trainable_variables) before a custom loop or train_on_batch (model.fit does it)")
-    if self.query is None:
+    if self.sampling is None:
       raise PrivacyConfigError(
           "the sampling policy is unknown, so the ledger cannot record this step: train with "
           "model.fit on arrays or on dp.data.poisson_batches/shuffled_batches, or call "
           "optimizer.set_sampling(population_size, selection_probability, policy, "
           "sample_size) first")
+    return self.sampling
+
+  def require_query(self):
+    """`query` (the QueryWithLedger of the declared sampling), for code that drives the
+    query itself.
+
+    Returns:
+      the QueryWithLedger.
+
+    Raises:
+      PrivacyConfigError: as `require_sampling`.
+    """
+    self.require_sampling()
     return self.query
 
   # ---- the correlated mechanism -------------------------------------------------------
@@ -373,7 +404,10 @@ class PrivateStep:
   # ---- sample params ------------------------------------------------------------------
 
   def sample_params(self):
-    """The query's sample params for this step (given ones inside `given_sample_params`).
+    """The query's sample params for this step, read from its global state. The train step
+    reads them once and passes them down to the clipping (an XLA-compiled clipped sum receives
+    them as arguments: under tf.distribute each replica compiles its own program, and the
+    state is one variable on the first device).
 
     Returns:
       the params nest (`DPQuery.derive_sample_params`).
@@ -381,41 +415,8 @@ class PrivateStep:
     Raises:
       PrivacyConfigError: the sampling is not declared.
     """
-    if self._given_params is not None:
-      return self._given_params
-    self.require_query()
+    self.require_sampling()
     return self.base_query.derive_sample_params(self.state.global_state())
-
-  @contextlib.contextmanager
-  def given_sample_params(self, params):
-    """Within the block the clipping uses `params` instead of reading the query's state: an
-    XLA-compiled clipped sum receives them as arguments (under tf.distribute each replica
-    compiles its own program, and the state is one variable on the first device).
-
-    Args:
-      params: a nest from `sample_params()` (None: read the state as usual).
-
-    Yields:
-      None.
-    """
-    old, self._given_params = self._given_params, params
-    try:
-      yield
-    finally:
-      self._given_params = old
-
-  def record_clip_factors_fn(self):
-    """norms -> clip factors of this sample, by the query's own rule (for the fast path).
-
-    Returns:
-      a callable float32 norms [R] -> factors [R].
-
-    Raises:
-      PrivacyConfigError: undeclared sampling.
-      NotImplementedError: the query has no per-record clip factors
-        (`DPQuery.record_clip_factors`; the fast path is then not offered).
-    """
-    return functools.partial(self.base_query.record_clip_factors, self.sample_params())
 
   # ---- clipping ---------------------------------------------------------------------
 
@@ -455,7 +456,7 @@ class PrivateStep:
     return "vectorized"
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
-                  vectorize=True, loss_scale=1.0):
+                  vectorize=True, loss_scale=1.0, params=None):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
     The per-record gradients are cast to float32 (float64 for float64 variables) before the
@@ -472,6 +473,7 @@ class PrivateStep:
       examples_per_record: k (int, or a scalar tensor).
       vectorize: False for a sequential loop over records (routing.use_vectorized_map).
       loss_scale: the static loss scale s.
+      params: the query's sample params (`sample_params()`; None: read them here).
 
     Returns:
       (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
@@ -480,8 +482,9 @@ class PrivateStep:
     Raises:
       PrivacyConfigError: the sampling is not declared.
     """
-    params = self.sample_params()   # raises while the sampling is undeclared
-    query = self.base_query         # the step's own query (the ledger wrapper only records)
+    if params is None:
+      params = self.sample_params()   # raises while the sampling is undeclared
+    query = self.base_query         # the step's own query
     loss_scale = float(loss_scale)
     variables = list(variables)
 
@@ -534,6 +537,7 @@ class PrivateStep:
       return bool(self.noise_in_compiled_program)
     return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
+  @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
   def compiled_noised_average(self, sample_state, num_records, global_state):
     """Noised sum / denominator inside the compiled program: the wrapped query's own
     `get_noised_result` (its noise, drawn from its generator, and its events). The caller
@@ -547,8 +551,8 @@ class PrivateStep:
     Returns:
       (the list of noised average gradients, the events of the noised result).
     """
-    result, _, events = self.require_query().query.get_noised_result(sample_state,
-                                                                     global_state)
+    self.require_sampling()
+    result, _, events = self.base_query.get_noised_result(sample_state, global_state)
     denom = self.denominator(tf.cast(num_records, tf.float32))
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)], events
 
@@ -558,7 +562,7 @@ class PrivateStep:
 
   def record_compiled_sample(self, grads, events):
     """The ledger append of a step whose noise was drawn in the compiled program: the
-    sample with the `events` that draw returned (QueryWithLedger.record); returns grads
+    sample with the `events` that draw returned (LedgerSampling.record); returns grads
     after the write.
 
     Args:
@@ -568,21 +572,22 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    count = self.require_query().record(events)
+    count = self.require_sampling().record(events)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
   # ---- noise and ledger -------------------------------------------------------------
 
   def _noise_and_record(self, sample_state):
-    """One noise draw and one ledger sample (the query's get_noised_result).
+    """One noise draw (the query's get_noised_result) and one ledger sample of the events
+    that draw returned (LedgerSampling.record).
 
     A correlated mechanism refuses to continue a rolled-back run: its accounting is that of
     one sequence of steps, so when the ledger (which no restore lowers) holds more samples
     than the optimizer's iterations, the updates of an abandoned branch were released and
     the step fails with an InvalidArgumentError saying so.
     """
-    query = self.require_query()
+    sampling = self.require_sampling()
     checks = []
     if self.mechanism.correlated:
       checks.append(tf.debugging.assert_less_equal(
@@ -594,9 +599,11 @@ class PrivateStep:
                   "its accounting covers one sequence of steps. Start a new optimizer, and "
                   "a new ledger, for a new run."))
     with tf.control_dependencies(checks):
-      result, new_state, _ = query.get_noised_result(sample_state, self.state.global_state())
+      result, new_state, events = self.base_query.get_noised_result(
+          sample_state, self.state.global_state())
+    count = sampling.record(events)
     assigns = self.state.assign_global_state(new_state)
-    with tf.control_dependencies(assigns):
+    with tf.control_dependencies(assigns + [count]):
       return tf.nest.map_structure(tf.identity, result)
 
   def denominator(self, num_records):
@@ -612,11 +619,12 @@ class PrivateStep:
     """
     if not self.normalize:
       return tf.constant(1.0)
-    self.require_query()
+    self.require_sampling()
     if self._expected_size_denominator:
       return self.state.expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
+  @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
   def noised_average(self, sample_state, num_records):
     """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
 
@@ -634,7 +642,7 @@ class PrivateStep:
     Raises:
       PrivacyConfigError: the sampling is not declared (`set_sampling`).
     """
-    self.require_query()
+    self.require_sampling()
     num_records = tf.cast(num_records, tf.float32)
     ctx = tf.distribute.get_replica_context()
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync

@@ -134,15 +134,15 @@ def _mechanism_mismatch(opt, samples, queries):
               f"l2_norm_clip={clip:g} and noise_multiplier={z:g}, this optimizer uses "
               f"l2_norm_clip={step.l2_norm_clip:g} and noise_multiplier="
               f"{step.noise_multiplier:g}")
-  query = step.query
-  if query is not None:
+  sampling = step.sampling
+  if sampling is not None:
     policy = rec.policy_name(int(samples[last, 3]))
     k = int(samples[last, 4])
-    if policy != query.policy or k != query.examples_per_record:
+    if policy != sampling.policy or k != sampling.examples_per_record:
       return (f"its last step was sampled under policy {policy!r} ({rec.relation_for_policy(policy)}"
               f", {rec.unit_of_policy(policy)}) with examples_per_record={k}, this optimizer "
-              f"declares policy {query.policy!r} with examples_per_record="
-              f"{query.examples_per_record}")
+              f"declares policy {sampling.policy!r} with examples_per_record="
+              f"{sampling.examples_per_record}")
   return None
 
 

@@ -1,4 +1,4 @@
-"""The sampling a DP step declares: the QueryWithLedger that records it with every sample.
+"""The sampling a DP step declares: the LedgerSampling that records it with every sample.
 
 McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
 Procedures" (2018), Section 6: the privacy ledger records, with every sample, the population
@@ -72,8 +72,9 @@ def check(step, population_size, policy, sample_size):
 
 
 def declare(step, population_size, selection_probability, policy, sample_size):
-  """Makes the step's QueryWithLedger, or re-declares its sampling; the query's global state
-  variables are made once and the expected records (the Poisson denominator) set.
+  """Makes the step's LedgerSampling (on the step's ledger), or re-declares its sampling; the
+  query's global state variables are made once and the expected records (the Poisson
+  denominator) set.
 
   Args:
     step: the PrivateStep (its state made here if needed).
@@ -87,17 +88,17 @@ def declare(step, population_size, selection_probability, policy, sample_size):
   changed_cut = step.adopt_record_microbatches(m)   # None: the train step cuts per example
   step.make_state()
   with tf.init_scope():
-    if step.query is None or step.query.policy != policy:
-      step.adopt_query(ledger_lib.QueryWithLedger(
-          step.base_query, population_size, selection_probability, ledger=step.state.ledger,
-          policy=policy, sample_size=sample_size, examples_per_record=k))
+    if step.sampling is None or step.sampling.policy != policy:
+      step.adopt_sampling(ledger_lib.LedgerSampling(
+          population_size, selection_probability, ledger=step.state.ledger, policy=policy,
+          sample_size=sample_size, examples_per_record=k))
       changed = True
     else:
-      changed = step.query.examples_per_record != k or changed_cut
-      step.query.set_sampling(population_size, selection_probability, sample_size,
-                              examples_per_record=k)
+      changed = step.sampling.examples_per_record != k or changed_cut
+      step.sampling.set_sampling(population_size, selection_probability, sample_size,
+                                 examples_per_record=k)
     if not step.state.has_global_state:
-      step.state.make_global_state(step.query.initial_global_state())
+      step.state.make_global_state(step.base_query.initial_global_state())
     step.state.expected_records.assign(ledger_policies.get(policy).expected_records(
         population_size, selection_probability, sample_size))
   return changed
