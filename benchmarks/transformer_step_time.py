@@ -35,7 +35,11 @@ One configuration per process (--all runs the four: nonprivate/dp x full/LoRA, e
 subprocess) so the peak RSS (ru_maxrss) is the configuration's. Every step is
 model.train_on_batch (the DP step: per-example clipping routed by --clipping, noise, ledger).
 ms/step: median of --steps timed steps after --warmup steps; first_step_s: the first step
-(tracing, graph optimization, first run). Prints one JSON line per run.
+(tracing, graph optimization, first run); alloc_peak_mib: TensorFlow's CPU allocator peak over
+the timed steps (tf.config.experimental.reset_memory_stats after the warmup; the weights and
+the optimizer's state included, tracing excluded), alloc_before_steps_mib: what it held before
+them; alloc_peak_first_step_mib and peak_rss_after_first_step_mib: the allocator's peak and
+the process's peak RSS up to the end of the first step. Prints one JSON line per run.
 """
 
 import argparse
@@ -155,12 +159,17 @@ def run_one(a):
     opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
   x, y = batch(a.batch, a.seq, hub)
   rss_built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  times, first_step_s = [], None
+  times, first_step_s, alloc = [], None, {}
   for i in range(a.warmup + a.steps):
+    if i == a.warmup:   # the allocator's peak over the timed steps (tracing excluded)
+      tf.config.experimental.reset_memory_stats("CPU:0")
+      alloc["base"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
     t0 = time.perf_counter()
     model.train_on_batch(x, y)
     if i == 0:   # tracing, graph optimization and the first run
       first_step_s = round(time.perf_counter() - t0, 1)
+      alloc["first"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+      rss_first = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if i >= a.warmup:
       times.append(1e3 * (time.perf_counter() - t0))
   print(json.dumps({
@@ -174,6 +183,10 @@ def run_one(a):
       "first_step_s": first_step_s,
       "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
       "rss_after_build_mib": round(rss_built),
+      "alloc_peak_mib": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20),
+      "alloc_before_steps_mib": round(alloc["base"] / 2**20),
+      "alloc_peak_first_step_mib": round(alloc["first"] / 2**20),
+      "peak_rss_after_first_step_mib": round(rss_first),
       "ledger_steps": int(model.ledger.sample_count.numpy()) if a.mode == "dp" else None,
       "load_avg": os.getloadavg()}), flush=True)
 

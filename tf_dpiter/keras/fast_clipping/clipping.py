@@ -276,6 +276,9 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   return out, norms
 
 
+# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
+# library's functions made most of a large model's trace time.
+@tf.autograph.experimental.do_not_convert
 def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                      l2_norm_clip=None, mask=None, examples_per_record=1,
                      return_outputs=False, clip_factors_fn=None,

@@ -337,6 +337,9 @@ class TrainStepMixin:
     keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
     return self.get_metrics_result()
 
+  # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
+  # autograph=False): converting the library's functions made most of a large model's trace.
+  @tf.autograph.experimental.do_not_convert
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring).

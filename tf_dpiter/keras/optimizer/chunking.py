@@ -227,6 +227,9 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
   return acc, loss_sum, tf.nest.map_structure(lambda h, t: tf.concat([h, t], 0), aux, tail)
 
 
+# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
+# library's functions made most of a large model's trace time.
+@tf.autograph.experimental.do_not_convert
 def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=None):
   """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
 

@@ -13,6 +13,9 @@ import tensorflow as tf
 from tf_dpiter.keras.optimizer import chunking
 
 
+# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
+# library's functions made most of a large model's trace time.
+@tf.autograph.experimental.do_not_convert
 def accumulate(query, params, sample_state, grads, record_mask):
   """Adds the clipped per-record gradients [M, ...] of the real records to sample_state.
 

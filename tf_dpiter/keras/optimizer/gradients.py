@@ -162,6 +162,9 @@ def from_records(t, batch_size, num_microbatches):
   return tf.reshape(t, shape)[:batch_size]
 
 
+# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
+# library's functions made most of a large model's trace time.
+@tf.autograph.experimental.do_not_convert
 def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
   """Vectorized gradients of record_loss_fn(record) w.r.t. variables, one per record.
 

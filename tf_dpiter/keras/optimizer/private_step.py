@@ -42,6 +42,7 @@ from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_mechanisms
+from tf_dpiter.keras.optimizer import pipelining
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import step_sampling
 from tf_dpiter.keras.optimizer import step_state
@@ -648,6 +649,9 @@ class PrivateStep:
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
+      # each sum is formed once the leaf before it is noised (Bu et al. 2023, Section 3:
+      # no more sums held than the non-private step holds gradients)
+      pipelining.gate_sums_on_noise(sample_state, result)
     else:   # the replicas' sums and counts all-reduced, one draw in cross-replica context
       sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
       num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
