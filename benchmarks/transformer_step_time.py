@@ -23,7 +23,8 @@ environment (tensorflow-text etc. are not needed to build a backbone from a conf
 --profile (DP): in one process, the parts of a DP step timed separately: the non-private
 gradient (one tape.gradient of the mean loss), the fast clipped sum
 (fast_clipping.clipped_grad_sum), the Gaussian noise for every trainable variable
-(tf.random.Generator.normal), and the whole DP train_on_batch.
+(tf.random.Generator.normal, and the step's own draw: the Gaussian query's exact-tail sampler
+added into zero sums, gaussian_query.add_gaussian_noise), and the whole DP train_on_batch.
 
 --ops: the size of the traced graphs, in one process: ops of the non-private gradient (one
 tape.gradient of the mean loss) and of the fast clipped sum (fast_clipping.clipped_grad_sum)
@@ -58,6 +59,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
+from tf_dpiter.dp_query import gaussian_query  # noqa: E402
 
 BERT_BASE = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
                  intermediate_dim=3072, max_sequence_length=512)
@@ -227,7 +229,10 @@ def profile(a):
       "nonprivate_gradient": tf.function(grads),
       "fast_clipped_sum": tf.function(lambda: dp.keras.fast_clipping.clipped_grad_sum(
           model, x, y, per_example, 1.0)[0]),
-      "noise_draw": tf.function(lambda: [gen.normal(v.shape) for v in variables]),
+      "noise_draw_tf_normal": tf.function(lambda: [gen.normal(v.shape) for v in variables]),
+      # the step's own draw: the Gaussian query's exact-tail sampler, added into sums
+      "query_noise_into_sums": tf.function(lambda: gaussian_query.add_gaussian_noise(
+          gen, [tf.zeros(v.shape) for v in variables], 1.1)),
       "dp_train_on_batch": lambda: model.train_on_batch(x, y),
   }
   out = {k: _median_ms(f, a.warmup, a.steps) for k, f in parts.items()}

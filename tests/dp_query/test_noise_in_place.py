@@ -1,5 +1,6 @@
-"""The Gaussian query's noise in bounded draws (small leaves share one, a large leaf is noised
-block by block into the sum's own buffer: `gaussian_query.add_gaussian_noise`), and the sample
+"""The Gaussian query's noise in bounded draws (the leaves form one stream of draws of a block
+each; a leaf across draws is noised block by block into the sum's own buffer:
+`gaussian_query.add_gaussian_noise`), and the sample
 state of a sum formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy
 of the sum."""
 
@@ -44,6 +45,14 @@ def test_blocked_leaf_16_bit_and_graph_updates_in_place(monkeypatch):
   float32; the blocked path writes each block with TensorStridedSliceUpdate (in place when
   nothing else reads the sum) and draws nothing the size of the whole leaf."""
   monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1024)
+  sizes = []
+  real_noise = gaussian_query._noise  # pylint: disable=protected-access
+
+  def counted(generator, size, dtype, stddev):
+    sizes.append(size)
+    return real_noise(generator, size, dtype, stddev)
+
+  monkeypatch.setattr(gaussian_query, "_noise", counted)
   gen = tf.random.Generator.from_seed(22, alg="philox")
   fn = tf.function(lambda x: gaussian_query.add_gaussian_noise(gen, [x * 1.0], 3.0))
   x = tf.zeros([64, 80], tf.bfloat16)
@@ -53,9 +62,9 @@ def test_blocked_leaf_16_bit_and_graph_updates_in_place(monkeypatch):
   assert abs(z.std() - 3.0) < 5 * 3.0 * math.sqrt(2.0 / z.size) + 0.03
   ops = fn.get_concrete_function(x).graph.get_operations()
   assert sum(op.type == "TensorStridedSliceUpdate" for op in ops) == 5   # ceil(5120 / 1024)
-  widest = max((int(np.prod(o.shape)) for op in ops if "Random" in op.type or "Philox" in op.type
-                for o in op.outputs if o.shape.is_fully_defined()), default=0)
-  assert 0 < widest <= 2 * 1024
+  # five full draws: five calls of one traced draw function of 1,024 values
+  assert sizes == [1024]
+  assert sum(op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in ops) == 5
 
 
 def test_sum_aggregation_state_is_the_sum_itself():
@@ -85,9 +94,9 @@ def test_query_with_its_own_state_gets_initial_plus_accumulate():
 
 
 def test_small_leaves_share_bounded_draws(monkeypatch):
-  """Ten leaves of 300 values with blocks of 1,000: four draws (3 + 3 + 3 + 1 leaves), none
-  of more than 1,000 values; a float64 leaf starts its own draw; each leaf gets distinct
-  N(0, sigma^2) values."""
+  """Ten leaves of 300 values with blocks of 1,000: one stream of 3,000 values in three draws
+  of 1,000 (leaves across two draws take a part of each), none larger; a float64 leaf gets its
+  own draw; each leaf gets distinct N(0, sigma^2) values."""
   monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1000)
   sizes = []
   real_noise = gaussian_query._noise  # pylint: disable=protected-access
@@ -100,8 +109,29 @@ def test_small_leaves_share_bounded_draws(monkeypatch):
   gen = tf.random.Generator.from_seed(23, alg="philox")
   leaves = [tf.zeros([300]) for _ in range(10)] + [tf.zeros([200], tf.float64)]
   out = gaussian_query.add_gaussian_noise(gen, leaves, 1.5)
-  assert sizes == [(900, tf.float32)] * 3 + [(300, tf.float32), (200, tf.float64)]
+  assert sizes == [(1000, tf.float32)] * 3 + [(200, tf.float64)]
   z = np.concatenate([o.numpy().ravel() for o in out[:10]])
   assert len(np.unique(z)) > 0.999 * z.size   # a value used twice would repeat 300
   assert abs(z.std() - 1.5) < 5 * 1.5 * math.sqrt(2.0 / z.size)
   assert out[10].dtype == tf.float64 and np.all(out[10].numpy() != 0.0)
+
+
+def test_graph_size_does_not_grow_with_the_number_of_draws(monkeypatch):
+  """In a traced graph every full draw calls one function: 4 or 16 draws of 1,000 values make
+  the same function library (the exact-tail branch and loops once), and the outer graph grows
+  by a few ops per draw; every value of the stream is used once."""
+  monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1000)
+  gen = tf.random.Generator.from_seed(24, alg="philox")
+
+  def traced(n_leaves):
+    leaves = [tf.zeros([500]) for _ in range(n_leaves)]
+    fn = tf.function(lambda: gaussian_query.add_gaussian_noise(gen, leaves, 1.0))
+    graph = fn.get_concrete_function().graph.as_graph_def()
+    return len(graph.library.function), len(graph.node), fn()
+
+  lib4, nodes4, _ = traced(8)      # 4 draws
+  lib16, nodes16, out = traced(32)  # 16 draws
+  assert lib4 == lib16
+  assert nodes16 - nodes4 < 12 * 40   # a call, its slices and additions per draw
+  z = np.concatenate([o.numpy() for o in out])
+  assert len(np.unique(z)) > 0.999 * z.size

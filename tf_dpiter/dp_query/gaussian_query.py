@@ -78,16 +78,19 @@ def add_gaussian_noise(generator, structure, stddev):
   The noise, stddev and the addition are computed in float32 (float64 leaves in float64)
   whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
   1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
-  afterwards (post-processing). The draws (`randomness.padded_normal`, sigma applied to the
-  Box-Muller radius) hold at most `BLOCK_VALUES` values each: consecutive leaves of one dtype
-  share a draw while their sizes add up to at most that (leaf i gets the i.i.d. values
-  [o_i, o_i + size_i) of it, views of its buffer), a larger leaf is noised in consecutive
-  blocks of that many values, each block's draw added into the leaf's buffer
+  afterwards (post-processing). The leaves of static size computed in float32 form one stream
+  of values (the leaves whose size is a multiple of 16 first, so that their slices of a draw
+  are views), noised by consecutive draws of `BLOCK_VALUES` values each
+  (`randomness.padded_normal`, sigma applied to the Box-Muller radius; the last draw holds
+  what is left): leaf i gets the i.i.d. values [o_i, o_i + size_i) of the stream, so no value
+  serves twice and none is drawn for nothing. A leaf within one draw is noised by one
+  addition; a leaf across draws block by block into its own buffer
   (`tf.raw_ops.TensorStridedSliceUpdate`, which reuses the buffer of a sum nothing else
-  reads), and a leaf of unknown size gets its own draw. The draws run one after the other
-  (each waits for the previous one's noised leaves), so besides the sum itself one draw's
-  temporaries are alive at a time: memory O(sum + block), not O(2 x sum), with about
-  size / BLOCK_VALUES draws in the graph.
+  reads). In a traced graph every full draw is a call of one function (its exact-tail branch
+  and loops appear once in the graph, not once per draw). Float64 leaves and leaves of unknown
+  size get their own draws (`_noised_leaf`). The draws run one after the other (each waits
+  for the leaves the previous one noised), so besides the sum itself one draw's temporaries
+  are alive at a time: memory O(sum + block), not O(2 x sum).
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -99,34 +102,18 @@ def add_gaussian_noise(generator, structure, stddev):
   """
   leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
   out = list(leaves)
-  previous = []   # the last draw's noised leaves: the next draw waits for them
-  group, group_size, group_dtype = [], 0, None
-
-  def flush():
-    nonlocal previous, group, group_size
-    if group:
-      with tf.control_dependencies(previous):
-        noised = _noised_group(generator, [leaves[i] for i in group], stddev)
-      for i, n in zip(group, noised):
-        out[i] = n
-      previous = noised
-    group, group_size = [], 0
-
+  streamed = [i for i, leaf in enumerate(leaves)
+              if _wide(leaf.dtype) == tf.float32 and isinstance(_size(leaf), int)
+              and _size(leaf) > 0]
+  streamed.sort(key=lambda i: _size(leaves[i]) % 16 != 0)   # stable: aligned offsets first
+  previous = _noised_stream(generator, leaves, streamed, stddev, out)
+  chosen = set(streamed)
   for i, leaf in enumerate(leaves):
-    dtype = _wide(leaf.dtype)
-    size = _size(leaf)
-    if not isinstance(size, int) or size > BLOCK_VALUES:
-      flush()
-      with tf.control_dependencies(previous):
-        out[i] = _noised_leaf(generator, leaf, stddev)
-      previous = [out[i]]
+    if i in chosen:
       continue
-    if group and (dtype != group_dtype or group_size + size > BLOCK_VALUES):
-      flush()
-    group.append(i)
-    group_size += size
-    group_dtype = dtype
-  flush()
+    with tf.control_dependencies(previous):
+      out[i] = _noised_leaf(generator, leaf, stddev)
+    previous = [out[i]]
   return tf.nest.pack_sequence_as(structure, out)
 
 
@@ -135,19 +122,51 @@ def _wide(dtype):
   return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def _noised_group(generator, leaves, stddev):
-  """Leaves of one wide dtype and static sizes summing to <= BLOCK_VALUES, noised from one
-  draw (the leaves whose size is a multiple of 16 first, so their slices are views)."""
-  dtype = _wide(leaves[0].dtype)
-  sizes = [_size(leaf) for leaf in leaves]
-  order = sorted(range(len(leaves)), key=lambda i: sizes[i] % 16 != 0)
-  noise = _noise(generator, sum(sizes), dtype, stddev)
-  out, start = [None] * len(leaves), 0
-  for i in order:
-    part = tf.reshape(noise[start:start + sizes[i]], tf.shape(leaves[i]))
-    out[i] = tf.cast(tf.cast(leaves[i], dtype) + part, leaves[i].dtype)
-    start += sizes[i]
-  return out
+def _noised_stream(generator, leaves, order, stddev, out):
+  """Noises leaves[i] for i in `order` (float32 arithmetic, static sizes) from one stream of
+  draws of BLOCK_VALUES values (`add_gaussian_noise`); writes the noised leaves into `out`.
+
+  Returns:
+    the tensors the last draw wrote (the next draw waits for them).
+  """
+  sizes = [_size(leaves[i]) for i in order]
+  total = sum(sizes)
+  block = int(BLOCK_VALUES)
+  if tf.executing_eagerly():
+    draw_full = lambda: _noise(generator, block, tf.float32, stddev)  # noqa: E731
+  else:   # one function for every full draw: its branch and loops once in the graph
+    draw_full = tf.function(lambda: _noise(generator, block, tf.float32, stddev),
+                            autograph=False)
+  flats = {}
+  offsets, o = [], 0
+  for n in sizes:
+    offsets.append(o)
+    o += n
+  previous, first = [], 0   # first: the first leaf (in `order`) not fully noised yet
+  for start in range(0, total, block):
+    n = min(block, total - start)
+    with tf.control_dependencies(previous):
+      noise = draw_full() if n == block else _noise(generator, n, tf.float32, stddev)
+    previous = []
+    j = first
+    while j < len(order) and offsets[j] < start + n:
+      i, a, size = order[j], offsets[j], sizes[j]
+      lo, hi = max(a, start), min(a + size, start + n)
+      piece = noise[lo - start:hi - start]
+      if i not in flats:
+        flats[i] = tf.reshape(tf.cast(leaves[i], tf.float32), [-1])
+      if lo == a and hi == a + size:   # the whole leaf in this draw: one addition
+        flats[i] = flats[i] + piece
+      else:                            # across draws: into its own buffer, block by block
+        flats[i] = tf.raw_ops.TensorStridedSliceUpdate(
+            input=flats[i], begin=[lo - a], end=[hi - a], strides=[1],
+            value=flats[i][lo - a:hi - a] + piece)
+      previous.append(flats[i])
+      if hi == a + size:   # done: back to the leaf's shape and dtype
+        out[i] = tf.cast(tf.reshape(flats[i], tf.shape(leaves[i])), leaves[i].dtype)
+        first = j + 1
+      j += 1
+  return previous
 
 
 def _noised_leaf(generator, leaf, stddev):
