@@ -10,10 +10,12 @@ largest change of the clipped sum never exceeds the sensitivity the ledger recor
   * MirroredStrategy on 2 logical CPU devices (subprocess), where train_on_batch is refused
     (Keras would hand every replica the whole batch: the sum counted twice);
   * the vectorized path under TF_ENABLE_ONEDNN_OPTS=1 with EinsumDense/MultiHeadAttention
-    (subprocess): routed to a per-example loop and equal to a hand-written one.
+    (in this process when it runs oneDNN, else a fresh process): routed to a per-example loop
+    and equal to a hand-written one.
 Dtype policies are in test_dtype_policies.py.
 """
 
+import importlib.util
 import itertools
 import json
 import os
@@ -26,6 +28,7 @@ import pytest
 
 import tf_dpiter as dp
 from tf_dpiter.auditing import sensitivity
+from tf_dpiter.keras.optimizer import routing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -130,10 +133,24 @@ def test_mirrored_strategy_two_replicas():
     assert 0.5 * recorded < out[f"{clipping}_max_change"] <= recorded * (1 + RTOL), out
 
 
-def test_vectorized_path_under_onednn_matches_per_example_loop():
+def _onednn_result(monkeypatch):
+  """paths_worker's `onednn` result: in this process when it already runs oneDNN (TensorFlow
+  reads TF_ENABLE_ONEDNN_OPTS once per process; the result, not the process, is tested), else
+  in a fresh process with TF_ENABLE_ONEDNN_OPTS=1."""
+  if not routing.onednn_enabled():
+    return _worker("onednn", TF_ENABLE_ONEDNN_OPTS="1")
+  monkeypatch.setattr(sys, "argv", [os.path.join(HERE, "paths_worker.py"), "onednn"])
+  spec = importlib.util.spec_from_file_location("paths_worker_onednn",
+                                                os.path.join(HERE, "paths_worker.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return json.loads(json.dumps(module.onednn()))   # the worker's JSON types, as printed
+
+
+def test_vectorized_path_under_onednn_matches_per_example_loop(monkeypatch):
   """Under oneDNN tf.vectorized_map gets these layers' per-example gradients wrong or crashes;
   the guard routes them to a per-record loop, equal to the hand-written loop."""
-  out = _worker("onednn", TF_ENABLE_ONEDNN_OPTS="1")
+  out = _onednn_result(monkeypatch)
   assert out["onednn"] is True
   assert {"mha", "einsum"} <= set(out["affected"])
   assert out["use_vectorized_map"] is False
