@@ -10,6 +10,12 @@ formed).
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
+Memory budget (issue 42, rules/budget.py): on [B, T.., K] inputs both run their per-example
+forms (per-example gradients, Gram matrices) and their clipped sums over chunks of the batch
+whose temporaries take at most budget.CHUNK_BYTES, and keep per-record gradients for the
+clipped sum only while the batch's take at most budget.KEEP_BYTES (beyond: the norms, and the
+sum from the clip-weighted output gradients, Bu et al., "Differentially private optimization
+on large model at small cost", Sec. 3).
 """
 
 import numpy as np
@@ -18,6 +24,7 @@ from keras import ops
 
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 
 
 @registry.float32_watched
@@ -39,12 +46,11 @@ def dense_norm_fn(layer, inputs, training=None):
     return None
   x = inputs
   z = ops.matmul(x, layer.kernel)
-  if _bias_folded(layer, x):
+  if _budgeted(layer, x):
     outputs, z = _add_bias_and_activation(layer, z)
-    sqr_norm_fn = lambda dz: _folded_sqr_norm(layer, x, dz)
-  else:
-    outputs, z, sqr_norm_fn = kernel_bias_layer(
-        layer, z, lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
+    return outputs, z, lambda dz: _budgeted_norms(layer, x, dz)
+  outputs, z, sqr_norm_fn = kernel_bias_layer(
+      layer, z, lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
 
   def norms_and_sums(dz):
     res = sqr_norm_fn(dz)
@@ -53,6 +59,64 @@ def dense_norm_fn(layer, inputs, training=None):
     return registry.FactorSums(res, lambda c: _dense_sums(layer, x, dz, c))
 
   return outputs, z, norms_and_sums
+
+
+def _budgeted(layer, x):
+  """The memory budget applies (rules/budget.py): x has positions ([B, T.., K]) and the
+  kernel is trained (the bias then folded in when it is trained too, or frozen)."""
+  return (algebra.trainable(layer.kernel) and x.shape.rank is not None and x.shape.rank > 2
+          and (_bias_folded(layer, x) or not algebra.trainable(layer.bias)))
+
+
+def _budgeted_norms(layer, x, dz):
+  """The norms and clipped sum of a Dense layer on [B, T.., K] inputs within the memory
+  budget (rules/budget.py): ||[grad W; grad b]||^2 per record as one kernel on [x, 1] (or
+  grad W alone with a frozen bias) by budget.factored_sqr_norms, over chunks of the batch.
+  Per-record gradients kept within budget.KEEP_BYTES are one registry.PerExampleBlock (summed
+  once, then split into the kernel's K rows and the bias's last row); else the clipped sum is
+  registry.FactorSums: the book-keeping product (_dense_sums) over chunks of at most
+  budget.CHUNK_BYTES of temporaries, or (a batch the trace does not know) the choice at run
+  time.
+
+  Args:
+    layer: the Dense layer.
+    x: [B, T.., K] its input.
+    dz: [B, T.., N] the gradient at its output before the activation.
+
+  Returns:
+    registry.PerExampleBlock or registry.FactorSums.
+  """
+  fold = _bias_folded(layer, x)
+  sq, keep, g = budget.factored_sqr_norms(algebra.to_btk(x), algebra.to_btk(dz),
+                                          with_one=fold)
+  rows, n = int(x.shape[-1]) + int(fold), int(dz.shape[-1])
+
+  def unpack(sums):
+    flat = sums[0]
+    by_id = {id(layer.kernel): tf.reshape(flat[:(rows - fold) * n], [rows - fold, n])}
+    if fold:
+      by_id[id(layer.bias)] = flat[(rows - 1) * n:]
+    return [by_id[id(v)] for v in layer.trainable_variables]
+
+  if keep is True:
+    return registry.PerExampleBlock(sq, [g[:tf.shape(sq)[0]]], unpack)
+  t = algebra.static_positions(x.shape[1:-1])
+  m = budget.examples_per_chunk(x, 4 * 2 * t * (rows + n)) if t != -1 else None
+  shapes = [v.shape for v in layer.trainable_variables]
+
+  def by_bookkeeping(c):
+    return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc),
+                                  (x, dz, c), m, shapes)
+
+  def sum_fn(example_factors):
+    c = tf.cast(example_factors, tf.float32)
+    if keep is False:
+      return by_bookkeeping(c)
+    return tf.cond(keep, lambda: unpack([budget.kept_sum(budget.record_factors(c), g)]),
+                   lambda: by_bookkeeping(c))
+
+  sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
+  return registry.FactorSums(sq, sum_fn)
 
 
 def _bias_folded(layer, x):
@@ -67,24 +131,6 @@ def _with_one(x):
   """x [..., K] in float32 with a last column of ones: [..., K + 1] (the bias's input)."""
   x = tf.cast(x, tf.float32)
   return tf.concat([x, tf.ones_like(x[..., :1])], -1)
-
-
-def _folded_sqr_norm(layer, x, dz):
-  """||[grad W; grad b]||^2 per record as one kernel on [x, 1] (algebra.factored_sqr_norm).
-
-  When the per-example gradients [B, K + 1, N] are kept they are one registry.PerExampleBlock:
-  summed once, then split into the kernel's K rows and the bias's last row."""
-  sq, g = algebra.factored_sqr_norm(_with_one(algebra.to_btk(x)), algebra.to_btk(dz))
-  if g is None:
-    return sq
-  k, n = int(g.shape[1]) - 1, int(g.shape[2])
-
-  def unpack(sums):
-    by_id = {id(layer.kernel): tf.reshape(sums[0][:k * n], [k, n]),
-             id(layer.bias): sums[0][k * n:]}
-    return [by_id[id(v)] for v in layer.trainable_variables]
-
-  return registry.PerExampleBlock(sq, [tf.reshape(g, [tf.shape(g)[0], (k + 1) * n])], unpack)
 
 
 def _dense_sums(layer, x, dz, factors):
@@ -250,25 +296,113 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
     return None
   _, (inp, ker, out) = entry
   x = inputs
+  outputs, z = _add_bias_and_activation(layer, ops.einsum(layer.equation, x, layer.kernel))
+  return outputs, z, lambda dz: _einsum_norms(layer, (inp, ker, out), x, dz)
 
-  keep = registry.keep_per_example(int(np.prod(layer.kernel.shape)))
 
-  def kernel_part(dz):
-    g = registry.record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}",
-                                      tf.cast(x, tf.float32),
-                                      tf.cast(dz, tf.float32)))
-    return algebra.sqr_sum(g), (g if keep else None)
+def _einsum_kernel_norms(equation, x, dz, p):
+  """Per-record squared norms of an EinsumDense kernel's gradient, by the per-example
+  einsum "in,out->b ker" over chunks of the batch (rules/budget.py), and the per-record
+  gradients where they are kept (budget.keep_choice; registry.keep_per_example without a
+  budget).
 
-  outputs, z, sqr_norm_fn = kernel_bias_layer(
-      layer, ops.einsum(layer.equation, x, layer.kernel), kernel_part)
+  Args:
+    equation: (input, kernel, output) subscripts.
+    x: [B, ...] the layer's input.
+    dz: [B, ...] the gradient at its output before the bias.
+    p: kernel entries (a Python int).
 
-  def norms_and_sums(dz):
-    res = sqr_norm_fn(dz)
-    if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
-      return res
-    return registry.FactorSums(res, lambda c: _einsum_sums(layer, (inp, ker, out), x, dz, c))
+  Returns:
+    (sqr_norms [B / k], keep, g [R, p] or None) as budget.factored_sqr_norms returns them.
+  """
+  inp, ker, out = equation
+  x = tf.cast(x, tf.float32)
+  dz = tf.cast(dz, tf.float32)
+  size = lambda t: algebra.static_positions(t.shape[1:])
+  k = registry.current_examples_per_record()
+  operands = (4 * (size(x) + size(dz)) * k
+              if -1 not in (size(x), size(dz)) and isinstance(k, int) else 0)
+  keep = budget.keep_choice(x, 4 * p, registry.keep_per_example(p), operands)
+  m = (budget.examples_per_chunk(x, 4 * (2 * (size(x) + size(dz)) + 2 * p))
+       if -1 not in (size(x), size(dz)) else None)
+  rec = m // k if m is not None else None
 
-  return outputs, z, norms_and_sums
+  def pass_of(with_g):
+    def body(xc, dc):
+      g = tf.reshape(registry.record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", xc, dc)),
+                     [-1, p])
+      sq = tf.reduce_sum(tf.square(g), axis=1)
+      return (sq, g) if with_g else (sq,)
+
+    specs = [tf.TensorSpec([rec], tf.float32)] + (
+        [tf.TensorSpec([rec, p], tf.float32)] if with_g else [])
+    return budget.over_chunks(body, (x, dz), m, specs)
+
+  if keep is True:
+    sq, g = pass_of(True)
+    return sq, True, g
+  if keep is False:
+    return pass_of(False)[0], False, None
+  sq, g = tf.cond(keep, lambda: pass_of(True),
+                  lambda: (pass_of(False)[0], tf.zeros([0, p], tf.float32)))
+  return sq, keep, g
+
+
+def _einsum_norms(layer, equation, x, dz):
+  """The norms and clipped sum of an EinsumDense layer within the memory budget
+  (rules/budget.py): registry.PerExampleGrads where the per-record gradients are kept (or
+  only the bias is trained), else registry.FactorSums whose sum is the book-keeping einsum
+  (_einsum_sums) over chunks of at most budget.CHUNK_BYTES of temporaries, or (a batch the
+  trace does not know) chosen at run time.
+
+  Args:
+    layer: the EinsumDense layer.
+    equation: (input, kernel, output) subscripts.
+    x: [B, ...] its input.
+    dz: [B, ...] the gradient at its output before the activation.
+
+  Returns:
+    registry.PerExampleGrads or registry.FactorSums.
+  """
+  kernel_on = algebra.trainable(layer.kernel)
+  bias_on = algebra.trainable(layer.bias)
+  p = int(np.prod(layer.kernel.shape))
+  sq, keep, g = (_einsum_kernel_norms(equation, x, dz, p) if kernel_on else
+                 (None, False, None))
+  db = algebra.bias_grad(dz, layer.bias.shape) if bias_on else None
+  if bias_on:
+    sq = algebra.add_norms(sq, algebra.sqr_sum(db))
+  if sq is None:
+    sq = algebra.zeros(dz)
+  if keep is True or not kernel_on:
+    grads = {id(layer.bias): db} if bias_on else {}
+    if kernel_on:
+      grads[id(layer.kernel)] = g[:tf.shape(sq)[0]]
+    return algebra.result(layer, sq, grads)
+  size = lambda t: algebra.static_positions(t.shape[1:])
+  m = (budget.examples_per_chunk(x, 4 * 2 * (size(x) + size(dz)))
+       if -1 not in (size(x), size(dz)) else None)
+  shapes = [v.shape for v in layer.trainable_variables]
+
+  def by_bookkeeping(c):
+    return budget.sum_over_chunks(lambda xc, dc, cc: _einsum_sums(layer, equation, xc, dc, cc),
+                                  (x, dz, c), m, shapes)
+
+  def from_kept(c):
+    rc = budget.record_factors(c)
+    out = {id(layer.kernel): tf.reshape(budget.kept_sum(rc, g), layer.kernel.shape)}
+    if bias_on:
+      out[id(layer.bias)] = algebra.factor_product(rc, algebra.drop_rows(db, rc))
+    return [out[id(v)] for v in layer.trainable_variables]
+
+  def sum_fn(example_factors):
+    c = tf.cast(example_factors, tf.float32)
+    if keep is False:
+      return by_bookkeeping(c)
+    return tf.cond(keep, lambda: from_kept(c), lambda: by_bookkeeping(c))
+
+  sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
+  return registry.FactorSums(sq, sum_fn)
 
 
 def _einsum_sums(layer, equation, x, dz, factors):

@@ -1,7 +1,8 @@
 """Ghost norm of LayerNormalization.
 
 y = xhat * gamma + beta; grad gamma_i = sum dy * xhat, grad beta_i = sum dy
-(sums over the non-normalized, non-batch axes).
+(sums over the non-normalized, non-batch axes), formed over chunks of the batch whose
+temporaries take at most budget.CHUNK_BYTES (rules/budget.py).
 """
 
 import numpy as np
@@ -10,6 +11,7 @@ from keras import ops
 
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 
 
 @registry.float32_watched
@@ -44,21 +46,73 @@ def layer_norm_norm_fn(layer, inputs):
     y = y + ops.cast(ops.reshape(beta, bshape), xhat.dtype)
   outputs = ops.cast(y, layer.compute_dtype)
   red = [a for a in range(1, ndims) if a not in axes]
-  keep = registry.keep_per_example(int(np.prod(bshape)))
+  entries = int(np.prod(bshape))
+  trained = [v for v in (gamma, beta) if algebra.trainable(v)]
 
   def sqr_norm_fn(dy):
     dy = tf.cast(dy, tf.float32)
-    sq, grads = None, {}
-    if algebra.trainable(gamma):
-      g = dy * tf.cast(xhat, tf.float32)
-      g = registry.record_sum(tf.reduce_sum(g, axis=red) if red else g)
-      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
-      grads[id(gamma)] = g
-    if algebra.trainable(beta):
-      g = registry.record_sum(tf.reduce_sum(dy, axis=red) if red else dy)
-      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
-      grads[id(beta)] = g
-    sq = algebra.zeros(dy) if sq is None else sq
-    return algebra.result(layer, sq, grads) if keep else sq
+    if not trained:
+      return algebra.zeros(dy)
+    # Per-record gradients of gamma and beta (entries each): kept within budget.KEEP_BYTES
+    # where the trace knows the batch, and with an unknown batch as the rule always kept
+    # them (a few KiB per record); else the clipped sum from the factors (_sums).
+    keep = budget.keep_choice(dy, 4 * entries * len(trained),
+                              registry.keep_per_example(entries))
+    keep = keep if isinstance(keep, bool) else True
+    k = registry.current_examples_per_record()
+    size = algebra.static_positions(dy.shape[1:])
+    m = (budget.examples_per_chunk(dy, 4 * 3 * size)
+         if size != -1 and isinstance(k, int) else None)
+
+    def body(dc, xc):
+      sq, out = None, []
+      for v in trained:
+        g = dc * tf.cast(xc, tf.float32) if v is gamma else dc
+        g = registry.record_sum(tf.reduce_sum(g, axis=red) if red else g)
+        sq = algebra.add_norms(sq, algebra.sqr_sum(g))
+        out.append(g)
+      return (sq, *out) if keep else (sq,)
+
+    rec = m // k if m is not None else None
+    g_shape = [dy.shape[a] for a in range(1, ndims) if a not in red]
+    specs = [tf.TensorSpec([rec], tf.float32)] + (
+        [tf.TensorSpec([rec] + g_shape, tf.float32)] * len(trained) if keep else [])
+    out = budget.over_chunks(body, (dy, xhat), m, specs)
+    if not keep:
+      return registry.FactorSums(out[0], lambda c: _sums(layer, trained, dy, xhat, red, c, m))
+    return algebra.result(layer, out[0], {id(v): g[:tf.shape(out[0])[0]]
+                                          for v, g in zip(trained, out[1:])})
 
   return outputs, y, sqr_norm_fn
+
+
+def _sums(layer, trained, dy, xhat, red, factors, m):
+  """sum_i c_i grad gamma_i = sum over the batch and the axes `red` of (c dy) xhat, and
+  sum_i c_i grad beta_i of c dy, over chunks of m examples (rules/budget.py); the rows of
+  c_i = 0 are exactly 0 in both factors (algebra.weight_rows / drop_rows), so a record whose
+  values are not finite adds nothing.
+
+  Args:
+    layer: the LayerNormalization layer.
+    trained: its trainable variables among (gamma, beta), gamma first.
+    dy: [B, ...] float32 gradient at its output.
+    xhat: [B, ...] the normalized input.
+    red: the non-batch axes gamma and beta are broadcast along.
+    factors: [B] float32 clip factors of the examples.
+    m: examples per chunk, or None.
+
+  Returns:
+    one float32 tensor per variable of layer.trainable_variables.
+  """
+  gamma = layer.gamma if layer.scale else None
+  axes = [0] + list(red)
+
+  def body(dc, xc, cc):
+    dw = algebra.weight_rows(dc, cc)
+    return [tf.reshape(tf.reduce_sum(dw * algebra.drop_rows(xc, cc) if v is gamma else dw,
+                                     axis=axes), v.shape) for v in trained]
+
+  sums = budget.sum_over_chunks(body, (dy, xhat, tf.cast(factors, tf.float32)), m,
+                                [v.shape for v in trained])
+  by_id = {id(v): s for v, s in zip(trained, sums)}
+  return [by_id[id(v)] for v in layer.trainable_variables]

@@ -16,7 +16,9 @@ computed for all steps at once, which is the watched tensor: its gradient is
 g. The loop also emits a_t (and r_t). The squared norms are factored norms
 (algebra.factored_sqr_norm: Gram form sum_{t,s} <a_t, a_s><g_t, g_s> or the
 per-example gradient, whichever is cheaper), and the clipped sum is
-sum_i c_i sum_t a_t^T g_t (GhostSums), everything in float32.
+sum_i c_i sum_t a_t^T g_t (FactorSums: g weighted by the clip factors), everything in float32.
+Both run over chunks of the batch whose temporaries take at most budget.CHUNK_BYTES
+(rules/budget.py), one chunk at a time, so their memory does not grow with the batch.
 
 Declines (the layer then takes the vectorized path): stateful layers, dropout
 or recurrent dropout, LoRA/quantized cells, cells other than Keras' own.
@@ -29,6 +31,7 @@ from tf_dpiter.keras.internals import keras_internals as keras_backend  # .rnn: 
 
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 
 _CELLS = (keras.layers.SimpleRNNCell, keras.layers.LSTMCell, keras.layers.GRUCell)
 
@@ -49,9 +52,13 @@ def _biases(cell):
   return cell.bias, None
 
 
-def _step_fn(cell):
+def _step_fn(cell, emit_prev):
   """Keras' cell math on the precomputed input projection xw_t: returns
-  step(xw_t, states) -> (concat[h_t, a_t (, r_t)], new_states)."""
+  step(xw_t, states) -> (concat[h_t, a_t (, r_t)], new_states), without a_t = h_{t-1} when
+  not emit_prev (without a mask it is the previous step's output, taken from the outputs:
+  no second [T, B, units] sequence through the loop and its backward)."""
+  emitted = lambda h, h_prev, *rest: ops.concatenate(
+      [h] + ([h_prev] if emit_prev else []) + list(rest), -1)
   u = cell.recurrent_kernel
   units = cell.units
   _, rec_bias = _biases(cell)
@@ -61,14 +68,14 @@ def _step_fn(cell):
       h_prev = states[0]
       h = xw + ops.matmul(h_prev, u)
       h = cell.activation(h) if cell.activation is not None else h
-      return ops.concatenate([h, h_prev], -1), [h]
+      return emitted(h, h_prev), [h]
   elif isinstance(cell, keras.layers.LSTMCell):
     def step(xw, states):
       h_prev, c_prev = states
       z = ops.split(xw + ops.matmul(h_prev, u), 4, axis=-1)
       c, o = cell._compute_carry_and_output_fused(z, c_prev)  # pylint: disable=protected-access
       h = o * cell.activation(c)
-      return ops.concatenate([h, h_prev], -1), [h, c]
+      return emitted(h, h_prev), [h, c]
   else:
     def step(xw, states):
       h_prev = states[0]
@@ -86,7 +93,7 @@ def _step_fn(cell):
       else:
         hh = cell.activation(x_h + ops.matmul(r * h_prev, u[:, 2 * units:]))
       h = z * h_prev + (1 - z) * hh
-      return ops.concatenate([h, h_prev, r], -1), [h]
+      return emitted(h, h_prev, r), [h]
   return step
 
 
@@ -107,12 +114,19 @@ def _run(layer, sequences, initial_state, mask):
                    for s in initial_state]
   if isinstance(mask, (list, tuple)):
     mask = mask[0]
+  emit_prev = mask is not None   # with a mask, a_t is the state a masked step kept
   last, outs, states = keras_backend.rnn(
-      _step_fn(cell), xw, initial_state, go_backwards=layer.go_backwards,
+      _step_fn(cell, emit_prev), xw, initial_state, go_backwards=layer.go_backwards,
       mask=mask, unroll=layer.unroll, input_length=sequences.shape[1],
       zero_output_for_mask=layer.zero_output_for_mask, return_all_outputs=True)
   units = cell.units
-  aux = tf.stop_gradient(outs[:, :, units:])
+  if emit_prev:
+    aux = outs[:, :, units:]
+  else:   # h_{t-1} in processing order: the initial state, then the outputs but the last
+    h0 = ops.cast(initial_state[0], outs.dtype)[:, None]
+    h_prev = tf.concat([h0, outs[:, :-1, :units]], 1)
+    aux = h_prev if outs.shape[-1] == units else tf.concat([h_prev, outs[:, :, units:]], -1)
+  aux = tf.stop_gradient(aux)
   if layer.go_backwards:
     aux = tf.reverse(aux, axis=[1])
   output = ops.cast(outs[:, :, :units] if layer.return_sequences else last[:, :units],
@@ -193,18 +207,41 @@ def recurrent_norm_fn(layer, sequences, initial_state=None, mask=None, training=
   outputs, xw, aux = _run(layer, sequences, initial_state, mask)
   x = tf.stop_gradient(tf.cast(sequences, tf.float32))
   cell = layer.cell
+  shapes = [v.shape for v in layer.trainable_variables]
 
   def sqr_norm_fn(dxw):
     g = tf.cast(dxw, tf.float32)
-    sq = _sqr_norms(_parts(cell, x, tf.cast(aux, tf.float32), g))
+    m = _examples_per_chunk(x, aux, g)
 
-    def sum_fn(weighted):
-      # Rows of examples that add nothing are zero in `weighted`; their
-      # activations may be non-finite (float16 overflow): zeroed too.
-      parts = _parts(cell, algebra.finite_float32(x), algebra.finite_float32(aux),
-                     tf.cast(weighted, tf.float32))
-      return _sums(layer, parts)
+    def norms(xc, auxc, gc):
+      return (_sqr_norms(_parts(cell, xc, tf.cast(auxc, tf.float32), gc)),)
 
-    return registry.GhostSums(sq, sum_fn)
+    rec = m // registry.current_examples_per_record() if m is not None else None
+    sq = budget.over_chunks(norms, (x, aux, g), m, [tf.TensorSpec([rec], tf.float32)])[0]
+
+    def weighted_sums(xc, auxc, gc, cc):
+      # Rows of examples that add nothing (c = 0) are exactly zero in the weighted gradient;
+      # their activations may be non-finite (float16 overflow): zeroed too.
+      return _sums(layer, _parts(cell, algebra.finite_float32(xc), algebra.finite_float32(auxc),
+                                 algebra.weight_rows(gc, cc)))
+
+    def sum_fn(example_factors):
+      c = tf.cast(example_factors, tf.float32)
+      return budget.sum_over_chunks(weighted_sums, (x, aux, g, c), m, shapes)
+
+    return registry.FactorSums(sq, sum_fn)
 
   return outputs, xw, sqr_norm_fn
+
+
+def _examples_per_chunk(x, aux, g):
+  """Examples per chunk of the norms and the clipped sum (rules/budget.py), or None (one call):
+  per example the chunk's inputs, recurrent inputs and gradients, their copies (slices,
+  weighted rows) and the [T, T] Gram matrices of up to three factor pairs."""
+  dims = [algebra.static_dim(t, i) for t in (x, aux, g) for i in (1, 2)]
+  k = registry.current_examples_per_record()
+  if None in dims or not isinstance(k, int):
+    return None
+  t = dims[0]
+  widths = dims[1] + dims[3] + dims[5]
+  return budget.examples_per_chunk(x, 4 * (3 * t * widths + 9 * k * t * t))

@@ -12,20 +12,40 @@ per-example gradient G_i = sum_t e_{id_t} d_t^T, so
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 
 
 def same_id_sqr_norm(ids, d):
   """Per-record ||sum_t e_{id_t} d_t^T||^2 for ids [B, T] (int), d [B, T, K].
 
-  Records of k consecutive examples (registry.examples_per_record) merge their
-  positions. Returns [B/k] float32.
+  Records of k consecutive examples (registry.examples_per_record) merge their positions.
+  The [T, T] matrices of equal ids and of the d Gram are formed over chunks of the batch
+  whose temporaries take at most budget.CHUNK_BYTES (rules/budget.py), one chunk at a time.
+
+  Args:
+    ids: [B, T] integer ids.
+    d: [B, T, K] gradients at the read positions.
+
+  Returns:
+    [B/k] float32.
   """
-  d = algebra.regroup_btk(tf.cast(d, tf.float32))
-  ids = algebra.regroup_btk(ids[:, :, None])[:, :, 0]
-  if algebra.static_dim(ids, 1) == 1:
+  d = tf.cast(d, tf.float32)
+  k = registry.current_examples_per_record()
+  if algebra.static_dim(ids, 1) == 1 and isinstance(k, int) and k == 1:
     return algebra.sqr_sum(d)
-  same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), tf.float32)
-  return tf.reduce_sum(same * tf.einsum("btk,bsk->bts", d, d), axis=[1, 2])
+  t, kk = algebra.static_dim(d, 1), algebra.static_dim(d, 2)
+  m = (budget.examples_per_chunk(d, 4 * (2 * t * kk + 4 * k * t * t))
+       if None not in (t, kk) and isinstance(k, int) else None)
+
+  def body(ic, dc):
+    dc = algebra.regroup_btk(dc)
+    ic = algebra.regroup_btk(ic[:, :, None])[:, :, 0]
+    same = tf.cast(tf.equal(ic[:, :, None], ic[:, None, :]), tf.float32)
+    return (tf.reduce_sum(same * tf.einsum("btk,bsk->bts", dc, dc), axis=[1, 2]),)
+
+  rec = m // k if m is not None else None
+  return budget.over_chunks(body, (ids, d), m, [tf.TensorSpec([rec], tf.float32)])[0]
 
 
 def flat_ids(ids):

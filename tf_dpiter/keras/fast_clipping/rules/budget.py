@@ -1,0 +1,296 @@
+"""Memory budget of the rules' per-example work (issue 42), shared by the sequence rules.
+
+Book-keeping (Bu et al., "Differentially private optimization on large model at small cost",
+Sec. 3) keeps each layer's output gradient until the clip factors are known; what a rule adds
+beyond that must not grow with the batch. Two bounds:
+
+  CHUNK_BYTES: a per-example form (per-example gradients, [T, T] Gram matrices, weighted
+      copies of the inputs and output gradients for the clipped sum) runs over chunks of the
+      batch whose temporaries take at most this many bytes, one chunk at a time (`over_chunks`
+      for per-record values, `sum_over_chunks` for a clipped sum); the whole batch is one call
+      when it fits one chunk.
+  KEEP_BYTES: per-record gradients are kept for the clipped sum sum_j c_j g_j (which saves
+      the book-keeping product) while they take no more than the layer input and output
+      gradient that this sum no longer reads, or while the batch's take at most this many
+      bytes (`keep_choice`); beyond, the norms alone are kept and the clipped sum is one
+      whole-batch product of the clip-weighted output gradients, chunk by chunk.
+
+When the trace knows the batch, every choice is made at trace time (no tf.cond). With an
+unknown batch (fit's Poisson samples) the chunked loop runs over however many chunks the batch
+has, and the keep choice is a run-time tf.cond; under XLA with an unknown batch the batch is
+one call and the choice is the caller's default (XLA compiles one static batch; a loop over
+chunks of a batch the trace does not know cannot be compiled).
+"""
+
+import tensorflow as tf
+
+from tf_dpiter.keras.internals import runtime as routing  # XLA context (not the optimizer)
+from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping import registry
+
+# Bytes of one chunk's temporaries, and of the per-record gradients kept for the clipped sum
+# (8 MiB each: the convolution rule's budget, rules/conv.py).
+CHUNK_BYTES = 8 << 20
+KEEP_BYTES = 8 << 20
+
+
+def chunk_size(temp_bytes, k, cap=1 << 30):
+  """Examples per chunk: the largest power of two whose temporaries fit CHUNK_BYTES.
+
+  m = 2^j with m temp_bytes <= CHUNK_BYTES (at least 8, at most cap), rounded down to whole
+  records of k examples (at least one record).
+
+  Args:
+    temp_bytes: bytes of the form's temporaries per example (a Python int).
+    k: examples per record (a Python int).
+    cap: at most this many examples per chunk.
+
+  Returns:
+    int, a multiple of k.
+  """
+  m = 8
+  while m * 2 <= cap and m * 2 * temp_bytes <= CHUNK_BYTES:
+    m *= 2
+  return max(k, m // k * k)
+
+
+def examples_per_chunk(batch_tensor, temp_bytes, cap=1 << 30):
+  """chunk_size for the current record size, or None where the batch is one call: a record
+  size the trace does not know, or XLA with a batch the trace does not know.
+
+  Args:
+    batch_tensor: a [B, ...] tensor of the layer (its static batch decides).
+    temp_bytes: bytes of the form's temporaries per example.
+    cap: at most this many examples per chunk.
+
+  Returns:
+    int or None.
+  """
+  k = registry.current_examples_per_record()
+  if not isinstance(k, int):
+    return None
+  if batch_tensor.shape[0] is None and routing.in_xla_context():
+    return None
+  return chunk_size(temp_bytes, k, cap)
+
+
+def _pad_rows(t, rows):
+  return tf.pad(t, [[0, rows]] + [[0, 0]] * (t.shape.rank - 1))
+
+
+def _chunk_of(t, i, m):
+  """Rows [i m, (i + 1) m) of t, padded with zero rows to m (static shape [m, ...])."""
+  c = t[i * m:(i + 1) * m]
+  c = _pad_rows(c, m - tf.shape(c)[0])
+  c.set_shape([m] + t.shape[1:].as_list())
+  return c
+
+
+def _split(tensors, m):
+  """(n, chunk_fn(i) -> tuple of chunks) of [B, ...] tensors in chunks of m rows."""
+  b = tf.shape(tensors[0])[0]
+  n = (b + m - 1) // m
+  static_b = tensors[0].shape[0]
+  if static_b is not None and static_b % m == 0:   # static slices: a free reshape
+    split = [tf.reshape(t, [static_b // m, m] + t.shape[1:].as_list()) for t in tensors]
+    return n, lambda i: tuple(s[i] for s in split)
+  return n, lambda i: tuple(_chunk_of(t, i, m) for t in tensors)
+
+
+def over_chunks(body, tensors, m, out_specs):
+  """Per-record values of the batch formed one chunk of m examples at a time.
+
+  body(*chunks) -> (values [m / k], *extras [m / k, ...]) for chunks [m, ...] of `tensors`;
+  on the whole batch when m is None or the trace knows B <= m, else one chunk at a time
+  (tf.map_fn, one iteration alive at once; the last chunk padded with zero examples whose
+  rows are cut off). With an unknown batch, a batch that fits one chunk takes the same loop
+  (one iteration): no tf.cond.
+
+  Args:
+    body: the per-chunk function.
+    tensors: a tuple of [B, ...] tensors (B a multiple of the record size k).
+    m: examples per chunk (a multiple of k), or None for one call on the batch.
+    out_specs: tf.TensorSpec of each of body's outputs for one chunk (first: [m / k]).
+
+  Returns:
+    a tuple (values [B / k], *extras [R, ...]) with R >= B / k rows (the padded chunks'), the
+    batch's rows first.
+  """
+  static_b = tensors[0].shape[0]
+  if m is None or (static_b is not None and static_b <= m):
+    return tuple(body(*tensors))
+  k = registry.current_examples_per_record()
+  b = tf.shape(tensors[0])[0]
+  n, chunk = _split(tensors, m)
+  out = tf.map_fn(lambda i: tuple(body(*chunk(i))), tf.range(n), parallel_iterations=1,
+                  fn_output_signature=tuple(out_specs))
+  flat = tuple(tf.reshape(o, [-1] + o.shape[2:].as_list()) for o in out)
+  return (flat[0][:b // k],) + flat[1:]
+
+
+def sum_over_chunks(body, tensors, m, like):
+  """sum over chunks of body(*chunks) (a list of float32 tensors of fixed shapes): on the
+  whole batch when m is None or the trace knows B <= m, else one chunk of m examples at a
+  time in a tf.while_loop (one iteration alive at once; the padded rows of the last chunk are
+  zero examples, and must add nothing: their clip factor is 0).
+
+  Args:
+    body: chunks -> list of float32 tensors.
+    tensors: a tuple of [B, ...] tensors, the clip factors among them.
+    m: examples per chunk, or None.
+    like: list of the shapes of body's outputs (static).
+
+  Returns:
+    list of float32 tensors.
+  """
+  static_b = tensors[0].shape[0]
+  if m is None or (static_b is not None and static_b <= m):
+    return list(body(*tensors))
+  n, chunk = _split(tensors, m)
+
+  def step(i, acc):
+    return i + 1, [a + s for a, s in zip(acc, body(*chunk(i)))]
+
+  acc0 = [tf.zeros(s, tf.float32) for s in like]
+  _, acc = tf.while_loop(lambda i, _: i < n, step, (tf.constant(0), acc0),
+                         parallel_iterations=1)
+  return acc
+
+
+def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
+  """Whether the per-record gradients (record_bytes each) are kept for the clipped sum.
+
+  They are kept when the rule allows it and either they take no more than the operands of the
+  book-keeping product they replace (operand_bytes per record: the layer's input and output
+  gradient, which the sum from the kept gradients no longer reads, so keeping adds nothing
+  that grows with the batch), or the batch's take at most KEEP_BYTES.
+
+  Args:
+    batch_tensor: a [B, ...] tensor of the layer.
+    record_bytes: bytes of one record's gradient (a Python int).
+    allowed: the rule would keep them without a budget (a Python bool).
+    operand_bytes: bytes per record of the operands of the book-keeping product (a Python
+      int; 0 when the rule does not count them).
+
+  Returns:
+    a Python bool when the trace decides (not allowed; record_bytes <= operand_bytes; a batch
+    the trace knows: B / k record_bytes <= KEEP_BYTES; XLA with an unknown batch: allowed),
+    else a scalar bool tensor (B / k record_bytes <= KEEP_BYTES at run time).
+  """
+  if not allowed:
+    return False
+  if record_bytes <= operand_bytes:
+    return True
+  k = registry.current_examples_per_record()
+  static_b = batch_tensor.shape[0]
+  if not isinstance(k, int) or (static_b is None and routing.in_xla_context()):
+    return True
+  if static_b is not None:
+    return static_b // k * record_bytes <= KEEP_BYTES
+  return tf.shape(batch_tensor)[0] // k * record_bytes <= KEEP_BYTES
+
+
+def record_factors(example_factors):
+  """[B] clip factors of each example's record -> [B / k] factors of the records.
+
+  Args:
+    example_factors: [B] float32, each example's record's factor.
+
+  Returns:
+    [B / k] float32.
+  """
+  k = registry.current_examples_per_record()
+  if isinstance(k, int) and k == 1:
+    return example_factors
+  return tf.reshape(example_factors, [-1, k])[:, 0]
+
+
+def kept_sum(record_c, g):
+  """sum_j c_j g_j over kept per-record gradients g [R, P] (R >= records: padded rows
+  beyond the factors add nothing), a row with c_j = 0 adding exactly 0 even where it is not
+  finite: [P] float32.
+
+  Args:
+    record_c: [B / k] float32 record factors.
+    g: [R, P] float32 per-record gradients.
+
+  Returns:
+    [P] float32.
+  """
+  c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
+  return algebra.factor_product(c, algebra.drop_rows(g, c))
+
+
+def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
+  """Per-record ||sum_t a_t b_t^T||_F^2 for a [B, T, K], b [B, T, N] within the budget.
+
+  Forms (Li et al., "Large language models can be strong differentially private learners",
+  Sec. 4): direct g_j = a_j^T b_j (cost T K N per example), Gram sum_{t,s} <a_t, a_s>
+  <b_t, b_s> (cost T^2 (K + N)). The per-record gradients are kept (direct form) where
+  keep_choice says so; else the cheaper form gives the norms alone (registry.form_override
+  forces "gram" or "direct"). Every form runs over chunks (over_chunks); T = 1 or sizes the
+  trace does not know: algebra.factored_sqr_norm on the batch.
+
+  Args:
+    a: [B, T, K] layer inputs.
+    b: [B, T, N] output gradients.
+    keep_allowed: per-record gradients may be kept (a Python bool), or None for the rules'
+      default: when registry.keep_per_example(K N), or when the direct form is the cheaper
+      and K N <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES (its sum from the kept gradients
+      then saves the book-keeping product of the same cost).
+    with_one: a gets a last column of ones (a Dense layer's bias as the weight of an input
+      1), appended chunk by chunk: no [B, T, K + 1] copy of the batch.
+
+  Returns:
+    (sqr_norms [B / k] float32, keep, g): keep a Python bool or a scalar bool tensor, g the
+    kept [R, K N] per-record gradients (R >= B / k rows, the records' first) or None when keep
+    is False (an unused [0, K N] where keep is a tensor and false at run time).
+  """
+  t, kk, n = (algebra.static_dim(a, 1), algebra.static_dim(a, 2), algebra.static_dim(b, 2))
+  one = lambda x: tf.concat([x, tf.ones_like(x[..., :1])], -1) if with_one else x
+  if t == 1 or None in (t, kk, n):
+    sq, g = algebra.factored_sqr_norm(one(tf.cast(a, tf.float32)), b)
+    if g is None:
+      return sq, False, None
+    return sq, True, tf.reshape(g, [tf.shape(g)[0], -1])
+  kk += int(with_one)
+  k = registry.current_examples_per_record()
+  override = registry.form_override()
+  cheap = override if override in ("gram", "direct") else (
+      "gram" if t * t * (kk + n) < t * kk * n else "direct")
+  if keep_allowed is None:
+    keep_allowed = override != "gram" and (
+        registry.keep_per_example(kk * n) or
+        (cheap == "direct" and kk * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES))
+  keep = keep_choice(a, kk * n * 4, keep_allowed,
+                     4 * t * (kk + n) * (k if isinstance(k, int) else 1))
+  a = tf.cast(a, tf.float32)
+  b = tf.cast(b, tf.float32)
+
+  def pass_of(form, with_g):
+    per_example = 4 * (2 * t * (kk + n) + (3 * t * t * (k if isinstance(k, int) else 1)
+                                            if form == "gram" else 2 * kk * n))
+    m = examples_per_chunk(a, per_example)
+    rec = m // k if m is not None else None
+
+    def body(ac, bc):
+      ac, bc = algebra.regroup_btk(one(ac)), algebra.regroup_btk(bc)
+      if form == "gram":
+        return (algebra.gram_sqr_norm(ac, bc),)
+      g = tf.reshape(tf.einsum("btk,btn->bkn", ac, bc), [-1, kk * n])
+      sq = tf.reduce_sum(tf.square(g), axis=1)
+      return (sq, g) if with_g else (sq,)
+
+    specs = [tf.TensorSpec([rec], tf.float32)]
+    if with_g:
+      specs.append(tf.TensorSpec([rec, kk * n], tf.float32))
+    return over_chunks(body, (a, b), m, specs)
+
+  if keep is True:
+    sq, g = pass_of("direct", True)
+    return sq, True, g
+  if keep is False:
+    return pass_of(cheap, False)[0], False, None
+  sq, g = tf.cond(keep, lambda: pass_of("direct", True),
+                  lambda: (pass_of(cheap, False)[0], tf.zeros([0, kk * n], tf.float32)))
+  return sq, keep, g
