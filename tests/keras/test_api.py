@@ -1,5 +1,6 @@
 """Optimizer classes, wrapping, serialization, make_private, callbacks, fast-clipping hook."""
 
+import functools
 import json
 import os
 
@@ -203,6 +204,23 @@ def _cnn_seq():
       keras.layers.Dense(3)])
 
 
+_WEIGHTS = np.array([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _vectorized_weighted_update(microbatches):
+  """The vectorized path's one-step update of `_cnn_seq` on `_data(10, seed=5)` with the
+  weights `_WEIGHTS` in `microbatches` records: the reference of the fast path's cases, the
+  same for every physical chunk size (computed once per number of records)."""
+  x, y = _data(10, seed=5)
+  vect = _cnn_seq()
+  vect.compile(optimizer=dp.keras.DPKerasSGDOptimizer(
+      0.05, 0.0, microbatches, learning_rate=1.0, clipping="vectorized"), loss=LOSS)
+  vect(x)
+  helpers.set_sampling(vect, 10)
+  return tuple(np.array(u) for u in helpers.one_step_update(vect, x, y, sample_weight=_WEIGHTS))
+
+
 # One example per record with weight-0 rows (with and without physical chunks) on the fast
 # path is the step oracle's (test_step_oracle.py: fast x padding x microbatches=B, physical 4).
 @pytest.mark.parametrize("microbatches,physical", [(4, None), (3, None), (3, 4), (2, 5)])
@@ -214,7 +232,7 @@ def test_fast_clipping_matches_reference_with_microbatches_and_physical_batches(
   vectorized path's update. Without weight-0 rows these axes (and XLA) are checked against
   the per-record loop by test_step_oracle.py."""
   x, y = _data(10, seed=5)
-  sw = np.array([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], np.float32) if weighted else None
+  sw = _WEIGHTS if weighted else None
   model = _cnn_seq()
   opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, microbatches, learning_rate=1.0, clipping="fast",
                                      max_physical_batch_size=physical)
@@ -224,12 +242,7 @@ def test_fast_clipping_matches_reference_with_microbatches_and_physical_batches(
   if sw is None:
     ref = helpers.reference_gradient(model, LOSS, x, y, clip=0.05, num_microbatches=microbatches)
   else:  # rows with weight 0 are padding: they join no record
-    vect = _cnn_seq()
-    vect.compile(optimizer=dp.keras.DPKerasSGDOptimizer(
-        0.05, 0.0, microbatches, learning_rate=1.0, clipping="vectorized"), loss=LOSS)
-    vect(x)
-    helpers.set_sampling(vect, 10)
-    ref = helpers.one_step_update(vect, x, y, sample_weight=sw)
+    ref = _vectorized_weighted_update(microbatches)
   helpers.set_sampling(model, 10)
   got = helpers.one_step_update(model, x, y, sample_weight=sw)
   for g, r in zip(got, ref):
