@@ -47,8 +47,8 @@ Optional capabilities, declared by attributes of the norm function:
       path only with such a function: their clipped sum is the vector-Jacobian
       product of that float32 recomputation (privacy arithmetic in
       float32 whatever the dtype policy). Others then take the vectorized path.
-  float32_sums (``@float32_sums``): its results are always PerExampleGrads or
-      GhostSums formed in float32, so it serves 16-bit layers as they are.
+  float32_sums (``@float32_sums``): its results are always PerExampleGrads,
+      GhostSums or FactorSums formed in float32, so it serves 16-bit layers as they are.
 A norm function may also return ``FactorSums(sqr_norms, sum_fn)``: ``sum_fn(example_factors)``
 forms the clipped sum in float32 from the clip factors themselves (a Dense
 layer weights whichever of its input and its output gradient is smaller).
@@ -228,8 +228,8 @@ def float32_watched(fn):
 
 
 def float32_sums(fn):
-  """Marks a norm function whose results are PerExampleGrads or GhostSums
-  formed in float32 (see module docstring)."""
+  """Marks a norm function whose results are PerExampleGrads, GhostSums or
+  FactorSums formed in float32 (see module docstring)."""
   fn.float32_sums = True
   return fn
 
