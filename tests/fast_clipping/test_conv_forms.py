@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import conv
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
@@ -77,8 +78,8 @@ def _xent(y, logits):
   return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
 
 
-# (form override or None for the cost model's, _CHUNK_BYTES, _KEEP_BYTES, unknown batch, XLA,
-# examples per record): one chunk or chunks of 8 examples (the last padded), per-example
+# (form override or None for the cost model's, budget.CHUNK_BYTES, budget.KEEP_BYTES, unknown
+# batch, XLA, examples per record): one chunk or chunks of 8 examples (the last padded), per-example
 # gradients kept or the sum by book-keeping (the folded Gram: norms over chunks); under XLA the CPU-kernel forms fall back to the
 # unfolded patches; a batch the XLA trace does not know is one call with the gradients kept.
 BIG = 1 << 30
@@ -99,8 +100,8 @@ def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, cl
   under XLA."""
   form, chunk_bytes, keep_bytes, dynamic_batch, jit, k = case
   if chunk_bytes is not None:
-    monkeypatch.setattr(conv, "_CHUNK_BYTES", chunk_bytes)
-    monkeypatch.setattr(conv, "_KEEP_BYTES", keep_bytes)
+    monkeypatch.setattr(budget, "CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(budget, "KEEP_BYTES", keep_bytes)
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   model = _cnn()
   rng = np.random.default_rng(2)
@@ -126,8 +127,8 @@ def test_non_finite_record_adds_nothing(keep_bytes, monkeypatch, clip_reference)
   """A record whose gradient is not finite (an inf input) gets clip factor 0 and adds
   exactly nothing, from the kept gradients and by book-keeping alike."""
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", "depthwise")
-  monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
-  monkeypatch.setattr(conv, "_KEEP_BYTES", keep_bytes)
+  monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
+  monkeypatch.setattr(budget, "KEEP_BYTES", keep_bytes)
   model = _cnn()
   rng = np.random.default_rng(3)
   x = rng.normal(size=(10, 16, 16, 1)).astype(np.float32)
@@ -149,12 +150,12 @@ def test_chunk_size_from_the_budget(monkeypatch):
   under the default budget, fewer when the budget is small, whole records always."""
   x, dz = tf.zeros([3, 28, 28, 1]), tf.zeros([3, 14, 14, 16])
   form = conv._per_example_form("depthwise", x, dz, (8, 8), (2, 2), (1, 1), "same")
-  size = lambda k: conv._chunk_size(form.temp_bytes, form.cap, k)
+  size = lambda k: budget.chunk_size(form.temp_bytes, k, form.cap)
   assert size(1) == conv._DEPTHWISE_CHUNK
-  monkeypatch.setattr(conv, "_CHUNK_BYTES", 64 * form.temp_bytes)
+  monkeypatch.setattr(budget, "CHUNK_BYTES", 64 * form.temp_bytes)
   assert size(1) == 64
   assert size(3) == 63
-  monkeypatch.setattr(conv, "_CHUNK_BYTES", 1)
+  monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
   assert size(1) == 8
   assert size(16) == 16
 
@@ -167,10 +168,10 @@ def test_balanced_chunks_pad_less_than_one_record_per_chunk(b, k):
   Poisson batch of 257 to 384 when m = 128); the same with a tensor batch."""
   b = b // k * k or k
   m = 128 // k * k
-  n, chunk = conv._balanced_chunk(b, m, k)
+  n, chunk = budget.balanced_chunk(b, m, k)
   assert n == -(-b // m) and chunk <= m and chunk % k == 0
   assert b <= n * chunk < b + n * k
-  n_t, chunk_t = conv._balanced_chunk(tf.constant(b), m, k)
+  n_t, chunk_t = budget.balanced_chunk(tf.constant(b), m, k)
   assert (int(n_t), int(chunk_t)) == (n, chunk)
 
 

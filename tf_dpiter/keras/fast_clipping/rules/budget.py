@@ -54,6 +54,29 @@ def chunk_size(temp_bytes, k, cap=1 << 30):
   return max(k, m // k * k)
 
 
+def balanced_chunk(b, m, k):
+  """Examples per chunk when a batch of b examples is split into n = ceil(b / m) chunks of at
+  most m: the smallest multiple of k that covers b in n chunks, k ceil(ceil(b / k) / n), so
+  the last chunk is padded with fewer than n k zero examples (chunks of exactly m would pad up
+  to m - 1: a Poisson batch of 257 in chunks of 128 computed 384 examples).
+
+  Args:
+    b: examples in the batch (a Python int, or a scalar int32 tensor).
+    m: at most this many examples per chunk (a Python int, a multiple of k).
+    k: examples per record (a Python int).
+
+  Returns:
+    (n, chunk): chunks and examples per chunk, Python ints when b is one, else int32 tensors.
+  """
+  n = (b + m - 1) // m
+  if isinstance(b, int):
+    n = max(n, 1)
+  else:
+    n = tf.maximum(n, 1)
+  records = (b + k - 1) // k
+  return n, (records + n - 1) // n * k
+
+
 def examples_per_chunk(batch_tensor, temp_bytes, cap=1 << 30):
   """chunk_size for the current record size, or None where the batch is one call: a record
   size the trace does not know, or XLA with a batch the trace does not know.

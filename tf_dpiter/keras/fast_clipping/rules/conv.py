@@ -20,13 +20,14 @@ convolution"):
   one the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
   book-keeping.
 
-Memory budget (issue 42): every per-example form ("depthwise", "filter", the unfolded
-g_i, and the folded Gram's norms) runs over chunks of the batch whose temporaries take at
-most _CHUNK_BYTES, one chunk at a time, the chunks of one size (`_over_chunks`,
-`_balanced_chunk`: a Poisson batch just above a multiple of the chunk is not padded up to the
-next multiple; the whole batch in one call when it fits one chunk), so a convolution's extra memory does not grow with the batch. The
+Memory budget (issue 42; the rules' shared one, rules/budget.py): every per-example form
+("depthwise", "filter", the unfolded g_i, and the folded Gram's norms) runs over chunks of
+the batch whose temporaries take at most budget.CHUNK_BYTES, one chunk at a time, the chunks
+of one size (`_over_chunks`, `budget.balanced_chunk`: a Poisson batch just above a multiple
+of the chunk is not padded up to the next multiple; the whole batch in one call when it fits
+one chunk), so a convolution's extra memory does not grow with the batch. The
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
-no second filter gradient) only while the batch's take at most _KEEP_BYTES; beyond, the
+no second filter gradient) only while the batch's take at most budget.KEEP_BYTES; beyond, the
 norms alone are kept and the clipped sum is one whole-batch filter gradient of c_i dz_i. With
 an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B);
 under XLA with a batch the trace does not know, the batch is one call and the gradients are
@@ -42,6 +43,7 @@ from keras import ops
 from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
 # Batch-as-channels per-example filter gradients replicate dz over the input
@@ -60,17 +62,16 @@ _DEPTHWISE_CHUNK = 128
 # (tutorial CNN, B = 256: 4-6x; BENCHMARKS.md): the cost model's weight of per-example
 # work against the book-keeping sum.
 _PER_EXAMPLE_SLOWDOWN = 4
-# Memory budget of one convolution's per-example work (issue 42): the per-example
-# gradients are formed over chunks of examples whose temporaries (inputs regrouped, output
-# gradients, per-example gradients) take at most _CHUNK_BYTES, one chunk at a time, so that
-# the layer's extra memory does not grow with the batch; and they are kept for the clipped
-# sum (sum_i c_i g_i, which saves the whole-batch filter gradient) only while the batch's
-# gradients take at most _KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms
-# are kept and the clipped sum is one whole-batch filter gradient of the clip-weighted
-# output gradients (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution
-# (P = 1,024): kept up to B = 2,048, chunks of 128 examples.
-_CHUNK_BYTES = 8 << 20
-_KEEP_BYTES = 8 << 20
+# Memory budget of one convolution's per-example work (issue 42), the rules' shared one
+# (rules/budget.py: CHUNK_BYTES, KEEP_BYTES): the per-example gradients are formed over chunks
+# of examples whose temporaries (inputs regrouped, output gradients, per-example gradients)
+# take at most budget.CHUNK_BYTES, one chunk at a time, so that the layer's extra memory does
+# not grow with the batch; and they are kept for the clipped sum (sum_i c_i g_i, which saves
+# the whole-batch filter gradient) only while the batch's gradients take at most
+# budget.KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms are kept and the
+# clipped sum is one whole-batch filter gradient of the clip-weighted output gradients
+# (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution (P = 1,024): kept
+# up to B = 2,048, chunks of 128 examples.
 
 
 def _conv_forward(layer, x, padding):
@@ -183,16 +184,6 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
                lambda g: conv_unfold.to_kernel(g, layout, ksize, cout))
 
 
-def _chunk_size(temp_bytes, cap, k):
-  """Examples per chunk: the largest power of two whose temporaries (temp_bytes per example)
-  fit _CHUNK_BYTES (at least 8, at most cap), rounded down to whole records of k (a Python
-  int) examples."""
-  m = 8
-  while m * 2 <= cap and m * 2 * temp_bytes <= _CHUNK_BYTES:
-    m *= 2
-  return max(k, m // k * k)
-
-
 def _record_sqr_norms(g, k):
   """[A, m, P] per-example gradients -> [m / k] squared norms of the records' sums."""
   if not (isinstance(k, int) and k == 1):
@@ -207,34 +198,11 @@ def _chunkable(x4, k):
   return isinstance(k, int) and (x4.shape[0] is not None or not routing.in_xla_context())
 
 
-def _balanced_chunk(b, m, k):
-  """Examples per chunk when a batch of b examples is split into n = ceil(b / m) chunks of at
-  most m: the smallest multiple of k that covers b in n chunks, k ceil(ceil(b / k) / n), so
-  the last chunk is padded with fewer than n k zero examples (chunks of exactly m would pad up
-  to m - 1: a Poisson batch of 257 in chunks of 128 computed 384 examples).
-
-  Args:
-    b: examples in the batch (a Python int, or a scalar int32 tensor).
-    m: at most this many examples per chunk (a Python int, a multiple of k).
-    k: examples per record (a Python int).
-
-  Returns:
-    (n, chunk): chunks and examples per chunk, Python ints when b is one, else int32 tensors.
-  """
-  n = (b + m - 1) // m
-  if isinstance(b, int):
-    n = max(n, 1)
-  else:
-    n = tf.maximum(n, 1)
-  records = (b + k - 1) // k
-  return n, (records + n - 1) // n * k
-
-
 def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m', c]) over
   the batch: on the whole batch when it fits one chunk of m examples (or m is None), else one
   chunk at a time (tf.map_fn, one iteration alive at once) in n = ceil(B / m) chunks of equal
-  size (_balanced_chunk), the last padded with fewer than n k zero examples whose rows are cut
+  size (budget.balanced_chunk), the last padded with fewer than n k zero examples whose rows are cut
   from sq.
 
   Args:
@@ -263,7 +231,7 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
 
   def chunked():
     if static_b is not None:   # XLA: static slices of the padded batch
-      n, mc = _balanced_chunk(static_b, m, k)
+      n, mc = budget.balanced_chunk(static_b, m, k)
       specs = (tf.TensorSpec([mc // k], tf.float32),) + tuple(
           tf.TensorSpec(s.shape[:1].concatenate([mc]).concatenate(s.shape[2:]), s.dtype)
           for s in extra_specs)
@@ -272,7 +240,7 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
                               (split(x4), split(dz4)), parallel_iterations=1,
                               fn_output_signature=specs)
     else:   # each chunk sliced from the batch and padded alone: no copy of the batch
-      n, mc = _balanced_chunk(b, m, k)
+      n, mc = budget.balanced_chunk(b, m, k)
       specs = (tf.TensorSpec([None], tf.float32),) + tuple(extra_specs)
 
       def one(i):
@@ -295,10 +263,10 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
 def _per_example_pass(form, x4, dz4, k, with_grads):
   """The per-record squared kernel-gradient norms [B / k], and with_grads the per-example
   gradients [n, A, m, P] (n chunks of m examples, the last padded with zero examples), formed
-  one chunk at a time (_chunk_size) unless the batch fits one chunk (or k is a tensor)."""
+  one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor)."""
   x4 = tf.cast(x4, tf.float32)
   dz4 = tf.cast(dz4, tf.float32)
-  m = _chunk_size(form.temp_bytes, form.cap, k) if _chunkable(x4, k) else None
+  m = budget.chunk_size(form.temp_bytes, k, form.cap) if _chunkable(x4, k) else None
 
   def body(x, d):
     g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
@@ -342,8 +310,8 @@ def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, pa
 def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padding, bias_on):
   """registry.FactorSums of a convolution whose per-example kernel gradients are formed
   (forms "depthwise", "filter" or the unfolded patches), within the memory budget
-  (_CHUNK_BYTES, _KEEP_BYTES): the norms of the records, and the clipped sum from the kept
-  gradients or by book-keeping."""
+  (budget.CHUNK_BYTES, budget.KEEP_BYTES): the norms of the records, and the clipped sum from
+  the kept gradients or by book-keeping."""
   k = registry.current_examples_per_record()
   form = _per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
   p = int(np.prod(layer.kernel.shape))
@@ -354,9 +322,9 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   elif static_b is None and routing.in_xla_context():   # no run-time choice under XLA
     keep = True
   elif static_b is not None:
-    keep = static_b * p * 4 <= _KEEP_BYTES
+    keep = static_b * p * 4 <= budget.KEEP_BYTES
   else:
-    keep = b * p * 4 <= _KEEP_BYTES
+    keep = b * p * 4 <= budget.KEEP_BYTES
   db_e = tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]) if bias_on else None
   if isinstance(keep, bool):
     sq, g = (_per_example_pass(form, x4, dz4, k, True) if keep else
@@ -516,7 +484,7 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
     form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
       k = registry.current_examples_per_record()
-      m = (_chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), 1 << 30, k)
+      m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), k, 1 << 30)
            if _chunkable(x4, k) else None)
       sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding),),
                         x4, dz4, m, k)[0]
