@@ -276,7 +276,7 @@ def main(argv=None) -> int:
     The exit status: 0 on success, 2 for bad input (a one-line message, no traceback).
   """
   from tf_dpiter.draw_discard import auth  # pylint: disable=g-import-not-at-top
-  auth.catch_early_hangups()  # SIGHUP must not kill a server still starting (issue 39)
+  auth.catch_early_hangups()  # SIGHUP must not kill a server still starting
   ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (Pihur et al. 2018)")
   sub = ap.add_subparsers(dest="cmd", required=True)
   _add_serve(sub)

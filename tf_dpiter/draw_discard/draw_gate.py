@@ -1,6 +1,6 @@
 """Draw privacy at low traffic: a value is served only m updates away from every served one.
 
-The attack (issue 39, finding 8): a tracker keeps every instance it is served. With
+The attack: a tracker keeps every instance it is served. With
 rebasing (service.DDMLService(rebase=True)) a victim's update is stored as h' + d, h' an
 instance in the store; once h' and later h' + d are both served to the tracker, the
 difference is the victim's noised step d exactly. Local DP (Lemma 1 of the paper: the

@@ -1,4 +1,4 @@
-"""Memory budget of the rules' per-example work (issue 42), shared by the sequence rules.
+"""Memory budget of the rules' per-example work, shared by the convolution and sequence rules.
 
 Book-keeping (Bu et al., "Differentially private optimization on large model at small cost",
 Sec. 3) keeps each layer's output gradient until the clip factors are known; what a rule adds

@@ -20,7 +20,7 @@ convolution"):
   one the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
   book-keeping.
 
-Memory budget (issue 42; the rules' shared one, rules/budget.py): every per-example form
+Memory budget (the rules' shared one, rules/budget.py): every per-example form
 ("depthwise", "filter", the unfolded g_i, and the folded Gram's norms) runs over chunks of
 the batch whose temporaries take at most budget.CHUNK_BYTES, one chunk at a time, the chunks
 of one size (`_over_chunks`, `budget.balanced_chunk`: a Poisson batch just above a multiple
@@ -62,7 +62,7 @@ _DEPTHWISE_CHUNK = 128
 # (tutorial CNN, B = 256: 4-6x; BENCHMARKS.md): the cost model's weight of per-example
 # work against the book-keeping sum.
 _PER_EXAMPLE_SLOWDOWN = 4
-# Memory budget of one convolution's per-example work (issue 42), the rules' shared one
+# Memory budget of one convolution's per-example work, the rules' shared one
 # (rules/budget.py: CHUNK_BYTES, KEEP_BYTES): the per-example gradients are formed over chunks
 # of examples whose temporaries (inputs regrouped, output gradients, per-example gradients)
 # take at most budget.CHUNK_BYTES, one chunk at a time, so that the layer's extra memory does

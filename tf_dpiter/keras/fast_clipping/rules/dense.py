@@ -10,7 +10,7 @@ formed).
 EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
 "in,out->b ker" (sums over every index but the batch and kernel indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
-Memory budget (issue 42, rules/budget.py): on [B, T.., K] inputs both run their per-example
+Memory budget (rules/budget.py): on [B, T.., K] inputs both run their per-example
 forms (per-example gradients, Gram matrices) and their clipped sums over chunks of the batch
 whose temporaries take at most budget.CHUNK_BYTES, and keep per-record gradients for the
 clipped sum only while the batch's take at most budget.KEEP_BYTES (beyond: the norms, and the
