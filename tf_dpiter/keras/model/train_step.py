@@ -199,9 +199,8 @@ class TrainStepMixin:
 
     params: the query's sample params, read by the caller (so that an XLA-compiled step
     reads no variable of the query's state; None: read here) and passed down to the clipping.
-    global_state: the query's
-    global state (PrivateStep.global_state) to draw the noise here with the query's own
-    `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
+    global_state: the query's global state (PrivateStep.global_state) to draw the noise here
+    with the query's own `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
     (`_TraceFacts.wants_outputs`)."""
     facts = self._dp_trace_facts()
     if facts is None:   # called before any step on a model with an unbuilt layer: build it

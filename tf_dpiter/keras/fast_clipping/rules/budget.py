@@ -225,6 +225,27 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
   return tf.shape(batch_tensor)[0] // k * record_bytes <= KEEP_BYTES
 
 
+def by_keep(keep, kept_fn, other_fn):
+  """kept_fn() where the per-record gradients are kept, else other_fn(): chosen at trace time
+  for a Python bool `keep`, by a run-time tf.cond for a scalar bool tensor (keep_choice with a
+  batch the trace does not know).
+
+  Args:
+    keep: a Python bool or a scalar bool tensor (keep_choice).
+    kept_fn: the form that uses the kept gradients (no arguments).
+    other_fn: the form without them (no arguments); under a tf.cond its results must match
+      kept_fn's in structure and dtype.
+
+  Returns:
+    what the chosen function returns.
+  """
+  if keep is True:
+    return kept_fn()
+  if keep is False:
+    return other_fn()
+  return tf.cond(keep, kept_fn, other_fn)
+
+
 def record_factors(example_factors):
   """[B] clip factors of each example's record -> [B / k] factors of the records.
 
@@ -321,11 +342,6 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
       specs.append(tf.TensorSpec([rec, kk * n], tf.float32))
     return over_chunks(body, (a, b), m, specs)
 
-  if keep is True:
-    sq, g = pass_of("direct", True)
-    return sq, True, g
-  if keep is False:
-    return pass_of(cheap, False)[0], False, None
-  sq, g = tf.cond(keep, lambda: pass_of("direct", True),
+  sq, g = by_keep(keep, lambda: pass_of("direct", True),
                   lambda: (pass_of(cheap, False)[0], tf.zeros([0, kk * n], tf.float32)))
-  return sq, keep, g
+  return sq, keep, None if keep is False else g

@@ -326,13 +326,9 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   else:
     keep = b * p * 4 <= budget.KEEP_BYTES
   db_e = tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]) if bias_on else None
-  if isinstance(keep, bool):
-    sq, g = (_per_example_pass(form, x4, dz4, k, True) if keep else
-             (_per_example_pass(form, x4, dz4, k, False), None))
-  else:
-    sq, g = tf.cond(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
-                    lambda: (_per_example_pass(form, x4, dz4, k, False),
-                             tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
+  sq, g = budget.by_keep(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
+                         lambda: (_per_example_pass(form, x4, dz4, k, False),
+                                  tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
   if bias_on:
     sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
 
@@ -341,10 +337,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
     from_g = lambda: form.to_kernel(_factor_rows(factors, g))
     by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
                                                      dilation, padding)
-    if isinstance(keep, bool):
-      kernel = from_g() if keep else by_bookkeeping()
-    else:
-      kernel = tf.cond(keep, from_g, by_bookkeeping)
+    kernel = budget.by_keep(keep, from_g, by_bookkeeping)
     sums = [tf.reshape(kernel, layer.kernel.shape)]
     if bias_on:
       db = algebra.drop_rows(db_e, factors)

@@ -110,10 +110,8 @@ def _budgeted_norms(layer, x, dz):
 
   def sum_fn(example_factors):
     c = tf.cast(example_factors, tf.float32)
-    if keep is False:
-      return by_bookkeeping(c)
-    return tf.cond(keep, lambda: unpack([budget.kept_sum(budget.record_factors(c), g)]),
-                   lambda: by_bookkeeping(c))
+    return budget.by_keep(keep, lambda: unpack([budget.kept_sum(budget.record_factors(c), g)]),
+                          lambda: by_bookkeeping(c))
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
@@ -338,14 +336,9 @@ def _einsum_kernel_norms(equation, x, dz, p):
         [tf.TensorSpec([rec, p], tf.float32)] if with_g else [])
     return budget.over_chunks(body, (x, dz), m, specs)
 
-  if keep is True:
-    sq, g = pass_of(True)
-    return sq, True, g
-  if keep is False:
-    return pass_of(False)[0], False, None
-  sq, g = tf.cond(keep, lambda: pass_of(True),
-                  lambda: (pass_of(False)[0], tf.zeros([0, p], tf.float32)))
-  return sq, keep, g
+  sq, g = budget.by_keep(keep, lambda: pass_of(True),
+                         lambda: (pass_of(False)[0], tf.zeros([0, p], tf.float32)))
+  return sq, keep, None if keep is False else g
 
 
 def _einsum_norms(layer, equation, x, dz):
@@ -397,9 +390,7 @@ def _einsum_norms(layer, equation, x, dz):
 
   def sum_fn(example_factors):
     c = tf.cast(example_factors, tf.float32)
-    if keep is False:
-      return by_bookkeeping(c)
-    return tf.cond(keep, lambda: from_kept(c), lambda: by_bookkeeping(c))
+    return budget.by_keep(keep, lambda: from_kept(c), lambda: by_bookkeeping(c))
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
