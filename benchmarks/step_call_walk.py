@@ -14,7 +14,7 @@ The walk starts at the model's train step (first tf_dpiter frame) and covers the
 step: the per-record clipped sum, the noise, the ledger write and the optimizer update.
 
 Run from a checkout's root (it measures the tf_dpiter that checkout holds):
-  python -m benchmarks.step_call_walk [--clipping fast|vectorized] [--files]
+  python -m benchmarks.step_call_walk [--clipping fast|vectorized] [--files] [--sequence]
 """
 
 import argparse
@@ -71,10 +71,23 @@ def summarize(calls):
   return {"calls": len(calls), "files": len({f for f, _ in calls}), "returns": returns}
 
 
+def stays(calls):
+  """[(file, [function names])]: the walk cut where control moves to another file."""
+  out = []
+  for f, name in calls:
+    if out and out[-1][0] == f:
+      out[-1][1].append(name)
+    else:
+      out.append((f, [name]))
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--clipping", default="fast", choices=("fast", "vectorized"))
   ap.add_argument("--files", action="store_true", help="also list the files and their calls")
+  ap.add_argument("--sequence", action="store_true",
+                  help="also print the walk in order, one line per stay in a file")
   args = ap.parse_args()
   calls = walk(args.clipping)
   print(args.clipping, summarize(calls))
@@ -84,6 +97,9 @@ def main():
       counts[f] = counts.get(f, 0) + 1
     for f, n in sorted(counts.items(), key=lambda kv: -kv[1]):
       print(f"  {n:5d}  {f}")
+  if args.sequence:
+    for f, names in stays(calls):
+      print(f"  {f}: {' '.join(names)}")
 
 
 if __name__ == "__main__":

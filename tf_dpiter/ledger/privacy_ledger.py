@@ -375,9 +375,36 @@ class PrivacyLedger(tf.Module):
     sampling = policies.get(policy)   # its code, relation and cycle rule, read once
     rec.check_examples_per_record(policy, examples_per_record)
     if isinstance(examples_per_record, (int, float, np.integer, np.floating)):
-      factor = _f64(rec.sensitivity_factor(sampling.relation, examples_per_record))
+      factor = rec.sensitivity_factor(sampling.relation, examples_per_record)
     else:
       factor = _tensor_sensitivity_factor(sampling.relation, examples_per_record)
+    return self.append_sample(population_size, selection_probability, events, sampling,
+                              sample_size, examples_per_record, factor)
+
+  def append_sample(self, population_size, selection_probability, events, sampling,
+                    sample_size, examples_per_record, factor):
+    """`record_sample` with its policy and k already checked and its sensitivity factor
+    already formed: `query_with_ledger.LedgerSampling` does that once per declaration, not
+    at every step.
+
+    Args:
+      population_size: n (float or tensor).
+      selection_probability: q (float or tensor).
+      events: the tuple of privacy events `DPQuery.get_noised_result` returned.
+      sampling: the registered policy object (`policies.get(policy)`).
+      sample_size: the batch size (float or tensor).
+      examples_per_record: k, checked against the policy (`records.check_examples_per_record`).
+      factor: `records.sensitivity_factor(sampling.relation, k)` (float or float64 tensor).
+
+    Returns:
+      the ledger's new sample count (int64 tensor).
+
+    Raises:
+      PrivacyConfigError: an unknown event, or a correlated-noise event its sampling does not
+        cover.
+    """
+    policy = sampling.name
+    factor = _f64(factor)
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
     rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]

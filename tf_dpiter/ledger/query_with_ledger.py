@@ -83,9 +83,9 @@ class LedgerSampling:
     """
     privacy_ledger.policy_code(policy)
     self._check(population_size, selection_probability, sample_size, policy)
-    records.check_examples_per_record(policy, examples_per_record)
-    self._examples_per_record = int(examples_per_record)
     self._policy = policy
+    self._policy_object = policies.get(policy)
+    self._set_examples_per_record(examples_per_record)
     self._ledger = ledger if ledger is not None else privacy_ledger.PrivacyLedger()
     self._population_size = tf.Variable(float(population_size), dtype=tf.float64,
                                         trainable=False, name="population_size")
@@ -106,6 +106,18 @@ class LedgerSampling:
                                               sample_size)
     if bad is not None:
       raise PrivacyConfigError(bad)
+
+  def _set_examples_per_record(self, examples_per_record):
+    """Checks k against the policy and forms the sensitivity factor every `record` writes
+    (records.sensitivity_factor), once per declaration.
+
+    Raises:
+      PrivacyConfigError: k > 1 under an add/remove policy. ParameterValueError: k < 1.
+    """
+    records.check_examples_per_record(self._policy, examples_per_record)
+    self._examples_per_record = int(examples_per_record)
+    self._factor = records.sensitivity_factor(self._policy_object.relation,
+                                              self._examples_per_record)
 
   @property
   def ledger(self):
@@ -165,8 +177,7 @@ class LedgerSampling:
       sample_size = float(self._sample_size.numpy())
     self._check(population_size, selection_probability, sample_size, self._policy)
     if examples_per_record is not None:
-      records.check_examples_per_record(self._policy, examples_per_record)
-      self._examples_per_record = int(examples_per_record)
+      self._set_examples_per_record(examples_per_record)
     self._population_size.assign(float(population_size))
     self._selection_probability.assign(float(selection_probability))
     self._sample_size.assign(float(sample_size))
@@ -182,9 +193,9 @@ class LedgerSampling:
     Returns:
       the ledger's new sample count (int64 tensor).
     """
-    return self._ledger.record_sample(self._population_size, self._selection_probability,
-                                      events, policy=self._policy, sample_size=self._sample_size,
-                                      examples_per_record=self._examples_per_record)
+    return self._ledger.append_sample(self._population_size, self._selection_probability,
+                                      events, self._policy_object, self._sample_size,
+                                      self._examples_per_record, self._factor)
 
 
 @serialization.register_query()

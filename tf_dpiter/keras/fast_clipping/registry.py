@@ -49,6 +49,9 @@ Optional capabilities, declared by attributes of the norm function:
       float32 whatever the dtype policy). Others then take the vectorized path.
   float32_sums (``@float32_sums``): its results are always PerExampleGrads,
       GhostSums or FactorSums formed in float32, so it serves 16-bit layers as they are.
+  lora_variants: ``(plain_fn, lora_fn)``, for a layer class with Keras' LoRA
+      (``layer.lora_enabled``): the lookup gives each layer the one of the two its
+      LoRA setting needs, once per plan (rules/lora.py).
 A norm function may also return ``FactorSums(sqr_norms, sum_fn)``: ``sum_fn(example_factors)``
 forms the clipped sum in float32 from the clip factors themselves (a Dense
 layer weights whichever of its input and its output gradient is smaller).
@@ -286,11 +289,10 @@ def lookup(layer):
     layer: a Keras layer.
 
   Returns:
-    the registered norm function, or None.
+    the registered norm function (of a class with ``lora_variants``, the one for the
+    layer's LoRA setting), or None.
   """
-  for hook in _LOOKUP_HOOKS:   # e.g. rules of keras_hub classes, once keras_hub is imported
-    hook()
-  return _rule_of(type(layer))
+  return lookup_all([layer])[id(layer)]
 
 
 def lookup_all(layers):
@@ -302,9 +304,16 @@ def lookup_all(layers):
   Returns:
     {id(layer): its norm function or None}.
   """
-  for hook in _LOOKUP_HOOKS:
+  for hook in _LOOKUP_HOOKS:   # e.g. rules of keras_hub classes, once keras_hub is imported
     hook()
-  return {id(layer): _rule_of(type(layer)) for layer in layers}
+  rules = {}
+  for layer in layers:
+    fn = _rule_of(type(layer))
+    variants = getattr(fn, "lora_variants", None)   # LoRA on or off: chosen here, not per call
+    if variants is not None:
+      fn = variants[1] if getattr(layer, "lora_enabled", False) else variants[0]
+    rules[id(layer)] = fn
+  return rules
 
 
 def _rule_of(cls):

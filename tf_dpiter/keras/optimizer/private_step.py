@@ -97,6 +97,7 @@ class PrivateStep:
     self._pending_sampling = None
     self._expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._clip_factors_of = None   # (base query, gives_clip_factors of it)
+    self._route = None   # (resolve_clipping's key, its path): _route_key
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -430,7 +431,8 @@ class PrivateStep:
     and a batch-independence probe (run once per model and batch size, cached; see
     batch_independence) must see no layer that mixes examples. Otherwise "auto" takes the
     vectorized path, which is exact for any model (each record is run and clipped alone, in
-    float32).
+    float32). The answer is kept per train function and input shape (`_route_key`), as the
+    traced step keeps it.
 
     Args:
       model: the keras.Model the step trains.
@@ -447,14 +449,35 @@ class PrivateStep:
     clipping = self.flags.clipping
     if clipping == "vectorized":
       return "vectorized"
+    key = self._route_key(model, input_specs)
+    cached = self._route
+    if key is not None and cached is not None and cached[0] == key:
+      return cached[1]
     reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs)
-    if reason is None:
-      return "fast"
-    if clipping == "fast":
+    if reason is not None and clipping == "fast":
       raise PrivacyConfigError(
           f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
           "'vectorized' (each record is clipped alone, exact for it)")
-    return "vectorized"
+    path = "fast" if reason is None else "vectorized"
+    self._route = None if key is None else (key, path)
+    return path
+
+  def _route_key(self, model, input_specs):
+    """What `resolve_clipping`'s answer for `model` follows from, as a tuple compared by
+    identity, or None (not kept: no model, or no train function yet).
+
+    A traced train step keeps the path it was traced with until Keras traces it again (a
+    new train function, a new input shape); the key holds exactly that, plus what a step
+    run eagerly could change in between: the flags, the query, the dtype policy, the
+    trainable variables and the model's losses. So a step run eagerly (`run_eagerly=True`)
+    walks the model's layers once, as the traced step does, not at every batch.
+    """
+    train_function = getattr(model, "train_function", None)
+    if model is None or train_function is None:
+      return None
+    shapes = tuple(tuple(getattr(t, "shape", ())) for t in tf.nest.flatten(input_specs))
+    return (model, train_function, shapes, self.flags, self.base_query, model.compute_dtype,
+            tuple(id(v) for v in model.trainable_variables), len(model.losses))
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
                   vectorize=True, loss_scale=1.0, params=None):

@@ -228,6 +228,7 @@ def _dispatch(plain_fn, lora_fn):
   for flag in ("supports_records", "float32_watched", "float32_sums"):
     if getattr(plain_fn, flag, False) and getattr(lora_fn, flag, False):
       setattr(norm_fn, flag, True)
+  norm_fn.lora_variants = (plain_fn, lora_fn)   # registry.lookup picks one per layer
   return norm_fn
 
 

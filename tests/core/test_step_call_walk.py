@@ -1,0 +1,22 @@
+"""benchmarks/step_call_walk.py's counting: calls, files, returns to a file left, stays."""
+
+from benchmarks import step_call_walk
+
+
+def test_counts_of_a_known_walk():
+  calls = [("a.py", "f"), ("b.py", "g"), ("b.py", "h"), ("a.py", "f2"), ("c.py", "k"),
+           ("b.py", "g2"), ("a.py", "f3")]
+  files = {f for f, _ in calls}
+  summary = step_call_walk.summarize(calls)
+  assert summary["calls"] == len(calls) and summary["files"] == len(files)
+  # a -> b -> a (1), a -> c -> b (b was left: 2), b -> a (a was left: 3)
+  assert summary["returns"] == 3
+  stays = step_call_walk.stays(calls)
+  assert [f for f, _ in stays] == ["a.py", "b.py", "a.py", "c.py", "b.py", "a.py"]
+  assert [n for _, names in stays for n in names] == [n for _, n in calls]
+
+
+def test_a_walk_in_one_file_never_returns():
+  calls = [("a.py", str(i)) for i in range(5)]
+  assert step_call_walk.summarize(calls) == {"calls": 5, "files": 1, "returns": 0}
+  assert step_call_walk.stays(calls) == [("a.py", [str(i) for i in range(5)])]
