@@ -97,11 +97,36 @@ def test_layer_mixing_only_in_training_keeps_fit_off_the_fast_path():
                                  _CenteringInTraining(name="centre"), keras.layers.Dense(3)])
   opt = dp.keras.DPKerasSGDOptimizer(0.05, 0.0, learning_rate=0.1)
   model.compile(optimizer=opt, loss=LOSS)
-  with pytest.warns(UserWarning, match="in training mode"):
+  with pytest.warns(UserWarning, match="centre"):
     verdict = batch_independence.probe_model(model)
-  assert verdict == (f"{model.name} (in training mode)",)
+  assert verdict == ("centre",)   # the probe runs in training mode and names the source
+  x = np.random.RandomState(0).randn(6, 5).astype("float32")
+  assert batch_independence.batch_mixing_layers(model, x) == ()   # inference: identity
   assert opt.resolve_clipping(model) == "vectorized"
   rng = np.random.RandomState(0)
   x, y = rng.randn(16, 5).astype("float32"), rng.randint(0, 3, 16)
   report = dp.auditing.check_sensitivity(model, x, y, batch_size=8, num_candidates=8)
   assert report.passed, report
+
+
+def test_fit_probes_once_per_batch_size_it_uses(monkeypatch):
+  """fit probes at the batch size its sampling declares (random inputs, then fit's first
+  rows), in training mode, once each: make_train_function probes eagerly and the trace finds
+  the verdicts cached; a second fit probes nothing."""
+  runs = []
+  original = batch_independence.batch_mixing_layers
+
+  def counted(model, x, *args, **kwargs):
+    runs.append((len(np.asarray(x)), kwargs.get("training")))
+    return original(model, x, *args, **kwargs)
+
+  monkeypatch.setattr(batch_independence, "batch_mixing_layers", counted)
+  keras.utils.set_random_seed(0)
+  model = _functional(False)
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS)
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(64, 5).astype("float32"), rng.randint(0, 3, 64)
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert runs == [(16, True), (16, True)]
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert len(runs) == 2

@@ -8,8 +8,9 @@ output row i depends on row j (batch-mean centering, a batch-level attention, a 
 normalisation) lets example j move every other example's gradient, and the clip no longer
 bounds it (measured: 2.85C for one removed example on a batch-centering `Lambda`).
 
-The probe (`batch_mixing_layers`): the model is run, in inference mode, on a probe batch and
-on the same batch with its last example replaced; every layer whose output rows for the
+The probe (`batch_mixing_layers`): the model is run, in training mode as the train step runs
+it (dropout's seed states restored between the runs, so both draw the same masks), on a
+probe batch and on the same batch with its last example replaced; every layer whose output rows for the
 *other* examples moved while its inputs' rows did not is named (the source of the mixing,
 not the layers downstream). Models whose layers cannot be probed one by one (subclassed) are
 probed as a whole. `probe_model` runs it once per model and batch size on random inputs shaped
@@ -21,16 +22,19 @@ The probe is the second line of defence: the fast path is taken only for models 
 layer is known to act per example (per_example: Keras' own layers, or layers the user declared
 with `dp.keras.declare_per_example`), since a layer can pass any finite probe and still mix.
 
-What the probe catches: any deterministic layer that mixes rows on the probe inputs, with or
-without parameters (Lambda, custom layers, `ops.mean(axis=0)`, batch-level softmax).
-The whole model is also run in training mode (`mixes_in_training_mode`), which catches a
-layer that mixes only in training. What it cannot catch: mixing only through randomness,
+What the probe catches: any deterministic layer that mixes rows on the probe inputs in
+training mode, with or without parameters (Lambda, custom layers, `ops.mean(axis=0)`,
+batch-level softmax, a centering done only in training). One pair of runs in training mode
+covers what the train step computes: a layer that mixes only in inference mode is not named
+(it does not move the clipped sum; evaluate and predict are not private). What it cannot
+catch: mixing only through randomness,
 only on inputs far from the probe's (e.g. a branch taken for large batches or special values), in the loss
 function rather than the model, or below the tolerance `atol` (relative to the output's
 scale). A passing probe is evidence, not proof; `tf_dpiter.auditing.check_sensitivity`
 measures the end-to-end effect on the real train step.
 """
 
+import contextlib
 import warnings
 
 import keras
@@ -104,14 +108,22 @@ def _graph_nodes(model):
   return graph, nodes
 
 
-def batch_mixing_layers(model, x, atol=1e-6):
+def batch_mixing_layers(model, x, atol=1e-6, training=False):
   """Names of the layers that make one example's activations depend on another example.
+
+  The model (each layer's outputs and inputs) is run on x and on x with its last example
+  replaced; a layer whose output rows for the other examples moved while its input rows did
+  not is named. With training=True the layers run in training mode, and the model's
+  non-trainable variables (Keras' seed-generator states, statistics) are restored before
+  each run and after both (`_state_restored`), so dropout draws the same masks in both runs
+  and the model is left unchanged.
 
   Args:
     model: a keras.Model (functional, Sequential or subclassed), built or buildable on x.
     x: a batch (array, or a list of arrays for several inputs) of at least 2 examples.
     atol: tolerance, relative to 1 + the largest |output| of each layer (16-bit compute
       dtypes are compared at max(atol, 1e-2)).
+    training: run the layers in training mode (True) or inference mode (False).
 
   Returns:
     tuple of layer names in model order (the model's own name if it is subclassed and
@@ -134,8 +146,8 @@ def batch_mixing_layers(model, x, atol=1e-6):
   if nodes is not None and any(t.shape[0] not in (None, n) for t in nodes[0].inputs):
     nodes = None
   if nodes is None:
-    out1 = tf.nest.flatten(model(x1, training=False))
-    out2 = tf.nest.flatten(model(x2, training=False))
+    out1, out2 = _two_runs(model, x1, x2, training)
+    out1, out2 = tf.nest.flatten(out1), tf.nest.flatten(out2)
     moved = any(_rows_moved(a, b, n, atol) for a, b in zip(out1, out2))
     return (model.name,) if moved else ()
   graph, nodes = nodes
@@ -148,8 +160,7 @@ def batch_mixing_layers(model, x, atol=1e-6):
   if len(tf.nest.flatten(ins)) == 1:   # one input: plain tensors, no one-element lists
     ins = tf.nest.flatten(ins)[0]
     x1, x2 = tf.nest.flatten(x1)[0], tf.nest.flatten(x2)[0]
-  probe = keras.Model(ins, tensors)
-  out1, out2 = probe(x1, training=False), probe(x2, training=False)
+  out1, out2 = _two_runs(keras.Model(ins, tensors), x1, x2, training)
   mixing, pos = [], 0
   for node in nodes:
     k_out, k_in = len(node.output_tensors), len(node.input_tensors)
@@ -160,6 +171,48 @@ def batch_mixing_layers(model, x, atol=1e-6):
     if outs_moved and not ins_moved and node.operation.name not in mixing:
       mixing.append(node.operation.name)
   return tuple(mixing)
+
+
+def _two_runs(model, x1, x2, training):
+  """model(x1) and model(x2) in inference mode, or in training mode from the same state."""
+  if not training:
+    return model(x1, training=False), model(x2, training=False)
+  outs = []
+  with _state_restored(model) as restore:
+    for batch in (x1, x2):
+      restore()
+      outs.append(model(batch, training=True))
+  return outs
+
+
+@contextlib.contextmanager
+def _state_restored(model):
+  """Yields `restore`, which assigns back every non-trainable variable of `model` that
+  changed since the block began; it is also called when the block ends.
+
+  Reads share the variables' buffers (no copy: a frozen backbone's weights, e.g. LoRA's
+  110M, are non-trainable too; a numpy copy of them took 420 MB of peak memory), and a
+  variable a run assigns gets a new buffer, so the saved state keeps the old values. Only
+  the variables that changed are assigned back.
+
+  Args:
+    model: a built keras.Model.
+
+  Yields:
+    the function restore() (no arguments).
+  """
+  variables = model.non_trainable_variables
+  state = [tf.convert_to_tensor(v) for v in variables]
+
+  def restore():
+    for v, value in zip(variables, state):
+      if not bool(tf.reduce_all(tf.equal(tf.convert_to_tensor(v), value))):
+        v.assign(value)
+
+  try:
+    yield restore
+  finally:
+    restore()
 
 
 def _at_graph_batch(nodes, xs):
@@ -259,8 +312,8 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   Runs `batch_mixing_layers` (eagerly, lifted out of any trace) on a probe batch of
   `batch_size` examples: random, shaped like `input_specs` (a nest of tf.TensorSpec with a
   leading batch axis; default: the model's inputs), or made of the real rows `data` (the
-  first batch of fit's data); then, if no layer mixed, the whole model in training mode
-  (`mixes_in_training_mode`). Each (batch size, random or real) is probed once per model and
+  first batch of fit's data), in training mode (`training=True`: two runs of the model, as
+  the train step runs it). Each (batch size, random or real) is probed once per model and
   the verdicts add up: once a layer was seen mixing it stays named. A model whose inputs are
   unknown is reported as unprobed: None, not cached (also when it cannot run yet, e.g. its
   variables are being created by the trace in progress).
@@ -290,9 +343,7 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
     return cached
   try:
     with tf.init_scope():
-      verdict = batch_mixing_layers(model, x)
-      if not verdict and mixes_in_training_mode(model, x):
-        verdict = (f"{model.name} (in training mode)",)
+      verdict = batch_mixing_layers(model, x, training=True)
   except (tf.errors.OpError, ValueError, TypeError):
     # e.g. variables created in the trace that is running (a model built lazily by the
     # first train step) cannot be read yet: unprobed, and not cached
@@ -350,12 +401,11 @@ def probe_at_batch_size(model, input_specs, step=None):
 def mixes_in_training_mode(model, x):
   """Whether `model` run in training mode makes one example's outputs depend on another.
 
-  `batch_mixing_layers` runs in inference mode, but the training step runs the model with
-  training=True, where a layer may mix only then (a centering that uses the batch mean in
-  training). The whole model is run eagerly, training=True, on `x` and on `x` with its last
-  example replaced; before each run and after both, every non-trainable variable (Keras'
-  seed-generator states, statistics) is restored, so dropout draws the same masks and the
-  model is left unchanged. Randomness outside the model's seed generators moves the other
+  The whole model is run eagerly, training=True, on `x` and on `x` with its last example
+  replaced; before each run and after both, every non-trainable variable (Keras'
+  seed-generator states, statistics) is restored (`_state_restored`), so dropout draws the
+  same masks and the model is left unchanged. (`probe_model` runs the layer-by-layer
+  `batch_mixing_layers(training=True)`, which sees this and names the layers.) Randomness outside the model's seed generators moves the other
   rows too and is reported as mixing (when in doubt, the whole-batch paths are not used).
 
   Args:
@@ -370,25 +420,11 @@ def mixes_in_training_mode(model, x):
   x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 1) for t in flat])
   compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
   atol = 1e-2 if compute in ("float16", "bfloat16") else 1e-6
-  variables = model.non_trainable_variables
-  # Reads share the variables' buffers (no copy: a frozen backbone's weights, e.g. LoRA's
-  # 110M, are non-trainable too; a numpy copy of them took 420 MB of peak memory), and a
-  # variable the run assigns gets a new buffer, so `state` keeps the old values. Only the
-  # variables the run changed are assigned back.
-  state = [tf.convert_to_tensor(v) for v in variables]
-
-  def restore():
-    for v, value in zip(variables, state):
-      if not bool(tf.reduce_all(tf.equal(tf.convert_to_tensor(v), value))):
-        v.assign(value)
-
   outs = []
-  try:
+  with _state_restored(model) as restore:
     for batch in (x, x2):
       restore()
       outs.append(tf.nest.flatten(model(batch, training=True)))
-  finally:
-    restore()
   return any(_rows_moved(np.asarray(a), np.asarray(b), n, atol) for a, b in zip(*outs))
 
 

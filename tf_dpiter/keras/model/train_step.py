@@ -123,7 +123,9 @@ class TrainStepMixin:
     jit = bool(self.jit_compile) and not self.run_eagerly
     step = self._dp_optimizer().private_step
     if step.clipping != "vectorized" and self.built:
-      batch_independence.probe_model(self)   # eagerly, cached (None: probed in the trace)
+      # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
+      # for the same ones and finds them cached; None: probed in the trace)
+      batch_independence.probe_at_batch_size(self, None, step)
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
     if jit:

@@ -1,0 +1,206 @@
+"""The first train step of BERT-base (DP or non-private) broken down by phase.
+
+  python benchmarks/first_step_phases.py --mode dp [--lora 8] [--seq 32] [--batch 4]
+  python benchmarks/first_step_phases.py --mode dp --grappler      # + graph optimization time
+  python benchmarks/first_step_phases.py --mode dp --cprofile 25   # + the trace's top functions
+
+The model and data are transformer_step_time.py's (keras_hub's BertBackbone, BERT-base
+config, random weights; --model plain without keras_hub). One `model.train_on_batch` is the
+first step; its wall time (`first_step_s`) is split into:
+
+  make_train_function_s  building the train function (the DP model probes batch independence
+                         here, eagerly, once per model)
+  probe_s                inside it and in the trace: batch_independence.probe_model (the
+                         batch-independence probe, cached on the model), all calls
+  routing_s              step.resolve_clipping in the trace (per-example checks, the plan,
+                         the probe when not yet cached)
+  trace_s                the Python trace of train_step (resolve_clipping and the clipped
+                         sum's trace included)
+  clipped_sum_trace_s    fast_clipping.clipped_grad_sum traced (part of trace_s)
+  after_trace_s          first_step_s - trace_s - make_train_function_s: TensorFlow's
+                         function instantiation (graph conversion, Grappler, partitioning,
+                         kernel creation) and the first run
+  grappler_s (--grappler) the graph optimizations (meta_optimizer's per-pass times, from
+                         TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass
+  second_step_s          the next step (steady state): first_run_excess_s = after_trace_s -
+                         grappler_s - second_step_s is what remains (first allocations,
+                         oneDNN primitive creation, executor setup)
+
+and the traced graph's size: `graph_ops` (ops of the function train_step is traced in, at the
+end of train_step) and `function_body_nodes` (nodes of the function library: tf.cond / while
+bodies, nested tf.functions), with the 12 most frequent op types. Prints one JSON line.
+"""
+
+import argparse
+import collections
+import cProfile
+import functools
+import io
+import json
+import os
+import pstats
+import re
+import subprocess
+import sys
+import time
+import warnings
+
+if "--grappler-child" in sys.argv:
+  os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  os.environ["TF_CPP_VMODULE"] = "meta_optimizer=1"
+else:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_dpiter as dp  # noqa: E402
+from tf_dpiter.keras.internals import batch_independence  # noqa: E402
+from tf_dpiter.keras.fast_clipping import clipping as fc_clipping  # noqa: E402
+import transformer_step_time as tst  # noqa: E402
+
+_TIMES = collections.defaultdict(float)
+_CALLS = collections.Counter()
+
+
+def _timed(name, fn):
+  """fn, its wall time added to _TIMES[name] (outermost calls only)."""
+  depth = [0]
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    depth[0] += 1
+    t0 = time.perf_counter()
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      depth[0] -= 1
+      if depth[0] == 0:
+        _TIMES[name] += time.perf_counter() - t0
+        _CALLS[name] += 1
+  return wrapper
+
+
+def _graph_size(graph):
+  """(ops, function-library nodes, top op types) of a FuncGraph."""
+  ops = graph.get_operations()
+  lib = graph.as_graph_def().library.function
+  types = collections.Counter(op.type for op in ops)
+  for f in lib:
+    types.update(n.op for n in f.node_def)
+  return len(ops), sum(len(f.node_def) for f in lib), types.most_common(12)
+
+
+def run(a):
+  """One first step, instrumented (module docstring); returns the JSON dict."""
+  warnings.simplefilter("ignore")
+  private = a.mode == "dp"
+  model, _, hub = tst.build(a.model, a.seq, a.lora, private)
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  opt = (dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01) if private
+         else keras.optimizers.SGD(0.01))
+  model.compile(optimizer=opt, loss=loss)
+  if private:
+    opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
+  x, y = tst.batch(a.batch, a.seq, hub)
+
+  batch_independence.probe_model = _timed("probe_s", batch_independence.probe_model)
+  fc_clipping.clipped_grad_sum = _timed("clipped_sum_trace_s", fc_clipping.clipped_grad_sum)
+  if private:
+    step = opt.private_step
+    step.resolve_clipping = _timed("routing_s", step.resolve_clipping)
+  graph = {}
+  inner_step = model.train_step
+  profiler = cProfile.Profile() if a.cprofile else None
+
+  def train_step(data):
+    if profiler is not None:
+      profiler.enable()
+    t0 = time.perf_counter()
+    try:
+      return inner_step(data)
+    finally:
+      _TIMES["trace_s"] += time.perf_counter() - t0
+      if profiler is not None:
+        profiler.disable()
+      graph["g"] = tf.compat.v1.get_default_graph()
+
+  model.train_step = train_step
+  t0 = time.perf_counter()
+  model.make_train_function()
+  _TIMES["make_train_function_s"] = time.perf_counter() - t0
+  t1 = time.perf_counter()
+  model.train_on_batch(x, y)
+  first = time.perf_counter() - t1
+  t2 = time.perf_counter()
+  model.train_on_batch(x, y)
+  second = time.perf_counter() - t2
+  out = {"mode": a.mode, "lora": a.lora, "batch": a.batch, "seq": a.seq,
+         "jit_compile": bool(model.jit_compile),
+         "clipping": opt.resolve_clipping(model) if private else None,
+         "first_step_s": round(first + _TIMES["make_train_function_s"], 2),
+         "second_step_s": round(second, 2)}
+  out.update({k: round(v, 2) for k, v in sorted(_TIMES.items())})
+  out["after_trace_s"] = round(first - _TIMES["trace_s"], 2)
+  out["calls"] = dict(_CALLS)
+  if "g" in graph:
+    ops, lib, types = _graph_size(graph["g"])
+    out.update({"graph_ops": ops, "function_body_nodes": lib, "top_op_types": types})
+  if profiler is not None:
+    s = io.StringIO()
+    stats = pstats.Stats(profiler, stream=s)
+    stats.sort_stats("cumulative").print_stats(a.cprofile)
+    out["cprofile_cumulative"] = [l for l in s.getvalue().splitlines() if re.match(r"\s+\d", l)]
+  out["load_avg"] = os.getloadavg()
+  return out
+
+
+_PASS = re.compile(r"meta_optimizer\.cc:\d+\] (\S+?)(?:\{.*\})?: Graph size after: .* "
+                   r"time = ([\d.]+)ms")
+
+
+def _grappler(a):
+  """Runs the child with meta_optimizer logging; adds the Grappler time by pass."""
+  args = [sys.executable, os.path.abspath(__file__), "--grappler-child"] + [
+      s for s in sys.argv[1:] if s != "--grappler"]
+  r = subprocess.run(args, capture_output=True, text=True, check=False)
+  lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+  if not lines:
+    raise SystemExit(r.stderr[-3000:])
+  out = json.loads(lines[-1])
+  by_pass = collections.defaultdict(float)
+  for m in _PASS.finditer(r.stderr):
+    by_pass[m.group(1)] += float(m.group(2)) / 1e3
+  out["grappler_s"] = round(sum(by_pass.values()), 2)
+  out["grappler_by_pass_s"] = {k: round(v, 2) for k, v in
+                               sorted(by_pass.items(), key=lambda kv: -kv[1])[:8]}
+  out["first_run_excess_s"] = round(out["after_trace_s"] - out["grappler_s"]
+                                    - out["second_step_s"], 2)
+  del a
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
+  p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
+  p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+  p.add_argument("--batch", type=int, default=4)
+  p.add_argument("--seq", type=int, default=32)
+  p.add_argument("--grappler", action="store_true",
+                 help="also time the graph optimizations (a child process logs them)")
+  p.add_argument("--grappler-child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--cprofile", type=int, default=0,
+                 help="print this many functions of the trace's cProfile (cumulative)")
+  a = p.parse_args()
+  out = _grappler(a) if a.grappler else run(a)
+  print(json.dumps(out), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
