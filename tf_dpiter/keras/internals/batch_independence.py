@@ -35,6 +35,7 @@ measures the end-to-end effect on the real train step.
 """
 
 import contextlib
+import time
 import warnings
 
 import keras
@@ -49,6 +50,7 @@ _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"
 _PROBED_ATTR = "_dp_batch_mixing_probed"   # the (batch size, real data) probes already run
 PROBE_ROWS_ATTR = "_dp_probe_rows"   # the first rows of fit's array data (DPModelMixin.fit)
+PROBE_SECONDS_ATTR = "_dp_probe_seconds"   # wall seconds the probes of a model took in all
 
 
 def check_no_batch_mixing(model):
@@ -316,7 +318,8 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   the train step runs it). Each (batch size, random or real) is probed once per model and
   the verdicts add up: once a layer was seen mixing it stays named. A model whose inputs are
   unknown is reported as unprobed: None, not cached (also when it cannot run yet, e.g. its
-  variables are being created by the trace in progress).
+  variables are being created by the trace in progress). The wall seconds the probes took
+  add up in the model's attribute `PROBE_SECONDS_ATTR` (the fit log's first-step line).
 
   Args:
     model: a built keras.Model.
@@ -341,6 +344,7 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
     x = _probe_inputs(model, input_specs, seed, n)
   if x is None:
     return cached
+  started = time.perf_counter()
   try:
     with tf.init_scope():
       verdict = batch_mixing_layers(model, x, training=True)
@@ -348,6 +352,9 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
     # e.g. variables created in the trace that is running (a model built lazily by the
     # first train step) cannot be read yet: unprobed, and not cached
     return cached
+  finally:
+    object.__setattr__(model, PROBE_SECONDS_ATTR, getattr(model, PROBE_SECONDS_ATTR, 0.0)
+                       + time.perf_counter() - started)
   object.__setattr__(model, _CACHE_ATTR, verdict)
   object.__setattr__(model, _PROBED_ATTR, getattr(model, _PROBED_ATTR, frozenset()) | {key})
   if verdict:

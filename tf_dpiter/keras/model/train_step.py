@@ -78,24 +78,46 @@ def _facts_key(model):
           getattr(model, "_compile_metrics", None), model.compute_dtype, model.built)
 
 
-# A first step (tracing, graph optimization, first run) longer than this many seconds is
-# reported in the fit log, with how long tracing the train step took.
+# A first step (the batch-independence probe, tracing, graph optimization, first run) longer
+# than this many seconds is reported in the fit log, with how long its phases took.
 SLOW_FIRST_STEP_SECONDS = 10.0
 
 
-def _first_step_line(model, seconds):
-  """The fit log's line about a slow first step (None when it was not slow)."""
-  if seconds <= SLOW_FIRST_STEP_SECONDS:
+def _first_step_line(model, seconds, probe_before=0.0, probe=0.0):
+  """The fit log's line about a slow first step (None when it was not slow).
+
+  Args:
+    model: the DP model (its `_dp_trace_seconds` and `_dp_traced_clipping` are read).
+    seconds: wall seconds of the first call of the train function.
+    probe_before: seconds make_train_function spent on the batch-independence probe before
+      that call (added to `seconds`).
+    probe: seconds of all the probes of this train function (probe_before and those run in
+      the trace, which `_dp_trace_seconds` includes).
+
+  Returns:
+    a str, or None.
+  """
+  total = seconds + probe_before
+  if total <= SLOW_FIRST_STEP_SECONDS:
     return None
   traced = getattr(model, "_dp_trace_seconds", None)
   path = {"fast": "ghost norms", "vectorized": "vectorized per-example gradients"}.get(
       getattr(model, "_dp_traced_clipping", None), "per-example gradients")
-  parts = (f"tracing {traced:.1f} s, graph optimization or XLA compilation and first run "
-           f"{seconds - traced:.1f} s" if traced is not None and traced <= seconds else
-           "tracing, graph optimization or XLA compilation and first run")
-  return (f"tf_dpiter: the first private step took {seconds:.1f} s ({parts}) to build the "
+  if traced is not None:   # the probes run in the trace are the probe's, not the trace's
+    traced -= max(0.0, probe - probe_before)
+  probed = f"batch-independence probe {probe:.1f} s, " if probe >= 0.05 else ""
+  parts = (f"{probed}tracing {traced:.1f} s, graph optimization or XLA compilation and first "
+           f"run {total - probe - traced:.1f} s"
+           if traced is not None and 0.0 <= traced and probe + traced <= total else
+           f"{probed}tracing, graph optimization or XLA compilation and first run")
+  return (f"tf_dpiter: the first private step took {total:.1f} s ({parts}) to build the "
           f"train step (clipped sum by {path}, noise, ledger write, update); later steps and "
           "later fit calls on this model reuse it")
+
+
+def _probe_seconds(model):
+  """Wall seconds the batch-independence probes of `model` took so far."""
+  return getattr(model, batch_independence.PROBE_SECONDS_ATTR, 0.0)
 
 
 def _flat_records(t):
@@ -122,10 +144,13 @@ class TrainStepMixin:
     self._dp_facts = None   # a new train function: its trace reads the model afresh
     jit = bool(self.jit_compile) and not self.run_eagerly
     step = self._dp_optimizer().private_step
+    probed_from = time.perf_counter()
+    probe_start = _probe_seconds(self)
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
       batch_independence.probe_at_batch_size(self, None, step)
+    probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
     if jit:
@@ -150,7 +175,8 @@ class TrainStepMixin:
       start = time.perf_counter()
       logs = inner(iterator)
       first[0] = False
-      line = _first_step_line(self, time.perf_counter() - start)
+      line = _first_step_line(self, time.perf_counter() - start, probe_before,
+                              _probe_seconds(self) - probe_start)
       if line is not None and getattr(self, "_dp_fit_verbose", 0) not in (0, None):
         print(line)   # the fit log (as the sampling line)
       return logs
