@@ -1,7 +1,7 @@
 """DP step memory minus non-private step memory against the batch size (issue 42, item 3).
 
   python benchmarks/dp_memory_by_batch.py [--models cnn,transformer,lstm]
-      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1] [--two_pass]
+      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1] [--two_pass] [--one_call]
 
 For each model, batch and mode, one fresh child process builds the model and one tf.function
 step on a fixed random batch, runs it once (tracing, graph optimization, first allocations),
@@ -10,13 +10,17 @@ oneDNN on, TensorFlow's CPU tensors come from a BFC allocator that keeps its poo
 after the first step no longer moves) and runs --steps more steps. Figures: "step MiB", the
 allocator's peak during those steps minus its current bytes before them (what the step's
 tensors take at their peak beyond the variables and the batch), the allocator's peak itself,
-and the process's peak RSS (tracing and graph optimization included). Modes:
+the process's peak RSS (tracing and graph optimization included), and "step_ms", the median
+wall time of those steps. Modes:
   nonprivate  forward, backward of the mean loss, SGD update (assign_sub)
   dp          fast_clipping.clipped_grad_sum (clip 1.0, the layer rules' forms), the
               library's Gaussian noise (stddev 1.1), the division by B and the same update
   dp_two_pass (with --two_pass) the same with variant="two_pass": the clipped sum by a second
               backward pass of sum_i c_i L_i instead of book-keeping (which keeps every
               layer's output gradient until the clip factors are known)
+  dp_one_call (with --one_call) dp with physical_chunks=False: the batch in one call even where
+              book-keeping keeps more than rules/budget.KEPT_BYTES (the form before the
+              physical chunks of the clipped sum)
 Models: the tutorial CNN (example_models.mnist_cnn_layers, 28x28x1 inputs), the Transformer
 encoder (example_models.transformer_encoder: 1.6M parameters, sequences of 128 ids) and the LSTM
 language model of benchmarks/fit_step_time.py (Embedding 2000 x 64, LSTM 128 with
@@ -95,32 +99,40 @@ def _step(model, loss, mode, jit):
     apply(tape.gradient(value, model.trainable_variables), 1.0)
     return value
 
-  def dp(x, y, variant="bookkeeping"):
+  def dp(x, y, variant="bookkeeping", chunks=True):
     grads, norms = clipping.clipped_grad_sum(model, x, y, loss, l2_norm_clip=L2_NORM_CLIP,
-                                             variant=variant)
+                                             variant=variant, physical_chunks=chunks)
     noised = gaussian_query.add_gaussian_noise(
         generator, [tf.convert_to_tensor(g) for g in grads], NOISE_MULTIPLIER * L2_NORM_CLIP)
     apply(noised, 1.0 / tf.cast(tf.shape(norms)[0], tf.float32))
     return tf.reduce_mean(norms)
 
   fns = {"nonprivate": nonprivate, "dp": dp,
-         "dp_two_pass": lambda x, y: dp(x, y, variant="two_pass")}
+         "dp_two_pass": lambda x, y: dp(x, y, variant="two_pass"),
+         "dp_one_call": lambda x, y: dp(x, y, chunks=False)}
   return tf.function(fns[mode], jit_compile=jit)
 
 
 def child(name, mode, batch, steps, jit):
-  """{step_mib, alloc_peak_mib, peak_rss_mib} of one (model, mode, batch) in this process."""
+  """{step_mib, alloc_peak_mib, peak_rss_mib, step_ms} of one (model, mode, batch) in this
+  process."""
+  import statistics  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   model, x, y, loss = _model_and_batch(name, batch)
   step = _step(model, loss, mode, jit)
   step(x, y).numpy()
   tf.config.experimental.reset_memory_stats("CPU:0")
   base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+  times = []
   for _ in range(steps):
+    start = time.perf_counter()
     step(x, y).numpy()
+    times.append(time.perf_counter() - start)
   peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
   return {"step_mib": round((peak - base) / 2**20, 1), "alloc_peak_mib": round(peak / 2**20, 1),
-          "peak_rss_mib": round(_rss_kb("VmHWM") / 1024, 1)}
+          "peak_rss_mib": round(_rss_kb("VmHWM") / 1024, 1),
+          "step_ms": round(1000 * statistics.median(times), 1)}
 
 
 def main():
@@ -132,6 +144,7 @@ def main():
   p.add_argument("--jit", type=int, default=0)
   p.add_argument("--onednn", default="1", help="TF_ENABLE_ONEDNN_OPTS of the children")
   p.add_argument("--two_pass", action="store_true", help="also dp_two_pass")
+  p.add_argument("--one_call", action="store_true", help="also dp_one_call")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.child:
@@ -144,18 +157,21 @@ def main():
     for batch in (int(b) for b in a.batches.split(",")):
       row = {"model": name, "batch": batch, "jit": a.jit, "onednn": a.onednn,
              "load_avg": os.getloadavg()}
-      for mode in ("nonprivate", "dp") + (("dp_two_pass",) if a.two_pass else ()):
+      for mode in (("nonprivate", "dp") + (("dp_two_pass",) if a.two_pass else ()) +
+                   (("dp_one_call",) if a.one_call else ())):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{name}:{mode}:{batch}",
                "--steps", str(a.steps), "--jit", str(a.jit)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         lines = res.stdout.strip().splitlines()
         row[mode] = json.loads(lines[-1]) if res.returncode == 0 and lines else {
             "error": res.stderr.strip().splitlines()[-3:]}
-      for mode in ("dp", "dp_two_pass"):
+      for mode in ("dp", "dp_two_pass", "dp_one_call"):
         if mode in row and "error" not in row[mode] and "error" not in row["nonprivate"]:
           row[f"{mode}_minus_nonprivate"] = {
               k: round(row[mode][k] - row["nonprivate"][k], 1)
               for k in ("step_mib", "alloc_peak_mib", "peak_rss_mib")}
+          row[f"{mode}_over_nonprivate_ms"] = round(
+              row[mode]["step_ms"] / row["nonprivate"]["step_ms"], 3)
       print(json.dumps(row), flush=True)
 
 

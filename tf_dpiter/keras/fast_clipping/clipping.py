@@ -31,9 +31,25 @@ static loss scale S (routing.loss_scale) and the norms and sums divided by it.
 A record whose norm is not finite gets clip factor 0 and adds nothing, as on
 the vectorized path (a function of that record alone). Only "bookkeeping" is
 exact under 16-bit compute; "two_pass" is refused there.
+
+Memory. Book-keeping keeps every ghost layer's output gradient and input (and the vectorized
+layers' per-example gradients) for the whole batch until the clip factors are known: bytes
+that grow with the batch (the LSTM language model's logits gradient, 320,000 bytes per
+example). Where they would exceed rules/budget.KEPT_BYTES, the clipped sum is formed over
+physical chunks of whole records, one chunk at a time in a tf.while_loop (forward, norms,
+factors, sum; the chunks' sums added): the clip factor of a record is a function of that
+record's norm alone, so the sum is the same. The kept bytes per example are measured on a
+forward pass traced (never run) on one record and the chunk is chosen at trace time; a batch
+the trace does not know runs ceil(B / m) balanced chunks (one when it fits), under XLA it is
+one call. The Keras models' train step passes physical_chunks=False: its loss reads the
+whole batch's record weights, and it splits the batch itself (max_physical_batch_size).
+A second backward pass (Li et al.'s ghost clipping, "two_pass") does not bound the kept bytes
+in TensorFlow: the persistent tape keeps the forward activations (the softmax
+cross-entropy's [B, T, V] backprop among them) until that pass.
 """
 
 import numbers
+import weakref
 
 import tensorflow as tf
 
@@ -47,6 +63,7 @@ from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping import summing
+from tf_dpiter.keras.fast_clipping.rules import budget
 
 GHOST = plan_lib.GHOST
 VECTORIZED = plan_lib.VECTORIZED
@@ -235,16 +252,203 @@ def _check_variant(variant, scale):
                               f"({scale}); use variant='bookkeeping'")
 
 
+# {id(model): (weak reference to the model, {input signature: (kept bytes per example or
+# None, output signature)})}: the probe's results, one trace per model and input signature.
+_PROBES = {}
+
+
+def _example_bytes(t):
+  """Bytes per example (row) of a [B, ...] tensor, at least 4 per entry (a sum is float32),
+  0 for what is not a batched tensor, None where a dimension is unknown."""
+  if not tf.is_tensor(t) or t.shape.rank is None or t.shape.rank < 1:
+    return 0
+  dims = t.shape[1:].as_list()
+  if None in dims:
+    return None
+  size = 1
+  for d in dims:
+    size *= d
+  return size * max(t.dtype.size, 4)
+
+
+def _units_kept_bytes(units):
+  """Bytes per example book-keeping keeps until the clip factors are known: a ghost unit's
+  watched tensors (their output gradients have their shapes) and call inputs, another unit's
+  outputs and per-example gradients. None where a size is unknown."""
+  total = 0
+  for u in units:
+    for rec in u.records:
+      if u.kind == GHOST and len(u.records) == 1 and rec["watched"] is not None:
+        parts = tf.nest.flatten(rec["watched"]) + tf.nest.flatten((rec["args"], rec["kwargs"]))
+      else:
+        parts = tf.nest.flatten(rec["outputs"])
+        total += sum(4 * v.shape.num_elements() for v in u.variables)
+      for t in parts:
+        b = _example_bytes(t)
+        if b is None:
+          return None
+        total += b
+  return total
+
+
+def _probe(model, inputs, grouped, k):
+  """(kept bytes per example or None, output signature): a forward pass of one record (k
+  examples) traced, never run, with the layers recorded as clipped_grad_sum records them;
+  the output signature is a nest of tf.TensorSpec of one example of each model output.
+  None where an input is not a batched tensor of known shape."""
+  flat = tf.nest.flatten(inputs)
+  if not flat or any(_example_bytes(t) in (None, 0) for t in flat):
+    return None, None
+  key = (grouped, k, tuple((tuple(t.shape[1:].as_list()), t.dtype.name) for t in flat))
+  ref, seen = _PROBES.get(id(model), (None, {}))
+  if ref is None or ref() is not model:
+    seen = {}
+    _PROBES[id(model)] = (weakref.ref(model), seen)
+  if key not in seen:
+    found = []
+
+    def forward(*xs):
+      units = plan_lib.plan(model, grouped=grouped)
+      with recording.CALL_LOCK:
+        installed = recording.install(units)
+        try:
+          outputs = model(tf.nest.pack_sequence_as(inputs, list(xs)), training=True)
+        finally:
+          recording.uninstall(installed)
+      found.append((_units_kept_bytes(units),
+                    tf.nest.map_structure(lambda o: tf.TensorSpec(o.shape[1:], o.dtype),
+                                          outputs)))
+      return tf.constant(0)
+
+    tf.function(forward, autograph=False).get_concrete_function(
+        *[tf.TensorSpec([k] + t.shape[1:].as_list(), t.dtype) for t in flat])
+    seen[key] = found[0]
+  return seen[key]
+
+
+def _physical_chunk(model, inputs, k):
+  """(examples per physical chunk m, output signature), or None where the batch is one call:
+  k unknown at trace time, XLA with an unknown batch, a kept size unknown, or B <= m known.
+  m = budget.kept_chunk(kept bytes per example, k) (module docstring)."""
+  if not isinstance(k, int):
+    return None
+  flat = tf.nest.flatten(inputs)
+  if not flat or not tf.is_tensor(flat[0]) or flat[0].shape.rank in (None, 0):
+    return None
+  static_b = flat[0].shape[0]
+  if static_b is None and routing.in_xla_context():
+    return None
+  if static_b is not None and static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k):
+    return None   # at most the smallest chunk: no probe
+  kept, signature = _probe(model, inputs, _grouped(k), k)
+  if kept is None:
+    return None
+  m = budget.kept_chunk(kept, k)
+  if static_b is not None and static_b <= m:
+    return None
+  return m, signature
+
+
+def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, mask, k,
+                      variant, return_outputs, m, signature):
+  """clipped_grad_sum's (grads, norms, outputs, losses) over physical chunks of whole
+  records (module docstring): n = ceil(B / m) chunks of one size (budget.balanced_chunk),
+  the last padded with examples of mask 0 (clip factor 0: they add nothing, their rows are
+  cut), in a tf.while_loop (one chunk alive at once); outputs None unless return_outputs."""
+  x_flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(inputs)]
+  y_flat = [t if t is None else tf.convert_to_tensor(t) for t in tf.nest.flatten(targets)]
+  static_b = x_flat[0].shape[0]
+  b = static_b if static_b is not None else tf.shape(x_flat[0])[0]
+  n, chunk = budget.balanced_chunk(b, m, k)
+  pad = n * chunk - b
+  masked = mask is not None or not isinstance(pad, int) or pad > 0
+  mask_f = None
+  if masked:
+    mask_f = (tf.ones([b], tf.float32) if mask is None else
+              tf.cast(tf.reshape(mask, [-1]), tf.float32))
+  rows = [i for i, t in enumerate(y_flat) if t is not None and t.shape.rank not in (None, 0)]
+  batched = x_flat + [y_flat[i] for i in rows] + ([mask_f] if masked else [])
+
+  def padded(t):
+    if isinstance(pad, int) and pad == 0:
+      return t
+    t = tf.pad(t, [[0, pad]] + [[0, 0]] * (t.shape.rank - 1))
+    if isinstance(pad, int):
+      t.set_shape([n * chunk] + t.shape[1:].as_list())
+    return t
+
+  batched = [padded(t) for t in batched]
+  if isinstance(chunk, int):   # a batch the trace knows: chunks of a static shape
+    split = [tf.reshape(t, [n, chunk] + t.shape[1:].as_list()) for t in batched]
+    take = lambda i: [s[i] for s in split]
+  else:
+    take = lambda i: [t[i * chunk:(i + 1) * chunk] for t in batched]
+  variables = model.trainable_variables
+  out_specs = tf.nest.flatten(signature) if return_outputs else []
+
+  def body(i, acc, norms_ta, losses_ta, outs):
+    parts = take(i)
+    xi = tf.nest.pack_sequence_as(inputs, parts[:len(x_flat)])
+    yl = list(y_flat)
+    for j, r in enumerate(rows):
+      yl[r] = parts[len(x_flat) + j]
+    yi = tf.nest.pack_sequence_as(targets, yl)
+    mi = parts[-1] if masked else None
+    grads, norms, outputs, losses = _clipped_grad_sum(
+        model, xi, yi, per_example_loss_fn, mask=mi, variant=variant, examples_per_record=k,
+        return_outputs=True, clip_factors_fn=factors_fn, chunked=False)
+    grads = [tf.cast(g, a.dtype) for a, g in zip(acc, grads)]
+    if xla:
+      acc = [a + g for a, g in zip(acc, grads)]
+    else:   # the first chunk's sums start the accumulator
+      acc = [tf.cond(i > 0, lambda a=a, g=g: a + g, lambda g=g: g) for a, g in zip(acc, grads)]
+    outs = [ta.write(i, tf.cast(o, ta.dtype)) for ta, o in zip(outs, tf.nest.flatten(outputs))]
+    return (i + 1, acc, norms_ta.write(i, norms), losses_ta.write(i, losses), outs)
+
+  # No zeros accumulator outside XLA: the first chunk's sums are the accumulator (a loop
+  # variable of unknown shape that starts empty), so the sum costs one weight-sized tensor per
+  # variable, as in one call. XLA needs static shapes: there it starts from zeros.
+  xla = routing.in_xla_context()
+  dtypes = [summing.sum_dtype(v) for v in variables]
+  acc0 = [tf.zeros(v.shape if xla else [0], d) for v, d in zip(variables, dtypes)]
+  ta = lambda dtype: tf.TensorArray(dtype, size=n, infer_shape=False)
+  loop_vars = (tf.constant(0), acc0, ta(tf.float32), ta(tf.float32),
+               [ta(spec.dtype) for spec in out_specs])
+  invariants = None if xla else (tf.TensorShape([]), [tf.TensorShape(None)] * len(acc0),
+                                  tf.TensorShape(None), tf.TensorShape(None),
+                                  [tf.TensorShape(None)] * len(out_specs))
+  _, acc, norms_ta, losses_ta, outs = tf.while_loop(
+      lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
+      shape_invariants=invariants)
+  acc = [tf.ensure_shape(a, v.shape) for a, v in zip(acc, variables)]
+  records = b // k
+  norms = norms_ta.concat()[:records]
+  losses = losses_ta.concat()[:b]
+  outputs = (tf.nest.pack_sequence_as(signature, [o.concat()[:b] for o in outs])
+             if return_outputs else None)
+  return acc, norms, outputs, losses
+
+
 def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                       l2_norm_clip=None, mask=None, variant=DEFAULT_VARIANT,
                       examples_per_record=1, return_outputs=False,
-                      clip_factors_fn=None):
-  """Implementation of clipped_grad_sum with a choice of `variant`."""
+                      clip_factors_fn=None, chunked=True):
+  """Implementation of clipped_grad_sum with a choice of `variant`; `chunked` False: the
+  batch in one call whatever its kept bytes (a physical chunk's)."""
   factors_fn = _factors_fn(l2_norm_clip, clip_factors_fn)
   k = _check_examples_per_record(examples_per_record)
-  units = plan_lib.plan(model, grouped=_grouped(k))
   scale = routing.loss_scale(model)
   _check_variant(variant, scale)
+  plan_lib.plan(model, grouped=_grouped(k))   # its errors first
+  chunking = _physical_chunk(model, inputs, k) if chunked else None
+  if chunking is not None:
+    grads, norms, outputs, raw_losses = _chunked_grad_sum(
+        model, inputs, targets, per_example_loss_fn, factors_fn, mask, k, variant,
+        return_outputs, *chunking)
+    if return_outputs:
+      return grads, norms, outputs, raw_losses
+    return grads, norms
+  units = plan_lib.plan(model, grouped=_grouped(k))
 
   with tf.GradientTape(persistent=True) as tape, tf.name_scope("forward"):
     outputs, raw_losses, losses, record_mask, total = _forward(
@@ -282,7 +486,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
 def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                      l2_norm_clip=None, mask=None, examples_per_record=1,
                      return_outputs=False, clip_factors_fn=None,
-                     variant=DEFAULT_VARIANT):
+                     variant=DEFAULT_VARIANT, physical_chunks=True):
   """Sum over records of per-record gradients clipped to L2 norm C.
 
   Computes sum_j g_j * c_j with c_j = min(1, C / ||g_j||_2) (McMahan et al.
@@ -312,6 +516,11 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     variant: "bookkeeping" (one backward pass, the default) or "two_pass" (a
       second backward pass of sum_j c_j L_j; not under a loss scale or 16-bit
       layers). Both give the same sum.
+    physical_chunks: True: where book-keeping would keep more than
+      rules/budget.KEPT_BYTES for the batch, the sum is formed over physical chunks of whole
+      records (module docstring; per_example_loss_fn must then be a function of each
+      example's targets and outputs alone); False: the batch in one call (a caller that
+      chunks the batch itself, or whose loss depends on the whole batch).
 
   Returns:
     (grads, per_record_norms[, outputs, losses]): grads is a list of dense
@@ -331,4 +540,4 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                            l2_norm_clip, mask=mask, variant=variant,
                            examples_per_record=examples_per_record,
                            return_outputs=return_outputs,
-                           clip_factors_fn=clip_factors_fn)
+                           clip_factors_fn=clip_factors_fn, chunked=physical_chunks)

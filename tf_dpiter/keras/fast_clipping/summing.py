@@ -38,7 +38,7 @@ def _float32_args(rec):
   return tf.nest.map_structure(cast, (rec["args"], rec["kwargs"]))
 
 
-def _sum_dtype(v):
+def sum_dtype(v):
   """dtype of a variable's clipped sum: float32 for 16-bit variables."""
   dtype = tf.as_dtype(v.dtype)
   return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
@@ -129,13 +129,13 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
     grads = _ghost_vjp(u, sources[start:start + n], src_grads[start:start + n],
                        example_factors, tape, sum_fns.get(id(u)))
     for v, g in zip(u.variables, grads):
-      result[id(v)] = tf.cast(g, _sum_dtype(v))
+      result[id(v)] = tf.cast(g, sum_dtype(v))
   for u in units:
     if id(u) not in per_example:
       continue
     sums = _per_example_sums(per_example[id(u)], factors)
     for v, g in zip(u.variables, sums):
-      result[id(v)] = tf.cast(g, _sum_dtype(v))
+      result[id(v)] = tf.cast(g, sum_dtype(v))
   return result
 
 
@@ -175,5 +175,5 @@ def dense_result(model, result):
   out = []
   for v in model.trainable_variables:
     g = result.get(id(v))
-    out.append(tf.zeros(v.shape, _sum_dtype(v)) if g is None else g)
+    out.append(tf.zeros(v.shape, sum_dtype(v)) if g is None else g)
   return out

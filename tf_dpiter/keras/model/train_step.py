@@ -328,7 +328,8 @@ class TrainStepMixin:
 
       grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
           self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
-          return_outputs=True, clip_factors_fn=clip_factors_fn)
+          return_outputs=True, clip_factors_fn=clip_factors_fn,
+          physical_chunks=False)   # the loss reads the batch's weights; chunked here
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):

@@ -32,6 +32,31 @@ from tf_dpiter.keras.fast_clipping import registry
 # (8 MiB each: the convolution rule's budget, rules/conv.py).
 CHUNK_BYTES = 8 << 20
 KEEP_BYTES = 8 << 20
+# Bytes of the tensors book-keeping keeps for the whole batch until the clip factors are known
+# (every ghost layer's output gradient and input, the vectorized layers' per-example
+# gradients): beyond it, clipping.py forms the clipped sum over physical chunks of the batch.
+# 64 MiB: a batch of 64 of the LSTM language model (412 KB per example) or of the Transformer
+# encoder is one call.
+KEPT_BYTES = 64 << 20
+
+
+def kept_chunk(kept_bytes, k):
+  """Examples per physical chunk of the clipped sum: the largest power of two m with
+  m kept_bytes <= KEPT_BYTES (at least 8), rounded down to whole records of k examples (at
+  least one record).
+
+  Args:
+    kept_bytes: bytes book-keeping keeps per example until the clip factors are known (a
+      Python int).
+    k: examples per record (a Python int).
+
+  Returns:
+    int, a multiple of k.
+  """
+  m = 8
+  while m * 2 * kept_bytes <= KEPT_BYTES:
+    m *= 2
+  return max(k, m // k * k)
 
 
 def chunk_size(temp_bytes, k, cap=1 << 30):
