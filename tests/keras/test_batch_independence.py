@@ -130,3 +130,26 @@ def test_fit_probes_once_per_batch_size_it_uses(monkeypatch):
   assert runs == [(16, True), (16, True)]
   model.fit(x, y, batch_size=16, epochs=1, verbose=0)
   assert len(runs) == 2
+
+
+class _DeclaredButMixing(keras.layers.Layer):
+  """Declared per example below, but subtracts the batch mean (the probe must catch it)."""
+
+  def call(self, h):
+    return h - keras.ops.mean(h, axis=0, keepdims=True)
+
+
+def test_cached_verdict_is_dropped_when_the_layers_change():
+  """A verdict holds for the layers it saw: a layer added to a probed Sequential (here one
+  wrongly declared per example) is probed, and so is a change of `trainable` flags."""
+  keras.utils.set_random_seed(0)
+  dp.keras.declare_per_example(_DeclaredButMixing, "test: a false declaration")
+  model = dp.keras.DPSequential([keras.Input((5,)), keras.layers.Dense(4, name="d1")])
+  assert batch_independence.probe_model(model) == ()
+  assert batch_independence.probe_model(model) == ()   # cached: the same layers
+  model.add(_DeclaredButMixing(name="liar"))
+  with pytest.warns(UserWarning, match="liar"):
+    assert batch_independence.probe_model(model) == ("liar",)
+  model.pop()
+  model.layers[0].trainable = False
+  assert batch_independence.probe_model(model) == ()   # probed afresh, no mixing left

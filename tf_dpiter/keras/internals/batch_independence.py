@@ -49,6 +49,7 @@ from tf_dpiter.keras.internals import keras_internals
 _PROBE_BATCH = 4
 _CACHE_ATTR = "_dp_batch_mixing_verdict"
 _PROBED_ATTR = "_dp_batch_mixing_probed"   # the (batch size, real data) probes already run
+_LAYERS_ATTR = "_dp_batch_mixing_layers"   # the layers (and flags) the cached verdict saw
 PROBE_ROWS_ATTR = "_dp_probe_rows"   # the first rows of fit's array data (DPModelMixin.fit)
 PROBE_SECONDS_ATTR = "_dp_probe_seconds"   # wall seconds the probes of a model took in all
 
@@ -316,7 +317,9 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   leading batch axis; default: the model's inputs), or made of the real rows `data` (the
   first batch of fit's data), in training mode (`training=True`: two runs of the model, as
   the train step runs it). Each (batch size, random or real) is probed once per model and
-  the verdicts add up: once a layer was seen mixing it stays named. A model whose inputs are
+  the verdicts add up: once a layer was seen mixing it stays named, as long as the model's
+  layers and their `trainable` flags stay the same (`_layers_key`; when they change, the
+  cached verdicts are dropped and the model is probed afresh). A model whose inputs are
   unknown is reported as unprobed: None, not cached (also when it cannot run yet, e.g. its
   variables are being created by the trace in progress). The wall seconds the probes took
   add up in the model's attribute `PROBE_SECONDS_ATTR` (the fit log's first-step line).
@@ -332,6 +335,11 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
     tuple of layer names (empty: no mixing seen), or None if the model could not be probed.
   """
   n = max(2, int(batch_size or _PROBE_BATCH))
+  layers = _layers_key(model)
+  if getattr(model, _LAYERS_ATTR, None) != layers:   # other layers or flags: probe afresh
+    object.__setattr__(model, _CACHE_ATTR, None)
+    object.__setattr__(model, _PROBED_ATTR, frozenset())
+    object.__setattr__(model, _LAYERS_ATTR, layers)
   cached = getattr(model, _CACHE_ATTR, None)
   key = (n, data is not None)
   if cached or (cached is not None and key in getattr(model, _PROBED_ATTR, ())):
@@ -360,6 +368,13 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   if verdict:
     warn_batch_mixing(verdict)
   return verdict
+
+
+def _layers_key(model):
+  """What a cached verdict of `model` holds for: its layers (by identity, nested ones too)
+  and their `trainable` flags (a frozen BatchNormalization runs in inference mode)."""
+  return tuple((id(layer), bool(layer.trainable))
+               for layer in keras_internals.flatten_layers(model, include_self=False))
 
 
 def keep_probe_rows(model, x, max_rows=512):
