@@ -20,11 +20,16 @@ environment (tensorflow-text etc. are not needed to build a backbone from a conf
   pip install --no-deps --target /tmp/kh keras-hub==0.32.0 regex kagglehub kagglesdk tqdm tokenizers
   PYTHONPATH=/tmp/kh python benchmarks/transformer_step_time.py --all
 
---profile (DP): in one process, the parts of a DP step timed separately: the non-private
-gradient (one tape.gradient of the mean loss), the fast clipped sum
-(fast_clipping.clipped_grad_sum), the Gaussian noise for every trainable variable
-(tf.random.Generator.normal, and the step's own draw: the Gaussian query's exact-tail sampler
-added into zero sums, gaussian_query.add_gaussian_noise), and the whole DP train_on_batch.
+--profile (DP): in one process, the parts of a DP step timed separately, called round robin
+(--steps rounds after --warmup, medians): the non-private gradient (one tape.gradient of the
+mean loss), the fast clipped sum (fast_clipping.clipped_grad_sum), the Gaussian noise for
+every trainable variable (tf.random.Generator.normal, and the step's own draw: the Gaussian
+query's exact-tail sampler added into zero sums, gaussian_query.add_gaussian_noise), the
+Philox bits alone that draw consumes (32 per value: generator.uniform_full_int of N/2 int64,
+the floor of any exact-tail draw from the query's Philox stream), the whole DP
+train_on_batch, and the non-private train_on_batch of a second model built the same way
+(keras.optimizers.SGD): so the DP-only costs and the step they are compared with are measured
+under the same load.
 
 --ops: the size of the traced graphs, in one process: ops of the non-private gradient (one
 tape.gradient of the mean loss) and of the fast clipped sum (fast_clipping.clipped_grad_sum)
@@ -193,18 +198,25 @@ def run_one(a):
       "load_avg": os.getloadavg()}), flush=True)
 
 
-def _median_ms(fn, warmup, steps):
-  for _ in range(warmup):
-    fn()
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    out = fn()
-    for t in tf.nest.flatten(out, expand_composites=True):   # wait for the results
-      if tf.is_tensor(t):
-        t.numpy()
-    times.append(1e3 * (time.perf_counter() - t0))
-  return round(float(np.median(times)), 1)
+def _wait(out):
+  """Blocks until every tensor in `out` is computed."""
+  for t in tf.nest.flatten(out, expand_composites=True):
+    if tf.is_tensor(t):
+      t.numpy()
+
+
+def _round_robin_ms(parts, warmup, rounds):
+  """{name: median ms} of the zero-argument functions `parts`, called round robin: `warmup`
+  rounds untimed, then `rounds` timed rounds (each part once per round, so a change of the
+  machine's load reaches every part alike)."""
+  times = {k: [] for k in parts}
+  for r in range(warmup + rounds):
+    for k, fn in parts.items():
+      t0 = time.perf_counter()
+      _wait(fn())
+      if r >= warmup:
+        times[k].append(1e3 * (time.perf_counter() - t0))
+  return {k: round(float(np.median(v)), 1) for k, v in times.items()}
 
 
 def profile(a):
@@ -214,9 +226,13 @@ def profile(a):
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
   model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
+  plain, _, _ = build(a.model, a.seq, a.lora, False)
+  plain.compile(optimizer=keras.optimizers.SGD(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   x, y = batch(a.batch, a.seq, hub)
   per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
   variables = model.trainable_variables
+  values = int(sum(np.prod(v.shape) for v in variables))
   gen = tf.random.Generator.from_seed(0)
 
   @tf.function
@@ -233,11 +249,15 @@ def profile(a):
       # the step's own draw: the Gaussian query's exact-tail sampler, added into sums
       "query_noise_into_sums": tf.function(lambda: gaussian_query.add_gaussian_noise(
           gen, [tf.zeros(v.shape) for v in variables], 1.1)),
+      # the Philox bits that draw consumes, alone (32 per value)
+      "philox_bits_floor": tf.function(
+          lambda: gen.uniform_full_int([(values + 1) // 2], dtype=tf.int64)[:1]),
       "dp_train_on_batch": lambda: model.train_on_batch(x, y),
+      "nonprivate_train_on_batch": lambda: plain.train_on_batch(x, y),
   }
-  out = {k: _median_ms(f, a.warmup, a.steps) for k, f in parts.items()}
+  out = _round_robin_ms(parts, a.warmup, a.steps)
   print(json.dumps({"profile_ms": out, "mode": "dp", "lora": a.lora, "batch": a.batch,
-                    "seq": a.seq, "trainable_params": int(sum(np.prod(v.shape) for v in variables)),
+                    "seq": a.seq, "trainable_params": values,
                     "load_avg": os.getloadavg()}), flush=True)
 
 

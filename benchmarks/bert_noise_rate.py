@@ -1,0 +1,121 @@
+"""The Gaussian noise of one BERT-base DP step on this CPU: the raw draw rates (issue 42).
+
+  python benchmarks/bert_noise_rate.py [--threads 0] [--repeats 3] [--only NAME ...]
+
+Every variant produces noise for BERT-base's 109.5M trainable values (float32) in one
+tf.function (jit: `jit_compile=True`), called --repeats times after one warm-up call; figure:
+median ms per call. --threads sets TensorFlow's intra-op threads (0: its default, one per
+core); run it once per setting (one process each). Variants:
+  bits_int64            Philox bits alone: generator.uniform_full_int, N/2 int64 (2 x 32 bits
+                        per pair of normals, the library's input): a floor for any exact draw
+  stateless_philox      tf.random.stateless_normal([N], alg="philox") (TF's bounded-tail
+                        Box-Muller, a speed reference)
+  generator_normal      tf.random.Generator(philox).normal([N])
+  library_blocks        randomness.padded_normal in blocks of gaussian_query.BLOCK_VALUES,
+                        one after the other (the draws of one step, without the additions)
+  library_step_noise    gaussian_query.add_gaussian_noise on BERT-base's leaves (zeros, sigma
+                        1.3): the step's whole noise (draws, slices, additions, casts)
+  pass_axpb             one element-wise pass y = a x + b over N values: the cost of each pass
+                        the step makes over the gradients after the draw
+  *_jit                 the same under XLA (jit_compile=True)
+Prints one JSON object.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+from tf_dpiter.dp_query import gaussian_query  # noqa: E402
+from tf_dpiter.dp_query import randomness  # noqa: E402
+
+
+def bert_base_shapes(classes=2):
+  """The trainable variables' shapes of a BERT-base classifier (keras_hub's BertBackbone
+  from the BERT-base config, pooled output -> Dense(classes)): 109.5M values."""
+  h, f, heads, vocab, pos = 768, 3072, 12, 30522, 512
+  shapes = [(vocab, h), (pos, h), (2, h), (h,), (h,)]
+  for _ in range(12):
+    for _ in range(3):   # query, key, value
+      shapes += [(h, heads, h // heads), (heads, h // heads)]
+    shapes += [(heads, h // heads, h), (h,), (h,), (h,)]   # output, its LayerNorm
+    shapes += [(h, f), (f,), (f, h), (h,), (h,), (h,)]     # feed-forward, its LayerNorm
+  shapes += [(h, h), (h,), (h, classes), (classes,)]
+  return shapes
+
+
+def _median_ms(fn, repeats):
+  fn()   # trace and warm up
+  times = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    out = fn()
+    tf.nest.map_structure(lambda x: x.shape, out)
+    times.append(time.perf_counter() - t)
+  return statistics.median(times) * 1e3
+
+
+def variants(n, shapes):
+  """name -> a zero-argument function producing the noise (or pass) for n values."""
+  gen = tf.random.Generator.from_seed(1, alg="philox")
+  seed = tf.constant([1, 2], tf.int32)
+  x = tf.Variable(tf.zeros([n]))
+  zeros = [tf.Variable(tf.zeros(s)) for s in shapes]
+  block = int(gaussian_query.BLOCK_VALUES)
+
+  def blocks():
+    out, previous = [], []
+    for start in range(0, n, block):
+      with tf.control_dependencies(previous):
+        z = randomness.padded_normal(gen, min(block, n - start), 1.3)
+      previous = [z]
+      out.append(z[0])
+    return tf.stack(out)
+
+  def step_noise():
+    noised = gaussian_query.add_gaussian_noise(gen, [v.read_value() for v in zeros], 1.3)
+    return [t[..., :1] for t in noised]
+
+  raw = {
+      "bits_int64": lambda: gen.uniform_full_int([n // 2], dtype=tf.int64),
+      "stateless_philox": lambda: tf.random.stateless_normal([n], seed, alg="philox"),
+      "generator_normal": lambda: gen.normal([n]),
+      "library_blocks": blocks,
+      "library_step_noise": step_noise,
+      "pass_axpb": lambda: x * 0.25 + 1.3,
+  }
+  out = {}
+  for name, fn in raw.items():
+    out[name] = tf.function(fn, autograph=False)
+    if name != "library_step_noise":
+      out[name + "_jit"] = tf.function(fn, autograph=False, jit_compile=True)
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--only", nargs="+", default=None, help="time only these variants")
+  a = p.parse_args()
+  if a.threads:
+    tf.config.threading.set_intra_op_parallelism_threads(a.threads)
+  shapes = bert_base_shapes()
+  n = sum(int(tf.TensorShape(s).num_elements()) for s in shapes)
+  result = {"values": n, "threads": a.threads, "block_values": int(gaussian_query.BLOCK_VALUES)}
+  for name, fn in variants(n, shapes).items():
+    if a.only and name not in a.only:
+      continue
+    result[name + "_ms"] = round(_median_ms(fn, a.repeats), 1)
+    print(json.dumps({name: result[name + "_ms"]}), flush=True)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
