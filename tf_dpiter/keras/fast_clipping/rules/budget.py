@@ -135,14 +135,19 @@ def _chunk_of(t, i, m):
 
 
 def _split(tensors, m):
-  """(n, chunk_fn(i) -> tuple of chunks) of [B, ...] tensors in chunks of m rows."""
+  """(n, chunk_fn(i) -> tuple of chunks, rows per chunk) of [B, ...] tensors in chunks of at
+  most m rows: with a batch the trace knows, n = ceil(B / m) chunks of one size
+  (balanced_chunk: the last padded with fewer than n k zero examples), a free reshape when
+  nothing is padded; else chunks of m, the last padded to m."""
+  static_b = tensors[0].shape[0]
+  if static_b is not None:
+    n, mc = balanced_chunk(static_b, m, registry.current_examples_per_record())
+    split = [tf.reshape(_pad_rows(t, n * mc - static_b) if n * mc > static_b else t,
+                        [n, mc] + t.shape[1:].as_list()) for t in tensors]
+    return n, lambda i: tuple(s[i] for s in split), mc
   b = tf.shape(tensors[0])[0]
   n = (b + m - 1) // m
-  static_b = tensors[0].shape[0]
-  if static_b is not None and static_b % m == 0:   # static slices: a free reshape
-    split = [tf.reshape(t, [static_b // m, m] + t.shape[1:].as_list()) for t in tensors]
-    return n, lambda i: tuple(s[i] for s in split)
-  return n, lambda i: tuple(_chunk_of(t, i, m) for t in tensors)
+  return n, lambda i: tuple(_chunk_of(t, i, m) for t in tensors), m
 
 
 def over_chunks(body, tensors, m, out_specs):
@@ -150,15 +155,16 @@ def over_chunks(body, tensors, m, out_specs):
 
   body(*chunks) -> (values [m / k], *extras [m / k, ...]) for chunks [m, ...] of `tensors`;
   on the whole batch when m is None or the trace knows B <= m, else one chunk at a time
-  (tf.map_fn, one iteration alive at once; the last chunk padded with zero examples whose
-  rows are cut off). With an unknown batch, a tf.cond runs a batch that fits one chunk as one
+  (tf.map_fn, one iteration alive at once; chunks of one size, balanced_chunk, with a batch
+  the trace knows; the last chunk padded with zero examples whose rows are cut off). With an unknown batch, a tf.cond runs a batch that fits one chunk as one
   call (the loop's machinery cost the Transformer's DP step about 10 % at B = 64).
 
   Args:
     body: the per-chunk function.
     tensors: a tuple of [B, ...] tensors (B a multiple of the record size k).
     m: examples per chunk (a multiple of k), or None for one call on the batch.
-    out_specs: tf.TensorSpec of each of body's outputs for one chunk (first: [m / k]).
+    out_specs: tf.TensorSpec of each of body's outputs for one chunk (first: [m / k]; their
+      leading size is set to the chunk's records).
 
   Returns:
     a tuple (values [B / k], *extras [R, ...]) with R >= B / k rows (the padded chunks'), the
@@ -171,9 +177,10 @@ def over_chunks(body, tensors, m, out_specs):
   b = tf.shape(tensors[0])[0]
 
   def chunked():
-    n, chunk = _split(tensors, m)
+    n, chunk, mc = _split(tensors, m)
+    specs = [tf.TensorSpec([mc // k] + s.shape[1:].as_list(), s.dtype) for s in out_specs]
     out = tf.map_fn(lambda i: tuple(body(*chunk(i))), tf.range(n), parallel_iterations=1,
-                    fn_output_signature=tuple(out_specs))
+                    fn_output_signature=tuple(specs))
     flat = tuple(tf.reshape(o, [-1] + o.shape[2:].as_list()) for o in out)
     return (flat[0][:b // k],) + flat[1:]
 
@@ -202,7 +209,7 @@ def sum_over_chunks(body, tensors, m, like):
     return list(body(*tensors))
 
   def chunked():
-    n, chunk = _split(tensors, m)
+    n, chunk, _ = _split(tensors, m)
 
     def step(i, acc):
       return i + 1, [a + s for a, s in zip(acc, body(*chunk(i)))]
