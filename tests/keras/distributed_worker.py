@@ -9,7 +9,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 cpus = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+if tf.config.get_logical_device_configuration(cpus[0]) is None:   # once per process
+  tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,9 +33,11 @@ def build(strategy, clip, z, seed=None, clipping="vectorized", microbatches=None
   return model
 
 
-def main():
+def main(strategy=None):
+  """Prints one RESULT json line; `strategy`: a MirroredStrategy on the 2 CPUs to share
+  (mirrored_jobs_worker: one per process, collective instance keys are per strategy)."""
   out = {}
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = strategy or tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   out["replicas"] = strategy.num_replicas_in_sync
   rng = np.random.RandomState(0)
   x = rng.randn(B, 6).astype("float32")

@@ -1,23 +1,47 @@
 """tf.distribute.MirroredStrategy on 2 logical CPU devices (in a subprocess: the device
-configuration must precede TensorFlow's initialization)."""
+configuration must precede TensorFlow's initialization).
+
+The default suite's MirroredStrategy jobs share that one subprocess
+(`mirrored_jobs_worker.py`): this file's noise-and-ledger job, test_mirrored_poisson.py's
+two Poisson fits and test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes;
+each job is checked here by its own file's check. Their `-m slow` variants start processes
+of their own.
+"""
 
 import json
 import os
 import subprocess
 import sys
 
+from tests.keras import test_mirrored_poisson
+from tests.privacy import test_policy_matrix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def test_mirrored_noise_once_and_ledger_counts_once():
+def _jobs(workdir):
+  """{job name: its stdout lines}, from one run of mirrored_jobs_worker."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, os.path.join(HERE, "distributed_worker.py")],
-                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  out = json.loads(lines[-1][len("RESULT "):])
+  proc = subprocess.run([sys.executable, "-m", "tests.keras.mirrored_jobs_worker", workdir],
+                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
+                        check=False)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  jobs, name = {}, None
+  for line in proc.stdout.splitlines():
+    if line.startswith("JOB "):
+      name = line[len("JOB "):]
+      jobs[name] = []
+    elif name is not None:
+      jobs[name].append(line)
+  assert list(jobs) == ["distributed", "mirrored_poisson", "matrix"], proc.stdout[-2000:]
+  return jobs
+
+
+def _check_noise_once_and_ledger_once(lines):
+  results = [l for l in lines if l.startswith("RESULT ")]
+  assert results, lines
+  out = json.loads(results[-1][len("RESULT "):])
   assert out["replicas"] == 2
   # noise 0: same update as on one device
   assert out["update_norm"] > 1e-3
@@ -35,3 +59,10 @@ def test_mirrored_noise_once_and_ledger_counts_once():
   # 2000 x 6 draws: relative standard error of the std is 1/sqrt(2 * 12000) = 0.65%; allow 5%.
   assert abs(out["std_ratio"] - 1.0) < 0.05, out
   assert out["replicas_equal"] is True   # replicas applied the same noised update
+
+
+def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
+  jobs = _jobs(str(tmp_path))
+  _check_noise_once_and_ledger_once(jobs["distributed"])
+  test_mirrored_poisson.check_runs(jobs["mirrored_poisson"], 2)
+  test_policy_matrix.check_mirrored_cells(jobs["matrix"], "poisson,shuffle")

@@ -13,14 +13,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
 _CPUS = tf.config.list_physical_devices("CPU")
-tf.config.set_logical_device_configuration(_CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+if tf.config.get_logical_device_configuration(_CPUS[0]) is None:   # once per process
+  tf.config.set_logical_device_configuration(_CPUS[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 from tests.privacy import matrix_runs  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def main(argv):
-  """Runs and checks the MIRRORED cell of each policy in argv[0] (comma-separated)."""
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def main(argv, strategy=None):
+  """Runs and checks the MIRRORED cell of each policy in argv[0] (comma-separated), in
+  `strategy` if given (a MirroredStrategy on the 2 CPUs shared by mirrored_jobs_worker)."""
+  strategy = strategy or tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   for policy in argv[0].split(","):
     workdir = os.path.join(argv[1], policy)
     os.makedirs(workdir, exist_ok=True)

@@ -1,0 +1,42 @@
+"""Run in a fresh process: the default suite's MirroredStrategy jobs on 2 logical CPUs, one
+after the other in this one process and one MirroredStrategy (TensorFlow starts and the 2
+devices are set up once, instead of once per job):
+
+  distributed        distributed_worker.main(): noise drawn once, the ledger counts once
+  mirrored_poisson   mirrored_poisson_worker.main(2): Poisson fit, without and with XLA
+  matrix             matrix_mirrored_worker.main(["poisson,shuffle", WORKDIR]): the policy
+                     matrix's MIRRORED cells of Poisson and shuffled passes
+
+Each job's output follows a line "JOB <name>" (tests/keras/test_distribute.py reads them and
+checks each job as its own test file did).
+
+Usage: python -m tests.keras.mirrored_jobs_worker WORKDIR
+"""
+
+import sys
+
+import tensorflow as tf
+
+# Each worker sets up the 2 logical CPUs at import (the first one; the others find them).
+from tests.keras import distributed_worker
+from tests.keras import mirrored_poisson_worker
+from tests.privacy import matrix_mirrored_worker
+
+MATRIX_POLICIES = "poisson,shuffle"
+
+
+def main(argv):
+  """Runs the three jobs in one MirroredStrategy (two strategies in a process draw the same
+  collective instance keys, and their all-reduces collide); a failing job raises (a
+  non-zero exit status)."""
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  print("JOB distributed", flush=True)
+  distributed_worker.main(strategy)
+  print("JOB mirrored_poisson", flush=True)
+  mirrored_poisson_worker.main(2, strategy)
+  print("JOB matrix", flush=True)
+  matrix_mirrored_worker.main([MATRIX_POLICIES, argv[0]], strategy)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
