@@ -1,5 +1,10 @@
 """tutorials/mnist_sota.py --quick runs end to end (on a small synthetic keras-layout npz) and
-prints the epsilon that dp-accounting gives for the steps it took, composed here by hand."""
+prints the epsilon that dp-accounting gives for the steps it took, composed here by hand.
+
+The runs share one feature cache (--cache_dir, a directory per test module): the synthetic
+images are the same in every run, so the scattering features of a split are computed (an XLA
+compilation and a pass over the padded batch of 1,000 images) by the first run that needs
+them and loaded by the others."""
 
 import importlib.util
 import json
@@ -21,9 +26,15 @@ def _synthetic_mnist(path):
   np.savez(path, x_train=x_tr, y_train=y_tr, x_test=x_te, y_test=y_te)
 
 
-def _quick_run(tmp_path, capsys, *flags):
+@pytest.fixture(scope="module")
+def feature_cache(tmp_path_factory):
+  """The tutorial's --cache_dir, shared by this module's runs."""
+  return str(tmp_path_factory.mktemp("scattering_features"))
+
+
+def _quick_run(tmp_path, capsys, cache_dir, *flags):
   """Runs `mnist_sota.py --quick` (its main(), in this process: what the script's `__main__`
-  calls) on a small synthetic npz; its last JSON line."""
+  calls) on a small synthetic npz, its features cached in `cache_dir`; its last JSON line."""
   path = os.path.join(tmp_path, "mnist_small.npz")
   _synthetic_mnist(path)
   spec = importlib.util.spec_from_file_location(
@@ -31,13 +42,13 @@ def _quick_run(tmp_path, capsys, *flags):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   capsys.readouterr()
-  module.main(["--quick", "--data_path", path, "--validation_size", "100", "--cache_dir", "",
+  module.main(["--quick", "--data_path", path, "--validation_size", "100", "--cache_dir", cache_dir,
                "--ema_decay", "0.9", "--seed", "1", *flags])
   return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_quick_run_prints_the_ledger_epsilon(tmp_path, capsys):
-  out = _quick_run(tmp_path, capsys, "--epsilon", "2.5")
+def test_quick_run_prints_the_ledger_epsilon(tmp_path, capsys, feature_cache):
+  out = _quick_run(tmp_path, capsys, feature_cache, "--epsilon", "2.5")
   assert out["population"] == 600 and out["epochs"] == 2 and out["eval_on"] == "test"
   assert out["steps"] > 0 and 0.0 <= out["accuracy"] <= 1.0
   # epsilon of `steps` Poisson-sampled Gaussian steps at q = batch / n, composed by hand
@@ -69,8 +80,9 @@ def _by_hand_selection(out):
   return with_selection.get_epsilon(out["delta"]), one_trial.get_epsilon(out["delta"])
 
 
-def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path, capsys):
-  out = _quick_run(tmp_path, capsys, "--epsilon", "3", "--private_tuning",
+def test_private_tuning_charges_the_selection_in_the_printed_epsilon(tmp_path, capsys,
+                                                                    feature_cache):
+  out = _quick_run(tmp_path, capsys, feature_cache, "--epsilon", "3", "--private_tuning",
                    "--tuning_learning_rates", "0.5,2", "--tuning_mean", "2",
                    "--tuning_seed", "1", "--report_trials")
   assert out["private_tuning"] and out["eval_on"] == "test" and out["validation_size"] == 100
