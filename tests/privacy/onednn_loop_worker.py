@@ -2,8 +2,9 @@
 clipped sum) and prints one line "RESULT {json}": per "model:form", the largest change of the
 clipped sum when one example is removed or an adversarial one is added, in units of the
 recorded sensitivity, and the largest deviation from a per-example reference sum; or
-"refused" with the message (test_custom_loop_onednn runs it with TF_ENABLE_ONEDNN_OPTS=1 in a
-subprocess, so a crash is a failing exit code, not a dead test).
+"refused" with the message (test_custom_loop_onednn calls `results` in its own process when
+that process already runs oneDNN, else runs this script with TF_ENABLE_ONEDNN_OPTS=1 in a
+subprocess).
 
 Models: "einsum" (MultiHeadAttention + 3-D EinsumDense: the layers whose vectorized
 per-example gradients oneDNN breaks), "bn" (a BatchNormalization in training mode) and
@@ -162,13 +163,19 @@ def run_form(kind, form, seeds=(0, 1)):
           "max_deviation_from_reference": worst_dev}
 
 
-def main(cases):
+def results(cases):
+  """{"onednn": whether this process runs oneDNN, "MODEL:FORM": run_form's result} for each
+  case of `cases` (default: every form on "einsum")."""
   out = {"onednn": routing.onednn_enabled()}
   for case in cases or ["einsum:" + f for f in FORMS]:
     kind, form = case.split(":")
     # minimize runs the vector / tape path of compute_private_gradients: one seed suffices
     out[case] = run_form(kind, form, (0,) if form.startswith("minimize") else (0, 1))
-  print("RESULT " + json.dumps(out))
+  return out
+
+
+def main(cases):
+  print("RESULT " + json.dumps(results(cases)))
 
 
 if __name__ == "__main__":

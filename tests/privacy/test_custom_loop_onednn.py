@@ -1,8 +1,9 @@
 """Custom loops on oneDNN: every form of the private step, with or without model=.
 
-Relation: add/remove one example (Poisson sampling); the ledger records sensitivity C. With
-TF_ENABLE_ONEDNN_OPTS=1 in a subprocess (so a native crash fails the test instead of killing
-it), onednn_loop_worker runs each custom-loop form (data, vector loss, tape, and TF Privacy's
+Relation: add/remove one example (Poisson sampling); the ledger records sensitivity C. Under
+oneDNN (in the test's process when it already runs oneDNN, else in a subprocess with
+TF_ENABLE_ONEDNN_OPTS=1; under pytest-xdist a native crash fails the test as a crashed
+worker), onednn_loop_worker runs each custom-loop form (data, vector loss, tape, and TF Privacy's
 minimize spellings, each with and without model=) with noise 0 and normalize=False, so its
 output is the pre-noise clipped sum, on three adversarial models: MultiHeadAttention + 3-D
 EinsumDense (the layers whose vectorized per-example gradients oneDNN breaks), a
@@ -17,6 +18,7 @@ mixing layer. Before: the data form without model= vectorized and aborted with
 (test_custom_loop_batch_mixing measures what they released).
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -31,6 +33,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BASE_FORMS = ("data", "vector", "tape", "minimize", "minimize_tape")
 FORMS = tuple(f + s for f in BASE_FORMS for s in ("", "_model"))
+
+
+def _results(cases):
+  """onednn_loop_worker's results for `cases`: computed in this process when it already runs
+  oneDNN (TensorFlow reads TF_ENABLE_ONEDNN_OPTS once per process; the results, not the
+  process, are tested), else by the worker script in a fresh process with oneDNN on."""
+  if not routing.onednn_enabled():
+    return _worker(cases)
+  spec = importlib.util.spec_from_file_location("onednn_loop_worker_here",
+                                                os.path.join(HERE, "onednn_loop_worker.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return json.loads(json.dumps(module.results(cases)))   # the worker's JSON types, as printed
 
 
 def _worker(cases):
@@ -68,7 +83,7 @@ def _check(out, kind, form):
 
 @pytest.mark.parametrize("kinds", [("einsum",), pytest.param(("bn", "centering"), marks=pytest.mark.slow)])
 def test_every_custom_loop_form_under_onednn_stays_within_sensitivity_or_is_refused(kinds):
-  out = _worker([f"{kind}:{form}" for kind in kinds for form in FORMS])
+  out = _results([f"{kind}:{form}" for kind in kinds for form in FORMS])
   if not out["onednn"]:
     pytest.skip("this TensorFlow build has no oneDNN (TF_ENABLE_ONEDNN_OPTS=1 has no effect)")
   for kind in kinds:
