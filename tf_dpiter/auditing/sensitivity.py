@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
-from tf_dpiter.keras.optimizer.settings import NO_NOISE_WARNING
+from tf_dpiter.keras.optimizer.dp_config import NO_NOISE_WARNING
 from tf_dpiter.keras.internals.batch_independence import batch_mixing_layers  # pylint: disable=unused-import
 
 ADD_OR_REMOVE = "add_or_remove_one"

@@ -10,6 +10,8 @@ subtract the noise.
 import keras
 
 from tf_dpiter import dp_query as dp_query_lib
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import noise_mechanisms
@@ -121,6 +123,20 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
   positional = (kwargs.pop("l2_norm_clip"), z, kwargs.pop("num_microbatches", None)) + tuple(args)
   rest = {k: v for k, v in kwargs.items() if k not in ("noise_multiplier", "dp_query")}
   return z, calib, positional, rest
+
+
+def check_ledger_journal(ledger_journal):
+  """Checks the optimizer's ledger journal path.
+
+  Args:
+    ledger_journal: None or a non-empty file path string.
+
+  Raises:
+    ParameterValueError: anything else, named with its value.
+  """
+  if ledger_journal is not None and (not isinstance(ledger_journal, str) or not ledger_journal):
+    raise ParameterValueError(validation.message("ledger_journal", "None or a file path",
+                                                 ledger_journal))
 
 
 def check_no_gradient_accumulation(steps):

@@ -42,9 +42,8 @@ from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
-from tf_dpiter.keras.optimizer import settings
 
-CLIPPING_MODES = settings.CLIPPING_MODES
+CLIPPING_MODES = dp_config_lib.CLIPPING_MODES
 # Re-exported: the dtype of the privacy arithmetic (chunking).
 wide_template = chunking.wide_template
 unscale_records = chunking.unscale_records
@@ -119,7 +118,7 @@ class DPOptimizerBase:
                           num_buffers=num_buffers, min_separation=min_separation))
     flags = dp_config_lib.flags_of_arguments(flags, max_physical_batch_size=max_physical_batch_size,
                                              clipping=clipping)
-    settings.check_ledger_journal(ledger_journal)
+    optimizer_config.check_ledger_journal(ledger_journal)
     optimizer_config.check_no_gradient_accumulation(kwargs.get("gradient_accumulation_steps"))
     super().__init__(*args, **kwargs)
     self._ledger_journal = ledger_journal

@@ -23,9 +23,11 @@ float16 overflow counter. The noise generator is deliberately not among them: a 
 
 It picks the clipping path, forms the vectorized clipped sum, requires the declared sampling
 and draws the noise (across replicas: once) itself. Helpers: `step_sampling` (the
-declaration), `mechanism` (overflow count, saved state), `noise_mechanisms`, `clipped_sum`
+declaration), `step_state` (the variables), `noise_mechanisms`, `clipped_sum`
 (the accumulation of a chunk), `chunking`, `custom_loops`.
 """
+
+import sys
 
 import tensorflow as tf
 
@@ -40,7 +42,6 @@ from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import gradients as grads_lib
-from tf_dpiter.keras.optimizer import mechanism
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import pipelining
 from tf_dpiter.keras.optimizer import routing
@@ -199,17 +200,32 @@ class PrivateStep:
     return self.state.overflow_count
 
   def count_overflowed(self, finite, record_mask):
-    """mechanism.count_overflowed on this step's counter.
+    """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
+    the overflow counter, printing a warning when there are any. A zeroed record adds 0 to
+    the clipped sum (norm 0 <= C): the guarantee holds, but its data was not used.
 
     Args:
-      finite: [R] bool per record (None: no loss scale). record_mask: [R] 0/1.
+      finite: [R] bool, whether each record's gradient was finite (None: no loss scale).
+      record_mask: [R] 0/1, the real records.
 
     Returns:
-      a list of control dependencies.
+      a list of control dependencies for the accumulation.
     """
     if finite is None:
       return []
-    return mechanism.count_overflowed(self.overflow_counter, finite, record_mask)
+    zeroed = tf.logical_and(tf.logical_not(finite), tf.cast(record_mask, tf.float32) > 0)
+    count = tf.reduce_sum(tf.cast(zeroed, tf.int64))
+
+    def warn():
+      tf.print("WARNING: tf_dpiter: the float16 gradients of", count, "record(s) overflowed "
+               "and were zeroed (they add 0 to the clipped sum; the privacy guarantee holds). "
+               "Lower the learning rate or train under mixed_bfloat16/float32; "
+               "optimizer.overflowed_records counts them.", output_stream=sys.stderr)
+      return tf.constant(True)
+
+    added = self.overflow_counter.assign_add(count)
+    with tf.control_dependencies([added]):
+      return [tf.cond(count > 0, warn, lambda: tf.constant(False))]
 
   @property
   def noise_generator(self):

@@ -11,11 +11,12 @@ deliberately NOT among them: restoring it would draw again a noise already relea
 knowing it lets whoever sees the updates subtract the noise).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import privacy_ledger
-from tf_dpiter.keras.optimizer import mechanism
 
 
 class StepState:
@@ -89,10 +90,18 @@ class StepState:
       initial: the query's initial global state (a nest of tensors).
 
     Raises:
-      ParameterValueError: the saved state does not match (mechanism.restore_global_state).
+      ParameterValueError: the saved state does not match the query's (count or shapes).
     """
     init = tf.nest.map_structure(tf.convert_to_tensor, initial)
-    flat = mechanism.restore_global_state(self.restored_global_state, tf.nest.flatten(init))
+    flat, saved = tf.nest.flatten(init), self.restored_global_state
+    if saved is not None:   # the config's "dp_global_state" (nested lists), e.g. an adaptive clip
+      if not isinstance(saved, (list, tuple)) or len(saved) != len(flat) or any(
+          tuple(np.shape(s)) != tuple(t.shape) for s, t in zip(saved, flat)):
+        raise ParameterValueError(
+            "the saved dp_global_state does not match the query's state (expected "
+            f"{len(flat)} values of shapes {[tuple(t.shape) for t in flat]}). "
+            f"Received: dp_global_state={saved!r}")
+      flat = [tf.constant(np.asarray(s), dtype=t.dtype) for s, t in zip(saved, flat)]
     self.restored_global_state = None
     self.set_global_state(init, [tf.Variable(t, trainable=False, name="dp_global_state")
                                  for t in flat])
