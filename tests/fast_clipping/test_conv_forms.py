@@ -62,6 +62,27 @@ def test_depthwise_chunk_equals_per_example_filter_gradients():
     np.testing.assert_allclose(got[:, i, :].reshape(4, 4, 2, 3), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [1, 2, "tensor"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_record_sqr_norms_sum_each_records_gradient(k, jit):
+  """The squared norms of the records' summed gradients from [A, m, P] per-example gradients
+  (the inner axis reduced first, then the first), in a tf.function with the chunk unknown and
+  under XLA; a non-finite example's record is not finite, the others are exact."""
+  rng = np.random.default_rng(4)
+  g = rng.normal(size=(6, 8, 5)).astype(np.float32)
+  g[:, 5, 2] = np.inf
+  kk = 2 if k == "tensor" else k
+  want = np.square(g.reshape(6, 8 // kk, kk, 5).sum(axis=2)).sum(axis=(0, 2))
+  fn = tf.function(
+      lambda g: conv._record_sqr_norms(g, tf.constant(2) if k == "tensor" else k),
+      input_signature=[tf.TensorSpec([6, None, 5])], jit_compile=jit)
+  got = fn(tf.constant(g)).numpy()
+  assert got.shape == (8 // kk,)
+  finite = np.isfinite(want)
+  assert not finite.all() and np.array_equal(np.isfinite(got), finite)
+  np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5)
+
+
 def _cnn(first_filters=4):
   """A small CNN with the tutorial's geometry (a large strided first kernel, then a folded
   one): conv 8x8/2 same, conv 4x4/2 valid, dense."""

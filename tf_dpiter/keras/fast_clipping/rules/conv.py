@@ -185,10 +185,24 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
 
 
 def _record_sqr_norms(g, k):
-  """[A, m, P] per-example gradients -> [m / k] squared norms of the records' sums."""
+  """Squared norms of the records' gradients, sum over a, p of (sum over a record's examples
+  of g[a, i, p])^2.
+
+  The squares are summed over the contiguous last axis first, then over the first: one
+  reduction over the non-adjacent axes (0, 2) makes TensorFlow transpose the squares first
+  (the depthwise form's [64, 128, 16] chunk of the tutorial CNN: 0.44 against 0.26 ms CPU per
+  call, 2026-11-29).
+
+  Args:
+    g: [A, m, P] float32 per-example gradients (example i's at g[:, i, :]).
+    k: examples per record (m a multiple of k; a Python int or a scalar tensor).
+
+  Returns:
+    [m / k] float32.
+  """
   if not (isinstance(k, int) and k == 1):
     g = tf.reduce_sum(tf.reshape(g, [g.shape[0], -1, k, g.shape[2]]), axis=2)
-  return tf.reduce_sum(tf.square(g), axis=[0, 2])
+  return tf.reduce_sum(tf.reduce_sum(tf.square(g), axis=2), axis=0)
 
 
 def _chunkable(x4, k):
