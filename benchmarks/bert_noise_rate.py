@@ -13,6 +13,8 @@ core); run it once per setting (one process each). Variants:
   generator_normal      tf.random.Generator(philox).normal([N])
   library_blocks        randomness.padded_normal in blocks of gaussian_query.BLOCK_VALUES,
                         one after the other (the draws of one step, without the additions)
+  library_blocks_xla_draw  the same with each draw a jit_compile=True function called from the
+                        TensorFlow graph (what compiling only the query's draw would run)
   library_step_noise    gaussian_query.add_gaussian_noise on BERT-base's leaves (zeros, sigma
                         1.3): the step's whole noise (draws, slices, additions, casts)
   pass_axpb             one element-wise pass y = a x + b over N values: the cost of each pass
@@ -77,6 +79,19 @@ def variants(n, shapes):
       out.append(z[0])
     return tf.stack(out)
 
+  xla_draw = tf.function(lambda: randomness.padded_normal(gen, block, 1.3), autograph=False,
+                         jit_compile=True)
+
+  def blocks_xla_draw():
+    out, previous = [], []
+    for start in range(0, n, block):
+      with tf.control_dependencies(previous):
+        z = (xla_draw() if n - start >= block
+             else randomness.padded_normal(gen, n - start, 1.3))
+      previous = [z]
+      out.append(z[0])
+    return tf.stack(out)
+
   def step_noise():
     noised = gaussian_query.add_gaussian_noise(gen, [v.read_value() for v in zeros], 1.3)
     return [t[..., :1] for t in noised]
@@ -86,13 +101,14 @@ def variants(n, shapes):
       "stateless_philox": lambda: tf.random.stateless_normal([n], seed, alg="philox"),
       "generator_normal": lambda: gen.normal([n]),
       "library_blocks": blocks,
+      "library_blocks_xla_draw": blocks_xla_draw,
       "library_step_noise": step_noise,
       "pass_axpb": lambda: x * 0.25 + 1.3,
   }
   out = {}
   for name, fn in raw.items():
     out[name] = tf.function(fn, autograph=False)
-    if name != "library_step_noise":
+    if name not in ("library_step_noise", "library_blocks_xla_draw"):
       out[name + "_jit"] = tf.function(fn, autograph=False, jit_compile=True)
   return out
 
