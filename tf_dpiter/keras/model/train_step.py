@@ -106,7 +106,7 @@ def _first_step_line(model, seconds, probe_before=0.0, probe=0.0):
       getattr(model, "_dp_traced_clipping", None), "per-example gradients")
   if traced is not None:   # the probes run in the trace are the probe's, not the trace's
     traced -= max(0.0, probe - probe_before)
-  probed = f"batch-independence probe {probe:.1f} s, " if probe >= 0.05 else ""
+  probed = f"batch-independence probe {probe:.1f} s, " if probe > 0.0 else ""
   parts = (f"{probed}tracing {traced:.1f} s, graph optimization or XLA compilation and first "
            f"run {total - probe - traced:.1f} s"
            if traced is not None and 0.0 <= traced and probe + traced <= total else
