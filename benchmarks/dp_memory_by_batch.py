@@ -1,7 +1,7 @@
 """DP step memory minus non-private step memory against the batch size (issue 42, item 3).
 
   python benchmarks/dp_memory_by_batch.py [--models cnn,transformer,lstm]
-      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1] [--two_pass] [--one_call]
+      [--batches 16,256,1024] [--steps 3] [--jit 0|1] [--onednn 1] [--two_pass] [--one_call] [--fit]
 
 For each model, batch and mode, one fresh child process builds the model and one tf.function
 step on a fixed random batch, runs it once (tracing, graph optimization, first allocations),
@@ -18,6 +18,11 @@ wall time of those steps. Modes:
   dp_two_pass (with --two_pass) the same with variant="two_pass": the clipped sum by a second
               backward pass of sum_i c_i L_i instead of book-keeping (which keeps every
               layer's output gradient until the clip factors are known)
+  fit_nonprivate, fit_dp (with --fit) Keras' own train step: model.train_on_batch compiled
+              with keras.optimizers.SGD, or made private (dp.keras.make_private) and
+              compiled with DPKerasSGDOptimizer (the same clip and noise; Poisson sampling
+              declared with expected batch B), figures as above; fit_dp_minus_nonprivate is
+              against fit_nonprivate
   dp_one_call (with --one_call) dp with physical_chunks=False: the batch in one call even where
               book-keeping keeps more than rules/budget.KEPT_BYTES (the form before the
               physical chunks of the clipped sum)
@@ -107,6 +112,28 @@ def _step(model, loss, mode, jit):
     apply(noised, 1.0 / tf.cast(tf.shape(norms)[0], tf.float32))
     return tf.reduce_mean(norms)
 
+  if mode.startswith("fit_"):   # Keras' own train step (train_on_batch), DP or not
+    import keras  # pylint: disable=g-import-not-at-top
+    import tf_dpiter as dp_lib  # pylint: disable=g-import-not-at-top
+    batch_loss = lambda yt, logits: loss(tf.cast(yt, tf.int32), logits)
+    if mode == "fit_dp":
+      dp_lib.keras.make_private(model)
+      opt = dp_lib.keras.DPKerasSGDOptimizer(L2_NORM_CLIP, NOISE_MULTIPLIER,
+                                             learning_rate=LEARNING_RATE)
+    else:
+      opt = keras.optimizers.SGD(LEARNING_RATE)
+    model.compile(optimizer=opt, loss=batch_loss, jit_compile=jit)
+
+    declared = []
+
+    def fit_step(x, y):
+      if mode == "fit_dp" and not declared:
+        n = int(x.shape[0])
+        model.optimizer.set_sampling(4 * n, 0.25, "poisson", n)
+        declared.append(n)
+      return tf.constant(model.train_on_batch(x, y))
+
+    return fit_step
   fns = {"nonprivate": nonprivate, "dp": dp,
          "dp_two_pass": lambda x, y: dp(x, y, variant="two_pass"),
          "dp_one_call": lambda x, y: dp(x, y, chunks=False)}
@@ -145,6 +172,8 @@ def main():
   p.add_argument("--onednn", default="1", help="TF_ENABLE_ONEDNN_OPTS of the children")
   p.add_argument("--two_pass", action="store_true", help="also dp_two_pass")
   p.add_argument("--one_call", action="store_true", help="also dp_one_call")
+  p.add_argument("--fit", action="store_true",
+                 help="also fit_nonprivate and fit_dp: Keras' train step (train_on_batch)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   if a.child:
@@ -158,20 +187,22 @@ def main():
       row = {"model": name, "batch": batch, "jit": a.jit, "onednn": a.onednn,
              "load_avg": os.getloadavg()}
       for mode in (("nonprivate", "dp") + (("dp_two_pass",) if a.two_pass else ()) +
-                   (("dp_one_call",) if a.one_call else ())):
+                   (("dp_one_call",) if a.one_call else ()) +
+                   (("fit_nonprivate", "fit_dp") if a.fit else ())):
         cmd = [sys.executable, os.path.abspath(__file__), "--child", f"{name}:{mode}:{batch}",
                "--steps", str(a.steps), "--jit", str(a.jit)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
         lines = res.stdout.strip().splitlines()
         row[mode] = json.loads(lines[-1]) if res.returncode == 0 and lines else {
             "error": res.stderr.strip().splitlines()[-3:]}
-      for mode in ("dp", "dp_two_pass", "dp_one_call"):
-        if mode in row and "error" not in row[mode] and "error" not in row["nonprivate"]:
+      for mode, base in (("dp", "nonprivate"), ("dp_two_pass", "nonprivate"),
+                         ("dp_one_call", "nonprivate"), ("fit_dp", "fit_nonprivate")):
+        if mode in row and "error" not in row[mode] and "error" not in row[base]:
           row[f"{mode}_minus_nonprivate"] = {
-              k: round(row[mode][k] - row["nonprivate"][k], 1)
+              k: round(row[mode][k] - row[base][k], 1)
               for k in ("step_mib", "alloc_peak_mib", "peak_rss_mib")}
           row[f"{mode}_over_nonprivate_ms"] = round(
-              row[mode]["step_ms"] / row["nonprivate"]["step_ms"], 3)
+              row[mode]["step_ms"] / row[base]["step_ms"], 3)
       print(json.dumps(row), flush=True)
 
 
