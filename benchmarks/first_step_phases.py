@@ -51,8 +51,6 @@ if "--grappler-child" in sys.argv:
 else:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
