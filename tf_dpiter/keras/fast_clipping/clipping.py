@@ -349,6 +349,32 @@ def _physical_chunk(model, inputs, k):
   return m, signature
 
 
+def physical_chunk_examples(model, inputs, k, expected_examples):
+  """Examples per physical chunk of a caller that chunks the batch itself (the Keras train
+  step), so that book-keeping keeps at most rules/budget.KEPT_BYTES until the clip factors
+  are known: m = budget.kept_chunk(kept bytes per example, k), measured by a forward pass of
+  one record traced (not run). None (one call) when the expected batch fits in m examples,
+  or where `_physical_chunk` keeps one call (k or a kept size unknown, XLA with an unknown
+  batch). Bu et al., "Differentially private optimization on large model at small cost",
+  Section 3: the clip factors of a record depend on its own norm only, so the chunks'
+  clipped sums add up to the batch's.
+
+  Args:
+    model: the keras.Model the clipped sum differentiates.
+    inputs: the batch's model inputs, [B, ...] (B may be unknown).
+    k: examples per record (a Python int).
+    expected_examples: the examples a batch holds on average (float; a Poisson batch's
+      expected size), decided when the step is traced.
+
+  Returns:
+    int m, a multiple of k, or None.
+  """
+  found = _physical_chunk(model, inputs, k)
+  if found is None or expected_examples <= found[0]:
+    return None
+  return found[0]
+
+
 def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, mask, k,
                       variant, return_outputs, m, signature):
   """clipped_grad_sum's (grads, norms, outputs, losses) over physical chunks of whole

@@ -29,6 +29,7 @@ import tensorflow as tf
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.fast_clipping import clipping as fast_clip
 from tf_dpiter.keras.fast_clipping import plan as fast_plan
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
@@ -344,6 +345,15 @@ class TrainStepMixin:
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
     per_chunk = chunking.chunk_layout(step, k, m_static)
+    if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
+      # without a declared physical batch, chunks that keep book-keeping's kept tensors
+      # within the memory budget (fast_clipping.physical_chunk_examples)
+      with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
+        expected = float(step.state.expected_records.numpy()) * k
+      expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
+      m_ex = fast_clip.physical_chunk_examples(
+          self, tf.nest.map_structure(_flat_records, recs[0]), k, expected)
+      per_chunk = None if m_ex is None else m_ex // k
     # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
     # tensor per variable), and the query's sample state is that sum itself
     grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,

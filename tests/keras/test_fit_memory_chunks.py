@@ -1,0 +1,73 @@
+"""The Keras train step's default physical chunks: without `max_physical_batch_size`, a batch
+whose book-keeping would keep more than rules/budget.KEPT_BYTES is clipped in chunks of whole
+records (fast_clipping.clipping.physical_chunk_examples), and the update is the one-call
+update. The budget is made small here so that a 32-example batch of a small sequence model
+exceeds it."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+from tf_dpiter.keras.fast_clipping.rules import budget
+from tf_dpiter.keras.optimizer import chunking
+
+
+def _one_step(monkeypatch, kept_bytes, jit):
+  """(weights after one DP train_on_batch of noise 0, the chunk layouts sum_over_chunks got)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", kept_bytes)
+  layouts = []
+  real = chunking.sum_over_chunks
+
+  def spy(chunk_fn, acc, records, record_mask, per_chunk, template=None):
+    layouts.append(per_chunk)
+    return real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
+
+  monkeypatch.setattr(chunking, "sum_over_chunks", spy)
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([
+      keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
+      keras.layers.Dense(16, activation="tanh"), keras.layers.GlobalAveragePooling1D(),
+      keras.layers.Dense(3)])
+  opt = dp.keras.DPKerasSGDOptimizer(0.5, 0.0, learning_rate=0.5)
+  model.compile(optimizer=opt, jit_compile=jit,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.RandomState(0)
+  x, y = rng.randint(0, 50, (32, 12)).astype("int32"), rng.randint(0, 3, 32)
+  x[5] = 49   # one record far from the others: clipped hard
+  model.optimizer.set_sampling(64, 32 / 64, "poisson", 32)
+  model.train_on_batch(x, y)
+  return [np.asarray(w) for w in model.trainable_weights], layouts
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_fit_chunks_a_batch_over_the_kept_budget_and_updates_as_one_call(monkeypatch, jit):
+  chunked, layouts = _one_step(monkeypatch, 4096, jit)   # 4 KiB: chunks of 8 examples
+  assert layouts and all(isinstance(p, int) and p == 8 for p in layouts), layouts
+  whole, layouts = _one_step(monkeypatch, 1 << 30, jit)
+  assert layouts and all(p is None for p in layouts), layouts
+  for a, b in zip(chunked, whole):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_declared_physical_batch_is_kept(monkeypatch):
+  monkeypatch.setattr(budget, "KEPT_BYTES", 4096)
+  layouts = []
+  real = chunking.sum_over_chunks
+
+  def spy(chunk_fn, acc, records, record_mask, per_chunk, template=None):
+    layouts.append(per_chunk)
+    return real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
+
+  monkeypatch.setattr(chunking, "sum_over_chunks", spy)
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([
+      keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
+      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+  opt = dp.keras.DPKerasSGDOptimizer(0.5, 0.0, learning_rate=0.5, max_physical_batch_size=16)
+  model.compile(optimizer=opt,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.RandomState(1)
+  model.optimizer.set_sampling(64, 32 / 64, "poisson", 32)
+  model.train_on_batch(rng.randint(0, 50, (32, 12)).astype("int32"), rng.randint(0, 3, 32))
+  assert layouts and all(p == 16 for p in layouts), layouts
