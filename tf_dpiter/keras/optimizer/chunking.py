@@ -268,10 +268,16 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
   static_chunks = tf.get_static_value(nchunks)
   loss_sum = tf.constant(0.0)
   if static_chunks is not None:
-    # Static shapes (XLA included): unrolled loop over the physical chunks.
+    # Static shapes (XLA included): unrolled loop over the physical chunks, one at a time:
+    # a chunk's records wait for the sums before them, so the chunks' forward and backward
+    # passes do not run at once (a physical chunk bounds memory only then).
     auxes = []
     for i in range(int(static_chunks)):
-      acc, loss, aux = chunk_fn(acc, _take(chunks, i), cmask[i])
+      chunk = _take(chunks, i)
+      if acc is not None:
+        with tf.control_dependencies(tf.nest.flatten(acc)):
+          chunk = tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), chunk)
+      acc, loss, aux = chunk_fn(acc, chunk, cmask[i])
       loss_sum = loss_sum + loss
       auxes.append(aux)
     return acc, loss_sum, tf.nest.map_structure(lambda *ts: tf.concat(ts, 0), *auxes)
