@@ -13,9 +13,8 @@ from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.optimizer import chunking
 
 
-def _one_step(monkeypatch, kept_bytes, jit):
-  """(weights after one DP train_on_batch of noise 0, the chunk layouts sum_over_chunks got)."""
-  monkeypatch.setattr(budget, "KEPT_BYTES", kept_bytes)
+def _recorded_layouts(monkeypatch):
+  """The list that each later chunking.sum_over_chunks call appends its chunk layout to."""
   layouts = []
   real = chunking.sum_over_chunks
 
@@ -24,6 +23,13 @@ def _one_step(monkeypatch, kept_bytes, jit):
     return real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
 
   monkeypatch.setattr(chunking, "sum_over_chunks", spy)
+  return layouts
+
+
+def _one_step(monkeypatch, kept_bytes, jit):
+  """(weights after one DP train_on_batch of noise 0, the chunk layouts sum_over_chunks got)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", kept_bytes)
+  layouts = _recorded_layouts(monkeypatch)
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([
       keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
@@ -52,14 +58,7 @@ def test_fit_chunks_a_batch_over_the_kept_budget_and_updates_as_one_call(monkeyp
 
 def test_declared_physical_batch_is_kept(monkeypatch):
   monkeypatch.setattr(budget, "KEPT_BYTES", 4096)
-  layouts = []
-  real = chunking.sum_over_chunks
-
-  def spy(chunk_fn, acc, records, record_mask, per_chunk, template=None):
-    layouts.append(per_chunk)
-    return real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
-
-  monkeypatch.setattr(chunking, "sum_over_chunks", spy)
+  layouts = _recorded_layouts(monkeypatch)
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([
       keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
