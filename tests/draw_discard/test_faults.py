@@ -177,10 +177,10 @@ def test_client_privacy_floor_accepts_paper_settings(start_service):
     (["serve", "--model", "{spec}", "--tokens", "/nonexistent/tokens"], "No such file"),
     (["serve", "--model", "{spec}", "--tls-cert", "{spec}"], "go together"),
     (["serve", "--model", "{spec}", "--store", "memcache://x"], "store must be"),
-    (["serve", "--model", "{spec}", "--k", "1"], "k must be"),
+    (["serve", "--model", "{spec}", "--k", "1"], "`k` must be"),
     (["serve", "--model", "{spec}", "--alpha", "2"], "alpha must be"),
     (["serve", "--model", "{bad}"], "error"),
-    (["privacy", "--epsilon", "-1", "--k", "20"], "epsilon must be"),
+    (["privacy", "--epsilon", "-1", "--k", "20"], "`epsilon` must be"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, argv, match):
   spec_path, bad = tmp_path / "spec.json", tmp_path / "bad.json"

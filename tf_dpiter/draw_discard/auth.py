@@ -42,10 +42,13 @@ import stat
 import threading
 import time
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 SETTLE_S = 1.0  # a token file is read only once unchanged for this many seconds
 MAX_REVOKED = 100_000  # digests of revoked tokens remembered (oldest forgotten first)
+_RATE = validation.Interval(float, 0, None, "neither", True, ParameterValueError)   # per second
+_BURST = validation.Interval(float, 1, None, "left", True, ParameterValueError)   # requests
 _early_hangups = {"pending": False, "caught": False}
 
 
@@ -246,10 +249,7 @@ class AuthThrottle:
 
   def __init__(self, rate: float = 1.0, burst: float = 10.0, max_addresses: int = 100_000,
                clock=time.monotonic):
-    if not rate > 0:
-      raise ParameterValueError(f"`rate` must be > 0. Received: rate={rate!r}")
-    if not burst >= 1:
-      raise ParameterValueError(f"`burst` must be >= 1. Received: burst={burst!r}")
+    validation.check_params({"rate": _RATE, "burst": _BURST}, {"rate": rate, "burst": burst})
     self.rate, self.burst, self._max, self._clock = float(rate), float(burst), max_addresses, clock
     self._levels: collections.OrderedDict = collections.OrderedDict()
 
@@ -306,11 +306,9 @@ class Quotas:
     for op, r in rates.items():
       if r is None:
         continue
-      if not r > 0:
-        raise ParameterValueError(f"quota rate for {op!r} must be > 0 per second, got {r!r}")
       b = (burst or {}).get(op) or max(1.0, 2.0 * r)
-      if not b >= 1:
-        raise ParameterValueError(f"quota burst for {op!r} must be >= 1, got {b!r}")
+      validation.check_params({f"rates[{op!r}]": _RATE, f"burst[{op!r}]": _BURST},
+                              {f"rates[{op!r}]": r, f"burst[{op!r}]": b})
       self.rates[op], self.burst[op] = float(r), float(b)
     self._buckets: collections.OrderedDict = collections.OrderedDict()
     self._max = int(max_identities)

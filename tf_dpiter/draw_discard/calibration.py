@@ -11,45 +11,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from tf_dpiter.errors import ParameterValueError
-
+from tf_dpiter import validation
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.validation import check_positive
 
-def check_positive(name: str, value: float) -> float:
-  """`value` as a float after checking it is a finite number > 0.
-
-  Args:
-    name: the parameter's name (quoted in the error).
-    value: the value.
-
-  Returns:
-    float(value).
-
-  Raises:
-    ParameterValueError: naming the parameter and the value.
-  """
-  if value is None or not np.isfinite(value) or not value > 0:
-    raise ParameterValueError(f"{name} must be a finite number > 0, got {value!r}")
-  return float(value)
-
-
-def check_k(k: int) -> int:
-  """`k` as an int after checking it is an integer >= 1 (the number of instances).
-
-  Args:
-    k: the value.
-
-  Returns:
-    int(k).
-
-  Raises:
-    ParameterValueError: naming k and the value.
-  """
-  if int(k) != k or k < 1:
-    raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
-  return int(k)
+DELTA_RANGE = validation.Interval(float, 0, 0.5, closed="neither")   # the Gaussian's delta
 
 
 # ---------------------------------------------------------------------------
@@ -67,7 +33,7 @@ def sensitivity(gamma: float, clip: float = 1.0) -> float:
     2 * gamma * c, in weight units.
 
   Raises:
-    ParameterValueError: for a gamma or clip that is not a finite number > 0.
+    PrivacyConfigError: for a gamma or clip that is not a finite number > 0.
   """
   return 2.0 * check_positive("gamma", gamma) * check_positive("clip", clip)
 
@@ -84,7 +50,7 @@ def laplace_scale(gamma: float, epsilon: float, clip: float = 1.0) -> float:
     The Laplace scale b, in weight units.
 
   Raises:
-    ParameterValueError: for a gamma, epsilon or clip that is not a finite number > 0.
+    PrivacyConfigError: for a gamma, epsilon or clip that is not a finite number > 0.
   """
   return sensitivity(gamma, clip) / check_positive("epsilon", epsilon)
 
@@ -124,8 +90,7 @@ def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
     PrivacyConfigError: for epsilon or sens not a finite number > 0, or delta outside (0, 1/2).
   """
   check_positive("epsilon", epsilon)
-  if not 0 < delta < 0.5:
-    raise PrivacyConfigError(f"delta must be in (0, 0.5), got {delta!r}")
+  validation.check_params({"delta": DELTA_RANGE}, {"delta": delta})
   return check_positive("sensitivity", sens) * math.sqrt(2.0 * (math.log(1.0 / (2.0 * delta)) + epsilon)) / epsilon
 
 
@@ -171,7 +136,6 @@ def init_variance(k: int, noise_variance: float) -> float:
   Raises:
     PrivacyConfigError: for k not an integer >= 1 or a negative variance.
   """
-  check_k(k)
-  if not noise_variance >= 0:
-    raise PrivacyConfigError(f"noise_variance must be >= 0, got {noise_variance!r}")
+  validation.check_integer("k", k, 1)
+  validation.check_nonnegative("noise_variance", noise_variance)
   return 0.5 * k * noise_variance

@@ -43,7 +43,7 @@ import secrets
 
 import numpy as np
 
-from tf_dpiter.errors import ParameterValueError
+from tf_dpiter import validation
 
 
 SERVED_KEPT = 128  # served values a foreign value is compared with (most recent first)
@@ -92,11 +92,8 @@ class DrawGate:
   """
 
   def __init__(self, k: int, m: int, linf: float | None = None):
-    if int(k) != k or k < 2:
-      raise ParameterValueError(f"`k` must be an integer >= 2. Received: k={k!r}")
-    if int(m) != m or m < 1:
-      raise ParameterValueError(f"`draw_min_updates` must be an integer >= 1. "
-                                f"Received: draw_min_updates={m!r}")
+    validation.check_integer("k", k, 2)
+    validation.check_integer("draw_min_updates", m, 1)
     self.k, self.m = int(k), int(m)
     self._ids = itertools.count(1)
     self._slots: list[_Node | None] = [None] * self.k

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -80,12 +81,8 @@ class ModelRelease:
   """
 
   def __init__(self, store, snapshots, k: int, min_updates: int, min_interval_s: float):
-    if int(min_updates) != min_updates or min_updates < 1:
-      raise ParameterValueError(f"`model_min_updates` must be an integer >= 1. Received: "
-                                f"model_min_updates={min_updates!r}")
-    if not min_interval_s >= 0:
-      raise ParameterValueError(f"`model_interval_s` must be >= 0. Received: "
-                                f"model_interval_s={min_interval_s!r}")
+    validation.check_integer("model_min_updates", min_updates, 1)
+    validation.check_nonnegative("model_interval_s", min_interval_s, error=ParameterValueError)
     self.store, self.snapshots, self.k = store, snapshots, int(k)
     self.min_updates, self.min_interval_s = int(min_updates), float(min_interval_s)
     self._memory = MemoryRelease()

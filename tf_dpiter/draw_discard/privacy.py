@@ -14,16 +14,15 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard.calibration import (  # re-exported
-    check_k, check_positive, gaussian_sigma, init_variance, laplace_scale, laplace_variance,
-    noise_std, sensitivity)
+    gaussian_sigma, init_variance, laplace_scale, laplace_variance, noise_std, sensitivity)
+from tf_dpiter.draw_discard.calibration import DELTA_RANGE
+from tf_dpiter.validation import check_positive
 
-from tf_dpiter.errors import ParameterValueError
-
-from tf_dpiter.errors import PrivacyConfigError
 __all__ = [
-    "check_k", "check_positive", "gaussian_sigma", "init_variance", "laplace_scale",
-    "laplace_variance", "noise_std", "sensitivity",
+    "gaussian_sigma", "init_variance", "laplace_scale", "laplace_variance", "noise_std",
+    "sensitivity",
     "epsilon_adversary_one", "epsilon_adversary_one_composed", "epsilon_adversary_two",
     "adversary_two_loss", "discard_probability", "discard_probability_chain",
     "epsilon_adversary_three", "epsilon_adversary_three_accounted",
@@ -71,12 +70,10 @@ def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: floa
     PrivacyConfigError: epsilon <= 0 (validation.check_positive), or delta outside [0, 1).
   """
   check_positive("epsilon", epsilon)
-  if int(num_updates) != num_updates or num_updates < 1:
-    raise ParameterValueError(f"num_updates must be an integer >= 1, got {num_updates!r}")
+  validation.check_integer("num_updates", num_updates, 1)
   if delta == 0:
     return num_updates * epsilon
-  if not 0 < delta < 1:
-    raise PrivacyConfigError(f"delta must be in [0, 1), got {delta!r}")
+  validation.check_delta("delta", delta)
   group = _full_group(int(num_updates), laplace_noise_multipliers=(1.0 / epsilon,))
   return min(num_updates * epsilon, _core_epsilon(group, delta))
 
@@ -114,7 +111,7 @@ def epsilon_adversary_two(epsilon: float, k: int) -> float:
   Raises:
     ParameterValueError: for a bad epsilon or k.
   """
-  check_k(k)
+  validation.check_integer("k", k, 1)
   return (k - 1) / k * 0.5 * check_positive("epsilon", epsilon)
 
 
@@ -156,7 +153,7 @@ def discard_probability(k: int) -> float:
   Raises:
     ParameterValueError: for k not an integer >= 1.
   """
-  return 1.0 - 1.0 / check_k(k)
+  return 1.0 - 1.0 / validation.check_integer("k", k, 1)
 
 
 def discard_probability_chain(k: int) -> float:
@@ -178,7 +175,7 @@ def discard_probability_chain(k: int) -> float:
   Raises:
     ParameterValueError: for k not an integer >= 1.
   """
-  k = check_k(k)
+  k = validation.check_integer("k", k, 1)
   if k == 1:
     return 0.0
   # q_i for i = 1..k-1: p_i q_{i-1} + p_i q_{i+1} - 2 p_i q_i = 0, q_0 = 1, q_k = 0.
@@ -227,8 +224,7 @@ def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: f
   """
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
-  if not 0 < delta_t < 0.5:
-    raise PrivacyConfigError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+  validation.check_params({"delta_t": DELTA_RANGE}, {"delta_t": delta_t})
   w = check_positive("w_over_gamma", w_over_gamma)  # in units of gamma
   log_term = math.log(1.0 / (2.0 * delta_t))
   if not exact:
@@ -260,8 +256,7 @@ def epsilon_adversary_three_accounted(epsilon: float, num_later_updates: float,
   """
   check_positive("epsilon", epsilon)
   t = check_positive("num_later_updates", num_later_updates)
-  if not 0 < delta_t < 0.5:
-    raise PrivacyConfigError(f"delta_t must be in (0, 0.5), got {delta_t!r}")
+  validation.check_params({"delta_t": DELTA_RANGE}, {"delta_t": delta_t})
   z = 2.0 * math.sqrt(2.0 * t) / (epsilon * check_positive("w_over_gamma", w_over_gamma))
   return _core_epsilon(_full_group(1, noise_multiplier=z), delta_t)
 
@@ -284,7 +279,8 @@ def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: 
   Raises:
     ParameterValueError: for a bad parameter.
   """
-  return epsilon_adversary_three(epsilon, num_later_updates, delta_t, **kwargs) / check_k(k)
+  k = validation.check_integer("k", k, 1)
+  return epsilon_adversary_three(epsilon, num_later_updates, delta_t, **kwargs) / k
 
 
 # ---------------------------------------------------------------------------

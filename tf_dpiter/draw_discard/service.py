@@ -144,10 +144,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                draw_min_updates: int = 4, adopt_state: bool = False):
     if history is None:
       history = 0 if tickets else 256
-    if int(k) != k or k < 2:
-      raise ParameterValueError(f"k must be an integer >= 2, got {k!r}")
-    if int(history) != history or history < 0:
-      raise ParameterValueError(f"history must be an integer >= 0, got {history!r}")
+    validation.check_integer("k", k, 2)
+    validation.check_integer("history", history, 0)
     validation.check_positive("body_timeout_s", body_timeout_s, allow_inf=True,
                               error=ParameterValueError)
     self.spec, self.k, self.store = spec, int(k), store

@@ -11,10 +11,10 @@ from typing import Callable
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import client as client_lib
 from tf_dpiter.draw_discard import server as server_lib
-from tf_dpiter.errors import ParameterValueError
 
 
 def assign_clients(num_records: int, records_per_client: int,
@@ -32,8 +32,7 @@ def assign_clients(num_records: int, records_per_client: int,
   Raises:
     ParameterValueError: for records_per_client < 1.
   """
-  if records_per_client < 1:
-    raise ParameterValueError(f"records_per_client must be >= 1, got {records_per_client!r}")
+  validation.check_integer("records_per_client", records_per_client, 1)
   n_clients = num_records // records_per_client
   perm = rng.permutation(num_records)[: n_clients * records_per_client]
   return perm.reshape(n_clients, records_per_client)
@@ -103,8 +102,7 @@ def train(server: server_lib.DrawDiscardServer, x: np.ndarray, y: np.ndarray,
     ParameterValueError: for concurrency < 1 or a bad Algorithm 1 parameter.
   """
   rng = rng if rng is not None else np.random.default_rng()
-  if concurrency < 1:
-    raise ParameterValueError(f"concurrency must be >= 1, got {concurrency!r}")
+  validation.check_integer("concurrency", concurrency, 1)
   wave = server.batch_size if server.strategy == "server_batch" else concurrency
   history = []
   samples = updates = 0
@@ -185,10 +183,8 @@ def variance_trajectory(k: int, noise_std: float, num_updates: int, *, replicate
     ParameterValueError: for k < 2 or an unknown strategy.
   """
   rng = rng if rng is not None else np.random.default_rng()
-  if k < 2:
-    raise ParameterValueError(f"k must be >= 2 for an intra-model variance, got {k!r}")
-  if strategy not in ("draw_discard", "same_instance"):
-    raise ParameterValueError(f"strategy must be 'draw_discard' or 'same_instance', got {strategy!r}")
+  validation.check_integer("k", k, 2)   # an intra-model variance needs two instances
+  validation.check_one_of("strategy", strategy, ("draw_discard", "same_instance"))
   sd0 = np.sqrt(0.5 * k) * noise_std if init == "stabilized" else 0.0
   inst = sd0 * rng.standard_normal((replicates, k, num_weights))
   steps = np.linspace(num_updates / checkpoints, num_updates, checkpoints).astype(int)
@@ -227,8 +223,7 @@ def survival_share(k: int, num_tracked: int, *, rng: np.random.Generator | None 
     ParameterValueError: for k < 1.
   """
   rng = rng if rng is not None else np.random.default_rng()
-  if k < 1:
-    raise ParameterValueError(f"k must be >= 1, got {k!r}")
+  validation.check_integer("k", k, 1)
   if k == 1:
     return 1.0
   desc = np.zeros((k, num_tracked), dtype=bool)
