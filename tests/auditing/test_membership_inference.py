@@ -142,7 +142,7 @@ def test_incomplete_inputs_are_refused_with_the_field_named():
   with pytest.raises(ValueError, match=r"by_class=True\) needs labels"):
     mia.run_attacks(mia.AttackInputData(loss_train=np.ones(3), loss_test=np.ones(2)),
                     mia.SlicingSpec(by_class=True))
-  with pytest.raises(ValueError, match="epsilon must be a number >= 0, got epsilon=-1"):
+  with pytest.raises(ValueError, match=r"`epsilon` must be a number >= 0. Received: epsilon=-1"):
     mia.max_advantage(-1)
 
 

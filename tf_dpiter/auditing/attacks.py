@@ -223,8 +223,8 @@ def tpr_at_fpr(member_scores, nonmember_scores, fpr):
   Raises:
     ParameterValueError: fpr outside [0, 1], or an empty or non-finite score array.
   """
-  if not 0.0 <= fpr <= 1.0:
-    raise ParameterValueError(f"fpr must be in [0, 1], got {fpr!r}")
+  validation.check_params({"fpr": validation.Interval(float, 0, 1, error=ParameterValueError)},
+                          {"fpr": fpr})
   f, t = roc_curve(member_scores, nonmember_scores)
   return float(t[f <= fpr].max())
 

@@ -37,9 +37,7 @@ from scipy import stats
 
 from tf_dpiter import validation
 from tf_dpiter.accounting import search
-from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
 
 METHODS = ("bonferroni", "split")
 
@@ -56,24 +54,11 @@ def _scores(name, values):
   return arr
 
 
-def _check_delta(delta):
-  """delta in [0, 1) as a float (ParameterTypeError: not a number; ValueError: out of range)."""
-  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.integer, np.floating)):
-    raise ParameterTypeError(f"delta must be a number in [0, 1), got {delta!r}")
-  if not 0.0 <= float(delta) < 1.0:
-    raise PrivacyConfigError(f"delta must be a number in [0, 1), got {delta!r}")
-  return float(delta)
-
-
-def _check_confidence(confidence):
-  """confidence in (0, 1) as a float (ParameterTypeError: not a number; ValueError: out of
-  range)."""
-  if isinstance(confidence, bool) or not isinstance(confidence,
-                                                    (int, float, np.integer, np.floating)):
-    raise ParameterTypeError(f"confidence must be a number in (0, 1), got {confidence!r}")
-  if not 0.0 < float(confidence) < 1.0:
-    raise ParameterValueError(f"confidence must be a number in (0, 1), got {confidence!r}")
-  return float(confidence)
+CONSTRAINTS = {   # of lower_bound's arguments (one_run's delta and confidence too)
+    "delta": validation.Interval(float, 0, 1, closed="left"),
+    "confidence": validation.Interval(float, 0, 1, closed="neither", error=ParameterValueError),
+    "method": validation.OneOf(METHODS),
+    "num_thresholds": validation.Integer(1)}
 
 
 # ---- Clopper–Pearson ---------------------------------------------------------------------
@@ -247,11 +232,9 @@ def lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, *, meth
   """
   pos = _scores("member_scores", member_scores)
   neg = _scores("nonmember_scores", nonmember_scores)
-  delta = _check_delta(delta)
-  alpha = 1.0 - _check_confidence(confidence)
-  if method not in METHODS:
-    raise ParameterValueError(f"method must be one of {METHODS}, got {method!r}")
-  validation.check_integer("num_thresholds", num_thresholds, 1)
+  validation.check_params(CONSTRAINTS, dict(
+      delta=delta, confidence=confidence, method=method, num_thresholds=num_thresholds))
+  delta, alpha = float(delta), 1.0 - float(confidence)
   if thresholds is not None:
     if method != "bonferroni":
       raise ParameterValueError(f"thresholds are used by method='bonferroni' only, got method={method!r}")
@@ -303,8 +286,7 @@ def gdp_delta(mu, epsilon):
   Raises:
     ParameterValueError: mu <= 0.
   """
-  if not mu > 0:
-    raise ParameterValueError(f"mu must be > 0, got {mu!r}")
+  validation.check_positive("mu", mu, error=ParameterValueError)
   return float(stats.norm.cdf(-epsilon / mu + mu / 2)
                - math.exp(epsilon) * stats.norm.cdf(-epsilon / mu - mu / 2))
 
@@ -325,8 +307,7 @@ def gdp_epsilon(mu, delta):
   Raises:
     PrivacyConfigError: mu <= 0 or delta outside (0, 1).
   """
-  if not 0.0 < delta < 1.0:
-    raise PrivacyConfigError(f"delta must be in (0, 1), got {delta!r}")
+  validation.check_delta("delta", delta)
   ok = lambda eps: gdp_delta(mu, eps) <= delta
   if ok(0.0):
     return 0.0

@@ -35,6 +35,7 @@ from tf_dpiter.keras.model import models as dp_models
 ADD_REMOVE = "add_remove"
 REPLACE = "replace"
 NEIGHBOURING = (ADD_REMOVE, REPLACE)
+_P_IN = validation.Interval(float, 0, 1, closed="neither", error=ParameterValueError)
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter.auditing")
@@ -132,8 +133,7 @@ def draw_membership(num_canaries, seed, p_in=0.5):
   Args: num_canaries m >= 1; seed (int, reproducible audit design, not the DP noise);
   p_in in (0, 1). Returns: bool array [m]. Raises: ValueError for p_in outside (0, 1).
   """
-  if not 0.0 < p_in < 1.0:
-    raise ParameterValueError(f"p_in must be in (0, 1), got {p_in!r}")
+  validation.check_params({"p_in": _P_IN}, {"p_in": p_in})
   return np.random.default_rng(seed).random(int(num_canaries)) < p_in
 
 
@@ -154,8 +154,7 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
   Raises:
     PrivacyConfigError: unknown neighbouring.
   """
-  if neighbouring not in NEIGHBOURING:
-    raise PrivacyConfigError(f"neighbouring must be one of {NEIGHBOURING}, got {neighbouring!r}")
+  validation.check_one_of("neighbouring", neighbouring, NEIGHBOURING, PrivacyConfigError)
   included = np.asarray(included, bool)
   m = included.size
   k = np.arange(m)

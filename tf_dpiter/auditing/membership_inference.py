@@ -40,7 +40,6 @@ from tf_dpiter.auditing.mia_results import RocCurve
 from tf_dpiter.auditing.mia_results import SingleAttackResult
 from tf_dpiter.auditing.mia_results import SingleSliceSpec
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
 
 
 @dataclasses.dataclass
@@ -188,7 +187,7 @@ def max_advantage(epsilon, delta=0.0):
   Raises:
     PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
   """
-  _check_eps_delta(epsilon, delta)
+  validation.check_params(_EPS_DELTA, {"epsilon": epsilon, "delta": delta})
   if math.isinf(epsilon):
     return 1.0
   return min(1.0, (math.expm1(epsilon) + 2.0 * delta) / (math.exp(epsilon) + 1.0))
@@ -209,7 +208,7 @@ def max_auc(epsilon, delta=0.0):
   Raises:
     PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
   """
-  _check_eps_delta(epsilon, delta)
+  validation.check_params(_EPS_DELTA, {"epsilon": epsilon, "delta": delta})
   if math.isinf(epsilon):
     return 1.0
   e = math.exp(epsilon)
@@ -219,11 +218,8 @@ def max_auc(epsilon, delta=0.0):
   return float(np.sum(np.diff(f) * (t[1:] + t[:-1]) / 2.0))
 
 
-def _check_eps_delta(epsilon, delta):
-  if not (isinstance(epsilon, (int, float)) and epsilon >= 0):
-    raise PrivacyConfigError(f"epsilon must be a number >= 0, got epsilon={epsilon!r}")
-  if not (isinstance(delta, (int, float)) and 0.0 <= delta <= 1.0):
-    raise PrivacyConfigError(f"delta must be a number in [0, 1], got delta={delta!r}")
+_EPS_DELTA = {"epsilon": validation.Interval(float, 0, None, "left", allow_inf=True),
+              "delta": validation.Interval(float, 0, 1)}
 
 
 # ---- attacks -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import numpy as np
 from scipy import special
 from scipy import stats
 
+from tf_dpiter import validation
 from tf_dpiter.auditing import bounds as bounds_lib
 from tf_dpiter.errors import ParameterValueError
 
@@ -101,8 +102,7 @@ def guesses_from_scores(scores, num_guesses):
   """
   scores = np.asarray(scores, dtype=np.float64).reshape(-1)
   m = scores.size
-  if not (isinstance(num_guesses, (int, np.integer)) and 1 <= num_guesses <= m):
-    raise ParameterValueError(f"num_guesses must be an integer in [1, {m}], got {num_guesses!r}")
+  validation.check_integer("num_guesses", num_guesses, 1, m)
   order = np.argsort(scores, kind="stable")
   guesses = np.zeros(m, np.int8)
   k_pos = (num_guesses + 1) // 2
@@ -134,8 +134,8 @@ def one_run_epsilon_lower_bound(scores, included, delta, confidence=0.95, num_gu
   if inc.shape != scores.shape:
     raise ParameterValueError(f"included must have the shape of scores {scores.shape}, got {inc.shape}")
   truth = np.where(inc.astype(bool), 1, -1)
-  delta = bounds_lib._check_delta(delta)  # pylint: disable=protected-access
-  alpha = 1.0 - bounds_lib._check_confidence(confidence)  # pylint: disable=protected-access
+  validation.check_params(bounds_lib.CONSTRAINTS, {"delta": delta, "confidence": confidence})
+  delta, alpha = float(delta), 1.0 - float(confidence)
   m = scores.size
   if num_guesses is None:
     ks = sorted({max(1, int(m * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)})

@@ -27,7 +27,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.errors import ParameterValueError
+from tf_dpiter import validation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import optimizers
 from tf_dpiter.keras.optimizer.dp_config import NO_NOISE_WARNING
@@ -207,8 +207,7 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
   """
   from tf_dpiter import ledger as ledger_lib  # pylint: disable=g-import-not-at-top
   x, y = np.asarray(x), np.asarray(y)
-  if not 1 <= batch_size <= len(x):
-    raise ParameterValueError(f"batch_size must be in [1, len(x)={len(x)}], got {batch_size!r}")
+  validation.check_integer("batch_size", batch_size, 1, len(x))
   policy = policy or getattr(model.optimizer, "sampling_policy", None) or "poisson"
   relation = ledger_lib.relation_for_policy(policy)
   copy, opt = _dp_copy(model, policy, max(len(x), batch_size + 1), batch_size)

@@ -122,14 +122,11 @@ def canary_scores(observations, sampling_probability, noise_multiplier,
   """
   x = np.asarray(observations, np.float64)
   q, z = float(sampling_probability), float(noise_multiplier)
-  if not 0.0 < q <= 1.0:
-    raise PrivacyConfigError(f"sampling_probability must be in (0, 1], got {sampling_probability!r}")
-  if not z >= 0.0:
-    raise PrivacyConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}")
-  if neighbouring not in canaries_lib.NEIGHBOURING:
-    raise PrivacyConfigError(f"neighbouring must be one of {canaries_lib.NEIGHBOURING}, got {neighbouring!r}")
-  if per not in PER:
-    raise ParameterValueError(f"per must be one of {PER}, got {per!r}")
+  validation.check_probability("sampling_probability", q)
+  validation.check_nonnegative("noise_multiplier", z)
+  validation.check_one_of("neighbouring", neighbouring, canaries_lib.NEIGHBOURING,
+                          PrivacyConfigError)
+  validation.check_one_of("per", per, PER)
   if z == 0.0:
     s = x
   else:
@@ -198,9 +195,8 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
   Raises:
     PrivacyConfigError: unknown accountant or arguments out of range.
   """
-  if accountant not in accountants.accountant_names():
-    raise PrivacyConfigError(f"accountant must be one of {accountants.accountant_names()} "
-                             f"(registered accountants), got {accountant!r}")
+  validation.check_one_of("accountant", accountant, accountants.accountant_names(),
+                          PrivacyConfigError)
   if not (0.0 < sampling_probability <= 1.0 and noise_multiplier >= 0 and steps >= 1
           and sensitivity > 0 and 0.0 < delta < 1.0):
     raise PrivacyConfigError("need q in (0, 1], z >= 0, steps >= 1, sensitivity > 0, delta in (0, 1); got "
