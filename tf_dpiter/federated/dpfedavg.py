@@ -97,9 +97,8 @@ class DPFedAvg:
                fixed_epsilon=None, max_delta=None, fixed_delta=None, max_epsilon=None,
                accountant="rdp", eval_data=None, initial_params=None, seed=None,
                max_clients_per_chunk=128, diagnostics=True, eval_every=1, average_decay=None):
-    if average_decay is not None and not (
-        0.0 <= validation.check_number("average_decay", average_decay) < 1.0):
-      raise ParameterValueError(f"average_decay must be None or in [0, 1), got {average_decay!r}")
+    validation.check_params({"average_decay": validation.Optional(validation.Interval(
+        float, 0, 1, "left", error=ParameterValueError))}, {"average_decay": average_decay})
     self.average_decay = None if average_decay is None else float(average_decay)
     self._average = None
     validation.check_integer("max_clients_per_chunk", max_clients_per_chunk, 1)

@@ -66,8 +66,7 @@ class DPServer:
                sampling="fixed_size", fixed_epsilon=None, max_delta=None, fixed_delta=None,
                max_epsilon=None, accountant="rdp", server_learning_rate=1.0,
                server_momentum=0.0):
-    if sampling not in SAMPLINGS:
-      raise PrivacyConfigError(f"sampling must be one of {SAMPLINGS}, got {sampling!r}")
+    validation.check_one_of("sampling", sampling, SAMPLINGS, PrivacyConfigError)
     if max_delta is not None and fixed_epsilon is None:
       raise BudgetConfigError(f"max_delta={max_delta!r} needs fixed_epsilon (delta is measured at a "
                        "fixed epsilon)")
@@ -87,13 +86,11 @@ class DPServer:
     if max_epsilon is not None or max_delta is not None:
       accounting.accountant.check_bound_accountant(accountant, "a max_epsilon / max_delta budget")
     validation.check_instance("query", query, dpq.DPQuery, "a DPQuery")
-    self.server_learning_rate = validation.check_number("server_learning_rate",
-                                                        server_learning_rate)
-    self.server_momentum = validation.check_number("server_momentum", server_momentum)
-    if not 0 <= self.server_momentum < 1:
-      raise ParameterValueError(f"server_momentum must be in [0, 1), got {server_momentum!r}")
-    if not self.server_learning_rate > 0:
-      raise ParameterValueError(f"server_learning_rate must be > 0, got {server_learning_rate!r}")
+    self.server_learning_rate = float(validation.check_positive(
+        "server_learning_rate", server_learning_rate, error=ParameterValueError))
+    validation.check_params({"server_momentum": validation.Interval(
+        float, 0, 1, "left", error=ParameterValueError)}, {"server_momentum": server_momentum})
+    self.server_momentum = float(server_momentum)
     self.population_size = int(population_size)
     m1 = self.check_clients(clients_per_round, 1)
     self.inner_query = query

@@ -63,14 +63,12 @@ def num_trials_distribution(mean, shape):
   Raises:
     ParameterValueError: mean < 1 (or <= 0 for Poisson), or shape < 0.
   """
-  shape = float(shape)
-  if math.isnan(shape) or shape < 0:
-    raise ParameterValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
+  shape = float(validation.check_nonnegative("shape", shape, error=ParameterValueError))
   if math.isinf(shape):
     validation.check_positive("mean", mean)
     return lambda rng: int(rng.poisson(mean))
-  if not mean >= 1:
-    raise ParameterValueError(f"mean must be >= 1 for the truncated negative binomial, got {mean!r}")
+  validation.check_params({"mean": validation.Interval(float, 1, None, error=ParameterValueError)},
+                          {"mean": mean})   # >= 1: the truncated negative binomial
   if mean == 1:
     return lambda rng: 1
   gamma = _gamma_for_mean(float(mean), shape)

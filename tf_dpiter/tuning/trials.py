@@ -54,9 +54,8 @@ def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
   """
   validation.check_positive("noise_multiplier", noise_multiplier)
   validation.check_positive("population_size", population_size)
-  if not 0 <= count <= population_size:
-    raise ParameterValueError(f"`count` must be in [0, population_size={population_size}]. "
-                              f"Received: count={count!r}")
+  validation.check_params({"count": validation.Interval(
+      float, 0, population_size, error=ParameterValueError)}, {"count": count})
   rng = rng if rng is not None else np.random.default_rng()
   event = events_lib.GaussianSumEvent(l2_norm_clip=1.0, stddev=float(noise_multiplier))
   ledger.record_sample(float(population_size), 1.0, (event,), policy=privacy_ledger.POISSON)
