@@ -1,7 +1,8 @@
 """What a DP step decides once and keeps: the clipping path per train function and input
 shape (PrivateStep.resolve_clipping), the sampling's policy and sensitivity factor per
 declaration (ledger.LedgerSampling), a LoRA-capable layer's rule per plan
-(fast_clipping.registry.lookup_all)."""
+(fast_clipping.registry.lookup_all), the fast-clipping plan per train function while the
+trainable variables and the registered rules stay the same (fast_clipping.plan)."""
 
 import keras
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.keras.fast_clipping import plan as plan_lib
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import dense as dense_rules
 from tf_dpiter.keras.fast_clipping.rules import lora as lora_rules
@@ -99,3 +101,33 @@ def test_a_lora_capable_layer_gets_the_rule_of_its_setting():
   assert rules[id(plain)] is dense_rules.dense_norm_fn
   assert rules[id(with_lora)] is lora_rules.dense_lora_norm_fn
   assert registry.lookup(with_lora) is lora_rules.dense_lora_norm_fn
+
+
+def test_the_plan_is_kept_per_train_function_until_what_it_reads_changes(monkeypatch):
+  built = []
+  real = registry.lookup_all   # runs once per plan built (not for a kept one)
+  monkeypatch.setattr(registry, "lookup_all", lambda layers: built.append(1) or real(layers))
+  model = _model("fast")
+  rng = np.random.RandomState(0)
+  x, y = rng.randn(8, 6).astype("float32"), rng.randint(0, 3, 8)
+  for _ in range(3):
+    model.train_on_batch(x, y)
+  assert len(built) == 1
+  first = model.get_layer(index=0)
+  first.trainable = False   # other trainable variables: planned again, without the layer
+  model.train_on_batch(x, y)
+  assert len(built) == 2
+  units = plan_lib.plan(model)   # outside a train step: built, not kept
+  assert [u.layer for u in units] == [model.get_layer(index=1)] and len(built) == 3
+  first.trainable = True
+  model.train_on_batch(x, y)
+  assert len(built) == 4
+  # a rule registered between steps (here the same one again): planned again
+  monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # pylint: disable=protected-access
+  registry.register_layer(keras.layers.Dense, dense_rules.dense_norm_fn)
+  model.train_on_batch(x, y)
+  assert len(built) == 5
+  model.compile(optimizer=model.optimizer, loss=LOSS, run_eagerly=True)   # a new train function
+  model.train_on_batch(x, y)
+  assert len(built) == 6
+  assert int(model.optimizer.iterations.numpy()) == int(model.ledger.sample_count.numpy()) == 7

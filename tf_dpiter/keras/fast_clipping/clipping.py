@@ -465,7 +465,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   k = _check_examples_per_record(examples_per_record)
   scale = routing.loss_scale(model)
   _check_variant(variant, scale)
-  plan_lib.plan(model, grouped=_grouped(k))   # its errors first
+  units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
   chunking = _physical_chunk(model, inputs, k) if chunked else None
   if chunking is not None:
     grads, norms, outputs, raw_losses = _chunked_grad_sum(
@@ -474,7 +474,6 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     if return_outputs:
       return grads, norms, outputs, raw_losses
     return grads, norms
-  units = plan_lib.plan(model, grouped=_grouped(k))
 
   with tf.GradientTape(persistent=True) as tape, tf.name_scope("forward"):
     outputs, raw_losses, losses, record_mask, total = _forward(

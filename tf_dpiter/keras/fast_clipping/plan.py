@@ -18,7 +18,9 @@ variables of it that the model trains (else it is clipped on the vectorized
 path over those variables).
 
 Within one DP step (`one_plan_per_step`) a model's plan is built once and reused by the
-routing checks and the clipped sum.
+routing checks and the clipped sum; the Keras train step keeps it for its whole train
+function (`_TraceFacts.plans`), rebuilt only when the model's trainable variables or the
+registered rules change.
 """
 
 import contextlib
@@ -44,24 +46,29 @@ _OPAQUE = (keras.layers.RNN, keras.layers.TimeDistributed)
 
 SIXTEEN_BIT = ("float16", "bfloat16")
 
-# Inside `one_plan_per_step`: {(id(model), grouped): (model, units)}, per thread (a
-# tf.distribute strategy runs each replica's step in its own thread).
+# Inside `one_plan_per_step`: {(id(model), grouped): (model, signature, units)}, per thread
+# (a tf.distribute strategy runs each replica's step in its own thread).
 _STEP_PLANS = threading.local()
 
 
 @contextlib.contextmanager
-def one_plan_per_step():
+def one_plan_per_step(kept=None):
   """Within the block `plan(model, grouped)` is built once per model and `grouped` and then
-  reused (as new `Unit` objects: a clipped sum records into its units). The block is one DP
-  step (or its trace): the layers, their trainable variables and the registered rules, all a
-  plan reads, do not change within it; the plan is built afresh at every step, so a layer
-  frozen or unfrozen between steps is planned as it is then.
+  reused (as new `Unit` objects: a clipped sum records into its units) while the model's
+  trainable variables and the registered rules stay the same (a layer frozen or unfrozen
+  is planned as it is then). The block is one DP step (or its trace).
+
+  Args:
+    kept: a dict that outlives the block, holding the plans across blocks: the Keras train
+      step passes its train function's (`_TraceFacts.plans`; Keras asks for a new train
+      function after a change of the layers' `trainable`, `make_train_function(force=True)`).
+      None: a dict of this block (or of the enclosing block).
 
   Yields:
     None.
   """
   outer = getattr(_STEP_PLANS, "plans", None)
-  _STEP_PLANS.plans = {} if outer is None else outer
+  _STEP_PLANS.plans = kept if kept is not None else ({} if outer is None else outer)
   try:
     yield
   finally:
@@ -225,12 +232,15 @@ def plan(model, grouped=False):
         f"model must be built before clipping, got model.built=False "
         f"(model={model.name!r})")
   memo = getattr(_STEP_PLANS, "plans", None)
+  trainable = model.trainable_variables
+  # what a kept plan must still match: the trained variables and the registered rules
+  signature = (tuple(id(v) for v in trainable), registry.RULES_VERSION)
   hit = memo.get((id(model), grouped)) if memo is not None else None
-  if hit is not None and hit[0] is model:
+  if hit is not None and hit[0] is model and hit[1] == signature:
     # fresh units (a clipped sum records its forward pass into them, one chunk at a time)
-    return [Unit(u.layer, u.kind, u.norm_fn, u.variables) for u in hit[1]]
+    return [Unit(u.layer, u.kind, u.norm_fn, u.variables) for u in hit[2]]
   units, seen = [], set()
-  trained = {id(v) for v in model.trainable_variables}
+  trained = {id(v) for v in trainable}
   tree = keras_internals.layer_children(model)
   # every layer's registered rule, looked up once per plan (the rules do not change in it)
   rules = registry.lookup_all(_sublayers(tree, model, include_self=True))
@@ -264,8 +274,8 @@ def plan(model, grouped=False):
   visit(model)
   _check_coverage(model, units, trained)
   if memo is not None:
-    memo[(id(model), grouped)] = (model, [Unit(u.layer, u.kind, u.norm_fn, u.variables)
-                                          for u in units])
+    memo[(id(model), grouped)] = (model, signature,
+                                  [Unit(u.layer, u.kind, u.norm_fn, u.variables) for u in units])
   return units
 
 

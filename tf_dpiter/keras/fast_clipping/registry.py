@@ -71,6 +71,9 @@ from tf_dpiter.errors import ParameterValueError
 
 _LOCK = threading.Lock()
 _REGISTRY = {}  # layer class -> norm_fn
+# register_layer calls so far: the registered rules are the same while it is (a plan kept
+# across steps, plan.one_plan_per_step, is rebuilt when it changes).
+RULES_VERSION = 0
 
 # Test hook: force "gram" or "direct" in algebra.factored_sqr_norm, or "filter"
 # / "depthwise" for convolutions (per-example filter gradients); None: chosen
@@ -257,8 +260,10 @@ def register_layer(layer_class, norm_fn):
         f"layer_class must be a keras.layers.Layer subclass, got {layer_class!r}")
   if not callable(norm_fn):
     raise ParameterValueError(f"norm_fn must be callable, got {norm_fn!r}")
+  global RULES_VERSION
   with _LOCK:
     _REGISTRY[layer_class] = norm_fn
+    RULES_VERSION += 1
 
 
 _LOOKUP_HOOKS = []

@@ -53,7 +53,7 @@ class _TraceFacts:
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
                "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
-               "compute_loss")
+               "compute_loss", "plans")
 
   def __init__(self, model, key):
     self.key = key
@@ -71,6 +71,7 @@ class _TraceFacts:
     self.training_arg = keras_internals.call_has_training_arg(model)
     self.loss_tracker = keras_internals.loss_tracker(model)
     self.compute_loss = keras_internals.compiled_loss_fn(model)
+    self.plans = {}   # the fast-clipping plans of this train function (one_plan_per_step)
 
 
 def _facts_key(model):
@@ -261,8 +262,9 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    # the routing checks and the fast clipped sum plan the model's layers once in this step
-    with (fast_plan.one_plan_per_step() if step.flags.clipping != "vectorized"
+    # the routing checks and the fast clipped sum plan the model's layers once per train
+    # function (again when its trainable variables change)
+    with (fast_plan.one_plan_per_step(facts.plans) if step.flags.clipping != "vectorized"
           else contextlib.nullcontext()):
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
