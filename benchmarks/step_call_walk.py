@@ -10,11 +10,16 @@ lives in the `tf_dpiter` package, and prints:
            tf_dpiter file (A -> B -> A counts one): how often the step's logic is split
            across files that call each other back and forth.
 
-The walk starts at the model's train step (first tf_dpiter frame) and covers the whole
-step: the per-record clipped sum, the noise, the ledger write and the optimizer update.
+The walk starts at the first tf_dpiter frame and covers the whole step: the per-record
+clipped sum, the noise, the ledger write and the optimizer update. `--entry` says where the
+step is entered: `train_on_batch` (the default; the DP model's `train_on_batch`, with its
+per-call guards: the restored-ledger check, the replica check, the eager build) or
+`train_function` (the call `fit` makes for each batch: Keras' train function on one
+(x, y, sample_weight) batch, as `train_on_batch` hands it over).
 
 Run from a checkout's root (it measures the tf_dpiter that checkout holds):
-  python -m benchmarks.step_call_walk [--clipping fast|vectorized] [--files] [--sequence]
+  python -m benchmarks.step_call_walk [--clipping fast|vectorized]
+      [--entry train_on_batch|train_function] [--files] [--sequence]
 """
 
 import argparse
@@ -31,8 +36,9 @@ import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
 PKG = os.path.dirname(os.path.abspath(dp.__file__))
 
 
-def walk(clipping):
-  """(list of (file, function) calls) of one DP train_on_batch."""
+def walk(clipping, entry="train_on_batch"):
+  """(list of (file, function) calls) of one steady DP step entered at `entry` (module
+  docstring)."""
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
                                  keras.layers.Dense(3)])
@@ -53,7 +59,10 @@ def walk(clipping):
 
   sys.setprofile(profiler)
   try:
-    model.train_on_batch(x, y)
+    if entry == "train_function":
+      model.train_function(iter([(x, y, None)]))
+    else:
+      model.train_on_batch(x, y)
   finally:
     sys.setprofile(None)
   return calls
@@ -85,12 +94,15 @@ def stays(calls):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--clipping", default="fast", choices=("fast", "vectorized"))
+  ap.add_argument("--entry", default="train_on_batch",
+                  choices=("train_on_batch", "train_function"),
+                  help="where the step is entered (module docstring)")
   ap.add_argument("--files", action="store_true", help="also list the files and their calls")
   ap.add_argument("--sequence", action="store_true",
                   help="also print the walk in order, one line per stay in a file")
   args = ap.parse_args()
-  calls = walk(args.clipping)
-  print(args.clipping, summarize(calls))
+  calls = walk(args.clipping, args.entry)
+  print(args.clipping, args.entry, summarize(calls))
   if args.files:
     counts = {}
     for f, _ in calls:

@@ -20,3 +20,13 @@ def test_a_walk_in_one_file_never_returns():
   calls = [("a.py", str(i)) for i in range(5)]
   assert step_call_walk.summarize(calls) == {"calls": 5, "files": 1, "returns": 0}
   assert step_call_walk.stays(calls) == [("a.py", [str(i) for i in range(5)])]
+
+
+def test_the_train_function_entry_is_fits_step_without_train_on_batchs_guards():
+  by_batch = step_call_walk.walk("vectorized", "train_on_batch")
+  by_function = step_call_walk.walk("vectorized", "train_function")
+  # train_on_batch enters in models.py (its guards), then runs the same train function
+  assert by_batch[0][0] == "keras/model/models.py"
+  assert by_function[0] == ("keras/model/train_step.py", "guarded")
+  assert "keras/model/models.py" not in {f for f, _ in by_function}
+  assert by_batch[-len(by_function):] == by_function
