@@ -28,7 +28,7 @@ Prints one JSON object per size.
   python benchmarks/fit_noise_draw.py --step_overlap [--onednn 0|1]
 
 How much of the draw the MLP's DP train step (batch 256, fast clipping) pays: the step with
-its real noise against the same step whose `randomness.padded_normal` returns zeros (traced
+its real noise against the same step whose `randomness.padded_normal_halves` returns zeros (traced
 so, in the same process, called round robin), beside the draw alone. If the step's extra cost
 is below the draw's, part of the draw runs alongside the backward pass.
 """
@@ -144,9 +144,11 @@ def _step_overlap(rounds, calls):
 
   real = model()
   draw = randomness.padded_normal
-  randomness.padded_normal = lambda g, size, stddev=None: tf.zeros([size + 64])
+  halves = randomness.padded_normal_halves
+  randomness.padded_normal_halves = lambda g, size, stddev=None: (
+      tf.zeros([(size + 1) // 2 + 32]), tf.zeros([(size + 1) // 2 + 32]))
   zero = model()
-  randomness.padded_normal = draw
+  randomness.padded_normal_halves = halves
   gen = randomness.make_generator()
   alone = tf.function(lambda: draw(gen, 407050, 1.3))
   ms = _time({"dp_step_real_noise": real, "dp_step_zero_noise": zero, "draw_alone": alone},

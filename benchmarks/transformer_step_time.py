@@ -37,6 +37,12 @@ in their traced functions (get_concrete_function().graph), the clipped sum's by 
 name scopes: forward, backward_to_layers, norms, clipped_sum; the rest is the tape's backward
 pass), nodes in function bodies (a tf.cond or while loop's branches), and the trace time.
 
+--pair: the non-private and the DP configuration (same --lora, --seq, --batch), one process
+each, non-private first; prints one JSON line with both runs and the DP / non-private ratios
+of ms/step, peak RSS and the allocator's peak (for benchmarks/compare_revisions.py, which
+alternates two revisions of the library: give this script's absolute path so that both
+revisions run the same benchmark, with the library of each worktree).
+
 One configuration per process (--all runs the four: nonprivate/dp x full/LoRA, each in a
 subprocess) so the peak RSS (ru_maxrss) is the configuration's. Every step is
 model.train_on_batch (the DP step: per-example clipping routed by --clipping, noise, ledger).
@@ -300,10 +306,37 @@ def graph_ops(a):
                     "load_avg": os.getloadavg()}), flush=True)
 
 
+def _child(mode, lora, common):
+  """The JSON result of one configuration run in a child process (its failure as a dict)."""
+  r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode, "--lora",
+                      str(lora)] + common, capture_output=True, text=True, check=False)
+  lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
+  return json.loads(lines[-1]) if lines else {
+      "mode": mode, "lora": lora, "failed": r.stderr.strip().splitlines()[-3:]}
+
+
+def pair(a, common):
+  """--pair: non-private then DP, one child process each; one JSON line (module docstring)."""
+  runs = {mode: _child(mode, a.lora, common) for mode in ("nonprivate", "dp")}
+  ratios = {}
+  for key in ("ms_per_step", "peak_rss_mib", "alloc_peak_mib"):
+    if all(key in r for r in runs.values()):
+      ratios[key] = round(runs["dp"][key] / runs["nonprivate"][key], 3)
+  print(json.dumps({"lora": a.lora, "seq": a.seq, "batch": a.batch,
+                    "results": {"ratios": ratios,
+                                **{m: {k: r.get(k) for k in ("ms_per_step", "peak_rss_mib",
+                                                             "alloc_peak_mib", "first_step_s")}
+                                   for m, r in runs.items()}},
+                    "runs": runs, "load_avg": os.getloadavg()}), flush=True)
+  return 0
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--all", action="store_true", help="the four configurations, one process each")
+  p.add_argument("--pair", action="store_true",
+                 help="non-private and DP (one process each), one JSON line with the ratios")
   p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
   p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
   p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
@@ -320,17 +353,15 @@ def main():
     return profile(a)
   if a.ops:
     return graph_ops(a)
-  if not a.all:
-    return run_one(a)
   common = ["--model", a.model, "--clipping", a.clipping, "--batch", str(a.batch),
             "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
+  if a.pair:
+    return pair(a, common)
+  if not a.all:
+    return run_one(a)
   for lora in (0, 8):
     for mode in ("nonprivate", "dp"):
-      r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode, "--lora",
-                          str(lora)] + common, capture_output=True, text=True, check=False)
-      lines = [l for l in r.stdout.splitlines() if l.startswith("{")]
-      print(lines[-1] if lines else json.dumps(
-          {"mode": mode, "lora": lora, "failed": r.stderr.strip().splitlines()[-3:]}), flush=True)
+      print(json.dumps(_child(mode, lora, common)), flush=True)
   return 0
 
 

@@ -147,13 +147,13 @@ def _noised_stream(generator, leaves, order, stddev, out):
   for start in range(0, total, block):
     n = min(block, total - start)
     with tf.control_dependencies(previous):
-      noise = draw_full() if n == block else _noise(generator, n, tf.float32, stddev)
+      halves = draw_full() if n == block else _noise(generator, n, tf.float32, stddev)
     previous = []
     j = first
     while j < len(order) and offsets[j] < start + n:
       i, a, size = order[j], offsets[j], sizes[j]
       lo, hi = max(a, start), min(a + size, start + n)
-      piece = noise[lo - start:hi - start]
+      piece = _stream_piece(halves, lo - start, hi - start)
       if i not in flats:
         flats[i] = tf.reshape(tf.cast(leaves[i], tf.float32), [-1])
       if lo == a and hi == a + size:   # the whole leaf in this draw: one addition
@@ -170,6 +170,19 @@ def _noised_stream(generator, leaves, order, stddev, out):
   return previous
 
 
+def _stream_piece(halves, lo, hi):
+  """Values [lo, hi) of one draw given as its two halves (`randomness.padded_normal_halves`:
+  value v is halves[0][v] below m, else halves[1][v - m]): a slice of one half (a view of
+  its buffer when lo is a multiple of 16), or, for the one piece of a draw that crosses m,
+  the two slices joined."""
+  m = int(halves[0].shape[0])
+  if hi <= m:
+    return halves[0][lo:hi]
+  if lo >= m:
+    return halves[1][lo - m:hi - m]
+  return tf.concat([halves[0][lo:], halves[1][:hi - m]], 0)
+
+
 def _noised_leaf(generator, leaf, stddev):
   """leaf + N(0, stddev^2 I) in the privacy dtype, cast back to leaf.dtype
   (`add_gaussian_noise`: in blocks of BLOCK_VALUES values for a large static leaf)."""
@@ -177,13 +190,13 @@ def _noised_leaf(generator, leaf, stddev):
   size = _size(leaf)
   wide = tf.cast(leaf, dtype)
   if not isinstance(size, int) or size <= BLOCK_VALUES:
-    noise = _noise(generator, size, dtype, stddev)[:size]
+    noise = _joined(_noise(generator, size, dtype, stddev))[:size]
     return tf.cast(wide + tf.reshape(noise, tf.shape(leaf)), leaf.dtype)
   flat = tf.reshape(wide, [-1])
   for start in range(0, size, BLOCK_VALUES):
     stop = min(start + BLOCK_VALUES, size)
     with tf.control_dependencies([flat]):   # one block's draw alive at a time
-      noise = _noise(generator, stop - start, dtype, stddev)[:stop - start]
+      noise = _joined(_noise(generator, stop - start, dtype, stddev))[:stop - start]
     flat = tf.raw_ops.TensorStridedSliceUpdate(
         input=flat, begin=[start], end=[stop], strides=[1], value=flat[start:stop] + noise)
   return tf.cast(tf.reshape(flat, tf.shape(leaf)), leaf.dtype)
@@ -196,11 +209,38 @@ def _size(tensor):
 
 
 def _noise(generator, size, dtype, stddev):
-  """At least `size` i.i.d. N(0, stddev^2) values of `dtype` (float32: the Box-Muller draw
-  with sigma folded into its radius; float64: `randomness.normal` times sigma)."""
+  """At least `size` i.i.d. N(0, stddev^2) values of `dtype`, as a tuple of 1-D parts whose
+  concatenation is the values (float32: the Box-Muller draw's two halves with sigma folded
+  into its radius, `randomness.padded_normal_halves`; float64: one part,
+  `randomness.normal` times sigma)."""
   if dtype == tf.float64:
-    return randomness.normal(generator, [size], dtype=dtype) * tf.cast(stddev, dtype)
-  return randomness.padded_normal(generator, size, stddev)
+    return (randomness.normal(generator, [size], dtype=dtype) * tf.cast(stddev, dtype),)
+  return tuple(randomness.padded_normal_halves(generator, size, stddev))
+
+
+def _joined(parts):
+  """The values of `_noise`'s parts as one tensor (a copy only when there are two)."""
+  return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+
+def adds_scaled_noise(query):
+  """True if `query`'s noised result is `GaussianSumQuery`'s (a subclass that leaves
+  `get_noised_result` as it is and keeps the plain sum as its sample state), so that its
+  `get_scaled_noised_result` gives the same result for a sum formed already scaled.
+
+  Args:
+    query: a DPQuery instance.
+
+  Returns:
+    bool.
+  """
+  cls = type(query)
+  return (isinstance(query, GaussianSumQuery)
+          and cls.get_noised_result is GaussianSumQuery.get_noised_result
+          and cls.get_scaled_noised_result is GaussianSumQuery.get_scaled_noised_result
+          and cls.initial_sample_state is dp_query.SumAggregationDPQuery.initial_sample_state
+          and cls.accumulate_preprocessed_record is
+          dp_query.SumAggregationDPQuery.accumulate_preprocessed_record)
 
 
 # Each argument of GaussianSumQuery alone (`validation.check_params`).
@@ -341,6 +381,31 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
       (noised sum, the unchanged global state, a one-event tuple in sum units).
     """
     result = add_gaussian_noise(self._generator, sample_state, global_state.stddev)
+    event = events_lib.GaussianSumEvent(global_state.l2_norm_clip, global_state.stddev)
+    return result, global_state, (event,)
+
+  def get_scaled_noised_result(self, scaled_sum, global_state, scale):
+    """`get_noised_result` of a sum that was formed already multiplied by `scale`.
+
+    a (sum + N(0, sigma^2 I)) = a sum + N(0, (a sigma)^2 I): the noise is drawn with
+    stddev a sigma (`add_gaussian_noise`, a folded into the Box-Muller radius) and added to
+    the given a sum, so a caller that divides the noised sum by a denominator d passes
+    a = 1 / d, forms the sum with its clip factors times a (a vector of one value per
+    record), and gets the noised average with one addition per coordinate instead of a
+    division after it. The event is that of the unscaled sum, (S, sigma): the scale is
+    post-processing of a public constant and changes no privacy parameter.
+
+    Args:
+      scaled_sum: a * the clipped sum (the sample state times `scale`).
+      global_state: (S, sigma).
+      scale: a > 0, finite, public (a float32 scalar tensor or a number), e.g.
+        1 / denominator.
+
+    Returns:
+      (a (sum + noise), the unchanged global state, (GaussianSumEvent(S, sigma),)).
+    """
+    stddev = tf.cast(global_state.stddev, tf.float32) * tf.cast(scale, tf.float32)
+    result = add_gaussian_noise(self._generator, scaled_sum, stddev)
     event = events_lib.GaussianSumEvent(global_state.l2_norm_clip, global_state.stddev)
     return result, global_state, (event,)
 

@@ -244,18 +244,37 @@ def padded_normal(generator, size, stddev=None):
   Returns:
     a float32 tensor [2m], 2m >= size.
   """
+  return tf.concat(padded_normal_halves(generator, size, stddev), 0)
+
+
+def padded_normal_halves(generator, size, stddev=None):
+  """`padded_normal`'s values as its two halves, (sigma r cos(theta), sigma r sin(theta)),
+  each [m]: value v of `padded_normal` is halves[0][v] for v < m, else halves[1][v - m]. A
+  caller that adds the noise into slices takes them from the halves and skips the copy that
+  joins them (one pass over the 2m values).
+
+  Args:
+    generator: a tf.random.Generator or a SecureRandom.
+    size: the number of values needed (int or int32 scalar tensor).
+    stddev: sigma (number or scalar tensor); None for 1.
+
+  Returns:
+    two float32 tensors [m], 2m >= size, m a multiple of 16.
+  """
   if isinstance(generator, SecureRandom):
-    z = _box_muller(generator, size) + _box_muller(generator, size)
-    return z * (0.5 ** 0.5 if stddev is None else tf.cast(stddev, tf.float32) * 0.5 ** 0.5)
+    (c1, s1), (c2, s2) = _box_muller(generator, size), _box_muller(generator, size)
+    scale = 0.5 ** 0.5 if stddev is None else tf.cast(stddev, tf.float32) * 0.5 ** 0.5
+    return (c1 + c2) * scale, (s1 + s2) * scale
   return _box_muller(generator, size, stddev)
 
 
 def _box_muller(generator, size, stddev=None):
-  """`padded_normal` for one Box-Muller draw from any source (formula there)."""
+  """`padded_normal_halves` for one Box-Muller draw from any source (formula in
+  `padded_normal`)."""
   pairs = -(-((size + 1) // 2) // _ALIGN) * _ALIGN
   words = _uint32_words(generator, [2, pairs])
   r = tf.sqrt(_log_uniform(generator, _bucket(words[0], 32)) * -2.0)
   if stddev is not None:
     r = r * tf.cast(stddev, tf.float32)
   theta = tf.cast(words[1], tf.float32) * (_TWO_PI * 2.0 ** -32)
-  return tf.concat([r * tf.cos(theta), r * tf.sin(theta)], 0)
+  return r * tf.cos(theta), r * tf.sin(theta)

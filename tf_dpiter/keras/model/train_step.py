@@ -242,7 +242,8 @@ class TrainStepMixin:
     state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(
         step, facts, x, y, sample_weight, params, outputs)
     if global_state is not None:
-      state = step.compiled_noised_average(state, num_records, global_state)
+      state = step.compiled_noised_average(state, num_records, global_state,
+                                           scaled=step.folds_denominator)
     return state, loss_sum, num_records, y_pred
 
   def _dp_clipped_sum_body(self, step, facts, x, y, sample_weight, params, outputs=True):
@@ -262,6 +263,8 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
+    # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
+    scale = step.sum_scale(tf.reduce_sum(rmask)) if step.folds_denominator else None
     # the routing checks and the fast clipped sum plan the model's layers once per train
     # function (again when its trainable variables change)
     with (fast_plan.one_plan_per_step(facts.plans) if step.flags.clipping != "vectorized"
@@ -269,10 +272,10 @@ class TrainStepMixin:
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
         state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
-                                                         variables, params)
+                                                         variables, params, scale)
       else:
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
-                                                               k, variables, params)
+                                                               k, variables, params, scale)
     if not outputs:
       y_pred = None
     elif records_out is None:
@@ -281,7 +284,8 @@ class TrainStepMixin:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
     return state, loss_sum, tf.reduce_sum(rmask), y_pred
 
-  def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables, params):
+  def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables, params,
+                         sum_scale=None):
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
@@ -294,9 +298,10 @@ class TrainStepMixin:
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
-                           vectorize=facts.vectorize, loss_scale=scale, params=params)
+                           vectorize=facts.vectorize, loss_scale=scale, params=params,
+                           sum_scale=sum_scale)
 
-  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params):
+  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale=None):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
@@ -308,6 +313,9 @@ class TrainStepMixin:
     scaled = facts.loss_scale != 1.0   # fast_clipping applies the scale itself
     # norms -> clip factors of this sample, by the query's own rule
     clip_factors_fn = functools.partial(step.base_query.record_clip_factors, params)
+    if sum_scale is not None:   # the sum comes out divided: a [R] multiply, not a weight pass
+      factors_of = clip_factors_fn
+      clip_factors_fn = lambda norms: factors_of(norms) * sum_scale  # noqa: E731
 
     def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
@@ -418,7 +426,7 @@ class TrainStepMixin:
       else:
         state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
                                                     outputs=want)
-        grads = step.noised_average(state, num_records)
+        grads = step.noised_average(state, num_records, scaled=step.folds_denominator)
     opt.apply_private_gradients(grads, self.trainable_variables)
     facts.loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)

@@ -22,7 +22,9 @@ def accumulate(query, params, sample_state, grads, record_mask):
   Args:
     query: the DPQuery (its preprocess_record clips). params: its sample params.
     sample_state: the sum so far. grads: per-record gradients, each [M, ...].
-    record_mask: [M] 0/1, the real records.
+    record_mask: [M] weights of the records: 0 for padding, 1 for a real record (or the
+      step's `sum_scale`, the sum's denominator folded in: each clipped gradient is added
+      times it).
 
   Returns:
     the new sample state.

@@ -34,6 +34,7 @@ import tensorflow as tf
 from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import validation
+from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras import fast_clipping
@@ -496,7 +497,7 @@ class PrivateStep:
             tuple(id(v) for v in model.trainable_variables), len(model.losses))
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
-                  vectorize=True, loss_scale=1.0, params=None):
+                  vectorize=True, loss_scale=1.0, params=None, sum_scale=None):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
     The per-record gradients are cast to float32 (float64 for float64 variables) before the
@@ -514,6 +515,9 @@ class PrivateStep:
       vectorize: False for a sequential loop over records (routing.use_vectorized_map).
       loss_scale: the static loss scale s.
       params: the query's sample params (`sample_params()`; None: read them here).
+      sum_scale: None, or a = `sum_scale(num_records)`: each record's clipped gradient is
+        added times a (the sum comes out divided by the denominator; pass `scaled=True` to
+        `noised_average`).
 
     Returns:
       (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
@@ -533,7 +537,8 @@ class PrivateStep:
                                                           vectorize)
       grads, finite = chunking.unscale_records(grads, loss_scale)
       with tf.control_dependencies(self.count_overflowed(finite, mask)):
-        state = clipped_sum.accumulate(query, params, state, grads, mask)
+        weights = mask if sum_scale is None else mask * sum_scale
+        state = clipped_sum.accumulate(query, params, state, grads, weights)
       # a loss without reduction (reduction=None, TF Privacy's idiom) gives each record a
       # vector: its logged value is the record's mean, as Keras reduces it
       rec_losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(mask)[0], -1]), axis=1)
@@ -578,22 +583,30 @@ class PrivateStep:
     return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
-  def compiled_noised_average(self, sample_state, num_records, global_state):
+  def compiled_noised_average(self, sample_state, num_records, global_state, scaled=False):
     """Noised sum / denominator inside the compiled program: the wrapped query's own
-    `get_noised_result` (its noise, drawn from its generator, and its events). The caller
-    records the events with `record_compiled_sample` right after the program.
+    `get_noised_result` (its noise, drawn from its generator, and its events), or, for a sum
+    formed already divided (`scaled`), its `get_scaled_noised_result`. The caller records
+    the events with `record_compiled_sample` right after the program.
 
     Args:
-      sample_state: the clipped sum.
+      sample_state: the clipped sum (times `sum_scale(num_records)` when `scaled`).
       num_records: records in the batch.
       global_state: the query's global state, read outside the program (`global_state()`).
+      scaled: True when the sum was formed with the clip factors times
+        `sum_scale(num_records)` (only where `folds_denominator`).
 
     Returns:
       (the list of noised average gradients, the events of the noised result).
     """
     self.require_sampling()
+    num_records = tf.cast(num_records, tf.float32)
+    if scaled:
+      result, _, events = self.base_query.get_scaled_noised_result(
+          sample_state, global_state, self.sum_scale(num_records))
+      return list(tf.nest.flatten(result)), events
     result, _, events = self.base_query.get_noised_result(sample_state, global_state)
-    denom = self.denominator(tf.cast(num_records, tf.float32))
+    denom = self.denominator(num_records)
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)], events
 
   def global_state(self):
@@ -618,9 +631,10 @@ class PrivateStep:
 
   # ---- noise and ledger -------------------------------------------------------------
 
-  def _noise_and_record(self, sample_state):
-    """One noise draw (the query's get_noised_result) and one ledger sample of the events
-    that draw returned (LedgerSampling.record).
+  def _noise_and_record(self, sample_state, scale=None):
+    """One noise draw (the query's get_noised_result; with `scale`, its
+    get_scaled_noised_result of a sum formed times `scale`) and one ledger sample of the
+    events that draw returned (LedgerSampling.record).
 
     A correlated mechanism refuses to continue a rolled-back run: its accounting is that of
     one sequence of steps, so when the ledger (which no restore lowers) holds more samples
@@ -639,8 +653,12 @@ class PrivateStep:
                   "its accounting covers one sequence of steps. Start a new optimizer, and "
                   "a new ledger, for a new run."))
     with tf.control_dependencies(checks):
-      result, new_state, events = self.base_query.get_noised_result(
-          sample_state, self.state.global_state())
+      if scale is None:
+        result, new_state, events = self.base_query.get_noised_result(
+            sample_state, self.state.global_state())
+      else:
+        result, new_state, events = self.base_query.get_scaled_noised_result(
+            sample_state, self.state.global_state(), scale)
     count = sampling.record(events)
     assigns = self.state.assign_global_state(new_state)
     with tf.control_dependencies(assigns + [count]):
@@ -664,28 +682,72 @@ class PrivateStep:
       return self.state.expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
+  @property
+  def folds_denominator(self):
+    """True when the train step forms the clipped sum already divided by the denominator.
+
+    The noised average is (sum + N(0, sigma^2 I)) / d = a sum + N(0, (a sigma)^2 I) with
+    a = 1 / d (`sum_scale`): with the clip factors times a (one value per record) the sum
+    comes out divided, the noise is drawn with stddev a sigma (the Gaussian query's own
+    draw, `GaussianSumQuery.get_scaled_noised_result`), and the noised average is formed by
+    one addition per coordinate, without a division pass over the weights. Taken when the
+    average is normalized, the step's query is the Gaussian sum query's noise on the plain
+    sum (`gaussian_query.adds_scaled_noise`: the IID mechanism, automatic clipping; not a
+    correlated mechanism or another custom query) and one replica trains (under a
+    tf.distribute strategy d follows from the all-reduced count, known after the sum).
+    The ledger records (S, sigma) either way.
+    """
+    return bool(self.normalize and gaussian_query.adds_scaled_noise(self.base_query)
+                and tf.distribute.get_strategy().num_replicas_in_sync == 1)
+
+  def sum_scale(self, num_records):
+    """a = 1 / `denominator(num_records)`, the factor the clip factors are multiplied by
+    when `folds_denominator` (a float32 scalar tensor, public: it follows from the public
+    denominator).
+
+    Args:
+      num_records: records in the batch (a scalar, cast to float32).
+
+    Returns:
+      a float32 scalar tensor.
+    """
+    return 1.0 / self.denominator(tf.cast(num_records, tf.float32))
+
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
-  def noised_average(self, sample_state, num_records):
+  def noised_average(self, sample_state, num_records, scaled=False):
     """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
 
     Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
     noise is drawn once, in cross-replica context; the result is pre-divided by the replica
-    count (Keras sums gradients over replicas in apply()).
+    count (Keras sums gradients over replicas in apply()). A sum formed already divided
+    (`scaled`, where `folds_denominator`) gets noise of stddev sigma / d and no division.
 
     Args:
-      sample_state: the clipped sum of this replica's records (the query's sample state).
+      sample_state: the clipped sum of this replica's records (the query's sample state),
+        times `sum_scale(num_records)` when `scaled`.
       num_records: records in this replica's batch.
+      scaled: True when the sum was formed with the clip factors times
+        `sum_scale(num_records)` (`folds_denominator`).
 
     Returns:
       the list of noised average gradients (flattened result).
 
     Raises:
-      PrivacyConfigError: the sampling is not declared (`set_sampling`).
+      PrivacyConfigError: the sampling is not declared (`set_sampling`), or `scaled` under
+        more than one replica.
     """
     self.require_sampling()
     num_records = tf.cast(num_records, tf.float32)
     ctx = tf.distribute.get_replica_context()
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
+    if scaled:
+      if n_rep != 1:
+        raise PrivacyConfigError(validation.message(
+            "scaled", "False under more than one replica (the denominator follows from the "
+            "all-reduced record count: form the plain sum)", scaled))
+      result = self._noise_and_record(sample_state, self.sum_scale(num_records))
+      pipelining.gate_sums_on_noise(sample_state, result)
+      return list(tf.nest.flatten(result))
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
       # each sum is formed once the leaf before it is noised (Bu et al. 2023, Section 3:
