@@ -22,6 +22,11 @@ from tf_dpiter.dp_query import serialization
 class JointClipQuery(dp_query.SumAggregationDPQuery):
   """Joint clipping of vectors on different scales (McMahan et al. 2018, Section 2).
 
+  The global state is (S_g, sigma~_g) as float32, the sample params S_g; a record v becomes
+  s(v; alpha) = (v_j / alpha_j)_j clipped jointly to L2 norm S_g; the scaled sum gets
+  N(0, sigma~_g^2) and is scaled back by alpha_j, with the scaled sum's event
+  GaussianSumEvent(S_g, sigma~_g). The config holds the scales nest, S_g, sigma~_g and the seed.
+
   Args:
     scales: a nest of alpha_j > 0 matching the record's structure (down to its leaves).
     l2_norm_clip: S_g, the joint clip of the scaled record.
@@ -44,7 +49,6 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
     self._generator = randomness.make_generator(seed)
 
   def get_config(self):
-    """See `DPQuery.get_config`: the scales, S_g, sigma~_g and the seed"""
     p = serialization.plain
     return {"scales": serialization.encode_nest(self._scales),
             "l2_norm_clip": p(self._l2_norm_clip), "stddev": p(self._stddev),
@@ -52,17 +56,11 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: rebuilds the scales nest
-
-    Args:
-      config: a dict as `get_config` returned it.
-    """
     config = dict(config)
     config["scales"] = serialization.decode_nest(config["scales"])
     return cls(**config)
 
   def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: (S_g, sigma~_g) as float32"""
     return self._GlobalState(tf.cast(self._l2_norm_clip, tf.float32),
                              tf.cast(self._stddev, tf.float32))
 
@@ -76,25 +74,10 @@ class JointClipQuery(dp_query.SumAggregationDPQuery):
         self._scales, record)
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: s(v; alpha) = (v_j / alpha_j)_j clipped jointly to
-    L2 norm S_g.
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
     clipped, _ = dp_query.clip_by_global_l2_norm(self._scale(record, inverse=False), params)
     return clipped
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: the scaled sum plus N(0, sigma~_g^2),
-    scaled back by alpha_j; event GaussianSumEvent(S_g, sigma~_g) (the scaled sum's)
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     noised = gaussian_query.add_gaussian_noise(self._generator, sample_state, global_state.stddev)
     result = self._scale(noised, inverse=True)
     return result, global_state, (events_lib.GaussianSumEvent(global_state.l2_norm_clip,

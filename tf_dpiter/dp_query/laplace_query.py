@@ -59,7 +59,10 @@ def laplace_noise(generator, shape, scale, dtype=tf.float32):
 class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
   """Sum of records clipped to L1 norm C, plus Laplace(0, b) per coordinate.
 
-  Pure epsilon = C / b per sample (Dwork & Roth, Thm 3.6); the event is LaplaceSumEvent(C, b).
+  Pure epsilon = C / b per sample (Dwork & Roth, Thm 3.6). The global state is (C, b) as
+  float32, the sample params C; a record is clipped to L1 norm C (`clip_by_l1_norm`); the sum
+  gets Laplace(0, b) noise per coordinate (in float32 or wider), with the event
+  LaplaceSumEvent(C, b). The config holds C, b and the seed.
 
   Args:
     l1_norm_clip: C > 0, finite.
@@ -81,42 +84,20 @@ class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
     self._generator = randomness.make_generator(seed)
 
   def get_config(self):
-    """See `DPQuery.get_config`: C, b and the seed"""
     p = serialization.plain
     return {"l1_norm_clip": p(self._l1_norm_clip), "scale": p(self._scale), "seed": p(self._seed)}
 
   def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: (C, b) as float32"""
     return self._GlobalState(tf.cast(self._l1_norm_clip, tf.float32),
                              tf.cast(self._scale, tf.float32))
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the L1 clip C
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     return global_state.l1_norm_clip
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: the record clipped to L1 norm C (`clip_by_l1_norm`)
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
     return clip_by_l1_norm(record, params)
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: the sum plus Laplace(0, b) noise per coordinate
-    (in float32 or wider); event LaplaceSumEvent(C, b), pure epsilon = C / b
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     def _add(v):
       # Noise and sum in float32 (float64 stays float64), cast back afterwards.
       v = tf.convert_to_tensor(v)

@@ -50,7 +50,10 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   """A nest (dict, list, tuple) of queries; a record has the same nest structure.
 
   Each leaf query sees its own part of every record; events are those of all leaves,
-  in `tf.nest.flatten` order (McMahan et al. 2018, Section 2, footnote 2).
+  in `tf.nest.flatten` order (McMahan et al. 2018, Section 2, footnote 2; their Eq. (1)
+  composes them). The global state, sample params and sample state are the nests of the
+  leaves'; the metrics are the leaves' as group_{i}/{name}; the config holds the serialized
+  nest of leaf queries.
 
   Args:
     queries: a nest of SumAggregationDPQuery leaves (at least one).
@@ -75,16 +78,10 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return self._queries
 
   def get_config(self):
-    """See `DPQuery.get_config`: the serialized nest of leaf queries"""
     return {"queries": serialization.encode_queries(self._queries)}
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: deserializes the nest of leaf queries
-
-    Args:
-      config: a dict as `get_config` returned it.
-    """
     return cls(serialization.decode_queries(config["queries"]))
 
   def _map(self, fn, *inputs):
@@ -100,14 +97,6 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
   merge_sample_states = _per_leaf("merge_sample_states")
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: per leaf; the events of all leaves, in
-    `tf.nest.flatten` order (Eq. (1) of McMahan et al. 2018 composes them)
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     outs = self._map(lambda q, s, g: _NoisedResult(*q.get_noised_result(s, g)),
                      sample_state, global_state)
     result = self._map(lambda q, out: out.result, outs)
@@ -116,12 +105,6 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return result, new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: the leaves' metrics as group_{i}/{name}.
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     metrics = {}
     flat_q = tf.nest.flatten(self._queries)
     flat_s = dp_query.flatten_up_to(self._queries, global_state)

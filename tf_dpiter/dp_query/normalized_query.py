@@ -1,7 +1,7 @@
 """Average queries: a sum query divided by a fixed expected denominator.
 
-Seed 002, footnote 1: the estimator f_i of McMahan et al. (2018) divides by the *expected*
-sample size qn, never by the realized |R| (which would leak the sample size). The division
+McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
+Procedures", footnote 1: the estimator f_i divides by the *expected* sample size qn, never by the realized |R| (which would leak the sample size). The division
 is post-processing, so the privacy events are those of the numerator.
 """
 
@@ -20,7 +20,10 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
   Dividing by the expected sample size, never the realized one, is post-processing; the
   events are the numerator's (McMahan et al., "A General Approach to Adding Differential
-  Privacy to Iterative Training Procedures", footnote 1).
+  Privacy to Iterative Training Procedures", footnote 1). The state, params, clipping and
+  metrics are the numerator's; the result is the numerator's noised sum divided by the
+  denominator, with the numerator's events (in sum units). The config holds the serialized
+  numerator query and the denominator.
 
   Args:
     numerator_query: a SumAggregationDPQuery.
@@ -47,17 +50,11 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     return self._numerator
 
   def get_config(self):
-    """See `DPQuery.get_config`: the serialized numerator query and the denominator"""
     return {"numerator_query": serialization.serialize(self._numerator),
             "denominator": serialization.plain(self._denominator)}
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`: deserializes the numerator query
-
-    Args:
-      config: a dict as `get_config` returned it.
-    """
     config = dict(config)
     config["numerator_query"] = serialization.deserialize(config["numerator_query"])
     return cls(**config)
@@ -74,14 +71,6 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
   preprocess_record = dp_query.forwarded("preprocess_record", "_numerator")
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: the numerator's noised sum divided by the public
-    denominator (post-processing); the numerator's events, in sum units
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     noised_sum, new_state, events = self._numerator.get_noised_result(sample_state, global_state)
 
     def _normalize(v):
@@ -90,18 +79,14 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
     return tf.nest.map_structure(_normalize, noised_sum), new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: the numerator's
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     return self._numerator.derive_metrics(global_state)
 
 
 @serialization.register_query()
 class GaussianAverageQuery(NormalizedQuery):
   """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator.
+
+  Its config holds S, sum_stddev, the denominator and the seed.
 
   Args:
     l2_norm_clip: S.
@@ -118,16 +103,10 @@ class GaussianAverageQuery(NormalizedQuery):
                      denominator)
 
   def get_config(self):
-    """See `DPQuery.get_config`: S, sum_stddev, the denominator and the seed"""
     num = self._numerator.get_config()
     return {"l2_norm_clip": num["l2_norm_clip"], "sum_stddev": num["stddev"],
             "denominator": serialization.plain(self._denominator), "seed": num["seed"]}
 
   @classmethod
   def from_config(cls, config):
-    """See `DPQuery.from_config`.
-
-    Args:
-      config: a dict as `get_config` returned it.
-    """
     return cls(**config)

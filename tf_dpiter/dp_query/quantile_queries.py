@@ -32,8 +32,11 @@ _BELOW_SENSITIVITY = 0.5
 class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
   """Private estimate of the `target_quantile` of scalar records (Andrew et al. 2021).
 
-  Each record contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the result is the new
-  estimate C exp(-eta (b_bar - gamma)) (geometric) or C - eta (b_bar - gamma).
+  The global state is (estimate C, target gamma, rate eta, sigma_b, expected records) as
+  float32, the sample params C, the sample state the sum of the b's. Each scalar record
+  contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the result is the new estimate
+  C exp(-eta (b_bar - gamma)) (geometric) or C - eta (b_bar - gamma) (`update_estimate`),
+  with the event GaussianSumEvent(1/2, sigma_b); the metrics are {"estimate": C}.
 
   Args:
     initial_estimate: C_0 >= 0, finite.
@@ -88,9 +91,6 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
             "geometric_update": bool(self._geometric_update), "seed": p(self._seed)}
 
   def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: (estimate C, target gamma, rate eta,
-    sigma_b, expected records) as float32
-    """
     f = lambda x: tf.cast(x, tf.float32)
     return self._GlobalState(f(self._initial_estimate), f(self._target_quantile),
                              f(self._learning_rate), f(self._below_estimate_stddev),
@@ -114,30 +114,12 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     return global_state._replace(expected_num_records=tf.cast(expected_num_records, tf.float32))
 
   def derive_sample_params(self, global_state):
-    """See `DPQuery.derive_sample_params`: the current estimate C
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     return global_state.current_estimate
 
   def initial_sample_state(self, template=None):
-    """See `DPQuery.initial_sample_state`: the sum of b, 0.0
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
     return tf.constant(0.0)
 
   def preprocess_record(self, params, record):
-    """b = 1[record <= estimate] - 1/2 for a scalar record.
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
     return tf.cast(tf.cast(record, tf.float32) <= params, tf.float32) - 0.5
 
   def update_estimate(self, below_sum, global_state):
@@ -164,24 +146,10 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     return global_state._replace(current_estimate=new_estimate), event
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: the new estimate (`update_estimate`);
-    event GaussianSumEvent(1/2, sigma_b)
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     new_state, event = self.update_estimate(sample_state, global_state)
     return new_state.current_estimate, new_state, (event,)
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"estimate": C}
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     return collections.OrderedDict(estimate=global_state.current_estimate)
 
 
@@ -220,7 +188,10 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
 
   Each sample: records clipped to the current C, their sum + N(0, (z_v C)^2); the count of
   norms below C (noise sigma_b) moves C toward the target quantile. Events:
-  GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z by Eq. (1).
+  GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z by Eq. (1). The
+  global state is (C, z_v, the quantile estimator's state), the sample params C, a record
+  becomes (record clipped to L2 norm C, b = 1[||record|| <= C] - 1/2) and the sample state
+  (sum, sum of b); the metrics are {"clip": C}; the config holds the constructor's arguments.
 
   Args:
     initial_l2_norm_clip: C_0 > 0, finite (a geometric update keeps C = 0 at 0).
@@ -262,7 +233,6 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return self._noise_multiplier
 
   def get_config(self):
-    """See `DPQuery.get_config`: the constructor's arguments"""
     return {k: serialization.plain(v) for k, v in self._config.items()}
 
   def set_expected_num_records(self, global_state, expected_num_records):
@@ -279,9 +249,6 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
         global_state.quantile_state, expected_num_records))
 
   def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: (clip C, value noise multiplier z_v,
-    the quantile estimator's state)
-    """
     qstate = self._quantile.initial_global_state()
     return self._GlobalState(qstate.current_estimate, tf.constant(self._value_z, tf.float32),
                              qstate)
@@ -290,35 +257,13 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   derive_sample_params = gaussian_query.GaussianSumQuery.derive_sample_params
 
   def initial_sample_state(self, template):
-    """See `DPQuery.initial_sample_state`: (zero sum, 0.0 sum of b)
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
     return (dp_query.zeros_like_template(template), tf.constant(0.0))
 
   def preprocess_record(self, params, record):
-    """See `DPQuery.preprocess_record`: (record clipped to L2 norm C,
-    b = 1[||record|| <= C] - 1/2)
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
     clipped, norm = dp_query.clip_by_global_l2_norm(record, params)
     return (clipped, self._quantile.preprocess_record(params, norm))
 
   def get_noised_result(self, sample_state, global_state):
-    """See `DPQuery.get_noised_result`: the clipped sum plus N(0, (z_v C)^2);
-    the clip moves toward the target quantile (Andrew et al. 2021); events
-    GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), of total z by Eq. (1)
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     value_sum, below_sum = sample_state
     clip = global_state.l2_norm_clip
     value_stddev = gaussian_query.gaussian_stddev(clip, global_state.value_noise_multiplier)
@@ -330,10 +275,4 @@ class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
     return result, new_state, events
 
   def derive_metrics(self, global_state):
-    """See `DPQuery.derive_metrics`: {"clip": C}
-
-    Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     return collections.OrderedDict(clip=global_state.l2_norm_clip)

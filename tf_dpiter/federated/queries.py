@@ -63,8 +63,10 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 
   NOT differentially private (see module docstring): the clip is a non-noised statistic of
   the sample. Records are flat float32 vectors [d]. The sample state keeps every record of
-  the sample (the clip is known only once the whole sample is seen), so memory grows with
-  the sample size.
+  the sample unclipped, with a mask (the clip is known only once the whole sample is seen),
+  so memory grows with the sample size; merging concatenates. The global state is (z, the
+  last clip S_t, at first the initial clip); the config holds z, the initial clip and the
+  seed.
 
   Args:
     noise_multiplier: z (sigma in Geyer et al. 2017): the noise stddev is z * S_t.
@@ -86,13 +88,11 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     self._generator = dpq.make_generator(seed)
 
   def get_config(self):
-    """See `DPQuery.get_config`: z, the initial clip and the seed."""
     p = serialization.plain
     return {"noise_multiplier": p(self._noise_multiplier),
             "initial_l2_norm_clip": p(self._initial_clip), "seed": p(self._seed)}
 
   def initial_global_state(self):
-    """See `DPQuery.initial_global_state`: (z, the initial clip S_0)."""
     return self._GlobalState(tf.constant(float(self._noise_multiplier), tf.float32),
                              tf.constant(float(self._initial_clip), tf.float32))
 
@@ -114,34 +114,14 @@ class MedianNormClipSumQuery(dpq.DPQuery):
 
   def preprocess_record(self, params, record):
     # The clip depends on the whole sample: records are kept as they are until the end.
-    """See `DPQuery.preprocess_record`: the record unclipped (the clip needs the whole sample).
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      record: one record: a nest of tensors with the structure of the template.
-    """
     return tf.convert_to_tensor(record, tf.float32)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """See `DPQuery.accumulate_preprocessed_record`: appends the record (mask 1).
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      preprocessed_record: one record as `preprocess_record` returned it (clipped).
-    """
     records, mask = sample_state
     return (tf.concat([records, preprocessed_record[None]], 0),
             tf.concat([mask, tf.ones([1])], 0))
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """See `DPQuery.accumulate_records`: appends the records [M, d] and their mask [M].
-
-    Args:
-      params: the sample params (`derive_sample_params` of the global state).
-      sample_state: the sample state accumulated over the records of this sample.
-      records: a batch of records: a nest of tensors with a leading record axis.
-      mask: None, or a [num_records] tensor: 1 for a real record, 0 for padding (not counted).
-    """
     records = tf.convert_to_tensor(records, tf.float32)
     if mask is None:
       mask = tf.ones(tf.shape(records)[:1], tf.float32)
@@ -150,12 +130,6 @@ class MedianNormClipSumQuery(dpq.DPQuery):
             tf.concat([old_mask, tf.cast(mask, tf.float32)], 0))
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """See `DPQuery.merge_sample_states`: concatenates the kept records and masks.
-
-    Args:
-      sample_state_1: a sample state (the sum over some of the records).
-      sample_state_2: another sample state, of the other records.
-    """
     records_1, mask_1 = sample_state_1
     records_2, mask_2 = sample_state_2
     return tf.concat([records_1, records_2], 0), tf.concat([mask_1, mask_2], 0)
@@ -178,13 +152,6 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return records * (factor * tf.cast(mask, tf.float32))[:, None], s
 
   def get_noised_result(self, sample_state, global_state):
-    """Clips the kept records to their median norm S_t, adds N(0, (z S_t)^2) to the sum.
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
-    """
     records, mask = sample_state
     has_records = tf.reduce_sum(mask) > 0
     clipped, median = self.clip_to_median(records, mask)
