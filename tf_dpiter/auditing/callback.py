@@ -28,6 +28,12 @@ from tf_dpiter.errors import PrivacyConfigError
 class AuditCallback(keras.callbacks.Callback):
   """Audits a DP Keras model while it trains (see module docstring).
 
+  Its Keras hooks drive the recorder (if any): at the start of training it binds it to the
+  model; around every step it reads the canary weights and turns their update into x_kt
+  (Eq. 4). Every `every_n_epochs` epochs it appends `audit()` (with "epoch") to `history` and
+  to the epoch's logs; at the end of training it writes the PNG report to `report_path` (if
+  set and audited).
+
   Args:
     delta: δ of the claim and of the bounds, in (0, 1).
     recorder: optional whitebox.CanaryRecorder of the model's Dirac canaries (the callback
@@ -76,32 +82,15 @@ class AuditCallback(keras.callbacks.Callback):
 
   # The recorder's hooks run from here, so the order relative to other callbacks is fixed.
   def on_train_begin(self, logs=None):
-    """Keras hook: binds the recorder (if any) to the model and starts it.
-
-    Args:
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if self.recorder is not None:
       self.recorder.set_model(self.model)
       self.recorder.on_train_begin(logs)
 
   def on_train_batch_begin(self, batch, logs=None):
-    """Keras hook: the recorder reads the canary weights before the step.
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if self.recorder is not None:
       self.recorder.on_train_batch_begin(batch, logs)
 
   def on_train_batch_end(self, batch, logs=None):
-    """Keras hook: the recorder turns the step's canary update into x_kt (Eq. 4).
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if self.recorder is not None:
       self.recorder.on_train_batch_end(batch, logs)
 
@@ -136,13 +125,6 @@ class AuditCallback(keras.callbacks.Callback):
     return row
 
   def on_epoch_end(self, epoch, logs=None):
-    """Keras hook: every `every_n_epochs` epochs, appends `audit()` (with "epoch") to
-    `history` and to the epoch's logs.
-
-    Args:
-      epoch: the index of the epoch, from 0 (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if (epoch + 1) % self.every_n_epochs:
       return
     row = self.audit()
@@ -152,10 +134,5 @@ class AuditCallback(keras.callbacks.Callback):
       logs.update({k: v for k, v in row.items() if v is not None})
 
   def on_train_end(self, logs=None):
-    """Keras hook: writes the PNG report to `report_path` (if set and audited).
-
-    Args:
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if self.report_path and self.history:
       report_lib.plot_privacy_report(self.history, self.report_path)

@@ -35,6 +35,9 @@ PER = ("run", "step")
 class CanaryRecorder(keras.callbacks.Callback):
   """Records x_kt (Eq. 4) of the canary weights of a `DiracCanaryModel` at every step.
 
+  A Keras callback: before each step it reads w^t and the learning rate eta, after it appends
+  x_kt = -(w^{t+1} - w^t) q n / (eta S) for every canary.
+
   Args:
     canary_model: the (DP) DiracCanaryModel being trained.
     l2_norm_clip: S of the DP optimizer.
@@ -71,22 +74,10 @@ class CanaryRecorder(keras.callbacks.Callback):
                                 f"steps_per_execution=1, got {spe}")
 
   def on_train_batch_begin(self, batch, logs=None):
-    """Keras hook: reads w^t and the learning rate eta before the step.
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     self._before = np.array(self._canary_model.canary_weights.numpy(), np.float64)
     self._lr = float(keras.ops.convert_to_numpy(self._canary_model.optimizer.learning_rate))
 
   def on_train_batch_end(self, batch, logs=None):
-    """Keras hook: appends x_kt = -(w^{t+1} - w^t) q n / (eta S) (Eq. 4) for every canary.
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     after = np.array(self._canary_model.canary_weights.numpy(), np.float64)
     self._rows.append(-(after - self._before) * self._scale / self._lr)
 

@@ -56,6 +56,14 @@ __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
 class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
 
+  Flower's hooks: `initialize_parameters` gives w_0 from the DPServer; `configure_fit` waits
+  up to `wait_timeout` s for K clients (fewer: ParameterValueError), samples m_t of them and
+  sends them w_t with `fit_config`, no client once the budget look-ahead stopped the run;
+  `aggregate_fit` runs the updates through the DPQuery (one ledger entry; failures and
+  malformed updates are zero records, the denominator stays m_t) and returns w_{t+1} with the
+  round's numeric info ((None, {}) for a round that sampled nobody); `evaluate` is `eval_fn`
+  on w_t (None without it). There is no federated evaluation.
+
   Args:
     model: an `MLP` shared with the clients.
     query: the inner DPQuery (records: flat updates [d]).
@@ -91,33 +99,9 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     self.wait_timeout = int(wait_timeout)
 
   def initialize_parameters(self, client_manager):
-    """Flower's `Strategy.initialize_parameters`: w_0 from the DPServer (Flower `Parameters`).
-
-    Args:
-      client_manager: Flower's ClientManager (unused).
-
-    Returns:
-      w_0 as `Parameters`.
-    """
     return ndarrays_to_parameters(self._dp.params())
 
   def configure_fit(self, server_round, parameters, client_manager):
-    """Flower's `Strategy.configure_fit`: samples m_t of the K clients and sends them w_t.
-
-    Waits up to `wait_timeout` s for K clients; no client is sent work once the budget
-    look-ahead stops the run.
-
-    Args:
-      server_round: t (from 1).
-      parameters: Flower's copy of the model (ignored: w_t lives in the DPServer).
-      client_manager: Flower's ClientManager.
-
-    Returns:
-      [(ClientProxy, FitIns)] for the sampled clients ([] once stopped).
-
-    Raises:
-      ParameterValueError: fewer than K clients connected.
-    """
     if self.stopped_reason is not None:
       return []
     if not client_manager.wait_for(self.num_clients, timeout=self.wait_timeout):
@@ -129,19 +113,6 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     return [(available[cid], ins) for cid in picked]
 
   def aggregate_fit(self, server_round, results, failures):
-    """Flower's `Strategy.aggregate_fit`: the updates through the DPQuery (one ledger entry).
-
-    Failures and malformed updates are rejected (aggregated as zero records; denominator m_t).
-
-    Args:
-      server_round: t.
-      results: [(ClientProxy, FitRes)].
-      failures: the lost replies.
-
-    Returns:
-      (w_{t+1} as Flower `Parameters`, the round's numeric info), or (None, {}) for a round
-      that sampled nobody.
-    """
     updates = [parameters_to_ndarrays(res.parameters) for _, res in results]
     info = self._dp.aggregate(server_round, updates, len(failures))
     if info is None:
@@ -150,41 +121,12 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     return ndarrays_to_parameters(self._dp.params()), metrics
 
   def configure_evaluate(self, server_round, parameters, client_manager):
-    """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
-
-    Args:
-      server_round: t (unused).
-      parameters: Flower's copy of the model (unused).
-      client_manager: Flower's ClientManager (unused).
-
-    Returns:
-      [].
-    """
     return []
 
   def aggregate_evaluate(self, server_round, results, failures):
-    """Flower's `Strategy.aggregate_evaluate`: (None, {}).
-
-    Args:
-      server_round: t (unused).
-      results: the evaluation replies (unused).
-      failures: the lost replies (unused).
-
-    Returns:
-      (None, {}).
-    """
     return None, {}
 
   def evaluate(self, server_round, parameters):
-    """Flower's `Strategy.evaluate`: `eval_fn` on the server's w_t, if given.
-
-    Args:
-      server_round: t.
-      parameters: w_t as Flower `Parameters`.
-
-    Returns:
-      eval_fn(list of arrays), or None without eval_fn.
-    """
     if self.eval_fn is None:
       return None
     return self.eval_fn(parameters_to_ndarrays(parameters))
@@ -196,6 +138,12 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
   Use `strategy.start(grid, ArrayRecord(initial_params), num_rounds, ...)` inside a
   ServerApp's main (or `make_server_app`). The ArrayRecord Flower passes in is ignored for
   training: w_t lives in the DPServer, which also produces every round's ArrayRecord.
+  `configure_train` sends TRAIN messages with w_t and the config merged with `train_config`
+  to m_t nodes sampled from the connected ones (not K of them: ParameterValueError), none
+  once the budget stopped the run; `aggregate_train` runs the replies through the DPQuery
+  (one ledger entry; error replies and malformed updates are zero records) and returns the
+  ArrayRecord of w_{t+1} with a MetricRecord of the round's info ((None, None) for a round
+  that sampled nobody). There is no federated evaluation.
 
   Args:
     model: an `MLP` shared with the clients.
@@ -242,20 +190,6 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
           f"{type(self.server.inner_query).__name__}")
 
   def configure_train(self, server_round, arrays, config, grid):
-    """Flower's `Strategy.configure_train`: TRAIN messages with w_t to m_t sampled nodes.
-
-    Args:
-      server_round: t.
-      arrays: Flower's copy of the model (ignored: w_t lives in the DPServer).
-      config: Flower's ConfigRecord, merged with train_config.
-      grid: the Grid.
-
-    Returns:
-      a list of `Message` ([] once the budget stopped the run).
-
-    Raises:
-      ParameterValueError: the number of connected nodes is not K.
-    """
     if self.stopped_reason is not None:
       return []
     picked = self._dp.sample(server_round, self._wait_for_nodes(grid))
@@ -266,18 +200,6 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
             for n in picked]
 
   def aggregate_train(self, server_round, replies):
-    """Flower's `Strategy.aggregate_train`: the replies through the DPQuery (one ledger entry).
-
-    Error replies and malformed updates are rejected (aggregated as zero records).
-
-    Args:
-      server_round: t.
-      replies: the reply Messages.
-
-    Returns:
-      (ArrayRecord of w_{t+1}, MetricRecord of the round's info), or (None, None) for a round
-      that sampled nobody.
-    """
     updates, failures = [], 0
     for reply in replies:
       if reply.has_error() or ARRAYS_KEY not in reply.content.array_records:
@@ -291,29 +213,9 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
             MetricRecord({k: v for k, v in info.items() if isinstance(v, (int, float))}))
 
   def configure_evaluate(self, server_round, arrays, config, grid):
-    """Flower's `Strategy.configure_evaluate`: [] (no federated evaluation).
-
-    Args:
-      server_round: t (unused).
-      arrays: Flower's copy of the model (unused).
-      config: Flower's ConfigRecord (unused).
-      grid: the Grid (unused).
-
-    Returns:
-      [].
-    """
     return []
 
   def aggregate_evaluate(self, server_round, replies):
-    """Flower's `Strategy.aggregate_evaluate`: None.
-
-    Args:
-      server_round: t (unused).
-      replies: the evaluation replies (unused).
-
-    Returns:
-      None.
-    """
     return None
 
 

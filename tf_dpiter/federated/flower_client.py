@@ -78,6 +78,12 @@ def _generator(seed):
 class DPFlowerClient(NumPyClient):
   """A legacy-API Flower client holding its own examples; fit returns its update Delta w_k.
 
+  Flower's hooks: `fit` runs ClientUpdate from w_t (Geyer et al. 2017, Algorithm 1), the
+  server's "epochs", "batch_size" and "lr" overriding the defaults, and returns (Delta w_k =
+  w_k - w_t as a list of arrays, the number of local examples, {}); `get_parameters` returns []
+  (the server owns w_t) and `evaluate` (0.0, the number of local examples, {}) (the server
+  evaluates w_t).
+
   Args:
     model: the `MLP` the server trains.
     x: this client's examples (at least one).
@@ -98,41 +104,15 @@ class DPFlowerClient(NumPyClient):
     self._gen = _generator(seed)
 
   def get_parameters(self, config):
-    """Flower's `NumPyClient.get_parameters`: [] (the server owns w_t; clients send updates).
-
-    Args:
-      config: Flower's config dict (unused).
-
-    Returns:
-      [].
-    """
     return []
 
   def fit(self, parameters, config):
-    """Flower's `NumPyClient.fit`: ClientUpdate from w_t (Geyer et al. 2017, Algorithm 1).
-
-    Args:
-      parameters: w_t as a list of numpy arrays.
-      config: the server's train config; its "epochs", "batch_size", "lr" override the defaults.
-
-    Returns:
-      (Delta w_k = w_k - w_t as a list of arrays, number of local examples, {}).
-    """
     cfg = dict(self.defaults, **{k: v for k, v in config.items() if k in _LOCAL_KEYS})
     deltas = client_update(self.model, self.x, self.y, self._gen, cfg["epochs"],
                            cfg["batch_size"], cfg["lr"], parameters)
     return deltas, len(self.x), {}
 
   def evaluate(self, parameters, config):
-    """Flower's `NumPyClient.evaluate`: no local evaluation (the server evaluates w_t).
-
-    Args:
-      parameters: from Flower (unused).
-      config: from Flower (unused).
-
-    Returns:
-      (0.0, number of local examples, {}).
-    """
     return 0.0, len(self.x), {}
 
 
