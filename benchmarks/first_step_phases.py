@@ -3,6 +3,7 @@
   python benchmarks/first_step_phases.py --mode dp [--lora 8] [--seq 32] [--batch 4]
   python benchmarks/first_step_phases.py --mode dp --grappler      # + graph optimization time
   python benchmarks/first_step_phases.py --mode dp --cprofile 25   # + the trace's top functions
+  python benchmarks/first_step_phases.py --mode dp --op-sources 30 # + which functions made the ops
 
 The model and data are transformer_step_time.py's (keras_hub's BertBackbone, BERT-base
 config, random weights; --model plain without keras_hub). One `model.train_on_batch` is the
@@ -21,7 +22,9 @@ first step; its wall time (`first_step_s`) is split into:
                          function instantiation (graph conversion, Grappler, partitioning,
                          kernel creation) and the first run
   grappler_s (--grappler) the graph optimizations (meta_optimizer's per-pass times, from
-                         TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass
+                         TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass,
+                         and the main graph's nodes before and after them
+                         (grappler_input_nodes, grappler_output_nodes)
   second_step_s          the next step (steady state): first_run_excess_s = after_trace_s -
                          grappler_s - second_step_s is what remains (first allocations,
                          oneDNN primitive creation, executor setup)
@@ -92,6 +95,21 @@ def _graph_size(graph):
   return len(ops), sum(len(f.node_def) for f in lib), types.most_common(12)
 
 
+def _op_sources(graph, n):
+  """The n tf_dpiter functions (file:function of the innermost tf_dpiter frame of each op's
+  creation traceback) that created the most ops, with their 3 most frequent op types."""
+  by_src = collections.defaultdict(collections.Counter)
+  for op in graph.get_operations():
+    src = "(outside tf_dpiter)"
+    for frame in reversed(op.traceback):
+      if "/tf_dpiter/" in frame.filename:
+        src = f"{frame.filename.split('/tf_dpiter/')[-1]}:{frame.name}"
+        break
+    by_src[src][op.type] += 1
+  top = sorted(by_src.items(), key=lambda kv: -sum(kv[1].values()))[:n]
+  return [[src, sum(c.values()), c.most_common(3)] for src, c in top]
+
+
 def run(a):
   """One first step, instrumented (module docstring); returns the JSON dict."""
   warnings.simplefilter("ignore")
@@ -147,6 +165,8 @@ def run(a):
   if "g" in graph:
     ops, lib, types = _graph_size(graph["g"])
     out.update({"graph_ops": ops, "function_body_nodes": lib, "top_op_types": types})
+    if a.op_sources:
+      out["op_sources"] = _op_sources(graph["g"], a.op_sources)
   if profiler is not None:
     s = io.StringIO()
     stats = pstats.Stats(profiler, stream=s)
@@ -158,6 +178,8 @@ def run(a):
 
 _PASS = re.compile(r"meta_optimizer\.cc:\d+\] (\S+?)(?:\{.*\})?: Graph size after: .* "
                    r"time = ([\d.]+)ms")
+
+_SIZE = re.compile(r"meta_optimizer\.cc:\d+\] \S+: Graph size after: (\d+) nodes \((-?\d+)\)")
 
 
 def _grappler(a):
@@ -172,6 +194,10 @@ def _grappler(a):
   by_pass = collections.defaultdict(float)
   for m in _PASS.finditer(r.stderr):
     by_pass[m.group(1)] += float(m.group(2)) / 1e3
+  sizes = _SIZE.findall(r.stderr.split("Optimized main graph")[0])
+  if sizes:   # the main graph's first pass: nodes before it = after - change
+    out["grappler_input_nodes"] = int(sizes[0][0]) - int(sizes[0][1])
+    out["grappler_output_nodes"] = int(sizes[-1][0])
   out["grappler_s"] = round(sum(by_pass.values()), 2)
   out["grappler_by_pass_s"] = {k: round(v, 2) for k, v in
                                sorted(by_pass.items(), key=lambda kv: -kv[1])[:8]}
@@ -192,6 +218,8 @@ def main():
   p.add_argument("--grappler", action="store_true",
                  help="also time the graph optimizations (a child process logs them)")
   p.add_argument("--grappler-child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--op-sources", type=int, default=0,
+                 help="print this many tf_dpiter functions that created the most ops")
   p.add_argument("--cprofile", type=int, default=0,
                  help="print this many functions of the trace's cProfile (cumulative)")
   a = p.parse_args()

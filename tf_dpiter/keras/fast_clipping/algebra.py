@@ -25,6 +25,41 @@ def static_dim(x, axis):
   return None if d is None else int(d)
 
 
+def leading_rows(g, like):
+  """g[:n] for n = like's leading size (the records' rows of a padded per-record tensor); g
+  itself, with no shape ops in the graph, when the trace knows both sizes and they are equal.
+
+  Args:
+    g: [R, ...] tensor, R >= n.
+    like: [n, ...] tensor.
+
+  Returns:
+    [n, ...] tensor.
+  """
+  n, r = like.shape[0], g.shape[0]
+  if n is not None and r is not None and int(n) == int(r):
+    return g
+  return g[:tf.shape(like)[0]]
+
+
+def with_ones_column(x):
+  """x [..., K] in float32 with a last column of ones, [..., K + 1] (a bias as the weight of
+  an input 1); the ones are a constant where the trace knows x's shape (no slice of x).
+
+  Args:
+    x: [..., K] tensor.
+
+  Returns:
+    [..., K + 1] float32 tensor.
+  """
+  x = tf.cast(x, tf.float32)
+  if x.shape[:-1].is_fully_defined():
+    ones = tf.ones(x.shape[:-1].as_list() + [1], tf.float32)
+  else:
+    ones = tf.ones_like(x[..., :1])
+  return tf.concat([x, ones], -1)
+
+
 def regroup_btk(x):
   """[B, T, K] -> [B/k, k*T, K]: a record's positions are its examples'.
 
@@ -307,6 +342,12 @@ def result(layer, sq, grads_by_var):
     grads = []
     for v in variables:
       g = grads_by_var[id(v)]
-      grads.append(tf.reshape(g, [tf.shape(g)[0]] + list(v.shape)))
+      shape = tf.TensorShape(v.shape)
+      if not shape.is_compatible_with(g.shape[1:]) or not g.shape[1:].is_fully_defined():
+        # static where known: -1 (one Const), tf.shape only for a variable of no entries
+        lead = -1 if shape.num_elements() else (
+            g.shape[0] if g.shape[0] is not None else tf.shape(g)[0])
+        g = tf.reshape(g, [lead] + shape.as_list())
+      grads.append(g)
     return registry.PerExampleGrads(sq, grads)
   return sq

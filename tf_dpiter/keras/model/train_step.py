@@ -344,7 +344,7 @@ class TrainStepMixin:
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
-        grads = [tf.identity(g) for g in grads]
+        grads = tf.identity_n(grads) if grads else grads   # one op, not one per variable
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
       rec_loss = record_losses.masked_record_mean(losses, c_em)
       grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]

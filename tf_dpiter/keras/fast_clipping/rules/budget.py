@@ -335,7 +335,7 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
     is False (an unused [0, K N] where keep is a tensor and false at run time).
   """
   t, kk, n = (algebra.static_dim(a, 1), algebra.static_dim(a, 2), algebra.static_dim(b, 2))
-  one = lambda x: tf.concat([x, tf.ones_like(x[..., :1])], -1) if with_one else x
+  one = algebra.with_ones_column if with_one else (lambda x: x)
   if t == 1 or None in (t, kk, n):
     sq, g = algebra.factored_sqr_norm(one(tf.cast(a, tf.float32)), b)
     if g is None:

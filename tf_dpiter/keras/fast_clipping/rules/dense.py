@@ -99,7 +99,7 @@ def _budgeted_norms(layer, x, dz):
     return [by_id[id(v)] for v in layer.trainable_variables]
 
   if keep is True:
-    return registry.PerExampleBlock(sq, [g[:tf.shape(sq)[0]]], unpack)
+    return registry.PerExampleBlock(sq, [algebra.leading_rows(g, sq)], unpack)
   t = algebra.static_positions(x.shape[1:-1])
   m = budget.examples_per_chunk(x, 4 * 2 * t * (rows + n)) if t != -1 else None
   shapes = [v.shape for v in layer.trainable_variables]
@@ -125,12 +125,6 @@ def _bias_folded(layer, x):
           and x.shape.rank is not None and x.shape.rank > 2)
 
 
-def _with_one(x):
-  """x [..., K] in float32 with a last column of ones: [..., K + 1] (the bias's input)."""
-  x = tf.cast(x, tf.float32)
-  return tf.concat([x, tf.ones_like(x[..., :1])], -1)
-
-
 def _dense_sums(layer, x, dz, factors):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
   rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
@@ -141,7 +135,7 @@ def _dense_sums(layer, x, dz, factors):
   fold = _bias_folded(layer, x)
   out = {}
   if algebra.trainable(layer.kernel):
-    x1 = _with_one(x) if fold else x   # with the bias's input 1
+    x1 = algebra.with_ones_column(x) if fold else x   # with the bias's input 1
     rows_in = int(x1.shape[-1])
     if rows_in <= n:
       xw, dw = algebra.weight_rows(x1, factors), algebra.drop_rows(dz, factors)
@@ -370,7 +364,7 @@ def _einsum_norms(layer, equation, x, dz):
   if keep is True or not kernel_on:
     grads = {id(layer.bias): db} if bias_on else {}
     if kernel_on:
-      grads[id(layer.kernel)] = g[:tf.shape(sq)[0]]
+      grads[id(layer.kernel)] = algebra.leading_rows(g, sq)
     return algebra.result(layer, sq, grads)
   size = lambda t: algebra.static_positions(t.shape[1:])
   m = (budget.examples_per_chunk(x, 4 * 2 * (size(x) + size(dz)))

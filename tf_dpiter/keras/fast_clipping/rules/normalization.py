@@ -80,7 +80,7 @@ def layer_norm_norm_fn(layer, inputs):
     out = budget.over_chunks(body, (dy, xhat), m, specs)
     if not keep:
       return registry.FactorSums(out[0], lambda c: _sums(layer, trained, dy, xhat, red, c, m))
-    return algebra.result(layer, out[0], {id(v): g[:tf.shape(out[0])[0]]
+    return algebra.result(layer, out[0], {id(v): algebra.leading_rows(g, out[0])
                                           for v, g in zip(trained, out[1:])})
 
   return outputs, y, sqr_norm_fn
