@@ -178,7 +178,7 @@ def test_client_privacy_floor_accepts_paper_settings(start_service):
     (["serve", "--model", "{spec}", "--tls-cert", "{spec}"], "go together"),
     (["serve", "--model", "{spec}", "--store", "memcache://x"], "store must be"),
     (["serve", "--model", "{spec}", "--k", "1"], "`k` must be"),
-    (["serve", "--model", "{spec}", "--alpha", "2"], "alpha must be"),
+    (["serve", "--model", "{spec}", "--alpha", "2"], "`alpha` must be"),
     (["serve", "--model", "{bad}"], "error"),
     (["privacy", "--epsilon", "-1", "--k", "20"], "`epsilon` must be"),
 ])

@@ -35,15 +35,14 @@ from scipy import optimize as sp_optimize
 from scipy import signal as sp_signal
 from scipy.linalg import solve_triangular
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 from tf_dpiter.errors import PrivacyConfigError
 
 def _check_sizes(n, bands):
-  if not isinstance(n, (int, np.integer)) or n < 1:
-    raise ParameterValueError(f"n (number of steps) must be an integer >= 1, got {n!r}")
-  if not isinstance(bands, (int, np.integer)) or bands < 1:
-    raise ParameterValueError(f"bands must be an integer >= 1, got {bands!r}")
+  validation.check_integer("n", n, 1)   # the number of steps
+  validation.check_integer("bands", bands, 1)
 
 
 def sqrt_prefix_coefficients(k):

@@ -130,8 +130,7 @@ def per_layer_clips(total_clip, num_groups):
     PrivacyConfigError: S* <= 0 or m < 1.
   """
   validation.check_positive("total_clip", total_clip)
-  if int(num_groups) < 1:
-    raise PrivacyConfigError(f"num_groups must be >= 1, got {num_groups!r}")
+  validation.check_integer("num_groups", num_groups, 1, error=PrivacyConfigError)
   return [total_clip / math.sqrt(num_groups)] * int(num_groups)
 
 

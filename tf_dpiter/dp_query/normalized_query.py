@@ -11,7 +11,6 @@ from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.errors import PrivacyConfigError
 
 
 @serialization.register_query()
@@ -37,10 +36,8 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
   def __init__(self, numerator_query, denominator):
     validation.check_instance("numerator_query", numerator_query,
                               dp_query.SumAggregationDPQuery, "a SumAggregationDPQuery")
-    if denominator is None:
-      raise PrivacyConfigError("denominator must be a positive number (the expected sample "
-                               "size q*n), got None")
-    validation.check_positive("denominator", denominator)
+    validation.check_params({"denominator": validation.Required(validation.Interval(
+        float, 0, None, "neither"), "the expected sample size q*n")}, {"denominator": denominator})
     self._numerator = numerator_query
     self._denominator = denominator
 

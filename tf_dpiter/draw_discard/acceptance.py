@@ -170,12 +170,13 @@ class AcceptanceRule:
   def __init__(self, spec: glm.ModelSpec, alpha: float = 1e-3, max_abs_weight: float = 1e6,
                noise_cap: float = 2.0, prefilter_columns: int = 32, max_full_checks: int = 16,
                spread_std: float | None = None, centre_factor: float = 36.0):
-    if spread_std is not None and not spread_std >= 0:
-      raise ParameterValueError(f"spread_std must be >= 0 or None, got {spread_std!r}")
+    if spread_std is not None:
+      validation.check_nonnegative("spread_std", spread_std, True, ParameterValueError)
     validation.check_positive("centre_factor", centre_factor, allow_inf=True,
                               error=ParameterValueError)
-    if not 0 < alpha < 0.5:
-      raise ParameterValueError(f"alpha must be in (0, 0.5), got {alpha!r}")
+    validation.check_params(
+        {"alpha": validation.Interval(float, 0, 0.5, "neither", False, ParameterValueError)},
+        {"alpha": alpha})
     validation.check_positive("max_abs_weight", max_abs_weight, allow_inf=True,
                               error=ParameterValueError)
     validation.check_positive("noise_cap", noise_cap, allow_inf=True)
@@ -203,8 +204,7 @@ class AcceptanceRule:
       noise_var = 2 * self.scale**2 if noise == "laplace" else self.scale**2
       self.centre_var = spread_std**2 + noise_var + self.step**2
     self._prefilter = max(1, min(self.p, int(prefilter_columns)))
-    if int(max_full_checks) != max_full_checks or max_full_checks < 1:
-      raise ParameterValueError(f"max_full_checks must be an integer >= 1, got {max_full_checks!r}")
+    validation.check_integer("max_full_checks", max_full_checks, 1)
     self.max_full_checks = int(max_full_checks)
 
   def describe(self) -> dict:

@@ -15,7 +15,6 @@ import math
 from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
 from tf_dpiter.draw_discard import glm
-from tf_dpiter.errors import ParameterValueError
 
 PAPER_EPSILON = math.log(32)
 
@@ -44,8 +43,7 @@ class PrivacyFloor:
       validation.check_positive("max_epsilon", self.max_epsilon, allow_inf=True)
     if self.min_noise is not None:
       validation.check_positive("min_noise", self.min_noise, allow_inf=True)
-    if not 0 < self.max_delta < 1:
-      raise ParameterValueError(f"max_delta must be in (0, 1), got {self.max_delta!r}")
+    validation.check_delta("max_delta", self.max_delta)
 
   def check(self, spec: glm.ModelSpec) -> None:
     """Raises PrivacyFloorError if `spec` is weaker than this floor.

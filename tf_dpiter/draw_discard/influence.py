@@ -84,10 +84,13 @@ import time
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.errors import BudgetConfigError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
+
+_AT_LEAST_ONE = validation.Interval(float, 1, None, "left", True, ParameterValueError)
 
 _LAM = np.geomspace(1e-7, 0.999, 3000)
 
@@ -157,8 +160,7 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
   Raises:
     ParameterValueError: for an unknown noise law or n < 1.
   """
-  if n < 1:
-    raise ParameterValueError(f"n must be >= 1, got {n!r}")
+  validation.check_params({"n": _AT_LEAST_ONE}, {"n": n})
   if n == int(n):
     n = int(n)
   if noise == "none":
@@ -233,12 +235,10 @@ class InfluenceBudget:
                clock=time.monotonic):
     if not 0 < alpha < 0.5:
       raise BudgetConfigError(f"budget alpha must be in (0, 0.5), got {alpha!r}")
-    if int(max_identities) != max_identities or max_identities < 1:
-      raise ParameterValueError(f"max_identities must be an integer >= 1, got {max_identities!r}")
-    if max_steps is not None and not max_steps >= 1:
-      raise ParameterValueError(f"`max_steps` must be >= 1 or None. Received: max_steps={max_steps!r}")
-    if half_life_s is not None and not half_life_s > 0:
-      raise ParameterValueError(f"`half_life_s` must be > 0 or None. Received: half_life_s={half_life_s!r}")
+    validation.check_integer("max_identities", max_identities, 1)
+    validation.check_params({"max_steps": validation.Optional(_AT_LEAST_ONE)}, {"max_steps": max_steps})
+    if half_life_s is not None:
+      validation.check_positive("half_life_s", half_life_s, True, ParameterValueError)
     per_identity = 16 * rule.p + 160
     if max_memory_bytes < per_identity:
       raise ParameterValueError(f"`max_memory_bytes` must hold one identity ({per_identity} bytes). "

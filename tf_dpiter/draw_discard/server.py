@@ -54,10 +54,8 @@ def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float =
   Raises:
     ParameterValueError: for a bad k, num_weights or init_std.
   """
-  if int(k) != k or k < 1:
-    raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
-  if int(num_weights) != num_weights or num_weights < 1:
-    raise ParameterValueError(f"num_weights must be an integer >= 1, got {num_weights!r}")
+  validation.check_integer("k", k, 1)
+  validation.check_integer("num_weights", num_weights, 1)
   validation.check_nonnegative("init_std", init_std, error=ParameterValueError)
   rng = rng if rng is not None else np.random.default_rng()
   mean = np.broadcast_to(np.asarray(init_mean, dtype=np.float64), (num_weights,))
@@ -136,12 +134,9 @@ class DrawDiscardServer:
                init_mean=0.0, init_std: float = 0.0, batch_size: int = 1,
                spam_t: float | None = None, spam_min_std: float = 0.0,
                rng: np.random.Generator | None = None, instances: np.ndarray | None = None):
-    if strategy not in STRATEGIES:
-      raise ParameterValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if int(k) != k or k < 1:
-      raise ParameterValueError(f"k must be an integer >= 1, got {k!r}")
-    if int(batch_size) != batch_size or batch_size < 1:
-      raise ParameterValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    validation.check_one_of("strategy", strategy, STRATEGIES)
+    validation.check_integer("k", k, 1)
+    validation.check_integer("batch_size", batch_size, 1)
     self.k = int(k)
     self.strategy = strategy
     self.batch_size = int(batch_size) if strategy == "server_batch" else 1

@@ -32,6 +32,7 @@ import collections
 import math
 import time
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard.connections import prefix_of
 from tf_dpiter.errors import ParameterValueError
 
@@ -67,18 +68,13 @@ class NewIdentityShare:
 
   def __init__(self, share: float = 0.5, window_s: float = 600.0, new_age_s: float = 3600.0,
                min_new: float = 16.0, max_identities: int = 1_000_000, clock=time.monotonic):
-    if not 0 < share < 1:
-      raise ParameterValueError(f"`new_identity_share` must be in (0, 1). Received: "
-                                f"new_identity_share={share!r}")
-    if not window_s > 0:
-      raise ParameterValueError(f"`window_s` must be > 0. Received: window_s={window_s!r}")
-    if not min_new >= 1:
-      raise ParameterValueError(f"`min_new` must be >= 1. Received: min_new={min_new!r}")
-    if not new_age_s >= 0:
-      raise ParameterValueError(f"`new_age_s` must be >= 0. Received: new_age_s={new_age_s!r}")
-    if int(max_identities) != max_identities or max_identities < 1:
-      raise ParameterValueError(f"`max_identities` must be an integer >= 1. "
-                                f"Received: max_identities={max_identities!r}")
+    validation.check_params(
+        {"new_identity_share": validation.Interval(float, 0, 1, "neither", False, ParameterValueError),
+         "min_new": validation.Interval(float, 1, None, "left", True, ParameterValueError)},
+        {"new_identity_share": share, "min_new": min_new})
+    validation.check_positive("window_s", window_s, True, ParameterValueError)
+    validation.check_nonnegative("new_age_s", new_age_s, True, ParameterValueError)
+    validation.check_integer("max_identities", max_identities, 1)
     self.share, self.window_s, self.new_age_s = float(share), float(window_s), float(new_age_s)
     self.min_new, self.max_identities, self.clock = float(min_new), int(max_identities), clock
     self._first: collections.OrderedDict = collections.OrderedDict()
