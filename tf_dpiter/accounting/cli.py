@@ -92,11 +92,6 @@ def absl_bool(text):
   raise argparse.ArgumentTypeError(f"must be true or false, got {text!r}")
 
 
-def _warn_delta(delta, n):
-  """Warns when delta >= 1/n (`accountant.warn_if_delta_too_large`; `_run` prints it)."""
-  accountant_lib.warn_if_delta_too_large(delta, n)
-
-
 def _run(fn):
   """Runs fn: 0, or 2 after "error: ..." for a ValueError; its warnings are printed once
   each as "warning: ..." on stderr."""
@@ -188,7 +183,7 @@ def compute_dp_sgd_privacy_main(argv=None):
 
   def go():
     accountant = _accountant(a)
-    _warn_delta(a.delta, a.N)
+    accountant_lib.warn_if_delta_too_large(a.delta, a.N)   # `_run` prints it
     if tfp_style:
       print(statement_lib.compute_dp_sgd_privacy_statement(
           a.N, a.batch_size, a.epochs, a.noise_multiplier, a.delta,
@@ -247,7 +242,7 @@ def compute_noise_from_budget_main(argv=None):
 
   def go():
     accountant, sampling = _accountant(a), a.sampling or rec.POISSON
-    _warn_delta(a.delta, a.N)
+    accountant_lib.warn_if_delta_too_large(a.delta, a.N)   # `_run` prints it
     z = calibration.compute_noise_from_budget(a.N, a.batch_size, a.epsilon, a.epochs, a.delta,
                                               accountant=accountant, sampling=sampling)
     eps = dp_sgd.compute_dp_sgd_privacy(a.N, a.batch_size, z, a.epochs, a.delta,
