@@ -216,11 +216,6 @@ class BandMFQuery(CorrelatedNoiseQuery):
     self._column_norm = self._compute_column_norm()
 
   def get_config(self):
-    """The constructor's arguments as plain values (`serialization`).
-
-    Returns:
-      a dict that `BandMFQuery(**config)` rebuilds the query from.
-    """
     return self._config(num_bands=self._requested_bands, num_steps=self._num_steps,
                         strategy=self._config_strategy, cache_dir=self._cache_dir)
 

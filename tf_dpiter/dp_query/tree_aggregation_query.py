@@ -84,11 +84,6 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
     self._restart_every = int(restart_every)
 
   def get_config(self):
-    """The constructor's arguments as plain values (`serialization`).
-
-    Returns:
-      a dict that `TreeAggregationQuery(**config)` rebuilds the query from.
-    """
     return self._config(restart_every=self._restart_every)
 
   @property
