@@ -47,7 +47,7 @@ def epsilon_adversary_one(epsilon: float) -> float:
   Raises:
     ParameterValueError: for epsilon not a finite number > 0.
   """
-  return check_positive("epsilon", epsilon)
+  return float(check_positive("epsilon", epsilon))
 
 
 def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: float = 0.0) -> float:
