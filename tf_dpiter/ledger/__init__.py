@@ -34,7 +34,7 @@ from tf_dpiter.ledger.records import sensitivity_factor
 
 _LAZY = {
     "PrivacyLedger": "tf_dpiter.ledger.privacy_ledger",
-    "LedgerSampling": "tf_dpiter.ledger.query_with_ledger",
+    "LedgerSampling": "tf_dpiter.ledger.privacy_ledger",
     "QueryWithLedger": "tf_dpiter.ledger.query_with_ledger",
     "LedgerJournal": "tf_dpiter.ledger.journal",
 }

@@ -12,16 +12,25 @@ The ledger is a `tf.Module`: `tf.train.Checkpoint` saves and restores it, and a 
 never rolls it back: a mirror of every row the object recorded, held in no checkpoint, is
 reconciled with the restored rows before every write and eager read (`reconcile`). The file format
 and the checks live in `records` / `ledger_file` (no TensorFlow).
+
+`LedgerSampling` is the declared sampling of the following samples (n, q, policy, sample
+size, k: the premise the ledger records with each sample) and the ledger it writes to: the
+DP optimizers' step calls its own query, then `record(events)` with the events the code that
+drew the noise built.
 """
 
 import json
+import math
 import os
+import typing
 
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
+from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import correlated_records
@@ -384,8 +393,7 @@ class PrivacyLedger(tf.Module):
   def append_sample(self, population_size, selection_probability, events, sampling,
                     sample_size, examples_per_record, factor):
     """`record_sample` with its policy and k already checked and its sensitivity factor
-    already formed: `query_with_ledger.LedgerSampling` does that once per declaration, not
-    at every step.
+    already formed: `LedgerSampling` does that once per declaration, not at every step.
 
     Args:
       population_size: n (float or tensor).
@@ -406,34 +414,36 @@ class PrivacyLedger(tf.Module):
     policy = sampling.name
     factor = _f64(factor)
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
-    rows = [r for r, _ in built]
     checks = [c for _, cs in built for c in cs]
-    srow = [population_size, selection_probability, sample_size, sampling.code,
-            examples_per_record]
+    # the rows, formed once for both buffer sets: the sample row [1, 6] and the query rows
+    # [Q, 4] without their sample index (each set's own, prepended by _append)
+    row = tf.stack([_f64(x) for x in (population_size, selection_probability, sample_size,
+                                      sampling.code, examples_per_record, len(built))])[None]
+    qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
     with tf.control_dependencies(checks + self._reconcile_ops()):
-      new_count = [self._append(b, events_rows=rows, cyclic=sampling.advances_cycle, srow=srow)
+      new_count = [self._append(b, row, qrows, cyclic=sampling.advances_cycle)
                    for b in (self._mirror, self._v)]
     return new_count[1]
 
-  def _append(self, b, events_rows, cyclic, srow):
-    """Appends one sample row and its query rows to the buffers `b` (grown when full)."""
-    f = _f64
+  def _append(self, b, row, qrows, cyclic):
+    """Appends the sample row `row` [1, 6] and the query rows `qrows` [Q, 4] (None: Q = 0)
+    with this sample's index to the buffers `b` (grown when full)."""
     idx = b.sample_count.read_value()
     qidx = b.query_count.read_value()
+    n_q = 0 if qrows is None else int(qrows.shape[0])
     grew = [self._ensure_capacity(b.samples, idx + 1)]
-    if events_rows:
-      grew.append(self._ensure_capacity(b.queries, qidx + len(events_rows)))
+    if n_q:
+      grew.append(self._ensure_capacity(b.queries, qidx + n_q))
     with tf.control_dependencies(grew):
-      row = tf.stack([f(x) for x in srow] + [f(len(events_rows))])
-      ops = [b.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), row[tf.newaxis])]
-      if events_rows:
-        qrows = tf.stack([tf.stack([f(idx)] + r) for r in events_rows])
-        qind = tf.reshape(qidx + tf.range(len(events_rows), dtype=tf.int64), [-1, 1])
-        ops.append(b.queries.scatter_nd_update(qind, qrows))
+      ops = [b.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), row)]
+      if n_q:
+        indexed = tf.concat([tf.fill([n_q, 1], tf.cast(idx, tf.float64)), qrows], 1)
+        qind = tf.reshape(qidx + tf.range(n_q, dtype=tf.int64), [-1, 1])
+        ops.append(b.queries.scatter_nd_update(qind, indexed))
     if cyclic:
       ops.append(b.cycle_position.assign_add(1))
     with tf.control_dependencies(ops):
-      b.query_count.assign_add(len(events_rows))
+      b.query_count.assign_add(n_q)
       return b.sample_count.assign_add(1)
 
   # ---- reading and (de)serialization ---------------------------------------------------
@@ -593,3 +603,175 @@ class PrivacyLedger(tf.Module):
       A new PrivacyLedger holding the file's content.
     """
     return cls._from_arrays(*ledger_file.load(path, key))
+
+
+_SAMPLE_SIZE = ("a finite number >= 0, the batch size: the expected one under \"poisson\" "
+                "(q * n; 0 when not known) and the number of examples per batch under "
+                "\"shuffle\" and \"fixed_size\"; pass it, or leave the default")
+
+
+def check_sample_size(sample_size):
+  """Refuses a declared sample size that is not a finite number >= 0 (e.g. None).
+
+  Args:
+    sample_size: the batch size of a sampling declaration.
+
+  Returns:
+    float(sample_size), or a tensor unchanged (checked by the policy when it is read).
+
+  Raises:
+    ParameterTypeError: `sample_size` is not a number (None, a string, a bool).
+    PrivacyConfigError: `sample_size` is negative, NaN or infinite.
+  """
+  if tf.is_tensor(sample_size):
+    return sample_size
+  try:
+    value = validation.check_number("sample_size", sample_size)
+  except ParameterTypeError:
+    raise ParameterTypeError(
+        validation.message("sample_size", _SAMPLE_SIZE, sample_size)) from None
+  if not math.isfinite(value) or value < 0:
+    raise PrivacyConfigError(validation.message("sample_size", _SAMPLE_SIZE, sample_size))
+  return value
+
+
+@typing.final
+class LedgerSampling:
+  """The sampling of the following samples (n, q, policy, sample size, k) and the ledger
+  each `record` writes one sample to.
+
+  n, q and the sample size are float64 variables (`set_sampling` changes them without a
+  retrace); the policy is fixed; k takes effect at the next trace of a tf.function.
+  """
+
+  def __init__(self, population_size, selection_probability, ledger=None,
+               policy=POISSON, sample_size=0, examples_per_record=1):
+    """Checks the declaration and makes its variables.
+
+    Args:
+      population_size: n > 0.
+      selection_probability: q in (0, 1].
+      ledger: a PrivacyLedger (a new one by default).
+      policy: one of ledger.POLICIES.
+      sample_size: the batch size (required in [1, n] for fixed_size and shuffle).
+      examples_per_record: k, the microbatch size (1: a record is an example).
+
+    Raises:
+      PrivacyConfigError: a value out of range (sample_size not a finite number >= 0
+        included), or k > 1 under an add/remove policy.
+    """
+    policy_code(policy)
+    self._check(population_size, selection_probability, sample_size, policy)
+    self._policy = policy
+    self._policy_object = policies.get(policy)
+    self._set_examples_per_record(examples_per_record)
+    self._ledger = ledger if ledger is not None else PrivacyLedger()
+    self._population_size = tf.Variable(float(population_size), dtype=tf.float64,
+                                        trainable=False, name="population_size")
+    self._selection_probability = tf.Variable(float(selection_probability), dtype=tf.float64,
+                                              trainable=False, name="selection_probability")
+    self._sample_size = tf.Variable(float(sample_size), dtype=tf.float64, trainable=False,
+                                    name="sample_size")
+
+  @staticmethod
+  def _check(population_size, selection_probability, sample_size, policy):
+    validation.check_positive("population_size", population_size)
+    validation.check_probability("selection_probability", selection_probability)
+    check_sample_size(sample_size)
+    if policy == rec.REPEAT_AND_SELECT:
+      raise PrivacyConfigError(f"{policy!r} marks a private selection (tf_dpiter.tuning), "
+                               "not a sampling policy")
+    bad = policies.get(policy).check_sampling(population_size, selection_probability,
+                                              sample_size)
+    if bad is not None:
+      raise PrivacyConfigError(bad)
+
+  def _set_examples_per_record(self, examples_per_record):
+    """Checks k against the policy and forms the sensitivity factor every `record` writes
+    (rec.sensitivity_factor), once per declaration.
+
+    Raises:
+      PrivacyConfigError: k > 1 under an add/remove policy. ParameterValueError: k < 1.
+    """
+    rec.check_examples_per_record(self._policy, examples_per_record)
+    self._examples_per_record = int(examples_per_record)
+    self._factor = rec.sensitivity_factor(self._policy_object.relation,
+                                              self._examples_per_record)
+
+  @property
+  def ledger(self):
+    """The PrivacyLedger every `record` writes to."""
+    return self._ledger
+
+  @property
+  def population_size(self):
+    """n recorded with the following samples (float64 tensor; `set_sampling` changes it)."""
+    return self._population_size.read_value()
+
+  @property
+  def selection_probability(self):
+    """q recorded with the following samples (float64 tensor)."""
+    return self._selection_probability.read_value()
+
+  @property
+  def sample_size(self):
+    """The batch size recorded with the following samples (float64 tensor; 0 for Poisson)."""
+    return self._sample_size.read_value()
+
+  @property
+  def policy(self):
+    """The sampling policy recorded with every sample (one of ledger.POLICIES)."""
+    return self._policy
+
+  @property
+  def examples_per_record(self):
+    """k, the examples in one record (1: a record is an example; k > 1: a microbatch)."""
+    return self._examples_per_record
+
+  def config(self):
+    """The declaration as plain numbers: {"population_size", "selection_probability",
+    "policy", "sample_size", "examples_per_record"} (n, q, B as Python floats)."""
+    return {"population_size": float(self._population_size.numpy()),
+            "selection_probability": float(self._selection_probability.numpy()),
+            "policy": self._policy, "sample_size": float(self._sample_size.numpy()),
+            "examples_per_record": self._examples_per_record}
+
+  def set_sampling(self, population_size, selection_probability, sample_size=None,
+                   examples_per_record=None):
+    """Changes n, q (sample size, examples per record) for the following samples.
+
+    A change of examples_per_record takes effect at the next trace of a tf.function.
+
+    Args:
+      population_size: n > 0.
+      selection_probability: q in (0, 1].
+      sample_size: the batch size (required in [1, n] for fixed_size and shuffle; None keeps the
+        current one).
+      examples_per_record: k >= 1 (None keeps it).
+
+    Raises:
+      PrivacyConfigError: a value out of range, or k > 1 under an add/remove policy.
+    """
+    if sample_size is None:
+      sample_size = float(self._sample_size.numpy())
+    self._check(population_size, selection_probability, sample_size, self._policy)
+    if examples_per_record is not None:
+      self._set_examples_per_record(examples_per_record)
+    self._population_size.assign(float(population_size))
+    self._selection_probability.assign(float(selection_probability))
+    self._sample_size.assign(float(sample_size))
+
+  def record(self, events):
+    """Records one sample (n, q, policy, sample size, k) with `events`, the events of one
+    noised result as the query that drew the noise returned them (also when that draw ran
+    inside an XLA program: this runs outside it, the ledger's buffers grow).
+
+    Args:
+      events: the tuple of privacy events of one noised result.
+
+    Returns:
+      the ledger's new sample count (int64 tensor).
+    """
+    return self._ledger.append_sample(self._population_size, self._selection_probability,
+                                      events, self._policy_object, self._sample_size,
+                                      self._examples_per_record, self._factor)

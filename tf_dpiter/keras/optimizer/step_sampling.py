@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies as ledger_policies
-from tf_dpiter.ledger import query_with_ledger
+from tf_dpiter.ledger import privacy_ledger
 
 
 def record_microbatches(num_microbatches, sample_size):
@@ -57,7 +57,7 @@ def check(step, population_size, policy, sample_size):
     PrivacyConfigError: microbatches under add/remove, a sampling the correlated mechanism is not
       accounted under, or a new sampling inside one of its trees.
   """
-  query_with_ledger.check_sample_size(sample_size)
+  privacy_ledger.check_sample_size(sample_size)
   step.mechanism.check_sampling(policy, population_size, sample_size)
   step.mechanism.check_boundary(step.noise_state())
   m = record_microbatches(step.num_microbatches, sample_size)
