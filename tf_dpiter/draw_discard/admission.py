@@ -33,8 +33,6 @@ from tf_dpiter.draw_discard import influence
 from tf_dpiter.draw_discard import parsing
 from tf_dpiter.draw_discard import tickets as tickets_lib
 
-INVALID_VALUES = ("non_finite", "out_of_range")
-
 
 class Refused(Exception):
   """A refused submit: HTTP status, error code, the rule's reason and whether it was invalid
