@@ -26,24 +26,23 @@ from scipy import special
 from tf_dpiter import validation
 from tf_dpiter.auditing import one_run
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
 
 
 # ---- scores ------------------------------------------------------------------------------
 
-def _log_probs(outputs, from_logits):
+def _log_probs(outputs, from_logits, name="outputs"):
   out = np.asarray(outputs, np.float64)
   if out.ndim != 2:
-    raise PrivacyConfigError(f"outputs must be [n, K] logits or probabilities, got shape {out.shape}")
+    raise ParameterValueError(f"{name} must be [n, K] logits or probabilities, got shape {out.shape}")
   if from_logits:
     return out - special.logsumexp(out, axis=1, keepdims=True)
   return np.log(np.clip(out, 1e-300, 1.0))
 
 
-def _labels(labels, n, k):
+def _labels(labels, n, k, name="labels"):
   y = np.asarray(labels).reshape(-1).astype(np.int64)
   if y.size != n or np.any(y < 0) or np.any(y >= k):
-    raise ParameterValueError(f"labels must be {n} integers in [0, {k}), got shape {y.shape}, "
+    raise ParameterValueError(f"{name} must be {n} integers in [0, {k}), got shape {y.shape}, "
                               f"range [{y.min() if y.size else None}, {y.max() if y.size else None}]")
   return y
 

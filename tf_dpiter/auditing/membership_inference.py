@@ -93,13 +93,8 @@ class AttackInputData:
       ParameterValueError: the outputs of `split` are not a matrix [n, K].
     """
     out, from_logits = self._outputs(split)
-    if out is None:
-      return None
-    if out.ndim != 2:
-      raise ParameterValueError(f"logits_{split} / probs_{split} must be [n, K], got shape {out.shape}")
-    if from_logits:
-      return out - special.logsumexp(out, axis=1, keepdims=True)
-    return np.log(np.clip(out, 1e-300, 1.0))
+    return None if out is None else attacks._log_probs(  # pylint: disable=protected-access
+        out, from_logits, f"logits_{split} / probs_{split}")
 
   def labels(self, split):
     """Integer labels [n] of `split`, or None.
@@ -130,9 +125,7 @@ class AttackInputData:
     if lp is None or y is None:
       raise ParameterValueError(f"AttackInputData needs loss_{split}, or logits_{split} (or "
                                 f"probs_{split}) with labels_{split}")
-    if y.size != lp.shape[0] or np.any(y < 0) or np.any(y >= lp.shape[1]):
-      raise ParameterValueError(f"labels_{split} must be {lp.shape[0]} integers in [0, {lp.shape[1]}), "
-                                f"got {y.size} in [{y.min(initial=0)}, {y.max(initial=0)}]")
+    y = attacks._labels(y, *lp.shape, f"labels_{split}")  # pylint: disable=protected-access
     return -lp[np.arange(y.size), y]
 
   def validate(self):
