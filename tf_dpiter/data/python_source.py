@@ -3,7 +3,7 @@
 The contract of `tf.data.Dataset.from_generator`: each new iterator of the dataset (a Keras
 epoch, a `repeat`) calls `make_generator()` once and yields that generator's elements in
 order, so a sampler's state stays sequential (McMahan et al. 2018, Section 5: the sampling
-that the ledger states is the one drawn). It is built from `Dataset.range`, `flat_map` and
+that the ledger states is the one drawn). It is built from `Dataset.range`, `scan` and
 `tf.numpy_function` instead, for a measured reason: TensorFlow's GeneratorDataset kernel sets
 glibc's `M_TRIM_THRESHOLD` to 128 KB for the whole process when it is first built ("Memory
 patch applied" in the log). Setting it also freezes glibc's mmap threshold, so after the
@@ -27,7 +27,7 @@ from tf_dpiter.errors import ParameterValueError
 # tf.data options of the library's pipelines: no default graph rewrites. They serialize the
 # dataset's graph, records included (captured constants), at the first iterator (~0.3 s per
 # fit call for MNIST-sized arrays; Keras' own array pipeline turns them off for the same
-# reason), and they inject a prefetch after this source's flat_map, so the generator would
+# reason), and they inject a prefetch after this source, so the generator would
 # run two elements further ahead than from_generator's (a shuffler starts passes earlier).
 PIPELINE_OPTIONS = tf.data.Options()
 PIPELINE_OPTIONS.experimental_optimization.apply_default_optimizations = False
@@ -129,12 +129,17 @@ def python_dataset(make_generator, output_signature):
       t.set_shape(s.shape)
     return tuple(flat)
 
-  def elements(token):
-    return tf.data.Dataset.range(2 ** 62).map(lambda _: draw(token)).take_while(
-        lambda ok, *_: ok)
+  def step(token, _):
+    # the iterator's first element starts its generator; the token is the scan's state
+    token = tf.cond(token < 0,
+                    lambda: tf.numpy_function(gens.start, [], tf.int64, stateful=True),
+                    lambda: token)
+    return token, draw(token)
 
-  start = tf.data.Dataset.range(1).map(
-      lambda _: tf.numpy_function(gens.start, [], tf.int64, stateful=True))
-  ds = start.flat_map(elements)
+  # One scan over a counter, not a flat_map over a start token: a new iterator instantiates
+  # three functions and no inner dataset (its first element came ~3 ms later, and ~50 ms
+  # while a training step ran beside it; benchmarks/epoch_start_time.py).
+  ds = tf.data.Dataset.range(2 ** 62).scan(tf.constant(-1, tf.int64), step)
+  ds = ds.take_while(lambda ok, *_: ok)
   ds = ds.map(lambda ok, *flat: tf.nest.pack_sequence_as(output_signature, list(flat)))
   return ds.with_options(PIPELINE_OPTIONS)

@@ -241,13 +241,14 @@ POISSON_BATCHES_CONSTRAINTS = {
         validation.Interval(float, 1, None, closed="left", allow_inf=True,
                             error=ParameterValueError)),
     "map_fn": validation.Optional(validation.Callable()),
+    "endless": validation.InstanceOf(bool, "True or False"),
 }
 
 
 @validation.validates(POISSON_BATCHES_CONSTRAINTS)
 def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
                     max_batch_size="auto", seed=None, sample_weight=None, map_fn=None,
-                    population_size=None):
+                    population_size=None, endless=False):
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
   Each record joins each step independently with probability q = expected_batch_size / N
@@ -277,6 +278,13 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
       records cannot mix and the declaration is kept (`transforms.map_records`). A
       `dataset.map(f)` over whole batches is refused by fit, since f could mix records.
     population_size: N, the public population size q is stated over (q = B / N); None: n.
+    endless: False: each iterator yields steps_per_epoch samples. True: an iterator never
+      ends (infinite cardinality), so ONE iterator serves every epoch of
+      `fit(..., steps_per_epoch=k)` (what `DPModel.fit` on arrays builds): no new iterator,
+      first draw and teardown at each epoch's start. Steps are independent Poisson samples,
+      so the samples drawn ahead at an epoch's end and never used (the prefetch, the fit's
+      end) are not charged and change nothing: each step's sample has the same law, and for
+      a seed the k-th step gets the k-th draw either way.
 
   Returns:
     A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
@@ -294,7 +302,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   rng = make_rng(seed, stacklevel=4)
   ds = indexed_batches(lambda: poisson_indices(rng, 0, n, q), x, y, steps, pad,
                        SamplingSpec(POISSON, declared, q, float(expected_batch_size)),
-                       sample_weight=sample_weight)
+                       sample_weight=sample_weight, endless=endless)
   if map_fn is not None:
     ds = attach_spec(map_xy(ds, map_fn, has_y=y is not None, num_weights=1),
                      get_sampling_spec(ds))
@@ -302,13 +310,15 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
 
 
 def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weight=None,
-                    on_start=None):
+                    on_start=None, endless=False):
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
   step's int indices; the generator hands them to TensorFlow `INDEX_CHUNK` steps at a time
-  (one Python call per chunk, the steps in their order), TensorFlow splits the chunk, gathers
-  the rows in tf.data's threads and prefetches, so the next samples are ready while the
+  (one Python call per chunk, the steps in their order: a [steps, longest] matrix padded with
+  -1 and the steps' lengths), TensorFlow unbatches the chunk (a kernel without a function,
+  so nothing is instantiated per chunk), gathers the rows in tf.data's threads and
+  prefetches, so the next samples are ready while the
   current step runs. Each step's indices are still one call of next_indices(): the law of a
   sample does not depend on the chunking. A sampler that counts the passes it starts (balls
   in bins) may start one up to INDEX_CHUNK + 2 steps before its first step is taken: fit
@@ -320,7 +330,8 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a
   new iterator or a repeat), before its first draw; if it returns a function, that function
   draws this generator's steps in place of next_indices (the cyclic sampler's per-iterator
-  position).
+  position). endless=True: the generator never ends (infinite cardinality; `steps` only
+  sizes nothing then), for the independent Poisson steps of `poisson_batches(endless=True)`.
   """
   xs = tf.nest.map_structure(_as_tensor, x)
   ys = None if y is None else tf.nest.map_structure(_as_tensor, y)
@@ -329,16 +340,19 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
 
   def gen():
     draw = (on_start() if on_start is not None else None) or next_indices
-    for start in range(0, steps, INDEX_CHUNK):
-      draws = [np.asarray(draw(), np.int64)
-               for _ in range(min(INDEX_CHUNK, steps - start))]
-      yield np.concatenate(draws), np.cumsum([0] + [len(d) for d in draws], dtype=np.int64)
+    start = 0
+    while endless or start < steps:
+      draws = [np.asarray(draw(), np.int64).reshape(-1)
+               for _ in range(INDEX_CHUNK if endless else min(INDEX_CHUNK, steps - start))]
+      lengths = np.asarray([len(d) for d in draws], np.int64)
+      chunk = np.full((len(draws), max(1, int(lengths.max()))), -1, np.int64)
+      for row, d in zip(chunk, draws):
+        row[:len(d)] = d
+      start += len(draws)
+      yield chunk, lengths
 
-  def split(flat, bounds):
-    return tf.data.Dataset.range(tf.size(bounds, tf.int64) - 1).map(
-        lambda i: flat[bounds[i]:bounds[i + 1]])
-
-  def gather(idx):
+  def gather(padded, length):
+    idx = padded[:length]
     m = tf.shape(idx)[0]
     size = tf.maximum(m, 1) if max_batch_size is None else (
         max_batch_size * tf.maximum(1, (m + max_batch_size - 1) // max_batch_size))
@@ -348,9 +362,10 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
     return tuple(tf.nest.map_structure(rows, t) for t in (xs, ys) if t is not None) + (weights,)
 
   ds = python_source.python_dataset(gen, (
-      tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)))
-  ds = ds.flat_map(split).map(gather, num_parallel_calls=2, deterministic=True)
-  ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
+      tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None], tf.int64)))
+  ds = ds.unbatch().map(gather, num_parallel_calls=2, deterministic=True)
+  ds = ds.apply(tf.data.experimental.assert_cardinality(
+      tf.data.INFINITE_CARDINALITY if endless else steps)).prefetch(2)
   return attach_spec(ds.with_options(PIPELINE_OPTIONS), spec)
 
 

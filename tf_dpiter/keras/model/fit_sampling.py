@@ -341,9 +341,14 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
     source = _POPULATION_SOURCE.get(opt, source) if source == "run" else source
     _POPULATION_SOURCE[opt] = source
     reason += "; " + population_reason(source, declared, b)
+    # One iterator for the whole fit (endless samples, Keras told the epoch's length): no
+    # new iterator, first draw and old iterator's teardown at each epoch's start.
+    if steps is None:
+      steps = sampling_lib.check_poisson_args(declared, b, None, None)[1]
+      a["steps_per_epoch"] = steps
     ds = sampling_lib.poisson_batches(x, y, expected_batch_size=b, steps_per_epoch=steps,
                                       sample_weight=sw, max_batch_size="auto" if pad else None,
-                                      population_size=declared)
+                                      population_size=declared, endless=True)
   else:
     ds = shuffling.shuffled_batches(x, y, batch_size=b, sample_weight=sw,
                                     passes=None if steps else 1)
