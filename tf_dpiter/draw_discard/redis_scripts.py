@@ -8,26 +8,39 @@ over, nothing written, the ticket not consumed), so P servers do not give P rate
 Every script that reads or writes the model first checks the generation (-1: missing, -2:
 another one) and the sequence-number high-water mark ARGV `hw` passed by the calling
 process (-4: the store's sequence number is below one this process already saw, i.e. the
-store was rolled back), so nothing is read from or written to a rolled-back store.
+store was rolled back), so nothing is read from or written to a rolled-back store: that
+prologue is `_checked`, written once.
 """
 
-TOUCH = """
-local g = redis.call('GET', KEYS[1])
-if not g then return -1 end
-if g ~= ARGV[1] then return -2 end
-local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
-if seq < tonumber(ARGV[3]) then return -4 end
-if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[3], 'draws', ARGV[2]) end
+
+def _checked(seq_key, hw_arg, table=False, seq="seq"):
+  """The Lua prologue of a script that reads or writes the model (the module docstring).
+
+  Args:
+    seq_key: the index in KEYS of the sequence number (KEYS[1] is the generation).
+    hw_arg: the index in ARGV of the high-water mark (ARGV[1] is the generation).
+    table: whether the script returns its codes in a table ({-1}) rather than alone (-1).
+    seq: the Lua local the store's sequence number is read into.
+
+  Returns:
+    the Lua lines, each ending with a newline.
+  """
+  code = (lambda c: "{%d}" % c) if table else str
+  return (f"\nlocal g = redis.call('GET', KEYS[1])\nif not g then return {code(-1)} end\n"
+          f"if g ~= ARGV[1] then return {code(-2)} end\n"
+          f"local {seq} = tonumber(redis.call('GET', KEYS[{seq_key}]) or '-1')\n"
+          f"if {seq} < tonumber(ARGV[{hw_arg}]) then return {code(-4)} end\n")
+
+
+_NOW = """local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""   # the Redis clock, in ms
+
+TOUCH = _checked(2, 3) + """if tonumber(ARGV[2]) > 0 then redis.call('HINCRBY', KEYS[3], 'draws', ARGV[2]) end
 return seq
 """
 
-REPLACE = """
-local g = redis.call('GET', KEYS[1])
-if not g then return -1 end
-if g ~= ARGV[1] then return -2 end
-local seq = tonumber(redis.call('GET', KEYS[4]) or '-1')
-if seq < tonumber(ARGV[7]) then return -4 end
-local old = redis.call('GET', KEYS[2])
+REPLACE = _checked(4, 7) + """local old = redis.call('GET', KEYS[2])
 if not old then return -1 end
 local rate = nil
 if ARGV[9] ~= '' then
@@ -59,13 +72,7 @@ end
 return {redis.call('INCR', KEYS[4]), string.sub(old, -24, -17)}
 """
 
-SNAPSHOT = """
-local g = redis.call('GET', KEYS[1])
-if not g then return {-1} end
-if g ~= ARGV[1] then return {-2} end
-local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
-if seq < tonumber(ARGV[4]) then return {-4} end
-local prev, h = tonumber(ARGV[2]), tonumber(ARGV[3])
+SNAPSHOT = _checked(2, 4, table=True) + """local prev, h = tonumber(ARGV[2]), tonumber(ARGV[3])
 local n = seq - prev
 local full = 0
 if prev < 0 or n < 0 or n > h then n = h; full = 1 end
@@ -75,10 +82,7 @@ local slots = redis.call('MGET', unpack(KEYS, 4))
 return {seq, full, slots, hist}
 """
 
-QUOTA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+QUOTA = "\n" + _NOW + """local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local v = redis.call('HMGET', KEYS[1], 'l', 't')
 local level = tonumber(v[1]) or burst
 local last = tonumber(v[2]) or now
@@ -104,15 +108,7 @@ return 0
 # store went back: a rollback), {-5} (none yet and peeking), or {seq, payload, due}. A caller
 # whose seq is below the current release's (another request released a newer average while
 # it read its snapshot: a benign race) gets the current release, unchanged.
-RELEASE = """
-local g = redis.call('GET', KEYS[1])
-if not g then return {-1} end
-if g ~= ARGV[1] then return {-2} end
-local store_seq = tonumber(redis.call('GET', KEYS[3]) or '-1')
-if store_seq < tonumber(ARGV[6]) then return {-4} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cur = redis.call('HMGET', KEYS[2], 'seq', 't', 'w')
+RELEASE = _checked(3, 6, table=True, seq="store_seq") + _NOW + """local cur = redis.call('HMGET', KEYS[2], 'seq', 't', 'w')
 local cs, ct = tonumber(cur[1]), tonumber(cur[2])
 if cs and store_seq < cs then return {-4} end
 local seq = tonumber(ARGV[2])
@@ -128,13 +124,7 @@ return {cs, cur[3], due and 1 or 0}
 
 # Epochs (anchor.py): KEYS gen, seq, epochs-list; ARGV gen, hw, a new epoch id ('' to only
 # read). Appends "<id>:<seq>" when given; returns {-1|-2|-4} or {seq, list length, last entry}.
-EPOCH = """
-local g = redis.call('GET', KEYS[1])
-if not g then return {-1} end
-if g ~= ARGV[1] then return {-2} end
-local seq = tonumber(redis.call('GET', KEYS[2]) or '-1')
-if seq < tonumber(ARGV[2]) then return {-4} end
-if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3] .. ':' .. seq) end
+EPOCH = _checked(2, 2, table=True) + """if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3] .. ':' .. seq) end
 local n = redis.call('LLEN', KEYS[3])
 local last = ''
 if n > 0 then last = redis.call('LINDEX', KEYS[3], -1) end
