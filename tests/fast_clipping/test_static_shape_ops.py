@@ -4,6 +4,8 @@ stay exact with sizes the trace does not know (a BERT-base DP step had 15,459 op
 non-private step's 7,283, the excess mostly such chains; fewer ops, less graph optimization
 and executor setup in the first step)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -17,7 +19,7 @@ _SHAPE_OPS = {"Shape", "StridedSlice", "Pack", "OnesLike"}
 def _op_types(fn, *specs):
   """Op types of fn traced afresh at `specs` (a new tf.function: a trace at a more general
   signature would be reused)."""
-  traced = tf.function(fn).get_concrete_function(*specs)
+  traced = tf.function(fn, autograph=False).get_concrete_function(*specs)
   return [op.type for op in traced.graph.get_operations()]
 
 
@@ -47,8 +49,8 @@ def test_with_ones_column_static_shape_takes_no_slice_of_x():
     return algebra.with_ones_column(x)
 
   assert not _SHAPE_OPS & set(_op_types(ones, tf.TensorSpec([3, 4, 5])))
-  np.testing.assert_array_equal(tf.function(ones).get_concrete_function(tf.TensorSpec([None, 4, 5]))(x),
-                                want)
+  unknown_batch = tf.function(ones).get_concrete_function(tf.TensorSpec([None, 4, 5]))
+  np.testing.assert_array_equal(unknown_batch(x), want)
 
 
 def test_result_keeps_per_example_gradients_already_shaped_like_the_variables():
@@ -69,3 +71,42 @@ def test_result_keeps_per_example_gradients_already_shaped_like_the_variables():
   out = flat(tf.reshape(tf.range(24.0), [4, 6]))
   assert out.shape == (4, 2, 3)
   np.testing.assert_array_equal(out, np.arange(24.0).reshape(4, 2, 3))
+
+
+def test_clip_factors_reshaped_and_signed_once_per_clipped_sum():
+  """Within algebra.shared_ops (the clipped sum's trace) weight_rows / drop_rows /
+  factor_product of many layers reshape, sign and stack the same factors once; outside
+  the block, and for other factors, each call builds its own; values unchanged. The shared
+  tensor carries none of the control dependencies of its first user."""
+  g = tf.reshape(tf.range(24.0), [4, 3, 2])
+  c = tf.constant([0.5, 0.0, 2.0, 1.0])
+  want_w = g.numpy() * c.numpy()[:, None, None]
+  want_sum = np.tensordot(c.numpy(), g.numpy(), axes=1)
+
+  def calls(c, g, shared):
+    with algebra.shared_ops() if shared else contextlib.nullcontext():
+      with tf.control_dependencies([tf.print("first")]):
+        first = algebra.weight_rows(g, c)
+      out = [first] + [algebra.weight_rows(g * 1.0, c) for _ in range(3)]
+      out += [algebra.drop_rows(g, c) for _ in range(3)]
+      flat = tf.reshape(g, [4, 6])
+      out += [algebra.factor_product(c, flat) for _ in range(3)]
+      return out
+
+  # Reshapes: the factors' rows (of c and of sign(c)), g flattened, each product's result
+  for shared, reshapes, signs, packs in ((True, 2 + 1 + 3, 1, 1), (False, 7 + 1 + 3, 3, 3)):
+    graph = tf.function(lambda c, g, s=shared: calls(c, g, s),
+                        autograph=False).get_concrete_function(
+        tf.TensorSpec([4]), tf.TensorSpec([4, 3, 2])).graph
+    types = [op.type for op in graph.get_operations()]
+    assert (types.count("Reshape"), types.count("Sign"), types.count("Pack")) == (
+        reshapes, signs, packs)
+    if shared:
+      sign = [op for op in graph.get_operations() if op.type == "Sign"][0]
+      assert not sign.control_inputs
+  out = tf.function(lambda c, g: calls(c, g, True), autograph=False)(c, g)
+  np.testing.assert_allclose(out[0], want_w)
+  np.testing.assert_array_equal(out[4], g.numpy() * (c.numpy() > 0)[:, None, None])
+  np.testing.assert_allclose(tf.reshape(out[7], [3, 2]), want_sum, rtol=1e-6)
+  eager = calls(c, g, True)   # eagerly: no memo, same values
+  np.testing.assert_allclose(eager[1], want_w)

@@ -5,6 +5,9 @@ weight gradients of the form g_i = sum_t a_t b_t^T, formed in float32 whatever
 the dtype of a and b (privacy arithmetic in float32).
 """
 
+import contextlib
+import threading
+
 import numpy as np
 import tensorflow as tf
 
@@ -227,8 +230,57 @@ def add_norms(total, part):
   return part if total is None else total + part
 
 
+_SHARED = threading.local()   # .memos: a stack of {key: tensor}, one per `shared_ops` block
+
+
+@contextlib.contextmanager
+def shared_ops():
+  """Within the block `once_per_graph` builds each of its tensors once per graph (the
+  clipped sum's trace opens one: clipping.clipped_grad_sum); the tensors are forgotten when
+  the block ends. Per thread (replicas trace in their own threads)."""
+  memos = getattr(_SHARED, "memos", None)
+  if memos is None:
+    memos = _SHARED.memos = []
+  memos.append({})
+  try:
+    yield
+  finally:
+    memos.pop()
+
+
+def once_per_graph(kind, t, make):
+  """make(t), built once per (kind, t) in the graph being traced within a `shared_ops` block
+  and reused after, e.g. the clip factors reshaped or signed for every layer's sum (one op
+  in the step's graph, not one per layer: fewer ops to trace, optimize and set up in the
+  first step). Built with no control dependencies (they would reach every later user).
+  Eagerly, outside a block, or for a t of another graph (captured from an outer one),
+  make(t) each time.
+
+  Args:
+    kind: a hashable naming what make computes (with its static arguments).
+    t: the tensor make reads.
+    make: callable(t) -> tensor.
+
+  Returns:
+    make(t) (the first one built for (kind, t) in this graph and block).
+  """
+  memos = getattr(_SHARED, "memos", None)
+  if not memos or tf.executing_eagerly() or not tf.is_tensor(t) or not hasattr(t, "graph"):
+    return make(t)
+  graph = tf.compat.v1.get_default_graph()
+  if t.graph is not graph:
+    return make(t)
+  key = (id(graph), kind, t.ref())   # t (held by the key) keeps its graph and id alive
+  memo = memos[-1]
+  if key not in memo:
+    with graph.control_dependencies(None):
+      memo[key] = make(t)
+  return memo[key]
+
+
 def rows(f, like):
-  """The per-row vector f [B] shaped to broadcast over `like` [B, ...].
+  """The per-row vector f [B] shaped to broadcast over `like` [B, ...] (once per f and rank
+  in a traced graph, `once_per_graph`).
 
   Args:
     f: [B] tensor.
@@ -237,7 +289,8 @@ def rows(f, like):
   Returns:
     f reshaped to [B, 1, ..., 1] (like's rank).
   """
-  return tf.reshape(f, [-1] + [1] * (like.shape.rank - 1))
+  shape = [-1] + [1] * (like.shape.rank - 1)
+  return once_per_graph(("rows", len(shape)), f, lambda f: tf.reshape(f, shape))
 
 
 def weight_rows(t, factors):
@@ -270,7 +323,7 @@ def drop_rows(t, factors):
   Returns:
     float32 tensor of t's shape.
   """
-  return weight_rows(t, tf.sign(factors))
+  return weight_rows(t, once_per_graph("sign", factors, tf.sign))
 
 
 def factor_product(factors, g):
@@ -295,8 +348,8 @@ def factor_product(factors, g):
   else:
     shape = tf.shape(g)[1:]
     flat = tf.reshape(g, [tf.shape(g)[0], -1])
-  two = tf.stack([factors, tf.zeros_like(factors)])
-  return tf.reshape(tf.matmul(two, flat)[0], shape)
+  two = once_per_graph("two_rows", factors, lambda c: tf.stack([c, tf.zeros_like(c)]))
+  return tf.reshape(tf.slice(tf.matmul(two, flat), [0, 0], [1, -1]), shape)
 
 
 def bias_grad(dz, bias_shape):

@@ -561,8 +561,9 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
       whole records, a loss that is not [B], or a model that cannot be clipped
       per example (see supports).
   """
-  return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
-                           l2_norm_clip, mask=mask, variant=variant,
-                           examples_per_record=examples_per_record,
-                           return_outputs=return_outputs,
-                           clip_factors_fn=clip_factors_fn, chunked=physical_chunks)
+  with algebra.shared_ops():   # the clip factors reshaped (signed, ...) once, not per layer
+    return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
+                             l2_norm_clip, mask=mask, variant=variant,
+                             examples_per_record=examples_per_record,
+                             return_outputs=return_outputs,
+                             clip_factors_fn=clip_factors_fn, chunked=physical_chunks)
