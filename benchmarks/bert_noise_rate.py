@@ -21,6 +21,15 @@ core); run it once per setting (one process each). Variants:
                         the step makes over the gradients after the draw
   *_jit                 the same under XLA (jit_compile=True)
 Prints one JSON object.
+
+  python benchmarks/bert_noise_rate.py --average [--repeats 9]
+
+--average: the noised average of BERT-base-shaped sums (d = 4) as the DP step forms it,
+called round robin in one process (medians of wall and of the process's CPU ms, all
+threads): `folded`, the sums' noise drawn at sigma / d and added (one pass after the draw;
+`PrivateStep.folds_denominator`), against `divided`, the noise drawn at sigma, its Box-Muller
+halves joined by a copy before they are added, and the noised sum divided by d (the step
+before the fold).
 """
 
 import argparse
@@ -113,13 +122,61 @@ def variants(n, shapes):
   return out
 
 
+def average(repeats):
+  """--average: folded against divided (module docstring); one JSON line."""
+  shapes = bert_base_shapes()
+  gen = tf.random.Generator.from_seed(1, alg="philox")
+  # fresh sums in each call (one fill pass, alike in both): the noise writes into their buffers
+  sums = lambda: [tf.fill(s, 1.0) for s in shapes]  # noqa: E731
+  d, sigma = 4.0, 1.3
+  halves = randomness.padded_normal_halves
+
+  def joined(generator, size, stddev=None):
+    z = tf.concat(halves(generator, size, stddev), 0)
+    m = z.shape[0] // 2
+    return z[:m], z[m:]
+
+  folded = tf.function(lambda: gaussian_query.add_gaussian_noise(gen, sums(), sigma / d),
+                       autograph=False)
+
+  def divided_fn():
+    noised = gaussian_query.add_gaussian_noise(gen, sums(), sigma)
+    return [t / d for t in noised]
+
+  divided = tf.function(divided_fn, autograph=False)
+  randomness.padded_normal_halves = joined
+  try:
+    divided.get_concrete_function()   # traced with the halves joined (the draw before)
+  finally:
+    randomness.padded_normal_halves = halves
+  parts = {"folded": folded, "divided": divided}
+  wall = {k: [] for k in parts}
+  cpu = {k: [] for k in parts}
+  for r in range(repeats + 1):
+    for name, fn in parts.items():
+      t, c = time.perf_counter(), time.process_time()
+      out = fn()
+      tf.nest.map_structure(lambda x: x.shape, out)
+      if r:
+        wall[name].append(1e3 * (time.perf_counter() - t))
+        cpu[name].append(1e3 * (time.process_time() - c))
+  med = lambda v: round(statistics.median(v), 1)  # noqa: E731
+  print(json.dumps({"noised_average_ms": {k: med(v) for k, v in wall.items()},
+                    "noised_average_cpu_ms": {k: med(v) for k, v in cpu.items()},
+                    "repeats": repeats, "load_avg": os.getloadavg()}), flush=True)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: TF's default)")
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--only", nargs="+", default=None, help="time only these variants")
+  p.add_argument("--average", action="store_true",
+                 help="the noised average, folded against divided (module docstring)")
   a = p.parse_args()
+  if a.average:
+    return average(a.repeats)
   if a.threads:
     tf.config.threading.set_intra_op_parallelism_threads(a.threads)
   shapes = bert_base_shapes()

@@ -31,6 +31,20 @@ train_on_batch, and the non-private train_on_batch of a second model built the s
 (keras.optimizers.SGD): so the DP-only costs and the step they are compared with are measured
 under the same load.
 
+--ab (DP): in one process, round robin (--steps rounds after --warmup, medians of wall ms,
+of the process's CPU ms (all threads: less sensitive to other processes' load than wall time)
+and of the allocator's peak above what was held before each call): the DP train_on_batch as the
+library forms it, the same DP step as before the fold (PrivateStep.folds_denominator off: the
+noised sum divided by the denominator, and the Box-Muller halves joined by a copy before they
+are added), and the non-private train_on_batch. The three models are built the same way.
+
+--memory (DP): in one process, TensorFlow's CPU allocator peak of each part of the DP step
+run alone after a warm-up call (reset_memory_stats before each; MiB above what was held before
+it): the non-private gradient, the fast clipped sum, the query's noise added into zero sums
+of the weights' shapes (the sums' own 418 MiB included), and the DP and the non-private
+train_on_batch; so the DP step's excess over the non-private one is split into the sums, the
+draw's temporaries and the rest.
+
 --ops: the size of the traced graphs, in one process: ops of the non-private gradient (one
 tape.gradient of the mean loss) and of the fast clipped sum (fast_clipping.clipped_grad_sum)
 in their traced functions (get_concrete_function().graph), the clipped sum's by phase (its
@@ -267,6 +281,116 @@ def profile(a):
                     "load_avg": os.getloadavg()}), flush=True)
 
 
+def ab(a):
+  """--ab: the DP step with and without the fold, and the non-private step (docstring)."""
+  from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import private_step  # pylint: disable=g-import-not-at-top
+  warnings.simplefilter("ignore")
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  models = {}
+  for name in ("dp_folded", "dp_divided", "nonprivate"):
+    model, _, hub = build(a.model, a.seq, a.lora, name != "nonprivate")
+    opt = (dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
+           if name != "nonprivate" else keras.optimizers.SGD(0.01))
+    model.compile(optimizer=opt, loss=loss)
+    if name != "nonprivate":
+      opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
+    models[name] = model
+  x, y = batch(a.batch, a.seq, hub)
+  folds = private_step.PrivateStep.folds_denominator
+  halves = randomness.padded_normal_halves
+
+  def joined(generator, size, stddev=None):   # the draw before: halves joined by a copy
+    z = tf.concat(halves(generator, size, stddev), 0)
+    m = z.shape[0] // 2
+    return z[:m], z[m:]
+
+  def call(name):
+    def fn():
+      if name == "dp_divided":   # traced (first call) with the fold off and the halves joined
+        private_step.PrivateStep.folds_denominator = property(lambda self: False)
+        randomness.padded_normal_halves = joined
+      try:
+        return models[name].train_on_batch(x, y)
+      finally:
+        private_step.PrivateStep.folds_denominator = folds
+        randomness.padded_normal_halves = halves
+    return fn
+
+  times = {k: [] for k in models}
+  cpu = {k: [] for k in models}
+  peaks = {k: [] for k in models}
+  for r in range(a.warmup + a.steps):
+    for name in models:
+      before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+      tf.config.experimental.reset_memory_stats("CPU:0")
+      t0, c0 = time.perf_counter(), time.process_time()
+      _wait(call(name)())
+      if r >= a.warmup:
+        times[name].append(1e3 * (time.perf_counter() - t0))
+        cpu[name].append(1e3 * (time.process_time() - c0))
+        peaks[name].append(
+            (tf.config.experimental.get_memory_info("CPU:0")["peak"] - before) / 2**20)
+  ms = {k: round(float(np.median(v)), 1) for k, v in times.items()}
+  cpu_ms = {k: round(float(np.median(v)), 1) for k, v in cpu.items()}
+  mib = {k: round(float(np.median(v)), 1) for k, v in peaks.items()}
+  print(json.dumps({"ab_ms": ms, "ab_cpu_ms": cpu_ms, "ab_alloc_peak_above_held_mib": mib,
+                    "ratio_folded": round(ms["dp_folded"] / ms["nonprivate"], 3),
+                    "ratio_divided": round(ms["dp_divided"] / ms["nonprivate"], 3),
+                    "cpu_ratio_folded": round(cpu_ms["dp_folded"] / cpu_ms["nonprivate"], 3),
+                    "cpu_ratio_divided": round(cpu_ms["dp_divided"] / cpu_ms["nonprivate"], 3),
+                    "ms_all": {k: [round(t) for t in v] for k, v in times.items()},
+                    "lora": a.lora, "batch": a.batch, "seq": a.seq,
+                    "load_avg": os.getloadavg()}), flush=True)
+
+
+def memory(a):
+  """The allocator peak of the DP step's parts, each alone (see module docstring)."""
+  warnings.simplefilter("ignore")
+  model, _, hub = build(a.model, a.seq, a.lora, True)
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
+  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
+  plain, _, _ = build(a.model, a.seq, a.lora, False)
+  plain.compile(optimizer=keras.optimizers.SGD(0.01),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  x, y = batch(a.batch, a.seq, hub)
+  per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  variables = model.trainable_variables
+  gen = tf.random.Generator.from_seed(0)
+
+  @tf.function
+  def grads():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(per_example(y, model(x, training=True)))
+    return tape.gradient(loss, variables)
+
+  parts = {
+      "nonprivate_gradient": grads,
+      "fast_clipped_sum": tf.function(lambda: dp.keras.fast_clipping.clipped_grad_sum(
+          model, x, y, per_example, 1.0)[0]),
+      "query_noise_into_zero_sums": tf.function(lambda: gaussian_query.add_gaussian_noise(
+          gen, [tf.zeros(v.shape) for v in variables], 1.1)),
+      "dp_train_on_batch": lambda: model.train_on_batch(x, y),
+      "nonprivate_train_on_batch": lambda: plain.train_on_batch(x, y),
+  }
+  out = {}
+  for name, fn in parts.items():
+    for _ in range(a.warmup):
+      _wait(fn())
+    peaks = []
+    for _ in range(a.steps):
+      before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+      tf.config.experimental.reset_memory_stats("CPU:0")
+      _wait(fn())
+      peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+    out[name] = round(float(np.median(peaks)) / 2**20, 1)
+  weights = sum(int(np.prod(v.shape)) for v in variables) * 4 / 2**20
+  print(json.dumps({"alloc_peak_above_held_mib": out, "weights_mib": round(weights, 1),
+                    "lora": a.lora, "batch": a.batch, "seq": a.seq,
+                    "load_avg": os.getloadavg()}), flush=True)
+
+
 def _graph_size(fn):
   """(ops, ops per top-level name scope, function-body nodes, trace seconds) of fn traced."""
   t0 = time.perf_counter()
@@ -346,6 +470,10 @@ def main():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--warmup", type=int, default=1)
   p.add_argument("--profile", action="store_true", help="time the DP step's parts (one process)")
+  p.add_argument("--ab", action="store_true",
+                 help="DP step with and without the fold, and non-private (one process)")
+  p.add_argument("--memory", action="store_true",
+                 help="allocator peak of each part of the DP step, alone (one process)")
   p.add_argument("--ops", action="store_true",
                  help="op counts of the traced non-private gradient and clipped sum")
   a = p.parse_args()
@@ -353,6 +481,10 @@ def main():
     return profile(a)
   if a.ops:
     return graph_ops(a)
+  if a.memory:
+    return memory(a)
+  if a.ab:
+    return ab(a)
   common = ["--model", a.model, "--clipping", a.clipping, "--batch", str(a.batch),
             "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
   if a.pair:
