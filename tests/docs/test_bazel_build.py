@@ -21,9 +21,9 @@ def _text(name):
   return S.read(os.path.join(S.REPO_ROOT, name))
 
 
-def _query(expr):
-  proc = subprocess.run([BAZEL, "--batch", "query", expr], cwd=S.REPO_ROOT, capture_output=True,
-                        text=True, timeout=300, check=False)
+def _query(expr, *flags):
+  proc = subprocess.run([BAZEL, "--batch", "query", *flags, expr], cwd=S.REPO_ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   return {l.strip() for l in proc.stdout.splitlines() if l.strip()}
 
@@ -58,12 +58,20 @@ def test_every_console_script_has_a_binary_calling_the_same_function():
 
 @pytest.mark.skipif(BAZEL is None, reason="bazel not installed: apt-get install bazel-bootstrap")
 def test_bazel_targets_cover_every_module_script_and_test():
-  srcs = {l[len("//:"):] for l in _query("labels(srcs, //:tf_dpiter)")}
+  # one query (one Bazel start): the library's sources and every py_test and py_binary rule,
+  # each line "<kind> //:<name>" ("source file", "py_test rule", "py_binary rule")
+  by_kind = {}
+  for line in _query('labels(srcs, //:tf_dpiter) + kind("py_(test|binary)", //...)',
+                     "--output=label_kind"):
+    kind, label = line.rsplit(" ", 1)
+    by_kind.setdefault(kind, set()).add(label[len("//:"):])
+  assert set(by_kind) == {"source file", "py_test rule", "py_binary rule"}, set(by_kind)
+  srcs = by_kind["source file"]
   assert srcs == _files("tf_dpiter", r".*\.py"), "modules missing from //:tf_dpiter"
-  tests = {l[len("//:"):] for l in _query("kind(py_test, //...)")}
+  tests = by_kind["py_test rule"]
   expected = {f[len("tests/"):-len(".py")].replace("/", "_")
               for f in _files("tests", r"test_.*\.py")}
   assert tests == expected
-  binaries = {l[len("//:"):] for l in _query("kind(py_binary, //...)")}
+  binaries = by_kind["py_binary rule"]
   scripts = tomllib.loads(_text("pyproject.toml"))["project"]["scripts"]
   assert {s.replace("-", "_") for s in scripts} | {"mnist_dpsgd_keras"} == binaries
