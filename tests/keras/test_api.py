@@ -285,12 +285,15 @@ def test_stop_at_privacy_budget(spe):
   d["runs"][-1]["count"] += spe
   d["num_samples"] += spe
   assert accounting.epsilon(ledger_file.sign(d), 1e-5) > budget
-  # a budget too small for even one step: no step is taken
-  model2 = _seq()
-  model2.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS)
-  model2.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=2, verbose=0,
-             callbacks=[dp.keras.callbacks.StopAtPrivacyBudget(epsilon=0.01, delta=1e-5)])
-  assert int(model2.ledger.sample_count.numpy()) == 0
+
+
+def test_stop_at_privacy_budget_too_small_for_one_step_takes_none():
+  x, y = _data(200)
+  model = _seq()
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS)
+  model.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=2, verbose=0,
+            callbacks=[dp.keras.callbacks.StopAtPrivacyBudget(epsilon=0.01, delta=1e-5)])
+  assert int(model.ledger.sample_count.numpy()) == 0
 
 
 @pytest.mark.parametrize("make_query,path", [
