@@ -40,10 +40,17 @@ def _updates(model, x, y, steps):
   return out
 
 
-def test_noise_drawn_in_the_compiled_step_has_sigma_and_is_fresh_each_step():
+def test_the_compiled_draw_has_sigma_is_fresh_each_step_and_is_the_querys_own(tmp_path):
+  """On one model: the noise of two compiled steps has the standard deviation sigma / (q n)
+  and is drawn afresh each step; one Gaussian implementation: the compiled step calls the
+  query's get_noised_result (its generator advances), and the generator's state is in no
+  checkpoint."""
   model, opt = _model(jit=True)
   x, y = _data()
-  u1, u2 = _updates(model, x, y, 2)
+  (u1,) = _updates(model, x, y, 1)
+  generator = opt.private_step.base_query.noise_generator
+  before = generator.state.numpy().copy()
+  (u2,) = _updates(model, x, y, 1)
   assert model._dp_noise_inside   # pylint: disable=protected-access
   # update = (clipped sum + N(0, (Z S)^2)) / (q n) with q n = B (Poisson, lr 1): the clipped
   # sum has norm <= B S, the noise norm ~ Z S sqrt(12000), so the std is the noise's.
@@ -54,6 +61,13 @@ def test_noise_drawn_in_the_compiled_step_has_sigma_and_is_fresh_each_step():
   corr = float(noise1 @ noise2 / np.linalg.norm(noise1) / np.linalg.norm(noise2))
   assert abs(corr) < 0.05, corr    # independent draws: |corr| ~ 1/sqrt(12000) = 0.009
   assert int(opt.ledger.sample_count.numpy()) == int(opt.iterations.numpy()) == 2
+  assert not np.array_equal(generator.state.numpy(), before)   # the query's generator drew
+  path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ck"))
+  reader = tf.train.load_checkpoint(path)
+  state = generator.state.numpy()
+  for name, _ in tf.train.list_variables(path):
+    value = np.asarray(reader.get_tensor(name))
+    assert not (value.shape == state.shape and np.array_equal(value, state)), name
 
 
 def test_compiled_and_plain_steps_write_the_same_ledger():
@@ -66,21 +80,3 @@ def test_compiled_and_plain_steps_write_the_same_ledger():
     ledgers.append((np.asarray(samples), np.asarray(queries)))
   np.testing.assert_array_equal(ledgers[0][0], ledgers[1][0])
   np.testing.assert_array_equal(ledgers[0][1], ledgers[1][1])
-
-
-def test_the_compiled_draw_is_the_querys_own_and_its_generator_is_not_saved(tmp_path):
-  """One Gaussian implementation: the compiled step calls the query's get_noised_result (its
-  generator advances), and the generator's state is in no checkpoint."""
-  model, opt = _model(jit=True)
-  x, y = _data()
-  model.fit(x, y, batch_size=B, epochs=1, steps_per_epoch=1, verbose=0)
-  generator = opt.private_step.base_query.noise_generator
-  before = generator.state.numpy().copy()
-  model.fit(x, y, batch_size=B, epochs=1, steps_per_epoch=1, verbose=0)
-  assert not np.array_equal(generator.state.numpy(), before)   # the query's generator drew
-  path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ck"))
-  reader = tf.train.load_checkpoint(path)
-  state = generator.state.numpy()
-  for name, _ in tf.train.list_variables(path):
-    value = np.asarray(reader.get_tensor(name))
-    assert not (value.shape == state.shape and np.array_equal(value, state)), name
