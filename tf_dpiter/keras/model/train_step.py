@@ -344,7 +344,9 @@ class TrainStepMixin:
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
-        grads = tf.identity_n(grads) if grads else grads   # one op, not one per variable
+        # one Identity per variable, not one IdentityN: the pipelining gates each sum's
+        # own producer on the leaf noised before it (keras/optimizer/pipelining.py)
+        grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
       rec_loss = record_losses.masked_record_mean(losses, c_em)
       grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]

@@ -143,9 +143,11 @@ def _dense_sums(layer, x, dz, factors):
       xw, dw = algebra.drop_rows(x1, factors), algebra.weight_rows(dz, factors)
     product = tf.matmul(tf.reshape(xw, [-1, rows_in]), tf.reshape(dw, [-1, n]),
                         transpose_a=True)
-    out[id(layer.kernel)] = product[:k]
-    if fold:
-      out[id(layer.bias)] = product[k]
+    if fold:   # [W; b]: one split (no slice chain per part)
+      kernel_sum, bias_sum = tf.split(product, [k, 1])
+      out[id(layer.kernel)], out[id(layer.bias)] = kernel_sum, tf.reshape(bias_sum, [n])
+    else:
+      out[id(layer.kernel)] = product
   if algebra.trainable(layer.bias) and not fold:
     per_example = tf.reduce_sum(tf.reshape(tf.cast(dz, tf.float32), [tf.shape(dz)[0], -1, n]),
                                 axis=1)
