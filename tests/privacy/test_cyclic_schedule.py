@@ -71,8 +71,9 @@ def _check_against_claim(model, joined):
 @pytest.mark.parametrize("noise", ["iid", "band_mf", "blt"])
 @pytest.mark.parametrize("how", ["same_dataset", "new_dataset"])
 def test_four_fits_of_five_steps_keep_the_ledgers_claim(noise, how):
-  """n = 24, 4 groups, q = 1, 4 fits of 5 steps (each starts in another group): the 16-step prefetch of each fit is dropped,
-  and the next fit must start at the group after the last step taken."""
+  """n = 24, 4 groups, q = 1, 4 fits of 5 steps (each starts in another group): the 16-step
+  prefetch of each fit is dropped, and the next fit must start at the group after the last
+  step taken."""
   model = _model(noise)
   joined = []
   ds = _dataset()
