@@ -75,6 +75,11 @@ class _Generators:
           np.zeros([d or 0 for d in s.shape], s.dtype.as_numpy_dtype) for s in self._specs)
     return (np.bool_(True),) + _flat_arrays(element, self._specs)
 
+  def step(self, token):
+    """(token, *`next(token)`), a new iterator's generator started first when token < 0."""
+    token = self.start() if token < 0 else np.int64(token)
+    return (token,) + self.next(token)
+
 
 def _flat_arrays(element, specs):
   """The generator's element flattened as the signature, as arrays of the specs' dtypes."""
@@ -123,18 +128,13 @@ def python_dataset(make_generator, output_signature):
   gens = _Generators(make_generator, specs)
   dtypes = [tf.bool] + [s.dtype for s in specs]
 
-  def draw(token):
-    flat = tf.numpy_function(gens.next, [token], dtypes, stateful=True)
-    for t, s in zip(flat[1:], specs):
-      t.set_shape(s.shape)
-    return tuple(flat)
-
   def step(token, _):
-    # the iterator's first element starts its generator; the token is the scan's state
-    token = tf.cond(token < 0,
-                    lambda: tf.numpy_function(gens.start, [], tf.int64, stateful=True),
-                    lambda: token)
-    return token, draw(token)
+    # the token is the scan's state: -1 until the iterator's first element starts its generator
+    flat = tf.numpy_function(gens.step, [token], [tf.int64] + dtypes, stateful=True)
+    flat[0].set_shape([])
+    for t, s in zip(flat[2:], specs):
+      t.set_shape(s.shape)
+    return flat[0], tuple(flat[1:])
 
   # One scan over a counter, not a flat_map over a start token: a new iterator instantiates
   # three functions and no inner dataset (its first element came ~3 ms later, and ~50 ms
