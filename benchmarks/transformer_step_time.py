@@ -40,8 +40,9 @@ are added), and the non-private train_on_batch. The three models are built the s
 
 --memory (DP): in one process, TensorFlow's CPU allocator peak of each part of the DP step
 run alone after a warm-up call (reset_memory_stats before each; MiB above what was held before
-it): the non-private gradient, the fast clipped sum, the query's noise added into zero sums
-of the weights' shapes (the sums' own 418 MiB included), and the DP and the non-private
+it): the non-private gradient, the fast clipped sum, zero sums of the weights' shapes alone
+(418 MiB) and the query's noise added into such sums (filled from a variable, so that they
+are buffers the noise can write into, as the step's sums are), and the DP and the non-private
 train_on_batch; so the DP step's excess over the non-private one is split into the sums, the
 draw's temporaries and the rest.
 
@@ -358,6 +359,7 @@ def memory(a):
   per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
   variables = model.trainable_variables
   gen = tf.random.Generator.from_seed(0)
+  zero = tf.Variable(0.0)   # sums filled from a variable: not constants folded by Grappler
 
   @tf.function
   def grads():
@@ -367,10 +369,12 @@ def memory(a):
 
   parts = {
       "nonprivate_gradient": grads,
+      "zero_sums_alone": tf.function(lambda: [tf.fill(v.shape, zero.read_value())
+                                              for v in variables]),
       "fast_clipped_sum": tf.function(lambda: dp.keras.fast_clipping.clipped_grad_sum(
           model, x, y, per_example, 1.0)[0]),
       "query_noise_into_zero_sums": tf.function(lambda: gaussian_query.add_gaussian_noise(
-          gen, [tf.zeros(v.shape) for v in variables], 1.1)),
+          gen, [tf.fill(v.shape, zero.read_value()) for v in variables], 1.1)),
       "dp_train_on_batch": lambda: model.train_on_batch(x, y),
       "nonprivate_train_on_batch": lambda: plain.train_on_batch(x, y),
   }
