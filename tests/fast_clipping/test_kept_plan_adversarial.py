@@ -107,7 +107,7 @@ def _two_dense():
 
 
 @pytest.mark.parametrize("eager", [True, False])
-@pytest.mark.parametrize("recompile", [False, True])
+@pytest.mark.parametrize("recompile", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_freeze_and_unfreeze_between_steps(eager, recompile):
   model = _compile(_two_dense(), eager)
   x, y = _data()
@@ -238,7 +238,7 @@ def test_sublayer_replaced_by_one_with_the_same_variables():
   _refused_or_checked(model, x, y)
 
 
-@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_model_reused_in_a_second_model(eager):
   """Layers trained in one DP model, then in a second one that contains it, then in the
   first again: each step is the clipped sum over its own model's variables."""
