@@ -341,7 +341,7 @@ def _physical_chunk(model, inputs, k):
   if static_b is not None and static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k):
     return None   # at most the smallest chunk: no probe
   kept, signature = _probe(model, inputs, _grouped(k), k)
-  if kept is None:
+  if not kept:   # unknown, or nothing kept (no unit records a forward pass): one call
     return None
   m = budget.kept_chunk(kept, k)
   if static_b is not None and static_b <= m:

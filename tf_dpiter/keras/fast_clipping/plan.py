@@ -55,8 +55,8 @@ _STEP_PLANS = threading.local()
 def one_plan_per_step(kept=None):
   """Within the block `plan(model, grouped)` is built once per model and `grouped` and then
   reused (as new `Unit` objects: a clipped sum records into its units) while the model's
-  trainable variables and the registered rules stay the same (a layer frozen or unfrozen
-  is planned as it is then). The block is one DP step (or its trace).
+  trainable variables, the registered rules and its layers with their `call` stay the same
+  (a layer frozen or unfrozen, swapped in or given another `call` is planned as it is then). The block is one DP step (or its trace).
 
   Args:
     kept: a dict that outlives the block, holding the plans across blocks: the Keras train
@@ -233,8 +233,12 @@ def plan(model, grouped=False):
         f"(model={model.name!r})")
   memo = getattr(_STEP_PLANS, "plans", None)
   trainable = model.trainable_variables
-  # what a kept plan must still match: the trained variables and the registered rules
-  signature = (tuple(id(v) for v in trainable), registry.RULES_VERSION)
+  # what a kept plan must still match: the trained variables, the registered rules, and
+  # each layer with the forward it runs (a rule serves a class whose `call` it knows: a
+  # layer swapped in, or a `call` replaced on the class or the instance, is planned anew)
+  signature = (tuple(id(v) for v in trainable), registry.RULES_VERSION,
+               tuple((id(l), type(l).call, vars(l).get("call"))
+                     for l in keras_internals.flatten_layers(model)))
   hit = memo.get((id(model), grouped)) if memo is not None else None
   if hit is not None and hit[0] is model and hit[1] == signature:
     # fresh units (a clipped sum records its forward pass into them, one chunk at a time)

@@ -24,6 +24,7 @@ chunks of a batch the trace does not know cannot be compiled).
 
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import runtime as routing  # XLA context (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
@@ -52,7 +53,13 @@ def kept_chunk(kept_bytes, k):
 
   Returns:
     int, a multiple of k.
+
+  Raises:
+    ParameterValueError: `kept_bytes` is not > 0 (no chunk size follows from it).
   """
+  if not kept_bytes > 0:
+    raise ParameterValueError(
+        f"`kept_bytes` must be > 0. Received: kept_bytes={kept_bytes!r}")
   m = 8
   while m * 2 * kept_bytes <= KEPT_BYTES:
     m *= 2
