@@ -240,8 +240,9 @@ def _round_robin_ms(parts, warmup, rounds):
   return {k: round(float(np.median(v)), 1) for k, v in times.items()}
 
 
-def profile(a):
-  """The DP step's parts, timed in one process (see module docstring)."""
+def _dp_and_plain(a):
+  """The DP model (compiled, Poisson sampling declared at batch a.batch), the same model
+  non-private (SGD), one batch and the per-example loss: what `profile` and `memory` time."""
   warnings.simplefilter("ignore")
   model, _, hub = build(a.model, a.seq, a.lora, True)
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
@@ -252,6 +253,12 @@ def profile(a):
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   x, y = batch(a.batch, a.seq, hub)
   per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  return model, opt, plain, x, y, per_example
+
+
+def profile(a):
+  """The DP step's parts, timed in one process (see module docstring)."""
+  model, opt, plain, x, y, per_example = _dp_and_plain(a)
   variables = model.trainable_variables
   values = int(sum(np.prod(v.shape) for v in variables))
   gen = tf.random.Generator.from_seed(0)
@@ -347,16 +354,7 @@ def ab(a):
 
 def memory(a):
   """The allocator peak of the DP step's parts, each alone (see module docstring)."""
-  warnings.simplefilter("ignore")
-  model, _, hub = build(a.model, a.seq, a.lora, True)
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
-  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
-  plain, _, _ = build(a.model, a.seq, a.lora, False)
-  plain.compile(optimizer=keras.optimizers.SGD(0.01),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  x, y = batch(a.batch, a.seq, hub)
-  per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+  model, opt, plain, x, y, per_example = _dp_and_plain(a)
   variables = model.trainable_variables
   gen = tf.random.Generator.from_seed(0)
   zero = tf.Variable(0.0)   # sums filled from a variable: not constants folded by Grappler

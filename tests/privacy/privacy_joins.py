@@ -5,8 +5,12 @@ for the examples in the step, noise 0), so the set of moved rows is the set of e
 step used.
 """
 
+import warnings
+
 import keras
 import numpy as np
+
+import tf_dpiter as dp
 
 
 class JoinRecorder(keras.callbacks.Callback):
@@ -35,3 +39,22 @@ class JoinRecorder(keras.callbacks.Callback):
     assert np.allclose(moved / self.counts, times, atol=1e-4), moved   # whole participations
     for j in range(int(times.max(initial=0))):
       self.joined.append(set(np.flatnonzero(times > j).tolist()))
+
+
+def one_hot_model(n):
+  """A model whose one weight per example moves only for the examples of the step: a DP
+  Dense(1) without bias over one-hot inputs of length `n`, kernel zeros, noise 0, learning
+  rate 1, loss the output (pair with `one_hot_data(n)` and `JoinRecorder`)."""
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((n,)), keras.layers.Dense(
+      1, use_bias=False, kernel_initializer="zeros")])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0),
+                  loss=lambda y_true, y_pred: y_pred[:, 0])
+  return model
+
+
+def one_hot_data(n):
+  """Example i is the i-th one-hot row of length `n`, label 0."""
+  return np.eye(n, dtype=np.float32), np.zeros((n, 1), np.float32)

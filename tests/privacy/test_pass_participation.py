@@ -8,8 +8,6 @@ per pass (epoch) the ledger charges, and the ledger charges exactly the passes t
 
 import warnings
 
-import keras
-import numpy as np
 import pytest
 
 import tf_dpiter as dp
@@ -25,18 +23,11 @@ _Recorder = privacy_joins.JoinRecorder
 
 
 def _model():
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((N,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0),
-                  loss=lambda y_true, y_pred: y_pred[:, 0])
-  return model
+  return privacy_joins.one_hot_model(N)
 
 
 def _data():
-  return np.eye(N, dtype=np.float32), np.zeros((N, 1), np.float32)
+  return privacy_joins.one_hot_data(N)
 
 
 @pytest.mark.parametrize("policy", ["shuffle", "balls_in_bins"])
