@@ -71,16 +71,9 @@ _Joins = privacy_joins.JoinRecorder
 
 def _run(n, b, q, fits, steps):
   """The real pipeline (noise 0): (ledger arrays, steps each example joined)."""
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((n,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0),
-                  loss=lambda y_true, y_pred: y_pred[:, 0])
+  model = privacy_joins.one_hot_model(n)
   ds = cyclic_poisson.cyclic_poisson_batches(
-      np.eye(n, dtype=np.float32), np.zeros((n, 1), np.float32),
-      expected_batch_size=q * n / b, num_groups=b, steps_per_epoch=16)
+      *privacy_joins.one_hot_data(n), expected_batch_size=q * n / b, num_groups=b, steps_per_epoch=16)
   joined = []
   for _ in range(fits):
     model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[_Joins(joined)])
