@@ -71,3 +71,54 @@ def test_a_savedmodel_of_a_trained_dp_model_saves_and_loads(tmp_path):
   tf.saved_model.save(model, str(tmp_path / "sm"))
   loaded = tf.saved_model.load(str(tmp_path / "sm"))
   assert loaded is not None
+
+
+def _cyclic_step(ledger):
+  ledger.record_sample(24.0, 1.0, (dp_query.GaussianSumEvent(1.0, 0.0),),
+                       policy="cyclic_poisson", sample_size=4.0)
+
+
+def test_reading_the_cycle_position_writes_nothing_even_halfway_through_a_write(tmp_path):
+  """The dataset's generator reads `cycle_position` on a tf.data thread, possibly between a
+  step's write to the mirror and its write to the checkpointed set: that read must not
+  reconcile (an eager rewrite of both sets under the running step)."""
+  ledger = dp.ledger.PrivacyLedger(initial_capacity=8)
+  for _ in range(3):
+    _cyclic_step(ledger)
+  v, mirror = ledger._v, ledger._mirror   # pylint: disable=protected-access
+  # the state halfway through a step: the mirror written, the checkpointed set not yet
+  mirror.cycle_position.assign_add(1)
+  mirror.sample_count.assign_add(1)
+  before = [t.numpy().copy() for t in (v.samples, v.queries, v.sample_count, v.cycle_position)]
+  assert int(ledger.cycle_position.numpy()) == 4   # the larger set's: includes the running step
+  after = [t.numpy() for t in (v.samples, v.queries, v.sample_count, v.cycle_position)]
+  for a, b in zip(before, after):
+    np.testing.assert_array_equal(a, b)
+  assert mirror.samples.numpy().shape[0] == 8      # not shrunk by a rewrite either
+
+
+def test_a_thread_reading_the_cycle_position_during_steps_leaves_the_rows_whole():
+  """The race the generator's read made: 300 graph steps writing the ledger while another
+  thread reads `cycle_position` in a loop; the rows stay one query per sample, in order."""
+  import threading   # pylint: disable=import-outside-toplevel
+  ledger = dp.ledger.PrivacyLedger(initial_capacity=8)
+  step = tf.function(lambda: _cyclic_step(ledger))
+  stop, reads = threading.Event(), []
+
+  def reader():
+    while not stop.is_set():
+      reads.append(int(ledger.cycle_position.numpy()))
+
+  thread = threading.Thread(target=reader)
+  thread.start()
+  try:
+    for _ in range(300):
+      step()
+  finally:
+    stop.set()
+    thread.join()
+  samples, queries = ledger.get_arrays()
+  assert samples.shape[0] == queries.shape[0] == 300
+  np.testing.assert_array_equal(queries[:, 0], np.arange(300))
+  assert int(ledger.cycle_position.numpy()) == 300
+  assert len(reads) > 100 and reads == sorted(reads)   # the reads ran beside the steps

@@ -317,8 +317,15 @@ class PrivacyLedger(tf.Module):
     The participation schedule is ledger state: the next cyclic step samples group
     cycle_position mod b (`tf_dpiter.data.cyclic_poisson`). The training step counts it as it
     records each sample; `set_arrays` (journal or file restore) recomputes it from the rows.
+
+    A pure read, eagerly as in a graph: the larger of the two sets' positions (a restore
+    never lowers it). The dataset's generator reads it on a tf.data thread while a step may
+    be writing the ledger; an eager `reconcile` there (what the other eager reads do when the
+    two sets' counts differ, as they do halfway through a step's write) would rewrite the
+    buffers under the running step's scatter and corrupt the rows.
     """
-    return self._read("cycle_position")
+    return tf.maximum(self._v.cycle_position.read_value(),
+                      self._mirror.cycle_position.read_value())
 
   def record_passes(self, count):
     """Adds `count` (>= 0) passes started; eager or inside tf.function. Returns the new total.
