@@ -125,7 +125,7 @@ def test_tail_chunks_run_up_to_the_last_real_record():
                                                   (4096, 4096, 32)])
 def test_padded_tail_layout_sizes(expected, first, chunk):
   step = _model("fast").optimizer.private_step
-  step.state.expected_records.assign(float(expected))
+  step.expected_records.assign(float(expected))
 
   layouts = []
 

@@ -157,7 +157,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     carried = getattr(self, "_dp_carried_ledger", None)
     opt = getattr(self, "optimizer", None)
     if carried is not None and isinstance(opt, opt_lib.DPOptimizerBase):
-      opt.private_step.state.adopt_ledger(*carried)
+      opt.private_step.adopt_ledger(*carried)
 
   def compile_from_config(self, config):
     """Re-compiles after keras.models.load_model (the DP optimizer config included).

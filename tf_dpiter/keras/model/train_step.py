@@ -361,7 +361,7 @@ class TrainStepMixin:
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
       # within the memory budget (fast_clipping.physical_chunk_examples)
       with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
-        expected = float(step.state.expected_records.numpy()) * k
+        expected = float(step.expected_records.numpy()) * k
       expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
       m_ex = fast_clip.physical_chunk_examples(
           self, tf.nest.map_structure(_flat_records, recs[0]), k, expected)

@@ -136,7 +136,7 @@ def dp_noise_variance(opt):
   if stddev is None:
     raise PrivacyConfigError(f"dp_query={step.base_query!r} has no `stddev`: give AdamBC "
                              "noise_variance=Phi explicitly")
-  denom = step.state.expected_records.read_value() if step.normalize else tf.constant(1.0)
+  denom = step.expected_records.read_value() if step.normalize else tf.constant(1.0)
   return tf.square(tf.cast(stddev, tf.float32) / tf.maximum(denom, 1.0))
 
 

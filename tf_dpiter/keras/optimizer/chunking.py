@@ -152,7 +152,7 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
     sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
     return TailChunks(sizes) if len(sizes) > 1 else per_chunk
   with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
-    expected = float(step.state.expected_records.numpy())
+    expected = float(step.expected_records.numpy())
   expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
   sd = math.sqrt(max(expected, 0.0))
   first = max(multiple, int(math.ceil(expected / multiple)) * multiple)

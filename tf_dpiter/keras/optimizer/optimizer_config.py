@@ -53,7 +53,7 @@ def dp_config(opt):
   if step.custom_query:
     # The default query's state is fixed by (S, z); a custom one's may adapt.
     config["dp_query"] = dp_query_lib.serialize(step.base_query)
-    state = step.state.global_state_values()
+    state = step.global_state_values()
     if state is not None:
       config["dp_global_state"] = state
   ledger = saved_ledger.config_ledger(opt)

@@ -23,12 +23,18 @@ float16 overflow counter. The noise generator is deliberately not among them: a 
 
 It picks the clipping path, forms the vectorized clipped sum, requires the declared sampling
 and draws the noise (across replicas: once) itself. Helpers: `step_sampling` (the
-declaration), `step_state` (the variables), `noise_mechanisms`, `clipped_sum`
-(the accumulation of a chunk), `chunking`, `custom_loops`.
+declaration), `noise_mechanisms`, `clipped_sum` (the accumulation of a chunk), `chunking`,
+`custom_loops`.
+
+Its variables are checkpoint dependencies of the optimizer under fixed names ("_dp_ledger",
+"_dp_expected_records", "_dp_overflow_count", "_dp_global_state_<i>"), so
+`tf.train.Checkpoint` and `BackupAndRestore` carry them; only this class makes, reads and
+writes them.
 """
 
 import sys
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import dp_query as dp_query_lib
@@ -47,8 +53,8 @@ from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import pipelining
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import step_sampling
-from tf_dpiter.keras.optimizer import step_state
 from tf_dpiter.ledger import policies as ledger_policies
+from tf_dpiter.ledger import privacy_ledger
 
 
 class PrivateStep:
@@ -79,6 +85,11 @@ class PrivateStep:
       sampling is declared; for code that drives the query itself, e.g. TF Privacy's
       `optimizer.dp_query`): what it records lands in the same ledger.
     sampling_source: "user", "fit" or None (who declared the sampling).
+    existing_ledger: the PrivacyLedger, or None before the state is made (`ledger` makes it).
+    expected_records: float32 variable, the public expected batch size (None before the
+      state is made).
+    restored_ledger: (samples, queries, passes) merged into the ledger when it is made
+      (`adopt_ledger` before `make_state`), else None.
   """
 
   def __init__(self, optimizer, plan, flags=None):
@@ -95,7 +106,14 @@ class PrivateStep:
     self.sampling = None              # ledger.LedgerSampling, made by set_sampling
     self._wrapped = None              # (base_query, sampling, their QueryWithLedger)
     self.sampling_source = None
-    self.state = step_state.StepState(optimizer)   # the variables, tracked by the optimizer
+    # the variables, checkpoint dependencies of the optimizer (made by make_state)
+    self._ledger = None
+    self._expected_records = None
+    self._overflow_count = None
+    self._restored_ledger = None          # (samples, queries, passes), merged by make_state
+    self._restored_global_state = None    # the config's "dp_global_state", used once
+    self._global_vars = None              # the query's global state variables (flattened)
+    self._global_struct = None
     self._pending_sampling = None
     self._expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._clip_factors_of = None   # (base query, gives_clip_factors of it)
@@ -154,11 +172,39 @@ class PrivateStep:
       global_state: the config's "dp_global_state", or None.
       ledger: (samples, queries, passes) of the config's verified "dp_ledger", or None.
     """
-    self.state.restored_global_state = global_state
+    self._restored_global_state = global_state
     if ledger is not None:
-      self.state.adopt_ledger(*ledger)
+      self.adopt_ledger(*ledger)
 
-  # ---- state (step_state.StepState) --------------------------------------------------
+  # ---- state: the variables ---------------------------------------------------------
+
+  expected_records = property(lambda self: self._expected_records,
+                              doc="The public expected batch size variable (None until made).")
+  restored_ledger = property(lambda self: self._restored_ledger,
+                             doc="A ledger's arrays waiting for make_state, else None.")
+
+  def _track(self, name, trackable):
+    """Makes `trackable` a checkpoint dependency of the optimizer under `name`."""
+    self.optimizer._track_trackable(trackable, name=name, overwrite=True)  # pylint: disable=protected-access
+    return trackable
+
+  def adopt_ledger(self, samples, queries, passes):
+    """Merges a ledger of this run (a model file's, a checkpoint's, one supplied by hand) into
+    the ledger (`PrivacyLedger.merge_arrays`: nothing recorded is ever lost), or, before the
+    ledger exists, into the one `make_state` will start from.
+
+    Args:
+      samples: ledger sample array.
+      queries: ledger query array.
+      passes: int, the shuffled passes that ledger counted.
+    """
+    if self._ledger is not None:
+      self._ledger.merge_arrays(samples, queries, passes)
+    elif self._restored_ledger is None:
+      self._restored_ledger = (samples, queries, int(passes))
+    else:
+      self._restored_ledger = privacy_ledger.merged_arrays(self._restored_ledger,
+                                                           (samples, queries, int(passes)))
 
   def make_state(self):
     """Creates the default query, the ledger and the sampling variables, once.
@@ -169,7 +215,7 @@ class PrivateStep:
     Raises:
       PrivacyConfigError: called in a tf.distribute cross-replica scope.
     """
-    if self.state.ledger is not None:
+    if self._ledger is not None:
       return
     if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
       raise PrivacyConfigError(
@@ -181,24 +227,31 @@ class PrivateStep:
     with tf.init_scope():
       if self.base_query is None:   # the mechanism's query (IID: sigma = z S, computed once)
         self.base_query = self._plan.make_query()
-      self.state.make()
+      self._expected_records = self._track("_dp_expected_records", tf.Variable(
+          1.0, dtype=tf.float32, trainable=False, name="dp_expected_records"))
+      self._overflow_count = self._track("_dp_overflow_count", tf.Variable(
+          0, dtype=tf.int64, trainable=False, name="dp_overflowed_records"))
+      self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
+      if self._restored_ledger is not None:   # from from_config or adopt_ledger
+        pending, self._restored_ledger = self._restored_ledger, None
+        self._ledger.merge_arrays(*pending)
 
   @property
   def ledger(self):
     """The PrivacyLedger every private step writes to (made on first use)."""
     self.make_state()
-    return self.state.ledger
+    return self._ledger
 
   @property
   def existing_ledger(self):
     """The ledger if it was made, else None (nothing is created)."""
-    return self.state.ledger
+    return self._ledger
 
   @property
   def overflow_counter(self):
     """The int64 variable counting records whose float16 gradient overflowed (zeroed)."""
     self.make_state()
-    return self.state.overflow_count
+    return self._overflow_count
 
   def count_overflowed(self, finite, record_mask):
     """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
@@ -260,7 +313,46 @@ class PrivateStep:
     Returns:
       a namedtuple (step, noise history / tree nodes / BLT buffers, clip, stddev), or None.
     """
-    return self.state.global_state_numpy() if self.mechanism.correlated else None
+    if not self.mechanism.correlated or self._global_vars is None:
+      return None
+    return tf.nest.pack_sequence_as(self._global_struct, [v.numpy() for v in self._global_vars])
+
+  def global_state_values(self):
+    """The query's global state as plain nested lists (for the config), else the one a
+    config restored (None: neither)."""
+    if self._global_vars is not None:
+      return [v.numpy().tolist() for v in self._global_vars]
+    return self._restored_global_state
+
+  def _make_global_state(self, initial):
+    """The query's global state variables, from `initial` or the state from_config saved.
+
+    Args:
+      initial: the query's initial global state (a nest of tensors).
+
+    Raises:
+      ParameterValueError: the saved state does not match the query's (count or shapes).
+    """
+    init = tf.nest.map_structure(tf.convert_to_tensor, initial)
+    flat, saved = tf.nest.flatten(init), self._restored_global_state
+    if saved is not None:   # the config's "dp_global_state" (nested lists), e.g. an adaptive clip
+      if not isinstance(saved, (list, tuple)) or len(saved) != len(flat) or any(
+          tuple(np.shape(s)) != tuple(t.shape) for s, t in zip(saved, flat)):
+        raise ParameterValueError(
+            "the saved dp_global_state does not match the query's state (expected "
+            f"{len(flat)} values of shapes {[tuple(t.shape) for t in flat]}). "
+            f"Received: dp_global_state={saved!r}")
+      flat = [tf.constant(np.asarray(s), dtype=t.dtype) for s, t in zip(saved, flat)]
+    self._restored_global_state = None
+    self._set_global_state(init, [tf.Variable(t, trainable=False, name="dp_global_state")
+                                  for t in flat])
+
+  def _set_global_state(self, struct, variables):
+    """Adopts `variables` (flattened like `struct`) as the query's global state."""
+    self._global_struct = struct
+    self._global_vars = list(variables)
+    for i, v in enumerate(self._global_vars):
+      self._track(f"_dp_global_state_{i}", v)
 
   # ---- sampling -----------------------------------------------------------------------
 
@@ -293,17 +385,22 @@ class PrivateStep:
     return step_sampling.declare(self, population_size, selection_probability, policy,
                                  sample_size)
 
-  def adopt_sampling(self, sampling):
+  def adopt_sampling(self, sampling, expected_records):
     """Makes `sampling` the declared sampling every noised result is recorded with
-    (step_sampling.declare).
+    (step_sampling.declare), makes the query's global state variables (once) and sets the
+    public expected batch size. Call under tf.init_scope, after make_state.
 
     Args:
       sampling: a ledger.LedgerSampling writing to this step's ledger.
+      expected_records: the policy's expected batch size (a Python float, public).
     """
     self.sampling = sampling
     # the policy's denominator rule, read once per declared policy (not at every step)
     self._expected_size_denominator = ledger_policies.get(
         sampling.policy).expected_size_denominator
+    if self._global_vars is None:
+      self._make_global_state(self.base_query.initial_global_state())
+    self._expected_records.assign(expected_records)
 
   @property
   def query(self):
@@ -402,7 +499,7 @@ class PrivateStep:
     for v in state_vars + seeded:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
     self.base_query = query
-    self.state.set_global_state(init, state_vars)
+    self._set_global_state(init, state_vars)
     if self._pending_sampling is not None:
       pending, self._pending_sampling = self._pending_sampling, None
       source = self.sampling_source
@@ -435,7 +532,7 @@ class PrivateStep:
       PrivacyConfigError: the sampling is not declared.
     """
     self.require_sampling()
-    return self.base_query.derive_sample_params(self.state.global_state())
+    return self.base_query.derive_sample_params(self.global_state())
 
   # ---- clipping ---------------------------------------------------------------------
 
@@ -610,8 +707,9 @@ class PrivateStep:
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)], events
 
   def global_state(self):
-    """The query's global state, read from its variables."""
-    return self.state.global_state()
+    """The query's global state, read from its variables (inside a step)."""
+    return tf.nest.pack_sequence_as(self._global_struct,
+                                    [v.read_value() for v in self._global_vars])
 
   def record_compiled_sample(self, grads, events):
     """The ledger append of a step whose noise was drawn in the compiled program: the
@@ -645,7 +743,7 @@ class PrivateStep:
     checks = []
     if self.mechanism.correlated:
       checks.append(tf.debugging.assert_less_equal(
-          self.state.ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
+          self._ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
           message=f"noise={self.noise!r}: the optimizer's iterations went back below the "
                   "steps already released and charged (ledger sample_count): a correlated-"
                   "noise mechanism cannot continue a rolled-back run (checkpoint restore, "
@@ -655,12 +753,12 @@ class PrivateStep:
     with tf.control_dependencies(checks):
       if scale is None:
         result, new_state, events = self.base_query.get_noised_result(
-            sample_state, self.state.global_state())
+            sample_state, self.global_state())
       else:
         result, new_state, events = self.base_query.get_scaled_noised_result(
-            sample_state, self.state.global_state(), scale)
+            sample_state, self.global_state(), scale)
     count = sampling.record(events)
-    assigns = self.state.assign_global_state(new_state)
+    assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     with tf.control_dependencies(assigns + [count]):
       return tf.nest.map_structure(tf.identity, result)
 
@@ -679,7 +777,7 @@ class PrivateStep:
       return tf.constant(1.0)
     self.require_sampling()
     if self._expected_size_denominator:
-      return self.state.expected_records.read_value()
+      return self._expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
   @property

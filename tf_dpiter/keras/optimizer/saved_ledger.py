@@ -66,7 +66,7 @@ def require_covers(opt):
   Raises:
     PrivacyConfigError: its iterations exceed its ledger's samples.
   """
-  ledger = opt.private_step.state.ledger   # None until the step's state is made
+  ledger = opt.private_step.existing_ledger   # None until the step's state is made
   if ledger is None:   # no sampling declared yet: the private step refuses to run anyway
     return
   with tf.init_scope():
@@ -102,8 +102,8 @@ def config_ledger(opt):
   Returns:
     a ledger dict, or None when there is no ledger or it holds no sample and no pass.
   """
-  pending = opt.private_step.state.restored_ledger
-  ledger = opt.private_step.state.ledger   # None until the step's state is made
+  pending = opt.private_step.restored_ledger
+  ledger = opt.private_step.existing_ledger   # None until the step's state is made
   if ledger is None:
     return None if pending is None else ledger_file.arrays_to_dict(*pending[:2],
                                                                     passes=pending[2])

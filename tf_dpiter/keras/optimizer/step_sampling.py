@@ -87,19 +87,19 @@ def declare(step, population_size, selection_probability, policy, sample_size):
   k = 1 if m is None else max(1, -(-int(sample_size) // m))
   changed_cut = step.adopt_record_microbatches(m)   # None: the train step cuts per example
   step.make_state()
+  expected = ledger_policies.get(policy).expected_records(population_size,
+                                                          selection_probability, sample_size)
   with tf.init_scope():
-    if step.sampling is None or step.sampling.policy != policy:
-      step.adopt_sampling(ledger_lib.LedgerSampling(
-          population_size, selection_probability, ledger=step.state.ledger, policy=policy,
-          sample_size=sample_size, examples_per_record=k))
+    sampling = step.sampling
+    if sampling is None or sampling.policy != policy:
+      sampling = ledger_lib.LedgerSampling(
+          population_size, selection_probability, ledger=step.ledger, policy=policy,
+          sample_size=sample_size, examples_per_record=k)
       changed = True
     else:
-      changed = step.sampling.examples_per_record != k or changed_cut
-      step.sampling.set_sampling(population_size, selection_probability, sample_size,
-                                 examples_per_record=k)
-    if not step.state.has_global_state:
-      step.state.make_global_state(step.base_query.initial_global_state())
-    step.state.expected_records.assign(ledger_policies.get(policy).expected_records(
-        population_size, selection_probability, sample_size))
+      changed = sampling.examples_per_record != k or changed_cut
+      sampling.set_sampling(population_size, selection_probability, sample_size,
+                            examples_per_record=k)
+    step.adopt_sampling(sampling, expected)
   return changed
 
