@@ -44,31 +44,29 @@ def dense_norm_fn(layer, inputs, training=None):
   del training
   if kernel_rule_entry(layer, lora=False) is None:
     return None
+  # which of W and b are trained: read once here and handed to the helpers below
+  on = (layer.kernel.trainable, layer.bias is not None and layer.bias.trainable)
   x = inputs
   z = ops.matmul(x, layer.kernel)
-  if _budgeted(layer, x):
+  if on[0] and x.shape.rank is not None and x.shape.rank > 2:
+    # the memory budget applies (rules/budget.py): x has positions ([B, T.., K]) and the
+    # kernel is trained (the bias then folded in when it is trained too, or frozen)
     outputs, z = _add_bias_and_activation(layer, z)
-    return outputs, z, lambda dz: _budgeted_norms(layer, x, dz)
-  outputs, z, sqr_norm_fn = kernel_bias_layer(
-      layer, z, lambda dz: algebra.factored_sqr_norm(algebra.to_btk(x), algebra.to_btk(dz)))
+    return outputs, z, lambda dz: _budgeted_norms(layer, on, x, dz)
+  outputs, z, sqr_norm_fn = bias_and_parts(
+      layer, z, lambda dz: {id(layer.kernel): algebra.factored_sqr_norm(
+          algebra.to_btk(x), algebra.to_btk(dz))} if on[0] else {}, bias_on=on[1])
 
   def norms_and_sums(dz):
     res = sqr_norm_fn(dz)
     if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
-    return registry.FactorSums(res, lambda c: _dense_sums(layer, x, dz, c))
+    return registry.FactorSums(res, lambda c: _dense_sums(layer, x, dz, c, on))
 
   return outputs, z, norms_and_sums
 
 
-def _budgeted(layer, x):
-  """The memory budget applies (rules/budget.py): x has positions ([B, T.., K]) and the
-  kernel is trained (the bias then folded in when it is trained too, or frozen)."""
-  return (algebra.trainable(layer.kernel) and x.shape.rank is not None and x.shape.rank > 2
-          and (_bias_folded(layer, x) or not algebra.trainable(layer.bias)))
-
-
-def _budgeted_norms(layer, x, dz):
+def _budgeted_norms(layer, on, x, dz):
   """The norms and clipped sum of a Dense layer on [B, T.., K] inputs within the memory
   budget (rules/budget.py): ||[grad W; grad b]||^2 per record as one kernel on [x, 1] (or
   grad W alone with a frozen bias) by budget.factored_sqr_norms, over chunks of the batch.
@@ -80,13 +78,14 @@ def _budgeted_norms(layer, x, dz):
 
   Args:
     layer: the Dense layer.
+    on: (kernel trained, bias trained), the kernel trained.
     x: [B, T.., K] its input.
     dz: [B, T.., N] the gradient at its output before the activation.
 
   Returns:
     registry.PerExampleBlock or registry.FactorSums.
   """
-  fold = _bias_folded(layer, x)
+  fold = _bias_folded(on, x)
   sq, keep, g = budget.factored_sqr_norms(algebra.to_btk(x), algebra.to_btk(dz),
                                           with_one=fold)
   rows, n = int(x.shape[-1]) + int(fold), int(dz.shape[-1])
@@ -105,7 +104,7 @@ def _budgeted_norms(layer, x, dz):
   shapes = [v.shape for v in layer.trainable_variables]
 
   def by_bookkeeping(c):
-    return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc),
+    return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on),
                                   (x, dz, c), m, shapes)
 
   def sum_fn(example_factors):
@@ -117,24 +116,27 @@ def _budgeted_norms(layer, x, dz):
   return registry.FactorSums(sq, sum_fn)
 
 
-def _bias_folded(layer, x):
+def _bias_folded(on, x):
   """The bias is taken as the weight of an input 1: both the kernel and the bias are trained
-  and x has positions ([B, T.., K]), where the bias's gradient is a sum over them. For a
-  [B, K] input it is dz itself, and the extra column would only copy x."""
-  return (algebra.trainable(layer.kernel) and algebra.trainable(layer.bias)
-          and x.shape.rank is not None and x.shape.rank > 2)
+  (`on`: (kernel trained, bias trained)) and x has positions ([B, T.., K]), where the bias's
+  gradient is a sum over them. For a [B, K] input it is dz itself, and the extra column would
+  only copy x."""
+  return on[0] and on[1] and x.shape.rank is not None and x.shape.rank > 2
 
 
-def _dense_sums(layer, x, dz, factors):
+def _dense_sums(layer, x, dz, factors, on=None):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
   rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
   bias sum_i c_i sum_t dz_t: with the kernel, the last row of the same product on [x, 1].
   Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows / drop_rows: one
-  elementwise op each, no branch), so a record whose values are not finite adds nothing."""
+  elementwise op each, no branch), so a record whose values are not finite adds nothing.
+  `on`: (kernel trained, bias trained) where the caller has read it (None: read here)."""
+  if on is None:
+    on = (algebra.trainable(layer.kernel), algebra.trainable(layer.bias))
   k, n = int(x.shape[-1]), int(dz.shape[-1])
-  fold = _bias_folded(layer, x)
+  fold = _bias_folded(on, x)
   out = {}
-  if algebra.trainable(layer.kernel):
+  if on[0]:
     x1 = algebra.with_ones_column(x) if fold else x   # with the bias's input 1
     rows_in = int(x1.shape[-1])
     if rows_in <= n:
@@ -148,7 +150,7 @@ def _dense_sums(layer, x, dz, factors):
       out[id(layer.kernel)], out[id(layer.bias)] = kernel_sum, tf.reshape(bias_sum, [n])
     else:
       out[id(layer.kernel)] = product
-  if algebra.trainable(layer.bias) and not fold:
+  if on[1] and not fold:
     per_example = tf.reduce_sum(tf.reshape(tf.cast(dz, tf.float32), [tf.shape(dz)[0], -1, n]),
                                 axis=1)
     out[id(layer.bias)] = algebra.factor_product(factors,
@@ -156,18 +158,7 @@ def _dense_sums(layer, x, dz, factors):
   return [out[id(v)] for v in layer.trainable_variables]
 
 
-def kernel_bias_layer(layer, z, kernel_part):
-  """Adds bias and activation to z = f(x, W); per-example ||grad W||^2 + ||grad b||^2.
-
-  Shared by Dense and EinsumDense: `kernel_part(dz) -> (sqr_norms [B], g or None)`
-  is the kernel's part, g its per-example gradient when materialized.
-  """
-  kernel_on = algebra.trainable(layer.kernel)
-  return bias_and_parts(
-      layer, z, lambda dz: {id(layer.kernel): kernel_part(dz)} if kernel_on else {})
-
-
-def bias_and_parts(layer, z, parts_fn):
+def bias_and_parts(layer, z, parts_fn, bias_on=None):
   """Adds bias and activation to z; the norm function sums the kernel side's parts and the
   bias's ||grad b_i||^2 (grad b_i: dz summed over the axes the bias is broadcast along,
   `algebra.bias_grad`).
@@ -179,12 +170,14 @@ def bias_and_parts(layer, z, parts_fn):
     z: the kernel side's output f(x, W) [B, ..., units], before the bias.
     parts_fn: callable(dz) -> {id(variable): (sqr_norms [B/k], g or None)} over the
       trainable kernel-side variables; g is the per-record gradient when materialized.
+    bias_on: whether the bias is trained, where the caller has read it (None: read here).
 
   Returns:
     (outputs, watched, sqr_norm_fn) as in the registry module's contract (watched: z + b).
   """
   outputs, z = _add_bias_and_activation(layer, z)
-  bias_on = algebra.trainable(layer.bias)
+  if bias_on is None:
+    bias_on = algebra.trainable(layer.bias)
 
   def sqr_norm_fn(dz):
     sq, grads = None, {}
