@@ -116,7 +116,7 @@ class PrivateStep:
     self._global_struct = None
     self._pending_sampling = None
     self._expected_size_denominator = False   # set by adopt_sampling from the declared policy
-    self._clip_factors_of = None   # (base query, gives_clip_factors of it)
+    self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
@@ -300,12 +300,19 @@ class PrivateStep:
   def clips_by_factors(self):
     """True if the query can clip norms computed elsewhere (the fast path needs it):
     `dp_query.gives_clip_factors` of the base query, read once per query (not per step)."""
-    query = self.base_query
-    if query is None:
+    if self.base_query is None:
       return True
-    if self._clip_factors_of is None or self._clip_factors_of[0] is not query:
-      self._clip_factors_of = (query, dp_query_lib.gives_clip_factors(query))
-    return self._clip_factors_of[1]
+    return self._facts_of_query()[1]
+
+  def _facts_of_query(self):
+    """(base query, `dp_query.gives_clip_factors`, `gaussian_query.adds_scaled_noise` of it):
+    what the step needs to know of its query's class, read once per query (the query is made
+    once from the plan, or replaced by build_mechanism), not at every step."""
+    query = self.base_query
+    if self._query_facts is None or self._query_facts[0] is not query:
+      self._query_facts = (query, dp_query_lib.gives_clip_factors(query),
+                           gaussian_query.adds_scaled_noise(query))
+    return self._query_facts
 
   def noise_state(self):
     """The correlated query's global state as numpy values; None for "iid" or before build.
@@ -795,7 +802,7 @@ class PrivateStep:
     tf.distribute strategy d follows from the all-reduced count, known after the sum).
     The ledger records (S, sigma) either way.
     """
-    return bool(self.normalize and gaussian_query.adds_scaled_noise(self.base_query)
+    return bool(self.normalize and self._facts_of_query()[2]
                 and tf.distribute.get_strategy().num_replicas_in_sync == 1)
 
   def sum_scale(self, num_records):
