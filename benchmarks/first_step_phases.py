@@ -32,6 +32,17 @@ first step; its wall time (`first_step_s`) is split into:
 and the traced graph's size: `graph_ops` (ops of the function train_step is traced in, at the
 end of train_step) and `function_body_nodes` (nodes of the function library: tf.cond / while
 bodies, nested tf.functions), with the 12 most frequent op types. Prints one JSON line.
+
+--rss: the process's resident memory by phase (MiB; /proc/self/status): the high-water mark
+VmHWM read at each phase's end and reset at its start (/proc/self/clear_refs; where that
+file is not writable, the peak of VmRSS sampled every 10 ms by a thread), and VmRSS at its
+end, and TensorFlow's CPU allocator peak and current bytes (alloc_peak_mib, alloc_end_mib; the
+peak reset at each phase's start): `built` (model built and compiled), `make_train_function`, `trace` (the Python trace of
+train_step), `after_trace` (function instantiation, Grappler, executor and kernel creation,
+first run), `second_step`. With --grappler as well, the VmRSS samples of after_trace are
+split at the Grappler log's timestamps: `before_grappler` (the traced graph turned into a
+function library and GraphDef), `grappler` (the meta optimizer on the main graph and its
+functions), `after_grappler` (partitioning, executors and kernels, the first run).
 """
 
 import argparse
@@ -45,6 +56,7 @@ import pstats
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -110,10 +122,68 @@ def _op_sources(graph, n):
   return [[src, sum(c.values()), c.most_common(3)] for src, c in top]
 
 
+class _RSS:
+  """Resident memory by phase (module docstring, --rss). Final."""
+
+  def __init__(self):
+    self.phases = {}
+    self.samples = []   # (time.time(), VmRSS KiB) every 10 ms
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    self._from = time.time()
+    self._hwm_resets = self._reset()
+
+  @staticmethod
+  def _status():
+    with open("/proc/self/status", encoding="ascii") as f:
+      text = f.read()
+    return {k: int(v) for k, v in re.findall(r"^(VmHWM|VmRSS):\s+(\d+) kB", text, re.M)}
+
+  @staticmethod
+  def _reset():
+    """Resets VmHWM to the current RSS; False where /proc/self/clear_refs is not writable."""
+    try:
+      with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+      return True
+    except OSError:
+      return False
+
+  def _sample(self):
+    while not self._stop.is_set():
+      self.samples.append((time.time(), self._status()["VmRSS"]))
+      self._stop.wait(0.01)
+
+  def end(self, name):
+    """Closes phase `name` (started where the previous one ended) and starts the next."""
+    now, st = time.time(), self._status()
+    sampled = [r for t, r in self.samples if self._from <= t <= now] + [st["VmRSS"]]
+    peak = st["VmHWM"] if self._hwm_resets else max(sampled)
+    mem = tf.config.experimental.get_memory_info("CPU:0")
+    self.phases[name] = {"peak_mib": round(peak / 1024), "end_mib": round(st["VmRSS"] / 1024),
+                         "alloc_peak_mib": round(mem["peak"] / 2**20),
+                         "alloc_end_mib": round(mem["current"] / 2**20),
+                         "s": round(now - self._from, 2)}
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    self._from = now
+    self._hwm_resets = self._reset()
+
+  def window(self, start, end):
+    """(peak, last) VmRSS MiB of the samples between the epoch seconds start and end."""
+    got = [r for t, r in self.samples if start <= t <= end]
+    return (round(max(got) / 1024), round(got[-1] / 1024)) if got else (None, None)
+
+  def stop(self):
+    self._stop.set()
+    self._thread.join()
+
+
 def run(a):
   """One first step, instrumented (module docstring); returns the JSON dict."""
   warnings.simplefilter("ignore")
   private = a.mode == "dp"
+  rss = _RSS() if a.rss else None
   model, _, hub = tst.build(a.model, a.seq, a.lora, private)
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   opt = (dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01) if private
@@ -122,6 +192,8 @@ def run(a):
   if private:
     opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
   x, y = tst.batch(a.batch, a.seq, hub)
+  if rss is not None:
+    rss.end("built")
 
   batch_independence.probe_model = _timed("probe_s", batch_independence.probe_model)
   fc_clipping.clipped_grad_sum = _timed("clipped_sum_trace_s", fc_clipping.clipped_grad_sum)
@@ -143,17 +215,28 @@ def run(a):
       if profiler is not None:
         profiler.disable()
       graph["g"] = tf.compat.v1.get_default_graph()
+      if rss is not None and "trace" not in rss.phases:
+        rss.end("trace")
 
   model.train_step = train_step
   t0 = time.perf_counter()
   model.make_train_function()
   _TIMES["make_train_function_s"] = time.perf_counter() - t0
+  if rss is not None:
+    rss.end("make_train_function")
   t1 = time.perf_counter()
   model.train_on_batch(x, y)
   first = time.perf_counter() - t1
+  if rss is not None:
+    after_trace_from = rss._from   # pylint: disable=protected-access
+    rss.end("after_trace")
+    after_trace_to = time.time()
   t2 = time.perf_counter()
   model.train_on_batch(x, y)
   second = time.perf_counter() - t2
+  if rss is not None:
+    rss.end("second_step")
+    rss.stop()
   out = {"mode": a.mode, "lora": a.lora, "batch": a.batch, "seq": a.seq,
          "jit_compile": bool(model.jit_compile),
          "clipping": opt.resolve_clipping(model) if private else None,
@@ -172,12 +255,21 @@ def run(a):
     stats = pstats.Stats(profiler, stream=s)
     stats.sort_stats("cumulative").print_stats(a.cprofile)
     out["cprofile_cumulative"] = [l for l in s.getvalue().splitlines() if re.match(r"\s+\d", l)]
+  if rss is not None:
+    out["rss_by_phase"] = rss.phases
+    out["rss_hwm_reset"] = rss._hwm_resets   # pylint: disable=protected-access
+    if a.grappler_child:   # for _grappler's split at the log's timestamps
+      out["rss_after_trace_window"] = [after_trace_from, after_trace_to]
+      out["rss_samples"] = [(round(t, 3), r) for t, r in rss.samples
+                            if after_trace_from <= t <= after_trace_to]
   out["load_avg"] = os.getloadavg()
   return out
 
 
 _PASS = re.compile(r"meta_optimizer\.cc:\d+\] (\S+?)(?:\{.*\})?: Graph size after: .* "
                    r"time = ([\d.]+)ms")
+
+_STAMP = re.compile(r"^I\d{4} \d\d:\d\d:(\d+\.\d+)\s+\d+ meta_optimizer\.cc", re.M)
 
 _SIZE = re.compile(r"meta_optimizer\.cc:\d+\] \S+: Graph size after: (\d+) nodes \((-?\d+)\)")
 
@@ -203,6 +295,19 @@ def _grappler(a):
                                sorted(by_pass.items(), key=lambda kv: -kv[1])[:8]}
   out["first_run_excess_s"] = round(out["after_trace_s"] - out["grappler_s"]
                                     - out["second_step_s"], 2)
+  samples = out.pop("rss_samples", None)
+  stamps = [float(t) for t in _STAMP.findall(r.stderr)]
+  if samples and stamps:   # the after-trace samples split at the Grappler log's first/last line
+    start, end = out.pop("rss_after_trace_window")
+    g0, g1 = min(stamps), max(stamps)
+    split = {}
+    for name, lo, hi in (("before_grappler", start, g0), ("grappler", g0, g1),
+                         ("after_grappler", g1, end)):
+      got = [r for t, r in samples if lo <= t <= hi]
+      split[name] = {"peak_mib": round(max(got) / 1024) if got else None,
+                     "end_mib": round(got[-1] / 1024) if got else None,
+                     "s": round(hi - lo, 2)}
+    out["rss_after_trace_split"] = split
   del a
   return out
 
@@ -220,6 +325,8 @@ def main():
   p.add_argument("--grappler-child", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--op-sources", type=int, default=0,
                  help="print this many tf_dpiter functions that created the most ops")
+  p.add_argument("--rss", action="store_true",
+                 help="resident memory (VmHWM / VmRSS) by phase")
   p.add_argument("--cprofile", type=int, default=0,
                  help="print this many functions of the trace's cProfile (cumulative)")
   a = p.parse_args()

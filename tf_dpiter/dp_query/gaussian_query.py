@@ -144,23 +144,33 @@ def _noised_stream(generator, leaves, order, stddev, out):
     offsets.append(o)
     o += n
   previous, first = [], 0   # first: the first leaf (in `order`) not fully noised yet
+  shapes = {}   # one shape constant per distinct leaf shape
   for start in range(0, total, block):
     n = min(block, total - start)
     with tf.control_dependencies(previous):
       halves = draw_full() if n == block else _noise(generator, n, tf.float32, stddev)
     previous = []
+    spans = []   # (j, lo, hi): leaf order[j] takes stream values [lo, hi) of this draw
     j = first
     while j < len(order) and offsets[j] < start + n:
+      lo, hi = max(offsets[j], start), min(offsets[j] + sizes[j], start + n)
+      spans.append((j, lo, hi))
+      j += 1
+    pieces = _stream_pieces(halves, [(lo - start, hi - start) for _, lo, hi in spans])
+    for (j, lo, hi), piece in zip(spans, pieces):
       i, a, size = order[j], offsets[j], sizes[j]
-      lo, hi = max(a, start), min(a + size, start + n)
-      piece = _stream_piece(halves, lo - start, hi - start)
       if lo == a and hi == a + size:   # the whole leaf in this draw: one addition, the piece
-        # viewed in the leaf's (static) shape (no flat copy of the leaf and back: 2 ops fewer)
-        noised = tf.cast(leaves[i], tf.float32) + tf.reshape(piece, leaves[i].shape)
+        # viewed in the leaf's (static) shape (a 1-D leaf takes it as it is)
+        shape = leaves[i].shape
+        if shape.rank != 1:
+          key = tuple(shape.as_list())
+          if key not in shapes:
+            shapes[key] = tf.constant(key, tf.int32)
+          piece = tf.reshape(piece, shapes[key])
+        noised = tf.cast(leaves[i], tf.float32) + piece
         previous.append(noised)
         out[i] = tf.cast(noised, leaves[i].dtype)
         first = j + 1
-        j += 1
         continue
       if i not in flats:   # across draws: into its own buffer, block by block
         flats[i] = tf.reshape(tf.cast(leaves[i], tf.float32), [-1])
@@ -171,22 +181,64 @@ def _noised_stream(generator, leaves, order, stddev, out):
       if hi == a + size:   # done: back to the leaf's shape and dtype
         out[i] = tf.cast(tf.reshape(flats[i], tf.shape(leaves[i])), leaves[i].dtype)
         first = j + 1
-      j += 1
   return previous
 
 
-def _stream_piece(halves, lo, hi):
-  """Values [lo, hi) of one draw given as its two halves (`randomness.padded_normal_halves`:
-  value v is halves[0][v] below m, else halves[1][v - m]): a slice of one half (a view of
-  its buffer when lo is a multiple of 16), or, for the one piece of a draw that crosses m,
-  the two slices joined."""
+# Stream offsets that are multiples of this many float32 values start a piece at a 64-byte
+# boundary: TensorFlow's CPU split and slice kernels then return a view of the draw's buffer
+# (an unaligned cut copies; a split copies every output if one cut is unaligned).
+_ALIGNED_VALUES = 16
+
+
+def _stream_pieces(halves, spans):
+  """The values [lo, hi) of one draw for each (lo, hi) of `spans` (consecutive spans from
+  0, ascending), the draw given as its two halves (`randomness.padded_normal_halves`: value
+  v is halves[0][v] below m, else halves[1][v - m]).
+
+  Each half is cut by one split at the spans' aligned boundaries (views of its buffer: one
+  op for all the pieces instead of a slice and its 2 constants per piece); a span that
+  starts or ends off the alignment is sliced from its aligned segment (a copy, as an
+  unaligned slice is), and the one span that crosses m is its two parts joined.
+
+  Args:
+    halves: the draw's two float32 halves, each [m] (m static, a multiple of 16).
+    spans: a list of (lo, hi) ints, 0 <= lo < hi <= 2m, each lo the previous hi (the first 0).
+
+  Returns:
+    a list of 1-D float32 tensors, one per span, of sizes hi - lo.
+  """
   m = int(halves[0].shape[0])
-  if hi <= m:   # tf.slice: one op and 2 constants (a strided slice takes 3)
-    return tf.slice(halves[0], [lo], [hi - lo])
-  if lo >= m:
-    return tf.slice(halves[1], [lo - m], [hi - lo])
-  return tf.concat([tf.slice(halves[0], [lo], [m - lo]), tf.slice(halves[1], [0], [hi - m])],
-                   0)
+  parts = []   # per half: the spans' parts (lo, hi) in half coordinates
+  for h, (h_lo, h_hi) in enumerate(((0, m), (m, 2 * m))):
+    parts.append([(max(lo, h_lo) - h_lo, min(hi, h_hi) - h_lo) for lo, hi in spans
+                  if lo < h_hi and hi > h_lo])
+  cut = []   # per half: {aligned cut point: segment tensor starting there}
+  for h, half_parts in enumerate(parts):
+    points = sorted({p for lo, hi in half_parts for p in (lo, hi)
+                     if 0 < p < m and p % _ALIGNED_VALUES == 0} | {0, m})
+    if len(points) == 2:
+      cut.append(([0], [halves[h]]))
+      continue
+    sizes = [b - a for a, b in zip(points[:-1], points[1:])]
+    cut.append((points[:-1], tf.split(halves[h], sizes, 0)))
+
+  def part(h, lo, hi):   # values [lo, hi) of half h
+    starts, segments = cut[h]
+    k = max(i for i, s in enumerate(starts) if s <= lo)
+    seg = segments[k]
+    if lo == starts[k] and hi - lo == int(seg.shape[0]):
+      return seg
+    return tf.slice(seg, [lo - starts[k]], [hi - lo])   # off the alignment: a copy
+
+  out = []
+  for lo, hi in spans:
+    if hi <= m:
+      out.append(part(0, lo, hi))
+    elif lo >= m:
+      out.append(part(1, lo - m, hi - m))
+    else:
+      out.append(tf.concat([part(0, lo, m), part(1, 0, hi - m)], 0))
+  return out
 
 
 def _noised_leaf(generator, leaf, stddev):
