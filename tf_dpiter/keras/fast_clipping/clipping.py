@@ -164,34 +164,33 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   ({id(unit): sum_fn or the FactorSums})."""
   sq = None   # the first part is the running sum (no zeros tensor)
   per_example, normed, sum_fns = {}, set(), {}
-  for u, start, n in ghost:
-    rec = u.records[0]
-    grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
-    with registry.examples_per_record(k):
+  with registry.examples_per_record(k):   # the records of every norm function and sum below
+    for u, start, n in ghost:
+      rec = u.records[0]
+      grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
       res = rec["sqr_norm_fn"](grads_w)
-    if isinstance(res, registry.PerExampleGrads):
-      per_example[id(u)] = list(res.grads)
-      normed.add(id(u))
-      res = res.sqr_norms
-    elif isinstance(res, registry.PerExampleBlock):
-      per_example[id(u)] = res
-      normed.add(id(u))
-      res = res.sqr_norms
-    elif isinstance(res, registry.GhostSums):
-      sum_fns[id(u)] = res.sum_fn
-      res = res.sqr_norms
-    elif isinstance(res, registry.FactorSums):
-      sum_fns[id(u)] = res
-      res = res.sqr_norms
-    sq = algebra.add_norms(sq, res)
-  for u, rec, start, n in vect:
-    g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
-    with registry.examples_per_record(k):
+      if isinstance(res, registry.PerExampleGrads):
+        per_example[id(u)] = list(res.grads)
+        normed.add(id(u))
+        res = res.sqr_norms
+      elif isinstance(res, registry.PerExampleBlock):
+        per_example[id(u)] = res
+        normed.add(id(u))
+        res = res.sqr_norms
+      elif isinstance(res, registry.GhostSums):
+        sum_fns[id(u)] = res.sum_fn
+        res = res.sqr_norms
+      elif isinstance(res, registry.FactorSums):
+        sum_fns[id(u)] = res
+        res = res.sqr_norms
+      sq = algebra.add_norms(sq, res)
+    for u, rec, start, n in vect:
+      g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
       g = [tf.cast(registry.record_sum(t), tf.float32) for t in g]
-    if id(u) in per_example:
-      per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
-    else:
-      per_example[id(u)] = g
+      if id(u) in per_example:
+        per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
+      else:
+        per_example[id(u)] = g
   for uid, gs in per_example.items():
     if uid in normed:
       continue
