@@ -273,29 +273,34 @@ class Wrap(keras.layers.Layer):
   def call(self, x):
     return tf.matmul(x, self.inner.kernel)   # its planned sublayer is never called
 
-inp = keras.Input((4,)); w = Wrap()
+inp = keras.Input((4,)); w = Wrap(name="wrap")
 model = dp.keras.DPModel(inp, w(inp)); dp.keras.declare_per_example(w, "rows alone")
-opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, normalize=False,
-                                   clipping="fast")
-model.compile(optimizer=opt, loss=lambda yt, yp: tf.reduce_sum(yt * yp, -1))
-opt.set_sampling(100, 0.06, "poisson", 6)
 rng = np.random.RandomState(0)
 x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 3)).astype("float32")
-for rows in (6, 5):   # 5: a retrace with an unknown batch size (the physical-chunk probe)
-  try:
-    model.train_on_batch(x[:rows], y[:rows])
-  except dp.DPiterError as e:
-    print("REFUSED", type(e).__name__)
-    break
+for clipping in ("fast", "auto"):
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, normalize=False,
+                                     clipping=clipping)
+  model.compile(optimizer=opt, loss=lambda yt, yp: tf.reduce_sum(yt * yp, -1))
+  opt.set_sampling(100, 0.06, "poisson", 6)
+  for rows in (6, 5):   # 5: a retrace with an unknown batch size (the physical-chunk probe)
+    before = np.array(w.inner.kernel)
+    try:
+      model.train_on_batch(x[:rows], y[:rows])
+    except dp.DPiterError as e:
+      print("REFUSED", clipping, type(e).__name__, str(e))
+      break
+    print("MOVED", clipping, rows, float(np.max(np.abs(np.array(w.inner.kernel) - before))) > 0)
 print("FINISHED")
 """
 
 
-def test_graph_step_with_a_planned_layer_never_called_finishes():
+def test_graph_step_with_a_planned_layer_never_called_is_refused_or_routed():
   """A declared layer that uses its Dense sublayer's kernel without calling the sublayer:
-  the plan has a ghost unit that records nothing, so the physical-chunk probe measures 0
-  kept bytes per example. A retrace with an unknown batch size must finish (a step or a
-  refusal), in a child process with a time limit."""
+  the plan has a ghost unit that records nothing, and the fast path's update of that kernel
+  was silently zero. clipping="fast" now refuses at trace time naming the variable;
+  clipping="auto" takes the vectorized path, whose update moves the kernel, also after a
+  retrace with an unknown batch size (in a child process with a time limit: the
+  physical-chunk probe once looped on 0 kept bytes)."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
              TF_CPP_MIN_LOG_LEVEL="3")
@@ -305,3 +310,8 @@ def test_graph_step_with_a_planned_layer_never_called_finishes():
   except subprocess.TimeoutExpired:
     pytest.fail("the step did not return within 60 s (budget.kept_chunk(0, k) loops)")
   assert "FINISHED" in out.stdout, out.stderr[-2000:]
+  refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
+  assert len(refused) == 1 and refused[0].startswith("REFUSED fast PrivacyConfigError")
+  assert "'wrap/dense/kernel'" in refused[0] and "clipping='vectorized'" in refused[0]
+  assert "MOVED fast" not in out.stdout
+  assert "MOVED auto 6 True" in out.stdout and "MOVED auto 5 True" in out.stdout

@@ -49,6 +49,7 @@ cross-entropy's [B, T, V] backprop among them) until that pass.
 """
 
 import numbers
+import warnings
 import weakref
 
 import tensorflow as tf
@@ -290,15 +291,40 @@ def _units_kept_bytes(units):
   return total
 
 
+def _rows_spec(t, k):
+  """tf.TensorSpec of k rows of a batched tensor, spec or Keras tensor; None for what has no
+  leading batch axis."""
+  shape = getattr(t, "shape", None)
+  dtype = getattr(t, "dtype", None)
+  if shape is None or dtype is None:
+    return None
+  shape = tf.TensorShape(shape)
+  if shape.rank is None or shape.rank < 1:
+    return None
+  return tf.TensorSpec([k] + shape[1:].as_list(), tf.as_dtype(dtype))
+
+
 def _probe(model, inputs, grouped, k):
-  """(kept bytes per example or None, output signature): a forward pass of one record (k
-  examples) traced, never run, with the layers recorded as clipped_grad_sum records them;
-  the output signature is a nest of tf.TensorSpec of one example of each model output.
-  None where an input is not a batched tensor of known shape."""
+  """(kept bytes per example or None, output signature) of `_probe_pass` ((None, None)
+  where an input has no leading batch axis)."""
+  found = _probe_pass(model, inputs, grouped, k)
+  return (None, None) if found is None else found[:2]
+
+
+def _probe_pass(model, inputs, grouped, k):
+  """(kept bytes per example or None, output signature, unrecorded uses), or None where an
+  input has no leading batch axis: a forward pass of one record (k examples) traced, never
+  run, with the layers recorded as clipped_grad_sum records them. The output signature is a
+  nest of tf.TensorSpec of one example of each model output; the kept bytes are None where a
+  size is unknown; the unrecorded uses are recording.unrecorded_uses of the pass (variables
+  read outside their unit's recorded calls). Kept per model, input signature, trained
+  variables and registered rules."""
   flat = tf.nest.flatten(inputs)
-  if not flat or any(_example_bytes(t) in (None, 0) for t in flat):
-    return None, None
-  key = (grouped, k, tuple((tuple(t.shape[1:].as_list()), t.dtype.name) for t in flat))
+  specs = [_rows_spec(t, k) for t in flat]
+  if not flat or any(s is None for s in specs):
+    return None
+  key = (grouped, k, tuple((tuple(s.shape[1:].as_list()), s.dtype.name) for s in specs),
+         tuple(id(v) for v in model.trainable_variables), registry.RULES_VERSION)
   ref, seen = _PROBES.get(id(model), (None, {}))
   if ref is None or ref() is not model:
     seen = {}
@@ -309,20 +335,90 @@ def _probe(model, inputs, grouped, k):
     def forward(*xs):
       units = plan_lib.plan(model, grouped=grouped)
       with recording.CALL_LOCK:
-        installed = recording.install(units)
+        installed = recording.install(units, track_uses=True)
         try:
           outputs = model(tf.nest.pack_sequence_as(inputs, list(xs)), training=True)
         finally:
           recording.uninstall(installed)
-      found.append((_units_kept_bytes(units),
+      known = all(_example_bytes(x) is not None for x in xs)
+      found.append((_units_kept_bytes(units) if known else None,
                     tf.nest.map_structure(lambda o: tf.TensorSpec(o.shape[1:], o.dtype),
-                                          outputs)))
+                                          outputs),
+                    recording.unrecorded_uses(units)))
       return tf.constant(0)
 
-    tf.function(forward, autograph=False).get_concrete_function(
-        *[tf.TensorSpec([k] + t.shape[1:].as_list(), t.dtype) for t in flat])
+    tf.function(forward, autograph=False).get_concrete_function(*specs)
     seen[key] = found[0]
   return seen[key]
+
+
+def unrecorded_variable_uses(model, inputs):
+  """The trained variables the fast path would read outside their unit's recorded calls.
+
+  A unit's per-example norm and its clipped sum are formed from the layer's recorded calls
+  (Li et al., "Large language models can be strong differentially private learners",
+  Section 4; Bu et al., "Differentially private optimization on large model at small cost",
+  Section 3). A variable also read elsewhere in the forward pass (another layer computing
+  `h @ embedding.embeddings^T`, a layer reading a sublayer's kernel without calling it) has
+  gradient terms no recorded call produces: book-keeping leaves them out of the update
+  (silently wrong), a second backward pass puts them in the sum but not in the norm (the
+  clip no longer bounds one example). Found from one forward pass of one example traced
+  (never run, kept per model and input signature; shared with the physical-chunk probe):
+  every graph operation consuming a variable's handle must have been created inside one of
+  its unit's recorded calls.
+
+  Args:
+    model: a built keras.Model.
+    inputs: a nest of tensors, tf.TensorSpec or Keras tensors shaped like a batch
+      (leading batch axis), or None (the model's own inputs, when it has them).
+
+  Returns:
+    a list of (layer name, variable path, operation types of the outside uses), empty when
+    every use is recorded; None when the inputs are unknown (not checked).
+  """
+  if inputs is None:
+    try:
+      inputs = model.inputs
+    except (AttributeError, ValueError):
+      return None
+    if not inputs:
+      return None
+    if len(inputs) == 1:
+      inputs = inputs[0]
+  found = _probe_pass(model, inputs, False, 1)
+  return None if found is None else found[2]
+
+
+def describe_unrecorded(uses):
+  """A sentence naming the variables used outside their layer's call and what to do.
+
+  Args:
+    uses: the non-empty list `unrecorded_variable_uses` returned.
+
+  Returns:
+    str.
+  """
+  named = "; ".join(f"variable {path!r} of layer {layer!r} (read by {list(ops)})"
+                    for layer, path, ops in uses)
+  return (f"trainable variables are used outside their layer's own call: {named}. The fast "
+          "path forms each layer's per-example gradient norm from the layer's calls only, so "
+          "those uses would be left out of the clipped update. Call the layer instead of "
+          "reading its variable (for an output projection tied to an embedding, use "
+          "keras_hub.layers.ReversibleEmbedding and call it with reverse=True), or use "
+          "clipping='vectorized'")
+
+
+def warn_unrecorded(uses, stacklevel=4):
+  """Warns that clipping="auto" takes the vectorized path because of `uses`.
+
+  Args:
+    uses: the non-empty list `unrecorded_variable_uses` returned.
+    stacklevel: for warnings.warn.
+  """
+  warnings.warn(
+      f"{describe_unrecorded(uses)}. Under clipping='auto' the private step takes the "
+      "vectorized path (each example's gradient computed alone: exact, slower)",
+      UserWarning, stacklevel=stacklevel)
 
 
 def _physical_chunk(model, inputs, k):
@@ -465,6 +561,10 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   scale = routing.loss_scale(model)
   _check_variant(variant, scale)
   units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
+  uses = unrecorded_variable_uses(model, inputs)
+  if uses:
+    raise PrivacyConfigError(f"clipped_grad_sum cannot clip this model exactly: "
+                             f"{describe_unrecorded(uses)}")
   chunking = _physical_chunk(model, inputs, k) if chunked else None
   if chunking is not None:
     grads, norms, outputs, raw_losses = _chunked_grad_sum(

@@ -91,6 +91,13 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
   if blocked:
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
+  # a variable read outside its layer's recorded calls (a tied projection): its use would
+  # be left out of the clipped sum; "auto" warns once per traced step and routes
+  uses = fast_clipping.unrecorded_variable_uses(model, input_specs)
+  if uses:
+    if step.flags.clipping == "auto":
+      fast_clipping.warn_unrecorded(uses)
+    return fast_clipping.describe_unrecorded(uses)
   # second line of defence: the probe, at the batch size fit really uses, on random inputs
   # and on the first rows of fit's data
   mixing = batch_independence.probe_at_batch_size(model, input_specs, step)
