@@ -347,16 +347,17 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
     sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
 
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
-    factors = tf.cast(example_factors, tf.float32)
-    from_g = lambda: form.to_kernel(_factor_rows(factors, g))
-    by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
-                                                     dilation, padding)
-    kernel = budget.by_keep(keep, from_g, by_bookkeeping)
-    sums = [tf.reshape(kernel, layer.kernel.shape)]
-    if bias_on:
-      db = algebra.drop_rows(db_e, factors)
-      sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
-    return sums
+    with tf.name_scope(_scope_name(layer, form_name, "sum")):
+      factors = tf.cast(example_factors, tf.float32)
+      from_g = lambda: form.to_kernel(_factor_rows(factors, g))
+      by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
+                                                       dilation, padding)
+      kernel = budget.by_keep(keep, from_g, by_bookkeeping)
+      sums = [tf.reshape(kernel, layer.kernel.shape)]
+      if bias_on:
+        db = algebra.drop_rows(db_e, factors)
+        sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
+      return sums
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
@@ -472,6 +473,25 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
   return tf.reduce_sum(ga * gb, axis=[1, 2])
 
 
+def _scope_name(layer, form, part):
+  """The name scope of a convolution's norm or sum ops: the layer's name, its form
+  ("foldgram", "depthwise", "filter", "unfold" for the unfolded patches) and the part, so that
+  a profile of the step (benchmarks/fit_step_split.py) attributes each op to its layer and form.
+
+  Args:
+    layer: the convolution layer.
+    form: the form chosen by _choose_form (None: the unfolded patches).
+    part: "norm" or "sum".
+
+  Returns:
+    str, a valid name scope ("conv2d_1_depthwise_norm").
+  """
+  name = "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in layer.name)
+  if not name[:1].isalnum():   # a scope starts with a letter or digit
+    name = "conv" + name
+  return f"{name}_{form or 'unfold'}_{part}"
+
+
 def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
   """The sqr_norm_fn of a 2-D view of the convolution: x4 [B, H, W, cin] its input,
   dz4_fn maps the watched gradient to [B, ho, wo, cout], padding "same"/"valid"."""
@@ -489,6 +509,10 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
     if not kernel_on:
       return algebra.result(layer, algebra.sqr_sum(db), {id(layer.bias): db})
     form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
+    with tf.name_scope(_scope_name(layer, form, "norm")):   # profiles name layer and form
+      return _conv_norm(form, dz4, db)
+
+  def _conv_norm(form, dz4, db):
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
       k = registry.current_examples_per_record()
       m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride), k, 1 << 30)

@@ -1,0 +1,162 @@
+"""Where the DP `model.fit` step's op time goes, part by part, against the non-private step
+(issue 42, item 2).
+
+  TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/fit_step_split.py [--model cnn]
+      [--configs dp_spe1,nonprivate_spe1] [--steps 64] [--batch 256] [--jit 0|1]
+
+For each configuration of benchmarks/fit_step_time.py in --configs (dp_spe1: DP fit on Poisson
+samples; nonprivate_spe1; dp_fixed_batch, nonprivate_fixed_batch, dp_padded), one process fits
+two warm-up epochs, then profiles one epoch of --steps steps with `tf.profiler.experimental`
+(TensorFlow's "framework_op_stats" table, as benchmarks/fit_op_profile.py reads it) and sums
+the ops' self time per step into the parts of the step (`split`):
+  forward                the layers' forward pass
+  backward               the backward pass to the layers' inputs and outputs (input gradients,
+                         activations' and pooling's gradients)
+  weight_grad            whole-batch weight gradients taken by the tape (the non-private
+                         step's kernel gradients; in the DP step the book-keeping sums that
+                         the tape forms: one filter gradient of the clip-weighted output
+                         gradients, Bu et al., "Differentially private optimization on large
+                         model at small cost", Sec. 3)
+  norm:LAYER:FORM        a convolution's per-example norms (rules/conv.py names their ops
+                         LAYER_FORM_norm: forms depthwise, foldgram, filter, unfold)
+  sum:LAYER:FORM         a convolution's clipped sum from its kept per-example gradients
+  norms_other            the other layers' norms and the clip factors
+  clipped_sum_other      the other layers' clipped sums
+  noise                  random draws and the Gaussian transform
+  input                  the tf.data pipeline (sampling, batching)
+  other                  the rest (update, ledger, loss)
+Self times are summed over threads (an op on 2 cores can exceed its wall time) and the
+machine may be shared: compare parts within one run, DP against non-private. Prints one JSON
+line: per configuration the parts in ms per step, and the DP - non-private difference per part
+for the first two configurations.
+"""
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+
+# An op's part from its name (the tf.function's call prefix removed) and type.
+_CONV_SCOPE = re.compile(r"(?:^|/)([\w.-]+?)_(depthwise|foldgram|filter|unfold)_(norm|sum)/")
+_WEIGHT_GRAD_TYPES = ("Conv2DBackpropFilter", "DepthwiseConv2dNativeBackpropFilter",
+                      "BiasAddGrad")
+_NOISE_TYPES = ("Random", "Cos", "Sin", "Log", "Sqrt", "Philox")
+
+
+def part_of(op_type, name):
+  """The part of the step (module docstring) an op belongs to.
+
+  Args:
+    op_type: the op's type as the profiler gives it ("_MklNativeFusedConv2D", "Dataset", ...).
+    name: the op's full name.
+
+  Returns:
+    str, the part's key.
+  """
+  n = name.replace("StatefulPartitionedCall/", "")
+  conv = _CONV_SCOPE.search(n)
+  if conv:
+    return f"{conv.group(3)}:{conv.group(1)}:{conv.group(2)}"
+  if op_type == "Dataset" or n.startswith("Iterator"):
+    return "input"
+  if n.startswith("norms"):
+    return "norms_other"
+  if n.startswith("clipped_sum"):
+    return "clipped_sum_other"
+  if n.startswith("gradient_tape/"):
+    plain = op_type.lstrip("_").replace("MklNative", "").replace("Mkl", "")
+    # A dense layer's kernel gradient is the second product of MatMul's gradient (x^T dy).
+    weight = (plain.startswith(_WEIGHT_GRAD_TYPES) if "MatMul" not in plain
+              else n.endswith("/MatMul/MatMul_1"))
+    return "weight_grad" if weight else "backward"
+  if n.startswith("forward") or re.match(r"(dp_)?sequential(_\d+)?/", n):
+    return "forward"
+  if any(t in op_type for t in _NOISE_TYPES) or "stateful_uniform" in n:
+    return "noise"
+  return "other"
+
+
+def split(ops):
+  """{part: ms per step} of a profile's op table.
+
+  Args:
+    ops: [(op type, op name, self ms per step, occurrences per step)], the profiler's rows
+      (the "IDLE" row left out).
+
+  Returns:
+    dict, parts sorted by time (largest first), ms rounded to 3 decimals, with "total".
+  """
+  parts = collections.Counter()
+  for op_type, name, ms, _ in ops:
+    if op_type != "IDLE":
+      parts[part_of(op_type, name)] += ms
+  out = {k: round(v, 3) for k, v in parts.most_common()}
+  out["total"] = round(sum(parts.values()), 3)
+  return out
+
+
+def _child(a):
+  """Profile one configuration (a.configs holds one name); prints its split as JSON."""
+  warnings.simplefilter("ignore")
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import fit_op_profile  # pylint: disable=g-import-not-at-top
+  import fit_step_time  # pylint: disable=g-import-not-at-top
+  configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
+      ["--steps", str(a.steps), "--spe", "1", "--extra", "--batch", str(a.batch),
+       "--jit", str(a.jit)]))
+  if a.configs not in configs:
+    raise ValueError(f"`--configs` must name configurations of {sorted(configs)}. "
+                     f"Received: configs={a.configs!r}")
+  model, kw = configs[a.configs]
+  model.fit(**kw, epochs=2, verbose=0)
+  with tempfile.TemporaryDirectory() as logdir:
+    tf.profiler.experimental.start(logdir)
+    model.fit(**kw, epochs=1, verbose=0)
+    tf.profiler.experimental.stop()
+    xplane = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
+    ops = fit_op_profile._op_table(xplane, a.steps, 100000)  # pylint: disable=protected-access
+  print(json.dumps(split(ops)), flush=True)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--model", default="cnn", choices=["cnn", "mlp", "transformer"])
+  p.add_argument("--configs", default="dp_spe1,nonprivate_spe1")
+  p.add_argument("--steps", type=int, default=64)
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--jit", type=int, default=0)
+  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  a = p.parse_args()
+  if a.child:
+    _child(a)
+    return
+  load_start = os.getloadavg()
+  out = {}
+  for name in a.configs.split(","):   # one process per configuration: its own profiler
+    argv = [sys.executable, os.path.abspath(__file__), "--child", "--configs", name,
+            "--model", a.model, "--steps", str(a.steps), "--batch", str(a.batch),
+            "--jit", str(a.jit)]
+    res = subprocess.run(argv, capture_output=True, text=True, check=True)
+    out[name] = json.loads(res.stdout.strip().splitlines()[-1])
+  names = list(out)
+  diff = {}
+  if len(names) >= 2:
+    dp, plain = out[names[0]], out[names[1]]
+    diff = {k: round(dp.get(k, 0.0) - plain.get(k, 0.0), 3) for k in {**dp, **plain}}
+    diff = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
+  print(json.dumps({"model": a.model, "batch": a.batch, "steps": a.steps, "jit": a.jit,
+                    "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                    "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+                    "ms_per_step": out, "difference_first_minus_second": diff}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
