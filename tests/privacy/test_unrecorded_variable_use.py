@@ -140,10 +140,10 @@ def _independent(model, x, y):
   return total
 
 
-def _compile(model, clipping, jit=False):
+def _compile(model, clipping, jit=False, eager=False):
   opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0, normalize=False,
                                      clipping=clipping)
-  model.compile(optimizer=opt, loss=_loss, jit_compile=jit)
+  model.compile(optimizer=opt, loss=_loss, jit_compile=jit, run_eagerly=eager)
   opt.set_sampling(100, 0.05, "poisson", 5)
   return opt
 
@@ -198,10 +198,11 @@ def test_auto_routes_to_the_vectorized_path_exactly_with_one_warning(case):
   assert _route(opt, model, x) == "vectorized"
 
 
-def test_auto_routed_tied_embedding_under_xla_is_exact_and_bounded():
+@pytest.mark.parametrize("mode", ["xla", "run_eagerly"])
+def test_auto_routed_tied_embedding_is_exact_and_bounded(mode):
   model, kind, _ = _model("tied_matmul")
   x, y = _data(model, kind)
-  opt = _compile(model, "auto", jit=True)
+  opt = _compile(model, "auto", jit=mode == "xla", eager=mode == "run_eagerly")
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     _check_exact_and_bounded(model, x, y)
