@@ -31,3 +31,16 @@ def test_the_train_function_entry_is_fits_step_without_train_on_batchs_guards():
   assert not files & {"keras/model/models.py", "keras/optimizer/saved_ledger.py"}
   assert ("ledger/privacy_ledger.py", "append_sample") in calls
   assert ("keras/optimizer/optimizers.py", "apply_private_gradients") in calls
+  # the step owns its variables (no state module of its own), and what it knows of its
+  # query's class is read once per query, not at every step
+  assert not any(f.endswith("step_state.py") for f in files)
+  assert ("dp_query/gaussian_query.py", "adds_scaled_noise") not in calls
+
+
+def test_the_fast_step_reads_per_layer_facts_once():
+  calls = step_call_walk.walk("fast", "train_function")
+  # the Dense rule reads which of W and b are trained itself, once per call; the records
+  # context is entered once for all the layers' norms
+  assert ("keras/fast_clipping/algebra.py", "trainable") not in calls
+  assert calls.count(("keras/fast_clipping/registry.py", "__enter__")) == 1
+  assert ("keras/fast_clipping/rules/dense.py", "dense_norm_fn") in calls
