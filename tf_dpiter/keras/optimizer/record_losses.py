@@ -26,10 +26,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 
 
-def _mask_of(t):
-  return keras_internals.keras_mask(t)
-
-
 def record_weights(example_mask, sample_weight):
   """Keras sample weights of a record's k examples (a nest like `sample_weight`).
 
@@ -116,7 +112,7 @@ def compiled_record_losses(model, y_true, y_pred, weights):
     raise ParameterValueError("the model was compiled without a loss: compile(loss=...) is needed for "
                               "DP training (the per-record loss is what the compiled loss gives)")
   yp_flat = tf.nest.flatten(y_pred)
-  masks = [_mask_of(t) for t in yp_flat]
+  masks = [keras_internals.keras_mask(t) for t in yp_flat]
   others = [tf.nest.flatten(y_true), [m for m in masks if m is not None],
             tf.nest.flatten(weights)]
   sizes = [len(x) for x in others]
