@@ -2,13 +2,14 @@
 (issue 42, item 2).
 
   TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/fit_step_split.py [--model cnn]
-      [--configs dp_spe1,nonprivate_spe1] [--steps 64] [--batch 256] [--jit 0|1]
+      [--configs dp_spe1,nonprivate_spe1] [--steps 64] [--batch 256] [--jit 0|1] [--rounds 3]
 
-For each configuration of benchmarks/fit_step_time.py in --configs (dp_spe1: DP fit on Poisson
-samples; nonprivate_spe1; dp_fixed_batch, nonprivate_fixed_batch, dp_padded), one process fits
-two warm-up epochs, then profiles one epoch of --steps steps with `tf.profiler.experimental`
-(TensorFlow's "framework_op_stats" table, as benchmarks/fit_op_profile.py reads it) and sums
-the ops' self time per step into the parts of the step (`split`):
+The configurations of benchmarks/fit_step_time.py in --configs (dp_spe1: DP fit on Poisson
+samples; nonprivate_spe1; dp_fixed_batch, nonprivate_fixed_batch, dp_padded) are built in ONE
+process and fit two warm-up epochs each; then --rounds rounds, the configurations alternated,
+each profile one epoch of --steps steps with `tf.profiler.experimental` (TensorFlow's
+"framework_op_stats" table, as benchmarks/fit_op_profile.py reads it). The ops' self time per
+step is summed into the parts of the step (`split`; figure: the median over rounds):
   forward                the layers' forward pass
   backward               the backward pass to the layers' inputs and outputs (input gradients,
                          activations' and pooling's gradients)
@@ -37,7 +38,7 @@ import glob
 import json
 import os
 import re
-import subprocess
+import statistics
 import sys
 import tempfile
 import warnings
@@ -101,28 +102,16 @@ def split(ops):
   return out
 
 
-def _child(a):
-  """Profile one configuration (a.configs holds one name); prints its split as JSON."""
-  warnings.simplefilter("ignore")
+def _profile_split(model, kw, steps):
+  """{part: ms per step} of one profiled epoch of `model.fit(**kw)`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import fit_op_profile  # pylint: disable=g-import-not-at-top
-  import fit_step_time  # pylint: disable=g-import-not-at-top
-  configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
-      ["--steps", str(a.steps), "--spe", "1", "--extra", "--batch", str(a.batch),
-       "--jit", str(a.jit)]))
-  if a.configs not in configs:
-    raise ValueError(f"`--configs` must name configurations of {sorted(configs)}. "
-                     f"Received: configs={a.configs!r}")
-  model, kw = configs[a.configs]
-  model.fit(**kw, epochs=2, verbose=0)
   with tempfile.TemporaryDirectory() as logdir:
     tf.profiler.experimental.start(logdir)
     model.fit(**kw, epochs=1, verbose=0)
     tf.profiler.experimental.stop()
     xplane = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
-    ops = fit_op_profile._op_table(xplane, a.steps, 100000)  # pylint: disable=protected-access
-  print(json.dumps(split(ops)), flush=True)
+    return split(fit_op_profile._op_table(xplane, steps, 100000))  # pylint: disable=protected-access
 
 
 def main():
@@ -133,27 +122,41 @@ def main():
   p.add_argument("--steps", type=int, default=64)
   p.add_argument("--batch", type=int, default=256)
   p.add_argument("--jit", type=int, default=0)
-  p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--rounds", type=int, default=3,
+                 help="profiled epochs per configuration, alternated (figure: the median)")
   a = p.parse_args()
-  if a.child:
-    _child(a)
-    return
+  warnings.simplefilter("ignore")
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import fit_step_time  # pylint: disable=g-import-not-at-top
   load_start = os.getloadavg()
+  configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
+      ["--steps", str(a.steps), "--spe", "1", "--extra", "--batch", str(a.batch),
+       "--jit", str(a.jit)]))
+  names = a.configs.split(",")
+  unknown = [n for n in names if n not in configs]
+  if unknown:
+    raise ValueError(f"`--configs` must name configurations of {sorted(configs)}. "
+                     f"Received: configs={a.configs!r}")
+  for name in names:
+    model, kw = configs[name]
+    model.fit(**kw, epochs=2, verbose=0)   # warm-up: tracing, first allocations
+  runs = {name: [] for name in names}
+  for _ in range(a.rounds):   # alternated in one process: the configurations see one load
+    for name in names:
+      model, kw = configs[name]
+      runs[name].append(_profile_split(model, kw, a.steps))
   out = {}
-  for name in a.configs.split(","):   # one process per configuration: its own profiler
-    argv = [sys.executable, os.path.abspath(__file__), "--child", "--configs", name,
-            "--model", a.model, "--steps", str(a.steps), "--batch", str(a.batch),
-            "--jit", str(a.jit)]
-    res = subprocess.run(argv, capture_output=True, text=True, check=True)
-    out[name] = json.loads(res.stdout.strip().splitlines()[-1])
-  names = list(out)
+  for name, splits in runs.items():
+    parts = {k for s in splits for k in s}
+    med = {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in parts}
+    out[name] = dict(sorted(med.items(), key=lambda kv: -kv[1]))
   diff = {}
   if len(names) >= 2:
     dp, plain = out[names[0]], out[names[1]]
     diff = {k: round(dp.get(k, 0.0) - plain.get(k, 0.0), 3) for k in {**dp, **plain}}
     diff = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
   print(json.dumps({"model": a.model, "batch": a.batch, "steps": a.steps, "jit": a.jit,
-                    "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                    "rounds": a.rounds, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
                     "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                     "ms_per_step": out, "difference_first_minus_second": diff}), flush=True)
 
