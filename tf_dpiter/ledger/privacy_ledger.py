@@ -47,6 +47,13 @@ def _cyclic_names():
   return tuple(p for p in policies.names() if policies.get(p).advances_cycle)
 
 
+def _cyclic_codes():
+  """The codes of `_cyclic_names()` (a tuple of floats; (-1.0,), no code, when none), read at
+  call time: the shared write functions take them as an argument, so a policy registered
+  later gives them a trace of their own."""
+  return tuple(float(policy_code(p)) for p in _cyclic_names()) or (-1.0,)
+
+
 def _f64(x):
   """float64 tensor; Python floats are converted at full precision (tf.cast would go via float32)."""
   return tf.cast(tf.convert_to_tensor(x, dtype_hint=tf.float64), tf.float64)
@@ -114,11 +121,54 @@ def _tensor_sensitivity_factor(relation, examples_per_record):
   return tf.where(_f64(examples_per_record) > 1.0, _f64(2.0), _f64(1.0))
 
 
+class _HandleVariable:
+  """A ledger variable inside the shared write functions: its resource handle (an argument of
+  the function, so that no trace refers to a ledger's variables) with the variable methods the
+  writes use, as the same resource ops."""
+
+  def __init__(self, handle, dtype, shape):
+    self.handle, self.dtype, self.shape = handle, dtype, tf.TensorShape(shape)
+
+  def read_value(self):
+    """The value (a tensor of the variable's dtype and shape)."""
+    value = tf.raw_ops.ReadVariableOp(resource=self.handle, dtype=self.dtype)
+    value.set_shape(self.shape)
+    return value
+
+  def __getitem__(self, key):
+    return self.read_value()[key]
+
+  def assign(self, value):
+    """Assigns `value` (any first dimension for a buffer); returns the op."""
+    return tf.raw_ops.AssignVariableOp(resource=self.handle,
+                                       value=tf.convert_to_tensor(value, self.dtype),
+                                       validate_shape=False)
+
+  def assign_add(self, delta):
+    """Adds `delta`; returns the new value."""
+    op = tf.raw_ops.AssignAddVariableOp(resource=self.handle,
+                                        value=tf.convert_to_tensor(delta, self.dtype))
+    with tf.control_dependencies([op]):
+      return self.read_value()
+
+  def sparse_read(self, indices):
+    """The rows `indices` (int64 [k])."""
+    return tf.raw_ops.ResourceGather(resource=self.handle, indices=indices, dtype=self.dtype)
+
+  def scatter_nd_update(self, indices, updates):
+    """Writes `updates` at `indices` ([k, 1]); returns the op."""
+    return tf.raw_ops.ResourceScatterNdUpdate(ref=self.handle, indices=indices,
+                                              updates=updates)
+
+
 class _Buffers:
   """One set of the ledger's variables (rows, counts, passes, cycle position); a plain object,
   so tf.Module does not track it (PrivacyLedger decides which set a checkpoint holds)."""
 
   NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position")
+  SPECS = {"samples": (tf.float64, [None, len(SAMPLE_COLUMNS)]),
+           "queries": (tf.float64, [None, len(QUERY_COLUMNS)]),
+           **{name: (tf.int64, []) for name in NAMES[2:]}}
 
   def __init__(self, cap, suffix=""):
     self.samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
@@ -135,14 +185,29 @@ class _Buffers:
     self.cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
                                       name="cycle_position" + suffix)
 
+  @classmethod
+  def of(cls, handles):
+    """The set whose variables' resource handles are `handles` (`handles()`): how the shared
+    write functions see their arguments."""
+    view = cls.__new__(cls)
+    for name, handle in zip(cls.NAMES, handles):
+      setattr(view, name, _HandleVariable(handle, *_Buffers.SPECS[name]))
+    return view
+
+  def handles(self):
+    """The resource handles of the set's variables in `NAMES` order (a tuple): the argument
+    of the shared write functions, which hold no variable of any ledger."""
+    return tuple(getattr(self, name).handle for name in self.NAMES)
+
   def rows(self):
     """(samples, queries) up to the counts (tensors)."""
     return (self.samples[:self.sample_count.read_value()],
             self.queries[:self.query_count.read_value()])
 
-  def assign_rows(self, samples, queries, passes):
-    """Ops writing rows (tensors) and a pass count; the cycle position follows the rows."""
-    cyclic = tf.constant([policy_code(p) for p in _cyclic_names()] or [-1.0], tf.float64)
+  def assign_rows(self, samples, queries, passes, cyclic_codes):
+    """Ops writing rows (tensors) and a pass count; the cycle position follows the rows: the
+    samples whose policy code is one of `cyclic_codes` (`_cyclic_codes()`)."""
+    cyclic = tf.constant(cyclic_codes, tf.float64)
     in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
     spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
     return [self.samples.assign(spare(samples)), self.queries.assign(spare(queries)),
@@ -193,6 +258,153 @@ def merged_arrays(current, restored):
   return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr)
 
 
+# The ledger's writes run in two functions shared by every ledger of the process: each takes
+# the resource handles of the two sets' variables as arguments (so it holds no ledger) and is
+# traced once per process and calling context. A train function's trace then holds one call
+# op, not the reconciliation's and the appends' conditionals built anew at every trace.
+
+def _ensure_capacity(buffer, needed):
+  """Doubles `buffer` (at least to `needed` rows) when it is too small.
+
+  Args:
+    buffer: a buffer of rows (`_HandleVariable`).
+    needed: the rows it must hold (int64 tensor).
+
+  Returns:
+    a bool tensor, True when it grew.
+  """
+  # VariableShape reads the shape without copying the buffer (tf.shape would read it all).
+  cap = tf.raw_ops.VariableShape(input=buffer.handle, out_type=tf.int64)[0]
+
+  def _grow():
+    new_cap = tf.maximum(2 * cap, needed)
+    pad = tf.zeros(tf.stack([new_cap - cap, tf.constant(buffer.shape[1], tf.int64)]), tf.float64)
+    buffer.assign(tf.concat([buffer.read_value(), pad], axis=0))
+    return tf.constant(True)
+
+  return tf.cond(needed > cap, _grow, lambda: tf.constant(False))
+
+
+def _reconcile(v, m, cyclic_codes):
+  """In-graph reconciliation of the checkpointed set `v` and the mirror `m` before a write.
+
+  The longer of the two sets when one is a prefix of the other (a restore of an earlier step
+  of this run: the mirror; a restore into a new ledger, or of a later step: the checkpointed
+  rows); two sets that diverge (another run's checkpoint restored into a ledger that recorded
+  steps) fail the step, since only the eager `PrivacyLedger.reconcile` can merge them. The
+  sets are compared by their counts, passes and last rows (reads of single rows: O(1) a
+  step); rows are read whole only when those differ.
+
+  Args:
+    v: the checkpointed `_Buffers`.
+    m: the mirror `_Buffers`.
+    cyclic_codes: `_cyclic_codes()`, for the cycle position of a set rewritten.
+
+  Returns:
+    the conditional's op (the writes depend on it).
+  """
+  counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
+            for b in (v, m)]
+
+  def last(buffer, n):   # the row before n (row 0 when n = 0: both then compare zeros)
+    return buffer.sparse_read(tf.reshape(tf.maximum(n - 1, 0), [1]))
+
+  same = [tf.equal(a, b) for a, b in zip(*counts)] + [
+      tf.reduce_all(tf.equal(last(v.samples, counts[0][0]), last(m.samples, counts[1][0]))),
+      tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1])))]
+
+  def fix():
+    (vs, vq), (ms, mq) = v.rows(), m.rows()
+    n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
+    nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
+    prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
+                            tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
+    check = tf.debugging.Assert(prefix, [
+        "the privacy ledger was restored from a checkpoint of another run after this "
+        "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
+        "use a new optimizer for the other run"])
+    passes = tf.maximum(counts[0][2], counts[1][2])
+    with tf.control_dependencies([check]):
+      return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0],
+                     lambda: tf.group(v.assign_rows(ms, mq, passes, cyclic_codes)),
+                     lambda: tf.group(m.assign_rows(vs, vq, passes, cyclic_codes)))
+
+  return tf.cond(tf.reduce_all(tf.stack(same)), tf.no_op, fix)
+
+
+def _append(b, row, qrows, cyclic):
+  """Appends one sample's rows, with this sample's index, to the buffers `b` (grown when
+  full).
+
+  Args:
+    b: the `_Buffers` written.
+    row: the sample row, float64 [1, 6].
+    qrows: the query rows without their sample index, float64 [Q, 4] (None: Q = 0).
+    cyclic: True when the sample's policy advances the cycle position.
+
+  Returns:
+    the new sample count (int64 tensor).
+  """
+  idx = b.sample_count.read_value()
+  qidx = b.query_count.read_value()
+  n_q = 0 if qrows is None else int(qrows.shape[0])
+  grew = [_ensure_capacity(b.samples, idx + 1)]
+  if n_q:
+    grew.append(_ensure_capacity(b.queries, qidx + n_q))
+  with tf.control_dependencies(grew):
+    ops = [b.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), row)]
+    if n_q:
+      indexed = tf.concat([tf.fill([n_q, 1], tf.cast(idx, tf.float64)), qrows], 1)
+      qind = tf.reshape(qidx + tf.range(n_q, dtype=tf.int64), [-1, 1])
+      ops.append(b.queries.scatter_nd_update(qind, indexed))
+  if cyclic:
+    ops.append(b.cycle_position.assign_add(1))
+  with tf.control_dependencies(ops):
+    b.query_count.assign_add(n_q)
+    return b.sample_count.assign_add(1)
+
+
+@tf.function(autograph=False)
+def _add_passes_call(v_handles, m_handles, count, cyclic_codes):
+  """Reconciles the two sets (`_reconcile`), then adds `count` passes to both.
+
+  Args:
+    v_handles: the checkpointed set's `_Buffers.handles()`.
+    m_handles: the mirror's `_Buffers.handles()`.
+    count: the passes started (int64 tensor).
+    cyclic_codes: `_cyclic_codes()`.
+
+  Returns:
+    the checkpointed set's new pass count (int64 tensor).
+  """
+  v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
+  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+    m.passes.assign_add(count)
+    return v.passes.assign_add(count)
+
+
+@tf.function(autograph=False)
+def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
+  """Reconciles the two sets (`_reconcile`), then appends one sample to the mirror and to the
+  checkpointed set (`_append`).
+
+  Args:
+    v_handles: the checkpointed set's `_Buffers.handles()`.
+    m_handles: the mirror's `_Buffers.handles()`.
+    row: the sample row, float64 [1, 6].
+    qrows: its query rows without the sample index, float64 [Q, 4] (None: Q = 0).
+    cyclic: True when the sample's policy advances the cycle position.
+    cyclic_codes: `_cyclic_codes()`.
+
+  Returns:
+    the checkpointed set's new sample count (int64 tensor).
+  """
+  v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
+  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+    _append(m, row, qrows, cyclic)
+    return _append(v, row, qrows, cyclic)
+
+
 class PrivacyLedger(tf.Module):
   """Growable record of sampling and sum-query events, in TF variables.
 
@@ -217,45 +429,8 @@ class PrivacyLedger(tf.Module):
 
   # No restore can roll the ledger back. A restore (tf.train.Checkpoint, a SavedModel) assigns
   # the checkpointed set `_v`; the mirror, in no checkpoint, holds every row this object
-  # recorded or adopted. Every write first reconciles the two in the graph
-  # (`_reconcile_ops`), and every eager read reconciles them with `merged_arrays`.
-
-  def _reconcile_ops(self):
-    """In-graph reconciliation before a write: the longer of the two sets when one is a
-    prefix of the other (a restore of an earlier step of this run: the mirror; a restore
-    into a new ledger, or of a later step: the checkpointed rows); two sets that diverge
-    (another run's checkpoint restored into a ledger that recorded steps) fail the step,
-    since only the eager `reconcile` can merge them. The sets are compared by their counts,
-    passes and last rows (reads of single rows: O(1) a step); rows are read whole only when
-    those differ."""
-    v, m = self._v, self._mirror
-    counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
-              for b in (v, m)]
-
-    def last(buffer, n):   # the row before n (row 0 when n = 0: both then compare zeros)
-      return buffer.sparse_read(tf.reshape(tf.maximum(n - 1, 0), [1]))
-
-    same = [tf.equal(a, b) for a, b in zip(*counts)] + [
-        tf.reduce_all(tf.equal(last(v.samples, counts[0][0]), last(m.samples, counts[1][0]))),
-        tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1])))]
-
-    def fix():
-      (vs, vq), (ms, mq) = v.rows(), m.rows()
-      n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
-      nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
-      prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
-                              tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
-      check = tf.debugging.Assert(prefix, [
-          "the privacy ledger was restored from a checkpoint of another run after this "
-          "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
-          "use a new optimizer for the other run"])
-      passes = tf.maximum(counts[0][2], counts[1][2])
-      with tf.control_dependencies([check]):
-        return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0],
-                       lambda: tf.group(v.assign_rows(ms, mq, passes)),
-                       lambda: tf.group(m.assign_rows(vs, vq, passes)))
-
-    return [tf.cond(tf.reduce_all(tf.stack(same)), tf.no_op, fix)]
+  # recorded or adopted. Every write first reconciles the two in the graph (`_reconcile`),
+  # and every eager read reconciles them with `merged_arrays`.
 
   def reconcile(self):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
@@ -280,9 +455,10 @@ class PrivacyLedger(tf.Module):
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
+    codes = _cyclic_codes()
     for b in (self._v, self._mirror):
       b.assign_rows(tf.constant(samples, tf.float64), tf.constant(queries, tf.float64),
-                    tf.constant(int(passes), tf.int64))
+                    tf.constant(int(passes), tf.int64), codes)
 
   def _read(self, name):
     """A count of the ledger: eagerly after `reconcile` when the two sets' counts differ; in
@@ -341,23 +517,8 @@ class PrivacyLedger(tf.Module):
     """
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
-    with tf.control_dependencies(self._reconcile_ops()):
-      self._mirror.passes.assign_add(tf.cast(count, tf.int64))
-      return self._v.passes.assign_add(tf.cast(count, tf.int64))
-
-  @staticmethod
-  def _ensure_capacity(buffer, needed):
-    """Doubles `buffer` (at least to `needed` rows) when it is too small."""
-    # VariableShape reads the shape without copying the buffer (tf.shape would read it all).
-    cap = tf.raw_ops.VariableShape(input=buffer.handle, out_type=tf.int64)[0]
-
-    def _grow():
-      new_cap = tf.maximum(2 * cap, needed)
-      pad = tf.zeros(tf.stack([new_cap - cap, tf.constant(buffer.shape[1], tf.int64)]), tf.float64)
-      buffer.assign(tf.concat([buffer.read_value(), pad], axis=0))
-      return tf.constant(True)
-
-    return tf.cond(needed > cap, _grow, lambda: tf.constant(False))
+    return _add_passes_call(self._v.handles(), self._mirror.handles(),
+                            tf.cast(count, tf.int64), _cyclic_codes())
 
   def record_sample(self, population_size, selection_probability, events,
                     policy=POISSON, sample_size=0, examples_per_record=1):
@@ -427,31 +588,9 @@ class PrivacyLedger(tf.Module):
     row = tf.stack([_f64(x) for x in (population_size, selection_probability, sample_size,
                                       sampling.code, examples_per_record, len(built))])[None]
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
-    with tf.control_dependencies(checks + self._reconcile_ops()):
-      new_count = [self._append(b, row, qrows, cyclic=sampling.advances_cycle)
-                   for b in (self._mirror, self._v)]
-    return new_count[1]
-
-  def _append(self, b, row, qrows, cyclic):
-    """Appends the sample row `row` [1, 6] and the query rows `qrows` [Q, 4] (None: Q = 0)
-    with this sample's index to the buffers `b` (grown when full)."""
-    idx = b.sample_count.read_value()
-    qidx = b.query_count.read_value()
-    n_q = 0 if qrows is None else int(qrows.shape[0])
-    grew = [self._ensure_capacity(b.samples, idx + 1)]
-    if n_q:
-      grew.append(self._ensure_capacity(b.queries, qidx + n_q))
-    with tf.control_dependencies(grew):
-      ops = [b.samples.scatter_nd_update(tf.reshape(idx, [1, 1]), row)]
-      if n_q:
-        indexed = tf.concat([tf.fill([n_q, 1], tf.cast(idx, tf.float64)), qrows], 1)
-        qind = tf.reshape(qidx + tf.range(n_q, dtype=tf.int64), [-1, 1])
-        ops.append(b.queries.scatter_nd_update(qind, indexed))
-    if cyclic:
-      ops.append(b.cycle_position.assign_add(1))
-    with tf.control_dependencies(ops):
-      b.query_count.assign_add(n_q)
-      return b.sample_count.assign_add(1)
+    with tf.control_dependencies(checks):
+      return _append_call(self._v.handles(), self._mirror.handles(), row, qrows,
+                          bool(sampling.advances_cycle), _cyclic_codes())
 
   # ---- reading and (de)serialization ---------------------------------------------------
 
