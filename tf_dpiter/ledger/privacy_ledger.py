@@ -49,8 +49,8 @@ def _cyclic_names():
 
 def _cyclic_codes():
   """The codes of `_cyclic_names()` (a tuple of floats; (-1.0,), no code, when none), read at
-  call time: the shared write functions take them as an argument, so a policy registered
-  later gives them a trace of their own."""
+  call time (the shared write functions read them when traced: they take the registered
+  names as an argument, so a policy registered later gives them a trace of their own)."""
   return tuple(float(policy_code(p)) for p in _cyclic_names()) or (-1.0,)
 
 
@@ -365,26 +365,27 @@ def _append(b, row, qrows, cyclic):
 
 
 @tf.function(autograph=False)
-def _add_passes_call(v_handles, m_handles, count, cyclic_codes):
+def _add_passes_call(v_handles, m_handles, count, policy_names):
   """Reconciles the two sets (`_reconcile`), then adds `count` passes to both.
 
   Args:
     v_handles: the checkpointed set's `_Buffers.handles()`.
     m_handles: the mirror's `_Buffers.handles()`.
     count: the passes started (int64 tensor).
-    cyclic_codes: `_cyclic_codes()`.
+    policy_names: `policies.names()` (the trace's key: the cycle rule is read when traced).
 
   Returns:
     the checkpointed set's new pass count (int64 tensor).
   """
+  del policy_names   # the key of this trace
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+  with tf.control_dependencies([_reconcile(v, m, _cyclic_codes())]):
     m.passes.assign_add(count)
     return v.passes.assign_add(count)
 
 
 @tf.function(autograph=False)
-def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
+def _append_call(v_handles, m_handles, row, qrows, cyclic, policy_names):
   """Reconciles the two sets (`_reconcile`), then appends one sample to the mirror and to the
   checkpointed set (`_append`).
 
@@ -394,13 +395,14 @@ def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
     row: the sample row, float64 [1, 6].
     qrows: its query rows without the sample index, float64 [Q, 4] (None: Q = 0).
     cyclic: True when the sample's policy advances the cycle position.
-    cyclic_codes: `_cyclic_codes()`.
+    policy_names: `policies.names()` (the trace's key: the cycle rule is read when traced).
 
   Returns:
     the checkpointed set's new sample count (int64 tensor).
   """
+  del policy_names   # the key of this trace
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+  with tf.control_dependencies([_reconcile(v, m, _cyclic_codes())]):
     _append(m, row, qrows, cyclic)
     return _append(v, row, qrows, cyclic)
 
@@ -518,7 +520,7 @@ class PrivacyLedger(tf.Module):
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
     return _add_passes_call(self._v.handles(), self._mirror.handles(),
-                            tf.cast(count, tf.int64), _cyclic_codes())
+                            tf.cast(count, tf.int64), policies.names())
 
   def record_sample(self, population_size, selection_probability, events,
                     policy=POISSON, sample_size=0, examples_per_record=1):
@@ -590,7 +592,7 @@ class PrivacyLedger(tf.Module):
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
     with tf.control_dependencies(checks):
       return _append_call(self._v.handles(), self._mirror.handles(), row, qrows,
-                          bool(sampling.advances_cycle), _cyclic_codes())
+                          bool(sampling.advances_cycle), policies.names())
 
   # ---- reading and (de)serialization ---------------------------------------------------
 
