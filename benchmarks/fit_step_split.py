@@ -1,7 +1,7 @@
 """Where the DP `model.fit` step's op time goes, part by part, against the non-private step
 (issue 42, item 2).
 
-  TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/fit_step_split.py [--model cnn]
+  TF_ENABLE_ONEDNN_OPTS=1 python -m benchmarks.fit_step_split [--model cnn]
       [--configs dp_spe1,nonprivate_spe1] [--steps 64] [--batch 256] [--jit 0|1] [--rounds 3]
 
 The configurations of benchmarks/fit_step_time.py in --configs (dp_spe1: DP fit on Poisson
@@ -39,7 +39,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import tempfile
 import warnings
 
@@ -105,7 +104,7 @@ def split(ops):
 def _profile_split(model, kw, steps):
   """{part: ms per step} of one profiled epoch of `model.fit(**kw)`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import fit_op_profile  # pylint: disable=g-import-not-at-top
+  from benchmarks import fit_op_profile  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as logdir:
     tf.profiler.experimental.start(logdir)
     model.fit(**kw, epochs=1, verbose=0)
@@ -126,8 +125,7 @@ def main():
                  help="profiled epochs per configuration, alternated (figure: the median)")
   a = p.parse_args()
   warnings.simplefilter("ignore")
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import fit_step_time  # pylint: disable=g-import-not-at-top
+  from benchmarks import fit_step_time  # pylint: disable=g-import-not-at-top
   load_start = os.getloadavg()
   configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
       ["--steps", str(a.steps), "--spe", "1", "--extra", "--batch", str(a.batch),

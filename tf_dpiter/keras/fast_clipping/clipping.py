@@ -378,13 +378,11 @@ def unrecorded_variable_uses(model, inputs):
   """
   if inputs is None:
     try:
-      inputs = model.inputs
+      inputs = model.input   # the inputs' structure (a dict for a dict of inputs)
     except (AttributeError, ValueError):
       return None
-    if not inputs:
+    if inputs is None or (isinstance(inputs, (list, tuple, dict)) and not inputs):
       return None
-    if len(inputs) == 1:
-      inputs = inputs[0]
   found = _probe_pass(model, inputs, False, 1)
   return None if found is None else found[2]
 
