@@ -137,11 +137,11 @@ def test_headless_browser_renders_three_pages(site, tmp_path):
     url = "file://" + os.path.join(site, page)
     profile = tempfile.mkdtemp(prefix="chromium_")
     try:
-      dom = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", "--dump-dom", url],
-                           capture_output=True, text=True, timeout=120, check=True).stdout
+      # One launch per page both prints the DOM and writes the screenshot.
       png = os.path.join(shots, f"{name}.png")
-      subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}", "--window-size=1280,1600",
-                      f"--screenshot={png}", url], capture_output=True, timeout=120, check=True)
+      dom = subprocess.run([CHROMIUM, *flags, f"--user-data-dir={profile}",
+                            "--window-size=1280,1600", "--dump-dom", f"--screenshot={png}", url],
+                           capture_output=True, text=True, timeout=120, check=True).stdout
     finally:
       shutil.rmtree(profile, ignore_errors=True)
     # The rendered page has the site navigation and its own content.
