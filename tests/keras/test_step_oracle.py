@@ -67,12 +67,13 @@ def _all_pairs():
   def pairs(c):
     return {((a, repr(c[a])), (b, repr(c[b]))) for a, b in itertools.combinations(names, 2)}
 
-  uncovered = set().union(*(pairs(c) for c in combos))
+  combo_pairs = [pairs(c) for c in combos]   # each combination's pairs, formed once
+  uncovered = set().union(*combo_pairs)
   cases = []
   while uncovered:
-    best = max(combos, key=lambda c: len(pairs(c) & uncovered))
-    uncovered -= pairs(best)
-    cases.append(best)
+    best = max(range(len(combos)), key=lambda i: len(combo_pairs[i] & uncovered))
+    uncovered -= combo_pairs[best]
+    cases.append(combos[best])
   return cases
 
 
