@@ -8,6 +8,8 @@ denominator is the public E) whether the tail ran or not; the chunk count is che
 counting chunk function.
 """
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -46,10 +48,22 @@ def _one_step(model, x, y, w, dynamic):
   return [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
 
 
+# (clipping, max_physical_batch_size, dynamic batch axis, expected chunk layout). The default
+# suite runs the 4 that cover every pair of levels of the three axes (a physical size only
+# on the fast path); the (fast, None, static) case runs with -m slow.
+_ALL = [("fast", None, False, (16, 8)), ("vectorized", None, False, (16, 8)),
+        ("fast", 16, False, (16, 16, 16)), ("fast", None, True, (16, 8)),
+        ("vectorized", None, True, (16, 8))]
+_DEFAULT = _ALL[1:]
+
+
+def test_the_default_cases_cover_every_pair_of_levels():
+  for i, j in itertools.combinations(range(3), 2):
+    assert {(c[i], c[j]) for c in _DEFAULT} == {(c[i], c[j]) for c in _ALL}, (i, j)
+
+
 @pytest.mark.parametrize("clipping,physical,dynamic,layout", [
-    ("fast", None, False, (16, 8)), ("vectorized", None, False, (16, 8)),
-    ("fast", 16, False, (16, 16, 16)), ("fast", None, True, (16, 8)),
-    ("vectorized", None, True, (16, 8))])
+    pytest.param(*c, marks=() if c in _DEFAULT else pytest.mark.slow) for c in _ALL])
 def test_padded_poisson_step_under_xla_is_exact(clipping, physical, dynamic, layout,
                                                  monkeypatch):
   """One model per layout takes three padded samples in a row (one trace): 5 real rows (no
