@@ -263,17 +263,10 @@ _NEVER_CALLED = """
 import warnings; warnings.simplefilter("ignore")
 import numpy as np, keras, tensorflow as tf
 import tf_dpiter as dp
+# its planned Dense sublayer is never called (the layer reads the sublayer's kernel)
+from tests.privacy.test_unrecorded_variable_use import _NeverCalled
 
-class Wrap(keras.layers.Layer):
-  def __init__(self, **kw):
-    super().__init__(**kw)
-    self.inner = keras.layers.Dense(3, use_bias=False)
-  def build(self, s):
-    self.inner.build(s)
-  def call(self, x):
-    return tf.matmul(x, self.inner.kernel)   # its planned sublayer is never called
-
-inp = keras.Input((4,)); w = Wrap(name="wrap")
+inp = keras.Input((4,)); w = _NeverCalled(name="wrap")
 model = dp.keras.DPModel(inp, w(inp)); dp.keras.declare_per_example(w, "rows alone")
 rng = np.random.RandomState(0)
 x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 3)).astype("float32")
