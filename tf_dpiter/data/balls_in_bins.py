@@ -36,16 +36,13 @@ class BallsInBinsSampler:
     seed: tests only (reproducible, NOT private; warns). None: OS entropy.
 
   Raises:
+    ParameterTypeError: a count that is not an integer.
     ParameterValueError: an argument out of range, named.
   """
 
   def __init__(self, population_size, steps_per_epoch, seed=None):
-    n = population_size
-    validation.check_integer("population_size", n, 1)
-    k = steps_per_epoch
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-      raise ParameterValueError(f"steps_per_epoch must be an integer in [1, n={n}], got {k!r}")
-    self._n, self._k = int(n), int(k)
+    n = validation.check_integer("population_size", population_size, 1)
+    self._n, self._k = n, validation.check_integer("steps_per_epoch", steps_per_epoch, 1, n)
     self._rng = sampling.make_rng(seed, who="BallsInBinsSampler")
     self._epochs = shuffling.ShuffleSampler(self._k)
     self._epochs.continues_across_iterators = True
@@ -154,6 +151,7 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
     counts its epochs (`sampling.get_sampling_spec`).
 
   Raises:
+    ParameterTypeError: a count that is not an integer.
     ParameterValueError: bad or missing arguments, named.
   """
   n = sampling.num_records(x if y is None else (x, y))
@@ -167,10 +165,7 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
   sampler = BallsInBinsSampler(n, steps_per_epoch, seed)
   if max_batch_size == "auto":
     max_batch_size = sampler.max_batch_size()
-  if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)) or (
-      max_batch_size < 1):
-    raise ParameterValueError(f"max_batch_size must be 'auto' or a positive integer, got "
-                              f"{max_batch_size!r}")
+  validation.check_integer("max_batch_size", max_batch_size, 1)
   state = {}
 
   def next_indices():

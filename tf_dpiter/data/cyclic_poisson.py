@@ -36,6 +36,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -118,23 +119,18 @@ class CyclicPoissonSampler:
         (then the claim needs neighbouring datasets that keep every other example's index).
 
     Raises:
+      ParameterTypeError: a count or `expected_batch_size` that is not a number of its kind.
       ParameterValueError: an argument out of range, named.
     """
-    n = int(population_size)
-    if n < 1 or n != population_size:
-      raise ParameterValueError(f"population_size must be an integer >= 1, got {population_size!r}")
-    if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or not (
-        1 <= num_groups <= n):
-      raise ParameterValueError(f"num_groups must be an integer in [1, n={n}], got {num_groups!r}")
-    if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
-        0 < expected_batch_size * num_groups <= n):
-      raise ParameterValueError(f"expected_batch_size must be in (0, n / num_groups = {n / num_groups:g}]"
-                                f", got {expected_batch_size!r}")
+    n = validation.check_integer("population_size", population_size, 1)
+    b = validation.check_integer("num_groups", num_groups, 1, n)
+    batch = validation.Interval(float, 0, n / b, "right", error=ParameterValueError)
+    validation.check_params({"expected_batch_size": batch}, {"expected_batch_size": expected_batch_size})
     ids = index_identities(n) if identities is None else list(identities)
     if len(ids) != n:
       raise ParameterValueError(f"identities must hold one id per example (n={n}), got {len(ids)}")
     self._n = n
-    self._b = int(num_groups)
+    self._b = b
     self._q = float(expected_batch_size) * self._b / n
     self._rng = sampling.make_rng(seed, who="CyclicPoissonSampler")
     self._group_of = np.asarray([group_of_identity(i, self._b) for i in ids], np.int64)

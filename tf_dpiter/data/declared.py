@@ -28,18 +28,11 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.data import shuffling
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
-
-
-def _check_int(name, value, low, high=None):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise ParameterTypeError(f"`{name}` must be an integer. Received: {name}={value!r}")
-  if value < low or (high is not None and value > high):
-    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise PrivacyConfigError(f"`{name}` must be {bounds}. Received: {name}={value!r}")
 
 
 def _check_batch_axis(dataset, batch_size):
@@ -77,11 +70,11 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
   if not isinstance(dataset, tf.data.Dataset):
     raise ParameterTypeError(
         f"`dataset` must be a tf.data.Dataset. Received: dataset={dataset!r}")
-  _check_int("population_size", population_size, 1)
-  _check_int("batch_size", batch_size, 1, int(population_size))
+  validation.check_integer("population_size", population_size, 1, error=PrivacyConfigError)
+  validation.check_integer("batch_size", batch_size, 1, int(population_size), PrivacyConfigError)
   if steps_per_pass is None:
     steps_per_pass = int(math.ceil(population_size / batch_size))
-  _check_int("steps_per_pass", steps_per_pass, 1)
+  validation.check_integer("steps_per_pass", steps_per_pass, 1, error=PrivacyConfigError)
   if sampling.get_sampling_spec(dataset) is not None:
     raise PrivacyConfigError("`dataset` already carries a sampling declaration (it was made by a "
                              "tf_dpiter sampler); pass it to fit as it is")

@@ -296,7 +296,7 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
     ParameterValueError: an argument out of range, or arrays of different lengths.
   """
   n = num_records(tuple(a for a in (x, y, sample_weight) if a is not None))
-  declared = n if population_size is None else check_population_size(population_size)
+  declared = n if population_size is None else float(population_size)
   q, steps = check_poisson_args(declared, expected_batch_size, steps_per_epoch, max_batch_size)
   pad = default_max_batch_size(n, q) if max_batch_size == "auto" else max_batch_size
   rng = make_rng(seed, stacklevel=4)
@@ -406,26 +406,6 @@ def _zero_rows(t, n):
   inner = (_zero_rows(values, n) if isinstance(values, tf.RaggedTensor)
            else tf.zeros(tf.concat([[n], tf.shape(values)[1:]], 0), values.dtype))
   return tf.RaggedTensor.from_row_lengths(inner, tf.ones([n], t.row_splits.dtype))
-
-
-def check_population_size(population_size):
-  """The declared population size N as a float; ValueError unless a number >= 1.
-
-  Args:
-    population_size: N, the public population size q is stated over.
-
-  Returns:
-    float N.
-
-  Raises:
-    ParameterValueError: N is not a number >= 1.
-  """
-  if isinstance(population_size, bool) or not isinstance(
-      population_size, (int, float, np.integer, np.floating)) or not population_size >= 1:
-    raise ParameterValueError(validation.message(
-        "population_size", "a number >= 1 (the public population size q = B / N is stated "
-        "over)", population_size))
-  return float(population_size)
 
 
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):

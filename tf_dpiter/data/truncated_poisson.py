@@ -10,6 +10,7 @@ example), which analyses exactly this sampler.
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.ledger import records
@@ -28,17 +29,14 @@ class TruncatedPoissonSampler:
       seed: tests only (reproducible, NOT private; warns). None: OS entropy.
 
     Raises:
+      ParameterTypeError: a count or `expected_batch_size` that is not a number of its kind.
       ParameterValueError: an argument out of range, named.
     """
-    n = int(population_size)
-    if n < 1 or n != population_size:
-      raise ParameterValueError(f"population_size must be an integer >= 1, got {population_size!r}")
-    if not isinstance(expected_batch_size, (int, float, np.integer, np.floating)) or not (
-        0 < expected_batch_size <= n):
-      raise ParameterValueError(f"expected_batch_size must be in (0, n={n}], got {expected_batch_size!r}")
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)) or (
-        not 1 <= max_batch_size <= n):
-      raise ParameterValueError(f"max_batch_size must be an integer in [1, n={n}], got {max_batch_size!r}")
+    n = validation.check_integer("population_size", population_size, 1)
+    validation.check_params(
+        {"expected_batch_size": validation.Interval(float, 0, n, "right", error=ParameterValueError),
+         "max_batch_size": validation.Integer(1, n)},
+        {"expected_batch_size": expected_batch_size, "max_batch_size": max_batch_size})
     self._n, self._cap = n, int(max_batch_size)
     self._q = float(expected_batch_size) / n
     self._rng = sampling.make_rng(seed, who="TruncatedPoissonSampler")
