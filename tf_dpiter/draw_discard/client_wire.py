@@ -16,6 +16,7 @@ import ssl
 import numpy as np
 
 from tf_dpiter.draw_discard import glm
+from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -60,13 +61,13 @@ def submit_request(drawn, weights: np.ndarray) -> tuple[bytes, dict]:
     headers = {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn.version}
     if drawn.ticket:
       headers["X-DDML-Ticket"] = drawn.ticket
-      return _raw_body(drawn.weights) + _raw_body(weights), headers
-    return _raw_body(weights), headers
-  return _raw_body(weights), {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn}
+      return store_lib.encode_weights(drawn.weights) + store_lib.encode_weights(weights), headers
+    return store_lib.encode_weights(weights), headers
+  return store_lib.encode_weights(weights), {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn}
 
 
 def _b64(weights: np.ndarray) -> str:
-  return base64.b64encode(np.ascontiguousarray(weights, dtype="<f8").tobytes()).decode()
+  return base64.b64encode(store_lib.encode_weights(weights)).decode()
 
 
 def json_submit_body(drawn, weights: np.ndarray) -> bytes:
@@ -80,16 +81,11 @@ def json_submit_body(drawn, weights: np.ndarray) -> bytes:
   Returns:
     The UTF-8 JSON body.
   """
-  if not isinstance(drawn, Drawn):
-    return json.dumps({"version": drawn, "weights_b64": _b64(weights)}).encode()
-  body = {"version": drawn.version, "weights_b64": _b64(weights)}
-  if drawn.ticket:
+  body = {"version": drawn.version if isinstance(drawn, Drawn) else drawn,
+          "weights_b64": _b64(weights)}
+  if isinstance(drawn, Drawn) and drawn.ticket:
     body.update(ticket=drawn.ticket, drawn_b64=_b64(drawn.weights))
   return json.dumps(body).encode()
-
-
-def _raw_body(weights: np.ndarray) -> bytes:
-  return np.ascontiguousarray(weights, dtype="<f8").tobytes()
 
 
 def checked_weights(data: bytes, spec: glm.ModelSpec) -> np.ndarray:
@@ -108,7 +104,7 @@ def checked_weights(data: bytes, spec: glm.ModelSpec) -> np.ndarray:
   if len(data) != 8 * spec.num_weights:
     raise DDMLError(502, "bad_draw", f"drawn instance has {len(data)} bytes; the spec needs "
                     f"{8 * spec.num_weights}")
-  w = np.frombuffer(data, dtype="<f8").copy()
+  w = store_lib.decode_weights(data).copy()
   if not np.all(np.isfinite(w)):
     raise DDMLError(502, "bad_draw", "drawn instance holds non-finite weights")
   return w
