@@ -224,10 +224,8 @@ def check_delta(name, value):
     ParameterTypeError: `value` is not a number.
     PrivacyConfigError: `value` is outside (0, 1).
   """
-  v = _as_float(name, value, "a number in (0, 1)")
-  if math.isnan(v) or not 0 < v < 1:
-    raise PrivacyConfigError(message(name, "a number in (0, 1)", value))
-  return v
+  check_params({name: Interval(float, 0, 1, "neither")}, {name: value})
+  return float(value)
 
 
 def check_instance(name, value, types, expected):

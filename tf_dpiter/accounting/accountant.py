@@ -422,21 +422,17 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
   num = sum(g.count for g in groups)
   if delta is not None:
     delta = validation.check_delta("delta", delta)
-    if any(g.non_private for g in groups):
-      return PrivacyReport(math.inf, delta, accountant, num,
-                           tuple(ledger_events.events_from_groups(groups, accountant)[2]))
-    if accountant == "gdp":
-      return _gdp_report(content, delta, None)
-    acc, notes = _compose(content, accountant)
-    return PrivacyReport(float(acc.get_epsilon(delta)), delta, accountant, num, tuple(notes))
-  validation.check_nonnegative("epsilon", epsilon, allow_inf=False)
-  epsilon = float(epsilon)
+  else:
+    epsilon = float(validation.check_nonnegative("epsilon", epsilon, allow_inf=False))
   if any(g.non_private for g in groups):
-    return PrivacyReport(epsilon, 1.0, accountant, num,
-                         tuple(ledger_events.events_from_groups(groups, accountant)[2]))
+    notes = ledger_events.events_from_groups(groups, accountant)[2]
+    return PrivacyReport(math.inf if epsilon is None else epsilon, 1.0 if delta is None else delta,
+                         accountant, num, tuple(notes))
   if accountant == "gdp":
-    return _gdp_report(content, None, epsilon)
+    return _gdp_report(content, delta, epsilon)
   acc, notes = _compose(content, accountant)
+  if delta is not None:
+    return PrivacyReport(float(acc.get_epsilon(delta)), delta, accountant, num, tuple(notes))
   return PrivacyReport(epsilon, float(acc.get_delta(epsilon)), accountant, num, tuple(notes))
 
 
