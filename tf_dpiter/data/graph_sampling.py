@@ -4,9 +4,8 @@
 SamplingSpec) but draws and gathers them with TensorFlow ops: step t compares n float64
 uniforms of TF's stateless Philox (seed (k0, k1 xor t), k0 and k1 63 bits of OS entropy each,
 which TF turns into the step's Philox key and counter by one Philox round) with q,
-gathers the selected rows and pads them, all in tf.data's C++ threads. `poisson_batches`
-runs a Python generator per step, which on a 2-core machine competes with Keras' Python
-loop for the GIL (benchmarks/fit_path_profile.py measures both through fit).
+gathers the selected rows and pads them, all in tf.data's C++ threads (`poisson_batches`
+runs a Python generator per step, which competes with Keras' Python loop for the GIL).
 
 Law: record i joins step t iff u_{t,i} < q with u uniform on a float64 grid of 2^-52
 spacing (numpy's `Generator.random` in `poisson_batches`: 2^-53): P = q up to 2^-52. Draws of

@@ -13,10 +13,6 @@ gives two sources with the same interface, `num_records` and `read(indices)`:
   The files stay plain TFRecord: `tf.data.TFRecordDataset` reads them sequentially and
   `tf.io.decode_raw` decodes them (see `record_dtype`).
 * `ArraySource`: numpy arrays in memory (or np.memmap), same interface.
-
-No dependency beyond numpy and TensorFlow: ArrayRecord/Grain (random access to records of
-their own container format) are not installed here and add nothing the offset index does not
-give for fixed-size records.
 """
 
 import json

@@ -4,14 +4,10 @@ The contract of `tf.data.Dataset.from_generator`: each new iterator of the datas
 epoch, a `repeat`) calls `make_generator()` once and yields that generator's elements in
 order, so a sampler's state stays sequential (McMahan et al. 2018, Section 5: the sampling
 that the ledger states is the one drawn). It is built from `Dataset.range`, `scan` and
-`tf.numpy_function` instead, for a measured reason: TensorFlow's GeneratorDataset kernel sets
-glibc's `M_TRIM_THRESHOLD` to 128 KB for the whole process when it is first built ("Memory
-patch applied" in the log). Setting it also freezes glibc's mmap threshold, so after the
-first `fit` on arrays every buffer above 128 KB of every later step was mapped and unmapped
-per call: the DP step's large temporaries took fresh pages on every step (4,097 minor page
-faults per call at B = 256, 16,398 at B = 1024 for the tutorial CNN), which made the clipped
-sum 2.7x slower than in a fresh process. `tests/data/test_python_source.py` checks that
-building and running this source leaves the allocator alone.
+`tf.numpy_function` instead: TensorFlow's GeneratorDataset kernel sets glibc's
+`M_TRIM_THRESHOLD` to 128 KB for the whole process, which also freezes glibc's mmap threshold,
+so every later buffer above 128 KB (the DP step's temporaries) would be mapped and unmapped on
+every step.
 """
 
 import collections
@@ -25,10 +21,9 @@ from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 
 # tf.data options of the library's pipelines: no default graph rewrites. They serialize the
-# dataset's graph, records included (captured constants), at the first iterator (~0.3 s per
-# fit call for MNIST-sized arrays; Keras' own array pipeline turns them off for the same
-# reason), and they inject a prefetch after this source, so the generator would
-# run two elements further ahead than from_generator's (a shuffler starts passes earlier).
+# dataset's graph, records included (captured constants), at the first iterator, and they
+# inject a prefetch after this source, so the generator would run two elements further ahead
+# than from_generator's (a shuffler starts passes earlier).
 PIPELINE_OPTIONS = tf.data.Options()
 PIPELINE_OPTIONS.experimental_optimization.apply_default_optimizations = False
 
@@ -137,8 +132,7 @@ def python_dataset(make_generator, output_signature):
     return flat[0], tuple(flat[1:])
 
   # One scan over a counter, not a flat_map over a start token: a new iterator instantiates
-  # three functions and no inner dataset (its first element came ~3 ms later, and ~50 ms
-  # while a training step ran beside it; benchmarks/epoch_start_time.py).
+  # three functions and no inner dataset.
   ds = tf.data.Dataset.range(2 ** 62).scan(tf.constant(-1, tf.int64), step)
   ds = ds.take_while(lambda ok, *_: ok)
   ds = ds.map(lambda ok, *flat: tf.nest.pack_sequence_as(output_signature, list(flat)))

@@ -30,11 +30,10 @@ own last accepted update as the pre-image and walk arbitrarily far in N steps. A
 test (when the rule knows the instances' stationary spread, Theorem 1) refuses an update
 whose mean squared distance to the average of the k instances exceeds `centre_factor`
 times that of an honest update (spread^2 + noise variance + a^2). This bound is
-empirical (instances under training are not iid); benchmarks/draw_discard_acceptance.py
-measures its false rejections. An accepted update moves each weight at most a + q s from an instance, moves
-the weights by at most a + U s / p on average beyond the step, and carries at least the
-noise floor, so copies (variance collapse) and out-of-range values are refused. With no
-noise (epsilon None) only |d_j| <= a is checked.
+empirical (instances under training are not iid). An accepted update moves each weight at
+most a + q s from an instance, moves the weights by at most a + U s / p on average beyond the
+step, and carries at least the noise floor, so copies (variance collapse) and out-of-range
+values are refused. With no noise (epsilon None) only |d_j| <= a is checked.
 
 With draw tickets (tickets.py, the service's default) the server knows the served
 instance h, so `check_step` runs the three tests against h alone: no candidate search, no

@@ -52,9 +52,8 @@ SERVED_KEPT = 128  # served values a foreign value is compared with (most recent
 def same_value(a: np.ndarray, b: np.ndarray) -> bool:
   """np.array_equal(a, b), rejecting on the first coordinate before comparing all of them.
 
-  The gate looks a snapshot's value up among up to 5 k + 128 known ones (`parent`, `_node`);
-  np.array_equal costs about 1.3 us a call even when the first coordinates differ, which
-  made that search a third of a Redis server's CPU time (BENCHMARKS.md). Same answer: arrays
+  The gate looks a snapshot's value up among up to 5 k + 128 known ones (`parent`, `_node`),
+  most of which differ in their first coordinate. Same answer as np.array_equal: arrays
   that differ in their first coordinate (NaN included) are never equal.
 
   Args:
