@@ -53,8 +53,12 @@ def _redact(url: str) -> str:
   return urllib.parse.urlunparse(parsed._replace(netloc=netloc))
 
 
-class RedisStore:
-  """Shared store on Redis.
+class RedisStore(store_lib.Store):
+  """Shared store on Redis (final).
+
+  `replace` is one Lua script: generation and rollback checks, the identity's rate across all
+  servers, the ticket nonce marked used (SET NX PX, so two servers cannot both accept one
+  ticket), the write, the counters and the sequence number.
 
   Args:
     url: redis://host:port/db (rediss:// for TLS, unix:// for a socket).
@@ -102,11 +106,6 @@ class RedisStore:
 
   @property
   def scope(self) -> str:
-    """The model this store holds, for draw tickets (tickets.py): prefix and generation.
-
-    Returns:
-      "redis:<prefix>:<generation>".
-    """
     return f"redis:{self.prefix}:{self.generation}"
 
   def _k(self, *parts) -> str:
@@ -225,28 +224,12 @@ class RedisStore:
     return await self._call(self._r.get(key))
 
   async def meta(self) -> dict:
-    """The stored meta. Raises StoreLost/StoreUnavailable.
-
-    Returns:
-      The meta dict.
-    """
     raw = await self._call(self._r.get(self._k("meta")))
     if not raw:
       self._result(-1)
     return json.loads(raw)
 
   async def touch(self, draws: int = 0) -> int:
-    """Checks the generation, adds `draws` to the draw counter; returns the sequence number.
-
-    Args:
-      draws: draws served since the last store call.
-
-    Returns:
-      The sequence number.
-
-    Raises:
-      StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
-    """
     self._ok()
     code = await self._batched(self._touch, [self._k("gen"), self._k("seq"),
                                              self._k("counters")],
@@ -254,18 +237,6 @@ class RedisStore:
     return self._result(code)
 
   async def snapshot(self, previous: store_lib.Snapshot | None = None) -> store_lib.Snapshot:
-    """All slots and the history at one sequence number (one Lua script).
-
-    Args:
-      previous: an earlier snapshot of this store; only the history entries pushed since
-        it are transferred (all k slots always are).
-
-    Returns:
-      A Snapshot.
-
-    Raises:
-      StoreLost, StoreUnavailable.
-    """
     self._ok()
     prev_seq = previous.seq if previous is not None else -1
     out = await self._call(self._snapshot(
@@ -295,28 +266,6 @@ class RedisStore:
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
                     nonce_ttl_s: float = 60.0, draws: int = 0,
                     rate: tuple | None = None) -> int:
-    """Overwrites slot i (the old value goes to the history); returns the new sequence number.
-
-    One Lua script: generation and rollback checks, the identity's influence rate across
-    all servers (`rate`), the ticket nonce marked used (SET NX PX, so two servers cannot
-    both accept one ticket), the write, the counters (draws served since the last call
-    included) and the sequence number.
-
-    Args:
-      i, w, nonce, nonce_ttl_s, draws: as store.MemoryStore.replace.
-      rate: (identity, half_life_s, max_steps) or None: refuse (RateExceeded) when the
-        identity's decayed count of accepted updates would exceed max_steps.
-
-    Returns:
-      The new sequence number.
-
-    Raises:
-      TicketUsed: when the nonce was used before, here or (per Redis) anywhere (nothing is
-        written).
-      RateExceeded: over the identity's influence rate (nothing is written).
-      StoreLost, StoreUnavailable: the data is gone or Redis does not answer, or the
-        anchor (anchor.py) cannot be written: the update is then stored, not acknowledged.
-    """
     self._ok()
     if nonce is not None:
       self.guard.check_nonce(nonce)
@@ -436,15 +385,6 @@ class RedisStore:
     return int(wait_ms) / 1000.0
 
   async def incr(self, name: str, n: int = 1) -> None:
-    """Adds n to counter `name` (only while the generation holds).
-
-    Args:
-      name: the counter.
-      n: the increment.
-
-    Raises:
-      StoreLost, StoreUnavailable: the data is gone or Redis does not answer.
-    """
     self._ok()
     code = await self._call(self._incr(keys=[self._k("gen"), self._k("counters")],
                                        args=[self.generation, name, int(n)]))
@@ -452,14 +392,6 @@ class RedisStore:
       self._result(-1)
 
   async def counters(self) -> dict:
-    """All counters, plus the sequence number as 'seq'.
-
-    Returns:
-      A dict of counter -> value (every COUNTERS key present), with "seq".
-
-    Raises:
-      StoreUnavailable: Redis does not answer.
-    """
     pipe = self._r.pipeline(transaction=False)
     pipe.hgetall(self._k("counters"))
     pipe.get(self._k("seq"))
@@ -470,5 +402,4 @@ class RedisStore:
     return out
 
   async def close(self) -> None:
-    """Closes the connection pool."""
     await self._r.aclose()

@@ -20,6 +20,7 @@ client drew (adversary II, Section IV). Stores never hold which slot was drawn.
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import functools
@@ -149,8 +150,129 @@ def check_meta(existing: dict, wanted: dict) -> None:
           "use a new prefix or --reset")
 
 
-class MemoryStore:
-  """Embedded default store: one process, slots in a numpy array."""
+class Store(abc.ABC):
+  """The interface of a k-instance store (abstract; `MemoryStore` and `RedisStore` are final).
+
+  Every operation but `counters` and `close` first checks the generation (module docstring).
+
+  Attributes:
+    kind: "memory" or "redis".
+    generation: the random id of the model this store holds (None before `initialize`).
+  """
+
+  kind = None
+  generation = None
+
+  @property
+  @abc.abstractmethod
+  def scope(self) -> str:
+    """The model this store holds, for draw tickets (tickets.py): its kind and generation.
+
+    Returns:
+      The scope string, "memory:<generation>" or "redis:<prefix>:<generation>".
+    """
+
+  @abc.abstractmethod
+  async def meta(self) -> dict:
+    """The stored meta.
+
+    Returns:
+      The meta dict (a copy).
+
+    Raises:
+      StoreLost: the store holds no model or another generation.
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def touch(self, draws: int = 0) -> int:
+    """Checks the generation, adds `draws` to the draw counter; returns the sequence number.
+
+    Args:
+      draws: draws served since the last store call.
+
+    Returns:
+      The sequence number.
+
+    Raises:
+      StoreLost: the store holds no model or another generation.
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def snapshot(self, previous: Snapshot | None = None) -> Snapshot:
+    """All slots and the history at one sequence number.
+
+    Args:
+      previous: an earlier snapshot of this store; only the history entries pushed since it
+        are transferred (all k slots always are). The memory store ignores it: its arrays
+        are views of the live store, to use before the next await (or copy).
+
+    Returns:
+      A Snapshot.
+
+    Raises:
+      StoreLost: the store holds no model or another generation.
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
+                    nonce_ttl_s: float = 60.0, draws: int = 0, rate: tuple | None = None) -> int:
+    """Overwrites slot i (the old value goes to the history); returns the new sequence number.
+
+    Args:
+      i: the slot.
+      w: the new instance.
+      nonce: a draw ticket's nonce, marked used (for nonce_ttl_s) in the same step; None: none.
+      nonce_ttl_s: how long the nonce is remembered (the ticket's lifetime).
+      draws: added to the draw counter (draws served since the last store call).
+      rate: (identity, half_life_s, max_steps) or None: on Redis, refuse (RateExceeded) when
+        the identity's decayed count of accepted updates would exceed max_steps across all
+        servers; ignored in memory (one process: the service's influence budget holds it).
+
+    Returns:
+      The new sequence number.
+
+    Raises:
+      TicketUsed: the nonce was used before, here or (Redis) by any server; nothing written.
+      RateExceeded: over the identity's influence rate (Redis); nothing written.
+      StoreLost: the store holds no model or another generation, or the anchor (anchor.py)
+        cannot be written: the update is then stored, not acknowledged.
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def incr(self, name: str, n: int = 1) -> None:
+    """Adds n to counter `name` (only while the store holds its model).
+
+    Args:
+      name: the counter.
+      n: the increment.
+
+    Raises:
+      StoreLost: the store holds no model or another generation.
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def counters(self) -> dict:
+    """All counters, plus the sequence number as 'seq'.
+
+    Returns:
+      A dict of counter -> value (every COUNTERS key present), with "seq".
+
+    Raises:
+      StoreUnavailable: the backend does not answer.
+    """
+
+  @abc.abstractmethod
+  async def close(self) -> None:
+    """Releases the store's connections (nothing in memory)."""
+
+
+class MemoryStore(Store):
+  """Embedded default store: one process, slots in a numpy array (final)."""
 
   kind = "memory"
 
@@ -192,11 +314,6 @@ class MemoryStore:
 
   @property
   def scope(self) -> str:
-    """The model this store holds, for draw tickets (tickets.py): "memory:<generation>".
-
-    Returns:
-      The scope string (a new one after every initialization).
-    """
     return f"memory:{self.generation}"
 
   def flush(self) -> None:
@@ -208,47 +325,15 @@ class MemoryStore:
       raise StoreLost("memory store holds no model (flushed)")
 
   async def meta(self) -> dict:
-    """The stored meta. Raises StoreLost when flushed.
-
-    Returns:
-      A copy of the meta dict.
-    """
     self._check()
     return dict(self._meta)
 
   async def touch(self, draws: int = 0) -> int:
-    """Checks the generation, adds `draws` to the draw counter; returns the sequence number.
-
-    Args:
-      draws: draws served since the last store call.
-
-    Returns:
-      The sequence number.
-
-    Raises:
-      StoreLost: when the store was flushed.
-    """
     self._check()
     self._counters["draws"] += draws
     return self._seq
 
   async def snapshot(self, previous: Snapshot | None = None) -> Snapshot:
-    """All slots and the history (ring order) at this sequence number.
-
-    `previous` is accepted for interface parity with RedisStore and not needed here.
-
-    The arrays are views of the live store (no copy): use them before the next await,
-    or copy them. The event loop runs one coroutine at a time, so they are consistent.
-
-    Args:
-      previous: ignored.
-
-    Returns:
-      A Snapshot.
-
-    Raises:
-      StoreLost: when the store was flushed.
-    """
     self._check()
     k, n = self._k, self._n_hist
     return Snapshot(self._seq, self._rows[:k], self._rows[k:k + n], self._rows[:k + n])
@@ -263,23 +348,6 @@ class MemoryStore:
 
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
                     nonce_ttl_s: float = 60.0, draws: int = 0, rate: tuple | None = None) -> int:
-    """Overwrites slot i (the old value goes to the history); returns the new sequence number.
-
-    Args:
-      i: the slot.
-      w: the new instance.
-      nonce: a draw ticket's nonce, marked used (for nonce_ttl_s) in the same step; None: none.
-      nonce_ttl_s: how long the nonce is remembered (the ticket's lifetime).
-      draws: added to the draw counter (draws served since the last store call).
-      rate: ignored (one process: the service's influence budget already holds the rate).
-
-    Returns:
-      The new sequence number.
-
-    Raises:
-      TicketUsed: when the nonce was used before (nothing is written).
-      StoreLost: when the store was flushed.
-    """
     self._check()
     if nonce is not None:
       self._use_nonce(nonce, nonce_ttl_s)
@@ -296,25 +364,11 @@ class MemoryStore:
     return self._seq
 
   async def incr(self, name: str, n: int = 1) -> None:
-    """Adds n to counter `name` (only while the store holds its model, as RedisStore).
-
-    Args:
-      name: the counter.
-      n: the increment.
-
-    Raises:
-      StoreLost: when the store was flushed.
-    """
     self._check()
     self._counters[name] = self._counters.get(name, 0) + n
 
   async def counters(self) -> dict:
-    """All counters, plus the sequence number as 'seq'.
-
-    Returns:
-      A dict of counter -> value, with "seq".
-    """
     return dict(self._counters, seq=self._seq)
 
   async def close(self) -> None:
-    """Nothing to release."""
+    pass   # nothing to release
