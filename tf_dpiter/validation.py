@@ -69,17 +69,6 @@ def _is_python_number(x):
   return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _as_float(name, value, expected):
-  """float(value), refusing what is not a number: a str or bytes (float("1") would pass), a
-  bool, or an object float() rejects (ParameterTypeError naming `name` and the value)."""
-  if isinstance(value, (str, bytes, bool)):
-    raise ParameterTypeError(message(name, expected, value))
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise ParameterTypeError(message(name, expected, value)) from None
-
-
 def check_number(name, value):
   """Checks that `value` is a number (not a str, bytes or bool), whatever its range.
 
@@ -93,7 +82,9 @@ def check_number(name, value):
   Raises:
     ParameterTypeError: `value` is not a number (a TypeError).
   """
-  return _as_float(name, value, "a number")
+  if isinstance(value, (str, bytes, bool)) or not _floats(value):   # float("1") would pass
+    raise ParameterTypeError(message(name, "a number", value))
+  return float(value)
 
 
 def is_integer(value):

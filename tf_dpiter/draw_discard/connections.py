@@ -128,12 +128,12 @@ def prefix_of(addr: str) -> str:
 class _Conn:
   """One accepted socket: address, token, requests in progress, last activity."""
 
-  __slots__ = ("addr", "prefix", "identity", "busy", "last", "born", "inner", "transport",
-               "task", "open")
+  __slots__ = ("addr", "prefix", "identity", "busy", "last", "inner", "transport", "task",
+               "open")
 
   def __init__(self, addr: str):
     self.addr, self.prefix, self.identity, self.busy = addr, prefix_of(addr), None, 0
-    self.last = self.born = time.monotonic()
+    self.last = time.monotonic()
     self.inner = self.transport = self.task = None
     self.open = True
 
