@@ -1,6 +1,14 @@
 """benchmarks/step_call_walk.py's counting: calls, files, returns to a file left, stays."""
 
+import functools
+
 from benchmarks import step_call_walk
+
+
+@functools.lru_cache(maxsize=None)
+def _walk(clipping, entry="train_function"):
+  """One walk per (clipping, entry) for the whole file (each builds and steps a model)."""
+  return tuple(step_call_walk.walk(clipping, entry))
 
 
 def test_counts_of_a_known_walk():
@@ -23,7 +31,7 @@ def test_a_walk_in_one_file_never_returns():
 
 
 def test_the_train_function_entry_is_fits_step_without_train_on_batchs_guards():
-  calls = step_call_walk.walk("vectorized", "train_function")
+  calls = _walk("vectorized")
   # entered where fit enters (Keras' train function), not in train_on_batch's guards
   # (models.py, saved_ledger.py), and through the whole step: ledger write and update
   assert calls[0] == ("keras/model/train_step.py", "guarded")
@@ -38,9 +46,27 @@ def test_the_train_function_entry_is_fits_step_without_train_on_batchs_guards():
 
 
 def test_the_fast_step_reads_per_layer_facts_once():
-  calls = step_call_walk.walk("fast", "train_function")
+  calls = _walk("fast")
   # the Dense rule reads which of W and b are trained itself, once per call; the records
   # context is entered once for all the layers' norms
   assert ("keras/fast_clipping/algebra.py", "trainable") not in calls
   assert calls.count(("keras/fast_clipping/registry.py", "__enter__")) == 1
   assert ("keras/fast_clipping/rules/dense.py", "dense_norm_fn") in calls
+
+
+def test_the_step_calls_each_concept_in_its_one_owner():
+  for clipping in ("vectorized", "fast"):
+    calls = _walk(clipping)
+    files = {f for f, _ in calls}
+    # folded: the chunk's accumulation is the query's own (no clipped_sum module), the
+    # record weights are the record cut's (gradients), the sums' order is the step's, the clip
+    # arithmetic is the DPQuery module's, and the ledger write reads the registry's cycle
+    # codes (a fact formed when a policy is registered), not the registry itself
+    assert not files & {"keras/optimizer/clipped_sum.py", "keras/optimizer/pipelining.py",
+                        "dp_query/clipping.py", "ledger/policies.py"}
+    assert ("keras/optimizer/private_step.py", "gate_sums_on_noise") in calls
+  calls = _walk("vectorized")
+  assert ("dp_query/dp_query.py", "accumulate_records") in calls
+  assert ("dp_query/dp_query.py", "clip_by_global_l2_norm") in calls
+  assert ("keras/optimizer/gradients.py", "record_weights") in calls
+  assert not any(f == "keras/optimizer/record_losses.py" for f, _ in calls)

@@ -1,4 +1,4 @@
-"""The private step's per-variable pipelining (keras/optimizer/pipelining.py): each clipped sum
+"""The private step's per-variable pipelining (private_step.gate_sums_on_noise): each clipped sum
 is formed once the leaf before it is noised; the values are unchanged."""
 
 import keras
@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.fast_clipping.rules import budget
-from tf_dpiter.keras.optimizer import pipelining
+from tf_dpiter.keras.optimizer import private_step
 
 
 def test_each_sum_waits_for_the_previous_noised_leaf():
@@ -24,8 +24,8 @@ def test_each_sum_waits_for_the_previous_noised_leaf():
         n = s + 1.0
       noised.append(n)
       previous = [n]
-    edges["added"] = pipelining.gate_sums_on_noise(sums, noised)
-    edges["gates"] = [[c.name for c in pipelining._producer(s).control_inputs]  # pylint: disable=protected-access
+    edges["added"] = private_step.gate_sums_on_noise(sums, noised)
+    edges["gates"] = [[c.name for c in private_step._producer(s).control_inputs]  # pylint: disable=protected-access
                       for s in sums]
     edges["noised"] = [n.op.name for n in noised]
     return noised
@@ -48,7 +48,7 @@ def test_no_edge_that_would_close_a_cycle():
     both = tf.range(8.0) * 2.0
     sums = [tf.identity(both), tf.reshape(both, [8])]
     noised = [s + 1.0 for s in sums]
-    return pipelining.gate_sums_on_noise(sums, noised), noised
+    return private_step.gate_sums_on_noise(sums, noised), noised
 
   added, noised = step()
   assert int(added) == 0
@@ -57,12 +57,12 @@ def test_no_edge_that_would_close_a_cycle():
 
 def test_eager_and_mismatched_structures_add_nothing():
   sums = [tf.ones([2]), tf.ones([3])]
-  assert pipelining.gate_sums_on_noise(sums, [s + 1.0 for s in sums]) == 0
+  assert private_step.gate_sums_on_noise(sums, [s + 1.0 for s in sums]) == 0
 
   @tf.function
   def step():
     s = [tf.ones([2]) * 2.0, tf.ones([3]) * 2.0]
-    return pipelining.gate_sums_on_noise(s, [s[0] + 1.0])
+    return private_step.gate_sums_on_noise(s, [s[0] + 1.0])
 
   assert int(step()) == 0
 
@@ -77,7 +77,7 @@ def _through_identities(tensor):
 
 def _fit_weights(monkeypatch, gate, sequence=False, split_sums=None):
   counts = []
-  real = pipelining.gate_sums_on_noise
+  real = private_step.gate_sums_on_noise
 
   def counting(sums, noised):
     counts.append(real(sums, noised) if gate else 0)
@@ -88,7 +88,7 @@ def _fit_weights(monkeypatch, gate, sequence=False, split_sums=None):
                                             if op.inputs[0].op.control_inputs})))
     return counts[-1]
 
-  monkeypatch.setattr(pipelining, "gate_sums_on_noise", counting)
+  monkeypatch.setattr(private_step, "gate_sums_on_noise", counting)
   keras.utils.set_random_seed(0)
   if sequence:   # Dense on [B, T, d]: the rule's [W; b] clipped sum, split into W and b
     model = dp.keras.DPSequential([
@@ -134,9 +134,9 @@ def test_a_split_sum_is_gated_at_the_product_that_allocates_it():
         n = s + 1.0
       noised.append(n)
       previous = [n]
-    seen["added"] = pipelining.gate_sums_on_noise(sums, noised)
-    seen["producers"] = [pipelining._producer(s).type for s in sums]  # pylint: disable=protected-access
-    seen["gate"] = [c.name for c in pipelining._producer(sums[2]).control_inputs]  # pylint: disable=protected-access
+    seen["added"] = private_step.gate_sums_on_noise(sums, noised)
+    seen["producers"] = [private_step._producer(s).type for s in sums]  # pylint: disable=protected-access
+    seen["gate"] = [c.name for c in private_step._producer(sums[2]).control_inputs]  # pylint: disable=protected-access
     seen["noised"] = noised[1].op.name
     return noised
 

@@ -1,4 +1,4 @@
-"""The per-record clip factors (dp_query.clipping) against the query's own preprocess_record."""
+"""The per-record clip factors (dp_query.clip_factors) against the query's own preprocess_record."""
 
 import numpy as np
 import pytest

@@ -23,7 +23,7 @@ the same factors.
 import tensorflow as tf
 
 from tf_dpiter import validation
-from tf_dpiter.dp_query import clipping
+from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
 from tf_dpiter.errors import PrivacyConfigError
@@ -124,7 +124,7 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
     Returns:
       the normalized record (same structure and dtypes).
     """
-    factor = automatic_clip_factors(clipping.global_l2_norm(record), params, self._stability)
+    factor = automatic_clip_factors(dp_query.global_l2_norm(record), params, self._stability)
     return tf.nest.map_structure(lambda x: x * tf.cast(factor, x.dtype), record)
 
   def record_clip_factors(self, params, record_norms):

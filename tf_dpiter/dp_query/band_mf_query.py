@@ -135,7 +135,7 @@ def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
 
 class CorrelatedNoiseQuery(dp_query.SumAggregationDPQuery):
   """Shared part of the correlated-noise queries: records clipped to S (global L2 norm, by
-  `dp_query.clipping`, the one place of the clip arithmetic), a global state (l2_norm_clip,
+  `dp_query.clip_factors`, the one place of the clip arithmetic), a global state (l2_norm_clip,
   stddev, step, noise state), and the noise added flat over the record's leaves. Subclasses
   define `_GlobalState` and `get_noised_result`."""
 

@@ -12,7 +12,6 @@ import numbers
 import tensorflow as tf
 
 from tf_dpiter import validation
-from tf_dpiter.dp_query import clipping
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import randomness
@@ -404,7 +403,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return global_state.l2_norm_clip
 
   def preprocess_record(self, params, record):
-    """pi_S(record) = record * min(1, S / ||record||_2) (`clipping.clip_by_global_l2_norm`).
+    """pi_S(record) = record * min(1, S / ||record||_2) (`dp_query.clip_by_global_l2_norm`).
 
     Args:
       params: S, from `derive_sample_params`.
@@ -413,11 +412,11 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     Returns:
       the clipped record (same structure and dtypes).
     """
-    clipped, _ = clipping.clip_by_global_l2_norm(record, params)
+    clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
     return clipped
 
   def record_clip_factors(self, params, record_norms):
-    """c_i = min(1, S / ||x_i||_2), 0 for a non-finite norm (`clipping.clip_factors`).
+    """c_i = min(1, S / ||x_i||_2), 0 for a non-finite norm (`dp_query.clip_factors`).
 
     Args:
       params: S, from `derive_sample_params`.
@@ -426,7 +425,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     Returns:
       float32 factors shaped like `record_norms`.
     """
-    return clipping.clip_factors(record_norms, params)
+    return dp_query.clip_factors(record_norms, params)
 
   def get_noised_result(self, sample_state, global_state):
     """(sum + N(0, sigma^2), global_state, (GaussianSumEvent(S, sigma),)).

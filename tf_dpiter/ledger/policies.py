@@ -27,6 +27,17 @@ from tf_dpiter.ledger.policy_base import check_policy
 
 _REGISTRY = {}
 
+# The codes (floats) of the registered policies whose samples advance the ledger's cycle
+# position (`SamplingPolicy.advances_cycle`), (-1.0,) (no code) when none: a fact of the
+# registry, formed again by `register` and `unregister` only. The ledger's writes read it
+# and key their traces on it, so a policy registered later gets a trace of its own.
+CYCLIC_CODES = (-1.0,)
+
+
+def _update_cyclic_codes():
+  global CYCLIC_CODES  # pylint: disable=global-statement
+  CYCLIC_CODES = tuple(float(p.code) for p in _REGISTRY.values() if p.advances_cycle) or (-1.0,)
+
 
 class Poisson(SamplingPolicy):
   """Each record joins each sample independently with probability q; add or remove one."""
@@ -195,6 +206,7 @@ def register(policy):
                              f"policy {taken[policy.code]!r}'s (codes are stored in checkpoints "
                              f"and never reused). Received: code={policy.code!r}")
   _REGISTRY[policy.name] = policy
+  _update_cyclic_codes()
   return policy
 
 
@@ -211,7 +223,9 @@ def unregister(name):
     PrivacyConfigError: a name not registered.
   """
   get(name)
-  return _REGISTRY.pop(name)
+  policy = _REGISTRY.pop(name)
+  _update_cyclic_codes()
+  return policy
 
 
 def names():

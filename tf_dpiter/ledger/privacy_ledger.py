@@ -41,19 +41,6 @@ from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, 
                                       QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS, SHUFFLE,
                                       policy_code, policy_name, relation_for_policy)
 
-def _cyclic_names():
-  """The registered policies whose samples advance the ledger's cycle position, read at call
-  time (a policy registered after this module was imported counts too)."""
-  return tuple(p for p in policies.names() if policies.get(p).advances_cycle)
-
-
-def _cyclic_codes():
-  """The codes of `_cyclic_names()` (a tuple of floats; (-1.0,), no code, when none), read at
-  call time (the shared write functions read them when traced: they take the registered
-  names as an argument, so a policy registered later gives them a trace of their own)."""
-  return tuple(float(policy_code(p)) for p in _cyclic_names()) or (-1.0,)
-
-
 def _f64(x):
   """float64 tensor; Python floats are converted at full precision (tf.cast would go via float32)."""
   return tf.cast(tf.convert_to_tensor(x, dtype_hint=tf.float64), tf.float64)
@@ -206,7 +193,7 @@ class _Buffers:
 
   def assign_rows(self, samples, queries, passes, cyclic_codes):
     """Ops writing rows (tensors) and a pass count; the cycle position follows the rows: the
-    samples whose policy code is one of `cyclic_codes` (`_cyclic_codes()`)."""
+    samples whose policy code is one of `cyclic_codes` (`policies.CYCLIC_CODES`)."""
     cyclic = tf.constant(cyclic_codes, tf.float64)
     in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
     spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
@@ -298,7 +285,7 @@ def _reconcile(v, m, cyclic_codes):
   Args:
     v: the checkpointed `_Buffers`.
     m: the mirror `_Buffers`.
-    cyclic_codes: `_cyclic_codes()`, for the cycle position of a set rewritten.
+    cyclic_codes: `policies.CYCLIC_CODES`, for the cycle position of a set rewritten.
 
   Returns:
     the conditional's op (the writes depend on it).
@@ -365,27 +352,26 @@ def _append(b, row, qrows, cyclic):
 
 
 @tf.function(autograph=False)
-def _add_passes_call(v_handles, m_handles, count, policy_names):
+def _add_passes_call(v_handles, m_handles, count, cyclic_codes):
   """Reconciles the two sets (`_reconcile`), then adds `count` passes to both.
 
   Args:
     v_handles: the checkpointed set's `_Buffers.handles()`.
     m_handles: the mirror's `_Buffers.handles()`.
     count: the passes started (int64 tensor).
-    policy_names: `policies.names()` (the trace's key: the cycle rule is read when traced).
+    cyclic_codes: `policies.CYCLIC_CODES` (a tuple of floats: the trace's key).
 
   Returns:
     the checkpointed set's new pass count (int64 tensor).
   """
-  del policy_names   # the key of this trace
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, _cyclic_codes())]):
+  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
     m.passes.assign_add(count)
     return v.passes.assign_add(count)
 
 
 @tf.function(autograph=False)
-def _append_call(v_handles, m_handles, row, qrows, cyclic, policy_names):
+def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
   """Reconciles the two sets (`_reconcile`), then appends one sample to the mirror and to the
   checkpointed set (`_append`).
 
@@ -395,14 +381,13 @@ def _append_call(v_handles, m_handles, row, qrows, cyclic, policy_names):
     row: the sample row, float64 [1, 6].
     qrows: its query rows without the sample index, float64 [Q, 4] (None: Q = 0).
     cyclic: True when the sample's policy advances the cycle position.
-    policy_names: `policies.names()` (the trace's key: the cycle rule is read when traced).
+    cyclic_codes: `policies.CYCLIC_CODES` (a tuple of floats: the trace's key).
 
   Returns:
     the checkpointed set's new sample count (int64 tensor).
   """
-  del policy_names   # the key of this trace
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, _cyclic_codes())]):
+  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
     _append(m, row, qrows, cyclic)
     return _append(v, row, qrows, cyclic)
 
@@ -457,7 +442,7 @@ class PrivacyLedger(tf.Module):
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
-    codes = _cyclic_codes()
+    codes = policies.CYCLIC_CODES
     for b in (self._v, self._mirror):
       b.assign_rows(tf.constant(samples, tf.float64), tf.constant(queries, tf.float64),
                     tf.constant(int(passes), tf.int64), codes)
@@ -520,7 +505,7 @@ class PrivacyLedger(tf.Module):
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
     return _add_passes_call(self._v.handles(), self._mirror.handles(),
-                            tf.cast(count, tf.int64), policies.names())
+                            tf.cast(count, tf.int64), policies.CYCLIC_CODES)
 
   def record_sample(self, population_size, selection_probability, events,
                     policy=POISSON, sample_size=0, examples_per_record=1):
@@ -592,7 +577,7 @@ class PrivacyLedger(tf.Module):
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
     with tf.control_dependencies(checks):
       return _append_call(self._v.handles(), self._mirror.handles(), row, qrows,
-                          bool(sampling.advances_cycle), policies.names())
+                          bool(sampling.advances_cycle), policies.CYCLIC_CODES)
 
   # ---- reading and (de)serialization ---------------------------------------------------
 

@@ -43,7 +43,6 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.optimizer import gradients as grads_lib
-from tf_dpiter.keras.optimizer import record_losses
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="ViewMeanLoss")
@@ -138,8 +137,7 @@ class AugmentationMultiplicity(keras.Model):
     y_pred = tf.nest.map_structure(self.view_mean, y_pred)
     if sample_weight is None:
       return super().compute_metrics(x, y, y_pred, sample_weight=None)
-    mask = record_losses.example_mask_from_weights(sample_weight,
-                                                   grads_lib.dynamic_batch_size(x))
+    mask = grads_lib.example_mask_from_weights(sample_weight, grads_lib.dynamic_batch_size(x))
     keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
     return self.get_metrics_result()
 

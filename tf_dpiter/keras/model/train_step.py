@@ -253,7 +253,7 @@ class TrainStepMixin:
     m = step.record_microbatches   # None: one example per record (also M == batch size)
     if not getattr(self, "_dp_in_fit", False):
       grads_lib.check_num_microbatches(m, b_static)
-    example_mask = record_losses.example_mask_from_weights(sample_weight, b)
+    example_mask = grads_lib.example_mask_from_weights(sample_weight, b)
     variables = self.trainable_variables
     per_user = getattr(self, "_dp_examples_per_user", None)
     if per_user is not None:   # user-level batches: a record is one user's k rows
@@ -292,7 +292,7 @@ class TrainStepMixin:
 
     def record_loss(rec):
       (xr, yr, wr), emr = rec
-      w = record_losses.record_weights(emr, wr)
+      w = grads_lib.record_weights(emr, wr)
       y_pred = self(xr, training=True) if facts.training_arg else self(xr)
       loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
@@ -320,7 +320,7 @@ class TrainStepMixin:
     def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
       xc, yc, _ = tf.nest.map_structure(_flat_records, c_recs)
-      weights = record_losses.record_weights(c_em, c_recs[2])
+      weights = grads_lib.record_weights(c_em, c_recs[2])
 
       def regroup(t):  # [R * k, ...] -> [R, k, ...], the Keras mask too
         out = tf.reshape(t, tf.concat([tf.shape(c_em), tf.shape(t)[1:]], 0))
@@ -345,10 +345,10 @@ class TrainStepMixin:
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
         # one Identity per variable, not one IdentityN: the pipelining gates each sum's
-        # own producer on the leaf noised before it (keras/optimizer/pipelining.py)
+        # own producer on the leaf noised before it (private_step.gate_sums_on_noise)
         grads = [tf.identity(g) for g in grads]
       losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
-      rec_loss = record_losses.masked_record_mean(losses, c_em)
+      rec_loss = grads_lib.masked_record_mean(losses, c_em)
       grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]
       if acc is not None:   # a later chunk: added into the first chunk's sums
         grads = [a + g for a, g in zip(acc, grads)]
@@ -382,8 +382,7 @@ class TrainStepMixin:
     `compute_metrics` gets its own method."""
     if sample_weight is None or type(self).compute_metrics is not keras.Model.compute_metrics:
       return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    mask = record_losses.example_mask_from_weights(sample_weight,
-                                                   grads_lib.dynamic_batch_size(x))
+    mask = grads_lib.example_mask_from_weights(sample_weight, grads_lib.dynamic_batch_size(x))
     keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
     return self.get_metrics_result()
 

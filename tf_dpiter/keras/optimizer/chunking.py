@@ -29,7 +29,6 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
-from tf_dpiter.ledger import policies as ledger_policies
 
 
 def wide_dtype(dtype):
@@ -57,7 +56,9 @@ def wide_template(variables):
 
 
 def unscale_records(grads, scale):
-  """Per-record gradients [M, ...] divided by the loss scale, in float32.
+  """Per-record gradients [M, ...] in the privacy arithmetic's dtype (`wide_dtype`: float32,
+  float64 for float64 variables), divided by the loss scale: what the query clips and sums
+  (`DPQuery.accumulate_records`).
 
   A record whose gradient is not finite (float16 overflow) becomes zero: a function of that
   record alone, whose norm 0 is <= C, so the sensitivity bound holds.
@@ -70,9 +71,10 @@ def unscale_records(grads, scale):
     (grads, finite): the unscaled gradients and a bool [M] (False: the record was zeroed),
     or None for finite when scale is 1.
   """
+  grads = [tf.cast(g, wide_dtype(g.dtype)) for g in grads]
   if scale == 1.0:
     return grads, None
-  grads = [tf.cast(g, wide_dtype(g.dtype)) / scale for g in grads]
+  grads = [g / scale for g in grads]
   finite = None
   for g in grads:
     ok = tf.reduce_all(tf.reshape(tf.math.is_finite(g), [tf.shape(g)[0], -1]), axis=1)
@@ -140,10 +142,9 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   flags = step.flags
   per_chunk = records_per_chunk(flags.max_physical_batch_size, examples_per_record,
                                 num_records_static)
-  sampling = step.sampling
-  if (sampling is None or not flags.skip_padding_tail or not isinstance(examples_per_record, int)
-      or not routing.in_xla_context()
-      or not ledger_policies.get(sampling.policy).expected_size_denominator):
+  if (step.sampling is None or not flags.skip_padding_tail
+      or not isinstance(examples_per_record, int)
+      or not step.expected_size_denominator or not routing.in_xla_context()):
     return per_chunk
   m = None if num_records_static is None else int(num_records_static)
   if per_chunk is not None:

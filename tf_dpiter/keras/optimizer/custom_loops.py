@@ -58,9 +58,7 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
-from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import gradients as grads_lib
-from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import saved_ledger
 
@@ -166,7 +164,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
   with tf.control_dependencies(deps):
-    state = clipped_sum.accumulate(query, params, state, grads, rmask)
+    state = query.accumulate_records(params, state, grads, mask=rmask)
   return step.noised_average(state, tf.reduce_sum(rmask))
 
 
@@ -178,7 +176,7 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
     r_data, r_em = rec
     loss = tf.convert_to_tensor(loss_fn(r_data))
     if loss.shape.rank:
-      loss = record_losses.masked_record_mean(tf.reshape(loss, [-1]), r_em)
+      loss = grads_lib.masked_record_mean(tf.reshape(loss, [-1]), r_em)
     return tf.cast(loss, tf.float32) * scale, ()
 
   k = grads_lib.examples_per_record(step.record_microbatches, grads_lib.static_batch_size(data),
@@ -272,4 +270,4 @@ def _record_losses(step, losses, mask, scale=1.0):
   if step.record_microbatches is None:
     return losses * example_mask, example_mask
   recs, em, rmask = grads_lib.to_records(losses, example_mask, step.record_microbatches)
-  return record_losses.masked_record_mean(recs, em), rmask
+  return grads_lib.masked_record_mean(recs, em), rmask

@@ -24,7 +24,7 @@ Where each part lives: this module is the Keras face (the constructor and its ch
 properties, the config, the refusal of plain `apply`, `apply_private_gradients`,
 `from_budget`, `minimize`, and the few step methods users call on the optimizer). The DP step itself is one object the
 optimizer holds, `optimizer.private_step` (`private_step.PrivateStep`): it owns the query
-and the ledger write, the sampling declaration, the clipping (`clipped_sum`, `chunking`),
+and the ledger write, the sampling declaration, the clipping (`PrivateStep.clipped_sum`, `chunking`),
 the noise mechanism (`noise_mechanisms`, `noise_draw`) and the custom-loop gradients
 (`custom_loops`).
 `DPKeras*Optimizer.from_budget(epsilon, delta, epochs, batch_size, population_size)`

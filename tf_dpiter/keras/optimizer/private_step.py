@@ -23,8 +23,12 @@ float16 overflow counter. The noise generator is deliberately not among them: a 
 
 It picks the clipping path, forms the vectorized clipped sum, requires the declared sampling
 and draws the noise (across replicas: once) itself. Helpers: `step_sampling` (the
-declaration), `noise_mechanisms`, `clipped_sum` (the accumulation of a chunk), `chunking`,
-`custom_loops`.
+declaration), `noise_mechanisms`, `chunking` (physical chunks), `custom_loops`.
+
+Per-variable pipelining (sum -> noise -> divide -> apply; Bu et al., "Differentially
+private optimization on large model at small cost", book-keeping, Section 3):
+`noised_average` orders the step so that the clipped sum of leaf j + 1 is formed only once
+leaf j is noised (`gate_sums_on_noise`, below the class).
 
 Its variables are checkpoint dependencies of the optimizer under fixed names ("_dp_ledger",
 "_dp_expected_records", "_dp_overflow_count", "_dp_global_state_<i>"), so
@@ -45,12 +49,10 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.optimizer import chunking
-from tf_dpiter.keras.optimizer import clipped_sum
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import noise_mechanisms
-from tf_dpiter.keras.optimizer import pipelining
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import step_sampling
 from tf_dpiter.ledger import policies as ledger_policies
@@ -85,6 +87,11 @@ class PrivateStep:
       sampling is declared; for code that drives the query itself, e.g. TF Privacy's
       `optimizer.dp_query`): what it records lands in the same ledger.
     sampling_source: "user", "fit" or None (who declared the sampling).
+    expected_size_denominator: True when the declared policy's batch size is random
+      (Poisson-type: its policy object's `expected_size_denominator`), read once per
+      declared sampling (False while undeclared): the average is divided by the expected
+      batch size (`denominator`), and under XLA its samples are padded to a static size
+      (`chunking.chunk_layout`).
     existing_ledger: the PrivacyLedger, or None before the state is made (`ledger` makes it).
     expected_records: float32 variable, the public expected batch size (None before the
       state is made).
@@ -115,7 +122,7 @@ class PrivateStep:
     self._global_vars = None              # the query's global state variables (flattened)
     self._global_struct = None
     self._pending_sampling = None
-    self._expected_size_denominator = False   # set by adopt_sampling from the declared policy
+    self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
 
@@ -403,7 +410,7 @@ class PrivateStep:
     """
     self.sampling = sampling
     # the policy's denominator rule, read once per declared policy (not at every step)
-    self._expected_size_denominator = ledger_policies.get(
+    self.expected_size_denominator = ledger_policies.get(
         sampling.policy).expected_size_denominator
     if self._global_vars is None:
       self._make_global_state(self.base_query.initial_global_state())
@@ -642,7 +649,7 @@ class PrivateStep:
       grads, finite = chunking.unscale_records(grads, loss_scale)
       with tf.control_dependencies(self.count_overflowed(finite, mask)):
         weights = mask if sum_scale is None else mask * sum_scale
-        state = clipped_sum.accumulate(query, params, state, grads, weights)
+        state = query.accumulate_records(params, state, grads, mask=weights)
       # a loss without reduction (reduction=None, TF Privacy's idiom) gives each record a
       # vector: its logged value is the record's mean, as Keras reduces it
       rec_losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(mask)[0], -1]), axis=1)
@@ -783,7 +790,7 @@ class PrivateStep:
     if not self.normalize:
       return tf.constant(1.0)
     self.require_sampling()
-    if self._expected_size_denominator:
+    if self.expected_size_denominator:
       return self._expected_records.read_value()
     return tf.maximum(num_records, 1.0)
 
@@ -851,13 +858,13 @@ class PrivateStep:
             "scaled", "False under more than one replica (the denominator follows from the "
             "all-reduced record count: form the plain sum)", scaled))
       result = self._noise_and_record(sample_state, self.sum_scale(num_records))
-      pipelining.gate_sums_on_noise(sample_state, result)
+      gate_sums_on_noise(sample_state, result)
       return list(tf.nest.flatten(result))
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
       # each sum is formed once the leaf before it is noised (Bu et al. 2023, Section 3:
       # no more sums held than the non-private step holds gradients)
-      pipelining.gate_sums_on_noise(sample_state, result)
+      gate_sums_on_noise(sample_state, result)
     else:   # the replicas' sums and counts all-reduced, one draw in cross-replica context
       sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
       num_records = ctx.all_reduce(tf.distribute.ReduceOp.SUM, num_records)
@@ -870,3 +877,88 @@ class PrivateStep:
       result = ctx.merge_call(merge_fn, args=(sample_state,))
     denom = self.denominator(num_records) * float(n_rep)
     return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
+
+
+# ---- per-variable pipelining of the step: sum -> noise -> divide -> apply ---------------
+#
+# Bu et al., "Differentially private optimization on large model at small cost" (book-keeping,
+# Section 3) keep the DP step's memory near the non-private one by never holding more than the
+# non-private step holds. In a traced TF step the clipped sums of all variables become ready
+# together (every sum needs the clip factors, hence every norm), and TF's executor runs every
+# ready op: all the sums (one weight-sized buffer per variable, 418 MiB for BERT-base) were
+# formed before the noise chain, which draws the variables' noise one after the other, reached
+# them. Non-private training applies each gradient as it comes and frees it.
+#
+# `gate_sums_on_noise` adds, after the noised result is built, a control edge from the noised
+# leaf j to the op that forms the clipped sum of leaf j + 1, so sum j + 1 is formed only once
+# leaf j is noised: at most about one draw's worth of sums waits for its noise, and each noised
+# leaf goes on to its division and update (which depend on it alone) while the next sum is
+# formed. Nothing is computed differently: the same ops, the same noise draws from the same
+# generator in the same order, only an execution order is added. An edge is added only where it
+# cannot close a cycle (the producer is not an ancestor of the noised leaves before it), so a
+# sum that other sums or the noise depend on (an XLA program's outputs, a query mixing leaves)
+# is left as it is.
+
+# Ops that pass a buffer on (no new weight-sized allocation): the walk from a sum to the op
+# that allocates it goes through them. SplitV (data input first) too: a layer whose sums come
+# out of one product split into its variables' parts ([W; b] of the Dense rule; the parts are
+# views of the product on the dimension-0 split) allocates them in the product, so that is the
+# op to gate (gating the split left every such product formed at once: BERT-base's TF allocator
+# peak over a DP step 809 -> 629 MiB at batch 4 x 32 with the product gated).
+_FORWARDING_OPS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+                             "EnsureShape", "SplitV"])
+
+
+def _producer(tensor):
+  """The op that allocates `tensor`'s buffer: its op, or, through buffer-forwarding ops (their
+  data input is the first), the first op that is not one."""
+  op = tensor.op
+  while op.type in _FORWARDING_OPS and op.inputs:
+    op = op.inputs[0].op
+  return op
+
+
+def _add_ancestors(ops, seen):
+  """Adds to `seen` (a set of ops) every op that `ops` depend on (data or control), them
+  included; walks only ops not in `seen` yet."""
+  stack = [op for op in ops if op not in seen]
+  while stack:
+    op = stack.pop()
+    if op in seen:
+      continue
+    seen.add(op)
+    stack.extend(t.op for t in op.inputs if t.op not in seen)
+    stack.extend(c for c in op.control_inputs if c not in seen)
+
+
+def gate_sums_on_noise(sums, noised):
+  """Makes the sum of leaf j + 1 wait for the noised leaf j (module docstring).
+
+  Works on a traced graph only (eager tensors have no ops: nothing to order). Leaves are
+  taken in `tf.nest.flatten` order, the order in which the Gaussian query draws their noise.
+
+  Args:
+    sums: the clipped sums (a nest of tensors, the query's sample state).
+    noised: the noised result of the same structure (the query's result).
+
+  Returns:
+    the number of control edges added (0 when the structures differ, in eager mode, or when
+    every edge could close a cycle).
+  """
+  sums = tf.nest.flatten(sums)
+  noised = tf.nest.flatten(noised)
+  if (tf.executing_eagerly() or len(sums) != len(noised) or len(sums) < 2
+      or not all(tf.is_tensor(t) and hasattr(t, "op") for t in sums + noised)):
+    return 0
+  graph = noised[0].graph
+  seen = set()   # ancestors of the noised leaves so far (the edges added included)
+  added = 0
+  for j in range(len(sums) - 1):
+    _add_ancestors([noised[j].op], seen)
+    producer = _producer(sums[j + 1])
+    if (producer.graph is not graph or noised[j].op.graph is not graph or producer in seen
+        or producer.type == "Placeholder"):
+      continue
+    producer._add_control_input(noised[j].op)  # pylint: disable=protected-access
+    added += 1
+  return added

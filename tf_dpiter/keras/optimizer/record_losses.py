@@ -12,7 +12,7 @@ with the record's sample weights and output masks. This covers:
 * sample weights of any rank ([B], [B, T]) and nested per output (dicts).
 
 Both clipping paths use this definition: the vectorized path runs each record alone through
-the model and the compiled loss (`record_weights`); the fast path runs the batch through the
+the model and the compiled loss (with `gradients.record_weights`); the fast path runs the batch through the
 model once and evaluates the compiled loss record by record (`compiled_record_losses`, the loss
 function vectorized over records, which reads no other record's outputs). Losses added by
 layers (`add_loss`, activity regularizers) depend on the record's own forward pass and are
@@ -26,71 +26,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 
 
-def record_weights(example_mask, sample_weight):
-  """Keras sample weights of a record's k examples (a nest like `sample_weight`).
-
-  w = m * k / sum(m) * sample_weight, with m the record's example mask [..., k]: the
-  mean-reduced compiled loss over the record's examples then averages its real examples only
-  (padding examples of a microbatch, and examples removed by a zero weight, get weight 0).
-
-  Args:
-    example_mask: [k] (one record) or [R, k] (records) float 0/1.
-    sample_weight: None, or a nest of tensors shaped like example_mask plus any trailing axes.
-
-  Returns:
-    a nest of float32 tensors like sample_weight (example_mask's shape when it is None).
-  """
-  em = tf.cast(example_mask, tf.float32)
-  k = tf.cast(tf.shape(em)[-1], tf.float32)
-  w = em * (k / tf.maximum(tf.reduce_sum(em, -1, keepdims=True), 1.0))
-  if sample_weight is None:
-    return w
-
-  def weigh(t):
-    t = tf.cast(t, tf.float32)
-    extra = len(t.shape) - len(w.shape)
-    return tf.reshape(w, tf.concat([tf.shape(w), tf.ones([extra], tf.int32)], 0)) * t
-
-  return tf.nest.map_structure(weigh, sample_weight)
-
-
-def masked_record_mean(values, example_mask):
-  """The mean of each record's values over its real examples: [..., k] -> [...].
-
-  sum_j m_j v_j / max(sum_j m_j, 1), with m the example mask (0 for padding examples);
-  a record with no real example gets 0.
-
-  Args:
-    values: [..., k] float tensor, one value per example of each record.
-    example_mask: [..., k] 0/1 mask.
-
-  Returns:
-    [...] means, in values' dtype.
-  """
-  em = tf.cast(example_mask, values.dtype)
-  return tf.reduce_sum(values * em, -1) / tf.maximum(tf.reduce_sum(em, -1), 1.0)
-
-
-def example_mask_from_weights(sample_weight, batch_size):
-  """[B] float 0/1: 1 for examples with a positive weight somewhere (any output, any token).
-
-  Args:
-    sample_weight: None (all ones) or a nest of [B, ...] weights.
-    batch_size: B, an int or scalar int tensor.
-
-  Returns:
-    a [B] float32 tensor.
-  """
-  if sample_weight is None:
-    return tf.ones([batch_size], tf.float32)
-  flags = [tf.reduce_any(tf.reshape(tf.cast(t, tf.float32), [batch_size, -1]) > 0, axis=1)
-           for t in tf.nest.flatten(sample_weight)]
-  any_positive = flags[0]
-  for f in flags[1:]:
-    any_positive = tf.logical_or(any_positive, f)
-  return tf.cast(any_positive, tf.float32)
-
-
 def compiled_record_losses(model, y_true, y_pred, weights):
   """Per-record losses [R] of model's compiled loss, each computed on one record alone.
 
@@ -98,7 +33,8 @@ def compiled_record_losses(model, y_true, y_pred, weights):
     model: a compiled keras.Model.
     y_true, y_pred: nests of tensors [R, k, ...] (records on the leading axis); the Keras
       masks of y_pred's leaves (`_keras_mask`, [R, k, ...]) are applied record by record.
-    weights: nest of per-record sample weights [R, k, ...] (`record_weights` of each record).
+    weights: nest of per-record sample weights [R, k, ...] (`gradients.record_weights` of
+      each record).
 
   Returns:
     float32 [R]: record i's value of the compiled loss (loss_weights included, no
