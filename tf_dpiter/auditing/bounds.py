@@ -54,9 +54,10 @@ def _scores(name, values):
   return arr
 
 
+_OPEN_UNIT = validation.Interval(float, 0, 1, closed="neither", error=ParameterValueError)
 CONSTRAINTS = {   # of lower_bound's arguments (one_run's delta and confidence too)
     "delta": validation.Interval(float, 0, 1, closed="left"),
-    "confidence": validation.Interval(float, 0, 1, closed="neither", error=ParameterValueError),
+    "confidence": _OPEN_UNIT,
     "method": validation.OneOf(METHODS),
     "num_thresholds": validation.Integer(1)}
 
@@ -87,8 +88,7 @@ def clopper_pearson(successes, trials, alpha, side):
   if np.any(n < 1) or np.any(k < 0) or np.any(k > n):
     raise ParameterValueError(f"need 0 <= successes <= trials and trials >= 1, got successes={successes!r}, "
                               f"trials={trials!r}")
-  if not 0.0 < float(alpha) < 1.0:
-    raise ParameterValueError(f"alpha must be in (0, 1), got {alpha!r}")
+  validation.check_params({"alpha": _OPEN_UNIT}, {"alpha": alpha})
   with np.errstate(invalid="ignore", divide="ignore"):
     if side == "lower":
       out = np.where(k > 0, special.betaincinv(np.maximum(k, 1e-300), n - k + 1, alpha), 0.0)
@@ -194,8 +194,7 @@ def _bonferroni(pos, neg, delta, alpha, thresholds, num_thresholds, rng):
 
 
 def _split(pos, neg, delta, alpha, split_fraction, num_thresholds, rng):
-  if not 0.0 < split_fraction < 1.0:
-    raise ParameterValueError(f"split_fraction must be in (0, 1), got {split_fraction!r}")
+  validation.check_params({"split_fraction": _OPEN_UNIT}, {"split_fraction": split_fraction})
   pos, neg = rng.permutation(pos), rng.permutation(neg)
   i_pos, i_neg = int(round(pos.size * split_fraction)), int(round(neg.size * split_fraction))
   if min(i_pos, i_neg, pos.size - i_pos, neg.size - i_neg) < 1:

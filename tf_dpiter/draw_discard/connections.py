@@ -44,6 +44,7 @@ import socket
 import ssl
 import time
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 log = logging.getLogger(__name__)
@@ -80,14 +81,10 @@ class Limits:
       self.max_per_token = self.max_per_client
     if self.max_per_prefix is None:
       self.max_per_prefix = max(2 * self.max_per_client, self.max_connections // 4)
-    for name in ("max_connections", "max_per_client", "max_per_token", "max_per_prefix"):
-      v = getattr(self, name)
-      if int(v) != v or v < 1:
-        raise ParameterValueError(f"`{name}` must be an integer >= 1. Received: {name}={v!r}")
-    for name in ("idle_timeout_s", "min_idle_s"):
-      v = getattr(self, name)
-      if not v > 0:
-        raise ParameterValueError(f"`{name}` must be > 0. Received: {name}={v!r}")
+    counts = ("max_connections", "max_per_client", "max_per_token", "max_per_prefix")
+    seconds = validation.Interval(float, 0, None, "neither", True, ParameterValueError)
+    validation.check_params({**dict.fromkeys(counts, validation.Integer(1)),
+                             "idle_timeout_s": seconds, "min_idle_s": seconds}, vars(self))
 
   def timeout_s(self, open_count: int) -> float:
     """The idle and handshake timeout with `open_count` connections open (seconds).

@@ -11,7 +11,6 @@ import numpy as np
 
 from tf_dpiter import validation
 from tf_dpiter.data import mnist
-from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -112,13 +111,11 @@ class FederatedData:
 def _check_counts(num_clients, examples_per_client, shards_per_client=1):
   validation.check_integer("num_clients", num_clients, 1)
   validation.check_integer("examples_per_client", examples_per_client, 1)
-  if not validation.is_integer(shards_per_client):
-    raise ParameterTypeError(
-        f"shards_per_client must be an int >= 1 dividing examples_per_client="
-        f"{examples_per_client}, got {shards_per_client!r}")
-  if shards_per_client < 1 or examples_per_client % shards_per_client:
-    raise ParameterValueError(f"shards_per_client must be an int >= 1 dividing examples_per_client="
-                              f"{examples_per_client}, got {shards_per_client!r}")
+  validation.check_integer("shards_per_client", shards_per_client, 1)
+  if examples_per_client % shards_per_client:
+    raise ParameterValueError(validation.message(
+        "shards_per_client", f"a divisor of examples_per_client={examples_per_client}",
+        shards_per_client))
 
 
 def _cycled_permutations(n_items, n_needed, rng):

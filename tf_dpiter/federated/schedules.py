@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
 
@@ -72,10 +73,10 @@ def linear_schedule(start, end, rounds, integer=False):
     fn(t), for `as_schedule` or DPFedAvg's clients_per_round / noise_multiplier.
 
   Raises:
+    ParameterTypeError: rounds is not an int.
     PrivacyConfigError: rounds < 1.
   """
-  if rounds < 1:
-    raise PrivacyConfigError(f"rounds must be >= 1, got {rounds!r}")
+  validation.check_integer("rounds", rounds, 1, error=PrivacyConfigError)
 
   def fn(t):
     frac = min(max(t - 1, 0), rounds - 1) / max(rounds - 1, 1)
