@@ -293,25 +293,21 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         self.draw_gate.dropped(slot, node)
       self.draw_gate.written(slot, node, seq)
       return seq
-    except store_lib.TicketUsed as e:
+    except BaseException as e:   # nothing stored: the reservation and the draws go back
       self.admission.release(adm)
       self._pending_draws += draws
-      raise await self._refuse(admission.Refused(
-          409, "ticket_used", "ticket_used", "this draw ticket was already used; draw again",
-          True)) from e
-    except store_lib.RateExceeded as e:
-      self.admission.release(adm)
-      self._pending_draws += draws
-      b = self.budget
-      raise await self._refuse(admission.Refused(
-          429, "influence_rate_exceeded", "influence_rate",
-          "this token's updates exceed its influence rate on the servers of this store; "
-          "retry later", False,
-          retry_after=b.half_life_s * math.log2(b.max_steps / (b.max_steps - 1.0))
-          if b.max_steps > 1 else b.half_life_s)) from e
-    except BaseException:
-      self.admission.release(adm)
-      self._pending_draws += draws
+      if isinstance(e, store_lib.TicketUsed):
+        raise await self._refuse(admission.Refused(
+            409, "ticket_used", "ticket_used", "this draw ticket was already used; draw again",
+            True)) from e
+      if isinstance(e, store_lib.RateExceeded):
+        b = self.budget
+        raise await self._refuse(admission.Refused(
+            429, "influence_rate_exceeded", "influence_rate",
+            "this token's updates exceed its influence rate on the servers of this store; "
+            "retry later", False,
+            retry_after=b.half_life_s * math.log2(b.max_steps / (b.max_steps - 1.0))
+            if b.max_steps > 1 else b.half_life_s)) from e
       raise
 
   def _rate(self, identity: str) -> tuple | None:
