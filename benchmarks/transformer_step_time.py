@@ -204,7 +204,7 @@ def run_one(a):
       "arch": arch, "params": int(model.count_params()),
       "trainable_params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
       "mode": a.mode, "lora": a.lora, "batch": a.batch, "seq": a.seq,
-      "clipping": opt.resolve_clipping(model) if a.mode == "dp" else None,
+      "clipping": getattr(model, "_dp_traced_clipping", None),   # the path the step traced
       "vectorized_layers": (dp.keras.fast_clipping.unregistered_layers(model)
                             if a.mode == "dp" else None),
       "ms_per_step": round(float(np.median(times)), 1), "ms_all": [round(t) for t in times],

@@ -102,16 +102,23 @@ def _grouped(k):
 
 def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
              scale):
-  """The recorded forward pass and the loss (run it under a tape).
+  """The recorded forward pass and the loss (run it under a tape). Traced (graph mode), the
+  pass also finds the trainable variables read outside their unit's recorded calls
+  (`unrecorded_variable_uses`'s check on the pass itself, no separate trace) and raises
+  UnrecordedUsesError before anything is formed from it.
 
   Returns (outputs, raw_losses [B], losses [B] (weighted per record),
   record_mask [B/k], scaled_total)."""
+  traced = not tf.executing_eagerly()
   with recording.CALL_LOCK:
-    installed = recording.install(units)
+    before = recording.variable_consumers(units) if traced else None
+    installed = recording.install(units, track_uses=traced)
     try:
       outputs = model(inputs, training=True)
     finally:
       recording.uninstall(installed)
+    if traced:
+      _refuse_unrecorded(recording.unrecorded_uses(units, before))
   raw_losses = tf.cast(per_example_loss_fn(targets, outputs), tf.float32)
   if raw_losses.shape.rank != 1:
     raise ParameterValueError(
@@ -365,7 +372,8 @@ def unrecorded_variable_uses(model, inputs):
   clip no longer bounds one example). Found from one forward pass of one example traced
   (never run, kept per model and input signature; shared with the physical-chunk probe):
   every graph operation consuming a variable's handle must have been created inside one of
-  its unit's recorded calls.
+  its unit's recorded calls. A traced clipped_grad_sum checks its own recorded forward pass
+  the same way (no separate trace); eagerly it calls this function.
 
   Args:
     model: a built keras.Model.
@@ -404,6 +412,25 @@ def describe_unrecorded(uses):
           "reading its variable (for an output projection tied to an embedding, use "
           "keras_hub.layers.ReversibleEmbedding and call it with reverse=True), or use "
           "clipping='vectorized'")
+
+
+class UnrecordedUsesError(PrivacyConfigError):
+  """clipped_grad_sum's refusal of a model whose trainable variables are used outside their
+  layer's recorded calls (`describe_unrecorded`); `uses` holds them, as
+  `unrecorded_variable_uses` returns them (the Keras step routes on it under
+  clipping="auto")."""
+
+  uses = ()
+
+
+def _refuse_unrecorded(uses):
+  """Raises UnrecordedUsesError naming `uses` (the list `unrecorded_variable_uses` returns)
+  when it is not empty."""
+  if uses:
+    error = UnrecordedUsesError(
+        f"clipped_grad_sum cannot clip this model exactly: {describe_unrecorded(uses)}")
+    error.uses = uses
+    raise error
 
 
 def warn_unrecorded(uses, stacklevel=4):
@@ -559,10 +586,8 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   scale = routing.loss_scale(model)
   _check_variant(variant, scale)
   units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
-  uses = unrecorded_variable_uses(model, inputs)
-  if uses:
-    raise PrivacyConfigError(f"clipped_grad_sum cannot clip this model exactly: "
-                             f"{describe_unrecorded(uses)}")
+  if tf.executing_eagerly():   # a traced pass checks itself (_forward)
+    _refuse_unrecorded(unrecorded_variable_uses(model, inputs))
   chunking = _physical_chunk(model, inputs, k) if chunked else None
   if chunking is not None:
     grads, norms, outputs, raw_losses = _chunked_grad_sum(
@@ -657,6 +682,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
       l2_norm_clip, variant or examples_per_record, a batch that is not
       whole records, a loss that is not [B], or a model that cannot be clipped
       per example (see supports).
+    UnrecordedUsesError: a trainable variable is read outside its layer's recorded calls
+      (a PrivacyConfigError; `unrecorded_variable_uses`).
   """
   with algebra.shared_ops():   # the clip factors reshaped (signed, ...) once, not per layer
     return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,

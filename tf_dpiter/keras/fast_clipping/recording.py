@@ -80,12 +80,28 @@ def install(units, track_uses=False):
   return installed
 
 
-def unrecorded_uses(units):
+def variable_consumers(units):
+  """The operations of the current (traced) graph that consume the units' variables so far:
+  the uses from before a recorded forward pass, which `unrecorded_uses` leaves out.
+
+  Args:
+    units: the plan's units.
+
+  Returns:
+    a set of tf.Operation.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  return {op for unit in units for op in _consumers(graph, unit)}
+
+
+def unrecorded_uses(units, before=frozenset()):
   """The variables consumed outside their unit's recorded calls in a forward pass recorded
   with `install(units, track_uses=True)` in the current (traced) graph.
 
   Args:
     units: the plan's units after the forward pass.
+    before: the operations that consumed the units' variables before the pass
+      (`variable_consumers`), not counted: a pass traced in a graph that already reads them.
 
   Returns:
     a list of (layer name, variable path, sorted operation types of the outside uses).
@@ -93,7 +109,7 @@ def unrecorded_uses(units):
   graph = tf.compat.v1.get_default_graph()
   found = []
   for unit in units:
-    inside = set()
+    inside = set(before)
     for rec in unit.records:
       inside |= rec.get("uses", set())
     for v in unit.variables:

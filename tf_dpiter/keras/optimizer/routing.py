@@ -18,8 +18,13 @@ crash (TensorFlow's bug), so `use_vectorized_map` sends such models to a sequent
 per-record loop (`tf.map_fn`): the same gradients, slower.
 """
 
+import contextlib
 import math
+import threading
 
+import tensorflow as tf
+
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import per_example
@@ -44,6 +49,66 @@ def _onednn_in_vectorized_units(model, fast_clipping):
       out.extend(sub.name for sub in keras_internals.flatten_layers(layer)
                  if sub.name in affected)
   return tuple(out)
+
+
+# Set by the Keras train step while it resolves its path: a traced step checks the
+# unrecorded uses in its fast clipped sum's own recorded forward pass (one trace of the model,
+# not two) and routes on the error that pass raises (`route_unrecorded`).
+_STEP = threading.local()
+
+
+@contextlib.contextmanager
+def uses_checked_by_the_step():
+  """Within: `fast_path_obstacle` called while tracing leaves the unrecorded-use check to the
+  traced step's fast clipped sum, whose recorded forward pass raises
+  fast_clipping.clipping.UnrecordedUsesError on such a use (before anything is formed from
+  it); the step then calls `route_unrecorded`. Called eagerly, the check runs as before.
+
+  Yields:
+    None.
+  """
+  previous = getattr(_STEP, "deferred", False)
+  _STEP.deferred = True
+  try:
+    yield
+  finally:
+    _STEP.deferred = previous
+
+
+def fast_refusal(reason):
+  """The error of clipping="fast" where the fast path cannot clip the model exactly.
+
+  Args:
+    reason: the obstacle (`fast_path_obstacle`'s sentence).
+
+  Returns:
+    a PrivacyConfigError to raise.
+  """
+  return PrivacyConfigError(
+      f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
+      "'vectorized' (each record is clipped alone, exact for it)")
+
+
+def route_unrecorded(step, fast_clipping, uses):
+  """The path of a step whose fast clipped sum found trainable variables used outside their
+  layer's recorded calls: "vectorized" under clipping="auto" (with the warning
+  `fast_path_obstacle` gives for them); clipping="fast" refuses.
+
+  Args:
+    step: the DP optimizer's PrivateStep.
+    fast_clipping: the fast_clipping module.
+    uses: the uses found (UnrecordedUsesError.uses).
+
+  Returns:
+    "vectorized".
+
+  Raises:
+    PrivacyConfigError: clipping="fast".
+  """
+  if step.flags.clipping == "fast":
+    raise fast_refusal(fast_clipping.describe_unrecorded(uses))
+  fast_clipping.warn_unrecorded(uses)
+  return "vectorized"
 
 
 def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
@@ -92,8 +157,10 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
   # a variable read outside its layer's recorded calls (a tied projection): its use would
-  # be left out of the clipped sum; "auto" warns once per traced step and routes
-  uses = fast_clipping.unrecorded_variable_uses(model, input_specs)
+  # be left out of the clipped sum; "auto" warns once per traced step and routes (a traced
+  # Keras step checks its own forward pass instead: uses_checked_by_the_step)
+  deferred = getattr(_STEP, "deferred", False) and not tf.executing_eagerly()
+  uses = None if deferred else fast_clipping.unrecorded_variable_uses(model, input_specs)
   if uses:
     if step.flags.clipping == "auto":
       fast_clipping.warn_unrecorded(uses)
