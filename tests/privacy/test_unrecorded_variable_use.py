@@ -248,3 +248,72 @@ def test_unrecorded_uses_name_each_variable_once_with_its_layer():
   uses = fast_clipping.unrecorded_variable_uses(model, x)
   assert [(layer, var) for layer, var, _ in uses] == [("read", path)]
   assert fast_clipping.unrecorded_variable_uses(model, None) == uses   # the model's inputs
+
+
+@pytest.mark.parametrize("mode", ["xla", "run_eagerly"])
+def test_explicit_fast_refuses_under_xla_and_run_eagerly(mode):
+  model, kind, path = _model("tied_matmul")
+  x, y = _data(model, kind)
+  _compile(model, "fast", jit=mode == "xla", eager=mode == "run_eagerly")
+  before = [np.asarray(v) for v in model.trainable_variables]
+  with pytest.raises(PrivacyConfigError, match="clipping='fast' cannot clip") as err:
+    model.train_on_batch(x, y)
+  assert path in str(err.value)
+  for v, w in zip(model.trainable_variables, before):   # no step ran
+    np.testing.assert_array_equal(np.asarray(v), w)
+
+
+@pytest.mark.parametrize("case,clipping,path", [("reversible", "fast", "fast"),
+                                                ("tied_matmul", "auto", "vectorized")])
+def test_traced_step_checks_its_own_forward_pass_without_a_second_trace(
+    monkeypatch, case, clipping, path):
+  """The traced step finds the unrecorded uses in its fast clipped sum's recorded forward
+  pass: the separate traced probe of the model (clipping._probe_pass) is not run."""
+  from tf_dpiter.keras.fast_clipping import clipping as clipping_module
+  probes = []
+  real = clipping_module._probe_pass   # pylint: disable=protected-access
+  monkeypatch.setattr(clipping_module, "_probe_pass",
+                      lambda *args: probes.append(args) or real(*args))
+  model, kind, _ = _model(case)
+  x, y = _data(model, kind)
+  opt = _compile(model, clipping)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    got = _update(model, x, y, np.ones(len(x), np.float32))
+  assert probes == []
+  assert model._dp_traced_clipping == path   # pylint: disable=protected-access
+  named = [w for w in caught if "outside their layer's own call" in str(w.message)]
+  assert len(named) == (path == "vectorized")
+  for g, w in zip(got, _independent(model, x, y)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+  assert opt.private_step.resolve_clipping(model, x) == path   # kept for this function
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_traced_clipped_grad_sum_refuses_an_unrecorded_use(jit):
+  model, kind, path = _model("tied_matmul")
+  x, y = _data(model, kind)
+  fn = tf.function(lambda a, b: fast_clipping.clipped_grad_sum(model, a, b, _loss, CLIP)[0],
+                   jit_compile=jit, autograph=False)
+  with pytest.raises(PrivacyConfigError, match="outside their layer's own call") as err:
+    fn(tf.constant(x), tf.constant(y))
+  assert path in str(err.value)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reads_before_the_traced_clipped_sum_are_not_unrecorded_uses(jit):
+  """The traced check counts only the uses made during the recorded forward pass: the same
+  graph reading the variables before it (a penalty, a copy) is not a use of the model."""
+  model, kind, _ = _model("reversible")
+  x, y = _data(model, kind)
+
+  def step(a, b):
+    norm = tf.add_n([tf.reduce_sum(tf.square(v)) for v in model.trainable_variables])
+    grads, _ = fast_clipping.clipped_grad_sum(model, a, b, _loss, CLIP)
+    return grads, norm
+
+  grads, norm = tf.function(step, jit_compile=jit, autograph=False)(tf.constant(x),
+                                                                      tf.constant(y))
+  assert float(norm) > 0.0
+  for g, w in zip(grads, _independent(model, x, y)):
+    np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-5)

@@ -269,11 +269,15 @@ class TrainStepMixin:
     # function (again when its trainable variables change)
     with (fast_plan.one_plan_per_step(facts.plans) if step.flags.clipping != "vectorized"
           else contextlib.nullcontext()):
-      self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
+      with routing.uses_checked_by_the_step():   # by the fast sum's own forward pass
+        self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
-        state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
-                                                         variables, params, scale)
-      else:
+        try:
+          state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
+                                                           variables, params, scale)
+        except fast_clip.UnrecordedUsesError as found:   # raised before any sum is formed
+          self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
+      if self._dp_traced_clipping == "vectorized":
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
                                                                k, variables, params, scale)
     if not outputs:

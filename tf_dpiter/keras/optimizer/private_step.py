@@ -583,10 +583,30 @@ class PrivateStep:
       return cached[1]
     reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs)
     if reason is not None and clipping == "fast":
-      raise PrivacyConfigError(
-          f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
-          "'vectorized' (each record is clipped alone, exact for it)")
+      raise routing.fast_refusal(reason)
     path = "fast" if reason is None else "vectorized"
+    self._route = None if key is None else (key, path)
+    return path
+
+  def route_unrecorded(self, model, input_specs, uses):
+    """The path of a traced step whose fast clipped sum found `uses` (variables read outside
+    their layer's recorded calls): "vectorized", kept as `resolve_clipping`'s answer for this
+    train function (routing.route_unrecorded: warns under clipping="auto", raises under
+    "fast").
+
+    Args:
+      model: the keras.Model the step trains.
+      input_specs: the batch `resolve_clipping` was given.
+      uses: fast_clipping.clipping.UnrecordedUsesError.uses.
+
+    Returns:
+      "vectorized".
+
+    Raises:
+      PrivacyConfigError: clipping="fast".
+    """
+    path = routing.route_unrecorded(self, fast_clipping, uses)
+    key = self._route_key(model, input_specs)
     self._route = None if key is None else (key, path)
     return path
 
