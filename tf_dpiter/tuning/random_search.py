@@ -26,6 +26,7 @@ import numpy as np
 from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import accountants
+from tf_dpiter.accounting import search
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -35,18 +36,11 @@ from tf_dpiter.ledger import selection as selection_lib
 
 def _gamma_for_mean(mean, shape):
   """gamma with E[K] = mean for the truncated negative binomial of `shape` (bisection)."""
-  def mean_of(g):
+  def mean_of(g):   # decreasing in g, from +inf at g -> 0 to 1 at g -> 1
     if shape == 0:
       return (1.0 - 1.0 / g) / math.log(g)
     return shape * (1.0 - g) / (g * (1.0 - g ** shape))
-  lo, hi = 1e-12, 1.0 - 1e-12
-  for _ in range(200):
-    mid = 0.5 * (lo + hi)
-    if mean_of(mid) > mean:
-      lo = mid
-    else:
-      hi = mid
-  return 0.5 * (lo + hi)
+  return search.bisect(lambda g: mean_of(g) <= mean, 1e-12, 1.0 - 1e-12, rel_tol=1e-15)
 
 
 def num_trials_distribution(mean, shape):

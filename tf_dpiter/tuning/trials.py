@@ -25,6 +25,7 @@ import dp_accounting as dpa
 import numpy as np
 
 from tf_dpiter import validation
+from tf_dpiter.accounting import search
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -109,7 +110,7 @@ def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, sh
                            score_noise_multiplier=None, tolerance=1e-4):
   """The smallest DP-SGD noise multiplier z (to `tolerance`) for which releasing the best of
   K trials, each `steps` Poisson-sampled steps at rate q and an optional noisy score, has
-  epsilon <= `epsilon` at `delta` (bisection on `selection_epsilon`).
+  epsilon <= `epsilon` at `delta` (`accounting.search` on `selection_epsilon`).
 
   The result is rounded up by a relative 1e-5 so that the ledger, which keeps the noise in
   float32, still reports at most the target.
@@ -133,27 +134,17 @@ def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, sh
   """
   validation.check_positive("epsilon", epsilon)
   validation.check_probability("sampling_probability", sampling_probability)
-
-  def eps(z):
-    return selection_epsilon(z, sampling_probability, steps, mean, shape, delta,
-                             score_noise_multiplier)
-  lo, hi = 0.1, 1.0
-  while eps(hi) > epsilon:
-    lo, hi = hi, 2.0 * hi
-    if hi > 1e4:
-      raise PrivacyConfigError(
-          f"`epsilon`={epsilon} cannot be met by a selection of mean {mean} trials (shape "
-          f"{shape}) with a noisy score of multiplier {score_noise_multiplier}, whatever the "
-          "training noise: raise epsilon, lower the mean or raise the score's noise")
-  if eps(lo) <= epsilon:
-    return lo
-  while (hi - lo) > tolerance * hi:
-    mid = 0.5 * (lo + hi)
-    if eps(mid) > epsilon:
-      lo = mid
-    else:
-      hi = mid
-  return hi * (1.0 + 1e-5)
+  ok = lambda z: selection_epsilon(z, sampling_probability, steps, mean, shape, delta,
+                                   score_noise_multiplier) <= epsilon
+  bad, good = search.doubling_bracket(ok, 1.0, limit=1e4)
+  if good is None:
+    raise PrivacyConfigError(
+        f"`epsilon`={epsilon} cannot be met by a selection of mean {mean} trials (shape "
+        f"{shape}) with a noisy score of multiplier {score_noise_multiplier}, whatever the "
+        "training noise: raise epsilon, lower the mean or raise the score's noise")
+  if not bad and ok(0.1):   # z is never taken below 0.1
+    return 0.1
+  return search.bisect(ok, bad or 0.1, good, rel_tol=tolerance) * (1.0 + 1e-5)
 
 
 __all__ = ["noisy_count", "selection_epsilon", "trial_event", "trial_noise_multiplier"]
