@@ -24,6 +24,7 @@ global step (see `distributed_poisson_batches`).
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import python_source
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import ParameterValueError
@@ -32,13 +33,9 @@ from tf_dpiter.errors import ParameterValueError
 def part_range(n, num_parts, part_index):
   """[lo, hi): the contiguous index range of part `part_index` of `num_parts` (sizes differ by
   at most one); ValueError for an out-of-range part."""
-  for name, v in (("num_parts", num_parts), ("part_index", part_index)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-      raise ParameterValueError(f"{name} must be an integer, got {v!r}")
-  if not 1 <= num_parts <= n or not 0 <= part_index < num_parts:
-    raise ParameterValueError(f"need 1 <= num_parts <= n={n} and 0 <= part_index < num_parts; got "
-                              f"num_parts={num_parts}, part_index={part_index}")
-  return (n * int(part_index)) // int(num_parts), (n * (int(part_index) + 1)) // int(num_parts)
+  num_parts = validation.check_integer("num_parts", num_parts, 1, n)
+  part_index = validation.check_integer("part_index", part_index, 0, num_parts - 1)
+  return (n * part_index) // num_parts, (n * (part_index + 1)) // num_parts
 
 
 poisson_indices = sampling_lib.poisson_indices
@@ -72,6 +69,7 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     padding. With num_parts=1 its SamplingSpec is that of `poisson_batches`.
 
   Raises:
+    ParameterTypeError: a count or part index that is not an integer.
     ParameterValueError: an argument out of range.
   """
   n = int(source.num_records)
