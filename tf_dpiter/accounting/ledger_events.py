@@ -4,27 +4,12 @@ A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mech
 multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
 sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
 replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
-multiplier is sigma over that sensitivity. It is placed in the sampling event of the policy, which the policy's accounting
-object converts (`policy_accounting`: one object per policy, no if-chain here):
-  poisson    -> PoissonSampledDpEvent(q, .)                 add or remove one
-  fixed_size -> SampledWithoutReplacementDpEvent(n, m, .)   replace one
-  shuffle    -> one un-amplified mechanism per pass started  replace one
-  full       -> one mechanism per sample                    add or remove one
-Identical samples are composed with a count, so a ledger of 10^6 samples costs one event.
-
-Correlated noise and capped batches (the CyclicPoisson, Shuffle and TruncatedPoisson
-objects):
-  cyclic_poisson (b groups) -> per example, k = sum over runs of ceil(run length / b)
-      participations of PoissonSampledDpEvent(q, Gaussian(sigma / (zeta S))): BandMF with b
-      bands or fewer under b-min-separation is as private as k steps of Poisson-sampled DP-SGD
-      (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Theorem 4)
-  matrix_gaussian rows (cyclic_poisson; BLT) -> k Gaussians of the equivalent sensitivity,
-      no amplification (the run is one Gaussian mechanism over its horizon)
-  tree_gaussian rows (shuffle) -> per pass SingleEpochTreeAggregationDpEvent (Kairouz et al.
-      2021, Appendix D), accountant under REPLACE_SPECIAL with the replace-one leaf sensitivity
-  truncated_poisson (cap B) -> TruncatedSubsampledGaussianDpEvent(n, q, B, .) (PLD only)
-  balls_in_bins (k steps per epoch) -> one un-amplified mechanism per epoch started (see
-      `_balls_in_bins_event`: a proven bound; Poisson accounting at rate 1/k is not one)
+multiplier is sigma over that sensitivity. Identical samples are composed with a count, so a
+ledger of 10^6 samples costs one event. Each policy's accounting object (`policy_accounting`,
+whose docstring lists them) turns the mechanism into the sampling event of the whole group,
+correlated-noise rows included: banded and matrix (BLT) rows under cyclic_poisson, tree rows
+(SingleEpochTreeAggregationDpEvent per pass, Kairouz et al. 2021, Appendix D; accounted under
+REPLACE_SPECIAL with the replace-one leaf sensitivity) under shuffle.
 A selection record (`ledger.selection`) turns the samples before it into one trial:
   RepeatAndSelectDpEvent(trial, mean, shape) (Papernot and Steinke 2022; RDP only).
 """

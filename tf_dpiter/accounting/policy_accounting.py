@@ -11,7 +11,8 @@ Training Procedures", Section 5 and Appendix A):
                            SingleEpochTreeAggregationDpEvent per pass)   replace one
   full                  -> one mechanism per sample                   add or remove one
   cyclic_poisson        -> participations x PoissonSampledDpEvent (Choquette-Choo et al.,
-                           "(Amplified) Banded Matrix Factorization", Theorem 4)
+                           "(Amplified) Banded Matrix Factorization", Theorem 4; matrix
+                           (BLT) rows: participations x Gaussian, no amplification)
   truncated_poisson     -> TruncatedSubsampledGaussianDpEvent (PLD only)
   balls_in_bins         -> one un-amplified mechanism per epoch started
 `event` is final: it checks the group against its ledger policy (coverage of correlated

@@ -9,15 +9,10 @@ Transport: `https://` URLs verify the server certificate (`cafile=` for a privat
 `token=` sends `Authorization: Bearer <token>`, and is refused with an `http://` URL unless
 `insecure=True`.
 
-Privacy floor: the client does not trust the served spec. Before it trains on its
-records it checks the spec against its own floor (`PrivacyFloor`): epsilon at most
-`max_epsilon` (default the paper's ln 32), noise std at least `min_noise` times the
-per-weight sensitivity 2*gamma*clip, a known noise law and (Gaussian) delta at most
-`max_delta`. A weaker spec raises PrivacyFloorError and nothing is sent. The floor is
-checked on every submit path (`update`, `submit`, `submit_and_draw`, `submit_json`).
-
-The floor lives in client_floor.py and the wire format in client_wire.py; their public
-names are re-exported here.
+The client's privacy floor (`PrivacyFloor`, client_floor.py) is checked on every submit path
+(`update`, `submit`, `submit_and_draw`, `submit_json`): a weaker spec raises
+PrivacyFloorError and nothing is sent. The floor and the wire format (client_wire.py) are
+re-exported here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Noise calibration and the privacy analyses of Draw and Discard (Pihur et al. 2018, Section IV).
 
 All guarantees are feature-level (per weight) local DP, as the paper states (Section VII).
-Units: epsilon in nats; gamma is the learning rate; clip c bounds each coordinate of the
-average gradient to [-c, c], so one client's update moves a weight by at most
-sensitivity = 2 * gamma * c (Section III-E). The noise calibration lives in calibration.py;
-its names are re-exported here.
+Units and the noise calibration: calibration.py (its names are re-exported here).
 """
 
 from __future__ import annotations

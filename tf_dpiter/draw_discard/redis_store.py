@@ -14,11 +14,7 @@ first (see store.py for the contract), and every read or write of the model also
 that the sequence number is not below the highest one this process has seen (rollback:
 StoreRolledBack; redis_scripts.py). Stored instances carry an integrity tag checked on
 every read (store_mac.py; StoreCorrupt). Any of these faults is sticky: the process then
-refuses every operation until an operator restarts it.
-
-Group commit: the touch and replace scripts that requests issue in the same event-loop
-iteration travel in one pipeline (one write, one read, one wake-up of redis-server) instead
-of one round trip each; each script stays atomic on its own.
+refuses every operation until an operator restarts it. Group commit: redis_pipeline.py.
 """
 
 from __future__ import annotations

@@ -13,10 +13,9 @@ Two Flower APIs share that server (`flower_rounds.DPRounds`, which imports no Fl
   `DPFlowerClient` (a `NumPyClient`), run by `run_loopback` through `flwr.compat`'s
   `start_server`/`start_client` (deprecated in flwr).
 
-A client runs ClientUpdate (E epochs of minibatch SGD, `LocalSGD` with one client) on its own
-examples and returns Delta w_k = w_k - w_t, never its data. A dropped client, an error reply,
-an update of the wrong shape or with non-finite values is rejected: counted, and aggregated
-as a zero record (the denominator stays m_t).
+A client (flower_client.py) returns its update Delta w_k, never its data. A dropped client,
+an error reply, an update of the wrong shape or with non-finite values is rejected: counted,
+and aggregated as a zero record (the denominator stays m_t).
 """
 
 import time
