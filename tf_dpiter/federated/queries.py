@@ -117,22 +117,15 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return tf.convert_to_tensor(record, tf.float32)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    records, mask = sample_state
-    return (tf.concat([records, preprocessed_record[None]], 0),
-            tf.concat([mask, tf.ones([1])], 0))
+    return self.merge_sample_states(sample_state, (preprocessed_record[None], tf.ones([1])))
 
   def accumulate_records(self, params, sample_state, records, mask=None):
     records = tf.convert_to_tensor(records, tf.float32)
-    if mask is None:
-      mask = tf.ones(tf.shape(records)[:1], tf.float32)
-    old_records, old_mask = sample_state
-    return (tf.concat([old_records, records], 0),
-            tf.concat([old_mask, tf.cast(mask, tf.float32)], 0))
+    mask = tf.ones(tf.shape(records)[:1]) if mask is None else tf.cast(mask, tf.float32)
+    return self.merge_sample_states(sample_state, (records, mask))
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    records_1, mask_1 = sample_state_1
-    records_2, mask_2 = sample_state_2
-    return tf.concat([records_1, records_2], 0), tf.concat([mask_1, mask_2], 0)
+    return tuple(tf.concat([a, b], 0) for a, b in zip(sample_state_1, sample_state_2))
 
   @staticmethod
   def clip_to_median(records, mask):
