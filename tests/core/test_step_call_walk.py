@@ -70,3 +70,13 @@ def test_the_step_calls_each_concept_in_its_one_owner():
   assert ("dp_query/dp_query.py", "clip_by_global_l2_norm") in calls
   assert ("keras/optimizer/gradients.py", "record_weights") in calls
   assert not any(f == "keras/optimizer/record_losses.py" for f, _ in calls)
+
+
+def test_the_vectorized_step_runs_in_at_most_ten_files():
+  calls = _walk("vectorized")
+  files = {f for f, _ in calls}
+  # issue 41's bound for fit's step; clipping="vectorized" leaves nothing to route, so the
+  # routing module (its unrecorded-use context included) is not entered
+  assert len(files) <= 10, sorted(files)
+  assert "keras/optimizer/routing.py" not in files
+  assert step_call_walk.summarize(list(calls))["returns"] <= 20

@@ -266,10 +266,12 @@ class TrainStepMixin:
     # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
     scale = step.sum_scale(tf.reduce_sum(rmask)) if step.folds_denominator else None
     # the routing checks and the fast clipped sum plan the model's layers once per train
-    # function (again when its trainable variables change)
-    with (fast_plan.one_plan_per_step(facts.plans) if step.flags.clipping != "vectorized"
-          else contextlib.nullcontext()):
-      with routing.uses_checked_by_the_step():   # by the fast sum's own forward pass
+    # function (again when its trainable variables change), and the routing leaves the
+    # unrecorded-use check to the fast sum's own forward pass; with clipping="vectorized"
+    # there is no routing (resolve_clipping answers from the flags)
+    routes = step.flags.clipping != "vectorized"
+    with (fast_plan.one_plan_per_step(facts.plans) if routes else contextlib.nullcontext()):
+      with routing.uses_checked_by_the_step() if routes else contextlib.nullcontext():
         self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
         try:
