@@ -37,9 +37,6 @@ FEATURE_FILES = {
         "e565f02", "CHANGELOG Fixed: a sequence layer's DP memory no longer holds the whole "
                    "batch's per-example temporaries at once (the memory budget of "
                    "fast_clipping/rules/budget.py)"),
-    "tf_dpiter/keras/optimizer/pipelining.py": (
-        "a98a5c8", "CHANGELOG Fixed: the DP step's memory on large models, each clipped sum "
-                   "formed once the variable before it is noised (keras/optimizer/pipelining.py)"),
     "tf_dpiter/data/python_source.py": (
         "1234946", "CHANGELOG Fixed: DP fit on arrays no longer slows every later step "
                    "(dp.data draws through python_source.python_dataset, not from_generator)"),
