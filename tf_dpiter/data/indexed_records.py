@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import validation
+from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterValueError
 
 META_NAME = "records.json"
@@ -46,11 +47,7 @@ def record_dtype(x, y=None):
 
 
 def _to_records(x, y, dtype):
-  n = int(np.shape(x)[0])
-  if y is not None and int(np.shape(y)[0]) != n:
-    raise ParameterValueError(f"x and y must have the same number of records; got {n} and "
-                              f"{np.shape(y)[0]}")
-  rec = np.empty(n, dtype)
+  rec = np.empty(sampling.num_records(x if y is None else (x, y)), dtype)
   rec["x"] = x
   if y is not None:
     rec["y"] = y
@@ -128,11 +125,7 @@ class ArraySource:
   def __init__(self, x, y=None):
     self._x = x
     self._y = y
-    n = int(np.shape(x)[0])
-    if y is not None and int(np.shape(y)[0]) != n:
-      raise ParameterValueError(f"x and y must have the same number of records; got {n} and "
-                                f"{np.shape(y)[0]}")
-    self._n = n
+    self._n = sampling.num_records(x if y is None else (x, y))
 
   @property
   def num_records(self):
