@@ -50,16 +50,12 @@ see.
 Decay and rate (the poisoning bound): the envelope alone lets one identity add N a per
 weight in N submits, i.e. move the model without limit at its submit quota (a noiseless
 attacker stepping -a on every weight is exactly an honest client whose gradients all point
-one way). The budget therefore decays (half-life `half_life_s`) and caps the decayed count
-S1 at `max_steps`: in any window of T seconds one identity gets at most
-max_steps (1 + T ln 2 / half_life_s) updates accepted, and its decayed displacement stays
-within max_steps a + x(S2) scale per weight (InfluenceBudget). Decay forgets, so the
-budget also keeps the undecayed sum L_N = sum_t d_t and tests the per-weight envelope on it
-(max_j |L_Nj| <= N a + x_N scale): over its whole life (while it is remembered) an
-identity's total push on any one weight is at most N a + x_N scale for N accepted updates,
-at most N a / k + x_N scale / k on the average in expectation. Honest clients that submit
-at most about max_steps ln 2 / half_life_s times per second (defaults 8 and 300 s: one
-update per 54 s) never meet the rate test.
+one way). The budget therefore decays, caps the decayed count and, since decay forgets, also
+tests the undecayed sum: over its whole life one identity's push on any weight is at most
+N a + x_N scale (N a / k + x_N scale / k on the average, in expectation); the tests and the
+rate bound are InfluenceBudget's. Honest clients that submit at most about
+max_steps ln 2 / half_life_s times per second (defaults 8 and 300 s: one update per 54 s)
+never meet the rate test.
 
 Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
 law) for honest clients; the server's draws use secrets.randbelow. One identity per
@@ -67,10 +63,7 @@ attacker: T identities (tokens; address prefixes without tokens, sybil.py) have 
 so T times the bound. The budget is kept per server process; on a Redis store the rate test is also
 enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
 while the envelope of C stays per process.
-Memory: 16 p + 160 bytes per identity (C and L), bounded by `max_memory_bytes`; when full, the
-identity whose decayed count fell below one update first is forgotten (a heap keyed by
-that time), and a newcomer is refused only when no identity is below one update
-(InfluenceBudget); each forgetting grants at most one extra update.
+Memory and eviction (16 p + 160 bytes per identity): InfluenceBudget.
 """
 
 from __future__ import annotations
