@@ -62,7 +62,8 @@ One configuration per process (--all runs the four: nonprivate/dp x full/LoRA, e
 subprocess) so the peak RSS (ru_maxrss) is the configuration's. Every step is
 model.train_on_batch (the DP step: per-example clipping routed by --clipping, noise, ledger).
 ms/step: median of --steps timed steps after --warmup steps; first_step_s: the first step
-(tracing, graph optimization, first run); alloc_peak_mib: TensorFlow's CPU allocator peak over
+(tracing, graph optimization, first run), first_step_cpu_s its process CPU seconds (all
+threads; steadier than the wall time on a loaded machine); alloc_peak_mib: TensorFlow's CPU allocator peak over
 the timed steps (tf.config.experimental.reset_memory_stats after the warmup; the weights and
 the optimizer's state included, tracing excluded), alloc_before_steps_mib: what it held before
 them; alloc_peak_first_step_mib and peak_rss_after_first_step_mib: the allocator's peak and
@@ -192,10 +193,11 @@ def run_one(a):
     if i == a.warmup:   # the allocator's peak over the timed steps (tracing excluded)
       tf.config.experimental.reset_memory_stats("CPU:0")
       alloc["base"] = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model.train_on_batch(x, y)
     if i == 0:   # tracing, graph optimization and the first run
       first_step_s = round(time.perf_counter() - t0, 1)
+      first_step_cpu_s = round(time.process_time() - c0, 1)
       alloc["first"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
       rss_first = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if i >= a.warmup:
@@ -208,7 +210,7 @@ def run_one(a):
       "vectorized_layers": (dp.keras.fast_clipping.unregistered_layers(model)
                             if a.mode == "dp" else None),
       "ms_per_step": round(float(np.median(times)), 1), "ms_all": [round(t) for t in times],
-      "first_step_s": first_step_s,
+      "first_step_s": first_step_s, "first_step_cpu_s": first_step_cpu_s,
       "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
       "rss_after_build_mib": round(rss_built),
       "alloc_peak_mib": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20),
@@ -445,13 +447,15 @@ def pair(a, common):
   """--pair: non-private then DP, one child process each; one JSON line (module docstring)."""
   runs = {mode: _child(mode, a.lora, common) for mode in ("nonprivate", "dp")}
   ratios = {}
-  for key in ("ms_per_step", "peak_rss_mib", "alloc_peak_mib"):
+  for key in ("ms_per_step", "peak_rss_mib", "alloc_peak_mib", "first_step_s",
+              "first_step_cpu_s"):
     if all(key in r for r in runs.values()):
       ratios[key] = round(runs["dp"][key] / runs["nonprivate"][key], 3)
   print(json.dumps({"lora": a.lora, "seq": a.seq, "batch": a.batch,
                     "results": {"ratios": ratios,
                                 **{m: {k: r.get(k) for k in ("ms_per_step", "peak_rss_mib",
-                                                             "alloc_peak_mib", "first_step_s")}
+                                                             "alloc_peak_mib", "first_step_s",
+                                                             "first_step_cpu_s")}
                                    for m, r in runs.items()}},
                     "runs": runs, "load_avg": os.getloadavg()}), flush=True)
   return 0

@@ -170,7 +170,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   the per-record gradients at hand ({id(unit): [g per variable] or a
   registry.PerExampleBlock}) and the sum functions of GhostSums and FactorSums results
   ({id(unit): sum_fn or the FactorSums})."""
-  sq = None   # the first part is the running sum (no zeros tensor)
+  parts = []   # every unit's [R] part, added by one AddN (not one add per unit)
   per_example, normed, sum_fns = {}, set(), {}
   with registry.examples_per_record(k):   # the records of every norm function and sum below
     for u, start, n in ghost:
@@ -191,7 +191,8 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
       elif isinstance(res, registry.FactorSums):
         sum_fns[id(u)] = res
         res = res.sqr_norms
-      sq = algebra.add_norms(sq, res)
+      if res is not None:
+        parts.append(tf.cast(res, tf.float32))
     for u, rec, start, n in vect:
       g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
       g = [tf.cast(registry.record_sum(t), tf.float32) for t in g]
@@ -202,10 +203,15 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   for uid, gs in per_example.items():
     if uid in normed:
       continue
-    for g in gs:
-      sq = algebra.add_norms(sq, algebra.sqr_sum(g))
-  if sq is None:
-    sq = tf.zeros([num_records], tf.float32)
+    parts.extend(algebra.sqr_sum(g) for g in gs)
+  if not parts:
+    return tf.zeros([num_records], tf.float32), per_example, sum_fns
+  if len(parts) > 1 and all(p.shape.rank == 1 and p.shape.is_compatible_with(parts[0].shape)
+                            for p in parts):
+    return tf.add_n(parts), per_example, sum_fns
+  sq = parts[0]   # a part the trace cannot match to [R] (a norm function's broadcast): adds
+  for part in parts[1:]:
+    sq = sq + part
   return sq, per_example, sum_fns
 
 
