@@ -29,8 +29,9 @@ _REGISTRY = {}
 
 # The codes (floats) of the registered policies whose samples advance the ledger's cycle
 # position (`SamplingPolicy.advances_cycle`), (-1.0,) (no code) when none: a fact of the
-# registry, formed again by `register` and `unregister` only. The ledger's writes read it
-# and key their traces on it, so a policy registered later gets a trace of its own.
+# registry, formed again by `register` and `unregister` only. The ledger's eager rewrite of
+# its rows reads it; a traced write never does (a trace would keep the registry of its time:
+# a set rewritten in a trace takes the other set's cycle position).
 CYCLIC_CODES = (-1.0,)
 
 

@@ -191,17 +191,21 @@ class _Buffers:
     return (self.samples[:self.sample_count.read_value()],
             self.queries[:self.query_count.read_value()])
 
-  def assign_rows(self, samples, queries, passes, cyclic_codes):
-    """Ops writing rows (tensors) and a pass count; the cycle position follows the rows: the
-    samples whose policy code is one of `cyclic_codes` (`policies.CYCLIC_CODES`)."""
-    cyclic = tf.constant(cyclic_codes, tf.float64)
-    in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
+  def assign_rows(self, samples, queries, passes, cyclic_codes=None, cycle_position=None):
+    """Ops writing rows (tensors) and a pass count; the cycle position is `cycle_position`
+    (the copied set's, a tensor) or, when None, follows the rows: the samples whose policy
+    code is one of `cyclic_codes` (`policies.CYCLIC_CODES` read eagerly: a trace would keep
+    the registry of its time)."""
+    if cycle_position is None:
+      cyclic = tf.constant(cyclic_codes, tf.float64)
+      in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
+      cycle_position = tf.reduce_sum(tf.cast(in_cycle, tf.int64))
     spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
     return [self.samples.assign(spare(samples)), self.queries.assign(spare(queries)),
             self.sample_count.assign(tf.shape(samples, out_type=tf.int64)[0]),
             self.query_count.assign(tf.shape(queries, out_type=tf.int64)[0]),
             self.passes.assign(passes),
-            self.cycle_position.assign(tf.reduce_sum(tf.cast(in_cycle, tf.int64)))]
+            self.cycle_position.assign(cycle_position)]
 
 
 def _common_prefix(a, b):
@@ -272,7 +276,7 @@ def _ensure_capacity(buffer, needed):
   return tf.cond(needed > cap, _grow, lambda: tf.constant(False))
 
 
-def _reconcile(v, m, cyclic_codes):
+def _reconcile(v, m):
   """In-graph reconciliation of the checkpointed set `v` and the mirror `m` before a write.
 
   The longer of the two sets when one is a prefix of the other (a restore of an earlier step
@@ -285,7 +289,6 @@ def _reconcile(v, m, cyclic_codes):
   Args:
     v: the checkpointed `_Buffers`.
     m: the mirror `_Buffers`.
-    cyclic_codes: `policies.CYCLIC_CODES`, for the cycle position of a set rewritten.
 
   Returns:
     the conditional's op (the writes depend on it).
@@ -312,9 +315,11 @@ def _reconcile(v, m, cyclic_codes):
         "use a new optimizer for the other run"])
     passes = tf.maximum(counts[0][2], counts[1][2])
     with tf.control_dependencies([check]):
-      return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0],
-                     lambda: tf.group(v.assign_rows(ms, mq, passes, cyclic_codes)),
-                     lambda: tf.group(m.assign_rows(vs, vq, passes, cyclic_codes)))
+      # the set copied keeps its cycle position (counted as its samples were written)
+      copy = lambda to, rows, queries, src: tf.group(to.assign_rows(  # noqa: E731
+          rows, queries, passes, cycle_position=src.cycle_position.read_value()))
+      return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0], lambda: copy(v, ms, mq, m),
+                     lambda: copy(m, vs, vq, v))
 
   return tf.cond(tf.reduce_all(tf.stack(same)), tf.no_op, fix)
 
@@ -352,26 +357,25 @@ def _append(b, row, qrows, cyclic):
 
 
 @tf.function(autograph=False)
-def _add_passes_call(v_handles, m_handles, count, cyclic_codes):
+def _add_passes_call(v_handles, m_handles, count):
   """Reconciles the two sets (`_reconcile`), then adds `count` passes to both.
 
   Args:
     v_handles: the checkpointed set's `_Buffers.handles()`.
     m_handles: the mirror's `_Buffers.handles()`.
     count: the passes started (int64 tensor).
-    cyclic_codes: `policies.CYCLIC_CODES` (a tuple of floats: the trace's key).
 
   Returns:
     the checkpointed set's new pass count (int64 tensor).
   """
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+  with tf.control_dependencies([_reconcile(v, m)]):
     m.passes.assign_add(count)
     return v.passes.assign_add(count)
 
 
 @tf.function(autograph=False)
-def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
+def _append_call(v_handles, m_handles, row, qrows, cyclic):
   """Reconciles the two sets (`_reconcile`), then appends one sample to the mirror and to the
   checkpointed set (`_append`).
 
@@ -381,13 +385,12 @@ def _append_call(v_handles, m_handles, row, qrows, cyclic, cyclic_codes):
     row: the sample row, float64 [1, 6].
     qrows: its query rows without the sample index, float64 [Q, 4] (None: Q = 0).
     cyclic: True when the sample's policy advances the cycle position.
-    cyclic_codes: `policies.CYCLIC_CODES` (a tuple of floats: the trace's key).
 
   Returns:
     the checkpointed set's new sample count (int64 tensor).
   """
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
-  with tf.control_dependencies([_reconcile(v, m, cyclic_codes)]):
+  with tf.control_dependencies([_reconcile(v, m)]):
     _append(m, row, qrows, cyclic)
     return _append(v, row, qrows, cyclic)
 
@@ -505,7 +508,7 @@ class PrivacyLedger(tf.Module):
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
     return _add_passes_call(self._v.handles(), self._mirror.handles(),
-                            tf.cast(count, tf.int64), policies.CYCLIC_CODES)
+                            tf.cast(count, tf.int64))
 
   def record_sample(self, population_size, selection_probability, events,
                     policy=POISSON, sample_size=0, examples_per_record=1):
@@ -577,7 +580,7 @@ class PrivacyLedger(tf.Module):
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
     with tf.control_dependencies(checks):
       return _append_call(self._v.handles(), self._mirror.handles(), row, qrows,
-                          bool(sampling.advances_cycle), policies.CYCLIC_CODES)
+                          bool(sampling.advances_cycle))
 
   # ---- reading and (de)serialization ---------------------------------------------------
 
