@@ -21,11 +21,13 @@ trackers, the loss scale, whether records are vectorized) is read once per train
 
 import contextlib
 import functools
+import itertools
 import time
 
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
@@ -127,6 +129,97 @@ def _flat_records(t):
   return None if t is None else tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
 
 
+# Stateful op types that only read state: an abandoned traced pass holding no other stateful
+# op changes nothing when the function runs.
+_READS_ONLY = frozenset({"ReadVariableOp", "VarHandleOp", "ResourceGather", "ResourceGatherNd",
+                         "VariableShape", "VarIsInitializedOp", "Placeholder"})
+
+
+class _RetraceStep(PrivacyConfigError):
+  """Raised while tracing the train step whose fast forward pass found unrecorded variable
+  uses under clipping="auto": the route ("vectorized") is kept and the train function is
+  traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
+  seed) are not in the function that runs (`_call_retracing` catches it)."""
+
+
+def _abandon_fast_pass(model, graph, start):
+  """After the traced fast pass (ops `graph.get_operations()[start:]`) raised
+  UnrecordedUsesError and the route became "vectorized": inside the train function
+  (`_call_retracing`), abandons the whole trace; otherwise keeps tracing the vectorized sum
+  in the same graph only if the abandoned pass changes no state when run.
+
+  Args:
+    model: the DP keras.Model being traced.
+    graph: the traced graph, or None (eager: the pass checked its uses before any op).
+    start: the graph's number of operations before the pass.
+
+  Raises:
+    _RetraceStep: inside the train function (it traces the step again).
+    PrivacyConfigError: outside it, the abandoned pass holds a stateful operation.
+  """
+  if graph is None:
+    return
+  if getattr(model, "_dp_retrace", False):
+    raise _RetraceStep("the DP step's route changed to clipping='vectorized' while it was "
+                       "traced; the train function traces it again (caught by the train "
+                       "function: report this error if you see it)")
+  # pylint: disable-next=protected-access
+  writes = sorted({op.type for op in graph.get_operations()[start:]
+                   if op._is_stateful and op.type not in _READS_ONLY})
+  if writes:
+    raise PrivacyConfigError(
+        "clipping='auto' found trainable variables used outside their layer's own call after "
+        f"tracing the fast forward pass, whose stateful operations ({', '.join(writes)}: a "
+        "counter, a moving statistic or a seed) would run besides the vectorized pass's in "
+        "this graph. Received: a train step traced outside model.fit/train_on_batch. Use "
+        "clipping='vectorized' for this model, or train it with fit / train_on_batch")
+
+
+class _Replay:
+  """A Python iterator of batches that can give its last batch again (`again`): the batch a
+  step was being traced for when its trace was abandoned."""
+
+  def __init__(self, iterator):
+    self._iterator = iter(iterator)
+    self._last = ()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self._last = (next(self._iterator),)
+    return self._last[0]
+
+  def again(self):
+    """The last batch taken (if any), then the batches not taken yet."""
+    return itertools.chain(self._last, self._iterator)
+
+
+def _call_retracing(model, train_function, iterator):
+  """train_function(iterator), called once more if its trace was abandoned (_RetraceStep:
+  raised while tracing, before any step ran; a tf.data iterator gave no batch yet, a Python
+  one gives its last batch again).
+
+  Args:
+    model: the DP keras.Model.
+    train_function: Keras' train function.
+    iterator: the batches.
+
+  Returns:
+    the train function's logs.
+  """
+  replay = (None if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
+            else _Replay(iterator))
+  model._dp_retrace = True   # pylint: disable=protected-access
+  try:
+    return train_function(iterator if replay is None else replay)
+  except _RetraceStep:
+    pass
+  finally:
+    model._dp_retrace = False   # pylint: disable=protected-access
+  return train_function(iterator if replay is None else replay.again())
+
+
 class TrainStepMixin:
   """make_train_function / train_step of a DP model (see module docstring)."""
 
@@ -173,9 +266,9 @@ class TrainStepMixin:
       if self.private_steps_halted:
         raise StopIteration
       if not first[0]:
-        return inner(iterator)
+        return _call_retracing(self, inner, iterator)
       start = time.perf_counter()
-      logs = inner(iterator)
+      logs = _call_retracing(self, inner, iterator)
       first[0] = False
       line = _first_step_line(self, time.perf_counter() - start, probe_before,
                               _probe_seconds(self) - probe_start)
@@ -274,11 +367,14 @@ class TrainStepMixin:
       with routing.uses_checked_by_the_step() if routes else contextlib.nullcontext():
         self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
       if self._dp_traced_clipping == "fast":
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        start = 0 if graph is None else len(graph.get_operations())
         try:
           state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
                                                            variables, params, scale)
         except fast_clip.UnrecordedUsesError as found:   # raised before any sum is formed
           self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
+          _abandon_fast_pass(self, graph, start)
       if self._dp_traced_clipping == "vectorized":
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
                                                                k, variables, params, scale)

@@ -1,0 +1,239 @@
+"""Attacks on the unrecorded-use check that the traced DP step runs in its own fast forward pass.
+
+The fast path forms each unit's per-example norm from the layer's recorded calls (Li et al.,
+"Large language models can be strong differentially private learners", Section 4); a
+trainable variable read elsewhere escapes the norm. The traced step finds such reads in its
+own recorded forward pass and, under clipping="auto", takes the vectorized path instead.
+
+Two properties are attacked here:
+
+* the state a forward pass changes (a counter, a moving statistic, a dropout seed) changes
+  exactly as much per step as on the vectorized path: the abandoned fast pass's updates must
+  not run besides the vectorized pass's (before the fix a rerouted step applied them twice);
+* uses hidden in control flow (tf.cond, tf.while_loop, keras.ops.fori_loop) inside another
+  layer's call, a subclassed model reading a kernel in its own call, a read only under
+  training=True, and mixed precision are found (routed to vectorized, exact), and where the
+  step stays fast, its update is the independent per-example loop's.
+
+Relation: add or remove one example (unit = example). Each bound check runs the real step
+with noise 0, normalize=False and learning rate 1 (the update is the clipped sum), removes an
+adversarial example (targets 1000 times larger) and requires ||update(D) - update(D')|| <= C,
+with both updates equal to an independent loop (tf.GradientTape per example, clipped to C,
+summed in float64).
+"""
+
+# pylint: disable=protected-access
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+
+import tf_dpiter as dp
+from tf_dpiter.errors import PrivacyConfigError
+from tests.privacy import test_unrecorded_variable_use as base
+
+STEPS, VOCAB, WIDTH = base.STEPS, base.VOCAB, base.WIDTH
+
+
+class _Counter(keras.layers.Layer):
+  """Counts its training calls in a non-trainable variable (a stateful assign per call)."""
+
+  def build(self, input_shape):
+    self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, name="count")
+
+  def call(self, x, training=None):
+    if training:
+      self.count.assign_add(1.0)
+    return x
+
+
+class _HiddenTied(keras.layers.Layer):
+  """logits = h E^T, E read inside control flow of this layer's call (not E's layer's)."""
+
+  def __init__(self, embedding, flow, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = embedding
+    self.flow = flow
+
+  def call(self, h, training=None):
+    table = lambda: ops.transpose(self.embedding.embeddings)  # noqa: E731
+    if self.flow == "cond":
+      e_t = tf.cond(tf.reduce_sum(h) > -1e30, table, lambda: tf.zeros([WIDTH, VOCAB]))
+    elif self.flow == "while":
+      e_t = tf.while_loop(lambda i, t: i < 1, lambda i, t: (i + 1, t + table()),
+                          (0, tf.zeros([WIDTH, VOCAB])))[1]
+    elif self.flow == "fori":
+      e_t = ops.fori_loop(0, 1, lambda i, t: t + table(), tf.zeros([WIDTH, VOCAB]))
+    elif self.flow == "training_only":
+      e_t = table() if training else tf.zeros([WIDTH, VOCAB])
+    else:
+      raise ValueError(self.flow)
+    return ops.matmul(h, e_t)
+
+
+class _SubclassedTied(keras.Model):
+  """A subclassed model whose own call reads its embedding's matrix (no layer call)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.emb = keras.layers.Embedding(VOCAB, WIDTH)
+    self.hidden = keras.layers.Dense(WIDTH, activation="tanh")
+
+  def call(self, x):
+    return ops.matmul(self.hidden(self.emb(x)), ops.transpose(self.emb.embeddings))
+
+
+def _tied(head, counter=False, dropout=False):
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((STEPS,), dtype="int32")
+  emb = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")
+  h = emb(inp)
+  if counter:
+    count = _Counter(name="counter")
+    dp.keras.declare_per_example(count, "each row alone")
+    h = count(h)
+  if dropout:
+    h = keras.layers.Dropout(0.5, seed=3)(h)
+  h = keras.layers.Dense(WIDTH, activation="tanh")(h)
+  out = head(emb)
+  model = dp.keras.DPModel(inp, out(h))
+  dp.keras.declare_per_example(out, "each row alone")
+  return model
+
+
+def _run_steps(model, clipping, mode, x, y, steps=2):
+  """`steps` DP steps by train_on_batch or fit; returns every variable's value after."""
+  base._compile(model, clipping, jit=mode == "xla", eager=mode == "eager")
+  if mode == "fit_spe2":
+    model.compile(optimizer=model.optimizer, loss=base._loss, steps_per_execution=2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    if mode.startswith("fit"):
+      model.fit(x, y, batch_size=len(x) // steps, epochs=1, shuffle=False, verbose=0)
+    else:
+      for _ in range(steps):
+        model.train_on_batch(x, y)
+  return [np.asarray(v) for v in model.variables]
+
+
+@pytest.mark.parametrize("mode", ["graph", "xla", "eager", "fit"])
+def test_auto_routed_step_changes_layer_state_once(mode):
+  """A counter's assign in the forward pass: the auto-routed step counts as the vectorized
+  step does (before the fix, graph and XLA counted 2 per step: the abandoned fast pass's
+  assign ran too)."""
+  x, y = base._data(_tied(lambda e: base._TiedProjection(e), counter=True), "tokens", n=6)
+  got = _tied(lambda e: base._TiedProjection(e), counter=True)
+  got_values = _run_steps(got, "auto", mode, x, y)
+  want = _tied(lambda e: base._TiedProjection(e), counter=True)
+  want_values = _run_steps(want, "vectorized", mode, x, y)
+  assert got._dp_traced_clipping == "vectorized"
+  assert float(got.get_layer("counter").count.numpy()) == float(
+      want.get_layer("counter").count.numpy()) > 0
+  if mode == "fit":   # fit's Poisson batches differ between two runs: the count only
+    return
+  for a, b in zip(got_values, want_values):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["graph", "xla"])
+def test_auto_routed_step_advances_the_dropout_seed_once(mode):
+  """A Dropout's SeedGenerator and a counter: every variable (seed state included) after two
+  auto-routed steps equals the vectorized path's."""
+  x, y = base._data(_tied(lambda e: base._TiedProjection(e)), "tokens", n=6)
+  got = _run_steps(_tied(lambda e: base._TiedProjection(e), counter=True, dropout=True), "auto",
+                   mode, x, y)
+  want = _run_steps(_tied(lambda e: base._TiedProjection(e), counter=True, dropout=True),
+                    "vectorized", mode, x, y)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_step_traced_outside_the_train_function_refuses_a_state_changing_abandoned_pass():
+  """model.train_step in the user's own tf.function cannot be traced again by the library:
+  with a counter in the abandoned fast pass it refuses instead of counting twice."""
+  model = _tied(lambda e: base._TiedProjection(e), counter=True)
+  x, y = base._data(model, "tokens")
+  base._compile(model, "auto")
+  model.optimizer.build(model.trainable_variables)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    with pytest.raises(PrivacyConfigError, match="stateful operations") as err:
+      tf.function(model.train_step)((tf.constant(x), tf.constant(y)))
+  assert "clipping='vectorized'" in str(err.value)
+  assert float(model.get_layer("counter").count.numpy()) == 0.0
+
+
+@pytest.mark.parametrize("flow", ["cond", "while", "fori", "training_only"])
+def test_reads_inside_control_flow_of_another_layer_are_found(flow):
+  model = _tied(lambda e: _HiddenTied(e, flow))
+  x, y = base._data(model, "tokens")
+  opt = base._compile(model, "auto")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    base._check_exact_and_bounded(model, x, y)
+  assert model._dp_traced_clipping == "vectorized"
+  assert base._route(opt, model, x) == "vectorized"
+
+
+def test_subclassed_model_reading_a_kernel_in_its_call_is_routed_and_bounded():
+  keras.utils.set_random_seed(1)
+  model = dp.keras.make_private(_SubclassedTied())
+  rng = np.random.RandomState(0)
+  x = rng.randint(0, VOCAB, size=(5, STEPS)).astype("int32")
+  model(x)
+  y = rng.normal(size=(5, STEPS, VOCAB)).astype("float32")
+  y[-1] *= 1e3
+  base._compile(model, "auto")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    base._check_exact_and_bounded(model, x, y)
+  assert model._dp_traced_clipping == "vectorized"
+
+
+def test_mixed_precision_tied_read_is_refused_under_fast():
+  """AutoCastVariable reads (mixed_float16) of a tied matrix: clipping='fast' refuses."""
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    model = _tied(lambda e: base._TiedProjection(e))
+    x, y = base._data(model, "tokens")
+    base._compile(model, "fast")
+    with pytest.raises(PrivacyConfigError, match="clipping='fast' cannot clip"):
+      model.train_on_batch(x, y)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def _counted_steps(clipping, mode, x, y):
+  """The counter after two steps by fit with steps_per_execution=2, or by train_on_batch
+  under a one-replica MirroredStrategy."""
+  if mode == "fit_spe2":
+    model = _tied(lambda e: base._TiedProjection(e), counter=True)
+    _run_steps(model, clipping, mode, x, y)
+    return model
+  strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+  with strategy.scope():
+    model = _tied(lambda e: base._TiedProjection(e), counter=True)
+    opt = dp.keras.DPKerasSGDOptimizer(base.CLIP, 0.0, learning_rate=1.0, normalize=False,
+                                       clipping=clipping)
+    model.compile(optimizer=opt, loss=base._loss)
+  opt.set_sampling(100, 0.05, "poisson", 5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)
+  return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fit_spe2", "mirrored"])
+def test_auto_routed_step_counts_once_in_a_loop_and_under_a_strategy(mode):
+  x, y = base._data(_tied(lambda e: base._TiedProjection(e)), "tokens", n=6)
+  got = _counted_steps("auto", mode, x, y)
+  want = _counted_steps("vectorized", mode, x, y)
+  assert got._dp_traced_clipping == "vectorized"
+  assert float(got.get_layer("counter").count.numpy()) == float(
+      want.get_layer("counter").count.numpy()) == 2.0
