@@ -237,3 +237,123 @@ def test_auto_routed_step_counts_once_in_a_loop_and_under_a_strategy(mode):
   assert got._dp_traced_clipping == "vectorized"
   assert float(got.get_layer("counter").count.numpy()) == float(
       want.get_layer("counter").count.numpy()) == 2.0
+
+
+@pytest.mark.parametrize("clipping", ["auto", "fast"])
+def test_a_tied_matrix_made_trainable_between_two_fits_is_checked_again(clipping):
+  """Frozen, the tied matrix is no trainable use (fast); made trainable and recompiled, the
+  new train function checks again: 'auto' routes (exact, bounded), 'fast' refuses."""
+  model, kind, path = base._model("tied_matmul")
+  emb = model.get_layer("tokens")
+  emb.trainable = False
+  x, y = base._data(model, kind)
+  base._compile(model, clipping)
+  model.train_on_batch(x, y)
+  assert model._dp_traced_clipping == "fast"
+  emb.trainable = True
+  base._compile(model, clipping)
+  if clipping == "fast":
+    with pytest.raises(PrivacyConfigError, match="clipping='fast' cannot clip") as err:
+      model.train_on_batch(x, y)
+    assert path in str(err.value)
+    return
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    base._check_exact_and_bounded(model, x, y)
+  assert model._dp_traced_clipping == "vectorized"
+
+
+class _OtherKernelLoss(keras.layers.Layer):
+  """add_loss of a per-example term through another layer's kernel (a use in a loss)."""
+
+  def __init__(self, other, **kwargs):
+    super().__init__(**kwargs)
+    self.other = other
+
+  def call(self, x):
+    self.add_loss(ops.sum(ops.matmul(x, self.other.kernel)) * 5.0)
+    return x
+
+
+def test_a_kernel_used_in_a_layer_loss_is_routed_exactly_and_bounded():
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((4,))
+  dense = keras.layers.Dense(4, name="read")
+  reader = _OtherKernelLoss(dense)
+  dp.keras.declare_per_example(reader, "each row alone")
+  model = dp.keras.DPModel(inp, keras.layers.Dense(3)(reader(dense(inp))))
+  x, y = base._data(model, "float")
+  base._compile(model, "auto")
+  ones = np.ones(len(x), np.float32)
+  without = ones.copy()
+  without[-1] = 0.0
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got, got_without = (base._update(model, x, y, w) for w in (ones, without))
+  variables = model.trainable_variables
+
+  def loop(n):   # the independent loop with the layer loss in each example's loss
+    total = [np.zeros(v.shape, np.float64) for v in variables]
+    for i in range(n):
+      with tf.GradientTape() as tape:
+        loss = base._loss(y[i:i + 1], model(x[i:i + 1], training=True))[0] + tf.add_n(
+            model.losses)
+      g = [np.asarray(t, np.float64) for t in tape.gradient(loss, variables)]
+      norm = np.sqrt(sum(np.sum(t * t) for t in g))
+      total = [a + min(1.0, base.CLIP / norm) * t for a, t in zip(total, g)]
+    return total
+
+  for a, b in zip(got, loop(len(x))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  for a, b in zip(got_without, loop(len(x) - 1)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert base._distance(got, got_without) <= base.CLIP * (1 + 1e-5)
+  assert model._dp_traced_clipping == "vectorized"
+
+
+def test_a_second_output_head_reading_the_tied_matrix_is_routed_exactly_and_bounded():
+  """Two outputs, the second the tied projection (its loss built inside the first trace):
+  'auto' routes, and the new train function runs the step (a tf.function whose first trace
+  raised ran nothing when called again)."""
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((STEPS,), dtype="int32")
+  emb = keras.layers.Embedding(VOCAB, WIDTH, name="tokens")
+  h = keras.layers.Dense(WIDTH, activation="tanh")(emb(inp))
+  tied = base._TiedProjection(emb)
+  dp.keras.declare_per_example(tied, "each row alone")
+  model = dp.keras.DPModel(inp, [keras.layers.Dense(2)(h), tied(h)])
+  rng = np.random.RandomState(0)
+  x = rng.randint(0, VOCAB, size=(5, STEPS)).astype("int32")
+  ys = [rng.normal(size=(5, STEPS, 2)).astype("float32"),
+        rng.normal(size=(5, STEPS, VOCAB)).astype("float32")]
+  for t in ys:
+    t[-1] *= 1e3
+  opt = dp.keras.DPKerasSGDOptimizer(base.CLIP, 0.0, learning_rate=1.0, normalize=False,
+                                     clipping="auto")
+  model.compile(optimizer=opt, loss=[base._loss, base._loss])
+  opt.set_sampling(100, 0.05, "poisson", 5)
+  ones = np.ones(5, np.float32)
+  without = ones.copy()
+  without[-1] = 0.0
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    got, got_without = (base._update(model, x, ys, w) for w in (ones, without))
+  variables = model.trainable_variables
+
+  def loop(n):
+    total = [np.zeros(v.shape, np.float64) for v in variables]
+    for i in range(n):
+      with tf.GradientTape() as tape:
+        outs = model(x[i:i + 1], training=True)
+        loss = sum(base._loss(t[i:i + 1], o)[0] for t, o in zip(ys, outs))
+      g = [np.asarray(t, np.float64) for t in tape.gradient(loss, variables)]
+      norm = np.sqrt(sum(np.sum(t * t) for t in g))
+      total = [a + min(1.0, base.CLIP / norm) * t for a, t in zip(total, g)]
+    return total
+
+  for a, b in zip(got, loop(5)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  for a, b in zip(got_without, loop(4)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  assert base._distance(got, got_without) <= base.CLIP * (1 + 1e-5)
+  assert model._dp_traced_clipping == "vectorized" and int(opt.iterations.numpy()) == 2

@@ -141,6 +141,8 @@ class _RetraceStep(PrivacyConfigError):
   traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
   seed) are not in the function that runs (`_call_retracing` catches it)."""
 
+  batches = None   # the batches to give the new train function (`_call_retracing`)
+
 
 def _abandon_fast_pass(model, graph, start):
   """After the traced fast pass (ops `graph.get_operations()[start:]`) raised
@@ -196,9 +198,11 @@ class _Replay:
 
 
 def _call_retracing(model, train_function, iterator):
-  """train_function(iterator), called once more if its trace was abandoned (_RetraceStep:
-  raised while tracing, before any step ran; a tf.data iterator gave no batch yet, a Python
-  one gives its last batch again).
+  """train_function(iterator), where a trace abandoned (_RetraceStep: raised while tracing,
+  before any step ran) raises _RetraceStep carrying the batches to give a new train function
+  (`batches`: a tf.data iterator gave no batch yet, a Python one gives its last batch
+  again). The same tf.function is not called again: after a trace that raised, it may run
+  nothing.
 
   Args:
     model: the DP keras.Model.
@@ -207,17 +211,20 @@ def _call_retracing(model, train_function, iterator):
 
   Returns:
     the train function's logs.
+
+  Raises:
+    _RetraceStep: the trace was abandoned (the caller builds a new train function).
   """
   replay = (None if isinstance(iterator, (tf.data.Iterator, tf.distribute.DistributedIterator))
             else _Replay(iterator))
   model._dp_retrace = True   # pylint: disable=protected-access
   try:
     return train_function(iterator if replay is None else replay)
-  except _RetraceStep:
-    pass
+  except _RetraceStep as abandoned:
+    abandoned.batches = iterator if replay is None else replay.again()
+    raise
   finally:
     model._dp_retrace = False   # pylint: disable=protected-access
-  return train_function(iterator if replay is None else replay.again())
 
 
 class TrainStepMixin:
@@ -248,27 +255,39 @@ class TrainStepMixin:
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
-    if jit:
-      # autograph=False: the step has no tensor-dependent Python control flow, and the
-      # converted source would be re-read from disk at trace time.
-      self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
-                                     reduce_retracing=True, autograph=False)
-      with keras_internals.jit_compile_off(self):   # outer function (noise, ledger, update)
-        super().make_train_function(force=True)
-    else:
-      self._dp_core_fn = self._dp_clipped_sum_step
-      super().make_train_function(force=True)
-    inner = self.train_function
+
+    def keras_function():   # Keras' train function, new tf.functions (not traced yet)
+      if jit:
+        # autograph=False: the step has no tensor-dependent Python control flow, and the
+        # converted source would be re-read from disk at trace time.
+        self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
+                                       reduce_retracing=True, autograph=False)
+        with keras_internals.jit_compile_off(self):   # outer function (noise, ledger, update)
+          super(TrainStepMixin, self).make_train_function(force=True)
+      else:
+        self._dp_core_fn = self._dp_clipped_sum_step
+        super(TrainStepMixin, self).make_train_function(force=True)
+      return self.train_function
+
+    inner = [keras_function()]
     first = [True]
+
+    def run(iterator):
+      try:
+        return _call_retracing(self, inner[0], iterator)
+      except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
+        inner[0] = keras_function()
+        self.train_function = guarded
+        return inner[0](abandoned.batches)
 
     def guarded(iterator):
       # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
       if self.private_steps_halted:
         raise StopIteration
       if not first[0]:
-        return _call_retracing(self, inner, iterator)
+        return run(iterator)
       start = time.perf_counter()
-      logs = _call_retracing(self, inner, iterator)
+      logs = run(iterator)
       first[0] = False
       line = _first_step_line(self, time.perf_counter() - start, probe_before,
                               _probe_seconds(self) - probe_start)
