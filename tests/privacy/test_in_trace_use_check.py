@@ -10,7 +10,8 @@ Two properties are attacked here:
 * the state a forward pass changes (a counter, a moving statistic, a dropout seed) changes
   exactly as much per step as on the vectorized path: the abandoned fast pass's updates must
   not run besides the vectorized pass's (before the fix a rerouted step applied them twice);
-* uses hidden in control flow (tf.cond, tf.while_loop, keras.ops.fori_loop) inside another
+* uses hidden in control flow (tf.cond, tf.while_loop, keras.ops.fori_loop / scan, a nested
+  tf.function) inside another
   layer's call, a subclassed model reading a kernel in its own call, a read only under
   training=True, and mixed precision are found (routed to vectorized, exact), and where the
   step stays fast, its update is the independent per-example loop's.
@@ -67,6 +68,11 @@ class _HiddenTied(keras.layers.Layer):
                           (0, tf.zeros([WIDTH, VOCAB])))[1]
     elif self.flow == "fori":
       e_t = ops.fori_loop(0, 1, lambda i, t: t + table(), tf.zeros([WIDTH, VOCAB]))
+    elif self.flow == "scan":
+      e_t = ops.scan(lambda t, _: (t + table(), None), tf.zeros([WIDTH, VOCAB]),
+                     tf.zeros([1]))[0]
+    elif self.flow == "nested_function":
+      e_t = tf.function(table, autograph=False)()
     elif self.flow == "training_only":
       e_t = table() if training else tf.zeros([WIDTH, VOCAB])
     else:
@@ -167,7 +173,7 @@ def test_step_traced_outside_the_train_function_refuses_a_state_changing_abandon
   assert float(model.get_layer("counter").count.numpy()) == 0.0
 
 
-@pytest.mark.parametrize("flow", ["cond", "while", "fori", "training_only"])
+@pytest.mark.parametrize("flow", ["cond", "while", "fori", "nested_function", "training_only"])
 def test_reads_inside_control_flow_of_another_layer_are_found(flow):
   model = _tied(lambda e: _HiddenTied(e, flow))
   x, y = base._data(model, "tokens")
@@ -177,6 +183,21 @@ def test_reads_inside_control_flow_of_another_layer_are_found(flow):
     base._check_exact_and_bounded(model, x, y)
   assert model._dp_traced_clipping == "vectorized"
   assert base._route(opt, model, x) == "vectorized"
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_read_inside_ops_scan_of_another_layer_is_refused_under_fast(jit):
+  """keras.ops.scan carrying the tied matrix: clipping='fast' refuses before any step (the
+  vectorized path's pfor cannot convert this scan's TensorList: it fails at run time)."""
+  model = _tied(lambda e: _HiddenTied(e, "scan"))
+  x, y = base._data(model, "tokens")
+  base._compile(model, "fast", jit=jit)
+  before = [np.asarray(v) for v in model.trainable_variables]
+  with pytest.raises(PrivacyConfigError, match="clipping='fast' cannot clip") as err:
+    model.train_on_batch(x, y)
+  assert model.get_layer("tokens").embeddings.path in str(err.value)
+  for v, w in zip(model.trainable_variables, before):
+    np.testing.assert_array_equal(np.asarray(v), w)
 
 
 def test_subclassed_model_reading_a_kernel_in_its_call_is_routed_and_bounded():
