@@ -125,7 +125,8 @@ def _run_steps(model, clipping, mode, x, y, steps=2):
   return [np.asarray(v) for v in model.variables]
 
 
-@pytest.mark.parametrize("mode", ["graph", "xla", "eager", "fit"])
+@pytest.mark.parametrize("mode", ["graph", "xla", "fit",
+                                  pytest.param("eager", marks=pytest.mark.slow)])
 def test_auto_routed_step_changes_layer_state_once(mode):
   """A counter's assign in the forward pass: the auto-routed step counts as the vectorized
   step does (before the fix, graph and XLA counted 2 per step: the abandoned fast pass's
@@ -173,7 +174,9 @@ def test_step_traced_outside_the_train_function_refuses_a_state_changing_abandon
   assert float(model.get_layer("counter").count.numpy()) == 0.0
 
 
-@pytest.mark.parametrize("flow", ["cond", "while", "fori", "nested_function", "training_only"])
+@pytest.mark.parametrize("flow", ["cond", "fori", "training_only",
+                                  pytest.param("while", marks=pytest.mark.slow),
+                                  pytest.param("nested_function", marks=pytest.mark.slow)])
 def test_reads_inside_control_flow_of_another_layer_are_found(flow):
   model = _tied(lambda e: _HiddenTied(e, flow))
   x, y = base._data(model, "tokens")
@@ -185,7 +188,7 @@ def test_reads_inside_control_flow_of_another_layer_are_found(flow):
   assert base._route(opt, model, x) == "vectorized"
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_read_inside_ops_scan_of_another_layer_is_refused_under_fast(jit):
   """keras.ops.scan carrying the tied matrix: clipping='fast' refuses before any step (the
   vectorized path's pfor cannot convert this scan's TensorList: it fails at run time)."""
@@ -260,7 +263,7 @@ def test_auto_routed_step_counts_once_in_a_loop_and_under_a_strategy(mode):
       want.get_layer("counter").count.numpy()) == 2.0
 
 
-@pytest.mark.parametrize("clipping", ["auto", "fast"])
+@pytest.mark.parametrize("clipping", ["auto", pytest.param("fast", marks=pytest.mark.slow)])
 def test_a_tied_matrix_made_trainable_between_two_fits_is_checked_again(clipping):
   """Frozen, the tied matrix is no trainable use (fast); made trainable and recompiled, the
   new train function checks again: 'auto' routes (exact, bounded), 'fast' refuses."""
@@ -378,3 +381,27 @@ def test_a_second_output_head_reading_the_tied_matrix_is_routed_exactly_and_boun
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
   assert base._distance(got, got_without) <= base.CLIP * (1 + 1e-5)
   assert model._dp_traced_clipping == "vectorized" and int(opt.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("clipping", ["auto", pytest.param("fast", marks=pytest.mark.slow)])
+def test_a_fast_step_and_its_batch_independence_probe_change_layer_state_once(clipping):
+  """A counter in a model the fast path clips (ReversibleEmbedding's recorded reverse call):
+  the probe's runs are undone (it compares only what its runs wrote) and each step counts
+  once, as on the vectorized path; the weights equal the vectorized path's."""
+  def model_with_counter():
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((STEPS,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(VOCAB, WIDTH)
+    count = _Counter(name="counter")
+    dp.keras.declare_per_example(count, "each row alone")
+    h = keras.layers.Dense(WIDTH, activation="tanh")(count(emb(inp)))
+    return dp.keras.DPModel(inp, emb(h, reverse=True))
+
+  x, y = base._data(model_with_counter(), "tokens", n=6)
+  got = model_with_counter()
+  got_values = _run_steps(got, clipping, "graph", x, y)
+  want_values = _run_steps(model_with_counter(), "vectorized", "graph", x, y)
+  assert got._dp_traced_clipping == "fast"
+  assert float(got.get_layer("counter").count.numpy()) == 2.0
+  for a, b in zip(got_values, want_values):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
