@@ -405,3 +405,32 @@ def test_a_fast_step_and_its_batch_independence_probe_change_layer_state_once(cl
   assert float(got.get_layer("counter").count.numpy()) == 2.0
   for a, b in zip(got_values, want_values):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_mixed_precision_tied_read_is_routed_and_bounded_under_auto():
+  """mixed_float16 (AutoCastVariable reads): 'auto' routes the tied model; its updates equal
+  the vectorized path's and removing the (moderately) adversarial example moves the sum by
+  at most C (a record whose float16 gradient overflows adds zero by design)."""
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    updates = {}
+    for clipping in ("auto", "vectorized"):
+      model, kind, _ = base._model("tied_matmul")
+      x, y = base._data(model, kind)
+      y = y / 1e3 * 10.0
+      y[-1] *= 3.0
+      base._compile(model, clipping)
+      ones = np.ones(len(x), np.float32)
+      without = ones.copy()
+      without[-1] = 0.0
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        updates[clipping] = [base._update(model, x, y, w) for w in (ones, without)]
+      assert model._dp_traced_clipping == "vectorized"
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  got, got_without = updates["auto"]
+  assert 0.5 < base._distance(got, got_without) <= base.CLIP * (1 + 1e-3)
+  for a, b in zip(got + got_without, updates["vectorized"][0] + updates["vectorized"][1]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
