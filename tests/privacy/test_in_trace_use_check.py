@@ -34,21 +34,21 @@ from keras import ops
 
 import tf_dpiter as dp
 from tf_dpiter.errors import PrivacyConfigError
+from tests.keras.test_probe_state_restore import _Counter
 from tests.privacy import test_unrecorded_variable_use as base
 
 STEPS, VOCAB, WIDTH = base.STEPS, base.VOCAB, base.WIDTH
 
 
-class _Counter(keras.layers.Layer):
-  """Counts its training calls in a non-trainable variable (a stateful assign per call)."""
-
-  def build(self, input_shape):
-    self.count = self.add_weight(shape=(), initializer="zeros", trainable=False, name="count")
-
-  def call(self, x, training=None):
-    if training:
-      self.count.assign_add(1.0)
-    return x
+def _with_and_without_last(model, x, y):
+  """The update on (x, y) with every example, and with the last example's weight 0 (the
+  neighbouring dataset without it), warnings silenced (auto routes with one)."""
+  ones = np.ones(len(x), np.float32)
+  without = ones.copy()
+  without[-1] = 0.0
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return [base._update(model, x, y, w) for w in (ones, without)]
 
 
 class _HiddenTied(keras.layers.Layer):
@@ -308,12 +308,7 @@ def test_a_kernel_used_in_a_layer_loss_is_routed_exactly_and_bounded():
   model = dp.keras.DPModel(inp, keras.layers.Dense(3)(reader(dense(inp))))
   x, y = base._data(model, "float")
   base._compile(model, "auto")
-  ones = np.ones(len(x), np.float32)
-  without = ones.copy()
-  without[-1] = 0.0
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    got, got_without = (base._update(model, x, y, w) for w in (ones, without))
+  got, got_without = _with_and_without_last(model, x, y)
   variables = model.trainable_variables
 
   def loop(n):   # the independent loop with the layer loss in each example's loss
@@ -356,12 +351,7 @@ def test_a_second_output_head_reading_the_tied_matrix_is_routed_exactly_and_boun
                                      clipping="auto")
   model.compile(optimizer=opt, loss=[base._loss, base._loss])
   opt.set_sampling(100, 0.05, "poisson", 5)
-  ones = np.ones(5, np.float32)
-  without = ones.copy()
-  without[-1] = 0.0
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    got, got_without = (base._update(model, x, ys, w) for w in (ones, without))
+  got, got_without = _with_and_without_last(model, x, ys)
   variables = model.trainable_variables
 
   def loop(n):
@@ -421,12 +411,7 @@ def test_mixed_precision_tied_read_is_routed_and_bounded_under_auto():
       y = y / 1e3 * 10.0
       y[-1] *= 3.0
       base._compile(model, clipping)
-      ones = np.ones(len(x), np.float32)
-      without = ones.copy()
-      without[-1] = 0.0
-      with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        updates[clipping] = [base._update(model, x, y, w) for w in (ones, without)]
+      updates[clipping] = _with_and_without_last(model, x, y)
       assert model._dp_traced_clipping == "vectorized"
   finally:
     keras.mixed_precision.set_global_policy("float32")
