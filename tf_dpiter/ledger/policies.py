@@ -27,17 +27,18 @@ from tf_dpiter.ledger.policy_base import check_policy
 
 _REGISTRY = {}
 
-# The codes (floats) of the registered policies whose samples advance the ledger's cycle
-# position (`SamplingPolicy.advances_cycle`), (-1.0,) (no code) when none: a fact of the
-# registry, formed again by `register` and `unregister` only. The ledger's eager rewrite of
-# its rows reads it; a traced write never does (a trace would keep the registry of its time:
-# a set rewritten in a trace takes the other set's cycle position).
-CYCLIC_CODES = (-1.0,)
 
+def cyclic_codes():
+  """The codes (floats) of the registered policies whose samples advance the ledger's cycle
+  position (`SamplingPolicy.advances_cycle`), read from the registry at call time; (-1.0,)
+  (no code) when none. The ledger's eager rewrite of its rows reads it; a traced write never
+  does (a trace would keep the registry of its time: a set rewritten in a trace takes the
+  other set's cycle position).
 
-def _update_cyclic_codes():
-  global CYCLIC_CODES  # pylint: disable=global-statement
-  CYCLIC_CODES = tuple(float(p.code) for p in _REGISTRY.values() if p.advances_cycle) or (-1.0,)
+  Returns:
+    a tuple of floats.
+  """
+  return tuple(float(p.code) for p in _REGISTRY.values() if p.advances_cycle) or (-1.0,)
 
 
 class Poisson(SamplingPolicy):
@@ -207,7 +208,6 @@ def register(policy):
                              f"policy {taken[policy.code]!r}'s (codes are stored in checkpoints "
                              f"and never reused). Received: code={policy.code!r}")
   _REGISTRY[policy.name] = policy
-  _update_cyclic_codes()
   return policy
 
 
@@ -224,9 +224,7 @@ def unregister(name):
     PrivacyConfigError: a name not registered.
   """
   get(name)
-  policy = _REGISTRY.pop(name)
-  _update_cyclic_codes()
-  return policy
+  return _REGISTRY.pop(name)
 
 
 def names():

@@ -194,7 +194,7 @@ class _Buffers:
   def assign_rows(self, samples, queries, passes, cyclic_codes=None, cycle_position=None):
     """Ops writing rows (tensors) and a pass count; the cycle position is `cycle_position`
     (the copied set's, a tensor) or, when None, follows the rows: the samples whose policy
-    code is one of `cyclic_codes` (`policies.CYCLIC_CODES` read eagerly: a trace would keep
+    code is one of `cyclic_codes` (`policies.cyclic_codes()` read eagerly: a trace would keep
     the registry of its time)."""
     if cycle_position is None:
       cyclic = tf.constant(cyclic_codes, tf.float64)
@@ -445,7 +445,7 @@ class PrivacyLedger(tf.Module):
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
-    codes = policies.CYCLIC_CODES
+    codes = policies.cyclic_codes()
     for b in (self._v, self._mirror):
       b.assign_rows(tf.constant(samples, tf.float64), tf.constant(queries, tf.float64),
                     tf.constant(int(passes), tf.int64), codes)
