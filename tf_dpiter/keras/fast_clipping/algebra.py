@@ -55,12 +55,17 @@ def with_ones_column(x):
   Returns:
     [..., K + 1] float32 tensor.
   """
+  return once_per_graph("ones_column", x, _with_ones_column)
+
+
+def _with_ones_column(x):
   x = tf.cast(x, tf.float32)
   if x.shape[:-1].is_fully_defined():
-    ones = tf.ones(x.shape[:-1].as_list() + [1], tf.float32)
+    shape = x.shape[:-1].as_list() + [1]
+    ones = _memoized(("ones", tuple(shape)), lambda: tf.ones(shape, tf.float32))
   else:
     ones = tf.ones_like(x[..., :1])
-  return tf.concat([x, ones], -1)
+  return tf.concat([x, ones], const(-1))
 
 
 def regroup_btk(x):
@@ -111,8 +116,7 @@ def factored_sqr_norm(a, b):
   b = regroup_btk(tf.cast(b, tf.float32))
   t, k, n = static_dim(a, 1), static_dim(a, 2), static_dim(b, 2)
   if t == 1:
-    return (tf.reduce_sum(tf.square(a), axis=[1, 2]) *
-            tf.reduce_sum(tf.square(b), axis=[1, 2])), None
+    return (reduce_sum(tf.square(a), [1, 2]) * reduce_sum(tf.square(b), [1, 2])), None
   keep = k is not None and n is not None and registry.keep_per_example(k * n)
   form = registry.form_override()
   form = form if form in ("gram", "direct") else None
@@ -126,7 +130,7 @@ def factored_sqr_norm(a, b):
   g = tf.einsum("btk,btn->bkn", a, b)
   keep = keep or (k is not None and n is not None and
                   k * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES)
-  return tf.reduce_sum(tf.square(g), axis=[1, 2]), (g if keep else None)
+  return reduce_sum(tf.square(g), [1, 2]), (g if keep else None)
 
 
 def gram_sqr_norm(a, b):
@@ -139,9 +143,11 @@ def gram_sqr_norm(a, b):
   Returns:
     [B] float32 squared per-example gradient norms ||a^T b||_F^2.
   """
-  ga = tf.einsum("btk,bsk->bts", a, a)
+  # once per input within the clipped sum (shared_ops): layers that read the same input
+  # (an attention block's query, key and value projections) share its Gram matrix
+  ga = once_per_graph("gram", a, lambda a: tf.einsum("btk,bsk->bts", a, a))
   gb = tf.einsum("btn,bsn->bts", b, b)
-  return tf.reduce_sum(ga * gb, axis=[1, 2])
+  return reduce_sum(ga * gb, [1, 2])
 
 
 def to_btk(x):
@@ -164,7 +170,7 @@ def to_btk(x):
     return x
   t = static_positions(x.shape[1:-1])
   if k is not None and t != -1:
-    return tf.reshape(x, [-1, t, k])
+    return reshape(x, [-1, t, k])
   return tf.reshape(x, [tf.shape(x)[0], t, k if k is not None else tf.shape(x)[-1]])
 
 
@@ -209,7 +215,7 @@ def sqr_sum(x):
   """
   x = tf.cast(x, tf.float32)
   if x.shape.rank is not None:   # no reshape: a reduction over the static axes
-    return tf.reduce_sum(tf.square(x), axis=list(range(1, x.shape.rank)))
+    return reduce_sum(tf.square(x), list(range(1, x.shape.rank)))
   return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
 
 
@@ -264,18 +270,82 @@ def once_per_graph(kind, t, make):
   Returns:
     make(t) (the first one built for (kind, t) in this graph and block).
   """
+  if not tf.is_tensor(t) or not hasattr(t, "graph"):
+    return make(t)
+  # t (held by the key) keeps its graph and id alive
+  return _memoized((kind, t.ref()), lambda: make(t), t.graph)
+
+
+def _memoized(key, make, graph=None):
+  """make(), memoized under `key` for the graph being traced within a `shared_ops` block
+  (built with no control dependencies); make() each time eagerly, outside a block, or when
+  `graph` is given and is not the graph being traced."""
   memos = getattr(_SHARED, "memos", None)
-  if not memos or tf.executing_eagerly() or not tf.is_tensor(t) or not hasattr(t, "graph"):
-    return make(t)
-  graph = tf.compat.v1.get_default_graph()
-  if t.graph is not graph:
-    return make(t)
-  key = (id(graph), kind, t.ref())   # t (held by the key) keeps its graph and id alive
+  if not memos or tf.executing_eagerly():
+    return make()
+  current = tf.compat.v1.get_default_graph()
+  if graph is not None and graph is not current:
+    return make()
+  key = (id(current),) + tuple(key)
   memo = memos[-1]
-  if key not in memo:
-    with graph.control_dependencies(None):
-      memo[key] = make(t)
-  return memo[key]
+  got = memo.get(key)
+  if got is None or got.graph is not current:   # the memo's tensor keeps its graph alive
+    with current.control_dependencies(None):
+      got = memo[key] = make()
+  return got
+
+
+def const(value, dtype=tf.int32):
+  """tf.constant(value, dtype), one Const per value and dtype in the graph being traced
+  within a `shared_ops` block (the axes, shapes and sizes every layer's reductions, reshapes
+  and slices read: one op in the step's graph each, not one per call).
+
+  Args:
+    value: an int, float or bool, or a (nested) list or tuple of them.
+    dtype: the constant's dtype.
+
+  Returns:
+    a constant tensor.
+  """
+  dtype = tf.as_dtype(dtype)
+  return _memoized(("const", dtype.name, _frozen(value)), lambda: tf.constant(value, dtype))
+
+
+def _frozen(value):
+  """value with its lists made tuples (a hashable key)."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_frozen(v) for v in value)
+  return value
+
+
+def reshape(x, dims):
+  """tf.reshape(x, dims), the shape a shared constant (`const`) when every entry of dims is
+  a Python int (one may be -1).
+
+  Args:
+    x: a tensor.
+    dims: a list of Python ints or scalar int32 tensors.
+
+  Returns:
+    the reshaped tensor.
+  """
+  dims = list(dims)
+  if all(isinstance(d, int) for d in dims):   # once per x and dims (shared_ops)
+    return once_per_graph(("reshape", tuple(dims)), x, lambda x: tf.reshape(x, const(dims)))
+  return tf.reshape(x, dims)
+
+
+def reduce_sum(x, axis):
+  """tf.reduce_sum(x, axis) with the axes a shared constant (`const`).
+
+  Args:
+    x: a tensor.
+    axis: an int or a list of Python ints.
+
+  Returns:
+    x summed over `axis`.
+  """
+  return tf.reduce_sum(x, const(list(axis) if isinstance(axis, (list, tuple)) else axis))
 
 
 def rows(f, like):
@@ -307,8 +377,12 @@ def weight_rows(t, factors):
   Returns:
     float32 tensor of t's shape.
   """
-  t = tf.cast(t, tf.float32)
-  return tf.math.multiply_no_nan(t, rows(factors, t))
+  def weight(t):
+    return tf.math.multiply_no_nan(tf.cast(t, tf.float32), rows(factors, t))
+
+  if not tf.is_tensor(factors):
+    return weight(t)
+  return once_per_graph(("weight_rows", factors.ref()), t, weight)   # once per t and factors
 
 
 def drop_rows(t, factors):
@@ -344,12 +418,13 @@ def factor_product(factors, g):
   """
   if g.shape[1:].is_fully_defined() and g.shape[1:].num_elements() > 0:
     shape = g.shape[1:]   # static: no shape ops
-    flat = g if g.shape.rank == 2 else tf.reshape(g, [-1, shape.num_elements()])
+    flat = g if g.shape.rank == 2 else reshape(g, [-1, shape.num_elements()])
   else:
     shape = tf.shape(g)[1:]
     flat = tf.reshape(g, [tf.shape(g)[0], -1])
   two = once_per_graph("two_rows", factors, lambda c: tf.stack([c, tf.zeros_like(c)]))
-  return tf.reshape(tf.slice(tf.matmul(two, flat), [0, 0], [1, -1]), shape)
+  first = tf.slice(tf.matmul(two, flat), const([0, 0]), const([1, -1]))
+  return reshape(first, shape.as_list() if isinstance(shape, tf.TensorShape) else shape)
 
 
 def bias_grad(dz, bias_shape):
@@ -359,7 +434,7 @@ def bias_grad(dz, bias_shape):
   axes = [j for j in range(1, r)
           if j < r - k or bias_shape[j - (r - k)] == 1]
   dz = tf.cast(dz, tf.float32)
-  return registry.record_sum(tf.reduce_sum(dz, axis=axes) if axes else dz)
+  return registry.record_sum(reduce_sum(dz, axes) if axes else dz)
 
 
 def plain_layer(layer):
@@ -400,7 +475,7 @@ def result(layer, sq, grads_by_var):
         # static where known: -1 (one Const), tf.shape only for a variable of no entries
         lead = -1 if shape.num_elements() else (
             g.shape[0] if g.shape[0] is not None else tf.shape(g)[0])
-        g = tf.reshape(g, [lead] + shape.as_list())
+        g = reshape(g, [lead] + shape.as_list())
       grads.append(g)
     return registry.PerExampleGrads(sq, grads)
   return sq

@@ -312,7 +312,11 @@ def kept_sum(record_c, g):
   Returns:
     [P] float32.
   """
-  c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
+  rows, records = g.shape[0], record_c.shape[0]
+  if rows is not None and records is not None and int(rows) == int(records):
+    c = record_c   # no padding: no shape ops
+  else:
+    c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
   return algebra.factor_product(c, algebra.drop_rows(g, c))
 
 
@@ -372,8 +376,8 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
       ac, bc = algebra.regroup_btk(one(ac)), algebra.regroup_btk(bc)
       if form == "gram":
         return (algebra.gram_sqr_norm(ac, bc),)
-      g = tf.reshape(tf.einsum("btk,btn->bkn", ac, bc), [-1, kk * n])
-      sq = tf.reduce_sum(tf.square(g), axis=1)
+      g = algebra.reshape(tf.einsum("btk,btn->bkn", ac, bc), [-1, kk * n])
+      sq = algebra.reduce_sum(tf.square(g), 1)
       return (sq, g) if with_g else (sq,)
 
     specs = [tf.TensorSpec([rec], tf.float32)]
@@ -381,6 +385,8 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
       specs.append(tf.TensorSpec([rec, kk * n], tf.float32))
     return over_chunks(body, (a, b), m, specs)
 
+  # the unused [0, K N] only where the choice is a run-time tf.cond (its branches must match)
   sq, g = by_keep(keep, lambda: pass_of("direct", True),
-                  lambda: (pass_of(cheap, False)[0], tf.zeros([0, kk * n], tf.float32)))
+                  lambda: (pass_of(cheap, False)[0], None if keep is False else
+                           tf.zeros([0, kk * n], tf.float32)))
   return sq, keep, None if keep is False else g

@@ -7,8 +7,11 @@ has positions t, b is the weight of a constant input 1 (z = [x, 1] [W; b]): the 
 the sum of [W; b] are those of one kernel on [x, 1], so the bias needs no pass of its own
 over dz (in the Gram form its squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already
 formed).
-EinsumDense: z = einsum(eq, x, W) + b; per-example grad W_i by the einsum
-"in,out->b ker" (sums over every index but the batch and kernel indices).
+EinsumDense: z = einsum(eq, x, W) + b. Where it is a Dense on [B, T, K] inputs (its kernel
+the contracted then the output-only indices, its bias one value per output-only entry, e.g.
+BERT's attention projections; `_as_dense`) it takes the Dense forms above; else per-example
+grad W_i by the einsum "in,out->b ker" (sums over every index but the batch and kernel
+indices).
 The entry checks and the bias/activation wrapper serve the LoRA rules too (rules/lora.py).
 Memory budget (rules/budget.py): on [B, T.., K] inputs both run their per-example
 forms (per-example gradients, Gram matrices) and their clipped sums over chunks of the batch
@@ -91,10 +94,9 @@ def _budgeted_norms(layer, on, x, dz):
   rows, n = int(x.shape[-1]) + int(fold), int(dz.shape[-1])
 
   def unpack(sums):
-    flat = sums[0]
-    by_id = {id(layer.kernel): tf.reshape(flat[:(rows - fold) * n], [rows - fold, n])}
-    if fold:
-      by_id[id(layer.bias)] = flat[(rows - 1) * n:]
+    parts = (tf.split(sums[0], algebra.const([(rows - 1) * n, n]), num=2, axis=algebra.const(0))
+             if fold else [sums[0]])
+    by_id = {id(v): _shaped(p, v) for v, p in zip((layer.kernel, layer.bias), parts)}
     return [by_id[id(v)] for v in layer.trainable_variables]
 
   if keep is True:
@@ -143,19 +145,38 @@ def _dense_sums(layer, x, dz, factors, on=None):
       xw, dw = algebra.weight_rows(x1, factors), algebra.drop_rows(dz, factors)
     else:
       xw, dw = algebra.drop_rows(x1, factors), algebra.weight_rows(dz, factors)
-    product = tf.matmul(tf.reshape(xw, [-1, rows_in]), tf.reshape(dw, [-1, n]),
-                        transpose_a=True)
-    if fold:   # [W; b]: one split (no slice chain per part)
-      kernel_sum, bias_sum = tf.split(product, [k, 1])
-      out[id(layer.kernel)], out[id(layer.bias)] = kernel_sum, tf.reshape(bias_sum, [n])
+    if xw.shape.rank == 3 and dw.shape.rank == 3:   # one op over every position (no reshapes)
+      product = tf.einsum("btk,btn->kn", xw, dw)
     else:
-      out[id(layer.kernel)] = product
+      product = tf.matmul(algebra.reshape(xw, [-1, rows_in]), algebra.reshape(dw, [-1, n]),
+                          transpose_a=True)
+    if fold:   # [W; b]: one split (no slice chain per part)
+      kernel_sum, bias_sum = tf.split(product, algebra.const([k, 1]), num=2,
+                                      axis=algebra.const(0))
+      out[id(layer.kernel)] = _shaped(kernel_sum, layer.kernel)
+      out[id(layer.bias)] = _shaped(bias_sum, layer.bias)
+    else:
+      out[id(layer.kernel)] = _shaped(product, layer.kernel)
   if on[1] and not fold:
     per_example = tf.reduce_sum(tf.reshape(tf.cast(dz, tf.float32), [tf.shape(dz)[0], -1, n]),
                                 axis=1)
     out[id(layer.bias)] = algebra.factor_product(factors,
                                                  algebra.drop_rows(per_example, factors))
   return [out[id(v)] for v in layer.trainable_variables]
+
+
+def _shaped(t, v):
+  """t reshaped to variable v's shape (t itself where the trace knows it has it).
+
+  Args:
+    t: a tensor of v's entries (e.g. [K, N] of an EinsumDense kernel [K1, K2, N]).
+    v: a variable.
+
+  Returns:
+    a tensor of v's shape.
+  """
+  shape = list(v.shape)
+  return t if t.shape.as_list() == shape else algebra.reshape(t, shape)
 
 
 def bias_and_parts(layer, z, parts_fn, bias_on=None):
@@ -284,7 +305,63 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
   _, (inp, ker, out) = entry
   x = inputs
   outputs, z = _add_bias_and_activation(layer, ops.einsum(layer.equation, x, layer.kernel))
-  return outputs, z, lambda dz: _einsum_norms(layer, (inp, ker, out), x, dz)
+
+  def norms(dz):
+    view = _as_dense(layer, (inp, ker, out), x, dz)
+    if view is not None:   # a Dense on [B, T, K] (its norms and sum: _budgeted_norms)
+      return _budgeted_norms(layer, *view)
+    return _einsum_norms(layer, (inp, ker, out), x, dz)
+
+  return outputs, z, norms
+
+
+def _as_dense(layer, equation, x, dz):
+  """An EinsumDense layer as a Dense layer on [B, T, K] inputs, where it is one: its input's
+  indices are the batch, positions (in the output, not the kernel) and contracted indices (in
+  the kernel, not the output), in that order; its output's the batch, the same positions and
+  the kernel's other indices; the kernel's the contracted then the output-only indices (so
+  the kernel's entries are a [K, N] matrix in place); the kernel is trained; the bias, when
+  trained, is one value per output-only entry; every size static. E.g. BERT's attention
+  projections "abc,cde->abde" and "abcd,cde->abe". Then z = x W + b on x [B, T, K],
+  z [B, T, N] (positions T, contracted K, output-only N entries), so the layer takes the
+  Dense rule's forms: the Gram form of its norm (Li et al., "Large language models can be
+  strong differentially private learners", Sec. 4, cost T^2 (K + N) per example in place of
+  the per-example einsum's T K N), the bias folded in as the weight of an input 1, and one
+  matrix product for the clipped sum.
+
+  Args:
+    layer: the EinsumDense layer.
+    equation: (input, kernel, output) subscripts.
+    x: [B, ...] its input.
+    dz: [B, ...] the gradient at its output before the activation.
+
+  Returns:
+    (on, x3 [B, T, K], dz3 [B, T, N]) for _budgeted_norms, on = (True, bias trained), or None
+    where the layer is not such a Dense.
+  """
+  inp, ker, out = equation
+  if not algebra.trainable(layer.kernel):
+    return None
+  positions = [c for c in inp[1:] if c in out]
+  contracted = [c for c in inp[1:] if c in ker and c not in out]
+  out_only = [c for c in out[1:] if c in ker]
+  if (not positions or not contracted or not out_only or
+      list(inp[1:]) != positions + contracted or list(out[1:]) != positions + out_only or
+      list(ker) != contracted + out_only):
+    return None
+  if not (x.shape[1:].is_fully_defined() and dz.shape[1:].is_fully_defined()):
+    return None
+  bias_on = algebra.trainable(layer.bias)
+  n_shape = dz.shape[1 + len(positions):].as_list()
+  if bias_on and list(layer.bias.shape) != n_shape:
+    return None
+  t = algebra.static_positions(x.shape[1:1 + len(positions)])
+
+  def flat(v, last):
+    return v if v.shape.as_list()[1:] == [t, last] else algebra.reshape(v, [-1, t, last])
+
+  return ((True, bias_on), flat(x, algebra.static_positions(x.shape[1 + len(positions):])),
+          flat(dz, algebra.static_positions(n_shape)))
 
 
 def _einsum_kernel_norms(equation, x, dz, p):
@@ -316,17 +393,19 @@ def _einsum_kernel_norms(equation, x, dz, p):
 
   def pass_of(with_g):
     def body(xc, dc):
-      g = tf.reshape(registry.record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", xc, dc)),
-                     [-1, p])
-      sq = tf.reduce_sum(tf.square(g), axis=1)
+      g = algebra.reshape(
+          registry.record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", xc, dc)), [-1, p])
+      sq = algebra.reduce_sum(tf.square(g), 1)
       return (sq, g) if with_g else (sq,)
 
     specs = [tf.TensorSpec([rec], tf.float32)] + (
         [tf.TensorSpec([rec, p], tf.float32)] if with_g else [])
     return budget.over_chunks(body, (x, dz), m, specs)
 
+  # the unused [0, p] only where the choice is a run-time tf.cond (its branches must match)
   sq, g = budget.by_keep(keep, lambda: pass_of(True),
-                         lambda: (pass_of(False)[0], tf.zeros([0, p], tf.float32)))
+                         lambda: (pass_of(False)[0], None if keep is False else
+                                  tf.zeros([0, p], tf.float32)))
   return sq, keep, None if keep is False else g
 
 
@@ -372,7 +451,7 @@ def _einsum_norms(layer, equation, x, dz):
 
   def from_kept(c):
     rc = budget.record_factors(c)
-    out = {id(layer.kernel): tf.reshape(budget.kept_sum(rc, g), layer.kernel.shape)}
+    out = {id(layer.kernel): algebra.reshape(budget.kept_sum(rc, g), layer.kernel.shape)}
     if bias_on:
       out[id(layer.bias)] = algebra.factor_product(rc, algebra.drop_rows(db, rc))
     return [out[id(v)] for v in layer.trainable_variables]
@@ -398,5 +477,5 @@ def _einsum_sums(layer, equation, x, dz, factors):
     result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}",
                                          algebra.drop_rows(x, factors), dw)
   if algebra.trainable(layer.bias):
-    result[id(layer.bias)] = tf.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
+    result[id(layer.bias)] = algebra.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
   return [result[id(v)] for v in layer.trainable_variables]

@@ -2,7 +2,9 @@
 
 y = xhat * gamma + beta; grad gamma_i = sum dy * xhat, grad beta_i = sum dy
 (sums over the non-normalized, non-batch axes), formed over chunks of the batch whose
-temporaries take at most budget.CHUNK_BYTES (rules/budget.py).
+temporaries take at most budget.CHUNK_BYTES (rules/budget.py). Kept per-record gradients are
+one [R, gamma's and beta's entries] block (registry.PerExampleBlock): one squared norm and one
+product for the clipped sum per layer, not one per variable.
 """
 
 import numpy as np
@@ -65,25 +67,48 @@ def layer_norm_norm_fn(layer, inputs):
          if size != -1 and isinstance(k, int) else None)
 
     def body(dc, xc):
-      sq, out = None, []
+      # the trained variables' per-record gradients side by side in one [R, n entries] block:
+      # one squared norm, and one product for the clipped sum (summing.py), for both
+      parts = []
       for v in trained:
         g = dc * tf.cast(xc, tf.float32) if v is gamma else dc
-        g = registry.record_sum(tf.reduce_sum(g, axis=red) if red else g)
-        sq = algebra.add_norms(sq, algebra.sqr_sum(g))
-        out.append(g)
-      return (sq, *out) if keep else (sq,)
+        g = registry.record_sum(algebra.reduce_sum(g, red) if red else g)
+        parts.append(g if g.shape.rank == 2 else algebra.reshape(g, [-1, entries]))
+      block = parts[0] if len(parts) == 1 else tf.concat(parts, algebra.const(1))
+      sq = algebra.sqr_sum(block)
+      return (sq, block) if keep else (sq,)
 
     rec = m // k if m is not None else None
-    g_shape = [dy.shape[a] for a in range(1, ndims) if a not in red]
     specs = [tf.TensorSpec([rec], tf.float32)] + (
-        [tf.TensorSpec([rec] + g_shape, tf.float32)] * len(trained) if keep else [])
+        [tf.TensorSpec([rec, entries * len(trained)], tf.float32)] if keep else [])
     out = budget.over_chunks(body, (dy, xhat), m, specs)
     if not keep:
       return registry.FactorSums(out[0], lambda c: _sums(layer, trained, dy, xhat, red, c, m))
-    return algebra.result(layer, out[0], {id(v): algebra.leading_rows(g, out[0])
-                                          for v, g in zip(trained, out[1:])})
+    return registry.PerExampleBlock(out[0], [algebra.leading_rows(out[1], out[0])],
+                                    lambda sums: _unpack(layer, trained, entries, sums[0]))
 
   return outputs, y, sqr_norm_fn
+
+
+def _unpack(layer, trained, entries, flat):
+  """The clipped sum of the block [gamma's entries, beta's entries] (the trained ones, in that
+  order) split into one tensor per variable of layer.trainable_variables, of its shape.
+
+  Args:
+    layer: the LayerNormalization layer.
+    trained: its trainable variables among (gamma, beta), gamma first.
+    entries: entries of each variable.
+    flat: [entries * len(trained)] float32.
+
+  Returns:
+    one float32 tensor per variable of layer.trainable_variables.
+  """
+  n = len(trained)
+  parts = [flat] if n == 1 else tf.split(flat, algebra.const([entries] * n), num=n,
+                                         axis=algebra.const(0))
+  by_id = {id(v): p if len(v.shape) == 1 else algebra.reshape(p, list(v.shape))
+           for v, p in zip(trained, parts)}
+  return [by_id[id(v)] for v in layer.trainable_variables]
 
 
 def _sums(layer, trained, dy, xhat, red, factors, m):
@@ -109,8 +134,9 @@ def _sums(layer, trained, dy, xhat, red, factors, m):
 
   def body(dc, xc, cc):
     dw = algebra.weight_rows(dc, cc)
-    return [tf.reshape(tf.reduce_sum(dw * algebra.drop_rows(xc, cc) if v is gamma else dw,
-                                     axis=axes), v.shape) for v in trained]
+    return [algebra.reshape(algebra.reduce_sum(dw * algebra.drop_rows(xc, cc) if v is gamma
+                                               else dw, axes), list(v.shape))
+            for v in trained]
 
   sums = budget.sum_over_chunks(body, (dy, xhat, tf.cast(factors, tf.float32)), m,
                                 [v.shape for v in trained])
