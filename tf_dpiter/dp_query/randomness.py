@@ -5,6 +5,7 @@ Noise and sampling come from a counter-based Philox `tf.random.Generator` (Salmo
 output is reproducible, hence not private, and a warning says so.
 """
 
+import functools
 import os
 import warnings
 
@@ -145,24 +146,100 @@ def _log_uniform(generator, k, bucket_bits=32, refine_below=256):
   """ln U = -E of `exponential` given its first buckets k (float32): ln(2^-b (k + 1/2)) <= 0
   (2^-b (k + 1/2) <= 1 exactly in float32, and ln x <= 0 for x <= 1, checked for every float32
   in [1/4, 1]), with the rare k < refine_below redrawn exactly (`_refined`) in a branch
-  taken only when one is present."""
+  taken only when one is present.
+
+  In a graph, for a Philox generator and a k of static size, that branch is one call of a
+  function shared by every trace of the process and never inlined (`_shared_refined`): its
+  loops are traced once per process, not at every trace of a train step, and the graph
+  TensorFlow optimizes at each new step function holds one call op where it held the loops
+  (TensorFlow instantiates the function only when the branch runs). It draws the same words
+  in the same order.
+  """
+  size = _static_or_tensor(tf.size(k))
+  capacity = _refine_capacity(size, bucket_bits, refine_below)
   log_u = tf.math.log((k + 0.5) * 2.0 ** -bucket_bits)
-  return tf.cond(tf.reduce_min(k) < float(refine_below),
-                 lambda: _refined(generator, log_u, k, bucket_bits, refine_below),
-                 lambda: log_u)
+  refine = _shared_refined(generator, k, size, capacity, bucket_bits, refine_below)
+  if refine is None:
+    refine = lambda: _refined(generator, log_u, k, capacity, bucket_bits, refine_below)  # noqa: E731
+  else:
+    refine = functools.partial(refine, log_u)
+  return tf.cond(tf.reduce_min(k) < float(refine_below), refine, lambda: log_u)
 
 
-def _refined(generator, log_u, k, bucket_bits, refine_below):
+def _refine_capacity(size, bucket_bits, refine_below):
+  """The values `_refined` redraws a round: from the expected number of buckets below
+  refine_below, size * refine_below * 2^-b (so one round almost always), at most the size;
+  64 (at most the size) when the size is a tensor."""
+  if isinstance(size, int):
+    return min(size, 64 + int(2 * size * refine_below * 2.0 ** -bucket_bits))
+  return tf.minimum(size, 64)
+
+
+class _PhiloxState:
+  """A Philox `tf.random.Generator` seen through its state variable's resource handle (an
+  argument of the shared function, which so holds no generator): `uniform_full_int` as
+  the generator forms it (read-and-skip of the state by the value count, then the stateless
+  kernel at the key and counter read), so the words and the state after the draw are the
+  generator's own."""
+
+  _COUNTER_WORDS = 2   # Philox: a 128-bit counter (two int64 words) before the key
+
+  def __init__(self, handle, algorithm):
+    self.handle, self.algorithm = handle, algorithm
+
+  def uniform_full_int(self, shape, dtype):
+    """Uniform integers of `shape` and `dtype` over the whole range (`Generator.uniform_full_int`).
+
+    Args:
+      shape: the output shape (list of ints or int32 tensors).
+      dtype: the integer dtype.
+
+    Returns:
+      a tensor of `shape` and `dtype`.
+    """
+    shape = tf.convert_to_tensor(shape)
+    alg = tf.constant(self.algorithm, tf.int32)
+    counter_key = tf.raw_ops.RngReadAndSkip(
+        resource=self.handle, alg=alg, delta=tf.cast(tf.reduce_prod(shape), tf.uint64))
+    counter = tf.bitcast(counter_key[:self._COUNTER_WORDS], tf.uint64)
+    key = tf.bitcast(counter_key[self._COUNTER_WORDS:self._COUNTER_WORDS + 1], tf.uint64)
+    return tf.raw_ops.StatelessRandomUniformFullIntV2(shape=shape, key=key, counter=counter,
+                                                      alg=alg, dtype=dtype)
+
+
+_SHARED = {}   # (capacity, bucket_bits, refine_below) -> the shared tf.function
+
+
+def _shared_refined(generator, k, size, capacity, bucket_bits, refine_below):
+  """`_refined` as a call of one function shared by the process's traces and marked
+  `_noinline`: a callable of log_u giving the refined log_u; or None where it does not apply
+  (eagerly, secure mode, another algorithm than Philox, a generator of a distribution
+  strategy, whose key depends on the replica, or a size known only at run time, whose
+  capacity is a tensor)."""
+  if (tf.executing_eagerly() or not isinstance(generator, tf.random.Generator)
+      or generator.algorithm != tf.random.Algorithm.PHILOX.value
+      or getattr(generator, "_distribution_strategy", None) is not None
+      or not isinstance(size, int) or not isinstance(capacity, int) or k.shape.rank != 1):
+    return None
+  key = (capacity, int(bucket_bits), int(refine_below))
+  fn = _SHARED.get(key)
+  if fn is None:
+    def call(handle, log_u, buckets):
+      state = _PhiloxState(handle, tf.random.Algorithm.PHILOX.value)
+      return _refined(state, log_u, buckets, capacity, int(bucket_bits), int(refine_below))
+    vector = tf.TensorSpec([None], tf.float32)
+    fn = _SHARED[key] = tf.function(
+        call, autograph=False, experimental_attributes={"_noinline": True},
+        input_signature=[tf.TensorSpec([], tf.resource), vector, vector])
+  handle = generator.state.handle
+  return lambda log_u: tf.ensure_shape(fn(handle, log_u, k), [size])
+
+
+def _refined(generator, log_u, k, capacity, bucket_bits, refine_below):
   """log_u with its entries whose bucket k < refine_below replaced by exact draws (-E).
 
   Static shapes throughout (XLA): up to `capacity` of the smallest k are taken at a time
-  (`tf.math.top_k`; capacity from the expected number size * refine_below * 2^-b, so one
-  round almost always), redrawn by `_exact_exponential` and written back."""
-  size = _static_or_tensor(tf.size(k))
-  if isinstance(size, int):
-    capacity = min(size, 64 + int(2 * size * refine_below * 2.0 ** -bucket_bits))
-  else:
-    capacity = tf.minimum(size, 64)
+  (`tf.math.top_k`; `_refine_capacity`), redrawn by `_exact_exponential` and written back."""
 
   def body(log_u, k):
     neg, where = tf.math.top_k(-k, capacity)

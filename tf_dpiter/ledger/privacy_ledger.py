@@ -254,8 +254,35 @@ def merged_arrays(current, restored):
 # traced once per process and calling context. A train function's trace then holds one call
 # op, not the reconciliation's and the appends' conditionals built anew at every trace.
 
+# The rare branches (a buffer grown, the two sets reconciled after a restore) are calls of
+# functions marked `_noinline`: the graph TensorFlow optimizes at every new train function
+# holds one call op for each, not their bodies, and their bodies are instantiated only when
+# a branch runs.
+_RARE = {"autograph": False, "experimental_attributes": {"_noinline": True}}
+
+
+@tf.function(**_RARE)
+def _grow_call(handle, needed, columns):
+  """Doubles the float64 buffer of rows behind `handle` (at least to `needed` rows).
+
+  Args:
+    handle: the buffer's resource handle ([rows, columns] float64).
+    needed: the rows it must hold (int64 tensor).
+    columns: the buffer's columns (a Python int).
+
+  Returns:
+    True (a bool tensor: it grew).
+  """
+  buffer = _HandleVariable(handle, tf.float64, [None, columns])
+  cap = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)[0]
+  new_cap = tf.maximum(2 * cap, needed)
+  pad = tf.zeros(tf.stack([new_cap - cap, tf.constant(columns, tf.int64)]), tf.float64)
+  with tf.control_dependencies([buffer.assign(tf.concat([buffer.read_value(), pad], axis=0))]):
+    return tf.constant(True)
+
+
 def _ensure_capacity(buffer, needed):
-  """Doubles `buffer` (at least to `needed` rows) when it is too small.
+  """Doubles `buffer` (at least to `needed` rows) when it is too small (`_grow_call`).
 
   Args:
     buffer: a buffer of rows (`_HandleVariable`).
@@ -266,14 +293,8 @@ def _ensure_capacity(buffer, needed):
   """
   # VariableShape reads the shape without copying the buffer (tf.shape would read it all).
   cap = tf.raw_ops.VariableShape(input=buffer.handle, out_type=tf.int64)[0]
-
-  def _grow():
-    new_cap = tf.maximum(2 * cap, needed)
-    pad = tf.zeros(tf.stack([new_cap - cap, tf.constant(buffer.shape[1], tf.int64)]), tf.float64)
-    buffer.assign(tf.concat([buffer.read_value(), pad], axis=0))
-    return tf.constant(True)
-
-  return tf.cond(needed > cap, _grow, lambda: tf.constant(False))
+  return tf.cond(needed > cap, lambda: _grow_call(buffer.handle, needed, int(buffer.shape[1])),
+                 lambda: tf.constant(False))
 
 
 def _reconcile(v, m):
@@ -291,7 +312,8 @@ def _reconcile(v, m):
     m: the mirror `_Buffers`.
 
   Returns:
-    the conditional's op (the writes depend on it).
+    the conditional's output (a bool tensor: True when the sets were repaired; the writes
+    depend on it).
   """
   counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
             for b in (v, m)]
@@ -304,24 +326,47 @@ def _reconcile(v, m):
       tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1])))]
 
   def fix():
-    (vs, vq), (ms, mq) = v.rows(), m.rows()
-    n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
-    nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
-    prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
-                            tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
-    check = tf.debugging.Assert(prefix, [
-        "the privacy ledger was restored from a checkpoint of another run after this "
-        "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
-        "use a new optimizer for the other run"])
-    passes = tf.maximum(counts[0][2], counts[1][2])
-    with tf.control_dependencies([check]):
-      # the set copied keeps its cycle position (counted as its samples were written)
-      copy = lambda to, rows, queries, src: tf.group(to.assign_rows(  # noqa: E731
-          rows, queries, passes, cycle_position=src.cycle_position.read_value()))
-      return tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0], lambda: copy(v, ms, mq, m),
-                     lambda: copy(m, vs, vq, v))
+    return _fix_call(v.handles(), m.handles(), counts[0][2], counts[1][2])
 
-  return tf.cond(tf.reduce_all(tf.stack(same)), tf.no_op, fix)
+  return tf.cond(tf.reduce_all(tf.stack(same)), lambda: tf.constant(False), fix)
+
+
+@tf.function(**_RARE)
+def _fix_call(v_handles, m_handles, v_passes, m_passes):
+  """`_reconcile`'s repair: the longer set copied onto the other when one is a prefix of the
+  other (passes: the larger count), else the step fails.
+
+  Args:
+    v_handles: the checkpointed set's `_Buffers.handles()`.
+    m_handles: the mirror's `_Buffers.handles()`.
+    v_passes: the checkpointed set's pass count (int64 tensor, read before the call).
+    m_passes: the mirror's pass count (int64 tensor).
+
+  Returns:
+    True (a bool tensor), once the copy is written.
+
+  Raises:
+    tf.errors.InvalidArgumentError: (when run) the two sets diverge.
+  """
+  v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
+  (vs, vq), (ms, mq) = v.rows(), m.rows()
+  n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
+  nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
+  prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
+                          tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
+  check = tf.debugging.Assert(prefix, [
+      "the privacy ledger was restored from a checkpoint of another run after this "
+      "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
+      "use a new optimizer for the other run"])
+  passes = tf.maximum(v_passes, m_passes)
+  with tf.control_dependencies([check]):
+    # the set copied keeps its cycle position (counted as its samples were written)
+    copy = lambda to, rows, queries, src: tf.group(to.assign_rows(  # noqa: E731
+        rows, queries, passes, cycle_position=src.cycle_position.read_value()))
+    done = tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0], lambda: copy(v, ms, mq, m),
+                   lambda: copy(m, vs, vq, v))
+  with tf.control_dependencies([done]):
+    return tf.constant(True)
 
 
 def _append(b, row, qrows, cyclic):
