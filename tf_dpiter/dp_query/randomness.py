@@ -91,7 +91,12 @@ def _uint32_words(generator, shape):
   Returns:
     a uint32 tensor of `shape`.
   """
-  count = _static_or_tensor(tf.reduce_prod(tf.stack(shape)))
+  if all(isinstance(d, int) for d in shape):   # a static count: no ops to form it
+    count = 1
+    for d in shape:
+      count *= d
+  else:
+    count = _static_or_tensor(tf.reduce_prod(tf.stack(shape)))
   half = (count + 1) // 2
   if isinstance(generator, SecureRandom):
     bits = generator.words(half)
@@ -349,9 +354,9 @@ def _box_muller(generator, size, stddev=None):
   """`padded_normal_halves` for one Box-Muller draw from any source (formula in
   `padded_normal`)."""
   pairs = -(-((size + 1) // 2) // _ALIGN) * _ALIGN
-  words = _uint32_words(generator, [2, pairs])
-  r = tf.sqrt(_log_uniform(generator, _bucket(words[0], 32)) * -2.0)
+  radius_words, angle_words = tf.unstack(_uint32_words(generator, [2, pairs]))
+  r = tf.sqrt(_log_uniform(generator, _bucket(radius_words, 32)) * -2.0)
   if stddev is not None:
     r = r * tf.cast(stddev, tf.float32)
-  theta = tf.cast(words[1], tf.float32) * (_TWO_PI * 2.0 ** -32)
+  theta = tf.cast(angle_words, tf.float32) * (_TWO_PI * 2.0 ** -32)
   return r * tf.cos(theta), r * tf.sin(theta)
