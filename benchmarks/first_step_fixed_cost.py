@@ -7,7 +7,9 @@ Each (model, mode) pair runs in a fresh child process (nothing traced or cached 
 and prints, for its first `model.train_on_batch` (and with --fit, the first `model.fit` epoch
 of one step, in a second fresh model of the same process):
 
-  first_step_s     make_train_function plus the first train_on_batch (wall seconds)
+  first_step_s     make_train_function plus the first train_on_batch (wall seconds);
+                   first_step_cpu_s: the process's CPU seconds over the same span (all its
+                   threads: less sensitive to other processes' load than wall time)
   trace_s          the Python trace of train_step (the model's train_step called while tracing)
   after_trace_s    first_step_s - trace_s: TensorFlow's function instantiation (graph
                    conversion, Grappler, kernel creation) and the first run
@@ -180,14 +182,15 @@ def run_one(kind, mode, sources, fit, warm):
       seen["graph"] = tf.compat.v1.get_default_graph()
 
   model.train_step = train_step
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   model.make_train_function()
   model.train_on_batch(x, y)
-  first = time.perf_counter() - t0
+  first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
   t1 = time.perf_counter()
   model.train_on_batch(x, y)
   second = time.perf_counter() - t1
-  out = {"first_step_s": round(first, 3), "trace_s": round(seen["trace_s"], 3),
+  out = {"first_step_s": round(first, 3), "first_step_cpu_s": round(first_cpu, 3),
+         "trace_s": round(seen["trace_s"], 3),
          "after_trace_s": round(first - seen["trace_s"], 3), "second_step_s": round(second, 4)}
   if "graph" in seen:
     g = seen["graph"]
