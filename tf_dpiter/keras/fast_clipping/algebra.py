@@ -147,7 +147,7 @@ def gram_sqr_norm(a, b):
   # (an attention block's query, key and value projections) share its Gram matrix
   ga = once_per_graph("gram", a, lambda a: tf.einsum("btk,bsk->bts", a, a))
   gb = tf.einsum("btn,bsn->bts", b, b)
-  return reduce_sum(ga * gb, [1, 2])
+  return tf.einsum("bts,bts->b", ga, gb)   # one op (no product tensor and reduction)
 
 
 def to_btk(x):
@@ -214,6 +214,8 @@ def sqr_sum(x):
     [B] float32.
   """
   x = tf.cast(x, tf.float32)
+  if x.shape.rank == 2:   # one op
+    return tf.einsum("bp,bp->b", x, x)
   if x.shape.rank is not None:   # no reshape: a reduction over the static axes
     return reduce_sum(tf.square(x), list(range(1, x.shape.rank)))
   return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)

@@ -42,10 +42,18 @@ def layer_norm_norm_fn(layer, inputs):
   y = xhat
   gamma = layer.gamma if layer.scale else None
   beta = layer.beta if layer.center else None
+  # normalized trailing axes: gamma and beta broadcast as they are (no reshape ops)
+  suffix = axes == list(range(ndims - len(axes), ndims))
+
+  def shaped(v):
+    v = v if suffix and tuple(v.shape) == tuple(bshape[ndims - len(axes):]) else ops.reshape(
+        v, bshape)
+    return ops.cast(v, xhat.dtype)
+
   if gamma is not None:
-    y = y * ops.cast(ops.reshape(gamma, bshape), xhat.dtype)
+    y = y * shaped(gamma)
   if beta is not None:
-    y = y + ops.cast(ops.reshape(beta, bshape), xhat.dtype)
+    y = y + shaped(beta)
   outputs = ops.cast(y, layer.compute_dtype)
   red = [a for a in range(1, ndims) if a not in axes]
   entries = int(np.prod(bshape))
