@@ -93,8 +93,9 @@ def test_clip_factors_reshaped_and_signed_once_per_clipped_sum():
       out += [algebra.factor_product(c, flat) for _ in range(3)]
       return out
 
-  # Reshapes: the factors' rows (of c and of sign(c)), g flattened, each product's result
-  for shared, reshapes, signs, packs in ((True, 2 + 1 + 3, 1, 1), (False, 7 + 1 + 3, 3, 3)):
+  # Reshapes: the factors' rows (of c and of sign(c)), g flattened (the [P] products are the
+  # first row of a two-row product as they are: a strided slice, no reshape)
+  for shared, reshapes, signs, packs in ((True, 2 + 1, 1, 1), (False, 7 + 1, 3, 3)):
     graph = tf.function(lambda c, g, s=shared: calls(c, g, s),
                         autograph=False).get_concrete_function(
         tf.TensorSpec([4]), tf.TensorSpec([4, 3, 2])).graph

@@ -425,18 +425,35 @@ def factor_product(factors, g):
     shape = tf.shape(g)[1:]
     flat = tf.reshape(g, [tf.shape(g)[0], -1])
   two = once_per_graph("two_rows", factors, lambda c: tf.stack([c, tf.zeros_like(c)]))
-  first = tf.slice(tf.matmul(two, flat), const([0, 0]), const([1, -1]))
+  # row 0 as a [P] vector: one strided slice (no slice and reshape)
+  first = tf.strided_slice(tf.matmul(two, flat), const([0, 0]), const([1, 0]), const([1, 1]),
+                           end_mask=2, shrink_axis_mask=1)
+  if isinstance(shape, tf.TensorShape) and shape.rank == 1:
+    return first
   return reshape(first, shape.as_list() if isinstance(shape, tf.TensorShape) else shape)
 
 
 def bias_grad(dz, bias_shape):
   """Per-record gradient of a bias broadcast (right-aligned) onto dz: dz
   summed over the axes the bias is broadcast along ([B] + non-1 bias dims)."""
-  r, k = dz.shape.rank, len(bias_shape)
-  axes = [j for j in range(1, r)
-          if j < r - k or bias_shape[j - (r - k)] == 1]
+  axes = bias_axes(dz.shape.rank, bias_shape)
   dz = tf.cast(dz, tf.float32)
   return registry.record_sum(reduce_sum(dz, axes) if axes else dz)
+
+
+def bias_axes(rank, bias_shape):
+  """The non-batch axes of a [B, ...] tensor of `rank` that a bias of `bias_shape`
+  (right-aligned) is broadcast along.
+
+  Args:
+    rank: the tensor's rank.
+    bias_shape: the bias's shape.
+
+  Returns:
+    list of ints.
+  """
+  k = len(bias_shape)
+  return [j for j in range(1, rank) if j < rank - k or bias_shape[j - (rank - k)] == 1]
 
 
 def plain_layer(layer):

@@ -69,7 +69,7 @@ def dense_norm_fn(layer, inputs, training=None):
   return outputs, z, norms_and_sums
 
 
-def _budgeted_norms(layer, on, x, dz):
+def _budgeted_norms(layer, on, x, dz, bookkeeping=None):
   """The norms and clipped sum of a Dense layer on [B, T.., K] inputs within the memory
   budget (rules/budget.py): ||[grad W; grad b]||^2 per record as one kernel on [x, 1] (or
   grad W alone with a frozen bias) by budget.factored_sqr_norms, over chunks of the batch.
@@ -84,6 +84,10 @@ def _budgeted_norms(layer, on, x, dz):
     on: (kernel trained, bias trained), the kernel trained.
     x: [B, T.., K] its input.
     dz: [B, T.., N] the gradient at its output before the activation.
+    bookkeeping: (tensors, fn) for the book-keeping product: fn(*chunks, factors) -> one
+      float32 sum per trainable variable on chunks of the [B, ...] tensors (an EinsumDense's
+      einsum on its own input and output gradient, `_einsum_sums`); None: `_dense_sums` on
+      x and dz.
 
   Returns:
     registry.PerExampleBlock or registry.FactorSums.
@@ -105,9 +109,10 @@ def _budgeted_norms(layer, on, x, dz):
   m = budget.examples_per_chunk(x, 4 * 2 * t * (rows + n)) if t != -1 else None
   shapes = [v.shape for v in layer.trainable_variables]
 
+  tensors, fn = bookkeeping or ((x, dz), lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on))
+
   def by_bookkeeping(c):
-    return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on),
-                                  (x, dz, c), m, shapes)
+    return budget.sum_over_chunks(fn, tuple(tensors) + (c,), m, shapes)
 
   def sum_fn(example_factors):
     c = tf.cast(example_factors, tf.float32)
@@ -308,8 +313,9 @@ def einsum_dense_norm_fn(layer, inputs, training=None):
 
   def norms(dz):
     view = _as_dense(layer, (inp, ker, out), x, dz)
-    if view is not None:   # a Dense on [B, T, K] (its norms and sum: _budgeted_norms)
-      return _budgeted_norms(layer, *view)
+    if view is not None:   # a Dense on [B, T, K]: its norms (the sum: the layer's own einsum)
+      return _budgeted_norms(layer, *view, bookkeeping=((x, dz), lambda xc, dc, cc: _einsum_sums(
+          layer, (inp, ker, out), xc, dc, cc)))
     return _einsum_norms(layer, (inp, ker, out), x, dz)
 
   return outputs, z, norms
@@ -476,6 +482,8 @@ def _einsum_sums(layer, equation, x, dz, factors):
   if algebra.trainable(layer.kernel):
     result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}",
                                          algebra.drop_rows(x, factors), dw)
-  if algebra.trainable(layer.bias):
-    result[id(layer.bias)] = algebra.reduce_sum(algebra.bias_grad(dw, layer.bias.shape), 0)
+  if algebra.trainable(layer.bias):   # dw summed over the batch and the broadcast axes: one op
+    axes = [0] + algebra.bias_axes(dw.shape.rank, layer.bias.shape)
+    result[id(layer.bias)] = _shaped(algebra.reduce_sum(tf.cast(dw, tf.float32), axes),
+                                     layer.bias)
   return [result[id(v)] for v in layer.trainable_variables]
