@@ -190,8 +190,8 @@ def test_reads_inside_control_flow_of_another_layer_are_found(flow):
 
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_read_inside_ops_scan_of_another_layer_is_refused_under_fast(jit):
-  """keras.ops.scan carrying the tied matrix: clipping='fast' refuses before any step (the
-  vectorized path's pfor cannot convert this scan's TensorList: it fails at run time)."""
+  """keras.ops.scan carrying the tied matrix: clipping='fast' refuses before any step
+  (under 'auto' the vectorized path loops over the records: test_derived_tensor_uses)."""
   model = _tied(lambda e: _HiddenTied(e, "scan"))
   x, y = base._data(model, "tokens")
   base._compile(model, "fast", jit=jit)

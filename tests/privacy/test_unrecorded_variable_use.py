@@ -134,7 +134,7 @@ def _independent(model, x, y):
   for i in range(len(x)):
     with tf.GradientTape() as tape:
       loss = _loss(y[i:i + 1], model(x[i:i + 1], training=True))[0]
-    g = [np.asarray(t, np.float64) for t in tape.gradient(loss, variables)]
+    g = [np.asarray(tf.convert_to_tensor(t), np.float64) for t in tape.gradient(loss, variables)]
     norm = np.sqrt(sum(np.sum(t * t) for t in g))
     total = [a + min(1.0, CLIP / norm) * t for a, t in zip(total, g)]
   return total

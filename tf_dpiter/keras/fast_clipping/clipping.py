@@ -375,11 +375,14 @@ def unrecorded_variable_uses(model, inputs):
   `h @ embedding.embeddings^T`, a layer reading a sublayer's kernel without calling it) has
   gradient terms no recorded call produces: book-keeping leaves them out of the update
   (silently wrong), a second backward pass puts them in the sum but not in the norm (the
-  clip no longer bounds one example). Found from one forward pass of one example traced
+  clip no longer bounds one example). So does a tensor computed from a variable inside its
+  layer's call and consumed elsewhere (kept on an attribute, handed on as a Keras mask, an
+  output with no batch axis). Found from one forward pass of one example traced
   (never run, kept per model and input signature; shared with the physical-chunk probe):
   every graph operation consuming a variable's handle must have been created inside one of
-  its unit's recorded calls. A traced clipped_grad_sum checks its own recorded forward pass
-  the same way (no separate trace); eagerly it calls this function.
+  its unit's recorded calls, and every tensor derived from it there must leave the call only
+  as one of its outputs (recording.unrecorded_uses). A traced clipped_grad_sum checks its own
+  recorded forward pass the same way (no separate trace); eagerly it calls this function.
 
   Args:
     model: a built keras.Model.
@@ -415,9 +418,10 @@ def describe_unrecorded(uses):
   return (f"trainable variables are used outside their layer's own call: {named}. The fast "
           "path forms each layer's per-example gradient norm from the layer's calls only, so "
           "those uses would be left out of the clipped update. Call the layer instead of "
-          "reading its variable (for an output projection tied to an embedding, use "
-          "keras_hub.layers.ReversibleEmbedding and call it with reverse=True), or use "
-          "clipping='vectorized'")
+          "reading its variable or keeping a tensor computed from it for use elsewhere (an "
+          "attribute, a Keras mask, an output without the batch axis; for an output "
+          "projection tied to an embedding, use keras_hub.layers.ReversibleEmbedding and call "
+          "it with reverse=True), or use clipping='vectorized'")
 
 
 class UnrecordedUsesError(PrivacyConfigError):

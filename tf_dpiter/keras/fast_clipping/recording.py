@@ -10,8 +10,19 @@ through its recorded calls: a variable also read elsewhere (a tied output projec
 `h @ embedding.embeddings^T` in another layer, a sublayer's kernel read by its parent
 without calling the sublayer) has a gradient part no recorded call produces. When a
 traced forward pass is recorded with `track_uses=True`, each record keeps the graph
-operations that consumed the unit's variables during its call (`rec["uses"]`), and
-`unrecorded_uses` names the variables consumed by any other operation.
+operations that consumed the unit's variables during its call (`rec["uses"]`) and the span
+of graph operations the call created (`rec["span"]`), and `unrecorded_uses` names the
+variables consumed by any other operation.
+
+Uses through a derived tensor. A tensor computed from a variable inside a recorded call can
+leave the call other than through its outputs: kept on a layer attribute (`self.w2 =
+self.kernel * 2`) and read by another layer, by the model's own call or by a later call of the
+same layer, or handed on as a Keras mask. Its consumers are other uses of the variable that
+no recorded call produces: `unrecorded_uses` follows every tensor derived from a variable read
+inside a call (through the operations the call created) and names the variable when such a
+tensor is consumed outside that call and is not one of the call's outputs. An output of a
+call computed from the variables but not from the call's inputs (no batch axis: a per-example
+gradient of it does not exist) is named too.
 """
 
 import threading
@@ -19,6 +30,7 @@ import threading
 import tensorflow as tf
 
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
 
 CALL_LOCK = threading.RLock()
@@ -61,6 +73,7 @@ def install(units, track_uses=False):
     def wrapped(*args, _unit=unit, _orig=orig, **kwargs):
       rec = {"args": args, "kwargs": kwargs, "watched": None}
       before = _consumers(graph, _unit) if graph is not None else None
+      first = graph.version if graph is not None else None
       outputs = None
       if _unit.kind == plan_lib.GHOST:
         res = _unit.norm_fn(_unit.layer, *args, **kwargs)
@@ -73,6 +86,7 @@ def install(units, track_uses=False):
       rec["outputs"] = outputs
       if graph is not None:
         rec["uses"] = _consumers(graph, _unit) - before
+        rec["span"] = (first, graph.version)   # graph.get_operations()[first:last]: the call's
       _unit.records.append(rec)
       return outputs
 
@@ -107,16 +121,103 @@ def unrecorded_uses(units, before=frozenset()):
     a list of (layer name, variable path, sorted operation types of the outside uses).
   """
   graph = tf.compat.v1.get_default_graph()
+  operations = graph.get_operations()   # in creation order (one list for every call's span)
   found = []
   for unit in units:
     inside = set(before)
     for rec in unit.records:
       inside |= rec.get("uses", set())
     for v in unit.variables:
-      outside = [op for op in _variable_handle(graph, v).consumers() if op not in inside]
+      handle = _variable_handle(graph, v)
+      outside = {op for op in handle.consumers() if op not in inside}
+      for rec in unit.records:
+        outside |= _escaping_uses(operations, rec, handle, _vectorized(unit))
       if outside:
         found.append((unit.layer.name, v.path, tuple(sorted({op.type for op in outside}))))
   return found
+
+
+# dtypes that carry no gradient: a tensor of them derived from a variable (its shape, a
+# comparison) is no use of the variable's value the gradient follows
+_NO_GRADIENT = (tf.bool, tf.string)
+
+
+def _carries_gradient(t):
+  return not (t.dtype in _NO_GRADIENT or t.dtype.is_integer)
+
+
+def _created(operations, rec):
+  """The operations the recorded call `rec` created (a set, kept in the record)."""
+  if "created" not in rec:
+    first, last = rec["span"]
+    rec["created"] = frozenset(operations[first:last])
+  return rec["created"]
+
+
+def _vectorized(unit):
+  """True if the unit's records get vectorized per-example gradients (`vectorized_grads`,
+  re-running the call on each example), as clipping._sources decides: every unit but a
+  ghost unit called once whose norm function served the call."""
+  return not (unit.kind == plan_lib.GHOST and len(unit.records) == 1 and
+              unit.records[0]["watched"] is not None)
+
+
+def _escaping_uses(operations, rec, handle, vectorized):
+  """The operations outside the recorded call `rec` that consume a tensor derived (inside the
+  call, through the operations it created) from a read of `handle` in it, other than the
+  call's outputs; and, for a `vectorized` record (re-run on each example with the gradient at
+  each of its outputs sliced per example), the operation computing an output so derived that
+  does not depend on the call's inputs (no batch axis: the sliced gradient would not be the
+  example's). A registered norm function's outputs (a position table broadcast to the batch)
+  are its rule's to get right.
+
+  A forward walk from the call's reads of the variable over the operations the call created:
+  its tensors that carry a gradient (float, complex, resource, variant) are the derived
+  ones. Linear in the operations the call created."""
+  if "span" not in rec:
+    return set()
+  reads = [op for op in handle.consumers() if op in rec.get("uses", ())]
+  if not reads:
+    return set()
+  created = _created(operations, rec)
+  outputs = {t.ref() for t in tf.nest.flatten(rec["outputs"]) if tf.is_tensor(t)}
+  escaping, seen, todo, derived = set(), set(reads), list(reads), set()
+  while todo:
+    op = todo.pop()
+    if op.type in ("StopGradient", "PreventGradient"):
+      continue
+    for t in op.outputs:
+      if not _carries_gradient(t):
+        continue
+      derived.add(t.ref())
+      for consumer in t.consumers():
+        if consumer in created:
+          if consumer not in seen:
+            seen.add(consumer)
+            todo.append(consumer)
+        elif t.ref() not in outputs:
+          escaping.add(consumer)
+  unbatched = [t for t in tf.nest.flatten(rec["outputs"]) if vectorized and tf.is_tensor(t) and
+               t.ref() in derived and not _from_inputs(created, rec, t)]
+  return escaping | {t.op for t in unbatched}
+
+
+def _from_inputs(created, rec, t):
+  """True if `t`, computed in the recorded call `rec`, depends on one of the call's tensor
+  arguments (a backward walk over the operations the call created)."""
+  args = {a.ref() for a in tf.nest.flatten((rec["args"], rec["kwargs"])) if tf.is_tensor(a)}
+  if t.ref() in args:
+    return True
+  seen, todo = {t.op}, [t.op]
+  while todo:
+    op = todo.pop()
+    for i in op.inputs:
+      if i.ref() in args:
+        return True
+      if i.op in created and i.op not in seen:
+        seen.add(i.op)
+        todo.append(i.op)
+  return False
 
 
 def uninstall(installed):
@@ -138,7 +239,8 @@ def _is_batched(t):
 
 def vectorized_grads(unit, rec, out_grads):
   """Per-example gradients [B, *v.shape] of <outputs, out_grads> w.r.t. the
-  unit's variables, re-running the layer on each example (tf.vectorized_map).
+  unit's variables, re-running the layer on each example (tf.vectorized_map; a loop over
+  the examples, tf.map_fn, where the call runs keras.ops.scan: runtime.loops_over_lists).
   """
   structure = (rec["args"], rec["kwargs"])
   flat = tf.nest.flatten(structure)
@@ -148,7 +250,11 @@ def vectorized_grads(unit, rec, out_grads):
   variables = unit.variables
   orig = unit.orig_call
 
-  def one(elems):
+  sources = keras_internals.gradient_sources(variables)
+  list_loops = []
+
+  def one(elems, check_loops=False):
+    first = tf.compat.v1.get_default_graph().version
     new_flat = list(flat)
     for k, i in enumerate(batched):
       new_flat[i] = tf.expand_dims(elems[k], 0)
@@ -160,8 +266,18 @@ def vectorized_grads(unit, rec, out_grads):
                         tf.cast(tf.expand_dims(g, 0), tf.float32))
           for o, g in zip(out, elems[n_x:])
       ])
-    grads = tape.gradient(s, keras_internals.gradient_sources(variables),
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    loops = runtime.loops_over_lists(first) if check_loops else ()
+    if loops:   # before pfor converts the body
+      list_loops.extend(loops)
+      raise runtime.ListLoop(f"while loops over a TensorList: {list(loops)}")
+    grads = tape.gradient(s, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.convert_to_tensor(g) for g in grads]
 
-  return tf.vectorized_map(one, xs + list(out_grads))
+  elems = xs + list(out_grads)
+  try:
+    return tf.vectorized_map(lambda e: one(e, check_loops=True), elems)
+  except runtime.ListLoop:
+    # keras.ops.scan in the call: pfor converts it wrongly; the examples one at a time
+    runtime.refuse_list_loops_under_xla(list_loops)
+  return tf.map_fn(one, elems, fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
+                                                     for v in sources])

@@ -14,6 +14,8 @@ import os
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import DPiterError
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
 
 
@@ -45,6 +47,49 @@ def in_xla_context():
   # TensorFlow has no public spelling of this test; tf.vectorized_map makes the same one.
   from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
   return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+class ListLoop(DPiterError):
+  """The signal (raised inside a tf.vectorized_map body, caught by its caller) that the
+  per-record computation runs a while loop over a TensorList, which pfor's conversion gets
+  wrong at run time (TensorListPushBack of an incompatible shape): the records are looped
+  over instead (tf.map_fn)."""
+
+
+def loops_over_lists(first):
+  """The while loops over a TensorList created since the default graph's `version` was
+  `first`.
+
+  Args:
+    first: `tf.compat.v1.get_default_graph().version` before the computation.
+
+  Returns:
+    a tuple of operation names (str): the While operations with a TensorList (variant)
+    input, keras.ops.scan's stacked outputs.
+  """
+  created = tf.compat.v1.get_default_graph().get_operations()[first:]
+  return tuple(op.name for op in created if op.type in ("While", "StatelessWhile") and
+               any(t.dtype == tf.variant for t in op.inputs))
+
+
+def refuse_list_loops_under_xla(loops):
+  """Refuses per-example gradients through while loops over a TensorList under XLA.
+
+  Args:
+    loops: the while loops `loops_over_lists` found (empty: nothing to refuse).
+
+  Raises:
+    PrivacyConfigError: `loops` is not empty and the graph is compiled by XLA (it cannot
+      compile their gradient inside a loop over records).
+  """
+  if loops and in_xla_context():
+    raise PrivacyConfigError(
+        f"per-example gradients through keras.ops.scan (the while loops {list(loops)} over a "
+        "TensorList, in the layers their names begin with) cannot be formed under XLA: "
+        "tf.vectorized_map converts them wrongly and XLA cannot compile their gradient inside "
+        "a loop over records. Received: jit_compile=True. Compile the model with "
+        "jit_compile=False (the records are then looped over), or replace the scan by "
+        "keras.ops.fori_loop")
 
 
 def model_layers(model):

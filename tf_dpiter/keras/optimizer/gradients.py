@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.keras.internals import runtime
 
 
 def _ceil_div(a, b):
@@ -241,18 +242,29 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
 
   record_loss_fn(record) -> (scalar loss, aux nest). Returns (grads: list of [M, *v.shape],
   losses [M], aux stacked on a leading [M] axis). Sparse (IndexedSlices) gradients are
-  densified per record; unconnected variables get zeros.
+  densified per record; unconnected variables get zeros. A record loss running
+  keras.ops.scan (runtime.loops_over_lists) is looped over record by record (pfor converts
+  it wrongly at run time); under XLA it is refused (PrivacyConfigError).
   """
   flat = tf.nest.flatten(records)
   present = [i for i, t in enumerate(flat) if t is not None]
+  list_loops = []   # the while loops over a TensorList `one` found (pfor's trace rewraps errors)
 
-  def one(tensors):
+  def one(tensors, check_loops=False):
     leaves = [None] * len(flat)
     for i, t in zip(present, tensors):
       leaves[i] = t
     rec = tf.nest.pack_sequence_as(records, leaves)
+    first = tf.compat.v1.get_default_graph().version
     with tf.GradientTape() as tape:
       loss, aux = record_loss_fn(rec)
+    # runtime.loops_over_lists, spelled here: the step's walk stays in this file
+    created = tf.compat.v1.get_default_graph().get_operations()[first:] if check_loops else ()
+    loops = [op.name for op in created if op.type in ("While", "StatelessWhile") and
+             any(t.dtype == tf.variant for t in op.inputs)]
+    if loops:
+      list_loops.extend(loops)
+      raise runtime.ListLoop(f"while loops over a TensorList: {list(loops)}")
     grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = [tf.convert_to_tensor(g) for g in grads]
     return grads, loss, aux
@@ -265,10 +277,13 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
     sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
     return tf.map_fn(one, elems, fn_output_signature=sig)
   try:
-    return tf.vectorized_map(one, elems, fallback_to_while_loop=True)
-  except (TypeError, ValueError, NotImplementedError, tf.errors.OpError) as e:
+    return tf.vectorized_map(lambda t: one(t, check_loops=True), elems,
+                             fallback_to_while_loop=True)
+  except (runtime.ListLoop, TypeError, ValueError, NotImplementedError,
+          tf.errors.OpError) as e:
     # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
     # pfor. Same per-record gradients, computed by a sequential loop over records.
+    runtime.refuse_list_loops_under_xla(list_loops)
     _warn_fallback(e)
   probe = one([t[0] for t in elems])
   sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
