@@ -165,7 +165,7 @@ def to_btk(x):
   x = tf.convert_to_tensor(x)
   k = static_dim(x, -1)
   if x.shape.rank == 2:
-    return x[:, None, :]
+    return tf.expand_dims(x, const(1))
   if x.shape.rank == 3:
     return x
   t = static_positions(x.shape[1:-1])

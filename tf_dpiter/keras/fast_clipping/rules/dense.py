@@ -163,8 +163,9 @@ def _dense_sums(layer, x, dz, factors, on=None):
     else:
       out[id(layer.kernel)] = _shaped(product, layer.kernel)
   if on[1] and not fold:
-    per_example = tf.reduce_sum(tf.reshape(tf.cast(dz, tf.float32), [tf.shape(dz)[0], -1, n]),
-                                axis=1)
+    dz = tf.cast(dz, tf.float32)
+    per_example = dz if dz.shape.rank == 2 else tf.reduce_sum(   # [B, N] already: no op
+        tf.reshape(dz, [tf.shape(dz)[0], -1, n]), axis=1)
     out[id(layer.bias)] = algebra.factor_product(factors,
                                                  algebra.drop_rows(per_example, factors))
   return [out[id(v)] for v in layer.trainable_variables]

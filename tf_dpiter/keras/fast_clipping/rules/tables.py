@@ -40,9 +40,11 @@ def same_id_sqr_norm(ids, d):
 
   def body(ic, dc):
     dc = algebra.regroup_btk(dc)
-    ic = algebra.regroup_btk(ic[:, :, None])[:, :, 0]
-    same = tf.cast(tf.equal(ic[:, :, None], ic[:, None, :]), tf.float32)
-    return (tf.reduce_sum(same * tf.einsum("btk,bsk->bts", dc, dc), axis=[1, 2]),)
+    if not (isinstance(k, int) and k == 1):
+      ic = algebra.regroup_btk(ic[:, :, None])[:, :, 0]
+    same = tf.cast(tf.equal(tf.expand_dims(ic, algebra.const(2)),
+                            tf.expand_dims(ic, algebra.const(1))), tf.float32)
+    return (tf.einsum("bts,bts->b", same, tf.einsum("btk,bsk->bts", dc, dc)),)
 
   rec = m // k if m is not None else None
   return budget.over_chunks(body, (ids, d), m, [tf.TensorSpec([rec], tf.float32)])[0]
@@ -60,5 +62,7 @@ def flat_ids(ids):
   if ids.dtype not in (tf.int32, tf.int64):
     ids = tf.cast(ids, tf.int32)
   if ids.shape.rank == 1:
-    return ids[:, None]
+    return tf.expand_dims(ids, algebra.const(1))
+  if ids.shape.rank == 2:   # [B, T] already: no op
+    return ids
   return tf.reshape(ids, [tf.shape(ids)[0], algebra.static_positions(ids.shape[1:])])
