@@ -1,0 +1,197 @@
+"""Adversarial checks of the clipped sum's shared ops (algebra.const / reshape /
+once_per_graph) and of EinsumDense taken as a Dense (rules/dense.py `_as_dense`).
+
+Every EinsumDense equation Keras and KerasHub use (and some that must fall back to the einsum
+rule: a position index in the kernel, the input's or the kernel's indices in another order),
+with the bias on every axis set, absent or frozen, and a frozen kernel, in every form (the
+Gram and direct norms, kept per-record gradients, book-keeping over chunks of the batch under
+a tiny memory budget), eagerly traced and under XLA: the per-example norms and the clipped sum
+equal those of an independent loop of per-example tape gradients. Layers that read different
+tensors of one shape never share a Gram matrix (the memo is keyed by the tensor, not its
+shape); layers that read one tensor share it exactly; two models and retraces (new graphs)
+reuse nothing of an earlier trace."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
+from tf_dpiter.keras.fast_clipping.rules import dense
+
+_T, _K, _H, _D, _N = 5, 4, 2, 3, 6
+_CLIP = 0.3   # where a test does not take the median norm
+_LOSS = keras.losses.MeanSquaredError(reduction=None)
+
+# (equation, output_shape, bias_axes, input_shape, taken as a Dense)
+_CASES = [
+    ("ab,bc->ac", (_N,), "c", (_K,), False),
+    ("ab,bc->ac", (_N,), None, (_K,), False),
+    ("abc,cd->abd", (_T, _N), "d", (_T, _K), True),
+    ("abc,cd->abd", (_T, _N), None, (_T, _K), True),
+    ("abc,cde->abde", (_T, _H, _D), "de", (_T, _K), True),
+    ("abc,cde->abde", (_T, _H, _D), "d", (_T, _K), False),   # bias [H, 1]: broadcast along e
+    ("abc,cde->abde", (_T, _H, _D), "e", (_T, _K), False),   # bias [D]: broadcast along d
+    ("abc,cde->abde", (_T, _H, _D), None, (_T, _K), True),
+    ("abcd,cde->abe", (_T, _N), "e", (_T, _H, _D), True),
+    ("abcd,cde->abe", (_T, _N), None, (_T, _H, _D), True),
+    ("abcd,de->abce", (_T, _H, _N), "e", (_T, _H, _D), True),   # two position axes
+    ("abc,bcd->abd", (_T, _N), "d", (_T, _K), False),   # a position index in the kernel
+    ("acb,cd->abd", (_T, _N), "d", (_K, _T), False),    # contracted before the positions
+    ("abcd,ced->abe", (_T, _N), "e", (_T, _H, _D), False),   # kernel [c, e, d]
+    ("abc,dc->abd", (_T, _N), "d", (_T, _K), False),    # kernel [out, contracted]
+]
+
+
+def _model(equation, out_shape, bias_axes, in_shape, freeze=None):
+  keras.utils.set_random_seed(7)
+  x = keras.Input(in_shape)
+  layer = keras.layers.EinsumDense(equation, output_shape=out_shape, bias_axes=bias_axes,
+                                   activation="tanh")
+  h = keras.layers.Flatten()(layer(x))
+  model = keras.Model(x, keras.layers.Dense(2)(h))
+  if freeze == "kernel":
+    layer.kernel.trainable = False
+  elif freeze == "bias":
+    layer.bias.trainable = False
+  return model, layer
+
+
+def _data(in_shape, b=11, seed=0):
+  rng = np.random.RandomState(seed)
+  x = (rng.normal(size=(b,) + in_shape) * rng.choice([0.2, 1.0, 5.0], (b,) + (1,) * len(in_shape))
+       ).astype("float32")
+  return x, rng.normal(size=(b, 2)).astype("float32")
+
+
+def _reference(model, x, y, clip=_CLIP):
+  """(sum_i min(1, C / ||g_i||) g_i, [||g_i||]) of per-example tape gradients."""
+  total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+  norms = []
+  for i in range(x.shape[0]) if not isinstance(x, (list, tuple)) else range(x[0].shape[0]):
+    xi = [a[i:i + 1] for a in x] if isinstance(x, (list, tuple)) else x[i:i + 1]
+    with tf.GradientTape() as tape:
+      loss = _LOSS(y[i:i + 1], model(xi))[0]
+    g = [t.numpy().astype(np.float64) for t in tape.gradient(loss, model.trainable_variables)]
+    norm = np.sqrt(sum(np.sum(t ** 2) for t in g))
+    norms.append(norm)
+    total = [a + t * min(1.0, clip / norm) for a, t in zip(total, g)]
+  return total, np.array(norms)
+
+
+def _check(model, x, y, jit=False):
+  """The clip norm C the median per-example norm: some examples clipped, some not."""
+  clip = float(np.median(_reference(model, x, y)[1]))
+  got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(model, x, y, _LOSS, clip),
+                           jit_compile=jit)()
+  want, want_norms = _reference(model, x, y, clip)
+  np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4)
+  assert np.min(want_norms) < clip < np.max(want_norms)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
+
+
+def _force(monkeypatch, form):
+  if form == "chunks":   # no per-record gradients kept; book-keeping over chunks of 8
+    monkeypatch.setattr(budget, "KEEP_BYTES", 0)
+    monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
+    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
+  else:
+    monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+
+
+@pytest.mark.parametrize("equation, out_shape, bias_axes, in_shape, as_dense", _CASES)
+def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_axes, in_shape,
+                                                   as_dense, monkeypatch):
+  model, layer = _model(equation, out_shape, bias_axes, in_shape)
+  x, y = _data(in_shape)
+  entry = dense.kernel_rule_entry(layer, lora=False, einsum=True)
+  view = entry and dense._as_dense(layer, entry[1], tf.constant(x),  # pylint: disable=protected-access
+                                   layer(tf.constant(x)))
+  assert (view is not None) == as_dense, equation
+  for form in (None, "gram", "direct", "chunks"):
+    with monkeypatch.context() as m:
+      _force(m, form)
+      chunked = []
+      over = budget.sum_over_chunks
+      m.setattr(budget, "sum_over_chunks",
+                lambda fn, tensors, size, shapes: chunked.append(size) or over(
+                    fn, tensors, size, shapes))
+      _check(model, x, y)
+      if form == "chunks":   # book-keeping over chunks of 8 of the batch of 11 really ran
+        assert 8 in chunked, chunked
+
+
+@pytest.mark.parametrize("freeze", ["kernel", "bias"])
+@pytest.mark.parametrize("equation, out_shape, bias_axes, in_shape",
+                         [c[:4] for c in _CASES if c[0] in ("abc,cde->abde", "abcd,cde->abe")
+                          and c[2] is not None])
+def test_frozen_kernel_or_bias(equation, out_shape, bias_axes, in_shape, freeze, monkeypatch):
+  model, _ = _model(equation, out_shape, bias_axes, in_shape, freeze=freeze)
+  x, y = _data(in_shape)
+  for form in ("gram", "chunks"):
+    with monkeypatch.context() as m:
+      _force(m, form)
+      _check(model, x, y)
+
+
+@pytest.mark.parametrize("form", ["gram", None])
+def test_under_xla(form, monkeypatch):
+  _force(monkeypatch, form)
+  for equation, out_shape, bias_axes, in_shape, _ in (_CASES[4], _CASES[8], _CASES[10]):
+    model, _ = _model(equation, out_shape, bias_axes, in_shape)
+    x, y = _data(in_shape, b=8)
+    _check(model, x, y, jit=True)
+
+
+def _two_inputs_model():
+  """Two inputs of one shape: projections of x1 (three, sharing its Gram exactly), one of x2
+  (the same shape, another tensor: its own Gram), a Dense on x2 and one on a tensor derived
+  from x1 of x1's shape (x1 * 2: another tensor again)."""
+  keras.utils.set_random_seed(11)
+  x1, x2 = keras.Input((_T, _K)), keras.Input((_T, _K))
+  proj = lambda: keras.layers.EinsumDense("abc,cde->abde", output_shape=(_T, _H, _D),  # noqa: E731
+                                          bias_axes="de")
+  q, k, v = proj()(x1), proj()(x1), proj()(x1)
+  w = proj()(x2)
+  d2 = keras.layers.Dense(_H * _D)(x2)
+  d1 = keras.layers.Dense(_H * _D)(keras.layers.Rescaling(2.0)(x1))
+  mixed = keras.layers.Reshape((_T, _H * _D))(q * k + v * w)
+  h = keras.layers.Flatten()(mixed + d1 * d2)
+  return keras.Model([x1, x2], keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_same_shape_different_inputs_never_share(jit, monkeypatch):
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
+  model = _two_inputs_model()
+  rng = np.random.RandomState(3)
+  x1 = rng.normal(size=(8, _T, _K)).astype("float32")
+  x2 = (3.0 * rng.normal(size=(8, _T, _K))).astype("float32")
+  y = rng.normal(size=(8, 2)).astype("float32")
+  _check(model, [x1, x2], y, jit=jit)
+
+
+def test_two_models_and_retraces_reuse_nothing(monkeypatch):
+  """Two models of one architecture (other weights) traced in turn by one Python function,
+  then retraced at another batch size, many times (so a dead graph's id may come back): each
+  sum is its own model's."""
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
+  models = []
+  for seed in (1, 2):
+    model, _ = _model(*_CASES[4][:4])
+    for v in model.trainable_variables:
+      v.assign(tf.random.stateless_normal(v.shape, [seed, 0]) * 0.5)
+    models.append(model)
+  fn = tf.function(lambda m, x, y: fast_clipping.clipped_grad_sum(m, x, y, _LOSS, _CLIP),
+                   reduce_retracing=False)
+  for b in (8, 9, 8, 10):
+    x, y = _data(_CASES[4][3], b=b, seed=b)
+    for model in models:
+      got, _ = fn(model, x, y)
+      want, _ = _reference(model, x, y)
+      for g, r in zip(got, want):
+        np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
