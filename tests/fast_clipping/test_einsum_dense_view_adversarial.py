@@ -195,3 +195,32 @@ def test_two_models_and_retraces_reuse_nothing(monkeypatch):
       want, _ = _reference(model, x, y)
       for g, r in zip(got, want):
         np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
+
+
+@pytest.mark.parametrize("form", ["gram", "direct", "chunks"])
+def test_records_of_two_examples(form, monkeypatch):
+  """Microbatches (records of k = 2 consecutive examples, the positions of a record merged):
+  the shared Gram of a record's input and the Dense view's norms and sum are the record's."""
+  _force(monkeypatch, form)
+  model = _two_inputs_model()
+  rng = np.random.RandomState(5)
+  b, k = 12, 2
+  x = [rng.normal(size=(b, _T, _K)).astype("float32") for _ in range(2)]
+  y = rng.normal(size=(b, 2)).astype("float32")
+  # reference: a record's gradient is that of the mean loss of its examples
+  grads = []
+  for j in range(b // k):
+    rows = slice(j * k, j * k + k)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_LOSS(y[rows], model([a[rows] for a in x])))
+    grads.append([t.numpy().astype(np.float64)
+                  for t in tape.gradient(loss, model.trainable_variables)])
+  norms = np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
+  clip = float(np.median(norms))
+  want = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
+          for v in range(len(grads[0]))]
+  got, got_norms = tf.function(lambda: fast_clipping.clipped_grad_sum(
+      model, x, y, _LOSS, clip, examples_per_record=k))()
+  np.testing.assert_allclose(got_norms.numpy(), norms, rtol=2e-4)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)

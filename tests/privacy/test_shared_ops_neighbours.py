@@ -82,3 +82,41 @@ def test_fit_under_xla_shared_ops_move_the_sum_by_at_most_c(form, monkeypatch):
   assert max(changes) > 0.5 * CLIP
   run = model.ledger.to_dict()["runs"][-1]
   assert max(q["sensitivity"] for q in run["queries"]) == pytest.approx(CLIP)
+
+
+@pytest.mark.slow   # ~13 s on the loaded 2-core machine (two XLA programs)
+def test_steps_per_execution_two_equals_one_step_at_a_time(monkeypatch):
+  """steps_per_execution=2 traces the step inside Keras's loop over steps (the shared ops
+  built in that loop body's graph, and again in the padded tail's): four padded Poisson
+  batches give the weights of four single-step executions, which match the independent
+  per-example loop step by step."""
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
+  rng = np.random.RandomState(2)
+  batches = []
+  for real in (13, 9, 20, 11):
+    x = (rng.randn(real, T, K) * rng.choice([0.3, 1.0, 4.0], (real, 1, 1))).astype("float32")
+    y = rng.randint(0, 3, real).astype("int64")
+    batches.append(neighbours.padded(x, y, ROWS - real))
+  spec = (tf.TensorSpec((None, T, K), tf.float32), tf.TensorSpec([None], tf.int64),
+          tf.TensorSpec([None], tf.float32))
+
+  def trained(steps_per_execution):
+    model = _model()
+    model.compile(optimizer=model.optimizer, loss=LOSS, jit_compile=True,
+                  steps_per_execution=steps_per_execution)
+    ds = python_source.python_dataset(lambda: iter(batches), spec)
+    model.fit(ds, steps_per_epoch=4, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    return model
+
+  two = trained(2)
+  one = _model()
+  for xp, yp, mask in batches:   # the independent loop, one step at a time
+    real = int(mask.sum())
+    ref = helpers.reference_gradient(one, LOSS, tf.constant(xp[:real]), tf.constant(yp[:real]),
+                                     clip=CLIP)
+    for v, r in zip(one.trainable_variables, ref):
+      v.assign_sub(r * real / E)
+  for a, b in zip(two.trainable_variables, one.trainable_variables):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=5e-4, atol=5e-5)
+  assert int(two.optimizer.ledger.sample_count.numpy()) == 4
