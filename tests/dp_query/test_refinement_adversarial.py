@@ -121,3 +121,29 @@ def test_strategy_generator_never_takes_the_shared_function():
   values = strategy.run(probe)
   assert seen["shared"] is None
   assert values.shape == (200,) and np.all(np.isfinite(values.numpy()))
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize("shape", [[7], [2, 5], [1], [3, 4]])
+def test_uint32_words_are_the_generators_int64_draw_split(mode, shape):
+  """`_uint32_words` (its word count formed in Python for a static shape, by ops for a
+  dynamic one): the first count 32-bit halves of ceil(count / 2) int64 draws of a twin
+  generator, in order, and the same generator state."""
+  count = int(np.prod(shape))
+  for dynamic in (False, True):
+    mine = tf.random.Generator.from_seed(99, alg="philox")
+    twin = tf.random.Generator.from_seed(99, alg="philox")
+
+    def words():
+      dims = [tf.constant(d) for d in shape] if dynamic else shape
+      return randomness._uint32_words(mine, dims)  # pylint: disable=protected-access
+
+    def want():
+      bits = twin.uniform_full_int([(count + 1) // 2], dtype=tf.int64)
+      return tf.reshape(tf.reshape(tf.bitcast(bits, tf.uint32), [-1])[:count], shape)
+
+    for _ in range(2):
+      got = _run(mode, words)
+      np.testing.assert_array_equal(got.numpy(), _run(mode, want).numpy())
+      assert got.dtype == tf.uint32 and list(got.shape) == shape
+      np.testing.assert_array_equal(mine.state.numpy(), twin.state.numpy())
