@@ -29,7 +29,7 @@ CLIP, N, E, REAL, ROWS, T, K, H, D = 0.4, 1000, 8, 13, 32, 4, 6, 2, 3
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def _model():
+def _model(jit=True):
   keras.utils.set_random_seed(4)
   x = keras.Input((T, K))
   proj = lambda: keras.layers.EinsumDense("abc,cde->abde", output_shape=(T, H, D),  # noqa: E731
@@ -42,20 +42,22 @@ def _model():
   model = dp.keras.DPModel(x, keras.layers.Dense(3)(h))
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0,
                                                        clipping="fast"),
-                loss=LOSS, jit_compile=True)
+                loss=LOSS, jit_compile=jit)
   model.optimizer.set_sampling(N, E / N, "poisson", E)
   return model
 
 
-@pytest.mark.parametrize("form", ["gram", None])
-def test_fit_under_xla_shared_ops_move_the_sum_by_at_most_c(form, monkeypatch):
+@pytest.mark.parametrize("form, jit", [("gram", True), (None, True), (None, False)])
+def test_fit_shared_ops_move_the_sum_by_at_most_c(form, jit, monkeypatch):
+  """jit=False: the batch size unknown to the trace, the kept-or-book-keeping choice a
+  run-time tf.cond (the shared ops built in each branch's graph)."""
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   views, shared = [], []
   as_dense, once = dense_rule._as_dense, algebra.once_per_graph  # pylint: disable=protected-access
   monkeypatch.setattr(dense_rule, "_as_dense", lambda *a: views.append(1) or as_dense(*a))
   monkeypatch.setattr(algebra, "once_per_graph",
                       lambda kind, t, make: shared.append(kind) or once(kind, t, make))
-  model = _model()
+  model = _model(jit)
   rng = np.random.RandomState(0)
   x = (rng.randn(REAL, T, K) * rng.choice([0.3, 1.0, 4.0], (REAL, 1, 1))).astype("float32")
   y = rng.randint(0, 3, REAL).astype("int64")
