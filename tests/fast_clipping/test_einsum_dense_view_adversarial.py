@@ -224,3 +224,17 @@ def test_records_of_two_examples(form, monkeypatch):
   np.testing.assert_allclose(got_norms.numpy(), norms, rtol=2e-4)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
+
+
+@pytest.mark.parametrize("axis", [-1, 1, [1, 2], [2, 3], [1, 3]])
+def test_layer_norm_on_any_axes(axis):
+  """LayerNorm's recorded forward broadcasts gamma and beta as they are on trailing normalized
+  axes and reshapes them otherwise: per-example norms and clipped sum of the loop's."""
+  keras.utils.set_random_seed(8)
+  x = keras.Input((_T, _K, 3))
+  h = keras.layers.LayerNormalization(axis=axis)(x)
+  model = keras.Model(x, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+  for v in model.layers[1].trainable_variables:   # gamma and beta away from 1 and 0
+    v.assign(tf.random.stateless_normal(v.shape, [3, 1]))
+  xs, y = _data((_T, _K, 3))
+  _check(model, xs, y)
