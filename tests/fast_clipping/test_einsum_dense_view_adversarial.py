@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
@@ -84,7 +85,8 @@ def _reference(model, x, y, clip=_CLIP):
 def _check(model, x, y, jit=False):
   """The clip norm C the median per-example norm: some examples clipped, some not."""
   clip = float(np.median(_reference(model, x, y)[1]))
-  got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(model, x, y, _LOSS, clip),
+  xt, yt = tf.nest.map_structure(tf.constant, x), tf.constant(y)   # tensors, as a step has
+  got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(model, xt, yt, _LOSS, clip),
                            jit_compile=jit)()
   want, want_norms = _reference(model, x, y, clip)
   np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4)
@@ -238,3 +240,21 @@ def test_layer_norm_on_any_axes(axis):
     v.assign(tf.random.stateless_normal(v.shape, [3, 1]))
   xs, y = _data((_T, _K, 3))
   _check(model, xs, y)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_physical_chunks_of_a_shared_input_model(jit, monkeypatch):
+  """The clipped sum over physical chunks of 8 examples (budget.KEPT_BYTES = 1: the forward,
+  norms and sum of each chunk in a loop body, with the block of shared ops opened once
+  outside it): the same norms and sum as the loop, for a batch of 19 (a ragged last chunk)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 1)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
+  calls, chunked = [], clipping._chunked_grad_sum  # pylint: disable=protected-access
+  monkeypatch.setattr(clipping, "_chunked_grad_sum",
+                      lambda *a, **kw: calls.append(a[-2]) or chunked(*a, **kw))
+  model = _two_inputs_model()
+  rng = np.random.RandomState(8)
+  x = [rng.normal(size=(19, _T, _K)).astype("float32") for _ in range(2)]
+  y = rng.normal(size=(19, 2)).astype("float32")
+  _check(model, x, y, jit=jit)
+  assert calls == [8], calls
