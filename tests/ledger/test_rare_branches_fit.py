@@ -16,11 +16,11 @@ from tf_dpiter.ledger import privacy_ledger
 _N, _B, _STEPS = 48, 8, 6   # 6 steps: 2 executions of 3
 
 
-def _model():
+def _model(jit=True):
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((4,)), keras.layers.Dense(2)])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1)
-  model.compile(opt, keras.losses.MeanSquaredError(), jit_compile=True, steps_per_execution=3)
+  model.compile(opt, keras.losses.MeanSquaredError(), jit_compile=jit, steps_per_execution=3)
   return model, opt
 
 
@@ -36,12 +36,13 @@ def _rows(opt):
   return samples, queries
 
 
-def test_growth_and_repair_under_xla_and_steps_per_execution(monkeypatch, tmp_path):
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_growth_and_repair_under_xla_and_steps_per_execution(jit, monkeypatch, tmp_path):
   # every ledger starts with room for 2 rows (the default is 1024)
   monkeypatch.setattr(privacy_ledger.PrivacyLedger.__init__, "__defaults__",
                       (2, "privacy_ledger"))
-  model, opt = _model()
-  other, other_opt = _model()
+  model, opt = _model(jit)
+  other, other_opt = _model(jit)
   assert int(tf.shape(opt.ledger._v.samples)[0]) == 2   # pylint: disable=protected-access
   _fit(model)
   ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
