@@ -32,6 +32,7 @@ _CASES = [
     ("ab,bc->ac", (_N,), None, (_K,), False),
     ("abc,cd->abd", (_T, _N), "d", (_T, _K), True),
     ("abc,cd->abd", (_T, _N), None, (_T, _K), True),
+    ("abc,cd->abd", (_T, _N), "bd", (_T, _K), False),   # a bias per position
     ("abc,cde->abde", (_T, _H, _D), "de", (_T, _K), True),
     ("abc,cde->abde", (_T, _H, _D), "d", (_T, _K), False),   # bias [H, 1]: broadcast along e
     ("abc,cde->abde", (_T, _H, _D), "e", (_T, _K), False),   # bias [D]: broadcast along d
