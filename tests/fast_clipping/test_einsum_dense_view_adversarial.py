@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
@@ -259,3 +260,34 @@ def test_physical_chunks_of_a_shared_input_model(jit, monkeypatch):
   y = rng.normal(size=(19, 2)).astype("float32")
   _check(model, x, y, jit=jit)
   assert calls == [8], calls
+
+
+def test_memo_never_hands_out_another_graphs_tensor():
+  """One shared_ops block open across many traces of short-lived functions (as the
+  physical-chunk probe traces inside a clipped sum's block), their graphs dropped as they go
+  (so a new graph may get a dead one's id), branch graphs of tf.cond and a loop body: every
+  tensor const / once_per_graph / reshape hands out is of the graph being traced, and its
+  value is the one asked for."""
+  wrong = []
+
+  def probe(x):
+    for t in (algebra.const([2, 3]), algebra.reshape(x, [2, 3]),
+              algebra.once_per_graph("sq", x, tf.square)):
+      if t.graph is not tf.compat.v1.get_default_graph():
+        wrong.append(t)
+    return algebra.reduce_sum(algebra.reshape(x, [2, 3]), [1]) + tf.reduce_sum(
+        algebra.once_per_graph("sq", x, tf.square))
+
+  with algebra.shared_ops():
+    for i in range(30):
+      x = tf.constant(np.arange(6.0, dtype=np.float32) + i)
+      want = np.arange(6.0).reshape(2, 3).sum(1) + i * 3 + np.sum((np.arange(6.0) + i) ** 2)
+      got = tf.function(probe)(x)   # a new function each time: its graph dropped after
+      np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+      branched = tf.function(lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: probe(x),
+                                                lambda: probe(-x)))(x)
+      np.testing.assert_allclose(branched.numpy(), want, rtol=1e-6)
+      looped = tf.function(lambda x: tf.while_loop(
+          lambda j, _: j < 2, lambda j, acc: (j + 1, probe(x)), [0, tf.zeros([2])])[1])(x)
+      np.testing.assert_allclose(looped.numpy(), want, rtol=1e-6)
+  assert not wrong
