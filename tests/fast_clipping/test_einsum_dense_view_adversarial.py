@@ -291,3 +291,32 @@ def test_memo_never_hands_out_another_graphs_tensor():
           lambda j, _: j < 2, lambda j, acc: (j + 1, probe(x)), [0, tf.zeros([2])])[1])(x)
       np.testing.assert_allclose(looped.numpy(), want, rtol=1e-6)
   assert not wrong
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_embedding_same_id_gram_with_repeated_ids(k):
+  """An Embedding whose examples repeat ids (the same-id Gram form, ids [B, T] taken as they
+  are), records of k examples: norms and clipped sum of the loop's."""
+  keras.utils.set_random_seed(12)
+  ids = keras.Input((_T,), dtype="int32")
+  h = keras.layers.Embedding(5, _K)(ids)
+  model = keras.Model(ids, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+  rng = np.random.RandomState(k)
+  x = rng.randint(0, 3, size=(8, _T)).astype("int32")   # 3 of 5 ids: many repeats
+  y = rng.normal(size=(8, 2)).astype("float32")
+  grads = []
+  for j in range(8 // k):
+    rows = slice(j * k, j * k + k)
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_LOSS(y[rows], model(x[rows])))
+    grads.append([tf.convert_to_tensor(t).numpy().astype(np.float64)
+                  for t in tape.gradient(loss, model.trainable_variables)])
+  norms = np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
+  clip = float(np.median(norms))
+  want = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
+          for v in range(len(grads[0]))]
+  got, got_norms = tf.function(lambda: fast_clipping.clipped_grad_sum(
+      model, tf.constant(x), tf.constant(y), _LOSS, clip, examples_per_record=k))()
+  np.testing.assert_allclose(got_norms.numpy(), norms, rtol=2e-4)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), r, rtol=3e-4, atol=3e-6)
