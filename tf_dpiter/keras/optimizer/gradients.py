@@ -272,19 +272,16 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
   elems = [flat[i] for i in present]
   if any(isinstance(t, tf.RaggedTensor) for t in elems):
     vectorize = False   # pfor cannot batch ragged rows (RaggedTensorFromVariant): a loop
-  if not vectorize:
-    probe = one([t[0] for t in elems])
-    sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
-    return tf.map_fn(one, elems, fn_output_signature=sig)
-  try:
-    return tf.vectorized_map(lambda t: one(t, check_loops=True), elems,
-                             fallback_to_while_loop=True)
-  except (runtime.ListLoop, TypeError, ValueError, NotImplementedError,
-          tf.errors.OpError) as e:
-    # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
-    # pfor. Same per-record gradients, computed by a sequential loop over records.
-    runtime.refuse_list_loops_under_xla(list_loops)
-    _warn_fallback(e)
+  if vectorize:
+    try:
+      return tf.vectorized_map(lambda t: one(t, check_loops=True), elems,
+                               fallback_to_while_loop=True)
+    except (runtime.ListLoop, TypeError, ValueError, NotImplementedError,
+            tf.errors.OpError) as e:
+      # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
+      # pfor. Same per-record gradients, computed by a sequential loop over records.
+      runtime.refuse_list_loops_under_xla(list_loops)
+      _warn_fallback(e)
   probe = one([t[0] for t in elems])
   sig = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), probe)
   return tf.map_fn(one, elems, fn_output_signature=sig)
