@@ -30,10 +30,8 @@ own last accepted update as the pre-image and walk arbitrarily far in N steps. A
 test (when the rule knows the instances' stationary spread, Theorem 1) refuses an update
 whose mean squared distance to the average of the k instances exceeds `centre_factor`
 times that of an honest update (spread^2 + noise variance + a^2). This bound is
-empirical (instances under training are not iid). An accepted update moves each weight at
-most a + q s from an instance, moves the weights by at most a + U s / p on average beyond the
-step, and carries at least the noise floor, so copies (variance collapse) and out-of-range
-values are refused. With no noise (epsilon None) only |d_j| <= a is checked.
+empirical (instances under training are not iid). With no noise (epsilon None) only
+|d_j| <= a is checked.
 
 With draw tickets (tickets.py, the service's default) the server knows the served
 instance h, so `check_step` runs the three tests against h alone: no candidate search, no
@@ -152,9 +150,7 @@ class AcceptanceRule:
     noise_cap: per-weight cap m of the noise-floor statistic (in units of the scale).
     prefilter_columns: leading columns on which every candidate's L1 distance is computed.
     max_full_checks: this many nearest candidates (on those columns) get the full tests
-      first; when none passes, every candidate is tested (vectorized), so the search is
-      exhaustive and the bound exact. A refused update costs that full search (bounded
-      by the submit quota).
+      first; when none passes, every candidate is tested, so the bound is exact.
     spread_std: the instances' stationary spread (Theorem 1), which enables the fourth test
       (distance to the instances' average); None: that test is off.
     centre_factor: the fourth test refuses an update whose mean squared distance to the
@@ -286,10 +282,8 @@ class AcceptanceRule:
     Args:
       update: [p] float64 weights.
       candidates: [n, p] instances it may have been drawn from (current + recent).
-      centre: [p] mean of the k current instances; with spread_std set, an update whose
-        mean squared distance to it exceeds centre_factor times an honest update's
-        expectation is refused ("far_from_centre"): this stops an attacker from chaining
-        its own accepted updates (empirical bound, see module docstring).
+      centre: [p] mean of the k current instances, for the fourth test (with spread_std
+        set; "far_from_centre").
       n_slots: the first n_slots candidates are the current instances; they are searched
         before the history (None: one block).
 

@@ -84,10 +84,7 @@ class Anchor:
     self._writer: asyncio.Future | None = None
 
   def load(self) -> dict | None:
-    """The anchor record, or None when the file does not exist.
-
-    Reads both records of the file (see save) and returns the newest intact one; a file
-    written by an older version (one JSON object) is read too.
+    """The newest intact record of the file (see save; or one JSON object), None without file.
 
     Returns:
       {"generation", "seq"[, "epochs", "last_epoch"]} or None.
@@ -188,9 +185,8 @@ class Anchor:
 
     The file holds two records of _REC bytes, each `BLAKE2b-64 hex | JSON` with a counter
     n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
-    other intact (load takes the newest record whose checksum holds). The file itself is
-    created, or converted from an older version's format, by writing a temporary file,
-    fsyncing it, renaming it and fsyncing the directory.
+    other intact. The file itself is created (or converted from one JSON object) by writing
+    a temporary file, fsyncing it, renaming it and fsyncing the directory.
 
     Args:
       generation: the store's generation.

@@ -55,9 +55,7 @@ _early_hangups = {"pending": False, "caught": False}
 def catch_early_hangups() -> None:
   """Makes SIGHUP set a flag instead of terminating the process (until the loop takes over).
 
-  Call it as the first instruction of a server's entry point: SIGHUP's default action kills
-  the process, and the event loop installs its own handler only once it runs. Does nothing
-  off the main thread or where SIGHUP does not exist.
+  Does nothing off the main thread or where SIGHUP does not exist.
   """
   if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
     return
@@ -99,9 +97,6 @@ def read_token_file(path: str, settle_s: float = SETTLE_S, clock=time.time,
 
   Returns:
     The token strings.
-
-  A regular file must not change while it is read (size, mtime, inode); other files
-  (a pipe at start-up) are read as they come.
 
   Raises:
     TokenFileUnsettled: the file was modified less than settle_s seconds ago.
@@ -331,15 +326,11 @@ class Quotas:
     now = self._clock()
     level, last = self._buckets.pop(key, (self.burst[op], now))
     level = min(self.burst[op], level + (now - last) * rate)
-    if level >= 1.0:
-      self._buckets[key] = (level - 1.0, now)
-      wait = 0.0
-    else:
-      self._buckets[key] = (level, now)
-      wait = (1.0 - level) / rate
+    allowed = level >= 1.0
+    self._buckets[key] = (level - 1.0 if allowed else level, now)
     while len(self._buckets) > self._max:
       self._buckets.popitem(last=False)
-    return wait
+    return 0.0 if allowed else (1.0 - level) / rate
 
 
 def retry_after_header(wait_s: float) -> str:

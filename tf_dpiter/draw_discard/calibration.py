@@ -18,9 +18,7 @@ from tf_dpiter.validation import check_positive
 DELTA_RANGE = validation.Interval(float, 0, 0.5, closed="neither")   # the Gaussian's delta
 
 
-# ---------------------------------------------------------------------------
 # Noise calibration (Algorithm 1, Section IV-B)
-# ---------------------------------------------------------------------------
 
 def sensitivity(gamma: float, clip: float = 1.0) -> float:
   """Per-weight sensitivity of the update B - gamma*clip(G): 2*gamma*c (Section III-E).

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import ssl
 import sys
 
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import privacy
+from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterValueError
 
@@ -63,14 +65,8 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
   return glm.ModelSpec(**args)
 
 
-def _cli_errors() -> tuple:
-  import ssl  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.draw_discard import store as store_lib  # pylint: disable=g-import-not-at-top
-  return (DPiterError, ValueError, OSError, ssl.SSLError, TimeoutError, KeyError,
-          store_lib.StoreMismatch, store_lib.StoreLost, store_lib.StoreUnavailable)
-
-
-_CLI_ERRORS = _cli_errors()
+_CLI_ERRORS = (DPiterError, ValueError, OSError, ssl.SSLError, TimeoutError, KeyError,
+               store_lib.StoreMismatch, store_lib.StoreLost, store_lib.StoreUnavailable)
 
 
 def _parse_eps(s: str) -> float | None:

@@ -67,9 +67,7 @@ def make_noise(rng: np.random.Generator, noise: str, gamma: float, epsilon: floa
 def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
                      clip: float = 1.0, outputs: int = 1,
                      mask: np.ndarray | None = None) -> np.ndarray:
-  """||G||_[-c, c] for M clients. weights [M, p*C], x [M, N_c, p], y [M, N_c] -> [M, p*C].
-
-  Eq. (3)'s average gradient of each client, clipped to [-c, c] per coordinate (Algorithm 1).
+  """||G||_[-c, c] for M clients: Eq. (3)'s average gradient clipped per coordinate (Algorithm 1).
 
   Args:
     family: the GLM family.
@@ -103,16 +101,13 @@ def client_update(weights: np.ndarray, x: np.ndarray, y: np.ndarray, *, family: 
                   mask: np.ndarray | None = None) -> np.ndarray:
   """Algorithm 1 for M clients at once: B' = B - gamma*||G||_[-c,c] + noise.
 
-  weights [M, p*C] (the drawn instances), x [M, N_c, p] in [0, 1], y [M, N_c].
-  epsilon None or noise 'none' -> no noise (the paper's non-private runs).
-
   Args:
     weights: [M, p*C] drawn instances, or [p*C] for one client.
     x: [M, N_c, p] features in [0, 1] ([N_c, p] for one client).
     y: [M, N_c] responses.
     family: the GLM family.
     gamma: the learning rate (> 0).
-    epsilon: per-update epsilon (nats), or None.
+    epsilon: per-update epsilon (nats), or None (no noise: the paper's non-private runs).
     clip: c.
     outputs: C.
     noise: "laplace", "gaussian" or "none".
@@ -164,9 +159,7 @@ def spec_update(spec: glm.ModelSpec, weights: np.ndarray, records, y,
                        outputs=spec.outputs, noise=spec.noise, delta=spec.delta, rng=rng)
 
 
-# ---------------------------------------------------------------------------
 # TensorFlow client (one client, inside tf.function)
-# ---------------------------------------------------------------------------
 
 def _tf_mean(family: str, eta):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top

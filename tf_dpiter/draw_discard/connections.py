@@ -14,19 +14,16 @@ Limits (Limits):
     when a request is authenticated; a connection belongs to the first token it carries);
   * in all: `max_connections`. When the table is full, a new connection from a prefix
     holding fewer connections than the heaviest prefix evicts one of that prefix's
-    connections (of its heaviest address: an idle one first, else its oldest). So no set of
-    addresses inside P prefixes can hold the table against a prefix with fewer connections
-    (max-min fairness over prefixes: each of P competing prefixes can reach
-    `max_connections / P`). Else an address holding fewer connections than the heaviest
-    address evicts one of that address's (fairness between neighbours). Otherwise, the connection idle longest among prefixes holding
-    more connections than the newcomer's is evicted if it has been idle (or in its TLS
+    connections (of its heaviest address: an idle one first, else its oldest): max-min
+    fairness over prefixes, each of P competing prefixes can reach `max_connections / P`.
+    Else an address holding fewer connections than the heaviest address evicts one of that
+    address's. Otherwise, the connection idle longest among prefixes holding more
+    connections than the newcomer's is evicted if it has been idle (or in its TLS
     handshake) for at least `min_idle_s`; only when there is none is the newcomer refused.
-  * idle: a connection with no request in progress and none started for `timeout_s()`
-    seconds is closed, and a TLS handshake has the same limit. The limit shrinks as the
-    table fills: `idle_timeout_s` up to half full, then linearly down to `min_idle_s` when
-    full (units: seconds). So holding one idle connection per address (or one endless
-    handshake) costs an attacker a reconnect every `min_idle_s` when the table is full, and
-    each of those connections is evictable by a newcomer once `min_idle_s` old.
+  * idle: a connection with no request in progress for `timeout_s()` seconds is closed, and
+    a TLS handshake has the same limit: `idle_timeout_s` up to half full, then linearly down
+    to `min_idle_s` when full (seconds). Holding idle connections then costs an attacker a
+    reconnect every `min_idle_s` when the table is full.
 
 Refused plain-HTTP connections get a JSON 503 before the close; TLS ones are closed (no
 HTTP can be spoken before the handshake).
@@ -88,9 +85,6 @@ class Limits:
 
   def timeout_s(self, open_count: int) -> float:
     """The idle and handshake timeout with `open_count` connections open (seconds).
-
-    idle_timeout_s while at most half the table is used, then linear down to
-    min(min_idle_s, idle_timeout_s) when it is full.
 
     Args:
       open_count: open connections.
@@ -271,18 +265,10 @@ class ConnectionGuard:
       if not conns:
         del self._by_addr[conn.addr]
         self._by_prefix.get(conn.prefix, {}).pop(conn.addr, None)
-    left = self._prefix_open.get(conn.prefix, 1) - 1
-    if left > 0:
-      self._prefix_open[conn.prefix] = left
-    else:
-      self._prefix_open.pop(conn.prefix, None)
+    if not _decrement(self._prefix_open, conn.prefix):
       self._by_prefix.pop(conn.prefix, None)
     if conn.identity is not None:
-      left = self._by_token.get(conn.identity, 1) - 1
-      if left > 0:
-        self._by_token[conn.identity] = left
-      else:
-        self._by_token.pop(conn.identity, None)
+      _decrement(self._by_token, conn.identity)
     self._by_inner.pop(conn.inner, None)
 
   def evict(self, conn: _Conn, reason: str) -> None:
@@ -333,9 +319,7 @@ class ConnectionGuard:
       False when the token already holds `max_per_token` connections (refuse the request).
     """
     conn = self._by_inner.get(proto)
-    if conn is None or conn.identity == identity:
-      return True
-    if conn.identity is not None:  # a second token on one connection: counted under the first
+    if conn is None or conn.identity is not None:  # a later token: counted under the first
       return True
     if self._by_token.get(identity, 0) >= self.limits.max_per_token:
       self._refused("too_many_for_token")
@@ -397,7 +381,7 @@ class ConnectionGuard:
         self._refused("accept_failed")
         await asyncio.sleep(0.05)
         continue
-      for i in range(64):  # the accepted socket is always started (was: every 65th dropped)
+      for i in range(64):  # the accepted socket is always started
         sock.setblocking(False)
         self._start(sock, peer[0])
         if i == 63:
@@ -440,3 +424,13 @@ class ConnectionGuard:
     for conns in list(self._by_addr.values()):
       for conn in list(conns):
         self.evict(conn, "shutdown")
+
+
+def _decrement(counts: dict, key) -> bool:
+  """Lowers counts[key] by one, dropping it at zero; whether it is still there."""
+  left = counts.get(key, 1) - 1
+  if left > 0:
+    counts[key] = left
+  else:
+    counts.pop(key, None)
+  return left > 0

@@ -1,10 +1,9 @@
 """Draw privacy at low traffic: a value is served only m updates away from every served one.
 
-The attack: a tracker keeps every instance it is served. With
-rebasing (service.DDMLService(rebase=True)) a victim's update is stored as h' + d, h' an
-instance in the store; once h' and later h' + d are both served to the tracker, the
-difference is the victim's noised step d exactly. Local DP (Lemma 1 of the paper: the
-noise of d) is then the victim's only protection.
+The attack: a tracker keeps every instance it is served. With rebasing
+(service.DDMLService(rebase=True)) a victim's update is stored as h' + d, h' an instance in
+the store; once h' and later h' + d are both served to the tracker, the difference is the
+victim's noised step d exactly, and local DP (the noise of d) its only protection.
 
 The rule (DrawGate): the stored values form a lineage forest (h' + d is a child of h').
 For each slot the gate keeps `dist`, the lineage distance from the slot's value to the
@@ -15,23 +14,19 @@ two distinct served values x, y differ by a path of at least m accepted updates 
 lineage: x - y is a signed sum of >= m local-DP steps (with their Algorithm-1 noise), never
 one victim's step alone.
 
-Cost (staleness): a stale draw returns an instance that lags its slot by < m updates of
-its lineage; clients train on it as usual (the step lands on a fresh instance anyway:
-rebasing). `draws_stale_total` counts them. m = 1 is Algorithm 2 unchanged.
+Cost (staleness): a stale draw lags its slot by < m updates of its lineage; clients train
+on it as usual (rebasing puts the step on a fresh instance). `draws_stale_total` counts
+them. m = 1 is Algorithm 2 unchanged. At low traffic most draws are stale: the statement
+above holds at every traffic level, only the staleness grows.
 
-Guarantee below the traffic that renews the values: with little traffic most draws are
-stale, and a value is served fresh only after m updates chained onto it, whatever the
-time; so the statement above holds at every traffic level, and only the staleness grows.
-What it does not give: a differencing attack still sees a sum of m local-DP steps (the
-local-DP guarantee of each step holds; the sum adds the others' noise but no formal
-amplification is claimed). Limits: the gate is per server process. A value written by
-another process (Redis) is placed in the lineage conservatively: j steps below the known
+Not given: a differencing attack still sees a sum of m local-DP steps (each step's local-DP
+guarantee holds; no formal amplification is claimed). The gate is per server process. A
+value written by another process (Redis) is placed conservatively j steps below the known
 value v it is closest to, j = ceil(max_j |x_j - v_j| / linf) (linf: one accepted step's
-per-weight bound; a step of j updates cannot be shorter), so its distance to this
-process's served values (its last SERVED_KEPT = 128 fresh ones) is never
-overestimated; but values the *other* process served are unknown here. Memory: about
-(5 k + 128) p float64 values (k slots' served copies, 4 k recent values, 128 served ones). Values present when the process starts count as never served. Without rebasing every
-stored value is one step from a served draw, so the gate is off (m = 1).
+per-weight bound), so its distance to this process's last SERVED_KEPT served values is never
+overestimated; values the *other* process served are unknown here. Values present at
+start-up count as never served. Memory: about (5 k + 128) p float64 values. Without
+rebasing every stored value is one step from a served draw, so the gate is off (m = 1).
 """
 
 from __future__ import annotations
@@ -51,10 +46,6 @@ SERVED_KEPT = 128  # served values a foreign value is compared with (most recent
 
 def same_value(a: np.ndarray, b: np.ndarray) -> bool:
   """np.array_equal(a, b), rejecting on the first coordinate before comparing all of them.
-
-  The gate looks a snapshot's value up among up to 5 k + 128 known ones (`parent`, `_node`),
-  most of which differ in their first coordinate. Same answer as np.array_equal: arrays
-  that differ in their first coordinate (NaN included) are never equal.
 
   Args:
     a: a [p] array.

@@ -71,10 +71,7 @@ class Feature:
 
   @property
   def column_names(self) -> list[str]:
-    """Names of the design-matrix columns of this feature.
-
-    Categorical: one indicator per level but the first (the reference); vector: name[i];
-    otherwise the name.
+    """Names of the design-matrix columns of this feature (categorical: name=level).
 
     Returns:
       A list of column names.
@@ -86,10 +83,7 @@ class Feature:
     return [self.name]
 
   def encode(self, values: Any) -> np.ndarray:
-    """Columns in [0, 1] for N raw values: shape [N, len(column_names)].
-
-    Numeric and vector features are min-max scaled and clipped to [0, 1]; booleans are 0/1;
-    categoricals are indicators of every level but the first.
+    """Columns in [0, 1] for N raw values (the coding of the class docstring).
 
     Args:
       values: N raw values ([N, size] for a vector feature).

@@ -35,9 +35,7 @@ def check_family(family: str) -> str:
   return family
 
 
-# ---------------------------------------------------------------------------
 # GLM mean, gradient and loss (vectorized over clients)
-# ---------------------------------------------------------------------------
 
 def weights_matrix(weights: np.ndarray, num_columns: int, outputs: int) -> np.ndarray:
   """[..., p*C] flat weights -> [..., p, C] (C = 1 for single-output families).
@@ -55,7 +53,7 @@ def weights_matrix(weights: np.ndarray, num_columns: int, outputs: int) -> np.nd
 
 
 def predict_mean(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """Y-hat = g^-1(X B) (Eq. 1). weights [..., p, C], x [..., N, p] -> [..., N, C].
+  """Y-hat = g^-1(X B) (Eq. 1).
 
   Args:
     family: the GLM family (canonical link).
@@ -102,16 +100,12 @@ def average_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
                      mask: np.ndarray | None = None) -> np.ndarray:
   """Eq. (3) for a GLM: G = 1/N_c sum_i (Y-hat_i - Y_i) X_i, per client.
 
-  weights [M, p, C], x [M, N, p], y [M, N] (labels for multinomial), mask [M, N] of 0/1
-  (clients with fewer than N records). Returns [M, p, C]. The canonical-link gradient of
-  the negative log-likelihood has this same form for all four families.
-
   Args:
     family: the GLM family.
     weights: [M, p, C].
     x: [M, N, p].
-    y: [M, N].
-    mask: [M, N] of 0/1, or None (all records present).
+    y: [M, N] (labels for multinomial).
+    mask: [M, N] of 0/1 (clients with fewer than N records), or None (all present).
 
   Returns:
     [M, p, C] float64.

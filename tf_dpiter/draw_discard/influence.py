@@ -16,8 +16,8 @@ budget keeps C_N per identity and accepts the N-th submit only if
   * per weight:  max_j |C_Nj| <= N a + x_N scale,
   * aggregate:   sum_j max(|C_Nj| - N a, 0) <= U_N scale          (<= sum_j |W_Nj| / scale),
 
-where x_N and U_N are Chernoff bounds at level alpha_N / 3 each (a third test below), alpha_N = alpha 6/(pi^2 N^2)
-(so sum_N alpha_N = alpha: the statement holds at every N simultaneously):
+where x_N and U_N are Chernoff bounds at level alpha_N / 3 each, alpha_N = alpha 6/(pi^2 N^2)
+(sum_N alpha_N = alpha: the statement holds at every N simultaneously):
 
   Laplace, per weight:  P(W_N > x b) <= exp(-l x) (1 - l^2)^(-N)       (union over 2p tails);
   Laplace, aggregate:   E exp(l |W_N|/b) <= 2 (1 - l^2)^(-N) - 1 + l sqrt(2N)
@@ -48,14 +48,10 @@ until it holds a favourable h (the draw quota bounds how often), which this budg
 see.
 
 Decay and rate (the poisoning bound): the envelope alone lets one identity add N a per
-weight in N submits, i.e. move the model without limit at its submit quota (a noiseless
-attacker stepping -a on every weight is exactly an honest client whose gradients all point
-one way). The budget therefore decays, caps the decayed count and, since decay forgets, also
-tests the undecayed sum: over its whole life one identity's push on any weight is at most
-N a + x_N scale (N a / k + x_N scale / k on the average, in expectation); the tests and the
-rate bound are InfluenceBudget's. Honest clients that submit at most about
-max_steps ln 2 / half_life_s times per second (defaults 8 and 300 s: one update per 54 s)
-never meet the rate test.
+weight in N submits, i.e. move the model without limit at its submit quota. The budget
+therefore decays, caps the decayed count and also tests the undecayed sum (InfluenceBudget).
+Honest clients that submit at most about max_steps ln 2 / half_life_s times per second
+(defaults 8 and 300 s: one update per 54 s) never meet the rate test.
 
 Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
 law) for honest clients; the server's draws use secrets.randbelow. One identity per
@@ -167,10 +163,9 @@ def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
 class InfluenceBudget:
   """Decayed cumulative step per identity, checked against honest clients' envelope and rate.
 
-  State per identity (decay factor f = 2^(-dt / half_life_s) between two submits; f = 1
-  without a half-life): N accepted submits, S1 = sum_t f_t (decayed count), S2 = sum_t f_t^2
-  and C = sum_t f_t d_t (decayed cumulative step), f_t the decay since submit t. A submit is
-  accepted only if, with its step added,
+  State per identity (decay f = 2^(-dt / half_life_s) between two submits; 1 without a
+  half-life): N accepted submits, S1 = sum_t f_t, S2 = sum_t f_t^2 and C = sum_t f_t d_t,
+  f_t the decay since submit t. A submit is accepted only if, with its step added,
 
     * rate:        S1 <= max_steps                          (else "influence_rate"),
     * per weight:  max_j |C_j| <= S1 a + x(S2) scale         (else "cumulative_step_too_large"),
@@ -179,11 +174,9 @@ class InfluenceBudget:
                                                   (else "lifetime_step_too_large"),
 
   x and U the Chernoff bounds of `envelope` with S2 (resp. N) in place of n, at level
-  alpha_N / 3 each. The lifetime test is the per-coordinate bound against a patient
-  attacker: decay forgets C, so without it an identity could push one weight by
-  (S1 a + x(S2) scale) / S1 per update for ever (3.4 a at the defaults: the audit's
-  attacker hid a push in served-law noise), while L holds its total push on every weight
-  to N a + x(N) scale, x(N) ~ sqrt(N) (module docstring).
+  alpha_N / 3 each. The lifetime test bounds a patient attacker: decay forgets C, so
+  without it an identity could push one weight by (S1 a + x(S2) scale) / S1 per update for
+  ever (3.4 a at the defaults), while L holds its total push to N a + x(N) scale.
   For honest steps d_t = s_t + n_t (Algorithm 1): |sum_t f_t s_tj| <= a S1, and since
   -ln(1 - l^2 f^2) <= -f^2 ln(1 - l^2) for 0 <= f <= 1 (convexity in f^2), the decayed noise
   sum sum_t f_t n_tj has the moment bound of S2 undecayed noises: the envelope holds with
@@ -203,14 +196,11 @@ class InfluenceBudget:
     clock: time source in seconds (tests, benchmarks).
 
   Eviction: an identity may be forgotten once its decayed count S1 is below `FORGET_BELOW`
-  = 1 (less than one update's weight left: forgetting it grants it at most one extra
-  update's worth, and one-shot clients become forgettable as soon as their weight starts to
-  decay), i.e. from the time t_last + half_life_s log2(S1) on (seconds; t_last its last
-  accepted submit). Identities sit in a heap keyed by that time, so when the table is full
-  the identity that became forgettable first is forgotten, whatever its place in the order
-  of use: a newcomer is refused ("influence_table_full") only when no identity at all can
-  be forgotten yet, never behind one busy identity (no head-of-line block). Without decay
-  the key is t_last: the least recently used identity is forgotten.
+  = 1 (forgetting it grants at most one extra update's worth), i.e. from t_last +
+  half_life_s log2(S1) on (seconds; t_last its last accepted submit). Identities sit in a
+  heap keyed by that time: when the table is full the first forgettable one is forgotten,
+  and a newcomer is refused ("influence_table_full") only when none can be forgotten yet
+  (no head-of-line block). Without decay the least recently used identity is forgotten.
 
   Raises:
     ParameterValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
@@ -254,10 +244,9 @@ class InfluenceBudget:
   def limits(self, n: int, s1: float | None = None, s2: float | None = None) -> tuple:
     """(per-weight limit on |C_j|, aggregate limit on the excess) at the n-th submit.
 
-    The envelope is evaluated at S2 rounded up to a multiple of 1/16 and at the level
-    alpha_n' of n' = n rounded up to a power of two (cached), divided by 3 (three tests):
-    both only raise the limits, so the false-rejection bound still holds; the extra slack
-    is below 1/16 of a step's noise allowance and one halving of alpha_n.
+    The envelope is evaluated (cached) at S2 rounded up to a multiple of 1/16 and at
+    alpha_n' / 3, n' = n rounded up to a power of two: both only raise the limits, so the
+    false-rejection bound holds.
 
     Args:
       n: accepted steps including this one (>= 1), for the level alpha_n.
@@ -318,8 +307,8 @@ class InfluenceBudget:
   def forget_time(self, st: list) -> float:
     """When an identity's decayed count S1 falls below FORGET_BELOW (seconds, its clock).
 
-    t_last + half_life_s log2(S1 / FORGET_BELOW), strictly after which S1 < FORGET_BELOW
-    (-inf when already below; t_last without decay: least recently used first).
+    t_last + half_life_s log2(S1 / FORGET_BELOW) (-inf when already below; t_last without
+    decay).
 
     Args:
       st: the identity's state [N, S1, S2, C, t_last, L].
@@ -388,7 +377,6 @@ class InfluenceBudget:
     f = self._decay(st[4], now)
     n, s1, s2, c = st[0] + 1, st[1] * f + 1.0, st[2] * f * f + 1.0, st[3] * f + d
     life = st[5] + d
-    reason = ""
     if self.max_steps is not None and s1 > self.max_steps + 1e-9:
       reason = "influence_rate"
     else:
@@ -401,19 +389,7 @@ class InfluenceBudget:
 
   def _envelope_reason(self, n: int, s1: float, s2: float, c: np.ndarray,
                        life: np.ndarray) -> str:
-    """The envelope tests of the class docstring ("" when all pass).
-
-    Args:
-      n: accepted steps including this one.
-      s1: decayed count.
-      s2: decayed sum of squared weights.
-      c: [p] decayed cumulative step.
-      life: [p] undecayed cumulative step L.
-
-    Returns:
-      "", "cumulative_step_too_large", "cumulative_excess_too_large" or
-      "lifetime_step_too_large".
-    """
+    """The envelope tests of the class docstring on (N, S1, S2, C, L) ("" when all pass)."""
     lim_w, lim_u = self.limits(n, s1, s2)
     tol = 1e-9 * (lim_w + self.scale) + 1e-12
     mag = np.abs(c)

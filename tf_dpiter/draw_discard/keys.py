@@ -61,13 +61,11 @@ def _check(secret: bytes, where: str) -> bytes:
 
 
 def _parse(raw: bytes, where: str) -> bytes:
-  text = raw.strip()
   try:
-    return _check(bytes.fromhex(text.decode("ascii")), where)
-  except (UnicodeDecodeError, ValueError) as e:
-    if isinstance(e, ValueError) and "secret from" in str(e):
-      raise
-    return _check(raw, where)
+    secret = bytes.fromhex(raw.strip().decode("ascii"))
+  except ValueError:  # UnicodeDecodeError included: not hex, the raw bytes are the secret
+    secret = raw
+  return _check(secret, where)
 
 
 def load_secret(path: str | None = None, environ=None) -> bytes | None:

@@ -42,8 +42,7 @@ class Registry:
       help_text: the HELP line (kept from the first call).
       **labels: label name -> value.
     """
-    if name not in self._help:
-      self._help[name] = help_text
+    self._help.setdefault(name, help_text)
     key = (name, tuple(sorted(labels.items()))) if labels else (name, ())
     self._counters[key] += n
 

@@ -28,9 +28,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------
 # Adversary I (channel listener), Section IV-B
-# ---------------------------------------------------------------------------
 
 def epsilon_adversary_one(epsilon: float) -> float:
   """Adversary I sees the pre-image and the update: epsilon-DP per weight and update.
@@ -89,9 +87,7 @@ def _core_epsilon(group, delta: float) -> float:
   return float(accountant.report_from_groups([group], delta=delta, accountant="pld").epsilon)
 
 
-# ---------------------------------------------------------------------------
 # Adversary II (internal threat), Lemma 1
-# ---------------------------------------------------------------------------
 
 def epsilon_adversary_two(epsilon: float, k: int) -> float:
   """Expected privacy loss against adversary II: (k-1)/k * epsilon/2 (Lemma 1).
@@ -134,9 +130,7 @@ def adversary_two_loss(b1, b2, a, a_prime, gamma: float, epsilon: float) -> np.n
   return num - den
 
 
-# ---------------------------------------------------------------------------
 # Adversary III (opportunistic threat), Lemmas 2 and 3
-# ---------------------------------------------------------------------------
 
 def discard_probability(k: int) -> float:
   """Long-term share of updates discarded: 1 - 1/k (Lemma 2).
@@ -176,18 +170,11 @@ def discard_probability_chain(k: int) -> float:
   if k == 1:
     return 0.0
   # q_i for i = 1..k-1: p_i q_{i-1} + p_i q_{i+1} - 2 p_i q_i = 0, q_0 = 1, q_k = 0.
-  n = k - 1
-  a = np.zeros((n, n))
-  rhs = np.zeros(n)
-  for idx, i in enumerate(range(1, k)):
-    p = i * (k - i) / k**2
-    a[idx, idx] = -2 * p
-    if i - 1 >= 1:
-      a[idx, idx - 1] = p
-    else:
-      rhs[idx] -= p * 1.0  # q_0 = 1
-    if i + 1 <= k - 1:
-      a[idx, idx + 1] = p
+  i = np.arange(1, k)
+  p = i * (k - i) / k**2
+  a = np.diag(-2 * p) + np.diag(p[1:], -1) + np.diag(p[:-1], 1)
+  rhs = np.zeros(k - 1)
+  rhs[0] = -p[0]  # q_0 = 1
   return float(np.linalg.solve(a, rhs)[0])
 
 
@@ -280,9 +267,7 @@ def expected_epsilon_adversary_three(epsilon: float, k: int, num_later_updates: 
   return epsilon_adversary_three(epsilon, num_later_updates, delta_t, **kwargs) / k
 
 
-# ---------------------------------------------------------------------------
 # Statement
-# ---------------------------------------------------------------------------
 
 ADVERSARY_TWO_ASSUMPTION = (
     "  assumption of II and III: nobody snapshots the k instances at every update. Whoever\n"
@@ -345,8 +330,6 @@ def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
                       w_over_gamma: float = math.sqrt(2.0),
                       accounted: bool = True) -> PrivacyStatement:
   """Guarantees against adversaries I, II and III (Section IV, summary table).
-
-  accounted: also give Lemma 3's Gaussian accounted by the privacy core's PLD accountant.
 
   Lemmas 1-3 are proven for Laplace noise; for noise='gaussian' adversary I gets the
   (epsilon, delta) of the calibration and II/III are reported with the same formulas

@@ -5,16 +5,14 @@ replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <pref
 (initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring),
 <prefix>:epochs (one "<id>:<seq>" per server start, anchor.py).
 
-Used ticket nonces and the write ids of replaced values are also kept by the process
-(replay_guard.py), so a nonce key deleted from Redis does not re-admit its ticket on that
-server, and a slot's older value written back is refused. With an anchor (anchor.py), replace() returns only once the new sequence number is
-on the server's disk: an acknowledged update lost by Redis is detected at the next start.
 Every operation is one Lua script or one MULTI transaction that checks the generation
-first (see store.py for the contract), and every read or write of the model also checks
-that the sequence number is not below the highest one this process has seen (rollback:
-StoreRolledBack; redis_scripts.py). Stored instances carry an integrity tag checked on
-every read (store_mac.py; StoreCorrupt). Any of these faults is sticky: the process then
-refuses every operation until an operator restarts it. Group commit: redis_pipeline.py.
+first (store.py), and every read or write of the model also checks that the sequence
+number is not below the highest one this process has seen (StoreRolledBack;
+redis_scripts.py). Stored instances carry an integrity tag checked on every read
+(store_mac.py; StoreCorrupt), and the process remembers used nonces and retired values
+(replay_guard.py). Any of these faults is sticky: the process refuses every operation
+until an operator restarts it. With an anchor (anchor.py), replace() returns only once the
+new sequence number is on the server's disk. Group commit: redis_pipeline.py.
 """
 
 from __future__ import annotations
@@ -328,10 +326,7 @@ class RedisStore(store_lib.Store):
                     min_interval_s: float):
     """Peek at (mean None) or compare-and-set the released model (model_release.py).
 
-    A `seq` below the current release's is a benign race (another request released a newer
-    average meanwhile): the current release is returned. Only the store's own sequence
-    number below this process's high-water mark, or below the current release's, is a
-    rollback (StoreRolledBack, sticky).
+    A `seq` below the current release's is a benign race: the current release is returned.
 
     Args:
       seq: the sequence number now (peek) or of `mean` (set).

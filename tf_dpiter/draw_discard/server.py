@@ -65,11 +65,9 @@ def initial_instances(k: int, num_weights: int, init_mean=0.0, init_std: float =
 class SpamFilter:
   """Refuse an instance with any weight outside mu +- t sigma of the k instances (III-D4).
 
-  min_std floors sigma (instances that coincide would otherwise refuse every update).
-
   Args:
     t: the accepted band's half-width in standard deviations (> 0; inf: accept all).
-    min_std: the floor of sigma (>= 0).
+    min_std: the floor of sigma (>= 0; coinciding instances would refuse every update).
 
   Raises:
     ParameterValueError: t <= 0 or min_std < 0.
@@ -228,10 +226,7 @@ class DrawDiscardServer:
     average = s.startswith("average")
     for i in np.flatnonzero(ok):
       j = slots[i]
-      if average:
-        self.instances[j] = 0.5 * (self.instances[j] + updates[i])
-      else:
-        self.instances[j] = updates[i]
+      self.instances[j] = 0.5 * (self.instances[j] + updates[i]) if average else updates[i]
     self.counters["accepted"] += int(ok.sum())
     return ok
 

@@ -93,10 +93,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     max_body_bytes: request body limit (default: a JSON list of 2p doubles).
     tickets: require draw tickets (tickets.py) and test steps against the served instance.
     rebase: with tickets, store h' + (u - h), h' an instance drawn by the server when the
-      update arrives, instead of u (Algorithm 2 stores u). A client that discards draws to
-      keep a favourable h then gains nothing: the average moves by (step + h' - replaced)/k
-      with h' and the replaced slot both uniform (influence.py). Honest clients' steps
-      and noise are unchanged; the step lands on an instance of the same spread (Theorem 1).
+      update arrives, instead of u (Algorithm 2 stores u): discarding draws then gains a
+      client nothing (influence.py).
     ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered).
     budget_alpha: lifetime false-rejection probability of an honest token's influence
       budget (influence.py).

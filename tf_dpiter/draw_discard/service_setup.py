@@ -47,9 +47,6 @@ class StoreSetup:
   def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
     """Every acceptance, ticket, quota, influence, sybil and draw-gate setting (join check).
 
-    Reads the service's budget, admission (its new-identity cap) and draw gate, so these
-    must be built before it is called.
-
     Args:
       alpha: the acceptance rule's false-rejection probability.
       budget_alpha: the influence budget's lifetime false-rejection probability.

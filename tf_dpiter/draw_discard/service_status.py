@@ -71,8 +71,7 @@ class StatusEndpoints:
     """SIGHUP: re-reads the token file (revocation); on error keeps the old set and logs.
 
     A file modified less than auth.SETTLE_S seconds ago is read once it has settled (one
-    retry scheduled on the running loop). The server keeps running either way; the outcome
-    is one JSON log line.
+    retry scheduled on the running loop).
     """
     if self.tokens is None or self.tokens.path is None:
       web_errors.log_event(log, "tokens_reload_skipped", detail="no token file")
@@ -104,9 +103,8 @@ class StatusEndpoints:
     """GET /healthz: 200 only when the store holds this server's model, intact.
 
     Checks the generation and the rollback mark on every call, and at most once per
-    `HEALTH_READ_S` seconds reads all k slots and the history through the integrity check
-    (store_mac.py) and their shape, so a deleted, truncated, corrupted or swapped slot
-    gives 503 here as it does on draws.
+    `HEALTH_READ_S` seconds the k slots and history through the integrity check
+    (store_mac.py) and their shape.
 
     Args:
       request: the aiohttp request.

@@ -153,7 +153,9 @@ def check_meta(existing: dict, wanted: dict) -> None:
 class Store(abc.ABC):
   """The interface of a k-instance store (abstract; `MemoryStore` and `RedisStore` are final).
 
-  Every operation but `counters` and `close` first checks the generation (module docstring).
+  Every operation but `counters` and `close` first checks the generation (module docstring)
+  and raises StoreLost when the store holds no model or another generation; every one
+  raises StoreUnavailable when the backend does not answer.
 
   Attributes:
     kind: "memory" or "redis".
@@ -178,10 +180,6 @@ class Store(abc.ABC):
 
     Returns:
       The meta dict (a copy).
-
-    Raises:
-      StoreLost: the store holds no model or another generation.
-      StoreUnavailable: the backend does not answer.
     """
 
   @abc.abstractmethod
@@ -193,10 +191,6 @@ class Store(abc.ABC):
 
     Returns:
       The sequence number.
-
-    Raises:
-      StoreLost: the store holds no model or another generation.
-      StoreUnavailable: the backend does not answer.
     """
 
   @abc.abstractmethod
@@ -210,10 +204,6 @@ class Store(abc.ABC):
 
     Returns:
       A Snapshot.
-
-    Raises:
-      StoreLost: the store holds no model or another generation.
-      StoreUnavailable: the backend does not answer.
     """
 
   @abc.abstractmethod
@@ -237,9 +227,8 @@ class Store(abc.ABC):
     Raises:
       TicketUsed: the nonce was used before, here or (Redis) by any server; nothing written.
       RateExceeded: over the identity's influence rate (Redis); nothing written.
-      StoreLost: the store holds no model or another generation, or the anchor (anchor.py)
-        cannot be written: the update is then stored, not acknowledged.
-      StoreUnavailable: the backend does not answer.
+      StoreLost: the anchor (anchor.py) cannot be written: the update is then stored, not
+        acknowledged.
     """
 
   @abc.abstractmethod
@@ -249,10 +238,6 @@ class Store(abc.ABC):
     Args:
       name: the counter.
       n: the increment.
-
-    Raises:
-      StoreLost: the store holds no model or another generation.
-      StoreUnavailable: the backend does not answer.
     """
 
   @abc.abstractmethod
@@ -261,9 +246,6 @@ class Store(abc.ABC):
 
     Returns:
       A dict of counter -> value (every COUNTERS key present), with "seq".
-
-    Raises:
-      StoreUnavailable: the backend does not answer.
     """
 
   @abc.abstractmethod

@@ -17,13 +17,11 @@ recomputes the hash of h, checks the MAC, that the ticket was issued to the same
 (token) and is younger than `ttl_s`. The store then marks the nonce used in the same atomic
 operation that writes the update (store.replace), so each ticket admits one accepted update.
 
-Consequences (acceptance.py, influence.py): the acceptance tests are run against the
-served instance h, never against a candidate the client chooses, so an attacker cannot
-chain its own accepted updates (it can only start from instances the server drew for it,
-uniformly at random), and the search over candidates disappears. Privacy: the server keeps
-no record of which instance was drawn (the ticket lives with the client; the store only
-holds used nonces), so adversary II (a store snapshot) learns nothing new; an observer of
-the channel sees h anyway (adversary I).
+Consequences: the acceptance tests run against the served instance h, never a candidate the
+client chooses, so an attacker cannot chain its own accepted updates (acceptance.py).
+Privacy: the server keeps no record of which instance was drawn (the ticket lives with the
+client; the store only holds used nonces), so adversary II (a store snapshot) learns nothing
+new; an observer of the channel sees h anyway (adversary I).
 """
 
 from __future__ import annotations
