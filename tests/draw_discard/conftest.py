@@ -5,9 +5,11 @@ import asyncio
 import datetime
 import importlib.util
 import ipaddress
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,6 +20,39 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def http_status(port, token=None, path="/v1/spec", src="127.0.0.1"):
+  """The status of one GET to 127.0.0.1:port from address `src`, with a bearer token."""
+  s = socket.socket()
+  s.bind((src, 0))
+  s.settimeout(5)
+  s.connect(("127.0.0.1", port))
+  head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+  head += f"Authorization: Bearer {token}\r\n" if token else ""
+  s.sendall((head + "\r\n").encode())
+  data = s.recv(65536)
+  s.close()
+  return int(data.split(b" ", 2)[1])
+
+
+def serve_process(spec_path, tokens_path, port):
+  """`tf-dpiter-ddml serve` with a token file as a child process (for signal tests)."""
+  return subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve",
+                           "--model", str(spec_path), "--tokens", str(tokens_path), "--port",
+                           str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+
+
+def wait_serving(port, token, timeout_s=60.0):
+  """Waits until a GET with `token` answers 200 (or the time is up)."""
+  deadline = time.time() + timeout_s
+  while time.time() < deadline:
+    try:
+      if http_status(port, token) == 200:
+        return
+    except OSError:
+      time.sleep(0.1)
 
 
 class ThreadedService:

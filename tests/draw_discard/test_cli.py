@@ -34,7 +34,7 @@ def test_spec_rejects_unknown_key():
 
 
 def test_help_imports_no_tensorflow_or_server_stack():
-  """`tf-dpiter-ddml --help` starts fast: no TensorFlow, aiohttp or redis import (issue 14)."""
+  """`tf-dpiter-ddml --help` starts fast: no TensorFlow, aiohttp or redis import."""
   import subprocess
   import sys
   code = ("import sys\nfrom tf_dpiter.draw_discard import cli\ntry:\n  cli.main(['--help'])\n"

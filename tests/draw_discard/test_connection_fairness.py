@@ -1,4 +1,4 @@
-"""Connection fairness against many addresses (issue 39, findings 3 and 4).
+"""Connection fairness against many addresses.
 
 Loopback only: the attackers are many source addresses in 127.0.0.0/8 (Linux routes all of
 127/8 to lo), one connection each, as in the audit; bounded in count (<= 150 connections)

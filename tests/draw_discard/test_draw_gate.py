@@ -1,5 +1,5 @@
-"""Draw privacy at low traffic (issue 39, finding 8): a tracker that keeps every instance it
-is served cannot recover a victim's step by differencing two served instances.
+"""Draw privacy at low traffic: a tracker that keeps every instance it is served cannot
+recover a victim's step by differencing two served instances.
 
 Loopback only: the victims are many source addresses in 127.0.0.0/8, one /24 each (tokens
 off: one identity each); bounded in count (<= 40 victim updates, 30 tracker draws each).

@@ -155,7 +155,7 @@ def test_check_step_tests_against_the_served_instance():
   assert rule.check_step(np.r_[h[:-1], np.nan], h).reason == "non_finite"
 
 
-# ---- eviction: no head-of-line block (issue 39, finding 2) ----
+# ---- eviction: no head-of-line block ----
 
 def test_busy_oldest_identity_does_not_block_newcomers_over_http(start_service):
   """Table of 5: the least recently used identity has 3 recent updates, four one-shot

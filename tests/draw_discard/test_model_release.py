@@ -106,7 +106,7 @@ def test_two_redis_servers_share_one_release(start_service, redis_url):
 
 
 def test_stale_release_reader_gets_the_current_release_not_a_rollback(redis_url):
-  """Issue 39 finding 1: a reader whose snapshot is older than a release another server
+  """A reader whose snapshot is older than a release another server
   made meanwhile gets that release; only the store's own sequence number going back is a
   rollback."""
   import asyncio

@@ -3,11 +3,8 @@
 import asyncio
 import json
 import logging
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,23 +13,11 @@ from tf_dpiter.draw_discard import auth, cli, client_lib, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
-from tests.draw_discard.conftest import free_port
+from tests.draw_discard.conftest import free_port, http_status as _status
+from tests.draw_discard.conftest import serve_process, wait_serving
 
 SPEC = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdefgh"
-
-
-def _status(port, token=None, path="/v1/spec", src="127.0.0.1"):
-  s = socket.socket()
-  s.bind((src, 0))
-  s.settimeout(5)
-  s.connect(("127.0.0.1", port))
-  head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-  head += f"Authorization: Bearer {token}\r\n" if token else ""
-  s.sendall((head + "\r\n").encode())
-  data = s.recv(65536)
-  s.close()
-  return int(data.split(b" ", 2)[1])
 
 
 def test_sighup_reloads_tokens_and_keeps_serving(tmp_path):
@@ -40,19 +25,9 @@ def test_sighup_reloads_tokens_and_keeps_serving(tmp_path):
   spec_path.write_text(SPEC.to_json())
   tokens.write_text(f"{ALICE}\n{BOB}\n")
   port = free_port()
-  env = dict(os.environ, PYTHONPATH=os.getcwd())
-  proc = subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve",
-                           "--model", str(spec_path), "--tokens", str(tokens), "--port",
-                           str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          env=env)
+  proc = serve_process(spec_path, tokens, port)
   try:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-      try:
-        if _status(port, BOB) == 200:
-          break
-      except OSError:
-        time.sleep(0.1)
+    wait_serving(port, BOB)
     assert _status(port, BOB) == 200
     tokens.write_text(f"{ALICE}\n")  # revoke Bob
     proc.send_signal(signal.SIGHUP)

@@ -1,6 +1,6 @@
-"""The patient attacker (issue 39, finding 6): served-law noise on every weight plus a push
-on one weight, within the influence rate. Its total push on that weight must stay within
-the stated per-coordinate bound N a + x_N b for N accepted updates (influence.py).
+"""The patient attacker: served-law noise on every weight plus a push on one weight, within
+the influence rate. Its total push on that weight must stay within the stated
+per-coordinate bound N a + x_N b for N accepted updates (influence.py).
 
 Loopback HTTP (one 127.13.0.1 identity, tokens off); the budget's clock is simulated (one
 submit per simulated minute, within the default rate); 40 submits.

@@ -1,4 +1,4 @@
-"""Issue 39 finding 9: a Redis store cannot lose acknowledged updates silently.
+"""A Redis store cannot lose acknowledged updates silently.
 
 Each test runs its own redis-server on 127.0.0.1 (no persistence; SAVE writes the RDB
 snapshot a restart comes back to) and in-process servers (DDMLService.startup/shutdown).
@@ -64,8 +64,7 @@ class Cluster:
     return asyncio.run(self.updates(n, state_file, **kw))
 
   def save(self):
-    import redis
-    r = redis.Redis.from_url(self.url)
+    r = self.redis()
     r.save()
     r.close()
 

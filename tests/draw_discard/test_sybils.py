@@ -1,4 +1,4 @@
-"""Sybils (issue 39, finding 7): k identities cost what docs/draw_discard_security.md states.
+"""Sybils: k identities cost what docs/draw_discard_security.md states.
 
 Loopback HTTP only (sources in 127.0.0.0/8); bounded: <= 60 submits per test.
 """

@@ -141,7 +141,7 @@ def test_two_redis_servers_share_tickets(start_service, redis_url):
 
 @pytest.mark.parametrize("where", ["memory", "redis"])
 def test_tickets_do_not_cross_models_that_share_the_secret(start_service, where, request):
-  """Issue 39 finding 5: model A's ticket is refused by model B (same secret, another
+  """Model A's ticket is refused by model B (same secret, another
   prefix or process) and still admits exactly one update on A; with --no-rebase on B, B's
   slot never becomes A's instance plus the step."""
   def store():

@@ -1,4 +1,4 @@
-"""Issue 39 finding 10: SIGHUP while the server starts, partial token files, revoked tokens.
+"""SIGHUP while the server starts, partial token files, revoked tokens.
 
 Loopback only; each test is bounded (a few seconds, a few dozen requests).
 """
@@ -6,9 +6,6 @@ Loopback only; each test is bounded (a few seconds, a few dozen requests).
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -16,18 +13,12 @@ import pytest
 from tf_dpiter.draw_discard import auth, cli, service
 from tf_dpiter.draw_discard import store as store_lib
 
-from tests.draw_discard.conftest import free_port
+from tests.draw_discard.conftest import free_port, http_status as _status
+from tests.draw_discard.conftest import serve_process, wait_serving
 
 SPEC = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
 TOKENS = [f"token-{i:02d}-0123456789abcdef" for i in range(40)]
 ALICE, BOB = TOKENS[0], TOKENS[1]
-
-
-def _status(port, token):
-  with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-    s.sendall(f"GET /v1/spec HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-              f"Authorization: Bearer {token}\r\n\r\n".encode())
-    return int(s.recv(65536).split(b" ", 2)[1])
 
 
 def _write(path, tokens, age_s=5.0):
@@ -53,11 +44,7 @@ def test_sighup_while_the_server_starts_is_kept_for_after_startup(tmp_path):
   spec_path.write_text(SPEC.to_json())
   os.mkfifo(path)
   port = free_port()
-  env = dict(os.environ, PYTHONPATH=os.getcwd())
-  proc = subprocess.Popen([sys.executable, "-m", "tf_dpiter.draw_discard.cli", "serve",
-                           "--model", str(spec_path), "--tokens", str(path), "--port",
-                           str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                          env=env)
+  proc = serve_process(spec_path, path, port)
   try:
     fd = _open_fifo_writer(str(path), time.time() + 60)
     proc.send_signal(signal.SIGHUP)  # the server is inside main(), before its event loop
@@ -68,13 +55,7 @@ def test_sighup_while_the_server_starts_is_kept_for_after_startup(tmp_path):
     os.replace(newer, path)  # what the reload will read: Bob revoked
     os.write(fd, f"{ALICE}\n{BOB}\n".encode())  # what start-up reads
     os.close(fd)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-      try:
-        if _status(port, ALICE) == 200:
-          break
-      except OSError:
-        time.sleep(0.1)
+    wait_serving(port, ALICE)
     deadline = time.time() + 10
     while _status(port, BOB) == 200 and time.time() < deadline:
       time.sleep(0.05)
