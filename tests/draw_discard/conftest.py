@@ -15,11 +15,19 @@ import time
 
 import pytest
 
+from tf_dpiter.draw_discard import client
+
 
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
+
+
+def honest(spec, weights, rng):
+  """Algorithm 1 on 8 random records: what an honest client returns for `weights`."""
+  x = {"x": rng.random((8, spec.num_weights - 1))}
+  return client.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 def http_status(port, token=None, path="/v1/spec", src="127.0.0.1"):

@@ -14,20 +14,17 @@ import time
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, http_server, service
+from tf_dpiter.draw_discard import auth, client_lib, http_server, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard.cli import dense_spec
+
+from tests.draw_discard.conftest import honest
 
 SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
 P = SPEC.num_weights
 K = 20
 TOKEN = "alice-token-0123456789abcdef"
 OTHER = "mallory-token-0123456789abcdef"
-
-
-def honest(weights, rng, spec=SPEC):
-  x = {"x": rng.random((8, spec.num_weights - 1))}
-  return client_alg.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 def state(srv):
@@ -145,9 +142,9 @@ def test_attack_updates_refused(srv, attack):
   w, ticket = _drawn_with_ticket(srv)
   snap = srv.call(srv.svc.store.snapshot())
   bad = {"copy": w, "average": snap.slots.mean(axis=0),
-         "shifted": honest(w, rng) + 0.2,
+         "shifted": honest(SPEC, w, rng) + 0.2,
          "one_weight": np.r_[w[:-1], w[-1] + 0.5],
-         "scaled_noise": w + 10 * (honest(w, rng) - w),
+         "scaled_noise": w + 10 * (honest(SPEC, w, rng) - w),
          "takeover": np.full(P, 1e3)}[attack]
   before = state(srv)
   got = request(srv, "POST", "/v1/submit", np.r_[w, bad].astype("<f8").tobytes(),
@@ -160,7 +157,7 @@ def test_attack_updates_refused(srv, attack):
 def test_honest_update_accepted_and_changes_one_slot(srv):
   w, ticket = _drawn_with_ticket(srv)
   before = state(srv)
-  st, _, body = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(
+  st, _, body = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(SPEC,
       w, np.random.default_rng(1)).tolist(), "ticket": ticket, "drawn": w.tolist()}),
       {"Content-Type": "application/json"})
   assert st == 200 and json.loads(body) == {"accepted": True, "seq": 1}
@@ -240,7 +237,7 @@ def test_logs_hold_no_client_data_and_no_tracebacks(srv, caplog):
   for body, _, _ in BAD_JSON:
     request(srv, "POST", "/v1/submit", body, {"Content-Type": "application/json"})
   w, ticket = _drawn_with_ticket(srv)
-  st, _, _ = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(
+  st, _, _ = request(srv, "POST", "/v1/submit", _json({"version": "1", "weights": honest(SPEC,
       w, np.random.default_rng(2)).tolist(), "ticket": ticket, "drawn": w.tolist()}),
       {"Content-Type": "application/json"})
   assert st == 200
@@ -297,10 +294,10 @@ def test_submit_with_next_draw(start_service, quota):
   rng = np.random.default_rng(3)
   with client_lib.DDMLClient(srv.url, token=TOKEN, insecure=True) as c:
     d = c.draw()  # takes the only draw token when quota is 1
-    answer, nxt = c.submit_and_draw(d, honest(d.weights, rng))
+    answer, nxt = c.submit_and_draw(d, honest(SPEC, d.weights, rng))
     assert answer == {"accepted": True, "seq": 1}
     if quota is None:
       assert nxt.weights.shape == (P,) and nxt.version == "1" and nxt.ticket
-      assert c.submit_and_draw(nxt, honest(nxt.weights, rng))[0]["seq"] == 2
+      assert c.submit_and_draw(nxt, honest(SPEC, nxt.weights, rng))[0]["seq"] == 2
     else:
       assert nxt is None  # over the draw quota: the submit counts, no draw is served

@@ -12,17 +12,14 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, http_server, service
+from tf_dpiter.draw_discard import auth, client_lib, http_server, service
 from tf_dpiter.draw_discard import cli, glm, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
+from tests.draw_discard.conftest import honest
+
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 TOKEN = "alice-token-0123456789abcdef"
-
-
-def honest(weights, rng, spec=SPEC):
-  x = {"x": rng.random((8, spec.num_weights - 1))}
-  return client_alg.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 def get(port, path, body=None, method="GET"):

@@ -5,18 +5,15 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, service
+from tf_dpiter.draw_discard import auth, cli, client_lib, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
 from tf_dpiter.draw_discard import store_factory
+
+from tests.draw_discard.conftest import honest
 
 SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
 K = 6
 VICTIM, ATTACKER = "victim-token-0123456789abcdef", "attacker-token-0123456789abc"
-
-
-def honest(w, rng):
-  x = {"x": rng.random((8, SPEC.num_weights - 1))}
-  return client_alg.spec_update(SPEC, w, x, rng.integers(0, 2, 8), rng=rng)
 
 
 def _svc(store=None, **kw):
@@ -40,7 +37,7 @@ def _differencing_attack(srv, n=20):
       before = srv.call(srv.svc.store.snapshot()).slots.copy()
       m0 = a.model()
       d = v.draw()
-      v.submit(d, honest(d.weights, rng))
+      v.submit(d, honest(SPEC, d.weights, rng))
       m1 = a.model()
       after = srv.call(srv.svc.store.snapshot()).slots
       new = [row for row in after if not any(np.array_equal(row, b) for b in before)]
@@ -64,7 +61,7 @@ def test_release_needs_min_updates_and_carries_its_seq(start_service):
     seqs = []
     for _ in range(7):
       d = c.draw()
-      c.submit(d, honest(d.weights, rng))
+      c.submit(d, honest(SPEC, d.weights, rng))
       c.model()
       seqs.append(c.last_model_seq)
   assert seqs == [0, 0, 3, 3, 3, 6, 6]
@@ -97,7 +94,7 @@ def test_two_redis_servers_share_one_release(start_service, redis_url):
   a.model()
   for i in range(5):
     d = a.draw()
-    a.submit(d, honest(d.weights, rng))
+    a.submit(d, honest(SPEC, d.weights, rng))
     ma, mb = a.model(), b.model()  # never two releases closer than 2 updates
     assert a.last_model_seq == b.last_model_seq and np.array_equal(ma, mb)
     assert a.last_model_seq in (0, 2, 4)
@@ -124,7 +121,7 @@ def test_stale_release_reader_gets_the_current_release_not_a_rollback(redis_url)
       first = await b.release.current()  # the release at seq 0
       for _ in range(2):
         h, ticket = await a.draw_for(VICTIM)
-        await a.store_ticketed(VICTIM, parsing.Submission(honest(h, rng), h, ticket))
+        await a.store_ticketed(VICTIM, parsing.Submission(honest(SPEC, h, rng), h, ticket))
       newer = await a.release.current()  # a releases the average at seq 2
       assert (first.seq, newer.seq) == (0, 2)
       # b sets with its older snapshot (seq 0 < 2), as ModelRelease.current does in the race

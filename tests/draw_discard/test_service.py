@@ -13,25 +13,13 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import client as client_alg, client_lib, service, store as store_lib
+from tf_dpiter.draw_discard import client_lib, service, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec, known_weights_spec
 
+from tests.draw_discard.conftest import free_port, honest
+
 SPEC = dense_spec(12, epsilon=1.0, gamma=0.01)
-
-
-def honest(spec, weights, rng):
-  """Algorithm 1 on random records: what an honest client returns for `weights`."""
-  x = {"x": rng.random((8, spec.num_weights - 1))}
-  return client_alg.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
-
-
-
-def free_port() -> int:
-  import socket
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _store(kind, request):

@@ -14,19 +14,14 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import cli, client as client_alg, parsing, service
+from tf_dpiter.draw_discard import cli, parsing, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
-from tests.draw_discard.conftest import start_redis
+from tests.draw_discard.conftest import honest, start_redis
 
 SPEC = cli.dense_spec(17, epsilon=1.0, gamma=0.01)
 SECRET = bytes(range(32, 64))
-
-
-def honest(weights, rng):
-  x = {"x": rng.random((8, SPEC.num_weights - 1))}
-  return client_alg.spec_update(SPEC, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 class Cluster:
@@ -49,7 +44,7 @@ class Cluster:
     try:
       for _ in range(n):
         h, ticket = await svc.draw_for("me")
-        await svc.store_ticketed("me", parsing.Submission(honest(h, self.rng), h, ticket))
+        await svc.store_ticketed("me", parsing.Submission(honest(SPEC, h, self.rng), h, ticket))
       return await svc.store.touch()
     finally:
       if crash:  # no final anchor write, no goodbye
@@ -143,7 +138,7 @@ def test_a_deleted_nonce_does_not_readmit_its_ticket(cluster):
     await svc.startup()
     try:
       h, ticket = await svc.draw_for("me")
-      sub = parsing.Submission(honest(h, cluster.rng), h, ticket)
+      sub = parsing.Submission(honest(SPEC, h, cluster.rng), h, ticket)
       await svc.store_ticketed("me", sub)
       r = cluster.redis()
       keys = r.keys(f"{cluster.prefix}:nonce:*")
@@ -171,7 +166,7 @@ def test_an_older_value_written_back_into_a_slot_is_refused(cluster):
       before = r.mget(keys)
       for _ in range(20):
         h, ticket = await svc.draw_for("me")
-        await svc.store_ticketed("me", parsing.Submission(honest(h, cluster.rng), h, ticket))
+        await svc.store_ticketed("me", parsing.Submission(honest(SPEC, h, cluster.rng), h, ticket))
       await svc.store.snapshot()  # untouched: fine
       now = r.mget(keys)
       i = next(j for j in range(svc.k) if now[j] != before[j])

@@ -12,19 +12,14 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import auth, cli, client as client_alg, client_lib, keys, service
+from tf_dpiter.draw_discard import auth, cli, client_lib, keys, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
-from tests.draw_discard.conftest import start_redis
+from tests.draw_discard.conftest import honest, start_redis
 
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 SECRET = bytes(range(32))
-
-
-def honest(weights, rng):
-  x = {"x": rng.random((8, SPEC.num_weights - 1))}
-  return client_alg.spec_update(SPEC, weights, x, rng.integers(0, 2, 8), rng=rng)
 
 
 def get(port, path):
@@ -60,15 +55,15 @@ def test_redis_rollback_is_detected_and_used_ticket_not_reaccepted(start_service
   with client_lib.DDMLClient(srv.url) as c:
     for _ in range(2):
       d = c.draw()
-      c.submit(d, honest(d.weights, rng))
+      c.submit(d, honest(SPEC, d.weights, rng))
     r.save()  # the older snapshot Redis will come back from
     seq_saved = c.metrics()["seq"]
     drawn = c.draw()
-    used = honest(drawn.weights, rng)
+    used = honest(SPEC, drawn.weights, rng)
     assert c.submit(drawn, used)["seq"] == seq_saved + 1
     for _ in range(2):
       d = c.draw()
-      c.submit(d, honest(d.weights, rng))
+      c.submit(d, honest(SPEC, d.weights, rng))
     r.close()
     proc.terminate()
     proc.wait(10)
@@ -182,7 +177,7 @@ def test_anchor_file_detects_a_rollback_made_while_the_server_was_down(own_redis
     try:
       for _ in range(n):
         h, ticket = await svc.draw_for("me")
-        await svc.store_ticketed("me", parsing.Submission(honest(h, rng), h, ticket))
+        await svc.store_ticketed("me", parsing.Submission(honest(SPEC, h, rng), h, ticket))
     finally:
       await svc.shutdown()  # writes the anchor
 

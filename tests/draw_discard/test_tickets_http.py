@@ -8,20 +8,17 @@ import uuid
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import auth, client as client_alg, client_lib, service
+from tf_dpiter.draw_discard import auth, client_lib, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec
+
+from tests.draw_discard.conftest import honest
 
 SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
 P = SPEC.num_weights
 ALICE = "alice-token-0123456789abcdef"
 MALLORY = "mallory-token-0123456789abcdef"
-
-
-def honest(w, rng):
-  return client_alg.spec_update(SPEC, w, {"x": rng.random((8, P - 1))}, rng.integers(0, 2, 8),
-                                rng=rng)
 
 
 def _svc(store=None, **kw):
@@ -55,7 +52,7 @@ def test_ticket_is_single_use(start_service):
   srv = start_service(_svc())
   with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
-    u = honest(d.weights, np.random.default_rng(0))
+    u = honest(SPEC, d.weights, np.random.default_rng(0))
     assert c.submit(d, u)["accepted"]
     before = _state(srv)
     _refused(srv, before, _post(srv.port, d.weights, d.ticket, u), 409, "ticket_used")
@@ -68,14 +65,15 @@ def test_ticket_of_another_token_or_instance_is_refused(start_service):
   with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
     before = _state(srv)
-    u = honest(d.weights, rng)
+    u = honest(SPEC, d.weights, rng)
     _refused(srv, before, _post(srv.port, d.weights, d.ticket, u, MALLORY), 403, "invalid_ticket")
     # chaining: a real ticket, but the claimed pre-image is the client's own earlier update
     assert c.submit(d, u)["accepted"]
     d2 = c.draw()
     before = _state(srv)
-    _refused(srv, before, _post(srv.port, u, d2.ticket, honest(u, rng)), 403, "invalid_ticket")
-    assert c.submit(d2, honest(d2.weights, rng))["accepted"]
+    _refused(srv, before, _post(srv.port, u, d2.ticket, honest(SPEC, u, rng)), 403,
+             "invalid_ticket")
+    assert c.submit(d2, honest(SPEC, d2.weights, rng))["accepted"]
 
 
 def test_expired_ticket_is_refused(start_service):
@@ -84,8 +82,8 @@ def test_expired_ticket_is_refused(start_service):
     d = c.draw()
     time.sleep(0.3)
     before = _state(srv)
-    _refused(srv, before, _post(srv.port, d.weights, d.ticket,
-                                honest(d.weights, np.random.default_rng(2))), 409, "ticket_expired")
+    u = honest(SPEC, d.weights, np.random.default_rng(2))
+    _refused(srv, before, _post(srv.port, d.weights, d.ticket, u), 409, "ticket_expired")
 
 
 def test_biased_token_hits_its_budget_others_do_not(start_service):
@@ -103,7 +101,7 @@ def test_biased_token_hits_its_budget_others_do_not(start_service):
       except client_lib.DDMLError as e:
         refused[e.code] = refused.get(e.code, 0) + 1
       d = c.draw()
-      assert c.submit(d, honest(d.weights, rng))["accepted"]
+      assert c.submit(d, honest(SPEC, d.weights, rng))["accepted"]
     assert refused.get("rejected_update", 0) > 10
     st, _, text = _get(srv.port, "/metrics")
     assert 'reason="cumulative_excess_too_large"' in text
@@ -128,15 +126,15 @@ def test_two_redis_servers_share_tickets(start_service, redis_url):
   with client_lib.DDMLClient(a.url, token=ALICE, insecure=True) as ca, \
        client_lib.DDMLClient(b.url, token=ALICE, insecure=True) as cb:
     d = ca.draw()
-    u = honest(d.weights, rng)
+    u = honest(SPEC, d.weights, rng)
     assert cb.submit(d, u)["accepted"]  # drawn on A, submitted to B
     with pytest.raises(client_lib.DDMLError) as e:
       ca.submit(d, u)
     assert e.value.status == 409 and e.value.code == "ticket_used"
     d = cb.draw()
-    answer, nxt = cb.submit_and_draw(d, honest(d.weights, rng))
+    answer, nxt = cb.submit_and_draw(d, honest(SPEC, d.weights, rng))
     assert answer["accepted"] and nxt.ticket
-    assert ca.submit(nxt, honest(nxt.weights, rng))["seq"] == 3
+    assert ca.submit(nxt, honest(SPEC, nxt.weights, rng))["seq"] == 3
 
 
 @pytest.mark.parametrize("where", ["memory", "redis"])
@@ -152,7 +150,7 @@ def test_tickets_do_not_cross_models_that_share_the_secret(start_service, where,
   a, b = start_service(_svc(store())), start_service(_svc(store(), rebase=False))
   rng = np.random.default_rng(6)
   d = client_lib.DDMLClient(a.url, token=ALICE, insecure=True).draw()
-  u = honest(d.weights, rng)
+  u = honest(SPEC, d.weights, rng)
   before = _state(b)
   _refused(b, before, _post(b.port, d.weights, d.ticket, u), 403, "invalid_ticket")
   assert not any(np.array_equal(row, u) for row in b.call(b.svc.store.snapshot()).slots)
@@ -164,7 +162,7 @@ def test_without_tickets_the_candidate_rule_applies(start_service):
   srv = start_service(_svc(tickets=False))
   with client_lib.DDMLClient(srv.url, token=ALICE, insecure=True) as c:
     d = c.draw()
-    assert c.submit(d.version, honest(d.weights, np.random.default_rng(5)))["accepted"]
+    assert c.submit(d.version, honest(SPEC, d.weights, np.random.default_rng(5)))["accepted"]
     assert srv.svc.history == 256
 
 
