@@ -3,6 +3,7 @@ real redis-server."""
 
 import asyncio
 import datetime
+import http.client
 import importlib.util
 import ipaddress
 import os
@@ -28,6 +29,17 @@ def honest(spec, weights, rng):
   """Algorithm 1 on 8 random records: what an honest client returns for `weights`."""
   x = {"x": rng.random((8, spec.num_weights - 1))}
   return client.spec_update(spec, weights, x, rng.integers(0, 2, 8), rng=rng)
+
+
+def http_request(port, method, path, body=None, headers=None):
+  """(status, headers, body) of one request to 127.0.0.1:port on a new connection."""
+  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+  try:
+    conn.request(method, path, body=body, headers=headers or {})
+    r = conn.getresponse()
+    return r.status, r.headers, r.read()
+  finally:
+    conn.close()
 
 
 def http_status(port, token=None, path="/v1/spec", src="127.0.0.1"):

@@ -5,7 +5,6 @@ Every refusal is checked for its status, its JSON error code, the server still a
 """
 
 import base64
-import http.client
 import json
 import logging
 import socket
@@ -18,7 +17,7 @@ from tf_dpiter.draw_discard import auth, client_lib, http_server, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard.cli import dense_spec
 
-from tests.draw_discard.conftest import honest
+from tests.draw_discard.conftest import honest, http_request
 
 SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
 P = SPEC.num_weights
@@ -36,13 +35,8 @@ def state(srv):
 def request(srv, method, path, body=None, headers=None, token=TOKEN):
   h = {} if token is None else {"Authorization": f"Bearer {token}"}
   h.update(headers or {})
-  conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
-  try:
-    conn.request(method, path, body=body, headers=h)
-    r = conn.getresponse()
-    return r.status, dict(r.getheaders()), r.read()
-  finally:
-    conn.close()
+  status, hdrs, data = http_request(srv.port, method, path, body, h)
+  return status, dict(hdrs.items()), data
 
 
 def assert_refused(srv, before, status, code, got):

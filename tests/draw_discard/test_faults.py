@@ -16,20 +16,16 @@ from tf_dpiter.draw_discard import auth, client_lib, http_server, service
 from tf_dpiter.draw_discard import cli, glm, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
-from tests.draw_discard.conftest import honest
+from tests.draw_discard.conftest import honest, http_request
 
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 TOKEN = "alice-token-0123456789abcdef"
 
 
 def get(port, path, body=None, method="GET"):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
   headers = {"Content-Type": "application/octet-stream", "X-DDML-Version": "1"} if body else {}
-  conn.request(method, path, body=body, headers=headers)
-  r = conn.getresponse()
-  out = r.status, r.getheader("Content-Type"), r.read()
-  conn.close()
-  return out
+  status, h, data = http_request(port, method, path, body, headers)
+  return status, h.get("Content-Type"), data
 
 
 def _redis_store(url, prefix=None, **kw):

@@ -17,7 +17,7 @@ from tf_dpiter.draw_discard import client_lib, service, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec, known_weights_spec
 
-from tests.draw_discard.conftest import free_port, honest
+from tests.draw_discard.conftest import free_port, honest, http_request
 
 SPEC = dense_spec(12, epsilon=1.0, gamma=0.01)
 
@@ -41,12 +41,8 @@ def svc_and_client(request, start_service):
 def _raw(srv, method, path, body=None, headers=None):
   if body is not None and headers is None:
     headers = {"Content-Type": "application/json"}
-  conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
-  conn.request(method, path, body=body, headers=headers or {})
-  r = conn.getresponse()
-  data = r.read()
-  conn.close()
-  return r.status, data
+  status, _, data = http_request(srv.port, method, path, body, headers)
+  return status, data
 
 
 def _slots(srv):

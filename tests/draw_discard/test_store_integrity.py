@@ -4,7 +4,6 @@ Loopback only; each test uses its own Redis key prefix (or its own redis-server)
 """
 
 import asyncio
-import http.client
 import json
 import urllib.parse
 import uuid
@@ -16,19 +15,15 @@ from tf_dpiter.draw_discard import auth, cli, client_lib, keys, service
 from tf_dpiter.draw_discard import parsing, store as store_lib
 from tf_dpiter.draw_discard import store_factory
 
-from tests.draw_discard.conftest import honest, start_redis
+from tests.draw_discard.conftest import honest, http_request, start_redis
 
 SPEC = cli.dense_spec(33, epsilon=1.0, gamma=0.01)
 SECRET = bytes(range(32))
 
 
 def get(port, path):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-  conn.request("GET", path)
-  r = conn.getresponse()
-  out = r.status, r.read()
-  conn.close()
-  return out
+  status, _, data = http_request(port, "GET", path)
+  return status, data
 
 
 def _svc(url, prefix=None, **kw):

@@ -1,6 +1,5 @@
 """Draw tickets, the influence budget and cluster quotas through the HTTP service."""
 
-import http.client
 import json
 import time
 import uuid
@@ -13,7 +12,7 @@ from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.draw_discard import store_factory
 from tf_dpiter.draw_discard.cli import dense_spec
 
-from tests.draw_discard.conftest import honest
+from tests.draw_discard.conftest import honest, http_request
 
 SPEC = dense_spec(33, epsilon=1.0, gamma=0.01)
 P = SPEC.num_weights
@@ -33,14 +32,11 @@ def _state(srv):
 
 
 def _post(port, drawn_w, ticket, u, token=ALICE):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-  conn.request("POST", "/v1/submit", body=np.r_[drawn_w, u].astype("<f8").tobytes(),
-               headers={"Authorization": f"Bearer {token}", "X-DDML-Version": "1",
-                        "Content-Type": "application/octet-stream", "X-DDML-Ticket": ticket})
-  r = conn.getresponse()
-  out = r.status, json.loads(r.read())
-  conn.close()
-  return out
+  status, _, data = http_request(
+      port, "POST", "/v1/submit", np.r_[drawn_w, u].astype("<f8").tobytes(),
+      {"Authorization": f"Bearer {token}", "X-DDML-Version": "1",
+       "Content-Type": "application/octet-stream", "X-DDML-Ticket": ticket})
+  return status, json.loads(data)
 
 
 def _refused(srv, before, got, status, code):
@@ -110,12 +106,8 @@ def test_biased_token_hits_its_budget_others_do_not(start_service):
 
 
 def _get(port, path):
-  conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-  conn.request("GET", path, headers={"Authorization": f"Bearer {ALICE}"})
-  r = conn.getresponse()
-  out = r.status, r.getheader("Content-Type"), r.read().decode()
-  conn.close()
-  return out
+  status, h, data = http_request(port, "GET", path, headers={"Authorization": f"Bearer {ALICE}"})
+  return status, h.get("Content-Type"), data.decode()
 
 
 def test_two_redis_servers_share_tickets(start_service, redis_url):
