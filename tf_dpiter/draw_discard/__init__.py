@@ -1,26 +1,22 @@
 """Draw and Discard machine learning (Pihur, Korolova et al., "Differentially-Private Draw
 and Discard Machine Learning").
 
-k-instance server (Algorithm 2), local-DP GLM clients (Algorithm 1), the paper's spam
-filter (Section III-D4, simulation only: it can be gamed), privacy analyses against
-adversaries I-III (Section IV), and an asynchronous HTTP service on an in-memory or Redis
-store (`service`, `http_server`, `store`, `redis_store`, `client_lib`, console script
-`tf-dpiter-ddml` = `cli.main`) with bearer tokens (`auth`), TLS, quotas, draw tickets
-(`tickets`: every submit names the instance it was drawn from), the bounded-influence
-acceptance rule (`acceptance`), the decaying per-token influence budget (`influence`: the
-poisoning bound), Prometheus metrics (`metrics`). Threat model, bounds and residual risk:
-docs/draw_discard_security.md.
-
 Modules by concern: `glm` (model specs) and `glm_math` (GLM mean, gradient, loss);
-`calibration` (noise of Algorithm 1) and `privacy` (the Section IV analyses); `client`
-(Algorithm 1) and `server`/`simulate` (Algorithm 2); the service: `service` (draw and
-submit), `service_status` (spec, counters, health), `snapshots` (oblivious reads), `http_io`
-(weight encodings, bounded body reads), `parsing`, `admission`, `web_errors`,
-`http_server`, `connections` (connection accounting), `model_release` (what /v1/model
-reveals), `service_setup` (initialization and join), `keys` (the secret outside the
-store), `store_mac` (slot integrity tags), `redis_scripts`, `anchor` (rollback across
-restarts); the client library: `client_lib`, `client_floor` (privacy floor),
-`client_wire` (wire format).
+`calibration` (noise of Algorithm 1) and `privacy` (the Section IV analyses against
+adversaries I-III); `client` (Algorithm 1, local-DP GLM clients) and `server`/`simulate`
+(Algorithm 2, k instances; the paper's spam filter of Section III-D4, simulation only: it
+can be gamed). The asynchronous HTTP service on an in-memory or Redis store (`store`,
+`redis_store`; console script `tf-dpiter-ddml` = `cli.main`): `service` (draw and submit),
+`service_status` (spec, counters, health), `snapshots` (oblivious reads), `http_io`
+(weight encodings, bounded body reads), `parsing`, `admission`, `acceptance` (the
+bounded-influence rule), `tickets` (every submit names the instance it was drawn from),
+`influence` (the decaying per-token budget: the poisoning bound), `auth` (bearer tokens,
+quotas), `web_errors`, `http_server` (TLS), `connections` (connection accounting),
+`metrics` (Prometheus), `model_release` (what /v1/model reveals), `service_setup`
+(initialization and join), `keys` (the secret outside the store), `store_mac` (slot
+integrity tags), `redis_scripts`, `anchor` (rollback across restarts); the client library:
+`client_lib`, `client_floor` (privacy floor), `client_wire` (wire format). Threat model,
+bounds and residual risk: docs/draw_discard_security.md.
 """
 
 from tf_dpiter.draw_discard.acceptance import AcceptanceRule

@@ -10,15 +10,10 @@ Revocation: `TokenSet.reload()` re-reads the token file in place (the server cal
 SIGHUP); every request is authenticated again, so a removed token is refused from its next
 request on, on any connection (403 revoked_token).
 
-Reading the file is all or nothing: a file modified less than `SETTLE_S` seconds ago is not
-read yet (TokenFileUnsettled: the server retries when it has settled), a file that changes
-while it is read, or whose last line has no newline (a partial write), is refused, and a
-refused file keeps the old set. Writing a new file and renaming it over the old one is
-atomic and needs none of this.
-
-SIGHUP before the event loop runs: `catch_early_hangups()` (the command line's first
-instruction) replaces SIGHUP's default action (terminate) with a flag, which the service
-reads at startup (`take_early_hangup()`) and answers with one reload.
+Reading the file is all or nothing (read_token_file): a file still being written is not
+read, a refused file keeps the old set. SIGHUP before the event loop runs sets a flag
+(`catch_early_hangups()`, the command line's first instruction) instead of terminating; the
+service answers it with one reload at startup (`take_early_hangup()`).
 
 Guessing: `AuthThrottle` keeps a token bucket of failed authentications per address; an
 address out of failures is answered 429 without its token being looked at, so guessing

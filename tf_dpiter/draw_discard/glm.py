@@ -71,11 +71,7 @@ class Feature:
 
   @property
   def column_names(self) -> list[str]:
-    """Names of the design-matrix columns of this feature (categorical: name=level).
-
-    Returns:
-      A list of column names.
-    """
+    """Names of the design-matrix columns of this feature (categorical: name=level)."""
     if self.type == "categorical":
       return [f"{self.name}={lvl}" for lvl in self.levels[1:]]
     if self.type == "vector":
@@ -175,11 +171,7 @@ class ModelSpec:
   # ---- shapes ----
   @property
   def column_names(self) -> list[str]:
-    """Design-matrix column names: intercept, features, then crosses.
-
-    Returns:
-      A list of num_columns names.
-    """
+    """The num_columns design-matrix column names: intercept, features, then crosses."""
     by_name = {f.name: f for f in self.features}
     cols = ["(intercept)"] if self.intercept else []
     for f in self.features:
@@ -191,29 +183,17 @@ class ModelSpec:
 
   @property
   def num_columns(self) -> int:
-    """p, the number of design-matrix columns.
-
-    Returns:
-      An int.
-    """
+    """p, the number of design-matrix columns."""
     return len(self.column_names)
 
   @property
   def outputs(self) -> int:
-    """C: num_classes for multinomial, else 1.
-
-    Returns:
-      An int.
-    """
+    """C: num_classes for multinomial, else 1."""
     return self.num_classes if self.family == "multinomial" else 1
 
   @property
   def num_weights(self) -> int:
-    """p * C, the length of a flat instance.
-
-    Returns:
-      An int.
-    """
+    """p * C, the length of a flat instance."""
     return self.num_columns * self.outputs
 
   # ---- encoding ----

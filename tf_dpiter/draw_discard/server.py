@@ -152,11 +152,7 @@ class DrawDiscardServer:
 
   @property
   def num_weights(self) -> int:
-    """p, the length of an instance.
-
-    Returns:
-      An int.
-    """
+    """p, the length of an instance."""
     return self.instances.shape[1]
 
   # ---- Algorithm 2 ----

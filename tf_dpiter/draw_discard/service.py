@@ -25,13 +25,13 @@ client uses: the version then travels in the X-DDML-Version header):
 
 Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
 408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
-refused by the acceptance rule (acceptance.py), 429 quota_exceeded / auth_throttled /
-influence_rate_exceeded / new_identity_share (Retry-After), 503 store_lost (flushed, corrupted, rolled back)
-or store_unavailable, too_many_connections, influence_table_full; tickets: 400 missing_ticket/bad_ticket, 403 invalid_ticket, 409
-ticket_expired/ticket_used. The server keeps no record of which instance was drawn (the
-ticket lives with the client); per token it keeps only the cumulative step of its
-accepted updates. With tickets=False the older rule applies (any of the k instances and
-the last `history` replaced ones may be the pre-image; see acceptance.check).
+refused (acceptance.py, admission.py), 429 quota_exceeded / auth_throttled /
+influence_rate_exceeded / new_identity_share (Retry-After), 503 store_lost (flushed,
+corrupted, rolled back) / store_unavailable / too_many_connections / influence_table_full;
+tickets: 400 missing_ticket / bad_ticket, 403 invalid_ticket, 409 ticket_expired /
+ticket_used. The server keeps no record of which instance was drawn (tickets.py); per token
+it keeps only the cumulative step of its accepted updates. With tickets=False any of the k
+instances and the last `history` replaced ones may be the pre-image (acceptance.check).
 """
 
 from __future__ import annotations

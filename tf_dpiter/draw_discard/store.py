@@ -99,22 +99,14 @@ class Snapshot:
 
   @functools.cached_property
   def candidates(self) -> np.ndarray:
-    """Slots then history, [k + h, p].
-
-    Returns:
-      [k + h, p] float64 (cached).
-    """
+    """Slots then history, [k + h, p] float64 (cached)."""
     if self.combined is not None:
       return self.combined
     return np.concatenate([self.slots, self.history]) if len(self.history) else self.slots
 
   @functools.cached_property
   def centre(self) -> np.ndarray:
-    """Mean of the k slots, [p].
-
-    Returns:
-      [p] float64 (cached).
-    """
+    """Mean of the k slots, [p] float64 (cached)."""
     return self.slots.mean(axis=0)
 
 
@@ -168,11 +160,7 @@ class Store(abc.ABC):
   @property
   @abc.abstractmethod
   def scope(self) -> str:
-    """The model this store holds, for draw tickets (tickets.py): its kind and generation.
-
-    Returns:
-      The scope string, "memory:<generation>" or "redis:<prefix>:<generation>".
-    """
+    """The model held, for tickets.py: "memory:<generation>" or "redis:<prefix>:<generation>"."""
 
   @abc.abstractmethod
   async def meta(self) -> dict:
