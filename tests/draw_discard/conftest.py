@@ -42,12 +42,18 @@ def http_request(port, method, path, body=None, headers=None):
     conn.close()
 
 
-def http_status(port, token=None, path="/v1/spec", src="127.0.0.1"):
-  """The status of one GET to 127.0.0.1:port from address `src`, with a bearer token."""
+def connect_from(port, src="127.0.0.1"):
+  """A socket connected to 127.0.0.1:port from loopback address `src` (5 s timeout)."""
   s = socket.socket()
   s.bind((src, 0))
   s.settimeout(5)
   s.connect(("127.0.0.1", port))
+  return s
+
+
+def http_status(port, token=None, path="/v1/spec", src="127.0.0.1"):
+  """The status of one GET to 127.0.0.1:port from address `src`, with a bearer token."""
+  s = connect_from(port, src)
   head = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
   head += f"Authorization: Bearer {token}\r\n" if token else ""
   s.sendall((head + "\r\n").encode())

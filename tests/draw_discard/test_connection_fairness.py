@@ -7,7 +7,6 @@ and time (client timeouts of a few seconds).
 
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from tf_dpiter.draw_discard import cli, client_lib, http_server, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 from tests.draw_discard import loopback
+from tests.draw_discard.conftest import connect_from
 
 SPEC = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
 TABLE = 48
@@ -32,10 +32,7 @@ def _hold(port, addrs, http=True):
   """One connection from each address; with http=True each sends one /healthz first."""
   socks = []
   for a in addrs:
-    s = socket.socket()
-    s.bind((a, 0))
-    s.settimeout(5)
-    s.connect(("127.0.0.1", port))
+    s = connect_from(port, a)
     if http:
       s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
       assert s.recv(65536).startswith(b"HTTP/1.1 200")

@@ -12,20 +12,14 @@ import pytest
 from tf_dpiter.draw_discard import auth, cli, http_server, service
 from tf_dpiter.draw_discard import store as store_lib
 
+from tests.draw_discard.conftest import connect_from as _sock
+
 SPEC = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
 TOKEN = "carol-token-0123456789abcdef"
 
 
 def _svc(**kw):
   return service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0, **kw)
-
-
-def _sock(port, src="127.0.0.1"):
-  s = socket.socket()
-  s.bind((src, 0))
-  s.settimeout(5)
-  s.connect(("127.0.0.1", port))
-  return s
 
 
 def _get(s, path="/v1/spec", token=None, close=False):
