@@ -69,28 +69,36 @@ def _data(in_shape, b=11, seed=0):
   return x, rng.normal(size=(b, 2)).astype("float32")
 
 
-def _reference(model, x, y, clip=_CLIP):
-  """(sum_i min(1, C / ||g_i||) g_i, [||g_i||]) of per-example tape gradients."""
-  total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
-  norms = []
+def _per_example(model, x, y):
+  """([g_i], [||g_i||]): each example's gradient under its own tape, in float64."""
+  grads = []
   for i in range(x.shape[0]) if not isinstance(x, (list, tuple)) else range(x[0].shape[0]):
     xi = [a[i:i + 1] for a in x] if isinstance(x, (list, tuple)) else x[i:i + 1]
     with tf.GradientTape() as tape:
       loss = _LOSS(y[i:i + 1], model(xi))[0]
-    g = [t.numpy().astype(np.float64) for t in tape.gradient(loss, model.trainable_variables)]
-    norm = np.sqrt(sum(np.sum(t ** 2) for t in g))
-    norms.append(norm)
-    total = [a + t * min(1.0, clip / norm) for a, t in zip(total, g)]
-  return total, np.array(norms)
+    grads.append([t.numpy().astype(np.float64)
+                  for t in tape.gradient(loss, model.trainable_variables)])
+  return grads, np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
 
 
-def _check(model, x, y, jit=False):
-  """The clip norm C the median per-example norm: some examples clipped, some not."""
-  clip = float(np.median(_reference(model, x, y)[1]))
+def _reference(model, x, y, clip=_CLIP, per_example=None):
+  """(sum_i min(1, C / ||g_i||) g_i, [||g_i||]) of per-example tape gradients
+  (`per_example`: `_per_example(model, x, y)` when already computed for these weights)."""
+  grads, norms = per_example or _per_example(model, x, y)
+  total = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
+           for v in range(len(grads[0]))]
+  return total, norms
+
+
+def _check(model, x, y, jit=False, per_example=None):
+  """The clip norm C the median per-example norm: some examples clipped, some not
+  (`per_example`: the loop's gradients, computed once for several checks of one model)."""
+  per_example = per_example or _per_example(model, x, y)
+  clip = float(np.median(per_example[1]))
   xt, yt = tf.nest.map_structure(tf.constant, x), tf.constant(y)   # tensors, as a step has
   got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(model, xt, yt, _LOSS, clip),
                            jit_compile=jit)()
-  want, want_norms = _reference(model, x, y, clip)
+  want, want_norms = _reference(model, x, y, clip, per_example)
   np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4)
   assert np.min(want_norms) < clip < np.max(want_norms)
   for g, r in zip(got, want):
@@ -116,6 +124,7 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
   view = entry and dense._as_dense(layer, entry[1], tf.constant(x),  # pylint: disable=protected-access
                                    layer(tf.constant(x)))
   assert (view is not None) == as_dense, equation
+  per_example = _per_example(model, x, y)   # the loop once: the forms only read the weights
   for form in (None, "gram", "direct", "chunks"):
     with monkeypatch.context() as m:
       _force(m, form)
@@ -124,7 +133,7 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
       m.setattr(budget, "sum_over_chunks",
                 lambda fn, tensors, size, shapes: chunked.append(size) or over(
                     fn, tensors, size, shapes))
-      _check(model, x, y)
+      _check(model, x, y, per_example=per_example)
       if form == "chunks":   # book-keeping over chunks of 8 of the batch of 11 really ran
         assert 8 in chunked, chunked
 
@@ -136,10 +145,11 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
 def test_frozen_kernel_or_bias(equation, out_shape, bias_axes, in_shape, freeze, monkeypatch):
   model, _ = _model(equation, out_shape, bias_axes, in_shape, freeze=freeze)
   x, y = _data(in_shape)
+  per_example = _per_example(model, x, y)
   for form in ("gram", "chunks"):
     with monkeypatch.context() as m:
       _force(m, form)
-      _check(model, x, y)
+      _check(model, x, y, per_example=per_example)
 
 
 @pytest.mark.parametrize("form", ["gram", None])

@@ -25,16 +25,25 @@ def mse(y_true, y_pred):
   return tf.reduce_sum(tf.square(y_true - y_pred), axis=-1)
 
 
-def reference(model, x, y, loss_fn, clip, mask=None):
+def per_example(model, x, y, loss_fn):
+  """Each example's gradient under its own tape (float64; zeros for an unused variable)."""
   variables = model.trainable_variables
-  total = [np.zeros(v.shape, np.float64) for v in variables]
-  norms = []
+  out = []
   for i in range(B):
     with tf.GradientTape() as tape:
       loss = loss_fn(y[i:i + 1], model(x[i:i + 1], training=True))[0]
-    grads = [np.asarray(tf.convert_to_tensor(g), np.float64) if g is not None
-             else np.zeros(v.shape) for g, v in
-             zip(tape.gradient(loss, variables), variables)]
+    out.append([np.asarray(tf.convert_to_tensor(g), np.float64) if g is not None
+                else np.zeros(v.shape) for g, v in
+                zip(tape.gradient(loss, variables), variables)])
+  return out
+
+
+def reference(model, x, y, loss_fn, clip, mask=None, grads_per_example=None):
+  """(sum_i min(1, C / ||g_i||) g_i over unmasked i, [||g_i||], 0 where masked);
+  `grads_per_example`: `per_example(...)` when already computed for these weights."""
+  total = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+  norms = []
+  for i, grads in enumerate(grads_per_example or per_example(model, x, y, loss_fn)):
     if mask is not None and mask[i] == 0:
       norms.append(0.0)
       continue
@@ -46,9 +55,10 @@ def reference(model, x, y, loss_fn, clip, mask=None):
 
 
 def check(model, x, y, loss_fn=mse, variants=VARIANTS, mask=None):
-  _, ref_norms = reference(model, x, y, loss_fn, 1.0)
+  grads_per_example = per_example(model, x, y, loss_fn)   # the loop once, for both uses
+  _, ref_norms = reference(model, x, y, loss_fn, 1.0, grads_per_example=grads_per_example)
   clip = float(np.median(ref_norms))  # some examples clipped, some not
-  ref_grads, ref_norms = reference(model, x, y, loss_fn, clip, mask)
+  ref_grads, ref_norms = reference(model, x, y, loss_fn, clip, mask, grads_per_example)
   for variant in variants:
     grads, norms = clipping.clipped_grad_sum(
         model, x, y, loss_fn, clip, mask=mask, variant=variant)
