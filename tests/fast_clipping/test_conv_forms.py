@@ -181,6 +181,44 @@ def test_chunk_size_from_the_budget(monkeypatch):
   assert size(16) == 16
 
 
+# (input [H, W, cin], kernel, strides, padding, output [ho, wo], examples per record)
+_FOLD_GRAM_MEMORY_CASES = [
+    ((13, 13, 16), (4, 4), (2, 2), "valid", (5, 5), 1),   # the tutorial CNN's second conv
+    ((13, 13, 16), (4, 4), (2, 2), "valid", (5, 5), 2),
+    ((14, 14, 8), (4, 4), (2, 2), "same", (7, 7), 1),
+]
+
+
+@pytest.mark.parametrize("case", _FOLD_GRAM_MEMORY_CASES, ids=str)
+def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
+  """The folded Gram's temporaries per example (`_fold_gram_temp_bytes`, which sets its chunk)
+  bound what TensorFlow's allocator holds at its peak beyond the inputs while the norms of a
+  chunk of 256 examples are formed; the tutorial CNN's second convolution gets chunks of 256
+  examples under the default budget (128 for records of 2)."""
+  in_shape, ksize, strides, padding, out_hw, k = case
+  b = 256
+  rng = np.random.default_rng(0)
+  x = tf.constant(rng.normal(size=(b,) + in_shape), tf.float32)
+  dz = tf.constant(rng.normal(size=(b,) + out_hw + (32,)), tf.float32)
+  per_example = conv._fold_gram_temp_bytes(x, dz, ksize, strides, k)
+
+  @tf.function
+  def norms(x, dz):
+    with registry.examples_per_record(k):
+      return conv._fold_gram_sqr_norm(x, dz, ksize, strides, padding)
+
+  norms(x, dz)   # traced, first allocations made
+  peaks = []
+  for _ in range(3):
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    norms(x, dz).numpy()
+    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
+  assert 0 < max(peaks) <= b * per_example, (peaks, b * per_example)
+  if in_shape == (13, 13, 16):
+    assert budget.chunk_size(per_example, k) == 256 // k
+
+
 @pytest.mark.parametrize("b", [1, 7, 8, 9, 17, 127, 128, 129, 256, 257, 383, 1000])
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_balanced_chunks_pad_less_than_one_record_per_chunk(b, k):
