@@ -45,7 +45,9 @@ class DDMLClient:
     token: bearer token, or None.
     cafile: PEM CA file to verify an https server (default: the system CAs).
     ssl_context: a client SSLContext (overrides cafile).
-    max_epsilon, min_noise, max_delta: the client's PrivacyFloor (max_epsilon=None: none).
+    max_epsilon: the PrivacyFloor's largest served epsilon (None: no floor).
+    min_noise: the PrivacyFloor's smallest noise std, in sensitivities (None: none).
+    max_delta: the PrivacyFloor's largest Gaussian delta.
     insecure: allow sending the token over http://.
 
   Raises:
@@ -264,7 +266,9 @@ class AsyncDDMLClient:
     timeout: total request timeout in seconds.
     token: bearer token, or None.
     cafile: PEM CA file to verify an https server (default: the system CAs).
-    max_epsilon, min_noise, max_delta: the client's PrivacyFloor (max_epsilon=None: none).
+    max_epsilon: the PrivacyFloor's largest served epsilon (None: no floor).
+    min_noise: the PrivacyFloor's smallest noise std, in sensitivities (None: none).
+    max_delta: the PrivacyFloor's largest Gaussian delta.
     insecure: allow sending the token over http://.
 
   Raises:
@@ -319,7 +323,8 @@ class AsyncDDMLClient:
     """As DDMLClient.submit.
 
     Args:
-      drawn, weights: as DDMLClient.submit.
+      drawn: as DDMLClient.submit.
+      weights: as DDMLClient.submit.
 
     Returns:
       The server's answer.
@@ -338,13 +343,16 @@ class AsyncDDMLClient:
     """As DDMLClient.update (checks the privacy floor before training).
 
     Args:
-      records, y, rng: as DDMLClient.update.
+      records: as DDMLClient.update.
+      y: as DDMLClient.update.
+      rng: as DDMLClient.update.
 
     Returns:
       The server's answer.
 
     Raises:
-      PrivacyFloorError, DDMLError: as DDMLClient.update.
+      PrivacyFloorError: as DDMLClient.update.
+      DDMLError: as DDMLClient.update.
     """
     drawn = await self.draw()
     self.floor.check(drawn.spec)

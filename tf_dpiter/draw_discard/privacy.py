@@ -115,8 +115,10 @@ def adversary_two_loss(b1, b2, a, a_prime, gamma: float, epsilon: float) -> np.n
   f = Laplace(0, 2 gamma/epsilon) density; a, a' in [-1, 1].
 
   Args:
-    b1, b2: the two instances' values (arrays, broadcast together).
-    a, a_prime: the two hypotheses' clipped gradients, in [-1, 1].
+    b1: the first instance's values (arrays, broadcast together).
+    b2: the second instance's values.
+    a: the first hypothesis' clipped gradient, in [-1, 1].
+    a_prime: the second hypothesis' clipped gradient, in [-1, 1].
     gamma: the learning rate.
     epsilon: per-update epsilon (nats).
 
