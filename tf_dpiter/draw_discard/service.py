@@ -83,8 +83,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     history: replaced instances kept as acceptance candidates (default: 0 with tickets,
       256 without).
     max_abs_weight: no stored weight exceeds this magnitude.
-    centre_factor: refuse updates farther (mean square) from the average than this times an
-      honest update's expectation at Theorem 1's spread (stops chaining attacks).
+    centre_factor: the acceptance rule's anti-chaining factor (acceptance.AcceptanceRule).
     draw_max_age_s: a draw may use a snapshot this old when the store moved on.
     body_timeout_s: seconds to receive a request body (408 after).
     init_epsilon: epsilon of the initial spread when the spec has no noise.
@@ -92,35 +91,27 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     reset: overwrite an existing model in the store.
     max_body_bytes: request body limit (default: a JSON list of 2p doubles).
     tickets: require draw tickets (tickets.py) and test steps against the served instance.
-    rebase: with tickets, store h' + (u - h), h' an instance drawn by the server when the
-      update arrives, instead of u (Algorithm 2 stores u): discarding draws then gains a
-      client nothing (influence.py).
+    rebase: with tickets, store h' + (u - h), h' drawn by the server when the update arrives,
+      instead of u (Algorithm 2; influence.py).
     ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered).
-    budget_alpha: lifetime false-rejection probability of an honest token's influence
-      budget (influence.py).
+    budget_alpha: the influence budget's lifetime false-rejection probability (influence.py).
     max_identities: identities whose influence budget is kept.
-    secret: the shared secret of the store's servers (keys.py; the ticket and slot-integrity
-      keys derive from it; never written to the store). None: a random one for this process
-      (no other server can join), or with legacy_store_key the one kept in the store.
-    influence_steps: rate cap of one identity's decayed update count (influence.py; None:
-      no cap: one identity may move the model by N steps in N submits).
+    secret: the shared secret of the store's servers (keys.py). None: a random one for this
+      process (no other server can join), or with legacy_store_key the one in the store.
+    influence_steps: rate cap of one identity's decayed update count (influence.py; None: none).
     influence_half_life_s: half-life of the influence budget's decay (None: no decay).
     budget_memory_bytes: memory bound of the influence budgets (all identities).
-    state_file: Redis: this server's anchor file (anchor.py), written before each update
-      is acknowledged: detects at start-up a store that lost acknowledged updates. None:
-      only rollbacks while it runs.
-    adopt_state: with state_file, accept the store as it is at start-up when the anchor is
-      missing or records another generation (a new server; the operator's decision).
+    state_file: Redis: this server's anchor file (anchor.py); None: only rollbacks seen while
+      it runs are detected.
+    adopt_state: with state_file, accept the store as it is at start-up (anchor.Anchor).
     model_min_updates: accepted updates between two releases of the average on /v1/model
       (model_release.py; default k).
     model_interval_s: seconds between two releases of the average.
-    legacy_store_key: keep the secret in the store (older behaviour; anyone who reads the
-      store can forge tickets); logged as a warning.
+    legacy_store_key: keep the secret in the store (anyone who reads it can forge tickets;
+      keys.py); logged as a warning.
     new_identity_share: cap on the share of recent accepted updates from identities first
       seen less than an hour ago (sybil.NewIdentityShare; None: no cap).
-    draw_min_updates: with rebasing, a value is served only once it is this many accepted
-      updates (in its lineage) away from every value already served; else a draw gets the
-      slot's last served value again (draw_gate.py). 1: Algorithm 2's draws.
+    draw_min_updates: with rebasing, the draw gate's m (draw_gate.py); 1: Algorithm 2's draws.
 
   Raises:
     ParameterValueError: for k < 2, history < 0 or a bad acceptance parameter.

@@ -10,11 +10,9 @@ so a value of the wrong length, a corrupted value, a slot copied from another sl
 value of another generation (an older model in the same prefix) or one written by anyone
 without the secret is refused on read (StoreCorrupt). The slot key lives outside the store,
 so reading the store does not allow forging. What a tag cannot show is *which* of the
-values legitimately written to a slot is the newest: rolling the whole store back is
-caught by the sequence-number high-water mark (redis_store.py). An older value of one slot
-written back by someone with write access to the store carries a write id that was retired
-when that value was replaced: the process that replaced it remembers the id (`write_ids`,
-redis_store.RedisStore) and refuses the slot (docs/draw_discard_security.md).
+values legitimately written to a slot is the newest: a rolled-back store is caught by the
+sequence-number high-water mark (redis_store.py), an older value written back by its
+retired write id (`write_ids`, replay_guard.py; docs/draw_discard_security.md).
 """
 
 from __future__ import annotations
