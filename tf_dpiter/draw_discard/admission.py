@@ -7,14 +7,10 @@ Order (each step refuses before anything is stored):
      drawn instance sent back (403), expired (409);
   3. step d = u - h against the served instance h (AcceptanceRule.check_step): 422
      step_too_large / excess_too_large / too_little_noise, P(honest refused) <= alpha;
-  4. influence budget (influence.py): the identity's decayed count stays under its rate
-     cap (else 429 influence_rate_exceeded, Retry-After) and its decayed cumulative step
-     inside honest clients' envelope, and its undecayed per-weight sum inside N honest
-     steps' envelope, else 422 cumulative_step_too_large / cumulative_excess_too_large /
-     lifetime_step_too_large (503 influence_table_full when the memory bound is hit);
-  5. new identities' share (sybil.py, when set): a new identity's update is refused with
-     429 new_identity_share (Retry-After) when new identities already hold their capped
-     share of recent accepted updates.
+  4. influence budget (influence.py): 429 influence_rate_exceeded (Retry-After), 422
+     cumulative_step_too_large / cumulative_excess_too_large / lifetime_step_too_large,
+     503 influence_table_full (memory bound);
+  5. new identities' share (sybil.py, when set): 429 new_identity_share (Retry-After).
 
 The budget's key is the token identity, or without tokens the address's /24 or /64 prefix
 (sybil.budget_key); the ticket stays bound to the token or address that drew.

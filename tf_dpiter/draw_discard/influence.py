@@ -4,14 +4,12 @@ Relation and unit: the unit is one *identity* (a bearer token; the client addres
 tokens); the comparison is between N accepted submits of one identity and N honest
 clients' submits under the same served spec.
 
-With draw tickets (tickets.py) the server knows the instance h_t each submit started from,
-so it knows the submitted step d_t = u_t - h_t exactly. An honest step is (Algorithm 1)
-
-    d_t = s_t + n_t,   |s_tj| <= a = gamma * clip,   n_tj iid noise of scale `scale`
-
-(Laplace(b): scale = b; Gaussian: scale = sigma), whatever the client's data. For N honest
-steps, C_N = sum_t d_t = S_N + W_N with |S_Nj| <= N a and W_Nj a sum of N iid noises. The
-budget keeps C_N per identity and accepts the N-th submit only if
+With draw tickets (tickets.py) the server knows the submitted step d_t = u_t - h_t exactly;
+an honest step is d_t = s_t + n_t, |s_tj| <= a = gamma * clip, n_tj iid noise of scale
+`scale` (Algorithm 1, acceptance.py; Laplace(b): scale = b; Gaussian: scale = sigma),
+whatever the client's data. For N honest steps, C_N = sum_t d_t = S_N + W_N with
+|S_Nj| <= N a and W_Nj a sum of N iid noises. The budget keeps C_N per identity and accepts
+the N-th submit only if
 
   * per weight:  max_j |C_Nj| <= N a + x_N scale,
   * aggregate:   sum_j max(|C_Nj| - N a, 0) <= U_N scale          (<= sum_j |W_Nj| / scale),
