@@ -57,3 +57,26 @@ def test_dense_without_bias_and_frozen_kernel():
   frozen.kernel.trainable = False
   (bias,) = dense._dense_sums(frozen, tf.constant(x), tf.constant(dz), tf.constant(c))
   np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", [(), (2, 3)])
+@pytest.mark.parametrize("k,n", [(3, 7), (7, 3)])
+def test_dense_sums_without_and_with_two_position_axes(positions, k, n):
+  """[B, K] inputs (no positions) and [B, T1, T2, K] ones: the kernel one product of the
+  rows of every position, the bias a reduction, against numpy; a record with c_i = 0 and
+  values that are not finite adds nothing."""
+  rng = np.random.RandomState(k + len(positions))
+  b = 4
+  x = rng.randn(b, *positions, k).astype("float32")
+  dz = rng.randn(b, *positions, n).astype("float32")
+  c = np.array([0.25, 0.0, 1.0, 0.5], "float32")
+  x[1].flat[0], dz[1].flat[-1] = np.nan, np.inf
+  layer = keras.layers.Dense(n)
+  layer.build((None,) + positions + (k,))
+  flat_x = np.nan_to_num(x).reshape(b, -1, k)
+  flat_dz = np.nan_to_num(dz).reshape(b, -1, n)
+  want_kernel, want_bias = _reference(flat_x, flat_dz, c)
+  kernel, bias = tf.function(lambda x, dz, c: dense._dense_sums(layer, x, dz, c))(
+      tf.constant(x), tf.constant(dz), tf.constant(c))
+  np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-6)

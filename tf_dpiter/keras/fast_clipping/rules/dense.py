@@ -2,11 +2,11 @@
 
 Dense: z = x W + b; grad W_i = sum_t x_t dz_t^T, grad b_i = sum_t dz_t; its clipped sum
 (registry.FactorSums) weights the smaller of x and dz by the clip factors and takes one
-matrix product over every position of every example. When both W and b are trained and x
-has positions t, b is the weight of a constant input 1 (z = [x, 1] [W; b]): the norm and
-the sum of [W; b] are those of one kernel on [x, 1], so the bias needs no pass of its own
-over dz (in the Gram form its squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already
-formed).
+matrix product over every position of every example, the bias one reduction of the
+weighted output gradient. When both W and b are trained and x has positions t, b is the
+weight of a constant input 1 (z = [x, 1] [W; b]) in the norms: the norm of [W; b] is that
+of one kernel on [x, 1], so the bias needs no pass of its own over dz (in the Gram form its
+squared norm is sum_{t,s} <dz_t, dz_s>, from the Gram already formed).
 EinsumDense: z = einsum(eq, x, W) + b. Where it is a Dense on [B, T, K] inputs (its kernel
 the contracted then the output-only indices, its bias one value per output-only entry, e.g.
 BERT's attention projections; `_as_dense`) it takes the Dense forms above; else per-example
@@ -132,42 +132,42 @@ def _bias_folded(on, x):
 
 
 def _dense_sums(layer, x, dz, factors, on=None):
-  """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz) over the
-  rows of every position (whichever of x [.., K] and dz [.., N] is smaller gets the factors),
-  bias sum_i c_i sum_t dz_t: with the kernel, the last row of the same product on [x, 1].
-  Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows / drop_rows: one
-  elementwise op each, no branch), so a record whose values are not finite adds nothing.
+  """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz), one matrix
+  product of the [B T.., K] and [B T.., N] rows of every position (whichever of x and dz is
+  smaller gets the factors); bias sum_i c_i sum_t dz_t, a reduction of the weighted output
+  gradient (Bu et al., "Differentially private optimization on large model at small cost",
+  Sec. 3). The bias is not the last row of a product on [x, 1] here (as it is in the norms,
+  `_budgeted_norms`): at BERT-base's shapes and sequence 128 the einsum on [x, 1] (K + 1
+  rows) took 1.2-1.35x the CPU of the K-row product and the bias's reduction, about the same
+  at sequence 32 (benchmarks/dense_sum_forms.py), and this form needs no copy of x with a
+  column of ones. Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows /
+  drop_rows: one elementwise op each, no branch), so a record whose values are not finite
+  adds nothing.
   `on`: (kernel trained, bias trained) where the caller has read it (None: read here)."""
   if on is None:
     on = (algebra.trainable(layer.kernel), algebra.trainable(layer.bias))
   k, n = int(x.shape[-1]), int(dz.shape[-1])
-  fold = _bias_folded(on, x)
   out = {}
+  # the factors on the smaller operand; the bias reads dz weighted where dz carries them
+  dz_weighted = on[0] and k > n
   if on[0]:
-    x1 = algebra.with_ones_column(x) if fold else x   # with the bias's input 1
-    rows_in = int(x1.shape[-1])
-    if rows_in <= n:
-      xw, dw = algebra.weight_rows(x1, factors), algebra.drop_rows(dz, factors)
+    if dz_weighted:
+      xw, dw = algebra.drop_rows(x, factors), algebra.weight_rows(dz, factors)
     else:
-      xw, dw = algebra.drop_rows(x1, factors), algebra.weight_rows(dz, factors)
-    if xw.shape.rank == 3 and dw.shape.rank == 3:   # one op over every position (no reshapes)
-      product = tf.einsum("btk,btn->kn", xw, dw)
+      xw, dw = algebra.weight_rows(x, factors), algebra.drop_rows(dz, factors)
+    # [B T.., K]^T [B T.., N]: one product over every position (a reshape of contiguous rows)
+    product = tf.matmul(algebra.reshape(xw, [-1, k]), algebra.reshape(dw, [-1, n]),
+                        transpose_a=True)
+    out[id(layer.kernel)] = _shaped(product, layer.kernel)
+  if on[1]:
+    if dz_weighted:   # c_i dz_i: summed over the batch and the positions, one reduction
+      out[id(layer.bias)] = _shaped(
+          algebra.reduce_sum(dw, list(range(dw.shape.rank - 1))), layer.bias)
     else:
-      product = tf.matmul(algebra.reshape(xw, [-1, rows_in]), algebra.reshape(dw, [-1, n]),
-                          transpose_a=True)
-    if fold:   # [W; b]: one split (no slice chain per part)
-      kernel_sum, bias_sum = tf.split(product, algebra.const([k, 1]), num=2,
-                                      axis=algebra.const(0))
-      out[id(layer.kernel)] = _shaped(kernel_sum, layer.kernel)
-      out[id(layer.bias)] = _shaped(bias_sum, layer.bias)
-    else:
-      out[id(layer.kernel)] = _shaped(product, layer.kernel)
-  if on[1] and not fold:
-    dz = tf.cast(dz, tf.float32)
-    per_example = dz if dz.shape.rank == 2 else tf.reduce_sum(   # [B, N] already: no op
-        tf.reshape(dz, [tf.shape(dz)[0], -1, n]), axis=1)
-    out[id(layer.bias)] = algebra.factor_product(factors,
-                                                 algebra.drop_rows(per_example, factors))
+      dz = algebra.drop_rows(dz, factors)
+      per_example = dz if dz.shape.rank == 2 else tf.reduce_sum(   # [B, N] already: no op
+          tf.reshape(dz, [tf.shape(dz)[0], -1, n]), axis=1)
+      out[id(layer.bias)] = algebra.factor_product(factors, per_example)
   return [out[id(v)] for v in layer.trainable_variables]
 
 
