@@ -1,11 +1,8 @@
 """Keras callbacks of the privacy ledger (McMahan et al., "A General Approach to Adding
 Differential Privacy to Iterative Training Procedures", Section 6: accounting post hoc).
 
-`PrivacyMeter` (epsilon in the epoch logs) and `StopAtPrivacyBudget` read the ledger
-(`privacy`); `LedgerExport`, `LedgerJournal` and `LedgerCoverage` write it to files or check
-that it covers every step taken (`ledger`); `ExponentialMovingAverage` and `PolyakAveraging`
-evaluate averaged weights (`averaging`: post-processing of the released iterates, no privacy
-cost).
+`privacy` reads the ledger, `ledger` writes it to files or checks that it covers every step,
+`averaging` evaluates averaged weights (post-processing: no privacy cost).
 """
 
 from tf_dpiter.keras.callbacks.averaging import ExponentialMovingAverage

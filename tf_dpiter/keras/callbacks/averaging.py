@@ -21,17 +21,10 @@ from tf_dpiter.errors import ParameterValueError
 
 
 class _WeightAveraging(keras.callbacks.Callback):
-  """Keeps an average of the model's trainable weights; swaps it in for evaluation.
-
-  During `fit`, the average is updated after every training batch; validation (Keras calls
-  the test hooks) runs on the averaged weights, and training resumes on the raw ones. At the
-  end of `fit` the averaged weights are left in the model (`swap_on_train_end=True`), so a
-  later `evaluate`, `predict` or save uses them; `restore_raw()` puts the last iterate back.
-  The optimizer's state (momentum, iterations, the ledger) is never touched.
-
-  Only trainable weights are averaged (non-trainable state, e.g. BatchNormalization's moving
-  statistics, is the model's own). With `steps_per_execution > 1` Keras calls the batch hook
-  once per execution: the average is then over every `steps_per_execution`-th iterate.
+  """Keeps an average of the model's trainable weights, updated after every training batch
+  (every execution with steps_per_execution > 1); validation runs on it, and at the end of
+  `fit` it is left in the model (`swap_on_train_end`; `restore_raw()` puts the last iterate
+  back). The optimizer's state and the ledger are never touched.
   """
 
   def __init__(self, swap_on_train_end=True):
@@ -57,8 +50,7 @@ class _WeightAveraging(keras.callbacks.Callback):
       self._update_fn = tf.function(self._update)
 
   def _update(self):
-    """One step of the average (traced once by `_ensure_built`): each subclass' rule,
-    `ExponentialMovingAverage` or `PolyakAveraging`; this base is never used alone."""
+    """One step of the average (traced once): each subclass' rule."""
     raise NotImplementedError(f"{type(self).__name__} must define its averaging step")
 
   def on_train_begin(self, logs=None):
@@ -117,8 +109,7 @@ class ExponentialMovingAverage(_WeightAveraging):
   """EMA of the trainable weights: a_t = d a_{t-1} + (1 - d) w_t, a_0 = the initial weights.
 
   With `warmup=True` the decay at step t is min(d, (1 + t) / (10 + t)) (TensorFlow's
-  `ExponentialMovingAverage(num_updates=t)` rule), so early averages are not dominated by the
-  initialization. Post-processing of the DP-SGD iterates: no privacy cost.
+  `ExponentialMovingAverage(num_updates=t)` rule), so the initialization does not dominate.
 
   Args:
     decay: d in [0, 1).
@@ -150,9 +141,8 @@ class ExponentialMovingAverage(_WeightAveraging):
 class PolyakAveraging(_WeightAveraging):
   """Uniform (Polyak-Ruppert) average of the iterates from step `start` on.
 
-  a_t = (1 / (t - s + 1)) sum_{k = s..t} w_k for t >= s (s = `start`, counted in training
-  batches from the start of `fit`, 1 = after the first step); before s the average follows
-  the weights. Post-processing of the DP-SGD iterates: no privacy cost.
+  a_t = (1 / (t - s + 1)) sum_{k = s..t} w_k for t >= s (s = `start`, in training batches
+  from the start of `fit`); before s the average follows the weights.
 
   Args:
     start: s >= 1, the first step averaged.

@@ -50,9 +50,6 @@ def check_ledger_covers(model, ledger=None):
     model: a compiled DP keras.Model.
     ledger: its ledger (default: `model_ledger(model)`).
 
-  Returns:
-    None.
-
   Raises:
     PrivacyConfigError: optimizer iterations > ledger samples (the message says how to supply it).
   """
@@ -61,11 +58,8 @@ def check_ledger_covers(model, ledger=None):
 
 
 class LedgerCoverage(keras.callbacks.Callback):
-  """Before the first step of `fit`: `check_ledger_covers` (DPModel.fit adds it).
-
-  The check runs at the first batch, after every on_train_begin (keras.callbacks.
-  BackupAndRestore restores the optimizer's iterations there, the journal resumes there).
-  """
+  """Runs `check_ledger_covers` at the first batch of `fit`, after every on_train_begin
+  (where BackupAndRestore and the journal restore); DPModel.fit adds it."""
 
   def __init__(self):
     super().__init__()
@@ -106,20 +100,13 @@ class LedgerJournal(keras.callbacks.Callback):
   """Crash safety: resumes the ledger from an append-only journal and appends every step.
 
   On train begin the journal (tf_dpiter.ledger.LedgerJournal) is loaded into the model's
-  ledger when it holds more samples (a restart after a crash); after every training step
-  (execution) and at the end of training the new samples and passes are appended and
-  fsynced. Rule: every noised step ever taken is charged, steps re-run after a restore from
-  an older backup included, so the ledger's samples >= the restored optimizer's iterations.
-  `DPModel.fit` puts this callback first, after the pass sync, so a step is in the journal
-  before any other callback can save, log or print its result. Added automatically with
-  keras.callbacks.BackupAndRestore (backup_dir/privacy_ledger.journal; Keras deletes the
-  backup_dir, journal included, when training ends normally: export the ledger then) or
-  with fit(..., ledger_journal=path).
-
-  Every chunk carries the optimizer's iterations at the append. Before the first step (after
-  every on_train_begin, so after BackupAndRestore restored the model), a journal that ends
-  before the restored model's iterations, keyed or not, is refused (`dp.ledger.LedgerJournal.
-  check_covers`): its tail was cut or it is an older copy.
+  ledger when it holds more samples; after every execution and at the end of training the
+  new samples and passes are appended and fsynced (module docstring's rule). `DPModel.fit`
+  puts it first, so a step is journaled before any other callback sees it, and adds it with
+  BackupAndRestore (backup_dir/privacy_ledger.journal, deleted with the backup when training
+  ends normally) or fit(..., ledger_journal=path). Every chunk carries the optimizer's
+  iterations; before the first step a journal that ends before them is refused
+  (`LedgerJournal.check_covers`): its tail was cut or it is an older copy.
 
   Args:
     path: the journal file (created on the first append).
@@ -158,30 +145,12 @@ class LedgerJournal(keras.callbacks.Callback):
       self._journal.append(model_ledger(self.model), iterations=model_iterations(self.model))
 
   def on_train_batch_begin(self, batch, logs=None):
-    """keras.callbacks.Callback.on_train_batch_begin: before the first step, refuses a
-    journal that ends before the (restored) model's optimizer iterations.
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     if not self._checked and self._journal is not None:
       self._checked = True
       self._journal.check_covers(model_iterations(self.model))
 
   def on_train_batch_end(self, batch, logs=None):
-    """keras.callbacks.Callback.on_train_batch_end: appends the new step to the journal.
-
-    Args:
-      batch: the index of the batch in the epoch (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     self._append()
 
   def on_train_end(self, logs=None):
-    """keras.callbacks.Callback.on_train_end: appends what is not journaled yet.
-
-    Args:
-      logs: the dict of metric values Keras passes to the callback.
-    """
     self._append()

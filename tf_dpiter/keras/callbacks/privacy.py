@@ -1,11 +1,10 @@
 """Keras callbacks reading the privacy ledger (McMahan et al. 2018, Section 6: accounting post hoc).
 
-`PrivacyMeter` writes epsilon (and delta) into the epoch logs, so History, TensorBoard and
-CSVLogger show them (inside `DPModel.fit` before any other callback reads the logs, whatever
-the order of the list), and can draw epsilon over steps as a PNG; `StopAtPrivacyBudget` stops training before a step would exceed
-(epsilon, delta); `LedgerExport` writes the ledger as JSON; `LedgerJournal` appends every
-step to a crash-safe journal and resumes it. Epsilon is always computed from what the ledger
-recorded (sampling policy, relation and passes included), never from the settings.
+`PrivacyMeter` writes epsilon (and delta) into the epoch logs and can plot it;
+`StopAtPrivacyBudget` stops training before a step would exceed (epsilon, delta);
+`LedgerExport` and `LedgerJournal` are in `callbacks.ledger`. Epsilon is always computed from
+what the ledger recorded (sampling policy, relation and passes included), never from the
+settings.
 """
 
 import math
@@ -24,8 +23,6 @@ from tf_dpiter.accounting import lookahead
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
-from tf_dpiter.keras.callbacks.ledger import LedgerExport  # noqa: F401  (re-exported)
-from tf_dpiter.keras.callbacks.ledger import LedgerJournal  # noqa: F401  (re-exported)
 from tf_dpiter.keras.callbacks.ledger import model_ledger
 from tf_dpiter.ledger import policies as ledger_policies
 
@@ -42,10 +39,8 @@ def _gaussian_z(queries):
   """Eq. (1) noise multiplier per unit of clip, (sum_g (S_g / sigma_g)^2)^(-1/2), or None."""
   if not queries or any(q.get("type") != "gaussian" for q in queries):
     return None
-  inv = sum((q["l2_norm_clip"] / q["stddev"]) ** 2 for q in queries if q["stddev"] > 0)
-  if any(q["stddev"] == 0 and q["l2_norm_clip"] > 0 for q in queries):
-    return 0.0
-  return math.inf if inv == 0 else inv ** -0.5
+  return accounting.effective_noise_multiplier([q["l2_norm_clip"] for q in queries],
+                                               [q["stddev"] for q in queries])
 
 
 def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
@@ -92,13 +87,9 @@ def begin_fit(model, passes_ahead=None):
 
   Args:
     model: the keras.Model whose fit is starting.
-    passes_ahead: the fit's function `(model, count) -> the passes (shuffle) / epochs (balls
-      in bins) not yet charged that the next `count` steps would use, or None`; None: the
-      fit has no sampler that counts them. A module-level function (it must not hold the
-      model: the table is keyed weakly by it).
-
-  Returns:
-    None.
+    passes_ahead: the fit's module-level function `(model, count) -> the passes / epochs not
+      yet charged that the next `count` steps would use, or None`; None: no sampler counts
+      them.
   """
   _FIT_METERS[model] = []
   if passes_ahead is None:
@@ -114,43 +105,23 @@ def write_privacy_logs(model, epoch, logs):
     model: the keras.Model being fit.
     epoch: the epoch index (from 0) the logs belong to.
     logs: the epoch's logs dict, updated in place (None: only epsilon is computed).
-
-  Returns:
-    None.
   """
   for meter in _FIT_METERS.get(model, ()):
     meter.write_logs(epoch, logs)
 
 
-def _check_accountant(accountant):
-  accounting.check_accountant(accountant)
-  return accountant
-
-
-def _progress_bar_open(params):
-  """True when Keras' progress bar (fit verbose=1 or "auto") is still on its line at a
-  callback's on_epoch_end: it ends the line after the user callbacks."""
-  return (params or {}).get("verbose") in (1, "auto")
-
-
 class PrivacyMeter(keras.callbacks.Callback):
   """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end).
 
-  Inside `DPModel.fit` the logs are written before any other callback sees them (TensorBoard,
-  CSVLogger, EarlyStopping, ModelCheckpoint, whatever their place in the list). When the
-  ledger holds shuffled passes, logs['epsilon_if_poisson'] also shows what Poisson sampling
-  with the same q, noise and number of steps would have cost (`epsilon_if_poisson`).
-
-  Under accountant="gdp" the value is an approximation (a central limit theorem, not an upper
-  bound: `accounting.gdp`), so it is never written as logs['epsilon']: it goes to
-  logs['epsilon_gdp_approximate'] (the CSV column, History key and TensorBoard tag say it),
-  and the verbose line reads "epsilon ~ x (GDP: approximate, not an upper bound)".
+  Inside `DPModel.fit` the logs are written before any other callback sees them. With
+  shuffled passes in the ledger, logs['epsilon_if_poisson'] is what Poisson sampling with the
+  same q, noise and steps would have cost. Under accountant="gdp" (an approximation, not an
+  upper bound) the value goes to logs['epsilon_gdp_approximate'], never logs['epsilon'].
 
   Args:
     delta: the delta of the (epsilon, delta) statement, in (0, 1).
-    accountant: "rdp" or "pld" (dp-accounting, upper bounds) or another registered
-      accountant (`accounting.register_accountant`), or "gdp" (an approximation, labelled
-      so; see accounting.gdp).
+    accountant: a registered accountant ("rdp", "pld": upper bounds) or "gdp" (an
+      approximation, labelled so).
     verbose: print epsilon after every epoch.
     plot: optional PNG path: at the end of training, epsilon over steps
       (`accounting.epsilon_curve`, up to `plot_points` points; dotted lines at epoch ends).
@@ -164,7 +135,8 @@ class PrivacyMeter(keras.callbacks.Callback):
   def __init__(self, delta, accountant="rdp", verbose=0, plot=None, plot_points=50):
     super().__init__()
     self.delta = validation.check_delta("delta", delta)
-    self.accountant = _check_accountant(accountant)
+    accounting.check_accountant(accountant)
+    self.accountant = accountant
     self.epsilon_key = "epsilon" if accounting.accountant.is_bound_accountant(accountant) else (
         "epsilon_gdp_approximate")
     self.verbose = verbose
@@ -199,9 +171,6 @@ class PrivacyMeter(keras.callbacks.Callback):
     Args:
       epoch: the epoch index (from 0); epsilon is computed once per epoch.
       logs: the epoch's logs dict, updated in place, or None.
-
-    Returns:
-      None.
     """
     if self._written is None or self._written[0] != epoch:
       self.epsilon = self._epsilon()
@@ -218,9 +187,8 @@ class PrivacyMeter(keras.callbacks.Callback):
         logs["epsilon_if_poisson"] = self._written[1]
 
   def on_epoch_end(self, epoch, logs=None):
-    """keras.callbacks.Callback.on_epoch_end: writes epsilon into `logs` (`write_logs`);
-    with `verbose`, prints it on its own line (after Keras' progress bar has ended its line:
-    under fit(verbose=1) the line is printed when the next epoch or the training ends).
+    """Writes epsilon into `logs`; with `verbose`, prints it once Keras' progress bar has
+    ended its line.
 
     Args:
       epoch: the index of the epoch, from 0 (Keras).
@@ -236,16 +204,10 @@ class PrivacyMeter(keras.callbacks.Callback):
         value = (f"epsilon ~ {self.epsilon:.4g} (GDP: approximate, not an upper bound; use "
                  "accountant='pld' or 'rdp' for a guarantee)")
       self._pending = f"epoch {epoch + 1}: {value} at delta = {self.delta:g}{extra}"
-      if not _progress_bar_open(self.params):
+      if (self.params or {}).get("verbose") not in (1, "auto"):   # no progress bar on its line
         self._print_pending()
 
   def on_epoch_begin(self, epoch, logs=None):
-    """keras.callbacks.Callback.on_epoch_begin: prints the last epoch's line if pending.
-
-    Args:
-      epoch: the index of the epoch, from 0 (Keras).
-      logs: the dict of metric values Keras passes to the callback.
-    """
     self._print_pending()
 
   def _print_pending(self):
@@ -293,23 +255,17 @@ class PrivacyMeter(keras.callbacks.Callback):
 class StopAtPrivacyBudget(keras.callbacks.Callback):
   """Stops training before the next step would make epsilon (at delta) exceed the budget.
 
-  After each step (execution) the callback asks whether the ledger extended by
-  steps_per_execution copies of its last sample would exceed `epsilon`; if so, training
-  stops, so the ledger never holds a step past the budget (assuming the next step is like
-  the last one, which holds when the sampling and query do not change). The copies continue
-  the last run (a cyclic Poisson run of c + 1 steps costs ceil((c + 1) / b) participations);
-  under shuffled passes and balls in bins the fit's sampler says how many passes the next
-  steps start (a pass is charged when its first step is taken, never when prefetched). The number of
-  allowed steps of the current kind is found once by binary search and cached. Before the
-  first step the optimizer's Gaussian settings predict the step; with a custom query the
-  first step is not checked.
+  After each execution it asks whether the ledger extended by steps_per_execution copies of
+  its last sample would exceed `epsilon`; if so, training stops, so the ledger never holds a
+  step past the budget (assuming the next step is like the last one). Under shuffled passes
+  and balls in bins the fit's sampler says how many passes the next steps start. Before the
+  first step the optimizer's Gaussian settings predict it (with a custom query it is not
+  checked).
 
   Args:
     epsilon: the budget, a finite number > 0.
     delta: the delta of the budget, in (0, 1).
-    accountant: "rdp" or "pld" (upper bounds). "gdp" is refused: its epsilon is an
-      approximation that can be far below the truth, so a run stopped by it can exceed the
-      budget.
+    accountant: "rdp" or "pld" (upper bounds); "gdp", an approximation, is refused.
     verbose: print the line saying why training stopped.
 
   Raises:
@@ -369,20 +325,18 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   def _exceeds(self):
     ledger, planned, ahead = self._planned()
     if planned is None:
-      return False, None
+      return False
     extra = self._passes_ahead(planned, ahead)
     if extra is not None:
       # pass-charged policies: the next steps cost only the passes they start (none while
       # the pass in progress lasts), which the sampler knows and a step count does not.
       eps = lookahead.epsilon_after(ledger, self.delta, planned, ahead, self.accountant,
                                     extra_passes=extra)
-      return eps > self.epsilon, None
-    recorded, allowed = self._budget.allowed_total(ledger, planned)
-    return recorded + ahead > allowed, allowed
+      return eps > self.epsilon
+    return self._budget.exceeds(ledger, planned, ahead)
 
   def _check(self, step_label):
-    exceeds, _ = self._exceeds()
-    if not exceeds:
+    if not self._exceeds():
       return False
     eps = self.next_step_epsilon()
     # stop_training ends fit after this step; the halt makes the DP model's train function

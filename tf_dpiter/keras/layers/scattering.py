@@ -123,10 +123,7 @@ class Scattering2D(keras.layers.Layer):
   (batch, H', W', C K) channels last with H' = padded_size(H, J) / 2^J - 2 (H / 2^J when
   2^J divides H) and K = 1 + J L + L^2 J (J - 1) / 2 coefficients per input channel, in
   Kymatio's order (S0; S1 by (j1, theta1); S2 by (j1, theta1, j2, theta2)). For 28 x 28
-  MNIST with J = 2, L = 8: (batch, 7, 7, 81), the features of Tramer and Boneh (ICLR 2021).
-
-  Data-independent (no weights, no statistics of the data set): features computed with it
-  before DP training cost no privacy.
+  MNIST with J = 2, L = 8: (batch, 7, 7, 81). Data-independent: it costs no privacy.
 
   Args:
     J: the number of scales (int >= 1); the output is subsampled by 2^J.

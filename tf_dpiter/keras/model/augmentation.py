@@ -8,33 +8,22 @@ gradients, clipped once:
 
 The record is still one example (the K views are a function of x_i alone), so the clipped
 sum keeps sensitivity S under add/remove one example (2S under replace-one) and the ledger,
-the sampling and the accounting are unchanged: only the gradient estimate of each example
-improves. Averaging after clipping each view would instead shrink the signal.
+the sampling and the accounting are unchanged. Averaging after clipping each view would
+instead shrink the signal.
 
-Here this is a model and a loss (no change to the DP step):
-  * `AugmentationMultiplicity(model, augment_fn, k)` (built by `augmentation_multiplicity`),
-    in training, stacks K views [B, K, ...] of the batch and runs `model` on them through
-    `keras.layers.TimeDistributed` -> outputs [B, K, ...]; in inference it is `model(x)`.
-  * its `loss` (`ViewMeanLoss`) repeats each label over the K views and returns the mean
-    over views of the base loss: one loss per example, whose gradient is the mean of the
-    view gradients, which the DP step clips per example.
-Both clipping paths apply: the vectorized path computes each example's gradient alone (any
-model); the fast (ghost-norm) path clips the TimeDistributed block from per-example
-gradients (fast_clipping.plan treats it as one opaque block), so it is exact but not faster.
-`clipping="auto"` takes the vectorized path: the wrapper runs the user's `augment_fn`, which
-the library cannot know acts per example (`dp.keras.declare_per_example(wrapped, reason)`
-says it does, and allows the fast path).
+This is a model and a loss, with no change to the DP step: `AugmentationMultiplicity` in
+training runs `model` on K stacked views [B, K, ...] through `keras.layers.TimeDistributed`
+(in inference it is `model(x)`), and `ViewMeanLoss` returns each example's mean over views of
+the base loss, whose gradient the DP step clips. `clipping="auto"` takes the vectorized path,
+since the library cannot know that `augment_fn` acts per example;
+`dp.keras.declare_per_example(wrapped, reason)` allows the fast path (exact, not faster: the
+TimeDistributed block is one opaque block).
 
 `augment_fn(x, view) -> x'` must act on each example alone (no batch statistics); `view` is
-the index 0..K-1 of the view (a Python int), and a random augmentation may ignore it (a fresh
-draw on each of its K calls).
+the view's index 0..K-1 (a Python int), which a random augmentation may ignore.
 
-Metrics (`compile(metrics=...)`) see one prediction per example: in training, the mean over
-the K views of the model's outputs (for logits, the mean logit; `view_mean` of the outputs
-[B, K, ...] -> [B, ...]), computed from the outputs the step already has (no extra forward
-pass; it is not the un-augmented view's prediction); in evaluation, `model(x)` on the
-un-augmented inputs. Metrics are outside the clipped sum: they change nothing in the update or
-the ledger.
+Metrics see one prediction per example: in training the mean over the K views' outputs
+(`view_mean`), in evaluation `model(x)`. They are outside the clipped sum.
 """
 
 import keras

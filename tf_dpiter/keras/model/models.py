@@ -17,8 +17,6 @@ Treatment of what could leak around the clipping:
   LayerNormalization / GroupNormalization.
 * Metrics and the reported loss are computed from the private batch without noise: they
   are for monitoring only and are not covered by the guarantee.
-
-The private step itself is in train_step.py.
 """
 
 import inspect
@@ -72,9 +70,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     return opt
 
   def compile(self, optimizer=_OWN_DEFAULT, *args, **kwargs):  # pylint: disable=keyword-arg-before-vararg
-    """keras.Model.compile with a DP optimizer. Under `mixed_float16` Keras' dynamic loss
-    scaling (a data-dependent scale) is not used: a LossScaleOptimizer around a DP optimizer
-    is unwrapped, and the private step applies a static loss scale itself
+    """keras.Model.compile with a DP optimizer. A LossScaleOptimizer around it is unwrapped:
+    Keras' dynamic loss scale is data-dependent; the step applies a static one
     (routing.loss_scale).
 
     Args:
@@ -115,9 +112,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     check_no_batch_mixing(self)
 
   def _dp_apply_pending_settings(self):
-    """Swaps the compiled plain optimizer for its DP copy (`optimizers.DPOptimizer`: same
-    hyperparameters, fresh state) with the DP settings make_private was given, keeping the
-    compiled loss and metrics; the settings are used once."""
+    """Swaps the compiled plain optimizer for its DP copy (`optimizers.DPOptimizer`) with the
+    settings make_private was given (used once), keeping the compiled loss and metrics."""
     settings = getattr(self, "_dp_pending_settings", None)
     if not settings:
       return
@@ -127,9 +123,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_pending_settings = None
 
   def save_own_variables(self, store):
-    """keras.Model.save_own_variables, plus the DP optimizer's ledger: `model.save` and
-    `save_weights` files carry it, so the ledger is continued by whatever DP optimizer later
-    trains weights loaded from them (saved_ledger.write_to_store).
+    """keras.Model.save_own_variables, plus the DP optimizer's ledger, which whatever DP
+    optimizer later trains the loaded weights continues (saved_ledger.write_to_store).
 
     Args:
       store: the dict-like weights-file entry of this model.
@@ -139,9 +134,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   def load_own_variables(self, store):
     """keras.Model.load_own_variables; a ledger the file carries is merged into the DP
-    optimizer's ledger now, or when a DP optimizer is compiled on this model (a model loaded
-    with `compile=False`, weights loaded into a new model): weights trained by earlier steps
-    are never trained on from an empty ledger.
+    optimizer's ledger now or when one is compiled, so trained weights never restart from an
+    empty ledger.
 
     Args:
       store: the dict-like weights-file entry of this model.
@@ -165,9 +159,6 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     Args:
       config: the serialized compile config (from get_compile_config), deserialized
         and passed to `compile` as keyword arguments.
-
-    Returns:
-      None.
     """
     config = keras.saving.deserialize_keras_object(config)
     self.compile(**config)
@@ -197,17 +188,13 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
   def fit(self, *args, sampling=None, population_size=None, ledger_journal=None, **kwargs):
     """keras.Model.fit with DP sampling declared to the ledger (see fit_sampling).
 
-    On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n) unless
-    `sampling="shuffle"` (the default with num_microbatches < batch_size: microbatches of
-    several examples): shuffled passes (num_microbatches = batch_size is per-example
-    clipping and samples by Poisson, as num_microbatches=None). A dataset from
-    dp.data.poisson_batches / shuffled_batches declares its own sampling; other data needs
-    `optimizer.set_sampling` first. Crash safety: with keras.callbacks.BackupAndRestore among
-    the callbacks, or `ledger_journal=path`, every step is appended to an append-only journal
-    that the next fit resumes; every noised step ever taken is charged, re-runs after a
-    restore included, so the ledger's samples >= the restored optimizer's iterations. A model
-    whose optimizer took more steps than its ledger holds (restored without its ledger) is
-    refused before the first step (ledger_callbacks.check_ledger_covers).
+    On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n), or
+    shuffled passes with `sampling="shuffle"` (the default when num_microbatches <
+    batch_size). A dataset from dp.data.poisson_batches / shuffled_batches declares its own
+    sampling; other data needs `optimizer.set_sampling` first. With BackupAndRestore or
+    `ledger_journal=path` every step is appended to a journal the next fit resumes: every
+    noised step ever taken is charged. A model whose optimizer took more steps than its
+    ledger holds is refused before the first step (ledger_callbacks.check_ledger_covers).
 
     Args:
       *args: keras.Model.fit's arguments (`shuffle` is not used for DP).
@@ -264,8 +251,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
-    if path is not None and not any(isinstance(c, callbacks_lib.LedgerJournal) for c in callbacks):
-      internal.append(callbacks_lib.LedgerJournal(path))
+    if path is not None and not any(isinstance(c, ledger_callbacks.LedgerJournal)
+                                    for c in callbacks):
+      internal.append(ledger_callbacks.LedgerJournal(path))
     # last: before the first step, after every restore and every journal's own check
     a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()]
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
@@ -281,9 +269,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     return history
 
   def _dp_build_for_probe(self, data_spec):
-    """Builds an unbuilt model from the data's shapes before the train function is traced,
-    so the batch-independence probe can run eagerly (Keras would build it inside the trace,
-    where the new variables cannot be read yet)."""
+    """Builds an unbuilt model from the data's shapes before the trace, so the
+    batch-independence probe can run eagerly."""
     if not all(layer.built for layer in keras_internals.flatten_layers(self)):
       keras_internals.symbolic_build(self, data_spec)
 
@@ -418,7 +405,6 @@ def make_dp_model_class(cls):
   constructor takes TF Privacy's (l2_norm_clip, noise_multiplier, num_microbatches=None,
   use_xla=None, layer_registry=None) before the class' own arguments, and which is compiled
   with a plain Keras optimizer (made private with these settings; tf_privacy_args).
-
   keras.Sequential and keras.Model (functional) give DPSequential and DPModel.
 
   Args:
@@ -449,12 +435,10 @@ def make_dp_model_class(cls):
 def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_size,
                               population_size, l2_norm_clip, sampling="poisson",
                               accountant="rdp", **dp_kwargs):
-  """Opacus' `make_private_with_epsilon` for Keras: the model made private and a DP copy of the
-  plain `optimizer` whose noise multiplier the accountant calibrated to (epsilon, delta)
-  (`DPKeras*Optimizer.from_budget`: ceil(epochs n / B) steps at q = B / n under `sampling`).
-  Compile the model with the returned optimizer and train with the same batch size, epochs and
-  sampling. A model already compiled with a plain Keras optimizer (a keras_hub task) is
-  compiled with the returned optimizer here, its compiled loss and metrics kept.
+  """Opacus' `make_private_with_epsilon` for Keras: the model made private and a DP copy of
+  `optimizer` with z calibrated to (epsilon, delta) (`from_budget`: ceil(epochs n / B) steps
+  at q = B / n). Compile with it and train with the same batch size, epochs and sampling; a
+  model compiled with a plain optimizer gets it now, its loss and metrics kept.
 
   Args:
     model: a keras.Model (see make_private).
@@ -506,20 +490,8 @@ def _compiled_optimizer(model):
 
 
 def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
-  """make_private's DP settings, checked now as DPOptimizer checks them, or None if none given.
-
-  Args:
-    l2_norm_clip: S, or None.
-    noise_multiplier: z, or None.
-    dp_kwargs: dict of DPOptimizer's other arguments.
-
-  Returns:
-    dict of DPOptimizer keyword arguments, or None.
-
-  Raises:
-    ParameterTypeError: an argument DPOptimizer does not take.
-    ParameterValueError: a bad setting (DPOptimizer's own checks, which name it).
-  """
+  """make_private's DP settings (a dict of DPOptimizer keyword arguments), checked now by
+  DPOptimizer's own checks (ParameterTypeError: an argument it does not take), or None."""
   takes = tuple(name for name, p in inspect.signature(opt_lib.DPOptimizer).parameters.items()
                 if name != "optimizer" and p.kind != p.VAR_KEYWORD) + tuple(
                     noise_mechanisms.PARAM_NAMES)
@@ -538,21 +510,16 @@ def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
 
 
 def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs):
-  """Turns a built or unbuilt keras.Model (sequential, functional or subclassed, a keras_hub
-  task) into its DP version in place (its class becomes `private_class(type(model))`) and
-  returns it.
+  """Turns a keras.Model (sequential, functional, subclassed, a keras_hub task) into its DP
+  version in place (class `private_class(type(model))`) and returns it.
 
-  Three cases, by what the model is compiled with:
-    * nothing: compile it afterwards with a DP optimizer; or, given the DP settings here,
-      with a plain Keras optimizer (or a name, or a keras_hub task's default), which the
-      first `compile` turns into its DP copy;
-    * a plain Keras optimizer (a keras_hub task compiles itself with Adam): the DP settings
-      are required, and that optimizer is replaced now by its DP copy
-      (`dp.keras.DPOptimizer(optimizer, l2_norm_clip, noise_multiplier, ...)`: the same
-      hyperparameters from its get_config, learning-rate schedule, betas and weight decay
-      included; fresh slots and step count), keeping the compiled loss, metrics and other
-      compile settings. Steps it took before are not private and are not in the ledger;
-    * a DP optimizer: kept as it is (giving DP settings too is refused).
+  By what the model is compiled with:
+    * nothing: compile it later with a DP optimizer or, given the DP settings here, with a
+      plain optimizer (or a name), which the first `compile` turns into its DP copy;
+    * a plain Keras optimizer: the DP settings are required, and it is replaced now by its
+      DP copy (`dp.keras.DPOptimizer`: same hyperparameters, fresh slots and step count),
+      the compiled loss and metrics kept. Steps it took before are not private;
+    * a DP optimizer: kept (giving DP settings too is refused).
 
   The DP step clips each example's gradient to L2 norm `l2_norm_clip` and adds Gaussian noise
   of standard deviation `noise_multiplier * l2_norm_clip` to the sum once per batch (McMahan

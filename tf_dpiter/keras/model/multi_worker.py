@@ -1,46 +1,29 @@
 """What `model.fit` needs under tf.distribute.MultiWorkerMirroredStrategy (several processes).
 
-Keras 3's TensorFlow trainer does not run `fit` under a multi-worker strategy as shipped
-(Keras 3.15, TF 2.21), for any model:
-1. `_maybe_symbolic_build` reduces the whole first distributed batch with
-   `strategy.reduce("MEAN", batch)`; the collective strategy's reduce takes one tensor, not a
-   nest (ValueError: "Attempt to convert a value (PerReplica ...)").
-2. `reduce_per_replica(logs, reduction="auto")` calls `strategy.reduce("MEAN", v, axis=0)`
-   on every log under a multi-worker strategy, which fails on the scalar logs a train step
-   returns ("Invalid reduction dimension 0 for input with 0 dimensions").
+Keras 3's TensorFlow trainer (Keras 3.15, TF 2.21) cannot run `fit` under a multi-worker
+strategy: `_maybe_symbolic_build` reduces the whole first batch with `strategy.reduce("MEAN",
+batch)`, which takes one tensor, not a nest; and `reduce_per_replica(logs, "auto")` reduces
+every log along axis 0, which fails on a train step's scalar logs. `MultiWorkerFitMixin`
+builds from this worker's first local replica's batch and gives every log a leading axis of 1,
+so the axis-0 MEAN is the mean over replicas. Put it first: `class M(MultiWorkerFitMixin,
+DPSequential)`. The data side is `data.indexed_sampling.distributed_poisson_batches`.
 
-`MultiWorkerFitMixin` fixes both for a DP model: the first batch is this worker's first
-local replica's (shapes only: it builds the model), and every log gets a leading axis of 1,
-so Keras' axis-0 MEAN is the mean over all replicas. Put it before the DP model class:
-`class M(MultiWorkerFitMixin, DPSequential)`.
+Noise: every worker noises the all-reduced clipped sum and Keras averages the workers'
+updates, so independent generators would give std z C / sqrt(W) for W workers, not z C.
+`fit` therefore copies the chief's generator state to every worker first (`synchronize_noise`):
+all draw the same noise, std z C. `secure_mode` (os.urandom, no state) is refused.
 
-The data side is `tf_dpiter.data.indexed_sampling.distributed_poisson_batches` (one global
-Poisson sample per step). Noise: every worker's optimizer draws noise on the all-reduced
-clipped sum and Keras averages the workers' updates, so with independent generators the update
-would carry noise of std z C / sqrt(W) for W workers, not z C. `MultiWorkerFitMixin.fit`
-therefore gives every worker the chief's generator state before training
-(`synchronize_noise`): all workers then draw the same noise, whose mean is that noise, std z C.
-`secure_mode` (os.urandom, no state to share) is refused under several workers.
-
-Files: only the chief writes the privacy ledger (`LedgerJournal`, the journal kept with
-`BackupAndRestore` or `ledger_journal=`, `LedgerExport`) and the `BackupAndRestore` backup.
-On the other workers `MultiWorkerFitMixin.fit` drops `LedgerExport`, replaces the journal by
-a read-only one (it loads the chief's journal at train begin when this worker can read it,
-so after a restart every worker's ledger is the chief's; it never appends) and makes
-`BackupAndRestore` restore-only (Keras 3's callback is not multi-worker aware: every worker
-would write the same files). As with TF's own multi-worker fault tolerance, the backup
+Files: only the chief writes the ledger (`LedgerJournal`, `LedgerExport`) and the
+`BackupAndRestore` backup. On other workers `fit` drops `LedgerExport`, makes the journal
+read-only (loaded from the chief's file at train begin when readable, never appended) and
+`BackupAndRestore` restore-only (Keras' callback is not multi-worker aware). The backup
 directory must be on a file system every worker reads.
 
-Fault tolerance (Keras' model: the job is restarted). When a worker process dies, the
-collective all-reduce of the others cannot complete; MultiWorkerMirroredStrategy does not
-replace a worker inside a running job, so the whole job is restarted with the same
-`BackupAndRestore` directory. Rule (the journal's): every noised step ever taken is charged,
-so after any number of restarts the chief's ledger holds every step the chief completed,
-steps re-run after a restore from an older backup included: its sample count is at least
-the restored optimizer's iterations and its epsilon at least that of an uninterrupted run
-of the same steps (equal when the kill fell on a backup boundary).
+Fault tolerance (Keras' model): a dead worker stalls the collectives, and the whole job is
+restarted with the same `BackupAndRestore` directory. Every noised step ever taken is charged,
+so after any number of restarts the chief's ledger holds at least the restored optimizer's
+iterations and its epsilon is at least that of an uninterrupted run of the same steps.
 """
-
 import inspect
 import os
 
@@ -91,9 +74,8 @@ def is_chief(strategy):
 
 
 def broadcast_from_chief(strategy, value):
-  """The chief's `value` (a tensor) on every worker: an all-reduce SUM to which only global
-  replica 0 (on the chief) contributes. Call in cross-replica context (outside strategy.run),
-  e.g. to give every worker the chief's noise-generator state.
+  """The chief's `value` on every worker: an all-reduce SUM to which only global replica 0
+  contributes. Call in cross-replica context (outside strategy.run).
 
   Args:
     strategy: the strategy.
@@ -137,11 +119,8 @@ def synchronize_noise(strategy, optimizer):
 
 
 class ReadOnlyLedgerJournal(ledger_callbacks.LedgerJournal):
-  """A non-chief worker's stand-in for `LedgerJournal`: reads, never writes.
-
-  On train begin it loads the journal into the model's ledger when the file exists and
-  holds more samples (the chief's journal after a restart); it never creates, appends to
-  or deletes the file.
+  """A non-chief worker's `LedgerJournal`: loads the chief's file on train begin when it
+  exists and holds more samples; never creates, appends to or deletes it.
 
   Args:
     path: the chief's journal file.
@@ -223,9 +202,7 @@ class MultiWorkerFitMixin:
   """`fit` under MultiWorkerMirroredStrategy (module docstring); inert on one worker."""
 
   def fit(self, *args, **kwargs):
-    """DPModel.fit on this worker, after the chief's noise-generator state is copied to every
-    worker (synchronize_noise) and with the callbacks this worker runs (worker_callbacks:
-    only the chief writes ledger and backup files).
+    """DPModel.fit after `synchronize_noise`, with this worker's `worker_callbacks`.
 
     Args:
       *args, **kwargs: as DPModel.fit (keras.Model.fit plus sampling, ledger_journal).
@@ -261,8 +238,7 @@ class MultiWorkerFitMixin:
     return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
   def train_step(self, data):
-    """The DP train step; under several workers every log gets a leading axis of 1 (Keras
-    then averages the logs over the replicas).
+    """The DP train step; under several workers every log gets a leading axis of 1.
 
     Args:
       data: one replica's batch.

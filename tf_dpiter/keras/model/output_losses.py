@@ -1,25 +1,18 @@
 """The per-output losses a DP model logs (`logs["<output>_loss"]`) are Keras' epoch means.
 
-On a multi-output model Keras' compiled loss keeps one `Mean` per output and updates it every
-time the compiled loss is evaluated, with the batch mean of that output's loss weighted by the
-batch size. The private step evaluates the compiled loss once per record (inside a vectorized
-map on the vectorized path, record by record on the fast path), so those updates would average
-per-record values with wrong weights and count the padding rows of a padded Poisson sample.
-
-Here the private step evaluates the compiled loss with its per-output trackers silenced
-(`silenced`), and `update` then adds each output's loss over the batch's real examples once:
-for output o with per-example loss l_o(i), sample weight w_i (1 by default) and the example
-mask m_i (0 on padding rows),
+On a multi-output model Keras' compiled loss keeps one `Mean` per output, updated each time
+the compiled loss is evaluated. The private step evaluates it once per record, so those
+updates would average per-record values with wrong weights and count a padded Poisson
+sample's padding rows. The step therefore evaluates it with the trackers `silenced`, and
+`update` adds each output's loss over the batch's real examples once: with per-example loss
+l_o(i), sample weight w_i (1 by default) and example mask m_i (0 on padding rows),
 
     L_o = sum_i m_i w_i l_o(i) / n,     n = sum_i m_i,
 
-added to the tracker with weight n. Over an epoch the tracker then holds
-sum_steps sum_i m_i w_i l_o(i) / sum_steps n, which is what `model.evaluate` logs on the same
-records (its batches carry no padding: the mean over batches weighted by their sizes). The
-value is computed by the compiled loss itself (Keras' reduction "sum_over_batch_size" divides
-by the batch size B, padding included, so L_o = value * B / n); an unreduced loss
-(`reduction=None`, TF Privacy's idiom) gives per-example values, summed over the batch and
-divided by n times the number of values per example.
+with weight n, so the epoch's value is what `model.evaluate` logs on the same records. From
+the compiled loss' value: "sum_over_batch_size" divides by B, padding included, so
+L_o = value * B / n; an unreduced loss (`reduction=None`) is summed and divided by n times
+the values per example.
 """
 
 import contextlib
@@ -28,6 +21,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.optimizer import gradients as grads_lib
 
 
 class _Capture:
@@ -55,12 +49,8 @@ def needs_build(model):
 
 
 def build(model, data):
-  """Builds an unbuilt compiled loss of a model that may have several outputs, so that its
-  per-output trackers exist before the step (and `silenced` can silence them).
-
-  The compiled loss is built from the shapes of `data` and of the model's outputs on it
-  (symbolically: the loss adds no operation to the step). Nothing is done when it is built
-  or the model has one output.
+  """Builds the unbuilt compiled loss of a model that may have several outputs (from the
+  shapes of `data` and of the outputs on it), so its per-output trackers exist before the step.
 
   Args:
     model: a compiled keras.Model.
@@ -84,9 +74,6 @@ def silenced(model, trackers):
   Args:
     model: a compiled keras.Model whose compiled loss is built.
     trackers: its per-output loss trackers (`keras_internals.output_loss_trackers`).
-
-  Yields:
-    None.
   """
   if not trackers:
     yield
@@ -101,18 +88,6 @@ def _may_have_several_outputs(model):
   if graph is None:
     return True
   return len(tf.nest.flatten(graph[0].outputs)) > 1
-
-
-def _batch_size(y_pred):
-  return tf.shape(tf.nest.flatten(y_pred)[0])[0]
-
-
-def _example_mask(sample_weight, b):
-  if sample_weight is None:
-    return tf.ones([b], tf.float32)
-  flags = [tf.reduce_any(tf.reshape(tf.cast(t, tf.float32), [b, -1]) > 0, axis=1)
-           for t in tf.nest.flatten(sample_weight)]
-  return tf.cast(tf.reduce_any(tf.stack(flags, 0), 0), tf.float32)
 
 
 def _real_mean(value, b, n):
@@ -142,8 +117,8 @@ def update(model, trackers, y, y_pred, sample_weight):
   captures = [_Capture() for _ in trackers]
   with keras_internals.output_loss_trackers_swapped(model, captures):
     keras_internals.call_compile_loss(model, y, y_pred, sample_weight)
-  b = _batch_size(y_pred)
-  n = tf.reduce_sum(_example_mask(sample_weight, b))
+  b = grads_lib.dynamic_batch_size(y_pred)
+  n = tf.reduce_sum(grads_lib.example_mask_from_weights(sample_weight, b))
   for tracker, capture in zip(trackers, captures):
     if capture.value is not None:
       tracker.update_state(_real_mean(capture.value, b, n), sample_weight=n)
