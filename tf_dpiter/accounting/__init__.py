@@ -4,9 +4,7 @@ Also: a GDP accountant (an approximation, as TF Privacy's), epsilon over steps
 (`epsilon_curve`), the budget look-ahead (`epsilon_after`, `delta_after`, `StepBudget`;
 module `lookahead`), calibration (`calibrate_*`) and TF Privacy's
 `compute_dp_sgd_privacy_statement`. Accountants are looked up by name in a registry
-(`register_accountant`, module `accountants`): "rdp" and "pld" are built in, and every
-reader of `accountant=` (reports, calibration, callbacks, auditing, tuning, the command
-line) takes a registered name. Public names are listed in `__all__`.
+(`register_accountant`, module `accountants`).
 """
 
 from tf_dpiter.accounting.accountant import ACCOUNTANTS

@@ -36,10 +36,9 @@ _GDP_SOURCE = "an approximate value by a central limit theorem, not an upper bou
 
 
 class _DropExcludedOrderWarnings(logging.Filter):
-  """dp-accounting warns each time a fractional RDP order fails to converge; it then excludes
-  that order (epsilon is the minimum over the remaining orders, so the result stays a valid,
-  conservative bound). A training loop asking for epsilon every epoch would repeat it
-  endlessly, so we drop that one message."""
+  """Drops dp-accounting's warning that a fractional RDP order failed to converge: that order
+  is excluded (epsilon stays a valid bound over the others), and a loop asking for epsilon
+  every epoch would repeat it endlessly."""
 
   def filter(self, record):
     return "_compute_log_a_frac failed to converge" not in str(record.msg)
@@ -90,10 +89,8 @@ class LedgerContent:
 
 
 def ledger_runs(ledger, key=None):
-  """The recorded samples of a ledger, run-length encoded, and its shuffled passes.
-
-  The one reader of ledger contents for the accountant, the epsilon curve and the budget
-  look-ahead: a live ledger is read through its public methods (`get_arrays()`, `passes`).
+  """The recorded samples of a ledger, run-length encoded, and its shuffled passes: the one
+  reader of ledger contents for the accountant, the epsilon curve and the budget look-ahead.
 
   Args:
     ledger: a PrivacyLedger (or any object with `get_arrays()` and `passes`), a ledger dict
@@ -132,9 +129,6 @@ def ledger_runs(ledger, key=None):
 
 def shuffle_passes_needed(group):
   """The shuffled passes a group's samples need: ceil(count / ceil(n / m)) (McMahan et al. 2018, §5).
-
-  A pass of a shuffled policy is ceil(n / m) samples of m of the n records, so `count`
-  samples start at least ceil(count / ceil(n / m)) passes.
 
   Args:
     group: a `ledger_events.SampleGroup`.
@@ -249,12 +243,9 @@ def is_bound_accountant(accountant):
 
 
 def check_bound_accountant(accountant, who):
-  """Checks that `accountant` gives an upper bound on epsilon ("rdp" or "pld").
-
-  A budget, a stopping rule or a calibration is only as sound as the epsilon it compares with
-  its target. GDP's epsilon is a central-limit approximation (`accounting.gdp`) that can be
-  far below the truth (at TF Privacy's MovieLens setting it gives 4.85 where the PLD bound is
-  8.47), so a budget on it can be exceeded: it is refused here.
+  """Checks that `accountant` gives an upper bound on epsilon ("rdp" or "pld"): GDP's
+  central-limit approximation can be far below the truth (4.85 where the PLD bound is 8.47 at
+  TF Privacy's MovieLens setting), so a budget, stopping rule or calibration on it is refused.
 
   Args:
     accountant: the accountant name.
@@ -283,9 +274,8 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
   delta is (0, delta)-DP, so such a guarantee allows revealing about one record outright
   (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
 
-  Called where n is the real data size (privacy_report, the statement, the command line,
-  the Keras calibration), not in report_from_groups, which calibration calls with a
-  placeholder n.
+  Called where n is the real data size, not in report_from_groups (calibration calls it with
+  a placeholder n).
 
   Args:
     delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.
@@ -355,17 +345,14 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
       a LedgerContent, or (samples, queries[, passes]) arrays.
     delta: exactly one.
     epsilon: exactly one.
-    accountant: "rdp" or "pld" (dp-accounting, upper bounds); "gdp" (mu-GDP with Poisson
-      subsampling by a central limit theorem, as TF Privacy's GDP accountant: an
-      approximation, labelled so; Poisson or full-batch Gaussian steps only); "prv" is
-      refused (Opacus' PRV accountant is not installed): use "pld".
+    accountant: "rdp" or "pld" (dp-accounting, upper bounds); "gdp" (an approximation,
+      labelled so: `accounting.gdp`); "prv" is refused (not installed): use "pld".
     key: the HMAC key a signed ledger dict or JSON string is verified with (None: its
       SHA-256 digest only).
 
   Returns:
-    PrivacyReport, whose assumptions name the relation, the unit and the sampling, and for a
-    ledger dict/JSON what its integrity check proves (an HMAC under `key`, or a SHA-256
-    digest, which detects accidents but not forgery).
+    PrivacyReport, whose assumptions name the relation, the unit, the sampling and for a
+    ledger dict/JSON what its integrity check proves (a digest detects accidents, not forgery).
 
   Warns:
     UserWarning: delta >= 1/n for the ledger's population n (`warn_if_delta_too_large`).
@@ -437,9 +424,8 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
 
 
 def epsilon_function(groups, accountant="rdp"):
-  """delta -> epsilon of SampleGroups or a LedgerContent, the events composed once.
-
-  Fast for many deltas (e.g. group privacy); privacy_report's checks and accountants.
+  """delta -> epsilon of SampleGroups or a LedgerContent, the events composed once (fast for
+  many deltas, e.g. group privacy).
 
   Args:
     groups: SampleGroups or a LedgerContent.
@@ -463,9 +449,8 @@ def epsilon_function(groups, accountant="rdp"):
 
 
 def optimal_rdp_order(groups, delta):
-  """The RDP order at which the RDP accountant's epsilon at `delta` is reached.
-
-  TF Privacy's `opt_order`.
+  """The RDP order at which the RDP accountant's epsilon at `delta` is reached (TF Privacy's
+  `opt_order`).
 
   Args:
     groups: SampleGroups or a LedgerContent.

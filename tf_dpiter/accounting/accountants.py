@@ -1,11 +1,8 @@
 """The accountant registry: a name -> a factory of dp-accounting accountants.
 
-Every reader of an accountant name (`privacy_report`, `epsilon`, the calibrations, the
-budget look-ahead, `PrivacyMeter` and the budget callbacks, the auditing callbacks, tuning's
-selection report and the `dp_ledger` / `compute_dp_sgd_privacy` commands, whose
-`--accountant` choices are the registered names) resolves it here. "rdp" (dp-accounting's
-`RdpAccountant`, default orders) and "pld" (its `PLDAccountant`, default discretization) are
-registered at import; `register_accountant` adds one, e.g. RDP over another list of orders.
+Every reader of an accountant name (the reports, calibrations, callbacks and commands)
+resolves it here. "rdp" (dp-accounting's `RdpAccountant`, default orders) and "pld" (its
+`PLDAccountant`) are registered at import; `register_accountant` adds one.
 
 A registered accountant is a dp-accounting `PrivacyAccountant`: its epsilon is an upper bound
 (Mironov, "Renyi Differential Privacy", Proposition 3, for RDP; the PLD accountant's
@@ -56,8 +53,8 @@ def register_accountant(name, factory, events="rdp", description=None):
     factory: a callable taking one argument, the dp-accounting NeighboringRelation, and
       returning a fresh dp-accounting PrivacyAccountant (e.g.
       `lambda r: dp_accounting.rdp.RdpAccountant(orders, neighboring_relation=r)`).
-    events: "rdp" or "pld": the event family it reads (RDP-type accountants read what
-      dp-accounting's RdpAccountant reads, PLD-type what its PLDAccountant reads).
+    events: "rdp" or "pld": the event family it reads (as dp-accounting's RdpAccountant or
+      PLDAccountant).
     description: one line stating the accountant for the report (default: its name).
 
   Returns:

@@ -1,12 +1,10 @@
 """Calibration (McMahan et al. 2018, Section 4): find the noise multiplier, sampling rate or number of
 steps that meets a target (epsilon, delta).
 
-Privacy cost is monotone in each knob, so bisection on the accountant's epsilon finds it
-(the one bisection, `accounting.search`).
-The answer is always on the safe side of the target: the returned setting's epsilon is
-<= target_epsilon (noise rounded up; rate and steps rounded down).
-Only accountants that give an upper bound are taken ("rdp", "pld"): accountant="gdp" is an
-approximation and is refused (`accountant.check_bound_accountant`).
+Privacy cost is monotone in each knob, so bisection on the accountant's epsilon
+(`accounting.search`) finds it, always on the safe side: the returned setting's epsilon is
+<= target_epsilon (noise rounded up; rate and steps rounded down). Only upper-bound
+accountants are taken: "gdp" is refused (`accountant.check_bound_accountant`).
 """
 
 
@@ -40,9 +38,6 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
                                accountant="rdp", sampling="poisson", population_size=None,
                                tol=1e-4, num_microbatches=None):
   """Smallest noise multiplier z (within relative `tol`, rounded up) meeting the target.
-
-  Epsilon falls as z grows: a doubling search brackets z, then `search.bisect` keeps the
-  side whose epsilon is <= target_epsilon (McMahan et al. 2018, Section 4).
 
   Args:
     target_epsilon: > 0.
@@ -82,9 +77,8 @@ def calibrate_noise_multiplier(target_epsilon, target_delta, sampling_probabilit
 def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplier, steps,
                                    accountant="rdp", sampling="poisson", population_size=None,
                                    tol=1e-4):
-  """Largest sampling probability q in (0, 1] (rounded down) meeting the target.
-
-  A geometric `search.bisect` in log q (the rate spans orders of magnitude).
+  """Largest sampling probability q in (0, 1] (rounded down) meeting the target (a
+  geometric `search.bisect` in log q).
 
   Args:
     target_epsilon: > 0.

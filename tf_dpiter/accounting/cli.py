@@ -1,12 +1,9 @@
 """Console scripts: compute_dp_sgd_privacy, compute_noise_from_budget, dp_ledger.
 
-Also `python -m tf_dpiter.accounting <command> ...` (`tf_dpiter/accounting/__main__.py`).
-`compute_dp_sgd_privacy` takes TF Privacy's flags too: `--used_microbatching` /
-`--noused_microbatching` (absl style, also `--used_microbatching=false`),
-`--max_examples_per_user` and `--accountant_type RDP|PLD`; any of them prints TF Privacy's
-privacy statement, as TF Privacy's command does. They import no TensorFlow (and dp-accounting only when a number is computed), so `--help`
-answers at once. Counts accept float notation when it is a whole number (`--N 1e5`); errors
-print plain numbers.
+Also `python -m tf_dpiter.accounting <command> ...`. `compute_dp_sgd_privacy` takes TF
+Privacy's flags too (`--[no]used_microbatching`, `--max_examples_per_user`,
+`--accountant_type RDP|PLD`); any of them prints TF Privacy's privacy statement. They import
+no TensorFlow, so `--help` answers at once. Counts accept whole numbers in float notation.
 """
 
 import argparse
@@ -62,9 +59,8 @@ def whole_number(text):
 
 
 def cli_accountants():
-  """The accountants the commands offer (`--accountant` choices): the registered ones
-  (`accounting.register_accountant`) and "gdp"; not "prv" (Opacus' PRV accountant is not
-  available: dp-accounting has none and the prv-accountant package is not called).
+  """The accountants the commands offer (`--accountant` choices): the registered ones and
+  "gdp"; not "prv" (not available).
 
   Returns:
     a tuple of names, read when a command's parser is built.
@@ -147,12 +143,8 @@ def _accountant(a):
 def compute_dp_sgd_privacy_main(argv=None):
   """Command `compute_dp_sgd_privacy`: epsilon of DP-SGD from its hyperparameters.
 
-  Prints `accounting.compute_dp_sgd_privacy` for --N records, --batch_size,
-  --noise_multiplier, --epochs at --delta, or TF Privacy's statement
-  (`compute_dp_sgd_privacy_statement`) with --statement or any of TF Privacy's flags
-  --used_microbatching / --noused_microbatching / --max_examples_per_user / --accountant_type.
-  With TF Privacy's meaning, --used_microbatching (its default) says gradients were clipped
-  per microbatch, so only the each-example-once-per-epoch number is given.
+  Prints `accounting.compute_dp_sgd_privacy`, or TF Privacy's statement
+  (`compute_dp_sgd_privacy_statement`) with --statement or any of TF Privacy's flags.
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).
@@ -323,11 +315,8 @@ def _single_gaussian_noise(r):
 
 
 def sampling_lines(d, delta):
-  """How each run of a ledger sampled, against what a hyperparameter call assumes.
-
-  `compute_dp_sgd_privacy` (ours by default, and TF Privacy's) assumes Poisson sampling of
-  single examples. For every run that sampled otherwise (shuffled passes, fixed-size
-  batches, microbatches), a line says so and gives the call that reproduces the run.
+  """A line for every run of a ledger that did not sample single examples by Poisson (what
+  `compute_dp_sgd_privacy` assumes), with the call that reproduces the run.
 
   Args:
     d: a verified ledger dict.
@@ -378,9 +367,8 @@ def _ledger_parser():
 
 
 def dp_ledger_main(argv=None):
-  """Command `dp_ledger`: `show`, `report` or `plot` a saved ledger JSON file.
-
-  The file is verified (digest; HMAC with --key-file) before anything is read from it.
+  """Command `dp_ledger`: `show`, `report` or `plot` a saved ledger JSON file, verified
+  (digest; HMAC with --key-file) before anything is read from it.
 
   Args:
     argv: the command-line arguments (None: sys.argv[1:]).

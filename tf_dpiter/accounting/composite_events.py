@@ -71,11 +71,8 @@ def balls_in_bins_event(group, mech, passes, notes):
   over j of "step j has it", and each component differs from the law without it in step j
   only (the other steps are the same mechanisms, adaptively composed). Hockey-stick
   divergences are jointly convex, so the epoch is at least as private as one step's mechanism
-  with the example: that is what is charged. It is a proven bound, not a tight one.
-  dp-accounting's MixtureOfGaussiansDpEvent is one-dimensional: it cannot state this k-step
-  mixture, and the per-step Poisson rate 1/k (its mixture [0, 1] with probabilities
-  [1 - 1/k, 1/k]) is NOT a bound: Feldman and Shenfeld 2025 need a rate (1 + o(1))/k, and
-  for k = 2, noise multiplier 1/3, eps = 1 the mixture's delta exceeds Poisson's (tested).
+  with the example: that is what is charged (a proven bound, not a tight one). The per-step
+  Poisson rate 1/k is NOT a bound (Feldman and Shenfeld 2025 need (1 + o(1))/k).
 
   Args:
     group: a `ledger_events.SampleGroup` of policy balls_in_bins (sample_size = k).

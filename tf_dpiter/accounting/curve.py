@@ -1,11 +1,9 @@
 """Epsilon over training steps, read from a ledger, and its PNG plot. No TensorFlow.
 
-`epsilon_curve` accounts prefixes of the ledger (its first k samples, in the order they were
-recorded) at up to `num_points` values of k; the last point is the whole ledger, so it equals
-`accounting.epsilon(ledger, delta)`. Shuffled passes carry no step index in the ledger: a
-prefix of k of K samples is charged max(ceil(k / steps_per_pass), ceil(passes * k / K)) passes
-(at least the passes its steps need, at least its share of all passes), capped by the
-recorded passes. `plot_epsilon_curve` draws the curve (matplotlib, Agg backend).
+`epsilon_curve` accounts prefixes of the ledger (its first k recorded samples) at up to
+`num_points` values of k; the last is `accounting.epsilon(ledger, delta)`. A prefix of k of K
+samples is charged max(ceil(k / steps_per_pass), ceil(passes * k / K)) shuffled passes,
+capped by the recorded passes (passes carry no step index in the ledger).
 """
 
 import dataclasses

@@ -6,14 +6,10 @@ mechanisms compose to sqrt(sum mu_i^2)-GDP (exact). Poisson subsampling with rat
 steps is handled by the central limit theorem of Bu, Dong, Long & Su (2020), "Deep Learning
 with Gaussian Differential Privacy", Section 3: mu = q sqrt(T (e^(1/z^2) - 1)). That CLT
 value is an APPROXIMATION (a limit as T grows with q sqrt(T) fixed), not an upper bound: it
-can understate epsilon, most for few steps or large q. TF Privacy's MovieLens tutorial
-reports it; tf_dpiter offers it for comparison and labels every number it gives as
-approximate (the report's and the statements' line holding the number, PrivacyMeter's log key
-`epsilon_gdp_approximate`, a warning from `compat.compute_eps_poisson`). RDP or PLD
-(dp-accounting) give upper bounds, and only they are taken where a decision rests on
-epsilon: budgets (`StopAtPrivacyBudget`, `StepBudget`, the federated server's budget),
-calibration (`calibrate_*`, `compute_noise_from_budget`, `from_budget`,
-`make_private_with_epsilon`) refuse accountant="gdp" (`accountant.check_bound_accountant`).
+can understate epsilon, most for few steps or large q. tf_dpiter offers it for comparison
+(TF Privacy's MovieLens tutorial reports it) and labels every number it gives as
+approximate. Budgets and calibrations, where a decision rests on epsilon, refuse
+accountant="gdp" (`accountant.check_bound_accountant`): RDP and PLD give upper bounds.
 
 mu-GDP implies (epsilon, delta(epsilon))-DP for all epsilon with (Dong et al., Corollary 2.13)
   delta(epsilon) = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2).
@@ -104,9 +100,7 @@ def delta_from_mu(mu, epsilon):
 
 
 def epsilon_from_mu(mu, delta):
-  """Smallest epsilon >= 0 with delta(epsilon) <= delta for mu-GDP.
-
-  A doubling bracket, then `search.bisect` to 1e-10 relative.
+  """Smallest epsilon >= 0 with delta(epsilon) <= delta for mu-GDP (`search.bisect`, 1e-10).
 
   Args:
     mu: >= 0 (inf: no privacy); delta: in (0, 1).

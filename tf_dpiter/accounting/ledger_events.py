@@ -5,11 +5,9 @@ multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is
 sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
 replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
 multiplier is sigma over that sensitivity. Identical samples are composed with a count, so a
-ledger of 10^6 samples costs one event. Each policy's accounting object (`policy_accounting`,
-whose docstring lists them) turns the mechanism into the sampling event of the whole group,
-correlated-noise rows included: banded and matrix (BLT) rows under cyclic_poisson, tree rows
-(SingleEpochTreeAggregationDpEvent per pass, Kairouz et al. 2021, Appendix D; accounted under
-REPLACE_SPECIAL with the replace-one leaf sensitivity) under shuffle.
+ledger of 10^6 samples costs one event. Each policy's accounting object (`policy_accounting`)
+turns the mechanism into the sampling event of the whole group; tree rows (Kairouz et al.
+2021, Appendix D) are accounted under REPLACE_SPECIAL with the replace-one leaf sensitivity.
 A selection record (`ledger.selection`) turns the samples before it into one trial:
   RepeatAndSelectDpEvent(trial, mean, shape) (Papernot and Steinke 2022; RDP only).
 """
@@ -95,10 +93,9 @@ class SampleGroup:
 def effective_noise_multiplier(clips, stddevs):
   """The noise multiplier of one sample's Gaussian queries taken together (McMahan et al. 2018, Eq. (1)).
 
-  z = (sum_g (S_g / sigma~_g)^2)^(-1/2): the groups g of a sample (per-layer clipping,
-  Section 2) cost as much as one Gaussian query of noise multiplier z. Groups with S_g = 0
-  cost nothing; S_g > 0 with sigma~_g = 0 gives z = 0 (no privacy); no costly group gives
-  z = inf.
+  z = (sum_g (S_g / sigma~_g)^2)^(-1/2) over the groups g of a sample (per-layer clipping,
+  Section 2). Groups with S_g = 0 cost nothing; S_g > 0 with sigma~_g = 0 gives z = 0 (no
+  privacy); no costly group gives z = inf.
 
   Args:
     clips: the sensitivities S_g (clips, or clips times the relation's factor).
@@ -128,20 +125,16 @@ def _round_down(z, digits=12):
 
 def _selection_group(run):
   """The count-0 SampleGroup of a selection record run (mean, shape, trials in its fields).
-
-  Its noise multiplier 1 is a placeholder (it is never a mechanism): finite, so that a reader
-  that does not know selection records (e.g. the GDP approximation) reaches its policy check
-  and refuses the ledger instead of reading the record as free.
+  Its noise multiplier 1 is a finite placeholder, so a reader that does not know selection
+  records (e.g. GDP) reaches its policy check and refuses the ledger, not reading it as free.
   """
   return SampleGroup(0, run.policy, run.population_size, 1.0, run.sample_size, 1.0, (),
                      False, examples_per_record=run.examples_per_record)
 
 
 def groups_from_runs(runs) -> List[SampleGroup]:
-  """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups.
-
-  The samples before a selection record get `selected=True`; the record itself becomes a
-  count-0 group (`SampleGroup.is_selection`).
+  """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups (the
+  samples before a selection record get `selected=True`; the record is a count-0 group).
 
   Args:
     runs: [(count, sample_row, query_rows)] (`records.run_length_encode`).

@@ -11,11 +11,9 @@ Sablayrolles, "TAN without a burn: Scaling laws of DP-SGD" (ICML 2023), Section 
 
 the noise standard deviation on the averaged gradient (z S / B) relative to the signal
 accumulated over T steps; at equal eta they find equal accuracy, and lower eta better. At
-fixed compute C = q n T this is eta = z / sqrt(q C / n): since z grows slower than q sqrt(T)
-when the noise is small, large batches win, which is De et al.'s ("Unlocking High-Accuracy
-Differentially Private Image Classification through Scale", 2022, Section 3.2) and
-jax_privacy's guidance (largest batch the compute allows, with enough steps). `min_steps`
-keeps enough optimizer steps (TAN's scaling holds only with enough of them).
+fixed compute C = q n T, eta = z / sqrt(q C / n), so large batches win (De et al.,
+"Unlocking High-Accuracy Differentially Private Image Classification through Scale", 2022,
+Section 3.2); `min_steps` keeps enough optimizer steps for TAN's scaling to hold.
 
 Every plan's epsilon is the accountant's for the plan itself (z rounded up), never above the
 target.

@@ -35,10 +35,8 @@ def largest_integer(ok, start, limit=10**9):
 
 
 def doubling_bracket(ok, start, limit=math.inf):
-  """Brackets the boundary of a predicate that turns True as its argument grows.
-
-  Tries start, 2 start, 4 start, ... until `ok` holds; the bracket's lower end is the last
-  value tried that failed (0 when `start` itself holds), ready for `bisect`.
+  """Brackets the boundary of a predicate that turns True as its argument grows: tries
+  start, 2 start, 4 start, ... until `ok` holds (bad: the last failure, 0 if none).
 
   Args:
     ok: a predicate, False below some point and True above it.
@@ -59,9 +57,8 @@ def doubling_bracket(ok, start, limit=math.inf):
 def bisect(ok, bad, good, rel_tol=1e-4, geometric=False):
   """The boundary of a monotone predicate between `bad` (ok False) and `good` (ok True).
 
-  Halves the interval (in log scale when `geometric`, for a quantity spanning orders of
-  magnitude) until |good - bad| <= rel_tol * |good|, and returns the last `good`: always a
-  value where `ok` holds (the safe side of a privacy target).
+  Halves the interval (in log scale when `geometric`) until |good - bad| <= rel_tol * |good|
+  and returns the last `good`: always a value where `ok` holds (the safe side of a target).
 
   Args:
     ok: a predicate, False at `bad`, True at `good`, monotone between them.
