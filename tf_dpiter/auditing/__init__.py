@@ -1,19 +1,10 @@
 """Empirical privacy auditing: ε lower bounds from attacks and canaries that test our claims.
 
-* `epsilon_lower_bound` / `lower_bound`: sound (ε, δ) lower bounds from member and
-  non-member scores (Clopper–Pearson, Bonferroni or split threshold choice).
-* `one_run_epsilon_lower_bound`: the one-run audit of Steinke, Nasr & Jagielski (2023).
-* Attacks (`attacks`): loss attack, LiRA with shadow models, ROC / AUC / TPR at low FPR.
-* TF Privacy-style membership inference (`membership_inference`): `AttackInputData`,
-  `SlicingSpec`, `run_attacks` (AUC, attacker advantage, per-slice results, per-example
-  membership scores, and the bound (epsilon, delta)-DP puts on them); results that save and
-  load, turn into a data frame and collect over epochs with `PrivacyReportMetadata`
-  (`mia_results`: `AttackResultsCollection`, `PrivacyMetric`); their figures (`mia_plotting`:
-  `plot_roc_curve`, `plot_by_epochs`, `plot_privacy_vs_accuracy`, `save_plot`).
-* `check_sensitivity(model, x, y)` (`sensitivity`): measures what one example changes in
-  the pre-noise clipped sum of a DP model and compares it with the recorded sensitivity.
-* White-box Dirac gradient canaries inside the real DP-SGD step (`canaries`, `whitebox`,
-  `run_whitebox_audit`), `AuditCallback` and the PNG report (`plot_privacy_report`).
+Sound (ε, δ) lower bounds from member and non-member scores (`bounds`) and from one run
+(`one_run`, Steinke, Nasr & Jagielski 2023); attacks (`attacks`: loss, LiRA); TF Privacy-style
+membership inference (`membership_inference`, `mia_results`, `mia_plotting`); a sensitivity
+check of a DP model's clipped sum (`sensitivity`); white-box Dirac gradient canaries inside
+the real DP-SGD step (`canaries`, `whitebox`, `run_whitebox_audit`, `AuditCallback`).
 """
 
 from tf_dpiter.auditing import attacks

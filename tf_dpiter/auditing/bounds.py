@@ -250,10 +250,9 @@ def lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, *, meth
 def epsilon_lower_bound(member_scores, nonmember_scores, delta, confidence=0.95, **kwargs):
   """ε lower bound (nats) at confidence 1 - α from member / non-member scores.
 
-  Higher score = more likely a member. Sound when each class' scores are i.i.d. outputs of
-  M(D) and M(D') (e.g. one score per training run, or independent canaries as in the
-  white-box audit); for scores of many records of one model use
-  `one_run_epsilon_lower_bound`. Keyword arguments go to `lower_bound`.
+  Sound when each class' scores are i.i.d. outputs of M(D) and M(D') (one score per run, or
+  independent canaries); for many records of one model use `one_run_epsilon_lower_bound`.
+  Keyword arguments go to `lower_bound`.
 
   Args:
     member_scores: 1-D array of member scores.
@@ -291,10 +290,8 @@ def gdp_delta(mu, epsilon):
 
 
 def gdp_epsilon(mu, delta):
-  """Smallest ε with δ(ε) <= delta for μ-GDP, i.e. the true ε of the pair N(μ,1), N(0,1).
-
-  The formula is this module's own `gdp_delta` (independent of the accountant it audits);
-  the search is the shared `accounting.search.bisect`, to 1e-10 relative, on the safe side.
+  """Smallest ε with δ(ε) <= delta for μ-GDP, i.e. the true ε of the pair N(μ,1), N(0,1),
+  from this module's own `gdp_delta` (independent of the accountant it audits).
 
   Args:
     mu: μ > 0 (the mean shift, in units of the noise's standard deviation).

@@ -26,13 +26,8 @@ from tf_dpiter.errors import PrivacyConfigError
 
 
 class AuditCallback(keras.callbacks.Callback):
-  """Audits a DP Keras model while it trains (see module docstring).
-
-  Its Keras hooks drive the recorder (if any): at the start of training it binds it to the
-  model; around every step it reads the canary weights and turns their update into x_kt
-  (Eq. 4). Every `every_n_epochs` epochs it appends `audit()` (with "epoch") to `history` and
-  to the epoch's logs; at the end of training it writes the PNG report to `report_path` (if
-  set and audited).
+  """Audits a DP Keras model while it trains (see module docstring); its hooks drive the
+  recorder, which turns every step's canary update into x_kt (Eq. 4).
 
   Args:
     delta: δ of the claim and of the bounds, in (0, 1).

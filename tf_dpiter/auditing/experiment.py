@@ -21,12 +21,8 @@ from tf_dpiter.keras.optimizer import optimizers as dp_optimizers
 
 @dataclasses.dataclass
 class WhiteBoxResult:
-  """Outcome of `run_whitebox_audit`.
-
-  The claims are computed on demand from dp_accounting events:
-  `claimed_epsilon()` for the T-step run, `step_claimed_epsilon()` for one step (the claim
-  the per-step trials audit: every step is an independent one-step run for the canary
-  coordinates).
+  """Outcome of `run_whitebox_audit`; the claims are computed on demand from dp_accounting
+  events (per step: every step is an independent one-step run for the canary coordinates).
 
   Attributes:
     ledger_epsilon: epsilon the model's ledger reports, None if not asked.

@@ -46,9 +46,7 @@ from tf_dpiter.errors import ParameterValueError
 class AttackInputData:
   """The model's outputs on members (train) and non-members (test), as in TF Privacy.
 
-  Give losses (`loss_train`, `loss_test`: [n] per-example losses) and/or logits or
-  probabilities ([n, K]) with integer labels ([n]). Losses are computed as cross-entropy
-  from the logits (or probabilities) when not given.
+  Losses not given are the cross-entropy of the logits (or probabilities) and labels.
 
   Attributes:
     logits_train: [n, K] logits on the members, or None.
@@ -138,11 +136,10 @@ class AttackInputData:
       n = self.loss(split).size
       if n == 0:
         raise ParameterValueError(f"AttackInputData: the {split} split is empty")
-      for name in (f"labels_{split}",):
-        v = getattr(self, name)
-        if v is not None and np.asarray(v).reshape(-1).size != n:
-          raise ParameterValueError(f"{name} must have {n} entries (one per {split} example), got "
-                                    f"{np.asarray(v).reshape(-1).size}")
+      v = getattr(self, f"labels_{split}")
+      if v is not None and np.asarray(v).reshape(-1).size != n:
+        raise ParameterValueError(f"labels_{split} must have {n} entries (one per {split} "
+                                  f"example), got {np.asarray(v).reshape(-1).size}")
       lp = self.log_probs(split)
       if lp is not None and lp.shape[0] != n:
         raise ParameterValueError(f"logits_{split} / probs_{split} must have {n} rows, got {lp.shape[0]}")
@@ -229,11 +226,8 @@ def _features(data, split, idx):
 def _fit_logistic(x, y, l2=1e-2, max_iter=100, tol=1e-10):
   """Weights [d + 1] of an L2-penalised logistic regression: the minimiser of
   mean(log(1 + e^z) - y z) + l2/2 |w[:-1]|^2 with z = x w[:-1] + w[-1], by Newton steps
-  halved until the objective decreases.
-
-  The problem has d + 1 <= K + 2 unknowns, so each step is a small linear solve; the
-  products are einsums (NumPy's own loops, no multithreaded BLAS call, which on a loaded
-  machine costs far more than this arithmetic).
+  halved until the objective decreases. The products are einsums: no multithreaded BLAS
+  call, which on a loaded machine costs more than this small arithmetic.
 
   Args:
     x: [n, d] features.
@@ -354,10 +348,8 @@ def run_attacks(attack_input, slicing_spec=None, attack_types=(AttackType.THRESH
     attack_input: an `AttackInputData`.
     slicing_spec: a `SlicingSpec` (default: the entire dataset only).
     attack_types: `AttackType` members.
-    privacy_report_metadata: a `PrivacyReportMetadata` of the model (epoch, variant label,
-      accuracies, mean losses) or None; the results carry it with the accuracies (argmax
-      of the logits or probabilities against the labels) and mean losses (nats) it lacks
-      computed from `attack_input` (a default one when None).
+    privacy_report_metadata: a `PrivacyReportMetadata` of the model or None; the results
+      carry it with the accuracies and mean losses it lacks computed from `attack_input`.
     return_slice_indices: whether each result of a slice other than the entire dataset
       carries `train_indices` / `test_indices`, the rows of `attack_input` in the slice.
     epsilon: the training run's epsilon (nats, e.g. `model.ledger`'s epsilon at `delta`);

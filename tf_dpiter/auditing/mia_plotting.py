@@ -1,17 +1,9 @@
 """Figures of membership-inference results (TF Privacy's `plotting` and `privacy_report`).
 
-* `plot_roc_curve(result.roc_curve)`: the attack's ROC curve against the diagonal of
-  guessing, with its AUC.
-* `plot_by_epochs(collection, metrics)` / `plot_privacy_vs_accuracy(collection, metrics)`:
-  one panel per `PrivacyMetric`, one line per model variant and attack, the metric of the
-  entire-dataset slice against the epoch or the training accuracy of each `AttackResults`'
-  `PrivacyReportMetadata`. Where every point of a line carries a `PrivacyBound` (results of
-  `run_attacks(..., epsilon=, delta=)`), the bound (epsilon, delta)-DP puts on the AUC or the
-  advantage is drawn in black, dashed (one line per model variant).
-* `save_plot(figure, path)` writes a figure and closes it.
-
-The figures are matplotlib figures (`pip install "tf_dpiter[plot]"`); no backend is chosen
-here (use `matplotlib.use("Agg")` on a machine without a display).
+`plot_by_epochs` and `plot_privacy_vs_accuracy` draw one panel per `PrivacyMetric` of the
+entire-dataset slice, one line per model variant and attack, and, where every point carries
+a `PrivacyBound`, the bound (epsilon, delta)-DP puts on it (black, dashed). The figures are
+matplotlib's (`pip install "tf_dpiter[plot]"`); no backend is chosen here.
 """
 
 from tf_dpiter import validation
@@ -180,8 +172,7 @@ def plot_privacy_vs_accuracy(results, privacy_metrics):
 
   Args:
     results: an `AttackResultsCollection` (or a list of `AttackResults`) whose
-      `privacy_report_metadata.accuracy_train` is set (`run_attacks` computes it from
-      logits or probabilities with labels).
+      `privacy_report_metadata.accuracy_train` is set.
     privacy_metrics: `PrivacyMetric` members, one panel each.
 
   Returns:

@@ -1,15 +1,9 @@
 """What `run_attacks` returns, in TF Privacy's terms, and how it is kept across epochs.
 
-* `SingleAttackResult`: one attack on one slice: the ROC curve, its AUC, the attacker
-  advantage max_t (TPR(t) - FPR(t)), the positive predictive value, and the per-example
-  membership scores (higher = more likely a member) the curve was computed from.
-* `AttackResults`: every attack on every slice, the bound (epsilon, delta)-DP puts on them
-  (`PrivacyBound`) and the `PrivacyReportMetadata` of the model (accuracy, loss, epoch,
-  variant label). `save` / `load` use a NumPy `.npz` archive with a JSON description and no
-  pickled object (loading never runs code); `calculate_pd_dataframe` gives one row per
-  result (needs pandas: `pip install "tf_dpiter[report]"`).
-* `AttackResultsCollection`: `AttackResults` of several epochs or model variants, for the
-  privacy-report plots of `mia_plotting` (`plot_by_epochs`, `plot_privacy_vs_accuracy`).
+`SingleAttackResult` is one attack on one slice; `AttackResults` every attack on every slice
+with the DP bound (`PrivacyBound`) and the model's `PrivacyReportMetadata`, saved as a NumPy
+`.npz` archive with no pickled object (loading never runs code); `AttackResultsCollection`
+holds several epochs or model variants for the plots of `mia_plotting`.
 """
 
 import collections
@@ -131,29 +125,24 @@ class RocCurve:
 class SingleAttackResult:
   """One attack on one slice, as in TF Privacy.
 
-  TF Privacy reports max |TPR - FPR| (the flipped test counted too); the two differ only
-  where the attack does worse than chance. Both are bounded by `max_advantage`.
-
-  `membership_scores_train` / `membership_scores_test` are the attack's scores of the slice's
-  members and non-members (higher = more likely a member): -loss (nats) for the threshold
-  attack, the cross-fitted log-odds for logistic regression. The ROC curve and AUC are
-  computed from exactly these, so `auditing.auc(scores_train, scores_test)` equals `auc`, and
+  The scores are -loss (nats) for the threshold attack and the cross-fitted log-odds for
+  logistic regression; the ROC curve and AUC are computed from exactly these, and
   `auditing.epsilon_lower_bound(scores_train, scores_test, delta)` turns them into a sound
-  epsilon lower bound. `train_indices` / `test_indices` (with
-  `run_attacks(..., return_slice_indices=True)`, on slices other than the entire dataset) are
-  the rows of the input the slice holds.
+  epsilon lower bound.
 
   Attributes:
     slice_spec: the slice attacked.
     attack_type: the attack (an AttackType).
     roc_curve: its ROC curve (fpr, tpr, thresholds).
     auc: the area under that curve.
-    attacker_advantage: max |TPR - FPR| over the thresholds.
+    attacker_advantage: max |TPR - FPR| over the thresholds (TF Privacy's; bounded by
+      `max_advantage`).
     num_train: the members in the slice.
     num_test: the non-members in the slice.
     membership_scores_train: the attack's scores of the slice's members (higher = member).
     membership_scores_test: the attack's scores of the slice's non-members.
-    train_indices: the rows of the members' input the slice holds, or None.
+    train_indices: the rows of the members' input the slice holds, or None
+      (`run_attacks(..., return_slice_indices=True)`).
     test_indices: the rows of the non-members' input the slice holds, or None.
   """
   slice_spec: SingleSliceSpec
@@ -212,9 +201,8 @@ class PrivacyBound:
 class PrivacyReportMetadata:
   """The model under attack, for privacy reports across epochs (TF Privacy's fields).
 
-  `run_attacks(..., privacy_report_metadata=m)` returns results whose metadata is `m` with
-  its missing accuracies (argmax of the logits or probabilities against the labels) and
-  mean losses (nats) filled in from the attack input.
+  `run_attacks(..., privacy_report_metadata=m)` fills in its missing accuracies and mean
+  losses from the attack input.
 
   Attributes:
     accuracy_train: accuracy on the members (training data), or None.
@@ -305,11 +293,8 @@ class AttackResults:
   def calculate_pd_dataframe(self):
     """One row per result: slice, sizes, attack and metrics (TF Privacy's column names).
 
-    Columns: "slice feature" ("Entire dataset", "class", "correctly_classified"),
-    "slice value" (str, "" for the entire dataset), "train size", "test size",
-    "attack type" (e.g. "THRESHOLD_ATTACK"), "Attacker advantage",
-    "Positive predictive value", "AUC"; with a `privacy_bound` also "epsilon", "delta",
-    "AUC bound" and "Attacker advantage bound" (the most (epsilon, delta)-DP allows).
+    With a `privacy_bound` also "epsilon", "delta", "AUC bound" and "Attacker advantage
+    bound" (the most (epsilon, delta)-DP allows).
 
     Returns:
       a `pandas.DataFrame`.
@@ -332,10 +317,8 @@ class AttackResults:
     return pd.DataFrame(columns, index=pd.RangeIndex(len(rows)))
 
   def save(self, filepath):
-    """Writes the results to `filepath` (a NumPy .npz archive, whatever the file's name).
-
-    The archive holds one JSON description and plain numeric arrays; `load` reads it with
-    pickling disabled.
+    """Writes the results to `filepath` (a NumPy .npz archive of one JSON description and
+    numeric arrays; `load` reads it with pickling disabled).
 
     Args:
       filepath: the file to write (overwritten).
@@ -449,10 +432,8 @@ class AttackResultsCollection:
     self.attack_results_list.append(attack_results)
 
   def save(self, dirname):
-    """Writes each `AttackResults` to its own file of `dirname` (created if missing).
-
-    Files are named "<index>_<model variant>_epoch_<epoch>.npz" with a zero-padded index, so
-    that `load` reads them back in order.
+    """Writes each `AttackResults` to "<index>_<model variant>_epoch_<epoch>.npz" in
+    `dirname` (created if missing; a zero-padded index, so `load` keeps the order).
 
     Args:
       dirname: the directory.

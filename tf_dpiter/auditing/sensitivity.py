@@ -2,21 +2,16 @@
 
 `check_sensitivity(model, x, y)` measures what one example can do to the pre-noise clipped
 sum of the model's *real* train step and compares it with the sensitivity the ledger records:
-  1. a copy of the model is compiled with the same DP settings (clip, microbatches, clipping
-     path, jit_compile) but noise 0, SGD with learning rate 1 and no division, so one
-     `train_on_batch` applies exactly the clipped sum, which the copy's optimizer keeps in
-     float32 (the dtype of the privacy arithmetic, whatever the dtype policy);
-  2. neighbouring batches are built under the relation of the sampling policy: add/remove one
-     example (its row becomes padding of weight 0, as Poisson batches are padded) or replace
-     one example at its position (fixed-size, shuffle), with candidates from a small random
-     search: other examples of `x`, scaled noise, scaled negations, random labels;
+  1. a copy of the model with the same DP settings but noise 0 and SGD at learning rate 1
+     applies exactly the clipped sum in one `train_on_batch`, kept in float32;
+  2. neighbouring batches follow the sampling policy's relation: add/remove one example (its
+     row becomes padding of weight 0) or replace one at its position, with candidates from a
+     small random search (other examples, scaled noise, negations, random labels);
   3. the largest change of the sum is compared with the recorded sensitivity;
-  4. a batch-independence probe (tf_dpiter.keras.internals.batch_independence, the one the training
-     step runs before choosing the fast path) runs the model's layers on the batch with one
-     example perturbed and names every layer whose outputs for the *other* examples moved.
-What the probe cannot see: see batch_independence's docstring (training-mode-only or random
-mixing, inputs far from `x`, the loss). The measured change is a lower bound on the true
-worst case; a ratio above 1 is a proven violation.
+  4. the batch-independence probe (tf_dpiter.keras.internals.batch_independence) names every
+     layer whose outputs for the *other* examples moved when one example is perturbed.
+The measured change is a lower bound on the true worst case: a ratio above 1 is a proven
+violation.
 """
 
 import dataclasses
@@ -89,9 +84,7 @@ def _dp_copy(model, policy, n, batch):
                              f"{type(model).__name__} could not be rebuilt: {e}") from None
   if not isinstance(copy, type(model)):   # clone_model rebuilds a plain Keras model
     copy = dpk.make_private(copy)
-  # The probe measures the clipped sum, so it adds no noise (z = 0) on purpose: the
-  # optimizer's "adds no noise, NOT differentially private" warning is for a user's own
-  # configuration, not for this internal copy (the user's optimizer keeps its own z).
+  # z = 0 on purpose (the probe measures the clipped sum): the no-noise warning is for users.
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=NO_NOISE_WARNING, category=UserWarning)
     test_opt = _recording_sgd_class(dpk)(
@@ -105,11 +98,8 @@ def _dp_copy(model, policy, n, batch):
 
 
 def _recording_sgd_class(dpk):
-  """DP SGD that keeps the last private gradients it applied, in their own (float32) dtype.
-
-  The sum is read there, not from the weights: under a 16-bit variable policy (`bfloat16`)
-  the update w - sum is rounded to the variables' dtype after the noise (post-processing),
-  which would blur the measurement by about 2^-8 of the sum."""
+  """DP SGD that keeps the last private gradients it applied, in float32: under a 16-bit
+  variable policy the weights would blur the measured sum by about 2^-8."""
 
   class RecordingSGD(dpk.DPKerasSGDOptimizer):  # pylint: disable=missing-class-docstring
 

@@ -10,10 +10,8 @@ composition of the Poisson-subsampled Gaussian with noise multiplier z:
 
 per="run" sums (5) over the T steps (one score per canary: the Neyman–Pearson test of the
 whole run, tight when the accountant is); per="step" keeps every x_kt as a score (T trials
-per canary of one step; a sound but looser bound on the run's ε, useful at z = 0 where (5)
-is undefined: then the score is x itself, summed over steps for per="run").
-
-`claimed_epsilon` computes the claim straight from dp_accounting events.
+per canary of one step; a sound but looser bound). At z = 0, where (5) is undefined, the
+score is x itself. `claimed_epsilon` computes the claim straight from dp_accounting events.
 """
 
 import math
@@ -35,7 +33,7 @@ PER = ("run", "step")
 class CanaryRecorder(keras.callbacks.Callback):
   """Records x_kt (Eq. 4) of the canary weights of a `DiracCanaryModel` at every step.
 
-  A Keras callback: before each step it reads w^t and the learning rate eta, after it appends
+  Before each step it reads w^t and the learning rate eta; after it, it appends
   x_kt = -(w^{t+1} - w^t) q n / (eta S) for every canary.
 
   Args:
@@ -167,9 +165,8 @@ def claimed_epsilon(sampling_probability, noise_multiplier, steps, delta, accoun
   """ε of `steps` Poisson-subsampled Gaussian steps from dp_accounting (the claim audited).
 
   The event is SelfComposed(PoissonSampled(q, Gaussian(z / sensitivity)), steps) under
-  add/remove adjacency. sensitivity is in units of the clipping norm S: 1 for one record
-  added or removed; 2 for a record replaced (or an example moved inside a clipped
-  microbatch). Passing 1 where 2 is true is the "halved sensitivity" bug an audit must catch.
+  add/remove adjacency; passing sensitivity 1 where 2 is true is the "halved sensitivity"
+  bug an audit must catch.
 
   Args:
     sampling_probability: q in (0, 1].
