@@ -3,16 +3,8 @@
 A record is one client's flattened model update; a sample is the set of clients of a round;
 the unit of privacy is the client.
 
-Public names:
-  * simulation: `DPFedAvg` (vectorized clients), `DPServer` (the server: w_t, the query with
-    its ledger, the budget look-ahead), `RoundReport`, `RunReport`, `update_statistics`;
-  * queries: `make_query` (kinds `QUERY_KINDS`), `MedianNormClipSumQuery` (Geyer et al. 2017's clip:
-    NOT private, `NOT_PRIVATE_WARNING`), `set_noise_multiplier`, `median_of_masked`;
-  * schedules of m_t and sigma_t: `RoundSchedule`, `as_schedule`, `linear_schedule`;
-  * clients: `LocalSGD`, `local_sgd_one_client`, `draw_example_order`;
-  * data and model: `FederatedData`, `load_mnist`, `default_mnist_path`, `partition_iid`,
-    `partition_noniid_shards`, `MLP`, `accuracy`.
-Flower deployment (optional dependency): `tf_dpiter.federated.flower`.
+The simulation is `DPFedAvg` on `DPServer`; `MedianNormClipSumQuery` (Geyer et al. 2017's
+clip) is NOT private. Flower deployment (optional dependency): `tf_dpiter.federated.flower`.
 """
 
 from tf_dpiter.federated.client import LocalSGD

@@ -82,8 +82,8 @@ class FederatedData:
 
     Args:
       x: the shared examples.
-      client_lists: for each client.
-      y: the indices of its examples.
+      y: their labels.
+      client_lists: for each client, the indices of its examples.
 
     Returns:
       a FederatedData (rows padded with 0 to the largest client).
@@ -129,9 +129,8 @@ def partition_noniid_shards(x, y, num_clients, shards_per_client=2, examples_per
   """Pathological non-IID split of McMahan et al. 2017 used in Geyer et al. 2017, Section 4.
 
   Examples are sorted by label and cut into shards of examples_per_client/shards_per_client
-  consecutive examples; each client gets `shards_per_client` shards (so most MNIST clients
-  see two digits). When num_clients * examples_per_client > len(x), shards are reused:
-  each cycle over all shards is a fresh random permutation, so data points repeat evenly.
+  consecutive examples; each client gets `shards_per_client` shards. When more examples are
+  needed than len(x), each cycle over all shards is a fresh permutation.
 
   Args:
     x: the examples and their integer labels.

@@ -13,9 +13,7 @@ round's planned sample) says whether the round would push delta (at the fixed ep
 paper's rule, epsilon = 8) above delta_0, or epsilon (at a fixed delta) above a target; if so,
 training stops and w_t is returned.
 
-The pieces live by concern: schedules (`schedules`), the aggregation queries and `make_query`
-(`queries`), the reports (`reports`), the server (`server`); this module keeps the simulation
-and re-exports the others' public names under their historical paths.
+This module is the simulation; the pieces are in `schedules`, `queries`, `reports`, `server`.
 """
 
 import time
@@ -28,19 +26,14 @@ from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated import client as client_lib
 from tf_dpiter.federated import model as model_lib
-from tf_dpiter.federated.queries import QUERY_KINDS
 from tf_dpiter.federated.queries import make_query
 from tf_dpiter.federated.reports import RoundReport
 from tf_dpiter.federated.reports import RunReport
 from tf_dpiter.federated.reports import update_statistics
 from tf_dpiter.federated.schedules import RoundSchedule
-from tf_dpiter.federated.schedules import as_schedule
-from tf_dpiter.federated.schedules import linear_schedule
-from tf_dpiter.federated.server import SAMPLINGS
 from tf_dpiter.federated.server import DPServer
 
-__all__ = ["DPFedAvg", "DPServer", "QUERY_KINDS", "RoundReport", "RunReport", "SAMPLINGS",
-           "as_schedule", "linear_schedule", "make_query", "update_statistics"]
+__all__ = ["DPFedAvg"]
 
 
 class DPFedAvg:
@@ -52,8 +45,7 @@ class DPFedAvg:
     query: the aggregation DPQuery (records: flat updates [d]); default
       make_query("quantile", noise_multiplier(1), clients_per_round(1)).
     clients_per_round: m_t: int, sequence or callable of the round (1-based).
-    noise_multiplier: sigma_t schedule; None keeps the query's own z. Changed between rounds
-      with `queries.set_noise_multiplier`.
+    noise_multiplier: sigma_t schedule (`queries.set_noise_multiplier`); None: the query's z.
     local_epochs: E.
     batch_size: B (examples).
     client_learning_rate: eta of ClientUpdate.
@@ -70,13 +62,11 @@ class DPFedAvg:
     accountant: "rdp" (required for fixed_size sampling) or "pld".
     eval_data: (x, y) for per-round accuracy, or None.
     initial_params: list of numpy arrays, else model.init_params(seed).
-    seed: fixes sampling, shuffling and initialization (tests only: sampling from a fixed
-      seed is not private).
+    seed: fixes sampling, shuffling and initialization (tests only: not private).
     max_clients_per_chunk: clients trained together in one vectorized call (memory bound).
     diagnostics: compute V_c and U_s each round.
-    average_decay: beta in [0, 1): also keep the exponential moving average
-      a_t = beta a_{t-1} + (1 - beta) w_t (a_1 = w_1) of the server models and report its
-      accuracy. Post-processing of the released w_t: no privacy cost. None: not kept.
+    average_decay: beta in [0, 1): also keep the moving average a_t = beta a_{t-1} +
+      (1 - beta) w_t (a_1 = w_1) and report its accuracy (post-processing); None: not kept.
     eval_every: evaluate every `eval_every` rounds.
 
   Attributes:

@@ -6,12 +6,9 @@ accountant (tf_dpiter.accounting) as the simulation. Clients are sampled uniform
 replacement from the K connected clients with the DP core's Philox generator (ledger policy
 fixed_size, n = K, m = m_t), and no work is sent once a round would pass the budget.
 
-Two Flower APIs share that server (`flower_rounds.DPRounds`, which imports no Flower):
-- Flower's Message API (flwr >= 1.20, the one `flwr run` deploys): `DPFedAvgMessageStrategy`
-  (a `flwr.serverapp.strategy.Strategy`), `make_server_app` and `make_client_app`.
-- Flower's legacy API: `DPFedAvgStrategy` (a `flwr.server.strategy.Strategy`) with
-  `DPFlowerClient` (a `NumPyClient`), run by `run_loopback` through `flwr.compat`'s
-  `start_server`/`start_client` (deprecated in flwr).
+Two Flower APIs share that server (`flower_rounds.DPRounds`): the Message API (the one
+`flwr run` deploys: `DPFedAvgMessageStrategy`, `make_server_app`, `make_client_app`) and the
+legacy API (`DPFedAvgStrategy` with `DPFlowerClient`, run by `run_loopback`).
 
 A client (flower_client.py) returns its update Delta w_k, never its data. A dropped client,
 an error reply, an update of the wrong shape or with non-finite values is rejected: counted,
@@ -55,13 +52,10 @@ __all__ = ["ARRAYS_KEY", "CONFIG_KEY", "METRICS_KEY", "DPFedAvgStrategy",
 class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
   """Flower legacy-API strategy: DP federated averaging with DPQuery aggregation and a ledger.
 
-  Flower's hooks: `initialize_parameters` gives w_0 from the DPServer; `configure_fit` waits
-  up to `wait_timeout` s for K clients (fewer: ParameterValueError), samples m_t of them and
-  sends them w_t with `fit_config`, no client once the budget look-ahead stopped the run;
-  `aggregate_fit` runs the updates through the DPQuery (one ledger entry; failures and
-  malformed updates are zero records, the denominator stays m_t) and returns w_{t+1} with the
-  round's numeric info ((None, {}) for a round that sampled nobody); `evaluate` is `eval_fn`
-  on w_t (None without it). There is no federated evaluation.
+  `configure_fit` waits up to `wait_timeout` s for K clients (fewer: ParameterValueError) and
+  sends w_t with `fit_config` to m_t of them (none once the budget stopped the run);
+  `aggregate_fit` returns w_{t+1} and the round's numeric info; `evaluate` is `eval_fn` on
+  w_t. There is no federated evaluation.
 
   Args:
     model: an `MLP` shared with the clients.
@@ -135,14 +129,10 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
   """Flower Message-API strategy (`ServerApp`): DP federated averaging with a ledger.
 
   Use `strategy.start(grid, ArrayRecord(initial_params), num_rounds, ...)` inside a
-  ServerApp's main (or `make_server_app`). The ArrayRecord Flower passes in is ignored for
-  training: w_t lives in the DPServer, which also produces every round's ArrayRecord.
-  `configure_train` sends TRAIN messages with w_t and the config merged with `train_config`
-  to m_t nodes sampled from the connected ones (not K of them: ParameterValueError), none
-  once the budget stopped the run; `aggregate_train` runs the replies through the DPQuery
-  (one ledger entry; error replies and malformed updates are zero records) and returns the
-  ArrayRecord of w_{t+1} with a MetricRecord of the round's info ((None, None) for a round
-  that sampled nobody). There is no federated evaluation.
+  ServerApp's main (or `make_server_app`); w_t lives in the DPServer, and the ArrayRecord
+  Flower passes in is ignored. `configure_train` sends w_t with `train_config` to m_t of the
+  K connected nodes (not K: ParameterValueError); `aggregate_train` returns w_{t+1} and a
+  MetricRecord of the round's info. There is no federated evaluation.
 
   Args:
     model: an `MLP` shared with the clients.

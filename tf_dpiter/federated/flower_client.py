@@ -78,11 +78,8 @@ def _generator(seed):
 class DPFlowerClient(NumPyClient):
   """A legacy-API Flower client holding its own examples; fit returns its update Delta w_k.
 
-  Flower's hooks: `fit` runs ClientUpdate from w_t (Geyer et al. 2017, Algorithm 1), the
-  server's "epochs", "batch_size" and "lr" overriding the defaults, and returns (Delta w_k =
-  w_k - w_t as a list of arrays, the number of local examples, {}); `get_parameters` returns []
-  (the server owns w_t) and `evaluate` (0.0, the number of local examples, {}) (the server
-  evaluates w_t).
+  `fit` runs ClientUpdate from w_t (the server's "epochs", "batch_size" and "lr" override
+  the defaults); the server owns and evaluates w_t.
 
   Args:
     model: the `MLP` the server trains.
@@ -188,9 +185,8 @@ def _start_client_when_up(host, port, client, timeout=120):
 
 
 def run_loopback(strategy, clients, num_rounds, port=None):
-  """Runs a Flower server (this thread) and `clients` (one thread each) on 127.0.0.1.
-
-  Clients are real gRPC clients of Flower's legacy transport.
+  """Runs a Flower server (this thread) and `clients` (one thread each, real gRPC clients of
+  Flower's legacy transport) on 127.0.0.1.
 
   Args:
     strategy: a `DPFedAvgStrategy`.

@@ -1,10 +1,9 @@
 """The DP rounds of a Flower deployment, shared by both Flower APIs (`tf_dpiter.federated.flower`).
 
-`DPRounds` is the server's side of client-level DP FedAvg (Geyer et al. 2017, Algorithm 1) whatever
-carries the messages: it checks the connected population (K, the ledger's n), runs the budget
-look-ahead, samples m_t of the K clients uniformly without replacement with the DP core's Philox
-generator (ledger policy fixed_size), screens the returned updates into flat records and
-aggregates them through the `DPServer`'s query (one ledger entry per round).
+`DPRounds` is the server's side of client-level DP FedAvg (Geyer et al. 2017, Algorithm 1)
+whatever carries the messages: it checks that K clients are connected (the ledger's n), runs
+the budget look-ahead, samples m_t of them without replacement (ledger policy fixed_size) and
+aggregates the screened updates through the `DPServer`'s query (one ledger entry per round).
 `DeploymentMixin` gives both strategies the same public state. Imports no Flower.
 """
 
@@ -19,10 +18,6 @@ from tf_dpiter.federated import server as server_lib
 
 class DPRounds:
   """The DP rounds of a Flower deployment, whatever Flower API carries the messages.
-
-  Per round: check the connected population (must be K: it is the ledger's n), the budget
-  look-ahead, draw m_t of the K client ids; then screen the returned updates into records and
-  aggregate them through the DPServer's query (one ledger entry per round).
 
   Args: as `flower.DPFedAvgMessageStrategy` (model, query, initial_params, num_clients,
   clients_per_round, noise_multiplier, the budget, the server step, seed), all required here.

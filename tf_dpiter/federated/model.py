@@ -14,11 +14,8 @@ from tf_dpiter.errors import ParameterValueError
 
 
 class MLP:
-  """Fully connected ReLU network given by `layer_sizes` (input, hidden..., classes).
-
-  A functional model: parameters are a list of arrays passed to `logits`, so that many
-  clients train at once with leading batch dimensions (Geyer et al. 2017 uses
-  MLP((784, 600, 100, 10), use_bias=False)).
+  """Fully connected ReLU network given by `layer_sizes` (input, hidden..., classes), with its
+  parameters a list of arrays passed to `logits` (module docstring).
 
   Args:
     layer_sizes: the widths, input first and classes last (at least two positive ints).
@@ -51,8 +48,7 @@ class MLP:
     return int(sum(np.prod(s) for s in self.shapes))
 
   def init_params(self, seed=None):
-    """Initial parameters: weights ~ N(0, 1/fan_in) truncated at two standard deviations,
-    biases 0.
+    """Initial parameters: weights ~ N(0, 1/fan_in) truncated at 2 stddev, biases 0.
 
     Args:
       seed: seeds numpy's generator (None: fresh entropy).

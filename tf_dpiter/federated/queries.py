@@ -61,12 +61,9 @@ def median_of_masked(values, mask):
 class MedianNormClipSumQuery(dpq.DPQuery):
   """Sum of records clipped to the median record norm of the sample, plus N(0, (z S)^2).
 
-  NOT differentially private (see module docstring): the clip is a non-noised statistic of
-  the sample. Records are flat float32 vectors [d]. The sample state keeps every record of
-  the sample unclipped, with a mask (the clip is known only once the whole sample is seen),
-  so memory grows with the sample size; merging concatenates. The global state is (z, the
-  last clip S_t, at first the initial clip); the config holds z, the initial clip and the
-  seed.
+  NOT differentially private (module docstring). Records are flat float32 vectors [d]; the
+  sample state keeps them unclipped with a mask until the whole sample is seen (memory grows
+  with the sample size). The global state is (z, the last clip S_t).
 
   Args:
     noise_multiplier: z (sigma in Geyer et al. 2017): the noise stddev is z * S_t.

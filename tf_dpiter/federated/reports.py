@@ -22,19 +22,15 @@ class RoundReport:
     clients: the records aggregated this round (m_t, or the Poisson draw).
     noise_multiplier: the round's total z (Eq. (1) of McMahan et al. 2018 over its events).
     accuracy: accuracy of w_t on the evaluation data, or None.
-    communication_rounds: communication rounds so far ("CR" of Geyer et al. 2017, Table 1).
-    communication_costs: communication costs so far, the clients of every round summed
-      ("CC" of Geyer et al. 2017, Table 1; in client updates).
+    communication_rounds: communication rounds so far ("CR", Table 1).
+    communication_costs: client updates summed over the rounds so far ("CC", Table 1).
     clip: the clip the round used (None without one).
-    between_clients_variance: V_c (Geyer et al. 2017, Section 6) of the round's unclipped
-      updates: a simulation diagnostic, NOT differentially private.
-    update_scale: U_s (Geyer et al. 2017, Section 6) of the round's unclipped updates: a
-      simulation diagnostic, NOT differentially private.
+    between_clients_variance: V_c (Section 6) of the round's unclipped updates: a diagnostic,
+      NOT differentially private.
+    update_scale: U_s (Section 6) of the round's unclipped updates: NOT differentially private.
     rejected: updates rejected (non-finite, wrong shape, lost).
-    epsilon: the guarantee's epsilon after this round (the fixed value, or the one at the
-      fixed delta).
-    delta: the guarantee's delta after this round (the fixed value, or the one at the
-      fixed epsilon).
+    epsilon: the guarantee's epsilon after this round (fixed, or the one at the fixed delta).
+    delta: the guarantee's delta after this round (fixed, or the one at the fixed epsilon).
     seconds: wall time of the round.
     average_accuracy: accuracy of the moving average of the w_t, or None.
   """

@@ -1,7 +1,6 @@
 """Schedules of the clients per round m_t and the noise multiplier sigma_t (Geyer et al. 2017, §6).
 
-Raising m_t over training helps (Geyer et al. 2017, Section 6). A schedule is a callable of the round,
-rounds counting from 1.
+A schedule is a callable of the round, rounds counting from 1.
 """
 
 import math
@@ -87,9 +86,7 @@ def linear_schedule(start, end, rounds, integer=False):
 
 
 class RoundSchedule:
-  """The clients per round m_t and noise multiplier sigma_t of DP-FedAvg (Geyer et al. 2017, §6).
-
-  One place for the schedules of the simulation (`DPFedAvg`) and the Flower deployment:
+  """The clients per round m_t and noise multiplier sigma_t of DP-FedAvg (Geyer et al. 2017, §6):
   `schedule(t)` gives (m_t, sigma_t) for `DPServer.begin_round(m_t, sigma_t, t)`.
 
   Args:

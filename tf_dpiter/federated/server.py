@@ -32,9 +32,7 @@ SAMPLINGS = ("fixed_size", "poisson")
 
 
 class DPServer:
-  """Server side of client-level DP federated averaging, shared by the simulation
-  (`DPFedAvg`) and the Flower strategy: it owns w_t, the DPQuery wrapped in
-  `QueryWithLedger`, the ledger, the budget look-ahead and the server optimizer.
+  """Server side of client-level DP federated averaging (module docstring).
 
   Args:
     query: the inner DPQuery (records: flat updates [d]).
@@ -160,11 +158,8 @@ class DPServer:
     return m
 
   def planned_events(self):
-    """Events the next round's query will report.
-
-    A dry run of the inner query on an empty sample with the current global state (the events
-    of a private query depend on the global state only; for median clipping the last median
-    stands in).
+    """Events the next round's query will report: a dry run of the inner query on an empty
+    sample (a private query's events depend on the global state only).
 
     Returns:
       a tuple of privacy events (`dp_query.GaussianSumEvent`, ...).
@@ -288,10 +283,8 @@ class DPServer:
     return tf.where(finite[:, None], records, 0.0), tf.cast(finite, tf.float32), rejected
 
   def apply(self, records, mask, m):
-    """Aggregates the round's records through the query (one ledger entry) and steps w.
-
-    The noised sum is divided by the public expected sample size m_t, then
-    v <- beta v + update; w <- w + eta_s v.
+    """Aggregates the round's records through the query (one ledger entry) and steps w:
+    update = noised sum / m_t (public), v <- beta v + update, w <- w + eta_s v.
 
     Args:
       records: float32 [M, d].

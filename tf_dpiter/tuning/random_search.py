@@ -8,13 +8,10 @@ is too, with the bound of their Theorem 2 (truncated negative binomial, shape et
 geometric eta = 1; logarithmic eta = 0) or Theorem 6 (Poisson, eta = inf), which
 dp-accounting implements as `RepeatAndSelectDpEvent(event, mean, shape)`.
 
-The trials' ledgers are the input: `selection_report` checks they all describe the same
-mechanism, writes the selected trial's ledger with a selection record (`selection_ledger`:
-the trial-count distribution, its mean and shape, and the trials run; file version 3) and
-reads epsilon from that ledger like any other (`privacy_report`, `dp_ledger report`), where
-RepeatAndSelectDpEvent is composed over the trial. The trials' scores must themselves be
-computed privately or on public data: the analysis covers releasing the best trial, not a
-score computed from private data outside the trial's ledger.
+`selection_report` checks that the trials' ledgers describe one mechanism and writes the
+selected trial's ledger with a selection record (`selection_ledger`), whose epsilon is read
+like any other's. The trials' scores must themselves be computed privately or on public
+data: the analysis covers releasing the best trial, not a score outside the trial's ledger.
 """
 
 import dataclasses
@@ -148,9 +145,8 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
     mean: E[K] of the distribution the number of trials was drawn from.
     shape: the shape of that distribution (1: geometric, inf: Poisson).
     delta: target delta.
-    accountant: "rdp" or a registered accountant of the RDP family
-      (`accounting.register_accountant(..., events="rdp")`): dp-accounting implements the
-      event for RDP only.
+    accountant: "rdp" or a registered accountant of the RDP family (dp-accounting
+      implements the event for RDP only).
     selected: index of the released trial (its ledger carries the selection record).
 
   Returns:
@@ -159,8 +155,7 @@ def selection_report(trial_ledgers, mean, shape, delta, accountant="rdp", select
 
   Raises:
     ParameterValueError: no ledger, ledgers of different mechanisms, or an unsupported accountant.
-    PrivacyConfigError: an accountant that is not of the RDP family (dp-accounting accounts
-      RepeatAndSelectDpEvent by RDP only).
+    PrivacyConfigError: an accountant that is not of the RDP family.
   """
   accountant_lib.check_accountant(accountant)
   if accountants.event_family(accountant) != "rdp":

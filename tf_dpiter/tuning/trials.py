@@ -33,12 +33,8 @@ from tf_dpiter.ledger import privacy_ledger
 
 
 def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
-  """`count` plus N(0, z^2) noise, recorded in `ledger` as a Gaussian sum query.
-
-  The count must be a sum over the `population_size` scoring examples of a 0/1 value per
-  example (L2 sensitivity 1 under add/remove one example); the ledger records one sample
-  (policy "poisson", selection probability 1: every scoring example is used) with a
-  GaussianSumEvent(l2_norm_clip=1, stddev=z), i.e. the Gaussian mechanism of multiplier z.
+  """`count` plus N(0, z^2) noise, recorded in `ledger` as a Gaussian sum query (module
+  docstring): the count must sum a 0/1 value per scoring example.
 
   Args:
     ledger: the trial's PrivacyLedger (e.g. `model.ledger`).
@@ -109,11 +105,8 @@ def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape
 def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, shape,
                            score_noise_multiplier=None, tolerance=1e-4):
   """The smallest DP-SGD noise multiplier z (to `tolerance`) for which releasing the best of
-  K trials, each `steps` Poisson-sampled steps at rate q and an optional noisy score, has
-  epsilon <= `epsilon` at `delta` (`accounting.search` on `selection_epsilon`).
-
-  The result is rounded up by a relative 1e-5 so that the ledger, which keeps the noise in
-  float32, still reports at most the target.
+  K trials has epsilon <= `epsilon` at `delta` (`accounting.search` on `selection_epsilon`),
+  rounded up by a relative 1e-5 so the ledger's float32 noise still meets the target.
 
   Args:
     epsilon: target epsilon of the whole selection.
