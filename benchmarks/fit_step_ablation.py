@@ -1,0 +1,116 @@
+"""Where the DP `model.fit` step's CPU time goes, by ablation: the DP step traced with one part
+replaced, against the unchanged DP step and the non-private step (issue 42).
+
+  TF_ENABLE_ONEDNN_OPTS=1 python benchmarks/fit_step_ablation.py [--variants base,no_conv1_norm]
+      [--model cnn] [--batch 256] [--steps 32] [--rounds 6]
+
+The profiler's per-op self times (benchmarks/fit_step_split.py) include the time an op waits
+for a core on a loaded machine; this measures process CPU time instead. Each variant is its own
+DP model (DPSequential + DPKerasSGDOptimizer(1.0, 1.1), fit on arrays: Poisson samples of
+expected size --batch, no XLA) whose train function is traced while one library function is
+replaced; then all models fit one epoch of --steps steps per round, round robin in ONE process
+(benchmarks/fit_step_time.py's timer; figure: the median over --rounds rounds of process CPU
+ms per step, and its ratio to the non-private step). Variants:
+  base            the DP step as it is
+  no_conv1_norm   upper bound: the per-example forms' pass (rules/conv.py `_per_example_pass`,
+                  the tutorial CNN's first convolution) returns zeros: what that pass costs
+  no_conv2_norm   upper bound: the folded Gram norm (`_fold_gram_sqr_norm`, the second
+                  convolution) returns zeros
+  reduce_sqr_sum  algebra.sqr_sum of a [B, P] tensor as reduce_sum(square(x), 1) instead of
+                  the einsum "bp,bp->b" (oneDNN runs that einsum as B one-row products)
+  fold_gram_128   the folded Gram's chunks of 128 examples (its temporaries estimated at 40,284
+                  bytes per example, the estimate before the measured one)
+The upper bounds are not private steps (their norms are zero): they only say what a part costs.
+Prints one JSON line.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import warnings
+
+
+@contextlib.contextmanager
+def _replaced(owner, name, value):
+  old = getattr(owner, name)
+  setattr(owner, name, value)
+  try:
+    yield
+  finally:
+    setattr(owner, name, old)
+
+
+def _variants():
+  """{name: context manager factory active while that variant's train function is traced}."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.fast_clipping.rules import conv  # pylint: disable=g-import-not-at-top
+
+  def zero_pass(form, x4, dz4, k, with_grads):
+    b = tf.shape(x4)[0]
+    sq = tf.zeros([b // k])
+    return (sq, tf.zeros([1, form.rows, b, form.cols])) if with_grads else sq
+
+  def reduce_sqr_sum(x):
+    x = tf.cast(x, tf.float32)
+    return tf.reduce_sum(tf.square(x), axis=list(range(1, x.shape.rank)))
+
+  return {
+      "base": contextlib.nullcontext,
+      "no_conv1_norm": lambda: _replaced(conv, "_per_example_pass", zero_pass),
+      "no_conv2_norm": lambda: _replaced(
+          conv, "_fold_gram_sqr_norm", lambda x4, dz4, *a: tf.zeros([tf.shape(x4)[0]])),
+      "reduce_sqr_sum": lambda: _replaced(algebra, "sqr_sum", reduce_sqr_sum),
+      "fold_gram_128": lambda: _replaced(conv, "_fold_gram_temp_bytes", lambda *a: 40284),
+  }
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--variants", default="base,no_conv1_norm,no_conv2_norm,reduce_sqr_sum")
+  p.add_argument("--model", default="cnn", choices=["cnn", "mlp"])
+  p.add_argument("--batch", type=int, default=256)
+  p.add_argument("--steps", type=int, default=32)
+  p.add_argument("--rounds", type=int, default=6)
+  a = p.parse_args()
+  warnings.simplefilter("ignore")
+  import keras  # pylint: disable=g-import-not-at-top
+  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
+  import fit_step_time  # pylint: disable=g-import-not-at-top
+  variants = _variants()
+  names = a.variants.split(",")
+  unknown = [n for n in names if n not in variants]
+  if unknown or len(set(names)) != len(names):
+    raise ValueError(f"`--variants` must name distinct variants of {sorted(variants)}. "
+                     f"Received: variants={a.variants!r}")
+  load_start = os.getloadavg()
+  xs, ys, b = fit_step_time.dataset(a.model, fit_step_time._parse(  # pylint: disable=protected-access
+      ["--batch", str(a.batch)]))
+  loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+  fit_kw = dict(x=xs, y=ys, batch_size=b, steps_per_epoch=a.steps)
+  configs = {}
+  for name in ["nonprivate"] + names:
+    keras.utils.set_random_seed(0)
+    model = fit_step_time.build_model(a.model, name != "nonprivate")
+    model.compile(loss=loss, optimizer=(keras.optimizers.SGD(0.1) if name == "nonprivate" else
+                                        dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1)))
+    with (contextlib.nullcontext() if name == "nonprivate" else variants[name]()):
+      model.fit(**fit_kw, epochs=1, verbose=0)   # traced here, with the variant's function
+    configs[name] = (model, fit_kw)
+  t = fit_step_time._time_round_robin(configs, a.rounds, a.steps)  # pylint: disable=protected-access
+  cpu = {k: v[1] for k, v in t.items()}
+  print(json.dumps({"model": a.model, "batch": a.batch, "steps": a.steps, "rounds": a.rounds,
+                    "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+                    "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+                    "cpu_ms_per_step": cpu, "wall_ms_per_step": {k: v[0] for k, v in t.items()},
+                    "cpu_ratio_to_nonprivate": {k: round(v / cpu["nonprivate"], 3)
+                                                for k, v in cpu.items()},
+                    "cpu_ms_saved_against_base": ({k: round(cpu["base"] - v, 3) for k, v in
+                                                   cpu.items() if k != "nonprivate"}
+                                                  if "base" in cpu else {})}), flush=True)
+
+
+if __name__ == "__main__":
+  main()
