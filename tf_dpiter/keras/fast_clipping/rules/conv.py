@@ -442,9 +442,38 @@ def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, pa
   kernel = tf.zeros([kh, kw, cin, cout], tf.float32)
   with tf.GradientTape() as tape:
     tape.watch(kernel)
-    z = tf.nn.conv2d(x4, kernel, [1, stride[0], stride[1], 1], padding.upper(),
-                     dilations=[1, dilation[0], dilation[1], 1])
+    if (tuple(dilation) == (1, 1) and padding in ("same", "valid") and
+        None not in x4.shape[1:] and _in_xla_control_flow()):   # as the forward (module doc)
+      z = _conv2d_canonical_grads(x4, kernel, tuple(stride), padding)
+    else:
+      z = tf.nn.conv2d(x4, kernel, [1, stride[0], stride[1], 1], padding.upper(),
+                       dilations=[1, dilation[0], dilation[1], 1])
   return tape.gradient(z, kernel, output_gradients=dz4)
+
+
+def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, padding,
+                        bias_on):
+  """registry.FactorSums of a convolution whose norms `sq` [B / k] are formed without
+  per-example gradients (the folded patch Gram, the unfolded patches): the clipped sum by
+  book-keeping (`_bookkeeping_kernel_sum`, Bu et al., "Differentially private optimization on
+  large model at small cost", Sec. 3), its input and output-gradient rows with c_i = 0 set
+  to exactly 0 first. Left to the tape's vector-Jacobian product of the layer's own
+  convolution, a record whose input is not finite (c_i = 0) would add inf * 0 = NaN to every
+  entry of the released sum."""
+
+  def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
+    with tf.name_scope(_scope_name(layer, form_name, "sum")):
+      factors = tf.cast(example_factors, tf.float32)
+      kernel = _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation,
+                                       padding)
+      sums = [tf.reshape(kernel, layer.kernel.shape)]
+      if bias_on:
+        db = algebra.drop_rows(tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]), factors)
+        sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
+      return sums
+
+  sum_fn.keeps_per_example = False
+  return registry.FactorSums(sq, sum_fn)
 
 
 def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padding, bias_on):
@@ -669,14 +698,16 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
            if _chunkable(x4, k) else None)
       sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding),),
                         x4, dz4, m, k)[0]
-      return sq + algebra.sqr_sum(db) if bias_on else sq
+      return _bookkeeping_result(layer, form, sq + algebra.sqr_sum(db) if bias_on else sq,
+                                 x4, dz4, ksize, stride, dilation, padding, bias_on)
     if (form in ("filter", "depthwise") and not dilated) or (
         keep and form not in ("gram", "foldgram")):
       return _per_example_result(layer, None if dilated else form, x4, dz4, ksize, stride,
                                  dilation, padding, bias_on)
     p, _ = conv_unfold.patches(x4, ksize, stride, dilation, padding, tuple(dz4.shape[1:3]))
     sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
-    return sq + algebra.sqr_sum(db) if bias_on else sq
+    return _bookkeeping_result(layer, form, sq + algebra.sqr_sum(db) if bias_on else sq,
+                               x4, dz4, ksize, stride, dilation, padding, bias_on)
 
   return sqr_norm_fn
 
