@@ -1,19 +1,11 @@
 """Budget look-ahead: the guarantee a ledger would give after planned samples (McMahan et al. 2018, §6).
 
-A training loop that stops at a budget asks, before each step or round, what (epsilon, delta)
-the ledger *would* show once the next samples are recorded. This module answers it in one
-place, for the Keras callbacks and DP federated averaging alike:
-
-* the ledger is read through its public methods (`get_arrays()`, `passes`), never copied
-  into a scratch ledger;
-* a planned sample (`PlannedSample`: n, q, the query events, policy, sample size,
-  examples per record) becomes ledger rows with the same sensitivity rule as the ledger
-  (`records.sensitivity_factor`), is checked like a recorded one (`records.validate_arrays`),
-  and is merged with the recorded samples by `ledger_events.groups_from_runs`;
-* epsilon or delta then comes from dp-accounting through `accountant.report_from_groups`.
-
-`largest_integer` and `bisect` (from `accounting.search`) are the monotone searches (the
-number of steps a budget still allows, a noise multiplier or a rate meeting a target).
+What (epsilon, delta) the ledger *would* show once the next samples are recorded, for the
+Keras callbacks and DP federated averaging alike. The ledger is read, never copied; a
+`PlannedSample` becomes ledger rows with the ledger's sensitivity rule
+(`records.sensitivity_factor`), is checked like a recorded one and merged with the recorded
+samples (`ledger_events.groups_from_runs`); dp-accounting then gives epsilon or delta
+(`accountant.report_from_groups`). `largest_integer` and `bisect` are `accounting.search`'s.
 No TensorFlow.
 """
 
@@ -54,9 +46,8 @@ class PlannedSample:
     policy: one of `ledger.POLICIES`.
     sample_size: m (fixed_size, shuffle), 0 otherwise.
     examples_per_record: k (1: a record is an example).
-    recorded_rows: None, or the query rows (kind, clip, noise, sensitivity) of a sample the
-      ledger recorded (`last_sample`), used as they are in place of `events`: they keep the
-      recorded sensitivity and any query kind the ledger knows.
+    recorded_rows: None, or the query rows (kind, clip, noise, sensitivity) of a recorded
+      sample (`last_sample`), used as they are in place of `events`.
   """
   population_size: float
   selection_probability: float
@@ -67,10 +58,8 @@ class PlannedSample:
   recorded_rows: Any = None
 
   def arrays(self):
-    """The planned sample as ledger rows, checked like a recorded sample.
-
-    The sensitivity of each query row is clip times the factor of the policy's relation
-    (`records.sensitivity_factor`: 2 under replace-one, times k examples per record).
+    """The planned sample as ledger rows, checked like a recorded sample; each row's
+    sensitivity is clip times `records.sensitivity_factor` (2 under replace-one, times k).
 
     Returns:
       (samples [1, 6], queries [Q, 5]) float64 arrays (`records.SAMPLE_COLUMNS`,
@@ -104,8 +93,6 @@ class PlannedSample:
 
 def last_sample(ledger):
   """The ledger's last recorded sample, to plan "the next step is like the last one".
-
-  Reads only that sample's rows.
 
   Args:
     ledger: a PrivacyLedger.
@@ -288,10 +275,8 @@ def max_extra_samples(ledger, planned, max_epsilon, delta, accountant="rdp", lim
 class StepBudget:
   """Stops a loop before its next steps would pass (max_epsilon, delta); for callbacks.
 
-  `exceeds(ledger, planned, ahead)` says whether `ahead` more samples like `planned` would
-  make epsilon(delta) exceed `max_epsilon`. The number of such samples the budget allows is
-  found once by `max_extra_samples` and cached, keyed by the planned sample and everything
-  else the ledger holds, so a loop that repeats one kind of step pays one search.
+  The samples like `planned` the budget allows are found once by `max_extra_samples` and
+  cached, keyed by the planned sample and the rest of the ledger: one search per kind of step.
 
   Args:
     max_epsilon: the budget, > 0 and finite.

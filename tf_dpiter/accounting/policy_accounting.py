@@ -1,10 +1,8 @@
 """The accounting of each sampling policy: its dp-accounting event and its GDP term.
 
-One object per policy (`tf_dpiter.ledger.policies` holds the policy's code, relation, unit
-and checks; the ledger package imports neither this package nor dp-accounting). For a group
-of identical samples of its policy, the object builds the dp-accounting event of the whole
-group (McMahan et al., "A General Approach to Adding Differential Privacy to Iterative
-Training Procedures", Section 5 and Appendix A):
+One object per policy (`ledger.policies` holds its code, relation, unit and checks) builds
+the dp-accounting event of a group of identical samples (McMahan et al., "A General Approach
+to Adding Differential Privacy to Iterative Training Procedures", Section 5, Appendix A):
   poisson, user_poisson -> PoissonSampledDpEvent(q, .) per sample   add or remove one
   fixed_size            -> SampledWithoutReplacementDpEvent(n, m, .)  replace one
   shuffle               -> one un-amplified mechanism per pass started (tree rows: one
@@ -16,7 +14,8 @@ Training Procedures", Section 5 and Appendix A):
   truncated_poisson     -> TruncatedSubsampledGaussianDpEvent (PLD only)
   balls_in_bins         -> one un-amplified mechanism per epoch started
 `event` is final: it checks the group against its ledger policy (coverage of correlated
-rows, the declared sampling), then calls the `_event` hook a subclass overrides.
+rows, the declared sampling), then calls the `_event` hook a subclass overrides, so no
+policy can return an event for rows its accounting does not cover.
 
 Adding a policy's accounting: a subclass naming the policy (`policy`) and `register`.
 """
@@ -36,12 +35,8 @@ _REGISTRY = {}
 
 
 class PolicyAccounting:
-  """Base of the accounting objects (abstract: a subclass names its `policy`).
-
-  `event` is final: it runs the checks (a group of another policy, correlated-noise rows the
-  ledger policy's `covers` does not list, a sampling its `check_sampling` refuses) and then
-  the subclass's `_event` hook, so no policy can return an event for rows its accounting
-  does not cover. A subclass that defines `event` is refused when the class is created.
+  """Base of the accounting objects (abstract: a subclass names its `policy`). `event` is
+  final (module docstring): a subclass that defines it is refused when the class is created.
 
   Attributes:
     policy: the name of the ledger policy (`tf_dpiter.ledger.policies`) it accounts.
@@ -70,12 +65,9 @@ class PolicyAccounting:
     return policies.get(self.policy)
 
   def event(self, group, mech, accountant, passes, notes):
-    """The dp-accounting event of a group of this policy's samples (final: see the class).
-
-    Checks first that the group is this policy's, that its correlated-noise rows are ones the
-    policy covers (`covers`) and that its sampling passes `check_sampling` (the check a
-    declared sampling passes when it is recorded: a group built by hand, e.g. for
-    `report_from_groups`, meets it too), then calls the `_event` hook.
+    """The dp-accounting event of a group of this policy's samples, after the checks that
+    the group is this policy's, that `covers` lists its correlated-noise rows and that its
+    sampling passes `check_sampling` (a group built by hand meets it too).
 
     Args:
       group: a `ledger_events.SampleGroup` of this policy.

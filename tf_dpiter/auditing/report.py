@@ -19,9 +19,8 @@ def plot_privacy_report(history, path, title="Privacy audit"):
   """Writes a two-panel PNG: (left) ε vs epoch, (right) attack AUC vs claimed ε.
 
   Args:
-    history: list of dicts with "epoch", "claimed_epsilon" and any of
-      "whitebox_epsilon_lb", "whitebox_step_epsilon_lb", "attack_epsilon_lb", "attack_auc"
-      (as made by AuditCallback).
+    history: AuditCallback's list of dicts: "epoch", "claimed_epsilon" and any of
+      "whitebox_epsilon_lb", "whitebox_step_epsilon_lb", "attack_epsilon_lb", "attack_auc".
     path: output PNG path.
     title: figure title.
 

@@ -1,19 +1,15 @@
 """The privacy statement of the run a DP model trained: one source of truth for its epsilon.
 
-`model.privacy_statement(delta)` reads the model's privacy ledger (every private step it
-took, as recorded when it was taken) and states what those steps cost: the neighbouring
-relation and the unit, the sampling policy with its q and n, the steps (and, for shuffled
-passes, the passes started), the noise multiplier z of Eq. (1) of McMahan et al. 2018, "A
-General Approach to Adding Differential Privacy to Iterative Training Procedures", and
-epsilon at delta by dp-accounting's accountant composed over the ledger's samples
-(`dp.accounting.privacy_report`).
+`model.privacy_statement(delta)` reads the model's privacy ledger and states what its steps
+cost: the neighbouring relation and the unit, the sampling policy with its q and n, the steps
+(and shuffled passes), the noise multiplier z of Eq. (1) of McMahan et al. 2018, "A General
+Approach to Adding Differential Privacy to Iterative Training Procedures", and epsilon at
+delta composed over the ledger by dp-accounting (`dp.accounting.privacy_report`).
 
-TF Privacy's habit is to compute epsilon from the hyperparameters
-(`compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)`), which assumes
-Poisson sampling with q = batch_size / n. When the run sampled otherwise (e.g. TF Privacy's
-`num_microbatches` made `fit` cut shuffled passes: replace-one adjacency, sensitivity 2C, no
-amplification) that number is not the run's epsilon, and the statement says so, with the
-number the Poisson assumption gives for the same steps beside the run's own.
+TF Privacy's `compute_dp_sgd_privacy(n, batch_size, noise_multiplier, epochs, delta)` assumes
+Poisson sampling with q = batch_size / n. When the run sampled otherwise (e.g. shuffled
+passes: replace-one adjacency, sensitivity 2C, no amplification) the statement says that
+number is not the run's epsilon, and gives both.
 """
 
 import dataclasses
@@ -52,8 +48,7 @@ class RunStatement:
     passes: shuffled passes started (policy "shuffle"), else 0.
     noise_multiplier: z of the last sampling group (noise stddev over the sensitivity C).
     epsilon_if_poisson: epsilon had every shuffled step been a Poisson sample with the same
-      q, z and count (what TF Privacy's `compute_dp_sgd_privacy` computes for these
-      hyperparameters), or None when the run was Poisson-sampled.
+      q, z and count (TF Privacy's `compute_dp_sgd_privacy`), or None (a Poisson run).
     notes: the accountant's assumptions and the warnings, one sentence each.
   """
   epsilon: float
@@ -95,6 +90,13 @@ def _unique(values):
   return " + ".join(str(v) for v in out)
 
 
+def _sampling_groups(ledger):
+  """The ledger's non-empty sampling groups (no selection records), and its shuffled passes."""
+  runs, passes = accountant_lib.ledger_runs(ledger)
+  groups = ledger_events.groups_from_runs(runs)
+  return [g for g in groups if not g.is_selection and g.count > 0], passes
+
+
 def _mismatch_note(policy, eps_poisson, epsilon, num_microbatches):
   """The sentence saying that TF Privacy's hyperparameter epsilon is not this run's."""
   why = (f"TF Privacy's num_microbatches={num_microbatches} made fit sample shuffled passes"
@@ -125,8 +127,7 @@ def run_statement(model, delta, accountant="rdp"):
       accountant (named), or a ledger that cannot be accounted soundly.
   """
   ledger = model.ledger
-  runs, passes = accountant_lib.ledger_runs(ledger)
-  groups = [g for g in ledger_events.groups_from_runs(runs) if not g.is_selection and g.count > 0]
+  groups, passes = _sampling_groups(ledger)
   if not groups:
     raise PrivacyConfigError("the model took no private step yet: privacy_statement(delta) states "
                              "the cost of the steps its ledger recorded. Call it after fit.")
@@ -163,16 +164,9 @@ _WARNED_PAST_TARGET = weakref.WeakSet()   # optimizers already warned
 
 
 def warn_if_past_target(model):
-  """Warns once per optimizer when the run's epsilon went past the target its noise was
-  calibrated to, and says which way the run left the calibration.
-
-  `from_budget` / `make_private_with_epsilon` calibrate z for a number of steps T at a
-  sampling probability q = batch_size / population_size. A run is still accounted exactly by
-  its ledger, but its epsilon is above the target the user asked for when it took MORE steps
-  than T (more epochs, another fit), or FEWER steps at a LARGER q (a smaller dataset or a
-  larger batch than calibrated: each step then costs more), or sampled by another policy.
-  The warning names the target and the ledger's epsilon, the run's steps against T, and the
-  run's q and n against the calibrated ones.
+  """Warns once per optimizer when the ledger's epsilon went past the target z was calibrated
+  to (`from_budget`: T steps at q = batch_size / population_size): more steps than T, a
+  larger q, or another policy. The ledger still accounts the run exactly.
 
   Args:
     model: a DP model whose optimizer may carry `calibration` (the calibration's inputs).
@@ -205,8 +199,7 @@ def past_target_message(ledger, calib, report):
   Returns:
     str.
   """
-  runs, _ = accountant_lib.ledger_runs(ledger)
-  groups = [g for g in ledger_events.groups_from_runs(runs) if not g.is_selection and g.count > 0]
+  groups, _ = _sampling_groups(ledger)
   steps, planned = int(report.num_samples), calib.get("steps")
   batch, population = calib.get("batch_size"), calib.get("population_size")
   planned_q = batch / population if batch and population else None
