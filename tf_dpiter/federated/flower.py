@@ -67,11 +67,9 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     fit_config: the dict sent to every client with the model (e.g. {"epochs": 1,
       "batch_size": 60, "lr": 0.1}).
     eval_fn: optional callable(list of arrays) -> (loss, {"accuracy": ...}) on the server.
-    fixed_epsilon: with `max_delta`, a budget in delta: no round starts whose delta at this
-      epsilon would pass max_delta.
+    fixed_epsilon: with `max_delta`, no round starts whose delta at it would pass max_delta.
     max_delta: the largest delta allowed at `fixed_epsilon`.
-    fixed_delta: with `max_epsilon`, a budget in epsilon: no round starts whose epsilon at
-      this delta would pass max_epsilon.
+    fixed_delta: with `max_epsilon`, no round starts whose epsilon at it would pass max_epsilon.
     max_epsilon: the largest epsilon allowed at `fixed_delta`.
     server_learning_rate: the server step (as in `DPServer`).
     server_momentum: the server's momentum (as in `DPServer`).
@@ -142,11 +140,9 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     clients_per_round: m_t (int, sequence or callable of the round).
     noise_multiplier: optional sigma_t schedule.
     train_config: dict sent to every client with the model (e.g. {"epochs": 1, "lr": 0.1}).
-    fixed_epsilon: with `max_delta`, a budget in delta: no round starts whose delta at this
-      epsilon would pass max_delta.
+    fixed_epsilon: with `max_delta`, no round starts whose delta at it would pass max_delta.
     max_delta: the largest delta allowed at `fixed_epsilon`.
-    fixed_delta: with `max_epsilon`, a budget in epsilon: no round starts whose epsilon at
-      this delta would pass max_epsilon.
+    fixed_delta: with `max_epsilon`, no round starts whose epsilon at it would pass max_epsilon.
     max_epsilon: the largest epsilon allowed at `fixed_delta`.
     server_learning_rate: the server step (as in `DPServer`).
     server_momentum: the server's momentum (as in `DPServer`).
