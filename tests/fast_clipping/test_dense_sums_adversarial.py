@@ -1,0 +1,201 @@
+"""Adversarial checks of a Dense layer's clipped sum (rules/dense.py `_dense_sums`: the kernel
+one K-row matrix product of every position's rows, the bias a reduction of the clip-weighted
+output gradient where the output gradient carries the factors, K > N, else the factor product
+of the per-example output-gradient sums).
+
+Through clipped_grad_sum on a small model, eagerly traced and under XLA: inputs [B, K],
+[B, T, K] and [B, T1, T2, K], K > N and K < N, the bias trained, frozen or absent, the kernel
+frozen, the per-record gradients kept or not (book-keeping over chunks of 8, where
+`_dense_sums` runs on every rank), records of 2 with masked rows, batches of 1 and 0: the
+norms and the clipped sum equal those of an independent float64 loop of per-record tape
+gradients. A record whose float16 output overflows (its clip factor 0) adds exactly nothing;
+an adversarial record (inputs 10^4 times larger) moves the clipped sum by at most C (the
+add/remove-one relation, McMahan et al. 2018, "Learning differentially private recurrent
+language models", Sec. 2).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping import clipping
+from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping.rules import budget
+from tf_dpiter.keras.fast_clipping.rules import dense
+
+_L = keras.layers
+_LOSS = keras.losses.MeanSquaredError(reduction=None)
+
+
+def _model(positions, k, n, freeze=None, use_bias=True, dtype=None):
+  keras.utils.set_random_seed(3)
+  layer = _L.Dense(n, activation="tanh", use_bias=use_bias, dtype=dtype, name="probed")
+  x = keras.Input(positions + (k,))
+  model = keras.Model(x, _L.Dense(2)(_L.Flatten()(layer(x))))
+  if freeze == "kernel":
+    layer.kernel.trainable = False
+  elif freeze == "bias":
+    layer.bias.trainable = False
+  return model
+
+
+def _data(positions, k, b=11, seed=0):
+  rng = np.random.RandomState(seed)
+  scale = rng.choice([0.1, 1.0, 4.0], (b,) + (1,) * (len(positions) + 1))
+  x = (rng.normal(size=(b,) + positions + (k,)) * scale).astype("float32")
+  return x, rng.normal(size=(b, 2)).astype("float32")
+
+
+def _loop(model, x, y, clip, k=1, mask=None):
+  """(sum_j min(1, C / ||g_j||) g_j, [||g_j||]) in float64, g_j the gradient of record j's
+  mean loss over its real rows, each record under its own tape."""
+  variables = model.trainable_variables
+  b = x.shape[0]
+  mask = np.ones(b) if mask is None else mask
+  total = [np.zeros(v.shape) for v in variables]
+  norms = []
+  for j in range(b // k):
+    rows = [i for i in range(j * k, j * k + k) if mask[i] > 0]
+    if not rows:
+      norms.append(0.0)
+      continue
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(_LOSS(y[rows], model(x[rows])))
+    g = [np.asarray(t, np.float64) for t in tape.gradient(loss, variables)]
+    nrm = np.sqrt(sum(np.sum(t * t) for t in g))
+    norms.append(nrm)
+    total = [t + min(1.0, clip / nrm) * gv for t, gv in zip(total, g)]
+  return total, np.array(norms)
+
+
+def _fast(model, x, y, clip, k=1, mask=None, jit=False):
+  mask = np.ones(x.shape[0], np.float32) if mask is None else mask
+  fn = tf.function(lambda x, y, m: clipping.clipped_grad_sum(
+      model, x, y, _LOSS, clip, mask=m, examples_per_record=k, physical_chunks=False),
+                   jit_compile=jit)
+  grads, norms = fn(tf.constant(x), tf.constant(y), tf.constant(mask))
+  return [tf.convert_to_tensor(g).numpy() for g in grads], norms.numpy()
+
+
+def _spy(monkeypatch, chunks):
+  """The input shapes of the `_dense_sums` calls of the layer under test ("probed");
+  `chunks`: no per-record gradient kept, book-keeping over chunks of 8 examples."""
+  if chunks:
+    monkeypatch.setattr(budget, "KEEP_BYTES", 0)
+    monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
+    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
+  calls, orig = [], dense._dense_sums   # pylint: disable=protected-access
+
+  def spy(layer, x, *args, **kwargs):
+    if layer.name == "probed":
+      calls.append(tuple(x.shape[1:]))
+    return orig(layer, x, *args, **kwargs)
+
+  monkeypatch.setattr(dense, "_dense_sums", spy)
+  return calls
+
+
+def _assert_equal(got, want):
+  (grads, norms), (ref, ref_norms) = got, want
+  live = ref_norms > 0
+  np.testing.assert_allclose(norms[live], ref_norms[live], rtol=2e-4)
+  for g, r in zip(grads, ref):
+    np.testing.assert_allclose(g, r, rtol=3e-4, atol=3e-6 * max(1.0, np.max(np.abs(r))))
+
+
+@pytest.mark.parametrize("positions", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("k,n", [(7, 3), (3, 7)])
+@pytest.mark.parametrize("variant", ["both", "frozen_bias", "frozen_kernel", "no_bias"])
+def test_dense_sums_equal_the_loop(positions, k, n, variant, monkeypatch):
+  model = _model(positions, k, n, freeze=variant.replace("frozen_", "") if "frozen" in variant
+                 else None, use_bias=variant != "no_bias")
+  x, y = _data(positions, k)
+  want_unclipped = _loop(model, x, y, 1e9)
+  clip = float(np.median(want_unclipped[1]))
+  want = _loop(model, x, y, clip)
+  assert np.min(want[1]) < clip < np.max(want[1])
+  for chunks in (False, True):
+    with monkeypatch.context() as m:
+      calls = _spy(m, chunks)
+      got = _fast(model, x, y, clip)
+      _assert_equal(got, want)
+      # `_dense_sums` formed the sum where the rule keeps no per-record gradient
+      if chunks and variant != "frozen_kernel":   # a frozen kernel: the bias kept per record
+        assert calls and set(calls) <= {positions + (k,)}, (calls, variant, chunks)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("k,n", [(7, 3), (3, 7)])
+def test_records_of_two_with_masked_rows(k, n, jit, monkeypatch):
+  """10 examples in 5 records of 2: record 1 half masked, record 3 with no real example."""
+  model = _model((4,), k, n)
+  x, y = _data((4,), k, b=10, seed=1)
+  mask = np.ones(10, np.float32)
+  mask[[2, 6, 7]] = 0.0
+  clip = float(np.median(_loop(model, x, y, 1e9, k=2, mask=mask)[1][[0, 1, 2, 4]]))
+  want = _loop(model, x, y, clip, k=2, mask=mask)
+  calls = _spy(monkeypatch, chunks=True)
+  got = _fast(model, x, y, clip, k=2, mask=mask, jit=jit)
+  assert set(calls) == {(4, k)}   # over chunks of 8 examples (4 records)
+  assert got[1].shape == (5,) and got[1][3] == 0.0
+  _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("positions", [(), (4,)])
+def test_batches_of_one_and_zero(positions, monkeypatch):
+  """One example: its gradient clipped. No example (an empty Poisson sample): every sum is
+  exactly zero and finite."""
+  model = _model(positions, 7, 3)
+  x, y = _data(positions, 7, b=1)
+  calls = _spy(monkeypatch, chunks=True)
+  for clip in (1e-3, 1e3):
+    _assert_equal(_fast(model, x, y, clip), _loop(model, x, y, clip))
+  assert calls
+  grads, norms = _fast(model, x[:0], y[:0], 1.0)
+  assert norms.shape == (0,)
+  for g, v in zip(grads, model.trainable_variables):
+    assert g.shape == tuple(v.shape) and np.all(g == 0.0)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("positions", [(), (4,)])
+def test_float16_overflow_record_adds_nothing(positions, jit, monkeypatch):
+  """A mixed_float16 Dense (K = 7 > N = 3: the output gradient carries the factors and the
+  bias is its reduction) whose output overflows float16 for record 2 (inputs 10^5): that
+  record's norm is not finite, and the sum equals that of the batch with it masked out."""
+  model = _model(positions, 7, 3, dtype="mixed_float16")
+  x, y = _data(positions, 7, b=6)
+  bad = x.copy()
+  bad[2] = 1e5
+  calls = _spy(monkeypatch, chunks=True)
+  got, norms = _fast(model, bad, y, 0.5, jit=jit)
+  assert calls
+  assert not np.isfinite(norms[2]) and np.all(np.isfinite(np.delete(norms, 2)))
+  mask = np.ones(6, np.float32)
+  mask[2] = 0.0
+  want, _ = _fast(model, x, y, 0.5, mask=mask, jit=jit)
+  for g, w in zip(got, want):
+    assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", [(), (4,)])
+@pytest.mark.parametrize("k,n", [(7, 3), (3, 7)])
+def test_adversarial_neighbour_moves_the_sum_by_at_most_c(positions, k, n, monkeypatch):
+  """D: 10 examples; D' = D plus one example 10^4 times a real one: ||sum(D') - sum(D)|| <= C,
+  in the kept and the book-keeping forms."""
+  model = _model(positions, k, n)
+  x, y = _data(positions, k, b=10)
+  extra_x = np.concatenate([x, 1e4 * x[:1]])
+  extra_y = np.concatenate([y, 50.0 * np.ones((1, 2), np.float32)])
+  clip = 0.2
+  for chunks in (False, True):
+    with monkeypatch.context() as m:
+      _spy(m, chunks)
+      d = _fast(model, x, y, clip)[0]
+      d2, norms = _fast(model, extra_x, extra_y, clip)
+    assert norms[-1] > 10 * clip
+    moved = np.sqrt(sum(np.sum((a.astype(np.float64) - b) ** 2) for a, b in zip(d2, d)))
+    assert 0.5 * clip < moved <= clip * (1 + 1e-4), (chunks, moved)
