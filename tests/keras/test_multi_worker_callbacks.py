@@ -79,3 +79,15 @@ def test_non_chief_reads_the_chiefs_journal_and_backup(tmp_path):
   # the chief's 8 samples, then this worker's 4 steps (charged in memory, never written)
   assert int(worker.ledger.sample_count.numpy()) == 12
   assert {p: (tmp_path / p).read_bytes() for p in _files(tmp_path)} == before
+
+
+def test_dp_fit_keywords_are_taken_out_before_keras_fit_signature():
+  """Under several workers `MultiWorkerFitMixin.fit` binds the rest of its keywords to
+  keras.Model.fit's signature, so every keyword DPModel.fit adds must be set aside first:
+  a keyword missing there (population_size was) fails the bind with a TypeError."""
+  import inspect
+
+  from tf_dpiter.keras.model import models
+  own = {name for name, p in inspect.signature(models.DPModelMixin.fit).parameters.items()
+         if p.kind == p.KEYWORD_ONLY}
+  assert own and own == set(multi_worker._DP_FIT_KWARGS), (own, multi_worker._DP_FIT_KWARGS)

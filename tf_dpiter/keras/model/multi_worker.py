@@ -36,7 +36,7 @@ from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
-_DP_FIT_KWARGS = ("sampling", "ledger_journal")   # DPModel.fit's own keywords
+_DP_FIT_KWARGS = ("sampling", "population_size", "ledger_journal")   # DPModel.fit's own keywords
 
 
 def num_workers(strategy):
@@ -205,7 +205,8 @@ class MultiWorkerFitMixin:
     """DPModel.fit after `synchronize_noise`, with this worker's `worker_callbacks`.
 
     Args:
-      *args, **kwargs: as DPModel.fit (keras.Model.fit plus sampling, ledger_journal).
+      *args, **kwargs: as DPModel.fit (keras.Model.fit plus sampling, population_size,
+        ledger_journal).
 
     Returns:
       The History object of keras.Model.fit.
