@@ -69,15 +69,17 @@ def test_non_finite_input_adds_nothing(case, jit, monkeypatch):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_dp_train_step_of_the_tutorial_cnn_stays_finite():
+@pytest.mark.parametrize("jit", [False, True])
+def test_dp_train_step_of_the_tutorial_cnn_stays_finite(jit):
   """One DP-SGD step (noise on) of the tutorial CNN on 16 examples, one with an infinite
-  pixel: every weight after the step is finite."""
+  pixel, with and without XLA: every weight after the step is finite."""
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential(example_models.mnist_cnn_layers())
   opt = dp.keras.DPKerasSGDOptimizer(l2_norm_clip=1.0, noise_multiplier=1.1,
                                      learning_rate=0.1)
   model.compile(optimizer=opt,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=jit)
   opt.set_sampling(1000, 16 / 1000, "poisson", 16)
   rng = np.random.default_rng(0)
   x = rng.random((16, 28, 28, 1)).astype("float32")
