@@ -24,6 +24,8 @@ from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
 
+from .conftest import per_record_clipped_sum
+
 _L = keras.layers
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
 
@@ -49,24 +51,8 @@ def _data(positions, k, b=11, seed=0):
 
 def _loop(model, x, y, clip, k=1, mask=None):
   """(sum_j min(1, C / ||g_j||) g_j, [||g_j||]) in float64, g_j the gradient of record j's
-  mean loss over its real rows, each record under its own tape."""
-  variables = model.trainable_variables
-  b = x.shape[0]
-  mask = np.ones(b) if mask is None else mask
-  total = [np.zeros(v.shape) for v in variables]
-  norms = []
-  for j in range(b // k):
-    rows = [i for i in range(j * k, j * k + k) if mask[i] > 0]
-    if not rows:
-      norms.append(0.0)
-      continue
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_LOSS(y[rows], model(x[rows])))
-    g = [np.asarray(t, np.float64) for t in tape.gradient(loss, variables)]
-    nrm = np.sqrt(sum(np.sum(t * t) for t in g))
-    norms.append(nrm)
-    total = [t + min(1.0, clip / nrm) * gv for t, gv in zip(total, g)]
-  return total, np.array(norms)
+  mean loss over its real rows, each record under its own tape (the shared reference loop)."""
+  return per_record_clipped_sum(model, x, y, _LOSS, clip, k=k, mask=mask)
 
 
 def _fast(model, x, y, clip, k=1, mask=None, jit=False):
