@@ -12,6 +12,7 @@ import tf_dpiter as dp
 from tf_dpiter import accounting
 from tf_dpiter import dp_query
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.keras.model import models
 from tf_dpiter.ledger import ledger_file
 from tests.keras import dp_keras_helpers as helpers
 
@@ -89,46 +90,40 @@ class SubclassedMLP(keras.Model):
     return dict(super().get_config(), units=self.units)
 
 
-_LOAD_IN_NEW_PROCESS = """
-import sys
-import keras, numpy as np
-import tf_dpiter as dp
-from tests.keras.test_api import SubclassedMLP
-dp.keras.private_class(SubclassedMLP)     # registers DPSubclassedMLP before loading
-m = keras.models.load_model(sys.argv[1])
-assert type(m).__name__ == "DPSubclassedMLP" and isinstance(m, dp.keras.DPModelMixin), type(m)
-assert isinstance(m, SubclassedMLP) and m.units == 5
-o = m.optimizer
-assert (type(o).__name__, o.l2_norm_clip, o.noise_multiplier) == ("DPKerasSGDOptimizer", 0.7, 1.1)
-x = np.load(sys.argv[2])
-np.testing.assert_allclose(m.predict(x, verbose=0), np.load(sys.argv[3]), rtol=1e-5)
-m.fit(x, np.zeros(len(x), "int32"), batch_size=8, epochs=1, verbose=0)
-assert int(m.ledger.sample_count.numpy()) == 2 * (len(x) // 8)   # the saved steps + the new
-print("LOADED-OK")
-"""
-
-
-def test_make_private_subclassed_unbuilt_fits_saves_and_loads_in_new_process(tmp_path):
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
+def test_make_private_subclassed_unbuilt_fits_saves_and_loads_as_in_a_new_process(
+    tmp_path, monkeypatch):
+  """A new process knows neither the DP class of SubclassedMLP nor its Keras registration
+  until `private_class(SubclassedMLP)` runs: both are removed here (for this test only), so
+  the load first fails, then works after `private_class` made a fresh class, exactly the
+  state of a new process (in-process: no second TensorFlow import)."""
   x, y = _data(32, seed=5)
   keras.utils.set_random_seed(0)
   model = dp.keras.make_private(SubclassedMLP(units=5))   # never called: fit builds it
-  assert type(model) is dp.keras.private_class(SubclassedMLP)
+  saved_cls = dp.keras.private_class(SubclassedMLP)
+  assert type(model) is saved_cls
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(0.7, 1.1, learning_rate=0.1), loss=LOSS)
   model.fit(x, y, batch_size=8, epochs=1, verbose=0)
   assert int(model.ledger.sample_count.numpy()) == 4
   path = os.path.join(tmp_path, "sub.keras")
   model.save(path)
-  np.save(tmp_path / "x.npy", x)
-  np.save(tmp_path / "p.npy", model.predict(x, verbose=0))
-  # The repository root on the child's path: `tests.keras.test_api` and this tree's tf_dpiter.
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-c", _LOAD_IN_NEW_PROCESS,
-                        path, str(tmp_path / "x.npy"), str(tmp_path / "p.npy")],
-                       capture_output=True, text=True, timeout=300, check=False, env=env)
-  assert out.returncode == 0 and "LOADED-OK" in out.stdout, out.stderr[-3000:]
+  want = model.predict(x, verbose=0)
+  # the process-wide state a new process lacks: the class cache and the Keras registration
+  monkeypatch.delitem(keras.saving.get_custom_objects(),
+                      keras.saving.get_registered_name(saved_cls))
+  monkeypatch.delitem(models._PRIVATE_CLASSES, SubclassedMLP)  # pylint: disable=protected-access
+  with pytest.raises(TypeError, match="DPSubclassedMLP|SubclassedMLP"):
+    keras.models.load_model(path)
+  new_cls = dp.keras.private_class(SubclassedMLP)   # registers DPSubclassedMLP before loading
+  assert new_cls is not saved_cls
+  m = keras.models.load_model(path)
+  assert type(m) is new_cls and type(m).__name__ == "DPSubclassedMLP"
+  assert isinstance(m, dp.keras.DPModelMixin) and isinstance(m, SubclassedMLP) and m.units == 5
+  o = m.optimizer
+  assert (type(o).__name__, o.l2_norm_clip, o.noise_multiplier) == ("DPKerasSGDOptimizer", 0.7,
+                                                                     1.1)
+  np.testing.assert_allclose(m.predict(x, verbose=0), want, rtol=1e-5)
+  m.fit(x, np.zeros(len(x), "int32"), batch_size=8, epochs=1, verbose=0)
+  assert int(m.ledger.sample_count.numpy()) == 2 * (len(x) // 8)   # the saved steps + the new
   with pytest.raises(ValueError, match="cls must be a keras.Model subclass"):
     dp.keras.private_class(int)
 
