@@ -1,24 +1,14 @@
 """Physical chunks of a logical batch, and the dtype of the privacy arithmetic (McMahan et al. 2018, Sec. 7).
 
-A logical batch (one noise draw, one ledger sample) may be processed in physical chunks of at
-most `max_physical_batch_size` examples (whole records each): the clipped sums of the chunks
-add up to the clipped sum of the batch, so chunking changes memory, not the mechanism. Both
-clipping paths (vectorized per-record gradients, fast ghost norms) run through
-`sum_over_chunks`.
+A logical batch (one noise draw, one ledger sample) may be processed in physical chunks of
+at most `max_physical_batch_size` examples (whole records): the chunks' clipped sums add up
+to the batch's, so chunking changes memory, not the mechanism. Both clipping paths run
+through `sum_over_chunks`. Under XLA a padded Poisson sample (real records first) is split
+by `chunk_layout` so that chunks of padding only are skipped: a padding record adds exactly
+0, so the sum is unchanged; shapes stay static.
 
-Under XLA a Poisson sample is padded to a static size well above its expected size (E + 4 sd,
-data.sampling.default_max_batch_size: 1.5 E at E = 64), its real records first. `chunk_layout`
-then splits the padded batch into a first chunk of E records (rounded up to a multiple of 8),
-always run, and a tail of small chunks (about sd / 2 records, at least 8) run by a
-tf.while_loop up to the last chunk holding a real record (`PaddedTail`): the expected work
-falls from E + 4 sd records to about E + sd / 3 (E = 64 or 256: 69 or 264 records, with
-0.65 tail chunks run on average), shapes stay static (one compiled program), nothing is
-dropped. Skipping a chunk of padding records changes nothing in the sum (a padding record
-adds exactly 0); the step's time then depends on the sample size, as it does without XLA
-(unpadded batches).
-
-The privacy arithmetic (per-record norms, clip factors, the clipped sum, the noise) is done in
-float32, or float64 for float64 variables, whatever the Keras dtype policy.
+The privacy arithmetic (norms, clip factors, the clipped sum, the noise) is done in float32,
+or float64 for float64 variables, whatever the Keras dtype policy.
 """
 
 import collections
@@ -119,21 +109,17 @@ class PaddedTail(collections.namedtuple("PaddedTail", ["first", "chunk"])):
 
 def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   """How `sum_over_chunks` splits a batch: `records_per_chunk`, or, for a padded sample of a
-  random-size policy (Poisson) under XLA, a `PaddedTail` (without a physical chunk size) or a
-  `TailChunks` (with one, and a static batch): later chunks run only up to the last real
-  record (module docstring). With E the expected records of this replica (declared when the
-  step is traced) and sd = sqrt(E), the first chunk has max(multiple, ceil(E / multiple) *
-  multiple) records and the tail's chunks max(multiple, ceil(sd / 2 / multiple) * multiple)
-  (measured best of the layouts tried for a sequential model, the LSTM, whose small chunks
-  cost more per record, and as good for the others: BENCHMARKS.md). Whatever E, the sum is
-  the same: the layout only decides which padding is not computed.
+  random-size policy (Poisson) under XLA, a `PaddedTail` (no physical chunk size) or a
+  `TailChunks` (with one, static batch). With E the replica's expected records and
+  sd = sqrt(E), the first chunk has max(multiple, ceil(E / multiple) * multiple) records, the
+  tail's chunks max(multiple, ceil(sd / 2 / multiple) * multiple): about E + sd / 3 records
+  run instead of E + 4 sd (BENCHMARKS.md). The sum is the same whatever the layout.
 
   Args:
-    step: the PrivateStep (its flags' max_physical_batch_size, the declared sampling; its
-      flags' `skip_padding_tail` False keeps one chunk: benchmarks compare the two).
+    step: the PrivateStep (its flags' max_physical_batch_size and `skip_padding_tail`, the
+      declared sampling).
     examples_per_record: k.
-    num_records_static: M if static, else None (under XLA the compiled program still sees
-      the batch's size).
+    num_records_static: M if static, else None.
     multiple: chunk sizes are multiples of it.
 
   Returns:
@@ -234,27 +220,22 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
 def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=None):
   """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
 
-  With acc=None the first chunk's result is the accumulator (chunk_fn receives None for it
-  and returns its own sums), so no zeros are made and each accumulated tensor exists once:
-  a later chunk adds into it. Only a dynamic number of chunks (a tf.while_loop from the first
-  chunk) starts from zeros shaped like `template`.
+  With acc=None the first chunk's result is the accumulator (no zeros made); only a dynamic
+  number of chunks (a tf.while_loop) starts from zeros shaped like `template`.
 
   Args:
-    chunk_fn: (acc, records_chunk, record_mask_chunk) -> (acc, loss_sum, aux), where aux is
-      a nest of tensors with the chunk's records on the leading axis; acc may be None (the
-      first chunk, see above).
-    acc: the initial accumulator (a nest of tensors: a DPQuery sample state, or sums), or
-      None.
+    chunk_fn: (acc, records_chunk, record_mask_chunk) -> (acc, loss_sum, aux), aux a nest of
+      tensors with the chunk's records on the leading axis; acc may be None (first chunk).
+    acc: the initial accumulator (a nest of tensors), or None.
     records: nest of [M, ...] tensors (None leaves allowed).
     record_mask: [M] float, 0 for padding records.
     per_chunk: records per chunk (`records_per_chunk`), None for one chunk, or a TailChunks
       (`chunk_layout`).
-    template: with acc=None, a nest of `tf.TensorSpec`s shaped like the accumulator (zeros
-      of it start a loop over a dynamic number of chunks).
+    template: with acc=None, a nest of `tf.TensorSpec`s shaped like the accumulator.
 
   Returns:
-    (acc, loss_sum, aux): aux concatenated over chunks (its leading axis may hold padding
-    records past M), or None when the number of chunks is dynamic (tf.while_loop).
+    (acc, loss_sum, aux): aux concatenated over chunks (may hold padding records past M), or
+    None when the number of chunks is dynamic.
 
   Raises:
     ParameterValueError: acc=None without `template` and a dynamic number of chunks.

@@ -1,51 +1,24 @@
 """Private gradients in custom training loops (McMahan et al., "A General Approach to Adding
 Differential Privacy to Iterative Training Procedures", Section 7).
 
-`compute_private_gradients(step, ...)` is the noised average of clipped per-record
-gradients of a `private_step.PrivateStep`; the DP optimizers expose it as
-`optimizer.compute_private_gradients` and build `minimize` (one private step on a vector of
-per-example losses) on it. They use the step's clipping (`clipped_sum`), noise and ledger
-(`noised_average`): a custom loop writes the same ledger samples as `fit`. Declare the
-sampling first with `optimizer.set_sampling(n, q, policy, sample_size)`; under policy
-"shuffle" call `optimizer.ledger.record_passes(1)` whenever a pass over a new permutation
-starts. Apply the result with `optimizer.apply_private_gradients` (plain `apply_gradients`
-is refused).
+`compute_private_gradients(step, ...)` is the noised average of clipped per-record gradients
+of a `private_step.PrivateStep` (`optimizer.compute_private_gradients`, and `minimize` on
+it), through the step's clipping, noise and ledger: a custom loop writes the same ledger
+samples as `fit`. Declare the sampling first (`optimizer.set_sampling`); apply the result
+with `optimizer.apply_private_gradients`.
 
-The protections of `fit` apply here too, on every form (data or vector loss, callable or
-tape, `minimize`), with or without `model=`. The relation is add/remove one example (one
-microbatch with num_microbatches); the ledger records the sensitivity C of one record's
-clipped gradient, which bounds the move of the pre-noise sum only if record i's loss is a
-function of record i alone:
-* oneDNN guard: with `model=` given, a model with layers whose vectorized per-example
-  gradients oneDNN gets wrong (routing.use_vectorized_map) gets its per-record gradients
-  from a sequential loop (tf.map_fn, or a while-loop jacobian). Without `model=` (data form
-  only, see below) the layers behind the variables are unknown, so on a oneDNN build
-  (TensorFlow's default on many CPUs) the sequential loop is used: exact for every layer,
-  slower (measured: the vectorized data form on MultiHeadAttention/EinsumDense aborted with
-  `dnnl::error`). Pass `model=` to vectorize a model that has no affected layer;
-* batch independence: the form with `data` runs each record alone through `loss_fn`, so
-  record i's loss depends on record i only (exact by construction, for every layer and
-  every loss). The form with a vector of losses computed on the whole batch (`data=None`:
-  `compute_private_gradients(loss_fn, variables)`, the tape form, and `minimize`, which
-  always takes this form) is exact only if nothing mixes the examples of the batch: a
-  BatchNormalization in training mode or a batch-centering layer lets one example move
-  every other example's loss, and the sum moves by more than C. It therefore needs
-  `model=` (the keras.Model that computed the losses): a trainable BatchNormalization is
-  refused by name, so is a layer not known to act per example (per_example: a custom or
-  `Lambda` layer, a subclassed model's call, unless declared with
-  `dp.keras.declare_per_example`), and the model is probed (batch_independence.probe_model,
-  layer by layer in inference mode, then as a whole in training mode with its seed
-  generators restored between runs, so dropout is not taken for mixing; the limits of a
-  probe are stated in batch_independence); a mixing layer, or a model that cannot be probed
-  (subclassed, inputs unknown), is refused. Without `model=` the vector form is refused:
-  the losses close over the batch, so no probe can see the inputs, and the variables do
-  not reveal layers that mix without weights (a `Lambda` centering, BatchNormalization
-  with center=False, scale=False). The loss itself must still compute loss i from
-  example i's outputs only (not probed: use the data form if in doubt);
-* float16: under a float16 compute dtype (`mixed_float16`; read from `model`, else from the
-  global Keras dtype policy) each record's loss is multiplied by a static loss scale and its
-  float32 gradient divided by it; a record whose gradient overflowed adds zero (norm 0 <= C)
-  and is counted in `optimizer.overflowed_records`, with a warning.
+The ledger records the sensitivity C of one record's clipped gradient (add/remove one
+example, or one microbatch), which bounds the pre-noise sum only if record i's loss depends
+on record i alone. Hence `fit`'s protections, on every form:
+* oneDNN: without `model=`, a oneDNN build takes the sequential per-record loop (exact for
+  every layer; oneDNN breaks the vectorized gradients of EinsumDense/MultiHeadAttention);
+* batch independence: the `data` form runs each record alone (exact by construction). The
+  vector-of-losses form (`data=None`, the tape form, `minimize`) needs `model=`: a trainable
+  BatchNormalization, a layer not known to act per example (per_example) and a layer the
+  probe sees mixing examples (batch_independence.probe_model) are refused, as is a model
+  that cannot be probed. The loss must still compute loss i from example i's outputs only;
+* float16: each record's loss is multiplied by a static loss scale and its gradient divided
+  by it; a record that overflowed adds zero and is counted (`optimizer.overflowed_records`).
 """
 
 import logging
@@ -109,13 +82,11 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
                               model=None):
   """Noised average of clipped per-record gradients, aligned with `variables`.
 
-  Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's
-  examples (a vector [k], or a scalar mean), where record_data is `data` with leading
-  axis k (k = 1 with num_microbatches=None); gradients are vectorized over records, each
-  record run alone. (b) data None: loss_fn() (or, with `tape`, the tensor loss_fn) is the
-  vector [B] of per-example losses computed on the whole batch; per-record gradients come
-  from a batched jacobian, exact only if no layer mixes examples: needs `model`, which is
-  probed (refused without it; module docstring).
+  Two forms. (a) data given: loss_fn(record_data) returns the losses of one record's examples
+  (a vector [k] or a scalar mean); each record runs alone. (b) data None: loss_fn() (or, with
+  `tape`, the tensor loss_fn) is the vector [B] of per-example losses of the whole batch;
+  per-record gradients come from a batched jacobian, exact only if no layer mixes examples:
+  needs `model`, which is probed (module docstring).
 
   Args:
     step: the optimizer's PrivateStep.
@@ -124,21 +95,16 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     data: a nest of [B, ...] tensors (form a), or None (form b).
     mask: float [B] of 0/1, padding rows 0.
     tape: the GradientTape the loss tensor was computed under (form b with a tensor).
-    model: the keras.Model that loss_fn runs, for fit's protections (module docstring).
-      Required by form (b); in form (a) without it, on a oneDNN build, per-record
-      gradients come from a sequential loop.
+    model: the keras.Model that loss_fn runs; required by form (b).
 
   Returns:
-    list of noised, averaged gradients (float32, or float64 for float64 variables); apply
-    them with `apply_private_gradients`.
+    list of noised, averaged gradients (float32, or float64 for float64 variables).
 
   Raises:
-    ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches than
-      examples, form (b) without `model`, or with a model that has a trainable
-      BatchNormalization, a layer that mixes the examples of a batch or inputs the probe
-      cannot see (ParameterValueError / PrivacyConfigError, module docstring), or an
-      optimizer whose iterations exceed its ledger's samples (restored without its
-      ledger: `restore_ledger`).
+    ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches
+      than examples, form (b) without `model` or with a model that mixes examples or cannot
+      be probed, or an optimizer restored without its ledger (`restore_ledger`).
+    PrivacyConfigError: form (b) with a trainable BatchNormalization.
   """
   variables = list(variables)
   step.prepare_mechanism(variables)   # a correlated mechanism needs the variables' shapes
@@ -199,18 +165,8 @@ _WHAT_TO_DO = ("Pass model=<the keras.Model that computed the losses> (it is pro
 
 def _check_batch_independent(model, with_tape):
   """Refuses the vector form (b) unless `model` is given, has no trainable
-  BatchNormalization, every layer is known to act per example (or declared so) and its
-  probe finds no layer that mixes examples (module docstring).
-
-  Args:
-    model: the keras.Model given as model=, or None.
-    with_tape: whether the loss tensor came with a tape (names the call in the message).
-
-  Raises:
-    ParameterValueError: model None, unprobeable, a layer not known to act per example,
-      or a mixing layer.
-    PrivacyConfigError: a trainable BatchNormalization.
-  """
+  BatchNormalization, has only layers known to act per example and its probe finds no layer
+  that mixes examples (module docstring)."""
   call = _TAPE_CALL if with_tape else _VECTOR_CALL
   if model is None:
     raise ParameterValueError(

@@ -2,17 +2,10 @@
 choices kept out of it (`dp.keras.PerformanceFlags`).
 
 McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
-Procedures" (2018), Section 2, separate what the privacy claim depends on from how the step is
-computed. `DPConfig` holds the former: the per-record clip S, the noise multiplier z, the noise
-mechanism (`dp.keras.noise`), the record unit (microbatches), the normalization, the sampling
-policy and the accountant; it is validated once, in its constructor, and carried as an
-immutable value (equality, `get_config`/`from_config`, `replace`). `PerformanceFlags` holds
-what changes the cost of a step but not its output distribution: the physical chunk size,
-the clipping path, whether the noise is drawn inside the compiled program, and whether the
-padding tail is skipped.
-
-The DP optimizers build a DPConfig from their keywords (`DPKerasSGDOptimizer(l2_norm_clip=...,
-noise_multiplier=..., ...)`) or take one (`dp_config=` or its alias `plan=`).
+Procedures" (2018), Section 2, separate what the privacy claim depends on from how the step
+is computed. `DPConfig` holds the former (S, z, the noise mechanism, the record unit, the
+normalization, the sampling policy, the accountant), validated once when made;
+`PerformanceFlags` holds what changes a step's cost but not its output distribution.
 """
 
 import dataclasses
@@ -259,7 +252,8 @@ class DPConfig:
 @validation.validates(PERFORMANCE_FLAGS_CONSTRAINTS)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PerformanceFlags:
-  """How a DP step is computed, not what it releases (final, immutable).
+  """How a DP step is computed, not what it releases (final, immutable; checked by
+  PERFORMANCE_FLAGS_CONSTRAINTS when made).
 
   Attributes:
     max_physical_batch_size: P, examples per physical chunk (gradient accumulation of one
@@ -268,8 +262,6 @@ class PerformanceFlags:
     compiled_noise: True draws the noise inside a jit_compile=True program, False after
       it; None: inside on an accelerator only.
     skip_padding_tail: skip the all-padding chunks of a padded batch (False computes them).
-
-  Each field is checked by PERFORMANCE_FLAGS_CONSTRAINTS when the flags are made.
 
   Raises:
     ParameterTypeError: a non-integer P, a non-bool flag.

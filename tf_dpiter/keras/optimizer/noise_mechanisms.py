@@ -1,31 +1,15 @@
 """The DP optimizers' noise mechanisms as values: `dp.keras.noise.IID()`, `Tree(...)`,
-`BandMF(...)`, `BLT(...)` (the strings `noise="iid" | "tree" | "band_mf" | "blt"` with flat
-keywords are shorthands that build them: `from_shorthand`).
+`BandMF(...)`, `BLT(...)` (`noise="iid" | "tree" | "band_mf" | "blt"` with flat keywords are
+shorthands: `from_shorthand`).
 
-Each mechanism is a final, frozen dataclass that owns, in one place: its parameters (checked
-in its constructor), the DPQuery that draws its noise (`make_query`), the sampling its
-accounting needs (`sampling_requirement`, `check_sampling`) and the structural privacy event
-the ledger judges (`requirement_event`). Adding a mechanism is one final subclass of
-`NoiseMechanism` (and, for a built-in one, its export in `tf_dpiter.keras.noise`).
-
-  IID     DP-SGD: independent Gaussian noise N(0, (z S)^2) per step (Abadi et al., "Deep
-          Learning with Differential Privacy", 2016, Algorithm 1); the default.
-  Tree    `TreeAggregationQuery` (Kairouz et al., "Practical and Private (Deep) Learning
-          without Sampling or Shuffling", 2021, Section 3): `restart_every` R leaves per tree.
-          Accounted under shuffled passes only, one tree per pass, so R must divide the
-          steps per pass ceil(n / B).
-  BandMF  `BandMFQuery` (Choquette-Choo et al., "Correlated Noise Provably Beats Independent
-          Noise for Differentially Private Learning", 2023, Section 3): `num_bands` b,
-          optimized for `num_steps` (required when b > 1), `strategy` "toeplitz" or
-          "banded". b > 1: cyclic Poisson sampling with >= b groups only; b = 1 is DP-SGD.
-  BLT     `BLTQuery` (Dvijotham et al., "Efficient and Near-Optimal Noise Generation for
-          Streaming Differential Privacy", 2024, Section 4): `num_buffers`, horizon
-          `num_steps` (later steps are refused), `min_separation` b: cyclic Poisson with
-          >= b groups only.
-
-A correlated mechanism's query is made when the optimizer is built (it needs the trainable
-variables' shapes: `needs_variables`), and its state (step, noise history / tree nodes / BLT
-buffers) is kept in optimizer variables (`private_step.PrivateStep.build_mechanism`).
+Each mechanism is a final, frozen dataclass owning its parameters (checked when made), the
+DPQuery that draws its noise (`make_query`), the sampling its accounting needs
+(`sampling_requirement`, `check_sampling`) and the structural event the ledger judges
+(`requirement_event`). IID is DP-SGD (Abadi et al. 2016, Algorithm 1); Tree is DP-FTRL
+(Kairouz et al. 2021, Section 3); BandMF (Choquette-Choo et al. 2023, Section 3); BLT
+(Dvijotham et al. 2024, Section 4); each class names its paper and its sampling premise.
+A correlated mechanism's query is made when the optimizer is built (`needs_variables`); its
+state lives in optimizer variables (`private_step.PrivateStep.build_mechanism`).
 """
 
 import abc
@@ -229,7 +213,9 @@ class IID(NoiseMechanism):
     "restart_every": _count("leaves per tree: the steps per shuffled pass or a divisor of it")})
 @dataclasses.dataclass(frozen=True)
 class Tree(NoiseMechanism):
-  """Online tree aggregation (DP-FTRL; Kairouz et al. 2021, Section 3).
+  """Online tree aggregation (DP-FTRL; Kairouz et al., "Practical and Private (Deep) Learning
+  without Sampling or Shuffling", 2021, Section 3): accounted under shuffled passes only,
+  one tree per pass.
 
   Attributes:
     restart_every: R, leaves per tree (the tree restarts every R steps); must divide the
@@ -292,7 +278,9 @@ class Tree(NoiseMechanism):
     "strategy": validation.OneOf(band_mf_query.STRATEGIES)}, also_raises=(PrivacyConfigError,))
 @dataclasses.dataclass(frozen=True)
 class BandMF(NoiseMechanism):
-  """Banded matrix factorization (Choquette-Choo et al. 2023, Section 3).
+  """Banded matrix factorization (Choquette-Choo et al., "Correlated Noise Provably Beats
+  Independent Noise for Differentially Private Learning", 2023, Section 3): b > 1 only under
+  cyclic Poisson sampling with >= b groups; b = 1 is DP-SGD.
 
   Attributes:
     num_bands: b, bands of the strategy (1 = DP-SGD).
@@ -339,7 +327,9 @@ class BandMF(NoiseMechanism):
     "min_separation": _count("steps between participations")})
 @dataclasses.dataclass(frozen=True)
 class BLT(NoiseMechanism):
-  """Buffered linear Toeplitz noise (Dvijotham et al. 2024, Section 4).
+  """Buffered linear Toeplitz noise (Dvijotham et al., "Efficient and Near-Optimal Noise
+  Generation for Streaming Differential Privacy", 2024, Section 4): cyclic Poisson sampling
+  with >= min_separation groups only.
 
   Attributes:
     num_steps: the horizon (steps beyond it are refused).

@@ -1,34 +1,20 @@
 """DP versions of Keras 3 optimizers (McMahan et al., "A General Approach to Adding Differential
 Privacy to Iterative Training Procedures", Section 7; DP-SGD of Abadi et al., "Deep Learning
-with Differential Privacy", 2016).
+with Differential Privacy", 2016, Algorithm 1).
 
 `make_dp_optimizer_class(keras.optimizers.X)` returns a subclass of X whose gradients are
-private: per-record gradients are clipped to L2 norm S and summed by a DPQuery, the sum
-gets Gaussian noise of standard deviation z*S once per logical batch, and the result is
-divided by the batch's denominator (records in the batch; q*n, the expected batch size,
-under Poisson sampling). Every step writes its sampling event (`ledger.LedgerSampling`) and
-the sum query events of its noise draw to the optimizer's `ledger`.
+private: per-record gradients clipped to L2 norm S and summed, Gaussian noise of standard
+deviation z S added once per logical batch, divided by the batch's denominator (records in
+the batch; q n under Poisson sampling). Every step records its sampling event and its noise
+draw's events in the optimizer's `ledger`. Plain gradients (`apply` from outside the private
+path) are refused.
 
-The optimizer refuses plain gradients (`apply`/`apply_gradients` from outside the private
-path): use a DP model (`DPSequential`, `make_private`), `compute_private_gradients`, or
-`minimize` with a vector of per-example losses and `model=`.
+Microbatches (M): a record is a microbatch of k = ceil(B / M) examples, charged at
+sensitivity 2S under replace-one sampling (step_sampling); M = B is one example per record.
+Custom loops declare their sampling with `set_sampling(n, q, policy, sample_size)`.
 
-Microbatches (num_microbatches M): a record is a microbatch of k = ceil(B / M) examples,
-charged at sensitivity 2S; they need replace-one sampling (step_sampling). M equal to the
-declared batch size B (TF Privacy's default) is k = 1, one example per record: per-example
-clipping, any sampling, Poisson included. Custom loops
-declare their sampling with `set_sampling(n, q, policy, sample_size)` (under "shuffle", with
-`optimizer.ledger.record_passes(1)` at every new permutation).
-
-Where each part lives: this module is the Keras face (the constructor and its checks, the
-properties, the config, the refusal of plain `apply`, `apply_private_gradients`,
-`from_budget`, `minimize`, and the few step methods users call on the optimizer). The DP step itself is one object the
-optimizer holds, `optimizer.private_step` (`private_step.PrivateStep`): it owns the query
-and the ledger write, the sampling declaration, the clipping (`PrivateStep.clipped_sum`, `chunking`),
-the noise mechanism (`noise_mechanisms`, `noise_draw`) and the custom-loop gradients
-(`custom_loops`).
-`DPKeras*Optimizer.from_budget(epsilon, delta, epochs, batch_size, population_size)`
-calibrates the noise multiplier with the accountant.
+This module is the Keras face; the DP step itself is `optimizer.private_step`
+(`private_step.PrivateStep`).
 """
 
 import keras
@@ -36,7 +22,6 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.optimizer import budget
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
@@ -44,12 +29,7 @@ from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 
 CLIPPING_MODES = dp_config_lib.CLIPPING_MODES
-# Re-exported: the dtype of the privacy arithmetic (chunking).
-wide_template = chunking.wide_template
-unscale_records = chunking.unscale_records
-
-# Re-exported: the calibration from_budget and make_private_with_epsilon share.
-calibrated_noise = budget.calibrated_noise
+wide_template = chunking.wide_template   # re-exported: the dtype of the privacy arithmetic
 
 
 def _from_step(attr, doc):
@@ -130,11 +110,10 @@ class DPOptimizerBase:
                   *args, accountant="rdp", **kwargs):
     """An optimizer whose noise multiplier the accountant calibrated to (epsilon, delta).
 
-    z is the smallest noise multiplier (to a relative 1e-4, rounded up) for which
-    ceil(epochs * n / B) DP-SGD steps at q = B / n, under `sampling`, give epsilon <= the
-    target at delta (budget.calibrated_noise; McMahan et al. 2018, Section 4). Train with the
-    same batch_size, epochs and sampling: the ledger then reports epsilon <= the target. The
-    calibration is logged (logger "tf_dpiter", INFO) and kept in `optimizer.calibration`.
+    z is the smallest noise multiplier (relative 1e-4, rounded up) for which
+    ceil(epochs * n / B) steps at q = B / n under `sampling` give epsilon <= the target at delta
+    (budget.calibrated_noise; McMahan et al. 2018, Section 4). Train with the same batch_size,
+    epochs and sampling. The calibration is logged and kept in `optimizer.calibration`.
 
     Args:
       epsilon: the target epsilon, > 0.
@@ -146,9 +125,8 @@ class DPOptimizerBase:
       *args: the class' other positional arguments.
       accountant: "rdp" or "pld".
       **kwargs: the class' other keyword arguments: l2_norm_clip is required, noise_multiplier
-        and dp_query are not accepted (Adam's own `epsilon` cannot be passed here, its name
-        is the target's: use `dp.keras.make_private_with_epsilon(model,
-        keras.optimizers.Adam(epsilon=...), ...)`).
+        and dp_query are not accepted (nor Adam's own `epsilon`: use
+        `dp.keras.make_private_with_epsilon`).
 
     Returns:
       an instance of cls.
@@ -163,9 +141,7 @@ class DPOptimizerBase:
     opt.calibration = calib
     return opt
 
-  # ---- properties (the step's settings) ----------------------------------------------
-
-  # Read-only views of the step's settings (PrivateStep attributes).
+  # ---- read-only views of the step's settings (PrivateStep attributes) ----------------
   l2_norm_clip = _from_step(
       "l2_norm_clip", "S, the per-record L2 clip (None with a custom dp_query).")
   noise_multiplier = _from_step(
@@ -198,16 +174,14 @@ class DPOptimizerBase:
 
   @property
   def dp_query(self):
-    """The step's query wrapped in a QueryWithLedger that records in the optimizer's ledger
-    with its declared sampling (read-only: PrivateStep.query; None until the sampling is known;
-    for a correlated noise declared before the optimizer is built, a placeholder that raises
-    on use until then)."""
+    """The step's query in a QueryWithLedger recording in the optimizer's ledger (None until
+    the sampling is known; a placeholder raising on use while a correlated noise waits for
+    the build)."""
     return self.private_step.query or self.private_step.pending_query()
 
   @property
   def overflowed_records(self):
-    """Records whose float16 gradient overflowed (non-finite) and were zeroed, since the
-    optimizer was made (mixed_float16 only; see chunking.unscale_records)."""
+    """Records whose float16 gradient overflowed and were zeroed (chunking.unscale_records)."""
     return int(self.private_step.overflow_counter.numpy())
 
   @property
@@ -224,36 +198,32 @@ class DPOptimizerBase:
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
                    sample_size=0):
-    """Declares how batches are sampled; the ledger records it with every step
-    (PrivateStep.set_sampling).
+    """Declares how batches are sampled; the ledger records it with every step.
 
     Args:
       population_size: n, the records batches are drawn from (public).
-      selection_probability: q, each record's probability to be in a batch (Poisson), or
-        B / n for the other policies.
+      selection_probability: q (Poisson), or B / n for the other policies.
       policy: one of ledger.POLICIES ("poisson", "shuffle", "fixed_size", ...).
-      sample_size: the batch size B (the expected one under Poisson, 0 when unknown; the
-        groups under "cyclic_poisson").
+      sample_size: the batch size B (expected under Poisson, 0 when unknown; the groups under
+        "cyclic_poisson").
 
     Returns:
       True when the recorded policy or record unit changed (the step must be retraced).
 
     Raises:
       ParameterTypeError: `sample_size` (or n, q) is not a number, e.g. None.
-      PrivacyConfigError: a value out of range, microbatches under add/remove, a sampling the
-        mechanism is not accounted under, or a new sampling inside a tree.
+      PrivacyConfigError: a value out of range, microbatches under add/remove, or a sampling
+        the mechanism is not accounted under.
     """
     return self.private_step.set_sampling(population_size, selection_probability, policy,
                                           sample_size)
 
   def resolve_clipping(self, model=None, input_specs=None):
-    """"vectorized" or "fast": the per-example clipping the step uses for `model`
-    (PrivateStep.resolve_clipping).
+    """"vectorized" or "fast": the per-example clipping the step uses for `model`.
 
     Args:
       model: the keras.Model the optimizer trains.
-      input_specs: optional nest of tensors/specs shaped like a batch (for the probe of a
-        model without known inputs).
+      input_specs: optional nest of tensors/specs shaped like a batch (for the probe).
 
     Returns:
       "vectorized" or "fast".
@@ -271,18 +241,16 @@ class DPOptimizerBase:
   def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
                                 model=None):
     """Noised average of clipped per-record gradients, aligned with `variables`
-    (custom_loops.compute_private_gradients: its two forms and Raises).
+    (custom_loops.compute_private_gradients).
 
     Args:
-      loss_fn: with `data`: loss_fn(record_data) returns the losses of one record's examples;
-        without: loss_fn() (or, with `tape`, the tensor itself) is the vector [B] of
-        per-example losses of the whole batch.
-      variables: the variables to differentiate (the result is aligned with them).
+      loss_fn: with `data`: loss_fn(record_data) gives one record's losses; without: loss_fn()
+        (or, with `tape`, the tensor itself) is the vector [B] of per-example losses.
+      variables: the variables to differentiate.
       data: a nest of [B, ...] tensors, or None (the second form).
       mask: float [B] of 0/1, padding rows 0 (None: every row is a record).
-      tape: the GradientTape the loss tensor was computed under (second form, a tensor).
-      model: the keras.Model that loss_fn runs, probed for layers that mix the examples of a
-        batch (required by the second form).
+      tape: the GradientTape the loss tensor was computed under (second form).
+      model: the keras.Model loss_fn runs, probed for batch mixing (required by the second form).
 
     Returns:
       the noised averages, one per variable.
@@ -298,16 +266,14 @@ class DPOptimizerBase:
       var_list: the variables (or a callable returning them).
       tape: as compute_private_gradients.
       mask: as compute_private_gradients.
-      model: required: the keras.Model that computed the losses, probed for layers that mix
-        the examples of a batch (custom_loops); without it the call is refused.
+      model: required: the keras.Model that computed the losses, probed for batch mixing.
 
     Returns:
       the base optimizer's `apply` result.
 
     Raises:
-      ParameterValueError: a loss tensor without its tape, a scalar loss (per-example losses are
-        needed for clipping), no model=, a model that mixes examples or cannot be probed, or
-        see compute_private_gradients.
+      ParameterValueError: a loss tensor without its tape, a scalar loss, no model=, a model
+        that mixes examples or cannot be probed, or see compute_private_gradients.
     """
     var_list = list(var_list() if callable(var_list) and not isinstance(var_list, list)
                     else var_list)
@@ -383,11 +349,9 @@ class DPOptimizerBase:
   # ---- serialization ------------------------------------------------------------------
 
   def get_config(self):
-    """Keras config with the DP entries of optimizer_config.dp_config: the settings, a custom
-    dp_query serialized with its current global state ("dp_global_state": from_config
-    resumes from it; delete the key to start afresh), the noise mechanism's parameters (its
-    state is in the optimizer's variables), and "dp_ledger", the ledger's signed dict, which
-    from_config loads into the new ledger (saved_ledger).
+    """Keras config plus the DP entries (optimizer_config.dp_config): the settings, a custom
+    dp_query with its global state ("dp_global_state"), the mechanism's parameters, and
+    "dp_ledger", the ledger's signed dict that from_config loads (saved_ledger).
 
     Returns:
       the config dict.
@@ -413,8 +377,7 @@ class DPOptimizerBase:
     return opt
 
 
-# The older name of the DP base (existing code, docs and saved models resolve it).
-DPOptimizerMixin = DPOptimizerBase
+DPOptimizerMixin = DPOptimizerBase   # the older name (existing code and saved models)
 
 
 _CLASS_CACHE = {}
@@ -424,13 +387,8 @@ _READY_NAMES = {"SGD": "DPKerasSGDOptimizer", "Adam": "DPKerasAdamOptimizer",
 
 
 def make_dp_optimizer_class(cls):
-  """DP subclass of any keras.optimizers.Optimizer subclass (a user's own too).
-
-  The new class takes (l2_norm_clip, noise_multiplier, num_microbatches=None, *,
-  dp_query=None, max_physical_batch_size=None, clipping="auto", normalize=True, seed=None,
-  ledger_journal=None, secure_mode=False, noise="iid", restart_every=None, num_bands=None,
-  num_steps=None, band_strategy=None, num_buffers=None, min_separation=None)
-  before the base class' own arguments, and is registered for Keras serialization.
+  """DP subclass of any keras.optimizers.Optimizer subclass (a user's own too), taking
+  DPOptimizerBase's arguments before the base class' own; registered for Keras serialization.
 
   Args:
     cls: a keras.optimizers.Optimizer subclass.

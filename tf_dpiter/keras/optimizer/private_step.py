@@ -8,32 +8,18 @@ divided by the batch's denominator; the ledger records the sample (Section 6). W
 default Gaussian query this is DP-SGD (Abadi et al., "Deep Learning with Differential
 Privacy", 2016, Algorithm 1).
 
-Neighbouring relation and unit: those of the declared sampling policy, which the ledger
-records with every sample: add/remove one example under Poisson-type sampling,
-replace-one example under "shuffle" and "fixed_size". The unit of privacy is the example
-(or the user, under user-level batches); a record is one example or one microbatch of
-k = ceil(B / M) examples, whose clipped sum the ledger charges at sensitivity 2S.
+Neighbouring relation and unit: those of the declared sampling policy, recorded with every
+sample: add/remove one example under Poisson-type sampling, replace-one under "shuffle" and
+"fixed_size". The unit is the example (the user under user-level batches); a record is one
+example or a microbatch of k = ceil(B / M) examples, charged at sensitivity 2S.
 
-`PrivateStep` owns all of it; the Keras DP optimizer holds one (`optimizer.private_step`)
-and keeps only the Keras face. Its state is in TF variables tracked by the optimizer (so
-`tf.train.Checkpoint`, `save_weights` and `model.save` carry them): the ledger, the query's
-global state (a correlated mechanism's noise history), the expected batch size, the
-float16 overflow counter. The noise generator is deliberately not among them: a restore,
-`load_weights` or `iterations.assign` cannot make it draw a noise it drew before.
-
-It picks the clipping path, forms the vectorized clipped sum, requires the declared sampling
-and draws the noise (across replicas: once) itself. Helpers: `step_sampling` (the
-declaration), `noise_mechanisms`, `chunking` (physical chunks), `custom_loops`.
-
-Per-variable pipelining (sum -> noise -> divide -> apply; Bu et al., "Differentially
-private optimization on large model at small cost", book-keeping, Section 3):
-`noised_average` orders the step so that the clipped sum of leaf j + 1 is formed only once
-leaf j is noised (`gate_sums_on_noise`, below the class).
-
-Its variables are checkpoint dependencies of the optimizer under fixed names ("_dp_ledger",
-"_dp_expected_records", "_dp_overflow_count", "_dp_global_state_<i>"), so
-`tf.train.Checkpoint` and `BackupAndRestore` carry them; only this class makes, reads and
-writes them.
+The Keras DP optimizer holds one `PrivateStep` (`optimizer.private_step`). Its state are TF
+variables tracked by the optimizer under fixed names ("_dp_ledger", "_dp_expected_records",
+"_dp_overflow_count", "_dp_global_state_<i>"), so checkpoints, `save_weights` and
+`model.save` carry them; the noise generator is deliberately not among them, so no restore
+can make it draw a noise it drew before. Helpers: `step_sampling`, `noise_mechanisms`,
+`chunking`, `custom_loops`; per-variable pipelining (Bu et al., "Differentially private
+optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
 
 import sys
@@ -60,12 +46,8 @@ from tf_dpiter.ledger import privacy_ledger
 
 
 class PrivateStep:
-  """The DP step of one optimizer (see module docstring).
-
-  Built from a frozen plan (`dp_config.DPConfig`: S, z, the noise mechanism, microbatches,
-  normalization, sampling policy, accountant) and performance flags
-  (`dp_config.PerformanceFlags`); every field below is read-only, and only this class writes
-  its own state (the query, the sampling, the flags).
+  """The DP step of one optimizer (see module docstring), built from a frozen plan
+  (`dp_config.DPConfig`) and performance flags (`dp_config.PerformanceFlags`).
 
   Attributes (read-only):
     optimizer: the Keras optimizer holding this step (its variables are tracked by it).
@@ -75,28 +57,19 @@ class PrivateStep:
     stddev: sigma = z S in sum units (None with a custom dp_query).
     max_physical_batch_size, clipping, skip_padding_tail, noise_in_compiled_program: the
       flags'.
-    record_microbatches: M as the records are cut for the declared sampling: None (one
-      example per record) when num_microbatches is None or equals the declared batch size
-      (step_sampling.record_microbatches), else num_microbatches.
-    mechanism: the plan's noise mechanism object; noise, noise_params: its name and flat
-      parameters.
+    record_microbatches: M as records are cut for the declared sampling (None: one example
+      per record; step_sampling.record_microbatches).
+    mechanism: the noise mechanism object; noise, noise_params: its name and flat parameters.
     base_query: the query that clips and draws the noise (the mechanism's, or the user's).
-    sampling: the ledger.LedgerSampling of the declared sampling (None until declared): the
-      step records each noised result with it, in the step's ledger.
-    query: base_query wrapped in a ledger.QueryWithLedger sharing `sampling` (None until the
-      sampling is declared; for code that drives the query itself, e.g. TF Privacy's
-      `optimizer.dp_query`): what it records lands in the same ledger.
+    sampling: the ledger.LedgerSampling the step records with (None until declared).
+    query: base_query wrapped in a ledger.QueryWithLedger sharing `sampling` (None until
+      declared), for code that drives the query itself (TF Privacy's `optimizer.dp_query`).
     sampling_source: "user", "fit" or None (who declared the sampling).
-    expected_size_denominator: True when the declared policy's batch size is random
-      (Poisson-type: its policy object's `expected_size_denominator`), read once per
-      declared sampling (False while undeclared): the average is divided by the expected
-      batch size (`denominator`), and under XLA its samples are padded to a static size
-      (`chunking.chunk_layout`).
-    existing_ledger: the PrivacyLedger, or None before the state is made (`ledger` makes it).
-    expected_records: float32 variable, the public expected batch size (None before the
-      state is made).
-    restored_ledger: (samples, queries, passes) merged into the ledger when it is made
-      (`adopt_ledger` before `make_state`), else None.
+    expected_size_denominator: the declared policy's batch size is random (Poisson-type): the
+      average is divided by the expected batch size and XLA pads to a static size.
+    existing_ledger: the PrivacyLedger, or None before `make_state`.
+    expected_records: float32 variable, the public expected batch size (None before).
+    restored_ledger: (samples, queries, passes) waiting for `make_state`, else None.
   """
 
   def __init__(self, optimizer, plan, flags=None):
@@ -159,8 +132,8 @@ class PrivateStep:
     return dp_query_lib.gaussian_stddev(self._plan.l2_norm_clip, self._plan.noise_multiplier)
 
   def set_flags(self, **changes):
-    """Replaces performance flags (PerformanceFlags.replace: validated); the privacy plan is
-    unchanged. A traced train step keeps the flags it was traced with.
+    """Replaces performance flags (validated); the privacy plan is unchanged. A traced train
+    step keeps the flags it was traced with.
 
     Args:
       **changes: PerformanceFlags field -> value (e.g. skip_padding_tail=False).
@@ -172,8 +145,7 @@ class PrivateStep:
     return self.flags
 
   def restore_saved(self, global_state=None, ledger=None):
-    """Applies what a saved config held (from_config): the query's saved global state (used
-    when the state variables are made) and the ledger's arrays (merged into the ledger).
+    """Applies a saved config's query global state (used when the state is made) and ledger.
 
     Args:
       global_state: the config's "dp_global_state", or None.
@@ -196,9 +168,8 @@ class PrivateStep:
     return trackable
 
   def adopt_ledger(self, samples, queries, passes):
-    """Merges a ledger of this run (a model file's, a checkpoint's, one supplied by hand) into
-    the ledger (`PrivacyLedger.merge_arrays`: nothing recorded is ever lost), or, before the
-    ledger exists, into the one `make_state` will start from.
+    """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`: nothing
+    recorded is lost), or, before it exists, into the one `make_state` starts from.
 
     Args:
       samples: ledger sample array.
@@ -214,10 +185,8 @@ class PrivateStep:
                                                            (samples, queries, int(passes)))
 
   def make_state(self):
-    """Creates the default query, the ledger and the sampling variables, once.
-
-    They are made outside any tf.distribute scope: the ledger's growing buffers cannot be
-    mirrored variables, and the noise must come from one generator.
+    """Creates the default query, the ledger and the sampling variables, once, outside any
+    tf.distribute scope (growing buffers cannot be mirrored; the noise has one generator).
 
     Raises:
       PrivacyConfigError: called in a tf.distribute cross-replica scope.
@@ -261,9 +230,8 @@ class PrivateStep:
     return self._overflow_count
 
   def count_overflowed(self, finite, record_mask):
-    """Adds the real records (record_mask > 0) whose gradient was zeroed (finite False) to
-    the overflow counter, printing a warning when there are any. A zeroed record adds 0 to
-    the clipped sum (norm 0 <= C): the guarantee holds, but its data was not used.
+    """Adds the real records whose float16 gradient was zeroed to the overflow counter and
+    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds.
 
     Args:
       finite: [R] bool, whether each record's gradient was finite (None: no loss scale).
@@ -305,16 +273,15 @@ class PrivateStep:
 
   @property
   def clips_by_factors(self):
-    """True if the query can clip norms computed elsewhere (the fast path needs it):
-    `dp_query.gives_clip_factors` of the base query, read once per query (not per step)."""
+    """True if the query can clip norms computed elsewhere (the fast path needs it)."""
     if self.base_query is None:
       return True
     return self._facts_of_query()[1]
 
   def _facts_of_query(self):
-    """(base query, `dp_query.gives_clip_factors`, `gaussian_query.adds_scaled_noise` of it):
-    what the step needs to know of its query's class, read once per query (the query is made
-    once from the plan, or replaced by build_mechanism), not at every step."""
+    """(base query, `dp_query.gives_clip_factors`, `gaussian_query.adds_scaled_noise`), read
+    once per query, not at every step.
+    """
     query = self.base_query
     if self._query_facts is None or self._query_facts[0] is not query:
       self._query_facts = (query, dp_query_lib.gives_clip_factors(query),
@@ -332,17 +299,13 @@ class PrivateStep:
     return tf.nest.pack_sequence_as(self._global_struct, [v.numpy() for v in self._global_vars])
 
   def global_state_values(self):
-    """The query's global state as plain nested lists (for the config), else the one a
-    config restored (None: neither)."""
+    """The query's global state as nested lists (for the config), else the restored one."""
     if self._global_vars is not None:
       return [v.numpy().tolist() for v in self._global_vars]
     return self._restored_global_state
 
   def _make_global_state(self, initial):
     """The query's global state variables, from `initial` or the state from_config saved.
-
-    Args:
-      initial: the query's initial global state (a nest of tensors).
 
     Raises:
       ParameterValueError: the saved state does not match the query's (count or shapes).
@@ -372,20 +335,21 @@ class PrivateStep:
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
                    sample_size=0):
-    """Declares how batches are sampled; the ledger records it with every step
-    (step_sampling: microbatches need replace-one sampling). A correlated mechanism's
-    sampling declared before the optimizer is built is kept until `build_mechanism`.
+    """Declares how batches are sampled; the ledger records it with every step. A correlated
+    mechanism's sampling declared before the optimizer is built waits for `build_mechanism`.
 
     Args:
-      population_size: n. selection_probability: q. policy: one of ledger.POLICIES.
+      population_size: n.
+      selection_probability: q.
+      policy: one of ledger.POLICIES.
       sample_size: the batch size (expected under Poisson; groups under cyclic_poisson).
 
     Returns:
       True when the recorded policy or record unit changed (the step must be retraced).
 
     Raises:
-      PrivacyConfigError: microbatches under add/remove, a sampling the mechanism is not accounted
-        under, a new sampling inside a tree, or a bad argument.
+      PrivacyConfigError: microbatches under add/remove, a sampling the mechanism is not
+        accounted under or the plan does not name, or a bad argument.
     """
     if self._plan.sampling is not None and policy != self._plan.sampling:
       raise PrivacyConfigError(validation.message(
@@ -400,9 +364,8 @@ class PrivateStep:
                                  sample_size)
 
   def adopt_sampling(self, sampling, expected_records):
-    """Makes `sampling` the declared sampling every noised result is recorded with
-    (step_sampling.declare), makes the query's global state variables (once) and sets the
-    public expected batch size. Call under tf.init_scope, after make_state.
+    """Makes `sampling` the declared sampling, the query's global state variables (once) and
+    the public expected batch size. Call under tf.init_scope, after make_state.
 
     Args:
       sampling: a ledger.LedgerSampling writing to this step's ledger.
@@ -418,10 +381,8 @@ class PrivateStep:
 
   @property
   def query(self):
-    """`base_query` wrapped in a ledger.QueryWithLedger that shares `sampling` (its n, q
-    variables and the step's ledger), made once per (base query, sampling); None while the
-    sampling is undeclared. The step itself does not go through it: it calls `base_query`
-    and records with `sampling`."""
+    """`base_query` in a ledger.QueryWithLedger sharing `sampling`, made once per (base query,
+    sampling); None while undeclared. The step itself records with `sampling`."""
     if self.sampling is None:
       return None
     wrapped = self._wrapped
@@ -432,12 +393,10 @@ class PrivateStep:
     return wrapped[2]
 
   def adopt_record_microbatches(self, num_microbatches):
-    """Sets how the train step cuts a batch into records for the declared sampling
-    (step_sampling.declare; `step_sampling.record_microbatches`).
+    """Sets how the train step cuts a batch into records (`step_sampling.record_microbatches`).
 
     Args:
-      num_microbatches: M, or None (one example per record: num_microbatches None or equal
-        to the declared batch size).
+      num_microbatches: M, or None (one example per record).
 
     Returns:
       True when the cut changed (the step must be retraced).
@@ -451,8 +410,7 @@ class PrivateStep:
     self.sampling_source = "fit"
 
   def pending_query(self):
-    """A placeholder that raises on use while a declared sampling waits for the optimizer's
-    build (correlated noise), else None."""
+    """A placeholder raising on use while a declared sampling waits for the build, else None."""
     return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
 
   def require_sampling(self):
@@ -479,8 +437,7 @@ class PrivateStep:
     return self.sampling
 
   def require_query(self):
-    """`query` (the QueryWithLedger of the declared sampling), for code that drives the
-    query itself.
+    """`query`, for code that drives the query itself.
 
     Returns:
       the QueryWithLedger.
@@ -494,12 +451,10 @@ class PrivateStep:
   # ---- the correlated mechanism -------------------------------------------------------
 
   def build_mechanism(self, variables):
-    """Makes a correlated mechanism's query on `variables` (noise != "iid"); its global state
-    becomes optimizer variables (fixed order: save_weights matches them by position). Its
-    noise generator's state does only with a `seed` (tests: a resumed run then reproduces an
-    uninterrupted one exactly; not private): without one it is never saved nor restored, so
-    a resumed or rolled-back run cannot draw again a noise it already released. Applies a
-    sampling declared before the build.
+    """Makes a correlated mechanism's query on `variables`; its global state becomes optimizer
+    variables (fixed order: save_weights matches them by position). The noise generator's state
+    is saved only with a `seed` (tests; not private), so a resumed or rolled-back run cannot draw
+    a released noise again. Applies a sampling declared before the build.
 
     Args:
       variables: the trainable variables the optimizer was built on.
@@ -522,8 +477,7 @@ class PrivateStep:
 
   def prepare_mechanism(self, variables):
     """Builds the optimizer on `variables` now when a correlated mechanism waits for their
-    shapes (DPModel.fit calls it before the train step is traced); a no-op for "iid" or
-    once built.
+    shapes (DPModel.fit calls it before tracing); else a no-op.
 
     Args:
       variables: the model's trainable variables.
@@ -534,10 +488,8 @@ class PrivateStep:
   # ---- sample params ------------------------------------------------------------------
 
   def sample_params(self):
-    """The query's sample params for this step, read from its global state. The train step
-    reads them once and passes them down to the clipping (an XLA-compiled clipped sum receives
-    them as arguments: under tf.distribute each replica compiles its own program, and the
-    state is one variable on the first device).
+    """The query's sample params, read from its global state once per step and passed to the
+    clipping (an XLA-compiled clipped sum receives them as arguments).
 
     Returns:
       the params nest (`DPQuery.derive_sample_params`).
@@ -554,25 +506,19 @@ class PrivateStep:
     """'vectorized' or 'fast': which per-example clipping this step uses for `model`.
 
     "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
-    nothing in the way: among others, every layer must be known to act per example (Keras'
-    own per-example layers, or declared with `dp.keras.declare_per_example`; per_example),
-    and a batch-independence probe (run once per model and batch size, cached; see
-    batch_independence) must see no layer that mixes examples. Otherwise "auto" takes the
-    vectorized path, which is exact for any model (each record is run and clipped alone, in
-    float32). The answer is kept per train function and input shape (`_route_key`), as the
-    traced step keeps it.
+    nothing in the way (every layer known to act per example, and the batch-independence probe
+    sees no layer mixing examples); else the vectorized path, exact for any model. The answer
+    is kept per train function and input shape (`_route_key`), as the traced step keeps it.
 
     Args:
       model: the keras.Model the step trains.
-      input_specs: optional nest of tensors/specs shaped like a batch (for the probe of a
-        model without known inputs).
+      input_specs: optional nest of tensors/specs shaped like a batch (for the probe).
 
     Returns:
       "vectorized" or "fast".
 
     Raises:
-      PrivacyConfigError: clipping="fast" and the fast path cannot clip this model exactly
-        (the message names the offending layer, dtype policy or setting).
+      PrivacyConfigError: clipping="fast" and the fast path cannot clip this model exactly.
     """
     clipping = self.flags.clipping
     if clipping == "vectorized":
@@ -589,10 +535,8 @@ class PrivateStep:
     return path
 
   def route_unrecorded(self, model, input_specs, uses):
-    """The path of a traced step whose fast clipped sum found `uses` (variables read outside
-    their layer's recorded calls): "vectorized", kept as `resolve_clipping`'s answer for this
-    train function (routing.route_unrecorded: warns under clipping="auto", raises under
-    "fast").
+    """"vectorized", kept as the path of a traced step whose fast clipped sum found `uses`
+    (variables read outside their layer's recorded calls; routing.route_unrecorded).
 
     Args:
       model: the keras.Model the step trains.
@@ -611,14 +555,9 @@ class PrivateStep:
     return path
 
   def _route_key(self, model, input_specs):
-    """What `resolve_clipping`'s answer for `model` follows from, as a tuple compared by
-    identity, or None (not kept: no model, or no train function yet).
-
-    A traced train step keeps the path it was traced with until Keras traces it again (a
-    new train function, a new input shape); the key holds exactly that, plus what a step
-    run eagerly could change in between: the flags, the query, the dtype policy, the
-    trainable variables and the model's losses. So a step run eagerly (`run_eagerly=True`)
-    walks the model's layers once, as the traced step does, not at every batch.
+    """What `resolve_clipping`'s answer follows from (a tuple compared by identity), or None:
+    the train function and input shapes a traced step keeps, plus what an eager step could
+    change (flags, query, dtype policy, trainable variables, losses).
     """
     train_function = getattr(model, "train_function", None)
     if model is None or train_function is None:
@@ -631,11 +570,9 @@ class PrivateStep:
                   vectorize=True, loss_scale=1.0, params=None, sum_scale=None):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
-    The per-record gradients are cast to float32 (float64 for float64 variables) before the
-    norms, the clip factors and the sum, whatever the dtype policy; with loss_scale s != 1
-    (float16), record_loss_fn's loss is s times the record's loss and the gradients are
-    divided by s; a record whose gradient overflowed adds zero and is counted in
-    `overflowed_records` (chunking.unscale_records).
+    Per-record gradients are cast to float32 (float64 for float64 variables) before norms,
+    clip factors and sum; with loss_scale s != 1 the gradients are divided by s and a record
+    that overflowed adds zero (chunking.unscale_records).
 
     Args:
       record_loss_fn: record -> (scalar loss, aux nest).
@@ -645,10 +582,9 @@ class PrivateStep:
       examples_per_record: k (int, or a scalar tensor).
       vectorize: False for a sequential loop over records (routing.use_vectorized_map).
       loss_scale: the static loss scale s.
-      params: the query's sample params (`sample_params()`; None: read them here).
-      sum_scale: None, or a = `sum_scale(num_records)`: each record's clipped gradient is
-        added times a (the sum comes out divided by the denominator; pass `scaled=True` to
-        `noised_average`).
+      params: the query's sample params (None: `sample_params()`).
+      sum_scale: None, or `sum_scale(num_records)`: each clipped gradient is added times it
+        (pass `scaled=True` to `noised_average`).
 
     Returns:
       (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
@@ -698,13 +634,10 @@ class PrivateStep:
   def compiles_noise(self):
     """True when the noise is drawn inside the XLA program of a `jit_compile=True` step.
 
-    Only DP-SGD's default Gaussian query (not a custom dp_query, a correlated mechanism or
-    secure_mode, whose os.urandom draw is a host call), by default on an accelerator: on a CPU
-    the draw is slower inside XLA than TensorFlow's kernel after the program (for the MLP's
-    407k coordinates 10.9 ms against 7.8 ms, benchmarks/xla_step_breakdown.py, 2026-11-28),
-    so there it runs after the program. `set_flags(compiled_noise=True)` forces it
-    (tests), False refuses it. Either way the draw is the query's own `get_noised_result`
-    from its own generator (never saved, never restored, so never repeated).
+    Only the default Gaussian query (no custom dp_query, correlated mechanism or secure_mode),
+    by default on an accelerator only (on CPU slower inside XLA: 10.9 against 7.8 ms for 407k
+    coordinates, benchmarks/xla_step_breakdown.py); `set_flags(compiled_noise=...)` forces it.
+    Either way the query's own generator draws (never saved, so never repeated).
     """
     if (not isinstance(self.mechanism, noise_mechanisms.IID) or self.custom_query
         or self.secure_mode):
@@ -715,17 +648,15 @@ class PrivateStep:
 
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
   def compiled_noised_average(self, sample_state, num_records, global_state, scaled=False):
-    """Noised sum / denominator inside the compiled program: the wrapped query's own
-    `get_noised_result` (its noise, drawn from its generator, and its events), or, for a sum
-    formed already divided (`scaled`), its `get_scaled_noised_result`. The caller records
-    the events with `record_compiled_sample` right after the program.
+    """Noised sum / denominator inside the compiled program, by the query's own
+    `get_noised_result` (`get_scaled_noised_result` when `scaled`); the caller records the
+    events with `record_compiled_sample` right after the program.
 
     Args:
       sample_state: the clipped sum (times `sum_scale(num_records)` when `scaled`).
       num_records: records in the batch.
       global_state: the query's global state, read outside the program (`global_state()`).
-      scaled: True when the sum was formed with the clip factors times
-        `sum_scale(num_records)` (only where `folds_denominator`).
+      scaled: the sum was formed already divided (`folds_denominator`).
 
     Returns:
       (the list of noised average gradients, the events of the noised result).
@@ -746,9 +677,7 @@ class PrivateStep:
                                     [v.read_value() for v in self._global_vars])
 
   def record_compiled_sample(self, grads, events):
-    """The ledger append of a step whose noise was drawn in the compiled program: the
-    sample with the `events` that draw returned (LedgerSampling.record); returns grads
-    after the write.
+    """Records the sample of a draw made in the compiled program (LedgerSampling.record).
 
     Args:
       grads: the noised average gradients.
@@ -764,15 +693,9 @@ class PrivateStep:
   # ---- noise and ledger -------------------------------------------------------------
 
   def _noise_and_record(self, sample_state, scale=None):
-    """One noise draw (the query's get_noised_result; with `scale`, its
-    get_scaled_noised_result of a sum formed times `scale`) and one ledger sample of the
-    events that draw returned (LedgerSampling.record).
-
-    A correlated mechanism refuses to continue a rolled-back run: its accounting is that of
-    one sequence of steps, so when the ledger (which no restore lowers) holds more samples
-    than the optimizer's iterations, the updates of an abandoned branch were released and
-    the step fails with an InvalidArgumentError saying so.
-    """
+    """One noise draw (`get_noised_result`, or `get_scaled_noised_result` times `scale`) and
+    one ledger sample of its events. A correlated mechanism fails the step when the ledger
+    holds more samples than the optimizer's iterations (a rolled-back run)."""
     sampling = self.require_sampling()
     checks = []
     if self.mechanism.correlated:
@@ -797,9 +720,8 @@ class PrivateStep:
       return tf.nest.map_structure(tf.identity, result)
 
   def denominator(self, num_records):
-    """The public denominator of the average: 1 (normalize=False), the expected batch size
-    under a policy whose batch size is random (its policy object's
-    `expected_size_denominator`), else max(records, 1).
+    """The public denominator: 1 when not normalized, the expected batch size under a
+    random-size policy (`expected_size_denominator`), else max(num_records, 1).
 
     Args:
       num_records: records in the batch (float32 scalar).
@@ -816,26 +738,19 @@ class PrivateStep:
 
   @property
   def folds_denominator(self):
-    """True when the train step forms the clipped sum already divided by the denominator.
+    """True when the step forms the clipped sum already divided by the denominator d.
 
-    The noised average is (sum + N(0, sigma^2 I)) / d = a sum + N(0, (a sigma)^2 I) with
-    a = 1 / d (`sum_scale`): with the clip factors times a (one value per record) the sum
-    comes out divided, the noise is drawn with stddev a sigma (the Gaussian query's own
-    draw, `GaussianSumQuery.get_scaled_noised_result`), and the noised average is formed by
-    one addition per coordinate, without a division pass over the weights. Taken when the
-    average is normalized, the step's query is the Gaussian sum query's noise on the plain
-    sum (`gaussian_query.adds_scaled_noise`: the IID mechanism, automatic clipping; not a
-    correlated mechanism or another custom query) and one replica trains (under a
-    tf.distribute strategy d follows from the all-reduced count, known after the sum).
-    The ledger records (S, sigma) either way.
+    (sum + N(0, sigma^2 I)) / d = a sum + N(0, (a sigma)^2 I) with a = 1 / d (`sum_scale`):
+    the clip factors are multiplied by a and the Gaussian query draws noise of stddev a sigma
+    (`GaussianSumQuery.get_scaled_noised_result`), saving a division pass. Taken when
+    normalized, the query adds scaled noise (`gaussian_query.adds_scaled_noise`) and one
+    replica trains. The ledger records (S, sigma) either way.
     """
     return bool(self.normalize and self._facts_of_query()[2]
                 and tf.distribute.get_strategy().num_replicas_in_sync == 1)
 
   def sum_scale(self, num_records):
-    """a = 1 / `denominator(num_records)`, the factor the clip factors are multiplied by
-    when `folds_denominator` (a float32 scalar tensor, public: it follows from the public
-    denominator).
+    """a = 1 / `denominator(num_records)`, public as d is.
 
     Args:
       num_records: records in the batch (a scalar, cast to float32).
@@ -849,24 +764,21 @@ class PrivateStep:
   def noised_average(self, sample_state, num_records, scaled=False):
     """Noised sum / denominator: one noise draw and one ledger sample per logical batch.
 
-    Under a tf.distribute strategy the replicas' clipped sums are all-reduced first and the
-    noise is drawn once, in cross-replica context; the result is pre-divided by the replica
-    count (Keras sums gradients over replicas in apply()). A sum formed already divided
-    (`scaled`, where `folds_denominator`) gets noise of stddev sigma / d and no division.
+    Under a tf.distribute strategy the replicas' sums and counts are all-reduced and the noise
+    drawn once in cross-replica context; the result is pre-divided by the replica count (Keras
+    sums gradients over replicas in apply()).
 
     Args:
-      sample_state: the clipped sum of this replica's records (the query's sample state),
-        times `sum_scale(num_records)` when `scaled`.
+      sample_state: this replica's clipped sum (times `sum_scale(num_records)` if `scaled`).
       num_records: records in this replica's batch.
-      scaled: True when the sum was formed with the clip factors times
-        `sum_scale(num_records)` (`folds_denominator`).
+      scaled: the sum was formed already divided (`folds_denominator`): noise of stddev
+        sigma / d, no division.
 
     Returns:
       the list of noised average gradients (flattened result).
 
     Raises:
-      PrivacyConfigError: the sampling is not declared (`set_sampling`), or `scaled` under
-        more than one replica.
+      PrivacyConfigError: the sampling is undeclared, or `scaled` under several replicas.
     """
     self.require_sampling()
     num_records = tf.cast(num_records, tf.float32)
@@ -902,29 +814,16 @@ class PrivateStep:
 # ---- per-variable pipelining of the step: sum -> noise -> divide -> apply ---------------
 #
 # Bu et al., "Differentially private optimization on large model at small cost" (book-keeping,
-# Section 3) keep the DP step's memory near the non-private one by never holding more than the
-# non-private step holds. In a traced TF step the clipped sums of all variables become ready
-# together (every sum needs the clip factors, hence every norm), and TF's executor runs every
-# ready op: all the sums (one weight-sized buffer per variable, 418 MiB for BERT-base) were
-# formed before the noise chain, which draws the variables' noise one after the other, reached
-# them. Non-private training applies each gradient as it comes and frees it.
-#
-# `gate_sums_on_noise` adds, after the noised result is built, a control edge from the noised
-# leaf j to the op that forms the clipped sum of leaf j + 1, so sum j + 1 is formed only once
-# leaf j is noised: at most about one draw's worth of sums waits for its noise, and each noised
-# leaf goes on to its division and update (which depend on it alone) while the next sum is
-# formed. Nothing is computed differently: the same ops, the same noise draws from the same
-# generator in the same order, only an execution order is added. An edge is added only where it
-# cannot close a cycle (the producer is not an ancestor of the noised leaves before it), so a
-# sum that other sums or the noise depend on (an XLA program's outputs, a query mixing leaves)
-# is left as it is.
+# Section 3): the DP step should hold no more than the non-private step. In a traced step all
+# clipped sums become ready together (each needs the clip factors) and TF runs every ready op,
+# so all weight-sized sums (418 MiB for BERT-base) existed before the noise chain reached them.
+# `gate_sums_on_noise` adds a control edge from noised leaf j to the op forming sum j + 1: the
+# same ops and noise draws in the same order, only an execution order added, and only where the
+# edge cannot close a cycle (the producer is not an ancestor of the earlier noised leaves).
 
-# Ops that pass a buffer on (no new weight-sized allocation): the walk from a sum to the op
-# that allocates it goes through them. SplitV (data input first) too: a layer whose sums come
-# out of one product split into its variables' parts ([W; b] of the Dense rule; the parts are
-# views of the product on the dimension-0 split) allocates them in the product, so that is the
-# op to gate (gating the split left every such product formed at once: BERT-base's TF allocator
-# peak over a DP step 809 -> 629 MiB at batch 4 x 32 with the product gated).
+# Ops that pass a buffer on: the walk from a sum to the op allocating it goes through them.
+# SplitV too: a product split into its variables' parts ([W; b] of the Dense rule) is gated at
+# the product (BERT-base allocator peak 809 -> 629 MiB at batch 4 x 32).
 _FORWARDING_OPS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
                              "EnsureShape", "SplitV"])
 
@@ -952,17 +851,15 @@ def _add_ancestors(ops, seen):
 
 
 def gate_sums_on_noise(sums, noised):
-  """Makes the sum of leaf j + 1 wait for the noised leaf j (module docstring).
-
-  Works on a traced graph only (eager tensors have no ops: nothing to order). Leaves are
-  taken in `tf.nest.flatten` order, the order in which the Gaussian query draws their noise.
+  """Makes the sum of leaf j + 1 wait for the noised leaf j, leaves in `tf.nest.flatten`
+  order (the Gaussian query's draw order); a traced graph only (comment above).
 
   Args:
-    sums: the clipped sums (a nest of tensors, the query's sample state).
-    noised: the noised result of the same structure (the query's result).
+    sums: the clipped sums (the query's sample state, a nest of tensors).
+    noised: the noised result of the same structure.
 
   Returns:
-    the number of control edges added (0 when the structures differ, in eager mode, or when
+    the number of control edges added (0 in eager mode, for differing structures, or when
     every edge could close a cycle).
   """
   sums = tf.nest.flatten(sums)

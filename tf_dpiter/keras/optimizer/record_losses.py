@@ -1,22 +1,12 @@
 """Per-record losses of a compiled Keras model, for any loss shape (McMahan et al. 2018, Sec. 2).
 
-DP-SGD clips the gradient of each record's loss L_i (a record: one example, or one microbatch
-of k examples). Here L_i is defined as what the model's compiled loss (`compile(loss=...,
-loss_weights=...)`, mean-reduced as Keras reduces it) gives when evaluated on record i alone,
-with the record's sample weights and output masks. This covers:
-
-* per-token losses ([B, T] before reduction, language models, tagging, segmentation): the
-  record's loss is its own masked, weighted mean over tokens, never a mean over the batch's
-  tokens (which would couple the records);
-* multi-output and dict losses, with `loss_weights`;
-* sample weights of any rank ([B], [B, T]) and nested per output (dicts).
-
-Both clipping paths use this definition: the vectorized path runs each record alone through
-the model and the compiled loss (with `gradients.record_weights`); the fast path runs the batch through the
-model once and evaluates the compiled loss record by record (`compiled_record_losses`, the loss
-function vectorized over records, which reads no other record's outputs). Losses added by
-layers (`add_loss`, activity regularizers) depend on the record's own forward pass and are
-handled by the vectorized path only.
+DP-SGD clips the gradient of each record's loss L_i, defined here as the model's compiled
+loss (mean-reduced as Keras does, with `loss_weights`) evaluated on record i alone, with its
+sample weights and output masks: per-token losses are the record's own masked mean (never a
+mean over the batch's tokens, which would couple records), multi-output and dict losses and
+sample weights of any rank included. The vectorized path runs each record alone through the
+model; the fast path evaluates the compiled loss record by record (`compiled_record_losses`).
+Layer losses (`add_loss`, activity regularizers) are handled by the vectorized path only.
 """
 
 import keras

@@ -1,21 +1,16 @@
 """Which per-example clipping path a DP step takes, and why (McMahan et al. 2018, Section 7).
 
 Two paths form the clipped sum sum_i g_i min(1, C / ||g_i||_2) (McMahan et al. 2018, Sec. 2):
-* vectorized: per-record gradients under `tf.vectorized_map` (each record is run alone, so it
-  is exact for any model), clipped and summed in float32 (float64 for float64 variables);
-* fast: ghost norms on one pass over the whole batch (fast_clipping), exact only if example
-  i's loss depends on example i alone: taken only when every layer is known to act per
-  example (per_example) and the batch-independence probe sees no mixing. Its norms, clip
-  factors and clipped sum are float32 under every dtype policy (16-bit layers keep their
-  16-bit math; fast_clipping forms the
-  ghost products and the weight-gradient sums from their activations and backprops cast to
-  float32, or gives a layer whose rule cannot do that vectorized per-example gradients).
+* vectorized: per-record gradients under `tf.vectorized_map`, each record run alone (exact for
+  any model), in float32 (float64 for float64 variables);
+* fast: ghost norms on one pass over the batch (fast_clipping), exact only if example i's
+  loss depends on example i alone: taken only when every layer is known to act per example
+  (per_example) and the batch-independence probe sees no mixing; float32 arithmetic under
+  every dtype policy.
 
-`fast_path_obstacle` says why the fast path cannot be used (None: it can). The vectorized
-path has its own hazard: on CPUs where TensorFlow runs oneDNN kernels, per-example
-gradients of `EinsumDense`/`MultiHeadAttention` under `tf.vectorized_map` come out wrong or
-crash (TensorFlow's bug), so `use_vectorized_map` sends such models to a sequential
-per-record loop (`tf.map_fn`): the same gradients, slower.
+`fast_path_obstacle` says why the fast path cannot be used (None: it can). On oneDNN CPUs the
+vectorized per-example gradients of `EinsumDense`/`MultiHeadAttention` come out wrong or
+crash (a TensorFlow bug): `use_vectorized_map` sends such models to a sequential loop.
 """
 
 import contextlib
@@ -112,19 +107,16 @@ def route_unrecorded(step, fast_clipping, uses):
 
 
 def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
-  """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can.
-
-  The fast path is taken only when every layer of `model` is known to act on each example
-  alone (per_example: Keras' own per-example layers, or layers the user declared with
-  `declare_per_example`); the batch-independence probe then runs as a second line of
-  defence, at the batch size the step really uses.
+  """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can: every
+  layer must be known to act on each example alone (per_example), and the batch-independence
+  probe then runs as a second line of defence at the step's batch size.
 
   Args:
     step: the DP optimizer's PrivateStep (its l2_norm_clip, query and sampling decide).
     model: the keras.Model (None: no model, the fast path needs one).
     fast_clipping: the fast_clipping module, or None if it could not be imported.
-    input_specs: a nest of tensors/specs with the batch's shapes, for the batch-independence
-      probe when the model has no known inputs.
+    input_specs: a nest of tensors/specs with the batch's shapes, for the probe of a model
+      without known inputs.
 
   Returns:
     None, or a sentence naming the obstacle (layer names, dtype policy, setting).

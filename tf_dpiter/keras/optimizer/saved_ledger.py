@@ -1,19 +1,14 @@
 """The privacy ledger of a DP optimizer in its Keras config, and supplying a ledger by hand.
 
-Rule: every noised step ever taken is charged, so the ledger travels with the model.
-The DP optimizer's `get_config` writes the ledger's signed dict (`ledger.to_dict()`, the file
-format of `save_json`; McMahan et al., "A General Approach to Adding Differential Privacy to
-Iterative Training Procedures", Section 6: the ledger records every sampling and query event
-of the run) under "dp_ledger"; `from_config` verifies it and the new optimizer's ledger
-starts from it. So `model.save` -> `keras.models.load_model` -> `fit` charges every step
-taken before the save. A `tf.train.Checkpoint` of the optimizer carries the ledger as its
-`_dp_ledger` dependency (a tf.Module, made by its `private_step`). A model restored without its ledger (optimizer
-iterations > ledger samples) is refused by `fit` until `optimizer.restore_ledger(...)`
-supplies it (ledger_callbacks.check_ledger_covers).
+Rule: every noised step ever taken is charged (McMahan et al., "A General Approach to Adding
+Differential Privacy to Iterative Training Procedures", Section 6), so the ledger travels
+with the model: `get_config` writes the ledger's signed dict under "dp_ledger" and
+`from_config` verifies it and starts the new ledger from it; a `tf.train.Checkpoint` carries
+it as the `_dp_ledger` dependency. A model restored without its ledger (iterations > ledger
+samples) is refused by `fit` until `optimizer.restore_ledger(...)` supplies it.
 
-The config's digest is SHA-256: it detects accidental changes to a saved model's ledger, not
-a deliberate edit (anyone can recompute a digest); keep the model file where it cannot be
-edited, or export the ledger with `save_json(path, key=...)` for an HMAC.
+The config's digest is SHA-256: it detects accidents, not a deliberate edit; export the
+ledger with `save_json(path, key=...)` for an HMAC.
 """
 
 import os

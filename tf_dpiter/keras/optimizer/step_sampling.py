@@ -1,21 +1,13 @@
 """The sampling a DP step declares: the LedgerSampling that records it with every sample.
 
 McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
-Procedures" (2018), Section 6: the privacy ledger records, with every sample, the population
-size n, the selection probability q, the sampling policy (its neighbouring relation: add or
-remove one example under Poisson-type sampling, replace-one under "shuffle" and
-"fixed_size") and the sample size. A record is one example, or a microbatch of
-k = ceil(B / M) examples (charged at sensitivity 2S: Table 1 and Appendix A), which needs a
-replace-one policy. TF Privacy's `num_microbatches = batch_size` (its tutorials' default) is
-k = 1: one example per microbatch IS per-example clipping, so its records are cut as with
-`num_microbatches=None` (`record_microbatches`) and any policy, Poisson included, is accepted
-(Abadi et al., "Deep Learning with Differential Privacy", 2016, Section 3.1: the per-example
-clipped sum of a Poisson lot). The declared n and q are public parameters: the claim compares
-neighbouring datasets sampled at this q (add or remove one example for Poisson-type policies),
-so they must not be computed from the private data (`DPModel.fit` on arrays: its
-`population_size`, or len(x) treated as public; see `keras.model.fit_sampling`). These
-functions are the declaration half of `private_step.PrivateStep`
-(`set_sampling`); the sampling itself lives in the ledger's variables.
+Procedures" (2018), Section 6: the ledger records, with every sample, n, q, the policy (its
+neighbouring relation: add/remove one example under Poisson-type sampling, replace-one under
+"shuffle" and "fixed_size") and the sample size. A microbatch record of k = ceil(B / M)
+examples is charged at 2S (Table 1, Appendix A) and needs a replace-one policy; M = B is
+k = 1, per-example clipping under any policy (Abadi et al. 2016, Section 3.1). The declared
+n and q are public parameters and must not be computed from the private data
+(`keras.model.fit_sampling`).
 """
 
 import tensorflow as tf
@@ -29,10 +21,8 @@ from tf_dpiter.ledger import privacy_ledger
 def record_microbatches(num_microbatches, sample_size):
   """M as the records of a batch are cut, for the declared (expected) batch size B.
 
-  TF Privacy's `num_microbatches = batch_size` means one example per microbatch: k =
-  ceil(B / M) = 1, a record is an example, and it is cut as with num_microbatches=None (one
-  record per example of whatever size the batch really has, e.g. a Poisson batch larger
-  than B), so that removing an example removes its own record and nothing else.
+  M = B (TF Privacy's default) is k = 1: cut as with num_microbatches=None, one record per
+  example of whatever size the batch has, so removing an example removes its own record only.
 
   Args:
     num_microbatches: M, the optimizer's num_microbatches (None: one example per record).
