@@ -204,3 +204,21 @@ def test_tensor_stddev_and_many_small_variables(mode):
   ratio = float(np.mean(allz * allz)) / SIGMA ** 2
   assert abs(ratio - 1.0) < 5 * math.sqrt(2.0 / allz.size), ratio
   assert np.unique(allz.astype(np.float32)).size > 0.99 * allz.size
+
+
+def test_secure_mode_and_float64_leaves_have_the_law():
+  """Secure mode ((z1 + z2) / sqrt(2) of two os.urandom Box-Muller draws, in a graph) and
+  float64 leaves (their own draws): N(0, sigma^2) by KS, AD and the variance on 2^20 values,
+  independent halves (values and squares at lag 2^19)."""
+  from tf_dpiter.dp_query import randomness  # pylint: disable=import-outside-toplevel
+  n = 2 ** 20
+  gen = randomness.make_generator(secure=True)
+  zeros = [tf.zeros([n - 5]), tf.zeros([5])]
+  fn = tf.function(lambda: gaussian_query.add_gaussian_noise(gen, zeros, SIGMA), autograph=False)
+  z = np.concatenate([v.numpy().astype(np.float64) for v in fn()])
+  _assert_normal(z, SIGMA)
+  _assert_independent(z[:-n // 2], z[n // 2:], "secure halves")
+  (leaves,) = _noise("graph", [[n - 3], [3]], dtype=tf.float64)
+  z = np.concatenate(leaves)
+  _assert_normal(z, SIGMA)
+  _assert_independent(z[:-n // 2], z[n // 2:], "float64 halves")
