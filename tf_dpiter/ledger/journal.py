@@ -1,24 +1,18 @@
 """An append-only journal of a ledger, so that a crash loses no step.
 
 Rule: every noised step ever taken is charged. The journal is appended (and fsynced) after
-every training step; a run restored from an older backup re-runs some steps, and those are
-charged again. So after any number of crashes the ledger holds at least every step the
-restored model's history contains, and every step taken before each crash.
+every training step; steps re-run from an older backup are charged again, so after any number
+of crashes the ledger holds every step taken.
 
 File: JSON lines, one chunk per append: {"seq", "start", "passes", "iterations", "prev",
-"runs", ..., "digest"[, "hmac"]}. Each chunk is a signed ledger dict (`ledger_file`) of the
-samples start..start+num_samples, with "passes" the ledger's pass total at the append,
-"iterations" the optimizer's iteration count at the append (the steps the model had taken)
-and "prev" the previous chunk's digest, so that removing, reordering or editing a chunk is
-detected.
+"runs", ..., "digest"[, "hmac"]}, each a signed ledger dict (`ledger_file`) of its samples,
+with the pass total and optimizer iterations at the append and "prev" the previous chunk's
+digest, so that removing, reordering or editing a chunk is detected.
 
-A cut tail (the last chunks deleted) leaves a valid chain, keyed or not: a chain proves what
-it holds, not that nothing came after. So `check_covers(iterations)` compares the journal
-with the restored model: a journal that ends before the model's optimizer iterations (its
-last chunk's "iterations", or its samples, fewer than the model's steps) lost steps the
-model took, and is refused. Steps taken after the restored model's checkpoint and cut from
-the journal cannot be told from steps never taken; keep the journal where the trainer cannot
-truncate it (append-only storage) when that matters.
+A cut tail leaves a valid chain (a chain proves what it holds, not that nothing came after):
+`check_covers(iterations)` refuses a journal that ends before the restored model's
+iterations. Steps taken after the restored checkpoint and cut from the journal cannot be told
+from steps never taken: keep the journal on append-only storage when that matters.
 """
 
 import json
@@ -115,17 +109,11 @@ class LedgerJournal:
   def check_covers(self, iterations):
     """Refuses a journal that ends before a model's `iterations` optimizer steps.
 
-    Every step a model took was appended before anything could save the model, so a
-    journal (of this model's run) whose last chunk records fewer iterations, or that holds
-    fewer samples, than the restored model's optimizer iterations lost its tail (cut, or
-    restored from an older copy). A file without chunks is a new journal and passes (the
-    model's own ledger must then cover its iterations: `fit` checks that too).
-
-    It is also refused when its chunks record optimizer iterations and none of them is
-    `iterations`: the resuming optimizer was not restored at a step of this run (a fresh
-    optimizer given trained weights, another run's optimizer), so the journal's tail may
-    be missing with nothing to show it. A model restored from a backup or checkpoint of the
-    run is at an iteration the journal recorded (a chunk is appended after every step).
+    Every step is appended before anything can save the model, so a journal whose last chunk
+    records fewer iterations, or that holds fewer samples, than the restored model lost its
+    tail. A journal whose chunks record iterations, none equal to `iterations`, is refused too
+    (the optimizer was not restored at a step of this run). A file without chunks passes (the
+    model's own ledger must then cover its iterations: `fit` checks that).
 
     Args:
       iterations: int, the restored model's optimizer iterations.

@@ -1,19 +1,16 @@
 """The ledger's JSON file: versioned, run-length coded, digest-protected (pure Python).
 
 A file is {"format", "version": 2, "num_samples", "passes", "runs": [...], "digest"} with,
-optionally, "hmac". `digest` is "sha256:" + the SHA-256 of the canonical JSON (sorted keys, no
-spaces) of everything but "digest" and "hmac"; `hmac` is "hmac-sha256:" + HMAC-SHA256 of the
-same bytes under a user's key. Reading refuses a missing or wrong digest, a wrong HMAC when a
-key is given, a file without HMAC when a key is given, and version-1 files (they did not record
-the neighbouring relation, the microbatch unit or the passes, so their epsilon may be too small).
-A ledger that records a private hyperparameter selection (`selection`) is written as version 3
-with a top-level "selection" field; versions 2 and 3 are read, and older readers refuse 3.
+optionally, "hmac": "sha256:" + the SHA-256 of the canonical JSON (sorted keys, no spaces) of
+everything but "digest" and "hmac", and "hmac-sha256:" + HMAC-SHA256 of the same bytes under
+a user's key. Reading refuses a missing or wrong digest, a wrong or missing HMAC when a key is
+given, and version-1 files (no relation, unit or passes: their epsilon may be too small). A
+ledger with a private selection is version 3 (a "selection" field), which older readers
+refuse.
 
-What the signatures prove: the digest is a checksum anyone can recompute, so it detects
-accidental changes (a torn or corrupted file), NOT forgery: a file edited by hand (a count
-lowered, a noise raised) with its digest recomputed is accepted without a key, and
-`privacy_report` on a dict/JSON says so in its assumptions. Only the HMAC, checked with the
-key the file was written with, refuses a forged file.
+The digest detects accidental changes, NOT forgery (anyone can recompute it; `privacy_report`
+says so in its assumptions); only the HMAC, checked with the writer's key, refuses a forged
+file.
 """
 
 import hashlib

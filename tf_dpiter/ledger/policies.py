@@ -1,19 +1,12 @@
-"""Each sampling policy as one object: code, relation, unit, participation rule, checks.
+"""Each sampling policy as one object: code, relation, unit, participation rule, checks
+(what a claim over its samples assumes: `policy_base.SamplingPolicy`; McMahan et al., "A
+General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5
+and Appendix A).
 
-A policy object states what a claim over its samples assumes (McMahan et al., "A General
-Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5 and
-Appendix A): its stable code in the ledger's rows, the neighbouring relation and the unit of
-privacy, how often and how far apart one unit can take part (`participations`,
-`steps_per_pass`) and the checks a declared sampling must pass (`sampling_checks`, run on one
-sampling by `check_sampling` and on a ledger's arrays by `records.validate_arrays`). The
-base class is `policy_base.SamplingPolicy`; the dp-accounting event of a group of a policy's
-samples is the accounting side's (`tf_dpiter.accounting.policy_accounting`).
-
-Adding a policy: a subclass with an unused `code` and `register` (here, or in the caller's
-own module), and its accounting object registered with
-`tf_dpiter.accounting.policy_accounting.register`. The codes below are the ledger's stored
-numbers and never change (checkpoints hold them; `tests/ledger/test_policy_codes.py` pins
-them). Pure Python and numpy.
+Adding a policy: a subclass with an unused `code`, `register`ed, and its accounting object
+registered with `tf_dpiter.accounting.policy_accounting.register`. The codes are the ledger's
+stored numbers and never change (`tests/ledger/test_policy_codes.py` pins them). Pure Python
+and numpy.
 """
 
 import math
@@ -30,10 +23,8 @@ _REGISTRY = {}
 
 def cyclic_codes():
   """The codes (floats) of the registered policies whose samples advance the ledger's cycle
-  position (`SamplingPolicy.advances_cycle`), read from the registry at call time; (-1.0,)
-  (no code) when none. The ledger's eager rewrite of its rows reads it; a traced write never
-  does (a trace would keep the registry of its time: a set rewritten in a trace takes the
-  other set's cycle position).
+  position, read from the registry at call time ((-1.0,) when none); read eagerly only (a
+  trace would keep the registry of its time).
 
   Returns:
     a tuple of floats.

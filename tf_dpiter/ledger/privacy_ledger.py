@@ -1,22 +1,18 @@
 """The privacy ledger (McMahan et al. 2018, Section 6), held in TF variables.
 
 It records *sampling events* (population size n, selection probability q, sample size,
-policy, examples per record) and, for each, the *sum query events* of that sample: Gaussian
-(S_g, sigma~_g), Laplace (C, b) or non-private, each with its sensitivity under the sample's
-neighbouring relation (`records.sensitivity_factor`: S for add/remove of a whole record, 2S
-for replace-one or a microbatch), and the steps of correlated-noise queries (the
-banded / tree / matrix rows of `records`, refused under a sampling that does not cover them).
-It also counts the shuffled passes a sampler started.
-Writes work inside `tf.function`; buffers double when full, so no event is ever dropped.
-The ledger is a `tf.Module`: `tf.train.Checkpoint` saves and restores it, and a restore
-never rolls it back: a mirror of every row the object recorded, held in no checkpoint, is
-reconciled with the restored rows before every write and eager read (`reconcile`). The file format
-and the checks live in `records` / `ledger_file` (no TensorFlow).
+policy, examples per record) and, for each, its *sum query events*: Gaussian (S_g,
+sigma~_g), Laplace (C, b), non-private or correlated-noise steps (banded / tree / matrix,
+refused under a sampling that does not cover them), each with its sensitivity under the
+sample's neighbouring relation (`records.sensitivity_factor`: S for add/remove of a record,
+2S for replace-one or a microbatch). It also counts shuffled passes. Writes work inside
+`tf.function`; buffers double when full, so no event is dropped. A `tf.train.Checkpoint`
+saves and restores it, and a restore never rolls it back: a mirror of every row this object
+recorded, in no checkpoint, is reconciled with the restored rows before every write and
+eager read (`reconcile`). File format and checks: `records` / `ledger_file`.
 
-`LedgerSampling` is the declared sampling of the following samples (n, q, policy, sample
-size, k: the premise the ledger records with each sample) and the ledger it writes to: the
-DP optimizers' step calls its own query, then `record(events)` with the events the code that
-drew the noise built.
+`LedgerSampling` is the declared sampling (n, q, policy, sample size, k) of the following
+samples and the ledger `record(events)` writes them to.
 """
 
 import json
@@ -47,8 +43,8 @@ def _f64(x):
 
 
 def _event_row(event, factor, policy, sample_size):
-  """(kind, clip, noise, sensitivity) of one privacy event, as float64 tensors, and the
-  in-graph checks the row needs (see `_correlated_row`)."""
+  """(kind, clip, noise, sensitivity) of one privacy event as float64 tensors, and its
+  in-graph checks (`_correlated_row`)."""
   f = _f64
   if isinstance(event, events_lib.GaussianSumEvent):
     clip = f(event.l2_norm_clip)
@@ -65,17 +61,12 @@ def _event_row(event, factor, policy, sample_size):
 
 
 def _correlated_row(event, factor, policy, sample_size):
-  """Row and checks of a correlated-noise event, by `correlated_records`' rules.
-
-  The sampling must cover the event (`correlated_records.correlated_requirement`): a wrong
-  policy is refused here; the least sample_size (cycle length b) is checked now when
-  `sample_size` is a Python number, else in the graph (an assertion the ledger write depends
-  on).
-
-  The sensitivity is at least factor x clip (see below), erring on the costly side.
+  """Row and checks of a correlated-noise event (`correlated_records`' rules): a policy that
+  does not cover it is refused now, the least sample_size (cycle length b) now for a Python
+  number, else in the graph; the sensitivity is at least factor x clip.
 
   Raises:
-    ParameterValueError: the policy, or a Python sample_size, does not cover the event.
+    PrivacyConfigError: the policy, or a Python sample_size, does not cover the event.
   """
   wide = event._replace(l2_norm_clip=_f64(event.l2_norm_clip), stddev=_f64(event.stddev))
   needed, least = correlated_records.correlated_requirement(event)
@@ -109,9 +100,9 @@ def _tensor_sensitivity_factor(relation, examples_per_record):
 
 
 class _HandleVariable:
-  """A ledger variable inside the shared write functions: its resource handle (an argument of
-  the function, so that no trace refers to a ledger's variables) with the variable methods the
-  writes use, as the same resource ops."""
+  """A ledger variable seen through its resource handle (an argument of the shared write
+  functions, so no trace refers to a ledger's variables), with the variable methods the
+  writes use."""
 
   def __init__(self, handle, dtype, shape):
     self.handle, self.dtype, self.shape = handle, dtype, tf.TensorShape(shape)
@@ -150,7 +141,7 @@ class _HandleVariable:
 
 class _Buffers:
   """One set of the ledger's variables (rows, counts, passes, cycle position); a plain object,
-  so tf.Module does not track it (PrivacyLedger decides which set a checkpoint holds)."""
+  so tf.Module does not track it."""
 
   NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position")
   SPECS = {"samples": (tf.float64, [None, len(SAMPLE_COLUMNS)]),
@@ -174,16 +165,14 @@ class _Buffers:
 
   @classmethod
   def of(cls, handles):
-    """The set whose variables' resource handles are `handles` (`handles()`): how the shared
-    write functions see their arguments."""
+    """The set whose variables' resource handles are `handles` (the shared functions' view)."""
     view = cls.__new__(cls)
     for name, handle in zip(cls.NAMES, handles):
       setattr(view, name, _HandleVariable(handle, *_Buffers.SPECS[name]))
     return view
 
   def handles(self):
-    """The resource handles of the set's variables in `NAMES` order (a tuple): the argument
-    of the shared write functions, which hold no variable of any ledger."""
+    """The resource handles of the set's variables in `NAMES` order."""
     return tuple(getattr(self, name).handle for name in self.NAMES)
 
   def rows(self):
@@ -192,10 +181,8 @@ class _Buffers:
             self.queries[:self.query_count.read_value()])
 
   def assign_rows(self, samples, queries, passes, cyclic_codes=None, cycle_position=None):
-    """Ops writing rows (tensors) and a pass count; the cycle position is `cycle_position`
-    (the copied set's, a tensor) or, when None, follows the rows: the samples whose policy
-    code is one of `cyclic_codes` (`policies.cyclic_codes()` read eagerly: a trace would keep
-    the registry of its time)."""
+    """Ops writing rows and a pass count; the cycle position is `cycle_position` or, when
+    None, the count of samples whose policy code is in `cyclic_codes` (read eagerly)."""
     if cycle_position is None:
       cyclic = tf.constant(cyclic_codes, tf.float64)
       in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
@@ -225,11 +212,9 @@ def _common_prefix(a, b):
 def merged_arrays(current, restored):
   """The ledger that charges every step of two ledgers of one run: (samples, queries, passes).
 
-  Rule (every released update stays charged): when one ledger is a prefix of the other
-  (a checkpoint of this run restored after more steps were taken, or a later checkpoint
-  resumed), the longer one; otherwise (two branches of one run, or two runs) the restored
-  ledger followed by the current ledger's samples after their common prefix (query rows
-  re-indexed), and the passes of both added. Charging more than was used is the safe side.
+  When one ledger is a prefix of the other, the longer one; otherwise the restored ledger
+  followed by the current one's samples after their common prefix (query rows re-indexed),
+  the passes added. Charging more than was used is the safe side.
 
   Args:
     current: (samples, queries, passes) of the ledger being restored into.
@@ -249,30 +234,16 @@ def merged_arrays(current, restored):
   return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr)
 
 
-# The ledger's writes run in two functions shared by every ledger of the process: each takes
-# the resource handles of the two sets' variables as arguments (so it holds no ledger) and is
-# traced once per process and calling context. A train function's trace then holds one call
-# op, not the reconciliation's and the appends' conditionals built anew at every trace.
-
-# The rare branches (a buffer grown, the two sets reconciled after a restore) are calls of
-# functions marked `_noinline`: the graph TensorFlow optimizes at every new train function
-# holds one call op for each, not their bodies, and their bodies are instantiated only when
-# a branch runs.
+# The writes run in functions shared by every ledger of the process (they take the variables'
+# resource handles as arguments), traced once per process and context: a train function holds
+# one call op. The rare branches (growth, repair) are `_noinline` calls, built only when run.
 _RARE = {"autograph": False, "experimental_attributes": {"_noinline": True}}
 
 
 @tf.function(**_RARE)
 def _grow_call(handle, needed, columns):
-  """Doubles the float64 buffer of rows behind `handle` (at least to `needed` rows).
-
-  Args:
-    handle: the buffer's resource handle ([rows, columns] float64).
-    needed: the rows it must hold (int64 tensor).
-    columns: the buffer's columns (a Python int).
-
-  Returns:
-    True (a bool tensor: it grew).
-  """
+  """Doubles the float64 buffer behind `handle` (at least to `needed` rows, `columns` wide);
+  returns True."""
   buffer = _HandleVariable(handle, tf.float64, [None, columns])
   cap = tf.raw_ops.VariableShape(input=handle, out_type=tf.int64)[0]
   new_cap = tf.maximum(2 * cap, needed)
@@ -282,15 +253,7 @@ def _grow_call(handle, needed, columns):
 
 
 def _ensure_capacity(buffer, needed):
-  """Doubles `buffer` (at least to `needed` rows) when it is too small (`_grow_call`).
-
-  Args:
-    buffer: a buffer of rows (`_HandleVariable`).
-    needed: the rows it must hold (int64 tensor).
-
-  Returns:
-    a bool tensor, True when it grew.
-  """
+  """`_grow_call` when `buffer` holds fewer than `needed` rows; a bool tensor, True if grown."""
   # VariableShape reads the shape without copying the buffer (tf.shape would read it all).
   cap = tf.raw_ops.VariableShape(input=buffer.handle, out_type=tf.int64)[0]
   return tf.cond(needed > cap, lambda: _grow_call(buffer.handle, needed, int(buffer.shape[1])),
@@ -298,23 +261,11 @@ def _ensure_capacity(buffer, needed):
 
 
 def _reconcile(v, m):
-  """In-graph reconciliation of the checkpointed set `v` and the mirror `m` before a write.
-
-  The longer of the two sets when one is a prefix of the other (a restore of an earlier step
-  of this run: the mirror; a restore into a new ledger, or of a later step: the checkpointed
-  rows); two sets that diverge (another run's checkpoint restored into a ledger that recorded
-  steps) fail the step, since only the eager `PrivacyLedger.reconcile` can merge them. The
-  sets are compared by their counts, passes and last rows (reads of single rows: O(1) a
-  step); rows are read whole only when those differ.
-
-  Args:
-    v: the checkpointed `_Buffers`.
-    m: the mirror `_Buffers`.
-
-  Returns:
-    the conditional's output (a bool tensor: True when the sets were repaired; the writes
-    depend on it).
-  """
+  """In-graph reconciliation of the checkpointed set `v` and the mirror `m` before a write:
+  the longer when one is a prefix of the other; diverging sets (another run's checkpoint)
+  fail the step (only the eager `PrivacyLedger.reconcile` merges them). Compares counts,
+  passes and last rows (O(1) a step); reads rows whole only when those differ. Returns the
+  bool the writes depend on."""
   counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
             for b in (v, m)]
 
@@ -333,21 +284,8 @@ def _reconcile(v, m):
 
 @tf.function(**_RARE)
 def _fix_call(v_handles, m_handles, v_passes, m_passes):
-  """`_reconcile`'s repair: the longer set copied onto the other when one is a prefix of the
-  other (passes: the larger count), else the step fails.
-
-  Args:
-    v_handles: the checkpointed set's `_Buffers.handles()`.
-    m_handles: the mirror's `_Buffers.handles()`.
-    v_passes: the checkpointed set's pass count (int64 tensor, read before the call).
-    m_passes: the mirror's pass count (int64 tensor).
-
-  Returns:
-    True (a bool tensor), once the copy is written.
-
-  Raises:
-    tf.errors.InvalidArgumentError: (when run) the two sets diverge.
-  """
+  """`_reconcile`'s repair: the longer set copied onto the other (passes: the larger count),
+  else the step fails (tf.errors.InvalidArgumentError when run); returns True."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   (vs, vq), (ms, mq) = v.rows(), m.rows()
   n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
@@ -370,18 +308,8 @@ def _fix_call(v_handles, m_handles, v_passes, m_passes):
 
 
 def _append(b, row, qrows, cyclic):
-  """Appends one sample's rows, with this sample's index, to the buffers `b` (grown when
-  full).
-
-  Args:
-    b: the `_Buffers` written.
-    row: the sample row, float64 [1, 6].
-    qrows: the query rows without their sample index, float64 [Q, 4] (None: Q = 0).
-    cyclic: True when the sample's policy advances the cycle position.
-
-  Returns:
-    the new sample count (int64 tensor).
-  """
+  """Appends one sample row [1, 6] and its query rows [Q, 4] (None: Q = 0), indexed by this
+  sample, to the buffers `b` (grown when full); returns the new sample count."""
   idx = b.sample_count.read_value()
   qidx = b.query_count.read_value()
   n_q = 0 if qrows is None else int(qrows.shape[0])
@@ -403,16 +331,7 @@ def _append(b, row, qrows, cyclic):
 
 @tf.function(autograph=False)
 def _add_passes_call(v_handles, m_handles, count):
-  """Reconciles the two sets (`_reconcile`), then adds `count` passes to both.
-
-  Args:
-    v_handles: the checkpointed set's `_Buffers.handles()`.
-    m_handles: the mirror's `_Buffers.handles()`.
-    count: the passes started (int64 tensor).
-
-  Returns:
-    the checkpointed set's new pass count (int64 tensor).
-  """
+  """Reconciles the two sets, then adds `count` passes to both; returns the new count."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   with tf.control_dependencies([_reconcile(v, m)]):
     m.passes.assign_add(count)
@@ -421,19 +340,8 @@ def _add_passes_call(v_handles, m_handles, count):
 
 @tf.function(autograph=False)
 def _append_call(v_handles, m_handles, row, qrows, cyclic):
-  """Reconciles the two sets (`_reconcile`), then appends one sample to the mirror and to the
-  checkpointed set (`_append`).
-
-  Args:
-    v_handles: the checkpointed set's `_Buffers.handles()`.
-    m_handles: the mirror's `_Buffers.handles()`.
-    row: the sample row, float64 [1, 6].
-    qrows: its query rows without the sample index, float64 [Q, 4] (None: Q = 0).
-    cyclic: True when the sample's policy advances the cycle position.
-
-  Returns:
-    the checkpointed set's new sample count (int64 tensor).
-  """
+  """Reconciles the two sets, then appends one sample to the mirror and the checkpointed set;
+  returns the new sample count."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   with tf.control_dependencies([_reconcile(v, m)]):
     _append(m, row, qrows, cyclic)
@@ -462,16 +370,14 @@ class PrivacyLedger(tf.Module):
     for attr in _Buffers.NAMES:   # tracked under the names of earlier versions' checkpoints
       setattr(self, "_" + attr, getattr(self._v, attr))
 
-  # No restore can roll the ledger back. A restore (tf.train.Checkpoint, a SavedModel) assigns
-  # the checkpointed set `_v`; the mirror, in no checkpoint, holds every row this object
-  # recorded or adopted. Every write first reconciles the two in the graph (`_reconcile`),
-  # and every eager read reconciles them with `merged_arrays`.
+  # No restore can roll the ledger back: a restore assigns `_v`; the mirror, in no checkpoint,
+  # holds every row this object recorded; writes reconcile them in the graph (`_reconcile`),
+  # eager reads with `merged_arrays`.
 
   def reconcile(self):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
-    that a restore never lowers the ledger; eager. The eager reads (`sample_count`,
-    `get_arrays`, ...) call it when the two sets' counts differ; call it after restoring
-    another run's checkpoint into a ledger that recorded steps.
+    that a restore never lowers the ledger; eager. The eager reads call it when the sets'
+    counts differ; call it after restoring another run's checkpoint into a used ledger.
 
     Returns:
       None.
@@ -496,8 +402,8 @@ class PrivacyLedger(tf.Module):
                     tf.constant(int(passes), tf.int64), codes)
 
   def _read(self, name):
-    """A count of the ledger: eagerly after `reconcile` when the two sets' counts differ; in
-    a graph the larger of the two (a restore may have lowered the checkpointed one)."""
+    """A count: eagerly after `reconcile` when the sets' counts differ; in a graph the larger
+    of the two."""
     v, m = getattr(self._v, name), getattr(self._mirror, name)
     if tf.executing_eagerly():
       if any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
@@ -525,15 +431,9 @@ class PrivacyLedger(tf.Module):
   def cycle_position(self):
     """The cyclic Poisson schedule's position: the cyclic_poisson samples recorded (int64).
 
-    The participation schedule is ledger state: the next cyclic step samples group
-    cycle_position mod b (`tf_dpiter.data.cyclic_poisson`). The training step counts it as it
-    records each sample; `set_arrays` (journal or file restore) recomputes it from the rows.
-
-    A pure read, eagerly as in a graph: the larger of the two sets' positions (a restore
-    never lowers it). The dataset's generator reads it on a tf.data thread while a step may
-    be writing the ledger; an eager `reconcile` there (what the other eager reads do when the
-    two sets' counts differ, as they do halfway through a step's write) would rewrite the
-    buffers under the running step's scatter and corrupt the rows.
+    The next cyclic step samples group cycle_position mod b (`data.cyclic_poisson`). A pure
+    read, the larger of the two sets' positions: the dataset's generator reads it on a tf.data
+    thread while a step may be writing, where an eager `reconcile` would corrupt the rows.
     """
     return tf.maximum(self._v.cycle_position.read_value(),
                       self._mirror.cycle_position.read_value())
@@ -559,16 +459,11 @@ class PrivacyLedger(tf.Module):
                     policy=POISSON, sample_size=0, examples_per_record=1):
     """Records one sample (sampling event) and its sum query events.
 
-    Works eagerly and inside `tf.function` (not under XLA: the buffers grow).
-    `population_size` n, `selection_probability` q, `sample_size` and `examples_per_record`
-    k may be tensors; `events` is the tuple returned by `DPQuery.get_noised_result`;
-    `policy` a registered policy name (`policies.names()`). Each query's sensitivity is recorded as
-    `records.sensitivity_factor(relation_for_policy(policy), k)` times its clip (times the
-    strategy's column norm, sqrt(tree depth) or equivalent sensitivity for a correlated-noise
-    event: `correlated_records.correlated_row_values`). A correlated-noise event is recorded
-    only under the sampling `correlated_records.correlated_requirement` names: the policy is
-    checked at once, a tensor `sample_size` (the cycle length b under cyclic_poisson) in the
-    graph.
+    Eager or inside `tf.function` (not under XLA: the buffers grow); n, q, sample_size and k
+    may be tensors. Each query's sensitivity is `records.sensitivity_factor(relation, k)` times
+    its clip (times the strategy's column norm for a correlated event:
+    `correlated_records.correlated_row_values`), recorded only under the sampling
+    `correlated_records.correlated_requirement` names.
 
     Args:
       population_size: n, the population the sample was drawn from (float or tensor).
@@ -595,8 +490,8 @@ class PrivacyLedger(tf.Module):
 
   def append_sample(self, population_size, selection_probability, events, sampling,
                     sample_size, examples_per_record, factor):
-    """`record_sample` with its policy and k already checked and its sensitivity factor
-    already formed: `LedgerSampling` does that once per declaration, not at every step.
+    """`record_sample` with its policy and k already checked and its sensitivity factor formed
+    (`LedgerSampling` does that once per declaration).
 
     Args:
       population_size: n (float or tensor).
@@ -604,7 +499,7 @@ class PrivacyLedger(tf.Module):
       events: the tuple of privacy events `DPQuery.get_noised_result` returned.
       sampling: the registered policy object (`policies.get(policy)`).
       sample_size: the batch size (float or tensor).
-      examples_per_record: k, checked against the policy (`records.check_examples_per_record`).
+      examples_per_record: k, checked against the policy.
       factor: `records.sensitivity_factor(sampling.relation, k)` (float or float64 tensor).
 
     Returns:
@@ -630,10 +525,8 @@ class PrivacyLedger(tf.Module):
   # ---- reading and (de)serialization ---------------------------------------------------
 
   def get_arrays(self, start=0):
-    """(samples [N, 6], queries [Q, 5]) float64 numpy arrays of samples start.. (all by default).
-
-    Query rows keep their absolute sample_index. Reads only the rows asked for (after
-    reconciling a restore: `reconcile`).
+    """(samples [N, 6], queries [Q, 5]) float64 numpy arrays of samples start.. (query rows keep
+    their absolute sample_index), after reconciling a restore.
 
     Args:
       start: the index of the first sample returned (0: all).
@@ -668,13 +561,9 @@ class PrivacyLedger(tf.Module):
     self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes))
 
   def merge_arrays(self, samples, queries, passes=0):
-    """Merges a ledger of the same run into this one: nothing recorded here is ever lost.
-
-    `merged_arrays`' rule: a ledger of an earlier step leaves this ledger as it is (the
-    updates released after that step stay charged, and the steps taken again are charged
-    again); a ledger that extends this one replaces it. Used by `restore_ledger`, journal
-    resumes and the model files that carry a ledger (a checkpoint restore is reconciled the
-    same way: `reconcile`).
+    """Merges a ledger of the same run into this one (`merged_arrays`): nothing recorded here
+    is ever lost; a ledger of an earlier step leaves this one as it is, one that extends it
+    replaces it.
 
     Args:
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
@@ -818,12 +707,9 @@ def check_sample_size(sample_size):
 
 @typing.final
 class LedgerSampling:
-  """The sampling of the following samples (n, q, policy, sample size, k) and the ledger
-  each `record` writes one sample to.
-
-  n, q and the sample size are float64 variables (`set_sampling` changes them without a
-  retrace); the policy is fixed; k takes effect at the next trace of a tf.function.
-  """
+  """The sampling of the following samples (n, q, policy, sample size, k) and the ledger each
+  `record` writes to. n, q and the sample size are float64 variables (`set_sampling` changes
+  them without a retrace); k takes effect at the next trace."""
 
   def __init__(self, population_size, selection_probability, ledger=None,
                policy=POISSON, sample_size=0, examples_per_record=1):
@@ -868,12 +754,7 @@ class LedgerSampling:
       raise PrivacyConfigError(bad)
 
   def _set_examples_per_record(self, examples_per_record):
-    """Checks k against the policy and forms the sensitivity factor every `record` writes
-    (rec.sensitivity_factor), once per declaration.
-
-    Raises:
-      PrivacyConfigError: k > 1 under an add/remove policy. ParameterValueError: k < 1.
-    """
+    """Checks k against the policy and forms the sensitivity factor, once per declaration."""
     rec.check_examples_per_record(self._policy, examples_per_record)
     self._examples_per_record = int(examples_per_record)
     self._factor = rec.sensitivity_factor(self._policy_object.relation,
@@ -910,8 +791,7 @@ class LedgerSampling:
     return self._examples_per_record
 
   def config(self):
-    """The declaration as plain numbers: {"population_size", "selection_probability",
-    "policy", "sample_size", "examples_per_record"} (n, q, B as Python floats)."""
+    """The declaration as plain numbers (dict of n, q, policy, sample_size, k)."""
     return {"population_size": float(self._population_size.numpy()),
             "selection_probability": float(self._selection_probability.numpy()),
             "policy": self._policy, "sample_size": float(self._sample_size.numpy()),
@@ -943,9 +823,8 @@ class LedgerSampling:
     self._sample_size.assign(float(sample_size))
 
   def record(self, events):
-    """Records one sample (n, q, policy, sample size, k) with `events`, the events of one
-    noised result as the query that drew the noise returned them (also when that draw ran
-    inside an XLA program: this runs outside it, the ledger's buffers grow).
+    """Records one sample (n, q, policy, sample size, k) with `events`, those of one noised
+    result (also of a draw inside an XLA program: this runs outside it).
 
     Args:
       events: the tuple of privacy events of one noised result.

@@ -1,13 +1,10 @@
 """A DPQuery wrapper that records every noised result in a ledger.
 
 McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
-Procedures" (2018), Section 6: the training code never computes privacy; each noised result
-is recorded as one sampling event with all the sum query events the query that drew the
-noise reports. `QueryWithLedger` does that recording as a DPQuery wrapper (each
-`get_noised_result` records one sample with its `privacy_ledger.LedgerSampling`), for code
-that drives a query itself (federated servers, TF Privacy's habit of reading
-`optimizer.dp_query`); the DP optimizers' step calls its own query and records with the
-LedgerSampling directly.
+Procedures" (2018), Section 6: each noised result is recorded as one sampling event with the
+sum query events the query reports. `QueryWithLedger` does that for code that drives a query
+itself (federated servers, TF Privacy's `optimizer.dp_query`); the DP optimizers' step
+records with its `LedgerSampling` directly.
 """
 
 import tensorflow as tf

@@ -3,19 +3,14 @@
 Papernot and Steinke 2022 ("Hyperparameter tuning with Renyi differential privacy"): run K
 trials, K drawn from a distribution fixed in advance and independent of the data (a truncated
 negative binomial of `shape` in [0, inf) with K >= 1, or Poisson for shape = inf), each a DP
-training run with hyperparameters drawn independently of the data, and release only the best
-trial. dp-accounting's `RepeatAndSelectDpEvent(trial_event, mean, shape)` bounds the whole.
+run with data-independent hyperparameters, and release only the best trial; dp-accounting's
+`RepeatAndSelectDpEvent(trial_event, mean, shape)` bounds the whole (RDP accountant only: the
+others refuse a ledger with a selection).
 
-In a ledger the selection is one *marker* (policy `records.REPEAT_AND_SELECT`) after the
-samples of one trial: those samples are the trial, the marker says it was the best of K.
-Samples recorded after the marker (e.g. training the selected model further) compose with
-the selection as usual. In arrays the marker is a sample row
-[mean, 1, shape (-1 for infinity), code, trials run, 0]; in the file it is the top-level
-field "selection" (file version 3, which older readers refuse, so that no reader can drop the
-selection and report the epsilon of a single trial). A PrivacyLedger loaded from such a file
-holds the marker as one more row (its sample_count counts it; the accountant's sample count
-does not). Only dp-accounting's RDP accountant implements RepeatAndSelectDpEvent: the other
-accountants refuse a ledger with a selection record.
+In a ledger the selection is one *marker* row (policy `records.REPEAT_AND_SELECT`,
+[mean, 1, shape (-1 for infinity), code, trials run, 0]) after the trial's samples; later
+samples compose as usual. In the file it is the field "selection" (version 3, refused by
+older readers, so no reader drops it and reports one trial's epsilon).
 """
 
 import dataclasses
