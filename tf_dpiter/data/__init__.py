@@ -1,18 +1,12 @@
 """Sampling of training batches for DP training (McMahan et al. 2018, Section 5).
 
 `poisson_batches` (policy "poisson", the default of `DPModel.fit` on arrays) and
-`shuffled_batches` (policy "shuffle": a new permutation per pass, passes charged by the
-ledger); both carry the `SamplingSpec` that `DPModel.fit` declares to the ledger.
-They survive prefetch, with_options, assert_cardinality, repeat and take (repeat is refused
-for cyclic Poisson, whose schedule is ledger state); records are
-transformed one at a time with `map_fn=` or `map_records` (a map over whole batches, cache,
-batch, filter... lose the declaration, and fit names the transform).
-Also: cyclic Poisson (b-min-separation, for banded matrix factorization; groups by a hash of
-each example's own identity, the cycle position owned by the ledger) and truncated Poisson
-samplers, out-of-core Poisson sampling by index from TFRecord shards
-(`poisson_batches_from_source`, `distributed_poisson_batches` for multi-worker) and user-level
-Poisson sampling (`poisson_user_batches`). A user's own shuffled, batched tf.data pipeline is
-declared with `declare_shuffled(dataset, n, B)`, which counts its passes itself.
+`shuffled_batches` (policy "shuffle", passes charged by the ledger) carry the `SamplingSpec`
+that `DPModel.fit` declares to the ledger; per-record transforms keep it (`map_fn=`,
+`map_records`). Also cyclic Poisson (banded matrix factorization), truncated Poisson,
+balls-in-bins, out-of-core Poisson by index (`poisson_batches_from_source`,
+`distributed_poisson_batches`), user-level Poisson (`poisson_user_batches`), and
+`declare_shuffled` for a user's own shuffled pipeline.
 """
 
 from tf_dpiter.data.sampling import SamplingSpec

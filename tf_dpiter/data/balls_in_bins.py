@@ -1,19 +1,13 @@
 """Balls-in-bins (random allocation) sampling: every example in exactly one step per epoch.
 
-At the start of each epoch of k steps, every one of the n records is put in one of the k steps
-uniformly at random, independently of the other records and of the data (Chua et al. 2024,
-"Balls-and-Bins Sampling for DP-SGD"; Feldman and Shenfeld 2025, "random allocation"). Step j
-of the epoch trains on the records put in step j: about n / k of them, a Binomial(n, 1/k)
-number, padded to one static size with a 0/1 mask like `poisson_batches`. Like a shuffled
-pass every record is used once per epoch; unlike it the batch sizes vary and the neighbouring
-relation is add or remove one example (another record's step does not depend on it), so a
-clipped sum has sensitivity S.
-
-The ledger records policy "balls_in_bins" with sample_size = k and selection_probability =
-1 / k; the sampler counts the epochs it started (one allocation each) and `DPModel.fit`
-records in the ledger's `passes` every epoch one of whose steps was taken. The accountant charges one un-amplified step mechanism per
-epoch started (`tf_dpiter.accounting.composite_events.balls_in_bins_event`): a proven bound;
-amplification by the secret allocation is real but is not claimed.
+Each epoch of k steps puts every record in one of the k steps uniformly at random,
+independently of the others and of the data (Chua et al. 2024, "Balls-and-Bins Sampling for
+DP-SGD"; Feldman and Shenfeld 2025, "random allocation"); a step holds a Binomial(n, 1/k)
+number of records, padded with a 0/1 mask like `poisson_batches`. The relation is add or
+remove one example (sensitivity S). The ledger records policy "balls_in_bins" (sample_size k,
+q = 1 / k) and `DPModel.fit` records every epoch one of whose steps was taken as a pass; the
+accountant charges one un-amplified step mechanism per epoch started (a proven bound; the
+amplification by the secret allocation is not claimed).
 """
 
 import numpy as np
@@ -130,16 +124,13 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
                           epochs=1, max_batch_size="auto", seed=None):
   """tf.data.Dataset of balls-in-bins steps, (x_pad, [y_pad,] mask) per step.
 
-  The dataset yields the steps of consecutive allocations of the n records into k steps, in
-  order; each iteration yields `epochs` x k steps and continues where the previous one stopped
-  (so one Keras epoch is one allocation by default). Steps drawn but never trained on (a
-  prefetch discarded) only leave their records unused in that epoch.
+  Each iteration yields `epochs` x k steps of consecutive allocations, continuing where the
+  previous stopped. Steps drawn but never trained on only leave their records unused.
 
   Args:
     x: the features: arrays (or nests) with n records on the leading axis.
     y: the labels, arrays (or nests) with n records on the leading axis, or None.
-    steps_per_epoch: k, the steps of an epoch; or give `expected_batch_size` instead
-      (k = round(n / expected_batch_size)).
+    steps_per_epoch: k, the steps of an epoch (or give `expected_batch_size`).
     expected_batch_size: n / k, used when steps_per_epoch is None.
     epochs: allocations per iteration of the dataset (a positive integer).
     max_batch_size: "auto" (mean + 4 sd, rounded up to 8) or an int; a larger step is padded
@@ -147,8 +138,7 @@ def balls_in_bins_batches(x, y=None, steps_per_epoch=None, expected_batch_size=N
     seed: tests only (NOT private; warns). None: OS entropy.
 
   Returns:
-    The dataset, carrying SamplingSpec("balls_in_bins", n, 1/k, k) with the sampler that
-    counts its epochs (`sampling.get_sampling_spec`).
+    The dataset, carrying SamplingSpec("balls_in_bins", n, 1/k, k) with its sampler.
 
   Raises:
     ParameterTypeError: a count that is not an integer.

@@ -1,32 +1,20 @@
 """Cyclic Poisson (b-min-separation) sampling for correlated-noise training.
 
-Claim (relation and unit first): add or remove one example; the unit is the example. Each
-example is put in one of b groups by a hash of *its own identity* (by default the bytes of
-its record, x and y; or an id the caller gives), never by its position among the others or
-by n, so adding or removing one example moves no other example to another group. Step p of
-the ledger's cyclic stream Poisson-samples group p mod b: each of its examples joins with
-probability q, independently. An example can then only join steps p, p + b, p + 2b, ...: its
-participations are at least b steps apart, which is what amplified banded matrix
-factorization needs (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization",
-Section 5 and Theorem 4: b-min-separation, cyclic Poisson). Their analysis holds for any
-partition fixed independently of the other examples, so the group hash needs no secret: a
-fixed, public hash (BLAKE2b) keeps the partition identical in every `fit`, every dataset
-built from the same examples and every process, which is what lets the schedule survive a
-restart. The expected batch is q n / b. The ledger records policy "cyclic_poisson" with the
-cycle length b in its `sample_size` column; the accountant charges each example
-ceil(T / b) Poisson-sampled Gaussian steps (`tf_dpiter.accounting.ledger_events`).
+Claim: add or remove one example; the unit is the example. Each example is put in one of b
+groups by a public hash (BLAKE2b) of *its own identity* (its record's bytes, or a given id),
+never by its position or by n, so adding or removing one example moves no other. Step p of
+the ledger's cyclic stream Poisson-samples group p mod b with probability q: an example's
+participations are at least b steps apart, what amplified banded matrix factorization needs
+(Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Section 5 and
+Theorem 4; any partition fixed independently of the other examples, so no secret is needed).
+The expected batch is q n / b. The ledger records policy "cyclic_poisson" with b as
+`sample_size`; the accountant charges ceil(T / b) Poisson-sampled Gaussian steps.
 
-The participation schedule is state the ledger owns: the position p of the next step is the
-number of cyclic_poisson samples the ledger holds (`PrivacyLedger.cycle_position`: a TF
-variable, counted by the training step itself, recomputed from the rows on a journal or file
-restore). `DPModel.fit` binds the sampler to its ledger (`resume_at`), and every new iterator
-of the dataset starts at that position, as fit read it between steps (`snapshot_position`:
-the generator starts inside the step that pulls its first batch, concurrently with that
-step's own ledger write, so it never reads the live variable during fit); so the 16 steps a
-dataset draws ahead (`sampling.INDEX_CHUNK`) and drops with its iterator (at the end of a fit,
-or the iterator Keras makes at an epoch's end and replaces) never shift the cycle: the next
-group is the one after the last step the optimizer took. Outside `fit`, call
-`sampler.resume_at(ledger)` (or iterate whole passes). `.repeat()` on the dataset is refused.
+The schedule is ledger state: the next step's position p is the ledger's
+`PrivacyLedger.cycle_position`. `DPModel.fit` binds the sampler to its ledger and every new
+iterator starts at the position fit read between steps (`snapshot_position`), so steps drawn
+ahead and dropped never shift the cycle. Outside `fit`, call `sampler.resume_at(ledger)`.
+`.repeat()` on the dataset is refused.
 """
 
 import hashlib
@@ -47,14 +35,13 @@ _PERSON = b"tfdpiter.cyclic"   # BLAKE2b personalization: the group hash of this
 
 
 def record_identities(x, y=None):
-  """Per-example identities [n] (bytes): BLAKE2b-128 of each example's own x and y rows.
-
-  A function of that example's record alone (its dtype, shape and bytes), so it does not
-  change when other examples are added or removed. Identical records share an identity
-  (and hence a group), which the claim allows: each is still in exactly one group.
+  """Per-example identities [n] (bytes): BLAKE2b-128 of each example's own x and y rows (its
+  dtype, shape and bytes), so they do not change when other examples are added or removed.
+  Identical records share an identity and group, which the claim allows.
 
   Args:
-    x: array or nest of arrays, n records on the leading axis. y: the same, or None.
+    x: array or nest of arrays, n records on the leading axis.
+    y: the same, or None.
 
   Returns:
     A list of n bytes objects.
@@ -178,12 +165,9 @@ class CyclicPoissonSampler:
     return int(self._group_of[index])
 
   def resume_at(self, position):
-    """Makes every later iterator of the dataset start at the schedule's position.
-
-    `position` is a PrivacyLedger: the sampler is bound to it and each new iterator starts
-    at its `cycle_position` (the cyclic steps it holds), read when the iterator's generator
-    starts, so draws an earlier iterator prefetched and dropped never shift the cycle
-    (`DPModel.fit` binds it before its first step). An int starts the next iterator there.
+    """Makes every later iterator of the dataset start at the schedule's position: a bound
+    PrivacyLedger's `cycle_position`, read when the iterator's generator starts (`DPModel.fit`
+    binds it), or an int for the next iterator.
 
     Args:
       position: a PrivacyLedger, or an int >= 0.
@@ -200,11 +184,10 @@ class CyclicPoissonSampler:
       self._ledger, self._pending = None, int(position)
 
   def snapshot_position(self, position):
-    """Sets (an int) or clears (None) the position the next iterator starts at, read from
-    the ledger by the training thread while no step runs (`DPModel.fit` does it before and
-    after every step). A generator starts inside the first step that pulls from it, while
-    that step's own ledger write may already have run: reading the live ledger then would
-    skip (or, timing-dependent, not skip) a position, so fit never lets it.
+    """Sets (an int) or clears (None) the position the next iterator starts at, read by the
+    training thread while no step runs (`DPModel.fit`, before and after every step): a
+    generator starts inside the step that pulls from it, when that step's ledger write may
+    already have run.
 
     Args:
       position: an int >= 0, or None (read the bound ledger, outside fit).
@@ -272,15 +255,14 @@ class CyclicPoissonSampler:
 def check_continuation(ledger, sampler, iterations):
   """Refuses, before the first step of a fit, a cyclic run the ledger's claim cannot cover.
 
-  Correlated-noise rows (BandMF, BLT) need every participation >= b rows of the mechanism
-  apart, and one mechanism run: a ledger that holds more samples than the optimizer's
-  iterations (a restore rolled the optimizer back, so rows are run again) or whose last
-  cyclic rows used another cycle length b is refused. Independent noise only needs the count
-  (ceil(run / b) per run of the ledger's stream), which any continuation keeps.
+  Correlated-noise rows (BandMF, BLT) need participations >= b rows apart in one mechanism
+  run: a ledger holding more samples than the optimizer's iterations (a rolled-back restore)
+  or whose last cyclic rows used another b is refused. Independent noise needs only the count.
 
   Args:
-    ledger: the PrivacyLedger. sampler: the CyclicPoissonSampler. iterations: int, the
-      optimizer's iterations.
+    ledger: the PrivacyLedger.
+    sampler: the CyclicPoissonSampler.
+    iterations: int, the optimizer's iterations.
 
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.

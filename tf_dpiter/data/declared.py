@@ -1,26 +1,17 @@
 """A user's own shuffled tf.data pipeline, declared to the ledger and counting its passes.
 
-A pipeline written the usual way — `Dataset.from_tensor_slices((x, y)).shuffle(n).batch(B)` —
-visits every record at most once per pass (one pass per iteration of the dataset, or one per
-ceil(n / B) batches after `.repeat()`). That is the premise of the "shuffle" policy (McMahan et
-al. 2018, "A General Approach to Adding Differential Privacy to Iterative Training
-Procedures", Section 5): no amplification by sampling is claimed; the accountant charges every
-pass started one un-amplified Gaussian mechanism under replace-one adjacency (sensitivity 2S
-of a clipped sum). The ledger must know the passes: declared with
-`optimizer.set_sampling(n, B / n, "shuffle", B)` alone, every step would be charged as its
-own pass (a sound but far larger epsilon).
-
-`declare_shuffled(dataset, population_size, batch_size)` wraps the dataset so that it counts
-its passes itself, on a `ShuffleSampler` (a pass starts at the first batch of each iteration
-and every `steps_per_pass` batches after it), and carries the "shuffle" SamplingSpec that
-`DPModel.fit` reads: fit then charges exactly the passes its steps used, as for
-`dp.data.shuffled_batches`. Custom loops move the count into the ledger themselves:
+`Dataset.from_tensor_slices((x, y)).shuffle(n).batch(B)` visits every record at most once
+per pass: the premise of the "shuffle" policy (McMahan et al. 2018, "A General Approach to
+Adding Differential Privacy to Iterative Training Procedures", Section 5): every pass started
+is charged one un-amplified Gaussian mechanism under replace-one adjacency (sensitivity 2S).
+`declare_shuffled(dataset, population_size, batch_size)` makes the dataset count its passes on
+a `ShuffleSampler` (a pass starts at each iteration's first batch and every `steps_per_pass`
+batches after it) and carry the "shuffle" SamplingSpec `DPModel.fit` reads. Custom loops:
 `optimizer.ledger.record_passes(spec.sampler.take_new_passes())` after their steps.
 
-What the declaration asserts, and the user is responsible for: within a pass each record
-appears at most once (a shuffle of any buffer size, then batching, does this; `.repeat()`
-before `.shuffle()`, sampling with replacement, or augmentation that duplicates records does
-not), and a batch holds at most `batch_size` records.
+The user is responsible for what the declaration asserts: within a pass each record appears
+at most once (`.repeat()` before `.shuffle()`, sampling with replacement or duplicating
+augmentation break it), and a batch holds at most `batch_size` records.
 """
 
 import math

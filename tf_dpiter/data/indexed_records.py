@@ -1,18 +1,14 @@
 """Random-access record sources for out-of-core sampling (McMahan et al. 2018, Section 5).
 
-Poisson sampling picks each record independently, so a step's sample is scattered over the
-whole data set: a sampler needs to read record i without reading records 0..i-1. This module
-gives two sources with the same interface, `num_records` and `read(indices)`:
+A Poisson sample is scattered over the data set, so a sampler reads record i without reading
+records 0..i-1. Two sources share `num_records` and `read(indices)`:
 
-* `TFRecordSource`: TFRecord shards (the standard framing: uint64 length, uint32 CRC of the
-  length, payload, uint32 CRC of the payload) next to an offset index per shard
-  (`<shard>.offsets.npy`, int64, one entry per record plus the end of the file), written by
-  `write_indexed_tfrecords` from an iterable of chunks, so a data set larger than memory is
-  written chunk by chunk. Each payload is one element of a numpy structured dtype (fields
-  "x" and "y"; raw bytes, little endian), so a step's records decode with one `np.frombuffer`.
-  The files stay plain TFRecord: `tf.data.TFRecordDataset` reads them sequentially and
-  `tf.io.decode_raw` decodes them (see `record_dtype`).
-* `ArraySource`: numpy arrays in memory (or np.memmap), same interface.
+* `TFRecordSource`: standard TFRecord shards with an offset index per shard
+  (`<shard>.offsets.npy`, int64, one entry per record plus the end of the file), written
+  chunk by chunk by `write_indexed_tfrecords`. Each payload is one element of a numpy
+  structured dtype (fields "x" and "y", raw little-endian bytes: `record_dtype`), so a step
+  decodes with one `np.frombuffer`; `tf.data.TFRecordDataset` still reads the files.
+* `ArraySource`: numpy arrays in memory (or np.memmap).
 """
 
 import json

@@ -1,23 +1,17 @@
 """Poisson sampling by index from a random-access source, on one or many workers.
 
-`poisson_batches_from_source` samples a `TFRecordSource` (shards larger than memory) or an
-`ArraySource` with the law of `poisson_batches` (McMahan et al. 2018, Section 1, step 1): at every step
-each of the n records joins the sample independently with probability q = B / n. A step
-draws m ~ Binomial(n, q) and then a uniformly random m-subset of the n indices (Floyd's
-algorithm in numpy's `Generator.choice`, O(m) memory): the subset has exactly the law of n
-independent Bernoulli(q) trials (P(S) = q^|S| (1-q)^(n-|S|) for every subset S), without a
-draw per record. Only the sampled records are read. Padding, the 0/1 weight column and the
-`SamplingSpec` (policy "poisson", n, q, B) are those of `poisson_batches`, so `DPModel.fit`
-and the ledger record the same event.
+`poisson_batches_from_source` samples a `TFRecordSource` or an `ArraySource` with the law of
+`poisson_batches` (McMahan et al. 2018, Section 1, step 1): m ~ Binomial(n, q), then a
+uniformly random m-subset, so P(S) = q^|S| (1-q)^(n-|S|) for every subset S, exactly n
+independent Bernoulli(q) trials; only the sampled records are read. Padding, weights and the
+`SamplingSpec` are those of `poisson_batches`.
 
-Several workers or replicas (`num_parts` > 1): the n indices are cut into `num_parts`
-contiguous ranges and part p samples its own range with independent randomness. Independent
-Bernoulli(q) trials over disjoint ranges that cover [0, n) are again n independent trials, so
-the union of the parts' samples at one step is exactly one global Poisson sample of the n
-records: each part draws its share of the same global sample, no shared seed needed. Every
-part yields exactly `steps_per_epoch` samples, so step t of every part belongs to global
-step t. The spec attached states the global n and q; the ledger records one sample per
-global step (see `distributed_poisson_batches`).
+Several workers (`num_parts` > 1): part p samples its own contiguous range of the n indices
+with independent randomness. Independent trials over disjoint ranges covering [0, n) are
+again n independent trials, so the parts' samples at one step form exactly one global
+Poisson sample. Every part yields `steps_per_epoch` samples (step t of every part is global
+step t); the spec states the global n and q, and the ledger records one sample per global
+step (`distributed_poisson_batches`).
 """
 
 

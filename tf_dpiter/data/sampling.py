@@ -1,17 +1,11 @@
 """Batches for DP training with a stated sampling policy (McMahan et al. 2018, Section 5).
 
-`poisson_batches` (here) and `shuffled_batches` (`shuffling`). `poisson_batches` draws each
-step's sample by Poisson sampling: every record joins the sample independently with selection
-probability q = expected_batch_size / n (drawn as a Binomial size and a uniform subset, the
-same law). The sample is padded to a static size with a 0/1 mask (yielded as Keras'
-sample_weight) so that XLA sees one shape, or left unpadded where nothing needs a static
-shape. Python draws only the indices; TensorFlow gathers the rows ahead of the step. Draws
-come from a counter-based Philox generator seeded from OS entropy (McMahan et al. 2018, Section 8); a
-fixed seed is for tests only and warns.
-
-The dataset carries a `SamplingSpec` (policy, n, q, sample size) that `DPModel.fit`
-writes into the optimizer's ledger, so the reported epsilon states its assumption.
-`DPModel.fit(x, y, batch_size=B)` on arrays builds `poisson_batches(x, y, B)` itself.
+`poisson_batches` draws each step's sample by Poisson sampling (each record joins
+independently with probability q = expected_batch_size / n), padded to a static size with a
+0/1 mask (Keras' sample_weight) or unpadded. Python draws only the indices, from a Philox
+generator seeded from OS entropy (McMahan et al. 2018, Section 8; a fixed seed is for tests
+only and warns); TensorFlow gathers the rows ahead of the step. The dataset carries a
+`SamplingSpec` (policy, n, q, sample size) that `DPModel.fit` writes into the ledger.
 """
 
 import collections
@@ -252,44 +246,31 @@ def poisson_batches(x, y=None, expected_batch_size=256, steps_per_epoch=None,
   """tf.data.Dataset of Poisson samples: (x_pad, y_pad, mask) per step.
 
   Each record joins each step independently with probability q = expected_batch_size / N
-  (McMahan et al. 2018, Section 1, step 1), N the *declared* population size (default: n, the records
-  given): q is a stated public parameter, fixed before sampling and recorded with N and the
-  expected batch size; a neighbouring dataset (one record more or less) is sampled with the
-  same q when N is declared. Drawn as a Binomial(n, q) size and a uniform subset
-  (`poisson_indices`: the same law); the ledger records policy "poisson" (add or remove one
-  example, sensitivity S of a clipped sum). The noised sum is divided by q n, the expected
-  batch size (McMahan et al. 2018, Section 1, step 3). Only the indices are drawn in Python; the rows
-  are gathered (and padded) by TensorFlow in tf.data's threads, ahead of the step.
+  (McMahan et al. 2018, Section 1, step 1), N the *declared* population size (default n, the
+  records given): q is public, fixed before sampling, so a neighbouring dataset (one record
+  more or less) is sampled with the same q. The ledger records policy "poisson" (add or remove
+  one example, sensitivity S); the noised sum is divided by q n (Section 1, step 3).
 
   Args:
     x: array or nest of arrays with n records on the leading axis.
     y: labels (same n), or None.
     expected_batch_size: q n, in (0, n].
-    steps_per_epoch: samples per iteration of the dataset; default round(1/q) = n / (q n).
+    steps_per_epoch: samples per iteration of the dataset; default round(1/q).
     max_batch_size: "auto" pads to `default_max_batch_size(n, q)`; an int pads to that size
-      (a larger sample is padded to the next multiple, never truncated); None yields
-      unpadded samples of varying size (at least one row: an empty sample is one row of
-      weight 0), the fastest without XLA.
+      (a larger sample to the next multiple, never truncated); None: unpadded samples (at
+      least one row: an empty sample is one row of weight 0).
     seed: tests only: reproducible, hence NOT private (warns). None: OS entropy.
-    sample_weight: optional per-record weights [n]: the yielded weight is mask * weight
-      (a record of weight 0 is then padding: it joins no record of the step).
+    sample_weight: optional per-record weights [n]: the yielded weight is mask * weight.
     map_fn: optional per-record transform, map_fn(x, y) -> (x, y) (map_fn(x) -> x without
-      y), applied to each record of a sample alone (tf.vectorized_map; padding rows too), so
-      records cannot mix and the declaration is kept (`transforms.map_records`). A
-      `dataset.map(f)` over whole batches is refused by fit, since f could mix records.
+      y), applied to each record alone (`transforms.map_records`), so records cannot mix.
     population_size: N, the public population size q is stated over (q = B / N); None: n.
-    endless: False: each iterator yields steps_per_epoch samples. True: an iterator never
-      ends (infinite cardinality), so ONE iterator serves every epoch of
-      `fit(..., steps_per_epoch=k)` (what `DPModel.fit` on arrays builds): no new iterator,
-      first draw and teardown at each epoch's start. Steps are independent Poisson samples,
-      so the samples drawn ahead at an epoch's end and never used (the prefetch, the fit's
-      end) are not charged and change nothing: each step's sample has the same law, and for
-      a seed the k-th step gets the k-th draw either way.
+    endless: True: one iterator never ends and serves every epoch of
+      `fit(..., steps_per_epoch=k)`; samples drawn ahead and never used are not charged and
+      change nothing (steps are independent).
 
   Returns:
-    A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); the
-    weights are float32 [size] with the mask's 1 for sampled records, 0 for padding. Keras
-    passes them as sample_weight.
+    A tf.data.Dataset of (x_pad, y_pad, weights) (or (x_pad, weights) if y is None); weights
+    float32 [size], 1 for sampled records, 0 for padding.
 
   Raises:
     ParameterTypeError: a number or a map_fn of the wrong type.
@@ -314,24 +295,15 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
-  step's int indices; the generator hands them to TensorFlow `INDEX_CHUNK` steps at a time
-  (one Python call per chunk, the steps in their order: a [steps, longest] matrix padded with
-  -1 and the steps' lengths), TensorFlow unbatches the chunk (a kernel without a function,
-  so nothing is instantiated per chunk), gathers the rows in tf.data's threads and
-  prefetches, so the next samples are ready while the
-  current step runs. Each step's indices are still one call of next_indices(): the law of a
-  sample does not depend on the chunking. A sampler that counts the passes it starts (balls
-  in bins) may start one up to INDEX_CHUNK + 2 steps before its first step is taken: fit
-  charges a pass when one of its steps is taken (`shuffling.ShuffleSampler.take_used_passes`),
-  so the prefetch never changes what is charged; the cyclic schedule restarts each fit at the
-  ledger's position (`cyclic_poisson`). Samples are padded with zero rows to
-  `max_batch_size` (a larger sample: to its next multiple, never truncated); None: no
-  padding, but at least one row. The weights are 1 (or sample_weight) for sampled rows and 0
-  for padding (Keras' sample_weight). on_start(), if given, runs when a generator starts (a
-  new iterator or a repeat), before its first draw; if it returns a function, that function
-  draws this generator's steps in place of next_indices (the cyclic sampler's per-iterator
-  position). endless=True: the generator never ends (infinite cardinality; `steps` only
-  sizes nothing then), for the independent Poisson steps of `poisson_batches(endless=True)`.
+  step's indices; they reach TensorFlow `INDEX_CHUNK` steps at a time (a [steps, longest]
+  matrix padded with -1, and the lengths), unbatched, gathered and prefetched in tf.data's
+  threads. Each step is still one call of next_indices(): the law of a sample does not
+  depend on the chunking. A pass started by prefetch is charged only when one of its steps is
+  taken (`shuffling.ShuffleSampler.take_used_passes`). Samples are padded with zero rows to
+  `max_batch_size` (a larger one to its next multiple; None: no padding, at least one row);
+  weights are 1 (or sample_weight) for sampled rows, 0 for padding. on_start(), if given, runs
+  when a generator starts; a function it returns draws that generator's steps instead (the
+  cyclic sampler's per-iterator position). endless=True: the generator never ends.
   """
   xs = tf.nest.map_structure(_as_tensor, x)
   ys = None if y is None else tf.nest.map_structure(_as_tensor, y)
@@ -375,33 +347,15 @@ def _as_tensor(a):
 
 
 def _pad_rows_to(t, size):
-  """t followed by zero rows up to `size` rows.
-
-  A ragged t gets rows of ONE zero element each (`_zero_rows`), not empty rows: a mean over
-  an empty row (a pooling layer) is 0/0, and a NaN times a padding row's weight 0 is NaN.
-
-  Args:
-    t: a tensor or tf.RaggedTensor, rows on the leading axis, at most `size` rows.
-    size: scalar int32 tensor, rows of the output.
-
-  Returns:
-    t with size rows, of t's type and dtype.
-  """
+  """t followed by zero rows up to `size` rows (a ragged t: rows of ONE zero element each,
+  since a mean over an empty row is 0/0 and NaN times weight 0 is NaN)."""
   if isinstance(t, tf.RaggedTensor):
     return tf.concat([t, _zero_rows(t, size - tf.cast(t.nrows(), tf.int32))], 0)
   return tf.pad(t, [[0, size - tf.shape(t)[0]]] + [[0, 0]] * (t.shape.rank - 1))
 
 
 def _zero_rows(t, n):
-  """n rows shaped like the rows of the ragged t, each holding one zero element.
-
-  Args:
-    t: a tf.RaggedTensor (any ragged rank).
-    n: scalar int32 tensor, the number of rows.
-
-  Returns:
-    a tf.RaggedTensor of n rows, t's dtype, ragged rank and row-splits dtype.
-  """
+  """n rows shaped like the rows of the ragged t, each holding one zero element."""
   values = t.values
   inner = (_zero_rows(values, n) if isinstance(values, tf.RaggedTensor)
            else tf.zeros(tf.concat([[n], tf.shape(values)[1:]], 0), values.dtype))
@@ -440,12 +394,8 @@ def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
 
 
 def batch_signature(xs, ys=None):
-  """output_signature of (x, [y,] weights) batches of the numpy nests xs, ys.
-
-  The batch dimension is left unknown: samples are padded to max_batch_size, so one
-  concrete shape reaches XLA, except for a rare oversize sample (padded to a multiple of
-  it: compiled once more, never truncated). The weights are float32 [batch].
-  """
+  """output_signature of (x, [y,] weights) batches of the numpy nests xs, ys (batch dimension
+  unknown; weights float32 [batch])."""
   def spec(a):
     return tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype))
 

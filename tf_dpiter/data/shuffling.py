@@ -1,24 +1,16 @@
 """Shuffled passes whose count the ledger charges (McMahan et al. 2018, Section 5, third policy).
 
-`shuffled_batches` draws, for every pass over the data, a fresh uniformly random permutation
-of the n records (Philox seeded from OS entropy, McMahan et al. 2018 Section 8) and cuts it into
-disjoint batches of `batch_size`. No amplification by sampling is claimed for this policy:
-the accountant charges every pass started, complete or partial, one un-amplified Gaussian
-mechanism, under replace-one adjacency (n is public: the number of steps per pass shows it),
-so a clipped sum has sensitivity 2S (McMahan et al. 2018, Appendix A).
+`shuffled_batches` draws, for every pass, a fresh uniformly random permutation of the n
+records (Philox seeded from OS entropy, Section 8) cut into disjoint batches. No
+amplification is claimed: every pass started, complete or partial, is charged one
+un-amplified Gaussian mechanism under replace-one adjacency (n is public), so a clipped sum
+has sensitivity 2S (Appendix A).
 
-The passes are counted by the sampler that made them. The generator runs in a tf.data
-thread and is prefetched, so it never writes TF variables: it counts, on its
-`ShuffleSampler`, the steps it draws and where each pass starts, and `DPModel.fit` (an
-internal callback, after every training step and at the end of training) records in the
-ledger, with `ledger.record_passes`, every pass one of whose steps the optimizer took: what
-is charged is what was used, whatever the prefetch drew (a pass started by prefetching and
-dropped with its iterator costs nothing, since nothing of it was released). A new iterator
-(a new `fit` call, a new epoch over the finite dataset, a restart) starts a new pass with a
-new permutation.
-
-Custom training loops declare the same thing by hand: `optimizer.set_sampling(n, b / n,
-"shuffle", b)` and `optimizer.ledger.record_passes(1)` whenever a new permutation is drawn.
+The generator (a prefetched tf.data thread) writes no TF variable: its `ShuffleSampler`
+counts the steps drawn and where passes start, and `DPModel.fit` records in the ledger
+(`record_passes`) every pass one of whose steps the optimizer took. Custom loops:
+`optimizer.set_sampling(n, b / n, "shuffle", b)` and `ledger.record_passes(1)` per
+permutation.
 """
 
 import math
@@ -176,31 +168,26 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
                      sample_weight=None, passes=1, map_fn=None):
   """tf.data.Dataset of disjoint batches of a fresh random permutation per pass.
 
-  Each iteration of the dataset makes `passes` passes (None: endless); every pass draws a
-  new permutation of the n records and yields its ceil(n / batch_size) batches (the last
-  one smaller unless drop_remainder). The dataset carries a SamplingSpec with policy
-  "shuffle" and its `ShuffleSampler` (spec.sampler), whose pass count `DPModel.fit`
-  records in the ledger (module docstring).
+  Each iteration makes `passes` passes (None: endless), each a new permutation yielding its
+  ceil(n / batch_size) batches (the last smaller unless drop_remainder). The dataset carries a
+  SamplingSpec "shuffle" whose `sampler` counts the passes (module docstring).
 
   Args:
     x: array or nest of arrays with n records on the leading axis.
     y: labels (same n), or None.
     batch_size: b, records per batch (1 <= b <= n).
     drop_remainder: drop the last, smaller batch of each pass.
-    seed: tests only: a fixed seed makes the permutations reproducible, hence NOT private
-      (warns NotPrivateSeedWarning). None: Philox seeded from OS entropy.
+    seed: tests only: reproducible, hence NOT private (warns). None: OS entropy.
     sample_weight: optional per-record weights [n], yielded as Keras' sample_weight.
     passes: passes per iteration of the dataset (1: one pass per Keras epoch), or None.
-    map_fn: optional per-record transform, map_fn(x, y) -> (x, y) (map_fn(x) -> x without
-      y), applied to each record alone (see sampling.poisson_batches); keeps the declaration.
+    map_fn: optional per-record transform (see sampling.poisson_batches).
 
   Returns:
     A tf.data.Dataset of (x, y[, sample_weight]) batches (x alone if y is None).
 
   Raises:
-    ParameterTypeError: batch_size or passes is not an integer, map_fn is not callable (a
-      TypeError).
-    PrivacyConfigError: batch_size outside [1, n] or passes < 1 (a ValueError).
+    ParameterTypeError: batch_size or passes is not an integer, map_fn is not callable.
+    PrivacyConfigError: batch_size outside [1, n] or passes < 1.
     ParameterValueError: arrays of different lengths.
   """
   data = tuple(a for a in (x, y, sample_weight) if a is not None)

@@ -1,22 +1,17 @@
-"""User-level DP batches: Poisson sampling of users (McMahan et al. 2018, Table 1: a record can be all of
-one user's data; jax_privacy's user selection; TF Privacy's max_examples_per_user).
+"""User-level DP batches: Poisson sampling of users (McMahan et al. 2018, Table 1: a record can
+be all of one user's data; TF Privacy's max_examples_per_user).
 
-Relation: add or remove one user with all of their examples. A record is a user: up to
-`max_examples_per_user` = k of their examples (the first k in data order: a function of that
-user's data alone, so removing one user changes no other user's record). Every step samples
-each user independently with probability q = expected_users_per_batch / U (U users); the
-ledger records n = U, q, policy "user_poisson" (accounted as Poisson over users; its statement
-names the unit "user") and one record per user (sensitivity C: the user's clipped gradient,
-that of the mean loss over their kept examples, appears or not).
+Relation: add or remove one user with all of their examples. A record is a user: their first
+k = `max_examples_per_user` examples in data order (a function of that user's data alone).
+Each step samples each of the U users independently with probability
+q = expected_users_per_batch / U; the ledger records n = U, q, policy "user_poisson" and one
+record per user (sensitivity C). A step's batch holds users one after the other, k rows each
+(rows of weight 0 pad short users, empty users pad to a static size); `DPModel.fit` reads the
+`UserGrouping` of the dataset's `SamplingSpec` and clips per user.
 
-Layout of a step's batch: users one after the other, k rows each (rows j*k ... j*k + k - 1 are
-user j's), padded with rows of weight 0 when a user has fewer than k examples and with whole
-empty users up to a static size. `DPModel.fit` reads the `UserGrouping` in the dataset's
-`SamplingSpec` and clips per user (train_step), never per example.
-
-The epsilon is the user-level epsilon; it is not an example-level add/remove epsilon at the
-same value (removing one example of a user who stays moves that user's record by up to 2C),
-and the statement says so by naming the unit.
+The epsilon is user-level, not an example-level epsilon at the same value (removing one
+example of a user who stays moves that user's record by up to 2C); the statement names the
+unit.
 """
 
 import dataclasses
