@@ -2,36 +2,22 @@
 
 Per-example clipping bounds one example's influence on the clipped sum by C only if example
 i's loss is a function of example i alone: L_i(theta; x_i, y_i). The vectorized path makes
-this true by construction (each record is run alone under `tf.vectorized_map`), the fast
-(ghost-norm) path does not: it runs the whole batch through the model once, so a layer whose
-output row i depends on row j (batch-mean centering, a batch-level attention, a custom
-normalisation) lets example j move every other example's gradient, and the clip no longer
-bounds it (measured: 2.85C for one removed example on a batch-centering `Lambda`).
+this true by construction; the fast (ghost-norm) path runs the whole batch at once, so a
+layer whose output row i depends on row j lets example j move every other example's gradient
+(measured: 2.85C for one removed example on a batch-centering `Lambda`).
 
-The probe (`batch_mixing_layers`): the model is run, in training mode as the train step runs
-it (dropout's seed states restored between the runs, so both draw the same masks), on a
-probe batch and on the same batch with its last example replaced; every layer whose output rows for the
-*other* examples moved while its inputs' rows did not is named (the source of the mixing,
-not the layers downstream). Models whose layers cannot be probed one by one (subclassed) are
-probed as a whole. `probe_model` runs it once per model and batch size on random inputs shaped
-like the model's inputs (or on real rows) and caches the verdict on the model; the train step
-runs it at the batch size it really uses (`probe_at_batch_size`: fit's padded batch, on random
-inputs and on the first rows of fit's arrays).
+The probe (`batch_mixing_layers`) runs the model in training mode (dropout seed states
+restored between runs) on a batch and on the same batch with its last example replaced, and
+names every layer whose output rows for the *other* examples moved while its input rows did
+not (subclassed models: the model as a whole). `probe_model` caches the verdict per model and
+batch size; the train step probes at the batch sizes it really uses.
 
-The probe is the second line of defence: the fast path is taken only for models whose every
-layer is known to act per example (per_example: Keras' own layers, or layers the user declared
-with `dp.keras.declare_per_example`), since a layer can pass any finite probe and still mix.
-
-What the probe catches: any deterministic layer that mixes rows on the probe inputs in
-training mode, with or without parameters (Lambda, custom layers, `ops.mean(axis=0)`,
-batch-level softmax, a centering done only in training). One pair of runs in training mode
-covers what the train step computes: a layer that mixes only in inference mode is not named
-(it does not move the clipped sum; evaluate and predict are not private). What it cannot
-catch: mixing only through randomness,
-only on inputs far from the probe's (e.g. a branch taken for large batches or special values), in the loss
-function rather than the model, or below the tolerance `atol` (relative to the output's
-scale). A passing probe is evidence, not proof; `tf_dpiter.auditing.check_sensitivity`
-measures the end-to-end effect on the real train step.
+It is the second line of defence (the fast path also needs every layer known per example:
+per_example). It catches deterministic mixing on the probe inputs in training mode (mixing
+only in inference mode does not move the clipped sum). It cannot catch mixing only through
+randomness, only on inputs far from the probe's, in the loss function, or below `atol`: a
+passing probe is evidence, not proof (`tf_dpiter.auditing.check_sensitivity` measures the
+real step).
 """
 
 import contextlib
@@ -198,22 +184,10 @@ def _address(t):
 
 @contextlib.contextmanager
 def _state_restored(model):
-  """Yields `restore`, which assigns back every non-trainable variable of `model` that
-  changed since the block began; it is also called when the block ends.
-
-  Reads share the variables' buffers (no copy: a frozen backbone's weights, e.g. LoRA's
-  110M, are non-trainable too; a numpy copy of them took 420 MB of peak memory), and a
-  variable a run assigns gets a new buffer, so the saved state keeps the old values. Only
-  the variables that changed are assigned back. A variable whose read still shares the
-  saved buffer (same address, on the CPU) was not written: it is not compared (the frozen
-  weights' comparison took about 0.1 s per restore on BERT-base).
-
-  Args:
-    model: a built keras.Model.
-
-  Yields:
-    the function restore() (no arguments).
-  """
+  """Yields `restore`, which assigns back every non-trainable variable of `model` that changed
+  since the block began (also called when the block ends). Reads share the variables' buffers
+  (no copy of a frozen backbone: 420 MB for LoRA's 110M weights); a variable whose read still
+  shares the saved CPU buffer was not written and is not compared."""
   variables = model.non_trainable_variables
   state = [tf.convert_to_tensor(v) for v in variables]
   addresses = [_address(t) for t in state]
@@ -286,10 +260,9 @@ def _probe_inputs(model, specs, seed, n=_PROBE_BATCH):
 
 
 def probe_batch_sizes(input_specs, step=None):
-  """The batch sizes the probe runs at, those the model really sees in the step: the static
-  size of the traced batch (fit's padded batch under XLA) and the declared batch size of the
-  step's sampling, none above `max_physical_batch_size` (the model then runs on chunks of
-  that many examples, which is probed too); 4 when none is known.
+  """The batch sizes the model really sees in the step: the traced batch's static size and the
+  declared batch size, none above `max_physical_batch_size` (chunks of that size are probed
+  too); 4 when none is known.
 
   Args:
     input_specs: a nest of tensors/specs shaped like a batch, or None.
@@ -326,17 +299,12 @@ def _real_probe_inputs(data, n):
 def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   """Cached batch-independence verdict of `model`: the tuple of mixing layers' names.
 
-  Runs `batch_mixing_layers` (eagerly, lifted out of any trace) on a probe batch of
-  `batch_size` examples: random, shaped like `input_specs` (a nest of tf.TensorSpec with a
-  leading batch axis; default: the model's inputs), or made of the real rows `data` (the
-  first batch of fit's data), in training mode (`training=True`: two runs of the model, as
-  the train step runs it). Each (batch size, random or real) is probed once per model and
-  the verdicts add up: once a layer was seen mixing it stays named, as long as the model's
-  layers and their `trainable` flags stay the same (`_layers_key`; when they change, the
-  cached verdicts are dropped and the model is probed afresh). A model whose inputs are
-  unknown is reported as unprobed: None, not cached (also when it cannot run yet, e.g. its
-  variables are being created by the trace in progress). The wall seconds the probes took
-  add up in the model's attribute `PROBE_SECONDS_ATTR` (the fit log's first-step line).
+  Runs `batch_mixing_layers` (eagerly, in training mode) on a probe batch of `batch_size`
+  examples, random and shaped like `input_specs` (default: the model's inputs) or the real
+  rows `data`. Each (batch size, random or real) is probed once per model and verdicts add up
+  while the model's layers and `trainable` flags stay the same (`_layers_key`). A model whose
+  inputs are unknown, or that cannot run yet, is unprobed: None, not cached. The probes' wall
+  seconds add up in the model's attribute `PROBE_SECONDS_ATTR`.
 
   Args:
     model: a built keras.Model.

@@ -1,15 +1,11 @@
 """Every private Keras API tf_dpiter.keras relies on, behind small named functions.
 
-Keras 3 has no public way to do a few things the DP train step needs: list a model's nested
-layers, evaluate its compiled loss, switch XLA off for the outer train function, update its
-loss tracker, build it from a data spec, read its functional graph, substitute variables in a
-`StatelessScope`, carry a Keras mask on a tensor, detach its compiled metrics, swap its
-compiled optimizer, run the backend's RNN loop, and swap a layer's `call` for one forward pass
-(the fast path's recording).
-Each such use goes through one function here, and nowhere else in tf_dpiter.keras, so a Keras
-upgrade that renames one breaks in one place: `missing_internals()` lists what the installed
-Keras lacks, and tests/keras/test_keras_internals.py (the upgrade test) fails naming the
-attribute and the Keras version.
+Keras 3 has no public way to do a few things the DP train step needs (nested layers, the
+compiled loss and metrics, XLA off for the outer train function, a functional graph,
+variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop, a layer's
+`call` swapped for one pass). Each such use goes through one function here, so a Keras
+upgrade breaks in one place: `missing_internals()` lists what the installed Keras lacks, and
+tests/keras/test_keras_internals.py names the attribute and the version.
 """
 
 import contextlib
@@ -173,15 +169,14 @@ def compile_metrics(model):
 
 
 def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
-  """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, except
-  that the unweighted metrics (`compile(metrics=...)`) are weighted by `example_mask`: a
-  padding row of a padded Poisson sample (mask 0) never reaches any metric, so every metric
-  is its value on the real examples only. Weighted metrics get `sample_weight` (already 0 on
-  padding rows), as Keras gives them.
+  """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, but with
+  the unweighted metrics weighted by `example_mask`, so padding rows reach no metric
+  (weighted metrics get `sample_weight`, already 0 there).
 
   Args:
     model: a compiled keras.Model.
-    y, y_pred: the batch's targets and outputs (nests).
+    y: the batch's targets (a nest).
+    y_pred: the batch's outputs (a nest).
     sample_weight: the batch's sample weights (a nest or None).
     example_mask: [B] float 0/1, 1 for the batch's real examples.
 
@@ -313,14 +308,14 @@ def set_compile_metrics(model, metrics):
 
 
 def replace_compiled_optimizer(model, optimizer):
-  """Puts `optimizer` in place of a compiled model's optimizer, keeping everything else that
-  `compile` set (loss, metrics, jit_compile, steps_per_execution, a task's own settings):
-  Keras has no public way, and compiling again would rebuild them from arguments a subclass
-  may have resolved itself. The compile config (what `model.save` records) names the new one.
+  """Puts `optimizer` in place of a compiled model's optimizer, keeping everything else
+  `compile` set (compiling again could rebuild what a subclass resolved itself); the compile
+  config names the new one.
 
   Args:
     model: a compiled keras.Model.
     optimizer: the keras.optimizers.Optimizer instance to train with.
+
   Raises:
     AttributeError: the installed Keras lacks the attribute (names it and the version).
   """

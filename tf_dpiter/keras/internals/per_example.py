@@ -2,32 +2,20 @@
 
 The fast (ghost-norm) path runs the whole batch through the model once, so its clipped sum
 bounds one example's influence by C only if example i's loss is a function of example i
-alone (McMahan et al. 2018, Section 2). The batch-independence probe (batch_independence)
-tests that on a few inputs, and a layer can pass it while mixing examples on others (only for
-batches larger than the probe's, only after some training calls, only on large inputs). So
-`clipping="auto"` takes the fast path only when every layer of the model is known to act per
-example:
+alone (McMahan et al. 2018, Section 2). A layer can pass the batch-independence probe and
+still mix on other inputs, so `clipping="auto"` takes the fast path only when every layer is
+known to act per example:
 
-* Keras' own layers whose call acts on each example alone: the layers with a ghost-norm rule
-  (fast_clipping/rules, keras_hub's included), other Keras layers with parameters that act
-  per example (convolutions, attention, recurrent layers and their cells, per-example
-  normalizations), and parameter-free ones (activations, reshapes, dropout, pooling, merges).
-  The class must be exactly the Keras class: a subclass may change what `call` does. A layer
-  with an `axis` must not act along the batch axis (Softmax(axis=0) mixes), and a
-  BatchNormalization must be frozen (inference mode, fixed statistics);
-* the keras_hub layers of _KERAS_HUB_PER_EXAMPLE (BERT's and Gemma's blocks, the transformer
-  encoder and decoder, token and position embeddings), each read in keras_hub's source, known
-  only when the installed keras_hub is a version read (_KERAS_HUB_READ) and the user imported
-  it (keras_hub is not a dependency and is never imported here);
-* Sequential and functional models (their graphs' operations too: the elementwise `keras.ops`
-  a functional model may apply between layers), keras_hub's backbones and tasks included; a
-  layer a functional model tracks but its graph does not run (a keras_hub task's
-  preprocessor) is not checked;
-* any layer, layer class or model the user declared with `declare_per_example`, with the
-  reason in their own words (a declared layer is trusted as a whole, its sublayers included).
+* exactly (not a subclass of) a Keras layer class whose call acts per example (the layers
+  with a ghost-norm rule, per-example parametric layers, parameter-free ones), with no `axis`
+  on the batch axis and no trainable BatchNormalization;
+* the keras_hub layers of _KERAS_HUB_PER_EXAMPLE, read in keras_hub's source, for a version
+  read (_KERAS_HUB_READ) and only when the user imported keras_hub;
+* Sequential and functional models (their graphs' elementwise `keras.ops` too); a layer the
+  graph does not run (a keras_hub task's preprocessor) is not checked;
+* what the user declared with `declare_per_example` (trusted as a whole, sublayers included).
 
-Any other layer (a custom layer, a `Lambda`, a subclassed model's own `call`) sends the step
-to the vectorized path, which runs each example alone and is exact for any model.
+Anything else sends the step to the vectorized path, exact for any model.
 """
 
 import functools
@@ -243,12 +231,9 @@ _CLASS_SOURCES = []
 
 
 def add_class_source(source):
-  """Registers a source of layer classes known to act per example.
-
-  Called by `tf_dpiter.keras` (the package root) for the classes the upper sub-packages
-  define: the library's own layers (`layers.scattering.Scattering2D`) and the keras_hub
-  classes with a ghost-norm rule (`fast_clipping.rules.keras_hub`), so that this module, the
-  lowest of the Keras sub-packages, imports neither.
+  """Registers a source of layer classes known to act per example (the library's own layers and
+  keras_hub's classes with a ghost-norm rule, given by the package root so that this lowest
+  Keras sub-package imports neither).
 
   Args:
     source: a callable returning an iterable of classes (None entries are ignored); called
@@ -283,27 +268,16 @@ def _keras_classes():
 
 
 def _keras_hub_classes():
-  """The keras_hub classes read (_KERAS_HUB_PER_EXAMPLE) whose module the user imported.
-
-  Returns:
-    a frozenset of classes, empty without keras_hub or for a keras_hub version not read.
-  """
+  """The keras_hub classes read (_KERAS_HUB_PER_EXAMPLE) whose module the user imported
+  (empty without keras_hub or for a version not read)."""
   found = (getattr(module, name, None)
            for module, names in _keras_hub_read(_KERAS_HUB_PER_EXAMPLE) for name in names)
   return frozenset(cls for cls in found if cls is not None)
 
 
 def _keras_hub_read(table):
-  """The keras_hub modules of `table` the user imported, with their names read; keras_hub is
-  never imported here.
-
-  Args:
-    table: {keras_hub module name: names (of classes or functions) read in it}.
-
-  Returns:
-    a list of (module, tuple of names); empty when keras_hub is not imported or its version
-    is not one read (_KERAS_HUB_READ).
-  """
+  """[(module, names read)] of the keras_hub modules of `table` the user imported; empty when
+  keras_hub is not imported or its version was not read. Never imports keras_hub."""
   version = getattr(sys.modules.get("keras_hub.src.version"), "__version__", None)
   if not isinstance(version, str) or ".".join(version.split(".")[:2]) not in _KERAS_HUB_READ:
     return []
@@ -355,11 +329,7 @@ def _keras_activations():
 
 
 def _known_activations():
-  """Keras' own activation functions, and keras_hub's read ones (_KERAS_HUB_ACTIVATIONS).
-
-  Returns:
-    a frozenset of functions.
-  """
+  """Keras' own activation functions, and keras_hub's read ones (_KERAS_HUB_ACTIVATIONS)."""
   found = [getattr(module, name, None)
            for module, names in _keras_hub_read(_KERAS_HUB_ACTIVATIONS) for name in names]
   return _keras_activations().union(fn for fn in found if fn is not None)
@@ -385,14 +355,7 @@ def _is_plain_container(layer):
 
 
 def _graph_operations(found):
-  """The non-layer nodes of a functional graph (keras.ops applied to KerasTensors).
-
-  Args:
-    found: `keras_internals.functional_graph(model)`: (graph, {depth: [nodes]}), or None.
-
-  Returns:
-    a list of nodes.
-  """
+  """The non-layer nodes (keras.ops on KerasTensors) of `functional_graph(model)`'s result."""
   if found is None:
     return []
   _, by_depth = found
@@ -401,19 +364,9 @@ def _graph_operations(found):
 
 
 def _graph_layer_ids(found):
-  """The ids of the operations of a functional graph: the layers its call runs.
-
-  A layer the model tracks but its graph does not hold (a keras_hub task's preprocessor,
-  applied to the data before the step) is not run by the model's call: whether it acts per
-  example does not decide the clipping path (both paths get the batch it made).
-
-  Args:
-    found: `keras_internals.functional_graph(model)` of a Sequential or functional
-      keras.Model: (graph, {depth: [nodes]}), or None.
-
-  Returns:
-    a set of ids, or None when the model has no graph (then every sublayer is checked).
-  """
+  """The ids of the layers a functional graph's call runs (`found`: `functional_graph`), or
+  None without a graph (then every sublayer is checked). A tracked layer the graph does not
+  run (a keras_hub preprocessor) does not decide the clipping path."""
   if found is None:
     return None
   _, by_depth = found
