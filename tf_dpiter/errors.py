@@ -1,22 +1,14 @@
-"""The exceptions tf_dpiter raises for a bad argument or configuration.
+"""The exceptions tf_dpiter raises for a bad argument or configuration (imports nothing).
 
-One family, rooted at `DPiterError`, so that callers can catch everything the library refuses
-on purpose, and tell a wrong *type* from a wrong *value*:
+One family, rooted at `DPiterError`, telling a wrong *type* from a wrong *value*:
 
-* `ParameterTypeError` (a `TypeError`): an argument of the wrong kind, e.g. a string where a
-  number is needed, or an object that is not a `DPQuery`. It is also a `ValueError`, so code
-  written when these checks raised `ValueError` keeps catching them.
-* `ParameterValueError` (a `ValueError`): an argument of the right type with a refused value
-  (out of range, not one of the accepted choices, inconsistent with another argument, a file
-  or a shape that does not match), when the value is not itself a privacy parameter.
+* `ParameterTypeError` (a `TypeError`, also a `ValueError` for older callers): an argument
+  of the wrong kind.
+* `ParameterValueError` (a `ValueError`): a refused value of a non-privacy argument.
 * `PrivacyConfigError` (a `ParameterValueError`): a value that would make the privacy
-  guarantee wrong or meaningless (a non-positive or NaN clip, a probability outside (0, 1], a
-  noise multiplier of infinity, a neighbouring relation or unit that is not supported).
-  `BudgetConfigError` narrows it to the (epsilon, delta) budget of a run.
+  guarantee wrong or meaningless; `BudgetConfigError` narrows it to a run's (epsilon, delta).
 
-Every message names the parameter and the value it got, Keras style:
-"`x` must be ... Received: x=...". `tf_dpiter.validation` holds the shared checks. This module
-imports nothing.
+Every message names the parameter and its value: "`x` must be ... Received: x=...".
 """
 
 __all__ = ["DPiterError", "ParameterTypeError", "ParameterValueError", "PrivacyConfigError",

@@ -1,29 +1,18 @@
-"""The argument checks of tf_dpiter, one module for every package.
+"""The argument checks of tf_dpiter, one module for every package (pure Python, no TensorFlow).
 
-Each check raises an error of the `tf_dpiter.errors` family naming the parameter and the value,
-Keras style ("`x` must be ... Received: x=..."), so that no bad configuration turns into a
-silently wrong guarantee: `ParameterTypeError` (a TypeError, also a ValueError) for a value
-that is not a number, `PrivacyConfigError` (a ValueError) for a privacy parameter out of range,
-`ParameterValueError` (a ValueError) for any other argument out of range. Tensors pass through
-unchecked (their value is only known when the graph runs).
+Each check raises an error of the `tf_dpiter.errors` family naming the parameter and the
+value, Keras style ("`x` must be ... Received: x=..."), so that no bad configuration turns
+into a silently wrong guarantee; tensors pass through unchecked. A public entry point
+declares its parameters' rules as one table {name: Constraint} (`check_params`, the decorator
+`validates`); each constraint owns its description, its error classes and the invalid values
+a generated test feeds it, so messages and `Raises:` entries follow from the table.
 
-A public entry point declares its parameters' rules as one table {name: constraint}
-(`Interval`, `Integer`, `Finite`, `OneOf`, `InstanceOf`, `Callable`, `Optional`, `Required`):
-`check_params` checks a table, and the decorator `validates` applies it to a function or a
-class constructor. Each constraint owns its description, the class it raises for a wrong type
-(ParameterTypeError) and for a wrong value (its `error`), and the invalid values a generated
-test feeds it, so the message, the class and the `Raises:` entries follow from the table.
-
-Leaf module: it imports only `tf_dpiter.errors` and the standard library (no TensorFlow), so
-the accountant and the Draw-and-Discard service use it without paying for TF.
-
-The clip norm S (`check_clip_norm`) is one rule everywhere (queries, optimizers, federated
-servers): S > 0, and S = +inf (no clipping) only with noise multiplier z = 0. The Gaussian
-mechanism adds N(0, (z S)^2) to a sum of records clipped to norm S (Abadi et al., "Deep
-Learning with Differential Privacy", Section 3.1; McMahan et al., "A General Approach to
-Adding Differential Privacy to Iterative Training Procedures", Section 2), and the ledger
-recovers z = sigma / S from the query: S = 0 makes that 0 / 0, and every clipped record the
-zero vector (the model cannot learn), so it is refused rather than accounted.
+The clip norm S (`check_clip_norm`) is one rule everywhere: S > 0, and S = +inf (no
+clipping) only with noise multiplier z = 0. The Gaussian mechanism adds N(0, (z S)^2) to a
+sum of records clipped to norm S (Abadi et al., "Deep Learning with Differential Privacy",
+Section 3.1; McMahan et al., "A General Approach to Adding Differential Privacy to Iterative
+Training Procedures", Section 2) and the ledger recovers z = sigma / S: S = 0 makes that
+0 / 0 (and every clipped record zero), so it is refused rather than accounted.
 """
 
 import abc
@@ -100,17 +89,15 @@ def is_integer(value):
 
 
 def check_integer(name, value, minimum=None, maximum=None, error=ParameterValueError):
-  """Checks that `value` is an integer (not a bool) in [minimum, maximum].
-
-  One message for both failures: "`name` must be an int >= minimum[ and <= maximum].
-  Received: name=value".
+  """Checks that `value` is an integer (not a bool) in [minimum, maximum], with one message
+  for both failures.
 
   Args:
     name: the parameter's name, for the message.
     value: the argument.
-    minimum, maximum: inclusive bounds, or None for none.
-    error: the ValueError subclass raised for an integer out of range (e.g.
-      PrivacyConfigError for a privacy parameter).
+    minimum: inclusive lower bound, or None.
+    maximum: inclusive upper bound, or None.
+    error: the ValueError subclass raised for an integer out of range.
 
   Returns:
     int(value).
@@ -271,16 +258,13 @@ def check_noise_multiplier(name, value):
 
 
 def check_clip_norm(name, value, noise_multiplier=None):
-  """Checks a clip norm S: a number > 0; +inf (no clipping) only without noise.
-
-  The one rule for S across queries, optimizers and servers (see the module docstring for
-  why S = 0 is refused).
+  """Checks a clip norm S: a number > 0; +inf (no clipping) only without noise (module
+  docstring: why S = 0 is refused).
 
   Args:
     name: the parameter's name, for the message.
     value: S, a number or a tensor (passed through unchecked).
-    noise_multiplier: z when known (a number), to refuse S = +inf with z > 0 (infinite
-      noise z S); None to skip that check.
+    noise_multiplier: z when known, to refuse S = +inf with z > 0; None skips that check.
 
   Returns:
     `value`.
