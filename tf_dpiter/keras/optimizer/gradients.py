@@ -1,25 +1,19 @@
 """Per-record gradients, vectorized over the batch (McMahan et al. 2018, Table 1: record, sample).
 
-A *record* is one example (num_microbatches=None) or one microbatch: example i of a batch
-of B goes to microbatch i mod M, so every microbatch holds ceil(B/M) or floor(B/M)
-examples and a batch that M does not divide needs no reshape. The record's gradient is
-the gradient of the mean loss over its examples. Gradients of all records come from one
-traced computation (`tf.vectorized_map`), optionally in physical chunks.
+A *record* is one example (num_microbatches=None) or one microbatch: example i of a batch of
+B goes to microbatch i mod M (ceil(B/M) or floor(B/M) examples each, no reshape needed). The
+record's gradient is that of the mean loss over its examples; all records' gradients come
+from one traced computation (`tf.vectorized_map`), optionally in physical chunks.
 
-Why the i mod M dealing is sound, and where: microbatches are offered only under
-replace-one sampling ("shuffle", "fixed_size"), where n is fixed and an example's position
-in the batch comes from the public permutation (or draw) of indices. Replacing one example
-keeps every position, so only the replaced example's microbatch changes: its clipped mean
-moves from one vector of norm <= C to another, a change <= 2C (the ledger records 2C). Under
-add/remove (Poisson) removing an example would shift every later position and re-deal the
-later examples among the microbatches (measured: 5C), so microbatches are refused there.
-Padding rows (mask 0) keep their positions too: they never move a real example.
+Why the i mod M dealing is sound: microbatches are offered only under replace-one sampling
+("shuffle", "fixed_size"), where an example's position comes from the public permutation (or
+draw) of indices. Replacing one example keeps every position, so only its microbatch changes:
+its clipped mean moves by <= 2C (the ledger records 2C). Under add/remove (Poisson) removing
+an example would re-deal every later example (measured: 5C), so microbatches are refused
+there. Padding rows (mask 0) keep their positions too.
 
-The record cut owns the record's masks and weights too: the example mask read off the
-sample weights (`example_mask_from_weights`), the Keras sample weights of a record's k
-examples (`record_weights`, so that the compiled loss of a record averages its real
-examples) and the mean over a record's real examples (`masked_record_mean`). Both clipping
-paths use them; `record_losses` evaluates the compiled loss record by record with them.
+The record cut also owns the record's masks and weights (`example_mask_from_weights`,
+`record_weights`, `masked_record_mean`), used by both clipping paths and `record_losses`.
 """
 
 import tensorflow as tf
