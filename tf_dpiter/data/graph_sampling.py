@@ -1,16 +1,13 @@
 """Poisson sampling inside the tf.data graph: no Python generator in the input pipeline.
 
 `poisson_batches_in_graph` yields the batches of `poisson_batches` (same law, padding and
-SamplingSpec) but draws and gathers them with TensorFlow ops: step t compares n float64
-uniforms of TF's stateless Philox (seed (k0, k1 xor t), k0 and k1 63 bits of OS entropy each,
-which TF turns into the step's Philox key and counter by one Philox round) with q,
-gathers the selected rows and pads them, all in tf.data's C++ threads (`poisson_batches`
-runs a Python generator per step, which competes with Keras' Python loop for the GIL).
+SamplingSpec) drawn and gathered by TensorFlow ops in tf.data's C++ threads (no GIL
+contention with Keras' loop): step t compares n float64 uniforms of TF's stateless Philox
+(seed (k0, k1 xor t), k0 and k1 63 bits of OS entropy each) with q.
 
-Law: record i joins step t iff u_{t,i} < q with u uniform on a float64 grid of 2^-52
-spacing (numpy's `Generator.random` in `poisson_batches`: 2^-53): P = q up to 2^-52. Draws of
-different steps and records are distinct outputs of the Philox stream (McMahan et al. 2018, Section 8).
-The arrays are held in memory as tf constants.
+Law: record i joins step t iff u_{t,i} < q, u uniform on a float64 grid of 2^-52 spacing:
+P = q up to 2^-52. Draws of different steps and records are distinct outputs of the Philox
+stream (McMahan et al. 2018, Section 8). The arrays are held in memory as tf constants.
 """
 
 import secrets

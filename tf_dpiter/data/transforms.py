@@ -1,13 +1,10 @@
 """Per-record transforms of a sampled dataset that keep its sampling declaration.
 
-A function applied to whole batches (`dataset.map(f)`) may mix records (normalizing by the
-batch mean, mixup...), and then one record moves the others' inputs: the per-record
-sensitivity the ledger records no longer holds, so `get_sampling_spec` refuses such a
-dataset. `map_records(dataset, fn)` applies `fn` to each record alone (tf.vectorized_map
-over the batch axis, a while loop where it cannot vectorize), so records cannot mix and the
-batch is still the drawn sample: the SamplingSpec is carried over. `poisson_batches(...,
-map_fn=f)` and `shuffled_batches(..., map_fn=f)` do the same on (x, y) only, leaving the
-weights (the Poisson padding mask) untouched.
+A function over whole batches (`dataset.map(f)`) may mix records (batch-mean normalization,
+mixup...), so the per-record sensitivity the ledger records would not hold: `get_sampling_spec`
+refuses such a dataset. `map_records(dataset, fn)` applies `fn` to each record alone
+(tf.vectorized_map, or a while loop), so the batch is still the drawn sample and keeps its
+SamplingSpec; `map_fn=` of the samplers does the same on (x, y), leaving the weights.
 """
 
 import inspect
@@ -23,20 +20,15 @@ from tf_dpiter.errors import PrivacyConfigError
 def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   """`dataset` with `fn` applied to each record alone; keeps its SamplingSpec.
 
-  `fn` is written as for one record, the way users write it: `fn(x, y) -> (x, y)` (or
-  `fn(x) -> x`) transforms the leading components and the trailing ones (the sample weights,
-  the Poisson padding mask) pass through unchanged; `fn(x, y, weight) -> (x, y, weight)`
-  receives every component. Which one is meant is read from the number of required
-  positional parameters of `fn` (a `*args` function gets every component).
+  `fn(x, y) -> (x, y)` (or `fn(x) -> x`) transforms the leading components, the trailing ones
+  (sample weights, the Poisson mask) passing through; `fn(x, y, weight)` receives every
+  component. Which is meant is read from `fn`'s required positional parameters (`*args`: all).
 
   Args:
     dataset: a dataset from poisson_batches / shuffled_batches (or derived from one through
-      a transform that keeps the declaration); its elements are (x, y, weight) for
-      poisson_batches, (x, y) or (x, y, weight) for shuffled_batches.
-    fn: called with the first k components of one record (leading batch axis removed) as
-      positional arguments, k its number of required positional parameters (all components
-      for `*args`), and returning k components (one value when k = 1); it may not see other
-      records.
+      a transform that keeps the declaration).
+    fn: called with the first k components of one record (batch axis removed), k its number
+      of required positional parameters, returning k components (one value when k = 1).
     num_parallel_calls: as in tf.data.Dataset.map.
 
   Returns:
@@ -45,7 +37,7 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
   Raises:
     PrivacyConfigError: `dataset` declares no sampling, or `fn` requires more arguments than a
       record has components (names both).
-    ParameterTypeError: `fn` is not callable (a TypeError).
+    ParameterTypeError: `fn` is not callable.
   """
   spec = sampling.get_sampling_spec(dataset)
   if spec is None:
