@@ -23,6 +23,7 @@ import tensorflow as tf
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import chunking
+from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
@@ -255,8 +256,8 @@ class DPOptimizerBase:
     Returns:
       the noised averages, one per variable.
     """
-    return self.private_step.compute_private_gradients(loss_fn, variables, data, mask, tape,
-                                                       model)
+    return custom_loops.compute_private_gradients(self.private_step, loss_fn, variables, data,
+                                                  mask, tape, model)
 
   def minimize(self, loss, var_list, tape=None, mask=None, model=None):
     """One private step on a vector loss [B] (per-example losses).

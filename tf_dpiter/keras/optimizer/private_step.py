@@ -18,7 +18,7 @@ variables tracked by the optimizer under fixed names ("_dp_ledger", "_dp_expecte
 "_dp_overflow_count", "_dp_global_state_<i>"), so checkpoints, `save_weights` and
 `model.save` carry them; the noise generator is deliberately not among them, so no restore
 can make it draw a noise it drew before. Helpers: `step_sampling`, `noise_mechanisms`,
-`chunking`, `custom_loops`; per-variable pipelining (Bu et al., "Differentially private
+`chunking`; per-variable pipelining (Bu et al., "Differentially private
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
 
@@ -35,7 +35,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.optimizer import chunking
-from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import noise_mechanisms
@@ -620,13 +619,6 @@ class PrivateStep:
     if aux is not None and per_chunk is not None:
       aux = tf.nest.map_structure(lambda t: t[:m_static], aux)
     return state, loss_sum, aux
-
-  def compute_private_gradients(self, loss_fn, variables, data=None, mask=None, tape=None,
-                                model=None):
-    """The noised average of clipped per-record gradients of a custom loop
-    (custom_loops.compute_private_gradients: its Args, Returns and Raises)."""
-    return custom_loops.compute_private_gradients(self, loss_fn, variables, data, mask, tape,
-                                                  model)
 
   # ---- noise drawn inside the compiled program --------------------------------------
 
