@@ -97,20 +97,19 @@ def distributed_poisson_batches(strategy, source, expected_batch_size=256,
                                 steps_per_epoch=None, max_batch_size="auto", seed=None):
   """One global Poisson sample per step, shared among the replicas of a tf.distribute strategy.
 
-  The records are cut into `strategy.num_replicas_in_sync` parts; each input pipeline (one
-  per worker) yields, at every step, the samples of the parts of its local replicas, one
-  element per replica (`distribute_datasets_from_function`: no re-batching). The union over
-  replicas of one step is one Poisson(q) sample of all n records (module docstring). The
-  result carries the global SamplingSpec (n, q, B), read by `DPModel.fit`, whose clipped
-  sums are all-reduced with one noise draw and one ledger sample per global step.
+  The records are cut into `strategy.num_replicas_in_sync` parts; each worker's pipeline
+  yields, at every step, one element per local replica (`distribute_datasets_from_function`).
+  The union over replicas of one step is one Poisson(q) sample of all n records (module
+  docstring); the global SamplingSpec (n, q, B) lets `DPModel.fit` all-reduce the clipped sums
+  with one noise draw and one ledger sample per global step.
 
   Args:
     strategy: a tf.distribute.Strategy (MultiWorkerMirroredStrategy, MirroredStrategy).
-    source: as in `poisson_batches_from_source` (B and steps are global).
-    expected_batch_size: as in `poisson_batches_from_source` (B and steps are global).
-    steps_per_epoch: as in `poisson_batches_from_source` (B and steps are global).
-    max_batch_size: as in `poisson_batches_from_source` (B and steps are global).
-    seed: as in `poisson_batches_from_source` (B and steps are global).
+    source: as in `poisson_batches_from_source`.
+    expected_batch_size: the global B (as in `poisson_batches_from_source`).
+    steps_per_epoch: the global steps (as in `poisson_batches_from_source`).
+    max_batch_size: as in `poisson_batches_from_source`.
+    seed: as in `poisson_batches_from_source`.
 
   Returns:
     A distributed dataset for `model.fit` (give fit `steps_per_epoch` as well).

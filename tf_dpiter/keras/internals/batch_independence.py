@@ -100,12 +100,10 @@ def _graph_nodes(model):
 def batch_mixing_layers(model, x, atol=1e-6, training=False):
   """Names of the layers that make one example's activations depend on another example.
 
-  The model (each layer's outputs and inputs) is run on x and on x with its last example
+  Each layer's outputs and inputs are compared between x and x with its last example
   replaced; a layer whose output rows for the other examples moved while its input rows did
-  not is named. With training=True the layers run in training mode, and the model's
-  non-trainable variables (Keras' seed-generator states, statistics) are restored before
-  each run and after both (`_state_restored`), so dropout draws the same masks in both runs
-  and the model is left unchanged.
+  not is named. With training=True the model's non-trainable variables (seed-generator
+  states, statistics) are restored before each run and after both (`_state_restored`).
 
   Args:
     model: a keras.Model (functional, Sequential or subclassed), built or buildable on x.
@@ -115,8 +113,8 @@ def batch_mixing_layers(model, x, atol=1e-6, training=False):
     training: run the layers in training mode (True) or inference mode (False).
 
   Returns:
-    tuple of layer names in model order (the model's own name if it is subclassed and
-    mixes as a whole); empty when no mixing was seen.
+    tuple of layer names in model order (a subclassed model mixing as a whole: its own
+    name); empty when no mixing was seen.
 
   Raises:
     ParameterValueError: x holds fewer than 2 examples.

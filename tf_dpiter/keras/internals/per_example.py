@@ -56,18 +56,12 @@ _KERAS_PER_EXAMPLE = (
 )
 
 # keras_hub layers whose `call` was read (keras_hub 0.32.0) and acts on each example alone:
-# module that defines the class -> {class name: why}. Exactly these classes (not subclasses),
-# and only for the keras_hub versions of _KERAS_HUB_READ: another version may change a `call`
-# (its layers then take the vectorized path until read and added here, or declared by the
-# user). Every sublayer a layer holds is checked on its own (a Keras MultiHeadAttention,
-# Dense, Dropout, Softmax...). What all of them share: no reduction, sort or mixing over the
-# batch axis, no batch statistic, no state kept across calls that reaches the output (the
-# generation caches are inputs and outputs of a call, each example its own row), masks that
-# are per example ([B, T] padding, [B, T, S] attention, a causal [T, S] broadcast to the
-# batch), dropout through keras.layers.Dropout (per element). Their serving-only vLLM route
-# (`get_vllm_context()` set by a vLLM engine) is not a training path.
-# Backbones and tasks (BertBackbone, BertTextClassifier, GemmaBackbone, GemmaCausalLM ...) are
-# functional models whose `call` is Functional's: walked as containers, graph ops included.
+# defining module -> {class name: why}; exactly these classes, for the versions of
+# _KERAS_HUB_READ only (sublayers are checked on their own). Shared by all: no reduction, sort
+# or statistic over the batch axis, no state across calls reaching the output (generation
+# caches are per-example inputs and outputs), per-example masks, dropout through
+# keras.layers.Dropout; the serving-only vLLM route is not a training path. Backbones and
+# tasks are functional models: walked as containers, graph ops included.
 _KERAS_HUB_PER_EXAMPLE = {
     "keras_hub.src.layers.modeling.transformer_encoder": {
         "TransformerEncoder": (
@@ -149,11 +143,10 @@ _KERAS_HUB_ACTIVATIONS = {
 # smallest input rank the layer accepts): keras_hub's RotaryEmbedding refuses equal or
 # out-of-range sequence and feature axes, so its input has rank >= 2.
 _OTHER_AXES = {"RotaryEmbedding": (("sequence_axis", "feature_axis"), 2)}
-# The smallest rank of what a layer of _KERAS_HUB_PER_EXAMPLE passes its own sublayers (read
-# with them): the LayerNormalization(axis=-1) of the transformer blocks gets [B, T, D] (a
-# rank-1 input fails their build: the width is the last axis), CachedGemmaAttention's
-# Softmax(axis=-1) its [B, K, G, T, S] logits. Their sublayers are built inside and have no
-# graph node giving their input's rank, and axis=-1 is the batch axis only at rank 1.
+# The smallest rank of what a layer of _KERAS_HUB_PER_EXAMPLE passes its own sublayers (built
+# inside, no graph node gives it): [B, T, D] to the blocks' LayerNormalization(axis=-1),
+# [B, K, G, T, S] to CachedGemmaAttention's Softmax(axis=-1); axis=-1 is the batch axis only
+# at rank 1.
 _KERAS_HUB_SUBLAYER_MIN_RANK = 2
 
 # Elementwise keras.ops a functional graph may hold between its layers (by class name).
@@ -168,23 +161,19 @@ _CONTAINERS = (keras.Sequential, keras_internals.functional_class())
 
 
 def declare_per_example(layer_or_class, reason):
-  """Declares that a layer (or every layer of a class) acts on each example alone.
+  """Declares that a layer (or every layer of exactly that class) acts on each example alone,
+  so that `clipping="auto"` may take the fast (ghost-norm) path through it.
 
-  Under `clipping="auto"` the fast (ghost-norm) path is taken only when every layer of the
-  model is known to act per example (Keras' own per-example layers) or declared so here;
-  any other layer, a custom or `Lambda` layer included, sends the step to the vectorized
-  path, which runs each example alone. The declaration is the user's statement, on their
-  own responsibility: if the layer makes one example's output depend on another example of
-  the batch (a batch statistic, a branch on the batch size, state kept across calls), one
-  example can move the clipped sum by more than the clip and the privacy guarantee is void.
-  A declared layer is trusted as a whole, its sublayers included. A class declaration covers
-  instances of exactly that class (not its subclasses, whose `call` may differ).
+  The declaration is the user's statement, on their own responsibility: if the layer makes
+  one example's output depend on another example of the batch (a batch statistic, a branch on
+  the batch size, state kept across calls), one example can move the clipped sum by more than
+  the clip and the privacy guarantee is void. A declared layer is trusted as a whole, its
+  sublayers included; a class declaration does not cover subclasses.
 
   Args:
     layer_or_class: a keras.layers.Layer (a model too), or a Layer subclass.
     reason: a non-empty string, in the user's own words: why the layer's output for an
-      example depends on that example alone (kept with the layer or class:
-      `declarations(model)` lists them).
+      example depends on that example alone (`declarations(model)` lists them).
 
   Returns:
     layer_or_class, so that it can wrap a layer where it is built.
