@@ -51,34 +51,28 @@ class DPOptimizerBase:
     """A DP optimizer: Keras' optimizer on the noised average of clipped per-record gradients.
 
     Args:
-      l2_norm_clip: S, the L2 norm every record's gradient is clipped to (loss-gradient
-        units).
-      noise_multiplier: z: Gaussian noise of standard deviation z S is added to the clipped
-        sum (for noise != "iid", the multiplier of the mechanism, see
-        keras.noise_mechanisms).
+      l2_norm_clip: S, the L2 norm every record's gradient is clipped to (loss-gradient units).
+      noise_multiplier: z: Gaussian noise of standard deviation z S is added to the clipped sum
+        (for noise != "iid", the mechanism's multiplier).
       num_microbatches: M (None: one example per record).
       dp_query: instead of S, z: any DPQuery whose result is a sum over records.
       max_physical_batch_size: P, examples per physical chunk (noise once per logical batch).
       clipping: "auto" | "vectorized" | "fast".
-      normalize: divide the noised sum by the denominator (the batch's records, or q n, the
-        expected batch size, under Poisson sampling); False keeps the sum.
+      normalize: divide the noised sum by the denominator (the batch's records, or q n under
+        Poisson sampling); False keeps the sum.
       seed: seeds the noise, for tests only (a seeded run is NOT private).
-      ledger_journal: path of a ledger journal that DPModel.fit resumes and appends (crash
-        safety; kept in the config, so a model loaded from a checkpoint resumes it).
-      secure_mode: the default GaussianSumQuery draws from os.urandom (SecureRandom); no seed.
-      noise: a mechanism object of `dp.keras.noise` (`IID()`, `Tree(...)`, `BandMF(...)`,
-        `BLT(...)`, or one's own), or its shorthand "iid" (DP-SGD) | "tree" | "band_mf" |
-        "blt" with the flat keywords below (noise_mechanisms.from_shorthand).
+      ledger_journal: path of a ledger journal that DPModel.fit resumes and appends.
+      secure_mode: the default GaussianSumQuery draws from os.urandom; no seed.
+      noise: a `dp.keras.noise` mechanism, or its shorthand "iid" (DP-SGD) | "tree" | "band_mf"
+        | "blt" with the flat keywords below (noise_mechanisms.from_shorthand).
       restart_every: "tree": steps between restarts of the tree (None: never).
       num_bands: "band_mf": the bands b of the banded matrix factorization.
       num_steps: "band_mf" / "blt": the steps n the strategy is optimized for.
       band_strategy: "band_mf": the banded strategy's name, or its matrix.
       num_buffers: "blt": the buffers d of the buffered linear Toeplitz strategy.
-      min_separation: "band_mf" / "blt": the least number of steps between two
-        participations of one record (cyclic sampling).
-      dp_config: a `dp.keras.DPConfig` (the frozen plan) instead of the privacy keywords
-        above (S, z, M, dp_query, normalize, seed, secure_mode, noise, sampling,
-        accountant); `plan` is its alias.
+      min_separation: "band_mf" / "blt": the fewest steps between two participations of a
+        record (cyclic sampling).
+      dp_config: a `dp.keras.DPConfig` instead of the privacy keywords above.
       plan: alias of dp_config.
       flags: a `dp.keras.PerformanceFlags` instead of max_physical_batch_size and clipping.
       sampling: the sampling policy the run must declare (None: the one fit declares).
@@ -87,8 +81,8 @@ class DPOptimizerBase:
       **kwargs: the Keras optimizer's own keyword arguments (e.g. learning_rate).
 
     Raises:
-      ParameterValueError: a bad setting, named with its value (dp_config.DPConfig,
-        dp_config.PerformanceFlags), or a plan given with privacy keywords.
+      ParameterValueError: a bad setting, named with its value, or a plan given with privacy
+        keywords.
     """
     plan = dp_config_lib.plan_of_arguments(
         dp_config, plan, l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,

@@ -46,29 +46,19 @@ from tf_dpiter.ledger import privacy_ledger
 
 class PrivateStep:
   """The DP step of one optimizer (see module docstring), built from a frozen plan
-  (`dp_config.DPConfig`) and performance flags (`dp_config.PerformanceFlags`).
+  (`dp_config.DPConfig`) and performance flags (`dp_config.PerformanceFlags`); the plan's
+  and flags' fields are read-only properties.
 
-  Attributes (read-only):
+  Attributes:
     optimizer: the Keras optimizer holding this step (its variables are tracked by it).
-    plan: the DPConfig. flags: the PerformanceFlags.
-    l2_norm_clip, noise_multiplier, num_microbatches, normalize, seed, secure_mode,
-      custom_query: the plan's (S and z are None with a custom dp_query).
-    stddev: sigma = z S in sum units (None with a custom dp_query).
-    max_physical_batch_size, clipping, skip_padding_tail, noise_in_compiled_program: the
-      flags'.
+    flags: the PerformanceFlags.
     record_microbatches: M as records are cut for the declared sampling (None: one example
       per record; step_sampling.record_microbatches).
-    mechanism: the noise mechanism object; noise, noise_params: its name and flat parameters.
     base_query: the query that clips and draws the noise (the mechanism's, or the user's).
     sampling: the ledger.LedgerSampling the step records with (None until declared).
-    query: base_query wrapped in a ledger.QueryWithLedger sharing `sampling` (None until
-      declared), for code that drives the query itself (TF Privacy's `optimizer.dp_query`).
     sampling_source: "user", "fit" or None (who declared the sampling).
     expected_size_denominator: the declared policy's batch size is random (Poisson-type): the
       average is divided by the expected batch size and XLA pads to a static size.
-    existing_ledger: the PrivacyLedger, or None before `make_state`.
-    expected_records: float32 variable, the public expected batch size (None before).
-    restored_ledger: (samples, queries, passes) waiting for `make_state`, else None.
   """
 
   def __init__(self, optimizer, plan, flags=None):
