@@ -2,12 +2,10 @@
 
 `SamplingPolicy` states what a claim over a policy's samples assumes (McMahan et al., "A
 General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5
-and Appendix A): its stable code in the ledger's rows, the neighbouring relation, the unit of
-privacy, the participation rule, the pass length, the denominator, the log line and the
-checks a declared sampling must pass, on one sampling (`check_sampling`) and on the ledger's
-arrays (`sampling_checks`, which `records` runs). The dp-accounting event of a policy's
-samples is built on the accounting side (`tf_dpiter.accounting.policy_accounting`): this
-package imports neither `tf_dpiter.accounting` nor dp-accounting. Pure Python and numpy.
+and Appendix A): its stable code, the neighbouring relation, the unit, the participation rule,
+the pass length, the denominator, the log line and the checks of a declared sampling, on one
+sampling (`check_sampling`) and on a ledger's arrays (`sampling_checks`). The dp-accounting
+event is built on the accounting side (`accounting.policy_accounting`). Pure Python and numpy.
 """
 
 import numpy as np

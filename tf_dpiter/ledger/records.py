@@ -1,20 +1,17 @@
 """The ledger's records and file format (McMahan et al. 2018, Section 6; Appendix A for adjacency).
 
-Pure Python and numpy: no TensorFlow, so that `tf_dpiter.accounting` and `dp_ledger report`
-start fast. A ledger is a sequence of *samples* (sampling events). Each sample states
-  * its sampling policy and, from it, the neighbouring relation of the claim:
-    Poisson / full batches -> add or remove one example; fixed-size samples and shuffled
-    passes -> replace one example (n is public there: the number of steps per pass shows it);
-  * the unit of a record: `examples_per_record` k (1: a record is an example; k > 1: a
-    record is a microbatch of k examples, the unit of privacy stays the example);
-  * its sum queries, each with the clip S (per record, add/remove units), the noise and the
-    *sensitivity under the stated relation*: S for add/remove of a whole record, 2S when one
-    example changes inside a record (replace-one, or a microbatch): the record moves from one
-    vector of norm <= S to another.
-The ledger also counts the shuffled *passes* its sampler started (one permutation each).
-
-Files are versioned JSON, run-length coded, with a SHA-256 digest of their canonical content
-and, when a key is given, an HMAC-SHA256; a mismatch is refused.
+Pure Python and numpy (no TensorFlow: `tf_dpiter.accounting` and `dp_ledger report` start
+fast). A ledger is a sequence of *samples* (sampling events), each stating
+  * its sampling policy and hence the neighbouring relation: Poisson / full batches -> add
+    or remove one example; fixed-size samples and shuffled passes -> replace one example
+    (n is public there: the steps per pass show it);
+  * the unit of a record: `examples_per_record` k (k > 1: a microbatch of k examples; the
+    unit of privacy stays the example);
+  * its sum queries: clip S (per record), noise, and the *sensitivity under the relation*:
+    S for add/remove of a whole record, 2S when one example changes inside a record
+    (replace-one, or a microbatch: the record moves between two vectors of norm <= S).
+The ledger also counts the shuffled *passes* its sampler started. Files: versioned JSON,
+run-length coded, SHA-256 digest and optional HMAC-SHA256 (`ledger_file`).
 """
 
 import dataclasses
