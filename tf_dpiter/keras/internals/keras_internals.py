@@ -81,8 +81,7 @@ def compiled_loss(model, x, y, y_pred, sample_weight, training=True):
 
 
 def compiled_loss_fn(model):
-  """The function `compiled_loss` calls, for a caller that evaluates it many times (Keras'
-  `Model._compute_loss`, bound to `model`).
+  """Keras' `Model._compute_loss` bound to `model`, for a caller that evaluates it many times.
 
   Args:
     model: a compiled keras.Model.
@@ -206,9 +205,8 @@ def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
 
 
 def output_loss_trackers(model):
-  """The per-output loss metrics of `model`'s compiled loss (`logs["<output>_loss"]`, one
-  keras.metrics.Mean per output of a multi-output model; empty for one output), in the order
-  of the compiled loss's outputs (Keras' `CompileLoss.metrics`).
+  """The per-output loss metrics (`logs["<output>_loss"]`) of `model`'s compiled loss, in its
+  outputs' order (Keras' `CompileLoss.metrics`).
 
   Args:
     model: a compiled keras.Model.
@@ -246,8 +244,7 @@ def output_loss_trackers_swapped(model, stand_ins):
 
 
 def compile_loss_unbuilt(model):
-  """True if `model` has a compiled loss that is not built yet (its per-output trackers do
-  not exist before it is built).
+  """True if `model` has a compiled loss not built yet (no per-output trackers yet).
 
   Args:
     model: a keras.Model.
@@ -260,8 +257,7 @@ def compile_loss_unbuilt(model):
 
 
 def build_compile_loss(model, y, y_pred, sample_weight):
-  """Builds `model`'s compiled loss (its per-output trackers) symbolically, from the shapes of
-  a batch: Keras' `backend.compute_output_spec` of the compiled loss, as its
+  """Builds `model`'s compiled loss (its per-output trackers) from a batch's shapes, as Keras'
   `_symbolic_build` does, without running the model symbolically.
 
   Args:
@@ -331,9 +327,8 @@ def functional_class():
 
 
 def functional_graph(model):
-  """(graph, {depth: [nodes]}) of a functional (or built Sequential) model, or None for a
-  subclassed model. The graph is the model or a Sequential's `_functional`; the nodes are
-  Keras' `_nodes_by_depth`.
+  """(graph, {depth: [nodes]}) of a functional (or built Sequential) model: the model or its
+  `_functional`, and Keras' `_nodes_by_depth`; None for a subclassed model.
 
   Args:
     model: a keras.Model.
@@ -420,10 +415,8 @@ def restore_call(token):
 # ---- the upgrade check ------------------------------------------------------------------
 
 def gradient_sources(variables):
-  """The backend variables behind Keras variables, as `GradientTape.gradient` sources.
-
-  `tape.gradient(..., unconnected_gradients=ZERO)` fails on a Keras 3 variable that the
-  computation does not use (it builds the zero from the wrapper); the backend variable works.
+  """The backend variables behind Keras variables, as `GradientTape.gradient` sources (with
+  unconnected_gradients=ZERO a Keras 3 variable the computation does not use fails).
 
   Args:
     variables: a list of keras.Variable (other entries are passed through).
@@ -442,10 +435,8 @@ def _probe_model():
 
 
 def missing_internals():
-  """The private Keras names above that the installed Keras lacks, as "Where.attribute".
-
-  Builds a tiny compiled functional model and a StatelessScope and looks for every attribute
-  this module reads. Empty on a supported Keras.
+  """The private Keras names above that the installed Keras lacks, as "Where.attribute",
+  looked for on a tiny compiled functional model and a StatelessScope.
 
   Returns:
     a list of strings (empty when all are present).
