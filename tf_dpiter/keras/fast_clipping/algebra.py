@@ -133,19 +133,30 @@ def factored_sqr_norm(a, b):
   return reduce_sum(tf.square(g), [1, 2]), (g if keep else None)
 
 
-def gram_sqr_norm(a, b):
+def gram_sqr_norm(a, b, with_one=False):
   """sum_{t,s} <a_t, a_s><b_t, b_s> for a: [B, T, K], b: [B, T, N] (float32).
+
+  with_one: a stands for [a, 1], a last input of ones whose weight is a Dense layer's bias
+  (Li et al., "Large language models can be strong differentially private learners",
+  Sec. 4, Gram form). <[a_t, 1], [a_s, 1]> = <a_t, a_s> + 1, so the Gram matrix of [a, 1] is
+  that of a plus 1 in every entry ([B, T, T] adds, once per input): the squared norm of
+  [grad W; grad b] with no [B, T, K + 1] copy of a (its bias part sum_{t,s} <b_t, b_s> =
+  ||sum_t b_t||^2).
 
   Args:
     a: [B, T, K] layer inputs.
     b: [B, T, N] output gradients.
+    with_one: a Python bool, see above.
 
   Returns:
-    [B] float32 squared per-example gradient norms ||a^T b||_F^2.
+    [B] float32 squared per-example gradient norms ||a^T b||_F^2 (of [a, 1]^T b with
+    `with_one`).
   """
   # once per input within the clipped sum (shared_ops): layers that read the same input
   # (an attention block's query, key and value projections) share its Gram matrix
   ga = once_per_graph("gram", a, lambda a: tf.einsum("btk,bsk->bts", a, a))
+  if with_one:
+    ga = once_per_graph("gram_of_ones_column", ga, lambda g: g + 1.0)
   gb = tf.einsum("btn,bsn->bts", b, b)
   return tf.einsum("bts,bts->b", ga, gb)   # one op (no product tensor and reduction)
 

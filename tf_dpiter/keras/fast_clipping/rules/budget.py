@@ -338,7 +338,8 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
       and K N <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES (its sum from the kept gradients
       then saves the book-keeping product of the same cost).
     with_one: a gets a last column of ones (a Dense layer's bias as the weight of an input
-      1), appended chunk by chunk: no [B, T, K + 1] copy of the batch.
+      1): in the Gram form as 1 added to a's Gram matrix (algebra.gram_sqr_norm), in the
+      direct form appended chunk by chunk (no [B, T, K + 1] copy of the batch).
 
   Returns:
     (sqr_norms [B / k] float32, keep, g): keep a Python bool or a scalar bool tensor, g the
@@ -373,9 +374,10 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
     rec = m // k if m is not None else None
 
     def body(ac, bc):
-      ac, bc = algebra.regroup_btk(one(ac)), algebra.regroup_btk(bc)
-      if form == "gram":
-        return (algebra.gram_sqr_norm(ac, bc),)
+      bc = algebra.regroup_btk(bc)
+      if form == "gram":   # the ones column in the Gram matrix: no copy of a (gram_sqr_norm)
+        return (algebra.gram_sqr_norm(algebra.regroup_btk(ac), bc, with_one),)
+      ac = algebra.regroup_btk(one(ac))
       g = algebra.reshape(tf.einsum("btk,btn->bkn", ac, bc), [-1, kk * n])
       sq = algebra.reduce_sum(tf.square(g), 1)
       return (sq, g) if with_g else (sq,)
