@@ -7,7 +7,8 @@ import tensorflow as tf
 
 def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None):
   """sum_j min(1, C/||g_j||) g_j in float64, g_j the gradient of the mean loss of
-  record j's real examples (rows j*k..j*k+k-1), each record run alone.
+  record j's real examples (rows j*k..j*k+k-1), each record run alone. `x` one array or a
+  list of them (a model of several inputs).
 
   `memo`: a dict shared by calls on one model (weights unchanged), x, y and loss_fn (say one
   call for the norms that pick C, one for the sum at C): a record's gradient, keyed by its
@@ -15,7 +16,7 @@ def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None
 
   Returns (per-variable sums, per-record norms)."""
   variables = model.trainable_variables
-  n = int(x.shape[0])
+  n = int(tf.nest.flatten(x)[0].shape[0])
   mask = np.ones(n) if mask is None else np.asarray(mask, np.float64)
   total = [np.zeros(v.shape, np.float64) for v in variables]
   norms = []
@@ -28,7 +29,8 @@ def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None
       grads = memo[tuple(rows)]
     else:
       with tf.GradientTape() as tape:
-        pred = model(tf.gather(x, rows), training=True)
+        xr = tf.nest.map_structure(lambda a, r=rows: tf.gather(a, r), x)
+        pred = model(xr, training=True)
         loss = tf.reduce_mean(tf.cast(loss_fn(tf.gather(y, rows), pred), tf.float32))
       grads = [np.zeros(v.shape) if g is None else
                np.asarray(tf.convert_to_tensor(g), np.float64)

@@ -22,6 +22,7 @@ from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
+from .conftest import per_record_clipped_sum
 
 _T, _K, _H, _D, _N = 5, 4, 2, 3, 6
 _CLIP = 0.3   # where a test does not take the median norm
@@ -69,40 +70,21 @@ def _data(in_shape, b=11, seed=0):
   return x, rng.normal(size=(b, 2)).astype("float32")
 
 
-def _per_example(model, x, y):
-  """([g_i], [||g_i||]): each example's gradient under its own tape, in float64."""
-  grads = []
-  for i in range(x.shape[0]) if not isinstance(x, (list, tuple)) else range(x[0].shape[0]):
-    xi = [a[i:i + 1] for a in x] if isinstance(x, (list, tuple)) else x[i:i + 1]
-    with tf.GradientTape() as tape:
-      loss = _LOSS(y[i:i + 1], model(xi))[0]
-    grads.append([t.numpy().astype(np.float64)
-                  for t in tape.gradient(loss, model.trainable_variables)])
-  return grads, np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
-
-
-def _reference(model, x, y, clip=_CLIP, per_example=None):
-  """(sum_i min(1, C / ||g_i||) g_i, [||g_i||]) of per-example tape gradients
-  (`per_example`: `_per_example(model, x, y)` when already computed for these weights)."""
-  grads, norms = per_example or _per_example(model, x, y)
-  total = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
-           for v in range(len(grads[0]))]
-  return total, norms
-
-
-def _check(model, x, y, jit=False, per_example=None):
-  """The clip norm C the median per-example norm: some examples clipped, some not
-  (`per_example`: the loop's gradients, computed once for several checks of one model)."""
-  per_example = per_example or _per_example(model, x, y)
-  clip = float(np.median(per_example[1]))
+def _check(model, x, y, jit=False, k=1, memo=None):
+  """clipped_grad_sum (records of k examples) against the per-record loop of conftest's
+  per_record_clipped_sum at the clip norm C the median per-record norm: some records clipped,
+  some not (`memo`: the loop's gradients, shared by several checks of one model's weights)."""
+  memo = {} if memo is None else memo
+  _, want_norms = per_record_clipped_sum(model, x, y, _LOSS, 1.0, k=k, memo=memo)
+  clip = float(np.median(want_norms))
+  want, want_norms = per_record_clipped_sum(model, x, y, _LOSS, clip, k=k, memo=memo)
   xt, yt = tf.nest.map_structure(tf.constant, x), tf.constant(y)   # tensors, as a step has
-  got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(model, xt, yt, _LOSS, clip),
-                           jit_compile=jit)()
-  want, want_norms = _reference(model, x, y, clip, per_example)
+  got, norms = tf.function(lambda: fast_clipping.clipped_grad_sum(
+      model, xt, yt, _LOSS, clip, examples_per_record=k), jit_compile=jit)()
   np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4)
   assert np.min(want_norms) < clip < np.max(want_norms)
   for g, r in zip(got, want):
-    np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
+    np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), r, rtol=3e-4, atol=3e-6)
 
 
 def _force(monkeypatch, form):
@@ -124,7 +106,7 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
   view = entry and dense._as_dense(layer, entry[1], tf.constant(x),  # pylint: disable=protected-access
                                    layer(tf.constant(x)))
   assert (view is not None) == as_dense, equation
-  per_example = _per_example(model, x, y)   # the loop once: the forms only read the weights
+  memo = {}   # the loop once: the forms only read the weights
   for form in (None, "gram", "direct", "chunks"):
     with monkeypatch.context() as m:
       _force(m, form)
@@ -133,7 +115,7 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
       m.setattr(budget, "sum_over_chunks",
                 lambda fn, tensors, size, shapes: chunked.append(size) or over(
                     fn, tensors, size, shapes))
-      _check(model, x, y, per_example=per_example)
+      _check(model, x, y, memo=memo)
       if form == "chunks":   # book-keeping over chunks of 8 of the batch of 11 really ran
         assert 8 in chunked, chunked
 
@@ -145,11 +127,11 @@ def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_ax
 def test_frozen_kernel_or_bias(equation, out_shape, bias_axes, in_shape, freeze, monkeypatch):
   model, _ = _model(equation, out_shape, bias_axes, in_shape, freeze=freeze)
   x, y = _data(in_shape)
-  per_example = _per_example(model, x, y)
+  memo = {}
   for form in ("gram", "chunks"):
     with monkeypatch.context() as m:
       _force(m, form)
-      _check(model, x, y, per_example=per_example)
+      _check(model, x, y, memo=memo)
 
 
 @pytest.mark.parametrize("form", ["gram", None])
@@ -206,7 +188,7 @@ def test_two_models_and_retraces_reuse_nothing(monkeypatch):
     x, y = _data(_CASES[4][3], b=b, seed=b)
     for model in models:
       got, _ = fn(model, x, y)
-      want, _ = _reference(model, x, y)
+      want, _ = per_record_clipped_sum(model, x, y, _LOSS, _CLIP)
       for g, r in zip(got, want):
         np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
 
@@ -221,23 +203,7 @@ def test_records_of_two_examples(form, monkeypatch):
   b, k = 12, 2
   x = [rng.normal(size=(b, _T, _K)).astype("float32") for _ in range(2)]
   y = rng.normal(size=(b, 2)).astype("float32")
-  # reference: a record's gradient is that of the mean loss of its examples
-  grads = []
-  for j in range(b // k):
-    rows = slice(j * k, j * k + k)
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_LOSS(y[rows], model([a[rows] for a in x])))
-    grads.append([t.numpy().astype(np.float64)
-                  for t in tape.gradient(loss, model.trainable_variables)])
-  norms = np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
-  clip = float(np.median(norms))
-  want = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
-          for v in range(len(grads[0]))]
-  got, got_norms = tf.function(lambda: fast_clipping.clipped_grad_sum(
-      model, x, y, _LOSS, clip, examples_per_record=k))()
-  np.testing.assert_allclose(got_norms.numpy(), norms, rtol=2e-4)
-  for g, r in zip(got, want):
-    np.testing.assert_allclose(g.numpy(), r, rtol=3e-4, atol=3e-6)
+  _check(model, x, y, k=k)   # a record's gradient: that of its examples' mean loss
 
 
 @pytest.mark.parametrize("axis", [-1, 1, [1, 2], [2, 3], [1, 3]])
@@ -314,19 +280,4 @@ def test_embedding_same_id_gram_with_repeated_ids(k):
   rng = np.random.RandomState(k)
   x = rng.randint(0, 3, size=(8, _T)).astype("int32")   # 3 of 5 ids: many repeats
   y = rng.normal(size=(8, 2)).astype("float32")
-  grads = []
-  for j in range(8 // k):
-    rows = slice(j * k, j * k + k)
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(_LOSS(y[rows], model(x[rows])))
-    grads.append([tf.convert_to_tensor(t).numpy().astype(np.float64)
-                  for t in tape.gradient(loss, model.trainable_variables)])
-  norms = np.array([np.sqrt(sum(np.sum(t ** 2) for t in g)) for g in grads])
-  clip = float(np.median(norms))
-  want = [sum(g[v] * min(1.0, clip / n) for g, n in zip(grads, norms))
-          for v in range(len(grads[0]))]
-  got, got_norms = tf.function(lambda: fast_clipping.clipped_grad_sum(
-      model, tf.constant(x), tf.constant(y), _LOSS, clip, examples_per_record=k))()
-  np.testing.assert_allclose(got_norms.numpy(), norms, rtol=2e-4)
-  for g, r in zip(got, want):
-    np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), r, rtol=3e-4, atol=3e-6)
+  _check(model, x, y, k=k)
