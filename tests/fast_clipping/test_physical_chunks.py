@@ -8,6 +8,8 @@ not, masked records (c = 0), a record whose values are not finite (c = 0, adds n
 records of two examples. Tolerances: float32 round-off (relative 1e-4 on norms, 1e-4 of the
 largest entry on the sums)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -47,12 +49,32 @@ def _token_loss(y, logits):
 
 
 def _case(kind, seed=0):
+  """(model, x, y, loss) of a batch of B, built once per module and batch size (the tests
+  only read the weights)."""
+  return _built_case(kind, seed, B)
+
+
+@functools.lru_cache(maxsize=None)
+def _built_case(kind, seed, b):
   rng = np.random.default_rng(seed)
   if kind == "lm":
-    return (_lm(), rng.integers(0, 11, (B, T)).astype("int32"),
-            rng.integers(0, 11, (B, T)).astype("int32"), _token_loss)
-  return (_attention(), rng.normal(size=(B, T, 5)).astype("float32"),
-          rng.integers(0, 3, B).astype("int32"), _class_loss)
+    return (_lm(), rng.integers(0, 11, (b, T)).astype("int32"),
+            rng.integers(0, 11, (b, T)).astype("int32"), _token_loss)
+  return (_attention(), rng.normal(size=(b, T, 5)).astype("float32"),
+          rng.integers(0, 3, b).astype("int32"), _class_loss)
+
+
+_MEMOS = {}     # (kind, B) -> the reference loop's per-record gradients (conftest memo)
+_WHOLE = {}     # (kind, B, k, mask, clip) -> the unchunked sum's outputs and losses
+
+
+def _whole(kind, model, x, y, loss, clip, mask, k):
+  """The outputs and losses of the sum in one call (graph mode, the batch the trace knows),
+  once per module for a case's model, data, mask and clip."""
+  key = (kind, B, k, None if mask is None else mask.tobytes(), clip)
+  if key not in _WHOLE:
+    _WHOLE[key] = _run(model, x, y, loss, clip, mask, False, True, k)[2:]
+  return _WHOLE[key]
 
 
 def _force_chunks(monkeypatch):
@@ -88,11 +110,11 @@ def _check(kind, jit, static, monkeypatch, clip_reference, masked=False, k=1):
   if masked:
     mask = np.ones(B, np.float32)
     mask[[2, 9, 17]] = 0.0
-  memo = {}   # each record's loop gradient once for both calls
+  memo = _MEMOS.setdefault((kind, B), {})   # each record's loop gradient once per module
   _, ref_norms = clip_reference(model, x, y, loss, 1.0, k=k, memo=memo)
   clip = float(np.median(ref_norms))   # some records clipped, some not
   ref, ref_norms = clip_reference(model, x, y, loss, clip, k=k, mask=mask, memo=memo)
-  whole = _run(model, x, y, loss, clip, mask, jit, True, k)
+  outputs_whole, losses_whole = _whole(kind, model, x, y, loss, clip, mask, k)
   calls = _force_chunks(monkeypatch)
   got, norms, outputs, losses = _run(model, x, y, loss, clip, mask, jit, static, k)
   # chunks of 8 examples (under XLA only with a batch the trace knows)
@@ -102,9 +124,9 @@ def _check(kind, jit, static, monkeypatch, clip_reference, masked=False, k=1):
   assert norms.shape == ref_norms.shape and outputs.shape[0] == B and losses.shape == (B,)
   for g, r in zip(got, ref):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * max(1.0, np.max(np.abs(r))))
-  # the outputs and losses are the batch's, in order
-  np.testing.assert_allclose(outputs, whole[2], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(losses, whole[3], rtol=1e-5, atol=1e-5)
+  # the outputs and losses are the batch's, in order (those of the sum in one graph-mode call)
+  np.testing.assert_allclose(outputs, outputs_whole, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(losses, losses_whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind,jit,static", [

@@ -7,6 +7,8 @@ a batch the trace knows or not, records masked out (c = 0) and a record whose va
 finite (c = 0, adds nothing). Tolerances: float32 round-off (relative 1e-4 on norms, 1e-4 of
 the largest entry on the sums)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -62,6 +64,15 @@ def _models():
                   _token_loss)}
 
 
+@functools.lru_cache(maxsize=None)
+def _model(kind):
+  """The model of `kind`, built once per module (the tests only read its weights)."""
+  return _models()[kind][0]()
+
+
+_MEMOS = {}   # kind -> the reference loop's per-record gradients on _data(kind) (conftest memo)
+
+
 def _run(model, x, y, loss, clip, mask, jit, static):
   spec = lambda a: tf.TensorSpec((B if static else None,) + a.shape[1:], tf.as_dtype(a.dtype))
   sig = [spec(x), spec(y)] + ([spec(mask)] if mask is not None else [])
@@ -101,14 +112,13 @@ def _budget(monkeypatch, keep):
 def _check(kind, jit, static, keep, monkeypatch, clip_reference, masked=False):
   _budget(monkeypatch, keep)
   calls = _chunked_calls(monkeypatch)
-  make, loss = _models()[kind]
-  model = make()
+  model, loss = _model(kind), _models()[kind][1]
   x, y = _data(kind)
   mask = None
   if masked:
     mask = np.ones(B, np.float32)
     mask[[2, 9, 17]] = 0.0
-  memo = {}   # each record's loop gradient once for both calls
+  memo = _MEMOS.setdefault(kind, {})   # each record's loop gradient once per module
   _, ref_norms = clip_reference(model, x, y, loss, 1.0, memo=memo)
   clip = float(np.median(ref_norms))   # some records clipped, some not
   ref, ref_norms = clip_reference(model, x, y, loss, clip, mask=mask, memo=memo)
@@ -160,7 +170,7 @@ def test_non_finite_record_adds_nothing(keep, jit, monkeypatch):
   """A record with an infinite input gets c = 0 and adds exactly nothing (its rows are
   zeroed in every chunk's products, no branch): the sums equal those of the other records."""
   _budget(monkeypatch, keep)
-  model = _attention_model()
+  model = _model("attention")
   x, y = _data("attention", seed=2)
   bad = x.copy()
   bad[11, 3, 1] = np.inf
