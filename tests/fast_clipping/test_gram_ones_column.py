@@ -20,9 +20,12 @@ from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
 from .conftest import per_record_clipped_sum
+# the fast path through clipped_grad_sum (traced or XLA) and the loop's tolerances
+from .test_dense_sums_adversarial import _LOSS
+from .test_dense_sums_adversarial import _assert_equal
+from .test_dense_sums_adversarial import _fast
 
 _L = keras.layers
-_LOSS = keras.losses.MeanSquaredError(reduction=None)
 
 
 def _model(kind, t=6, k=5, n=4):
@@ -42,23 +45,6 @@ def _data(b, t=6, k=5, seed=0):
   scale = rng.choice([0.1, 1.0, 4.0], (b, 1, 1))
   x = (rng.normal(size=(b, t, k)) * scale + 0.3).astype("float32")
   return x, rng.normal(size=(b, 2)).astype("float32")
-
-
-def _fast(model, x, y, clip, k=1, mask=None, jit=False):
-  mask = np.ones(x.shape[0], np.float32) if mask is None else mask
-  fn = tf.function(lambda x, y, m: clipping.clipped_grad_sum(
-      model, x, y, _LOSS, clip, mask=m, examples_per_record=k, physical_chunks=False),
-                   jit_compile=jit)
-  grads, norms = fn(tf.constant(x), tf.constant(y), tf.constant(mask))
-  return [tf.convert_to_tensor(g).numpy() for g in grads], norms.numpy()
-
-
-def _assert_equal(got, want):
-  (grads, norms), (ref, ref_norms) = got, want
-  live = ref_norms > 0
-  np.testing.assert_allclose(norms[live], ref_norms[live], rtol=2e-4)
-  for g, r in zip(grads, ref):
-    np.testing.assert_allclose(g, r, rtol=3e-4, atol=3e-6 * max(1.0, np.max(np.abs(r))))
 
 
 @pytest.fixture
