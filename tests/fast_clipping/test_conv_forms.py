@@ -5,6 +5,8 @@ keep budget (the memory budget) give the per-record reference's norms and clippe
 and unknown batch, records, XLA, a non-finite record), and the cost model picks the
 measured-cheaper form for the tutorial CNN's two convolutions."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -95,6 +97,15 @@ def _cnn(first_filters=4):
                            L.Flatten(), L.Dense(3)])
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_cnn():
+  """_cnn() built once per module for the tests that only read its weights."""
+  return _cnn()
+
+
+_MEMOS = {}   # k -> the reference loop's per-record gradients on the forms test's data
+
+
 def _xent(y, logits):
   return keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
 
@@ -124,7 +135,7 @@ def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, cl
     monkeypatch.setattr(budget, "CHUNK_BYTES", chunk_bytes)
     monkeypatch.setattr(budget, "KEEP_BYTES", keep_bytes)
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
-  model = _cnn()
+  model = _shared_cnn()
   rng = np.random.default_rng(2)
   # chunks of at most 8 examples: 17 examples in 3 chunks of 6 (the last padded with one zero
   # example); 9 records of 2 in 3 chunks of 3 records
@@ -137,7 +148,8 @@ def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, cl
                                                           examples_per_record=k),
                    input_signature=spec, jit_compile=jit)
   grads, norms = fn(x, y)
-  want, want_norms = clip_reference(model, x, y, _xent, 0.5, k=k)
+  want, want_norms = clip_reference(model, x, y, _xent, 0.5, k=k,
+                                    memo=_MEMOS.setdefault(k, {}))   # same data for each k
   np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4, atol=1e-6)
   for g, w in zip(grads, want):
     np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=2e-5)
@@ -150,7 +162,7 @@ def test_non_finite_record_adds_nothing(keep_bytes, monkeypatch, clip_reference)
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", "depthwise")
   monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
   monkeypatch.setattr(budget, "KEEP_BYTES", keep_bytes)
-  model = _cnn()
+  model = _shared_cnn()
   rng = np.random.default_rng(3)
   x = rng.normal(size=(10, 16, 16, 1)).astype(np.float32)
   y = rng.integers(0, 3, 10).astype(np.int32)
