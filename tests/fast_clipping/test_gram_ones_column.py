@@ -127,4 +127,11 @@ def test_gram_sqr_norm_with_one_is_the_gram_of_the_ones_column():
   got = algebra.gram_sqr_norm(tf.constant(a), tf.constant(b), with_one=True).numpy()
   a1 = np.concatenate([a, np.ones((3, 7, 1), np.float32)], -1).astype(np.float64)
   g = np.einsum("btk,btn->bkn", a1, b.astype(np.float64))
-  np.testing.assert_allclose(got, np.sum(g * g, axis=(1, 2)), rtol=1e-5)
+  want = np.sum(g * g, axis=(1, 2))
+  np.testing.assert_allclose(got, want, rtol=1e-4)
+  # an upper bound (review R: gram_sqr_norm adds its rounding bound, so that a cancelling
+  # sum never gives a clip factor too large), above by at most twice that bound
+  spread = np.sum(np.linalg.norm(a1, axis=2) * np.linalg.norm(b.astype(np.float64), axis=2), 1)
+  bound = 1.25 * (6 + 1 + 4 + 1) * 2.0 ** -24 * spread ** 2   # its bound is at most this
+  assert np.all(got >= want * (1 - 1e-6)), (got, want)
+  assert np.all(got <= want + 2 * bound + 1e-6 * want), (got, want, bound)

@@ -28,7 +28,7 @@ def same_id_sqr_norm(ids, d):
     d: [B, T, K] gradients at the read positions.
 
   Returns:
-    [B/k] float32.
+    [B/k] float32 upper bounds (exact to float32 rounding where no gradients cancel).
   """
   d = tf.cast(d, tf.float32)
   k = registry.current_examples_per_record()
@@ -44,7 +44,11 @@ def same_id_sqr_norm(ids, d):
       ic = algebra.regroup_btk(ic[:, :, None])[:, :, 0]
     same = tf.cast(tf.equal(tf.expand_dims(ic, algebra.const(2)),
                             tf.expand_dims(ic, algebra.const(1))), tf.float32)
-    return (tf.einsum("bts,bts->b", same, tf.einsum("btk,bsk->bts", dc, dc)),)
+    # an upper bound: the float32 Gram of d cancels when equal ids get opposite gradients
+    # (algebra.gram_sqr_norm); `same` is exact
+    nd = tf.sqrt(tf.reduce_sum(tf.square(dc), 2))
+    return (algebra.bounded_gram_contraction(same, tf.einsum("btk,bsk->bts", dc, dc), nd, nd,
+                                             0, algebra.static_or_shape(dc, 2)),)
 
   rec = m // k if m is not None else None
   return budget.over_chunks(body, (ids, d), m, [tf.TensorSpec([rec], tf.float32)])[0]
