@@ -15,15 +15,15 @@ is clipped as the loop clips it or (a float32 overflow in the form) adds nothing
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
 from .conftest import per_record_clipped_sum
+from .test_dense_sums_adversarial import _LOSS
+from .test_dense_sums_adversarial import _assert_equal
+from .test_dense_sums_adversarial import _fast
 
 _L = keras.layers
-_LOSS = keras.losses.MeanSquaredError(reduction=None)
 
 
 def _model(t, k, n):
@@ -42,23 +42,6 @@ def _data(b, t, k, seed=0):
   scale = rng.choice([0.1, 1.0, 4.0], (b, 1, 1))
   x = (rng.normal(size=(b, t, k)) * scale + 0.2).astype("float32")
   return x, rng.normal(size=(b, 2)).astype("float32")
-
-
-def _fast(model, x, y, clip, k=1, mask=None, jit=False):
-  mask = np.ones(x.shape[0], np.float32) if mask is None else mask
-  fn = tf.function(lambda x, y, m: clipping.clipped_grad_sum(
-      model, x, y, _LOSS, clip, mask=m, examples_per_record=k, physical_chunks=False),
-                   jit_compile=jit)
-  grads, norms = fn(tf.constant(x), tf.constant(y), tf.constant(mask))
-  return [tf.convert_to_tensor(g).numpy() for g in grads], norms.numpy()
-
-
-def _assert_equal(got, want):
-  (grads, norms), (ref, ref_norms) = got, want
-  live = ref_norms > 0
-  np.testing.assert_allclose(norms[live], ref_norms[live], rtol=3e-4)
-  for g, r in zip(grads, ref):
-    np.testing.assert_allclose(g, r, rtol=5e-4, atol=5e-6 * max(1.0, np.max(np.abs(r))))
 
 
 # (T, K, N): Gram cheaper for every layer, direct cheaper, and the boundary where counting
