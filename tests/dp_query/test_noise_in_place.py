@@ -1,6 +1,6 @@
 """The Gaussian query's noise in bounded draws (the leaves form one stream of draws of a block
-each; a leaf across draws is noised block by block, its parts joined or, above
-`JOIN_BLOCKS` blocks, written into the sum's own buffer: `gaussian_query.add_gaussian_noise`), and the sample
+each; a leaf across draws is noised block by block into the sum's own buffer:
+`gaussian_query.add_gaussian_noise`), and the sample
 state of a sum formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy
 of the sum."""
 
@@ -40,15 +40,11 @@ def test_blocked_leaf_gets_every_coordinate_noised_once(mode, monkeypatch):
   assert len(np.unique(z)) > 0.999 * z.size   # a repeated block would repeat 1,000
 
 
-@pytest.mark.parametrize("join_blocks", [4, 5])
-def test_blocked_leaf_16_bit_and_graph_updates_in_place(join_blocks, monkeypatch):
-  """A bfloat16 leaf of five blocks comes back bfloat16 with its noise computed in float32 and
-  draws nothing the size of the whole leaf; with `JOIN_BLOCKS` 4 (a leaf larger than that)
-  each block's part is written with TensorStridedSliceUpdate (in place when nothing else reads
-  the sum), with `JOIN_BLOCKS` 5 the five noised parts are joined by one concatenation and
-  nothing is written in place."""
+def test_blocked_leaf_16_bit_and_graph_updates_in_place(monkeypatch):
+  """A bfloat16 leaf larger than a block comes back bfloat16 with its noise computed in
+  float32; the blocked path writes each block with TensorStridedSliceUpdate (in place when
+  nothing else reads the sum) and draws nothing the size of the whole leaf."""
   monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1024)
-  monkeypatch.setattr(gaussian_query, "JOIN_BLOCKS", join_blocks)
   sizes = []
   real_noise = gaussian_query._noise  # pylint: disable=protected-access
 
@@ -65,11 +61,7 @@ def test_blocked_leaf_16_bit_and_graph_updates_in_place(join_blocks, monkeypatch
   z = tf.cast(out, tf.float64).numpy().ravel()
   assert abs(z.std() - 3.0) < 5 * 3.0 * math.sqrt(2.0 / z.size) + 0.03
   ops = fn.get_concrete_function(x).graph.get_operations()
-  in_place = join_blocks < 5
-  assert sum(op.type == "TensorStridedSliceUpdate" for op in ops) == (5 if in_place else 0)
-  # (each draw's two halves are joined by a concatenation of 2 parts and the axis)
-  joins = [op for op in ops if op.type == "ConcatV2" and len(op.inputs) == 5 + 1]
-  assert len(joins) == (0 if in_place else 1)   # five parts and the axis
+  assert sum(op.type == "TensorStridedSliceUpdate" for op in ops) == 5   # ceil(5120 / 1024)
   # five full draws: five calls of one traced draw function of 1,024 values
   assert sizes == [1024]
   assert sum(op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in ops) == 5

@@ -70,14 +70,6 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
 # each per noise value) stay near 64 MiB whatever the leaf's size.
 BLOCK_VALUES = 1 << 22
 
-# A leaf across draws of at most this many blocks' values is noised part by part (each part
-# of the sum plus its piece of a draw, a new buffer) and its parts joined at the end: one
-# concatenation, 2.5-3x cheaper than writing each part into the sum's buffer with
-# TensorStridedSliceUpdate (`benchmarks/noise_draw_cost.py`: BERT-base's 23.4M-value
-# embedding), for at most twice this many blocks of memory more (the parts and their join,
-# 256 MiB); a larger leaf is written in place.
-JOIN_BLOCKS = 8
-
 
 def add_gaussian_noise(generator, structure, stddev):
   """structure + N(0, stddev^2) per coordinate, drawn from `generator`, in bounded draws.
@@ -91,16 +83,13 @@ def add_gaussian_noise(generator, structure, stddev):
   (`randomness.padded_normal`, sigma applied to the Box-Muller radius; the last draw holds
   what is left): leaf i gets the i.i.d. values [o_i, o_i + size_i) of the stream, so no value
   serves twice and none is drawn for nothing. A leaf within one draw is noised by one
-  addition; a leaf across draws block by block: each part of it plus its piece of a draw,
-  the parts joined by one concatenation when the leaf holds at most `JOIN_BLOCKS` blocks'
-  values, else each part written into the leaf's own buffer
+  addition; a leaf across draws block by block into its own buffer
   (`tf.raw_ops.TensorStridedSliceUpdate`, which reuses the buffer of a sum nothing else
   reads). In a traced graph every full draw is a call of one function (its exact-tail branch
   and loops appear once in the graph, not once per draw). Float64 leaves and leaves of unknown
   size get their own draws (`_noised_leaf`). The draws run one after the other (each waits
   for the leaves the previous one noised), so besides the sum itself one draw's temporaries
-  and at most one joined leaf's parts and their join are alive at a time: memory
-  O(sum + (1 + 2 JOIN_BLOCKS) block), not O(2 x sum).
+  are alive at a time: memory O(sum + block), not O(2 x sum).
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -182,23 +171,14 @@ def _noised_stream(generator, leaves, order, stddev, out):
         out[i] = tf.cast(noised, leaves[i].dtype)
         first = j + 1
         continue
-      if i not in flats:   # across draws: noised part by part (below), block by block
-        flats[i] = (tf.reshape(tf.cast(leaves[i], tf.float32), [-1]), [])
-      flat, parts = flats[i]
-      noised = flat[lo - a:hi - a] + piece
-      if size > JOIN_BLOCKS * block:   # into the sum's own buffer
-        flat = tf.raw_ops.TensorStridedSliceUpdate(
-            input=flat, begin=[lo - a], end=[hi - a], strides=[1], value=noised)
-        noised = flat
-      else:
-        parts.append(noised)
-      flats[i] = (flat, parts)
-      previous.append(noised)
+      if i not in flats:   # across draws: into its own buffer, block by block
+        flats[i] = tf.reshape(tf.cast(leaves[i], tf.float32), [-1])
+      flats[i] = tf.raw_ops.TensorStridedSliceUpdate(
+          input=flats[i], begin=[lo - a], end=[hi - a], strides=[1],
+          value=flats[i][lo - a:hi - a] + piece)
+      previous.append(flats[i])
       if hi == a + size:   # done: back to the leaf's shape and dtype
-        if parts:   # the next draw waits for the join (one leaf's parts alive at a time)
-          flat = tf.concat(parts, 0)
-          previous.append(flat)
-        out[i] = tf.cast(tf.reshape(flat, tf.shape(leaves[i])), leaves[i].dtype)
+        out[i] = tf.cast(tf.reshape(flats[i], tf.shape(leaves[i])), leaves[i].dtype)
         first = j + 1
   return previous
 
