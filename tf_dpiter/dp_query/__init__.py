@@ -1,28 +1,8 @@
-"""Privacy mechanisms: DPQuery objects that clip records and add noise (McMahan et al. 2018, Sections 1-4, 7).
-
-Public names (classes and functions; the implementation modules are not part of the API):
-  * the interface: `DPQuery` (`record_clip_factors`), `SumAggregationDPQuery`,
-    `gives_clip_factors`;
-  * the per-record L2 clip, one place for its arithmetic: `global_l2_norm`,
-    `clip_by_global_l2_norm`, `clip_factors` (c_i = min(1, S / ||x_i||), 0 if not finite);
-  * Gaussian queries: `GaussianSumQuery` (`from_noise_multiplier`), `gaussian_stddev`
-    (sigma = z S, the one place it is computed), `GaussianAverageQuery`, `NormalizedQuery`,
-    `JointClipQuery`, `NestedQuery` with the allocation helpers of Sections 2 and 4
-    (`make_nested_gaussian_query`, `per_layer_clips`, `dimension_adjusted_clips`,
-    `proportional_noise`, `dimension_adjusted_noise`; the z these allocations amount to is
-    `tf_dpiter.accounting.effective_noise_multiplier`);
-  * adaptive clipping: `QuantileEstimatorQuery`, `QuantileAdaptiveClipSumQuery`,
-    `value_noise_multiplier`;
-  * automatic clipping (Bu et al., AUTO-S): `AutomaticClippingSumQuery`;
-  * other mechanisms: `LaplaceSumQuery` (`clip_by_l1_norm`, `laplace_noise`),
-    `NoPrivacySumQuery`, `NoPrivacyAverageQuery`;
-  * privacy events: `GaussianSumEvent`, `LaplaceSumEvent`, `NonPrivateEvent`;
-  * randomness: `make_generator`, `NotPrivateSeedWarning`;
-  * correlated noise: `BandMFQuery` (banded matrix factorization), `BLTQuery`
-    (buffered linear Toeplitz), `TreeAggregationQuery` (DP-FTRL), their base
-    `CorrelatedNoiseQuery` and events `BandedGaussianEvent`, `TreeGaussianEvent`,
-    `MatrixGaussianEvent`;
-  * serialization: `serialize`, `deserialize`, `register_query`, `declare_query_module`.
+"""Privacy mechanisms: DPQuery objects that clip records and add noise (McMahan et al., "A
+General Approach to Adding Differential Privacy to Iterative Training Procedures", Sections
+1-4, 7): the interface and the per-record L2 clip, Gaussian, adaptive, automatic-clipping,
+Laplace and correlated-noise (BandMF, BLT, tree) queries, their privacy events (sum units),
+the noise generator and serialization. The implementation modules are not part of the API.
 """
 
 import importlib
@@ -83,11 +63,8 @@ _DECLARED_QUERY_MODULES = {}
 
 
 def declare_query_module(name, module):
-  """Declares that the DPQuery registered as `name` is defined in `module`.
-
-  `deserialize` imports `module` when it meets `name` and the class is not registered yet,
-  so that a fresh process rebuilds the query. Upper layers declare their own queries (see
-  `tf_dpiter/__init__.py`); this package names no module above it. Imports nothing.
+  """Declares that the DPQuery registered as `name` is defined in `module` (which
+  `deserialize` imports on demand).
 
   Args:
     name: the registered name (a non-empty str).

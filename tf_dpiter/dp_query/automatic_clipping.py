@@ -1,23 +1,9 @@
-"""Automatic clipping (per-record normalization) with Gaussian noise: Bu et al., AUTO-S.
+"""Automatic clipping with Gaussian noise (Bu, Wang, Zha and Karypis, "Automatic Clipping:
+Differentially Private Deep Learning Made Easier and Stronger", Section 4, AUTO-S).
 
-Bu, Wang, Zha and Karypis, "Automatic Clipping: Differentially Private Deep Learning Made
-Easier and Stronger" (NeurIPS 2023), Section 4 (AUTO-S): each record g_i is scaled by
-
-    c_i = S / (||g_i||_2 + gamma)          (instead of min(1, S / ||g_i||_2))
-
-with a stability constant gamma > 0 (the paper's default 0.01). Then
-||c_i g_i|| = S ||g_i|| / (||g_i|| + gamma) < S for every record, so the sum over records has
-L2 sensitivity S under add/remove one record (unit: one example, or one microbatch when the
-optimizer clips microbatches; the replace-one sensitivity is 2S), exactly as the Gaussian
-sum query's: the noise N(0, (z S)^2 I) and the privacy event `GaussianSumEvent(S, z S)` are
-the same, so the accountant charges it like DP-SGD. A record whose norm is not finite gets
-c_i = 0 (it adds nothing: a function of that record alone). Unlike min(1, S/||g||), every
-record is rescaled, small gradients are amplified towards norm S: the paper shows the
-learning rate then absorbs S (AUTO-S with S = 1 needs no clip tuning).
-
-The rule lives in `record_clip_factors` (the fast, ghost-norm path asks the query for the
-factors of norms it computed) and in `preprocess_record` (the vectorized path), which apply
-the same factors.
+c_i = S / (||g_i||_2 + gamma), gamma > 0, so ||c_i g_i|| < S: L2 sensitivity S under add or
+remove one record (unit: an example, or a microbatch), the noise N(0, (z S)^2 I) and event
+`GaussianSumEvent(S, z S)` of DP-SGD. A non-finite norm gets c_i = 0.
 """
 
 import tensorflow as tf
@@ -51,10 +37,9 @@ def automatic_clip_factors(record_norms, l2_norm_clip, stability):
 class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
   """Sum of records normalized by S / (||g|| + gamma) (AUTO-S), plus N(0, (z S)^2) noise.
 
-  Sensitivity S under add/remove one record (module docstring); events and accounting are
-  those of `GaussianSumQuery`. Usable as `dp_query=` on every DP optimizer, on the fast and
-  vectorized clipping paths.
+  Sensitivity S under add/remove one record; events those of `GaussianSumQuery`.
   """
+
 
   def __init__(self, l2_norm_clip, noise_multiplier, stability=DEFAULT_STABILITY, seed=None,
                secure_mode=False):

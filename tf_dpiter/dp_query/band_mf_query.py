@@ -1,22 +1,11 @@
-"""Banded matrix factorization query, BandMF (Choquette-Choo et al. 2023).
+"""Banded matrix factorization query, BandMF (Choquette-Choo et al., "(Amplified) Banded
+Matrix Factorization: A unified approach to private training", Sections 2-4).
 
-Step t releases the clipped sum g_t plus the t-th row of the correlated noise
-W = C^-1 Z sigma, with C a lower-triangular strategy of b bands and Z iid N(0, 1) per
-coordinate. Since C W = Z sigma, the noise of step t follows from the b - 1 previous ones:
-
-    w_t = (z_t sigma - sum_{k=1}^{b-1} C[t, t-k] w_{t-k}) / C[t, t],
-
-so the query keeps a history of b - 1 noise vectors (O(b d) memory) in its global state
-(which the DP optimizers keep in variables and checkpoint). The prefix sums of the released
-steps then carry the noise A C^-1 Z sigma, whose expected squared error
-sigma^2 ||A C^-1||_F^2 the strategy was optimized for (`matrix_factorization`).
-
-Privacy: the released sequence is a post-processing of C G + Z sigma. C is normalized to
-largest column norm zeta = 1 (computed from the matrix), so one participation moves C G by
-at most zeta S and the noise multiplier is sigma / (zeta S). With b = 1, C = [1] and the
-query adds exactly the noise of `GaussianSumQuery` (same draws for the same seed).
-Each step reports a `BandedGaussianEvent`; the ledger accounts it under b-min-separation
-(cyclic Poisson) sampling only.
+Step t releases g_t plus row t of W = C^-1 Z sigma (C lower triangular, b bands, Z iid
+N(0, 1)): w_t = (z_t sigma - sum_{k=1}^{b-1} C[t, t-k] w_{t-k}) / C[t, t], from b - 1 kept
+noise vectors (O(b d) memory). Privacy: a post-processing of C G + Z sigma; C has max column
+norm zeta = 1, so z = sigma / (zeta S). b = 1 is `GaussianSumQuery`'s noise. Each step reports
+a `BandedGaussianEvent`, accounted under b-min-separation (cyclic Poisson) sampling only.
 """
 
 import collections
@@ -75,8 +64,8 @@ def template_config(shapes):
 
 
 def add_flat_noise(structure, flat_noise):
-  """structure + flat_noise split over its leaves (in tf.nest order), computed in float32
-  (float64 leaves in float64) and cast back to each leaf's dtype (post-processing).
+  """structure + flat_noise split over its leaves (tf.nest order), in float32 (float64 leaves
+  in float64), cast back to each leaf's dtype.
 
   Args:
     structure: a nest of tensors (the clipped sum) with d values in all.

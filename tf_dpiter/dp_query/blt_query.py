@@ -1,17 +1,11 @@
-"""Buffered linear Toeplitz (BLT) query: correlated noise from O(buffers d) state.
+"""Buffered linear Toeplitz (BLT) query (`blt_strategy`): the noise of step t is sigma w_t with
+C w = Z, w_t = z_t - sum_i omega_i s_i, s_i <- theta_i s_i + w_t (one buffer per term).
 
-The strategy C is BLT (`blt_strategy`): c_0 = 1, c_k = sum_i omega_i theta_i^(k-1). The noise
-of step t is sigma w_t with C w = Z, computed with one buffer s_i per term:
-
-    w_t = z_t - sum_i omega_i s_i,    s_i <- theta_i s_i + w_t,
-
-(s_i = sum_{s<t} theta_i^(t-1-s) w_s), so memory does not grow with the number of steps.
-Privacy: the run is a post-processing of C G + sigma Z over the strategy's horizon n (the
-query refuses step n + 1); with participations >= min_separation apart, the sensitivity is
-computed from C's coefficients (`blt_strategy.equivalent_sensitivity`), and
-sigma = noise_multiplier x S x Delta. Each step reports a `MatrixGaussianEvent`, accounted
-without amplification by sampling under cyclic Poisson / cyclic sampling.
+Privacy: a post-processing of C G + sigma Z over the horizon n (step n + 1 refused);
+sigma = z S Delta, Delta = `blt_strategy.equivalent_sensitivity` under min-separation. Each
+step reports a `MatrixGaussianEvent`, accounted without amplification.
 """
+
 
 import collections
 

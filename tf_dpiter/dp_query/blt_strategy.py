@@ -1,19 +1,12 @@
-"""Buffered linear Toeplitz (BLT) strategies (numpy + scipy, no TensorFlow).
+"""Buffered linear Toeplitz (BLT) strategies (numpy + scipy; Dvijotham et al., "Efficient and
+near-optimal noise generation for streaming differential privacy", Section 3).
 
-A BLT strategy (Dvijotham et al. 2024, "Efficient and near-optimal noise generation for
-streaming DP"; McKenna 2024) is the lower-triangular Toeplitz matrix with coefficients
-
-    c_0 = 1,   c_k = sum_i omega_i theta_i^(k-1)   (k >= 1),
-
-i.e. generating function c(z) = 1 + z sum_i omega_i / (1 - theta_i z) = P(z) / Q(z) with
-Q(z) = prod_i (1 - theta_i z). Solving C w = z takes one buffer per term (`BLTQuery`):
-O(buffers d) memory for any number of steps. Its inverse's coefficients are the impulse
-response of Q / P.
-
-Sensitivity under b-min-separation with at most k participations: for non-negative,
-non-increasing coefficients the worst case is k participations exactly b apart from step 0
-(McKenna et al. 2024, arXiv:2405.13763, Theorem 2); other coefficients are first replaced by
-their non-increasing envelope of absolute values, which bounds it from above.
+C is lower-triangular Toeplitz, c_0 = 1, c_k = sum_i omega_i theta_i^(k-1): c(z) = P(z) / Q(z),
+Q(z) = prod_i (1 - theta_i z); C^-1's coefficients are the impulse response of Q / P.
+Sensitivity under b-min-separation, k participations: for non-negative non-increasing
+coefficients the worst case is k participations b apart from step 0 (McKenna et al.,
+"Scaling up the banded matrix factorization mechanism", Theorem 2); other coefficients are
+replaced by their non-increasing envelope of absolute values (an upper bound).
 """
 
 import functools
@@ -101,9 +94,8 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
 
 
 def equivalent_sensitivity(coefs, min_separation, max_participations=None):
-  """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p): charging each of p
-  participations a Gaussian of this sensitivity costs at least the whole run's Gaussian
-  (mu^2 adds up).
+  """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p) (p Gaussians of it cost at
+  least the run's one Gaussian).
 
   Args:
     coefs: c_0..c_{n-1}.
@@ -167,9 +159,8 @@ def _optimize_cached(n, buffers, b, k, max_iter):
 
 
 def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=200):
-  """(theta, omega) of a BLT with `buffers` buffers minimizing sens^2 ||A C^-1||_F^2 for n
-  steps, with the sensitivity under min_separation / max_participations (theta in (0, 1),
-  omega > 0, so the coefficients are non-negative and the sensitivity formula is exact).
+  """(theta, omega) of a BLT of `buffers` terms minimizing sens^2 ||A C^-1||_F^2 over n steps
+  (theta in (0, 1), omega > 0: non-negative coefficients, exact sensitivity).
 
   Args:
     n: the horizon (steps).

@@ -1,9 +1,5 @@
-"""Privacy events of correlated-noise queries (no TensorFlow), in sum units like `events`.
-
-A correlated-noise query's step is not an independent Gaussian sum query: its noise is
-C^-1 Z sigma (matrix factorization) or a sum of tree-node noises. The ledger must therefore
-know what it was, and accounts it only under a sampling whose analysis covers it (see
-`tf_dpiter.accounting.ledger_events`). Fields may be tensors.
+"""Privacy events of correlated-noise queries, in sum units like `events`; the ledger accounts
+them only under a sampling whose analysis covers them (`accounting.ledger_events`).
 """
 
 import math
@@ -15,10 +11,8 @@ from tf_dpiter.errors import ParameterValueError
 class BandedGaussianEvent(NamedTuple):
   """One step of a banded matrix mechanism (BandMF / banded BLT).
 
-  l2_norm_clip S (per record), stddev sigma of each coordinate of Z, column_norm zeta (the
-  largest column norm of the strategy C: the sensitivity of C G for one participation is
-  zeta S under add/remove of an example), num_bands b of C. Accounted as a Gaussian of noise
-  multiplier sigma / (zeta S) only when participations are >= b steps apart.
+  Fields: clip S, stddev sigma per coordinate of Z, column_norm zeta (C's largest column
+  norm), num_bands b. A Gaussian of multiplier sigma / (zeta S) under b-min-separation.
   """
   l2_norm_clip: Any
   stddev: Any
@@ -29,8 +23,7 @@ class BandedGaussianEvent(NamedTuple):
 class TreeGaussianEvent(NamedTuple):
   """One step (leaf) of online tree aggregation (Kairouz et al. 2021, DP-FTRL).
 
-  l2_norm_clip S, stddev sigma of every tree node, tree_size: the most leaves one tree
-  holds before it restarts (one participation touches ceil(log2(tree_size + 1)) nodes).
+  Fields: clip S, stddev sigma per node, tree_size (leaves of one tree).
   """
   l2_norm_clip: Any
   stddev: Any
@@ -40,11 +33,8 @@ class TreeGaussianEvent(NamedTuple):
 class MatrixGaussianEvent(NamedTuple):
   """One step of a (non-banded) matrix mechanism, e.g. BLT, under b-min-separation.
 
-  l2_norm_clip S, stddev sigma per coordinate of Z, equivalent_sensitivity Delta (per unit
-  clip): max over p <= k of sens_p / sqrt(p), sens_p the sensitivity of p participations
-  >= min_separation apart within the strategy's horizon; min_separation b. Accounted without
-  amplification: each example's p participations cost p Gaussians of multiplier
-  sigma / (Delta S), which is at least the run's single Gaussian (mu^2 = sens_p^2 / sigma^2).
+  Fields: clip S, stddev sigma, equivalent_sensitivity Delta = max_p sens_p / sqrt(p) (per
+  unit clip), min_separation b. Each participation costs a Gaussian of sigma / (Delta S).
   """
   l2_norm_clip: Any
   stddev: Any

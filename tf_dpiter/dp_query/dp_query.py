@@ -1,26 +1,14 @@
-"""The DPQuery interface (McMahan et al. 2018, Section 7) and the sum-aggregation base class.
+"""The DPQuery interface (McMahan et al. 2018, "A General Approach to Adding Differential
+Privacy to Iterative Training Procedures", Section 7) and the sum-aggregation base class.
 
-A DPQuery turns a sample of records into a private aggregate in four moves:
-params = derive_sample_params(global_state); each record is clipped by
-preprocess_record(params, record) and added into a sample state; sample states from
-different workers merge; get_noised_result adds noise and returns the result, the next
-global state and the privacy *events* (in sum units) that the ledger records.
-Every method is graph-compatible: it works inside `tf.function`, and with
-`jit_compile=True` wherever no data-dependent shape is involved.
+params = derive_sample_params(global_state); each record is clipped by preprocess_record and
+summed into a sample state; sample states merge; get_noised_result returns the result, the next
+global state and the privacy events (sum units) the ledger records. Graph- and XLA-compatible.
 
-The per-record L2 clip, the one place its arithmetic lives (McMahan et al. 2018, Section 1):
-a record x (a nest of tensors read as one concatenated vector) is clipped to L2 norm S by
-
-    pi_S(x) = c * x,   c = min(1, S / ||x||_2)
-
-(McMahan et al. 2018, Sec. 2, flat clipping). Every path that clips does it through the
-functions below the section mark "the per-record L2 clip": `GaussianSumQuery.preprocess_record`
-(one record at a time, `clip_by_global_l2_norm`), and the fast (ghost-norm) path of
-tf_dpiter.keras, which obtains the norms ||g_i|| of a batch without the per-record gradients
-and asks the query for the factors c_i (`DPQuery.record_clip_factors`, built on
-`clip_factors`). The correlated-noise queries use the same functions. The clip is done in
-float32 (float64 records stay float64 only in the product) and works in graph mode and under
-XLA.
+The per-record L2 clip (same paper, Section 2, flat clipping), the one place its arithmetic
+lives: a record x (a nest read as one vector) becomes pi_S(x) = c * x, c = min(1, S / ||x||_2),
+computed in float32. Every clipping path (preprocess_record, the ghost-norm path's
+`record_clip_factors`, the correlated-noise queries) goes through the functions below.
 """
 
 import abc
@@ -60,9 +48,7 @@ def _raw_factors(norms, l2_norm_clip):
 def clip_factors(record_norms, l2_norm_clip):
   """The clip factors c_i = min(1, S / ||g_i||_2) of records whose norms are known.
 
-  A record whose norm is not finite (inf or NaN: its gradient overflowed) gets c_i = 0, so
-  it adds nothing to a clipped sum: a function of that record alone, which keeps the
-  sensitivity bound S. ||g_i|| = 0 gives c_i = 1; S = +inf gives 1 for every finite norm.
+  A non-finite norm gets c_i = 0 (a function of that record alone: sensitivity stays S).
 
   Args:
     record_norms: ||g_i||_2 >= 0, a float tensor of any shape (e.g. [B], one per record).
@@ -81,8 +67,7 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
 
   Args:
     record: a nest of float tensors x.
-    l2_norm_clip: S >= 0, a number or scalar tensor; S = +inf leaves x unchanged, and
-      ||x|| = 0 gives factor 1.
+    l2_norm_clip: S >= 0, a number or scalar tensor.
 
   Returns:
     (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2.
@@ -153,7 +138,8 @@ def flatten_up_to(shallow, structure):
   """The subtrees of `structure` at the leaves of `shallow`, in tf.nest.flatten order.
 
   Args:
-    shallow: the nest whose leaves cut `structure`; structure: a nest at least as deep.
+    shallow: the nest whose leaves cut `structure`.
+    structure: a nest at least as deep.
 
   Returns:
     a list of subtrees.
@@ -206,12 +192,8 @@ class DPQuery(metaclass=abc.ABCMeta):
     """
 
   def record_clip_factors(self, params, record_norms):
-    """The factors c_i by which `preprocess_record` scales records of norms ||x_i||.
-
-    A path that obtains the records' L2 norms without the records themselves (the ghost-norm
-    fast path of tf_dpiter.keras) clips by the query's own rule through this method: it sums
-    c_i x_i and adds the sum with `accumulate_preprocessed_record`. Only queries whose
-    preprocess_record is x -> c(||x||_2) x implement it (see `gives_clip_factors`).
+    """The factors c_i by which `preprocess_record` scales records of norms ||x_i|| (for the
+    ghost-norm path; only queries whose preprocess_record is x -> c(||x||_2) x implement it).
 
     Args:
       params: this sample's parameters (`derive_sample_params`).
@@ -242,12 +224,8 @@ class DPQuery(metaclass=abc.ABCMeta):
     """
 
   def sample_state_of_sum(self, template, preprocessed_sum):
-    """The sample state holding `preprocessed_sum`, the sum of preprocessed records formed
-    elsewhere (the ghost-norm fast path's sum_i c_i x_i).
-
-    Default: `accumulate_preprocessed_record(initial_sample_state(template), sum)`.
-    `SumAggregationDPQuery` returns the sum itself (0 + s = s), so no zeros template nor a
-    second weight-sized tensor is made.
+    """The sample state holding `preprocessed_sum`, a sum of preprocessed records formed
+    elsewhere (the ghost-norm path's sum_i c_i x_i).
 
     Args:
       template: a nest of tensors, variables or `tf.TensorSpec`s shaped like one record.
@@ -274,10 +252,7 @@ class DPQuery(metaclass=abc.ABCMeta):
         sample_state, self.preprocess_record(params, record))
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """Accumulates a batch (leading axis of every leaf) record by record.
-
-    Generic fallback, a `tf.while_loop`; sum-aggregation queries override it with a
-    vectorized version. Records whose `mask` entry is 0 are skipped.
+    """Accumulates a batch (leading axis of every leaf) record by record (a tf.while_loop).
 
     Args:
       params: the sample's params.
@@ -341,10 +316,7 @@ class DPQuery(metaclass=abc.ABCMeta):
   # ---- serialization (see tf_dpiter.dp_query.serialization) ---------------------------
 
   def get_config(self):
-    """Constructor arguments as plain Python values (child queries serialized).
-
-    The default serves classes whose constructor takes no argument; others override it.
-    """
+    """Constructor arguments as plain Python values (child queries serialized)."""
     if type(self).__init__ is object.__init__:
       return {}
     raise NotImplementedError(
@@ -366,12 +338,7 @@ class DPQuery(metaclass=abc.ABCMeta):
 
 
 def forwarded(name, inner):
-  """A method of a wrapper query that calls method `name` of the query it wraps, unchanged.
-
-  The method takes the arguments of `DPQuery.<name>` and returns what the wrapped query's
-  method returns; its docstring and signature are `DPQuery`'s (one statement of the
-  contract). E.g. in a class holding the wrapped query in `self._query`:
-  `derive_sample_params = forwarded("derive_sample_params", "_query")`.
+  """A wrapper query's method `name` that calls the wrapped query's (DPQuery's docstring).
 
   Args:
     name: a DPQuery method name.
@@ -388,11 +355,8 @@ def forwarded(name, inner):
 
 
 def gives_clip_factors(query):
-  """True if `query` clips by factors that its `record_clip_factors` reproduces.
-
-  That is: its class implements `record_clip_factors` (not `DPQuery`'s, which raises), and no
-  class below the one that does redefines `preprocess_record` (a subclass that changes the
-  clipping without changing the factors would make a factor-based path clip by another rule).
+  """True if `query` implements `record_clip_factors` and no class below the implementing one
+  redefines `preprocess_record` (which would make the factors clip by another rule).
 
   Args:
     query: a DPQuery instance.
@@ -433,9 +397,8 @@ class SumAggregationDPQuery(DPQuery):
     return tf.nest.map_structure(tf.add, sample_state, preprocessed_record)
 
   def sample_state_of_sum(self, template, preprocessed_sum):
-    """DPQuery.sample_state_of_sum: the sum itself, cast to the template's dtypes (no
-    copy when they match), when this class keeps SumAggregationDPQuery's state (zeros
-    plus records); otherwise DPQuery's default.
+    """DPQuery.sample_state_of_sum: the sum itself cast to the template's dtypes (if this
+    class keeps SumAggregationDPQuery's state; otherwise DPQuery's default).
 
     Args:
       template: a nest of tensors, variables or `tf.TensorSpec`s shaped like one record.
@@ -476,14 +439,11 @@ class SumAggregationDPQuery(DPQuery):
   def accumulate_records(self, params, sample_state, records, mask=None):
     """Clips each record of a batch (vectorized) and adds their sum to the state.
 
-    `mask` is a float [B] vector of 0/1 weights: padded rows (mask 0) add nothing,
-    which lets a Poisson sample be padded to a static shape.
-
     Args:
       params: the sample's params.
       sample_state: the state so far.
       records: a nest of [B, ...] tensors.
-      mask: optional [B] 0/1 weights.
+      mask: optional [B] 0/1 weights (0: a padding row, adds nothing).
 
     Returns:
       the new sample state.

@@ -1,9 +1,7 @@
 """Privacy events returned by `DPQuery.get_noised_result` (McMahan et al. 2018, Section 6).
 
-Every field is in *sum* units: a Gaussian sum query with privacy tuple
-(S_g, sigma~_g) reports `GaussianSumEvent(l2_norm_clip=S_g, stddev=sigma~_g)`, whatever
-post-processing (averaging, rescaling) the query applies afterwards. Fields may be
-tensors, so that adaptive queries can report the clip they actually used.
+Every field is in *sum* units (a query's privacy tuple (S_g, sigma~_g), whatever
+post-processing follows); fields may be tensors (an adaptive query's clip).
 """
 
 from typing import Any, NamedTuple

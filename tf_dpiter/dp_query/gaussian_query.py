@@ -1,10 +1,5 @@
-"""Gaussian sum query (McMahan et al. 2018, Section 1, step 2-3).
-
-Each record is clipped to L2 norm S; the sum gets N(0, sigma^2 I) noise. Privacy tuple
-(S, sigma); noise multiplier z = sigma / S. `gaussian_stddev` is the one place where
-sigma = z S is computed from a clip and a noise multiplier (every query, optimizer and
-server builds its Gaussian noise through it).
-"""
+"""Gaussian sum query (McMahan et al. 2018, Section 1): records clipped to L2 norm S, the sum
+plus N(0, sigma^2 I), sigma = z S (computed only in `gaussian_stddev`)."""
 
 import collections
 import numbers
@@ -31,21 +26,15 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
   """sigma = z * S, the noise standard deviation (sum units) of a Gaussian sum query.
 
   McMahan et al., "A General Approach to Adding Differential Privacy to Iterative Training
-  Procedures", Section 1: records clipped to L2 norm S, noise N(0, sigma^2) with sigma = z S.
-  The edge cases are explicit: z = 0 means no noise (sigma = 0, also for S = +inf, where
-  z * S would be NaN); S <= 0 (`tf_dpiter.validation.check_clip_norm`: the ledger's
-  z = sigma / S would be 0 / 0), z = +inf, and S = +inf with z > 0 (infinite noise) are
-  refused.
+  Procedures", Section 1. z = 0 gives sigma = 0 (also for S = +inf).
 
   Args:
     l2_norm_clip: S > 0 (+inf allowed with z = 0); a number or a float tensor.
     noise_multiplier: z >= 0, finite; a number or a float tensor.
-    validate: False when S and z were validated already (a `DPConfig`'s, which its noise
-      mechanism passes on): the arithmetic only.
+    validate: False when S and z were validated already (a `DPConfig`'s).
 
   Returns:
-    sigma: a Python float for numbers; for tensors a float32 (float64 if an input is float64)
-    tensor, `tf.where(z == 0, 0, z * S)`, computed in graph mode and under XLA.
+    sigma: a Python float for numbers, else a float32 (float64 if an input is) tensor.
 
   Raises:
     ParameterTypeError: an argument is not a number.
@@ -74,22 +63,12 @@ BLOCK_VALUES = 1 << 22
 def add_gaussian_noise(generator, structure, stddev):
   """structure + N(0, stddev^2) per coordinate, drawn from `generator`, in bounded draws.
 
-  The noise, stddev and the addition are computed in float32 (float64 leaves in float64)
-  whatever the leaves' dtype, so a 16-bit sum gets exactly sigma (bfloat16 would apply 1.3 as
-  1.296875 and draw from ~3,500 values); the noised result is cast back to the leaf's dtype
-  afterwards (post-processing). The leaves of static size computed in float32 form one stream
-  of values (the leaves whose size is a multiple of 16 first, so that their slices of a draw
-  are views), noised by consecutive draws of `BLOCK_VALUES` values each
-  (`randomness.padded_normal`, sigma applied to the Box-Muller radius; the last draw holds
-  what is left): leaf i gets the i.i.d. values [o_i, o_i + size_i) of the stream, so no value
-  serves twice and none is drawn for nothing. A leaf within one draw is noised by one
-  addition; a leaf across draws block by block into its own buffer
-  (`tf.raw_ops.TensorStridedSliceUpdate`, which reuses the buffer of a sum nothing else
-  reads). In a traced graph every full draw is a call of one function (its exact-tail branch
-  and loops appear once in the graph, not once per draw). Float64 leaves and leaves of unknown
-  size get their own draws (`_noised_leaf`). The draws run one after the other (each waits
-  for the leaves the previous one noised), so besides the sum itself one draw's temporaries
-  are alive at a time: memory O(sum + block), not O(2 x sum).
+  Noise and addition are in float32 (float64 leaves: float64) whatever the leaf dtype, so a
+  16-bit sum gets exactly sigma; the result is cast back (post-processing). The static float32
+  leaves (sizes multiple of 16 first: their slices are views) form one stream noised by
+  consecutive draws of `BLOCK_VALUES` values: leaf i takes values [o_i, o_i + size_i), so no
+  value serves twice. A leaf across draws is noised block by block in its own buffer
+  (`TensorStridedSliceUpdate`). Draws run in sequence: memory O(sum + block).
 
   Args:
     generator: a tf.random.Generator or `randomness.SecureRandom`.
@@ -190,14 +169,8 @@ _ALIGNED_VALUES = 16
 
 
 def _stream_pieces(halves, spans):
-  """The values [lo, hi) of one draw for each (lo, hi) of `spans` (consecutive spans from
-  0, ascending), the draw given as its two halves (`randomness.padded_normal_halves`: value
-  v is halves[0][v] below m, else halves[1][v - m]).
-
-  Each half is cut by one split at the spans' aligned boundaries (views of its buffer: one
-  op for all the pieces instead of a slice and its 2 constants per piece); a span that
-  starts or ends off the alignment is sliced from its aligned segment (a copy, as an
-  unaligned slice is), and the one span that crosses m is its two parts joined.
+  """The values [lo, hi) of one draw (its two halves: value v is halves[0][v] below m, else
+  halves[1][v - m]) for each consecutive span, cut by one split per half at aligned points.
 
   Args:
     halves: the draw's two float32 halves, each [m] (m static, a multiple of 16).
@@ -281,9 +254,8 @@ def _joined(parts):
 
 
 def adds_scaled_noise(query):
-  """True if `query`'s noised result is `GaussianSumQuery`'s (a subclass that leaves
-  `get_noised_result` as it is and keeps the plain sum as its sample state), so that its
-  `get_scaled_noised_result` gives the same result for a sum formed already scaled.
+  """True if `query`'s noised result and sample state are `GaussianSumQuery`'s (so that
+  `get_scaled_noised_result` is valid for it).
 
   Args:
     query: a DPQuery instance.
@@ -356,9 +328,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
 
   @property
   def noise_generator(self):
-    """The random source of the noise: a `tf.random.Generator` (Philox), or a
-    `randomness.SecureRandom` in secure mode. Multi-worker training makes the generators of
-    all workers identical through it (`keras.multi_worker.synchronize_noise`)."""
+    """The noise's random source: a `tf.random.Generator`, or `randomness.SecureRandom`."""
     return self._generator
 
   def get_config(self):
@@ -397,8 +367,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """DPQuery.derive_sample_params: the clip S of this sample.
 
     Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
+      global_state: the query's global state.
     """
     return global_state.l2_norm_clip
 
@@ -442,15 +411,8 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     return result, global_state, (event,)
 
   def get_scaled_noised_result(self, scaled_sum, global_state, scale):
-    """`get_noised_result` of a sum that was formed already multiplied by `scale`.
-
-    a (sum + N(0, sigma^2 I)) = a sum + N(0, (a sigma)^2 I): the noise is drawn with
-    stddev a sigma (`add_gaussian_noise`, a folded into the Box-Muller radius) and added to
-    the given a sum, so a caller that divides the noised sum by a denominator d passes
-    a = 1 / d, forms the sum with its clip factors times a (a vector of one value per
-    record), and gets the noised average with one addition per coordinate instead of a
-    division after it. The event is that of the unscaled sum, (S, sigma): the scale is
-    post-processing of a public constant and changes no privacy parameter.
+    """`get_noised_result` of a sum formed already multiplied by a public `scale` a:
+    a (sum + N(0, sigma^2 I)) = a sum + N(0, (a sigma)^2 I); the event stays (S, sigma).
 
     Args:
       scaled_sum: a * the clipped sum (the sample state times `scale`).
@@ -470,8 +432,7 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     """DPQuery.derive_metrics: {l2_norm_clip, stddev}.
 
     Args:
-      global_state: the query's global state (from `initial_global_state`, or returned by the
-        previous `get_noised_result`).
+      global_state: the query's global state.
     """
     return collections.OrderedDict(l2_norm_clip=global_state.l2_norm_clip,
                                    stddev=global_state.stddev)

@@ -22,10 +22,7 @@ from tf_dpiter.dp_query import serialization
 class JointClipQuery(dp_query.SumAggregationDPQuery):
   """Joint clipping of vectors on different scales (McMahan et al. 2018, Section 2).
 
-  The global state is (S_g, sigma~_g) as float32, the sample params S_g; a record v becomes
-  s(v; alpha) = (v_j / alpha_j)_j clipped jointly to L2 norm S_g; the scaled sum gets
-  N(0, sigma~_g^2) and is scaled back by alpha_j, with the scaled sum's event
-  GaussianSumEvent(S_g, sigma~_g). The config holds the scales nest, S_g, sigma~_g and the seed.
+  Event: the scaled sum's GaussianSumEvent(S_g, sigma~_g) (module docstring).
 
   Args:
     scales: a nest of alpha_j > 0 matching the record's structure (down to its leaves).

@@ -34,10 +34,8 @@ def clip_by_l1_norm(record, l1_norm_clip):
 def laplace_noise(generator, shape, scale, dtype=tf.float32):
   """Laplace(0, scale) samples of `shape`: b (E1 - E2), E1, E2 independent standard exponentials.
 
-  The exponentials come from `randomness.exponential` (Philox bits, exact in the tail), so
-  |noise| is not bounded (inversion of a float32 uniform, -b sign(u) log(1 - 2|u|), cannot
-  exceed b ln 2^24, which breaks pure epsilon), and the draw is the same eagerly, in
-  `tf.function` and under XLA. Computed in float32, then cast to `dtype`.
+  The exponentials come from `randomness.exponential` (exact in the tail: |noise| unbounded,
+  as pure epsilon requires). Computed in float32, then cast to `dtype`.
 
   Args:
     generator: a tf.random.Generator.
@@ -59,10 +57,8 @@ def laplace_noise(generator, shape, scale, dtype=tf.float32):
 class LaplaceSumQuery(dp_query.SumAggregationDPQuery):
   """Sum of records clipped to L1 norm C, plus Laplace(0, b) per coordinate.
 
-  Pure epsilon = C / b per sample (Dwork & Roth, Thm 3.6). The global state is (C, b) as
-  float32, the sample params C; a record is clipped to L1 norm C (`clip_by_l1_norm`); the sum
-  gets Laplace(0, b) noise per coordinate (in float32 or wider), with the event
-  LaplaceSumEvent(C, b). The config holds C, b and the seed.
+  Pure epsilon = C / b per sample (Dwork and Roth, "The Algorithmic Foundations of
+  Differential Privacy", Theorem 3.6); event LaplaceSumEvent(C, b).
 
   Args:
     l1_norm_clip: C > 0, finite.

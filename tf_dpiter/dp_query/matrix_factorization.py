@@ -1,29 +1,15 @@
 """Strategy matrices for correlated-noise mechanisms (pure numpy + scipy, no TensorFlow).
 
-The matrix mechanism releases prefix sums A G of per-step clipped gradient sums G (A: the
-n x n lower-triangular all-ones matrix) as A (G + C^-1 Z sigma), with Z iid N(0, 1) and a
-*strategy* C (Denisov et al. 2022; Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
-Factorization", Sections 2-4). Privacy is that of releasing C G + sigma Z, whose sensitivity
-is a function of C's columns; utility is the expected squared error of the prefix sums,
-
-    E ||A C^-1 Z sigma||_F^2 = sigma^2 ||A C^-1||_F^2  (per coordinate),
-
-so a strategy is judged by loss(C) = sens(C)^2 ||A C^-1||_F^2 (scale-free).
-
-*Banded* strategies (C[i, j] = 0 unless 0 <= i - j < b) have O(b d) noise memory, and when
-every example participates at most once every b' >= b steps (b-min-separation, e.g. cyclic
-Poisson sampling) the columns an example touches have disjoint supports: the sensitivity of
-one participation is the largest column norm, and k participations give the square root of
-the sum of k squared column norms (`minsep_sensitivity`). Strategies returned here are
-normalized to max column norm 1, so that sigma = noise_multiplier x clip.
-
-Two optimizers minimize ||A C^-1||_F^2 with max column norm 1:
-  * `optimize_banded`: a general banded C, columns normalized through the parameterization
-    (Choquette-Choo et al. 2023, Section 4, L-BFGS on the primal); O(n^3) per iteration.
-  * `optimize_banded_toeplitz`: a Toeplitz banded C with b coefficients (McKenna et al.
-    2024, "Scaling up the banded matrix factorization mechanism"): O(n b) per iteration,
-    usable for n in the tens of thousands.
-Results are cached in memory (and on disk when `cache_dir` is given).
+The matrix mechanism releases prefix sums A G of per-step clipped sums G as
+A (G + C^-1 Z sigma), Z iid N(0, 1) (Choquette-Choo et al., "(Amplified) Banded Matrix
+Factorization: A unified approach to private training", Sections 2-4): privacy is that of
+C G + sigma Z, error E ||A C^-1 Z sigma||_F^2 = sigma^2 ||A C^-1||_F^2 per coordinate, so a
+strategy's loss is sens(C)^2 ||A C^-1||_F^2. A b-banded C under b-min-separation: one
+participation's sensitivity is the largest column norm (`minsep_sensitivity` for k).
+Strategies are normalized to max column norm 1 (sigma = z S). `optimize_banded`: general
+banded C (same paper, Section 4), O(n^3) per iteration; `optimize_banded_toeplitz`: Toeplitz
+(McKenna et al., "Scaling up the banded matrix factorization mechanism"), O(n b). Cached in
+memory (and on disk with `cache_dir`).
 """
 
 import functools
@@ -116,9 +102,8 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
   """L2 sensitivity of C G (per unit clip) when one example's participations are at least
   `min_separation` steps apart, at most `max_participations` times (default: as many as fit).
 
-  Requires `min_separation` >= the number of bands of C, so that the columns of the steps an
-  example joins have disjoint supports and ||C u||^2 = sum of their squared column norms;
-  the maximum over admissible participation patterns u is found by dynamic programming.
+  With `min_separation` >= C's bands the columns have disjoint supports: ||C u||^2 is a sum
+  of squared column norms, maximized over patterns u by dynamic programming.
 
   Args:
     matrix: the strategy C, lower triangular [n, n].
@@ -152,8 +137,7 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
 
 
 def prefix_error(matrix):
-  """||A C^-1||_F^2 / n: mean squared prefix-sum error per step and coordinate, per unit of
-  sigma^2 (sigma = noise per coordinate of Z). Multiply by sigma^2 for the expected error.
+  """||A C^-1||_F^2 / n: mean squared prefix-sum error per step and coordinate per sigma^2.
 
   Args:
     matrix: the strategy C, lower triangular and invertible [n, n].
@@ -200,9 +184,6 @@ def _toeplitz_cached(n, bands, max_iter):
 
 def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
   """Toeplitz coefficients c (length `bands`, ||c|| = 1) minimizing ||A C^-1||_F^2 for n steps.
-
-  With ||c|| = 1 every column norm is <= 1 (the first n - b + 1 equal 1). bands = 1 gives
-  c = [1] (DP-SGD).
 
   Args:
     n: steps the strategy is optimized for.

@@ -27,8 +27,7 @@ _NoisedResult = collections.namedtuple("_NoisedResult", ["result", "global_state
 
 
 def _per_leaf(name):
-  """A NestedQuery method: `DPQuery.<name>` of every leaf query, each on its own part of
-  every argument (the arguments are nests over the leaves); returns the nest of results.
+  """A NestedQuery method: `DPQuery.<name>` of every leaf query on its part of the arguments.
 
   Args:
     name: a DPQuery method name.
@@ -49,11 +48,8 @@ def _per_leaf(name):
 class NestedQuery(dp_query.SumAggregationDPQuery):
   """A nest (dict, list, tuple) of queries; a record has the same nest structure.
 
-  Each leaf query sees its own part of every record; events are those of all leaves,
-  in `tf.nest.flatten` order (McMahan et al. 2018, Section 2, footnote 2; their Eq. (1)
-  composes them). The global state, sample params and sample state are the nests of the
-  leaves'; the metrics are the leaves' as group_{i}/{name}; the config holds the serialized
-  nest of leaf queries.
+  Events: all leaves', in `tf.nest.flatten` order (McMahan et al. 2018, Section 2; Eq. (1)
+  composes them).
 
   Args:
     queries: a nest of SumAggregationDPQuery leaves (at least one).
@@ -137,9 +133,7 @@ def per_layer_clips(total_clip, num_groups):
 def dimension_adjusted_clips(total_clip, dims):
   """S_g = S* * sqrt(d_g / D), D = sum_g d_g (Section 2).
 
-  The extracted text reads S*/sqrt(d_g/D); that would give sum_g S_g^2 > S*^2 and disagree
-  with per-layer clipping for equal d_g, so we use the reading for which
-  sum_g S_g^2 = S*^2 (the total L2 bound) and equal d_g recover S*/sqrt(m).
+  (The reading for which sum_g S_g^2 = S*^2, the total L2 bound.)
 
   Args:
     total_clip: S* > 0.

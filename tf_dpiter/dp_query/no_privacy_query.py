@@ -25,9 +25,8 @@ class NoPrivacySumQuery(dp_query.SumAggregationDPQuery):
 class NoPrivacyAverageQuery(dp_query.SumAggregationDPQuery):
   """Plain average over the records actually seen; reports a NonPrivateEvent.
 
-  The sample state is (sum, count), a record adds (record, 1) unclipped, and the result is the
-  exact mean over the records seen, sum / max(count, 1), with the event NonPrivateEvent().
-  """
+  The result is sum / max(count, 1), unclipped."""
+
 
   def initial_sample_state(self, template):
     return (dp_query.zeros_like_template(template), tf.constant(0.0))

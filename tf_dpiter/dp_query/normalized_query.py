@@ -17,12 +17,7 @@ from tf_dpiter.dp_query import serialization
 class NormalizedQuery(dp_query.SumAggregationDPQuery):
   """numerator_query's noised sum divided by a fixed `denominator` (e.g. q n).
 
-  Dividing by the expected sample size, never the realized one, is post-processing; the
-  events are the numerator's (McMahan et al., "A General Approach to Adding Differential
-  Privacy to Iterative Training Procedures", footnote 1). The state, params, clipping and
-  metrics are the numerator's; the result is the numerator's noised sum divided by the
-  denominator, with the numerator's events (in sum units). The config holds the serialized
-  numerator query and the denominator.
+  Post-processing: the events are the numerator's (module docstring).
 
   Args:
     numerator_query: a SumAggregationDPQuery.
@@ -82,8 +77,6 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 @serialization.register_query()
 class GaussianAverageQuery(NormalizedQuery):
   """(sum of records clipped to S + N(0, sum_stddev^2)) / denominator.
-
-  Its config holds S, sum_stddev, the denominator and the seed.
 
   Args:
     l2_norm_clip: S.

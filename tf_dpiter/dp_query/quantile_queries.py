@@ -1,15 +1,10 @@
-"""Private adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021).
+"""Private adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy, "Differentially Private
+Learning with Adaptive Clipping", Section 2).
 
-`QuantileEstimatorQuery` tracks the gamma-quantile of a scalar per record (the update norm)
-privately: each record contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the noised
-sum gives the fraction below, b_bar = (sum b + N(0, sigma_b^2)) / expected_num_records + 1/2,
-and C <- C * exp(-eta (b_bar - gamma)) (geometric) or C <- C - eta (b_bar - gamma).
-
-`QuantileAdaptiveClipSumQuery` clips records to the current C, sums them with noise, and
-moves C toward the quantile. For a total noise multiplier z, the value query uses
-z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that by Eq. (1) of McMahan et al. 2018 the two queries of a
-sample together have noise multiplier exactly z. This replaces the (non-private) median
-clipping of Geyer et al. 2017.
+Each record contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); b_bar = (sum b +
+N(0, sigma_b^2)) / expected_num_records + 1/2; C <- C exp(-eta (b_bar - gamma)) (geometric) or
+C - eta (b_bar - gamma). The value query's z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2) makes the two
+queries together z (Eq. (1) of McMahan et al. 2018).
 """
 
 import collections
@@ -32,11 +27,7 @@ _BELOW_SENSITIVITY = 0.5
 class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
   """Private estimate of the `target_quantile` of scalar records (Andrew et al. 2021).
 
-  The global state is (estimate C, target gamma, rate eta, sigma_b, expected records) as
-  float32, the sample params C, the sample state the sum of the b's. Each scalar record
-  contributes b = 1[x <= C] - 1/2 (L2 sensitivity 1/2); the result is the new estimate
-  C exp(-eta (b_bar - gamma)) (geometric) or C - eta (b_bar - gamma) (`update_estimate`),
-  with the event GaussianSumEvent(1/2, sigma_b); the metrics are {"estimate": C}.
+  Event per sample: GaussianSumEvent(1/2, sigma_b) (module docstring).
 
   Args:
     initial_estimate: C_0 >= 0, finite.
@@ -156,9 +147,6 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
 def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
   """z_v = (z^-2 - (2 sigma_b)^-2)^(-1/2): the value query's share of a total z.
 
-  By Eq. (1) of McMahan et al. 2018 the value query (z_v) and the count query (sensitivity 1/2, noise
-  sigma_b) of one sample together have noise multiplier z.
-
   Args:
     noise_multiplier: the total z >= 0 (0: no noise, z_v = 0).
     clipped_count_stddev: sigma_b, > z / 2.
@@ -186,12 +174,7 @@ def value_noise_multiplier(noise_multiplier, clipped_count_stddev):
 class QuantileAdaptiveClipSumQuery(dp_query.SumAggregationDPQuery):
   """Gaussian sum query whose clip follows a private quantile of the record norms.
 
-  Each sample: records clipped to the current C, their sum + N(0, (z_v C)^2); the count of
-  norms below C (noise sigma_b) moves C toward the target quantile. Events:
-  GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z by Eq. (1). The
-  global state is (C, z_v, the quantile estimator's state), the sample params C, a record
-  becomes (record clipped to L2 norm C, b = 1[||record|| <= C] - 1/2) and the sample state
-  (sum, sum of b); the metrics are {"clip": C}; the config holds the constructor's arguments.
+  Events: GaussianSumEvent(C, z_v C) and GaussianSumEvent(1/2, sigma_b), together z.
 
   Args:
     initial_l2_norm_clip: C_0 > 0, finite (a geometric update keeps C = 0 at 0).

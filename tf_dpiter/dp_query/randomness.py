@@ -20,11 +20,9 @@ class NotPrivateSeedWarning(UserWarning):
 
 
 class SecureRandom:
-  """Secure mode (as Opacus' `secure_mode`): every random bit comes from the operating
-  system's CSPRNG (`os.urandom`), and `normal` returns (z1 + z2) / sqrt(2) of two independent
-  Box-Muller draws, so that no single floating-point draw fixes the low-order bits of the noise
-  (Mironov 2012; Jin et al. 2022). Costs about 2x the bits and a host copy per draw; the draw
-  runs in `tf.numpy_function`, so not under XLA."""
+  """Secure mode: every bit from `os.urandom`; `normal` returns (z1 + z2) / sqrt(2) of two
+  Box-Muller draws (Mironov, "On Significance of the Least Significant Bits for Differential
+  Privacy"). Runs in `tf.numpy_function` (not under XLA)."""
 
   def words(self, size):
     """`size` uniform 64-bit words from os.urandom.
@@ -80,9 +78,7 @@ def _static_or_tensor(x):
 
 
 def _uint32_words(generator, shape):
-  """Uniform 32-bit words of `shape` (uint32): ceil(count / 2) 64-bit draws (Philox, or
-  os.urandom in secure mode) reinterpreted as 32-bit words (a bitcast: no op over the data;
-  under XLA, 64-bit Philox draws cost a quarter of 32-bit ones on CPU).
+  """Uniform 32-bit words of `shape` (uint32): ceil(count / 2) 64-bit draws, bitcast.
 
   Args:
     generator: a tf.random.Generator or a SecureRandom.
@@ -118,15 +114,9 @@ def _bucket(word, bucket_bits):
 def exponential(generator, size, bucket_bits=32, refine_below=256):
   """`size` standard exponential samples E = -ln U (float32), exact in the tail.
 
-  U = 2^-b (k + v) with k uniform on [0, 2^b) from Philox bits and v uniform on (0, 1):
-  E = -ln(2^-b (k + v)) = b ln 2 - ln(k + v). For k >= `refine_below` v is the bucket's
-  midpoint 1/2 (a relative error of U <= 1 / (2 refine_below)); for 1 <= k < refine_below a
-  fresh 32-bit v is drawn; for k = 0 the exponential is memoryless, E = b ln 2 + E', and E' is
-  drawn again the same way. So the sampler has **no truncation**: P(E > t) is exact for every
-  t (the loop ends with probability 1). Refinements are rare (probability refine_below 2^-b
-  per value); only the values that need one are redrawn, at the cost of a few small ops.
-  ln U is computed from U = 2^-b (k + 1/2) <= 1 itself (not as b ln 2 - ln(k + 1/2), whose
-  cancellation costs ~2e-6 absolute near E = 0), so E >= 0 and small E keep their precision.
+  U = 2^-b (k + v), k uniform on [0, 2^b), v uniform on (0, 1): for k >= `refine_below` v is
+  1/2; for 1 <= k < refine_below a fresh 32-bit v is drawn; for k = 0, E = b ln 2 + E' (the
+  exponential is memoryless) with E' drawn again. No truncation: P(E > t) is exact for all t.
 
   Args:
     generator: a tf.random.Generator or a SecureRandom.
@@ -148,17 +138,8 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
 
 
 def _log_uniform(generator, k, bucket_bits=32, refine_below=256):
-  """ln U = -E of `exponential` given its first buckets k (float32): ln(2^-b (k + 1/2)) <= 0
-  (2^-b (k + 1/2) <= 1 exactly in float32, and ln x <= 0 for x <= 1, checked for every float32
-  in [1/4, 1]), with the rare k < refine_below redrawn exactly (`_refined`) in a branch
-  taken only when one is present.
-
-  In a graph, for a Philox generator and a k of static size, that branch is one call of a
-  function shared by every trace of the process and never inlined (`_shared_refined`): its
-  loops are traced once per process, not at every trace of a train step, and the graph
-  TensorFlow optimizes at each new step function holds one call op where it held the loops
-  (TensorFlow instantiates the function only when the branch runs). It draws the same words
-  in the same order.
+  """ln U = -E of `exponential` given its first buckets k (float32): ln(2^-b (k + 1/2)) <= 0,
+  the rare k < refine_below redrawn exactly (`_refined`, in a graph through `_shared_refined`).
   """
   size = _static_or_tensor(tf.size(k))
   capacity = _refine_capacity(size, bucket_bits, refine_below)
@@ -181,11 +162,8 @@ def _refine_capacity(size, bucket_bits, refine_below):
 
 
 class _PhiloxState:
-  """A Philox `tf.random.Generator` seen through its state variable's resource handle (an
-  argument of the shared function, which so holds no generator): `uniform_full_int` as
-  the generator forms it (read-and-skip of the state by the value count, then the stateless
-  kernel at the key and counter read), so the words and the state after the draw are the
-  generator's own."""
+  """A Philox generator seen through its state variable's handle: `uniform_full_int` draws the
+  generator's own words and advances its state as it would."""
 
   _COUNTER_WORDS = 2   # Philox: a 128-bit counter (two int64 words) before the key
 
@@ -216,11 +194,8 @@ _SHARED = {}   # (capacity, bucket_bits, refine_below) -> the shared tf.function
 
 
 def _shared_refined(generator, k, size, capacity, bucket_bits, refine_below):
-  """`_refined` as a call of one function shared by the process's traces and marked
-  `_noinline`: a callable of log_u giving the refined log_u; or None where it does not apply
-  (eagerly, secure mode, another algorithm than Philox, a generator of a distribution
-  strategy, whose key depends on the replica, or a size known only at run time, whose
-  capacity is a tensor)."""
+  """`_refined` as one `_noinline` function shared by the process's traces (a callable of
+  log_u), or None (eager, secure mode, not Philox, a strategy's generator, a dynamic size)."""
   if (tf.executing_eagerly() or not isinstance(generator, tf.random.Generator)
       or generator.algorithm != tf.random.Algorithm.PHILOX.value
       or getattr(generator, "_distribution_strategy", None) is not None
@@ -285,12 +260,9 @@ def _exact_exponential(generator, k, pending, bucket_bits, refine_below):
 def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor:
   """Standard normal samples of `shape` drawn from `generator`, with no truncation.
 
-  float64 uses `generator.normal`. Other float dtypes use the Box-Muller transform (Box &
-  Muller 1958) computed in float32 and cast at the end: a pair r cos(theta), r sin(theta)
-  with r = sqrt(2 E), E standard exponential from `exponential` (exact in the tail, so |z|
-  is not bounded: the old sampler could not exceed 6.76, which put a floor under delta) and
-  theta = 2 pi h 2^-32 from another 32 Philox bits. A `SecureRandom` gives
-  (z1 + z2) / sqrt(2) of two independent Box-Muller draws.
+  float64 uses `generator.normal`; other dtypes Box-Muller (Box and Muller, "A Note on the
+  Generation of Random Normal Deviates") in float32: r cos(theta), r sin(theta), r = sqrt(2 E)
+  with E from `exponential` (untruncated tail), theta = 2 pi h 2^-32.
 
   Args:
     generator: a tf.random.Generator or a SecureRandom.
@@ -311,12 +283,8 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
 def padded_normal(generator, size, stddev=None):
   """At least `size` float32 N(0, stddev^2) values: Box-Muller on 32-bit words (see `normal`).
 
-  z = (sigma r cos(theta), sigma r sin(theta)) for m pairs, m = ceil(size / 2) rounded up to
-  a multiple of 16, so the two halves and any slice starting and ending at a multiple of 16
-  are views of one buffer (no copy); the caller uses the first `size` values (all 2m are
-  i.i.d.). r = sqrt(-2 ln U), U = 2^-32 (k + 1/2), so r = sqrt(2 E) with E from
-  `exponential` (exact in the tail), theta = 2 pi h 2^-32 (k, h: two 32-bit words). sigma multiplies r (m values), not
-  the 2m outputs. A `SecureRandom` gives (z1 + z2) / sqrt(2) of two such draws.
+  (sigma r cos(theta), sigma r sin(theta)) for m pairs, m = ceil(size / 2) rounded up to a
+  multiple of 16 (aligned slices are views); all 2m values are i.i.d.
 
   Args:
     generator: a tf.random.Generator or a SecureRandom.
@@ -330,10 +298,8 @@ def padded_normal(generator, size, stddev=None):
 
 
 def padded_normal_halves(generator, size, stddev=None):
-  """`padded_normal`'s values as its two halves, (sigma r cos(theta), sigma r sin(theta)),
-  each [m]: value v of `padded_normal` is halves[0][v] for v < m, else halves[1][v - m]. A
-  caller that adds the noise into slices takes them from the halves and skips the copy that
-  joins them (one pass over the 2m values).
+  """`padded_normal`'s values as its two halves, each [m]: value v is halves[0][v] for v < m,
+  else halves[1][v - m].
 
   Args:
     generator: a tf.random.Generator or a SecureRandom.

@@ -1,21 +1,7 @@
-"""Serialization of DPQuery objects: plain, JSON-able configs and a registry of classes.
-
-`serialize(query)` returns {"class_name": name, "config": query.get_config()}, where the
-config holds the constructor arguments as plain Python values (numbers, strings, None,
-lists, dicts) and child queries as their own serialized dicts. `deserialize(d)` rebuilds the
-query with `cls.from_config(config)`. A query rebuilt this way has the same clip, noise
-standard deviation and seed as the original; its noise generator starts afresh (from the
-seed when there is one, from OS entropy otherwise).
-
-The library's query classes register themselves when their module is imported; classes of
-the layers above dp_query (the ledger's `QueryWithLedger`, federated's queries) are also
-declared with `tf_dpiter.dp_query.declare_query_module(name, module)` by the package root, so
-that `deserialize` imports their module on demand in a fresh process. This module names no
-module above dp_query. A user's own DPQuery subclass is registered
-with `@register_query()` (or Keras' `@keras.saving.register_keras_serializable()`, or
-`custom_objects={"Name": cls}` given to `deserialize` / `keras.models.load_model`) and
-implements `get_config()` (and `from_config` when the constructor does not take the config
-as keyword arguments, e.g. to deserialize child queries).
+"""Serialization of DPQuery objects: {"class_name", "config": get_config()} with plain values
+(child queries serialized), and a registry of classes (`register_query`; upper layers'
+queries through `declare_query_module`). A rebuilt query has the same clip, noise and seed;
+its generator starts afresh.
 """
 
 import importlib
@@ -146,11 +132,8 @@ def _lookup(name, custom_objects):
 
 
 def deserialize(config, custom_objects=None):
-  """The DPQuery described by `config` (a dict from `serialize`).
-
-  The class is looked up in `custom_objects`, the registry, Keras' registry, then among the
-  modules declared with `declare_query_module` (imported on demand, so a fresh process
-  rebuilds e.g. a `QueryWithLedger` without importing the ledger package first).
+  """The DPQuery described by `config` (a dict from `serialize`); the class is looked up in
+  `custom_objects`, the registry, Keras' registry, then the declared modules.
 
   Args:
     config: a dict {"class_name": str, "config": dict} (a DPQuery is returned as it is).
@@ -223,9 +206,7 @@ def _check_plain(value, where):
 
 
 def encode_nest(nest, leaf_fn=plain):
-  """A JSON-able copy of a dict/list/tuple nest.
-
-  Leaves go through `leaf_fn`; tuples become {"__tuple__": [...]} (JSON has no tuples).
+  """A JSON-able copy of a dict/list/tuple nest; tuples become {"__tuple__": [...]}.
 
   Args:
     nest: a dict/list/tuple nest.

@@ -1,26 +1,16 @@
 """The DPQuery contract as a test base class: test your own query as tf_dpiter tests its own.
 
-A DPQuery (McMahan et al., "A General Approach to Adding Differential Privacy to Iterative
-Training Procedures", Section 1) is used by the DP optimizers, the federated server and the
-ledger through a handful of methods; the contract is what they rely on:
+The contract: the same result eagerly, in `tf.function` and under XLA (same seed); merged
+halves equal the whole sample; record-by-record and batched accumulation agree; the config
+survives a JSON round trip; events in sum units the ledger records.
 
-* the same sample gives the same result eagerly, in `tf.function` and under XLA (same seed,
-  hence the same noise);
-* sample states merge: two halves of a sample merged equal the whole sample;
-* record-by-record and batched accumulation agree;
-* its config survives a JSON round trip (`dp_query.serialize` / `deserialize`): the rebuilt
-  query, with the same seed, gives the same result;
-* it reports privacy events in sum units that the ledger records (`PrivacyLedger`).
-
-Use: subclass `DPQueryContract` in a pytest module (the class name must start with `Test`),
-and register one case per query configuration, a factory of a fresh seeded query and records
-with a leading batch axis (at least 2 rows):
+Use: subclass `DPQueryContract` in a pytest module (a `Test...` class) with one case per
+configuration (a seeded query factory, records with a batch axis of at least 2 rows):
 
     class TestMyQuery(DPQueryContract):
       cases = {"mine": QueryCase(lambda: MyQuery(1.0, 0.5, seed=1), tf.ones([4, 3]))}
 
-pytest then runs each `test_*` method once per case (and per graph mode). Without pytest,
-`TestMyQuery().check_all()` runs every check of every case. pytest is not imported here.
+Without pytest, `TestMyQuery().check_all()` runs every check of every case.
 """
 
 import collections
@@ -45,11 +35,9 @@ class QueryCase(collections.namedtuple("QueryCase", ["factory", "records", "xla"
   """One configuration of a query under test.
 
   Attributes:
-    factory: a callable returning a fresh query with a fixed seed (called once per check, so
-      each check starts from the query's initial state).
+    factory: a callable returning a fresh query with a fixed seed (called once per check).
     records: a nest of tensors with a leading batch axis of at least 2 rows.
-    xla: whether `get_noised_result` compiles under XLA (False for a query whose result
-      writes to a growing buffer, e.g. `QueryWithLedger`: it runs as a graph op only).
+    xla: whether `get_noised_result` compiles under XLA (False e.g. for `QueryWithLedger`).
   """
 
   def __new__(cls, factory, records, xla=True):

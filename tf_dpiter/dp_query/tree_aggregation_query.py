@@ -1,21 +1,12 @@
-"""Online tree aggregation for prefix sums (DP-FTRL; Kairouz et al. 2021, Section 3).
+"""Online tree aggregation for prefix sums (Kairouz et al., "Practical and Private (Deep)
+Learning without Sampling or Shuffling", Section 3, DP-FTRL).
 
-The binary tree mechanism releases the prefix sum of t clipped sums with the noise
-N_t = sum of the noises of the dyadic nodes in the binary decomposition of t (one node per
-set bit of t), every node an independent N(0, sigma^2 I). One example's single
-participation touches depth = ceil(log2(R + 1)) nodes of a tree of R leaves, so the tree is
-as private as one Gaussian of noise multiplier sigma / (S sqrt(depth))
-(dp-accounting's SingleEpochTreeAggregationDpEvent).
-
-This query releases the *residual* g_t + N_t - N_{t-1}, so that an optimizer summing its
-outputs (SGD: theta_t = theta_0 - eta sum) follows the noisy prefix sums exactly (DP-FTRL).
-Going from t - 1 to t, the levels below the lowest set bit j of t close and level j opens:
-
-    N_t - N_{t-1} = sigma (z_new - sum_{levels i < j} z_i),
-
-so the state keeps one noise vector per level: O(depth d) memory. The tree restarts every
-`restart_every` steps (set it to the steps per pass: the accounting assumes every tree lies
-in one pass). A tree of one leaf (restart_every=1) adds exactly `GaussianSumQuery`'s noise.
+The prefix sum of t clipped sums gets N_t, the sum of the N(0, sigma^2 I) noises of the
+dyadic nodes of t; one participation touches depth = ceil(log2(R + 1)) nodes of a tree of R
+leaves: one Gaussian of multiplier sigma / (S sqrt(depth)). Step t releases the residual
+g_t + N_t - N_{t-1} = g_t + sigma (z_new - sum_{levels i < j} z_i) (j: t's lowest set bit),
+from one noise vector per level. The tree restarts every `restart_every` steps (the
+accounting assumes each tree lies in one pass).
 """
 
 import collections
@@ -33,8 +24,7 @@ from tf_dpiter.errors import ParameterValueError
 
 def tree_prefix_error(num_steps, restart_every):
   """Mean squared prefix-sum error per step and coordinate, per unit noise multiplier, of the
-  tree (sigma = sqrt(depth) for unit sensitivity): mean_t depth x popcount(t within its tree)
-  plus the errors frozen at earlier restarts. Comparable to `matrix_factorization.prefix_error`.
+  tree: mean_t depth x popcount(t within its tree) plus the errors frozen at restarts.
 
   Args:
     num_steps: n, steps released.
@@ -106,8 +96,7 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
                                tf.zeros([self._depth, self._size], tf.float32))
 
   def get_noised_result(self, sample_state, global_state):
-    """The sum plus the residual N_t - N_{t-1} of the tree's prefix noise (module doc); at a
-    restart (leaf 1 of a new tree) the residual is the new leaf's node alone.
+    """The sum plus the residual N_t - N_{t-1} of the tree's prefix noise (module doc).
 
     Args:
       sample_state: the clipped sum (a nest shaped like the template).
