@@ -74,30 +74,46 @@ def dense_lora_norm_fn(layer, inputs, training=None):
   a_var, b_var, s, x = layer.lora_kernel_a, layer.lora_kernel_b, _scale(layer), inputs
   z = ops.matmul(x, _merged(base, a_var, b_var, s, x.dtype))
 
+  # The rank-r factors v = s dZ B^T and u = s X A, formed once per dz and read by both the
+  # norms and the clipped sum: a product that cancels (B's rows nearly orthogonal to dz) is
+  # rounded once, so the sum weights the very factor whose norm was taken (formed again from
+  # c dZ, its rounding moved one record's contribution to 1.9 C).
+  factors = {}
+
+  def rank_factors(dz):
+    key = dz.ref() if tf.is_tensor(dz) else id(dz)
+    if key not in factors:
+      xb, dzb = tf.cast(algebra.to_btk(x), _F32), tf.cast(algebra.to_btk(dz), _F32)
+      v = (s * tf.einsum("btn,rn->btr", dzb, tf.cast(b_var, _F32))
+           if algebra.trainable(a_var) else None)
+      u = (s * tf.einsum("btk,kr->btr", xb, tf.cast(a_var, _F32))
+           if algebra.trainable(b_var) else None)
+      factors[key] = (xb, dzb, v, u)
+    return factors[key]
+
   def parts(dz):
-    xb, dzb = tf.cast(algebra.to_btk(x), _F32), tf.cast(algebra.to_btk(dz), _F32)
+    xb, dzb, v, u = rank_factors(dz)
     out = {}
-    if algebra.trainable(a_var):
-      v = s * tf.einsum("btn,rn->btr", dzb, tf.cast(b_var, _F32))
+    if v is not None:
       out[id(a_var)] = algebra.factored_sqr_norm(xb, v)
-    if algebra.trainable(b_var):
-      u = s * tf.einsum("btk,kr->btr", xb, tf.cast(a_var, _F32))
+    if u is not None:
       out[id(b_var)] = algebra.factored_sqr_norm(u, dzb)
     if algebra.trainable(base):
       out[id(base)] = algebra.factored_sqr_norm(xb, dzb)
     return out
 
   def sums(dz, c):   # sum_i c_i g_i of the kernel side: rank-r products, never W-sized
-    xb, dw = algebra.drop_rows(algebra.to_btk(x), c), algebra.weight_rows(algebra.to_btk(dz), c)
+    xb, dzb, v, u = rank_factors(dz)
     out = {}
-    if algebra.trainable(a_var):     # s X^T (C dZ) B^T
-      out[id(a_var)] = s * tf.einsum("btk,btr->kr", xb,
-                                     tf.einsum("btn,rn->btr", dw, tf.cast(b_var, _F32)))
-    if algebra.trainable(b_var):     # s A^T X^T (C dZ)
-      out[id(b_var)] = s * tf.einsum("btr,btn->rn",
-                                     tf.einsum("btk,kr->btr", xb, tf.cast(a_var, _F32)), dw)
+    if v is not None:     # X^T (C V), V = s dZ B^T
+      out[id(a_var)] = tf.einsum("btk,btr->kr", algebra.drop_rows(xb, c),
+                                 algebra.weight_rows(v, c))
+    if u is not None:     # U^T (C dZ), U = s X A
+      out[id(b_var)] = tf.einsum("btr,btn->rn", algebra.drop_rows(u, c),
+                                 algebra.weight_rows(dzb, c))
     if algebra.trainable(base):
-      out[id(base)] = tf.einsum("btk,btn->kn", xb, dw)
+      out[id(base)] = tf.einsum("btk,btn->kn", algebra.drop_rows(xb, c),
+                                algebra.weight_rows(dzb, c))
     return out
 
   return _with_factor_sums(layer, dense.bias_and_parts(layer, z, parts), sums)
