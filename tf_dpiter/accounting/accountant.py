@@ -243,9 +243,7 @@ def is_bound_accountant(accountant):
 
 
 def check_bound_accountant(accountant, who):
-  """Checks that `accountant` gives an upper bound on epsilon ("rdp" or "pld"): GDP's
-  central-limit approximation can be far below the truth (4.85 where the PLD bound is 8.47 at
-  TF Privacy's MovieLens setting), so a budget, stopping rule or calibration on it is refused.
+  """Checks that `accountant` gives an upper bound on epsilon (GDP's approximation is refused).
 
   Args:
     accountant: the accountant name.
@@ -270,12 +268,9 @@ def check_bound_accountant(accountant, who):
 
 
 def warn_if_delta_too_large(delta, population_size, stacklevel=3):
-  """Warns (UserWarning) when delta >= 1/n: publishing each of n records with probability
-  delta is (0, delta)-DP, so such a guarantee allows revealing about one record outright
-  (Dwork & Roth 2014, "The Algorithmic Foundations of Differential Privacy", Section 2.3).
-
-  Called where n is the real data size, not in report_from_groups (calibration calls it with
-  a placeholder n).
+  """Warns (UserWarning) when delta >= 1/n: publishing each record with probability delta is
+  (0, delta)-DP (Dwork and Roth, "The Algorithmic Foundations of Differential Privacy",
+  Section 2.3).
 
   Args:
     delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.

@@ -1,13 +1,8 @@
 """The accountant registry: a name -> a factory of dp-accounting accountants.
 
-Every reader of an accountant name (the reports, calibrations, callbacks and commands)
-resolves it here. "rdp" (dp-accounting's `RdpAccountant`, default orders) and "pld" (its
-`PLDAccountant`) are registered at import; `register_accountant` adds one.
-
-A registered accountant is a dp-accounting `PrivacyAccountant`: its epsilon is an upper bound
-(Mironov, "Renyi Differential Privacy", Proposition 3, for RDP; the PLD accountant's
-pessimistic discretization), so budgets and calibrations may rest on it. The GDP
-approximation ("gdp", `accounting.gdp`) is not one and is not in the registry.
+"rdp" (`RdpAccountant`) and "pld" (`PLDAccountant`) are registered at import. A registered
+accountant's epsilon is an upper bound (Mironov, "Renyi Differential Privacy", Proposition 3;
+PLD's pessimistic discretization); the GDP approximation is not registered.
 """
 
 import dataclasses

@@ -1,12 +1,5 @@
-"""dp-accounting events of ledger rows that span many samples. No TensorFlow.
-
-  shuffle groups        -> one un-amplified mechanism per pass started (`shuffle_event`)
-  balls_in_bins groups  -> one un-amplified step mechanism per epoch started
-                           (`balls_in_bins_event`; add or remove one example)
-  a selection record    -> RepeatAndSelectDpEvent over the trial before it
-                           (`selection_events`; Papernot and Steinke 2022, RDP only)
-Used by `ledger_events`, which turns the other rows into events.
-"""
+"""dp-accounting events of ledger rows that span many samples (`shuffle_event`,
+`balls_in_bins_event`, `selection_events`), for `ledger_events`. No TensorFlow."""
 
 import math
 
@@ -66,13 +59,10 @@ def _passes_charged(group, passes, steps_per_pass, what):
 def balls_in_bins_event(group, mech, passes, notes):
   """The event of one balls-in-bins SampleGroup: one un-amplified mechanism per epoch started.
 
-  Relation: add or remove one example. In an epoch of k steps the example is in exactly one
-  step j, uniform and independent of the rest; the epoch's output law with it is the mixture
-  over j of "step j has it", and each component differs from the law without it in step j
-  only (the other steps are the same mechanisms, adaptively composed). Hockey-stick
-  divergences are jointly convex, so the epoch is at least as private as one step's mechanism
-  with the example: that is what is charged (a proven bound, not a tight one). The per-step
-  Poisson rate 1/k is NOT a bound (Feldman and Shenfeld 2025 need (1 + o(1))/k).
+  Relation: add or remove one example, in exactly one uniform step j of an epoch: the law
+  with it is a mixture over j of laws differing in step j only, so by joint convexity of
+  hockey-stick divergences the epoch costs at most one step's mechanism (a bound, not tight;
+  a Poisson rate 1/k would not be one).
 
   Args:
     group: a `ledger_events.SampleGroup` of policy balls_in_bins (sample_size = k).

@@ -1,10 +1,7 @@
 """Privacy of DP-SGD from its hyperparameters, through the same path as a ledger.
 
-steps = ceil(epochs * n / batch_size); each step is one sample (q = batch_size / n) with one
-Gaussian sum query of noise multiplier z (noise z*C on the clipped sum). The ledger content is
-built with the same records a training run writes (relation from the sampling, sensitivity
-C or 2C, ceil(epochs) passes for shuffle) and read by the same code (`ledger_events`), so the
-two can never disagree.
+steps = ceil(epochs * n / batch_size), each a sample (q = batch_size / n) with one Gaussian
+sum query of multiplier z, built as the ledger records a run and read by `ledger_events`.
 """
 
 import collections
@@ -70,9 +67,8 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
                   num_microbatches=None):
   """The ledger content of `steps` identical DP-SGD steps, as the ledger would record them.
 
-  One Gaussian query of clip 1 and noise multiplier z per step, sensitivity factor of the
-  policy's relation (McMahan et al. 2018, Appendix A). Shuffle: steps / ceil(n / B) passes, rounded up
-  (a partial pass costs a whole one; `accountant.shuffle_passes_needed`).
+  Sensitivity of the policy's relation (McMahan et al. 2018, Appendix A); shuffle: a partial
+  pass costs a whole one.
 
   Args:
     n: records; batch_size: B; noise_multiplier: z; steps: T.
@@ -99,9 +95,8 @@ def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
 class DpSgdPrivacy(collections.namedtuple("DpSgdPrivacy", ["epsilon", "opt_order"])):
   """Epsilon of a DP-SGD run; unpacks as TF Privacy's `eps, opt_order = ...`.
 
-  Fields (a 2-tuple): epsilon, and opt_order (the RDP order reaching it; None for other
-  accountants). Attributes: delta, steps, sampling_probability, statement (names the
-  relation and the unit), assumptions (tuple of str). str() is the statement.
+  Fields: epsilon, opt_order (None but for RDP); also delta, steps, sampling_probability,
+  statement (relation and unit; str()), assumptions.
   """
 
   def __new__(cls, epsilon, opt_order, delta, steps, sampling_probability, statement,

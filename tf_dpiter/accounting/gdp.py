@@ -1,15 +1,11 @@
 """Gaussian differential privacy (mu-GDP) accounting of a ledger: TF Privacy's GDP accountant.
 
-Dong, Roth & Su (2019), "Gaussian Differential Privacy": a Gaussian mechanism of noise
-multiplier z (sigma over the add/remove-one sensitivity) is exactly (1/z)-GDP, and mu-GDP
-mechanisms compose to sqrt(sum mu_i^2)-GDP (exact). Poisson subsampling with rate q over T
-steps is handled by the central limit theorem of Bu, Dong, Long & Su (2020), "Deep Learning
-with Gaussian Differential Privacy", Section 3: mu = q sqrt(T (e^(1/z^2) - 1)). That CLT
-value is an APPROXIMATION (a limit as T grows with q sqrt(T) fixed), not an upper bound: it
-can understate epsilon, most for few steps or large q. tf_dpiter offers it for comparison
-(TF Privacy's MovieLens tutorial reports it) and labels every number it gives as
-approximate. Budgets and calibrations, where a decision rests on epsilon, refuse
-accountant="gdp" (`accountant.check_bound_accountant`): RDP and PLD give upper bounds.
+Dong, Roth and Su, "Gaussian Differential Privacy": a Gaussian of noise multiplier z is
+exactly (1/z)-GDP; mu_i-GDP mechanisms compose to sqrt(sum mu_i^2)-GDP. Poisson subsampling
+(rate q, T steps) uses the central limit theorem of Bu, Dong, Long and Su, "Deep Learning
+with Gaussian Differential Privacy", Section 3: mu = q sqrt(T (e^(1/z^2) - 1)), an
+APPROXIMATION, not an upper bound (it can understate epsilon): labelled approximate, and
+refused by budgets and calibrations (`accountant.check_bound_accountant`).
 
 mu-GDP implies (epsilon, delta(epsilon))-DP for all epsilon with (Dong et al., Corollary 2.13)
   delta(epsilon) = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2).

@@ -1,15 +1,11 @@
 """Ledger -> dp-accounting events (McMahan et al. 2018, Eq. (1), Section 5, Appendix A). No TensorFlow.
 
-A sample with Gaussian sum queries (Delta_g, sigma~_g) becomes one Gaussian mechanism of noise
-multiplier z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), where Delta_g is the query's
-sensitivity *under the sample's neighbouring relation* as the ledger recorded it (2S for
-replace-one or microbatches, S for add/remove of a whole record): dp-accounting's noise
-multiplier is sigma over that sensitivity. Identical samples are composed with a count, so a
-ledger of 10^6 samples costs one event. Each policy's accounting object (`policy_accounting`)
-turns the mechanism into the sampling event of the whole group; tree rows (Kairouz et al.
-2021, Appendix D) are accounted under REPLACE_SPECIAL with the replace-one leaf sensitivity.
-A selection record (`ledger.selection`) turns the samples before it into one trial:
-  RepeatAndSelectDpEvent(trial, mean, shape) (Papernot and Steinke 2022; RDP only).
+A sample's Gaussian sum queries (Delta_g, sigma~_g) make one Gaussian of noise multiplier
+z = (sum_g (Delta_g / sigma~_g)^2)^(-1/2) (Eq. (1)), Delta_g the sensitivity under the
+sample's recorded relation (2S replace-one or microbatches, S add/remove). Identical samples
+compose with a count; each policy (`policy_accounting`) makes the group's sampling event;
+tree rows (Kairouz et al. 2021, Appendix D) use REPLACE_SPECIAL; a selection record makes a
+RepeatAndSelectDpEvent (Papernot and Steinke 2022; RDP only).
 """
 
 import dataclasses

@@ -1,12 +1,7 @@
 """Budget look-ahead: the guarantee a ledger would give after planned samples (McMahan et al. 2018, §6).
 
-What (epsilon, delta) the ledger *would* show once the next samples are recorded, for the
-Keras callbacks and DP federated averaging alike. The ledger is read, never copied; a
-`PlannedSample` becomes ledger rows with the ledger's sensitivity rule
-(`records.sensitivity_factor`), is checked like a recorded one and merged with the recorded
-samples (`ledger_events.groups_from_runs`); dp-accounting then gives epsilon or delta
-(`accountant.report_from_groups`). `largest_integer` and `bisect` are `accounting.search`'s.
-No TensorFlow.
+A `PlannedSample` becomes ledger rows (`records.sensitivity_factor`), checked like recorded
+ones and merged with the ledger's (read, never copied). No TensorFlow.
 """
 
 import dataclasses
@@ -275,8 +270,7 @@ def max_extra_samples(ledger, planned, max_epsilon, delta, accountant="rdp", lim
 class StepBudget:
   """Stops a loop before its next steps would pass (max_epsilon, delta); for callbacks.
 
-  The samples like `planned` the budget allows are found once by `max_extra_samples` and
-  cached, keyed by the planned sample and the rest of the ledger: one search per kind of step.
+  One `max_extra_samples` search per kind of step (cached).
 
   Args:
     max_epsilon: the budget, > 0 and finite.

@@ -1,22 +1,13 @@
 """Large-batch planning: batch size, steps and noise for a privacy budget and a compute budget.
 
-Given (epsilon, delta), the data size n and a compute budget C in example-gradients (B T <= C),
-every candidate batch size B gets T = floor(C / B) DP-SGD steps under Poisson sampling
-(q = B / n, add/remove one example, unit: one example) and the smallest noise multiplier z
-that the accountant (dp-accounting, through `calibrate_noise_multiplier`) lets reach epsilon
-at delta. The candidates are compared by the total amount of noise of Sander, Stock and
-Sablayrolles, "TAN without a burn: Scaling laws of DP-SGD" (ICML 2023), Section 3:
-
-    eta = z / (q sqrt(T))   =  (z / B) / sqrt(T) * n,
-
-the noise standard deviation on the averaged gradient (z S / B) relative to the signal
-accumulated over T steps; at equal eta they find equal accuracy, and lower eta better. At
-fixed compute C = q n T, eta = z / sqrt(q C / n), so large batches win (De et al.,
-"Unlocking High-Accuracy Differentially Private Image Classification through Scale", 2022,
-Section 3.2); `min_steps` keeps enough optimizer steps for TAN's scaling to hold.
-
-Every plan's epsilon is the accountant's for the plan itself (z rounded up), never above the
-target.
+Each candidate batch size B gets T = floor(C / B) steps of a compute budget C (example
+gradients) under Poisson sampling (q = B / n; add/remove one example, unit: one example) and
+the smallest z reaching (epsilon, delta) (`calibrate_noise_multiplier`; z rounded up, so never
+above the target). Candidates are ranked by the total noise eta = z / (q sqrt(T)) of Sander,
+Stock and Sablayrolles, "TAN without a burn: Scaling laws of DP-SGD", Section 3 (lower is
+better); at fixed C, eta = z / sqrt(q C / n) favours large batches (De et al., "Unlocking
+High-Accuracy Differentially Private Image Classification through Scale", Section 3.2).
+`min_steps` keeps enough steps for TAN's scaling to hold.
 """
 
 import dataclasses

@@ -1,8 +1,8 @@
 """The accounting of each sampling policy: its dp-accounting event and its GDP term.
 
-One object per policy (`ledger.policies` holds its code, relation, unit and checks) builds
-the dp-accounting event of a group of identical samples (McMahan et al., "A General Approach
-to Adding Differential Privacy to Iterative Training Procedures", Section 5, Appendix A):
+One object per policy builds the event of a group of identical samples (McMahan et al., "A
+General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5,
+Appendix A):
   poisson, user_poisson -> PoissonSampledDpEvent(q, .) per sample   add or remove one
   fixed_size            -> SampledWithoutReplacementDpEvent(n, m, .)  replace one
   shuffle               -> one un-amplified mechanism per pass started (tree rows: one
@@ -13,11 +13,9 @@ to Adding Differential Privacy to Iterative Training Procedures", Section 5, App
                            (BLT) rows: participations x Gaussian, no amplification)
   truncated_poisson     -> TruncatedSubsampledGaussianDpEvent (PLD only)
   balls_in_bins         -> one un-amplified mechanism per epoch started
-`event` is final: it checks the group against its ledger policy (coverage of correlated
-rows, the declared sampling), then calls the `_event` hook a subclass overrides, so no
-policy can return an event for rows its accounting does not cover.
-
-Adding a policy's accounting: a subclass naming the policy (`policy`) and `register`.
+`event` is final: it checks the group against its ledger policy, then calls the `_event`
+hook, so no policy returns an event for rows its accounting does not cover. New policy: a
+subclass naming `policy`, then `register`.
 """
 
 import math

@@ -1,15 +1,11 @@
 """TF Privacy's `compute_dp_sgd_privacy_statement`, in tf_dpiter's terms (relation and unit).
 
-Two example-level numbers are given, as TF Privacy does: the conservative one, each example
-used once per epoch (our "shuffle" policy: one un-amplified mechanism per pass, replace-one
-adjacency, sensitivity 2C of a clipped sum), and the one assuming Poisson sampling (add or
-remove one example, sensitivity C, amplified by subsampling; what `DPModel.fit` on arrays
-really does). With microbatches the Poisson claim is not made: removing an example re-deals
-the others among microbatches (tf_dpiter refuses it). A user-level number, when
-`max_examples_per_user` = k is given, comes from the group-privacy lemma for (epsilon,
-delta)-DP (Dwork & Roth 2014, Lemma 2.2 generalised; Vadhan 2017, Lemma 2.3): a mechanism
-that is (e, d)-DP for one example is (k e, k e^((k-1) e) d)-DP for k examples; the per-example
-delta d is the largest one whose group delta stays within `delta` (bisection on log d).
+Example level, as TF Privacy: the conservative number (each example once per epoch, policy
+"shuffle": replace one, sensitivity 2C, no amplification) and the Poisson one (add or remove
+one, sensitivity C; not claimed with microbatches). User level, with k =
+`max_examples_per_user`: group privacy (Vadhan, "The Complexity of Differential Privacy",
+Lemma 2.3): (e, d)-DP per example gives (k e, k e^((k-1) e) d) for k examples, d the largest
+per-example delta within `delta`.
 """
 
 import contextlib
