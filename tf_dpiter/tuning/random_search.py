@@ -1,17 +1,13 @@
 """Private hyperparameter selection by repeating with a random number of trials (no TF).
 
-Papernot and Steinke 2022 ("Hyperparameter tuning with Renyi differential privacy",
-arXiv:2110.03620): run K trials, K drawn from a distribution fixed in advance, each trial
-a DP training run with its hyperparameters drawn independently of the data, and release only
-the best trial (its model and score). If every trial is (alpha, eps(alpha))-RDP, the selection
-is too, with the bound of their Theorem 2 (truncated negative binomial, shape eta in (0, inf);
-geometric eta = 1; logarithmic eta = 0) or Theorem 6 (Poisson, eta = inf), which
-dp-accounting implements as `RepeatAndSelectDpEvent(event, mean, shape)`.
-
-`selection_report` checks that the trials' ledgers describe one mechanism and writes the
-selected trial's ledger with a selection record (`selection_ledger`), whose epsilon is read
-like any other's. The trials' scores must themselves be computed privately or on public
-data: the analysis covers releasing the best trial, not a score outside the trial's ledger.
+Papernot and Steinke, "Hyperparameter Tuning with Renyi Differential Privacy": K trials, K
+from a distribution fixed in advance, hyperparameters drawn independently of the data, only
+the best trial released. If every trial is (alpha, eps(alpha))-RDP, so is the selection with
+the bound of Theorem 2 (truncated negative binomial, shape eta; geometric eta = 1,
+logarithmic eta = 0) or Theorem 6 (Poisson, eta = inf): dp-accounting's
+`RepeatAndSelectDpEvent(event, mean, shape)`. `selection_report` checks the trials' ledgers
+describe one mechanism and writes the selected one's with a selection record. Scores must
+be private (`trials.noisy_count`) or on public data.
 """
 
 import dataclasses

@@ -1,24 +1,13 @@
 """The pieces of a private selection's trial: a noisy score in its ledger and its noise.
 
-Papernot and Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022,
-Section 3: each trial outputs its model and its score, and the guarantee of releasing the best
-trial (Theorem 2, truncated negative binomial number of trials; Theorem 6, Poisson) holds if
-every trial, score included, is (lambda, eps(lambda))-RDP. A score computed without noise on
-held-out examples of the same data set would leave those examples unprotected, so:
+Papernot and Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", Section 3:
+releasing the best trial is private (Theorems 2 and 6) if every trial, score included, is
+(lambda, eps(lambda))-RDP. `noisy_count` releases a 0/1 count over the scoring examples plus
+N(0, z^2), recorded as one Gaussian sum query (q = 1, clip 1) composed with the training
+(sequential composition, an upper bound); `trial_noise_multiplier` calibrates the training
+noise so the whole selection meets an epsilon target.
 
-  * `noisy_count` releases the count of scoring examples that pass a test (e.g. classified
-    correctly) plus N(0, z^2) noise, and records it in the trial's ledger as one Gaussian sum
-    query over the whole scoring set (selection probability 1, clip 1: under add/remove one
-    example the count changes by at most 1). The ledger then composes it with the training
-    (sequential composition: an upper bound; the training and scoring examples are disjoint,
-    so the max of the two would also hold, Dwork and Roth, "The Algorithmic Foundations of
-    Differential Privacy", parallel composition).
-  * `trial_noise_multiplier` calibrates the training noise so that the whole selection (the
-    RepeatAndSelectDpEvent of dp-accounting over one trial = training + noisy score) meets an
-    epsilon target.
-
-Relation: add or remove one example (the Poisson-sampled DP-SGD of `DPModel.fit`); unit: one
-example of the training or scoring split.
+Relation: add or remove one example; unit: one example of the training or scoring split.
 """
 
 import dp_accounting as dpa
@@ -33,8 +22,7 @@ from tf_dpiter.ledger import privacy_ledger
 
 
 def noisy_count(ledger, count, population_size, noise_multiplier, rng=None):
-  """`count` plus N(0, z^2) noise, recorded in `ledger` as a Gaussian sum query (module
-  docstring): the count must sum a 0/1 value per scoring example.
+  """`count` (of 0/1 values per scoring example) plus N(0, z^2), recorded in `ledger`.
 
   Args:
     ledger: the trial's PrivacyLedger (e.g. `model.ledger`).
@@ -104,9 +92,8 @@ def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape
 
 def trial_noise_multiplier(epsilon, delta, sampling_probability, steps, mean, shape,
                            score_noise_multiplier=None, tolerance=1e-4):
-  """The smallest DP-SGD noise multiplier z (to `tolerance`) for which releasing the best of
-  K trials has epsilon <= `epsilon` at `delta` (`accounting.search` on `selection_epsilon`),
-  rounded up by a relative 1e-5 so the ledger's float32 noise still meets the target.
+  """The smallest DP-SGD noise multiplier z (to `tolerance`, rounded up) for which releasing
+  the best of K trials has epsilon <= `epsilon` at `delta`.
 
   Args:
     epsilon: target epsilon of the whole selection.
