@@ -1,14 +1,10 @@
 """ClientUpdate of Geyer et al. 2017 (Algorithm 1, lines 10-18), vectorized over the clients of a round.
 
-Every sampled client k starts from the server model w_t, runs E local epochs of minibatch SGD
-(batch B examples, learning rate eta, loss = mean softmax cross-entropy of the batch) on its
-own examples, and returns its update Delta w_k = w_k - w_t. All M clients of a round train
-in ONE traced computation: their models are stacked along a leading client axis and every
-layer is a batched matmul; since client k's loss depends only on its own slice of the stack,
-the gradient of the summed loss is the stack of the per-client gradients.
-
-Clients may hold different numbers of examples: each client's example order is a permutation
-of its own examples followed by padding, and padded positions are masked out of the loss.
+Each client k runs E epochs of minibatch SGD (batch B, rate eta, mean softmax cross-entropy)
+from w_t on its own examples and returns Delta w_k = w_k - w_t. All M clients train in one
+traced computation, their models stacked on a leading client axis (client k's loss depends
+only on its slice, so the summed loss's gradient is the stack of theirs); each client's
+example order is a permutation of its examples then masked padding.
 """
 
 import numpy as np

@@ -1,19 +1,11 @@
 """Client-level DP federated averaging (Geyer et al. 2017, Algorithm 1; record/sample of McMahan et al. 2018, Table 1).
 
-Each round t: the server samples m_t of the K clients (uniformly without replacement, as in
-the paper, or Poisson with q_t = m_t / K); every sampled client runs ClientUpdate (E local
-epochs of minibatch SGD, batch B, rate eta) from w_t and returns Delta w_k = w_k - w_t; the
-flattened updates are the *records* and the round's clients the *sample* of a DPQuery wrapped
-in `QueryWithLedger`, which clips them, adds Gaussian noise and records the sample in the
-privacy ledger. The server (`DPServer`) takes the noised sum divided by the (public) expected
-sample size m_t and applies it with plain addition or SGD with momentum.
-
-Before each round the budget look-ahead (`tf_dpiter.accounting.lookahead`: the ledger plus the
-round's planned sample) says whether the round would push delta (at the fixed epsilon, the
-paper's rule, epsilon = 8) above delta_0, or epsilon (at a fixed delta) above a target; if so,
-training stops and w_t is returned.
-
-This module is the simulation; the pieces are in `schedules`, `queries`, `reports`, `server`.
+Each round t the server samples m_t of K clients (uniformly without replacement, or Poisson
+with q_t = m_t / K); each runs ClientUpdate (E epochs of SGD, batch B, rate eta) from w_t and
+returns Delta w_k = w_k - w_t. The updates are the records and the clients the sample of a
+DPQuery in `QueryWithLedger` (clip, Gaussian noise, ledger); `DPServer` divides the noised sum
+by the public m_t. Before each round the budget look-ahead stops training if the round would
+push delta (at fixed epsilon, the paper's rule) or epsilon (at fixed delta) past its target.
 """
 
 import time

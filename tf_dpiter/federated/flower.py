@@ -1,18 +1,12 @@
 """Flower deployment of client-level DP federated averaging (optional: pip install flwr>=1.38).
 
-The server side is a `DPServer`: the clients' updates are the records of a DPQuery wrapped in
-`QueryWithLedger`, so the epsilon of a real deployment comes from the same ledger and
-accountant (tf_dpiter.accounting) as the simulation. Clients are sampled uniformly without
-replacement from the K connected clients with the DP core's Philox generator (ledger policy
-fixed_size, n = K, m = m_t), and no work is sent once a round would pass the budget.
-
-Two Flower APIs share that server (`flower_rounds.DPRounds`): the Message API (the one
-`flwr run` deploys: `DPFedAvgMessageStrategy`, `make_server_app`, `make_client_app`) and the
-legacy API (`DPFedAvgStrategy` with `DPFlowerClient`, run by `run_loopback`).
-
-A client (flower_client.py) returns its update Delta w_k, never its data. A dropped client,
-an error reply, an update of the wrong shape or with non-finite values is rejected: counted,
-and aggregated as a zero record (the denominator stays m_t).
+The server side is a `DPServer` (the same ledger and accountant as the simulation); clients
+are sampled uniformly without replacement from the K connected ones with the DP core's
+Philox generator (policy fixed_size, n = K, m = m_t); no work is sent once a round would pass
+the budget. The Message API (`DPFedAvgMessageStrategy`, `make_server_app`, `make_client_app`)
+and the legacy API (`DPFedAvgStrategy`, `DPFlowerClient`, `run_loopback`) share that server.
+A client returns Delta w_k, never its data; a dropped, failed, misshapen or non-finite reply
+is counted and aggregated as a zero record (the denominator stays m_t).
 """
 
 import time

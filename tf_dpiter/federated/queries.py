@@ -1,18 +1,12 @@
 """Aggregation queries for client-level DP federated averaging.
 
-`MedianNormClipSumQuery` is the clip rule of Geyer et al. 2017 (Section 3, "Choosing S"): the clip
-S_t is the median of the L2 norms of the round's unclipped client updates, each update is
-clipped to S_t (pi_S(x) = x min(1, S/||x||): updates above the median are scaled DOWN to norm
-S_t, smaller ones are left as they are, never scaled up), and the sum gets N(0, (sigma S_t)^2)
-noise. The median is computed from the data WITHOUT a randomized mechanism, so the run is
-NOT differentially private: the ledger records the Gaussian event (S_t, sigma S_t) it really
-applied, but the (epsilon, delta) computed from it does not hold. Prefer
-`tf_dpiter.dp_query.QuantileAdaptiveClipSumQuery` (private quantile, Andrew et al. 2021).
-
-`set_noise_multiplier` changes sigma_t between rounds (schedules of Geyer et al. 2017, Section 6) for
-the queries DP federated averaging uses; `make_query` builds the aggregation query of a round
-by kind (`QUERY_KINDS`). Every noise standard deviation here is
-`dp_query.gaussian_stddev(S, z)`.
+`MedianNormClipSumQuery`: the clip of Geyer et al. 2017 (Section 3, "Choosing S"), S_t the
+median of the round's unclipped update norms, updates clipped to S_t, the sum plus
+N(0, (sigma S_t)^2). The median is computed WITHOUT a randomized mechanism, so the run is NOT
+differentially private (the ledger records the event applied, but its (epsilon, delta) does
+not hold); prefer `dp_query.QuantileAdaptiveClipSumQuery` (Andrew et al. 2021).
+`set_noise_multiplier` changes sigma_t between rounds (Geyer et al. 2017, Section 6);
+`make_query` builds a round's query by kind (`QUERY_KINDS`).
 """
 
 import collections

@@ -1,16 +1,14 @@
 """The server of client-level DP federated averaging (Geyer et al. 2017, Algorithm 1, server side).
 
-`DPServer` is shared by the simulation (`DPFedAvg`) and the Flower strategies. It owns the
-server model w_t, the DPQuery wrapped in `QueryWithLedger` (records: the round's flat client
-updates; sample: the round's clients), the ledger, the budget look-ahead
-(`tf_dpiter.accounting.lookahead`) and the server optimizer
+`DPServer` (the simulation's and the Flower strategies') owns w_t, the DPQuery in
+`QueryWithLedger` (records: the round's flat client updates), the ledger, the budget
+look-ahead and the server optimizer
 
     v_{t+1} = beta v_t + (sum_k pi_S(Delta w_k) + N(0, sigma^2 S^2)) / m_t
     w_{t+1} = w_t + eta_s v_{t+1}                         (beta = 0, eta_s = 1: the paper)
 
-Neighbouring relation: one client's data replaced (fixed-size sampling of m_t of K clients,
-ledger policy fixed_size) or added/removed (Poisson sampling with q_t = m_t / K, policy
-poisson); the unit of privacy is the client.
+Relation: one client's data replaced (fixed-size sampling, policy fixed_size) or added or
+removed (Poisson, q_t = m_t / K, policy poisson); the unit of privacy is the client.
 """
 
 import numpy as np
