@@ -1,20 +1,15 @@
-"""Black-box membership inference: loss attack and LiRA (Carlini et al. 2022), ROC metrics.
+"""Black-box membership inference: loss attack and LiRA, ROC metrics (higher score = member).
 
-Scores: higher = more likely a member.
+* Loss attack (Yeom et al. 2018): score = -cross-entropy(y, model(x)).
+* LiRA (Carlini et al., "Membership Inference Attacks From First Principles", Sections
+  IV-V): N shadow models on random halves; per example, phi = log p_y - log(1 - p_y) is fit
+  by N(mu_in, sigma_in^2) over models holding it and N(mu_out, sigma_out^2) over the others.
+  Online: log N(phi; mu_in, sigma_in^2) - log N(phi; mu_out, sigma_out^2); offline:
+  (phi - mu_out) / sigma_out. `lira_leave_one_out` takes each model in turn as the target.
 
-* Loss (threshold) attack (Yeom et al. 2018): score = -cross-entropy(y, model(x)).
-* LiRA with shadow models (Carlini et al. 2022, Sections IV–V): train N models on random
-  halves (each example in each shadow set independently with probability ½). For example j
-  the logit-scaled confidence φ = log p_y - log(1 - p_y) of model i is Gaussian-ish across
-  models; fit N(μ_in, σ_in²) on the models holding j and N(μ_out, σ_out²) on the others.
-  Online score: log N(φ_target; μ_in, σ_in²) - log N(φ_target; μ_out, σ_out²);
-  offline score: (φ_target - μ_out) / σ_out (one-sided, no in-models needed).
-  `lira_leave_one_out` takes each model in turn as the target and the rest as shadows.
-
-ROC: `roc_curve`, `auc` (Mann–Whitney, ties ½), `tpr_at_fpr`; `attack_metrics` bundles AUC,
-TPR at FPR 0.1 %/1 %, per-class AUC and the sound one-run ε lower bound (`one_run`), valid
-because each example's membership was an independent fair coin and the scores use the
-target's output and independent shadow models only.
+`attack_metrics`: AUC (Mann-Whitney, ties 1/2), TPR at FPR 0.1 % / 1 %, per-class AUC and the
+one-run epsilon lower bound (valid: membership an independent fair coin, scores from the
+target and independent shadows only).
 """
 
 import dataclasses

@@ -1,7 +1,7 @@
 """Sound (ε, δ) lower bounds from attack scores (empirical privacy auditing).
 
-(ε, δ)-DP of a mechanism M for neighbours D (with a target record) and D' (without it)
-means, for every (possibly randomized) test with rejection region A,
+(ε, δ)-DP for neighbours D (with a target record) and D' (without): for every (possibly
+randomized) test with rejection region A,
 
     P[M(D) ∈ A] <= e^ε P[M(D') ∈ A] + δ   and   P[M(D') ∈ A] <= e^ε P[M(D) ∈ A] + δ.   (1)
 
@@ -9,23 +9,13 @@ With A = {score > t}: TPR <= e^ε FPR + δ and TNR <= e^ε FNR + δ, so
 
     ε >= max( log((TPR - δ) / FPR), log((TNR - δ) / FNR) ).                             (2)
 
-Given i.i.d. scores of "members" (outputs of M(D)) and "non-members" (outputs of M(D')),
-`epsilon_lower_bound` replaces TPR, TNR by one-sided Clopper–Pearson lower limits and FPR,
-FNR by upper limits and returns the best threshold's value of (2). The threshold choice is
-sound in one of two ways (Jagielski et al. 2020; Nasr et al. 2021/2023 use the same
-inequalities):
-
-* method="bonferroni" (default): thresholds at a fixed set of ranks of the other class'
-  order statistics (or at fixed values the caller gives). For continuous scores the false
-  positive rate at the j-th largest negative score is Beta(j, m - j + 1) distributed, which
-  is exactly the Clopper–Pearson upper limit for j - 1 counts, so the data-dependent
-  threshold keeps exact coverage; ties are broken by independent uniform keys (a
-  randomized test, allowed by (1)). α is split over both directions, both rates and all K
-  thresholds (α / (4K) each).
-* method="split": one part of each class picks the threshold, the other part evaluates it.
-
-The one-run audit of Steinke, Nasr & Jagielski (2023) is `one_run_epsilon_lower_bound`.
-All ε are in nats; δ is a probability; confidence is 1 - α.
+`epsilon_lower_bound` puts one-sided Clopper–Pearson lower limits on TPR, TNR and upper
+limits on FPR, FNR (i.i.d. member and non-member scores) and returns the best threshold's
+(2) (Jagielski et al., "Auditing Differentially Private Machine Learning: How Private is
+Private SGD?", Section 4). Thresholds are sound by method="bonferroni" (default: fixed ranks
+of the other class' order statistics, whose FPR is Beta(j, m - j + 1), exactly the
+Clopper–Pearson limit; ties broken by uniform keys; α / (4K) per direction, rate and
+threshold) or "split" (one part picks, the other evaluates). ε in nats; confidence 1 - α.
 """
 
 import dataclasses

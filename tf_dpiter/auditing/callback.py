@@ -1,14 +1,9 @@
-"""`AuditCallback`: claimed ε beside audited lower bounds and attack AUC, epoch by epoch.
+"""`AuditCallback`: claimed epsilon beside audited lower bounds and attack AUC, epoch by epoch.
 
-At the end of every `every_n_epochs`-th epoch the callback computes
-* claimed_epsilon: ε of the model's privacy ledger (`tf_dpiter.accounting.epsilon`);
-* whitebox_epsilon_lb / whitebox_step_epsilon_lb: bounds from the Dirac canaries seen so far
-  (if a `CanaryRecorder` is given; per-run and per-step scores, `whitebox` module);
-* attack_auc / attack_epsilon_lb: from `attack_fn(model) -> (scores, is_member, labels)`
-  (e.g. a loss or LiRA attack on a fair-coin member/non-member split; the bound is the
-  one-run bound of Steinke et al. 2023).
-The values go into Keras' `logs` and into `history` (a list of dicts); `report_path` writes
-the PNG privacy report (`report.plot_privacy_report`) when training ends.
+Every `every_n_epochs`-th epoch: claimed_epsilon (the ledger's), whitebox_epsilon_lb /
+whitebox_step_epsilon_lb (Dirac canaries, with a `CanaryRecorder`), attack_auc /
+attack_epsilon_lb (`attack_fn(model) -> (scores, is_member, labels)`, one-run bound of
+Steinke et al. 2023), into Keras' `logs` and `history`; `report_path` gets the PNG report.
 """
 
 import math

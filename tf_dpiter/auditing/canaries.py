@@ -1,26 +1,17 @@
-"""White-box Dirac gradient canaries inside the real DP-SGD train step (Nasr et al. 2023).
+"""White-box Dirac gradient canaries inside the real DP-SGD train step (Nasr et al., "Tight
+Auditing of Differentially Private Machine Learning", Section 4).
 
-A Dirac canary k is a training record whose gradient is s_k · S · e_k: zero everywhere but
-in its own coordinate w_k of an extra canary weight vector w ∈ R^m, of L2 norm exactly the
-clipping norm S (so clipping leaves it unchanged). No real record touches w, and w does not
-change the model's predictions. The record goes through the unmodified private step of a
-`tf_dpiter.keras` DP model (Poisson sampling, per-record clipping, the noise of the DP
-optimizer, the ledger), so the audit covers that whole pipeline.
+Canary k's gradient is s_k S e_k: zero but in its own coordinate w_k of an extra canary
+weight vector w in R^m (no real record touches w, and w does not change predictions), of
+norm exactly the clip S. It goes through the unmodified private step of a `tf_dpiter.keras`
+DP model. With plain SGD (rate eta) and Poisson sampling (denominator q n), in units of S:
 
-With plain SGD (learning rate η) and Poisson sampling (denominator q·n), the released
-update of coordinate k at step t gives, in units of S,
+    x_kt = -(w_k^{t+1} - w_k^t) q n / (eta S) = s_k b_kt + N(0, z^2),  b_kt ~ Bernoulli(q),  (4)
 
-    x_kt = -(w_k^{t+1} - w_k^t) · q n / (η S) = s_k · b_kt + N(0, z²),  b_kt ~ Bernoulli(q),  (4)
-
-independently over k and t (the noise is i.i.d. per coordinate, the canaries are sampled
-independently and nothing else reaches w). Canaries absent from the data ("out") have
-b_kt = 0. Hence the canaries are independent trials of the audited mechanism and
-`bounds.epsilon_lower_bound` applies to their scores.
-
-Encoding (sparse integer labels, K classes): canary k with sign +1 has label K + k, with sign
--1 label K + m + k; its input is all zeros. The wrapped model outputs [B, K + m] =
-concat(base logits, w broadcast); `DiracCanaryLoss` gives real rows the base loss on the
-first K columns and canary rows s_k · S · w_k.
+independent over k and t (b_kt = 0 for canaries "out"), so `bounds.epsilon_lower_bound`
+applies. Encoding (sparse labels, K classes): canary k of sign +1 has label K + k, of sign -1
+K + m + k, input all zeros; the wrapped model outputs concat(base logits, w) and
+`DiracCanaryLoss` gives canary rows s_k S w_k.
 """
 
 import keras

@@ -1,26 +1,18 @@
 """Membership inference in TF Privacy's terms: `AttackInputData` in, `run_attacks` out.
 
-A TF Privacy user passes the trained model's losses and/or logits (or probabilities) and
-labels on its training set (members) and on held-out data (non-members), and gets, per
-attack and per slice of the data, the ROC curve, its AUC and the attacker advantage
-max_t (TPR(t) - FPR(t)) (Yeom, Giacomelli, Fredrikson & Jha 2018, "Privacy Risk in Machine
-Learning", Section 3). Scores are "higher = more likely a member":
+Losses and/or logits (or probabilities) and labels on the training set (members) and held-out
+data (non-members) give, per attack and per slice, the ROC curve, its AUC and the attacker
+advantage max_t (TPR(t) - FPR(t)) (Yeom, Giacomelli, Fredrikson and Jha, "Privacy Risk in
+Machine Learning: Analyzing the Connection to Overfitting", Section 3). Scores are "higher =
+more likely a member": THRESHOLD_ATTACK scores -loss (Section 3.2); LOGISTIC_REGRESSION fits
+the standardised loss and sorted log-probabilities with 2-fold cross-fitting.
 
-* THRESHOLD_ATTACK: score = -loss (cross-entropy computed from logits / probabilities when
-  the losses are not given), the loss attack of Yeom et al. 2018, Section 3.2.
-* LOGISTIC_REGRESSION: a logistic regression on the standardised loss and log-probabilities
-  (sorted, so the features do not depend on the class), trained and scored by 2-fold
-  cross-fitting (each record is scored by the model that did not see it).
-
-Beside them, the bound DP gives (`PrivacyBound`): for an (epsilon, delta)-DP training
-algorithm and a record whose membership is an independent coin, every test of "member"
-against "non-member" lies in the region TPR <= e^eps FPR + delta, TNR <= e^eps FNR + delta
-(Kairouz, Oh & Viswanath 2015, "The Composition Theorem for Differential Privacy",
-Theorem 2.1), so the advantage is at most (e^eps - 1 + 2 delta) / (e^eps + 1) and the AUC at
-most the area under that region's upper boundary. The relation is the one the epsilon was
-computed for (add/remove or replace-one, per example); a train/test split is one draw of
-that experiment, so a measured advantage can exceed the bound by sampling error on small
-slices: for a sound statistical test use `auditing.epsilon_lower_bound`.
+`PrivacyBound`: for (epsilon, delta)-DP training every test lies in TPR <= e^eps FPR + delta,
+TNR <= e^eps FNR + delta (Kairouz, Oh and Viswanath, "The Composition Theorem for
+Differential Privacy", Theorem 2.1): advantage <= (e^eps - 1 + 2 delta) / (e^eps + 1), AUC at
+most the area under that region's boundary (relation: the one epsilon was computed for). A
+train/test split is one draw, so small slices may exceed it by sampling error; a sound test
+is `auditing.epsilon_lower_bound`.
 """
 
 import dataclasses

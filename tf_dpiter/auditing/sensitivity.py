@@ -1,17 +1,12 @@
 """A sensitivity check anyone can run on their own DP model (McMahan et al. 2018, Appendix A).
 
-`check_sensitivity(model, x, y)` measures what one example can do to the pre-noise clipped
-sum of the model's *real* train step and compares it with the sensitivity the ledger records:
-  1. a copy of the model with the same DP settings but noise 0 and SGD at learning rate 1
-     applies exactly the clipped sum in one `train_on_batch`, kept in float32;
-  2. neighbouring batches follow the sampling policy's relation: add/remove one example (its
-     row becomes padding of weight 0) or replace one at its position, with candidates from a
-     small random search (other examples, scaled noise, negations, random labels);
-  3. the largest change of the sum is compared with the recorded sensitivity;
-  4. the batch-independence probe (tf_dpiter.keras.internals.batch_independence) names every
-     layer whose outputs for the *other* examples moved when one example is perturbed.
-The measured change is a lower bound on the true worst case: a ratio above 1 is a proven
-violation.
+`check_sensitivity(model, x, y)` measures the largest change one example makes to the
+pre-noise clipped sum of the model's real train step (a copy with noise 0 and SGD at rate 1,
+float32) over neighbouring batches of the policy's relation (add/remove: the row becomes
+weight-0 padding; replace: candidates from a small random search), compares it with the
+recorded sensitivity, and names every layer whose outputs for the *other* examples moved
+(`keras.internals.batch_independence`). The measured change is a lower bound on the worst
+case: a ratio above 1 is a proven violation.
 """
 
 import dataclasses

@@ -1,17 +1,14 @@
 """White-box audit of DP-SGD from the released updates of Dirac canaries (Nasr et al. 2023).
 
-`CanaryRecorder` (a Keras callback) reads the canary weights around every train step and
-turns each update into x_kt of Eq. (4) (`canaries` module). `canary_scores` turns them into
-likelihood-ratio scores of the exact mechanism the accountant analyses, the T-fold
-composition of the Poisson-subsampled Gaussian with noise multiplier z:
+`CanaryRecorder` turns each step's canary update into x_kt of Eq. (4) (`canaries`);
+`canary_scores` gives likelihood-ratio scores of the mechanism the accountant analyses (T
+Poisson-subsampled Gaussians of multiplier z):
 
   add/remove:  log L_kt = log(1 - q + q exp((x_kt - 1/2) / z²))                         (5)
   replace:     log L_kt = log(1 - q + q exp((x_kt - 1/2) / z²)) - log(1 - q + q exp((-x_kt - 1/2) / z²))
 
-per="run" sums (5) over the T steps (one score per canary: the Neyman–Pearson test of the
-whole run, tight when the accountant is); per="step" keeps every x_kt as a score (T trials
-per canary of one step; a sound but looser bound). At z = 0, where (5) is undefined, the
-score is x itself. `claimed_epsilon` computes the claim straight from dp_accounting events.
+per="run" sums (5) over the T steps (the Neyman–Pearson test of the run); per="step" keeps
+each x_kt (sound, looser). At z = 0 the score is x itself.
 """
 
 import math
