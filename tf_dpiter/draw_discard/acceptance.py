@@ -1,44 +1,23 @@
 """Bounded-influence acceptance rule for submitted instances (replaces mu +- t sigma).
 
-The server knows the served spec, so it knows what an honest update looks like
-(Algorithm 1): starting from the drawn instance h, each weight moves by
+An honest update (Pihur et al., "Differentially-Private Draw and Discard Machine Learning",
+Algorithm 1) moves each weight of the drawn instance h by d_j = u_j - h_j = s_j + n_j,
+|s_j| <= a = gamma * clip, n_j iid noise of scale s (Laplace(0, b): s = b = 2 gamma c / eps;
+Gaussian: N(0, s^2)). With X_j = |n_j| / s, whatever the client's data:
 
-    d_j = u_j - h_j = s_j + n_j,   |s_j| <= a = gamma * clip,   n_j iid noise of scale s
+  * L-infinity:  max_j |d_j| <= a + q s                (union bound),
+  * excess:      sum_j max(|d_j| - a, 0) / s <= U      (<= sum_j X_j, Chernoff),
+  * noise floor: sum_j min(|d_j| / s, m) >= L          (|s_j + n_j| stochastically dominates
+                 |n_j| for symmetric unimodal noise, Anderson's inequality; Chernoff lower tail),
 
-(Laplace: n_j ~ Laplace(0, b), s = b = 2 gamma c / eps; Gaussian: n_j ~ N(0, s^2)). With
-X_j = |n_j| / s (Exp(1), or half-normal), three statistics of d hold for every honest
-update, whatever the client's data:
-
-  * L-infinity:  max_j |d_j| <= a + q s                with P(fail) <= alpha/3 (union bound),
-  * excess:      sum_j max(|d_j| - a, 0) / s <= U      since it is <= sum_j X_j (Chernoff),
-  * noise floor: sum_j min(|d_j| / s, m) >= L          since |s_j + n_j| stochastically
-                 dominates |n_j| for symmetric unimodal noise (Anderson's inequality), so
-                 the sum dominates sum_j min(X_j, m) (Chernoff lower tail).
-
-U, L and q are computed from Chernoff bounds at construction; each fails for an honest
-update with probability at most alpha/3. The drawn instance is not known to the server
-(it never records draws), so an update is accepted if *some* candidate h (the k current
-instances and the last `history` replaced ones) passes all three. Hence
-
-    P(honest update refused) <= alpha + P(its pre-image left the history),
-
-the second term being zero while fewer than `history` updates land between its draw and
-its submit.
-
-Chaining: the server cannot know which candidate was drawn, so an attacker may claim its
-own last accepted update as the pre-image and walk arbitrarily far in N steps. A fourth
-test (when the rule knows the instances' stationary spread, Theorem 1) refuses an update
-whose mean squared distance to the average of the k instances exceeds `centre_factor`
-times that of an honest update (spread^2 + noise variance + a^2). This bound is
-empirical (instances under training are not iid). With no noise (epsilon None) only
-|d_j| <= a is checked.
-
-With draw tickets (tickets.py, the service's default) the server knows the served
-instance h, so `check_step` runs the three tests against h alone: no candidate search, no
-history, no centre test, and P(honest update refused) <= alpha exactly. Chaining is then
-impossible (h is always an instance the server drew), and influence.py bounds what N
-accepted steps of one token can add up to. `check` (candidates) remains for servers run
-without tickets.
+each failing for an honest update with probability <= alpha/3. With draw tickets (the
+service's default) `check_step` tests against the served h: P(honest update refused) <=
+alpha exactly, and influence.py bounds N accepted steps. Without tickets `check` accepts an
+update if *some* candidate h (the k instances and the last `history` replaced ones) passes,
+P(refused) <= alpha + P(its pre-image left the history), and a fourth, empirical test
+refuses an update whose mean squared distance to the instances' average exceeds
+`centre_factor` times an honest one's (spread^2 + noise variance + a^2; Theorem 1) against
+chaining. With no noise (epsilon None) only |d_j| <= a is checked.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Admission of a ticketed submit, in one place: values, draw ticket, step test, influence budget.
+"""Admission of a ticketed submit, in one place, each step refusing before anything is stored:
 
-Order (each step refuses before anything is stored):
-
-  1. values: non-finite or |w| > max_abs_weight -> 422 non_finite / out_of_range;
-  2. ticket (tickets.py): missing (400), malformed (400), not issued to this identity for the
-     drawn instance sent back (403), expired (409);
-  3. step d = u - h against the served instance h (AcceptanceRule.check_step): 422
-     step_too_large / excess_too_large / too_little_noise, P(honest refused) <= alpha;
-  4. influence budget (influence.py): 429 influence_rate_exceeded (Retry-After), 422
-     cumulative_step_too_large / cumulative_excess_too_large / lifetime_step_too_large,
-     503 influence_table_full (memory bound);
-  5. new identities' share (sybil.py, when set): 429 new_identity_share (Retry-After).
-
-The budget's key is the token identity, or without tokens the address's /24 or /64 prefix
-(sybil.budget_key); the ticket stays bound to the token or address that drew.
+  1. values: non-finite or |w| > max_abs_weight (422);
+  2. ticket (tickets.py): missing or malformed (400), not issued to this identity for the
+     drawn instance (403), expired (409);
+  3. step d = u - h against the served h (AcceptanceRule.check_step, 422),
+     P(honest refused) <= alpha;
+  4. influence budget (influence.py; key: token identity or address prefix,
+     sybil.budget_key): 429 rate (Retry-After), 422 cumulative, 503 table full;
+  5. new identities' share (sybil.py, when set): 429 (Retry-After).
 
 The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
 """

@@ -1,31 +1,14 @@
 """A local anchor of the store's sequence number: a lost acknowledged update is detected.
 
-The Redis store refuses a sequence number below the highest one its process has seen
-(redis_store.py), but a restarted process starts from nothing, and Redis itself may lose
-its last writes (AOF `everysec`, an RDB restore). With an anchor file (`serve --state-file
-PATH`, one per server, on the server's own disk) the server records
-
-    {"generation", "seq", "epochs", "last_epoch"}
-
-(two checksummed records overwritten in turn and fdatasynced; see Anchor.save) and:
-
-* writes it **before acknowledging an update** (RedisStore.replace awaits `commit`): the
-  writes of one event-loop turn share one fsync (group commit). So every acknowledged
-  sequence number is on the server's disk before the client hears of it;
-* at start-up refuses (StoreRolledBack) a store of the same generation whose sequence number
-  is below the anchored one, a store of another generation (flushed and re-created, or
-  re-initialized) unless this server itself reset it, and, when the anchor file is missing,
-  a store that already holds updates (the anchor was deleted or this server is new to the
-  store): `adopt=True` (`--adopt-store`) accepts the store as it is, once;
-* detects sequence numbers re-issued after a rollback. Every server start appends an
-  *epoch* `id:seq` to the store's epoch list (seq: the store's number at that start). The
-  anchor records the list's length n and last entry, read after the anchored seq was seen.
-  In a store that never went back, entry n - 1 is still the recorded one and every later
-  entry starts at or above the anchored seq; a rollback to a state before the anchored seq,
-  followed by any server start (with a restored anchor, or none), breaks one of the two.
-
-What remains (docs/draw_discard_security.md): a rollback that no server start follows
-and that no running server sees; every anchor lost or restored together with Redis.
+With `serve --state-file PATH` the server records {"generation", "seq", "epochs",
+"last_epoch"} on its own disk (two checksummed records written in turn, fdatasynced; group
+commit per event-loop turn) **before acknowledging an update** (RedisStore.replace awaits
+`commit`). At start-up it refuses (StoreRolledBack) a store below the anchored seq, a store
+of another generation unless it reset it itself, and, without an anchor file, a store that
+already holds updates (unless `adopt=True`, `--adopt-store`). Every server start appends an
+epoch `id:seq` to the store; the anchor keeps the list's length n and last entry, so a
+rollback before the anchored seq followed by any server start breaks entry n - 1 or the
+order of later entries. Residual risk: docs/draw_discard_security.md, section 1.
 """
 
 from __future__ import annotations

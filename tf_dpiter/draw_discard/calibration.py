@@ -1,10 +1,8 @@
 """Noise calibration of Draw and Discard clients (Pihur et al. 2018, Algorithm 1 and Section IV-B).
 
-Units: epsilon in nats; gamma is the learning rate; clip c bounds each coordinate of the
-average gradient to [-c, c], so one client's update moves a weight by at most
-sensitivity = 2 * gamma * c (Section III-E). Laplace noise of scale 2 gamma c / epsilon
-makes each weight of an update epsilon-DP; the Gaussian alternative uses Lemma 1 of [30].
-Re-exported by `privacy`.
+Units: epsilon in nats; gamma the learning rate; clip c bounds each gradient coordinate, so a
+weight moves by at most 2 gamma c (Section III-E). Laplace(2 gamma c / epsilon) makes each
+weight epsilon-DP; the Gaussian uses Lemma 1 of Kenthapadi et al.
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def laplace_variance(gamma: float, epsilon: float, clip: float = 1.0) -> float:
 def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
   """Gaussian noise std for (epsilon, delta)-DP, Lemma 1 of Kenthapadi et al. [30] (Section IV-B).
 
-  sigma >= w * sqrt(2 (ln(1/(2 delta)) + epsilon)) / epsilon, with w the sensitivity and
-  delta < 1/2. Unlike Theorem A.1 of Dwork-Roth it is valid for epsilon > 1.
+  sigma >= w sqrt(2 (ln(1/(2 delta)) + epsilon)) / epsilon (valid for epsilon > 1).
 
   Args:
     epsilon: per-update epsilon (nats).
@@ -95,9 +92,6 @@ def gaussian_sigma(epsilon: float, delta: float, sens: float) -> float:
 def noise_std(noise: str, gamma: float, epsilon: float | None, clip: float = 1.0,
               delta: float = 1e-6) -> float:
   """Per-weight std of the client noise (0 for noise 'none' or epsilon None).
-
-  Laplace: sqrt(2) b = sqrt(2) 2 gamma c / epsilon; Gaussian: gaussian_sigma(epsilon, delta,
-  2 gamma c) (Algorithm 1, Section IV-B).
 
   Args:
     noise: "laplace", "gaussian" or "none".

@@ -1,18 +1,10 @@
 """Python client library for the Draw and Discard HTTP service.
 
-DDMLClient (blocking, stdlib http.client keep-alive) and AsyncDDMLClient (aiohttp).
-`update` runs a full round: draw an instance with its spec, Algorithm 1 on the local
-records (client.spec_update), submit. Weights travel as raw little-endian float64
-(application/octet-stream, version in X-DDML-Version); the spec is fetched once per version.
-
-Transport: `https://` URLs verify the server certificate (`cafile=` for a private CA);
-`token=` sends `Authorization: Bearer <token>`, and is refused with an `http://` URL unless
-`insecure=True`.
-
-The client's privacy floor (`PrivacyFloor`, client_floor.py) is checked on every submit path
-(`update`, `submit`, `submit_and_draw`, `submit_json`): a weaker spec raises
-PrivacyFloorError and nothing is sent. The floor and the wire format (client_wire.py) are
-re-exported here.
+DDMLClient (blocking, stdlib http.client) and AsyncDDMLClient (aiohttp). `update` runs a
+round: draw with the spec (fetched once per version), Algorithm 1 (client.spec_update),
+submit, as raw little-endian float64. `https://` verifies the server (`cafile=`); a `token=`
+is refused over `http://` unless `insecure=True`. The privacy floor (`PrivacyFloor`) is
+checked on every submit path: a weaker spec raises PrivacyFloorError and nothing is sent.
 """
 
 from __future__ import annotations

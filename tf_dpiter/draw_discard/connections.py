@@ -1,32 +1,13 @@
 """Connection accounting for the Draw and Discard service: every socket from accept to close.
 
-The service accepts connections itself (`ConnectionGuard.accept_loop`), so a connection is
-counted the moment `accept` returns it, with its address, before any TLS handshake or
-request byte, and uncounted the moment it closes (the protocol's `connection_lost`, a
-failed or timed-out handshake, or an eviction). Nothing stays counted after it closed, and
-a refused socket is never counted.
-
-Limits (Limits):
-
-  * per address: at most `max_per_client` open connections (handshakes included);
-  * per address prefix (/24 for IPv4, /64 for IPv6, `prefix_of`): at most `max_per_prefix`;
-  * per token: at most `max_per_token` connections carrying requests of one token (checked
-    when a request is authenticated; a connection belongs to the first token it carries);
-  * in all: `max_connections`. When the table is full, a new connection from a prefix
-    holding fewer connections than the heaviest prefix evicts one of that prefix's
-    connections (of its heaviest address: an idle one first, else its oldest): max-min
-    fairness over prefixes, each of P competing prefixes can reach `max_connections / P`.
-    Else an address holding fewer connections than the heaviest address evicts one of that
-    address's. Otherwise, the connection idle longest among prefixes holding more
-    connections than the newcomer's is evicted if it has been idle (or in its TLS
-    handshake) for at least `min_idle_s`; only when there is none is the newcomer refused.
-  * idle: a connection with no request in progress for `timeout_s()` seconds is closed, and
-    a TLS handshake has the same limit: `idle_timeout_s` up to half full, then linearly down
-    to `min_idle_s` when full (seconds). Holding idle connections then costs an attacker a
-    reconnect every `min_idle_s` when the table is full.
-
-Refused plain-HTTP connections get a JSON 503 before the close; TLS ones are closed (no
-HTTP can be spoken before the handshake).
+A connection is counted when `accept` returns it (before any TLS handshake or request byte)
+and uncounted when it closes; a refused socket is never counted. Limits (`Limits`): per
+address, per address prefix (/24 IPv4, /64 IPv6, `prefix_of`), per token (the first token a
+connection carries) and in all; a full table evicts (max-min fairness over prefixes, then
+addresses, then the connection idle longest for at least `min_idle_s`) before it refuses a
+newcomer; the idle and handshake timeout shrinks from `idle_timeout_s` to `min_idle_s` as
+the table fills. The order and its guarantees: docs/draw_discard_security.md, section 2.
+Refused plain-HTTP connections get a JSON 503 before the close; TLS ones are closed.
 """
 
 from __future__ import annotations

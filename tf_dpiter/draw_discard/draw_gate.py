@@ -1,32 +1,17 @@
 """Draw privacy at low traffic: a value is served only m updates away from every served one.
 
-The attack: a tracker keeps every instance it is served. With rebasing
-(service.DDMLService(rebase=True)) a victim's update is stored as h' + d, h' an instance in
-the store; once h' and later h' + d are both served to the tracker, the difference is the
-victim's noised step d exactly, and local DP (the noise of d) its only protection.
+The attack: with rebasing a victim's update is stored as h' + d; a tracker served both h'
+and h' + d learns d exactly (local DP its only protection). `DrawGate` keeps, per slot, the
+lineage distance (h' + d is a child of h') from the slot's value to the nearest served value
+(capped at m): a drawn slot at distance >= m is served, else its last served value is served
+again (a *stale* draw, `draws_stale_total`). Any two distinct served values then differ by
+a signed sum of >= m local-DP steps, at every traffic level (no formal amplification is
+claimed). m = 1 is Algorithm 2 unchanged; without rebasing the gate is off.
 
-The rule (DrawGate): the stored values form a lineage forest (h' + d is a child of h').
-For each slot the gate keeps `dist`, the lineage distance from the slot's value to the
-nearest value already served (capped at m). A draw picks a slot uniformly; if its value is
-at distance >= m it is served (and distances are updated), else the slot's last served
-value is served again (a *stale* draw: the tracker learns nothing new from it). So any
-two distinct served values x, y differ by a path of at least m accepted updates in the
-lineage: x - y is a signed sum of >= m local-DP steps (with their Algorithm-1 noise), never
-one victim's step alone.
-
-Cost (staleness): a stale draw lags its slot by < m updates of its lineage; clients train
-on it as usual (rebasing puts the step on a fresh instance). `draws_stale_total` counts
-them. m = 1 is Algorithm 2 unchanged. At low traffic most draws are stale: the statement
-above holds at every traffic level, only the staleness grows.
-
-Not given: a differencing attack still sees a sum of m local-DP steps (each step's local-DP
-guarantee holds; no formal amplification is claimed). The gate is per server process. A
-value written by another process (Redis) is placed conservatively j steps below the known
-value v it is closest to, j = ceil(max_j |x_j - v_j| / linf) (linf: one accepted step's
-per-weight bound), so its distance to this process's last SERVED_KEPT served values is never
-overestimated; values the *other* process served are unknown here. Values present at
-start-up count as never served. Memory: about (5 k + 128) p float64 values. Without
-rebasing every stored value is one step from a served draw, so the gate is off (m = 1).
+The gate is per server process: a value another process wrote is placed conservatively
+j = ceil(max_j |x_j - v_j| / linf) steps below the nearest known value v (distances never
+overestimated); values present at start-up count as never served. Memory: about
+(5 k + 128) p float64 values.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Per-token influence budget: an attacker's N accepted updates stay inside N honest clients' envelope.
 
-Relation and unit: the unit is one *identity* (a bearer token; the client address without
-tokens); the comparison is between N accepted submits of one identity and N honest
-clients' submits under the same served spec.
-
-With draw tickets (tickets.py) the server knows the submitted step d_t = u_t - h_t exactly;
-an honest step is d_t = s_t + n_t, |s_tj| <= a = gamma * clip, n_tj iid noise of scale
-`scale` (Algorithm 1, acceptance.py; Laplace(b): scale = b; Gaussian: scale = sigma),
-whatever the client's data. For N honest steps, C_N = sum_t d_t = S_N + W_N with
-|S_Nj| <= N a and W_Nj a sum of N iid noises. The budget keeps C_N per identity and accepts
-the N-th submit only if
+Unit: one *identity* (a bearer token; the client address without tokens), compared with N
+honest clients under the same served spec. With draw tickets the server knows each step
+d_t = u_t - h_t; an honest one is s_t + n_t, |s_tj| <= a = gamma * clip, n_tj iid noise of
+scale `scale` (Pihur et al., "Differentially-Private "Draw and Discard" Machine Learning",
+Algorithm 1). C_N = sum_t d_t = S_N + W_N, |S_Nj| <= N a; the N-th submit is accepted only if
 
   * per weight:  max_j |C_Nj| <= N a + x_N scale,
   * aggregate:   sum_j max(|C_Nj| - N a, 0) <= U_N scale          (<= sum_j |W_Nj| / scale),
@@ -26,38 +21,16 @@ where x_N and U_N are Chernoff bounds at level alpha_N / 3 each, alpha_N = alpha
 Bound (false rejection): P(an honest identity is ever refused by the budget) <= alpha,
 over its whole life (any data, any order, any asynchrony: only Algorithm 1 is assumed).
 
-Bound (influence): every accepted identity satisfies the two inequalities above, which N
-honest clients' steps satisfy with probability >= 1 - alpha_N. With rebasing (the
-service's default, service.DDMLService(rebase=True)) the server stores h'_t + d_t, h'_t an
-instance it draws uniformly when the update arrives, in a uniformly random slot r_t, so the
-average of the k instances moves by
+Bound (influence): with rebasing (the default) the server stores h'_t + d_t (h'_t drawn
+uniformly on arrival) in a random slot r_t, so the average of the k instances moves by
+(1/k) [C_N + sum_t (h'_t - x_{r_t})], the second term of mean zero whoever submits:
+E[shift] = E[C_N] / k, per weight at most (N a + x_N scale) / k against N a / k for N honest
+clients (ratio 1 + x_N scale / (N a), falling like 1/sqrt(N)). Without rebasing an identity
+can discard draws until it holds a favourable h, which this budget does not see.
 
-    (1/k) sum_t (h'_t + d_t - x_{r_t}) = (1/k) [C_N + sum_t (h'_t - x_{r_t})],
-
-and given the store's state each h'_t - x_{r_t} has mean zero whoever submits. Hence
-E[shift of the average] = E[C_N] / k: per weight at most (N a + x_N scale) / k, and summed
-over weights at most (p N a + U_N scale) / k, against N a / k (per weight) for N honest
-clients whose clipped gradients all point the same way. Per weight the ratio is
-1 + x_N scale / (N a), which falls like 1/sqrt(N) (x_N ~ sqrt(N) ln p). This holds only
-for the undecayed sum, which the lifetime test below keeps; the decayed C alone does not
-bound a patient attacker's total. The remaining term has the law it has for honest clients.
-Without rebasing (Algorithm 2 literally: u itself is stored) an identity can discard draws
-until it holds a favourable h (the draw quota bounds how often), which this budget does not
-see.
-
-Decay and rate (the poisoning bound): the envelope alone lets one identity add N a per
-weight in N submits, i.e. move the model without limit at its submit quota. The budget
-therefore decays, caps the decayed count and also tests the undecayed sum (InfluenceBudget).
-Honest clients that submit at most about max_steps ln 2 / half_life_s times per second
-(defaults 8 and 300 s: one update per 54 s) never meet the rate test.
-
-Assumptions and limits: Algorithm 1 with the served spec (|s_tj| <= a, the served noise
-law) for honest clients; the server's draws use secrets.randbelow. One identity per
-attacker: T identities (tokens; address prefixes without tokens, sybil.py) have T budgets,
-so T times the bound. The budget is kept per server process; on a Redis store the rate test is also
-enforced across all processes (redis_scripts.REPLACE), so P processes do not give P rates,
-while the envelope of C stays per process.
-Memory and eviction (16 p + 160 bytes per identity): InfluenceBudget.
+Limits: T identities (tokens; address prefixes, sybil.py) have T budgets; the envelope is per
+server process (the rate test is cluster-wide on Redis). Decay, rate cap and the lifetime
+test: InfluenceBudget; the bounds in numbers: docs/draw_discard_security.md, section 4.
 """
 
 from __future__ import annotations
@@ -171,18 +144,10 @@ class InfluenceBudget:
     * lifetime, per weight: max_j |L_j| <= N a + x(N) scale, L = sum_t d_t undecayed
                                                   (else "lifetime_step_too_large"),
 
-  x and U the Chernoff bounds of `envelope` with S2 (resp. N) in place of n, at level
-  alpha_N / 3 each. The lifetime test bounds a patient attacker: decay forgets C, so
-  without it an identity could push one weight by (S1 a + x(S2) scale) / S1 per update for
-  ever (3.4 a at the defaults), while L holds its total push to N a + x(N) scale.
-  For honest steps d_t = s_t + n_t (Algorithm 1): |sum_t f_t s_tj| <= a S1, and since
-  -ln(1 - l^2 f^2) <= -f^2 ln(1 - l^2) for 0 <= f <= 1 (convexity in f^2), the decayed noise
-  sum sum_t f_t n_tj has the moment bound of S2 undecayed noises: the envelope holds with
-  probability >= 1 - alpha_N at the N-th submit, and over a whole life with >= 1 - alpha.
-
-  Bound (one identity; docs/draw_discard_security.md): at every time its decayed
-  displacement is at most max_steps a + x(S2) scale per weight, and in any window of T
-  seconds it gets at most max_steps (1 + T ln 2 / half_life_s) submits accepted.
+  x and U: `envelope` with S2 (resp. N) for n, at level alpha_N / 3 each. Since
+  -ln(1 - l^2 f^2) <= -f^2 ln(1 - l^2) for 0 <= f <= 1, the decayed noise sum has the moment
+  bound of S2 undecayed noises: honest identities pass with probability >= 1 - alpha over
+  their life. In any T seconds at most max_steps (1 + T ln 2 / half_life_s) submits pass.
 
   Args:
     rule: the AcceptanceRule of the served spec (step a, noise law, scale, p).
@@ -193,12 +158,8 @@ class InfluenceBudget:
     max_memory_bytes: bound on the budget's memory (16 p + 160 bytes per identity).
     clock: time source in seconds (tests, benchmarks).
 
-  Eviction: an identity may be forgotten once its decayed count S1 is below `FORGET_BELOW`
-  = 1 (forgetting it grants at most one extra update's worth), i.e. from t_last +
-  half_life_s log2(S1) on (seconds; t_last its last accepted submit). Identities sit in a
-  heap keyed by that time: when the table is full the first forgettable one is forgotten,
-  and a newcomer is refused ("influence_table_full") only when none can be forgotten yet
-  (no head-of-line block). Without decay the least recently used identity is forgotten.
+  Eviction: an identity may be forgotten once S1 < `FORGET_BELOW` = 1; a newcomer is refused
+  ("influence_table_full") only when none can be (without decay: least recently used).
 
   Raises:
     ParameterValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
@@ -242,9 +203,8 @@ class InfluenceBudget:
   def limits(self, n: int, s1: float | None = None, s2: float | None = None) -> tuple:
     """(per-weight limit on |C_j|, aggregate limit on the excess) at the n-th submit.
 
-    The envelope is evaluated (cached) at S2 rounded up to a multiple of 1/16 and at
-    alpha_n' / 3, n' = n rounded up to a power of two: both only raise the limits, so the
-    false-rejection bound holds.
+    Evaluated (cached) at S2 rounded up to a multiple of 1/16 and n rounded up to a power of
+    two: both only raise the limits.
 
     Args:
       n: accepted steps including this one (>= 1), for the level alpha_n.
@@ -304,9 +264,6 @@ class InfluenceBudget:
 
   def forget_time(self, st: list) -> float:
     """When an identity's decayed count S1 falls below FORGET_BELOW (seconds, its clock).
-
-    t_last + half_life_s log2(S1 / FORGET_BELOW) (-inf when already below; t_last without
-    decay).
 
     Args:
       st: the identity's state [N, S1, S2, C, t_last, L].

@@ -1,17 +1,11 @@
 """Service secrets kept outside the store: the ticket key and the slot-integrity key.
 
-One secret (>= 32 bytes) is shared by the servers of one store and never written to it.
-It comes from a key file (`serve --key-file`, hex or raw bytes) or the environment
-(`DDML_SECRET`, hex). Two keys are derived from it with HMAC-SHA256 (RFC 2104) under
-fixed labels: the draw-ticket key (tickets.py) and the slot-integrity key (store_mac.py).
-The store's meta holds only `key_id`, an HMAC of a third label, so that a server started
-with another secret refuses to join (StoreMismatch) without the secret being revealed.
-
-Without a secret, a random one is made per process: one server on its own store is then
-fully protected; a second server cannot join (its key_id differs). `legacy_store_key=True`
-(the command line's `--insecure-key-in-store`) instead keeps the secret in the store's
-meta as older versions did: anyone who can read the store can then forge tickets and
-slot tags, and the service logs a warning at startup.
+One secret (>= 32 bytes; `serve --key-file` or `DDML_SECRET`) is shared by a store's
+servers and never written to it; the ticket and slot keys are HMAC-SHA256 of it under fixed
+labels, and the store holds only `key_id` (a third label), so a server with another secret
+cannot join (StoreMismatch). Without a secret one is made per process (no second server
+can join). `legacy_store_key=True` (`--insecure-key-in-store`) keeps it in the store's meta
+as older versions did: a store reader can then forge tickets and tags (a startup warning).
 """
 
 from __future__ import annotations

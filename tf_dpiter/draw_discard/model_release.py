@@ -1,23 +1,13 @@
 """The released model of the Draw and Discard service: what GET /v1/model may reveal.
 
-The average of the k instances moves by (new - replaced) / k with every accepted update,
-so reading it after each update and differencing reveals each update to anyone who also
-holds the k instances (collected by draws): the draw privacy argument (adversaries I and
-II of Pihur et al., "Differentially-Private Draw and Discard Machine Learning", Section IV)
-would be bypassed. The service therefore releases the average only in batches: a new
-release is made when at least `min_updates` updates have landed since the previous one
-AND at least `min_interval_s` seconds have passed; between releases every reader gets
-the same bytes. The release is shared by all servers of one store (one atomic
-compare-and-set in the store, so two servers cannot release models fewer than
-`min_updates` updates apart), carries its sequence number, and is integrity-tagged like
-a slot (store_mac.py). Reads of /v1/model are also charged to the caller's draw quota.
-
-What remains: the difference of two consecutive releases is the sum of >= min_updates
-updates (each with its own local-DP noise); an attacker that itself submits all but one
-of them (min_updates - 1 updates of its own, known to it) can subtract them. Its
-submits are bounded by the submit quota and the per-identity influence rate
-(influence.py), so that attack costs min_updates - 1 accepted submits per victim update
-(docs/draw_discard_security.md).
+Differencing the average of the k instances after each update would reveal each update
+(bypassing the draw privacy of Pihur et al., "Differentially-Private Draw and Discard Machine
+Learning", Section IV, adversaries I and II). So the average is released in batches: a new
+release after >= `min_updates` updates AND >= `min_interval_s` seconds (one compare-and-set
+in the store, shared by all its servers; integrity-tagged like a slot); reads are charged to
+the draw quota. Residual: two consecutive releases differ by >= min_updates locally noised
+updates; an attacker submitting all but one of them pays min_updates - 1 accepted submits
+per victim update (docs/draw_discard_security.md, section 3).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Strict parsing of Draw and Discard submissions.
 
-A submission is either JSON, `{"version": str, "weights": [number, ...]}` or
-`{"version": str, "weights_b64": str}` (exactly one weights field), or
-`application/octet-stream` raw little-endian float64 with the version in X-DDML-Version.
-With draw tickets (tickets.py) it also carries its draw: JSON `"ticket": str` and the drawn
-instance as `"drawn"` (list) or `"drawn_b64"`; raw: the X-DDML-Ticket header and a body of
-2p doubles, the drawn instance then the update. No other keys are allowed.
-JSON weights must be numbers: no strings, booleans, nulls or nested lists. Every
-refusal is a RequestError carrying the HTTP status and a stable error code.
+JSON `{"version", "weights": [numbers] | "weights_b64"}` (exactly one weights field), or
+`application/octet-stream` little-endian float64 with X-DDML-Version; with tickets also
+`"ticket"` and `"drawn"` / `"drawn_b64"` (raw: X-DDML-Ticket and 2p doubles, drawn then
+update). No other keys; JSON weights must be numbers. Every refusal is a RequestError with
+the HTTP status and a stable error code.
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ def epsilon_adversary_one(epsilon: float) -> float:
 def epsilon_adversary_one_composed(epsilon: float, num_updates: int, delta: float = 0.0) -> float:
   """Adversary I over `num_updates` updates by the same user (Section VII: composition).
 
-  delta == 0: basic composition, n * epsilon. delta > 0: PLD accounting by the privacy
-  core (tf_dpiter.accounting) of n Laplace mechanisms with noise multiplier 1/epsilon
-  (scale / sensitivity), every record in every sample (policy "full").
+  delta == 0: basic composition, n * epsilon; delta > 0: PLD accounting of n Laplace
+  mechanisms of noise multiplier 1/epsilon (policy "full").
 
   Args:
     epsilon: per-update epsilon (nats).
@@ -152,12 +151,8 @@ def discard_probability(k: int) -> float:
 def discard_probability_chain(k: int) -> float:
   """Lemma 2 by solving its Markov chain numerically (checks the closed form).
 
-  State i = number of instances descending from the update. The transition
-  probabilities are p_i = i (k - i) / k^2 up and the same down (draw one of the i and
-  overwrite one of the k-i, or the reverse); 0 and k absorb. The PDF prints
-  p_i = binom(k-i, k^2) i / k^2 and p_k = 1: a text-extraction garble; the derivation
-  (q_{i-1} + q_{i+1} = 2 q_i) only needs equal up/down rates, and k must absorb.
-  Returns q_1 = P(absorbed at 0 | start in 1).
+  State i = instances descending from the update; p_i = i (k - i) / k^2 up and the same down;
+  0 and k absorb (the paper's printed p_i is a text-extraction garble; equal rates suffice).
 
   Args:
     k: number of instances (integer >= 1).
@@ -184,16 +179,11 @@ def epsilon_adversary_three(epsilon: float, num_later_updates: float, delta_t: f
                             w_over_gamma: float = math.sqrt(2.0), exact: bool = False) -> float:
   """(epsilon_T, delta_T) against adversary III after T later updates (Lemma 3).
 
-  CLT: T Laplace(2 gamma/epsilon) noises ~ N(0, T * 8 gamma^2 / epsilon^2); then Lemma 1
-  of [30] with sensitivity w. exact=False returns the paper's large-T form
-      epsilon_T = epsilon * w / (2 gamma sqrt(T)) * sqrt(ln(1/(2 delta_T)))
-  which is epsilon / sqrt(2T) * sqrt(ln(1/(2 delta_T))) for the paper's w = sqrt(2) gamma.
-  exact=True keeps the "+1" under the root: the positive root of
-      T (4 gamma^2/epsilon^2) e_T^2 - w^2 e_T - w^2 ln(1/(2 delta_T)) = 0.
-  The PDF's printed root has an extraction garble (a factor 1 outside the sqrt); the
-  root above is rederived from the quadratic. The paper takes w = sqrt(2) gamma; the
-  per-weight range of Algorithm 1's clipped step is 2 gamma, so w_over_gamma=2 is the
-  conservative choice (epsilon_T larger by sqrt(2)). Gamma cancels; it is not an input.
+  CLT: T Laplace(2 gamma/epsilon) noises ~ N(0, T 8 gamma^2 / epsilon^2), then Lemma 1 of
+  Kenthapadi et al. (sensitivity w). exact=False: the paper's large-T form
+  epsilon_T = epsilon w / (2 gamma sqrt(T)) sqrt(ln(1/(2 delta_T))); exact=True: the positive
+  root of T (4 gamma^2/epsilon^2) e_T^2 - w^2 e_T - w^2 ln(1/(2 delta_T)) = 0 (rederived).
+  w_over_gamma=2 (the clipped step's range) is conservative against the paper's sqrt(2).
 
   Args:
     epsilon: per-update epsilon (nats).
@@ -224,9 +214,7 @@ def epsilon_adversary_three_accounted(epsilon: float, num_later_updates: float,
                                       w_over_gamma: float = math.sqrt(2.0)) -> float:
   """Lemma 3's CLT Gaussian, accounted exactly (PLD, privacy core) instead of by [30].
 
-  After T later updates the user's step is hidden by N(0, T 8 gamma^2/eps^2) noise: a
-  Gaussian mechanism with noise multiplier sigma_T / w = 2 sqrt(2T) / (epsilon * w/gamma).
-  Tighter than epsilon_adversary_three; same CLT assumption (T large).
+  A Gaussian of noise multiplier 2 sqrt(2T) / (epsilon w/gamma) (same CLT assumption).
 
   Args:
     epsilon: per-update epsilon (nats).
@@ -333,8 +321,7 @@ def privacy_statement(epsilon: float, k: int, num_later_updates: float = 1000,
                       accounted: bool = True) -> PrivacyStatement:
   """Guarantees against adversaries I, II and III (Section IV, summary table).
 
-  Lemmas 1-3 are proven for Laplace noise; for noise='gaussian' adversary I gets the
-  (epsilon, delta) of the calibration and II/III are reported with the same formulas
+  Lemmas 1-3 are proven for Laplace noise; for 'gaussian' II/III use the same formulas
   (not proven in the paper).
 
   Args:

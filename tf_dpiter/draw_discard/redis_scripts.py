@@ -1,15 +1,9 @@
 """The Lua scripts of the Redis store (redis_store.py); each runs atomically in Redis.
 
-REPLACE returns {new sequence number, write id of the replaced value} (store_mac.py), so
-the writing process can refuse that value if it is ever written back. It also enforces the influence rate of the submitter's identity across every server
-of the store (influence.py's decayed count S1 <= max_steps, on the Redis clock; -5 when
-over, nothing written, the ticket not consumed), so P servers do not give P rates.
-
-Every script that reads or writes the model first checks the generation (-1: missing, -2:
-another one) and the sequence-number high-water mark ARGV `hw` passed by the calling
-process (-4: the store's sequence number is below one this process already saw, i.e. the
-store was rolled back), so nothing is read from or written to a rolled-back store: that
-prologue is `_checked`, written once.
+REPLACE returns {new sequence number, write id of the replaced value} and enforces the
+submitter's influence rate across all servers (S1 <= max_steps on the Redis clock; -5: over,
+nothing written). Every script first checks the generation (-1 missing, -2 another) and the
+caller's sequence high-water mark `hw` (-4: rolled back): the prologue `_checked`.
 """
 
 

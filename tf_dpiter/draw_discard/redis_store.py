@@ -1,18 +1,12 @@
 """Shared k-instance store on Redis (several server processes, one model per key prefix).
 
-Keys: <prefix>:gen (generation), <prefix>:meta, <prefix>:slot:<i>, <prefix>:hist (list of
-replaced instances, newest first), <prefix>:seq, <prefix>:counters (hash), <prefix>:init
-(initialization lock, with an expiry), <prefix>:nonce:<hex> (used draw tickets, expiring),
-<prefix>:epochs (one "<id>:<seq>" per server start, anchor.py).
-
-Every operation is one Lua script or one MULTI transaction that checks the generation
-first (store.py), and every read or write of the model also checks that the sequence
-number is not below the highest one this process has seen (StoreRolledBack;
-redis_scripts.py). Stored instances carry an integrity tag checked on every read
-(store_mac.py; StoreCorrupt), and the process remembers used nonces and retired values
-(replay_guard.py). Any of these faults is sticky: the process refuses every operation
-until an operator restarts it. With an anchor (anchor.py), replace() returns only once the
-new sequence number is on the server's disk. Group commit: redis_pipeline.py.
+Keys: <prefix>:gen, :meta, :slot:<i>, :hist (replaced instances, newest first), :seq,
+:counters, :init (lock with expiry), :nonce:<hex> (used tickets, expiring), :epochs
+(anchor.py). Every operation is one Lua script or MULTI transaction checking the generation
+and the sequence high-water mark (redis_scripts.py); values carry integrity tags
+(store_mac.py); used nonces and retired values are remembered (replay_guard.py). Faults are
+sticky until a restart. With an anchor, replace() returns once the new sequence number is on
+disk (group commit: redis_pipeline.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """What one server process remembers about a shared store, against replays by its writers.
 
-Someone with write access to Redis but without the secret cannot forge tickets or sealed
-instances (tickets.py, store_mac.py), but can delete keys and write old values back. Two
-records kept in the server's own memory catch the cases Redis cannot vouch for:
-
-* used ticket nonces, for the ticket's lifetime (at most `max_nonces`): a ticket whose
-  nonce key was deleted from Redis is still refused by the server that accepted it;
-* write ids of the values this process replaced, with the sequence number of the update
-  that replaced each (at most `max_retired`): a snapshot at sequence number s whose slot
-  holds a value that an update at or before s replaced shows an older value written back.
-  A snapshot read before that update may legitimately still hold it, hence the comparison.
-
-Other servers of the store keep their own records; neither survives a restart.
+A Redis writer without the secret cannot forge tickets or sealed values but can delete keys
+and write old values back. Kept in the server's memory: used ticket nonces for the ticket's
+lifetime (at most `max_nonces`), and the write ids of the values this process replaced with
+the replacing update's sequence number (at most `max_retired`): a snapshot at s holding a
+value replaced at or before s shows a write-back. Per process; lost on restart.
 """
 
 from __future__ import annotations

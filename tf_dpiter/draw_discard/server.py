@@ -1,26 +1,13 @@
 """Server side of Draw and Discard: Algorithm 2 of Pihur et al. 2018 (Section III-C), in memory.
 
-k model instances; each request draws one uniformly at random; the returned instance
-replaces one uniformly at random (discard). Initialization N(b^0, k/2 sigma^2) is the
-variance-stabilizing start of Theorem 1. The alternatives of Section V-B are strategies
-of the same class, for the comparisons of Figures 2-4:
-
-  "draw_discard"          Algorithm 2.
-  "same_instance"         overwrite the instance that was drawn ("Same Instance Replace").
-  "average_draw_discard"  overwrite a random instance with the mean of it and the update.
-  "average_same_instance" overwrite the drawn instance with the mean of it and the update.
-  "accept_1_over_k"       one model; accept each update with probability 1/k.
-  "server_batch"          one model; average N_s = batch_size returned models, then replace
-                          (server-side batching, Section V-A).
-
-The spam filter of Section III-D4 refuses an update with any weight outside
-mu +- t*sigma of the k instances (per weight; sigma with ddof=1). It is kept for the
-paper's simulations only: its statistics can be steered by the submitters (variance
-collapse, ratchet), so the HTTP service uses acceptance.AcceptanceRule instead.
-
-This class is the simulation server: `draw` returns the drawn index so that the
-strategies that need the pre-image can use it. The HTTP service (service.py) never
-records it.
+k model instances; each request draws one uniformly; the returned instance replaces one
+uniformly (discard). Initialization N(b^0, k/2 sigma^2) (Theorem 1). The alternatives of
+Section V-B, for Figures 2-4: "same_instance" (overwrite the drawn instance),
+"average_draw_discard" / "average_same_instance" (overwrite with the mean of it and the
+update), "accept_1_over_k" (one model, accept with probability 1/k), "server_batch" (one
+model, replaced by the average of batch_size returned models, Section V-A). The spam filter of Section III-D4 (mu +- t sigma per weight, ddof=1) is kept
+for the paper's simulations only (submitters can steer it; the HTTP service uses
+acceptance.AcceptanceRule). `draw` returns the drawn index; the HTTP service never records it.
 """
 
 from __future__ import annotations

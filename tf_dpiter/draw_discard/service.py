@@ -1,37 +1,23 @@
-"""Asynchronous HTTP JSON service for Draw and Discard (Algorithm 2 over HTTP, aiohttp).
+"""Asynchronous HTTP JSON service for Draw and Discard (Pihur et al., "Differentially-Private
+Draw and Discard Machine Learning", Algorithm 2, over HTTP, aiohttp).
 
-Endpoints (JSON; weights as a JSON list, as base64 of little-endian float64 with
-encoding "b64", or as the raw float64 bytes with encoding "raw", which the Python
-client uses: the version then travels in the X-DDML-Version header):
+Endpoints (weights as a JSON list, base64 of little-endian float64 ("b64"), or raw float64
+bytes ("raw", version in X-DDML-Version)):
 
-  GET  /v1/draw[?encoding=b64|raw] -> {"version", "spec", "ticket", "weights" | "weights_b64"}
-                                   one instance drawn uniformly (secrets.randbelow) from a
-                                   snapshot of all k slots (oblivious store reads), with
-                                   its draw ticket (raw: X-DDML-Ticket header; tickets.py).
-  POST /v1/submit  {"version", "ticket", "drawn" | "drawn_b64", "weights" | "weights_b64"},
-                   or application/octet-stream bytes (drawn instance, then the update) with
-                   X-DDML-Version and X-DDML-Ticket -> {"accepted": true, "seq": n}; the
-                   update replaces a uniformly random slot if the ticket is valid and
-                   unused, the step passes the acceptance rule against the drawn instance
-                   (acceptance.py) and the token's cumulative step stays inside N honest
-                   clients' envelope (influence.py).
-                   ?draw=raw: on success the answer is instead the next drawn instance
-                   (raw, X-DDML-Seq and X-DDML-Ticket headers), within the draw quota (else
-                   the JSON above).
-  GET  /v1/model[?encoding=b64|raw] -> the released average of the k instances (a new one
-                                   after >= model_min_updates updates and model_interval_s
-                                   seconds; model_release.py), charged to the draw quota.
-  GET  /v1/spec, GET /v1/metrics (JSON counters), GET /metrics (Prometheus), GET /healthz.
+  GET  /v1/draw   one instance drawn uniformly (secrets.randbelow) with its ticket (tickets.py).
+  POST /v1/submit the drawn instance, its ticket and the update: stored in a uniformly
+                  random slot if the ticket is valid and unused, the step passes the
+                  acceptance rule (acceptance.py) and the identity's influence budget
+                  (influence.py); ?draw=raw answers with the next draw (draw quota).
+  GET  /v1/model  the released average (model_release.py), charged to the draw quota.
+  GET  /v1/spec, GET /v1/metrics, GET /metrics (Prometheus), GET /healthz.
 
-Every error is JSON {"error": code, "message": ...}: 400 malformed, 401/403 token, 404/405,
-408 body too slow, 409 wrong version, 413 too large, 415 content type, 422 wrong shape or
-refused (acceptance.py, admission.py), 429 quota_exceeded / auth_throttled /
-influence_rate_exceeded / new_identity_share (Retry-After), 503 store_lost (flushed,
-corrupted, rolled back) / store_unavailable / too_many_connections / influence_table_full;
-tickets: 400 missing_ticket / bad_ticket, 403 invalid_ticket, 409 ticket_expired /
-ticket_used. The server keeps no record of which instance was drawn (tickets.py); per token
-it keeps only the cumulative step of its accepted updates. With tickets=False any of the k
-instances and the last `history` replaced ones may be the pre-image (acceptance.check).
+Errors are JSON {"error": code, "message": ...}: 400 malformed / missing_ticket / bad_ticket,
+401/403 token / invalid_ticket, 408 slow body, 409 wrong version / ticket_expired /
+ticket_used, 413, 415, 422 wrong shape or refused, 429 quotas (Retry-After), 503 store_lost /
+store_unavailable / too_many_connections / influence_table_full. The server keeps no record
+of which instance was drawn. With tickets=False any of the k instances and the last
+`history` replaced ones may be the pre-image (acceptance.check).
 """
 
 from __future__ import annotations

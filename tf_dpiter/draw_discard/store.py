@@ -1,21 +1,12 @@
 """k-instance stores for the Draw and Discard service: in memory or Redis.
 
-A store holds k slots of float64 little-endian weights, a short history of the instances
-most recently replaced (the acceptance rule's candidates), a sequence number (one per
-accepted update), counters and the model meta. There is no global lock: a replacement is
-one atomic operation (a Python assignment on the event loop; one Redis Lua script), as
-the paper's memcache/datastore entities (Section I, "hotspotting"). Several server
-processes may share one Redis store: the multi-machine path.
-
-Integrity: initialization writes a random *generation* and the meta (version, k,
-num_weights, the spec's fingerprint, history length) in one transaction; every later
-operation checks the generation first and refuses (StoreLost) when it is missing or
-different, so a flushed or replaced store is never partially refilled. The init lock
-expires (`lock_ttl_s`), so a crashed initializer does not block the others forever.
-
-Obliviousness: stores have no per-slot read. The service reads whole snapshots (all k
-slots and the history), so the store's access pattern never reveals which instance a
-client drew (adversary II, Section IV). Stores never hold which slot was drawn.
+A store holds k slots (float64 little-endian weights), a short history of replaced
+instances (the acceptance rule's candidates), a sequence number, counters and the meta. A
+replacement is one atomic operation (no global lock). Integrity: initialization writes a
+random *generation* with the meta in one transaction; every operation checks it first
+(StoreLost when missing or different); the init lock expires (`lock_ttl_s`).
+Obliviousness: there is no per-slot read; the service reads whole snapshots, and stores
+never hold which slot was drawn (adversary II, Section IV).
 """
 
 from __future__ import annotations

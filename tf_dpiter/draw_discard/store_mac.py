@@ -1,18 +1,11 @@
 """Slot integrity for the Draw and Discard stores: every stored instance carries a tag.
 
-A stored instance (a slot or a history entry) is
-
-    weights (8 p bytes, little-endian float64) | slot index (4 bytes) | write id (8 bytes)
-      | tag (16 bytes),   tag = BLAKE2b-128 keyed with the slot key (keys.py) over
-                                generation | everything before the tag,
-
-so a value of the wrong length, a corrupted value, a slot copied from another slot, a
-value of another generation (an older model in the same prefix) or one written by anyone
-without the secret is refused on read (StoreCorrupt). The slot key lives outside the store,
-so reading the store does not allow forging. What a tag cannot show is *which* of the
-values legitimately written to a slot is the newest: a rolled-back store is caught by the
-sequence-number high-water mark (redis_store.py), an older value written back by its
-retired write id (`write_ids`, replay_guard.py; docs/draw_discard_security.md).
+A stored instance is weights (8 p bytes, LE float64) | slot index (4) | write id (8) | tag
+(16), tag = BLAKE2b-128 keyed with the slot key (keys.py, outside the store) over
+generation | everything before it. A value of the wrong length, corrupted, copied from
+another slot, of another generation or forged is refused on read (StoreCorrupt). Which
+legitimate value is the newest a tag cannot show: rollbacks are caught by the sequence
+high-water mark (redis_store.py) and write-backs by retired write ids (replay_guard.py).
 """
 
 from __future__ import annotations

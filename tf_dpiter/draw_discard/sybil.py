@@ -1,29 +1,16 @@
 """Sybils: what k identities cost, per token and per address prefix.
 
-The influence budget (influence.py) binds one identity; k identities get k budgets. Two
-mechanisms make k sybils cost what docs/draw_discard_security.md states:
-
-  * Without tokens the budget's identity is the client's address *prefix* (/24 for IPv4,
-    /64 for IPv6; connections.prefix_of), not the address: k addresses inside one prefix
-    share one budget, so a sybil needs k prefixes, not k addresses (`budget_key`).
-  * A global cap on the share of recent accepted updates that come from *new* identities
-    (NewIdentityShare): an identity is new for `new_age_s` seconds after its first
-    accepted update. With decayed counts (half-life `window_s`) T of all accepted updates
-    and N of those from new identities, a new identity's update is accepted only if
-
-        N + 1 <= max(min_new, share (T + 1)),
-
-    so while k fresh sybils are new they get at most share / (1 - share) times the
-    established identities' accepted updates (plus `min_new`), whatever k is; they must
-    first age `new_age_s` inside their own rate bound before the per-identity bound is
-    all that limits them.
+k identities get k influence budgets (influence.py). Without tokens an identity is the
+client's address *prefix* (/24 IPv4, /64 IPv6; `budget_key`), so a sybil needs k prefixes.
+`NewIdentityShare` caps the share of recent accepted updates from *new* identities (new for
+`new_age_s` after their first accepted update): with decayed counts (half-life `window_s`)
+T of all accepted updates and N of new identities', a new identity's update is accepted only
+if N + 1 <= max(min_new, share (T + 1)), so fresh sybils get at most share / (1 - share)
+times the established identities' updates (plus `min_new`), whatever k.
 
 Bound (k identities over T seconds): at most k m (1 + T ln 2 / H) accepted updates (m, H:
-influence.InfluenceBudget's max_steps and half-life), each identity within its envelope;
-with tokens off, k = the number of distinct prefixes. While new, their share of recent
-accepted updates is at most `share` (above min_new). Residual: a patient operator of k
-tokens (or k prefixes) that lets them age, or one that outnumbers the honest traffic, gets
-k times one identity's bound; token issuance is the operator's control.
+InfluenceBudget's max_steps and half-life), each within its envelope
+(docs/draw_discard_security.md, section 4).
 """
 
 from __future__ import annotations

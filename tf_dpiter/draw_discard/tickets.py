@@ -1,27 +1,13 @@
 """Draw tickets: proof that a submitted update starts from an instance this service served.
 
-Every draw comes with a ticket, an HMAC-SHA256 (key derived from the secret shared by the
-servers of one store, keys.py) over
-
-    scope | identity | BLAKE2b-128(drawn instance bytes) | issue time (ms) | 96-bit nonce,
-
-where `scope` names the model that issued it: the store kind, its key prefix and its
-generation (store.MemoryStore.scope, redis_store.RedisStore.scope). Two models whose servers
-share one secret (two prefixes, or a model re-initialized with --reset) therefore refuse
-each other's tickets: one draw cannot be submitted to both (the used-nonce record is per
-prefix, so without the scope it could).
-
-sent to the client as 48 URL-safe base64 characters (X-DDML-Ticket header or the "ticket"
-JSON field). A submit carries the ticket and the drawn instance h itself; the server
-recomputes the hash of h, checks the MAC, that the ticket was issued to the same identity
-(token) and is younger than `ttl_s`. The store then marks the nonce used in the same atomic
-operation that writes the update (store.replace), so each ticket admits one accepted update.
-
-Consequences: the acceptance tests run against the served instance h, never a candidate the
-client chooses, so an attacker cannot chain its own accepted updates (acceptance.py).
-Privacy: the server keeps no record of which instance was drawn (the ticket lives with the
-client; the store only holds used nonces), so adversary II (a store snapshot) learns nothing
-new; an observer of the channel sees h anyway (adversary I).
+A ticket is an HMAC-SHA256 (key derived from the servers' shared secret, keys.py) over
+scope | identity | BLAKE2b-128(drawn instance) | issue time (ms) | 96-bit nonce, sent as 48
+URL-safe base64 characters; `scope` (store kind, key prefix, generation) makes two models
+sharing one secret refuse each other's tickets. A submit carries the ticket and h; the
+server checks the MAC, the identity and the age (< `ttl_s`), and the store marks the nonce
+used in the atomic write of the update (store.replace): one accepted update per ticket.
+So the acceptance tests run against the served h (no chaining, acceptance.py), and the
+server keeps no record of which instance was drawn (adversary II learns nothing new).
 """
 
 from __future__ import annotations
