@@ -143,21 +143,9 @@ def test_dense_lora_a_factor(positions, jit):
   _assert_within_c(_contributions(model, x, _labels(rng), jit))
 
 
-_EMBEDDING_LORA_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "LoRA Embedding: the A norm takes s dz B^T (rules/lora.embedding_lora_norm_fn), the sum "
-    "is the tape's product of the summed rows with B^T; the projection's cancellation is "
-    "rounded twice (1.5 C)"))
-_EINSUM_LORA_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "LoRA EinsumDense without kept gradients: the norm and the sum are two three-operand "
-    "einsums (x, dz or c dz, B) rounded apart (2.7 C)"))
-
-
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind,keep", [
-    pytest.param("embedding", True, marks=_EMBEDDING_LORA_OPEN),
-    pytest.param("embedding", False, marks=_EMBEDDING_LORA_OPEN),
-    ("einsum_dense", True),
-    pytest.param("einsum_dense", False, marks=_EINSUM_LORA_OPEN)])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("kind", ["embedding", "einsum_dense"])
 def test_lora_a_factor(kind, keep, jit, monkeypatch):
   """Embedding (one id per example) and EinsumDense with LoRA, the same construction."""
   if not keep:

@@ -170,31 +170,50 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
   a_var, b_var, s, x = layer.lora_kernel_a, layer.lora_kernel_b, _scale(layer), inputs
   z = ops.einsum(layer.equation, x, _merged(base, a_var, b_var, s, x.dtype))
 
+  # the rank-r factors, as in dense_lora_norm_fn: v = s dz B^T (out's axis e made r) and
+  # u = s x A (inp's kernel axes made r), formed once per dz and read by the norms and the sum
+  out_r = out.replace(e, r)
+  inp_r = ("".join(ch for ch in inp if ch not in rest) +
+           "".join(ch for ch in rest if ch not in inp) + r)
+  factors = {}
+
+  def rank_factors(dz):
+    key = dz.ref() if tf.is_tensor(dz) else id(dz)
+    if key not in factors:
+      xf, dzf = tf.cast(x, _F32), tf.cast(dz, _F32)
+      v = (s * tf.einsum(f"{out},{r}{e}->{out_r}", dzf, tf.cast(b_var, _F32))
+           if algebra.trainable(a_var) else None)
+      u = (s * tf.einsum(f"{inp},{rest}{r}->{inp_r}", xf, tf.cast(a_var, _F32))
+           if algebra.trainable(b_var) else None)
+      factors[key] = (xf, dzf, v, u)
+    return factors[key]
+
   def parts(dz):
-    xf, dzf = tf.cast(x, _F32), tf.cast(dz, _F32)
+    xf, dzf, v, u = rank_factors(dz)
     grads = {}
-    if algebra.trainable(a_var):     # s * sum_e G[..., e] B[r, e]
-      g = s * tf.einsum(f"{inp},{out},{r}{e}->{b}{rest}{r}", xf, dzf, tf.cast(b_var, _F32))
-      grads[id(a_var)] = _part(registry.record_sum(g))
-    if algebra.trainable(b_var):     # s * sum_rest A[rest, r] G[rest, e]
-      g = s * tf.einsum(f"{inp},{out},{rest}{r}->{b}{r}{e}", xf, dzf, tf.cast(a_var, _F32))
-      grads[id(b_var)] = _part(registry.record_sum(g))
+    if v is not None:     # sum x v: s * sum_e G[..., e] B[r, e]
+      grads[id(a_var)] = _part(registry.record_sum(
+          tf.einsum(f"{inp},{out_r}->{b}{rest}{r}", xf, v)))
+    if u is not None:     # sum u dz: s * sum_rest A[rest, r] G[rest, e]
+      grads[id(b_var)] = _part(registry.record_sum(
+          tf.einsum(f"{inp_r},{out}->{b}{r}{e}", u, dzf)))
     if algebra.trainable(base):
       g = tf.einsum(f"{inp},{out}->{b}{ker}", xf, dzf)
       grads[id(base)] = _part(registry.record_sum(g))
     return grads
 
   def sums(dz, c):   # sum_i c_i g_i of the kernel side: the same contractions without b
-    xf, dw = algebra.drop_rows(x, c), algebra.weight_rows(dz, c)
+    xf, dzf, v, u = rank_factors(dz)
     out_sums = {}
-    if algebra.trainable(a_var):
-      out_sums[id(a_var)] = s * tf.einsum(f"{inp},{out},{r}{e}->{rest}{r}", xf, dw,
-                                          tf.cast(b_var, _F32))
-    if algebra.trainable(b_var):
-      out_sums[id(b_var)] = s * tf.einsum(f"{inp},{out},{rest}{r}->{r}{e}", xf, dw,
-                                          tf.cast(a_var, _F32))
+    if v is not None:
+      out_sums[id(a_var)] = tf.einsum(f"{inp},{out_r}->{rest}{r}", algebra.drop_rows(xf, c),
+                                      algebra.weight_rows(v, c))
+    if u is not None:
+      out_sums[id(b_var)] = tf.einsum(f"{inp_r},{out}->{r}{e}", algebra.drop_rows(u, c),
+                                      algebra.weight_rows(dzf, c))
     if algebra.trainable(base):
-      out_sums[id(base)] = tf.einsum(f"{inp},{out}->{ker}", xf, dw)
+      out_sums[id(base)] = tf.einsum(f"{inp},{out}->{ker}", algebra.drop_rows(xf, c),
+                                     algebra.weight_rows(dzf, c))
     return out_sums
 
   return _with_factor_sums(layer, dense.bias_and_parts(layer, z, parts), sums)
@@ -218,15 +237,35 @@ def embedding_lora_norm_fn(layer, inputs):
     flat = tables.flat_ids(ids)
     d = algebra.to_btk(tf.cast(dz, _F32))
     sq = algebra.zeros(dz)
+    # the factors v = s dz B^T and s A[ids] whose norms are taken are the ones the clipped sum
+    # weights (registry.FactorSums; the tape's product of the summed rows with B^T rounded a
+    # cancelling projection again and moved one record's contribution to 1.5 C)
+    v = rows = None
     if algebra.trainable(a_var):
-      sq += tables.same_id_sqr_norm(flat, s * tf.einsum("btd,rd->btr", d,
-                                                         tf.cast(b_var, _F32)))
+      v = s * tf.einsum("btd,rd->btr", d, tf.cast(b_var, _F32))
+      sq += tables.same_id_sqr_norm(flat, v)
     if algebra.trainable(b_var):
       rows = s * tf.gather(tf.cast(a_var, _F32), flat)
       sq += algebra.factored_sqr_norm(rows, d)[0]
     if algebra.trainable(base):
       sq += tables.same_id_sqr_norm(flat, d)
-    return sq
+
+    def sum_fn(c):
+      by_table_row = lambda t: tf.math.unsorted_segment_sum(   # sum_t e_{id_t} t_t^T
+          tf.reshape(algebra.weight_rows(t, c), [-1, t.shape[-1]]), tf.reshape(flat, [-1]),
+          layer.input_dim)
+      out = {}
+      if v is not None:
+        out[id(a_var)] = by_table_row(v)
+      if rows is not None:
+        out[id(b_var)] = tf.einsum("btr,btd->rd", algebra.drop_rows(rows, c),
+                                   algebra.weight_rows(d, c))
+      if algebra.trainable(base):
+        out[id(base)] = by_table_row(d)
+      return [out[id(w)] if id(w) in out else tf.zeros(w.shape, _F32)
+              for w in layer.trainable_variables]
+
+    return registry.FactorSums(sq, sum_fn)
 
   return outputs, z, sqr_norm_fn
 
