@@ -1,29 +1,12 @@
 """Client identity and quotas for the Draw and Discard service.
 
-Bearer tokens: `serve --tokens FILE` reads one token per line (blank lines and lines
-starting with '#' are skipped) and keeps only their SHA-256 digests. A request carries
-`Authorization: Bearer <token>`; the server hashes it and looks the digest up. The
-client's identity in quotas, metrics and logs is a short prefix of the digest, never
-the token.
-
-Revocation: `TokenSet.reload()` re-reads the token file in place (the server calls it on
-SIGHUP); every request is authenticated again, so a removed token is refused from its next
-request on, on any connection (403 revoked_token).
-
-Reading the file is all or nothing (read_token_file): a file still being written is not
-read, a refused file keeps the old set. SIGHUP before the event loop runs sets a flag
-(`catch_early_hangups()`, the command line's first instruction) instead of terminating; the
-service answers it with one reload at startup (`take_early_hangup()`).
-
-Guessing: `AuthThrottle` keeps a token bucket of failed authentications per address; an
-address out of failures is answered 429 without its token being looked at, so guessing
-runs at `rate` attempts per second per address at most. A revoked token (once valid, now
-removed) is not a guess: its retries are refused without being counted, so a revoked
-client cannot throttle the other tokens of its address.
-
-Quotas: a token bucket per identity and per operation (draw, submit): `rate` requests
-per second on average, bursts of `burst`. A refused request gets the seconds until its
-next token (the service answers 429 with Retry-After).
+Bearer tokens: `serve --tokens FILE` (one per line; blank and '#' lines skipped) keeps only
+SHA-256 digests; a client's identity in quotas, metrics and logs is a digest prefix, never
+the token. `TokenSet.reload()` (on SIGHUP) re-reads the file all or nothing; a removed token
+is refused from its next request (403 revoked_token). `AuthThrottle`: a token bucket of
+failed authentications per address (429 without looking at the token; a revoked token's
+retries are not counted). `Quotas`: a token bucket per identity and operation (429 with
+Retry-After).
 """
 
 from __future__ import annotations

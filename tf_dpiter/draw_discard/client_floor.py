@@ -1,10 +1,7 @@
-"""The client's privacy floor for Draw and Discard (Pihur et al. 2018, Section IV).
-
-The client does not trust the served spec. Before it trains on its records it checks the
-spec against its own floor: epsilon at most `max_epsilon` (default the paper's ln 32, the
-per-update epsilon of its experiments), noise std at least `min_noise` times the per-weight
-sensitivity 2*gamma*clip (calibration.sensitivity), a known noise law and (Gaussian) delta at
-most `max_delta`. A weaker spec raises PrivacyFloorError and nothing is sent.
+"""The client's privacy floor for Draw and Discard (Pihur et al. 2018, Section IV): before
+training, the served spec must have epsilon <= `max_epsilon` (default ln 32), noise std >=
+`min_noise` times the sensitivity 2 gamma clip, a known noise law and (Gaussian) delta <=
+`max_delta`; else PrivacyFloorError and nothing is sent.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Wire format of the Draw and Discard Python clients (shared by the blocking and async one).
-
-Weights travel as raw little-endian float64 (application/octet-stream, the version in
-X-DDML-Version, the draw ticket in X-DDML-Ticket; with a ticket the body is the drawn
-instance then the update, 2p doubles) or as JSON with base64 weights. Error answers become
-DDMLError.
-"""
+"""Wire format of the Draw and Discard Python clients (blocking and async): raw little-endian
+float64 (X-DDML-Version, X-DDML-Ticket; with a ticket the body is the drawn instance then the
+update) or JSON with base64 weights; error answers become DDMLError."""
 
 from __future__ import annotations
 

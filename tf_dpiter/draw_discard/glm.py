@@ -1,12 +1,9 @@
 """Generalized linear models and server-side model specs for Draw and Discard.
 
-Section III-A of Pihur et al. 2018: E(Y) = g^-1(b_0 + b_1 X_1 + ... + b_p X_p), Eq. (1).
-Section V-C: the model spec (which features, which two-way crosses) is sent by the
-server, so several models train on the same client-side records.
-
-Weights are stored flat: a GLM with p columns (intercept included) has p weights; a
-multinomial logistic regression with C classes has p*C weights laid out as a
-row-major [p, C] matrix. The GLM mean, gradient and loss live in glm_math.py (re-exported).
+Pihur et al. 2018, Section III-A: E(Y) = g^-1(b_0 + b_1 X_1 + ... + b_p X_p), Eq. (1);
+Section V-C: the server sends the model spec (features, two-way crosses). Weights are flat:
+p (intercept included), or p*C for a C-class multinomial, row-major [p, C]. The mean,
+gradient and loss live in glm_math.py (re-exported).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""HTTP bodies of the Draw and Discard service: weight encodings and bounded body reads.
-
-Weights travel as a JSON list, as base64 of little-endian float64 ("b64"), or as the raw
-float64 bytes ("raw", application/octet-stream, the model version in X-DDML-Version).
-Request bodies are read with a size limit (413) and a time limit (408) so a slow or huge
-upload cannot hold a connection.
-"""
+"""HTTP bodies of the Draw and Discard service: weight encodings (JSON list, "b64", "raw") and
+body reads bounded in size (413) and time (408)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Serving a DDMLService: TLS, connection accounting, idle/slow-header timeouts, shutdown.
-
-aiohttp has no connection cap and no header timeout, so the listening socket is ours:
-connections.ConnectionGuard accepts every socket itself and counts it from accept to
-close, per address and per token, with fair eviction (connections.py). Slow bodies are
-the service's body timeout (408). SIGHUP reloads the token file (revocation) without
-stopping the server; SIGINT/SIGTERM stop it.
+"""Serving a DDMLService: TLS, connection accounting (connections.py: aiohttp has no
+connection cap nor header timeout, so the listening socket is ours), shutdown; SIGHUP
+reloads the token file, SIGINT/SIGTERM stop the server.
 """
 
 from __future__ import annotations

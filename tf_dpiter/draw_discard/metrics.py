@@ -1,9 +1,5 @@
-"""Prometheus text-format metrics for the Draw and Discard service (per server process).
-
-Counters and gauges with labels, and request-latency histograms; rendered at /metrics
-in the text exposition format 0.0.4. Labels never carry client data: only the
-endpoint, the status code, the error code and the operation.
-"""
+"""Prometheus text-format (0.0.4) metrics for the Draw and Discard service, per process:
+counters, gauges and latency histograms whose labels never carry client data."""
 
 from __future__ import annotations
 

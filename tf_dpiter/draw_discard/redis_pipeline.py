@@ -1,9 +1,5 @@
-"""Group commit for the Redis store: the scripts of one event-loop iteration, one pipeline.
-
-The touch, replace and quota scripts that requests issue in the same event-loop iteration
-travel in one pipeline (one write, one read, one wake-up of redis-server) instead of one
-round trip each; each script stays atomic on its own (redis_scripts.py).
-"""
+"""Group commit for the Redis store: the scripts requests issue in one event-loop iteration
+travel in one pipeline; each stays atomic on its own."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Store setup of the Draw and Discard service: initial instances, settings, join, keys.
-
-A base class of service.DDMLService. The first server of a store writes the k initial
-instances (Theorem 1's spread around 0, Pihur et al., "Differentially-Private Draw and
-Discard Machine Learning", Section IV) and its meta; later servers join only when their
-spec fingerprint, every acceptance, ticket, quota, influence, sybil (new-identity share),
-draw-gate and release setting, and the identifier of their secret (keys.py) match
+"""Store setup of the Draw and Discard service (a base class of service.DDMLService): the
+first server writes the k initial instances (Theorem 1's spread around 0) and the meta; later
+servers join only when their spec fingerprint, every setting and their secret's key_id match
 (store.check_meta).
 """
 

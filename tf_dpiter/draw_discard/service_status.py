@@ -1,8 +1,5 @@
-"""Status endpoints of the Draw and Discard service: spec, counters, Prometheus, health.
-
-These answers reveal no instance: the spec, store counters (all servers), this process's
-metrics and the store's sequence number.
-"""
+"""Status endpoints of the Draw and Discard service (spec, counters, Prometheus, health): they
+reveal no instance."""
 
 from __future__ import annotations
 

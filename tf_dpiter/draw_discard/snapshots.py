@@ -1,11 +1,7 @@
-"""Oblivious snapshots of the k instances for the Draw and Discard service.
-
-A draw reads all k slots at once (a Snapshot, store.py) and picks one locally, so the store
-never learns which instance was served (Pihur et al. 2018, Algorithm 2 run over a shared store).
-This cache holds the last snapshot and decides when to read a new one: with the in-memory
-store whenever the store's generation moved; with Redis once the last read is older than
-`max_age_s` (seconds), so concurrent draws share one read. Refreshes are coalesced: one
-read in flight per process.
+"""Oblivious snapshots of the k instances: a draw reads all k slots (store.Snapshot) and picks
+one locally, so the store never learns which was served. A new snapshot is read when the
+in-memory store's generation moved, or once the last Redis read is older than `max_age_s`
+(one read in flight per process).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The store of a command-line spec: 'memory' (MemoryStore) or a Redis URL (RedisStore).
-
-Above both stores: `store` (the in-memory store and the interface) and `redis_store` (which
-builds on `store`) import nothing from here, so there is no import cycle between them. The
-Redis module loads only when a Redis URL is given (the redis package is optional).
-"""
+"""The store of a command-line spec: 'memory' (MemoryStore) or a Redis URL (RedisStore, loaded
+only then; the redis package is optional). Kept above both stores: no import cycle."""
 
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError

@@ -1,10 +1,8 @@
 """The service's request middleware: authentication, quotas, JSON errors, metrics, logs.
 
-Every answer that is not a success is JSON {"error": code, "message": ...}: client errors
-(RequestError, aiohttp's own 404/405/413), store faults (503 store_lost /
-store_unavailable) and server faults (500 internal_error, logged with a traceback and an
-error id; the client gets only the id). Logs are one JSON object per line and never hold
-client data (no addresses, tokens, weights or bodies); repeated events are rate-limited.
+Every failure is JSON {"error": code, "message": ...}; a server fault (500 internal_error) is
+logged with a traceback and an error id, the client gets only the id. Logs are one JSON line
+each, hold no client data and are rate-limited.
 """
 
 from __future__ import annotations
