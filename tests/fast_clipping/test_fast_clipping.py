@@ -136,9 +136,58 @@ LAYER_CASES = [
 # per-example filter gradient) by cost: test the automatic and forced forms.
 FORMS = {"dense": (None, "gram", "direct"),
          "conv": (None, "gram", "direct", "filter", "depthwise", "foldgram")}
-FORM_CASES = [(c, f) for c in LAYER_CASES
-              for f in FORMS.get(c[0][:4] if c[0].startswith("conv")
-                                 else c[0].split("_")[0], (None,))]
+CONV_CASES = [c for c in LAYER_CASES if c[0].startswith("conv")]
+
+
+def conv_traits(case):
+  """The traits of a convolution case that select its code paths, read from its layer:
+  rank, padding, strides (1, one stride > 1, or mixed), dilated, bias, and folded (a stride
+  > 1 that divides the kernel: conv_unfold's stride-block folding)."""
+  layer = case[2]()[0]
+  strides, kernel = tuple(layer.strides), tuple(layer.kernel_size)
+  return {"rank": len(kernel), "padding": layer.padding,
+          "strides": "1" if set(strides) == {1} else "s" if len(set(strides)) == 1 else "mixed",
+          "dilated": max(layer.dilation_rate) > 1, "bias": layer.use_bias,
+          "folded": max(strides) > 1 and all(k % s == 0 for k, s in zip(kernel, strides))}
+
+
+def trait_pairs(case, level):
+  return {(level, trait, value) for trait, value in conv_traits(case).items()}
+
+
+def cover_traits(cases, levels):
+  """(case, level) pairs, greedy and deterministic, such that every level of a test axis
+  (a forced form, a cap) meets every value of every trait of `conv_traits` that `cases`
+  have: all pairs of {axis} x {each trait} in a few cases, where the full product is
+  len(cases) * len(levels). Among equal picks, the case chosen least so far."""
+  wanted = set().union(*(trait_pairs(c, v) for c in cases for v in levels))
+  chosen = []
+  while wanted:
+    best = max(((c, v) for c in cases for v in levels), key=lambda cv: (
+        len(trait_pairs(*cv) & wanted), -sum(c is cv[0] for c, _ in chosen)))
+    wanted -= trait_pairs(*best)
+    chosen.append(best)
+  return chosen
+
+
+# Every case in its automatic form (the form the cost model picks for it); the convolutions
+# in the forced forms pairwise over their traits (test_conv_form_cover_is_pairwise).
+FORM_CASES = [(c, f) for c in LAYER_CASES if not c[0].startswith("conv")
+              for f in FORMS.get(c[0].split("_")[0], (None,))]
+FORM_CASES += [(c, None) for c in CONV_CASES] + cover_traits(CONV_CASES, FORMS["conv"][1:])
+
+
+def test_conv_form_cover_is_pairwise():
+  """Each forced convolution form runs on every value of every trait (rank, padding, strides,
+  dilation, bias, folding) and each convolution case in its automatic form."""
+  conv = [(c, f) for c, f in FORM_CASES if c[0].startswith("conv")]
+  assert {c[0] for c, f in conv if f is None} == {c[0] for c in CONV_CASES}
+  for form in FORMS["conv"][1:]:
+    for trait in conv_traits(CONV_CASES[0]):
+      assert ({conv_traits(c)[trait] for c, f in conv if f == form} ==
+              {conv_traits(c)[trait] for c in CONV_CASES}), (form, trait)
+  forced = len(FORMS["conv"]) - 1
+  assert len([f for _, f in conv if f is not None]) < len(CONV_CASES) * forced / 2
 
 
 @pytest.mark.parametrize("case,form", FORM_CASES,
@@ -177,12 +226,23 @@ def test_dense_bias_as_weight_of_an_input_one(frozen, form, in_shape, monkeypatc
   check(model, x, y)
 
 
-KEEP_CASES = [c for c in LAYER_CASES
-              if c[0].startswith(("conv", "einsum", "layernorm", "dense_seq"))]
+CAPS = [0, registry.MAX_PER_EXAMPLE_ENTRIES]
+# each case at both caps; the convolutions pairwise over their traits (as the forced forms)
+KEEP_CASES = [(c, m) for c in LAYER_CASES if c[0].startswith(("einsum", "layernorm", "dense_seq"))
+              for m in CAPS] + cover_traits(CONV_CASES, CAPS)
 
 
-@pytest.mark.parametrize("case", KEEP_CASES, ids=[c[0] for c in KEEP_CASES])
-@pytest.mark.parametrize("max_entries", [0, registry.MAX_PER_EXAMPLE_ENTRIES])
+def test_keep_cover_is_pairwise():
+  conv = [(c, m) for c, m in KEEP_CASES if c[0].startswith("conv")]
+  for cap in CAPS:
+    for trait in conv_traits(CONV_CASES[0]):
+      assert ({conv_traits(c)[trait] for c, m in conv if m == cap} ==
+              {conv_traits(c)[trait] for c in CONV_CASES}), (cap, trait)
+  assert len(conv) < len(CONV_CASES) * len(CAPS) / 2
+
+
+@pytest.mark.parametrize("case,max_entries", KEEP_CASES,
+                         ids=[f"{m}-{c[0]}" for c, m in KEEP_CASES])
 def test_per_example_grads_kept_or_summed_by_bookkeeping(case, max_entries,
                                                          monkeypatch):
   """Small layers return their per-example gradients (summed as sum_i c_i g_i);
@@ -465,8 +525,13 @@ RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
     "conv2d_valid", "layernorm_seq")]
 
 
-MICROBATCH_CASES = latin_pairs(RECORD_CASES, [None, "gram", "filter", "depthwise", "foldgram"],
-                               [2, 3])
+# The convolutions' forms x records of 2 and 3, pairwise; the forms filter, depthwise and
+# foldgram are the convolutions' alone (a Dense or EinsumDense takes its automatic form under
+# them), so the other layers run the two forms they distinguish with both record sizes.
+MICROBATCH_CASES = latin_pairs([c for c in RECORD_CASES if c[0].startswith("conv")],
+                               [None, "gram", "filter", "depthwise", "foldgram"], [2, 3])
+MICROBATCH_CASES += [(c, f, k) for c in RECORD_CASES if not c[0].startswith("conv")
+                     for f in (None, "gram") for k in (2, 3)]
 
 
 @pytest.mark.parametrize("case,form,k", MICROBATCH_CASES,
