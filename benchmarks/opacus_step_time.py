@@ -33,6 +33,9 @@ Linear 768 tanh (keras_hub's pooled_dense) -> Linear 2. 109,483,778 parameters, 
 keras_hub's backbone + Dense(2) (the padding mask is all ones in both: not applied here).
 Batch 4 of random token ids, segment ids 0; mean cross entropy, SGD lr 0.01, C = 1.0,
 z = 1.1 (ours), fixed-size batches (poisson_sampling=False), torch threads 2 unless --threads.
+nn.Embedding's gradient is dense here (sparse=False: Opacus takes no sparse gradients), so the
+non-private torch step updates all 23.4M token-embedding weights where Keras' SGD updates only
+the batch's rows; both DP steps noise every weight.
 Each (mode, seq) runs in its own process (like ours), so its peak RSS (ru_maxrss) is its own;
 non-private first. One JSON line per (mode, seq): ms_per_step (median of --steps steps after
 --warmup, default 5 and 1), cpu_ms_per_step (the process's CPU ms, all threads: steadier than
