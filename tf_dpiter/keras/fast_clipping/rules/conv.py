@@ -310,6 +310,24 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
                lambda g: conv_unfold.to_kernel(g, layout, ksize, cout))
 
 
+def _record_grads(g, k):
+  """The records' gradients [A, m / k, P], sums over a record's examples of g [A, m, P] (g
+  itself for k = 1): the terms the clipped sum weights are those whose norms are taken (the
+  examples' gradients weighted apart round otherwise; where they nearly cancel within a
+  record, one record moved the sum by 1.04 C).
+
+  Args:
+    g: [A, m, P] float32 per-example gradients.
+    k: examples per record (m a multiple of k; a Python int or a scalar tensor).
+
+  Returns:
+    [A, m / k, P] float32.
+  """
+  if isinstance(k, int) and k == 1:
+    return g
+  return tf.reduce_sum(tf.reshape(g, [g.shape[0], -1, k, g.shape[2]]), axis=2)
+
+
 def _record_sqr_norms(g, k):
   """Squared norms of the records' gradients, sum over a, p of (sum over a record's examples
   of g[a, i, p])^2.
@@ -326,8 +344,7 @@ def _record_sqr_norms(g, k):
   Returns:
     [m / k] float32.
   """
-  if not (isinstance(k, int) and k == 1):
-    g = tf.reduce_sum(tf.reshape(g, [g.shape[0], -1, k, g.shape[2]]), axis=2)
+  g = _record_grads(g, k)
   return tf.reduce_sum(tf.reduce_sum(tf.square(g), axis=2), axis=0)
 
 
@@ -339,7 +356,7 @@ def _chunkable(x4, k):
 
 
 def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
-  """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m', c]) over
+  """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m' / k, c]) over
   the batch: on the whole batch when it fits one chunk of m examples (or m is None), else one
   chunk at a time (tf.map_fn, one iteration alive at once) in n = ceil(B / m) chunks of equal
   size (budget.balanced_chunk), the last padded with fewer than n k zero examples whose rows are cut
@@ -355,7 +372,7 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
     extra_specs: tf.TensorSpec of each extra output of one chunk, its chunk axis None.
 
   Returns:
-    (sq [B / k], *extras [n, a, m', c]) (n = 1 and m' = B for one call on the batch).
+    (sq [B / k], *extras [n, a, m' / k, c]) (n = 1 and m' = B for one call on the batch).
   """
   b = tf.shape(x4)[0]
 
@@ -372,8 +389,8 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   def chunked():
     if static_b is not None:   # XLA: static slices of the padded batch
       n, mc = budget.balanced_chunk(static_b, m, k)
-      specs = (tf.TensorSpec([mc // k], tf.float32),) + tuple(
-          tf.TensorSpec(s.shape[:1].concatenate([mc]).concatenate(s.shape[2:]), s.dtype)
+      specs = (tf.TensorSpec([mc // k], tf.float32),) + tuple(   # extras are per record
+          tf.TensorSpec(s.shape[:1].concatenate([mc // k]).concatenate(s.shape[2:]), s.dtype)
           for s in extra_specs)
       split = lambda t: tf.reshape(pad(t, n * mc - static_b), [n, mc] + t.shape[1:].as_list())
       return_rows = tf.map_fn(lambda pair: tuple(body(pair[0], pair[1])),
@@ -401,8 +418,8 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
 
 
 def _per_example_pass(form, x4, dz4, k, with_grads):
-  """The per-record squared kernel-gradient norms [B / k], and with_grads the per-example
-  gradients [n, A, m, P] (n chunks of m examples, the last padded with zero examples), formed
+  """The per-record squared kernel-gradient norms [B / k], and with_grads the per-record
+  gradients [n, A, m / k, P] (n chunks of m examples, the last padded with zero examples), formed
   one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor)."""
   x4 = tf.cast(x4, tf.float32)
   dz4 = tf.cast(dz4, tf.float32)
@@ -410,7 +427,10 @@ def _per_example_pass(form, x4, dz4, k, with_grads):
 
   def body(x, d):
     g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
-    return (_record_sqr_norms(g, k), g) if with_grads else (_record_sqr_norms(g, k),)
+    if not with_grads:
+      return (_record_sqr_norms(g, k),)
+    g = _record_grads(g, k)   # kept per record, the terms of the clipped sum
+    return _record_sqr_norms(g, 1), g
 
   specs = (tf.TensorSpec([form.rows, None, form.cols], tf.float32),) if with_grads else ()
   out = _over_chunks(body, x4, dz4, m, k, specs)
@@ -418,8 +438,8 @@ def _per_example_pass(form, x4, dz4, k, with_grads):
 
 
 def _factor_rows(factors, g):
-  """sum_i c_i g_i of per-example gradients g [n, A, m, P] (factors [B], padded with zeros
-  to n m), a row with c_i = 0 adding exactly nothing even where it is not finite:
+  """sum_i c_i g_i of per-record gradients g [n, A, m, P] (factors [B / k], padded with
+  zeros to n m), a row with c_i = 0 adding exactly nothing even where it is not finite:
   [A, P] float32."""
   n, m = tf.shape(g)[0], tf.shape(g)[2]
   c = tf.reshape(tf.pad(factors, [[0, n * m - tf.shape(factors)[0]]]), [n, 1, 1, m])
@@ -451,6 +471,25 @@ def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, pa
   return tape.gradient(z, kernel, output_gradients=dz4)
 
 
+def _bias_sum(db_e, factors, k):
+  """sum_j c_j db_j over the records j of the examples' bias gradients db_e [B, cout] summed
+  per record first (the norm's terms, algebra.bias_grad), rows with c_j = 0 adding exactly 0:
+  [cout] float32.
+
+  Args:
+    db_e: [B, cout] float32 per-example bias gradients.
+    factors: [B] float32 clip factors of the examples' records.
+    k: examples per record (the norms'; the sum runs outside their context).
+
+  Returns:
+    [cout] float32.
+  """
+  with registry.examples_per_record(k):
+    rc = budget.record_factors(factors)
+    db = registry.record_sum(db_e)
+  return tf.linalg.matvec(algebra.drop_rows(db, rc), rc, transpose_a=True)
+
+
 def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, padding,
                         bias_on):
   """registry.FactorSums of a convolution whose norms `sq` [B / k] are formed without
@@ -461,6 +500,8 @@ def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, 
   convolution, a record whose input is not finite (c_i = 0) would add inf * 0 = NaN to every
   entry of the released sum."""
 
+  k = registry.current_examples_per_record()
+
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     with tf.name_scope(_scope_name(layer, form_name, "sum")):
       factors = tf.cast(example_factors, tf.float32)
@@ -468,8 +509,8 @@ def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, 
                                        padding)
       sums = [tf.reshape(kernel, layer.kernel.shape)]
       if bias_on:
-        db = algebra.drop_rows(tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]), factors)
-        sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
+        sums.append(_bias_sum(tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]), factors,
+                              k))
       return sums
 
   sum_fn.keeps_per_example = False
@@ -504,14 +545,15 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     with tf.name_scope(_scope_name(layer, form_name, "sum")):
       factors = tf.cast(example_factors, tf.float32)
-      from_g = lambda: form.to_kernel(_factor_rows(factors, g))
+      with registry.examples_per_record(k):   # the norms' records (the sum runs outside)
+        rc = budget.record_factors(factors)
+      from_g = lambda: form.to_kernel(_factor_rows(rc, g))
       by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
                                                        dilation, padding)
       kernel = budget.by_keep(keep, from_g, by_bookkeeping)
       sums = [tf.reshape(kernel, layer.kernel.shape)]
       if bias_on:
-        db = algebra.drop_rows(db_e, factors)
-        sums.append(tf.linalg.matvec(db, factors, transpose_a=True))
+        sums.append(_bias_sum(db_e, factors, k))
       return sums
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch

@@ -1,0 +1,193 @@
+"""Review: a convolution's per-record norm under cancellation. Every patch of an input that
+is one pixel vector a (|a| 10 .. 1e6) repeated over the image is the same, and a frozen head
+with weights w at output position 0 and -w at position 1 (public weights the guarantee must
+hold for) gives those positions opposite output gradients: the exact kernel gradient
+(p_0 - p_1) dz_0^T is tiny (one pixel of position 0's patch moved by delta) while its parts
+are huge. The folded patch Gram (conv._fold_gram_sqr_norm, sum_{t,s} <p_t, p_s><dz_t, dz_s>)
+summed in float32 cancelled to ~0 and one record moved the clipped sum by up to 7e4 C (the
+cost-chosen form of a 4x4 kernel at stride 2, and every forced "foldgram" case); the
+per-example filter gradients ("filter", "depthwise") with the sum by book-keeping (a kernel
+too large to keep: the cost-chosen form of a 3x3x64x32 kernel over 32x32 positions) moved it
+by up to 1.6 C (the norm taken of one float32 gradient, the sum of another).
+
+Checked through clipped_grad_sum, graph and XLA: each record alone (its contribution to any
+batch's clipped sum) moves the noise-off sum by at most C (within float32 rounding), in the
+cost-chosen form and each forced form, with the per-example gradients kept (the sum from them)
+and not kept (the sum by book-keeping, a second float32 computation of the gradient), for
+Conv2D, Conv1D and records of two examples.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from tf_dpiter.keras.fast_clipping import registry
+
+from .test_gram_cancellation_review import _contributions
+from .test_layer_cancellation_review import _assert_within_c
+
+
+def _model(spatial, cin, cout, ksize, stride, use_bias, conv1d=False):
+  """Conv -> Flatten -> a frozen head: w at output position 0, -w at position 1, 0 else."""
+  keras.utils.set_random_seed(0)
+  if conv1d:
+    inp = keras.Input((spatial, cin))
+    conv = keras.layers.Conv1D(cout, ksize, strides=stride, use_bias=use_bias)
+  else:
+    inp = keras.Input((spatial, spatial, cin))
+    conv = keras.layers.Conv2D(cout, ksize, strides=stride, use_bias=use_bias)
+  z = conv(inp)
+  head = keras.layers.Dense(1, use_bias=False)
+  model = keras.Model(inp, head(keras.layers.Flatten()(z)))
+  positions = int(np.prod(z.shape[1:-1]))
+  w = np.random.RandomState(1).normal(size=cout).astype("float32")
+  kernel = np.zeros((positions, cout), np.float32)
+  kernel[0], kernel[1] = w, -w
+  head.kernel.assign(kernel.reshape(-1, 1))
+  head.trainable = False
+  return model
+
+
+def _records(shape, count=16, seed=2, top=6):
+  """Inputs of one pixel vector a (|a| 10 .. 10^top) everywhere, pixel 0's first entry
+  moved by delta (1e-3 .. 1: in output position 0's patch only); a label far off."""
+  rng = np.random.RandomState(seed)
+  xs = []
+  for _ in range(count):
+    a = rng.normal(size=shape[-1]) * 10.0 ** rng.uniform(1, top)
+    x = np.broadcast_to(a, shape).copy()
+    x.reshape(-1)[0] += 10.0 ** rng.uniform(-3, 0)
+    xs.append(x)
+  return np.stack(xs).astype("float32"), np.full((count, 1), 1e4, np.float32)
+
+
+_FOLDGRAM_OPEN = (
+    "open: the folded patch Gram's float32 sum (conv._fold_gram_sqr_norm) cancels (7e4 C). "
+    "The fix (its value bounded by algebra.bounded_gram_contraction, the patch norms from the "
+    "Gram's diagonal) is held: it adds ~3 k T^2 floats per example to the folded Gram's peak, "
+    "beyond test_conv_forms' allocator bound, and counting them halves the tutorial CNN's "
+    "chunk (256 -> 128) that test_conv_forms asserts: the lead decides")
+_NOT_KEPT_OPEN = (
+    "open: per-example forms with the sum by book-keeping (1.6 C): the bound "
+    "(algebra.with_sum_rounding on the patch and output-gradient norms) waits for "
+    "algebra.with_sum_rounding to be committed")
+_DIRECT_OPEN = ("open until algebra.with_sum_rounding (the direct form's bound, P) is committed; "
+                "then drop this mark")
+
+
+def _open(request, reason, strict=True):
+  """Marks the running case xfail (strict: a pass fails) with the defect's reason."""
+  request.applymarker(pytest.mark.xfail(strict=strict, reason=reason))
+
+
+def _mark_open(request, form, keep, folded):
+  if form == "foldgram" or (form is None and folded):
+    _open(request, _FOLDGRAM_OPEN)
+  elif not keep and form in ("depthwise", "filter"):
+    _open(request, _NOT_KEPT_OPEN)
+  elif not keep and form == "direct":
+    _open(request, _DIRECT_OPEN, strict=False)
+
+
+# (spatial, cin, cout, kernel, stride): the cost rule picks the folded Gram for the second
+_SHAPES = [(6, 4, 8, 3, 1), (8, 3, 16, 4, 2), (10, 16, 32, 3, 1)]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cost_chosen_form(shape, use_bias, jit, request):
+  _mark_open(request, None, True, shape == _SHAPES[1])
+  spatial, cin, cout, ksize, stride = shape
+  model = _model(spatial, cin, cout, ksize, stride, use_bias)
+  x, y = _records((spatial, spatial, cin))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("form", ["foldgram", "gram", "direct", "depthwise", "filter"])
+def test_forced_forms(form, keep, jit, monkeypatch, request):
+  """keep=False: no per-example gradient is kept, the sum is the book-keeping filter
+  gradient of the clip-weighted output gradients (not the gradient the norm was taken of)."""
+  _mark_open(request, form, keep, True)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  if not keep:
+    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
+    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
+  spatial, cin, cout, ksize, stride = _SHAPES[1]
+  model = _model(spatial, cin, cout, ksize, stride, True)
+  x, y = _records((spatial, spatial, cin))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("form", [None, "foldgram"])
+def test_conv1d(form, jit, monkeypatch, request):
+  _mark_open(request, form, True, True)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  model = _model(12, 8, 16, 4, 2, True, conv1d=True)
+  x, y = _records((12, 8))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("form", [None, "foldgram"])
+def test_records_of_two(form, jit, monkeypatch, request):
+  _mark_open(request, form, True, True)
+  """Records of 2 examples: the folded Gram over the record's 2 T positions; each
+  example on its own cancels as above."""
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  spatial, cin, cout, ksize, stride = _SHAPES[1]
+  model = _model(spatial, cin, cout, ksize, stride, True)
+  x, y = _records((spatial, spatial, cin))
+  _assert_within_c(_contributions(model, x, y, jit, k=2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_cost_chosen_large_kernel(jit, request):
+  """A 3x3x64x32 kernel (18,432 entries: no per-example gradient kept) over 32x32 output
+  positions (more than a patch's 576 entries): in graph mode the rules take the norm from
+  per-example filter gradients and the sum by book-keeping; one record moved the sum by
+  1.08 C (the norm of the first float32 gradient, the sum of another)."""
+  if jit:   # XLA takes the direct norm of the unfolded patches
+    _open(request, _DIRECT_OPEN, strict=False)
+  else:
+    _open(request, _NOT_KEPT_OPEN)
+  model = _model(34, 64, 32, 3, 1, True)
+  x, y = _records((34, 34, 64), count=8)
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+def _mirrored_pairs(model, shape, count=8, seed=3, top=4):
+  """Records of two examples whose gradients nearly cancel across the examples: example 2
+  is example 1 with one entry moved by delta, its label mirrored about the output (output
+  gradients of opposite signs)."""
+  rng = np.random.RandomState(seed)
+  xs, ys = [], []
+  for _ in range(count):
+    a = (rng.normal(size=shape) * 10.0 ** rng.uniform(1, top)).astype("float32")
+    out = float(model(a[None])[0, 0])
+    b = a.copy()
+    b.reshape(-1)[0] += np.float32(10.0 ** rng.uniform(-3, 0))
+    xs += [a, b]
+    ys += [[out + 1e4], [out - 1e4]]
+  return np.stack(xs).astype("float32"), np.array(ys, np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("form", [None, "foldgram", "gram", "direct", "depthwise", "filter"])
+def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch, request):
+  """The record's gradient is the sum of its examples' (registry.examples_per_record): the
+  norm of that sum, the clipped sum of the same record terms (the kept per-example gradients
+  weighted one by one moved it by 1.04 C)."""
+  _mark_open(request, form, keep, True)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  if not keep:
+    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
+    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
+  spatial, cin, cout, ksize, stride = _SHAPES[1]
+  model = _model(spatial, cin, cout, ksize, stride, True)
+  x, y = _mirrored_pairs(model, (spatial, spatial, cin))
+  _assert_within_c(_contributions(model, x, y, jit, k=2))
