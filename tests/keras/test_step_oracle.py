@@ -167,6 +167,7 @@ def test_step_equals_the_per_record_oracle(case):
   w = np.ones(rows, "float32")
   w[B:] = 0.0
   model = _model(case["model"])
+  assert isinstance(model, dp.keras.DPModelMixin)   # make_private's, for multi_input
   opt = dp.keras.DPKerasSGDOptimizer(
       CLIP, 0.0, case["micro"], learning_rate=1.0, clipping=case["clipping"],
       max_physical_batch_size=case["physical"])
