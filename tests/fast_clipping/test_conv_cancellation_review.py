@@ -25,6 +25,7 @@ from tf_dpiter.keras.fast_clipping import registry
 
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
+from .test_layer_cancellation_review import _no_kept
 
 
 def _model(spatial, cin, cout, ksize, stride, use_bias, conv1d=False):
@@ -104,20 +105,25 @@ def test_cost_chosen_form(shape, use_bias, jit, request):
   _assert_within_c(_contributions(model, x, y, jit))
 
 
+def _forced(monkeypatch, request, form, keep):
+  """The folded-kernel model (_SHAPES[1]) with `form` forced, every per-example gradient
+  kept or none; (model, one input's shape)."""
+  _mark_open(request, form, keep, True)
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  if not keep:
+    _no_kept(monkeypatch)
+  spatial, cin, cout, ksize, stride = _SHAPES[1]
+  return _model(spatial, cin, cout, ksize, stride, True), (spatial, spatial, cin)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("form", ["foldgram", "gram", "direct", "depthwise", "filter"])
 def test_forced_forms(form, keep, jit, monkeypatch, request):
   """keep=False: no per-example gradient is kept, the sum is the book-keeping filter
   gradient of the clip-weighted output gradients (not the gradient the norm was taken of)."""
-  _mark_open(request, form, keep, True)
-  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
-  if not keep:
-    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
-    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
-  spatial, cin, cout, ksize, stride = _SHAPES[1]
-  model = _model(spatial, cin, cout, ksize, stride, True)
-  x, y = _records((spatial, spatial, cin))
+  model, shape = _forced(monkeypatch, request, form, keep)
+  x, y = _records(shape)
   _assert_within_c(_contributions(model, x, y, jit))
 
 
@@ -182,12 +188,6 @@ def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch,
   """The record's gradient is the sum of its examples' (registry.examples_per_record): the
   norm of that sum, the clipped sum of the same record terms (the kept per-example gradients
   weighted one by one moved it by 1.04 C)."""
-  _mark_open(request, form, keep, True)
-  monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
-  if not keep:
-    monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
-    monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
-  spatial, cin, cout, ksize, stride = _SHAPES[1]
-  model = _model(spatial, cin, cout, ksize, stride, True)
-  x, y = _mirrored_pairs(model, (spatial, spatial, cin))
+  model, shape = _forced(monkeypatch, request, form, keep)
+  x, y = _mirrored_pairs(model, shape)
   _assert_within_c(_contributions(model, x, y, jit, k=2))
