@@ -25,6 +25,7 @@ from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
 
 from .conftest import per_record_clipped_sum
+from .test_fast_clipping import latin_pairs
 
 _L = keras.layers
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
@@ -49,10 +50,11 @@ def _data(positions, k, b=11, seed=0):
   return x, rng.normal(size=(b, 2)).astype("float32")
 
 
-def _loop(model, x, y, clip, k=1, mask=None):
+def _loop(model, x, y, clip, k=1, mask=None, memo=None):
   """(sum_j min(1, C / ||g_j||) g_j, [||g_j||]) in float64, g_j the gradient of record j's
-  mean loss over its real rows, each record under its own tape (the shared reference loop)."""
-  return per_record_clipped_sum(model, x, y, _LOSS, clip, k=k, mask=mask)
+  mean loss over its real rows, each record under its own tape (the shared reference loop;
+  `memo` as there)."""
+  return per_record_clipped_sum(model, x, y, _LOSS, clip, k=k, mask=mask, memo=memo)
 
 
 def _fast(model, x, y, clip, k=1, mask=None, jit=False):
@@ -91,16 +93,28 @@ def _assert_equal(got, want):
     np.testing.assert_allclose(g, r, rtol=3e-4, atol=3e-6 * max(1.0, np.max(np.abs(r))))
 
 
-@pytest.mark.parametrize("positions", [(), (5,), (2, 3)])
-@pytest.mark.parametrize("k,n", [(7, 3), (3, 7)])
-@pytest.mark.parametrize("variant", ["both", "frozen_bias", "frozen_kernel", "no_bias"])
-def test_dense_sums_equal_the_loop(positions, k, n, variant, monkeypatch):
+_VARIANTS = ["both", "frozen_bias", "frozen_kernel", "no_bias"]
+_POSITIONS = [(), (5,), (2, 3)]
+_KN = [(7, 3), (3, 7)]
+# every (variant, positions) pair once, K > N and K < N alternating: all pairs of the three
+_SUMS_CASES = latin_pairs(_VARIANTS, _POSITIONS, _KN)
+
+
+def test_sums_cases_cover_every_pair():
+  axes = (_VARIANTS, _POSITIONS, _KN)
+  for i, j in ((0, 1), (0, 2), (1, 2)):
+    assert {(c[i], c[j]) for c in _SUMS_CASES} == {(a, b) for a in axes[i] for b in axes[j]}
+
+
+@pytest.mark.parametrize("variant,positions,kn", _SUMS_CASES)
+def test_dense_sums_equal_the_loop(variant, positions, kn, monkeypatch):
+  (k, n), memo = kn, {}
   model = _model(positions, k, n, freeze=variant.replace("frozen_", "") if "frozen" in variant
                  else None, use_bias=variant != "no_bias")
   x, y = _data(positions, k)
-  want_unclipped = _loop(model, x, y, 1e9)
+  want_unclipped = _loop(model, x, y, 1e9, memo=memo)
   clip = float(np.median(want_unclipped[1]))
-  want = _loop(model, x, y, clip)
+  want = _loop(model, x, y, clip, memo=memo)
   assert np.min(want[1]) < clip < np.max(want[1])
   for chunks in (False, True):
     with monkeypatch.context() as m:
@@ -120,8 +134,9 @@ def test_records_of_two_with_masked_rows(k, n, jit, monkeypatch):
   x, y = _data((4,), k, b=10, seed=1)
   mask = np.ones(10, np.float32)
   mask[[2, 6, 7]] = 0.0
-  clip = float(np.median(_loop(model, x, y, 1e9, k=2, mask=mask)[1][[0, 1, 2, 4]]))
-  want = _loop(model, x, y, clip, k=2, mask=mask)
+  memo = {}
+  clip = float(np.median(_loop(model, x, y, 1e9, k=2, mask=mask, memo=memo)[1][[0, 1, 2, 4]]))
+  want = _loop(model, x, y, clip, k=2, mask=mask, memo=memo)
   calls = _spy(monkeypatch, chunks=True)
   got = _fast(model, x, y, clip, k=2, mask=mask, jit=jit)
   assert set(calls) == {(4, k)}   # over chunks of 8 examples (4 records)
