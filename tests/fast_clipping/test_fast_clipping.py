@@ -6,6 +6,8 @@ round-off (relative 1e-4 on norms, 1e-4 of the largest entry on gradients):
 nothing here is random beyond fixed-seed inputs.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -139,6 +141,7 @@ FORMS = {"dense": (None, "gram", "direct"),
 CONV_CASES = [c for c in LAYER_CASES if c[0].startswith("conv")]
 
 
+@functools.lru_cache(maxsize=None)
 def conv_traits(case):
   """The traits of a convolution case that select its code paths, read from its layer:
   rank, padding, strides (1, one stride > 1, or mixed), dilated, bias, and folded (a stride
