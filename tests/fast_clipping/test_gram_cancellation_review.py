@@ -44,14 +44,15 @@ def _model(k, n, use_bias=True, einsum=False, t=2):
   return model
 
 
-def _records(k, count=24, seed=2):
-  """Adversarial records: every position holds one input a (|a| 10 .. 1e4), the first
-  position's first entry moved by delta (1e-3 .. 1); a label far from the output."""
+def _records(k, count=24, seed=2, t=2, scale=(1, 4)):
+  """Adversarial records: every one of the t positions holds one input a (|a| 10^scale[0]
+  .. 10^scale[1] times sqrt(k)), the first position's first entry moved by delta
+  (1e-3 .. 1); a label far from the output."""
   rng = np.random.RandomState(seed)
   xs = []
   for _ in range(count):
-    a = (rng.normal(size=k) * 10.0 ** rng.uniform(1, 4)).astype("float32")
-    x = np.stack([a, a])
+    a = (rng.normal(size=k) * 10.0 ** rng.uniform(*scale)).astype("float32")
+    x = np.stack([a] * t)
     x[0, 0] += np.float32(10.0 ** rng.uniform(-3, 0))
     xs.append(x)
   return np.stack(xs).astype("float32"), np.full((count, 1), 1e4, np.float32)
@@ -118,21 +119,28 @@ def test_records_of_two_cancelling_across_examples(jit, monkeypatch):
   assert np.all(moved <= C * (1 + 1e-3)), moved.max()
 
 
-def test_dp_train_step_update_stays_within_c():
-  """The DP optimizer's own step, noise off (z = 0), one adversarial record per batch of 1
-  (Poisson denominator q n = 1): the update is the clipped contribution, norm <= C lr."""
-  model = _model(256, 256)
+def worst_train_step_update(model, x, y):
+  """The largest update norm of the DP optimizer's own step (SGD, lr 1, noise off: z = 0) over
+  batches of one record (Poisson denominator q n = 1): each update is the record's clipped
+  contribution."""
   opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0)
   model = dp.keras.make_private(model) if not isinstance(model, dp.keras.DPModelMixin) else model
   model.compile(opt, keras.losses.MeanSquaredError())
   opt.set_sampling(100, 0.01, "poisson")
-  x, y = _records(256, count=8)
   worst = 0.0
-  for i in range(8):
+  for i in range(x.shape[0]):
     before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     model.train_on_batch(x[i:i + 1], y[i:i + 1])
     after = [v.numpy().astype(np.float64) for v in model.trainable_variables]
     worst = max(worst, float(np.sqrt(sum(np.sum((a - b) ** 2) for a, b in zip(after, before)))))
+  return worst
+
+
+def test_dp_train_step_update_stays_within_c():
+  """The DP optimizer's own step, noise off, one adversarial record per batch of 1: the
+  update is the clipped contribution, norm <= C lr."""
+  x, y = _records(256, count=8)
+  worst = worst_train_step_update(_model(256, 256), x, y)
   assert worst <= C * (1 + 1e-3), worst
 
 

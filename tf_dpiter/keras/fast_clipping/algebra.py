@@ -99,7 +99,7 @@ def zeros(dz):
                   tf.float32)
 
 
-def factored_sqr_norm(a, b):
+def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   """Per-example ||sum_t a_t b_t^T||_F^2 for a: [B, T, K], b: [B, T, N].
 
   Returns (sqr_norms [B], g) with g the [B, K, N] per-example gradient when it
@@ -111,12 +111,31 @@ def factored_sqr_norm(a, b):
     Gram:   sum_{t,s} <a_t, a_s><b_t, b_s>, cost B T^2 (K+N), no g;
     T = 1:  ||a||^2 ||b||^2, no g.
   Without an override, direct if g is kept, else the cheaper of the two.
+
+  Where the clipped sum is not formed from the g returned here, the direct form's norm is an
+  upper bound that covers the rounding of the record's terms in g and in that sum
+  (`with_sum_rounding`); the Gram form's is an upper bound of the exact norm
+  (`gram_sqr_norm`); with one position per record (T = 1) no terms can cancel and the norm is
+  exact to a relative rounding.
+
+  Args:
+    a: [B, T, K] layer inputs.
+    b: [B, T, N] output gradients.
+    sums_from_g: the caller forms the clipped sum from the g returned (registry
+      PerExampleGrads): its norm needs no bound. False: a g returned may be dropped.
+    sum_rows: rows of the product that forms the clipped sum (a Python int or a scalar
+      tensor); None: the batch's B T.
+
+  Returns:
+    (sqr_norms [B / k] float32, g [B / k, K, N] or None).
   """
   a = regroup_btk(tf.cast(a, tf.float32))
   b = regroup_btk(tf.cast(b, tf.float32))
   t, k, n = static_dim(a, 1), static_dim(a, 2), static_dim(b, 2)
   if t == 1:
     return (reduce_sum(tf.square(a), [1, 2]) * reduce_sum(tf.square(b), [1, 2])), None
+  if sum_rows is None:
+    sum_rows = batch_rows(a)
   keep = k is not None and n is not None and registry.keep_per_example(k * n)
   form = registry.form_override()
   form = form if form in ("gram", "direct") else None
@@ -130,7 +149,99 @@ def factored_sqr_norm(a, b):
   g = tf.einsum("btk,btn->bkn", a, b)
   keep = keep or (k is not None and n is not None and
                   k * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES)
-  return reduce_sum(tf.square(g), [1, 2]), (g if keep else None)
+  sq = reduce_sum(tf.square(g), [1, 2])
+  if not (keep and sums_from_g):
+    sq = with_sum_rounding(sq, position_norms(a), position_norms(b),
+                           static_or_shape(a, 1) + sum_rows + 1,
+                           None if None in (k, n) else k + n)
+  return sq, (g if keep else None)
+
+
+def batch_rows(a):
+  """B T for a [B, T, ...] tensor: a Python int when static, else a float32 scalar tensor."""
+  b, t = static_dim(a, 0), static_dim(a, 1)
+  if b is not None and t is not None:
+    return b * t
+  return tf.cast(tf.shape(a)[0] * tf.shape(a)[1], tf.float32)
+
+
+def position_norms(x, with_one=False):
+  """[B, T] float32 norms ||x_t|| of x [B, T, K]'s positions (of [x_t, 1] with `with_one`),
+  once per x in the clipped sum's graph (`once_per_graph`: the layers that read one input,
+  an attention block's query, key and value projections, share them).
+
+  Args:
+    x: [B, T, K] float32.
+    with_one: a Python bool.
+
+  Returns:
+    [B, T] float32.
+  """
+  def make(x):
+    sq = reduce_sum(tf.square(x), 2)
+    return tf.sqrt(sq + scalar(1.0) if with_one else sq)
+
+  return once_per_graph(("position_norms", with_one), x, make)
+
+
+def gram_diagonal_norms(gram):
+  """[B, T] float32 norms sqrt(G_tt) of the vectors of a float32 Gram matrix G [B, T, T] (its
+  diagonal: the same float32 sums of squares as `position_norms`, two ops instead of three),
+  once per G in the clipped sum's graph (`once_per_graph`).
+
+  Args:
+    gram: [B, T, T] float32.
+
+  Returns:
+    [B, T] float32.
+  """
+  return once_per_graph("diagonal_norms", gram, lambda g: tf.sqrt(tf.linalg.diag_part(g)))
+
+
+def with_sum_rounding(sq, na, nb, length, widths=None):
+  """A per-record squared norm raised to cover the rounding of the float32 products that
+  form the record's gradient: (sqrt(sq) + gamma_L S)^2, S = sum_t ||a_t|| ||b_t||,
+  L = `length`.
+
+  Relation (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Secs. 3.1 and
+  4.2): a float32 sum of n products, in any order, errs entrywise by at most
+  gamma_n = n u / (1 - n u) (u = 2^-24) times the sum of their absolute values, so a gradient
+  g = sum_t a_t b_t^T formed in float32 errs by a matrix E with |E_kn| <= gamma_n
+  sum_t |a_tk| |b_tn|, whose Frobenius norm is at most gamma_n S (no extra product: T (K + N)
+  per record). Two products round a record's terms: the per-record product g~ (T terms) whose
+  squared norm is sq, and the clipped sum's product, where each term c a_t b_t^T is rounded
+  once by the weight c and accumulated over at most that product's R rows (gamma_{R+1}). So
+  ||g|| + gamma_{R+1} S <= ||g~|| + gamma_{T+R+1} S: with L = T + R + 1 the clip factor
+  c = C / sqrt(returned) keeps c (g + the rounding of the record's own terms in the clipped
+  sum) within C, where cancellation (positions' a_t b_t^T nearly opposite) would let a norm
+  near 0 give c = 1 to a rounding error of order u S. Where sq bounds ||g||^2 itself
+  (`bounded_gram_contraction`), L = R + 1. gamma_L is taken L u (1 + 2 (L + W + 2 T + 16) u),
+  W = `widths` (K + N: it covers the float32 rounding of S and of this bound's own few
+  operations), or 1.25 (L + 1) u without widths (n u <= 0.2). Not covered: the relative
+  rounding of sq's sum of squares and of c (at most gamma of the terms summed, amplified by
+  no cancellation; the sum from kept gradients carries it too). On records whose positions
+  do not cancel the norm grows by gamma_L S / ||g||, about gamma_L sqrt(T) for positions of
+  orthogonal gradients.
+
+  Args:
+    sq: [B] float32 squared norms (of the float32 per-record gradients, or upper bounds of
+      the exact ones).
+    na, nb: [B, T] float32 norms of the positions' a_t and b_t (`position_norms`).
+    length: L, a Python int or a float32 scalar tensor.
+    widths: K + N, the lengths of the vectors whose norms na and nb are (a Python int), or
+      None.
+
+  Returns:
+    [B] float32.
+  """
+  u = 2.0 ** -24
+  t = static_dim(na, 1)
+  if widths is None or t is None or not isinstance(length, int):
+    gamma = 1.25 * (length + 1) * u
+  else:
+    gamma = length * u * (1.0 + 2.0 * (length + widths + 2 * t + 16) * u)
+  s = reduce_sum(na * nb, 1)
+  return tf.square(tf.sqrt(tf.maximum(sq, scalar(0.0))) + scalar(gamma) * s)
 
 
 def gram_sqr_norm(a, b, with_one=False):
@@ -173,11 +284,9 @@ def gram_sqr_norm(a, b, with_one=False):
   if with_one:
     ga = once_per_graph("gram_of_ones_column", ga, lambda g: g + 1.0)
   gb = tf.einsum("btn,bsn->bts", b, b)
-  # the rounding bound's per-position norms (T (K + N) per example, next to T^2 (K + N))
-  na = tf.sqrt(tf.reduce_sum(tf.square(a), 2) + (1.0 if with_one else 0.0))
-  nb = tf.sqrt(tf.reduce_sum(tf.square(b), 2))
-  return bounded_gram_contraction(ga, gb, na, nb, int(with_one) + static_or_shape(a, 2),
-                                  static_or_shape(b, 2))
+  # the rounding bound's per-position norms: the Gram matrices' diagonals
+  return bounded_gram_contraction(ga, gb, gram_diagonal_norms(ga), gram_diagonal_norms(gb),
+                                  int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2))
 
 
 def static_or_shape(x, axis):
@@ -202,17 +311,36 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n):
   Returns:
     [B] float32.
   """
-  sq = tf.einsum("bts,bts->b", tf.cast(ga, tf.float64), tf.cast(gb, tf.float64))
+  # ga is built once per input (gram_sqr_norm: an attention block's query, key and value
+  # projections share it), and so are its float64 copy and |ga|
+  sq = tf.einsum("bts,bts->b", once_per_graph("float64", ga, lambda g: tf.cast(g, tf.float64)),
+                 tf.cast(gb, tf.float64))
   t = static_dim(ga, 1)
   t = t if t is not None else tf.cast(tf.shape(ga)[1], tf.float32)
   margin = 1.25 + 2.0 * t * t * 2.0 ** -24   # + the bound's own float32 sums of T^2 terms
   gamma_b = margin * (n + 1) * 2.0 ** -24
-  bound = gamma_b * tf.einsum("bts,bt,bs->b", tf.abs(ga), nb, nb)
+  bound = scalar(gamma_b) * tf.einsum("bts,bt,bs->b", once_per_graph("abs", ga, tf.abs),
+                                      nb, nb)
   if not (isinstance(k, int) and k == 0):
     gamma_a = margin * (k + 1) * 2.0 ** -24
-    bound += (gamma_a * tf.einsum("bt,bs,bts->b", na, na, tf.abs(gb))
-              + gamma_a * gamma_b * tf.square(tf.reduce_sum(na * nb, 1)))
-  return tf.cast(sq + tf.cast(bound, tf.float64), tf.float32)
+    bound += (scalar(gamma_a) * tf.einsum("bt,bs,bts->b", na, na, tf.abs(gb))
+              + scalar(gamma_a * gamma_b) * tf.square(reduce_sum(na * nb, 1)))
+  # sq rounded to float32 moves by at most u/2 |sq| <= u/2 (the exact sum + bound): a
+  # relative rounding of the exact sum, and a part of the bound its margin covers
+  return tf.cast(sq, tf.float32) + bound
+
+
+def scalar(value):
+  """A float32 scalar operand: a Python float as one shared Const of the graph being traced
+  (`const`: every layer of one shape reads the same), a tensor as it is.
+
+  Args:
+    value: a Python float or a float32 scalar tensor.
+
+  Returns:
+    a float32 scalar tensor.
+  """
+  return const(value, tf.float32) if isinstance(value, float) else value
 
 
 def to_btk(x):

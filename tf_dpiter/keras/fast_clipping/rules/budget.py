@@ -129,6 +129,26 @@ def examples_per_chunk(batch_tensor, temp_bytes, cap=1 << 30):
   return chunk_size(temp_bytes, k, cap)
 
 
+def chunk_rows(batch_tensor, m, t):
+  """Rows of one product of `sum_over_chunks` over chunks of m examples of t positions:
+  min(B, m) t (B t when m is None); the rounding of a record's terms in the clipped sum
+  accumulates over at most these rows (algebra.with_sum_rounding).
+
+  Args:
+    batch_tensor: a [B, ...] tensor of the layer.
+    m: examples per chunk (a Python int) or None.
+    t: positions per example (a Python int).
+
+  Returns:
+    a Python int when B is static or m bounds it, else a float32 scalar tensor.
+  """
+  b = batch_tensor.shape[0]
+  if b is not None:
+    return (int(b) if m is None else min(int(b), m)) * t
+  b = tf.shape(batch_tensor)[0]
+  return tf.cast((b if m is None else tf.minimum(b, m)) * t, tf.float32)
+
+
 def _pad_rows(t, rows):
   return tf.pad(t, [[0, rows]] + [[0, 0]] * (t.shape.rank - 1))
 
@@ -320,7 +340,7 @@ def kept_sum(record_c, g):
   return algebra.factor_product(c, algebra.drop_rows(g, c))
 
 
-def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
+def factored_sqr_norms(a, b, keep_allowed=None, with_one=False, sum_rows=None):
   """Per-record ||sum_t a_t b_t^T||_F^2 for a [B, T, K], b [B, T, N] within the budget.
 
   Forms (Li et al., "Large language models can be strong differentially private learners",
@@ -328,7 +348,11 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
   <b_t, b_s> (cost T^2 (K + N)). The per-record gradients are kept (direct form) where
   keep_choice says so; else the cheaper form gives the norms alone (registry.form_override
   forces "gram" or "direct"). Every form runs over chunks (over_chunks); T = 1 or sizes the
-  trace does not know: algebra.factored_sqr_norm on the batch.
+  trace does not know: algebra.factored_sqr_norm on the batch. Where the clipped sum is not
+  formed from kept gradients (the norms alone), the direct form's norms are upper bounds
+  covering the rounding of the record's terms in its per-record product and in the clipped
+  sum's product (algebra.with_sum_rounding); the sum from kept gradients reuses the g whose
+  norm was taken and needs no bound.
 
   Args:
     a: [B, T, K] layer inputs.
@@ -340,6 +364,9 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
     with_one: a gets a last column of ones (a Dense layer's bias as the weight of an input
       1): in the Gram form as 1 added to a's Gram matrix (algebra.gram_sqr_norm), in the
       direct form appended chunk by chunk (no [B, T, K + 1] copy of the batch).
+    sum_rows: rows of the product that forms the clipped sum when no gradient is kept (a
+      Python int or a float32 scalar tensor); None: the batch's B T (what a product over
+      the whole batch, or the two-pass variant's backward pass, sums).
 
   Returns:
     (sqr_norms [B / k] float32, keep, g): keep a Python bool or a scalar bool tensor, g the
@@ -348,8 +375,11 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
   """
   t, kk, n = (algebra.static_dim(a, 1), algebra.static_dim(a, 2), algebra.static_dim(b, 2))
   one = algebra.with_ones_column if with_one else (lambda x: x)
+  if sum_rows is None:
+    sum_rows = algebra.batch_rows(a)
   if t == 1 or None in (t, kk, n):
-    sq, g = algebra.factored_sqr_norm(one(tf.cast(a, tf.float32)), b)
+    sq, g = algebra.factored_sqr_norm(one(tf.cast(a, tf.float32)), b, sums_from_g=True,
+                                      sum_rows=sum_rows)
     if g is None:
       return sq, False, None
     return sq, True, tf.reshape(g, [tf.shape(g)[0], -1])
@@ -377,10 +407,15 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False):
       bc = algebra.regroup_btk(bc)
       if form == "gram":   # the ones column in the Gram matrix: no copy of a (gram_sqr_norm)
         return (algebra.gram_sqr_norm(algebra.regroup_btk(ac), bc, with_one),)
-      ac = algebra.regroup_btk(one(ac))
-      g = algebra.reshape(tf.einsum("btk,btn->bkn", ac, bc), [-1, kk * n])
+      ar = algebra.regroup_btk(ac)
+      g = algebra.reshape(tf.einsum("btk,btn->bkn", algebra.regroup_btk(one(ac)), bc),
+                          [-1, kk * n])
       sq = algebra.reduce_sum(tf.square(g), 1)
-      return (sq, g) if with_g else (sq,)
+      if with_g:   # the clipped sum from this g: no bound
+        return sq, g
+      return (algebra.with_sum_rounding(
+          sq, algebra.position_norms(ar, with_one), algebra.position_norms(bc),
+          algebra.static_or_shape(bc, 1) + sum_rows + 1, kk + n),)
 
     specs = [tf.TensorSpec([rec], tf.float32)]
     if with_g:

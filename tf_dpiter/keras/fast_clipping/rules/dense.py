@@ -58,7 +58,8 @@ def dense_norm_fn(layer, inputs, training=None):
     return outputs, z, lambda dz: _budgeted_norms(layer, on, x, dz)
   outputs, z, sqr_norm_fn = bias_and_parts(
       layer, z, lambda dz: {id(layer.kernel): algebra.factored_sqr_norm(
-          algebra.to_btk(x), algebra.to_btk(dz))} if on[0] else {}, bias_on=on[1])
+          algebra.to_btk(x), algebra.to_btk(dz), sums_from_g=True)} if on[0] else {},
+      bias_on=on[1])
 
   def norms_and_sums(dz):
     res = sqr_norm_fn(dz)
@@ -89,9 +90,15 @@ def _budgeted_norms(layer, on, x, dz):
     registry.PerExampleBlock or registry.FactorSums.
   """
   fold = _bias_folded(on, x)
-  sq, keep, g = budget.factored_sqr_norms(algebra.to_btk(x), algebra.to_btk(dz),
-                                          with_one=fold)
   rows, n = int(x.shape[-1]) + int(fold), int(dz.shape[-1])
+  t = algebra.static_positions(x.shape[1:-1])
+  m = budget.examples_per_chunk(x, 4 * 2 * t * (rows + n)) if t != -1 else None
+  # the direct form's norm covers the rounding of a record's terms in the book-keeping
+  # product over chunks of m examples (algebra.with_sum_rounding; the two-pass variant's
+  # backward pass sums the batch's B t rows, covered only where B <= m)
+  sq, keep, g = budget.factored_sqr_norms(
+      algebra.to_btk(x), algebra.to_btk(dz), with_one=fold,
+      sum_rows=budget.chunk_rows(x, m, t) if t != -1 else None)
 
   def unpack(sums):
     parts = (tf.split(sums[0], algebra.const([(rows - 1) * n, n]), num=2, axis=algebra.const(0))
@@ -101,8 +108,6 @@ def _budgeted_norms(layer, on, x, dz):
 
   if keep is True:
     return registry.PerExampleBlock(sq, [algebra.leading_rows(g, sq)], unpack)
-  t = algebra.static_positions(x.shape[1:-1])
-  m = budget.examples_per_chunk(x, 4 * 2 * t * (rows + n)) if t != -1 else None
   shapes = [v.shape for v in layer.trainable_variables]
 
   def by_bookkeeping(c):
