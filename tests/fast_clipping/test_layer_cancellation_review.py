@@ -60,14 +60,8 @@ def _labels(rng, count=16):
   return (10.0 ** rng.uniform(3, 7, (count, 1))).astype(np.float32)
 
 
-_LN_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "LayerNormalization's norm without kept gradients is the float32 norm of one rounding "
-    "and the sum of another (1.10 C): its bound (normalization._with_sum_rounding) needs "
-    "algebra.with_sum_rounding, not yet committed"))
-
-
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, pytest.param(False, marks=_LN_OPEN)])
+@pytest.mark.parametrize("keep", [True, False])
 def test_layer_norm(keep, jit, monkeypatch):
   if not keep:
     _no_kept(monkeypatch)
@@ -108,13 +102,7 @@ def test_recurrent(cell, keep, jit, monkeypatch):
   _assert_within_c(_contributions(model, np.stack(xs).astype("float32"), _labels(rng), jit))
 
 
-_RNN_BIAS_OPEN = pytest.mark.xfail(strict=True, reason=(
-    "a recurrent layer's bias norm is the float32 norm of sum_t g_t, its sum that of the c g_t "
-    "(1.06 C under XLA): its bound (recurrent._bias_sqr_norm) needs algebra.with_sum_rounding, "
-    "not yet committed"))
-
-
-@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=_RNN_BIAS_OPEN)])
+@pytest.mark.parametrize("jit", [False, True])
 def test_recurrent_bias_alone(jit):
   """The linear SimpleRNN with U = 0, only its bias trained, inputs ~1e-3: the bias gradient
   sum_t g_t (g_0 = w s, g_1 = -w (1 + 2^-23) s) is the record's whole gradient; the norm took

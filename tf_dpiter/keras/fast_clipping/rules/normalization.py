@@ -84,8 +84,11 @@ def layer_norm_norm_fn(layer, inputs):
         parts.append(g if g.shape.rank == 2 else algebra.reshape(g, [-1, entries]))
       block = parts[0] if len(parts) == 1 else tf.concat(parts, algebra.const(1))
       sq = algebra.sqr_sum(block)
-      return (sq, block) if keep else (sq,)
+      return (sq, block) if keep else (_with_sum_rounding(sq, dc, xc, gamma, trained, red, rows),)
 
+    # rows of the clipped sum's reduction per entry (_sums): the batch's positions
+    rows = algebra.static_or_shape(dy, 0) * (
+        int(np.prod([dy.shape[a] for a in red])) if red else 1)
     rec = m // k if m is not None else None
     specs = [tf.TensorSpec([rec], tf.float32)] + (
         [tf.TensorSpec([rec, entries * len(trained)], tf.float32)] if keep else [])
@@ -96,6 +99,41 @@ def layer_norm_norm_fn(layer, inputs):
                                     lambda sums: _unpack(layer, trained, entries, sums[0]))
 
   return outputs, y, sqr_norm_fn
+
+
+def _with_sum_rounding(sq, dy, xhat, gamma, trained, red, rows):
+  """Per-record squared norms sq [R] of the gradients of gamma and beta (sums over the
+  positions, the axes `red`, of dy xhat and dy) raised to cover their float32 rounding, here
+  and in the clipped sum (_sums: c dy formed first, then the products and the batch's sum):
+  algebra.with_sum_rounding with S the sum over the record's positions t of ||dy_t xhat_t||
+  (gamma) and ||dy_t|| (beta), the norms of its terms. Where equal positions get nearly
+  opposite output gradients the float32 norm is mostly rounding, and the sum's other rounding
+  moved one record's contribution to 1.10 C.
+
+  Args:
+    sq: [R] float32.
+    dy: [m, ...] float32 output gradients of a chunk of m examples (R = m / k records).
+    xhat: [m, ...] the normalized input.
+    gamma: the layer's gamma or None.
+    trained: its trainable variables among (gamma, beta).
+    red: the position axes.
+    rows: the clipped sum's rows per entry (the batch's positions; an int or a float32 scalar).
+
+  Returns:
+    [R] float32.
+  """
+  axes = [a for a in range(1, dy.shape.rank) if a not in red]
+  norms = None
+  for v in trained:
+    t = dy * tf.cast(xhat, tf.float32) if v is gamma else dy
+    n = tf.sqrt(algebra.reduce_sum(tf.square(t), axes))
+    norms = n if norms is None else norms + n
+  s = registry.record_sum(algebra.reduce_sum(norms, list(range(1, norms.shape.rank)))
+                          if norms.shape.rank > 1 else norms)[:, None]
+  k = registry.current_examples_per_record()
+  positions = (int(np.prod([dy.shape[a] for a in red])) if red else 1) * (
+      k if isinstance(k, int) else tf.cast(k, tf.float32))
+  return algebra.with_sum_rounding(sq, s, tf.ones_like(s), positions + rows + 1)
 
 
 def _unpack(layer, trained, entries, flat):

@@ -158,16 +158,38 @@ def _parts(cell, x, aux, g):
           (cell.bias, None, bias)]
 
 
-def _sqr_norms(parts):
+def _bias_sqr_norm(b, rows):
+  """Per-record ||sum_t b_t||^2 of a bias's gradients b [B, T, n] at the steps, raised to
+  cover their float32 rounding here and in the clipped sum (`_sums`: c b summed over the
+  batch's `rows` steps): algebra.with_sum_rounding with S = sum_t ||b_t|| (steps whose
+  gradients nearly cancel made the float32 norm mostly rounding: one record moved the sum by
+  1.06 C under XLA).
+
+  Args:
+    b: [B, T, n] float32.
+    rows: the clipped sum's rows, B T (a Python int or a float32 scalar).
+
+  Returns:
+    [B / k] float32.
+  """
+  sq = algebra.sqr_sum(registry.record_sum(tf.reduce_sum(b, axis=1)))
+  nb = algebra.position_norms(algebra.regroup_btk(b))
+  return algebra.with_sum_rounding(sq, nb, tf.ones_like(nb),
+                                   algebra.static_or_shape(nb, 1) + rows + 1)
+
+
+def _sqr_norms(parts, rows):
+  """Per-record squared norms of the trainable variables' gradients (`_parts`), upper bounds
+  covering the rounding of the clipped sum's products over `rows` = B T rows (the whole
+  batch's, also in a chunk)."""
   sq = None
   for v, pairs, bias in parts:
     if not algebra.trainable(v):
       continue
     if pairs is not None:   # several pairs: GRU without reset_after, U = [U_zr | U_h]
-      terms = [algebra.factored_sqr_norm(a, b)[0] for a, b in pairs]
+      terms = [algebra.factored_sqr_norm(a, b, sum_rows=rows)[0] for a, b in pairs]
     else:
-      terms = [algebra.sqr_sum(registry.record_sum(tf.reduce_sum(b, axis=1)))
-               for b in bias]
+      terms = [_bias_sqr_norm(b, rows) for b in bias]
     for t in terms:
       sq = t if sq is None else sq + t
   return sq
@@ -213,8 +235,10 @@ def recurrent_norm_fn(layer, sequences, initial_state=None, mask=None, training=
     g = tf.cast(dxw, tf.float32)
     m = _examples_per_chunk(x, aux, g)
 
+    rows = algebra.batch_rows(g)   # the clipped sum's, not a chunk's
+
     def norms(xc, auxc, gc):
-      return (_sqr_norms(_parts(cell, xc, tf.cast(auxc, tf.float32), gc)),)
+      return (_sqr_norms(_parts(cell, xc, tf.cast(auxc, tf.float32), gc), rows),)
 
     rec = m // registry.current_examples_per_record() if m is not None else None
     sq = budget.over_chunks(norms, (x, aux, g), m, [tf.TensorSpec([rec], tf.float32)])[0]
