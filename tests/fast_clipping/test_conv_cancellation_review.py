@@ -62,34 +62,6 @@ def _records(shape, count=16, seed=2, top=6):
   return np.stack(xs).astype("float32"), np.full((count, 1), 1e4, np.float32)
 
 
-_FOLDGRAM_OPEN = (
-    "open: the folded patch Gram's float32 sum (conv._fold_gram_sqr_norm) cancels (7e4 C). "
-    "The fix (its value bounded by algebra.bounded_gram_contraction, the patch norms from the "
-    "Gram's diagonal) is held: it adds ~3 k T^2 floats per example to the folded Gram's peak, "
-    "beyond test_conv_forms' allocator bound, and counting them halves the tutorial CNN's "
-    "chunk (256 -> 128) that test_conv_forms asserts: the lead decides")
-_NOT_KEPT_OPEN = (
-    "open: per-example forms with the sum by book-keeping (1.6 C): the bound "
-    "(algebra.with_sum_rounding on the patch and output-gradient norms) waits for "
-    "algebra.with_sum_rounding to be committed")
-_DIRECT_OPEN = ("open until algebra.with_sum_rounding (the direct form's bound, P) is committed; "
-                "then drop this mark")
-
-
-def _open(request, reason, strict=True):
-  """Marks the running case xfail (strict: a pass fails) with the defect's reason."""
-  request.applymarker(pytest.mark.xfail(strict=strict, reason=reason))
-
-
-def _mark_open(request, form, keep, folded):
-  if form == "foldgram" or (form is None and folded):
-    _open(request, _FOLDGRAM_OPEN)
-  elif not keep and form in ("depthwise", "filter"):
-    _open(request, _NOT_KEPT_OPEN)
-  elif not keep and form == "direct":
-    _open(request, _DIRECT_OPEN, strict=False)
-
-
 # (spatial, cin, cout, kernel, stride): the cost rule picks the folded Gram for the second
 _SHAPES = [(6, 4, 8, 3, 1), (8, 3, 16, 4, 2), (10, 16, 32, 3, 1)]
 
@@ -97,18 +69,16 @@ _SHAPES = [(6, 4, 8, 3, 1), (8, 3, 16, 4, 2), (10, 16, 32, 3, 1)]
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("use_bias", [True, False])
 @pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_cost_chosen_form(shape, use_bias, jit, request):
-  _mark_open(request, None, True, shape == _SHAPES[1])
+def test_cost_chosen_form(shape, use_bias, jit):
   spatial, cin, cout, ksize, stride = shape
   model = _model(spatial, cin, cout, ksize, stride, use_bias)
   x, y = _records((spatial, spatial, cin))
   _assert_within_c(_contributions(model, x, y, jit))
 
 
-def _forced(monkeypatch, request, form, keep):
+def _forced(monkeypatch, form, keep):
   """The folded-kernel model (_SHAPES[1]) with `form` forced, every per-example gradient
   kept or none; (model, one input's shape)."""
-  _mark_open(request, form, keep, True)
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   if not keep:
     _no_kept(monkeypatch)
@@ -119,18 +89,17 @@ def _forced(monkeypatch, request, form, keep):
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("form", ["foldgram", "gram", "direct", "depthwise", "filter"])
-def test_forced_forms(form, keep, jit, monkeypatch, request):
+def test_forced_forms(form, keep, jit, monkeypatch):
   """keep=False: no per-example gradient is kept, the sum is the book-keeping filter
   gradient of the clip-weighted output gradients (not the gradient the norm was taken of)."""
-  model, shape = _forced(monkeypatch, request, form, keep)
+  model, shape = _forced(monkeypatch, form, keep)
   x, y = _records(shape)
   _assert_within_c(_contributions(model, x, y, jit))
 
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("form", [None, "foldgram"])
-def test_conv1d(form, jit, monkeypatch, request):
-  _mark_open(request, form, True, True)
+def test_conv1d(form, jit, monkeypatch):
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   model = _model(12, 8, 16, 4, 2, True, conv1d=True)
   x, y = _records((12, 8))
@@ -139,8 +108,7 @@ def test_conv1d(form, jit, monkeypatch, request):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("form", [None, "foldgram"])
-def test_records_of_two(form, jit, monkeypatch, request):
-  _mark_open(request, form, True, True)
+def test_records_of_two(form, jit, monkeypatch):
   """Records of 2 examples: the folded Gram over the record's 2 T positions; each
   example on its own cancels as above."""
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
@@ -151,15 +119,11 @@ def test_records_of_two(form, jit, monkeypatch, request):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_cost_chosen_large_kernel(jit, request):
+def test_cost_chosen_large_kernel(jit):
   """A 3x3x64x32 kernel (18,432 entries: no per-example gradient kept) over 32x32 output
   positions (more than a patch's 576 entries): in graph mode the rules take the norm from
   per-example filter gradients and the sum by book-keeping; one record moved the sum by
   1.08 C (the norm of the first float32 gradient, the sum of another)."""
-  if jit:   # XLA takes the direct norm of the unfolded patches
-    _open(request, _DIRECT_OPEN, strict=False)
-  else:
-    _open(request, _NOT_KEPT_OPEN)
   model = _model(34, 64, 32, 3, 1, True)
   x, y = _records((34, 34, 64), count=8)
   _assert_within_c(_contributions(model, x, y, jit))
@@ -184,10 +148,10 @@ def _mirrored_pairs(model, shape, count=8, seed=3, top=4):
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("form", [None, "foldgram", "gram", "direct", "depthwise", "filter"])
-def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch, request):
+def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch):
   """The record's gradient is the sum of its examples' (registry.examples_per_record): the
   norm of that sum, the clipped sum of the same record terms (the kept per-example gradients
   weighted one by one moved it by 1.04 C)."""
-  model, shape = _forced(monkeypatch, request, form, keep)
+  model, shape = _forced(monkeypatch, form, keep)
   x, y = _mirrored_pairs(model, shape)
   _assert_within_c(_contributions(model, x, y, jit, k=2))

@@ -2,7 +2,9 @@
 equals the Gram of the unfolded patches, the depthwise per-example filter gradients equal
 per-example Conv2DBackpropFilter, the per-example forms over chunks of the batch and under the
 keep budget (the memory budget) give the per-record reference's norms and clipped sums (static
-and unknown batch, records, XLA, a non-finite record), and the cost model picks the
+and unknown batch, records, XLA, a non-finite record; where the sum is not formed from the
+gradients whose norms are taken the norms are upper bounds: one-sided, at most 1e-3 above), and
+the cost model picks the
 measured-cheaper form for the tutorial CNN's two convolutions."""
 
 import functools
@@ -129,7 +131,10 @@ CASES = [("depthwise", BIG, BIG, False, False, 1), ("depthwise", 1, BIG, True, F
 def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, clip_reference):
   """The per-example forms over chunks and under the keep budget give the per-record
   reference's norms and clipped sum, in a tf.function with a static or unknown batch and
-  under XLA."""
+  under XLA. The folded Gram's norms and those of the forms whose sum is by book-keeping are
+  upper bounds (the exact norm plus gamma_L sum_t ||a_t|| ||b_t||, the float32 rounding of
+  the record's terms, 3e-4..6e-4 relative here): never below the reference's, at most 1e-3
+  above; the clipped sum within 1e-3 (its clip factors move with the norms)."""
   form, chunk_bytes, keep_bytes, dynamic_batch, jit, k = case
   if chunk_bytes is not None:
     monkeypatch.setattr(budget, "CHUNK_BYTES", chunk_bytes)
@@ -150,9 +155,11 @@ def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, cl
   grads, norms = fn(x, y)
   want, want_norms = clip_reference(model, x, y, _xent, 0.5, k=k,
                                     memo=_MEMOS.setdefault(k, {}))   # same data for each k
-  np.testing.assert_allclose(norms.numpy(), want_norms, rtol=2e-4, atol=1e-6)
+  norms = norms.numpy()
+  assert np.all(norms >= want_norms * (1 - 1e-6)), norms / want_norms
+  assert np.all(norms <= want_norms * (1 + 1e-3)), norms / want_norms
   for g, w in zip(grads, want):
-    np.testing.assert_allclose(g.numpy(), w, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(g.numpy(), w, rtol=1e-3, atol=2e-5)
 
 
 @pytest.mark.parametrize("keep_bytes", [1 << 30, 0], ids=["kept", "bookkeeping"])
@@ -204,9 +211,10 @@ _FOLD_GRAM_MEMORY_CASES = [
 @pytest.mark.parametrize("case", _FOLD_GRAM_MEMORY_CASES, ids=str)
 def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
   """The folded Gram's temporaries per example (`_fold_gram_temp_bytes`, which sets its chunk)
-  bound what TensorFlow's allocator holds at its peak beyond the inputs while the norms of a
-  chunk of 256 examples are formed; the tutorial CNN's second convolution gets chunks of 256
-  examples under the default budget (128 for records of 2)."""
+  bound what TensorFlow's allocator holds at its peak beyond the inputs while the bounded
+  norms of 256 examples are formed (with the clipped sum's rounding, as the rule calls it);
+  the tutorial CNN's second convolution gets chunks of 128 examples under the default budget
+  (64 for records of 2: the bounded contraction's temporaries count)."""
   in_shape, ksize, strides, padding, out_hw, k = case
   b = 256
   rng = np.random.default_rng(0)
@@ -217,7 +225,8 @@ def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
   @tf.function
   def norms(x, dz):
     with registry.examples_per_record(k):
-      return conv._fold_gram_sqr_norm(x, dz, ksize, strides, padding)
+      return conv._fold_gram_sqr_norm(x, dz, ksize, strides, padding,
+                                      b * out_hw[0] * out_hw[1])
 
   norms(x, dz)   # traced, first allocations made
   peaks = []
@@ -228,7 +237,7 @@ def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
     peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
   assert 0 < max(peaks) <= b * per_example, (peaks, b * per_example)
   if in_shape == (13, 13, 16):
-    assert budget.chunk_size(per_example, k) == 256 // k
+    assert budget.chunk_size(per_example, k) == 128 // k
 
 
 @pytest.mark.parametrize("b", [1, 7, 8, 9, 17, 127, 128, 129, 256, 257, 383, 1000])

@@ -2,8 +2,10 @@
 depthwise per-example filter gradients under oneDNN, stride-block folded patches otherwise;
 the second by the folded patch Gram and a book-keeping sum) clipped exactly under
 both oneDNN settings. TensorFlow reads TF_ENABLE_ONEDNN_OPTS once per process: the setting
-this process runs with is checked in it, the other in a subprocess that sets it. Tolerance: float32 round-off of sums of a few
-thousand terms, 1e-5 of the largest reference entry."""
+this process runs with is checked in it, the other in a subprocess that sets it. Norms: the
+second convolution's are upper bounds (the exact norm plus gamma_L sum_t ||a_t|| ||b_t||, the
+float32 rounding of the record's terms): never below the reference's, at most 1e-3 above. Sums:
+1e-3 of the largest reference entry (the clip factors move with the norms)."""
 
 import importlib.util
 import json
@@ -46,5 +48,5 @@ def test_tutorial_cnn_fast_sum_equals_per_example_loop(onednn, capsys):
   out = json.loads(lines[-1][len("RESULT "):])
   assert out["onednn"] == (onednn == "1")
   for k in (1, 2):
-    assert out[f"k{k}_sum_rel_err"] < 1e-5, out
-    assert out[f"k{k}_norm_rel_err"] < 1e-5, out
+    assert out[f"k{k}_sum_rel_err"] < 1e-3, out
+    assert -1e-6 <= out[f"k{k}_norm_rel_low"] <= out[f"k{k}_norm_rel_high"] <= 1e-3, out

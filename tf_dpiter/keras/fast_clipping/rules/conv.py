@@ -19,6 +19,11 @@ convolution"):
   (registry.keep_per_example) gets g_i = dz_i^T P_i by one batched matrix product, a larger
   one the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
   book-keeping.
+Where the clipped sum is not formed from the gradients whose norms are taken (the folded
+Gram, the sum by book-keeping) the norms are upper bounds that cover the float32 rounding of
+the record's terms (algebra.bounded_gram_contraction, algebra.with_sum_rounding): a record
+whose positions' gradients nearly cancel got a float32 norm near 0 and moved the clipped sum
+by up to 7e4 C.
 
 Memory budget (the rules' shared one, rules/budget.py): every per-example form
 ("depthwise", "filter", the unfolded g_i, and the folded Gram's norms) runs over chunks of
@@ -417,18 +422,64 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=()):
   return tf.cond(b <= m, one_shot, chunked)
 
 
-def _per_example_pass(form, x4, dz4, k, with_grads):
+def _patch_norms(x4, ksize, stride, dilation, padding, out_hw):
+  """[B, T] float32 norms ||p_t|| of the input patches (T = ho wo output positions, in
+  algebra.to_btk order): the square root of the convolution of x^2 with a kernel of ones
+  (one output channel; padded entries add 0), B T K multiply-adds, no unfolded patches.
+
+  Args:
+    x4: [B, H, W, cin] float32 inputs.
+    ksize: (kh, kw).
+    stride: (sh, sw).
+    dilation: (dh, dw).
+    padding: "same" or "valid".
+    out_hw: (ho, wo), static.
+
+  Returns:
+    [B, T] float32.
+  """
+  ones = tf.ones([ksize[0], ksize[1], int(x4.shape[-1]), 1], tf.float32)
+  sq = tf.nn.conv2d(tf.square(x4), ones, [1, stride[0], stride[1], 1], padding.upper(),
+                    dilations=[1, dilation[0], dilation[1], 1])
+  return tf.sqrt(tf.reshape(sq, [-1, out_hw[0] * out_hw[1]]))
+
+
+def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
   """The per-record squared kernel-gradient norms [B / k], and with_grads the per-record
   gradients [n, A, m / k, P] (n chunks of m examples, the last padded with zero examples), formed
-  one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor)."""
+  one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor).
+
+  bound: (ksize, stride, dilation, padding, R) where the clipped sum is not formed from these
+  gradients but by book-keeping over R rows: each norm is raised to cover the rounding of the
+  record's terms in its float32 gradient (T' = k T positions) and in that product
+  (algebra.with_sum_rounding, L = T' + R + 1, ||a_t|| the patch norms): where the positions'
+  gradients nearly cancel the two float32 computations differ by more than the norm (one
+  record moved the clipped sum by 1.6 C); the bound's temporaries (x^2, the patch norms and
+  the output gradients' norms, H W cin + 3 T floats per example) join the chunk's."""
   x4 = tf.cast(x4, tf.float32)
   dz4 = tf.cast(dz4, tf.float32)
-  m = budget.chunk_size(form.temp_bytes, k, form.cap) if _chunkable(x4, k) else None
+  temp = form.temp_bytes
+  if bound is not None:
+    known = lambda dims: int(np.prod([d for d in dims if d is not None]))
+    temp += 4 * (known(x4.shape[1:]) + 3 * known(dz4.shape[1:3]))
+  m = budget.chunk_size(temp, k, form.cap) if _chunkable(x4, k) else None
+
+  def raised(sq, x, d):
+    ksize, stride, dilation, padding, rows = bound
+    out_hw = tuple(d.shape[1:3])
+    t = out_hw[0] * out_hw[1]
+    na = _patch_norms(x, ksize, stride, dilation, padding, out_hw)[..., None]
+    na = algebra.regroup_btk(na)   # a record's positions, [m / k, k T, 1]
+    nb = algebra.position_norms(algebra.regroup_btk(algebra.to_btk(d)))
+    positions = k * t if isinstance(k, int) else tf.cast(k * t, tf.float32)
+    return algebra.with_sum_rounding(sq, na[..., 0], nb, positions + rows + 1,
+                                     ksize[0] * ksize[1] * int(x.shape[-1]) + int(d.shape[-1]))
 
   def body(x, d):
     g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
     if not with_grads:
-      return (_record_sqr_norms(g, k),)
+      sq = _record_sqr_norms(g, k)
+      return (sq if bound is None else raised(sq, x, d),)
     g = _record_grads(g, k)   # kept per record, the terms of the clipped sum
     return _record_sqr_norms(g, 1), g
 
@@ -536,8 +587,9 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   else:
     keep = b * p * 4 <= budget.KEEP_BYTES
   db_e = tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]) if bias_on else None
+  bound = (ksize, stride, dilation, padding, algebra.batch_rows(algebra.to_btk(dz4)))
   sq, g = budget.by_keep(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
-                         lambda: (_per_example_pass(form, x4, dz4, k, False),
+                         lambda: (_per_example_pass(form, x4, dz4, k, False, bound),
                                   tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
   if bias_on:
     sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
@@ -644,12 +696,17 @@ def _fold_gram_temp_bytes(x4, dz4, ksize, stride, k=1):
       - 1) sh the rows the fold reads) and the folded copy, u sh sw cin (u = (ho + qh - 1)
       (wo + qw - 1) folded pixels);
     Grams: the folded pixels, the Gram of a record's k u pixels (k u^2 per example), the qh qw
-      windows of a record's [k T, k T] patch Gram, their sum, the output gradients' Gram and
-      the product with it ((qh qw + 3) k T^2 per example).
+      windows of a record's [k T, k T] patch Gram, and the bounded contraction's temporaries
+      (algebra.bounded_gram_contraction: both Grams, their float64 copies and product, |ga|,
+      |gb| and a weighted product, 10 k T^2), counted as alive together: the executor may form
+      the output gradients' part while the windows are summed ((qh qw + 10) k T^2 per
+      example; the measured peak of records of 2 varied from 55,952 to 69,136 bytes per
+      example between runs, 5x5 outputs of 32 channels).
   Reshapes (the Gram's windows view, the output gradients' regrouping) are views, and float32
   output gradients are not copied (others are cast: T cout more). Tutorial CNN's
-  second convolution: 31,900 bytes, against an allocator peak of 28,800 per example measured
-  at B = 256 (tests/fast_clipping/test_conv_forms.py checks the bound).
+  second convolution: 49,400 bytes, against an allocator peak of 29,900 per example measured
+  at B = 256 (28,800 before the bounded contraction; tests/fast_clipping/test_conv_forms.py
+  checks the bound).
 
   Args:
     x4: [B, H, W, cin] the convolution's input (static spatial sizes).
@@ -669,13 +726,23 @@ def _fold_gram_temp_bytes(x4, dz4, ksize, stride, k=1):
   folded = u * sh * sw * cin
   folding = 2 * max(h, (ho + qh - 1) * sh) * max(w, (wo + qw - 1) * sw) * cin + folded
   cast = 0 if dz4.dtype == tf.float32 else t * int(dz4.shape[-1])
-  grams = folded + k * u * u + (qh * qw + 3) * k * t * t + cast
+  grams = folded + k * u * u + (qh * qw + 10) * k * t * t + cast
   return 4 * max(folding, grams)
 
 
-def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
-  """Per-record squared kernel-gradient norms sum_{t,s} <p_t, p_s><dz_t, dz_s> (Li et al.
-  2021, Sec. 4) with the patch Gram from conv_unfold.patch_gram.
+def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
+  """Upper bounds of the per-record squared kernel-gradient norms sum_{t,s} <p_t, p_s>
+  <dz_t, dz_s> (Li et al. 2021, Sec. 4) with the patch Gram from conv_unfold.patch_gram.
+
+  Where the positions' gradients p_t dz_t^T nearly cancel (equal patches, opposite output
+  gradients) a float32 sum of the T^2 products came out near 0 for a gradient of any norm
+  (one record moved the clipped sum by 7e4 C). The products are summed by
+  algebra.bounded_gram_contraction (float64 sum plus its rounding bound, Higham, "Accuracy and
+  Stability of Numerical Algorithms", 2nd ed., Sec. 3.1): a patch Gram entry is K = kh kw cin
+  products summed in another order than <p_t, p_s> (folded pixels, then windows), which the
+  bound gamma_K ||p_t|| ||p_s|| covers for any order; the norms ||p_t||, ||dz_t|| are the Gram
+  matrices' diagonals. With `sum_rows` the bound is raised by the rounding of the record's
+  terms in the clipped sum's product over that many rows (algebra.with_sum_rounding, L = R + 1).
 
   Args:
     x4: [B, H, W, cin] the convolution's input.
@@ -683,6 +750,8 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
     ksize: (kh, kw).
     stride: (sh, sw).
     padding: "same" or "valid".
+    sum_rows: R, rows of the clipped sum's book-keeping product (B ho wo: a Python int or a
+      float32 scalar tensor), or None for the bound of the exact norm alone.
 
   Returns:
     [B/k] float32 (k = registry.current_examples_per_record(), a Python int).
@@ -691,7 +760,12 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding):
   ga = conv_unfold.patch_gram(x4, ksize, stride, padding, tuple(dz4.shape[1:3]), k)
   b = algebra.regroup_btk(tf.cast(algebra.to_btk(dz4), tf.float32))
   gb = tf.linalg.matmul(b, b, transpose_b=True)
-  return tf.reduce_sum(ga * gb, axis=[1, 2])
+  na, nb = algebra.gram_diagonal_norms(ga), algebra.gram_diagonal_norms(gb)
+  patch, cout = ksize[0] * ksize[1] * int(x4.shape[-1]), int(dz4.shape[-1])
+  sq = algebra.bounded_gram_contraction(ga, gb, na, nb, patch, cout)
+  if sum_rows is None:
+    return sq
+  return algebra.with_sum_rounding(sq, na, nb, sum_rows + 1, patch + cout)
 
 
 def _scope_name(layer, form, part):
@@ -738,7 +812,8 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
       k = registry.current_examples_per_record()
       m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride, k), k, 1 << 30)
            if _chunkable(x4, k) else None)
-      sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding),),
+      rows = algebra.batch_rows(algebra.to_btk(dz4))   # the book-keeping product's, B ho wo
+      sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding, rows),),
                         x4, dz4, m, k)[0]
       return _bookkeeping_result(layer, form, sq + algebra.sqr_sum(db) if bias_on else sq,
                                  x4, dz4, ksize, stride, dilation, padding, bias_on)
