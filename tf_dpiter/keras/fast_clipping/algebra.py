@@ -226,7 +226,8 @@ def with_sum_rounding(sq, na, nb, length, widths=None):
   Args:
     sq: [B] float32 squared norms (of the float32 per-record gradients, or upper bounds of
       the exact ones).
-    na, nb: [B, T] float32 norms of the positions' a_t and b_t (`position_norms`).
+    na, nb: [B, T] float32 norms of the positions' a_t and b_t (`position_norms`); nb None
+      for b_t's alone (a_t = 1).
     length: L, a Python int or a float32 scalar tensor.
     widths: K + N, the lengths of the vectors whose norms na and nb are (a Python int), or
       None.
@@ -234,14 +235,86 @@ def with_sum_rounding(sq, na, nb, length, widths=None):
   Returns:
     [B] float32.
   """
+  s = reduce_sum(na if nb is None else na * nb, 1)
+  return with_terms_rounding(sq, s, length, widths, static_dim(na, 1))
+
+
+def with_terms_rounding(sq, s, length, widths=None, terms=None):
+  """(sqrt(sq) + gamma_L s)^2 for s [R] the sum of the norms of a record's terms in its
+  float32 gradient (`with_sum_rounding`, which derives the bound: S = sum_t ||a_t|| ||b_t||
+  there); for callers that form S themselves (a bias: `bias_sqr_norm`; LayerNormalization's
+  gamma and beta in one block).
+
+  Args:
+    sq: [R] float32 squared norms.
+    s: [R] float32 sums of the terms' norms.
+    length: L = terms + the clipped sum's rows + 1, a Python int or a float32 scalar tensor.
+    widths: the lengths of the vectors whose norms s sums (a Python int), or None.
+    terms: the terms per record (a Python int), or None.
+
+  Returns:
+    [R] float32.
+  """
   u = 2.0 ** -24
-  t = static_dim(na, 1)
-  if widths is None or t is None or not isinstance(length, int):
+  if widths is None or terms is None or not isinstance(length, int):
     gamma = 1.25 * (length + 1) * u
   else:
-    gamma = length * u * (1.0 + 2.0 * (length + widths + 2 * t + 16) * u)
-  s = reduce_sum(na * nb, 1)
+    gamma = length * u * (1.0 + 2.0 * (length + widths + 2 * terms + 16) * u)
   return tf.square(tf.sqrt(tf.maximum(sq, scalar(0.0))) + scalar(gamma) * s)
+
+
+def bias_sqr_norm(dz, bias_shape, rows=None, sum_from_db=False):
+  """The per-record gradient db of a bias broadcast onto dz (`bias_grad`) and its squared
+  norm, an upper bound covering the float32 rounding of the record's terms where the
+  clipped sum is not formed from this db.
+
+  db_r = sum of dz_t over the record's terms t (its k examples and the axes the bias is
+  broadcast along), the vectors dz_t over the bias's entries. Where these nearly cancel
+  (two positions under a frozen head w and -w), the float32 db is mostly rounding, and a
+  clipped sum formed another way (c dz reduced over the batch, a vector-Jacobian product)
+  rounds differently: one record then moves it by more than C. The bound is
+  `with_sum_rounding`'s with a_t = 1 (Higham, "Accuracy and Stability of Numerical
+  Algorithms", 2nd ed., Secs. 3.1 and 4.2): (||db~|| + gamma_L S)^2, S = sum_t ||dz_t||,
+  L = P + R + 1 (P the record's terms, R the clipped sum's rows per entry). With one term
+  per record (P = 1: no sum, e.g. a Dense bias on [B, N] in records of one example) or with
+  `sum_from_db`, sqr_sum(db): the norm is exact to a relative rounding.
+
+  Args:
+    dz: [B, ...] the gradient at the biased output (any float dtype).
+    bias_shape: the bias's shape (right-aligned on dz).
+    rows: R, the rows the clipped sum's reduction adds per entry (a Python int or a float32
+      scalar); None: the batch's, B times the broadcast axes' sizes.
+    sum_from_db: the caller forms the clipped sum from the db returned.
+
+  Returns:
+    (sq [B / k] float32, db [B / k, ...] float32).
+  """
+  db = bias_grad(dz, bias_shape)
+  sq = sqr_sum(db)
+  rank = dz.shape.rank
+  axes = bias_axes(rank, bias_shape)
+  sizes = [static_dim(dz, a) for a in axes]
+  k = registry.RECORDS.k
+  per_example = None if None in sizes else int(np.prod(sizes, dtype=np.int64))
+  if sum_from_db or (per_example == 1 and isinstance(k, int) and k == 1):
+    return sq, db
+  entries = [a for a in range(1, rank) if a not in axes]
+
+  def term_norms(d):
+    d = tf.cast(d, tf.float32)
+    n = tf.sqrt(reduce_sum(tf.square(d), entries)) if entries else tf.abs(d)
+    return reduce_sum(n, list(range(1, n.shape.rank))) if n.shape.rank > 1 else n
+
+  s = registry.record_sum(once_per_graph(("bias_term_norms", tuple(entries)), dz, term_norms))
+  if per_example is None:
+    per_example = tf.cast(tf.reduce_prod(tf.gather(tf.shape(dz), axes)), tf.float32)
+  if rows is None:
+    rows = static_or_shape(dz, 0) * per_example
+  terms = per_example * (k if isinstance(k, int) else tf.cast(k, tf.float32))
+  width = int(np.prod([dz.shape[a] for a in entries])) if all(
+      dz.shape[a] is not None for a in entries) else None
+  return (with_terms_rounding(sq, s, terms + rows + 1, None if width is None else width + 1,
+                              terms if isinstance(terms, int) else None), db)
 
 
 def gram_sqr_norm(a, b, with_one=False):

@@ -105,7 +105,7 @@ def _with_sum_rounding(sq, dy, xhat, gamma, trained, red, rows):
   """Per-record squared norms sq [R] of the gradients of gamma and beta (sums over the
   positions, the axes `red`, of dy xhat and dy) raised to cover their float32 rounding, here
   and in the clipped sum (_sums: c dy formed first, then the products and the batch's sum):
-  algebra.with_sum_rounding with S the sum over the record's positions t of ||dy_t xhat_t||
+  algebra.with_terms_rounding with S the sum over the record's positions t of ||dy_t xhat_t||
   (gamma) and ||dy_t|| (beta), the norms of its terms. Where equal positions get nearly
   opposite output gradients the float32 norm is mostly rounding, and the sum's other rounding
   moved one record's contribution to 1.10 C.
@@ -129,11 +129,11 @@ def _with_sum_rounding(sq, dy, xhat, gamma, trained, red, rows):
     n = tf.sqrt(algebra.reduce_sum(tf.square(t), axes))
     norms = n if norms is None else norms + n
   s = registry.record_sum(algebra.reduce_sum(norms, list(range(1, norms.shape.rank)))
-                          if norms.shape.rank > 1 else norms)[:, None]
+                          if norms.shape.rank > 1 else norms)
   k = registry.current_examples_per_record()
   positions = (int(np.prod([dy.shape[a] for a in red])) if red else 1) * (
       k if isinstance(k, int) else tf.cast(k, tf.float32))
-  return algebra.with_sum_rounding(sq, s, tf.ones_like(s), positions + rows + 1)
+  return algebra.with_terms_rounding(sq, s, positions + rows + 1)
 
 
 def _unpack(layer, trained, entries, flat):

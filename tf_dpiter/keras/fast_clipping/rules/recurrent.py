@@ -158,26 +158,6 @@ def _parts(cell, x, aux, g):
           (cell.bias, None, bias)]
 
 
-def _bias_sqr_norm(b, rows):
-  """Per-record ||sum_t b_t||^2 of a bias's gradients b [B, T, n] at the steps, raised to
-  cover their float32 rounding here and in the clipped sum (`_sums`: c b summed over the
-  batch's `rows` steps): algebra.with_sum_rounding with S = sum_t ||b_t|| (steps whose
-  gradients nearly cancel made the float32 norm mostly rounding: one record moved the sum by
-  1.06 C under XLA).
-
-  Args:
-    b: [B, T, n] float32.
-    rows: the clipped sum's rows, B T (a Python int or a float32 scalar).
-
-  Returns:
-    [B / k] float32.
-  """
-  sq = algebra.sqr_sum(registry.record_sum(tf.reduce_sum(b, axis=1)))
-  nb = algebra.position_norms(algebra.regroup_btk(b))
-  return algebra.with_sum_rounding(sq, nb, tf.ones_like(nb),
-                                   algebra.static_or_shape(nb, 1) + rows + 1)
-
-
 def _sqr_norms(parts, rows):
   """Per-record squared norms of the trainable variables' gradients (`_parts`), upper bounds
   covering the rounding of the clipped sum's products over `rows` = B T rows (the whole
@@ -189,7 +169,9 @@ def _sqr_norms(parts, rows):
     if pairs is not None:   # several pairs: GRU without reset_after, U = [U_zr | U_h]
       terms = [algebra.factored_sqr_norm(a, b, sum_rows=rows)[0] for a, b in pairs]
     else:
-      terms = [_bias_sqr_norm(b, rows) for b in bias]
+      # sum_t b_t per record; the clipped sum adds c b over the batch's rows (_sums): the
+      # bias's norm raised to cover its terms' rounding (1.06 C under XLA without)
+      terms = [algebra.bias_sqr_norm(b, b.shape[-1:], rows)[0] for b in bias]
     for t in terms:
       sq = t if sq is None else sq + t
   return sq
