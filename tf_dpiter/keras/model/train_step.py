@@ -43,14 +43,10 @@ from tf_dpiter.keras.optimizer import routing
 class _TraceFacts:
   """What the step reads of a model's structure and compile, once per train function.
 
-  Final. Every field follows from the model's layers, its compile (loss, metrics, optimizer
-  object) and its compute dtype, all fixed for one traced train function; `key` holds those
-  objects, and `TrainStepMixin._dp_trace_facts` rebuilds the facts when one of them is no
-  longer the same object (a new compile, another optimizer, a dtype change, a model made
-  unbuilt by adding a layer) and when the train function is rebuilt. Nothing here depends
-  on the data, the clip, the query, the noise or the sampling: those are read every step.
-  The layers' `trainable` flags are read every step too (`batch_norms` lists the
-  BatchNormalization layers; whether one of them trains is checked per step).
+  Final. Every field follows from the objects in `key` (`_facts_key`: optimizer, compiled
+  loss and metrics, compute dtype, built); `TrainStepMixin._dp_trace_facts` rebuilds the
+  facts when one of them changes or the train function is rebuilt. The data, clip, query,
+  noise, sampling and the layers' `trainable` flags are read every step.
   """
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
@@ -325,41 +321,26 @@ class TrainStepMixin:
     self._dp_facts = _TraceFacts(self, key)
     return self._dp_facts
 
-  def _dp_call(self, x):
+  def _dp_built_facts(self, x):
+    """The trace facts; a model with an unbuilt (e.g. subclassed) layer is first built by one
+    forward pass on `x` (the per-record gradients need its variables)."""
     facts = self._dp_trace_facts()
-    if facts.training_arg if facts is not None else keras_internals.call_has_training_arg(self):
-      return self(x, training=True)
-    return self(x)
+    if facts is None:
+      _ = self(x, training=True) if keras_internals.call_has_training_arg(self) else self(x)
+      facts = self._dp_trace_facts()
+    return facts
 
-  def _dp_inference(self, x):
-    return self(x, training=False) if keras_internals.call_has_training_arg(self) else self(x)
-
-  def _dp_clipped_sum_step(self, x, y, sample_weight, params=None, global_state=None,
+  def _dp_clipped_sum_step(self, x, y, sample_weight, params, global_state=None,
                            outputs=True):
     """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
     with global_state, (noised average, events) in place of the sample state.
 
-    params: the query's sample params, read by the caller (so that an XLA-compiled step
-    reads no variable of the query's state; None: read here) and passed down to the clipping.
-    global_state: the query's global state (PrivateStep.global_state) to draw the noise here
-    with the query's own `get_noised_result`, or None (no noise here). outputs: False returns None for y_pred
-    (`_TraceFacts.wants_outputs`)."""
-    facts = self._dp_trace_facts()
-    if facts is None:   # called before any step on a model with an unbuilt layer: build it
-      self._dp_call(x)
-      facts = self._dp_trace_facts()
+    params: the query's sample params, read by the caller (an XLA-compiled step reads no
+    variable of the query's state). global_state: the query's global state to draw the noise
+    here with the query's own `get_noised_result`, or None (no noise here). outputs: False
+    returns None for y_pred (`_TraceFacts.wants_outputs`)."""
+    facts = self._dp_built_facts(x)
     step = facts.optimizer.private_step
-    if params is None:
-      params = step.sample_params()
-    state, loss_sum, num_records, y_pred = self._dp_clipped_sum_body(
-        step, facts, x, y, sample_weight, params, outputs)
-    if global_state is not None:
-      state = step.compiled_noised_average(state, num_records, global_state,
-                                           scaled=step.folds_denominator)
-    return state, loss_sum, num_records, y_pred
-
-  def _dp_clipped_sum_body(self, step, facts, x, y, sample_weight, params, outputs=True):
-    """_dp_clipped_sum_step with the sample params `params` given."""
     b_static = grads_lib.static_batch_size(x)
     b = grads_lib.dynamic_batch_size(x)
     m = step.record_microbatches   # None: one example per record (also M == batch size)
@@ -375,8 +356,9 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
+    num_records = tf.reduce_sum(rmask)
     # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
-    scale = step.sum_scale(tf.reduce_sum(rmask)) if step.folds_denominator else None
+    scale = step.sum_scale(num_records) if step.folds_denominator else None
     # the routing checks and the fast clipped sum plan the model's layers once per train
     # function (again when its trainable variables change), and the routing leaves the
     # unrecorded-use check to the fast sum's own forward pass; with clipping="vectorized"
@@ -400,13 +382,16 @@ class TrainStepMixin:
     if not outputs:
       y_pred = None
     elif records_out is None:
-      y_pred = self._dp_inference(x)
+      y_pred = self(x, training=False) if facts.training_arg else self(x)
     else:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
-    return state, loss_sum, tf.reduce_sum(rmask), y_pred
+    if global_state is not None:
+      state = step.compiled_noised_average(state, num_records, global_state,
+                                           scaled=step.folds_denominator)
+    return state, loss_sum, num_records, y_pred
 
   def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables, params,
-                         sum_scale=None):
+                         sum_scale):
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
@@ -422,7 +407,7 @@ class TrainStepMixin:
                            vectorize=facts.vectorize, loss_scale=scale, params=params,
                            sum_scale=sum_scale)
 
-  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale=None):
+  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
@@ -522,12 +507,7 @@ class TrainStepMixin:
     """
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    facts = self._dp_trace_facts()
-    if facts is None:
-      # Keras builds an unbuilt (e.g. subclassed) model on the first trace of the train
-      # function; the per-record gradients need its variables first: one forward pass.
-      self._dp_call(x)
-      facts = self._dp_trace_facts()
+    facts = self._dp_built_facts(x)
     if facts.loss_unbuilt:   # its per-output trackers do not exist yet: build it first
       output_losses.build(self, data)
       self._dp_facts = None
