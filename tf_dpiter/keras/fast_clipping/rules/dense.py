@@ -192,7 +192,8 @@ def _shaped(t, v):
 def bias_and_parts(layer, z, parts_fn, bias_on=None):
   """Adds bias and activation to z; the norm function sums the kernel side's parts and the
   bias's ||grad b_i||^2 (grad b_i: dz summed over the axes the bias is broadcast along,
-  `algebra.bias_grad`).
+  `algebra.bias_sqr_norm`: an upper bound covering its terms' rounding unless every
+  per-record gradient is kept, the clipped sum then formed from this grad b_i).
 
   Shared by the plain Dense/EinsumDense rules (one part: W) and their LoRA rules (W0, A, B).
 
@@ -217,8 +218,11 @@ def bias_and_parts(layer, z, parts_fn, bias_on=None):
       if g is not None:
         grads[vid] = g
     if bias_on:
-      db = algebra.bias_grad(dz, layer.bias.shape)
-      sq = algebra.add_norms(sq, algebra.sqr_sum(db))
+      # the clipped sum is formed from db only where every gradient is kept (PerExampleGrads);
+      # else by another reduction of c dz: the norm then covers its terms' rounding
+      kept = all(id(v) in grads for v in layer.trainable_variables if v is not layer.bias)
+      sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape, sum_from_db=kept)
+      sq = algebra.add_norms(sq, sq_b)
       grads[id(layer.bias)] = db
     return algebra.result(layer, algebra.zeros(dz) if sq is None else sq, grads)
 
@@ -378,7 +382,10 @@ def _einsum_kernel_norms(equation, x, dz, p):
   """Per-record squared norms of an EinsumDense kernel's gradient, by the per-example
   einsum "in,out->b ker" over chunks of the batch (rules/budget.py), and the per-record
   gradients where they are kept (budget.keep_choice; registry.keep_per_example without a
-  budget).
+  budget). Where they are not, the clipped sum (_einsum_sums) rounds the record's terms
+  another way and the norms are upper bounds covering both roundings
+  (algebra.with_terms_rounding with S = ||sum |x| |dz|||_F per record, one more einsum: one
+  record whose terms cancelled across its examples moved the sum by 17.8 C).
 
   Args:
     equation: (input, kernel, output) subscripts.
@@ -401,12 +408,23 @@ def _einsum_kernel_norms(equation, x, dz, p):
        if -1 not in (size(x), size(dz)) else None)
   rec = m // k if m is not None else None
 
+  per_example = _einsum_terms(equation, x, dz)
+  rows = algebra.static_or_shape(x, 0) * per_example   # of the clipped sum (_einsum_sums)
+  terms = per_example * (k if isinstance(k, int) else tf.cast(k, tf.float32))
+
   def pass_of(with_g):
     def body(xc, dc):
-      g = algebra.reshape(
-          registry.record_sum(tf.einsum(f"{inp},{out}->{inp[0]}{ker}", xc, dc)), [-1, p])
+      per_example_grad = f"{inp},{out}->{inp[0]}{ker}"
+      g = algebra.reshape(registry.record_sum(tf.einsum(per_example_grad, xc, dc)), [-1, p])
       sq = algebra.reduce_sum(tf.square(g), 1)
-      return (sq, g) if with_g else (sq,)
+      if with_g:   # the clipped sum from this g: no bound
+        return sq, g
+      # the sum by _einsum_sums rounds the record's terms another way: the norm raised by
+      # gamma_L ||sum |x| |dz|||_F (algebra.with_sum_rounding's bound, its S the Frobenius
+      # norm of the entrywise bound itself), L = k P + B P + 1 (P terms per entry per example)
+      bound = registry.record_sum(tf.einsum(per_example_grad, tf.abs(xc), tf.abs(dc)))
+      s = tf.sqrt(algebra.sqr_sum(bound))
+      return (algebra.with_terms_rounding(sq, s, terms + rows + 1),)
 
     specs = [tf.TensorSpec([rec], tf.float32)] + (
         [tf.TensorSpec([rec, p], tf.float32)] if with_g else [])
@@ -417,6 +435,21 @@ def _einsum_kernel_norms(equation, x, dz, p):
                          lambda: (pass_of(False)[0], None if keep is False else
                                   tf.zeros([0, p], tf.float32)))
   return sq, keep, None if keep is False else g
+
+
+def _einsum_terms(equation, x, dz):
+  """The products an entry of the per-example kernel gradient einsum("in,out->b ker") sums:
+  the product of the sizes of the indices it contracts (neither the batch's nor the
+  kernel's); a Python int where the trace knows them, else a float32 scalar tensor."""
+  inp, ker, out = equation
+  sizes = []
+  for c in sorted((set(inp) | set(out)) - set(ker) - {inp[0]}):
+    src, axis = (x, inp.index(c)) if c in inp else (dz, out.index(c))
+    sizes.append(algebra.static_or_shape(src, axis))
+  total = 1
+  for d in sizes:
+    total = total * d
+  return total
 
 
 def _einsum_norms(layer, equation, x, dz):
@@ -440,9 +473,11 @@ def _einsum_norms(layer, equation, x, dz):
   p = int(np.prod(layer.kernel.shape))
   sq, keep, g = (_einsum_kernel_norms(equation, x, dz, p) if kernel_on else
                  (None, False, None))
-  db = algebra.bias_grad(dz, layer.bias.shape) if bias_on else None
-  if bias_on:
-    sq = algebra.add_norms(sq, algebra.sqr_sum(db))
+  db = None
+  if bias_on:   # the sum from this db where the kernel's g is kept or the kernel frozen
+    sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape,
+                                     sum_from_db=keep is True or not kernel_on)
+    sq = algebra.add_norms(sq, sq_b)
   if sq is None:
     sq = algebra.zeros(dz)
   if keep is True or not kernel_on:

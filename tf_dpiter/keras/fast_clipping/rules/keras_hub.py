@@ -10,7 +10,8 @@ same `call` (rules/reversible_embedding.py serves both). PositionEmbedding:
       (or P[positions] for explicit positions [T] or [B, T]); the output does
       not depend on x's values. With dz the gradient at the output, summed over
       any axes between the batch and the sequence axis, the per-example gradient
-      of P puts dz_t on row start + t, so ||grad P_i||^2 = ||dz_i||^2; with
+      of P puts dz_t on row start + t, so ||grad P_i||^2 = ||dz_i||^2 (raised to cover
+      the rounding of a row's terms where a record has several: algebra.bias_sqr_norm); with
       explicit positions it is the lookup-table norm of rules/tables.py
       (repeated positions add up).
 """
@@ -58,9 +59,13 @@ def position_embedding_norm_fn(layer, inputs, start_index=0, positions=None):
   def sqr_norm_fn(dz):
     if not algebra.trainable(layer.position_embeddings):
       return algebra.zeros(dz)
+    if ids is None:
+      # distinct rows: row t's gradient sum_m dz_{m,t} over the record's k examples and the
+      # axes between the batch and the sequence axis, a bias of shape [T, D] broadcast onto
+      # dz; the clipped sum is the tape's reduction of c dz, so the norm covers the rounding
+      # of the record's terms (algebra.bias_sqr_norm; exact with one term per row)
+      return algebra.bias_sqr_norm(dz, dz.shape[-2:])[0]
     d = _summed_to_btd(dz)
-    if ids is None:   # distinct rows: each position's gradient on its own row
-      return algebra.sqr_sum(registry.record_sum(d))
     flat = tf.broadcast_to(tf.cast(ids, tf.int32), tf.shape(d)[:2])
     return tables.same_id_sqr_norm(flat, d)
 
