@@ -26,24 +26,15 @@ from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
-__all__ = ["message", "check_number", "is_integer", "check_integer", "check_optional_integer",
-           "check_nonnegative", "check_positive", "check_probability", "check_delta",
-           "check_instance", "check_one_of", "check_clip_norm", "check_noise_multiplier",
-           "Constraint", "Interval", "Integer", "Finite", "OneOf", "InstanceOf", "Callable",
-           "Optional", "Required", "check_params", "validates", "ENTRY_POINTS"]
+__all__ = ["message", "check_number", "is_integer", "check_integer", "check_nonnegative",
+           "check_positive", "check_probability", "check_delta", "check_instance",
+           "check_one_of", "check_clip_norm", "Constraint", "Interval", "Integer", "OneOf",
+           "InstanceOf", "Callable", "Optional", "Required", "check_params", "validates",
+           "ENTRY_POINTS"]
 
 
 def message(name, requirement, value):
-  """The Keras-style message "`name` must be requirement. Received: name=value".
-
-  Args:
-    name: the parameter's name.
-    requirement: what it must be, e.g. "a number > 0".
-    value: the value received.
-
-  Returns:
-    str.
-  """
+  """The Keras-style message "`name` must be requirement. Received: name=value" (a str)."""
   return f"`{name}` must be {requirement}. Received: {name}={value!r}"
 
 
@@ -53,135 +44,67 @@ def _is_tensor(x):
   return tf is not None and (tf.is_tensor(x) or isinstance(x, tf.Variable))
 
 
-def _is_python_number(x):
-  """True for a Python or numpy real number that is not a bool."""
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+def is_integer(value):
+  """True for a Python or numpy integer that is not a bool."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def check_number(name, value):
-  """Checks that `value` is a number (not a str, bytes or bool), whatever its range.
-
-  Args:
-    name: the parameter's name, for the message.
-    value: the argument.
-
-  Returns:
-    float(value).
+  """float(value) for a number of any range (not a str, bytes or bool).
 
   Raises:
-    ParameterTypeError: `value` is not a number (a TypeError).
+    ParameterTypeError: `value` is not a number.
   """
   if isinstance(value, (str, bytes, bool)) or not _floats(value):   # float("1") would pass
     raise ParameterTypeError(message(name, "a number", value))
   return float(value)
 
 
-def is_integer(value):
-  """True for a Python or numpy integer that is not a bool.
-
-  Args:
-    value: any object.
-
-  Returns:
-    bool.
-  """
-  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
+# The checks below are `check_params` with one constraint: `name` is the parameter's name
+# (for the message), `value` the argument; a tensor passes through unchecked where a number
+# is asked for. A wrong type raises ParameterTypeError, a value out of range `error`.
 
 def check_integer(name, value, minimum=None, maximum=None, error=ParameterValueError):
-  """Checks that `value` is an integer (not a bool) in [minimum, maximum], with one message
-  for both failures.
-
-  Args:
-    name: the parameter's name, for the message.
-    value: the argument.
-    minimum: inclusive lower bound, or None.
-    maximum: inclusive upper bound, or None.
-    error: the ValueError subclass raised for an integer out of range.
-
-  Returns:
-    int(value).
+  """int(value) for an integer (not a bool) in [minimum, maximum] (None: unbounded).
 
   Raises:
-    ParameterTypeError: `value` is not an integer (a TypeError).
-    error: `value` is out of range.
+    ParameterTypeError: not an integer.
+    error: out of range.
   """
   check_params({name: Integer(minimum, maximum, error)}, {name: value})
   return int(value)
 
 
-def check_optional_integer(name, value, minimum=1, error=ParameterValueError):
-  """`check_integer(name, value, minimum)`, or None passed through (e.g. num_microbatches).
-
-  Args:
-    name: the parameter's name; value: None or the argument; minimum: inclusive lower bound;
-    error: raised for an integer below `minimum`.
-
-  Returns:
-    None or int(value).
-
-  Raises:
-    ParameterTypeError: `value` is neither None nor an integer.
-    error: `value` < minimum.
-  """
-  check_params({name: Optional(Integer(minimum, None, error))}, {name: value})
-  return None if value is None else int(value)
-
-
 def check_nonnegative(name, value, allow_inf=True, error=PrivacyConfigError):
-  """Checks that `value` is a number >= 0 (finite unless `allow_inf`).
-
-  Args:
-    name: the parameter's name, for the message.
-    value: a Python or numpy number, or a tensor (passed through unchecked).
-    allow_inf: whether +inf is accepted.
-    error: the ValueError subclass raised for a value out of range.
-
-  Returns:
-    `value` (a float when it was not a Python number, the tensor itself for a tensor).
+  """`value` for a number >= 0 (finite unless `allow_inf`); a float when it was not a Python
+  number.
 
   Raises:
-    ParameterTypeError: `value` is not a number.
+    ParameterTypeError: not a number.
     error: NaN, negative, or +inf when not allowed.
   """
   check_params({name: Interval(float, 0, None, "left", allow_inf, error)}, {name: value})
-  return value if _is_python_number(value) or _is_tensor(value) else float(value)
+  plain = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  return value if plain or _is_tensor(value) else float(value)
 
 
 def check_positive(name, value, allow_inf=False, error=PrivacyConfigError):
-  """Checks that `value` is a number > 0 (finite unless `allow_inf`).
-
-  Args:
-    name: the parameter's name, for the message.
-    value: a Python or numpy number, or a tensor (passed through unchecked).
-    allow_inf: whether +inf is accepted.
-    error: the ValueError subclass raised for a value out of range.
-
-  Returns:
-    `value`.
+  """`value` for a number > 0 (finite unless `allow_inf`).
 
   Raises:
-    ParameterTypeError: `value` is not a number.
-    error: `value` is NaN, <= 0, or +inf when not allowed.
+    ParameterTypeError: not a number.
+    error: NaN, <= 0, or +inf when not allowed.
   """
   check_params({name: Interval(float, 0, None, "neither", allow_inf, error)}, {name: value})
   return value
 
 
 def check_probability(name, value, allow_zero=False):
-  """Checks a probability q in (0, 1] (or [0, 1] when `allow_zero`).
-
-  Args:
-    name: the parameter's name, for the message.
-    value: a number, or a tensor (passed through unchecked).
-    allow_zero: whether q = 0 is accepted.
-
-  Returns:
-    q as a float (a tensor passes through unchecked).
+  """float(value) for a probability in (0, 1] ([0, 1] when `allow_zero`).
 
   Raises:
-    ParameterTypeError: `value` is not a number.
-    PrivacyConfigError: `value` is outside the interval.
+    ParameterTypeError: not a number.
+    PrivacyConfigError: outside the interval.
   """
   check_params({name: Interval(float, 0, 1, "both" if allow_zero else "right")},
                {name: value})
@@ -189,35 +112,21 @@ def check_probability(name, value, allow_zero=False):
 
 
 def check_delta(name, value):
-  """Checks delta in the open interval (0, 1).
-
-  Args:
-    name: the parameter's name, for the message.
-    value: a number.
-
-  Returns:
-    delta as a float.
+  """float(value) for a delta in the open interval (0, 1).
 
   Raises:
-    ParameterTypeError: `value` is not a number.
-    PrivacyConfigError: `value` is outside (0, 1).
+    ParameterTypeError: not a number.
+    PrivacyConfigError: outside (0, 1).
   """
   check_params({name: Interval(float, 0, 1, "neither")}, {name: value})
   return float(value)
 
 
 def check_instance(name, value, types, expected):
-  """Checks `isinstance(value, types)`.
-
-  Args:
-    name: the parameter's name; value: the argument; types: a type or tuple of types;
-    expected: how the message describes the expected type (e.g. "a DPQuery").
-
-  Returns:
-    `value`.
+  """`value` when `isinstance(value, types)`; `expected` names the type in the message.
 
   Raises:
-    ParameterTypeError: `value` is not an instance of `types`.
+    ParameterTypeError: not an instance of `types`.
   """
   if not isinstance(value, types):
     raise ParameterTypeError(message(name, f"{expected} (got a {type(value).__name__})", value))
@@ -225,52 +134,21 @@ def check_instance(name, value, types, expected):
 
 
 def check_one_of(name, value, choices, error=ParameterValueError):
-  """Checks that `value` is one of `choices`.
-
-  Args:
-    name: the parameter's name; value: the argument; choices: a tuple of accepted values;
-    error: the ValueError subclass raised otherwise.
-
-  Returns:
-    `value`.
+  """`value` when it is one of `choices` (a tuple).
 
   Raises:
-    error: `value` is not in `choices`.
+    error: not in `choices`.
   """
   check_params({name: OneOf(tuple(choices), error)}, {name: value})
   return value
 
 
-def check_noise_multiplier(name, value):
-  """Checks a noise multiplier z: a finite number >= 0 (0: no noise, not private).
-
-  Args:
-    name: the parameter's name; value: a number or a tensor (passed through unchecked).
-
-  Returns:
-    `value`.
-
-  Raises:
-    ParameterTypeError: `value` is not a number.
-    PrivacyConfigError: z < 0, NaN or infinite.
-  """
-  return check_nonnegative(name, value, allow_inf=False)
-
-
 def check_clip_norm(name, value, noise_multiplier=None):
-  """Checks a clip norm S: a number > 0; +inf (no clipping) only without noise (module
-  docstring: why S = 0 is refused).
-
-  Args:
-    name: the parameter's name, for the message.
-    value: S, a number or a tensor (passed through unchecked).
-    noise_multiplier: z when known, to refuse S = +inf with z > 0; None skips that check.
-
-  Returns:
-    `value`.
+  """`value` for a clip norm S > 0; +inf (no clipping) only without noise (module docstring:
+  why S = 0 is refused). `noise_multiplier`: z when known, else None (S = +inf not checked).
 
   Raises:
-    ParameterTypeError: `value` is not a number.
+    ParameterTypeError: not a number.
     PrivacyConfigError: S <= 0 or NaN, or S = +inf with z > 0.
   """
   if _is_tensor(value):
@@ -429,18 +307,6 @@ def Integer(min=None, max=None, error=ParameterValueError):   # pylint: disable=
     an Interval.
   """
   return Interval(int, min, max, error=error)
-
-
-def Finite(error=PrivacyConfigError):   # pylint: disable=invalid-name
-  """Any finite number (not NaN, not +-inf): `Interval(float, None, None, error=error)`.
-
-  Args:
-    error: the class raised for NaN or an infinity.
-
-  Returns:
-    an Interval.
-  """
-  return Interval(float, None, None, error=error)
 
 
 class OneOf(Constraint):

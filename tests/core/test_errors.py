@@ -99,7 +99,8 @@ def test_family_is_value_and_type_error_compatible():
      r"^`k` must be an int >= 1\. Received: k=0$"),
     (lambda: validation.check_integer("k", True, 1), errors.ParameterTypeError,
      r"^`k` must be an int >= 1\. Received: k=True$"),
-    (lambda: validation.check_optional_integer("m", 1.5), errors.ParameterTypeError,
+    (lambda: validation.check_params({"m": validation.Optional(validation.Integer(1))},
+                                     {"m": 1.5}), errors.ParameterTypeError,
      r"^`m` must be None or an int >= 1\. Received: m=1\.5$"),
     (lambda: validation.check_probability("q", 1.5), errors.PrivacyConfigError,
      r"^`q` must be a number in \(0, 1\]\. Received: q=1\.5$"),
@@ -121,7 +122,6 @@ def test_checks_give_keras_style_messages(call, cls, match):
 def test_checks_accept_their_domain():
   assert validation.check_positive("x", 2) == 2
   assert validation.check_integer("k", 3, 1) == 3
-  assert validation.check_optional_integer("m", None) is None
   assert validation.check_probability("q", 1) == 1.0
   assert validation.check_clip_norm("S", math.inf, noise_multiplier=0.0) == math.inf
   assert validation.check_clip_norm("S", 0.5, noise_multiplier=3.0) == 0.5

@@ -128,7 +128,7 @@ def test_check_params_one_message_and_classes():
            "k": validation.Optional(validation.Integer(min=1, max=3)),
            "mode": validation.OneOf(("a", "b")),
            "f": validation.Callable(),
-           "z": validation.Finite()}
+           "z": validation.Interval(float, None, None)}
   validation.check_params(table, {"q": 1.0, "k": None, "mode": "a", "f": len, "z": -2.0})
   with pytest.raises(PrivacyConfigError, match=r"^`q` must be a number in \(0, 1\]\. "
                      r"Received: q=0$"):

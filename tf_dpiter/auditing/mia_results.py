@@ -221,7 +221,8 @@ class PrivacyReportMetadata:
 
   def __post_init__(self):
     validation.check_instance("model_variant_label", self.model_variant_label, str, "a str")
-    validation.check_optional_integer("epoch_num", self.epoch_num, minimum=0)
+    validation.check_params({"epoch_num": validation.Optional(validation.Integer(0))},
+                            {"epoch_num": self.epoch_num})
     for name in ("accuracy_train", "accuracy_test", "loss_train", "loss_test"):
       if getattr(self, name) is not None:
         validation.check_number(name, getattr(self, name))

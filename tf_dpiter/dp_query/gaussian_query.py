@@ -42,7 +42,7 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
   """
   z, clip = noise_multiplier, l2_norm_clip
   if validate:
-    z = validation.check_noise_multiplier("noise_multiplier", noise_multiplier)
+    z = validation.check_nonnegative("noise_multiplier", noise_multiplier, allow_inf=False)
     clip = validation.check_clip_norm("l2_norm_clip", l2_norm_clip,
                                       noise_multiplier=None if tf.is_tensor(z) else z)
   if tf.is_tensor(clip) or tf.is_tensor(z) or isinstance(clip, tf.Variable) or isinstance(
