@@ -114,8 +114,8 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
 
   Where the clipped sum is not formed from the g returned here, the direct form's norm is an
   upper bound that covers the rounding of the record's terms in g and in that sum
-  (`with_sum_rounding`); the Gram form's is an upper bound of the exact norm
-  (`gram_sqr_norm`); with one position per record (T = 1) no terms can cancel and the norm is
+  (`with_sum_rounding`); the Gram form's is an upper bound of the exact norm raised the same
+  way for the clipped sum's product (`gram_sqr_norm` with sum_rows); with one position per record (T = 1) no terms can cancel and the norm is
   exact to a relative rounding.
 
   Args:
@@ -145,7 +145,7 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
     else:
       form = "gram" if t * t * (k + n) < t * k * n + k * n else "direct"
   if form == "gram":
-    return gram_sqr_norm(a, b), None
+    return gram_sqr_norm(a, b, sum_rows=sum_rows), None
   g = tf.einsum("btk,btn->bkn", a, b)
   keep = keep or (k is not None and n is not None and
                   k * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES)
@@ -317,7 +317,7 @@ def bias_sqr_norm(dz, bias_shape, rows=None, sum_from_db=False):
                               terms if isinstance(terms, int) else None), db)
 
 
-def gram_sqr_norm(a, b, with_one=False):
+def gram_sqr_norm(a, b, with_one=False, sum_rows=None):
   """sum_{t,s} <a_t, a_s><b_t, b_s> for a: [B, T, K], b: [B, T, N] (float32).
 
   with_one: a stands for [a, 1], a last input of ones whose weight is a Dense layer's bias
@@ -346,6 +346,10 @@ def gram_sqr_norm(a, b, with_one=False):
     a: [B, T, K] layer inputs.
     b: [B, T, N] output gradients.
     with_one: a Python bool, see above.
+    sum_rows: R, the rows of the product that forms the clipped sum (a Python int or a
+      float32 scalar tensor): the bound is then raised to cover that product's rounding of
+      the record's terms too (`with_sum_rounding` with L = R + 1, ||a_t||, ||b_t|| from the
+      Grams' diagonals); None: the bound of the exact norm alone.
 
   Returns:
     [B] float32 upper bounds of the squared per-example gradient norms ||a^T b||_F^2 (of
@@ -358,8 +362,14 @@ def gram_sqr_norm(a, b, with_one=False):
     ga = once_per_graph("gram_of_ones_column", ga, lambda g: g + 1.0)
   gb = tf.einsum("btn,bsn->bts", b, b)
   # the rounding bound's per-position norms: the Gram matrices' diagonals
-  return bounded_gram_contraction(ga, gb, gram_diagonal_norms(ga), gram_diagonal_norms(gb),
-                                  int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2))
+  na, nb = gram_diagonal_norms(ga), gram_diagonal_norms(gb)
+  k, n = int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2)
+  sq = bounded_gram_contraction(ga, gb, na, nb, k, n)
+  if sum_rows is None:
+    return sq
+  # the clipped sum's product rounds the record's terms too (c a_t b_t^T over its rows)
+  return with_sum_rounding(sq, na, nb, sum_rows + 1,
+                           k + n if isinstance(k, int) and isinstance(n, int) else None)
 
 
 def static_or_shape(x, axis):

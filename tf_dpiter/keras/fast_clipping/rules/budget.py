@@ -406,7 +406,7 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False, sum_rows=None):
     def body(ac, bc):
       bc = algebra.regroup_btk(bc)
       if form == "gram":   # the ones column in the Gram matrix: no copy of a (gram_sqr_norm)
-        return (algebra.gram_sqr_norm(algebra.regroup_btk(ac), bc, with_one),)
+        return (algebra.gram_sqr_norm(algebra.regroup_btk(ac), bc, with_one, sum_rows),)
       ar = algebra.regroup_btk(ac)
       g = algebra.reshape(tf.einsum("btk,btn->bkn", algebra.regroup_btk(one(ac)), bc),
                           [-1, kk * n])
