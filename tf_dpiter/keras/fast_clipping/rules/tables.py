@@ -28,7 +28,10 @@ def same_id_sqr_norm(ids, d):
     d: [B, T, K] gradients at the read positions.
 
   Returns:
-    [B/k] float32 upper bounds (exact to float32 rounding where no gradients cancel).
+    [B/k] float32 upper bounds (exact to float32 rounding where no gradients cancel) that
+    also cover the clipped sum's rounding of the record's terms (a scatter of c d over the
+    batch's B T reads; with one read per record, T = k = 1, the norm is exact to a relative
+    rounding and nothing can cancel).
   """
   d = tf.cast(d, tf.float32)
   k = registry.current_examples_per_record()
@@ -47,9 +50,14 @@ def same_id_sqr_norm(ids, d):
     # an upper bound: the float32 Gram of d cancels when equal ids get opposite gradients
     # (algebra.gram_sqr_norm); `same` is exact
     nd = tf.sqrt(tf.reduce_sum(tf.square(dc), 2))
-    return (algebra.bounded_gram_contraction(same, tf.einsum("btk,bsk->bts", dc, dc), nd, nd,
-                                             0, algebra.static_or_shape(dc, 2)),)
+    sq = algebra.bounded_gram_contraction(same, tf.einsum("btk,bsk->bts", dc, dc), nd, nd,
+                                          0, algebra.static_or_shape(dc, 2))
+    # the clipped sum (the scatter of c d_t onto the rows read, over the batch's B T reads)
+    # rounds the record's terms too: algebra.with_sum_rounding with a_t = e_{id_t}
+    return (algebra.with_sum_rounding(sq, nd, None, rows + 1,
+                                      None if kk is None else kk + 1),)
 
+  rows = algebra.batch_rows(d)
   rec = m // k if m is not None else None
   return budget.over_chunks(body, (ids, d), m, [tf.TensorSpec([rec], tf.float32)])[0]
 
