@@ -1,0 +1,99 @@
+"""Review: per-record norms under 16-bit dtype policies (mixed_float16, mixed_bfloat16) on
+cancelling records. The layers compute in 16 bits; the norms, clip factors and the clipped
+sum must be float32 (the rules' float32 recomputation of the watched tensor,
+registry.float32_watched): a norm taken of a 16-bit product, or a sum formed in 16 bits,
+would let a record whose positions' gradients nearly cancel move the clipped sum by far more
+than C (a 16-bit rounding is 2^-11 / 2^-8 relative).
+
+Constructions of test_layer_cancellation_review (one input vector at every position, one
+entry moved by delta; a frozen head w at position 0 and -w at position 1; |a| and the labels
+kept inside float16's range): Dense (the cost-chosen form, the Gram and direct forms forced,
+per-record gradients not kept), Conv2D, LayerNormalization, an Embedding read twice at one
+id. Each record alone moves the noise-off clipped sum by at most C (1 + 1e-3), graph and XLA.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+from tf_dpiter.keras.fast_clipping import registry
+
+from .test_gram_cancellation_review import _contributions
+from .test_layer_cancellation_review import _assert_within_c
+from .test_layer_cancellation_review import _frozen_head
+from .test_layer_cancellation_review import _no_kept
+
+L = keras.layers
+
+
+@pytest.fixture(params=["mixed_float16", "mixed_bfloat16"])
+def policy(request):
+  keras.config.set_dtype_policy(request.param)
+  yield request.param
+  keras.config.set_dtype_policy("float32")
+
+
+def _records(shape, count=12, seed=2, top=3):
+  """One vector a (|a| 1 .. 10^top) at every position, the first entry moved by delta
+  (1e-2 .. 1); labels 1e2 .. 1e4 (float16's range holds the outputs)."""
+  rng = np.random.RandomState(seed)
+  xs = []
+  for _ in range(count):
+    x = np.broadcast_to(rng.normal(size=shape[-1]) * 10.0 ** rng.uniform(0, top), shape).copy()
+    x.reshape(-1)[0] += 10.0 ** rng.uniform(-2, 0)
+    xs.append(x)
+  return (np.stack(xs).astype("float32"),
+          (10.0 ** rng.uniform(2, 4, (count, 1))).astype(np.float32))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("form", [None, "gram", "direct", "not_kept"])
+def test_dense(policy, form, jit, monkeypatch):
+  del policy
+  if form == "not_kept":
+    _no_kept(monkeypatch)
+  else:
+    monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((2, 16))
+  model, _ = _frozen_head(inp, L.Dense(16)(inp), 16, nearly=False)
+  x, y = _records((2, 16))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+def test_conv2d(policy, keep, jit, monkeypatch):
+  del policy
+  if not keep:
+    _no_kept(monkeypatch)
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((6, 6, 3))
+  model, _ = _frozen_head(inp, L.Conv2D(8, 3)(inp), 8, nearly=False)
+  x, y = _records((6, 6, 3))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+def test_layer_norm(policy, keep, jit, monkeypatch):
+  del policy
+  if not keep:
+    _no_kept(monkeypatch)
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((4, 16))
+  model, _ = _frozen_head(inp, L.LayerNormalization()(inp), 16, nearly=False)
+  x, y = _records((4, 16))
+  _assert_within_c(_contributions(model, x, y, jit))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_embedding_one_id_twice(policy, jit):
+  del policy
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((2,), dtype="int32")
+  model, _ = _frozen_head(inp, L.Embedding(10, 16)(inp), 16, nearly=False)
+  rng = np.random.RandomState(4)
+  x = np.full((10, 2), 3, np.int32)
+  y = (10.0 ** rng.uniform(2, 4, (10, 1))).astype(np.float32)
+  _assert_within_c(_contributions(model, x, y, jit))
