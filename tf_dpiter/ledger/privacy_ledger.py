@@ -149,19 +149,11 @@ class _Buffers:
            **{name: (tf.int64, []) for name in NAMES[2:]}}
 
   def __init__(self, cap, suffix=""):
-    self.samples = tf.Variable(tf.zeros([cap, len(SAMPLE_COLUMNS)], tf.float64),
-                               shape=tf.TensorShape([None, len(SAMPLE_COLUMNS)]),
-                               trainable=False, name="samples" + suffix)
-    self.queries = tf.Variable(tf.zeros([cap, len(QUERY_COLUMNS)], tf.float64),
-                               shape=tf.TensorShape([None, len(QUERY_COLUMNS)]),
-                               trainable=False, name="queries" + suffix)
-    self.sample_count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                    name="sample_count" + suffix)
-    self.query_count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                   name="query_count" + suffix)
-    self.passes = tf.Variable(0, dtype=tf.int64, trainable=False, name="passes" + suffix)
-    self.cycle_position = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                      name="cycle_position" + suffix)
+    for name in self.NAMES:   # row buffers of `cap` zero rows, int64 counters at 0
+      dtype, shape = self.SPECS[name]
+      initial = tf.zeros([cap, shape[1]], dtype) if shape else tf.constant(0, dtype)
+      setattr(self, name, tf.Variable(initial, shape=tf.TensorShape(shape), trainable=False,
+                                      name=name + suffix))
 
   @classmethod
   def of(cls, handles):
@@ -382,17 +374,10 @@ class PrivacyLedger(tf.Module):
     Returns:
       None.
     """
-    v, m = self._v, self._mirror
-    if (int(v.sample_count.numpy()) == int(m.sample_count.numpy())
-        and int(v.query_count.numpy()) == int(m.query_count.numpy())
-        and int(v.passes.numpy()) == int(m.passes.numpy())):
-      vs, vq = (t.numpy() for t in v.rows())
-      ms, mq = (t.numpy() for t in m.rows())
-      if np.array_equal(vs, ms) and np.array_equal(vq, mq):
-        return
-    restored = (*(t.numpy() for t in v.rows()), int(v.passes.numpy()))
-    mine = (*(t.numpy() for t in m.rows()), int(m.passes.numpy()))
-    self._write(*merged_arrays(mine, restored))
+    restored, mine = ((*(t.numpy() for t in b.rows()), int(b.passes.numpy()))
+                      for b in (self._v, self._mirror))
+    if not all(np.array_equal(a, b) for a, b in zip(restored, mine)):   # rows and passes
+      self._write(*merged_arrays(mine, restored))
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
