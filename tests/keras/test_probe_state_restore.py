@@ -1,5 +1,5 @@
-"""The training-mode probe (batch_independence.mixes_in_training_mode) restores the
-non-trainable variables its runs change (dropout's seed state) and leaves the others alone:
+"""The probes' state restore (batch_independence._state_restored) restores the
+non-trainable variables their runs change (dropout's seed state) and leaves the others alone:
 a frozen backbone's weights are neither copied nor assigned (a numpy copy of BERT-base's
 frozen weights under LoRA took 420 MB of the DP fit's peak memory)."""
 
@@ -7,7 +7,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import batch_independence as bi
+
+
+def _mixes_in_training_mode(model, x):
+  """Whether `model` run in training mode on `x` and on `x` with its last example replaced
+  (`_two_runs`: both from the same state, restored after) moves another example's output."""
+  flat, n = bi._at_graph_batch(bi._graph_nodes(model), [np.asarray(t) for t in tf.nest.flatten(x)])  # pylint: disable=protected-access
+  x1 = tf.nest.pack_sequence_as(x, flat)
+  x2 = tf.nest.pack_sequence_as(x, [bi._replace_last(t, 1) for t in flat])  # pylint: disable=protected-access
+  out1, out2 = bi._two_runs(model, x1, x2, True)  # pylint: disable=protected-access
+  return any(bi._rows_moved(np.asarray(a), np.asarray(b), n, 1e-6)  # pylint: disable=protected-access
+             for a, b in zip(tf.nest.flatten(out1), tf.nest.flatten(out2)))
 
 
 def test_probe_restores_changed_state_and_does_not_assign_frozen_weights():
@@ -23,7 +34,7 @@ def test_probe_restores_changed_state_and_does_not_assign_frozen_weights():
     original = v.assign
     v.assign = lambda value, _orig=original, _v=v: assigned.append(_v.path) or _orig(value)
   x = np.random.RandomState(0).randn(4, 5).astype("float32")
-  assert batch_independence.mixes_in_training_mode(model, x) is False
+  assert _mixes_in_training_mode(model, x) is False
   assert assigned == []
   after = [v.numpy() for v in model.non_trainable_variables]
   assert len(before) == len(after) and len(before) >= 3   # kernel, bias, the seed state
@@ -60,7 +71,7 @@ def test_probe_compares_only_the_variables_its_runs_wrote(monkeypatch):
   monkeypatch.setattr(tf, "equal",
                       lambda a, b, **kw: compared.append(tuple(a.shape)) or real_equal(a, b, **kw))
   x = np.random.RandomState(0).randn(4, 5).astype("float32")
-  assert batch_independence.mixes_in_training_mode(model, x) is False
+  assert _mixes_in_training_mode(model, x) is False
   assert (5, 6) not in compared and (6,) not in compared   # the frozen kernel and bias
   assert () in compared                                     # the counter
   after = [v.numpy() for v in model.non_trainable_variables]

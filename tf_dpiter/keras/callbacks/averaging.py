@@ -39,19 +39,12 @@ class _WeightAveraging(keras.callbacks.Callback):
   def _weights(self):
     return [w.value if hasattr(w, "value") else w for w in self.model.trainable_weights]
 
-  def _variables(self):
-    return list(self.model.trainable_weights)
-
-  def _ensure_built(self):
+  def _ensure_built(self):   # `_update`: one step of the average, each subclass' rule
     if self._avg is None:
       self._avg = [tf.Variable(tf.convert_to_tensor(w), trainable=False)
                    for w in self._weights()]
       self._count = tf.Variable(0, dtype=tf.int64, trainable=False)
       self._update_fn = tf.function(self._update)
-
-  def _update(self):
-    """One step of the average (traced once): each subclass' rule."""
-    raise NotImplementedError(f"{type(self).__name__} must define its averaging step")
 
   def on_train_begin(self, logs=None):
     if self._raw is not None:       # a previous fit ended with the average swapped in
@@ -74,14 +67,14 @@ class _WeightAveraging(keras.callbacks.Callback):
     if self._avg is None or self._raw is not None:
       return
     self._raw = [tf.identity(tf.convert_to_tensor(w)) for w in self._weights()]
-    for var, avg in zip(self._variables(), self._avg):
+    for var, avg in zip(self.model.trainable_weights, self._avg):
       var.assign(avg)
 
   def restore_raw(self):
     """Put the raw (last) iterate back into the model."""
     if self._raw is None:
       return
-    for var, raw in zip(self._variables(), self._raw):
+    for var, raw in zip(self.model.trainable_weights, self._raw):
       var.assign(raw)
     self._raw = None
 

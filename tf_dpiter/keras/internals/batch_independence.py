@@ -400,36 +400,6 @@ def probe_at_batch_size(model, input_specs, step=None):
   return verdict
 
 
-def mixes_in_training_mode(model, x):
-  """Whether `model` run in training mode makes one example's outputs depend on another.
-
-  The whole model is run eagerly, training=True, on `x` and on `x` with its last example
-  replaced; before each run and after both, every non-trainable variable (Keras'
-  seed-generator states, statistics) is restored (`_state_restored`), so dropout draws the
-  same masks and the model is left unchanged. (`probe_model` runs the layer-by-layer
-  `batch_mixing_layers(training=True)`, which sees this and names the layers.) Randomness outside the model's seed generators moves the other
-  rows too and is reported as mixing (when in doubt, the whole-batch paths are not used).
-
-  Args:
-    model: a built keras.Model.
-    x: a probe batch (a nest of arrays with at least 2 examples).
-
-  Returns:
-    bool: True if any output row of the examples other than the last moved.
-  """
-  flat, n = _at_graph_batch(_graph_nodes(model), [np.asarray(t) for t in tf.nest.flatten(x)])
-  x = tf.nest.pack_sequence_as(x, flat)
-  x2 = tf.nest.pack_sequence_as(x, [_replace_last(t, 1) for t in flat])
-  compute = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
-  atol = 1e-2 if compute in ("float16", "bfloat16") else 1e-6
-  outs = []
-  with _state_restored(model) as restore:
-    for batch in (x, x2):
-      restore()
-      outs.append(tf.nest.flatten(model(batch, training=True)))
-  return any(_rows_moved(np.asarray(a), np.asarray(b), n, atol) for a, b in zip(*outs))
-
-
 def warn_batch_mixing(layers, stacklevel=4):
   """Warns that `layers` mix the examples of a batch, and what clipping="auto" does then.
 

@@ -4,8 +4,8 @@ Keras 3 has no public way to do a few things the DP train step needs (nested lay
 compiled loss and metrics, XLA off for the outer train function, a functional graph,
 variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop, a layer's
 `call` swapped for one pass). Each such use goes through one function here, so a Keras
-upgrade breaks in one place: `missing_internals()` lists what the installed Keras lacks, and
-tests/keras/test_keras_internals.py names the attribute and the version.
+upgrade breaks in one place: tests/keras/test_keras_internals.py lists what the installed
+Keras lacks, naming the attribute and the version.
 """
 
 import contextlib
@@ -63,21 +63,6 @@ def layer_children(layer):
     children[id(current)] = subs
     todo.extend(subs)
   return children
-
-
-def compiled_loss(model, x, y, y_pred, sample_weight, training=True):
-  """The compiled loss of `model` on one batch, without Keras' loss scaling and tracking.
-
-  Args:
-    model: a compiled keras.Model.
-    x, y, y_pred, sample_weight: as in `keras.Model.compute_loss`.
-    training: the training flag passed on.
-
-  Returns:
-    the scalar loss (Keras' `Model._compute_loss`).
-  """
-  fn = _require(model, "_compute_loss", "Model")
-  return fn(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)
 
 
 def compiled_loss_fn(model):
@@ -425,33 +410,3 @@ def gradient_sources(variables):
     a list of the same length.
   """
   return [v.value if isinstance(v, keras.Variable) else v for v in variables]
-
-
-def _probe_model():
-  inputs = keras.Input((2,))
-  model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
-  model.compile(optimizer="sgd", loss="mse")
-  return model
-
-
-def missing_internals():
-  """The private Keras names above that the installed Keras lacks, as "Where.attribute",
-  looked for on a tiny compiled functional model and a StatelessScope.
-
-  Returns:
-    a list of strings (empty when all are present).
-  """
-  model = _probe_model()
-  needed = [(model, "Model", name) for name in (
-      "_flatten_layers", "_compute_loss", "_call_has_training_arg", "_symbolic_build",
-      "_loss_tracker", "_jit_compile", "_compile_metrics", "_nodes_by_depth",
-      "_compile_loss", "_compile_config")]
-  needed.append((keras.src.backend, "keras.src.backend", "rnn"))
-  needed.append((model._compile_loss, "CompileLoss", "_metrics"))  # pylint: disable=protected-access
-  needed.append((model._compile_config, "SerializableDict", "config"))  # pylint: disable=protected-access
-  needed.append((keras.src.losses.loss, "keras.src.losses.loss",
-                 "unscale_loss_for_distribution"))
-  needed.append((keras.src.models.functional, "keras.src.models.functional", "Functional"))
-  with keras.StatelessScope() as scope:
-    needed.append((scope, "StatelessScope", "state_mapping"))
-  return [f"{where}.{name}" for obj, where, name in needed if not hasattr(obj, name)]

@@ -88,9 +88,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if optimizer is _OWN_DEFAULT and (
         args or isinstance(self, tf_privacy_args.TFPrivacyArgsMixin)):
       optimizer = "rmsprop"   # keras.Model.compile's default
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) and isinstance(
-        optimizer.inner_optimizer, opt_lib.DPOptimizerBase):
-      optimizer = optimizer.inner_optimizer
+    if isinstance(_unscaled(optimizer), opt_lib.DPOptimizerBase):
+      optimizer = _unscaled(optimizer)
     if isinstance(self, tf_privacy_args.TFPrivacyArgsMixin):
       optimizer = self._dp_private_optimizer(optimizer, kwargs)
     if getattr(self, "_dp_pending_settings", None) and isinstance(
