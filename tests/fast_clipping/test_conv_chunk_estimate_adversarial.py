@@ -1,7 +1,7 @@
 """Adversarial checks of the folded patch Gram's chunks at the default memory budget
 (rules/conv.py `_fold_gram_temp_bytes`, which sets how many examples one call of the norm
-takes: the tutorial CNN's second convolution 128 examples, 64 for records of 2, 63 for
-records of 3, with the bounded Gram contraction's temporaries counted).
+takes: the tutorial CNN's second convolution 256 examples, 128 for records of 2, 63 for
+records of 3, with the float32 Gram contraction's temporaries counted).
 
 At batch sizes on both sides of those chunk sizes (one call, two balanced chunks with a
 padded tail record), with a static and an unknown batch, under XLA, with records of 2 and 3
@@ -25,7 +25,7 @@ from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping.rules import conv
 
 _CLIP = 5.0
-_MAX_B = 136
+_MAX_B = 264
 
 
 def _loss(y, logits):
@@ -34,7 +34,7 @@ def _loss(y, logits):
 
 @pytest.fixture(scope="module")
 def cnn():
-  """The tutorial CNN, its data (136 examples, pixel scales 0.05 to 3 so that norms spread
+  """The tutorial CNN, its data (264 examples, pixel scales 0.05 to 3 so that norms spread
   around C) and each example's gradient, in float64, by its own tape (one traced
   single-example function, run once per example; the weights never change)."""
   keras.utils.set_random_seed(0)
@@ -123,12 +123,12 @@ def _assert_equal_to_loop(cnn, got, b, k, mask=None):
 
 
 @pytest.mark.parametrize("b,k,static,jit,chunked", [
-    (128, 1, True, False, False),    # the largest one call
-    (129, 1, True, False, True),     # two chunks of 65, one padded example
-    (136, 1, False, False, True),    # a batch the trace does not know: tf.cond at run time
-    (65, 1, True, True, False),      # XLA: one call
-    (129, 1, True, True, True),      # XLA: static slices of the padded batch
-    (66, 2, True, False, True),      # records of 2: chunks of 34 (17 records), one padded
+    (256, 1, True, False, False),    # the largest one call
+    (257, 1, True, False, True),     # two chunks of 129, one padded example
+    (264, 1, False, False, True),    # a batch the trace does not know: tf.cond at run time
+    (129, 1, True, True, False),     # XLA: one call
+    (257, 1, True, True, True),      # XLA: static slices of the padded batch
+    (130, 2, True, False, True),     # records of 2: chunks of 66 (33 records), one padded
     (66, 3, False, False, True),     # records of 3: chunks of 33 (11 records)
 ])
 def test_folded_gram_chunks_equal_the_loop(cnn, monkeypatch, b, k, static,
@@ -140,7 +140,7 @@ def test_folded_gram_chunks_equal_the_loop(cnn, monkeypatch, b, k, static,
     mask = np.ones(b, np.float32)
     mask[[1, k * 5, k * 5 + 1, k * 5 + k - 1]] = 0.0
   got = _fast(model, x[:b], y[:b], k, mask=mask, jit=jit, static=static)
-  expected_m = {1: 128, 2: 64, 3: 63}[k]
+  expected_m = {1: 256, 2: 128, 3: 63}[k]
   # the second convolution's folded Gram ran, with the chunk of the default budget
   assert expected_m in seen, seen
   assert chunked == (b > expected_m)
@@ -148,17 +148,17 @@ def test_folded_gram_chunks_equal_the_loop(cnn, monkeypatch, b, k, static,
 
 
 def test_non_finite_record_in_the_second_chunk_adds_nothing(cnn, monkeypatch):
-  """An infinite pixel in example 100 of 129 (the second chunk): its norm is not finite, its
+  """An infinite pixel in example 200 of 257 (the second chunk): its norm is not finite, its
   factor 0, and the sum equals that of the batch with it masked out."""
   model, x, y, _ = cnn
   _spy_chunks(monkeypatch)
-  b = 129
+  b = 257
   bad = x[:b].copy()
-  bad[100, 14, 14, 0] = np.inf
+  bad[200, 14, 14, 0] = np.inf
   got, norms = _fast(model, bad, y[:b], 1)
-  assert not np.isfinite(norms[100]) and np.all(np.isfinite(np.delete(norms, 100)))
+  assert not np.isfinite(norms[200]) and np.all(np.isfinite(np.delete(norms, 200)))
   mask = np.ones(b, np.float32)
-  mask[100] = 0.0
+  mask[200] = 0.0
   want, _ = _fast(model, x[:b], y[:b], 1, mask=mask)
   for g, w in zip(got, want):
     assert np.all(np.isfinite(g))
@@ -167,13 +167,13 @@ def test_non_finite_record_in_the_second_chunk_adds_nothing(cnn, monkeypatch):
 
 @pytest.mark.parametrize("physical_chunks", [False, True])
 def test_adversarial_neighbour_moves_the_sum_by_at_most_c(cnn, physical_chunks):
-  """Dataset D: 128 examples (one call); D' = D plus one example whose pixels are 1,000 times
-  a real one's (a huge gradient): 129 examples, two chunks. ||sum(D') - sum(D)|| <= C."""
+  """Dataset D: 256 examples (one call); D' = D plus one example whose pixels are 1,000 times
+  a real one's (a huge gradient): 257 examples, two chunks. ||sum(D') - sum(D)|| <= C."""
   model, x, y, _ = cnn
-  d = _fast(model, x[:128], y[:128], 1, physical_chunks=physical_chunks)[0]
-  extra = x[:129].copy()
-  extra[128] = 1000.0 * x[3]
-  d2, norms = _fast(model, extra, y[:129], 1, physical_chunks=physical_chunks)
-  assert norms[128] > 100 * _CLIP
+  d = _fast(model, x[:256], y[:256], 1, physical_chunks=physical_chunks)[0]
+  extra = x[:257].copy()
+  extra[256] = 1000.0 * x[3]
+  d2, norms = _fast(model, extra, y[:257], 1, physical_chunks=physical_chunks)
+  assert norms[256] > 100 * _CLIP
   moved = np.sqrt(sum(np.sum((a.astype(np.float64) - b) ** 2) for a, b in zip(d2, d)))
   assert 0.5 * _CLIP < moved <= _CLIP * (1 + 1e-4), moved

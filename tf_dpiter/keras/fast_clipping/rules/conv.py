@@ -21,7 +21,7 @@ convolution"):
   book-keeping.
 Where the clipped sum is not formed from the gradients whose norms are taken (the folded
 Gram, the sum by book-keeping) the norms are upper bounds that cover the float32 rounding of
-the record's terms (algebra.bounded_gram_contraction, algebra.with_sum_rounding): a record
+the record's terms (`_fold_gram_contraction`, float32 alone; algebra.with_sum_rounding): a record
 whose positions' gradients nearly cancel got a float32 norm near 0 and moved the clipped sum
 by up to 7e4 C.
 
@@ -696,17 +696,16 @@ def _fold_gram_temp_bytes(x4, dz4, ksize, stride, k=1):
       - 1) sh the rows the fold reads) and the folded copy, u sh sw cin (u = (ho + qh - 1)
       (wo + qw - 1) folded pixels);
     Grams: the folded pixels, the Gram of a record's k u pixels (k u^2 per example), the qh qw
-      windows of a record's [k T, k T] patch Gram, and the bounded contraction's temporaries
-      (algebra.bounded_gram_contraction: both Grams, their float64 copies and product, |ga|,
-      |gb| and a weighted product, 10 k T^2), counted as alive together: the executor may form
-      the output gradients' part while the windows are summed ((qh qw + 10) k T^2 per
-      example; the measured peak of records of 2 varied from 55,952 to 69,136 bytes per
-      example between runs, 5x5 outputs of 32 channels).
+      windows of a record's [k T, k T] patch Gram and their sum, the output gradients' Gram,
+      and one [k T, k T] temporary of the contraction's bound (`_fold_gram_contraction`: the
+      squares of either Gram), counted as alive together ((qh qw + 3) k T^2 per example).
   Reshapes (the Gram's windows view, the output gradients' regrouping) are views, and float32
-  output gradients are not copied (others are cast: T cout more). Tutorial CNN's
-  second convolution: 49,400 bytes, against an allocator peak of 29,900 per example measured
-  at B = 256 (28,800 before the bounded contraction; tests/fast_clipping/test_conv_forms.py
-  checks the bound).
+  output gradients are not copied (others are cast: T cout more). The allocator peaks this
+  bounds (B = 256, 8 runs each; tests/fast_clipping/test_conv_forms.py checks the bound):
+  tutorial CNN's second convolution 31,900 bytes per example against 22,400..24,900 measured
+  (one call of 256 examples at the default budget), records of 2: 54,584 against 37,768,
+  of 3: 77,268 against 61,145..68,645; a 14x14x8 input to 7x7 outputs: 91,804 against 84,744
+  (the float64 contraction this replaced: 29,900 measured at the tutorial CNN).
 
   Args:
     x4: [B, H, W, cin] the convolution's input (static spatial sizes).
@@ -726,8 +725,60 @@ def _fold_gram_temp_bytes(x4, dz4, ksize, stride, k=1):
   folded = u * sh * sw * cin
   folding = 2 * max(h, (ho + qh - 1) * sh) * max(w, (wo + qw - 1) * sw) * cin + folded
   cast = 0 if dz4.dtype == tf.float32 else t * int(dz4.shape[-1])
-  grams = folded + k * u * u + (qh * qw + 10) * k * t * t + cast
+  grams = folded + k * u * u + (qh * qw + 3) * k * t * t + cast
   return 4 * max(folding, grams)
+
+
+def _fold_gram_contraction(ga, gb, na, nb, n_a, n_b):
+  """An upper bound, in float32 alone, of the exact sum_{t,s} A_ts B_ts from float32 Gram
+  matrices ga ~ A [R, T', T'] and gb ~ B: per record the float32 contraction plus a bound of
+  all its rounding (no float64: the same ops on every device).
+
+  Derivation (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Sec. 3.1: a
+  float32 dot product of n terms, in any order, errs by at most gamma_n = n u / (1 - n u) times
+  the sum of the terms' absolute values, u = 2^-24; Sec. 4.2: so does any float32 sum of n
+  terms). With a_t, b_t the vectors (exact norms alpha_t, beta_t):
+    |ga_ts - A_ts| <= gamma_na alpha_t alpha_s, |gb_ts - B_ts| <= gamma_nb beta_t beta_s
+  (na: the terms and additions one entry of ga passes through, conv_unfold.patch_gram: a dot
+  of sh sw cin folded-pixel products plus qh qw windows; nb: cout), so
+    |sum ga gb - sum A B| <= gamma_na sum alpha_t alpha_s |gb_ts| + gamma_nb sum |ga_ts|
+        beta_t beta_s + gamma_na gamma_nb (sum_t alpha_t beta_t)^2.
+  The contraction is formed as T' row dot products (an einsum XLA keeps as a dot) and a sum of
+  the T' rows: each product passes through at most 2 T' - 1 roundings, so it errs by at most
+  gamma_{2T'} sum |ga_ts gb_ts| (a single float32 reduction of the T'^2 products would give
+  gamma_{T'^2}: 2.6e-3 relative at records of 3 of the tutorial CNN's second convolution).
+  Each sum of absolute values is bounded twice, and the smaller taken: by Cauchy-Schwarz,
+    sum alpha_t alpha_s |gb_ts| <= (sum_t alpha_t^2) ||gb||_F,  sum |ga gb| <= ||ga||_F ||gb||_F,
+  and entrywise, |gb_ts| <= (1 + gamma_nb) beta_t beta_s (likewise ga), by S1^2,
+  S1 = sum_t alpha_t beta_t. alpha, beta are taken from the Grams' diagonals (na, nb: their
+  relative rounding, and that of the bound's own float32 sums of at most T'^2 nonnegative
+  terms, are covered by taking each gamma_n as (1.5 + 2 T'^2 u) (n + 1) u). Measured on the
+  tutorial CNN's second convolution (64 MNIST examples, records of 1 / 2 / 3 / 4 examples): at
+  most 1.4e-4 / 2.8e-4 / 5.7e-4 / 7.3e-4 above the exact norm, never below it (the float64
+  contraction it replaces, algebra.bounded_gram_contraction: 1.2e-4 / 2.2e-4 / 4.1e-4 /
+  4.6e-4).
+
+  Args:
+    ga, gb: [R, T', T'] float32 Gram matrices (T' static).
+    na, nb: [R, T'] float32 norms of their vectors (the square roots of their diagonals).
+    n_a, n_b: the roundings one entry of ga / gb passes through (Python ints).
+
+  Returns:
+    [R] float32.
+  """
+  t = int(ga.shape[1])
+  u = 2.0 ** -24
+  margin = 1.5 + 2.0 * t * t * u
+  gamma = lambda n: algebra.scalar(margin * (n + 1) * u)
+  gamma_ab = algebra.scalar(margin * (n_a + 1) * u * margin * (n_b + 1) * u)
+  c = algebra.reduce_sum(tf.einsum("bts,bts->bt", ga, gb), 1)
+  s1 = tf.square(algebra.reduce_sum(na * nb, 1))
+  fa = tf.sqrt(algebra.reduce_sum(tf.square(ga), [1, 2]))
+  fb = tf.sqrt(algebra.reduce_sum(tf.square(gb), [1, 2]))
+  sa = algebra.reduce_sum(tf.square(na), 1)
+  sb = algebra.reduce_sum(tf.square(nb), 1)
+  return (c + gamma(2 * t) * tf.minimum(fa * fb, s1) + gamma(n_a) * tf.minimum(s1, sa * fb)
+          + gamma(n_b) * tf.minimum(s1, fa * sb) + gamma_ab * s1)
 
 
 def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
@@ -737,12 +788,11 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
   Where the positions' gradients p_t dz_t^T nearly cancel (equal patches, opposite output
   gradients) a float32 sum of the T^2 products came out near 0 for a gradient of any norm
   (one record moved the clipped sum by 7e4 C). The products are summed by
-  algebra.bounded_gram_contraction (float64 sum plus its rounding bound, Higham, "Accuracy and
-  Stability of Numerical Algorithms", 2nd ed., Sec. 3.1): a patch Gram entry is K = kh kw cin
-  products summed in another order than <p_t, p_s> (folded pixels, then windows), which the
-  bound gamma_K ||p_t|| ||p_s|| covers for any order; the norms ||p_t||, ||dz_t|| are the Gram
-  matrices' diagonals. With `sum_rows` the bound is raised by the rounding of the record's
-  terms in the clipped sum's product over that many rows (algebra.with_sum_rounding, L = R + 1).
+  `_fold_gram_contraction` (the float32 contraction plus a bound of its rounding, Higham,
+  "Accuracy and Stability of Numerical Algorithms", 2nd ed., Sec. 3.1); the norms ||p_t||,
+  ||dz_t|| are the Gram matrices' diagonals. With `sum_rows` the bound is raised by the
+  rounding of the record's terms in the clipped sum's product over that many rows
+  (algebra.with_sum_rounding, L = R + 1).
 
   Args:
     x4: [B, H, W, cin] the convolution's input.
@@ -761,10 +811,12 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
   b = algebra.regroup_btk(tf.cast(algebra.to_btk(dz4), tf.float32))
   gb = tf.linalg.matmul(b, b, transpose_b=True)
   na, nb = algebra.gram_diagonal_norms(ga), algebra.gram_diagonal_norms(gb)
-  patch, cout = ksize[0] * ksize[1] * int(x4.shape[-1]), int(dz4.shape[-1])
-  sq = algebra.bounded_gram_contraction(ga, gb, na, nb, patch, cout)
+  (sh, sw), cin, cout = stride, int(x4.shape[-1]), int(dz4.shape[-1])
+  windows = (ksize[0] // sh) * (ksize[1] // sw)
+  sq = _fold_gram_contraction(ga, gb, na, nb, sh * sw * cin + windows, cout)
   if sum_rows is None:
     return sq
+  patch = ksize[0] * ksize[1] * cin
   return algebra.with_sum_rounding(sq, na, nb, sum_rows + 1, patch + cout)
 
 
