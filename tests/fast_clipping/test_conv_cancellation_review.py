@@ -155,3 +155,23 @@ def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch)
   model, shape = _forced(monkeypatch, form, keep)
   x, y = _mirrored_pairs(model, shape)
   _assert_within_c(_contributions(model, x, y, jit, k=2))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("form", [None, "foldgram", "gram", "direct", "depthwise", "filter"])
+def test_cancelling_bias_record(form, keep, jit, monkeypatch):
+  """The bias gradient db = sum_t dz_t cancels: the frozen head has w at output position 0,
+  -w (1 + 2^-23) at position 1 and w / 1000 times small weights at the others, so that db is
+  a sum of huge terms whose float32 value depends on its order; the sum is formed from the
+  very db whose norm is taken (conv._bias_sum), so each record moves it by at most C, in every
+  form, the kernel gradients kept or not."""
+  model, shape = _forced(monkeypatch, form, keep)
+  head = model.layers[-1]
+  positions = head.kernel.shape[0] // model.layers[1].filters
+  w = np.random.RandomState(1).normal(size=model.layers[1].filters).astype("float32")
+  weights = np.random.RandomState(4).uniform(-1e-3, 1e-3, (positions, 1)).astype("float32") * w
+  weights[0], weights[1] = w, -np.nextafter(w, 2 * w)
+  head.kernel.assign(weights.reshape(-1, 1))
+  x, y = _records(shape)
+  _assert_within_c(_contributions(model, x, y, jit))

@@ -522,13 +522,15 @@ def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, pa
   return tape.gradient(z, kernel, output_gradients=dz4)
 
 
-def _bias_sum(db_e, factors, k):
-  """sum_j c_j db_j over the records j of the examples' bias gradients db_e [B, cout] summed
-  per record first (the norm's terms, algebra.bias_grad), rows with c_j = 0 adding exactly 0:
-  [cout] float32.
+def _bias_sum(db, factors, k):
+  """sum_j c_j db_j over the records j, db the very float32 per-record bias gradients whose
+  norms were taken (algebra.bias_sqr_norm with sum_from_db: a record's term in the sum is the
+  vector its factor was computed from, so the norm needs no rounding bound; a second float32
+  reduction of dz, in another order, could differ from it by more than the norm where the
+  positions' dz nearly cancel), rows with c_j = 0 adding exactly 0: [cout] float32.
 
   Args:
-    db_e: [B, cout] float32 per-example bias gradients.
+    db: [B / k, cout] float32 per-record bias gradients.
     factors: [B] float32 clip factors of the examples' records.
     k: examples per record (the norms'; the sum runs outside their context).
 
@@ -537,19 +539,18 @@ def _bias_sum(db_e, factors, k):
   """
   with registry.examples_per_record(k):
     rc = budget.record_factors(factors)
-    db = registry.record_sum(db_e)
   return tf.linalg.matvec(algebra.drop_rows(db, rc), rc, transpose_a=True)
 
 
-def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, padding,
-                        bias_on):
+def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, padding, db):
   """registry.FactorSums of a convolution whose norms `sq` [B / k] are formed without
   per-example gradients (the folded patch Gram, the unfolded patches): the clipped sum by
   book-keeping (`_bookkeeping_kernel_sum`, Bu et al., "Differentially private optimization on
   large model at small cost", Sec. 3), its input and output-gradient rows with c_i = 0 set
   to exactly 0 first. Left to the tape's vector-Jacobian product of the layer's own
   convolution, a record whose input is not finite (c_i = 0) would add inf * 0 = NaN to every
-  entry of the released sum."""
+  entry of the released sum. db: the per-record bias gradients [B / k, cout] whose norms are
+  in sq (None: no trainable bias), the bias sum's terms (`_bias_sum`)."""
 
   k = registry.current_examples_per_record()
 
@@ -559,20 +560,21 @@ def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, 
       kernel = _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation,
                                        padding)
       sums = [tf.reshape(kernel, layer.kernel.shape)]
-      if bias_on:
-        sums.append(_bias_sum(tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]), factors,
-                              k))
+      if db is not None:
+        sums.append(_bias_sum(db, factors, k))
       return sums
 
   sum_fn.keeps_per_example = False
   return registry.FactorSums(sq, sum_fn)
 
 
-def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padding, bias_on):
+def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padding, bias):
   """registry.FactorSums of a convolution whose per-example kernel gradients are formed
   (forms "depthwise", "filter" or the unfolded patches), within the memory budget
   (budget.CHUNK_BYTES, budget.KEEP_BYTES): the norms of the records, and the clipped sum from
-  the kept gradients or by book-keeping."""
+  the kept gradients or by book-keeping. bias: (squared norms [B / k], per-record gradients
+  [B / k, cout]) of the bias (algebra.bias_sqr_norm, the sum formed from those gradients), or
+  None."""
   k = registry.current_examples_per_record()
   form = _per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
   p = int(np.prod(layer.kernel.shape))
@@ -586,13 +588,12 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
     keep = static_b * p * 4 <= budget.KEEP_BYTES
   else:
     keep = b * p * 4 <= budget.KEEP_BYTES
-  db_e = tf.reduce_sum(tf.cast(dz4, tf.float32), axis=[1, 2]) if bias_on else None
   bound = (ksize, stride, dilation, padding, algebra.batch_rows(algebra.to_btk(dz4)))
   sq, g = budget.by_keep(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
                          lambda: (_per_example_pass(form, x4, dz4, k, False, bound),
                                   tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
-  if bias_on:
-    sq = sq + algebra.sqr_sum(registry.record_sum(db_e))
+  if bias is not None:
+    sq = sq + bias[0]
 
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     with tf.name_scope(_scope_name(layer, form_name, "sum")):
@@ -604,8 +605,8 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
                                                        dilation, padding)
       kernel = budget.by_keep(keep, from_g, by_bookkeeping)
       sums = [tf.reshape(kernel, layer.kernel.shape)]
-      if bias_on:
-        sums.append(_bias_sum(db_e, factors, k))
+      if bias is not None:
+        sums.append(_bias_sum(bias[1], factors, k))
       return sums
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
@@ -852,14 +853,18 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
 
   def sqr_norm_fn(dz):
     dz4 = dz4_fn(dz)
-    db = algebra.bias_grad(dz, (layer.filters,)) if bias_on else None
+    # the bias sum is formed from this db (`_bias_sum`, registry's from the kept gradients)
+    bias = (algebra.bias_sqr_norm(dz, (layer.filters,), sum_from_db=True) if bias_on else
+            None)
     if not kernel_on:
-      return algebra.result(layer, algebra.sqr_sum(db), {id(layer.bias): db})
+      return algebra.result(layer, bias[0], {id(layer.bias): bias[1]})
     form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
     with tf.name_scope(_scope_name(layer, form, "norm")):   # profiles name layer and form
-      return _conv_norm(form, dz4, db)
+      return _conv_norm(form, dz4, bias)
 
-  def _conv_norm(form, dz4, db):
+  def _conv_norm(form, dz4, bias):
+    with_bias = lambda sq: sq if bias is None else sq + bias[0]
+    db = None if bias is None else bias[1]
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
       k = registry.current_examples_per_record()
       m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride, k), k, 1 << 30)
@@ -867,16 +872,16 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
       rows = algebra.batch_rows(algebra.to_btk(dz4))   # the book-keeping product's, B ho wo
       sq = _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding, rows),),
                         x4, dz4, m, k)[0]
-      return _bookkeeping_result(layer, form, sq + algebra.sqr_sum(db) if bias_on else sq,
-                                 x4, dz4, ksize, stride, dilation, padding, bias_on)
+      return _bookkeeping_result(layer, form, with_bias(sq), x4, dz4, ksize, stride,
+                                 dilation, padding, db)
     if (form in ("filter", "depthwise") and not dilated) or (
         keep and form not in ("gram", "foldgram")):
       return _per_example_result(layer, None if dilated else form, x4, dz4, ksize, stride,
-                                 dilation, padding, bias_on)
+                                 dilation, padding, bias)
     p, _ = conv_unfold.patches(x4, ksize, stride, dilation, padding, tuple(dz4.shape[1:3]))
     sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
-    return _bookkeeping_result(layer, form, sq + algebra.sqr_sum(db) if bias_on else sq,
-                               x4, dz4, ksize, stride, dilation, padding, bias_on)
+    return _bookkeeping_result(layer, form, with_bias(sq), x4, dz4, ksize, stride, dilation,
+                               padding, db)
 
   return sqr_norm_fn
 
