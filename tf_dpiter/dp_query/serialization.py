@@ -53,10 +53,7 @@ def register_query(name=None):
 
 
 def _keras_registration():
-  try:
-    import keras  # pylint: disable=g-import-not-at-top
-  except ImportError:  # pragma: no cover - keras ships with TF 2.21
-    return None
+  import keras  # pylint: disable=g-import-not-at-top  (imported when first needed)
   return keras.saving
 
 
@@ -72,11 +69,8 @@ def registered_name(cls):
   if cls in _NAMES:
     return _NAMES[cls]
   ks = _keras_registration()
-  if ks is not None:
-    name = ks.get_registered_name(cls)
-    if ks.get_registered_object(name) is cls:
-      return name
-  return None
+  name = ks.get_registered_name(cls)
+  return name if ks.get_registered_object(name) is cls else None
 
 
 def _how_to_register(name):
@@ -119,11 +113,9 @@ def _lookup(name, custom_objects):
     return custom_objects[name]
   if name in _REGISTRY:
     return _REGISTRY[name]
-  ks = _keras_registration()
-  if ks is not None:
-    cls = ks.get_registered_object(name)  # also sees load_model's custom_objects
-    if cls is not None:
-      return cls
+  cls = _keras_registration().get_registered_object(name)  # sees load_model's custom_objects
+  if cls is not None:
+    return cls
   module = dp_query_package.declared_query_module(name)
   if module is not None:
     importlib.import_module(module)   # the module registers the class when it is imported
@@ -160,9 +152,8 @@ def deserialize(config, custom_objects=None):
   if not (isinstance(cls, type) and issubclass(cls, dp_query.DPQuery)):
     raise ParameterTypeError(f"{name!r} names {cls!r}, which is not a DPQuery subclass")
   inner = dict(config.get("config") or {})
-  ks = _keras_registration()
-  if custom_objects and ks is not None:
-    with ks.CustomObjectScope(custom_objects):  # child queries see custom_objects too
+  if custom_objects:
+    with _keras_registration().CustomObjectScope(custom_objects):  # for child queries too
       return cls.from_config(inner)
   return cls.from_config(inner)
 
