@@ -704,9 +704,11 @@ def factor_product(factors, g):
   # row 0 as a [P] vector: one strided slice (no slice and reshape)
   first = tf.strided_slice(tf.matmul(two, flat), const([0, 0]), const([1, 0]), const([1, 1]),
                            end_mask=2, shrink_axis_mask=1)
-  if isinstance(shape, tf.TensorShape) and shape.rank == 1:
+  if not isinstance(shape, tf.TensorShape):   # g's entries unknown to the trace (a shape op)
+    return tf.reshape(first, shape)
+  if shape.rank == 1:
     return first
-  return reshape(first, shape.as_list() if isinstance(shape, tf.TensorShape) else shape)
+  return reshape(first, shape.as_list())
 
 
 def bias_grad(dz, bias_shape):

@@ -1,0 +1,132 @@
+"""Review of the bounded bias and general EinsumDense norms (algebra.bias_sqr_norm,
+dense._einsum_kernel_norms' rounding bound): on ordinary records they must stay upper bounds
+of the exact per-record norm and be no looser than needed.
+
+The oracle is independent of the fast path: a float64 copy of the model (every layer built
+with dtype float64, the float32 weights copied), one tape per record. Checked: the fast
+norm >= exact (1 - 1e-6) and <= exact (1 + 1e-3), for T = 1, 2, 3, 128 positions, records of
+1 and 2 examples, a batch the trace knows and one it does not (input_signature with batch
+None, as fit's sampled datasets give), graph and XLA; models whose only trained variables
+are the biases (the bound then is the whole norm's change) and whole models.
+"""
+
+import functools
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping import clipping
+
+from .test_gram_cancellation_review import C
+from .test_gram_cancellation_review import _LOSS
+from .test_layer_zoo_review import assert_upper_bound
+from .test_layer_zoo_review import exact_norms
+
+L = keras.layers
+
+
+def _layer(kind, t, dtype):
+  inp = keras.Input((t, 8) if t > 1 or kind != "dense_rank2" else (8,), dtype=dtype)
+  if kind in ("dense", "dense_rank2"):
+    z = L.Dense(6, dtype=dtype)(inp)
+  elif kind == "einsum_view":
+    z = L.EinsumDense("abc,cd->abd", (t, 6), bias_axes="d", dtype=dtype)(inp)
+  elif kind == "einsum_bias_td":
+    z = L.EinsumDense("abc,cd->abd", (t, 6), bias_axes="bd", dtype=dtype)(inp)
+  elif kind == "einsum_heads":   # bias on e of abde: broadcast along the positions
+    z = L.EinsumDense("abc,cde->abde", (t, 2, 3), bias_axes="e", dtype=dtype)(inp)
+  elif kind == "einsum_general":   # the kernel depends on the position: the general path
+    z = L.EinsumDense("abc,bcd->abd", (t, 6), bias_axes="d", dtype=dtype)(inp)
+  else:   # position table on [B, T, 8]
+    z = keras_hub.layers.PositionEmbedding(t, dtype=dtype)(inp)
+    z = L.Add(dtype=dtype)([inp, z])
+    z = L.Dense(6, dtype=dtype, trainable=False)(z)
+  return inp, z
+
+
+@functools.lru_cache(maxsize=None)
+def _models(kind, t, bias_only):
+  """(float32 model, float64 copy with its weights), built once per module run."""
+  out = []
+  for dtype in ("float32", "float64"):
+    keras.utils.set_random_seed(0)
+    inp, z = _layer(kind, t, dtype)
+    flat = L.Flatten(dtype=dtype)(z) if len(z.shape) > 2 else z
+    model = keras.Model(inp, L.Dense(1, dtype=dtype, trainable=False)(flat))
+    if bias_only:
+      for layer in model.layers:
+        for v in layer.trainable_weights:
+          if "bias" not in v.path and "position" not in v.path:
+            v.trainable = False
+    out.append(model)
+  out[1].set_weights(out[0].get_weights())
+  return out
+
+
+def _records(model64, count, seed=5):
+  """Magnitudes 0.1 .. 100 across records; labels 100 |output| + 1 away from the output."""
+  rng = np.random.RandomState(seed)
+  shape = model64.input.shape[1:]
+  x = np.stack([rng.normal(size=shape) * 10.0 ** rng.uniform(-1, 2) for _ in range(count)])
+  x = x.astype("float32")
+  out = model64(x.astype("float64")).numpy()
+  y = out - np.sign(rng.normal(size=out.shape)) * (100 * np.abs(out) + 1)
+  return x, y.astype("float32")
+
+
+def _fast_norms(model, x, y, jit, k, known_batch):
+  spec = [tf.TensorSpec((x.shape[0] if known_batch else None,) + x.shape[1:], tf.float32),
+          tf.TensorSpec((y.shape[0] if known_batch else None, 1), tf.float32)]
+  fn = tf.function(lambda x, y: clipping.clipped_grad_sum(
+      model, x, y, _LOSS, C, examples_per_record=k, physical_chunks=False)[1],
+      jit_compile=jit, input_signature=spec)
+  return fn(tf.constant(x), tf.constant(y)).numpy().astype(np.float64)
+
+
+KINDS = ["dense", "einsum_view", "einsum_bias_td", "einsum_heads", "einsum_general",
+         "position"]
+
+
+# (k, jit, known batch): records of 1 under XLA with a known batch, records of 2 in graph mode
+# with a batch the trace does not know (Dense on [B, 1, K] there crashed in
+# algebra.factor_product before the review's fix: a reshape to a shape tensor taken as a list)
+MODES = [(1, True, True), (2, False, False)]
+
+
+@pytest.mark.parametrize("k,jit,known_batch", MODES)
+@pytest.mark.parametrize("t", [1, 2, 3])
+@pytest.mark.parametrize("bias_only", [True, False])
+@pytest.mark.parametrize("kind", KINDS + ["dense_rank2"])
+def test_bounds_at_few_positions(kind, bias_only, t, k, jit, known_batch):
+  if kind == "dense_rank2" and t > 1:
+    pytest.skip("[B, K] input: one position")
+  model, model64 = _models(kind, t, bias_only)
+  x, y = _records(model64, 8)
+  assert_upper_bound(_fast_norms(model, x, y, jit, k, known_batch),
+                     exact_norms(model64, x, y, k))
+
+
+_LOOSE = pytest.mark.xfail(strict=True, reason=(
+    "4.05e-3 above the exact norm (<= 1e-3 wanted): algebra.bias_sqr_norm's bound "
+    "gamma_L S with L = P + B P + 1 = 4,225 rows and S / ||db|| ~ sqrt(P) on a bias-dominated "
+    "record (the kernel's g not kept at an unknown batch). Owner: P; forming the bias sum "
+    "from the db whose norm is taken (as conv._bias_sum does) needs no bound"))
+
+
+def _wide_cases():
+  """(kind, jit, known batch): XLA known, graph known, XLA unknown, graph unknown."""
+  for kind in KINDS:
+    for jit, known in [(True, True), (False, True), (True, False), (False, False)]:
+      marks = _LOOSE if (kind, jit, known) == ("einsum_general", False, False) else ()
+      yield pytest.param(kind, jit, known, marks=marks)
+
+
+@pytest.mark.parametrize("kind,jit,known_batch", list(_wide_cases()))
+def test_bounds_at_128_positions(kind, jit, known_batch):
+  """T = 128, a batch of 32, every variable trained."""
+  model, model64 = _models(kind, 128, False)
+  x, y = _records(model64, 32)
+  assert_upper_bound(_fast_norms(model, x, y, jit, 1, known_batch), exact_norms(model64, x, y))
