@@ -319,6 +319,24 @@ class DPOptimizerBase:
     finally:
       self._private_apply = False
 
+  def _all_reduce_sum_gradients(self, grads_and_vars):
+    """Keras' sum of the gradients over the replicas before the update (TensorFlow backend),
+    kept under several replicas (`noised_average` divides by their number for it) and skipped
+    for the noised averages under one: the sum over one replica is the value itself, which
+    Keras forms through a custom gradient of one Identity per variable (BERT-base: 202 ops of
+    the traced step, and the trace's backward walk over them). The same values are applied.
+
+    Args:
+      grads_and_vars: (gradient, variable) pairs.
+
+    Returns:
+      the pairs, their gradients summed over the replicas.
+    """
+    if (getattr(self, "_private_apply", False)
+        and tf.distribute.get_strategy().num_replicas_in_sync == 1):
+      return list(grads_and_vars)
+    return super()._all_reduce_sum_gradients(grads_and_vars)  # pylint: disable=no-member
+
   def apply(self, grads, trainable_variables=None):
     """Refuses plain gradients (the private path goes through apply_private_gradients).
 

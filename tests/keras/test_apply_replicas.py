@@ -1,0 +1,74 @@
+"""The DP optimizer's update of the noised averages: Keras' sum over the replicas before the
+update is skipped under one replica (the value itself, formed by Keras through one Identity per
+variable) and kept under several (noised_average divides by their number for it)."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_dpiter as dp
+
+
+def _setup():
+  keras.utils.set_random_seed(0)
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.5)
+  variables = [keras.Variable(np.arange(6, dtype="float32").reshape(2, 3)),
+               keras.Variable(np.ones(3, "float32"))]
+  opt.build(variables)
+  grads = [tf.constant(np.linspace(-1.0, 2.0, 6, dtype="float32").reshape(2, 3)),
+           tf.constant([0.25, -0.5, 4.0])]
+  return opt, variables, grads
+
+
+def test_one_replica_update_is_exact_and_traces_no_identity():
+  opt, variables, grads = _setup()
+  before = [v.numpy().astype("float64") for v in variables]
+
+  @tf.function
+  def step(g0, g1):
+    opt.apply_private_gradients([g0, g1], variables)
+
+  graph = step.get_concrete_function(*grads).graph
+  types = [op.type for op in graph.get_operations()]
+  assert "Identity" not in types and "IdentityN" not in types, types
+  step(*grads)
+  for v, b, g in zip(variables, before, grads):
+    np.testing.assert_array_equal(v.numpy(), (b - 0.5 * g.numpy().astype("float64")).astype(
+        "float32"))
+
+
+_MIRRORED = """
+import numpy as np, tensorflow as tf
+physical = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(physical[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+from tests.keras import test_apply_replicas as t
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+  opt, variables, grads = t._setup()
+before = [v.numpy() for v in variables]
+
+@tf.function
+def step():
+  strategy.run(lambda: opt.apply_private_gradients([g / 2.0 for g in grads], variables))
+
+step()
+for v, b, g in zip(variables, before, grads):
+  np.testing.assert_allclose(v.numpy(), b - 0.5 * g.numpy(), rtol=1e-6, atol=1e-6)
+print("OK", strategy.num_replicas_in_sync)
+"""
+
+
+def test_several_replicas_still_sum_over_replicas():
+  """Two logical CPUs under MirroredStrategy (a subprocess: the devices are set before
+  TensorFlow starts): Keras' all-reduce is kept, so the update is the sum of the replicas'
+  values (each replica hands on its value / 2, as noised_average does)."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True,
+                        timeout=300, env=env, cwd=root, check=False)
+  assert proc.returncode == 0 and "OK 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
