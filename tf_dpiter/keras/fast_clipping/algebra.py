@@ -364,12 +364,8 @@ def gram_sqr_norm(a, b, with_one=False, sum_rows=None):
   # the rounding bound's per-position norms: the Gram matrices' diagonals
   na, nb = gram_diagonal_norms(ga), gram_diagonal_norms(gb)
   k, n = int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2)
-  sq = bounded_gram_contraction(ga, gb, na, nb, k, n)
-  if sum_rows is None:
-    return sq
-  # the clipped sum's product rounds the record's terms too (c a_t b_t^T over its rows)
-  return with_sum_rounding(sq, na, nb, sum_rows + 1,
-                           k + n if isinstance(k, int) and isinstance(n, int) else None)
+  # with sum_rows: the clipped sum's product rounds the record's terms too (c a_t b_t^T)
+  return bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows)
 
 
 def static_or_shape(x, axis):
@@ -378,7 +374,7 @@ def static_or_shape(x, axis):
   return d if d is not None else tf.cast(tf.shape(x)[axis], tf.float32)
 
 
-def bounded_gram_contraction(ga, gb, na, nb, k, n):
+def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
   """An upper bound of sum_{t,s} A_ts B_ts from float32 Gram matrices ga ~ A [B, T, T] (dot
   products of K terms of vectors of norms na [B, T]) and gb ~ B (N terms, norms nb): the
   float64 sum of ga gb plus its rounding error bound (`gram_sqr_norm`, which derives it):
@@ -390,6 +386,10 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n):
     ga, gb: [B, T, T] float32.
     na, nb: [B, T] float32 norms of the vectors of ga and gb.
     k, n: the dot products' lengths (ints or float32 scalar tensors).
+    sum_rows: R, the rows of the product that forms the clipped sum (an int or a float32
+      scalar tensor): the bound raised to cover its rounding of the record's terms too,
+      `with_terms_rounding` with L = R + 1 and S = sum_t na_t nb_t (the sum this bound forms
+      anyway where k > 0); None: the bound of the exact sum alone.
 
   Returns:
     [B] float32.
@@ -404,13 +404,22 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n):
   gamma_b = margin * (n + 1) * 2.0 ** -24
   bound = scalar(gamma_b) * tf.einsum("bts,bt,bs->b", once_per_graph("abs", ga, tf.abs),
                                       nb, nb)
+  s = None
   if not (isinstance(k, int) and k == 0):
     gamma_a = margin * (k + 1) * 2.0 ** -24
+    s = reduce_sum(na * nb, 1)
     bound += (scalar(gamma_a) * tf.einsum("bt,bs,bts->b", na, na, tf.abs(gb))
-              + scalar(gamma_a * gamma_b) * tf.square(reduce_sum(na * nb, 1)))
+              + scalar(gamma_a * gamma_b) * tf.square(s))
   # sq rounded to float32 moves by at most u/2 |sq| <= u/2 (the exact sum + bound): a
   # relative rounding of the exact sum, and a part of the bound its margin covers
-  return tf.cast(sq, tf.float32) + bound
+  sq = tf.cast(sq, tf.float32) + bound
+  if sum_rows is None:
+    return sq
+  if s is None:
+    s = reduce_sum(na * nb, 1)
+  t = static_dim(ga, 1)
+  widths = k + n if isinstance(k, int) and isinstance(n, int) else None
+  return with_terms_rounding(sq, s, sum_rows + 1, widths, t)
 
 
 def scalar(value):

@@ -50,12 +50,11 @@ def same_id_sqr_norm(ids, d):
     # an upper bound: the float32 Gram of d cancels when equal ids get opposite gradients
     # (algebra.gram_sqr_norm); `same` is exact
     nd = tf.sqrt(tf.reduce_sum(tf.square(dc), 2))
-    sq = algebra.bounded_gram_contraction(same, tf.einsum("btk,bsk->bts", dc, dc), nd, nd,
-                                          0, algebra.static_or_shape(dc, 2))
-    # the clipped sum (the scatter of c d_t onto the rows read, over the batch's B T reads)
-    # rounds the record's terms too: algebra.with_sum_rounding with a_t = e_{id_t}
-    return (algebra.with_sum_rounding(sq, nd, None, rows + 1,
-                                      None if kk is None else kk + 1),)
+    # sum_rows: the clipped sum (the scatter of c d_t onto the rows read, over the batch's
+    # B T reads) rounds the record's terms too, a_t = e_{id_t}: S = sum_t ||d_t|| (na = 1)
+    return (algebra.bounded_gram_contraction(same, tf.einsum("btk,bsk->bts", dc, dc),
+                                             tf.ones_like(nd), nd, 0,
+                                             algebra.static_or_shape(dc, 2), rows),)
 
   rows = algebra.batch_rows(d)
   rec = m // k if m is not None else None
