@@ -114,6 +114,26 @@ def _shared_dense(dtype):
   return inp, L.Concatenate(axis=1, dtype=dtype)([first, second])
 
 
+def _layer_norm(dtype):
+  inp = keras.Input((5, 4), dtype=dtype)
+  return inp, L.LayerNormalization(dtype=dtype)(inp)
+
+
+def _conv2d_strided(dtype):
+  inp = keras.Input((8, 8, 3), dtype=dtype)
+  return inp, L.Conv2D(4, 4, strides=2, dtype=dtype)(inp)
+
+
+def _dense_one_position(dtype):
+  inp = keras.Input((1, 6), dtype=dtype)
+  return inp, L.Dense(5, dtype=dtype)(inp)
+
+
+def _lstm(dtype):
+  inp = keras.Input((5, 4), dtype=dtype)
+  return inp, L.LSTM(5, return_sequences=True, dtype=dtype)(inp)
+
+
 BUILDERS = {
     "depthwise": _depthwise, "separable": _separable, "conv2d_dilated": _conv2d_dilated,
     "conv1d_causal": _conv1d_causal, "conv2d_transpose": _conv2d_transpose,
@@ -121,6 +141,9 @@ BUILDERS = {
     "bidirectional": _bidirectional, "time_distributed": _time_distributed,
     "shared_dense": _shared_dense,
 }
+# registered rules only reached by the unknown-batch test
+MORE = {"layer_norm": _layer_norm, "conv2d_strided": _conv2d_strided,
+        "dense_one_position": _dense_one_position, "lstm": _lstm}
 
 
 def _models(name, cancel):
@@ -128,7 +151,7 @@ def _models(name, cancel):
   out = []
   for dtype in ("float32", "float64"):
     keras.utils.set_random_seed(0)
-    inp, z = BUILDERS[name](dtype)
+    inp, z = {**BUILDERS, **MORE}[name](dtype)
     head, pred = _frozen_head(z, dtype)
     _set_head(head, z.shape, cancel)
     out.append(keras.Model(inp, pred))
@@ -152,10 +175,15 @@ def exact_norms(model64, x, y, k=1):
   return np.array(norms)
 
 
-def fast_norms(model, x, y, jit, k=1):
+def fast_norms(model, x, y, jit, k=1, known_batch=True):
+  """The fast path's per-record norms; `known_batch` False: traced with the batch None (an
+  input_signature, as fit's sampled datasets give)."""
+  spec = None if known_batch else [
+      tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype)),
+      tf.TensorSpec((None,) + y.shape[1:], tf.float32)]
   fn = tf.function(lambda x, y: clipping.clipped_grad_sum(
       model, x, y, _LOSS, C, examples_per_record=k, physical_chunks=False)[1],
-      jit_compile=jit)
+      jit_compile=jit, input_signature=spec)
   return fn(tf.nest.map_structure(tf.constant, x), tf.constant(y)).numpy().astype(np.float64)
 
 
@@ -197,6 +225,18 @@ def test_norms_bound_an_independent_float64_gradient(name, k, jit):
   model, model64 = _models(name, cancel=False)
   x, y = _ordinary(model64, model.input.shape[1:])
   assert_upper_bound(fast_norms(model, x, y, jit, k), exact_norms(model64, x, y, k))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("name", list(BUILDERS) + list(MORE))
+def test_unknown_batch_records_of_two(name, jit):
+  """The batch unknown to the trace, records of 2 (fit's sampled datasets with microbatches):
+  the trace must not fail (a reshape by a shape tensor did, algebra.factor_product, for a
+  Dense on [B, 1, K]) and the norms bound the float64 ones."""
+  model, model64 = _models(name, cancel=False)
+  x, y = _ordinary(model64, model.input.shape[1:])
+  assert_upper_bound(fast_norms(model, x, y, jit, 2, known_batch=False),
+                     exact_norms(model64, x, y, 2))
 
 
 @pytest.mark.parametrize("jit", [False, True])
