@@ -61,29 +61,22 @@ def test_dense(policy, form, jit, monkeypatch):
   _assert_within_c(_contributions(model, x, y, jit))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-def test_conv2d(policy, keep, jit, monkeypatch):
-  del policy
-  if not keep:
-    _no_kept(monkeypatch)
-  keras.utils.set_random_seed(0)
-  inp = keras.Input((6, 6, 3))
-  model, _ = _frozen_head(inp, L.Conv2D(8, 3)(inp), 8, nearly=False)
-  x, y = _records((6, 6, 3))
-  _assert_within_c(_contributions(model, x, y, jit))
+_LAYERS = {"conv2d": ((6, 6, 3), lambda: L.Conv2D(8, 3), 8),
+           "layer_norm": ((4, 16), L.LayerNormalization, 16)}
 
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("keep", [True, False])
-def test_layer_norm(policy, keep, jit, monkeypatch):
+@pytest.mark.parametrize("layer", list(_LAYERS))
+def test_conv2d_and_layer_norm(policy, layer, keep, jit, monkeypatch):
   del policy
   if not keep:
     _no_kept(monkeypatch)
+  shape, make, units = _LAYERS[layer]
   keras.utils.set_random_seed(0)
-  inp = keras.Input((4, 16))
-  model, _ = _frozen_head(inp, L.LayerNormalization()(inp), 16, nearly=False)
-  x, y = _records((4, 16))
+  inp = keras.Input(shape)
+  model, _ = _frozen_head(inp, make()(inp), units, nearly=False)
+  x, y = _records(shape)
   _assert_within_c(_contributions(model, x, y, jit))
 
 

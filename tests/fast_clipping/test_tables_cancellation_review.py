@@ -53,14 +53,23 @@ def _mirrored_labels(rng, count):
   return np.array(ys, np.float32)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-def test_position_embedding_records_of_two(jit):
+def _position_model(shape, w, **call):
+  """Input `shape` -> PositionEmbedding(T) (the table at 0: the output exactly 0) -> the
+  frozen head of weights w."""
   keras.utils.set_random_seed(0)
-  inp = keras.Input((T, D))
+  inp = keras.Input(shape)
   pos = keras_hub.layers.PositionEmbedding(T)
-  w = np.random.RandomState(1).normal(size=T * D)
-  model = keras.Model(inp, _head(pos(inp), w))
-  pos.position_embeddings.assign(np.zeros((T, D), np.float32))   # output exactly 0
+  model = keras.Model(inp, _head(pos(inp, **call), w))
+  pos.position_embeddings.assign(np.zeros((T, D), np.float32))
+  return model
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_position_embedding_records_of_two(explicit, jit):
+  """explicit: positions [T] given (a permutation): the table-lookup norm (rules/tables.py)."""
+  call = {"positions": tf.constant([2, 0, 3, 1])} if explicit else {}
+  model = _position_model((T, D), np.random.RandomState(1).normal(size=T * D), **call)
   y = _mirrored_labels(np.random.RandomState(3), 16)
   _assert_within_c(_contributions(model, np.zeros((32, T, D), np.float32), y, jit, k=2))
 
@@ -69,28 +78,10 @@ def test_position_embedding_records_of_two(jit):
 def test_position_embedding_rank_4_cancelling_rows(jit):
   """Input [B, 2, T, D]: the table broadcast over the middle axis, head w on its row 0 and
   -w (1 + 2^-23) on row 1; one example per record."""
-  keras.utils.set_random_seed(0)
-  inp = keras.Input((2, T, D))
-  pos = keras_hub.layers.PositionEmbedding(T)
   w = np.random.RandomState(1).normal(size=T * D).astype("float32")
-  model = keras.Model(inp, _head(pos(inp), np.concatenate([w, -np.nextafter(w, 2 * w)])))
-  pos.position_embeddings.assign(np.zeros((T, D), np.float32))
-  rng = np.random.RandomState(3)
-  y = (10.0 ** rng.uniform(5, 7, (16, 1))).astype(np.float32)
+  model = _position_model((2, T, D), np.concatenate([w, -np.nextafter(w, 2 * w)]))
+  y = (10.0 ** np.random.RandomState(3).uniform(5, 7, (16, 1))).astype(np.float32)
   _assert_within_c(_contributions(model, np.zeros((16, 2, T, D), np.float32), y, jit))
-
-
-@pytest.mark.parametrize("jit", [False, True])
-def test_position_embedding_explicit_positions_records_of_two(jit):
-  """Explicit positions [T] (a permutation): the table-lookup norm (rules/tables.py)."""
-  keras.utils.set_random_seed(0)
-  inp = keras.Input((T, D))
-  pos = keras_hub.layers.PositionEmbedding(T)
-  w = np.random.RandomState(1).normal(size=T * D)
-  model = keras.Model(inp, _head(pos(inp, positions=tf.constant([2, 0, 3, 1])), w))
-  pos.position_embeddings.assign(np.zeros((T, D), np.float32))
-  y = _mirrored_labels(np.random.RandomState(3), 16)
-  _assert_within_c(_contributions(model, np.zeros((32, T, D), np.float32), y, jit, k=2))
 
 
 @pytest.mark.parametrize("jit", [False, True])
