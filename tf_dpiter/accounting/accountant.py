@@ -293,11 +293,6 @@ def warn_if_delta_too_large(delta, population_size, stacklevel=3):
   return True
 
 
-def _population(groups):
-  """The largest population size of the sampling groups (not selection records), or 0."""
-  return max([g.population_size for g in groups if not g.is_selection and g.count > 0] or [0])
-
-
 def _gdp_report(content, delta, epsilon):
   """PrivacyReport by the GDP accountant (accounting.gdp; an approximation, labelled so)."""
   groups = content.groups
@@ -360,7 +355,9 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
   content = _content(ledger, key)
   if delta is not None and epsilon is None:
     # stacklevel 4: the user's line is behind this function and its `validates` wrapper.
-    warn_if_delta_too_large(delta, _population(content.groups), stacklevel=4)
+    population = max([g.population_size for g in content.groups
+                      if not g.is_selection and g.count > 0] or [0])   # selection rows: none
+    warn_if_delta_too_large(delta, population, stacklevel=4)
   report = report_from_groups(content, delta=delta, epsilon=epsilon, accountant=accountant)
   if isinstance(ledger, (str, dict)):
     report = dataclasses.replace(report, assumptions=report.assumptions + (

@@ -133,13 +133,6 @@ class ShuffleSampler:
       return new
 
 
-def _check_batch_size(batch_size, n):
-  """Raises PrivacyConfigError for b > n (b alone: SHUFFLED_BATCHES_CONSTRAINTS)."""
-  if batch_size > n:
-    raise PrivacyConfigError(validation.message("batch_size", f"an int in [1, n={n}]",
-                                                batch_size))
-
-
 # Each of shuffled_batches' arguments alone (`validation.check_params`); b <= n is checked
 # with the data.
 SHUFFLED_BATCHES_CONSTRAINTS = {
@@ -192,7 +185,9 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   """
   data = tuple(a for a in (x, y, sample_weight) if a is not None)
   n = sampling.num_records(data)
-  _check_batch_size(batch_size, n)
+  if batch_size > n:   # b alone: SHUFFLED_BATCHES_CONSTRAINTS
+    raise PrivacyConfigError(validation.message("batch_size", f"an int in [1, n={n}]",
+                                                batch_size))
   rng = sampling.make_rng(seed, "shuffled_batches", stacklevel=4)
   arrays = tf.nest.map_structure(np.asarray, data)
   per_pass = steps_per_pass(n, int(batch_size), drop_remainder)

@@ -64,11 +64,8 @@ class NormalizedQuery(dp_query.SumAggregationDPQuery):
 
   def get_noised_result(self, sample_state, global_state):
     noised_sum, new_state, events = self._numerator.get_noised_result(sample_state, global_state)
-
-    def _normalize(v):
-      return tf.truediv(v, tf.cast(self._denominator, v.dtype))
-
-    return tf.nest.map_structure(_normalize, noised_sum), new_state, events
+    return (tf.nest.map_structure(lambda v: tf.truediv(v, tf.cast(self._denominator, v.dtype)),
+                                  noised_sum), new_state, events)
 
   def derive_metrics(self, global_state):
     return self._numerator.derive_metrics(global_state)

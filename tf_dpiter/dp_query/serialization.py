@@ -265,14 +265,14 @@ def encode_queries(nest):
   return encode_nest(nest, serialize)
 
 
-def decode_queries(data, custom_objects=None):
-  """Inverse of `encode_queries`.
+def decode_queries(data):
+  """Inverse of `encode_queries` (a `deserialize` given custom_objects holds them in scope).
 
   Args:
-    data: the encoded nest; custom_objects: {name: class} for unregistered queries.
+    data: the encoded nest.
 
   Returns:
     the nest of DPQuery objects.
   """
-  return decode_nest(data, lambda d: deserialize(d, custom_objects),
+  return decode_nest(data, deserialize,
                      is_leaf=lambda d: isinstance(d, dict) and "class_name" in d)

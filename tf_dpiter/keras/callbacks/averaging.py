@@ -34,6 +34,7 @@ class _WeightAveraging(keras.callbacks.Callback):
     self._raw = None          # the raw weights while the average is swapped in
     self._count = None
     self._update_fn = None
+    self._fitting = False     # inside fit (validation runs on the average)
 
   # -- the average -----------------------------------------------------------------------
   def _weights(self):
@@ -79,11 +80,11 @@ class _WeightAveraging(keras.callbacks.Callback):
     self._raw = None
 
   def on_test_begin(self, logs=None):
-    if self._in_fit():
+    if self._fitting:
       self.swap_in()
 
   def on_test_end(self, logs=None):
-    if self._in_fit():
+    if self._fitting:
       self.restore_raw()
 
   def on_train_end(self, logs=None):
@@ -93,9 +94,6 @@ class _WeightAveraging(keras.callbacks.Callback):
 
   def on_epoch_begin(self, epoch, logs=None):
     self._fitting = True
-
-  def _in_fit(self):
-    return getattr(self, "_fitting", False)
 
 
 class ExponentialMovingAverage(_WeightAveraging):

@@ -242,7 +242,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       replicas = self.distribute_strategy.num_replicas_in_sync
       if replicas > 1:   # equal replica shards (a batch already a multiple: unchanged)
         a["x"] = fit_sampling.pad_for_replicas(a["x"], replicas)
-      self._dp_build_for_probe(a["x"].element_spec)
+      if not all(layer.built for layer in keras_internals.flatten_layers(self)):
+        # built from the data's shapes before the trace: the probe then runs eagerly
+        keras_internals.symbolic_build(self, a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
     callbacks = list(a.get("callbacks") or [])
@@ -266,12 +268,6 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_fit_verbose = 0
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
-
-  def _dp_build_for_probe(self, data_spec):
-    """Builds an unbuilt model from the data's shapes before the trace, so the
-    batch-independence probe can run eagerly."""
-    if not all(layer.built for layer in keras_internals.flatten_layers(self)):
-      keras_internals.symbolic_build(self, data_spec)
 
   def train_on_batch(self, *args, **kwargs):
     """keras.Model.train_on_batch, one private step (the sampling must be declared with
