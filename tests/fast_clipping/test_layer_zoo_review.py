@@ -119,6 +119,18 @@ def _layer_norm(dtype):
   return inp, L.LayerNormalization(dtype=dtype)(inp)
 
 
+def _layer_norm_axes(axis):
+  def build(dtype):
+    inp = keras.Input((5, 4), dtype=dtype)
+    return inp, L.LayerNormalization(axis=axis, dtype=dtype)(inp)
+  return build
+
+
+def _conv2d_groups(dtype):
+  inp = keras.Input((6, 6, 4), dtype=dtype)
+  return inp, L.Conv2D(4, 3, groups=2, dtype=dtype)(inp)
+
+
 def _conv2d_strided(dtype):
   inp = keras.Input((8, 8, 3), dtype=dtype)
   return inp, L.Conv2D(4, 4, strides=2, dtype=dtype)(inp)
@@ -143,7 +155,9 @@ BUILDERS = {
 }
 # registered rules only reached by the unknown-batch test
 MORE = {"layer_norm": _layer_norm, "conv2d_strided": _conv2d_strided,
-        "dense_one_position": _dense_one_position, "lstm": _lstm}
+        "dense_one_position": _dense_one_position, "lstm": _lstm,
+        "layer_norm_axis_1": _layer_norm_axes(1), "layer_norm_axes_1_2": _layer_norm_axes([1, 2]),
+        "conv2d_groups": _conv2d_groups}
 
 
 def _models(name, cancel):
