@@ -32,6 +32,9 @@ first step; its wall time (`first_step_s`) is split into:
 and the traced graph's size: `graph_ops` (ops of the function train_step is traced in, at the
 end of train_step) and `function_body_nodes` (nodes of the function library: tf.cond / while
 bodies, nested tf.functions), with the 12 most frequent op types. Prints one JSON line.
+With --op-sources, also `dead_ops`: the traced ops neither the step's outputs nor a stateful
+op depend on (a gradient function's gradients of inputs nothing asked for: the weights' in
+the clipped sum's first backward pass), and the functions that made them (`dead_op_sources`).
 
 --rss: the process's resident memory by phase (MiB; /proc/self/status): the high-water mark
 VmHWM read at each phase's end and reset at its start (/proc/self/clear_refs; where that
@@ -107,11 +110,12 @@ def _graph_size(graph):
   return len(ops), sum(len(f.node_def) for f in lib), types.most_common(12)
 
 
-def _op_sources(graph, n):
+def _op_sources(graph, n, ops=None):
   """The n tf_dpiter functions (file:function of the innermost tf_dpiter frame of each op's
-  creation traceback) that created the most ops, with their 3 most frequent op types."""
+  creation traceback) that created the most ops (of `ops`, default all the graph's), with
+  their 3 most frequent op types."""
   by_src = collections.defaultdict(collections.Counter)
-  for op in graph.get_operations():
+  for op in graph.get_operations() if ops is None else ops:
     src = "(outside tf_dpiter)"
     for frame in reversed(op.traceback):
       if "/tf_dpiter/" in frame.filename:
@@ -120,6 +124,25 @@ def _op_sources(graph, n):
     by_src[src][op.type] += 1
   top = sorted(by_src.items(), key=lambda kv: -sum(kv[1].values()))[:n]
   return [[src, sum(c.values()), c.most_common(3)] for src, c in top]
+
+
+def _dead_ops(graph):
+  """The ops of `graph` that neither its outputs nor a stateful op depend on (data or control):
+  traced for nothing (a gradient function's gradients of inputs no one asked for, shape
+  constants), removed by Grappler's pruning but paid for in the trace and the graph's
+  conversion."""
+  ops = graph.get_operations()
+  stack = [t.op for t in graph.outputs] + [op for op in ops if op._is_stateful]  # pylint: disable=protected-access
+  stack += list(graph.control_outputs)
+  live = set()
+  while stack:
+    op = stack.pop()
+    if op in live:
+      continue
+    live.add(op)
+    stack.extend(t.op for t in op.inputs)
+    stack.extend(op.control_inputs)
+  return [op for op in ops if op not in live]
 
 
 class _RSS:
@@ -250,6 +273,9 @@ def run(a):
     out.update({"graph_ops": ops, "function_body_nodes": lib, "top_op_types": types})
     if a.op_sources:
       out["op_sources"] = _op_sources(graph["g"], a.op_sources)
+      dead = _dead_ops(graph["g"])
+      out["dead_ops"] = len(dead)
+      out["dead_op_sources"] = _op_sources(graph["g"], 8, dead)
   if profiler is not None:
     s = io.StringIO()
     stats = pstats.Stats(profiler, stream=s)
