@@ -6,18 +6,12 @@ privacy ledger and its accountant (`ledger`, `accounting`), and the training pro
 (`keras`, `federated`, `draw_discard`); `data` holds the samplers, `auditing` the empirical
 checks and `tuning` private hyperparameter selection.
 
-Public names (`__all__`, 17 of them): the ten namespaces, loaded on first use (so that e.g.
-the Draw-and-Discard service does not pay for TensorFlow's import): the nine subpackages
-`dp_query`, `ledger`, `accounting`, `keras`, `data`, `federated`, `draw_discard`,
-`auditing`, `tuning` and the module `compat` (TF Privacy's and Opacus' spellings); `errors`
-and its five exceptions, the family every refused argument raises: `DPiterError` (the base),
-`ParameterTypeError` (a TypeError), `ParameterValueError`, `PrivacyConfigError` (ValueErrors)
-and `BudgetConfigError`; and `__version__`. Everything else is reached through a
-namespace (`dp.keras.DPKerasSGDOptimizer`, `dp.accounting.epsilon`, ...).
-
-This root also wires the layers together: it tells the DPQuery registry (lowest layer) which
-upper-layer modules define serializable queries (`dp_query.declare_query_module`), so that
-`dp_query.deserialize` works in a fresh process while dp_query names no upper module.
+Public names (`__all__`): the namespaces, loaded on first use (the Draw-and-Discard service
+does not pay for TensorFlow's import), `errors` and its exceptions (the family every refused
+argument raises), and `__version__`; everything else through a namespace
+(`dp.keras.DPKerasSGDOptimizer`, `dp.accounting.epsilon`). The root tells the DPQuery
+registry which upper-layer modules define serializable queries, so `dp_query.deserialize`
+works in a fresh process while dp_query names no upper module.
 """
 
 import importlib

@@ -1,51 +1,40 @@
 """How `DPModel.fit` samples its batches and declares them to the ledger (McMahan et al. 2018, Section 5).
 
 `fit(x, y, batch_size=B)` on arrays samples by Poisson by default: each record joins each
-step independently with probability q = B / N (B is the *expected* batch size, N the
-population size q is stated over), for round(N / B) steps per epoch unless `steps_per_epoch`
-is given; the ledger records policy "poisson" (add or remove one example; a clipped sum has
-sensitivity S). This is TF Privacy's accounting of `fit(x, y, batch_size=B)` made true: the
-batches really are Poisson samples.
+step independently with probability q = B / N (B the *expected* batch size, N the population
+size q is stated over), round(N / B) steps per epoch unless `steps_per_epoch` is given; the
+ledger records policy "poisson" (add or remove one example; sensitivity S). This is TF
+Privacy's accounting of `fit(x, y, batch_size=B)` made true.
 
-Neighbouring relation under Poisson sampling, and where q comes from. The guarantee compares
-the run on a dataset D with the run on D' = D with one example added or removed, both sampled
-at the SAME q (the accountant's PoissonSampledDpEvent(q, ...)). So q must not be computed
-from the private data:
+Neighbouring relation and where q comes from: the guarantee compares the run on D with the
+run on D' = D plus or minus one example, both sampled at the SAME q (dp-accounting's
+PoissonSampledDpEvent(q, ...)), so q must not be computed from the private data:
 
-* `fit(..., population_size=N)` declares N, a public number (the population's size, or a
-  public upper bound on the dataset's size): q = B / N and the steps per epoch round(N / B)
-  depend on public values only, and the sampler includes each of the n records given with
-  probability q whatever n is (the expected batch is q n; the noised sum is still divided by
-  the public q N = B). The guarantee then holds for every pair of neighbours, whatever their
-  sizes: the dataset's size stays private.
-* Without it (the default), N = n = len(x) of the run's first Poisson fit, kept for the run
-  (`run_population`): the dataset's size is TREATED AS PUBLIC, which is the convention of TF
-  Privacy (`compute_dp_sgd_privacy(n, ...)` takes n) and Opacus (`sample_rate =
-  1 / len(data_loader)`). The guarantee holds for neighbours sampled at that same q, i.e.
-  when n is known to the adversary; the fit's log line, `model.privacy_statement` and every
-  Poisson report say so. Where n itself is sensitive (it matters for small n: at n = 8,
-  B = 6, z = 1 and 10 steps the neighbour with 7 records would be sampled at q = 6/7, and the
-  exact epsilon of such a pair is 21.11 against the stated 15.57 (RDP) / 14.39 (PLD)),
-  declare population_size.
+* `fit(..., population_size=N)` declares a public N (the population's size, or a public
+  bound on the dataset's): q = B / N and the steps per epoch depend on public values only,
+  each of the n records given is included with probability q whatever n is, and the noised
+  sum is divided by q N = B. The guarantee holds for every pair of neighbours: the dataset's
+  size stays private.
+* Without it, N = n = len(x) of the run's first Poisson fit, kept for the run
+  (`run_population`): the dataset's size is TREATED AS PUBLIC (TF Privacy's
+  `compute_dp_sgd_privacy(n, ...)`, Opacus' `sample_rate = 1 / len(data_loader)`); the log
+  line, `model.privacy_statement` and every Poisson report say so. Where n is sensitive
+  (small n: at n = 8, B = 6, z = 1, 10 steps the neighbour with 7 records is sampled at
+  q = 6/7, and that pair's exact epsilon is 21.11 against the stated 15.57 (RDP) / 14.39
+  (PLD)), declare population_size.
 
-`population_size` is refused with `sampling="shuffle"`: shuffled passes are accounted under
-replace one example, a relation that keeps n fixed (no amplification by sampling is claimed,
-so q is descriptive only).
+`fit(..., sampling="shuffle")` (the default when num_microbatches M < batch_size makes
+microbatches of several examples; M = batch_size is per-example clipping and samples by
+Poisson as M = None) cuts a fresh permutation per pass into disjoint batches of B
+(`dp.data.shuffled_batches`); the ledger records policy "shuffle" (replace one example,
+sensitivity 2S, no amplification: each pass whose steps were taken costs one mechanism,
+synced from the sampler after every step). `population_size` is refused with it (replace-one
+keeps n fixed; q is descriptive only). Keras' own `shuffle=` is not used for DP.
 
-`fit(..., sampling="shuffle")` (the default when the optimizer's num_microbatches M makes
-microbatches of several examples, M < batch_size; M = batch_size is one example per
-microbatch, per-example clipping, and samples by Poisson as M = None does) cuts a
-fresh random permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`);
-the ledger records policy "shuffle" (replace one example, sensitivity 2S; no amplification:
-every pass used costs one un-amplified mechanism) and the number of passes whose steps were
-taken, synced from the sampler after every step (a pass only prefetched is not charged). Keras' own `shuffle=` is not used for DP.
-
-`validation_split` keeps Keras' meaning: the last fraction of the arrays (before any
-sampling) is held out. `sample_weight` and `class_weight` weigh each example's loss inside
-its record before clipping; an example of weight 0 joins no record.
-
-Data whose sampling tf_dpiter does not control (a plain tf.data.Dataset, a generator, a
-PyDataset) is refused unless the sampling was declared with `optimizer.set_sampling`.
+`validation_split` holds out the arrays' last fraction before sampling; `sample_weight` and
+`class_weight` weigh each example's loss inside its record before clipping (weight 0: in no
+record). Data tf_dpiter does not sample (a plain tf.data.Dataset, a generator, a PyDataset)
+is refused unless declared with `optimizer.set_sampling`.
 """
 
 import math
@@ -99,12 +88,9 @@ def num_rows(x):
 def _to_numpy(nest, name):
   """fit's array argument as numpy arrays in the same nest, its lists made tuples.
 
-  Keras reads a list in fit's x or y as a sequence of arrays (`fit([a, b], y)` feeds a
-  two-input model), but tf.data reads a list in a dataset's element as ONE tensor to stack:
-  the DP sampler's batches of [a, b] were stacked into one input, or failed to convert. As
-  Keras' own array adapter does (`keras.tree.lists_to_tuples`), every list becomes a tuple
-  before the sampler builds its dataset; the model gets the same inputs in the same order.
-  A tf.RaggedTensor is kept as it is (the Poisson sampler gathers its rows).
+  Keras reads a list in x or y as several inputs, tf.data as ONE tensor to stack: as Keras'
+  own array adapter, every list becomes a tuple (`keras.tree.lists_to_tuples`). A
+  tf.RaggedTensor is kept (the Poisson sampler gathers its rows).
 
   Args:
     nest: an array, or a nest (list, tuple, dict) of arrays, or None.
@@ -136,12 +122,8 @@ def _to_numpy(nest, name):
 
 
 def _check_ragged(x, y, policy, pad):
-  """Refuses ragged arrays where DP fit cannot take them.
-
-  A tf.RaggedTensor is sampled by Poisson without padding and clipped record by record on
-  the vectorized path (a loop over records: tf.vectorized_map cannot batch ragged rows).
-  Shuffled passes slice numpy arrays, and padded samples (XLA, several replicas) need one
-  static shape, which ragged rows do not have.
+  """Refuses ragged arrays where DP fit cannot take them: shuffled passes slice numpy
+  arrays, and padded samples (XLA, several replicas) need one static shape.
 
   Args:
     x: fit's x after `_to_numpy`.
@@ -524,16 +506,11 @@ def passes_ahead(model, count):
 
 
 class SamplingSync(keras.callbacks.Callback):
-  """Internal: moves the passes the fit's steps used into the ledger, starts a ledger-owned
-  schedule where the ledger says, prints the log line, and has the fit's PrivacyMeters write
-  their epoch logs.
-
-  Runs first among the callbacks, so every later callback (PrivacyMeter, the journal,
-  StopAtPrivacyBudget, checkpoints, the progress bar) sees a ledger that already holds the
-  passes of the steps taken, and every callback (TensorBoard, CSVLogger, EarlyStopping...,
-  wherever they are listed) sees epsilon in the epoch logs. A pass (shuffle) or epoch
-  (balls in bins) is charged when one of its steps is taken: one a prefetch started and the
-  fit dropped costs nothing, and the prefetch never changes what is charged.
+  """Internal, the fit's first callback: moves the passes the fit's steps used into the
+  ledger, starts a ledger-owned schedule where the ledger says, prints the log line, and has
+  the fit's PrivacyMeters write their epoch logs, so every later callback sees the passes
+  and epsilon. A pass (shuffle) or epoch (balls in bins) is charged when one of its steps is
+  taken: one only a prefetch started costs nothing.
   """
 
   def __init__(self, sampler, line):

@@ -1,22 +1,13 @@
 """The private train step of the DP models (McMahan et al. 2018, Sections 2 and 7; Abadi et al. 2016).
 
-`TrainStepMixin` is a base of `models.DPModelMixin`. One step goes through the optimizer's
-`private_step` (private_step.PrivateStep): per-record gradients of the compiled loss,
-clipped to S and summed (vectorized path: `step.clipped_sum`; fast path: ghost norms,
-`fast_clipping.clipped_grad_sum`), one noise draw and one ledger sample
-(`step.noised_average`), then the optimizer's update. The path is chosen by
-`step.resolve_clipping` (routing.fast_path_obstacle).
-
-With `jit_compile=True` the per-record gradients, the clipping and (DP-SGD's Gaussian noise,
-`step.compiles_noise`) the query's own noise draw and the normalization run in one XLA
-program; the ledger write (growing buffers, no XLA) and the update run right
-after, in the same non-compiled train function, so every step is recorded. Other
-mechanisms (correlated noise, secure_mode, a custom query) and multi-replica strategies
-draw their noise right after the program.
-
-What the step reads of the model's structure and compile (its optimizer, the per-output loss
-trackers, the loss scale, whether records are vectorized) is read once per train function
-(`_TraceFacts`); the clip, the query, the noise and the sampling are read every step.
+One step: per-record gradients of the compiled loss clipped to S and summed (vectorized:
+`step.clipped_sum`; fast: ghost norms, `fast_clipping.clipped_grad_sum`; chosen by
+`step.resolve_clipping`), one noise draw and one ledger sample (`step.noised_average`), then
+the optimizer's update. With `jit_compile=True` the clipped sum (and DP-SGD's own Gaussian
+noise draw, `step.compiles_noise`, on one replica) is one XLA program; the ledger write and
+the update run right after it in the non-compiled train function, so every step is
+recorded. What the step reads of the model's structure and compile is read once per train
+function (`_TraceFacts`); the clip, query, noise and sampling every step.
 """
 
 import contextlib
