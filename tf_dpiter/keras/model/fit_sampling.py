@@ -68,15 +68,8 @@ UNDECLARED_DATA_MESSAGE = (
 
 
 def num_rows(x):
-  """Leading dimension of the first array of x, or None if x is not arrays.
-
-  Args:
-    x: fit's `x`: a nest of arrays/tensors, a tf.data.Dataset or a keras PyDataset.
-
-  Returns:
-    The number of rows (examples) of the first array, or None for a dataset, a
-    PyDataset, or leaves without a leading dimension.
-  """
+  """The rows of the first array of fit's `x`, or None for a dataset, a PyDataset, or leaves
+  without a leading dimension."""
   if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
     return None
   leaves = [a for a in tf.nest.flatten(x) if a is not None]
@@ -177,12 +170,7 @@ def pad_for_replicas(dataset, replicas):
   step's example mask), the batch's denominator counts real records only, and the sampled
   records are the same.
 
-  Args:
-    dataset: a tf.data.Dataset of batches (x, y[, sample_weight]).
-    replicas: the strategy's number of replicas in sync (> 1).
-
-  Returns:
-    the padded dataset, elements (x, y, sample_weight).
+  Returns the padded dataset of (x, y, sample_weight) batches.
   """
   def pad(*element):
     x, y, w = keras.utils.unpack_x_y_sample_weight(element)
@@ -345,19 +333,8 @@ _POPULATION_SOURCE = weakref.WeakKeyDictionary()
 
 
 def _check_declared_population(population_size, policy, batch_size):
-  """The declared N as a float (None when not declared), checked against the policy and B.
-
-  Args:
-    population_size: fit's `population_size` (None: not declared).
-    policy: the policy fit samples by ("poisson" or "shuffle").
-    batch_size: B, the expected batch size asked for.
-
-  Returns:
-    float N, or None.
-
-  Raises:
-    PrivacyConfigError: N with shuffled passes, N not a number >= 1, or B > N.
-  """
+  """fit's `population_size` N as a float (None when not declared), refused with shuffled
+  passes, when not a finite number >= 1, or below the batch size B."""
   if population_size is None:
     return None
   if policy != "poisson":
@@ -380,17 +357,8 @@ def _check_declared_population(population_size, policy, batch_size):
 
 
 def population_reason(source, population, batch_size):
-  """The log line's words on where q's population size came from (the relation it implies).
-
-  Args:
-    source: "declared" (fit's population_size), "data" (len(x): treated as public) or "run"
-      (the N this run's ledger recorded, from a fit of another process).
-    population: N.
-    batch_size: B.
-
-  Returns:
-    a str.
-  """
+  """The log line's words on where q's population size N came from: `source` "declared"
+  (fit's population_size), "data" (len(x), treated as public) or "run" (the run's ledger)."""
   if source == "declared":
     return (f"q = {batch_size:g} / {population:g} over the declared population_size "
             f"N = {population:g}, public: the dataset's size stays private")
@@ -403,15 +371,8 @@ def population_reason(source, population, batch_size):
 
 
 def population_note(optimizer):
-  """The statement's sentence on where the Poisson q of `optimizer`'s fits came from.
-
-  Args:
-    optimizer: a DP optimizer (or anything; only its fits on arrays are known).
-
-  Returns:
-    a str, or None when no fit on arrays declared a Poisson population for it (then the
-    Poisson report's own note states the assumption).
-  """
+  """The statement's sentence on where the Poisson q of `optimizer`'s fits on arrays came
+  from, or None (no such fit: the Poisson report's own note states the assumption)."""
   source = _POPULATION_SOURCE.get(optimizer) if optimizer is not None else None
   if source == "data":
     return ("fit's Poisson q = batch_size / n took n = len(x) from the training data "
@@ -432,15 +393,7 @@ def run_population(optimizer, n, batch_size):
   given later: a neighbouring dataset, one record more or less, keeps the same q), else None
   (the first fit: N = n of its arrays).
 
-  Args:
-    optimizer: the DP optimizer (its ledger, if made). n: records of this fit's arrays.
-    batch_size: B, the expected batch size.
-
-  Returns:
-    float N, or None.
-
-  Raises:
-    PrivacyConfigError: B > N (q would exceed 1).
+  `n`: records of this fit's arrays; refuses a batch size B > N (q would exceed 1).
   """
   led = optimizer.private_step.existing_ledger
   count = 0 if led is None else int(led.sample_count.numpy())
@@ -464,16 +417,8 @@ def run_population(optimizer, n, batch_size):
 
 
 def describe(spec, reason, meter=None):
-  """One log line: which sampling the ledger records and which accountant gives epsilon.
-
-  Args:
-    spec: the sampling spec of the fit (policy, population_size, sample_size, ...).
-    reason: a short string saying why that sampling was chosen (shown in brackets).
-    meter: the fit's PrivacyMeter, or None (the line then says no accountant runs).
-
-  Returns:
-    The log line, a str.
-  """
+  """The fit's log line: the sampling `spec` the ledger records, why (`reason`, shown in
+  brackets), and which accountant gives epsilon (the fit's PrivacyMeter `meter`, or none)."""
   what = ledger_policies.get(spec.policy).describe(
       spec.population_size, spec.selection_probability, spec.sample_size)
   acc = ("no PrivacyMeter: epsilon from dp.accounting.epsilon(model.ledger, delta)"
@@ -489,15 +434,8 @@ _ACTIVE = weakref.WeakKeyDictionary()
 
 def passes_ahead(model, count):
   """The passes (shuffle) / epochs (balls in bins) not yet charged that the next `count`
-  steps of the model's fit in progress would use, or None when no sampler of the fit counts
-  them (outside fit, other policies).
-
-  Args:
-    model: the DP model. count: int >= 1.
-
-  Returns:
-    an int >= 0, or None.
-  """
+  steps of the model's fit in progress would use (an int >= 0), or None when no sampler of
+  the fit counts them (outside fit, other policies)."""
   sync = _ACTIVE.get(model)
   if sync is None or not sync._begun or not hasattr(sync.sampler, "passes_ahead"):  # pylint: disable=protected-access
     return None
@@ -602,13 +540,6 @@ def check_tree_pass(optimizer, sampler):
   a pass as the sampler really makes it: floor(n / B) with drop_remainder, ceil(n / B)
   without (Kairouz et al. 2021, "Practical and Private (Deep) Learning without Sampling or
   Shuffling", Appendix D: one participation per tree).
-
-  Args:
-    optimizer: the DP optimizer (its `noise` and `noise_params`, if any).
-    sampler: the data's sampler (its `steps_per_pass`, if any).
-
-  Raises:
-    PrivacyConfigError: restart_every does not divide the real pass length.
   """
   if getattr(optimizer, "noise", "iid") != "tree":
     return
@@ -623,19 +554,9 @@ def check_tree_pass(optimizer, sampler):
 
 
 def journal_path(callbacks, ledger_journal):
-  """The journal file fit keeps: `ledger_journal`, else BackupAndRestore's backup_dir/...
-
-  Args:
-    callbacks: fit's callbacks (an iterable of keras callbacks).
-    ledger_journal: fit's `ledger_journal` file path, or None.
-
-  Returns:
-    The journal path (str): `ledger_journal`, else JOURNAL_NAME in the backup_dir of
-    the first BackupAndRestore callback, else None.
-
-  Raises:
-    ParameterValueError: `ledger_journal` is not a non-empty str or path-like.
-  """
+  """The journal file fit keeps (a str, or None): fit's `ledger_journal` (a non-empty path,
+  else refused), else JOURNAL_NAME in the backup_dir of the first BackupAndRestore among
+  `callbacks`."""
   if ledger_journal is not None:
     if not isinstance(ledger_journal, (str, os.PathLike)) or not os.fspath(ledger_journal):
       raise ParameterValueError(f"ledger_journal must be a file path, got {ledger_journal!r}")

@@ -40,14 +40,7 @@ _DP_FIT_KWARGS = ("sampling", "population_size", "ledger_journal")   # DPModel.f
 
 
 def num_workers(strategy):
-  """Worker processes of `strategy` (1 for a single-process strategy).
-
-  Args:
-    strategy: a tf.distribute.Strategy.
-
-  Returns:
-    The number of "chief" and "worker" tasks in its cluster spec (at least 1).
-  """
+  """The "chief" and "worker" tasks of `strategy`'s cluster spec (1 for one process)."""
   resolver = getattr(strategy, "cluster_resolver", None)
   if resolver is None:
     return 1
@@ -56,14 +49,8 @@ def num_workers(strategy):
 
 
 def is_chief(strategy):
-  """Whether this process is the chief (task "chief", or worker 0 without one).
-
-  Args:
-    strategy: a tf.distribute.Strategy.
-
-  Returns:
-    True on the chief and in a single-process strategy.
-  """
+  """Whether this process is the chief (task "chief", or worker 0 without one; True for a
+  single-process strategy)."""
   resolver = getattr(strategy, "cluster_resolver", None)
   if resolver is None or num_workers(strategy) == 1:
     return True
@@ -74,16 +61,8 @@ def is_chief(strategy):
 
 
 def broadcast_from_chief(strategy, value):
-  """The chief's `value` on every worker: an all-reduce SUM to which only global replica 0
-  contributes. Call in cross-replica context (outside strategy.run).
-
-  Args:
-    strategy: the strategy.
-    value: a tensor of the same shape and dtype on every worker.
-
-  Returns:
-    The chief's value (this worker's first local result).
-  """
+  """The chief's `value` (a tensor of one shape and dtype on every worker) on every worker:
+  an all-reduce SUM to which only global replica 0 contributes. Cross-replica context."""
   value = tf.convert_to_tensor(value)
 
   def contribute():
@@ -119,17 +98,8 @@ def synchronize_noise(strategy, optimizer):
 
 
 class ReadOnlyLedgerJournal(ledger_callbacks.LedgerJournal):
-  """A non-chief worker's `LedgerJournal`: loads the chief's file on train begin when it
-  exists and holds more samples; never creates, appends to or deletes it.
-
-  Args:
-    path: the chief's journal file.
-    key: the journal's HMAC key, if any.
-
-  Raises:
-    ParameterValueError: on train begin, the journal was altered or is not a ledger
-      journal.
-  """
+  """A non-chief worker's `LedgerJournal` (same arguments): loads the chief's file on train
+  begin when it exists and holds more samples; never creates, appends to or deletes it."""
 
   def on_train_begin(self, logs=None):
     """Loads the chief's journal into the ledger when the file exists and holds more."""
@@ -145,11 +115,8 @@ class ReadOnlyLedgerJournal(ledger_callbacks.LedgerJournal):
 
 
 class RestoreOnlyBackup(keras.callbacks.BackupAndRestore):
-  """A non-chief worker's `BackupAndRestore`: restores the chief's backup, never writes one.
-
-  Args:
-    backup: the user's keras.callbacks.BackupAndRestore (its directory and settings).
-  """
+  """A non-chief worker's copy of the user's `BackupAndRestore` `backup` (its directory and
+  settings): restores the chief's backup, never writes one."""
 
   def __init__(self, backup):
     super().__init__(backup.backup_dir, save_freq=backup.save_freq,
@@ -167,17 +134,9 @@ class RestoreOnlyBackup(keras.callbacks.BackupAndRestore):
 
 
 def worker_callbacks(callbacks, journal, chief):
-  """The callbacks one worker runs: the chief's unchanged; on other workers no ledger or
-  backup file is written (module docstring).
-
-  Args:
-    callbacks: the list given to fit (or None).
-    journal: the journal path fit keeps (fit_sampling.journal_path), or None.
-    chief: whether this worker is the chief.
-
-  Returns:
-    A new list (the input's order kept).
-  """
+  """A new list of the callbacks one worker runs (fit's `callbacks`, in order): the chief's
+  unchanged; on other workers none writes a ledger or backup file, and the journal fit keeps
+  (`journal`, fit_sampling.journal_path) is read only."""
   callbacks = list(callbacks or [])
   if chief:
     return callbacks
