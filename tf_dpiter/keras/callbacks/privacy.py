@@ -83,14 +83,9 @@ _PASSES_AHEAD = weakref.WeakKeyDictionary()
 
 
 def begin_fit(model, passes_ahead=None):
-  """Forgets the meters of earlier fits on `model` (called by the first callback of a fit).
-
-  Args:
-    model: the keras.Model whose fit is starting.
-    passes_ahead: the fit's module-level function `(model, count) -> the passes / epochs not
-      yet charged that the next `count` steps would use, or None`; None: no sampler counts
-      them.
-  """
+  """Forgets the meters of earlier fits on `model` (called by the first callback of a fit);
+  `passes_ahead`: the fit's `(model, count) -> passes / epochs the next count steps start, or
+  None` (None: no sampler counts them)."""
   _FIT_METERS[model] = []
   if passes_ahead is None:
     _PASSES_AHEAD.pop(model, None)
@@ -99,13 +94,8 @@ def begin_fit(model, passes_ahead=None):
 
 
 def write_privacy_logs(model, epoch, logs):
-  """Has every PrivacyMeter of the running fit on `model` write its keys into `logs`.
-
-  Args:
-    model: the keras.Model being fit.
-    epoch: the epoch index (from 0) the logs belong to.
-    logs: the epoch's logs dict, updated in place (None: only epsilon is computed).
-  """
+  """Has every PrivacyMeter of the running fit on `model` write its keys into the `epoch`'s
+  `logs` (updated in place; None: only epsilon is computed)."""
   for meter in _FIT_METERS.get(model, ()):
     meter.write_logs(epoch, logs)
 

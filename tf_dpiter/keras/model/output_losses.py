@@ -37,25 +37,14 @@ class _Capture:
 
 def needs_build(model):
   """True if `model`'s compiled loss is not built and the model may have several outputs
-  (then `build` builds it: its per-output trackers do not exist before).
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    bool.
-  """
+  (then `build` builds it: its per-output trackers do not exist before)."""
   return keras_internals.compile_loss_unbuilt(model) and _may_have_several_outputs(model)
 
 
 def build(model, data):
-  """Builds the unbuilt compiled loss of a model that may have several outputs (from the
-  shapes of `data` and of the outputs on it), so its per-output trackers exist before the step.
-
-  Args:
-    model: a compiled keras.Model.
-    data: the batch (x, y[, sample_weight]), tensors.
-  """
+  """Builds the unbuilt compiled loss of a model that may have several outputs from the
+  shapes of the batch `data` (x, y[, sample_weight]) and of the outputs on it, so its
+  per-output trackers exist before the step."""
   if needs_build(model):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     # a forward pass for the outputs' shapes (unused ops: pruned from the step), under a
@@ -69,12 +58,7 @@ def build(model, data):
 @contextlib.contextmanager
 def silenced(model, trackers):
   """Within the block the compiled loss of `model` updates none of its per-output loss
-  trackers (`build` them first).
-
-  Args:
-    model: a compiled keras.Model whose compiled loss is built.
-    trackers: its per-output loss trackers (`keras_internals.output_loss_trackers`).
-  """
+  `trackers` (`keras_internals.output_loss_trackers`; `build` them first)."""
   if not trackers:
     yield
     return
@@ -102,16 +86,8 @@ def _real_mean(value, b, n):
 
 
 def update(model, trackers, y, y_pred, sample_weight):
-  """Adds this batch's per-output losses over its real examples to `model`'s trackers.
-
-  Args:
-    model: a compiled keras.Model.
-    trackers: its per-output loss trackers (`keras_internals.output_loss_trackers`; empty
-      for a single-output model: nothing is done).
-    y: the batch's targets (a nest of [B, ...] tensors).
-    y_pred: the batch's outputs (a nest of [B, ...] tensors).
-    sample_weight: None or the batch's sample weights (0 on padding rows).
-  """
+  """Adds this batch's per-output losses over its real examples (sample weights 0 on padding
+  rows) to `model`'s per-output loss `trackers` (none for one output: nothing is done)."""
   if not trackers:
     return
   captures = [_Capture() for _ in trackers]
