@@ -65,7 +65,8 @@ def dense_norm_fn(layer, inputs, training=None):
     res = sqr_norm_fn(dz)
     if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
-    return registry.FactorSums(res, lambda c: _dense_sums(layer, x, dz, c, on))
+    return registry.FactorSums(res, lambda c: _dense_sums(
+        layer, x, dz, c, on, bias_sum=lambda c: sqr_norm_fn.bias_sum(dz, c)))
 
   return outputs, z, norms_and_sums
 
@@ -131,7 +132,7 @@ def _bias_folded(on, x):
   return on[0] and on[1] and x.shape.rank is not None and x.shape.rank > 2
 
 
-def _dense_sums(layer, x, dz, factors, on=None):
+def _dense_sums(layer, x, dz, factors, on=None, bias_sum=None):
   """sum_i c_i g_i of a Dense layer, float32: kernel (c * x)^T dz or x^T (c * dz), one matrix
   product of the [B T.., K] and [B T.., N] rows of every position (whichever of x and dz is
   smaller gets the factors, dz at K = N); an EinsumDense that is a Dense (`_as_dense`) too,
@@ -146,7 +147,9 @@ def _dense_sums(layer, x, dz, factors, on=None):
   column of ones. Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows /
   drop_rows: one elementwise op each, no branch), so a record whose values are not finite
   adds nothing.
-  `on`: (kernel trained, bias trained) where the caller has read it (None: read here)."""
+  `on`: (kernel trained, bias trained) where the caller has read it (None: read here).
+  `bias_sum`: callable(factors) -> the bias's sum, from the per-record db whose norm was taken
+  (bias_and_parts' bias_sum), where the norm is not of the bias folded into the kernel."""
   if on is None:
     on = (algebra.trainable(layer.kernel), algebra.trainable(layer.bias))
   k, n = int(x.shape[-1]), int(dz.shape[-1])
@@ -163,7 +166,9 @@ def _dense_sums(layer, x, dz, factors, on=None):
     product = tf.matmul(algebra.reshape(xw, [-1, k]), algebra.reshape(dw, [-1, n]),
                         transpose_a=True)
     out[id(layer.kernel)] = _shaped(product, layer.kernel)
-  if on[1]:
+  if on[1] and bias_sum is not None:
+    out[id(layer.bias)] = bias_sum(factors)
+  elif on[1]:
     if dz_weighted:   # c_i dz_i: summed over the batch and the positions, one reduction
       out[id(layer.bias)] = _shaped(
           algebra.reduce_sum(dw, list(range(dw.shape.rank - 1))), layer.bias)
@@ -210,6 +215,7 @@ def bias_and_parts(layer, z, parts_fn, bias_on=None):
   outputs, z = _add_bias_and_activation(layer, z)
   if bias_on is None:
     bias_on = algebra.trainable(layer.bias)
+  dbs = {}   # dz -> the per-record db whose norm was taken (its clipped sum: bias_sum)
 
   def sqr_norm_fn(dz):
     sq, grads = None, {}
@@ -218,15 +224,35 @@ def bias_and_parts(layer, z, parts_fn, bias_on=None):
       if g is not None:
         grads[vid] = g
     if bias_on:
-      # the clipped sum is formed from db only where every gradient is kept (PerExampleGrads);
-      # else by another reduction of c dz: the norm then covers its terms' rounding
-      kept = all(id(v) in grads for v in layer.trainable_variables if v is not layer.bias)
-      sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape, sum_from_db=kept)
+      # the clipped sum of the bias is formed from this db (PerExampleGrads, or bias_sum):
+      # its float32 norm needs no bound
+      sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape, sum_from_db=True)
+      dbs[dz.ref() if tf.is_tensor(dz) else id(dz)] = (db, registry.RECORDS.k)
       sq = algebra.add_norms(sq, sq_b)
       grads[id(layer.bias)] = db
     return algebra.result(layer, algebra.zeros(dz) if sq is None else sq, grads)
 
+  def bias_sum(dz, example_factors):
+    """sum_j c_j db_j of the db whose norm sqr_norm_fn took for dz (called after it)."""
+    return _db_sum(layer, *dbs[dz.ref() if tf.is_tensor(dz) else id(dz)], example_factors)
+
+  sqr_norm_fn.bias_sum = bias_sum
   return outputs, z, sqr_norm_fn
+
+
+def _db_sum(layer, db, k, example_factors):
+  """sum_j c_j db_j over the records' bias gradients db [B / k, ...] (the very ones whose
+  norms were taken: a bias's per-record gradient is a float32 sum of its terms, and a sum
+  formed by another reduction of c dz rounds them another way, which where they nearly
+  cancel let one record move the clipped sum by more than C), shaped as the bias; a record
+  of factor 0 adds exactly 0 (budget.kept_sum); k the records' examples when db was formed.
+  A two-row product over B / k rows of the
+  bias's entries: cheaper than the reduction of c dz over the batch's positions."""
+  p = int(np.prod(layer.bias.shape))
+  flat = db if db.shape.rank == 2 else algebra.reshape(db, [-1, p])
+  with registry.examples_per_record(k):   # the records of the norm (sums run outside it)
+    record_c = budget.record_factors(tf.cast(example_factors, tf.float32))
+  return _shaped(budget.kept_sum(record_c, flat), layer.bias)
 
 
 def _add_bias_and_activation(layer, z):
@@ -382,7 +408,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
   """Per-record squared norms of an EinsumDense kernel's gradient, by the per-example
   einsum "in,out->b ker" over chunks of the batch (rules/budget.py), and the per-record
   gradients where they are kept (budget.keep_choice; registry.keep_per_example without a
-  budget). Where they are not, the clipped sum (_einsum_sums) rounds the record's terms
+  budget). Where they are not, the clipped sum (_einsum_kernel_sum) rounds the record's terms
   another way and the norms are upper bounds covering both roundings
   (algebra.with_terms_rounding with S = ||sum |x| |dz|||_F per record, one more einsum: one
   record whose terms cancelled across its examples moved the sum by 17.8 C).
@@ -409,7 +435,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
   rec = m // k if m is not None else None
 
   per_example = _einsum_terms(equation, x, dz)
-  rows = algebra.static_or_shape(x, 0) * per_example   # of the clipped sum (_einsum_sums)
+  rows = algebra.static_or_shape(x, 0) * per_example   # the clipped sum's (_einsum_kernel_sum)
   terms = per_example * (k if isinstance(k, int) else tf.cast(k, tf.float32))
 
   def pass_of(with_g):
@@ -419,7 +445,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
       sq = algebra.reduce_sum(tf.square(g), 1)
       if with_g:   # the clipped sum from this g: no bound
         return sq, g
-      # the sum by _einsum_sums rounds the record's terms another way: the norm raised by
+      # the sum by _einsum_kernel_sum rounds the record's terms another way: the norm raised by
       # gamma_L ||sum |x| |dz|||_F (algebra.with_sum_rounding's bound, its S the Frobenius
       # norm of the entrywise bound itself), L = k P + B P + 1 (P terms per entry per example)
       bound = registry.record_sum(tf.einsum(per_example_grad, tf.abs(xc), tf.abs(dc)))
@@ -455,9 +481,10 @@ def _einsum_terms(equation, x, dz):
 def _einsum_norms(layer, equation, x, dz):
   """The norms and clipped sum of an EinsumDense layer within the memory budget
   (rules/budget.py): registry.PerExampleGrads where the per-record gradients are kept (or
-  only the bias is trained), else registry.FactorSums whose sum is the book-keeping einsum
-  (_einsum_sums) over chunks of at most budget.CHUNK_BYTES of temporaries, or (a batch the
-  trace does not know) chosen at run time.
+  only the bias is trained), else registry.FactorSums whose kernel sum is the book-keeping
+  einsum (_einsum_kernel_sum) over chunks of at most budget.CHUNK_BYTES of temporaries, or (a
+  batch the trace does not know) chosen at run time; the bias's sum is always formed from the
+  per-record db whose norm is taken (_db_sum: no bound needed).
 
   Args:
     layer: the EinsumDense layer.
@@ -474,9 +501,8 @@ def _einsum_norms(layer, equation, x, dz):
   sq, keep, g = (_einsum_kernel_norms(equation, x, dz, p) if kernel_on else
                  (None, False, None))
   db = None
-  if bias_on:   # the sum from this db where the kernel's g is kept or the kernel frozen
-    sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape,
-                                     sum_from_db=keep is True or not kernel_on)
+  if bias_on:   # the bias's clipped sum is formed from this db in every form (_db_sum)
+    sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape, sum_from_db=True)
     sq = algebra.add_norms(sq, sq_b)
   if sq is None:
     sq = algebra.zeros(dz)
@@ -488,18 +514,22 @@ def _einsum_norms(layer, equation, x, dz):
   size = lambda t: algebra.static_positions(t.shape[1:])
   m = (budget.examples_per_chunk(x, 4 * 2 * (size(x) + size(dz)))
        if -1 not in (size(x), size(dz)) else None)
-  shapes = [v.shape for v in layer.trainable_variables]
+  records_k = registry.RECORDS.k   # the sums run outside the norms' records context
+
+  def with_bias(kernel_sum, c):
+    out = {id(layer.kernel): kernel_sum}
+    if bias_on:
+      out[id(layer.bias)] = _db_sum(layer, db, records_k, c)
+    return [out[id(v)] for v in layer.trainable_variables]
 
   def by_bookkeeping(c):
-    return budget.sum_over_chunks(lambda xc, dc, cc: _einsum_sums(layer, equation, xc, dc, cc),
-                                  (x, dz, c), m, shapes)
+    return with_bias(budget.sum_over_chunks(
+        lambda xc, dc, cc: [_einsum_kernel_sum(equation, xc, dc, cc)], (x, dz, c), m,
+        [layer.kernel.shape])[0], c)
 
   def from_kept(c):
-    rc = budget.record_factors(c)
-    out = {id(layer.kernel): algebra.reshape(budget.kept_sum(rc, g), layer.kernel.shape)}
-    if bias_on:
-      out[id(layer.bias)] = algebra.factor_product(rc, algebra.drop_rows(db, rc))
-    return [out[id(v)] for v in layer.trainable_variables]
+    return with_bias(algebra.reshape(budget.kept_sum(budget.record_factors(c), g),
+                                     layer.kernel.shape), c)
 
   def sum_fn(example_factors):
     c = tf.cast(example_factors, tf.float32)
@@ -509,20 +539,12 @@ def _einsum_norms(layer, equation, x, dz):
   return registry.FactorSums(sq, sum_fn)
 
 
-def _einsum_sums(layer, equation, x, dz, factors):
-  """sum_i c_i g_i of an EinsumDense layer, float32, as one einsum over the batch: kernel
-  einsum("in,out->ker", x, c * dz), bias sum_i c_i grad b_i (dz weighted, summed over the
-  axes the bias is broadcast along). Rows with c_i = 0 are exactly 0 in both operands
-  (algebra.weight_rows / drop_rows), so a record whose values are not finite adds nothing.
-  No backward pass through the network (a tape gradient per layer would trace one)."""
+def _einsum_kernel_sum(equation, x, dz, factors):
+  """sum_i c_i grad W_i of an EinsumDense kernel, float32, as one einsum over the batch:
+  einsum("in,out->ker", x, c * dz) (the bias's sum is formed from its per-record db,
+  `_db_sum`). Rows with c_i = 0 are exactly 0 in both operands (algebra.weight_rows /
+  drop_rows), so a record whose values are not finite adds nothing. No backward pass through
+  the network (a tape gradient per layer would trace one)."""
   inp, ker, out = equation
-  dw = algebra.weight_rows(dz, factors)
-  result = {}
-  if algebra.trainable(layer.kernel):
-    result[id(layer.kernel)] = tf.einsum(f"{inp},{out}->{ker}",
-                                         algebra.drop_rows(x, factors), dw)
-  if algebra.trainable(layer.bias):   # dw summed over the batch and the broadcast axes: one op
-    axes = [0] + algebra.bias_axes(dw.shape.rank, layer.bias.shape)
-    result[id(layer.bias)] = _shaped(algebra.reduce_sum(tf.cast(dw, tf.float32), axes),
-                                     layer.bias)
-  return [result[id(v)] for v in layer.trainable_variables]
+  return tf.einsum(f"{inp},{out}->{ker}", algebra.drop_rows(x, factors),
+                   algebra.weight_rows(dz, factors))

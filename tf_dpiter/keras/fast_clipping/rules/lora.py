@@ -129,9 +129,8 @@ def _with_factor_sums(layer, res, kernel_sums):
 
   def sums(dz, c):
     out = kernel_sums(dz, c)
-    if algebra.trainable(layer.bias):
-      out[id(layer.bias)] = tf.reduce_sum(
-          algebra.bias_grad(algebra.weight_rows(dz, c), layer.bias.shape), 0)
+    if algebra.trainable(layer.bias):   # from the db whose norm was taken (bias_and_parts)
+      out[id(layer.bias)] = sqr_norm_fn.bias_sum(dz, c)
     return [out[id(v)] for v in layer.trainable_variables]
 
   def norms_and_sums(dz):
