@@ -31,6 +31,7 @@ from .conftest import per_record_clipped_sum
 from .test_dense_sums_adversarial import _LOSS as _MSE
 from .test_dense_sums_adversarial import _assert_equal
 from .test_dense_sums_adversarial import _fast
+from .test_fast_clipping import assert_covers_every_pair
 from .test_gram_cancellation_review import C
 from .test_gram_cancellation_review import _contributions
 from .test_gram_cancellation_review import _model
@@ -50,10 +51,18 @@ def _direct(monkeypatch, kept):
     monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kept", [False, True])
-@pytest.mark.parametrize("einsum", [False, True])
-@pytest.mark.parametrize("use_bias", [True, False])
+# Dense and EinsumDense, kept and not, each in graph and under XLA; the bias on or off by
+# the parity of the three, so that every pair of the four axes meets (8 of the 16-case
+# product; test_forced_cases_cover_every_pair).
+_FORCED = [(einsum ^ kept ^ jit, einsum, kept, jit)
+           for einsum in (False, True) for kept in (False, True) for jit in (False, True)]
+
+
+def test_forced_cases_cover_every_pair():
+  assert_covers_every_pair(_FORCED, [[True, False]] * 4)
+
+
+@pytest.mark.parametrize("use_bias,einsum,kept,jit", _FORCED)
 def test_forced_direct_form_keeps_every_record_within_c(use_bias, einsum, kept, jit,
                                                          monkeypatch):
   _direct(monkeypatch, kept)

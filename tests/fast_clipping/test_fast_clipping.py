@@ -7,6 +7,7 @@ nothing here is random beyond fixed-seed inputs.
 """
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -211,6 +212,14 @@ def latin_pairs(first, second, third):
   assert len(third) <= min(len(first), len(second))
   return [(a, b, third[(i + j) % len(third)])
           for i, a in enumerate(first) for j, b in enumerate(second)]
+
+
+def assert_covers_every_pair(cases, axes):
+  """Every pair of values of every two axes (cases[k][i] takes its values in axes[i]) occurs
+  in some case: an all-pairs cover of the full product."""
+  for i, j in itertools.combinations(range(len(axes)), 2):
+    assert ({(repr(c[i]), repr(c[j])) for c in cases} ==
+            {(repr(u), repr(v)) for u in axes[i] for v in axes[j]}), (i, j)
 
 
 @pytest.mark.parametrize("frozen,form,in_shape", latin_pairs(

@@ -24,6 +24,8 @@ import tf_dpiter as dp
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
+from .test_fast_clipping import assert_covers_every_pair
+
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
 C = 1.0
 
@@ -81,9 +83,16 @@ def test_cost_chosen_gram_form_keeps_every_record_within_c(use_bias, jit):
   assert np.all(moved <= C * (1 + 1e-3)), moved.max()
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("einsum", [False, True])
-@pytest.mark.parametrize("use_bias", [True, False])
+# Dense and EinsumDense each in graph and under XLA, the bias on for one mode and off for
+# the other: every pair of {bias} x {layer} x {jit} meets (4 of the 8-case product).
+_FORCED = [(einsum ^ jit, einsum, jit) for einsum in (False, True) for jit in (False, True)]
+
+
+def test_forced_cases_cover_every_pair():
+  assert_covers_every_pair(_FORCED, [[True, False]] * 3)
+
+
+@pytest.mark.parametrize("use_bias,einsum,jit", _FORCED)
 def test_forced_gram_form_keeps_every_record_within_c(use_bias, einsum, jit, monkeypatch):
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
   model = _model(32, 24, use_bias, einsum)
