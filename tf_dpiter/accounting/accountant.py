@@ -141,8 +141,16 @@ def shuffle_passes_needed(group):
   return math.ceil(group.count / math.ceil(group.population_size / group.sample_size))
 
 
-def _content(ledger, key=None):
-  """LedgerContent of a LedgerContent or of anything `ledger_runs` reads."""
+def ledger_content(ledger, key=None):
+  """The LedgerContent (sample groups and passes) the accountant reads of a ledger.
+
+  Args:
+    ledger: a LedgerContent (returned as it is), or anything `ledger_runs` reads.
+    key: the HMAC key a ledger file or dict is verified with, or None.
+
+  Returns:
+    a LedgerContent.
+  """
   if isinstance(ledger, LedgerContent):
     return ledger
   runs, passes = ledger_runs(ledger, key)
@@ -163,7 +171,7 @@ def ledger_to_dp_event(ledger, accountant="rdp"):
   Raises:
     PrivacyConfigError: a ledger that cannot be accounted soundly (see `privacy_report`).
   """
-  c = _content(ledger)
+  c = ledger_content(ledger)
   event, _, _ = ledger_events.events_from_groups(c.groups, accountant, c.passes)
   return event
 
@@ -352,7 +360,7 @@ def privacy_report(ledger, delta=None, epsilon=None, accountant="rdp", key=None)
     PrivacyConfigError: bad arguments, an altered file (a wrong digest; with `key`, a wrong or
       missing HMAC), or a ledger that cannot be accounted soundly.
   """
-  content = _content(ledger, key)
+  content = ledger_content(ledger, key)
   if delta is not None and epsilon is None:
     # stacklevel 4: the user's line is behind this function and its `validates` wrapper.
     population = max([g.population_size for g in content.groups

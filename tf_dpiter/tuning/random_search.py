@@ -91,12 +91,6 @@ class SelectionReport:
   ledger: Optional[dict] = None
 
 
-def _groups_and_passes(ledger):
-  """(SampleGroups, passes) of anything `accountant.ledger_runs` reads."""
-  runs, passes = accountant_lib.ledger_runs(ledger)
-  return ledger_events.groups_from_runs(runs), passes
-
-
 def selection_ledger(trial_ledger, mean, shape, trials, key=None):
   """The ledger of a selected trial with its selection record (version 3 file dict).
 
@@ -122,8 +116,8 @@ def _common_mechanism(trial_ledgers, accountant):
   """Raises ValueError unless every trial's ledger converts to the same event and relation."""
   events = []
   for ledger in trial_ledgers:
-    groups, passes = _groups_and_passes(ledger)
-    events.append(ledger_events.events_from_groups(groups, accountant, passes))
+    content = accountant_lib.ledger_content(ledger)
+    events.append(ledger_events.events_from_groups(content.groups, accountant, content.passes))
   first, relation, _ = events[0]
   for i, (e, r, _) in enumerate(events[1:], 1):
     if e != first or r != relation:

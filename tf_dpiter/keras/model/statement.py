@@ -20,7 +20,6 @@ from typing import Optional, Tuple
 
 from tf_dpiter import accounting
 from tf_dpiter.accounting import accountant as accountant_lib
-from tf_dpiter.accounting import ledger_events
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.callbacks import privacy as privacy_callbacks
 from tf_dpiter.ledger import records
@@ -92,9 +91,8 @@ def _unique(values):
 
 def _sampling_groups(ledger):
   """The ledger's non-empty sampling groups (no selection records), and its shuffled passes."""
-  runs, passes = accountant_lib.ledger_runs(ledger)
-  groups = ledger_events.groups_from_runs(runs)
-  return [g for g in groups if not g.is_selection and g.count > 0], passes
+  content = accountant_lib.ledger_content(ledger)
+  return [g for g in content.groups if not g.is_selection and g.count > 0], content.passes
 
 
 def _mismatch_note(policy, eps_poisson, epsilon, num_microbatches):
@@ -165,14 +163,9 @@ _WARNED_PAST_TARGET = weakref.WeakSet()   # optimizers already warned
 
 def warn_if_past_target(model):
   """Warns once per optimizer when the ledger's epsilon went past the target z was calibrated
-  to (`from_budget`: T steps at q = batch_size / population_size): more steps than T, a
-  larger q, or another policy. The ledger still accounts the run exactly.
-
-  Args:
-    model: a DP model whose optimizer may carry `calibration` (the calibration's inputs).
-
-  Returns:
-    the ledger's epsilon when it exceeds the target (a warning was issued), else None.
+  to (`from_budget`: T steps at q = batch_size / population_size; the optimizer's
+  `calibration`): more steps than T, a larger q, or another policy. The ledger still
+  accounts the run exactly. Returns the ledger's epsilon when it exceeds the target, else None.
   """
   opt = getattr(model, "optimizer", None)
   calib = getattr(opt, "calibration", None)
@@ -188,17 +181,8 @@ def warn_if_past_target(model):
 
 
 def past_target_message(ledger, calib, report):
-  """The text of `warn_if_past_target`: which way the run left its calibration, both numbers.
-
-  Args:
-    ledger: the run's PrivacyLedger.
-    calib: the optimizer's `calibration` dict (epsilon, delta, steps, batch_size,
-      population_size, sampling, noise_multiplier).
-    report: the ledger's PrivacyReport at the calibration's delta.
-
-  Returns:
-    str.
-  """
+  """The text of `warn_if_past_target`: which way the run left its calibration `calib` (the
+  optimizer's dict), both numbers; `report` is the ledger's at the calibration's delta."""
   groups, _ = _sampling_groups(ledger)
   steps, planned = int(report.num_samples), calib.get("steps")
   batch, population = calib.get("batch_size"), calib.get("population_size")
