@@ -18,17 +18,8 @@ from tf_dpiter.keras.optimizer import saved_ledger
 
 
 def model_ledger(model):
-  """The privacy ledger of a DP model (or of its optimizer); ValueError if it has none.
-
-  Args:
-    model: a keras.Model (a tf_dpiter DP model, or one with a DP optimizer).
-
-  Returns:
-    The model's `ledger`, else its optimizer's `ledger`.
-
-  Raises:
-    PrivacyConfigError: neither the model nor its optimizer has a ledger.
-  """
+  """The `ledger` of a DP model, else of its optimizer; PrivacyConfigError when neither has
+  one."""
   ledger = getattr(model, "ledger", None)
   if ledger is None:
     ledger = getattr(getattr(model, "optimizer", None), "ledger", None)
@@ -44,15 +35,8 @@ def model_iterations(model):
 
 
 def check_ledger_covers(model, ledger=None):
-  """Refuses a model whose optimizer took more steps than its ledger holds samples.
-
-  Args:
-    model: a compiled DP keras.Model.
-    ledger: its ledger (default: `model_ledger(model)`).
-
-  Raises:
-    PrivacyConfigError: optimizer iterations > ledger samples (the message says how to supply it).
-  """
+  """Refuses (PrivacyConfigError, saying how to supply the ledger) a compiled DP model whose
+  optimizer took more steps than its `ledger` (default: `model_ledger(model)`) holds samples."""
   ledger = model_ledger(model) if ledger is None else ledger
   saved_ledger.check_counts(model_iterations(model), int(ledger.sample_count.numpy()))
 
