@@ -135,3 +135,22 @@ def test_bound_is_tight_on_ordinary_records(geometry, k, jit):
   got = np.sqrt(returned_sqr_norms(x, dz, ksize, stride, padding, k, jit))
   rel = got / exact - 1
   assert np.all(rel >= -2.0 ** -23) and np.all(rel <= 1e-3), (rel.min(), rel.max())
+
+
+def test_xla_keeps_the_contraction_rows_a_dot():
+  """_fold_gram_contraction's bound takes 2 T' - 1 roundings per product (T' row sums, then
+  the rows): under XLA that holds only while the rows stay a dot (XLA merges two reductions
+  into one of T'^2 products, gamma_{T'^2}). The compiled function's optimized HLO must hold
+  a dot of the Grams to [R, T'] (TF 2.21 does); a compiler that fuses it fails here."""
+  rng = np.random.RandomState(0)
+  a = tf.constant(rng.normal(size=(4, 30, 7)), tf.float32)
+  b = tf.constant(rng.normal(size=(4, 30, 5)), tf.float32)
+  ga, gb = tf.matmul(a, a, transpose_b=True), tf.matmul(b, b, transpose_b=True)
+
+  def fn(ga, gb):
+    na, nb = tf.sqrt(tf.linalg.diag_part(ga)), tf.sqrt(tf.linalg.diag_part(gb))
+    return conv._fold_gram_contraction(ga, gb, na, nb, 20, 8)
+
+  hlo = tf.function(fn, jit_compile=True).experimental_get_compiler_ir(ga, gb)(
+      stage="optimized_hlo")
+  assert any("f32[4,30]" in line and " dot(" in line for line in hlo.splitlines()), hlo
