@@ -20,6 +20,8 @@ from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 from .conftest import per_record_clipped_sum
+from .test_fast_clipping import assert_covers_every_pair
+from .test_fast_clipping import latin_pairs
 
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
 _T = 4
@@ -68,10 +70,21 @@ def _fast(model, x, y, clip, jit):
   return [tf.convert_to_tensor(g).numpy() for g in grads], norms.numpy()
 
 
-@pytest.mark.parametrize("bad", [np.inf, np.nan])
-@pytest.mark.parametrize("form", [None, "gram", "chunks"])
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("case", _CASES)
+# Each case with every (jit, bad value) pair, the three forms dealt across them so that every
+# pair of the four axes {case} x {jit} x {form} x {bad} meets (20 of the 60-case product;
+# test_non_finite_cases_cover_every_pair checks it).
+_JIT_BAD = [(False, np.inf), (True, np.nan), (True, np.inf), (False, np.nan)]
+_NON_FINITE = [(case, jit, form, bad) for case, (jit, bad), form in latin_pairs(
+    _CASES, _JIT_BAD, [None, "gram", "chunks"])]
+
+
+def test_non_finite_cases_cover_every_pair():
+  assert_covers_every_pair(_NON_FINITE, [_CASES, [False, True], [None, "gram", "chunks"],
+                                         [np.inf, np.nan]])
+  assert len(_NON_FINITE) == 20
+
+
+@pytest.mark.parametrize("case,jit,form,bad", _NON_FINITE)
 def test_non_finite_record_adds_nothing(case, jit, form, bad, monkeypatch):
   _force(monkeypatch, form)
   model = _model(*case)

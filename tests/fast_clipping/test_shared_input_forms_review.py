@@ -22,6 +22,8 @@ from .conftest import per_record_clipped_sum
 from .test_dense_sums_adversarial import _LOSS
 from .test_dense_sums_adversarial import _assert_equal
 from .test_dense_sums_adversarial import _fast
+from .test_fast_clipping import assert_covers_every_pair
+from .test_fast_clipping import latin_pairs
 
 _L = keras.layers
 
@@ -50,10 +52,23 @@ def _data(b, t, k, seed=0):
 _SHAPES = [(3, 9, 9), (12, 3, 2), (4, 7, 8), (4, 8, 8)]
 
 
-@pytest.mark.parametrize("form", [None, "gram", "direct"])
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("t,k,n", _SHAPES)
-def test_shared_input_layers_equal_the_loop(t, k, n, jit, form, monkeypatch):
+_FORMS = [None, "gram", "direct"]
+# Each shape in every form, graph and XLA alternating (latin_pairs): every pair of
+# {shape} x {form} x {jit} meets, each shape and each form in graph and under XLA (12 of the
+# 24-case product); the non-finite records likewise over {bad value} x {form} x {jit} (9 of
+# 18). test_the_cases_cover_every_pair checks both.
+_SHAPE_CASES = latin_pairs(_SHAPES, _FORMS, [False, True])
+_BAD_CASES = latin_pairs([np.inf, 1e30, -np.inf], _FORMS, [False, True])
+
+
+def test_the_cases_cover_every_pair():
+  assert_covers_every_pair(_SHAPE_CASES, [_SHAPES, _FORMS, [False, True]])
+  assert_covers_every_pair(_BAD_CASES, [[np.inf, 1e30, -np.inf], _FORMS, [False, True]])
+
+
+@pytest.mark.parametrize("shape,form,jit", _SHAPE_CASES)
+def test_shared_input_layers_equal_the_loop(shape, form, jit, monkeypatch):
+  t, k, n = shape
   if form is not None:
     monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   model = _model(t, k, n)
@@ -81,9 +96,7 @@ def test_records_of_two_masked_on_shared_input(form, jit, monkeypatch):
   _assert_equal(got, want)
 
 
-@pytest.mark.parametrize("bad_value", [np.inf, 1e30, -np.inf])
-@pytest.mark.parametrize("form", [None, "gram", "direct"])
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("bad_value,form,jit", _BAD_CASES)
 def test_a_non_finite_record_adds_nothing(bad_value, form, jit, monkeypatch):
   if form is not None:
     monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
