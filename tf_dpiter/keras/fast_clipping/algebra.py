@@ -115,8 +115,8 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   Where the clipped sum is not formed from the g returned here, the direct form's norm is an
   upper bound that covers the rounding of the record's terms in g and in that sum
   (`with_sum_rounding`); the Gram form's is an upper bound of the exact norm raised the same
-  way for the clipped sum's product (`gram_sqr_norm` with sum_rows); with one position per record (T = 1) no terms can cancel and the norm is
-  exact to a relative rounding.
+  way for the clipped sum's product (`gram_sqr_norm` with sum_rows); with one position per
+  record (T = 1) no terms can cancel and the norm is exact to a relative rounding.
 
   Args:
     a: [B, T, K] layer inputs.
