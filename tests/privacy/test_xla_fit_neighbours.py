@@ -46,7 +46,7 @@ def test_fit_under_xla_moves_the_clipped_sum_by_at_most_c(sequence, monkeypatch)
   factor_sums = []
   sums = dense_rule._dense_sums
   monkeypatch.setattr(dense_rule, "_dense_sums",
-                      lambda *a: factor_sums.append(1) or sums(*a))
+                      lambda *a, **k: factor_sums.append(1) or sums(*a, **k))
   model = _model(sequence)
   rng = np.random.RandomState(0)
   x = rng.randn(REAL, *((T, F) if sequence else (F,))).astype("float32")

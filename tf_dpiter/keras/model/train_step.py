@@ -509,7 +509,8 @@ class TrainStepMixin:
       batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
     # per-record losses: no per-output tracker update inside the clipped sum
-    with output_losses.silenced(self, facts.output_trackers):
+    with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
+          else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
       want = facts.wants_outputs
       if getattr(self, "_dp_noise_inside", False):
         (grads, events), loss_sum, num_records, y_pred = core(
@@ -522,7 +523,8 @@ class TrainStepMixin:
     opt.apply_private_gradients(grads, self.trainable_variables)
     facts.loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
                                     sample_weight=num_records)
-    output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)  # epoch means
+    if facts.output_trackers:   # per-output epoch means
+      output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
     if facts.loss_scale != 1.0:
       logs = dict(logs)

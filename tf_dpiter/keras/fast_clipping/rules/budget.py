@@ -305,16 +305,18 @@ def by_keep(keep, kept_fn, other_fn):
   return tf.cond(keep, kept_fn, other_fn)
 
 
-def record_factors(example_factors):
+def record_factors(example_factors, k=None):
   """[B] clip factors of each example's record -> [B / k] factors of the records.
 
   Args:
     example_factors: [B] float32, each example's record's factor.
+    k: the records' examples (None: the enclosing registry.examples_per_record's).
 
   Returns:
     [B / k] float32.
   """
-  k = registry.current_examples_per_record()
+  if k is None:
+    k = registry.current_examples_per_record()
   if isinstance(k, int) and k == 1:
     return example_factors
   return tf.reshape(example_factors, [-1, k])[:, 0]

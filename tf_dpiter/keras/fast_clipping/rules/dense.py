@@ -250,8 +250,7 @@ def _db_sum(layer, db, k, example_factors):
   bias's entries: cheaper than the reduction of c dz over the batch's positions."""
   p = int(np.prod(layer.bias.shape))
   flat = db if db.shape.rank == 2 else algebra.reshape(db, [-1, p])
-  with registry.examples_per_record(k):   # the records of the norm (sums run outside it)
-    record_c = budget.record_factors(tf.cast(example_factors, tf.float32))
+  record_c = budget.record_factors(tf.cast(example_factors, tf.float32), k)   # the norm's k
   return _shaped(budget.kept_sum(record_c, flat), layer.bias)
 
 
