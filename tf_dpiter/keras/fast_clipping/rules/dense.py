@@ -246,8 +246,8 @@ def _db_sum(layer, db, k, example_factors):
   formed by another reduction of c dz rounds them another way, which where they nearly
   cancel let one record move the clipped sum by more than C), shaped as the bias; a record
   of factor 0 adds exactly 0 (budget.kept_sum); k the records' examples when db was formed.
-  A two-row product over B / k rows of the
-  bias's entries: cheaper than the reduction of c dz over the batch's positions."""
+  A two-row product over B / k rows of the bias's entries: cheaper than the reduction of
+  c dz over the batch's positions."""
   p = int(np.prod(layer.bias.shape))
   flat = db if db.shape.rank == 2 else algebra.reshape(db, [-1, p])
   record_c = budget.record_factors(tf.cast(example_factors, tf.float32), k)   # the norm's k
