@@ -57,16 +57,8 @@ def _log_mgf_capped_neg(noise: str, lam: np.ndarray, cap: float) -> np.ndarray:
 
 
 def upper_quantile(noise: str, p: int, alpha: float) -> float:
-  """U with P(sum of p iid X >= U) <= alpha (Chernoff), X = |noise| / scale.
-
-  Args:
-    noise: "laplace" or "gaussian".
-    p: number of weights.
-    alpha: tail probability in (0, 1).
-
-  Returns:
-    The bound U.
-  """
+  """U with P(sum of p iid X >= U) <= alpha in (0, 1) (Chernoff), X = |noise| / scale for
+  noise "laplace" or "gaussian"."""
   lam = _LAMBDAS_UPPER if noise == "laplace" else _LAMBDAS_LOWER
   lam = lam[lam < 1.0] if noise == "laplace" else lam
   vals = (p * _log_mgf_abs(noise, lam) + math.log(1.0 / alpha)) / lam
@@ -74,33 +66,16 @@ def upper_quantile(noise: str, p: int, alpha: float) -> float:
 
 
 def lower_quantile(noise: str, p: int, alpha: float, cap: float) -> float:
-  """L with P(sum of p iid min(X, cap) <= L) <= alpha (Chernoff); 0 when none applies.
-
-  Args:
-    noise: "laplace" or "gaussian".
-    p: number of weights.
-    alpha: tail probability in (0, 1).
-    cap: per-weight cap m of the statistic.
-
-  Returns:
-    The bound L >= 0.
-  """
+  """L >= 0 with P(sum of p iid min(X, cap) <= L) <= alpha in (0, 1) (Chernoff), X = |noise|
+  / scale, cap the per-weight cap m of the statistic; 0 when none applies."""
   lam = _LAMBDAS_LOWER if noise == "laplace" else _LAMBDAS_LOWER[_LAMBDAS_LOWER <= 20.0]
   vals = (math.log(alpha) - p * _log_mgf_capped_neg(noise, lam, cap)) / lam
   return float(max(0.0, np.max(vals)))
 
 
 def per_weight_quantile(noise: str, p: int, alpha: float) -> float:
-  """q with p * P(X > q) <= alpha (exact tails).
-
-  Args:
-    noise: "laplace" or "gaussian".
-    p: number of weights.
-    alpha: total tail probability.
-
-  Returns:
-    The bound q.
-  """
+  """q with p P(X > q) <= alpha (exact tails), X = |noise| / scale for noise "laplace" or
+  "gaussian"."""
   target = alpha / p
   if noise == "laplace":
     return math.log(1.0 / target)

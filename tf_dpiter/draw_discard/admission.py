@@ -46,15 +46,8 @@ class Admitted:
 
 
 def rule_refusal(rule: acceptance.AcceptanceRule, reason: str) -> Refused:
-  """The Refused of an acceptance-rule or budget reason.
-
-  Args:
-    rule: the acceptance rule (its max_abs_weight is quoted).
-    reason: the reason string.
-
-  Returns:
-    A Refused (422) to raise.
-  """
+  """The Refused (422) to raise for an acceptance-rule or budget reason (the rule's
+  max_abs_weight quoted)."""
   if reason == "non_finite":
     return Refused(422, "non_finite", reason, "weights contain NaN or infinity", True)
   if reason == "out_of_range":
@@ -81,15 +74,9 @@ class Admission:
     self.newcomers = newcomers
 
   def admit(self, identity: str, sub: parsing.Submission, key: str | None = None) -> Admitted:
-    """Steps 1-5 of the module docstring; reserves the step in the budget.
-
-    Args:
-      identity: the submitter (token identity or address; the ticket's binding).
-      sub: the parsed submission.
-      key: the budget key (default identity; sybil.budget_key).
-
-    Returns:
-      The Admitted submit; call `release` if it is not stored after all.
+    """Steps 1-5 of the module docstring for submission `sub` by `identity` (the ticket's
+    binding; budget `key` default identity, sybil.budget_key); reserves the step in the budget
+    and returns the Admitted submit: call `release` if it is not stored after all.
 
     Raises:
       Refused: at the first failing step.
@@ -134,11 +121,7 @@ class Admission:
     return new
 
   def release(self, admitted: Admitted) -> None:
-    """Undoes the budget reservation of a submit that was not stored.
-
-    Args:
-      admitted: what admit returned.
-    """
+    """Undoes the budget reservation of an Admitted submit that was not stored."""
     self.budget.release(admitted.identity, admitted.step)
     if self.newcomers is not None:
       self.newcomers.untake(admitted.new)

@@ -67,10 +67,8 @@ class Anchor:
     self._writer: asyncio.Future | None = None
 
   def load(self) -> dict | None:
-    """The newest intact record of the file (see save; or one JSON object), None without file.
-
-    Returns:
-      {"generation", "seq"[, "epochs", "last_epoch"]} or None.
+    """The newest intact record of the file (see save; or one JSON object), {"generation",
+    "seq"[, "epochs", "last_epoch"]}; None without file.
 
     Raises:
       OSError: when the file exists but cannot be read.
@@ -100,15 +98,9 @@ class Anchor:
         f"start this server once with --adopt-store (anchor {self.path!r})")
 
   async def check(self, store, wrote: bool, reset: bool) -> int:
-    """Start-up check of `store` against the anchor; returns the anchored sequence number.
-
-    Args:
-      store: a RedisStore that was just initialized or joined.
-      wrote: whether this start wrote a fresh model into the store.
-      reset: whether this start was asked to overwrite the model (--reset).
-
-    Returns:
-      The anchored sequence number (0 when none applies).
+    """Start-up check of a RedisStore just initialized (`wrote`: this start wrote a fresh
+    model) or joined, against the anchor (`reset`: --reset was asked); returns the anchored
+    sequence number (0 when none applies).
 
     Raises:
       store.StoreRolledBack: see the module docstring.
@@ -149,11 +141,6 @@ class Anchor:
   async def start(self, store, wrote: bool, reset: bool) -> None:
     """check(), then this start's epoch entry, the high-water mark and a first anchor.
 
-    Args:
-      store: the RedisStore.
-      wrote: whether this start wrote a fresh model.
-      reset: whether this start was asked to overwrite the model.
-
     Raises:
       store.StoreRolledBack: see check().
     """
@@ -164,18 +151,14 @@ class Anchor:
     await self.commit(store, store.high_water)
 
   def save(self, generation: str, seq: int, epochs: int = 0, last_epoch: str = "") -> None:
-    """Writes the anchor durably (fdatasync) without a window where none is on disk.
+    """Writes the anchor (the store's generation, the highest `seq`, never lowered within a
+    generation, and the epoch list's length and last entry read after `seq` was seen) durably
+    (fdatasync) without a window where none is on disk.
 
     The file holds two records of _REC bytes, each `BLAKE2b-64 hex | JSON` with a counter
     n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
     other intact. The file itself is created (or converted from one JSON object) by writing
     a temporary file, fsyncing it, renaming it and fsyncing the directory.
-
-    Args:
-      generation: the store's generation.
-      seq: the highest sequence number to anchor (never lowered within a generation).
-      epochs: length of the store's epoch list, read after `seq` was seen.
-      last_epoch: its last entry.
     """
     if self._saved is not None and self._saved[0] == generation:
       seq = max(seq, self._saved[1])
@@ -219,11 +202,8 @@ class Anchor:
       self._fd = None
 
   async def commit(self, store, seq: int) -> None:
-    """Returns once the anchor on disk holds at least `seq` (one write per batch).
-
-    Args:
-      store: the RedisStore (generation; its epoch list is read for each write).
-      seq: the sequence number that must be anchored.
+    """Returns once the anchor on disk holds at least `seq` (one write per batch; the
+    RedisStore's epoch list is read for each write).
 
     Raises:
       store.StoreUnavailable: the anchor file cannot be written (the update is stored
@@ -258,12 +238,7 @@ class Anchor:
       self._writer = None
 
   async def run(self, store, every_s: float = 1.0) -> None:
-    """Anchors the store's high-water mark every `every_s` seconds (cancel to stop).
-
-    Args:
-      store: a RedisStore (its generation and high_water).
-      every_s: seconds between saves.
-    """
+    """Anchors the RedisStore's high-water mark every `every_s` seconds (cancel to stop)."""
     while True:
       await asyncio.sleep(every_s)
       try:

@@ -46,11 +46,7 @@ def catch_early_hangups() -> None:
 
 
 def take_early_hangup() -> bool:
-  """Whether a SIGHUP arrived since catch_early_hangups() (clears the flag).
-
-  Returns:
-    True once per early SIGHUP burst.
-  """
+  """Whether a SIGHUP arrived since catch_early_hangups() (True once per burst; clears it)."""
   pending, _early_hangups["pending"] = _early_hangups["pending"], False
   return pending
 
@@ -65,16 +61,10 @@ class TokenFileUnsettled(OSError):
 
 def read_token_file(path: str, settle_s: float = SETTLE_S, clock=time.time,
                     whole_lines: bool = True) -> list:
-  """The tokens of a token file, read as one consistent whole.
-
-  Args:
-    path: the token file (one token per line; blank and '#' lines skipped).
-    settle_s: seconds the file must have been unchanged (0: read now).
-    clock: wall-clock time source in seconds (compared with the file's mtime).
-    whole_lines: refuse a file whose last line has no newline (a partial write).
-
-  Returns:
-    The token strings.
+  """The tokens of `path` (one a line; blank and '#' lines skipped), read as one consistent
+  whole once the file has been unchanged for settle_s seconds of `clock` (compared with its
+  mtime; 0: read now); with `whole_lines`, a last line without its newline (a partial write)
+  is refused.
 
   Raises:
     TokenFileUnsettled: the file was modified less than settle_s seconds ago.
@@ -102,14 +92,7 @@ def read_token_file(path: str, settle_s: float = SETTLE_S, clock=time.time,
 
 
 def token_digest(token: str) -> str:
-  """SHA-256 hex digest of a token.
-
-  Args:
-    token: the bearer token.
-
-  Returns:
-    64 hex characters.
-  """
+  """The SHA-256 hex digest (64 characters) of a bearer token."""
   return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
@@ -138,41 +121,28 @@ class TokenSet:
 
   @classmethod
   def from_file(cls, path: str, settle_s: float = 0.0) -> "TokenSet":
-    """Reads one token per line (read_token_file: all or nothing).
-
-    Args:
-      path: the token file.
-      settle_s: seconds the file must have been unchanged (0 at start-up: read now, and a
-        last line without its newline is accepted; > 0: reloads, where it is refused).
-
-    Returns:
-      A TokenSet.
+    """A TokenSet of `path` (read_token_file: all or nothing); settle_s 0 at start-up reads
+    now and accepts a last line without its newline, > 0 (reloads) refuses it.
 
     Raises:
       TokenFileUnsettled: the file was modified less than settle_s seconds ago.
-      OSError: when the file cannot be read.
-      ParameterValueError: when it holds no valid token, changed while read or ends mid-line.
+      OSError: the file cannot be read.
+      ParameterValueError: it holds no valid token, changed while read or ends mid-line.
     """
     out = cls(read_token_file(path, settle_s, whole_lines=settle_s > 0))
     out.path = path
     return out
 
   def reload(self, settle_s: float = SETTLE_S) -> int:
-    """Re-reads the token file in place (revocation); keeps the old set on any error.
-
-    Tokens dropped from the file are remembered as revoked (at most MAX_REVOKED).
-
-    Args:
-      settle_s: seconds the file must have been unchanged before it is read.
-
-    Returns:
-      The number of tokens now accepted.
+    """Re-reads the token file in place (revocation) once unchanged for settle_s seconds and
+    returns the number of tokens now accepted; keeps the old set on any error. Dropped tokens
+    are remembered as revoked (at most MAX_REVOKED).
 
     Raises:
       TokenFileUnsettled: the file is too fresh; call again after its `wait_s`.
-      ParameterValueError: when the set was not read from a file, or the file holds no valid token,
-        changed while read or ends mid-line.
-      OSError: when the file cannot be read.
+      ParameterValueError: the set was not read from a file, or the file holds no valid
+        token, changed while read or ends mid-line.
+      OSError: the file cannot be read.
     """
     if self.path is None:
       raise ParameterValueError("this TokenSet was not read from a file; nothing to reload")
@@ -190,15 +160,9 @@ class TokenSet:
     return len(self._digests)
 
   def identify(self, authorization: str | None) -> tuple[str | None, str]:
-    """Identity of an Authorization header value.
-
-    Args:
-      authorization: the header value or None.
-
-    Returns:
-      (identity, "") when the token is known; (None, "missing_token"),
-      (None, "revoked_token") for a token removed by a reload, or (None, "invalid_token").
-    """
+    """(identity, "") of an Authorization header value whose token is known; else (None,
+    "missing_token"), (None, "revoked_token") for a token a reload removed, or (None,
+    "invalid_token")."""
     if not authorization or not authorization.startswith("Bearer "):
       return None, "missing_token"
     digest = token_digest(authorization[7:].strip())
@@ -231,25 +195,14 @@ class AuthThrottle:
     return min(self.burst, level + (self._clock() - last) * self.rate)
 
   def wait(self, addr: str) -> float:
-    """Seconds until `addr` may try a token again (0: now).
-
-    Args:
-      addr: the client address.
-
-    Returns:
-      Seconds to wait.
-    """
+    """Seconds until address `addr` may try a token again (0: now)."""
     if addr not in self._levels:
       return 0.0
     level = self._level(addr)
     return 0.0 if level >= 1.0 else (1.0 - level) / self.rate
 
   def failed(self, addr: str) -> None:
-    """Records one failed authentication from `addr`.
-
-    Args:
-      addr: the client address.
-    """
+    """Records one failed authentication from address `addr`."""
     level = self._level(addr)
     self._levels.pop(addr, None)
     self._levels[addr] = (max(0.0, level - 1.0), self._clock())
@@ -288,15 +241,9 @@ class Quotas:
     self._clock = clock
 
   def take(self, identity: str, op: str) -> float:
-    """Takes one request from the bucket.
-
-    Args:
-      identity: who asks (token digest prefix or client address).
-      op: the operation ("draw", "submit").
-
-    Returns:
-      0.0 when allowed, else the seconds until the next request would be allowed.
-    """
+    """Takes one request of operation `op` ("draw", "submit") from the bucket of `identity`
+    (token digest prefix or client address): 0.0 when allowed, else the seconds until the
+    next request would be."""
     rate = self.rates.get(op)
     if rate is None:
       return 0.0
@@ -312,12 +259,5 @@ class Quotas:
 
 
 def retry_after_header(wait_s: float) -> str:
-  """Retry-After value (whole seconds, at least 1).
-
-  Args:
-    wait_s: seconds to wait.
-
-  Returns:
-    The header value.
-  """
+  """The Retry-After value of wait_s seconds (whole seconds, at least 1)."""
   return str(max(1, math.ceil(wait_s)))

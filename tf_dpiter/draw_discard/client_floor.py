@@ -43,10 +43,7 @@ class PrivacyFloor:
     validation.check_delta("max_delta", self.max_delta)
 
   def check(self, spec: glm.ModelSpec) -> None:
-    """Raises PrivacyFloorError if `spec` is weaker than this floor.
-
-    Args:
-      spec: the served spec.
+    """Raises PrivacyFloorError if the served spec is weaker than this floor.
 
     Raises:
       PrivacyFloorError: naming the setting and both values.

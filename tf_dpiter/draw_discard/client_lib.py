@@ -94,10 +94,7 @@ class DDMLClient:
     raise AssertionError("unreachable")
 
   def draw(self) -> Drawn:
-    """Draws an instance (raw encoding) with its spec (fetched once per version).
-
-    Returns:
-      A Drawn.
+    """A Drawn: an instance (raw encoding) with its spec (fetched once per version).
 
     Raises:
       DDMLError: for an error answer, or a body that is not the spec's finite weights.
@@ -202,10 +199,7 @@ class DDMLClient:
     return self.submit(drawn, new)
 
   def model(self) -> np.ndarray:
-    """The served model: the average of the k instances (GET /v1/model, raw).
-
-    Returns:
-      [p] float64.
+    """The served model, [p] float64: the average of the k instances (GET /v1/model, raw).
 
     Raises:
       DDMLError: for an error answer.
@@ -215,10 +209,7 @@ class DDMLClient:
     return np.frombuffer(data, dtype="<f8").copy()
 
   def spec(self) -> glm.ModelSpec:
-    """The served spec (GET /v1/spec).
-
-    Returns:
-      A glm.ModelSpec.
+    """The served glm.ModelSpec (GET /v1/spec).
 
     Raises:
       DDMLError: for an error answer.
@@ -226,10 +217,8 @@ class DDMLClient:
     return glm.ModelSpec.from_dict(self._request("GET", "/v1/spec"))
 
   def metrics(self) -> dict:
-    """The service's counters and settings (GET /v1/metrics).
-
-    Returns:
-      A dict (draws, submits, rejected..., k, version, acceptance...).
+    """The service's counters and settings (GET /v1/metrics): a dict (draws, submits,
+    rejected..., k, version, acceptance...).
 
     Raises:
       DDMLError: for an error answer.
@@ -298,9 +287,6 @@ class AsyncDDMLClient:
   async def draw(self) -> Drawn:
     """As DDMLClient.draw.
 
-    Returns:
-      A Drawn.
-
     Raises:
       DDMLError: for an error answer, or a body that is not the spec's finite weights.
     """
@@ -313,13 +299,6 @@ class AsyncDDMLClient:
 
   async def submit(self, drawn, weights: np.ndarray) -> dict:
     """As DDMLClient.submit.
-
-    Args:
-      drawn: as DDMLClient.submit.
-      weights: as DDMLClient.submit.
-
-    Returns:
-      The server's answer.
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
@@ -334,14 +313,6 @@ class AsyncDDMLClient:
   async def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """As DDMLClient.update (checks the privacy floor before training).
 
-    Args:
-      records: as DDMLClient.update.
-      y: as DDMLClient.update.
-      rng: as DDMLClient.update.
-
-    Returns:
-      The server's answer.
-
     Raises:
       PrivacyFloorError: as DDMLClient.update.
       DDMLError: as DDMLClient.update.
@@ -354,9 +325,6 @@ class AsyncDDMLClient:
   async def model(self) -> np.ndarray:
     """As DDMLClient.model.
 
-    Returns:
-      [p] float64, the average of the k instances.
-
     Raises:
       DDMLError: for an error answer.
     """
@@ -365,9 +333,6 @@ class AsyncDDMLClient:
 
   async def metrics(self) -> dict:
     """As DDMLClient.metrics.
-
-    Returns:
-      The counters and settings.
 
     Raises:
       DDMLError: for an error answer.

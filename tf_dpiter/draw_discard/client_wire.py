@@ -42,17 +42,9 @@ class Drawn:
 
 
 def submit_request(drawn, weights: np.ndarray) -> tuple[bytes, dict]:
-  """Raw body and headers of a submit.
-
-  Args:
-    drawn: a Drawn (with a ticket: the body is its instance then the update, 2p doubles,
-      and X-DDML-Ticket is set; without: the update alone), or a version string (servers
-      run without tickets).
-    weights: the updated instance [p].
-
-  Returns:
-    (body bytes, headers).
-  """
+  """(raw body bytes, headers) of a submit of the updated instance [p]. `drawn` is a Drawn
+  (with a ticket: the body is its instance then the update, 2p doubles, and X-DDML-Ticket is
+  set; without: the update alone), or a version string (servers run without tickets)."""
   if isinstance(drawn, Drawn):
     headers = {"Content-Type": "application/octet-stream", "X-DDML-Version": drawn.version}
     if drawn.ticket:
@@ -67,16 +59,8 @@ def _b64(weights: np.ndarray) -> str:
 
 
 def json_submit_body(drawn, weights: np.ndarray) -> bytes:
-  """JSON body of a submit with base64 weights.
-
-  Args:
-    drawn: a Drawn (its ticket and instance travel as "ticket" and "drawn_b64") or a
-      version string.
-    weights: the updated instance [p].
-
-  Returns:
-    The UTF-8 JSON body.
-  """
+  """The UTF-8 JSON body of a submit with base64 weights; a Drawn's ticket and instance
+  travel as "ticket" and "drawn_b64" (`drawn` may be a version string)."""
   body = {"version": drawn.version if isinstance(drawn, Drawn) else drawn,
           "weights_b64": _b64(weights)}
   if isinstance(drawn, Drawn) and drawn.ticket:
@@ -85,14 +69,8 @@ def json_submit_body(drawn, weights: np.ndarray) -> bytes:
 
 
 def checked_weights(data: bytes, spec: glm.ModelSpec) -> np.ndarray:
-  """Decodes a raw drawn instance and checks it fits the spec.
-
-  Args:
-    data: raw little-endian float64 bytes.
-    spec: the served spec (its num_weights p).
-
-  Returns:
-    [p] float64 (a copy).
+  """A [p] float64 copy of a raw little-endian float64 drawn instance, checked to fit the
+  served spec (its num_weights p).
 
   Raises:
     DDMLError: 502 bad_draw when the size is not 8p bytes or a weight is not finite.
@@ -107,15 +85,8 @@ def checked_weights(data: bytes, spec: glm.ModelSpec) -> np.ndarray:
 
 
 def answer_or_raise(status: int, body: bytes, retry_after: str | None = None) -> dict:
-  """The JSON answer of a request, or its error as DDMLError.
-
-  Args:
-    status: HTTP status.
-    body: the answer body (JSON; anything else is wrapped as "http_error").
-    retry_after: the Retry-After header (seconds), if any.
-
-  Returns:
-    The decoded JSON answer (status < 400).
+  """The decoded JSON answer of a request with status < 400; a body that is not JSON is
+  wrapped as "http_error"; `retry_after` is the Retry-After header (seconds), if any.
 
   Raises:
     DDMLError: for status >= 400, with the answer's "error" code and "message".
@@ -133,12 +104,8 @@ def answer_or_raise(status: int, body: bytes, retry_after: str | None = None) ->
 
 
 def check_token_transport(base_url: str, token: str | None, insecure: bool) -> None:
-  """Refuses to send a bearer token over plain http:// (anyone on the path could reuse it).
-
-  Args:
-    base_url: the service URL.
-    token: the bearer token, or None.
-    insecure: allow it anyway (tests on loopback).
+  """Refuses to send a bearer token over a plain http:// base_url (anyone on the path could
+  reuse it) unless `insecure` (tests on loopback).
 
   Raises:
     ParameterValueError: for a token with an http:// URL and insecure False.
@@ -149,16 +116,8 @@ def check_token_transport(base_url: str, token: str | None, insecure: bool) -> N
 
 
 def request_headers(token: str | None, extra: dict | None, has_body: bool) -> dict:
-  """Headers of a request: JSON content type when it has a body, the bearer token, extras.
-
-  Args:
-    token: bearer token, or None.
-    extra: headers that override the defaults, or None.
-    has_body: whether the request has a body.
-
-  Returns:
-    A header dict.
-  """
+  """The header dict of a request: JSON content type when it has a body, the bearer token
+  (None: none), then `extra` headers overriding the defaults."""
   h = {"Content-Type": "application/json"} if has_body else {}
   if token is not None:
     h["Authorization"] = f"Bearer {token}"
@@ -167,14 +126,8 @@ def request_headers(token: str | None, extra: dict | None, has_body: bool) -> di
 
 
 def client_ssl_context(cafile: str | None = None) -> ssl.SSLContext:
-  """A verifying TLS client context (system CAs, or `cafile` for a private CA).
-
-  Args:
-    cafile: PEM file of trusted CA certificates, or None.
-
-  Returns:
-    An ssl.SSLContext that checks the certificate and the host name.
-  """
+  """A verifying TLS client ssl.SSLContext (certificate and host name checked) trusting the
+  system CAs, or the PEM `cafile` of a private CA."""
   ctx = ssl.create_default_context(cafile=cafile)
   ctx.minimum_version = ssl.TLSVersion.TLSv1_2
   return ctx

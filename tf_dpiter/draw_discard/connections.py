@@ -65,14 +65,7 @@ class Limits:
                              "idle_timeout_s": seconds, "min_idle_s": seconds}, vars(self))
 
   def timeout_s(self, open_count: int) -> float:
-    """The idle and handshake timeout with `open_count` connections open (seconds).
-
-    Args:
-      open_count: open connections.
-
-    Returns:
-      The timeout in seconds.
-    """
+    """The idle and handshake timeout (seconds) with `open_count` connections open."""
     floor = min(self.min_idle_s, self.idle_timeout_s)
     free = max(0.0, 1.0 - open_count / self.max_connections)
     return floor + (self.idle_timeout_s - floor) * min(1.0, 2.0 * free)
@@ -80,14 +73,8 @@ class Limits:
 
 @functools.lru_cache(maxsize=65536)
 def prefix_of(addr: str) -> str:
-  """The address's /24 (IPv4, IPv4-mapped IPv6 included) or /64 (IPv6) network.
-
-  Args:
-    addr: a peer address as accept() returns it.
-
-  Returns:
-    The network in CIDR notation (the address itself when it is not an IP address).
-  """
+  """The /24 (IPv4, IPv4-mapped IPv6 included) or /64 (IPv6) network of a peer address as
+  accept() returns it, in CIDR notation (the address itself when it is not an IP address)."""
   try:
     ip = ipaddress.ip_address(addr.split("%", 1)[0])
   except ValueError:
@@ -159,14 +146,7 @@ class ConnectionGuard:
 
   # ---- accounting ----
   def count(self, addr: str | None = None) -> int:
-    """Open connections, in all or from one address.
-
-    Args:
-      addr: an address, or None for all.
-
-    Returns:
-      The count.
-    """
+    """Open connections, in all (addr None) or from one address."""
     return self.open if addr is None else len(self._by_addr.get(addr, ()))
 
   def _refused(self, reason: str) -> None:
@@ -174,14 +154,8 @@ class ConnectionGuard:
       self.metrics.inc("connections_refused_total", reason=reason, help_text="connections closed")
 
   def admit(self, addr: str) -> _Conn | None:
-    """Counts a new connection from `addr`, evicting fairly when full; None: refuse it.
-
-    Args:
-      addr: the peer address.
-
-    Returns:
-      The new connection's record, or None when it must be refused.
-    """
+    """Counts a new connection from `addr`, evicting fairly when full, and returns its record;
+    None: refuse it."""
     mine_addr = len(self._by_addr.get(addr, ()))
     if mine_addr >= self.limits.max_per_client:
       self._refused("too_many_from_client")
@@ -231,11 +205,7 @@ class ConnectionGuard:
     return best, "evicted_idle"
 
   def release(self, conn: _Conn) -> None:
-    """Uncounts a connection (idempotent).
-
-    Args:
-      conn: the connection's record.
-    """
+    """Uncounts a connection's record (idempotent)."""
     if not conn.open:
       return
     conn.open = False
@@ -253,12 +223,8 @@ class ConnectionGuard:
     self._by_inner.pop(conn.inner, None)
 
   def evict(self, conn: _Conn, reason: str) -> None:
-    """Closes a connection now (handshake cancelled, or transport aborted) and uncounts it.
-
-    Args:
-      conn: the connection's record.
-      reason: the metrics label.
-    """
+    """Closes a connection now (handshake cancelled, or transport aborted) and uncounts it;
+    `reason` is the metrics label."""
     self._refused(reason)
     if conn.transport is not None:
       conn.transport.abort()
@@ -267,38 +233,18 @@ class ConnectionGuard:
     self.release(conn)
 
   # ---- requests (called by the middleware) ----
-  def begin(self, proto) -> None:
-    """A request started on the connection of server protocol `proto`.
-
-    Args:
-      proto: request.protocol.
-    """
+  def busy(self, proto, delta: int) -> None:
+    """A request started (delta 1) or ended (-1) on the connection of server protocol
+    `proto` (request.protocol)."""
     conn = self._by_inner.get(proto)
     if conn is not None:
-      conn.busy += 1
-      conn.last = time.monotonic()
-
-  def end(self, proto) -> None:
-    """A request ended on `proto`.
-
-    Args:
-      proto: request.protocol.
-    """
-    conn = self._by_inner.get(proto)
-    if conn is not None:
-      conn.busy -= 1
+      conn.busy += delta
       conn.last = time.monotonic()
 
   def bind(self, proto, identity: str) -> bool:
-    """Charges the connection of `proto` to token `identity` (first request only).
-
-    Args:
-      proto: request.protocol.
-      identity: the token's identity.
-
-    Returns:
-      False when the token already holds `max_per_token` connections (refuse the request).
-    """
+    """Charges the connection of `proto` (request.protocol) to token `identity` (first request
+    only); False when the token already holds `max_per_token` connections (refuse the
+    request)."""
     conn = self._by_inner.get(proto)
     if conn is None or conn.identity is not None:  # a later token: counted under the first
       return True
@@ -346,11 +292,8 @@ class ConnectionGuard:
       conn.task = None
 
   async def accept_loop(self, lsock: socket.socket) -> None:
-    """Accepts forever (cancel to stop); up to 64 sockets per wake-up.
-
-    Args:
-      lsock: the non-blocking listening socket.
-    """
+    """Accepts on the non-blocking listening socket forever (cancel to stop); up to 64 sockets
+    per wake-up."""
     loop = asyncio.get_running_loop()
     while True:
       try:
@@ -373,11 +316,8 @@ class ConnectionGuard:
           break
 
   def sweep(self) -> int:
-    """Closes connections idle (or in their TLS handshake) for longer than `timeout_s`.
-
-    Returns:
-      The number of connections closed.
-    """
+    """Closes connections idle (or in their TLS handshake) for longer than `timeout_s`; returns
+    how many."""
     now, closed = time.monotonic(), 0
     limit = self.limits.timeout_s(self.open)
     for conns in list(self._by_addr.values()):
@@ -391,11 +331,7 @@ class ConnectionGuard:
     return closed
 
   async def run_sweeper(self, every_s: float = 0.5) -> None:
-    """Sweeps forever (cancel to stop).
-
-    Args:
-      every_s: seconds between sweeps.
-    """
+    """Sweeps every `every_s` seconds forever (cancel to stop)."""
     while True:
       await asyncio.sleep(every_s)
       self.sweep()

@@ -30,15 +30,8 @@ SERVED_KEPT = 128  # served values a foreign value is compared with (most recent
 
 
 def same_value(a: np.ndarray, b: np.ndarray) -> bool:
-  """np.array_equal(a, b), rejecting on the first coordinate before comparing all of them.
-
-  Args:
-    a: a [p] array.
-    b: a [p] array.
-
-  Returns:
-    True when a and b have the same shape and equal elements.
-  """
+  """np.array_equal(a, b) of two [p] arrays, rejecting on the first coordinate before
+  comparing all of them."""
   if a.size and b.size and a.flat[0] != b.flat[0]:
     return False
   return bool(np.array_equal(a, b))
@@ -123,14 +116,8 @@ class DrawGate:
     return best
 
   def draw(self, snap) -> tuple[np.ndarray, bool]:
-    """One instance for a draw: slot i uniform, its value if m steps from all served ones.
-
-    Args:
-      snap: a store Snapshot (slots [k, p], seq).
-
-    Returns:
-      ([p] instance, a copy; True when it is a stale, already served value).
-    """
+    """([p] copy of an instance, True when it is a stale, already served value) for a draw
+    from Snapshot `snap`: slot i uniform, its value if m steps from all served ones."""
     i = secrets.randbelow(self.k)
     if self.m == 1:
       return snap.slots[i].copy(), False
@@ -149,15 +136,8 @@ class DrawGate:
     return node.value.copy(), False
 
   def parent(self, snap, i: int) -> _Node:
-    """The node of slot i's value in `snap`, the base h' of a rebased update.
-
-    Args:
-      snap: the Snapshot the base was taken from.
-      i: the base slot.
-
-    Returns:
-      An opaque node for `pending`.
-    """
+    """The opaque node (for `pending`) of slot i's value in `snap`, the base h' of a rebased
+    update."""
     node, value = self._slots[i], snap.slots[i]
     if node is not None and node.seq > snap.seq and not same_value(node.value, value):
       # the snapshot is older than what this process wrote since: the base is an older value
@@ -168,16 +148,9 @@ class DrawGate:
     return self._node(i, snap)
 
   def pending(self, slot: int, value: np.ndarray, parent: _Node | None) -> _Node:
-    """Registers a value about to be written to `slot`, one update below `parent`.
-
-    Args:
-      slot: the slot the store will replace.
-      value: [p] the new value (h' + d).
-      parent: the base's node (None: unknown, e.g. not rebased: taken as served).
-
-    Returns:
-      The new node; pass it to `written` or `dropped`.
-    """
+    """Registers the [p] value h' + d about to be written to `slot`, one update below `parent`
+    (the base's node; None: unknown, e.g. not rebased: taken as served); returns the new node
+    to pass to `written` or `dropped`."""
     if parent is None:
       chain, dist = (next(self._ids),), 1
     else:
@@ -190,13 +163,7 @@ class DrawGate:
     return node
 
   def written(self, slot: int, node: _Node, seq: int) -> None:
-    """The store replaced `slot` with the pending node's value at sequence number seq.
-
-    Args:
-      slot: the replaced slot.
-      node: the node from `pending`.
-      seq: the store's sequence number of the write.
-    """
+    """The store replaced `slot` with the pending node's value at sequence number seq."""
     if self.m == 1:
       return
     self.dropped(slot, node)
@@ -206,12 +173,7 @@ class DrawGate:
       self._slots[slot] = node
 
   def dropped(self, slot: int, node: _Node) -> None:
-    """Forgets a pending node (the write failed, or it was recorded).
-
-    Args:
-      slot: its slot.
-      node: the node from `pending`.
-    """
+    """Forgets a pending node of `slot` (the write failed, or it was recorded)."""
     cands = self._pending.get(slot)
     if cands and node in cands:
       cands.remove(node)

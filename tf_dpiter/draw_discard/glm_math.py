@@ -21,12 +21,6 @@ _MAX_ETA = 30.0
 def check_family(family: str) -> str:
   """`family` after checking it is one of FAMILIES.
 
-  Args:
-    family: the GLM family's name.
-
-  Returns:
-    family.
-
   Raises:
     ParameterValueError: naming the family.
   """
@@ -38,30 +32,15 @@ def check_family(family: str) -> str:
 # GLM mean, gradient and loss (vectorized over clients)
 
 def weights_matrix(weights: np.ndarray, num_columns: int, outputs: int) -> np.ndarray:
-  """[..., p*C] flat weights -> [..., p, C] (C = 1 for single-output families).
-
-  Args:
-    weights: [..., p*C] flat weights.
-    num_columns: p.
-    outputs: C.
-
-  Returns:
-    [..., p, C] (a view when possible).
-  """
+  """[..., p*C] flat weights as [..., p, C] (p = num_columns, C = outputs; 1 for
+  single-output families), a view when possible."""
   w = np.asarray(weights)
   return w.reshape(w.shape[:-1] + (num_columns, outputs))
 
 
 def predict_mean(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """Y-hat = g^-1(X B) (Eq. 1).
-
-  Args:
-    family: the GLM family (canonical link).
-    weights: [..., p, C].
-    x: [..., N, p].
-
-  Returns:
-    [..., N, C] float64.
+  """Y-hat = g^-1(X B) (Eq. 1), [..., N, C] float64, of weights [..., p, C] and x [..., N, p]
+  under the family's canonical link.
 
   Raises:
     ParameterValueError: for an unknown family.
@@ -80,16 +59,8 @@ def predict_mean(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 
 def response_matrix(family: str, y: np.ndarray, outputs: int) -> np.ndarray:
-  """Y as [..., N, C]: one-hot labels for multinomial, a trailing unit axis otherwise.
-
-  Args:
-    family: the GLM family.
-    y: [..., N] responses (integer labels for multinomial).
-    outputs: C.
-
-  Returns:
-    [..., N, C] float64.
-  """
+  """Y of responses y [..., N] as [..., N, C] float64: one-hot integer labels for
+  multinomial, a trailing unit axis otherwise."""
   y = np.asarray(y)
   if family == "multinomial":
     return np.eye(outputs)[y.astype(np.int64)]
@@ -98,18 +69,9 @@ def response_matrix(family: str, y: np.ndarray, outputs: int) -> np.ndarray:
 
 def average_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndarray,
                      mask: np.ndarray | None = None) -> np.ndarray:
-  """Eq. (3) for a GLM: G = 1/N_c sum_i (Y-hat_i - Y_i) X_i, per client.
-
-  Args:
-    family: the GLM family.
-    weights: [M, p, C].
-    x: [M, N, p].
-    y: [M, N] (labels for multinomial).
-    mask: [M, N] of 0/1 (clients with fewer than N records), or None (all present).
-
-  Returns:
-    [M, p, C] float64.
-  """
+  """Eq. (3) for a GLM, per client: G = 1/N_c sum_i (Y-hat_i - Y_i) X_i, [M, p, C] float64,
+  of weights [M, p, C], x [M, N, p], y [M, N] (labels for multinomial) and mask [M, N] of
+  0/1 (clients with fewer than N records; None: all present)."""
   outputs = weights.shape[-1]
   resid = predict_mean(family, weights, x) - response_matrix(family, y, outputs)
   if mask is None:
@@ -122,17 +84,8 @@ def average_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
 
 
 def mean_loss(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndarray) -> float:
-  """Average negative log-likelihood (squared error / 2 for linear) of one model [p, C].
-
-  Args:
-    family: the GLM family.
-    weights: [p, C] one model.
-    x: [N, p].
-    y: [N].
-
-  Returns:
-    The mean loss per record (nats; squared units for linear).
-  """
+  """Average negative log-likelihood (squared error / 2 for linear) per record of one model
+  [p, C] on x [N, p], y [N] (nats; squared units for linear)."""
   mu = predict_mean(family, weights, x)
   if family == "linear":
     return float(np.mean(0.5 * (mu[:, 0] - y) ** 2))
@@ -147,16 +100,8 @@ def mean_loss(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndarray) ->
 
 
 def predict_label(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray:
-  """Class decision: argmax for multinomial, mean > 0.5 for logistic, the mean otherwise.
-
-  Args:
-    family: the GLM family.
-    weights: [..., p, C].
-    x: [..., N, p].
-
-  Returns:
-    [..., N]: class indices, 0/1, or the mean.
-  """
+  """[..., N] class decision of weights [..., p, C] on x [..., N, p]: argmax indices for
+  multinomial, 0/1 (mean > 0.5) for logistic, the mean otherwise."""
   mu = predict_mean(family, weights, x)
   if family == "multinomial":
     return mu.argmax(axis=-1)

@@ -17,13 +17,7 @@ ENCODINGS = ("json", "b64", "raw")
 
 
 def query_encoding(request: web.Request) -> str:
-  """The `encoding` query parameter of a GET (default "json").
-
-  Args:
-    request: the aiohttp request.
-
-  Returns:
-    "json", "b64" or "raw".
+  """The `encoding` query parameter of a GET: "json" (default), "b64" or "raw".
 
   Raises:
     parsing.RequestError: 400 bad_encoding for any other value.
@@ -43,34 +37,18 @@ def _weights_payload(w: np.ndarray, encoding: str) -> bytes:
 
 def raw_weights_response(w: np.ndarray, version: str, headers: dict | None = None
                          ) -> web.Response:
-  """Raw little-endian float64 weights with the model version in X-DDML-Version.
-
-  Args:
-    w: flat weights [p].
-    version: the model version.
-    headers: extra headers (X-DDML-Seq, X-DDML-Ticket...).
-
-  Returns:
-    An application/octet-stream response of 8p bytes.
-  """
+  """An application/octet-stream response of the flat weights [p] as 8p little-endian
+  float64 bytes, the model version in X-DDML-Version, plus extra `headers` (X-DDML-Seq,
+  X-DDML-Ticket...)."""
   return web.Response(body=store_lib.encode_weights(w), content_type=parsing.RAW_TYPE,
                       headers={"X-DDML-Version": version, **(headers or {})})
 
 
 def weights_response(w: np.ndarray, encoding: str, version: str, head: bytes
                      ) -> web.Response:
-  """Weights in the requested encoding.
-
-  Args:
-    w: flat weights [p].
-    encoding: "json", "b64" or "raw".
-    version: the model version.
-    head: JSON members (already encoded, each followed by a comma) placed after "version"
-      and before the weights; ignored for "raw".
-
-  Returns:
-    `{"version": ..., <head> "weights": [...]}` (or "weights_b64"), or the raw bytes.
-  """
+  """Flat weights [p] in `encoding` ("json", "b64" or "raw"): `{"version": ..., <head>
+  "weights": [...]}` (or "weights_b64"), `head` being JSON members already encoded, each
+  followed by a comma (ignored for "raw"), or the raw bytes."""
   if encoding == "raw":
     return raw_weights_response(w, version)
   body = (b'{"version":' + json.dumps(version).encode() + head + _weights_payload(w, encoding)
@@ -79,15 +57,8 @@ def weights_response(w: np.ndarray, encoding: str, version: str, head: bytes
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-  """The whole request body, within a size and a time limit.
-
-  Args:
-    request: the aiohttp request.
-    max_bytes: largest accepted body, in bytes.
-    timeout_s: seconds allowed to receive it (no timer when it has already arrived).
-
-  Returns:
-    The body.
+  """The whole request body, at most max_bytes bytes received within timeout_s seconds (no
+  timer when it has already arrived).
 
   Raises:
     parsing.RequestError: 413 body_too_large, or 408 body_timeout (closes the connection).

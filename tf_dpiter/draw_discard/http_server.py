@@ -24,14 +24,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ConnectionGuard", "Limits", "Running", "run", "serve", "tls_context"]
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-  """Server TLS context (TLS 1.2 or newer).
-
-  Args:
-    cert_file: PEM certificate chain.
-    key_file: PEM private key.
-
-  Returns:
-    An ssl.SSLContext.
+  """A server ssl.SSLContext (TLS 1.2 or newer) of a PEM certificate chain and private key.
 
   Raises:
     OSError, ssl.SSLError: when the files cannot be read or do not match.
@@ -94,16 +87,9 @@ FD_RESERVE = 64  # descriptors besides connections: listener, loop, store, logs,
 
 
 def ensure_open_files(max_connections: int) -> int:
-  """Raises the open-file soft limit to max_connections + FD_RESERVE, or refuses.
-
-  Without it, accept() fails with EMFILE before the connection table is full, so fair
-  eviction (connections.py) never runs and any few addresses starve the others.
-
-  Args:
-    max_connections: the connection table's size.
-
-  Returns:
-    The soft limit now in force.
+  """Raises the open-file soft limit to max_connections + FD_RESERVE and returns the limit now
+  in force, or refuses. Without it, accept() fails with EMFILE before the connection table is
+  full, so fair eviction (connections.py) never runs and any few addresses starve the others.
 
   Raises:
     ParameterValueError: when the hard limit (RLIMIT_NOFILE) is below what
@@ -137,17 +123,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
                 ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None) -> Running:
-  """Starts serving `svc` (a DDMLService) on the running loop.
-
-  Args:
-    svc: the service.
-    host: address to bind.
-    port: port (0: any free port).
-    ssl_context: TLS, or None for plain HTTP.
-    limits: connection limits.
-
-  Returns:
-    A Running handle (await .stop()).
+  """Starts serving the DDMLService `svc` on the running loop at host:port (0: any free
+  port), TLS or plain HTTP (ssl_context None), under the connection `limits`; returns a
+  Running handle (await .stop()).
 
   Raises:
     OSError: when the address cannot be bound; store errors from the service's startup.
@@ -171,15 +149,7 @@ async def serve(svc, host: str = "127.0.0.1", port: int = 8080,
 
 def run(svc, host: str = "127.0.0.1", port: int = 8080,
         ssl_context: ssl.SSLContext | None = None, limits: Limits | None = None) -> None:
-  """Blocking: serve `svc` until SIGINT/SIGTERM (uvloop when installed); SIGHUP reloads tokens.
-
-  Args:
-    svc: the service.
-    host: address to bind.
-    port: port.
-    ssl_context: TLS, or None.
-    limits: connection limits.
-  """
+  """Blocking `serve` until SIGINT/SIGTERM (uvloop when installed); SIGHUP reloads tokens."""
   try:  # uvloop, when installed, roughly doubles aiohttp's request rate
     import uvloop  # pylint: disable=g-import-not-at-top
     loop = uvloop.new_event_loop()

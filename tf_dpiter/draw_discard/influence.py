@@ -53,15 +53,7 @@ _LAM = np.geomspace(1e-7, 0.999, 3000)
 
 
 def lifetime_alpha(alpha: float, n: int) -> float:
-  """alpha_n = alpha 6 / (pi^2 n^2): sums to alpha over n = 1, 2, ...
-
-  Args:
-    alpha: the lifetime false-rejection probability.
-    n: the step count (>= 1).
-
-  Returns:
-    alpha_n.
-  """
+  """alpha_n = alpha 6 / (pi^2 n^2) at step n >= 1: the levels sum to alpha over n = 1, 2, ..."""
   return alpha * 6.0 / (math.pi**2 * n * n)
 
 
@@ -70,31 +62,15 @@ def _log_two_cosh_mgf(n: int) -> np.ndarray:
 
 
 def laplace_sum_quantile(p: int, n: int, alpha: float) -> float:
-  """x with 2p P(W_n > x) <= alpha, W_n a sum of n iid Laplace(1) (Chernoff; exact for n=1).
-
-  Args:
-    p: number of weights (union bound over p two-sided tails).
-    n: number of summed steps.
-    alpha: total tail probability.
-
-  Returns:
-    x (in units of the Laplace scale b).
-  """
+  """x (units of b) with 2p P(W_n > x) <= alpha, W_n a sum of n iid Laplace(1), union over the
+  p weights' two tails (Chernoff; exact for n = 1)."""
   x = float(np.min((_log_two_cosh_mgf(n) + math.log(2 * p / alpha)) / _LAM))
   return min(x, math.log(p / alpha)) if n == 1 else x
 
 
 def laplace_sum_l1_quantile(p: int, n: int, alpha: float) -> float:
-  """U with P(sum_j |W_nj| >= U) <= alpha over p iid sums of n Laplace(1) (Chernoff).
-
-  Args:
-    p: number of weights.
-    n: number of summed steps.
-    alpha: tail probability.
-
-  Returns:
-    U (in units of b).
-  """
+  """U (units of b) with P(sum_j |W_nj| >= U) <= alpha over p iid sums of n Laplace(1)
+  (Chernoff)."""
   big = _log_two_cosh_mgf(n)
   log_m = big + np.log(2.0 - np.exp(-big) + _LAM * math.sqrt(2.0 * n) * np.exp(-big))
   if n == 1:
@@ -103,19 +79,12 @@ def laplace_sum_l1_quantile(p: int, n: int, alpha: float) -> float:
 
 
 def envelope(noise: str, p: int, n: int, alpha: float) -> tuple[float, float]:
-  """(x_n, U_n) of the module docstring, in units of the noise scale, at level alpha each.
-
-  Args:
-    noise: "laplace", "gaussian" or "none".
-    p: number of weights.
-    n: number of steps (>= 1).
-    alpha: tail probability of each of the two statistics.
-
-  Returns:
-    (per-weight allowance, aggregate allowance); (0, 0) without noise.
+  """(x_n, U_n) of the module docstring for p weights and n >= 1 steps, in units of the noise
+  scale, at level alpha each; (0, 0) for noise "none".
 
   Raises:
-    ParameterValueError: for an unknown noise law or n < 1.
+    ParameterValueError: n < 1.
+    PrivacyConfigError: a noise law other than "laplace", "gaussian" or "none".
   """
   validation.check_params({"n": _AT_LEAST_ONE}, {"n": n})
   if n == int(n):
@@ -193,27 +162,14 @@ class InfluenceBudget:
     self._heap: list = []  # (forgettable-from time, id); stale pairs are skipped lazily
 
   def describe(self) -> dict:
-    """The budget's settings (part of the store's join check).
-
-    Returns:
-      A JSON-serializable dict.
-    """
+    """The budget's settings, a JSON-serializable dict (part of the store's join check)."""
     return dict(alpha=self.alpha, max_steps=self.max_steps, half_life_s=self.half_life_s)
 
   def limits(self, n: int, s1: float | None = None, s2: float | None = None) -> tuple:
-    """(per-weight limit on |C_j|, aggregate limit on the excess) at the n-th submit.
-
-    Evaluated (cached) at S2 rounded up to a multiple of 1/16 and n rounded up to a power of
-    two: both only raise the limits.
-
-    Args:
-      n: accepted steps including this one (>= 1), for the level alpha_n.
-      s1: decayed count (default n).
-      s2: decayed sum of squared weights (default n).
-
-    Returns:
-      (s1 * step + x * scale, u * scale), in weight units.
-    """
+    """(s1 step + x scale, u scale): the per-weight limit on |C_j| and the aggregate limit on the
+    excess at the n-th submit (n >= 1 for the level alpha_n; s1, s2 default n), in weight units.
+    Cached at S2 rounded up to a multiple of 1/16 and n up to a power of two: both only raise
+    the limits."""
     s1 = float(n) if s1 is None else s1
     s2 = float(n) if s2 is None else s2
     key = (1 << (int(n) - 1).bit_length(), math.ceil(s2 * 16.0 - 1e-9) / 16.0)
@@ -232,28 +188,15 @@ class InfluenceBudget:
     return 2.0 ** (-max(0.0, now - t_last) / self.half_life_s)
 
   def state(self, identity: str) -> tuple[int, np.ndarray]:
-    """(accepted steps, decayed cumulative step C now) of an identity (zeros when unknown).
-
-    Args:
-      identity: the token digest prefix or the client address.
-
-    Returns:
-      (n, C [p] float64, a copy).
-    """
+    """(accepted steps n, a copy of the decayed cumulative step C [p] float64 now) of an
+    identity; zeros when unknown."""
     st = self._state.get(identity)
     if st is None:
       return 0, np.zeros(self.p)
     return st[0], st[3] * self._decay(st[4], self.clock())
 
   def wait_s(self, identity: str) -> float:
-    """Seconds until the identity's rate allows one more submit (0: now).
-
-    Args:
-      identity: who asks.
-
-    Returns:
-      Seconds.
-    """
+    """Seconds until the identity's rate allows one more submit (0: now)."""
     st = self._state.get(identity)
     if st is None or self.max_steps is None or self.half_life_s is None:
       return 0.0
@@ -263,14 +206,8 @@ class InfluenceBudget:
     return self.half_life_s * math.log2(s1 / (self.max_steps - 1.0))
 
   def forget_time(self, st: list) -> float:
-    """When an identity's decayed count S1 falls below FORGET_BELOW (seconds, its clock).
-
-    Args:
-      st: the identity's state [N, S1, S2, C, t_last, L].
-
-    Returns:
-      The time from which the identity may be forgotten.
-    """
+    """When (its clock, seconds) an identity of state st = [N, S1, S2, C, t_last, L] may be
+    forgotten: its decayed count S1 falls below FORGET_BELOW."""
     if self.half_life_s is None:
       return st[4]
     if st[1] < self.FORGET_BELOW:
@@ -285,11 +222,8 @@ class InfluenceBudget:
       heapq.heapify(self._heap)
 
   def room_in_s(self) -> float:
-    """Seconds until some identity can be forgotten (0: now or the table is not full).
-
-    Returns:
-      Seconds (the earliest forget time of the heap, minus now).
-    """
+    """Seconds until some identity can be forgotten, the heap's earliest forget time minus now
+    (0: now, or the table is not full)."""
     now = self.clock()
     if len(self._state) < self.max_identities or self._make_room(now) or not self._heap:
       return 0.0
@@ -311,18 +245,10 @@ class InfluenceBudget:
     return True
 
   def reserve(self, identity: str, d: np.ndarray) -> str:
-    """Adds step d to the identity's budget if the result passes the three tests.
-
-    Call `release(identity, d)` when the update is not stored after all.
-
-    Args:
-      identity: who submits.
-      d: [p] the step u - h against the served instance.
-
-    Returns:
-      "" when reserved, else "influence_rate", "influence_table_full",
-      "cumulative_step_too_large" or "cumulative_excess_too_large".
-    """
+    """Adds the step d = u - h [p] to the identity's budget if the result passes the class
+    docstring's tests; call `release(identity, d)` when the update is not stored after all.
+    Returns "" when reserved, else "influence_rate", "influence_table_full",
+    "cumulative_step_too_large", "cumulative_excess_too_large" or "lifetime_step_too_large"."""
     now = self.clock()
     st = self._state.pop(identity, None)
     if st is None:
@@ -358,12 +284,7 @@ class InfluenceBudget:
     return ""
 
   def release(self, identity: str, d: np.ndarray) -> None:
-    """Undoes a reservation (the update was not stored).
-
-    Args:
-      identity: who submitted.
-      d: [p] the step that was reserved.
-    """
+    """Undoes the reservation of step d [p] by `identity` (the update was not stored)."""
     st = self._state.get(identity)
     if st is None:
       return

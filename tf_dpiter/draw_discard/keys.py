@@ -22,27 +22,14 @@ MIN_BYTES = 32
 
 
 def derive(secret: bytes, label: str) -> bytes:
-  """HMAC-SHA256(secret, label): a 32-byte key for one purpose.
-
-  Args:
-    secret: the shared secret.
-    label: the purpose ("tickets", "slots", "key_id").
-
-  Returns:
-    32 bytes.
-  """
+  """HMAC-SHA256(secret, label): the 32-byte key of one purpose ("tickets", "slots",
+  "key_id")."""
   return hmac.new(secret, b"ddml/" + label.encode(), hashlib.sha256).digest()
 
 
 def key_id(secret: bytes) -> str:
-  """Public identifier of a secret (stored in the meta; reveals nothing about the secret).
-
-  Args:
-    secret: the shared secret.
-
-  Returns:
-    32 hex characters.
-  """
+  """The public identifier (32 hex characters, stored in the meta) of a secret; reveals
+  nothing about the secret."""
   return derive(secret, "key_id")[:16].hex()
 
 
@@ -63,14 +50,8 @@ def _parse(raw: bytes, where: str) -> bytes:
 
 
 def load_secret(path: str | None = None, environ=None) -> bytes | None:
-  """The shared secret from `path` (hex or raw) or the DDML_SECRET variable (hex).
-
-  Args:
-    path: a key file, or None.
-    environ: the environment mapping (default os.environ).
-
-  Returns:
-    The secret bytes, or None when neither is given.
+  """The shared secret from `path` (hex or raw) or the DDML_SECRET variable (hex) of
+  `environ` (default os.environ); None when neither is given.
 
   Raises:
     OSError: when the file cannot be read.
@@ -86,9 +67,5 @@ def load_secret(path: str | None = None, environ=None) -> bytes | None:
 
 
 def random_secret() -> bytes:
-  """A fresh 32-byte secret (one process on its own store).
-
-  Returns:
-    32 random bytes.
-  """
+  """A fresh 32-byte random secret (one process on its own store)."""
   return secrets.token_bytes(MIN_BYTES)

@@ -30,39 +30,20 @@ class Registry:
     self._hist: dict = {}
 
   def inc(self, name: str, n: float = 1.0, help_text: str = "", **labels) -> None:
-    """Adds n to counter `name` with `labels`.
-
-    Args:
-      name: the counter's name (without the prefix).
-      n: the increment.
-      help_text: the HELP line (kept from the first call).
-      **labels: label name -> value.
-    """
+    """Adds n to counter `name` (without the prefix) with `labels`; help_text is the HELP line
+    (kept from the first call)."""
     self._help.setdefault(name, help_text)
     key = (name, tuple(sorted(labels.items()))) if labels else (name, ())
     self._counters[key] += n
 
   def set(self, name: str, value: float, help_text: str = "", **labels) -> None:
-    """Sets gauge `name` with `labels` to value.
-
-    Args:
-      name: the gauge's name.
-      value: the value.
-      help_text: the HELP line.
-      **labels: label name -> value.
-    """
+    """Sets gauge `name` with `labels` to value (help_text: the HELP line)."""
     self._help.setdefault(name, help_text)
     self._gauges[(name, tuple(sorted(labels.items())))] = float(value)
 
   def observe(self, name: str, seconds: float, help_text: str = "", **labels) -> None:
-    """Adds one observation to histogram `name` with `labels`.
-
-    Args:
-      name: the histogram's name.
-      seconds: the observation.
-      help_text: the HELP line.
-      **labels: label name -> value.
-    """
+    """Adds one observation in seconds to histogram `name` with `labels` (help_text: the HELP
+    line)."""
     self._help.setdefault(name, help_text)
     key = (name, tuple(sorted(labels.items())))
     h = self._hist.get(key)
@@ -75,23 +56,11 @@ class Registry:
     h[2] += 1
 
   def counter(self, name: str, **labels) -> float:
-    """Current value of a counter (0 if never incremented).
-
-    Args:
-      name: the counter's name.
-      **labels: label name -> value.
-
-    Returns:
-      The value.
-    """
+    """The current value of counter `name` with `labels` (0 if never incremented)."""
     return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
 
   def render(self) -> str:
-    """The text exposition format.
-
-    Returns:
-      All metrics, one '# HELP'/'# TYPE' header per name.
-    """
+    """All metrics in the text exposition format, one '# HELP'/'# TYPE' header per name."""
     out = []
     for kind, table in (("counter", self._counters), ("gauge", self._gauges)):
       for name in sorted({n for n, _ in table}):

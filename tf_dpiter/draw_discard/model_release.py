@@ -36,17 +36,9 @@ class MemoryRelease:
 
   def exchange(self, seq: int, mean: np.ndarray | None, min_updates: int,
                min_interval_s: float) -> tuple[Released | None, bool]:
-    """Peek (mean None) or compare-and-set a release at `seq`.
-
-    Args:
-      seq: the store's sequence number now (peek) or of `mean` (set).
-      mean: the average to release, or None to peek.
-      min_updates: updates needed since the last release.
-      min_interval_s: seconds needed since the last release.
-
-    Returns:
-      (the current release or None, whether a new one is due).
-    """
+    """Peek (mean None) or compare-and-set a release at `seq` (the store's sequence number now,
+    or of `mean`): (the current release or None, whether a new one is due after min_updates
+    updates and min_interval_s seconds since the last)."""
     now = time.monotonic()
     cur = self._cur
     due = cur is None or (seq >= cur[0] + min_updates and now - cur[1] >= min_interval_s)
@@ -83,15 +75,12 @@ class ModelRelease:
     return await self.store.release(seq, mean, self.k, self.min_updates, self.min_interval_s)
 
   async def current(self) -> Released:
-    """The current release, making a new one when due.
+    """The current Released model, making a new one when due.
 
     The peek uses the sequence number of touch() and the set that of a snapshot read
     since; when another request (or server) released a newer average in between, the store
     answers with that release (a benign race, never a rollback: only the store's own
     sequence number going back is one, redis_scripts.RELEASE).
-
-    Returns:
-      The Released model.
 
     Raises:
       store.StoreLost, store.StoreUnavailable: store faults.

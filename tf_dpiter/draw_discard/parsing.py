@@ -108,15 +108,8 @@ def _one_of(body: dict, names: tuple, p: int, required: bool):
 
 
 def parse_json_submission(raw: bytes, served_version: str, p: int) -> Submission:
-  """A JSON submission.
-
-  Args:
-    raw: the request body.
-    served_version: the model version this server serves.
-    p: number of weights.
-
-  Returns:
-    The Submission (weights possibly non-finite: the acceptance rule refuses those).
+  """The Submission of a JSON request body for a server serving `served_version` with p
+  weights (weights possibly non-finite: the acceptance rule refuses those).
 
   Raises:
     RequestError: 400 malformed, 409 wrong version, 422 wrong shape.
@@ -143,18 +136,9 @@ def parse_json_submission(raw: bytes, served_version: str, p: int) -> Submission
 
 def parse_raw_submission(raw: bytes, header_version: str | None, served_version: str,
                          p: int, ticket: str | None = None) -> Submission:
-  """An application/octet-stream submission.
-
-  Args:
-    raw: the request body (little-endian float64): p doubles, or with a ticket 2p (the
-      drawn instance, then the update).
-    header_version: the X-DDML-Version header or None.
-    served_version: the model version this server serves.
-    p: number of weights.
-    ticket: the X-DDML-Ticket header or None.
-
-  Returns:
-    The Submission.
+  """The Submission of an application/octet-stream body (little-endian float64: p doubles,
+  or with a ticket 2p, the drawn instance then the update), given the X-DDML-Version and
+  X-DDML-Ticket headers (or None) and the served version.
 
   Raises:
     RequestError: 400 missing version, 409 wrong version, 422 wrong shape.
@@ -171,13 +155,7 @@ def parse_raw_submission(raw: bytes, header_version: str | None, served_version:
 
 
 def content_type(header: str | None) -> str:
-  """The media type of a Content-Type header, checked.
-
-  Args:
-    header: the raw header value, or None.
-
-  Returns:
-    JSON_TYPE or RAW_TYPE.
+  """JSON_TYPE or RAW_TYPE: the checked media type of a Content-Type header value.
 
   Raises:
     RequestError: 415 for a missing or other media type.

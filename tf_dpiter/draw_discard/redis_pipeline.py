@@ -25,15 +25,8 @@ class GroupCommit:
     self._flush_scheduled = False
 
   async def run(self, script, keys, args):
-    """Runs `script` in the next pipeline; returns its reply.
-
-    Args:
-      script: a registered redis-py Script.
-      keys: its KEYS.
-      args: its ARGV.
-
-    Returns:
-      The script's reply.
+    """The reply of a registered redis-py Script run with KEYS `keys` and ARGV `args` in the
+    next pipeline.
 
     Raises:
       store.StoreUnavailable: Redis cannot be reached; redis errors as raised.

@@ -138,16 +138,10 @@ class RedisStore(store_lib.Store):
 
   async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False,
                        wait_s: float = 30.0) -> bool:
-    """First process initializes (SET NX EX on <prefix>:init); the others join.
-
-    Args:
-      meta: dict with store.META_KEYS.
-      instances: [k, p] initial instances.
-      reset: delete an existing model first.
-      wait_s: how long a joiner waits for the initializer.
-
-    Returns:
-      True if this call wrote the store, False if it joined.
+    """The first process initializes (SET NX EX on <prefix>:init) with meta (store.META_KEYS)
+    and the [k, p] initial instances (with `reset`, deleting an existing model first); the
+    others join, waiting up to wait_s for the initializer. True if this call wrote the store,
+    False if it joined.
 
     Raises:
       StoreMismatch: when joining a store that holds a different model.
@@ -197,16 +191,9 @@ class RedisStore(store_lib.Store):
       await asyncio.sleep(0.05)
 
   async def shared_secret(self, candidate: bytes) -> bytes:
-    """Legacy mode (keys.py): the secret kept in the store, `candidate` if none is yet.
-
-    Anyone who can read the store can read it: forged tickets and slot tags become possible.
-
-    Args:
-      candidate: a fresh random secret.
-
-    Returns:
-      The secret every server of this prefix uses.
-    """
+    """Legacy mode (keys.py): the secret every server of this prefix uses, kept in the store
+    (`candidate`, a fresh random secret, if none is yet). Anyone who can read the store can
+    read it: forged tickets and slot tags become possible."""
     key = self._k("legacy_secret")
     await self._call(self._r.set(key, candidate, nx=True))
     return await self._call(self._r.get(key))
@@ -283,13 +270,8 @@ class RedisStore(store_lib.Store):
     return seq
 
   async def epochs(self, new_epoch: str | None = None) -> tuple[int, int, str]:
-    """The store's sequence number and epoch list (anchor.py), appending `new_epoch`.
-
-    Args:
-      new_epoch: an id to append as "<id>:<seq>" (a server start), or None to only read.
-
-    Returns:
-      (sequence number, length of the epoch list, its last entry or "").
+    """(sequence number, length of the epoch list, its last entry or "") of the store
+    (anchor.py), after appending `new_epoch` as "<id>:<seq>" (a server start; None: only read).
 
     Raises:
       StoreLost, StoreRolledBack, StoreUnavailable.
@@ -302,13 +284,7 @@ class RedisStore(store_lib.Store):
     return seq, int(out[1]), out[2].decode() if isinstance(out[2], bytes) else str(out[2])
 
   async def epoch_entries(self, start: int) -> list[str]:
-    """The epoch list from index `start` on (anchor.py).
-
-    Args:
-      start: the first index.
-
-    Returns:
-      The "<id>:<seq>" entries.
+    """The "<id>:<seq>" entries of the epoch list from index `start` on (anchor.py).
 
     Raises:
       StoreUnavailable: Redis does not answer.
@@ -318,19 +294,11 @@ class RedisStore(store_lib.Store):
 
   async def release(self, seq: int, mean: np.ndarray | None, k: int, min_updates: int,
                     min_interval_s: float):
-    """Peek at (mean None) or compare-and-set the released model (model_release.py).
-
-    A `seq` below the current release's is a benign race: the current release is returned.
-
-    Args:
-      seq: the sequence number now (peek) or of `mean` (set).
-      mean: [p] the average to release, or None.
-      k: number of instances (the release is tagged as slot index k).
-      min_updates: updates needed since the last release.
-      min_interval_s: seconds needed since the last release (Redis clock).
-
-    Returns:
-      (model_release.Released or None, whether a new release is due).
+    """Peeks at (mean None) or compare-and-sets the released model (model_release.py):
+    (model_release.Released or None, whether a new release is due). `seq` is the sequence
+    number now (peek) or of the [p] `mean` (set); the release is tagged as slot index k and is
+    due after min_updates updates and min_interval_s seconds (Redis clock) since the last. A
+    `seq` below the current release's is a benign race: the current release is returned.
 
     Raises:
       StoreLost, StoreCorrupt, StoreRolledBack, StoreUnavailable.
@@ -354,17 +322,9 @@ class RedisStore(store_lib.Store):
     return model_release.Released(int(out[0]), np.frombuffer(raw, dtype="<f8")), bool(out[2])
 
   async def take_quota(self, identity: str, op: str, rate: float, burst: float) -> float:
-    """Takes one request from a token bucket shared by every server of this store.
-
-    Args:
-      identity: who asks.
-      op: "draw" or "submit".
-      rate: requests per second.
-      burst: bucket size.
-
-    Returns:
-      0.0 when allowed, else the seconds until the next request would be (Redis clock).
-    """
+    """Takes one request of (identity, op) from a token bucket (rate per second, size burst)
+    shared by every server of this store: 0.0 when allowed, else the seconds until the next
+    request would be (Redis clock)."""
     wait_ms = await self._batched(self._quota, [self._k("quota", op, identity)],
                                   [repr(float(rate)), repr(float(burst))])
     return int(wait_ms) / 1000.0

@@ -32,10 +32,7 @@ class ReplayGuard:
     self._retired: collections.OrderedDict = collections.OrderedDict()  # write id -> seq
 
   def check_nonce(self, nonce: str) -> None:
-    """Raises TicketUsed for a nonce this process accepted within its lifetime.
-
-    Args:
-      nonce: the ticket's nonce (hex).
+    """Raises TicketUsed for a ticket nonce (hex) this process accepted within its lifetime.
 
     Raises:
       store.TicketUsed: the nonce was used here.
@@ -47,36 +44,19 @@ class ReplayGuard:
       raise store_lib.TicketUsed("draw ticket already used (this server)")
 
   def used(self, nonce: str, ttl_s: float) -> None:
-    """Records an accepted ticket's nonce for `ttl_s` seconds.
-
-    Args:
-      nonce: the nonce.
-      ttl_s: the ticket's lifetime.
-    """
+    """Records an accepted ticket's nonce for `ttl_s` seconds (the ticket's lifetime)."""
     self._nonces[nonce] = self._clock() + float(ttl_s)
 
   def retire(self, write_id: bytes, seq: int) -> None:
-    """Records that update `seq` replaced the value carrying `write_id`.
-
-    Args:
-      write_id: the replaced value's write id (store_mac.py).
-      seq: the sequence number of the replacing update.
-    """
+    """Records that update `seq` replaced the value carrying `write_id` (store_mac.py)."""
     self._retired[bytes(write_id)] = int(seq)
     while len(self._retired) > self.max_retired:
       self._retired.popitem(last=False)
 
   def replayed_slot(self, slots: list, p: int, seq: int) -> int | None:
-    """The first slot of a snapshot at `seq` holding a value retired at or before `seq`.
-
-    Args:
-      slots: the stored slot values (sealed, already checked by store_mac.open_many).
-      p: number of weights.
-      seq: the snapshot's sequence number.
-
-    Returns:
-      The slot index, or None when there is none.
-    """
+    """The first slot index of a snapshot at `seq` (slots: its sealed values of p weights,
+    already checked by store_mac.open_many) holding a value retired at or before `seq`; None
+    when there is none."""
     if not self._retired:
       return None
     for i, wid in enumerate(store_mac.write_ids(slots, p)):

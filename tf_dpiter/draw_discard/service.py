@@ -166,13 +166,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     self.started = time.time()
 
   async def handle_draw(self, request: web.Request) -> web.Response:
-    """GET /v1/draw: one instance, drawn uniformly from a full snapshot.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      The instance in the requested encoding, with the spec and a draw ticket.
+    """GET /v1/draw: one instance drawn uniformly from a full snapshot, in the requested
+    encoding, with the spec and a draw ticket.
 
     Raises:
       parsing.RequestError: 400 bad_encoding.
@@ -185,14 +180,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return resp
 
   async def draw_for(self, identity: str) -> tuple[np.ndarray, str]:
-    """One instance drawn uniformly from a full snapshot, with its ticket for `identity`.
-
-    Args:
-      identity: who draws (token identity or address).
-
-    Returns:
-      ([p] instance, ticket).
-    """
+    """([p] instance drawn uniformly from a full snapshot, its ticket for `identity`)."""
     snap = await self.snapshots.for_draw()
     w = self._gated_draw(snap)  # never stored, never logged
     return w, self.tickets.issue(identity, w)
@@ -234,14 +222,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return RequestError(e.status, e.code, e.message, headers=headers, extra=extra)
 
   async def store_ticketed(self, identity: str, sub: parsing.Submission) -> int:
-    """Admission (admission.py), then the write (rebased, see the class doc).
-
-    Args:
-      identity: the submitter (token identity or address).
-      sub: the parsed submission (with its drawn instance and ticket).
-
-    Returns:
-      The new sequence number.
+    """Admission (admission.py), then the write (rebased, see the class doc) of submission
+    `sub` by `identity`; returns the new sequence number.
 
     Raises:
       parsing.RequestError: when refused (status and code in the module docstring).
@@ -293,13 +275,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return identity, b.half_life_s, b.max_steps
 
   async def handle_submit(self, request: web.Request) -> web.Response:
-    """POST /v1/submit: parse strictly, check ticket, step and budget, replace a random slot.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      {"accepted": true, "seq": n}, or with ?draw=raw the next drawn instance (raw).
+    """POST /v1/submit: parse strictly, check ticket, step and budget, replace a random slot;
+    answers {"accepted": true, "seq": n}, or with ?draw=raw the next drawn instance (raw).
 
     Raises:
       parsing.RequestError: for a malformed body, a bad ticket, a refused step or a budget
@@ -326,15 +303,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
 
   async def take_quota(self, identity: str, op: str) -> float:
-    """This process's bucket, then (quotas.cluster, Redis) the bucket shared by all servers.
-
-    Args:
-      identity: the token digest prefix or the client address.
-      op: "draw" or "submit".
-
-    Returns:
-      0.0 when allowed, else the seconds to wait.
-    """
+    """This process's bucket of (identity, op), then (quotas.cluster, Redis) the bucket all
+    servers share: 0.0 when allowed, else the seconds to wait."""
     wait = self.quotas.take(identity, op)
     rate = self.quotas.rates.get(op)
     if wait == 0 and self.quotas.cluster and rate is not None and self.store.kind == "redis":
@@ -361,16 +331,10 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return decision
 
   async def handle_model(self, request: web.Request) -> web.Response:
-    """GET /v1/model: the released average of the k instances (model_release.py).
-
-    Charged to the caller's draw quota (web_errors); a new average is released only after
-    `model_min_updates` updates and `model_interval_s` seconds.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      The released average in the requested encoding, with k and its sequence number.
+    """GET /v1/model: the released average of the k instances (model_release.py), in the
+    requested encoding, with k and its sequence number. Charged to the caller's draw quota
+    (web_errors); a new average is released only after `model_min_updates` updates and
+    `model_interval_s` seconds.
 
     Raises:
       parsing.RequestError: 400 bad_encoding.
@@ -383,11 +347,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     return resp
 
   def make_app(self) -> web.Application:
-    """The aiohttp application (routes, JSON errors, auth, quotas, metrics).
-
-    Returns:
-      A web.Application; serve it with http_server.serve or an AppRunner.
-    """
+    """The aiohttp web.Application (routes, JSON errors, auth, quotas, metrics); serve it with
+    http_server.serve or an AppRunner."""
     app = web.Application(client_max_size=self.max_body_bytes + 1,
                           middlewares=[web_errors.make_middleware(self)])
     app.router.add_get("/v1/draw", self.handle_draw)

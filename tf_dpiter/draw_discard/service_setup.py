@@ -26,14 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def spec_fingerprint(spec: glm.ModelSpec) -> str:
-  """SHA-256 of the canonical spec JSON (every field: gamma, epsilon, family, features...).
-
-  Args:
-    spec: the model spec.
-
-  Returns:
-    64 hex characters.
-  """
+  """SHA-256 hex (64 characters) of the canonical JSON of a model spec (every field: gamma,
+  epsilon, family, features...)."""
   return auth.token_digest(json.dumps(spec.to_dict(), sort_keys=True))
 
 
@@ -41,17 +35,9 @@ class StoreSetup:
   """Initialization and join (reads the service's spec, k, p, store, quotas, rule, budget)."""
 
   def settings(self, alpha, budget_alpha, max_abs_weight, centre_factor) -> dict:
-    """Every acceptance, ticket, quota, influence, sybil and draw-gate setting (join check).
-
-    Args:
-      alpha: the acceptance rule's false-rejection probability.
-      budget_alpha: the influence budget's lifetime false-rejection probability.
-      max_abs_weight: the bound on a stored weight's magnitude.
-      centre_factor: the acceptance rule's anti-chaining factor.
-
-    Returns:
-      A JSON-serializable dict; a server whose dict differs cannot join the store.
-    """
+    """Every acceptance (alpha, max_abs_weight, centre_factor), ticket, quota, influence
+    (budget_alpha), sybil and draw-gate setting, a JSON-serializable dict: a server whose dict
+    differs cannot join the store."""
     q = self.quotas
     newcomers = self.admission.newcomers
     return dict(alpha=float(alpha), budget_alpha=float(budget_alpha),
@@ -66,11 +52,8 @@ class StoreSetup:
                 draw_min_updates=self.draw_gate.m)
 
   def initial_std(self) -> float:
-    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's noise.
-
-    Returns:
-      The std (init_epsilon's Laplace noise when the spec has none).
-    """
+    """Per-weight std of the instances, sqrt(k/2) sigma (Theorem 1), sigma from the spec's
+    noise (init_epsilon's Laplace noise when the spec has none)."""
     noise = self.spec.noise if self.spec.epsilon is not None else "laplace"
     eps = self.spec.epsilon if self.spec.epsilon is not None else self.init_epsilon
     noise = "laplace" if noise == "none" else noise
@@ -78,19 +61,13 @@ class StoreSetup:
     return float(np.sqrt(calibration.init_variance(self.k, var)))
 
   def initial_instances(self) -> np.ndarray:
-    """N(0, k/2 sigma^2) per weight (Theorem 1).
-
-    Returns:
-      [k, p] float64.
-    """
+    """[k, p] float64 instances, N(0, k/2 sigma^2) per weight (Theorem 1)."""
     return server_lib.initial_instances(self.k, self.p, 0.0, self.initial_std(),
                                         np.random.default_rng(self.seed))
 
   async def startup(self, app=None) -> None:
-    """Initializes or joins the store (checks version, k, size, spec fingerprint, history).
-
-    Args:
-      app: the aiohttp application (on_startup signal), unused.
+    """Initializes or joins the store (checks version, k, size, spec fingerprint, history);
+    `app` (the on_startup signal's application) is unused.
 
     Raises:
       store.StoreMismatch: when the store holds a different model.
@@ -124,11 +101,7 @@ class StoreSetup:
       self.reload_tokens()
 
   async def shutdown(self, app=None) -> None:
-    """Saves the anchor (anchor.py) and closes the store.
-
-    Args:
-      app: the aiohttp application (on_cleanup signal), unused.
-    """
+    """Saves the anchor (anchor.py) and closes the store; `app` (on_cleanup) is unused."""
     task = getattr(self, "_anchor_task", None)
     if task is not None:
       task.cancel()

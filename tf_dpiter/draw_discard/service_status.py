@@ -26,25 +26,12 @@ class StatusEndpoints:
   """
 
   async def handle_spec(self, request: web.Request) -> web.Response:
-    """GET /v1/spec.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      The spec JSON.
-    """
+    """GET /v1/spec: the spec JSON."""
     return web.Response(body=self.spec_json, content_type=parsing.JSON_TYPE)
 
   async def handle_metrics_json(self, request: web.Request) -> web.Response:
-    """GET /v1/metrics: the store's counters (all servers) and this server's settings.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      A JSON object of counters and settings.
-    """
+    """GET /v1/metrics: a JSON object of the store's counters (all servers) and this server's
+    settings."""
     c = await self.store.counters()
     return web.json_response(dict(c, k=self.k, version=self.spec.version, num_weights=self.p,
                                   store=self.store.kind, history=self.history,
@@ -52,14 +39,7 @@ class StatusEndpoints:
                                   uptime_s=time.time() - self.started))
 
   async def handle_prometheus(self, request: web.Request) -> web.Response:
-    """GET /metrics: this process's metrics in the Prometheus text format.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      text/plain metrics.
-    """
+    """GET /metrics: this process's metrics in the Prometheus text format (text/plain)."""
     self.metrics.set("uptime_seconds", time.time() - self.started, help_text="process uptime")
     return web.Response(text=self.metrics.render(), content_type="text/plain",
                         headers={"X-Content-Type-Options": "nosniff"})
@@ -97,18 +77,10 @@ class StatusEndpoints:
     self.reload_tokens()
 
   async def handle_health(self, request: web.Request) -> web.Response:
-    """GET /healthz: 200 only when the store holds this server's model, intact.
-
-    Checks the generation and the rollback mark on every call, and at most once per
-    `HEALTH_READ_S` seconds the k slots and history through the integrity check
-    (store_mac.py) and their shape.
-
-    Args:
-      request: the aiohttp request.
-
-    Returns:
-      {"ok": true, "store", "seq"}; store errors become 503 in the middleware.
-    """
+    """GET /healthz: {"ok": true, "store", "seq"}, 200 only when the store holds this server's
+    model, intact (store errors become 503 in the middleware). Checks the generation and the
+    rollback mark on every call, and at most once per `HEALTH_READ_S` seconds the k slots and
+    history through the integrity check (store_mac.py) and their shape."""
     seq = await self.store.touch()
     now = time.monotonic()
     if now - getattr(self, "_health_read", -1e30) > HEALTH_READ_S:

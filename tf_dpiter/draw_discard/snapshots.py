@@ -34,14 +34,7 @@ class SnapshotCache:
     return time.monotonic() - self._time > self.max_age_s
 
   async def refresh(self, seq: int) -> store_lib.Snapshot:
-    """Reads the store again unless the cached snapshot is already at generation `seq`.
-
-    Args:
-      seq: the store generation the caller needs (a snapshot at or past it is kept).
-
-    Returns:
-      The snapshot (new or cached).
-    """
+    """The snapshot, read again unless the cached one is already at or past generation `seq`."""
     async with self._lock:  # coalesce: one refresh in flight
       if self._snap is None or self._snap.seq < seq:
         self._snap = await self.store.snapshot(self._snap)
@@ -50,45 +43,25 @@ class SnapshotCache:
     return self._snap
 
   async def at(self, seq: int) -> store_lib.Snapshot:
-    """The last snapshot, or a new one when the store moved past it.
-
-    Memory store: a new one whenever the generation differs; Redis: once the last one is
-    older than `max_age_s`.
-
-    Args:
-      seq: the store's current generation.
-
-    Returns:
-      A snapshot.
-    """
+    """The last snapshot, or a new one when the store (now at generation `seq`) moved past it:
+    memory store, whenever the generation differs; Redis, once the last one is older than
+    `max_age_s`."""
     snap = self._snap
     if snap is None or (snap.seq != seq and (self.store.kind == "memory" or self._stale())):
       snap = await self.refresh(seq)
     return snap
 
   async def for_draw(self) -> store_lib.Snapshot:
-    """Counts one draw in the store and returns a snapshot fresh enough to serve it.
-
-    Returns:
-      A snapshot.
-    """
+    """Counts one draw in the store and returns a snapshot fresh enough to serve it."""
     return await self.at(await self.store.touch(draws=1))
 
   async def recent(self) -> store_lib.Snapshot:
-    """The last snapshot if younger than `max_age_s` (memory: always current), else a new one.
-
-    Returns:
-      A snapshot.
-    """
+    """The last snapshot if younger than `max_age_s` (memory: always current), else a new one."""
     snap = self._snap
     if snap is None or (self.store.kind != "memory" and self._stale()):
       snap = await self.refresh(snap.seq + 1 if snap is not None else 0)
     return snap
 
   async def current(self) -> store_lib.Snapshot:
-    """The cached snapshot whatever its age (read once if there is none).
-
-    Returns:
-      A snapshot.
-    """
+    """The cached snapshot whatever its age (read once if there is none)."""
     return self._snap if self._snap is not None else await self.refresh(0)

@@ -25,26 +25,12 @@ COUNTERS = ("draws", "submits", "accepted", "rejected", "rejected_invalid")
 
 
 def encode_weights(w: np.ndarray) -> bytes:
-  """Little-endian float64 bytes of a weight vector.
-
-  Args:
-    w: the weights (any float dtype).
-
-  Returns:
-    8 * w.size bytes.
-  """
+  """The little-endian float64 bytes (8 w.size) of a weight vector of any float dtype."""
   return np.ascontiguousarray(w, dtype="<f8").tobytes()
 
 
 def decode_weights(b: bytes) -> np.ndarray:
-  """Inverse of encode_weights (a read-only view).
-
-  Args:
-    b: little-endian float64 bytes.
-
-  Returns:
-    [len(b) / 8] float64 (read-only).
-  """
+  """Inverse of encode_weights: a read-only [len(b) / 8] float64 view."""
   return np.frombuffer(b, dtype="<f8")
 
 
@@ -105,11 +91,8 @@ META_KEYS = ("version", "k", "num_weights", "fingerprint", "history", "settings"
 
 
 def check_meta(existing: dict, wanted: dict) -> None:
-  """Raises StoreMismatch naming the first differing key of META_KEYS.
-
-  Args:
-    existing: the meta found in the store.
-    wanted: this server's meta.
+  """Raises StoreMismatch naming the first key of META_KEYS where the store's `existing` meta
+  and this server's `wanted` one differ.
 
   Raises:
     StoreMismatch: when any of META_KEYS differs.
@@ -155,35 +138,19 @@ class Store(abc.ABC):
 
   @abc.abstractmethod
   async def meta(self) -> dict:
-    """The stored meta.
-
-    Returns:
-      The meta dict (a copy).
-    """
+    """A copy of the stored meta dict."""
 
   @abc.abstractmethod
   async def touch(self, draws: int = 0) -> int:
-    """Checks the generation, adds `draws` to the draw counter; returns the sequence number.
-
-    Args:
-      draws: draws served since the last store call.
-
-    Returns:
-      The sequence number.
-    """
+    """Checks the generation, adds `draws` (served since the last store call) to the draw
+    counter; returns the sequence number."""
 
   @abc.abstractmethod
   async def snapshot(self, previous: Snapshot | None = None) -> Snapshot:
-    """All slots and the history at one sequence number.
-
-    Args:
-      previous: an earlier snapshot of this store; only the history entries pushed since it
-        are transferred (all k slots always are). The memory store ignores it: its arrays
-        are views of the live store, to use before the next await (or copy).
-
-    Returns:
-      A Snapshot.
-    """
+    """A Snapshot: all slots and the history at one sequence number. Given an earlier
+    snapshot `previous` of this store, only the history entries pushed since it are transferred
+    (all k slots always are); the memory store ignores it: its arrays are views of the live
+    store, to use before the next await (or copy)."""
 
   @abc.abstractmethod
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
@@ -212,20 +179,11 @@ class Store(abc.ABC):
 
   @abc.abstractmethod
   async def incr(self, name: str, n: int = 1) -> None:
-    """Adds n to counter `name` (only while the store holds its model).
-
-    Args:
-      name: the counter.
-      n: the increment.
-    """
+    """Adds n to counter `name` (only while the store holds its model)."""
 
   @abc.abstractmethod
   async def counters(self) -> dict:
-    """All counters, plus the sequence number as 'seq'.
-
-    Returns:
-      A dict of counter -> value (every COUNTERS key present), with "seq".
-    """
+    """A dict of every COUNTERS key -> value, plus the sequence number as "seq"."""
 
   @abc.abstractmethod
   async def close(self) -> None:
@@ -247,15 +205,9 @@ class MemoryStore(Store):
     self._nonces: collections.OrderedDict = collections.OrderedDict()  # nonce -> expiry
 
   async def initialize(self, meta: dict, instances: np.ndarray, reset: bool = False) -> bool:
-    """Writes meta and the k initial instances unless already initialized.
-
-    Args:
-      meta: dict with META_KEYS.
-      instances: [k, p] initial instances.
-      reset: overwrite an existing model.
-
-    Returns:
-      True if this call wrote the store, False if it joined.
+    """Writes meta (META_KEYS) and the [k, p] initial instances unless already initialized
+    (with `reset`, overwrites an existing model): True if this call wrote the store, False if
+    it joined.
 
     Raises:
       StoreMismatch: when joining a store that holds a different model.

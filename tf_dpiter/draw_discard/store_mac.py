@@ -24,17 +24,8 @@ __all__ = ["StoreCorrupt", "TAIL", "open_many", "seal", "write_ids"]
 
 
 def seal(key: bytes, generation: str, index: int, w: np.ndarray) -> bytes:
-  """The stored bytes of instance `w` in slot `index`.
-
-  Args:
-    key: the slot-integrity key (32 bytes).
-    generation: the store's generation.
-    index: the slot written.
-    w: [p] weights.
-
-  Returns:
-    8 p + 28 bytes.
-  """
+  """The stored bytes (8 p + 28) of the [p] instance `w` in slot `index` of the store's
+  generation, under the 32-byte slot-integrity key."""
   body = (np.ascontiguousarray(w, dtype="<f8").tobytes() + struct.pack(">I", index)
           + secrets.token_bytes(8))
   return body + _tag(key, generation, body)
@@ -49,17 +40,9 @@ def _tag(key: bytes, generation: str, body: bytes) -> bytes:
 
 def open_many(key: bytes, generation: str, raws: list, p: int,
               indices: list | None = None) -> bytes:
-  """Checks stored values and returns their weight bytes, concatenated.
-
-  Args:
-    key: the slot-integrity key.
-    generation: the store's generation.
-    raws: stored values (bytes; None for a missing key).
-    p: number of weights.
-    indices: the slot index each value must carry (None: any, for history entries).
-
-  Returns:
-    len(raws) * 8 p bytes.
+  """The weight bytes (len(raws) * 8 p) of stored values (None for a missing key),
+  concatenated, after checking each against the key, the generation and the slot index it
+  must carry (`indices`; None: any, for history entries).
 
   Raises:
     StoreCorrupt: naming the first bad value's position and why.
@@ -81,13 +64,5 @@ def open_many(key: bytes, generation: str, raws: list, p: int,
 
 
 def write_ids(raws: list, p: int) -> list:
-  """The write ids of stored values (checked by open_many first).
-
-  Args:
-    raws: stored values of 8 p + TAIL bytes.
-    p: number of weights.
-
-  Returns:
-    One 8-byte id per value.
-  """
+  """One 8-byte write id per stored value of 8 p + TAIL bytes (checked by open_many first)."""
   return [raw[8 * p + 4:8 * p + 12] for raw in raws]

@@ -25,15 +25,8 @@ from tf_dpiter.errors import ParameterValueError
 
 
 def budget_key(identity: str, tokens: bool) -> str:
-  """The influence budget's key: the token identity, or the address's /24 or /64 prefix.
-
-  Args:
-    identity: the token identity (tokens on) or the client address (tokens off).
-    tokens: whether the service authenticates tokens.
-
-  Returns:
-    The key.
-  """
+  """The influence budget's key: the token identity (`tokens` on), or the /24 or /64 prefix
+  of the client address `identity` (tokens off)."""
   return identity if tokens else prefix_of(identity)
 
 
@@ -73,27 +66,14 @@ class NewIdentityShare:
     self.total, self.new, self._t = self.total * f, self.new * f, now
 
   def is_new(self, key: str, now: float | None = None) -> bool:
-    """Whether `key`'s first accepted update is less than new_age_s old (or unknown).
-
-    Args:
-      key: the budget key.
-      now: the time (default: the clock).
-
-    Returns:
-      True when new.
-    """
+    """Whether budget key `key`'s first accepted update is less than new_age_s old at `now`
+    (default: the clock), or unknown."""
     first = self._first.get(key)
     return first is None or (self.clock() if now is None else now) - first < self.new_age_s
 
   def take(self, key: str) -> tuple[float, bool]:
-    """Counts one accepted update of `key` if the cap allows it.
-
-    Args:
-      key: the budget key.
-
-    Returns:
-      (0.0, counted-as-new) when allowed, else (seconds to wait, False).
-    """
+    """Counts one accepted update of budget key `key` if the cap allows it: (0.0,
+    counted-as-new) when allowed, else (seconds to wait, False)."""
     now = self.clock()
     self._decay(now)
     new = self.is_new(key, now)
@@ -111,11 +91,7 @@ class NewIdentityShare:
     return 0.0, new
 
   def untake(self, new: bool) -> None:
-    """Undoes a `take` whose update was not stored.
-
-    Args:
-      new: the second value `take` returned.
-    """
+    """Undoes a `take` whose update was not stored (`new`: the second value it returned)."""
     self.total = max(0.0, self.total - 1.0)
     if new:
       self.new = max(0.0, self.new - 1.0)

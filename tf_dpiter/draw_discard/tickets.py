@@ -38,14 +38,7 @@ class TicketError(ValueError):
 
 
 def instance_digest(h: np.ndarray) -> bytes:
-  """BLAKE2b-128 of the little-endian float64 bytes of an instance.
-
-  Args:
-    h: the instance.
-
-  Returns:
-    16 bytes.
-  """
+  """BLAKE2b-128 (16 bytes) of the little-endian float64 bytes of an instance."""
   return hashlib.blake2b(np.ascontiguousarray(h, dtype="<f8").tobytes(), digest_size=16).digest()
 
 
@@ -77,28 +70,15 @@ class Tickets:
     return hmac.new(self._key, msg, hashlib.sha256).digest()[:_MAC]
 
   def issue(self, identity: str, h: np.ndarray) -> str:
-    """A ticket for instance h drawn by `identity`.
-
-    Args:
-      identity: the token's identity (or client address without tokens).
-      h: the served instance.
-
-    Returns:
-      48 URL-safe base64 characters.
-    """
+    """A ticket (48 URL-safe base64 characters) for instance h drawn by `identity` (the
+    token's identity, or the client address without tokens)."""
     head = struct.pack(">Q", int(self._clock() * 1000)) + secrets.token_bytes(_NONCE)
     return base64.urlsafe_b64encode(head + self._mac(identity, instance_digest(h), head)).decode()
 
   def verify(self, ticket: str | None, identity: str, h: np.ndarray) -> str:
-    """Checks a ticket against the submitter and the drawn instance it sent back.
-
-    Args:
-      ticket: the ticket string (None when missing).
-      identity: the submitter's identity.
-      h: the drawn instance sent with the submit.
-
-    Returns:
-      The nonce (hex), to be marked used by the store with the write.
+    """Checks a ticket (None when missing) against the submitter's identity and the drawn
+    instance h sent back; returns the nonce (hex), to be marked used by the store with the
+    write.
 
     Raises:
       TicketError: 400 missing_ticket / bad_ticket (malformed), 403 invalid_ticket (MAC,

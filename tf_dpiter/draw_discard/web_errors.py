@@ -33,15 +33,8 @@ _last_logged: dict = {}
 
 def log_event(logger: logging.Logger, event: str, level: int = logging.INFO,
               every_s: float = 0.0, **fields) -> None:
-  """Logs one JSON line {"event", **fields}; at most once per `every_s` seconds per event.
-
-  Args:
-    logger: where to log.
-    event: a stable event name.
-    level: logging level.
-    every_s: rate limit for this event (0: none); suppressed lines are counted.
-    **fields: JSON-serializable fields (never client data).
-  """
+  """Logs one JSON line {"event", **fields} (fields never client data) at `level`; at most
+  once per `every_s` seconds per event (0: no limit), suppressed lines counted."""
   now = time.monotonic()
   if every_s > 0:
     last, suppressed = _last_logged.get(event, (-1e30, 0))
@@ -56,18 +49,8 @@ def log_event(logger: logging.Logger, event: str, level: int = logging.INFO,
 
 def json_error(status: int, code: str, message: str, headers: dict | None = None,
                extra: dict | None = None) -> web.Response:
-  """A JSON error answer.
-
-  Args:
-    status: HTTP status.
-    code: the "error" value.
-    message: the "message" value.
-    headers: extra headers.
-    extra: extra JSON fields.
-
-  Returns:
-    The web.Response.
-  """
+  """The JSON error web.Response: HTTP `status`, {"error": code, "message": message,
+  **extra}, plus extra headers."""
   return web.json_response(dict(extra or {}, error=code, message=message), status=status,
                            headers=headers)
 
@@ -148,26 +131,19 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
 
 
 def make_middleware(svc):
-  """The middleware of DDMLService `svc`.
-
-  Args:
-    svc: the service (tokens, quotas, metrics).
-
-  Returns:
-    An aiohttp middleware.
-  """
+  """The aiohttp middleware of DDMLService `svc` (tokens, quotas, metrics)."""
 
   @web.middleware
   async def middleware(request: web.Request, handler):
     t0 = time.perf_counter()
     guard = svc.connection_guard
     if guard is not None:
-      guard.begin(request.protocol)
+      guard.busy(request.protocol, 1)
     try:
       resp = await _dispatch(svc, request, handler)
     finally:
       if guard is not None:
-        guard.end(request.protocol)
+        guard.busy(request.protocol, -1)
     endpoint = request.path if request.match_info.route.resource is not None else "other"
     svc.metrics.inc("requests_total", endpoint=endpoint, status=resp.status,
                     help_text="HTTP requests")
