@@ -225,14 +225,7 @@ def _chunk_iterations(chunk, previous, where):
 
 
 def journal_arrays(path, key=None):
-  """(samples, queries, passes) of a journal file, verified: e.g. to account it directly.
-
-  Args:
-    path: path of the journal file.
-    key: optional HMAC key to verify with.
-
-  Returns:
-    Tuple (samples, queries, passes): two numpy arrays and the int pass count.
-  """
+  """(samples, queries, passes), two numpy arrays and the int pass count, of the journal file
+  at `path`, verified (with the optional HMAC `key`): e.g. to account it directly."""
   samples, queries, passes = LedgerJournal(path, key).read()
   return np.asarray(samples), np.asarray(queries), passes

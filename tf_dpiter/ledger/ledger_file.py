@@ -44,16 +44,9 @@ def _key_bytes(key):
 
 
 def sign(d, key=None):
-  """`d` with its digest (and HMAC when `key` is given) set.
-
-  Args:
-    d: JSON-able dict; any existing signature fields are dropped.
-    key: optional HMAC key; None signs with the SHA-256 digest only, which detects
-      accidental changes, not forgery (anyone can recompute it): give a key for that.
-
-  Returns:
-    A new dict: `d` plus "digest" ("sha256:...") and, with `key`, "hmac" ("hmac-sha256:...").
-  """
+  """A new dict: JSON-able `d` (any signature fields dropped) plus "digest" ("sha256:...")
+  and, with `key`, "hmac" ("hmac-sha256:..."). Without a key the SHA-256 digest detects
+  accidental changes, not forgery (anyone can recompute it): give a key for that."""
   out = {k: v for k, v in d.items() if k not in _SIGNATURE_FIELDS}
   body = _canonical(out)
   out["digest"] = "sha256:" + hashlib.sha256(body).hexdigest()
@@ -63,19 +56,12 @@ def sign(d, key=None):
 
 
 def verify(d, key=None, what="ledger"):
-  """Raises ValueError unless `d`'s digest (and, with `key`, its HMAC) matches its content.
-
-  Args:
-    d: a signed dict, as returned by `sign`.
-    key: optional HMAC key; when given, the HMAC is checked too.
-    what: str naming `d` in error messages.
-
-  Returns:
-    None.
+  """Raises unless the signed dict `d`'s digest (and, with `key`, its HMAC) matches its
+  content; `what` names `d` in the messages.
 
   Raises:
-    ParameterValueError: if the digest does not match, or with `key`, the HMAC is missing or wrong.
-      Without `key` a forged dict whose digest was recomputed passes: a digest is no MAC.
+    ParameterValueError: if the digest does not match, or with `key`, the HMAC is missing or
+      wrong. Without `key` a forged dict whose digest was recomputed passes: a digest is no MAC.
   """
   body = _canonical(d)
   expected = "sha256:" + hashlib.sha256(body).hexdigest()
@@ -119,33 +105,17 @@ def _query_dict(row):
 
 
 def arrays_to_dict(samples, queries, passes=0, key=None):
-  """Signed, run-length coded JSON-able dict of a ledger's arrays and pass count.
-
-  Args:
-    samples: ledger sample array (rows of SAMPLE_COLUMNS).
-    queries: ledger query array (rows of QUERY_COLUMNS).
-    passes: int, the ledger's pass count.
-    key: optional HMAC key (see `sign`).
-
-  Returns:
-    The signed dict (see `runs_to_dict`).
-  """
+  """The signed (`sign`), run-length coded JSON-able dict (`runs_to_dict`) of a ledger's
+  sample and query arrays and pass count."""
   samples, queries = rec.validate_arrays(samples, queries)
   return runs_to_dict(rec.run_length_encode(samples, queries), passes, key)
 
 
 def runs_to_dict(runs, passes=0, key=None):
-  """Signed JSON-able dict of runs [(count, sample_row, query_rows)] (counts kept as counts).
-
-  A selection marker among the runs (`selection`) becomes the file's "selection" field and
-  the file version 3; a ledger without one stays version 2.
-
-  Args:
-    runs: [(count, sample_row, query_rows)]. passes: shuffled passes / epochs started.
-    key: optional HMAC key (str or bytes).
-
-  Returns:
-    the signed dict.
+  """The signed JSON-able dict of runs [(count, sample_row, query_rows)] (counts kept as
+  counts) and `passes` (shuffled passes / epochs started), HMAC'd with the optional `key`
+  (str or bytes). A selection marker among the runs (`selection`) becomes the file's
+  "selection" field and the file version 3; a ledger without one stays version 2.
 
   Raises:
     ParameterValueError: a run fails the checks of `records.validate_arrays`.
@@ -224,19 +194,14 @@ def _check_header(d):
 
 
 def dict_to_runs(d, key=None):
-  """Parses, verifies and validates a ledger dict: ([(count, sample_row, query_rows)], passes).
-
-  Counts stay counts: a run of 10^6 identical samples is one row. A "selection" field
-  (version 3) comes back as its marker run (`selection`) after the trial's samples.
-
-  Args:
-    d: the dict. key: the HMAC key it was signed with, or None.
-
-  Returns:
-    (runs, passes).
+  """([(count, sample_row, query_rows)], passes) of a ledger dict, parsed, verified (with the
+  HMAC `key` it was signed with, or None) and validated. Counts stay counts: a run of 10^6
+  identical samples is one row. A "selection" field (version 3) comes back as its marker run
+  (`selection`) after the trial's samples.
 
   Raises:
-    ParameterValueError: a bad header, digest or HMAC, or a malformed or invalid run or selection.
+    ParameterValueError: a bad header, digest or HMAC, or a malformed or invalid run or
+      selection.
   """
   _check_header(d)
   verify(d, key)
@@ -264,32 +229,19 @@ def dict_to_runs(d, key=None):
 
 
 def dict_to_arrays(d, key=None):
-  """(samples, queries, passes) of a ledger dict, verified and validated.
-
-  Args:
-    d: a ledger dict, as written by `arrays_to_dict`.
-    key: optional HMAC key to verify with.
-
-  Returns:
-    Tuple (samples, queries, passes): the two numpy arrays and the int pass count.
-  """
+  """(samples, queries, passes), the two numpy arrays and the int pass count, of a ledger
+  dict written by `arrays_to_dict`, verified (optional HMAC `key`) and validated."""
   runs, passes = dict_to_runs(d, key)
   samples, queries = rec.runs_to_arrays(runs)
   return samples, queries, passes
 
 
 def loads(text, key=None):
-  """(samples, queries, passes) of a ledger JSON string; ValueError on anything malformed.
-
-  Args:
-    text: str, the ledger JSON.
-    key: optional HMAC key to verify with.
-
-  Returns:
-    Tuple (samples, queries, passes), as `dict_to_arrays`.
+  """(samples, queries, passes) of a ledger JSON string, as `dict_to_arrays`.
 
   Raises:
-    ParameterValueError: if the JSON cannot be parsed, or the ledger is malformed or fails verification.
+    ParameterValueError: if the JSON cannot be parsed, or the ledger is malformed or fails
+      verification.
   """
   try:
     d = json.loads(text)
@@ -299,17 +251,12 @@ def loads(text, key=None):
 
 
 def load(path, key=None):
-  """(samples, queries, passes) of a ledger JSON file; errors name the file.
-
-  Args:
-    path: path of the ledger JSON file.
-    key: optional HMAC key to verify with.
-
-  Returns:
-    Tuple (samples, queries, passes), as `dict_to_arrays`.
+  """(samples, queries, passes) of a ledger JSON file, as `dict_to_arrays`; errors name the
+  file.
 
   Raises:
-    ParameterValueError: if the file cannot be read, or its content is malformed or fails verification.
+    ParameterValueError: if the file cannot be read, or its content is malformed or fails
+      verification.
   """
   try:
     with open(path) as f:

@@ -22,13 +22,9 @@ _REGISTRY = {}
 
 
 def cyclic_codes():
-  """The codes (floats) of the registered policies whose samples advance the ledger's cycle
-  position, read from the registry at call time ((-1.0,) when none); read eagerly only (a
-  trace would keep the registry of its time).
-
-  Returns:
-    a tuple of floats.
-  """
+  """The codes (a tuple of floats) of the registered policies whose samples advance the
+  ledger's cycle position, read from the registry at call time ((-1.0,) when none); read
+  eagerly only (a trace would keep the registry of its time)."""
   return tuple(float(p.code) for p in _REGISTRY.values() if p.advances_cycle) or (-1.0,)
 
 
@@ -177,14 +173,8 @@ class BallsInBins(SamplingPolicy):
 
 
 def register(policy):
-  """Registers a policy object under its name and its code.
-
-  Args:
-    policy: a SamplingPolicy instance whose name and code no other registered policy has
-      (`policy_base.check_policy` states the rest).
-
-  Returns:
-    the policy.
+  """Registers and returns a SamplingPolicy instance under its name and its code, which no
+  other registered policy may have (`policy_base.check_policy` states the rest).
 
   Raises:
     PrivacyConfigError: a field `check_policy` refuses, or a name or code already taken.
@@ -203,13 +193,7 @@ def register(policy):
 
 
 def unregister(name):
-  """Removes a registered policy (e.g. one a test registered); unknown names are refused.
-
-  Args:
-    name: a registered policy name.
-
-  Returns:
-    the policy object removed.
+  """Removes and returns a registered policy (e.g. one a test registered).
 
   Raises:
     PrivacyConfigError: a name not registered.
@@ -224,13 +208,7 @@ def names():
 
 
 def get(name):
-  """The policy object of a sampling policy name.
-
-  Args:
-    name: a policy name.
-
-  Returns:
-    the registered SamplingPolicy.
+  """The registered SamplingPolicy of a policy name.
 
   Raises:
     PrivacyConfigError: an unknown name, or the selection marker (it samples nothing).
@@ -241,15 +219,9 @@ def get(name):
 
 
 def by_code(code):
-  """The policy object whose code is `code` (a sample row's policy column).
-
-  Args:
-    code: an int or float code.
-
-  Returns:
-    the registered SamplingPolicy, or None when no policy has that code (the selection
-    marker's code, or an unknown one).
-  """
+  """The registered SamplingPolicy whose code (int or float) is `code` (a sample row's policy
+  column); None when no policy has that code (the selection marker's code, or an unknown
+  one)."""
   for policy in _REGISTRY.values():
     if policy.code == code:
       return policy

@@ -47,20 +47,14 @@ class SamplingPolicy:
   advances_cycle = False
 
   def sampling_checks(self, population_size, selection_probability, sample_size):
-    """The rules a declared sampling of this policy must meet, one row per element.
+    """The rules a declared sampling of this policy must meet, one row per element of the
+    float arrays n (records), q and the size field, all of one shape: a list of (bad, field,
+    rule), bad a bool array (True where the rule fails), field the name of the field the rule
+    is about, rule the requirement (a str with `{n}`, `{q}` and `{m}` placeholders for the
+    failing row's values).
 
     The one statement of the policy's sampling rules: `check_sampling` runs it on one
     sampling, `records.validate_arrays` on every row of a ledger of this policy.
-
-    Args:
-      population_size: n, a float array (records).
-      selection_probability: q, a float array of the same shape.
-      sample_size: the policy's size field, a float array of the same shape.
-
-    Returns:
-      a list of (bad, field, rule): bad a bool array (True where the rule fails), field the
-      name of the field the rule is about, rule the requirement (a str with `{n}`, `{q}` and
-      `{m}` placeholders for the failing row's values).
     """
     n, m = np.asarray(population_size, np.float64), np.asarray(sample_size, np.float64)
     checks = []
@@ -73,16 +67,9 @@ class SamplingPolicy:
     return checks
 
   def check_sampling(self, population_size, selection_probability, sample_size):
-    """Refuses a declared sampling the policy's claim cannot cover (`sampling_checks`).
-
-    Args:
-      population_size: n (records).
-      selection_probability: q.
-      sample_size: the policy's size field.
-
-    Returns:
-      None, or an error message (str) naming the bad field and its value.
-    """
+    """None, or the error message (str) naming the bad field and its value, of a declared
+    sampling (n records, q, the size field) the policy's claim cannot cover
+    (`sampling_checks`)."""
     n, q, m = (np.asarray([float(v)]) for v in (population_size, selection_probability,
                                                   sample_size))
     for bad, field, rule in self.sampling_checks(n, q, m):
@@ -92,18 +79,9 @@ class SamplingPolicy:
     return None
 
   def sampling_message(self, field, rule, population_size, selection_probability, sample_size):
-    """The message of a failed sampling rule (see `sampling_checks`) at one row.
-
-    Args:
-      field: the field the rule is about ("sample_size", "selection_probability").
-      rule: the requirement, with `{n}`, `{q}`, `{m}` placeholders.
-      population_size: n of the row.
-      selection_probability: q of the row.
-      sample_size: the size field of the row.
-
-    Returns:
-      a str "`field` must be ... for policy 'name' ... Received: field=value".
-    """
+    """The message "`field` must be ... for policy 'name' ... Received: field=value" of a failed
+    sampling rule (see `sampling_checks`; field "sample_size" or "selection_probability",
+    rule with `{n}`, `{q}`, `{m}` placeholders) at one row (n, q, size field)."""
     values = {"population_size": population_size, "selection_probability": selection_probability,
               "sample_size": sample_size}
     text = rule.format(n=float(population_size), q=float(selection_probability),
@@ -113,119 +91,60 @@ class SamplingPolicy:
             f"the sampling the data pipeline runs. Received: {field}={values[field]!r}")
 
   def participations(self, run_count, sample_size):  # pylint: disable=unused-argument
-    """The most samples of a run of `run_count` consecutive samples one unit can join, when
-    the policy bounds it below run_count (cyclic Poisson); 0: not used by its event.
-
-    Args:
-      run_count: the run's consecutive samples.
-      sample_size: the policy's size field.
-
-    Returns:
-      an int >= 0.
-    """
+    """The most samples (an int >= 0) of a run of `run_count` consecutive samples one unit can
+    join, when the policy bounds it below run_count (cyclic Poisson, from the size field);
+    0: not used by its event."""
     return 0
 
   def steps_per_pass(self, group):  # pylint: disable=unused-argument
-    """Steps of one pass / epoch the ledger counts (pass-charged policies), else None.
-
-    Args:
-      group: a `SampleGroup` of this policy.
-
-    Returns:
-      an int, or None.
-    """
+    """The steps (an int) of one pass / epoch of a `SampleGroup` of this policy the ledger
+    counts (pass-charged policies), else None."""
     return None
 
   def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
-    """The public expected batch size of one sample: q n (cyclic Poisson: q n / b).
-
-    Args:
-      population_size: n.
-      selection_probability: q.
-      sample_size: the policy's size field.
-
-    Returns:
-      a float (records).
-    """
+    """The public expected batch size of one sample, a float in records: q n (cyclic Poisson:
+    q n / b)."""
     return float(population_size) * float(selection_probability)
 
   def pass_lengths(self, population_size, sample_size):
-    """The steps a pass / epoch can have (pass-charged policies; else ()): batches of B of n
-    make ceil(n / B) steps, floor(n / B) with drop_remainder (one length when B divides n).
-
-    Args:
-      population_size: n.
-      sample_size: B (the steps k of an epoch under balls in bins).
-
-    Returns:
-      a tuple of ints, shortest first.
-    """
+    """The steps a pass / epoch of n records can have, a tuple of ints, shortest first
+    (pass-charged policies; else ()): batches of B make ceil(n / B) steps, floor(n / B) with
+    drop_remainder (one length when B divides n); B is the steps k of an epoch under balls in
+    bins."""
     del population_size, sample_size
     return ()
 
   def describe(self, population_size, selection_probability, sample_size):
-    """One line for the start-of-fit log: the sampling, its adjacency and sensitivity.
-
-    Args:
-      population_size: n.
-      selection_probability: q.
-      sample_size: the policy's size field.
-
-    Returns:
-      a str.
-    """
+    """One line (str) for the start-of-fit log of a sampling (n, q, size field): the sampling,
+    its adjacency and sensitivity."""
     del sample_size
     return (f"policy {self.name!r} (n = {int(population_size)}, q = "
             f"{float(selection_probability):.4g}; {self.relation} adjacency)")
 
   def passes_needed(self, group):
-    """The passes / epochs a group's samples start at least (pass-charged policies:
-    ceil(count / steps_per_pass)); 0 for the others.
-
-    Args:
-      group: a `SampleGroup` of this policy.
-
-    Returns:
-      an int >= 0.
-    """
+    """The passes / epochs (an int >= 0) a `SampleGroup`'s samples start at least
+    (pass-charged policies: ceil(count / steps_per_pass)); 0 for the others."""
     per = self.steps_per_pass(group)
     return -(-int(group.count) // int(per)) if self.pass_charged and per else 0
 
   def participation_bound(self, group, passes):
-    """The most samples of `group` one unit may join under the claim its event makes.
-
-    Every sample is charged (Poisson, fixed size, full, truncated, user level): the group's
-    count. Pass-charged policies charge min(passes, count) un-amplified mechanisms (each
-    unit at most once per pass / epoch); cyclic Poisson charges `group.participations`.
-
-    Args:
-      group: a `SampleGroup` of this policy.
-      passes: the ledger's passes.
-
-    Returns:
-      an int >= 0.
-    """
+    """The most samples (an int >= 0) of a `SampleGroup` one unit may join under the claim its
+    event makes, given the ledger's passes. Every sample is charged (Poisson, fixed size, full,
+    truncated, user level): the group's count. Pass-charged policies charge min(passes, count)
+    un-amplified mechanisms (each unit at most once per pass / epoch); cyclic Poisson charges
+    `group.participations`."""
     if self.pass_charged and passes > 0:
       return min(int(passes), int(group.count))
     return int(group.count)
 
   def min_gap(self, group):  # pylint: disable=unused-argument
-    """The fewest steps between two samples one unit joins that the claim assumes (1: none).
-
-    Args:
-      group: a `SampleGroup` of this policy.
-
-    Returns:
-      an int >= 1.
-    """
+    """The fewest steps (an int >= 1; 1: none) between two samples of a `SampleGroup` one unit
+    joins that the claim assumes."""
     return 1
 
 
 def check_policy(policy):
-  """Checks a policy object's stated fields before it is registered.
-
-  Args:
-    policy: a SamplingPolicy instance.
+  """Checks a SamplingPolicy instance's stated fields before it is registered.
 
   Raises:
     PrivacyConfigError: not a SamplingPolicy, or a name, code, relation, unit or covers the

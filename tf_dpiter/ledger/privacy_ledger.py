@@ -202,19 +202,11 @@ def _common_prefix(a, b):
 
 
 def merged_arrays(current, restored):
-  """The ledger that charges every step of two ledgers of one run: (samples, queries, passes).
-
-  When one ledger is a prefix of the other, the longer one; otherwise the restored ledger
-  followed by the current one's samples after their common prefix (query rows re-indexed),
-  the passes added. Charging more than was used is the safe side.
-
-  Args:
-    current: (samples, queries, passes) of the ledger being restored into.
-    restored: (samples, queries, passes) of the ledger being restored.
-
-  Returns:
-    (samples, queries, passes) numpy arrays and an int.
-  """
+  """The ledger that charges every step of two ledgers of one run, `current` (being restored
+  into) and `restored`, each (samples, queries, passes): (samples, queries) numpy arrays and
+  an int. When one ledger is a prefix of the other, the longer one; otherwise the restored
+  ledger followed by the current one's samples after their common prefix (query rows
+  re-indexed), the passes added. Charging more than was used is the safe side."""
   (sc, qc, pc), (sr, qr, pr) = current, restored
   p = _common_prefix((sc, qc), (sr, qr))
   if p == sr.shape[0]:
@@ -666,13 +658,8 @@ _SAMPLE_SIZE = ("a finite number >= 0, the batch size: the expected one under \"
 
 
 def check_sample_size(sample_size):
-  """Refuses a declared sample size that is not a finite number >= 0 (e.g. None).
-
-  Args:
-    sample_size: the batch size of a sampling declaration.
-
-  Returns:
-    float(sample_size), or a tensor unchanged (checked by the policy when it is read).
+  """float(sample_size) of a declared batch size, refused unless a finite number >= 0 (e.g.
+  None); a tensor passes unchanged (checked by the policy when it is read).
 
   Raises:
     ParameterTypeError: `sample_size` is not a number (None, a string, a bool).

@@ -35,13 +35,8 @@ from tf_dpiter.ledger.schema import KIND_NAME as _KIND_NAME
 
 
 def unit_of_policy(policy):
-  """The unit of privacy a policy's records stand for (the policy object's `unit`).
-
-  Args:
-    policy: a registered policy name (the selection marker: "example").
-
-  Returns:
-    "user" or "example".
+  """The unit of privacy, "user" or "example", that a registered policy's records stand for
+  (the policy object's `unit`; the selection marker: "example").
 
   Raises:
     PrivacyConfigError: an unknown policy.
@@ -62,13 +57,8 @@ def unit_of_policy(policy):
 
 
 def policy_code(policy):
-  """The stable integer code of a policy name (the policy object's `code`).
-
-  Args:
-    policy: a registered policy name, or the selection marker `REPEAT_AND_SELECT`.
-
-  Returns:
-    int, the policy's code.
+  """The stable int code of a registered policy name (the policy object's `code`) or of the
+  selection marker `REPEAT_AND_SELECT`.
 
   Raises:
     PrivacyConfigError: if `policy` is unknown.
@@ -79,13 +69,7 @@ def policy_code(policy):
 
 
 def policy_name(code):
-  """The policy name of an integer code.
-
-  Args:
-    code: a policy's code (int or float), or the selection marker's.
-
-  Returns:
-    The policy name.
+  """The policy name of a policy's code (int or float), or of the selection marker's.
 
   Raises:
     PrivacyConfigError: an unknown code.
@@ -159,14 +143,8 @@ def _sensitivity_factors(policy_codes, examples_per_record):
 
 
 def check_examples_per_record(policy, examples_per_record):
-  """ValueError unless k >= 1, and k == 1 under an add/remove policy (a tensor k passes).
-
-  Args:
-    policy: str, the sampling policy name.
-    examples_per_record: k, examples per record (microbatch size); a tensor is not checked.
-
-  Returns:
-    None.
+  """Refuses k = examples_per_record (the microbatch size) unless k >= 1, and k == 1 under an
+  add/remove `policy`; a tensor k is not checked.
 
   Raises:
     ParameterValueError: if k < 1, or k > 1 under an add-or-remove policy.
@@ -364,14 +342,8 @@ def run_length_encode(samples, queries):
 
 
 def runs_to_arrays(runs):
-  """Expands runs (count, sample_row, query_rows) into (samples, queries) arrays.
-
-  Args:
-    runs: list of (count, sample_row, query_rows), as from `run_length_encode`.
-
-  Returns:
-    Tuple (samples, queries) of numpy arrays; query column 0 is the sample index.
-  """
+  """The (samples, queries) numpy arrays of runs (count, sample_row, query_rows), as from
+  `run_length_encode`; query column 0 is the sample index."""
   if not runs:
     return np.zeros([0, len(SAMPLE_COLUMNS)]), np.zeros([0, len(QUERY_COLUMNS)])
   counts = np.asarray([c for c, _, _ in runs], dtype=np.int64)
@@ -390,14 +362,7 @@ def _query_record(row):
 
 
 def to_records(runs):
-  """Typed SampleRuns of runs (count, sample_row, query_rows).
-
-  Args:
-    runs: list of (count, sample_row, query_rows).
-
-  Returns:
-    List of SampleRun, one per run.
-  """
+  """One typed SampleRun per run (count, sample_row, query_rows)."""
   return [SampleRun(int(c), policy_name(s[3]), float(s[0]), float(s[1]), float(s[2]), int(s[4]),
                     tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
 

@@ -50,10 +50,8 @@ class Selection:
 
 
 def check(mean, shape, trials):
-  """Checks a selection's parameters.
-
-  Args:
-    mean: E[K]. shape: eta >= 0 or inf. trials: K run, an integer >= 1.
+  """Checks a selection's parameters: mean E[K], shape eta >= 0 or inf, trials K run (an
+  integer >= 1).
 
   Raises:
     ParameterValueError: naming the parameter and its value.
@@ -70,56 +68,32 @@ def check(mean, shape, trials):
 
 
 def marker_row(selection):
-  """The sample row of the marker of `selection` (see module doc).
-
-  Args:
-    selection: a Selection.
-
-  Returns:
-    float64 array of `records.SAMPLE_COLUMNS`.
-  """
+  """The float64 sample row (`records.SAMPLE_COLUMNS`) of the marker of a Selection (see
+  module doc)."""
   shape = -1.0 if math.isinf(selection.shape) else float(selection.shape)
   return np.array([selection.mean, 1.0, shape, schema.REPEAT_AND_SELECT_CODE,
                    float(selection.trials), 0.0])
 
 
 def is_marker(sample_row):
-  """Whether a sample row is a selection marker.
-
-  Args:
-    sample_row: a row of `records.SAMPLE_COLUMNS`.
-
-  Returns:
-    bool.
-  """
+  """Whether a sample row (`records.SAMPLE_COLUMNS`) is a selection marker (a bool)."""
   return int(sample_row[3]) == schema.REPEAT_AND_SELECT_CODE
 
 
 def from_row(sample_row, after_samples=0):
-  """The Selection a marker row stands for.
-
-  Args:
-    sample_row: a marker row (`is_marker`). after_samples: the samples before it.
-
-  Returns:
-    a Selection.
-  """
+  """The Selection a marker row (`is_marker`) stands for, after_samples samples before it."""
   shape = math.inf if sample_row[2] == -1 else float(sample_row[2])
   return Selection(float(sample_row[0]), shape, int(sample_row[4]), int(after_samples))
 
 
 def with_selection(runs, mean, shape, trials):
-  """Runs of one trial followed by the marker of its selection.
-
-  Args:
-    runs: [(count, sample_row, query_rows)] of the trial (no marker yet).
-    mean, shape, trials: see Selection.
-
-  Returns:
-    runs + [(1, marker row, no queries)].
+  """runs + [(1, marker row, no queries)]: the runs [(count, sample_row, query_rows)] of one
+  trial (no marker yet) followed by the marker of its selection (mean, shape, trials: see
+  Selection).
 
   Raises:
-    ParameterValueError: bad parameters, or `runs` already holds a selection marker or no sample.
+    ParameterValueError: bad parameters, or `runs` already holds a selection marker or no
+      sample.
   """
   if any(is_marker(s) for _, s, _ in runs):
     raise ParameterValueError("this ledger already records a selection; a trial cannot be selected twice")
@@ -131,14 +105,8 @@ def with_selection(runs, mean, shape, trials):
 
 
 def to_field(selection):
-  """The file form of a Selection (JSON-able; no infinity).
-
-  Args:
-    selection: a Selection.
-
-  Returns:
-    dict with distribution, mean, shape (None for Poisson), trials, after_samples.
-  """
+  """The file form of a Selection (JSON-able; no infinity): a dict with distribution, mean,
+  shape (None for Poisson), trials, after_samples."""
   poisson = math.isinf(selection.shape)
   return {"distribution": _POISSON if poisson else _TNB, "mean": float(selection.mean),
           "shape": None if poisson else float(selection.shape), "trials": int(selection.trials),
@@ -146,13 +114,7 @@ def to_field(selection):
 
 
 def from_field(field):
-  """Inverse of `to_field`.
-
-  Args:
-    field: the "selection" dict of a ledger file.
-
-  Returns:
-    a Selection.
+  """The Selection of a ledger file's "selection" dict (inverse of `to_field`).
 
   Raises:
     ParameterValueError: a malformed field, named.
@@ -175,14 +137,8 @@ def from_field(field):
 
 
 def split_runs(runs):
-  """(runs without the marker, Selection or None) of runs that may hold one marker.
-
-  Args:
-    runs: [(count, sample_row, query_rows)].
-
-  Returns:
-    (sample runs, Selection with after_samples set, or None).
-  """
+  """(sample runs without the marker, its Selection with after_samples set or None) of runs
+  [(count, sample_row, query_rows)] that may hold one marker."""
   out, found, seen = [], None, 0
   for count, s, qs in runs:
     if is_marker(s):
@@ -194,14 +150,9 @@ def split_runs(runs):
 
 
 def insert_marker(runs, selection):
-  """Inverse of `split_runs`: the marker placed after `selection.after_samples` samples
-  (a run that straddles that point is split in two).
-
-  Args:
-    runs: [(count, sample_row, query_rows)] without a marker. selection: a Selection.
-
-  Returns:
-    runs with the marker inserted.
+  """Runs [(count, sample_row, query_rows)] without a marker, with the marker of `selection`
+  inserted after `selection.after_samples` samples (a run that straddles that point is split
+  in two; inverse of `split_runs`).
 
   Raises:
     PrivacyConfigError: after_samples is beyond the ledger's samples.
@@ -229,14 +180,9 @@ def insert_marker(runs, selection):
 
 
 def marker_checks(samples):
-  """Checks of the marker rows among ledger sample rows, for `records.validate_arrays`.
-
-  Args:
-    samples: [N, 6] float64 sample rows (the marker's code is `schema.REPEAT_AND_SELECT_CODE`).
-
-  Returns:
-    [(bad-row mask, message, column)].
-  """
+  """[(bad-row mask, message, column)]: the checks of the marker rows (code
+  `schema.REPEAT_AND_SELECT_CODE`) among [N, 6] float64 ledger sample rows, for
+  `records.validate_arrays`."""
   n, q, m, pol, k, nq = samples.T
   marker = pol == schema.REPEAT_AND_SELECT_CODE
   return [
