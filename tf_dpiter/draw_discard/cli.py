@@ -190,11 +190,8 @@ def _add_serve(sub) -> None:
 
 
 def _check_exposure(args) -> str:
-  """Refuses a non-loopback address without TLS and tokens (unless --insecure).
-
-  Returns:
-    The warning to print before serving ("" when TLS and tokens are on).
-  """
+  """Refuses a non-loopback address without TLS and tokens (unless --insecure); returns the
+  warning to print before serving ("" when TLS and tokens are on)."""
   import ipaddress  # pylint: disable=g-import-not-at-top
   missing = [name for name, ok in (("TLS (--tls-cert/--tls-key)", args.tls_cert),
                                    ("tokens (--tokens)", args.tokens)) if not ok]

@@ -100,12 +100,15 @@ class DDMLClient:
       DDMLError: for an error answer, or a body that is not the spec's finite weights.
     """
     version, data = self._request("GET", "/v1/draw?encoding=raw", raw=True)
+    spec = self._spec_of(version)
+    return Drawn(version, spec, wire.checked_weights(data, spec), self.last_ticket)
+
+  def _spec_of(self, version):
+    """The spec of a served version, fetched (GET /v1/spec, JSON) only for a new version."""
     if version not in self._specs:
       spec = self.spec()
       self._specs[spec.version] = spec
-    ticket = self.last_ticket
-    spec = self._specs.get(version) or self.spec()
-    return Drawn(version, spec, wire.checked_weights(data, spec), ticket)
+    return self._specs.get(version) or self.spec()
 
   def submit(self, drawn, weights: np.ndarray) -> dict:
     """Submits an update of a drawn instance.
@@ -155,9 +158,7 @@ class DDMLClient:
     if r.status >= 400 or r.getheader("Content-Type", "").startswith("application/json"):
       return wire.answer_or_raise(r.status, data, r.getheader("Retry-After")), None
     v = r.getheader("X-DDML-Version")
-    if v not in self._specs:
-      self._specs[v] = self.spec()
-    spec = self._specs[v]
+    spec = self._spec_of(v)
     return ({"accepted": True, "seq": int(r.getheader("X-DDML-Seq"))},
             Drawn(v, spec, wire.checked_weights(data, spec), r.getheader("X-DDML-Ticket")))
 

@@ -179,15 +179,8 @@ class ConnectionGuard:
     return conn
 
   def _victim(self, mine: int, mine_addr: int) -> tuple[_Conn | None, str]:
-    """The connection a newcomer may evict from a full table (module docstring).
-
-    Args:
-      mine: open connections of the newcomer's prefix.
-      mine_addr: open connections of the newcomer's address.
-
-    Returns:
-      (connection or None, metrics label).
-    """
+    """(connection or None, metrics label): the connection a newcomer may evict from a full
+    table (module docstring), given the open connections of its prefix (mine) and address."""
     heavy = max(self._prefix_open, key=self._prefix_open.__getitem__)
     if self._prefix_open[heavy] > mine + 1:  # fair share over prefixes
       addr = max(self._by_prefix[heavy], key=lambda a: len(self._by_addr[a]))

@@ -8,17 +8,10 @@ caller's sequence high-water mark `hw` (-4: rolled back): the prologue `_checked
 
 
 def _checked(seq_key, hw_arg, table=False, seq="seq"):
-  """The Lua prologue of a script that reads or writes the model (the module docstring).
-
-  Args:
-    seq_key: the index in KEYS of the sequence number (KEYS[1] is the generation).
-    hw_arg: the index in ARGV of the high-water mark (ARGV[1] is the generation).
-    table: whether the script returns its codes in a table ({-1}) rather than alone (-1).
-    seq: the Lua local the store's sequence number is read into.
-
-  Returns:
-    the Lua lines, each ending with a newline.
-  """
+  """The Lua prologue (lines ending with a newline) of a script that reads or writes the
+  model (the module docstring): the sequence number, KEYS[seq_key], is read into the Lua
+  local `seq` (KEYS[1] is the generation), the high-water mark is ARGV[hw_arg] (ARGV[1] the
+  generation), and the codes are returned in a table ({-1}) when `table`, else alone (-1)."""
   code = (lambda c: "{%d}" % c) if table else str
   return (f"\nlocal g = redis.call('GET', KEYS[1])\nif not g then return {code(-1)} end\n"
           f"if g ~= ARGV[1] then return {code(-2)} end\n"
