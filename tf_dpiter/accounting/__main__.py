@@ -27,14 +27,8 @@ USAGE = ("usage: python -m tf_dpiter.accounting {" + ",".join(COMMANDS) + "} [ar
 
 
 def main(argv=None):
-  """Runs the command named by argv[0] with the rest of argv.
-
-  Args:
-    argv: the command-line arguments (None: sys.argv[1:]).
-
-  Returns:
-    the exit status: the command's, 0 for --help, 2 for a missing or unknown command.
-  """
+  """Runs the command named by argv[0] (None: sys.argv[1:]) with the rest of argv; returns the
+  command's exit status, 0 for --help, 2 for a missing or unknown command."""
   argv = sys.argv[1:] if argv is None else list(argv)
   if not argv or argv[0] in ("-h", "--help"):
     print(USAGE, end="", file=sys.stdout if argv else sys.stderr)

@@ -89,22 +89,17 @@ class LedgerContent:
 
 
 def ledger_runs(ledger, key=None):
-  """The recorded samples of a ledger, run-length encoded, and its shuffled passes: the one
-  reader of ledger contents for the accountant, the epsilon curve and the budget look-ahead.
-
-  Args:
-    ledger: a PrivacyLedger (or any object with `get_arrays()` and `passes`), a ledger dict
-      or JSON string (verified: digest; HMAC with `key`), or (samples, queries[, passes])
-      arrays.
-    key: HMAC key of a signed ledger dict/JSON, or None.
-
-  Returns:
-    (runs, passes): runs [(count, sample_row, query_rows)] in recording order
-    (`records.run_length_encode`), passes the shuffled passes started (int).
+  """(runs, passes) of a ledger: its recorded samples run-length encoded, [(count,
+  sample_row, query_rows)] in recording order (`records.run_length_encode`), and the
+  shuffled passes started (int); the one reader of ledger contents for the accountant, the
+  epsilon curve and the budget look-ahead. `ledger` is a PrivacyLedger (or any object with
+  `get_arrays()` and `passes`), a ledger dict or JSON string (verified: digest; HMAC with
+  `key`), or (samples, queries[, passes]) arrays.
 
   Raises:
     ParameterTypeError: `ledger` is none of the above (a TypeError).
-    ParameterValueError: unparsable JSON, a bad digest or HMAC, or rows the ledger would refuse.
+    ParameterValueError: unparsable JSON, a bad digest or HMAC, or rows the ledger would
+      refuse.
   """
   if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
     samples, queries = rec.validate_arrays(*ledger.get_arrays())
@@ -142,15 +137,8 @@ def shuffle_passes_needed(group):
 
 
 def ledger_content(ledger, key=None):
-  """The LedgerContent (sample groups and passes) the accountant reads of a ledger.
-
-  Args:
-    ledger: a LedgerContent (returned as it is), or anything `ledger_runs` reads.
-    key: the HMAC key a ledger file or dict is verified with, or None.
-
-  Returns:
-    a LedgerContent.
-  """
+  """The LedgerContent (sample groups and passes) the accountant reads of a ledger: a
+  LedgerContent as it is, or anything `ledger_runs` reads (verified with the HMAC `key`)."""
   if isinstance(ledger, LedgerContent):
     return ledger
   runs, passes = ledger_runs(ledger, key)
@@ -238,27 +226,15 @@ def check_accountant(accountant):
 
 
 def is_bound_accountant(accountant):
-  """Whether an accountant's epsilon is an upper bound (a registered dp-accounting accountant;
-  not "gdp", an approximation).
-
-  Args:
-    accountant: an accountant name.
-
-  Returns:
-    bool.
-  """
+  """Whether an accountant name's epsilon is an upper bound (a registered dp-accounting
+  accountant; not "gdp", an approximation)."""
   return isinstance(accountant, str) and accountant in accountants.accountant_names()
 
 
 def check_bound_accountant(accountant, who):
-  """Checks that `accountant` gives an upper bound on epsilon (GDP's approximation is refused).
-
-  Args:
-    accountant: the accountant name.
-    who: the caller's public name, for the message (e.g. "StopAtPrivacyBudget").
-
-  Returns:
-    the accountant (a registered name: `is_bound_accountant`).
+  """The accountant name, checked to give an upper bound on epsilon (`is_bound_accountant`:
+  GDP's approximation is refused); `who` is the caller's public name for the message (e.g.
+  "StopAtPrivacyBudget").
 
   Raises:
     ParameterTypeError: `accountant` is not a str.
@@ -276,17 +252,10 @@ def check_bound_accountant(accountant, who):
 
 
 def warn_if_delta_too_large(delta, population_size, stacklevel=3):
-  """Warns (UserWarning) when delta >= 1/n: publishing each record with probability delta is
-  (0, delta)-DP (Dwork and Roth, "The Algorithmic Foundations of Differential Privacy",
-  Section 2.3).
-
-  Args:
-    delta: ignored unless in (0, 1). population_size: n, ignored unless finite and > 0.
-    stacklevel: of `warnings.warn`.
-
-  Returns:
-    True when it warned.
-  """
+  """Warns (UserWarning, at `stacklevel`) when delta in (0, 1) is >= 1/n for a finite
+  population n > 0, and returns True when it warned: publishing each record with
+  probability delta is (0, delta)-DP (Dwork and Roth, "The Algorithmic Foundations of
+  Differential Privacy", Section 2.3)."""
   try:
     n, d = float(population_size), float(delta)
   except (TypeError, ValueError):
@@ -424,15 +393,9 @@ def report_from_groups(groups, delta=None, epsilon=None, accountant="rdp", passe
 
 
 def epsilon_function(groups, accountant="rdp"):
-  """delta -> epsilon of SampleGroups or a LedgerContent, the events composed once (fast for
+  """A function delta -> epsilon (a float; inf when a sample is not private) of SampleGroups
+  or a LedgerContent under one of REPORT_ACCOUNTANTS, the events composed once (fast for
   many deltas, e.g. group privacy).
-
-  Args:
-    groups: SampleGroups or a LedgerContent.
-    accountant: one of REPORT_ACCOUNTANTS.
-
-  Returns:
-    a function delta -> epsilon (a float; inf when a sample is not private).
 
   Raises:
     PrivacyConfigError: a bad accountant (at once) or delta (when called).

@@ -101,13 +101,7 @@ def accountant_names():
 
 
 def get_accountant(name):
-  """The registered accountant of a name.
-
-  Args:
-    name: a registered name.
-
-  Returns:
-    its RegisteredAccountant.
+  """The RegisteredAccountant of a registered name.
 
   Raises:
     PrivacyConfigError: an unknown name.
@@ -119,27 +113,15 @@ def get_accountant(name):
 
 
 def event_family(name):
-  """The event family the ledger's events are built for under accountant `name`.
-
-  Args:
-    name: an accountant name.
-
-  Returns:
-    "rdp" or "pld" for a registered accountant; any other name unchanged (e.g. "gdp").
-  """
+  """The event family ("rdp" or "pld") the ledger's events are built for under a registered
+  accountant `name`; any other name unchanged (e.g. "gdp")."""
   entry = _REGISTRY.get(name) if isinstance(name, str) else None
   return entry.events if entry is not None else name
 
 
 def make(name, neighboring_relation):
-  """A fresh accountant of a registered name.
-
-  Args:
-    name: a registered name.
-    neighboring_relation: the dp-accounting NeighboringRelation of the ledger.
-
-  Returns:
-    the dp-accounting PrivacyAccountant its factory returns.
+  """A fresh dp-accounting PrivacyAccountant of a registered name, from its factory, for the
+  ledger's dp-accounting NeighboringRelation.
 
   Raises:
     PrivacyConfigError: an unknown name, or a factory that returned no PrivacyAccountant.

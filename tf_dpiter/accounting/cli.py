@@ -26,25 +26,13 @@ _NUMPY_SCALAR = re.compile(r"np\.(?:float|int|uint)\d*\(([^()]*)\)")
 
 
 def plain_numbers(text):
-  """`text` with numpy scalar reprs (np.float64(1.5)) replaced by their plain value (1.5).
-
-  Args:
-    text: a message.
-
-  Returns:
-    the message, for a command-line user.
-  """
+  """A message with numpy scalar reprs (np.float64(1.5)) replaced by their plain value (1.5),
+  for a command-line user."""
   return _NUMPY_SCALAR.sub(r"\1", text)
 
 
 def whole_number(text):
-  """argparse type: an integer, also written in float notation (1e5, 60000.0).
-
-  Args:
-    text: the command-line string.
-
-  Returns:
-    the int.
+  """argparse type: the int of an integer, also written in float notation (1e5, 60000.0).
 
   Raises:
     argparse.ArgumentTypeError: not a finite whole number.
@@ -59,24 +47,15 @@ def whole_number(text):
 
 
 def cli_accountants():
-  """The accountants the commands offer (`--accountant` choices): the registered ones and
-  "gdp"; not "prv" (not available).
-
-  Returns:
-    a tuple of names, read when a command's parser is built.
-  """
+  """The accountant names the commands offer (`--accountant` choices), read when a command's
+  parser is built: the registered ones and "gdp"; not "prv" (not available)."""
   return tuple(a for a in accountant_lib.report_accountant_names() if a != "prv")
 _TRUE, _FALSE = ("1", "t", "true", "y", "yes"), ("0", "f", "false", "n", "no")
 
 
 def absl_bool(text):
-  """argparse type: an absl boolean flag value (true/false, 1/0, yes/no; any case).
-
-  Args:
-    text: the command-line string.
-
-  Returns:
-    the bool.
+  """argparse type: the bool of an absl boolean flag value (true/false, 1/0, yes/no; any
+  case).
 
   Raises:
     argparse.ArgumentTypeError: another string.
@@ -141,17 +120,10 @@ def _accountant(a):
 
 
 def compute_dp_sgd_privacy_main(argv=None):
-  """Command `compute_dp_sgd_privacy`: epsilon of DP-SGD from its hyperparameters.
-
-  Prints `accounting.compute_dp_sgd_privacy`, or TF Privacy's statement
+  """Command `compute_dp_sgd_privacy`: epsilon of DP-SGD from its hyperparameters. Prints
+  `accounting.compute_dp_sgd_privacy`, or TF Privacy's statement
   (`compute_dp_sgd_privacy_statement`) with --statement or any of TF Privacy's flags.
-
-  Args:
-    argv: the command-line arguments (None: sys.argv[1:]).
-
-  Returns:
-    the exit status: 0, or 2 after printing "error: ..." for a refused argument.
-  """
+  Returns the exit status: 0, or 2 after printing "error: ..." for a refused argument."""
   p = _dp_sgd_parser("compute_dp_sgd_privacy", "Epsilon of DP-SGD from its hyperparameters.",
                      "--noise_multiplier")
   p.add_argument("--num_microbatches", type=whole_number, default=None,
@@ -218,16 +190,9 @@ def _used_microbatching(a):
 
 
 def compute_noise_from_budget_main(argv=None):
-  """Command `compute_noise_from_budget`: the smallest noise multiplier meeting (epsilon, delta).
-
-  Prints z (`accounting.compute_noise_from_budget`) and the epsilon it gives.
-
-  Args:
-    argv: the command-line arguments (None: sys.argv[1:]).
-
-  Returns:
-    the exit status: 0, or 2 after printing "error: ..." for a refused argument.
-  """
+  """Command `compute_noise_from_budget`: prints the smallest noise multiplier z meeting
+  (epsilon, delta) (`accounting.compute_noise_from_budget`) and the epsilon it gives.
+  Returns the exit status: 0, or 2 after printing "error: ..." for a refused argument."""
   a = _dp_sgd_parser("compute_noise_from_budget",
                      "Noise multiplier for DP-SGD meeting (epsilon, delta).",
                      "--epsilon").parse_args(argv)
@@ -279,15 +244,8 @@ def _query_text(q):
 
 
 def format_ledger(d, path="ledger"):
-  """Human-readable text of a verified ledger dict: header, then one block per run.
-
-  Args:
-    d: a ledger dict, already verified (`ledger_file`).
-    path: how the header names the ledger.
-
-  Returns:
-    the text, a str.
-  """
+  """The human-readable text of a ledger dict already verified (`ledger_file`): a header
+  naming it `path`, then one block per run."""
   runs = d["runs"]
   lines = [f"{path}: {d['num_samples']} samples in {len(runs)} runs, {d['passes']} shuffled "
            f"passes recorded; integrity: sha256 digest ok"
@@ -315,16 +273,9 @@ def _single_gaussian_noise(r):
 
 
 def sampling_lines(d, delta):
-  """A line for every run of a ledger that did not sample single examples by Poisson (what
-  `compute_dp_sgd_privacy` assumes), with the call that reproduces the run.
-
-  Args:
-    d: a verified ledger dict.
-    delta: the report's delta (None: the calls name it DELTA).
-
-  Returns:
-    list of str (empty when every run is Poisson sampling of single examples).
-  """
+  """A line (str) for every run of a verified ledger dict that did not sample single
+  examples by Poisson (what `compute_dp_sgd_privacy` assumes), with the call that
+  reproduces the run (delta None: the calls name it DELTA); empty when every run is."""
   lines = []
   for i, r in enumerate(d["runs"]):
     k = r["examples_per_record"]
@@ -368,15 +319,8 @@ def _ledger_parser():
 
 def dp_ledger_main(argv=None):
   """Command `dp_ledger`: `show`, `report` or `plot` a saved ledger JSON file, verified
-  (digest; HMAC with --key-file) before anything is read from it.
-
-  Args:
-    argv: the command-line arguments (None: sys.argv[1:]).
-
-  Returns:
-    the exit status: 0, or 2 after printing "error: ..." (naming the file) for a refused
-    ledger or argument.
-  """
+  (digest; HMAC with --key-file) before anything is read from it. Returns the exit status:
+  0, or 2 after printing "error: ..." (naming the file) for a refused ledger or argument."""
   a = _ledger_parser().parse_args(argv)
 
   def go():

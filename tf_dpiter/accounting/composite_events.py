@@ -11,17 +11,10 @@ dpa = LazyModule("dp_accounting")
 
 
 def shuffle_event(group, mech, passes, notes):
-  """The event of one shuffle SampleGroup: one un-amplified mechanism per pass started.
-
-  Relation: replace one example; a record is in at most one batch of a pass.
-
-  Args:
-    group: a SampleGroup of policy shuffle. mech: its per-sample (or per-tree) mechanism.
-    passes: the passes the ledger recorded (0: none, every sample is charged).
-    notes: list the assumption is appended to.
-
-  Returns:
-    a SelfComposedDpEvent.
+  """The SelfComposedDpEvent of one shuffle SampleGroup: its per-sample (or per-tree)
+  mechanism `mech` once per pass started, un-amplified (passes: those the ledger recorded;
+  0: none, every sample is charged); the assumption is appended to `notes`. Relation:
+  replace one example; a record is in at most one batch of a pass.
 
   Raises:
     PrivacyConfigError: fewer passes recorded than the samples need.
@@ -57,20 +50,13 @@ def _passes_charged(group, passes, steps_per_pass, what):
 
 
 def balls_in_bins_event(group, mech, passes, notes):
-  """The event of one balls-in-bins SampleGroup: one un-amplified mechanism per epoch started.
-
-  Relation: add or remove one example, in exactly one uniform step j of an epoch: the law
-  with it is a mixture over j of laws differing in step j only, so by joint convexity of
-  hockey-stick divergences the epoch costs at most one step's mechanism (a bound, not tight;
-  a Poisson rate 1/k would not be one).
-
-  Args:
-    group: a `ledger_events.SampleGroup` of policy balls_in_bins (sample_size = k).
-    mech: its per-step dp-accounting mechanism. passes: the epochs the ledger recorded.
-    notes: list the assumption is appended to.
-
-  Returns:
-    a SelfComposedDpEvent.
+  """The SelfComposedDpEvent of one balls-in-bins `ledger_events.SampleGroup` (sample_size
+  = k): its per-step mechanism `mech` once per epoch started (passes: the epochs the ledger
+  recorded), un-amplified; the assumption is appended to `notes`. Relation: add or remove
+  one example, in exactly one uniform step j of an epoch: the law with it is a mixture over
+  j of laws differing in step j only, so by joint convexity of hockey-stick divergences the
+  epoch costs at most one step's mechanism (a bound, not tight; a Poisson rate 1/k would not
+  be one).
 
   Raises:
     PrivacyConfigError: fewer epochs recorded than the samples need.
@@ -92,20 +78,14 @@ def balls_in_bins_event(group, mech, passes, notes):
 
 
 def selection_events(groups, accountant, passes, events_from_groups):
-  """events_from_groups of a ledger with a selection record: RepeatAndSelectDpEvent over the
-  trial (the samples before the record), composed with the samples after it.
-
-  Args:
-    groups: SampleGroups with one selection record (`SampleGroup.is_selection`).
-    accountant: must be "rdp". passes: the ledger's passes / epochs.
-    events_from_groups: `ledger_events.events_from_groups` (for the trial and the rest).
-
-  Returns:
-    (event, NeighboringRelation, assumption strings), as events_from_groups.
+  """(event, NeighboringRelation, assumption strings), as `events_from_groups` (passed in:
+  `ledger_events.events_from_groups`), of SampleGroups with one selection record
+  (`SampleGroup.is_selection`): RepeatAndSelectDpEvent over the trial (the samples before
+  the record), composed with the samples after it; accountant "rdp" only.
 
   Raises:
-    ParameterValueError: more than one record, an empty trial, accountant other than "rdp", or
-      relations that differ.
+    ParameterValueError: more than one record, an empty trial, accountant other than "rdp",
+      or relations that differ.
   """
   marks = [g for g in groups if g.is_selection]
   trial = [g for g in groups if g.selected]

@@ -52,31 +52,18 @@ DP_SGD_PRIVACY_CONSTRAINTS = {
 
 
 def examples_per_record(batch_size, num_microbatches):
-  """k = ceil(B / M) examples per microbatch (the ledger's examples per record).
-
-  Args:
-    batch_size: B; num_microbatches: M, or None.
-
-  Returns:
-    k, an int (1 without microbatches).
-  """
+  """k = ceil(B / M) examples per microbatch (the ledger's examples per record), an int; 1
+  without microbatches (M None)."""
   return 1 if num_microbatches is None else int(math.ceil(batch_size / num_microbatches))
 
 
 def dp_sgd_groups(n, batch_size, noise_multiplier, steps, sampling="poisson",
                   num_microbatches=None):
-  """The ledger content of `steps` identical DP-SGD steps, as the ledger would record them.
-
-  Sensitivity of the policy's relation (McMahan et al. 2018, Appendix A); shuffle: a partial
-  pass costs a whole one.
-
-  Args:
-    n: records; batch_size: B; noise_multiplier: z; steps: T.
-    sampling: a ledger policy.
-    num_microbatches: M, or None.
-
-  Returns:
-    an `accountant.LedgerContent`.
+  """The `accountant.LedgerContent` of T = `steps` identical DP-SGD steps (n records, batch
+  size B, noise multiplier z, a ledger policy `sampling`, M microbatches or None), as the
+  ledger would record them. Sensitivity of the policy's relation (McMahan et al., "A General
+  Approach to Adding Differential Privacy to Iterative Training Procedures", Appendix A);
+  shuffle: a partial pass costs a whole one.
 
   Raises:
     ParameterValueError: microbatches with a policy that does not allow them.

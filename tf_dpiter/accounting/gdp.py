@@ -30,15 +30,10 @@ def _norm():
 
 
 def group_mu_squared(group):
-  """mu^2 of one SampleGroup of `count` samples (Bu et al. 2020 CLT for Poisson sampling).
-
-  Full batch: count / z^2; Poisson with rate q: count q^2 (e^{1/z^2} - 1).
-
-  Args:
-    group: a `ledger_events.SampleGroup`.
-
-  Returns:
-    mu^2, a float (inf for a non-private group, 0 without noise cost).
+  """mu^2 of one `ledger_events.SampleGroup` of `count` samples, a float (inf for a
+  non-private group, 0 without noise cost), by the CLT for Poisson sampling (Bu, Dong, Long
+  and Su, "Deep Learning with Gaussian Differential Privacy"): full batch count / z^2;
+  Poisson with rate q count q^2 (e^{1/z^2} - 1).
 
   Raises:
     PrivacyConfigError: Laplace queries, or a policy other than Poisson or full batch.
@@ -59,13 +54,7 @@ def group_mu_squared(group):
 
 
 def mu_of_groups(groups):
-  """mu of the composition of all groups: sqrt(sum of the groups' mu^2).
-
-  Args:
-    groups: SampleGroups.
-
-  Returns:
-    mu, a float.
+  """mu of the composition of all SampleGroups: sqrt(sum of the groups' mu^2).
 
   Raises:
     PrivacyConfigError: no group (an empty ledger), or a group GDP cannot account.
@@ -76,16 +65,9 @@ def mu_of_groups(groups):
 
 
 def delta_from_mu(mu, epsilon):
-  """delta(epsilon) of mu-GDP (Dong, Roth & Su 2019, Corollary 2.13).
-
-  delta = Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2).
-
-  Args:
-    mu: >= 0 (inf: no privacy); epsilon: >= 0.
-
-  Returns:
-    delta, a float in [0, 1].
-  """
+  """delta(epsilon) in [0, 1] of mu-GDP, mu >= 0 (inf: no privacy), epsilon >= 0:
+  Phi(-epsilon/mu + mu/2) - e^epsilon Phi(-epsilon/mu - mu/2) (Dong, Roth and Su, "Gaussian
+  Differential Privacy", Corollary 2.13)."""
   if mu == 0:
     return 0.0
   if not math.isfinite(mu):
@@ -96,14 +78,8 @@ def delta_from_mu(mu, epsilon):
 
 
 def epsilon_from_mu(mu, delta):
-  """Smallest epsilon >= 0 with delta(epsilon) <= delta for mu-GDP (`search.bisect`, 1e-10).
-
-  Args:
-    mu: >= 0 (inf: no privacy); delta: in (0, 1).
-
-  Returns:
-    epsilon, a float (inf for mu = inf).
-  """
+  """The smallest epsilon >= 0 with delta(epsilon) <= delta in (0, 1) for mu-GDP
+  (`search.bisect`, 1e-10); inf for mu = inf."""
   if mu == 0:
     return 0.0
   if not math.isfinite(mu):

@@ -24,13 +24,8 @@ dpa = LazyModule("dp_accounting")
 
 
 def dpa_relation(relation):
-  """dp-accounting's NeighboringRelation for records.ADD_OR_REMOVE / REPLACE_ONE.
-
-  Args:
-    relation: one of `records.RELATIONS`.
-
-  Returns:
-    dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE or REPLACE_ONE.
+  """dp-accounting's NeighboringRelation.ADD_OR_REMOVE_ONE or REPLACE_ONE of one of
+  `records.RELATIONS`.
 
   Raises:
     PrivacyConfigError: an unknown relation.
@@ -129,14 +124,9 @@ def _selection_group(run):
 
 
 def groups_from_runs(runs) -> List[SampleGroup]:
-  """Merges runs (count, sample_row, query_rows) with equal content into SampleGroups (the
-  samples before a selection record get `selected=True`; the record is a count-0 group).
-
-  Args:
-    runs: [(count, sample_row, query_rows)] (`records.run_length_encode`).
-
-  Returns:
-    the SampleGroups, in first-seen order.
+  """The SampleGroups, in first-seen order, of runs [(count, sample_row, query_rows)]
+  (`records.run_length_encode`), runs with equal content merged (the samples before a
+  selection record get `selected=True`; the record is a count-0 group).
 
   Raises:
     PrivacyConfigError: rows no accounting rule covers (see `_correlated_fields`).
@@ -195,13 +185,8 @@ def _correlated_fields(run):
 
 
 def groups_from_arrays(samples, queries) -> List[SampleGroup]:
-  """SampleGroups of ledger arrays (validated, run-length encoded, merged).
-
-  Args:
-    samples: [N, 6] sample rows. queries: [Q, 5] query rows (`records`).
-
-  Returns:
-    the SampleGroups (`groups_from_runs`).
+  """The SampleGroups (`groups_from_runs`) of ledger arrays, [N, 6] sample rows and [Q, 5]
+  query rows (`records`), validated, run-length encoded and merged.
 
   Raises:
     PrivacyConfigError: rows `records.validate_arrays` refuses.
@@ -231,18 +216,14 @@ def _unit(group):
 
 
 def group_event(group, accountant="rdp", passes=0):
-  """(dp event for the whole group, assumption strings) for one SampleGroup.
-
-  Args:
-    group: a SampleGroup (not a selection record). accountant: "rdp" or "pld".
-    passes: the shuffled passes / balls-in-bins epochs the ledger recorded (used by
-      policies shuffle and balls_in_bins only).
-
-  Returns:
-    (dp_accounting DpEvent, list of assumption strings).
+  """(dp_accounting DpEvent of the whole group, list of assumption strings) of one
+  SampleGroup (not a selection record), for accountant "rdp" or "pld"; `passes` are the
+  shuffled passes / balls-in-bins epochs the ledger recorded (used by policies shuffle and
+  balls_in_bins only).
 
   Raises:
-    PrivacyConfigError: a sampling recorded inconsistently (too few passes) or rows no rule covers.
+    PrivacyConfigError: a sampling recorded inconsistently (too few passes) or rows no rule
+      covers.
   """
   accountant = accountants.event_family(accountant)
   mech = _mechanism(group)
@@ -253,13 +234,8 @@ def group_event(group, accountant="rdp", passes=0):
 
 
 def relation_of(groups):
-  """The relation all private groups share (selection records have none).
-
-  Args:
-    groups: SampleGroups.
-
-  Returns:
-    one of `records.RELATIONS` (ADD_OR_REMOVE when no group is private).
+  """The relation, one of `records.RELATIONS`, all private SampleGroups share (selection
+  records have none; ADD_OR_REMOVE when no group is private).
 
   Raises:
     PrivacyConfigError: the groups' relations differ.
@@ -274,13 +250,7 @@ def relation_of(groups):
 
 
 def neighboring_relation(groups):
-  """dp-accounting's NeighboringRelation for the ledger (see relation_of).
-
-  Args:
-    groups: SampleGroups.
-
-  Returns:
-    a dp_accounting.NeighboringRelation.
+  """dp-accounting's NeighboringRelation of the SampleGroups (see relation_of).
 
   Raises:
     PrivacyConfigError: the groups' relations differ.
@@ -300,19 +270,14 @@ def _check_epochs(groups, passes):
 
 
 def events_from_groups(groups, accountant="rdp", passes=0):
-  """(composed DpEvent, dp-accounting neighboring relation, assumption strings).
-
-  Args:
-    groups: SampleGroups (`groups_from_runs`).
-    accountant: a registered accountant name (the events are built for its family, "rdp"
-      or "pld": `accountants.event_family`).
-    passes: the shuffled passes / balls-in-bins epochs the ledger recorded.
-
-  Returns:
-    (event, NeighboringRelation, assumption strings stating relation, unit and sampling).
+  """(composed DpEvent, dp-accounting NeighboringRelation, assumption strings stating
+  relation, unit and sampling) of SampleGroups (`groups_from_runs`), the events built for
+  the registered accountant's family ("rdp" or "pld": `accountants.event_family`); `passes`
+  are the shuffled passes / balls-in-bins epochs the ledger recorded.
 
   Raises:
-    ParameterValueError: an empty ledger, mixed relations, too few passes, or rows no rule covers.
+    ParameterValueError: an empty ledger, mixed relations, too few passes, or rows no rule
+      covers.
   """
   accountant = accountants.event_family(accountant)
   if not groups:

@@ -60,15 +60,9 @@ def _candidates(n, budget, batch_sizes, max_batch_size, min_steps):
 
 
 def plan_for(epsilon, delta, population_size, batch_size, steps, accountant="rdp"):
-  """The BatchPlan of a given (B, T): z calibrated to (epsilon, delta) under Poisson sampling.
-
-  Args:
-    epsilon, delta: the target; population_size: n; batch_size: B <= n; steps: T >= 1.
-    accountant: "rdp" or "pld".
-
-  Returns:
-    a BatchPlan.
-  """
+  """The BatchPlan of a given batch size B <= n = population_size and steps T >= 1: z
+  calibrated to the target (epsilon, delta) under Poisson sampling, accountant "rdp" or
+  "pld"."""
   q = batch_size / population_size
   z = calibration.calibrate_noise_multiplier(epsilon, delta, q, steps, accountant=accountant)
   groups = dp_sgd.dp_sgd_groups(population_size, batch_size, z, steps, "poisson")

@@ -63,19 +63,12 @@ class PolicyAccounting:
     return policies.get(self.policy)
 
   def event(self, group, mech, accountant, passes, notes):
-    """The dp-accounting event of a group of this policy's samples, after the checks that
-    the group is this policy's, that `covers` lists its correlated-noise rows and that its
-    sampling passes `check_sampling` (a group built by hand meets it too).
-
-    Args:
-      group: a `ledger_events.SampleGroup` of this policy.
-      mech: the per-sample dp-accounting mechanism (private).
-      accountant: "rdp" or "pld".
-      passes: the passes / epochs the ledger recorded (pass-charged policies).
-      notes: a list the assumption strings are appended to.
-
-    Returns:
-      a dp-accounting DpEvent for the whole group.
+    """The dp-accounting DpEvent of a whole `ledger_events.SampleGroup` of this policy's
+    samples, of its private per-sample mechanism `mech`, for accountant "rdp" or "pld", with
+    the passes / epochs the ledger recorded (pass-charged policies); assumption strings are
+    appended to `notes`. Checked first: the group is this policy's, `covers` lists its
+    correlated-noise rows and its sampling passes `check_sampling` (a group built by hand
+    meets it too).
 
     Raises:
       PrivacyConfigError: a group of another policy, correlated-noise rows this policy does
@@ -99,32 +92,17 @@ class PolicyAccounting:
     return self._event(group, mech, accountant, passes, notes)
 
   def _event(self, group, mech, accountant, passes, notes):
-    """The hook `event` calls after its checks: the default charges every sample, unamplified.
-
-    Args:
-      group: a `ledger_events.SampleGroup` of this policy (checked by `event`).
-      mech: the per-sample dp-accounting mechanism.
-      accountant: "rdp" or "pld".
-      passes: the passes / epochs the ledger recorded.
-      notes: a list the assumption strings are appended to.
-
-    Returns:
-      a dp-accounting DpEvent for the whole group.
-    """
+    """The hook `event` calls after its checks (same arguments): the dp-accounting DpEvent of
+    the whole group; the default charges every sample, unamplified."""
     del accountant, passes
     notes.append("every record in every sample: no amplification")
     return dpa.SelfComposedDpEvent(mech, group.count)
 
   def gdp_mu_squared(self, group):
-    """mu^2 of a group under Gaussian DP (Dong, Roth and Su, "Gaussian Differential Privacy",
-    Section 5: the CLT of Poisson-subsampled Gaussian steps); only Poisson-type and
-    full-batch policies have one.
-
-    Args:
-      group: a Gaussian `ledger_events.SampleGroup` of this policy, finite noise multiplier.
-
-    Returns:
-      a float.
+    """mu^2 (a float) of a Gaussian `ledger_events.SampleGroup` of this policy with a finite
+    noise multiplier under Gaussian DP (Dong, Roth and Su, "Gaussian Differential Privacy",
+    Section 5: the CLT of Poisson-subsampled Gaussian steps); only Poisson-type and full-batch
+    policies have one.
 
     Raises:
       PrivacyConfigError: a policy GDP does not account.
@@ -280,14 +258,8 @@ class BallsInBinsAccounting(PolicyAccounting):
 
 
 def register(accounting):
-  """Registers the accounting object of a registered ledger policy.
-
-  Args:
-    accounting: a PolicyAccounting instance whose `policy` is registered in
-      `tf_dpiter.ledger.policies` and has no accounting object yet.
-
-  Returns:
-    the accounting object.
+  """Registers and returns a PolicyAccounting instance whose `policy` is registered in
+  `tf_dpiter.ledger.policies` and has no accounting object yet.
 
   Raises:
     PrivacyConfigError: not a PolicyAccounting, an unknown policy, or one already registered.
@@ -305,13 +277,7 @@ def register(accounting):
 
 
 def unregister(policy):
-  """Removes the accounting object of a policy (e.g. one a test registered).
-
-  Args:
-    policy: a policy name with a registered accounting object.
-
-  Returns:
-    the accounting object removed.
+  """Removes and returns the accounting object of a policy name (e.g. one a test registered).
 
   Raises:
     PrivacyConfigError: a policy without one.
@@ -321,13 +287,7 @@ def unregister(policy):
 
 
 def get(policy):
-  """The accounting object of a policy name.
-
-  Args:
-    policy: a registered policy name.
-
-  Returns:
-    its PolicyAccounting.
+  """The PolicyAccounting of a registered policy name.
 
   Raises:
     PrivacyConfigError: a policy with no accounting object (or an unknown one).

@@ -35,17 +35,9 @@ def largest_integer(ok, start, limit=10**9):
 
 
 def doubling_bracket(ok, start, limit=math.inf):
-  """Brackets the boundary of a predicate that turns True as its argument grows: tries
-  start, 2 start, 4 start, ... until `ok` holds (bad: the last failure, 0 if none).
-
-  Args:
-    ok: a predicate, False below some point and True above it.
-    start: the first value tried, > 0.
-    limit: no value above it is tried.
-
-  Returns:
-    (bad, good) with ok(good) True, or (bad, None) when no value up to `limit` holds.
-  """
+  """(bad, good) bracketing the boundary of a predicate `ok`, False below some point and True
+  above it: tries start > 0, 2 start, 4 start, ... (none above `limit`) until `ok` holds;
+  bad is the last failure (0 if none), good None when no value up to `limit` holds."""
   bad, good = 0.0, start
   while not ok(good):
     bad, good = good, 2.0 * good

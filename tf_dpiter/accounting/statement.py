@@ -21,19 +21,11 @@ _LOG_DELTA_REL_TOL = 1e-9   # relative to |log d| (>= 11 for d <= 1e-5): ~1e-8 i
 
 
 def group_epsilon(epsilon_at, k, delta):
-  """Epsilon of a group of k examples by group privacy (TF Privacy's user-level statement).
-
-  The smallest k * epsilon_at(d) with k * exp((k-1) * epsilon_at(d)) * d <= delta, by
-  bisection on log d down to delta * e^-40.
-
-  Args:
-    epsilon_at: per-example epsilon as a function of the per-example delta (decreasing).
-    k: examples per group (user), an int >= 1.
-    delta: the group's delta, in (0, 1).
-
-  Returns:
-    epsilon, a float; inf when no such d exists in that range.
-  """
+  """Epsilon (a float; inf when no d exists in the range) of a group of k >= 1 examples at
+  the group's delta in (0, 1) by group privacy (TF Privacy's user-level statement): the
+  smallest k epsilon_at(d) with k exp((k-1) epsilon_at(d)) d <= delta, epsilon_at the
+  per-example epsilon as a decreasing function of the per-example delta, by bisection on
+  log d down to delta e^-40."""
   if k == 1:
     return epsilon_at(delta)
 
