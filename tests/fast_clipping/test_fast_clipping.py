@@ -18,6 +18,8 @@ from tf_dpiter.keras import fast_clipping as fc
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
+from .covers import assert_covers_pairs_of
+
 L = keras.layers
 B = 5
 VARIANTS = ("bookkeeping", "two_pass")
@@ -217,9 +219,7 @@ def latin_pairs(first, second, third):
 def assert_covers_every_pair(cases, axes):
   """Every pair of values of every two axes (cases[k][i] takes its values in axes[i]) occurs
   in some case: an all-pairs cover of the full product."""
-  for i, j in itertools.combinations(range(len(axes)), 2):
-    assert ({(repr(c[i]), repr(c[j])) for c in cases} ==
-            {(repr(u), repr(v)) for u in axes[i] for v in axes[j]}), (i, j)
+  assert_covers_pairs_of(cases, list(itertools.product(*axes)))
 
 
 @pytest.mark.parametrize("frozen,form,in_shape", latin_pairs(

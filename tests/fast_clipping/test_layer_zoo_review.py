@@ -26,6 +26,9 @@ import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import clipping
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import C
 from .test_gram_cancellation_review import _LOSS
 from .test_gram_cancellation_review import _contributions
@@ -233,8 +236,26 @@ def _cancelling(shape, count=12, seed=2):
           (10.0 ** rng.uniform(3, 7, (count, 1))).astype(np.float32))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("name", list(BUILDERS))
+# (check, layer, jit): the three checks on each layer of BUILDERS, the unknown-batch check on
+# those of MORE, each in graph and under XLA; by default an all-pairs cover (each layer in
+# each of its checks, each layer in both modes, each check in both), the rest marked slow.
+GRID = [(check, name, jit) for check in ("known", "unknown", "cancel")
+        for name in list(BUILDERS) + (list(MORE) if check == "unknown" else [])
+        for jit in (False, True)]
+DEFAULT = all_pairs(GRID)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(DEFAULT, GRID)
+  assert len(DEFAULT) < 0.6 * len(GRID)
+
+
+def _params(check):
+  return slow_outside([c[1:] for c in GRID if c[0] == check],
+                      [c[1:] for c in DEFAULT if c[0] == check])
+
+
+@pytest.mark.parametrize("name,jit", _params("known"))
 def test_norms_bound_an_independent_float64_gradient(name, jit):
   """Records of one example, a known batch (records of 2: test_unknown_batch_records_of_two)."""
   model, model64 = _models(name, cancel=False)
@@ -242,8 +263,7 @@ def test_norms_bound_an_independent_float64_gradient(name, jit):
   assert_upper_bound(fast_norms(model, x, y, jit), exact_norms(model64, x, y))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("name", list(BUILDERS) + list(MORE))
+@pytest.mark.parametrize("name,jit", _params("unknown"))
 def test_unknown_batch_records_of_two(name, jit):
   """The batch unknown to the trace, records of 2 (fit's sampled datasets with microbatches):
   the trace must not fail (a reshape by a shape tensor did, algebra.factor_product, for a
@@ -254,16 +274,15 @@ def test_unknown_batch_records_of_two(name, jit):
                      exact_norms(model64, x, y, 2))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize("name,jit", _params("cancel"))
 def test_cancelling_positions_stay_within_c(name, jit):
   model, _ = _models(name, cancel=True)
   x, y = _cancelling(model.input.shape[1:])
   _assert_within_c(_contributions(model, x, y, jit))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k,jit", slow_outside([(1, False), (1, True), (2, False), (2, True)],
+                                               [(1, True), (2, False)]))
 def test_embedding_mask_zero_repeated_ids(k, jit):
   """Embedding(mask_zero) -> GlobalAveragePooling1D (the mask reaches the pooling) on ids
   with repeats and padding 0: norms against the float64 copy."""
