@@ -52,11 +52,8 @@ class BallsInBinsSampler:
     return self._epochs.passes_started
 
   def take_new_passes(self):
-    """Epochs started since the last call (what a custom loop records as the ledger's passes).
-
-    Returns:
-      an int >= 0.
-    """
+    """Epochs started since the last call, an int >= 0 (what a custom loop records as the
+    ledger's passes)."""
     return self._epochs.take_new_passes()
 
   def begin_fit(self):
@@ -82,12 +79,8 @@ class BallsInBinsSampler:
     return idx
 
   def next_epoch(self):
-    """Draws a new allocation and counts one epoch.
-
-    Returns:
-      a list of k sorted int64 index arrays: entry j holds the records of step j; every
-      record is in exactly one of them.
-    """
+    """Draws a new allocation and counts one epoch: a list of k sorted int64 index arrays,
+    entry j holding the records of step j; every record is in exactly one of them."""
     self._epochs.start_pass()
     step = self._rng.integers(0, self._k, size=self._n)
     order = np.argsort(step, kind="stable")
@@ -95,22 +88,14 @@ class BallsInBinsSampler:
     return [order[bounds[j]:bounds[j + 1]] for j in range(self._k)]
 
   def spec(self):
-    """The SamplingSpec the ledger records.
-
-    Returns:
-      SamplingSpec("balls_in_bins", n, 1 / k, k, sampler=self).
-    """
+    """The SamplingSpec the ledger records: SamplingSpec("balls_in_bins", n, 1 / k, k,
+    sampler=self)."""
     return sampling.SamplingSpec(BALLS_IN_BINS, self._n, 1.0 / self._k, float(self._k), self)
 
   def max_batch_size(self, num_sd=4.0, multiple=8):
-    """A static padded size for one step: mean n / k + num_sd sd of Binomial(n, 1/k), rounded up.
-
-    Args:
-      num_sd: standard deviations above the mean. multiple: rounding.
-
-    Returns:
-      an int (a larger step is padded to its next multiple, never truncated).
-    """
+    """A static padded size (int) for one step: mean n / k + num_sd sd of Binomial(n, 1/k),
+    rounded up to a multiple of `multiple` (a larger step is padded to its next multiple,
+    never truncated)."""
     return sampling.default_max_batch_size(self._n, 1.0 / self._k, num_sd, multiple)
 
 

@@ -35,17 +35,10 @@ _PERSON = b"tfdpiter.cyclic"   # BLAKE2b personalization: the group hash of this
 
 
 def record_identities(x, y=None):
-  """Per-example identities [n] (bytes): BLAKE2b-128 of each example's own x and y rows (its
-  dtype, shape and bytes), so they do not change when other examples are added or removed.
-  Identical records share an identity and group, which the claim allows.
-
-  Args:
-    x: array or nest of arrays, n records on the leading axis.
-    y: the same, or None.
-
-  Returns:
-    A list of n bytes objects.
-  """
+  """Per-example identities, a list of n bytes: BLAKE2b-128 of each example's own x and y
+  rows (nests of arrays, n records on the leading axis; y may be None), dtype, shape and
+  bytes, so they do not change when other examples are added or removed. Identical records
+  share an identity and group, which the claim allows."""
   leaves = [np.ascontiguousarray(np.asarray(a)) for a in tf.nest.flatten((x, y)) if a is not None]
   n = int(leaves[0].shape[0])
   out = []
@@ -68,26 +61,14 @@ def _row_bytes(a, i):
 
 
 def index_identities(n):
-  """Identities of examples known only by an index 0..n-1 (ids that never move).
-
-  Args:
-    n: int, the number of examples.
-
-  Returns:
-    A list of n bytes objects (the little-endian int64 index).
-  """
+  """Identities (a list of n bytes: the little-endian int64 index) of examples known only by
+  an index 0..n-1 (ids that never move)."""
   return [int(i).to_bytes(8, "little", signed=True) for i in range(int(n))]
 
 
 def group_of_identity(identity, num_groups):
-  """The group (0..b-1) of one identity: BLAKE2b-64 of it, modulo b (bias < b / 2^64).
-
-  Args:
-    identity: bytes. num_groups: b >= 1.
-
-  Returns:
-    int in [0, b).
-  """
+  """The group in [0, b) of one bytes identity: BLAKE2b-64 of it, modulo b = num_groups >= 1
+  (bias < b / 2^64)."""
   digest = hashlib.blake2b(identity, digest_size=8, person=_PERSON).digest()
   return int.from_bytes(digest, "little") % int(num_groups)
 
@@ -253,16 +234,11 @@ class CyclicPoissonSampler:
 
 
 def check_continuation(ledger, sampler, iterations):
-  """Refuses, before the first step of a fit, a cyclic run the ledger's claim cannot cover.
-
-  Correlated-noise rows (BandMF, BLT) need participations >= b rows apart in one mechanism
-  run: a ledger holding more samples than the optimizer's iterations (a rolled-back restore)
-  or whose last cyclic rows used another b is refused. Independent noise needs only the count.
-
-  Args:
-    ledger: the PrivacyLedger.
-    sampler: the CyclicPoissonSampler.
-    iterations: int, the optimizer's iterations.
+  """Refuses, before the first step of a fit, a cyclic run of the CyclicPoissonSampler the
+  PrivacyLedger's claim cannot cover. Correlated-noise rows (BandMF, BLT) need participations
+  >= b rows apart in one mechanism run: a ledger holding more samples than the optimizer's
+  `iterations` (a rolled-back restore) or whose last cyclic rows used another b is refused.
+  Independent noise needs only the count.
 
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.

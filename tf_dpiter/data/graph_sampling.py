@@ -20,15 +20,11 @@ from tf_dpiter.data import sampling as sampling_lib
 
 def poisson_batches_in_graph(x, y, expected_batch_size=256, steps_per_epoch=None,
                              max_batch_size="auto", seed=None):
-  """tf.data.Dataset of Poisson samples (x_pad, y_pad, weights), drawn in the graph.
-
-  Args:
-    x, y: arrays with n records on the leading axis (y may be None).
-    expected_batch_size, steps_per_epoch, max_batch_size: as in `poisson_batches`.
-    seed: tests only (reproducible, NOT private; warns). None: 126 bits of OS entropy.
-
-  Returns:
-    A dataset with the element structure and SamplingSpec of `poisson_batches`.
+  """tf.data.Dataset of Poisson samples (x_pad, y_pad, weights) of arrays x, y (n records on
+  the leading axis; y may be None), drawn in the graph, with the element structure and
+  SamplingSpec of `poisson_batches` (expected_batch_size, steps_per_epoch, max_batch_size
+  as there). seed: tests only (reproducible, NOT private; warns); None: 126 bits of OS
+  entropy.
 
   Raises:
     ParameterValueError: an argument out of range, or x and y of different lengths.

@@ -95,16 +95,10 @@ def _flat_arrays(element, specs):
 
 
 def python_dataset(make_generator, output_signature):
-  """tf.data.Dataset of the elements of `make_generator()`, a new generator per iterator.
-
-  Args:
-    make_generator: callable of no arguments returning an iterable of elements, each a
-      nest of arrays structured as output_signature (the generator function itself).
-    output_signature: a nest of tf.TensorSpec, one per array of an element, every rank
-      known.
-
-  Returns:
-    A tf.data.Dataset of those elements (unknown cardinality, like from_generator's).
+  """tf.data.Dataset (unknown cardinality, like from_generator's) of the elements of
+  `make_generator()`, a new generator per iterator; make_generator is a callable of no
+  arguments (the generator function itself) returning an iterable of elements, each a nest
+  of arrays structured as output_signature, a nest of tf.TensorSpec of known rank.
 
   Raises:
     ParameterTypeError: make_generator is not callable, or a signature entry is not a

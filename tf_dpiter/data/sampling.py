@@ -132,27 +132,14 @@ def get_sampling_spec(dataset):
 
 
 def attach_spec(dataset, spec):
-  """Attaches a SamplingSpec to a dataset (read back by get_sampling_spec); returns it.
-
-  Args:
-    dataset: the tf.data.Dataset to annotate (modified in place).
-    spec: the SamplingSpec to attach.
-
-  Returns:
-    The same dataset.
-  """
+  """Attaches a SamplingSpec to a tf.data.Dataset in place (read back by get_sampling_spec)
+  and returns the dataset."""
   setattr(dataset, _SPEC_ATTR, spec)
   return dataset
 
 
 def num_records(x):
-  """n, the common leading dimension of every array in the nest x (ValueError if they differ).
-
-  Args:
-    x: an array or nest of arrays, records on the leading axis.
-
-  Returns:
-    int, the number of records n.
+  """n (int), the common leading dimension of every array in the nest x.
 
   Raises:
     ParameterValueError: if x holds no array, or the leading dimensions differ.
@@ -190,19 +177,10 @@ def default_max_batch_size(population_size, selection_probability, num_sd=4.0, m
 
 
 def make_rng(seed, who="poisson_batches", stacklevel=3):
-  """numpy Generator on Philox: from 128 bits of OS entropy, or (tests only, warns) a seed.
-
-  Args:
-    seed: None for OS entropy (private); an int makes sampling reproducible and NOT private.
-    who: str, the caller's name used in the warning.
-    stacklevel: of the warning (3: the caller's caller; 4 behind a `validates` wrapper).
-
-  Returns:
-    A numpy.random.Generator.
-
-  Warns:
-    randomness.NotPrivateSeedWarning: if a seed is given.
-  """
+  """A numpy.random.Generator on Philox from 128 bits of OS entropy (seed None: private), or
+  from an int seed, which makes sampling reproducible and NOT private and warns
+  (randomness.NotPrivateSeedWarning naming `who`, at `stacklevel`: 3 the caller's caller; 4
+  behind a `validates` wrapper)."""
   if seed is None:
     return np.random.Generator(np.random.Philox(secrets.randbits(128)))
   warnings.warn(
@@ -363,16 +341,9 @@ def _zero_rows(t, n):
 
 
 def check_poisson_args(n, expected_batch_size, steps_per_epoch, max_batch_size):
-  """(q, steps_per_epoch) for a Poisson sampler of n records; ValueError naming a bad one.
-
-  Args:
-    n: int, number of records.
-    expected_batch_size: expected records per step B, in (0, n]; q = B / n.
-    steps_per_epoch: positive int, or None for max(1, round(1 / q)).
-    max_batch_size: positive int, "auto" or None.
-
-  Returns:
-    Tuple (q, steps_per_epoch): float sampling probability and int steps.
+  """(q, steps_per_epoch), float q = B / n and int steps, of a Poisson sampler of n records
+  with expected batch size B in (0, n], steps_per_epoch a positive int or None (max(1,
+  round(1 / q))) and max_batch_size a positive int, "auto" or None.
 
   Raises:
     ParameterValueError: if an argument is out of range or of the wrong type.
@@ -414,49 +385,25 @@ def padded_size(num_sampled, max_batch_size):
 
 
 def pad_rows(a, size):
-  """a (rows on the leading axis) followed by zero rows up to `size` rows.
-
-  Args:
-    a: numpy array, rows on the leading axis, at most `size` rows.
-    size: int, rows of the output.
-
-  Returns:
-    numpy array of shape (size,) + a.shape[1:] and a's dtype.
-  """
+  """Numpy array `a` (at most `size` rows on the leading axis) followed by zero rows up to
+  `size` rows: shape (size,) + a.shape[1:], a's dtype."""
   out = np.zeros((size,) + a.shape[1:], dtype=a.dtype)
   out[:a.shape[0]] = a
   return out
 
 
 def per_record(fn, components):
-  """fn applied to each record of `components` (a tuple of batched nests) alone.
-
-  Args:
-    fn: called with one record's components (leading batch axis removed).
-    components: a tuple of batched nests.
-
-  Returns:
-    the stacked outputs of fn, one per record.
-  """
+  """The stacked outputs of fn applied to each record of `components` (a tuple of batched
+  nests) alone (leading batch axis removed)."""
   return tf.vectorized_map(lambda rec: fn(*rec), tuple(components),
                            fallback_to_while_loop=True)
 
 
 def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOTUNE):
-  """Applies a per-record transform to a sampler's batches, keeping the SamplingSpec.
-
-  For the samplers: map_fn(x, y) -> (x, y) (or map_fn(x) -> x without y) on each record; the
-  last `num_weights` components (weights, the Poisson mask) pass through unchanged.
-
-  Args:
-    dataset: a sampled dataset (carrying a SamplingSpec).
-    map_fn: the per-record transform.
-    has_y: whether the batches carry labels.
-    num_weights: trailing components passed through.
-    num_parallel_calls: for `Dataset.map`.
-
-  Returns:
-    the mapped dataset with the same SamplingSpec.
+  """The sampled `dataset` with map_fn(x, y) -> (x, y) (or map_fn(x) -> x without y,
+  has_y False) applied to each record, the SamplingSpec kept; the last `num_weights`
+  components (weights, the Poisson mask) pass through unchanged (num_parallel_calls: for
+  `Dataset.map`).
 
   Raises:
     ParameterTypeError: map_fn is not callable.

@@ -34,14 +34,8 @@ class UserGrouping:
 
 
 def user_grouping(spec):
-  """The UserGrouping of a SamplingSpec (user-level sampling).
-
-  Args:
-    spec: a SamplingSpec, or None.
-
-  Returns:
-    its UserGrouping, or None for example-level data.
-  """
+  """The UserGrouping of a SamplingSpec (user-level sampling); None for example-level data or
+  no spec."""
   sampler = None if spec is None else spec.sampler
   return sampler if isinstance(sampler, UserGrouping) else None
 
