@@ -20,6 +20,12 @@ ms per step, and its ratio to the non-private step). Variants:
                   the einsum "bp,bp->b" (oneDNN runs that einsum as B one-row products)
   fold_gram_128   the folded Gram's chunks of 128 examples (its temporaries estimated at 40,284
                   bytes per example, the estimate before the measured one)
+  fold_gram_one_call  the folded Gram in one call up to 512 examples, not chunks of 256
+                  (budget.chunk_size's powers of two: fit's Poisson batches above 256, about
+                  half of them at B = 256, run two chunks); its temporaries estimated at 16,000
+                  bytes per example, below the measured peak: what the chunks cost, not a budget
+  depthwise_one_call  the first convolution's depthwise pass without its 128-example cap (one
+                  call up to 256 examples, budget.chunk_size at 23,872 bytes per example)
 The upper bounds are not private steps (their norms are zero): they only say what a part costs.
 Prints one JSON line.
 """
@@ -47,7 +53,8 @@ def _variants():
   from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.fast_clipping.rules import conv  # pylint: disable=g-import-not-at-top
 
-  def zero_pass(form, x4, dz4, k, with_grads):
+  def zero_pass(form, x4, dz4, k, with_grads, bound=None):   # conv._per_example_pass's
+    del bound   # the book-keeping form's rounding bound: no norm to raise
     b = tf.shape(x4)[0]
     sq = tf.zeros([b // k])
     return (sq, tf.zeros([1, form.rows, b, form.cols])) if with_grads else sq
@@ -63,6 +70,9 @@ def _variants():
           conv, "_fold_gram_sqr_norm", lambda x4, dz4, *a: tf.zeros([tf.shape(x4)[0]])),
       "reduce_sqr_sum": lambda: _replaced(algebra, "sqr_sum", reduce_sqr_sum),
       "fold_gram_128": lambda: _replaced(conv, "_fold_gram_temp_bytes", lambda *a: 40284),
+      "fold_gram_one_call": lambda: _replaced(conv, "_fold_gram_temp_bytes",
+                                              lambda *a, **k: 16000),
+      "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHUNK", 1 << 30),
   }
 
 
