@@ -262,14 +262,8 @@ def epsilon_lower_bound(member_scores, nonmember_scores, delta, confidence=0.95,
 # ---- μ-GDP reference ---------------------------------------------------------------------
 
 def gdp_delta(mu, epsilon):
-  """δ(ε) of μ-GDP (Dong, Roth & Su 2019, Cor. 2.13): Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2).
-
-  Args:
-    mu: μ > 0 (the mean shift of N(μ, 1) against N(0, 1)).
-    epsilon: ε >= 0, in nats.
-
-  Returns:
-    δ, a float in [0, 1].
+  """δ(ε) in [0, 1] of μ-GDP, μ > 0 the mean shift of N(μ, 1) against N(0, 1), ε >= 0 in
+  nats (Dong, Roth & Su 2019, Cor. 2.13): Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2).
 
   Raises:
     ParameterValueError: mu <= 0.

@@ -129,18 +129,11 @@ def draw_membership(num_canaries, seed, p_in=0.5):
 
 
 def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtype=np.float32):
-  """(x, y) of the canary records to append to the training set.
-
-  Args:
-    x_shape: shape of one input example (tuple).
-    num_classes: K.
-    included: bool [m] from `draw_membership`.
-    neighbouring: "add_remove" (only included canaries are records, sign +1) or "replace"
-      (every canary is a record: sign +1 if included, -1 if not; neighbours differ by a
-      record's value, sensitivity 2S).
-
-  Returns:
-    (x [r, *x_shape] zeros, y [r] int64 labels) with r = #included or m.
+  """(x [r, *x_shape] zeros, y [r] int64 labels in [0, K)) of the canary records to append to
+  the training set, `included` the bool [m] of `draw_membership`: under "add_remove" only
+  included canaries are records (sign +1, r = #included); under "replace" every canary is a
+  record (r = m; sign +1 if included, -1 if not; neighbours differ by a record's value,
+  sensitivity 2S).
 
   Raises:
     PrivacyConfigError: unknown neighbouring.
@@ -158,14 +151,9 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
 
 
 def wrap_model(base, num_canaries):
-  """The DP canary model: `tf_dpiter.keras.make_private(DiracCanaryModel(base, num_canaries))`.
-
-  Args:
-    base: the user's Keras model x -> logits [B, K].
-    num_canaries: m, an int >= 1.
-
-  Returns:
-    the DP DiracCanaryModel (compile it with a DP SGD optimizer).
+  """The DP canary model `tf_dpiter.keras.make_private(DiracCanaryModel(base, num_canaries))`
+  of the user's Keras model x -> logits [B, K] and m = num_canaries >= 1 canaries (compile
+  it with a DP SGD optimizer).
 
   Raises:
     ParameterTypeError: num_canaries not an int; ValueError: num_canaries < 1.

@@ -153,18 +153,10 @@ class SlicingSpec:
 
 
 def max_advantage(epsilon, delta=0.0):
-  """(e^eps - 1 + 2 delta) / (e^eps + 1): the largest TPR - FPR under (epsilon, delta)-DP.
-
-  Maximises TPR - FPR over the region TPR <= e^eps FPR + delta, 1 - FPR <= e^eps (1 - TPR)
-  + delta (Kairouz, Oh & Viswanath 2015, Theorem 2.1); the corner is at
-  FPR = (1 - delta) / (e^eps + 1).
-
-  Args:
-    epsilon: >= 0 (nats; inf allowed).
-    delta: in [0, 1].
-
-  Returns:
-    the bound, a float in [0, 1].
+  """(e^eps - 1 + 2 delta) / (e^eps + 1) in [0, 1]: the largest TPR - FPR under (epsilon,
+  delta)-DP, epsilon >= 0 in nats (inf allowed), delta in [0, 1]. It maximises TPR - FPR
+  over the region TPR <= e^eps FPR + delta, 1 - FPR <= e^eps (1 - TPR) + delta (Kairouz, Oh
+  & Viswanath 2015, Theorem 2.1); the corner is at FPR = (1 - delta) / (e^eps + 1).
 
   Raises:
     PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
@@ -176,16 +168,10 @@ def max_advantage(epsilon, delta=0.0):
 
 
 def max_auc(epsilon, delta=0.0):
-  """The largest ROC AUC under (epsilon, delta)-DP: the area under
-  TPR(FPR) = min(1, e^eps FPR + delta, 1 - e^-eps (1 - delta - FPR)), piecewise linear
-  with corners at FPR = (1 - delta) / (e^eps + 1) and 1 - delta (exact trapezoids).
-
-  Args:
-    epsilon: >= 0 (nats; inf allowed).
-    delta: in [0, 1].
-
-  Returns:
-    the bound, a float in [0.5, 1].
+  """The largest ROC AUC, in [0.5, 1], under (epsilon, delta)-DP (epsilon >= 0 in nats, inf
+  allowed; delta in [0, 1]): the area under TPR(FPR) = min(1, e^eps FPR + delta, 1 - e^-eps
+  (1 - delta - FPR)), piecewise linear with corners at FPR = (1 - delta) / (e^eps + 1) and
+  1 - delta (exact trapezoids).
 
   Raises:
     PrivacyConfigError: `epsilon` < 0 or `delta` outside [0, 1] (or not numbers).
@@ -216,21 +202,11 @@ def _features(data, split, idx):
 
 
 def _fit_logistic(x, y, l2=1e-2, max_iter=100, tol=1e-10):
-  """Weights [d + 1] of an L2-penalised logistic regression: the minimiser of
-  mean(log(1 + e^z) - y z) + l2/2 |w[:-1]|^2 with z = x w[:-1] + w[-1], by Newton steps
-  halved until the objective decreases. The products are einsums: no multithreaded BLAS
-  call, which on a loaded machine costs more than this small arithmetic.
-
-  Args:
-    x: [n, d] features.
-    y: [n] labels in {0, 1}.
-    l2: the penalty on the non-intercept weights.
-    max_iter: the most Newton steps.
-    tol: stop when no weight moves by more than this.
-
-  Returns:
-    float64 [d + 1]: the weights, intercept last.
-  """
+  """Weights float64 [d + 1] (intercept last) of an L2-penalised logistic regression on x
+  [n, d], y [n] in {0, 1}: the minimiser of mean(log(1 + e^z) - y z) + l2/2 |w[:-1]|^2 with
+  z = x w[:-1] + w[-1], by at most max_iter Newton steps halved until the objective
+  decreases, until no weight moves by more than tol. The products are einsums: no
+  multithreaded BLAS call, which on a loaded machine costs more than this small arithmetic."""
   xb = np.concatenate([x, np.ones((x.shape[0], 1))], axis=1)
   n, d = xb.shape
   # the intercept gets a negligible ridge so that a fold of one class stays solvable

@@ -48,17 +48,9 @@ def _tail(k, v, eps_prime):
 
 
 def one_run_p_value(epsilon, num_correct, num_guesses, num_canaries, delta):
-  """Upper bound (3) on P[W >= num_correct] for an (ε, δ)-DP training run.
-
-  Args:
-    epsilon: ε >= 0 (nats) of the hypothesis.
-    num_correct: W, correct guesses observed.
-    num_guesses: k, guesses made (fixed in advance).
-    num_canaries: m, canaries randomized.
-    delta: δ in [0, 1).
-
-  Returns:
-    float in [0, 1]: the smallest bound (3) over the fixed grids of ε' > ε and j.
+  """Upper bound (3), in [0, 1], on P[W >= num_correct] for an (ε, δ)-DP training run (ε >= 0
+  in nats, δ in [0, 1)) with k = num_guesses guesses fixed in advance among m = num_canaries
+  randomized canaries: the smallest bound (3) over the fixed grids of ε' > ε and j.
 
   Raises:
     ParameterValueError: counts out of range.

@@ -67,15 +67,8 @@ def plot_privacy_report(history, path, title="Privacy audit"):
 
 
 def format_summary(rows):
-  """Plain-text table of audit rows (for CLIs).
-
-  Args:
-    rows: {model name: {"claimed_epsilon": ..., "lira_epsilon_lb": ..., ...}}; missing
-      entries print as "-".
-
-  Returns:
-    the table, a str (one line per model).
-  """
+  """The plain-text table (one line per model; for CLIs) of audit rows {model name:
+  {"claimed_epsilon": ..., "lira_epsilon_lb": ..., ...}}; missing entries print as "-"."""
   keys = ["claimed_epsilon", "lira_epsilon_lb", "lira_auc", "loss_auc", "whitebox_claimed_epsilon",
           "whitebox_epsilon_lb", "whitebox_step_claimed_epsilon", "whitebox_step_epsilon_lb"]
   heads = ["claimed eps", "LiRA lb", "LiRA AUC", "loss AUC", "wb claim", "wb lb",
