@@ -115,14 +115,9 @@ def _to_numpy(nest, name):
 
 
 def _check_ragged(x, y, policy, pad):
-  """Refuses ragged arrays where DP fit cannot take them: shuffled passes slice numpy
-  arrays, and padded samples (XLA, several replicas) need one static shape.
-
-  Args:
-    x: fit's x after `_to_numpy`.
-    y: fit's y after `_to_numpy`.
-    policy: the sampling policy fit uses ("poisson" or "shuffle").
-    pad: whether the samples are padded to a static size (jit_compile, several replicas).
+  """Refuses ragged arrays in fit's x and y (after `_to_numpy`) where DP fit cannot take
+  them: shuffled passes (policy "shuffle") slice numpy arrays, and padded samples (`pad`:
+  jit_compile, several replicas) need one static shape.
 
   Raises:
     PrivacyConfigError: a ragged leaf with shuffled passes, or with padded samples.
@@ -207,20 +202,12 @@ def _split_validation(a, x, y, sw):
 
 
 def _resolve_sampling(sampling, opt, batch_size):
-  """(policy name, reason) for fit on arrays.
-
-  `num_microbatches` equal to `batch_size` (TF Privacy's default: one example per
-  microbatch) is per-example clipping, so it samples as num_microbatches=None does: by
-  Poisson (step_sampling.record_microbatches). Only microbatches of several examples make
-  the default shuffled passes, and refuse sampling="poisson".
-
-  Args:
-    sampling: fit's `sampling` (None, "poisson" or "shuffle").
-    opt: the DP optimizer (its num_microbatches M).
-    batch_size: B, the batch size fit was asked for.
-
-  Returns:
-    (policy, reason for the log line).
+  """(policy name, reason for the log line) for fit on arrays, from fit's `sampling` (None,
+  "poisson" or "shuffle"), the DP optimizer's num_microbatches M and the batch size B.
+  M equal to B (TF Privacy's default: one example per microbatch) is per-example clipping,
+  so it samples as num_microbatches=None does: by Poisson (step_sampling.record_microbatches).
+  Only microbatches of several examples make the default shuffled passes, and refuse
+  sampling="poisson".
 
   Raises:
     PrivacyConfigError: an unknown sampling, or "poisson" with microbatches of several

@@ -75,19 +75,11 @@ SLOW_FIRST_STEP_SECONDS = 10.0
 
 
 def _first_step_line(model, seconds, probe_before=0.0, probe=0.0):
-  """The fit log's line about a slow first step (None when it was not slow).
-
-  Args:
-    model: the DP model (its `_dp_trace_seconds` and `_dp_traced_clipping` are read).
-    seconds: wall seconds of the first call of the train function.
-    probe_before: seconds make_train_function spent on the batch-independence probe before
-      that call (added to `seconds`).
-    probe: seconds of all the probes of this train function (probe_before and those run in
-      the trace, which `_dp_trace_seconds` includes).
-
-  Returns:
-    a str, or None.
-  """
+  """The fit log's line (str) about a slow first step, None when it was not slow: `seconds`
+  (wall) of the first call of the train function plus `probe_before`, the seconds
+  make_train_function spent on the batch-independence probe before it; `probe` the seconds
+  of all the probes of this train function (probe_before and those run in the trace, which
+  the model's `_dp_trace_seconds` includes)."""
   total = seconds + probe_before
   if total <= SLOW_FIRST_STEP_SECONDS:
     return None
@@ -185,19 +177,11 @@ class _Replay:
 
 
 def _call_retracing(model, train_function, iterator):
-  """train_function(iterator), where a trace abandoned (_RetraceStep: raised while tracing,
-  before any step ran) raises _RetraceStep carrying the batches to give a new train function
-  (`batches`: a tf.data iterator gave no batch yet, a Python one gives its last batch
-  again). The same tf.function is not called again: after a trace that raised, it may run
-  nothing.
-
-  Args:
-    model: the DP keras.Model.
-    train_function: Keras' train function.
-    iterator: the batches.
-
-  Returns:
-    the train function's logs.
+  """The logs of train_function(iterator), where a trace abandoned (_RetraceStep: raised
+  while tracing, before any step ran) raises _RetraceStep carrying the batches to give a new
+  train function (`batches`: a tf.data iterator gave no batch yet, a Python one gives its
+  last batch again). The same tf.function is not called again: after a trace that raised,
+  it may run nothing.
 
   Raises:
     _RetraceStep: the trace was abandoned (the caller builds a new train function).
