@@ -194,6 +194,39 @@ def test_replacing_one_record_of_k_moves_the_sum_by_at_most_the_ledger_sensitivi
   assert moved <= sensitivity, (moved, sensitivity)
 
 
+def _rounded_once_rows(batch):
+  """(y, target): rows whose exact sum is 2^11 + 1/2 - 3 v (v = 2^-15) with the target and
+  2^11 - 1/2 - 3 v without, the rows' partial sums exact in float32 at every order (chunks
+  of 512 too). Rounded once to float32 (spacing 8 v above 2^11, 4 v below) the first goes
+  to 2^11 + 1/2 and the second to 2^11 - 1/2 - 4 v: they differ by C + 2^-13 C, so a sum
+  accumulated exactly (float64) must not be rounded to float32 before its noise."""
+  y = np.zeros(batch, np.float32)
+  y[:2047], y[2047] = 1.0, 0.5
+  y[2048], y[2049] = 1.0, -0.75 * 2.0 ** -13
+  return y, np.array([2048])
+
+
+@pytest.mark.parametrize("path, clipping, jit", [
+    pytest.param("chunks", "vectorized", True, marks=_open(1.000122)),
+    pytest.param("fit", "fast", False, marks=_open(1.000122)),
+    ("chunks", "fast", False),
+])
+def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clipping, jit):
+  batch = 4096
+  y, target = _rounded_once_rows(batch)
+  weights = np.ones(batch, np.float32)
+  without = weights.copy()
+  without[target] = 0.0
+  if path == "fit":
+    model = _model(batch, jit, clipping, normalize=True)
+    s_d, s_d2 = (_fit_sum(model, y, w, batch) for w in (weights, without))
+  else:
+    model = _model(batch, jit, clipping, phys=512)
+    s_d, s_d2 = (_step_sum(model, y, w) for w in (weights, without))
+  moved = float(np.linalg.norm(s_d - s_d2))
+  assert moved <= _sensitivity(model), (moved, _sensitivity(model))
+
+
 @pytest.mark.parametrize("clipping, jit", [
     pytest.param("vectorized", False, marks=_open(1.00000010)),
     pytest.param("fast", True, marks=_open(1.000000096)),
