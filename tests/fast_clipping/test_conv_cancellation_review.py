@@ -23,6 +23,9 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
 from .test_layer_cancellation_review import _no_kept
@@ -65,10 +68,34 @@ def _records(shape, count=16, seed=2, top=6):
 # (spatial, cin, cout, kernel, stride): the cost rule picks the folded Gram for the second
 _SHAPES = [(6, 4, 8, 3, 1), (8, 3, 16, 4, 2), (10, 16, 32, 3, 1)]
 
+# By default all-pairs covers, the rest of each grid marked slow (-m slow): (shape, bias,
+# jit) for the cost-chosen form; (check, form, keep, jit) for the three checks of the forced
+# forms (test_forced_forms, test_records_of_two_cancelling_across_examples,
+# test_cancelling_bias_record): each check in each form, each form kept and not, in graph
+# and under XLA.
+COST = [(shape, use_bias, jit) for shape in _SHAPES for use_bias in (True, False)
+        for jit in (False, True)]
+FORMS = [(check, form, keep, jit) for check in ("forced", "across", "bias")
+         for form in ([] if check == "forced" else [None]) + ["foldgram", "gram", "direct",
+                                                              "depthwise", "filter"]
+         for keep in (True, False) for jit in (False, True)]
+COST_DEFAULT, FORMS_DEFAULT = all_pairs(COST), all_pairs(FORMS)
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("use_bias", [True, False])
-@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(COST_DEFAULT, COST)
+  assert_covers_pairs_of(FORMS_DEFAULT, FORMS)
+  assert len(COST_DEFAULT) <= len(COST) / 2 and len(FORMS_DEFAULT) < 0.4 * len(FORMS)
+
+
+def _forms(check):
+  return slow_outside([c[1:] for c in FORMS if c[0] == check],
+                      [c[1:] for c in FORMS_DEFAULT if c[0] == check],
+                      ids=lambda c: "-".join(map(str, c)))
+
+
+@pytest.mark.parametrize("shape,use_bias,jit", slow_outside(
+    COST, COST_DEFAULT, ids=lambda c: "x".join(map(str, c[0])) + f"-{c[1]}-{c[2]}"))
 def test_cost_chosen_form(shape, use_bias, jit):
   spatial, cin, cout, ksize, stride = shape
   model = _model(spatial, cin, cout, ksize, stride, use_bias)
@@ -86,9 +113,7 @@ def _forced(monkeypatch, form, keep):
   return _model(spatial, cin, cout, ksize, stride, True), (spatial, spatial, cin)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("form", ["foldgram", "gram", "direct", "depthwise", "filter"])
+@pytest.mark.parametrize("form,keep,jit", _forms("forced"))
 def test_forced_forms(form, keep, jit, monkeypatch):
   """keep=False: no per-example gradient is kept, the sum is the book-keeping filter
   gradient of the clip-weighted output gradients (not the gradient the norm was taken of)."""
@@ -145,9 +170,7 @@ def _mirrored_pairs(model, shape, count=8, seed=3, top=4):
   return np.stack(xs).astype("float32"), np.array(ys, np.float32)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("form", [None, "foldgram", "gram", "direct", "depthwise", "filter"])
+@pytest.mark.parametrize("form,keep,jit", _forms("across"))
 def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch):
   """The record's gradient is the sum of its examples' (registry.examples_per_record): the
   norm of that sum, the clipped sum of the same record terms (the kept per-example gradients
@@ -157,9 +180,7 @@ def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch)
   _assert_within_c(_contributions(model, x, y, jit, k=2))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("form", [None, "foldgram", "gram", "direct", "depthwise", "filter"])
+@pytest.mark.parametrize("form,keep,jit", _forms("bias"))
 def test_cancelling_bias_record(form, keep, jit, monkeypatch):
   """The bias gradient db = sum_t dz_t cancels: the frozen head has w at output position 0,
   -w (1 + 2^-23) at position 1 and w / 1000 times small weights at the others, so that db is
