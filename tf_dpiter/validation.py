@@ -189,37 +189,20 @@ class Constraint(abc.ABC):
 
   @abc.abstractmethod
   def description(self):
-    """What the value must be, for the message ("a finite number > 0").
-
-    Returns:
-      str.
-    """
+    """What the value must be (str), for the message ("a finite number > 0")."""
 
   @abc.abstractmethod
   def failure(self, value):
-    """The exception class `value` violates the constraint with, or None if it satisfies it.
-
-    Args:
-      value: the argument.
-
-    Returns:
-      ParameterTypeError, self.error, or None.
-    """
+    """The exception class `value` violates the constraint with (ParameterTypeError or
+    self.error), or None if it satisfies it."""
 
   @abc.abstractmethod
   def invalid_values(self):
-    """Values the constraint refuses, with the class each one raises (for generated tests).
-
-    Returns:
-      list of (value, exception class).
-    """
+    """A list of (value, exception class): values the constraint refuses, with the class each
+    one raises (for generated tests)."""
 
   def raises(self):
-    """The exception classes this constraint can raise.
-
-    Returns:
-      set of classes.
-    """
+    """The set of exception classes this constraint can raise."""
     return {cls for _, cls in self.invalid_values()}
 
 
