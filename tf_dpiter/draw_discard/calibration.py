@@ -19,14 +19,9 @@ DELTA_RANGE = validation.Interval(float, 0, 0.5, closed="neither")   # the Gauss
 # Noise calibration (Algorithm 1, Section IV-B)
 
 def sensitivity(gamma: float, clip: float = 1.0) -> float:
-  """Per-weight sensitivity of the update B - gamma*clip(G): 2*gamma*c (Section III-E).
-
-  Args:
-    gamma: the learning rate (> 0).
-    clip: the per-coordinate clip c of the average gradient (> 0).
-
-  Returns:
-    2 * gamma * c, in weight units.
+  """2 gamma c (weight units): the per-weight sensitivity of the update B - gamma clip(G)
+  (Section III-E), gamma > 0 the learning rate, c > 0 the per-coordinate clip of the average
+  gradient.
 
   Raises:
     PrivacyConfigError: for a gamma or clip that is not a finite number > 0.

@@ -23,14 +23,8 @@ from tf_dpiter.errors import ParameterValueError
 
 
 def known_weights_spec(**kw) -> glm.ModelSpec:
-  """The 33-weight logistic model of Section V-C (B, E1, E2, D, I and their 10 crosses).
-
-  Args:
-    **kw: ModelSpec fields that override the defaults (gamma 0.005, no noise).
-
-  Returns:
-    A ModelSpec.
-  """
+  """The 33-weight logistic ModelSpec of Section V-C (B, E1, E2, D, I and their 10 crosses);
+  `kw` ModelSpec fields override the defaults (gamma 0.005, no noise)."""
   feats = (glm.Feature("B", "boolean"),
            glm.Feature("E1", "categorical", levels=("A", "B", "C")),
            glm.Feature("E2", "categorical", levels=("a", "b", "c", "d")),
@@ -45,14 +39,8 @@ def known_weights_spec(**kw) -> glm.ModelSpec:
 
 
 def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
-  """Logistic model on one dense vector feature: num_weights - 1 inputs + intercept.
-
-  Args:
-    num_weights: p (>= 2).
-    **kw: ModelSpec fields that override the defaults (gamma 0.001, epsilon ln 32).
-
-  Returns:
-    A ModelSpec.
+  """The logistic ModelSpec on one dense vector feature: p - 1 = num_weights - 1 inputs +
+  intercept; `kw` ModelSpec fields override the defaults (gamma 0.001, epsilon ln 32).
 
   Raises:
     ParameterValueError: for num_weights < 2.
@@ -260,14 +248,8 @@ def _serve(args) -> int:
 
 
 def main(argv=None) -> int:
-  """Entry point of tf-dpiter-ddml.
-
-  Args:
-    argv: arguments (default sys.argv[1:]).
-
-  Returns:
-    The exit status: 0 on success, 2 for bad input (a one-line message, no traceback).
-  """
+  """Entry point of tf-dpiter-ddml on argv (default sys.argv[1:]); returns the exit status: 0
+  on success, 2 for bad input (a one-line message, no traceback)."""
   from tf_dpiter.draw_discard import auth  # pylint: disable=g-import-not-at-top
   auth.catch_early_hangups()  # SIGHUP must not kill a server still starting
   ap = argparse.ArgumentParser(prog="tf-dpiter-ddml", description="Draw and Discard ML (Pihur et al. 2018)")

@@ -22,35 +22,18 @@ from tf_dpiter.errors import PrivacyConfigError
 
 
 def laplace_noise(rng: np.random.Generator, scale: float, shape) -> np.ndarray:
-  """Laplace(0, scale) samples as scale * (E1 - E2), E1, E2 ~ Exp(1) iid (exact; ~3x faster
-  than Generator.laplace).
-
-  Args:
-    rng: the numpy generator.
-    scale: the Laplace scale b (weight units).
-    shape: the output shape.
-
-  Returns:
-    float64 samples of `shape`.
-  """
+  """float64 Laplace(0, scale) samples of `shape` (scale b in weight units) from the numpy
+  generator, as scale (E1 - E2), E1, E2 ~ Exp(1) iid (exact; ~3x faster than
+  Generator.laplace)."""
   return scale * (rng.standard_exponential(shape) - rng.standard_exponential(shape))
 
 
 def make_noise(rng: np.random.Generator, noise: str, gamma: float, epsilon: float | None,
                clip: float, shape, delta: float = 1e-6) -> np.ndarray | None:
-  """Client noise of Algorithm 1: Laplace(2 gamma c/eps) or the Gaussian of Section IV-B.
-
-  Args:
-    rng: the numpy generator.
-    noise: "laplace", "gaussian" or "none".
-    gamma: the learning rate.
-    epsilon: per-update epsilon (nats), or None (no noise).
-    clip: the per-coordinate clip c.
-    shape: the output shape.
-    delta: delta of the Gaussian calibration.
-
-  Returns:
-    float64 noise of `shape`, or None without noise.
+  """Client noise of Algorithm 1, float64 of `shape` from the numpy generator: Laplace(2 gamma
+  c / epsilon) (noise "laplace") or the Gaussian of Section IV-B at `delta` ("gaussian"),
+  gamma the learning rate, c the per-coordinate clip, epsilon per update (nats); None for
+  "none" or epsilon None.
 
   Raises:
     PrivacyConfigError: for an unknown noise law or a bad parameter.

@@ -108,22 +108,11 @@ def epsilon_adversary_two(epsilon: float, k: int) -> float:
 
 
 def adversary_two_loss(b1, b2, a, a_prime, gamma: float, epsilon: float) -> np.ndarray:
-  """Log-likelihood ratio of Lemma 1's second scenario for k = 2 (vectorized).
-
+  """The log-likelihood ratio (nats, broadcast shape) of Lemma 1's second scenario for k = 2
+  (vectorized) at instance values b1, b2 (arrays broadcast together) between the clipped
+  gradients a and a' in [-1, 1] of the two hypotheses:
   ln [ (f(B1-B2+g a) + f(B2-B1+g a)) / (f(B1-B2+g a') + f(B2-B1+g a')) ],
-  f = Laplace(0, 2 gamma/epsilon) density; a, a' in [-1, 1].
-
-  Args:
-    b1: the first instance's values (arrays, broadcast together).
-    b2: the second instance's values.
-    a: the first hypothesis' clipped gradient, in [-1, 1].
-    a_prime: the second hypothesis' clipped gradient, in [-1, 1].
-    gamma: the learning rate.
-    epsilon: per-update epsilon (nats).
-
-  Returns:
-    The log-likelihood ratio (nats), broadcast shape.
-  """
+  f the Laplace(0, 2 gamma/epsilon) density, epsilon per update (nats)."""
   s = laplace_scale(gamma, epsilon)
   b1, b2, a, ap = (np.asarray(v, dtype=np.float64) for v in (b1, b2, a, a_prime))
   num = np.logaddexp(-np.abs(b1 - b2 + gamma * a) / s, -np.abs(b2 - b1 + gamma * a) / s)

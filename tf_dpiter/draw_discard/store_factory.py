@@ -7,16 +7,9 @@ from tf_dpiter.errors import ParameterValueError
 
 def make_store(spec: str, prefix: str = "ddml", lock_ttl_s: float = 10.0,
                group_commit: bool = True):
-  """Builds a store from its command-line form.
-
-  Args:
-    spec: 'memory' or 'redis://host:port/db' (also rediss://, unix://).
-    prefix: Redis key prefix.
-    lock_ttl_s: Redis initialization lock expiry.
-    group_commit: Redis: pipeline the scripts of one event-loop iteration.
-
-  Returns:
-    A MemoryStore or a RedisStore.
+  """A MemoryStore ('memory') or a RedisStore ('redis://host:port/db', also rediss://,
+  unix://) of its command-line form; for Redis, the key prefix, the initialization lock
+  expiry and group_commit (pipeline the scripts of one event-loop iteration).
 
   Raises:
     ParameterValueError: for any other spec.
