@@ -24,10 +24,12 @@ ms per step, and its ratio to the non-private step). Variants:
                   (budget.chunk_size's powers of two: fit's Poisson batches above 256, about
                   half of them at B = 256, run two chunks); its temporaries estimated at 16,000
                   bytes per example, below the measured peak: what the chunks cost, not a budget
+  no_noise        upper bound: the Gaussian noise's draw (dp_query/gaussian_query.py `_noise`)
+                  returns zeros: what the draw and its Box-Muller transform cost
   depthwise_one_call  the first convolution's depthwise pass without its 128-example cap (one
                   call up to 256 examples, budget.chunk_size at 23,872 bytes per example)
-The upper bounds are not private steps (their norms are zero): they only say what a part costs.
-Prints one JSON line.
+The upper bounds are not private steps (their norms or noise are zero): they only say what a
+part costs. Prints one JSON line.
 """
 
 import argparse
@@ -50,6 +52,7 @@ def _replaced(owner, name, value):
 def _variants():
   """{name: context manager factory active while that variant's train function is traced}."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.dp_query import gaussian_query  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.fast_clipping.rules import conv  # pylint: disable=g-import-not-at-top
 
@@ -58,6 +61,13 @@ def _variants():
     b = tf.shape(x4)[0]
     sq = tf.zeros([b // k])
     return (sq, tf.zeros([1, form.rows, b, form.cols])) if with_grads else sq
+
+  def zero_noise(generator, size, dtype, stddev):   # gaussian_query._noise's parts, zeros
+    del generator, stddev
+    if dtype == tf.float64:
+      return (tf.zeros([size], dtype),)
+    half = tf.zeros([(size + 1) // 2], tf.float32)   # float32: the Box-Muller draw's halves
+    return half, half
 
   def reduce_sqr_sum(x):
     x = tf.cast(x, tf.float32)
@@ -72,6 +82,7 @@ def _variants():
       "fold_gram_128": lambda: _replaced(conv, "_fold_gram_temp_bytes", lambda *a: 40284),
       "fold_gram_one_call": lambda: _replaced(conv, "_fold_gram_temp_bytes",
                                               lambda *a, **k: 16000),
+      "no_noise": lambda: _replaced(gaussian_query, "_noise", zero_noise),
       "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHUNK", 1 << 30),
   }
 
