@@ -21,6 +21,10 @@ from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import conv
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
+
 # (spatial, cin, cout, kernel, stride, padding)
 GEOMETRIES = [(6, 3, 4, 3, 1, "valid"), (6, 3, 4, 3, 1, "same"), (8, 2, 5, 4, 2, "valid"),
               (8, 2, 5, 4, 2, "same"), (7, 4, 3, 2, 2, "valid"), (9, 2, 3, 2, 1, "same")]
@@ -95,18 +99,32 @@ def test_geometries_fold():
   assert all(_foldable(g) for g in GEOMETRIES)
 
 
-def _adversarial_cases():
-  """(geometry, kind): the cancelling kinds on VALID geometries only (SAME padding makes the
-  border patches differ: no exact cancellation), the others on every geometry."""
-  for geometry in GEOMETRIES:
-    for kind in ["cancel_pair", "cancel_alternating", "mixed", "f16_edge"]:
-      if not (kind.startswith("cancel") and geometry[-1] == "same"):
-        yield pytest.param(geometry, kind, id="x".join(map(str, geometry)) + "-" + kind)
+# (geometry, kind, k, jit): the cancelling kinds on VALID geometries only (SAME padding makes
+# the border patches differ: no exact cancellation), the others on every geometry; records of
+# 1, 2, 3 examples, graph and XLA. By default an all-pairs cover, the rest marked slow.
+ADVERSARIAL = [(g, kind, k, jit) for g in GEOMETRIES
+               for kind in ["cancel_pair", "cancel_alternating", "mixed", "f16_edge"]
+               if not (kind.startswith("cancel") and g[-1] == "same")
+               for k in (1, 2, 3) for jit in (False, True)]
+ADVERSARIAL_DEFAULT = all_pairs(ADVERSARIAL)
+# (geometry, k, jit) on ordinary records: by default an all-pairs cover holding the one loose
+# case (the last geometry at k = 3, strict xfail below) in both modes
+TIGHT = [(g, k, jit) for g in GEOMETRIES for k in (1, 2, 3) for jit in (False, True)]
+TIGHT_DEFAULT = all_pairs(TIGHT, first=[(GEOMETRIES[-1], 3, False), (GEOMETRIES[-1], 3, True)])
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("geometry,kind", list(_adversarial_cases()))
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(ADVERSARIAL_DEFAULT, ADVERSARIAL)
+  assert_covers_pairs_of(TIGHT_DEFAULT, TIGHT)
+  assert len(ADVERSARIAL_DEFAULT) < len(ADVERSARIAL) / 3 and len(TIGHT_DEFAULT) < len(TIGHT) / 1.5
+
+
+def _id(case):
+  return "-".join("x".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in case)
+
+
+@pytest.mark.parametrize("geometry,kind,k,jit", slow_outside(ADVERSARIAL, ADVERSARIAL_DEFAULT,
+                                                             ids=_id))
 def test_bound_holds_on_adversarial_records(geometry, kind, k, jit):
   _, _, _, ksize, stride, padding = geometry
   x, dz = _records(kind, geometry, 6 * k, seed=k)
@@ -124,12 +142,10 @@ _LOOSE = pytest.mark.xfail(strict=True, reason=(
 
 
 def _tight_cases():
-  for geometry in GEOMETRIES:
-    for k in (1, 2, 3):
-      for jit in (False, True):
-        marks = _LOOSE if (geometry == GEOMETRIES[-1] and k == 3) else ()
-        yield pytest.param(geometry, k, jit, marks=marks,
-                           id=f"{'x'.join(map(str, geometry))}-{k}-{jit}")
+  for p in slow_outside(TIGHT, TIGHT_DEFAULT, ids=_id):
+    geometry, k, _ = p.values
+    loose = geometry == GEOMETRIES[-1] and k == 3
+    yield pytest.param(*p.values, marks=list(p.marks) + ([_LOOSE] if loose else []), id=p.id)
 
 
 @pytest.mark.parametrize("geometry,k,jit", list(_tight_cases()))
