@@ -97,18 +97,20 @@ class DDMLClient:
     """A Drawn: an instance (raw encoding) with its spec (fetched once per version).
 
     Raises:
-      DDMLError: for an error answer, or a body that is not the spec's finite weights.
+      DDMLError: for an error answer, a body that is not the spec's finite weights, or a
+        served version that changed before its spec was fetched (409 version_changed: draw
+        again).
     """
     version, data = self._request("GET", "/v1/draw?encoding=raw", raw=True)
     spec = self._spec_of(version)
     return Drawn(version, spec, wire.checked_weights(data, spec), self.last_ticket)
 
   def _spec_of(self, version):
-    """The spec of a served version, fetched (GET /v1/spec, JSON) only for a new version."""
+    """The spec of a served version, fetched (GET /v1/spec, JSON) only for a new version
+    (`wire.spec_of_draw`: refused when the version moved on meanwhile)."""
     if version not in self._specs:
-      spec = self.spec()
-      self._specs[spec.version] = spec
-    return self._specs.get(version) or self.spec()
+      self._specs[version] = wire.spec_of_draw(version, self.spec())
+    return self._specs[version]
 
   def submit(self, drawn, weights: np.ndarray) -> dict:
     """Submits an update of a drawn instance.
@@ -289,13 +291,14 @@ class AsyncDDMLClient:
     """As DDMLClient.draw.
 
     Raises:
-      DDMLError: for an error answer, or a body that is not the spec's finite weights.
+      DDMLError: for an error answer, a body that is not the spec's finite weights, or a
+        served version that changed before its spec was fetched (409 version_changed).
     """
     v, data = await self._request("GET", "/v1/draw?encoding=raw", raw=True)
     ticket = self.last_ticket
     if v not in self._specs:
-      spec = glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec"))
-      self._specs[spec.version] = spec
+      self._specs[v] = wire.spec_of_draw(
+          v, glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec")))
     return Drawn(v, self._specs[v], wire.checked_weights(data, self._specs[v]), ticket)
 
   async def submit(self, drawn, weights: np.ndarray) -> dict:

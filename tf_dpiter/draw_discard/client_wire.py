@@ -41,6 +41,18 @@ class Drawn:
   ticket: str | None = None
 
 
+def spec_of_draw(version: str, spec: glm.ModelSpec) -> glm.ModelSpec:
+  """The spec fetched for a drawn instance of `version`, refused (DDMLError 409
+  version_changed) when the server moved to another version between the draw and the fetch:
+  an instance is never paired with another version's spec (its privacy floor is checked
+  against that spec)."""
+  if spec.version != version:
+    raise DDMLError(409, "version_changed",
+                    f"the served model version changed between the draw and the spec fetch "
+                    f"(drew version {version!r}, the spec is now {spec.version!r}); draw again")
+  return spec
+
+
 def submit_request(drawn, weights: np.ndarray) -> tuple[bytes, dict]:
   """(raw body bytes, headers) of a submit of the updated instance [p]. `drawn` is a Drawn
   (with a ticket: the body is its instance then the update, 2p doubles, and X-DDML-Ticket is
