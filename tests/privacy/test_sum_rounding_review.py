@@ -155,14 +155,14 @@ _SLOW = pytest.mark.slow
 # chunk of 512), the others are slow.
 ADDING = [
     pytest.param("step", "fast", False, 4096, 1, None, marks=_open(1.24976)),
-    pytest.param("step", "fast", True, 4096, 1, None, marks=_open(1.24988)),
-    pytest.param("fit", "fast", False, 4096, 1, None, marks=_open(1.24988)),
+    pytest.param("step", "fast", True, 4096, 1, None, marks=[_SLOW, _open(1.24988)]),
+    pytest.param("fit", "fast", False, 4096, 1, None, marks=[_SLOW, _open(1.24988)]),
     pytest.param("fit", "fast", True, 4096, 1, None, marks=_open(1.24988)),
     pytest.param("step", "vectorized", False, 4096, 32, None, marks=_open(1.000237)),
     pytest.param("step", "vectorized", True, 4096, 256, None, marks=_open(1.0000005)),
-    pytest.param("fit", "vectorized", False, 4096, 32, None, marks=_open(1.000237)),
+    pytest.param("fit", "vectorized", False, 4096, 32, None, marks=[_SLOW, _open(1.000237)]),
     pytest.param("chunks", "fast", False, 4096, 1, 512, marks=_open(1.00388)),
-    pytest.param("chunks", "vectorized", False, 4096, 32, 512, marks=_open(1.0000029)),
+    pytest.param("chunks", "vectorized", False, 4096, 32, 512, marks=[_SLOW, _open(1.0000029)]),
     pytest.param("step", "vectorized", False, 4096, 1, None, marks=_SLOW),
     pytest.param("chunks", "fast", False, 4096, 1, None, marks=_SLOW),
     pytest.param("chunks", "fast", True, 4096, 1, 512, marks=_SLOW),
@@ -170,7 +170,7 @@ ADDING = [
 # (clipping, jit, batch, k, stride)
 REPLACING = [
     pytest.param("vectorized", False, 4096, 2, 32, marks=_open(1.0000296)),
-    ("fast", False, 4096, 2, 1),
+    pytest.param("fast", False, 4096, 2, 1, marks=_SLOW),
     pytest.param("vectorized", False, 4096, 2, 1, marks=_SLOW),
     pytest.param("fast", True, 4096, 2, 1, marks=_SLOW),
     pytest.param("fast", False, 4096, 4, 1, marks=_SLOW),
@@ -208,8 +208,8 @@ def _rounded_once_rows(batch):
 
 @pytest.mark.parametrize("path, clipping, jit", [
     pytest.param("chunks", "vectorized", True, marks=_open(1.000122)),
-    pytest.param("fit", "fast", False, marks=_open(1.000122)),
-    ("chunks", "fast", False),
+    pytest.param("fit", "fast", False, marks=[_SLOW, _open(1.000122)]),
+    pytest.param("chunks", "fast", False, marks=_SLOW),
 ])
 def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clipping, jit):
   batch = 4096
@@ -229,14 +229,15 @@ def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clippi
 
 @pytest.mark.parametrize("clipping, jit", [
     pytest.param("vectorized", False, marks=_open(1.00000010)),
-    pytest.param("fast", True, marks=_open(1.000000096)),
+    pytest.param("fast", True, marks=[_SLOW, _open(1.000000096)]),
 ])
 def test_one_clipped_record_has_norm_at_most_the_ledger_sensitivity(clipping, jit):
   """Within one record: pi_C(x) = fl(c x), c = fl(min(1, C / ||x||)), in float32 (one real
   example, 7 padding rows, so there is no other term to round against). The ledger's C must
-  bound ||fl(c x)|| (float64 of the float32 sum); 40 random x of norm 3 to 3e4 in 8
+  bound ||fl(c x)|| (float64 of the float32 sum); 20 random x of norm 3 to 3e4 in 8
   features. Measured at e70d7a6: 1.03e-7 C above C (vectorized, graph), 9.6e-8 C (fast,
-  XLA): the clip factor's, the norm's and the product's roundings are not covered."""
+  XLA) over 40 such x: the clip factor's, the norm's and the product's roundings are not
+  covered."""
   features, batch = 8, 8
   model = _model(batch, jit, clipping, features=features)
   rng = np.random.RandomState(1)
@@ -244,7 +245,7 @@ def test_one_clipped_record_has_norm_at_most_the_ledger_sensitivity(clipping, ji
   weights[0] = 1.0
   y = np.ones((batch, 1), np.float32)
   largest = 0.0
-  for _ in range(40):
+  for _ in range(20):
     x = np.zeros((batch, features), np.float32)
     x[0] = rng.randn(features) * rng.choice([3.0, 30.0, 3e4])
     model.set_weights([np.zeros((features, 1), np.float32)])
