@@ -18,6 +18,9 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
 from .test_layer_cancellation_review import _frozen_head
@@ -26,7 +29,7 @@ from .test_layer_cancellation_review import _no_kept
 L = keras.layers
 
 
-@pytest.fixture(params=["mixed_float16", "mixed_bfloat16"])
+@pytest.fixture
 def policy(request):
   keras.config.set_dtype_policy(request.param)
   yield request.param
@@ -46,8 +49,25 @@ def _records(shape, count=12, seed=2, top=3):
           (10.0 ** rng.uniform(2, 4, (count, 1))).astype(np.float32))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("form", [None, "gram", "direct", "not_kept"])
+POLICIES = ["mixed_float16", "mixed_bfloat16"]
+# (policy, form, jit) for Dense and (policy, layer, keep, jit) for Conv2D and LayerNormalization:
+# by default all-pairs covers (each form or layer under each policy, in graph and under XLA,
+# kept and not), the rest marked slow
+DENSE = [(p, form, jit) for p in POLICIES for form in [None, "gram", "direct", "not_kept"]
+         for jit in (False, True)]
+LAYERS = [(p, layer, keep, jit) for p in POLICIES for layer in ("conv2d", "layer_norm")
+          for keep in (True, False) for jit in (False, True)]
+DENSE_DEFAULT, LAYERS_DEFAULT = all_pairs(DENSE), all_pairs(LAYERS)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(DENSE_DEFAULT, DENSE)
+  assert_covers_pairs_of(LAYERS_DEFAULT, LAYERS)
+  assert len(DENSE_DEFAULT) <= len(DENSE) / 2 and len(LAYERS_DEFAULT) <= len(LAYERS) / 2
+
+
+@pytest.mark.parametrize("policy,form,jit", slow_outside(DENSE, DENSE_DEFAULT),
+                         indirect=["policy"])
 def test_dense(policy, form, jit, monkeypatch):
   del policy
   if form == "not_kept":
@@ -65,9 +85,8 @@ _LAYERS = {"conv2d": ((6, 6, 3), lambda: L.Conv2D(8, 3), 8),
            "layer_norm": ((4, 16), L.LayerNormalization, 16)}
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("layer", list(_LAYERS))
+@pytest.mark.parametrize("policy,layer,keep,jit", slow_outside(LAYERS, LAYERS_DEFAULT),
+                         indirect=["policy"])
 def test_conv2d_and_layer_norm(policy, layer, keep, jit, monkeypatch):
   del policy
   if not keep:
@@ -80,6 +99,7 @@ def test_conv2d_and_layer_norm(policy, layer, keep, jit, monkeypatch):
   _assert_within_c(_contributions(model, x, y, jit))
 
 
+@pytest.mark.parametrize("policy", POLICIES, indirect=True)
 @pytest.mark.parametrize("jit", [False, True])
 def test_embedding_one_id_twice(policy, jit):
   del policy

@@ -14,6 +14,9 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
 from .test_layer_cancellation_review import _no_kept
@@ -53,10 +56,20 @@ def _mirrored(model, shape, ids, count=10, seed=3):
   return np.stack(xs), np.array(ys, np.float32)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("name", ["layer_norm", "simple_rnn", "lstm", "gru", "conv2d",
-                                  "conv1d", "dense_seq", "einsum_heads", "embedding"])
+# (layer, keep, jit): by default an all-pairs cover (each layer with its per-example gradients
+# kept and not, each in graph and under XLA), the rest marked slow
+GRID = [(name, keep, jit) for name in ["layer_norm", "simple_rnn", "lstm", "gru", "conv2d",
+                                       "conv1d", "dense_seq", "einsum_heads", "embedding"]
+        for keep in (True, False) for jit in (False, True)]
+DEFAULT = all_pairs(GRID)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(DEFAULT, GRID)
+  assert len(DEFAULT) <= len(GRID) / 2
+
+
+@pytest.mark.parametrize("name,keep,jit", slow_outside(GRID, DEFAULT))
 def test_records_of_two_cancelling_across_examples(name, keep, jit, monkeypatch):
   if not keep:
     _no_kept(monkeypatch)
