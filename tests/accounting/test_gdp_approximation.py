@@ -75,17 +75,20 @@ def test_bound_accountants_are_still_taken_and_other_names_refused():
   assert accountant_lib.check_bound_accountant("rdp", "x") == "rdp"
   with pytest.raises(PrivacyConfigError, match="accountant='prv' is not available"):
     accountant_lib.check_bound_accountant("prv", "x")
-  # what GDP would have calibrated: a z whose true (PLD) epsilon is above the target
+  # calibration by the PLD bound: dp-accounting's PLD accountant by hand finds the z within
+  # the target (GDP would have calibrated a z whose true epsilon is above it)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", UserWarning)
     # tol: the claim below holds at any tolerance (z is rounded up); 1e-2 halves the PLD
-    # bisection's evaluations against the default 1e-4
-    z = calibration.calibrate_noise_multiplier(4.0, DELTA, B / N, 241, accountant="pld",
+    # bisection's evaluations against the default 1e-4. Target 1: z ~ 1.2, whose PLD
+    # discretizations are about half the cost of z ~ 0.7's at target 4 (5.4 / 11.9 CPU s)
+    z = calibration.calibrate_noise_multiplier(1.0, DELTA, B / N, 241, accountant="pld",
                                                tol=1e-2)
   acc = dpa.pld.PLDAccountant()
   acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(B / N, dpa.GaussianDpEvent(z)),
                                       241))
-  assert acc.get_epsilon(DELTA) <= 4.0 * (1 + 1e-9)
+  eps = acc.get_epsilon(DELTA)
+  assert 0.9 < eps <= 1.0 * (1 + 1e-9)    # within the target, and not far below it
 
 
 def test_federated_server_budget_refuses_gdp():
