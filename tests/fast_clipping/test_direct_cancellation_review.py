@@ -27,6 +27,9 @@ import pytest
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .conftest import per_record_clipped_sum
 from .test_dense_sums_adversarial import _LOSS as _MSE
 from .test_dense_sums_adversarial import _assert_equal
@@ -144,9 +147,21 @@ def _data(b, shape, seed):
           rng.normal(size=(b, 2)).astype("float32"))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("form", ["direct", "gram"])
-@pytest.mark.parametrize("kind,use_bias", [("dense", True), ("dense", False), ("einsum", True)])
+# (layer and bias, form, jit): by default an all-pairs cover (each layer in both bounded forms,
+# each in graph and under XLA), the rest marked slow
+BOUNDED = [(kind, form, jit) for kind in (("dense", True), ("dense", False), ("einsum", True))
+           for form in ("direct", "gram") for jit in (False, True)]
+BOUNDED_DEFAULT = all_pairs(BOUNDED)
+
+
+def test_bounded_cases_cover_every_pair():
+  assert_covers_pairs_of(BOUNDED_DEFAULT, BOUNDED)
+  assert len(BOUNDED_DEFAULT) == 6
+
+
+@pytest.mark.parametrize("kind,use_bias,form,jit", [
+    pytest.param(*p.values[0], *p.values[1:], marks=p.marks)
+    for p in slow_outside(BOUNDED, BOUNDED_DEFAULT)])
 def test_bounded_forms_equal_the_loop(kind, use_bias, form, jit, monkeypatch):
   """Noise off, ordinary records: the bounded direct (not kept) and Gram norms and their
   clipped sums equal the float64 per-record loop (conftest) within its tolerances."""

@@ -23,6 +23,9 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import C
 from .test_gram_cancellation_review import _contributions
 
@@ -78,9 +81,22 @@ def test_layer_norm(keep, jit, monkeypatch):
   _assert_within_c(_contributions(model, np.stack(xs).astype("float32"), _labels(rng), jit))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("cell", ["simple", "lstm"])
+# (layer, keep, jit) grids: by default all-pairs covers (each layer kept and not, in graph and
+# under XLA), the rest marked slow
+RECURRENT = [(cell, keep, jit) for cell in ("simple", "lstm") for keep in (True, False)
+             for jit in (False, True)]
+LORA = [(kind, keep, jit) for kind in ("embedding", "einsum_dense") for keep in (True, False)
+        for jit in (False, True)]
+RECURRENT_DEFAULT, LORA_DEFAULT = all_pairs(RECURRENT), all_pairs(LORA)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(RECURRENT_DEFAULT, RECURRENT)
+  assert_covers_pairs_of(LORA_DEFAULT, LORA)
+  assert len(RECURRENT_DEFAULT) == len(LORA_DEFAULT) == 4
+
+
+@pytest.mark.parametrize("cell,keep,jit", slow_outside(RECURRENT, RECURRENT_DEFAULT))
 def test_recurrent(cell, keep, jit, monkeypatch):
   """A linear SimpleRNN with U = 0 (h_t = x_t W + b: the input kernel's and the bias's
   gradients x_0 g_0 + x_1 g_1 and g_0 + g_1 nearly cancel), and an LSTM."""
@@ -154,9 +170,7 @@ def test_dense_lora_a_factor(positions, jit):
   _assert_within_c(_contributions(model, x, _labels(rng), jit))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("kind", ["embedding", "einsum_dense"])
+@pytest.mark.parametrize("kind,keep,jit", slow_outside(LORA, LORA_DEFAULT))
 def test_lora_a_factor(kind, keep, jit, monkeypatch):
   """Embedding (one id per example) and EinsumDense with LoRA, the same construction."""
   if not keep:

@@ -26,6 +26,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
 from .test_layer_zoo_review import assert_upper_bound
@@ -109,9 +112,18 @@ def _tied_lm(dtype, soft_cap=None):
   return keras.Model(inp, L.Dense(1, dtype=dtype)(L.Flatten(dtype=dtype)(logits)))
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("soft_cap", [None, 3.0])
+# (soft cap, k, jit): by default an all-pairs cover (each soft cap with records of 1 and 2, in
+# graph and under XLA), the rest marked slow
+TIED = [(cap, k, jit) for cap in (None, 3.0) for k in (1, 2) for jit in (False, True)]
+TIED_DEFAULT = all_pairs(TIED)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(TIED_DEFAULT, TIED)
+  assert len(TIED_DEFAULT) == 4
+
+
+@pytest.mark.parametrize("soft_cap,k,jit", slow_outside(TIED, TIED_DEFAULT))
 def test_tied_reversible_embedding_both_ways(soft_cap, k, jit):
   model, model64 = _tied_lm("float32", soft_cap), _tied_lm("float64", soft_cap)
   model64.set_weights(model.get_weights())
