@@ -20,6 +20,9 @@ from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
 from .conftest import per_record_clipped_sum
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 # the fast path through clipped_grad_sum (traced or XLA) and the loop's tolerances
 from .test_dense_sums_adversarial import _LOSS
 from .test_dense_sums_adversarial import _assert_equal
@@ -52,8 +55,24 @@ def gram(monkeypatch):
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind", ["dense", "einsum"])
+# (check, layer, jit): by default an all-pairs cover (each check on each layer, each layer and
+# each check in graph and under XLA), the rest marked slow
+GRID = [(check, kind, jit) for check in ("exact", "records_of_two", "infinite")
+        for kind in ("dense", "einsum") for jit in (False, True)]
+DEFAULT = all_pairs(GRID)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(DEFAULT, GRID)
+  assert len(DEFAULT) == 6
+
+
+def _params(check):
+  return slow_outside([c[1:] for c in GRID if c[0] == check],
+                      [c[1:] for c in DEFAULT if c[0] == check])
+
+
+@pytest.mark.parametrize("kind,jit", _params("exact"))
 def test_gram_with_bias_equals_the_loop(kind, jit, gram):
   model = _model(kind)
   x, y = _data(9)
@@ -63,8 +82,7 @@ def test_gram_with_bias_equals_the_loop(kind, jit, gram):
   _assert_equal(_fast(model, x, y, clip, jit=jit), want)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind", ["dense", "einsum"])
+@pytest.mark.parametrize("kind,jit", _params("records_of_two"))
 def test_records_of_two_with_masked_rows(kind, jit, gram):
   model = _model(kind)
   x, y = _data(8, seed=1)
@@ -77,8 +95,7 @@ def test_records_of_two_with_masked_rows(kind, jit, gram):
   _assert_equal(got, want)
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("kind", ["dense", "einsum"])
+@pytest.mark.parametrize("kind,jit", _params("infinite"))
 def test_infinite_input_record_adds_nothing(kind, jit, gram):
   """Record 3's input holds inf (and one of its positions a huge value): its norm is not
   finite, its clip factor 0, and the sum is finite and equals the others' sum."""
