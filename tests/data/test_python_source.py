@@ -91,11 +91,8 @@ def test_an_iterator_whose_generator_was_dropped_is_refused(monkeypatch):
     next(old)
 
 
-_PROBE = textwrap.dedent("""
-    import sys
-    import numpy as np
-    import tensorflow as tf
-    import tf_dpiter as dp
+# The samplers' pipelines, each run for two samples: in the fresh-process probe and in-process.
+_PIPELINES = textwrap.dedent("""
     x = np.arange(40, dtype=np.float32).reshape(20, 2)
     y = np.arange(20) % 2
     pipelines = [
@@ -106,6 +103,9 @@ _PROBE = textwrap.dedent("""
     ]
     for ds in pipelines:
       assert len(list(ds.take(2))) >= 1
+""")
+_PROBE = "import sys\nimport numpy as np\nimport tensorflow as tf\nimport tf_dpiter as dp\n" + (
+    _PIPELINES) + textwrap.dedent("""
     sys.stderr.write("@@ours done@@\\n")
     sys.stderr.flush()
     list(tf.data.Dataset.from_generator(lambda: iter([1]), output_signature=tf.TensorSpec(
@@ -129,16 +129,10 @@ def test_samplers_build_no_generator_dataset():
   written once, by the first GeneratorDataset kernel): the samplers' pipelines, run as there,
   hold no GeneratorDataset op in their graph or its functions; the control (from_generator)
   holds one."""
-  x = np.arange(40, dtype=np.float32).reshape(20, 2)
-  y = np.arange(20) % 2
-  pipelines = [
-      dp.data.poisson_batches(x, y, expected_batch_size=4, seed=0),
-      dp.data.shuffled_batches(x, y, batch_size=4, seed=0),
-      dp.data.poisson_user_batches(x, y, np.arange(20) % 5, 2, 4, seed=0),
-      dp.data.poisson_batches_from_source(dp.data.ArraySource(x, y), 4, seed=0),
-  ]
-  for ds in pipelines:
-    assert len(list(ds.take(2))) >= 1
+  namespace = {"np": np, "dp": dp}
+  exec(_PIPELINES, namespace)  # pylint: disable=exec-used
+  assert len(namespace["pipelines"]) == 4
+  for ds in namespace["pipelines"]:
     ops = _dataset_ops(ds)
     assert "PyFunc" in ops and "GeneratorDataset" not in ops, sorted(ops)
   control = tf.data.Dataset.from_generator(lambda: iter([1]), output_signature=tf.TensorSpec(
