@@ -29,6 +29,7 @@ import threading
 
 import tensorflow as tf
 
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
@@ -52,13 +53,20 @@ def _consumers(graph, unit):
   return {op for v in unit.variables for op in _variable_handle(graph, v).consumers()}
 
 
-def install(units, track_uses=False):
+def install(units, track_uses=False, first_tape=None):
   """Replaces each unit layer's `call` by a recording wrapper.
 
   Args:
     units: the plan's units (layers with their norm functions).
     track_uses: keep in each record the graph operations that consumed the unit's
       variables during the call (`rec["uses"]`); only in a traced forward pass (graph mode).
+    first_tape: optional tf.GradientTape (watch_accessed_variables=False) of the first
+      backward pass (the gradients at the units' watched tensors and outputs): each call's
+      floating inputs are watched on it before the call and its floating outputs after,
+      and the unit's variables before the call unless its norm function is marked
+      `registry.watched_from_inputs`. That tape then records no read of such a unit's
+      variables, so its backward pass forms no gradient of them (which nothing uses);
+      `first_tape_misses` checks the mark on the traced pass.
 
   Returns:
     tokens for `uninstall`.
@@ -74,6 +82,10 @@ def install(units, track_uses=False):
       rec = {"args": args, "kwargs": kwargs, "watched": None}
       before = _consumers(graph, _unit) if graph is not None else None
       first = graph.version if graph is not None else None
+      if first_tape is not None:
+        first_tape.watch(_floating((args, kwargs)))
+        if not _from_inputs_only(_unit):
+          first_tape.watch(keras_internals.gradient_sources(_unit.variables))
       outputs = None
       if _unit.kind == plan_lib.GHOST:
         res = _unit.norm_fn(_unit.layer, *args, **kwargs)
@@ -84,6 +96,8 @@ def install(units, track_uses=False):
       if outputs is None:
         outputs = _orig(*args, **kwargs)
       rec["outputs"] = outputs
+      if first_tape is not None:
+        first_tape.watch(_floating(outputs))
       if graph is not None:
         rec["uses"] = _consumers(graph, _unit) - before
         rec["span"] = (first, graph.version)   # graph.get_operations()[first:last]: the call's
@@ -92,6 +106,85 @@ def install(units, track_uses=False):
 
     installed.append(keras_internals.swap_call(layer, wrapped))
   return installed
+
+
+def _floating(structure):
+  """The floating (and complex) tensors of a nest: what a tape can watch."""
+  return [t for t in tf.nest.flatten(structure)
+          if tf.is_tensor(t) and (t.dtype.is_floating or t.dtype.is_complex)]
+
+
+def _from_inputs_only(unit):
+  """True if the first backward pass need not record the reads of the unit's variables: a
+  ghost unit whose norm function is marked `registry.watched_from_inputs` (a vectorized
+  unit's sources are its outputs, watched after the call, but its norm function may still
+  serve a record: the mark is asked for every ghost unit)."""
+  return unit.kind == plan_lib.GHOST and getattr(unit.norm_fn, "watched_from_inputs", False)
+
+
+def first_tape_misses(units):
+  """True if the first tape of a forward pass recorded with `install(units, track_uses=True,
+  first_tape=...)` in the current (traced) graph may have missed a watched tensor of the
+  first backward pass (of a ghost unit called once): one not computed (through
+  gradient-carrying tensors the call created, no StopGradient) from one of the call's
+  floating inputs, or from a read of the unit's variables where they were watched. The
+  gradient at such a tensor there would miss paths to the loss: the caller then takes the
+  first backward pass on the tape of all the variables; a rule marked
+  `registry.watched_from_inputs` is refused instead (none of the built-in rules' watched
+  tensors is one).
+
+  Args:
+    units: the plan's units after the forward pass.
+
+  Returns:
+    True if a watched tensor of an unmarked norm function may be missed.
+
+  Raises:
+    ParameterValueError: a marked norm function's watched tensor is not computed from the
+      call's floating inputs.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  operations = graph.get_operations()
+  missed = False
+  for unit in units:
+    if _vectorized(unit) or "span" not in unit.records[0]:
+      continue
+    rec = unit.records[0]
+    marked = _from_inputs_only(unit)
+    starts = {t.ref() for t in _floating((rec["args"], rec["kwargs"]))}
+    if not marked:
+      starts |= {_variable_handle(graph, v).ref() for v in unit.variables}
+    created = _created(operations, rec)
+    for i, t in enumerate(tf.nest.flatten(rec["watched"])):
+      if _reached_from(created, starts, t):
+        continue
+      if marked:
+        raise ParameterValueError(
+            f"the watched tensors of layer {unit.layer.name!r}'s norm function must be "
+            "computed from the call's floating inputs (it is marked "
+            f"registry.watched_from_inputs). Received: watched tensor {i}, computed from "
+            "neither")
+      missed = True
+  return missed
+
+
+def _reached_from(created, starts, t, gradient_only=True):
+  """True if `t` is one of `starts` (tensor refs) or computed from one of them by operations
+  in `created` (a backward walk); `gradient_only`: through gradient-carrying tensors only, a
+  StopGradient ending the path (what a tape that watched `starts` recorded)."""
+  seen, todo = set(), [t]
+  while todo:
+    t = todo.pop()
+    if t.ref() in starts:
+      return True
+    op = t.op
+    if op in seen or op not in created:
+      continue
+    seen.add(op)
+    if gradient_only and op.type in ("StopGradient", "PreventGradient"):
+      continue
+    todo.extend(i for i in op.inputs if not gradient_only or _carries_gradient(i))
+  return False
 
 
 def variable_consumers(units):
@@ -206,18 +299,7 @@ def _from_inputs(created, rec, t):
   """True if `t`, computed in the recorded call `rec`, depends on one of the call's tensor
   arguments (a backward walk over the operations the call created)."""
   args = {a.ref() for a in tf.nest.flatten((rec["args"], rec["kwargs"])) if tf.is_tensor(a)}
-  if t.ref() in args:
-    return True
-  seen, todo = {t.op}, [t.op]
-  while todo:
-    op = todo.pop()
-    for i in op.inputs:
-      if i.ref() in args:
-        return True
-      if i.op in created and i.op not in seen:
-        seen.add(i.op)
-        todo.append(i.op)
-  return False
+  return _reached_from(created, args, t, gradient_only=False)
 
 
 def uninstall(installed):

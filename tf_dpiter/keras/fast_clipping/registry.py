@@ -49,6 +49,9 @@ Optional capabilities, declared by attributes of the norm function:
       float32 whatever the dtype policy). Others then take the vectorized path.
   float32_sums (``@float32_sums``): its results are always PerExampleGrads,
       GhostSums or FactorSums formed in float32, so it serves 16-bit layers as they are.
+  watched_from_inputs (``@watched_from_inputs``): every watched tensor is computed
+      from the call's floating inputs, so the first backward pass need not record the
+      reads of the layer's variables (it then forms no gradient of them).
   lora_variants: ``(plain_fn, lora_fn)``, for a layer class with Keras' LoRA
       (``layer.lora_enabled``): the lookup gives each layer the one of the two its
       LoRA setting needs, once per plan (rules/lora.py).
@@ -230,6 +233,23 @@ def float32_watched(fn):
   """Marks a norm function whose `watched` is float32 when it is called with
   float32 inputs outside the layer's __call__ (see module docstring)."""
   fn.float32_watched = True
+  return fn
+
+
+def watched_from_inputs(fn):
+  """Marks a norm function whose watched tensors are all computed from the call's floating
+  inputs (a Dense's x W): the first backward pass (the gradients at the watched tensors)
+  then records no read of the layer's variables, so it forms no gradient of them, which
+  nothing uses (recording.install's `first_tape`; a traced pass refuses a marked function
+  whose watched tensor is not so computed).
+
+  Args:
+    fn: a norm function.
+
+  Returns:
+    fn, marked.
+  """
+  fn.watched_from_inputs = True
   return fn
 
 

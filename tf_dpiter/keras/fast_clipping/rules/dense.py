@@ -32,6 +32,7 @@ from tf_dpiter.keras.fast_clipping.rules import budget
 
 @registry.float32_watched
 @registry.supports_records
+@registry.watched_from_inputs
 def dense_norm_fn(layer, inputs, training=None):
   """Norm function (registry contract) of keras.layers.Dense.
 
@@ -325,6 +326,7 @@ def _parse_einsum(equation):
 
 @registry.float32_watched
 @registry.supports_records
+@registry.watched_from_inputs
 def einsum_dense_norm_fn(layer, inputs, training=None):
   """Norm function (registry contract) of keras.layers.EinsumDense.
 

@@ -18,6 +18,7 @@ from tf_dpiter.keras.fast_clipping.rules import budget
 
 @registry.float32_watched
 @registry.supports_records
+@registry.watched_from_inputs
 def layer_norm_norm_fn(layer, inputs):
   """Norm function (registry contract) of keras.layers.LayerNormalization.
 
