@@ -33,7 +33,8 @@ def _oracle(x, y, kernel, bias):
   return total_k, total_b
 
 
-@pytest.mark.parametrize("dtype, jit", [("int32", False), ("uint8", True)])
+@pytest.mark.parametrize("dtype, jit", [("int32", False),
+                                        pytest.param("uint8", True, marks=pytest.mark.slow)])
 def test_dense_on_integer_inputs_clips_as_the_per_example_loop(dtype, jit):
   keras.utils.set_random_seed(0)
   inputs = keras.Input((F,), dtype=dtype)

@@ -108,6 +108,7 @@ def test_fit_draws_once_per_step(kw):
   assert int(opt.ledger.sample_count.numpy()) == int(opt.iterations.numpy()) == 6
 
 
+@pytest.mark.slow
 def test_a_restored_step_draws_a_new_noise(tmp_path):
   """load_weights back to the weights before a step, then the same step again: the
   generator goes on (never restored), so the second update is another noise."""

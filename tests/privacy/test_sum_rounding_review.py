@@ -159,7 +159,7 @@ ADDING = [
     pytest.param("fit", "fast", False, 4096, 1, None, marks=[_SLOW, _open(1.24988)]),
     pytest.param("fit", "fast", True, 4096, 1, None, marks=_open(1.24988)),
     pytest.param("step", "vectorized", False, 4096, 32, None, marks=_open(1.000237)),
-    pytest.param("step", "vectorized", True, 4096, 256, None, marks=_open(1.0000005)),
+    pytest.param("step", "vectorized", True, 4096, 256, None, marks=[_SLOW, _open(1.0000005)]),
     pytest.param("fit", "vectorized", False, 4096, 32, None, marks=[_SLOW, _open(1.000237)]),
     pytest.param("chunks", "fast", False, 4096, 1, 512, marks=_open(1.00388)),
     pytest.param("chunks", "vectorized", False, 4096, 32, 512, marks=[_SLOW, _open(1.0000029)]),
@@ -228,7 +228,7 @@ def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clippi
 
 
 @pytest.mark.parametrize("clipping, jit", [
-    pytest.param("vectorized", False, marks=_open(1.00000010)),
+    pytest.param("vectorized", False, marks=[_SLOW, _open(1.00000010)]),
     pytest.param("fast", True, marks=[_SLOW, _open(1.000000096)]),
 ])
 def test_one_clipped_record_has_norm_at_most_the_ledger_sensitivity(clipping, jit):
