@@ -11,7 +11,6 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from tf_dpiter.keras.internals import runtime as routing  # XLA context (not the optimizer)
 from tf_dpiter.keras.fast_clipping import registry
 
 
@@ -384,9 +383,8 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
     |ga_ts - A_ts| <= gamma_K alpha_t alpha_s,  |gb_ts - B_ts| <= gamma_N beta_t beta_s,
   so |sum ga gb - sum A B| <= gamma_K sum alpha_t alpha_s |gb_ts| + gamma_N sum |ga_ts|
   beta_t beta_s + gamma_K gamma_N (sum_t alpha_t beta_t)^2. The contraction itself is formed
-  as T row sums of T products and a sum of the T rows (off XLA a product and a reduction:
-  oneDNN runs the row einsum as B T one-row products, slower; under XLA an einsum it keeps as
-  a dot, where two reductions it would merge into one): each product passes through at most
+  as T row sums of T products (an einsum: a dot, which XLA keeps; a product and two
+  reductions XLA would merge into one) and a sum of the T rows: each product passes through at most
   2 T roundings, so it errs by at most gamma_{2T} sum |ga_ts gb_ts| (one reduction of the
   T^2 products would give gamma_{T^2}). alpha, beta are na, nb (the Grams' diagonals' square
   roots): their relative rounding and the bound's own float32 sums of at most T^2
@@ -414,10 +412,9 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
   t = t if t is not None else tf.cast(tf.shape(ga)[1], tf.float32)
   u = 2.0 ** -24
   margin = 1.25 + 2.0 * t * t * u   # + the bound's own float32 sums of T^2 terms
-  if routing.in_xla_context():
-    rows = tf.einsum("bts,bts->bt", ga, gb)
-  else:
-    rows = reduce_sum(ga * gb, 2)
+  # the rows an einsum (a dot) on every path: XLA, auto-clustering included, merges two
+  # reductions into one of T^2 terms per record (reduce-windows of up to T^2 roundings)
+  rows = tf.einsum("bts,bts->bt", ga, gb)
   gamma_b = margin * (n + 1) * u
   # ga is built once per input (gram_sqr_norm: an attention block's query, key and value
   # projections share it), and so is |ga|
