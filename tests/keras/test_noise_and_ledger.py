@@ -43,7 +43,11 @@ def _mlp():
                                 keras.layers.Dense(3)])
 
 
-@pytest.mark.parametrize("jit,spe", [(False, 1), (True, 1), (True, 3)])
+# (XLA, one step per execution) runs with -m slow: the default suite records every step of
+# an XLA fit at steps_per_execution 1 in test_xla_compile_once (ledger samples == iterations
+# == 18, Poisson, fast / vectorized / band_mf); here graph at 1 and XLA at 3 steps each.
+@pytest.mark.parametrize("jit,spe", [(False, 1), pytest.param(True, 1, marks=pytest.mark.slow),
+                                     (True, 3)])
 def test_every_step_is_recorded_poisson(jit, spe):
   rng = np.random.RandomState(0)
   x = rng.randn(200, 6).astype("float32")
