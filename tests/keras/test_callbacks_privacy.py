@@ -60,14 +60,24 @@ def test_budget_exceeded_by_the_first_step_stops_cleanly(verbose):
   assert "accuracy" in history.history
 
 
-def test_privacy_logs_reach_callbacks_listed_before_the_meter(tmp_path):
+@pytest.fixture(scope="module")
+def metered_fit(tmp_path_factory):
+  """One 2-epoch fit (10 Poisson steps, q = 20 / 100, z = 1) with a CSVLogger and a recorder
+  listed before a PrivacyMeter that plots: (model, meter, recorder, CSV path, PNG path). The
+  two tests below read it; neither changes it."""
+  tmp = tmp_path_factory.mktemp("metered_fit")
   x, y = _data()
   model = _built_model()
   recorder = _LogRecorder()
-  path = tmp_path / "log.csv"
+  csv_path, png_path = tmp / "log.csv", tmp / "eps.png"
+  meter = dp.keras.PrivacyMeter(DELTA, plot=str(png_path), plot_points=5)
   model.fit(x, y, batch_size=20, epochs=2, verbose=0,
-            callbacks=[keras.callbacks.CSVLogger(str(path)), recorder,
-                       dp.keras.PrivacyMeter(DELTA)])
+            callbacks=[keras.callbacks.CSVLogger(str(csv_path)), recorder, meter])
+  return model, meter, recorder, csv_path, png_path
+
+
+def test_privacy_logs_reach_callbacks_listed_before_the_meter(metered_fit):
+  _, _, recorder, path, _ = metered_fit
   with open(path) as f:
     rows = list(csv.DictReader(f))
   assert [float(r["delta"]) for r in rows] == [DELTA, DELTA]
@@ -91,12 +101,8 @@ def test_meters_of_an_earlier_fit_do_not_write_logs():
   assert "epsilon" not in recorder.epoch_logs[0]
 
 
-def test_privacy_meter_plot_writes_a_png_of_the_ledger_curve(tmp_path):
-  x, y = _data()
-  model = _built_model()
-  path = tmp_path / "eps.png"
-  meter = dp.keras.PrivacyMeter(DELTA, plot=str(path), plot_points=5)
-  model.fit(x, y, batch_size=20, epochs=2, verbose=0, callbacks=[meter])
+def test_privacy_meter_plot_writes_a_png_of_the_ledger_curve(metered_fit):
+  model, meter, _, _, path = metered_fit
   with open(path, "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert meter.epoch_steps == [5, 10]
