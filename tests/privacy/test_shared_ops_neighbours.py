@@ -54,9 +54,10 @@ def test_fit_shared_ops_move_the_sum_by_at_most_c(form, jit, monkeypatch):
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
   views, shared = [], []
   as_dense, once = dense_rule._as_dense, algebra.once_per_graph  # pylint: disable=protected-access
-  monkeypatch.setattr(dense_rule, "_as_dense", lambda *a: views.append(1) or as_dense(*a))
+  monkeypatch.setattr(dense_rule, "_as_dense",
+                      lambda *a, **kw: views.append(1) or as_dense(*a, **kw))
   monkeypatch.setattr(algebra, "once_per_graph",
-                      lambda kind, t, make: shared.append(kind) or once(kind, t, make))
+                      lambda kind, *a, **kw: shared.append(kind) or once(kind, *a, **kw))
   model = _model(jit)
   rng = np.random.RandomState(0)
   x = (rng.randn(REAL, T, K) * rng.choice([0.3, 1.0, 4.0], (REAL, 1, 1))).astype("float32")
