@@ -29,7 +29,6 @@ import threading
 
 import tensorflow as tf
 
-from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
@@ -129,43 +128,29 @@ def first_tape_misses(units):
   gradient-carrying tensors the call created, no StopGradient) from one of the call's
   floating inputs, or from a read of the unit's variables where they were watched. The
   gradient at such a tensor there would miss paths to the loss: the caller then takes the
-  first backward pass on the tape of all the variables; a rule marked
-  `registry.watched_from_inputs` is refused instead (none of the built-in rules' watched
-  tensors is one).
+  first backward pass on the tape of all the variables, also for a rule marked
+  `registry.watched_from_inputs` (e.g. a Dense fed integer inputs it casts in its call).
 
   Args:
     units: the plan's units after the forward pass.
 
   Returns:
-    True if a watched tensor of an unmarked norm function may be missed.
-
-  Raises:
-    ParameterValueError: a marked norm function's watched tensor is not computed from the
-      call's floating inputs.
+    True if a watched tensor may be missed.
   """
   graph = tf.compat.v1.get_default_graph()
   operations = graph.get_operations()
-  missed = False
   for unit in units:
     if _vectorized(unit) or "span" not in unit.records[0]:
       continue
     rec = unit.records[0]
-    marked = _from_inputs_only(unit)
     starts = {t.ref() for t in _floating((rec["args"], rec["kwargs"]))}
-    if not marked:
+    if not _from_inputs_only(unit):
       starts |= {_variable_handle(graph, v).ref() for v in unit.variables}
     created = _created(operations, rec)
-    for i, t in enumerate(tf.nest.flatten(rec["watched"])):
-      if _reached_from(created, starts, t):
-        continue
-      if marked:
-        raise ParameterValueError(
-            f"the watched tensors of layer {unit.layer.name!r}'s norm function must be "
-            "computed from the call's floating inputs (it is marked "
-            f"registry.watched_from_inputs). Received: watched tensor {i}, computed from "
-            "neither")
-      missed = True
-  return missed
+    for t in tf.nest.flatten(rec["watched"]):
+      if not _reached_from(created, starts, t):
+        return True
+  return False
 
 
 def _reached_from(created, starts, t, gradient_only=True):
