@@ -10,9 +10,7 @@ Noise 0, no normalization and learning rate 1, so an update is the clipped sum i
 run_eagerly=True re-runs the step's Python at every step, where a kept plan is reused as is.
 """
 
-import os
-import subprocess
-import sys
+import signal
 import warnings
 
 import keras
@@ -259,32 +257,8 @@ def test_model_reused_in_a_second_model(eager):
     assert len(moved) == 6
 
 
-_NEVER_CALLED = """
-import warnings; warnings.simplefilter("ignore")
-import numpy as np, keras, tensorflow as tf
-import tf_dpiter as dp
-# its planned Dense sublayer is never called (the layer reads the sublayer's kernel)
-from tests.privacy.test_unrecorded_variable_use import _NeverCalled
-
-inp = keras.Input((4,)); w = _NeverCalled(name="wrap")
-model = dp.keras.DPModel(inp, w(inp)); dp.keras.declare_per_example(w, "rows alone")
-rng = np.random.RandomState(0)
-x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 3)).astype("float32")
-for clipping in ("fast", "auto"):
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0, normalize=False,
-                                     clipping=clipping)
-  model.compile(optimizer=opt, loss=lambda yt, yp: tf.reduce_sum(yt * yp, -1))
-  opt.set_sampling(100, 0.06, "poisson", 6)
-  for rows in (6, 5):   # 5: a retrace with an unknown batch size (the physical-chunk probe)
-    before = np.array(w.inner.kernel)
-    try:
-      model.train_on_batch(x[:rows], y[:rows])
-    except dp.DPiterError as e:
-      print("REFUSED", clipping, type(e).__name__, str(e))
-      break
-    print("MOVED", clipping, rows, float(np.max(np.abs(np.array(w.inner.kernel) - before))) > 0)
-print("FINISHED")
-"""
+def _alarm(signum, frame):
+  raise TimeoutError("the step did not return within 60 s (budget.kept_chunk(0, k) loops)")
 
 
 def test_graph_step_with_a_planned_layer_never_called_is_refused_or_routed():
@@ -292,19 +266,41 @@ def test_graph_step_with_a_planned_layer_never_called_is_refused_or_routed():
   the plan has a ghost unit that records nothing, and the fast path's update of that kernel
   was silently zero. clipping="fast" now refuses at trace time naming the variable;
   clipping="auto" takes the vectorized path, whose update moves the kernel, also after a
-  retrace with an unknown batch size (in a child process with a time limit: the
-  physical-chunk probe once looped on 0 kept bytes)."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             TF_CPP_MIN_LOG_LEVEL="3")
+  retrace with an unknown batch size (under a 60 s alarm: the physical-chunk probe once
+  looped on 0 kept bytes)."""
+  # its planned Dense sublayer is never called (the layer reads the sublayer's kernel)
+  from tests.privacy.test_unrecorded_variable_use import _NeverCalled  # pylint: disable=g-import-not-at-top
+  inp = keras.Input((4,))
+  w = _NeverCalled(name="wrap")
+  model = dp.keras.DPModel(inp, w(inp))
+  dp.keras.declare_per_example(w, "rows alone")
+  rng = np.random.RandomState(0)
+  x, y = rng.normal(size=(6, 4)).astype("float32"), rng.normal(size=(6, 3)).astype("float32")
+  refused, moved = [], []
+  previous = signal.signal(signal.SIGALRM, _alarm)
+  signal.alarm(60)
   try:
-    out = subprocess.run([sys.executable, "-c", _NEVER_CALLED], capture_output=True,
-                         text=True, timeout=60, env=env, cwd=root, check=False)
-  except subprocess.TimeoutExpired:
-    pytest.fail("the step did not return within 60 s (budget.kept_chunk(0, k) loops)")
-  assert "FINISHED" in out.stdout, out.stderr[-2000:]
-  refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED")]
-  assert len(refused) == 1 and refused[0].startswith("REFUSED fast PrivacyConfigError")
-  assert "'wrap/dense/kernel'" in refused[0] and "clipping='vectorized'" in refused[0]
-  assert "MOVED fast" not in out.stdout
-  assert "MOVED auto 6 True" in out.stdout and "MOVED auto 5 True" in out.stdout
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      for clipping in ("fast", "auto"):
+        opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0, normalize=False,
+                                           clipping=clipping)
+        model.compile(optimizer=opt, loss=_loss)
+        opt.set_sampling(100, 0.06, "poisson", 6)
+        for rows in (6, 5):   # 5: a retrace with an unknown batch size (the chunk probe)
+          before = np.array(w.inner.kernel)
+          try:
+            model.train_on_batch(x[:rows], y[:rows])
+          except DPiterError as e:
+            refused.append((clipping, type(e).__name__, str(e)))
+            break
+          moved.append((clipping, rows,
+                        float(np.max(np.abs(np.array(w.inner.kernel) - before))) > 0))
+  finally:
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+  assert len(refused) == 1 and refused[0][:2] == ("fast", "PrivacyConfigError"), refused
+  # the variable named by its path (wrap/dense/kernel in a fresh process)
+  assert f"'{w.inner.kernel.path}'" in refused[0][2], (w.inner.kernel.path, refused)
+  assert w.inner.kernel.path.startswith("wrap/dense") and "clipping='vectorized'" in refused[0][2]
+  assert moved == [("auto", 6, True), ("auto", 5, True)], moved
