@@ -244,7 +244,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
           raise await self._refuse(admission.rule_refusal(self.rule, bad))
       node = self.draw_gate.pending(slot, new, parent)
       try:
-        seq = await self.store.replace(slot, new, adm.nonce, self.ticket_ttl_s, draws,
+        seq = await self.store.replace(slot, new, adm.nonce, self.tickets.nonce_ttl_s, draws,
                                        self._rate(key))
       finally:
         self.draw_gate.dropped(slot, node)

@@ -4,8 +4,11 @@ A ticket is an HMAC-SHA256 (key derived from the servers' shared secret, keys.py
 scope | identity | BLAKE2b-128(drawn instance) | issue time (ms) | 96-bit nonce, sent as 48
 URL-safe base64 characters; `scope` (store kind, key prefix, generation) makes two models
 sharing one secret refuse each other's tickets. A submit carries the ticket and h; the
-server checks the MAC, the identity and the age (< `ttl_s`), and the store marks the nonce
-used in the atomic write of the update (store.replace): one accepted update per ticket.
+server checks the MAC, the identity and the age (-`max_skew_s` <= age <= `ttl_s` by its own
+wall clock), and the store marks the nonce used in the atomic write of the update
+(store.replace) for `nonce_ttl_s` = `ttl_s` + `max_skew_s`, the longest a ticket can stay
+valid after a use: one accepted update per ticket, also when the servers' clocks differ by up
+to `max_skew_s`.
 So the acceptance tests run against the served h (no chaining, acceptance.py), and the
 server keeps no record of which instance was drawn (adversary II learns nothing new).
 """
@@ -51,19 +54,30 @@ class Tickets:
     clock: wall-clock time source in seconds (tests).
     scope: the model that issues and accepts the tickets (the store's `scope`: kind, prefix
       and generation); a ticket of another scope is refused.
+    max_skew_s: how far (seconds) an issuing server's wall clock may run ahead of the
+      verifier's; a ticket stamped further in the future is refused (409 ticket_from_future).
 
   Raises:
-    ParameterValueError: for a short key, a non-positive ttl or a scope holding a NUL.
+    ParameterValueError: for a short key, a non-positive ttl, a negative or infinite
+      max_skew_s or a scope holding a NUL.
   """
 
-  def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time, scope: str = ""):
+  def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time, scope: str = "",
+               max_skew_s: float = 5.0):
     if len(key) < 16:
       raise ParameterValueError(f"ticket key must be >= 16 bytes, got {len(key)}")
     validation.check_positive("ttl_s", ttl_s, allow_inf=True, error=ParameterValueError)
     if "\0" in scope:
       raise ParameterValueError(f"`scope` must not hold a NUL character. Received: scope={scope!r}")
+    validation.check_nonnegative("max_skew_s", max_skew_s, allow_inf=False, error=ParameterValueError)
     self._key, self.ttl_s, self._clock = bytes(key), float(ttl_s), clock
-    self.scope = scope
+    self.scope, self.max_skew_s = scope, float(max_skew_s)
+
+  @property
+  def nonce_ttl_s(self) -> float:
+    """How long the store must remember a used nonce (seconds): a ticket admitted at age
+    a >= -max_skew_s stays valid ttl_s - a <= ttl_s + max_skew_s after that use."""
+    return self.ttl_s + self.max_skew_s
 
   def _mac(self, identity: str, digest: bytes, head: bytes) -> bytes:
     msg = self.scope.encode() + b"\0" + identity.encode() + b"\0" + digest + head
@@ -82,7 +96,8 @@ class Tickets:
 
     Raises:
       TicketError: 400 missing_ticket / bad_ticket (malformed), 403 invalid_ticket (MAC,
-        scope, identity or instance mismatch), 409 ticket_expired.
+        scope, identity or instance mismatch), 409 ticket_expired / ticket_from_future
+        (stamped more than max_skew_s ahead of this server's clock).
     """
     if not ticket:
       raise TicketError(400, "missing_ticket", "submit needs the ticket returned by its draw "
@@ -102,4 +117,8 @@ class Tickets:
     if age > self.ttl_s:
       raise TicketError(409, "ticket_expired",
                         f"ticket is {age:.0f} s old (limit {self.ttl_s:g} s); draw again")
+    if age < -self.max_skew_s:
+      raise TicketError(409, "ticket_from_future",
+                        f"ticket is stamped {-age:.0f} s ahead of this server's clock (limit "
+                        f"{self.max_skew_s:g} s): the servers' clocks differ; draw again")
     return head[8:].hex()
