@@ -36,8 +36,14 @@ def _model(clipping, jit):
   return model
 
 
-@pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("clipping", ["fast", "vectorized"])
+# (fast, graph) and (vectorized, XLA) on padded Poisson samples, with an unweighted accuracy,
+# a weighted one and the loss against evaluate, are test_logged_losses_multi_output.py's
+# default runs (single-output fast graph Poisson; multi-output vectorized XLA Poisson): here
+# the other two in the default suite, all four with -m slow.
+@pytest.mark.parametrize("clipping,jit", [
+    ("fast", True), ("vectorized", False),
+    pytest.param("fast", False, marks=pytest.mark.slow),
+    pytest.param("vectorized", True, marks=pytest.mark.slow)])
 def test_padded_poisson_metrics_equal_evaluate(clipping, jit):
   x, y = _data()
   model = _model(clipping, jit)
