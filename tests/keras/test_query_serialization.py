@@ -1,6 +1,7 @@
 """model.save / keras.models.load_model with a DP optimizer built on a custom dp_query."""
 
 import os
+import types
 
 import keras
 import numpy as np
@@ -37,24 +38,50 @@ class _Halved(dp_query.GaussianSumQuery):
   pass
 
 
-@pytest.mark.parametrize("make_query,make_opt,n_events", [
-    (_nested, lambda q: dp.keras.DPOptimizer(keras.optimizers.RMSprop(1e-3), dp_query=q), 4),
-    (_adaptive, lambda q: dp.keras.DPKerasSGDOptimizer(dp_query=q, learning_rate=0.1), 2),
-    (_joint, lambda q: dp.keras.DPKerasAdamOptimizer(dp_query=q, learning_rate=1e-3), 1),
-], ids=["nested_wrapper", "adaptive_sgd", "joint_adam"])
-def test_save_load_custom_query_then_fit(tmp_path, make_query, make_opt, n_events):
+def _save_load_fit(path, make_query, make_opt):
+  """A 2-step fit of `_seq` with the DP optimizer `make_opt(make_query(model))`, saved to
+  `path` and loaded; the loaded model's optimizer config and predictions are read before the
+  loaded model fits 2 more steps: a namespace of all of these."""
   x, y = _data()
   model = _seq()
   model(x[:1])
   opt = make_opt(make_query(model))
   model.compile(optimizer=opt, loss=LOSS)
   model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-  path = os.path.join(tmp_path, "m.keras")
   model.save(path)
   loaded = keras.models.load_model(path)
-  assert type(loaded.optimizer) is type(opt)
-  np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+  run = types.SimpleNamespace(model=model, opt=opt, loaded=loaded,
+                              loaded_config=loaded.optimizer.get_config(),
+                              loaded_prediction=loaded.predict(x, verbose=0),
+                              prediction=model.predict(x, verbose=0))
   loaded.fit(x, y, batch_size=32, epochs=1, verbose=0)
+  return run
+
+
+def _adaptive_sgd(q):
+  return dp.keras.DPKerasSGDOptimizer(dp_query=q, learning_rate=0.1)
+
+
+@pytest.fixture(scope="module")
+def adaptive_run(tmp_path_factory):
+  """The adaptive-clip SGD's saved run, shared by the two tests that read it."""
+  return _save_load_fit(str(tmp_path_factory.mktemp("adaptive") / "m.keras"), _adaptive,
+                        _adaptive_sgd)
+
+
+@pytest.mark.parametrize("make_query,make_opt,n_events", [
+    (_nested, lambda q: dp.keras.DPOptimizer(keras.optimizers.RMSprop(1e-3), dp_query=q), 4),
+    (None, None, 2),   # the adaptive-clip SGD: `adaptive_run`
+    (_joint, lambda q: dp.keras.DPKerasAdamOptimizer(dp_query=q, learning_rate=1e-3), 1),
+], ids=["nested_wrapper", "adaptive_sgd", "joint_adam"])
+def test_save_load_custom_query_then_fit(tmp_path, request, make_query, make_opt, n_events):
+  if make_query is None:
+    run = request.getfixturevalue("adaptive_run")
+  else:
+    run = _save_load_fit(os.path.join(tmp_path, "m.keras"), make_query, make_opt)
+  model, opt, loaded = run.model, run.opt, run.loaded
+  assert type(loaded.optimizer) is type(opt)
+  np.testing.assert_allclose(run.loaded_prediction, run.prediction, rtol=1e-6)
   # Same query; the ledger travels with the model: the 2 saved steps + the 2 new ones.
   assert (dp_query.serialize(loaded.optimizer.dp_query.query)
           == dp_query.serialize(opt.dp_query.query))
@@ -63,19 +90,11 @@ def test_save_load_custom_query_then_fit(tmp_path, make_query, make_opt, n_event
   assert int(model.ledger.sample_count.numpy()) == 2
 
 
-def test_saved_adaptive_clip_resumes(tmp_path):
-  x, y = _data()
-  model = _seq()
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(dp_query=_adaptive(None),
-                                                       learning_rate=0.1), loss=LOSS)
-  model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+def test_saved_adaptive_clip_resumes(adaptive_run):
+  model, loaded = adaptive_run.model, adaptive_run.loaded
   saved_clip = model.optimizer.get_config()["dp_global_state"][0]
   assert saved_clip != pytest.approx(0.1)          # the clip adapted during training
-  path = os.path.join(tmp_path, "m.keras")
-  model.save(path)
-  loaded = keras.models.load_model(path)
-  assert loaded.optimizer.get_config()["dp_global_state"][0] == saved_clip
-  loaded.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+  assert adaptive_run.loaded_config["dp_global_state"][0] == saved_clip
   _, queries = loaded.ledger.get_arrays()
   # First step after loading (after the saved ledger's rows, which travel with the model):
   # clipped (and noised) with the saved clip, not the initial 0.1.

@@ -11,6 +11,7 @@ non-compiled path's, and the generator's state absent from the checkpoint.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
@@ -40,17 +41,27 @@ def _updates(model, x, y, steps):
   return out
 
 
-def test_the_compiled_draw_has_sigma_is_fresh_each_step_and_is_the_querys_own(tmp_path):
-  """On one model: the noise of two compiled steps has the standard deviation sigma / (q n)
-  and is drawn afresh each step; one Gaussian implementation: the compiled step calls the
-  query's get_noised_result (its generator advances), and the generator's state is in no
-  checkpoint."""
+@pytest.fixture(scope="module")
+def compiled_run():
+  """One compiled model's two single-step fits, shared by this module's tests: (model, opt,
+  the two updates, the query generator's state between them)."""
   model, opt = _model(jit=True)
   x, y = _data()
   (u1,) = _updates(model, x, y, 1)
   generator = opt.private_step.base_query.noise_generator
-  before = generator.state.numpy().copy()
+  between = generator.state.numpy().copy()
   (u2,) = _updates(model, x, y, 1)
+  return model, opt, (u1, u2), between
+
+
+def test_the_compiled_draw_has_sigma_is_fresh_each_step_and_is_the_querys_own(tmp_path,
+                                                                             compiled_run):
+  """On one model: the noise of two compiled steps has the standard deviation sigma / (q n)
+  and is drawn afresh each step; one Gaussian implementation: the compiled step calls the
+  query's get_noised_result (its generator advances), and the generator's state is in no
+  checkpoint."""
+  model, opt, (u1, u2), before = compiled_run
+  generator = opt.private_step.base_query.noise_generator
   assert model._dp_noise_inside   # pylint: disable=protected-access
   # update = (clipped sum + N(0, (Z S)^2)) / (q n) with q n = B (Poisson, lr 1): the clipped
   # sum has norm <= B S, the noise norm ~ Z S sqrt(12000), so the std is the noise's.
@@ -70,13 +81,17 @@ def test_the_compiled_draw_has_sigma_is_fresh_each_step_and_is_the_querys_own(tm
     assert not (value.shape == state.shape and np.array_equal(value, state)), name
 
 
-def test_compiled_and_plain_steps_write_the_same_ledger():
+def test_compiled_and_plain_steps_write_the_same_ledger(compiled_run):
+  """The compiled run's ledger (two single-step fits) against a plain model's after the same
+  two fits (the compiled one is the module's shared run: one XLA compilation per module)."""
   x, y = _data()
   ledgers = []
-  for jit in (True, False):
-    model, opt = _model(jit=jit)
-    model.fit(x, y, batch_size=B, epochs=2, verbose=0)
+  for opt in (compiled_run[1], None):
+    if opt is None:
+      model, opt = _model(jit=False)
+      _updates(model, x, y, 2)
     samples, queries = opt.ledger.get_arrays()[:2]
     ledgers.append((np.asarray(samples), np.asarray(queries)))
+  assert len(ledgers[0][0]) == 2
   np.testing.assert_array_equal(ledgers[0][0], ledgers[1][0])
   np.testing.assert_array_equal(ledgers[0][1], ledgers[1][1])
