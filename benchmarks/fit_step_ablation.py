@@ -28,6 +28,16 @@ ms per step, and its ratio to the non-private step). Variants:
                   returns zeros: what the draw and its Box-Muller transform cost
   depthwise_one_call  the first convolution's depthwise pass without its 128-example cap (one
                   call up to 256 examples, budget.chunk_size at 23,872 bytes per example)
+  conv2_norm_island   the second convolution's folded Gram norm (`_fold_gram_sqr_norm`) as an
+                  XLA island inside the non-XLA step: a nested tf.function(jit_compile=True)
+                  on the batch padded with zero examples to a multiple of 16 (XLA compiles
+                  one static shape; each new multiple met compiles again), its rows cut back
+  conv1_norm_island   the first convolution's per-example pass as such an island, in the
+                  unfolded-patches form (the depthwise form is a grouped convolution, slow
+                  on XLA's CPU backend)
+  noise_island    the Gaussian noise (dp_query/gaussian_query.py `add_gaussian_noise`) as such
+                  an island (static sizes: one compile); the same law and Philox counter, the
+                  draws equal within float32 rounding of log / cos / sin
 The upper bounds are not private steps (their norms or noise are zero): they only say what a
 part costs. Prints one JSON line.
 """
@@ -47,6 +57,26 @@ def _replaced(owner, name, value):
     yield
   finally:
     setattr(owner, name, old)
+
+
+_ISLAND_BUCKET = 16
+
+
+def _island(fn, batch_args):
+  """fn(*args) as a nested tf.function(jit_compile=True) inside the enclosing trace, its first
+  `batch_args` arguments' batch axis padded with zero rows to a multiple of _ISLAND_BUCKET and
+  the rows of its first output (the norms) cut back; other outputs returned padded."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+
+  def call(*args):
+    b = tf.shape(args[0])[0]
+    padded = (b + _ISLAND_BUCKET - 1) // _ISLAND_BUCKET * _ISLAND_BUCKET
+    pad = lambda t: tf.pad(t, [[0, padded - b]] + [[0, 0]] * (t.shape.rank - 1))
+    out = compiled(*[pad(a) for a in args[:batch_args]], *args[batch_args:])
+    return (out[0][:b],) + tuple(out[1:]) if isinstance(out, tuple) else out[:b]
+
+  return call
 
 
 def _variants():
@@ -69,6 +99,21 @@ def _variants():
     half = tf.zeros([(size + 1) // 2], tf.float32)   # float32: the Box-Muller draw's halves
     return half, half
 
+  fold_gram = conv._fold_gram_sqr_norm  # pylint: disable=protected-access
+  conv2_island = lambda x4, dz4, *a: _island(lambda x, d: fold_gram(x, d, *a), 2)(x4, dz4)
+  per_example_pass = conv._per_example_pass  # pylint: disable=protected-access
+
+  def conv1_island(form, x4, dz4, k, with_grads, bound=None):
+    unfold = conv._per_example_form(None, x4, dz4, (8, 8), (2, 2), (1, 1), "same")  # pylint: disable=protected-access
+    if form.rows != unfold.rows or form.cols != unfold.cols:   # not the first convolution
+      return per_example_pass(form, x4, dz4, k, with_grads, bound)
+    return _island(lambda x, d: per_example_pass(unfold, x, d, k, with_grads, bound), 2)(
+        x4, dz4)
+
+  add_noise = gaussian_query.add_gaussian_noise
+  noise_island = lambda generator, structure, stddev: tf.function(
+      lambda s: add_noise(generator, s, stddev), jit_compile=True, autograph=False)(structure)
+
   def reduce_sqr_sum(x):
     x = tf.cast(x, tf.float32)
     return tf.reduce_sum(tf.square(x), axis=list(range(1, x.shape.rank)))
@@ -84,6 +129,9 @@ def _variants():
                                               lambda *a, **k: 16000),
       "no_noise": lambda: _replaced(gaussian_query, "_noise", zero_noise),
       "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHUNK", 1 << 30),
+      "conv2_norm_island": lambda: _replaced(conv, "_fold_gram_sqr_norm", conv2_island),
+      "conv1_norm_island": lambda: _replaced(conv, "_per_example_pass", conv1_island),
+      "noise_island": lambda: _replaced(gaussian_query, "add_gaussian_noise", noise_island),
   }
 
 
