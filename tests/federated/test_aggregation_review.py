@@ -127,13 +127,10 @@ def test_a_retried_round_draws_new_noise_and_is_charged_again():
   assert int(server.ledger.sample_count) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "07f4c0a: DPRounds.aggregate sums every reply it is given: three replies for m_t = 1 "
-    "move w by 3.0 S (the ledger charges one clipped client). Open, to the lead (one check in "
-    "flower_rounds.DPRounds.aggregate: len(updates) + failures <= m_t)"))
 def test_flower_rounds_refuse_more_replies_than_sampled_clients():
   """A round samples m_t clients; the sum of more than m_t replies (a duplicated or foreign
-  reply) is not what the ledger charges. DPRounds.aggregate must refuse or drop them."""
+  reply) is not what the ledger charges. DPRounds.aggregate must refuse or drop them
+  (07f4c0a: it summed all three, w moved 3.0 S; now refused, nothing applied)."""
   model = F.MLP((4, 3), use_bias=False)
   params = [np.zeros(s, np.float32) for s in model.shapes]
   rounds = flower_rounds.DPRounds(model, dpq.GaussianSumQuery(S, 0.0), params, num_clients=4,
@@ -144,10 +141,9 @@ def test_flower_rounds_refuse_more_replies_than_sampled_clients():
   picked = rounds.sample(1, [10, 11, 12, 13])
   assert len(picked) == 1
   reply = [np.full(s, 1.0, np.float32) for s in model.shapes]    # norm sqrt(12) > S
-  try:
+  with pytest.raises(ValueError, match="m_t = 1"):
     rounds.aggregate(1, [reply, reply, reply], 0)   # three replies for one sampled client
-  except (ValueError, RuntimeError):
-    return                                          # refused: fine
+  assert int(rounds.server.ledger.sample_count) == 0   # nothing recorded
   moved = np.linalg.norm(np.asarray(rounds.server.weights, np.float64))
   assert moved <= S, f"one sampled client moved w by {moved} > S = {S}"
 
@@ -173,14 +169,12 @@ def _grid_law(dtype, q):
   return Fraction(j, 2 ** p)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "07f4c0a: DPFedAvg._sample_clients draws float32 keys: P = 0.30000007153 for the "
-    "recorded q = 0.3 (7.2e-8 above; float64 keys: <= 2^-52). Open, to the lead"))
 def test_poisson_client_sampling_rate_is_the_ledgers_q():
   """DPFedAvg's Poisson clients: each joins iff u < m/K. With float32 u (2^-23 grid) the
   inclusion probability is ceil(fl32(q) 2^23) / 2^23: for m = 3, K = 10, 0.30000007153 (7.2e-8
   above the q = 0.3 the ledger records; the graph Poisson sampler of tf_dpiter.data compares
-  float64 uniforms, P = q up to 2^-52)."""
+  float64 uniforms, P = q up to 2^-52). 07f4c0a drew float32 keys; now float64
+  (server.sample_clients)."""
   from fractions import Fraction
   gen = _GridGenerator()
   sim = object.__new__(F.DPFedAvg)
@@ -191,15 +185,12 @@ def test_poisson_client_sampling_rate_is_the_ledgers_q():
   assert 0 <= excess <= Fraction(1, 2 ** 52), float(excess)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "07f4c0a: DPFedAvg (and flower_rounds.DPRounds.sample) take the m smallest float32 "
-    "keys: P(a tie) = 0.058 at K = 1000, a tie at the m-th place favours the lower id "
-    "(tf.argsort). Float64 keys: 1.1e-10. Open, to the lead"))
 def test_fixed_size_client_sampling_has_no_tied_keys():
   """Fixed-size sampling takes the m smallest of K uniform keys (argsort): tied keys are
   ordered by client index, so a tie at the m-th place always favours the lower id and the
   m-subset is not uniform. On a float32 grid (2^23 values) K = 1000 keys tie with probability
-  about K^2 / 2^24 = 0.06; on a float64 grid about 1e-10."""
+  about K^2 / 2^24 = 0.06; on a float64 grid about 1e-10 (07f4c0a: float32; now float64 and
+  a tie redrawn, server.sample_clients)."""
   gen = _GridGenerator()
   sim = object.__new__(F.DPFedAvg)
   sim.num_clients, sim.sampling, sim._sample_gen = 1000, "fixed_size", gen
@@ -209,3 +200,26 @@ def test_fixed_size_client_sampling_has_no_tied_keys():
   k = sim.num_clients
   p_tie = 1.0 - np.prod(1.0 - np.arange(k) / 2.0 ** bits)
   assert p_tie <= 1e-9, p_tie
+
+
+class _TiedFirst:
+  """A generator whose first draw has two tied keys, the next ones distinct."""
+
+  def __init__(self):
+    self.calls = 0
+
+  def uniform(self, shape, dtype=tf.float32, **_):
+    self.calls += 1
+    keys = np.linspace(0.1, 0.9, shape[0])
+    if self.calls == 1:
+      keys[1] = keys[0]
+    return tf.constant(keys[::-1].copy(), dtype)
+
+
+def test_fixed_size_sampling_redraws_tied_keys():
+  """A tie is never resolved by id: the keys are drawn again (server.sample_clients)."""
+  from tf_dpiter.federated import server as server_lib
+  gen = _TiedFirst()
+  ids = server_lib.sample_clients(gen, 5, 2, "fixed_size").numpy()
+  assert gen.calls == 2
+  assert list(ids) == [4, 3]          # the two smallest of the second, untied draw

@@ -18,6 +18,7 @@ from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.federated import client as client_lib
 from tf_dpiter.federated import model as model_lib
+from tf_dpiter.federated import server as server_lib
 from tf_dpiter.federated.queries import make_query
 from tf_dpiter.federated.reports import RoundReport
 from tf_dpiter.federated.reports import RunReport
@@ -131,11 +132,7 @@ class DPFedAvg:
     return [p.numpy() for p in self.model.unflatten(self._average)]
 
   def _sample_clients(self, m):
-    k = self.num_clients
-    keys = self._sample_gen.uniform([k])
-    if self.sampling == "fixed_size":
-      return tf.argsort(keys)[:m]
-    return tf.cast(tf.where(keys < m / k)[:, 0], tf.int32)
+    return server_lib.sample_clients(self._sample_gen, self.num_clients, m, self.sampling)
 
   def client_updates(self, clients):
     """Flattened updates of the given clients (vectorized ClientUpdate from w_t).

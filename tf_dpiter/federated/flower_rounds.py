@@ -57,7 +57,7 @@ class DPRounds:
     if over:
       self.stopped_reason = "privacy budget: " + over
       return []
-    pick = tf.argsort(self._gen.uniform([len(ids)]))[:m].numpy()
+    pick = server_lib.sample_clients(self._gen, len(ids), m, "fixed_size").numpy()
     self._round_m[server_round] = m
     return [ids[i] for i in pick]
 
@@ -72,10 +72,20 @@ class DPRounds:
     """Aggregates a round's updates (lists of arrays); failures: count of lost replies.
 
     Returns the round's info dict, or None for a round that sampled nobody (stopped).
+
+    Raises:
+      ParameterValueError: more replies and failures than the round's m_t sampled clients
+        (a duplicated or foreign reply: the ledger charges m_t clipped clients, so such a sum
+        is refused, nothing applied or recorded).
     """
     if server_round not in self._round_m:
       return None
     m = self._round_m.pop(server_round)
+    if len(updates) + int(failures) > m:
+      raise ParameterValueError(
+          f"`updates` and `failures` must count at most the round's m_t = {m} sampled "
+          f"clients. Received: {len(updates)} replies and {int(failures)} failures for "
+          f"round {server_round}; the round is not applied")
     rows, bad = [], int(failures)
     for arrays in updates:
       rec = self.record(arrays)
