@@ -3,6 +3,8 @@ the sum comes out divided, the Gaussian query draws the noise with stddev sigma 
 (GaussianSumQuery.get_scaled_noised_result), no weight-sized division follows, the update
 equals the unfolded step's and the ledger records (S, sigma)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -52,8 +54,10 @@ def _model():
   return dp.keras.DPModel(inputs, keras.layers.Dense(3)(h))
 
 
+@functools.lru_cache(maxsize=None)
 def _trained(fold, jit=False, clipping="fast", noise_multiplier=1.1):
-  """Weights after two steps of seeded DP-SGD (the fold on or off) and the model."""
+  """Weights after two steps of seeded DP-SGD (the fold on or off) and the model (once per
+  setting in this module: the tests only read them)."""
   model = _model()
   opt = dp.keras.DPKerasSGDOptimizer(0.7, noise_multiplier, learning_rate=0.5, seed=11,
                                      clipping=clipping)
