@@ -39,13 +39,13 @@ def fixed_size_delta_lower_bound(n, m, z, steps, eps):
   k = np.arange(steps + 1)
   log_pk = stats.binom.logpmf(k, steps, p)
   sd = z * math.sqrt(steps)           # C = 1
-  best = 0.0
-  for tau in np.linspace(0.0, 4.0 * steps, 4001):
-    log_p = special.logsumexp(log_pk + stats.norm.logsf((tau - k) / sd))
-    log_q = special.logsumexp(log_pk + stats.norm.logsf((tau + k) / sd))
-    if log_p > eps + log_q:
-      best = max(best, math.exp(log_p) * -math.expm1(eps + log_q - log_p))
-  return best
+  tau = np.linspace(0.0, 4.0 * steps, 4001)[:, None]   # every threshold at once (one array)
+  log_p = special.logsumexp(log_pk + stats.norm.logsf((tau - k) / sd), axis=1)
+  log_q = special.logsumexp(log_pk + stats.norm.logsf((tau + k) / sd), axis=1)
+  above = log_p > eps + log_q
+  if not above.any():
+    return 0.0
+  return float(np.max(np.exp(log_p[above]) * -np.expm1(eps + log_q[above] - log_p[above])))
 
 
 def _ledger(steps, n, q, z, policy, sample_size=0, passes=0, examples_per_record=1):
