@@ -26,9 +26,7 @@ BLOCK = 512
 _SIZES = [1, 15, 16, 17, 511, 512, 513, 300, 700, 1000, 33, 2049, 5, 1500]
 
 
-def _leaves(dtype, zeros=False):
-  if zeros:
-    return [tf.zeros([n], dtype) for n in _SIZES]
+def _leaves(dtype):
   out = []
   base = 0
   period = 997 if dtype == tf.float32 else 61   # 16-bit: values < 64 (spacing <= 1/4)
@@ -40,18 +38,24 @@ def _leaves(dtype, zeros=False):
   return [tf.constant(v, dtype) for v in out]
 
 
-def _residuals(mode, dtype, steps, monkeypatch, zeros=False):
+def _noiser(mode, monkeypatch):
+  """One traced (or XLA-compiled) noise step over the leaves it is given, with the draw made
+  small; the values' and the zero leaves' runs share it (same shapes: one trace, one compile)."""
   monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", BLOCK)
   monkeypatch.setattr(gaussian_query, "JOIN_BLOCKS", 2, raising=False)
   gen = tf.random.Generator.from_seed(17, alg="philox")
-  leaves = _leaves(dtype, zeros)
-  fn = lambda: gaussian_query.add_gaussian_noise(gen, leaves, SIGMA)  # noqa: E731
+  fn = lambda leaves: gaussian_query.add_gaussian_noise(gen, leaves, SIGMA)  # noqa: E731
   if mode != "eager":
     fn = tf.function(fn, jit_compile=(mode == "xla"), autograph=False)
+  return fn
+
+
+def _residuals(fn, leaves, steps):
+  dtype = leaves[0].dtype
   wants = [np.asarray(v.numpy(), np.float64) for v in leaves]
   out = []
   for _ in range(steps):
-    got = fn()
+    got = fn(leaves)
     assert [g.dtype for g in got] == [dtype] * len(leaves)
     assert [tuple(g.shape) for g in got] == [tuple(v.shape) for v in leaves]
     out.append([np.asarray(g.numpy(), np.float64) - w for g, w in zip(got, wants)])
@@ -65,7 +69,9 @@ def _corr(a, b):
 
 @pytest.mark.parametrize("mode", ["graph", "xla"])
 def test_every_leaf_gets_its_own_fresh_normal_values(mode, monkeypatch):
-  steps = _residuals(mode, tf.float32, 30, monkeypatch)
+  fn = _noiser(mode, monkeypatch)
+  values = _leaves(tf.float32)
+  steps = _residuals(fn, values, 30)
   flat = [np.concatenate([r.ravel() for r in leaves]) for leaves in steps]
   z = np.concatenate(flat) / SIGMA
   # every residual is noise (a misplaced part would leave a residual >= 1 / sigma = 10)
@@ -78,15 +84,16 @@ def test_every_leaf_gets_its_own_fresh_normal_values(mode, monkeypatch):
     zj = np.concatenate([leaves[j].ravel() for leaves in steps]) / SIGMA
     assert abs(float(np.mean(zj * zj)) - 1.0) < 6 * math.sqrt(2.0 / zj.size), (size, zj.size)
   # no value of a draw serves twice: no pair of consecutive float32 values repeats (on
-  # zero leaves: the noise itself, unrounded)
+  # zero leaves: the noise itself, unrounded; the same traced step, 30 steps further on)
   keys = []
-  for leaves in _residuals(mode, tf.float32, 30, monkeypatch, zeros=True):
-    for r in leaves:
+  for noise in _residuals(fn, [tf.zeros_like(v) for v in values], 30):
+    for r in noise:
       w = r.ravel().astype(np.float32).view(np.uint32).astype(np.uint64)
       if w.size >= 2:
         keys.append(w[:-1] << np.uint64(32) | w[1:])
   keys = np.concatenate(keys)
   assert np.unique(keys).size == keys.size
+  assert fn.experimental_get_tracing_count() == 1   # values and zeros: one traced step
   limit = 5 / math.sqrt(flat[0].size)
   for lag in (1, 16, BLOCK // 2, BLOCK, BLOCK + 1):
     a, b = flat[0][:-lag], flat[0][lag:]
@@ -103,7 +110,7 @@ def test_16_bit_leaves_across_draws(mode, dtype, monkeypatch):
   """16-bit leaves (values < 64: spacing 2^-5 float16, 2^-2 bfloat16): every residual is
   the noise rounded (below 7 sigma plus half a spacing; a misplaced part leaves >= 1);
   float16's residuals have variance sigma^2 (plus the rounding's spacing^2 / 12)."""
-  steps = _residuals(mode, dtype, 10, monkeypatch)
+  steps = _residuals(_noiser(mode, monkeypatch), _leaves(dtype), 10)
   z = np.concatenate([r.ravel() for leaves in steps for r in leaves])
   half_spacing = 2.0 ** -6 if dtype == tf.float16 else 2.0 ** -3
   assert np.max(np.abs(z)) <= 7 * SIGMA + half_spacing, np.max(np.abs(z))
