@@ -4,6 +4,22 @@ small models they train, the padded batch and the real step's pre-noise sum."""
 import keras
 import numpy as np
 
+from tests.fast_clipping import covers
+
+# The exactness grid of a step's update on small_layers models: clipping path x (model kind,
+# jit_compile). The default suite runs an all-pairs cover of its three axes (every clipping
+# path in a graph and under XLA, on each kind); the rest runs with -m slow.
+UPDATE_GRID = [(clipping, kind, jit) for clipping in ("vectorized", "fast")
+               for kind, jit in (("dense", False), ("conv", False), ("dense", True))]
+UPDATE_DEFAULT = covers.all_pairs(UPDATE_GRID)
+
+
+def update_cases():
+  """pytest.params (clipping, kind, jit) of UPDATE_GRID, those outside UPDATE_DEFAULT slow;
+  ids "dense-fast", "conv-vectorized", "dense_xla-fast" as before the cover."""
+  return covers.slow_outside(UPDATE_GRID, UPDATE_DEFAULT,
+                             ids=lambda c: f"{c[1]}{'_xla' if c[2] else ''}-{c[0]}")
+
 
 def small_layers(kind="dense", features=6, classes=3):
   """The layers of the small test model: "dense" (Dense tanh + Dense) or "conv" (Conv1D)."""

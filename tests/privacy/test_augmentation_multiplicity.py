@@ -62,12 +62,10 @@ def _batch(seed):
   return (rng.randn(B, 6) * 2).astype("float32"), rng.randint(0, 3, B), rng
 
 
-@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-@pytest.mark.parametrize("conv,jit", [(False, False), (True, False), (False, True)],
-                         ids=["dense", "conv", "dense_xla"])
-def test_update_clips_the_mean_of_view_gradients(clipping, conv, jit):
+@pytest.mark.parametrize("clipping,kind,jit", neighbours.update_cases())
+def test_update_clips_the_mean_of_view_gradients(clipping, kind, jit):
   lr = 0.5
-  model, inner = _wrapped(clipping, lr, True, conv, jit)
+  model, inner = _wrapped(clipping, lr, True, kind == "conv", jit)
   x, y, _ = _batch(0)
   w0 = [w.copy() for w in inner.get_weights()]
   expected = _expected_update(inner, x, y, lr)

@@ -55,9 +55,7 @@ def _expected_update(model, x, y, lr):
   return [-lr * t / B for t in total]
 
 
-@pytest.mark.parametrize("clipping", ["vectorized", "fast"])
-@pytest.mark.parametrize("kind,jit", [("dense", False), ("conv", False), ("dense", True)],
-                         ids=["dense", "conv", "dense_xla"])
+@pytest.mark.parametrize("clipping,kind,jit", neighbours.update_cases())
 def test_update_is_sum_of_normalized_gradients(clipping, kind, jit):
   lr = 0.3
   model = _compiled(kind, clipping, lr, True, jit)
