@@ -19,6 +19,7 @@ from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping import registry
 
 from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 
 L = keras.layers
 B = 5
@@ -542,12 +543,22 @@ RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
 # them), so the other layers run the two forms they distinguish with both record sizes.
 MICROBATCH_CASES = latin_pairs([c for c in RECORD_CASES if c[0].startswith("conv")],
                                [None, "gram", "filter", "depthwise", "foldgram"], [2, 3])
-MICROBATCH_CASES += [(c, f, k) for c in RECORD_CASES if not c[0].startswith("conv")
-                     for f in (None, "gram") for k in (2, 3)]
+# The other layers: {layer} x {None, gram} x {2, 3}, by default pairwise (latin_pairs: each
+# layer in both forms and at both record sizes), the rest of the product marked slow.
+_OTHER_RECORD_GRID = [(c, f, k) for c in RECORD_CASES if not c[0].startswith("conv")
+                      for f in (None, "gram") for k in (2, 3)]
+_OTHER_RECORD_DEFAULT = latin_pairs([c for c in RECORD_CASES if not c[0].startswith("conv")],
+                                    [None, "gram"], [2, 3])
 
 
-@pytest.mark.parametrize("case,form,k", MICROBATCH_CASES,
-                         ids=[f"{c[0]}-{f}-{k}" for c, f, k in MICROBATCH_CASES])
+def test_microbatch_cover_is_pairwise():
+  assert_covers_pairs_of(_OTHER_RECORD_DEFAULT, _OTHER_RECORD_GRID)
+  assert len(_OTHER_RECORD_DEFAULT) == len(_OTHER_RECORD_GRID) // 2
+
+
+@pytest.mark.parametrize("case,form,k", [pytest.param(*c, id=f"{c[0][0]}-{c[1]}-{c[2]}")
+                                         for c in MICROBATCH_CASES] + slow_outside(
+    _OTHER_RECORD_GRID, _OTHER_RECORD_DEFAULT, ids=lambda c: f"{c[0][0]}-{c[1]}-{c[2]}"))
 def test_microbatch_records_exact(case, form, k, monkeypatch, clip_reference):
   _, in_shape, make = case
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
