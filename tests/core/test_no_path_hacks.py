@@ -16,7 +16,10 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 
 def _path_edits(path):
   """Line numbers of `sys.path.<anything>(...)` calls and `sys.path = ...` assignments."""
-  tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+  text = path.read_text(encoding="utf-8")
+  if "sys" not in text or "path" not in text:   # the pattern below names both: nothing to parse
+    return []
+  tree = ast.parse(text, filename=str(path))
   out = []
   for node in ast.walk(tree):
     target = None
