@@ -9,11 +9,17 @@ positions cancel), and on ordinary records at most 1e-3 above it (the norm, not 
 Graph and XLA (the contraction is formed otherwise under XLA).
 """
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
+
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 
 # (records, T, K, N): small layers, a bias's ones column, and BERT-like positions
 SHAPES = [(6, 5, 3, 4), (4, 16, 8, 6), (3, 128, 64, 48)]
@@ -53,9 +59,19 @@ def _cancelling(shape, seed):
   return a, b.astype(np.float32)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("with_one", [False, True])
-@pytest.mark.parametrize("jit", [False, True])
+# {shape} x {with_one} x {jit}: by default an all-pairs cover (each shape with and without
+# the ones column, each in graph and under XLA), the rest marked slow.
+ORDINARY = list(itertools.product(SHAPES, [False, True], [False, True]))
+ORDINARY_DEFAULT = all_pairs(ORDINARY)
+
+
+def test_default_cases_cover_every_pair():
+  assert_covers_pairs_of(ORDINARY_DEFAULT, ORDINARY)
+  assert len(ORDINARY_DEFAULT) == len(ORDINARY) // 2
+
+
+@pytest.mark.parametrize("shape,with_one,jit", slow_outside(
+    ORDINARY, ORDINARY_DEFAULT, ids=lambda c: "x".join(map(str, c[0])) + f"-{c[1]}-{c[2]}"))
 def test_ordinary_records_tight_and_above(shape, with_one, jit):
   a, b = _ordinary(shape, seed=shape[1])
   exact = _exact_norms(a, b, with_one)
