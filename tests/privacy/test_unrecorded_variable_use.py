@@ -185,17 +185,36 @@ def _route(opt, model, x):
     return opt.private_step.resolve_clipping(model, x)
 
 
+def _count_probes(monkeypatch):
+  """The calls of the separate traced probe of the model (clipping._probe_pass), recorded."""
+  from tf_dpiter.keras.fast_clipping import clipping as clipping_module
+  probes = []
+  real = clipping_module._probe_pass   # pylint: disable=protected-access
+
+  def probe_pass(*args, **kwargs):
+    probes.append(args)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(clipping_module, "_probe_pass", probe_pass)
+  return probes
+
+
 @pytest.mark.parametrize("case", ["never_called", "tied_matmul", "kernel_read"])
-def test_auto_routes_to_the_vectorized_path_exactly_with_one_warning(case):
+def test_auto_routes_to_the_vectorized_path_exactly_with_one_warning(case, monkeypatch):
+  """Also: the traced step finds the unrecorded uses in its fast clipped sum's recorded
+  forward pass, without the separate traced probe of the model (clipping._probe_pass)."""
+  probes = _count_probes(monkeypatch)
   model, kind, path = _model(case)
   x, y = _data(model, kind)
   opt = _compile(model, "auto")
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     _check_exact_and_bounded(model, x, y)
+  assert probes == []
+  assert model._dp_traced_clipping == "vectorized"   # pylint: disable=protected-access
   named = [str(w.message) for w in caught if "outside their layer's own call" in str(w.message)]
   assert len(named) == 1 and path in named[0] and "vectorized path" in named[0]
-  assert _route(opt, model, x) == "vectorized"
+  assert _route(opt, model, x) == "vectorized"   # kept for this train function
 
 
 @pytest.mark.parametrize("mode", ["xla", "run_eagerly"])
@@ -222,12 +241,20 @@ def test_explicit_fast_refuses_naming_the_layer_the_variable_and_the_fix(case):
 
 
 @pytest.mark.parametrize("case", ["shared_twice", "reversible"])
-def test_recorded_uses_stay_on_the_fast_path_exactly(case):
+def test_recorded_uses_stay_on_the_fast_path_exactly(case, monkeypatch):
+  """Also: the traced step checks its own recorded forward pass (no separate traced probe of
+  the model, clipping._probe_pass, and no warning)."""
   model, kind, _ = _model(case)
   x, y = _data(model, kind)
   opt = _compile(model, "fast")
   assert fast_clipping.unrecorded_variable_uses(model, x) == []
-  _check_exact_and_bounded(model, x, y)
+  probes = _count_probes(monkeypatch)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _check_exact_and_bounded(model, x, y)
+  assert probes == []
+  assert model._dp_traced_clipping == "fast"   # pylint: disable=protected-access
+  assert not [w for w in caught if "outside their layer's own call" in str(w.message)]
   assert _route(opt, model, x) == "fast"
 
 
@@ -261,32 +288,6 @@ def test_explicit_fast_refuses_under_xla_and_run_eagerly(mode):
   assert path in str(err.value)
   for v, w in zip(model.trainable_variables, before):   # no step ran
     np.testing.assert_array_equal(np.asarray(v), w)
-
-
-@pytest.mark.parametrize("case,clipping,path", [("reversible", "fast", "fast"),
-                                                ("tied_matmul", "auto", "vectorized")])
-def test_traced_step_checks_its_own_forward_pass_without_a_second_trace(
-    monkeypatch, case, clipping, path):
-  """The traced step finds the unrecorded uses in its fast clipped sum's recorded forward
-  pass: the separate traced probe of the model (clipping._probe_pass) is not run."""
-  from tf_dpiter.keras.fast_clipping import clipping as clipping_module
-  probes = []
-  real = clipping_module._probe_pass   # pylint: disable=protected-access
-  monkeypatch.setattr(clipping_module, "_probe_pass",
-                      lambda *args: probes.append(args) or real(*args))
-  model, kind, _ = _model(case)
-  x, y = _data(model, kind)
-  opt = _compile(model, clipping)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    got = _update(model, x, y, np.ones(len(x), np.float32))
-  assert probes == []
-  assert model._dp_traced_clipping == path   # pylint: disable=protected-access
-  named = [w for w in caught if "outside their layer's own call" in str(w.message)]
-  assert len(named) == (path == "vectorized")
-  for g, w in zip(got, _independent(model, x, y)):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
-  assert opt.private_step.resolve_clipping(model, x) == path   # kept for this function
 
 
 @pytest.mark.parametrize("jit", [False, True])
