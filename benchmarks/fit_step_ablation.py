@@ -35,6 +35,9 @@ ms per step, and its ratio to the non-private step). Variants:
   conv1_norm_island   the first convolution's per-example pass as such an island, in the
                   unfolded-patches form (the depthwise form is a grouped convolution, slow
                   on XLA's CPU backend)
+  conv1_norm_island_chunks  the same island compiled once, on chunks of _ISLAND_CHUNK examples
+                  (the batch padded with zero examples to whole chunks, the island called per
+                  chunk by tf.map_fn in the non-XLA step): no compile per batch size
   noise_island    the Gaussian noise (dp_query/gaussian_query.py `add_gaussian_noise`) as such
                   an island (static sizes: one compile); the same law and Philox counter, the
                   draws equal within float32 rounding of log / cos / sin
@@ -60,6 +63,7 @@ def _replaced(owner, name, value):
 
 
 _ISLAND_BUCKET = 16
+_ISLAND_CHUNK = 64
 
 
 def _island(fn, batch_args):
@@ -103,12 +107,36 @@ def _variants():
   conv2_island = lambda x4, dz4, *a: _island(lambda x, d: fold_gram(x, d, *a), 2)(x4, dz4)
   per_example_pass = conv._per_example_pass  # pylint: disable=protected-access
 
+  first_conv = lambda x4, dz4: (tuple(x4.shape[1:]) == (28, 28, 1) and
+                                tuple(dz4.shape[1:]) == (14, 14, 16))
+
   def conv1_island(form, x4, dz4, k, with_grads, bound=None):
-    unfold = conv._per_example_form(None, x4, dz4, (8, 8), (2, 2), (1, 1), "same")  # pylint: disable=protected-access
-    if form.rows != unfold.rows or form.cols != unfold.cols:   # not the first convolution
+    if not first_conv(x4, dz4):
       return per_example_pass(form, x4, dz4, k, with_grads, bound)
+    unfold = conv._per_example_form(None, x4, dz4, (8, 8), (2, 2), (1, 1), "same")  # pylint: disable=protected-access
     return _island(lambda x, d: per_example_pass(unfold, x, d, k, with_grads, bound), 2)(
         x4, dz4)
+
+  def conv1_island_chunks(form, x4, dz4, k, with_grads, bound=None):
+    if not first_conv(x4, dz4) or k != 1 or not with_grads:
+      return per_example_pass(form, x4, dz4, k, with_grads, bound)
+    unfold = conv._per_example_form(None, x4, dz4, (8, 8), (2, 2), (1, 1), "same")  # pylint: disable=protected-access
+    m = _ISLAND_CHUNK
+    compiled = tf.function(lambda x, d: per_example_pass(unfold, x, d, 1, True, bound),
+                           jit_compile=True, autograph=False)
+    b = tf.shape(x4)[0]
+    n = (b + m - 1) // m
+    split = lambda t: tf.reshape(tf.pad(t, [[0, n * m - b]] + [[0, 0]] * 3),
+                                 tf.concat([[n, m], tf.shape(t)[1:]], 0))
+    def one(pair):
+      sq, g = compiled(tf.ensure_shape(pair[0], [m] + x4.shape[1:].as_list()),
+                       tf.ensure_shape(pair[1], [m] + dz4.shape[1:].as_list()))
+      return sq, g[0]
+    sq, g = tf.map_fn(one, (split(x4), split(dz4)), parallel_iterations=1,
+                      fn_output_signature=(tf.TensorSpec([m], tf.float32),
+                                           tf.TensorSpec([unfold.rows, m, unfold.cols],
+                                                         tf.float32)))
+    return tf.reshape(sq, [-1])[:b], g
 
   add_noise = gaussian_query.add_gaussian_noise
   noise_island = lambda generator, structure, stddev: tf.function(
@@ -131,6 +159,8 @@ def _variants():
       "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHUNK", 1 << 30),
       "conv2_norm_island": lambda: _replaced(conv, "_fold_gram_sqr_norm", conv2_island),
       "conv1_norm_island": lambda: _replaced(conv, "_per_example_pass", conv1_island),
+      "conv1_norm_island_chunks": lambda: _replaced(conv, "_per_example_pass",
+                                                    conv1_island_chunks),
       "noise_island": lambda: _replaced(gaussian_query, "add_gaussian_noise", noise_island),
   }
 
