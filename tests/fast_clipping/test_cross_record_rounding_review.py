@@ -27,6 +27,13 @@ accumulator; one term per chunk).
 
 Independent check: the float64 sum of the same float32 rows gives exactly C between D and D'.
 
+Fixed in session 29: a Dense layer on [B, K] inputs with one example per record forms its
+clipped sums in a pinned order (blocks of 64 rows, the blocks by a pairwise tree:
+algebra.pinned_rows_product) and the step multiplies the sums by 1 / (1 + eta),
+eta = dp_query/summation.rounding_margin of that plan (clipping._with_rounding_margin): every
+case below moves the sum by at most C. Records of several terms (T > 1, records of k examples)
+are not pinned and charge no margin (open; docs/design.md, "Floating point").
+
 Measured (2026-11-30, noise off, graph and XLA on CPU): B = 4096 1.2498 C (graph and XLA),
 physical chunks of 8 at B = 4096 1.031 C (graph and XLA), B = 256 in graph mode 1.00096 C. Within C with this
 construction: XLA at B = 256 (it orders the 256 rows otherwise) and records of two examples
@@ -156,13 +163,13 @@ def _defect(measured):
 
 
 @pytest.mark.parametrize("batch, k, chunk, jit", [
-    pytest.param(256, 1, 1, False, marks=_defect(1.00096), id="B256-graph"),
+    pytest.param(256, 1, 1, False, id="B256-graph"),
     pytest.param(256, 1, 1, True, id="B256-xla"),
-    pytest.param(4096, 1, 1, False, marks=_defect(1.2498), id="B4096-graph"),
-    pytest.param(4096, 1, 1, True, marks=_defect(1.2499), id="B4096-xla"),
+    pytest.param(4096, 1, 1, False, id="B4096-graph"),
+    pytest.param(4096, 1, 1, True, id="B4096-xla"),
     pytest.param(4096, 2, 1, False, id="B4096-records-of-2"),
-    pytest.param(4096, 1, 8, False, marks=_defect(1.031), id="B4096-chunks-of-8"),
-    pytest.param(4096, 1, 8, True, marks=_defect(1.031), id="B4096-chunks-of-8-xla"),
+    pytest.param(4096, 1, 8, False, id="B4096-chunks-of-8"),
+    pytest.param(4096, 1, 8, True, id="B4096-chunks-of-8-xla"),
 ])
 def test_one_record_moves_the_sum_by_at_most_c(batch, k, chunk, jit, monkeypatch):
   moved, exact, largest_norm = _moved(batch, k, chunk, jit, monkeypatch)

@@ -67,21 +67,28 @@ def _fast(model, x, y, clip, k=1, mask=None, jit=False):
 
 
 def _spy(monkeypatch, chunks):
-  """The input shapes of the `_dense_sums` calls of the layer under test ("probed");
+  """The input shapes of the `_dense_sums` and `_pinned_dense_sums` calls of the layer under
+  test ("probed");
   `chunks`: no per-record gradient kept, book-keeping over chunks of 8 examples."""
   if chunks:
     monkeypatch.setattr(budget, "KEEP_BYTES", 0)
     monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
     monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
     monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
-  calls, orig = [], dense._dense_sums   # pylint: disable=protected-access
+  calls = []
 
-  def spy(layer, x, *args, **kwargs):
-    if layer.name == "probed":
-      calls.append(tuple(x.shape[1:]))
-    return orig(layer, x, *args, **kwargs)
+  def spy_on(name):   # `_pinned_dense_sums` too: a [B, K] input's sum in a pinned order
+    orig = getattr(dense, name)
 
-  monkeypatch.setattr(dense, "_dense_sums", spy)
+    def spy(layer, x, *args, **kwargs):
+      if layer.name == "probed":
+        calls.append(tuple(x.shape[1:]))
+      return orig(layer, x, *args, **kwargs)
+
+    monkeypatch.setattr(dense, name, spy)
+
+  spy_on("_dense_sums")
+  spy_on("_pinned_dense_sums")
   return calls
 
 

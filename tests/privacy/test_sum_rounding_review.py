@@ -33,6 +33,17 @@ sensitivity here: the fast path's records of k (their kept sum is not sequential
 records) and the float64 accumulation across chunks.
 A sequential sum's rounding can reach 2 gamma_{B-1} (B - 1) C beyond C (8 C at B = 8192), so
 a fix must bound the sum's order, not only widen the sensitivity by a constant.
+
+Fixed in session 29 (dp_query/summation.py): the vectorized path sums its records by a pinned
+pairwise tree (summation.pairwise_sum), the chunks' sums one after the other, and clips every
+record to C / (1 + eta), eta = summation.rounding_margin of that plan (4096 records in one
+chunk: 5.9e-3; 8 chunks of 512: 7.8e-3); the fast path forms a Dense layer's sums on [B, K]
+inputs (one term per record) by blocks of 64 rows and a pairwise tree over the blocks
+(algebra.pinned_rows_product) and multiplies the sums by 1 / (1 + eta) (3.4e-3 at 4096),
+where every sum of the step is so pinned (clipping._with_rounding_margin). The sum then moves
+by at most C: those cases pass (the rows' sums checked to within the shrink, rtol 0.015).
+Open (strict xfails): the norm of a record of many tiny coordinates taken low (1.00088 C
+vectorized under XLA, 1.000047 C fast under XLA), which no margin of the sum covers.
 """
 
 import keras
@@ -123,9 +134,10 @@ def _moved_by_adding(path, clipping, jit, batch, stride, span=None):
   else:
     model = _model(batch, jit, clipping, phys=512 if path == "chunks" else None)
     s_d, s_d2 = (_step_sum(model, y, w) for w in (weights, without))
-  # the step's sums are the rows' sums up to the rounding measured (<= 0.25 C here)
-  np.testing.assert_allclose(s_d, np.sum(y64), atol=0.3 * C)
-  np.testing.assert_allclose(s_d2, np.sum(np.delete(y64, target)), atol=0.3 * C)
+  # the step's sums are the rows' sums up to the rounding measured (<= 0.25 C here) and the
+  # clip's shrink 1 / (1 + eta) (eta <= 0.0127 up to 8192 records: summation.rounding_margin)
+  np.testing.assert_allclose(s_d, np.sum(y64), rtol=0.015, atol=0.3 * C)
+  np.testing.assert_allclose(s_d2, np.sum(np.delete(y64, target)), rtol=0.015, atol=0.3 * C)
   return float(np.linalg.norm(s_d - s_d2)), _sensitivity(model)
 
 
@@ -154,27 +166,27 @@ _SLOW = pytest.mark.slow
 # the vectorized reduce_sum in lanes: stride 32, under XLA 256; physical chunks inside one
 # chunk of 512), the others are slow.
 ADDING = [
-    pytest.param("step", "fast", False, 4096, 1, None, marks=_open(1.24976)),
-    pytest.param("step", "fast", True, 4096, 1, None, marks=[_SLOW, _open(1.24988)]),
-    pytest.param("fit", "fast", False, 4096, 1, None, marks=[_SLOW, _open(1.24988)]),
-    pytest.param("fit", "fast", True, 4096, 1, None, marks=_open(1.24988)),
-    pytest.param("step", "vectorized", False, 4096, 32, None, marks=_open(1.000237)),
-    pytest.param("step", "vectorized", True, 4096, 256, None, marks=[_SLOW, _open(1.0000005)]),
-    pytest.param("fit", "vectorized", False, 4096, 32, None, marks=[_SLOW, _open(1.000237)]),
-    pytest.param("chunks", "fast", False, 4096, 1, 512, marks=_open(1.00388)),
-    pytest.param("chunks", "vectorized", False, 4096, 32, 512, marks=[_SLOW, _open(1.0000029)]),
+    pytest.param("step", "fast", False, 4096, 1, None),
+    pytest.param("step", "fast", True, 4096, 1, None, marks=_SLOW),
+    pytest.param("fit", "fast", False, 4096, 1, None, marks=_SLOW),
+    pytest.param("fit", "fast", True, 4096, 1, None),
+    pytest.param("step", "vectorized", False, 4096, 32, None),
+    pytest.param("step", "vectorized", True, 4096, 256, None, marks=_SLOW),
+    pytest.param("fit", "vectorized", False, 4096, 32, None, marks=_SLOW),
+    pytest.param("chunks", "fast", False, 4096, 1, 512),
+    pytest.param("chunks", "vectorized", False, 4096, 32, 512, marks=_SLOW),
     pytest.param("step", "vectorized", False, 4096, 1, None, marks=_SLOW),
     pytest.param("chunks", "fast", False, 4096, 1, None, marks=_SLOW),
     pytest.param("chunks", "fast", True, 4096, 1, 512, marks=_SLOW),
 ]
 # (clipping, jit, batch, k, stride)
 REPLACING = [
-    pytest.param("vectorized", False, 4096, 2, 32, marks=_open(1.0000296)),
+    pytest.param("vectorized", False, 4096, 2, 32),
     pytest.param("fast", False, 4096, 2, 1, marks=_SLOW),
     pytest.param("vectorized", False, 4096, 2, 1, marks=_SLOW),
     pytest.param("fast", True, 4096, 2, 1, marks=_SLOW),
     pytest.param("fast", False, 4096, 4, 1, marks=_SLOW),
-    pytest.param("vectorized", True, 4096, 2, 256, marks=[_SLOW, _open(1.0000001)]),
+    pytest.param("vectorized", True, 4096, 2, 256, marks=_SLOW),
 ]
 
 
@@ -207,8 +219,8 @@ def _rounded_once_rows(batch):
 
 
 @pytest.mark.parametrize("path, clipping, jit", [
-    pytest.param("chunks", "vectorized", True, marks=_open(1.000122)),
-    pytest.param("fit", "fast", False, marks=[_SLOW, _open(1.000122)]),
+    pytest.param("chunks", "vectorized", True),
+    pytest.param("fit", "fast", False, marks=_SLOW),
     pytest.param("chunks", "fast", False, marks=_SLOW),
 ])
 def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clipping, jit):
@@ -228,8 +240,8 @@ def test_a_sum_rounded_once_moves_by_at_most_the_ledger_sensitivity(path, clippi
 
 
 @pytest.mark.parametrize("clipping, jit", [
-    pytest.param("vectorized", False, marks=[_SLOW, _open(1.00000010)]),
-    pytest.param("fast", True, marks=[_SLOW, _open(1.000000096)]),
+    pytest.param("vectorized", False, marks=_SLOW),
+    pytest.param("fast", True, marks=_SLOW),
 ])
 def test_one_clipped_record_has_norm_at_most_the_ledger_sensitivity(clipping, jit):
   """Within one record: pi_C(x) = fl(c x), c = fl(min(1, C / ||x||)), in float32 (one real
@@ -251,15 +263,16 @@ def test_one_clipped_record_has_norm_at_most_the_ledger_sensitivity(clipping, ji
     model.set_weights([np.zeros((features, 1), np.float32)])
     model.train_on_batch(x, y, sample_weight=weights)
     largest = max(largest, np.linalg.norm(model.get_weights()[0].astype(np.float64)))
-  assert largest > C * (1 - 1e-6)   # every record clipped
+  assert largest > C * (1 - 1e-4)   # every record clipped (to C / (1 + eta), eta 3e-6 here)
   assert largest <= _sensitivity(model), (largest, _sensitivity(model))
 
 
 @pytest.mark.parametrize("clipping, jit", [
     pytest.param("vectorized", True, marks=_open(1.00088)),
-    pytest.param("fast", True, marks=[_SLOW, _open(1.000055)]),
+    pytest.param("fast", True, marks=[_SLOW, _open(1.000047)]),
     pytest.param("vectorized", False, marks=[_SLOW, _open(1.0000067)]),
-    pytest.param("fast", False, marks=[_SLOW, _open(1.0000069)]),
+    # passes within the shrink's margin (eta 3.6e-6 at 8 records), not by a bound on the norm
+    pytest.param("fast", False, marks=_SLOW),
 ])
 def test_a_record_of_many_tiny_coordinates_has_norm_at_most_the_ledger_sensitivity(
     clipping, jit):
@@ -284,5 +297,5 @@ def test_a_record_of_many_tiny_coordinates_has_norm_at_most_the_ledger_sensitivi
     model.set_weights([np.zeros((features, 1), np.float32)])
     model.train_on_batch(x, np.ones((batch, 1), np.float32), sample_weight=weights)
     largest = max(largest, np.linalg.norm(model.get_weights()[0].astype(np.float64)))
-  assert largest > C * (1 - 1e-6)   # clipped (exact norms above C)
+  assert largest > C * (1 - 1e-4)   # clipped (exact norms above C; the shrink 3e-6)
   assert largest <= _sensitivity(model), (largest, _sensitivity(model))

@@ -17,6 +17,7 @@ import functools
 
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -437,13 +438,17 @@ class SumAggregationDPQuery(DPQuery):
     return tf.vectorized_map(lambda r: self.preprocess_record(params, r), records)
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """Clips each record of a batch (vectorized) and adds their sum to the state.
+    """Clips each record of a batch (vectorized) and adds their sum to the state. The records
+    are summed by `summation.pairwise_sum` (a pinned order: each record's term goes through
+    ceil(log2 B) roundings, `summation.rounding_margin` bounds the sum's move when one record
+    is added or removed).
 
     Args:
       params: the sample's params.
       sample_state: the state so far.
       records: a nest of [B, ...] tensors.
-      mask: optional [B] 0/1 weights (0: a padding row, adds nothing).
+      mask: optional [B] weights (0: a padding row, adds nothing; the Keras step passes
+        mask times its public scale and `summation.shrink`).
 
     Returns:
       the new sample state.
@@ -455,7 +460,7 @@ class SumAggregationDPQuery(DPQuery):
         m = tf.cast(mask, x.dtype)
         m = tf.reshape(m, [-1] + [1] * (len(x.shape) - 1))
         x = x * m
-      return tf.reduce_sum(x, axis=0)
+      return summation.pairwise_sum(x)
 
     return self.accumulate_preprocessed_record(
         sample_state, tf.nest.map_structure(_sum, pre))

@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.fast_clipping import registry
 
 
@@ -595,6 +596,74 @@ def _memoized(key, make, graph=None):
     with current.control_dependencies(None):
       got = memo[key] = make()
   return got
+
+
+_PLANS = threading.local()   # .stack: a list of {id(variable): block}, one per `sum_plans`
+
+# Rows of a block of a pinned product (`pinned_rows_product`): summed in any order by one
+# batched matrix product, the blocks then by summation.pairwise_sum. 64 rows: the block's term
+# 2 gamma_63 64 = 4.8e-4 of the rounding margin (summation.rounding_margin), the tree's
+# 2 gamma_6 4096 = 2.9e-3 at 4096 records (3.4e-3 in all, one row per record: 5.9e-3).
+PINNED_BLOCK = 64
+
+
+@contextlib.contextmanager
+def sum_plans():
+  """Collects, for the clipped sums built within the block, {id(variable): block} of the
+  sums formed in a pinned order with one term per record (`report_pinned`); a variable
+  missing from it was summed in an order the trace does not pin (clipping.py then charges no
+  rounding margin: the cross-record rounding stays open there). Per thread."""
+  stack = getattr(_PLANS, "stack", None)
+  if stack is None:
+    stack = _PLANS.stack = []
+  plans = {}
+  stack.append(plans)
+  try:
+    yield plans
+  finally:
+    stack.pop()
+
+
+def report_pinned(variable, block):
+  """Declares that `variable`'s clipped sum was formed by `pinned_rows_product` with one
+  term per record (its terms' norms are the records' norms): blocks of `block` rows summed
+  in any order, the blocks by a pinned pairwise tree (`sum_plans`)."""
+  stack = getattr(_PLANS, "stack", None)
+  if stack:
+    stack[-1][id(variable)] = block
+
+
+def pinned_block(rows, row_bytes):
+  """Rows per block of `pinned_rows_product` for `rows` rows (an int or None) and sums of
+  `row_bytes` bytes: PINNED_BLOCK, or more where the blocks' [rows / block, ...] sums would
+  take more than rules/budget.CHUNK_BYTES (8 MiB) - at least one block."""
+  from tf_dpiter.keras.fast_clipping.rules import budget   # pylint: disable=g-import-not-at-top
+  block = PINNED_BLOCK
+  if rows is not None:
+    most = max(1, budget.CHUNK_BYTES // max(row_bytes, 1))   # the blocks' sums in the budget
+    block = max(block, -(-int(rows) // most))
+    block = min(block, max(int(rows), 1))
+  return block
+
+
+def pinned_rows_product(a, b, block):
+  """sum_i a_i^T b_i over the rows of a [B, K] and b [B, N] ([K, N], float32) in a pinned
+  order: the rows padded with zero rows to a multiple of `block`, each block's rows summed by
+  one batched matrix product (any order within it), the blocks' [K, N] sums by
+  summation.pairwise_sum. A block that does not hold a record is computed bit-identically
+  when that record is added or removed (summation.rounding_margin's `block`)."""
+  rows = a.shape[0]
+  k, n = int(a.shape[-1]), int(b.shape[-1])
+  if rows is not None:
+    pad = (-int(rows)) % block
+  else:
+    pad = (-tf.shape(a)[0]) % block
+  if not (isinstance(pad, int) and pad == 0):
+    a = tf.pad(a, [[0, pad], [0, 0]])
+    b = tf.pad(b, [[0, pad], [0, 0]])
+  blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
+                     transpose_a=True)
+  return summation.pairwise_sum(blocks)
 
 
 def const(value, dtype=tf.int32):

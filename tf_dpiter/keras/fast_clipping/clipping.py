@@ -56,6 +56,7 @@ import weakref
 import tensorflow as tf
 
 from tf_dpiter import dp_query
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -574,9 +575,10 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   invariants = None if xla else (tf.TensorShape([]), [tf.TensorShape(None)] * len(acc0),
                                   tf.TensorShape(None), tf.TensorShape(None),
                                   [tf.TensorShape(None)] * len(out_specs))
-  _, acc, norms_ta, losses_ta, outs = tf.while_loop(
-      lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
-      shape_invariants=invariants)
+  with summation.sequential_chunks(n):   # each chunk's sum charges the n chunks' additions
+    _, acc, norms_ta, losses_ta, outs = tf.while_loop(
+        lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
+        shape_invariants=invariants)
   acc = [tf.ensure_shape(a, v.shape) for a, v in zip(acc, variables)]
   records = b // k
   norms = norms_ta.concat()[:records]
@@ -637,13 +639,38 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     if variant == "two_pass":
       result = summing.two_pass_sum(units, losses, example_factors, tape)
     else:
-      result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
-                                       sum_fns, factors / scale, example_factors / scale, tape)
+      with algebra.sum_plans() as plans:
+        result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
+                                         sum_fns, factors / scale, example_factors / scale, tape)
+      result = _with_rounding_margin(result, plans, num_records, k)
   del tape
   out = summing.dense_result(model, result)
   if return_outputs:
     return out, norms, outputs, raw_losses
   return out, norms
+
+
+def _with_rounding_margin(result, plans, num_records, k):
+  """The clipped sums times 1 / (1 + eta) where every one of them was formed in a pinned
+  order with one term per record (algebra.sum_plans): eta = summation.rounding_margin of
+  the plan (the records of this call, blocks of the largest block reported, the chunks of an
+  enclosing summation.sequential_chunks, the strategy's replicas; 4 roundings of each term's
+  products: the clip factor and a public scale on an operand, the product; one final: this
+  multiply), so the sum moves by at most C when a record is added or removed (Casacuberta et
+  al., "Widespread underestimation of sensitivity in differentially private libraries and
+  how to fix it", CCS 2022). Multiplying the sums rather than the factors: the plans are
+  known once the sums are built. Otherwise the sums unchanged (the cross-record rounding
+  stays open there: docs/design.md, "Floating point")."""
+  if not result or not isinstance(k, int) or k != 1 or any(v not in plans for v in result):
+    return result
+  records = tf.get_static_value(num_records)
+  records = int(records) if records is not None else num_records
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  eta = summation.rounding_margin(records, chunks=summation.current_chunks(),
+                                  replicas=replicas, block=max(plans.values()), products=4,
+                                  final=1)
+  s = summation.shrink(eta)
+  return {vid: g * tf.cast(s, g.dtype) for vid, g in result.items()}
 
 
 # Not converted by AutoGraph (no tensor-dependent Python control flow): converting the

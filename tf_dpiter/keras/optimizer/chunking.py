@@ -16,6 +16,7 @@ import math
 
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
@@ -148,6 +149,35 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   return PaddedTail(first, max(multiple, int(math.ceil(sd / 2 / multiple)) * multiple))
 
 
+def sum_plan(per_chunk, record_mask):
+  """(records per chunk, chunks) of the additions `sum_over_chunks` runs for a layout (the
+  static plan `summation.rounding_margin` bounds): each chunk's records summed by the query
+  (`summation.pairwise_sum`), the chunks' sums added one after the other. Ints where the
+  trace knows them, else scalar int tensors; a chunk skipped for holding no real record adds
+  0 (exact), so the count of a padded layout is its largest.
+
+  Args:
+    per_chunk: `chunk_layout`'s value (None, an int or scalar tensor, TailChunks, PaddedTail).
+    record_mask: [M] (M static or not).
+
+  Returns:
+    (records, chunks).
+  """
+  m = tf.TensorShape(record_mask.shape)[0]
+  if m is None:
+    m = tf.shape(record_mask)[0]
+  if per_chunk is None:
+    return m, 1
+  if isinstance(per_chunk, TailChunks):
+    return max(per_chunk), len(per_chunk)
+  if isinstance(per_chunk, PaddedTail):
+    rest = tf.maximum(m - per_chunk.first, 0) if tf.is_tensor(m) else max(m - per_chunk.first, 0)
+    tail = (rest + per_chunk.chunk - 1) // per_chunk.chunk
+    tail = tf.maximum(tail, 1) if tf.is_tensor(tail) else max(tail, 1)
+    return max(per_chunk.first, per_chunk.chunk), 1 + tail
+  return per_chunk, (m + per_chunk - 1) // per_chunk
+
+
 def _slice(nest, start, size):
   end = None if size is None else start + size
   return tf.nest.map_structure(lambda t: None if t is None else t[start:end], nest)
@@ -242,6 +272,13 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
   """
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
+  # a clipped sum formed per chunk charges the chunks' additions (summation.rounding_margin)
+  with summation.sequential_chunks(sum_plan(per_chunk, record_mask)[1]):
+    return _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template)
+
+
+def _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template):
+  """`sum_over_chunks` of more than one chunk."""
   if isinstance(per_chunk, PaddedTail):
     return _sum_over_padded_tail(chunk_fn, acc, records, record_mask, per_chunk)
   if isinstance(per_chunk, TailChunks):

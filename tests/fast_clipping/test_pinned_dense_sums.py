@@ -1,0 +1,61 @@
+"""The Dense rule's pinned clipped sum on [B, K] inputs (rules/dense._pinned_dense_sums).
+
+sum_i c_i (x_i dz_i^T, dz_i) formed by algebra.pinned_rows_product (blocks of rows, the blocks
+by dp_query/summation.pairwise_sum) must equal the float64 sum of the per-example gradients to
+float32 rounding, whichever operand carries the factors, a record with c_i = 0 adding exactly
+nothing even where its values are not finite, with a batch the trace knows or not, in graph
+mode and under XLA; and both variables' sums must be declared pinned (algebra.sum_plans), so
+that clipping._with_rounding_margin charges their rounding margin.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping.rules import dense
+
+
+def _reference(x, dz, c):
+  keep = c > 0
+  x64, dz64, c64 = (t[keep].astype(np.float64) for t in (x, dz, c))
+  return np.einsum("bk,bn,b->kn", x64, dz64, c64), np.einsum("bn,b->n", dz64, c64)
+
+
+@pytest.mark.parametrize("k, n", [(3, 7), (7, 3)])
+@pytest.mark.parametrize("jit, static", [(False, True), (True, True), (False, False)])
+def test_pinned_dense_sums_match_per_example_gradients(k, n, jit, static):
+  rng = np.random.RandomState(k)
+  b = 150   # three blocks of 64 rows, the last padded
+  x = rng.randn(b, k).astype("float32")
+  dz = rng.randn(b, n).astype("float32")
+  c = rng.rand(b).astype("float32")
+  c[[2, 77]] = 0.0
+  x[2, 0], dz[77, 1] = np.inf, np.nan   # records of factor 0 whose values are not finite
+  want_kernel, want_bias = _reference(np.nan_to_num(x), np.nan_to_num(dz), c)
+  layer = keras.layers.Dense(n)
+  layer.build((None, k))
+  spec = [tf.TensorSpec([b if static else None, k]), tf.TensorSpec([b if static else None, n]),
+          tf.TensorSpec([b if static else None])]
+  plans = {}
+
+  def sums(x, dz, c):
+    with algebra.sum_plans() as found:
+      out = dense._pinned_dense_sums(layer, x, dz, c, (True, True))
+    plans.update(found)
+    return out
+
+  kernel, bias = tf.function(sums, jit_compile=jit, input_signature=spec)(x, dz, c)
+  np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-5)
+  assert set(plans) == {id(layer.kernel), id(layer.bias)}
+  assert set(plans.values()) == {64}
+
+
+def test_pinned_block_grows_where_the_blocks_sums_pass_the_budget():
+  assert algebra.pinned_block(4096, 4 * 100) == 64
+  assert algebra.pinned_block(32, 4 * 100) == 32   # one block of the whole batch
+  # a 2048 x 2048 kernel (16 MiB) per block: one block's sum over the 8 MiB budget
+  assert algebra.pinned_block(4096, 4 * 2048 * 2048) == 4096
+  assert algebra.pinned_block(None, 4 * 100) == 64
