@@ -6,6 +6,8 @@ devices are set up once, instead of once per job):
   mirrored_poisson   mirrored_poisson_worker.main(2): Poisson fit, without and with XLA
   matrix             matrix_mirrored_worker.main(["poisson,shuffle", WORKDIR]): the policy
                      matrix's MIRRORED cells of Poisson and shuffled passes
+  apply_replicas     test_apply_replicas.mirrored_update_check: the DP optimizer's update
+                     keeps Keras' sum over the replicas
 
 Each job's output follows a line "JOB <name>" (tests/keras/test_distribute.py reads them and
 checks each job as its own test file did).
@@ -20,13 +22,14 @@ import tensorflow as tf
 # Each worker sets up the 2 logical CPUs at import (the first one; the others find them).
 from tests.keras import distributed_worker
 from tests.keras import mirrored_poisson_worker
+from tests.keras import test_apply_replicas
 from tests.privacy import matrix_mirrored_worker
 
 MATRIX_POLICIES = "poisson,shuffle"
 
 
 def main(argv):
-  """Runs the three jobs in one MirroredStrategy (two strategies in a process draw the same
+  """Runs the four jobs in one MirroredStrategy (two strategies in a process draw the same
   collective instance keys, and their all-reduces collide); a failing job raises (a
   non-zero exit status)."""
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -36,6 +39,8 @@ def main(argv):
   mirrored_poisson_worker.main(2, strategy)
   print("JOB matrix", flush=True)
   matrix_mirrored_worker.main([MATRIX_POLICIES, argv[0]], strategy)
+  print("JOB apply_replicas", flush=True)
+  test_apply_replicas.mirrored_update_check(strategy)
 
 
 if __name__ == "__main__":

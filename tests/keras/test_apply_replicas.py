@@ -8,6 +8,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
@@ -41,34 +42,49 @@ def test_one_replica_update_is_exact_and_traces_no_identity():
         "float32"))
 
 
+def mirrored_update_check(strategy):
+  """Under `strategy` (a MirroredStrategy on 2 logical CPUs), each replica hands on its value
+  / 2 (as noised_average does) and the update is their sum: Keras' all-reduce is kept. Raises
+  otherwise; prints "OK <replicas>"."""
+  with strategy.scope():
+    opt, variables, grads = _setup()
+  before = [v.numpy() for v in variables]
+
+  @tf.function
+  def step():
+    strategy.run(lambda: opt.apply_private_gradients([g / 2.0 for g in grads], variables))
+
+  step()
+  for v, b, g in zip(variables, before, grads):
+    np.testing.assert_allclose(v.numpy(), b - 0.5 * g.numpy(), rtol=1e-6, atol=1e-6)
+  print("OK", strategy.num_replicas_in_sync, flush=True)
+
+
+def check_mirrored(lines):
+  """`mirrored_update_check`'s stdout `lines` show it passed on 2 replicas."""
+  assert "OK 2" in lines, lines
+
+
 _MIRRORED = """
-import numpy as np, tensorflow as tf
+import tensorflow as tf
 physical = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(physical[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 from tests.keras import test_apply_replicas as t
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with strategy.scope():
-  opt, variables, grads = t._setup()
-before = [v.numpy() for v in variables]
-
-@tf.function
-def step():
-  strategy.run(lambda: opt.apply_private_gradients([g / 2.0 for g in grads], variables))
-
-step()
-for v, b, g in zip(variables, before, grads):
-  np.testing.assert_allclose(v.numpy(), b - 0.5 * g.numpy(), rtol=1e-6, atol=1e-6)
-print("OK", strategy.num_replicas_in_sync)
+t.mirrored_update_check(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
 """
 
 
+@pytest.mark.slow
 def test_several_replicas_still_sum_over_replicas():
   """Two logical CPUs under MirroredStrategy (a subprocess: the devices are set before
   TensorFlow starts): Keras' all-reduce is kept, so the update is the sum of the replicas'
-  values (each replica hands on its value / 2, as noised_average does)."""
+  values. The default suite runs `mirrored_update_check` in the MirroredStrategy process that
+  tests/keras/test_distribute.py shares among its jobs (`check_mirrored` there); this
+  process of its own runs with -m slow."""
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
              TF_CPP_MIN_LOG_LEVEL="3")
   proc = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True,
                         timeout=300, env=env, cwd=root, check=False)
-  assert proc.returncode == 0 and "OK 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  check_mirrored(proc.stdout.splitlines())

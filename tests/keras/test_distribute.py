@@ -3,7 +3,8 @@ configuration must precede TensorFlow's initialization).
 
 The default suite's MirroredStrategy jobs share that one subprocess
 (`mirrored_jobs_worker.py`): this file's noise-and-ledger job, test_mirrored_poisson.py's
-two Poisson fits and test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes;
+two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes and
+test_apply_replicas.py's sum over the replicas;
 each job is checked here by its own file's check. Their `-m slow` variants start processes
 of their own.
 """
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from tests.keras import test_apply_replicas
 from tests.keras import test_mirrored_poisson
 from tests.privacy import test_policy_matrix
 
@@ -34,7 +36,8 @@ def _jobs(workdir):
       jobs[name] = []
     elif name is not None:
       jobs[name].append(line)
-  assert list(jobs) == ["distributed", "mirrored_poisson", "matrix"], proc.stdout[-2000:]
+  assert list(jobs) == ["distributed", "mirrored_poisson", "matrix",
+                        "apply_replicas"], proc.stdout[-2000:]
   return jobs
 
 
@@ -66,3 +69,4 @@ def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
   _check_noise_once_and_ledger_once(jobs["distributed"])
   test_mirrored_poisson.check_runs(jobs["mirrored_poisson"], 2)
   test_policy_matrix.check_mirrored_cells(jobs["matrix"], "poisson,shuffle")
+  test_apply_replicas.check_mirrored(jobs["apply_replicas"])
