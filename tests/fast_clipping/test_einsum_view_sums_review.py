@@ -10,6 +10,8 @@ whose output overflows for one record: the same. Reference: conftest's float64 p
 loop on the other records.
 """
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -20,8 +22,9 @@ from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 from .conftest import per_record_clipped_sum
-from .test_fast_clipping import assert_covers_every_pair
-from .test_fast_clipping import latin_pairs
+from .covers import all_pairs
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
 _T = 4
@@ -70,21 +73,19 @@ def _fast(model, x, y, clip, jit):
   return [tf.convert_to_tensor(g).numpy() for g in grads], norms.numpy()
 
 
-# Each case with every (jit, bad value) pair, the three forms dealt across them so that every
-# pair of the four axes {case} x {jit} x {form} x {bad} meets (20 of the 60-case product;
-# test_non_finite_cases_cover_every_pair checks it).
-_JIT_BAD = [(False, np.inf), (True, np.nan), (True, np.inf), (False, np.nan)]
-_NON_FINITE = [(case, jit, form, bad) for case, (jit, bad), form in latin_pairs(
-    _CASES, _JIT_BAD, [None, "gram", "chunks"])]
+# {case} x {jit} x {form} x {bad value}: by default an all-pairs cover (every pair of the four
+# axes meets: 15 of the 60 cases, each case in each form), the rest marked slow.
+_NON_FINITE_GRID = list(itertools.product(_CASES, [False, True], [None, "gram", "chunks"],
+                                          [np.inf, np.nan]))
+_NON_FINITE = all_pairs(_NON_FINITE_GRID)
 
 
 def test_non_finite_cases_cover_every_pair():
-  assert_covers_every_pair(_NON_FINITE, [_CASES, [False, True], [None, "gram", "chunks"],
-                                         [np.inf, np.nan]])
-  assert len(_NON_FINITE) == 20
+  assert_covers_pairs_of(_NON_FINITE, _NON_FINITE_GRID)
+  assert len(_NON_FINITE) == 15
 
 
-@pytest.mark.parametrize("case,jit,form,bad", _NON_FINITE)
+@pytest.mark.parametrize("case,jit,form,bad", slow_outside(_NON_FINITE_GRID, _NON_FINITE))
 def test_non_finite_record_adds_nothing(case, jit, form, bad, monkeypatch):
   _force(monkeypatch, form)
   model = _model(*case)
