@@ -12,6 +12,7 @@
 
 import ast
 import contextlib
+import functools
 import math
 import pathlib
 
@@ -34,8 +35,14 @@ def _rel(path):
   return path.relative_to(ROOT).as_posix()
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path):
+  """The module's AST, parsed once for both walks of this file."""
+  return ast.parse(path.read_text(), filename=str(path))
+
+
 def _plain_raises(path):
-  tree = ast.parse(path.read_text(), filename=str(path))
+  tree = _tree(path)
   return [node.lineno for node in ast.walk(tree)
           if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
           and isinstance(node.exc.func, ast.Name)
@@ -60,7 +67,7 @@ def _broad_handlers(path):
   """Line numbers of `except Exception`, bare `except:`, or `except BaseException` that does
   not re-raise (a cleanup that ends in a bare `raise` is not a fallback)."""
   out = []
-  for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+  for node in ast.walk(_tree(path)):
     if not isinstance(node, ast.ExceptHandler):
       continue
     types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
@@ -72,7 +79,7 @@ def _broad_handlers(path):
 
 
 def test_no_broad_exception_fallback():
-  found = {_rel(p): _broad_handlers(p) for p in _modules() if _broad_handlers(p)}
+  found = {_rel(p): lines for p in _modules() if (lines := _broad_handlers(p))}
   assert not found, f"`except Exception` / bare `except:` fallbacks: {found}"
 
 
