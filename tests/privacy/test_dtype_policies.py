@@ -59,7 +59,18 @@ def _cnn():
                                 keras.layers.Flatten(), keras.layers.Dense(3)])
 
 
-@pytest.mark.parametrize("arch", ["mlp", "cnn"])
+def _sensitivity_cases():
+  """Every policy on the MLP; the CNN (the conv rule) under a 16-bit compute dtype each of
+  float16 and bfloat16. The CNN's float32 and mixed_bfloat16 cells run under -m slow (float32
+  conv steps' neighbours: tests/privacy/test_neighbouring.py)."""
+  for policy in POLICIES:
+    for arch in ("mlp", "cnn"):
+      slow = arch == "cnn" and policy in ("float32", "mixed_bfloat16")
+      yield pytest.param(policy, arch, id=f"{policy}-{arch}",
+                         marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("policy,arch", list(_sensitivity_cases()), indirect=["policy"])
 def test_train_step_never_exceeds_recorded_sensitivity(policy, arch):
   """check_sensitivity (add/remove and adversarial additions) under each dtype policy; under
   16-bit compute "auto" keeps the fast path, which clips in float32 (fast_clipping)."""
