@@ -11,6 +11,8 @@ tensors of one shape never share a Gram matrix (the memo is keyed by the tensor,
 shape); layers that read one tensor share it exactly; two models and retraces (new graphs)
 reuse nothing of an earlier trace."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
 from .conftest import per_record_clipped_sum
+from .covers import assert_covers_pairs_of
+from .covers import slow_outside
 
 _T, _K, _H, _D, _N = 5, 4, 2, 3, 6
 _CLIP = 0.3   # where a test does not take the median norm
@@ -108,41 +112,73 @@ def _force(monkeypatch, form):
     monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)
 
 
-@pytest.mark.parametrize("equation, out_shape, bias_axes, in_shape, as_dense", _CASES)
-def test_every_equation_equals_the_per_example_loop(equation, out_shape, bias_axes, in_shape,
-                                                   as_dense, monkeypatch):
-  model, layer = _model(equation, out_shape, bias_axes, in_shape)
+_FORMS = (None, "gram", "direct", "chunks")
+# (equation index, form): every equation in every form; by default each equation in two
+# forms, {None, direct} or {gram, chunks} in turn, so that each form meets 8 equations, among
+# them some taken as a Dense and some not, biased and not; the rest marked slow.
+_EQ_GRID = [(i, form) for i in range(len(_CASES)) for form in _FORMS]
+_EQ_DEFAULT = [(i, form) for i in range(len(_CASES))
+               for form in (_FORMS[i % 4], _FORMS[(i + 2) % 4])]
+_EQ_MEMOS = {}   # equation index -> the loop's gradients (the forms only read the weights)
+
+
+@functools.lru_cache(maxsize=None)
+def _equation_model(i):
+  """The model of _CASES[i], built once per module (the tests only read its weights)."""
+  return _model(*_CASES[i][:4])
+
+
+def test_default_forms_meet_every_kind_of_equation():
+  for form in _FORMS:
+    met = [_CASES[i] for i, f in _EQ_DEFAULT if f == form]
+    assert {c[4] for c in met} == {True, False}, form   # taken as a Dense and not
+    assert {c[2] is None for c in met} == {True, False}, form   # with a bias and without
+  assert {i for i, _ in _EQ_DEFAULT} == set(range(len(_CASES)))
+
+
+@pytest.mark.parametrize("i, form", slow_outside(
+    _EQ_GRID, _EQ_DEFAULT, ids=lambda c: f"{_CASES[c[0]][0]}-{_CASES[c[0]][2]}-{c[1]}"))
+def test_every_equation_equals_the_per_example_loop(i, form, monkeypatch):
+  equation, _, _, in_shape, as_dense = _CASES[i]
+  model, layer = _equation_model(i)
   x, y = _data(in_shape)
   entry = dense.kernel_rule_entry(layer, lora=False, einsum=True)
   view = entry and dense._as_dense(layer, entry[1], tf.constant(x),  # pylint: disable=protected-access
                                    layer(tf.constant(x)))
   assert (view is not None) == as_dense, equation
-  memo = {}   # the loop once: the forms only read the weights
-  for form in (None, "gram", "direct", "chunks"):
-    with monkeypatch.context() as m:
-      _force(m, form)
-      chunked = []
-      over = budget.sum_over_chunks
-      m.setattr(budget, "sum_over_chunks",
-                lambda fn, tensors, size, *args, **kwargs: chunked.append(size) or over(
-                    fn, tensors, size, *args, **kwargs))
-      _check(model, x, y, memo=memo)
-      if form == "chunks":   # book-keeping over chunks of 8 of the batch of 11 really ran
-        assert 8 in chunked, chunked
+  _force(monkeypatch, form)
+  chunked = []
+  over = budget.sum_over_chunks
+  monkeypatch.setattr(budget, "sum_over_chunks",
+                      lambda fn, tensors, size, *args, **kwargs: chunked.append(size) or over(
+                          fn, tensors, size, *args, **kwargs))
+  _check(model, x, y, memo=_EQ_MEMOS.setdefault(i, {}))
+  if form == "chunks":   # book-keeping over chunks of 8 of the batch of 11 really ran
+    assert 8 in chunked, chunked
 
 
-@pytest.mark.parametrize("freeze", ["kernel", "bias"])
-@pytest.mark.parametrize("equation, out_shape, bias_axes, in_shape",
-                         [c[:4] for c in _CASES if c[0] in ("abc,cde->abde", "abcd,cde->abe")
-                          and c[2] is not None])
-def test_frozen_kernel_or_bias(equation, out_shape, bias_axes, in_shape, freeze, monkeypatch):
-  model, _ = _model(equation, out_shape, bias_axes, in_shape, freeze=freeze)
-  x, y = _data(in_shape)
-  memo = {}
-  for form in ("gram", "chunks"):
-    with monkeypatch.context() as m:
-      _force(m, form)
-      _check(model, x, y, memo=memo)
+# (equation index, frozen variable, form): by default latin pairs (each equation with each
+# variable frozen, each form on each equation and each frozen variable), the rest slow.
+_FROZEN_EQS = [i for i, c in enumerate(_CASES) if c[0] in ("abc,cde->abde", "abcd,cde->abe")
+               and c[2] is not None]
+_FROZEN_GRID = [(i, freeze, form) for i in _FROZEN_EQS for freeze in ("kernel", "bias")
+                for form in ("gram", "chunks")]
+_FROZEN_DEFAULT = [(i, freeze, ("gram", "chunks")[(a + b) % 2])
+                   for a, i in enumerate(_FROZEN_EQS) for b, freeze in enumerate(("kernel",
+                                                                                  "bias"))]
+
+
+def test_frozen_cases_cover_every_pair():
+  assert_covers_pairs_of(_FROZEN_DEFAULT, _FROZEN_GRID)
+
+
+@pytest.mark.parametrize("i, freeze, form", slow_outside(
+    _FROZEN_GRID, _FROZEN_DEFAULT, ids=lambda c: f"{_CASES[c[0]][0]}-{c[1]}-{c[2]}"))
+def test_frozen_kernel_or_bias(i, freeze, form, monkeypatch):
+  model, _ = _model(*_CASES[i][:4], freeze=freeze)
+  x, y = _data(_CASES[i][3])
+  _force(monkeypatch, form)
+  _check(model, x, y)
 
 
 @pytest.mark.parametrize("form", ["gram", None])
@@ -250,11 +286,12 @@ def test_physical_chunks_of_a_shared_input_model(jit, monkeypatch):
 
 
 def test_memo_never_hands_out_another_graphs_tensor():
-  """One shared_ops block open across many traces of short-lived functions (as the
+  """One shared_ops block open across 18 traces of short-lived functions (as the
   physical-chunk probe traces inside a clipped sum's block), their graphs dropped as they go
   (so a new graph may get a dead one's id), branch graphs of tf.cond and a loop body: every
   tensor const / once_per_graph / reshape hands out is of the graph being traced, and its
-  value is the one asked for."""
+  value is the one asked for. (Six rounds: in 30 rounds, as before, no graph id came back
+  here, with or without gc.collect() between rounds, so more rounds add nothing.)"""
   wrong = []
 
   def probe(x):
@@ -266,7 +303,7 @@ def test_memo_never_hands_out_another_graphs_tensor():
         algebra.once_per_graph("sq", x, tf.square))
 
   with algebra.shared_ops():
-    for i in range(30):
+    for i in range(6):
       x = tf.constant(np.arange(6.0, dtype=np.float32) + i)
       want = np.arange(6.0).reshape(2, 3).sum(1) + i * 3 + np.sum((np.arange(6.0) + i) ** 2)
       got = tf.function(probe)(x)   # a new function each time: its graph dropped after
