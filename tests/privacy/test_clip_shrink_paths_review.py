@@ -74,7 +74,9 @@ def _make_private_model(jit, clipping="vectorized"):
   return model
 
 
-def _custom_loop(jit, form):
+def _custom_loop(jit, form, rows=None):
+  """(run(weights) -> the custom loop's float32 clipped sum on x = 1 and y = `rows` (None:
+  _data's y), the optimizer)."""
   keras.utils.set_random_seed(0)
   model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(
       1, use_bias=False, kernel_initializer="zeros")])
@@ -95,6 +97,7 @@ def _custom_loop(jit, form):
 
   def run(weights):
     x, y, _, _ = _data()
+    y = y if rows is None else np.asarray(rows, np.float32)[:, None]
     return np.asarray(step(x, y, weights), np.float64)
 
   return run, opt
@@ -178,29 +181,11 @@ def _tree_rows():
 
 
 def _custom_move(form, y):
-  run_model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, normalize=False)
-  opt.set_sampling(1 << 20, B / (1 << 20), "poisson", B)
-
-  @tf.function
-  def step(x, t, mask):
-    var = run_model.trainable_variables
-    if form == "data":
-      grads = opt.compute_private_gradients(
-          lambda d: _loss(d[1], run_model(d[0], training=True)), var, data=(x, t), mask=mask,
-          model=run_model)
-    else:
-      grads = opt.compute_private_gradients(
-          lambda: _loss(t, run_model(x, training=True)), var, mask=mask, model=run_model)
-    return tf.reshape(grads[0], [-1])
-
-  x = np.ones((B, 1), np.float32)
+  run, opt = _custom_loop(False, form, y)
   with_all = np.ones(B, np.float32)
   without = with_all.copy()
   without[0] = 0.0
-  s = [np.asarray(step(x, y[:, None], w), np.float64) for w in (with_all, without)]
-  return float(np.linalg.norm(s[0] - s[1])), _ledger_sensitivity(opt.ledger)
+  return float(np.linalg.norm(run(with_all) - run(without))), _ledger_sensitivity(opt.ledger)
 
 
 def test_the_tree_adversarial_rows_are_what_the_docstring_says():
