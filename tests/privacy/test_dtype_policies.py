@@ -45,8 +45,11 @@ def test_302_and_303_records_differ_by_one_clip_norm(policy):
   opt = dp.keras.DPKerasSGDOptimizer(clip, 0.0, learning_rate=1.0, normalize=False)
   opt.set_sampling(1000, 0.3, "poisson")
   s302, s303 = _sum_of_clipped(layer, opt, 302), _sum_of_clipped(layer, opt, 303)
-  assert np.linalg.norm(s302) == pytest.approx(302 * clip, rel=1e-5)
-  assert np.linalg.norm(s303 - s302) == pytest.approx(clip, rel=1e-4)
+  # each clipped record is added times the shrink 1 / (1 + eta) of the float32 sum's rounding
+  # margin (summation.shrink; eta ~ 3e-4 at 302 records): the sums sit just under 302 C and
+  # 303 C, one record moves them by at most C (in bfloat16: 302 C and 304 C, 2 C apart)
+  assert 302 * clip * (1 - 1e-3) <= np.linalg.norm(s302) <= 302 * clip
+  assert clip * (1 - 1e-3) <= np.linalg.norm(s303 - s302) <= clip
 
 
 def _mlp():
