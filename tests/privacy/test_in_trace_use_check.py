@@ -33,6 +33,7 @@ import tensorflow as tf
 from keras import ops
 
 import tf_dpiter as dp
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tests.keras.test_probe_state_restore import _Counter
 from tests.privacy import test_unrecorded_variable_use as base
@@ -400,8 +401,12 @@ def test_a_fast_step_and_its_batch_independence_probe_change_layer_state_once(cl
   want_values = _run_steps(model_with_counter(), "vectorized", "graph", x, y)
   assert got._dp_traced_clipping == "fast"
   assert float(got.get_layer("counter").count.numpy()) == 2.0
+  # the vectorized sum adds each clipped record times 1 / (1 + eta) (summation.shrink, eta
+  # the float32 rounding margin of 6 records, 2e-6); this model's fast sums are not pinned
+  # (unshrunk): the two paths may differ by eta times the two updates (each at most 6 C)
+  shrink_gap = float(summation.rounding_margin(len(x))) * 2 * len(x) * base.CLIP
   for a, b in zip(got_values, want_values):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 + shrink_gap)
 
 
 @pytest.mark.slow
