@@ -116,11 +116,6 @@ def _check(s_d, s_d2, sensitivity):
 
 
 _SLOW = pytest.mark.slow
-_NO_SHRINK = pytest.mark.xfail(strict=True, reason=(
-    "694546c: compute_private_gradients without data= (the vector-of-losses form, "
-    "and minimize) sums the records with dp_query's accumulate_records and a 0/1 mask, no "
-    "sum_rounding_shrink: one record moves the sum by 1.0 C, not C / (1 + eta) = 0.99976 C "
-    "(custom_loops.compute_private_gradients, form b). Open, to P"))
 PATHS = [
     pytest.param("train_on_batch", False, marks=_SLOW),
     pytest.param("train_on_batch", True, marks=_SLOW),
@@ -132,7 +127,7 @@ PATHS = [
     pytest.param("train_on_batch_fast", True, marks=_SLOW),
     pytest.param("make_private_default_fit", False, marks=_SLOW),
     pytest.param("custom_data", False, marks=_SLOW),
-    pytest.param("custom_losses", False, marks=_NO_SHRINK),
+    pytest.param("custom_losses", False),   # 694546c: 1.0 C (no shrink), fixed
 ]   # custom loops in graph mode: a custom loop's step under jit_compile cannot grow the
     # ledger's buffers (InvalidArgumentError at 07f4c0a too)
 
@@ -196,10 +191,7 @@ def test_the_tree_adversarial_rows_are_what_the_docstring_says():
 
 @pytest.mark.parametrize("form", [
     pytest.param("data", marks=_SLOW),
-    pytest.param("losses", marks=pytest.mark.xfail(strict=True, reason=(
-        "694546c: the custom loop without data= sums without the shrink: these rows move "
-        "its float32 sum by 1.0000152587890625 C > C, the ledger's sensitivity (with data=: "
-        "0.99976 C). Open, to P (custom_loops.compute_private_gradients, form b)")))])
+    pytest.param("losses")])   # 694546c: 1.0000152587890625 C > C (no shrink), fixed
 def test_the_custom_loop_moves_a_tree_adversarial_sum_by_at_most_C(form):
   moved, sensitivity = _custom_move(form, _tree_rows())
   assert sensitivity == C

@@ -32,6 +32,7 @@ from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
+from tf_dpiter.keras.optimizer import private_step
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import saved_ledger
 
@@ -129,8 +130,10 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   params = step.sample_params()   # raises while the sampling is undeclared
   query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
+  # each record's weight times the shrink of the pinned sum's plan, as PrivateStep.clipped_sum
+  shrink = private_step.sum_rounding_shrink(*chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
-    state = query.accumulate_records(params, state, grads, mask=rmask)
+    state = query.accumulate_records(params, state, grads, mask=rmask * shrink)
   return step.noised_average(state, tf.reduce_sum(rmask))
 
 
