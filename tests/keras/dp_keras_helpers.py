@@ -85,3 +85,25 @@ def assert_step_matches_reference(model, loss_obj, x, y, clip, n, sample_weight=
   for g, r in zip(got, ref):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
   return got
+
+
+def assert_close_up_to_the_shrink(got, ref, rtol=2e-4, atol=2e-6, max_eta=2e-3, err_msg=""):
+  """The DP update equals the reference times ONE factor s in [1 / (1 + max_eta), 1] for every
+  variable: the clip shrink 1 / (1 + eta) of a sum formed in a pinned order
+  (dp_query/summation.rounding_margin; s = 1 where the step charges none), then each
+  coordinate within rtol / atol.
+
+  Args:
+    got: the update's arrays.
+    ref: the reference's arrays (same shapes).
+    rtol: per-coordinate relative tolerance after the shrink.
+    atol: per-coordinate absolute tolerance after the shrink.
+    max_eta: the largest eta accepted.
+    err_msg: appended to a failure's message.
+  """
+  g = np.concatenate([np.ravel(a) for a in got]).astype(np.float64)
+  r = np.concatenate([np.ravel(a) for a in ref]).astype(np.float64)
+  s = float(g @ r / (r @ r)) if r @ r > 0 else 1.0
+  assert 1 / (1 + max_eta) <= s <= 1 + 1e-6, (s, err_msg)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(a, s * np.asarray(b), rtol=rtol, atol=atol, err_msg=err_msg)

@@ -44,9 +44,10 @@ def _model(sequence):
 @pytest.mark.parametrize("sequence", [False, True])
 def test_fit_under_xla_moves_the_clipped_sum_by_at_most_c(sequence, monkeypatch):
   factor_sums = []
-  sums = dense_rule._dense_sums
-  monkeypatch.setattr(dense_rule, "_dense_sums",
-                      lambda *a, **k: factor_sums.append(1) or sums(*a, **k))
+  for name in ("_dense_sums", "_pinned_dense_sums"):   # on [B, K] inputs: the pinned one
+    sums = getattr(dense_rule, name)
+    monkeypatch.setattr(dense_rule, name,
+                        lambda *a, _s=sums, **k: factor_sums.append(1) or _s(*a, **k))
   model = _model(sequence)
   rng = np.random.RandomState(0)
   x = rng.randn(REAL, *((T, F) if sequence else (F,))).astype("float32")
@@ -66,8 +67,12 @@ def test_fit_under_xla_moves_the_clipped_sum_by_at_most_c(sequence, monkeypatch)
   base = clipped_sum(xp, yp, mask)
   model.set_weights(w0)
   ref = helpers.reference_gradient(model, LOSS, tf.constant(x), tf.constant(y), clip=CLIP)
-  np.testing.assert_allclose(base, REAL * np.concatenate([r.ravel() for r in ref]),
-                             rtol=1e-4, atol=1e-5)
+  exact = REAL * np.concatenate([r.ravel() for r in ref])
+  # the pinned sums' clip shrink 1 / (1 + eta) (dp_query/summation.rounding_margin): ONE
+  # factor for every record of the batch, the first chunk's and the tail's alike
+  shrink = float(base @ exact / (exact @ exact))
+  assert 1 / (1 + 2e-3) <= shrink <= 1.0, shrink
+  np.testing.assert_allclose(base, shrink * exact, rtol=1e-4, atol=1e-5)
   # the rows after the first E = 8 are the tail: removing one of them, or adding one there,
   # changes what the loop runs
   changes = neighbours.add_remove_changes(clipped_sum, xp, yp, mask, REAL, rng, candidates=6)

@@ -170,18 +170,21 @@ _CHUNKS = threading.local()   # .stack: the chunk counts of the enclosing `seque
 
 
 @contextlib.contextmanager
-def sequential_chunks(chunks):
+def sequential_chunks(chunks, records=None):
   """Within the block, a clipped sum formed per physical chunk is added to the sums of
   `chunks` chunks one after the other (`current_chunks`; the caller that chunks the batch
   opens it around its chunks' sums). Per thread.
 
   Args:
     chunks: K >= 1 (an int, or a scalar int tensor).
+    records: rows of the largest chunk (an int or scalar int tensor), None when every chunk
+      is a call of the same rows: each chunk's sum then charges the plan of the largest, so
+      that every record of the batch is scaled by one shrink (`current_chunk_rows`).
   """
   stack = getattr(_CHUNKS, "stack", None)
   if stack is None:
     stack = _CHUNKS.stack = []
-  stack.append(chunks)
+  stack.append((chunks, records))
   try:
     yield
   finally:
@@ -191,7 +194,14 @@ def sequential_chunks(chunks):
 def current_chunks():
   """K of the innermost `sequential_chunks` block (1 outside: the batch in one sum)."""
   stack = getattr(_CHUNKS, "stack", None)
-  return stack[-1] if stack else 1
+  return stack[-1][0] if stack else 1
+
+
+def current_chunk_rows():
+  """Rows of the largest chunk of the innermost `sequential_chunks` block (None: outside
+  one, or not stated)."""
+  stack = getattr(_CHUNKS, "stack", None)
+  return stack[-1][1] if stack else None
 
 
 def pairwise_sum(x):

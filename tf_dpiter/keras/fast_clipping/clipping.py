@@ -575,7 +575,7 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   invariants = None if xla else (tf.TensorShape([]), [tf.TensorShape(None)] * len(acc0),
                                   tf.TensorShape(None), tf.TensorShape(None),
                                   [tf.TensorShape(None)] * len(out_specs))
-  with summation.sequential_chunks(n):   # each chunk's sum charges the n chunks' additions
+  with summation.sequential_chunks(n, chunk):   # each chunk charges the n chunks of `chunk` rows
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
         shape_invariants=invariants)
@@ -663,12 +663,17 @@ def _with_rounding_margin(result, plans, num_records, k):
   stays open there: docs/design.md, "Floating point")."""
   if not result or not isinstance(k, int) or k != 1 or any(v not in plans for v in result):
     return result
+  chunk_rows = summation.current_chunk_rows()
+  block = max(plans.values())
+  if chunk_rows is not None:
+    # one shrink for every chunk of the batch: the plan of its largest chunk, blocks of at
+    # least PINNED_BLOCK rows (a chunk of rows the trace does not know takes that block)
+    num_records, block = chunk_rows, max(block, algebra.PINNED_BLOCK)
   records = tf.get_static_value(num_records)
   records = int(records) if records is not None else num_records
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   eta = summation.rounding_margin(records, chunks=summation.current_chunks(),
-                                  replicas=replicas, block=max(plans.values()), products=4,
-                                  final=1)
+                                  replicas=replicas, block=block, products=4, final=1)
   s = summation.shrink(eta)
   return {vid: g * tf.cast(s, g.dtype) for vid, g in result.items()}
 

@@ -273,7 +273,7 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
   # a clipped sum formed per chunk charges the chunks' additions (summation.rounding_margin)
-  with summation.sequential_chunks(sum_plan(per_chunk, record_mask)[1]):
+  with summation.sequential_chunks(*reversed(sum_plan(per_chunk, record_mask))):
     return _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template)
 
 
