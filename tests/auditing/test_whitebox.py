@@ -45,8 +45,10 @@ def _run(z, m, steps, **kwargs):
 def test_noise_zero_gives_large_bound_and_exact_updates():
   r = _run(0.0, 4096, 64, p_in=1 / 32)
   inc = r.included
-  # Eq. (4) with z = 0: an included canary moves by exactly one clipped gradient per step.
-  np.testing.assert_allclose(r.observations[inc], 1.0, atol=1e-4)
+  # Eq. (4) with z = 0: an included canary moves by exactly one clipped gradient per step,
+  # times the pinned sum's clip shrink 1 / (1 + eta) (dp_query/summation; eta < 1e-3 here)
+  assert np.all(r.observations[inc] <= 1.0 + 1e-6)
+  np.testing.assert_allclose(r.observations[inc], 1.0, atol=1e-3)
   np.testing.assert_allclose(r.observations[~inc], 0.0, atol=1e-6)
   assert math.isinf(r.claimed_epsilon())
   print(f"noise 0: step bound {r.step_bound.epsilon:.2f} from {inc.sum() * r.steps} / "

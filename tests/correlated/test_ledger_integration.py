@@ -240,8 +240,9 @@ def test_band_mf_fit_divides_by_the_expected_batch_of_one_group():
     model.fit(make(), epochs=1, verbose=0)
     sizes = [float(np.sum(mask)) for _, _, mask in make()]   # the same samples again
   assert len(set(sizes)) > 1                                 # the realized size varies
+  # times the pinned sum's clip shrink 1 / (1 + eta) (dp_query/summation; eta < 1e-3 here)
   np.testing.assert_allclose(model.trainable_variables[0].numpy()[:, 0],
-                             -0.1 * sum(sizes) / 10.0, rtol=1e-5)
+                             -0.1 * sum(sizes) / 10.0, rtol=1e-3)
 
 
 def test_tree_fit_on_shuffled_passes_is_recorded_and_accounted():

@@ -133,8 +133,11 @@ def test_302_and_303_records_differ_by_one_clip_norm(policy):
     return np.asarray(grads[0], np.float64).ravel()
 
   s302, s303 = clipped_sum(302), clipped_sum(303)
-  assert np.linalg.norm(s302) == pytest.approx(302.0, rel=1e-5)
-  assert np.linalg.norm(s303 - s302) == pytest.approx(1.0, rel=1e-4)
+  # each clipped record is added times the pinned sum's shrink 1 / (1 + eta)
+  # (dp_query/summation.rounding_margin; eta ~ 6e-4 at 302 records in blocks of 64): the sums
+  # sit just under 302 C and 303 C, and one record moves them by at most C
+  assert 302.0 * (1 - 1e-3) <= np.linalg.norm(s302) <= 302.0
+  assert 1.0 * (1 - 1e-3) <= np.linalg.norm(s303 - s302) <= 1.0
 
 
 @pytest.mark.parametrize("policy", _slow_unless("bfloat16"), indirect=True)

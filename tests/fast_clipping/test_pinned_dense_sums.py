@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import dense
 
 
@@ -54,8 +55,8 @@ def test_pinned_dense_sums_match_per_example_gradients(k, n, jit, static):
 
 
 def test_pinned_block_grows_where_the_blocks_sums_pass_the_budget():
-  assert algebra.pinned_block(4096, 4 * 100) == 64
-  assert algebra.pinned_block(32, 4 * 100) == 32   # one block of the whole batch
+  assert algebra.pinned_block(4096, 4 * 100, budget.CHUNK_BYTES) == 64
+  assert algebra.pinned_block(32, 4 * 100, budget.CHUNK_BYTES) == 32   # one block of the whole batch
   # a 2048 x 2048 kernel (16 MiB) per block: one block's sum over the 8 MiB budget
-  assert algebra.pinned_block(4096, 4 * 2048 * 2048) == 4096
-  assert algebra.pinned_block(None, 4 * 100) == 64
+  assert algebra.pinned_block(4096, 4 * 2048 * 2048, budget.CHUNK_BYTES) == 4096
+  assert algebra.pinned_block(None, 4 * 100, budget.CHUNK_BYTES) == 64

@@ -113,4 +113,7 @@ def test_steps_join_examples_as_poisson_one_record_each(jit_compile):
   # shuffled passes would make every 5 consecutive steps a partition of the 24 examples
   assert any(set().union(*joined[e * 5:(e + 1) * 5]) != set(range(n)) or
              sum(sizes[e * 5:(e + 1) * 5]) != n for e in range(8))
-  np.testing.assert_allclose(moves, 1.0 / b, rtol=1e-5)
+  # each move is one clipped record / b, times the pinned sum's clip shrink 1 / (1 + eta)
+  # (dp_query/summation; eta < 1e-3 here)
+  assert np.all(np.asarray(moves) <= 1.0 / b * (1 + 1e-6))
+  np.testing.assert_allclose(moves, 1.0 / b, rtol=1e-3)

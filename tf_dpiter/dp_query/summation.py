@@ -91,7 +91,8 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
       depend on which records are present, as fit's padded batches).
     chunks: K >= 1 chunks added sequentially (an int, or a scalar int tensor).
     replicas: R >= 1 replicas' sums added in any order.
-    block: rows summed in any order before the tree (>= 1).
+    block: rows summed in any order before the tree (>= 1); a block of more rows than
+      `records` counts `records` (its other rows are zero padding, added exactly).
     dtype: the sum's dtype (float32 or float64).
     products: roundings of each term before the sum (>= 0).
     final: roundings of the sum after it is formed (>= 0).
@@ -112,6 +113,7 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
       raise ParameterValueError(
           f"`{name}` must be an int >= {low}. Received: {name}={value!r}")
   u = unit_roundoff(dtype)
+  block = min(int(block), int(records))   # a block's padding rows are zeros: x + 0 is exact
   depth = (tree_depth(-(-int(records) // int(block))) + int(chunks) - 1 + int(replicas) - 1
            + int(final))
   if max(depth, block - 1) * u >= 0.5:
@@ -133,13 +135,14 @@ def _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, f
   formula in float64, the depth ceil(log2 ceil(records / block)) in integers."""
   u = unit_roundoff(dtype)
   rows = tf.maximum(tf.cast(records, tf.int64), 1)
+  block = tf.minimum(rows, tf.constant(int(block), tf.int64))   # padding rows: exact zeros
   leaves = (rows + block - 1) // block
   powers = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.range(63, dtype=tf.int64))
   depth = tf.reduce_sum(tf.cast(leaves - 1 >= powers, tf.int64))   # the bit length of leaves - 1
   chunks = tf.maximum(tf.cast(chunks, tf.int64), 1)
   depth = tf.cast(depth + chunks - 1 + replicas - 1 + final, tf.float64)
   n = tf.cast(rows * chunks * replicas, tf.float64)
-  return _margin(n, depth, block, u, products)
+  return _margin(n, depth, tf.cast(block, tf.float64), u, products)
 
 
 def shrink(eta, dtype=tf.float32):

@@ -633,14 +633,14 @@ def report_pinned(variable, block):
     stack[-1][id(variable)] = block
 
 
-def pinned_block(rows, row_bytes):
+def pinned_block(rows, row_bytes, budget_bytes):
   """Rows per block of `pinned_rows_product` for `rows` rows (an int or None) and sums of
   `row_bytes` bytes: PINNED_BLOCK, or more where the blocks' [rows / block, ...] sums would
-  take more than rules/budget.CHUNK_BYTES (8 MiB) - at least one block."""
-  from tf_dpiter.keras.fast_clipping.rules import budget   # pylint: disable=g-import-not-at-top
+  take more than `budget_bytes` (the rules' rules/budget.CHUNK_BYTES, 8 MiB) - at least one
+  block."""
   block = PINNED_BLOCK
   if rows is not None:
-    most = max(1, budget.CHUNK_BYTES // max(row_bytes, 1))   # the blocks' sums in the budget
+    most = max(1, budget_bytes // max(row_bytes, 1))   # the blocks' sums in the budget
     block = max(block, -(-int(rows) // most))
     block = min(block, max(int(rows), 1))
   return block

@@ -667,7 +667,8 @@ def _with_rounding_margin(result, plans, num_records, k):
   block = max(plans.values())
   if chunk_rows is not None:
     # one shrink for every chunk of the batch: the plan of its largest chunk, blocks of at
-    # least PINNED_BLOCK rows (a chunk of rows the trace does not know takes that block)
+    # least PINNED_BLOCK rows (a chunk of rows the trace does not know takes that block;
+    # rounding_margin counts at most the chunk's rows of a block: the rest is zero padding)
     num_records, block = chunk_rows, max(block, algebra.PINNED_BLOCK)
   records = tf.get_static_value(num_records)
   records = int(records) if records is not None else num_records

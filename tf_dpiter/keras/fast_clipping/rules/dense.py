@@ -197,7 +197,7 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
   factors as a [B, 1] operand. Rows of c_i = 0 add exactly 0 (algebra.drop_rows)."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
   out = {}
-  block = algebra.pinned_block(x.shape[0], 4 * (k * n if on[0] else n))
+  block = algebra.pinned_block(x.shape[0], 4 * (k * n if on[0] else n), budget.CHUNK_BYTES)
   if on[0]:
     if k >= n:
       xw, dw = algebra.drop_rows(x, factors), algebra.weight_rows(dz, factors)
