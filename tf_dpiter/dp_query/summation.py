@@ -172,6 +172,29 @@ def shrink(eta, dtype=tf.float32):
 _CHUNKS = threading.local()   # .stack: the chunk counts of the enclosing `sequential_chunks`
 
 
+def step_shrink(records, chunks=1, block=1, final=0):
+  """The clip shrink `shrink(rounding_margin(...))` of a DP step's clipped sum: `records` rows
+  per chunk, `chunks` chunks added one after the other, blocks of `block` rows, the current
+  tf.distribute strategy's replicas all-reduced, 4 roundings of each term's own products (the
+  clip factor, a public scale and this shrink multiplied in, the term times its weight) and
+  `final` roundings of the sum. A record clipped to S and multiplied by it moves the float32
+  sum by at most S (Casacuberta et al., "Widespread underestimation of sensitivity in
+  differentially private libraries and how to fix it", CCS 2022).
+
+  Args:
+    records: rows per chunk, padding included (an int, or a scalar int tensor).
+    chunks: the chunks (an int, or a scalar int tensor).
+    block: rows summed in any order before the pinned tree.
+    final: roundings of the whole sum after it is formed.
+
+  Returns:
+    a float32 Python float or scalar tensor in (0, 1].
+  """
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  return shrink(rounding_margin(records, chunks=chunks, replicas=replicas, block=block,
+                                products=4, final=final))
+
+
 @contextlib.contextmanager
 def sequential_chunks(chunks, records=None):
   """Within the block, a clipped sum formed per physical chunk is added to the sums of

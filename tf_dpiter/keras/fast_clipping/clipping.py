@@ -672,10 +672,7 @@ def _with_rounding_margin(result, plans, num_records, k):
     num_records, block = chunk_rows, max(block, algebra.PINNED_BLOCK)
   records = tf.get_static_value(num_records)
   records = int(records) if records is not None else num_records
-  replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  eta = summation.rounding_margin(records, chunks=summation.current_chunks(),
-                                  replicas=replicas, block=block, products=4, final=1)
-  s = summation.shrink(eta)
+  s = summation.step_shrink(records, chunks=summation.current_chunks(), block=block, final=1)
   return {vid: g * tf.cast(s, g.dtype) for vid, g in result.items()}
 
 

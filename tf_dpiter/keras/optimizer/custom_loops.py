@@ -26,13 +26,13 @@ import logging
 import keras
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
-from tf_dpiter.keras.optimizer import private_step
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import saved_ledger
 
@@ -131,7 +131,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
   # each record's weight times the shrink of the pinned sum's plan, as PrivateStep.clipped_sum
-  shrink = private_step.sum_rounding_shrink(*chunking.sum_plan(None, rmask))
+  shrink = summation.step_shrink(*chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
     state = query.accumulate_records(params, state, grads, mask=rmask * shrink)
   return step.noised_average(state, tf.reduce_sum(rmask))

@@ -576,7 +576,7 @@ class PrivateStep:
       sum_scale: None, or `sum_scale(num_records)`: each clipped gradient is added times it
         (pass `scaled=True` to `noised_average`).
 
-    Each clipped gradient is also added times `sum_rounding_shrink` of the sum's plan (the
+    Each clipped gradient is also added times `summation.step_shrink` of the sum's plan (the
     records summed by a pinned pairwise tree per chunk, the chunks one after the other, the
     replicas all-reduced), so that the float32 sum moves by at most the ledger's S when a
     record is added or removed.
@@ -597,7 +597,7 @@ class PrivateStep:
     record_mask = tf.cast(record_mask, tf.float32)
     m_static = tf.TensorShape(record_mask.shape)[0]
     per_chunk = chunking.chunk_layout(self, examples_per_record, m_static)
-    scale = sum_rounding_shrink(*chunking.sum_plan(per_chunk, record_mask))
+    scale = summation.step_shrink(*chunking.sum_plan(per_chunk, record_mask))
     if sum_scale is not None:
       scale = scale * sum_scale
 
@@ -818,27 +818,6 @@ class PrivateStep:
 # the product (BERT-base allocator peak 809 -> 629 MiB at batch 4 x 32).
 _FORWARDING_OPS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
                              "EnsureShape", "SplitV"])
-
-
-def sum_rounding_shrink(records, chunks=1):
-  """1 / (1 + eta) (rounded down), eta = `summation.rounding_margin` of the clipped sum's plan:
-  `records` rows per chunk summed by `summation.pairwise_sum`, `chunks` chunks' sums added
-  one after the other, this strategy's replicas' sums all-reduced; 4 roundings of each term's
-  own products (the clip factor times the gradient, the mask times the public scale, that
-  weight times this shrink, the term times the weight). A record clipped to S and multiplied
-  by it moves the float32 sum by at most S (Casacuberta et al., "Widespread underestimation
-  of sensitivity in differentially private libraries and how to fix it", CCS 2022).
-
-  Args:
-    records: rows per chunk, padding included (an int, or a scalar int tensor).
-    chunks: the chunks (an int, or a scalar int tensor).
-
-  Returns:
-    a float32 Python float or scalar tensor in (0, 1].
-  """
-  replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  eta = summation.rounding_margin(records, chunks=chunks, replicas=replicas, products=4)
-  return summation.shrink(eta)
 
 
 def _producer(tensor):
