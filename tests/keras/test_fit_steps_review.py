@@ -117,3 +117,38 @@ def test_from_budget_holds_with_several_steps_per_execution():
     model.fit(x, y, batch_size=20, epochs=3, verbose=0)
   statement = model.privacy_statement(DELTA)
   assert statement.steps == 30 and statement.epsilon <= 2.0, (statement.steps, statement.epsilon)
+
+
+@pytest.mark.slow
+def test_a_declared_dataset_keeps_its_q_through_prefetch_and_take():
+  """A fit on dp.data.poisson_batches(B = 20), then on B = 100 samples behind .prefetch(2)
+  and .take(3): the ledger charges each fit at its own q (0.1, then 0.5: 2 steps each)."""
+  x, y = _data()
+  model = _model(dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=0.1))
+  model.fit(dp.data.poisson_batches(x, y, expected_batch_size=20), epochs=1, verbose=0)
+  model.fit(dp.data.poisson_batches(x, y, expected_batch_size=100).prefetch(2), epochs=1,
+            verbose=0)
+  model.fit(dp.data.poisson_batches(x, y, expected_batch_size=100).take(3), epochs=1,
+            verbose=0)
+  runs = model.ledger.to_dict()["runs"]
+  assert [(r["selection_probability"], r["count"]) for r in runs] == [(0.1, 10), (0.5, 4)]
+  assert int(model.ledger.sample_count.numpy()) == int(model.optimizer.iterations.numpy())
+
+
+def test_the_global_seed_does_not_fix_the_noise():
+  """keras.utils.set_random_seed(0) before each of two runs on the same all-zero records (the
+  kernel's update is its noise alone): the two first updates are not equal and uncorrelated
+  (|corr| < 5 / sqrt(200)), so a rerun on changed data cannot cancel the noise."""
+  x, y = np.zeros((16, 5), "float32"), np.zeros((16,), "int32")
+  updates = []
+  for _ in range(2):
+    keras.utils.set_random_seed(0)
+    model = dp.keras.DPSequential([keras.Input((5,)), keras.layers.Dense(
+        40, kernel_initializer="zeros", use_bias=False)])
+    opt = dp.keras.DPKerasSGDOptimizer(0.5, 3.0, learning_rate=1.0)
+    model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    opt.set_sampling(1000, 0.016, "poisson")
+    model.train_on_batch(x, y)
+    updates.append(model.get_weights()[0].ravel())
+  assert not np.array_equal(updates[0], updates[1])
+  assert abs(np.corrcoef(updates[0], updates[1])[0, 1]) < 5 / np.sqrt(200)
