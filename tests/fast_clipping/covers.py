@@ -43,3 +43,33 @@ def slow_outside(grid, default, ids=None):
   keep = {repr(c) for c in default}
   return [pytest.param(*c, marks=() if repr(c) in keep else pytest.mark.slow,
                        id=None if ids is None else ids(c)) for c in grid]
+
+
+def _keys(case, groups):
+  return {(g, tuple(repr(case[i]) for i in g)) for g in groups}
+
+
+def cover(grid, groups, first=()):
+  """A subset of `grid` holding, for each tuple of positions in `groups`, every combination of
+  values at those positions that some case of `grid` holds (groups [(0,), (1, 2)]: each value
+  of position 0 once, each pair of values of positions 1 and 2). all_pairs is the cover of
+  every two positions; a group of one position is each-choice coverage (Ammann, Offutt,
+  "Introduction to Software Testing", chapter "Input Space Partitioning", combination
+  strategies). Greedy like all_pairs; deterministic."""
+  grid = list(grid)
+  wanted = set().union(*(_keys(c, groups) for c in grid))
+  chosen = list(first)
+  for case in chosen:
+    wanted -= _keys(case, groups)
+  while wanted:
+    best = max(grid, key=lambda c: len(_keys(c, groups) & wanted))
+    wanted -= _keys(best, groups)
+    chosen.append(best)
+  return chosen
+
+
+def assert_covers(cases, grid, groups):
+  """Every combination of values at each group of positions that occurs in `grid` occurs in
+  `cases`."""
+  assert set().union(*(_keys(c, groups) for c in cases)) == set().union(
+      *(_keys(c, groups) for c in grid))
