@@ -32,37 +32,32 @@ def _accepted(step_back_s, wait_s, monkeypatch):
   """Updates the memory store and the process's replay guard accept from ONE ticket, issued
   and verified by one server (one wall clock): used at once, then the wall clock steps back
   by `step_back_s`, then both clocks run `wait_s` and the ticket is submitted again."""
-  wall, mono = [1000.0], [50.0]
-  tickets = tickets_lib.Tickets(b"k" * 32, TTL, clock=lambda: wall[0], scope="m",
+  clocks = {"wall": 1000.0, "mono": 50.0}
+  monkeypatch.setattr(store_lib.time, "monotonic", lambda: clocks["mono"])
+  tickets = tickets_lib.Tickets(b"k" * 32, TTL, clock=lambda: clocks["wall"], scope="m",
                                 max_skew_s=SKEW)
-  guard = replay_guard_lib.ReplayGuard(clock=lambda: mono[0])
-  monkeypatch.setattr(store_lib.time, "monotonic", lambda: mono[0])
-  h = np.arange(4, dtype=np.float64)
-  ticket = tickets.issue("alice", h)
-  store = store_lib.MemoryStore()
-  accepted = 0
+  guard = replay_guard_lib.ReplayGuard(clock=lambda: clocks["mono"])
+  store, drawn = store_lib.MemoryStore(), np.arange(4, dtype=np.float64)
+  ticket = tickets.issue("alice", drawn)
 
   async def submit():
-    nonlocal accepted
     try:
-      nonce = tickets.verify(ticket, "alice", h)
+      nonce = tickets.verify(ticket, "alice", drawn)
       guard.check_nonce(nonce)
-      await store.replace(0, h + 1.0, nonce, tickets.nonce_ttl_s)
+      await store.replace(0, drawn + 1.0, nonce, tickets.nonce_ttl_s)
       guard.used(nonce, tickets.nonce_ttl_s)
     except (tickets_lib.TicketError, store_lib.TicketUsed):
-      return
-    accepted += 1
+      return 0
+    return 1
 
-  async def go():
+  async def both_submits():
     await store.initialize({"history": 0}, np.zeros((2, 4)))
-    await submit()
-    wall[0] -= step_back_s
-    wall[0] += wait_s
-    mono[0] += wait_s
-    await submit()
+    first = await submit()
+    clocks["wall"] += wait_s - step_back_s
+    clocks["mono"] += wait_s
+    return first + await submit()
 
-  asyncio.run(go())
-  return accepted
+  return asyncio.run(both_submits())
 
 
 @pytest.mark.parametrize("step_back_s, wait_s", [
