@@ -3,6 +3,7 @@
   python benchmarks/first_step_phases.py --mode dp [--lora 8] [--seq 32] [--batch 4]
   python benchmarks/first_step_phases.py --mode dp --grappler      # + graph optimization time
   python benchmarks/first_step_phases.py --mode dp --cprofile 25   # + the trace's top functions
+                                                   #   and files (own time)
   python benchmarks/first_step_phases.py --mode dp --op-sources 30 # + which functions made the ops
 
 The model and data are transformer_step_time.py's (keras_hub's BertBackbone, BERT-base
@@ -124,6 +125,18 @@ def _op_sources(graph, n, ops=None):
     by_src[src][op.type] += 1
   top = sorted(by_src.items(), key=lambda kv: -sum(kv[1].values()))[:n]
   return [[src, sum(c.values()), c.most_common(3)] for src, c in top]
+
+
+def _self_seconds_by_file(stats, n):
+  """The n source files whose functions' own time (cProfile tottime, callees excluded) in the
+  trace is largest, with tf_dpiter's files summed as well: [[file, seconds], ...]. The trace's
+  Python splits into the library's own code and TensorFlow's op construction it calls."""
+  by_file = collections.Counter()
+  for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+    by_file[re.sub(r"^.*?(site-packages|/tf_dpiter)/", r"\1/", filename)] += tottime
+  own = sum(t for f, t in by_file.items() if f.startswith("/tf_dpiter/"))
+  return ([["(all tf_dpiter files)", round(own, 3)]] +
+          [[f, round(t, 3)] for f, t in by_file.most_common(n)])
 
 
 def _dead_ops(graph):
@@ -281,6 +294,7 @@ def run(a):
     stats = pstats.Stats(profiler, stream=s)
     stats.sort_stats("cumulative").print_stats(a.cprofile)
     out["cprofile_cumulative"] = [l for l in s.getvalue().splitlines() if re.match(r"\s+\d", l)]
+    out["cprofile_self_s_by_file"] = _self_seconds_by_file(stats, a.cprofile)
   if rss is not None:
     out["rss_by_phase"] = rss.phases
     out["rss_hwm_reset"] = rss._hwm_resets   # pylint: disable=protected-access
