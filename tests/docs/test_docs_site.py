@@ -20,6 +20,13 @@ import pytest
 
 from . import docs_support as S
 
+# Nightly tier (-m slow): the tests on the built site (one mkdocs build, ~25 s, and
+# a headless browser); by default the navigation check (every nav entry a page) stays.
+SLOW_CASES = {
+    "test_site_builds_strictly_and_every_internal_link_resolves",
+    "test_the_dp_optimizer_page_renders_a_row_for_every_dp_argument",
+    "test_headless_browser_renders_three_pages"}
+
 HAVE_MKDOCS = all(importlib.util.find_spec(m) for m in ("mkdocs", "material", "mkdocstrings"))
 needs_mkdocs = pytest.mark.skipif(
     not HAVE_MKDOCS, reason='MkDocs, Material or mkdocstrings missing: pip install -e ".[docs]"')

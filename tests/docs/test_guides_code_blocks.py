@@ -25,7 +25,16 @@ def test_the_guides_exist():
     assert page in names, page
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: os.path.relpath(p, S.DOCS))
+# The pages whose blocks train for long (~90 s together) run with -m slow; by default the
+# other pages run (getting-started.md among them: the same runner on a training page).
+SLOW_PAGES = {"guides/keras.md", "migration/opacus.md", "guides/recipes.md",
+              "guides/federated.md", "migration/tf-privacy.md", "guides/custom-queries.md"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, id=os.path.relpath(p, S.DOCS),
+                 marks=pytest.mark.slow if os.path.relpath(p, S.DOCS) in SLOW_PAGES else ())
+    for p in PAGES])
 def test_code_blocks_of_a_page_run(page, tmp_path, monkeypatch):
   blocks = S.python_blocks(S.read(page))
   monkeypatch.chdir(tmp_path)

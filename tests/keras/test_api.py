@@ -16,6 +16,14 @@ from tf_dpiter.keras.model import models
 from tf_dpiter.ledger import ledger_file
 from tests.keras import dp_keras_helpers as helpers
 
+# Nightly tier (-m slow): a second budget stop and the microbatch/physical grid
+# beyond one case; covered by default by test_stop_at_privacy_budget[1] and [True-3-4].
+SLOW_CASES = {
+    "test_stop_at_privacy_budget[2]",
+    "test_fast_clipping_matches_reference_with_microbatches_and_physical_batches[True-4-None]",
+    "test_fast_clipping_matches_reference_with_microbatches_and_physical_batches[True-3-None]",
+    "test_fast_clipping_matches_reference_with_microbatches_and_physical_batches[True-2-5]"}
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

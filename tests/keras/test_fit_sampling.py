@@ -14,6 +14,13 @@ from tf_dpiter import accounting
 from tf_dpiter.keras.model import fit_sampling
 from tests.keras import dp_keras_helpers as helpers
 
+# Nightly tier (-m slow): the log line's other two settings and the shuffled
+# weights case (the Poisson one stays).
+SLOW_CASES = {
+    "test_one_log_line_names_sampling_and_accountant[None-4-expected1]",
+    "test_one_log_line_names_sampling_and_accountant[shuffle-None-expected2]",
+    "test_sample_and_class_weights_are_honoured[shuffle]"}
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 

@@ -14,6 +14,10 @@ import dp_accounting
 import numpy as np
 import pytest
 
+# Nightly tier (-m slow): the private tuning run (the quick run stays).
+SLOW_CASES = {
+    "test_private_tuning_charges_the_selection_in_the_printed_epsilon"}
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

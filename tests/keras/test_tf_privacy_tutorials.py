@@ -69,7 +69,10 @@ def _check_ledger_epsilon(out, model, printed, q, z, steps_per_epoch, epochs, de
   assert printed[-1] == round(eps, 2)
 
 
-@pytest.mark.parametrize("name", ["mnist_keras_sequential", "mnist_keras_model"])
+# Default: one tutorial (the sequential MNIST one: the ledger's printed epsilon); the other
+# tutorials' end-to-end runs (~45 s) with -m slow.
+@pytest.mark.parametrize("name", ["mnist_keras_sequential",
+                                  pytest.param("mnist_keras_model", marks=pytest.mark.slow)])
 def test_keras_mnist_tutorials_print_their_ledger_epsilon(name, mnist_path, capsys):
   """num_microbatches = batch_size = 50 on 500 examples: 10 Poisson steps at q = 0.1."""
   out, model, printed, _ = _run(name, capsys, "--data_path", mnist_path)
@@ -78,6 +81,7 @@ def test_keras_mnist_tutorials_print_their_ledger_epsilon(name, mnist_path, caps
   assert 0 <= out["test_accuracy"] <= 1
 
 
+@pytest.mark.slow
 def test_vectorized_tutorial_prints_its_ledger_epsilon_every_epoch(mnist_path, capsys):
   """The Estimator program as fit one epoch at a time: 2 x 6 Poisson steps at q = 1/6."""
   out, model, printed, _ = _run("mnist_vectorized", capsys, "--data_path", mnist_path)
@@ -85,6 +89,7 @@ def test_vectorized_tutorial_prints_its_ledger_epsilon_every_epoch(mnist_path, c
   _check_ledger_epsilon(out, model, printed, 50 / 300, 1.1, 6, 2, 1e-5)
 
 
+@pytest.mark.slow
 def test_movielens_tutorial_prints_its_ledger_epsilon(capsys):
   """NCF on 2000 synthetic ratings, DP-Adam with num_microbatches = batch_size = 100: 20
   Poisson steps at q = 0.05, z = 0.55, delta 1e-6; the GDP number beside is the ledger's

@@ -42,7 +42,11 @@ def _run_worker(cases):
   return results
 
 
-@pytest.mark.parametrize("cases", [("fast", "vectorized", "band_mf"),
+# Default: the fast path (auto's usual route) in one worker; the vectorized path, band_mf
+# noise and the CNN (the same bound on compilations) in workers of their own with -m slow.
+@pytest.mark.parametrize("cases", [("fast",),
+                                   pytest.param(("vectorized", "band_mf"),
+                                                marks=pytest.mark.slow),
                                    pytest.param(("cnn",), marks=pytest.mark.slow)],
                          ids=lambda c: "-".join(c))
 def test_dp_fit_under_xla_compiles_once(cases):
