@@ -20,6 +20,13 @@ import pytest
 
 import tf_dpiter.auditing as audit
 
+# Nightly tier (-m slow): the correct-run bound at targets 2, 4 and 8 (target 1
+# stays: the same assertions, a larger claim).
+SLOW_CASES = {
+    "test_correct_run_bound_is_below_claim_and_not_far[2]",
+    "test_correct_run_bound_is_below_claim_and_not_far[4]",
+    "test_correct_run_bound_is_below_claim_and_not_far[8]"}
+
 DELTA = 1e-5
 Z_FOR_STEP_EPSILON = {1: 3.7306, 2: 1.9938, 4: 1.0812, 8: 0.6002}   # q = 1, one step, PLD
 

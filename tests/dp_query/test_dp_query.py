@@ -10,6 +10,31 @@ import tensorflow as tf
 from tf_dpiter import dp_query as dq
 from tf_dpiter.accounting import effective_noise_multiplier
 
+# Nightly tier (-m slow): the mode grids beyond a latin cover; by default each check
+# runs in one or two of eager / tf.function / XLA, each mode present for each query family
+# (the clip levels each in one mode, both shapes of Box-Muller each in one compiled mode).
+SLOW_CASES = {
+    "test_gaussian_sum_clips_exactly[0.5-function]",
+    "test_gaussian_sum_clips_exactly[0.5-xla]",
+    "test_gaussian_sum_clips_exactly[3.0-eager]",
+    "test_gaussian_sum_clips_exactly[3.0-xla]",
+    "test_gaussian_sum_clips_exactly[inf-eager]",
+    "test_gaussian_sum_clips_exactly[inf-function]",
+    "test_mask_excludes_padded_records[function]",
+    "test_nested_query_clips_each_group[eager]",
+    "test_nested_query_clips_each_group[function]",
+    "test_adaptive_clip_tracks_quantile[xla]",
+    "test_laplace_sum_query[eager]",
+    "test_laplace_sum_query[xla]",
+    "test_queries_run_in_graph_and_xla[<lambda>0-eager]",
+    "test_queries_run_in_graph_and_xla[<lambda>0-function]",
+    "test_queries_run_in_graph_and_xla[<lambda>1-eager]",
+    "test_queries_run_in_graph_and_xla[<lambda>1-xla]",
+    "test_box_muller_noise_is_standard_normal[shape0-eager]",
+    "test_box_muller_noise_is_standard_normal[shape0-xla]",
+    "test_box_muller_noise_is_standard_normal[shape1-eager]",
+    "test_box_muller_noise_is_standard_normal[shape1-function]"}
+
 
 def run_query(query, records, mask=None, mode="eager", template=None):
   """One sample through `query`: returns (result, new_global_state, events)."""

@@ -14,6 +14,27 @@ from tf_dpiter.dp_query.testing import DPQueryContract
 from tf_dpiter.dp_query.testing import QueryCase
 from tf_dpiter.ledger import QueryWithLedger
 
+# Nightly tier (-m slow): each query's graph-and-XLA check runs by default in one
+# mode, tf.function or XLA, alternating by name (both modes stay in the default suite); the
+# other mode nightly.
+SLOW_CASES = {
+    "test_graph_and_xla_match_eager[automatic_clipping-xla]",
+    "test_graph_and_xla_match_eager[band_mf-function]",
+    "test_graph_and_xla_match_eager[blt-xla]",
+    "test_graph_and_xla_match_eager[gaussian_average-function]",
+    "test_graph_and_xla_match_eager[gaussian_from_z-xla]",
+    "test_graph_and_xla_match_eager[gaussian_sum-function]",
+    "test_graph_and_xla_match_eager[joint_clip-xla]",
+    "test_graph_and_xla_match_eager[laplace-function]",
+    "test_graph_and_xla_match_eager[nested-xla]",
+    "test_graph_and_xla_match_eager[nested_gaussian-function]",
+    "test_graph_and_xla_match_eager[no_privacy_average-xla]",
+    "test_graph_and_xla_match_eager[no_privacy_sum-function]",
+    "test_graph_and_xla_match_eager[normalized-xla]",
+    "test_graph_and_xla_match_eager[quantile_adaptive_clip-function]",
+    "test_graph_and_xla_match_eager[quantile_estimator-xla]",
+    "test_graph_and_xla_match_eager[tree-function]"}
+
 _RNG = np.random.default_rng(7)
 _VEC = tf.constant(_RNG.normal(size=(4, 3)).astype(np.float32) * 2)
 _PAIR = [tf.constant(_RNG.normal(size=(4, 2)).astype(np.float32)),

@@ -18,6 +18,11 @@ import tensorflow as tf
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping.rules import budget
 
+# Nightly tier (-m slow, besides the marks below): the LM's static chunked sum in
+# graph (its XLA case and the attention one stay).
+SLOW_CASES = {
+    "test_chunked_sum_exact[lm-False-True]"}
+
 L = keras.layers
 B, T = 19, 6
 _SLOW = pytest.mark.slow

@@ -17,6 +17,11 @@ import tensorflow as tf
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping.rules import budget
 
+# Nightly tier (-m slow, besides the marks below): the non-finite record with kept
+# gradients (without them stays: the same zero contribution).
+SLOW_CASES = {
+    "test_non_finite_record_adds_nothing[True-False]"}
+
 L = keras.layers
 B, T = 19, 6   # 19 = 2 chunks of 8 and a padded one
 

@@ -9,6 +9,13 @@ from tf_dpiter import accounting
 from tf_dpiter import dp_query as dpq
 from tf_dpiter import federated as F
 
+# Nightly tier (-m slow): the accounting cases beyond fixed_size-fixed, the
+# 3-epoch plain-FedAvg case (none-1 stays).
+SLOW_CASES = {
+    "test_reported_epsilon_equals_dp_accounting[fixed_size-quantile]",
+    "test_reported_epsilon_equals_dp_accounting[poisson-fixed]",
+    "test_noise_free_unclipped_full_participation_is_plain_fedavg[inf_clip-3]"}
+
 
 def _partition(x, y, num_clients, per_client=20, seed=0):
   return F.partition_iid(x, y, num_clients, examples_per_client=per_client, seed=seed)

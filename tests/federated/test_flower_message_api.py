@@ -27,6 +27,12 @@ from tf_dpiter.federated import flower as FL
 
 from .fed_helpers import plain_fedavg
 
+# Nightly tier (-m slow): the second setting of each Message API check (one
+# failure-and-rounds setting and one (k, m, z, rounds) setting stay).
+SLOW_CASES = {
+    "test_message_api_noise_free_is_plain_fedavg_of_the_replies[fail1-1-kept1]",
+    "test_message_api_epsilon_from_ledger_equals_dp_accounting[5-3-0.9-3]"}
+
 
 @pytest.fixture(autouse=True)
 def _serverapp_identity():

@@ -16,6 +16,11 @@ import tf_dpiter as dp
 from tf_dpiter.keras.model import augmentation
 from tests.privacy import neighbours
 
+# Nightly tier (-m slow): the view-mean metrics on the vectorized path (the fast
+# path's case stays) and update cases beyond one per path and jit.
+SLOW_CASES = {
+    "test_metrics_see_the_mean_over_views_of_each_example[vectorized]"}
+
 BASE_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B, PAD, N, CLIP, K = 6, 3, 1000, 1.0, 3
 SHIFTS = np.array([[0.0] * 6, [0.5, -0.5, 0.2, 0.0, 1.0, -1.0], [-2.0, 0.0, 0.3, 1.5, 0.0, 0.7]],

@@ -23,6 +23,12 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras import compat
 from tf_dpiter.keras.optimizer import custom_loops
 
+# Nightly tier (-m slow): the BatchNormalization and training-only mixing models
+# (the centering one stays: the same refusal).
+SLOW_CASES = {
+    "test_whole_batch_form_on_a_mixing_model_exceeds_c_so_it_is_refused[bn]",
+    "test_whole_batch_form_on_a_mixing_model_exceeds_c_so_it_is_refused[training_only]"}
+
 CLIP, B = 0.05, 6
 
 

@@ -21,6 +21,15 @@ from tf_dpiter.errors import PrivacyConfigError
 
 from tests.privacy import privacy_joins  # noqa: E402
 
+# Nightly tier (-m slow, besides the marks below): by default each noise kind runs
+# each check once: four fits (blt, both ways), save/load then fit (band_mf), one fit of
+# several epochs (iid).
+SLOW_CASES = {
+    "test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-iid]",
+    "test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-band_mf]",
+    "test_save_load_model_then_fit_continues_the_ledgers_cycle[iid]",
+    "test_one_fit_of_several_epochs_keeps_the_ledgers_claim[band_mf]"}
+
 N, B, STEPS = 24, 4, 5   # q = 1: every example of the active group joins
 # fits (or epochs) of STEPS steps: they start at steps 0, 5, 10, 15, i.e. in each of the b = 4
 # groups once (5 is not a multiple of b), so every way a fit can start inside the cycle is met

@@ -13,6 +13,13 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter.auditing import sensitivity
 
+# Nightly tier (-m slow): the 302/303 check under the mixed policies (float32
+# and bfloat16 stay) and the bfloat16 CNN (the bfloat16 MLP stays).
+SLOW_CASES = {
+    "test_302_and_303_records_differ_by_one_clip_norm[mixed_float16]",
+    "test_302_and_303_records_differ_by_one_clip_norm[mixed_bfloat16]",
+    "test_train_step_never_exceeds_recorded_sensitivity[bfloat16-cnn]"}
+
 POLICIES = ["float32", "mixed_float16", "mixed_bfloat16", "bfloat16"]
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

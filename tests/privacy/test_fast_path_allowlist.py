@@ -24,6 +24,13 @@ from tests.keras import dp_keras_helpers as helpers
 from tests.privacy import neighbours
 from tf_dpiter import errors
 
+# Nightly tier (-m slow): each evading layer runs by default once, in graph or
+# under XLA (both present); its other mode nightly.
+SLOW_CASES = {
+    "test_evading_layer_moves_the_clipped_sum_by_at_most_c[after_six_calls-xla]",
+    "test_evading_layer_moves_the_clipped_sum_by_at_most_c[large_values-eager_graph]",
+    "test_evading_layer_moves_the_clipped_sum_by_at_most_c[large_batches-xla]"}
+
 CLIP, N, E, REAL, ROWS, F = 0.5, 1000, 8, 6, 8, 4
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

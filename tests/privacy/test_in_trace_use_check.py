@@ -182,7 +182,8 @@ def test_step_traced_outside_the_train_function_refuses_a_state_changing_abandon
   assert float(model.get_layer("counter").count.numpy()) == 0.0
 
 
-@pytest.mark.parametrize("flow", ["cond", "fori", "training_only",
+@pytest.mark.parametrize("flow", ["cond", pytest.param("fori", marks=pytest.mark.slow),
+                                  pytest.param("training_only", marks=pytest.mark.slow),
                                   pytest.param("while", marks=pytest.mark.slow),
                                   pytest.param("nested_function", marks=pytest.mark.slow)])
 def test_reads_inside_control_flow_of_another_layer_are_found(flow):

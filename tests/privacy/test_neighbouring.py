@@ -20,6 +20,12 @@ import pytest
 import tf_dpiter as dp
 from tests.privacy import neighbours
 
+# Nightly tier (-m slow, besides the marks below): Poisson add/remove runs by default
+# once per clipping path and once per model kind (conv-fast, dense-vectorized).
+SLOW_CASES = {
+    "test_poisson_add_remove_one_example[conv-vectorized]",
+    "test_poisson_add_remove_one_example[dense-fast]"}
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B, PAD, N, CLIP, CANDIDATES = 8, 4, 1000, 1.0, 30
 

@@ -30,6 +30,11 @@ import tf_dpiter as dp
 from tf_dpiter.auditing import sensitivity
 from tf_dpiter.keras.optimizer import routing
 
+# Nightly tier (-m slow, besides the marks below): the mixing layer under shuffled
+# passes (Poisson stays: the same routing and exactness).
+SLOW_CASES = {
+    "test_parameter_free_mixing_layer_routed_and_exact[shuffle]"}
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -25,6 +25,11 @@ from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import dense as dense_rule
 
+# Nightly tier (-m slow): the gram form under XLA; by default the ordinary fast
+# form in graph and under XLA (one neighbouring case per jit).
+SLOW_CASES = {
+    "test_fit_shared_ops_move_the_sum_by_at_most_c[gram-True]"}
+
 CLIP, N, E, REAL, ROWS, T, K, H, D = 0.4, 1000, 8, 13, 32, 4, 6, 2, 3
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

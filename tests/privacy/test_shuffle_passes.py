@@ -14,6 +14,13 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter import accounting
 
+# Nightly tier (-m slow): the epochs-as-passes settings beyond 3 epochs with
+# microbatches of 4 (the case holding both multi-epoch and microbatches).
+SLOW_CASES = {
+    "test_epochs_of_shuffled_fit_are_passes[3-None]",
+    "test_epochs_of_shuffled_fit_are_passes[1-4]",
+    "test_epochs_of_shuffled_fit_are_passes[1-None]"}
+
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 Z, CLIP, DELTA = 1.1, 1.0, 1e-5
 
