@@ -7,7 +7,7 @@ global state and the privacy events (sum units) the ledger records. Graph- and X
 
 The per-record L2 clip (same paper, Section 2, flat clipping), the one place its arithmetic
 lives: a record x (a nest read as one vector) becomes pi_S(x) = c * x, c = min(1, S / ||x||_2),
-computed in float32. Every clipping path (preprocess_record, the ghost-norm path's
+computed in float32 (float64 for a record with a float64 leaf). Every clipping path (preprocess_record, the ghost-norm path's
 `record_clip_factors`, the correlated-noise queries) goes through the functions below.
 """
 
@@ -27,23 +27,34 @@ from tf_dpiter.errors import ParameterValueError
 _TINY_NORM = 1e-30
 
 
+def _norm_dtype(tensors):
+  """float64 if any of `tensors` is float64, else float32 (never less than float32)."""
+  return (tf.float64 if any(tf.as_dtype(t.dtype) == tf.float64 for t in tensors)
+          else tf.float32)
+
+
 def global_l2_norm(record):
-  """||x||_2 of a nest of tensors taken as one concatenated vector (float32).
+  """||x||_2 of a nest of tensors taken as one concatenated vector (float32; float64 when a
+  leaf is float64).
 
   Args:
     record: a nest of numeric tensors.
 
   Returns:
-    a scalar float32 tensor.
+    a scalar float32 (or float64) tensor.
   """
-  leaves = [tf.cast(x, tf.float32) for x in tf.nest.flatten(record)]
+  leaves = [tf.convert_to_tensor(x) for x in tf.nest.flatten(record)]
+  dtype = _norm_dtype(leaves)
+  leaves = [tf.cast(x, dtype) for x in leaves]
   return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(x)) for x in leaves]))
 
 
 def _raw_factors(norms, l2_norm_clip):
-  """min(1, S / max(||x||, 1e-30)) in float32, no special case for a non-finite norm."""
-  clip = tf.cast(l2_norm_clip, tf.float32)
-  return tf.minimum(1.0, clip / tf.maximum(tf.cast(norms, tf.float32), _TINY_NORM))
+  """min(1, S / max(||x||, 1e-30)) in float32 (float64 norms: float64), no special case for
+  a non-finite norm."""
+  dtype = _norm_dtype([tf.convert_to_tensor(norms)])
+  clip = tf.cast(l2_norm_clip, dtype)
+  return tf.minimum(tf.constant(1.0, dtype), clip / tf.maximum(tf.cast(norms, dtype), _TINY_NORM))
 
 
 def clip_factors(record_norms, l2_norm_clip):

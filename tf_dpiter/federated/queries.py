@@ -111,8 +111,11 @@ class MedianNormClipSumQuery(dpq.DPQuery):
     return self.merge_sample_states(sample_state, (preprocessed_record[None], tf.ones([1])))
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    records = tf.convert_to_tensor(records, tf.float32)
-    mask = tf.ones(tf.shape(records)[:1]) if mask is None else tf.cast(mask, tf.float32)
+    # float32 whatever the server's dtype; a mask entry > 0 keeps its row (the server's
+    # mask carries the private queries' clip shrink, meaningless to a median clip)
+    records = tf.cast(records, tf.float32)
+    mask = (tf.ones(tf.shape(records)[:1]) if mask is None
+            else tf.cast(tf.convert_to_tensor(mask) > 0, tf.float32))
     return self.merge_sample_states(sample_state, (records, mask))
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
