@@ -19,8 +19,17 @@ convolution"):
   (registry.keep_per_example) gets g_i = dz_i^T P_i by one batched matrix product, a larger
   one the cheaper of the Gram and direct norms (algebra.factored_sqr_norm) and its sum by
   book-keeping.
-Where the clipped sum is not formed from the gradients whose norms are taken (the folded
-Gram, the sum by book-keeping) the norms are upper bounds that cover the float32 rounding of
+With one example per record and a kernel small enough to keep per example
+(registry.keep_per_example), the clipped sum is sum_i c_i g_i of per-example gradients in a
+pinned order (`_pinned_kept_sum` from the kept ones, `_pinned_recomputed_sum` forming them
+again over chunks where they are not kept; blocks of rows, the blocks by a pairwise tree),
+declared to the step (algebra.report_pinned), which then clips to C / (1 + eta) so that one
+record moves the float32 sum by at most C (Casacuberta et al., "Widespread underestimation
+of sensitivity in differentially private libraries and how to fix it", CCS 2022; the
+book-keeping filter gradient sums the B T positions in an order no one pins: 1.25 C measured
+at B = 4096 under XLA); the folded Gram is then not chosen (the per-example gradients are
+formed anyway). Where the clipped sum is not formed from the gradients whose norms are taken
+(the folded Gram, the sum by book-keeping) the norms are upper bounds that cover the float32 rounding of
 the record's terms (`_fold_gram_contraction`, float32 alone; algebra.with_sum_rounding): a record
 whose positions' gradients nearly cancel got a float32 norm near 0 and moved the clipped sum
 by up to 7e4 C.
@@ -52,6 +61,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
@@ -499,6 +509,143 @@ def _factor_rows(factors, g):
                        axis=0)[:, 0, :]
 
 
+def _pinned_applies(layer):
+  """The clipped sums of this convolution are formed in a pinned order (`_pinned_kept_sum`,
+  `_pinned_recomputed_sum`): one example per record (a Python int k = 1: each record's term is
+  one per-example gradient whose norm clipping takes) and a per-example kernel gradient small
+  enough to keep (registry.keep_per_example: forming one per example costs at most what the
+  kept forms cost; a larger kernel keeps the book-keeping sum, unpinned and charged no margin:
+  docs/design.md, "Floating point")."""
+  k = registry.current_examples_per_record()
+  return (isinstance(k, int) and k == 1 and
+          registry.keep_per_example(int(np.prod(layer.kernel.shape))))
+
+
+def _pinned_block(form, rc):
+  """Rows per block of a convolution's pinned sums (algebra.pinned_block of the records and
+  the kernel's entries): the same for the kept and the recomputed per-example gradients, so
+  that either branch of a run-time choice (budget.by_keep) runs the plan reported."""
+  return algebra.pinned_block(rc.shape[0], 4 * form.rows * form.cols, budget.CHUNK_BYTES)
+
+
+def _pinned_kept_sum(form, g, rc, block):
+  """sum_i c_i g_i of the kept per-record gradients g [n, A, m, cols] (`_per_example_pass`;
+  rows past the records are padding) in a pinned order: the records' rows [B, A cols] by
+  algebra.pinned_rows_product (blocks of `block` rows summed in any order, the blocks by
+  summation.pairwise_sum), declared through algebra.report_pinned (`_pinned_sums`;
+  Casacuberta et al., "Widespread underestimation of sensitivity in differentially private
+  libraries and how to fix it", CCS 2022). Each record's term is the very vector whose norm
+  was taken. Rows with c_i = 0 add exactly 0 (algebra.drop_rows).
+
+  Args:
+    form: the layer's _Form.
+    g: [n, A, m, cols] float32 kept per-record gradients.
+    rc: [B] float32 record factors.
+    block: `_pinned_block`.
+
+  Returns:
+    [A, cols] float32.
+  """
+  if form.rows > 1:   # the depthwise form's kh kw rows: record-major [n, m, A, cols]
+    g = tf.transpose(g, [0, 2, 1, 3])
+  rows = algebra.leading_rows(tf.reshape(g, [-1, form.rows * form.cols]), rc)
+  s = algebra.pinned_rows_product(tf.reshape(rc, [-1, 1]), algebra.drop_rows(rows, rc), block)
+  return tf.reshape(s, [form.rows, form.cols])
+
+
+def _pinned_recomputed_sum(form, x4, dz4, rc, block):
+  """sum_i c_i g_i with the per-example gradients g_i formed again by `form` (the clipped sum
+  of a convolution whose norms were taken without keeping them: the folded Gram, or a batch
+  over budget.KEEP_BYTES), in the plan of `_pinned_kept_sum`: blocks of `block` rows in any
+  order, the blocks by a pairwise tree of depth ceil(log2 ceil(B / block))
+  (summation.rounding_margin), a block without the removed record computed bit-identically
+  on both datasets. Formed in chunks of m = 2^j examples (budget.chunk_size: the chunk's
+  temporaries within budget.CHUNK_BYTES; m = block for a block not a power of two), each
+  chunk's rows by algebra.pinned_rows_product in blocks of min(block, m) rows, the chunks'
+  sums by summation.pairwise_sum: m and the block are powers of two, one a multiple of the
+  other, so the tree's first log2(block / m) levels sum each block's chunks (a fixed set of
+  `block` rows, in some order) and the rest is the pinned tree over the blocks, of that
+  depth. The summed g_i is formed in float32 over the record's T positions (any order),
+  within gamma_T S of the exact gradient (Higham, "Accuracy and Stability of Numerical
+  Algorithms", Sec. 3.1; S = sum_t ||p_t|| ||dz_t||), which the norm's raise covers
+  (algebra.with_sum_rounding, L >= T + 1). Under XLA with a batch the trace does not know,
+  the batch is one call (`_chunkable`).
+
+  Args:
+    form: the per-example _Form.
+    x4: [B, H, W, cin] inputs.
+    dz4: [B, ho, wo, cout] output gradients.
+    rc: [B] float32 record factors (one example per record).
+    block: `_pinned_block`.
+
+  Returns:
+    [A, cols] float32.
+  """
+  x4, dz4 = tf.cast(x4, tf.float32), tf.cast(dz4, tf.float32)
+  width = form.rows * form.cols
+  m = (budget.chunk_size(form.temp_bytes + 8 * width, 1, form.cap)
+       if _chunkable(x4, 1) else None)
+  if m is not None and block & (block - 1):
+    m = block
+
+  def rows_sum(x, d, c, rows_block):   # [width]
+    g = tf.reshape(form.chunk_fn(x, d), [form.rows, -1, form.cols])
+    if form.rows > 1:
+      g = tf.reshape(tf.transpose(g, [1, 0, 2]), [-1, width])
+    else:
+      g = g[0]
+    return algebra.pinned_rows_product(tf.reshape(c, [-1, 1]), algebra.drop_rows(g, c),
+                                       rows_block)[0]
+
+  shaped = lambda s: tf.reshape(s, [form.rows, form.cols])
+  one_shot = lambda: rows_sum(x4, dz4, rc, block)
+  static_b, b = x4.shape[0], tf.shape(x4)[0]
+  if m is None or (static_b is not None and static_b <= m):
+    return shaped(one_shot())
+  pad = lambda t, rows: tf.pad(t, [[0, rows]] + [[0, 0]] * (t.shape.rank - 1))
+  spec = tf.TensorSpec([width], tf.float32)
+  chunk_sum = lambda x, d, c: rows_sum(x, d, c, min(block, m))
+
+  def chunked():
+    if static_b is not None:   # XLA: static slices of the padded batch
+      n = -(-static_b // m)
+      split = lambda t: tf.reshape(pad(t, n * m - static_b), [n, m] + t.shape[1:].as_list())
+      sums = tf.map_fn(lambda e: chunk_sum(*e), (split(x4), split(dz4), split(rc)),
+                       parallel_iterations=1, fn_output_signature=spec)
+    else:   # each chunk sliced from the batch and padded alone: no copy of the batch
+      def one(i):
+        parts = [t[i * m:(i + 1) * m] for t in (x4, dz4, rc)]
+        parts = [pad(t, m - tf.shape(t)[0]) for t in parts]
+        for t, like in zip(parts, (x4, dz4, rc)):
+          t.set_shape([m] + like.shape[1:].as_list())
+        return chunk_sum(*parts)
+
+      sums = tf.map_fn(one, tf.range((b + m - 1) // m), parallel_iterations=1,
+                       fn_output_signature=spec)
+    return summation.pairwise_sum(sums)
+
+  return shaped(chunked() if static_b is not None else tf.cond(b <= m, one_shot, chunked))
+
+
+def _pinned_bias_sum(db, rc, block):
+  """`_bias_sum` of one example per record in the pinned order of the kernel's sum
+  (algebra.pinned_rows_product, blocks of `block` rows): [cout] float32."""
+  return algebra.pinned_rows_product(tf.reshape(rc, [-1, 1]), algebra.drop_rows(db, rc),
+                                     block)[0]
+
+
+def _pinned_sums(layer, kernel, db, rc, block):
+  """[the kernel's pinned sum, reshaped, and the bias's from its per-record gradients db
+  [B, cout] (no bias sum for db None)], both declared by algebra.report_pinned with `block`
+  so that the step charges their plan's rounding margin (clipping._with_rounding_margin)."""
+  algebra.report_pinned(layer.kernel, block)
+  sums = [tf.reshape(kernel, layer.kernel.shape)]
+  if db is not None:
+    algebra.report_pinned(layer.bias, block)
+    sums.append(_pinned_bias_sum(db, rc, block))
+  return sums
+
+
 def _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation, padding):
   """sum_i c_i g_i of the kernel as one whole-batch filter gradient of the clip-weighted
   output gradients (the gradient TensorFlow takes of the convolution itself): rows with c_i = 0
@@ -553,10 +700,17 @@ def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, 
   in sq (None: no trainable bias), the bias sum's terms (`_bias_sum`)."""
 
   k = registry.current_examples_per_record()
+  # one example per record: the per-example gradients formed again, summed in a pinned order
+  form = (_per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
+          if _pinned_applies(layer) else None)
 
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     with tf.name_scope(_scope_name(layer, form_name, "sum")):
       factors = tf.cast(example_factors, tf.float32)
+      if form is not None:
+        block = _pinned_block(form, factors)
+        return _pinned_sums(layer, form.to_kernel(_pinned_recomputed_sum(
+            form, x4, dz4, factors, block)), db, factors, block)
       kernel = _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride, dilation,
                                        padding)
       sums = [tf.reshape(kernel, layer.kernel.shape)]
@@ -600,6 +754,12 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
       factors = tf.cast(example_factors, tf.float32)
       with registry.examples_per_record(k):   # the norms' records (the sum runs outside)
         rc = budget.record_factors(factors)
+      if pinned:   # one example per record: the pinned order, kept or formed again
+        block = _pinned_block(form, rc)
+        kernel = budget.by_keep(keep, lambda: _pinned_kept_sum(form, g, rc, block),
+                                lambda: _pinned_recomputed_sum(form, x4, dz4, rc, block))
+        return _pinned_sums(layer, form.to_kernel(kernel), None if bias is None else bias[1],
+                            rc, block)
       from_g = lambda: form.to_kernel(_factor_rows(rc, g))
       by_bookkeeping = lambda: _bookkeeping_kernel_sum(layer, x4, dz4, factors, ksize, stride,
                                                        dilation, padding)
@@ -609,6 +769,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
         sums.append(_bias_sum(bias[1], factors, k))
       return sums
 
+  pinned = _pinned_applies(layer)
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
 
@@ -653,10 +814,14 @@ def _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
   return fold < min(t * kk * n, t * t * (kk + n) + t * kk * n / _PER_EXAMPLE_SLOWDOWN)
 
 
-def _choose_form(dz4, x4, ksize, stride, dilation, keep):
+def _choose_form(dz4, x4, ksize, stride, dilation, keep, pinned=False):
   """The form of a convolution's norm (module docstring), by the cost model.
 
-  The override (registry.form_override) if set; else "foldgram" where _fold_gram_cheaper;
+  The override (registry.form_override) if set; else "foldgram" where _fold_gram_cheaper and
+  the clipped sum is not pinned (`pinned`: its per-example gradients are formed anyway, so the
+  norms are taken from them: the tutorial CNN's second convolution at B = 256, 36.8 against
+  41.5 ms CPU per clipped sum with the folded Gram's norms and the gradients formed again,
+  load 10);
   else, when the output has more positions than a patch has entries, "depthwise" (oneDNN
   on, not under XLA, few entries) or "filter" (a per-example gradient too large to keep);
   else None (unfolded patches). Under XLA the same choice except "depthwise" and "filter"
@@ -669,6 +834,7 @@ def _choose_form(dz4, x4, ksize, stride, dilation, keep):
     stride: (sh, sw).
     dilation: (dh, dw).
     keep: the per-example kernel gradient is small enough to keep.
+    pinned: the clipped sum is formed from per-example gradients (`_pinned_applies`).
 
   Returns:
     "foldgram", "depthwise", "filter", an override, or None.
@@ -677,7 +843,7 @@ def _choose_form(dz4, x4, ksize, stride, dilation, keep):
   dilated = any(d != 1 for d in dilation)
   if form is not None or dilated:
     return form
-  if _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
+  if not pinned and _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
     return "foldgram"
   positions = int(np.prod(dz4.shape[1:-1])) if None not in dz4.shape[1:-1] else 0
   patch = ksize[0] * ksize[1] * int(x4.shape[-1])
@@ -865,7 +1031,7 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
             None)
     if not kernel_on:
       return algebra.result(layer, bias[0], {id(layer.bias): bias[1]})
-    form = _choose_form(dz4, x4, ksize, stride, dilation, keep)
+    form = _choose_form(dz4, x4, ksize, stride, dilation, keep, pinned=_pinned_applies(layer))
     with tf.name_scope(_scope_name(layer, form, "norm")):   # profiles name layer and form
       return _conv_norm(form, dz4, bias)
 
