@@ -20,6 +20,13 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import gaussian_query
 
+# Nightly tier (-m slow): the fresh-values check under XLA (graph stays); the 16-bit
+# draws one dtype per mode.
+SLOW_CASES = {
+    "test_every_leaf_gets_its_own_fresh_normal_values[xla]",
+    "test_16_bit_leaves_across_draws[dtype0-xla]",
+    "test_16_bit_leaves_across_draws[dtype1-graph]"}
+
 SIGMA = 0.1
 BLOCK = 512
 # within a draw, across 2 draws (joined), across > 2 draws (in place), unaligned, aligned

@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import clipping
 
-from .covers import all_pairs
-from .covers import assert_covers_pairs_of
+from .covers import assert_covers
+from .covers import cover
 from .covers import slow_outside
 from .test_gram_cancellation_review import C
 from .test_gram_cancellation_review import _LOSS
@@ -106,19 +106,24 @@ MODES = [(1, True, True), (2, False, False)]
 FEW = [(kind, t, bias_only, mode) for kind in KINDS + ["dense_rank2"]
        for t in ([1] if kind == "dense_rank2" else [1, 2, 3])
        for bias_only in (True, False) for mode in MODES]
-FEW_DEFAULT = all_pairs(FEW, first=[("dense", 1, False, MODES[1])])
+# By default each kind once, each T once, each variable set in each mode (one case per rule
+# and path); the all-pairs cover and the rest of the grid run with -m slow.
+FEW_GROUPS = [(0,), (1,), (2, 3)]
+FEW_DEFAULT = cover(FEW, FEW_GROUPS, first=[("dense", 1, False, MODES[1])])
 
 # (kind, jit, known batch) at T = 128: XLA known, graph known, XLA unknown, graph unknown; by
 # default each kind in both modes and at both batch kinds (an all-pairs cover)
 WIDE = [(kind, jit, known) for kind in KINDS
         for jit, known in [(True, True), (False, True), (True, False), (False, False)]]
-WIDE_DEFAULT = all_pairs(WIDE, first=[("einsum_general", False, False)])
+# by default each kind once and each (mode, batch kind) once; the rest with -m slow
+WIDE_GROUPS = [(0,), (1, 2)]
+WIDE_DEFAULT = cover(WIDE, WIDE_GROUPS, first=[("einsum_general", False, False)])
 
 
-def test_default_cases_cover_every_pair():
-  assert_covers_pairs_of(FEW_DEFAULT, FEW)
-  assert_covers_pairs_of(WIDE_DEFAULT, WIDE)
-  assert len(FEW_DEFAULT) < 0.6 * len(FEW) and len(WIDE_DEFAULT) <= len(WIDE) / 2
+def test_default_cases_cover_every_kind_and_mode():
+  assert_covers(FEW_DEFAULT, FEW, FEW_GROUPS)
+  assert_covers(WIDE_DEFAULT, WIDE, WIDE_GROUPS)
+  assert len(FEW_DEFAULT) < 0.3 * len(FEW) and len(WIDE_DEFAULT) <= len(WIDE) / 3
 
 
 def _few_params():

@@ -27,8 +27,8 @@ import pytest
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
-from .covers import all_pairs
-from .covers import assert_covers_pairs_of
+from .covers import assert_covers
+from .covers import cover
 from .covers import slow_outside
 from .conftest import per_record_clipped_sum
 from .test_dense_sums_adversarial import _LOSS as _MSE
@@ -147,16 +147,17 @@ def _data(b, shape, seed):
           rng.normal(size=(b, 2)).astype("float32"))
 
 
-# (layer and bias, form, jit): by default an all-pairs cover (each layer in both bounded forms,
-# each in graph and under XLA), the rest marked slow
+# (layer and bias, form, jit): by default each layer once and each form in graph and under XLA
+# (one case per rule and path), the rest marked slow (-m slow: the whole grid)
 BOUNDED = [(kind, form, jit) for kind in (("dense", True), ("dense", False), ("einsum", True))
            for form in ("direct", "gram") for jit in (False, True)]
-BOUNDED_DEFAULT = all_pairs(BOUNDED)
+BOUNDED_GROUPS = [(0,), (1, 2)]
+BOUNDED_DEFAULT = cover(BOUNDED, BOUNDED_GROUPS)
 
 
-def test_bounded_cases_cover_every_pair():
-  assert_covers_pairs_of(BOUNDED_DEFAULT, BOUNDED)
-  assert len(BOUNDED_DEFAULT) == 6
+def test_bounded_cases_cover_every_layer_form_and_mode():
+  assert_covers(BOUNDED_DEFAULT, BOUNDED, BOUNDED_GROUPS)
+  assert len(BOUNDED_DEFAULT) == 4
 
 
 @pytest.mark.parametrize("kind,use_bias,form,jit", [

@@ -18,8 +18,8 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
-from .covers import all_pairs
-from .covers import assert_covers_pairs_of
+from .covers import assert_covers
+from .covers import cover
 from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
@@ -51,18 +51,20 @@ def _records(shape, count=12, seed=2, top=3):
 
 POLICIES = ["mixed_float16", "mixed_bfloat16"]
 # (policy, form, jit) for Dense and (policy, layer, keep, jit) for Conv2D and LayerNormalization:
-# by default all-pairs covers (each form or layer under each policy, in graph and under XLA,
-# kept and not), the rest marked slow
+# by default each form or layer once, each policy in graph and under XLA, each layer kept and
+# not (one case per rule and path), the rest marked slow (-m slow: the whole grids)
 DENSE = [(p, form, jit) for p in POLICIES for form in [None, "gram", "direct", "not_kept"]
          for jit in (False, True)]
 LAYERS = [(p, layer, keep, jit) for p in POLICIES for layer in ("conv2d", "layer_norm")
           for keep in (True, False) for jit in (False, True)]
-DENSE_DEFAULT, LAYERS_DEFAULT = all_pairs(DENSE), all_pairs(LAYERS)
+DENSE_GROUPS, LAYERS_GROUPS = [(0, 2), (1,)], [(0, 3), (1, 2)]
+DENSE_DEFAULT = cover(DENSE, DENSE_GROUPS)
+LAYERS_DEFAULT = cover(LAYERS, LAYERS_GROUPS)
 
 
-def test_default_cases_cover_every_pair():
-  assert_covers_pairs_of(DENSE_DEFAULT, DENSE)
-  assert_covers_pairs_of(LAYERS_DEFAULT, LAYERS)
+def test_default_cases_cover_every_form_policy_and_mode():
+  assert_covers(DENSE_DEFAULT, DENSE, DENSE_GROUPS)
+  assert_covers(LAYERS_DEFAULT, LAYERS, LAYERS_GROUPS)
   assert len(DENSE_DEFAULT) <= len(DENSE) / 2 and len(LAYERS_DEFAULT) <= len(LAYERS) / 2
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from tf_dpiter.keras.fast_clipping import registry
 
-from .covers import all_pairs
-from .covers import assert_covers_pairs_of
+from .covers import assert_covers
+from .covers import cover
 from .covers import slow_outside
 from .test_gram_cancellation_review import _contributions
 from .test_layer_cancellation_review import _assert_within_c
@@ -56,17 +56,18 @@ def _mirrored(model, shape, ids, count=10, seed=3):
   return np.stack(xs), np.array(ys, np.float32)
 
 
-# (layer, keep, jit): by default an all-pairs cover (each layer with its per-example gradients
-# kept and not, each in graph and under XLA), the rest marked slow
+# (layer, keep, jit): by default each layer once and each (kept, mode) pair once (one case per
+# rule and path), the rest marked slow (-m slow: the whole grid)
 GRID = [(name, keep, jit) for name in ["layer_norm", "simple_rnn", "lstm", "gru", "conv2d",
                                        "conv1d", "dense_seq", "einsum_heads", "embedding"]
         for keep in (True, False) for jit in (False, True)]
-DEFAULT = all_pairs(GRID)
+GROUPS = [(0,), (1, 2)]
+DEFAULT = cover(GRID, GROUPS)
 
 
-def test_default_cases_cover_every_pair():
-  assert_covers_pairs_of(DEFAULT, GRID)
-  assert len(DEFAULT) <= len(GRID) / 2
+def test_default_cases_cover_every_layer_and_mode():
+  assert_covers(DEFAULT, GRID, GROUPS)
+  assert len(DEFAULT) <= len(GRID) / 3
 
 
 @pytest.mark.parametrize("name,keep,jit", slow_outside(GRID, DEFAULT))

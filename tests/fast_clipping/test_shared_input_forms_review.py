@@ -12,6 +12,8 @@ float64 per-record loop (tests/fast_clipping/conftest.py). A record with an infi
 is clipped as the loop clips it or (a float32 overflow in the form) adds nothing. A neighbour with a huge record moves the sum by at most C.
 """
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -19,11 +21,18 @@ import pytest
 from tf_dpiter.keras.fast_clipping import registry
 
 from .conftest import per_record_clipped_sum
+from .covers import assert_covers
+from .covers import cover
+from .covers import slow_outside
 from .test_dense_sums_adversarial import _LOSS
 from .test_dense_sums_adversarial import _assert_equal
 from .test_dense_sums_adversarial import _fast
-from .test_fast_clipping import assert_covers_every_pair
-from .test_fast_clipping import latin_pairs
+
+# Nightly tier (-m slow, besides the grids below): records of two masked, the gram
+# form in graph and the direct form under XLA (the other two stay).
+SLOW_CASES = {
+    "test_records_of_two_masked_on_shared_input[False-gram]",
+    "test_records_of_two_masked_on_shared_input[True-direct]"}
 
 _L = keras.layers
 
@@ -53,20 +62,25 @@ _SHAPES = [(3, 9, 9), (12, 3, 2), (4, 7, 8), (4, 8, 8)]
 
 
 _FORMS = [None, "gram", "direct"]
-# Each shape in every form, graph and XLA alternating (latin_pairs): every pair of
-# {shape} x {form} x {jit} meets, each shape and each form in graph and under XLA (12 of the
-# 24-case product); the non-finite records likewise over {bad value} x {form} x {jit} (9 of
-# 18). test_the_cases_cover_every_pair checks both.
-_SHAPE_CASES = latin_pairs(_SHAPES, _FORMS, [False, True])
-_BAD_CASES = latin_pairs([np.inf, 1e30, -np.inf], _FORMS, [False, True])
+# {shape} x {form} x {jit} and {bad value} x {form} x {jit}: by default each shape (bad value)
+# once and each form in graph and under XLA (6 cases each; test_the_cases_cover_every_shape_
+# form_and_mode checks it); the rest of each product (an all-pairs cover among them) runs
+# with -m slow.
+_BAD_VALUES = [np.inf, 1e30, -np.inf]
+_SHAPE_GRID = list(itertools.product(_SHAPES, _FORMS, [False, True]))
+_BAD_GRID = list(itertools.product(_BAD_VALUES, _FORMS, [False, True]))
+_GROUPS = [(0,), (1, 2)]
+_SHAPE_CASES = cover(_SHAPE_GRID, _GROUPS)
+_BAD_CASES = cover(_BAD_GRID, _GROUPS)
 
 
-def test_the_cases_cover_every_pair():
-  assert_covers_every_pair(_SHAPE_CASES, [_SHAPES, _FORMS, [False, True]])
-  assert_covers_every_pair(_BAD_CASES, [[np.inf, 1e30, -np.inf], _FORMS, [False, True]])
+def test_the_cases_cover_every_shape_form_and_mode():
+  assert_covers(_SHAPE_CASES, _SHAPE_GRID, _GROUPS)
+  assert_covers(_BAD_CASES, _BAD_GRID, _GROUPS)
+  assert len(_SHAPE_CASES) == len(_BAD_CASES) == 6
 
 
-@pytest.mark.parametrize("shape,form,jit", _SHAPE_CASES)
+@pytest.mark.parametrize("shape,form,jit", slow_outside(_SHAPE_GRID, _SHAPE_CASES))
 def test_shared_input_layers_equal_the_loop(shape, form, jit, monkeypatch):
   t, k, n = shape
   if form is not None:
@@ -96,7 +110,7 @@ def test_records_of_two_masked_on_shared_input(form, jit, monkeypatch):
   _assert_equal(got, want)
 
 
-@pytest.mark.parametrize("bad_value,form,jit", _BAD_CASES)
+@pytest.mark.parametrize("bad_value,form,jit", slow_outside(_BAD_GRID, _BAD_CASES))
 def test_a_non_finite_record_adds_nothing(bad_value, form, jit, monkeypatch):
   if form is not None:
     monkeypatch.setattr(registry, "_FORM_OVERRIDE", form)

@@ -64,7 +64,10 @@ def _assert_sigma_once(u, label):
   assert abs(ratio - 1.0) < 5 * math.sqrt(2.0 / u.size), (label, ratio)
 
 
-@pytest.mark.parametrize("jit, compiled_noise", [(False, False), (True, False), (True, True)])
+# Default: one case per path (graph; XLA with its compiled draw); XLA with the host draw
+# (~60 s) runs with -m slow.
+@pytest.mark.parametrize("jit, compiled_noise", [
+    (False, False), pytest.param(True, False, marks=pytest.mark.slow), (True, True)])
 def test_sigma_once_and_no_replay_after_rollbacks(jit, compiled_noise, tmp_path):
   model, opt = _model(jit, compiled_noise)
   kernel = model.layers[0].kernel
