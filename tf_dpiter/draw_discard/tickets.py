@@ -4,11 +4,15 @@ A ticket is an HMAC-SHA256 (key derived from the servers' shared secret, keys.py
 scope | identity | BLAKE2b-128(drawn instance) | issue time (ms) | 96-bit nonce, sent as 48
 URL-safe base64 characters; `scope` (store kind, key prefix, generation) makes two models
 sharing one secret refuse each other's tickets. A submit carries the ticket and h; the
-server checks the MAC, the identity and the age (-`max_skew_s` <= age <= `ttl_s` by its own
-wall clock), and the store marks the nonce used in the atomic write of the update
-(store.replace) for `nonce_ttl_s` = `ttl_s` + `max_skew_s`, the longest a ticket can stay
-valid after a use: one accepted update per ticket, also when the servers' clocks differ by up
-to `max_skew_s`.
+server checks the MAC, the identity and the age (-`max_skew_s` <= age <= `ttl_s` by its
+ticket clock), and the store marks the nonce used in the atomic write of the update
+(store.replace) for `nonce_ttl_s` = `ttl_s` + `max_skew_s` of monotonic time, the longest a
+ticket can stay valid after a use: one accepted update per ticket, also when the servers'
+clocks differ by up to `max_skew_s`. The ticket clock is the wall clock held so that it never
+steps back and never runs slower than the monotonic clock that times the nonce memory
+(`Tickets.now`): a wall clock stepped back (NTP, a restored VM) or slewed slow would otherwise
+keep a ticket valid after its nonce is forgotten, and a second update from one draw would be
+accepted.
 So the acceptance tests run against the served h (no chaining, acceptance.py), and the
 server keeps no record of which instance was drawn (adversary II learns nothing new).
 """
@@ -20,6 +24,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+import threading
 import time
 
 import numpy as np
@@ -56,6 +61,8 @@ class Tickets:
       and generation); a ticket of another scope is refused.
     max_skew_s: how far (seconds) an issuing server's wall clock may run ahead of the
       verifier's; a ticket stamped further in the future is refused (409 ticket_from_future).
+    monotonic: monotonic time source in seconds (tests; None: `time.monotonic`, read at
+      each call), the clock of the nonce memory.
 
   Raises:
     ParameterValueError: for a short key, a non-positive ttl, a negative or infinite
@@ -63,7 +70,7 @@ class Tickets:
   """
 
   def __init__(self, key: bytes, ttl_s: float = 60.0, clock=time.time, scope: str = "",
-               max_skew_s: float = 5.0):
+               max_skew_s: float = 5.0, monotonic=None):
     if len(key) < 16:
       raise ParameterValueError(f"ticket key must be >= 16 bytes, got {len(key)}")
     validation.check_positive("ttl_s", ttl_s, allow_inf=True, error=ParameterValueError)
@@ -72,6 +79,21 @@ class Tickets:
     validation.check_nonnegative("max_skew_s", max_skew_s, allow_inf=False, error=ParameterValueError)
     self._key, self.ttl_s, self._clock = bytes(key), float(ttl_s), clock
     self.scope, self.max_skew_s = scope, float(max_skew_s)
+    self._monotonic, self._last, self._lock = monotonic, None, threading.Lock()
+
+  def now(self) -> float:
+    """The ticket clock (seconds): the wall clock, but at least its last reading plus the
+    monotonic time since, so that it never steps back and runs at least as fast as the
+    monotonic clock. A ticket admitted at ticket time t0 with age a >= -max_skew_s expires
+    at ticket time t0 + ttl_s - a, which then comes within ttl_s + max_skew_s monotonic
+    seconds: before the nonce memory (`nonce_ttl_s`, monotonic) forgets it."""
+    wall = float(self._clock())
+    mono = float((self._monotonic or time.monotonic)())
+    with self._lock:
+      if self._last is not None:
+        wall = max(wall, self._last[0] + (mono - self._last[1]))
+      self._last = (wall, mono)
+    return wall
 
   @property
   def nonce_ttl_s(self) -> float:
@@ -86,7 +108,7 @@ class Tickets:
   def issue(self, identity: str, h: np.ndarray) -> str:
     """A ticket (48 URL-safe base64 characters) for instance h drawn by `identity` (the
     token's identity, or the client address without tokens)."""
-    head = struct.pack(">Q", int(self._clock() * 1000)) + secrets.token_bytes(_NONCE)
+    head = struct.pack(">Q", int(self.now() * 1000)) + secrets.token_bytes(_NONCE)
     return base64.urlsafe_b64encode(head + self._mac(identity, instance_digest(h), head)).decode()
 
   def verify(self, ticket: str | None, identity: str, h: np.ndarray) -> str:
@@ -113,7 +135,7 @@ class Tickets:
       raise TicketError(403, "invalid_ticket",
                         "ticket was not issued by this model (store prefix and generation) "
                         "to this token for the drawn instance sent")
-    age = self._clock() - struct.unpack(">Q", head[:8])[0] / 1000.0
+    age = self.now() - struct.unpack(">Q", head[:8])[0] / 1000.0
     if age > self.ttl_s:
       raise TicketError(409, "ticket_expired",
                         f"ticket is {age:.0f} s old (limit {self.ttl_s:g} s); draw again")
