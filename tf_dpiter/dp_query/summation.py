@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 # Unit roundoff of the sum's dtype (round to nearest): Higham, Sec. 2.1.
 _UNIT = {tf.float32: 2.0 ** -24, tf.float64: 2.0 ** -53}
@@ -55,7 +56,7 @@ def tree_depth(n):
 
 
 def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, products=0,
-                    final=0):
+                    final=0, total=None):
   """eta >= 0 such that, with every record's term of norm <= C / (1 + eta), adding or
   removing one record moves the computed float sum by at most C.
 
@@ -96,6 +97,8 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
     dtype: the sum's dtype (float32 or float64).
     products: roundings of each term before the sum (>= 0).
     final: roundings of the sum after it is formed (>= 0).
+    total: the rows of all chunks together where fewer than records * chunks (chunks of
+      unequal size: a padded tail's), an int; n above is then total * replicas.
 
   Returns:
     eta: a Python float, or a float64 scalar tensor for a tensor `records`.
@@ -106,6 +109,8 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
   """
   if tf.is_tensor(records) or tf.is_tensor(chunks):
     return _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, final)
+  rows = int(records) * int(chunks) if total is None else min(int(total),
+                                                              int(records) * int(chunks))
   for name, value, low in (("records", records, 1), ("chunks", chunks, 1),
                            ("replicas", replicas, 1), ("block", block, 1),
                            ("products", products, 0), ("final", final, 0)):
@@ -120,7 +125,7 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
     raise ParameterValueError(
         f"the plan's rounding bound is not defined (depth {depth}, block {block}). "
         f"Received: records={records}, chunks={chunks}, replicas={replicas}, block={block}")
-  return _margin(int(records) * int(chunks) * int(replicas), depth, block, u, products)
+  return _margin(rows * int(replicas), depth, block, u, products)
 
 
 def _margin(n, depth, block, u, products):
@@ -172,7 +177,122 @@ def shrink(eta, dtype=tf.float32):
 _CHUNKS = threading.local()   # .stack: the chunk counts of the enclosing `sequential_chunks`
 
 
-def step_shrink(records, chunks=1, block=1, final=0):
+_PUBLIC = threading.local()   # .stack: the `public_plan`s of the enclosing blocks
+
+
+@contextlib.contextmanager
+def public_plan(rows, records, chunks=1, block=1):
+  """Within the block, a DP step's shrink is that of a plan that does not depend on which
+  records are present: at most `rows` rows (a public bound, the same on neighbouring
+  datasets), summed as `records` rows per chunk in `chunks` chunks with blocks of at most
+  `block` rows (`public_shrink`). Per thread.
+
+  Why (add/remove one record; the unit: the L2 norm of a record's clipped term): an
+  unpadded batch has n rows on D and n + 1 on D' = D + r. A shrink s(n) taken from the rows
+  gives sum_D s(n) x_i and sum_D' s(n + 1) x_i + s(n + 1) x_r, whose difference holds
+  (s(n + 1) - s(n)) sum_D x_i: up to n |s(n + 1) - s(n)| C more than C (in float32 about
+  2.4e-4 C at n = 255, 7.9e-3 C at n = 256, where the tree gains a level), and r's arrival
+  shifts the rows after it, so no block is computed identically on both. A shrink of a public plan covering both
+  removes the first term; `public_shrink` charges the second (every term's block roundings).
+
+  Args:
+    rows: the public bound on the rows of a replica's batch (an int >= 1).
+    records, chunks: the plan of `rows` rows (the chunks' layout of that many rows).
+    block: the largest block of rows summed in any order before the pinned tree.
+  """
+  with _pushed(_PUBLIC, (rows, records, chunks, block)):
+    yield
+
+
+@contextlib.contextmanager
+def _pushed(local, value):
+  """`value` on top of the per-thread stack `local.stack` within the block."""
+  stack = getattr(local, "stack", None)
+  if stack is None:
+    stack = local.stack = []
+  stack.append(value)
+  try:
+    yield
+  finally:
+    stack.pop()
+
+
+def current_public_plan():
+  """(rows, records, chunks, block) of the innermost `public_plan` block, or None."""
+  stack = getattr(_PUBLIC, "stack", None)
+  return stack[-1] if stack else None
+
+
+def public_shrink(rows, records, chunks=1, block=1, final=0):
+  """`step_shrink` of the sum of a batch of `rows` rows planned as (`records`, `chunks`,
+  `block`), made independent of the rows inside a `public_plan` block: there the shrink is
+  that of the public plan, with every term charged its block's b - 1 roundings as levels of
+  the tree (blocks of 1: the rows of a block differ between D and D' once a record's arrival
+  shifts the others), and the batch's rows are checked against the bound
+  (`within_public_rows`; past it the shrink is NaN, which XLA keeps: the step then updates
+  nothing finite).
+
+  Args:
+    rows: the batch's rows (an int or scalar int tensor), or None where the caller checks
+      them (a chunk of the batch).
+    records, chunks, block, final: the batch's own plan (`step_shrink`), used outside a
+      `public_plan` block.
+
+  Returns:
+    a float32 Python float or scalar tensor in (0, 1] (NaN past the bound).
+
+  Raises:
+    PrivacyConfigError: rows known to the trace above the public bound.
+  """
+  plan = current_public_plan()
+  if plan is None:
+    return step_shrink(records, chunks=chunks, block=block, final=final)
+  bound, records, chunks, most = plan
+  block = max(int(block), int(most))
+  s = step_shrink(records, chunks=chunks, block=1, final=final + block - 1, total=bound)
+  within = True if rows is None else within_public_rows(rows)
+  if within is True:
+    return s
+  with tf.control_dependencies([within]):
+    s = tf.identity(tf.convert_to_tensor(s, tf.float32))
+  return tf.where(within, s, tf.constant(float("nan"), tf.float32))
+
+
+def within_public_rows(rows):
+  """Checks a batch's rows against the innermost `public_plan`'s bound: True where the
+  trace knows them (or outside a block), else a bool scalar tensor guarded by a run-time
+  assertion (graph mode; XLA drops assertions, so callers also make the result NaN).
+
+  Args:
+    rows: an int or scalar int tensor.
+
+  Returns:
+    True, or a scalar bool tensor.
+
+  Raises:
+    PrivacyConfigError: rows known to the trace above the bound.
+  """
+  plan = current_public_plan()
+  if plan is None:
+    return True
+  bound = int(plan[0])
+  static = tf.get_static_value(rows) if tf.is_tensor(rows) else rows
+  if static is not None:
+    if int(static) > bound:
+      raise PrivacyConfigError(
+          f"`rows` must be at most {bound}, the public bound of an add/remove step's plan "
+          "(twice the padded size of the declared sampling: the clip shrink may not depend "
+          f"on which records are present). Received: rows={int(static)}")
+    return True
+  rows = tf.cast(rows, tf.int64)
+  check = tf.debugging.assert_less_equal(
+      rows, tf.constant(bound, tf.int64),
+      message=f"`rows` must be at most {bound}, the public bound of an add/remove step's plan")
+  with tf.control_dependencies([check]):
+    return tf.identity(rows <= bound)
+
+
+def step_shrink(records, chunks=1, block=1, final=0, total=None):
   """The clip shrink `shrink(rounding_margin(...))` of a DP step's clipped sum: `records` rows
   per chunk, `chunks` chunks added one after the other, blocks of `block` rows, the current
   tf.distribute strategy's replicas all-reduced, 4 roundings of each term's own products (the
@@ -186,13 +306,14 @@ def step_shrink(records, chunks=1, block=1, final=0):
     chunks: the chunks (an int, or a scalar int tensor).
     block: rows summed in any order before the pinned tree.
     final: roundings of the whole sum after it is formed.
+    total: the rows of all chunks together (`rounding_margin`), None: records * chunks.
 
   Returns:
     a float32 Python float or scalar tensor in (0, 1].
   """
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   return shrink(rounding_margin(records, chunks=chunks, replicas=replicas, block=block,
-                                products=4, final=final))
+                                products=4, final=final, total=total))
 
 
 @contextlib.contextmanager
@@ -207,14 +328,8 @@ def sequential_chunks(chunks, records=None):
       is a call of the same rows: each chunk's sum then charges the plan of the largest, so
       that every record of the batch is scaled by one shrink (`current_chunk_rows`).
   """
-  stack = getattr(_CHUNKS, "stack", None)
-  if stack is None:
-    stack = _CHUNKS.stack = []
-  stack.append((chunks, records))
-  try:
+  with _pushed(_CHUNKS, (chunks, records)):
     yield
-  finally:
-    stack.pop()
 
 
 def current_chunks():

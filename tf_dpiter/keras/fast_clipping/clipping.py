@@ -665,6 +665,7 @@ def _with_rounding_margin(result, plans, num_records, k):
     return result
   chunk_rows = summation.current_chunk_rows()
   block = max(plans.values())
+  rows = None if chunk_rows is not None else num_records   # the batch's rows, in one call
   if chunk_rows is not None:
     # one shrink for every chunk of the batch: the plan of its largest chunk, blocks of at
     # least PINNED_BLOCK rows (a chunk of rows the trace does not know takes that block;
@@ -672,7 +673,10 @@ def _with_rounding_margin(result, plans, num_records, k):
     num_records, block = chunk_rows, max(block, algebra.PINNED_BLOCK)
   records = tf.get_static_value(num_records)
   records = int(records) if records is not None else num_records
-  s = summation.step_shrink(records, chunks=summation.current_chunks(), block=block, final=1)
+  # inside a summation.public_plan block (an add/remove step), the plan of the public row
+  # bound (the rows of the batch checked against it where this call holds them all)
+  s = summation.public_shrink(rows, records, chunks=summation.current_chunks(), block=block,
+                              final=1)
   return {vid: g * tf.cast(s, g.dtype) for vid, g in result.items()}
 
 

@@ -12,6 +12,7 @@ or float64 for float64 variables, whatever the Keras dtype policy.
 """
 
 import collections
+import contextlib
 import math
 
 import tensorflow as tf
@@ -20,6 +21,8 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
+from tf_dpiter.ledger import policies as ledger_policies
+from tf_dpiter.ledger import schema
 
 
 def wide_dtype(dtype):
@@ -126,6 +129,11 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
   Returns:
     None, an int (equal chunks), a TailChunks or a PaddedTail.
   """
+  return _layout(step, examples_per_record, num_records_static, multiple)
+
+
+def _layout(step, examples_per_record, num_records_static, multiple=8):
+  """`chunk_layout` (also of the public row bound: `public_rows`)."""
   flags = step.flags
   per_chunk = records_per_chunk(flags.max_physical_batch_size, examples_per_record,
                                 num_records_static)
@@ -163,9 +171,17 @@ def sum_plan(per_chunk, record_mask):
   Returns:
     (records, chunks).
   """
+  return _plan_of(per_chunk, batch_rows(record_mask))
+
+
+def batch_rows(record_mask):
+  """M, the rows of a [M] record mask: an int where the trace knows it, else a scalar tensor."""
   m = tf.TensorShape(record_mask.shape)[0]
-  if m is None:
-    m = tf.shape(record_mask)[0]
+  return tf.shape(record_mask)[0] if m is None else m
+
+
+def _plan_of(per_chunk, m):
+  """`sum_plan` of a layout of m rows (an int or scalar tensor)."""
   if per_chunk is None:
     return m, 1
   if isinstance(per_chunk, TailChunks):
@@ -176,6 +192,58 @@ def sum_plan(per_chunk, record_mask):
     tail = tf.maximum(tail, 1) if tf.is_tensor(tail) else max(tail, 1)
     return max(per_chunk.first, per_chunk.chunk), 1 + tail
   return per_chunk, (m + per_chunk - 1) // per_chunk
+
+
+def public_row_bound(step):
+  """R, a public bound on the rows of a replica's batch under an add/remove sampling (None
+  under replace-one, or while undeclared): twice the padded size fit gives a Poisson sample
+  (data.sampling.default_max_batch_size of the declared population and q: E + 4 sd, so R
+  covers a sample padded to twice it, what fit's padding does past E + 4 sd, and an unpadded
+  sample of up to E + 8 sd + E), a replica's share. Neighbouring datasets have different
+  row counts under add/remove whenever the batch is not padded to a size fixed in advance;
+  the clip shrink is then taken from R (summation.public_plan). Read when the step is traced
+  (a retrace follows a change of policy; a sample above a stale R fails the step).
+
+  Args:
+    step: the PrivateStep.
+
+  Returns:
+    an int >= 1, or None.
+  """
+  from tf_dpiter.data import sampling as sampling_lib  # pylint: disable=g-import-not-at-top
+  sampling = step.sampling
+  if sampling is None or ledger_policies.get(sampling.policy).relation != schema.ADD_OR_REMOVE:
+    return None
+  with tf.init_scope():   # public declared values, read when the step is traced
+    n = float(sampling.population_size.numpy())
+    q = float(sampling.selection_probability.numpy())
+  rows = 2 * sampling_lib.default_max_batch_size(max(n, 1.0), min(max(q, 0.0), 1.0))
+  replicas = tf.distribute.get_strategy().num_replicas_in_sync
+  return max(1, -(-rows // replicas))
+
+
+@contextlib.contextmanager
+def public_rows(step, examples_per_record, chunk=None):
+  """Within the block, the step's clip shrink (summation.public_shrink) is that of the plan
+  of `public_row_bound(step)` rows in the layout `chunk_layout` gives that many (the plan
+  covers every smaller batch's layout: as many rows per chunk or fewer, as many chunks or
+  fewer), so it is the same on neighbouring datasets under add/remove; a no-op under
+  replace-one, where every batch has the same rows on both.
+
+  Args:
+    step: the PrivateStep.
+    examples_per_record: k.
+    chunk: records per chunk of a layout the caller chose from public values instead of
+      `chunk_layout` (an int: the bound's rows in chunks of that many), or None.
+  """
+  bound = public_row_bound(step)
+  if bound is None:
+    yield
+    return
+  layout = chunk if chunk is not None else _layout(step, examples_per_record, bound)
+  records, chunks = _plan_of(layout, bound)
+  with summation.public_plan(bound, records, chunks):
+    yield
 
 
 def _slice(nest, start, size):
@@ -270,6 +338,10 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
   Raises:
     ParameterValueError: acc=None without `template` and a dynamic number of chunks.
   """
+  within = summation.within_public_rows(batch_rows(record_mask))   # an add/remove step's bound
+  if within is not True:
+    with tf.control_dependencies([within]):
+      record_mask = tf.identity(record_mask)
   if per_chunk is None:
     return chunk_fn(acc, records, record_mask)
   # a clipped sum formed per chunk charges the chunks' additions (summation.rounding_margin)

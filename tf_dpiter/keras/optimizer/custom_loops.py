@@ -131,7 +131,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
   # each record's weight times the shrink of the pinned sum's plan, as PrivateStep.clipped_sum
-  shrink = summation.step_shrink(*chunking.sum_plan(None, rmask))
+  # (under add/remove the plan of the public row bound: chunking.public_rows)
+  with chunking.public_rows(step, 1):
+    shrink = summation.public_shrink(chunking.batch_rows(rmask), *chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
     state = query.accumulate_records(params, state, grads, mask=rmask * shrink)
   return step.noised_average(state, tf.reduce_sum(rmask))

@@ -576,10 +576,11 @@ class PrivateStep:
       sum_scale: None, or `sum_scale(num_records)`: each clipped gradient is added times it
         (pass `scaled=True` to `noised_average`).
 
-    Each clipped gradient is also added times `summation.step_shrink` of the sum's plan (the
-    records summed by a pinned pairwise tree per chunk, the chunks one after the other, the
-    replicas all-reduced), so that the float32 sum moves by at most the ledger's S when a
-    record is added or removed.
+    Each clipped gradient is also added times `summation.public_shrink` of the sum's plan
+    (the records summed by a pinned pairwise tree per chunk, the chunks one after the other,
+    the replicas all-reduced; under add/remove the plan of `chunking.public_row_bound` rows,
+    so the shrink does not depend on the rows present), so that the float32 sum moves by at
+    most the ledger's S when a record is added or removed.
 
     Returns:
       (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
@@ -597,7 +598,9 @@ class PrivateStep:
     record_mask = tf.cast(record_mask, tf.float32)
     m_static = tf.TensorShape(record_mask.shape)[0]
     per_chunk = chunking.chunk_layout(self, examples_per_record, m_static)
-    scale = summation.step_shrink(*chunking.sum_plan(per_chunk, record_mask))
+    with chunking.public_rows(self, examples_per_record):   # add/remove: a public plan
+      scale = summation.public_shrink(chunking.batch_rows(record_mask),
+                                      *chunking.sum_plan(per_chunk, record_mask))
     if sum_scale is not None:
       scale = scale * sum_scale
 
