@@ -4,17 +4,22 @@ oneDNN: on CPUs where TensorFlow runs oneDNN kernels, per-example gradients of
 `EinsumDense`/`MultiHeadAttention` under `tf.vectorized_map` come out wrong or crash
 (TensorFlow's bug), so `use_vectorized_map` sends such models to a sequential per-record loop.
 XLA: `in_xla_context` lets the ghost-norm rules pick XLA-friendly forms. float16: the static
-`loss_scale`. Used by `optimizer.routing` (which path a step takes) and by `fast_clipping`
-(which builds on this module, not on the optimizer).
+`loss_scale`. A bound on a batch the trace does not know: `examples_at_most` (the rules' memory
+budget, fast_clipping/rules/budget.py, then builds no chunk loop a batch within it cannot run).
+Used by `optimizer.routing` (which path a step takes) and by `fast_clipping` (which builds on
+this module, not on the optimizer).
 """
 
+import contextlib
 import functools
 import os
+import threading
 
 import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import DPiterError
+from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
 
@@ -152,3 +157,39 @@ def loss_scale(model):
   """
   dtype = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
   return 2.0 ** 7 if dtype == "float16" else 1.0
+
+
+# The innermost examples_at_most bound of this thread (a replica's trace runs in its thread).
+_EXAMPLES_BOUND = threading.local()
+
+
+@contextlib.contextmanager
+def examples_at_most(n):
+  """Within the block (a trace), every batch a rule of the clipped sum sees holds at most n
+  examples, a public bound the caller enforces at run time (a step whose batch exceeds it
+  fails or updates nothing: summation.within_public_rows); the memory budget's chunk choices
+  (rules/budget.py) are then made at trace time where n settles them. n None: no bound (the
+  enclosing one stays).
+
+  Args:
+    n: an int >= 0, or None.
+
+  Yields:
+    None.
+
+  Raises:
+    ParameterValueError: `n` is not None nor an int >= 0.
+  """
+  if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+    raise ParameterValueError(f"`n` must be None or an int >= 0. Received: n={n!r}")
+  outer = getattr(_EXAMPLES_BOUND, "n", None)
+  _EXAMPLES_BOUND.n = outer if n is None else (n if outer is None else min(n, outer))
+  try:
+    yield
+  finally:
+    _EXAMPLES_BOUND.n = outer
+
+
+def examples_bound():
+  """The innermost `examples_at_most` bound (an int), or None outside one."""
+  return getattr(_EXAMPLES_BOUND, "n", None)

@@ -19,8 +19,15 @@ When the trace knows the batch, every choice is made at trace time (no tf.cond).
 unknown batch (fit's Poisson samples) the chunked loop runs over however many chunks the batch
 has, and the keep choice is a run-time tf.cond; under XLA with an unknown batch the batch is
 one call and the choice is the caller's default (XLA compiles one static batch; a loop over
-chunks of a batch the trace does not know cannot be compiled).
+chunks of a batch the trace does not know cannot be compiled). Bounds on an unknown batch
+settle chunk choices at trace time, so that the trace builds no form that cannot run: in each
+branch of the run-time keep choice (at most the largest batch it keeps: no chunk loop where
+that fits a chunk; else more: no one-call form where that exceeds a chunk), and under a
+caller's public bound (keras/internals/runtime.examples_at_most).
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -39,6 +46,45 @@ KEEP_BYTES = 8 << 20
 # 64 MiB: a batch of 64 of the LSTM language model (412 KB per example) or of the Transformer
 # encoder is one call.
 KEPT_BYTES = 64 << 20
+
+# Attribute of keep_choice's run-time choice (a scalar bool tensor): the largest batch, in
+# examples, it keeps the per-record gradients for (a Python int). by_keep reads it.
+_KEPT_BATCH_MAX = "_dp_kept_batch_max"
+
+# Inside a branch of by_keep's run-time choice: (lo, hi), the batch has at least lo and at most
+# hi examples (hi None: no upper bound), per thread (a replica's trace runs in its thread).
+_BATCH_RANGE = threading.local()
+
+
+@contextlib.contextmanager
+def _batch_range(lo, hi):
+  """Within the block the layer's batch has lo <= B <= hi examples (hi None: unbounded)."""
+  outer = getattr(_BATCH_RANGE, "range", None)
+  _BATCH_RANGE.range = (lo, hi)
+  try:
+    yield
+  finally:
+    _BATCH_RANGE.range = outer
+
+
+def _fits_one_chunk(tensors, m):
+  """Whether the batch of `tensors` ([B, ...]) is one call for chunks of m examples: True or
+  False where the trace decides (m None, B static, or bounds on B settle B <= m: the enclosing
+  by_keep branch's, the caller's runtime.examples_at_most), else None (a run-time tf.cond)."""
+  if m is None:
+    return True
+  static_b = tensors[0].shape[0]
+  if static_b is not None:
+    return static_b <= m
+  lo, hi = getattr(_BATCH_RANGE, "range", None) or (0, None)
+  public = routing.examples_bound()
+  if public is not None:
+    hi = public if hi is None else min(hi, public)
+  if hi is not None and hi <= m:
+    return True
+  if lo > m:
+    return False
+  return None
 
 
 def kept_chunk(kept_bytes, k):
@@ -197,8 +243,8 @@ def over_chunks(body, tensors, m, out_specs):
     a tuple (values [B / k], *extras [R, ...]) with R >= B / k rows (the padded chunks'), the
     batch's rows first.
   """
-  static_b = tensors[0].shape[0]
-  if m is None or (static_b is not None and static_b <= m):
+  one_call = _fits_one_chunk(tensors, m)
+  if one_call:
     return tuple(body(*tensors))
   k = registry.current_examples_per_record()
   b = tf.shape(tensors[0])[0]
@@ -211,7 +257,7 @@ def over_chunks(body, tensors, m, out_specs):
     flat = tuple(tf.reshape(o, [-1] + o.shape[2:].as_list()) for o in out)
     return (flat[0][:b // k],) + flat[1:]
 
-  if static_b is not None:
+  if one_call is False:
     return chunked()
   return tf.cond(b <= m, lambda: tuple(body(*tensors)), chunked)
 
@@ -231,8 +277,8 @@ def sum_over_chunks(body, tensors, m, like):
   Returns:
     list of float32 tensors.
   """
-  static_b = tensors[0].shape[0]
-  if m is None or (static_b is not None and static_b <= m):
+  one_call = _fits_one_chunk(tensors, m)
+  if one_call:
     return list(body(*tensors))
 
   def chunked():
@@ -246,7 +292,7 @@ def sum_over_chunks(body, tensors, m, like):
                            parallel_iterations=1)
     return acc
 
-  if static_b is not None:
+  if one_call is False:
     return chunked()
   return tf.cond(tf.shape(tensors[0])[0] <= m, lambda: list(body(*tensors)), chunked)
 
@@ -269,7 +315,9 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
   Returns:
     a Python bool when the trace decides (not allowed; record_bytes <= operand_bytes; a batch
     the trace knows: B / k record_bytes <= KEEP_BYTES; XLA with an unknown batch: allowed),
-    else a scalar bool tensor (B / k record_bytes <= KEEP_BYTES at run time).
+    else a scalar bool tensor (B / k record_bytes <= KEEP_BYTES at run time, compared as
+    floor(B / k) <= floor(KEEP_BYTES / record_bytes), which cannot overflow int32), carrying
+    the largest batch it keeps for: (floor(KEEP_BYTES / record_bytes) + 1) k - 1 (by_keep).
   """
   if not allowed:
     return False
@@ -281,13 +329,19 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
     return True
   if static_b is not None:
     return static_b // k * record_bytes <= KEEP_BYTES
-  return tf.shape(batch_tensor)[0] // k * record_bytes <= KEEP_BYTES
+  records_kept = min(KEEP_BYTES // record_bytes, 2**31 - 1)   # an int32 constant
+  keep = tf.shape(batch_tensor)[0] // k <= records_kept
+  setattr(keep, _KEPT_BATCH_MAX, (records_kept + 1) * k - 1)
+  return keep
 
 
 def by_keep(keep, kept_fn, other_fn):
   """kept_fn() where the per-record gradients are kept, else other_fn(): chosen at trace time
   for a Python bool `keep`, by a run-time tf.cond for a scalar bool tensor (keep_choice with a
-  batch the trace does not know).
+  batch the trace does not know). For keep_choice's tensor, each branch is traced knowing the
+  batch range it runs for (B <= the largest batch kept, else more), so that over_chunks and
+  sum_over_chunks on that batch build only the form that can run there; the branches must
+  chunk only tensors of the batch keep_choice measured.
 
   Args:
     keep: a Python bool or a scalar bool tensor (keep_choice).
@@ -302,7 +356,17 @@ def by_keep(keep, kept_fn, other_fn):
     return kept_fn()
   if keep is False:
     return other_fn()
-  return tf.cond(keep, kept_fn, other_fn)
+  kept_max = getattr(keep, _KEPT_BATCH_MAX, None)
+  if kept_max is None:
+    return tf.cond(keep, kept_fn, other_fn)
+
+  def in_range(fn, lo, hi):
+    def run():
+      with _batch_range(lo, hi):
+        return fn()
+    return run
+
+  return tf.cond(keep, in_range(kept_fn, 0, kept_max), in_range(other_fn, kept_max + 1, None))
 
 
 def record_factors(example_factors, k=None):
