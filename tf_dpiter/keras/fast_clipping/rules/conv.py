@@ -29,10 +29,10 @@ of sensitivity in differentially private libraries and how to fix it", CCS 2022;
 book-keeping filter gradient sums the B T positions in an order no one pins: 1.25 C measured
 at B = 4096 under XLA); the folded Gram is then not chosen (the per-example gradients are
 formed anyway). Where the clipped sum is not formed from the gradients whose norms are taken
-(the folded Gram, the sum by book-keeping) the norms are upper bounds that cover the float32 rounding of
-the record's terms (`_fold_gram_contraction`, float32 alone; algebra.with_sum_rounding): a record
-whose positions' gradients nearly cancel got a float32 norm near 0 and moved the clipped sum
-by up to 7e4 C.
+(the folded Gram, the sum by book-keeping) the norms are upper bounds that cover the float32
+rounding of the record's terms (`_fold_gram_contraction`, float32 alone;
+algebra.with_sum_rounding): a record whose positions' gradients nearly cancel got a float32
+norm near 0 and moved the clipped sum by up to 7e4 C.
 
 Memory budget (the rules' shared one, rules/budget.py): every per-example form
 ("depthwise", "filter", the unfolded g_i, and the folded Gram's norms) runs over chunks of
