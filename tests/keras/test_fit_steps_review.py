@@ -103,15 +103,21 @@ def test_every_fit_charges_the_steps_keras_took_at_the_runs_q():
   assert statement.epsilon == pytest.approx(hand, rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "854cb19: from_budget(2.0, 1e-5, epochs=3, batch_size=20, n=200) with "
-    "steps_per_execution=4: fit takes 36 steps (12 per epoch, not 10) and ends at epsilon "
-    "2.1596 > 2 (a warning after the fact)"))
+# 854cb19: from_budget(2.0, 1e-5, epochs=3, batch_size=20, n=200) with steps_per_execution=4:
+# fit took 36 steps (12 per epoch, not 10) and ended at epsilon 2.1596 > 2 (a warning after the
+# fact). Now refused before the first step; an execution size dividing the epoch keeps the budget.
 def test_from_budget_holds_with_several_steps_per_execution():
   x, y = _data()
   opt = dp.keras.DPKerasSGDOptimizer.from_budget(2.0, DELTA, 3, 20, N, l2_norm_clip=1.0,
                                                  learning_rate=0.1)
   model = _model(opt, steps_per_execution=4)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="steps_per_execution=4, steps_per_epoch=10"):
+    model.fit(x, y, batch_size=20, epochs=3, verbose=0)
+  assert int(model.optimizer.iterations.numpy()) == 0
+  assert int(model.ledger.sample_count.numpy()) == 0
+  opt = dp.keras.DPKerasSGDOptimizer.from_budget(2.0, DELTA, 3, 20, N, l2_norm_clip=1.0,
+                                                 learning_rate=0.1)
+  model = _model(opt, steps_per_execution=5)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     model.fit(x, y, batch_size=20, epochs=3, verbose=0)

@@ -31,7 +31,10 @@ sensitivity 2S, no amplification: each pass whose steps were taken costs one mec
 synced from the sampler after every step). `population_size` is refused with it (replace-one
 keeps n fixed; q is descriptive only). Keras' own `shuffle=` is not used for DP.
 
-`validation_split` holds out the arrays' last fraction before sampling; `sample_weight` and
+`validation_split` holds out the arrays' last fraction before sampling, with a warning: the
+guarantee covers the training part (add or remove one of its examples); the held-out
+examples are not protected (their validation metrics are computed without noise) and which
+ones are held out depends on the arrays' length. `sample_weight` and
 `class_weight` weigh each example's loss inside its record before clipping (weight 0: in no
 record). Data tf_dpiter does not sample (a plain tf.data.Dataset, a generator, a PyDataset)
 is refused unless declared with `optimizer.set_sampling`.
@@ -194,6 +197,12 @@ def _split_validation(a, x, y, sw):
   if at in (0, n):
     raise ParameterValueError(f"validation_split={split} leaves no training or no validation example "
                               f"out of {n}")
+  warnings.warn(
+      f"validation_split={split} holds out the last {n - at} of the {n} examples: the privacy "
+      f"guarantee covers the {at} training examples (add or remove one of them); the held-out "
+      "examples are not protected (their validation metrics are computed without noise), and "
+      "which examples are held out moves with the arrays' length. Split the data yourself "
+      "and pass validation_data= to fix both parts", UserWarning, stacklevel=5)
   head = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[:at], t)
   tail = lambda t: None if t is None else tf.nest.map_structure(lambda v: v[at:], t)
   val = (tail(x), tail(y)) if sw is None else (tail(x), tail(y), tail(sw))

@@ -54,6 +54,30 @@ check_no_batch_mixing = batch_independence.check_no_batch_mixing
 _OWN_DEFAULT = object()
 
 
+def _check_whole_executions(steps_per_epoch, steps_per_execution):
+  """Refuses an epoch of `steps_per_epoch` steps that `steps_per_execution` does not divide:
+  on a dataset that does not end (fit's Poisson samples on arrays, a repeated dataset) Keras
+  runs whole executions, 12 steps for an epoch of 10 at 4 per execution, so the run would take
+  and charge more steps than the epochs planned (a budget calibrated by `from_budget` would
+  then be overrun).
+
+  Raises:
+    PrivacyConfigError: steps_per_epoch % steps_per_execution != 0.
+  """
+  spe = int(steps_per_execution or 1)
+  if steps_per_epoch is None or spe <= 1 or int(steps_per_epoch) % spe == 0:
+    return
+  steps = int(steps_per_epoch)
+  divisors = [d for d in range(1, steps + 1) if steps % d == 0]
+  raise PrivacyConfigError(
+      f"`steps_per_execution` must divide the epoch's {steps} steps under DP training: Keras "
+      f"runs whole executions on an endless dataset, {-(-steps // spe) * spe} steps an epoch "
+      f"instead of {steps}, so the run would take and charge more steps than planned. Compile "
+      f"with steps_per_execution in {divisors[:12]}, or pass steps_per_epoch="
+      f"{-(-steps // spe) * spe} (a multiple of {spe}). Received: steps_per_execution={spe}, "
+      f"steps_per_epoch={steps}")
+
+
 class DPModelMixin(train_step_lib.TrainStepMixin):
   """Private fit / train_on_batch / compile for any keras.Model subclass (the step: train_step)."""
 
@@ -238,6 +262,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           f"sampling={sampling!r} applies to arrays only; this data declares "
           f"{'no sampling' if spec is None else repr(spec.policy)}")
     self._dp_declare(opt.private_step, spec)
+    _check_whole_executions(a.get("steps_per_epoch"), self.steps_per_execution)
     if isinstance(a.get("x"), tf.data.Dataset):
       replicas = self.distribute_strategy.num_replicas_in_sync
       if replicas > 1:   # equal replica shards (a batch already a multiple: unchanged)
