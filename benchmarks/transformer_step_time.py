@@ -29,7 +29,8 @@ Philox bits alone that draw consumes (32 per value: generator.uniform_full_int o
 the floor of any exact-tail draw from the query's Philox stream), the whole DP
 train_on_batch, and the non-private train_on_batch of a second model built the same way
 (keras.optimizers.SGD): so the DP-only costs and the step they are compared with are measured
-under the same load.
+under the same load. Prints the medians of wall ms (profile_ms) and of the process's CPU ms
+(profile_cpu_ms, all threads).
 
 --ab (DP): in one process, round robin (--steps rounds after --warmup, medians of wall ms,
 of the process's CPU ms (all threads: less sensitive to other processes' load than wall time)
@@ -229,17 +230,21 @@ def _wait(out):
 
 
 def _round_robin_ms(parts, warmup, rounds):
-  """{name: median ms} of the zero-argument functions `parts`, called round robin: `warmup`
-  rounds untimed, then `rounds` timed rounds (each part once per round, so a change of the
-  machine's load reaches every part alike)."""
+  """({name: median wall ms}, {name: median process CPU ms}) of the zero-argument functions
+  `parts`, called round robin: `warmup` rounds untimed, then `rounds` timed rounds (each part
+  once per round, so a change of the machine's load reaches every part alike; CPU ms sum all
+  threads and move less than wall ms when other processes load the machine)."""
   times = {k: [] for k in parts}
+  cpu = {k: [] for k in parts}
   for r in range(warmup + rounds):
     for k, fn in parts.items():
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       _wait(fn())
       if r >= warmup:
         times[k].append(1e3 * (time.perf_counter() - t0))
-  return {k: round(float(np.median(v)), 1) for k, v in times.items()}
+        cpu[k].append(1e3 * (time.process_time() - c0))
+  median = lambda d: {k: round(float(np.median(v)), 1) for k, v in d.items()}  # noqa: E731
+  return median(times), median(cpu)
 
 
 def _dp_and_plain(a):
@@ -285,8 +290,9 @@ def profile(a):
       "dp_train_on_batch": lambda: model.train_on_batch(x, y),
       "nonprivate_train_on_batch": lambda: plain.train_on_batch(x, y),
   }
-  out = _round_robin_ms(parts, a.warmup, a.steps)
-  print(json.dumps({"profile_ms": out, "mode": "dp", "lora": a.lora, "batch": a.batch,
+  out, cpu = _round_robin_ms(parts, a.warmup, a.steps)
+  print(json.dumps({"profile_ms": out, "profile_cpu_ms": cpu, "mode": "dp", "lora": a.lora,
+                    "batch": a.batch,
                     "seq": a.seq, "trainable_params": values,
                     "load_avg": os.getloadavg()}), flush=True)
 
