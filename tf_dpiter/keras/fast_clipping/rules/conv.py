@@ -509,6 +509,15 @@ def _factor_rows(factors, g):
                        axis=0)[:, 0, :]
 
 
+# The convolutions' clipped sums pinned (`_pinned_applies`): the tutorial CNN's step then gets
+# the clip shrink (its sum moves by at most C when a record is added or removed). Its cost, fit
+# on the tutorial CNN at B = 256 with oneDNN, no XLA (benchmarks/compare_revisions.py, 2 rounds,
+# load 11-14): 37.5 -> 49.1 ms CPU per DP step (DP / non-private 2.06x -> 2.70x). False: the
+# book-keeping and kept sums of before, in an order no one pins (no shrink: docs/design.md,
+# "Floating point").
+PINNED_SUMS = True
+
+
 def _pinned_applies(layer):
   """The clipped sums of this convolution are formed in a pinned order (`_pinned_kept_sum`,
   `_pinned_recomputed_sum`): one example per record (a Python int k = 1: each record's term is
@@ -517,7 +526,7 @@ def _pinned_applies(layer):
   kept forms cost; a larger kernel keeps the book-keeping sum, unpinned and charged no margin:
   docs/design.md, "Floating point")."""
   k = registry.current_examples_per_record()
-  return (isinstance(k, int) and k == 1 and
+  return (PINNED_SUMS and isinstance(k, int) and k == 1 and
           registry.keep_per_example(int(np.prod(layer.kernel.shape))))
 
 
