@@ -28,8 +28,8 @@ Measured at 854cb19 (CPU, graph mode, noise off): float64 move exactly C; the fa
 float32 sum moves by 1.0001220703125 C (the ledger: C). Controls that pass: the target as the
 LAST record (no row shifts) 0.99695 C; the vectorized path (one row per record: its bound holds
 for any order) 0.99036 C. Under jit_compile=True: 0.99255 C (the padded tail's larger shrink).
-Still 1.0001220703125 C at 7c21ee0; with /tmp/brief15/patches/P1-1.diff (the fast fit in the
-public plan, every block's b - 1 roundings charged) 0.9485 C: the xfail then passes.
+Still 1.0001220703125 C at 7c21ee0; with the fast fit in the public plan (every block's b - 1
+roundings charged) 0.9485 C.
 """
 
 import warnings
@@ -92,10 +92,10 @@ def _move(target, clipping):
   return moved
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "854cb19, 7c21ee0: the target first (every later row shifted), fast path, graph fit on "
-    "poisson_batches padded to 3200 rows on both: the float32 sum moves by 1.0001220703125 C "
-    "(P1-1.diff, not yet applied: 0.9485 C)"))
+# 854cb19, 7c21ee0: the target first (every later row shifted), fast path, graph fit on
+# poisson_batches padded to 3200 rows on both: the float32 sum moved by 1.0001220703125 C.
+# Fixed when the fast-path sum opened chunking.public_rows (every block's b - 1 roundings
+# charged): 0.9485 C.
 def test_a_removal_that_shifts_rows_moves_the_fast_sum_by_at_most_C():
   assert _move("first", "fast") <= C
 

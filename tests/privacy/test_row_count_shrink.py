@@ -94,16 +94,9 @@ def _move(sum_fn):
   return float(np.linalg.norm(s_d - s_d2))
 
 
-# the fast path's step (keras/model/train_step.py) does not open chunking.public_rows yet:
-# 1.00732421875 C (graph and XLA) until it does (/tmp/brief15/patches/P1-1.diff)
-_FAST_PENDING = pytest.mark.xfail(strict=True, reason=(
-    "train_step.py's fast-path sum takes the batch's own rows: 1.0073 C at 257 vs 256 rows"))
-
-
 @pytest.mark.parametrize("jit,clipping", [
     (False, "vectorized"), (True, "vectorized"),
-    pytest.param(False, "fast", marks=[_SLOW, _FAST_PENDING]),
-    pytest.param(True, "fast", marks=[_SLOW, _FAST_PENDING])])
+    pytest.param(False, "fast", marks=_SLOW), pytest.param(True, "fast", marks=_SLOW)])
 def test_train_on_batch_of_n_and_n_plus_1_rows_moves_the_sum_by_at_most_C(jit, clipping):
   moved = _move(lambda t: _train_on_batch_sum(jit, clipping, t))
   assert 0.99 * C < moved <= C, moved

@@ -106,9 +106,9 @@ def test_fit_padded_to_one_plan_moves_the_sum_by_at_most_C():
 # fast path's fit waits for /tmp/brief15/patches/P1-1.diff (keras/model/train_step.py).
 @pytest.mark.parametrize("clipping", [
     "vectorized",
-    pytest.param("fast", marks=[_SLOW, pytest.mark.xfail(strict=True, reason=(
-        "7c21ee0: the fast path's fit, 257 vs 256 rows unpadded: 1.007324 C (fixed by "
-        "P1-1.diff, not yet applied)"))])])
+    # 7c21ee0: the fast path's fit, 257 vs 256 rows unpadded: 1.007324 C; fixed when the
+    # fast-path sum opened chunking.public_rows
+    pytest.param("fast", marks=[_SLOW])])
 def test_unpadded_fit_moves_the_sum_by_at_most_C(clipping):
   assert _move("arrays", False, clipping) <= C
 

@@ -18,6 +18,7 @@ import time
 import keras
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import chunking
@@ -26,6 +27,7 @@ from tf_dpiter.keras.fast_clipping import clipping as fast_clip
 from tf_dpiter.keras.fast_clipping import plan as fast_plan
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.model import output_losses
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
@@ -418,10 +420,16 @@ class TrainStepMixin:
             weights)
         return tf.repeat(losses * n_rep, k)
 
-      grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
-          self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
-          return_outputs=True, clip_factors_fn=clip_factors_fn,
-          physical_chunks=False)   # the loss reads the batch's weights; chunked here
+      # an add/remove step's public bound on the records (chunking.sum_over_chunks checks
+      # the batch against it at run time): the rules trace no chunk loop a batch within it
+      # cannot run (runtime.examples_at_most)
+      plan = summation.current_public_plan()
+      bound = plan[0] * k if plan is not None and isinstance(k, int) else None
+      with runtime.examples_at_most(bound):
+        grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
+            self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
+            return_outputs=True, clip_factors_fn=clip_factors_fn,
+            physical_chunks=False)   # the loss reads the batch's weights; chunked here
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
@@ -449,8 +457,11 @@ class TrainStepMixin:
       per_chunk = None if m_ex is None else m_ex // k
     # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
     # tensor per variable), and the query's sample state is that sum itself
-    grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
-                                                           per_chunk, template=template)
+    # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
+    public = per_chunk if isinstance(per_chunk, int) else None
+    with chunking.public_rows(step, k, chunk=public):
+      grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
+                                                             per_chunk, template=template)
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
     state = step.base_query.sample_state_of_sum(template, grad_sum)
