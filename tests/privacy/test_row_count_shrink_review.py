@@ -28,7 +28,7 @@ Measured at 854cb19 (CPU, noise off, load 4-9):
   "auto" size the same happens whenever a sample exceeds E|R| + 4 sd (about 3e-5 per step).
 - fit on arrays with jit_compile=True (both padded to 264 rows: one plan): 0.99937 C. Passes.
 Fixed at 7c21ee0 (the shrink of an add/remove step from a public row bound): the vectorized
-cases pass; the fast path's fit stays open until P1-1.diff opens the public plan there.
+cases pass; the fast path's fit since its sum opened the public plan too (a804b3d).
 """
 
 import warnings
