@@ -11,12 +11,12 @@ written out by hand: round(n / B) per epoch, `steps_per_epoch` when given, epoch
 
 Measured at 854cb19 (CPU): the eight fits below take 20, 3, 20, 10, 10, 20, 5 and 20 steps,
 the ledger holds them (83 steps at q 0.1, 5 at 0.2, 20 at 0.05; n 200; z 1.1) and its
-epsilon equals the hand computation (6.9264 at delta 1e-5). Open (strict
-xfail): `from_budget(epsilon=2, epochs=3, B=20, n=200)` calibrates z for 3 x 10 = 30 steps;
-compiled with steps_per_execution=4, fit takes 12 steps per epoch (the endless Poisson
-iterator's 10 steps rounded up to whole executions: 36 steps) and the run ends at epsilon
-2.1596 > 2 with only a warning after the fact. Plain Keras on the same arrays takes 10 per
-epoch (a short last execution).
+epsilon equals the hand computation (6.9264 at delta 1e-5). Found at 854cb19, fixed at
+c66521a: `from_budget(epsilon=2, epochs=3, B=20, n=200)` calibrates z for 3 x 10 = 30 steps;
+compiled with steps_per_execution=4, fit took 12 steps per epoch (the endless Poisson
+iterator's 10 steps rounded up to whole executions: 36 steps) and the run ended at epsilon
+2.1596 > 2 with only a warning after the fact (plain Keras on the same arrays takes 10 per
+epoch). Now fit refuses an execution size that does not divide the epoch's steps.
 """
 
 import warnings
