@@ -27,9 +27,17 @@ from tf_dpiter.errors import ParameterValueError
 _TINY_NORM = 1e-30
 
 
-def _norm_dtype(tensors):
-  """float64 if any of `tensors` is float64, else float32 (never less than float32)."""
-  return (tf.float64 if any(tf.as_dtype(t.dtype) == tf.float64 for t in tensors)
+def float_dtype(*values):
+  """The privacy arithmetic's dtype: float64 if any tensor among `values` is float64, else
+  float32 (never less than float32; non-tensors count as float32).
+
+  Args:
+    *values: tensors or numbers.
+
+  Returns:
+    tf.float64 or tf.float32.
+  """
+  return (tf.float64 if any(tf.is_tensor(v) and v.dtype == tf.float64 for v in values)
           else tf.float32)
 
 
@@ -44,7 +52,7 @@ def global_l2_norm(record):
     a scalar float32 (or float64) tensor.
   """
   leaves = [tf.convert_to_tensor(x) for x in tf.nest.flatten(record)]
-  dtype = _norm_dtype(leaves)
+  dtype = float_dtype(*leaves)
   leaves = [tf.cast(x, dtype) for x in leaves]
   return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(x)) for x in leaves]))
 
@@ -52,7 +60,7 @@ def global_l2_norm(record):
 def _raw_factors(norms, l2_norm_clip):
   """min(1, S / max(||x||, 1e-30)) in float32 (float64 norms: float64), no special case for
   a non-finite norm."""
-  dtype = _norm_dtype([tf.convert_to_tensor(norms)])
+  dtype = float_dtype(tf.convert_to_tensor(norms))
   clip = tf.cast(l2_norm_clip, dtype)
   return tf.minimum(tf.constant(1.0, dtype), clip / tf.maximum(tf.cast(norms, dtype), _TINY_NORM))
 

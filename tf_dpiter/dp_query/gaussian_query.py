@@ -13,15 +13,6 @@ from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
 
 
-def _float_dtype(*values):
-  """float64 if any tensor among `values` is float64, else float32 (privacy arithmetic is
-  never done in less than float32)."""
-  for v in values:
-    if tf.is_tensor(v) and v.dtype == tf.float64:
-      return tf.float64
-  return tf.float32
-
-
 def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
   """sigma = z * S, the noise standard deviation (sum units) of a Gaussian sum query.
 
@@ -47,7 +38,7 @@ def gaussian_stddev(l2_norm_clip, noise_multiplier, validate=True):
                                       noise_multiplier=None if tf.is_tensor(z) else z)
   if tf.is_tensor(clip) or tf.is_tensor(z) or isinstance(clip, tf.Variable) or isinstance(
       z, tf.Variable):
-    dtype = _float_dtype(clip, z)
+    dtype = dp_query.float_dtype(clip, z)
     clip, z = tf.cast(clip, dtype), tf.cast(z, dtype)
     return tf.where(tf.equal(z, 0.0), tf.zeros_like(z * clip), z * clip)
   clip, z = float(clip), float(z)
