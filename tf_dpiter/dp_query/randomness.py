@@ -104,24 +104,48 @@ def _uint32_words(generator, shape):
   return tf.reshape(words, shape)
 
 
-# 64-bit words a draw compiled by XLA takes (`_philox_words`): from XLA_WORDS_FROM (below, the
-# draw costs less than the compilation) to XLA_WORDS_UP_TO (the noise stream's draw of
-# gaussian_query.BLOCK_VALUES values; one draw of BERT-base's 55M words took 1.6x the kernel's
-# CPU time under XLA, its blocks of 2^21 words 0.72x).
-XLA_WORDS_FROM = 1 << 16
-XLA_WORDS_UP_TO = 1 << 21
+# The compiled Philox draw (`_philox_words`): one XLA-compiled function per process, for one
+# size, XLA_BLOCK_WORDS 64-bit words (the words of one draw of gaussian_query.BLOCK_VALUES
+# noise values: BERT-base's noise stream is 26 such draws and a tail). Under XLA it takes about
+# 0.74x the CPU time of TensorFlow's kernel (2^21 words: 17.5 vs 23.5 ms); it is compiled once
+# (about 0.4 CPU s) and reused by every trace, variable, step and fit call. A draw of count
+# words, XLA_WORDS_FROM <= count <= XLA_BLOCK_WORDS, takes one whole block and uses its first
+# count words (from 3/4 of a block the block costs less than the kernel's draw of count words).
+XLA_BLOCK_WORDS = 1 << 21
+XLA_WORDS_FROM = 3 << 19
+
+_COMPILED_BLOCKS = {}   # words per block -> the process's compiled draw (one in use)
+
+
+def _compiled_block():
+  """The process's XLA-compiled draw of XLA_BLOCK_WORDS words from a Philox state's handle
+  (`_PhiloxState.uniform_full_int`: TensorFlow's key, counter and skip), made once."""
+  words = int(XLA_BLOCK_WORDS)
+  fn = _COMPILED_BLOCKS.get(words)
+  if fn is None:
+    def block(handle):
+      return _PhiloxState(handle, tf.random.Algorithm.PHILOX.value).uniform_full_int(
+          [words], tf.int64)
+    fn = _COMPILED_BLOCKS[words] = tf.function(
+        block, jit_compile=True, autograph=False,
+        input_signature=[tf.TensorSpec([], tf.resource)])
+  return fn
 
 
 def _philox_words(generator, count):
-  """`count` uniform 64-bit words, `generator.uniform_full_int([count], tf.int64)`.
+  """`count` uniform 64-bit words from `generator`'s Philox stream.
 
   In a graph, for a Philox generator outside a distribution strategy and a static count in
-  [XLA_WORDS_FROM, XLA_WORDS_UP_TO], the draw is an XLA-compiled function: XLA's
-  Philox-4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", Section 3)
-  takes TensorFlow's key, counter and skip, so the words and the generator's next state are
-  bit for bit those of TensorFlow's kernel (tests/dp_query/test_xla_philox_words.py), in about
-  0.7x its CPU time (BERT-base's noise stream, 27 draws of 2^21 words: 0.61 -> 0.44 CPU s a
-  step). Eager calls, other generators and other or dynamic counts take TensorFlow's kernel.
+  [XLA_WORDS_FROM, XLA_BLOCK_WORDS], the draw is one block of XLA_BLOCK_WORDS words by the
+  process's XLA-compiled function (`_compiled_block`), of which the first `count` are returned.
+  XLA's Philox-4x32-10 (Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3",
+  Section 3) takes TensorFlow's key, counter and skip: word j of the block is the j-th 64-bit
+  word of Philox(key, c + floor(j / 2)) from the generator's counter c, bit for bit TensorFlow's
+  kernel's word j, and the generator's state moves forward by the whole block, as the kernel's
+  draw of XLA_BLOCK_WORDS words moves it (tests/dp_query/test_xla_philox_words.py). The words
+  count.. of the block are discarded: the next draw starts after the whole block (the counter
+  only moves forward), so no word is used twice. Eager calls, other generators (SecureRandom,
+  a distribution strategy's, not Philox) and other or dynamic counts take TensorFlow's kernel.
 
   Args:
     generator: a tf.random.Generator, or an object with its `uniform_full_int`.
@@ -131,14 +155,13 @@ def _philox_words(generator, count):
     an int64 tensor [count].
   """
   if (tf.executing_eagerly() or not isinstance(count, int)
-      or not XLA_WORDS_FROM <= count <= XLA_WORDS_UP_TO
+      or not XLA_WORDS_FROM <= count <= XLA_BLOCK_WORDS
       or not isinstance(generator, tf.random.Generator)
       or generator.algorithm != tf.random.Algorithm.PHILOX.value
       or getattr(generator, "_distribution_strategy", None) is not None):
     return generator.uniform_full_int([count], dtype=tf.int64)
-  draw = tf.function(lambda: generator.uniform_full_int([count], dtype=tf.int64),
-                     jit_compile=True, autograph=False)
-  return draw()
+  words = _compiled_block()(generator.state.handle)
+  return words if count == XLA_BLOCK_WORDS else words[:count]
 
 
 def _bucket(word, bucket_bits):
