@@ -48,9 +48,7 @@ def group_mu_squared(group):
     raise PrivacyConfigError("accountant='gdp' accounts Gaussian queries only; this ledger has Laplace "
                              "queries: use accountant='rdp' or 'pld'")
   z = group.noise_multiplier
-  if not math.isfinite(z):
-    return 0.0
-  return policy_accounting.get(group.policy).gdp_mu_squared(group)
+  return policy_accounting.get(group.policy).gdp_mu_squared(group) if math.isfinite(z) else 0.0
 
 
 def mu_of_groups(groups):

@@ -27,10 +27,7 @@ def largest_integer(ok, start, limit=10**9):
   hi = min(hi, limit + 1)          # hi is never ok, or just past the limit
   while hi - lo > 1:
     mid = (lo + hi) // 2
-    if ok(mid):
-      lo = mid
-    else:
-      hi = mid
+    lo, hi = (mid, hi) if ok(mid) else (lo, mid)
   return lo
 
 
@@ -64,8 +61,5 @@ def bisect(ok, bad, good, rel_tol=1e-4, geometric=False):
   """
   while abs(good - bad) > rel_tol * abs(good):
     mid = math.sqrt(bad * good) if geometric else 0.5 * (bad + good)
-    if ok(mid):
-      good = mid
-    else:
-      bad = mid
+    bad, good = (bad, mid) if ok(mid) else (mid, good)
   return good

@@ -225,9 +225,7 @@ class AcceptanceRule:
     top = np.max(np.abs(update))
     if not np.isfinite(top):
       return "non_finite"
-    if top > self.max_abs_weight:
-      return "out_of_range"
-    return ""
+    return "out_of_range" if top > self.max_abs_weight else ""
 
   def check(self, update: np.ndarray, candidates: np.ndarray,
             centre: np.ndarray | None = None, n_slots: int | None = None) -> Decision:
@@ -275,6 +273,4 @@ class AcceptanceRule:
           return Decision(True, "", int(lo + j))
         first = first or reason  # the reason for the nearest candidate
     j = self._exhaustive(update, candidates)
-    if j >= 0:
-      return Decision(True, "", j)
-    return Decision(False, first or "step_too_large")
+    return Decision(True, "", j) if j >= 0 else Decision(False, first or "step_too_large")

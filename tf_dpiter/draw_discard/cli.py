@@ -32,10 +32,9 @@ def known_weights_spec(**kw) -> glm.ModelSpec:
            glm.Feature("I", "numeric", min=0.0, max=4.0))
   crosses = (("B", "E1"), ("B", "E2"), ("B", "D"), ("B", "I"), ("E1", "E2"), ("D", "E1"),
              ("I", "E1"), ("D", "E2"), ("I", "E2"), ("D", "I"))
-  args = dict(family="logistic", features=feats, crosses=crosses, name="known_weights",
-              version="1", gamma=0.005, epsilon=None, noise="none")
-  args.update(kw)
-  return glm.ModelSpec(**args)
+  return glm.ModelSpec(**{**dict(family="logistic", features=feats, crosses=crosses,
+                                 name="known_weights", version="1", gamma=0.005, epsilon=None,
+                                 noise="none"), **kw})
 
 
 def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
@@ -47,10 +46,9 @@ def dense_spec(num_weights: int, **kw) -> glm.ModelSpec:
   """
   if num_weights < 2:
     raise ParameterValueError(f"num_weights must be >= 2, got {num_weights}")
-  args = dict(family="logistic", features=(glm.Feature("x", "vector", size=num_weights - 1),),
-              name=f"dense{num_weights}", version="1", gamma=0.001, epsilon=math.log(32))
-  args.update(kw)
-  return glm.ModelSpec(**args)
+  return glm.ModelSpec(**{**dict(family="logistic", name=f"dense{num_weights}", version="1",
+                                 features=(glm.Feature("x", "vector", size=num_weights - 1),),
+                                 gamma=0.001, epsilon=math.log(32)), **kw})
 
 
 _CLI_ERRORS = (DPiterError, ValueError, OSError, ssl.SSLError, TimeoutError, KeyError,
@@ -60,9 +58,7 @@ _CLI_ERRORS = (DPiterError, ValueError, OSError, ssl.SSLError, TimeoutError, Key
 def _parse_eps(s: str) -> float | None:
   if s.lower() in ("none", "inf"):
     return None
-  if s.startswith("log(") and s.endswith(")"):
-    return math.log(float(s[4:-1]))
-  return float(s)
+  return math.log(float(s[4:-1])) if s.startswith("log(") and s.endswith(")") else float(s)
 
 
 def _parse_quota(s: str) -> float | None:
@@ -273,10 +269,8 @@ def main(argv=None) -> int:
 
 def _run(args) -> int:
   if args.cmd == "privacy":
-    if args.epsilon is None:
-      print("epsilon None: no client noise, no local DP guarantee")
-      return 0
-    print(privacy.privacy_statement(args.epsilon, args.k, args.T, args.delta_t))
+    print("epsilon None: no client noise, no local DP guarantee" if args.epsilon is None
+          else privacy.privacy_statement(args.epsilon, args.k, args.T, args.delta_t))
     return 0
   if args.cmd == "example-spec":
     spec = known_weights_spec() if args.kind == "known-weights" else dense_spec(args.num_weights)

@@ -150,9 +150,7 @@ def _tf_mean(family: str, eta):
     return eta
   if family == "logistic":
     return tf.sigmoid(eta)
-  if family == "poisson":
-    return tf.exp(tf.minimum(eta, 30.0))
-  return tf.nn.softmax(eta, axis=-1)
+  return tf.exp(tf.minimum(eta, 30.0)) if family == "poisson" else tf.nn.softmax(eta, axis=-1)
 
 
 def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip: float = 1.0,
@@ -195,10 +193,8 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
     p = tf.shape(x)[-1]
     w = tf.reshape(weights, [p, outputs])
     mu = _tf_mean(family, tf.matmul(x, w))
-    if family == "multinomial":
-      target = tf.one_hot(tf.cast(y, tf.int32), outputs, dtype=tf.float64)
-    else:
-      target = tf.cast(y, tf.float64)[:, None]
+    target = (tf.one_hot(tf.cast(y, tf.int32), outputs, dtype=tf.float64)
+              if family == "multinomial" else tf.cast(y, tf.float64)[:, None])
     n = tf.cast(tf.shape(x)[0], tf.float64)
     g = tf.clip_by_value(tf.matmul(x, mu - target, transpose_a=True) / n, -clip, clip)
     out = weights - gamma * tf.reshape(g, [-1])

@@ -71,9 +71,7 @@ class Feature:
     """Names of the design-matrix columns of this feature (categorical: name=level)."""
     if self.type == "categorical":
       return [f"{self.name}={lvl}" for lvl in self.levels[1:]]
-    if self.type == "vector":
-      return [f"{self.name}[{i}]" for i in range(self.size)]
-    return [self.name]
+    return [f"{self.name}[{i}]" for i in range(self.size)] if self.type == "vector" else [self.name]
 
   def encode(self, values: Any) -> np.ndarray:
     """Columns in [0, 1] for N raw values (the coding of the class docstring).

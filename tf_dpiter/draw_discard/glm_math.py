@@ -105,6 +105,4 @@ def predict_label(family: str, weights: np.ndarray, x: np.ndarray) -> np.ndarray
   mu = predict_mean(family, weights, x)
   if family == "multinomial":
     return mu.argmax(axis=-1)
-  if family == "logistic":
-    return (mu[..., 0] > 0.5).astype(np.int64)
-  return mu[..., 0]
+  return (mu[..., 0] > 0.5).astype(np.int64) if family == "logistic" else mu[..., 0]

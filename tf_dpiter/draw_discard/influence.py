@@ -183,9 +183,7 @@ class InfluenceBudget:
     return s1 * self.step + x * self.scale, u * self.scale
 
   def _decay(self, t_last: float, now: float) -> float:
-    if self.half_life_s is None:
-      return 1.0
-    return 2.0 ** (-max(0.0, now - t_last) / self.half_life_s)
+    return 1.0 if self.half_life_s is None else 2.0 ** (-max(0.0, now - t_last) / self.half_life_s)
 
   def state(self, identity: str) -> tuple[int, np.ndarray]:
     """(accepted steps n, a copy of the decayed cumulative step C [p] float64 now) of an
@@ -258,10 +256,8 @@ class InfluenceBudget:
     f = self._decay(st[4], now)
     n, s1, s2, c = st[0] + 1, st[1] * f + 1.0, st[2] * f * f + 1.0, st[3] * f + d
     life = st[5] + d
-    if self.max_steps is not None and s1 > self.max_steps + 1e-9:
-      reason = "influence_rate"
-    else:
-      reason = self._envelope_reason(n, s1, s2, c, life)
+    reason = ("influence_rate" if self.max_steps is not None and s1 > self.max_steps + 1e-9
+              else self._envelope_reason(n, s1, s2, c, life))
     if not reason:
       st = [n, s1, s2, c, now, life]
     if st[0] > 0:

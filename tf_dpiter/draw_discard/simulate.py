@@ -140,10 +140,8 @@ def _pure_noise_updates(inst: np.ndarray, m: int, rng: np.random.Generator, stra
   r = np.arange(replicates)
   draws = rng.integers(0, k, size=(m, replicates))
   slots = draws if strategy == "same_instance" else rng.integers(0, k, size=(m, replicates))
-  if noise == "laplace":
-    eps = rng.laplace(0.0, noise_std / np.sqrt(2.0), size=(m, replicates, num_weights))
-  else:
-    eps = rng.normal(0.0, noise_std, size=(m, replicates, num_weights))
+  eps = (rng.laplace(0.0, noise_std / np.sqrt(2.0), size=(m, replicates, num_weights))
+         if noise == "laplace" else rng.normal(0.0, noise_std, size=(m, replicates, num_weights)))
   for t in range(m):
     inst[r, slots[t]] = inst[r, draws[t]] + eps[t]
 
