@@ -517,6 +517,13 @@ def _factor_rows(factors, g):
 # "Floating point").
 PINNED_SUMS = True
 
+# A pinned sum keeps its per-example gradients while the batch's take at most this many times
+# budget.KEEP_BYTES (16 MiB): formed again, they cost a second per-example pass and the norm's
+# rounding bound (the tutorial CNN's second convolution, 32 KiB per example, straddled 8 MiB at
+# its B = 256: about half of its Poisson batches formed them twice). The layer's extra memory
+# stays bounded (at most 16 MiB kept, beyond: formed again in chunks of budget.CHUNK_BYTES).
+_PINNED_KEEP_FACTOR = 2
+
 
 def _pinned_applies(layer):
   """The clipped sums of this convolution are formed in a pinned order (`_pinned_kept_sum`,
@@ -743,14 +750,16 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   p = int(np.prod(layer.kernel.shape))
   b = tf.shape(dz4)[0]
   static_b = dz4.shape[0]
+  pinned = _pinned_applies(layer)
+  kept_bytes = budget.KEEP_BYTES * (_PINNED_KEEP_FACTOR if pinned else 1)
   if not registry.keep_per_example(p):
     keep = False
   elif static_b is None and routing.in_xla_context():   # no run-time choice under XLA
     keep = True
   elif static_b is not None:
-    keep = static_b * p * 4 <= budget.KEEP_BYTES
+    keep = static_b * p * 4 <= kept_bytes
   else:
-    keep = b * p * 4 <= budget.KEEP_BYTES
+    keep = b * p * 4 <= kept_bytes
   bound = (ksize, stride, dilation, padding, algebra.batch_rows(algebra.to_btk(dz4)))
   sq, g = budget.by_keep(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
                          lambda: (_per_example_pass(form, x4, dz4, k, False, bound),
@@ -778,7 +787,6 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
         sums.append(_bias_sum(bias[1], factors, k))
       return sums
 
-  pinned = _pinned_applies(layer)
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
 
