@@ -73,30 +73,72 @@ def _gamma(k):
   return k * U / (1 - k * U)
 
 
+def _eta(nodes, most, products=0):
+  """rounding_margin's docstring: (1 + u (1 + gamma_H) nodes) (1 + u)^products - 1."""
+  return (1 + U * (1 + _gamma(most)) * nodes) * (1 + U) ** products - 1
+
+
 @pytest.mark.parametrize("n, eta", [(256, 2.4e-4), (1024, 1.2e-3), (8192, 0.0127)])
 def test_rounding_margin_of_one_row_per_record(n, eta):
-  """gamma_d (2 n - 1), d = ceil(log2 n): the figures of the plan (one row per record)."""
-  assert summation.rounding_margin(n) == pytest.approx(_gamma(int(np.log2(n))) * (2 * n - 1))
+  """Shifted rows (any arrangement): 2 u (1 + gamma_d) d n, d = ceil(log2 n), as Higham's
+  gamma_d (2 n - 1); the slot relation (r a masked row of the same plan): the nodes on r's
+  path, sum over levels of (2 * 2^l - 1) < 4 n, no log factor."""
+  d = int(np.log2(n))
+  assert summation.rounding_margin(n) == pytest.approx(_eta(2 * d * n, d), rel=1e-12)
+  assert summation.rounding_margin(n) == pytest.approx(_gamma(d) * (2 * n - 1), rel=1e-2)
   assert summation.rounding_margin(n) == pytest.approx(eta, rel=0.02)
-  got = summation.rounding_margin(tf.constant(n))
-  assert got.numpy() == summation.rounding_margin(n)
+  slot = summation.rounding_margin(n, shifted=False)
+  assert slot == pytest.approx(_eta(sum(2 * 2 ** l - 1 for l in range(1, d + 1)), d), rel=1e-12)
+  assert slot < 4 * U * n * (1 + 1e-3)
+  for shifted in (True, False):
+    got = summation.rounding_margin(tf.constant(n), shifted=shifted)
+    assert got.numpy() == pytest.approx(summation.rounding_margin(n, shifted=shifted), rel=1e-12)
 
 
 def test_rounding_margin_of_chunks_replicas_blocks_and_products():
-  # 8 chunks of 512 one after the other: depth 9 + 7
-  assert summation.rounding_margin(512, chunks=8) == pytest.approx(_gamma(16) * 8191)
-  # two replicas: one more addition; n doubles
-  assert summation.rounding_margin(256, replicas=2) == pytest.approx(_gamma(9) * 1023)
-  # blocks of 64 (any order) under a tree of 4: the block's own term and the tree's
-  g1, g2 = _gamma(63), _gamma(2)
-  want = (1 + g1 * 127) * (1 + g2) + 2 * g2 * (1 + g1) * 255 - 1
-  assert summation.rounding_margin(256, block=64) == pytest.approx(want)
+  # 8 chunks of 512 one after the other: every row through the tree's 9 levels, chunks 1
+  # and 2 through 7 additions, chunk k >= 2 through 9 - k
+  chunked = 512 * (7 + sum(9 - k for k in range(2, 9)))
+  assert summation.rounding_margin(512, chunks=8) == pytest.approx(
+      _eta(2 * (4096 * 9 + chunked), 16), rel=1e-12)
+  # slot: the tree's levels in the chunk, then the accumulator after chunk j + 1
+  slot = (sum(2 * 2 ** l - 1 for l in range(1, 10))
+          + sum(2 * min((j + 1) * 512, 4096) - 1 for j in range(1, 8)))
+  assert summation.rounding_margin(512, chunks=8, shifted=False) == pytest.approx(
+      _eta(slot, 16), rel=1e-12)
+  # a padded tail's chunks (fewer rows than records * chunks): the rows where charged most
+  assert summation.rounding_margin(512, chunks=8, total=600) == pytest.approx(
+      _eta(2 * (600 * 9 + 512 * 7 + 88 * 7), 16), rel=1e-12)
+  # two replicas (any order): one more rounding for every row; n doubles
+  assert summation.rounding_margin(256, replicas=2) == pytest.approx(
+      _eta(2 * 512 * 9, 9), rel=1e-12)
+  assert summation.rounding_margin(256, replicas=2, shifted=False) == pytest.approx(
+      _eta(sum(2 * 2 ** l - 1 for l in range(1, 9)) + 1023, 9), rel=1e-12)
+  # blocks of 64 (any order) under a tree of 4: shifted, every row through 63 + 2; slot,
+  # r's block (63 nodes of <= 64 rows) and the tree's 2 levels (128, 256 rows)
+  assert summation.rounding_margin(256, block=64) == pytest.approx(
+      _eta(2 * 256 * 65, 65), rel=1e-12)
+  assert summation.rounding_margin(256, block=64, shifted=False) == pytest.approx(
+      _eta(63 * 127 + 255 + 511, 65), rel=1e-12)
+  # a final rounding: one more level of n rows
+  assert summation.rounding_margin(256, final=1, shifted=False) == pytest.approx(
+      _eta(sum(2 * 2 ** l - 1 for l in range(1, 9)) + 511, 9), rel=1e-12)
   assert summation.rounding_margin(256, products=4) == pytest.approx(
       (1 + summation.rounding_margin(256)) * (1 + U) ** 4 - 1)
   assert summation.rounding_margin(8, dtype=tf.float64) == pytest.approx(
-      3 * 2.0 ** -53 * 15, rel=1e-6)
-  got = summation.rounding_margin(tf.constant(512), chunks=tf.constant(8))
-  assert got.numpy() == pytest.approx(summation.rounding_margin(512, chunks=8), rel=1e-12)
+      2 * 3 * 8 * 2.0 ** -53, rel=1e-6)
+  for shifted in (True, False):
+    got = summation.rounding_margin(tf.constant(512), chunks=tf.constant(8), block=64,
+                                    shifted=shifted)
+    assert got.numpy() == pytest.approx(
+        summation.rounding_margin(512, chunks=8, block=64, shifted=shifted), rel=1e-12)
+
+
+def test_the_slot_bound_is_below_the_shifted_one():
+  """The slot relation is a special arrangement: its bound never exceeds the shifted one."""
+  for plan in (dict(records=8), dict(records=300, block=64), dict(records=512, chunks=5),
+               dict(records=100, replicas=3, final=2), dict(records=4096, block=64, final=1)):
+    assert summation.rounding_margin(**plan, shifted=False) <= summation.rounding_margin(**plan)
 
 
 @pytest.mark.parametrize("bad", [dict(records=0), dict(records=2.0), dict(records=4, block=0),

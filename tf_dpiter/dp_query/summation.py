@@ -56,40 +56,59 @@ def tree_depth(n):
 
 
 def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, products=0,
-                    final=0, total=None):
+                    final=0, total=None, shifted=True):
   """eta >= 0 such that, with every record's term of norm <= C / (1 + eta), adding or
   removing one record moves the computed float sum by at most C.
 
-  Relation: add/remove one record, the removed record a masked row (term 0) of the same
-  static plan, so both sums run the same additions in the same order. Unit: the L2 norm of
-  the summed terms (C's unit).
+  Unit: the L2 norm of the summed terms (C's unit). Relation: add/remove one record r, in one
+  of two forms. `shifted` True: the rows of D and D' = D + r are laid out in the same static
+  plan but r's arrival may shift the rows after it (a batch gathered in index order, as
+  fit's Poisson batches and unpadded batches are), so any partial sum may differ; valid for
+  every arrangement of the rows. `shifted` False: r is a masked row (term 0) of the same plan
+  on D, every other row in the same slot on both.
 
-  Plan (static; padding rows count as records): each chunk holds `records` rows; its rows are
-  formed in blocks of `block` rows summed in ANY order (block 1: one row per record), the
-  blocks combined by `pairwise_sum` (depth d = ceil(log2 ceil(records / block))); the chunks'
-  sums are added one after the other into an accumulator (K = chunks: at most K - 1 additions
-  per chunk sum); the replicas' sums are added in any order (an all-reduce: at most R - 1).
+  Plan (static; padding rows count as records): each chunk holds `records` rows, formed in
+  blocks of b = min(`block`, records) rows summed in ANY order (a matrix product: each
+  coordinate may have its own order), the blocks combined by `pairwise_sum` (the same binary
+  tree for every coordinate, depth d = ceil(log2 ceil(records / b))); the K = `chunks` chunks'
+  sums added one after the other into an accumulator (chunk 1 and 2 through K - 1
+  additions, chunk k >= 2 through K - k + 1); the R = `replicas` replicas' sums added in any
+  order (an all-reduce); then `final` roundings of the whole sum (a scale s <= 1 multiplied
+  in: fl(s y) = s y + e, |e| <= u |s y|, counted as levels). Every term goes through at most
+  H = (b - 1) + d + (K - 1) + (R - 1) + final roundings.
 
-  Derivation (Higham, Sec. 4.2 and Lemma 3.1: a term that goes through k roundings is
-  x (1 + theta), |theta| <= gamma_k = k u / (1 - k u), componentwise). A block that does not
-  hold the removed record r is computed bit-identically on D and D'. r's block sum moves by
-  at most ||x_r|| (1 + g1) + 2 g1 sum_{b in block, b != r} ||x_b||, g1 = gamma_(block - 1);
-  each block sum y_j enters the fixed tree of chunks and replicas with at most
-  L = d + (K - 1) + (R - 1) roundings, g2 = gamma_L, so with n = records K R rows of norm
-  <= C' the move is at most
-      C' [(1 + g1 (2 block - 1)) (1 + g2) + 2 g2 (1 + g1) (n - 1)],
-  and `products` roundings of each term's own products (a weight multiplied in) scale every
-  ||x_b|| by (1 + u)^products; `final` roundings of the whole sum (a scale multiplied into
-  it: fl(s y) = s y (1 + delta) componentwise) are `final` more levels of the tree (L + final).
-  eta is that bracket times (1 + u)^products, minus 1: one row per
-  record (block 1, one chunk) gives gamma_d (2 n - 1) (2.4e-4 at n = 256, 1.2e-3 at 1024,
-  0.0127 at 8192 in float32). The float32 norm of each record (its clip factor) is not part of
-  this bound: see docs/design.md, "Floating point".
+  Derivation (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Sec. 2.2
+  and Lemma 3.1; round to nearest, u the unit roundoff). Each addition of computed values
+  gives fl(a + c) = a + c + e, |e| <= u |a + c| componentwise, and a partial sum over a set V
+  of rows has |a + c| <= (1 + gamma_H) sum_{i in V} |x_i| (every term through at most H
+  roundings, gamma_H = H u / (1 - H u)), so in norm ||e|| <= u (1 + gamma_H) m_V C'' where m_V
+  bounds the rows of V and C'' = C' (1 + u)^products bounds a term's norm after its own
+  products' roundings (C' the clip).
+  Shifted: the computed sum is the exact sum of the terms plus E = sum of every addition's e;
+  per coordinate sum_v |e_v| <= u (1 + gamma_H) sum_i depth_i |x_i| (a row is in as many
+  partial sums as roundings on its path), so ||E|| <= u (1 + gamma_H) C'' sum_i depth_i with
+  depth_i the row's largest rounding count over coordinates: (b - 1) + d + c_k + (R - 1) +
+  final, c_k its chunk's count. The exact sums differ by r's term, so the move is at most
+      C'' [1 + 2 u (1 + gamma_H) P],   P = max over <= n rows of sum_i depth_i,
+  n = rows in all (P: the rows placed in the chunks of most additions first).
+  Slot: a partial sum that does not contain r is the same float on D and D'; one that does,
+  v = fl(a + c) with a holding r, moves by at most ||a - a'|| + u (||a + c|| + ||a' + c||) <=
+  ||a - a'|| + u (1 + gamma_H) (2 m_v - 1) C'' (m_v rows with r, m_v - 1 without). Summed up
+  r's path from its leaf (a move of ||x_r|| <= C''): r's block (at most b - 1 nodes of at
+  most b rows each, any order per coordinate: the bound of the worst order), the tree's level
+  l = 1..d (a node of min(2^l b, records) rows), the accumulator after chunk j + 1 (at most
+  min((j + 1) records, rows per replica) rows, j = 1..K - 1), the all-reduce (any order: R - 1
+  nodes of n rows) and the finals (n rows each):
+      C'' [1 + u (1 + gamma_H) S],   S = sum over those nodes of (2 m_v - 1),
+  about 4 u n C'' for one row per record: no log factor (2.4e-4 -> 6.5e-5 at n = 256).
+  eta is the bracket times (1 + u)^products, minus 1. Shifted, one row per record in one
+  chunk: 2 u ceil(log2 n) n, as Higham's gamma bound (2.4e-4 at n = 256, 1.2e-3 at 1024,
+  0.0127 at 8192 in float32). The float32 norm of each record (its clip factor) is not part
+  of this bound: see docs/design.md, "Floating point".
 
   Args:
     records: rows per chunk (>= 1): a Python int (the static plan), or a scalar int tensor
-      (rows known at run time only; padding rows count: the batch's row count must not
-      depend on which records are present, as fit's padded batches).
+      (rows known at run time only; padding rows count).
     chunks: K >= 1 chunks added sequentially (an int, or a scalar int tensor).
     replicas: R >= 1 replicas' sums added in any order.
     block: rows summed in any order before the tree (>= 1); a block of more rows than
@@ -99,55 +118,86 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
     final: roundings of the sum after it is formed (>= 0).
     total: the rows of all chunks together where fewer than records * chunks (chunks of
       unequal size: a padded tail's), an int; n above is then total * replicas.
+    shifted: the relation (above): True (the default) for any arrangement of the rows.
 
   Returns:
-    eta: a Python float, or a float64 scalar tensor for a tensor `records`.
+    eta: a Python float, or a float64 scalar tensor for a tensor `records` or `chunks`.
 
   Raises:
     ParameterValueError: a count that is not a positive int, products < 0, or a plan whose
-      gamma is not defined (k u >= 1).
+      gamma is not defined (k u >= 1/2).
   """
   if tf.is_tensor(records) or tf.is_tensor(chunks):
-    return _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, final)
-  rows = int(records) * int(chunks) if total is None else min(int(total),
-                                                              int(records) * int(chunks))
+    return _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, final,
+                                   shifted)
   for name, value, low in (("records", records, 1), ("chunks", chunks, 1),
                            ("replicas", replicas, 1), ("block", block, 1),
                            ("products", products, 0), ("final", final, 0)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
       raise ParameterValueError(
           f"`{name}` must be an int >= {low}. Received: {name}={value!r}")
+  records, chunks, replicas = int(records), int(chunks), int(replicas)
+  rows = records * chunks if total is None else min(int(total), records * chunks)
   u = unit_roundoff(dtype)
-  block = min(int(block), int(records))   # a block's padding rows are zeros: x + 0 is exact
-  depth = (tree_depth(-(-int(records) // int(block))) + int(chunks) - 1 + int(replicas) - 1
-           + int(final))
-  if max(depth, block - 1) * u >= 0.5:
+  block = min(int(block), records)   # a block's padding rows are zeros: x + 0 is exact
+  depth = tree_depth(-(-records // block))
+  most = (block - 1) + depth + chunks - 1 + replicas - 1 + int(final)
+  if most * u >= 0.5:
     raise ParameterValueError(
-        f"the plan's rounding bound is not defined (depth {depth}, block {block}). "
-        f"Received: records={records}, chunks={chunks}, replicas={replicas}, block={block}")
-  return _margin(rows * int(replicas), depth, block, u, products)
+        f"the plan's rounding bound is not defined (depth {most}). Received: "
+        f"records={records}, chunks={chunks}, replicas={replicas}, block={block}")
+  n = rows * replicas
+  if shifted:
+    # the chunks' additions: chunk 1 and 2 through K - 1, chunk k >= 2 through K - k + 1,
+    # the rows placed where they are charged most
+    counts = [chunks - 1] + [chunks - k + 1 for k in range(2, chunks + 1)]
+    left, chunked = rows, 0
+    for c in counts:
+      take = min(records, left)
+      chunked, left = chunked + take * c, left - take
+    levels = n * ((block - 1) + depth + (replicas - 1) + int(final)) + replicas * chunked
+    nodes = 2 * levels
+  else:
+    nodes = ((block - 1) * (2 * block - 1)
+             + sum(2 * min(block << level, records) - 1 for level in range(1, depth + 1))
+             + sum(2 * min((j + 1) * records, rows) - 1 for j in range(1, chunks))
+             + (replicas - 1 + int(final)) * (2 * n - 1))
+  return _margin(nodes, most, u, products)
 
 
-def _margin(n, depth, block, u, products):
-  """`rounding_margin`'s formula (its docstring), n rows in all; Python floats or tensors."""
-  g1, g2 = _gamma(block - 1, u), _gamma(depth, u)
-  bound = (1 + g1 * (2 * block - 1)) * (1 + g2) + 2 * g2 * (1 + g1) * (n - 1)
-  return bound * (1 + u) ** products - 1.0
+def _margin(nodes, most, u, products):
+  """`rounding_margin`'s eta from the weighted node count (P or S of its docstring: 2 P or
+  S) and H; Python floats or float64 tensors."""
+  return (1.0 + u * (1.0 + _gamma(most, u)) * nodes) * (1.0 + u) ** products - 1.0
 
 
-def _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, final):
-  """`rounding_margin` of a row count known at run time only (a scalar int tensor): the same
-  formula in float64, the depth ceil(log2 ceil(records / block)) in integers."""
+def _rounding_margin_tensor(records, chunks, replicas, block, dtype, products, final, shifted):
+  """`rounding_margin` of a row count known at run time only (scalar int tensors, every
+  chunk of `records` rows): the same formula in float64, the depth and the sums over the
+  tree's levels and the chunks in closed form."""
   u = unit_roundoff(dtype)
   rows = tf.maximum(tf.cast(records, tf.int64), 1)
   block = tf.minimum(rows, tf.constant(int(block), tf.int64))   # padding rows: exact zeros
   leaves = (rows + block - 1) // block
-  powers = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.range(63, dtype=tf.int64))
-  depth = tf.reduce_sum(tf.cast(leaves - 1 >= powers, tf.int64))   # the bit length of leaves - 1
-  chunks = tf.maximum(tf.cast(chunks, tf.int64), 1)
-  depth = tf.cast(depth + chunks - 1 + replicas - 1 + final, tf.float64)
-  n = tf.cast(rows * chunks * replicas, tf.float64)
-  return _margin(n, depth, tf.cast(block, tf.float64), u, products)
+  levels = tf.range(1, 64, dtype=tf.int64)
+  powers = tf.bitwise.left_shift(tf.constant(1, tf.int64), levels - 1)
+  on_path = leaves - 1 >= powers                                  # levels 1..d
+  depth = tf.reduce_sum(tf.cast(on_path, tf.int64))               # the bit length of leaves - 1
+  k = tf.maximum(tf.cast(chunks, tf.int64), 1)
+  f64 = lambda t: tf.cast(t, tf.float64)
+  most = f64(block - 1 + depth + k - 1 + replicas - 1 + final)
+  n = f64(rows * k * replicas)
+  b, m, kk = f64(block), f64(rows), f64(k)
+  if shifted:
+    chunked = m * (kk - 1.0) * (kk + 2.0) / 2.0   # sum of rows times the chunks' additions
+    nodes = 2.0 * (n * (b - 1.0 + f64(depth) + replicas - 1 + final) + replicas * chunked)
+  else:
+    level_rows = tf.minimum(b * f64(tf.bitwise.left_shift(tf.constant(1, tf.int64), levels)), m)
+    tree = tf.reduce_sum(tf.where(on_path, 2.0 * level_rows - 1.0, 0.0))
+    nodes = ((b - 1.0) * (2.0 * b - 1.0) + tree
+             + 2.0 * m * (kk * (kk + 1.0) / 2.0 - 1.0) - (kk - 1.0)
+             + (replicas - 1 + final) * (2.0 * n - 1.0))
+  return _margin(nodes, most, u, products)
 
 
 def shrink(eta, dtype=tf.float32):
@@ -226,8 +276,8 @@ def current_public_plan():
 def public_shrink(rows, records, chunks=1, block=1, final=0):
   """`step_shrink` of the sum of a batch of `rows` rows planned as (`records`, `chunks`,
   `block`), made independent of the rows inside a `public_plan` block: there the shrink is
-  that of the public plan, with every term charged its block's b - 1 roundings as levels of
-  the tree (blocks of 1: the rows of a block differ between D and D' once a record's arrival
+  that of the public plan (`rounding_margin`'s shifted relation: every block's b - 1
+  roundings charged, the rows of a block differing between D and D' once a record's arrival
   shifts the others), and the batch's rows are checked against the bound
   (`within_public_rows`; past it the shrink is NaN, which XLA keeps: the step then updates
   nothing finite).
@@ -248,8 +298,8 @@ def public_shrink(rows, records, chunks=1, block=1, final=0):
   if plan is None:
     return step_shrink(records, chunks=chunks, block=block, final=final)
   bound, records, chunks, most = plan
-  block = max(int(block), int(most))
-  s = step_shrink(records, chunks=chunks, block=1, final=final + block - 1, total=bound)
+  s = step_shrink(records, chunks=chunks, block=max(int(block), int(most)), final=final,
+                  total=bound)
   within = True if rows is None else within_public_rows(rows)
   if within is True:
     return s
