@@ -275,16 +275,11 @@ def _escaping_uses(operations, rec, handle, vectorized):
             todo.append(consumer)
         elif t.ref() not in outputs:
           escaping.add(consumer)
-  unbatched = [t for t in tf.nest.flatten(rec["outputs"]) if vectorized and tf.is_tensor(t) and
-               t.ref() in derived and not _from_inputs(created, rec, t)]
-  return escaping | {t.op for t in unbatched}
-
-
-def _from_inputs(created, rec, t):
-  """True if `t`, computed in the recorded call `rec`, depends on one of the call's tensor
-  arguments (a backward walk over the operations the call created)."""
+  # an output not computed from the call's tensor arguments (a backward walk): no batch axis
   args = {a.ref() for a in tf.nest.flatten((rec["args"], rec["kwargs"])) if tf.is_tensor(a)}
-  return _reached_from(created, args, t, gradient_only=False)
+  unbatched = [t for t in tf.nest.flatten(rec["outputs"]) if vectorized and tf.is_tensor(t) and
+               t.ref() in derived and not _reached_from(created, args, t, gradient_only=False)]
+  return escaping | {t.op for t in unbatched}
 
 
 def uninstall(installed):
@@ -300,10 +295,6 @@ def uninstall(installed):
     keras_internals.restore_call(token)
 
 
-def _is_batched(t):
-  return tf.is_tensor(t) and t.shape.rank is not None and t.shape.rank >= 1
-
-
 def vectorized_grads(unit, rec, out_grads):
   """Per-example gradients [B, *v.shape] of <outputs, out_grads> w.r.t. the
   unit's variables, re-running the layer on each example (tf.vectorized_map; a loop over
@@ -311,13 +302,9 @@ def vectorized_grads(unit, rec, out_grads):
   """
   structure = (rec["args"], rec["kwargs"])
   flat = tf.nest.flatten(structure)
-  batched = [i for i, t in enumerate(flat) if _is_batched(t)]
+  batched = [i for i, t in enumerate(flat) if tf.is_tensor(t) and (t.shape.rank or 0) >= 1]
   xs = [flat[i] for i in batched]
-  n_x = len(xs)
-  variables = unit.variables
-  orig = unit.orig_call
-
-  sources = keras_internals.gradient_sources(variables)
+  sources = keras_internals.gradient_sources(unit.variables)
   list_loops = []
 
   def one(elems, check_loops=False):
@@ -327,11 +314,11 @@ def vectorized_grads(unit, rec, out_grads):
       new_flat[i] = tf.expand_dims(elems[k], 0)
     args, kwargs = tf.nest.pack_sequence_as(structure, new_flat)
     with tf.GradientTape() as tape:
-      out = tf.nest.flatten(orig(*args, **kwargs))
+      out = tf.nest.flatten(unit.orig_call(*args, **kwargs))
       s = tf.add_n([
           tf.reduce_sum(tf.cast(o, tf.float32) *
                         tf.cast(tf.expand_dims(g, 0), tf.float32))
-          for o, g in zip(out, elems[n_x:])
+          for o, g in zip(out, elems[len(xs):])
       ])
     loops = runtime.loops_over_lists(first) if check_loops else ()
     if loops:   # before pfor converts the body

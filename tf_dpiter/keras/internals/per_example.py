@@ -270,12 +270,8 @@ def _keras_hub_read(table):
   version = getattr(sys.modules.get("keras_hub.src.version"), "__version__", None)
   if not isinstance(version, str) or ".".join(version.split(".")[:2]) not in _KERAS_HUB_READ:
     return []
-  found = []
-  for module_name, names in table.items():
-    module = sys.modules.get(module_name)
-    if module is not None:
-      found.append((module, tuple(names)))
-  return found
+  return [(sys.modules[name], tuple(names)) for name, names in table.items()
+          if sys.modules.get(name) is not None]
 
 
 def _input_rank(layer):
@@ -343,23 +339,17 @@ def _is_plain_container(layer):
   return any(isinstance(layer, cls) and type(layer).call is cls.call for cls in _CONTAINERS)
 
 
-def _graph_operations(found):
-  """The non-layer nodes (keras.ops on KerasTensors) of `functional_graph(model)`'s result."""
+def _graph_parts(found):
+  """(the non-layer nodes: keras.ops on KerasTensors, the ids of the layers the call runs) of
+  a functional graph (`found`: `functional_graph`), or ([], None) without a graph (then every
+  sublayer is checked). A tracked layer the graph does not run (a keras_hub preprocessor)
+  does not decide the clipping path."""
   if found is None:
-    return []
-  _, by_depth = found
-  return [node for nodes in by_depth.values() for node in nodes
-          if not node.is_input and not isinstance(node.operation, keras.layers.Layer)]
-
-
-def _graph_layer_ids(found):
-  """The ids of the layers a functional graph's call runs (`found`: `functional_graph`), or
-  None without a graph (then every sublayer is checked). A tracked layer the graph does not
-  run (a keras_hub preprocessor) does not decide the clipping path."""
-  if found is None:
-    return None
-  _, by_depth = found
-  return {id(node.operation) for nodes in by_depth.values() for node in nodes}
+    return [], None
+  nodes = [node for nodes in found[1].values() for node in nodes]
+  return ([node for node in nodes
+           if not node.is_input and not isinstance(node.operation, keras.layers.Layer)],
+          {id(node.operation) for node in nodes})
 
 
 def _known_operation(node):
@@ -384,10 +374,8 @@ def _collect_unknown(layer, keras_classes, hub_classes, children, out, min_rank=
     return
   in_graph = None
   if _is_plain_container(layer):
-    found = keras_internals.functional_graph(layer)
-    out.extend(node.operation.name for node in _graph_operations(found)
-               if not _known_operation(node))
-    in_graph = _graph_layer_ids(found)
+    operations, in_graph = _graph_parts(keras_internals.functional_graph(layer))
+    out.extend(node.operation.name for node in operations if not _known_operation(node))
   elif not _known_keras_layer(layer, keras_classes, min_rank):
     out.append(layer.name)
     return
