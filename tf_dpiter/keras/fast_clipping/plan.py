@@ -110,10 +110,8 @@ def _trained(layer, trained):
 
 
 def _has_registered(tree, layer, trained, rules):
-  for sub in _sublayers(tree, layer):
-    if rules[id(sub)] is not None and _trained(sub, trained):
-      return True
-  return False
+  return any(rules[id(sub)] is not None and _trained(sub, trained)
+             for sub in _sublayers(tree, layer))
 
 
 class Unit:
@@ -158,8 +156,7 @@ def _check_deterministic(tree, layer):
              getattr(sub, "_dropout", 0)]
     if isinstance(sub, keras.layers.Dropout):
       rates.append(sub.rate)
-    if max(float(r) if isinstance(r, (int, float)) else 0.0
-           for r in rates) > 0:
+    if max(float(r) if isinstance(r, (int, float)) else 0.0 for r in rates) > 0:
       raise PrivacyConfigError(
           f"layer {layer.name!r} contains dropout ({sub.name!r}) and no "
           "registered rule clips it in one pass; its per-example gradients "
@@ -174,16 +171,12 @@ def _ghost_norm_fn(layer, grouped, variables, norm_fn):
   A norm function sums over `layer.trainable_variables`: it serves only if
   those are exactly `variables`, the layer's variables the model trains.
   """
-  if norm_fn is None:
-    return None
-  if {id(v) for v in layer.trainable_variables} != {id(v) for v in variables}:
-    return None
-  if grouped and not getattr(norm_fn, "supports_records", False):
-    return None
-  if computes_in_16_bits(layer) and not (getattr(norm_fn, "float32_watched", False) or
-                                         getattr(norm_fn, "float32_sums", False)):
-    return None
-  return norm_fn
+  declines = (norm_fn is None or
+              {id(v) for v in layer.trainable_variables} != {id(v) for v in variables} or
+              (grouped and not getattr(norm_fn, "supports_records", False)) or
+              (computes_in_16_bits(layer) and not (getattr(norm_fn, "float32_watched", False) or
+                                                   getattr(norm_fn, "float32_sums", False))))
+  return None if declines else norm_fn
 
 
 def _check_coverage(model, units, trained):

@@ -24,20 +24,6 @@ def _dense(g):
   return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
 
 
-def _weighted(g, f):
-  """g * f per row (float32), 0 where f == 0 (even if g is not finite)."""
-  return algebra.weight_rows(g, f)
-
-
-def _float32_args(rec):
-  """The recorded call's floating inputs cast to float32, non-finite -> 0."""
-  def cast(t):
-    if tf.is_tensor(t) and t.dtype.is_floating:
-      return algebra.finite_float32(t)
-    return t
-  return tf.nest.map_structure(cast, (rec["args"], rec["kwargs"]))
-
-
 def sum_dtype(v):
   """dtype of a variable's clipped sum: float32 for 16-bit variables."""
   dtype = tf.as_dtype(v.dtype)
@@ -48,7 +34,10 @@ def _float32_vjp(unit, weighted):
   """sum_i c_i g_i of a 16-bit ghost unit in float32: the norm function is run
   again on the float32 inputs with every variable read as a watched float32
   copy (keras.StatelessScope), and its watched tensors are differentiated."""
-  args, kwargs = _float32_args(unit.records[0])
+  rec = unit.records[0]   # its floating inputs cast to float32, non-finite -> 0
+  args, kwargs = tf.nest.map_structure(
+      lambda t: algebra.finite_float32(t) if tf.is_tensor(t) and t.dtype.is_floating else t,
+      (rec["args"], rec["kwargs"]))
   w32 = [tf.cast(tf.convert_to_tensor(v), tf.float32) for v in unit.variables]
   with tf.GradientTape() as tape:
     tape.watch(w32)
@@ -72,7 +61,8 @@ def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
   gradients, in float32 for 16-bit layers."""
   if isinstance(sum_fn, registry.FactorSums):
     return [_dense(g) for g in sum_fn.sum_fn(example_factors)]
-  weighted = [_weighted(g, example_factors) for g in grads_w]
+  # g * c per row (float32), 0 where c == 0 (even if g is not finite)
+  weighted = [algebra.weight_rows(g, example_factors) for g in grads_w]
   if sum_fn is not None:
     grads = sum_fn(tf.nest.pack_sequence_as(unit.records[0]["watched"], weighted))
   elif unit.float32_recompute:
@@ -172,8 +162,5 @@ def dense_result(model, result):
   Returns:
     a list of tensors, one per trainable variable (float32 for 16-bit variables).
   """
-  out = []
-  for v in model.trainable_variables:
-    g = result.get(id(v))
-    out.append(tf.zeros(v.shape, sum_dtype(v)) if g is None else g)
-  return out
+  return [result[id(v)] if id(v) in result else tf.zeros(v.shape, sum_dtype(v))
+          for v in model.trainable_variables]
