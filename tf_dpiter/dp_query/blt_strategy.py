@@ -44,10 +44,8 @@ def strategy_coefficients(theta, omega, n):
   Returns:
     float64 array [n].
   """
-  impulse = np.zeros(n)
-  impulse[0] = 1.0
   p, q = _polys(theta, omega)
-  return sp_signal.lfilter(p, q, impulse)
+  return sp_signal.lfilter(p, q, np.eye(1, n)[0])   # of the unit impulse
 
 
 def inverse_coefficients(theta, omega, n):
@@ -60,10 +58,8 @@ def inverse_coefficients(theta, omega, n):
   Returns:
     float64 array [n].
   """
-  impulse = np.zeros(n)
-  impulse[0] = 1.0
   p, q = _polys(theta, omega)
-  return sp_signal.lfilter(q, p, impulse)
+  return sp_signal.lfilter(q, p, np.eye(1, n)[0])   # of the unit impulse
 
 
 def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):

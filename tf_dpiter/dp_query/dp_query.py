@@ -149,9 +149,7 @@ def map_up_to(shallow, fn, *structures):
     if not _is_nest(s) or len(s) != len(shallow):
       raise ParameterValueError(f"structure mismatch: expected {len(shallow)} parts, got {s!r}")
   parts = [map_up_to(sh, fn, *(s[i] for s in structures)) for i, sh in enumerate(shallow)]
-  if hasattr(shallow, "_fields"):
-    return type(shallow)(*parts)
-  return type(shallow)(parts)
+  return type(shallow)(*parts) if hasattr(shallow, "_fields") else type(shallow)(parts)
 
 
 def flatten_up_to(shallow, structure):

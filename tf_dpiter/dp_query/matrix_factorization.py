@@ -157,9 +157,7 @@ def prefix_error(matrix):
 def _toeplitz_loss_and_grad(coefs, n):
   """loss(c) = ||c||^2 sum_k (n - k) e_k^2 with e = cumsum of the inverse coefficients d of c
   (d = impulse response of 1 / c(z)), and its gradient: d d_k / d c_j = -(d * d)_{k-j}."""
-  impulse = np.zeros(n)
-  impulse[0] = 1.0
-  d = sp_signal.lfilter([1.0], coefs, impulse)
+  d = sp_signal.lfilter([1.0], coefs, np.eye(1, n)[0])   # of the unit impulse
   e = np.cumsum(d)
   w = n - np.arange(n, dtype=np.float64)
   f = float(np.sum(w * e * e))

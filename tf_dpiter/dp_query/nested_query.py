@@ -101,13 +101,9 @@ class NestedQuery(dp_query.SumAggregationDPQuery):
     return result, new_state, events
 
   def derive_metrics(self, global_state):
-    metrics = {}
-    flat_q = tf.nest.flatten(self._queries)
-    flat_s = dp_query.flatten_up_to(self._queries, global_state)
-    for i, (q, s) in enumerate(zip(flat_q, flat_s)):
-      for k, v in q.derive_metrics(s).items():
-        metrics[f"group_{i}/{k}"] = v
-    return metrics
+    pairs = zip(tf.nest.flatten(self._queries), dp_query.flatten_up_to(self._queries, global_state))
+    return {f"group_{i}/{k}": v
+            for i, (q, s) in enumerate(pairs) for k, v in q.derive_metrics(s).items()}
 
 
 # ---- Allocation strategies (McMahan et al. 2018, Sections 2 and 4) -------------------------------
@@ -198,7 +194,6 @@ def dimension_adjusted_noise(noise_multiplier, clips, dims):
           for s, d in zip(clips, dims)]
 
 
-
 def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping="per_layer",
                                noise_allocation="proportional", denominator=None, seed=None):
   """Builds a per-group Gaussian query over the leaves of `template` (Sections 2 and 4).
@@ -225,23 +220,17 @@ def make_nested_gaussian_query(template, total_clip, noise_multiplier, clipping=
     q = gaussian_query.GaussianSumQuery(clip, stddev, seed=seed)
     return q if denominator is None else normalized_query.NormalizedQuery(q, denominator)
 
+  validation.check_one_of("clipping", clipping, ("flat", "per_layer", "dimension_adjusted"),
+                          PrivacyConfigError)
   if clipping == "flat":
     return leaf_query(total_clip, gaussian_query.gaussian_stddev(total_clip, noise_multiplier))
+  validation.check_one_of("noise_allocation", noise_allocation,
+                          ("proportional", "dimension_adjusted"), PrivacyConfigError)
   leaves = tf.nest.flatten(template)
   dims = [int(np.prod(tf.TensorShape(getattr(t, "shape", np.shape(t))).as_list())) for t in leaves]
-  if clipping == "per_layer":
-    clips = per_layer_clips(total_clip, len(leaves))
-  elif clipping == "dimension_adjusted":
-    clips = dimension_adjusted_clips(total_clip, dims)
-  else:
-    raise PrivacyConfigError("clipping must be 'flat', 'per_layer' or 'dimension_adjusted', "
-                             f"got {clipping!r}")
-  if noise_allocation == "proportional":
-    stddevs = proportional_noise(noise_multiplier, clips)
-  elif noise_allocation == "dimension_adjusted":
-    stddevs = dimension_adjusted_noise(noise_multiplier, clips, dims)
-  else:
-    raise PrivacyConfigError("noise_allocation must be 'proportional' or 'dimension_adjusted', "
-                             f"got {noise_allocation!r}")
+  clips = (per_layer_clips(total_clip, len(leaves)) if clipping == "per_layer"
+           else dimension_adjusted_clips(total_clip, dims))
+  stddevs = (proportional_noise(noise_multiplier, clips) if noise_allocation == "proportional"
+             else dimension_adjusted_noise(noise_multiplier, clips, dims))
   queries = [leaf_query(c, s) for c, s in zip(clips, stddevs)]
   return NestedQuery(tf.nest.pack_sequence_as(template, queries))

@@ -128,10 +128,8 @@ class QuantileEstimatorQuery(dp_query.SumAggregationDPQuery):
     denom = global_state.expected_num_records
     below_fraction = tf.clip_by_value(noised / denom + 0.5, 0.0, 1.0)
     step = global_state.learning_rate * (below_fraction - global_state.target_quantile)
-    if self._geometric_update:
-      new_estimate = global_state.current_estimate * tf.exp(-step)
-    else:
-      new_estimate = tf.maximum(0.0, global_state.current_estimate - step)
+    new_estimate = (global_state.current_estimate * tf.exp(-step) if self._geometric_update
+                    else tf.maximum(0.0, global_state.current_estimate - step))
     event = events_lib.GaussianSumEvent(tf.constant(_BELOW_SENSITIVITY),
                                         global_state.below_estimate_stddev)
     return global_state._replace(current_estimate=new_estimate), event

@@ -173,9 +173,7 @@ def plain(value):
     value = value.numpy()
   if isinstance(value, np.ndarray):
     return value.tolist()
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
+  return value.item() if isinstance(value, np.generic) else value
 
 
 def _check_plain(value, where):
