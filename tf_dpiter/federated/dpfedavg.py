@@ -155,9 +155,7 @@ class DPFedAvg:
                                             self.local_sgd.epochs)
       deltas = self.local_sgd(params, self._x, self._y, idx, sizes, order)
       out.append(self.model.flatten(deltas, batch_dims=1))
-    if not out:
-      return tf.zeros([0, self.dim], tf.float32)
-    return tf.concat(out, 0)
+    return tf.concat(out, 0) if out else tf.zeros([0, self.dim], tf.float32)
 
   def run_round(self):
     """One communication round (without the budget check). Returns its RoundReport."""

@@ -112,9 +112,7 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     return None, {}
 
   def evaluate(self, server_round, parameters):
-    if self.eval_fn is None:
-      return None
-    return self.eval_fn(parameters_to_ndarrays(parameters))
+    return None if self.eval_fn is None else self.eval_fn(parameters_to_ndarrays(parameters))
 
 
 class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.Strategy):

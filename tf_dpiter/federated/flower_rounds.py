@@ -7,6 +7,8 @@ aggregates the screened updates through the `DPServer`'s query (one ledger entry
 `DeploymentMixin` gives both strategies the same public state. Imports no Flower.
 """
 
+import operator
+
 import numpy as np
 import tensorflow as tf
 
@@ -107,38 +109,25 @@ class DPRounds:
     return info
 
 
+def _from_rounds(path, doc):
+  """A read-only property reading `path` (dotted) of the strategy's `DPRounds` (`_dp`)."""
+  return property(lambda self: operator.attrgetter(path)(self._dp), doc=doc)  # pylint: disable=protected-access
+
+
 class DeploymentMixin:
   """Public state shared by both strategies (they hold a `DPRounds` as `_dp`)."""
 
-  @property
-  def server(self):
-    """The `DPServer` (w_t, the query with its ledger, the budget look-ahead)."""
-    return self._dp.server
-
-  @property
-  def ledger(self):
-    """The `PrivacyLedger` every round is recorded in (one sample per round)."""
-    return self._dp.server.ledger
-
-  @property
-  def rounds(self):
-    """Per-round info dicts: round, clients (m_t), returned, rejected, clip, epsilon, delta."""
-    return self._dp.rounds
-
-  @property
-  def stopped_reason(self):
-    """Why no more rounds are run (the budget), or None."""
-    return self._dp.stopped_reason
-
-  @property
-  def model(self):
-    """The `MLP` shared with the clients."""
-    return self._dp.model
-
-  @property
-  def num_clients(self):
-    """K, the number of clients that must be connected (the ledger's n)."""
-    return self._dp.num_clients
+  server = _from_rounds("server", "The `DPServer` (w_t, the query with its ledger, the budget "
+                                  "look-ahead).")
+  ledger = _from_rounds("server.ledger", "The `PrivacyLedger` every round is recorded in (one "
+                                         "sample per round).")
+  rounds = _from_rounds("rounds", "Per-round info dicts: round, clients (m_t), returned, "
+                                  "rejected, clip, epsilon, delta.")
+  stopped_reason = _from_rounds("stopped_reason", "Why no more rounds are run (the budget), "
+                                                  "or None.")
+  model = _from_rounds("model", "The `MLP` shared with the clients.")
+  num_clients = _from_rounds("num_clients", "K, the number of clients that must be connected "
+                                            "(the ledger's n).")
 
   def report(self):
     """(guarantee_holds, privacy statement, warnings) from the ledger's accountant."""

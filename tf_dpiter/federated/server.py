@@ -109,21 +109,16 @@ class DPServer:
     if fixed_epsilon is not None and fixed_delta is not None:
       raise BudgetConfigError(f"give fixed_epsilon or fixed_delta, not both (got {fixed_epsilon!r}, "
                        f"{fixed_delta!r})")
-    if fixed_epsilon is not None:
-      validation.check_positive("fixed_epsilon", fixed_epsilon)
-    if fixed_delta is not None:
-      validation.check_delta("fixed_delta", fixed_delta)
-    if max_delta is not None:
-      validation.check_delta("max_delta", max_delta)
-    if max_epsilon is not None:
-      validation.check_positive("max_epsilon", max_epsilon)
+    positive = validation.Optional(validation.Interval(float, 0, None, "neither"))
+    delta = validation.Optional(validation.Interval(float, 0, 1, "neither"))
+    validation.check_params({"fixed_epsilon": positive, "fixed_delta": delta, "max_delta": delta,
+                             "max_epsilon": positive, "server_momentum": validation.Interval(
+                                 float, 0, 1, "left", error=ParameterValueError)}, locals())
     if max_epsilon is not None or max_delta is not None:
       accounting.accountant.check_bound_accountant(accountant, "a max_epsilon / max_delta budget")
     validation.check_instance("query", query, dpq.DPQuery, "a DPQuery")
     self.server_learning_rate = float(validation.check_positive(
         "server_learning_rate", server_learning_rate, error=ParameterValueError))
-    validation.check_params({"server_momentum": validation.Interval(
-        float, 0, 1, "left", error=ParameterValueError)}, {"server_momentum": server_momentum})
     self.server_momentum = float(server_momentum)
     self.population_size = int(population_size)
     m1 = self.check_clients(clients_per_round, 1)
