@@ -85,9 +85,8 @@ class AuditCallback(keras.callbacks.Callback):
       self.recorder.on_train_batch_end(batch, logs)
 
   def _claimed(self):
-    if self.noise_multiplier == 0:
-      return math.inf
-    return float(accounting.epsilon(self.model.ledger, self.delta, accountant=self.accountant))
+    return math.inf if self.noise_multiplier == 0 else float(
+        accounting.epsilon(self.model.ledger, self.delta, accountant=self.accountant))
 
   def audit(self):
     """The audit now: the ledger's claim beside the available empirical bounds.

@@ -142,10 +142,8 @@ def canary_records(x_shape, num_classes, included, neighbouring=ADD_REMOVE, dtyp
   included = np.asarray(included, bool)
   m = included.size
   k = np.arange(m)
-  if neighbouring == ADD_REMOVE:
-    y = num_classes + k[included]
-  else:
-    y = np.where(included, num_classes + k, num_classes + m + k)
+  y = (num_classes + k[included] if neighbouring == ADD_REMOVE
+       else np.where(included, num_classes + k, num_classes + m + k))
   x = np.zeros((y.size,) + tuple(x_shape), dtype)
   return x, y.astype(np.int64)
 

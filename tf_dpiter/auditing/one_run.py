@@ -129,10 +129,9 @@ def one_run_epsilon_lower_bound(scores, included, delta, confidence=0.95, num_gu
   validation.check_params(bounds_lib.CONSTRAINTS, {"delta": delta, "confidence": confidence})
   delta, alpha = float(delta), 1.0 - float(confidence)
   m = scores.size
-  if num_guesses is None:
-    ks = sorted({max(1, int(m * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)})
-  else:
-    ks = [num_guesses] if np.ndim(num_guesses) == 0 else list(num_guesses)
+  ks = (sorted({max(1, int(m * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)})
+        if num_guesses is None else
+        [num_guesses] if np.ndim(num_guesses) == 0 else list(num_guesses))
   best = 0.0
   for k in ks:
     guesses = guesses_from_scores(scores, k)

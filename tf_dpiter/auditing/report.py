@@ -75,9 +75,7 @@ def format_summary(rows):
            "wb step claim", "wb step lb"]
   lines = ["model".ljust(14) + "".join(h.ljust(15) for h in heads)]
   for name, row in rows.items():
-    cells = []
-    for k in keys:
-      v = row.get(k)
-      cells.append(("-" if v is None else ("inf" if v == math.inf else f"{v:.3f}")).ljust(15))
+    cells = [("-" if v is None else "inf" if v == math.inf else f"{v:.3f}").ljust(15)
+             for v in map(row.get, keys)]
     lines.append(name.ljust(14) + "".join(cells))
   return "\n".join(lines)

@@ -61,9 +61,7 @@ def load_secret(path: str | None = None, environ=None) -> bytes | None:
     with open(path, "rb") as f:
       return _parse(f.read(), f"--key-file {path}")
   value = (os.environ if environ is None else environ).get(ENV)
-  if value:
-    return _parse(value.encode(), f"${ENV}")
-  return None
+  return _parse(value.encode(), f"${ENV}") if value else None
 
 
 def random_secret() -> bytes:

@@ -10,9 +10,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 def _labels(labels: tuple) -> str:
-  if not labels:
-    return ""
-  return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+  return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}" if labels else ""
 
 
 class Registry:

@@ -102,9 +102,7 @@ def _one_of(body: dict, names: tuple, p: int, required: bool):
   if len(fields) > 1:
     raise RequestError(400, f"ambiguous_{names[0]}",
                        f"give exactly one of '{names[0]}', '{names[1]}'")
-  if fields[0] == names[0]:
-    return _from_list(body[names[0]], p, names[0])
-  return _from_b64(body[names[1]], p, names[1])
+  return (_from_list if fields[0] == names[0] else _from_b64)(body[fields[0]], p, fields[0])
 
 
 def parse_json_submission(raw: bytes, served_version: str, p: int) -> Submission:
