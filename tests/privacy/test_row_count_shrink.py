@@ -27,6 +27,7 @@ import tf_dpiter as dp
 from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import chunking
+from tf_dpiter.ledger import policy_base
 
 C, N, Y = 1.0, 257, 10.0
 _SLOW = pytest.mark.slow
@@ -119,6 +120,47 @@ def test_public_row_bound_is_twice_the_padded_size_under_add_remove_only():
   # E = 256, sd = 16: fit pads to 320 rows; the bound covers a sample padded to twice that
   assert chunking.public_row_bound(_Step("poisson", 60000, 256 / 60000)) == 640
   assert chunking.public_row_bound(_Step("shuffle", 60000, 256 / 60000, 256)) is None
+  # formed by the declaration (a number the step reads), again by a new one
+  sampling = _Step("poisson", 60000, 256 / 60000).sampling
+  assert sampling.public_row_bound == 640 == 2 * dp.data.default_max_batch_size(60000, 256 / 60000)
+  sampling.set_sampling(6000, 256 / 6000)   # E 256, sd 15.5: 320 rows padded
+  assert sampling.public_row_bound == 2 * dp.data.default_max_batch_size(6000, 256 / 6000)
+  sampling.set_sampling(60000, 512 / 60000)   # E 512, sd 22.5: 608 rows padded
+  assert sampling.public_row_bound == 1216
+
+
+def test_public_row_bound_is_fixed_at_declaration_not_by_the_traced_batch(monkeypatch):
+  """The plan every trace of the step takes its clip shrink from has the declared bound's
+  rows, whatever batch (8, 13, 5 rows) is traced; no trace forms the bound (forming it
+  raises while the steps run); a declaration of another q asks for a retrace and forms it
+  again, one of the same n and q does not."""
+  model = _model()
+  model.compile(optimizer=_optimizer("vectorized"), loss=_loss)
+  opt = model.optimizer
+  assert opt.set_sampling(64, 8 / 64, "poisson", 8) is True   # a new sampling
+  declared = opt.private_step.sampling.public_row_bound
+  assert declared == 2 * dp.data.default_max_batch_size(64, 8 / 64) == 48
+  plans, real = [], summation.public_plan
+
+  def spy(*args, **kwargs):
+    plans.append(args[0])
+    return real(*args, **kwargs)
+
+  def formed(*args, **kwargs):
+    raise AssertionError("the public row bound was formed by a step")
+
+  with monkeypatch.context() as patch:
+    patch.setattr(summation, "public_plan", spy)
+    patch.setattr(policy_base.SamplingPolicy, "public_row_bound", formed)
+    patch.setattr(policy_base, "default_max_batch_size", formed)
+    for rows in (8, 13, 5):   # traced batches of three sizes (Keras retraces on a new one)
+      x = np.ones((rows, 1), np.float32)
+      model.train_on_batch(x, -x)
+  assert plans and set(plans) == {declared}, plans
+  assert opt.set_sampling(64, 8 / 64, "poisson", 8) is False   # same n, q: same bound
+  assert opt.set_sampling(64, 32 / 64, "poisson", 32) is True   # E 32: formed again
+  assert opt.private_step.sampling.public_row_bound == 2 * dp.data.default_max_batch_size(
+      64, 32 / 64) == 96
 
 
 def test_rows_past_the_public_bound_fail_the_step():

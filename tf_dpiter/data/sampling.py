@@ -23,6 +23,9 @@ from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
+# the padded size of a Poisson sample: one definition, the ledger's (it also sets the public
+# row bound of a declared sampling, ledger.LedgerSampling.public_row_bound)
+from tf_dpiter.ledger.policy_base import default_max_batch_size  # noqa: F401  (re-exported)
 
 POISSON = records.POISSON
 SHUFFLE = records.SHUFFLE
@@ -152,28 +155,6 @@ def num_records(x):
     if int(np.shape(leaf)[0]) != n:
       raise ParameterValueError(f"all arrays must have the same number of records; got {np.shape(leaf)[0]} and {n}")
   return n
-
-
-def default_max_batch_size(population_size, selection_probability, num_sd=4.0, multiple=8):
-  """Static padded size: E[|R|] + num_sd * sd(|R|), |R| ~ Binomial(n, q), rounded up to `multiple`.
-
-  A sample larger than this (probability about 3e-5 per step for num_sd=4) is padded to the
-  next multiple of it instead: records are never dropped, only XLA retraces once.
-
-  Args:
-    population_size: n.
-    selection_probability: q.
-    num_sd: the standard deviations of |R| above its mean the size covers.
-    multiple: the size is rounded up to a multiple of this.
-
-  Returns:
-    the padded batch size, an int.
-  """
-  mean = population_size * selection_probability
-  sd = math.sqrt(population_size * selection_probability * (1.0 - selection_probability))
-  size = int(math.ceil(mean + num_sd * sd))
-  size = max(1, int(math.ceil(size / multiple) * multiple))
-  return min(size, int(math.ceil(population_size / multiple) * multiple))
 
 
 def make_rng(seed, who="poisson_batches", stacklevel=3):

@@ -3,15 +3,41 @@
 `SamplingPolicy` states what a claim over a policy's samples assumes (McMahan et al., "A
 General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5
 and Appendix A): its stable code, the neighbouring relation, the unit, the participation rule,
-the pass length, the denominator, the log line and the checks of a declared sampling, on one
-sampling (`check_sampling`) and on a ledger's arrays (`sampling_checks`). The dp-accounting
-event is built on the accounting side (`accounting.policy_accounting`). Pure Python and numpy.
+the pass length, the denominator, the log line, the public row bound of a step's batch
+(`public_row_bound`) and the checks of a declared sampling, on one sampling (`check_sampling`)
+and on a ledger's arrays (`sampling_checks`). The dp-accounting event is built on the
+accounting side (`accounting.policy_accounting`). `default_max_batch_size` is the padded size
+of a Poisson sample (data.sampling pads to it). Pure Python and numpy.
 """
+
+import math
 
 import numpy as np
 
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
+
+
+def default_max_batch_size(population_size, selection_probability, num_sd=4.0, multiple=8):
+  """Static padded size: E[|R|] + num_sd * sd(|R|), |R| ~ Binomial(n, q), rounded up to `multiple`.
+
+  A sample larger than this (probability about 3e-5 per step for num_sd=4) is padded to the
+  next multiple of it instead: records are never dropped, only XLA retraces once.
+
+  Args:
+    population_size: n.
+    selection_probability: q.
+    num_sd: the standard deviations of |R| above its mean the size covers.
+    multiple: the size is rounded up to a multiple of this.
+
+  Returns:
+    the padded batch size, an int.
+  """
+  mean = population_size * selection_probability
+  sd = math.sqrt(population_size * selection_probability * (1.0 - selection_probability))
+  size = int(math.ceil(mean + num_sd * sd))
+  size = max(1, int(math.ceil(size / multiple) * multiple))
+  return min(size, int(math.ceil(population_size / multiple) * multiple))
 
 
 class SamplingPolicy:
@@ -100,6 +126,34 @@ class SamplingPolicy:
     """The steps (an int) of one pass / epoch of a `SampleGroup` of this policy the ledger
     counts (pass-charged policies), else None."""
     return None
+
+  def public_row_bound(self, population_size, selection_probability):
+    """R, a public bound on the rows of a step's batch (all replicas) under an add/remove
+    relation, None under replace-one (every batch has the same rows on both neighbours).
+
+    Twice the padded size of a Poisson sample of the declared n and q
+    (`default_max_batch_size`, E + 4 sd rounded up to 8): R covers a sample padded to twice
+    it (data.sampling pads a larger sample to the next multiple of that size) and an
+    unpadded sample of up to E + 8 sd + E rows. Under add/remove, neighbouring datasets give
+    batches of different row counts unless padded to a size fixed in advance, so the clip
+    shrink of the float32 sum (Casacuberta, Shoemate, Vadhan and Wagaman, "Widespread
+    underestimation of sensitivity in differentially private libraries and how to fix it",
+    CCS 2022, Secs. 3-5) is taken from the plan of R rows (dp_query.summation.public_plan),
+    the same on both; more rows are refused. A function of public declared values only:
+    `ledger.LedgerSampling` forms it once per declaration.
+
+    Args:
+      population_size: n (> 0).
+      selection_probability: q (in (0, 1]).
+
+    Returns:
+      an int >= 1 (rows), or None.
+    """
+    if self.relation != schema.ADD_OR_REMOVE:
+      return None
+    n = max(float(population_size), 1.0)
+    q = min(max(float(selection_probability), 0.0), 1.0)
+    return 2 * default_max_batch_size(n, q)
 
   def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
     """The public expected batch size of one sample, a float in records: q n (cyclic Poisson:

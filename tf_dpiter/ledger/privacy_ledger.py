@@ -681,7 +681,14 @@ def check_sample_size(sample_size):
 class LedgerSampling:
   """The sampling of the following samples (n, q, policy, sample size, k) and the ledger each
   `record` writes to. n, q and the sample size are float64 variables (`set_sampling` changes
-  them without a retrace); k takes effect at the next trace."""
+  them without a retrace); k takes effect at the next trace.
+
+  Attributes:
+    public_row_bound: R, the policy's public bound on a step's rows for the declared n and q
+      (`SamplingPolicy.public_row_bound`: an int, None under replace-one), formed here with
+      every declaration (construction, `set_sampling`), never from a batch; a step reads it
+      when traced (its clip shrink's plan: keras.optimizer.chunking.public_rows). Read only.
+  """
 
   def __init__(self, population_size, selection_probability, ledger=None,
                policy=POISSON, sample_size=0, examples_per_record=1):
@@ -711,6 +718,8 @@ class LedgerSampling:
                                               trainable=False, name="selection_probability")
     self._sample_size = tf.Variable(float(sample_size), dtype=tf.float64, trainable=False,
                                     name="sample_size")
+    self.public_row_bound = self._policy_object.public_row_bound(population_size,
+                                                                 selection_probability)
 
   @staticmethod
   def _check(population_size, selection_probability, sample_size, policy):
@@ -771,9 +780,11 @@ class LedgerSampling:
 
   def set_sampling(self, population_size, selection_probability, sample_size=None,
                    examples_per_record=None):
-    """Changes n, q (sample size, examples per record) for the following samples.
+    """Changes n, q (sample size, examples per record) for the following samples, and forms
+    their `public_row_bound` again.
 
-    A change of examples_per_record takes effect at the next trace of a tf.function.
+    A change of examples_per_record or of the public row bound takes effect at the next trace
+    of a tf.function (a step traced before keeps the bound it read: a batch past it fails).
 
     Args:
       population_size: n > 0.
@@ -793,6 +804,8 @@ class LedgerSampling:
     self._population_size.assign(float(population_size))
     self._selection_probability.assign(float(selection_probability))
     self._sample_size.assign(float(sample_size))
+    self.public_row_bound = self._policy_object.public_row_bound(population_size,
+                                                                 selection_probability)
 
   def record(self, events):
     """Records one sample (n, q, policy, sample size, k) with `events`, those of one noised

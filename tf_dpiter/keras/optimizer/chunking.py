@@ -21,8 +21,6 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
-from tf_dpiter.ledger import policies as ledger_policies
-from tf_dpiter.ledger import schema
 
 
 def wide_dtype(dtype):
@@ -111,7 +109,7 @@ class PaddedTail(collections.namedtuple("PaddedTail", ["first", "chunk"])):
   record (`sum_over_chunks`); the batch's size is known when XLA compiles."""
 
 
-def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
+def chunk_layout(step, examples_per_record, num_records_static, multiple=8, xla=None):
   """How `sum_over_chunks` splits a batch: `records_per_chunk`, or, for a padded sample of a
   random-size policy (Poisson) under XLA, a `PaddedTail` (no physical chunk size) or a
   `TailChunks` (with one, static batch). With E the replica's expected records and
@@ -125,21 +123,25 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8):
     examples_per_record: k.
     num_records_static: M if static, else None.
     multiple: chunk sizes are multiples of it.
+    xla: whether the step is traced for XLA, when its caller decided it (fit's train step:
+      its clipped sum is a `jit_compile=True` function or not); None: asks the graph
+      (`routing.in_xla_context`).
 
   Returns:
     None, an int (equal chunks), a TailChunks or a PaddedTail.
   """
-  return _layout(step, examples_per_record, num_records_static, multiple)
+  return _layout(step, examples_per_record, num_records_static, multiple, xla)
 
 
-def _layout(step, examples_per_record, num_records_static, multiple=8):
+def _layout(step, examples_per_record, num_records_static, multiple=8, xla=None):
   """`chunk_layout` (also of the public row bound: `public_rows`)."""
   flags = step.flags
   per_chunk = records_per_chunk(flags.max_physical_batch_size, examples_per_record,
                                 num_records_static)
   if (step.sampling is None or not flags.skip_padding_tail
       or not isinstance(examples_per_record, int)
-      or not step.expected_size_denominator or not routing.in_xla_context()):
+      or not step.expected_size_denominator
+      or not (routing.in_xla_context() if xla is None else xla)):
     return per_chunk
   m = None if num_records_static is None else int(num_records_static)
   if per_chunk is not None:
@@ -196,13 +198,14 @@ def _plan_of(per_chunk, m):
 
 def public_row_bound(step):
   """R, a public bound on the rows of a replica's batch under an add/remove sampling (None
-  under replace-one, or while undeclared): twice the padded size fit gives a Poisson sample
-  (data.sampling.default_max_batch_size of the declared population and q: E + 4 sd, so R
-  covers a sample padded to twice it, what fit's padding does past E + 4 sd, and an unpadded
-  sample of up to E + 8 sd + E), a replica's share. Neighbouring datasets have different
-  row counts under add/remove whenever the batch is not padded to a size fixed in advance;
-  the clip shrink is then taken from R (summation.public_plan). Read when the step is traced
-  (a retrace follows a change of policy; a sample above a stale R fails the step).
+  under replace-one, or while undeclared): the declared sampling's
+  `ledger.LedgerSampling.public_row_bound` (formed when n and q were declared:
+  `SamplingPolicy.public_row_bound`, twice data.sampling.default_max_batch_size), a
+  replica's share. Neighbouring datasets have different row counts under add/remove whenever
+  the batch is not padded to a size fixed in advance; the clip shrink is then taken from R
+  (summation.public_plan). Read when the step is traced: a declaration that changes R asks
+  for a retrace (`step_sampling.declare`); a sample above the R a step was traced with fails
+  that step.
 
   Args:
     step: the PrivateStep.
@@ -210,20 +213,15 @@ def public_row_bound(step):
   Returns:
     an int >= 1, or None.
   """
-  from tf_dpiter.data import sampling as sampling_lib  # pylint: disable=g-import-not-at-top
-  sampling = step.sampling
-  if sampling is None or ledger_policies.get(sampling.policy).relation != schema.ADD_OR_REMOVE:
+  rows = None if step.sampling is None else step.sampling.public_row_bound
+  if rows is None:
     return None
-  with tf.init_scope():   # public declared values, read when the step is traced
-    n = float(sampling.population_size.numpy())
-    q = float(sampling.selection_probability.numpy())
-  rows = 2 * sampling_lib.default_max_batch_size(max(n, 1.0), min(max(q, 0.0), 1.0))
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   return max(1, -(-rows // replicas))
 
 
 @contextlib.contextmanager
-def public_rows(step, examples_per_record, chunk=None):
+def public_rows(step, examples_per_record, chunk=None, xla=None):
   """Within the block, the step's clip shrink (summation.public_shrink) is that of the plan
   of `public_row_bound(step)` rows in the layout `chunk_layout` gives that many (the plan
   covers every smaller batch's layout: as many rows per chunk or fewer, as many chunks or
@@ -235,12 +233,13 @@ def public_rows(step, examples_per_record, chunk=None):
     examples_per_record: k.
     chunk: records per chunk of a layout the caller chose from public values instead of
       `chunk_layout` (an int: the bound's rows in chunks of that many), or None.
+    xla: as `chunk_layout`'s (the same value the batch's layout was chosen with).
   """
   bound = public_row_bound(step)
   if bound is None:
     yield
     return
-  layout = chunk if chunk is not None else _layout(step, examples_per_record, bound)
+  layout = chunk if chunk is not None else _layout(step, examples_per_record, bound, xla=xla)
   records, chunks = _plan_of(layout, bound)
   with summation.public_plan(bound, records, chunks):
     yield

@@ -71,7 +71,9 @@ def declare(step, population_size, selection_probability, policy, sample_size):
     population_size, selection_probability, policy, sample_size: the sampling.
 
   Returns:
-    True when the recorded policy or record unit changed (the step must be retraced).
+    True when the recorded policy, the record unit or the public row bound
+    (`ledger.LedgerSampling.public_row_bound`, which the step reads when traced) changed: the
+    step must be retraced.
   """
   m = record_microbatches(step.num_microbatches, sample_size)
   k = 1 if m is None else max(1, -(-int(sample_size) // m))
@@ -87,9 +89,11 @@ def declare(step, population_size, selection_probability, policy, sample_size):
           sample_size=sample_size, examples_per_record=k)
       changed = True
     else:
-      changed = sampling.examples_per_record != k or changed_cut
+      # the record unit and the public row bound (chunking.public_rows) are read when traced
+      traced = (sampling.examples_per_record, sampling.public_row_bound)
       sampling.set_sampling(population_size, selection_probability, sample_size,
                             examples_per_record=k)
+      changed = changed_cut or traced != (k, sampling.public_row_bound)
     step.adopt_sampling(sampling, expected)
   return changed
 
