@@ -228,6 +228,9 @@ class TrainStepMixin:
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
+    # the clipped sum is traced for XLA exactly when it is the jit_compile=True function
+    # below: the chunk layouts read this (chunking.chunk_layout's xla), not the graph
+    self._dp_core_xla = jit
 
     def keras_function():   # Keras' train function, new tf.functions (not traced yet)
       if jit:
@@ -382,7 +385,7 @@ class TrainStepMixin:
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
                            vectorize=facts.vectorize, loss_scale=scale, params=params,
-                           sum_scale=sum_scale)
+                           sum_scale=sum_scale, xla=getattr(self, "_dp_core_xla", None))
 
   def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
@@ -445,7 +448,8 @@ class TrainStepMixin:
 
     template = chunking.wide_template(variables)
     m_static = tf.TensorShape(rmask.shape)[0]
-    per_chunk = chunking.chunk_layout(step, k, m_static)
+    xla = getattr(self, "_dp_core_xla", None)   # None: chunking asks the graph
+    per_chunk = chunking.chunk_layout(step, k, m_static, xla=xla)
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
       # within the memory budget (fast_clipping.physical_chunk_examples)
@@ -459,7 +463,7 @@ class TrainStepMixin:
     # tensor per variable), and the query's sample state is that sum itself
     # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
     public = per_chunk if isinstance(per_chunk, int) else None
-    with chunking.public_rows(step, k, chunk=public):
+    with chunking.public_rows(step, k, chunk=public, xla=xla):
       grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
                                                              per_chunk, template=template)
     if outputs is not None:

@@ -557,7 +557,7 @@ class PrivateStep:
             tuple(id(v) for v in model.trainable_variables), len(model.losses))
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
-                  vectorize=True, loss_scale=1.0, params=None, sum_scale=None):
+                  vectorize=True, loss_scale=1.0, params=None, sum_scale=None, xla=None):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
     Per-record gradients are cast to float32 (float64 for float64 variables) before norms,
@@ -575,6 +575,8 @@ class PrivateStep:
       params: the query's sample params (None: `sample_params()`).
       sum_scale: None, or `sum_scale(num_records)`: each clipped gradient is added times it
         (pass `scaled=True` to `noised_average`).
+      xla: whether this is traced for XLA, when the caller decided it (None: asks the graph,
+        `routing.in_xla_context`); it chooses the chunk layout (`chunking.chunk_layout`).
 
     Each clipped gradient is also added times `summation.public_shrink` of the sum's plan
     (the records summed by a pinned pairwise tree per chunk, the chunks one after the other,
@@ -597,8 +599,10 @@ class PrivateStep:
 
     record_mask = tf.cast(record_mask, tf.float32)
     m_static = tf.TensorShape(record_mask.shape)[0]
-    per_chunk = chunking.chunk_layout(self, examples_per_record, m_static)
-    with chunking.public_rows(self, examples_per_record):   # add/remove: a public plan
+    if xla is None:   # asked once: the batch's layout and the public plan's are one choice
+      xla = routing.in_xla_context()
+    per_chunk = chunking.chunk_layout(self, examples_per_record, m_static, xla=xla)
+    with chunking.public_rows(self, examples_per_record, xla=xla):   # add/remove: public plan
       scale = summation.public_shrink(chunking.batch_rows(record_mask),
                                       *chunking.sum_plan(per_chunk, record_mask))
     if sum_scale is not None:
