@@ -35,12 +35,8 @@ class MLP:
   @property
   def shapes(self):
     """Shapes of the parameter list, in order (W1, [b1], W2, [b2], ...)."""
-    out = []
-    for a, b in zip(self.layer_sizes[:-1], self.layer_sizes[1:]):
-      out.append((a, b))
-      if self.use_bias:
-        out.append((b,))
-    return out
+    return [s for a, b in zip(self.layer_sizes[:-1], self.layer_sizes[1:])
+            for s in ([(a, b), (b,)] if self.use_bias else [(a, b)])]
 
   @property
   def num_params(self):
@@ -103,14 +99,9 @@ class MLP:
     Returns:
       a tensor [..., d], d = `num_params`.
     """
-    lead = None
-    flat = []
-    for p in params:
-      p = tf.convert_to_tensor(p)
-      if lead is None:
-        lead = tf.shape(p)[:batch_dims]
-      flat.append(tf.reshape(p, tf.concat([lead, [-1]], 0)))
-    return tf.concat(flat, axis=-1)
+    params = [tf.convert_to_tensor(p) for p in params]
+    lead = tf.shape(params[0])[:batch_dims]
+    return tf.concat([tf.reshape(p, tf.concat([lead, [-1]], 0)) for p in params], axis=-1)
 
   def unflatten(self, vector):
     """Inverse of `flatten` for one model.
@@ -121,13 +112,8 @@ class MLP:
     Returns:
       the list of parameter tensors, shapes `self.shapes`.
     """
-    out = []
-    start = 0
-    for shape in self.shapes:
-      n = int(np.prod(shape))
-      out.append(tf.reshape(vector[start:start + n], shape))
-      start += n
-    return out
+    parts = tf.split(vector, [int(np.prod(shape)) for shape in self.shapes])
+    return [tf.reshape(p, shape) for p, shape in zip(parts, self.shapes)]
 
 
 def accuracy(model, params, x, y, batch_size=5000):

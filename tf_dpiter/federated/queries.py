@@ -42,13 +42,7 @@ def median_of_masked(values, mask):
   mask = tf.cast(mask, tf.bool)
   v = tf.sort(tf.boolean_mask(values, mask))
   n = tf.shape(v)[0]
-
-  def _median():
-    lo = v[(n - 1) // 2]
-    hi = v[n // 2]
-    return 0.5 * (lo + hi)
-
-  return tf.cond(n > 0, _median, lambda: tf.constant(0.0))
+  return tf.cond(n > 0, lambda: 0.5 * (v[(n - 1) // 2] + v[n // 2]), lambda: tf.constant(0.0))
 
 
 @serialization.register_query()

@@ -70,14 +70,13 @@ class RunReport:
   @property
   def accuracy(self):
     """Accuracy of w_t after the last evaluated round, or None."""
-    accs = [r.accuracy for r in self.rounds if r.accuracy is not None]
-    return accs[-1] if accs else None
+    return next((r.accuracy for r in reversed(self.rounds) if r.accuracy is not None), None)
 
   @property
   def average_accuracy(self):
     """Accuracy of the exponential moving average of w_t after the last round (if kept)."""
-    accs = [r.average_accuracy for r in self.rounds if r.average_accuracy is not None]
-    return accs[-1] if accs else None
+    return next((r.average_accuracy for r in reversed(self.rounds)
+                 if r.average_accuracy is not None), None)
 
   @property
   def communication_rounds(self):

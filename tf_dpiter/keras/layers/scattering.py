@@ -183,9 +183,7 @@ class Scattering2D(keras.layers.Layer):
     return out + second
 
   def call(self, inputs):
-    x = tf.convert_to_tensor(inputs)
-    if x.dtype != tf.float32:
-      x = tf.cast(x, tf.float32)
+    x = tf.cast(inputs, tf.float32)   # no op on float32
     squeeze = len(x.shape) == 3
     if squeeze:
       x = x[..., None]
