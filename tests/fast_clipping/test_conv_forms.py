@@ -20,6 +20,8 @@ from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import conv
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
+from . import covers
+
 # (input [H, W, cin], kernel, strides, padding, output [ho, wo])
 GEOMETRIES = [
     ((28, 28, 1), (8, 8), (2, 2), "same", (14, 14)),    # the tutorial CNN's first conv
@@ -127,7 +129,27 @@ CASES = [("depthwise", BIG, BIG, False, False, 1), ("depthwise", 1, BIG, True, F
          ("depthwise", 1, 0, True, True, 1), ("foldgram", 1, 0, True, True, 2)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+# By default a cover of CASES (covers.cover): each form kept and by book-keeping, each form
+# in graph mode and under XLA (where it runs there), each chunking, the unknown batch in graph
+# mode and under XLA, records of 1 and 2 in graph mode and under XLA; the rest nightly (-m slow).
+COVER = [(0, 2), (0, 4), (1,), (3, 4), (4, 5)]
+CASES_DEFAULT = covers.cover(CASES, COVER)
+
+
+def _case_id(case):
+  return "-".join(map(str, case))
+
+
+SLOW_CASES = {f"test_chunked_and_kept_forms_equal_per_record_reference[{_case_id(c)}]"
+              for c in CASES if c not in CASES_DEFAULT}
+
+
+def test_default_forms_cases_cover_the_grid():
+  covers.assert_covers(CASES_DEFAULT, CASES, COVER)
+  assert len(CASES_DEFAULT) < len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_chunked_and_kept_forms_equal_per_record_reference(case, monkeypatch, clip_reference):
   """The per-example forms over chunks and under the keep budget give the per-record
   reference's norms and clipped sum, in a tf.function with a static or unknown batch and
