@@ -65,8 +65,7 @@ class SpamFilter:
     validation.check_nonnegative("min_std", min_std, error=ParameterValueError)
     self.t = float(t)
     self.min_std = float(min_std)
-    self.mu = None
-    self.sigma = None
+    self.mu = self.sigma = None
 
   def fit(self, instances: np.ndarray) -> None:
     """Sets mu and sigma (ddof=1, floored at min_std) from the current instances.
@@ -171,9 +170,7 @@ class DrawDiscardServer:
     Raises:
       ParameterValueError: for a wrong number of weights, or missing drawn indices.
     """
-    updates = np.asarray(updates, dtype=np.float64)
-    if updates.ndim == 1:
-      updates = updates[None]
+    updates = np.atleast_2d(np.asarray(updates, dtype=np.float64))   # [p]: one update
     n = updates.shape[0]
     if updates.shape[1] != self.num_weights:
       raise ParameterValueError(f"updates must have {self.num_weights} weights, got {updates.shape[1]}")
@@ -252,6 +249,5 @@ class DrawDiscardServer:
     Returns:
       A dict.
     """
-    base = dict.fromkeys(("draws", "submits", "accepted", "rejected_spam"), 0)
-    base.update(self.counters)
-    return dict(base, k=self.k, strategy=self.strategy)
+    return dict(dict.fromkeys(("draws", "submits", "accepted", "rejected_spam"), 0),
+                **self.counters, k=self.k, strategy=self.strategy)
