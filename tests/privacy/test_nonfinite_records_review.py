@@ -19,7 +19,8 @@ apart.
 Measured at 86d7223 (train_on_batch, noise off): the vectorized path gives NaN weights on D'
 for a NaN or infinite feature and an infinite sample weight, in a graph and under XLA (a NaN
 sample weight: NaN in a graph, finite under XLA), and so does a custom loop
-(compute_private_gradients, losses form, in a graph); the fast path (ghost norms) stays
+(compute_private_gradients, losses form, in a graph) and the DEFAULT clipping ("auto") of a
+model with a custom layer (routed to the vectorized path); the fast path (ghost norms) stays
 finite and within C. Fix: zero a record's gradient where
 it is not finite before the clip multiplies it (chunking.unscale_records does it for float16
 loss scaling only), e.g. tf.where(finite, g * factor, 0) in the vectorized clip.
@@ -131,3 +132,38 @@ def test_a_non_finite_record_moves_train_on_batch_by_at_most_C(clipping, jit, ki
                                   pytest.param("w_inf", marks=[_VEC, _SLOW])])
 def test_a_non_finite_record_moves_the_custom_loop_by_at_most_C(kind):
   _move(_custom_loop, kind)
+
+
+class _Scale(keras.layers.Layer):
+  """x * s elementwise (a custom layer with no fast-path rule: clipping="auto" routes the
+  model to the vectorized path)."""
+
+  def build(self, shape):
+    self.s = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+  def call(self, x):
+    return x * self.s
+
+
+def _auto_with_custom_layer(rows):
+  """w0 - w1 over all weights of one train_on_batch step, default clipping ("auto"), a model
+  with a custom layer (its gradient is 0 here: the kernel starts at 0)."""
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((1,)), _Scale(), keras.layers.Dense(
+      1, use_bias=False, kernel_initializer="zeros")])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, normalize=False)
+  opt.set_sampling(1 << 20, B / (1 << 20), "poisson", B)
+  model.compile(optimizer=opt, loss=_loss)
+  before = np.concatenate([w.astype(np.float64).ravel() for w in model.get_weights()])
+  x, y, w = rows
+  model.train_on_batch(x, y, sample_weight=w)
+  after = np.concatenate([w.astype(np.float64).ravel() for w in model.get_weights()])
+  return (before - after)[::-1]   # the kernel's coordinate first
+
+
+@pytest.mark.parametrize("kind", [pytest.param("x_nan", marks=[_VEC, _SLOW])])
+def test_a_non_finite_record_moves_the_default_clipping_of_a_custom_layer_by_at_most_C(kind):
+  """clipping="auto" (the default) on a model with a custom layer: 86d7223, NaN on D'."""
+  _move(_auto_with_custom_layer, kind)
