@@ -59,6 +59,13 @@ def test_validation_split_holds_out_the_last_fraction():
   assert model.ledger.to_dict()["num_samples"] == 4
   assert hist.history["val_loss"][0] == pytest.approx(
       model.evaluate(x[40:], y[40:], verbose=0), rel=1e-5)
+  # the statement says whom the guarantee covers: the 40 training examples, not the 10 held out
+  notes = model.privacy_statement(1e-5).notes
+  assert any("validation_split=0.2" in n and "last 10 of the 50" in n
+             and "training examples only" in n for n in notes), notes
+  with pytest.raises(dp.errors.ParameterValueError, match=r"`validation_split` must be in "
+                     r"\[0, 1\)\. Received: validation_split=1\.5"):
+    model.fit(x, y, batch_size=10, validation_split=1.5, verbose=0)
 
 
 def _update_norm(model, **fit_kwargs):

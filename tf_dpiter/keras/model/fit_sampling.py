@@ -185,18 +185,22 @@ def pad_for_replicas(dataset, replicas):
   return dataset.map(pad)
 
 
-def _split_validation(a, x, y, sw):
-  """Keras' validation_split: the last fraction of the arrays, before any sampling."""
+def _split_validation(a, x, y, sw, opt):
+  """Keras' validation_split: the last fraction of the arrays, before any sampling; the run's
+  statement then says the guarantee covers the training part only (`validation_note`)."""
   split = a.pop("validation_split", 0.0) or 0.0
   if not split or a.get("validation_data") is not None:
     return x, y, sw
   if not 0.0 < split < 1.0:
-    raise ParameterValueError(f"validation_split must be in [0, 1), got {split!r}")
+    raise ParameterValueError(
+        f"`validation_split` must be in [0, 1). Received: validation_split={split!r}")
   n = num_rows(x)
   at = int(math.floor(n * (1.0 - split)))
   if at in (0, n):
-    raise ParameterValueError(f"validation_split={split} leaves no training or no validation example "
-                              f"out of {n}")
+    raise ParameterValueError(
+        f"`validation_split` must leave at least one training and one validation example out "
+        f"of the {n}. Received: validation_split={split!r}")
+  _VALIDATION_SPLITS[opt] = (split, n - at, n)
   warnings.warn(
       f"validation_split={split} holds out the last {n - at} of the {n} examples: the privacy "
       f"guarantee covers the {at} training examples (add or remove one of them); the held-out "
@@ -281,7 +285,7 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
   if shuffle is not True:
     warnings.warn(f"fit(shuffle={shuffle!r}) is ignored: the DP sampler draws the batches "
                   "(sampling='poisson' or 'shuffle')", UserWarning, stacklevel=4)
-  x, y, sw = _split_validation(a, x, y, sw)
+  x, y, sw = _split_validation(a, x, y, sw, opt)
   n = num_rows(x)
   asked = int(a.pop("batch_size", None) or 32)
   policy, reason = _resolve_sampling(sampling, opt, asked)
@@ -326,6 +330,7 @@ def arrays_to_dataset(a, opt, sampling, pad=True, population_size=None):
 # optimizer -> where the population size of its run's Poisson fits came from: "declared"
 # (fit's population_size) or "data" (len(x) of its first fit: treated as public).
 _POPULATION_SOURCE = weakref.WeakKeyDictionary()
+_VALIDATION_SPLITS = weakref.WeakKeyDictionary()   # optimizer -> (split, held out, n) of a fit
 
 
 def _check_declared_population(population_size, policy, batch_size):
@@ -381,6 +386,21 @@ def population_note(optimizer):
             "the guarantee holds for every pair of neighbouring datasets, whatever their "
             "sizes.")
   return None
+
+
+def validation_note(optimizer):
+  """The statement's sentence on a fit with `validation_split` (its last one), or None: the
+  guarantee covers the training part only (the held-out rows' metrics are computed without
+  noise, and which rows are held out moves with the arrays' length)."""
+  held = _VALIDATION_SPLITS.get(optimizer) if optimizer is not None else None
+  if held is None:
+    return None
+  split, out, n = held
+  return (f"fit(validation_split={split:g}) held out the last {out} of the {n} examples: the "
+          "guarantee covers the training examples only (add or remove one of them); the held-"
+          "out examples' validation metrics are computed without noise and are not "
+          "protected, and which examples are held out moves with the arrays' length. Split "
+          "the data yourself and pass validation_data= to fix both parts.")
 
 
 def run_population(optimizer, n, batch_size):

@@ -142,6 +142,9 @@ def run_statement(model, delta, accountant="rdp"):
   population = fit_sampling.population_note(getattr(model, "optimizer", model))
   if population is not None and any(g.policy == "poisson" for g in groups):
     notes.insert(0, population)
+  held_out = fit_sampling.validation_note(getattr(model, "optimizer", model))
+  if held_out is not None:
+    notes.insert(0, held_out)
   if eps_poisson is not None and not math.isclose(eps_poisson, report.epsilon, rel_tol=1e-9):
     opt = getattr(model, "optimizer", model)
     notes.insert(0, _mismatch_note(policy, eps_poisson, report.epsilon,
