@@ -164,13 +164,10 @@ def _two_runs(model, x1, x2, training):
   """model(x1) and model(x2) in inference mode, or in training mode from the same state."""
   if not training:
     return model(x1, training=False), model(x2, training=False)
-  outs = []
   with _state_restored(model) as restore:
-    for i, batch in enumerate((x1, x2)):
-      if i:   # the first run starts from the state just read
-        restore()
-      outs.append(model(batch, training=True))
-  return outs
+    out1 = model(x1, training=True)   # from the state just read
+    restore()
+    return out1, model(x2, training=True)
 
 
 def _address(t):

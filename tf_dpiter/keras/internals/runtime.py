@@ -134,12 +134,9 @@ def use_vectorized_map(model):
   Returns:
     bool.
   """
-  if model is None:
-    return True
-  for layer in model_layers(model):
-    if isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False):
-      return False
-  return not onednn_affected_layers(model)
+  return model is None or not (
+      any(isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False)
+          for layer in model_layers(model)) or onednn_affected_layers(model))
 
 
 def loss_scale(model):
