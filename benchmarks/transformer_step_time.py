@@ -39,6 +39,14 @@ library forms it, the same DP step as before the fold (PrivateStep.folds_denomin
 noised sum divided by the denominator, and the Box-Muller halves joined by a copy before they
 are added), and the non-private train_on_batch. The three models are built the same way.
 
+--words (DP): as --ab, the DP step as the library forms it (its Philox words drawn by the
+process's XLA-compiled block, randomness._philox_words) and the DP step traced with every
+Philox draw by TensorFlow's kernel (randomness.XLA_WORDS_FROM set above any count while it
+traces), and the non-private step, in that order nonprivate, dp_kernel_words, dp; also the
+process CPU seconds of each one's first call (first_step_cpu_s: dp's includes the block's
+one compilation, dp_kernel_words' does not; the non-private one, first, also the process's
+one-time warm-up).
+
 --memory (DP): in one process, TensorFlow's CPU allocator peak of each part of the DP step
 run alone after a warm-up call (reset_memory_stats before each; MiB above what was held before
 it): the non-private gradient, the fast clipped sum, zero sums of the weights' shapes alone
@@ -298,13 +306,37 @@ def profile(a):
 
 
 def ab(a):
-  """--ab: the DP step with and without the fold, and the non-private step (docstring)."""
+  """--ab / --words: DP variants and the non-private step, round robin (docstring)."""
   from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.optimizer import private_step  # pylint: disable=g-import-not-at-top
   warnings.simplefilter("ignore")
+  folds = private_step.PrivateStep.folds_denominator
+  halves = randomness.padded_normal_halves
+  words_from = randomness.XLA_WORDS_FROM
+
+  def joined(generator, size, stddev=None):   # the draw before: halves joined by a copy
+    z = tf.concat(halves(generator, size, stddev), 0)
+    m = z.shape[0] // 2
+    return z[:m], z[m:]
+
+  def divided():   # the fold off and the halves joined
+    private_step.PrivateStep.folds_denominator = property(lambda self: False)
+    randomness.padded_normal_halves = joined
+
+  def kernel_words():   # every Philox draw by TensorFlow's kernel
+    randomness.XLA_WORDS_FROM = 1 << 62
+
+  def restore():
+    private_step.PrivateStep.folds_denominator = folds
+    randomness.padded_normal_halves = halves
+    randomness.XLA_WORDS_FROM = words_from
+
+  # name -> what is changed while it traces (its first call); None: the library as it is
+  variants = ({"nonprivate": None, "dp_kernel_words": kernel_words, "dp": None} if a.words
+              else {"dp_folded": None, "dp_divided": divided, "nonprivate": None})
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   models = {}
-  for name in ("dp_folded", "dp_divided", "nonprivate"):
+  for name in variants:
     model, _, hub = build(a.model, a.seq, a.lora, name != "nonprivate")
     opt = (dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01, clipping=a.clipping)
            if name != "nonprivate" else keras.optimizers.SGD(0.01))
@@ -313,35 +345,29 @@ def ab(a):
       opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
     models[name] = model
   x, y = batch(a.batch, a.seq, hub)
-  folds = private_step.PrivateStep.folds_denominator
-  halves = randomness.padded_normal_halves
-
-  def joined(generator, size, stddev=None):   # the draw before: halves joined by a copy
-    z = tf.concat(halves(generator, size, stddev), 0)
-    m = z.shape[0] // 2
-    return z[:m], z[m:]
 
   def call(name):
     def fn():
-      if name == "dp_divided":   # traced (first call) with the fold off and the halves joined
-        private_step.PrivateStep.folds_denominator = property(lambda self: False)
-        randomness.padded_normal_halves = joined
+      if variants[name] is not None:
+        variants[name]()
       try:
         return models[name].train_on_batch(x, y)
       finally:
-        private_step.PrivateStep.folds_denominator = folds
-        randomness.padded_normal_halves = halves
+        restore()
     return fn
 
   times = {k: [] for k in models}
   cpu = {k: [] for k in models}
   peaks = {k: [] for k in models}
+  first_cpu_s = {}
   for r in range(a.warmup + a.steps):
     for name in models:
       before = tf.config.experimental.get_memory_info("CPU:0")["current"]
       tf.config.experimental.reset_memory_stats("CPU:0")
       t0, c0 = time.perf_counter(), time.process_time()
       _wait(call(name)())
+      if r == 0:
+        first_cpu_s[name] = round(time.process_time() - c0, 2)
       if r >= a.warmup:
         times[name].append(1e3 * (time.perf_counter() - t0))
         cpu[name].append(1e3 * (time.process_time() - c0))
@@ -350,12 +376,15 @@ def ab(a):
   ms = {k: round(float(np.median(v)), 1) for k, v in times.items()}
   cpu_ms = {k: round(float(np.median(v)), 1) for k, v in cpu.items()}
   mib = {k: round(float(np.median(v)), 1) for k, v in peaks.items()}
+  dps = [k for k in models if k != "nonprivate"]
   print(json.dumps({"ab_ms": ms, "ab_cpu_ms": cpu_ms, "ab_alloc_peak_above_held_mib": mib,
-                    "ratio_folded": round(ms["dp_folded"] / ms["nonprivate"], 3),
-                    "ratio_divided": round(ms["dp_divided"] / ms["nonprivate"], 3),
-                    "cpu_ratio_folded": round(cpu_ms["dp_folded"] / cpu_ms["nonprivate"], 3),
-                    "cpu_ratio_divided": round(cpu_ms["dp_divided"] / cpu_ms["nonprivate"], 3),
+                    "first_step_cpu_s": first_cpu_s,
+                    **{"ratio_" + k.replace("dp_", "", 1): round(ms[k] / ms["nonprivate"], 3)
+                       for k in dps},
+                    **{"cpu_ratio_" + k.replace("dp_", "", 1):
+                       round(cpu_ms[k] / cpu_ms["nonprivate"], 3) for k in dps},
                     "ms_all": {k: [round(t) for t in v] for k, v in times.items()},
+                    "cpu_ms_all": {k: [round(t) for t in v] for k, v in cpu.items()},
                     "lora": a.lora, "batch": a.batch, "seq": a.seq,
                     "load_avg": os.getloadavg()}), flush=True)
 
@@ -484,6 +513,9 @@ def main():
   p.add_argument("--profile", action="store_true", help="time the DP step's parts (one process)")
   p.add_argument("--ab", action="store_true",
                  help="DP step with and without the fold, and non-private (one process)")
+  p.add_argument("--words", action="store_true",
+                 help="DP step with the compiled Philox block and with the kernel's words, "
+                      "and non-private (one process)")
   p.add_argument("--memory", action="store_true",
                  help="allocator peak of each part of the DP step, alone (one process)")
   p.add_argument("--ops", action="store_true",
@@ -495,7 +527,7 @@ def main():
     return graph_ops(a)
   if a.memory:
     return memory(a)
-  if a.ab:
+  if a.ab or a.words:
     return ab(a)
   common = ["--model", a.model, "--clipping", a.clipping, "--batch", str(a.batch),
             "--seq", str(a.seq), "--steps", str(a.steps), "--warmup", str(a.warmup)]
