@@ -15,9 +15,9 @@ second fit's first step fails with InvalidArgumentError from assert_less_equal (
 be at most 48) and the ledger holds 6 samples for the 5 released updates; under
 jit_compile=True the padded batch's new shape retraces the step and the second fit takes its
 3 steps (8 samples, finite weights). Refusing is safe (nothing is released past the bound),
-but the refusal is an opaque run-time assertion for a legitimate declared sampling. Fix:
-retrace (or reset the train function) when public_row_bound changes, e.g. set_sampling
-returning True when the bound of the new declaration differs from the traced one.
+but the refusal is an opaque run-time assertion for a legitimate declared sampling. Fixed at
+6e0c606 (set_sampling returns True when the declaration changes the bound: fit retraces):
+both cases pass.
 """
 
 import warnings
@@ -50,9 +50,7 @@ def _fits(jit):
 
 
 @pytest.mark.parametrize("jit", [
-    pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, reason="86d7223: the second fit's first step fails (InvalidArgumentError: "
-        "`rows` must be at most 48, the first fit's bound); ledger 6 samples for 5 updates")),
+    False,   # 86d7223: InvalidArgumentError (`rows` at most 48), 6 samples; fixed at 6e0c606
     pytest.param(True, marks=pytest.mark.slow)])
 def test_a_second_fit_at_a_larger_q_trains_and_charges_its_steps(jit):
   assert _fits(jit) == (8, True)
