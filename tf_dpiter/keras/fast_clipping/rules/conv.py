@@ -41,8 +41,9 @@ of one size (`_over_chunks`, `budget.balanced_chunk`: a Poisson batch just above
 of the chunk is not padded up to the next multiple; the whole batch in one call when it fits
 one chunk), so a convolution's extra memory does not grow with the batch. The
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
-no second filter gradient) only while the batch's take at most budget.KEEP_BYTES; beyond, the
-norms alone are kept and the clipped sum is one whole-batch filter gradient of c_i dz_i. With
+no second filter gradient) only while the batch's take at most budget.KEEP_BYTES (a pinned
+sum: twice that, `_PINNED_KEEP_FACTOR`); beyond, the norms alone are kept and the clipped sum
+is one whole-batch filter gradient of c_i dz_i (a pinned sum: the gradients formed again). With
 an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B);
 under XLA with a batch the trace does not know, the batch is one call and the gradients are
 kept (registry.keep_per_example) as before: XLA compiles one static batch.
@@ -544,28 +545,51 @@ def _pinned_block(form, rc):
   return algebra.pinned_block(rc.shape[0], 4 * form.rows * form.cols, budget.CHUNK_BYTES)
 
 
-def _pinned_kept_sum(form, g, rc, block):
+def _pinned_kept_sum(form, g, rc, block, sq):
   """sum_i c_i g_i of the kept per-record gradients g [n, A, m, cols] (`_per_example_pass`;
   rows past the records are padding) in a pinned order: the records' rows [B, A cols] by
   algebra.pinned_rows_product (blocks of `block` rows summed in any order, the blocks by
   summation.pairwise_sum), declared through algebra.report_pinned (`_pinned_sums`;
   Casacuberta et al., "Widespread underestimation of sensitivity in differentially private
   libraries and how to fix it", CCS 2022). Each record's term is the very vector whose norm
-  was taken. Rows with c_i = 0 add exactly 0 (algebra.drop_rows).
+  was taken.
+
+  No pass over the kept gradients beyond the product: the rows are taken up to the records'
+  blocks, ceil(B / block) block rows (a view; the padded chunks' rows past B are zero
+  examples, exactly 0, with factor 0: the blocks pinned_rows_product pads to), the factors
+  padded with zeros to them; and where every record's squared norm `sq` is finite, every
+  entry of g is, so a row with c_i = 0 adds exactly 0 as it is (0 * finite); only otherwise
+  are the rows with c_i = 0 set to 0 first (algebra.drop_rows: 0 * inf is NaN). The kept
+  sum of the tutorial CNN's second convolution (B = 256, 8 MiB of gradients) read and wrote
+  them three times more (a multiply, a pad, the product).
 
   Args:
     form: the layer's _Form.
     g: [n, A, m, cols] float32 kept per-record gradients.
     rc: [B] float32 record factors.
     block: `_pinned_block`.
+    sq: [B] float32 squared norms of the records' g (their kernel part).
 
   Returns:
     [A, cols] float32.
   """
   if form.rows > 1:   # the depthwise form's kh kw rows: record-major [n, m, A, cols]
     g = tf.transpose(g, [0, 2, 1, 3])
-  rows = algebra.leading_rows(tf.reshape(g, [-1, form.rows * form.cols]), rc)
-  s = algebra.pinned_rows_product(tf.reshape(rc, [-1, 1]), algebra.drop_rows(rows, rc), block)
+  rows = tf.reshape(g, [-1, form.rows * form.cols])
+  n_rows, records = rows.shape[0], rc.shape[0]
+  c = rc
+  if n_rows is not None and records is not None:   # sizes the trace knows: Python ints
+    take = min(-(-int(records) // block) * block, int(n_rows))
+    rows = rows if take == int(n_rows) else rows[:take]
+    c = rc if take == int(records) else tf.pad(rc, [[0, take - int(records)]])
+  else:
+    r = tf.shape(rc)[0]
+    take = tf.minimum((r + block - 1) // block * block, tf.shape(rows)[0])
+    rows = rows[:take]   # a view: the records' blocks, no copy
+    c = tf.pad(rc, [[0, take - r]])
+  rows = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: rows,
+                 lambda: algebra.drop_rows(rows, c))
+  s = algebra.pinned_rows_product(tf.reshape(c, [-1, 1]), rows, block)
   return tf.reshape(s, [form.rows, form.cols])
 
 
@@ -764,6 +788,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   sq, g = budget.by_keep(keep, lambda: _per_example_pass(form, x4, dz4, k, True),
                          lambda: (_per_example_pass(form, x4, dz4, k, False, bound),
                                   tf.zeros([1, form.rows, 0, form.cols], tf.float32)))
+  kernel_sq = sq
   if bias is not None:
     sq = sq + bias[0]
 
@@ -774,7 +799,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
         rc = budget.record_factors(factors)
       if pinned:   # one example per record: the pinned order, kept or formed again
         block = _pinned_block(form, rc)
-        kernel = budget.by_keep(keep, lambda: _pinned_kept_sum(form, g, rc, block),
+        kernel = budget.by_keep(keep, lambda: _pinned_kept_sum(form, g, rc, block, kernel_sq),
                                 lambda: _pinned_recomputed_sum(form, x4, dz4, rc, block))
         return _pinned_sums(layer, form.to_kernel(kernel), None if bias is None else bias[1],
                             rc, block)
