@@ -28,7 +28,7 @@ def _reference(x, dz, c):
 @pytest.mark.parametrize("jit, static", [(False, True), (True, True), (False, False)])
 def test_pinned_dense_sums_match_per_example_gradients(k, n, jit, static):
   rng = np.random.RandomState(k)
-  b = 150   # three blocks of 64 rows, the last padded
+  b = 150   # 19 blocks of 8 rows (static: the blocks' sums small), or 3 of 64, the last padded
   x = rng.randn(b, k).astype("float32")
   dz = rng.randn(b, n).astype("float32")
   c = rng.rand(b).astype("float32")
@@ -51,7 +51,7 @@ def test_pinned_dense_sums_match_per_example_gradients(k, n, jit, static):
   np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-5)
   assert set(plans) == {id(layer.kernel), id(layer.bias)}
-  assert set(plans.values()) == {64}
+  assert set(plans.values()) == {8 if static else 64}
 
 
 def test_pinned_block_grows_where_the_blocks_sums_pass_the_budget():
@@ -60,3 +60,38 @@ def test_pinned_block_grows_where_the_blocks_sums_pass_the_budget():
   # a 2048 x 2048 kernel (16 MiB) per block: one block's sum over the 8 MiB budget
   assert algebra.pinned_block(4096, 4 * 2048 * 2048, budget.CHUNK_BYTES) == 4096
   assert algebra.pinned_block(None, 4 * 100, budget.CHUNK_BYTES) == 64
+
+
+def test_pinned_block_shrinks_where_the_blocks_sums_are_small():
+  """Blocks of PINNED_LEAST rows where their sums fit in PINNED_SMALL_BYTES (a row's b - 1
+  in-block roundings are charged to every row under the shifted relation), up to 64 as the
+  blocks' sums grow, the budget's above; never decreasing with the rows (the block of a
+  public bound covers every batch within it)."""
+  small = dict(small_bytes=algebra.PINNED_SMALL_BYTES)
+  assert algebra.pinned_block(8704, 4, budget.CHUNK_BYTES, **small) == 8
+  assert algebra.pinned_block(4096, 4 * 320, budget.CHUNK_BYTES, **small) == 8
+  assert algebra.pinned_block(640, 4 * 512 * 32, budget.CHUNK_BYTES, **small) == 40
+  assert algebra.pinned_block(4096, 4 * 784 * 128, budget.CHUNK_BYTES, **small) == 205
+  assert algebra.pinned_block(5, 4, budget.CHUNK_BYTES, **small) == 5
+  assert algebra.pinned_block(None, 4, budget.CHUNK_BYTES, **small) == 64
+  for row_bytes in (4, 4 * 320, 4 * 512 * 32, 4 * 784 * 128):
+    blocks = [algebra.pinned_block(rows, row_bytes, budget.CHUNK_BYTES, **small)
+              for rows in range(1, 9000, 7)]
+    assert blocks == sorted(blocks)
+
+
+def test_the_block_of_a_public_plan_is_that_of_its_rows():
+  """Inside summation.public_plan the Dense rule's block is that of the plan's rows per chunk,
+  the same for a batch of n and n + 1 rows (the clip shrink may not depend on the rows)."""
+  from tf_dpiter.dp_query import summation   # pylint: disable=g-import-not-at-top
+  layer = keras.layers.Dense(2048)
+  layer.build((None, 512))
+  seen = []
+  for rows in (256, 257):
+    x, dz = tf.ones([rows, 512]), tf.ones([rows, 2048])
+    with summation.public_plan(640, 640), algebra.sum_plans() as plans:
+      dense._pinned_dense_sums(layer, x, dz, tf.ones([rows]), (True, True))
+    seen.append(plans[id(layer.kernel)])
+  want = algebra.pinned_block(640, 4 * 512 * 2048, budget.CHUNK_BYTES,
+                              small_bytes=algebra.PINNED_SMALL_BYTES)
+  assert seen == [want, want] and want > 64

@@ -136,9 +136,10 @@ def _moved_by_adding(path, clipping, jit, batch, stride, span=None):
     s_d, s_d2 = (_step_sum(model, y, w) for w in (weights, without))
   # the step's sums are the rows' sums up to the rounding measured (<= 0.25 C here) and the
   # clip's shrink 1 / (1 + eta) (eta <= 0.0127 up to 8192 records: summation.rounding_margin)
-  # rtol: the clip shrink of the step's public row bound, every block's roundings charged
-  # (fast path, B = 4096: measured 0.075 in a graph, blocks of 64; 0.186 under XLA, whose
-  # padded plan's blocks grow past 64 with the rows; vectorized about 0.013)
+  # rtol: the clip shrink of the step's public row bound (8704 rows), every block's roundings
+  # charged (summation.rounding_margin, shifted): fast path eta 0.0197 in a graph (blocks of
+  # 8), 0.222 under XLA (the padded tail's 145 chunks added one after the other, the first
+  # chunk's 4096 rows through 144 additions); vectorized 0.0145, 0.162 under XLA
   np.testing.assert_allclose(s_d, np.sum(y64), rtol=0.2, atol=0.3 * C)
   np.testing.assert_allclose(s_d2, np.sum(np.delete(y64, target)), rtol=0.2, atol=0.3 * C)
   return float(np.linalg.norm(s_d - s_d2)), _sensitivity(model)

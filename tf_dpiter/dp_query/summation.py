@@ -276,11 +276,13 @@ def current_public_plan():
 def public_shrink(rows, records, chunks=1, block=1, final=0):
   """`step_shrink` of the sum of a batch of `rows` rows planned as (`records`, `chunks`,
   `block`), made independent of the rows inside a `public_plan` block: there the shrink is
-  that of the public plan (`rounding_margin`'s shifted relation: every block's b - 1
-  roundings charged, the rows of a block differing between D and D' once a record's arrival
-  shifts the others), and the batch's rows are checked against the bound
+  that of the public plan under `rounding_margin`'s shifted relation (a record's arrival
+  shifts the rows after it: every row charged its block's b - 1 roundings and the whole
+  tree), and the batch's rows are checked against the bound
   (`within_public_rows`; past it the shrink is NaN, which XLA keeps: the step then updates
-  nothing finite).
+  nothing finite). Outside one (a replace-one step: every batch has the same rows on both
+  datasets, the replaced record in its slot; a step refuses an undeclared sampling) the
+  batch's own plan under the slot relation.
 
   Args:
     rows: the batch's rows (an int or scalar int tensor), or None where the caller checks
@@ -295,11 +297,11 @@ def public_shrink(rows, records, chunks=1, block=1, final=0):
     PrivacyConfigError: rows known to the trace above the public bound.
   """
   plan = current_public_plan()
-  if plan is None:
+  if plan is None:   # the same rows on both datasets: the slot relation
     return step_shrink(records, chunks=chunks, block=block, final=final)
   bound, records, chunks, most = plan
   s = step_shrink(records, chunks=chunks, block=max(int(block), int(most)), final=final,
-                  total=bound)
+                  total=bound, shifted=True)
   within = True if rows is None else within_public_rows(rows)
   if within is True:
     return s
@@ -342,7 +344,7 @@ def within_public_rows(rows):
     return tf.identity(rows <= bound)
 
 
-def step_shrink(records, chunks=1, block=1, final=0, total=None):
+def step_shrink(records, chunks=1, block=1, final=0, total=None, shifted=False):
   """The clip shrink `shrink(rounding_margin(...))` of a DP step's clipped sum: `records` rows
   per chunk, `chunks` chunks added one after the other, blocks of `block` rows, the current
   tf.distribute strategy's replicas all-reduced, 4 roundings of each term's own products (the
@@ -357,13 +359,15 @@ def step_shrink(records, chunks=1, block=1, final=0, total=None):
     block: rows summed in any order before the pinned tree.
     final: roundings of the whole sum after it is formed.
     total: the rows of all chunks together (`rounding_margin`), None: records * chunks.
+    shifted: `rounding_margin`'s relation: False (the removed record a masked row in its
+      slot: the batch's own plan, rows the same on both datasets) or True (rows may shift).
 
   Returns:
     a float32 Python float or scalar tensor in (0, 1].
   """
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   return shrink(rounding_margin(records, chunks=chunks, replicas=replicas, block=block,
-                                products=4, final=final, total=total))
+                                products=4, final=final, total=total, shifted=shifted))
 
 
 @contextlib.contextmanager

@@ -601,10 +601,14 @@ def _memoized(key, make, graph=None):
 _PLANS = threading.local()   # .stack: a list of {id(variable): block}, one per `sum_plans`
 
 # Rows of a block of a pinned product (`pinned_rows_product`): summed in any order by one
-# batched matrix product, the blocks then by summation.pairwise_sum. 64 rows: the block's term
-# 2 gamma_63 64 = 4.8e-4 of the rounding margin (summation.rounding_margin), the tree's
-# 2 gamma_6 4096 = 2.9e-3 at 4096 records (3.4e-3 in all, one row per record: 5.9e-3).
+# batched matrix product, the blocks then by summation.pairwise_sum. Under the shifted relation
+# (a record's arrival shifts the rows after it: every block may change) each row is charged
+# its block's b - 1 roundings and the tree's ceil(log2(rows / b)) (summation.rounding_margin),
+# so small blocks shrink the clip least: 64 rows at most while the blocks' sums fit the rules'
+# budget (rules/budget.CHUNK_BYTES), as few as PINNED_LEAST where they fit PINNED_SMALL_BYTES.
 PINNED_BLOCK = 64
+PINNED_LEAST = 8
+PINNED_SMALL_BYTES = 1 << 20
 
 
 @contextlib.contextmanager
@@ -633,15 +637,30 @@ def report_pinned(variable, block):
     stack[-1][id(variable)] = block
 
 
-def pinned_block(rows, row_bytes, budget_bytes):
+def pinned_block(rows, row_bytes, budget_bytes, small_bytes=None):
   """Rows per block of `pinned_rows_product` for `rows` rows (an int or None) and sums of
   `row_bytes` bytes: PINNED_BLOCK, or more where the blocks' [rows / block, ...] sums would
   take more than `budget_bytes` (the rules' rules/budget.CHUNK_BYTES, 8 MiB) - at least one
-  block."""
+  block; with `small_bytes`, fewer (down to PINNED_LEAST) where the blocks' sums fit in it.
+  Non-decreasing in `rows`, so the block of a public bound on the rows covers every batch
+  within it.
+
+  Args:
+    rows: the rows summed (an int), or None (unknown to the trace: PINNED_BLOCK).
+    row_bytes: the bytes of one block's sum.
+    budget_bytes: the most the blocks' sums may take.
+    small_bytes: None, or the bytes the blocks' sums may take at blocks below PINNED_BLOCK.
+
+  Returns:
+    an int >= 1.
+  """
   block = PINNED_BLOCK
   if rows is not None:
     most = max(1, budget_bytes // max(row_bytes, 1))   # the blocks' sums in the budget
     block = max(block, -(-int(rows) // most))
+    if small_bytes is not None:
+      few = max(1, small_bytes // max(row_bytes, 1))
+      block = min(block, max(PINNED_LEAST, -(-int(rows) // few)))
     block = min(block, max(int(rows), 1))
   return block
 
