@@ -7,7 +7,6 @@ Privacy cost is monotone in each knob, so bisection on the accountant's epsilon
 accountants are taken: "gdp" is refused (`accountant.check_bound_accountant`).
 """
 
-
 from tf_dpiter import validation
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.accounting import dp_sgd

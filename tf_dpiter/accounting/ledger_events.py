@@ -290,9 +290,7 @@ def events_from_groups(groups, accountant="rdp", passes=0):
   for g in groups:
     e, n = group_event(g, accountant, passes)
     events.append(e)
-    for s in n:
-      if s not in notes:
-        notes.append(s)
+    notes += [s for s in dict.fromkeys(n) if s not in notes]
   if any(g.non_private for g in groups):
     notes.append("the ledger holds non-private queries (no noise): no finite guarantee")
   units = sorted({_unit(g) for g in groups if not g.non_private}) or ["example"]

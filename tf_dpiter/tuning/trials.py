@@ -63,9 +63,8 @@ def trial_event(noise_multiplier, sampling_probability, steps, score_noise_multi
   train = dpa.SelfComposedDpEvent(
       dpa.PoissonSampledDpEvent(sampling_probability, dpa.GaussianDpEvent(noise_multiplier)),
       int(steps))
-  if score_noise_multiplier is None:
-    return train
-  return dpa.ComposedDpEvent([train, dpa.GaussianDpEvent(score_noise_multiplier)])
+  return train if score_noise_multiplier is None else dpa.ComposedDpEvent(
+      [train, dpa.GaussianDpEvent(score_noise_multiplier)])
 
 
 def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape, delta,
