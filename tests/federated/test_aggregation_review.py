@@ -124,10 +124,11 @@ def test_a_retried_round_draws_new_noise_and_is_charged_again():
   assert int(server.ledger.sample_count) == 2
 
 
-def test_flower_rounds_refuse_more_replies_than_sampled_clients():
-  """A round samples m_t clients; the sum of more than m_t replies (a duplicated or foreign
-  reply) is not what the ledger charges. DPRounds.aggregate must refuse or drop them
-  (07f4c0a: it summed all three, w moved 3.0 S; now refused, nothing applied)."""
+def test_flower_rounds_sum_one_reply_per_sampled_client():
+  """A round samples m_t clients; the ledger charges m_t clipped clients. A duplicated reply
+  or one from a client not sampled must not be summed (07f4c0a: three replies for one sampled
+  client summed, w moved 3.0 S; 2a39004: refused; now the sampled client's first reply is
+  summed once, the others counted as rejected)."""
   model = F.MLP((4, 3), use_bias=False)
   params = [np.zeros(s, np.float32) for s in model.shapes]
   rounds = flower_rounds.DPRounds(model, dpq.GaussianSumQuery(S, 0.0), params, num_clients=4,
@@ -137,12 +138,16 @@ def test_flower_rounds_refuse_more_replies_than_sampled_clients():
                                   server_momentum=0.0, seed=1)
   picked = rounds.sample(1, [10, 11, 12, 13])
   assert len(picked) == 1
+  other = next(n for n in [10, 11, 12, 13] if n not in picked)
   reply = [np.full(s, 1.0, np.float32) for s in model.shapes]    # norm sqrt(12) > S
-  with pytest.raises(ValueError, match="m_t = 1"):
-    rounds.aggregate(1, [reply, reply, reply], 0)   # three replies for one sampled client
-  assert int(rounds.server.ledger.sample_count) == 0   # nothing recorded
+  info = rounds.aggregate(1, [(picked[0], reply), (picked[0], reply), (other, reply)], 0)
+  assert info["returned"] == 1 and info["rejected"] == 2
+  assert int(rounds.server.ledger.sample_count) == 1
   moved = np.linalg.norm(np.asarray(rounds.server.weights, np.float64))
   assert moved <= S, f"one sampled client moved w by {moved} > S = {S}"
+  # independent value: the one clipped reply, S * ones / sqrt(12), divided by m_t = 1
+  np.testing.assert_allclose(np.asarray(rounds.server.weights, np.float64),
+                             np.full(model.num_params, S / np.sqrt(12.0)), rtol=1e-5)
 
 
 class _GridGenerator:

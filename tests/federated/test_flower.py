@@ -87,7 +87,9 @@ def test_flower_failures_and_nonfinite_updates_rejected_and_counted(tiny):
   ok = [np.full(s, 0.5, np.float32) for s in model.shapes]
   nan = [np.full(s, np.nan, np.float32) for s in model.shapes]
   res = lambda arrs: FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrs), 20, {})
-  _, metrics = strat.aggregate_fit(1, [(None, res(ok)), (None, res(nan))], [RuntimeError()])
+  proxy = lambda cid: type("Proxy", (), {"cid": cid})()
+  _, metrics = strat.aggregate_fit(1, [(proxy("a"), res(ok)), (proxy("b"), res(nan))],
+                                   [RuntimeError()])
   assert metrics["rejected"] == 2 and metrics["returned"] == 2
   got = [p.numpy() for p in model.unflatten(strat.server.weights)]
   for g, p in zip(got, w0):                      # only the good update, divided by m = 3

@@ -22,6 +22,8 @@ Measured at 86d7223 (K = 4, m_t = 2, sampled [10, 13] then [11, 12]):
 - the legacy API (DPFedAvgStrategy.aggregate_fit) given one ClientProxy's result twice: 1.0.
 Fix: keep the first reply per sampled node (Message API: metadata.src_node_id among the round's
 dst_node_ids; legacy: ClientProxy.cid among the picked), count the others as rejected.
+Fixed since (session 31): DPRounds.aggregate takes (client id, update) pairs and sums the
+first reply of each client sampled in the round; the others are counted as rejected.
 """
 
 import numpy as np
@@ -118,8 +120,6 @@ def test_an_error_reply_counts_as_a_failure_and_adds_nothing():
   assert metrics["returned"] == 1 and metrics["rejected"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="86d7223: node 10's reply twice, node 13's lost: both "
-                   "copies summed, w moves 1.0 = 2 S / m_t (once: 0.5)")
 def test_a_duplicated_reply_with_a_lost_one_is_summed_once():
   strategy, model = _strategy()
   msgs = _round(strategy, 1)
@@ -130,8 +130,6 @@ def test_a_duplicated_reply_with_a_lost_one_is_summed_once():
   np.testing.assert_allclose(moved, _expected([first], model.num_params), rtol=1e-6, atol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="86d7223: a reply from node 10, not sampled, summed "
-                   "with node 11's: w moves 1.0 (node 11 alone: 0.5)")
 def test_a_reply_from_a_client_not_sampled_is_not_summed():
   strategy, model = _strategy()
   _round(strategy, 1)
@@ -164,8 +162,6 @@ class _Manager:
     return dict(self.proxies)
 
 
-@pytest.mark.xfail(strict=True, reason="86d7223: the legacy API sums two results of one "
-                   "ClientProxy: w moves 1.0 = 2 S / m_t (once: 0.5)")
 def test_the_legacy_api_sums_one_clients_duplicated_result_once():
   from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
   model = F.MLP((4, 3), use_bias=False)

@@ -98,8 +98,9 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     return [(available[cid], ins) for cid in picked]
 
   def aggregate_fit(self, server_round, results, failures):
-    updates = [parameters_to_ndarrays(res.parameters) for _, res in results]
-    info = self._dp.aggregate(server_round, updates, len(failures))
+    replies = [(getattr(proxy, "cid", None), parameters_to_ndarrays(res.parameters))
+               for proxy, res in results]
+    info = self._dp.aggregate(server_round, replies, len(failures))
     if info is None:
       return None, {}
     metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
@@ -182,7 +183,8 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
       if reply.has_error() or ARRAYS_KEY not in reply.content.array_records:
         failures += 1
       else:
-        updates.append(reply.content.array_records[ARRAYS_KEY].to_numpy_ndarrays())
+        updates.append((int(reply.metadata.src_node_id),
+                        reply.content.array_records[ARRAYS_KEY].to_numpy_ndarrays()))
     info = self._dp.aggregate(server_round, updates, failures)
     if info is None:
       return None, None

@@ -39,6 +39,7 @@ class DPRounds:
         server_momentum=server_momentum)
     self._gen = dpq.make_generator(seed)
     self._round_m = {}
+    self._round_picked = {}   # round -> the ids sampled, until its replies are aggregated
     self.rounds = []
     self.stopped_reason = None
 
@@ -61,7 +62,8 @@ class DPRounds:
       return []
     pick = server_lib.sample_clients(self._gen, len(ids), m, "fixed_size").numpy()
     self._round_m[server_round] = m
-    return [ids[i] for i in pick]
+    self._round_picked[server_round] = [ids[i] for i in pick]
+    return list(self._round_picked[server_round])
 
   def record(self, arrays):
     """A client's update as a flat float32 record [d], None if its shapes are wrong."""
@@ -70,25 +72,36 @@ class DPRounds:
       return None
     return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
 
-  def aggregate(self, server_round, updates, failures):
-    """Aggregates a round's updates (lists of arrays); failures: count of lost replies.
+  def aggregate(self, server_round, replies, failures):
+    """Aggregates a round's replies: the first update of each client sampled this round.
 
-    Returns the round's info dict, or None for a round that sampled nobody (stopped).
+    Geyer et al., "Differentially private federated learning: a client level perspective"
+    (Algorithm 1) sums one clipped update per sampled client, and the ledger charges the round
+    as fixed-size sampling of m_t of the K clients (replace one client: the sum moves by at
+    most 2 S). So a reply from a client not sampled this round, or a second reply of a sampled
+    one (a duplicated message), is not summed: it is counted in the round's `rejected`.
 
-    Raises:
-      ParameterValueError: more replies and failures than the round's m_t sampled clients
-        (a duplicated or foreign reply: the ledger charges m_t clipped clients, so such a sum
-        is refused, nothing applied or recorded).
+    Args:
+      server_round: the round `sample` picked clients for.
+      replies: (client id, update) pairs, the update a list of arrays in the model's layout;
+        the id as `sample` returned it.
+      failures: the count of error replies (nothing summed for them).
+
+    Returns:
+      the round's info dict, or None for a round that sampled nobody (stopped).
     """
     if server_round not in self._round_m:
       return None
     m = self._round_m.pop(server_round)
-    if len(updates) + int(failures) > m:
-      raise ParameterValueError(
-          f"`updates` and `failures` must count at most the round's m_t = {m} sampled "
-          f"clients. Received: {len(updates)} replies and {int(failures)} failures for "
-          f"round {server_round}; the round is not applied")
-    rows, bad = [], int(failures)
+    waiting = set(self._round_picked.pop(server_round))
+    updates, foreign = [], 0
+    for sender, arrays in replies:
+      if sender in waiting:
+        waiting.discard(sender)
+        updates.append(arrays)
+      else:
+        foreign += 1
+    rows, bad = [], int(failures) + foreign
     for arrays in updates:
       rec = self.record(arrays)
       if rec is None:
