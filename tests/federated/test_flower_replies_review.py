@@ -22,7 +22,7 @@ Measured at 86d7223 (K = 4, m_t = 2, sampled [10, 13] then [11, 12]):
 - the legacy API (DPFedAvgStrategy.aggregate_fit) given one ClientProxy's result twice: 1.0.
 Fix: keep the first reply per sampled node (Message API: metadata.src_node_id among the round's
 dst_node_ids; legacy: ClientProxy.cid among the picked), count the others as rejected.
-Fixed since (session 31): DPRounds.aggregate takes (client id, update) pairs and sums the
+Fixed at a560514: DPRounds.aggregate takes (client id, update) pairs and sums the
 first reply of each client sampled in the round; the others are counted as rejected.
 """
 
@@ -33,25 +33,16 @@ from flwr.app import ConfigRecord
 from flwr.app import Error
 from flwr.app import Message
 from flwr.app import RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from tf_dpiter import dp_query as dpq
 from tf_dpiter import federated as F
 from tf_dpiter.federated import flower as FL
 
+# the ServerApp identity Flower's runtime sets (autouse): the Message API tests' fixture
+from .test_flower_message_api import _serverapp_identity  # noqa: F401  pylint: disable=unused-import
+
 S, K, M = 1.0, 4, 2
 NODES = [10, 11, 12, 13]
-
-
-@pytest.fixture(autouse=True)
-def _serverapp_identity():
-  # Flower's runtime sets the identity of the process running a ServerApp; so does this test.
-  names = ("_task_id", "_run_id", "_node_id")
-  saved = [getattr(TaskIdentity, n) for n in names]
-  TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-  yield
-  for n, v in zip(names, saved):
-    setattr(TaskIdentity, n, v)
 
 
 class _Nodes:
