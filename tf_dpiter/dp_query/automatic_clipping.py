@@ -107,10 +107,11 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
       record: a nest of float tensors.
 
     Returns:
-      the normalized record (same structure and dtypes).
+      the normalized record (same structure and dtypes), zeros for a non-finite norm.
     """
-    factor = automatic_clip_factors(dp_query.global_l2_norm(record), params, self._stability)
-    return tf.nest.map_structure(lambda x: x * tf.cast(factor, x.dtype), record)
+    norm = dp_query.global_l2_norm(record)
+    factor = automatic_clip_factors(norm, params, self._stability)
+    return dp_query.scale_record(record, norm, factor)
 
   def record_clip_factors(self, params, record_norms):
     """c_i = S / (||x_i||_2 + gamma), 0 for a non-finite norm (`automatic_clip_factors`).

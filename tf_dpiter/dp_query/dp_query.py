@@ -90,12 +90,32 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
     l2_norm_clip: S >= 0, a number or scalar tensor.
 
   Returns:
-    (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2.
+    (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2; a
+    record of non-finite norm (a NaN or inf coordinate) is clipped to zeros (`scale_record`).
   """
   norm = global_l2_norm(record)
-  factor = _raw_factors(norm, l2_norm_clip)
-  clipped = tf.nest.map_structure(lambda x: x * tf.cast(factor, x.dtype), record)
-  return clipped, norm
+  return scale_record(record, norm, _raw_factors(norm, l2_norm_clip)), norm
+
+
+def scale_record(record, norm, factor):
+  """c x over the whole nest, and zeros for a record of non-finite norm ||x||_2.
+
+  A NaN or inf coordinate would make c x non-finite whatever c is (0 * NaN = NaN), and one
+  such record in a sum makes the release non-finite: neighbouring datasets D and D + r told
+  apart with certainty. Zeros are a function of that record alone, so the sum's sensitivity
+  stays S (the same rule as `clip_factors`' c = 0).
+
+  Args:
+    record: a nest of float tensors x.
+    norm: ||x||_2, a scalar tensor.
+    factor: c, a scalar tensor (the clip or normalization factor).
+
+  Returns:
+    the nest c x (same dtypes), zeros if `norm` is not finite.
+  """
+  finite = tf.math.is_finite(norm)
+  return tf.nest.map_structure(
+      lambda x: tf.where(finite, x * tf.cast(factor, x.dtype), tf.zeros_like(x)), record)
 
 
 # ---- the DPQuery interface ---------------------------------------------------------------
