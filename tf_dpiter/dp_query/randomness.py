@@ -108,7 +108,8 @@ def _uint32_words(generator, shape):
 # size, XLA_BLOCK_WORDS 64-bit words (the words of one draw of gaussian_query.BLOCK_VALUES
 # noise values: BERT-base's noise stream is 26 such draws and a tail). Under XLA it takes about
 # 0.74x the CPU time of TensorFlow's kernel (2^21 words: 17.5 vs 23.5 ms); it is compiled once
-# (about 0.4 CPU s) and reused by every trace, variable, step and fit call. A draw of count
+# (0.14 to 0.25 CPU s over the kernel's first draw, 5 processes) and reused by every trace,
+# generator, step and fit call. A draw of count
 # words, XLA_WORDS_FROM <= count <= XLA_BLOCK_WORDS, takes one whole block and uses its first
 # count words (from 3/4 of a block the block costs less than the kernel's draw of count words).
 XLA_BLOCK_WORDS = 1 << 21
