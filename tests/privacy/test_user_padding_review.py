@@ -24,6 +24,10 @@ dropped with user 0) and 7 C on D': a move of 3 C, in a graph and under XLA; the
 path gives NaN on D (tests/privacy/test_nonfinite_records_review.py). Fix: pad with zero rows
 (as poisson_batches does, sampling._pad_rows_to), not with copies of a real example, and zero
 a non-finite record's gradient before its clip factor multiplies it.
+
+Fixed since (session 31): padding rows are zero rows (user_sampling._rows_or_zeros), as
+poisson_batches pads; 86d7223 copied x[0]: user 0's NaN first example padded users 5-7, D 4 C,
+D' 7 C, a move of 3 C (fast path, graph and XLA).
 """
 
 import warnings
@@ -69,13 +73,9 @@ def _step_sum(clipping, jit, with_user0):
   return -model.get_weights()[0].astype(np.float64).ravel()
 
 
-_FOUND = pytest.mark.xfail(strict=True, reason="86d7223: user 0's NaN first example pads "
-                           "users 5-7: D 4 C, D' 7 C, a move of 3 C (fast path)")
-
-
 @pytest.mark.parametrize("clipping, jit", [
-    pytest.param("fast", False, marks=_FOUND),
-    pytest.param("fast", True, marks=[_FOUND, _SLOW])])
+    pytest.param("fast", False),
+    pytest.param("fast", True, marks=_SLOW)])
 def test_one_users_data_moves_the_user_level_sum_by_at_most_C(clipping, jit):
   s_d, s_d2 = _step_sum(clipping, jit, True), _step_sum(clipping, jit, False)
   exact = 7 * C   # users 1-7, each clipped to C, on both datasets

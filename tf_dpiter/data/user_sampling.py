@@ -59,6 +59,15 @@ def _check(n, expected_users, k, num_users):
     raise ParameterValueError(f"`x` must hold at least one example. Received: x with n={n}")
 
 
+def _rows_or_zeros(a, flat):
+  """a's rows at the indices `flat`, zero rows where an index is -1 (padding). Padding must
+  not copy a real example: weight 0 times a NaN or inf feature of that example is NaN, which
+  would make other users' records depend on it (and the fast path drop them)."""
+  rows = a[np.where(flat >= 0, flat, 0)]
+  rows[flat < 0] = np.zeros((), a.dtype)
+  return rows
+
+
 def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_per_user,
                          steps_per_epoch=None, max_users_per_batch="auto", seed=None):
   """tf.data.Dataset of Poisson samples of users: (x_pad, y_pad, weights) per step.
@@ -104,10 +113,9 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
       idx = np.full((size, k), -1, np.int64)
       idx[:len(chosen)] = chosen
       flat = idx.reshape(-1)
-      take = np.where(flat >= 0, flat, 0)
-      weights = (flat >= 0).astype(np.float32)
-      yield (tf.nest.map_structure(lambda a: a[take], xs),
-             tf.nest.map_structure(lambda a: a[take], ys), weights)
+      yield (tf.nest.map_structure(lambda a: _rows_or_zeros(a, flat), xs),
+             tf.nest.map_structure(lambda a: _rows_or_zeros(a, flat), ys),
+             (flat >= 0).astype(np.float32))
 
   ds = python_source.python_dataset(gen, sampling_lib.batch_signature(xs, ys))
   ds = ds.apply(tf.data.experimental.assert_cardinality(steps)).prefetch(2)
