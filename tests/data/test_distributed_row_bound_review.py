@@ -22,6 +22,7 @@ seed=65595), the per-replica pipeline of distributed_poisson_batches, yields a f
 178 records padded to 352 rows; the share of the step's bound is 320. Fix: a per-replica bound
 of 2 default_max_batch_size(ceil(N / P), q) for a sampler that pads per part (or pad the parts
 past their size to the share R / P, or to the next multiple of 8).
+Fixed since (session 31): a part's sample past its padded size is padded to the share R / P.
 """
 
 import math
@@ -49,9 +50,6 @@ def test_the_hand_figures():
   assert policies.get("poisson").public_row_bound(N, q) == 2 * 320
 
 
-@pytest.mark.xfail(strict=True, reason="86d7223/6e0c606: a replica's part sample of 178 "
-                   "records is padded to 352 rows, past the step's per-replica bound 320 "
-                   "(refused; P = 0.48 over a 60-epoch MNIST run)")
 def test_a_replicas_padded_sample_fits_the_per_replica_bound():
   q = B / N
   share = -(-policies.get("poisson").public_row_bound(N, q) // P)   # chunking's replica share

@@ -50,7 +50,8 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     expected_batch_size: B = q n over the whole source (all parts), in (0, n].
     steps_per_epoch: global steps per iteration; default round(1/q).
     max_batch_size: "auto" pads each part's sample to `default_max_batch_size(n_p, q)` for
-      its range of n_p records; an int pads to that size (a larger sample goes to the next
+      its range of n_p records (a larger one to its share of the step's public row bound,
+      ceil(2 default_max_batch_size(n, q) / num_parts)); an int pads to that size (a larger sample goes to the next
       multiple, never truncated); None: unpadded.
     seed: tests only (reproducible, NOT private; warns). None: OS entropy. Part p uses the
       p-th jump of the Philox stream, so parts are independent.
@@ -75,6 +76,11 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
   rngs = [np.random.Generator(base.bit_generator.jumped(int(p))) for p in parts]
   pads = [sampling_lib.default_max_batch_size(hi - lo, q) if max_batch_size == "auto"
           else max_batch_size for lo, hi in ranges]
+  # A part's sample past its padded size goes to the replica's share of the step's public
+  # row bound R = 2 default_max_batch_size(n, q) (chunking.public_row_bound), not to twice
+  # its own padded size, which can exceed the share (2 (E/P + 4 sqrt(E/P)) > R / P).
+  share = (-(-2 * sampling_lib.default_max_batch_size(n, q) // num_parts)
+           if max_batch_size == "auto" else None)
 
   def gen():
     for _ in range(steps):
@@ -82,6 +88,8 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
         idx = poisson_indices(rng, lo, hi, q)
         m = idx.shape[0]
         size = sampling_lib.padded_size(m, pad)
+        if share is not None and m <= share < size:
+          size = share
         arrays = [a for a in source.read(idx) if a is not None]
         mask = np.zeros([size], np.float32)
         mask[:m] = 1.0
