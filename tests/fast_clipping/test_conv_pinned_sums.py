@@ -157,3 +157,22 @@ def test_one_record_moves_the_conv_sum_by_at_most_c(jit):
   assert float(n_d) <= 1.0   # every record unclipped: its term is its y
   moved = abs(float(s_d.numpy().ravel()[0]) - float(s_d2.numpy().ravel()[0]))
   assert 0.99 < moved <= 1.0, moved
+
+
+def test_the_block_of_a_public_plan_is_that_of_its_rows():
+  """Inside summation.public_plan a convolution's pinned block is that of the plan's rows per
+  chunk, the same for batches of n and n + 1 rows where the budget makes the block grow with
+  the rows (before: the batch's rows, so the block and the clip shrink could differ between
+  neighbouring datasets)."""
+  from tf_dpiter.keras.fast_clipping import algebra   # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.fast_clipping.rules import conv   # pylint: disable=g-import-not-at-top
+
+  class _Form:   # the two fields conv._pinned_block reads: a 1.2 MB block sum per row
+    rows, cols = 1, 300_000
+
+  unplanned = [conv._pinned_block(_Form, tf.ones([n])) for n in (4098, 4099)]
+  assert unplanned[0] != unplanned[1]   # the budget binds: the block follows the rows
+  with summation.public_plan(8704, 8704):
+    planned = [conv._pinned_block(_Form, tf.ones([n])) for n in (4098, 4099)]
+  want = algebra.pinned_block(8704, 4 * _Form.rows * _Form.cols, budget.CHUNK_BYTES)
+  assert planned == [want, want] and want > 64

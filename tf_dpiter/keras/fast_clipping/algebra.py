@@ -637,6 +637,28 @@ def report_pinned(variable, block):
     stack[-1][id(variable)] = block
 
 
+def plan_rows(rows):
+  """The rows a pinned sum's block is chosen for (`pinned_block`): the public plan's rows per
+  chunk inside a summation.public_plan block (the same on neighbouring datasets, whose
+  batches differ by a row: the block, so the clip shrink, may not depend on it), else the
+  largest chunk's rows (summation.sequential_chunks: one block for every chunk), else `rows`.
+
+  Args:
+    rows: the batch's (or chunk's) rows the sum runs over: an int, or None (unknown).
+
+  Returns:
+    an int, or None.
+  """
+  plan = summation.current_public_plan()
+  if plan is not None:
+    return int(plan[1])
+  chunk = summation.current_chunk_rows()
+  chunk = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
+  if chunk is not None:
+    return int(chunk)
+  return None if rows is None else int(rows)
+
+
 def pinned_block(rows, row_bytes, budget_bytes, small_bytes=None):
   """Rows per block of `pinned_rows_product` for `rows` rows (an int or None) and sums of
   `row_bytes` bytes: PINNED_BLOCK, or more where the blocks' [rows / block, ...] sums would

@@ -541,8 +541,10 @@ def _pinned_applies(layer):
 def _pinned_block(form, rc):
   """Rows per block of a convolution's pinned sums (algebra.pinned_block of the records and
   the kernel's entries): the same for the kept and the recomputed per-example gradients, so
-  that either branch of a run-time choice (budget.by_keep) runs the plan reported."""
-  return algebra.pinned_block(rc.shape[0], 4 * form.rows * form.cols, budget.CHUNK_BYTES)
+  that either branch of a run-time choice (budget.by_keep) runs the plan reported; chosen for
+  the public plan's rows (algebra.plan_rows), so neighbouring batches get the same block."""
+  return algebra.pinned_block(algebra.plan_rows(rc.shape[0]), 4 * form.rows * form.cols,
+                              budget.CHUNK_BYTES)
 
 
 def _pinned_kept_sum(form, g, rc, block, sq):

@@ -198,7 +198,7 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
   factors as a [B, 1] operand. Rows of c_i = 0 add exactly 0 (algebra.drop_rows)."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
   out = {}
-  block = algebra.pinned_block(_plan_rows(x), 4 * (k * n if on[0] else n), budget.CHUNK_BYTES,
+  block = algebra.pinned_block(algebra.plan_rows(x.shape[0]), 4 * (k * n if on[0] else n), budget.CHUNK_BYTES,
                                small_bytes=algebra.PINNED_SMALL_BYTES)
   if on[0]:
     if k >= n:
@@ -213,19 +213,6 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
         algebra.pinned_rows_product(c, algebra.drop_rows(dz, factors), block), layer.bias)
     algebra.report_pinned(layer.bias, block)
   return [out[id(v)] for v in layer.trainable_variables]
-
-
-def _plan_rows(x):
-  """The rows a pinned sum's block is chosen for: the public plan's rows per chunk inside a
-  summation.public_plan block (the same on neighbouring datasets, whose batches differ by a
-  row: the block, so the clip shrink, may not depend on it), else the largest chunk's rows
-  (summation.sequential_chunks: one block for every chunk), else x's rows (None: unknown)."""
-  plan = summation.current_public_plan()
-  if plan is not None:
-    return int(plan[1])
-  rows = summation.current_chunk_rows()
-  rows = tf.get_static_value(rows) if tf.is_tensor(rows) else rows
-  return int(rows) if rows is not None else x.shape[0]
 
 
 def _shaped(t, v):
