@@ -125,6 +125,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     with tape:
       rec_losses, rmask = _record_losses(step, losses, mask, scale)
   grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
+  finite_batch = _finite_batch(rec_losses, grads if scale == 1.0 else [])
   grads, finite = chunking.unscale_records(grads, scale)
   deps = step.count_overflowed(finite, rmask)
   params = step.sample_params()   # raises while the sampling is undeclared
@@ -135,8 +136,42 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   with chunking.public_rows(step, 1):
     shrink = summation.public_shrink(chunking.batch_rows(rmask), *chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
-    state = query.accumulate_records(params, state, grads, mask=rmask * shrink)
+    state = query.accumulate_records(params, state, grads, mask=rmask * shrink * finite_batch)
   return step.noised_average(state, tf.reduce_sum(rmask))
+
+
+def _finite_batch(rec_losses, grads):
+  """1.0, or NaN behind a failed run-time assertion (graph mode; XLA drops assertions, so the
+  NaN then spoils the release instead) when a per-record loss or gradient of the losses form
+  is not finite.
+
+  The losses form's per-record gradients are rows of one backward pass over the whole batch:
+  a record with a NaN or inf value reaches every record's row (0 x NaN in the products that
+  form the weights' gradients), so no row is then a function of its own record, and zeroing
+  the non-finite rows (as the clip does) would drop all of them (a move of up to B C where
+  the ledger states C). Such a step is refused. With a float16 loss scale (`grads` empty) only
+  the losses are checked: an overflowed record's gradient is zeroed (chunking.unscale_records).
+  The data= form runs each record alone and needs no such check.
+
+  Args:
+    rec_losses: [M] per-record losses.
+    grads: the per-record gradients [M, ...] (a list), or [] to check the losses only.
+
+  Returns:
+    a float32 scalar tensor: 1.0, or NaN.
+  """
+  parts = [tf.reduce_all(tf.math.is_finite(rec_losses))]
+  parts += [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+  ok = tf.reduce_all(tf.stack(parts))
+  check = tf.debugging.Assert(ok, [
+      "compute_private_gradients(losses form): a record's loss or gradient is not finite. "
+      "The losses form differentiates the whole batch at once, so one record's NaN or inf "
+      "reaches every record's gradient and no record could be clipped alone; the step is "
+      "refused. Remove or repair the non-finite examples, or pass the batch as data=... with "
+      "a loss_fn of one record (each record is then run alone and a non-finite one is "
+      "clipped to zero)"])
+  with tf.control_dependencies([check]):
+    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
 
 
 def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, vectorize):
