@@ -76,3 +76,19 @@ def add_remove_changes(clipped_sum, xp, yp, mask, real, rng, candidates, num_cla
     x2[real], y2[real], m2[real] = xc, rng.randint(0, num_classes), 1.0
     changes.append(np.linalg.norm(clipped_sum(x2, y2, m2) - base))
   return changes
+
+
+def zero_dense1(clip, jit, clipping, loss):
+  """A DP model of one bias-free Dense(1) from zero weights, compiled with SGD (learning rate
+  1, noise 0, normalize=False): w0 - w1 after one step is the step's clipped sum."""
+  import warnings   # pylint: disable=g-import-not-at-top
+  import tf_dpiter as dp   # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((1,)), keras.layers.Dense(
+      1, use_bias=False, kernel_initializer="zeros")])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # noise 0: the no-noise warning
+    opt = dp.keras.DPKerasSGDOptimizer(clip, 0.0, learning_rate=1.0, clipping=clipping,
+                                       normalize=False)
+  model.compile(optimizer=opt, loss=loss, jit_compile=jit)
+  return model

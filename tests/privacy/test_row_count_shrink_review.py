@@ -31,14 +31,13 @@ Fixed at 7c21ee0 (the shrink of an add/remove step from a public row bound): the
 cases pass; the fast path's fit since its sum opened the public plan too (a804b3d).
 """
 
-import warnings
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tests.privacy import neighbours
 
 C, N, Y = 1.0, 257, 10.0
 _SLOW = pytest.mark.slow
@@ -49,15 +48,7 @@ def _loss(y_true, y_pred):
 
 
 def _model(jit, clipping):
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((1,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")   # noise 0: the no-noise warning
-    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, clipping=clipping,
-                                       normalize=False)
-  model.compile(optimizer=opt, loss=_loss, jit_compile=jit)
-  return model
+  return neighbours.zero_dense1(C, jit, clipping, _loss)
 
 
 def _rows(with_target):

@@ -18,14 +18,12 @@ round to -w each. The float64 sums differ by exactly C; the step's float32 sums 
 by more without the clip shrink of its plan (summation.rounding_margin, shifted relation).
 """
 
-import warnings
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_dpiter as dp
+from tests.privacy import neighbours
 from tf_dpiter.dp_query import summation
 
 C = 1.0
@@ -45,15 +43,8 @@ def _rows(batch, with_target):
 
 
 def _step_sum(batch, jit, clipping, with_target):
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((1,)), keras.layers.Dense(
-      1, use_bias=False, kernel_initializer="zeros")])
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")   # noise 0: the no-noise warning
-    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, clipping=clipping,
-                                       normalize=False)
-  model.compile(optimizer=opt, loss=_loss, jit_compile=jit)
-  opt.set_sampling(batch, 1.0, "poisson", batch)
+  model = neighbours.zero_dense1(C, jit, clipping, _loss)
+  model.optimizer.set_sampling(batch, 1.0, "poisson", batch)
   model.train_on_batch(*_rows(batch, with_target))
   return -model.get_weights()[0].astype(np.float64).ravel()
 
