@@ -124,3 +124,18 @@ def test_add_gaussian_noise_leaves_of_unknown_size():
   assert big.shape == (40_000, 3) and small.shape == (5,)
   _ks_normal(big.numpy(), 2.0)
   assert not np.isin(small.numpy(), big.numpy()).any()
+
+
+def test_op_determinism_is_refused_with_the_librarys_error():
+  """TensorFlow refuses an OS-entropy generator under op determinism (a RuntimeError); the DP
+  noise's generator says why and what to do, in the library's exception family."""
+  from tensorflow.python.framework import config as tf_config   # pylint: disable=g-import-not-at-top
+  from tf_dpiter.errors import PrivacyConfigError   # pylint: disable=g-import-not-at-top
+  tf_config.enable_op_determinism()
+  try:
+    with pytest.raises(PrivacyConfigError, match="enable_op_determinism.*secure_mode=True"):
+      randomness.make_generator()
+    assert isinstance(randomness.make_generator(secure=True), randomness.SecureRandom)
+  finally:
+    tf_config.disable_op_determinism()
+  assert isinstance(randomness.make_generator(), tf.random.Generator)

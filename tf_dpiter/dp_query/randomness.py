@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 
 class NotPrivateSeedWarning(UserWarning):
@@ -52,13 +53,25 @@ def make_generator(seed=None, secure=False):
 
   Raises:
     ParameterValueError: a seed with secure=True.
+    PrivacyConfigError: no seed while TensorFlow's op determinism is on
+      (`tf.config.experimental.enable_op_determinism`), which refuses a generator seeded
+      from OS entropy: reproducible noise would not be private.
   """
   if secure:
     if seed is not None:
       raise ParameterValueError(f"secure_mode draws from os.urandom and takes no seed, got seed={seed!r}")
     return SecureRandom()
   if seed is None:
-    return tf.random.Generator.from_non_deterministic_state(alg="philox")
+    try:
+      return tf.random.Generator.from_non_deterministic_state(alg="philox")
+    except RuntimeError as e:
+      if "determinism" not in str(e):
+        raise
+      raise PrivacyConfigError(
+          "the DP noise must be drawn from OS entropy, and "
+          "tf.config.experimental.enable_op_determinism() is on, under which TensorFlow "
+          "refuses such a generator (reproducible noise would not be private). Train without "
+          "op determinism, or pass secure_mode=True (every noise bit from os.urandom)") from e
   warnings.warn(
       f"seed={seed!r} given to a DP mechanism: its noise is reproducible and the output "
       "is NOT differentially private. Use a seed for tests only.",
