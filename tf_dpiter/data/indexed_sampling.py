@@ -22,6 +22,7 @@ from tf_dpiter import validation
 from tf_dpiter.data import python_source
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.ledger import policies
 
 
 def part_range(n, num_parts, part_index):
@@ -77,9 +78,9 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
   pads = [sampling_lib.default_max_batch_size(hi - lo, q) if max_batch_size == "auto"
           else max_batch_size for lo, hi in ranges]
   # A part's sample past its padded size goes to the replica's share of the step's public
-  # row bound R = 2 default_max_batch_size(n, q) (chunking.public_row_bound), not to twice
-  # its own padded size, which can exceed the share (2 (E/P + 4 sqrt(E/P)) > R / P).
-  share = (-(-2 * sampling_lib.default_max_batch_size(n, q) // num_parts)
+  # row bound R (the Poisson policy's, which the step reads: chunking.public_row_bound), not
+  # to twice its own padded size, which can exceed the share (2 (E/P + 4 sqrt(E/P)) > R / P).
+  share = (-(-policies.get(sampling_lib.POISSON).public_row_bound(n, q) // num_parts)
            if max_batch_size == "auto" else None)
 
   def gen():
