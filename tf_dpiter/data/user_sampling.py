@@ -86,8 +86,8 @@ def poisson_user_batches(x, y, user_ids, expected_users_per_batch, max_examples_
 
   Returns:
     A tf.data.Dataset of (x_pad, y_pad, weights) with S * k rows (S padded users), weights
-    float32 1 for kept examples of sampled users, else 0. Its SamplingSpec is ("poisson",
-    U, q, q U, UserGrouping(k, U)).
+    float32 1 for kept examples of sampled users, else 0. Its SamplingSpec is
+    ("user_poisson", U, q, q U, UserGrouping(k, U)).
 
   Raises:
     ParameterValueError: arrays of different lengths or an argument out of range.
