@@ -14,6 +14,7 @@ import tensorflow as tf
 import tf_dpiter as dp
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.data import user_sampling
+from tf_dpiter.errors import PrivacyConfigError
 
 CLIP, K = 0.3, 3
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -142,3 +143,21 @@ def test_user_batches_refuse_microbatches():
   ds = user_sampling.poisson_user_batches(x, y, uid, 4, K, seed=1)
   with pytest.raises(ValueError, match="num_microbatches=2.*user"):
     model.fit(ds, epochs=1, verbose=0)
+
+
+def test_user_level_policy_without_the_user_grouping_is_refused():
+  """policy "user_poisson" states S per user; only dp.data.poisson_user_batches' grouping
+  makes a record one user's rows. Declared by hand (set_sampling, then train_on_batch or a
+  custom loop) or on data whose spec names the policy without a UserGrouping, the step would
+  clip each example: one user of k rows would move the clipped sum by k S (review R: 4 S at
+  k = 4). Both are refused before a step."""
+  model = _model("auto")
+  with pytest.raises(PrivacyConfigError, match="poisson_user_batches") as err:
+    model.optimizer.set_sampling(100, 0.02, "user_poisson", 2)
+  assert "Received: policy='user_poisson'" in str(err.value)
+  x, y, _ = _users()
+  ds = sampling_lib.attach_spec(
+      tf.data.Dataset.from_tensor_slices((x, y)).batch(4),
+      sampling_lib.SamplingSpec("user_poisson", 10, 0.4, 4.0))
+  with pytest.raises(PrivacyConfigError, match="no user grouping"):
+    _model("auto").fit(ds, epochs=1, verbose=0)

@@ -330,7 +330,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_declare_users(None, step.num_microbatches)
       return
     m = step.num_microbatches
-    self._dp_declare_users(user_sampling.user_grouping(spec), m)
+    grouping = user_sampling.user_grouping(spec)
+    if grouping is None and ledger_policies.get(spec.policy).unit == "user":
+      raise PrivacyConfigError(
+          f"The data's sampling has policy {spec.policy!r}, whose record is a user, but no "
+          "user grouping: the step would clip each example while the ledger states the "
+          "sensitivity S per user. Make user-level batches with dp.data.poisson_user_batches "
+          "(it groups each user's rows into one record)")
+    self._dp_declare_users(grouping, m)
     if m is not None and spec.sample_size and m > spec.sample_size:
       raise PrivacyConfigError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
                                "each microbatch needs at least one example")

@@ -20,6 +20,7 @@ This module is the Keras face; the DP step itself is `optimizer.private_step`
 import keras
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import chunking
@@ -28,6 +29,7 @@ from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = dp_config_lib.CLIPPING_MODES
 wide_template = chunking.wide_template   # re-exported: the dtype of the privacy arithmetic
@@ -207,9 +209,16 @@ class DPOptimizerBase:
 
     Raises:
       ParameterTypeError: `sample_size` (or n, q) is not a number, e.g. None.
-      PrivacyConfigError: a value out of range, microbatches under add/remove, or a sampling
-        the mechanism is not accounted under.
+      PrivacyConfigError: a value out of range, microbatches under add/remove, a sampling
+        the mechanism is not accounted under, or a policy whose record is a user
+        ("user_poisson"): the step would clip each example while the ledger states S per user.
     """
+    if ledger_policies.get(policy).unit == "user":
+      raise PrivacyConfigError(validation.message(
+          "policy", "a policy whose record is an example or a microbatch when declared by "
+          "hand (the step would clip each example, while \"user_poisson\" states the "
+          "sensitivity S per user). For user-level DP train with model.fit on "
+          "dp.data.poisson_user_batches, which groups each user's rows into one record", policy))
     return self.private_step.set_sampling(population_size, selection_probability, policy,
                                           sample_size)
 
