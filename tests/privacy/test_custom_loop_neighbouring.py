@@ -113,6 +113,36 @@ def test_float16_overflow_is_counted_and_contributes_zero(capfd):
     keras.config.set_dtype_policy("float32")
 
 
+def test_float16_losses_form_refuses_a_record_that_spoils_the_others_rows():
+  """Under a float16 loss scale the losses form (one backward pass over the batch) refuses a
+  step with any non-finite per-record row, as in float32: a record whose float16 input
+  overflows (1e5 -> inf) while its loss stays finite (tanh saturates) makes every record's
+  row NaN (inf x 0), so zeroing the non-finite rows dropped all four records (review: the
+  sum moved by 2.13 S where the ledger states S). Noise off, S = 1."""
+  keras.config.set_dtype_policy("mixed_float16")
+  try:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, normalize=False)
+    opt.build(model.trainable_variables)
+    opt.set_sampling(100, 0.04, "poisson", 4)
+
+    def private_sum(x):
+      y = tf.constant([[30.0], [-30.0], [30.0], [0.0]][:len(x)])
+      with tf.GradientTape(persistent=True) as tape:
+        losses = tf.reduce_mean(tf.square(tf.cast(model(x, training=True), tf.float32) - y), 1)
+      return opt.compute_private_gradients(losses, model.trainable_variables, tape=tape,
+                                           model=model)
+
+    good = np.array([[0.5], [-1.0], [2.0]], "float32")
+    assert all(np.all(np.isfinite(g)) for g in private_sum(tf.constant(good)))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):
+      private_sum(tf.constant(np.concatenate([good, [[1e5]]]).astype("float32")))
+  finally:
+    keras.config.set_dtype_policy("float32")
+
+
 class _BatchCentering(keras.layers.Layer):
   def call(self, h):
     return h - keras.ops.mean(h, axis=0, keepdims=True)

@@ -125,7 +125,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     with tape:
       rec_losses, rmask = _record_losses(step, losses, mask, scale)
   grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
-  finite_batch = _finite_batch(rec_losses, grads if scale == 1.0 else [])
+  finite_batch = _finite_batch(rec_losses, grads)
   grads, finite = chunking.unscale_records(grads, scale)
   deps = step.count_overflowed(finite, rmask)
   params = step.sample_params()   # raises while the sampling is undeclared
@@ -149,13 +149,15 @@ def _finite_batch(rec_losses, grads):
   a record with a NaN or inf value reaches every record's row (0 x NaN in the products that
   form the weights' gradients), so no row is then a function of its own record, and zeroing
   the non-finite rows (as the clip does) would drop all of them (a move of up to B C where
-  the ledger states C). Such a step is refused. With a float16 loss scale (`grads` empty) only
-  the losses are checked: an overflowed record's gradient is zeroed (chunking.unscale_records).
-  The data= form runs each record alone and needs no such check.
+  the ledger states C). Such a step is refused, also under a float16 loss scale: a record whose
+  float16 activation overflows while its loss stays finite (a saturating tanh) spoils every
+  row too (review: all four rows zeroed, a move of 2.1 C), so an overflowed row cannot be
+  told from a spoiled one. The data= form runs each record alone, zeroes only an overflowed
+  record's gradient (chunking.unscale_records) and needs no such check.
 
   Args:
     rec_losses: [M] per-record losses.
-    grads: the per-record gradients [M, ...] (a list), or [] to check the losses only.
+    grads: the per-record gradients [M, ...] (a list; scaled by the loss scale, if any).
 
   Returns:
     a float32 scalar tensor: 1.0, or NaN.
@@ -167,9 +169,9 @@ def _finite_batch(rec_losses, grads):
       "compute_private_gradients(losses form): a record's loss or gradient is not finite. "
       "The losses form differentiates the whole batch at once, so one record's NaN or inf "
       "reaches every record's gradient and no record could be clipped alone; the step is "
-      "refused. Remove or repair the non-finite examples, or pass the batch as data=... with "
-      "a loss_fn of one record (each record is then run alone and a non-finite one is "
-      "clipped to zero)"])
+      "refused (also a float16 overflow under a loss scale). Remove or repair the non-finite "
+      "examples, or pass the batch as data=... with a loss_fn of one record (each record is "
+      "then run alone and a non-finite one is clipped to zero)"])
   with tf.control_dependencies([check]):
     return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
 
