@@ -300,4 +300,11 @@ def events_from_groups(groups, accountant="rdp", passes=0):
   event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
   if any(g.correlated == "tree" for g in groups):
     return event, dpa.NeighboringRelation.REPLACE_SPECIAL, notes
+  if accountant == "pld" and relation == rec.REPLACE_ONE:
+    # The ledger's noise multipliers are sigma over the whole replace-one shift 2S (RDP's
+    # convention: its Gaussian is relation-blind); dp-accounting's PLD under REPLACE_ONE reads
+    # them as sigma over half the shift (the mean moves by -S and +S), which charged 4S. The
+    # events PLD takes under replace one are un-amplified (no fixed-size sampling in PLD), and
+    # an un-amplified Gaussian's PLD depends only on the shift: add/remove with the whole shift.
+    return event, dpa.NeighboringRelation.ADD_OR_REMOVE_ONE, notes
   return event, dpa_relation(relation), notes
