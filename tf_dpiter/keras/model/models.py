@@ -43,6 +43,7 @@ from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
 from tf_dpiter.keras.model import train_step as train_step_lib
 from tf_dpiter.ledger import policies as ledger_policies
+from tf_dpiter.ledger import privacy_ledger
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
@@ -125,6 +126,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           f"optimizer={type(_unscaled(optimizer)).__name__}")
     if len(args) < 8:
       kwargs["auto_scale_loss"] = False
+    outgoing = _unscaled(getattr(self, "optimizer", None))
+    if isinstance(outgoing, opt_lib.DPOptimizerBase):   # a recompile: its steps stay charged
+      self._dp_carry_ledger(saved_ledger.arrays_of(outgoing))
     if optimizer is _OWN_DEFAULT:   # the class' own default (a keras_hub task's "auto")
       super().compile(**kwargs)
     else:
@@ -165,12 +169,22 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """
     rest, carried = saved_ledger.split_store(store)
     super().load_own_variables(rest)
-    if carried is not None:
-      self._dp_carried_ledger = carried
-      self._dp_adopt_carried_ledger()
+    self._dp_carry_ledger(carried)
+    self._dp_adopt_carried_ledger()
+
+  def _dp_carry_ledger(self, arrays):
+    """Adds a ledger of the weights' run (from a weights file, or the DP optimizer a recompile
+    replaces) to the one every DP optimizer of this model starts from (merged: a ledger that
+    extends another replaces it, nothing is charged twice)."""
+    if arrays is None:
+      return
+    carried = getattr(self, "_dp_carried_ledger", None)
+    self._dp_carried_ledger = (arrays if carried is None
+                               else privacy_ledger.merged_arrays(carried, arrays))
 
   def _dp_adopt_carried_ledger(self):
-    """Merges a ledger carried by a loaded weights file into the DP optimizer's ledger."""
+    """Merges the ledger the weights carry (`_dp_carry_ledger`) into the DP optimizer's
+    ledger."""
     carried = getattr(self, "_dp_carried_ledger", None)
     opt = getattr(self, "optimizer", None)
     if carried is not None and isinstance(opt, opt_lib.DPOptimizerBase):

@@ -97,14 +97,30 @@ def config_ledger(opt):
   Returns:
     a ledger dict, or None when there is no ledger or it holds no sample and no pass.
   """
-  pending = opt.private_step.restored_ledger
+  arrays = arrays_of(opt)
+  if arrays is None:
+    return None
+  ledger = opt.private_step.existing_ledger
+  return ledger.to_dict() if ledger is not None else ledger_file.arrays_to_dict(
+      *arrays[:2], passes=arrays[2])
+
+
+def arrays_of(opt):
+  """(samples, queries, passes) of the ledger `opt` charges: its ledger, or the one pending
+  from from_config or a loaded weights file; None when it holds no sample and no pass.
+
+  Args:
+    opt: a DP optimizer.
+
+  Returns:
+    the arrays and the pass count, or None.
+  """
   ledger = opt.private_step.existing_ledger   # None until the step's state is made
   if ledger is None:
-    return None if pending is None else ledger_file.arrays_to_dict(*pending[:2],
-                                                                    passes=pending[2])
+    return opt.private_step.restored_ledger
   if int(ledger.sample_count.numpy()) == 0 and int(ledger.passes.numpy()) == 0:
     return None
-  return ledger.to_dict()
+  return (*ledger.get_arrays(), int(ledger.passes.numpy()))
 
 
 def _mechanism_mismatch(opt, samples, queries):
