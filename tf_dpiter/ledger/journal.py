@@ -118,9 +118,6 @@ class LedgerJournal:
     Args:
       iterations: int, the restored model's optimizer iterations.
 
-    Returns:
-      None.
-
     Raises:
       PrivacyConfigError: the journal ends before `iterations`, or no chunk recorded
         `iterations` (the message says what to do).

@@ -362,9 +362,6 @@ class PrivacyLedger(tf.Module):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
     that a restore never lowers the ledger; eager. The eager reads call it when the sets'
     counts differ; call it after restoring another run's checkpoint into a used ledger.
-
-    Returns:
-      None.
     """
     restored, mine = ((*(t.numpy() for t in b.rows()), int(b.passes.numpy()))
                       for b in (self._v, self._mirror))
@@ -528,9 +525,6 @@ class PrivacyLedger(tf.Module):
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int pass count, or None to keep the current one.
 
-    Returns:
-      None.
-
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
     """
@@ -546,9 +540,6 @@ class PrivacyLedger(tf.Module):
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int, the shuffled passes that ledger counted.
-
-    Returns:
-      None.
 
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
@@ -591,9 +582,6 @@ class PrivacyLedger(tf.Module):
       key: optional HMAC key (str or bytes). Without it the file carries only a SHA-256
         digest, which detects accidents, not forgery (anyone can recompute it); with it,
         `load_json(path, key)` / `privacy_report(..., key=key)` refuse a forged file.
-
-    Returns:
-      None.
     """
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
