@@ -16,11 +16,10 @@ subsampling by periodization of the spectrum, filters periodized to the coarser 
 those of Kymatio (Andreux et al., "Kymatio: Scattering Transforms in Python", JMLR 2020,
 Section 3), reimplemented in TensorFlow (FFTs; static shapes, runs under XLA).
 
-Tramer and Boneh, "Differentially Private Learning Needs Better Features (or Much More Data)",
-ICLR 2021, Section 3: a linear model or small CNN trained with DP-SGD on these features
-(J = 2) beats end-to-end CNNs at the same epsilon. The transform has no trainable weights
-and does not look at the data set, so computing it costs no privacy: the DP guarantee of the
-model trained on S x is the DP-SGD guarantee of that training.
+Features for DP-SGD as in Tramer and Boneh, "Differentially Private Learning Needs Better
+Features (or Much More Data)", ICLR 2021, Section 3 (J = 2). The transform has no trainable
+weights and does not look at the data set, so it costs no privacy: the guarantee of the model
+trained on S x is the DP-SGD guarantee of that training.
 """
 
 import math

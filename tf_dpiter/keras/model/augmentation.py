@@ -8,22 +8,14 @@ gradients, clipped once:
 
 The record is still one example (the K views are a function of x_i alone), so the clipped
 sum keeps sensitivity S under add/remove one example (2S under replace-one) and the ledger,
-the sampling and the accounting are unchanged. Averaging after clipping each view would
-instead shrink the signal.
+the sampling and the accounting are unchanged.
 
-This is a model and a loss, with no change to the DP step: `AugmentationMultiplicity` in
-training runs `model` on K stacked views [B, K, ...] through `keras.layers.TimeDistributed`
-(in inference it is `model(x)`), and `ViewMeanLoss` returns each example's mean over views of
-the base loss, whose gradient the DP step clips. `clipping="auto"` takes the vectorized path,
-since the library cannot know that `augment_fn` acts per example;
-`dp.keras.declare_per_example(wrapped, reason)` allows the fast path (exact, not faster: the
-TimeDistributed block is one opaque block).
-
-`augment_fn(x, view) -> x'` must act on each example alone (no batch statistics); `view` is
-the view's index 0..K-1 (a Python int), which a random augmentation may ignore.
-
-Metrics see one prediction per example: in training the mean over the K views' outputs
-(`view_mean`), in evaluation `model(x)`. They are outside the clipped sum.
+`AugmentationMultiplicity` runs `model` on K stacked views [B, K, ...] in training
+(`keras.layers.TimeDistributed`) and `ViewMeanLoss` averages the base loss over views; the
+DP step is unchanged. `augment_fn` must act on each example alone (no batch statistics).
+`clipping="auto"` takes the vectorized path; `dp.keras.declare_per_example(wrapped, reason)`
+allows the fast path (exact, not faster). Metrics see the mean over the K views' outputs
+(`view_mean`) and are outside the clipped sum.
 """
 
 import keras

@@ -1,43 +1,35 @@
 """How `DPModel.fit` samples its batches and declares them to the ledger (McMahan et al. 2018, Section 5).
 
 `fit(x, y, batch_size=B)` on arrays samples by Poisson by default: each record joins each
-step independently with probability q = B / N (B the *expected* batch size, N the population
-size q is stated over), round(N / B) steps per epoch unless `steps_per_epoch` is given; the
-ledger records policy "poisson" (add or remove one example; sensitivity S). This is TF
-Privacy's accounting of `fit(x, y, batch_size=B)` made true.
+step independently with probability q = B / N (B the *expected* batch size), round(N / B)
+steps per epoch unless `steps_per_epoch` is given; the ledger records policy "poisson" (add
+or remove one example; sensitivity S).
 
-Neighbouring relation and where q comes from: the guarantee compares the run on D with the
-run on D' = D plus or minus one example, both sampled at the SAME q (dp-accounting's
-PoissonSampledDpEvent(q, ...)), so q must not be computed from the private data:
+The guarantee compares the run on D with the run on D' = D plus or minus one example, both
+sampled at the SAME q (dp-accounting's PoissonSampledDpEvent(q, ...)), so q must not be
+computed from the private data:
 
 * `fit(..., population_size=N)` declares a public N (the population's size, or a public
-  bound on the dataset's): q = B / N and the steps per epoch depend on public values only,
-  each of the n records given is included with probability q whatever n is, and the noised
-  sum is divided by q N = B. The guarantee holds for every pair of neighbours: the dataset's
-  size stays private.
+  bound on the dataset's): q = B / N, each of the n records given is included with
+  probability q whatever n is, and the noised sum is divided by q N = B. The guarantee holds
+  for every pair of neighbours: the dataset's size stays private.
 * Without it, N = n = len(x) of the run's first Poisson fit, kept for the run
-  (`run_population`): the dataset's size is TREATED AS PUBLIC (TF Privacy's
-  `compute_dp_sgd_privacy(n, ...)`, Opacus' `sample_rate = 1 / len(data_loader)`); the log
-  line, `model.privacy_statement` and every Poisson report say so. Where n is sensitive
-  (small n: at n = 8, B = 6, z = 1, 10 steps the neighbour with 7 records is sampled at
-  q = 6/7, and that pair's exact epsilon is 21.11 against the stated 15.57 (RDP) / 14.39
-  (PLD)), declare population_size.
+  (`run_population`): the dataset's size is TREATED AS PUBLIC (as TF Privacy's
+  `compute_dp_sgd_privacy(n, ...)`); the log line, `model.privacy_statement` and every
+  Poisson report say so. Where n is sensitive (small n), declare population_size.
 
 `fit(..., sampling="shuffle")` (the default when num_microbatches M < batch_size makes
-microbatches of several examples; M = batch_size is per-example clipping and samples by
-Poisson as M = None) cuts a fresh permutation per pass into disjoint batches of B
-(`dp.data.shuffled_batches`); the ledger records policy "shuffle" (replace one example,
-sensitivity 2S, no amplification: each pass whose steps were taken costs one mechanism,
-synced from the sampler after every step). `population_size` is refused with it (replace-one
-keeps n fixed; q is descriptive only). Keras' own `shuffle=` is not used for DP.
+microbatches of several examples; M = batch_size samples by Poisson as M = None) cuts a fresh
+permutation per pass into disjoint batches of B (`dp.data.shuffled_batches`); the ledger
+records policy "shuffle" (replace one example, sensitivity 2S, no amplification: each pass
+whose steps were taken costs one mechanism). `population_size` is refused with it.
 
 `validation_split` holds out the arrays' last fraction before sampling, with a warning: the
 guarantee covers the training part (add or remove one of its examples); the held-out
-examples are not protected (their validation metrics are computed without noise) and which
-ones are held out depends on the arrays' length. `sample_weight` and
-`class_weight` weigh each example's loss inside its record before clipping (weight 0: in no
-record). Data tf_dpiter does not sample (a plain tf.data.Dataset, a generator, a PyDataset)
-is refused unless declared with `optimizer.set_sampling`.
+examples are not protected. `sample_weight` and `class_weight` weigh each example's loss
+inside its record before clipping (weight 0: in no record). Data tf_dpiter does not sample
+(a plain tf.data.Dataset, a generator, a PyDataset) is refused unless declared with
+`optimizer.set_sampling`.
 """
 
 import math

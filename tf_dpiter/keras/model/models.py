@@ -57,10 +57,8 @@ _OWN_DEFAULT = object()
 
 def _check_whole_executions(steps_per_epoch, steps_per_execution):
   """Refuses an epoch of `steps_per_epoch` steps that `steps_per_execution` does not divide:
-  on a dataset that does not end (fit's Poisson samples on arrays, a repeated dataset) Keras
-  runs whole executions, 12 steps for an epoch of 10 at 4 per execution, so the run would take
-  and charge more steps than the epochs planned (a budget calibrated by `from_budget` would
-  then be overrun).
+  on an endless dataset Keras runs whole executions, so the run would charge more steps than
+  planned.
 
   Raises:
     PrivacyConfigError: steps_per_epoch % steps_per_execution != 0.
@@ -223,15 +221,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
   # ---- fit: declare the sampling ------------------------------------------------------
 
   def fit(self, *args, sampling=None, population_size=None, ledger_journal=None, **kwargs):
-    """keras.Model.fit with DP sampling declared to the ledger (see fit_sampling).
+    """keras.Model.fit with DP sampling declared to the ledger (arrays: fit_sampling).
 
-    On arrays, batches are Poisson samples of expected size `batch_size` (q = B / n), or
-    shuffled passes with `sampling="shuffle"` (the default when num_microbatches <
-    batch_size). A dataset from dp.data.poisson_batches / shuffled_batches declares its own
-    sampling; other data needs `optimizer.set_sampling` first. With BackupAndRestore or
+    A dataset from dp.data.poisson_batches / shuffled_batches declares its own sampling;
+    other data needs `optimizer.set_sampling` first. With BackupAndRestore or
     `ledger_journal=path` every step is appended to a journal the next fit resumes: every
-    noised step ever taken is charged. A model whose optimizer took more steps than its
-    ledger holds is refused before the first step (ledger_callbacks.check_ledger_covers).
+    noised step ever taken is charged.
 
     Args:
       *args: keras.Model.fit's arguments (`shuffle` is not used for DP).
@@ -319,9 +314,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
-      # Keras hands every replica the whole batch here: the all-reduced clipped sum would be
-      # n_rep times the batch's (one example moving it by n_rep * C) under noise drawn once.
-      raise PrivacyConfigError(
+        raise PrivacyConfigError(
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
@@ -477,9 +470,8 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
                               population_size, l2_norm_clip, sampling="poisson",
                               accountant="rdp", **dp_kwargs):
   """Opacus' `make_private_with_epsilon` for Keras: the model made private and a DP copy of
-  `optimizer` with z calibrated to (epsilon, delta) (`from_budget`: ceil(epochs n / B) steps
-  at q = B / n). Compile with it and train with the same batch size, epochs and sampling; a
-  model compiled with a plain optimizer gets it now, its loss and metrics kept.
+  `optimizer` with z calibrated to (epsilon, delta) as `dp.keras.from_budget` (relation and
+  unit there); a model compiled with a plain optimizer gets it now, its loss and metrics kept.
 
   Args:
     model: a keras.Model (see make_private).
@@ -561,11 +553,6 @@ def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs
       DP copy (`dp.keras.DPOptimizer`: same hyperparameters, fresh slots and step count),
       the compiled loss and metrics kept. Steps it took before are not private;
     * a DP optimizer: kept (giving DP settings too is refused).
-
-  The DP step clips each example's gradient to L2 norm `l2_norm_clip` and adds Gaussian noise
-  of standard deviation `noise_multiplier * l2_norm_clip` to the sum once per batch (McMahan
-  et al., "A General Approach to Adding Differential Privacy to Iterative Training
-  Procedures", Section 7); the ledger records every step.
 
   Args:
     model: a keras.Model instance.

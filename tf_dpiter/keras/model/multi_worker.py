@@ -1,12 +1,10 @@
 """What `model.fit` needs under tf.distribute.MultiWorkerMirroredStrategy (several processes).
 
-Keras 3's TensorFlow trainer (Keras 3.15, TF 2.21) cannot run `fit` under a multi-worker
-strategy: `_maybe_symbolic_build` reduces the whole first batch with `strategy.reduce("MEAN",
-batch)`, which takes one tensor, not a nest; and `reduce_per_replica(logs, "auto")` reduces
-every log along axis 0, which fails on a train step's scalar logs. `MultiWorkerFitMixin`
-builds from this worker's first local replica's batch and gives every log a leading axis of 1,
-so the axis-0 MEAN is the mean over replicas. Put it first: `class M(MultiWorkerFitMixin,
-DPSequential)`. The data side is `data.indexed_sampling.distributed_poisson_batches`.
+`MultiWorkerFitMixin` builds the model from this worker's first local replica's batch (Keras'
+`strategy.reduce("MEAN", batch)` takes one tensor, not a nest) and gives every log a leading
+axis of 1, so Keras' axis-0 MEAN is the mean over replicas. Put it first: `class
+M(MultiWorkerFitMixin, DPSequential)`. The data side is
+`data.indexed_sampling.distributed_poisson_batches`.
 
 Noise: every worker noises the all-reduced clipped sum and Keras averages the workers'
 updates, so independent generators would give std z C / sqrt(W) for W workers, not z C.

@@ -9,8 +9,7 @@ Why the i mod M dealing is sound: microbatches are offered only under replace-on
 ("shuffle", "fixed_size"), where an example's position comes from the public permutation (or
 draw) of indices. Replacing one example keeps every position, so only its microbatch changes:
 its clipped mean moves by <= 2C (the ledger records 2C). Under add/remove (Poisson) removing
-an example would re-deal every later example (measured: 5C), so microbatches are refused
-there. Padding rows (mask 0) keep their positions too.
+an example would re-deal every later example, so microbatches are refused there. Padding rows (mask 0) keep their positions too.
 
 The record cut also owns the record's masks and weights (`example_mask_from_weights`,
 `record_weights`, `masked_record_mean`), used by both clipping paths and `record_losses`.
@@ -64,9 +63,6 @@ def check_num_microbatches(num_microbatches, batch_size):
   Args:
     num_microbatches: the number of microbatches M, or None (one record per example).
     batch_size: the static batch size B, or None if unknown (no check then).
-
-  Returns:
-    None.
 
   Raises:
     PrivacyConfigError: num_microbatches > batch_size.

@@ -32,9 +32,6 @@ def check_counts(iterations, samples):
     iterations: int, the optimizer's iterations (steps taken).
     samples: int, the ledger's samples.
 
-  Returns:
-    None.
-
   Raises:
     PrivacyConfigError: samples < iterations (the message says how to supply the ledger).
   """
@@ -54,9 +51,6 @@ def require_covers(opt):
 
   Args:
     opt: a DP optimizer.
-
-  Returns:
-    None.
 
   Raises:
     PrivacyConfigError: its iterations exceed its ledger's samples.
