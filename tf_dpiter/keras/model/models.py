@@ -554,6 +554,9 @@ def make_private(model, *, l2_norm_clip=None, noise_multiplier=None, **dp_kwargs
       the compiled loss and metrics kept. Steps it took before are not private;
     * a DP optimizer: kept (giving DP settings too is refused).
 
+  The step adds N(0, (z S)^2) noise to the sum of per-example gradients clipped to S, once per
+  batch (McMahan et al. 2018, Section 7); the ledger records every step.
+
   Args:
     model: a keras.Model instance.
     l2_norm_clip: S, the clipping norm of each example's gradient (loss-gradient units), or
