@@ -16,8 +16,7 @@ rounding margin for K rows (the public population bounds a round's clients, so t
 does not depend on who replied); the noised sum is cast to float32 afterwards
 (post-processing). One client then moves the computed sum by at most S (add/remove) or 2 S
 (replace one), the ledger's sensitivity (Casacuberta et al., "Widespread underestimation of
-sensitivity in differentially private libraries and how to fix it", CCS 2022): a float32 clip
-alone gave 1.0000000779 S.
+sensitivity in differentially private libraries and how to fix it", CCS 2022).
 """
 
 import numpy as np
