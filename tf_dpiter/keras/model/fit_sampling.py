@@ -26,10 +26,10 @@ whose steps were taken costs one mechanism). `population_size` is refused with i
 
 `validation_split` holds out the arrays' last fraction before sampling, with a warning: the
 guarantee covers the training part (add or remove one of its examples); the held-out
-examples are not protected. `sample_weight` and `class_weight` weigh each example's loss
-inside its record before clipping (weight 0: in no record). Data tf_dpiter does not sample
-(a plain tf.data.Dataset, a generator, a PyDataset) is refused unless declared with
-`optimizer.set_sampling`.
+examples are not protected, and which ones are held out depends on the arrays' length.
+`sample_weight` and `class_weight` weigh each example's loss inside its record before clipping
+(weight 0: in no record). Data tf_dpiter does not sample (a plain tf.data.Dataset, a
+generator, a PyDataset) is refused unless declared with `optimizer.set_sampling`.
 """
 
 import math

@@ -314,7 +314,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
-        raise PrivacyConfigError(
+      raise PrivacyConfigError(
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")

@@ -9,7 +9,8 @@ Why the i mod M dealing is sound: microbatches are offered only under replace-on
 ("shuffle", "fixed_size"), where an example's position comes from the public permutation (or
 draw) of indices. Replacing one example keeps every position, so only its microbatch changes:
 its clipped mean moves by <= 2C (the ledger records 2C). Under add/remove (Poisson) removing
-an example would re-deal every later example, so microbatches are refused there. Padding rows (mask 0) keep their positions too.
+an example would re-deal every later example, so microbatches are refused there. Padding
+rows (mask 0) keep their positions too.
 
 The record cut also owns the record's masks and weights (`example_mask_from_weights`,
 `record_weights`, `masked_record_mean`), used by both clipping paths and `record_losses`.
