@@ -1,4 +1,4 @@
-"""Bounded-influence acceptance rule for submitted instances (replaces mu +- t sigma).
+"""Bounded-influence acceptance rule for submitted instances.
 
 An honest update (Pihur et al., "Differentially-Private Draw and Discard Machine Learning",
 Algorithm 1) moves each weight of the drawn instance h by d_j = u_j - h_j = s_j + n_j,

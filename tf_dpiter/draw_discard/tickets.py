@@ -8,13 +8,11 @@ server checks the MAC, the identity and the age (-`max_skew_s` <= age <= `ttl_s`
 ticket clock), and the store marks the nonce used in the atomic write of the update
 (store.replace) for `nonce_ttl_s` = `ttl_s` + `max_skew_s` of monotonic time, the longest a
 ticket can stay valid after a use: one accepted update per ticket, also when the servers'
-clocks differ by up to `max_skew_s`. The ticket clock is the wall clock held so that it never
-steps back and never runs slower than the monotonic clock that times the nonce memory
-(`Tickets.now`): a wall clock stepped back (NTP, a restored VM) or slewed slow would otherwise
-keep a ticket valid after its nonce is forgotten, and a second update from one draw would be
-accepted.
-So the acceptance tests run against the served h (no chaining, acceptance.py), and the
-server keeps no record of which instance was drawn (adversary II learns nothing new).
+clocks differ by up to `max_skew_s`. The ticket clock (`Tickets.now`) never steps back and
+never runs slower than the monotonic clock of the nonce memory, so a wall clock stepped back
+or slewed slow cannot keep a ticket valid after its nonce is forgotten. The acceptance tests
+run against the served h (no chaining, acceptance.py); the server keeps no record of which
+instance was drawn (adversary II learns nothing new).
 """
 
 from __future__ import annotations
