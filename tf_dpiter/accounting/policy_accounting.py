@@ -119,9 +119,20 @@ def _gaussian_only(group):
                              "accounted for Gaussian queries only; this sample has Laplace queries")
 
 
+# add/remove policies of no sampling probability to state n by: the noised sum is divided by
+# the stated size, which a neighbour shares only if n is public
+_STATED_SIZE = ("the noised sum is divided by {size} of the stated population n={n:.0f}, "
+                "never by the realized batch size: when n is the training data's own size, "
+                "the dataset's size is treated as public")
+
+
 class FullAccounting(PolicyAccounting):
   """Every record in every sample: one mechanism per sample."""
   policy = schema.FULL
+
+  def _event(self, group, mech, accountant, passes, notes):
+    notes.append(_STATED_SIZE.format(n=group.population_size, size="n"))
+    return super()._event(group, mech, accountant, passes, notes)
 
   def gdp_mu_squared(self, group):
     return group.count / group.noise_multiplier ** 2
@@ -254,6 +265,7 @@ class BallsInBinsAccounting(PolicyAccounting):
   policy = schema.BALLS_IN_BINS
 
   def _event(self, group, mech, accountant, passes, notes):
+    notes.append(_STATED_SIZE.format(n=group.population_size, size="n / k"))
     return composite_events.balls_in_bins_event(group, mech, passes, notes)
 
 

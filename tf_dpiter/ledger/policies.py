@@ -80,6 +80,7 @@ class Full(SamplingPolicy):
   name = schema.FULL
   code = 3
   relation = schema.ADD_OR_REMOVE
+  expected_size_denominator = True   # the stated n: the realized one differs between neighbours
 
   def describe(self, population_size, selection_probability, sample_size):
     return (f"full batches (all n = {int(population_size)} records every step; add/remove-one "
@@ -152,6 +153,7 @@ class BallsInBins(SamplingPolicy):
   relation = schema.ADD_OR_REMOVE
   whole_size = True
   pass_charged = True
+  expected_size_denominator = True   # n / k: a step's realized size differs between neighbours
 
   def sampling_checks(self, population_size, selection_probability, sample_size):
     q, m = (np.asarray(v, np.float64) for v in (selection_probability, sample_size))

@@ -57,9 +57,9 @@ class SamplingPolicy:
     pass_charged: its samples are charged per pass / epoch the ledger counts.
     advances_cycle: each of its samples advances the ledger's cycle position (the schedule
       the ledger owns: cyclic Poisson).
-    expected_size_denominator: the batch size is random, so the noised sum is divided by its
-      public expected size (`expected_records`), never by the realized size (which the noise
-      does not protect under add or remove one).
+    expected_size_denominator: the noised sum is divided by the public expected size
+      (`expected_records`), never by the realized size, which the noise does not protect
+      under add or remove one (every add/remove policy).
   """
   name = None
   code = None

@@ -312,7 +312,8 @@ class TrainStepMixin:
 
   def _dp_clipped_sum_step(self, x, y, sample_weight, params, global_state=None,
                            outputs=True):
-    """Per-record gradients, clipped and summed: (sample_state, loss sum, records, y_pred);
+    """Per-record gradients, clipped and summed: (sample_state, loss sum, [records of positive
+    weight, records formed], y_pred);
     with global_state, (noised average, events) in place of the sample state.
 
     params: the query's sample params, read by the caller (an XLA-compiled step reads no
@@ -336,9 +337,11 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    num_records = tf.reduce_sum(rmask)
+    # (records of positive weight: the loss metric's; records the batch's rows form, whatever
+    # their weights: the denominator's, PrivateStep.denominator)
+    counts = tf.stack([tf.reduce_sum(rmask), tf.cast(tf.size(rmask), tf.float32)])
     # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
-    scale = step.sum_scale(num_records) if step.folds_denominator else None
+    scale = step.sum_scale(counts[1]) if step.folds_denominator else None
     # the routing checks and the fast clipped sum plan the model's layers once per train
     # function (again when its trainable variables change), and the routing leaves the
     # unrecorded-use check to the fast sum's own forward pass; with clipping="vectorized"
@@ -366,9 +369,9 @@ class TrainStepMixin:
     else:
       y_pred = tf.nest.map_structure(lambda t: grads_lib.from_records(t, b, m), records_out)
     if global_state is not None:
-      state = step.compiled_noised_average(state, num_records, global_state,
+      state = step.compiled_noised_average(state, counts[1], global_state,
                                            scaled=step.folds_denominator)
-    return state, loss_sum, num_records, y_pred
+    return state, loss_sum, counts, y_pred
 
   def _dp_vectorized_sum(self, step, facts, recs, em, rmask, k, variables, params,
                          sum_scale):
@@ -512,16 +515,16 @@ class TrainStepMixin:
           else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
       want = facts.wants_outputs
       if getattr(self, "_dp_noise_inside", False):
-        (grads, events), loss_sum, num_records, y_pred = core(
+        (grads, events), loss_sum, counts, y_pred = core(
             x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
         grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
       else:
-        state, loss_sum, num_records, y_pred = core(x, y, sample_weight, step.sample_params(),
-                                                    outputs=want)
-        grads = step.noised_average(state, num_records, scaled=step.folds_denominator)
+        state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                               outputs=want)
+        grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
     opt.apply_private_gradients(grads, self.trainable_variables)
-    facts.loss_tracker.update_state(loss_sum / tf.maximum(num_records, 1.0),
-                                    sample_weight=num_records)
+    facts.loss_tracker.update_state(loss_sum / tf.maximum(counts[0], 1.0),
+                                    sample_weight=counts[0])
     if facts.output_trackers:   # per-output epoch means
       output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
     logs = self._dp_metrics(x, y, y_pred, sample_weight)

@@ -137,7 +137,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     shrink = summation.public_shrink(chunking.batch_rows(rmask), *chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
     state = query.accumulate_records(params, state, grads, mask=rmask * shrink * finite_batch)
-  return step.noised_average(state, tf.reduce_sum(rmask))
+  return step.noised_average(state, tf.cast(tf.size(rmask), tf.float32))   # records formed
 
 
 def _finite_batch(rec_losses, grads):
@@ -191,7 +191,7 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
                                     em)
   state, _, _ = step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
                                  vectorize=vectorize, loss_scale=scale)
-  return step.noised_average(state, tf.reduce_sum(rmask))
+  return step.noised_average(state, tf.cast(tf.size(rmask), tf.float32))   # records formed
 
 
 _VECTOR_CALL = ("optimizer.compute_private_gradients(loss_fn, variables) without data= (or "

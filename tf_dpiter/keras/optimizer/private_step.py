@@ -719,11 +719,14 @@ class PrivateStep:
       return tf.nest.map_structure(tf.identity, result)
 
   def denominator(self, num_records):
-    """The public denominator: 1 when not normalized, the expected batch size under a
-    random-size policy (`expected_size_denominator`), else max(num_records, 1).
+    """The public denominator: 1 when not normalized, the declared expected batch size under
+    an add/remove policy (`expected_size_denominator`: the realized size is not protected),
+    else max(num_records, 1) with num_records the records the batch's rows form whatever
+    their weights (replace one keeps the batch's layout; a record's weight is private, so a
+    count of positive weights would show a replaced record's weight in the noise's scale).
 
     Args:
-      num_records: records in the batch (float32 scalar).
+      num_records: the records the batch's rows form (float32 scalar).
 
     Returns:
       a float32 scalar tensor.
