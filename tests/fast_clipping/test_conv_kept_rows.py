@@ -3,6 +3,10 @@
 are taken up to the records' blocks (a view), the factors padded with zeros, and the rows of
 c_i = 0 are set to 0 first only where some record's squared norm is not finite.
 
+Outside XLA the records' rows are summed without padding them (`_pinned_rows_product_unpadded`:
+the last partial block by its own product; where the trace does not know the rows, a last block
+of no rows when the records fill their blocks).
+
 Checked, graph mode and jit_compile=True, a batch the trace knows or not, chunked kept
 gradients (rows past the records: zero examples): (1) the sum equals, bit for bit, the plan it
 replaces (the records' rows cut, algebra.drop_rows, algebra.pinned_rows_product padding them
@@ -98,3 +102,30 @@ def test_non_finite_record_with_zero_factor_adds_nothing(jit, static):
   got = step(g, c, sq).numpy()
   assert np.all(np.isfinite(got))
   np.testing.assert_array_equal(got, step(clean, c, np.nan_to_num(sq, posinf=0.0)).numpy())
+
+
+@pytest.mark.parametrize("b, m, a, static", [(128, 64, 1, False), (128, 64, 4, True),
+                                             (64, 64, 4, False), (5, 64, 1, False)])
+def test_records_filling_their_blocks_equal_the_replaced_plan(b, m, a, static):
+  """Graph mode, records that fill their blocks (a last block of no rows where the trace does
+  not know them: a zero leaf in the tree) or fewer than one block: bit for bit the padded plan
+  (algebra.pinned_rows_product), and the float64 sum to float32 accuracy."""
+  cols = 24
+  n = -(-b // m) + 1   # one chunk past the records: zero examples
+  g, c = _case(b, n, m, a, cols, seed=b + a + 7)
+  form = _form(a, cols)
+  sq = np.einsum("iac,iac->i", *(2 * [np.stack([g[i // m, :, i % m] for i in range(b)])]))
+  rows = b if static else None
+  spec = [tf.TensorSpec([n if static else None, a, m, cols]), tf.TensorSpec([rows]),
+          tf.TensorSpec([rows])]
+
+  @tf.function(input_signature=spec)
+  def both(g, c, sq):
+    return conv._pinned_kept_sum(form, g, c, 64, sq), _replaced_plan(form, g, c, 64)
+
+  got, old = both(g, c, sq.astype(np.float32))
+  np.testing.assert_array_equal(got.numpy(), old.numpy())
+  per_record = np.stack([g[i // m, :, i % m].astype(np.float64) for i in range(b)])
+  want = np.einsum("i,iac->ac", c.astype(np.float64), per_record)
+  scale = np.einsum("i,iac->ac", c.astype(np.float64), np.abs(per_record))
+  assert np.all(np.abs(got.numpy() - want) <= 1e-5 * scale + 1e-6)
