@@ -474,9 +474,12 @@ class SamplingSync(keras.callbacks.Callback):
       return
     self._begun = True
     _ACTIVE[self.model] = self
+    _settle_open_fits(self.model.ledger)   # fits of this ledger whose `close` never ran
     self._first_sample = int(self.model.ledger.sample_count.numpy())
     if hasattr(self.sampler, "begin_fit"):
       self.sampler.begin_fit()
+    if hasattr(self.sampler, "take_used_passes"):
+      _OPEN_FITS[self.sampler] = (weakref.ref(self.model.ledger), self._first_sample)
     check_tree_pass(self.model.optimizer, self.sampler)
     if hasattr(self.sampler, "resume_at"):
       from tf_dpiter.data import cyclic_poisson  # pylint: disable=g-import-not-at-top
@@ -532,13 +535,44 @@ class SamplingSync(keras.callbacks.Callback):
     callbacks_lib.write_privacy_logs(self.model, epoch, logs)
 
   def on_train_end(self, logs=None):
-    """Records the passes used since the last batch (a ledger-owned schedule stays bound to
-    the ledger: its next iterator starts where this fit's steps ended)."""
-    self._sync()
+    """Records the passes used since the last batch (`close`)."""
+    self.close()
+
+  def close(self):
+    """Ends the fit's bookkeeping, whatever ended the fit: records the passes its steps used
+    and unbinds the fit (a ledger-owned schedule stays bound to the ledger: its next iterator
+    starts where this fit's steps ended). Idempotent.
+
+    Keras calls no on_train_end when a step raises, yet the steps an execution took before
+    the failing op were applied and wrote their ledger samples: `DPModel.fit` calls this in
+    a `finally`, and the pass those steps used is charged from the ledger's sample count
+    (`take_used_passes`). Should this never run (a fit driven without `DPModel.fit`), the
+    next fit on the same ledger charges it first (`_settle_open_fits`)."""
+    if self._begun:
+      self._sync()
+      _OPEN_FITS.pop(self.sampler, None)
     if hasattr(self.sampler, "snapshot_position"):
       self.sampler.snapshot_position(None)
     self._begun = False
     _ACTIVE.pop(self.model, None)
+
+
+# sampler (shuffle, balls in bins) -> (weak ref to the ledger, its sample count when the fit
+# began) of a fit in progress: the steps taken since are the ledger's samples beyond it.
+_OPEN_FITS = weakref.WeakKeyDictionary()
+
+
+def _settle_open_fits(ledger):
+  """Charges into `ledger` the passes used by the steps of every fit on it that never closed
+  (`SamplingSync.close`): a fit's steps are the ledger's samples since it began (a later
+  unclosed fit's steps counted too: a pass a sampler only prefetched may then be charged,
+  the safe side)."""
+  for sampler, (ref, first) in list(_OPEN_FITS.items()):
+    if ref() is ledger:
+      del _OPEN_FITS[sampler]
+      new = sampler.take_used_passes(int(ledger.sample_count.numpy()) - first)
+      if new:
+        ledger.record_passes(new)
 
 
 def check_tree_pass(optimizer, sampler):

@@ -297,9 +297,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
     try:
       history = super().fit(**a)
-    finally:
+    finally:   # a raising step skips on_train_end: its execution's passes are charged here
       self._dp_in_fit = False
       self._dp_fit_verbose = 0
+      internal[0].close()
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
 
