@@ -14,6 +14,9 @@ The schedule is ledger state: the next step's position p is the ledger's
 `PrivacyLedger.cycle_position`. `DPModel.fit` binds the sampler to its ledger and every new
 iterator starts at the position fit read between steps (`snapshot_position`), so steps drawn
 ahead and dropped never shift the cycle. Outside `fit`, call `sampler.resume_at(ledger)`.
+The grouping is the run's too: a later fit of a correlated-noise run must give every example
+the identity it had (the same arrays and dtypes, or the same `example_ids`); fit refuses
+identities the run did not have (`check_continuation`).
 `.repeat()` on the dataset is refused.
 """
 
@@ -66,11 +69,17 @@ def index_identities(n):
   return [int(i).to_bytes(8, "little", signed=True) for i in range(int(n))]
 
 
-def group_of_identity(identity, num_groups):
-  """The group in [0, b) of one bytes identity: BLAKE2b-64 of it, modulo b = num_groups >= 1
-  (bias < b / 2^64)."""
+def identity_digest(identity):
+  """BLAKE2b-64 of one bytes identity, an int in [0, 2^64): its group's hash, and the
+  fingerprint a run keeps of its examples (`check_continuation`)."""
   digest = hashlib.blake2b(identity, digest_size=8, person=_PERSON).digest()
-  return int.from_bytes(digest, "little") % int(num_groups)
+  return int.from_bytes(digest, "little")
+
+
+def group_of_identity(identity, num_groups):
+  """The group in [0, b) of one bytes identity: `identity_digest` modulo b = num_groups >= 1
+  (bias < b / 2^64)."""
+  return identity_digest(identity) % int(num_groups)
 
 
 class CyclicPoissonSampler:
@@ -101,7 +110,9 @@ class CyclicPoissonSampler:
     self._b = b
     self._q = float(expected_batch_size) * self._b / n
     self._rng = sampling.make_rng(seed, who="CyclicPoissonSampler")
-    self._group_of = np.asarray([group_of_identity(i, self._b) for i in ids], np.int64)
+    digests = np.asarray([identity_digest(i) for i in ids], np.uint64)
+    self._group_of = (digests % np.uint64(self._b)).astype(np.int64)
+    self._fingerprints = np.unique(digests)   # the examples, as `check_continuation` sees them
     self._groups = [np.flatnonzero(self._group_of == g) for g in range(self._b)]
     self._lock = threading.Lock()
     self._step = 0
@@ -123,6 +134,11 @@ class CyclicPoissonSampler:
   def num_groups(self):
     """b, the cycle length (number of groups)."""
     return self._b
+
+  @property
+  def fingerprints(self):
+    """The sorted distinct `identity_digest`s of the examples (a uint64 numpy array)."""
+    return self._fingerprints
 
   @property
   def step(self):
@@ -233,26 +249,33 @@ class CyclicPoissonSampler:
     return sampling.default_max_batch_size(largest, min(1.0, self._q), num_sd, multiple)
 
 
+# ledger -> the sorted identity digests of the examples its correlated cyclic run started
+# with (a uint64 array): a continuation may drop examples, never bring one the run did not have
+_RUN_EXAMPLES = weakref.WeakKeyDictionary()
+
+
 def check_continuation(ledger, sampler, iterations):
   """Refuses, before the first step of a fit, a cyclic run of the CyclicPoissonSampler the
   PrivacyLedger's claim cannot cover. Correlated-noise rows (BandMF, BLT) need participations
   >= b rows apart in one mechanism run: a ledger holding more samples than the optimizer's
-  `iterations` (a rolled-back restore) or whose last cyclic rows used another b is refused.
-  Independent noise needs only the count.
+  `iterations` (a rolled-back restore), whose last cyclic rows used another b, or whose run
+  did not have one of the sampler's example identities (regrouped: the same example under
+  another identity, e.g. labels cast to another dtype, may be in another group, so eligible
+  at steps closer than b) is refused. Independent noise needs only the count. A fit that
+  starts a run records its examples' identities for the ledger object (in this process: a
+  ledger restored into a new object starts its record at its next fit).
 
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.
   """
   count = int(ledger.sample_count.numpy())
-  if count == 0:
-    return
-  samples, queries = ledger.get_arrays(start=count - 1)
-  row = samples[-1]
-  if records.policy_name(row[3]) != CYCLIC_POISSON:
-    return
-  correlated = bool(np.isin(queries[:, 1], [records.BANDED_GAUSSIAN,
-                                            records.MATRIX_GAUSSIAN]).any())
-  if not correlated:
+  row = queries = None
+  if count:
+    samples, queries = ledger.get_arrays(start=count - 1)
+    row = samples[-1]
+  if row is None or records.policy_name(row[3]) != CYCLIC_POISSON or not np.isin(
+      queries[:, 1], [records.BANDED_GAUSSIAN, records.MATRIX_GAUSSIAN]).any():
+    _RUN_EXAMPLES[ledger] = sampler.fingerprints   # a new run (or independent noise) starts
     return
   if int(row[2]) != sampler.num_groups:
     raise PrivacyConfigError(
@@ -268,6 +291,18 @@ def check_continuation(ledger, sampler, iterations):
         "accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. Resume from a "
         "checkpoint taken at the ledger's last step (tf.train.Checkpoint or model.save "
         "after fit), or train with noise='iid'")
+  known = _RUN_EXAMPLES.setdefault(ledger, sampler.fingerprints)
+  new = int(np.count_nonzero(~np.isin(sampler.fingerprints, known, assume_unique=True)))
+  if new:
+    raise PrivacyConfigError(
+        f"this dataset holds {new} of its {sampler.fingerprints.size} example identities that "
+        "the correlated-noise (BandMF/BLT) run this model's ledger continues did not have: an "
+        "example is grouped by a hash of its identity (its x and y rows' bytes, dtype and "
+        "shape, or its example_ids), so an example given under another identity may change "
+        "group and be eligible at steps closer than num_groups apart, which the cyclic "
+        "Poisson accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. Pass the "
+        "run's arrays unchanged (same dtypes) or the same example_ids, or start a new model "
+        "and optimizer for new examples")
 
 
 def cyclic_poisson_batches(x, y=None, expected_batch_size=256, num_groups=1,
