@@ -120,26 +120,42 @@ def _clipped_sum(model, w0, x, y, weights):
   return model.optimizer.last_sum()
 
 
-def _candidates(rng, x, y, count):
-  """(features, label, description) of adversarial examples from a small random search."""
+def _candidates(rng, x, y, count, id_range=None):
+  """(features, label, description) of adversarial examples from a small random search.
+
+  Float features: another example, Gaussian noise at 0.1 to 100 times the features' standard
+  deviation, a negated example. Integer or boolean features (token ids, category codes), which
+  the model may index with (an Embedding's gather fails on an id outside its table): another
+  example, uniform ids and one id repeated over the row, all drawn in `id_range`, the
+  inclusive (lowest, highest) value observed (default: x's own).
+  """
   out = []
   labels = np.unique(y)
+  discrete = np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_
+  if discrete:
+    lo, hi = (int(np.min(x)), int(np.max(x))) if id_range is None else id_range
   for i in range(count):
     kind = i % 3
     if kind == 0:
       xc, what = x[rng.randint(len(x))], "another example"
+    elif discrete and kind == 1:
+      xc, what = rng.randint(lo, hi + 1, size=x.shape[1:]), f"uniform ids in [{lo}, {hi}]"
+    elif discrete:
+      v = rng.randint(lo, hi + 1)
+      xc, what = np.full(x.shape[1:], v), f"id {v} repeated"
     elif kind == 1:
       scale = rng.choice([0.1, 10.0, 100.0])
       xc, what = rng.randn(*x.shape[1:]) * scale * (np.std(x) + 1e-12), f"noise x{scale:g}"
     else:
       scale = rng.choice([1.0, 10.0])
       xc, what = -x[rng.randint(len(x))] * scale, f"negated example x{scale:g}"
-    out.append((xc.astype(x.dtype), labels[rng.randint(len(labels))], what))
+    out.append((np.asarray(xc).astype(x.dtype), labels[rng.randint(len(labels))], what))
   return out
 
 
-def _neighbour_changes(copy, w0, x, y, relation, rng, num_candidates):
-  """[(change norm, description)] over neighbouring batches of (x, y) under `relation`."""
+def _neighbour_changes(copy, w0, x, y, relation, rng, num_candidates, id_range=None):
+  """[(change norm, description)] over neighbouring batches of (x, y) under `relation`
+  (`id_range`: integer features' observed range, for `_candidates`)."""
   b = len(x)
   changes = []
   if relation == ADD_OR_REMOVE:
@@ -152,7 +168,7 @@ def _neighbour_changes(copy, w0, x, y, relation, rng, num_candidates):
       m2[j] = 0.0
       changes.append((np.linalg.norm(_clipped_sum(copy, w0, xp, yp, m2) - base),
                       f"example {j} removed"))
-    for xc, yc, what in _candidates(rng, x, y, num_candidates):
+    for xc, yc, what in _candidates(rng, x, y, num_candidates, id_range):
       x2, y2, m2 = xp.copy(), yp.copy(), mask.copy()
       x2[b], y2[b], m2[b] = xc, yc, 1.0
       changes.append((np.linalg.norm(_clipped_sum(copy, w0, x2, y2, m2) - base),
@@ -160,7 +176,7 @@ def _neighbour_changes(copy, w0, x, y, relation, rng, num_candidates):
     return changes
   ones = np.ones(b, "float32")
   base = _clipped_sum(copy, w0, x, y, ones)
-  for xc, yc, what in _candidates(rng, x, y, num_candidates):
+  for xc, yc, what in _candidates(rng, x, y, num_candidates, id_range):
     j = rng.randint(b)
     x2, y2 = x.copy(), y.copy()
     x2[j], y2[j] = xc, yc
@@ -175,7 +191,8 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
 
   Args:
     model: a compiled tf_dpiter DP model (DPSequential, DPModel, make_private(...)).
-    x: the features, an array; the first `batch_size` examples form the base batch.
+    x: the features, an array; the first `batch_size` examples form the base batch. Integer
+      features (token ids) get candidates inside the range of ids observed in x.
     y: their labels.
     policy: "poisson" (add/remove one) | "fixed_size" | "shuffle" (replace one); default: the
       optimizer's current sampling policy, else "poisson".
@@ -198,9 +215,11 @@ def check_sensitivity(model, x, y, policy=None, batch_size=8, num_candidates=30,
   copy, opt = _dp_copy(model, policy, max(len(x), batch_size + 1), batch_size)
   path = opt.private_step.resolve_clipping(copy)
   w0 = [np.array(w) for w in copy.get_weights()]
+  # integer features (token ids): candidates stay inside the ids observed in all of x
+  ids = (int(np.min(x)), int(np.max(x))) if np.issubdtype(x.dtype, np.integer) else None
   try:
     changes = _neighbour_changes(copy, w0, x[:batch_size], y[:batch_size], relation,
-                                 np.random.RandomState(seed), num_candidates)
+                                 np.random.RandomState(seed), num_candidates, ids)
   finally:
     copy.set_weights(w0)      # the shared weights are the model's: put them back
   run = copy.ledger.to_dict()["runs"][-1]
