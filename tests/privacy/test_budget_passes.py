@@ -102,12 +102,14 @@ def test_budget_under_band_mf_takes_every_step_that_costs_the_same():
   _fit(model, ds, epochs=1, callbacks=[stop])
   steps = int(model.ledger.sample_count)
   samples, queries = model.ledger.get_arrays()
-  for t in range(1, 13):
+  # participations ceil(t / 4): epsilon is flat on 1-4, 5-8, 9-12, so the stop is at a
+  # multiple of 4 and the next step starts a participation (epsilon of the two step counts
+  # the assertion reads, t = steps and steps + 1)
+  assert steps % 4 == 0 and 0 < steps < 12
+  for t in (steps, steps + 1):
     eps_of[t] = dp.accounting.epsilon((np.repeat(samples[:1], t, 0), np.concatenate(
         [np.c_[np.full(len(queries[:1]), i), queries[:1, 1:]] for i in range(t)])), DELTA)
-  # participations ceil(t / 4): epsilon is flat on 1-4, 5-8, 9-12
   assert eps_of[steps] <= 4.0 < eps_of[steps + 1]
-  assert steps % 4 == 0
 
 
 def test_tree_on_drop_remainder_passes_is_checked_with_the_real_pass_length():
