@@ -48,7 +48,7 @@ def test_declared_sampling_is_checked_by_its_policy(policy, n, q, m, match):
 def test_denominator_pass_length_and_log_line_come_from_the_policy():
   expected = {p for p in policies.names() if policies.get(p).expected_size_denominator}
   assert expected == {schema.POISSON, schema.USER_POISSON, schema.CYCLIC_POISSON,
-                      schema.TRUNCATED_POISSON}
+                      schema.TRUNCATED_POISSON, schema.BALLS_IN_BINS, schema.FULL}
   assert policies.get(schema.POISSON).expected_records(50, 0.2, 10) == pytest.approx(10)
   assert policies.get(schema.CYCLIC_POISSON).expected_records(60, 0.5, 3) == pytest.approx(10)
   # batches of 12 of 50: 4 steps with drop_remainder, 5 without; 48 of 12 only 4
