@@ -1,4 +1,4 @@
-"""The clipped sum of kept per-example gradients (algebra.factor_product, summing._rows_sum).
+"""The clipped sum of kept per-example gradients (algebra.factor_product, clipping._rows_sum).
 
 sum_i c_i g_i must equal the numpy sum for static and unknown row counts, with and without
 XLA, and a record with c_i = 0 must add exactly nothing even when its gradient is not finite
@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
-from tf_dpiter.keras.fast_clipping import summing
+from tf_dpiter.keras.fast_clipping import clipping
 
 
 def _data(shape, seed=0):
@@ -49,7 +49,7 @@ def test_rows_sum_zero_factor_rows_add_nothing_even_when_not_finite(jit):
 
   @tf.function(jit_compile=jit)
   def rows_sum(g):
-    return summing._rows_sum(g, tf.constant(c))  # pylint: disable=protected-access
+    return clipping._rows_sum(g, tf.constant(c))  # pylint: disable=protected-access
 
   got = rows_sum(tf.constant(g)).numpy()
   assert np.isfinite(got).all()

@@ -1,4 +1,4 @@
-"""The first backward pass's own tape (recording.install's first_tape): a norm function
+"""The first backward pass's own tape (clipping.install's first_tape): a norm function
 marked registry.watched_from_inputs has its watched tensors recorded from the call's
 floating inputs, so the pass forms no gradient of its variables; an unmarked one whose
 watched tensor is computed from the layer's variables alone still gets the exact per-record

@@ -1,5 +1,5 @@
 """Attempts to evade the unrecorded-use check through tensors derived from a variable
-(recording.unrecorded_uses, `_escaping_uses`), beyond tests/privacy/test_derived_tensor_uses.py.
+(clipping.unrecorded_uses, `_escaping_uses`), beyond tests/privacy/test_derived_tensor_uses.py.
 
 A tensor computed from a layer's kernel inside its call is handed to another layer through a
 Keras-tracked list attribute, a dict attribute, a chain of tf.identity, a tf.custom_gradient,

@@ -10,7 +10,8 @@ Public API:
 
 Layout: registry.py (the norm-function contract and the registry), rules/ (one
 module per built-in layer rule), algebra.py (their shared algebra), plan.py
-(which layer gets which path), clipping.py (the clipped sum).
+(which layer gets which path), clipping.py (the clipped sum: its recorded forward
+pass, the norms, the clip factors and the sum).
 """
 
 from tf_dpiter.keras.fast_clipping import rules  # registers the built-in rules

@@ -13,7 +13,7 @@ registered get vectorized per-example gradients for their own variables
 (plan.py says which layer is which).
 
 Two ways to form the clipped sum once the clip factors c_i are known:
-  * "bookkeeping" (Bu et al. 2023, Sec. 3; summing.py): one backward pass to the layer
+  * "bookkeeping" (Bu et al. 2023, Sec. 3): one backward pass to the layer
     outputs, then per layer the vector-Jacobian product with c_i * dz_i.
   * "two_pass" (Li et al. 2021): a second backward pass of sum_i c_i L_i.
 Both are exact in float32; the default is the one measured faster
@@ -21,13 +21,34 @@ Both are exact in float32; the default is the one measured faster
 gradients (registry.PerExampleGrads: small convolutions, LayerNorm) is summed
 as sum_i c_i g_i instead of by a vector-Jacobian product.
 
+Recording. For one forward pass each unit layer's `call` is replaced (`install`) by a wrapper
+that runs its norm function (ghost units) and records the call; `layer.call` is swapped on the
+live layers, so `CALL_LOCK` keeps replica threads (tf.distribute) from interleaving their
+wrappers. A vectorized unit's recorded calls are re-run per example (`vectorized_grads`).
+
+Uses outside the recorded calls. A unit's norm and clipped sum see its variables only
+through its recorded calls: a variable also read elsewhere (a tied output projection
+`h @ embedding.embeddings^T` in another layer, a sublayer's kernel read by its parent
+without calling the sublayer) has a gradient part no recorded call produces. When a
+traced forward pass is recorded with `track_uses=True`, each record keeps the graph
+operations that consumed the unit's variables during its call (`rec["uses"]`) and the span
+of graph operations the call created (`rec["span"]`), and `unrecorded_uses` names the
+variables consumed by any other operation. A tensor computed from a variable inside a
+recorded call can also leave the call other than through its outputs: kept on a layer
+attribute (`self.w2 = self.kernel * 2`) and read by another layer, by the model's own call
+or by a later call of the same layer, or handed on as a Keras mask. `unrecorded_uses`
+follows every tensor derived from a variable read inside a call (through the operations the
+call created) and names the variable when such a tensor is consumed outside that call and is
+not one of the call's outputs; an output of a vectorized call computed from the variables
+but not from the call's inputs (no batch axis) is named too.
+
 Dtype policies. The norms, the clip factors and the clipped sum are
 float32 whatever the compute dtype: the ghost products cast activations and
 backprops to float32, and the vector-Jacobian product of a 16-bit layer is
 taken through its norm function's float32 recomputation of the watched tensor
 (registry.float32_watched), so the 16-bit model math is kept but no sum over
 records is formed in 16 bits. Under float16 the summed loss is multiplied by a
-static loss scale S (routing.loss_scale) and the norms and sums divided by it.
+static loss scale S (runtime.loss_scale) and the norms and sums divided by it.
 A record whose norm is not finite gets clip factor 0 and adds nothing, as on
 the vectorized path (a function of that record alone). Only "bookkeeping" is
 exact under 16-bit compute; "two_pass" is refused there.
@@ -50,9 +71,11 @@ cross-entropy's [B, T, V] backprop among them) until that pass.
 
 import contextlib
 import numbers
+import threading
 import warnings
 import weakref
 
+import keras
 import tensorflow as tf
 
 from tf_dpiter import dp_query
@@ -60,12 +83,11 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
-from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
+from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import runtime  # oneDNN, XLA, loss scale (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
-from tf_dpiter.keras.fast_clipping import recording
 from tf_dpiter.keras.fast_clipping import registry
-from tf_dpiter.keras.fast_clipping import summing
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 GHOST = plan_lib.GHOST
@@ -102,6 +124,313 @@ def _grouped(k):
   return tf.is_tensor(k) or k > 1
 
 
+# The recording forward pass (module docstring, "Recording"): each unit layer's `call`
+# replaced, for one pass, by a wrapper that runs its norm function and records the call.
+
+CALL_LOCK = threading.RLock()
+
+
+def _variable_handle(graph, variable):
+  """The placeholder of `variable`'s resource handle in the traced `graph` (captured
+  once per graph: every read of the variable in it consumes this tensor)."""
+  # the backend tf.Variable (Keras 3's TensorFlow variable keeps it as `_value`; `value`
+  # is a cast tensor inside a mixed-precision layer's call)
+  backend = getattr(variable, "_value", None)
+  if not isinstance(backend, tf.Variable):
+    backend = keras_internals.gradient_sources([variable])[0]
+  return graph.capture(backend.handle)
+
+
+def _consumers(graph, unit):
+  """The operations of `graph` that consume one of the unit's variables, so far."""
+  return {op for v in unit.variables for op in _variable_handle(graph, v).consumers()}
+
+
+def install(units, track_uses=False, first_tape=None):
+  """Replaces each unit layer's `call` by a recording wrapper.
+
+  Args:
+    units: the plan's units (layers with their norm functions).
+    track_uses: keep in each record the graph operations that consumed the unit's
+      variables during the call (`rec["uses"]`); only in a traced forward pass (graph mode).
+    first_tape: optional tf.GradientTape (watch_accessed_variables=False) of the first
+      backward pass (the gradients at the units' watched tensors and outputs): each call's
+      floating inputs are watched on it before the call and its floating outputs after,
+      and the unit's variables before the call unless its norm function is marked
+      `registry.watched_from_inputs`. That tape then records no read of such a unit's
+      variables, so its backward pass forms no gradient of them (which nothing uses);
+      `first_tape_misses` checks the mark on the traced pass.
+
+  Returns:
+    tokens for `uninstall`.
+  """
+  installed = []
+  graph = tf.compat.v1.get_default_graph() if track_uses else None
+  for unit in units:
+    layer = unit.layer
+    orig = layer.call  # bound method of the class (or an earlier override)
+    unit.orig_call = orig
+
+    def wrapped(*args, _unit=unit, _orig=orig, **kwargs):
+      rec = {"args": args, "kwargs": kwargs, "watched": None}
+      before = _consumers(graph, _unit) if graph is not None else None
+      first = graph.version if graph is not None else None
+      if first_tape is not None:
+        first_tape.watch(_floating((args, kwargs)))
+        if not _from_inputs_only(_unit):
+          first_tape.watch(keras_internals.gradient_sources(_unit.variables))
+      outputs = None
+      if _unit.kind == plan_lib.GHOST:
+        res = _unit.norm_fn(_unit.layer, *args, **kwargs)
+        if res is not None:
+          outputs, watched, sqr_norm_fn = res
+          rec["watched"] = watched
+          rec["sqr_norm_fn"] = sqr_norm_fn
+      if outputs is None:
+        outputs = _orig(*args, **kwargs)
+      rec["outputs"] = outputs
+      if first_tape is not None:
+        first_tape.watch(_floating(outputs))
+      if graph is not None:
+        rec["uses"] = _consumers(graph, _unit) - before
+        rec["span"] = (first, graph.version)   # graph.get_operations()[first:last]: the call's
+      _unit.records.append(rec)
+      return outputs
+
+    installed.append(keras_internals.swap_call(layer, wrapped))
+  return installed
+
+
+def _floating(structure):
+  """The floating (and complex) tensors of a nest: what a tape can watch."""
+  return [t for t in tf.nest.flatten(structure)
+          if tf.is_tensor(t) and (t.dtype.is_floating or t.dtype.is_complex)]
+
+
+def _from_inputs_only(unit):
+  """True if the first backward pass need not record the reads of the unit's variables: a
+  ghost unit whose norm function is marked `registry.watched_from_inputs` (a vectorized
+  unit's sources are its outputs, watched after the call, but its norm function may still
+  serve a record: the mark is asked for every ghost unit)."""
+  return unit.kind == plan_lib.GHOST and getattr(unit.norm_fn, "watched_from_inputs", False)
+
+
+def first_tape_misses(units):
+  """True if the first tape of a forward pass recorded with `install(units, track_uses=True,
+  first_tape=...)` in the current (traced) graph may have missed a watched tensor of the
+  first backward pass (of a ghost unit called once): one not computed (through
+  gradient-carrying tensors the call created, no StopGradient) from one of the call's
+  floating inputs, or from a read of the unit's variables where they were watched. The
+  gradient at such a tensor there would miss paths to the loss: the caller then takes the
+  first backward pass on the tape of all the variables, also for a rule marked
+  `registry.watched_from_inputs` (e.g. a Dense fed integer inputs it casts in its call).
+
+  Args:
+    units: the plan's units after the forward pass.
+
+  Returns:
+    True if a watched tensor may be missed.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  operations = graph.get_operations()
+  for unit in units:
+    if _vectorized(unit) or "span" not in unit.records[0]:
+      continue
+    rec = unit.records[0]
+    starts = {t.ref() for t in _floating((rec["args"], rec["kwargs"]))}
+    if not _from_inputs_only(unit):
+      starts |= {_variable_handle(graph, v).ref() for v in unit.variables}
+    created = _created(operations, rec)
+    for t in tf.nest.flatten(rec["watched"]):
+      if not _reached_from(created, starts, t):
+        return True
+  return False
+
+
+def _reached_from(created, starts, t, gradient_only=True):
+  """True if `t` is one of `starts` (tensor refs) or computed from one of them by operations
+  in `created` (a backward walk); `gradient_only`: through gradient-carrying tensors only, a
+  StopGradient ending the path (what a tape that watched `starts` recorded)."""
+  seen, todo = set(), [t]
+  while todo:
+    t = todo.pop()
+    if t.ref() in starts:
+      return True
+    op = t.op
+    if op in seen or op not in created:
+      continue
+    seen.add(op)
+    if gradient_only and op.type in ("StopGradient", "PreventGradient"):
+      continue
+    todo.extend(i for i in op.inputs if not gradient_only or _carries_gradient(i))
+  return False
+
+
+def variable_consumers(units):
+  """The operations of the current (traced) graph that consume the units' variables so far:
+  the uses from before a recorded forward pass, which `unrecorded_uses` leaves out.
+
+  Args:
+    units: the plan's units.
+
+  Returns:
+    a set of tf.Operation.
+  """
+  graph = tf.compat.v1.get_default_graph()
+  return {op for unit in units for op in _consumers(graph, unit)}
+
+
+def unrecorded_uses(units, before=frozenset()):
+  """The variables consumed outside their unit's recorded calls in a forward pass recorded
+  with `install(units, track_uses=True)` in the current (traced) graph.
+
+  Args:
+    units: the plan's units after the forward pass.
+    before: the operations that consumed the units' variables before the pass
+      (`variable_consumers`), not counted: a pass traced in a graph that already reads them.
+
+  Returns:
+    a list of (layer name, variable path, sorted operation types of the outside uses).
+  """
+  graph = tf.compat.v1.get_default_graph()
+  operations = graph.get_operations()   # in creation order (one list for every call's span)
+  found = []
+  for unit in units:
+    inside = set(before)
+    for rec in unit.records:
+      inside |= rec.get("uses", set())
+    for v in unit.variables:
+      handle = _variable_handle(graph, v)
+      outside = {op for op in handle.consumers() if op not in inside}
+      for rec in unit.records:
+        outside |= _escaping_uses(operations, rec, handle, _vectorized(unit))
+      if outside:
+        found.append((unit.layer.name, v.path, tuple(sorted({op.type for op in outside}))))
+  return found
+
+
+# dtypes that carry no gradient: a tensor of them derived from a variable (its shape, a
+# comparison) is no use of the variable's value the gradient follows
+_NO_GRADIENT = (tf.bool, tf.string)
+
+
+def _carries_gradient(t):
+  return not (t.dtype in _NO_GRADIENT or t.dtype.is_integer)
+
+
+def _created(operations, rec):
+  """The operations the recorded call `rec` created (a set, kept in the record)."""
+  if "created" not in rec:
+    first, last = rec["span"]
+    rec["created"] = frozenset(operations[first:last])
+  return rec["created"]
+
+
+def _vectorized(unit):
+  """True if the unit's records get vectorized per-example gradients (`vectorized_grads`,
+  re-running the call on each example), as `_sources` decides: every unit but a
+  ghost unit called once whose norm function served the call."""
+  return not (unit.kind == plan_lib.GHOST and len(unit.records) == 1 and
+              unit.records[0]["watched"] is not None)
+
+
+def _escaping_uses(operations, rec, handle, vectorized):
+  """The operations outside the recorded call `rec` that consume a tensor derived (inside the
+  call, through the operations it created) from a read of `handle` in it, other than the
+  call's outputs; and, for a `vectorized` record (re-run on each example with the gradient at
+  each of its outputs sliced per example), the operation computing an output so derived that
+  does not depend on the call's inputs (no batch axis: the sliced gradient would not be the
+  example's). A registered norm function's outputs (a position table broadcast to the batch)
+  are its rule's to get right.
+
+  A forward walk from the call's reads of the variable over the operations the call created:
+  its tensors that carry a gradient (float, complex, resource, variant) are the derived
+  ones. Linear in the operations the call created."""
+  if "span" not in rec:
+    return set()
+  reads = [op for op in handle.consumers() if op in rec.get("uses", ())]
+  if not reads:
+    return set()
+  created = _created(operations, rec)
+  outputs = {t.ref() for t in tf.nest.flatten(rec["outputs"]) if tf.is_tensor(t)}
+  escaping, seen, todo, derived = set(), set(reads), list(reads), set()
+  while todo:
+    op = todo.pop()
+    if op.type in ("StopGradient", "PreventGradient"):
+      continue
+    for t in op.outputs:
+      if not _carries_gradient(t):
+        continue
+      derived.add(t.ref())
+      for consumer in t.consumers():
+        if consumer in created:
+          if consumer not in seen:
+            seen.add(consumer)
+            todo.append(consumer)
+        elif t.ref() not in outputs:
+          escaping.add(consumer)
+  # an output not computed from the call's tensor arguments (a backward walk): no batch axis
+  args = {a.ref() for a in tf.nest.flatten((rec["args"], rec["kwargs"])) if tf.is_tensor(a)}
+  unbatched = [t for t in tf.nest.flatten(rec["outputs"]) if vectorized and tf.is_tensor(t) and
+               t.ref() in derived and not _reached_from(created, args, t, gradient_only=False)]
+  return escaping | {t.op for t in unbatched}
+
+
+def uninstall(installed):
+  """Restores the layers' own `call` (the tokens `install` returned), last first.
+
+  Args:
+    installed: the tokens `install` returned.
+
+  Returns:
+    None.
+  """
+  for token in reversed(installed):
+    keras_internals.restore_call(token)
+
+
+def vectorized_grads(unit, rec, out_grads):
+  """Per-example gradients [B, *v.shape] of <outputs, out_grads> w.r.t. the
+  unit's variables, re-running the layer on each example (tf.vectorized_map; a loop over
+  the examples, tf.map_fn, where the call runs keras.ops.scan: runtime.loops_over_lists).
+  """
+  structure = (rec["args"], rec["kwargs"])
+  flat = tf.nest.flatten(structure)
+  batched = [i for i, t in enumerate(flat) if tf.is_tensor(t) and (t.shape.rank or 0) >= 1]
+  xs = [flat[i] for i in batched]
+  sources = keras_internals.gradient_sources(unit.variables)
+  list_loops = []
+
+  def one(elems, check_loops=False):
+    first = tf.compat.v1.get_default_graph().version
+    new_flat = list(flat)
+    for k, i in enumerate(batched):
+      new_flat[i] = tf.expand_dims(elems[k], 0)
+    args, kwargs = tf.nest.pack_sequence_as(structure, new_flat)
+    with tf.GradientTape() as tape:
+      out = tf.nest.flatten(unit.orig_call(*args, **kwargs))
+      s = tf.add_n([
+          tf.reduce_sum(tf.cast(o, tf.float32) *
+                        tf.cast(tf.expand_dims(g, 0), tf.float32))
+          for o, g in zip(out, elems[len(xs):])
+      ])
+    loops = runtime.loops_over_lists(first) if check_loops else ()
+    if loops:   # before pfor converts the body
+      list_loops.extend(loops)
+      raise runtime.ListLoop(f"while loops over a TensorList: {list(loops)}")
+    grads = tape.gradient(s, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [tf.convert_to_tensor(g) for g in grads]
+
+  elems = xs + list(out_grads)
+  try:
+    return tf.vectorized_map(lambda e: one(e, check_loops=True), elems)
+  except runtime.ListLoop:
+    # keras.ops.scan in the call: pfor converts it wrongly; the examples one at a time
+    runtime.refuse_list_loops_under_xla(list_loops)
+  return tf.map_fn(one, elems, fn_output_signature=[tf.TensorSpec(v.shape, v.dtype)
+                                                     for v in sources])
+
+
 def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
              scale, first_tape=None):
   """The recorded forward pass and the loss (run it under a tape). Traced (graph mode), the
@@ -112,15 +441,15 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
   Returns (outputs, raw_losses [B], losses [B] (weighted per record),
   record_mask [B/k], scaled_total)."""
   traced = not tf.executing_eagerly()
-  with recording.CALL_LOCK:
-    before = recording.variable_consumers(units) if traced else None
-    installed = recording.install(units, track_uses=traced, first_tape=first_tape)
+  with CALL_LOCK:
+    before = variable_consumers(units) if traced else None
+    installed = install(units, track_uses=traced, first_tape=first_tape)
     try:
       outputs = model(inputs, training=True)
     finally:
-      recording.uninstall(installed)
+      uninstall(installed)
     if traced:
-      _refuse_unrecorded(recording.unrecorded_uses(units, before))
+      _refuse_unrecorded(unrecorded_uses(units, before))
   raw_losses = tf.cast(per_example_loss_fn(targets, outputs), tf.float32)
   if raw_losses.shape.rank != 1:
     raise ParameterValueError(
@@ -196,7 +525,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
       if res is not None:
         parts.append(tf.cast(res, tf.float32))
     for u, rec, start, n in vect:
-      g = recording.vectorized_grads(u, rec, src_grads[start:start + n])
+      g = vectorized_grads(u, rec, src_grads[start:start + n])
       g = [tf.cast(registry.record_sum(t), tf.float32) for t in g]
       if id(u) in per_example:
         per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
@@ -331,7 +660,7 @@ def _probe_pass(model, inputs, grouped, k):
   input has no leading batch axis: a forward pass of one record (k examples) traced, never
   run, with the layers recorded as clipped_grad_sum records them. The output signature is a
   nest of tf.TensorSpec of one example of each model output; the kept bytes are None where a
-  size is unknown; the unrecorded uses are recording.unrecorded_uses of the pass (variables
+  size is unknown; the unrecorded uses are unrecorded_uses of the pass (variables
   read outside their unit's recorded calls). Kept per model, input signature, trained
   variables and registered rules."""
   flat = tf.nest.flatten(inputs)
@@ -349,17 +678,17 @@ def _probe_pass(model, inputs, grouped, k):
 
     def forward(*xs):
       units = plan_lib.plan(model, grouped=grouped)
-      with recording.CALL_LOCK:
-        installed = recording.install(units, track_uses=True)
+      with CALL_LOCK:
+        installed = install(units, track_uses=True)
         try:
           outputs = model(tf.nest.pack_sequence_as(inputs, list(xs)), training=True)
         finally:
-          recording.uninstall(installed)
+          uninstall(installed)
       known = all(_example_bytes(x) is not None for x in xs)
       found.append((_units_kept_bytes(units) if known else None,
                     tf.nest.map_structure(lambda o: tf.TensorSpec(o.shape[1:], o.dtype),
                                           outputs),
-                    recording.unrecorded_uses(units)))
+                    unrecorded_uses(units)))
       return tf.constant(0)
 
     tf.function(forward, autograph=False).get_concrete_function(*specs)
@@ -383,7 +712,7 @@ def unrecorded_variable_uses(model, inputs):
   (never run, kept per model and input signature; shared with the physical-chunk probe):
   every graph operation consuming a variable's handle must have been created inside one of
   its unit's recorded calls, and every tensor derived from it there must leave the call only
-  as one of its outputs (recording.unrecorded_uses). A traced clipped_grad_sum checks its own
+  as one of its outputs (unrecorded_uses). A traced clipped_grad_sum checks its own
   recorded forward pass the same way (no separate trace); eagerly it calls this function.
 
   Args:
@@ -468,7 +797,7 @@ def _physical_chunk(model, inputs, k):
   if not flat or not tf.is_tensor(flat[0]) or flat[0].shape.rank in (None, 0):
     return None
   static_b = flat[0].shape[0]
-  if static_b is None and routing.in_xla_context():
+  if static_b is None and runtime.in_xla_context():
     return None
   if static_b is not None and static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k):
     return None   # at most the smallest chunk: no probe
@@ -566,8 +895,8 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   # No zeros accumulator outside XLA: the first chunk's sums are the accumulator (a loop
   # variable of unknown shape that starts empty), so the sum costs one weight-sized tensor per
   # variable, as in one call. XLA needs static shapes: there it starts from zeros.
-  xla = routing.in_xla_context()
-  dtypes = [summing.sum_dtype(v) for v in variables]
+  xla = runtime.in_xla_context()
+  dtypes = [sum_dtype(v) for v in variables]
   acc0 = [tf.zeros(v.shape if xla else [0], d) for v, d in zip(variables, dtypes)]
   ta = lambda dtype: tf.TensorArray(dtype, size=n, infer_shape=False)
   loop_vars = (tf.constant(0), acc0, ta(tf.float32), ta(tf.float32),
@@ -596,7 +925,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   batch in one call whatever its kept bytes (a physical chunk's)."""
   factors_fn = _factors_fn(l2_norm_clip, clip_factors_fn)
   k = _check_examples_per_record(examples_per_record)
-  scale = routing.loss_scale(model)
+  scale = runtime.loss_scale(model)
   _check_variant(variant, scale)
   units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
   if tf.executing_eagerly():   # a traced pass checks itself (_forward)
@@ -611,7 +940,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     return grads, norms
 
   # Traced, the first backward pass has a tape of its own that records no read of a marked
-  # unit's variables (recording.install's first_tape): it forms no gradient of them, which
+  # unit's variables (install's first_tape): it forms no gradient of them, which
   # nothing used (BERT-base at seq 32: 405 of the DP train step's 12,445 ops).
   first = (None if tf.executing_eagerly() else
            tf.GradientTape(watch_accessed_variables=False))
@@ -624,7 +953,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   # at the outputs of vectorized units (one pass through the network).
   # Name scopes: the phases of the traced graph (op counts and profiles by phase).
   ghost, vect, sources = _sources(units)
-  if first is not None and recording.first_tape_misses(units):
+  if first is not None and first_tape_misses(units):
     first = None   # a watched tensor the first tape may not have recorded: the full tape
   with tf.name_scope("backward_to_layers"):
     src_grads = (first or tape).gradient(total, sources, unconnected_gradients=_ZERO)
@@ -637,17 +966,166 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
 
   with tf.name_scope("clipped_sum"):
     if variant == "two_pass":
-      result = summing.two_pass_sum(units, losses, example_factors, tape)
+      result = two_pass_sum(units, losses, example_factors, tape)
     else:
       with algebra.sum_plans() as plans:
-        result = summing.bookkeeping_sum(units, ghost, sources, src_grads, per_example,
+        result = bookkeeping_sum(units, ghost, sources, src_grads, per_example,
                                          sum_fns, factors / scale, example_factors / scale, tape)
       result = _with_rounding_margin(result, plans, num_records, k)
   del tape
-  out = summing.dense_result(model, result)
+  out = dense_result(model, result)
   if return_outputs:
     return out, norms, outputs, raw_losses
   return out, norms
+
+
+# The clipped sum once the clip factors are known (module docstring, "bookkeeping" and
+# "two_pass").
+
+def _dense(g):
+  return tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+
+
+def sum_dtype(v):
+  """dtype of a variable's clipped sum: float32 for 16-bit variables."""
+  dtype = tf.as_dtype(v.dtype)
+  return tf.float32 if dtype.is_floating and dtype.size < 4 else dtype
+
+
+def _float32_vjp(unit, weighted):
+  """sum_i c_i g_i of a 16-bit ghost unit in float32: the norm function is run
+  again on the float32 inputs with every variable read as a watched float32
+  copy (keras.StatelessScope), and its watched tensors are differentiated."""
+  rec = unit.records[0]   # its floating inputs cast to float32, non-finite -> 0
+  args, kwargs = tf.nest.map_structure(
+      lambda t: algebra.finite_float32(t) if tf.is_tensor(t) and t.dtype.is_floating else t,
+      (rec["args"], rec["kwargs"]))
+  w32 = [tf.cast(tf.convert_to_tensor(v), tf.float32) for v in unit.variables]
+  with tf.GradientTape() as tape:
+    tape.watch(w32)
+    with keras.StatelessScope() as scope:
+      # Set after construction: the constructor would cast the values to the
+      # variables' (16-bit) dtype.
+      keras_internals.map_variables(scope, unit.variables, w32)
+      watched = tf.nest.flatten(unit.norm_fn(unit.layer, *args, **kwargs)[1])
+  bad = [w.dtype.name for w in watched if w.dtype != tf.float32]
+  if bad:
+    raise ParameterValueError(
+        f"the norm function of layer {unit.layer.name!r} is marked "
+        f"float32_watched but returned watched tensors of dtype {bad}")
+  return tape.gradient(watched, w32, output_gradients=weighted,
+                       unconnected_gradients=_ZERO)
+
+
+def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
+  """sum_i c_i g_i of a ghost unit: the rule's own sum (FactorSums, GhostSums), else the
+  vector-Jacobian product of the watched tensors with the clip-weighted
+  gradients, in float32 for 16-bit layers."""
+  if isinstance(sum_fn, registry.FactorSums):
+    return [_dense(g) for g in sum_fn.sum_fn(example_factors)]
+  # g * c per row (float32), 0 where c == 0 (even if g is not finite)
+  weighted = [algebra.weight_rows(g, example_factors) for g in grads_w]
+  if sum_fn is not None:
+    grads = sum_fn(tf.nest.pack_sequence_as(unit.records[0]["watched"], weighted))
+  elif unit.float32_recompute:
+    grads = _float32_vjp(unit, weighted)
+  else:
+    weighted = [tf.cast(w, t.dtype) for w, t in zip(weighted, watched)]
+    grads = tape.gradient(watched, keras_internals.gradient_sources(unit.variables),
+                          output_gradients=weighted,
+                          unconnected_gradients=_ZERO)
+  return [_dense(g) for g in grads]
+
+
+def _rows_sum(g, factors):
+  """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one matrix
+  product of the rows with c = 0 set to 0 first (algebra.drop_rows: a non-finite g_i adds
+  nothing; one elementwise op, no branch)."""
+  return algebra.factor_product(factors, algebra.drop_rows(g, factors))
+
+
+def _per_example_sums(grads, factors):
+  """The clipped sums of a unit whose per-record gradients are at hand (a list aligned
+  with its variables, or a registry.PerExampleBlock)."""
+  if isinstance(grads, registry.PerExampleBlock):
+    return list(grads.unpack([_rows_sum(b, factors) for b in grads.blocks]))
+  return [_rows_sum(g, factors) for g in grads]
+
+
+def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
+                    factors, example_factors, tape):
+  """{id(variable): clipped sum} by book-keeping (module docstring).
+
+  A record with c = 0 (its norm not finite, or masked) adds exactly nothing: every sum
+  zeroes its rows (algebra.weight_rows / drop_rows), with no branch on finiteness.
+
+  Args:
+    units: the plan's units.
+    ghost: (unit, start, n) of the ghost units, their watched tensors at sources[start:start+n].
+    sources: the tensors of the first backward pass.
+    src_grads: the gradients of the summed loss at `sources`.
+    per_example: {id(unit): per-record gradients (a list per variable, or a
+      registry.PerExampleBlock)}.
+    sum_fns: {id(unit): a GhostSums sum function or a registry.FactorSums}.
+    factors: [R] float32 clip factors c per record (divided by the loss scale).
+    example_factors: [B] float32, each example's record's c (divided by the loss scale).
+    tape: the persistent tape of the forward pass.
+
+  Returns:
+    {id(variable): clipped sum tensor}.
+  """
+  result = {}
+  for u, start, n in ghost:
+    if id(u) in per_example:
+      continue
+    grads = _ghost_vjp(u, sources[start:start + n], src_grads[start:start + n],
+                       example_factors, tape, sum_fns.get(id(u)))
+    for v, g in zip(u.variables, grads):
+      result[id(v)] = tf.cast(g, sum_dtype(v))
+  for u in units:
+    if id(u) not in per_example:
+      continue
+    sums = _per_example_sums(per_example[id(u)], factors)
+    for v, g in zip(u.variables, sums):
+      result[id(v)] = tf.cast(g, sum_dtype(v))
+  return result
+
+
+def two_pass_sum(units, losses, example_factors, tape):
+  """{id(variable): clipped sum} by a second backward pass of sum_i c_i L_i.
+
+  Args:
+    units: the plan's units; losses: [B] weighted losses; example_factors: [B] c_i;
+    tape: the persistent tape of the forward pass.
+
+  Returns:
+    {id(variable): clipped sum tensor}.
+
+  Raises:
+    PrivacyConfigError: a unit computes in 16 bits.
+  """
+  if any(plan_lib.computes_in_16_bits(u.layer) for u in units):
+    raise PrivacyConfigError("variant='two_pass' forms the clipped sum in the layers' "
+                             "16-bit compute dtype; use variant='bookkeeping'")
+  with tape:
+    weighted = tf.reduce_sum(example_factors * losses)
+  all_vars = [v for u in units for v in u.variables]
+  grads = tape.gradient(weighted, keras_internals.gradient_sources(all_vars),
+                        unconnected_gradients=_ZERO)
+  return {id(v): _dense(g) for v, g in zip(all_vars, grads)}
+
+
+def dense_result(model, result):
+  """The clipped sums aligned with model.trainable_variables (zeros where absent).
+
+  Args:
+    model: the keras.Model; result: {id(variable): clipped sum}.
+
+  Returns:
+    a list of tensors, one per trainable variable (float32 for 16-bit variables).
+  """
+  return [result[id(v)] if id(v) in result else tf.zeros(v.shape, sum_dtype(v))
+          for v in model.trainable_variables]
 
 
 def _with_rounding_margin(result, plans, num_records, k):

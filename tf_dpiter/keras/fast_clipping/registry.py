@@ -240,7 +240,7 @@ def watched_from_inputs(fn):
   """Marks a norm function whose watched tensors are all computed from the call's floating
   inputs (a Dense's x W): the first backward pass (the gradients at the watched tensors)
   then records no read of the layer's variables, so it forms no gradient of them, which
-  nothing uses (recording.install's `first_tape`; where a traced pass finds a watched tensor
+  nothing uses (clipping.install's `first_tape`; where a traced pass finds a watched tensor
   not so computed, e.g. from integer inputs cast in the call, it takes the full tape).
 
   Args:

@@ -77,7 +77,7 @@ def layer_norm_norm_fn(layer, inputs):
 
     def body(dc, xc):
       # the trained variables' per-record gradients side by side in one [R, n entries] block:
-      # one squared norm, and one product for the clipped sum (summing.py), for both
+      # one squared norm, and one product for the clipped sum (clipping.bookkeeping_sum), for both
       parts = []
       for v in trained:
         g = dc * tf.cast(xc, tf.float32) if v is gamma else dc

@@ -13,7 +13,7 @@ A tied layer called both ways in one forward pass (a language model whose
 output layer is its input embedding, Press & Wolf 2017) has the per-example
 gradient G_i^lookup + G_i^reverse, whose norm needs the cross term: the
 fast-clipping plan gives a unit called more than once exact per-example
-gradients for that layer alone (recording.vectorized_grads per call, summed
+gradients for that layer alone (clipping.vectorized_grads per call, summed
 per example before the norm), so the two calls are never normed separately.
 """
 
