@@ -27,7 +27,6 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
-from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 from .test_gram_cancellation_review import C
@@ -206,7 +205,7 @@ def test_bias_sqr_norm_equals_float64_formula():
   B T H + 1, against a float64 loop."""
   rng = np.random.RandomState(0)
   dz = rng.normal(size=(4, 3, 2, 5)).astype(np.float32)
-  with registry.examples_per_record(2):
+  with algebra.examples_per_record(2):
     sq, db = algebra.bias_sqr_norm(tf.constant(dz), (5,))
   d64 = dz.astype(np.float64).reshape(2, 2 * 3 * 2, 5)
   s = np.sum(np.sqrt(np.sum(d64 ** 2, 2)), 1)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.fast_clipping import clipping
-from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.internals import runtime
 
@@ -66,7 +66,7 @@ def _runtime_keep(monkeypatch, keep_bytes):
 def _keep_fn(k, rb, kept_max):
   @tf.function(input_signature=[tf.TensorSpec([None, 2])])
   def keep_of(x):
-    with registry.examples_per_record(k):
+    with algebra.examples_per_record(k):
       keep = budget.keep_choice(x, rb, True)
     kept_max.append(getattr(keep, budget._KEPT_BATCH_MAX))   # pylint: disable=protected-access
     return keep

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_dpiter.keras.fast_clipping import registry
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping.rules import conv
 from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 
@@ -53,7 +53,7 @@ def exact_sqr_norms(x, dz, ksize, stride, padding, k):
 
 def returned_sqr_norms(x, dz, ksize, stride, padding, k, jit, sum_rows=None):
   def fn(x, dz):
-    with registry.examples_per_record(k):
+    with algebra.examples_per_record(k):
       return conv._fold_gram_sqr_norm(x, dz, (ksize, ksize), (stride, stride), padding,
                                       sum_rows)
   return tf.function(fn, jit_compile=jit)(tf.constant(x), tf.constant(dz)).numpy().astype(

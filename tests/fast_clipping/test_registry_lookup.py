@@ -1,4 +1,4 @@
-"""registry.lookup_all (one lookup per plan, hooks run once) and registry.RECORDS (the k of
+"""registry.lookup_all (one lookup per plan, hooks run once) and algebra.RECORDS (the k of
 the enclosing examples_per_record context)."""
 
 import threading
@@ -7,6 +7,7 @@ import keras
 
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.fast_clipping import plan as plan_lib
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
 
 
@@ -44,15 +45,15 @@ def test_plan_looks_up_the_rules_once():
 
 
 def test_records_k_is_the_enclosing_context_and_per_thread():
-  assert registry.RECORDS.k == 1 == registry.current_examples_per_record()
+  assert algebra.RECORDS.k == 1 == algebra.current_examples_per_record()
   other = []
-  with registry.examples_per_record(3):
-    assert registry.RECORDS.k == 3 == registry.current_examples_per_record()
-    t = threading.Thread(target=lambda: other.append(registry.RECORDS.k))
+  with algebra.examples_per_record(3):
+    assert algebra.RECORDS.k == 3 == algebra.current_examples_per_record()
+    t = threading.Thread(target=lambda: other.append(algebra.RECORDS.k))
     t.start()
     t.join()
-    with registry.examples_per_record(5):
-      assert registry.RECORDS.k == 5
-    assert registry.RECORDS.k == 3
-  assert registry.RECORDS.k == 1
+    with algebra.examples_per_record(5):
+      assert algebra.RECORDS.k == 5
+    assert algebra.RECORDS.k == 3
+  assert algebra.RECORDS.k == 1
   assert other == [1]

@@ -9,7 +9,6 @@ language model's output layer). The flattening helpers must keep T static.
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
-from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import tables
 
 
@@ -42,6 +41,6 @@ def test_gram_form_chosen_for_a_wide_dense_on_sequences_under_an_unknown_batch()
     forms.append(("gram" if calls else "direct", g is None))
     return sq
 
-  with registry.examples_per_record(1):
+  with algebra.examples_per_record(1):
     norms.get_concrete_function()
   assert forms == [("gram", True)]

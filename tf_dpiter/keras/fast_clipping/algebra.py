@@ -1,6 +1,6 @@
 """Shared algebra of the ghost-norm rules (fast_clipping/rules/).
 
-Per-example (or per-record, see registry.examples_per_record) squared norms of
+Per-example (or per-record, see examples_per_record) squared norms of
 weight gradients of the form g_i = sum_t a_t b_t^T, formed in float32 whatever
 the dtype of a and b (privacy arithmetic in float32).
 """
@@ -13,6 +13,58 @@ import tensorflow as tf
 
 from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.fast_clipping import registry
+
+
+# Records of k consecutive examples (microbatches): set by clipping while the
+# norm functions run; B is then a multiple of k and record j holds examples
+# j*k, ..., j*k + k - 1. A record's gradient is the sum of its examples'
+# contributions, so every per-example quantity is summed over the record
+# before squaring, and factored forms merge k into the position axis.
+class _Records(threading.local):
+  k = 1   # outside any examples_per_record context: a record is one example
+
+
+# The k of the innermost examples_per_record context of this thread: read as
+# `RECORDS.k` by the norm functions (current_examples_per_record() is the same).
+RECORDS = _Records()
+
+
+class examples_per_record:  # pylint: disable=invalid-name
+  """Context: the built-in norm functions return per-record norms for records
+  of k consecutive examples (k = 1: per-example)."""
+
+  def __init__(self, k):
+    self._k = k
+
+  def __enter__(self):
+    self._prev = RECORDS.k
+    RECORDS.k = self._k
+    return self
+
+  def __exit__(self, *exc):
+    RECORDS.k = self._prev
+
+
+def current_examples_per_record():
+  """k of the enclosing examples_per_record context (1 outside): `RECORDS.k`."""
+  return RECORDS.k
+
+
+def record_sum(t):
+  """[B, ...] per-example -> [B/k, ...] per-record sums.
+
+  Args:
+    t: [B, ...] per-example tensor, B a multiple of the record size k.
+
+  Returns:
+    [B/k, ...] tensor.
+  """
+  k = RECORDS.k
+  if isinstance(k, int) and k == 1:
+    return t
+  shape = tf.shape(t)
+  t = tf.reshape(t, tf.concat([[shape[0] // k, k], shape[1:]], 0))
+  return tf.reduce_sum(t, axis=1)
 
 
 def static_dim(x, axis):
@@ -78,7 +130,7 @@ def regroup_btk(x):
   Returns:
     [B/k, k*T, K] tensor.
   """
-  k = registry.RECORDS.k
+  k = RECORDS.k
   if isinstance(k, int) and k == 1:
     return x
   t, last = static_dim(x, 1), static_dim(x, 2)
@@ -96,7 +148,7 @@ def zeros(dz):
   Returns:
     [B/k] float32 zeros.
   """
-  return tf.zeros([tf.shape(dz)[0] // registry.RECORDS.k],
+  return tf.zeros([tf.shape(dz)[0] // RECORDS.k],
                   tf.float32)
 
 
@@ -295,7 +347,7 @@ def bias_sqr_norm(dz, bias_shape, rows=None, sum_from_db=False):
   rank = dz.shape.rank
   axes = bias_axes(rank, bias_shape)
   sizes = [static_dim(dz, a) for a in axes]
-  k = registry.RECORDS.k
+  k = RECORDS.k
   per_example = None if None in sizes else int(np.prod(sizes, dtype=np.int64))
   if sum_from_db or (per_example == 1 and isinstance(k, int) and k == 1):
     return sq, db
@@ -306,7 +358,7 @@ def bias_sqr_norm(dz, bias_shape, rows=None, sum_from_db=False):
     n = tf.sqrt(reduce_sum(tf.square(d), entries)) if entries else tf.abs(d)
     return reduce_sum(n, list(range(1, n.shape.rank))) if n.shape.rank > 1 else n
 
-  s = registry.record_sum(once_per_graph(("bias_term_norms", tuple(entries)), dz, term_norms))
+  s = record_sum(once_per_graph(("bias_term_norms", tuple(entries)), dz, term_norms))
   if per_example is None:
     per_example = tf.cast(tf.reduce_prod(tf.gather(tf.shape(dz), axes)), tf.float32)
   if rows is None:
@@ -850,7 +902,7 @@ def bias_grad(dz, bias_shape):
   summed over the axes the bias is broadcast along ([B] + non-1 bias dims)."""
   axes = bias_axes(dz.shape.rank, bias_shape)
   dz = tf.cast(dz, tf.float32)
-  return registry.record_sum(reduce_sum(dz, axes) if axes else dz)
+  return record_sum(reduce_sum(dz, axes) if axes else dz)
 
 
 def bias_axes(rank, bias_shape):

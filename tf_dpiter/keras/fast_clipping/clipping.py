@@ -503,7 +503,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   ({id(unit): sum_fn or the FactorSums})."""
   parts = []   # every unit's [R] part, added by one AddN (not one add per unit)
   per_example, normed, sum_fns = {}, set(), {}
-  with registry.examples_per_record(k):   # the records of every norm function and sum below
+  with algebra.examples_per_record(k):   # the records of every norm function and sum below
     for u, start, n in ghost:
       rec = u.records[0]
       grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
@@ -526,7 +526,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
         parts.append(tf.cast(res, tf.float32))
     for u, rec, start, n in vect:
       g = vectorized_grads(u, rec, src_grads[start:start + n])
-      g = [tf.cast(registry.record_sum(t), tf.float32) for t in g]
+      g = [tf.cast(algebra.record_sum(t), tf.float32) for t in g]
       if id(u) in per_example:
         per_example[id(u)] = [a + b for a, b in zip(per_example[id(u)], g)]
       else:

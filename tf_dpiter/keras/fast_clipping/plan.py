@@ -206,7 +206,7 @@ def plan(model, grouped=False):
   Args:
     model: a built keras.Model.
     grouped: records of several examples; registered layers whose norm function
-      does not honour registry.examples_per_record take the vectorized path, as
+      does not honour algebra.examples_per_record take the vectorized path, as
       do 16-bit layers whose norm function is neither registry.float32_watched
       nor registry.float32_sums.
 

@@ -164,58 +164,6 @@ def keep_per_example(num_entries):
   return num_entries is not None and num_entries <= MAX_PER_EXAMPLE_ENTRIES
 
 
-# Records of k consecutive examples (microbatches): set by clipping while the
-# norm functions run; B is then a multiple of k and record j holds examples
-# j*k, ..., j*k + k - 1. A record's gradient is the sum of its examples'
-# contributions, so every per-example quantity is summed over the record
-# before squaring, and factored forms merge k into the position axis.
-class _Records(threading.local):
-  k = 1   # outside any examples_per_record context: a record is one example
-
-
-# The k of the innermost examples_per_record context of this thread: read as
-# `RECORDS.k` by the norm functions (current_examples_per_record() is the same).
-RECORDS = _Records()
-
-
-class examples_per_record:  # pylint: disable=invalid-name
-  """Context: the built-in norm functions return per-record norms for records
-  of k consecutive examples (k = 1: per-example)."""
-
-  def __init__(self, k):
-    self._k = k
-
-  def __enter__(self):
-    self._prev = RECORDS.k
-    RECORDS.k = self._k
-    return self
-
-  def __exit__(self, *exc):
-    RECORDS.k = self._prev
-
-
-def current_examples_per_record():
-  """k of the enclosing examples_per_record context (1 outside): `RECORDS.k`."""
-  return RECORDS.k
-
-
-def record_sum(t):
-  """[B, ...] per-example -> [B/k, ...] per-record sums.
-
-  Args:
-    t: [B, ...] per-example tensor, B a multiple of the record size k.
-
-  Returns:
-    [B/k, ...] tensor.
-  """
-  k = RECORDS.k
-  if isinstance(k, int) and k == 1:
-    return t
-  shape = tf.shape(t)
-  t = tf.reshape(t, tf.concat([[shape[0] // k, k], shape[1:]], 0))
-  return tf.reduce_sum(t, axis=1)
-
-
 def supports_records(fn):
   """Marks a norm function as honouring examples_per_record.
 
@@ -355,3 +303,16 @@ def _rule_of(cls):
           return fn
         return None
   return None
+
+
+# The records of k consecutive examples (`examples_per_record`, `RECORDS`, `record_sum`,
+# `current_examples_per_record`) are the rules' algebra's (algebra.py); read here they are
+# algebra's own objects.
+_RECORDS_NAMES = ("RECORDS", "examples_per_record", "current_examples_per_record", "record_sum")
+
+
+def __getattr__(name):
+  if name in _RECORDS_NAMES:
+    from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
+    return getattr(algebra, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

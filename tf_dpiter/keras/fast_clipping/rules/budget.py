@@ -167,7 +167,7 @@ def examples_per_chunk(batch_tensor, temp_bytes, cap=1 << 30):
   Returns:
     int or None.
   """
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   if not isinstance(k, int):
     return None
   if batch_tensor.shape[0] is None and routing.in_xla_context():
@@ -214,7 +214,7 @@ def _split(tensors, m):
   nothing is padded; else chunks of m, the last padded to m."""
   static_b = tensors[0].shape[0]
   if static_b is not None:
-    n, mc = balanced_chunk(static_b, m, registry.current_examples_per_record())
+    n, mc = balanced_chunk(static_b, m, algebra.current_examples_per_record())
     split = [tf.reshape(_pad_rows(t, n * mc - static_b) if n * mc > static_b else t,
                         [n, mc] + t.shape[1:].as_list()) for t in tensors]
     return n, lambda i: tuple(s[i] for s in split), mc
@@ -246,7 +246,7 @@ def over_chunks(body, tensors, m, out_specs):
   one_call = _fits_one_chunk(tensors, m)
   if one_call:
     return tuple(body(*tensors))
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   b = tf.shape(tensors[0])[0]
 
   def chunked():
@@ -323,7 +323,7 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
     return False
   if record_bytes <= operand_bytes:
     return True
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   static_b = batch_tensor.shape[0]
   if not isinstance(k, int) or (static_b is None and routing.in_xla_context()):
     return True
@@ -374,13 +374,13 @@ def record_factors(example_factors, k=None):
 
   Args:
     example_factors: [B] float32, each example's record's factor.
-    k: the records' examples (None: the enclosing registry.examples_per_record's).
+    k: the records' examples (None: the enclosing algebra.examples_per_record's).
 
   Returns:
     [B / k] float32.
   """
   if k is None:
-    k = registry.current_examples_per_record()
+    k = algebra.current_examples_per_record()
   if isinstance(k, int) and k == 1:
     return example_factors
   return tf.reshape(example_factors, [-1, k])[:, 0]
@@ -450,7 +450,7 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False, sum_rows=None):
       return sq, False, None
     return sq, True, tf.reshape(g, [tf.shape(g)[0], -1])
   kk += int(with_one)
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   override = registry.form_override()
   cheap = override if override in ("gram", "direct") else (
       "gram" if t * t * (kk + n) < t * kk * n else "direct")

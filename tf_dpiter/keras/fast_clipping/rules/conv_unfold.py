@@ -179,7 +179,7 @@ def block(p, dz):
 
   Args:
     p: [B, T, K] patches (float32).
-    dz: [B, T, cout] output gradients. Records of registry.examples_per_record are
+    dz: [B, T, cout] output gradients. Records of algebra.examples_per_record are
       merged into T (algebra.regroup_btk).
 
   Returns:

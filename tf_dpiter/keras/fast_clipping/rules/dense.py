@@ -67,7 +67,7 @@ def dense_norm_fn(layer, inputs, training=None):
     res = sqr_norm_fn(dz)
     if isinstance(res, (registry.PerExampleGrads, registry.PerExampleBlock)):
       return res
-    if isinstance(registry.RECORDS.k, int) and registry.RECORDS.k == 1 and x.shape.rank == 2:
+    if isinstance(algebra.RECORDS.k, int) and algebra.RECORDS.k == 1 and x.shape.rank == 2:
       # one term per record: the pinned sum
       return registry.FactorSums(res, lambda c: _pinned_dense_sums(layer, x, dz, c, on))
     return registry.FactorSums(res, lambda c: _dense_sums(
@@ -262,7 +262,7 @@ def bias_and_parts(layer, z, parts_fn, bias_on=None):
       # the clipped sum of the bias is formed from this db (PerExampleGrads, or bias_sum):
       # its float32 norm needs no bound
       sq_b, db = algebra.bias_sqr_norm(dz, layer.bias.shape, sum_from_db=True)
-      dbs[dz.ref() if tf.is_tensor(dz) else id(dz)] = (db, registry.RECORDS.k)
+      dbs[dz.ref() if tf.is_tensor(dz) else id(dz)] = (db, algebra.RECORDS.k)
       sq = algebra.add_norms(sq, sq_b)
       grads[id(layer.bias)] = db
     return algebra.result(layer, algebra.zeros(dz) if sq is None else sq, grads)
@@ -461,7 +461,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
   x = tf.cast(x, tf.float32)
   dz = tf.cast(dz, tf.float32)
   size = lambda t: algebra.static_positions(t.shape[1:])
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   operands = (4 * (size(x) + size(dz)) * k
               if -1 not in (size(x), size(dz)) and isinstance(k, int) else 0)
   keep = budget.keep_choice(x, 4 * p, registry.keep_per_example(p), operands)
@@ -476,14 +476,14 @@ def _einsum_kernel_norms(equation, x, dz, p):
   def pass_of(with_g):
     def body(xc, dc):
       per_example_grad = f"{inp},{out}->{inp[0]}{ker}"
-      g = algebra.reshape(registry.record_sum(tf.einsum(per_example_grad, xc, dc)), [-1, p])
+      g = algebra.reshape(algebra.record_sum(tf.einsum(per_example_grad, xc, dc)), [-1, p])
       sq = algebra.reduce_sum(tf.square(g), 1)
       if with_g:   # the clipped sum from this g: no bound
         return sq, g
       # the sum by _einsum_kernel_sum rounds the record's terms another way: the norm raised by
       # gamma_L ||sum |x| |dz|||_F (algebra.with_sum_rounding's bound, its S the Frobenius
       # norm of the entrywise bound itself), L = k P + B P + 1 (P terms per entry per example)
-      bound = registry.record_sum(tf.einsum(per_example_grad, tf.abs(xc), tf.abs(dc)))
+      bound = algebra.record_sum(tf.einsum(per_example_grad, tf.abs(xc), tf.abs(dc)))
       s = tf.sqrt(algebra.sqr_sum(bound))
       return (algebra.with_terms_rounding(sq, s, terms + rows + 1),)
 
@@ -549,7 +549,7 @@ def _einsum_norms(layer, equation, x, dz):
   size = lambda t: algebra.static_positions(t.shape[1:])
   m = (budget.examples_per_chunk(x, 4 * 2 * (size(x) + size(dz)))
        if -1 not in (size(x), size(dz)) else None)
-  records_k = registry.RECORDS.k   # the sums run outside the norms' records context
+  records_k = algebra.RECORDS.k   # the sums run outside the norms' records context
 
   def with_bias(kernel_sum, c):
     out = {id(layer.kernel): kernel_sum}

@@ -191,14 +191,14 @@ def einsum_dense_lora_norm_fn(layer, inputs, training=None):
     xf, dzf, v, u = rank_factors(dz)
     grads = {}
     if v is not None:     # sum x v: s * sum_e G[..., e] B[r, e]
-      grads[id(a_var)] = _part(registry.record_sum(
+      grads[id(a_var)] = _part(algebra.record_sum(
           tf.einsum(f"{inp},{out_r}->{b}{rest}{r}", xf, v)))
     if u is not None:     # sum u dz: s * sum_rest A[rest, r] G[rest, e]
-      grads[id(b_var)] = _part(registry.record_sum(
+      grads[id(b_var)] = _part(algebra.record_sum(
           tf.einsum(f"{inp_r},{out}->{b}{r}{e}", u, dzf)))
     if algebra.trainable(base):
       g = tf.einsum(f"{inp},{out}->{b}{ker}", xf, dzf)
-      grads[id(base)] = _part(registry.record_sum(g))
+      grads[id(base)] = _part(algebra.record_sum(g))
     return grads
 
   def sums(dz, c):   # sum_i c_i g_i of the kernel side: the same contractions without b

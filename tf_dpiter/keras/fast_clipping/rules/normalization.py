@@ -70,7 +70,7 @@ def layer_norm_norm_fn(layer, inputs):
     keep = budget.keep_choice(dy, 4 * entries * len(trained),
                               registry.keep_per_example(entries))
     keep = keep if isinstance(keep, bool) else True
-    k = registry.current_examples_per_record()
+    k = algebra.current_examples_per_record()
     size = algebra.static_positions(dy.shape[1:])
     m = (budget.examples_per_chunk(dy, 4 * 3 * size)
          if size != -1 and isinstance(k, int) else None)
@@ -81,7 +81,7 @@ def layer_norm_norm_fn(layer, inputs):
       parts = []
       for v in trained:
         g = dc * tf.cast(xc, tf.float32) if v is gamma else dc
-        g = registry.record_sum(algebra.reduce_sum(g, red) if red else g)
+        g = algebra.record_sum(algebra.reduce_sum(g, red) if red else g)
         parts.append(g if g.shape.rank == 2 else algebra.reshape(g, [-1, entries]))
       block = parts[0] if len(parts) == 1 else tf.concat(parts, algebra.const(1))
       sq = algebra.sqr_sum(block)
@@ -129,9 +129,9 @@ def _with_sum_rounding(sq, dy, xhat, gamma, trained, red, rows):
     t = dy * tf.cast(xhat, tf.float32) if v is gamma else dy
     n = tf.sqrt(algebra.reduce_sum(tf.square(t), axes))
     norms = n if norms is None else norms + n
-  s = registry.record_sum(algebra.reduce_sum(norms, list(range(1, norms.shape.rank)))
+  s = algebra.record_sum(algebra.reduce_sum(norms, list(range(1, norms.shape.rank)))
                           if norms.shape.rank > 1 else norms)
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   positions = (int(np.prod([dy.shape[a] for a in red])) if red else 1) * (
       k if isinstance(k, int) else tf.cast(k, tf.float32))
   return algebra.with_terms_rounding(sq, s, positions + rows + 1)

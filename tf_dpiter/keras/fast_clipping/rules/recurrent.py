@@ -222,7 +222,7 @@ def recurrent_norm_fn(layer, sequences, initial_state=None, mask=None, training=
     def norms(xc, auxc, gc):
       return (_sqr_norms(_parts(cell, xc, tf.cast(auxc, tf.float32), gc), rows),)
 
-    rec = m // registry.current_examples_per_record() if m is not None else None
+    rec = m // algebra.current_examples_per_record() if m is not None else None
     sq = budget.over_chunks(norms, (x, aux, g), m, [tf.TensorSpec([rec], tf.float32)])[0]
 
     def weighted_sums(xc, auxc, gc, cc):
@@ -245,7 +245,7 @@ def _examples_per_chunk(x, aux, g):
   per example the chunk's inputs, recurrent inputs and gradients, their copies (slices,
   weighted rows) and the [T, T] Gram matrices of up to three factor pairs."""
   dims = [algebra.static_dim(t, i) for t in (x, aux, g) for i in (1, 2)]
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   if None in dims or not isinstance(k, int):
     return None
   t = dims[0]

@@ -12,14 +12,13 @@ per-example gradient G_i = sum_t e_{id_t} d_t^T, so
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
-from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 
 def same_id_sqr_norm(ids, d):
   """Per-record ||sum_t e_{id_t} d_t^T||^2 for ids [B, T] (int), d [B, T, K].
 
-  Records of k consecutive examples (registry.examples_per_record) merge their positions.
+  Records of k consecutive examples (algebra.examples_per_record) merge their positions.
   The [T, T] matrices of equal ids and of the d Gram are formed over chunks of the batch
   whose temporaries take at most budget.CHUNK_BYTES (rules/budget.py), one chunk at a time.
 
@@ -34,7 +33,7 @@ def same_id_sqr_norm(ids, d):
     rounding and nothing can cancel).
   """
   d = tf.cast(d, tf.float32)
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   if algebra.static_dim(ids, 1) == 1 and isinstance(k, int) and k == 1:
     return algebra.sqr_sum(d)
   t, kk = algebra.static_dim(d, 1), algebra.static_dim(d, 2)
