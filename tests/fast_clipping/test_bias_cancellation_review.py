@@ -27,6 +27,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import algebra
+from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 
 from .test_gram_cancellation_review import C

@@ -312,6 +312,7 @@ _RECORDS_NAMES = ("RECORDS", "examples_per_record", "current_examples_per_record
 
 
 def __getattr__(name):
+  """`registry.<name>` of the four records names: algebra's object (PEP 562)."""
   if name in _RECORDS_NAMES:
     from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
     return getattr(algebra, name)
