@@ -21,6 +21,7 @@ import keras
 import numpy as np
 import pytest
 
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
 
 from .covers import all_pairs
@@ -178,7 +179,7 @@ def _mirrored_pairs(model, shape, count=8, seed=3, top=4):
 
 @pytest.mark.parametrize("form,keep,jit", _forms("across"))
 def test_records_of_two_cancelling_across_examples(form, keep, jit, monkeypatch):
-  """The record's gradient is the sum of its examples' (registry.examples_per_record): the
+  """The record's gradient is the sum of its examples' (algebra.examples_per_record): the
   norm of that sum, the clipped sum of the same record terms (the kept per-example gradients
   weighted one by one moved it by 1.04 C)."""
   model, shape = _forced(monkeypatch, form, keep)

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.keras.fast_clipping import clipping
+from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
 from tf_dpiter.keras.fast_clipping.rules import budget
 from tf_dpiter.keras.fast_clipping.rules import conv
@@ -246,7 +247,7 @@ def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
 
   @tf.function
   def norms(x, dz):
-    with registry.examples_per_record(k):
+    with algebra.examples_per_record(k):
       return conv._fold_gram_sqr_norm(x, dz, ksize, strides, padding,
                                       b * out_hw[0] * out_hw[1])
 
@@ -280,7 +281,7 @@ def test_fold_gram_norm_is_a_float32_upper_bound(k, jit):
   want = np.sum(np.einsum("btk,btn->bkn", p, d) ** 2, axis=(1, 2))
 
   def norms(x, dz):
-    with registry.examples_per_record(k):
+    with algebra.examples_per_record(k):
       return conv._fold_gram_sqr_norm(x, dz, (4, 4), (2, 2), "valid")
 
   fn = tf.function(norms, jit_compile=jit)
@@ -309,7 +310,7 @@ def test_balanced_chunks_pad_less_than_one_record_per_chunk(b, k):
 def _form(in_shape, ksize, strides, out_shape, k=1):
   x = tf.zeros((3,) + in_shape)
   dz = tf.zeros((3,) + out_shape)
-  with registry.examples_per_record(k):
+  with algebra.examples_per_record(k):
     return conv._choose_form(dz, x, ksize, strides, (1, 1), keep=True)
 
 

@@ -303,17 +303,3 @@ def _rule_of(cls):
           return fn
         return None
   return None
-
-
-# The records of k consecutive examples (`examples_per_record`, `RECORDS`, `record_sum`,
-# `current_examples_per_record`) are the rules' algebra's (algebra.py); read here they are
-# algebra's own objects.
-_RECORDS_NAMES = ("RECORDS", "examples_per_record", "current_examples_per_record", "record_sum")
-
-
-def __getattr__(name):
-  """`registry.<name>` of the four records names: algebra's object (PEP 562)."""
-  if name in _RECORDS_NAMES:
-    from tf_dpiter.keras.fast_clipping import algebra  # pylint: disable=g-import-not-at-top
-    return getattr(algebra, name)
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -533,7 +533,7 @@ def _pinned_applies(layer):
   enough to keep (registry.keep_per_example: forming one per example costs at most what the
   kept forms cost; a larger kernel keeps the book-keeping sum, unpinned and charged no margin:
   docs/design.md, "Floating point")."""
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   return (PINNED_SUMS and isinstance(k, int) and k == 1 and
           registry.keep_per_example(int(np.prod(layer.kernel.shape))))
 
@@ -778,7 +778,7 @@ def _bias_sum(db, factors, k):
   Returns:
     [cout] float32.
   """
-  with registry.examples_per_record(k):
+  with algebra.examples_per_record(k):
     rc = budget.record_factors(factors)
   return tf.linalg.matvec(algebra.drop_rows(db, rc), rc, transpose_a=True)
 
@@ -793,7 +793,7 @@ def _bookkeeping_result(layer, form_name, sq, x4, dz4, ksize, stride, dilation, 
   entry of the released sum. db: the per-record bias gradients [B / k, cout] whose norms are
   in sq (None: no trainable bias), the bias sum's terms (`_bias_sum`)."""
 
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   # one example per record: the per-example gradients formed again, summed in a pinned order
   form = (_per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
           if _pinned_applies(layer) else None)
@@ -823,7 +823,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   the kept gradients or by book-keeping. bias: (squared norms [B / k], per-record gradients
   [B / k, cout]) of the bias (algebra.bias_sqr_norm, the sum formed from those gradients), or
   None."""
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   form = _per_example_form(form_name, x4, dz4, ksize, stride, dilation, padding)
   p = int(np.prod(layer.kernel.shape))
   b = tf.shape(dz4)[0]
@@ -849,7 +849,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   def sum_fn(example_factors):   # rows with c = 0 add exactly 0 (multiply_no_nan), no branch
     with tf.name_scope(_scope_name(layer, form_name, "sum")):
       factors = tf.cast(example_factors, tf.float32)
-      with registry.examples_per_record(k):   # the norms' records (the sum runs outside)
+      with algebra.examples_per_record(k):   # the norms' records (the sum runs outside)
         rc = budget.record_factors(factors)
       if pinned:   # one example per record: the pinned order, kept or formed again
         block = _pinned_block(form, rc)
@@ -873,7 +873,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
 def _fold_gram_applies(x4, dz4, ksize, stride, dilation):
   """The folded patch Gram applies: stride blocks fold (conv_unfold.foldable) and the
   record size is a Python int."""
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   return isinstance(k, int) and conv_unfold.foldable(x4, ksize, stride, dilation,
                                                      tuple(dz4.shape[1:3]))
 
@@ -1074,9 +1074,9 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
       float32 scalar tensor), or None for the bound of the exact norm alone.
 
   Returns:
-    [B/k] float32 (k = registry.current_examples_per_record(), a Python int).
+    [B/k] float32 (k = algebra.current_examples_per_record(), a Python int).
   """
-  k = registry.current_examples_per_record()
+  k = algebra.current_examples_per_record()
   ga = conv_unfold.patch_gram(x4, ksize, stride, padding, tuple(dz4.shape[1:3]), k)
   b = algebra.regroup_btk(tf.cast(algebra.to_btk(dz4), tf.float32))
   gb = tf.linalg.matmul(b, b, transpose_b=True)
@@ -1135,7 +1135,7 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
     with_bias = lambda sq: sq if bias is None else sq + bias[0]
     db = None if bias is None else bias[1]
     if form == "foldgram" and _fold_gram_applies(x4, dz4, ksize, stride, dilation):
-      k = registry.current_examples_per_record()
+      k = algebra.current_examples_per_record()
       m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride, k), k, 1 << 30)
            if _chunkable(x4, k) else None)
       rows = algebra.batch_rows(algebra.to_btk(dz4))   # the book-keeping product's, B ho wo
