@@ -43,7 +43,11 @@ def float_dtype(*values):
 
 def global_l2_norm(record):
   """||x||_2 of a nest of tensors taken as one concatenated vector (float32; float64 when a
-  leaf is float64).
+  leaf is float64), its squares summed in an order pinned by the entries' indices: each
+  leaf by `summation.pinned_square_sum` (blocks of 64 squares, then a pairwise tree), the
+  leaves' sums by tf.add_n (any order). The computed norm is then low by at most the
+  factor 1 / (1 + `record_norm_margin(record)`) (`summation.norm_margin`), whatever the
+  compiler does with a long reduction.
 
   Args:
     record: a nest of numeric tensors.
@@ -53,8 +57,48 @@ def global_l2_norm(record):
   """
   leaves = [tf.convert_to_tensor(x) for x in tf.nest.flatten(record)]
   dtype = float_dtype(*leaves)
-  leaves = [tf.cast(x, dtype) for x in leaves]
-  return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(x)) for x in leaves]))
+  sums = [summation.pinned_square_sum(tf.cast(x, dtype)) for x in leaves]
+  if not sums:
+    return tf.constant(0.0, dtype)
+  return tf.sqrt(tf.add_n(sums))
+
+
+def record_norm_margin(record):
+  """eta_norm of `global_l2_norm(record)`: `summation.norm_margin` of the leaves' entry
+  counts in the norm's dtype (a Python float, or a float64 tensor when a leaf's size is
+  known at run time only).
+
+  Args:
+    record: a nest of numeric tensors (or anything with .shape and .dtype).
+
+  Returns:
+    eta_norm >= 0.
+  """
+  leaves = tf.nest.flatten(record)
+  wide = any(tf.as_dtype(getattr(x, "dtype", tf.float32)) == tf.float64 for x in leaves)
+  dtype = tf.float64 if wide else tf.float32
+  sizes = []
+  for x in leaves:
+    shape = tf.TensorShape(x.shape)
+    sizes.append(shape.num_elements() if shape.is_fully_defined() else tf.size(x))
+  return summation.norm_margin(sizes, dtype)
+
+
+def norm_margin_clip(l2_norm_clip, eta, dtype=tf.float32):
+  """C' = C s, s = `summation.shrink(eta)` (<= 1 / (1 + eta)): the clip a computed norm that
+  may be low by the factor 1 / (1 + eta) is compared with (`summation.norm_margin` charges
+  this product's rounding).
+
+  Args:
+    l2_norm_clip: C >= 0, a number or scalar tensor.
+    eta: eta_norm (a Python float or float64 scalar tensor).
+    dtype: the clip arithmetic's dtype.
+
+  Returns:
+    a scalar `dtype` tensor.
+  """
+  s = summation.shrink(eta, dtype)
+  return tf.cast(l2_norm_clip, dtype) * tf.cast(s, dtype)
 
 
 def _raw_factors(norms, l2_norm_clip):
@@ -83,7 +127,9 @@ def clip_factors(record_norms, l2_norm_clip):
 
 
 def clip_by_global_l2_norm(record, l2_norm_clip):
-  """pi_S(x) = x * min(1, S / ||x||_2) (McMahan et al. 2018, Section 1), over the whole nest.
+  """pi_S(x) = x * min(1, S / ||x||_2) (McMahan et al. 2018, Section 1), over the whole nest,
+  with S taken as S / (1 + eta_norm) (`norm_margin_clip`): the computed norm may be low by
+  that factor (`global_l2_norm`), and ||c x|| <= S must hold for the computed factor c.
 
   Args:
     record: a nest of float tensors x.
@@ -94,7 +140,8 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
     record of non-finite norm (a NaN or inf coordinate) is clipped to zeros (`scale_record`).
   """
   norm = global_l2_norm(record)
-  return scale_record(record, norm, _raw_factors(norm, l2_norm_clip)), norm
+  clip = norm_margin_clip(l2_norm_clip, record_norm_margin(record), norm.dtype)
+  return scale_record(record, norm, _raw_factors(norm, clip)), norm
 
 
 def scale_record(record, norm, factor):

@@ -426,6 +426,115 @@ def pairwise_sum(x):
   return _pairwise_sum_dynamic(x)
 
 
+# Entries of a record summed in any order before `pinned_square_sum`'s tree: 64 keeps each
+# square's rounding count small (63 + the tree's levels) and the tree's levels (one slice
+# and one add each) few.
+SQUARE_BLOCK = 64
+
+
+def pinned_square_sum(x, block=SQUARE_BLOCK):
+  """sum_j x_j^2 over every entry of x, in an order pinned by the entries' indices alone:
+  the flattened squares padded with zeros to a multiple of b = `block` (x + 0 is exact),
+  each block of b summed in any order (a reduce_sum over a last axis of b), then the blocks'
+  sums by `pairwise_sum`'s tree of elementwise adds. Each square goes through at most
+  (min(b, n) - 1) + ceil(log2 ceil(n / b)) additions (`square_sum_depth`), whatever the
+  compiler does, where one reduction of all n terms may add tiny squares one at a time to a
+  partial sum holding a big one and drop them (Higham, "Accuracy and Stability of Numerical
+  Algorithms", 2nd ed., Sec. 4.2: up to n - 1 roundings per term). Not reductions of
+  reductions: XLA merges those into one reduction of any order.
+
+  Args:
+    x: a float tensor of any shape (n entries, n static or not).
+    block: b >= 1.
+
+  Returns:
+    a scalar of x's dtype.
+  """
+  flat = tf.reshape(tf.square(x), [-1])
+  n = flat.shape[0]
+  if n is not None:
+    if n <= block:
+      return tf.reduce_sum(flat)
+    pad = -n % block
+    if pad:
+      flat = tf.pad(flat, [[0, pad]])
+    return pairwise_sum(tf.reduce_sum(tf.reshape(flat, [-1, block]), axis=1))
+  flat = tf.pad(flat, [[0, tf.math.floormod(-tf.shape(flat)[0], block)]])
+  return _pairwise_sum_dynamic(tf.reduce_sum(tf.reshape(flat, [-1, block]), axis=1))
+
+
+def square_sum_depth(size, block=SQUARE_BLOCK):
+  """The most additions a square goes through in `pinned_square_sum` of `size` entries:
+  (min(b, n) - 1) + ceil(log2 ceil(n / b)).
+
+  Args:
+    size: n >= 0 entries (an int, or a scalar int tensor).
+    block: b.
+
+  Returns:
+    an int, or a float64 scalar tensor for a tensor `size`.
+  """
+  if tf.is_tensor(size):
+    n = tf.maximum(tf.cast(size, tf.float64), 1.0)
+    leaves = tf.math.ceil(n / float(block))
+    # ceil(log2 leaves) + 1: one level more than needed where log2 of a power of two
+    # rounds up (exact in float64 below 2^50: the +1 only covers it)
+    levels = tf.math.ceil(tf.math.log(leaves) / tf.math.log(tf.constant(2.0, tf.float64)))
+    return (tf.minimum(n, float(block)) - 1.0) + levels + 1.0
+  n = max(int(size), 1)
+  return (min(block, n) - 1) + tree_depth(-(-n // block))
+
+
+def norm_margin(sizes, dtype=tf.float32, block=SQUARE_BLOCK):
+  """eta_norm >= 0 such that a record x (leaves of `sizes` entries) whose norm is computed
+  as sqrt of `pinned_square_sum` per leaf, the leaves' sums combined by `pairwise_sum`, and
+  clipped to C' = fl(C s), s = `shrink`(eta_norm), c = fl(C' / ||x||~), has c ||x|| <= C: the
+  computed norm ||x||~ is taken low by at most the factor 1 / (1 + eta_norm), the clip
+  raised by at most that factor's rounding. In float32 2.1e-6 for one leaf of 64 entries,
+  2.5e-6 for one of 2^20 (H = 63 + 14).
+
+  Derivation (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Secs. 2.2
+  and 3.1; round to nearest, u the unit roundoff). Every square fl(x_j^2) = x_j^2 (1 + d),
+  every addition fl(a + b) = (a + b)(1 + d), |d| <= u; the terms are nonnegative, so the
+  computed sum is sum_j x_j^2 prod (1 + d) over at most H + 1 factors (the square and H
+  additions: H = the largest `square_sum_depth` of a leaf + L - 1 for L leaves added in
+  any order) and
+  is at least (1 - u)^(H + 1) ||x||^2. The square root rounds once more:
+  ||x||~ >= (1 - u)^((H + 1) / 2 + 1) ||x||. The clip C' = fl(C s) <= C s (1 + u) and the
+  factor fl(C' / ||x||~) <= (C' / ||x||~)(1 + u) add two more factors, so
+  c ||x|| <= C s (1 - u)^-k, k = (H + 1) / 2 + 3, and (1 - u)^-k <= 1 + gamma_k
+  (Bernoulli: (1 - u)^k >= 1 - k u), so eta_norm = gamma_k makes c ||x|| <= C. Assumes the
+  squares do not underflow (float32: entries above 2^-63 in magnitude matter, i.e. a clip
+  C above about sqrt(n) 2^-63); a flushed square loses at most 2^-126 absolutely.
+
+  Args:
+    sizes: the leaves' entry counts (ints, or scalar int tensors).
+    dtype: the norm's dtype (float32 or float64).
+    block: `pinned_square_sum`'s b.
+
+  Returns:
+    a Python float, or a float64 scalar tensor when a size is a tensor.
+
+  Raises:
+    ParameterValueError: a bound that is not defined (k u >= 1/2).
+  """
+  u = unit_roundoff(dtype)
+  sizes = list(sizes) or [0]
+  leaves = len(sizes) - 1
+  if any(tf.is_tensor(n) for n in sizes):
+    depth = tf.reduce_max(tf.stack([tf.cast(square_sum_depth(n, block), tf.float64)
+                                    for n in sizes])) + leaves
+    k = (depth + 1.0) / 2.0 + 3.0
+    return k * u / (1.0 - k * u)
+  depth = max(square_sum_depth(n, block) for n in sizes) + leaves
+  k = (depth + 1) / 2.0 + 3.0
+  if k * u >= 0.5:
+    raise ParameterValueError(
+        f"`sizes` must give a norm whose rounding bound is defined (k u < 1/2). "
+        f"Received: sizes={sizes}")
+  return _gamma(k, u)
+
+
 def _pairwise_sum_dynamic(x):
   """`pairwise_sum` of a row count n the trace does not know, in shapes that stay [n, ...]
   (XLA compiles it): the same tree (rows past n are the zero padding), level h = p/2, ..., 1
