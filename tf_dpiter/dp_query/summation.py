@@ -55,6 +55,15 @@ def tree_depth(n):
   return max(0, int(n) - 1).bit_length()
 
 
+class TreeChunks(int):
+  """A count K of chunks whose sums are combined by a pinned binary tree (each chunk's sum
+  through ceil(log2 K) additions: keras.optimizer.chunking's padded tail) rather than added
+  one after the other; an int everywhere else (`rounding_margin` reads the difference)."""
+
+  def __repr__(self):
+    return f"TreeChunks({int(self)})"
+
+
 def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, products=0,
                     final=0, total=None, shifted=True):
   """eta >= 0 such that, with every record's term of norm <= C / (1 + eta), adding or
@@ -72,7 +81,9 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
   coordinate may have its own order), the blocks combined by `pairwise_sum` (the same binary
   tree for every coordinate, depth d = ceil(log2 ceil(records / b))); the K = `chunks` chunks'
   sums added one after the other into an accumulator (chunk 1 and 2 through K - 1
-  additions, chunk k >= 2 through K - k + 1); the R = `replicas` replicas' sums added in any
+  additions, chunk k >= 2 through K - k + 1), or, for a `TreeChunks` K, combined by a
+  pinned binary tree of the chunks' sums (every chunk through ceil(log2 K) additions, a
+  node of level l holding at most 2^l chunks); the R = `replicas` replicas' sums added in any
   order (an all-reduce); then `final` roundings of the whole sum (a scale s <= 1 multiplied
   in: fl(s y) = s y + e, |e| <= u |s y|, counted as levels). Every term goes through at most
   H = (b - 1) + d + (K - 1) + (R - 1) + final roundings.
@@ -109,7 +120,8 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
   Args:
     records: rows per chunk (>= 1): a Python int (the static plan), or a scalar int tensor
       (rows known at run time only; padding rows count).
-    chunks: K >= 1 chunks added sequentially (an int, or a scalar int tensor).
+    chunks: K >= 1 chunks added sequentially (an int, or a scalar int tensor), or a
+      `TreeChunks` (combined by a pinned tree).
     replicas: R >= 1 replicas' sums added in any order.
     block: rows summed in any order before the tree (>= 1); a block of more rows than
       `records` counts `records` (its other rows are zero padding, added exactly).
@@ -136,12 +148,14 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
       raise ParameterValueError(
           f"`{name}` must be an int >= {low}. Received: {name}={value!r}")
+  tree = isinstance(chunks, TreeChunks)
   records, chunks, replicas = int(records), int(chunks), int(replicas)
   rows = records * chunks if total is None else min(int(total), records * chunks)
   u = unit_roundoff(dtype)
   block = min(int(block), records)   # a block's padding rows are zeros: x + 0 is exact
   depth = tree_depth(-(-records // block))
-  most = (block - 1) + depth + chunks - 1 + replicas - 1 + int(final)
+  across = tree_depth(chunks) if tree else chunks - 1   # a chunk's most additions
+  most = (block - 1) + depth + across + replicas - 1 + int(final)
   if most * u >= 0.5:
     raise ParameterValueError(
         f"the plan's rounding bound is not defined (depth {most}). Received: "
@@ -150,7 +164,8 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
   if shifted:
     # the chunks' additions: chunk 1 and 2 through K - 1, chunk k >= 2 through K - k + 1,
     # the rows placed where they are charged most
-    counts = [chunks - 1] + [chunks - k + 1 for k in range(2, chunks + 1)]
+    counts = ([across] * chunks if tree else
+              [chunks - 1] + [chunks - k + 1 for k in range(2, chunks + 1)])
     left, chunked = rows, 0
     for c in counts:
       take = min(records, left)
@@ -160,7 +175,9 @@ def rounding_margin(records, chunks=1, replicas=1, block=1, dtype=tf.float32, pr
   else:
     nodes = ((block - 1) * (2 * block - 1)
              + sum(2 * min(block << level, records) - 1 for level in range(1, depth + 1))
-             + sum(2 * min((j + 1) * records, rows) - 1 for j in range(1, chunks))
+             + (sum(2 * min((records << level), rows) - 1 for level in range(1, across + 1))
+                if tree else
+                sum(2 * min((j + 1) * records, rows) - 1 for j in range(1, chunks)))
              + (replicas - 1 + int(final)) * (2 * n - 1))
   return _margin(nodes, most, u, products)
 

@@ -5,7 +5,9 @@ at most `max_physical_batch_size` examples (whole records): the chunks' clipped 
 to the batch's, so chunking changes memory, not the mechanism. Both clipping paths run
 through `sum_over_chunks`. Under XLA a padded Poisson sample (real records first) is split
 by `chunk_layout` so that chunks of padding only are skipped: a padding record adds exactly
-0, so the sum is unchanged; shapes stay static.
+0, so the sum is unchanged; shapes stay static. The padded tail's chunk sums are combined
+by a pinned binary tree (each through ceil(log2 K) roundings for K chunks, not up to
+K - 1: the clip shrink of `summation.rounding_margin` is that much smaller).
 
 The privacy arithmetic (norms, clip factors, the clipped sum, the noise) is done in float32,
 or float64 for float64 variables, whatever the Keras dtype policy.
@@ -162,9 +164,10 @@ def _layout(step, examples_per_record, num_records_static, multiple=8, xla=None)
 def sum_plan(per_chunk, record_mask):
   """(records per chunk, chunks) of the additions `sum_over_chunks` runs for a layout (the
   static plan `summation.rounding_margin` bounds): each chunk's records summed by the query
-  (`summation.pairwise_sum`), the chunks' sums added one after the other. Ints where the
-  trace knows them, else scalar int tensors; a chunk skipped for holding no real record adds
-  0 (exact), so the count of a padded layout is its largest.
+  (`summation.pairwise_sum`), the chunks' sums added one after the other, or for a
+  `PaddedTail` of known rows combined by a pinned tree (chunks a `summation.TreeChunks`).
+  Ints where the trace knows them, else scalar int tensors; a chunk skipped for holding no
+  real record adds 0 (exact), so the count of a padded layout is its largest.
 
   Args:
     per_chunk: `chunk_layout`'s value (None, an int or scalar tensor, TailChunks, PaddedTail).
@@ -189,10 +192,14 @@ def _plan_of(per_chunk, m):
   if isinstance(per_chunk, TailChunks):
     return max(per_chunk), len(per_chunk)
   if isinstance(per_chunk, PaddedTail):
-    rest = tf.maximum(m - per_chunk.first, 0) if tf.is_tensor(m) else max(m - per_chunk.first, 0)
-    tail = (rest + per_chunk.chunk - 1) // per_chunk.chunk
-    tail = tf.maximum(tail, 1) if tf.is_tensor(tail) else max(tail, 1)
-    return max(per_chunk.first, per_chunk.chunk), 1 + tail
+    records = max(per_chunk.first, per_chunk.chunk)
+    if tf.is_tensor(m):   # chunks the trace does not know: added one after the other
+      tail = tf.maximum((tf.maximum(m - per_chunk.first, 0) + per_chunk.chunk - 1)
+                        // per_chunk.chunk, 1)
+      return records, 1 + tail
+    tail = max(-(-max(m - per_chunk.first, 0) // per_chunk.chunk), 1)
+    # the chunks' sums combined by a pinned tree (`_sum_over_padded_tail`)
+    return records, summation.TreeChunks(1 + tail)
   return per_chunk, (m + per_chunk - 1) // per_chunk
 
 
@@ -284,27 +291,109 @@ def _take(nest, i):
   return tf.nest.map_structure(lambda t: None if t is None else t[i], nest)
 
 
+def _tree_levels(nchunks):
+  """Levels of `_sum_over_padded_tail`'s tree of the first chunk's and the tail's sums: the
+  leaves' count K = 1 + nchunks through ceil(log2 K) additions, one slot per level; None
+  where neither the trace nor the public plan bounds K (then the chunks are added one after
+  the other, as `_plan_of` of a batch of unknown rows states)."""
+  static = tf.get_static_value(nchunks)
+  if static is not None:
+    return summation.tree_depth(1 + int(static)) + 1
+  plan = summation.current_public_plan()   # the rows are checked against its bound
+  if plan is not None and isinstance(plan[2], summation.TreeChunks):
+    return summation.tree_depth(int(plan[2])) + 1
+  return None
+
+
+def _tree_push(stack, count, value):
+  """Adds leaf number `count` (0-based) to a pinned binary tree kept as a counter:
+  slot l of `stack` ([levels, ...] per leaf of the nest) holds the sum of the 2^l leaves of
+  a complete subtree where bit l of `count` is set. The t trailing one bits of `count` are
+  the subtrees the new leaf completes: carry = slot[t-1] + (... + (slot[0] + value)), then
+  written to slot t. The additions are those of a balanced binary tree of adjacent pairs
+  (leaves 2i and 2i + 1, then their sums alike) over the leaves padded with zeros to a power
+  of two (`_tree_total`): each leaf through at most ceil(log2 K) of them for K leaves, as in
+  `summation.pairwise_sum` (which pairs i with i + K / 2 instead); a slot's dynamic read and
+  write, no host round trip."""
+  ones = tf.bitwise.bitwise_xor(count, count + 1)            # 2^(t + 1) - 1
+  t = tf.cast(tf.raw_ops.PopulationCount(x=ones), tf.int32) - 1
+
+  def merge(level, carry):
+    carry = tf.nest.map_structure(lambda slot, c: tf.gather(slot, level) + c, stack, carry)
+    return level + 1, carry
+
+  _, carry = tf.while_loop(lambda level, _: level < t, merge, (tf.constant(0), value))
+  return tf.nest.map_structure(
+      lambda slot, c: tf.tensor_scatter_nd_update(slot, [[t]], c[None]), stack, carry)
+
+
+def _tree_total(stack, count, levels):
+  """The tree's root after `count` leaves: the complete subtrees (the set bits of `count`)
+  added from the smallest up, slot[l] + (sum of the smaller ones): the root of the tree of
+  adjacent pairs over the leaves padded with zero leaves (x + 0 is exact)."""
+  def level_sum(slot):
+    total = tf.zeros_like(slot[0])
+    for level in range(levels):
+      bit = tf.equal(tf.bitwise.bitwise_and(tf.bitwise.right_shift(count, level), 1), 1)
+      total = tf.where(bit, slot[level] + total, total)
+    return total
+
+  return tf.nest.map_structure(level_sum, stack)
+
+
 def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
   """The first chunk, then the tail's chunks in a tf.while_loop that stops after the last
-  chunk holding a real record; the aux of chunks not run is zeros (padding rows)."""
+  chunk holding a real record; the aux of chunks not run is zeros (padding rows).
+
+  The chunks' sums are combined by a pinned binary tree (`_tree_push`): the first chunk's
+  sum (into `acc`) is leaf 0, every tail chunk is run from a zero accumulator (its own sum,
+  `chunk_fn` adding it to zeros exactly) and is the next leaf, so each row's term goes
+  through ceil(log2 K) additions of chunks' sums for K = 1 + tail chunks
+  (`summation.rounding_margin` of a `summation.TreeChunks` plan) instead of up to K - 1 one
+  after the other. `chunk_fn` must add the chunk's contribution to its accumulator (the
+  clipped sums: `sum_over_chunks`). Without a static or public bound on K the chunks are
+  added one after the other (`_plan_of` states that plan)."""
   acc, loss_sum, aux = chunk_fn(acc, _slice(records, 0, layout.first),
                                 record_mask[:layout.first])
   rest_mask = record_mask[layout.first:]
   chunks, cmask, nchunks = grads_lib.chunked(_slice(records, layout.first, None), rest_mask,
                                              layout.chunk, min_chunks=1)
+  m = tf.TensorShape(rest_mask.shape)[0]
+  if m is not None:   # the trace knows the tail's chunks (tf.shape's arithmetic it does not)
+    nchunks_static = max(-(-int(m) // layout.chunk), 1)
+    nchunks = tf.constant(nchunks_static)
   holds_real = tf.cast(tf.reduce_any(cmask > 0, axis=1), tf.int32)
   runs = tf.reduce_max(tf.concat([[0], holds_real * tf.range(1, nchunks + 1)], 0))
   buf = tf.nest.map_structure(
       lambda t: tf.zeros(tf.concat([[nchunks, layout.chunk], tf.shape(t)[1:]], 0), t.dtype), aux)
+  levels = _tree_levels(nchunks)
 
-  def body(i, acc, loss_sum, buf):
-    acc, loss, chunk_aux = chunk_fn(acc, _take(chunks, i), cmask[i])
-    buf = tf.nest.map_structure(
-        lambda b, t: tf.tensor_scatter_nd_update(b, [[i]], t[None]), buf, chunk_aux)
-    return i + 1, acc, loss_sum + tf.cast(loss, tf.float32), buf
+  if levels is None:
+    def body(i, acc, loss_sum, buf):
+      acc, loss, chunk_aux = chunk_fn(acc, _take(chunks, i), cmask[i])
+      buf = tf.nest.map_structure(
+          lambda b, t: tf.tensor_scatter_nd_update(b, [[i]], t[None]), buf, chunk_aux)
+      return i + 1, acc, loss_sum + tf.cast(loss, tf.float32), buf
 
-  _, acc, loss_sum, buf = tf.while_loop(lambda i, *_: i < runs, body,
-                                        [tf.constant(0), acc, tf.cast(loss_sum, tf.float32), buf])
+    _, acc, loss_sum, buf = tf.while_loop(
+        lambda i, *_: i < runs, body, [tf.constant(0), acc, tf.cast(loss_sum, tf.float32), buf])
+  else:
+    zero = tf.nest.map_structure(tf.zeros_like, acc)
+    stack = tf.nest.map_structure(
+        lambda t: tf.tensor_scatter_nd_update(
+            tf.zeros(tf.concat([[levels], tf.shape(t)], 0), t.dtype), [[0]], t[None]), acc)
+
+    def tree_body(i, stack, loss_sum, buf):
+      own, loss, chunk_aux = chunk_fn(zero, _take(chunks, i), cmask[i])
+      stack = _tree_push(stack, i + 1, own)   # leaf i + 1: the first chunk is leaf 0
+      buf = tf.nest.map_structure(
+          lambda b, t: tf.tensor_scatter_nd_update(b, [[i]], t[None]), buf, chunk_aux)
+      return i + 1, stack, loss_sum + tf.cast(loss, tf.float32), buf
+
+    _, stack, loss_sum, buf = tf.while_loop(
+        lambda i, *_: i < runs, tree_body,
+        [tf.constant(0), stack, tf.cast(loss_sum, tf.float32), buf])
+    acc = _tree_total(stack, runs + 1, levels)
   rows = tf.shape(rest_mask)[0]
   tail = tf.nest.map_structure(
       lambda b: tf.reshape(b, tf.concat([[-1], tf.shape(b)[2:]], 0))[:rows], buf)

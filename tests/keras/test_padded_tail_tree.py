@@ -1,0 +1,114 @@
+"""The padded tail's chunk sums combined by a pinned tree of adjacent pairs (chunking._tree_push,
+_tree_total, _sum_over_padded_tail) and the plan that states it (summation.TreeChunks):
+bit for bit against a numpy simulation of the tree in graph mode and under XLA, adversarial
+values (mixed magnitudes, cancellations), every leaf count up to 33."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.dp_query import summation
+from tf_dpiter.keras.optimizer import chunking
+
+
+def _np_pairwise(x):
+  """summation.pairwise_sum's tree in numpy float32: zero rows to 2^d, then x[:h] + x[h:]."""
+  x = np.asarray(x, np.float32)
+  p = 1 << summation.tree_depth(max(len(x), 1))
+  x = np.concatenate([x, np.zeros((p - len(x),) + x.shape[1:], np.float32)])
+  while p > 1:
+    p //= 2
+    x = x[:p] + x[p:]
+  return x[0]
+
+
+def _np_adjacent(x):
+  """The chunks' tree in numpy float32: zero leaves to 2^d, then x[2i] + x[2i + 1]."""
+  x = np.asarray(x, np.float32)
+  p = 1 << summation.tree_depth(max(len(x), 1))
+  x = np.concatenate([x, np.zeros((p - len(x),) + x.shape[1:], np.float32)])
+  while p > 1:
+    p //= 2
+    x = x[0::2] + x[1::2]
+  return x[0]
+
+
+def _leaves(k, width=5, seed=0):
+  rng = np.random.RandomState(seed + k)
+  scale = rng.choice([1e-8, 1e-3, 1.0, 3e3, 1e7], (k, width))
+  return (rng.randn(k, width) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
+  for k in list(range(1, 18)) + [31, 32, 33]:
+    x = _leaves(k)
+    levels = summation.tree_depth(k) + 1
+
+    @tf.function(jit_compile=jit)
+    def run(x, runs):
+      stack = tf.zeros([levels, x.shape[1]], tf.float32)
+      stack = tf.tensor_scatter_nd_update(stack, [[0]], x[:1])
+
+      def body(i, stack):
+        return i + 1, chunking._tree_push(stack, i + 1, x[i + 1])
+
+      _, stack = tf.while_loop(lambda i, _: i < runs, body, (tf.constant(0), stack))
+      return chunking._tree_total(stack, runs + 1, levels)
+
+    got = run(tf.constant(x), tf.constant(k - 1)).numpy()
+    np.testing.assert_array_equal(got, _np_adjacent(x), err_msg=f"k={k}, jit={jit}")
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_padded_tail_sums_its_chunks_by_the_tree(jit):
+  """sum_over_chunks of a PaddedTail layout: the first chunk's and each run tail chunk's sum
+  (summation.pairwise_sum within a chunk) combined by the tree; chunks after the last real
+  record skipped (zero leaves: the same root)."""
+  first, chunk, m = 16, 8, 16 + 8 * 9
+  layout = chunking.PaddedTail(first, chunk)
+  x = _leaves(m, seed=7)
+  for real in (3, 16, 17, 40, m):
+    mask = np.zeros(m, np.float32)
+    mask[:real] = 1.0
+
+    def chunk_fn(acc, rec, msk):
+      s = summation.pairwise_sum(rec * msk[:, None])
+      return (s if acc is None else acc + s), tf.reduce_sum(msk), msk
+
+    @tf.function(jit_compile=jit)
+    def run(x, mask):
+      return chunking.sum_over_chunks(chunk_fn, None, x, mask, layout)
+
+    total, count, aux = run(tf.constant(x), tf.constant(mask))
+    xm = x * mask[:, None]
+    sums = [_np_pairwise(xm[:first])]
+    runs = max(0, -(-(real - first) // chunk))
+    sums += [_np_pairwise(xm[first + i * chunk:first + (i + 1) * chunk]) for i in range(runs)]
+    np.testing.assert_array_equal(total.numpy(), _np_adjacent(sums), err_msg=f"real={real}")
+    assert float(count) == real
+    np.testing.assert_array_equal(aux.numpy()[:m], mask)
+
+
+def test_the_plan_of_a_padded_tail_states_the_tree():
+  records, chunks = chunking._plan_of(chunking.PaddedTail(4096, 32), 8704)
+  assert records == 4096 and isinstance(chunks, summation.TreeChunks) and chunks == 1 + 144
+  records, chunks = chunking._plan_of(chunking.PaddedTail(4096, 32), tf.constant(8704))
+  assert tf.is_tensor(chunks)   # unknown rows: chunks one after the other
+  # the tree's margin: every chunk through ceil(log2 K) = 8 additions instead of up to 144
+  seq = summation.rounding_margin(4096, 145, block=64, products=4, total=8704)
+  tree = summation.rounding_margin(4096, summation.TreeChunks(145), block=64, products=4,
+                                   total=8704)
+  assert tree < 0.4 * seq
+  u = 2.0 ** -24
+  # shifted: 2 u (1 + gamma_H) n H (1 + u)^4 - 1 with H = 63 + 6 + 8 for all 8704 rows
+  h = 63 + 6 + 8
+  expect = (1 + 2 * u * (1 + h * u / (1 - h * u)) * 8704 * h) * (1 + u) ** 4 - 1
+  assert tree == pytest.approx(expect, rel=1e-12)
+  # one chunk: the same plan either way; the slot relation too
+  for shifted in (True, False):
+    assert summation.rounding_margin(64, summation.TreeChunks(1), shifted=shifted) == (
+        summation.rounding_margin(64, 1, shifted=shifted))
+    assert summation.rounding_margin(64, summation.TreeChunks(9), shifted=shifted) < (
+        summation.rounding_margin(64, 9, shifted=shifted))
+  assert repr(summation.TreeChunks(3)) == "TreeChunks(3)"
