@@ -41,6 +41,13 @@ def float_dtype(*values):
           else tf.float32)
 
 
+def _leaves(record):
+  """(the record's leaves cast to the privacy arithmetic's dtype, that dtype)."""
+  leaves = [tf.convert_to_tensor(x) for x in tf.nest.flatten(record)]
+  dtype = float_dtype(*leaves)
+  return [tf.cast(x, dtype) for x in leaves], dtype
+
+
 def global_l2_norm(record):
   """||x||_2 of a nest of tensors taken as one concatenated vector (float32; float64 when a
   leaf is float64), its squares summed in an order pinned by the entries' indices: each
@@ -55,12 +62,8 @@ def global_l2_norm(record):
   Returns:
     a scalar float32 (or float64) tensor.
   """
-  leaves = [tf.convert_to_tensor(x) for x in tf.nest.flatten(record)]
-  dtype = float_dtype(*leaves)
-  sums = [summation.pinned_square_sum(tf.cast(x, dtype)) for x in leaves]
-  if not sums:
-    return tf.constant(0.0, dtype)
-  return tf.sqrt(tf.add_n(sums))
+  leaves, dtype = _leaves(record)
+  return summation.pinned_norm(leaves, dtype)[0]
 
 
 def record_norm_margin(record):
@@ -76,29 +79,11 @@ def record_norm_margin(record):
   """
   leaves = tf.nest.flatten(record)
   wide = any(tf.as_dtype(getattr(x, "dtype", tf.float32)) == tf.float64 for x in leaves)
-  dtype = tf.float64 if wide else tf.float32
   sizes = []
   for x in leaves:
     shape = tf.TensorShape(x.shape)
     sizes.append(shape.num_elements() if shape.is_fully_defined() else tf.size(x))
-  return summation.norm_margin(sizes, dtype)
-
-
-def norm_margin_clip(l2_norm_clip, eta, dtype=tf.float32):
-  """C' = C s, s = `summation.shrink(eta)` (<= 1 / (1 + eta)): the clip a computed norm that
-  may be low by the factor 1 / (1 + eta) is compared with (`summation.norm_margin` charges
-  this product's rounding).
-
-  Args:
-    l2_norm_clip: C >= 0, a number or scalar tensor.
-    eta: eta_norm (a Python float or float64 scalar tensor).
-    dtype: the clip arithmetic's dtype.
-
-  Returns:
-    a scalar `dtype` tensor.
-  """
-  s = summation.shrink(eta, dtype)
-  return tf.cast(l2_norm_clip, dtype) * tf.cast(s, dtype)
+  return summation.norm_margin(sizes, tf.float64 if wide else tf.float32)
 
 
 def _raw_factors(norms, l2_norm_clip):
@@ -128,8 +113,8 @@ def clip_factors(record_norms, l2_norm_clip):
 
 def clip_by_global_l2_norm(record, l2_norm_clip):
   """pi_S(x) = x * min(1, S / ||x||_2) (McMahan et al. 2018, Section 1), over the whole nest,
-  with S taken as S / (1 + eta_norm) (`norm_margin_clip`): the computed norm may be low by
-  that factor (`global_l2_norm`), and ||c x|| <= S must hold for the computed factor c.
+  with S taken as S / (1 + eta_norm) (`summation.pinned_norm`): the computed norm may be
+  low by that factor (`global_l2_norm`), and ||c x|| <= S must hold for the computed c.
 
   Args:
     record: a nest of float tensors x.
@@ -139,8 +124,9 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
     (clipped_record, norm_before_clipping): the clipped nest (same dtypes) and ||x||_2; a
     record of non-finite norm (a NaN or inf coordinate) is clipped to zeros (`scale_record`).
   """
-  norm = global_l2_norm(record)
-  clip = norm_margin_clip(l2_norm_clip, record_norm_margin(record), norm.dtype)
+  leaves, dtype = _leaves(record)
+  norm, s = summation.pinned_norm(leaves, dtype)   # s: the norm's margin (1 / (1 + eta))
+  clip = tf.cast(l2_norm_clip, dtype) * tf.cast(s, dtype)
   return scale_record(record, norm, _raw_factors(norm, clip)), norm
 
 

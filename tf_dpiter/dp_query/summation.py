@@ -502,6 +502,29 @@ def square_sum_depth(size, block=SQUARE_BLOCK):
   return (min(block, n) - 1) + tree_depth(-(-n // block))
 
 
+def pinned_norm(leaves, dtype=tf.float32):
+  """(||x||~, s) of a record x given as its leaves: the norm sqrt of the leaves'
+  `pinned_square_sum`s added by tf.add_n, and s = `shrink`(`norm_margin` of the leaves'
+  sizes), the factor the clip is multiplied by so that the clipped record's norm is at most
+  the clip (`norm_margin`'s derivation). One call: the clip's norm and its margin together.
+
+  Args:
+    leaves: a list of float tensors of `dtype` (the record's leaves).
+    dtype: float32 or float64.
+
+  Returns:
+    (a scalar `dtype` tensor, a Python float or scalar `dtype` tensor in (0, 1]).
+  """
+  if not leaves:
+    return tf.constant(0.0, dtype), 1.0
+  sizes = []
+  for x in leaves:
+    shape = tf.TensorShape(x.shape)
+    sizes.append(shape.num_elements() if shape.is_fully_defined() else tf.size(x))
+  norm = tf.sqrt(tf.add_n([pinned_square_sum(x) for x in leaves]))
+  return norm, shrink(norm_margin(sizes, dtype), dtype)
+
+
 def norm_margin(sizes, dtype=tf.float32, block=SQUARE_BLOCK):
   """eta_norm >= 0 such that a record x (leaves of `sizes` entries) whose norm is computed
   as sqrt of `pinned_square_sum` per leaf, the leaves' sums combined by `pairwise_sum`, and
