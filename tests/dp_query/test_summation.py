@@ -61,10 +61,12 @@ def test_pairwise_sum_adds_in_the_written_order(mode, n):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_pairwise_sum_of_a_row_count_unknown_to_the_trace(jit):
+  """Under XLA rows of one shape (`_pairwise_sum_dynamic`), in a graph halving shapes
+  (`_pairwise_sum_shrinking`): both the written tree, bit for bit."""
   fn = tf.function(summation.pairwise_sum, jit_compile=jit, input_signature=[
       tf.TensorSpec([None, 3], tf.float32)])
   rng = np.random.RandomState(0)
-  for n in (0, 1, 5, 1000):
+  for n in (0, 1, 2, 5, 33, 64, 1000):
     x = _cancelling(n, rng)
     np.testing.assert_array_equal(fn(x).numpy(), _tree(x))
 

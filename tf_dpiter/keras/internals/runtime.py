@@ -22,6 +22,7 @@ from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.dp_query.summation import in_xla_context  # noqa: F401  (re-exported)
 
 
 # Layers whose per-example gradients through tf.vectorized_map are wrong under oneDNN.
@@ -38,20 +39,6 @@ def onednn_enabled():
     return bool(_pywrap_util_port.IsMklEnabled())
   except (ImportError, AttributeError):
     return flag not in (None, "0", "false", "False")
-
-
-def in_xla_context():
-  """True while a function is being traced for XLA (`tf.function(jit_compile=True)`, or a
-  Keras model compiled with `jit_compile=True`): the graph or one of its outer graphs is an
-  XLA context. Rules pick XLA-friendly forms there (XLA's CPU grouped convolutions, e.g. a
-  batch-as-channels depthwise filter gradient, are orders of magnitude slower than a matmul).
-
-  Returns:
-    bool.
-  """
-  # TensorFlow has no public spelling of this test; tf.vectorized_map makes the same one.
-  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
-  return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 class ListLoop(DPiterError):
