@@ -20,7 +20,8 @@ core); run it once per setting (one process each). Variants:
   pass_axpb             one element-wise pass y = a x + b over N values: the cost of each pass
                         the step makes over the gradients after the draw
   *_jit                 the same under XLA (jit_compile=True)
-Prints one JSON object.
+Prints one JSON object. --xla-vector-width W: XLA's preferred CPU vector width (XLA_FLAGS) for
+the process, e.g. 256 (XLA's default) against 512, one process each.
 
   python benchmarks/bert_noise_rate.py --average [--repeats 9]
 
@@ -174,7 +175,14 @@ def main():
   p.add_argument("--only", nargs="+", default=None, help="time only these variants")
   p.add_argument("--average", action="store_true",
                  help="the noised average, folded against divided (module docstring)")
+  p.add_argument("--xla-vector-width", type=int, default=0,
+                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
   a = p.parse_args()
+  if a.xla_vector_width:
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_cpu_prefer_vector_width")]
+    os.environ["XLA_FLAGS"] = " ".join(
+        flags + [f"--xla_cpu_prefer_vector_width={a.xla_vector_width}"])
   if a.average:
     return average(a.repeats)
   if a.threads:

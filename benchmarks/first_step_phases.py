@@ -30,6 +30,11 @@ first step; its wall time (`first_step_s`) is split into:
                          grappler_s - second_step_s is what remains (first allocations,
                          oneDNN primitive creation, executor setup)
 
+`cpu_s`: the same phases (first_step, make_train_function_s, probe_s, routing_s, trace_s,
+clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
+sensitive than wall time to other processes' load. --xla-vector-width W: XLA's preferred CPU
+vector width for the process (transformer_step_time.py's option; the children inherit it).
+
 and the traced graph's size: `graph_ops` (ops of the function train_step is traced in, at the
 end of train_step) and `function_body_nodes` (nodes of the function library: tf.cond / while
 bodies, nested tf.functions), with the 12 most frequent op types. Prints one JSON line.
@@ -80,23 +85,26 @@ from tf_dpiter.keras.fast_clipping import clipping as fc_clipping  # noqa: E402
 import transformer_step_time as tst  # noqa: E402
 
 _TIMES = collections.defaultdict(float)
+_CPU = collections.defaultdict(float)   # the same phases in process CPU seconds (all threads)
 _CALLS = collections.Counter()
 
 
 def _timed(name, fn):
-  """fn, its wall time added to _TIMES[name] (outermost calls only)."""
+  """fn, its wall time added to _TIMES[name] and its process CPU time to _CPU[name]
+  (outermost calls only)."""
   depth = [0]
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     depth[0] += 1
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
       return fn(*args, **kwargs)
     finally:
       depth[0] -= 1
       if depth[0] == 0:
         _TIMES[name] += time.perf_counter() - t0
+        _CPU[name] += time.process_time() - c0
         _CALLS[name] += 1
   return wrapper
 
@@ -243,11 +251,12 @@ def run(a):
   def train_step(data):
     if profiler is not None:
       profiler.enable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     try:
       return inner_step(data)
     finally:
       _TIMES["trace_s"] += time.perf_counter() - t0
+      _CPU["trace_s"] += time.process_time() - c0
       if profiler is not None:
         profiler.disable()
       graph["g"] = tf.compat.v1.get_default_graph()
@@ -255,21 +264,22 @@ def run(a):
         rss.end("trace")
 
   model.train_step = train_step
-  t0 = time.perf_counter()
+  t0, c0 = time.perf_counter(), time.process_time()
   model.make_train_function()
   _TIMES["make_train_function_s"] = time.perf_counter() - t0
+  _CPU["make_train_function_s"] = time.process_time() - c0
   if rss is not None:
     rss.end("make_train_function")
-  t1 = time.perf_counter()
+  t1, c1 = time.perf_counter(), time.process_time()
   model.train_on_batch(x, y)
-  first = time.perf_counter() - t1
+  first, first_cpu = time.perf_counter() - t1, time.process_time() - c1
   if rss is not None:
     after_trace_from = rss._from   # pylint: disable=protected-access
     rss.end("after_trace")
     after_trace_to = time.time()
-  t2 = time.perf_counter()
+  t2, c2 = time.perf_counter(), time.process_time()
   model.train_on_batch(x, y)
-  second = time.perf_counter() - t2
+  second, second_cpu = time.perf_counter() - t2, time.process_time() - c2
   if rss is not None:
     rss.end("second_step")
     rss.stop()
@@ -280,6 +290,10 @@ def run(a):
          "second_step_s": round(second, 2)}
   out.update({k: round(v, 2) for k, v in sorted(_TIMES.items())})
   out["after_trace_s"] = round(first - _TIMES["trace_s"], 2)
+  out["cpu_s"] = {"first_step": round(first_cpu + _CPU["make_train_function_s"], 2),
+                  **{k: round(v, 2) for k, v in sorted(_CPU.items())},
+                  "after_trace_s": round(first_cpu - _CPU["trace_s"], 2),
+                  "second_step": round(second_cpu, 2)}
   out["calls"] = dict(_CALLS)
   if "g" in graph:
     ops, lib, types = _graph_size(graph["g"])
@@ -357,6 +371,8 @@ def main():
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
   p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
+  p.add_argument("--xla-vector-width", type=int, default=0,
+                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
   p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--seq", type=int, default=32)
@@ -370,6 +386,7 @@ def main():
   p.add_argument("--cprofile", type=int, default=0,
                  help="print this many functions of the trace's cProfile (cumulative)")
   a = p.parse_args()
+  tst.set_xla_vector_width(a.xla_vector_width)
   out = _grappler(a) if a.grappler else run(a)
   print(json.dumps(out), flush=True)
   return 0

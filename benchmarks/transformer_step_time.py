@@ -469,6 +469,17 @@ def graph_ops(a):
                     "load_avg": os.getloadavg()}), flush=True)
 
 
+def set_xla_vector_width(bits):
+  """--xla-vector-width: XLA's preferred CPU vector width for this process and its children
+  (XLA_FLAGS, read at the process's first XLA compilation; the library's compiled Philox draw
+  keeps a width set there, randomness.prefer_wide_xla_vectors). 0: leaves XLA_FLAGS alone."""
+  if not bits:
+    return
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_cpu_prefer_vector_width")]
+  os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_cpu_prefer_vector_width={int(bits)}"])
+
+
 def _child(mode, lora, common):
   """The JSON result of one configuration run in a child process (its failure as a dict)."""
   r = subprocess.run([sys.executable, os.path.abspath(__file__), "--mode", mode, "--lora",
@@ -520,7 +531,10 @@ def main():
                  help="allocator peak of each part of the DP step, alone (one process)")
   p.add_argument("--ops", action="store_true",
                  help="op counts of the traced non-private gradient and clipped sum")
+  p.add_argument("--xla-vector-width", type=int, default=0,
+                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
   a = p.parse_args()
+  set_xla_vector_width(a.xla_vector_width)
   if a.profile:
     return profile(a)
   if a.ops:
