@@ -20,7 +20,9 @@ core); run it once per setting (one process each). Variants:
   pass_axpb             one element-wise pass y = a x + b over N values: the cost of each pass
                         the step makes over the gradients after the draw
   *_jit                 the same under XLA (jit_compile=True)
-Prints one JSON object. --xla-vector-width W: XLA's preferred CPU vector width (XLA_FLAGS) for
+Prints one JSON object: per variant the median wall ms (NAME_ms), the median process CPU ms
+(all threads, NAME_cpu_ms) and N per CPU second (NAME_per_cpu_s: 32-bit words for bits_int64,
+values otherwise). --xla-vector-width W: XLA's preferred CPU vector width (XLA_FLAGS) for
 the process, e.g. 256 (XLA's default) against 512, one process each.
 
   python benchmarks/bert_noise_rate.py --average [--repeats 9]
@@ -62,14 +64,16 @@ def bert_base_shapes(classes=2):
 
 
 def _median_ms(fn, repeats):
+  """(median wall ms, median process CPU ms) of `repeats` calls after a warm-up call."""
   fn()   # trace and warm up
-  times = []
+  times, cpu = [], []
   for _ in range(repeats):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     out = fn()
     tf.nest.map_structure(lambda x: x.shape, out)
     times.append(time.perf_counter() - t)
-  return statistics.median(times) * 1e3
+    cpu.append(time.process_time() - c)
+  return statistics.median(times) * 1e3, statistics.median(cpu) * 1e3
 
 
 def variants(n, shapes):
@@ -193,8 +197,14 @@ def main():
   for name, fn in variants(n, shapes).items():
     if a.only and name not in a.only:
       continue
-    result[name + "_ms"] = round(_median_ms(fn, a.repeats), 1)
-    print(json.dumps({name: result[name + "_ms"]}), flush=True)
+    wall, cpu = _median_ms(fn, a.repeats)
+    result[name + "_ms"], result[name + "_cpu_ms"] = round(wall, 1), round(cpu, 1)
+    # 32-bit words (bits_int64) or values per CPU second: N per call
+    result[name + "_per_cpu_s"] = round(n / (cpu / 1e3)) if cpu else None
+    print(json.dumps({name: result[name + "_ms"], "cpu_ms": result[name + "_cpu_ms"]}),
+          flush=True)
+  result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+  result["load_avg"] = os.getloadavg()
   print(json.dumps(result))
 
 
