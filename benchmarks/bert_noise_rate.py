@@ -180,7 +180,7 @@ def main():
   p.add_argument("--average", action="store_true",
                  help="the noised average, folded against divided (module docstring)")
   p.add_argument("--xla-vector-width", type=int, default=0,
-                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
+                 help="XLA's preferred CPU vector width in bits (0: XLA_FLAGS left alone)")
   a = p.parse_args()
   if a.xla_vector_width:
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()

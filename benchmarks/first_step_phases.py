@@ -372,7 +372,7 @@ def main():
   p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
   p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
   p.add_argument("--xla-vector-width", type=int, default=0,
-                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
+                 help="XLA's preferred CPU vector width in bits (0: XLA_FLAGS left alone)")
   p.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--seq", type=int, default=32)

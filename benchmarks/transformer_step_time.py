@@ -471,8 +471,8 @@ def graph_ops(a):
 
 def set_xla_vector_width(bits):
   """--xla-vector-width: XLA's preferred CPU vector width for this process and its children
-  (XLA_FLAGS, read at the process's first XLA compilation; the library's compiled Philox draw
-  keeps a width set there, randomness.prefer_wide_xla_vectors). 0: leaves XLA_FLAGS alone."""
+  (XLA_FLAGS, read at the process's first XLA compilation, the library's compiled Philox draw
+  included). 0: leaves XLA_FLAGS alone."""
   if not bits:
     return
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
@@ -532,7 +532,7 @@ def main():
   p.add_argument("--ops", action="store_true",
                  help="op counts of the traced non-private gradient and clipped sum")
   p.add_argument("--xla-vector-width", type=int, default=0,
-                 help="XLA's preferred CPU vector width in bits (0: as the library sets it)")
+                 help="XLA's preferred CPU vector width in bits (0: XLA_FLAGS left alone)")
   a = p.parse_args()
   set_xla_vector_width(a.xla_vector_width)
   if a.profile:
