@@ -74,7 +74,13 @@ def test_kept_sum_equals_the_replaced_plan_and_float64(b, m, a, jit, static):
   def both(g, c, sq):
     return conv._pinned_kept_sum(form, g, c, block, sq), _replaced_plan(form, g, c, block)
 
-  got, old = both(g, c, sq.astype(np.float32))
+  _assert_the_plan_and_the_float64_sum(both(g, c, sq.astype(np.float32)), g, c, b, m)
+
+
+def _assert_the_plan_and_the_float64_sum(sums, g, c, b, m):
+  """The kept sum equals the replaced (padded) plan bit for bit, and sum_i c_i g_i in float64
+  to float32 accuracy."""
+  got, old = sums
   np.testing.assert_array_equal(got.numpy(), old.numpy())
   per_record = np.stack([g[i // m, :, i % m].astype(np.float64) for i in range(b)])
   want = np.einsum("i,iac->ac", c.astype(np.float64), per_record)
@@ -123,9 +129,4 @@ def test_records_filling_their_blocks_equal_the_replaced_plan(b, m, a, static):
   def both(g, c, sq):
     return conv._pinned_kept_sum(form, g, c, 64, sq), _replaced_plan(form, g, c, 64)
 
-  got, old = both(g, c, sq.astype(np.float32))
-  np.testing.assert_array_equal(got.numpy(), old.numpy())
-  per_record = np.stack([g[i // m, :, i % m].astype(np.float64) for i in range(b)])
-  want = np.einsum("i,iac->ac", c.astype(np.float64), per_record)
-  scale = np.einsum("i,iac->ac", c.astype(np.float64), np.abs(per_record))
-  assert np.all(np.abs(got.numpy() - want) <= 1e-5 * scale + 1e-6)
+  _assert_the_plan_and_the_float64_sum(both(g, c, sq.astype(np.float32)), g, c, b, m)
