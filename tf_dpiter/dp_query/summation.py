@@ -431,7 +431,7 @@ def in_xla_context():
   return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def pairwise_sum(x):
+def pairwise_sum(x, const=None):
   """sum_i x[i] over the leading axis by a pinned binary tree: the rows padded with zero rows
   to 2^d (d = ceil(log2 n); x + 0 is exact), then d levels of x[:h] + x[h:] (elementwise adds,
   which XLA and Grappler keep as written; n unknown to the trace: the same tree in a
@@ -440,6 +440,10 @@ def pairwise_sum(x):
 
   Args:
     x: a float tensor [n, ...]; n static or not (then a tf.while_loop of halvings).
+    const: None, or a function (value, dtype) -> a constant tensor that the caller shares
+      across the graph (e.g. keras.fast_clipping.algebra.const): a static n's tree then takes
+      its padding and axis from it and halves by tf.split (one op and no new Const per
+      level; the same additions).
 
   Returns:
     the sum, x.shape[1:].
@@ -450,11 +454,16 @@ def pairwise_sum(x):
   if n is not None:
     p = 1 << tree_depth(max(n, 1))
     if p > n:
-      x = tf.pad(x, [[0, p - n]] + tail)
+      pads = [[0, p - n]] + tail
+      x = tf.pad(x, pads if const is None else const(pads, tf.int32))
     while p > 1:
       p //= 2
-      x = x[:p] + x[p:]
-    return x[0]
+      if const is None:
+        x = x[:p] + x[p:]
+      else:
+        low, high = tf.split(x, 2, axis=const(0, tf.int32))
+        x = low + high
+    return x[0] if const is None else tf.squeeze(x, axis=[0])
   return _pairwise_sum_dynamic(x) if in_xla_context() else _pairwise_sum_shrinking(x)
 
 
@@ -468,12 +477,12 @@ def pinned_square_sum(x, block=SQUARE_BLOCK):
   """sum_j x_j^2 over every entry of x, in an order pinned by the entries' indices alone:
   the flattened squares padded with zeros to a multiple of b = `block` (x + 0 is exact),
   each block of b summed in any order (a reduce_sum over a last axis of b), then the blocks'
-  sums by `pairwise_sum`'s tree of elementwise adds. Each square goes through at most
-  (min(b, n) - 1) + ceil(log2 ceil(n / b)) additions (`square_sum_depth`), whatever the
-  compiler does, where one reduction of all n terms may add tiny squares one at a time to a
-  partial sum holding a big one and drop them (Higham, "Accuracy and Stability of Numerical
-  Algorithms", 2nd ed., Sec. 4.2: up to n - 1 roundings per term). Not reductions of
-  reductions: XLA merges those into one reduction of any order.
+  sums by `pairwise_sum`'s tree of elementwise adds (`pinned_row_sums` of one row). Each
+  square goes through at most (min(b, n) - 1) + ceil(log2 ceil(n / b)) additions
+  (`square_sum_depth`), whatever the compiler does, where one reduction of all n terms may
+  add tiny squares one at a time to a partial sum holding a big one and drop them (Higham,
+  "Accuracy and Stability of Numerical Algorithms", 2nd ed., Sec. 4.2: up to n - 1 roundings
+  per term). Not reductions of reductions: XLA merges those into one reduction of any order.
 
   Args:
     x: a float tensor of any shape (n entries, n static or not).
@@ -482,17 +491,45 @@ def pinned_square_sum(x, block=SQUARE_BLOCK):
   Returns:
     a scalar of x's dtype.
   """
-  flat = tf.reshape(tf.square(x), [-1])
-  n = flat.shape[0]
+  return pinned_row_sums(tf.reshape(tf.square(x), [1, -1]), block)[0]
+
+
+def pinned_row_sums(terms, block=SQUARE_BLOCK, const=None):
+  """sum_j terms[r, j] of every row r of terms [R, ...] (nonnegative terms, e.g. a record's
+  squares, one record a row) in `pinned_square_sum`'s order: each row's n entries padded
+  with zeros to a multiple of b = `block`, each block summed in any order (one reduce_sum
+  over a last axis of b), then the row's blocks by `pairwise_sum`'s tree (over the blocks'
+  axis, moved to the front: elementwise adds of [R] rows). Each term goes through at most
+  `square_sum_depth`(n) additions, whatever the compiler does (no reduction of a
+  reduction, which XLA would merge into one of any order).
+
+  Args:
+    terms: a float tensor [R, ...] (R static or not; n = the product of the other sizes,
+      static or not).
+    block: b >= 1.
+    const: None, or a shared-constant function for the shapes and axes (`pairwise_sum`).
+
+  Returns:
+    [R] of terms' dtype.
+  """
+  terms = tf.convert_to_tensor(terms)
+  c = (lambda v: v) if const is None else (lambda v: const(v, tf.int32))
+  r = terms.shape[0]
+  n = terms.shape[1:].num_elements()
   if n is not None:
-    if n <= block:
-      return tf.reduce_sum(flat)
+    if n <= block:   # one block: one reduction (over the entries' axes, in any order)
+      return tf.reduce_sum(terms, axis=c(list(range(1, terms.shape.rank))))
+    rows = tf.reshape(terms, c([-1, n]))
     pad = -n % block
     if pad:
-      flat = tf.pad(flat, [[0, pad]])
-    return pairwise_sum(tf.reduce_sum(tf.reshape(flat, [-1, block]), axis=1))
-  flat = tf.pad(flat, [[0, tf.math.floormod(-tf.shape(flat)[0], block)]])
-  return pairwise_sum(tf.reduce_sum(tf.reshape(flat, [-1, block]), axis=1))
+      rows = tf.pad(rows, c([[0, 0], [0, pad]]))
+    blocks = tf.reduce_sum(tf.reshape(rows, c([-1, (n + pad) // block, block])), axis=c(2))
+  else:
+    lead = r if r is not None else tf.shape(terms)[0]
+    rows = tf.reshape(terms, [lead, -1])
+    rows = tf.pad(rows, [[0, 0], [0, tf.math.floormod(-tf.shape(rows)[1], block)]])
+    blocks = tf.reduce_sum(tf.reshape(rows, [lead, -1, block]), axis=2)
+  return pairwise_sum(tf.transpose(blocks, c([1, 0])), const)
 
 
 def square_sum_depth(size, block=SQUARE_BLOCK):
@@ -579,14 +616,45 @@ def norm_margin(sizes, dtype=tf.float32, block=SQUARE_BLOCK):
   if any(tf.is_tensor(n) for n in sizes):
     depth = tf.reduce_max(tf.stack([tf.cast(square_sum_depth(n, block), tf.float64)
                                     for n in sizes])) + leaves
-    k = (depth + 1.0) / 2.0 + 3.0
-    return k * u / (1.0 - k * u)
+    return depth_margin(depth, 3, dtype)
   depth = max(square_sum_depth(n, block) for n in sizes) + leaves
-  k = (depth + 1) / 2.0 + 3.0
-  if k * u >= 0.5:
+  if ((depth + 1) / 2.0 + 3.0) * u >= 0.5:
     raise ParameterValueError(
         f"`sizes` must give a norm whose rounding bound is defined (k u < 1/2). "
         f"Received: sizes={sizes}")
+  return depth_margin(depth, 3, dtype)
+
+
+def depth_margin(depth, roundings=3, dtype=tf.float32):
+  """gamma_k, k = (H + 1) / 2 + `roundings`, for a norm sqrt(s) whose computed sum of
+  squares s is at least (1 - u)^(H + 1) times the exact one (H = `depth`: each square's
+  rounding and at most H additions of nonnegative terms, `square_sum_depth` per pinned sum
+  plus the additions that combine them) and that then goes through `roundings` more
+  relative roundings up to the clip factor (`norm_margin`'s derivation: the square root,
+  the clip's and the factor's, 3). A norm raised by the factor (1 + gamma_k), or a clip
+  lowered by it, gives c ||x|| <= C (Higham, "Accuracy and Stability of Numerical
+  Algorithms", 2nd ed., Sec. 3.1; (1 - u)^-k <= 1 + gamma_k).
+
+  Args:
+    depth: H >= 0, an int or a scalar float tensor.
+    roundings: the relative roundings after the sum (an int).
+    dtype: the norm's dtype (float32 or float64).
+
+  Returns:
+    a Python float, or a float64 scalar tensor for a tensor `depth`.
+
+  Raises:
+    ParameterValueError: a bound that is not defined (k u >= 1/2).
+  """
+  u = unit_roundoff(dtype)
+  if tf.is_tensor(depth):
+    k = (tf.cast(depth, tf.float64) + 1.0) / 2.0 + float(roundings)
+    return k * u / (1.0 - k * u)
+  k = (depth + 1) / 2.0 + roundings
+  if k * u >= 0.5:
+    raise ParameterValueError(
+        f"`depth` must give a norm whose rounding bound is defined (k u < 1/2). "
+        f"Received: depth={depth}")
   return _gamma(k, u)
 
 

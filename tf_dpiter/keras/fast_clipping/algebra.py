@@ -185,8 +185,11 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   a = regroup_btk(tf.cast(a, tf.float32))
   b = regroup_btk(tf.cast(b, tf.float32))
   t, k, n = static_dim(a, 1), static_dim(a, 2), static_dim(b, 2)
-  if t == 1:
-    return (reduce_sum(tf.square(a), [1, 2]) * reduce_sum(tf.square(b), [1, 2])), None
+  if t == 1:   # ||a||^2 ||b||^2: the two pinned sums' depths and the product's rounding
+    sa, ha = record_sqr_sums(a, noted=False)
+    sb, hb = record_sqr_sums(b, noted=False)
+    note_norm_depth(ha + hb + 2)
+    return sa * sb, None
   if sum_rows is None:
     sum_rows = batch_rows(a)
   keep = k is not None and n is not None and registry.keep_per_example(k * n)
@@ -202,7 +205,7 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   g = tf.einsum("btk,btn->bkn", a, b)
   keep = keep or (k is not None and n is not None and
                   k * n <= registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES)
-  sq = reduce_sum(tf.square(g), [1, 2])
+  sq = record_sqr_sums(g)
   if not (keep and sums_from_g):
     sq = with_sum_rounding(sq, position_norms(a), position_norms(b),
                            static_or_shape(a, 1) + sum_rows + 1,
@@ -270,9 +273,10 @@ def with_sum_rounding(sq, na, nb, length, widths=None):
   near 0 give c = 1 to a rounding error of order u S. Where sq bounds ||g||^2 itself
   (`bounded_gram_contraction`), L = R + 1. gamma_L is taken L u (1 + 2 (L + W + 2 T + 16) u),
   W = `widths` (K + N: it covers the float32 rounding of S and of this bound's own few
-  operations), or 1.25 (L + 1) u without widths (n u <= 0.2). Not covered: the relative
-  rounding of sq's sum of squares and of c (at most gamma of the terms summed, amplified by
-  no cancellation; the sum from kept gradients carries it too). On records whose positions
+  operations), or 1.25 (L + 1) u without widths (n u <= 0.2). The relative rounding of sq's
+  sum of squares (pinned in order: `record_sqr_sums`), of this bound's square root, addition
+  and square, and of c is the clip's norm margin (`norm_margin`, applied once per record in
+  clipping._clip_factors; the sum from kept gradients is clipped by it too). On records whose positions
   do not cancel the norm grows by gamma_L S / ||g||, about gamma_L sqrt(T) for positions of
   orthogonal gradients.
 
@@ -309,6 +313,9 @@ def with_terms_rounding(sq, s, length, widths=None, terms=None):
     [R] float32.
   """
   u = 2.0 ** -24
+  # the square root, the addition and the square round the squared norm relatively: 5
+  # factors (1 + d) on its scale (algebra.norm_margin covers them)
+  note_norm_depth(after=5)
   if widths is None or terms is None or not isinstance(length, int):
     gamma = 1.25 * (length + 1) * u
   else:
@@ -558,7 +565,8 @@ def finite_float32(t):
 
 
 def sqr_sum(x):
-  """Per-row sum of squares in float32: [B, ...] -> [B].
+  """Per-row sum of squares in float32: [B, ...] -> [B], each row's squares summed in a
+  pinned order (`record_sqr_sums`).
 
   Args:
     x: [B, ...] tensor.
@@ -566,12 +574,103 @@ def sqr_sum(x):
   Returns:
     [B] float32.
   """
+  return record_sqr_sums(x)
+
+
+# Entries per row assumed where the trace does not know a row's size: a bound on a record's
+# entries (2^40 floats is 4 TiB), for a static `square_sum_depth` (97).
+MOST_ENTRIES = 1 << 40
+
+
+def record_sqr_sums(x, noted=True):
+  """sum_j x[r, j]^2 of every row r of x [R, ...] in float32, in the order of
+  `summation.pinned_row_sums` (blocks of 64 squares, then a pairwise tree: each square
+  through at most `summation.square_sum_depth`(n) additions, where one reduction in an
+  order XLA chooses may take up to n - 1), its depth noted for the clip's margin
+  (`note_norm_depth`; `noted` False: the caller notes the depth of what it forms from it).
+  Rows are records: a record's own terms (its gradient's entries), not a bound's terms.
+
+  Args:
+    x: [R, ...] tensor (any float dtype).
+    noted: a Python bool.
+
+  Returns:
+    ([R] float32) with `noted`, else ([R] float32, the depth H: a Python int).
+  """
   x = tf.cast(x, tf.float32)
-  # square and reduce, not einsum("bp,bp->b"): oneDNN runs that einsum as B one-row products,
-  # 2-3x slower at B = 256 (P = 10 to 800)
-  if x.shape.rank is not None:   # no reshape: a reduction over the static axes
-    return reduce_sum(tf.square(x), list(range(1, x.shape.rank)))
-  return tf.reduce_sum(tf.square(tf.reshape(x, [tf.shape(x)[0], -1])), axis=1)
+  if x.shape.rank is None:
+    x = tf.reshape(x, [tf.shape(x)[0], -1])
+  n = x.shape[1:].num_elements()
+  depth = summation.square_sum_depth(MOST_ENTRIES if n is None else n)
+  sums = summation.pinned_row_sums(tf.square(x), const=const)
+  if noted:
+    note_norm_depth(depth)
+    return sums
+  return sums, depth
+
+
+_DEPTHS = threading.local()   # .stack: the records of the enclosing `norm_depths` blocks
+
+
+@contextlib.contextmanager
+def norm_depths():
+  """Within the block the per-record sums of squares note their rounding depths
+  (`note_norm_depth`); the block yields the record, a dict: "sums" (the depths H of the
+  sums of the records' own squares), "after" (the most relative roundings a squared norm
+  goes through after its sum: `with_terms_rounding`'s), "parts" (the noted parts, each
+  added to the others at most once). `norm_margin` turns it into the clip's margin.
+
+  Yields:
+    the dict.
+  """
+  record = {"sums": [0], "after": 0, "parts": 0}
+  stack = getattr(_DEPTHS, "stack", None)
+  if stack is None:
+    stack = _DEPTHS.stack = []
+  stack.append(record)
+  try:
+    yield record
+  finally:
+    stack.pop()
+
+
+def note_norm_depth(depth=None, after=0):
+  """Notes, in the innermost `norm_depths` block (none: nothing), a per-record squared norm
+  part whose sum of squares goes through at most `depth` additions after each square's
+  rounding (it is at least (1 - u)^(depth + 1) times the exact sum: nonnegative terms), and
+  `after` relative roundings of a squared norm after its sum.
+
+  Args:
+    depth: H, a Python int, or None (a part that is an upper bound of its exact value).
+    after: a Python int.
+  """
+  stack = getattr(_DEPTHS, "stack", None)
+  if not stack:
+    return
+  record = stack[-1]
+  if depth is not None:
+    record["sums"].append(int(depth))
+  record["after"] = max(record["after"], int(after))
+  record["parts"] += 1
+
+
+def norm_margin(record, parts):
+  """eta_norm of a `norm_depths` record: `summation.depth_margin` with
+  H = the deepest noted sum + the most roundings after one + the noted parts + `parts`
+  (every addition of nonnegative parts: the rules' `add_norms` and the step's AddN of its
+  `parts` units, at most one per part), and 5 roundings after the sum (the square root, the
+  loss scale's division, the margin's product, the clip's conversion to float32 and the clip
+  factor's division: clipping._clip_factors).
+
+  Args:
+    record: the dict `norm_depths` yielded.
+    parts: the squared norms the step adds (an int).
+
+  Returns:
+    a Python float.
+  """
+  depth = max(record["sums"]) + record["after"] + record["parts"] + int(parts)
+  return summation.depth_margin(depth, roundings=5)
 
 
 def add_norms(total, part):

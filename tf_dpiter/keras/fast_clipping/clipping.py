@@ -76,6 +76,7 @@ import warnings
 import weakref
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import dp_query
@@ -546,12 +547,23 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   return sq, per_example, sum_fns
 
 
-def _clip_factors(sq, clip_factors_fn, record_mask, scale, masked):
-  """(norms, factors): ||g_j|| and the clip factors c_j = clip_factors_fn(||g_j||) (the
-  DPQuery's rule: `DPQuery.record_clip_factors`), 0 for a masked record; float32, without
-  gradient."""
+def _clip_factors(sq, clip_factors_fn, record_mask, scale, masked, margin=0.0):
+  """(norms, factors): ||g_j|| and the clip factors c_j = clip_factors_fn((1 + eta) ||g_j||)
+  (the DPQuery's rule: `DPQuery.record_clip_factors`), 0 for a masked record; float32,
+  without gradient. eta = `margin` (algebra.norm_margin): the computed norm may be low by
+  the factor 1 / (1 + eta) (the rounding of the records' sums of squares, pinned in order:
+  algebra.record_sqr_sums), so the factor is taken from the norm raised by 1 + eta, rounded
+  up to float32 (summation.depth_margin counts the product's own rounding), and
+  c ||g_j|| <= C (the same margin as the vectorized path's, summation.norm_margin). The norms
+  returned are the computed ones."""
   norms = tf.sqrt(tf.maximum(sq, 0.0)) / scale
-  factors = tf.cast(clip_factors_fn(norms), tf.float32)
+  raised = norms
+  if margin:
+    up = np.float32(1.0 + margin)
+    while float(up) < 1.0 + margin:   # rounded up: the next float32 above
+      up = np.nextafter(up, np.float32(2.0))
+    raised = norms * float(up)
+  factors = tf.cast(clip_factors_fn(raised), tf.float32)
   if masked:
     factors = factors * record_mask
   return norms, tf.stop_gradient(factors)
@@ -959,9 +971,11 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     src_grads = (first or tape).gradient(total, sources, unconnected_gradients=_ZERO)
   with tf.name_scope("norms"):
     num_records = tf.shape(raw_losses)[0] // k
-    sq, per_example, sum_fns = _sqr_norms(ghost, vect, src_grads, k, num_records)
+    with algebra.norm_depths() as depths:
+      sq, per_example, sum_fns = _sqr_norms(ghost, vect, src_grads, k, num_records)
     norms, factors = _clip_factors(sq, factors_fn, record_mask, scale,
-                                   mask is not None or _grouped(k))
+                                   mask is not None or _grouped(k),
+                                   algebra.norm_margin(depths, len(ghost) + len(vect)))
     example_factors = tf.repeat(factors, k) if _grouped(k) else factors
 
   with tf.name_scope("clipped_sum"):

@@ -476,7 +476,7 @@ def factored_sqr_norms(a, b, keep_allowed=None, with_one=False, sum_rows=None):
       ar = algebra.regroup_btk(ac)
       g = algebra.reshape(tf.einsum("btk,btn->bkn", algebra.regroup_btk(one(ac)), bc),
                           [-1, kk * n])
-      sq = algebra.reduce_sum(tf.square(g), 1)
+      sq = algebra.record_sqr_sums(g)
       if with_g:   # the clipped sum from this g: no bound
         return sq, g
       return (algebra.with_sum_rounding(

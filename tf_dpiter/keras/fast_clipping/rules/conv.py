@@ -348,10 +348,12 @@ def _record_sqr_norms(g, k):
   """Squared norms of the records' gradients, sum over a, p of (sum over a record's examples
   of g[a, i, p])^2.
 
-  The squares are summed over the contiguous last axis first, then over the first: one
-  reduction over the non-adjacent axes (0, 2) makes TensorFlow transpose the squares first
-  (the depthwise form's [64, 128, 16] chunk of the tutorial CNN: 0.44 against 0.26 ms CPU per
-  call, 2026-11-29).
+  The squares are summed in a pinned order (a reduction in an order XLA chooses may take up
+  to A P - 1 roundings per square: algebra.record_sqr_sums): over the first axis by
+  summation.pairwise_sum's tree of elementwise [m / k, P] adds (no transpose of the squares;
+  one reduction over the non-adjacent axes (0, 2) makes TensorFlow transpose them), then
+  over the contiguous last axis by summation.pinned_row_sums; the depth, the tree's levels
+  plus the row sum's, noted for the clip's margin (algebra.note_norm_depth).
 
   Args:
     g: [A, m, P] float32 per-example gradients (example i's at g[:, i, :]).
@@ -361,7 +363,12 @@ def _record_sqr_norms(g, k):
     [m / k] float32.
   """
   g = _record_grads(g, k)
-  return tf.reduce_sum(tf.reduce_sum(tf.square(g), axis=2), axis=0)
+  p = g.shape[2]
+  levels = summation.tree_depth(g.shape[0]) if g.shape[0] is not None else 40   # A <= 2^40
+  algebra.note_norm_depth(levels + summation.square_sum_depth(
+      p if p is not None else algebra.MOST_ENTRIES))
+  return summation.pinned_row_sums(summation.pairwise_sum(tf.square(g), algebra.const),
+                                   const=algebra.const)
 
 
 def _chunkable(x4, k):

@@ -477,7 +477,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
     def body(xc, dc):
       per_example_grad = f"{inp},{out}->{inp[0]}{ker}"
       g = algebra.reshape(algebra.record_sum(tf.einsum(per_example_grad, xc, dc)), [-1, p])
-      sq = algebra.reduce_sum(tf.square(g), 1)
+      sq = algebra.record_sqr_sums(g)
       if with_g:   # the clipped sum from this g: no bound
         return sq, g
       # the sum by _einsum_kernel_sum rounds the record's terms another way: the norm raised by

@@ -1,0 +1,55 @@
+"""algebra.record_sqr_sums: the fast path's per-record sums of squares in the pinned order of
+summation.pinned_square_sum (blocks of 64, then a pairwise tree), and the clip's margin from
+the depths noted (algebra.norm_depths, algebra.norm_margin)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_dpiter.dp_query import summation
+from tf_dpiter.keras.fast_clipping import algebra
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("shape", [(3, 0), (3, 1), (3, 64), (3, 65), (5, 7, 100), (2, 4096)])
+@pytest.mark.parametrize("known_batch", [True, False])
+def test_each_row_is_the_pinned_square_sum_bit_for_bit(jit, shape, known_batch):
+  x = np.random.RandomState(0).randn(*shape).astype(np.float32)
+  spec = tf.TensorSpec(shape if known_batch else (None,) + shape[1:])
+  rows = tf.function(algebra.record_sqr_sums, jit_compile=jit, input_signature=[spec])(x)
+  one = tf.function(summation.pinned_square_sum, jit_compile=jit)
+  expected = np.array([one(tf.constant(r)).numpy() for r in x], np.float32)
+  np.testing.assert_array_equal(rows.numpy(), expected)
+  exact = (x.astype(np.float64) ** 2).reshape(shape[0], -1).sum(1)
+  np.testing.assert_allclose(rows.numpy(), exact, rtol=1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_tiny_squares_are_not_dropped(jit):
+  """One square of 1 and 2^20 - 1 squares of 0.9 u (u = 2^-24): one reduction adding them
+  to the big partial sum one at a time drops them all (exact sum 1.0562); the pinned order
+  sums them in blocks first. The computed sum is within the depth's relative bound."""
+  n = 1 << 20
+  x = np.full((1, n), np.sqrt(0.9 * 2.0 ** -24), np.float32)
+  x[0, 0] = 1.0
+  got = tf.function(algebra.record_sqr_sums, jit_compile=jit)(x).numpy()[0]
+  exact = float(np.sum(x.astype(np.float64) ** 2))
+  u = 2.0 ** -24
+  depth = summation.square_sum_depth(n)
+  assert (1 - u) ** (depth + 1) * exact <= got <= exact * (1 + u) ** (depth + 1)
+
+
+def test_the_margin_counts_the_deepest_sum_and_the_parts():
+  x = tf.zeros([2, 1 << 20])
+  with algebra.norm_depths() as depths:
+    algebra.record_sqr_sums(x)
+    algebra.record_sqr_sums(tf.zeros([2, 10]))
+  assert max(depths["sums"]) == summation.square_sum_depth(1 << 20) == 63 + 14
+  assert depths["parts"] == 2 and depths["after"] == 0
+  eta = algebra.norm_margin(depths, 3)
+  u = 2.0 ** -24
+  k = (77 + 2 + 3 + 1) / 2.0 + 5
+  assert eta == pytest.approx(k * u / (1 - k * u), rel=1e-12)
+  with algebra.norm_depths() as none:
+    pass
+  assert algebra.norm_margin(none, 1) < eta
