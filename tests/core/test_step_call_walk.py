@@ -66,7 +66,9 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   assert ("keras/fast_clipping/clipping.py", "bookkeeping_sum") in calls
   # 22 files and 98 returns before these folds (issue 41's goal: <= 10 files)
   summary = step_call_walk.summarize(list(calls))
-  assert summary["files"] <= 19 and summary["returns"] <= 96, summary
+  # 96 before the records' sums of squares went through summation's pinned order (each of
+  # the walk's 6 pinned sums visits summation and comes back: 2 returns; the norm margin 4)
+  assert summary["files"] <= 19 and summary["returns"] <= 112, summary
 
 
 def test_the_step_calls_each_concept_in_its_one_owner():

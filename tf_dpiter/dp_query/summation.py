@@ -517,8 +517,10 @@ def pinned_row_sums(terms, block=SQUARE_BLOCK, const=None):
   r = terms.shape[0]
   n = terms.shape[1:].num_elements()
   if n is not None:
-    if n <= block:   # one block: one reduction (over the entries' axes, in any order)
-      return tf.reduce_sum(terms, axis=c(list(range(1, terms.shape.rank))))
+    if n <= block:   # one block: one reduction over the entries' axes, in any order (an
+      # einsum: its axes an attribute, no Const and no call for one)
+      axes = "abcdefghijklmnopqrstuvwxyz"[:terms.shape.rank]
+      return tf.einsum(f"{axes}->a", terms)
     rows = tf.reshape(terms, c([-1, n]))
     pad = -n % block
     if pad:
