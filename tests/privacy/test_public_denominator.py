@@ -24,10 +24,11 @@ D, Z = 20000, 4.0
 TOL = 6.0 / np.sqrt(2.0 * D)   # 6 relative standard errors of a std estimate
 
 
-def _model():
+def _model(jit=False):
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((D,)), keras.layers.Dense(1, use_bias=False)])
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=1.0), loss="mse")
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=1.0), loss="mse",
+                jit_compile=jit)
   return model
 
 
@@ -39,11 +40,12 @@ def _std_of_update(model, train):
   return float(np.std(np.array(model.get_weights()[0], np.float64) - w0))
 
 
-def test_replace_one_a_zero_weight_record_counts_as_a_record():
+@pytest.mark.parametrize("jit", [False, True])
+def test_replace_one_a_zero_weight_record_counts_as_a_record(jit):
   def update_std(last_weight):
     weights = np.array([1, 1, 1, last_weight], "float32")
     x, y = np.zeros((4, D), "float32"), np.zeros((4, 1), "float32")
-    return _std_of_update(_model(), lambda m: m.fit(
+    return _std_of_update(_model(jit), lambda m: m.fit(
         x, y, sample_weight=weights, batch_size=4, epochs=1, sampling="shuffle", verbose=0))
   with_record, zero_weight = update_std(1.0), update_std(0.0)
   assert abs(zero_weight / with_record - 1.0) < TOL, (with_record, zero_weight)
