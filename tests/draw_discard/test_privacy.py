@@ -59,17 +59,38 @@ def test_lemma1_expected_loss(k):
 
 
 def test_lemma3_matches_paper_example():
-  # delta_T = 1e-8 gives epsilon_T ~ 3 epsilon / sqrt(T) (Section IV-D).
-  e = privacy.epsilon_adversary_three(1.0, 10_000, 1e-8)
+  # At the paper's w = sqrt(2) gamma, delta_T = 1e-8 gives epsilon_T ~ 3 epsilon / sqrt(T)
+  # (Section IV-D); the default is the mechanism's own sensitivity 2 gamma, sqrt(2) larger.
+  paper = math.sqrt(2.0)
+  e = privacy.epsilon_adversary_three(1.0, 10_000, 1e-8, w_over_gamma=paper)
   assert e * math.sqrt(10_000) == pytest.approx(2.98, abs=0.01)
-  ex = privacy.epsilon_adversary_three(1.0, 10_000, 1e-8, exact=True)
+  ex = privacy.epsilon_adversary_three(1.0, 10_000, 1e-8, w_over_gamma=paper, exact=True)
   assert ex > e and ex == pytest.approx(e, rel=0.05)
-  assert privacy.epsilon_adversary_three(1.0, 10_000, 1e-8, w_over_gamma=2.0) == pytest.approx(
-      e * math.sqrt(2))
+  assert privacy.epsilon_adversary_three(1.0, 10_000, 1e-8) == pytest.approx(e * math.sqrt(2))
+
+
+def _gaussian_delta(eps, mu):
+  """Exact delta(eps) of N(0, 1) against N(mu, 1) (Balle and Wang, "Improving the Gaussian
+  mechanism for differential privacy", ICML 2018, Theorem 8), float64."""
+  phi = lambda t: 0.5 * math.erfc(-t / math.sqrt(2.0))
+  return phi(-eps / mu + mu / 2.0) - math.exp(eps) * phi(-eps / mu - mu / 2.0)
+
+
+@pytest.mark.parametrize("eps,t", [(1.0, 1000), (0.5, 200), (2.0, 10_000)])
+def test_adversary_three_holds_at_the_mechanisms_own_sensitivity(eps, t):
+  # Replace one client: clipped coordinates +c and -c move an instance 2 gamma c apart
+  # (calibration.sensitivity); under the statement's CLT model (T later Laplace(b) noises,
+  # N(0, 2 T b^2)) the printed (epsilon_T, delta_T) must hold for that pair.
+  gamma, delta_t = 0.1, 1e-8
+  statement = privacy.privacy_statement(eps, 20, num_later_updates=t, delta_t=delta_t)
+  b = privacy.laplace_scale(gamma, eps)
+  mu = privacy.sensitivity(gamma) / math.sqrt(2.0 * t * b * b)
+  assert _gaussian_delta(statement.adversary_three, mu) <= delta_t
+  assert _gaussian_delta(statement.adversary_three_accounted, mu) <= delta_t * (1 + 1e-6)
 
 
 def test_lemma3_exact_root_solves_the_quadratic():
-  eps, t, d, w = 2.0, 50.0, 1e-6, math.sqrt(2)
+  eps, t, d, w = 2.0, 50.0, 1e-6, 2.0
   e_t = privacy.epsilon_adversary_three(eps, t, d, exact=True)
   a = t * 4 / eps**2
   assert a * e_t**2 - w**2 * e_t - w**2 * math.log(1 / (2 * d)) == pytest.approx(0, abs=1e-9)
