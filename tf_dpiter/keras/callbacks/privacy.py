@@ -100,6 +100,57 @@ def write_privacy_logs(model, epoch, logs):
     meter.write_logs(epoch, logs)
 
 
+# Logs the ledger's accounting writes (post-processing of the noised steps): a callback may act
+# on them.
+LEDGER_LOG_KEYS = ("epsilon", "delta", "epsilon_if_poisson", "epsilon_gdp_approximate")
+
+
+def _acts_on_monitor(callback):
+  """Whether `callback` decides something from logs[callback.monitor]: EarlyStopping (the run's
+  length, restore_best_weights), ReduceLROnPlateau (later steps' learning rate),
+  ModelCheckpoint with save_best_only (the weights kept), any other callback with a `monitor`."""
+  if not isinstance(getattr(callback, "monitor", None), str):
+    return False
+  if isinstance(callback, keras.callbacks.ModelCheckpoint):
+    return bool(callback.save_best_only)
+  return True
+
+
+def check_monitors(callbacks, has_validation_data):
+  """Refuses callbacks of a DP fit that act on a training metric.
+
+  The loss and metrics fit logs are computed from the private batches without noise (for
+  monitoring only; McMahan et al. 2018, Section 6: only the noised sums are released): a
+  decision taken from them (stop, restore the best weights, lower the learning rate, keep the
+  best checkpoint) is not post-processing of the DP steps, and one record can change it (an
+  outlier's loss ends the run a step earlier, with certainty). Allowed: the ledger's keys
+  (LEDGER_LOG_KEYS) and "val_*" metrics when fit has validation data (held-out records, which
+  the guarantee does not cover).
+
+  Args:
+    callbacks: the callbacks passed to fit (a list).
+    has_validation_data: whether fit is given validation data.
+
+  Raises:
+    PrivacyConfigError: a callback acting on a training metric, or on "val_*" without
+      validation data.
+  """
+  for i, callback in enumerate(callbacks):
+    if not _acts_on_monitor(callback):
+      continue
+    key = callback.monitor
+    if key in LEDGER_LOG_KEYS or (key.startswith("val_") and has_validation_data):
+      continue
+    raise PrivacyConfigError(
+        f"`callbacks[{i}]` must not act on a training metric in a DP fit: "
+        f"{type(callback).__name__}(monitor={key!r}) decides from the un-noised "
+        "loss or metrics of the private batches, which the privacy guarantee does not cover "
+        "(one record can change the decision). Monitor a 'val_*' metric of held-out "
+        "validation_data (not protected either) or 'epsilon' from dp.keras.PrivacyMeter. "
+        f"Received: callbacks[{i}].monitor={key!r}"
+        + ("" if has_validation_data else " and no validation data"))
+
+
 class PrivacyMeter(keras.callbacks.Callback):
   """Adds logs['epsilon'] and logs['delta'] at the end of every epoch (and on train end).
 

@@ -246,7 +246,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     Raises:
       PrivacyConfigError: undeclared data, sampling given for a dataset, microbatches with Poisson,
         more microbatches than examples in a batch, a ledger with fewer samples than the
-        optimizer's iterations, or a journal that ends before them.
+        optimizer's iterations, or a journal that ends before them; a callback acting on
+        a training metric (callbacks.privacy.check_monitors).
     """
     opt = self._dp_optimizer()
     check_no_batch_mixing(self)
@@ -282,6 +283,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
     callbacks = list(a.get("callbacks") or [])
+    callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None)
     internal = [fit_sampling.SamplingSync(
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]

@@ -1,0 +1,80 @@
+"""DP fit refuses callbacks that act on the un-noised training loss or metrics.
+
+Claim: the model, its step count and its ledger after `DPModel.fit` are (epsilon, delta)-DP,
+add/remove one example (Poisson), unit = example; the loss fit logs is computed from the
+private batches without noise, for monitoring only. A callback that acts on it (stop, restore
+the best weights, lower the learning rate, keep the best checkpoint) is not post-processing of
+the noised steps. Pair (review R, session 33): D = 40 examples, D' = D plus one outlier of label
+1e4; EarlyStopping(monitor="loss", baseline=50, patience=0) ran D 3 epochs and D' 2, with
+certainty (the outlier's squared error alone exceeds 50 whatever the noise). Now refused before
+the first step; monitors of the ledger's keys and of held-out validation data are accepted.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_dpiter as dp
+
+
+def _pair():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(40, 2)).astype("float32")
+  y = rng.normal(size=(40, 1)).astype("float32")
+  x2 = np.concatenate([x, np.zeros((1, 2), "float32")])
+  y2 = np.concatenate([y, np.full((1, 1), 1e4, "float32")])
+  return (x, y), (x2, y2)
+
+
+def _model():
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.01), "mse")
+  return model
+
+
+REFUSED = [
+    lambda: keras.callbacks.EarlyStopping(monitor="loss", baseline=50.0, patience=0),
+    lambda: keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True),
+    lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss"),
+    lambda: keras.callbacks.ModelCheckpoint("/tmp/never.weights.h5", monitor="loss",
+                                            save_best_only=True, save_weights_only=True),
+]
+
+
+@pytest.mark.parametrize("make", REFUSED)
+def test_callbacks_acting_on_the_training_loss_are_refused_on_both_datasets(make):
+  for x, y in _pair():
+    model = _model()
+    with pytest.raises(dp.errors.PrivacyConfigError, match=r"callbacks\[0\].*monitor='loss'"):
+      model.fit(x, y, batch_size=len(x), epochs=3, verbose=0, callbacks=[make()])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert int(model.ledger.sample_count.numpy()) == 0
+
+
+def test_a_validation_monitor_needs_validation_data():
+  (x, y), _ = _pair()
+  model = _model()
+  with pytest.raises(dp.errors.PrivacyConfigError, match="no validation data"):
+    model.fit(x, y, batch_size=len(x), epochs=2, verbose=0,
+              callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
+
+
+def test_monitors_of_the_ledger_and_of_held_out_data_are_accepted():
+  # The pair trains the same number of steps under these monitors (epsilon is a function of
+  # the ledger, the held-out loss a function of the noised weights and public data).
+  rng = np.random.default_rng(1)
+  held_out = (rng.normal(size=(8, 2)).astype("float32"),
+              rng.normal(size=(8, 1)).astype("float32"))
+  steps = []
+  for x, y in _pair():
+    model = _model()
+    model.fit(x, y, batch_size=len(x), epochs=3, verbose=0, validation_data=held_out,
+              callbacks=[dp.keras.PrivacyMeter(1e-5),
+                         keras.callbacks.EarlyStopping(monitor="epsilon", mode="max", patience=10),
+                         keras.callbacks.EarlyStopping(monitor="val_loss", patience=5),
+                         keras.callbacks.ModelCheckpoint("/tmp/unused.weights.h5",
+                                                         save_weights_only=True)])
+    steps.append(int(model.ledger.sample_count.numpy()))
+    assert steps[-1] == int(model.optimizer.iterations.numpy())
+  assert steps == [3, 3]
