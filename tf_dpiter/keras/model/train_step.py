@@ -225,6 +225,8 @@ class TrainStepMixin:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
       batch_independence.probe_at_batch_size(self, None, step)
+    elif self.built:   # the probe's own training run checks this on the other paths
+      batch_independence.check_no_state_writes(self)
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
