@@ -16,7 +16,9 @@ iterator starts at the position fit read between steps (`snapshot_position`), so
 ahead and dropped never shift the cycle. Outside `fit`, call `sampler.resume_at(ledger)`.
 The grouping is the run's too: a later fit of a correlated-noise run must give every example
 the identity it had (the same arrays and dtypes, or the same `example_ids`); fit refuses
-identities the run did not have (`check_continuation`).
+identities the run did not have (`check_continuation`). The ledger keeps a digest of the
+run's identities (`PrivacyLedger.cyclic_grouping`), so the rule holds across a restore, a
+reload and a new process.
 `.repeat()` on the dataset is refused.
 """
 
@@ -31,6 +33,7 @@ from tf_dpiter import validation
 from tf_dpiter.data import sampling
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.ledger import records
 
 CYCLIC_POISSON = records.CYCLIC_POISSON
@@ -113,6 +116,8 @@ class CyclicPoissonSampler:
     digests = np.asarray([identity_digest(i) for i in ids], np.uint64)
     self._group_of = (digests % np.uint64(self._b)).astype(np.int64)
     self._fingerprints = np.unique(digests)   # the examples, as `check_continuation` sees them
+    self._grouping = "sha256:" + hashlib.sha256(
+        b"tfdpiter.cyclic.grouping" + self._fingerprints.astype("<u8").tobytes()).hexdigest()
     self._groups = [np.flatnonzero(self._group_of == g) for g in range(self._b)]
     self._lock = threading.Lock()
     self._step = 0
@@ -139,6 +144,13 @@ class CyclicPoissonSampler:
   def fingerprints(self):
     """The sorted distinct `identity_digest`s of the examples (a uint64 numpy array)."""
     return self._fingerprints
+
+  @property
+  def grouping(self):
+    """The grouping record a ledger keeps of this sampler's examples: "sha256:" + the SHA-256
+    of its sorted distinct `fingerprints` (little-endian uint64), a str
+    (`PrivacyLedger.cyclic_grouping`)."""
+    return self._grouping
 
   @property
   def step(self):
@@ -249,8 +261,9 @@ class CyclicPoissonSampler:
     return sampling.default_max_batch_size(largest, min(1.0, self._q), num_sd, multiple)
 
 
-# ledger -> the sorted identity digests of the examples its correlated cyclic run started
-# with (a uint64 array): a continuation may drop examples, never bring one the run did not have
+# ledger -> (the grouping record, the sorted identity digests) of the examples the run this
+# process started or continued had: with them a continuation may drop examples, never bring
+# one the run did not have; without them (a restored ledger) it must have the run's grouping
 _RUN_EXAMPLES = weakref.WeakKeyDictionary()
 
 
@@ -262,8 +275,13 @@ def check_continuation(ledger, sampler, iterations):
   did not have one of the sampler's example identities (regrouped: the same example under
   another identity, e.g. labels cast to another dtype, may be in another group, so eligible
   at steps closer than b) is refused. Independent noise needs only the count. A fit that
-  starts a run records its examples' identities for the ledger object (in this process: a
-  ledger restored into a new object starts its record at its next fit).
+  starts a run records its grouping in the ledger (`PrivacyLedger.set_cyclic_grouping`,
+  checkpointed and saved with it). A continuation must match that record: in the process
+  and ledger object that started or last continued the run, any subset of the run's
+  examples (their identity digests are kept in memory); otherwise (a ledger restored from a
+  checkpoint, config, weights or ledger file) exactly the run's examples, since only their
+  digest is saved. A run without a record (a ledger of an earlier version) or with
+  conflicting records (merged restores) is refused.
 
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.
@@ -275,7 +293,8 @@ def check_continuation(ledger, sampler, iterations):
     row = samples[-1]
   if row is None or records.policy_name(row[3]) != CYCLIC_POISSON or not np.isin(
       queries[:, 1], [records.BANDED_GAUSSIAN, records.MATRIX_GAUSSIAN]).any():
-    _RUN_EXAMPLES[ledger] = sampler.fingerprints   # a new run (or independent noise) starts
+    ledger.set_cyclic_grouping(sampler.grouping)   # a new run (or independent noise) starts
+    _RUN_EXAMPLES[ledger] = (sampler.grouping, sampler.fingerprints)
     return
   if int(row[2]) != sampler.num_groups:
     raise PrivacyConfigError(
@@ -291,8 +310,35 @@ def check_continuation(ledger, sampler, iterations):
         "accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. Resume from a "
         "checkpoint taken at the ledger's last step (tf.train.Checkpoint or model.save "
         "after fit), or train with noise='iid'")
-  known = _RUN_EXAMPLES.setdefault(ledger, sampler.fingerprints)
-  new = int(np.count_nonzero(~np.isin(sampler.fingerprints, known, assume_unique=True)))
+  recorded = ledger.cyclic_grouping
+  if recorded is None or recorded == privacy_ledger.GROUPING_CONFLICT:
+    raise PrivacyConfigError(
+        "this model's ledger ends with a correlated-noise (BandMF/BLT) run on cyclic Poisson "
+        + ("without a record of its examples' grouping (a ledger saved by an earlier version, "
+           "or steps recorded outside fit)" if recorded is None else
+           "whose grouping records disagree (ledgers of different runs were restored or "
+           "merged into it)")
+        + ": a continuation that regroups an example could make it eligible at steps closer "
+        "than num_groups apart, which the cyclic Poisson accounting (Choquette-Choo et al. "
+        "2023, Theorem 4) does not cover. Start a new model and optimizer, or train with "
+        "noise='iid'")
+  known = _RUN_EXAMPLES.get(ledger)
+  if known is not None and known[0] == recorded:   # this process has the run's identities
+    new = int(np.count_nonzero(~np.isin(sampler.fingerprints, known[1], assume_unique=True)))
+  elif sampler.grouping == recorded:   # a restored ledger: exactly the run's examples
+    _RUN_EXAMPLES[ledger] = (recorded, sampler.fingerprints)
+    new = 0
+  else:
+    raise PrivacyConfigError(
+        f"this dataset's examples ({sampler.fingerprints.size} identities, grouping "
+        f"{sampler.grouping[:19]}...) are not those of the correlated-noise (BandMF/BLT) run "
+        f"this model's restored ledger continues (grouping {recorded[:19]}...): an example "
+        "is grouped by a hash of its identity (its x and y rows' bytes, dtype and shape, or "
+        "its example_ids), so an example given under another identity may change group and "
+        "be eligible at steps closer than num_groups apart, which the cyclic Poisson "
+        "accounting (Choquette-Choo et al. 2023, Theorem 4) does not cover. After a restore "
+        "the ledger knows the run's examples by one digest: pass all of the run's arrays "
+        "unchanged (same dtypes) or the same example_ids, or start a new model and optimizer")
   if new:
     raise PrivacyConfigError(
         f"this dataset holds {new} of its {sampler.fingerprints.size} example identities that "

@@ -6,7 +6,9 @@ everything but "digest" and "hmac", and "hmac-sha256:" + HMAC-SHA256 of the same
 a user's key. Reading refuses a missing or wrong digest, a wrong or missing HMAC when a key is
 given, and version-1 files (no relation, unit or passes: their epsilon may be too small). A
 ledger with a private selection is version 3 (a "selection" field), which older readers
-refuse.
+refuse. An optional "cyclic_grouping" field (signed like the rest) is the record of the
+grouping of the cyclic Poisson run the ledger charges (`PrivacyLedger.cyclic_grouping`):
+"sha256:" + 64 hex digits, or "conflict".
 
 The digest detects accidental changes, NOT forgery (anyone can recompute it; `privacy_report`
 says so in its assumptions); only the HMAC, checked with the writer's key, refuses a forged
@@ -16,6 +18,7 @@ file.
 import hashlib
 import hmac as hmac_lib
 import json
+import re
 
 import numpy as np
 
@@ -104,14 +107,30 @@ def _query_dict(row):
           "sensitivity": float(row[4])}
 
 
-def arrays_to_dict(samples, queries, passes=0, key=None):
+GROUPING_FIELD = "cyclic_grouping"
+_GROUPING = re.compile(r"(sha256:[0-9a-f]{64}|conflict)\Z")
+
+
+def check_grouping(grouping, where="ledger"):
+  """`grouping` (a cyclic grouping record, or None) if well formed.
+
+  Raises:
+    ParameterValueError: not None, "conflict" or "sha256:" + 64 lowercase hex digits.
+  """
+  if grouping is not None and not (isinstance(grouping, str) and _GROUPING.match(grouping)):
+    raise ParameterValueError(f"{where} field {GROUPING_FIELD!r} must be 'sha256:' + 64 hex "
+                              f"digits or 'conflict'. Received: {GROUPING_FIELD}={grouping!r}")
+  return grouping
+
+
+def arrays_to_dict(samples, queries, passes=0, key=None, grouping=None):
   """The signed (`sign`), run-length coded JSON-able dict (`runs_to_dict`) of a ledger's
-  sample and query arrays and pass count."""
+  sample and query arrays, pass count and cyclic grouping record (None: no field)."""
   samples, queries = rec.validate_arrays(samples, queries)
-  return runs_to_dict(rec.run_length_encode(samples, queries), passes, key)
+  return runs_to_dict(rec.run_length_encode(samples, queries), passes, key, grouping)
 
 
-def runs_to_dict(runs, passes=0, key=None):
+def runs_to_dict(runs, passes=0, key=None, grouping=None):
   """The signed JSON-able dict of runs [(count, sample_row, query_rows)] (counts kept as
   counts) and `passes` (shuffled passes / epochs started), HMAC'd with the optional `key`
   (str or bytes). A selection marker among the runs (`selection`) becomes the file's
@@ -141,6 +160,8 @@ def runs_to_dict(runs, passes=0, key=None):
   if selected is not None:
     d["version"] = selection_lib.SELECTION_VERSION
     d["selection"] = selection_lib.to_field(selected)
+  if check_grouping(grouping) is not None:
+    d[GROUPING_FIELD] = grouping
   return sign(d, key)
 
 
@@ -236,8 +257,16 @@ def dict_to_arrays(d, key=None):
   return samples, queries, passes
 
 
-def loads(text, key=None):
-  """(samples, queries, passes) of a ledger JSON string, as `dict_to_arrays`.
+def dict_to_state(d, key=None):
+  """(samples, queries, passes, grouping) of a ledger dict: `dict_to_arrays` and its cyclic
+  grouping record (None when the dict has none), verified and validated."""
+  samples, queries, passes = dict_to_arrays(d, key)
+  return samples, queries, passes, check_grouping(d.get(GROUPING_FIELD))
+
+
+def loads(text, key=None, with_grouping=False):
+  """(samples, queries, passes) of a ledger JSON string, as `dict_to_arrays` (with
+  `with_grouping`, and its grouping record: `dict_to_state`).
 
   Raises:
     ParameterValueError: if the JSON cannot be parsed, or the ledger is malformed or fails
@@ -247,12 +276,11 @@ def loads(text, key=None):
     d = json.loads(text)
   except (json.JSONDecodeError, TypeError) as e:
     raise ParameterValueError(f"ledger JSON could not be parsed: {e}") from None
-  return dict_to_arrays(d, key)
+  return dict_to_state(d, key) if with_grouping else dict_to_arrays(d, key)
 
 
-def load(path, key=None):
-  """(samples, queries, passes) of a ledger JSON file, as `dict_to_arrays`; errors name the
-  file.
+def load(path, key=None, with_grouping=False):
+  """(samples, queries, passes) of a ledger JSON file, as `loads`; errors name the file.
 
   Raises:
     ParameterValueError: if the file cannot be read, or its content is malformed or fails
@@ -264,6 +292,6 @@ def load(path, key=None):
   except OSError as e:
     raise ParameterValueError(f"ledger file {path!r} could not be read: {e}") from None
   try:
-    return loads(text, key)
+    return loads(text, key, with_grouping)
   except ValueError as e:
     raise ParameterValueError(f"ledger file {path!r}: {e}") from None

@@ -201,21 +201,42 @@ def _common_prefix(a, b):
   return 0
 
 
+# The cyclic grouping record of a ledger whose two sources recorded different ones: no
+# grouping equals it, so a correlated cyclic run can only be refused, never continued.
+GROUPING_CONFLICT = "conflict"
+
+
+def merged_grouping(a, b):
+  """The cyclic grouping record (`PrivacyLedger.cyclic_grouping`) of two merged sources of
+  one ledger, each a str or None: the one that is set, else `GROUPING_CONFLICT` when both are
+  set and differ (a continuation is then refused, the safe side)."""
+  if a is None or a == b:
+    return b
+  return a if b is None else GROUPING_CONFLICT
+
+
 def merged_arrays(current, restored):
   """The ledger that charges every step of two ledgers of one run, `current` (being restored
-  into) and `restored`, each (samples, queries, passes): (samples, queries) numpy arrays and
-  an int. When one ledger is a prefix of the other, the longer one; otherwise the restored
+  into) and `restored`, each (samples, queries, passes) or (samples, queries, passes,
+  grouping): (samples, queries) numpy arrays, an int and a cyclic grouping record (str or
+  None). When one ledger is a prefix of the other, the longer one; otherwise the restored
   ledger followed by the current one's samples after their common prefix (query rows
-  re-indexed), the passes added. Charging more than was used is the safe side."""
-  (sc, qc, pc), (sr, qr, pr) = current, restored
+  re-indexed), the passes added. Charging more than was used is the safe side. Returns a
+  4-tuple (the groupings merged by `merged_grouping`) when either input is one, else a
+  3-tuple."""
+  (sc, qc, pc), (sr, qr, pr) = current[:3], restored[:3]
+  tail = ()
+  if len(current) > 3 or len(restored) > 3:
+    tail = (merged_grouping(current[3] if len(current) > 3 else None,
+                            restored[3] if len(restored) > 3 else None),)
   p = _common_prefix((sc, qc), (sr, qr))
   if p == sr.shape[0]:
-    return sc, qc, max(pc, pr)
+    return (sc, qc, max(pc, pr)) + tail
   if p == sc.shape[0]:
-    return sr, qr, max(pc, pr)
+    return (sr, qr, max(pc, pr)) + tail
   tail_q = qc[qc[:, 0] >= p].copy()
   tail_q[:, 0] += sr.shape[0] - p
-  return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr)
+  return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr) + tail
 
 
 # The writes run in functions shared by every ledger of the process (they take the variables'
@@ -353,6 +374,12 @@ class PrivacyLedger(tf.Module):
       self._mirror = _Buffers(cap, "_mirror")  # what this object recorded: in no checkpoint
     for attr in _Buffers.NAMES:   # tracked under the names of earlier versions' checkpoints
       setattr(self, "_" + attr, getattr(self._v, attr))
+    # The cyclic grouping record (`cyclic_grouping`): checkpointed; "" when none. What this
+    # object set is kept aside too (in no checkpoint), so a restore cannot replace it unseen.
+    with tf.name_scope(name):
+      self._cyclic_grouping = tf.Variable("", dtype=tf.string, trainable=False,
+                                          name="cyclic_grouping")
+    self._grouping_set_here = None
 
   # No restore can roll the ledger back: a restore assigns `_v`; the mirror, in no checkpoint,
   # holds every row this object recorded; writes reconcile them in the graph (`_reconcile`),
@@ -367,6 +394,41 @@ class PrivacyLedger(tf.Module):
                       for b in (self._v, self._mirror))
     if not all(np.array_equal(a, b) for a, b in zip(restored, mine)):   # rows and passes
       self._write(*merged_arrays(mine, restored))
+
+  @property
+  def cyclic_grouping(self):
+    """The record of the grouping of the cyclic Poisson run this ledger charges (eager): a
+    str, "sha256:" + the SHA-256 of the run's sorted example identity digests
+    (`data.cyclic_poisson.CyclicPoissonSampler.grouping`), set by the fit that starts the
+    run; `GROUPING_CONFLICT` when a restore or merge brought another one; None when no run
+    recorded one (or a ledger of an earlier version). It is ledger state: tf.train.Checkpoint,
+    the signed ledger dict and file, the optimizer's config and the model's weights file carry
+    it, so a later fit, in this process or another, continues a correlated-noise run only
+    with the same grouping (`data.cyclic_poisson.check_continuation`)."""
+    saved = self._cyclic_grouping.numpy().decode() or None
+    return merged_grouping(self._grouping_set_here, saved)
+
+  def set_cyclic_grouping(self, grouping):
+    """Records the grouping of the cyclic run that starts now (eager).
+
+    Args:
+      grouping: a str (`CyclicPoissonSampler.grouping`), or None to clear the record.
+
+    Raises:
+      ParameterTypeError: `grouping` is neither a str nor None.
+    """
+    if grouping is not None and not isinstance(grouping, str):
+      raise ParameterTypeError(f"grouping must be a str or None. Received: grouping={grouping!r}")
+    self._grouping_set_here = grouping
+    self._cyclic_grouping.assign(grouping or "")
+
+  def _merge_grouping(self, grouping):
+    """Merges a restored source's grouping record into this one (`merged_grouping`)."""
+    if grouping is None:
+      return
+    merged = merged_grouping(self.cyclic_grouping, grouping)
+    self._grouping_set_here = merged
+    self._cyclic_grouping.assign(merged)
 
   def _write(self, samples, queries, passes):
     """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
@@ -516,7 +578,7 @@ class PrivacyLedger(tf.Module):
     skipped = int(self._v.samples[:start, len(SAMPLE_COLUMNS) - 1].numpy().sum())
     return samples, self._v.queries[skipped:q].numpy()
 
-  def set_arrays(self, samples, queries, passes=None):
+  def set_arrays(self, samples, queries, passes=None, grouping=None):
     """Replaces the content by validated arrays (a new ledger read from a file; restores of a
     run's ledger go through `merge_arrays`, which never loses a row).
 
@@ -524,14 +586,17 @@ class PrivacyLedger(tf.Module):
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int pass count, or None to keep the current one.
+      grouping: the cyclic grouping record (`cyclic_grouping`), or None to keep the current.
 
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
     self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes))
+    if grouping is not None:
+      self.set_cyclic_grouping(grouping)
 
-  def merge_arrays(self, samples, queries, passes=0):
+  def merge_arrays(self, samples, queries, passes=0, grouping=None):
     """Merges a ledger of the same run into this one (`merged_arrays`): nothing recorded here
     is ever lost; a ledger of an earlier step leaves this one as it is, one that extends it
     replaces it.
@@ -540,11 +605,14 @@ class PrivacyLedger(tf.Module):
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int, the shuffled passes that ledger counted.
+      grouping: that ledger's cyclic grouping record (str or None), merged by
+        `merged_grouping`.
 
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
     """
     samples, queries = rec.validate_arrays(samples, queries)
+    self._merge_grouping(grouping)
     self.reconcile()
     current = (*self.get_arrays(), int(self._v.passes.numpy()))
     merged = merged_arrays(current, (samples, queries, int(passes)))
@@ -561,7 +629,11 @@ class PrivacyLedger(tf.Module):
       dict (see `ledger_file.arrays_to_dict`).
     """
     return ledger_file.arrays_to_dict(*self.get_arrays(), passes=int(self._v.passes.numpy()),
-                                      key=key)
+                                      key=key, grouping=self.cyclic_grouping)
+
+  def state(self):
+    """(samples, queries, passes, grouping): what `merge_arrays` takes (eager)."""
+    return (*self.get_arrays(), int(self.passes.numpy()), self.cyclic_grouping)
 
   def to_json(self, key=None):
     """The signed ledger as a JSON string.
@@ -589,9 +661,9 @@ class PrivacyLedger(tf.Module):
     os.replace(tmp, path)
 
   @classmethod
-  def _from_arrays(cls, samples, queries, passes):
+  def _from_arrays(cls, samples, queries, passes, grouping=None):
     ledger = cls(initial_capacity=max(1, samples.shape[0]))
-    ledger.set_arrays(samples, queries, passes)
+    ledger.set_arrays(samples, queries, passes, grouping)
     return ledger
 
   @classmethod
@@ -608,7 +680,7 @@ class PrivacyLedger(tf.Module):
     Raises:
       ParameterValueError: the dict is malformed, altered or version 1 (ledger_file).
     """
-    return cls._from_arrays(*ledger_file.dict_to_arrays(d, key))
+    return cls._from_arrays(*ledger_file.dict_to_state(d, key))
 
   @classmethod
   def from_json(cls, text, key=None):
@@ -624,7 +696,7 @@ class PrivacyLedger(tf.Module):
     Raises:
       ParameterValueError: unparsable, malformed, altered or version-1 JSON.
     """
-    return cls._from_arrays(*ledger_file.loads(text, key))
+    return cls._from_arrays(*ledger_file.loads(text, key, with_grouping=True))
 
   @classmethod
   def load_json(cls, path, key=None):
@@ -637,7 +709,7 @@ class PrivacyLedger(tf.Module):
     Returns:
       A new PrivacyLedger holding the file's content.
     """
-    return cls._from_arrays(*ledger_file.load(path, key))
+    return cls._from_arrays(*ledger_file.load(path, key, with_grouping=True))
 
 
 _SAMPLE_SIZE = ("a finite number >= 0, the batch size: the expected one under \"poisson\" "

@@ -80,7 +80,7 @@ class PrivateStep:
     self._ledger = None
     self._expected_records = None
     self._overflow_count = None
-    self._restored_ledger = None          # (samples, queries, passes), merged by make_state
+    self._restored_ledger = None   # (samples, queries, passes[, grouping]), merged by make_state
     self._restored_global_state = None    # the config's "dp_global_state", used once
     self._global_vars = None              # the query's global state variables (flattened)
     self._global_struct = None
@@ -139,7 +139,8 @@ class PrivateStep:
 
     Args:
       global_state: the config's "dp_global_state", or None.
-      ledger: (samples, queries, passes) of the config's verified "dp_ledger", or None.
+      ledger: (samples, queries, passes, grouping) of the config's verified "dp_ledger", or
+        None.
     """
     self._restored_global_state = global_state
     if ledger is not None:
@@ -157,7 +158,7 @@ class PrivateStep:
     self.optimizer._track_trackable(trackable, name=name, overwrite=True)  # pylint: disable=protected-access
     return trackable
 
-  def adopt_ledger(self, samples, queries, passes):
+  def adopt_ledger(self, samples, queries, passes, grouping=None):
     """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`: nothing
     recorded is lost), or, before it exists, into the one `make_state` starts from.
 
@@ -165,14 +166,15 @@ class PrivateStep:
       samples: ledger sample array.
       queries: ledger query array.
       passes: int, the shuffled passes that ledger counted.
+      grouping: that ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`).
     """
     if self._ledger is not None:
-      self._ledger.merge_arrays(samples, queries, passes)
+      self._ledger.merge_arrays(samples, queries, passes, grouping)
     elif self._restored_ledger is None:
-      self._restored_ledger = (samples, queries, int(passes))
+      self._restored_ledger = (samples, queries, int(passes), grouping)
     else:
-      self._restored_ledger = privacy_ledger.merged_arrays(self._restored_ledger,
-                                                           (samples, queries, int(passes)))
+      self._restored_ledger = privacy_ledger.merged_arrays(
+          self._restored_ledger, (samples, queries, int(passes), grouping))
 
   def make_state(self):
     """Creates the default query, the ledger and the sampling variables, once, outside any

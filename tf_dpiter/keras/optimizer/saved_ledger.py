@@ -65,19 +65,19 @@ def require_covers(opt):
 
 
 def arrays_of_config(d):
-  """(samples, queries, passes) of a config's "dp_ledger" dict, verified (digest).
+  """(samples, queries, passes, grouping) of a config's "dp_ledger" dict, verified (digest).
 
   Args:
     d: the signed ledger dict.
 
   Returns:
-    the arrays and the pass count.
+    the arrays, the pass count and the cyclic grouping record (`ledger_file.dict_to_state`).
 
   Raises:
     ParameterValueError: the dict is malformed or altered (names the config field).
   """
   try:
-    return ledger_file.dict_to_arrays(d)
+    return ledger_file.dict_to_state(d)
   except ValueError as e:
     raise ParameterValueError(f"the optimizer config's {CONFIG_KEY!r}: {e}") from None
 
@@ -96,25 +96,26 @@ def config_ledger(opt):
     return None
   ledger = opt.private_step.existing_ledger
   return ledger.to_dict() if ledger is not None else ledger_file.arrays_to_dict(
-      *arrays[:2], passes=arrays[2])
+      *arrays[:2], passes=arrays[2], grouping=arrays[3] if len(arrays) > 3 else None)
 
 
 def arrays_of(opt):
-  """(samples, queries, passes) of the ledger `opt` charges: its ledger, or the one pending
-  from from_config or a loaded weights file; None when it holds no sample and no pass.
+  """(samples, queries, passes[, grouping]) of the ledger `opt` charges: its ledger, or the
+  one pending from from_config or a loaded weights file; None when it holds no sample and no
+  pass.
 
   Args:
     opt: a DP optimizer.
 
   Returns:
-    the arrays and the pass count, or None.
+    the arrays, the pass count and (when known) the cyclic grouping record, or None.
   """
   ledger = opt.private_step.existing_ledger   # None until the step's state is made
   if ledger is None:
     return opt.private_step.restored_ledger
   if int(ledger.sample_count.numpy()) == 0 and int(ledger.passes.numpy()) == 0:
     return None
-  return (*ledger.get_arrays(), int(ledger.passes.numpy()))
+  return ledger.state()
 
 
 def _mechanism_mismatch(opt, samples, queries):
@@ -170,12 +171,12 @@ def restore_ledger(opt, ledger, key=None):
       step's mechanism (clip, noise multiplier) or sampling (policy, hence relation and
       unit; examples per record) is not this optimizer's: it is another run's ledger.
   """
-  if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
-    arrays = (*ledger.get_arrays(), int(ledger.passes.numpy()))
+  if hasattr(ledger, "state") and hasattr(ledger, "passes"):
+    arrays = ledger.state()
   elif isinstance(ledger, dict):
-    arrays = ledger_file.dict_to_arrays(ledger, key)
+    arrays = ledger_file.dict_to_state(ledger, key)
   elif isinstance(ledger, (str, os.PathLike)):
-    arrays = ledger_file.load(os.fspath(ledger), key)
+    arrays = ledger_file.load(os.fspath(ledger), key, with_grouping=True)
   else:
     raise PrivacyConfigError(f"ledger must be a PrivacyLedger, a ledger dict or a ledger JSON path. "
                              f"Received: ledger={ledger!r}")
@@ -199,6 +200,7 @@ def restore_ledger(opt, ledger, key=None):
 # is not restored (`load_model(compile=False)`, `load_weights` into a new model), and a DP
 # optimizer compiled on it continues that ledger.
 STORE_KEYS = ("dp_ledger_samples", "dp_ledger_queries", "dp_ledger_passes")
+GROUPING_KEY = "dp_ledger_cyclic_grouping"   # uint8 bytes of the record, when there is one
 
 
 def write_to_store(opt, store):
@@ -215,11 +217,14 @@ def write_to_store(opt, store):
   samples, queries = ledger.get_arrays()
   for name, value in zip(STORE_KEYS, (samples, queries, np.int64(ledger.passes.numpy()))):
     store[name] = value
+  grouping = ledger.cyclic_grouping
+  if grouping is not None:
+    store[GROUPING_KEY] = np.frombuffer(grouping.encode(), np.uint8)
 
 
 def split_store(store):
-  """(the entry without the ledger's keys as a dict, the carried (samples, queries, passes)
-  or None), from the dict-like entry Keras passes to `load_own_variables`.
+  """(the entry without the ledger's keys as a dict, the carried (samples, queries, passes,
+  grouping) or None), from the dict-like entry Keras passes to `load_own_variables`.
 
   Args:
     store: the weights-store entry.
@@ -231,7 +236,7 @@ def split_store(store):
     ParameterValueError: the carried arrays are malformed.
   """
   keys = list(store.keys())
-  rest = {k: store[k] for k in keys if k not in STORE_KEYS}
+  rest = {k: store[k] for k in keys if k not in STORE_KEYS + (GROUPING_KEY,)}
   if STORE_KEYS[0] not in keys:
     return rest, None
   samples, queries = (np.asarray(store[k], np.float64) for k in STORE_KEYS[:2])
@@ -239,4 +244,12 @@ def split_store(store):
     samples, queries = rec.validate_arrays(samples, queries)
   except ValueError as e:
     raise ParameterValueError(f"the ledger carried by the weights file is malformed: {e}") from None
-  return rest, (samples, queries, int(np.asarray(store[STORE_KEYS[2]])))
+  grouping = None
+  if GROUPING_KEY in keys:
+    try:
+      grouping = ledger_file.check_grouping(
+          np.asarray(store[GROUPING_KEY], np.uint8).tobytes().decode("ascii"), "weights file")
+    except UnicodeDecodeError:
+      raise ParameterValueError("the ledger carried by the weights file has a malformed "
+                                f"{GROUPING_KEY!r}") from None
+  return rest, (samples, queries, int(np.asarray(store[STORE_KEYS[2]])), grouping)
