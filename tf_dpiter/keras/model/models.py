@@ -41,6 +41,7 @@ from tf_dpiter.keras.optimizer import optimizers as opt_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
+from tf_dpiter.keras.optimizer import variable_owners
 from tf_dpiter.keras.model import train_step as train_step_lib
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import privacy_ledger
@@ -127,6 +128,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     outgoing = _unscaled(getattr(self, "optimizer", None))
     if isinstance(outgoing, opt_lib.DPOptimizerBase):   # a recompile: its steps stay charged
       self._dp_carry_ledger(saved_ledger.arrays_of(outgoing))
+      if outgoing is not _unscaled(optimizer):   # the new one takes its variables over
+        variable_owners.release(outgoing)
     if optimizer is _OWN_DEFAULT:   # the class' own default (a keras_hub task's "auto")
       super().compile(**kwargs)
     else:

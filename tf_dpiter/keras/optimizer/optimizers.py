@@ -29,6 +29,7 @@ from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.keras.optimizer import variable_owners
 from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = dp_config_lib.CLIPPING_MODES
@@ -307,7 +308,12 @@ class DPOptimizerBase:
 
     Args:
       variables: the trainable variables the optimizer updates.
+
+    Raises:
+      PrivacyConfigError: another live DP optimizer updates one of `variables`
+        (`variable_owners.claim`).
     """
+    variable_owners.claim(self, variables)
     super().build(variables)
     self.private_step.build_mechanism(variables)
 
