@@ -329,8 +329,13 @@ class DPOptimizerBase:
     """
     self._private_apply = True
     grads = [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
+    # Keras' `iterations` increment waits for the gradients (for the batch), as the ledger's
+    # write does (`private_step._released`): an epoch of unknown cardinality ends with a
+    # step whose get_next fails, which would otherwise still count one iteration.
+    data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1]
     try:
-      return super().apply(grads, trainable_variables)
+      with tf.control_dependencies(data):
+        return super().apply(grads, trainable_variables)
     finally:
       self._private_apply = False
 
