@@ -86,3 +86,19 @@ def test_a_fit_never_closed_is_charged_by_the_ledgers_next_fit(monkeypatch):
   assert int(model.ledger.sample_count.numpy()) > 4
   assert int(model.ledger.passes.numpy()) == 3    # pass 2 settled first, then pass 3
   assert dp.accounting.epsilon(model.ledger, 1e-5) == pytest.approx(_by_hand(3), rel=1e-9)
+
+
+def test_an_early_fit_error_reaches_the_user_unchanged():
+  # Review R (session 33): Keras raising before it gives the callbacks their model made the
+  # `finally`'s SamplingSync.close raise TypeError (a weak reference to None) over Keras'
+  # message. No step was taken: nothing to charge.
+  x = np.zeros((40, 2), np.float32)
+  y = np.zeros((40, 1), np.float32)
+  model = dp.keras.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.01), loss="mse")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    with pytest.raises(ValueError, match="validation_split"):
+      model.fit(dp.data.shuffled_batches(x, y, batch_size=8), epochs=1, validation_split=0.2,
+                verbose=0)
+  assert int(model.ledger.sample_count.numpy()) == 0

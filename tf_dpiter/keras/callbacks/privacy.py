@@ -123,7 +123,9 @@ def check_monitors(callbacks, has_validation_data):
   monitoring only; McMahan et al. 2018, Section 6: only the noised sums are released): a
   decision taken from them (stop, restore the best weights, lower the learning rate, keep the
   best checkpoint) is not post-processing of the DP steps, and one record can change it (an
-  outlier's loss ends the run a step earlier, with certainty). Allowed: the ledger's keys
+  outlier's loss ends the run a step earlier, with certainty; TerminateOnNaN reads it too).
+  Callbacks of the user's own that read logs["loss"] cannot be seen here: the same holds for
+  them. Allowed: the ledger's keys
   (LEDGER_LOG_KEYS) and "val_*" metrics when fit has validation data (held-out records, which
   the guarantee does not cover).
 
@@ -132,10 +134,16 @@ def check_monitors(callbacks, has_validation_data):
     has_validation_data: whether fit is given validation data.
 
   Raises:
-    PrivacyConfigError: a callback acting on a training metric, or on "val_*" without
-      validation data.
+    PrivacyConfigError: a callback acting on a training metric (TerminateOnNaN included), or
+      on "val_*" without validation data.
   """
   for i, callback in enumerate(callbacks):
+    if isinstance(callback, keras.callbacks.TerminateOnNaN):
+      raise PrivacyConfigError(
+          f"`callbacks[{i}]` must not be TerminateOnNaN in a DP fit: it stops on the un-noised "
+          "training loss, which one record with a non-finite loss makes inf (the private step "
+          "itself gives such a record no influence). Remove it. Received: "
+          f"callbacks[{i}]=TerminateOnNaN()")
     if not _acts_on_monitor(callback):
       continue
     key = callback.monitor

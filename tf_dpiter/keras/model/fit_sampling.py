@@ -554,7 +554,8 @@ class SamplingSync(keras.callbacks.Callback):
     if hasattr(self.sampler, "snapshot_position"):
       self.sampler.snapshot_position(None)
     self._begun = False
-    _ACTIVE.pop(self.model, None)
+    if self.model is not None:   # None: Keras raised before it gave the callbacks their model
+      _ACTIVE.pop(self.model, None)
 
 
 # sampler (shuffle, balls in bins) -> (weak ref to the ledger, its sample count when the fit

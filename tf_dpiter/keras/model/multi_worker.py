@@ -29,6 +29,7 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
@@ -155,6 +156,31 @@ def worker_callbacks(callbacks, journal, chief):
   return out
 
 
+def _check_global_sample(x):
+  """Refuses data whose global step is not one sample of the sampling it declares.
+
+  Under several workers Keras gives each worker its share of the rows of its OWN pipeline's
+  element: arrays or a single-process dataset (dp.data.poisson_batches, shuffled_batches)
+  would have every worker draw its own sample of all n records, and a global step would join
+  parts of independent samples (a record can enter one step's sum twice: 2 S where the ledger
+  states S; measured: 32 such (record, step) pairs in 100 steps of 2 workers). Only a
+  distributed dataset built from one global sample (dp.data.distributed_poisson_batches:
+  each worker yields its own part of the shared Poisson sample) is accepted.
+
+  Raises:
+    PrivacyConfigError: `x` not a tf.distribute.DistributedDataset declaring its sampling.
+  """
+  if isinstance(x, tf.distribute.DistributedDataset) and (
+      sampling_lib.get_sampling_spec(x) is not None):
+    return
+  raise PrivacyConfigError(
+      "`x` must be a distributed dataset of one global sample under several workers, e.g. "
+      "dp.data.distributed_poisson_batches(strategy, source, expected_batch_size=B): from "
+      "arrays or a single-process dataset every worker would draw its own sample of all the "
+      "records and a step would join them (a record can enter one step twice). Received: x "
+      f"of type {type(x).__name__}")
+
+
 class MultiWorkerFitMixin:
   """`fit` under MultiWorkerMirroredStrategy (module docstring); inert on one worker."""
 
@@ -170,13 +196,16 @@ class MultiWorkerFitMixin:
 
     Raises:
       ParameterValueError: secure_mode noise under several workers, or as DPModel.fit.
+      PrivacyConfigError: under several workers, `x` not a distributed dataset that declares
+        its sampling (dp.data.distributed_poisson_batches).
     """
     strategy = self.distribute_strategy
     if num_workers(strategy) > 1:
-      synchronize_noise(strategy, self.optimizer)
       dp_kwargs = {k: kwargs.pop(k) for k in _DP_FIT_KWARGS if k in kwargs}
       kwargs = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
       kwargs.pop("self")
+      _check_global_sample(kwargs.get("x"))
+      synchronize_noise(strategy, self.optimizer)
       callbacks = list(kwargs.get("callbacks") or [])
       path = fit_sampling.journal_path(
           callbacks, dp_kwargs.get("ledger_journal") or self.optimizer.ledger_journal)
