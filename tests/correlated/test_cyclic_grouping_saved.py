@@ -35,10 +35,10 @@ def _data():
   return rng.randn(N, 6).astype("float32"), rng.randint(0, 3, N).astype("int64")
 
 
-def _model():
+def _model(journal=None):
   model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=0.1, noise="band_mf",
-                                     num_bands=B, num_steps=4 * STEPS)
+                                     num_bands=B, num_steps=4 * STEPS, ledger_journal=journal)
   model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   return model
 
@@ -160,3 +160,29 @@ def test_a_ledger_without_a_record_does_not_continue_a_correlated_run():
     assert fresh.optimizer.ledger.cyclic_grouping is None
     with pytest.raises(PrivacyConfigError, match="without a record"):
       fresh.fit(_ds(x, y, STEPS, seed=5), epochs=1, verbose=0)
+
+
+def test_the_journal_carries_the_grouping(tmp_path):
+  """A fresh optimizer resuming the run from its ledger journal (its weights and iterations
+  restored by a partial checkpoint) continues with the run's grouping and refuses another."""
+  journal = str(tmp_path / "run.journal")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    keras.utils.set_random_seed(0)
+    x, y = _data()
+    model = _model(journal=journal)
+    ds1 = _ds(x, y, STEPS, seed=1)
+    model.fit(ds1, epochs=1, verbose=0)
+    fresh = _model(journal=journal)
+    fresh.build((None, 6))
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.set_weights(model.get_weights())
+    fresh.optimizer.iterations.assign(STEPS)
+    assert fresh.optimizer.ledger.cyclic_grouping is None   # the journal is read by fit
+    regrouped = _ds(x, y.astype("int32"), STEPS + 1, seed=2)
+    with pytest.raises(PrivacyConfigError, match="grouping"):
+      fresh.fit(regrouped, epochs=1, verbose=0)
+    assert fresh.optimizer.ledger.cyclic_grouping == sampling.get_sampling_spec(
+        ds1).sampler.grouping
+    fresh.fit(_ds(x, y, STEPS + 1, seed=4), epochs=1, verbose=0)
+    assert int(fresh.optimizer.ledger.sample_count.numpy()) == 2 * STEPS + 1

@@ -7,7 +7,9 @@ of crashes the ledger holds every step taken.
 File: JSON lines, one chunk per append: {"seq", "start", "passes", "iterations", "prev",
 "runs", ..., "digest"[, "hmac"]}, each a signed ledger dict (`ledger_file`) of its samples,
 with the pass total and optimizer iterations at the append and "prev" the previous chunk's
-digest, so that removing, reordering or editing a chunk is detected.
+digest, so that removing, reordering or editing a chunk is detected. A chunk also carries the
+ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`) when it has one; `resume`
+merges the last chunk's into the ledger with its rows.
 
 A cut tail leaves a valid chain (a chain proves what it holds, not that nothing came after):
 `check_covers(iterations)` refuses a journal that ends before the restored model's
@@ -44,6 +46,7 @@ class LedgerJournal:
     self._passes_written = 0
     self._iterations = None    # the last chunk's optimizer iterations (None: not recorded)
     self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
+    self._grouping = None      # the last chunk's cyclic grouping record
 
   @property
   def iterations(self):
@@ -63,7 +66,7 @@ class LedgerJournal:
     """
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
-    self._iterations, self._chunk_iterations = None, set()
+    self._iterations, self._chunk_iterations, self._grouping = None, set(), None
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
@@ -81,6 +84,8 @@ class LedgerJournal:
         raise ParameterValueError(f"ledger journal {self.path!r} line {i + 1} is not JSON: {e}") from None
       self._check_chain(chunk, i)
       chunk_runs, chunk_passes = ledger_file.dict_to_runs(chunk, self.key)
+      self._grouping = ledger_file.check_grouping(chunk.get(ledger_file.GROUPING_FIELD),
+                                                  self._where(i)) or self._grouping
       runs.extend(chunk_runs)
       passes = max(passes, chunk_passes)
       self._passes_written = passes
@@ -167,7 +172,8 @@ class LedgerJournal:
     samples, queries, passes = self.read()
     if iterations is not None:
       self.check_covers(iterations)
-    ledger.merge_arrays(samples, queries, passes)   # never loses a row the ledger holds
+    # never loses a row the ledger holds
+    ledger.merge_arrays(samples, queries, passes, self._grouping)
     return samples.shape[0]
 
   def append(self, ledger, iterations=None):
@@ -193,7 +199,8 @@ class LedgerJournal:
     if queries.size:
       queries = queries.copy()
       queries[:, 0] -= self._written
-    chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes)
+    chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes,
+                                       grouping=ledger.cyclic_grouping)
     chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
     if iterations is not None:
       chunk["iterations"] = iterations
