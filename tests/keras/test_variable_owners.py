@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
+from tf_dpiter.auditing import sensitivity
 from tf_dpiter.errors import PrivacyConfigError
 
 N = 32
@@ -92,5 +93,22 @@ def test_a_plain_optimizer_sharing_the_layer_is_not_concerned():
   before = shared.kernel.numpy().copy()
   plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
   assert not np.array_equal(shared.kernel.numpy(), before)
+  a.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  assert int(a.optimizer.ledger.sample_count.numpy()) == 2 * (N // 8)
+
+
+def test_check_sensitivity_shares_the_weights_without_a_claim():
+  """The probe's noise-free optimizer shares the model's variables on purpose and puts them
+  back: neither it, nor Keras' copy of the optimizer clone_model builds, is refused or keeps
+  the model's own optimizer from training, before or after a fit."""
+  _, a, _ = _pair()
+  a.compile(optimizer=_dp_opt(), loss=_loss())
+  x, y = _data(1)
+  sensitivity.check_sensitivity(a, x, y, num_candidates=2)
+  a.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  weights = a.get_weights()
+  sensitivity.check_sensitivity(a, x, y, num_candidates=2)
+  for w, r in zip(a.get_weights(), weights):
+    np.testing.assert_array_equal(w, r)
   a.fit(x, y, batch_size=8, epochs=1, verbose=0)
   assert int(a.optimizer.ledger.sample_count.numpy()) == 2 * (N // 8)

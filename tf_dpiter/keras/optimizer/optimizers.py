@@ -308,12 +308,7 @@ class DPOptimizerBase:
 
     Args:
       variables: the trainable variables the optimizer updates.
-
-    Raises:
-      PrivacyConfigError: another live DP optimizer updates one of `variables`
-        (`variable_owners.claim`).
     """
-    variable_owners.claim(self, variables)
     super().build(variables)
     self.private_step.build_mechanism(variables)
 
@@ -326,7 +321,12 @@ class DPOptimizerBase:
 
     Returns:
       the base optimizer's `apply` result.
+
+    Raises:
+      PrivacyConfigError: another live DP optimizer updated one of `trainable_variables`
+        (`variable_owners.claim`; checked before the first update, eagerly or when traced).
     """
+    variable_owners.claim(self, trainable_variables)
     self._private_apply = True
     grads = [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
     # Keras' `iterations` increment waits for the gradients (for the batch), as the ledger's

@@ -5,20 +5,27 @@ weights is that ledger's only when no other DP optimizer updates them (McMahan e
 General Approach to Adding Differential Privacy to Iterative Training Procedures",
 Section 6: every noised step that touched the released weights is charged). Two DP models
 sharing a layer, each with its own DP optimizer, would leave the shared weights with the
-steps of both ledgers while each ledger reports only its own. So a DP optimizer's `build`
-claims its trainable variables, and refuses one another live DP optimizer claimed. A plain
-Keras optimizer (a GAN's non-DP generator optimizer) is not concerned, nor is the same DP
-optimizer building again; a recompile with a new DP optimizer releases the outgoing one's
-claims (its ledger is carried into the new one). (One DP optimizer on two models is refused
-by Keras itself: it updates only the variables it was built with.)
+steps of both ledgers while each ledger reports only its own. So a DP optimizer claims the
+variables it updates before its first update (`apply_private_gradients`, eagerly or when
+traced) and refuses one that another live DP optimizer updated. A DP optimizer only built on
+them (Keras' copy of the compiled optimizer in `clone_model`, a loaded model's) claims
+nothing. A plain Keras optimizer (a GAN's non-DP generator optimizer) is not concerned; a
+recompile with a new DP optimizer releases the outgoing one's claims (its ledger is carried
+into the new one). One DP optimizer on two models is refused by Keras itself (it updates only
+the variables it was built with). An internal probe whose updates are never released
+(auditing.check_sensitivity's noise-free optimizer, which puts the weights back) sets the
+class attribute named `UNCLAIMED`: it neither claims nor is refused.
 """
 
+import gc
 import weakref
 
 from tf_dpiter.errors import PrivacyConfigError
 
 # id(variable) -> (weakref to the variable, weakref to the DP optimizer that claimed it)
 _OWNERS = {}
+# The class attribute of a probe optimizer whose updates are never released.
+UNCLAIMED = "_dp_unclaimed_variables"
 
 
 def _name(variable):
@@ -29,20 +36,27 @@ def claim(optimizer, variables):
   """Records `optimizer` as the DP optimizer updating `variables`.
 
   Args:
-    optimizer: the DP optimizer being built.
-    variables: the trainable variables it will update.
+    optimizer: the DP optimizer about to update `variables`.
+    variables: the trainable variables it updates.
 
   Raises:
     PrivacyConfigError: one of `variables` is updated by another live DP optimizer (the
       message names the variable and says what to do).
   """
+  if getattr(optimizer, UNCLAIMED, False):
+    return
+  variables = list(variables)
+  if all(_owner(v) is optimizer for v in variables):   # claimed before: every eager step
+    return
   for key, (var_ref, opt_ref) in list(_OWNERS.items()):   # forget the dead
     if var_ref() is None or opt_ref() is None:
       del _OWNERS[key]
-  for v in variables:
-    entry = _OWNERS.get(id(v))
-    other = None if entry is None or entry[0]() is not v else entry[1]()
-    if other is not None and other is not optimizer:
+  others = [_other(v, optimizer) for v in variables]
+  if any(o is not None for o in others):   # an unreachable one (a reference cycle) is dead
+    gc.collect()
+    others = [_other(v, optimizer) for v in variables]
+  for v, other in zip(variables, others):
+    if other is not None:
       raise PrivacyConfigError(
           f"the trainable variable {_name(v)!r} is already updated by another DP optimizer "
           f"({type(other).__name__} {other.name!r}), whose ledger does not charge this "
@@ -53,6 +67,18 @@ def claim(optimizer, variables):
           "layer")
   for v in variables:
     _OWNERS[id(v)] = (weakref.ref(v), weakref.ref(optimizer))
+
+
+def _owner(variable):
+  """The live DP optimizer that claimed `variable`, else None."""
+  entry = _OWNERS.get(id(variable))
+  return None if entry is None or entry[0]() is not variable else entry[1]()
+
+
+def _other(variable, optimizer):
+  """The live DP optimizer other than `optimizer` that claimed `variable`, else None."""
+  other = _owner(variable)
+  return None if other is optimizer else other
 
 
 def release(optimizer):
