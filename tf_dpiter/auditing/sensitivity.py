@@ -97,6 +97,9 @@ def _recording_sgd_class(dpk):
   variable policy the weights would blur the measured sum by about 2^-8."""
 
   class RecordingSGD(dpk.DPKerasSGDOptimizer):  # pylint: disable=missing-class-docstring
+    # shares the model's variables on purpose and puts them back: no claim on them
+    # (keras.optimizer.variable_owners)
+    _dp_unclaimed_variables = True
 
     def make_records(self, variables):
       with tf.init_scope():
