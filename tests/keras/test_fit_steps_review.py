@@ -159,3 +159,18 @@ def test_the_global_seed_does_not_fix_the_noise():
     updates.append(model.get_weights()[0].ravel())
   assert not np.array_equal(updates[0], updates[1])
   assert abs(np.corrcoef(updates[0], updates[1])[0, 1]) < 5 / np.sqrt(200)
+
+
+def test_auto_steps_per_execution_is_refused_with_a_message():
+  # Review R (session 33): int("auto") raised a bare ValueError; Keras' "auto" retunes the
+  # execution size during the run, which the whole-executions check cannot plan for.
+  x, y = _data()
+  model = _model(dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=0.1),
+                 steps_per_execution="auto")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    with pytest.raises(dp.errors.PrivacyConfigError,
+                       match="steps_per_execution` must be an integer.*Received: "
+                             "steps_per_execution='auto'"):
+      model.fit(x, y, batch_size=20, epochs=1, verbose=0)
+  assert int(model.ledger.sample_count.numpy()) == 0

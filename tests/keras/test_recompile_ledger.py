@@ -11,6 +11,7 @@ import warnings
 import dp_accounting as dpa
 import keras
 import numpy as np
+import pytest
 
 import tf_dpiter as dp
 
@@ -49,3 +50,27 @@ def test_recompiles_with_new_dp_optimizers_keep_every_step_charged(tmp_path):
     fresh.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0), loss=LOSS)
     fresh.fit(x, y, batch_size=10, epochs=1, verbose=0)
   assert int(fresh.ledger.sample_count.numpy()) == 40
+
+
+def test_make_private_after_a_refused_plain_recompile_keeps_the_ledger():
+  # Review R (session 33): compile(Adam) on a trained DP model is refused after Keras compiled
+  # it; following the message, make_private installed a DP copy with an empty ledger (2
+  # samples for 12 steps: epsilon 2.413 instead of 3.619). The copy now adopts the ledger.
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(40, 2)).astype(np.float32)
+  y = rng.normal(size=(40, 1)).astype(np.float32)
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.01), loss="mse")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)                 # 10 steps, q = 0.1
+    with pytest.raises(dp.errors.ParameterValueError, match="make_private"):
+      model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    dp.keras.make_private(model, l2_norm_clip=1.0, noise_multiplier=1.0)
+    model.fit(x, y, batch_size=4, epochs=1, steps_per_epoch=2, verbose=0)
+  assert int(model.ledger.sample_count.numpy()) == 12
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)), 12)
+  assert dp.accounting.epsilon(model.ledger, 1e-5) == pytest.approx(acc.get_epsilon(1e-5),
+                                                                    rel=1e-6)

@@ -62,8 +62,15 @@ def _check_whole_executions(steps_per_epoch, steps_per_execution):
   planned.
 
   Raises:
-    PrivacyConfigError: steps_per_epoch % steps_per_execution != 0.
+    PrivacyConfigError: steps_per_epoch % steps_per_execution != 0, or steps_per_execution
+      not an integer (Keras' "auto" retunes it during the run).
   """
+  if isinstance(steps_per_execution, str):
+    raise PrivacyConfigError(
+        "`steps_per_execution` must be an integer >= 1 for DP training: 'auto' lets Keras "
+        "change the execution size during the run, so whole executions may take more steps "
+        "than an epoch plans. Compile with steps_per_execution=1 or a divisor of the epoch's "
+        f"steps. Received: steps_per_execution={steps_per_execution!r}")
   spe = int(steps_per_execution or 1)
   if steps_per_epoch is None or spe <= 1 or int(steps_per_epoch) % spe == 0:
     return
@@ -141,7 +148,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   def _dp_apply_pending_settings(self):
     """Swaps the compiled plain optimizer for its DP copy (`optimizers.DPOptimizer`) with the
-    settings make_private was given (used once), keeping the compiled loss and metrics."""
+    settings make_private was given (used once), keeping the compiled loss and metrics; the
+    copy continues the ledger the weights carry."""
     settings = getattr(self, "_dp_pending_settings", None)
     if not settings:
       return
@@ -149,6 +157,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       dp_opt = opt_lib.DPOptimizer(_unscaled(self.optimizer), **settings)
     keras_internals.replace_compiled_optimizer(self, dp_opt)
     self._dp_pending_settings = None
+    self._dp_adopt_carried_ledger()   # a DP optimizer replaced before (compile DP -> plain)
 
   def save_own_variables(self, store):
     """keras.Model.save_own_variables, plus the DP optimizer's ledger, which whatever DP
