@@ -80,6 +80,12 @@ _MAX_DEPTHWISE_ENTRIES = 1 << 16
 # 256, 40 in chunks of 128, 36 in chunks of 64, for 13.7, 13.2 and 14.2 ms of CPU time
 # (2026-11-28, 2-core machine under load 7).
 _DEPTHWISE_CHUNK = 128
+# `_gathered_patches` needs at least this many input channels: a gather copies one pixel's
+# cin floats at a time. B = 256, no XLA, oneDNN on, load 6-7, CPU ms of the patches, gather
+# against conv_unfold.patches: 16x16 inputs, 3x3 kernel, stride 1, "same" (ExtractImagePatches):
+# cin 1 3.58 / 3.29, 2 3.64 / 4.80, 4 3.62 / 4.12, 16 5.53 / 10.67; 13x13, 4x4, stride 2,
+# "valid" (folded slices): cin 1 1.00 / 1.10, 2 1.07 / 1.24, 16 1.20 / 2.54.
+_GATHER_MIN_CHANNELS = 2
 # A per-example product (batched matrix product or depthwise filter gradient) costs about
 # this many times a whole-batch convolution filter gradient per multiply-add on CPU
 # (tutorial CNN, B = 256: 4-6x; BENCHMARKS.md): the cost model's weight of per-example
@@ -280,12 +286,79 @@ def _filter_chunk(x4, dz4, kernel_size, strides, padding):
   return tf.reshape(g, [1, tf.shape(x4)[0], kh * kw * cin * cout])
 
 
+def _gathers_patches(x4, out_hw):
+  """Whether `_patches` unfolds by one gather (`_gathered_patches`): not under XLA (whose
+  CPU gather was slower than conv_unfold's fused slices), static spatial sizes, and at least
+  _GATHER_MIN_CHANNELS input channels (a gather copies one pixel's cin floats at a time).
+
+  Args:
+    x4: [B, H, W, cin] the convolution's input.
+    out_hw: (ho, wo) the static output size, or None.
+
+  Returns:
+    bool.
+  """
+  return (not routing.in_xla_context() and out_hw is not None and None not in out_hw and
+          None not in x4.shape[1:] and int(x4.shape[-1]) >= _GATHER_MIN_CHANNELS)
+
+
+def _patch_layout(x4, ksize, stride, dilation, out_hw):
+  """The conv_unfold.Layout of `_patches`' entries for this layer's shapes."""
+  cin = int(x4.shape[-1])
+  if (not _gathers_patches(x4, out_hw) and
+      conv_unfold.foldable(x4, ksize, stride, dilation, out_hw)):
+    return conv_unfold.Layout(ksize[0] // stride[0], ksize[1] // stride[1], stride[0],
+                              stride[1], cin)
+  return conv_unfold.Layout(ksize[0], ksize[1], 1, 1, cin)
+
+
+def _gathered_patches(x4, ksize, stride, dilation, padding, out_hw):
+  """Input patches [B, ho wo, kh kw cin] float32 in the kernel's order (kh, kw, cin) by one
+  gather of pixels: the input (padded by TensorFlow's "same" rule, else as it is) viewed as
+  [B, Hp Wp, cin], patch t = (p, q) entry (i, j) the pixel (sh p + dh i, sw q + dw j). One
+  copy of the patches' entries, against conv_unfold.patches' folded copy, qh qw slices and
+  their concatenation (the tutorial CNN's second convolution at B = 256: 1.1 against 2.5 ms
+  CPU, no XLA, oneDNN on, load 7).
+
+  Args:
+    x4: [B, H, W, cin] (`_gathers_patches`).
+    ksize, stride, dilation: (h, w) pairs of ints.
+    padding: "same" or "valid".
+    out_hw: (ho, wo) static ints.
+
+  Returns:
+    [B, ho wo, kh kw cin] float32.
+  """
+  (kh, kw), (sh, sw), (dh, dw), (ho, wo) = ksize, stride, dilation, out_hw
+  x = tf.cast(x4, tf.float32)
+  (h, w), cin = x.shape[1:3], int(x.shape[-1])
+  if padding == "same":
+    th = max((ho - 1) * sh + (kh - 1) * dh + 1 - h, 0)
+    tw = max((wo - 1) * sw + (kw - 1) * dw + 1 - w, 0)
+    x = tf.pad(x, [[0, 0], [th // 2, th - th // 2], [tw // 2, tw - tw // 2], [0, 0]])
+  hp, wp = int(x.shape[1]), int(x.shape[2])
+  rows = (sh * np.arange(ho)[:, None, None, None] + dh * np.arange(kh)[None, None, :, None])
+  cols = (sw * np.arange(wo)[None, :, None, None] + dw * np.arange(kw)[None, None, None, :])
+  index = (rows * wp + cols).reshape(ho * wo, kh * kw).astype(np.int32)
+  p = tf.gather(tf.reshape(x, [-1, hp * wp, cin]), index, axis=1)
+  return tf.reshape(p, [-1, ho * wo, kh * kw * cin])
+
+
+def _patches(x4, ksize, stride, dilation, padding, out_hw):
+  """Input patches [B, T, K] float32 and their conv_unfold.Layout: `_gathered_patches` where
+  `_gathers_patches`, else conv_unfold.patches (fused slices of the folded input or
+  ExtractImagePatches)."""
+  if _gathers_patches(x4, out_hw):
+    return (_gathered_patches(x4, ksize, stride, dilation, padding, out_hw),
+            _patch_layout(x4, ksize, stride, dilation, out_hw))
+  return conv_unfold.patches(x4, ksize, stride, dilation, padding, out_hw)
+
+
 def _unfold_chunk(x4, dz4, kernel_size, strides, dilation, padding):
   """Per-example filter gradients of a chunk from the unfolded input, dz_i^T P_i (the order
   of the batched matrix product that needs no transpose of the patches):
-  ([1, m, cout K] float32 in conv_unfold's patch order, its conv_unfold.Layout)."""
-  p, layout = conv_unfold.patches(x4, kernel_size, strides, dilation, padding,
-                                  tuple(dz4.shape[1:3]))
+  ([1, m, cout K] float32 in `_patches`' order, its conv_unfold.Layout)."""
+  p, layout = _patches(x4, kernel_size, strides, dilation, padding, tuple(dz4.shape[1:3]))
   g = tf.linalg.matmul(algebra.to_btk(dz4), p, transpose_a=True)
   return tf.reshape(g, [1, tf.shape(g)[0], -1]), layout
 
@@ -318,9 +391,7 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
     return _Form(lambda x, d: _filter_chunk(x, d, ksize, stride, padding), 1, p,
                  4 * (size(x4) + size(dz4) + 2 * p), 1 << 30, kernel)
   t = size(dz4) // cout
-  layout = (conv_unfold.Layout(kh // stride[0], kw // stride[1], stride[0], stride[1], cin)
-            if conv_unfold.foldable(x4, ksize, stride, dilation, tuple(dz4.shape[1:3])) else
-            conv_unfold.Layout(kh, kw, 1, 1, cin))
+  layout = _patch_layout(x4, ksize, stride, dilation, tuple(dz4.shape[1:3]))
   return _Form(lambda x, d: _unfold_chunk(x, d, ksize, stride, dilation, padding)[0], 1, p,
                4 * (t * kh * kw * cin + size(dz4) + 2 * p), 1 << 30,
                lambda g: conv_unfold.to_kernel(g, layout, ksize, cout))
@@ -1154,7 +1225,7 @@ def _conv_sqr_norm_fn(layer, x4, dz4_fn, padding):
         keep and form not in ("gram", "foldgram")):
       return _per_example_result(layer, None if dilated else form, x4, dz4, ksize, stride,
                                  dilation, padding, bias)
-    p, _ = conv_unfold.patches(x4, ksize, stride, dilation, padding, tuple(dz4.shape[1:3]))
+    p, _ = _patches(x4, ksize, stride, dilation, padding, tuple(dz4.shape[1:3]))
     sq, _ = algebra.factored_sqr_norm(p, algebra.to_btk(dz4))
     return _bookkeeping_result(layer, form, with_bias(sq), x4, dz4, ksize, stride, dilation,
                                padding, db)
