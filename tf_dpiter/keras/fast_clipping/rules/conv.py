@@ -1,7 +1,8 @@
 """Ghost norms of Conv1D / Conv2D (channels_last, groups=1).
 
-Unfold the input into patches P_i [T, kh*kw*cin] (conv_unfold.py); grad W_i =
-P_i^T dz_i, grad b_i = sum_t dz_t. The form is chosen per layer by a cost model
+Unfold the input into patches P_i [T, kh*kw*cin] (outside XLA by one gather of pixels,
+`_gathered_patches`; under XLA conv_unfold.py's fused slices); grad W_i = P_i^T dz_i,
+grad b_i = sum_t dz_t. The form is chosen per layer by a cost model
 (`_choose_form`, in multiply-adds per example; BENCHMARKS.md "Per-layer forms of the
 convolution"):
   "foldgram": when the kernel is larger than its stride and the output has few positions
@@ -39,7 +40,9 @@ Memory budget (the rules' shared one, rules/budget.py): every per-example form
 the batch whose temporaries take at most budget.CHUNK_BYTES, one chunk at a time, the chunks
 of one size (`_over_chunks`, `budget.balanced_chunk`: a Poisson batch just above a multiple
 of the chunk is not padded up to the next multiple; the whole batch in one call when it fits
-one chunk), so a convolution's extra memory does not grow with the batch. The
+one chunk, or, for kept gradients, when its temporaries other than the kept gradients fit
+budget.CHUNK_BYTES: `_per_example_pass`), so a convolution's extra memory does not grow with
+the batch. The
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
 no second filter gradient) only while the batch's take at most budget.KEEP_BYTES (a pinned
 sum: twice that, `_PINNED_KEEP_FACTOR`); beyond, the norms alone are kept and the clipped sum
@@ -818,7 +821,11 @@ def _pinned_recomputed_sum(form, x4, dz4, rc, block):
   """
   x4, dz4 = tf.cast(x4, tf.float32), tf.cast(dz4, tf.float32)
   width = form.rows * form.cols
-  m = (budget.chunk_size(form.temp_bytes + 8 * width, 1, form.cap)
+  # a chunk's temporaries: the form's (its gradients' two [P] rows per example are here g and
+  # the copy algebra.drop_rows makes; no squares), and the record-major copy of a form of
+  # several rows (the depthwise form's kh kw). The tutorial CNN's second convolution at
+  # B = 1,024 (not kept): chunks of 64 examples, 32 before (its estimate counted four rows).
+  m = (budget.chunk_size(form.temp_bytes + (4 * width if form.rows > 1 else 0), 1, form.cap)
        if _chunkable(x4, 1) else None)
   if m is not None and block & (block - 1):
     m = block
