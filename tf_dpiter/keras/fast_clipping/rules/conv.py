@@ -592,10 +592,10 @@ def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
   """The per-record squared kernel-gradient norms [B / k], and with_grads the per-record
   gradients [n, A, m / k, P] (n chunks of m examples, the last padded with zero examples), formed
   one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor).
-  Kept gradients are formed in one call on the batch while its temporaries other than the
-  gradients themselves (budget.KEEP_BYTES' part) fit budget.CHUNK_BYTES (at most form.cap
-  examples): the form's temporaries less the gradient, and less its squares where
-  `_fuses_squares`. Over chunks, each chunk's gradients are temporaries too, and stacking
+  Kept gradients of one example per record are formed in one call on the batch while its
+  temporaries other than the gradients themselves (budget.KEEP_BYTES' part) fit
+  budget.CHUNK_BYTES (at most form.cap examples): the form's temporaries less the gradient,
+  and less its squares where `_fuses_squares`. Over chunks, each chunk's gradients are temporaries too, and stacking
   them copies the kept ones (the tutorial CNN's second convolution at B = 256: 4.96 ms CPU
   in one call against 6.13 in 4 chunks, no XLA, oneDNN on, load 12).
 
@@ -635,10 +635,11 @@ def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
 
   specs = (tf.TensorSpec([form.rows, None, form.cols], tf.float32),) if with_grads else ()
   whole = None
-  if with_grads and m is not None:   # one call: the gradients are the kept ones (module doc)
+  if with_grads and m is not None and k == 1:   # one call: the kept gradients are the
+    # examples' own (records of several examples keep their sums: the examples' are temporaries)
     per_example = form.temp_bytes - 4 * form.rows * form.cols * (
         2 if _fuses_squares(form.rows, form.cols) else 1)
-    whole = min(form.cap, budget.CHUNK_BYTES // max(per_example, 1)) // k * k
+    whole = min(form.cap, budget.CHUNK_BYTES // max(per_example, 1))
   out = _over_chunks(body, x4, dz4, m, k, specs, whole)
   return out if with_grads else out[0]
 
