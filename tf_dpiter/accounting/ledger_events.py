@@ -258,6 +258,26 @@ def neighboring_relation(groups):
   return dpa_relation(relation_of(groups))
 
 
+def _check_units(groups):
+  """Refuses private groups of different record units (a user, an example): their rows'
+  sensitivities hold for their own unit only (a user's record moves by up to 2S when one of
+  its examples goes; an example-level step samples each of a user's examples), so their
+  composition is neither unit's guarantee.
+
+  Raises:
+    PrivacyConfigError: the groups' units differ.
+  """
+  units = {policies.get(g.policy).unit for g in groups if not g.non_private
+           and not g.is_selection}
+  if len(units) > 1:
+    mixed = sorted({g.policy for g in groups if not g.non_private and not g.is_selection})
+    raise PrivacyConfigError(
+        f"ledger mixes policies {mixed} whose records are different units "
+        f"({', '.join(sorted(units))}): no guarantee of one unit follows from their rows (the "
+        "user-level rows state S per user, the example-level rows S per example); account "
+        "each run separately")
+
+
 def _check_epochs(groups, passes):
   """ValueError when the shuffled passes / balls-in-bins epochs recorded are too few."""
   pooled = [g for g in groups if policies.get(g.policy).pass_charged and not g.non_private]
@@ -285,6 +305,7 @@ def events_from_groups(groups, accountant="rdp", passes=0):
   if any(g.is_selection for g in groups):
     return composite_events.selection_events(groups, accountant, passes, events_from_groups)
   relation = relation_of(groups)
+  _check_units(groups)
   _check_epochs(groups, passes)
   events, notes = [], []
   for g in groups:

@@ -341,13 +341,15 @@ class PrivateStep:
 
     Raises:
       PrivacyConfigError: microbatches under add/remove, a sampling the mechanism is not
-        accounted under or the plan does not name, or a bad argument.
+        accounted under or the plan does not name, a record unit other than the ledger's
+        rows' (`step_sampling.check_unit`), or a bad argument.
     """
     if self._plan.sampling is not None and policy != self._plan.sampling:
       raise PrivacyConfigError(validation.message(
           "policy", f"{self._plan.sampling!r}, the plan's sampling (DPConfig(sampling=...); "
           f"e.g. model.fit(..., sampling={self._plan.sampling!r}))", policy))
     step_sampling.check(self, population_size, policy, sample_size)
+    step_sampling.check_unit(self, policy)
     self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
     if self.mechanism.needs_variables and not self.optimizer.built:
       self._pending_sampling = (population_size, selection_probability, policy, sample_size)

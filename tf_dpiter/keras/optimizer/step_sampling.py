@@ -10,11 +10,13 @@ n and q are public parameters and must not be computed from the private data
 (`keras.model.fit_sampling`).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies as ledger_policies
+from tf_dpiter.ledger import records
 from tf_dpiter.ledger import privacy_ledger
 
 
@@ -59,6 +61,48 @@ def check(step, population_size, policy, sample_size):
         "(model.fit(..., sampling=\"shuffle\") or dp.data.shuffled_batches), or use "
         "num_microbatches=None or num_microbatches equal to the batch size (one example "
         "per microbatch: per-example clipping)")
+
+
+def recorded_units(step):
+  """The units ("user", "example") of the private sampling rows the step's ledger (or the
+  ledger waiting for it, restored from a config or weights file) holds; selection markers
+  left out (eager)."""
+  ledger = step.existing_ledger
+  if ledger is not None:
+    with tf.init_scope():
+      samples = ledger.get_arrays()[0] if int(ledger.sample_count.numpy()) else None
+  else:
+    pending = step.restored_ledger
+    samples = None if pending is None else pending[0]
+  if samples is None or not samples.shape[0]:
+    return set()
+  names = {records.policy_name(c) for c in np.unique(samples[:, 3])}
+  return {records.unit_of_policy(p) for p in names if p != records.REPEAT_AND_SELECT}
+
+
+def check_unit(step, policy):
+  """Refuses a sampling whose record is another unit than the ledger's rows': a user-level
+  phase (record = a user, sensitivity S per user) and an example-level one on one ledger
+  protect neither unit at the recorded sensitivities (for one example, a user's record moves
+  by up to 2S when one of its examples goes; for one user, the example phase saw each of
+  the user's k examples: group privacy over k), so no statement covers their composition.
+
+  Raises:
+    PrivacyConfigError: the ledger holds rows of another unit (the message says what to do).
+  """
+  unit = ledger_policies.get(policy).unit
+  others = recorded_units(step) - {unit}
+  if others:
+    other = sorted(others)[0]
+    raise PrivacyConfigError(
+        f"this optimizer's ledger holds {other}-level steps (a record is one {other}) and "
+        f"this sampling, policy {policy!r}, makes a record of one {unit}: one ledger would "
+        f"compose steps that protect different units, and neither one {other} nor one "
+        f"{unit} is protected at the sensitivities recorded (a user's clipped record moves "
+        "by up to 2S when one of its examples is removed; an example-level step samples each "
+        "of a user's examples on its own). Use a new optimizer (a new run, its own ledger) "
+        f"for the {unit}-level training, and state the two runs' guarantees separately. "
+        f"Received: policy={policy!r}")
 
 
 def declare(step, population_size, selection_probability, policy, sample_size):
