@@ -193,11 +193,30 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
                                else privacy_ledger.merged_arrays(carried, arrays))
 
   def _dp_adopt_carried_ledger(self):
-    """Merges the ledger the weights carry (`_dp_carry_ledger`) into the DP optimizer's
-    ledger."""
+    """Merges into the DP optimizer's ledger the ledger the weights carry (`_dp_carry_ledger`)
+    and those of nested DP models (a DP-trained backbone fine-tuned inside this model: the
+    ledger its weights file carried, and its own DP optimizer's), since the released weights
+    went through those steps too (merged_arrays: a ledger already held is not charged twice;
+    another run's steps are added). A nested model's DP optimizer hands its variables over
+    (`variable_owners.release`): training the nested model on its own afterwards is refused
+    while this model's optimizer lives."""
+    opt = _unscaled(getattr(self, "optimizer", None))
+    if not isinstance(opt, opt_lib.DPOptimizerBase):
+      return
     carried = getattr(self, "_dp_carried_ledger", None)
-    opt = getattr(self, "optimizer", None)
-    if carried is not None and isinstance(opt, opt_lib.DPOptimizerBase):
+    for inner in keras_internals.flatten_layers(self, include_self=False):
+      if not isinstance(inner, DPModelMixin):
+        continue
+      inner_opt = _unscaled(getattr(inner, "optimizer", None))
+      own = isinstance(inner_opt, opt_lib.DPOptimizerBase) and inner_opt is not opt
+      for arrays in (getattr(inner, "_dp_carried_ledger", None),
+                     saved_ledger.arrays_of(inner_opt) if own else None):
+        if arrays is not None:
+          carried = arrays if carried is None else privacy_ledger.merged_arrays(carried,
+                                                                                arrays)
+      if own:
+        variable_owners.release(inner_opt)
+    if carried is not None:
       opt.private_step.adopt_ledger(*carried)
 
   def compile_from_config(self, config):
@@ -262,6 +281,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         a training metric (callbacks.privacy.check_monitors).
     """
     opt = self._dp_optimizer()
+    self._dp_adopt_carried_ledger()   # nested DP models loaded or trained since compile
+    variable_owners.check(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
     a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
     a.pop("self")

@@ -48,6 +48,26 @@ def claim(optimizer, variables):
   variables = list(variables)
   if all(_owner(v) is optimizer for v in variables):   # claimed before: every eager step
     return
+  check(optimizer, variables)
+  for v in variables:
+    _OWNERS[id(v)] = (weakref.ref(v), weakref.ref(optimizer))
+
+
+def check(optimizer, variables):
+  """Refuses `variables` when another live DP optimizer claimed one of them (`claim`), e.g.
+  at the start of a fit whose train function was traced before another optimizer took the
+  variables over.
+
+  Args:
+    optimizer: the DP optimizer about to update `variables`.
+    variables: the trainable variables it updates.
+
+  Raises:
+    PrivacyConfigError: as `claim`.
+  """
+  if getattr(optimizer, UNCLAIMED, False):
+    return
+  variables = list(variables)
   for key, (var_ref, opt_ref) in list(_OWNERS.items()):   # forget the dead
     if var_ref() is None or opt_ref() is None:
       del _OWNERS[key]
@@ -62,11 +82,10 @@ def claim(optimizer, variables):
           f"({type(other).__name__} {other.name!r}), whose ledger does not charge this "
           "optimizer's steps, nor this one's its steps: the shared weights would carry the "
           "privacy cost of both while each ledger reports one. Train one DP model holding both "
-          "(e.g. one model with both outputs), freeze the shared layers in one of them "
-          "(layer.trainable = False before compile), or give each model its own copy of the "
-          "layer")
-  for v in variables:
-    _OWNERS[id(v)] = (weakref.ref(v), weakref.ref(optimizer))
+          "(e.g. one model with both outputs), give each model its own copy of the layer, or, "
+          "to fine-tune a DP-trained model inside another, nest it in the new DP model and "
+          "compile that one: it takes the nested model's ledger and its variables over"
+          " (training the nested model on its own is then refused)")
 
 
 def _owner(variable):
@@ -82,7 +101,8 @@ def _other(variable, optimizer):
 
 
 def release(optimizer):
-  """Forgets the claims of `optimizer` (a recompile replaced it).
+  """Forgets the claims of `optimizer` (a recompile replaced it, or a DP model it trained was
+  nested in another DP model, whose optimizer took its ledger over).
 
   Args:
     optimizer: a DP optimizer.
