@@ -689,7 +689,7 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    with tf.control_dependencies(_released(grads)):   # after the draw (`_released`)
+    with tf.control_dependencies(_released(grads)):   # the batch read (`_released`)
       count = self.require_sampling().record(events)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
@@ -718,7 +718,7 @@ class PrivateStep:
       else:
         result, new_state, events = self.base_query.get_scaled_noised_result(
             sample_state, self.global_state(), scale)
-    with tf.control_dependencies(_released(result)):   # after the draw (`_released`)
+    with tf.control_dependencies(_released(sample_state)):   # the batch read (`_released`)
       count = sampling.record(events)
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     with tf.control_dependencies(assigns + [count]):
@@ -830,15 +830,17 @@ class PrivateStep:
 # edge cannot close a cycle (the producer is not an ancestor of the earlier noised leaves).
 
 def _released(result):
-  """The control inputs of a step's ledger write: the first tensor of the noised `result`
-  ([] in eager mode or without one). In a traced step the write's inputs (n, q and the
-  events' clip and stddev) are variables and constants, so without this edge the write ran
-  even when the step's input failed: Keras ends an epoch of unknown cardinality when the
-  iterator's get_next raises OutOfRange inside the step function, after the stateful ops
-  that do not wait for the data (the write, Keras' iterations count) have run, which
-  charged one sample more per epoch than the steps released (10 for 8 batches over 2
-  epochs). Waiting for the noised result, which depends on the batch, the write runs iff
-  the batch was read and noised; the update still waits for the write (never uncharged)."""
+  """The control inputs of a step's ledger write: the first tensor of `result`, the step's
+  clipped sum (or, noise drawn inside XLA, its noised result); [] in eager mode or without
+  one. In a traced step the write's inputs (n, q, the events' clip and stddev) are variables
+  and constants, so without this edge the write ran even when the step's input failed: Keras
+  ends an epoch of unknown cardinality when the iterator's get_next raises OutOfRange inside
+  the step function, after the stateful ops that do not wait for the data (the write, Keras'
+  iterations count) have run, which charged one sample more per epoch than the steps
+  released (10 for 8 batches over 2 epochs). Waiting for a tensor computed from the batch,
+  the write runs iff the batch was read; the update still waits for the write (never
+  uncharged). The clipped sum rather than the noised result: the write runs while the noise
+  is drawn, off the step's critical path."""
   if tf.executing_eagerly():
     return []
   return [t for t in tf.nest.flatten(result) if tf.is_tensor(t)][:1]
