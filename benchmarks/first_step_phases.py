@@ -7,7 +7,8 @@
   python benchmarks/first_step_phases.py --mode dp --op-sources 30 # + which functions made the ops
 
 The model and data are transformer_step_time.py's (keras_hub's BertBackbone, BERT-base
-config, random weights; --model plain without keras_hub). One `model.train_on_batch` is the
+config, random weights; --model plain without keras_hub; --model cnn: the tutorial CNN,
+example_models.mnist_cnn_layers, on random 28x28x1 images). One `model.train_on_batch` is the
 first step; its wall time (`first_step_s`) is split into:
 
   make_train_function_s  building the train function (the DP model probes batch independence
@@ -127,7 +128,8 @@ def _op_sources(graph, n, ops=None):
   for op in graph.get_operations() if ops is None else ops:
     src = "(outside tf_dpiter)"
     for frame in reversed(op.traceback):
-      if "/tf_dpiter/" in frame.filename:
+      # (a constant shared by keras_internals.shared_constants: the function that asked)
+      if "/tf_dpiter/" in frame.filename and "shared_constant" not in frame.name:
         src = f"{frame.filename.split('/tf_dpiter/')[-1]}:{frame.name}"
         break
     by_src[src][op.type] += 1
@@ -223,19 +225,34 @@ class _RSS:
     self._thread.join()
 
 
+def _cnn(private):
+  """The tutorial CNN (example_models.mnist_cnn_layers), DPSequential or keras.Sequential."""
+  keras.utils.set_random_seed(0)
+  layers = dp.keras.example_models.mnist_cnn_layers()
+  return (dp.keras.DPSequential if private else keras.Sequential)(layers)
+
+
+def _cnn_batch(b):
+  rng = np.random.RandomState(0)
+  return (rng.rand(b, 28, 28, 1).astype("float32"), rng.randint(0, 10, b).astype("int32"))
+
+
 def run(a):
   """One first step, instrumented (module docstring); returns the JSON dict."""
   warnings.simplefilter("ignore")
   private = a.mode == "dp"
   rss = _RSS() if a.rss else None
-  model, _, hub = tst.build(a.model, a.seq, a.lora, private)
+  if a.model == "cnn":
+    model, hub = _cnn(private), None
+  else:
+    model, _, hub = tst.build(a.model, a.seq, a.lora, private)
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   opt = (dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01) if private
          else keras.optimizers.SGD(0.01))
   model.compile(optimizer=opt, loss=loss)
   if private:
     opt.set_sampling(10000, a.batch / 10000, "poisson", a.batch)
-  x, y = tst.batch(a.batch, a.seq, hub)
+  x, y = _cnn_batch(a.batch) if a.model == "cnn" else tst.batch(a.batch, a.seq, hub)
   if rss is not None:
     rss.end("built")
 
@@ -369,7 +386,8 @@ def _grappler(a):
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--model", choices=["keras_hub", "plain"], default="keras_hub")
+  p.add_argument("--model", choices=["keras_hub", "plain", "cnn"], default="keras_hub",
+                 help="cnn: the tutorial CNN on 28x28x1 inputs (--seq, --lora ignored)")
   p.add_argument("--mode", choices=["nonprivate", "dp"], default="dp")
   p.add_argument("--xla-vector-width", type=int, default=0,
                  help="XLA's preferred CPU vector width in bits (0: XLA_FLAGS left alone)")
