@@ -1230,7 +1230,10 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     UnrecordedUsesError: a trainable variable is read outside its layer's recorded calls
       (a PrivacyConfigError; `unrecorded_variable_uses`).
   """
-  with algebra.shared_ops():   # the clip factors reshaped (signed, ...) once, not per layer
+  # the clip factors reshaped (signed, ...) once, not per layer; traced, the integer
+  # constants (shapes, axes) once per graph
+  with algebra.shared_ops(), (contextlib.nullcontext() if tf.executing_eagerly() else
+                              keras_internals.shared_constants()):
     return _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                              l2_norm_clip, mask=mask, variant=variant,
                              examples_per_record=examples_per_record,

@@ -5,13 +5,20 @@ compiled loss and metrics, XLA off for the outer train function, a functional gr
 variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop, a layer's
 `call` swapped for one pass). Each such use goes through one function here, so a Keras
 upgrade breaks in one place: tests/keras/test_keras_internals.py lists what the installed
-Keras lacks, naming the attribute and the version.
+Keras lacks, naming the attribute and the version. One private TensorFlow function is wrapped
+here too (`shared_constants`: the graph constants of a trace, one per integer value).
 """
 
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import constant_op
+from tensorflow.python.framework import op_callbacks
+from tensorflow.python.framework import ops as tf_ops
+from tensorflow.python.framework import tensor_util
 
 
 def keras_version():
@@ -395,6 +402,103 @@ def restore_call(token):
     object.__setattr__(layer, "call", own)
   else:
     object.__delattr__(layer, "call")
+
+
+# ---- TensorFlow: one graph constant per integer value in a trace -------------------------
+#
+# Tracing a step creates one `Const` operation per `tf.constant` call and per Python value
+# converted to a tensor, and TensorFlow's own functions create many more: every static shape
+# (`tf.shape` of a fully defined shape), reduction axis, slice bound and broadcast shape of a
+# gradient function. BERT-base's DP train step at seq 32 (batch 4) had 3,504 Consts of 184
+# distinct values, most of them int32 shapes and axes; each costs its creation in the trace,
+# its conversion into the function's graph and its Grappler passes, before Grappler merges the
+# duplicates again. Inside a `shared_constants` block (the clipped sum's trace), a constant of
+# an integer or boolean dtype of at most _SHARED_CONST_BYTES created in the graph being traced
+# is created once per graph and reused. Only where the result is the same tensor either way:
+# no control dependency, device, colocation or control-flow context open at the call, no op
+# callbacks; each graph (a function body, a cond branch, a loop body) has its own. Floating
+# constants are never shared: a floating tensor can be watched by a gradient tape, and a
+# watched tensor used in two places gets the gradient of both (the ghost norms' first
+# backward pass watches the layers' floating inputs); integer and boolean tensors carry no
+# gradient. A shared constant keeps the first caller's name. TensorFlow has no public hook for
+# this: `constant_op._constant_impl` (every `tf.constant` and every conversion of a Python or
+# NumPy value; not an EagerTensor captured by value) is wrapped while some thread is inside a
+# block, and the wrapper acts only in those threads.
+
+_SHARED_CONST_BYTES = 256
+_SHARED_CONST_DTYPES = frozenset([types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_BOOL])
+_CONSTS = threading.local()   # .memo: {(id(graph), serialized value): tensor}, in a block
+_CONSTS_LOCK = threading.Lock()
+_CONSTS_PATCH = {"original": None, "blocks": 0}   # the wrapped function, the open blocks
+
+
+def _plain_graph_context(graph):
+  """True when a Const created now in `graph` gets no control input, device, colocation or
+  control-flow context: the same tensor whichever call creates it."""
+  # pylint: disable=protected-access
+  return (not graph._control_dependencies_for_inputs([])
+          and not len(graph._device_function_stack)
+          and not len(graph._colocation_stack)
+          and graph._get_control_flow_context() is None
+          and not op_callbacks.should_invoke_op_callbacks())
+
+
+def _shared_constant_impl(value, dtype, shape, name, verify_shape, allow_broadcast):
+  """constant_op._constant_impl, an integer or boolean constant shared per graph in a
+  `shared_constants` block of this thread."""
+  original = _CONSTS_PATCH["original"]
+  memo = getattr(_CONSTS, "memo", None)
+  if memo is None or tf.executing_eagerly():
+    return original(value, dtype, shape, name, verify_shape, allow_broadcast)
+  graph = tf_ops.get_default_graph()
+  if not _plain_graph_context(graph):
+    return original(value, dtype, shape, name, verify_shape, allow_broadcast)
+  proto = tensor_util.make_tensor_proto(value, dtype=dtype, shape=shape,
+                                        verify_shape=verify_shape,
+                                        allow_broadcast=allow_broadcast)
+  if proto.dtype not in _SHARED_CONST_DTYPES or proto.ByteSize() > _SHARED_CONST_BYTES:
+    return original(proto, None, None, name, False, True)
+  key = (id(graph), proto.SerializeToString())
+  got = memo.get(key)
+  if got is None or got.graph is not graph:   # a graph's id reused after the first's end
+    got = memo[key] = original(proto, None, None, name, False, True)
+  return got
+
+
+@contextlib.contextmanager
+def shared_constants():
+  """Within the block (this thread, graph mode), integer and boolean constants are created
+  once per graph being traced (the section's comment above); nested blocks share one memo,
+  forgotten when the outermost ends. TensorFlow's function is wrapped only while a block is
+  open in some thread.
+
+  Raises:
+    AttributeError: the installed TensorFlow has no constant_op._constant_impl.
+  """
+  if not hasattr(constant_op, "_constant_impl"):
+    raise AttributeError(
+        "tf_dpiter needs the private TensorFlow function "
+        "tensorflow.python.framework.constant_op._constant_impl, which TensorFlow "
+        f"{tf.__version__} does not have (tf_dpiter/keras/internals/keras_internals.py, "
+        "shared_constants, adapts to it)")
+  with _CONSTS_LOCK:
+    if _CONSTS_PATCH["blocks"] == 0:
+      _CONSTS_PATCH["original"] = constant_op._constant_impl   # pylint: disable=protected-access
+      constant_op._constant_impl = _shared_constant_impl   # pylint: disable=protected-access
+    _CONSTS_PATCH["blocks"] += 1
+  outer = getattr(_CONSTS, "memo", None)
+  if outer is None:
+    _CONSTS.memo = {}
+  try:
+    yield
+  finally:
+    if outer is None:
+      _CONSTS.memo = None
+    with _CONSTS_LOCK:
+      _CONSTS_PATCH["blocks"] -= 1
+      if _CONSTS_PATCH["blocks"] == 0:
+        constant_op._constant_impl = _CONSTS_PATCH["original"]   # pylint: disable=protected-access
+        _CONSTS_PATCH["original"] = None
 
 
 # ---- the upgrade check ------------------------------------------------------------------
