@@ -47,6 +47,16 @@ def test_no_internal_is_missing():
   assert not missing, f"Keras {VERSION} lacks the private attributes {missing}"
 
 
+def test_tensorflow_constant_impl_has_the_wrapped_signature():
+  """keras_internals.shared_constants wraps TensorFlow's private constant_op._constant_impl
+  with its parameters passed positionally: they must still be these six."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.framework import constant_op  # pylint: disable=g-import-not-at-top
+  params = list(inspect.signature(constant_op._constant_impl).parameters)  # pylint: disable=protected-access
+  assert params == ["value", "dtype", "shape", "name", "verify_shape", "allow_broadcast"], (
+      f"TensorFlow {tf.__version__} changed constant_op._constant_impl: {params}")
+
+
 def test_flatten_layers_reaches_nested_layers():
   names = [layer.name for layer in ki.flatten_layers(_model(), include_self=False)]
   assert {"inner", "inner_dense", "head"} <= set(names), (
