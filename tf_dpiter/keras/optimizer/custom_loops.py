@@ -23,6 +23,8 @@ on record i alone. Hence `fit`'s protections, on every form:
 
 import logging
 
+import numpy as np
+
 import keras
 import tensorflow as tf
 
@@ -35,6 +37,7 @@ from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.ledger import policies as ledger_policies
 
 
 _LOG = logging.getLogger("tf_dpiter")
@@ -71,11 +74,99 @@ def vectorize_records(model):
   return True
 
 
+def _declared_rows_check(step, b):
+  """1.0, or NaN behind a failed run-time assertion, when a sized policy's batch (fixed size,
+  shuffled passes) has more than the declared sample_size rows: the ledger charges q = m / n,
+  so a batch of 50 under a declared 10 of 100 was charged as 10 (review: epsilon 17.51
+  charged, 43.55 for what ran). A static row count is checked at trace time. Poisson's size
+  is private and is not checked.
+
+  Raises:
+    ParameterValueError: a static row count above the declared sample_size.
+  """
+  sampling = step.sampling
+  if sampling is None or not ledger_policies.get(sampling.policy).sized:
+    return None
+  with tf.init_scope():
+    declared = int(sampling.sample_size.numpy())
+  static = tf.get_static_value(b)
+  if static is not None and int(static) > declared:
+    raise ParameterValueError(
+        f"the batch must have at most sample_size={declared} rows, as set_sampling declared "
+        f"for {sampling.policy!r} sampling (the ledger charges q = {declared} / n per step). "
+        f"Declare the batch size the loop feeds. Received: {int(static)} rows")
+  ok = tf.cast(b, tf.float64) <= tf.cast(sampling.sample_size, tf.float64)
+  check = tf.debugging.Assert(ok, [
+      "compute_private_gradients: the batch has more rows than the sample_size set_sampling "
+      "declared:", b])
+  with tf.control_dependencies([check]):
+    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
+
+
+def _binary_mask(mask, b):
+  """The example mask: ones [b] for None, else `mask` as float32 when every entry is 0 or 1.
+
+  The mask weights each clipped record (padding rows 0): a weight w moves the sum by |w| C
+  where the ledger states C (review: mask 10 moved it by 9.9998 C). A constant mask is checked
+  at trace time; any other behind a run-time assertion whose failure also makes the mask NaN
+  (XLA drops assertions: the release is then NaN, never a record weighted above 1).
+
+  Raises:
+    ParameterValueError: a constant mask with an entry other than 0 or 1.
+  """
+  if mask is None:
+    return tf.ones([b], tf.float32)
+  mask = tf.cast(mask, tf.float32)
+  static = tf.get_static_value(mask)
+  if static is not None:
+    bad = np.unique(static[(static != 0) & (static != 1)])
+    if bad.size:
+      raise ParameterValueError(
+          "`mask` must hold 0 (padding) or 1 (an example) per row: it weights each clipped "
+          "record, so a weight w would move the sum by |w| times the clip while the ledger "
+          "states one clip. Pass sample weights through the loss instead. Received: mask "
+          f"values {bad[:5].tolist()}")
+    return mask
+  ok = tf.reduce_all(tf.logical_or(tf.equal(mask, 0.0), tf.equal(mask, 1.0)))
+  check = tf.debugging.Assert(ok, [
+      "compute_private_gradients: `mask` must hold 0 (padding) or 1 (an example) per row"])
+  with tf.control_dependencies([check]):
+    return tf.where(ok, mask, tf.fill(tf.shape(mask), float("nan")))
+
+
+# Resource writes that carry a value of the data's dtype (a seed generator's state is an
+# integer: Dropout inside the loss is fine).
+_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+
+
+def _refuse_state_writes(ops):
+  """Refuses a per-record loss whose trace writes a floating-point variable (a running mean of
+  the records): the private step noises gradients only, so that variable would carry the
+  records unclipped and un-noised (the fit path checks the model: check_no_state_writes). A
+  write inside a nested tf.function is not seen here.
+
+  Raises:
+    PrivacyConfigError: naming the op.
+  """
+  for op in ops:
+    if op.type in _WRITES and tf.as_dtype(op.get_attr("dtype")).is_floating:
+      raise PrivacyConfigError(
+          "compute_private_gradients(loss_fn, variables, data=...): loss_fn writes a "
+          "floating-point variable while it runs on a record (a running statistic of the "
+          "data): the private step clips and noises gradients only, so that variable would "
+          "carry the records unclipped and un-noised. Update it only when training is False, "
+          "or compute it outside the private step from public data. Received: the op "
+          f"{op.name!r} ({op.type})")
+
+
 def _records_and_masks(step, data, mask):
   b_static = grads_lib.static_batch_size(data)
   grads_lib.check_num_microbatches(step.record_microbatches, b_static)
   b = grads_lib.dynamic_batch_size(data)
-  example_mask = tf.ones([b], tf.float32) if mask is None else tf.cast(mask, tf.float32)
+  example_mask = _binary_mask(mask, b)
+  rows_ok = _declared_rows_check(step, b)
+  if rows_ok is not None:
+    example_mask = example_mask * rows_ok
   return grads_lib.to_records(data, example_mask, step.record_microbatches)
 
 
@@ -94,7 +185,8 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     loss_fn: see the two forms above.
     variables: the variables to differentiate (the result is aligned with them).
     data: a nest of [B, ...] tensors (form a), or None (form b).
-    mask: float [B] of 0/1, padding rows 0.
+    mask: float [B] of 0/1, padding rows 0 (another value is refused: it would weight a
+      clipped record).
     tape: the GradientTape the loss tensor was computed under (form b with a tensor).
     model: the keras.Model that loss_fn runs; required by form (b).
 
@@ -105,7 +197,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches
       than examples, form (b) without `model` or with a model that mixes examples or cannot
       be probed, or an optimizer restored without its ledger (`restore_ledger`).
-    PrivacyConfigError: form (b) with a trainable BatchNormalization.
+    PrivacyConfigError: form (b) with a trainable BatchNormalization; form (a) whose loss_fn
+      writes a floating-point variable or whose `model` writes non-trainable state in
+      training mode.
   """
   variables = list(variables)
   step.prepare_mechanism(variables)   # a correlated mechanism needs the variables' shapes
@@ -113,6 +207,8 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   scale = _loss_scale(model)
   vectorize = vectorize_records(model)
   if data is not None:
+    if model is not None:   # the probe's check of fit's paths (form (b) runs it in the probe)
+      batch_independence.check_no_state_writes(model)
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)
@@ -182,7 +278,11 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
 
   def record_loss(rec):
     r_data, r_em = rec
+    graph = tf.compat.v1.get_default_graph()
+    traced = len(graph.get_operations()) if not tf.executing_eagerly() else None
     loss = tf.convert_to_tensor(loss_fn(r_data))
+    if traced is not None:
+      _refuse_state_writes(graph.get_operations()[traced:])
     if loss.shape.rank:
       loss = grads_lib.masked_record_mean(tf.reshape(loss, [-1]), r_em)
     return tf.cast(loss, tf.float32) * scale, ()
@@ -264,7 +364,10 @@ def _record_losses(step, losses, mask, scale=1.0):
   losses = tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1]))
   losses = tf.reduce_mean(losses, axis=1) * scale
   grads_lib.check_num_microbatches(step.record_microbatches, losses.shape[0])
-  example_mask = tf.ones([b], losses.dtype) if mask is None else tf.cast(mask, losses.dtype)
+  example_mask = _binary_mask(mask, b)
+  rows_ok = _declared_rows_check(step, b)
+  if rows_ok is not None:
+    example_mask = example_mask * rows_ok
   if step.record_microbatches is None:
     return losses * example_mask, example_mask
   recs, em, rmask = grads_lib.to_records(losses, example_mask, step.record_microbatches)
