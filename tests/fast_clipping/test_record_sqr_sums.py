@@ -53,3 +53,27 @@ def test_the_margin_counts_the_deepest_sum_and_the_parts():
   with algebra.norm_depths() as none:
     pass
   assert algebra.norm_margin(none, 1) < eta
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("n", [33, 64, 96, 8192])
+def test_windowed_blocks_keep_the_depth_bound_on_big_and_tiny_squares(jit, n):
+  """Under XLA a block of 64 squares is summed as two windows of 32 added
+  (summation._block_sums); each row's sum stays within the plan's depth bound
+  (square_sum_depth) of the float64 sum, on rows of one square of 1 and tiny squares of
+  0.9 u (dropped one by one by a single long reduction), the big square in each position of
+  a block across rows."""
+  rows = 5
+  x = np.full((rows, n), np.sqrt(0.9 * 2.0 ** -24), np.float32)
+  for r in range(rows):
+    x[r, (r * 37) % n] = 1.0
+  got = tf.function(algebra.record_sqr_sums, jit_compile=jit)(x).numpy()
+  exact = (x.astype(np.float64) ** 2).sum(1)
+  u = 2.0 ** -24
+  depth = summation.square_sum_depth(n)
+  assert np.all((1 - u) ** (depth + 1) * exact <= got)
+  assert np.all(got <= exact * (1 + u) ** (depth + 1))
+  windows = []
+  tf.function(lambda: windows.append(summation._windows(summation.SQUARE_BLOCK)) or 0.0,
+              jit_compile=jit)()
+  assert windows == [2 if jit else 1]
