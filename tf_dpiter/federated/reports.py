@@ -19,7 +19,8 @@ class RoundReport:
 
   Attributes:
     round: t, counting from 1.
-    clients: the records aggregated this round (m_t, or the Poisson draw).
+    clients: the records aggregated this round (m_t, or the Poisson draw: the realized draw is
+      NOT differentially private, a diagnostic for the trusted server).
     noise_multiplier: the round's total z (Eq. (1) of McMahan et al. 2018 over its events).
     accuracy: accuracy of w_t on the evaluation data, or None.
     communication_rounds: communication rounds so far ("CR", Table 1).
@@ -28,7 +29,9 @@ class RoundReport:
     between_clients_variance: V_c (Section 6) of the round's unclipped updates: a diagnostic,
       NOT differentially private.
     update_scale: U_s (Section 6) of the round's unclipped updates: NOT differentially private.
-    rejected: updates rejected (non-finite, wrong shape, lost).
+    rejected: updates rejected (non-finite, wrong shape, lost): NOT differentially private
+      (one client's non-finite update shows as 1 in every round that samples it), a
+      diagnostic for the trusted server; do not publish it with the model.
     epsilon: the guarantee's epsilon after this round (fixed, or the one at the fixed delta).
     delta: the guarantee's delta after this round (fixed, or the one at the fixed epsilon).
     seconds: wall time of the round.
