@@ -57,6 +57,35 @@ def check_no_batch_mixing(model):
         "(layer.trainable = False) or use LayerNormalization/GroupNormalization")
 
 
+# Constructor values that make a preprocessing layer's state public (not adapted).
+_GIVEN_STATE = ("mean", "vocabulary", "bin_boundaries")
+
+
+def warn_adapted_layers(model):
+  """Warns about preprocessing layers whose state comes from `adapt` (a Normalization's mean
+  and variance, a lookup's vocabulary, a Discretization's bins): adapted on the private
+  training data, that state is released with the model unclipped and un-noised (a
+  Normalization's mean moves by (x - mean) / n with one record), outside the guarantee.
+
+  Args:
+    model: a keras.Model.
+  """
+  adapted = []
+  for layer in keras_internals.flatten_layers(model, include_self=False):
+    if not callable(getattr(layer, "adapt", None)):
+      continue
+    config = layer.get_config()
+    if not any(config.get(key) is not None for key in _GIVEN_STATE):
+      adapted.append(layer.name)
+  if adapted:
+    warnings.warn(
+        f"layers {adapted} hold state set by adapt() (statistics, vocabularies, bins): if it "
+        "was adapted on the private training data it is released with the model unclipped "
+        "and un-noised, and the privacy guarantee does not cover it. Adapt them on public "
+        "data, or give the values (mean=/variance=, vocabulary=, bin_boundaries=) from a "
+        "public source", UserWarning, stacklevel=3)
+
+
 def trainable_batch_norms(model):
   """The trainable BatchNormalization layers of `model` (they mix examples in training)."""
   return [layer for layer in keras_internals.flatten_layers(model, include_self=False)

@@ -284,6 +284,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_adopt_carried_ledger()   # nested DP models loaded or trained since compile
     variable_owners.check(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
+    batch_independence.warn_adapted_layers(self)
     a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
     a.pop("self")
     spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
