@@ -88,6 +88,7 @@ class PrivateStep:
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
+    self.batch_token = None   # [a tensor of the batch] while fit's train step is traced
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -689,7 +690,7 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    with tf.control_dependencies(_released(grads)):   # the batch read (`_released`)
+    with tf.control_dependencies(_released(self.batch_token or grads)):   # `_released`
       count = self.require_sampling().record(events)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
@@ -718,7 +719,7 @@ class PrivateStep:
       else:
         result, new_state, events = self.base_query.get_scaled_noised_result(
             sample_state, self.global_state(), scale)
-    with tf.control_dependencies(_released(sample_state)):   # the batch read (`_released`)
+    with tf.control_dependencies(_released(self.batch_token or sample_state)):   # `_released`
       count = sampling.record(events)
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     with tf.control_dependencies(assigns + [count]):
@@ -830,17 +831,18 @@ class PrivateStep:
 # edge cannot close a cycle (the producer is not an ancestor of the earlier noised leaves).
 
 def _released(result):
-  """The control inputs of a step's ledger write: the first tensor of `result`, the step's
-  clipped sum (or, noise drawn inside XLA, its noised result); [] in eager mode or without
-  one. In a traced step the write's inputs (n, q, the events' clip and stddev) are variables
-  and constants, so without this edge the write ran even when the step's input failed: Keras
-  ends an epoch of unknown cardinality when the iterator's get_next raises OutOfRange inside
-  the step function, after the stateful ops that do not wait for the data (the write, Keras'
+  """The control inputs of a step's ledger write: the first tensor of `result`, a tensor of
+  the batch in fit's train step (`PrivateStep.batch_token`), else the step's clipped sum (or,
+  noise drawn inside XLA, its noised result); [] in eager mode or without one. In a traced
+  step the write's inputs (n, q, the events' clip and stddev) are variables and constants,
+  so without this edge the write ran even when the step's input failed: Keras ends an epoch
+  of unknown cardinality when the iterator's get_next raises OutOfRange inside the step
+  function, after the stateful ops that do not wait for the data (the write, Keras'
   iterations count) have run, which charged one sample more per epoch than the steps
-  released (10 for 8 batches over 2 epochs). Waiting for a tensor computed from the batch,
-  the write runs iff the batch was read; the update still waits for the write (never
-  uncharged). The clipped sum rather than the noised result: the write runs while the noise
-  is drawn, off the step's critical path."""
+  released (10 for 8 batches over 2 epochs). Waiting for a tensor of the batch, the write
+  runs iff the batch was read; the update still waits for the write (never uncharged). The
+  batch rather than the sums: the write runs while the gradients are computed, off the
+  step's critical path, as before."""
   if tf.executing_eagerly():
     return []
   return [t for t in tf.nest.flatten(result) if tf.is_tensor(t)][:1]
