@@ -110,25 +110,26 @@ def test_tf_train_checkpoint_carries_the_grouping(tmp_path):
     _check_restored(fresh, x, y, ds1)
 
 
-def test_keras_file_carries_the_grouping(tmp_path):
+def _through_keras_file(model, tmp_path):
+  model.save(tmp_path / "m.keras")
+  return keras.models.load_model(tmp_path / "m.keras")
+
+
+def _through_weights_file(model, tmp_path):
+  model.save_weights(tmp_path / "m.weights.h5")
+  fresh = _model()
+  fresh.build((None, 6))
+  fresh.optimizer.build(fresh.trainable_variables)
+  fresh.load_weights(tmp_path / "m.weights.h5")
+  return fresh
+
+
+@pytest.mark.parametrize("through", [_through_keras_file, _through_weights_file])
+def test_a_saved_file_carries_the_grouping(tmp_path, through):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     model, x, y, ds1 = _first_fit()
-    model.save(tmp_path / "m.keras")
-    loaded = keras.models.load_model(tmp_path / "m.keras")
-    _check_restored(loaded, x, y, ds1)
-
-
-def test_weights_file_carries_the_grouping(tmp_path):
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    model, x, y, ds1 = _first_fit()
-    model.save_weights(tmp_path / "m.weights.h5")
-    fresh = _model()
-    fresh.build((None, 6))
-    fresh.optimizer.build(fresh.trainable_variables)
-    fresh.load_weights(tmp_path / "m.weights.h5")
-    _check_restored(fresh, x, y, ds1)
+    _check_restored(through(model, tmp_path), x, y, ds1)
 
 
 def test_the_ledger_file_carries_the_grouping_signed():
