@@ -2,9 +2,8 @@
 --accountant_type, `python -m tf_dpiter.accounting`, and notes where the run's sampling
 differs from what the hyperparameters assume."""
 
-import os
 import re
-import subprocess
+import runpy
 import sys
 
 import dp_accounting as dpa
@@ -16,7 +15,6 @@ from tf_dpiter import ledger as L
 from tf_dpiter.accounting import __main__ as main_lib
 from tf_dpiter.accounting import cli
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--N=60000", "--batch_size=256", "--noise_multiplier=1.1", "--epochs=3", "--delta=1e-5"]
 
 
@@ -119,22 +117,30 @@ def test_ledger_report_says_when_the_run_did_not_sample_by_poisson(tmp_path, cap
   assert rc == 0 and "note:" not in out
 
 
-def _module(*args):
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, "-m", "tf_dpiter.accounting", *args],
-                        capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+def _module(capsys, monkeypatch, *args):
+  """`python -m tf_dpiter.accounting ARGS` in this process: the package's __main__ module run
+  as the main module (runpy, what `-m` does after starting the interpreter), its exit status
+  taken from the SystemExit its last line raises: (status, stdout, stderr)."""
+  monkeypatch.setattr(sys, "argv", ["tf_dpiter.accounting", *args])
+  # a fresh interpreter has not imported the module yet (runpy warns when it has)
+  monkeypatch.delitem(sys.modules, "tf_dpiter.accounting.__main__", raising=False)
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as stop:
+    runpy.run_module("tf_dpiter.accounting", run_name="__main__", alter_sys=True)
+  out = capsys.readouterr()
+  return stop.value.code, out.out, out.err
 
 
-def test_python_dash_m_lists_the_commands_and_runs_them():
-  out = _module("--help")
-  assert out.returncode == 0, out.stderr
+def test_python_dash_m_lists_the_commands_and_runs_them(capsys, monkeypatch):
+  rc, out, err = _module(capsys, monkeypatch, "--help")
+  assert rc == 0, err
   for name in ("compute_dp_sgd_privacy", "compute_noise_from_budget", "dp_ledger"):
-    assert name in out.stdout
-  out = _module("compute_dp_sgd_privacy", *BASE)
-  assert out.returncode == 0, out.stderr
-  assert f"epsilon = {_poisson_epsilon():.6g}" in out.stdout
-  out = _module("nonsense")
-  assert out.returncode == 2 and "unknown command 'nonsense'" in out.stderr
+    assert name in out
+  rc, out, err = _module(capsys, monkeypatch, "compute_dp_sgd_privacy", *BASE)
+  assert rc == 0, err
+  assert f"epsilon = {_poisson_epsilon():.6g}" in out
+  rc, _, err = _module(capsys, monkeypatch, "nonsense")
+  assert rc == 2 and "unknown command 'nonsense'" in err
 
 
 def test_main_dispatches_in_process(capsys):
