@@ -6,6 +6,12 @@ the nightly one (`python -m pytest -q -n 2 -m slow`). A case joins the nightly t
 name with its parameter id, as pytest prints it) in its module's `SLOW_CASES` set, which
 `pytest_collection_modifyitems` below marks slow; `python tools/suite_tiers.py --check`
 counts both tiers and fails on a `SLOW_CASES` id that names no case.
+
+Suite time: with TF_DPITER_TEST_CPU_DIR=DIR set, each test's CPU seconds (the process's user
+and system time and that of the child processes it waited for, from setup to teardown) are
+appended to DIR/cpu.<xdist worker or main>.tsv as "node id<TAB>seconds": unlike
+`--durations` (wall time, which grows with the machine's load), a figure that other processes
+barely move. `python tools/suite_tiers.py --cpu DIR` sums them per tier and directory.
 """
 
 import os
@@ -16,6 +22,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_DIR = os.environ.get("TF_DPITER_TEST_CPU_DIR")
 MNIST_PATH = os.environ.get("TF_DPITER_MNIST",
                             os.path.join(REPO_ROOT, "..", "shared", "data", "mnist.npz"))
 
@@ -30,6 +37,22 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.name in getattr(getattr(item, "module", None), "SLOW_CASES", ()):
       item.add_marker(pytest.mark.slow)
+
+
+def _cpu_seconds():
+  t = os.times()
+  return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  """Records the test's CPU seconds under TF_DPITER_TEST_CPU_DIR (see the module docstring)."""
+  start = _cpu_seconds() if CPU_DIR else None
+  yield
+  if start is not None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(CPU_DIR, f"cpu.{worker}.tsv"), "a", encoding="utf-8") as f:
+      f.write(f"{item.nodeid}\t{_cpu_seconds() - start:.3f}\n")
 
 
 @pytest.fixture

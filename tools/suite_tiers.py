@@ -4,14 +4,16 @@ The default suite is `python -m pytest -q -n 2` (pytest.ini: `-m "not slow"`); t
 tier is `python -m pytest -q -n 2 -m slow`. This tool collects every case once (`-m ""`,
 nothing run), counts the cases of each tier per directory and, given a junit xml of an
 earlier run (`--xml`), sums their recorded seconds (cases absent from the xml count 0 s
-and are counted as unknown). With `--check` it exits 1 when a module's `SLOW_CASES` set
+and are counted as unknown); `--cpu DIR` does the same with the CPU seconds a run with
+TF_DPITER_TEST_CPU_DIR=DIR recorded (tests/conftest.py: load-independent, unlike the xml's
+wall seconds). With `--check` it exits 1 when a module's `SLOW_CASES` set
 (see tests/conftest.py) holds an id that names none of that module's cases (a renamed test
 would otherwise silently return to the default suite or vanish from the nightly one), or
 when a test module outside NIGHTLY_ONLY has no default case (every module stays imported and
 exercised by the default suite).
 
 Usage (from the repository root; PATHs are test files or directories, default tests/):
-  python tools/suite_tiers.py [--check] [--xml RUN.xml] [PATH ...]
+  python tools/suite_tiers.py [--check] [--xml RUN.xml | --cpu DIR] [PATH ...]
 """
 
 import argparse
@@ -59,6 +61,18 @@ def _xml_seconds(path):
   return seconds
 
 
+def _cpu_seconds(directory):
+  """{node id: CPU seconds} of the cpu.*.tsv files a run with TF_DPITER_TEST_CPU_DIR wrote."""
+  seconds = collections.Counter()
+  for name in sorted(os.listdir(directory)):
+    if name.startswith("cpu.") and name.endswith(".tsv"):
+      with open(os.path.join(directory, name), encoding="utf-8") as f:
+        for line in f:
+          node, value = line.rstrip("\n").rsplit("\t", 1)
+          seconds[node] += float(value)
+  return dict(seconds)
+
+
 def stale_slow_cases(items):
   """[(module file, id)] of `SLOW_CASES` ids that name none of their module's items."""
   names, modules = collections.defaultdict(set), {}
@@ -74,7 +88,10 @@ def stale_slow_cases(items):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--check", action="store_true")
-  parser.add_argument("--xml", help="junit xml of an earlier run: sum its seconds per tier")
+  timing = parser.add_mutually_exclusive_group()
+  timing.add_argument("--xml", help="junit xml of an earlier run: sum its seconds per tier")
+  timing.add_argument("--cpu", help="TF_DPITER_TEST_CPU_DIR of an earlier run: sum its CPU "
+                                   "seconds per tier")
   parser.add_argument("paths", nargs="*", default=["tests"])
   args = parser.parse_args(argv)
   recorder = _Recorder()
@@ -85,7 +102,9 @@ def main(argv=None):
   if code not in (0, 5):
     print(out.getvalue())
     return int(code)
-  seconds = _xml_seconds(args.xml) if args.xml else {}
+  timed = bool(args.xml or args.cpu)
+  seconds = (_xml_seconds(args.xml) if args.xml else _cpu_seconds(args.cpu) if args.cpu
+             else {})
   counts = collections.defaultdict(collections.Counter)
   default_modules, all_modules = set(), set()
   for item in recorder.items:
@@ -98,15 +117,15 @@ def main(argv=None):
     row[tier] += 1
     if item.nodeid in seconds:
       row[tier + "_s"] += seconds[item.nodeid]
-    elif args.xml:
+    elif timed:
       row[tier + "_unknown"] += 1
   total = sum(counts.values(), collections.Counter())
   print(f"{'directory':32s} {'default':>8s} {'slow':>6s}"
-        + (f" {'default s':>10s} {'slow s':>8s} {'unknown':>8s}" if args.xml else ""))
+        + (f" {'default s':>10s} {'slow s':>8s} {'unknown':>8s}" if timed else ""))
   for directory, row in sorted(counts.items()) + [("total", total)]:
     print(f"{directory:32s} {row['default']:8d} {row['slow']:6d}"
           + (f" {row['default_s']:10.0f} {row['slow_s']:8.0f}"
-             f" {row['default_unknown'] + row['slow_unknown']:8d}" if args.xml else ""))
+             f" {row['default_unknown'] + row['slow_unknown']:8d}" if timed else ""))
   if not args.check:
     return 0
   problems = [f"{f}: SLOW_CASES names no case {case!r}"

@@ -4,6 +4,8 @@ import importlib.util
 import os
 import types
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _SPEC = importlib.util.spec_from_file_location("suite_tiers",
                                                os.path.join(ROOT, "tools", "suite_tiers.py"))
@@ -26,3 +28,26 @@ def test_a_stale_slow_case_id_is_reported_and_a_matching_one_is_not():
 def test_the_nightly_only_modules_exist():
   for path in suite_tiers.NIGHTLY_ONLY:
     assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_cpu_seconds_of_each_test_are_recorded_and_summed(tmp_path, monkeypatch):
+  """tests/conftest.py appends "node id<TAB>CPU s" per test under TF_DPITER_TEST_CPU_DIR, and
+  suite_tiers sums a node's lines over the workers' files (a rerun adds up), ignoring others."""
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(conftest, "CPU_DIR", str(tmp_path))
+  monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw7")
+  hook = conftest.pytest_runtest_protocol(types.SimpleNamespace(nodeid="tests/x.py::t[a]"), None)
+  next(hook)
+  start = os.times()
+  while sum(os.times()[:2]) - sum(start[:2]) < 0.05:   # burn at least 50 ms of CPU
+    pass
+  try:
+    hook.send(None)
+  except StopIteration:
+    pass
+  node, seconds = (tmp_path / "cpu.gw7.tsv").read_text().rstrip("\n").split("\t")
+  assert node == "tests/x.py::t[a]" and 0.05 <= float(seconds) < 60
+  (tmp_path / "cpu.gw0.tsv").write_text("tests/x.py::t[a]\t1.250\ntests/y.py::u\t2.000\n")
+  (tmp_path / "other.txt").write_text("tests/y.py::u\t9\n")
+  assert suite_tiers._cpu_seconds(str(tmp_path)) == pytest.approx(   # pylint: disable=protected-access
+      {"tests/x.py::t[a]": 1.25 + float(seconds), "tests/y.py::u": 2.0})
