@@ -98,7 +98,7 @@ def _recording_sgd_class(dpk):
 
   class RecordingSGD(dpk.DPKerasSGDOptimizer):  # pylint: disable=missing-class-docstring
     # shares the model's variables on purpose and puts them back: no claim on them
-    # (keras.optimizer.variable_owners)
+    # (keras.optimizer.optimizers.claim_variables)
     _dp_unclaimed_variables = True
 
     def make_records(self, variables):

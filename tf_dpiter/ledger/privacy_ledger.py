@@ -867,16 +867,27 @@ class LedgerSampling:
     self.public_row_bound = self._policy_object.public_row_bound(population_size,
                                                                  selection_probability)
 
-  def record(self, events):
+  def record(self, events, after=None):
     """Records one sample (n, q, policy, sample size, k) with `events`, those of one noised
     result (also of a draw inside an XLA program: this runs outside it).
 
+    In a traced step the write's inputs (n, q, the events' clip and stddev) are variables and
+    constants: without an edge to the step's data it would run even when the step's input
+    failed (Keras ends an epoch of unknown cardinality when get_next raises inside the step
+    function, after the stateful ops that do not wait for the data), charging a sample no
+    update used. `after` gives that edge: the write runs iff its first tensor was computed.
+
     Args:
       events: the tuple of privacy events of one noised result.
+      after: optional nest; in a traced step the write waits for its first tensor (a tensor
+        of the batch, or the step's clipped sum).
 
     Returns:
       the ledger's new sample count (int64 tensor).
     """
-    return self._ledger.append_sample(self._population_size, self._selection_probability,
-                                      events, self._policy_object, self._sample_size,
-                                      self._examples_per_record, self._factor)
+    waits = [] if after is None or tf.executing_eagerly() else [
+        t for t in tf.nest.flatten(after) if tf.is_tensor(t)][:1]
+    with tf.control_dependencies(waits):
+      return self._ledger.append_sample(self._population_size, self._selection_probability,
+                                        events, self._policy_object, self._sample_size,
+                                        self._examples_per_record, self._factor)

@@ -41,7 +41,6 @@ from tf_dpiter.keras.optimizer import optimizers as opt_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
-from tf_dpiter.keras.optimizer import variable_owners
 from tf_dpiter.keras.model import train_step as train_step_lib
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import privacy_ledger
@@ -136,7 +135,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if isinstance(outgoing, opt_lib.DPOptimizerBase):   # a recompile: its steps stay charged
       self._dp_carry_ledger(saved_ledger.arrays_of(outgoing))
       if outgoing is not _unscaled(optimizer):   # the new one takes its variables over
-        variable_owners.release(outgoing)
+        opt_lib.release_variables(outgoing)
     if optimizer is _OWN_DEFAULT:   # the class' own default (a keras_hub task's "auto")
       super().compile(**kwargs)
     else:
@@ -198,7 +197,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     ledger its weights file carried, and its own DP optimizer's), since the released weights
     went through those steps too (merged_arrays: a ledger already held is not charged twice;
     another run's steps are added). A nested model's DP optimizer hands its variables over
-    (`variable_owners.release`): training the nested model on its own afterwards is refused
+    (`optimizers.release_variables`): training the nested model on its own afterwards is refused
     while this model's optimizer lives."""
     opt = _unscaled(getattr(self, "optimizer", None))
     if not isinstance(opt, opt_lib.DPOptimizerBase):
@@ -215,7 +214,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           carried = arrays if carried is None else privacy_ledger.merged_arrays(carried,
                                                                                 arrays)
       if own:
-        variable_owners.release(inner_opt)
+        opt_lib.release_variables(inner_opt)
     if carried is not None:
       opt.private_step.adopt_ledger(*carried)
 
@@ -282,7 +281,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """
     opt = self._dp_optimizer()
     self._dp_adopt_carried_ledger()   # nested DP models loaded or trained since compile
-    variable_owners.check(opt, self.trainable_variables)   # taken over since its trace?
+    opt_lib.check_variables(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
     batch_independence.warn_adapted_layers(self)
     a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)

@@ -516,7 +516,7 @@ class TrainStepMixin:
     with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
           else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
       want = facts.wants_outputs
-      # the ledger write waits for the batch (private_step._released), not for the step's sums
+      # the ledger write waits for the batch (LedgerSampling.record after=), not the step's sums
       step.batch_token = [t for t in tf.nest.flatten(x) if tf.is_tensor(t)][:1] or None
       try:
         if getattr(self, "_dp_noise_inside", False):

@@ -690,8 +690,8 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    with tf.control_dependencies(_released(self.batch_token or grads)):   # `_released`
-      count = self.require_sampling().record(events)
+    # the write waits for the batch (unknown cardinality: LedgerSampling.record)
+    count = self.require_sampling().record(events, after=self.batch_token or grads)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
@@ -719,8 +719,7 @@ class PrivateStep:
       else:
         result, new_state, events = self.base_query.get_scaled_noised_result(
             sample_state, self.global_state(), scale)
-    with tf.control_dependencies(_released(self.batch_token or sample_state)):   # `_released`
-      count = sampling.record(events)
+    count = sampling.record(events, after=self.batch_token or sample_state)
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     with tf.control_dependencies(assigns + [count]):
       return tf.nest.map_structure(tf.identity, result)
@@ -829,24 +828,6 @@ class PrivateStep:
 # `gate_sums_on_noise` adds a control edge from noised leaf j to the op forming sum j + 1: the
 # same ops and noise draws in the same order, only an execution order added, and only where the
 # edge cannot close a cycle (the producer is not an ancestor of the earlier noised leaves).
-
-def _released(result):
-  """The control inputs of a step's ledger write: the first tensor of `result`, a tensor of
-  the batch in fit's train step (`PrivateStep.batch_token`), else the step's clipped sum (or,
-  noise drawn inside XLA, its noised result); [] in eager mode or without one. In a traced
-  step the write's inputs (n, q, the events' clip and stddev) are variables and constants,
-  so without this edge the write ran even when the step's input failed: Keras ends an epoch
-  of unknown cardinality when the iterator's get_next raises OutOfRange inside the step
-  function, after the stateful ops that do not wait for the data (the write, Keras'
-  iterations count) have run, which charged one sample more per epoch than the steps
-  released (10 for 8 batches over 2 epochs). Waiting for a tensor of the batch, the write
-  runs iff the batch was read; the update still waits for the write (never uncharged). The
-  batch rather than the sums: the write runs while the gradients are computed, off the
-  step's critical path, as before."""
-  if tf.executing_eagerly():
-    return []
-  return [t for t in tf.nest.flatten(result) if tf.is_tensor(t)][:1]
-
 
 # Ops that pass a buffer on: the walk from a sum to the op allocating it goes through them.
 # SplitV too: a product split into its variables' parts ([W; b] of the Dense rule) is gated at
