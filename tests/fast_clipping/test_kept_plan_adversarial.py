@@ -245,8 +245,11 @@ def test_sublayer_replaced_by_one_with_the_same_variables():
 
 @pytest.mark.parametrize("eager", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_model_reused_in_a_second_model(eager):
-  """Layers trained in one DP model, then in a second one that contains it, then in the
-  first again: each step is the clipped sum over its own model's variables."""
+  """Layers trained in one DP model, then in a second one that contains it: each step is the
+  clipped sum over its own model's variables. While the first model's DP optimizer updates
+  the shared layers, the second's is refused (one DP optimizer per variable: each ledger
+  would charge only its own steps); compiled again, the second model takes the first's
+  ledger and variables over."""
   keras.utils.set_random_seed(5)
   inputs = keras.Input((4,))
   body = keras.layers.Dense(5, activation="tanh")
@@ -256,8 +259,10 @@ def test_model_reused_in_a_second_model(eager):
       keras.layers.Dense(3)(first(outer_in)))), eager)
   x, y = _data()
   assert len(_checked_step(first, x, y)) == 4
+  with pytest.raises(dp.errors.PrivacyConfigError, match="already updated by another DP"):
+    _checked_step(second, x, y)
+  _compile(second, eager)   # takes the nested model's ledger and variables over
   assert len(_checked_step(second, x, y)) == 8
-  assert len(_checked_step(first, x[:5], y[:5])) == 4
   first.get_layer(index=1).trainable = False       # frozen through the first model
   moved = _checked_step(second, x, y)
   if eager:

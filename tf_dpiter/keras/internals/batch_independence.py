@@ -221,33 +221,44 @@ def check_no_state_writes(model, written=None, input_specs=None, seed=0):
   variable from its inputs in training mode (a running mean, a range tracker, BatchNorm-like
   statistics) would carry the private batch into the released model unclipped and un-noised:
   on the vectorized path the assign runs on one record (its features, exactly), on the fast
-  path on the whole batch. Seed generators' states are not data and are allowed.
+  path on the whole batch. The model runs in training mode on two random batches of 2 (seeds
+  `seed`, `seed + 1`; state restored after each): a variable written to different values by
+  the two runs depends on the data. State written the same whatever the data (a call
+  counter) and seed generators' states are allowed.
 
   Args:
     model: a built keras.Model.
-    written: the variables a probe's training run wrote (`_two_runs`), or None: run the model
-      once in training mode on a random batch of 2 (state restored) to find them.
+    written: the variables a probe's training run wrote (`_two_runs`): nothing to check when
+      empty; None: check.
     input_specs: optional nest of specs giving the input shapes (None: the model's inputs).
-    seed: seed of the random batch.
+    seed: seed of the first random batch.
 
   Raises:
-    PrivacyConfigError: naming the first written variable and what to do.
+    PrivacyConfigError: naming the first data-dependent variable and what to do.
   """
-  if written is None:
-    x = _probe_inputs(model, input_specs, seed, 2)
+  if written is not None and not written:
+    return
+  after = []
+  for s in (seed, seed + 1):
+    x = _probe_inputs(model, input_specs, s, 2)
     if x is None:
       return
     with tf.init_scope(), _state_restored(model) as restore:
       model(x, training=True)
-      written = _data_state(model, restore())
-  if written:
+      after.append({id(v): (v, value) for v, value in restore(with_values=True)
+                    if _data_state(model, [v])})
+  first, second = after
+  dependent = [v for key, (v, value) in {**second, **first}.items()
+               if key not in first or key not in second
+               or not np.array_equal(first[key][1], second[key][1])]
+  if dependent:
     raise PrivacyConfigError(
-        f"the model writes its non-trainable variable {written[0].path!r} from the data in "
+        f"the model writes its non-trainable variable {dependent[0].path!r} from the data in "
         "training mode: the private step clips and noises gradients only, so the released "
         "model would carry that state unclipped and un-noised (on the vectorized path, one "
         "record's value exactly). Update it only when training is False, compute it outside "
         "fit from public data, or make it a trainable weight. Received: non-trainable "
-        f"variables written by a training step: {[v.path for v in written]}")
+        f"variables a training step writes from the data: {[v.path for v in dependent]}")
 
 
 def _address(t):
@@ -260,22 +271,23 @@ def _address(t):
 @contextlib.contextmanager
 def _state_restored(model):
   """Yields `restore`, which assigns back every non-trainable variable of `model` that changed
-  since the block began and returns them (also called when the block ends). Reads share the variables' buffers
+  since the block began and returns them (with_values=True: (variable, value it had) pairs;
+  also called when the block ends). Reads share the variables' buffers
   (no copy of a frozen backbone: 420 MB for LoRA's 110M weights); a variable whose read still
   shares the saved CPU buffer was not written and is not compared."""
   variables = model.non_trainable_variables
   state = [tf.convert_to_tensor(v) for v in variables]
   addresses = [_address(t) for t in state]
 
-  def restore():
+  def restore(with_values=False):
     written = []
     for v, value, address in zip(variables, state, addresses):
       now = tf.convert_to_tensor(v)
       if address is not None and _address(now) == address:
         continue   # still the saved buffer: not written (a write makes a new one)
       if not bool(tf.reduce_all(tf.equal(now, value))):
+        written.append((v, np.array(now)) if with_values else v)
         v.assign(value)
-        written.append(v)
     return written
 
   try:
@@ -428,7 +440,7 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   finally:
     object.__setattr__(model, PROBE_SECONDS_ATTR, getattr(model, PROBE_SECONDS_ATTR, 0.0)
                        + time.perf_counter() - started)
-  check_no_state_writes(model, written)
+  check_no_state_writes(model, written, input_specs)
   object.__setattr__(model, _CACHE_ATTR, verdict)
   object.__setattr__(model, _PROBED_ATTR, getattr(model, _PROBED_ATTR, frozenset()) | {key})
   if verdict:

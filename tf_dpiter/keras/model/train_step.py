@@ -516,19 +516,17 @@ class TrainStepMixin:
     with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
           else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
       want = facts.wants_outputs
-      # the ledger write waits for the batch (LedgerSampling.record after=), not the step's sums
-      step.batch_token = [t for t in tf.nest.flatten(x) if tf.is_tensor(t)][:1] or None
-      try:
-        if getattr(self, "_dp_noise_inside", False):
-          (grads, events), loss_sum, counts, y_pred = core(
-              x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
-          grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
-        else:
-          state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
-                                                 outputs=want)
-          grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
-      finally:
-        step.batch_token = None
+      # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
+      # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is
+      # neither applied nor charged, as Keras' iterations
+      if getattr(self, "_dp_noise_inside", False):
+        (grads, events), loss_sum, counts, y_pred = core(
+            x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
+        grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
+      else:
+        state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                               outputs=want)
+        grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
     opt.apply_private_gradients(grads, self.trainable_variables)
     facts.loss_tracker.update_state(loss_sum / tf.maximum(counts[0], 1.0),
                                     sample_weight=counts[0])

@@ -438,9 +438,9 @@ class DPOptimizerBase:
     claim_variables(self, trainable_variables)
     self._private_apply = True
     grads = [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)]
-    # Keras' `iterations` increment waits for the gradients (for the batch), as the ledger's
-    # write does (`LedgerSampling.record`'s after=): an epoch of unknown cardinality ends with a
-    # step whose get_next fails, which would otherwise still count one iteration.
+    # Keras' `iterations` increment waits for the gradients, as the ledger's write waits for
+    # the clipped sum (`LedgerSampling.record`'s after=): an epoch of unknown cardinality ends
+    # with a step whose get_next fails, which would otherwise still count one iteration.
     data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1]
     try:
       with tf.control_dependencies(data):

@@ -88,7 +88,6 @@ class PrivateStep:
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
-    self.batch_token = None   # [a tensor of the batch] while fit's train step is traced
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -691,7 +690,7 @@ class PrivateStep:
       grads, after the ledger write.
     """
     # the write waits for the batch (unknown cardinality: LedgerSampling.record)
-    count = self.require_sampling().record(events, after=self.batch_token or grads)
+    count = self.require_sampling().record(events, after=grads)
     with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
@@ -719,7 +718,7 @@ class PrivateStep:
       else:
         result, new_state, events = self.base_query.get_scaled_noised_result(
             sample_state, self.global_state(), scale)
-    count = sampling.record(events, after=self.batch_token or sample_state)
+    count = sampling.record(events, after=sample_state)   # runs iff the sum was formed
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     with tf.control_dependencies(assigns + [count]):
       return tf.nest.map_structure(tf.identity, result)
