@@ -11,25 +11,15 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.optimizer import chunking
 
 
-def _np_pairwise(x):
-  """summation.pairwise_sum's tree in numpy float32: zero rows to 2^d, then x[:h] + x[h:]."""
+def _np_tree(x, adjacent):
+  """The trees in numpy float32: zero leaves to 2^d, then x[2i] + x[2i + 1] (adjacent: the
+  chunks' tree) or x[:h] + x[h:] (summation.pairwise_sum's)."""
   x = np.asarray(x, np.float32)
   p = 1 << summation.tree_depth(max(len(x), 1))
   x = np.concatenate([x, np.zeros((p - len(x),) + x.shape[1:], np.float32)])
   while p > 1:
     p //= 2
-    x = x[:p] + x[p:]
-  return x[0]
-
-
-def _np_adjacent(x):
-  """The chunks' tree in numpy float32: zero leaves to 2^d, then x[2i] + x[2i + 1]."""
-  x = np.asarray(x, np.float32)
-  p = 1 << summation.tree_depth(max(len(x), 1))
-  x = np.concatenate([x, np.zeros((p - len(x),) + x.shape[1:], np.float32)])
-  while p > 1:
-    p //= 2
-    x = x[0::2] + x[1::2]
+    x = x[0::2] + x[1::2] if adjacent else x[:p] + x[p:]
   return x[0]
 
 
@@ -57,7 +47,7 @@ def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
       return chunking._tree_total(stack, runs + 1, levels)
 
     got = run(tf.constant(x), tf.constant(k - 1)).numpy()
-    np.testing.assert_array_equal(got, _np_adjacent(x), err_msg=f"k={k}, jit={jit}")
+    np.testing.assert_array_equal(got, _np_tree(x, True), err_msg=f"k={k}, jit={jit}")
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -82,10 +72,10 @@ def test_a_padded_tail_sums_its_chunks_by_the_tree(jit):
 
     total, count, aux = run(tf.constant(x), tf.constant(mask))
     xm = x * mask[:, None]
-    sums = [_np_pairwise(xm[:first])]
+    sums = [_np_tree(xm[:first], False)]
     runs = max(0, -(-(real - first) // chunk))
-    sums += [_np_pairwise(xm[first + i * chunk:first + (i + 1) * chunk]) for i in range(runs)]
-    np.testing.assert_array_equal(total.numpy(), _np_adjacent(sums), err_msg=f"real={real}")
+    sums += [_np_tree(xm[first + i * chunk:first + (i + 1) * chunk], False) for i in range(runs)]
+    np.testing.assert_array_equal(total.numpy(), _np_tree(sums, True), err_msg=f"real={real}")
     assert float(count) == real
     np.testing.assert_array_equal(aux.numpy()[:m], mask)
 

@@ -74,6 +74,15 @@ def vectorize_records(model):
   return True
 
 
+def _one_or_nan(ok, message):
+  """1.0, or NaN behind a failed run-time assertion carrying `message` (a list of strings and
+  tensors): graph mode refuses the step; XLA drops assertions, so the NaN then spoils the
+  release instead of letting the refused input through."""
+  check = tf.debugging.Assert(ok, message)
+  with tf.control_dependencies([check]):
+    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
+
+
 def _declared_rows_check(step, b):
   """1.0, or NaN behind a failed run-time assertion, when a sized policy's batch (fixed size,
   shuffled passes) has more than the declared sample_size rows: the ledger charges q = m / n,
@@ -95,12 +104,9 @@ def _declared_rows_check(step, b):
         f"the batch must have at most sample_size={declared} rows, as set_sampling declared "
         f"for {sampling.policy!r} sampling (the ledger charges q = {declared} / n per step). "
         f"Declare the batch size the loop feeds. Received: {int(static)} rows")
-  ok = tf.cast(b, tf.float64) <= tf.cast(sampling.sample_size, tf.float64)
-  check = tf.debugging.Assert(ok, [
+  return _one_or_nan(tf.cast(b, tf.float64) <= tf.cast(sampling.sample_size, tf.float64), [
       "compute_private_gradients: the batch has more rows than the sample_size set_sampling "
       "declared:", b])
-  with tf.control_dependencies([check]):
-    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
 
 
 def _binary_mask(mask, b):
@@ -128,10 +134,8 @@ def _binary_mask(mask, b):
           f"values {bad[:5].tolist()}")
     return mask
   ok = tf.reduce_all(tf.logical_or(tf.equal(mask, 0.0), tf.equal(mask, 1.0)))
-  check = tf.debugging.Assert(ok, [
+  return mask * _one_or_nan(ok, [
       "compute_private_gradients: `mask` must hold 0 (padding) or 1 (an example) per row"])
-  with tf.control_dependencies([check]):
-    return tf.where(ok, mask, tf.fill(tf.shape(mask), float("nan")))
 
 
 # Resource writes that carry a value of the data's dtype (a seed generator's state is an
@@ -261,15 +265,13 @@ def _finite_batch(rec_losses, grads):
   parts = [tf.reduce_all(tf.math.is_finite(rec_losses))]
   parts += [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
   ok = tf.reduce_all(tf.stack(parts))
-  check = tf.debugging.Assert(ok, [
+  return _one_or_nan(ok, [
       "compute_private_gradients(losses form): a record's loss or gradient is not finite. "
       "The losses form differentiates the whole batch at once, so one record's NaN or inf "
       "reaches every record's gradient and no record could be clipped alone; the step is "
       "refused (also a float16 overflow under a loss scale). Remove or repair the non-finite "
       "examples, or pass the batch as data=... with a loss_fn of one record (each record is "
       "then run alone and a non-finite one is clipped to zero)"])
-  with tf.control_dependencies([check]):
-    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
 
 
 def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, vectorize):
