@@ -106,3 +106,21 @@ def test_a_data_form_loss_writing_a_running_statistic_is_refused():
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     assert all(np.all(np.isfinite(g.numpy())) for g in ok(x, y))
+
+
+@pytest.mark.parametrize("form", ["data", "losses"])
+def test_a_step_compiled_by_xla_is_refused_before_anything_is_charged(form):
+  # A custom step under tf.function(jit_compile=True) (Keras' accelerator idiom) failed with
+  # tf2xla's "Shape of resource privacy_ledger/queries cannot be changed": the ledger's
+  # buffers grow. Now a library error names jit_compile at trace time; nothing is drawn or
+  # charged, and the same step without jit_compile runs and is charged once.
+  model = _model()
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=1.0)
+  opt.set_sampling(100, B / 100, "poisson", B)
+  x, y = np.ones((B, 1), np.float32), np.zeros((B, 1), np.float32)
+  step = tf.function(lambda m: _grads(opt, model, form, x, y, m), jit_compile=True)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="jit_compile.*Received: jit_compile=True"):
+    step(tf.ones([B]))
+  assert int(opt.ledger.sample_count.numpy()) == 0
+  tf.function(lambda m: _grads(opt, model, form, x, y, m))(tf.ones([B]))
+  assert int(opt.ledger.sample_count.numpy()) == 1

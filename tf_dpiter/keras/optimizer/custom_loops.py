@@ -163,6 +163,19 @@ def _refuse_state_writes(ops):
           f"{op.name!r} ({op.type})")
 
 
+def _refuse_xla():
+  """Refuses a trace inside `tf.function(jit_compile=True)`: the step writes the privacy
+  ledger, whose buffers grow (a variable whose shape changes), which XLA cannot compile; `fit`
+  runs its ledger write outside the compiled program, a custom loop cannot."""
+  if routing.in_xla_context():
+    raise PrivacyConfigError(
+        "compute_private_gradients cannot run inside tf.function(jit_compile=True): it writes "
+        "the privacy ledger (growing buffers), which XLA cannot compile. Wrap the custom step "
+        "in tf.function without jit_compile, or train with model.fit on a DP model compiled "
+        "with jit_compile=True (its clipping runs under XLA, its ledger write outside). "
+        "Received: jit_compile=True")
+
+
 def _records_and_masks(step, data, mask):
   b_static = grads_lib.static_batch_size(data)
   grads_lib.check_num_microbatches(step.record_microbatches, b_static)
@@ -201,10 +214,12 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches
       than examples, form (b) without `model` or with a model that mixes examples or cannot
       be probed, or an optimizer restored without its ledger (`restore_ledger`).
-    PrivacyConfigError: form (b) with a trainable BatchNormalization; form (a) whose loss_fn
+    PrivacyConfigError: a trace inside tf.function(jit_compile=True) (the ledger write cannot
+      compile); form (b) with a trainable BatchNormalization; form (a) whose loss_fn
       writes a floating-point variable or whose `model` writes non-trainable state in
       training mode.
   """
+  _refuse_xla()
   variables = list(variables)
   step.prepare_mechanism(variables)   # a correlated mechanism needs the variables' shapes
   saved_ledger.require_covers(step.optimizer)   # a restored optimizer needs its ledger
