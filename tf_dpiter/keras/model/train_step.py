@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.fast_clipping import clipping as fast_clip
@@ -221,12 +222,13 @@ class TrainStepMixin:
     step = self._dp_optimizer().private_step
     probed_from = time.perf_counter()
     probe_start = _probe_seconds(self)
+    # variables written from the data: refused before any probe runs the model (else when
+    # the trace has the batch: _dp_built_facts)
+    self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
       batch_independence.probe_at_batch_size(self, None, step)
-    elif self.built:   # the probe's own training run checks this on the other paths
-      batch_independence.check_no_state_writes(self)
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
@@ -310,6 +312,8 @@ class TrainStepMixin:
     if facts is None:
       _ = self(x, training=True) if keras_internals.call_has_training_arg(self) else self(x)
       facts = self._dp_trace_facts()
+    if not getattr(self, "_dp_writes_checked", False):   # once per train function
+      self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
     return facts
 
   def _dp_clipped_sum_step(self, x, y, sample_weight, params, global_state=None,

@@ -32,6 +32,7 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -138,31 +139,6 @@ def _binary_mask(mask, b):
       "compute_private_gradients: `mask` must hold 0 (padding) or 1 (an example) per row"])
 
 
-# Resource writes that carry a value of the data's dtype (a seed generator's state is an
-# integer: Dropout inside the loss is fine).
-_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
-
-
-def _refuse_state_writes(ops):
-  """Refuses a per-record loss whose trace writes a floating-point variable (a running mean of
-  the records): the private step noises gradients only, so that variable would carry the
-  records unclipped and un-noised (the fit path checks the model: check_no_state_writes). A
-  write inside a nested tf.function is not seen here.
-
-  Raises:
-    PrivacyConfigError: naming the op.
-  """
-  for op in ops:
-    if op.type in _WRITES and tf.as_dtype(op.get_attr("dtype")).is_floating:
-      raise PrivacyConfigError(
-          "compute_private_gradients(loss_fn, variables, data=...): loss_fn writes a "
-          "floating-point variable while it runs on a record (a running statistic of the "
-          "data): the private step clips and noises gradients only, so that variable would "
-          "carry the records unclipped and un-noised. Update it only when training is False, "
-          "or compute it outside the private step from public data. Received: the op "
-          f"{op.name!r} ({op.type})")
-
-
 def _refuse_xla():
   """Refuses a trace inside `tf.function(jit_compile=True)`: the step writes the privacy
   ledger, whose buffers grow (a variable whose shape changes), which XLA cannot compile; `fit`
@@ -215,9 +191,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
       than examples, form (b) without `model` or with a model that mixes examples or cannot
       be probed, or an optimizer restored without its ledger (`restore_ledger`).
     PrivacyConfigError: a trace inside tf.function(jit_compile=True) (the ledger write cannot
-      compile); form (b) with a trainable BatchNormalization; form (a) whose loss_fn
-      writes a floating-point variable or whose `model` writes non-trainable state in
-      training mode.
+      compile); form (b) with a trainable BatchNormalization; a loss_fn of form (a) or a
+      `model` whose training-mode call writes a variable from the data
+      (data_writes.refuse_data_writes).
   """
   _refuse_xla()
   variables = list(variables)
@@ -225,9 +201,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   saved_ledger.require_covers(step.optimizer)   # a restored optimizer needs its ledger
   scale = _loss_scale(model)
   vectorize = vectorize_records(model)
+  if model is not None:   # fit's check of the model's training-mode call
+    data_writes.refuse_model_writes(model)
   if data is not None:
-    if model is not None:   # the probe's check of fit's paths (form (b) runs it in the probe)
-      batch_independence.check_no_state_writes(model)
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)
@@ -293,13 +269,15 @@ def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, v
   """Form (a) of compute_private_gradients: each record run alone through loss_fn."""
   recs, em, rmask = _records_and_masks(step, data, mask)
 
+  # a loss_fn writing a variable from its record (eagerly or traced, nested functions too)
+  data_writes.refuse_data_writes(
+      loss_fn, tf.nest.map_structure(
+          lambda t: None if t is None else tf.TensorSpec(t.shape[1:], t.dtype), recs),
+      "compute_private_gradients(loss_fn, variables, data=...): loss_fn")
+
   def record_loss(rec):
     r_data, r_em = rec
-    graph = tf.compat.v1.get_default_graph()
-    traced = len(graph.get_operations()) if not tf.executing_eagerly() else None
     loss = tf.convert_to_tensor(loss_fn(r_data))
-    if traced is not None:
-      _refuse_state_writes(graph.get_operations()[traced:])
     if loss.shape.rank:
       loss = grads_lib.masked_record_mean(tf.reshape(loss, [-1]), r_em)
     return tf.cast(loss, tf.float32) * scale, ()
