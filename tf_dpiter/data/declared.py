@@ -11,7 +11,11 @@ batches after it) and carry the "shuffle" SamplingSpec `DPModel.fit` reads. Cust
 
 The user is responsible for what the declaration asserts: within a pass each record appears
 at most once (`.repeat()` before `.shuffle()`, sampling with replacement or duplicating
-augmentation break it), and a batch holds at most `batch_size` records.
+augmentation break it), and a batch holds at most `batch_size` records. The pass length is
+checked: an iteration that ends after a number of batches that is not a multiple of
+steps_per_pass (a `.filter`, a `.take`, an undeclared drop_remainder) makes the next
+iteration's first batch fail with a PrivacyConfigError (`ShuffleSampler.start_iteration`),
+before any step takes it: under noise="tree" that pass would start inside a tree.
 """
 
 import math
@@ -46,7 +50,9 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
     population_size: n, the records in the data set.
     batch_size: B, the records per batch (the last batch of a pass may be smaller).
     steps_per_pass: batches in one pass; default ceil(n / B) (floor(n / B) if the pipeline
-      batches with drop_remainder=True: pass it then).
+      batches with drop_remainder=True, fewer if it filters records: pass it then). Every
+      iteration must yield a multiple of it, else its next iteration is refused (module
+      docstring).
 
   Returns:
     a tf.data.Dataset with the same elements, counting its passes on a ShuffleSampler and
@@ -57,6 +63,9 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
     PrivacyConfigError: population_size < 1, batch_size outside [1, population_size],
       steps_per_pass < 1, or static batches larger than batch_size.
     ParameterValueError: the dataset already carries a sampling declaration.
+    PrivacyConfigError (when iterated, wrapped by tf.data in a tf.errors.InvalidArgumentError;
+      `DPModel.fit` raises it as it is): an iteration started after one whose number of
+      batches was not a multiple of steps_per_pass.
   """
   if not isinstance(dataset, tf.data.Dataset):
     raise ParameterTypeError(
@@ -74,6 +83,8 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
   per = int(steps_per_pass)
 
   def count(index):
+    if int(index) == 0:
+      sampler.start_iteration()   # refuses a pass after one of another length (this fit's)
     if int(index) % per == 0:
       sampler.start_pass()
     sampler.step_drawn()

@@ -49,6 +49,8 @@ class ShuffleSampler:
     # False: every new iterator starts a new pass (shuffled_batches); True: passes continue
     # across iterators (a balls-in-bins allocation in progress).
     self.continues_across_iterators = False
+    self._iteration = None   # where the current iteration of a declared pipeline started
+    self.refusal = None      # the PrivacyConfigError of the last iteration refused, or None
 
   @property
   def passes_started(self):
@@ -61,6 +63,53 @@ class ShuffleSampler:
     with self._lock:
       self._started += 1
       self._starts.append(self._drawn)
+
+  def start_iteration(self):
+    """Begins a new iteration of a declared pipeline (`declare_shuffled`), whose first batch
+    starts a new pass; refuses it when the previous iteration drawn in this fit (or, outside
+    fit, since the sampler was made) ended after a number of batches that is not a multiple
+    of `steps_per_pass`.
+
+    Why: the ledger charges one mechanism per pass, and DP-FTRL one tree per pass with its
+    restart period R dividing steps_per_pass (Kairouz et al. 2021, "Practical and Private
+    (Deep) Learning without Sampling or Shuffling", Section 3 and Appendix D: each example at
+    most once per tree). An iteration of L batches, L not a multiple of steps_per_pass, means
+    the pipeline's real passes are not steps_per_pass long (a `.filter`, a `.take`, a
+    drop_remainder the declaration does not state): the next pass would start inside a tree
+    (L mod R != 0: one example in two leaves of one tree, charged as two trees). The refused
+    pass is neither counted nor drawn, so its step is never taken, charged or noised.
+    Iterations of an earlier fit are not judged here (an iterator a fit drops may have
+    prefetched batches no step took): a new fit inside a tree is refused by the mechanism's
+    `check_boundary`.
+
+    Raises:
+      PrivacyConfigError: the previous iteration's length is not a multiple of steps_per_pass
+        (also kept in `refusal`, for the caller that sees TensorFlow's wrapped error).
+    """
+    with self._lock:
+      per, prev = self.steps_per_pass, self._iteration
+      if per and prev is not None and prev >= self._base:
+        had = self._drawn - prev
+        if had % per:
+          if had < per:
+            what = (f"a pass of the declared pipeline had {had} batches, not the declared "
+                    f"{per}: pass steps_per_pass={had} to declare_shuffled if every pass of "
+                    "the pipeline has that many batches")
+          else:
+            what = (f"an iteration of the declared pipeline yielded {had} batches, not a "
+                    f"multiple of the declared steps_per_pass (its last pass had {had % per} "
+                    "batches, not the declared "
+                    f"{per}): pass the batches of one pass of the pipeline as steps_per_pass "
+                    "to declare_shuffled")
+          self.refusal = PrivacyConfigError(
+              f"{what} (a .filter, .take or drop_remainder changes them), or make every pass "
+              "steps_per_pass batches long. The ledger charges one mechanism per pass of "
+              "steps_per_pass steps (noise='tree': one tree, its restart period dividing "
+              "steps_per_pass); a pass of another length puts the next pass's first steps in a tree "
+              "with this one's last. Received: "
+              f"steps_per_pass={per}")
+          raise self.refusal
+      self._iteration = self._drawn
 
   def step_drawn(self):
     """Counts one step drawn (a batch handed to tf.data); called by the generator."""
