@@ -110,17 +110,21 @@ class NoiseMechanism(abc.ABC):
     """`noise='blt' with min_separation=3`: how messages name the mechanism."""
     return f"noise={self.name!r}"
 
-  def check_sampling(self, policy, population_size, sample_size):
+  def check_sampling(self, policy, population_size, sample_size, steps_per_pass=None):
     """Refuses a sampling under which the ledger cannot account the mechanism.
 
     Args:
       policy: the declared ledger policy (ledger.POLICIES).
       population_size: n, examples in the dataset.
       sample_size: the batch size (the number of groups under cyclic_poisson).
+      steps_per_pass: the steps of one shuffled pass as the data makes them (a sampler's
+        `steps_per_pass`: floor(n / B) with drop_remainder), or None when the data does not
+        state it (then ceil(n / B) under "shuffle").
 
     Raises:
       PrivacyConfigError: the policy or its sample_size does not cover the mechanism.
     """
+    del steps_per_pass   # only mechanisms with a per-pass structure read it (Tree)
     needed, least = self.sampling_requirement()
     if needed is None or (policy == needed and float(sample_size) >= least):
       return
@@ -219,7 +223,8 @@ class Tree(NoiseMechanism):
 
   Attributes:
     restart_every: R, leaves per tree (the tree restarts every R steps); must divide the
-      steps per shuffled pass ceil(n / B).
+      steps per shuffled pass (ceil(n / B), or floor(n / B) with drop_remainder: the
+      sampler's steps_per_pass).
 
   Raises:
     ParameterTypeError: R is not an int.
@@ -242,16 +247,34 @@ class Tree(NoiseMechanism):
   def describe(self):
     return f"noise='tree' with restart_every={self.restart_every!r}"
 
-  def check_sampling(self, policy, population_size, sample_size):
-    """Shuffled passes, and R dividing the steps per pass (NoiseMechanism.check_sampling)."""
+  def check_sampling(self, policy, population_size, sample_size, steps_per_pass=None):
+    """Shuffled passes, and R dividing the steps per pass (NoiseMechanism.check_sampling).
+
+    The ledger charges one SingleEpochTreeAggregationDpEvent per shuffled pass (Kairouz et
+    al. 2021, Section 3 and Appendix D: each example at most once per tree), sound only if
+    every tree lies inside one pass: R must divide the steps of a pass as the data makes
+    them, `steps_per_pass` when the data states it (floor(n / B) with drop_remainder), else
+    ceil(n / B).
+
+    Raises:
+      PrivacyConfigError: another policy, or R not dividing the steps per pass (the message
+        names restart_every, its value and the steps per pass).
+    """
     super().check_sampling(policy, population_size, sample_size)
-    per_pass = math.ceil(float(population_size) / float(sample_size))
+    if steps_per_pass is None:
+      per_pass = math.ceil(float(population_size) / float(sample_size))
+      what = (f"ceil(n / B) = ceil({population_size:g} / {float(sample_size):g}) = "
+              f"{per_pass} steps")
+    else:
+      validation.check_integer("steps_per_pass", steps_per_pass, 1, error=PrivacyConfigError)
+      per_pass = int(steps_per_pass)
+      what = f"{per_pass} steps (the data's steps_per_pass)"
     if per_pass % self.restart_every:
       raise PrivacyConfigError(
-          f"noise='tree' with restart_every={self.restart_every}: the ledger charges one "
-          f"tree per shuffled pass, so every tree must end at a pass boundary; a pass here is "
-          f"ceil(n / B) = ceil({population_size:g} / {float(sample_size):g}) = {per_pass} "
-          f"steps, which restart_every must divide (e.g. restart_every={per_pass})")
+          f"`restart_every` must divide the steps of a shuffled pass with noise='tree': the "
+          f"ledger charges one tree per pass, so every tree must end at a pass boundary; a "
+          f"pass here is {what} (e.g. restart_every={per_pass}). Received: "
+          f"restart_every={self.restart_every}")
 
   def check_boundary(self, state):
     """Refuses a new sampling inside a tree: a new sampling starts new shuffled passes, and a
