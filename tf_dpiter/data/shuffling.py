@@ -105,9 +105,8 @@ class ShuffleSampler:
               f"{what} (a .filter, .take or drop_remainder changes them), or make every pass "
               "steps_per_pass batches long. The ledger charges one mechanism per pass of "
               "steps_per_pass steps (noise='tree': one tree, its restart period dividing "
-              "steps_per_pass); a pass of another length puts the next pass's first steps in a tree "
-              "with this one's last. Received: "
-              f"steps_per_pass={per}")
+              "steps_per_pass); a pass of another length puts the next pass's first steps "
+              f"in a tree with this one's last. Received: steps_per_pass={per}")
           raise self.refusal
       self._iteration = self._drawn
 
