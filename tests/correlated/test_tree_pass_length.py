@@ -24,8 +24,8 @@ def test_restart_every_dividing_the_stated_pass_length_is_accepted():
 
 
 @pytest.mark.parametrize("restart_every,steps_per_pass,match", [
-    (3, 8, r"`restart_every` must divide the steps of a shuffled pass .*a pass here is 8 steps "
-           r"\(the data's steps_per_pass\) \(e.g. restart_every=8\)\. Received: "
+    (3, 8, r"`restart_every` must divide the steps of a shuffled pass .*a pass of this dataset "
+           r"is 8 steps \(its steps_per_pass\) \(e.g. restart_every=8\)\. Received: "
            r"restart_every=3$"),
     (8, None, r"a pass here is ceil\(n / B\) = ceil\(50 / 6\) = 9 steps .*Received: "
               r"restart_every=8$"),

@@ -263,17 +263,17 @@ class Tree(NoiseMechanism):
     super().check_sampling(policy, population_size, sample_size)
     if steps_per_pass is None:
       per_pass = math.ceil(float(population_size) / float(sample_size))
-      what = (f"ceil(n / B) = ceil({population_size:g} / {float(sample_size):g}) = "
-              f"{per_pass} steps")
+      what = (f"a pass here is ceil(n / B) = ceil({population_size:g} / "
+              f"{float(sample_size):g}) = {per_pass} steps")
     else:
       validation.check_integer("steps_per_pass", steps_per_pass, 1, error=PrivacyConfigError)
       per_pass = int(steps_per_pass)
-      what = f"{per_pass} steps (the data's steps_per_pass)"
+      what = f"a pass of this dataset is {per_pass} steps (its steps_per_pass)"
     if per_pass % self.restart_every:
       raise PrivacyConfigError(
           f"`restart_every` must divide the steps of a shuffled pass with noise='tree': the "
-          f"ledger charges one tree per pass, so every tree must end at a pass boundary; a "
-          f"pass here is {what} (e.g. restart_every={per_pass}). Received: "
+          f"ledger charges one tree per pass, so every tree must end at a pass boundary; "
+          f"{what} (e.g. restart_every={per_pass}). Received: "
           f"restart_every={self.restart_every}")
 
   def check_boundary(self, state):
