@@ -332,6 +332,13 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
     try:
       history = super().fit(**a)
+    except tf.errors.OpError as err:
+      # a pass the declared pipeline's sampler refused before its first batch (no step
+      # taken, drawn or charged: ShuffleSampler.start_iteration), wrapped by tf.data
+      refusal = getattr(getattr(spec, "sampler", None), "refusal", None)
+      if refusal is None or str(refusal) not in str(err):
+        raise
+      raise PrivacyConfigError(str(refusal)) from err
     finally:   # a raising step skips on_train_end: its execution's passes are charged here
       self._dp_in_fit = False
       self._dp_fit_verbose = 0
@@ -385,7 +392,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       raise PrivacyConfigError(f"num_microbatches={m} is more than the batch size {int(spec.sample_size)}: "
                                "each microbatch needs at least one example")
     if step.set_sampling(spec.population_size, spec.selection_probability, spec.policy,
-                        spec.sample_size):
+                        spec.sample_size, getattr(spec.sampler, "steps_per_pass", None)):
       self.train_function = None
     step.mark_sampling_from_fit()
 

@@ -304,7 +304,7 @@ class DPOptimizerBase:
   # ---- the step, for users (thin delegations) -----------------------------------------
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
-                   sample_size=0):
+                   sample_size=0, steps_per_pass=None):
     """Declares how batches are sampled; the ledger records it with every step.
 
     Args:
@@ -313,6 +313,8 @@ class DPOptimizerBase:
       policy: one of ledger.POLICIES ("poisson", "shuffle", "fixed_size", ...).
       sample_size: the batch size B (expected under Poisson, 0 when unknown; the groups under
         "cyclic_poisson").
+      steps_per_pass: under "shuffle", the steps of one pass as the loop makes them
+        (floor(n / B) with drop_remainder), or None: ceil(n / B).
 
     Returns:
       True when the recorded policy or record unit changed (the step must be retraced).
@@ -330,7 +332,7 @@ class DPOptimizerBase:
           "sensitivity S per user). For user-level DP train with model.fit on "
           "dp.data.poisson_user_batches, which groups each user's rows into one record", policy))
     return self.private_step.set_sampling(population_size, selection_probability, policy,
-                                          sample_size)
+                                          sample_size, steps_per_pass)
 
   def resolve_clipping(self, model=None, input_specs=None):
     """"vectorized" or "fast": the per-example clipping the step uses for `model`.

@@ -326,7 +326,7 @@ class PrivateStep:
   # ---- sampling -----------------------------------------------------------------------
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
-                   sample_size=0):
+                   sample_size=0, steps_per_pass=None):
     """Declares how batches are sampled; the ledger records it with every step. A correlated
     mechanism's sampling declared before the optimizer is built waits for `build_mechanism`.
 
@@ -335,6 +335,9 @@ class PrivateStep:
       selection_probability: q.
       policy: one of ledger.POLICIES.
       sample_size: the batch size (expected under Poisson; groups under cyclic_poisson).
+      steps_per_pass: the steps of one shuffled pass as the data makes them (floor(n / B)
+        with drop_remainder), or None: ceil(n / B) (noise='tree' checks its restart period
+        against it).
 
     Returns:
       True when the recorded policy or record unit changed (the step must be retraced).
@@ -348,7 +351,7 @@ class PrivateStep:
       raise PrivacyConfigError(validation.message(
           "policy", f"{self._plan.sampling!r}, the plan's sampling (DPConfig(sampling=...); "
           f"e.g. model.fit(..., sampling={self._plan.sampling!r}))", policy))
-    step_sampling.check(self, population_size, policy, sample_size)
+    step_sampling.check(self, population_size, policy, sample_size, steps_per_pass)
     step_sampling.check_unit(self, policy)
     self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
     if self.mechanism.needs_variables and not self.optimizer.built:
@@ -711,7 +714,13 @@ class PrivateStep:
                   "load_weights, iterations.assign or a retry with BackupAndRestore), since "
                   "its accounting covers one sequence of steps. Start a new optimizer, and "
                   "a new ledger, for a new run."))
-    with tf.control_dependencies(checks):
+    # a correlated mechanism's draw, state read and hence its writes wait for the clipped
+    # sum: a step whose batch never came (the data's end, a refused pass) leaves its state
+    # (a tree's leaf count) unmoved. Independent noise may be drawn early and discarded:
+    # never released, and the generator only moves forward
+    waits = ([t for t in tf.nest.flatten(sample_state) if isinstance(t, tf.Tensor)]
+             if self.mechanism.correlated else [])
+    with tf.control_dependencies(checks + waits):
       if scale is None:
         result, new_state, events = self.base_query.get_noised_result(
             sample_state, self.global_state())

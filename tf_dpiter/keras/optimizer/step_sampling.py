@@ -38,19 +38,22 @@ def record_microbatches(num_microbatches, sample_size):
   return num_microbatches
 
 
-def check(step, population_size, policy, sample_size):
+def check(step, population_size, policy, sample_size, steps_per_pass=None):
   """Refuses a declaration the step cannot be accounted under.
 
   Args:
     step: the PrivateStep. population_size: n. policy: one of ledger.POLICIES.
     sample_size: the batch size.
+    steps_per_pass: the steps of one shuffled pass as the data makes them (its sampler's),
+      or None (NoiseMechanism.check_sampling).
 
   Raises:
     PrivacyConfigError: microbatches under add/remove, a sampling the correlated mechanism is not
       accounted under, or a new sampling inside one of its trees.
   """
   privacy_ledger.check_sample_size(sample_size)
-  step.mechanism.check_sampling(policy, population_size, sample_size)
+  step.mechanism.check_sampling(policy, population_size, sample_size,
+                                steps_per_pass=steps_per_pass)
   step.mechanism.check_boundary(step.noise_state())
   m = record_microbatches(step.num_microbatches, sample_size)
   if m is not None and ledger_lib.relation_for_policy(policy) == ledger_lib.ADD_OR_REMOVE:
