@@ -177,3 +177,37 @@ def examples_at_most(n):
 def examples_bound():
   """The innermost `examples_at_most` bound (an int), or None outside one."""
   return getattr(_EXAMPLES_BOUND, "n", None)
+
+
+def num_workers(strategy):
+  """The "chief" and "worker" tasks of `strategy`'s cluster spec (1 for one process)."""
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if resolver is None:
+    return 1
+  spec = resolver.cluster_spec().as_dict()
+  return max(1, sum(len(spec.get(job, [])) for job in ("chief", "worker")))
+
+
+def is_chief(strategy):
+  """Whether this process is the chief (task "chief", or worker 0 without one; True for a
+  single-process strategy)."""
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if resolver is None or num_workers(strategy) == 1:
+    return True
+  spec = resolver.cluster_spec().as_dict()
+  if "chief" in spec:
+    return resolver.task_type == "chief"
+  return resolver.task_type == "worker" and int(resolver.task_id) == 0
+
+
+def broadcast_from_chief(strategy, value):
+  """The chief's `value` (a tensor of one shape and dtype on every worker) on every worker:
+  an all-reduce SUM to which only global replica 0 contributes. Cross-replica context."""
+  value = tf.convert_to_tensor(value)
+
+  def contribute():
+    ctx = tf.distribute.get_replica_context()
+    keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), value.dtype)
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value * keep)
+
+  return strategy.experimental_local_results(strategy.run(contribute))[0]

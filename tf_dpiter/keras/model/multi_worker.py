@@ -33,67 +33,23 @@ from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.callbacks import ledger as ledger_callbacks
+from tf_dpiter.keras.internals.runtime import broadcast_from_chief  # noqa: F401 (re-exported)
+from tf_dpiter.keras.internals.runtime import is_chief
+from tf_dpiter.keras.internals.runtime import num_workers
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 _DP_FIT_KWARGS = ("sampling", "population_size", "ledger_journal")   # DPModel.fit's own keywords
 
 
-def num_workers(strategy):
-  """The "chief" and "worker" tasks of `strategy`'s cluster spec (1 for one process)."""
-  resolver = getattr(strategy, "cluster_resolver", None)
-  if resolver is None:
-    return 1
-  spec = resolver.cluster_spec().as_dict()
-  return max(1, sum(len(spec.get(job, [])) for job in ("chief", "worker")))
-
-
-def is_chief(strategy):
-  """Whether this process is the chief (task "chief", or worker 0 without one; True for a
-  single-process strategy)."""
-  resolver = getattr(strategy, "cluster_resolver", None)
-  if resolver is None or num_workers(strategy) == 1:
-    return True
-  spec = resolver.cluster_spec().as_dict()
-  if "chief" in spec:
-    return resolver.task_type == "chief"
-  return resolver.task_type == "worker" and int(resolver.task_id) == 0
-
-
-def broadcast_from_chief(strategy, value):
-  """The chief's `value` (a tensor of one shape and dtype on every worker) on every worker:
-  an all-reduce SUM to which only global replica 0 contributes. Cross-replica context."""
-  value = tf.convert_to_tensor(value)
-
-  def contribute():
-    ctx = tf.distribute.get_replica_context()
-    keep = tf.cast(tf.equal(ctx.replica_id_in_sync_group, 0), value.dtype)
-    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, value * keep)
-
-  return strategy.experimental_local_results(strategy.run(contribute))[0]
-
-
 def synchronize_noise(strategy, optimizer):
-  """Makes the DP optimizer's noise generator on every worker a copy of the chief's.
-
-  Call outside `strategy.scope()` and outside any tf.function, before training; afterwards
-  every worker draws the same noise at every step (the draws are made in the same order).
+  """Makes the DP optimizer's noise generator on every worker a copy of the chief's
+  (`optimizer.synchronize_noise`, which this calls).
 
   Args:
     strategy: the MultiWorkerMirroredStrategy.
     optimizer: a tf_dpiter DP optimizer.
-
-  Raises:
-    PrivacyConfigError: secure_mode (os.urandom has no state to share), or a query without a
-      `noise_generator`.
   """
-  generator = optimizer.private_step.noise_generator
-  if not isinstance(generator, tf.random.Generator):
-    raise PrivacyConfigError(
-        f"secure_mode noise ({type(generator).__name__}) cannot be synchronized across "
-        f"{num_workers(strategy)} workers: each would add its own noise and the average "
-        "would carry std z C / sqrt(W). Train with secure_mode=False under "
-        "MultiWorkerMirroredStrategy")
-  generator.reset(broadcast_from_chief(strategy, generator.state))
+  optimizer.synchronize_noise(strategy)
 
 
 class ReadOnlyLedgerJournal(ledger_callbacks.LedgerJournal):

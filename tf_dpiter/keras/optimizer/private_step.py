@@ -15,8 +15,8 @@ example or a microbatch of k = ceil(B / M) examples, charged at sensitivity 2S.
 
 The Keras DP optimizer holds one `PrivateStep` (`optimizer.private_step`). Its state are TF
 variables tracked by the optimizer under fixed names ("_dp_ledger", "_dp_expected_records",
-"_dp_overflow_count", "_dp_global_state_<i>"), so checkpoints, `save_weights` and
-`model.save` carry them; the noise generator is deliberately not among them, so no restore
+"_dp_global_state_<i>"), so checkpoints, `save_weights` and `model.save` carry them (the
+float16 overflow count, an un-noised diagnostic, is not tracked: no file carries it); the noise generator is deliberately not among them, so no restore
 can make it draw a noise it drew before. Helpers: `step_sampling`, `noise_mechanisms`,
 `chunking`; per-variable pipelining (Bu et al., "Differentially private
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
@@ -35,6 +35,7 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras import fast_clipping
+from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import dp_config
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -197,8 +198,10 @@ class PrivateStep:
         self.base_query = self._plan.make_query()
       self._expected_records = self._track("_dp_expected_records", tf.Variable(
           1.0, dtype=tf.float32, trainable=False, name="dp_expected_records"))
-      self._overflow_count = self._track("_dp_overflow_count", tf.Variable(
-          0, dtype=tf.int64, trainable=False, name="dp_overflowed_records"))
+      # a diagnostic, un-noised count of records: kept out of the object graph, so no
+      # checkpoint or backup carries it (review: 1 vs 0 with one outlier)
+      self._overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="dp_overflowed_records")
       self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
       if self._restored_ledger is not None:   # from from_config or adopt_ledger
         pending, self._restored_ledger = self._restored_ledger, None
@@ -223,7 +226,10 @@ class PrivateStep:
 
   def count_overflowed(self, finite, record_mask):
     """Adds the real records whose float16 gradient was zeroed to the overflow counter and
-    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds.
+    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds for
+    the model and the ledger. The count itself, the warning and the fit log's
+    `dp_overflowed_records` are diagnostics of the private records outside the guarantee
+    (un-noised); no checkpoint carries the count.
 
     Args:
       finite: [R] bool, whether each record's gradient was finite (None: no loss scale).
@@ -262,6 +268,41 @@ class PrivateStep:
           f"dp_query={self.base_query!r} does not expose `noise_generator`: its noise "
           "cannot be synchronized across workers")
     return generator
+
+  def synchronize_noise(self, strategy):
+    """Makes this step's noise generator on every worker of `strategy` a copy of the chief's,
+    so that every worker draws the same noise at every step (the draws made in the same
+    order). Call outside `strategy.scope()` and outside any tf.function, before training.
+
+    Args:
+      strategy: a tf.distribute strategy (MultiWorkerMirroredStrategy).
+
+    Raises:
+      PrivacyConfigError: secure_mode (os.urandom has no state to share), or a query without
+        a `noise_generator`.
+    """
+    generator = self.noise_generator
+    if not isinstance(generator, tf.random.Generator):
+      raise PrivacyConfigError(
+          f"secure_mode noise ({type(generator).__name__}) cannot be synchronized across "
+          f"{runtime.num_workers(strategy)} workers: each would add its own noise and the "
+          "average would carry std z C / sqrt(W). Train with secure_mode=False under "
+          "MultiWorkerMirroredStrategy")
+    generator.reset(runtime.broadcast_from_chief(strategy, generator.state))
+    self._noise_workers = runtime.num_workers(strategy)
+
+  def _require_one_noise(self):
+    """Refuses a draw under several workers whose generators were not synchronized: each
+    worker would add its own noise to the all-reduced sum, and the mean of W draws has
+    std z C / sqrt(W) where the ledger charges z C."""
+    workers = runtime.num_workers(tf.distribute.get_strategy())
+    if workers > 1 and getattr(self, "_noise_workers", 1) != workers:
+      raise PrivacyConfigError(
+          f"the private step runs on {workers} workers whose noise generators were not "
+          "synchronized: each would add its own noise (released std z C / sqrt(W), the "
+          "ledger charges z C). Call optimizer.synchronize_noise(strategy) once on every "
+          "worker before training (outside strategy.scope() and any tf.function; model.fit "
+          f"does it). Received: {workers} workers, generators not synchronized")
 
   @property
   def clips_by_factors(self):
@@ -794,9 +835,11 @@ class PrivateStep:
       the list of noised average gradients (flattened result).
 
     Raises:
-      PrivacyConfigError: the sampling is undeclared, or `scaled` under several replicas.
+      PrivacyConfigError: the sampling is undeclared, `scaled` under several replicas, or
+        several workers whose noise generators were not synchronized.
     """
     self.require_sampling()
+    self._require_one_noise()
     num_records = tf.cast(num_records, tf.float32)
     ctx = tf.distribute.get_replica_context()
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
