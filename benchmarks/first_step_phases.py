@@ -15,6 +15,11 @@ first step; its wall time (`first_step_s`) is split into:
                          here, eagerly, once per model)
   probe_s                inside it and in the trace: batch_independence.probe_model (the
                          batch-independence probe, cached on the model), all calls
+  probe_runs_s           part of probe_s: the probe's two eager training-mode forward passes
+                         (batch_independence._two_runs; `calls` counts them in pairs)
+  state_writes_s         part of probe_s: batch_independence.check_no_state_writes (two more
+                         forward passes on random batches of 2, only when the probe's first
+                         run wrote a non-trainable variable other than a seed state)
   routing_s              step.resolve_clipping in the trace (per-example checks, the plan,
                          the probe when not yet cached)
   trace_s                the Python trace of train_step (resolve_clipping and the clipped
@@ -26,13 +31,15 @@ first step; its wall time (`first_step_s`) is split into:
   grappler_s (--grappler) the graph optimizations (meta_optimizer's per-pass times, from
                          TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass,
                          and the main graph's nodes before and after them
-                         (grappler_input_nodes, grappler_output_nodes)
+                         (grappler_input_nodes, grappler_output_nodes); a pass that rewrites
+                         the main graph without shrinking it (memory_optimizer's AddN into
+                         accumulators: nodes added) is listed in grappler_main_growth
   second_step_s          the next step (steady state): first_run_excess_s = after_trace_s -
                          grappler_s - second_step_s is what remains (first allocations,
                          oneDNN primitive creation, executor setup)
 
-`cpu_s`: the same phases (first_step, make_train_function_s, probe_s, routing_s, trace_s,
-clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
+`cpu_s`: the same phases (first_step, make_train_function_s, probe_s, probe_runs_s,
+state_writes_s, routing_s, trace_s, clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
 sensitive than wall time to other processes' load. --xla-vector-width W: XLA's preferred CPU
 vector width for the process (transformer_step_time.py's option; the children inherit it).
 
@@ -257,6 +264,10 @@ def run(a):
     rss.end("built")
 
   batch_independence.probe_model = _timed("probe_s", batch_independence.probe_model)
+  # (module attributes: probe_model and batch_mixing_layers look them up when they run)
+  batch_independence._two_runs = _timed("probe_runs_s", batch_independence._two_runs)  # pylint: disable=protected-access
+  batch_independence.check_no_state_writes = _timed(
+      "state_writes_s", batch_independence.check_no_state_writes)
   fc_clipping.clipped_grad_sum = _timed("clipped_sum_trace_s", fc_clipping.clipped_grad_sum)
   if private:
     step = opt.private_step
@@ -340,6 +351,9 @@ def run(a):
 _PASS = re.compile(r"meta_optimizer\.cc:\d+\] (\S+?)(?:\{.*\})?: Graph size after: .* "
                    r"time = ([\d.]+)ms")
 
+_GROWTH = re.compile(r"meta_optimizer\.cc:\d+\] (\S+?)(?:\{.*\})?: Graph size after: \d+ nodes "
+                     r"\((-?\d+)\)")
+
 _STAMP = re.compile(r"^I\d{4} \d\d:\d\d:(\d+\.\d+)\s+\d+ meta_optimizer\.cc", re.M)
 
 _SIZE = re.compile(r"meta_optimizer\.cc:\d+\] \S+: Graph size after: (\d+) nodes \((-?\d+)\)")
@@ -357,10 +371,16 @@ def _grappler(a):
   by_pass = collections.defaultdict(float)
   for m in _PASS.finditer(r.stderr):
     by_pass[m.group(1)] += float(m.group(2)) / 1e3
-  sizes = _SIZE.findall(r.stderr.split("Optimized main graph")[0])
+  main = r.stderr.split("Optimized main graph")[0]
+  sizes = _SIZE.findall(main)
   if sizes:   # the main graph's first pass: nodes before it = after - change
     out["grappler_input_nodes"] = int(sizes[0][0]) - int(sizes[0][1])
     out["grappler_output_nodes"] = int(sizes[-1][0])
+  # the main graph's passes (the first grappler item) that added nodes
+  first_item = re.split(r"Starting optimization for grappler item", main)
+  first_item = first_item[1] if len(first_item) > 1 else main
+  out["grappler_main_growth"] = [[m.group(1), int(m.group(2))] for m in _GROWTH.finditer(first_item)
+                                 if int(m.group(2)) > 0]
   out["grappler_s"] = round(sum(by_pass.values()), 2)
   out["grappler_by_pass_s"] = {k: round(v, 2) for k, v in
                                sorted(by_pass.items(), key=lambda kv: -kv[1])[:8]}

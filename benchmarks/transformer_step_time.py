@@ -76,7 +76,9 @@ threads; steadier than the wall time on a loaded machine); alloc_peak_mib: Tenso
 the timed steps (tf.config.experimental.reset_memory_stats after the warmup; the weights and
 the optimizer's state included, tracing excluded), alloc_before_steps_mib: what it held before
 them; alloc_peak_first_step_mib and peak_rss_after_first_step_mib: the allocator's peak and
-the process's peak RSS up to the end of the first step. Prints one JSON line per run.
+the process's peak RSS up to the end of the first step; first_step_probe_s (DP): the wall
+seconds of the batch-independence probe inside the first step (its two eager forward passes,
+and the state-writes check's when it runs). Prints one JSON line per run.
 """
 
 import argparse
@@ -96,6 +98,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.dp_query import gaussian_query  # noqa: E402
+from tf_dpiter.keras.internals.batch_independence import PROBE_SECONDS_ATTR  # noqa: E402
 
 BERT_BASE = dict(vocabulary_size=30522, num_layers=12, num_heads=12, hidden_dim=768,
                  intermediate_dim=3072, max_sequence_length=512)
@@ -220,6 +223,8 @@ def run_one(a):
                             if a.mode == "dp" else None),
       "ms_per_step": round(float(np.median(times)), 1), "ms_all": [round(t) for t in times],
       "first_step_s": first_step_s, "first_step_cpu_s": first_step_cpu_s,
+      "first_step_probe_s": (round(getattr(model, PROBE_SECONDS_ATTR, 0.0), 2)
+                             if a.mode == "dp" else None),
       "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
       "rss_after_build_mib": round(rss_built),
       "alloc_peak_mib": round(tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20),
