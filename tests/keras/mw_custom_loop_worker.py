@@ -48,6 +48,6 @@ try:
   out["ledger"] = int(opt.ledger.sample_count.numpy())
   out["iterations"] = int(opt.iterations.numpy())
 except (ValueError, TypeError, RuntimeError, tf.errors.OpError) as e:   # reported
-  out["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+  out["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
 with open(out_path, "w") as f:
   json.dump(out, f)

@@ -84,3 +84,32 @@ def test_monitors_of_the_ledger_and_of_held_out_data_are_accepted():
     steps.append(int(model.ledger.sample_count.numpy()))
     assert steps[-1] == int(model.optimizer.iterations.numpy())
   assert steps == [3, 3]
+
+
+def test_a_training_loss_monitor_inside_a_callback_list_is_refused():
+  # review R3 (session 34): a CallbackList (which dispatches every hook to the callbacks it
+  # holds) hid EarlyStopping(monitor="loss"): accepted, the run stopped after 2 of 5 epochs
+  (x, y), _ = _pair()
+  model = _model()
+  stop = keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9)
+  with pytest.raises(dp.errors.PrivacyConfigError,
+                     match=r"callbacks\[0\]\.callbacks\[0\].*training metric"):
+    model.fit(x, y, batch_size=10, epochs=5, verbose=0,
+              callbacks=[keras.callbacks.CallbackList([stop])])
+  assert int(model.ledger.sample_count.numpy()) == 0
+
+
+@pytest.mark.parametrize("name", ["epsilon", "val_mse"])
+def test_a_training_metric_named_like_an_allowed_key_is_refused(name):
+  # review R3 (session 34): a compiled training metric named "epsilon" (no PrivacyMeter then
+  # writes that key) or "val_mse" was monitored as the ledger's key or a held-out metric
+  (x, y), _ = _pair()
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((2,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
+                metrics=[keras.metrics.MeanSquaredError(name=name)])
+  stop = keras.callbacks.EarlyStopping(monitor=name, mode="min", patience=0, min_delta=1e9)
+  with pytest.raises(dp.errors.PrivacyConfigError, match=f"must not be named '{name}'"):
+    model.fit(x, y, batch_size=10, epochs=5, verbose=0, callbacks=[stop],
+              validation_data=(x[:5], y[:5]))
+  assert int(model.ledger.sample_count.numpy()) == 0

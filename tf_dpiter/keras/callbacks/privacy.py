@@ -116,7 +116,18 @@ def _acts_on_monitor(callback):
   return True
 
 
-def check_monitors(callbacks, has_validation_data):
+def _flattened(callbacks):
+  """(position, callback) of `callbacks` and of every callback list nested in them
+  (keras.callbacks.CallbackList dispatches each hook to the callbacks it holds)."""
+  for i, callback in enumerate(callbacks):
+    inner = getattr(callback, "callbacks", None)
+    if isinstance(inner, (list, tuple)):
+      yield from ((f"{i}].callbacks[{j}", c) for j, c in _flattened(inner))
+    else:
+      yield i, callback
+
+
+def check_monitors(callbacks, has_validation_data, metric_names=()):
   """Refuses callbacks of a DP fit that act on a training metric.
 
   The loss and metrics fit logs are computed from the private batches without noise (for
@@ -130,14 +141,23 @@ def check_monitors(callbacks, has_validation_data):
   the guarantee does not cover).
 
   Args:
-    callbacks: the callbacks passed to fit (a list).
+    callbacks: the callbacks passed to fit (a list; CallbackLists inside it are searched).
     has_validation_data: whether fit is given validation data.
+    metric_names: the names the compiled training metrics log under: one named like a
+      ledger key or "val_*" would pass for it, so such names are refused.
 
   Raises:
     PrivacyConfigError: a callback acting on a training metric (TerminateOnNaN included), or
-      on "val_*" without validation data.
+      on "val_*" without validation data; a compiled metric named like an allowed key.
   """
-  for i, callback in enumerate(callbacks):
+  taken = [n for n in metric_names if n in LEDGER_LOG_KEYS or n.startswith("val_")]
+  if taken:
+    raise PrivacyConfigError(
+        f"a compiled metric must not be named {taken[0]!r} in a DP fit: that name is kept for "
+        "the ledger's epsilon or a held-out 'val_*' metric, which callbacks may monitor, while "
+        "a training metric is computed from the private batches without noise. Rename it. "
+        f"Received: metric names {list(metric_names)}")
+  for i, callback in _flattened(callbacks):
     if isinstance(callback, keras.callbacks.TerminateOnNaN):
       raise PrivacyConfigError(
           f"`callbacks[{i}]` must not be TerminateOnNaN in a DP fit: it stops on the un-noised "

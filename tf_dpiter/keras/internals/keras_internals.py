@@ -159,6 +159,22 @@ def compile_metrics(model):
   return getattr(model, "_compile_metrics", None)
 
 
+def compiled_metric_names(model):
+  """The names the user's compiled metrics log under (Keras' CompileMetrics' user metrics,
+  weighted ones too; a string metric by its string).
+
+  Args:
+    model: a keras.Model.
+
+  Returns:
+    list of names (empty when not compiled with metrics).
+  """
+  container = compile_metrics(model)
+  given = [getattr(container, attr, None) for attr in ("_user_metrics", "_user_weighted_metrics")]
+  return [getattr(m, "name", m) for m in tf.nest.flatten([g for g in given if g is not None])
+          if isinstance(getattr(m, "name", m), str)]
+
+
 def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
   """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, but with
   the unweighted metrics weighted by `example_mask`, so padding rows reach no metric

@@ -316,7 +316,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
     callbacks = list(a.get("callbacks") or [])
-    callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None)
+    callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None,
+                                 keras_internals.compiled_metric_names(self))
     internal = [fit_sampling.SamplingSync(
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
