@@ -1052,18 +1052,54 @@ def _ghost_vjp(unit, watched, grads_w, example_factors, tape, sum_fn=None):
 
 
 def _rows_sum(g, factors):
-  """sum_i c_i g_i over the rows of a per-record tensor g [R, ...] (float32): one matrix
-  product of the rows with c = 0 set to 0 first (algebra.drop_rows: a non-finite g_i adds
-  nothing; one elementwise op, no branch)."""
-  return algebra.factor_product(factors, algebra.drop_rows(g, factors))
+  """sum_j c_j g_j over the rows of a per-record tensor g [R, ...] (float32); see
+  `_pinned_rows_sum` (its sum alone)."""
+  return _pinned_rows_sum(g, factors)[0]
 
 
-def _per_example_sums(grads, factors):
+def _pinned_rows_sum(g, factors):
+  """(sum_j c_j g_j over the rows of a per-record tensor g [R, ...] (float32), its block):
+  the rows [R, P] summed in a pinned order by algebra.pinned_rows_product (blocks of
+  algebra.pinned_block rows summed in any order, the blocks by summation.pairwise_sum), the
+  rows with c_j = 0 set to 0 first (algebra.drop_rows: a non-finite g_j adds nothing; one
+  elementwise op, no branch). The block is None where the trace does not know P (then one
+  two-row product, algebra.factor_product: an order not pinned).
+
+  Each row is one record's float32 gradient g~_j, its k examples' and T positions' terms
+  already summed into it, and its norm is the one the clip factor was taken from (the
+  registry's PerExampleGrads / PerExampleBlock contract: sqr_norms of the very g returned,
+  or an upper bound of it), so c_j ||g~_j|| <= C by the norm margin (`_clip_factors`): one
+  term of norm at most C per record, the plan of summation.rounding_margin (Casacuberta et
+  al., "Widespread underestimation of sensitivity in differentially private libraries and
+  how to fix it", CCS 2022), for records of k examples and sequence records alike. Unit: the
+  L2 norm of a record's gradient."""
+  rows = g.shape[0]
+  p = g.shape[1:].num_elements()
+  if p is None:
+    return algebra.factor_product(factors, algebra.drop_rows(g, factors)), None
+  flat = g if g.shape.rank == 2 else algebra.reshape(g, [-1, p])
+  block = algebra.pinned_block(algebra.plan_rows(None if rows is None else int(rows)),
+                               4 * p, budget.CHUNK_BYTES, small_bytes=algebra.PINNED_SMALL_BYTES)
+  c = algebra.rows(tf.cast(factors, tf.float32), flat)   # [R, 1]
+  s = algebra.pinned_rows_product(c, algebra.drop_rows(flat, factors), block)
+  return algebra.reshape(s, g.shape[1:].as_list()), block   # [1, P] -> g's entries
+
+
+def _per_example_sums(grads, factors, variables=()):
   """The clipped sums of a unit whose per-record gradients are at hand (a list aligned
-  with its variables, or a registry.PerExampleBlock)."""
+  with its variables, or a registry.PerExampleBlock), each in a pinned order
+  (`_pinned_rows_sum`), declared pinned for `variables` (the unit's; algebra.report_pinned,
+  with the largest block of the unit's sums) so that the step charges the plan's rounding
+  margin (`_with_rounding_margin`)."""
+  blocks = grads.blocks if isinstance(grads, registry.PerExampleBlock) else grads
+  found = [_pinned_rows_sum(b, factors) for b in blocks]
+  sums = [s for s, _ in found]
+  if variables and all(b is not None for _, b in found):
+    for v in variables:
+      algebra.report_pinned(v, max(b for _, b in found))
   if isinstance(grads, registry.PerExampleBlock):
-    return list(grads.unpack([_rows_sum(b, factors) for b in grads.blocks]))
-  return [_rows_sum(g, factors) for g in grads]
+    return list(grads.unpack(sums))
+  return sums
 
 
 def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
@@ -1099,7 +1135,7 @@ def bookkeeping_sum(units, ghost, sources, src_grads, per_example, sum_fns,
   for u in units:
     if id(u) not in per_example:
       continue
-    sums = _per_example_sums(per_example[id(u)], factors)
+    sums = _per_example_sums(per_example[id(u)], factors, u.variables)
     for v, g in zip(u.variables, sums):
       result[id(v)] = tf.cast(g, sum_dtype(v))
   return result
@@ -1144,7 +1180,9 @@ def dense_result(model, result):
 
 def _with_rounding_margin(result, plans, num_records, k):
   """The clipped sums times 1 / (1 + eta) where every one of them was formed in a pinned
-  order with one term per record (algebra.sum_plans): eta = summation.rounding_margin of
+  order with one term per record (algebra.sum_plans; a record of k examples or of T positions
+  is one term where its float32 gradient was formed first and the sum is over those,
+  `_pinned_rows_sum`: its norm bounds the term): eta = summation.rounding_margin of
   the plan (the records of this call, blocks of the largest block reported, the chunks of an
   enclosing summation.sequential_chunks, the strategy's replicas; 4 roundings of each term's
   products: the clip factor and a public scale on an operand, the product; one final: this
@@ -1153,7 +1191,7 @@ def _with_rounding_margin(result, plans, num_records, k):
   how to fix it", CCS 2022). Multiplying the sums rather than the factors: the plans are
   known once the sums are built. Otherwise the sums unchanged (the cross-record rounding
   stays open there: docs/design.md, "Floating point")."""
-  if not result or not isinstance(k, int) or k != 1 or any(v not in plans for v in result):
+  if not result or not isinstance(k, int) or any(v not in plans for v in result):
     return result
   chunk_rows = summation.current_chunk_rows()
   block = max(plans.values())
