@@ -1155,20 +1155,30 @@ def _fold_gram_contraction(ga, gb, na, nb, n_a, n_b):
   of sh sw cin folded-pixel products plus qh qw windows; nb: cout), so
     |sum ga gb - sum A B| <= gamma_na sum alpha_t alpha_s |gb_ts| + gamma_nb sum |ga_ts|
         beta_t beta_s + gamma_na gamma_nb (sum_t alpha_t beta_t)^2.
-  The contraction is formed as T' row sums of T' products and a sum of the T' rows: each
-  product passes through at most 2 T' - 1 roundings, so it errs by at most gamma_{2T'} sum
-  |ga_ts gb_ts| (a single float32 reduction of the T'^2 products would give gamma_{T'^2}: 1e-3
-  relative at records of 2 of the tutorial CNN's second convolution). TensorFlow runs the two
-  reductions as two kernels; XLA merges them into one, so under XLA the rows are an einsum it
-  keeps as a dot (TF 2.21's optimized HLO); without XLA it took 1.6 ms CPU against 0.9 for
-  the product and row sums at B = 256 (oneDNN runs it as B T' one-row products; load 12).
-  Each sum of absolute values is bounded twice, and the smaller taken: by Cauchy-Schwarz,
-    sum alpha_t alpha_s |gb_ts| <= (sum_t alpha_t^2) ||gb||_F,  sum |ga gb| <= ||ga||_F ||gb||_F,
-  and entrywise, |gb_ts| <= (1 + gamma_nb) beta_t beta_s (likewise ga), by S1^2,
+  The contraction is formed as T' row sums of T' products (a dot, or a product and one
+  reduction: any order) and the T' rows' sums by `summation.pairwise_sum`'s pinned tree
+  (elementwise adds, which neither XLA nor Grappler merge with the row reduction): each
+  product passes through at most H = T' + ceil(log2 T') roundings (its own, T' - 1
+  additions in its row, the tree's levels), so the contraction errs by at most
+  gamma_H sum |ga_ts gb_ts| (Higham, Sec. 3.1, Lemma 3.1); that sum of absolute values is
+  formed itself (one reduction of the T'^2 |products| the contraction reads, any order: its
+  nonnegative terms' rounding is covered by the margin below). A single float32 reduction of
+  the T'^2 products would give gamma_{T'^2} (1e-3 relative at records of 2 of the tutorial
+  CNN's second convolution); two sequential ones gamma_{2T'}, with the sum of absolute
+  values bounded by ||ga||_F ||gb||_F (Cauchy-Schwarz), 1.87e-3 above the exact norm on
+  ordinary records of 3 examples at T' = 243 (tests/fast_clipping/
+  test_fold_gram_bound_review.py; 5.8e-4 in this form). TensorFlow runs the row reduction
+  as one kernel; under XLA the rows are an einsum it keeps as a dot (TF 2.21's optimized
+  HLO); without XLA the einsum took 1.6 ms CPU against 0.9 for the product and row sums at
+  B = 256 (oneDNN runs it as B T' one-row products; load 12).
+  The other two sums of absolute values are bounded twice, and the smaller taken: by
+  Cauchy-Schwarz, sum alpha_t alpha_s |gb_ts| <= (sum_t alpha_t^2) ||gb||_F, and entrywise,
+  |gb_ts| <= (1 + gamma_nb) beta_t beta_s (likewise ga), by S1^2,
   S1 = sum_t alpha_t beta_t. alpha, beta are taken from the Grams' diagonals (na, nb: their
   relative rounding, and that of the bound's own float32 sums of at most T'^2 nonnegative
   terms, are covered by taking each gamma_n as (1.5 + 2 T'^2 u) (n + 1) u). Measured on the
-  tutorial CNN's second convolution (64 MNIST examples, records of 1 / 2 / 3 / 4 examples): at
+  tutorial CNN's second convolution (64 MNIST examples, records of 1 / 2 / 3 / 4 examples),
+  with the rows summed one after the other and ||ga||_F ||gb||_F: at
   most 1.4e-4 / 2.8e-4 / 5.7e-4 / 7.3e-4 above the exact norm, never below it (the float64
   contraction it replaces, algebra.bounded_gram_contraction: 1.2e-4 / 2.2e-4 / 4.1e-4 /
   4.6e-4).
@@ -1188,15 +1198,20 @@ def _fold_gram_contraction(ga, gb, na, nb, n_a, n_b):
   gamma_ab = algebra.scalar(margin * (n_a + 1) * u * margin * (n_b + 1) * u)
   if routing.in_xla_context():
     rows = tf.einsum("bts,bts->bt", ga, gb)
+    absolute = algebra.reduce_sum(tf.abs(ga * gb), [1, 2])   # fused with the products
   else:
-    rows = algebra.reduce_sum(ga * gb, 2)
-  c = algebra.reduce_sum(rows, 1)
+    products = ga * gb
+    rows = algebra.reduce_sum(products, 2)
+    absolute = algebra.reduce_sum(tf.abs(products), [1, 2])
+  # the rows' sums by the pinned tree: at most T' + ceil(log2 T') roundings per product
+  c = summation.pairwise_sum(tf.transpose(rows, algebra.const([1, 0])), algebra.const)
+  depth = t + summation.tree_depth(t)
   s1 = tf.square(algebra.reduce_sum(na * nb, 1))
   fa = tf.sqrt(algebra.reduce_sum(tf.square(ga), [1, 2]))
   fb = tf.sqrt(algebra.reduce_sum(tf.square(gb), [1, 2]))
   sa = algebra.reduce_sum(tf.square(na), 1)
   sb = algebra.reduce_sum(tf.square(nb), 1)
-  return (c + gamma(2 * t) * tf.minimum(fa * fb, s1) + gamma(n_a) * tf.minimum(s1, sa * fb)
+  return (c + gamma(depth) * absolute + gamma(n_a) * tf.minimum(s1, sa * fb)
           + gamma(n_b) * tf.minimum(s1, fa * sb) + gamma_ab * s1)
 
 
