@@ -136,8 +136,8 @@ def _cyclic(num_groups, steps=4):
     ("tree", {"restart_every": 4}, "cyclic2",
      r"noise='tree' with restart_every=4 is accounted only under sampling policy 'shuffle'"),
     ("tree", {"restart_every": 3}, "shuffle",
-     r"`restart_every` must divide .*a pass (here is ceil\(48 / 12\) =|of this dataset is) 4 "
-     r"steps .*Received: restart_every=3"),
+     r"`restart_every` must divide .*a pass (here is ceil\(n / B\) = ceil\(48 / 12\) =|of this "
+     r"dataset is) 4 steps .*Received: restart_every=3"),
 ])
 def test_sampling_the_ledger_cannot_account_is_refused_before_any_step(noise, params, data,
                                                                         match):

@@ -151,27 +151,3 @@ def test_the_sampler_judges_only_iterations_of_the_current_fit():
     sampler.start_iteration()
   assert sampler.refusal is err.value
 
-
-def test_a_restored_run_continues_the_pass_count_or_is_refused_inside_a_tree(tmp_path):
-  """model.save after one epoch, load_model, one more fit on a new declared pipeline: the
-  restored ledger's passes continue (2, epsilon by hand for 2 passes); the mis-declared run
-  (a 6-step pass, R = 4) restored inside tree 2 is refused before any step."""
-  warnings.simplefilter("ignore")
-  model = _model(2)
-  model.fit(_filtered(steps_per_pass=6), epochs=1, verbose=0)
-  model.save(str(tmp_path / "good.keras"))
-  resumed = keras.models.load_model(str(tmp_path / "good.keras"))
-  resumed.fit(_filtered(steps_per_pass=6), epochs=1, verbose=0)
-  d = resumed.ledger.to_dict()
-  assert (d["num_samples"], d["passes"]) == (12, 2)
-  assert dp.accounting.epsilon(resumed.ledger, DELTA) == pytest.approx(
-      _tree_epsilon(resumed, 2, 6, 2), rel=1e-9)
-  model = _model(4)
-  model.fit(_filtered(), epochs=1, verbose=0)
-  model.save(str(tmp_path / "bad.keras"))
-  resumed = keras.models.load_model(str(tmp_path / "bad.keras"))
-  with pytest.raises(PrivacyConfigError, match=r"restart_every=4: the mechanism is at step "
-                     r"\d+, inside a tree"):
-    resumed.fit(_filtered(), epochs=1, verbose=0)
-  d = resumed.ledger.to_dict()
-  assert (d["num_samples"], d["passes"]) == (6, 1)
