@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.errors import PrivacyConfigError
+from tests.data import test_declare_shuffled_pass_length as _pass_length
 
 N, B, CLIP, Z, DELTA = 50, 6, 1.0, 1.3, 1e-5
 
@@ -89,3 +90,29 @@ def test_the_tree_moves_only_with_released_steps(jit_compile):
   with pytest.raises(PrivacyConfigError, match=r"had 6 batches, not the declared 8"):
     model.fit(dp.data.declare_shuffled(ds, 48, B), epochs=2, verbose=0)
   assert int(model.optimizer.noise_state().step) == int(model.ledger.sample_count) == 6
+
+
+def test_a_restored_run_continues_the_pass_count_or_is_refused_inside_a_tree(tmp_path):
+  """model.save after one epoch, load_model, one more fit on a new declared pipeline: the
+  restored ledger's passes continue (2, epsilon by hand for 2 passes); the mis-declared run
+  (a 6-step pass, R = 4) restored inside tree 2 is refused before any step."""
+  warnings.simplefilter("ignore")
+  model = _pass_length._model(2)
+  model.fit(_pass_length._filtered(steps_per_pass=6), epochs=1, verbose=0)
+  model.save(str(tmp_path / "good.keras"))
+  resumed = keras.models.load_model(str(tmp_path / "good.keras"))
+  resumed.fit(_pass_length._filtered(steps_per_pass=6), epochs=1, verbose=0)
+  d = resumed.ledger.to_dict()
+  assert (d["num_samples"], d["passes"]) == (12, 2)
+  assert int(resumed.optimizer.noise_state().step) == 12   # no phantom leaf (hunk 3)
+  assert dp.accounting.epsilon(resumed.ledger, DELTA) == pytest.approx(
+      _pass_length._tree_epsilon(resumed, 2, 6, 2), rel=1e-9)
+  model = _pass_length._model(4)
+  model.fit(_pass_length._filtered(), epochs=1, verbose=0)
+  model.save(str(tmp_path / "bad.keras"))
+  resumed = keras.models.load_model(str(tmp_path / "bad.keras"))
+  with pytest.raises(PrivacyConfigError, match=r"restart_every=4: the mechanism is at step "
+                     r"\d+, inside a tree"):
+    resumed.fit(_pass_length._filtered(), epochs=1, verbose=0)
+  d = resumed.ledger.to_dict()
+  assert (d["num_samples"], d["passes"]) == (6, 1)
