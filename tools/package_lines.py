@@ -51,6 +51,13 @@ FEATURE_FILES = {
                    "calculate_pd_dataframe, PrivacyReportMetadata, AttackResultsCollection; "
                    "the results classes moved in from membership_inference.py are counted "
                    "too)"),
+    "tf_dpiter/dp_query/summation.py": (
+        "694546c", "CHANGELOG Fixed: the float32 sum over records moves by at most the "
+                   "ledger's sensitivity (pinned summation orders and their rounding shrink; "
+                   "Casacuberta et al., CCS 2022)"),
+    "tf_dpiter/keras/internals/data_writes.py": (
+        "dce4fdf", "CHANGELOG Fixed: state written from the data found in the program and "
+                   "refused (review R3, session 34)"),
 }
 
 # path -> (commit that added it, why it is not a feature)

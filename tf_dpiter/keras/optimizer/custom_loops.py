@@ -75,15 +75,6 @@ def vectorize_records(model):
   return True
 
 
-def one_or_nan(ok, message):
-  """1.0, or NaN behind a failed run-time assertion carrying `message` (a list of strings and
-  tensors): graph mode refuses the step; XLA drops assertions, so the NaN then spoils the
-  release instead of letting the refused input through."""
-  check = tf.debugging.Assert(ok, message)
-  with tf.control_dependencies([check]):
-    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))
-
-
 def _declared_rows_check(step, b):
   """1.0, or NaN behind a failed run-time assertion, when a sized policy's batch (fixed size,
   shuffled passes) has more than the declared sample_size rows: the ledger charges q = m / n,
@@ -105,7 +96,7 @@ def _declared_rows_check(step, b):
         f"the batch must have at most sample_size={declared} rows, as set_sampling declared "
         f"for {sampling.policy!r} sampling (the ledger charges q = {declared} / n per step). "
         f"Declare the batch size the loop feeds. Received: {int(static)} rows")
-  return one_or_nan(tf.cast(b, tf.float64) <= tf.cast(sampling.sample_size, tf.float64), [
+  return grads_lib.one_or_nan(tf.cast(b, tf.float64) <= tf.cast(sampling.sample_size, tf.float64), [
       "compute_private_gradients: the batch has more rows than the sample_size set_sampling "
       "declared:", b])
 
@@ -135,7 +126,7 @@ def _binary_mask(mask, b):
           f"values {bad[:5].tolist()}")
     return mask
   ok = tf.reduce_all(tf.logical_or(tf.equal(mask, 0.0), tf.equal(mask, 1.0)))
-  return mask * one_or_nan(ok, [
+  return mask * grads_lib.one_or_nan(ok, [
       "compute_private_gradients: `mask` must hold 0 (padding) or 1 (an example) per row"])
 
 
@@ -256,7 +247,7 @@ def _finite_batch(rec_losses, grads):
   parts = [tf.reduce_all(tf.math.is_finite(rec_losses))]
   parts += [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
   ok = tf.reduce_all(tf.stack(parts))
-  return one_or_nan(ok, [
+  return grads_lib.one_or_nan(ok, [
       "compute_private_gradients(losses form): a record's loss or gradient is not finite. "
       "The losses form differentiates the whole batch at once, so one record's NaN or inf "
       "reaches every record's gradient and no record could be clipped alone; the step is "

@@ -320,3 +320,12 @@ def chunked(records, record_mask, records_per_chunk, min_chunks=0):
     return tf.reshape(t, tf.concat([[c, records_per_chunk], tf.shape(t)[1:]], 0))
 
   return tf.nest.map_structure(split, records), split(record_mask), c
+
+
+def one_or_nan(ok, message):
+  """1.0, or NaN behind a failed run-time assertion carrying `message` (a list of strings and
+  tensors): graph mode refuses the step; XLA drops assertions, so the NaN then spoils the
+  release instead of letting the refused input through."""
+  check = tf.debugging.Assert(ok, message)
+  with tf.control_dependencies([check]):
+    return tf.where(ok, tf.constant(1.0), tf.constant(float("nan")))

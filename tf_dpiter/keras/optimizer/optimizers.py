@@ -28,7 +28,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import custom_loops
-from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
@@ -457,22 +456,13 @@ class DPOptimizerBase:
     claim_variables(self, trainable_variables)
     self._private_apply = True
     # one charged sample per update (review: plain tape gradients renamed from apply_gradients
-    # were applied uncharged): the ledger must hold more samples than the updates so far
-    # (an assertion the update waits for; XLA drops assertions: there the update is NaN)
-    ok = tf.greater(self.private_step.ledger.sample_count, tf.cast(self.iterations, tf.int64))
-    charged = custom_loops.one_or_nan(ok, [
-        "apply_private_gradients applies the gradients of a charged private step "
-        "(compute_private_gradients), one ledger sample per update: the ledger holds fewer "
-        "samples than this update would make. Plain gradients go to a non-DP optimizer. "
-        "Received: ledger samples", self.private_step.ledger.sample_count, "updates so far",
-        self.iterations])
-    xla = routing.in_xla_context()
-    grads = [g if g is None else tf.cast(g * tf.cast(charged, g.dtype) if xla else g, v.dtype)
-             for g, v in zip(grads, trainable_variables)]
+    # were applied uncharged)
+    grads, charged = self.private_step.charged_gradients(
+        [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)])
     # Keras' `iterations` increment waits for the gradients, as the ledger's write waits for
     # the clipped sum (`LedgerSampling.record`'s after=): an epoch of unknown cardinality ends
     # with a step whose get_next fails, which would otherwise still count one iteration.
-    data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1] + [charged]
+    data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1] + charged
     try:
       with tf.control_dependencies(data):
         return super().apply(grads, trainable_variables)

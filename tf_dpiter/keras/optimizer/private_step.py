@@ -291,11 +291,36 @@ class PrivateStep:
     generator.reset(runtime.broadcast_from_chief(strategy, generator.state))
     self._noise_workers = runtime.num_workers(strategy)
 
+  def charged_gradients(self, grads):
+    """`grads` to apply as one update, and the check the update waits for: the ledger must
+    hold more samples than the optimizer's updates so far (one charged private step per
+    update; plain gradients are refused). An assertion in a graph; XLA drops assertions, so
+    there the gradients are multiplied by NaN instead (grads_lib.one_or_nan's rule).
+
+    Args:
+      grads: the gradients (None entries kept).
+
+    Returns:
+      (grads, list of control dependencies).
+    """
+    count, updates = self.ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64)
+    ok = tf.greater(count, updates)
+    check = tf.debugging.Assert(ok, [
+        "apply_private_gradients applies the gradients of a charged private step "
+        "(compute_private_gradients), one ledger sample per update: the ledger holds fewer "
+        "samples than this update would make. Plain gradients go to a non-DP optimizer. "
+        "Received: ledger samples", count, "updates so far", updates])
+    if summation.in_xla_context():
+      factor = tf.where(ok, 1.0, float("nan"))
+      grads = [g if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+    return grads, [check]
+
   def _require_one_noise(self):
     """Refuses a draw under several workers whose generators were not synchronized: each
     worker would add its own noise to the all-reduced sum, and the mean of W draws has
     std z C / sqrt(W) where the ledger charges z C."""
-    workers = runtime.num_workers(tf.distribute.get_strategy())
+    workers = (runtime.num_workers(tf.distribute.get_strategy()) if tf.distribute.has_strategy()
+               else 1)
     if workers > 1 and getattr(self, "_noise_workers", 1) != workers:
       raise PrivacyConfigError(
           f"the private step runs on {workers} workers whose noise generators were not "
