@@ -24,14 +24,7 @@ from tests.data import test_declare_shuffled_pass_length as _pass_length
 N, B, CLIP, Z, DELTA = 50, 6, 1.0, 1.3, 1e-5
 
 
-def _model(restart_every, jit_compile=False):
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(3)])
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(
-      CLIP, Z, noise="tree", restart_every=restart_every, learning_rate=0.1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                jit_compile=jit_compile)
-  return model
+_model = _pass_length._model   # the same DP-FTRL model (CLIP, Z, restart_every)
 
 
 def _data(n=N):

@@ -68,44 +68,40 @@ class RawRunningMean(keras.layers.Layer):
     return x
 
 
-class CallCounter(keras.layers.Layer):
+class _Counter(keras.layers.Layer):
+  """An int32 non-trainable count; subclasses add to it in training mode."""
+
+  def build(self, shape):
+    self.count = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                 dtype="int32", name="count")
+
+
+class CallCounter(_Counter):
   """Counts its training calls: the count does not depend on the data."""
 
-  def build(self, shape):
-    self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False,
-                                 dtype="int32", name="calls")
-
   def call(self, x, training=None):
     if training:
-      self.calls.assign_add(1)
+      self.count.assign_add(1)
     return x
 
 
-class BranchCounter(keras.layers.Layer):
+class BranchCounter(_Counter):
   """Adds 1 in a tf.cond whose predicate reads the data (the added value is constant)."""
 
-  def build(self, shape):
-    self.hits = self.add_weight(shape=(), initializer="zeros", trainable=False,
-                                dtype="int32", name="hits")
-
   def call(self, x, training=None):
     if training:
-      tf.cond(tf.reduce_max(x) > 5.0, lambda: self.hits.assign_add(1),
-              lambda: self.hits.assign_add(0))
+      tf.cond(tf.reduce_max(x) > 5.0, lambda: self.count.assign_add(1),
+              lambda: self.count.assign_add(0))
     return x
 
 
-class LoopCounter(keras.layers.Layer):
+class LoopCounter(_Counter):
   """Adds 1 per turn of a while loop whose trip count is read from the data."""
-
-  def build(self, shape):
-    self.turns = self.add_weight(shape=(), initializer="zeros", trainable=False,
-                                 dtype="int32", name="turns")
 
   def call(self, x, training=None):
     if training:
       def body(i):
-        self.turns.assign_add(1)
+        self.count.assign_add(1)
         return i + 1
       tf.while_loop(lambda i: i < tf.cast(tf.reduce_max(x), tf.int32), body, [tf.constant(0)])
     return x
