@@ -9,6 +9,7 @@ import pytest
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
+from tf_dpiter.ledger import ledger_file
 from tests.ledger import forgery
 
 
@@ -38,8 +39,10 @@ def test_resume_restores_every_appended_step(tmp_path):
 
 def test_restored_older_ledger_is_topped_up_and_keeps_appending(tmp_path):
   led, j = _journal(tmp_path)
-  older = L.PrivacyLedger()             # e.g. restored from a backup taken after 3 steps
-  _steps(older, 3, z=1.0)
+  # a backup of this run taken after its first 3 steps (same rows, same run identity)
+  samples, queries = led.get_arrays()
+  older = L.PrivacyLedger.from_dict(ledger_file.arrays_to_dict(
+      samples[:3], queries[queries[:, 0] < 3], runs=[(led.run_id, 3, 0)]))
   j2 = L.LedgerJournal(j.path)
   j2.resume(older)
   assert int(older.sample_count) == 9    # the 6 steps after the backup stay charged

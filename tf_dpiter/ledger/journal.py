@@ -27,6 +27,11 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import run_ids
+
+# A chunk's field holding the run table (`run_ids`) of the whole ledger at the append: the
+# resume merges the journal under the identities of its last chunk (none: a run of its own).
+TABLE_FIELD = "ledger_run_ids"
 
 
 class LedgerJournal:
@@ -47,6 +52,7 @@ class LedgerJournal:
     self._iterations = None    # the last chunk's optimizer iterations (None: not recorded)
     self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
     self._grouping = None      # the last chunk's cyclic grouping record
+    self._table = None         # the last chunk's run table of the whole ledger (or None)
 
   @property
   def iterations(self):
@@ -67,6 +73,7 @@ class LedgerJournal:
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
     self._iterations, self._chunk_iterations, self._grouping = None, set(), None
+    self._table = None
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
@@ -90,6 +97,7 @@ class LedgerJournal:
       passes = max(passes, chunk_passes)
       self._passes_written = passes
       self._written += chunk["num_samples"] + ("selection" in chunk)   # + its marker row
+      self._table = _chunk_table(chunk, self._written, passes)
       self._last_digest = chunk["digest"]
       self._seq += 1
       self._iterations = _chunk_iterations(chunk, self._iterations, self._where(i))
@@ -173,7 +181,7 @@ class LedgerJournal:
     if iterations is not None:
       self.check_covers(iterations)
     # never loses a row the ledger holds
-    ledger.merge_arrays(samples, queries, passes, self._grouping)
+    ledger.merge_arrays(samples, queries, passes, self._grouping, self._table)
     return samples.shape[0]
 
   def append(self, ledger, iterations=None):
@@ -202,6 +210,10 @@ class LedgerJournal:
     chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes,
                                        grouping=ledger.cyclic_grouping)
     chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
+    table = ledger.run_table()
+    if (sum(n for _, n, _ in table) == self._written + int(samples.shape[0])
+        and sum(p for _, _, p in table) == passes):
+      chunk[TABLE_FIELD] = [list(e) for e in table]
     if iterations is not None:
       chunk["iterations"] = iterations
       self._chunk_iterations.add(iterations)
@@ -216,6 +228,18 @@ class LedgerJournal:
     self._passes_written = passes
     self._iterations = _chunk_iterations(chunk, self._iterations, self.path)
     return int(samples.shape[0])
+
+
+def _chunk_table(chunk, samples, passes):
+  """The run table a chunk records for the journal's first `samples` samples and `passes`
+  passes, or None (none recorded, or one that does not cover them: the journal is then a run
+  of its own, the safe side)."""
+  if TABLE_FIELD not in chunk:
+    return None
+  try:
+    return run_ids.check_table(chunk[TABLE_FIELD], samples, passes)
+  except ParameterValueError:
+    return None
 
 
 def _chunk_iterations(chunk, previous, where):

@@ -25,6 +25,7 @@ import numpy as np
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import run_ids
 from tf_dpiter.ledger import selection as selection_lib
 
 _SIGNATURE_FIELDS = ("digest", "hmac")
@@ -123,11 +124,18 @@ def check_grouping(grouping, where="ledger"):
   return grouping
 
 
-def arrays_to_dict(samples, queries, passes=0, key=None, grouping=None):
+def arrays_to_dict(samples, queries, passes=0, key=None, grouping=None, runs=None):
   """The signed (`sign`), run-length coded JSON-able dict (`runs_to_dict`) of a ledger's
-  sample and query arrays, pass count and cyclic grouping record (None: no field)."""
+  sample and query arrays, pass count, cyclic grouping record (None: no field) and run table
+  (`run_ids`: its "run_ids" field, [[id, samples, passes], ...] covering the samples in
+  order; None: no field)."""
   samples, queries = rec.validate_arrays(samples, queries)
-  return runs_to_dict(rec.run_length_encode(samples, queries), passes, key, grouping)
+  d = runs_to_dict(rec.run_length_encode(samples, queries), passes, None, grouping)
+  if runs is None:
+    return sign(d, key) if key is not None else d
+  table = run_ids.check_table(runs, samples.shape[0], passes)
+  d[run_ids.FIELD] = [list(entry) for entry in table]
+  return sign(d, key)
 
 
 def runs_to_dict(runs, passes=0, key=None, grouping=None):
@@ -258,10 +266,16 @@ def dict_to_arrays(d, key=None):
 
 
 def dict_to_state(d, key=None):
-  """(samples, queries, passes, grouping) of a ledger dict: `dict_to_arrays` and its cyclic
-  grouping record (None when the dict has none), verified and validated."""
+  """(samples, queries, passes, grouping, run table) of a ledger dict: `dict_to_arrays`, its
+  cyclic grouping record (None when the dict has none) and its run table ("run_ids"; a dict
+  of an earlier version has none: its samples are read as one run under a new identity,
+  `run_ids.fresh`), verified and validated."""
   samples, queries, passes = dict_to_arrays(d, key)
-  return samples, queries, passes, check_grouping(d.get(GROUPING_FIELD))
+  if run_ids.FIELD in d:
+    table = run_ids.check_table(d[run_ids.FIELD], samples.shape[0], passes)
+  else:
+    table = run_ids.fresh(samples.shape[0], passes)
+  return samples, queries, passes, check_grouping(d.get(GROUPING_FIELD)), table
 
 
 def loads(text, key=None, with_grouping=False):

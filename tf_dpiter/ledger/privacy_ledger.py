@@ -11,6 +11,11 @@ saves and restores it, and a restore never rolls it back: a mirror of every row 
 recorded, in no checkpoint, is reconciled with the restored rows before every write and
 eager read (`reconcile`). File format and checks: `records` / `ledger_file`.
 
+Every ledger object has a run identity (`run_ids`: 128 bits from the OS entropy source,
+drawn when it is created) and a run table naming whose samples it holds; merges
+(`merged_arrays`) deduplicate only within one identity, so two runs with equal rows are both
+charged. The table is saved with the rows (checkpoint, signed dict, weights-file entry).
+
 `LedgerSampling` is the declared sampling (n, q, policy, sample size, k) of the following
 samples and the ledger `record(events)` writes them to.
 """
@@ -33,6 +38,7 @@ from tf_dpiter.ledger import correlated_records
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import run_ids
 from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, POLICIES,  # pylint: disable=unused-import
                                       QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS, SHUFFLE,
                                       policy_code, policy_name, relation_for_policy)
@@ -143,15 +149,19 @@ class _Buffers:
   """One set of the ledger's variables (rows, counts, passes, cycle position); a plain object,
   so tf.Module does not track it."""
 
-  NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position")
+  # run_table: the stored run table (`run_ids`: whose samples these are), a scalar string
+  NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position",
+           "run_table")
   SPECS = {"samples": (tf.float64, [None, len(SAMPLE_COLUMNS)]),
            "queries": (tf.float64, [None, len(QUERY_COLUMNS)]),
-           **{name: (tf.int64, []) for name in NAMES[2:]}}
+           **{name: (tf.int64, []) for name in NAMES[2:6]},
+           "run_table": (tf.string, [])}
 
-  def __init__(self, cap, suffix=""):
+  def __init__(self, cap, suffix="", run_table=""):
     for name in self.NAMES:   # row buffers of `cap` zero rows, int64 counters at 0
       dtype, shape = self.SPECS[name]
-      initial = tf.zeros([cap, shape[1]], dtype) if shape else tf.constant(0, dtype)
+      initial = (tf.zeros([cap, shape[1]], dtype) if shape
+                 else tf.constant(run_table if dtype == tf.string else 0, dtype))
       setattr(self, name, tf.Variable(initial, shape=tf.TensorShape(shape), trainable=False,
                                       name=name + suffix))
 
@@ -179,7 +189,7 @@ class _Buffers:
       cyclic = tf.constant(cyclic_codes, tf.float64)
       in_cycle = tf.reduce_any(tf.equal(samples[:, 3:4], cyclic[tf.newaxis]), axis=1)
       cycle_position = tf.reduce_sum(tf.cast(in_cycle, tf.int64))
-    spare = lambda t: tf.concat([t, tf.zeros_like(t[:1])], 0)   # capacity >= 1 row
+    spare = lambda t: tf.concat([t, tf.zeros([1, t.shape[1]], t.dtype)], 0)  # capacity >= 1
     return [self.samples.assign(spare(samples)), self.queries.assign(spare(queries)),
             self.sample_count.assign(tf.shape(samples, out_type=tf.int64)[0]),
             self.query_count.assign(tf.shape(queries, out_type=tf.int64)[0]),
@@ -215,28 +225,35 @@ def merged_grouping(a, b):
   return a if b is None else GROUPING_CONFLICT
 
 
+def _table_of(state):
+  """The run table of a state tuple (samples, queries, passes[, grouping[, table]]); a state
+  without one is a run of its own (`run_ids.unknown`)."""
+  table = state[4] if len(state) > 4 else None
+  return (tuple(table) if table is not None
+          else run_ids.unknown(state[0].shape[0], state[2]))
+
+
 def merged_arrays(current, restored):
-  """The ledger that charges every step of two ledgers of one run, `current` (being restored
-  into) and `restored`, each (samples, queries, passes) or (samples, queries, passes,
-  grouping): (samples, queries) numpy arrays, an int and a cyclic grouping record (str or
-  None). When one ledger is a prefix of the other, the longer one; otherwise the restored
-  ledger followed by the current one's samples after their common prefix (query rows
-  re-indexed), the passes added. Charging more than was used is the safe side. Returns a
-  4-tuple (the groupings merged by `merged_grouping`) when either input is one, else a
-  3-tuple."""
-  (sc, qc, pc), (sr, qr, pr) = current[:3], restored[:3]
-  tail = ()
-  if len(current) > 3 or len(restored) > 3:
-    tail = (merged_grouping(current[3] if len(current) > 3 else None,
-                            restored[3] if len(restored) > 3 else None),)
-  p = _common_prefix((sc, qc), (sr, qr))
-  if p == sr.shape[0]:
-    return (sc, qc, max(pc, pr)) + tail
-  if p == sc.shape[0]:
-    return (sr, qr, max(pc, pr)) + tail
-  tail_q = qc[qc[:, 0] >= p].copy()
-  tail_q[:, 0] += sr.shape[0] - p
-  return (np.concatenate([sr, sc[p:]]), np.concatenate([qr, tail_q]), pc + pr) + tail
+  """The ledger that charges every step of two ledgers once, `current` (being restored into)
+  and `restored`, each (samples, queries, passes[, grouping[, table]]): (samples, queries)
+  numpy arrays, an int, a cyclic grouping record (str or None) and a run table
+  (`run_ids`: (id, samples, passes) segments; None or absent: one run of its own).
+
+  Per run identity (`run_ids.merge_tables`): when one view is a prefix of the other, the
+  longer one; otherwise the restored view followed by the current one's samples after their
+  common prefix (query rows re-indexed), the passes added. Different identities are
+  different runs, even with equal rows (two towers trained with one recipe): both are
+  charged, their passes added. Charging more than was used is the safe side.
+
+  Returns:
+    (samples, queries, passes, grouping, table); the groupings merged by `merged_grouping`.
+  """
+  grouping = merged_grouping(current[3] if len(current) > 3 else None,
+                             restored[3] if len(restored) > 3 else None)
+  samples, queries, passes, table = run_ids.merge_tables(
+      (*current[:3], _table_of(current)), (*restored[:3], _table_of(restored)),
+      _common_prefix)
+  return samples, queries, passes, grouping, table
 
 
 # The writes run in functions shared by every ledger of the process (they take the variables'
@@ -279,7 +296,8 @@ def _reconcile(v, m):
 
   same = [tf.equal(a, b) for a, b in zip(*counts)] + [
       tf.reduce_all(tf.equal(last(v.samples, counts[0][0]), last(m.samples, counts[1][0]))),
-      tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1])))]
+      tf.reduce_all(tf.equal(last(v.queries, counts[0][1]), last(m.queries, counts[1][1]))),
+      tf.equal(v.run_table.read_value(), m.run_table.read_value())]
 
   def fix():
     return _fix_call(v.handles(), m.handles(), counts[0][2], counts[1][2])
@@ -289,14 +307,21 @@ def _reconcile(v, m):
 
 @tf.function(**_RARE)
 def _fix_call(v_handles, m_handles, v_passes, m_passes):
-  """`_reconcile`'s repair: the longer set copied onto the other (passes: the larger count),
-  else the step fails (tf.errors.InvalidArgumentError when run); returns True."""
+  """`_reconcile`'s repair: the longer set copied onto the other (passes: the larger count;
+  the run table with it), when one is a prefix of the other and both have one run table (a
+  restore of this run) or one set is empty (a restore into a ledger that recorded nothing:
+  its steps continue under the restored table's trailing identity); else the step fails
+  (tf.errors.InvalidArgumentError when run); returns True."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   (vs, vq), (ms, mq) = v.rows(), m.rows()
   n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
   nq = tf.minimum(tf.shape(vq)[0], tf.shape(mq)[0])
-  prefix = tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
-                          tf.reduce_all(tf.equal(vq[:nq], mq[:nq])))
+  empty = lambda b, passes: tf.logical_and(tf.equal(b.sample_count.read_value(), 0),  # noqa: E731
+                                           tf.equal(passes, 0))
+  one_run = tf.logical_or(tf.equal(v.run_table.read_value(), m.run_table.read_value()),
+                          tf.logical_or(empty(v, v_passes), empty(m, m_passes)))
+  prefix = tf.logical_and(tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
+                                         tf.reduce_all(tf.equal(vq[:nq], mq[:nq]))), one_run)
   check = tf.debugging.Assert(prefix, [
       "the privacy ledger was restored from a checkpoint of another run after this "
       "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
@@ -305,7 +330,8 @@ def _fix_call(v_handles, m_handles, v_passes, m_passes):
   with tf.control_dependencies([check]):
     # the set copied keeps its cycle position (counted as its samples were written)
     copy = lambda to, rows, queries, src: tf.group(to.assign_rows(  # noqa: E731
-        rows, queries, passes, cycle_position=src.cycle_position.read_value()))
+        rows, queries, passes, cycle_position=src.cycle_position.read_value())
+        + [to.run_table.assign(src.run_table.read_value())])
     done = tf.cond(tf.shape(ms)[0] >= tf.shape(vs)[0], lambda: copy(v, ms, mq, m),
                    lambda: copy(m, vs, vq, v))
   with tf.control_dependencies([done]):
@@ -369,9 +395,12 @@ class PrivacyLedger(tf.Module):
     cap = int(initial_capacity)
     if cap < 1:
       raise ParameterValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
+    # This object's run identity (`run_ids`): the samples it records are this run's.
+    self._own_id = run_ids.new_id()
+    table = run_ids.encode((), self._own_id)
     with tf.name_scope(name):
-      self._v = _Buffers(cap)                  # the rows checkpoints save and restore
-      self._mirror = _Buffers(cap, "_mirror")  # what this object recorded: in no checkpoint
+      self._v = _Buffers(cap, run_table=table)                  # checkpoints save/restore it
+      self._mirror = _Buffers(cap, "_mirror", run_table=table)  # this object's: no checkpoint
     for attr in _Buffers.NAMES:   # tracked under the names of earlier versions' checkpoints
       setattr(self, "_" + attr, getattr(self._v, attr))
     # The cyclic grouping record (`cyclic_grouping`): checkpointed; "" when none. What this
@@ -390,10 +419,35 @@ class PrivacyLedger(tf.Module):
     that a restore never lowers the ledger; eager. The eager reads call it when the sets'
     counts differ; call it after restoring another run's checkpoint into a used ledger.
     """
-    restored, mine = ((*(t.numpy() for t in b.rows()), int(b.passes.numpy()))
-                      for b in (self._v, self._mirror))
-    if not all(np.array_equal(a, b) for a, b in zip(restored, mine)):   # rows and passes
-      self._write(*merged_arrays(mine, restored))
+    restored, mine = (self._buffer_state(b) for b in (self._v, self._mirror))
+    if not all(np.array_equal(a, b) for a, b in zip(restored[:3], mine[:3])) or (
+        restored[4] != mine[4]):   # rows, passes, run tables
+      samples, queries, passes, _, table = merged_arrays(mine, restored)
+      self._write(samples, queries, passes, table)
+
+  @staticmethod
+  def _buffer_state(b):
+    """(samples, queries, passes, None, run table) of one buffer set, eagerly."""
+    samples, queries = (t.numpy() for t in b.rows())
+    passes = int(b.passes.numpy())
+    return (samples, queries, passes, None,
+            run_ids.explicit(b.run_table.numpy().decode(), samples.shape[0], passes))
+
+  @property
+  def run_id(self):
+    """This ledger object's run identity (32 hex digits): the samples it records are its."""
+    return self._own_id
+
+  def run_table(self):
+    """The run table (`run_ids`): (id or None, samples, passes) segments covering the samples
+    in order, after reconciling a restore (eager).
+
+    Returns:
+      tuple of (str or None, int, int).
+    """
+    n, passes = int(self.sample_count.numpy()), int(self.passes.numpy())
+    table = run_ids.explicit(self._v.run_table.numpy().decode(), n, passes)
+    return tuple(t for t in table if t[1] or t[2]) or table[-1:]
 
   @property
   def cyclic_grouping(self):
@@ -430,12 +484,18 @@ class PrivacyLedger(tf.Module):
     self._grouping_set_here = merged
     self._cyclic_grouping.assign(merged)
 
-  def _write(self, samples, queries, passes):
-    """Writes numpy rows (already validated) and a pass count to both sets, eagerly."""
+  def _write(self, samples, queries, passes, table=None):
+    """Writes numpy rows (already validated), a pass count and their run table (None: one
+    run of unknown identity) to both sets, eagerly."""
     codes = policies.cyclic_codes()
+    if table is None:
+      table = run_ids.unknown(samples.shape[0], passes)
+    stored = run_ids.stored(run_ids.check_table(table, samples.shape[0], passes),
+                            self._own_id)
     for b in (self._v, self._mirror):
       b.assign_rows(tf.constant(samples, tf.float64), tf.constant(queries, tf.float64),
                     tf.constant(int(passes), tf.int64), codes)
+      b.run_table.assign(stored)
 
   def _read(self, name):
     """A count: eagerly after `reconcile` when the sets' counts differ; in a graph the larger
@@ -443,7 +503,8 @@ class PrivacyLedger(tf.Module):
     v, m = getattr(self._v, name), getattr(self._mirror, name)
     if tf.executing_eagerly():
       if any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
-             for k in ("sample_count", "query_count", "passes")):
+             for k in ("sample_count", "query_count", "passes")) or (
+                 self._v.run_table.numpy() != self._mirror.run_table.numpy()):
         self.reconcile()
       return v.read_value()
     return tf.maximum(v.read_value(), m.read_value())
@@ -578,7 +639,7 @@ class PrivacyLedger(tf.Module):
     skipped = int(self._v.samples[:start, len(SAMPLE_COLUMNS) - 1].numpy().sum())
     return samples, self._v.queries[skipped:q].numpy()
 
-  def set_arrays(self, samples, queries, passes=None, grouping=None):
+  def set_arrays(self, samples, queries, passes=None, grouping=None, runs=None):
     """Replaces the content by validated arrays (a new ledger read from a file; restores of a
     run's ledger go through `merge_arrays`, which never loses a row).
 
@@ -587,19 +648,22 @@ class PrivacyLedger(tf.Module):
       queries: ledger query array (rows of QUERY_COLUMNS).
       passes: int pass count, or None to keep the current one.
       grouping: the cyclic grouping record (`cyclic_grouping`), or None to keep the current.
+      runs: their run table (`run_ids`), or None: one run of unknown identity.
 
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
+      ParameterValueError: `runs` does not cover them (`run_ids.check_table`).
     """
     samples, queries = rec.validate_arrays(samples, queries)
-    self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes))
+    self._write(samples, queries, int(self.passes.numpy()) if passes is None else int(passes),
+                runs)
     if grouping is not None:
       self.set_cyclic_grouping(grouping)
 
-  def merge_arrays(self, samples, queries, passes=0, grouping=None):
-    """Merges a ledger of the same run into this one (`merged_arrays`): nothing recorded here
-    is ever lost; a ledger of an earlier step leaves this one as it is, one that extends it
-    replaces it.
+  def merge_arrays(self, samples, queries, passes=0, grouping=None, runs=None):
+    """Merges another ledger into this one (`merged_arrays`): nothing recorded here is ever
+    lost; per run identity, a view of an earlier step leaves this one as it is, one that
+    extends it replaces it; another run's samples are added.
 
     Args:
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
@@ -607,17 +671,24 @@ class PrivacyLedger(tf.Module):
       passes: int, the shuffled passes that ledger counted.
       grouping: that ledger's cyclic grouping record (str or None), merged by
         `merged_grouping`.
+      runs: that ledger's run table (`run_ids`; `state()`'s last item), or None: a run of
+        its own (charged in full).
 
     Raises:
       PrivacyConfigError: the arrays are malformed (records.validate_arrays).
+      ParameterValueError: `runs` does not cover them (`run_ids.check_table`).
     """
     samples, queries = rec.validate_arrays(samples, queries)
+    if runs is not None:
+      runs = run_ids.check_table(runs, samples.shape[0], passes)
     self._merge_grouping(grouping)
     self.reconcile()
-    current = (*self.get_arrays(), int(self._v.passes.numpy()))
-    merged = merged_arrays(current, (samples, queries, int(passes)))
-    if merged[0] is not current[0] or merged[2] != current[2]:
-      self._write(*merged)
+    current = self.state()
+    merged = merged_arrays(current, (samples, queries, int(passes), None, runs))
+    if (merged[2] != current[2] or merged[4] != current[4]
+        or not np.array_equal(merged[0], current[0])
+        or not np.array_equal(merged[1], current[1])):
+      self._write(merged[0], merged[1], merged[2], merged[4])
 
   def to_dict(self, key=None):
     """The signed JSON-able dict (see ledger_file); `key` adds an HMAC.
@@ -629,11 +700,13 @@ class PrivacyLedger(tf.Module):
       dict (see `ledger_file.arrays_to_dict`).
     """
     return ledger_file.arrays_to_dict(*self.get_arrays(), passes=int(self._v.passes.numpy()),
-                                      key=key, grouping=self.cyclic_grouping)
+                                      key=key, grouping=self.cyclic_grouping,
+                                      runs=self.run_table())
 
   def state(self):
-    """(samples, queries, passes, grouping): what `merge_arrays` takes (eager)."""
-    return (*self.get_arrays(), int(self.passes.numpy()), self.cyclic_grouping)
+    """(samples, queries, passes, grouping, run table): what `merge_arrays` takes (eager)."""
+    return (*self.get_arrays(), int(self.passes.numpy()), self.cyclic_grouping,
+            self.run_table())
 
   def to_json(self, key=None):
     """The signed ledger as a JSON string.
@@ -661,9 +734,9 @@ class PrivacyLedger(tf.Module):
     os.replace(tmp, path)
 
   @classmethod
-  def _from_arrays(cls, samples, queries, passes, grouping=None):
+  def _from_arrays(cls, samples, queries, passes, grouping=None, runs=None):
     ledger = cls(initial_capacity=max(1, samples.shape[0]))
-    ledger.set_arrays(samples, queries, passes, grouping)
+    ledger.set_arrays(samples, queries, passes, grouping, runs)
     return ledger
 
   @classmethod

@@ -159,7 +159,7 @@ class PrivateStep:
     self.optimizer._track_trackable(trackable, name=name, overwrite=True)  # pylint: disable=protected-access
     return trackable
 
-  def adopt_ledger(self, samples, queries, passes, grouping=None):
+  def adopt_ledger(self, samples, queries, passes, grouping=None, runs=None):
     """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`: nothing
     recorded is lost), or, before it exists, into the one `make_state` starts from.
 
@@ -168,14 +168,15 @@ class PrivateStep:
       queries: ledger query array.
       passes: int, the shuffled passes that ledger counted.
       grouping: that ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`).
+      runs: that ledger's run table (`ledger.run_ids`), or None: a run of its own.
     """
     if self._ledger is not None:
-      self._ledger.merge_arrays(samples, queries, passes, grouping)
+      self._ledger.merge_arrays(samples, queries, passes, grouping, runs)
     elif self._restored_ledger is None:
-      self._restored_ledger = (samples, queries, int(passes), grouping)
+      self._restored_ledger = (samples, queries, int(passes), grouping, runs)
     else:
       self._restored_ledger = privacy_ledger.merged_arrays(
-          self._restored_ledger, (samples, queries, int(passes), grouping))
+          self._restored_ledger, (samples, queries, int(passes), grouping, runs))
 
   def make_state(self):
     """Creates the default query, the ledger and the sampling variables, once, outside any

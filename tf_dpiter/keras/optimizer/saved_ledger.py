@@ -11,6 +11,7 @@ The config's digest is SHA-256: it detects accidents, not a deliberate edit; exp
 ledger with `save_json(path, key=...)` for an HMAC.
 """
 
+import json
 import os
 
 import numpy as np
@@ -20,6 +21,7 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
+from tf_dpiter.ledger import run_ids
 from tf_dpiter.ledger import schema
 
 CONFIG_KEY = "dp_ledger"
@@ -96,13 +98,14 @@ def config_ledger(opt):
     return None
   ledger = opt.private_step.existing_ledger
   return ledger.to_dict() if ledger is not None else ledger_file.arrays_to_dict(
-      *arrays[:2], passes=arrays[2], grouping=arrays[3] if len(arrays) > 3 else None)
+      *arrays[:2], passes=arrays[2], grouping=arrays[3] if len(arrays) > 3 else None,
+      runs=arrays[4] if len(arrays) > 4 else None)
 
 
 def arrays_of(opt):
-  """(samples, queries, passes[, grouping]) of the ledger `opt` charges: its ledger, or the
-  one pending from from_config or a loaded weights file; None when it holds no sample and no
-  pass.
+  """(samples, queries, passes[, grouping[, run table]]) of the ledger `opt` charges: its
+  ledger, or the one pending from from_config or a loaded weights file; None when it holds no
+  sample and no pass.
 
   Args:
     opt: a DP optimizer.
@@ -201,6 +204,7 @@ def restore_ledger(opt, ledger, key=None):
 # optimizer compiled on it continues that ledger.
 STORE_KEYS = ("dp_ledger_samples", "dp_ledger_queries", "dp_ledger_passes")
 GROUPING_KEY = "dp_ledger_cyclic_grouping"   # uint8 bytes of the record, when there is one
+RUN_IDS_KEY = "dp_ledger_run_ids"   # uint8 bytes of the run table's JSON (`run_ids`)
 
 
 def write_to_store(opt, store):
@@ -220,11 +224,15 @@ def write_to_store(opt, store):
   grouping = ledger.cyclic_grouping
   if grouping is not None:
     store[GROUPING_KEY] = np.frombuffer(grouping.encode(), np.uint8)
+  table = json.dumps([list(e) for e in ledger.run_table()], separators=(",", ":"))
+  store[RUN_IDS_KEY] = np.frombuffer(table.encode(), np.uint8)
 
 
 def split_store(store):
   """(the entry without the ledger's keys as a dict, the carried (samples, queries, passes,
-  grouping) or None), from the dict-like entry Keras passes to `load_own_variables`.
+  grouping, run table) or None), from the dict-like entry Keras passes to
+  `load_own_variables`. A file of an earlier version has no run table: its samples are read
+  as one run under a new identity (`run_ids.fresh`).
 
   Args:
     store: the weights-store entry.
@@ -236,7 +244,7 @@ def split_store(store):
     ParameterValueError: the carried arrays are malformed.
   """
   keys = list(store.keys())
-  rest = {k: store[k] for k in keys if k not in STORE_KEYS + (GROUPING_KEY,)}
+  rest = {k: store[k] for k in keys if k not in STORE_KEYS + (GROUPING_KEY, RUN_IDS_KEY)}
   if STORE_KEYS[0] not in keys:
     return rest, None
   samples, queries = (np.asarray(store[k], np.float64) for k in STORE_KEYS[:2])
@@ -252,4 +260,13 @@ def split_store(store):
     except UnicodeDecodeError:
       raise ParameterValueError("the ledger carried by the weights file has a malformed "
                                 f"{GROUPING_KEY!r}") from None
-  return rest, (samples, queries, int(np.asarray(store[STORE_KEYS[2]])), grouping)
+  passes = int(np.asarray(store[STORE_KEYS[2]]))
+  table = run_ids.fresh(samples.shape[0], passes)
+  if RUN_IDS_KEY in keys:
+    try:
+      entries = json.loads(np.asarray(store[RUN_IDS_KEY], np.uint8).tobytes().decode("ascii"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+      raise ParameterValueError("the ledger carried by the weights file has a malformed "
+                                f"{RUN_IDS_KEY!r}") from None
+    table = run_ids.check_table(entries, samples.shape[0], passes, "weights file")
+  return rest, (samples, queries, passes, grouping, table)

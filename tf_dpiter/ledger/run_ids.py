@@ -1,0 +1,197 @@
+"""Run identities of a privacy ledger's samples: which run wrote each one (pure Python).
+
+Rule: every noised step that touched the released weights is charged once (McMahan et al.
+2018, "A General Approach to Adding Differential Privacy to Iterative Training Procedures",
+Section 6). Merging two ledgers (a restore, a weights file, a nested DP model, a layer's
+earlier DP training) must therefore tell "the same steps seen twice" from "two runs with equal
+settings", whose sample rows are equal. Rows cannot tell them apart; an identity can.
+
+Every `PrivacyLedger` object draws its own identity, 128 bits from the OS entropy source
+(`secrets.token_hex`), when it is created: the samples it records belong to that run. A ledger
+holds a *run table*, the segments of its samples in order, each (id, samples, passes), so a
+ledger that adopted other runs' samples still names whose they are. The table travels with
+the rows (checkpoint, signed dict / JSON file, weights-file entry, optimizer config, journal).
+
+Merge (`merge_tables`): the samples of one identity are written by one ledger object, which
+only appends, so of two views of one identity one is a prefix of the other: the longer is kept
+(passes: the larger). Different identities are different runs: both are charged (passes
+added). A segment without identity (None: a ledger of an earlier version, or arrays given
+without a table) is another run, never merged with anything: charging more is the safe side.
+The relation and unit are those of each sample row (`records`); nothing here changes them.
+"""
+
+import json
+import re
+import secrets
+
+import numpy as np
+
+from tf_dpiter.errors import ParameterValueError
+
+FIELD = "run_ids"   # the signed ledger dict's field: [[id or null, samples, passes], ...]
+_ID = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def new_id():
+  """A fresh run identity: 128 bits from the OS entropy source, as 32 lowercase hex digits."""
+  return secrets.token_hex(16)
+
+
+def check_table(table, num_samples, passes, where="ledger"):
+  """The run table `table` as a tuple of (id or None, samples, passes), if well formed and
+  covering `num_samples` samples and `passes` passes.
+
+  Args:
+    table: a sequence of [id, samples, passes] (id: 32 lowercase hex digits or None).
+    num_samples: the ledger's sample rows.
+    passes: the ledger's pass count.
+    where: names the source in the messages.
+
+  Returns:
+    tuple of (str or None, int, int).
+
+  Raises:
+    ParameterValueError: a malformed entry, or counts that do not add up.
+  """
+  out = []
+  if not isinstance(table, (list, tuple)):
+    raise ParameterValueError(f"{where} field {FIELD!r} must be a list of [id, samples, "
+                              f"passes]. Received: {FIELD}={table!r}")
+  for entry in table:
+    ok = isinstance(entry, (list, tuple)) and len(entry) == 3
+    if ok:
+      rid, n, p = entry
+      ok = ((rid is None or (isinstance(rid, str) and _ID.match(rid)))
+            and all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0
+                    for c in (n, p)))
+    if not ok:
+      raise ParameterValueError(
+          f"{where} field {FIELD!r} must hold [id, samples, passes] entries (id: 32 lowercase "
+          f"hex digits or null; counts: integers >= 0). Received: entry={entry!r}")
+    out.append((rid, int(n), int(p)))
+  if sum(n for _, n, _ in out) != int(num_samples) or sum(p for _, _, p in out) != int(passes):
+    raise ParameterValueError(
+        f"{where} field {FIELD!r} must cover the ledger's {int(num_samples)} samples and "
+        f"{int(passes)} passes. Received: {FIELD}={[list(e) for e in out]!r}")
+  return tuple(out)
+
+
+def unknown(num_samples, passes):
+  """The table of rows whose run is not known (an earlier version's ledger): one segment
+  without identity, never merged with another."""
+  return ((None, int(num_samples), int(passes)),)
+
+
+def fresh(num_samples, passes):
+  """The table of rows read from a source without identities (an earlier version's file):
+  one segment under a new identity, so that merging this copy again charges it once, while
+  another reading of the source is another run (the safe side)."""
+  return ((new_id(), int(num_samples), int(passes)),)
+
+
+# The stored form (a string variable of the ledger): the segments before the ledger's own
+# trailing segment, and its own identity; the trailing segment's counts are what the rows and
+# passes hold beyond the listed ones, so a write inside tf.function needs no table update.
+
+def encode(segments, own):
+  """The stored form of `segments` (explicit, before the trailing one) and `own`."""
+  return json.dumps({"segments": [list(s) for s in segments], "own": own},
+                    separators=(",", ":"))
+
+
+def decode(text):
+  """(segments, own) of a stored form."""
+  d = json.loads(text)
+  return tuple((s[0], int(s[1]), int(s[2])) for s in d["segments"]), d["own"]
+
+
+def explicit(text, num_samples, passes):
+  """The full table of a stored form for a ledger of `num_samples` samples and `passes`."""
+  segments, own = decode(text)
+  rest_n = int(num_samples) - sum(n for _, n, _ in segments)
+  rest_p = int(passes) - sum(p for _, _, p in segments)
+  return segments + ((own, max(rest_n, 0), max(rest_p, 0)),)
+
+
+def stored(table, own):
+  """The stored form of a full `table` written to a ledger whose own identity is `own`: its
+  last segment becomes the trailing one when it is `own`'s, else `own` starts an empty one."""
+  table = tuple(table)
+  if table and table[-1][0] == own:
+    table = table[:-1]
+  return encode(table, own)
+
+
+def _blocks(samples, queries, table):
+  """{key: (id, samples, queries re-indexed from 0, passes)} of a ledger's identities in order
+  of first appearance (one identity's segments concatenated: one object appended them); a
+  segment without identity gets a key of its own."""
+  out, start = {}, 0
+  for rid, n, p in table:
+    sel = (queries[:, 0] >= start) & (queries[:, 0] < start + n)
+    q = queries[sel].copy()
+    q[:, 0] -= start
+    key = rid if rid is not None else object()
+    block = (samples[start:start + n], q, p)
+    out[key] = (rid, _concat(out[key][1], block) if key in out else block)
+    start += n
+  return out
+
+
+def _concat(a, b):
+  """Block b appended to block a (b's query indices shifted)."""
+  (sa, qa, pa), (sb, qb, pb) = a, b
+  qb = qb.copy()
+  qb[:, 0] += sa.shape[0]
+  return np.concatenate([sa, sb]), np.concatenate([qa, qb]), pa + pb
+
+
+def merge_tables(current, restored, common_prefix):
+  """The ledger charging every step of two ledgers once: (samples, queries, passes, table).
+
+  Args:
+    current: (samples, queries, passes, table) of the ledger merged into.
+    restored: (samples, queries, passes, table) of the ledger merged in.
+    common_prefix: f((s1, q1), (s2, q2)) -> leading samples two row sets share.
+
+  Returns:
+    (samples, queries, passes, table): per identity, the longer of the two views when one is
+    a prefix of the other (passes: the larger), else the restored view followed by the
+    current one's samples after their common prefix (passes added); different identities and
+    segments without one are all kept. Restored identities come first, in order.
+  """
+  merged = _blocks(*restored[:2], restored[3])
+  for key, (rid, view) in _blocks(*current[:2], current[3]).items():
+    merged[key] = (rid, _merge_views(merged[key][1], view, common_prefix)
+                   if key in merged else view)
+  samples, queries, passes, table = [], [], 0, []
+  offset = 0
+  for rid, (s, q, p) in merged.values():
+    if s.shape[0] == 0 and p == 0:   # an empty segment charges nothing
+      continue
+    q = q.copy()
+    q[:, 0] += offset
+    samples.append(s)
+    queries.append(q)
+    passes += p
+    table.append((rid, int(s.shape[0]), int(p)))
+    offset += s.shape[0]
+  width_s, width_q = current[0].shape[1], current[1].shape[1]
+  return (np.concatenate(samples) if samples else np.zeros((0, width_s)),
+          np.concatenate(queries) if queries else np.zeros((0, width_q)),
+          passes, tuple(table))
+
+
+def _merge_views(restored, current, common_prefix):
+  """Two views (samples, queries, passes) of one identity: the longer when one is a prefix
+  of the other (passes: the larger); else the restored one and the current one's samples
+  after their common prefix (passes added)."""
+  (sr, qr, pr), (sc, qc, pc) = restored, current
+  p = common_prefix((sc, qc), (sr, qr))
+  if p == sr.shape[0]:
+    return sc, qc, max(pc, pr)
+  if p == sc.shape[0]:
+    return sr, qr, max(pc, pr)
+  tail_q = qc[qc[:, 0] >= p].copy()
+  tail_q[:, 0] -= p
+  return _concat((sr, qr, pr), (sc[p:], tail_q, pc))
