@@ -183,8 +183,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
   def _dp_carry_ledger(self, arrays):
     """Adds a ledger of the weights' run (from a weights file, or the DP optimizer a recompile
-    replaces) to the one every DP optimizer of this model starts from (merged: a ledger that
-    extends another replaces it, nothing is charged twice)."""
+    replaces) to the one every DP optimizer of this model starts from (`merged_arrays`: per
+    run identity, a view that extends another replaces it; another run's steps are added;
+    nothing is charged twice)."""
     if arrays is None:
       return
     carried = getattr(self, "_dp_carried_ledger", None)
@@ -195,8 +196,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """Merges into the DP optimizer's ledger the ledger the weights carry (`_dp_carry_ledger`)
     and those of nested DP models (a DP-trained backbone fine-tuned inside this model: the
     ledger its weights file carried, and its own DP optimizer's), since the released weights
-    went through those steps too (merged_arrays: a ledger already held is not charged twice;
-    another run's steps are added). A nested model's DP optimizer hands its variables over
+    went through those steps too (merged_arrays, by run identity (`ledger.run_ids`): a run
+    already held is not charged twice; another run's steps are added, even when its rows
+    equal those of a run held, as two towers trained with one recipe). The ledgers of DP
+    optimizers that updated these weights before (a layer of a DP model that is gone) are
+    adopted when a fit starts (`optimizers.check_variables`). A nested model's DP optimizer
+    hands its variables over
     (`optimizers.release_variables`): training the nested model on its own afterwards is refused
     while this model's optimizer lives."""
     opt = _unscaled(getattr(self, "optimizer", None))

@@ -57,6 +57,13 @@ wide_template = chunking.wide_template   # re-exported: the dtype of the privacy
 
 # id(variable) -> (weakref to the variable, weakref to the DP optimizer that claimed it)
 _OWNERS = {}
+# The charge travels with the variables, not with the optimizer objects: id(variable) ->
+# (weakref to the variable, [the ledger of every DP optimizer that claimed it], held
+# strongly). A DP optimizer about to update a variable (`check_variables`: at the start of
+# fit, and at its claim) adopts the ledgers recorded on it, so a layer that took noised steps
+# under a DP model that is gone brings them into the next DP model's ledger. The ledgers'
+# run identities (`ledger.run_ids`) make a repeated adoption charge each step once.
+_CHARGES = {}
 # The class attribute of a probe optimizer whose updates are never released.
 UNCLAIMED = "_dp_unclaimed_variables"
 
@@ -84,12 +91,70 @@ def claim_variables(optimizer, variables):
   check_variables(optimizer, variables)
   for v in variables:
     _OWNERS[id(v)] = (weakref.ref(v), weakref.ref(optimizer))
+  _record_charges(optimizer, variables)
+
+
+def _record_charges(optimizer, variables):
+  """Records `optimizer`'s ledger on each of `variables` (`_CHARGES`)."""
+  ledger = optimizer.private_step.existing_ledger
+  if ledger is None:   # made before the first private step; nothing is charged without it
+    return
+  for key, (var_ref, _) in list(_CHARGES.items()):   # forget the dead variables
+    if var_ref() is None:
+      del _CHARGES[key]
+  for v in variables:
+    entry = _CHARGES.get(id(v))
+    if entry is None or entry[0]() is not v:
+      entry = _CHARGES[id(v)] = (weakref.ref(v), [])
+    if not any(held is ledger for held in entry[1]):
+      entry[1].append(ledger)
+
+
+def recorded_ledgers(optimizer, variables):
+  """The ledgers of DP optimizers other than `optimizer` recorded on `variables` (`_CHARGES`):
+  every one that charged a noised step these weights took.
+
+  Args:
+    optimizer: a DP optimizer.
+    variables: its trainable variables.
+
+  Returns:
+    list of PrivacyLedger, each once.
+  """
+  own = optimizer.private_step.existing_ledger
+  out = []
+  for v in variables:
+    entry = _CHARGES.get(id(v))
+    if entry is None or entry[0]() is not v:
+      continue
+    out.extend(held for held in entry[1]
+               if held is not own and not any(held is o for o in out))
+  return out
+
+
+def adopt_recorded_ledgers(optimizer, variables):
+  """Merges into `optimizer`'s ledger the ledgers recorded on `variables` (`recorded_ledgers`),
+  eagerly (also while a step is traced): every noised step the weights took is charged
+  (McMahan et al. 2018, Section 6), each once (`ledger.run_ids`: a run already held is not
+  added again; add/remove or replace-one as each row records).
+
+  Args:
+    optimizer: a DP optimizer.
+    variables: its trainable variables.
+  """
+  ledgers = recorded_ledgers(optimizer, variables)
+  if not ledgers:
+    return
+  with tf.init_scope():
+    for ledger in ledgers:
+      optimizer.private_step.adopt_ledger(*ledger.state())
 
 
 def check_variables(optimizer, variables):
   """Refuses `variables` when another live DP optimizer claimed one of them (`claim_variables`), e.g.
   at the start of a fit whose train function was traced before another optimizer took the
-  variables over.
+  variables over; else adopts the ledgers of the DP optimizers that updated them before
+  (`adopt_recorded_ledgers`).
 
   Args:
     optimizer: the DP optimizer about to update `variables`.
@@ -119,6 +184,7 @@ def check_variables(optimizer, variables):
           "to fine-tune a DP-trained model inside another, nest it in the new DP model and "
           "compile that one: it takes the nested model's ledger and its variables over"
           " (training the nested model on its own is then refused)")
+  adopt_recorded_ledgers(optimizer, variables)
 
 
 def _owner(variable):
