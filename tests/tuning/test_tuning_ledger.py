@@ -108,7 +108,9 @@ def test_a_loaded_selection_ledger_keeps_its_record_through_training_and_the_jou
   from tf_dpiter.dp_query import events  # pylint: disable=g-import-not-at-top
   d = tuning.selection_ledger(_trial(steps=20), 5.0, 1.0, trials=2)
   led = privacy_ledger.PrivacyLedger.from_dict(d)
-  assert led.to_dict() == d
+  again = led.to_dict()   # the run table (`ledger.run_ids`) is the only field added
+  assert [n for _, n, _ in again.pop("run_ids")] == [d["num_samples"] + 1]   # + the marker
+  assert ledger_file.sign(again) == d
   journal = journal_lib.LedgerJournal(tmp_path / "j.journal")
   journal.append(led)
   for _ in range(3):   # the selected model trained further: composed after the selection
