@@ -7,7 +7,8 @@ apart (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Th
 The ledger keeps a digest of the run's identities (`PrivacyLedger.cyclic_grouping`): a fit
 after a tf.train.Checkpoint restore, a model.save / load_model or a weights-file reload
 (new ledger objects, as in a new process) refuses a regrouping dataset and continues with
-the same one."""
+the same one once the run's noise state is restored from its private file (no model file
+holds it: it is the noise; without it the fit is refused before any step)."""
 
 import math
 import warnings
@@ -76,10 +77,14 @@ def _first_fit():
   return model, x, y, ds1
 
 
-def _check_restored(model, x, y, ds1):
+NO_NOISE_STATE = r"cannot resume from a saved model or checkpoint: its noise state is not saved"
+
+
+def _check_restored(model, x, y, ds1, noise_file):
   """On a model whose ledger was restored into a new object: a regrouping dataset is refused
-  (its premise: some example would be eligible at steps < b apart), the run's own continues
-  with participations >= b apart."""
+  (its premise: some example would be eligible at steps < b apart); the run's own is refused
+  until the noise state is restored (`noise_file`), then continues with participations >= b
+  apart."""
   assert model.optimizer.ledger.cyclic_grouping == sampling.get_sampling_spec(
       ds1).sampler.grouping
   regrouped = _ds(x, y.astype("int32"), STEPS + 1, seed=2)
@@ -89,6 +94,11 @@ def _check_restored(model, x, y, ds1):
   with pytest.raises(PrivacyConfigError, match="grouping"):
     model.fit(_ds(x, y, STEPS, seed=3, example_ids=np.arange(N)), epochs=1, verbose=0)
   assert int(model.optimizer.ledger.sample_count.numpy()) == STEPS   # no step taken
+  same = _ds(x.copy(), y.copy(), STEPS + 1, seed=4)
+  with pytest.raises(PrivacyConfigError, match=NO_NOISE_STATE):
+    model.fit(same, epochs=1, verbose=0)
+  assert int(model.optimizer.ledger.sample_count.numpy()) == STEPS   # no step taken
+  model.optimizer.private_step.restore_noise_state(noise_file)
   same = _ds(x.copy(), y.copy(), STEPS + 1, seed=4)
   model.fit(same, epochs=1, verbose=0)
   assert int(model.optimizer.ledger.sample_count.numpy()) == 2 * STEPS + 1
@@ -107,7 +117,9 @@ def test_tf_train_checkpoint_carries_the_grouping(tmp_path):
     fresh.optimizer.ledger   # the ledger object exists before the restore: a new object
     tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(path).expect_partial()
     assert int(fresh.optimizer.iterations.numpy()) == STEPS
-    _check_restored(fresh, x, y, ds1)
+    noise_file = str(tmp_path / "noise.npz")
+    model.optimizer.private_step.save_noise_state(noise_file)
+    _check_restored(fresh, x, y, ds1, noise_file)
 
 
 def _through_keras_file(model, tmp_path):
@@ -129,7 +141,9 @@ def test_a_saved_file_carries_the_grouping(tmp_path, through):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     model, x, y, ds1 = _first_fit()
-    _check_restored(through(model, tmp_path), x, y, ds1)
+    noise_file = str(tmp_path / "noise.npz")
+    model.optimizer.private_step.save_noise_state(noise_file)
+    _check_restored(through(model, tmp_path), x, y, ds1, noise_file)
 
 
 def test_the_ledger_file_carries_the_grouping_signed():
@@ -174,9 +188,12 @@ def test_the_journal_carries_the_grouping(tmp_path):
     model = _model(journal=journal)
     ds1 = _ds(x, y, STEPS, seed=1)
     model.fit(ds1, epochs=1, verbose=0)
+    noise_file = str(tmp_path / "noise.npz")
+    model.optimizer.private_step.save_noise_state(noise_file)
     fresh = _model(journal=journal)
     fresh.build((None, 6))
     fresh.optimizer.build(fresh.trainable_variables)
+    fresh.optimizer.private_step.restore_noise_state(noise_file)
     fresh.set_weights(model.get_weights())
     fresh.optimizer.iterations.assign(STEPS)
     assert fresh.optimizer.ledger.cyclic_grouping is None   # the journal is read by fit

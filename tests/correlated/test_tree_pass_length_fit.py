@@ -86,14 +86,23 @@ def test_the_tree_moves_only_with_released_steps(jit_compile):
 
 
 def test_a_restored_run_continues_the_pass_count_or_is_refused_inside_a_tree(tmp_path):
-  """model.save after one epoch, load_model, one more fit on a new declared pipeline: the
-  restored ledger's passes continue (2, epsilon by hand for 2 passes); the mis-declared run
-  (a 6-step pass, R = 4) restored inside tree 2 is refused before any step."""
+  """model.save after one epoch, load_model, one more fit on a new declared pipeline: without
+  its noise state (in no model file: it is the noise) the restored run is refused before any
+  step; with it (save_noise_state / restore_noise_state) the restored ledger's passes
+  continue (2, epsilon by hand for 2 passes); the mis-declared run (a 6-step pass, R = 4)
+  restored inside tree 2 is refused before any step."""
   warnings.simplefilter("ignore")
   model = _pass_length._model(2)
   model.fit(_pass_length._filtered(steps_per_pass=6), epochs=1, verbose=0)
   model.save(str(tmp_path / "good.keras"))
+  model.optimizer.private_step.save_noise_state(str(tmp_path / "good.npz"))
+  refused = keras.models.load_model(str(tmp_path / "good.keras"))
+  with pytest.raises(PrivacyConfigError, match=r"noise='tree': a correlated-noise run cannot "
+                     r"resume from a saved model"):
+    refused.fit(_pass_length._filtered(steps_per_pass=6), epochs=1, verbose=0)
+  assert int(refused.ledger.sample_count) == int(refused.optimizer.iterations.numpy()) == 6
   resumed = keras.models.load_model(str(tmp_path / "good.keras"))
+  resumed.optimizer.private_step.restore_noise_state(str(tmp_path / "good.npz"))
   resumed.fit(_pass_length._filtered(steps_per_pass=6), epochs=1, verbose=0)
   d = resumed.ledger.to_dict()
   assert (d["num_samples"], d["passes"]) == (12, 2)
@@ -103,7 +112,9 @@ def test_a_restored_run_continues_the_pass_count_or_is_refused_inside_a_tree(tmp
   model = _pass_length._model(4)
   model.fit(_pass_length._filtered(), epochs=1, verbose=0)
   model.save(str(tmp_path / "bad.keras"))
+  model.optimizer.private_step.save_noise_state(str(tmp_path / "bad.npz"))
   resumed = keras.models.load_model(str(tmp_path / "bad.keras"))
+  resumed.optimizer.private_step.restore_noise_state(str(tmp_path / "bad.npz"))
   with pytest.raises(PrivacyConfigError, match=r"restart_every=4: the mechanism is at step "
                      r"\d+, inside a tree"):
     resumed.fit(_pass_length._filtered(), epochs=1, verbose=0)

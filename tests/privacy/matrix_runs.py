@@ -235,7 +235,14 @@ def _scenario(net, case, scenario, workdir, rng, joined):
     _fit(net, case, case.fit_args(None, per_epoch), joined, epochs=1)
     path = os.path.join(workdir, "m.keras")
     net.save(path)
+    # a correlated (BandMF) run's noise state is in no model file (it is the noise): it
+    # resumes through its private noise-state file (test_keras_noise_resume: refused without)
+    correlated = net.optimizer.private_step.mechanism.correlated
+    if correlated:
+      net.optimizer.private_step.save_noise_state(os.path.join(workdir, "noise.npz"))
     net = keras.models.load_model(path)
+    if correlated:
+      net.optimizer.private_step.restore_noise_state(os.path.join(workdir, "noise.npz"))
     _fit(net, case, case.fit_args(rng, per_epoch), joined, epochs=2)
   elif scenario in ("checkpoint_rollback", "iterations_rollback"):
     _rollback(net, case, scenario, workdir, joined)

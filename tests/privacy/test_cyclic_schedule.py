@@ -196,7 +196,11 @@ def test_save_load_model_then_fit_continues_the_ledgers_cycle(noise, tmp_path):
   joined = []
   model.fit(_dataset(), epochs=1, steps_per_epoch=STEPS, verbose=0, callbacks=[_Recorder(joined)])
   model.save(str(tmp_path / "m.keras"))
+  if noise != "iid":   # its noise state is in no model file (the noise): its private file
+    model.optimizer.private_step.save_noise_state(str(tmp_path / "noise.npz"))
   loaded = keras.models.load_model(str(tmp_path / "m.keras"), safe_mode=False)
+  if noise != "iid":
+    loaded.optimizer.private_step.restore_noise_state(str(tmp_path / "noise.npz"))
   for _ in range(FITS - 1):
     loaded.fit(_dataset(), epochs=1, steps_per_epoch=STEPS, verbose=0,
                callbacks=[_Recorder(joined)])

@@ -183,13 +183,15 @@ def test_a_tree_mechanism_refuses_a_rolled_back_run():
 
 def test_a_correlated_mechanism_resumed_elsewhere_draws_fresh_noise(tmp_path):
   """Without a seed the generator's state is not saved: a run resumed from a checkpoint in a
-  new optimizer (another process) never redraws the noise of the steps taken after it. One
-  band: the step's noise is its fresh draw alone (with more bands it also carries the
-  restored history, which both runs share by design)."""
+  new optimizer (another process; its noise state from save_noise_state's private file, as
+  no checkpoint holds it) never redraws the noise of the steps taken after it. One band: the
+  step's noise is its fresh draw alone (with more bands it also carries the restored
+  history, which both runs share by design)."""
   model, opt = _band_mf_model(bands=1)
   x, y = _data()
   model.fit(_cyclic(x, y), epochs=1, verbose=0)
   saved = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ck"))
+  opt.private_step.save_noise_state(str(tmp_path / "noise.npz"))
   names = [n for n, _ in tf.train.list_variables(saved)]
   start = model.layers[0].kernel.numpy().copy()
   model.fit(_cyclic(x, y), epochs=1, steps_per_epoch=1, verbose=0)
@@ -197,6 +199,7 @@ def test_a_correlated_mechanism_resumed_elsewhere_draws_fresh_noise(tmp_path):
   other, other_opt = _band_mf_model(bands=1)
   other_opt.prepare_mechanism(other.trainable_variables)
   tf.train.Checkpoint(model=other, optimizer=other_opt).restore(saved).assert_consumed()
+  other_opt.private_step.restore_noise_state(str(tmp_path / "noise.npz"))
   np.testing.assert_array_equal(other.layers[0].kernel.numpy(), start)
   other.fit(_cyclic(x, y), epochs=1, steps_per_epoch=1, verbose=0)
   second = other.layers[0].kernel.numpy() - start

@@ -9,7 +9,10 @@ DPQuery that draws its noise (`make_query`), the sampling its accounting needs
 (Kairouz et al. 2021, Section 3); BandMF (Choquette-Choo et al. 2023, Section 3); BLT
 (Dvijotham et al. 2024, Section 4); each class names its paper and its sampling premise.
 A correlated mechanism's query is made when the optimizer is built (`needs_variables`); its
-state lives in optimizer variables (`private_step.PrivateStep.build_mechanism`).
+state lives in variables the optimizer does not save (`private_step.PrivateStep.
+build_mechanism`): the state is the noise of the released weights, so no model file or
+checkpoint holds it, and a restored run resumes only through `PrivateStep.
+restore_noise_state` (its file as secret as the data).
 """
 
 import abc
@@ -44,8 +47,9 @@ class NoiseMechanism(abc.ABC):
     name: the tag of the mechanism in configs (and its `noise=` string for built-in ones).
     needs_variables: True if the query needs the trainable variables' shapes (made when the
       optimizer is built).
-    correlated: True if the noise is correlated across steps (its state is then kept in
-      optimizer variables, and a rolled-back run is refused).
+    correlated: True if the noise is correlated across steps (its state, the noise itself,
+      is then kept out of every saved file; a rolled-back run, and a restored run without
+      its noise state, are refused).
   """
 
   name: ClassVar[str] = ""
@@ -465,8 +469,8 @@ def deserialize(config):
 
 
 def make_query_with_state(mechanism, l2_norm_clip, noise_multiplier, variables, seed=None):
-  """The mechanism's query on `variables` and its global state as new variables (in a
-  fixed order: save_weights matches optimizer variables by position).
+  """The mechanism's query on `variables` and its global state as new variables (in a fixed
+  order: `PrivateStep.save_noise_state` writes them by position; no model file holds them).
 
   Args:
     mechanism: a NoiseMechanism with needs_variables.

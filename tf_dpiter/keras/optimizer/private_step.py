@@ -15,9 +15,15 @@ example or a microbatch of k = ceil(B / M) examples, charged at sensitivity 2S.
 
 The Keras DP optimizer holds one `PrivateStep` (`optimizer.private_step`). Its state are TF
 variables tracked by the optimizer under fixed names ("_dp_ledger", "_dp_expected_records",
-"_dp_global_state_<i>"), so checkpoints, `save_weights` and `model.save` carry them (the
-float16 overflow count, an un-noised diagnostic, is not tracked: no file carries it); the noise generator is deliberately not among them, so no restore
-can make it draw a noise it drew before. Helpers: `step_sampling`, `noise_mechanisms`,
+and for IID noise or a custom dp_query "_dp_global_state_<i>", public parameters such as
+(S, sigma) or an adaptive clip), so checkpoints, `save_weights` and `model.save` carry them
+(the float16 overflow count, an un-noised diagnostic, is not tracked: no file carries it).
+The noise generator is deliberately not among them, so no restore can make it draw a noise
+it drew before. Nor is a correlated mechanism's state (tree nodes, BandMF history, BLT
+buffers): it is the noise itself (the tree's open nodes sum to the cumulative noise of the
+released weights, Kairouz et al. 2021, Section 3), so a file holding it would release the
+noise-free model. Such a run therefore cannot continue from a file: a step whose ledger holds
+samples its in-memory noise state did not draw is refused (`require_noise_state`). Helpers: `step_sampling`, `noise_mechanisms`,
 `chunking`; per-variable pipelining (Bu et al., "Differentially private
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
@@ -85,6 +91,7 @@ class PrivateStep:
     self._restored_global_state = None    # the config's "dp_global_state", used once
     self._global_vars = None              # the query's global state variables (flattened)
     self._global_struct = None
+    self._noise_draws = None   # correlated: draws made with the in-memory noise state (untracked)
     self._pending_sampling = None
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
@@ -384,11 +391,119 @@ class PrivateStep:
                                   for t in flat])
 
   def _set_global_state(self, struct, variables):
-    """Adopts `variables` (flattened like `struct`) as the query's global state."""
+    """Adopts `variables` (flattened like `struct`) as the query's global state: tracked
+    (saved) for a mechanism whose state is public parameters (IID, a custom dp_query); a
+    correlated mechanism's state is the noise, kept out of every file, and an untracked
+    counter of the draws made with it starts at 0 (`require_noise_state`)."""
     self._global_struct = struct
     self._global_vars = list(variables)
+    if self.mechanism.correlated:
+      with tf.init_scope():
+        self._noise_draws = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="dp_noise_draws")
+      return
     for i, v in enumerate(self._global_vars):
       self._track(f"_dp_global_state_{i}", v)
+
+  def require_noise_state(self):
+    """Refuses a correlated mechanism's step unless its ledger holds exactly the samples its
+    noise state (in memory only, never saved with the model) drew: a run restored from a
+    file (model.save and load_model, load_weights, a tf.train.Checkpoint, BackupAndRestore in
+    a new process) or handed a ledger (a carried, journal or `restore_ledger` one) would
+    otherwise continue the correlated noise from a fresh state, or from another point of the
+    run (`restore_noise_state` of another step), which its accounting (one sequence of steps
+    with one noise state) does not cover. Read eagerly (also while a step is traced); the
+    step asserts the same in its graph.
+
+    Raises:
+      PrivacyConfigError: ledger samples != draws of the in-memory noise state.
+    """
+    if not self.mechanism.correlated or self._noise_draws is None or self._ledger is None:
+      return
+    with tf.init_scope():
+      samples = int(self._ledger.sample_count.numpy())
+      draws = int(self._noise_draws.numpy())
+    if samples != draws:
+      raise PrivacyConfigError(self._missing_noise_state_message(samples, draws))
+
+  def save_noise_state(self, path):
+    """Writes the correlated mechanism's noise state to `path` (an .npz file), the one way to
+    resume such a run later (`restore_noise_state`).
+
+    THE FILE IS AS SECRET AS THE TRAINING DATA: it holds the noise of the released weights
+    (the tree's open nodes sum to their cumulative noise, Kairouz et al. 2021, Section 3;
+    BandMF's history and BLT's buffers hold past noise), so anyone holding it and the model
+    removes the noise (epsilon infinite). Keep it with the data, never with the model; delete
+    it when the run ends.
+
+    Args:
+      path: the file to write (a str or os.PathLike; numpy adds ".npz" if missing).
+
+    Raises:
+      PrivacyConfigError: the mechanism is not correlated or not built yet.
+    """
+    self._require_built_noise_state("save_noise_state")
+    with tf.init_scope():
+      arrays = {f"state_{i}": v.numpy() for i, v in enumerate(self._global_vars)}
+      arrays["draws"] = np.asarray(self._noise_draws.numpy(), np.int64)
+    arrays["mechanism"] = np.asarray(repr(self.mechanism))
+    np.savez(path, **arrays)
+
+  def restore_noise_state(self, path):
+    """Restores a noise state `save_noise_state` wrote, so a correlated run restored from a
+    model file or checkpoint of the same step continues exactly. The next step checks that
+    the ledger holds exactly the samples this state drew (`require_noise_state`): a state of
+    another step is refused there. Call after the optimizer is built (load_model builds it;
+    else `optimizer.build(model.trainable_variables)`). The file is as secret as the data
+    (`save_noise_state`).
+
+    Args:
+      path: the .npz file `save_noise_state` wrote.
+
+    Raises:
+      PrivacyConfigError: the mechanism is not correlated or not built, or the file is of
+        another mechanism or of other variables' shapes.
+    """
+    self._require_built_noise_state("restore_noise_state")
+    with np.load(path, allow_pickle=False) as f:
+      arrays = {k: f[k] for k in f.files}
+    mechanism = str(arrays.pop("mechanism", ""))
+    draws = arrays.pop("draws", None)
+    shapes = [tuple(v.shape) for v in self._global_vars]
+    saved = [arrays.get(f"state_{i}") for i in range(len(self._global_vars))]
+    if (mechanism != repr(self.mechanism) or draws is None or len(arrays) != len(shapes)
+        or any(a is None or tuple(a.shape) != sh for a, sh in zip(saved, shapes))):
+      raise PrivacyConfigError(validation.message(
+          "path", f"a noise state of {self.mechanism!r} on variables of the state shapes "
+          f"{shapes} (written by save_noise_state)", str(path)))
+    with tf.init_scope():
+      for v, a in zip(self._global_vars, saved):
+        v.assign(tf.constant(a, dtype=v.dtype))
+      self._noise_draws.assign(int(draws))
+
+  def _require_built_noise_state(self, name):
+    """Refuses `name` (save/restore_noise_state) without a built correlated noise state."""
+    if not self.mechanism.correlated or self._noise_draws is None:
+      raise PrivacyConfigError(
+          f"{name} applies to a correlated noise mechanism once the optimizer is built "
+          "(optimizer.build(model.trainable_variables); model.fit and load_model do it). "
+          f"Received: noise={self.noise!r}, "
+          f"{'built' if self._noise_draws is not None else 'not built'}")
+
+  def _missing_noise_state_message(self, samples=None, draws=None):
+    """The refusal of `require_noise_state` (the counts None: the graph assertion's)."""
+    counts = ("other samples than its noise state drew" if samples is None else
+              f"{samples} samples but its noise state drew {draws}")
+    return (
+        f"noise={self.noise!r}: a correlated-noise run cannot resume from a saved model or "
+        "checkpoint: its noise state is not saved (it is the noise itself: a file holding "
+        "it would release the noise-free weights). This optimizer's ledger holds "
+        f"{counts} (a restored model, "
+        "load_weights, a tf.train.Checkpoint, BackupAndRestore in a new process, or a "
+        "carried, journal or restore_ledger ledger). Start a new model, optimizer and ledger "
+        "for a new run, or continue the run in the process that holds its noise state, or "
+        "resume it with optimizer.private_step.restore_noise_state(path) from a file "
+        "save_noise_state(path) wrote at the same step (that file is as secret as the data)")
 
   # ---- sampling -----------------------------------------------------------------------
 
@@ -515,10 +630,11 @@ class PrivateStep:
   # ---- the correlated mechanism -------------------------------------------------------
 
   def build_mechanism(self, variables):
-    """Makes a correlated mechanism's query on `variables`; its global state becomes optimizer
-    variables (fixed order: save_weights matches them by position). The noise generator's state
-    is saved only with a `seed` (tests; not private), so a resumed or rolled-back run cannot draw
-    a released noise again. Applies a sampling declared before the build.
+    """Makes a correlated mechanism's query on `variables`; its global state (the noise of the
+    released weights) becomes variables that no file saves (`_set_global_state`; only
+    `save_noise_state` writes them). The noise generator's state is saved only with a `seed`
+    (tests; not private), so a resumed or rolled-back run cannot draw a released noise again.
+    Applies a sampling declared before the build.
 
     Args:
       variables: the trainable variables the optimizer was built on.
@@ -528,8 +644,11 @@ class PrivateStep:
     self.make_state()
     query, init, state_vars = noise_mechanisms.make_query_with_state(
         self.mechanism, self.l2_norm_clip, self.noise_multiplier, variables, seed=self.seed)
+    # the noise state stays out of optimizer.variables (save_weights, model.save) and out of
+    # the object graph (_set_global_state): it is the noise. A seeded (test) generator's state
+    # is saved: its seed is public anyway
     seeded = [query.noise_generator.state] if self.seed is not None else []
-    for v in state_vars + seeded:
+    for v in seeded:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
     self.base_query = query
     self._set_global_state(init, state_vars)
@@ -769,10 +888,15 @@ class PrivateStep:
   def _noise_and_record(self, sample_state, scale=None):
     """One noise draw (`get_noised_result`, or `get_scaled_noised_result` times `scale`) and
     one ledger sample of its events. A correlated mechanism fails the step when the ledger
-    holds more samples than the optimizer's iterations (a rolled-back run)."""
+    holds more samples than the optimizer's iterations (a rolled-back run) or than its
+    in-memory noise state drew (a restored run: `require_noise_state`)."""
     sampling = self.require_sampling()
     checks = []
     if self.mechanism.correlated:
+      self.require_noise_state()   # eager, when traced or run eagerly
+      checks.append(tf.debugging.assert_equal(
+          self._ledger.sample_count, self._noise_draws,
+          message=self._missing_noise_state_message()))
       checks.append(tf.debugging.assert_less_equal(
           self._ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
           message=f"noise={self.noise!r}: the optimizer's iterations went back below the "
@@ -796,6 +920,9 @@ class PrivateStep:
             sample_state, self.global_state(), scale)
     count = sampling.record(events, after=sample_state)   # runs iff the sum was formed
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
+    if self._noise_draws is not None:   # with the state's writes: no batch, no draw counted
+      with tf.control_dependencies(assigns):
+        assigns.append(self._noise_draws.assign_add(1))
     with tf.control_dependencies(assigns + [count]):
       return tf.nest.map_structure(tf.identity, result)
 
