@@ -23,8 +23,9 @@ it drew before. Nor is a correlated mechanism's state (tree nodes, BandMF histor
 buffers): it is the noise itself (the tree's open nodes sum to the cumulative noise of the
 released weights, Kairouz et al. 2021, Section 3), so a file holding it would release the
 noise-free model. Such a run therefore cannot continue from a file: a step whose ledger holds
-samples its in-memory noise state did not draw is refused (`require_noise_state`). Helpers: `step_sampling`, `noise_mechanisms`,
-`chunking`; per-variable pipelining (Bu et al., "Differentially private
+samples its in-memory noise state did not draw is refused (`require_noise_state`), unless
+the private `restore_noise_state` file of the same step is restored. Helpers: `step_sampling`,
+`noise_mechanisms`, `chunking`; per-variable pipelining (Bu et al., "Differentially private
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
 
