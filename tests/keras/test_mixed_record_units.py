@@ -59,7 +59,9 @@ def test_a_user_level_record_moves_by_2s_for_one_example():
     u = np.array([0, 0, 1])
     moved = np.linalg.norm(_one_user_step(x, y, u)
                            - _one_user_step(x[[0, 2]], y[[0, 2]], u[[0, 2]]))
-  assert moved * 2.0 == pytest.approx(2.0, rel=1e-5)   # times q U = 2: the sum's move, S = 1
+  # times q U = 2: the sum's move, S = 1, up to the pinned sum's clip shrink 1 / (1 + eta)
+  # (records of k are summed in a pinned order since session 34: eta ~ 1.8e-5 here)
+  assert 2.0 / (1.0 + 1e-4) <= moved * 2.0 <= 2.0
 
 
 @pytest.mark.parametrize("user_first", [True, False])
