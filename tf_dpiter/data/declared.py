@@ -61,11 +61,11 @@ def declare_shuffled(dataset, population_size, batch_size, steps_per_pass=None):
   Raises:
     ParameterTypeError: `dataset` is not a tf.data.Dataset, or a count is not an integer.
     PrivacyConfigError: population_size < 1, batch_size outside [1, population_size],
-      steps_per_pass < 1, or static batches larger than batch_size.
+      steps_per_pass < 1, or static batches larger than batch_size; when iterated (wrapped by
+      tf.data in a tf.errors.InvalidArgumentError, raised as it is by `DPModel.fit`), an
+      iteration started after one whose number of batches was not a multiple of
+      steps_per_pass.
     ParameterValueError: the dataset already carries a sampling declaration.
-    PrivacyConfigError (when iterated, wrapped by tf.data in a tf.errors.InvalidArgumentError;
-      `DPModel.fit` raises it as it is): an iteration started after one whose number of
-      batches was not a multiple of steps_per_pass.
   """
   if not isinstance(dataset, tf.data.Dataset):
     raise ParameterTypeError(
