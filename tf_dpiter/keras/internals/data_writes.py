@@ -32,7 +32,6 @@ _CALLS = {"PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0)
           "Case": (("branches",), 1), "StatelessCase": (("branches",), 1)}
 _LOOPS = ("While", "StatelessWhile")
 _PUBLIC = ("Shape", "ShapeN", "Size", "Rank")   # shapes of the inputs: static, public
-_RESOURCE = tf.resource.as_datatype_enum
 
 
 def _is_write(op):
@@ -53,10 +52,10 @@ class _Flow:
     self._library = {f.signature.name: f for f in graph_def.library.function}
     self._memo = {}
 
-  def body(self, nodes, tainted, resources, tainted_resources, under_data):
+  def body(self, nodes, tainted, tainted_resources, under_data):
     """(written resources, tainted names) of one body: `nodes` NodeDefs, `tainted` the
-    argument or node names whose values depend on the data, `resources` the resource
-    arguments' names, `tainted_resources` those already written from the data, `under_data`
+    argument or node names whose values depend on the data, `tainted_resources` the resources
+    already written from the data, `under_data`
     True when the whole body runs under a data-dependent predicate."""
     tainted, t_res, written = set(tainted), set(tainted_resources), set()
     changed = True
@@ -68,7 +67,7 @@ class _Flow:
           continue
         hot = any(s in tainted or s in t_res for s in srcs)
         if node.op in _CALLS or node.op in _LOOPS:
-          w, out_hot = self._call(node, srcs, tainted, resources, t_res, under_data)
+          w, out_hot = self._call(node, srcs, tainted, t_res, under_data)
         elif _is_write(node.op):
           value_hot = under_data or any(s in tainted or s in t_res for s in srcs[1:])
           w, out_hot = ({srcs[0]} if srcs and value_hot else set()), hot
@@ -89,15 +88,14 @@ class _Flow:
     if key not in self._memo:
       fdef = self._library[name]
       args = [a.name for a in fdef.signature.input_arg]
-      res = {a.name for a in fdef.signature.input_arg if a.type == _RESOURCE}
-      written, tainted = self.body(fdef.node_def, {args[i] for i in hot_args}, res,
+      written, tainted = self.body(fdef.node_def, {args[i] for i in hot_args},
                                    {args[i] for i in hot_res}, under_data)
       outs = [fdef.ret[o.name] for o in fdef.signature.output_arg]
       self._memo[key] = ({i for i, a in enumerate(args) if a in written},
                          frozenset(i for i, o in enumerate(outs) if _source(o) in tainted))
     return self._memo[key]
 
-  def _call(self, node, srcs, tainted, resources, t_res, under_data):
+  def _call(self, node, srcs, tainted, t_res, under_data):
     """(caller resources written from the data, outputs hot) of a call, branch or loop."""
     hot = [s in tainted or s in t_res for s in srcs]
     if node.op in _LOOPS:
@@ -149,7 +147,7 @@ def data_dependent_writes(fn, specs):
     if internal.dtype == tf.resource:
       names[internal.op.name] = _variable_name(external)
   graph_def = graph.as_graph_def()
-  written, _ = _Flow(graph_def).body(graph_def.node, data, set(names), set(), False)
+  written, _ = _Flow(graph_def).body(graph_def.node, data, set(), False)
   order = [n.name for n in graph_def.node if n.name in written]
   return [names.get(n, f"an untracked resource {n!r}") for n in order]
 
