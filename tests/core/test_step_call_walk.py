@@ -115,5 +115,7 @@ def test_the_vectorized_step_runs_in_at_most_ten_files():
   # 33 since it is formed at declaration, 35 with the clip's norm in a pinned order and its
   # margin (summation.pinned_norm, a soundness fix: dp_query -> summation -> dp_query ->
   # summation); 39 with the charged-update check of apply_private_gradients (a soundness fix:
-  # plain gradients were applied uncharged); issue 41's goal: <= 35 (half the 71 at its start)
-  assert step_call_walk.summarize(list(calls))["returns"] <= 39
+  # plain gradients were applied uncharged); 33 since the query sums its records' leaves in
+  # one map over summation.pairwise_sum (was a dp_query -> summation -> dp_query visit per
+  # leaf); issue 41's goal: <= 35 (half the 71 at its start)
+  assert step_call_walk.summarize(list(calls))["returns"] <= 33

@@ -525,12 +525,9 @@ class SumAggregationDPQuery(DPQuery):
     """
     pre = self.preprocess_records(params, records)
 
-    def _sum(x):
-      if mask is not None:
-        m = tf.cast(mask, x.dtype)
-        m = tf.reshape(m, [-1] + [1] * (len(x.shape) - 1))
-        x = x * m
-      return summation.pairwise_sum(x)
-
+    if mask is not None:
+      pre = tf.nest.map_structure(
+          lambda x: x * tf.reshape(tf.cast(mask, x.dtype), [-1] + [1] * (x.shape.rank - 1)),
+          pre)
     return self.accumulate_preprocessed_record(
-        sample_state, tf.nest.map_structure(_sum, pre))
+        sample_state, tf.nest.map_structure(summation.pairwise_sum, pre))
