@@ -34,22 +34,28 @@ def clip_by_l1_norm(record, l1_norm_clip):
 def laplace_noise(generator, shape, scale, dtype=tf.float32):
   """Laplace(0, scale) samples of `shape`: b (E1 - E2), E1, E2 independent standard exponentials.
 
-  The exponentials come from `randomness.exponential` (exact in the tail: |noise| unbounded,
-  as pure epsilon requires). Computed in float32, then cast to `dtype`.
+  The exponentials come from `randomness.exponential` (float32) or, for a float64 `dtype`,
+  `randomness.exponential64`: sampled in the output's width (float32 noise cast to float64
+  would lie on float32's lattice and leave a float64 sum's low bits readable: Mironov, "On
+  Significance of the Least Significant Bits for Differential Privacy", Section 3). Exact in
+  the tail: |noise| unbounded, as pure epsilon requires.
 
   Args:
     generator: a tf.random.Generator.
     shape: the output shape.
     scale: b >= 0.
-    dtype: the output dtype.
+    dtype: the output dtype (float64: sampled in float64; any other: in float32, then cast).
 
   Returns:
     a tensor of `shape` and `dtype`.
   """
   shape = tf.convert_to_tensor(shape, tf.int32)
   n = tf.reduce_prod(shape)
-  e = randomness.exponential(generator, 2 * n)
-  noise = (e[:n] - e[n:]) * tf.cast(scale, tf.float32)
+  if tf.as_dtype(dtype) == tf.float64:
+    e = randomness.exponential64(generator, 2 * n)
+  else:
+    e = randomness.exponential(generator, 2 * n)
+  noise = (e[:n] - e[n:]) * tf.cast(scale, e.dtype)
   return tf.cast(tf.reshape(noise, shape), dtype)
 
 

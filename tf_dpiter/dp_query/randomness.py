@@ -211,6 +211,44 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
   return -_log_uniform(generator, k, int(bucket_bits), int(refine_below))
 
 
+def exponential64(generator, size):
+  """`size` standard exponentials E = -ln U in float64, exact in the tail.
+
+  U = 2^-53 (j + 1/2), j uniform on [0, 2^53) (53 bits of two 32-bit words); j = 0
+  (probability 2^-53) restarts memorylessly, E = 53 ln 2 + E' with E' drawn again (a
+  tf.while_loop until no j is 0: static shapes, XLA-safe). float64 throughout: float32
+  exponentials cast to float64 lie on float32's lattice, and noise on a lattice added to
+  float64 values leaves the values' low bits readable (Mironov, "On Significance of the
+  Least Significant Bits for Differential Privacy", Section 3).
+
+  Args:
+    generator: a tf.random.Generator or a SecureRandom.
+    size: number of values (int or scalar tensor).
+
+  Returns:
+    float64 tensor [size].
+  """
+  size = _static_or_tensor(size)
+  ln2_53 = 53.0 * _LN2
+
+  def draw():
+    words = tf.cast(_uint32_words(generator, [2, size]), tf.int64)
+    j = tf.bitwise.bitwise_or(tf.bitwise.left_shift(tf.bitwise.right_shift(words[0], 11), 32),
+                              words[1])
+    return -tf.math.log((tf.cast(j, tf.float64) + 0.5) * 2.0 ** -53), tf.equal(j, 0)
+
+  e, pending = draw()
+  offset = tf.zeros_like(e)
+
+  def body(e, offset, pending):
+    offset = tf.where(pending, offset + ln2_53, offset)
+    e_next, zero = draw()
+    return tf.where(pending, e_next, e), offset, pending & zero
+
+  e, offset, _ = tf.while_loop(lambda e, o, p: tf.reduce_any(p), body, [e, offset, pending])
+  return offset + e
+
+
 def _log_uniform(generator, k, bucket_bits=32, refine_below=256):
   """ln U = -E of `exponential` given its first buckets k (float32): ln(2^-b (k + 1/2)) <= 0,
   the rare k < refine_below redrawn exactly (`_refined`, in a graph through `_shared_refined`).
