@@ -51,6 +51,8 @@ class Cluster:
         task = getattr(svc, "_anchor_task", None)
         if task is not None:
           task.cancel()
+        if svc.anchor is not None:  # the process is gone: the kernel closes its files and
+          svc.anchor.close()        # drops the anchor's lock (no final save)
         await svc.store.close()
       else:
         await svc.shutdown()
@@ -249,3 +251,50 @@ def test_anchor_keeps_the_older_record_when_the_newest_is_torn(tmp_path):
   path.write_text("not an anchor")
   with pytest.raises(ValueError, match="not an anchor file"):
     anchor_lib.Anchor(str(path)).load()
+
+
+def test_two_servers_on_one_state_file_the_second_is_refused(cluster, tmp_path):
+  """Two writers of one anchor overwrite each other's records (the newest counter wins on
+  load, not the highest sequence number): measured before the lock, A anchored 6 updates, B
+  acknowledged seq 7, the file then loaded seq 5. The second server is refused instead."""
+  state = str(tmp_path / "shared.anchor")
+
+  async def go():
+    a, b = cluster.svc(state), cluster.svc(state)
+    await a.startup()
+    try:
+      with pytest.raises(ValueError, match="in use by another server"):
+        await b.startup()
+      h, ticket = await a.draw_for("me")  # A still serves and anchors
+      seq = await a.store_ticketed("me", parsing.Submission(honest(SPEC, h, cluster.rng), h,
+                                                              ticket))
+      assert seq == 1
+    finally:
+      await a.shutdown()
+    c = cluster.svc(state)  # A released the lock at shutdown
+    await c.startup()
+    await c.shutdown()
+
+  asyncio.run(go())
+
+
+def test_the_anchor_lock_dies_with_its_process(tmp_path):
+  """kill -9 of the holder: the kernel drops the flock, a restarted server takes it."""
+  import subprocess
+  import sys
+  from tf_dpiter.draw_discard import anchor as anchor_lib
+  path = str(tmp_path / "a.anchor")
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import sys, time; from tf_dpiter.draw_discard import anchor; "
+       f"a = anchor.Anchor({path!r}); a.lock(); print('locked', flush=True); time.sleep(60)"],
+      stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+  try:
+    assert holder.stdout.readline().strip() == b"locked"
+    with pytest.raises(ValueError, match="in use by another server"):
+      anchor_lib.Anchor(path).lock()
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(10)
+  a = anchor_lib.Anchor(path)
+  a.lock()
+  a.close()

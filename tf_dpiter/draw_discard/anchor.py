@@ -8,12 +8,16 @@ of another generation unless it reset it itself, and, without an anchor file, a 
 already holds updates (unless `adopt=True`, `--adopt-store`). Every server start appends an
 epoch `id:seq` to the store; the anchor keeps the list's length n and last entry, so a
 rollback before the anchored seq followed by any server start breaks entry n - 1 or the
-order of later entries. Residual risk: docs/draw_discard_security.md, section 1.
+order of later entries. A server holds an exclusive lock (flock) on `PATH.lock` from start-up
+to shutdown: a second server given the same state file is refused, since two writers of one
+anchor overwrite each other's records and can leave one below an acknowledged sequence
+number. Residual risk: docs/draw_discard_security.md, section 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -65,6 +69,29 @@ class Anchor:
     self._counter = 0  # n of the newest record
     self._waiters: list = []  # (seq, future) waiting for the next write
     self._writer: asyncio.Future | None = None
+    self._lock_file = None  # PATH.lock, flocked while this server uses the anchor
+
+  def lock(self) -> None:
+    """Takes the exclusive lock of the anchor (`PATH.lock`, kept until `close`; the kernel
+    drops it when the process dies, kill -9 included).
+
+    Raises:
+      ParameterValueError: another process (or another Anchor of this one) holds it.
+      OSError: the lock file cannot be created.
+    """
+    if self._lock_file is not None:
+      return
+    f = open(self.path + ".lock", "ab")  # pylint: disable=consider-using-with  (kept open)
+    try:
+      fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+      f.close()
+      raise ParameterValueError(
+          f"`state_file` is in use by another server (its lock {self.path + '.lock'!r} is "
+          "held): every server of a store needs its own state file, two writers of one "
+          f"anchor can record a sequence number below an acknowledged one. Received: "
+          f"state_file={self.path!r}") from e
+    self._lock_file = f
 
   def load(self) -> dict | None:
     """The newest intact record of the file (see save; or one JSON object), {"generation",
@@ -143,12 +170,18 @@ class Anchor:
 
     Raises:
       store.StoreRolledBack: see check().
+      ParameterValueError: another server holds the anchor's lock (`lock`).
     """
-    anchored = await self.check(store, wrote, reset)
-    store.high_water = max(store.high_water, anchored)
-    await store.epochs(new_epoch=uuid.uuid4().hex[:16])
-    store.anchor = self
-    await self.commit(store, store.high_water)
+    self.lock()
+    try:
+      anchored = await self.check(store, wrote, reset)
+      store.high_water = max(store.high_water, anchored)
+      await store.epochs(new_epoch=uuid.uuid4().hex[:16])
+      store.anchor = self
+      await self.commit(store, store.high_water)
+    except BaseException:
+      self.close()  # a refused start holds no lock
+      raise
 
   def save(self, generation: str, seq: int, epochs: int = 0, last_epoch: str = "") -> None:
     """Writes the anchor (the store's generation, the highest `seq`, never lowered within a
@@ -196,10 +229,13 @@ class Anchor:
     return len(head) == 2 * _REC and _parse(head[:_REC]) is not None
 
   def close(self) -> None:
-    """Closes the file (after the last save)."""
+    """Closes the file (after the last save) and releases the lock."""
     if self._fd is not None:
       os.close(self._fd)
       self._fd = None
+    if self._lock_file is not None:
+      self._lock_file.close()  # closing the descriptor releases the flock
+      self._lock_file = None
 
   async def commit(self, store, seq: int) -> None:
     """Returns once the anchor on disk holds at least `seq` (one write per batch; the

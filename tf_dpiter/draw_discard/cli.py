@@ -83,7 +83,8 @@ def _add_serve(sub) -> None:
   s.add_argument("--state-file", default=None,
                  help="Redis: this server's anchor file (its own disk), written before each "
                       "update is acknowledged: refuse to start on a store that lost "
-                      "acknowledged updates, or whose anchor is missing")
+                      "acknowledged updates, or whose anchor is missing; one file per "
+                      "server (locked while it runs: a second server on it is refused)")
   s.add_argument("--adopt-store", action="store_true",
                  help="with --state-file: accept the store as it is although the anchor is "
                       "missing or records another generation (a server new to the store)")
