@@ -51,3 +51,32 @@ def test_a_torn_byte_in_either_record_keeps_the_other(tmp_path):
     path.write_bytes(bytes(torn))
     got = anchor_lib.Anchor(str(path)).load()
     assert got["seq"] == (11 if offset < 256 else 12), (offset, got)
+
+
+def test_a_failed_write_never_moves_the_next_one_onto_the_newest_record(tmp_path, monkeypatch):
+  """A save whose write fails (ENOSPC, EIO) part-way tears its slot; the next save must go to
+  that same slot, not onto the newest intact record: otherwise a crash (or a second failure)
+  during it leaves no intact record and the server cannot start on its anchor. Before: the
+  counter moved on the failed write, the retry overwrote seq 11's slot, the file read "not an
+  anchor file"."""
+  import os
+  path = tmp_path / "anchor"
+  a = anchor_lib.Anchor(str(path))
+  for seq in (10, 11):
+    a.save("g", seq)
+  real_pwrite = os.pwrite
+
+  def torn_pwrite(fd, data, offset):  # a part of the record reaches the disk, then the error
+    real_pwrite(fd, data[:24], offset)  # inside the checksum and JSON: the record is torn
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(os, "pwrite", torn_pwrite)
+  for seq in (12, 13):  # the failing save, then its retry crashing part-way as well
+    with pytest.raises(OSError):
+      a.save("g", seq)
+  monkeypatch.setattr(os, "pwrite", real_pwrite)
+  got = anchor_lib.Anchor(str(path)).load()
+  assert got["seq"] == 11  # the last save that returned (12 and 13 were never acknowledged)
+  a.save("g", 14)
+  assert anchor_lib.Anchor(str(path)).load()["seq"] == 14
+  a.close()

@@ -190,7 +190,8 @@ class Anchor:
 
     The file holds two records of _REC bytes, each `BLAKE2b-64 hex | JSON` with a counter
     n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
-    other intact. The file itself is created (or converted from one JSON object) by writing
+    other intact; n advances only when the write succeeded, so the save after a failed one
+    overwrites the same slot again. The file itself is created (or converted from one JSON object) by writing
     a temporary file, fsyncing it, renaming it and fsyncing the directory.
     """
     if self._saved is not None and self._saved[0] == generation:
@@ -214,9 +215,11 @@ class Anchor:
       self._counter = 0  # the record just written: slot 0, n = 0
       self._fd = os.open(self.path, os.O_RDWR)
     else:
-      self._counter += 1  # record n goes to slot n % 2: the older of the two
-      os.pwrite(self._fd, _record(data, self._counter), (self._counter % 2) * _REC)
+      n = self._counter + 1  # record n goes to slot n % 2: the older of the two
+      os.pwrite(self._fd, _record(data, n), (n % 2) * _REC)
       os.fdatasync(self._fd)
+      self._counter = n  # only now: after a failed write the retry goes to the same (torn)
+      # slot, never onto the newest intact record
     self._saved = (generation, int(seq))
 
   def _in_place(self) -> bool:
