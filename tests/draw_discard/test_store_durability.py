@@ -298,3 +298,35 @@ def test_the_anchor_lock_dies_with_its_process(tmp_path):
   a = anchor_lib.Anchor(path)
   a.lock()
   a.close()
+
+
+def test_an_update_stored_but_not_anchored_stays_in_the_influence_budget(cluster, tmp_path,
+                                                                          monkeypatch):
+  """The anchor write fails (ENOSPC) after the store took the update: the client gets 503
+  update_not_acknowledged, its ticket is used, and the step stays in its identity's influence
+  budget. Before: the budget refunded it, so each such update escaped the envelope (3 stored
+  updates, budget count 0)."""
+  from tf_dpiter.draw_discard import anchor as anchor_lib
+  from tf_dpiter.draw_discard import sybil
+
+  async def go():
+    svc = cluster.svc(str(tmp_path / "a.anchor"))
+    await svc.startup()
+    try:
+      def full_disk(*a, **kw):
+        raise OSError(28, "No space left on device")
+      monkeypatch.setattr(anchor_lib.Anchor, "save", full_disk)
+      for i in range(3):
+        h, ticket = await svc.draw_for("127.0.0.1")
+        sub = parsing.Submission(honest(SPEC, h, cluster.rng), h, ticket)
+        with pytest.raises(store_lib.StoredNotAcknowledged):
+          await svc.store_ticketed("127.0.0.1", sub)
+        assert (await svc.store.counters())["seq"] == i + 1  # it is in the store
+        with pytest.raises(parsing.RequestError, match="ticket_used"):
+          await svc.store_ticketed("127.0.0.1", sub)
+      assert svc.budget.state(sybil.budget_key("127.0.0.1", False))[0] == 3
+    finally:
+      monkeypatch.undo()
+      await svc.shutdown()
+
+  asyncio.run(go())

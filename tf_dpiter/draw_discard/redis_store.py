@@ -266,7 +266,10 @@ class RedisStore(store_lib.Store):
     if nonce is not None:
       self.guard.used(nonce, nonce_ttl_s)
     if self.anchor is not None:
-      await self.anchor.commit(self, seq)
+      try:
+        await self.anchor.commit(self, seq)
+      except store_lib.StoreUnavailable as e:  # written above: stored, not acknowledged
+        raise store_lib.StoredNotAcknowledged(str(e)) from e
     return seq
 
   async def epochs(self, new_epoch: str | None = None) -> tuple[int, int, str]:

@@ -15,7 +15,8 @@ bytes ("raw", version in X-DDML-Version)):
 Errors are JSON {"error": code, "message": ...}: 400 malformed / missing_ticket / bad_ticket,
 401/403 token / invalid_ticket, 408 slow body, 409 wrong version / ticket_expired /
 ticket_used, 413, 415, 422 wrong shape or refused, 429 quotas (Retry-After), 503 store_lost /
-store_unavailable / too_many_connections / influence_table_full. The server keeps no record
+store_unavailable / too_many_connections / influence_table_full / update_not_acknowledged
+(stored, but the anchor could not be written: counted in the influence budget). The server keeps no record
 of which instance was drawn. With tickets=False any of the k instances and the last
 `history` replaced ones may be the pre-image (acceptance.check).
 """
@@ -250,6 +251,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         self.draw_gate.dropped(slot, node)
       self.draw_gate.written(slot, node, seq)
       return seq
+    except store_lib.StoredNotAcknowledged:
+      raise  # in the store (its draws counted there): the budget keeps the step; 503
     except BaseException as e:   # nothing stored: the reservation and the draws go back
       self.admission.release(adm)
       self._pending_draws += draws

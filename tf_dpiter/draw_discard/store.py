@@ -55,6 +55,12 @@ class StoreUnavailable(RuntimeError):
   """The store cannot be reached (connection refused, timeout)."""
 
 
+class StoredNotAcknowledged(StoreUnavailable):
+  """replace() wrote the update but could not anchor its sequence number (anchor.py: the
+  anchor file or the store's epoch list failed): it is in the store, not acknowledged. The
+  caller must count it as stored (influence budget, ticket) although the client gets 503."""
+
+
 class RateExceeded(RuntimeError):
   """replace() refused: the identity's influence rate across all servers is used up."""
 
@@ -173,8 +179,8 @@ class Store(abc.ABC):
     Raises:
       TicketUsed: the nonce was used before, here or (Redis) by any server; nothing written.
       RateExceeded: over the identity's influence rate (Redis); nothing written.
-      StoreLost: the anchor (anchor.py) cannot be written: the update is then stored, not
-        acknowledged.
+      StoredNotAcknowledged: the anchor (anchor.py) cannot be written: the update is then
+        stored, not acknowledged.
     """
 
   @abc.abstractmethod

@@ -116,6 +116,12 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
     log_event(log, "store_lost", logging.ERROR, every_s=10.0, detail=str(e))
     return json_error(503, "store_lost", "the model store lost its data or was re-initialized; "
                       "an operator must restart the service", headers={"Retry-After": "30"})
+  except store_lib.StoredNotAcknowledged as e:
+    svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
+    log_event(log, "update_not_acknowledged", logging.ERROR, every_s=10.0, detail=str(e))
+    return json_error(503, "update_not_acknowledged",
+                      "the update is in the store but this server could not record it durably; "
+                      "its ticket is used: do not send it again", headers={"Retry-After": "1"})
   except store_lib.StoreUnavailable as e:
     svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
     log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
