@@ -205,3 +205,19 @@ def test_a_full_table_says_when_room_frees():
     assert budget.reserve(ident, d) == ""
   assert budget.reserve("c", d) == "influence_table_full"
   assert budget.room_in_s() == pytest.approx(budget.half_life_s)  # S1 = 2 halves to 1
+
+
+def test_a_ticket_has_one_spelling():
+  """base64 decoding skips characters outside its alphabet: before, the ticket with junk
+  appended, inserted or in standard-alphabet form still verified (one ticket, many strings).
+  Now only the 48 URL-safe characters issued are accepted (400 bad_ticket)."""
+  t = tickets.Tickets(b"k" * 32, ttl_s=60)
+  h = np.arange(5.0)
+  tk = t.issue("alice", h)
+  assert len(t.verify(tk, "alice", h)) == 24
+  variants = [tk + "!!", "\n" + tk, tk[:10] + " " + tk[10:], tk + "====", tk + "\u00e9",
+              tk.replace("-", "+").replace("_", "/") if ("-" in tk or "_" in tk) else tk + "+"]
+  for bad in variants:
+    with pytest.raises(tickets.TicketError) as e:
+      t.verify(bad, "alice", h)
+    assert e.value.code == "bad_ticket" and e.value.status == 400, repr(bad)

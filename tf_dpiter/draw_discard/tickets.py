@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import struct
 import threading
@@ -33,6 +34,8 @@ from tf_dpiter.errors import ParameterValueError
 _NONCE = 12
 _MAC = 16
 _LEN = 8 + _NONCE + _MAC  # 36 bytes -> 48 base64 characters
+_TEXT_LEN = 4 * _LEN // 3
+_TEXT = re.compile(r"[A-Za-z0-9_-]{%d}" % _TEXT_LEN, re.ASCII)
 
 
 class TicketError(ValueError):
@@ -122,12 +125,10 @@ class Tickets:
     if not ticket:
       raise TicketError(400, "missing_ticket", "submit needs the ticket returned by its draw "
                         "(X-DDML-Ticket header or 'ticket' field) and the drawn instance")
-    try:
-      raw = base64.urlsafe_b64decode(ticket.encode("ascii"))
-    except (ValueError, UnicodeEncodeError) as e:
-      raise TicketError(400, "bad_ticket", "ticket is not base64") from e
-    if len(raw) != _LEN:
-      raise TicketError(400, "bad_ticket", f"ticket must decode to {_LEN} bytes")
+    if _TEXT.fullmatch(ticket) is None:  # one spelling per ticket: b64decode would skip junk
+      raise TicketError(400, "bad_ticket", f"ticket must be {_TEXT_LEN} URL-safe base64 "
+                        "characters (A-Z a-z 0-9 - _)")
+    raw = base64.urlsafe_b64decode(ticket)
     head, mac = raw[:8 + _NONCE], raw[8 + _NONCE:]
     if not hmac.compare_digest(mac, self._mac(identity, instance_digest(h), head)):
       raise TicketError(403, "invalid_ticket",
