@@ -89,3 +89,32 @@ def test_low_bits_do_not_reveal_the_record(which):
   true_share = float32_share(w + GAMMA * CLIP)   # record D: G = -c
   other_share = float32_share(w - GAMMA * CLIP)  # record N: G = +c
   assert true_share < 0.01 and other_share < 0.01, (true_share, other_share)
+
+
+@pytest.mark.parametrize("which", ["numpy", "tf"])
+@pytest.mark.parametrize("y", [[np.nan, 1.0], [np.inf, 0.0], [1e308, -1e308]])
+def test_a_non_finite_response_leaves_the_update_noise_protected(which, y):
+  # Before: a NaN response made every weight NaN, through the noise: the server saw, without
+  # noise, that the client's data held a NaN. Now a NaN gradient coordinate counts as 0, so
+  # |G_j| <= c and the output is Laplace noise around a point within gamma c of w.
+  w = np.linspace(-0.3, 0.3, 3)
+  x = np.array([[0.5, 0.2, 1.0], [0.1, 0.9, 1.0]])
+  y = np.array(y)
+  if which == "tf":
+    quiet = client.make_tf_client_update("linear", GAMMA, None, CLIP)(w, x, y).numpy()
+    noisy = client.make_tf_client_update("linear", GAMMA, EPS, CLIP)(w, x, y).numpy()
+  else:
+    kw = dict(family="linear", gamma=GAMMA, clip=CLIP)
+    quiet = client.client_update(w, x, y, epsilon=None, **kw)
+    noisy = client.client_update(w, x, y, epsilon=EPS, **kw)
+  assert np.all(np.isfinite(quiet)) and np.all(np.isfinite(noisy))
+  assert np.all(np.abs(quiet - w) <= GAMMA * CLIP * (1 + 1e-12))
+
+
+def test_spec_update_refuses_a_non_finite_response_before_anything_is_sent():
+  from tf_dpiter.draw_discard import cli
+  spec = cli.dense_spec(3, epsilon=1.0, gamma=0.01)
+  x = {"x": np.full((2, 2), 0.5)}
+  with pytest.raises(ValueError, match="`y` must hold finite responses"):
+    client.spec_update(spec, np.zeros(3), x, [np.nan, 1.0])
+  assert np.all(np.isfinite(client.spec_update(spec, np.zeros(3), x, [0.0, 1.0])))

@@ -52,6 +52,11 @@ def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
                      mask: np.ndarray | None = None) -> np.ndarray:
   """||G||_[-c, c] for M clients: Eq. (3)'s average gradient clipped per coordinate (Algorithm 1).
 
+  A coordinate that is NaN (a NaN or infinite response, or an overflow inf - inf) counts as
+  0: the sensitivity 2 gamma c of the update then holds for every input, where a NaN would
+  pass through the noise and tell the server, without noise, that the client's data holds a
+  non-finite value.
+
   Args:
     family: the GLM family.
     weights: [M, p*C] flat instances.
@@ -72,8 +77,10 @@ def clipped_gradient(family: str, weights: np.ndarray, x: np.ndarray, y: np.ndar
   x = np.asarray(x, dtype=np.float64)
   p = x.shape[-1]
   w = glm.weights_matrix(weights, p, outputs)
-  g = glm.average_gradient(family, w, x, y, mask)
+  with np.errstate(invalid="ignore", over="ignore"):
+    g = glm.average_gradient(family, w, x, y, mask)
   np.clip(g, -clip, clip, out=g)
+  g[np.isnan(g)] = 0.0  # |G_j| <= c for every input: see the docstring
   return g.reshape(weights.shape)
 
 
@@ -135,8 +142,15 @@ def spec_update(spec: glm.ModelSpec, weights: np.ndarray, records, y,
 
   Returns:
     [p*C] float64, the update to submit.
+
+  Raises:
+    ParameterValueError: for a non-finite response, or features the spec refuses.
   """
   x = spec.featurize(records)
+  y = np.asarray(y)
+  if y.dtype.kind in "fc" and not np.all(np.isfinite(y)):
+    raise ParameterValueError("`y` must hold finite responses (a NaN or infinite response is "
+                              "not sent). Received: y with non-finite values")
   return client_update(np.asarray(weights, dtype=np.float64), x, np.asarray(y), family=spec.family,
                        gamma=spec.gamma, epsilon=spec.epsilon, clip=spec.clip,
                        outputs=spec.outputs, noise=spec.noise, delta=spec.delta, rng=rng)
@@ -226,6 +240,7 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
               if family == "multinomial" else tf.cast(y, tf.float64)[:, None])
     n = tf.cast(tf.shape(x)[0], tf.float64)
     g = tf.clip_by_value(tf.matmul(x, mu - target, transpose_a=True) / n, -clip, clip)
+    g = tf.where(tf.math.is_nan(g), tf.zeros_like(g), g)  # as clipped_gradient: |G_j| <= c
     out = weights - gamma * tf.reshape(g, [-1])
     if std > 0:
       if noise == "laplace":
