@@ -118,3 +118,15 @@ def test_spec_update_refuses_a_non_finite_response_before_anything_is_sent():
   with pytest.raises(ValueError, match="`y` must hold finite responses"):
     client.spec_update(spec, np.zeros(3), x, [np.nan, 1.0])
   assert np.all(np.isfinite(client.spec_update(spec, np.zeros(3), x, [0.0, 1.0])))
+
+
+def test_tf_client_laplace_from_os_randomness():
+  # The privacy core's SecureRandom (os.urandom words) drives the same float64 sampler.
+  from tf_dpiter import dp_query
+  upd = client.make_tf_client_update("linear", GAMMA, EPS, CLIP,
+                                     generator=dp_query.make_generator(secure=True))
+  rng = np.random.default_rng()
+  w, x, y, _ = _pair(P, rng)
+  noise = upd(w, x, y).numpy() - (w + GAMMA * CLIP)  # the true record's residual
+  assert abs(noise.std() / calibration.noise_std("laplace", GAMMA, EPS, CLIP) - 1) < 0.03
+  assert np.mean(np.float64(np.float32(noise)) == noise) < 0.01

@@ -171,7 +171,8 @@ _WORD_BITS = 53  # float64 significand: the uniform of _tf_exponential64 takes 5
 
 
 def _tf_exponential64(gen, n):
-  """n standard exponentials E = -ln U in float64 from a tf.random.Generator.
+  """n standard exponentials E = -ln U in float64 from a tf.random.Generator (or the privacy
+  core's SecureRandom).
 
   U = 2^-53 (j + 1/2), j the top 53 bits of a uniform 64-bit word; for j = 0 (probability
   2^-53) E continues memorylessly, 53 ln 2 + E' with E' drawn the same way (P(E > t) exact to
@@ -180,7 +181,11 @@ def _tf_exponential64(gen, n):
   for Differential Privacy", Section 3: the noise's support is a sparse lattice).
   """
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  words = gen.uniform_full_int([2, n], dtype=tf.int64)
+  from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
+  if isinstance(gen, randomness.SecureRandom):  # os.urandom words
+    words = tf.reshape(gen.words(2 * n), [2, n])
+  else:
+    words = gen.uniform_full_int([2, n], dtype=tf.int64)
   j = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words, 64 - _WORD_BITS),
                              tf.constant(2**_WORD_BITS - 1, tf.int64))
   e = -tf.math.log((tf.cast(j, tf.float64) + 0.5) * 2.0**-_WORD_BITS)
@@ -212,7 +217,7 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
     outputs: C.
     noise: "laplace", "gaussian" or "none".
     delta: delta of the Gaussian calibration.
-    generator: a tf.random.Generator, or None.
+    generator: a tf.random.Generator, a dp_query SecureRandom (Laplace noise only), or None.
 
   Returns:
     The tf.function update(weights, x, y) -> [p*C] float64.
