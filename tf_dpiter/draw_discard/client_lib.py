@@ -10,6 +10,7 @@ checked on every submit path: a weaker spec raises PrivacyFloorError and nothing
 from __future__ import annotations
 
 import http.client
+import json
 import ssl
 import urllib.parse
 
@@ -28,8 +29,22 @@ __all__ = ["PAPER_EPSILON", "PrivacyFloor", "PrivacyFloorError", "DDMLError", "D
            "client_ssl_context", "DDMLClient", "AsyncDDMLClient"]
 
 
+def _ticket_used(body: bytes) -> bool:
+  """Whether an error answer's JSON code is "ticket_used"."""
+  try:
+    return json.loads(body).get("error") == "ticket_used"
+  except (ValueError, AttributeError):
+    return False
+
+
 class DDMLClient:
   """Blocking client.
+
+  A request whose connection fails is sent once more. A submit resent that way and answered
+  409 ticket_used was stored by its first send (the server marks a ticket used only with the
+  write of its update): it returns {"accepted": True, "seq": None, "resent": True} rather than
+  an error, so that the caller does not train again on the same records (a second update of
+  the same data would spend its epsilon twice).
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -85,6 +100,9 @@ class DDMLClient:
           self.last_ticket = r.getheader("X-DDML-Ticket")
           self._seq_header = r.getheader("X-DDML-Seq")
           return r.getheader("X-DDML-Version"), data
+        if attempt and r.status == 409 and _ticket_used(data) and path.startswith("/v1/submit"):
+          # the first send's answer was lost; its ticket is used only by a stored update
+          return {"accepted": True, "seq": None, "resent": True}
         return wire.answer_or_raise(r.status, data, r.getheader("Retry-After"))
       except (http.client.HTTPException, ConnectionError):
         self._conn.close()
@@ -121,7 +139,8 @@ class DDMLClient:
       weights: the updated instance.
 
     Returns:
-      {"accepted": True, "seq": n}.
+      {"accepted": True, "seq": n}; {"accepted": True, "seq": None, "resent": True} when the
+      answer was lost and the resend found the ticket used (see the class docstring).
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
