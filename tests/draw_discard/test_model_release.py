@@ -139,3 +139,38 @@ def test_stale_release_reader_gets_the_current_release_not_a_rollback(redis_url)
       await b.shutdown()
 
   asyncio.run(run())
+
+
+def test_reset_drops_the_old_models_release(redis_url):
+  """--reset re-creates the model at sequence number 0; the old model's release (at seq 3)
+  must go with it. Before: it stayed, the first /v1/model read took it for a rollback
+  (3 > 0), and StoreRolledBack stuck: every request of the new model answered 503, also
+  after a restart."""
+  import asyncio
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  rng = np.random.default_rng(6)
+
+  async def run():
+    old = _svc(store_factory.make_store(redis_url, prefix), model_min_updates=1,
+               model_interval_s=0.0)
+    await old.startup()
+    try:
+      for _ in range(3):
+        h, ticket = await old.draw_for(VICTIM)
+        await old.store_ticketed(VICTIM, parsing.Submission(honest(SPEC, h, rng), h, ticket))
+      assert (await old.release.current()).seq == 3
+    finally:
+      await old.shutdown()
+    new = _svc(store_factory.make_store(redis_url, prefix), model_min_updates=1,
+               model_interval_s=0.0, reset=True)
+    await new.startup()
+    try:
+      rel = await new.release.current()
+      assert rel.seq == 0
+      snap = await new.store.snapshot()
+      np.testing.assert_allclose(rel.mean, snap.slots.mean(axis=0))
+      assert await new.store.touch() == 0  # nothing sticky
+    finally:
+      await new.shutdown()
+
+  asyncio.run(run())

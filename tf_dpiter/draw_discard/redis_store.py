@@ -2,7 +2,7 @@
 
 Keys: <prefix>:gen, :meta, :slot:<i>, :hist (replaced instances, newest first), :seq,
 :counters, :init (lock with expiry), :nonce:<hex> (used tickets, expiring), :epochs
-(anchor.py). Every operation is one Lua script or MULTI transaction checking the generation
+(anchor.py), :released (model_release.py). Every operation is one Lua script or MULTI transaction checking the generation
 and the sequence high-water mark (redis_scripts.py); values carry integrity tags
 (store_mac.py); used nonces and retired values are remembered (replay_guard.py). Faults are
 sticky until a restart. With an anchor, replace() returns once the new sequence number is on
@@ -160,7 +160,8 @@ class RedisStore(store_lib.Store):
     r = self._r
     if reset:
       await r.delete(self._k("init"), self._k("gen"), self._k("meta"), self._k("counters"),
-                     self._k("hist"), self._k("seq"), self._k("epochs"), *self._k_slots)
+                     self._k("hist"), self._k("seq"), self._k("epochs"), self._k("released"),
+                     *self._k_slots)
     deadline = time.monotonic() + wait_s
     while True:
       if await r.exists(self._k("gen")):
@@ -178,7 +179,9 @@ class RedisStore(store_lib.Store):
         for i, (key, row) in enumerate(zip(self._k_slots, instances)):
           pipe.set(key, store_mac.seal(self.integrity_key, gen, i, row))
         pipe.set(self._k("meta"), json.dumps(dict(meta, generation=gen)).encode())
-        pipe.delete(self._k("counters"), self._k("hist"), self._k("epochs"))
+        # every key of a model (the released average included: its sequence number would
+        # read as a rollback of the new model's)
+        pipe.delete(self._k("counters"), self._k("hist"), self._k("epochs"), self._k("released"))
         pipe.set(self._k("seq"), 0)
         pipe.set(self._k("gen"), gen)
         pipe.delete(self._k("init"))
