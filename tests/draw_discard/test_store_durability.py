@@ -330,3 +330,45 @@ def test_an_update_stored_but_not_anchored_stays_in_the_influence_budget(cluster
       await svc.shutdown()
 
   asyncio.run(go())
+
+
+def test_a_write_with_unknown_outcome_stays_in_the_influence_budget(monkeypatch):
+  """The store took the update but its answer timed out (StoreUnavailable after the write):
+  the outcome is unknown to the server, so the step is kept in the identity's budget (an
+  honest client loses one step of budget at worst). Before: refunded, so every timed-out
+  write that did land escaped the influence envelope (budget count 0 for 2 stored updates)."""
+  from tf_dpiter.draw_discard import sybil
+
+  async def go():
+    svc = service.DDMLService(SPEC, 5, store_lib.MemoryStore(), seed=0, secret=SECRET,
+                              influence_steps=None)
+    await svc.startup()
+    real = svc.store.replace
+
+    async def lands_then_times_out(*a, **kw):
+      await real(*a, **kw)
+      raise store_lib.StoreUnavailable("redis: TimeoutError (simulated, after the write)")
+
+    monkeypatch.setattr(svc.store, "replace", lands_then_times_out)
+    rng = np.random.default_rng(4)
+    for i in range(2):
+      h, ticket = await svc.draw_for("127.0.0.1")
+      with pytest.raises(store_lib.StoreUnavailable):
+        await svc.store_ticketed("127.0.0.1",
+                                 parsing.Submission(honest(SPEC, h, rng), h, ticket))
+      assert (await svc.store.counters())["seq"] == i + 1
+    assert svc.budget.state(sybil.budget_key("127.0.0.1", False))[0] == 2
+    # a fault before the write (the rebase read) still refunds: nothing can have landed
+    monkeypatch.setattr(svc.store, "replace", real)
+
+    async def unreachable(*a, **kw):
+      raise store_lib.StoreUnavailable("redis: ConnectionError (simulated)")
+
+    monkeypatch.setattr(svc.snapshots, "recent", unreachable)
+    h, ticket = await svc.draw_for("127.0.0.1")
+    with pytest.raises(store_lib.StoreUnavailable):
+      await svc.store_ticketed("127.0.0.1", parsing.Submission(honest(SPEC, h, rng), h, ticket))
+    assert svc.budget.state(sybil.budget_key("127.0.0.1", False))[0] == 2
+    await svc.shutdown()
+
+  asyncio.run(go())

@@ -235,6 +235,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     except admission.Refused as e:
       raise await self._refuse(e) from e
     draws, self._pending_draws = self._pending_draws, 0
+    sent = False  # whether the write reached the store (its outcome may then be unknown)
     try:
       new, parent, slot = sub.weights, None, secrets.randbelow(self.k)
       if self.rebase:  # the step lands on an instance the server draws now
@@ -244,6 +245,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         if bad:
           raise await self._refuse(admission.rule_refusal(self.rule, bad))
       node = self.draw_gate.pending(slot, new, parent)
+      sent = True
       try:
         seq = await self.store.replace(slot, new, adm.nonce, self.tickets.nonce_ttl_s, draws,
                                        self._rate(key))
@@ -251,8 +253,12 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         self.draw_gate.dropped(slot, node)
       self.draw_gate.written(slot, node, seq)
       return seq
-    except store_lib.StoredNotAcknowledged:
-      raise  # in the store (its draws counted there): the budget keeps the step; 503
+    except store_lib.StoreUnavailable:
+      if sent:  # stored (StoredNotAcknowledged) or maybe stored (a timeout after the write
+        raise   # was sent): the budget keeps the step, the draws are not counted twice; 503
+      self.admission.release(adm)
+      self._pending_draws += draws
+      raise
     except BaseException as e:   # nothing stored: the reservation and the draws go back
       self.admission.release(adm)
       self._pending_draws += draws
