@@ -207,3 +207,24 @@ def test_spec_from_json_refuses_unknown_noise():
   d["noise"] = "off"
   with pytest.raises(ValueError, match="noise"):
     glm.ModelSpec.from_dict(d)
+
+
+def test_memory_store_warns_that_a_restart_loses_every_update(caplog):
+  """The default store keeps the model in the process: a restart silently started a new
+  model (all accepted updates gone) with no log line saying so. Now a warning at start-up."""
+  import asyncio
+  import json
+  import logging
+  from tf_dpiter.draw_discard import cli, service
+  from tf_dpiter.draw_discard import store as store_lib
+  caplog.set_level(logging.INFO)
+  svc = service.DDMLService(cli.dense_spec(4, epsilon=1.0, gamma=0.01), 3,
+                            store_lib.MemoryStore(), seed=0)
+  asyncio.run(svc.startup())
+  events = [json.loads(r.getMessage()) for r in caplog.records
+            if r.name == "tf_dpiter.draw_discard.service_setup"]
+  warned = [e for e in events if e["event"] == "memory_store_not_durable"]
+  assert len(warned) == 1 and "restart" in warned[0]["detail"]
+  assert any(r.levelno == logging.WARNING and "memory_store_not_durable" in r.getMessage()
+             for r in caplog.records)
+  asyncio.run(svc.shutdown())

@@ -69,7 +69,9 @@ def _add_serve(sub) -> None:
   s = sub.add_parser("serve", help="run the asynchronous HTTP service")
   s.add_argument("--k", type=int, default=20, help="number of model instances")
   s.add_argument("--model", required=True, help="model spec JSON file (glm.ModelSpec)")
-  s.add_argument("--store", default="memory", help="'memory' or redis://host:port/db")
+  s.add_argument("--store", default="memory",
+                 help="'memory' (this process only: a restart starts a new model, every "
+                      "accepted update is lost; logged as a warning) or redis://host:port/db")
   s.add_argument("--prefix", default="ddml", help="Redis key prefix (one model per prefix)")
   s.add_argument("--host", default="127.0.0.1")
   s.add_argument("--port", type=int, default=8080)

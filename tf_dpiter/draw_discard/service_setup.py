@@ -95,6 +95,11 @@ class StoreSetup:
       web_errors.log_event(log, "no_state_file", logging.WARNING,
                            detail="without --state-file this server cannot tell, when it "
                                   "starts, that the store lost acknowledged updates")
+    if self.store.kind == "memory":
+      web_errors.log_event(log, "memory_store_not_durable", logging.WARNING,
+                           detail="the k instances live in this process only: a restart or "
+                                  "crash starts a new model and every accepted update is lost; "
+                                  "use a Redis store with --state-file to keep them")
     web_errors.log_event(log, "store_ready", store=self.store.kind,
                          action="initialized" if wrote else "joined")
     if auth.take_early_hangup():  # a SIGHUP before the loop handled signals: reload now
