@@ -131,3 +131,13 @@ def test_lemma3_pld_accounting_is_tighter_than_kenthapadi(t):
   bound = privacy.epsilon_adversary_three(1.0, t, 1e-8, exact=True)
   pld = privacy.epsilon_adversary_three_accounted(1.0, t, 1e-8)
   assert 0 < pld <= bound
+
+
+def test_statement_names_its_unit_one_weight():
+  """The guarantees are per weight (feature-level, Section VII); the statement said
+  "epsilon = ... per update", read as the whole update's. It now names the unit and the
+  composition over the p weights; the client step's noise is measured against the per-weight
+  epsilon in test_client_noise_review."""
+  text = str(privacy.privacy_statement(math.log(32), 20))
+  assert "per weight per update" in text
+  assert "unit: one client record's effect on ONE weight" in text and "p x" in text

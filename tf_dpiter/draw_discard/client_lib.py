@@ -42,7 +42,7 @@ class DDMLClient:
 
   A request whose connection fails is sent once more. A submit resent that way and answered
   409 ticket_used was stored by its first send (the server marks a ticket used only with the
-  write of its update): it returns {"accepted": True, "seq": None, "resent": True} rather than
+  write of its update; each Drawn is submitted once): it returns {"accepted": True, "seq": None, "resent": True} rather than
   an error, so that the caller does not train again on the same records (a second update of
   the same data would spend its epsilon twice).
 

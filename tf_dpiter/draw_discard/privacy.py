@@ -300,7 +300,10 @@ class PrivacyStatement:
   def __str__(self) -> str:
     return (
         f"Draw and Discard privacy (feature-level local DP, {self.noise} noise, k={self.k}):\n"
-        f"  adversary I   (channel listener):       epsilon = {self.adversary_one:.4g} per update\n"
+        f"  unit: one client record's effect on ONE weight; a record that moves all p weights "
+        f"has up to p x these epsilons for the whole update (composition)\n"
+        f"  adversary I   (channel listener):       epsilon = {self.adversary_one:.4g} per weight "
+        f"per update\n"
         f"  adversary II  (internal threat):        expected epsilon = (k-1)/(2k)*eps = "
         f"{self.adversary_two_expected:.4g} (Lemma 1)\n"
         f"  adversary III (opportunistic, T={self.num_later_updates:g}): "
