@@ -228,3 +228,14 @@ def test_memory_store_warns_that_a_restart_loses_every_update(caplog):
   assert any(r.levelno == logging.WARNING and "memory_store_not_durable" in r.getMessage()
              for r in caplog.records)
   asyncio.run(svc.shutdown())
+
+
+@pytest.mark.parametrize("ttl", [float("inf"), float("nan"), 0.0, -1.0])
+def test_ticket_lifetime_must_be_finite(ttl):
+  """Before: ticket_ttl_s=inf was accepted; on Redis every submit then failed with
+  OverflowError (500: the nonce's PX milliseconds), in memory the nonce table grew forever."""
+  from tf_dpiter.draw_discard import cli, service
+  from tf_dpiter.draw_discard import store as store_lib
+  with pytest.raises(ValueError, match="`ticket_ttl_s` must be a finite number > 0"):
+    service.DDMLService(cli.dense_spec(3, epsilon=1.0, gamma=0.01), 3, store_lib.MemoryStore(),
+                        ticket_ttl_s=ttl)

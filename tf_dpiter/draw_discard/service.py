@@ -80,7 +80,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     tickets: require draw tickets (tickets.py) and test steps against the served instance.
     rebase: with tickets, store h' + (u - h), h' drawn by the server when the update arrives,
       instead of u (Algorithm 2; influence.py).
-    ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered).
+    ticket_ttl_s: a ticket's lifetime (and how long its nonce is remembered), finite.
     budget_alpha: the influence budget's lifetime false-rejection probability (influence.py).
     max_identities: identities whose influence budget is kept.
     secret: the shared secret of the store's servers (keys.py). None: a random one for this
@@ -101,7 +101,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     draw_min_updates: with rebasing, the draw gate's m (draw_gate.py); 1: Algorithm 2's draws.
 
   Raises:
-    ParameterValueError: for k < 2, history < 0 or a bad acceptance parameter.
+    ParameterValueError: for k < 2, history < 0, a ticket_ttl_s that is not a finite number
+      > 0 or a bad acceptance parameter.
   """
 
   def __init__(self, spec: glm.ModelSpec, k: int, store, *, tokens: auth.TokenSet | None = None,
@@ -133,8 +134,11 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                                           centre_factor=centre_factor)
     self.use_tickets = bool(tickets)
     self.rebase = bool(rebase) and self.use_tickets
+    # finite: a used nonce is remembered this long (an infinite one would grow the memory
+    # store's nonce table forever and overflow Redis's PX milliseconds on every submit)
+    validation.check_positive("ticket_ttl_s", ticket_ttl_s, allow_inf=False,
+                              error=ParameterValueError)
     self.ticket_ttl_s = float(ticket_ttl_s)
-    tickets_lib.Tickets(b"0" * 16, self.ticket_ttl_s)  # validates ttl
     self.tickets: tickets_lib.Tickets | None = None  # keyed from the store at startup
     self.budget = influence.InfluenceBudget(
         self.rule, budget_alpha, max_identities, max_steps=influence_steps,
