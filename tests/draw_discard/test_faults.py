@@ -239,3 +239,16 @@ def test_ticket_lifetime_must_be_finite(ttl):
   with pytest.raises(ValueError, match="`ticket_ttl_s` must be a finite number > 0"):
     service.DDMLService(cli.dense_spec(3, epsilon=1.0, gamma=0.01), 3, store_lib.MemoryStore(),
                         ticket_ttl_s=ttl)
+
+
+@pytest.mark.parametrize("setting", ["influence_half_life_s", "model_interval_s"])
+def test_half_life_and_release_interval_must_be_finite(setting):
+  """Before: both took inf; on Redis every submit then failed part-way through the REPLACE
+  script (PEXPIRE of an infinite half-life: 'value is not an integer', after the slot, nonce
+  and counters were written but before the sequence number moved), and every /v1/model
+  raised OverflowError. None already means "no decay"."""
+  from tf_dpiter.draw_discard import cli, service
+  from tf_dpiter.draw_discard import store as store_lib
+  with pytest.raises(ValueError, match="finite"):
+    service.DDMLService(cli.dense_spec(3, epsilon=1.0, gamma=0.01), 3, store_lib.MemoryStore(),
+                        **{setting: float("inf")})

@@ -123,7 +123,7 @@ class InfluenceBudget:
     alpha: lifetime false-rejection probability of one honest identity, in (0, 0.5).
     max_identities: identities kept.
     max_steps: rate cap on S1 (None: no cap).
-    half_life_s: decay half-life in seconds (None: no decay, the undecayed envelope).
+    half_life_s: decay half-life in seconds, finite (None: no decay, the undecayed envelope).
     max_memory_bytes: bound on the budget's memory (16 p + 160 bytes per identity).
     clock: time source in seconds (tests, benchmarks).
 
@@ -132,7 +132,7 @@ class InfluenceBudget:
 
   Raises:
     ParameterValueError: for alpha outside (0, 0.5), max_identities < 1, max_steps < 1,
-      half_life_s <= 0 or max_memory_bytes too small for one identity.
+      half_life_s <= 0 or infinite, or max_memory_bytes too small for one identity.
   """
 
   FORGET_BELOW = 1.0
@@ -146,7 +146,8 @@ class InfluenceBudget:
     validation.check_integer("max_identities", max_identities, 1)
     validation.check_params({"max_steps": validation.Optional(_AT_LEAST_ONE)}, {"max_steps": max_steps})
     if half_life_s is not None:
-      validation.check_positive("half_life_s", half_life_s, True, ParameterValueError)
+      # finite (None: no decay): Redis keeps the rate key for 20 half-lives in milliseconds
+      validation.check_positive("half_life_s", half_life_s, False, ParameterValueError)
     per_identity = 16 * rule.p + 160
     if max_memory_bytes < per_identity:
       raise ParameterValueError(f"`max_memory_bytes` must hold one identity ({per_identity} bytes). "

@@ -59,12 +59,14 @@ class ModelRelease:
     min_interval_s: seconds between two releases (>= 0).
 
   Raises:
-    ParameterValueError: for min_updates < 1 or min_interval_s < 0.
+    ParameterValueError: for min_updates < 1, or min_interval_s < 0 or not finite.
   """
 
   def __init__(self, store, snapshots, k: int, min_updates: int, min_interval_s: float):
     validation.check_integer("model_min_updates", min_updates, 1)
-    validation.check_nonnegative("model_interval_s", min_interval_s, error=ParameterValueError)
+    # finite: the Redis store keeps it in integer milliseconds
+    validation.check_nonnegative("model_interval_s", min_interval_s, allow_inf=False,
+                                 error=ParameterValueError)
     self.store, self.snapshots, self.k = store, snapshots, int(k)
     self.min_updates, self.min_interval_s = int(min_updates), float(min_interval_s)
     self._memory = MemoryRelease()
