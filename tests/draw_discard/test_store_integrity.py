@@ -191,3 +191,45 @@ def test_anchor_file_detects_a_rollback_made_while_the_server_was_down(own_redis
   finally:
     again.terminate()
     again.wait(10)
+
+
+@pytest.mark.parametrize("key", ["hist", "counters", "seq"])
+def test_a_key_of_another_type_fails_the_replace_before_any_write(redis_url, key):
+  """Redis keeps a script's writes when a later command of it fails. A key of the model
+  overwritten with another type (a Redis writer without the secret) made REPLACE fail after
+  it had stored the slot and the nonce but before the sequence number moved (a silent change
+  at an unchanged seq; the client got a 500). Now REPLACE checks the types first: StoreCorrupt
+  (503 store_lost), nothing written."""
+  import asyncio
+  import redis
+  import uuid
+  from tf_dpiter.draw_discard import cli, parsing, service, store_factory
+  from tests.draw_discard.conftest import honest
+  spec = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  rng = np.random.default_rng(2)
+
+  async def run():
+    svc = service.DDMLService(spec, 4, store_factory.make_store(redis_url, prefix), seed=0,
+                              secret=bytes(range(32)), influence_steps=None, history=4)
+    await svc.startup()
+    try:
+      h, ticket = await svc.draw_for("me")
+      await svc.store_ticketed("me", parsing.Submission(honest(spec, h, rng), h, ticket))
+      h, ticket = await svc.draw_for("me")  # the draw before the damage (it counts draws)
+      r = redis.Redis.from_url(redis_url)
+      slots_before = [r.get(f"{prefix}:slot:{i}") for i in range(4)]
+      if key == "seq":
+        r.set(f"{prefix}:seq", "1.5")   # a number, not an integer: INCR would fail
+      else:
+        r.delete(f"{prefix}:{key}")
+        r.set(f"{prefix}:{key}", "x")   # a string where a list / hash belongs
+      with pytest.raises(store_lib.StoreCorrupt, match="another type"):
+        await svc.store_ticketed("me", parsing.Submission(honest(spec, h, rng), h, ticket))
+      assert [r.get(f"{prefix}:slot:{i}") for i in range(4)] == slots_before
+      assert len(r.keys(f"{prefix}:nonce:*")) == 1  # the first submit's only
+      r.close()
+    finally:
+      await svc.shutdown()
+
+  asyncio.run(run())

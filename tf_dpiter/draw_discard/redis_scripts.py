@@ -2,7 +2,9 @@
 
 REPLACE returns {new sequence number, write id of the replaced value} and enforces the
 submitter's influence rate across all servers (S1 <= max_steps on the Redis clock; -5: over,
-nothing written). Every script first checks the generation (-1 missing, -2 another) and the
+nothing written). Redis does not undo a script's writes when a later command fails, so
+REPLACE checks, before its first write, every key a later command needs of a given type
+(-6: a key of the model has another type, nothing written). Every script first checks the generation (-1 missing, -2 another) and the
 caller's sequence high-water mark `hw` (-4: rolled back): the prologue `_checked`.
 """
 
@@ -29,6 +31,10 @@ return seq
 
 REPLACE = _checked(4, 7) + """local old = redis.call('GET', KEYS[2])
 if not old then return -1 end
+local function kind(key) return redis.call('TYPE', key)['ok'] end
+local kh, kc, kr = kind(KEYS[3]), kind(KEYS[5]), kind(KEYS[7])
+if (kh ~= 'none' and kh ~= 'list') or (kc ~= 'none' and kc ~= 'hash')
+   or (kr ~= 'none' and kr ~= 'hash') or seq ~= math.floor(seq) then return -6 end
 local rate = nil
 if ARGV[9] ~= '' then
   local t = redis.call('TIME')

@@ -260,6 +260,10 @@ class RedisStore(store_lib.Store):
       raise store_lib.TicketUsed("draw ticket already used")
     if code == -5:
       raise store_lib.RateExceeded("influence rate exceeded (all servers)")
+    if code == -6:
+      self._fail(store_lib.StoreCorrupt(
+          f"redis store prefix {self.prefix!r}: a key of the model (history, counters, rate "
+          "or sequence number) holds a value of another type; nothing was written"))
     old_id = None
     if isinstance(code, list):  # {seq, write id of the replaced value}
       code, old_id = code
