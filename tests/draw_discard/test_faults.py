@@ -252,3 +252,47 @@ def test_half_life_and_release_interval_must_be_finite(setting):
   with pytest.raises(ValueError, match="finite"):
     service.DDMLService(cli.dense_spec(3, epsilon=1.0, gamma=0.01), 3, store_lib.MemoryStore(),
                         **{setting: float("inf")})
+
+
+def test_redis_out_of_memory_is_503_store_unavailable_and_refunds(own_redis):
+  """A Redis at maxmemory (noeviction) refuses the scripts before their first write. Before:
+  redis-py's OutOfMemoryError reached the middleware as a 500 internal_error for every draw and
+  submit. Now StoreRefused (a StoreUnavailable: 503 store_unavailable, Retry-After), nothing
+  written, and the submit's budget step refunded (the refusal is certain, unlike a timeout)."""
+  import asyncio
+  import uuid
+  import redis
+  from tf_dpiter.draw_discard import cli, parsing, service, store_factory, sybil
+  from tf_dpiter.draw_discard import store as store_lib
+  from tests.draw_discard.conftest import honest
+  url, _ = own_redis
+  spec = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+  rng = np.random.default_rng(8)
+
+  async def run():
+    svc = service.DDMLService(spec, 4, store_factory.make_store(url, prefix), seed=0,
+                              secret=bytes(range(32)), influence_steps=None)
+    await svc.startup()
+    r = redis.Redis.from_url(url)
+    try:
+      h, ticket = await svc.draw_for("me")
+      slots = [r.get(f"{prefix}:slot:{i}") for i in range(4)]
+      r.config_set("maxmemory-policy", "noeviction")
+      r.config_set("maxmemory", "1")
+      with pytest.raises(store_lib.StoreRefused):
+        await svc.store_ticketed("me", parsing.Submission(honest(spec, h, rng), h, ticket))
+      with pytest.raises(store_lib.StoreUnavailable):
+        await svc.draw_for("me")
+      r.config_set("maxmemory", "0")
+      assert [r.get(f"{prefix}:slot:{i}") for i in range(4)] == slots
+      assert svc.budget.state(sybil.budget_key("me", False))[0] == 0
+      # Redis has memory again and the store was never lost: the same ticket now lands
+      assert await svc.store_ticketed(
+          "me", parsing.Submission(honest(spec, h, rng), h, ticket)) == 1
+    finally:
+      r.config_set("maxmemory", "0")
+      r.close()
+      await svc.shutdown()
+
+  asyncio.run(run())

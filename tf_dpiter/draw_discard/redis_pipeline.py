@@ -17,10 +17,13 @@ class GroupCommit:
     r: the redis.asyncio client.
     url: the store URL (for error messages).
     unavailable: the exception types that mean Redis cannot be reached.
+    convert: maps a Redis error reply (an exception) to the exception the caller gets (None:
+      unchanged), e.g. out of memory to store.StoreUnavailable.
   """
 
-  def __init__(self, r, url: str, unavailable: tuple):
+  def __init__(self, r, url: str, unavailable: tuple, convert=None):
     self._r, self.url, self._unavailable = r, url, unavailable
+    self._convert = convert or (lambda e: e)
     self._queue: list = []  # (script, keys, args, future) waiting for the next pipeline
     self._flush_scheduled = False
 
@@ -67,6 +70,6 @@ class GroupCommit:
       if fut.done():  # the request was cancelled
         continue
       if isinstance(res, BaseException):
-        fut.set_exception(res)
+        fut.set_exception(self._convert(res))
       else:
         fut.set_result(res)

@@ -32,6 +32,23 @@ _UNAVAILABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, Connect
                 OSError, asyncio.TimeoutError)
 
 
+# Error replies of a Redis that is up but refuses work for now (memory full, persistence
+# failing on a full disk, loading, a replica, a long script): the store is unavailable, not lost.
+_REFUSING = (redis_errors.OutOfMemoryError, redis_errors.ReadOnlyError,
+             redis_errors.BusyLoadingError)
+_REFUSING_PREFIXES = ("OOM", "MISCONF", "BUSY", "LOADING", "READONLY", "NOREPLICAS",
+                      "MASTERDOWN")
+
+
+def _refusal(url: str, e: BaseException) -> BaseException:
+  """store.StoreRefused (a StoreUnavailable) for an error reply of a Redis refusing work for
+  now (_REFUSING), else `e` itself."""
+  if isinstance(e, _REFUSING) or (isinstance(e, redis_errors.ResponseError)
+                                  and str(e).startswith(_REFUSING_PREFIXES)):
+    return store_lib.StoreRefused(f"redis {url}: {type(e).__name__}: {e}")
+  return e
+
+
 def _redact(url: str) -> str:
   """The URL without its password (redis://user:pw@host -> redis://user:***@host)."""
   parsed = urllib.parse.urlparse(url)
@@ -90,7 +107,8 @@ class RedisStore(store_lib.Store):
     self._k_slots: list[str] = []
     self._history = 0
     self.group_commit = bool(group_commit)
-    self._pipeline = redis_pipeline.GroupCommit(self._r, self.url, _UNAVAILABLE)
+    self._pipeline = redis_pipeline.GroupCommit(self._r, self.url, _UNAVAILABLE,
+                                                lambda e: _refusal(self.url, e))
 
   @property
   def scope(self) -> str:
@@ -104,6 +122,11 @@ class RedisStore(store_lib.Store):
       return await coro
     except _UNAVAILABLE as e:
       raise store_lib.StoreUnavailable(f"redis {self.url}: {type(e).__name__}: {e}") from e
+    except redis_errors.ResponseError as e:
+      err = _refusal(self.url, e)
+      if err is e:
+        raise
+      raise err from e
 
   async def _batched(self, script, keys, args):
     """Runs `script` in the next pipeline of this event-loop iteration; returns its reply."""

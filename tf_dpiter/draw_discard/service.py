@@ -257,9 +257,11 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         self.draw_gate.dropped(slot, node)
       self.draw_gate.written(slot, node, seq)
       return seq
-    except store_lib.StoreUnavailable:
-      if sent:  # stored (StoredNotAcknowledged) or maybe stored (a timeout after the write
-        raise   # was sent): the budget keeps the step, the draws are not counted twice; 503
+    except store_lib.StoreUnavailable as e:
+      if sent and not isinstance(e, store_lib.StoreRefused):
+        # stored (StoredNotAcknowledged) or maybe stored (a timeout after the write was
+        # sent): the budget keeps the step, the draws are not counted twice; 503
+        raise
       self.admission.release(adm)
       self._pending_draws += draws
       raise

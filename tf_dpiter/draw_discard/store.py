@@ -55,6 +55,12 @@ class StoreUnavailable(RuntimeError):
   """The store cannot be reached (connection refused, timeout)."""
 
 
+class StoreRefused(StoreUnavailable):
+  """The store is up but refused the operation for now (Redis: memory full, persistence
+  failing, loading, read-only replica, a long script): nothing was written (Redis refuses a
+  script's write only before its first one)."""
+
+
 class StoredNotAcknowledged(StoreUnavailable):
   """replace() wrote the update but could not anchor its sequence number (anchor.py: the
   anchor file or the store's epoch list failed): it is in the store, not acknowledged. The
