@@ -233,3 +233,29 @@ def test_a_key_of_another_type_fails_the_replace_before_any_write(redis_url, key
       await svc.shutdown()
 
   asyncio.run(run())
+
+
+def test_a_wrong_type_reply_on_draw_is_store_corrupt_not_a_500(redis_url):
+  """TOUCH counts draws in the counters hash; a string there made redis-py raise
+  ResponseError WRONGTYPE, a 500 internal_error. Now StoreCorrupt (503 store_lost)."""
+  import redis
+  from tf_dpiter.draw_discard import cli, service, store_factory
+  spec = cli.dense_spec(9, epsilon=1.0, gamma=0.01)
+  prefix = f"t{uuid.uuid4().hex[:8]}"
+
+  async def run():
+    svc = service.DDMLService(spec, 4, store_factory.make_store(redis_url, prefix), seed=0,
+                              secret=bytes(range(32)), influence_steps=None)
+    await svc.startup()
+    try:
+      await svc.draw_for("me")
+      r = redis.Redis.from_url(redis_url)
+      r.delete(f"{prefix}:counters")
+      r.set(f"{prefix}:counters", "x")
+      r.close()
+      with pytest.raises(store_lib.StoreCorrupt, match="another type"):
+        await svc.draw_for("me")
+    finally:
+      await svc.shutdown()
+
+  asyncio.run(run())

@@ -42,10 +42,14 @@ _REFUSING_PREFIXES = ("OOM", "MISCONF", "BUSY", "LOADING", "READONLY", "NOREPLIC
 
 def _refusal(url: str, e: BaseException) -> BaseException:
   """store.StoreRefused (a StoreUnavailable) for an error reply of a Redis refusing work for
-  now (_REFUSING), else `e` itself."""
+  now (_REFUSING), store.StoreCorrupt for WRONGTYPE (a key of the model overwritten with
+  another type), else `e` itself."""
   if isinstance(e, _REFUSING) or (isinstance(e, redis_errors.ResponseError)
                                   and str(e).startswith(_REFUSING_PREFIXES)):
     return store_lib.StoreRefused(f"redis {url}: {type(e).__name__}: {e}")
+  if isinstance(e, redis_errors.ResponseError) and str(e).startswith("WRONGTYPE"):
+    return store_lib.StoreCorrupt(f"redis {url}: a key of the model holds a value of another "
+                                  f"type ({e})")
   return e
 
 
