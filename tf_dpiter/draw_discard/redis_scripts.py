@@ -5,7 +5,8 @@ submitter's influence rate across all servers (S1 <= max_steps on the Redis cloc
 nothing written). Redis does not undo a script's writes when a later command fails, so
 REPLACE checks, before its first write, every key a later command needs of a given type
 (-6: a key of the model has another type, nothing written). Every script first checks the generation (-1 missing, -2 another) and the
-caller's sequence high-water mark `hw` (-4: rolled back): the prologue `_checked`.
+caller's sequence high-water mark `hw` (-4: rolled back; -6: the sequence number is not an
+integer): the prologue `_checked`.
 """
 
 
@@ -18,6 +19,7 @@ def _checked(seq_key, hw_arg, table=False, seq="seq"):
   return (f"\nlocal g = redis.call('GET', KEYS[1])\nif not g then return {code(-1)} end\n"
           f"if g ~= ARGV[1] then return {code(-2)} end\n"
           f"local {seq} = tonumber(redis.call('GET', KEYS[{seq_key}]) or '-1')\n"
+          f"if not {seq} or {seq} ~= math.floor({seq}) then return {code(-6)} end\n"
           f"if {seq} < tonumber(ARGV[{hw_arg}]) then return {code(-4)} end\n")
 
 
@@ -34,7 +36,7 @@ if not old then return -1 end
 local function kind(key) return redis.call('TYPE', key)['ok'] end
 local kh, kc, kr = kind(KEYS[3]), kind(KEYS[5]), kind(KEYS[7])
 if (kh ~= 'none' and kh ~= 'list') or (kc ~= 'none' and kc ~= 'hash')
-   or (kr ~= 'none' and kr ~= 'hash') or seq ~= math.floor(seq) then return -6 end
+   or (kr ~= 'none' and kr ~= 'hash') then return -6 end
 local rate = nil
 if ARGV[9] ~= '' then
   local t = redis.call('TIME')

@@ -160,6 +160,10 @@ class RedisStore(store_lib.Store):
           f"redis store prefix {self.prefix!r} went back below sequence number "
           f"{self.high_water} (restored from an older snapshot?): acknowledged updates are "
           "lost and used tickets forgotten; restart this server after checking the store"))
+    if code == -6:
+      self._fail(store_lib.StoreCorrupt(
+          f"redis store prefix {self.prefix!r}: a key of the model (history, counters, rate "
+          "or sequence number) holds a value of another type; nothing was written"))
     self.high_water = max(self.high_water, int(code))
     return int(code)
 
@@ -287,10 +291,6 @@ class RedisStore(store_lib.Store):
       raise store_lib.TicketUsed("draw ticket already used")
     if code == -5:
       raise store_lib.RateExceeded("influence rate exceeded (all servers)")
-    if code == -6:
-      self._fail(store_lib.StoreCorrupt(
-          f"redis store prefix {self.prefix!r}: a key of the model (history, counters, rate "
-          "or sequence number) holds a value of another type; nothing was written"))
     old_id = None
     if isinstance(code, list):  # {seq, write id of the replaced value}
       code, old_id = code
