@@ -372,3 +372,24 @@ def test_a_write_with_unknown_outcome_stays_in_the_influence_budget(monkeypatch)
     await svc.shutdown()
 
   asyncio.run(go())
+
+
+def test_a_file_system_without_flock_warns_and_keeps_the_anchor(tmp_path, monkeypatch, caplog):
+  """ENOLCK (a network file system without locks) must not stop the server: before this
+  test's fix the new lock would have made such a start fail with OSError."""
+  import errno
+  import fcntl
+  import logging
+  from tf_dpiter.draw_discard import anchor as anchor_lib
+
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  caplog.set_level(logging.WARNING)
+  a = anchor_lib.Anchor(str(tmp_path / "a.anchor"))
+  a.lock()
+  a.save("g", 4)
+  a.close()
+  assert anchor_lib.Anchor(str(tmp_path / "a.anchor")).load()["seq"] == 4
+  assert "state_file_not_locked" in caplog.text

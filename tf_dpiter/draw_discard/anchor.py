@@ -17,14 +17,19 @@ number. Residual risk: docs/draw_discard_security.md, section 1.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import uuid
 
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
+
+log = logging.getLogger(__name__)
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 _FIELDS = ("generation", "seq")
 _REC = 256  # bytes per record; the file holds two
@@ -75,6 +80,9 @@ class Anchor:
     """Takes the exclusive lock of the anchor (`PATH.lock`, kept until `close`; the kernel
     drops it when the process dies, kill -9 included).
 
+    A file system without flock (some network file systems: ENOLCK, EOPNOTSUPP) gets a
+    warning and no lock: the anchor works as before, unguarded against a second server.
+
     Raises:
       ParameterValueError: another process (or another Anchor of this one) holds it.
       OSError: the lock file cannot be created.
@@ -91,6 +99,13 @@ class Anchor:
           "held): every server of a store needs its own state file, two writers of one "
           f"anchor can record a sequence number below an acknowledged one. Received: "
           f"state_file={self.path!r}") from e
+    except OSError as e:
+      if e.errno not in _NO_LOCKS:
+        f.close()
+        raise
+      log.warning(json.dumps({"event": "state_file_not_locked", "errno": e.errno,
+                              "detail": "this file system has no flock: a second server "
+                                        "given the same state file is not refused"}))
     self._lock_file = f
 
   def load(self) -> dict | None:
