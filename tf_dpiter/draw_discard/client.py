@@ -167,47 +167,14 @@ def _tf_mean(family: str, eta):
   return tf.exp(tf.minimum(eta, 30.0)) if family == "poisson" else tf.nn.softmax(eta, axis=-1)
 
 
-_WORD_BITS = 53  # float64 significand: the uniform of _tf_exponential64 takes 53 bits a word
-
-
-def _tf_exponential64(gen, n):
-  """n standard exponentials E = -ln U in float64 from a tf.random.Generator (or the privacy
-  core's SecureRandom).
-
-  U = 2^-53 (j + 1/2), j the top 53 bits of a uniform 64-bit word; for j = 0 (probability
-  2^-53) E continues memorylessly, 53 ln 2 + E' with E' drawn the same way (P(E > t) exact to
-  2^-106). float64 throughout: a float32 sample added to float64 weights leaves the low bits
-  of the noiseless update readable (Mironov, "On Significance of the Least Significant Bits
-  for Differential Privacy", Section 3: the noise's support is a sparse lattice).
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.dp_query import randomness  # pylint: disable=g-import-not-at-top
-  if isinstance(gen, randomness.SecureRandom):  # os.urandom words
-    words = tf.reshape(gen.words(2 * n), [2, n])
-  else:
-    words = gen.uniform_full_int([2, n], dtype=tf.int64)
-  j = tf.bitwise.bitwise_and(tf.bitwise.right_shift(words, 64 - _WORD_BITS),
-                             tf.constant(2**_WORD_BITS - 1, tf.int64))
-  e = -tf.math.log((tf.cast(j, tf.float64) + 0.5) * 2.0**-_WORD_BITS)
-  return tf.where(tf.equal(j[0], 0), _WORD_BITS * math.log(2.0) + e[1], e[0])
-
-
-def _tf_laplace64(gen, shape, scale):
-  """float64 Laplace(0, scale) of `shape`: scale (E1 - E2), E1, E2 from _tf_exponential64."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  n = tf.reduce_prod(shape)
-  e = _tf_exponential64(gen, 2 * n)
-  return tf.reshape(scale * (e[:n] - e[n:]), shape)
-
-
 def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip: float = 1.0,
                           outputs: int = 1, noise: str = "laplace", delta: float = 1e-6,
                           generator=None):
   """Returns a tf.function update(weights [p*C], x [N_c, p], y [N_c]) -> B' (Algorithm 1).
 
   Noise comes from a Philox generator (dp_query.make_generator: OS entropy unless
-  `generator` is given), sampled in float64 (`_tf_laplace64`; the privacy core's float32
-  Laplace would expose the noiseless update's low bits, see `_tf_exponential64`).
+  `generator` is given), sampled in float64 (`dp_query.laplace_noise` with dtype float64:
+  float32 noise would expose the noiseless update's low bits, `randomness.exponential64`).
 
   Args:
     family: the GLM family.
@@ -249,7 +216,7 @@ def make_tf_client_update(family: str, gamma: float, epsilon: float | None, clip
     out = weights - gamma * tf.reshape(g, [-1])
     if std > 0:
       if noise == "laplace":
-        out = out + _tf_laplace64(gen, tf.shape(out), scale)
+        out = out + dp_query.laplace_noise(gen, tf.shape(out), scale, dtype=tf.float64)
       else:
         out = out + gen.normal(tf.shape(out), stddev=scale, dtype=tf.float64)
     return out
