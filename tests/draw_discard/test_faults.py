@@ -149,6 +149,8 @@ def _served(start_service, spec):
     (dict(epsilon=1.0), dict(max_epsilon=0.5), "max_epsilon"),
     (dict(epsilon=1.0), dict(min_noise=2.0), "min_noise"),
     (dict(epsilon=1.0, noise="gaussian", delta=1e-3), {}, "max_delta"),
+    # 33 weights at epsilon 1: a record moving every weight costs up to 33 per update
+    (dict(epsilon=1.0), dict(max_total_epsilon=32.0), "max_total_epsilon=32"),
 ])
 def test_client_privacy_floor_refuses_weaker_specs(start_service, spec_change, floor, match):
   spec = cli.dense_spec(33, **dict(dict(gamma=0.01), **spec_change))
@@ -161,7 +163,7 @@ def test_client_privacy_floor_refuses_weaker_specs(start_service, spec_change, f
 
 def test_client_privacy_floor_accepts_paper_settings(start_service):
   srv = _served(start_service, cli.dense_spec(33, epsilon=float(np.log(32)), gamma=0.01))
-  with client_lib.DDMLClient(srv.url, min_noise=0.4) as c:
+  with client_lib.DDMLClient(srv.url, min_noise=0.4, max_total_epsilon=33 * np.log(32)) as c:
     assert c.update({"x": np.random.default_rng(0).random((5, 32))}, np.ones(5))["accepted"]
 
 

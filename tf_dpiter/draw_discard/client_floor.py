@@ -1,7 +1,10 @@
 """The client's privacy floor for Draw and Discard (Pihur et al. 2018, Section IV): before
 training, the served spec must have epsilon <= `max_epsilon` (default ln 32), noise std >=
-`min_noise` times the sensitivity 2 gamma clip, a known noise law and (Gaussian) delta <=
-`max_delta`; else PrivacyFloorError and nothing is sent.
+`min_noise` times the sensitivity 2 gamma clip, a known noise law, (Gaussian) delta <=
+`max_delta` and, when set, p epsilon <= `max_total_epsilon` (p weights: the epsilon is per
+weight, each clipped and noised on its own, so a record that moves all p weights costs up to
+p epsilon per update, by basic composition; a server serving many columns copying one
+attribute spends that); else PrivacyFloorError and nothing is sent.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ class PrivacyFloor:
     min_noise: smallest noise std per weight, in units of the sensitivity 2*gamma*clip
       (Laplace at epsilon has sqrt(2)/epsilon); None: no extra requirement.
     max_delta: largest delta accepted for Gaussian noise.
+    max_total_epsilon: largest p epsilon accepted (p: the spec's weights; a record's epsilon
+      per update when it moves every weight); None: no bound on it.
   """
   max_epsilon: float | None = PAPER_EPSILON
   min_noise: float | None = None
   max_delta: float = 1e-5
+  max_total_epsilon: float | None = None
 
   def __post_init__(self):
     if self.max_epsilon is not None:
@@ -41,6 +47,8 @@ class PrivacyFloor:
     if self.min_noise is not None:
       validation.check_positive("min_noise", self.min_noise, allow_inf=True)
     validation.check_delta("max_delta", self.max_delta)
+    if self.max_total_epsilon is not None:
+      validation.check_positive("max_total_epsilon", self.max_total_epsilon)
 
   def check(self, spec: glm.ModelSpec) -> None:
     """Raises PrivacyFloorError if the served spec is weaker than this floor.
@@ -60,6 +68,12 @@ class PrivacyFloor:
     if spec.noise == "gaussian" and not spec.delta <= self.max_delta:
       raise PrivacyFloorError(f"served delta={spec.delta!r} exceeds the client's "
                               f"max_delta={self.max_delta:g}")
+    if (self.max_total_epsilon is not None
+        and spec.num_weights * spec.epsilon > self.max_total_epsilon):
+      raise PrivacyFloorError(
+          f"served spec has {spec.num_weights} weights at epsilon={spec.epsilon:g} each: a "
+          f"record moving every weight costs up to {spec.num_weights * spec.epsilon:g} per "
+          f"update, over the client's max_total_epsilon={self.max_total_epsilon:g}")
     if self.min_noise is not None:
       std = calibration.noise_std(spec.noise, spec.gamma, spec.epsilon, spec.clip, spec.delta)
       ratio = std / calibration.sensitivity(spec.gamma, spec.clip)

@@ -55,6 +55,7 @@ class DDMLClient:
     max_epsilon: the PrivacyFloor's largest served epsilon (None: no floor).
     min_noise: the PrivacyFloor's smallest noise std, in sensitivities (None: none).
     max_delta: the PrivacyFloor's largest Gaussian delta.
+    max_total_epsilon: the PrivacyFloor's largest weights x epsilon (None: none).
     insecure: allow sending the token over http://.
 
   Raises:
@@ -64,7 +65,8 @@ class DDMLClient:
   def __init__(self, base_url: str, timeout: float = 30.0, *, token: str | None = None,
                cafile: str | None = None, ssl_context: ssl.SSLContext | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
-               max_delta: float = 1e-5, insecure: bool = False):
+               max_delta: float = 1e-5, insecure: bool = False,
+               max_total_epsilon: float | None = None):
     wire.check_token_transport(base_url, token, insecure)
     u = urllib.parse.urlparse(base_url)
     if u.scheme not in ("http", "https") or not u.hostname:
@@ -73,7 +75,7 @@ class DDMLClient:
     self._ctx = (ssl_context or client_ssl_context(cafile)) if self._tls else None
     self._host, self._port, self._timeout = u.hostname, u.port or (443 if self._tls else 80), timeout
     self._token = token
-    self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta)
+    self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta, max_total_epsilon)
     self._conn = None
     self._specs: dict[str, glm.ModelSpec] = {}
     self.last_ticket: str | None = None
@@ -272,6 +274,7 @@ class AsyncDDMLClient:
     max_epsilon: the PrivacyFloor's largest served epsilon (None: no floor).
     min_noise: the PrivacyFloor's smallest noise std, in sensitivities (None: none).
     max_delta: the PrivacyFloor's largest Gaussian delta.
+    max_total_epsilon: the PrivacyFloor's largest weights x epsilon (None: none).
     insecure: allow sending the token over http://.
 
   Raises:
@@ -281,7 +284,8 @@ class AsyncDDMLClient:
   def __init__(self, base_url: str, session=None, timeout: float = 30.0, *,
                token: str | None = None, cafile: str | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
-               max_delta: float = 1e-5, insecure: bool = False):
+               max_delta: float = 1e-5, insecure: bool = False,
+               max_total_epsilon: float | None = None):
     wire.check_token_transport(base_url, token, insecure)
     import aiohttp  # pylint: disable=g-import-not-at-top
     self._base = base_url.rstrip("/")
@@ -292,7 +296,7 @@ class AsyncDDMLClient:
     self._session = session or aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout), connector=connector)
     self._token = token
-    self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta)
+    self.floor = PrivacyFloor(max_epsilon, min_noise, max_delta, max_total_epsilon)
     self._specs: dict[str, glm.ModelSpec] = {}
     self.last_ticket: str | None = None
 
