@@ -309,9 +309,12 @@ def _reconcile(v, m):
 def _fix_call(v_handles, m_handles, v_passes, m_passes):
   """`_reconcile`'s repair: the longer set copied onto the other (passes: the larger count;
   the run table with it), when one is a prefix of the other and both have one run table (a
-  restore of this run) or one set is empty (a restore into a ledger that recorded nothing:
-  its steps continue under the restored table's trailing identity); else the step fails
-  (tf.errors.InvalidArgumentError when run); returns True."""
+  restore of this run) or the checkpointed set is empty (a restore of a ledger that recorded
+  nothing: the mirror is copied back); else the step fails (tf.errors.InvalidArgumentError
+  when run). A restore of another run into a ledger that recorded nothing fails here too: its
+  next samples are this object's run, whose identity only the eager `reconcile` can write
+  into the table (continuing under the restored identity would make two ledgers restored
+  from one checkpoint one run, merged as one); returns True."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   (vs, vq), (ms, mq) = v.rows(), m.rows()
   n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
@@ -319,13 +322,14 @@ def _fix_call(v_handles, m_handles, v_passes, m_passes):
   empty = lambda b, passes: tf.logical_and(tf.equal(b.sample_count.read_value(), 0),  # noqa: E731
                                            tf.equal(passes, 0))
   one_run = tf.logical_or(tf.equal(v.run_table.read_value(), m.run_table.read_value()),
-                          tf.logical_or(empty(v, v_passes), empty(m, m_passes)))
+                          empty(v, v_passes))
   prefix = tf.logical_and(tf.logical_and(tf.reduce_all(tf.equal(vs[:n], ms[:n])),
                                          tf.reduce_all(tf.equal(vq[:nq], mq[:nq]))), one_run)
   check = tf.debugging.Assert(prefix, [
-      "the privacy ledger was restored from a checkpoint of another run after this "
-      "ledger recorded steps: call ledger.reconcile() (eagerly) to merge the two, or "
-      "use a new optimizer for the other run"])
+      "the privacy ledger was restored from a checkpoint of another run (after this "
+      "ledger recorded steps, or into a new ledger written next inside tf.function): call "
+      "ledger.reconcile() eagerly after the restore, before the next write, to merge the "
+      "two, or use a new optimizer for the other run"])
   passes = tf.maximum(v_passes, m_passes)
   with tf.control_dependencies([check]):
     # the set copied keeps its cycle position (counted as its samples were written)
@@ -502,12 +506,19 @@ class PrivacyLedger(tf.Module):
     of the two."""
     v, m = getattr(self._v, name), getattr(self._mirror, name)
     if tf.executing_eagerly():
-      if any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
-             for k in ("sample_count", "query_count", "passes")) or (
-                 self._v.run_table.numpy() != self._mirror.run_table.numpy()):
-        self.reconcile()
+      self._settle()
       return v.read_value()
     return tf.maximum(v.read_value(), m.read_value())
+
+  def _settle(self):
+    """Eagerly, `reconcile` when the two sets differ (a restore since the last write): an
+    eager read or write after a restore continues this object's run under its own identity
+    (in a graph, a write finding a restore of another run fails instead: `_fix_call`)."""
+    if tf.executing_eagerly() and (
+        any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
+            for k in ("sample_count", "query_count", "passes"))
+        or self._v.run_table.numpy() != self._mirror.run_table.numpy()):
+      self.reconcile()
 
   @property
   def sample_count(self):
@@ -549,6 +560,7 @@ class PrivacyLedger(tf.Module):
     """
     if isinstance(count, (int, np.integer)) and count < 0:
       raise ParameterValueError(f"count must be >= 0, got {count!r}")
+    self._settle()
     return _add_passes_call(self._v.handles(), self._mirror.handles(),
                             tf.cast(count, tf.int64))
 
@@ -615,6 +627,7 @@ class PrivacyLedger(tf.Module):
     row = tf.stack([_f64(x) for x in (population_size, selection_probability, sample_size,
                                       sampling.code, examples_per_record, len(built))])[None]
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
+    self._settle()
     with tf.control_dependencies(checks):
       return _append_call(self._v.handles(), self._mirror.handles(), row, qrows,
                           bool(sampling.advances_cycle))
