@@ -211,6 +211,13 @@ class PrivateStep:
       # checkpoint or backup carries it (review: 1 vs 0 with one outlier)
       self._overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="dp_overflowed_records")
+      # the noised results this object drew and recorded, and the count of them an update has
+      # used (`charged_gradients`): out of the object graph, so no restore lowers either, and
+      # samples the ledger adopted (another run's, a layer's earlier training) pay for nothing
+      self._noised_results = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="dp_noised_results")
+      self._used_results = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                       name="dp_used_noised_results")
       self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
       if self._restored_ledger is not None:   # from from_config or adopt_ledger
         pending, self._restored_ledger = self._restored_ledger, None
@@ -301,10 +308,14 @@ class PrivateStep:
     self._noise_workers = runtime.num_workers(strategy)
 
   def charged_gradients(self, grads):
-    """`grads` to apply as one update, and the check the update waits for: the ledger must
-    hold more samples than the optimizer's updates so far (one charged private step per
-    update; plain gradients are refused). An assertion in a graph; XLA drops assertions, so
-    there the gradients are multiplied by NaN instead (grads_lib.one_or_nan's rule).
+    """`grads` to apply as one update, and the check the update waits for: this object must
+    have drawn and recorded a noised result since the last update (one charged private step
+    per update; plain gradients are refused), which the update then uses up, with any other
+    unused one (two computes, one apply: a later plain update is still refused). The counts
+    are this object's, in no checkpoint: a restore cannot lower them, and samples the ledger
+    adopted from another run pay for no update here. An assertion in a graph; XLA drops
+    assertions, so there the gradients are multiplied by NaN instead (grads_lib.one_or_nan's
+    rule). Under several replicas the count is checked and used up once per update.
 
     Args:
       grads: the gradients (None entries kept).
@@ -312,17 +323,26 @@ class PrivateStep:
     Returns:
       (grads, list of control dependencies).
     """
-    count, updates = self.ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64)
-    ok = tf.greater(count, updates)
-    check = tf.debugging.Assert(ok, [
-        "apply_private_gradients applies the gradients of a charged private step "
-        "(compute_private_gradients), one ledger sample per update: the ledger holds fewer "
-        "samples than this update would make. Plain gradients go to a non-DP optimizer. "
-        "Received: ledger samples", count, "updates so far", updates])
+    def use():
+      noised, used = self._noised_results.read_value(), self._used_results.read_value()
+      ok = tf.greater(noised, used)
+      check = tf.debugging.Assert(ok, [
+          "apply_private_gradients applies the gradients of a charged private step "
+          "(compute_private_gradients), one noised and recorded result per update: none "
+          "was drawn since the last update. Plain gradients go to a non-DP optimizer. "
+          "Received: noised results", noised, "used by updates", used])
+      with tf.control_dependencies([check]):
+        return ok, self._used_results.assign(noised)
+
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+      ok, done = ctx.merge_call(lambda strategy: use())
+    else:
+      ok, done = use()
     if summation.in_xla_context():
       factor = tf.where(ok, 1.0, float("nan"))
       grads = [g if g is None else g * tf.cast(factor, g.dtype) for g in grads]
-    return grads, [check]
+    return grads, [done]
 
   def _require_one_noise(self):
     """Refuses a draw under several workers whose generators were not synchronized: each
@@ -592,6 +612,30 @@ class PrivateStep:
   def pending_query(self):
     """A placeholder raising on use while a declared sampling waits for the build, else None."""
     return None if self._pending_sampling is None else noise_mechanisms.Unbuilt(self.noise)
+
+  def require_user_sampling(self, what):
+    """Refuses a step whose batch the user gives (`train_on_batch`, a custom loop) unless the
+    user declared how it is sampled (`set_sampling`): a declaration fit made for its own
+    sampler (q = B / N of fit's Poisson batches, `mark_sampling_from_fit`) describes fit's
+    batches, not the batch given (x[:B] charged as a Poisson step of rate q: epsilon 3.533
+    stated for 5.651, review R4, session 35).
+
+    Args:
+      what: names the caller in the message.
+
+    Raises:
+      PrivacyConfigError: the sampling was declared by fit, or not at all.
+    """
+    if self.sampling is not None and self.sampling_source == "user":
+      return
+    if self.sampling is None and self._pending_sampling is None:
+      self.require_sampling()   # its message: the sampling policy is unknown
+    raise PrivacyConfigError(
+        f"{what} takes the sampling you declared with optimizer.set_sampling("
+        "population_size, selection_probability, policy, sample_size): the current one was "
+        "declared by model.fit for the batches its own sampler drew, not for the batch "
+        "given here. Call set_sampling with how you sample these batches (or train with "
+        f"model.fit). Received: sampling declared by {self.sampling_source!r}")
 
   def require_sampling(self):
     """The LedgerSampling of the declared sampling (the step records with it).
@@ -882,6 +926,8 @@ class PrivateStep:
     # the write waits for the batch (unknown cardinality: LedgerSampling.record)
     count = self.require_sampling().record(events, after=grads)
     with tf.control_dependencies([count]):
+      count = self._noised_results.assign_add(1)   # `charged_gradients`' count
+    with tf.control_dependencies([count]):
       return [tf.identity(g) for g in grads]
 
   # ---- noise and ledger -------------------------------------------------------------
@@ -920,6 +966,8 @@ class PrivateStep:
         result, new_state, events = self.base_query.get_scaled_noised_result(
             sample_state, self.global_state(), scale)
     count = sampling.record(events, after=sample_state)   # runs iff the sum was formed
+    with tf.control_dependencies([count]):
+      count = self._noised_results.assign_add(1)
     assigns = [v.assign(t) for v, t in zip(self._global_vars, tf.nest.flatten(new_state))]
     if self._noise_draws is not None:   # with the state's writes: no batch, no draw counted
       with tf.control_dependencies(assigns):
