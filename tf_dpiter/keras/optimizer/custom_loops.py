@@ -181,12 +181,14 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     ParameterValueError: undeclared sampling, a scalar loss in form (b), more microbatches
       than examples, form (b) without `model` or with a model that mixes examples or cannot
       be probed, or an optimizer restored without its ledger (`restore_ledger`).
-    PrivacyConfigError: a trace inside tf.function(jit_compile=True) (the ledger write cannot
-      compile); form (b) with a trainable BatchNormalization; a loss_fn of form (a) or a
+    PrivacyConfigError: a sampling declared by model.fit, not set_sampling
+      (`PrivateStep.require_user_sampling`); a trace inside tf.function(jit_compile=True)
+      (the ledger write cannot compile); form (b) with a trainable BatchNormalization; a loss_fn of form (a) or a
       `model` whose training-mode call writes a variable from the data
       (data_writes.refuse_data_writes).
   """
   _refuse_xla()
+  step.require_user_sampling("a custom loop's compute_private_gradients")
   variables = list(variables)
   step.prepare_mechanism(variables)   # a correlated mechanism needs the variables' shapes
   saved_ledger.require_covers(step.optimizer)   # a restored optimizer needs its ledger

@@ -626,9 +626,10 @@ class PrivateStep:
     Raises:
       PrivacyConfigError: the sampling was declared by fit, or not at all.
     """
-    if self.sampling is not None and self.sampling_source == "user":
+    declared = self.sampling is not None or self._pending_sampling is not None
+    if declared and self.sampling_source == "user":
       return
-    if self.sampling is None and self._pending_sampling is None:
+    if not declared:
       self.require_sampling()   # its message: the sampling policy is unknown
     raise PrivacyConfigError(
         f"{what} takes the sampling you declared with optimizer.set_sampling("
