@@ -118,3 +118,16 @@ def test_plain_gradients_are_refused_after_the_ledger_adopted_samples():
   with pytest.raises(tf.errors.InvalidArgumentError,
                      match="one noised and recorded result per update"):
     plain_step(x[:10], y[:10])
+
+  @tf.function
+  def two_computes_one_apply(a, b):   # both charged; the update uses both up
+    loss = lambda r: keras.losses.mean_squared_error(r[1], model(r[0], training=True))
+    opt.compute_private_gradients(loss, model.trainable_variables, data=(a, b))
+    grads = opt.compute_private_gradients(loss, model.trainable_variables, data=(a, b))
+    opt.apply_private_gradients(grads, model.trainable_variables)
+
+  two_computes_one_apply(x[:10], y[:10])
+  assert int(opt.ledger.sample_count) == before + 3
+  with pytest.raises(tf.errors.InvalidArgumentError,
+                     match="one noised and recorded result per update"):
+    plain_step(x[:10], y[:10])
