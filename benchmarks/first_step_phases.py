@@ -17,9 +17,9 @@ first step; its wall time (`first_step_s`) is split into:
                          batch-independence probe, cached on the model), all calls
   probe_runs_s           part of probe_s: the probe's two eager training-mode forward passes
                          (batch_independence._two_runs; `calls` counts them in pairs)
-  state_writes_s         part of probe_s: batch_independence.check_no_state_writes (two more
-                         forward passes on random batches of 2, only when the probe's first
-                         run wrote a non-trainable variable other than a seed state)
+  writes_check_s         data_writes.data_dependent_writes: the state-write check (one trace
+                         of the training-mode call and its data-flow analysis; in
+                         make_train_function, or in the trace for a model built by it)
   routing_s              step.resolve_clipping in the trace (per-example checks, the plan,
                          the probe when not yet cached)
   trace_s                the Python trace of train_step (resolve_clipping and the clipped
@@ -39,7 +39,7 @@ first step; its wall time (`first_step_s`) is split into:
                          oneDNN primitive creation, executor setup)
 
 `cpu_s`: the same phases (first_step, make_train_function_s, probe_s, probe_runs_s,
-state_writes_s, routing_s, trace_s, clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
+writes_check_s, routing_s, trace_s, clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
 sensitive than wall time to other processes' load. --xla-vector-width W: XLA's preferred CPU
 vector width for the process (transformer_step_time.py's option; the children inherit it).
 
@@ -89,6 +89,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.keras.internals import batch_independence  # noqa: E402
+from tf_dpiter.keras.internals import data_writes  # noqa: E402
 from tf_dpiter.keras.fast_clipping import clipping as fc_clipping  # noqa: E402
 import transformer_step_time as tst  # noqa: E402
 
@@ -266,8 +267,7 @@ def run(a):
   batch_independence.probe_model = _timed("probe_s", batch_independence.probe_model)
   # (module attributes: probe_model and batch_mixing_layers look them up when they run)
   batch_independence._two_runs = _timed("probe_runs_s", batch_independence._two_runs)  # pylint: disable=protected-access
-  batch_independence.check_no_state_writes = _timed(
-      "state_writes_s", batch_independence.check_no_state_writes)
+  data_writes.data_dependent_writes = _timed("writes_check_s", data_writes.data_dependent_writes)
   fc_clipping.clipped_grad_sum = _timed("clipped_sum_trace_s", fc_clipping.clipped_grad_sum)
   if private:
     step = opt.private_step

@@ -126,7 +126,7 @@ def _graph_nodes(model):
   return graph, nodes
 
 
-def batch_mixing_layers(model, x, atol=1e-6, training=False, written=None):
+def batch_mixing_layers(model, x, atol=1e-6, training=False):
   """Names of the layers that make one example's activations depend on another example.
 
   Each layer's outputs and inputs are compared between x and x with its last example
@@ -140,8 +140,6 @@ def batch_mixing_layers(model, x, atol=1e-6, training=False, written=None):
     atol: tolerance, relative to 1 + the largest |output| of each layer (16-bit compute
       dtypes are compared at max(atol, 1e-2)).
     training: run the layers in training mode (True) or inference mode (False).
-    written: optional list: in training mode, the non-trainable variables (seed generators'
-      aside) the first run wrote are appended to it.
 
   Returns:
     tuple of layer names in model order (a subclassed model mixing as a whole: its own
@@ -164,7 +162,7 @@ def batch_mixing_layers(model, x, atol=1e-6, training=False, written=None):
   if nodes is not None and any(t.shape[0] not in (None, n) for t in nodes[0].inputs):
     nodes = None
   if nodes is None:
-    out1, out2 = _two_runs(model, x1, x2, training, written)
+    out1, out2 = _two_runs(model, x1, x2, training)
     out1, out2 = tf.nest.flatten(out1), tf.nest.flatten(out2)
     moved = any(_rows_moved(a, b, n, atol) for a, b in zip(out1, out2))
     return (model.name,) if moved else ()
@@ -178,7 +176,7 @@ def batch_mixing_layers(model, x, atol=1e-6, training=False, written=None):
   if len(tf.nest.flatten(ins)) == 1:   # one input: plain tensors, no one-element lists
     ins = tf.nest.flatten(ins)[0]
     x1, x2 = tf.nest.flatten(x1)[0], tf.nest.flatten(x2)[0]
-  out1, out2 = _two_runs(keras.Model(ins, tensors), x1, x2, training, written)
+  out1, out2 = _two_runs(keras.Model(ins, tensors), x1, x2, training)
   mixing, pos = [], 0
   for node in nodes:
     k_out, k_in = len(node.output_tensors), len(node.input_tensors)
@@ -191,74 +189,15 @@ def batch_mixing_layers(model, x, atol=1e-6, training=False, written=None):
   return tuple(mixing)
 
 
-def _two_runs(model, x1, x2, training, written=None):
+def _two_runs(model, x1, x2, training):
   """model(x1) and model(x2) in inference mode, or in training mode from the same state (the
-  non-trainable variables the first run wrote, seed generators' aside, go to `written`)."""
+  non-trainable variables the first run wrote are assigned back before the second run)."""
   if not training:
     return model(x1, training=False), model(x2, training=False)
   with _state_restored(model) as restore:
     out1 = model(x1, training=True)   # from the state just read
-    if written is not None:
-      written.extend(_data_state(model, restore()))
-    else:
-      restore()
+    restore()
     return out1, model(x2, training=True)
-
-
-def _data_state(model, variables):
-  """`variables` but the seed generators' states (a training run advances them whatever the
-  data: Dropout, GaussianNoise)."""
-  seeds = {id(g.state) for layer in keras_internals.flatten_layers(model)
-           for g in getattr(layer, "_seed_generators", ())}
-  return [v for v in variables if id(v) not in seeds]
-
-
-def check_no_state_writes(model, written=None, input_specs=None, seed=0):
-  """Refuses a model whose training-mode forward pass writes non-trainable state from the data.
-
-  The private step clips and noises gradients only (McMahan et al. 2018, Section 2: the
-  released model is a function of the noised sums). A layer that assigns a non-trainable
-  variable from its inputs in training mode (a running mean, a range tracker, BatchNorm-like
-  statistics) would carry the private batch into the released model unclipped and un-noised:
-  on the vectorized path the assign runs on one record (its features, exactly), on the fast
-  path on the whole batch. The model runs in training mode on two random batches of 2 (seeds
-  `seed`, `seed + 1`; state restored after each): a variable written to different values by
-  the two runs depends on the data. State written the same whatever the data (a call
-  counter) and seed generators' states are allowed.
-
-  Args:
-    model: a built keras.Model.
-    written: the variables a probe's training run wrote (`_two_runs`): nothing to check when
-      empty; None: check.
-    input_specs: optional nest of specs giving the input shapes (None: the model's inputs).
-    seed: seed of the first random batch.
-
-  Raises:
-    PrivacyConfigError: naming the first data-dependent variable and what to do.
-  """
-  if written is not None and not written:
-    return
-  after = []
-  for s in (seed, seed + 1):
-    x = _probe_inputs(model, input_specs, s, 2)
-    if x is None:
-      return
-    with tf.init_scope(), _state_restored(model) as restore:
-      model(x, training=True)
-      after.append({id(v): (v, value) for v, value in restore(with_values=True)
-                    if _data_state(model, [v])})
-  first, second = after
-  dependent = [v for key, (v, value) in {**second, **first}.items()
-               if key not in first or key not in second
-               or not np.array_equal(first[key][1], second[key][1])]
-  if dependent:
-    raise PrivacyConfigError(
-        f"the model writes its non-trainable variable {dependent[0].path!r} from the data in "
-        "training mode: the private step clips and noises gradients only, so the released "
-        "model would carry that state unclipped and un-noised (on the vectorized path, one "
-        "record's value exactly). Update it only when training is False, compute it outside "
-        "fit from public data, or make it a trainable weight. Received: non-trainable "
-        f"variables a training step writes from the data: {[v.path for v in dependent]}")
 
 
 def _address(t):
@@ -271,22 +210,21 @@ def _address(t):
 @contextlib.contextmanager
 def _state_restored(model):
   """Yields `restore`, which assigns back every non-trainable variable of `model` that changed
-  since the block began and returns them (with_values=True: (variable, value it had) pairs;
-  also called when the block ends). Reads share the variables' buffers
+  since the block began and returns them (also called when the block ends). Reads share the variables' buffers
   (no copy of a frozen backbone: 420 MB for LoRA's 110M weights); a variable whose read still
   shares the saved CPU buffer was not written and is not compared."""
   variables = model.non_trainable_variables
   state = [tf.convert_to_tensor(v) for v in variables]
   addresses = [_address(t) for t in state]
 
-  def restore(with_values=False):
+  def restore():
     written = []
     for v, value, address in zip(variables, state, addresses):
       now = tf.convert_to_tensor(v)
       if address is not None and _address(now) == address:
         continue   # still the saved buffer: not written (a write makes a new one)
       if not bool(tf.reduce_all(tf.equal(now, value))):
-        written.append((v, np.array(now)) if with_values else v)
+        written.append(v)
         v.assign(value)
     return written
 
@@ -405,10 +343,6 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
 
   Returns:
     tuple of layer names (empty: no mixing seen), or None if the model could not be probed.
-
-  Raises:
-    PrivacyConfigError: the training run wrote non-trainable state from the data
-      (`check_no_state_writes`).
   """
   n = max(2, int(batch_size or _PROBE_BATCH))
   layers = _layers_key(model)
@@ -429,10 +363,9 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   if x is None:
     return cached
   started = time.perf_counter()
-  written = []
   try:
     with tf.init_scope():
-      verdict = batch_mixing_layers(model, x, training=True, written=written)
+      verdict = batch_mixing_layers(model, x, training=True)
   except (tf.errors.OpError, ValueError, TypeError):
     # e.g. variables created in the trace that is running (a model built lazily by the
     # first train step) cannot be read yet: unprobed, and not cached
@@ -440,7 +373,6 @@ def probe_model(model, input_specs=None, seed=0, batch_size=None, data=None):
   finally:
     object.__setattr__(model, PROBE_SECONDS_ATTR, getattr(model, PROBE_SECONDS_ATTR, 0.0)
                        + time.perf_counter() - started)
-  check_no_state_writes(model, written, input_specs)
   object.__setattr__(model, _CACHE_ATTR, verdict)
   object.__setattr__(model, _PROBED_ATTR, getattr(model, _PROBED_ATTR, frozenset()) | {key})
   if verdict:

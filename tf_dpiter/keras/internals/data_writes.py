@@ -15,6 +15,11 @@ update) is data-dependent when its value is, when it runs inside a branch or loo
 predicate is, or when it reads a variable so written. Function calls (nested tf.functions,
 tf.cond, tf.while_loop, tf.switch_case) are followed into their bodies. A write whose value
 does not depend on the data (a call counter, a seed generator's advance) is allowed.
+
+This is the library's one check of state written from the data: fit (make_train_function,
+or the first trace for a model it builds) and the custom loops call `refuse_model_writes`
+before any probe runs the model (the probes restore only the model's non-trainable
+variables; a plain tf.Variable written from the probe's real rows would keep them).
 """
 
 import re
