@@ -41,6 +41,7 @@ from tf_dpiter.keras.optimizer import optimizers as opt_lib
 from tf_dpiter.keras.optimizer import saved_ledger
 from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import tf_privacy_args
+from tf_dpiter.keras.optimizer import weight_fingerprints
 from tf_dpiter.keras.model import train_step as train_step_lib
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import privacy_ledger
@@ -164,7 +165,15 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
     Args:
       store: the dict-like weights-file entry of this model.
+
+    Raises:
+      PrivacyConfigError: the weights changed outside the DP optimizer since its last
+        recorded update (weight_fingerprints.check): the ledger would not hold for them.
     """
+    opt = _unscaled(getattr(self, "optimizer", None))
+    if isinstance(opt, opt_lib.DPOptimizerBase) and not opt_lib.fingerprints_deferred(opt):
+      # the ledger is written for these weights: not for weights changed outside the run
+      weight_fingerprints.check(self.trainable_variables, "saving the weights with the ledger")
     super().save_own_variables(store)
     saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
 
@@ -180,6 +189,33 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     super().load_own_variables(rest)
     self._dp_carry_ledger(carried)
     self._dp_adopt_carried_ledger()
+    if carried is not None:   # the layers' values follow: recorded by load_weights
+      self._dp_loaded_ledger = True
+
+  def load_weights(self, filepath, *args, **kwargs):
+    """keras.Model.load_weights; weights from a file that carries a privacy ledger (saved by
+    a DP model) are recorded as released by the DP run (weight_fingerprints.record), so the
+    next fit and the privacy statement accept them. A file without a ledger counts as a
+    change made outside the DP optimizer once a private step updated these weights.
+
+    Args:
+      filepath: the weights file.
+      *args: keras.Model.load_weights' other arguments.
+      **kwargs: keras.Model.load_weights' other arguments.
+
+    Returns:
+      keras.Model.load_weights' result.
+    """
+    self._dp_loaded_ledger = False
+    try:
+      result = super().load_weights(filepath, *args, **kwargs)
+    finally:
+      loaded, self._dp_loaded_ledger = self._dp_loaded_ledger, False
+    if loaded:
+      opt = _unscaled(getattr(self, "optimizer", None))
+      weight_fingerprints.record(opt if isinstance(opt, opt_lib.DPOptimizerBase) else None,
+                                 self.trainable_variables)
+    return result
 
   def _dp_carry_ledger(self, arrays):
     """Adds a ledger of the weights' run (from a weights file, or the DP optimizer a recompile
@@ -282,13 +318,18 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       PrivacyConfigError: undeclared data, sampling given for a dataset, microbatches with Poisson,
         more microbatches than examples in a batch, a ledger with fewer samples than the
         optimizer's iterations, or a journal that ends before them; a callback acting on
-        a training metric (callbacks.privacy.check_monitors).
+        a training metric (callbacks.privacy.check_monitors); trainable weights changed
+        outside the DP optimizer since its last recorded update (a plain optimizer on a
+        shared layer, set_weights of other values: weight_fingerprints.check).
     """
     opt = self._dp_optimizer()
     self._dp_adopt_carried_ledger()   # nested DP models loaded or trained since compile
     opt_lib.check_variables(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
     batch_independence.warn_adapted_layers(self)
+    fingerprints = not opt_lib.fingerprints_deferred(opt)
+    if fingerprints:   # weights changed outside the DP optimizer since its last update?
+      weight_fingerprints.check(self.trainable_variables, "fit", record_with=opt)
     a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
     a.pop("self")
     spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
@@ -326,6 +367,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     internal = [fit_sampling.SamplingSync(
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
+    if fingerprints and callbacks:   # the last iterate, before their on_train_end changes it
+      internal.append(_RecordOnTrainEnd(opt))
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, ledger_callbacks.LedgerJournal)
                                     for c in callbacks):
@@ -336,6 +379,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
     self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
+    opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
     try:
       history = super().fit(**a)
     except tf.errors.OpError as err:
@@ -349,6 +393,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_in_fit = False
       self._dp_fit_verbose = 0
       internal[0].close()
+      opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
+      if fingerprints:   # after the callbacks' on_train_end (restore_best_weights, averages)
+        weight_fingerprints.record(opt, self.trainable_variables)
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
 
@@ -357,16 +404,22 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     `optimizer.set_sampling` first); an unbuilt model is built eagerly on the batch.
 
     Raises:
-      PrivacyConfigError: under a tf.distribute strategy with several replicas, or a ledger with
-        fewer samples than the optimizer's iterations (saved_ledger.require_covers).
+      PrivacyConfigError: under a tf.distribute strategy with several replicas, a ledger with
+        fewer samples than the optimizer's iterations (saved_ledger.require_covers), or
+        trainable weights changed outside the DP optimizer since its last recorded update
+        (weight_fingerprints.check).
     """
-    saved_ledger.require_covers(self._dp_optimizer())   # restored without its ledger: refuse
+    opt = self._dp_optimizer()
+    saved_ledger.require_covers(opt)   # restored without its ledger: refuse
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
       raise PrivacyConfigError(
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
+    fingerprints = not opt_lib.fingerprints_deferred(opt)
+    if fingerprints:   # weights changed outside the DP optimizer since its last update?
+      weight_fingerprints.check(self.trainable_variables, "train_on_batch", record_with=opt)
     x = args[0] if args else kwargs.get("x")
     # a step ran on this train function with every layer built (its trace facts exist) and
     # the model was not made unbuilt since (Sequential.add): no layer to build
@@ -375,7 +428,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         layer.built for layer in keras_internals.flatten_layers(self)):
       # built eagerly on the batch's first example (output unused), not inside the trace
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
-    return super().train_on_batch(*args, **kwargs)
+    if not fingerprints:
+      return super().train_on_batch(*args, **kwargs)
+    opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
+    try:
+      return super().train_on_batch(*args, **kwargs)
+    finally:
+      opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
+      weight_fingerprints.record(opt, self.trainable_variables)
 
   def _dp_declare(self, step, spec):
     """Writes the data's SamplingSpec into the optimizer's private step (or checks that
@@ -427,6 +487,19 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           else "")
     return fit_sampling.describe(spec, reason or "the dataset's own sampling",
                                  meters[0] if meters else None)
+
+
+class _RecordOnTrainEnd(keras.callbacks.Callback):
+  """Records the weights' fingerprints (weight_fingerprints.record) at the end of a DP fit,
+  before the user's callbacks' on_train_end (the last iterate, which a weight average or
+  EarlyStopping(restore_best_weights=True) then replaces: both may be put back later)."""
+
+  def __init__(self, optimizer):
+    super().__init__()
+    self._optimizer = optimizer
+
+  def on_train_end(self, logs=None):
+    weight_fingerprints.record(self._optimizer, self.model.trainable_variables)
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="DPSequential")

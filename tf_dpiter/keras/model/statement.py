@@ -18,10 +18,13 @@ import warnings
 import weakref
 from typing import Optional, Tuple
 
+import keras
+
 from tf_dpiter import accounting
 from tf_dpiter.accounting import accountant as accountant_lib
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.callbacks import privacy as privacy_callbacks
+from tf_dpiter.keras.optimizer import weight_fingerprints
 from tf_dpiter.ledger import records
 
 _RELATION_TEXT = {records.ADD_OR_REMOVE: "add or remove one", records.REPLACE_ONE:
@@ -123,12 +126,15 @@ def run_statement(model, delta, accountant="rdp"):
   Raises:
     ParameterValueError: the ledger has no private step yet (`model.ledger` is empty), a bad delta or
       accountant (named), or a ledger that cannot be accounted soundly.
+    PrivacyConfigError: the weights changed outside the DP optimizer since its last recorded
+      update (`check_weights`): the ledger's epsilon does not hold for them.
   """
   ledger = model.ledger
   groups, passes = _sampling_groups(ledger)
   if not groups:
     raise PrivacyConfigError("the model took no private step yet: privacy_statement(delta) states "
                              "the cost of the steps its ledger recorded. Call it after fit.")
+  check_weights(model, "privacy_statement")
   report = accounting.privacy_report(ledger, delta=delta, accountant=accountant)
   last = groups[-1]
   policy = _unique(g.policy for g in groups)
@@ -159,6 +165,25 @@ def run_statement(model, delta, accountant="rdp"):
       population_size=float(last.population_size), steps=int(sum(g.count for g in groups)),
       passes=int(passes), noise_multiplier=float(last.noise_multiplier),
       epsilon_if_poisson=eps_poisson, notes=tuple(notes))
+
+
+def check_weights(model, what):
+  """Refuses to state the ledger's epsilon for weights changed outside the DP optimizer
+  since its last recorded update (a plain optimizer on a shared layer, set_weights of other
+  values, a weights file without a ledger: weight_fingerprints.check).
+
+  Args:
+    model: a DP keras.Model (its trainable variables are checked), or a DP optimizer (the
+      variables it recorded).
+    what: what is refused, for the message.
+
+  Raises:
+    PrivacyConfigError: a trainable variable holds values no private step of the run produced.
+  """
+  if isinstance(model, keras.Model):
+    weight_fingerprints.check(model.trainable_variables, what)
+  else:
+    weight_fingerprints.check(None, what, optimizer=model)
 
 
 _WARNED_PAST_TARGET = weakref.WeakSet()   # optimizers already warned

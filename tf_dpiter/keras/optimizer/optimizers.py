@@ -32,6 +32,7 @@ from tf_dpiter.keras.optimizer import dp_config as dp_config_lib
 from tf_dpiter.keras.optimizer import optimizer_config
 from tf_dpiter.keras.optimizer import private_step as private_step_lib
 from tf_dpiter.keras.optimizer import saved_ledger
+from tf_dpiter.keras.optimizer import weight_fingerprints
 from tf_dpiter.ledger import policies as ledger_policies
 
 CLIPPING_MODES = dp_config_lib.CLIPPING_MODES
@@ -89,9 +90,30 @@ def claim_variables(optimizer, variables):
   if all(_owner(v) is optimizer for v in variables):   # claimed before: every eager step
     return
   check_variables(optimizer, variables)
+  if not tf.executing_eagerly() and not fingerprints_deferred(optimizer):
+    # a custom loop's traced step: the weights it starts from are checked (not under a
+    # distribution strategy, where they are not read here); its steps are then untracked
+    # (weight_fingerprints.untracked) until the next record
+    if not tf.distribute.has_strategy():
+      weight_fingerprints.check(variables, "apply_private_gradients")
+    weight_fingerprints.rebind(optimizer, variables)
   for v in variables:
     _OWNERS[id(v)] = (weakref.ref(v), weakref.ref(optimizer))
   _record_charges(optimizer, variables)
+
+
+def fingerprints_deferred(optimizer):
+  """True while a DP model's fit or train_on_batch runs `optimizer` (it checks and records the
+  weights' fingerprints itself, weight_fingerprints), or for an internal probe (`UNCLAIMED`).
+
+  Args:
+    optimizer: a DP optimizer.
+
+  Returns:
+    bool.
+  """
+  return bool(getattr(optimizer, UNCLAIMED, False)
+              or getattr(optimizer, "_dp_fingerprints_deferred", False))
 
 
 def _record_charges(optimizer, variables):
@@ -367,6 +389,42 @@ class DPOptimizerBase:
     """The correlated mechanism's state as numpy values (PrivateStep.noise_state)."""
     return self.private_step.noise_state()
 
+  def save_noise_state(self, path):
+    """Writes the correlated mechanism's noise state (tree, BandMF, BLT) to `path`, an .npz
+    file: the one way to resume such a run in another process (`restore_noise_state`).
+
+    THE FILE IS AS SECRET AS THE TRAINING DATA: it holds the noise added to the released
+    weights (the tree's open nodes sum to its cumulative noise, Kairouz et al., "Practical
+    and Private (Deep) Learning without Sampling or Shuffling", Section 3; BandMF's history
+    and BLT's buffers hold past noise), so whoever holds it and the model can remove the
+    noise (epsilon infinite). Keep it with the data, never with the model; delete it when
+    the run ends. One implementation: `PrivateStep.save_noise_state`.
+
+    Args:
+      path: the file to write (a str or os.PathLike; numpy adds ".npz" if missing).
+
+    Raises:
+      PrivacyConfigError: the mechanism is not correlated (noise="iid") or not built yet.
+    """
+    self.private_step.save_noise_state(path)
+
+  def restore_noise_state(self, path):
+    """Restores the noise state `save_noise_state` wrote, so a correlated run restored from
+    a model file or checkpoint of the same step continues exactly. Call it once the optimizer
+    is built (load_model builds it; else `optimizer.build(model.trainable_variables)`). The
+    next private step checks that the ledger holds exactly the samples this state drew: a
+    state of another step is refused there. The file is as secret as the data
+    (`save_noise_state`). One implementation: `PrivateStep.restore_noise_state`.
+
+    Args:
+      path: the .npz file `save_noise_state` wrote.
+
+    Raises:
+      PrivacyConfigError: the mechanism is not correlated or not built, or the file holds
+        another mechanism's state or other shapes.
+    """
+    self.private_step.restore_noise_state(path)
+
   # ---- the step, for users (thin delegations) -----------------------------------------
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
@@ -515,10 +573,17 @@ class DPOptimizerBase:
 
     Raises:
       PrivacyConfigError: another live DP optimizer updated one of `trainable_variables`
-        (`claim_variables`; checked before the first update, eagerly or when traced).
+        (`claim_variables`; checked before the first update, eagerly or when traced), or
+        their values changed outside the DP optimizer since its last recorded update
+        (weight_fingerprints.check: eagerly before every step, when traced before the
+        first).
       tf.errors.InvalidArgumentError: the ledger holds no sample for this update (plain
         gradients; under XLA the update is NaN instead).
     """
+    eager = tf.executing_eagerly() and not fingerprints_deferred(self)
+    if eager:   # a custom loop's eager step: weights changed since its last step are refused
+      weight_fingerprints.check(trainable_variables, "apply_private_gradients",
+                                record_with=self)
     claim_variables(self, trainable_variables)
     self._private_apply = True
     # one charged sample per update (review: plain tape gradients renamed from apply_gradients
@@ -531,9 +596,12 @@ class DPOptimizerBase:
     data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1] + charged
     try:
       with tf.control_dependencies(data):
-        return super().apply(grads, trainable_variables)
+        result = super().apply(grads, trainable_variables)
     finally:
       self._private_apply = False
+    if eager:
+      weight_fingerprints.record(self, trainable_variables)
+    return result
 
   def _all_reduce_sum_gradients(self, grads_and_vars):
     """Keras' sum of the gradients over the replicas before the update (TensorFlow backend),

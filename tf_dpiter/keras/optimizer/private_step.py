@@ -523,8 +523,9 @@ class PrivateStep:
         "load_weights, a tf.train.Checkpoint, BackupAndRestore in a new process, or a "
         "carried, journal or restore_ledger ledger). Start a new model, optimizer and ledger "
         "for a new run, or continue the run in the process that holds its noise state, or "
-        "resume it with optimizer.private_step.restore_noise_state(path) from a file "
-        "save_noise_state(path) wrote at the same step (that file is as secret as the data)")
+        "resume it with optimizer.restore_noise_state(path) from a file "
+        "optimizer.save_noise_state(path) wrote at the same step (that file is as secret as "
+        "the data)")
 
   # ---- sampling -----------------------------------------------------------------------
 

@@ -1,0 +1,242 @@
+"""Fingerprints of a DP model's weights: a change made outside the DP optimizer is refused.
+
+Rule: the ledger's epsilon holds for weights that are a function of the noised steps it
+charges (McMahan et al., "A General Approach to Adding Differential Privacy to Iterative
+Training Procedures", Section 6; post-processing, Dwork and Roth, "The Algorithmic
+Foundations of Differential Privacy", Proposition 2.1). A plain Keras optimizer updating a
+layer the DP model shares (another model fit on the records), `set_weights` / `assign` of
+other values, or a weights file without a ledger give weights no private step produced, and
+the ledger would still state its epsilon for them. So a digest of each trainable variable is
+recorded whenever its value is one the DP run released or accepted: at the start of a DP fit
+or `train_on_batch`, before the callbacks' `on_train_end` and at the end of the fit (after
+EarlyStopping(restore_best_weights=True) and weight averaging: earlier iterates, functions of
+the noised steps), after an eager private step of a custom loop, and after `load_weights` of
+a file that carries the ledger. The next DP fit, `train_on_batch`, eager private step, the
+privacy statement and a save of the ledger refuse weights whose digest is none of the ones
+recorded on them (`check`): any recorded state (an earlier iterate, the initial weights) may
+be put back.
+
+A private step the library does not see (a custom loop's traced `apply_private_gradients`, a
+tf.train.Checkpoint restore of the optimizer) moves the optimizer's `iterations` away from
+the count recorded with the digests: the weights are then not checked until the next record
+(a change made between such steps and the next record is not seen).
+
+The digest of a variable whose values, as unsigned integers of their bit patterns, form the
+matrix X [R, C] (its last axis C; a scalar is [1, 1]) is
+  h(X) = sum_i a_i sum_j b_j X_ij  (mod 2^64),
+with fixed pseudorandom odd multipliers a [R], b [C] (uint64, wrapping arithmetic: exact, so
+the same on every device and in every summation order). A change of one value always changes
+h (an odd multiplier times a nonzero difference below 2^64); other changes not made to
+collide leave h unchanged with probability about 2^-64. It detects accidents, not a
+deliberate collision.
+"""
+
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tf_dpiter.errors import PrivacyConfigError
+
+# How many digests a variable keeps (its first one, the weights the run started from, is
+# always kept): the states that may be put back.
+HISTORY = 256
+
+# id(variable) -> _Record
+_RECORDS = {}
+# (R, C) -> (a, b): the multipliers, made once per shape
+_MULTIPLIERS = {}
+_UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
+# fixed entropy of the multipliers (any constant: they only need to be unrelated to updates)
+_ENTROPY = 0x5EED_F1A9_E2B1_7A11
+
+
+class _Record:
+  """The digests recorded on one variable, and the optimizer and step count of the last."""
+
+  __slots__ = ("var_ref", "history", "opt_ref", "iterations")
+
+  def __init__(self, variable):
+    self.var_ref = weakref.ref(variable)
+    self.history = []
+    self.opt_ref = None
+    self.iterations = None
+
+
+def _multipliers(rows, cols):
+  key = (rows, cols)
+  if key not in _MULTIPLIERS:
+    rng = np.random.default_rng([_ENTROPY, rows, cols])
+    a = rng.integers(0, 2**63, size=rows, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    b = rng.integers(0, 2**63, size=(1, cols), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    _MULTIPLIERS[key] = (tf.constant(a), tf.constant(b))
+  return _MULTIPLIERS[key]
+
+
+def digest(variable):
+  """h(X) of the module docstring: the 64-bit digest of a variable's values.
+
+  Args:
+    variable: a Keras or TF variable (or a tensor), of any dtype and shape.
+
+  Returns:
+    int in [0, 2^64).
+  """
+  with tf.init_scope():
+    value = tf.convert_to_tensor(getattr(variable, "value", variable))
+    if value.dtype == tf.bool:
+      value = tf.cast(value, tf.uint8)
+    if value.dtype.is_complex or value.dtype.is_floating or (
+        value.dtype.is_integer and not value.dtype.is_unsigned):
+      width = value.dtype.size if not value.dtype.is_complex else value.dtype.size // 2
+      value = tf.bitcast(value, _UNSIGNED[width])
+    value = tf.cast(value, tf.uint64)
+    cols = int(value.shape[-1]) if value.shape.rank else 1
+    value = tf.reshape(value, [-1, cols])
+    a, b = _multipliers(int(value.shape[0]), cols)
+    return int(tf.reduce_sum(a * tf.reduce_sum(value * b, axis=1)).numpy())
+
+
+def _forget_dead():
+  for key, rec in list(_RECORDS.items()):
+    if rec.var_ref() is None:
+      del _RECORDS[key]
+
+
+def _record_of(variable, make=False):
+  rec = _RECORDS.get(id(variable))
+  if rec is not None and rec.var_ref() is not variable:   # an id reused by a new variable
+    del _RECORDS[id(variable)]
+    rec = None
+  if rec is None and make:
+    rec = _RECORDS[id(variable)] = _Record(variable)
+  return rec
+
+
+def _iterations(optimizer):
+  with tf.init_scope():
+    return int(optimizer.iterations.numpy())
+
+
+def _append(rec, h, optimizer, count):
+  if h in rec.history:
+    rec.history.remove(h)
+  rec.history.append(h)
+  if len(rec.history) > HISTORY:
+    del rec.history[1]
+  if optimizer is not None:
+    rec.opt_ref = weakref.ref(optimizer)
+    rec.iterations = count
+
+
+def record(optimizer, variables, only_recorded=False):
+  """Records the current values of `variables` as released or accepted by the DP run of
+  `optimizer` (its `iterations` kept with them).
+
+  Args:
+    optimizer: the DP optimizer of the run, or None (the records keep their optimizer and
+      step count; only variables recorded before are recorded).
+    variables: the trainable variables.
+    only_recorded: record only variables with digests recorded before.
+  """
+  _forget_dead()
+  count = None if optimizer is None else _iterations(optimizer)
+  for v in variables:
+    rec = _record_of(v, make=not only_recorded and optimizer is not None)
+    if rec is not None:
+      _append(rec, digest(v), optimizer, count)
+
+
+def untracked(rec):
+  """True when the optimizer of the last record took private steps since (a custom loop's
+  traced steps, a checkpoint restore): the record no longer describes the weights."""
+  opt = rec.opt_ref() if rec.opt_ref is not None else None
+  return opt is not None and _iterations(opt) != rec.iterations
+
+
+def rebind(optimizer, variables):
+  """Makes `optimizer` the owner of the records of `variables` without checking them (a DP
+  optimizer claiming them while its step is traced under a distribution strategy, where the
+  weights are not read).
+
+  Args:
+    optimizer: the DP optimizer claiming `variables`.
+    variables: its trainable variables.
+  """
+  count = _iterations(optimizer)
+  for v in variables:
+    rec = _record_of(v)
+    if rec is not None and not untracked(rec):
+      rec.opt_ref = weakref.ref(optimizer)
+      rec.iterations = count
+
+
+def changed(variables, optimizer=None, record_with=None):
+  """The variables whose values are none of the states recorded on them.
+
+  Args:
+    variables: the variables to check, or None: every variable recorded by `optimizer`.
+    optimizer: with variables=None, the DP optimizer whose records are checked.
+    record_with: a DP optimizer: when no variable changed, the current values are recorded
+      for it (`record`, each digest computed once).
+
+  Returns:
+    list of (variable, the step count of its last record).
+  """
+  _forget_dead()
+  if variables is None:
+    variables = [rec.var_ref() for rec in _RECORDS.values()
+                 if rec.opt_ref is not None and rec.opt_ref() is optimizer]
+  out, seen = [], []
+  for v in variables:
+    rec = _record_of(v, make=record_with is not None)
+    if rec is None:
+      continue
+    h = digest(v)
+    seen.append((rec, h))
+    if rec.history and not untracked(rec) and h not in rec.history:
+      out.append((v, rec.iterations))
+  if not out and record_with is not None:
+    count = _iterations(record_with)
+    for rec, h in seen:
+      _append(rec, h, record_with, count)
+  return out
+
+
+def _name(variable):
+  return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+
+
+def check(variables, what, optimizer=None, record_with=None):
+  """Refuses weights changed outside the DP optimizer since their last record (`changed`).
+
+  Args:
+    variables: the trainable variables of the DP model (None: those `optimizer` recorded).
+    what: what is refused, for the message ("fit", "privacy_statement", ...).
+    optimizer: with variables=None, the DP optimizer whose records are checked.
+    record_with: a DP optimizer about to update the variables: their values are recorded
+      for it when the check passes.
+
+  Raises:
+    PrivacyConfigError: a variable holds values that no private step of the run produced
+      (the message names the variables and says what to do).
+  """
+  bad = changed(variables, optimizer, record_with)
+  if not bad:
+    return
+  names = [_name(v) for v, _ in bad]
+  step = max(s for _, s in bad)
+  shown = ", ".join(repr(n) for n in names[:6]) + (
+      f" and {len(names) - 6} more" if len(names) > 6 else "")
+  raise PrivacyConfigError(
+      f"{what} refused: the weights of this DP model changed outside its DP optimizer after "
+      f"its last recorded private update (optimizer step {step}): {len(names)} trainable "
+      f"variable{'s' if len(names) > 1 else ''} ({shown}) hold values that no private step "
+      "of the run produced, e.g. a plain Keras optimizer updated a layer this model shares "
+      "(another model fit on the records), set_weights / assign wrote other values, or "
+      "weights were loaded from a file that carries no privacy ledger. The ledger's epsilon "
+      "charges noised steps only and does not hold for these weights. Train every model "
+      "that touches the records with a DP optimizer (e.g. one DP model with both outputs), "
+      "or put back weights the DP run released: an earlier state of this run, or a file a DP "
+      "model saved, through model.load_weights / keras.models.load_model (they carry the "
+      "ledger)")
