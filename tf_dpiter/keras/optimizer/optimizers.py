@@ -93,7 +93,7 @@ def claim_variables(optimizer, variables):
   if not tf.executing_eagerly() and not fingerprints_deferred(optimizer):
     # a custom loop's traced step: the weights it starts from are checked (not under a
     # distribution strategy, where they are not read here); its steps are then untracked
-    # (weight_fingerprints.untracked) until the next record
+    # (weight_fingerprints._untracked) until the next record
     if not tf.distribute.has_strategy():
       weight_fingerprints.check(variables, "apply_private_gradients")
     weight_fingerprints.rebind(optimizer, variables)

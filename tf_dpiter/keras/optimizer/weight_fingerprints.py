@@ -147,7 +147,7 @@ def record(optimizer, variables, only_recorded=False):
       _append(rec, digest(v), optimizer, count)
 
 
-def untracked(rec):
+def _untracked(rec):
   """True when the optimizer of the last record took private steps since (a custom loop's
   traced steps, a checkpoint restore): the record no longer describes the weights."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
@@ -166,7 +166,7 @@ def rebind(optimizer, variables):
   count = _iterations(optimizer)
   for v in variables:
     rec = _record_of(v)
-    if rec is not None and not untracked(rec):
+    if rec is not None and not _untracked(rec):
       rec.opt_ref = weakref.ref(optimizer)
       rec.iterations = count
 
@@ -194,7 +194,7 @@ def changed(variables, optimizer=None, record_with=None):
       continue
     h = digest(v)
     seen.append((rec, h))
-    if rec.history and not untracked(rec) and h not in rec.history:
+    if rec.history and not _untracked(rec) and h not in rec.history:
       out.append((v, rec.iterations))
   if not out and record_with is not None:
     count = _iterations(record_with)
