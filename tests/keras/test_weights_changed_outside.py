@@ -15,6 +15,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.optimizer import weight_fingerprints
@@ -221,3 +222,29 @@ def test_digest_sees_one_value_and_ignores_summation_order():
       keras.Variable(-1.5))
   assert weight_fingerprints.digest(keras.Variable(np.float16([1, 2]))) != (
       weight_fingerprints.digest(keras.Variable(np.float16([2, 1]))))
+
+
+def test_traced_custom_loop_steps_are_not_refused_and_fit_records_again():
+  """Private steps traced in a tf.function (not recorded one by one) leave the weights
+  unchecked until the next record: no false refusal after them; the next DP fit records
+  again and a plain change after it is refused."""
+  x, y = _data()
+  dp_model, autoencoder, _ = _shared_models()
+  _fit(dp_model, x, y)
+  opt = dp_model.optimizer
+
+  @tf.function
+  def step(xb, yb):
+    losses = lambda: keras.losses.mean_squared_error(yb, dp_model(xb, training=True))
+    return opt.minimize(losses, dp_model.trainable_variables, model=dp_model)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    for i in range(3):
+      step(x[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
+  assert int(opt.iterations.numpy()) == N // 10 + 3
+  dp_model.privacy_statement(1e-5)   # untracked steps: not refused
+  _fit(dp_model, x, y, steps_per_epoch=2)
+  _fit(autoencoder, x, x, steps_per_epoch=2)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
+    dp_model.privacy_statement(1e-5)
