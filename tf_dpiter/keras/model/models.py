@@ -361,6 +361,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         keras_internals.symbolic_build(self, a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
+    if fingerprints:   # the weights built since the check: the state the run starts from
+      weight_fingerprints.record(opt, self.trainable_variables, only_new=True)
     callbacks = list(a.get("callbacks") or [])
     callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None,
                                  keras_internals.compiled_metric_names(self))
@@ -417,9 +419,6 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           f"train_on_batch under a tf.distribute strategy with {n_rep} replicas would give "
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
-    fingerprints = not opt_lib.fingerprints_deferred(opt)
-    if fingerprints:   # weights changed outside the DP optimizer since its last update?
-      weight_fingerprints.check(self.trainable_variables, "train_on_batch", record_with=opt)
     x = args[0] if args else kwargs.get("x")
     # a step ran on this train function with every layer built (its trace facts exist) and
     # the model was not made unbuilt since (Sequential.add): no layer to build
@@ -428,8 +427,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         layer.built for layer in keras_internals.flatten_layers(self)):
       # built eagerly on the batch's first example (output unused), not inside the trace
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
-    if not fingerprints:
+    if opt_lib.fingerprints_deferred(opt):
       return super().train_on_batch(*args, **kwargs)
+    # weights changed outside the DP optimizer since its last update? (built: all of them)
+    weight_fingerprints.check(self.trainable_variables, "train_on_batch", record_with=opt)
     opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
     try:
       return super().train_on_batch(*args, **kwargs)

@@ -129,7 +129,7 @@ def _append(rec, h, optimizer, count):
     rec.iterations = count
 
 
-def record(optimizer, variables, only_recorded=False):
+def record(optimizer, variables, only_recorded=False, only_new=False):
   """Records the current values of `variables` as released or accepted by the DP run of
   `optimizer` (its `iterations` kept with them).
 
@@ -138,10 +138,13 @@ def record(optimizer, variables, only_recorded=False):
       step count; only variables recorded before are recorded).
     variables: the trainable variables.
     only_recorded: record only variables with digests recorded before.
+    only_new: record only variables without digests (made since the last record).
   """
   _forget_dead()
   count = None if optimizer is None else _iterations(optimizer)
   for v in variables:
+    if only_new and _record_of(v) is not None:
+      continue
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
     if rec is not None:
       _append(rec, digest(v), optimizer, count)
