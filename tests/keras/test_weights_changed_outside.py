@@ -52,7 +52,7 @@ def _fit(model, x, y, **kwargs):
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused(jit_compile):
+def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused(jit_compile, tmp_path):
   """Finding R3-9: the plain Adam fit of the shared encoder refuses the next DP fit and the
   statement; the message names the encoder's kernel and says what to do."""
   x, y = _data()
@@ -71,14 +71,9 @@ def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused(jit_compile):
   with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
     dp_model.privacy_statement(1e-5)
   with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
-    dp_model.save_weights(str(_tmp_file("refused.weights.h5")))
+    dp_model.save_weights(str(tmp_path / "refused.weights.h5"))
   # the DP steps taken are still charged: the refused fit took none
   assert int(dp_model.ledger.sample_count.numpy()) == N // 10
-
-
-def _tmp_file(name):
-  import tempfile  # pylint: disable=g-import-not-at-top
-  return tempfile.mkdtemp() + "/" + name
 
 
 def test_a_plain_optimizer_between_dp_fits_is_refused_after_a_recompile_too():
