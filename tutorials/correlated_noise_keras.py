@@ -14,7 +14,7 @@ rule; for accuracy at equal epsilon see benchmarks/correlated_noise_mnist.py), t
 the BandMF run is interrupted halfway, saved with `model.save`, reloaded and finished: the
 resumed weights equal the uninterrupted ones. The mechanism's noise history is the noise of
 the released weights, so no model file holds it: the run resumes through
-`opt.private_step.save_noise_state(path)` / `restore_noise_state(path)`, a file as secret as
+`opt.save_noise_state(path)` / `opt.restore_noise_state(path)`, a file as secret as
 the data (without it the restored fit is refused); the seeded generator state is an optimizer
 variable and the ledger continues through `ledger_journal`.
 
@@ -101,9 +101,9 @@ def resume_demo(x, y, args):
   first.fit(ds, epochs=half, verbose=0)
   first.save(os.path.join(tmp, "half.keras"))
   # the noise state: private, as secret as the data (never shipped with the model)
-  first.optimizer.private_step.save_noise_state(os.path.join(tmp, "half.noise.npz"))
+  first.optimizer.save_noise_state(os.path.join(tmp, "half.noise.npz"))
   resumed = keras.models.load_model(os.path.join(tmp, "half.keras"))
-  resumed.optimizer.private_step.restore_noise_state(os.path.join(tmp, "half.noise.npz"))
+  resumed.optimizer.restore_noise_state(os.path.join(tmp, "half.noise.npz"))
   resumed.fit(ds, epochs=args.epochs - half, verbose=0)
   gap = max(float(np.max(np.abs(a.numpy() - b.numpy())))
             for a, b in zip(straight.trainable_variables, resumed.trainable_variables))
