@@ -75,7 +75,8 @@ def _fast(model, x, y, clip, k=1, mask=None, jit=False):
 
 def _spy(monkeypatch, chunks):
   """The input shapes of the `_dense_sums` and `_pinned_dense_sums` calls of the layer under
-  test ("probed");
+  test ("probed") and of the `_pinned_record_sums` calls (the probed layer is the model's
+  only Dense on positions);
   `chunks`: no per-record gradient kept, book-keeping over chunks of 8 examples."""
   if chunks:
     monkeypatch.setattr(budget, "KEEP_BYTES", 0)
@@ -96,6 +97,14 @@ def _spy(monkeypatch, chunks):
 
   spy_on("_dense_sums")
   spy_on("_pinned_dense_sums")
+  # a [B, T.., K] input's sum record by record (no layer argument: the input's shape alone)
+  orig = dense._pinned_record_sums
+
+  def spy_records(x, *args, **kwargs):
+    calls.append(tuple(x.shape[1:]))
+    return orig(x, *args, **kwargs)
+
+  monkeypatch.setattr(dense, "_pinned_record_sums", spy_records)
   return calls
 
 

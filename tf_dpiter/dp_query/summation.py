@@ -734,3 +734,63 @@ def _pairwise_sum_dynamic(x):
 
   _, x = tf.while_loop(lambda h, y: h >= 1, level, (p // 2, x))
   return x[0]
+
+
+def tree_push(stack, count, value):
+  """Adds leaf number `count` (0-based, a scalar int32 tensor) to a pinned binary tree kept
+  as a counter, for leaves formed one at a time (a tf.while_loop over chunks: one extra
+  leaf-sized buffer per level, not one per leaf). Slot l of `stack` ([levels, ...], levels >
+  ceil(log2 K) for K leaves) holds the sum of the 2^l leaves of a complete subtree where bit l
+  of `count` is set; the t trailing one bits of `count` are the subtrees the new leaf
+  completes: carry = slot[t - 1] + (... + (slot[0] + value)), then written to slot t. The
+  additions are those of a balanced binary tree of adjacent pairs over the leaves padded with
+  zero leaves to a power of two (`tree_total`): each leaf through at most ceil(log2 K) of them,
+  a node of level l holding 2^l leaves, as in `pairwise_sum` (which pairs i with i + K / 2
+  instead): `rounding_margin`'s tree. Dynamic reads and writes of one slot, no host round trip.
+
+  Args:
+    stack: [levels, ...] float tensor (zeros before the first leaf).
+    count: the leaf's index, a scalar int32 tensor.
+    value: the leaf, stack.shape[1:].
+
+  Returns:
+    the new stack.
+  """
+  ones = tf.bitwise.bitwise_xor(count, count + 1)            # 2^(t + 1) - 1
+  t = tf.cast(tf.raw_ops.PopulationCount(x=ones), tf.int32) - 1
+
+  def merge(level, carry):
+    return level + 1, tf.gather(stack, level) + carry
+
+  _, carry = tf.while_loop(lambda level, _: level < t, merge, (tf.constant(0), value))
+  return tf.tensor_scatter_nd_update(stack, tf.reshape(t, [1, 1]), carry[None])
+
+
+def tree_total(stack, count):
+  """The root of `tree_push`'s tree after `count` leaves (a scalar int32 tensor): the complete
+  subtrees (the set bits of `count`) added from the smallest up, slot[l] + (the sum of the
+  smaller ones), the root of the tree of adjacent pairs over the leaves padded with zero
+  leaves (x + 0 is exact, so the padded tree's other additions change nothing).
+
+  Args:
+    stack: `tree_push`'s [levels, ...] stack (levels static or not).
+    count: the leaves pushed.
+
+  Returns:
+    stack.shape[1:].
+  """
+  levels = stack.shape[0]
+  total = tf.zeros_like(stack[0])
+
+  def add(level, total):
+    bit = tf.equal(tf.bitwise.bitwise_and(tf.bitwise.right_shift(count, level), 1), 1)
+    return tf.where(bit, tf.gather(stack, level) + total, total)
+
+  if levels is not None:
+    for level in range(int(levels)):
+      total = add(tf.constant(level), total)
+    return total
+  _, total = tf.while_loop(lambda level, _: level < tf.shape(stack)[0],
+                           lambda level, total: (level + 1, add(level, total)),
+                           (tf.constant(0), total))
+  return total

@@ -31,6 +31,7 @@ import threading
 
 import tensorflow as tf
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import runtime as routing  # XLA context (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
@@ -295,6 +296,114 @@ def sum_over_chunks(body, tensors, m, like):
   if one_call is False:
     return chunked()
   return tf.cond(tf.shape(tensors[0])[0] <= m, lambda: list(body(*tensors)), chunked)
+
+
+def records_per_pinned_chunk(record_bytes, cap=1 << 30):
+  """Records per chunk of `pinned_sum_over_records`: the largest power of two r with
+  r record_bytes <= CHUNK_BYTES (at least 1, at most cap).
+
+  Args:
+    record_bytes: bytes of one record's temporaries in the chunk (its float32 gradient and
+      its rows of the weighted operands), a Python int.
+    cap: at most this many records (a Python int >= 1).
+
+  Returns:
+    a power of two (a Python int).
+  """
+  r = 1
+  while r * 2 <= cap and r * 2 * record_bytes <= CHUNK_BYTES:
+    r *= 2
+  return r
+
+
+def pinned_sum_over_records(body, tensors, k, records, width):
+  """sum_j of the records' rows body(*chunk) [r, width] (each row one record's float32 term)
+  over the batch of `tensors` ([B, ...], B a multiple of k), in a pinned order: the batch in
+  chunks of `records` records (a power of two; the last chunk padded with zero examples,
+  whose rows body must make exactly 0), each chunk's rows by summation.pairwise_sum, the
+  chunks' sums by the pinned tree of summation.tree_push in a tf.while_loop (one chunk alive
+  at a time; a batch of one chunk: one call). Every record's term goes through
+  ceil(log2 R) additions for R records, a node of level l holding at most 2^l records: the
+  plan of summation.rounding_margin with blocks of one record (the tree over the chunks'
+  sums continues the chunks' own trees: ceil(log2 r) + ceil(log2 ceil(R / r)) =
+  ceil(log2 R) for r a power of two).
+
+  Args:
+    body: (*chunks) -> [r, width] float32, the records' terms of a chunk of r k examples.
+    tensors: a tuple of [B, ...] tensors (the clip factors among them, zero on padding).
+    k: examples per record (a Python int).
+    records: records per chunk (a power of two, a Python int).
+    width: the terms' entries (a Python int).
+
+  Returns:
+    [width] float32.
+  """
+  m = records * k
+  static_b = tensors[0].shape[0]
+  if static_b is not None and static_b <= m:
+    return summation.pairwise_sum(body(*tensors))
+
+  if static_b is not None:   # XLA: static slices of the batch padded to whole chunks
+    n = -(-int(static_b) // m)
+    split = [tf.reshape(_pad_rows(t, n * m - static_b) if n * m > static_b else t,
+                        [n, m] + t.shape[1:].as_list()) for t in tensors]
+    chunk_of = lambda i: [tf.gather(t, i) for t in split]
+  else:   # each chunk sliced from the batch and padded alone: no copy of the batch
+    def chunk_of(i):
+      parts = [t[i * m:(i + 1) * m] for t in tensors]
+      parts = [_pad_rows(p, m - tf.shape(p)[0]) for p in parts]
+      for p, like in zip(parts, tensors):
+        p.set_shape([m] + like.shape[1:].as_list())
+      return parts
+
+  def chunk(i):
+    return summation.pairwise_sum(body(*chunk_of(i)))
+
+  def chunked():
+    if static_b is not None:
+      stack = tf.zeros([summation.tree_depth(n) + 1, width], tf.float32)
+      count = tf.constant(n)
+    else:
+      count = (tf.shape(tensors[0])[0] + m - 1) // m
+      # ceil(log2 n) + 1 slots: the bit length of n - 1, plus one
+      bits = tf.range(1, 32)
+      levels = tf.reduce_sum(tf.cast(tf.bitwise.left_shift(1, bits - 1) <= count - 1,
+                                     tf.int32)) + 1
+      stack = tf.zeros(tf.stack([levels, width]), tf.float32)
+
+    def step(i, stack):
+      return i + 1, summation.tree_push(stack, i, chunk(i))
+
+    _, stack = tf.while_loop(lambda i, _: i < count, step, (tf.constant(0), stack),
+                             parallel_iterations=1)
+    return summation.tree_total(stack, count)
+
+  if static_b is not None:
+    return chunked()
+  return tf.cond(tf.shape(tensors[0])[0] <= m,
+                 lambda: summation.pairwise_sum(body(*tensors)), chunked)
+
+
+def pinned_kept_sum(record_c, g):
+  """sum_j c_j g_j over kept per-record gradients g [R, P] (R >= records: padded rows beyond
+  the factors add nothing) by summation.pairwise_sum of the weighted rows (a row with c_j = 0
+  exactly 0 even where it is not finite): one term per record, the plan of
+  `pinned_sum_over_records` (blocks of one record), so either branch of a run-time keep
+  choice runs the plan reported.
+
+  Args:
+    record_c: [B / k] float32 record factors.
+    g: [R, P] float32 per-record gradients.
+
+  Returns:
+    [P] float32.
+  """
+  rows, records = g.shape[0], record_c.shape[0]
+  if rows is not None and records is not None and int(rows) == int(records):
+    c = record_c
+  else:
+    c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
+  return summation.pairwise_sum(algebra.weight_rows(g, c))
 
 
 def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):

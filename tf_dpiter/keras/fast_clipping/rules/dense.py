@@ -115,18 +115,89 @@ def _budgeted_norms(layer, on, x, dz):
   if keep is True:
     return registry.PerExampleBlock(sq, [algebra.leading_rows(g, sq)], unpack)
   shapes = [v.shape for v in layer.trainable_variables]
+  k = algebra.current_examples_per_record()   # the sums run outside the norms' records context
+  pinned = PINNED_RECORD_SUMS and isinstance(k, int)
 
   def by_bookkeeping(c):
+    if pinned:
+      return unpack([_pinned_record_sums(x, dz, c, fold, k, rows, n)])
     return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on),
                                   (x, dz, c), m, shapes)
 
+  def from_kept(c):
+    record_c = budget.record_factors(c, k)
+    return unpack([budget.pinned_kept_sum(record_c, g) if pinned else
+                   budget.kept_sum(record_c, g)])
+
   def sum_fn(example_factors):
     c = tf.cast(example_factors, tf.float32)
-    return budget.by_keep(keep, lambda: unpack([budget.kept_sum(budget.record_factors(c), g)]),
-                          lambda: by_bookkeeping(c))
+    if pinned:   # one term per record in either branch: blocks of one record
+      for v in layer.trainable_variables:
+        algebra.report_pinned(v, 1)
+    return budget.by_keep(keep, lambda: from_kept(c), lambda: by_bookkeeping(c))
 
   sum_fn.keeps_per_example = keep   # a bool, or a scalar bool tensor for an unknown batch
   return registry.FactorSums(sq, sum_fn)
+
+
+# The clipped sum of a Dense layer on [B, T.., K] inputs whose per-record gradients are not
+# kept is formed record by record in a pinned order (`_pinned_record_sums`; False: the
+# book-keeping product over the batch's B T rows, an order no one pins, charged no margin).
+PINNED_RECORD_SUMS = True
+
+
+def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
+  """sum_j c_j g_j of a Dense layer on [B, T.., K] inputs (its kernel, and its bias folded in
+  as the weight of an input 1 with `fold`: [(K + 1) N] flat, the bias the last N) where the
+  per-record gradients are not kept, in a pinned order: each record's float32 gradient
+  g~_j = [x_j, 1]^T (c_j dz_j) formed over its own k T positions by one batched product
+  (einsum "btk,btn->bkn": any order within the record, from its rows alone), the records'
+  gradients summed by budget.pinned_sum_over_records (chunks of a power of two of records
+  within budget.CHUNK_BYTES, each chunk by summation.pairwise_sum, the chunks by a pinned
+  tree in a tf.while_loop: one chunk's gradients alive at a time). The book-keeping product
+  over the batch's B T rows (`_dense_sums`) adds the terms x_t dz_t^T of every record in one
+  order no one pins: a record whose positions' terms are large and cancel (its gradient near
+  0, its clip factor 1) carries partial sums whose rounding the added or removed record
+  changes, so the sum moved by more than C (Casacuberta et al., "Widespread underestimation
+  of sensitivity in differentially private libraries and how to fix it", CCS 2022; 1.054 C
+  measured, tests/privacy/test_sum_rounding_review.py). Here every record is one term,
+  c_j g~_j, whose norm is at most the clip: g~_j is within gamma_{kT + 1} S_j of the exact
+  gradient (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., Sec. 3.1;
+  S_j = sum_t ||[x_t, 1]|| ||dz_t||), which the norm's raise covers (algebra.with_sum_rounding,
+  L >= kT + 1); so the plan of summation.rounding_margin with blocks of one record applies
+  (reported by the caller: algebra.report_pinned) and the step's shrink keeps the sum's move
+  within C. Cost: the product's multiply-adds (B T (K + 1) N) as before, plus writing and
+  adding the B records' gradients. Rows with c_j = 0 are exactly 0 (algebra.weight_rows /
+  drop_rows), padding rows too.
+
+  Args:
+    x: [B, T.., K] the layer's input.
+    dz: [B, T.., N] the gradient at its output before the activation.
+    factors: [B] float32 clip factors of each example's record.
+    fold: the bias folded in (`_bias_folded`).
+    k: examples per record (a Python int).
+    rows, n: K + fold and N.
+
+  Returns:
+    [rows N] float32.
+  """
+  t = algebra.static_positions(x.shape[1:-1])
+  width = rows * n
+  x3, d3 = algebra.to_btk(x), algebra.to_btk(dz)
+  per_record = 4 * (width + (k * t * (rows + n) if t != -1 else 0))
+  weight_x = rows < n   # the factors on the smaller operand (dz at K = N)
+
+  def body(xc, dc, cc):
+    xc = algebra.with_ones_column(xc) if fold else xc
+    xw = (algebra.weight_rows if weight_x else algebra.drop_rows)(xc, cc)
+    dw = (algebra.drop_rows if weight_x else algebra.weight_rows)(dc, cc)
+    kt = k * t if t != -1 else -1
+    xw = tf.reshape(xw, [-1, kt, rows])
+    dw = tf.reshape(dw, [-1, kt, n])
+    return tf.reshape(tf.einsum("btk,btn->bkn", xw, dw), [-1, width])
+
+  return budget.pinned_sum_over_records(body, (x3, d3, factors), k,
+                                        budget.records_per_pinned_chunk(per_record), width)
 
 
 def _bias_folded(on, x):
