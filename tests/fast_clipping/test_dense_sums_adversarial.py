@@ -81,6 +81,8 @@ def _spy(monkeypatch, chunks):
   if chunks:
     monkeypatch.setattr(budget, "KEEP_BYTES", 0)
     monkeypatch.setattr(budget, "CHUNK_BYTES", 1)
+    # `_pinned_record_sums`: one record and one kernel row at a time (its tree of chunks)
+    monkeypatch.setattr(dense, "RECORD_BLOCK_BYTES", 1 if chunks is True else chunks)
     monkeypatch.setattr(registry, "MAX_DIRECT_PER_EXAMPLE_ENTRIES", 0)
     monkeypatch.setattr(registry, "MAX_PER_EXAMPLE_ENTRIES", 0)
   calls = []
@@ -147,6 +149,19 @@ def test_dense_sums_equal_the_loop(variant, positions, kn, monkeypatch):
       # `_dense_sums` formed the sum where the rule keeps no per-record gradient
       if chunks and variant != "frozen_kernel":   # a frozen kernel: the bias kept per record
         assert calls and set(calls) <= {positions + (k,)}, (calls, variant, chunks)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_record_sums_in_blocks_of_kernel_rows_equal_the_loop(jit, monkeypatch):
+  """`_pinned_record_sums` in blocks of 3 of the 8 rows of [W; b] (K 7, the bias folded),
+  padded to 9, the 11 records in one chunk (RECORD_BLOCK_BYTES = 4 N 16 3)."""
+  model = _model((5,), 7, 3)
+  x, y = _data((5,), 7)
+  memo = {}
+  clip = float(np.median(_loop(model, x, y, 1e9, memo=memo)[1]))
+  calls = _spy(monkeypatch, chunks=4 * 3 * 16 * 3)
+  _assert_equal(_fast(model, x, y, clip, jit=jit), _loop(model, x, y, clip, memo=memo))
+  assert set(calls) == {(5, 7)}
 
 
 @pytest.mark.parametrize("jit", [False, True])

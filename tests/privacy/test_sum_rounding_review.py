@@ -384,3 +384,76 @@ def test_a_record_of_many_tiny_coordinates_on_the_fast_path_without_the_shrink(
   largest = _largest_tiny_coordinates_update(model, batch, features)
   assert largest > C * (1 - 1e-4)   # clipped (exact norms above C)
   assert largest <= C, (largest, C)
+
+
+def _cancelling_rows(batch, positions, e):
+  """y [batch, T] (the target record 0 first, then the others), each record's T terms of a
+  Dense(1) on x = 1 (dz_t = y_t): record 0 is [C, 0, ...]; every other record j is
+  [a, -3/4 w, ..., -3/4 w, -a], a = 2^e - 1/2, w = 2^(e - 24), whose gradient is about 0
+  (clip factor 1: its norm's bound, about sqrt((2T + 1) u) 2 a + gamma_L 2 a, stays below C
+  for e = 8, T = 16, B = 256) while its terms are large and cancel. Summed in the rows' order,
+  with the target the partial sum is 1, a takes it to 2^e + 1/2 (spacing 2 w) where each
+  -3/4 w rounds away; without it to 2^e - 1/2 (spacing w) where each rounds to -w: every
+  record j moves the sum by (T - 2) w more, (B - 1)(T - 2) w in all (0.0545 C here), while
+  the float64 sums differ by exactly C."""
+  a, w = 2.0 ** e - 0.5, 2.0 ** (e - 24)
+  y = np.zeros((batch, positions), np.float64)
+  y[0, 0] = C
+  y[1:, 0], y[1:, -1], y[1:, 1:-1] = a, -a, -0.75 * w
+  assert np.array_equal(y.astype(np.float32).astype(np.float64), y)
+  return y
+
+
+def _moved_by_a_cancelling_record(monkeypatch, jit, batch=256, positions=16, e=8):
+  """(||S(D) - S(D')||, the ledger's sensitivity, S(D)) for `_cancelling_rows` through the
+  fast step (Dense(1) on [B, T, 1], add/remove record 0 under Poisson sampling: a padding
+  row of weight 0), the per-record gradients not kept (the Gram norm form, as BERT-base's
+  768 x 768 kernels beyond rules/budget.KEEP_BYTES: registry's form hook)."""
+  from tf_dpiter.keras.fast_clipping import registry   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([
+      keras.Input((positions, 1)),
+      keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros"),
+      keras.layers.Flatten()])
+  opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, None, learning_rate=1.0, clipping="fast",
+                                     normalize=False)
+  model.compile(optimizer=opt, loss=_loss, jit_compile=jit)
+  opt.set_sampling(N, batch / N, "poisson", batch)
+  y = _cancelling_rows(batch, positions, e)
+  x = np.ones((batch, positions, 1), np.float32)
+  sums = []
+  for drop in (False, True):
+    weights = np.ones(batch, np.float32)
+    weights[0] = 0.0 if drop else 1.0
+    model.set_weights([np.zeros((1, 1), np.float32)])
+    model.train_on_batch(x, y.astype(np.float32), sample_weight=weights)
+    sums.append(-model.get_weights()[0].astype(np.float64).ravel())
+  return float(np.linalg.norm(sums[0] - sums[1])), _sensitivity(model), sums[0]
+
+
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=_SLOW)])
+def test_adding_one_record_among_cancelling_unkept_records_moves_by_at_most_c(
+    monkeypatch, jit):
+  """Sequence records whose per-record gradients are not kept (`_cancelling_rows`): the
+  clipped sum formed record by record (rules/dense._pinned_record_sums, each record's float32
+  gradient first, the records by a pinned tree) and charged the plan's shrink keeps the move
+  within the ledger's C. Measured 2026-11-30 (B = 256, T = 16): before, the book-keeping
+  product over the B T rows moved it by 1.0542 C in graph mode and under XLA; after 0.9989 C
+  (graph) and 0.9986 C (XLA)."""
+  moved, sensitivity, s_d = _moved_by_a_cancelling_record(monkeypatch, jit)
+  assert sensitivity >= C
+  assert moved <= sensitivity, (moved, sensitivity)
+  # the sums are the records' (C and the others' own roundings, -(T - 2) w each) times the
+  # shrink; charged (every sum of the step pinned), not vanishing
+  assert 0.9 < moved < C * (1 - 1e-4), moved
+
+
+def test_the_book_keeping_product_over_cancelling_records_moved_by_more_than_c(monkeypatch):
+  """The same records with the book-keeping product over the batch's rows
+  (rules/dense.PINNED_RECORD_SUMS False: session 34's form): the move exceeds the ledger's C
+  (1.0542 C measured), which the test above rules out; the construction bites."""
+  from tf_dpiter.keras.fast_clipping.rules import dense   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dense, "PINNED_RECORD_SUMS", False)
+  moved, sensitivity, _ = _moved_by_a_cancelling_record(monkeypatch, False)
+  assert moved > sensitivity * 1.04, (moved, sensitivity)

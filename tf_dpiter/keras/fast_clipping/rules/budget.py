@@ -298,20 +298,24 @@ def sum_over_chunks(body, tensors, m, like):
   return tf.cond(tf.shape(tensors[0])[0] <= m, lambda: list(body(*tensors)), chunked)
 
 
-def records_per_pinned_chunk(record_bytes, cap=1 << 30):
+def records_per_pinned_chunk(record_bytes, cap=1 << 30, budget_bytes=None):
   """Records per chunk of `pinned_sum_over_records`: the largest power of two r with
-  r record_bytes <= CHUNK_BYTES (at least 1, at most cap).
+  r record_bytes <= `budget_bytes` (CHUNK_BYTES by default; at least 1, at most the power of
+  two at or above cap).
 
   Args:
     record_bytes: bytes of one record's temporaries in the chunk (its float32 gradient and
       its rows of the weighted operands), a Python int.
-    cap: at most this many records (a Python int >= 1).
+    cap: the records there are (a Python int >= 1): no chunk beyond the power of two that
+      holds them.
+    budget_bytes: the chunk's budget (a Python int), None: CHUNK_BYTES.
 
   Returns:
     a power of two (a Python int).
   """
+  budget_bytes = CHUNK_BYTES if budget_bytes is None else budget_bytes
   r = 1
-  while r * 2 <= cap and r * 2 * record_bytes <= CHUNK_BYTES:
+  while r < cap and r * 2 * record_bytes <= budget_bytes:
     r *= 2
   return r
 

@@ -144,6 +144,9 @@ def _budgeted_norms(layer, on, x, dz):
 # kept is formed record by record in a pinned order (`_pinned_record_sums`; False: the
 # book-keeping product over the batch's B T rows, an order no one pins, charged no margin).
 PINNED_RECORD_SUMS = True
+# Bytes of one block of `_pinned_record_sums`' per-record gradients (a few of the kernel's
+# rows for a chunk of records): small, since the sums of every layer may run at once.
+RECORD_BLOCK_BYTES = 1 << 20
 
 
 def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
@@ -166,9 +169,13 @@ def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
   S_j = sum_t ||[x_t, 1]|| ||dz_t||), which the norm's raise covers (algebra.with_sum_rounding,
   L >= kT + 1); so the plan of summation.rounding_margin with blocks of one record applies
   (reported by the caller: algebra.report_pinned) and the step's shrink keeps the sum's move
-  within C. Cost: the product's multiply-adds (B T (K + 1) N) as before, plus writing and
-  adding the B records' gradients. Rows with c_j = 0 are exactly 0 (algebra.weight_rows /
-  drop_rows), padding rows too.
+  within C. Memory: the records' gradients are formed a block of the kernel's rows at a time
+  (tf.map_fn over blocks of kb rows; each block's entries are summed by their own tree, the
+  rounding analysis being per entry), chunks of r records within RECORD_BLOCK_BYTES: at
+  BERT-base's shapes (B 4, N 768) blocks of 85 rows of the four records. Cost: the product's
+  multiply-adds (B T (K + 1) N) as before, in per-record products of k T terms, plus writing
+  and adding the B records' gradients. Rows with c_j = 0 are exactly 0
+  (algebra.weight_rows / drop_rows), padding rows too.
 
   Args:
     x: [B, T.., K] the layer's input.
@@ -182,22 +189,37 @@ def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
     [rows N] float32.
   """
   t = algebra.static_positions(x.shape[1:-1])
-  width = rows * n
-  x3, d3 = algebra.to_btk(x), algebra.to_btk(dz)
-  per_record = 4 * (width + (k * t * (rows + n) if t != -1 else 0))
   weight_x = rows < n   # the factors on the smaller operand (dz at K = N)
+  x3 = algebra.to_btk(x)
+  x3 = algebra.with_ones_column(x3) if fold else tf.cast(x3, tf.float32)
+  xw = (algebra.weight_rows if weight_x else algebra.drop_rows)(x3, factors)
+  dw = (algebra.drop_rows if weight_x else algebra.weight_rows)(algebra.to_btk(dz), factors)
+  # [R, k T, rows] and [R, k T, N]: a record's rows together
+  lead = [-1, k * t] if t != -1 else [tf.shape(xw)[0] // k, -1]
+  xr = tf.reshape(xw, lead + [rows])
+  dr = tf.reshape(dw, lead + [n])
+  kt = k * t if t != -1 else tf.shape(xr)[1]
+  records = xr.shape[0]
+  # records per chunk and the kernel's rows per block: a block's gradients within
+  # RECORD_BLOCK_BYTES, whatever the layer's size (the layers' sums may run at once)
+  r = budget.records_per_pinned_chunk(4 * n, cap=records or (1 << 30),
+                                      budget_bytes=RECORD_BLOCK_BYTES)
+  kb = min(rows, max(1, RECORD_BLOCK_BYTES // (4 * n * r)))
+  nb = -(-rows // kb)
 
-  def body(xc, dc, cc):
-    xc = algebra.with_ones_column(xc) if fold else xc
-    xw = (algebra.weight_rows if weight_x else algebra.drop_rows)(xc, cc)
-    dw = (algebra.drop_rows if weight_x else algebra.weight_rows)(dc, cc)
-    kt = k * t if t != -1 else -1
-    xw = tf.reshape(xw, [-1, kt, rows])
-    dw = tf.reshape(dw, [-1, kt, n])
-    return tf.reshape(tf.einsum("btk,btn->bkn", xw, dw), [-1, width])
+  def block_sum(xb):   # [R, k T, kb] -> [kb n]: the records' gradients' rows of this block
+    return budget.pinned_sum_over_records(
+        lambda xc, dc: tf.reshape(tf.einsum("btk,btn->bkn", xc, dc), [-1, kb * n]),
+        (xb, dr), 1, r, kb * n)
 
-  return budget.pinned_sum_over_records(body, (x3, d3, factors), k,
-                                        budget.records_per_pinned_chunk(per_record), width)
+  if nb == 1:
+    return block_sum(xr)
+  padded = tf.pad(xr, [[0, 0], [0, 0], [0, nb * kb - rows]]) if nb * kb > rows else xr
+  blocks = tf.transpose(tf.reshape(padded, [tf.shape(padded)[0], kt, nb, kb]), [2, 0, 1, 3])
+  sums = tf.map_fn(block_sum, blocks, parallel_iterations=1,
+                   fn_output_signature=tf.TensorSpec([kb * n], tf.float32))
+  flat = tf.reshape(sums, [-1])
+  return flat if nb * kb == rows else flat[:rows * n]
 
 
 def _bias_folded(on, x):
