@@ -153,13 +153,14 @@ def test_dense_sums_equal_the_loop(variant, positions, kn, monkeypatch):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_record_sums_in_blocks_of_kernel_rows_equal_the_loop(jit, monkeypatch):
-  """`_pinned_record_sums` in blocks of 3 of the 8 rows of [W; b] (K 7, the bias folded),
-  padded to 9, the 11 records in one chunk (RECORD_BLOCK_BYTES = 4 N 16 3)."""
+  """`_pinned_record_sums` in blocks of 5 of the 7 rows of W (no divisor of 7 near 5),
+  padded to 10, the 11 records in one chunk (RECORD_BLOCK_BYTES = 4 N 16 5); the bias's sum
+  apart."""
   model = _model((5,), 7, 3)
   x, y = _data((5,), 7)
   memo = {}
   clip = float(np.median(_loop(model, x, y, 1e9, memo=memo)[1]))
-  calls = _spy(monkeypatch, chunks=4 * 3 * 16 * 3)
+  calls = _spy(monkeypatch, chunks=4 * 3 * 16 * 5)
   _assert_equal(_fast(model, x, y, clip, jit=jit), _loop(model, x, y, clip, memo=memo))
   assert set(calls) == {(5, 7)}
 

@@ -54,10 +54,18 @@ gradients are kept (registry.PerExampleGrads / PerExampleBlock, vectorized units
 over the records in the pinned order of algebra.pinned_rows_product and charged the plan's
 shrink: each record is then one term, the very gradient whose norm the clip took, so the
 one-term analysis holds. Replace-one, fast, XLA, B = 4096, k = 2: 2.00006 C before,
-1.99847 C after (the ledger's 2 C); graph mode 1.99854 C. Still open: a record of several
-terms whose per-record gradient is not kept (a Dense on [B, T, K] inputs beyond
-rules/budget.KEEP_BYTES, BERT-base's 768 x 768 kernels at larger batches; the book-keeping
-product sums the batch's terms in one matrix product): no shrink is charged there.
+1.99847 C after (the ledger's 2 C); graph mode 1.99854 C.
+Fixed in session 35 (keras/fast_clipping/rules/dense._pinned_record_sums): a Dense (or an
+EinsumDense taken as one) on [B, T, K] inputs whose per-record gradients are not kept (beyond
+rules/budget.KEEP_BYTES, BERT-base's 768 x 768 kernels) formed its clipped sum as one matrix
+product over the batch's B T rows: records whose positions' terms are large and cancel (their
+gradients near 0, clip factor 1) carry partial sums that the added record's term rounds
+another way, 1.0542 C at B = 256, T = 16 (graph and XLA). Each record's float32 gradient is
+now formed first (over its own positions) and the records' gradients summed by a pinned tree,
+charged the plan's shrink: 0.9989 C (graph), 0.9986 C (XLA). Still open, the other rules'
+book-keeping sums: convolutions whose kernels are too large to keep per example, an
+EinsumDense that is not a Dense view, embedding tables (BERT-base's three: the only sums of
+its step left unpinned), so no shrink is charged for a step that holds one.
 """
 
 import keras

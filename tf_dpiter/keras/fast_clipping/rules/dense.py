@@ -120,7 +120,9 @@ def _budgeted_norms(layer, on, x, dz):
 
   def by_bookkeeping(c):
     if pinned:
-      return unpack([_pinned_record_sums(x, dz, c, fold, k, rows, n)])
+      sums = _pinned_record_sums(x, dz, c, fold, k, rows - int(fold), n)
+      by_id = {id(v): _shaped(p, v) for v, p in zip((layer.kernel, layer.bias), sums)}
+      return [by_id[id(v)] for v in layer.trainable_variables]
     return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on),
                                   (x, dz, c), m, shapes)
 
@@ -149,15 +151,15 @@ PINNED_RECORD_SUMS = True
 RECORD_BLOCK_BYTES = 1 << 20
 
 
-def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
-  """sum_j c_j g_j of a Dense layer on [B, T.., K] inputs (its kernel, and its bias folded in
-  as the weight of an input 1 with `fold`: [(K + 1) N] flat, the bias the last N) where the
-  per-record gradients are not kept, in a pinned order: each record's float32 gradient
-  g~_j = [x_j, 1]^T (c_j dz_j) formed over its own k T positions by one batched product
-  (einsum "btk,btn->bkn": any order within the record, from its rows alone), the records'
-  gradients summed by budget.pinned_sum_over_records (chunks of a power of two of records
-  within budget.CHUNK_BYTES, each chunk by summation.pairwise_sum, the chunks by a pinned
-  tree in a tf.while_loop: one chunk's gradients alive at a time). The book-keeping product
+def _pinned_record_sums(x, dz, factors, fold, k, kk, n):
+  """sum_j c_j g_j of a Dense layer on [B, T.., K] inputs (its kernel, and its bias, the
+  weight of an input 1, with `fold`) where the per-record gradients are not kept, in a pinned
+  order: each record's float32 gradient g~_j = [x_j, 1]^T (c_j dz_j) formed over its own k T
+  positions (the kernel's by a batched product, einsum "btk,btn->bkn", the bias's by a
+  reduction: any order within the record, from its rows alone), the records' gradients
+  summed by budget.pinned_sum_over_records (chunks of a power of two of records, each chunk
+  by summation.pairwise_sum, the chunks by a pinned tree in a tf.while_loop: one chunk's
+  gradients alive at a time). The book-keeping product
   over the batch's B T rows (`_dense_sums`) adds the terms x_t dz_t^T of every record in one
   order no one pins: a record whose positions' terms are large and cancel (its gradient near
   0, its clip factor 1) carries partial sums whose rounding the added or removed record
@@ -170,9 +172,11 @@ def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
   L >= kT + 1); so the plan of summation.rounding_margin with blocks of one record applies
   (reported by the caller: algebra.report_pinned) and the step's shrink keeps the sum's move
   within C. Memory: the records' gradients are formed a block of the kernel's rows at a time
-  (tf.map_fn over blocks of kb rows; each block's entries are summed by their own tree, the
-  rounding analysis being per entry), chunks of r records within RECORD_BLOCK_BYTES: at
-  BERT-base's shapes (B 4, N 768) blocks of 85 rows of the four records. Cost: the product's
+  (tf.map_fn over blocks of kb rows, kb a divisor of K where one is near the budget, so that
+  the blocks' sums are the kernel in place; each block's entries are summed by their own
+  tree, the rounding analysis being per entry), chunks of r records, within
+  RECORD_BLOCK_BYTES: at BERT-base's shapes (B 4, N 768) blocks of 64 rows of the four
+  records. Cost: the product's
   multiply-adds (B T (K + 1) N) as before, in per-record products of k T terms, plus writing
   and adding the B records' gradients. Rows with c_j = 0 are exactly 0
   (algebra.weight_rows / drop_rows), padding rows too.
@@ -181,45 +185,59 @@ def _pinned_record_sums(x, dz, factors, fold, k, rows, n):
     x: [B, T.., K] the layer's input.
     dz: [B, T.., N] the gradient at its output before the activation.
     factors: [B] float32 clip factors of each example's record.
-    fold: the bias folded in (`_bias_folded`).
+    fold: the bias folded in (`_bias_folded`): its sum too.
     k: examples per record (a Python int).
-    rows, n: K + fold and N.
+    kk, n: K and N.
 
   Returns:
-    [rows N] float32.
+    [the kernel's sum [K N] float32] and with `fold` the bias's [N].
   """
   t = algebra.static_positions(x.shape[1:-1])
-  weight_x = rows < n   # the factors on the smaller operand (dz at K = N)
-  x3 = algebra.to_btk(x)
-  x3 = algebra.with_ones_column(x3) if fold else tf.cast(x3, tf.float32)
+  weight_x = kk < n   # the kernel's factors on the smaller operand (dz at K = N)
+  x3 = tf.cast(algebra.to_btk(x), tf.float32)
   xw = (algebra.weight_rows if weight_x else algebra.drop_rows)(x3, factors)
-  dw = (algebra.drop_rows if weight_x else algebra.weight_rows)(algebra.to_btk(dz), factors)
-  # [R, k T, rows] and [R, k T, N]: a record's rows together
+  dw = algebra.weight_rows(algebra.to_btk(dz), factors)
+  dk = algebra.drop_rows(algebra.to_btk(dz), factors) if weight_x else dw
+  # [R, k T, K] and [R, k T, N]: a record's rows together
   lead = [-1, k * t] if t != -1 else [tf.shape(xw)[0] // k, -1]
-  xr = tf.reshape(xw, lead + [rows])
-  dr = tf.reshape(dw, lead + [n])
+  xr = tf.reshape(xw, lead + [kk])
+  dr = tf.reshape(dk, lead + [n])
   kt = k * t if t != -1 else tf.shape(xr)[1]
   records = xr.shape[0]
-  # records per chunk and the kernel's rows per block: a block's gradients within
-  # RECORD_BLOCK_BYTES, whatever the layer's size (the layers' sums may run at once)
+  # records per chunk and the kernel's rows per block (a divisor of K where one is near the
+  # budget: the blocks' sums are then the kernel in place, no copy): a block's gradients
+  # within RECORD_BLOCK_BYTES, whatever the layer's size (the layers' sums may run at once)
   r = budget.records_per_pinned_chunk(4 * n, cap=records or (1 << 30),
                                       budget_bytes=RECORD_BLOCK_BYTES)
-  kb = min(rows, max(1, RECORD_BLOCK_BYTES // (4 * n * r)))
-  nb = -(-rows // kb)
+  limit = max(1, min(kk, RECORD_BLOCK_BYTES // (4 * n * r)))
+  kb = max(d for d in range(1, limit + 1) if kk % d == 0)
+  kb = kb if 4 * kb >= limit else limit
+  nb = -(-kk // kb)
 
-  def block_sum(xb):   # [R, k T, kb] -> [kb n]: the records' gradients' rows of this block
+  def block_sum(xb):   # [R, k T, kb] -> [kb N]: the records' gradients' rows of this block
     return budget.pinned_sum_over_records(
         lambda xc, dc: tf.reshape(tf.einsum("btk,btn->bkn", xc, dc), [-1, kb * n]),
         (xb, dr), 1, r, kb * n)
 
   if nb == 1:
-    return block_sum(xr)
-  padded = tf.pad(xr, [[0, 0], [0, 0], [0, nb * kb - rows]]) if nb * kb > rows else xr
-  blocks = tf.transpose(tf.reshape(padded, [tf.shape(padded)[0], kt, nb, kb]), [2, 0, 1, 3])
-  sums = tf.map_fn(block_sum, blocks, parallel_iterations=1,
-                   fn_output_signature=tf.TensorSpec([kb * n], tf.float32))
-  flat = tf.reshape(sums, [-1])
-  return flat if nb * kb == rows else flat[:rows * n]
+    kernel = block_sum(xr)
+  else:
+    padded = tf.pad(xr, [[0, 0], [0, 0], [0, nb * kb - kk]]) if nb * kb > kk else xr
+    blocks = tf.transpose(tf.reshape(padded, [tf.shape(padded)[0], kt, nb, kb]), [2, 0, 1, 3])
+    sums = tf.map_fn(block_sum, blocks, parallel_iterations=1,
+                     fn_output_signature=tf.TensorSpec([kb * n], tf.float32))
+    kernel = tf.reshape(sums, [-1])
+    kernel = kernel if nb * kb == kk else kernel[:kk * n]
+  if not fold:
+    return [kernel]
+  # the bias: each record's sum of its c dz_t (the weight of an input 1), the records by
+  # the same pinned tree
+  db = tf.reshape(dw, lead + [n])
+  rb = budget.records_per_pinned_chunk(4 * n * (k * t + 1 if t != -1 else 2),
+                                       cap=records or (1 << 30),
+                                       budget_bytes=RECORD_BLOCK_BYTES)
+  bias = budget.pinned_sum_over_records(lambda dc: tf.reduce_sum(dc, 1), (db,), 1, rb, n)
+  return [kernel, bias]
 
 
 def _bias_folded(on, x):
