@@ -141,8 +141,9 @@ def test_dense_sums_equal_the_loop(variant, positions, kn, monkeypatch):
   clip = float(np.median(want_unclipped[1]))
   want = _loop(model, x, y, clip, memo=memo)
   assert np.min(want[1]) < clip < np.max(want[1])
-  for chunks in (False, True):
+  for chunks, pinned in ((False, False), (True, False), (True, True)):
     with monkeypatch.context() as m:
+      m.setattr(dense, "PINNED_RECORD_SUMS", pinned)   # the opt-in record-by-record sums
       calls = _spy(m, chunks)
       got = _fast(model, x, y, clip)
       _assert_equal(got, want)
@@ -160,6 +161,7 @@ def test_record_sums_in_blocks_of_kernel_rows_equal_the_loop(jit, monkeypatch):
   x, y = _data((5,), 7)
   memo = {}
   clip = float(np.median(_loop(model, x, y, 1e9, memo=memo)[1]))
+  monkeypatch.setattr(dense, "PINNED_RECORD_SUMS", True)
   calls = _spy(monkeypatch, chunks=4 * 3 * 16 * 5)
   _assert_equal(_fast(model, x, y, clip, jit=jit), _loop(model, x, y, clip, memo=memo))
   assert set(calls) == {(5, 7)}
@@ -176,6 +178,7 @@ def test_records_of_two_with_masked_rows(k, n, jit, monkeypatch):
   memo = {}
   clip = float(np.median(_loop(model, x, y, 1e9, k=2, mask=mask, memo=memo)[1][[0, 1, 2, 4]]))
   want = _loop(model, x, y, clip, k=2, mask=mask, memo=memo)
+  monkeypatch.setattr(dense, "PINNED_RECORD_SUMS", True)   # records of 2 in the pinned sums
   calls = _spy(monkeypatch, chunks=True)
   got = _fast(model, x, y, clip, k=2, mask=mask, jit=jit)
   assert set(calls) == {(4, k)}   # over chunks of 8 examples (4 records)

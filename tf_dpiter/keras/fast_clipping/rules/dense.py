@@ -142,10 +142,14 @@ def _budgeted_norms(layer, on, x, dz):
   return registry.FactorSums(sq, sum_fn)
 
 
-# The clipped sum of a Dense layer on [B, T.., K] inputs whose per-record gradients are not
-# kept is formed record by record in a pinned order (`_pinned_record_sums`; False: the
-# book-keeping product over the batch's B T rows, an order no one pins, charged no margin).
-PINNED_RECORD_SUMS = True
+# True: the clipped sum of a Dense layer on [B, T.., K] inputs whose per-record gradients are
+# not kept is formed record by record in a pinned order (`_pinned_record_sums`) and charged the
+# plan's shrink; False (the default): the book-keeping product over the batch's B T rows, an
+# order no one pins, charged no margin (the cross-record rounding stays open there: 1.054 C
+# measured, tests/privacy/test_sum_rounding_review.py). Not the default: BERT-base (B 4,
+# T 32, graph mode) peaked at 2222-2481 MiB RSS with it against 1858-1879 without (the TF
+# allocator's peak 618-630 MiB either way), its first step 23-27 CPU s against 16-18.
+PINNED_RECORD_SUMS = False
 # Bytes of one block of `_pinned_record_sums`' per-record gradients (a few of the kernel's
 # rows for a chunk of records): small, since the sums of every layer may run at once.
 RECORD_BLOCK_BYTES = 1 << 20
