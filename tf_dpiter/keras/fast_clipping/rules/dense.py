@@ -163,9 +163,8 @@ def _pinned_record_sums(x, dz, factors, fold, k, kk, n):
   reduction: any order within the record, from its rows alone), the records' gradients
   summed by budget.pinned_sum_over_records (chunks of a power of two of records, each chunk
   by summation.pairwise_sum, the chunks by a pinned tree in a tf.while_loop: one chunk's
-  gradients alive at a time). The book-keeping product
-  over the batch's B T rows (`_dense_sums`) adds the terms x_t dz_t^T of every record in one
-  order no one pins: a record whose positions' terms are large and cancel (its gradient near
+  gradients alive at a time). The book-keeping product over the batch's B T rows
+  (`_dense_sums`) adds the terms x_t dz_t^T of every record in one order no one pins: a record whose positions' terms are large and cancel (its gradient near
   0, its clip factor 1) carries partial sums whose rounding the added or removed record
   changes, so the sum moved by more than C (Casacuberta et al., "Widespread underestimation
   of sensitivity in differentially private libraries and how to fix it", CCS 2022; 1.054 C
@@ -180,9 +179,8 @@ def _pinned_record_sums(x, dz, factors, fold, k, kk, n):
   the blocks' sums are the kernel in place; each block's entries are summed by their own
   tree, the rounding analysis being per entry), chunks of r records, within
   RECORD_BLOCK_BYTES: at BERT-base's shapes (B 4, N 768) blocks of 64 rows of the four
-  records. Cost: the product's
-  multiply-adds (B T (K + 1) N) as before, in per-record products of k T terms, plus writing
-  and adding the B records' gradients. Rows with c_j = 0 are exactly 0
+  records. Cost: the product's multiply-adds (B T (K + 1) N) as before, in per-record products
+  of k T terms, plus writing and adding the B records' gradients. Rows with c_j = 0 are exactly 0
   (algebra.weight_rows / drop_rows), padding rows too.
 
   Args:
