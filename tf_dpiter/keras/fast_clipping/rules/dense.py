@@ -147,8 +147,9 @@ def _budgeted_norms(layer, on, x, dz):
 # plan's shrink; False (the default): the book-keeping product over the batch's B T rows, an
 # order no one pins, charged no margin (the cross-record rounding stays open there: 1.054 C
 # measured, tests/privacy/test_sum_rounding_review.py). Not the default: BERT-base (B 4,
-# T 32, graph mode) peaked at 2222-2481 MiB RSS with it against 1858-1879 without (the TF
-# allocator's peak 618-630 MiB either way), its first step 23-27 CPU s against 16-18.
+# T 32, graph mode, A/B alternated at load 5) took 2278 ms a step with it against 1878 and
+# peaked at 2337 MiB RSS against 1875 (1.35x the non-private run's, 1.08x without; the TF
+# allocator's peak 629 MiB against 638), its first step 20.6 CPU s against 15.2.
 PINNED_RECORD_SUMS = False
 # Bytes of one block of `_pinned_record_sums`' per-record gradients (a few of the kernel's
 # rows for a chunk of records): small, since the sums of every layer may run at once.
