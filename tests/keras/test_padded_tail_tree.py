@@ -1,5 +1,5 @@
-"""The padded tail's chunk sums combined by a pinned tree of adjacent pairs (chunking._tree_push,
-_tree_total, _sum_over_padded_tail) and the plan that states it (summation.TreeChunks):
+"""The padded tail's chunk sums combined by a pinned tree of adjacent pairs (summation.tree_push /
+tree_total on a nest, as chunking._sum_over_padded_tail uses them) and the plan that states it (summation.TreeChunks):
 bit for bit against a numpy simulation of the tree in graph mode and under XLA, adversarial
 values (mixed magnitudes, cancellations), every leaf count up to 33."""
 
@@ -40,11 +40,11 @@ def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
       stack = tf.zeros([levels, x.shape[1]], tf.float32)
       stack = tf.tensor_scatter_nd_update(stack, [[0]], x[:1])
 
-      def body(i, stack):
-        return i + 1, chunking._tree_push(stack, i + 1, x[i + 1])
+      def body(i, stack):   # a nest of one leaf, as the padded tail's sums
+        return i + 1, summation.tree_push(stack, i + 1, {"v": x[i + 1]})
 
-      _, stack = tf.while_loop(lambda i, _: i < runs, body, (tf.constant(0), stack))
-      return chunking._tree_total(stack, runs + 1, levels)
+      _, stack = tf.while_loop(lambda i, _: i < runs, body, (tf.constant(0), {"v": stack}))
+      return summation.tree_total(stack, runs + 1)["v"]
 
     got = run(tf.constant(x), tf.constant(k - 1)).numpy()
     np.testing.assert_array_equal(got, _np_tree(x, True), err_msg=f"k={k}, jit={jit}")

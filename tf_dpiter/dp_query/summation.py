@@ -749,9 +749,10 @@ def tree_push(stack, count, value):
   instead): `rounding_margin`'s tree. Dynamic reads and writes of one slot, no host round trip.
 
   Args:
-    stack: [levels, ...] float tensor (zeros before the first leaf).
+    stack: [levels, ...] float tensor (zeros before the first leaf), or a nest of them (one
+      tree per leaf of the nest, merged in one loop).
     count: the leaf's index, a scalar int32 tensor.
-    value: the leaf, stack.shape[1:].
+    value: the leaf, stack.shape[1:] (a nest: `stack`'s structure).
 
   Returns:
     the new stack.
@@ -760,10 +761,13 @@ def tree_push(stack, count, value):
   t = tf.cast(tf.raw_ops.PopulationCount(x=ones), tf.int32) - 1
 
   def merge(level, carry):
-    return level + 1, tf.gather(stack, level) + carry
+    return level + 1, tf.nest.map_structure(lambda slot, c: tf.gather(slot, level) + c,
+                                            stack, carry)
 
   _, carry = tf.while_loop(lambda level, _: level < t, merge, (tf.constant(0), value))
-  return tf.tensor_scatter_nd_update(stack, tf.reshape(t, [1, 1]), carry[None])
+  return tf.nest.map_structure(
+      lambda slot, c: tf.tensor_scatter_nd_update(slot, tf.reshape(t, [1, 1]), c[None]),
+      stack, carry)
 
 
 def tree_total(stack, count):
@@ -773,12 +777,14 @@ def tree_total(stack, count):
   leaves (x + 0 is exact, so the padded tree's other additions change nothing).
 
   Args:
-    stack: `tree_push`'s [levels, ...] stack (levels static or not).
+    stack: `tree_push`'s [levels, ...] stack (levels static or not), or a nest of them.
     count: the leaves pushed.
 
   Returns:
-    stack.shape[1:].
+    stack.shape[1:] (a nest: `stack`'s structure).
   """
+  if not tf.is_tensor(stack):
+    return tf.nest.map_structure(lambda one: tree_total(one, count), stack)
   levels = stack.shape[0]
   total = tf.zeros_like(stack[0])
 

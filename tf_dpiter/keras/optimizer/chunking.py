@@ -305,47 +305,11 @@ def _tree_levels(nchunks):
   return None
 
 
-def _tree_push(stack, count, value):
-  """Adds leaf number `count` (0-based) to a pinned binary tree kept as a counter:
-  slot l of `stack` ([levels, ...] per leaf of the nest) holds the sum of the 2^l leaves of
-  a complete subtree where bit l of `count` is set. The t trailing one bits of `count` are
-  the subtrees the new leaf completes: carry = slot[t-1] + (... + (slot[0] + value)), then
-  written to slot t. The additions are those of a balanced binary tree of adjacent pairs
-  (leaves 2i and 2i + 1, then their sums alike) over the leaves padded with zeros to a power
-  of two (`_tree_total`): each leaf through at most ceil(log2 K) of them for K leaves, as in
-  `summation.pairwise_sum` (which pairs i with i + K / 2 instead); a slot's dynamic read and
-  write, no host round trip."""
-  ones = tf.bitwise.bitwise_xor(count, count + 1)            # 2^(t + 1) - 1
-  t = tf.cast(tf.raw_ops.PopulationCount(x=ones), tf.int32) - 1
-
-  def merge(level, carry):
-    carry = tf.nest.map_structure(lambda slot, c: tf.gather(slot, level) + c, stack, carry)
-    return level + 1, carry
-
-  _, carry = tf.while_loop(lambda level, _: level < t, merge, (tf.constant(0), value))
-  return tf.nest.map_structure(
-      lambda slot, c: tf.tensor_scatter_nd_update(slot, [[t]], c[None]), stack, carry)
-
-
-def _tree_total(stack, count, levels):
-  """The tree's root after `count` leaves: the complete subtrees (the set bits of `count`)
-  added from the smallest up, slot[l] + (sum of the smaller ones): the root of the tree of
-  adjacent pairs over the leaves padded with zero leaves (x + 0 is exact)."""
-  def level_sum(slot):
-    total = tf.zeros_like(slot[0])
-    for level in range(levels):
-      bit = tf.equal(tf.bitwise.bitwise_and(tf.bitwise.right_shift(count, level), 1), 1)
-      total = tf.where(bit, slot[level] + total, total)
-    return total
-
-  return tf.nest.map_structure(level_sum, stack)
-
-
 def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
   """The first chunk, then the tail's chunks in a tf.while_loop that stops after the last
   chunk holding a real record; the aux of chunks not run is zeros (padding rows).
 
-  The chunks' sums are combined by a pinned binary tree (`_tree_push`): the first chunk's
+  The chunks' sums are combined by a pinned binary tree (`summation.tree_push`): the first chunk's
   sum (into `acc`) is leaf 0, every tail chunk is run from a zero accumulator (its own sum,
   `chunk_fn` adding it to zeros exactly) and is the next leaf, so each row's term goes
   through ceil(log2 K) additions of chunks' sums for K = 1 + tail chunks
@@ -385,7 +349,7 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
 
     def tree_body(i, stack, loss_sum, buf):
       own, loss, chunk_aux = chunk_fn(zero, _take(chunks, i), cmask[i])
-      stack = _tree_push(stack, i + 1, own)   # leaf i + 1: the first chunk is leaf 0
+      stack = summation.tree_push(stack, i + 1, own)   # leaf i + 1: the first chunk is leaf 0
       buf = tf.nest.map_structure(
           lambda b, t: tf.tensor_scatter_nd_update(b, [[i]], t[None]), buf, chunk_aux)
       return i + 1, stack, loss_sum + tf.cast(loss, tf.float32), buf
@@ -393,7 +357,7 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
     _, stack, loss_sum, buf = tf.while_loop(
         lambda i, *_: i < runs, tree_body,
         [tf.constant(0), stack, tf.cast(loss_sum, tf.float32), buf])
-    acc = _tree_total(stack, runs + 1, levels)
+    acc = summation.tree_total(stack, runs + 1)
   rows = tf.shape(rest_mask)[0]
   tail = tf.nest.map_structure(
       lambda b: tf.reshape(b, tf.concat([[-1], tf.shape(b)[2:]], 0))[:rows], buf)
