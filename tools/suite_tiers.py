@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Modules whose every case is nightly, each for its reason (processes, deployments, data).
 NIGHTLY_ONLY = {
     "tests/auditing/test_slow_audits.py": "the white-box audit's many trials, MNIST audit",
+    "tests/correlated/test_tree_noise_in_saved_model.py":
+        "R3's finding-11 case; test_noise_state_not_saved.py's tree cases assert the same",
     "tests/draw_discard/test_benchmarks_slow.py": "the service benchmarks end to end",
     "tests/federated/test_flower_deployment.py": "a Flower deployment of several processes",
     "tests/federated/test_mnist_slow.py": "federated MNIST end to end",

@@ -123,10 +123,24 @@ def _is_released(array, weights):
   return any(array.shape == w.shape and np.array_equal(array, w) for w in weights)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """_run_and_save(noise, ...) of the `i`-th run of `noise`, each run made once per module:
+  runs(noise, i) -> (released weights, artifacts, config, noise state)."""
+  made = {}
+
+  def run(noise, i):
+    if (noise, i) not in made:
+      where = tmp_path_factory.mktemp(f"{noise}_{i}") / "run"
+      made[noise, i] = _run_and_save(noise, str(where))
+    return made[noise, i]
+  return run
+
+
 @pytest.mark.parametrize("noise", sorted(MECHANISMS))
-def test_every_saved_array_is_independent_of_the_noise(noise, tmp_path):
-  released_1, saved_1, config_1, state_1 = _run_and_save(noise, str(tmp_path / "one"))
-  released_2, saved_2, config_2, _ = _run_and_save(noise, str(tmp_path / "two"))
+def test_every_saved_array_is_independent_of_the_noise(noise, runs):
+  released_1, saved_1, config_1, state_1 = runs(noise, 1)
+  released_2, saved_2, config_2, _ = runs(noise, 2)
   assert np.abs(released_1[0] - released_2[0]).max() > 1e-3   # the noise differs
   assert max(float(np.abs(np.asarray(a)).max()) for a in state_1 if np.size(a) > 1) > 0
   assert config_1 == config_2 and '"dp_global_state"' not in config_1
@@ -145,10 +159,11 @@ def test_every_saved_array_is_independent_of_the_noise(noise, tmp_path):
                                     err_msg=f"{artifact}: {name} depends on the noise")
 
 
-def test_the_keras_file_cannot_be_denoised(tmp_path):
+def test_the_keras_file_cannot_be_denoised(runs):
   """R3's attack: released + lr stddev sum(nodes) / B from the file's arrays; the file holds
-  no (depth, d) node array and no stddev z S sqrt(3) of the tree, so no such array exists."""
-  released, saved, _, state = _run_and_save("tree", str(tmp_path / "run"))
+  no (depth, d) node array and no stddev z S sqrt(3) of the tree, so no such array exists.
+  The run is the first tree run of the case above (a run of its own asserted the same)."""
+  released, saved, _, state = runs("tree", 1)
   nodes = np.asarray(state.nodes)
   stddev = float(state.stddev)
   assert nodes.shape == (3, 3) and np.abs(nodes).max() > 0   # the run's nodes (in memory)

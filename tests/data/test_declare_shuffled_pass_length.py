@@ -72,10 +72,12 @@ def test_a_pass_shorter_than_declared_is_refused_before_its_first_step(jit_compi
                      r"declared 8: pass steps_per_pass=6 to declare_shuffled .*Received: "
                      r"steps_per_pass=8"):
     model.fit(_filtered(), epochs=4, verbose=0)
-  # the first pass's 6 steps ran and were charged; the refused pass took no step
+  # the first pass's 6 steps ran and were charged; the refused pass took no step, drew no
+  # noise and left the tree where the sixth step put it
   d = model.ledger.to_dict()
   assert (d["num_samples"], d["passes"]) == (6, 1)
   assert int(model.optimizer.iterations.numpy()) == 6
+  assert int(model.optimizer.noise_state().step) == 6
   eps = dp.accounting.epsilon(model.ledger, DELTA)
   assert eps == pytest.approx(_tree_epsilon(model, 4, 8, 1), rel=1e-9)
 
@@ -86,12 +88,16 @@ def test_the_declared_pass_length_trains_and_is_charged_as_by_hand():
   model.fit(_filtered(steps_per_pass=6), epochs=4, verbose=0)
   d = model.ledger.to_dict()
   assert (d["num_samples"], d["passes"]) == (24, 4)
+  # the filtered pipeline's cardinality is unknown: each epoch ends with a call of the train
+  # function whose batch never comes; it draws no noise and leaves the tree unmoved
+  assert int(model.optimizer.noise_state().step) == 24
   assert dp.accounting.epsilon(model.ledger, DELTA) == pytest.approx(
       _tree_epsilon(model, 2, 6, 4), rel=1e-9)
   # a new fit on the same pipeline continues the pass count (never restarts it)
   model.fit(_filtered(steps_per_pass=6), epochs=1, verbose=0)
   d = model.ledger.to_dict()
   assert (d["num_samples"], d["passes"]) == (30, 5)
+  assert int(model.optimizer.noise_state().step) == 30
   assert dp.accounting.epsilon(model.ledger, DELTA) == pytest.approx(
       _tree_epsilon(model, 2, 6, 5), rel=1e-9)
 
