@@ -161,6 +161,7 @@ def test_a_second_dp_fit_after_a_normal_first_is_accepted(jit_compile):
   dp_model, _, _ = _shared_models(jit_compile)
   _fit(dp_model, x, y)
   _fit(dp_model, x, y, epochs=2)
+  dp_model.optimizer.set_sampling(N, 10 / N, "poisson", 10)   # the user's batches
   dp_model.train_on_batch(x[:10], y[:10])
   statement = dp_model.privacy_statement(1e-5)
   assert statement.steps == 3 * (N // 10) + 1
@@ -171,6 +172,7 @@ def test_train_on_batch_refuses_a_plain_update():
   dp_model, autoencoder, _ = _shared_models()
   _fit(dp_model, x, y)
   autoencoder.train_on_batch(x[:10], x[:10])
+  dp_model.optimizer.set_sampling(N, 10 / N, "poisson", 10)   # the user's batches
   with pytest.raises(dp.errors.PrivacyConfigError, match="train_on_batch refused"):
     dp_model.train_on_batch(x[:10], y[:10])
 
@@ -227,6 +229,7 @@ def test_traced_custom_loop_steps_are_not_refused_and_fit_records_again():
   dp_model, autoencoder, _ = _shared_models()
   _fit(dp_model, x, y)
   opt = dp_model.optimizer
+  opt.set_sampling(N, 10 / N, "poisson", 10)   # the loop's batches, declared by the user
 
   @tf.function
   def step(xb, yb):

@@ -406,13 +406,17 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     `optimizer.set_sampling` first); an unbuilt model is built eagerly on the batch.
 
     Raises:
-      PrivacyConfigError: under a tf.distribute strategy with several replicas, a ledger with
+      PrivacyConfigError: a sampling not declared with optimizer.set_sampling (undeclared,
+        or declared by fit for its own sampler: PrivateStep.require_user_sampling), under a
+        tf.distribute strategy with several replicas, a ledger with
         fewer samples than the optimizer's iterations (saved_ledger.require_covers), or
         trainable weights changed outside the DP optimizer since its last recorded update
         (weight_fingerprints.check).
     """
     opt = self._dp_optimizer()
     saved_ledger.require_covers(opt)   # restored without its ledger: refuse
+    # the batch is the user's: charged under the sampling the user declared, never fit's
+    opt.private_step.require_user_sampling("train_on_batch")
     n_rep = self.distribute_strategy.num_replicas_in_sync
     if n_rep > 1:
       raise PrivacyConfigError(
