@@ -9,22 +9,38 @@ write depends on the data is decided here from the program, not from sample runs
 random batches can miss a write that depends on rare values or on the call count).
 
 Rule: trace the computation once on symbolic inputs; a value is data-dependent when it is
-computed from an input tensor through data edges (shapes aside: Shape, Size and Rank of an
-input are public, static batch sizes); a write (Assign*, scatter, a random generator's state
-update) is data-dependent when its value is, when it runs inside a branch or loop whose
-predicate is, or when it reads a variable so written. Function calls (nested tf.functions,
-tf.cond, tf.while_loop, tf.switch_case) are followed into their bodies. A write whose value
-does not depend on the data (a call counter, a seed generator's advance) is allowed.
+computed from an input tensor through data edges. Shapes: Shape, Size and Rank of a tensor
+are public when its shape is (the inputs' static batch sizes), and data when its shape depends
+on the data's values (tf.boolean_mask, tf.where, tf.unique, dynamic partitions, string or
+ragged splits: every op not known to take its output shape from its inputs' shapes alone,
+and every op fed such a tensor). A write is any stateful op that takes a resource (a
+variable, hash table, queue, random generator) other than a short list of reads (default
+deny); it is data-dependent when its value is, when it runs inside a branch or loop whose
+predicate is, or when it reads a variable so written. A Python function (tf.py_function,
+tf.numpy_function) given the data counts as such a write: its body cannot be seen. Function
+calls (nested tf.functions, tf.cond, tf.while_loop, tf.switch_case) are followed into their
+bodies. A write whose value does not depend on the data (a call counter, a seed generator's
+advance) is allowed.
 
-This is the library's one check of state written from the data: fit (make_train_function,
-or the first trace for a model it builds) and the custom loops call `refuse_model_writes`
-before any probe runs the model (the probes restore only the model's non-trainable
-variables; a plain tf.Variable written from the probe's real rows would keep them).
+Checked: the model's training-mode call (before any probe); the call with its loss
+(`Model.compute_loss`: compiled loss, overrides, `add_loss`) and their gradient (custom
+gradients' functions) inside the step's trace, at the batch's shapes there
+(`refuse_step_writes`); a custom loop's loss_fn (of a record, or of the batch it captures).
+Not covered: Python state that differs between a checked trace and the step's own calls of
+the model (a longer Python warm-up, a branch on a static shape the step's per-record pass
+gives and the checked trace does not): each check is a separate trace.
+
+This is the library's one check of state written from the data: it runs before any probe
+runs the model (the probes restore only the model's non-trainable variables; a plain
+tf.Variable written from the probe's real rows would keep them).
 """
 
+import functools
 import re
 
 import tensorflow as tf
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import op_def_registry
 
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
@@ -36,13 +52,77 @@ _CALLS = {"PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0)
           "StatelessIf": (("then_branch", "else_branch"), 1),
           "Case": (("branches",), 1), "StatelessCase": (("branches",), 1)}
 _LOOPS = ("While", "StatelessWhile")
-_PUBLIC = ("Shape", "ShapeN", "Size", "Rank")   # shapes of the inputs: static, public
+_SHAPES = ("Shape", "ShapeN", "Size", "Rank")   # public unless their operand's shape is data
+# stateful ops with a resource input that only read it (every other such op writes it)
+_READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
+                    "VarIsInitializedOp", "LookupTableFindV2", "LookupTableSizeV2",
+                    "LookupTableExportV2", "IsBoostedTreesEnsembleInitialized",
+                    "_ReadVariablesOp", "DisableCopyOnRead"))
+# Python bodies the graph cannot show (tf.py_function, tf.numpy_function)
+_OPAQUE = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
+# input positions whose VALUES decide the output's shape, for ops whose output shape is
+# otherwise a function of their inputs' shapes only; any other op (tf.where, tf.unique,
+# dynamic partitions, string or ragged splits, ...): every input's value may decide it
+_SAME_SHAPE = frozenset((
+    "Identity", "IdentityN", "Snapshot", "StopGradient", "PreventGradient", "CheckNumerics",
+    "EnsureShape", "Add", "AddV2", "AddN", "Sub", "Mul", "MulNoNan", "Div", "DivNoNan",
+    "RealDiv", "FloorDiv", "FloorMod", "TruncateDiv", "Mod", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
+    "Expm1", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign",
+    "LeakyRelu", "Softmax", "LogSoftmax", "Sign", "Floor", "Ceil", "Round", "Rint",
+    "Reciprocal", "Inv", "Erf", "Erfc", "Sin", "Cos", "Tan", "Atan", "Atan2", "Cast",
+    "Greater", "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual", "LogicalAnd",
+    "LogicalOr", "LogicalNot", "Select", "SelectV2", "IsNan", "IsFinite", "IsInf",
+    "ClipByValue", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "BiasAdd", "MaxPool", "AvgPool",
+    "ZerosLike", "OnesLike", "Squeeze", "L2Loss", "FusedBatchNormV3", "Pack", "Unpack",
+    "ReadVariableOp", "ResourceGather", "Cumsum", "Cumprod", "TensorScatterUpdate",
+    "TensorScatterAdd", "BroadcastGradientArgs", "Const", "NoOp"))
+_SHAPE_ARGS = {"Reshape": (1,), "Transpose": (1,), "ExpandDims": (1,), "Fill": (0,),
+               "Tile": (1,), "BroadcastTo": (1,), "Pad": (1,), "PadV2": (1,),
+               "MirrorPad": (1,), "OneHot": (1,), "GatherV2": (2,), "Split": (0,),
+               "SplitV": (1, 2), "TopKV2": (1,), "Slice": (1, 2),
+               "StridedSlice": (1, 2, 3), "ScatterNd": (2,), "Sum": (1,), "Mean": (1,),
+               "Max": (1,), "Min": (1,), "Prod": (1,), "All": (1,), "Any": (1,),
+               "ArgMax": (1,), "ArgMin": (1,), "StatelessRandomUniformV2": (0,),
+               "StatelessRandomNormalV2": (0,), "StatelessTruncatedNormalV2": (0,),
+               "RandomUniform": (0,), "RandomStandardNormal": (0,)}
+
+
+@functools.lru_cache(maxsize=None)
+def _op_def(op):
+  """The registered OpDef of the op type `op`, or None (not registered)."""
+  return op_def_registry.get(op)
+
+
+def _input_types(node):
+  """The DataType of each data input of `node`, a registered op (from its OpDef)."""
+  op_def = _op_def(node.op)
+  types = []
+  for arg in op_def.input_arg:
+    if arg.type_list_attr:
+      types += list(node.attr[arg.type_list_attr].list.type)
+      continue
+    dtype = arg.type or node.attr[arg.type_attr].type
+    types += [dtype] * (node.attr[arg.number_attr].i if arg.number_attr else 1)
+  return types
 
 
 def _is_write(op):
-  return ((op.startswith("Assign") and "Variable" in op) or op.startswith("ResourceScatter")
-          or op.startswith("ResourceApply") or op == "ResourceStridedSliceAssign"
-          or op.startswith("Rng") or (op.startswith("Stateful") and op not in _CALLS))
+  """True for an op that may change a resource (a variable, table, queue, random generator):
+  every stateful op that takes a resource, except `_READS` (default-deny)."""
+  op_def = _op_def(op)
+  return (op_def is not None and op_def.is_stateful and op not in _READS
+          and any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+
+
+def _shape_args(op, n):
+  """Input positions (of `n`) whose values may decide `op`'s output shape."""
+  if op in _SAME_SHAPE:
+    return ()
+  if op == "ConcatV2":
+    return (n - 1,)
+  return _SHAPE_ARGS.get(op, range(n))
 
 
 def _source(name):
@@ -51,33 +131,48 @@ def _source(name):
 
 
 class _Flow:
-  """Data-flow analysis over a GraphDef's nodes and its library's FunctionDefs."""
+  """Data-flow analysis over a GraphDef's nodes and its library's FunctionDefs.
+
+  Two taints: a node is hot when its value depends on the data, shape-hot when its output's
+  shape does (the shape of tf.boolean_mask(x, x > 5) counts the records' large entries).
+  `opaque` collects the Python functions (tf.py_function, tf.numpy_function) given data or
+  run under a data-dependent predicate: (function, node) pairs."""
 
   def __init__(self, graph_def):
     self._library = {f.signature.name: f for f in graph_def.library.function}
     self._memo = {}
+    self.opaque = []
 
-  def body(self, nodes, tainted, tainted_resources, under_data):
-    """(written resources, tainted names) of one body: `nodes` NodeDefs, `tainted` the
-    argument or node names whose values depend on the data, `tainted_resources` the resources
-    already written from the data, `under_data`
-    True when the whole body runs under a data-dependent predicate."""
+  def body(self, nodes, tainted, tainted_resources, under_data, shape_tainted=(),
+           where=""):
+    """(written resources, tainted names, shape-tainted names) of one body: `nodes`
+    NodeDefs, `tainted` the argument or node names whose values depend on the data,
+    `tainted_resources` the resources already written from the data, `under_data` True when
+    the whole body runs under a data-dependent predicate, `shape_tainted` the arguments whose
+    shapes depend on the data, `where` the function's name (for `opaque`)."""
     tainted, t_res, written = set(tainted), set(tainted_resources), set()
+    shaped = set(shape_tainted)
     changed = True
     while changed:   # nodes come in creation order: a second pass usually confirms
       changed = False
       for node in nodes:
         srcs = [_source(i) for i in node.input if not i.startswith("^")]
-        if node.op in _PUBLIC:
-          continue
         hot = any(s in tainted or s in t_res for s in srcs)
-        if node.op in _CALLS or node.op in _LOOPS:
-          w, out_hot = self._call(node, srcs, tainted, t_res, under_data)
-        elif _is_write(node.op):
-          value_hot = under_data or any(s in tainted or s in t_res for s in srcs[1:])
-          w, out_hot = ({srcs[0]} if srcs and value_hot else set()), hot
+        shape_hot = any(s in shaped for s in srcs)
+        if node.op in _SHAPES:   # the shape of an input is public; of a masked input, data
+          w, out_hot, out_shaped = set(), shape_hot, False
+        elif node.op in _CALLS or node.op in _LOOPS or node.op in self._library:
+          w, out_hot, out_shaped = self._call(node, srcs, tainted, t_res, shaped, under_data)
         else:
           w, out_hot = set(), hot
+          if (under_data or hot) and (node.op in _OPAQUE or _op_def(node.op) is None):
+            if (where, node.name) not in self.opaque:
+              self.opaque.append((where, node.name))
+          elif (under_data or hot) and _is_write(node.op):
+            w = {s for s, t in zip(srcs, _input_types(node)) if t == types_pb2.DT_RESOURCE}
+          out_shaped = shape_hot or any(
+              srcs[i] in tainted or srcs[i] in t_res
+              for i in _shape_args(node.op, len(srcs)))
         if w - written:
           written |= w
           t_res |= w
@@ -85,48 +180,65 @@ class _Flow:
         if out_hot and node.name not in tainted:
           tainted.add(node.name)
           changed = True
-    return written, tainted
+        if out_shaped and node.name not in shaped:
+          shaped.add(node.name)
+          changed = True
+    return written, tainted, shaped
 
-  def _function(self, name, hot_args, hot_res, under_data):
-    """(written argument positions, hot output positions) of the library function `name`."""
-    key = (name, hot_args, hot_res, under_data)
+  def _function(self, name, hot_args, hot_res, under_data, shaped_args=frozenset()):
+    """(written argument positions, hot output positions, shape-hot output positions) of
+    the library function `name`."""
+    key = (name, hot_args, hot_res, under_data, shaped_args)
     if key not in self._memo:
       fdef = self._library[name]
       args = [a.name for a in fdef.signature.input_arg]
-      written, tainted = self.body(fdef.node_def, {args[i] for i in hot_args},
-                                   {args[i] for i in hot_res}, under_data)
-      outs = [fdef.ret[o.name] for o in fdef.signature.output_arg]
+      written, tainted, shaped = self.body(
+          fdef.node_def, {args[i] for i in hot_args}, {args[i] for i in hot_res}, under_data,
+          {args[i] for i in shaped_args}, name)
+      outs = [_source(fdef.ret[o.name]) for o in fdef.signature.output_arg]
       self._memo[key] = ({i for i, a in enumerate(args) if a in written},
-                         frozenset(i for i, o in enumerate(outs) if _source(o) in tainted))
+                         frozenset(i for i, o in enumerate(outs) if o in tainted),
+                         frozenset(i for i, o in enumerate(outs) if o in shaped))
     return self._memo[key]
 
-  def _call(self, node, srcs, tainted, t_res, under_data):
-    """(caller resources written from the data, outputs hot) of a call, branch or loop."""
+  def _call(self, node, srcs, tainted, t_res, shaped, under_data):
+    """(caller resources written from the data, outputs hot, outputs shape-hot) of a call,
+    branch or loop."""
     hot = [s in tainted or s in t_res for s in srcs]
+    shp = [s in shaped for s in srcs]
     if node.op in _LOOPS:
       names = (node.attr["cond"].func.name, node.attr["body"].func.name)
-      args, offset = srcs, 0
-      while True:   # the loop variables' taint to a fixed point through the body
+      while True:   # the loop variables' taints to a fixed point through the body
         key = frozenset(i for i, h in enumerate(hot) if h)
-        _, outs = self._function(names[1], key, key, under_data)
+        skey = frozenset(i for i, h in enumerate(shp) if h)
+        _, outs, souts = self._function(names[1], key, key, under_data, skey)
         new = [h or i in outs for i, h in enumerate(hot)]
-        if new == hot:
+        new_shp = [h or i in souts for i, h in enumerate(shp)]
+        if new == hot and new_shp == shp:
           break
-        hot = new
+        hot, shp = new, new_shp
       key = frozenset(i for i, h in enumerate(hot) if h)
-      pred_hot = bool(self._function(names[0], key, key, under_data)[1])
-      written, _ = self._function(names[1], key, key, under_data or pred_hot)
-      return {args[i] for i in written}, any(hot)
-    attrs, offset = _CALLS[node.op]
-    funcs = [f.name for a in attrs for f in (node.attr[a].list.func or [node.attr[a].func])]
+      skey = frozenset(i for i, h in enumerate(shp) if h)
+      pred_hot = bool(self._function(names[0], key, key, under_data, skey)[1])
+      written = self._function(names[1], key, key, under_data or pred_hot, skey)[0]
+      # a data-dependent trip count: a variable grown by the body has a data-dependent shape
+      return {srcs[i] for i in written}, any(hot), any(shp) or pred_hot
+    if node.op in self._library:   # a library function called by its name
+      funcs, offset = [node.op], 0
+    else:
+      attrs, offset = _CALLS[node.op]
+      funcs = [f.name for a in attrs for f in (node.attr[a].list.func or [node.attr[a].func])]
     pred_hot = offset > 0 and hot[0]
     key = frozenset(i - offset for i, h in enumerate(hot) if h and i >= offset)
-    written, out_hot = set(), False
+    skey = frozenset(i - offset for i, h in enumerate(shp) if h and i >= offset)
+    written, out_hot, out_shaped = set(), False, False
     for name in funcs:
-      w, outs = self._function(name, key, key, under_data or pred_hot)
+      w, outs, souts = self._function(name, key, key, under_data or pred_hot, skey)
       written |= {srcs[i + offset] for i in w}
       out_hot = out_hot or bool(outs)
-    return written, out_hot or any(hot)
+      out_shaped = out_shaped or bool(souts)
+    # branches chosen by the data may return differently shaped outputs
+    return written, out_hot or any(hot), out_shaped or any(shp) or pred_hot
 
 
 def data_dependent_writes(fn, specs):
@@ -146,15 +258,45 @@ def data_dependent_writes(fn, specs):
 
   graph = tf.function(traced).get_concrete_function(specs).graph
   given = [spec for spec in tf.nest.flatten(specs) if spec is not None]
-  data = {t.op.name for t in graph.inputs[:len(given)]}
+  return _graph_writes(graph, {t.op.name for t in graph.inputs[:len(given)]})
+
+
+def closure_data_writes(fn):
+  """Names of the variables the zero-argument `fn` writes from the tensors it captures.
+
+  The data of a closure (a custom loop's `loss_fn()` of the batch) reaches it as captured
+  tensors: every captured tensor that is not a resource (a variable's handle) counts as data.
+
+  Args:
+    fn: a callable of no argument, traced once (its Python runs once, symbolically).
+
+  Returns:
+    list of names, as `data_dependent_writes`.
+  """
+  def traced():
+    with tf.name_scope("data_writes"):
+      return fn()
+
+  graph = tf.function(traced).get_concrete_function().graph
+  return _graph_writes(graph, {internal.op.name for _, internal in graph.captures
+                               if internal.dtype != tf.resource})
+
+
+def _graph_writes(graph, data):
+  """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
+  the written variables, then of the opaque Python functions given the data)."""
   names = {}
   for external, internal in graph.captures:
     if internal.dtype == tf.resource:
       names[internal.op.name] = _variable_name(external)
   graph_def = graph.as_graph_def()
-  written, _ = _Flow(graph_def).body(graph_def.node, data, set(), False)
+  flow = _Flow(graph_def)
+  written, _, _ = flow.body(graph_def.node, data, set(), False)
   order = [n.name for n in graph_def.node if n.name in written]
-  return [names.get(n, f"an untracked resource {n!r}") for n in order]
+  opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
+            f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
+            for where, node in flow.opaque]
+  return [names.get(n, f"an untracked resource {n!r}") for n in order] + opaque
 
 
 def _variable_name(handle):
@@ -175,7 +317,26 @@ def refuse_data_writes(fn, specs, what):
   Raises:
     PrivacyConfigError: naming the variables written from the data and what to do.
   """
-  written = data_dependent_writes(fn, specs)
+  _refuse(data_dependent_writes(fn, specs), what)
+
+
+def refuse_closure_writes(fn, what):
+  """Refuses the zero-argument `fn` when it writes a variable from the tensors it captures
+  (`closure_data_writes`).
+
+  Args:
+    fn: a callable of no argument (e.g. a custom loop's loss_fn of the batch).
+    what: how the user calls it, for the message.
+
+  Raises:
+    PrivacyConfigError: naming the variables written from the data and what to do.
+  """
+  _refuse(closure_data_writes(fn), what)
+
+
+def _refuse(written, what):
+  """Raises PrivacyConfigError when `written` (names of variables written from the data)
+  is not empty."""
   if written:
     raise PrivacyConfigError(
         f"{what} writes the variable {written[0]!r} from the data (a running statistic, a "
@@ -184,6 +345,41 @@ def refuse_data_writes(fn, specs, what):
         "un-noised. Update it only when training is False, compute it outside the private "
         "step from public data, or make it a trainable weight. Received: variables written "
         f"from the data: {written}")
+
+
+def refuse_step_writes(model, x, y, sample_weight):
+  """Refuses `model` when its training-mode call, its loss or their gradient writes a
+  variable from the batch: the call, `Model.compute_loss` (the compiled loss, a
+  `compute_loss` override, the layers' `add_loss` terms) and the gradient of the loss (a
+  tf.custom_gradient's function) are traced as the private step runs them, at the step's
+  own (static) shapes, with the inputs, targets and sample weights as data.
+
+  Call it inside the step's trace, before the step's first execution (nothing has run: no
+  step, no charge) and with the compiled loss's per-output trackers silenced (they log the
+  loss, as the step does after its own pass).
+
+  Args:
+    model: a built keras.Model with a compiled loss.
+    x, y, sample_weight: the step's batch (nests of tensors; y, sample_weight may be None).
+
+  Raises:
+    PrivacyConfigError: as `refuse_data_writes`.
+  """
+  def spec(t):
+    return None if t is None else tf.TensorSpec(t.shape, t.dtype)
+
+  training = keras_internals.call_has_training_arg(model)
+  compute_loss = keras_internals.compiled_loss_fn(model)
+
+  def step(batch):
+    bx, by, bw = batch
+    with tf.GradientTape() as tape:   # the backward pass too (a tf.custom_gradient's writes)
+      y_pred = model(bx, training=True) if training else model(bx)
+      loss = compute_loss(x=bx, y=by, y_pred=y_pred, sample_weight=bw, training=True)
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+  refuse_data_writes(step, tf.nest.map_structure(spec, (x, y, sample_weight)),
+                     f"the model {model.name!r} in training mode with its loss")
 
 
 def refuse_model_writes(model, inputs=None):

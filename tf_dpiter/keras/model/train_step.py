@@ -519,6 +519,9 @@ class TrainStepMixin:
     # per-record losses: no per-output tracker update inside the clipped sum
     with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
           else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
+      # the call, the loss and their gradient as this trace runs them (its shapes, the loss's
+      # targets): a write from the batch is refused before the step's first execution
+      data_writes.refuse_step_writes(self, x, y, sample_weight)
       want = facts.wants_outputs
       # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
       # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is

@@ -183,7 +183,8 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
       be probed, or an optimizer restored without its ledger (`restore_ledger`).
     PrivacyConfigError: a sampling declared by model.fit, not set_sampling
       (`PrivateStep.require_user_sampling`); a trace inside tf.function(jit_compile=True)
-      (the ledger write cannot compile); form (b) with a trainable BatchNormalization; a loss_fn of form (a) or a
+      (the ledger write cannot compile); form (b) with a trainable BatchNormalization; a
+      loss_fn (form (a): from its record; form (b): from the tensors it captures) or a
       `model` whose training-mode call writes a variable from the data
       (data_writes.refuse_data_writes).
   """
@@ -200,7 +201,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)
-  if tape is None:
+  if tape is None:   # the batch reaches loss_fn() as the tensors it captures
+    data_writes.refuse_closure_writes(
+        loss_fn, "compute_private_gradients(loss_fn, variables) without data=: loss_fn")
     with tf.GradientTape(persistent=True) as tape:
       losses = _vector_loss(loss_fn())
       rec_losses, rmask = _record_losses(step, losses, mask, scale)
