@@ -22,17 +22,16 @@ calls (nested tf.functions, tf.cond, tf.while_loop, tf.switch_case) are followed
 bodies. A write whose value does not depend on the data (a call counter, a seed generator's
 advance) is allowed.
 
-Checked: the model's training-mode call (before any probe); the call with its loss
-(`Model.compute_loss`: compiled loss, overrides, `add_loss`) and their gradient (custom
-gradients' functions) inside the step's trace, at the batch's shapes there
-(`refuse_step_writes`); a custom loop's loss_fn (of a record, or of the batch it captures).
-Not covered: Python state that differs between a checked trace and the step's own calls of
-the model (a longer Python warm-up, a branch on a static shape the step's per-record pass
-gives and the checked trace does not): each check is a separate trace.
+Checked: the model's training-mode call (a separate trace, before any probe); the step's own
+pass (the ops the step traced for the call, the loss and, on the fast path, the backward
+pass, whatever Python state or static shapes led there: `refuse_traced_writes`); on the
+vectorized path the call, loss and gradient of one record in a separate trace
+(`refuse_step_writes`: a custom gradient's writes); all before the step's first execution.
+A custom loop's loss_fn: of a record, or of the batch it captures (`refuse_closure_writes`).
 
-This is the library's one check of state written from the data: it runs before any probe
-runs the model (the probes restore only the model's non-trainable variables; a plain
-tf.Variable written from the probe's real rows would keep them).
+This is the library's one check of state written from the data: the model's call is checked
+before any probe runs it (the probes restore only the model's non-trainable variables; a
+plain tf.Variable written from the probe's real rows would keep them).
 """
 
 import functools
@@ -286,9 +285,9 @@ def _graph_writes(graph, data):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
   the written variables, then of the opaque Python functions given the data)."""
   names = {}
-  for external, internal in graph.captures:
+  for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
-      names[internal.op.name] = _variable_name(external)
+      names[internal.op.name] = _variable_name(_outermost(external))
   graph_def = graph.as_graph_def()
   flow = _Flow(graph_def)
   written, _, _ = flow.body(graph_def.node, data, set(), False)
@@ -297,6 +296,37 @@ def _graph_writes(graph, data):
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]
   return [names.get(n, f"an untracked resource {n!r}") for n in order] + opaque
+
+
+def _outermost(handle):
+  """The eager handle a captured handle of nested graphs stands for (itself if none)."""
+  while not isinstance(handle, tf.__internal__.EagerTensor):
+    outer = {id(i): e for e, i in getattr(handle.graph, "captures", ())}
+    if id(handle) not in outer:
+      return handle
+    handle = outer[id(handle)]
+  return handle
+
+
+def refuse_traced_writes(sources, what):
+  """Refuses the ops built so far in the graph being traced when one of them writes a
+  variable from `sources` (module docstring's rule): the step's own forward pass and loss
+  (and backward pass, when built), analysed in the trace that runs them, before the step's
+  first execution, whatever Python state or static shapes led the layers there.
+
+  Args:
+    sources: a nest of tensors of the current graph (the step's records); leaves that are
+      not tensors (None) are ignored. Eagerly (no graph being built) nothing is checked.
+    what: how the user calls it, for the message.
+
+  Raises:
+    PrivacyConfigError: naming the variables written from the data and what to do.
+  """
+  if tf.executing_eagerly():
+    return
+  graph = tf.compat.v1.get_default_graph()
+  data = {t.op.name for t in tf.nest.flatten(sources) if isinstance(t, tf.Tensor)}
+  _refuse(_graph_writes(graph, data), what)
 
 
 def _variable_name(handle):
@@ -360,7 +390,8 @@ def refuse_step_writes(model, x, y, sample_weight):
 
   Args:
     model: a built keras.Model with a compiled loss.
-    x, y, sample_weight: the step's batch (nests of tensors; y, sample_weight may be None).
+    x, y, sample_weight: the batch as the step's pass gets it (nests of tensors or
+      tf.TensorSpec; y, sample_weight may be None).
 
   Raises:
     PrivacyConfigError: as `refuse_data_writes`.

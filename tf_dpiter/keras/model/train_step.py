@@ -201,6 +201,9 @@ def _call_retracing(model, train_function, iterator):
     model._dp_retrace = False   # pylint: disable=protected-access
 
 
+_STEP_WRITES = "the model's training-mode call or its loss in the private step"
+
+
 class TrainStepMixin:
   """make_train_function / train_step of a DP model (see module docstring)."""
 
@@ -384,12 +387,19 @@ class TrainStepMixin:
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
+    # the backward pass of one record (a custom gradient's writes), which the check of the
+    # pass itself (record_loss) does not see: a separate trace at one record's shapes
+    data_writes.refuse_step_writes(self, *[
+        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), part)
+        if part is not None else None for part in recs])
 
     def record_loss(rec):
       (xr, yr, wr), emr = rec
       w = grads_lib.record_weights(emr, wr)
       y_pred = self(xr, training=True) if facts.training_arg else self(xr)
       loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
+      # the writes of this very pass (its Python state, its static shapes), before any run
+      data_writes.refuse_traced_writes(rec, _STEP_WRITES)
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
@@ -442,6 +452,8 @@ class TrainStepMixin:
             self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
             return_outputs=True, clip_factors_fn=clip_factors_fn,
             physical_chunks=False)   # the loss reads the batch's weights; chunked here
+      # the writes of this very pass (forward, loss, backward), before any run
+      data_writes.refuse_traced_writes(chunk, _STEP_WRITES)
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
@@ -519,9 +531,6 @@ class TrainStepMixin:
     # per-record losses: no per-output tracker update inside the clipped sum
     with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
           else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
-      # the call, the loss and their gradient as this trace runs them (its shapes, the loss's
-      # targets): a write from the batch is refused before the step's first execution
-      data_writes.refuse_step_writes(self, x, y, sample_weight)
       want = facts.wants_outputs
       # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
       # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is
