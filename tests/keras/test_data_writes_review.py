@@ -10,7 +10,8 @@ Measured before the fixes (d14d871), every case released different state on D an
 1. write ops the analysis did not list: a MutableHashTable insert (key 10 of x[0] on D only),
    ResourceSparseApplyProximalGradientDescent (vectorized m = [0.2, 0.0] = 2 x 0.01 x x[0] on D
    vs [0.0128, 0.0021] on D'), a tf.py_function count of |x| > 5 (6.0 vs 0.0), a constant
-   added to the variable a data-dependent tf.cond picks ((a, b) = (2, 0) vs (0, 2));
+   added to the variable a data-dependent tf.cond picks ((a, b) = (2, 0) vs (0, 2)), a count
+   in a while loop's condition (4.0 vs 0.0), tf.summary.scalar(max x) (10.0 = x[0] logged);
 2. a count read from the shape of a data-dependent tensor (tf.size(tf.boolean_mask(x, c)),
    tf.shape(tf.where(c))): 2.0 vs 0.0;
 3. losses: fit's compiled loss counting |y| > 5 (2.0 vs 0.0), a custom loop's vector-form
@@ -159,6 +160,27 @@ class DataChosenTarget(keras.layers.Layer):
     return x
 
 
+class LoopConditionCount(_Count):
+  """A one-turn tf.while_loop whose condition function also counts the outliers."""
+
+  def call(self, x, training=None):
+    if training:
+      def cond(i):
+        self.count.assign_add(tf.reduce_sum(tf.cast(tf.abs(x) > 5.0, tf.float32)))
+        return i < 1
+      tf.while_loop(cond, lambda i: i + 1, [tf.constant(0)])
+    return x
+
+
+class MaxLogger(keras.layers.Layer):
+  """Logs the batch's largest input to the default summary writer (TensorBoard debugging)."""
+
+  def call(self, x, training=None):
+    if training:
+      tf.summary.scalar("input_max", tf.reduce_max(x), step=0)
+    return x
+
+
 class SeededNoise(keras.layers.Layer):
   """Adds noise from a tf.random.Generator (its state advances, not from the data)."""
 
@@ -207,7 +229,7 @@ def _ab(layer, loss):
 
 
 @pytest.mark.parametrize("make", [OnlineVocabulary, SparseApplyMean, PythonOutlierCount,
-                                  NumpyIdentity, DataChosenTarget])
+                                  NumpyIdentity, DataChosenTarget, LoopConditionCount])
 def test_the_analysis_finds_unlisted_write_ops(make):
   layer = make()
   written = _written(layer)
@@ -223,12 +245,39 @@ def test_reads_and_generator_advances_are_not_data_writes(make):
     (OnlineVocabulary, "auto", _table), (OnlineVocabulary, "vectorized", _table),
     (SparseApplyMean, "vectorized", _m), (SparseApplyMean, "auto", _m),
     (PythonOutlierCount, "auto", _count), (PythonOutlierCount, "vectorized", _count),
-    (DataChosenTarget, "auto", _ab)])
+    (DataChosenTarget, "auto", _ab), (LoopConditionCount, "auto", _count)])
 def test_fit_refuses_unlisted_write_ops_on_both_datasets(make, clipping, read):
   # before: D's table has key 10 (x[0]), D''s not; m [0.2, 0.0] vs [0.0128, 0.0021]
   # (vectorized); py_function count 6.0 vs 0.0 (auto), 4.0 vs 0.0 (vectorized); the
   # data-chosen target (a, b) (2, 0) vs (0, 2)
   assert _fit_pair(make, clipping, read=read) == ["refused", "refused"]
+
+
+def test_fit_refuses_a_summary_write_of_the_data(tmp_path):
+  # summary ops (WriteScalarSummary: the writer's resource and the data) write the events
+  # file; before: D's file held 10.0 (x[0]'s value exactly) at both steps, D''s not
+  logged = []
+  for i, (x, y) in enumerate(_pair()):
+    keras.utils.set_random_seed(0)
+    model = dp.keras.DPSequential([keras.Input((2,)), MaxLogger(), keras.layers.Dense(1)])
+    model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=0.01), "mse")
+    where = str(tmp_path / str(i))
+    writer = tf.summary.create_file_writer(where)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      try:
+        with writer.as_default():
+          model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+      except dp.errors.PrivacyConfigError:
+        assert int(model.ledger.sample_count.numpy()) == 0
+        logged.append("refused")
+        continue
+    writer.flush()
+    values = [float(tf.make_ndarray(v.tensor))
+              for f in tf.io.gfile.glob(where + "/*")
+              for e in tf.compat.v1.train.summary_iterator(f) for v in e.summary.value]
+    logged.append(10.0 in values)
+  assert logged == ["refused", "refused"], logged
 
 
 # ------------------------------------------------- 2. shapes of data-dependent tensors
@@ -327,6 +376,34 @@ def test_fit_refuses_a_loss_writing_from_the_labels(clipping, jit):
   # before: [(2, 2.0), (2, 0.0)]
   out = _fit_pair(keras.layers.Identity, clipping, jit, read=_outliers,
                   loss=OutlierCountingMSE)
+  assert out == ["refused", "refused"], out
+
+
+class CountingComputeLoss(dp.keras.DPSequential):
+  """A DP model whose compute_loss override counts the labels out of range."""
+
+  def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    self.outliers.assign_add(tf.reduce_sum(tf.cast(tf.abs(y) > 5.0, tf.float32)))
+    return super().compute_loss(x, y, y_pred, sample_weight, training=training)
+
+
+def test_fit_refuses_a_compute_loss_override_writing_from_the_labels():
+  # before: [(2, 2.0), (2, 0.0)]
+  out = []
+  for x, y in _pair(label_outlier=True):
+    keras.utils.set_random_seed(0)
+    model = CountingComputeLoss([keras.Input((2,)), keras.layers.Dense(1)])
+    model.outliers = tf.Variable(0.0, trainable=False)
+    model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=0.01), "mse")
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      try:
+        model.fit(x, y, batch_size=len(x), epochs=2, verbose=0)
+      except dp.errors.PrivacyConfigError:
+        assert int(model.ledger.sample_count.numpy()) == 0
+        out.append("refused")
+        continue
+    out.append((int(model.ledger.sample_count.numpy()), float(model.outliers.numpy())))
   assert out == ["refused", "refused"], out
 
 

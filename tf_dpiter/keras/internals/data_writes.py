@@ -220,6 +220,8 @@ class _Flow:
       skey = frozenset(i for i, h in enumerate(shp) if h)
       pred_hot = bool(self._function(names[0], key, key, under_data, skey)[1])
       written = self._function(names[1], key, key, under_data or pred_hot, skey)[0]
+      # the condition runs too (once more than the body): its own writes
+      written |= self._function(names[0], key, key, under_data or pred_hot, skey)[0]
       # a data-dependent trip count: a variable grown by the body has a data-dependent shape
       return {srcs[i] for i in written}, any(hot), any(shp) or pred_hot
     if node.op in self._library:   # a library function called by its name
