@@ -402,11 +402,7 @@ def pinned_kept_sum(record_c, g):
   Returns:
     [P] float32.
   """
-  rows, records = g.shape[0], record_c.shape[0]
-  if rows is not None and records is not None and int(rows) == int(records):
-    c = record_c
-  else:
-    c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
+  c = _factors_of_rows(record_c, g)
   return summation.pairwise_sum(algebra.weight_rows(g, c))
 
 
@@ -511,12 +507,17 @@ def kept_sum(record_c, g):
   Returns:
     [P] float32.
   """
+  c = _factors_of_rows(record_c, g)
+  return algebra.factor_product(c, algebra.drop_rows(g, c))
+
+
+def _factors_of_rows(record_c, g):
+  """The record factors padded with zeros to g's rows (R >= records; as given when equal:
+  no shape ops)."""
   rows, records = g.shape[0], record_c.shape[0]
   if rows is not None and records is not None and int(rows) == int(records):
-    c = record_c   # no padding: no shape ops
-  else:
-    c = tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
-  return algebra.factor_product(c, algebra.drop_rows(g, c))
+    return record_c
+  return tf.pad(record_c, [[0, tf.shape(g)[0] - tf.shape(record_c)[0]]])
 
 
 def factored_sqr_norms(a, b, keep_allowed=None, with_one=False, sum_rows=None):
