@@ -60,7 +60,12 @@ def walk(clipping, entry="train_on_batch"):
   sys.setprofile(profiler)
   try:
     if entry == "train_function":
-      model.train_function(iter([(x, y, None)]))
+      # as inside fit, which takes the weights' fingerprints around its loop, not per step
+      opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
+      try:
+        model.train_function(iter([(x, y, None)]))
+      finally:
+        opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
     else:
       model.train_on_batch(x, y)
   finally:

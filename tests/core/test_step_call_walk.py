@@ -97,7 +97,7 @@ def test_the_step_calls_each_concept_in_its_one_owner():
   assert not any(f == "keras/optimizer/record_losses.py" for f, _ in calls)
 
 
-def test_the_vectorized_step_runs_in_at_most_ten_files():
+def test_the_vectorized_step_runs_in_at_most_eleven_files():
   calls = _walk("vectorized")
   files = {f for f, _ in calls}
   # issue 41's bound for fit's step: 10 files. The pinned summation order and its clip
@@ -108,7 +108,10 @@ def test_the_vectorized_step_runs_in_at_most_ten_files():
   # (keras/internals/runtime.py): 10 files, 33 returns.
   # clipping="vectorized" leaves nothing to route, so the routing module (its unrecorded-use
   # context included) is not entered
-  assert len(files) <= 10, sorted(files)
+  # 11 since the step's own traced pass is checked for writes from the data
+  # (keras/internals/data_writes.py: the per-record pass is traced by pfor even when the
+  # step runs eagerly; a soundness fix, review R4 finding 2); issue 41's goal: <= 10
+  assert len(files) <= 11, sorted(files)
   assert "keras/optimizer/routing.py" not in files
   assert "keras/internals/runtime.py" not in files
   # 20 before the pinned summation's calls, 39 with the public row bound read in the trace,

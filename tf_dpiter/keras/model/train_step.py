@@ -228,6 +228,7 @@ class TrainStepMixin:
     # variables written from the data: refused before any probe runs the model (else when
     # the trace has the batch: _dp_built_facts)
     self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
+    self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
@@ -388,10 +389,13 @@ class TrainStepMixin:
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
     # the backward pass of one record (a custom gradient's writes), which the check of the
-    # pass itself (record_loss) does not see: a separate trace at one record's shapes
-    data_writes.refuse_step_writes(self, *[
-        tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), part)
-        if part is not None else None for part in recs])
+    # pass itself (record_loss) does not see: a separate trace at one record's shapes, once
+    # per train function (a record's shapes do not change with the batch)
+    if not getattr(self, "_dp_step_writes_checked", False):
+      data_writes.refuse_step_writes(self, *[
+          tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), part)
+          if part is not None else None for part in recs])
+      self._dp_step_writes_checked = True
 
     def record_loss(rec):
       (xr, yr, wr), emr = rec
@@ -399,7 +403,8 @@ class TrainStepMixin:
       y_pred = self(xr, training=True) if facts.training_arg else self(xr)
       loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
       # the writes of this very pass (its Python state, its static shapes), before any run
-      data_writes.refuse_traced_writes(rec, _STEP_WRITES)
+      if not tf.executing_eagerly():   # eagerly there is no trace to read
+        data_writes.refuse_traced_writes(rec, _STEP_WRITES)
       return tf.cast(loss, tf.float32) * (float(n_rep) * scale), y_pred
 
     return step.clipped_sum(record_loss, variables, (recs, em), rmask, k,
@@ -453,7 +458,8 @@ class TrainStepMixin:
             return_outputs=True, clip_factors_fn=clip_factors_fn,
             physical_chunks=False)   # the loss reads the batch's weights; chunked here
       # the writes of this very pass (forward, loss, backward), before any run
-      data_writes.refuse_traced_writes(chunk, _STEP_WRITES)
+      if not tf.executing_eagerly():   # eagerly there is no trace to read
+        data_writes.refuse_traced_writes(chunk, _STEP_WRITES)
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
