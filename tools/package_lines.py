@@ -55,6 +55,12 @@ FEATURE_FILES = {
         "694546c", "CHANGELOG Fixed: the float32 sum over records moves by at most the "
                    "ledger's sensitivity (pinned summation orders and their rounding shrink; "
                    "Casacuberta et al., CCS 2022)"),
+    "tf_dpiter/ledger/run_ids.py": (
+        "e49f5bb", "CHANGELOG Fixed (session 34): ledgers merged by run identity, not by "
+                   "content (two equal-recipe towers charged 12 samples for 22)"),
+    "tf_dpiter/keras/optimizer/weight_fingerprints.py": (
+        "634c8eb", "CHANGELOG Fixed (session 35): a DP model's weights changed outside its "
+                   "DP optimizer are refused (a plain optimizer on a shared layer, set_weights)"),
     "tf_dpiter/keras/internals/data_writes.py": (
         "dce4fdf", "CHANGELOG Fixed: state written from the data found in the program and "
                    "refused (review R3, session 34)"),
