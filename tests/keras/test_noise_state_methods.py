@@ -77,3 +77,41 @@ def test_the_optimizer_methods_call_the_step_methods(tmp_path, monkeypatch):
   model.optimizer.save_noise_state("a.npz")
   model.optimizer.restore_noise_state("b.npz")
   assert calls == [("save", "a.npz"), ("restore", "b.npz")]
+
+
+def test_a_noise_state_of_another_run_with_as_many_samples_is_refused(tmp_path):
+  """Two runs of 4 steps each (equal sample counts): run A's noise state restored into run B
+  (whose released weights carry B's noise) is refused at the restore, B's state untouched; into
+  a fresh model restored afterwards from B's checkpoint, at B's next fit (the run tables differ:
+  `ledger.run_ids`). Run A's own checkpoint and its state resume (the same table)."""
+  import tensorflow as tf
+  run_a, run_b = _model(num_bands=2, num_steps=8), _model(num_bands=2, num_steps=8)
+  _fit(run_a)
+  _fit(run_b)
+  assert int(run_a.ledger.sample_count) == int(run_b.ledger.sample_count) == 4
+  run_a.optimizer.save_noise_state(str(tmp_path / "a.npz"))
+  b_state = [np.array(v) for v in run_b.optimizer.noise_state()]
+  with pytest.raises(PrivacyConfigError, match="a state of another run"):
+    run_b.optimizer.restore_noise_state(str(tmp_path / "a.npz"))
+  for got, want in zip(run_b.optimizer.noise_state(), b_state):
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+  b_ckpt = tf.train.Checkpoint(model=run_b, optimizer=run_b.optimizer).save(
+      str(tmp_path / "b"))
+  a_ckpt = tf.train.Checkpoint(model=run_a, optimizer=run_a.optimizer).save(
+      str(tmp_path / "a"))
+  fresh = _model(num_bands=2, num_steps=8)
+  fresh.optimizer.build(fresh.trainable_variables)
+  fresh.optimizer.restore_noise_state(str(tmp_path / "a.npz"))   # the ledger holds 0: later
+  tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(b_ckpt)
+  assert int(fresh.ledger.sample_count) == 4
+  with pytest.raises(PrivacyConfigError, match="a state of another run"):
+    _fit(fresh)
+  assert int(fresh.ledger.sample_count) == 4   # nothing charged, nothing released
+
+  resumed = _model(num_bands=2, num_steps=8)
+  resumed.optimizer.build(resumed.trainable_variables)
+  tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(a_ckpt)
+  resumed.optimizer.restore_noise_state(str(tmp_path / "a.npz"))
+  _fit(resumed)
+  assert int(resumed.ledger.sample_count) == 8

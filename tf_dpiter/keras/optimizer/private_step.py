@@ -29,6 +29,7 @@ the private `restore_noise_state` file of the same step is restored. Helpers: `s
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
 
+import json
 import sys
 
 import numpy as np
@@ -93,6 +94,10 @@ class PrivateStep:
     self._global_vars = None              # the query's global state variables (flattened)
     self._global_struct = None
     self._noise_draws = None   # correlated: draws made with the in-memory noise state (untracked)
+    # correlated: a restored noise state's run table, until the ledger is seen to hold it
+    # (`restore_noise_state`), and the graph's flag of the same (untracked)
+    self._noise_runs_pending = None
+    self._noise_runs_ok = None
     self._pending_sampling = None
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
@@ -422,6 +427,7 @@ class PrivateStep:
       with tf.init_scope():
         self._noise_draws = tf.Variable(0, dtype=tf.int64, trainable=False,
                                         name="dp_noise_draws")
+        self._noise_runs_ok = tf.Variable(True, trainable=False, name="dp_noise_runs_ok")
       return
     for i, v in enumerate(self._global_vars):
       self._track(f"_dp_global_state_{i}", v)
@@ -437,7 +443,8 @@ class PrivateStep:
     step asserts the same in its graph.
 
     Raises:
-      PrivacyConfigError: ledger samples != draws of the in-memory noise state.
+      PrivacyConfigError: ledger samples != draws of the in-memory noise state, or a noise
+        state restored from a file of another run (`restore_noise_state`).
     """
     if not self.mechanism.correlated or self._noise_draws is None or self._ledger is None:
       return
@@ -446,6 +453,11 @@ class PrivateStep:
       draws = int(self._noise_draws.numpy())
     if samples != draws:
       raise PrivacyConfigError(self._missing_noise_state_message(samples, draws))
+    if self._noise_runs_pending is not None:
+      self._check_noise_runs(self._noise_runs_pending)
+      self._noise_runs_pending = None
+      with tf.init_scope():
+        self._noise_runs_ok.assign(True)
 
   def save_noise_state(self, path):
     """Writes the correlated mechanism's noise state to `path` (an .npz file), the one way to
@@ -467,7 +479,9 @@ class PrivateStep:
     with tf.init_scope():
       arrays = {f"state_{i}": v.numpy() for i, v in enumerate(self._global_vars)}
       arrays["draws"] = np.asarray(self._noise_draws.numpy(), np.int64)
+      runs = [] if self._ledger is None else [list(t) for t in self._ledger.run_table()]
     arrays["mechanism"] = np.asarray(repr(self.mechanism))
+    arrays["runs"] = np.asarray(json.dumps(runs))
     np.savez(path, **arrays)
 
   def restore_noise_state(self, path):
@@ -483,24 +497,50 @@ class PrivateStep:
 
     Raises:
       PrivacyConfigError: the mechanism is not correlated or not built, or the file is of
-        another mechanism or of other variables' shapes.
+        another mechanism, of other variables' shapes, or of another run (its run table,
+        checked now when the ledger holds its draws, else at the next step).
     """
     self._require_built_noise_state("restore_noise_state")
     with np.load(path, allow_pickle=False) as f:
       arrays = {k: f[k] for k in f.files}
     mechanism = str(arrays.pop("mechanism", ""))
     draws = arrays.pop("draws", None)
+    runs = arrays.pop("runs", None)
     shapes = [tuple(v.shape) for v in self._global_vars]
     saved = [arrays.get(f"state_{i}") for i in range(len(self._global_vars))]
-    if (mechanism != repr(self.mechanism) or draws is None or len(arrays) != len(shapes)
+    if (mechanism != repr(self.mechanism) or draws is None or runs is None
+        or len(arrays) != len(shapes)
         or any(a is None or tuple(a.shape) != sh for a, sh in zip(saved, shapes))):
       raise PrivacyConfigError(validation.message(
           "path", f"a noise state of {self.mechanism!r} on variables of the state shapes "
-          f"{shapes} (written by save_noise_state)", str(path)))
+          f"{shapes} with its run table (written by save_noise_state)", str(path)))
+    runs = tuple(tuple(t) for t in json.loads(str(runs)))
+    with tf.init_scope():
+      ready = (self._ledger is not None
+               and int(self._ledger.sample_count.numpy()) == int(draws))
+    if ready:
+      self._check_noise_runs(runs, str(path))   # before anything is assigned
     with tf.init_scope():
       for v, a in zip(self._global_vars, saved):
         v.assign(tf.constant(a, dtype=v.dtype))
       self._noise_draws.assign(int(draws))
+      self._noise_runs_ok.assign(ready or self._ledger is None)
+    self._noise_runs_pending = None if ready or self._ledger is None else runs
+
+  def _check_noise_runs(self, runs, path="the restored noise state"):
+    """Refuses a noise state whose run table (the ledger's when `save_noise_state` wrote it)
+    is not the ledger's now: the state of another run with as many samples would continue
+    this run's correlated noise from that run's (its accounting covers one sequence of steps
+    with one noise state; run identities: `ledger.run_ids`)."""
+    with tf.init_scope():
+      held = tuple(tuple(t) for t in self._ledger.run_table())
+    if held != runs:
+      raise PrivacyConfigError(validation.message(
+          "path", f"the noise state of this ledger's run (run table {list(held)}; "
+          "save_noise_state writes it with the state): a state of another run, even with "
+          "as many samples, does not continue this run's correlated noise. Restore the model "
+          "or checkpoint of the run that wrote it, then its noise state, or start a new run "
+          f"(the file's run table: {list(runs)})", path))
 
   def _require_built_noise_state(self, name):
     """Refuses `name` (save/restore_noise_state) without a built correlated noise state."""
@@ -946,6 +986,12 @@ class PrivateStep:
       checks.append(tf.debugging.assert_equal(
           self._ledger.sample_count, self._noise_draws,
           message=self._missing_noise_state_message()))
+      checks.append(tf.debugging.assert_equal(
+          self._noise_runs_ok, True,
+          message=f"noise={self.noise!r}: a noise state restored by restore_noise_state "
+                  "before the ledger held its samples is checked against the ledger's run "
+                  "table when the step is traced or run eagerly; this traced step cannot. "
+                  "Restore the model or checkpoint first, then the noise state"))
       checks.append(tf.debugging.assert_less_equal(
           self._ledger.sample_count, tf.cast(self.optimizer.iterations, tf.int64),
           message=f"noise={self.noise!r}: the optimizer's iterations went back below the "
