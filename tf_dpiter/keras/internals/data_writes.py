@@ -16,7 +16,9 @@ ragged splits: every op not known to take its output shape from its inputs' shap
 and every op fed such a tensor). A write is any stateful op that takes a resource (a
 variable, hash table, queue, random generator) other than a short list of reads (default
 deny); it is data-dependent when its value is, when it runs inside a branch or loop whose
-predicate is, or when it reads a variable so written. A Python function (tf.py_function,
+predicate is, or when it reads a variable so written. A stateful op without a resource given
+the data (tf.print, tf.io.write_file, a raw Save) writes it out of the step: refused too, but
+for random draws, asserts, replicas' collectives and graph plumbing (`_QUIET`). A Python function (tf.py_function,
 tf.numpy_function) given the data counts as such a write: its body cannot be seen. Function
 calls (nested tf.functions, tf.cond, tf.while_loop, tf.switch_case) are followed into their
 bodies. A write whose value does not depend on the data (a call counter, a seed generator's
@@ -107,6 +109,36 @@ def _input_types(node):
   return types
 
 
+# stateful ops with no resource input that release nothing of their inputs: random draws
+# (their value inputs are shapes or distribution parameters; the output is a value of the
+# step), the aborts of the data-dependent-abort class (CHANGELOG "Known issues"), replicas'
+# collectives within the step, and graph plumbing. Every other stateful op without a
+# resource input given the data is a release (default deny): a file written (WriteFile,
+# Save, SaveV2), a log line (Print, PrintV2: stderr is a log), a host send, a dataset.
+_QUIET = frozenset((
+    "RandomUniform", "RandomUniformInt", "RandomStandardNormal", "TruncatedNormal",
+    "ParameterizedTruncatedNormal", "RandomShuffle", "RandomCrop", "RandomGamma",
+    "RandomPoisson", "RandomPoissonV2", "Multinomial", "NonDeterministicInts",
+    "SampleDistortedBoundingBox", "SampleDistortedBoundingBoxV2", "AnonymousSeedGenerator",
+    "AnonymousRandomSeedGenerator", "Assert", "CheckNumerics", "CheckNumericsV2",
+    "CollectiveReduce", "CollectiveGather", "CollectiveBcastSend", "CollectiveBcastSendV2",
+    "CollectiveBcastRecvV2", "CollectivePermute", "CollectiveAssignGroupV2", "AllToAll",
+    "CrossReplicaSum", "NcclAllReduce", "NcclReduce", "NcclBroadcast", "_NcclBroadcastRecv",
+    "_NcclBroadcastSend", "_NcclReduceRecv", "_NcclReduceSend", "_Retval", "_DeviceRetval",
+    "_Send", "Empty", "GuaranteeConst", "DeepCopy", "StackV2", "TensorArrayV3",
+    "TensorArrayGradV3", "_ScopedAllocatorConcat", "_ScopedAllocatorSplit"))
+
+
+def _is_release(op):
+  """True for a stateful op without a resource input that may carry its inputs out of the
+  step (a file, a log, the host): every such op except `_QUIET` (default-deny)."""
+  op_def = _op_def(op)
+  return (op_def is not None and op_def.is_stateful and op not in _QUIET
+          and op not in _CALLS and op not in _LOOPS
+          and not op.endswith("CandidateSampler")
+          and not any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+
+
 def _is_write(op):
   """True for an op that may change a resource (a variable, table, queue, random generator):
   every stateful op that takes a resource, except `_READS` (default-deny)."""
@@ -135,12 +167,14 @@ class _Flow:
   Two taints: a node is hot when its value depends on the data, shape-hot when its output's
   shape does (the shape of tf.boolean_mask(x, x > 5) counts the records' large entries).
   `opaque` collects the Python functions (tf.py_function, tf.numpy_function) given data or
-  run under a data-dependent predicate: (function, node) pairs."""
+  run under a data-dependent predicate: (function, node) pairs; `released`, likewise, the
+  stateful ops without a resource that carry data out (`_is_release`): (function, node, op)."""
 
   def __init__(self, graph_def):
     self._library = {f.signature.name: f for f in graph_def.library.function}
     self._memo = {}
     self.opaque = []
+    self.released = []
 
   def body(self, nodes, tainted, tainted_resources, under_data, shape_tainted=(),
            where=""):
@@ -169,6 +203,9 @@ class _Flow:
               self.opaque.append((where, node.name))
           elif (under_data or hot) and _is_write(node.op):
             w = {s for s, t in zip(srcs, _input_types(node)) if t == types_pb2.DT_RESOURCE}
+          elif (under_data or hot) and _is_release(node.op):
+            if (where, node.name, node.op) not in self.released:
+              self.released.append((where, node.name, node.op))
           out_shaped = shape_hot or any(
               srcs[i] in tainted or srcs[i] in t_res
               for i in _shape_args(node.op, len(srcs)))
@@ -297,7 +334,10 @@ def _graph_writes(graph, data):
   opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]
-  return [names.get(n, f"an untracked resource {n!r}") for n in order] + opaque
+  released = [f"a {op} op (it writes its input out of the step: a file, a log, the host) "
+              f"at node {node!r}" + (f" of {where!r}" if where else "")
+              for where, node, op in flow.released]
+  return [names.get(n, f"an untracked resource {n!r}") for n in order] + opaque + released
 
 
 def _outermost(handle):
