@@ -19,6 +19,11 @@ on record i alone. Hence `fit`'s protections, on every form:
   that cannot be probed. The loss must still compute loss i from example i's outputs only;
 * float16: each record's loss is multiplied by a static loss scale and its gradient divided
   by it; a record that overflowed adds zero and is counted (`optimizer.overflowed_records`).
+* total steps: no record's value stops a step (whether the run goes on would otherwise be a
+  release outside the guarantee). A non-finite record (or float16 overflow) is clipped to
+  zero in the data= form; in the loss_fn() form a non-finite batch is run again record by
+  record (`_total_record_gradients`). Only the tape form (losses given as a tensor) still
+  refuses such a step (`_finite_batch`): validate its data before the loop.
 """
 
 import logging
@@ -162,7 +167,9 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   (a vector [k] or a scalar mean); each record runs alone. (b) data None: loss_fn() (or, with
   `tape`, the tensor loss_fn) is the vector [B] of per-example losses of the whole batch;
   per-record gradients come from a batched jacobian, exact only if no layer mixes examples:
-  needs `model`, which is probed (module docstring).
+  needs `model`, which is probed (module docstring). A record's non-finite loss or gradient
+  (or float16 overflow) makes it contribute zero in form (a) and in form (b) with a callable
+  loss_fn (the batch is then run record by record); form (b) with `tape` refuses that step.
 
   Args:
     step: the optimizer's PrivateStep.
@@ -206,13 +213,20 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
         loss_fn, "compute_private_gradients(loss_fn, variables) without data=: loss_fn")
     with tf.GradientTape(persistent=True) as tape:
       losses = _vector_loss(loss_fn())
-      rec_losses, rmask = _record_losses(step, losses, mask, scale)
-  else:
+      rec_losses, rmask, example_mask = _record_losses(step, losses, mask, scale)
+    grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables,
+                                                use_pfor=vectorize)
+    # a non-finite batch: each record's gradient from a pass of that record alone
+    grads = _total_record_gradients(step, loss_fn, variables, rec_losses, grads,
+                                    example_mask, scale, vectorize)
+    finite_batch = 1.0
+  else:   # the losses are a tensor: no pass can be run again (`_finite_batch`)
     losses = _vector_loss(loss_fn)
     with tape:
-      rec_losses, rmask = _record_losses(step, losses, mask, scale)
-  grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables, use_pfor=vectorize)
-  finite_batch = _finite_batch(rec_losses, grads)
+      rec_losses, rmask, _ = _record_losses(step, losses, mask, scale)
+    grads = grads_lib.jacobian_record_gradients(tape, rec_losses, variables,
+                                                use_pfor=vectorize)
+    finite_batch = _finite_batch(rec_losses, grads)
   grads, finite = chunking.unscale_records(grads, scale)
   deps = step.count_overflowed(finite, rmask)
   params = step.sample_params()   # raises while the sampling is undeclared
@@ -227,10 +241,108 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   return step.noised_average(state, tf.cast(tf.size(rmask), tf.float32))   # records formed
 
 
+def _all_finite(rec_losses, grads):
+  """A bool scalar: every per-record loss [M] and gradient [M, ...] is finite."""
+  parts = [tf.reduce_all(tf.math.is_finite(rec_losses))]
+  parts += [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+  return tf.reduce_all(tf.stack(parts))
+
+
+def _batch_captures(concrete, b_static):
+  """Which of `concrete`'s captured inputs are the batch: a bool per captured input, True for a
+  tensor (not a variable's handle) whose leading dimension is the batch's (static `b_static`,
+  or unknown when the batch size is unknown), as data_writes.closure_data_writes counts every
+  captured tensor as data."""
+  def is_batch(t):
+    if t.dtype in (tf.resource, tf.variant) or not t.shape.rank:
+      return False
+    return t.shape[0] == b_static if b_static is not None else t.shape[0] is None
+  return [is_batch(t) for t in concrete.captured_inputs]
+
+
+def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example_mask, scale,
+                            vectorize):
+  """The per-record gradients of the losses form, made a function of each record alone when
+  the batch is not finite.
+
+  The batched jacobian's rows come from one backward pass over the whole batch: a record with
+  a NaN or inf value (a missing value stored as NaN, a float16 overflow under a loss scale)
+  reaches every row (0 x NaN in the products that form the weights' gradients), so zeroing
+  the non-finite rows would drop all of them (a move of up to B C where the ledger states C),
+  and refusing the step would let one record decide whether the run goes on (a release
+  outside the guarantee: add/remove one example, Dwork and Roth, "The Algorithmic
+  Foundations of Differential Privacy", Definition 2.4, applied to the run's outcome). So
+  when a loss or gradient is not finite (`tf.cond`, both branches traced, no host round
+  trip), record r's gradient is taken from loss_fn run again on a batch all of whose rows are
+  record r's examples (its captured batch tensors gathered at record r's rows): record r's
+  loss and gradient are then functions of record r alone, and a non-finite one is clipped
+  to zero by the query (`dp_query.scale_record`), a float16 overflow zeroed and counted
+  (`chunking.unscale_records`), as the data= form and fit do. That costs M passes of the
+  batch's size (vectorized when `vectorize`), on the non-finite steps only.
+
+  Without a captured tensor of the batch's leading dimension (a loss_fn reading the batch
+  from a variable) no pass can be run on one record: the step is then refused as before
+  (`_finite_batch`).
+
+  Args:
+    step: the optimizer's PrivateStep.
+    loss_fn: form (b)'s callable of no argument returning the losses [B, ...].
+    variables: the variables differentiated.
+    rec_losses: [M] per-record losses (scaled by `scale`, masked).
+    grads: the batched jacobian's per-record gradients, each [M, ...].
+    example_mask: float [B] 0/1 example mask (with the declared-rows check).
+    scale: the static loss scale (float).
+    vectorize: tf.vectorized_map over the records (else a tf.map_fn loop).
+
+  Returns:
+    list of per-record gradients, each [M, ...], aligned with `variables`.
+  """
+  ok = _all_finite(rec_losses, grads)
+  m = step.record_microbatches
+
+  def alone():
+    concrete = tf.function(loss_fn).get_concrete_function()
+    captures = concrete.captured_inputs
+    b_static = example_mask.shape[0]
+    batch = _batch_captures(concrete, b_static)
+    if not any(batch):
+      return [g * _finite_batch(rec_losses, grads) for g in grads]
+    b = tf.shape(example_mask)[0]
+    rows = tf.range(b_static if b_static is not None else b)
+    stride = b if m is None else m   # record r holds examples r, r + m, r + 2m, ... (to_records)
+
+    def record_gradient(r):
+      at = (rows // stride) * stride + r
+      at = tf.where(at < b, at, r)   # every row one of record r's examples
+      feeds = [tf.gather(t, at) if is_b else t for t, is_b in zip(captures, batch)]
+      with tf.GradientTape() as tape:
+        # pylint: disable-next=protected-access
+        losses = _vector_loss(concrete._call_flat([], feeds))   # the captures replaced
+        per_example = tf.reduce_mean(
+            tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1])), axis=1) * scale
+        if m is None:
+          loss = per_example[r] * example_mask[r]
+        else:
+          recs, em, _ = grads_lib.to_records(per_example, example_mask, m)
+          loss = grads_lib.masked_record_mean(recs, em)[r]
+      return tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+    records = tf.range(tf.shape(rec_losses)[0])
+    if vectorize:
+      return tf.vectorized_map(record_gradient, records)
+    return tf.map_fn(record_gradient, records, fn_output_signature=[
+        tf.TensorSpec(v.shape, v.dtype) for v in variables])
+
+  return tf.cond(ok, lambda: [tf.identity(g) for g in grads], alone)
+
+
 def _finite_batch(rec_losses, grads):
   """1.0, or NaN behind a failed run-time assertion (graph mode; XLA drops assertions, so the
   NaN then spoils the release instead) when a per-record loss or gradient of the losses form
-  is not finite.
+  is not finite: the tape form (the losses given as a tensor, whose pass cannot be run again
+  on one record), or a loss_fn that captures no tensor of the batch
+  (`_total_record_gradients` handles the others). A step refused so is a release outside the
+  guarantee (whether the run goes on depends on one record): validate the data first.
 
   The losses form's per-record gradients are rows of one backward pass over the whole batch:
   a record with a NaN or inf value reaches every record's row (0 x NaN in the products that
@@ -249,16 +361,15 @@ def _finite_batch(rec_losses, grads):
   Returns:
     a float32 scalar tensor: 1.0, or NaN.
   """
-  parts = [tf.reduce_all(tf.math.is_finite(rec_losses))]
-  parts += [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
-  ok = tf.reduce_all(tf.stack(parts))
-  return grads_lib.one_or_nan(ok, [
-      "compute_private_gradients(losses form): a record's loss or gradient is not finite. "
-      "The losses form differentiates the whole batch at once, so one record's NaN or inf "
-      "reaches every record's gradient and no record could be clipped alone; the step is "
-      "refused (also a float16 overflow under a loss scale). Remove or repair the non-finite "
-      "examples, or pass the batch as data=... with a loss_fn of one record (each record is "
-      "then run alone and a non-finite one is clipped to zero)"])
+  return grads_lib.one_or_nan(_all_finite(rec_losses, grads), [
+      "compute_private_gradients(losses form given as a tensor, or a loss_fn capturing no "
+      "tensor of the batch): a record's loss or gradient is not finite. The losses form "
+      "differentiates the whole batch at once, so one record's NaN or inf reaches every "
+      "record's gradient, and this loss cannot be run again on one record; the step is "
+      "refused (also a float16 overflow under a loss scale). Pass loss_fn as a callable of "
+      "no argument that captures the batch (a non-finite batch is then run record by "
+      "record), or the batch as data=... with a loss_fn of one record (each record is run "
+      "alone and a non-finite one is clipped to zero), or remove the non-finite examples"])
 
 
 def _private_gradients_of_records(step, loss_fn, variables, data, mask, scale, vectorize):
@@ -360,6 +471,6 @@ def _record_losses(step, losses, mask, scale=1.0):
   if rows_ok is not None:
     example_mask = example_mask * rows_ok
   if step.record_microbatches is None:
-    return losses * example_mask, example_mask
+    return losses * example_mask, example_mask, example_mask
   recs, em, rmask = grads_lib.to_records(losses, example_mask, step.record_microbatches)
-  return grads_lib.masked_record_mean(recs, em), rmask
+  return grads_lib.masked_record_mean(recs, em), rmask, example_mask
