@@ -3,7 +3,9 @@
 One step: per-record gradients of the compiled loss clipped to S and summed (vectorized:
 `step.clipped_sum`; fast: ghost norms, `fast_clipping.clipped_grad_sum`; chosen by
 `step.resolve_clipping`), one noise draw and one ledger sample (`step.noised_average`), then
-the optimizer's update. With `jit_compile=True` the clipped sum (and DP-SGD's own Gaussian
+the optimizer's update. No record's value stops the step: an id an Embedding fed by an
+input cannot gather, or a label outside a sparse cross-entropy's classes, makes that example
+contribute zero (`total_records`). With `jit_compile=True` the clipped sum (and DP-SGD's own Gaussian
 noise draw, `step.compiles_noise`, on one replica) is one XLA program; the ledger write and
 the update run right after it in the non-compiled train function, so every step is
 recorded. What the step reads of the model's structure and compile is read once per train
@@ -29,6 +31,7 @@ from tf_dpiter.keras.fast_clipping import plan as fast_plan
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import runtime
+from tf_dpiter.keras.internals import total_records
 from tf_dpiter.keras.model import output_losses
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
@@ -338,6 +341,11 @@ class TrainStepMixin:
     if not getattr(self, "_dp_in_fit", False):
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = grads_lib.example_mask_from_weights(sample_weight, b)
+    # an example whose id an Embedding cannot gather contributes zero instead of stopping
+    # the step (total_records)
+    x, ids_ok = total_records.guard_embedding_ids(self, x)
+    if ids_ok is not None:
+      example_mask = example_mask * ids_ok
     variables = self.trainable_variables
     per_user = getattr(self, "_dp_examples_per_user", None)
     if per_user is not None:   # user-level batches: a record is one user's k rows
@@ -401,7 +409,8 @@ class TrainStepMixin:
       (xr, yr, wr), emr = rec
       w = grads_lib.record_weights(emr, wr)
       y_pred = self(xr, training=True) if facts.training_arg else self(xr)
-      loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
+      with total_records.sparse_labels_guarded(self, yr, y_pred, w):
+        loss = facts.compute_loss(x=xr, y=yr, y_pred=y_pred, sample_weight=w, training=True)
       # the writes of this very pass (its Python state, its static shapes), before any run
       if not tf.executing_eagerly():   # eagerly there is no trace to read
         data_writes.refuse_traced_writes(rec, _STEP_WRITES)
@@ -553,7 +562,8 @@ class TrainStepMixin:
     facts.loss_tracker.update_state(loss_sum / tf.maximum(counts[0], 1.0),
                                     sample_weight=counts[0])
     if facts.output_trackers:   # per-output epoch means
-      output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
+      with total_records.sparse_labels_guarded(self, y, y_pred, sample_weight):
+        output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
     if facts.loss_scale != 1.0:
       logs = dict(logs)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import total_records
 
 
 def compiled_record_losses(model, y_true, y_pred, weights):
@@ -58,7 +59,9 @@ def compiled_record_losses(model, y_true, y_pred, weights):
       w = tf.nest.pack_sequence_as(weights, w_f)
       # an unreduced loss (reduction=None) gives one value per example: their mean (the
       # weights w already average over the record's real examples)
-      loss = tf.reduce_mean(tf.cast(compiled(yt, yp, w), tf.float32))
+      # a label outside a sparse cross-entropy's classes: that example's loss 0, no abort
+      with total_records.sparse_labels_guarded(model, yt, yp, w):
+        loss = tf.reduce_mean(tf.cast(compiled(yt, yp, w), tf.float32))
     grads = tape.gradient(loss, yp_f, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss, grads
 
