@@ -118,3 +118,36 @@ def test_evaluate_keeps_keras_behaviour(case):
   ours = model.evaluate(x[1:], y[1:], batch_size=len(x), verbose=0)
   plain = keras.losses.get(loss)(y[1:], model.predict(x[1:], verbose=0))
   np.testing.assert_allclose(ours, float(np.mean(plain)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("clipping", ["auto", "vectorized"])
+def test_a_two_output_model_with_both_defects(clipping):
+  """A functional model with two outputs (per-output loss trackers: their update on the batch
+  is guarded too); record 0 has an id outside the vocabulary and a label outside the
+  classes."""
+  rng = np.random.default_rng(1)
+  x = rng.integers(0, 10, size=(40, 3)).astype(np.int32)
+  y1 = rng.integers(0, 3, size=(40,)).astype(np.int32)
+  y2 = rng.normal(size=(40, 1)).astype(np.float32)
+  x[0, 1], y1[0] = 12, 5
+
+  def run(sl):
+    keras.utils.set_random_seed(0)
+    ids = keras.Input((3,), dtype="int32")
+    h = keras.layers.Flatten()(keras.layers.Embedding(10, 4)(ids))
+    model = dp.keras.DPModel(ids, [keras.layers.Dense(3, name="c")(h),
+                                   keras.layers.Dense(1, name="r")(h)])
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=LR, clipping=clipping,
+                                                 normalize=False),
+                    [keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mse"])
+      hist = model.fit(x[sl], [y1[sl], y2[sl]], batch_size=40, epochs=2, verbose=0)
+    return model.get_weights(), int(model.ledger.sample_count.numpy()), hist.history
+
+  w_d, led_d, h_d = run(slice(0, None))
+  w_n, led_n, _ = run(slice(1, None))
+  assert led_d == led_n == 2
+  assert all(np.all(np.isfinite(v)) for v in h_d["loss"])
+  for a, b in zip(w_d, w_n):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -535,7 +535,9 @@ class TrainStepMixin:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)
     if facts.loss_unbuilt:   # its per-output trackers do not exist yet: build it first
-      output_losses.build(self, data)
+      # (its forward pass on ids an Embedding can gather: total_records)
+      output_losses.build(self, (total_records.guard_embedding_ids(self, x)[0], y,
+                                 sample_weight))
       self._dp_facts = None
       facts = self._dp_trace_facts()
     opt = facts.optimizer
