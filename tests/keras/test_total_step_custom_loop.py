@@ -88,8 +88,8 @@ def test_a_non_finite_record_contributes_zero(where, compiled):
 
 
 def test_the_sequential_loop_route_too(monkeypatch):
-  """routing.use_vectorized_map False (a oneDNN-affected model): the records' passes run in
-  a tf.map_fn loop, same result."""
+  """routing.use_vectorized_map False (a oneDNN-affected model): the batched jacobian is a
+  while loop over records (no pfor); a non-finite batch still contributes as D'."""
   monkeypatch.setattr(routing, "use_vectorized_map", lambda model: False)
   (x, y), (x1, y1) = _pair("x")
   b_d, a_d, led_d, _ = _run(x, y)

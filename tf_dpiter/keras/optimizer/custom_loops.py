@@ -218,7 +218,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
                                                 use_pfor=vectorize)
     # a non-finite batch: each record's gradient from a pass of that record alone
     grads = _total_record_gradients(step, loss_fn, variables, rec_losses, grads,
-                                    example_mask, scale, vectorize)
+                                    example_mask, scale)
     finite_batch = 1.0
   else:   # the losses are a tensor: no pass can be run again (`_finite_batch`)
     losses = _vector_loss(loss_fn)
@@ -260,8 +260,7 @@ def _batch_captures(concrete, b_static):
   return [is_batch(t) for t in concrete.captured_inputs]
 
 
-def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example_mask, scale,
-                            vectorize):
+def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example_mask, scale):
   """The per-record gradients of the losses form, made a function of each record alone when
   the batch is not finite.
 
@@ -278,7 +277,8 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
   loss and gradient are then functions of record r alone, and a non-finite one is clipped
   to zero by the query (`dp_query.scale_record`), a float16 overflow zeroed and counted
   (`chunking.unscale_records`), as the data= form and fit do. That costs M passes of the
-  batch's size (vectorized when `vectorize`), on the non-finite steps only.
+  batch's size, one after the other (the memory of one batched pass), on the non-finite
+  steps only: such a step takes longer (its duration is not part of the released output).
 
   Without a captured tensor of the batch's leading dimension (a loss_fn reading the batch
   from a variable) no pass can be run on one record: the step is then refused as before
@@ -292,7 +292,6 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
     grads: the batched jacobian's per-record gradients, each [M, ...].
     example_mask: float [B] 0/1 example mask (with the declared-rows check).
     scale: the static loss scale (float).
-    vectorize: tf.vectorized_map over the records (else a tf.map_fn loop).
 
   Returns:
     list of per-record gradients, each [M, ...], aligned with `variables`.
@@ -327,11 +326,12 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
           loss = grads_lib.masked_record_mean(recs, em)[r]
       return tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    records = tf.range(tf.shape(rec_losses)[0])
-    if vectorize:
-      return tf.vectorized_map(record_gradient, records)
-    return tf.map_fn(record_gradient, records, fn_output_signature=[
-        tf.TensorSpec(v.shape, v.dtype) for v in variables])
+    # one record's pass at a time: the memory of one batched pass (a vectorized map would
+    # hold M copies of the batch's activations, and running out of memory on a non-finite
+    # batch would stop the run on one record again)
+    return tf.map_fn(record_gradient, tf.range(tf.shape(rec_losses)[0]),
+                     fn_output_signature=[tf.TensorSpec(v.shape, v.dtype) for v in variables],
+                     parallel_iterations=1)
 
   return tf.cond(ok, lambda: [tf.identity(g) for g in grads], alone)
 
