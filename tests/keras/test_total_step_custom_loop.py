@@ -60,7 +60,10 @@ def _run(x, y, compiled=True, microbatches=None):
     grads = opt.compute_private_gradients(loss_fn, model.trainable_variables, model=model)
     return opt.apply_private_gradients(grads, model.trainable_variables)
 
-  if compiled:
+  if compiled == "dynamic":   # the batch size unknown to the trace
+    step = tf.function(step, input_signature=[tf.TensorSpec([None, 2], tf.float32),
+                                              tf.TensorSpec([None, 1], tf.float32)])
+  elif compiled:
     step = tf.function(step)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -70,7 +73,8 @@ def _run(x, y, compiled=True, microbatches=None):
 
 
 @pytest.mark.parametrize("where", ["x", "y"])
-@pytest.mark.parametrize("compiled", [True, False], ids=["tf_function", "eager"])
+@pytest.mark.parametrize("compiled", [True, "dynamic", False],
+                         ids=["tf_function", "dynamic_batch", "eager"])
 def test_a_non_finite_record_contributes_zero(where, compiled):
   (x, y), (x1, y1) = _pair(where)
   b_d, a_d, led_d, it_d = _run(x, y, compiled)

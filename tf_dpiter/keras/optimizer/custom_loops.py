@@ -260,6 +260,14 @@ def _batch_captures(concrete, b_static):
   return [is_batch(t) for t in concrete.captured_inputs]
 
 
+def _gather_rows(t, at, b):
+  """t's rows `at` when t's leading dimension is the batch's `b`; t itself when a dynamic
+  leading dimension turns out not to be the batch's (never an out-of-range gather)."""
+  if t.shape[0] is not None:
+    return tf.gather(t, at)
+  return tf.cond(tf.equal(tf.shape(t)[0], b), lambda: tf.gather(t, at), lambda: tf.identity(t))
+
+
 def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example_mask, scale):
   """The per-record gradients of the losses form, made a function of each record alone when
   the batch is not finite.
@@ -313,7 +321,7 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
     def record_gradient(r):
       at = (rows // stride) * stride + r
       at = tf.where(at < b, at, r)   # every row one of record r's examples
-      feeds = [tf.gather(t, at) if is_b else t for t, is_b in zip(captures, batch)]
+      feeds = [_gather_rows(t, at, b) if is_b else t for t, is_b in zip(captures, batch)]
       with tf.GradientTape() as tape:
         # pylint: disable-next=protected-access
         losses = _vector_loss(concrete._call_flat([], feeds))   # the captures replaced
