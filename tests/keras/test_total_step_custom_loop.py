@@ -171,3 +171,36 @@ def test_records_alone_equal_the_batched_rows(monkeypatch, rows, microbatches, p
   for u, v in zip(batched, alone):
     assert np.any(u != 0.0)
     np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
+
+
+def test_float16_overflow_in_the_loss_fn_form_contributes_zero():
+  """Under a float16 loss scale a record whose input overflows (1e5 -> inf) while its loss
+  stays finite (tanh saturates) spoils every row of the batched pass; the loss_fn() form then
+  runs the batch record by record: that record is zeroed and counted
+  (`optimizer.overflowed_records`), and the clipped sum (noise off, normalize=False) is D''s."""
+  keras.config.set_dtype_policy("mixed_float16")
+  try:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(4, activation="tanh"),
+                              keras.layers.Dense(1)])
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, normalize=False)
+    opt.build(model.trainable_variables)
+    opt.set_sampling(100, 0.04, "poisson", 4)
+
+    def private_sum(x):
+      y = tf.constant([[30.0], [-30.0], [30.0], [0.0]][:len(x)])
+
+      def loss_fn():
+        return tf.reduce_mean(tf.square(tf.cast(model(x, training=True), tf.float32) - y), 1)
+      return opt.compute_private_gradients(loss_fn, model.trainable_variables, model=model)
+
+    good = np.array([[0.5], [-1.0], [2.0]], "float32")
+    without = private_sum(tf.constant(good))
+    assert opt.overflowed_records == 0
+    with_it = private_sum(tf.constant(np.concatenate([good, [[1e5]]]).astype("float32")))
+    assert opt.overflowed_records == 1
+    for a, b in zip(with_it, without):
+      assert np.any(np.asarray(b) != 0.0)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+  finally:
+    keras.config.set_dtype_policy("float32")
