@@ -34,6 +34,22 @@ def _require(obj, attribute, where):
   return getattr(obj, attribute)
 
 
+def call_with_captures(concrete, captures):
+  """Runs the traced ConcreteFunction `concrete` of no argument with `captures` (tensors, in
+  the order of its captured inputs) in place of the tensors it captured (TensorFlow's private
+  `ConcreteFunction._call_flat`; a custom loop's loss_fn re-run on one record's rows).
+
+  Args:
+    concrete: a tf.function's ConcreteFunction traced with no argument.
+    captures: a list of tensors, one per captured input, of the captured tensors' dtypes.
+
+  Returns:
+    the function's outputs, flattened.
+  """
+  call_flat = _require(concrete, "_call_flat", "tf.types.experimental.ConcreteFunction")
+  return call_flat([], captures)
+
+
 # ---- models and layers ------------------------------------------------------------------
 
 def flatten_layers(model, include_self=True, recursive=True):

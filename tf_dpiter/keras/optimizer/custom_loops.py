@@ -38,6 +38,7 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import data_writes
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import per_example
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -323,8 +324,7 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
       at = tf.where(at < b, at, r)   # every row one of record r's examples
       feeds = [_gather_rows(t, at, b) if is_b else t for t, is_b in zip(captures, batch)]
       with tf.GradientTape() as tape:
-        # pylint: disable-next=protected-access
-        losses = _vector_loss(concrete._call_flat([], feeds))   # the captures replaced
+        losses = _vector_loss(keras_internals.call_with_captures(concrete, feeds))
         per_example = tf.reduce_mean(
             tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1])), axis=1) * scale
         if m is None:
