@@ -29,6 +29,22 @@ the same on every device and in every summation order). A change of one value al
 h (an odd multiplier times a nonzero difference below 2^64); other changes not made to
 collide leave h unchanged with probability about 2^-64. It detects accidents, not a
 deliberate collision.
+
+Cost: a variable of at most HOST_ELEMENTS real values is digested on the host (NumPy's
+uint64 arithmetic wraps mod 2^64: the same h, no dispatch, no program to compile); a larger
+one by one compiled program per distinct shape, cached across models (`_fused_digest`). And a
+variable's digest is not computed again while the buffer it was computed from is still the
+variable's: a record keeps the tensor it read (a read of a resource variable shares the
+variable's buffer), and TensorFlow writes a variable whose buffer another tensor holds into a
+new buffer (copy-on-write: assign, the dense updates and the training kernels copy a buffer
+not solely owned before writing it; a sparse update first switches the variable to
+copy-on-read, whose reads then return copies). So a read that returns the kept buffer (the
+same address, the kept tensor alive so no other buffer can be there) holds the values
+digested, and the kept digest is their h exactly; after any write the read returns another
+buffer and h is computed. The kept tensors are let go before a DP update (`changed` with
+record_with), so that the update writes in place. A DP model's `train_on_batch` thus makes one
+pass over the weights (the record after its update): the next call's check reads the kept
+digests unless something wrote the weights in between.
 """
 
 import weakref
@@ -44,33 +60,152 @@ HISTORY = 256
 
 # id(variable) -> _Record
 _RECORDS = {}
-# (R, C) -> (a, b): the multipliers, made once per shape
+# (R, C) -> (a, b): the multipliers, made once per shape (NumPy; TF constants)
 _MULTIPLIERS = {}
+_TF_MULTIPLIERS = {}
 _UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
 # fixed entropy of the multipliers (any constant: they only need to be unrelated to updates)
 _ENTROPY = 0x5EED_F1A9_E2B1_7A11
 
 
 class _Record:
-  """The digests recorded on one variable, and the optimizer and step count of the last."""
+  """The digests recorded on one variable, the optimizer and step count of the last, and the
+  tensor the last digest was computed from (`_Held`, or None)."""
 
-  __slots__ = ("var_ref", "history", "opt_ref", "iterations")
+  __slots__ = ("var_ref", "history", "opt_ref", "iterations", "held")
 
   def __init__(self, variable):
     self.var_ref = weakref.ref(variable)
     self.history = []
     self.opt_ref = None
     self.iterations = None
+    self.held = None
+
+
+class _Held:
+  """A tensor read from a variable, its host buffer's address and its digest h: while a later
+  read returns a buffer at the same address (this tensor alive, so no other buffer can be
+  there), the variable holds these values (copy-on-write, module docstring)."""
+
+  __slots__ = ("tensor", "array", "address", "digest")
+
+  def __init__(self, tensor, array, h):
+    self.tensor = tensor
+    self.array = array
+    self.address = _address(array)
+    self.digest = h
 
 
 def _multipliers(rows, cols):
+  """The odd multipliers a [R] and b [1, C] of a shape, as NumPy arrays (made once)."""
   key = (rows, cols)
   if key not in _MULTIPLIERS:
     rng = np.random.default_rng([_ENTROPY, rows, cols])
     a = rng.integers(0, 2**63, size=rows, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     b = rng.integers(0, 2**63, size=(1, cols), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-    _MULTIPLIERS[key] = (tf.constant(a), tf.constant(b))
+    _MULTIPLIERS[key] = (a, b)
   return _MULTIPLIERS[key]
+
+
+def _tf_multipliers(rows, cols):
+  """`_multipliers` as TF constants (made once)."""
+  key = (rows, cols)
+  if key not in _TF_MULTIPLIERS:
+    with tf.init_scope():
+      _TF_MULTIPLIERS[key] = tuple(tf.constant(m) for m in _multipliers(rows, cols))
+  return _TF_MULTIPLIERS[key]
+
+
+def _read(variable):
+  """The variable's current value as an eager tensor (a resource variable's read shares its
+  buffer)."""
+  with tf.init_scope():
+    return tf.convert_to_tensor(getattr(variable, "value", variable))
+
+
+def _host_array(tensor):
+  """A NumPy view of a host tensor's buffer (np.asarray of an eager CPU tensor shares it; on
+  another device, and for a scalar, it is a copy, whose address no later read can share while
+  it is kept: the digest is then computed at each check)."""
+  if tensor.shape.rank == 0:   # tensor.numpy() is a NumPy scalar then (bfloat16's: no array)
+    return np.array(tensor.numpy())
+  return np.asarray(tensor)
+
+
+def _address(array):
+  return array.__array_interface__["data"][0] if array.size else None
+
+
+def _unsigned(value):
+  """The value's bit patterns as unsigned integers (tf.bitcast; a complex value gets a last
+  axis of 2: its real and imaginary parts)."""
+  if value.dtype == tf.bool:
+    return tf.cast(value, tf.uint8)
+  if value.dtype.is_complex or value.dtype.is_floating or (
+      value.dtype.is_integer and not value.dtype.is_unsigned):
+    width = value.dtype.size if not value.dtype.is_complex else value.dtype.size // 2
+    return tf.bitcast(value, _UNSIGNED[width])
+  return value
+
+
+def _rows_cols(shape):
+  """(R, C) of the module docstring for a value of this shape (its last axis C)."""
+  cols = int(shape[-1]) if shape.rank else 1
+  return int(shape.num_elements()) // cols, cols
+
+
+def _numpy_digest(array, dtype):
+  """h of a real or boolean value of at most HOST_ELEMENTS values, on the host (no dispatch,
+  no compiled program): its bit patterns as uint64, the same products and sums mod 2^64 as
+  `_fused_digest` (NumPy's uint64 arithmetic wraps), so the same digest."""
+  rows, cols = _rows_cols(tf.TensorShape(array.shape))
+  a, b = _multipliers(rows, cols)
+  width = 1 if dtype == tf.bool else dtype.size
+  bits = np.ascontiguousarray(array).reshape(-1).view(np.dtype(f"u{width}"))
+  x = bits.reshape(rows, cols).astype(np.uint64)
+  with np.errstate(over="ignore"):
+    return int(np.sum(a * np.sum(x * b, axis=1, dtype=np.uint64), dtype=np.uint64))
+
+
+# Values with at most this many elements (real or boolean) are digested on the host
+# (`_numpy_digest`): a compiled program's call costs more than their arithmetic, and each
+# distinct shape would be one more program to compile (BERT-base: 120 of its 197 variables,
+# 4 of its 10 shapes).
+HOST_ELEMENTS = 1 << 15
+
+
+def _on_host(value):
+  return (value.shape.num_elements() <= HOST_ELEMENTS
+          and (value.dtype == tf.bool or value.dtype.is_integer
+               or (value.dtype.is_floating and value.dtype.size in (2, 4, 8))))
+
+
+def _digests(values, arrays=None):
+  """h of each tensor of `values` (module docstring): the small real ones on the host, the
+  others by the compiled program of their shape (`_fused_digest`), their results read once.
+
+  Args:
+    values: eager tensors of any dtypes and shapes.
+    arrays: `_host_array` of each of `values` (None: made here).
+
+  Returns:
+    list of int in [0, 2^64), one per tensor.
+  """
+  out, compiled = [], []
+  with tf.init_scope():
+    for i, value in enumerate(values):
+      if _on_host(value):
+        array = _host_array(value) if arrays is None else arrays[i]
+        out.append(_numpy_digest(array, value.dtype))
+      else:
+        unsigned = _unsigned(value)
+        a, b = _tf_multipliers(*_rows_cols(unsigned.shape))
+        out.append(None)
+        compiled.append((i, _fused_digest(unsigned, a, b)))
+    if compiled:
+      for (i, _), h in zip(compiled, tf.stack([h for _, h in compiled]).numpy()):
+        out[i] = int(h)
+  return out
 
 
 def digest(variable):
@@ -82,17 +217,7 @@ def digest(variable):
   Returns:
     int in [0, 2^64).
   """
-  with tf.init_scope():
-    value = tf.convert_to_tensor(getattr(variable, "value", variable))
-    if value.dtype == tf.bool:
-      value = tf.cast(value, tf.uint8)
-    if value.dtype.is_complex or value.dtype.is_floating or (
-        value.dtype.is_integer and not value.dtype.is_unsigned):
-      width = value.dtype.size if not value.dtype.is_complex else value.dtype.size // 2
-      value = tf.bitcast(value, _UNSIGNED[width])
-    cols = int(value.shape[-1]) if value.shape.rank else 1
-    a, b = _multipliers(int(value.shape.num_elements()) // cols, cols)
-    return int(_fused_digest(value, a, b).numpy())
+  return _digests([_read(variable)])[0]
 
 
 @tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
@@ -102,6 +227,25 @@ def _fused_digest(value, a, b):
   187 MB each, op by op). Integer arithmetic: the same value as the unfused form."""
   value = tf.reshape(tf.cast(value, tf.uint64), [tf.shape(a)[0], tf.shape(b)[1]])
   return tf.reduce_sum(a * tf.reduce_sum(value * b, axis=1))
+
+
+def _current(pairs):
+  """The digests of the variables' current values: [(record or None, tensor, array, h)] for
+  (record, variable) pairs; a record's kept digest when the read returns the kept buffer,
+  the others computed in one call."""
+  out, todo = [], []
+  for rec, v in pairs:
+    tensor = _read(v)
+    array = _host_array(tensor)
+    held = rec.held if rec is not None else None
+    if held is not None and held.address is not None and _address(array) == held.address:
+      out.append([rec, tensor, array, held.digest])
+    else:
+      out.append([rec, tensor, array, None])
+      todo.append(len(out) - 1)
+  for i, h in zip(todo, _digests([out[i][1] for i in todo], [out[i][2] for i in todo])):
+    out[i][3] = h
+  return out
 
 
 def _forget_dead():
@@ -149,19 +293,30 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
   """
   _forget_dead()
   count = None if optimizer is None else _iterations(optimizer)
+  pairs = []
   for v in variables:
     if only_new and _record_of(v) is not None:
       continue
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
     if rec is not None:
-      _append(rec, digest(v), optimizer, count)
+      pairs.append((rec, v))
+  for rec, tensor, array, h in _current(pairs):
+    _append(rec, h, optimizer, count)
+    rec.held = _Held(tensor, array, h)
 
 
-def _untracked(rec):
+def _untracked(rec, counts=None):
   """True when the optimizer of the last record took private steps since (a custom loop's
-  traced steps, a checkpoint restore): the record no longer describes the weights."""
+  traced steps, a checkpoint restore): the record no longer describes the weights. `counts`:
+  a dict of the optimizers' step counts read so far (each read once)."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
-  return opt is not None and _iterations(opt) != rec.iterations
+  if opt is None:
+    return False
+  if counts is None:
+    return _iterations(opt) != rec.iterations
+  if id(opt) not in counts:
+    counts[id(opt)] = _iterations(opt)
+  return counts[id(opt)] != rec.iterations
 
 
 def rebind(optimizer, variables):
@@ -197,19 +352,25 @@ def changed(variables, optimizer=None, record_with=None):
   if variables is None:
     variables = [rec.var_ref() for rec in _RECORDS.values()
                  if rec.opt_ref is not None and rec.opt_ref() is optimizer]
-  out, seen = [], []
+  pairs = []
   for v in variables:
     rec = _record_of(v, make=record_with is not None)
-    if rec is None:
-      continue
-    h = digest(v)
+    if rec is not None:
+      pairs.append((rec, v))
+  out, seen, counts = [], [], {}
+  for rec, tensor, array, h in _current(pairs):
     seen.append((rec, h))
-    if rec.history and not _untracked(rec) and h not in rec.history:
-      out.append((v, rec.iterations))
-  if not out and record_with is not None:
-    count = _iterations(record_with)
-    for rec, h in seen:
-      _append(rec, h, record_with, count)
+    if rec.history and not _untracked(rec, counts) and h not in rec.history:
+      out.append((rec.var_ref(), rec.iterations))
+    elif record_with is None and h in rec.history:
+      rec.held = _Held(tensor, array, h)   # a recorded state: its digest kept
+  if record_with is not None:
+    for rec, _ in seen:   # the DP update writes in place: no buffer kept
+      rec.held = None
+    if not out:
+      count = _iterations(record_with)
+      for rec, h in seen:
+        _append(rec, h, record_with, count)
   return out
 
 
