@@ -96,6 +96,11 @@ class _Held:
     self.digest = h
 
 
+def _kept(tensor, array, h):
+  """A `_Held` when the tensor's buffer can be told by its address (a host tensor), else None."""
+  return _Held(tensor, array, h) if _address(array) is not None else None
+
+
 def _multipliers(rows, cols):
   """The odd multipliers a [R] and b [1, C] of a shape, as NumPy arrays (made once)."""
   key = (rows, cols)
@@ -124,16 +129,20 @@ def _read(variable):
 
 
 def _host_array(tensor):
-  """A NumPy view of a host tensor's buffer (np.asarray of an eager CPU tensor shares it; on
-  another device, and for a scalar, it is a copy, whose address no later read can share while
-  it is kept: the digest is then computed at each check)."""
+  """A NumPy view of a host tensor's buffer (np.asarray of an eager CPU tensor shares it), or
+  None on another device (not copied to the host: its digest is computed at each check). A
+  scalar's is a copy, whose address no later read can share while it is kept."""
+  if tf.DeviceSpec.from_string(tensor.backing_device).device_type not in (None, "CPU"):
+    return None
   if tensor.shape.rank == 0:   # tensor.numpy() is a NumPy scalar then (bfloat16's: no array)
     return np.array(tensor.numpy())
   return np.asarray(tensor)
 
 
 def _address(array):
-  return array.__array_interface__["data"][0] if array.size else None
+  if array is None or not array.size:
+    return None
+  return array.__array_interface__["data"][0]
 
 
 def _unsigned(value):
@@ -195,7 +204,9 @@ def _digests(values, arrays=None):
   with tf.init_scope():
     for i, value in enumerate(values):
       if _on_host(value):
-        array = _host_array(value) if arrays is None else arrays[i]
+        array = None if arrays is None else arrays[i]
+        if array is None:   # not given, or on another device: a small copy
+          array = np.array(value.numpy())
         out.append(_numpy_digest(array, value.dtype))
       else:
         unsigned = _unsigned(value)
@@ -302,7 +313,7 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
       pairs.append((rec, v))
   for rec, tensor, array, h in _current(pairs):
     _append(rec, h, optimizer, count)
-    rec.held = _Held(tensor, array, h)
+    rec.held = _kept(tensor, array, h)
 
 
 def _untracked(rec, counts=None):
@@ -331,9 +342,11 @@ def rebind(optimizer, variables):
   count = _iterations(optimizer)
   for v in variables:
     rec = _record_of(v)
-    if rec is not None and not _untracked(rec):
-      rec.opt_ref = weakref.ref(optimizer)
-      rec.iterations = count
+    if rec is not None:
+      rec.held = None   # its traced steps write in place
+      if not _untracked(rec):
+        rec.opt_ref = weakref.ref(optimizer)
+        rec.iterations = count
 
 
 def changed(variables, optimizer=None, record_with=None):
@@ -363,7 +376,7 @@ def changed(variables, optimizer=None, record_with=None):
     if rec.history and not _untracked(rec, counts) and h not in rec.history:
       out.append((rec.var_ref(), rec.iterations))
     elif record_with is None and h in rec.history:
-      rec.held = _Held(tensor, array, h)   # a recorded state: its digest kept
+      rec.held = _kept(tensor, array, h)   # a recorded state: its digest kept
   if record_with is not None:
     for rec, _ in seen:   # the DP update writes in place: no buffer kept
       rec.held = None
