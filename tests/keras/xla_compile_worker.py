@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 import tf_dpiter as dp
+from tf_dpiter.keras.optimizer import weight_fingerprints
 
 
 def main(case):
@@ -43,8 +44,11 @@ def main(case):
     model.fit(x, y, batch_size=batch, epochs=3, verbose=0)
   print("ITERATIONS", int(opt.iterations.numpy()))
   print("SAMPLES", int(model.optimizer.ledger.sample_count.numpy()))
-  # the weight fingerprints' digest is one XLA program per distinct variable shape
-  print("SHAPES", len({tuple(v.shape) for v in model.trainable_variables}), flush=True)
+  # the weight fingerprints' digest is one XLA program per distinct shape of a variable of
+  # more than weight_fingerprints.HOST_ELEMENTS values (smaller ones are digested on the host)
+  print("SHAPES", len({tuple(v.shape) for v in model.trainable_variables
+                       if int(np.prod(v.shape)) > weight_fingerprints.HOST_ELEMENTS}),
+        flush=True)
 
 
 if __name__ == "__main__":
