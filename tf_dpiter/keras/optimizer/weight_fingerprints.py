@@ -313,7 +313,8 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
       pairs.append((rec, v))
   for rec, tensor, array, h in _current(pairs):
     _append(rec, h, optimizer, count)
-    rec.held = _kept(tensor, array, h)
+    # only_new: the state a fit starts from, which its steps write next: nothing kept
+    rec.held = None if only_new else _kept(tensor, array, h)
 
 
 def _untracked(rec, counts=None):
