@@ -232,3 +232,57 @@ def test_train_on_batch_one_pass_and_changes_between_calls_refused(jit_compile, 
   assert int(dp_model.optimizer.iterations.numpy()) == steps   # no step taken
   with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
     dp_model.privacy_statement(1e-5)
+
+
+def mirrored_fingerprints_check(strategy):
+  """A DP model built under `strategy`: DP fits accepted one after the other, set_weights of
+  other values between two fits refused, the run's earlier state accepted; prints "OK
+  <replicas>"."""
+  x, y = _data()
+  with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = dp.keras.DPSequential([keras.Input((D,)), keras.layers.Dense(8),
+                                   keras.layers.Dense(1)])
+    model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    w1 = model.get_weights()
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, steps_per_epoch=2)
+    model.set_weights([w + np.float32(1e-3) for w in w1])
+    try:
+      model.fit(x, y, batch_size=10, epochs=1, verbose=0, steps_per_epoch=2)
+    except dp.errors.PrivacyConfigError as err:
+      assert "fit refused" in str(err), err
+    else:
+      raise AssertionError("set_weights of other values between two fits was accepted")
+    model.set_weights(w1)   # an earlier state of the run
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, steps_per_epoch=2)
+  model.privacy_statement(1e-5)
+  print("OK", strategy.num_replicas_in_sync, flush=True)
+
+
+_MIRRORED = """
+import tensorflow as tf
+physical = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(physical[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+from tests.keras import test_weight_fingerprints_cost as t
+t.mirrored_fingerprints_check(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+"""
+
+
+@pytest.mark.slow
+def test_dp_fits_under_two_replicas_refuse_a_change_between_them():
+  """Two logical CPUs under MirroredStrategy (a subprocess: the devices are set before
+  TensorFlow starts): the kept digests of the mirrored variables (their primary's reads) are
+  used only while unchanged; set_weights between two DP fits is refused."""
+  import os   # pylint: disable=import-outside-toplevel
+  import subprocess   # pylint: disable=import-outside-toplevel
+  import sys   # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             TF_CPP_MIN_LOG_LEVEL="3")
+  proc = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True,
+                        timeout=600, env=env, cwd=root, check=False)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  assert "OK 2" in proc.stdout.splitlines(), proc.stdout[-2000:]
