@@ -32,6 +32,7 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.optimizer import budget_copy
+from tf_dpiter.keras.callbacks import averaging
 from tf_dpiter.keras.callbacks import privacy as callbacks_lib
 from tf_dpiter.keras.model import fit_sampling
 from tf_dpiter.keras.internals import keras_internals
@@ -171,9 +172,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         recorded update (weight_fingerprints.check): the ledger would not hold for them.
     """
     opt = _unscaled(getattr(self, "optimizer", None))
-    if isinstance(opt, opt_lib.DPOptimizerBase) and not opt_lib.fingerprints_deferred(opt):
+    fit_state = getattr(self, "_dp_fit_fingerprints", None)
+    if isinstance(opt, opt_lib.DPOptimizerBase) and (
+        not opt_lib.fingerprints_deferred(opt)
+        or (fit_state is not None and fit_state.open)):
       # the ledger is written for these weights: not for weights changed outside the run
-      weight_fingerprints.check(self.trainable_variables, "saving the weights with the ledger")
+      # (in a fit, while the user's callbacks run: ModelCheckpoint after one that wrote them)
+      weight_fingerprints.check(weight_fingerprints.checked_variables(self),
+                                "saving the weights with the ledger")
     super().save_own_variables(store)
     saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
 
@@ -214,7 +220,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if loaded:
       opt = _unscaled(getattr(self, "optimizer", None))
       weight_fingerprints.record(opt if isinstance(opt, opt_lib.DPOptimizerBase) else None,
-                                 self.trainable_variables)
+                                 weight_fingerprints.checked_variables(self))
     return result
 
   def _dp_carry_ledger(self, arrays):
@@ -329,7 +335,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     batch_independence.warn_adapted_layers(self)
     fingerprints = not opt_lib.fingerprints_deferred(opt)
     if fingerprints:   # weights changed outside the DP optimizer since its last update?
-      weight_fingerprints.check(self.trainable_variables, "fit", record_with=opt)
+      weight_fingerprints.check(weight_fingerprints.checked_variables(self), "fit",
+                                record_with=opt)
     a = dict(_FIT_SIGNATURE.bind(self, *args, **kwargs).arguments)
     a.pop("self")
     spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
@@ -369,14 +376,18 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     internal = [fit_sampling.SamplingSync(
         None if spec is None or user_sampling.user_grouping(spec) else spec.sampler,
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
-    if fingerprints and callbacks:   # the last iterate, before their on_train_end changes it
-      internal.append(_RecordOnTrainEnd(opt))
+    # the user's callbacks sandwiched: the steps' output recorded before them, checked after
+    guard = _FitFingerprints(opt, self, callbacks) if fingerprints else None
+    if guard is not None and guard.hooks:
+      internal.append(guard.recorder)
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, ledger_callbacks.LedgerJournal)
                                     for c in callbacks):
       internal.append(ledger_callbacks.LedgerJournal(path))
     # last: before the first step, after every restore and every journal's own check
-    a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()]
+    a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()] + (
+        [guard.checker] if guard is not None and guard.hooks else [])
+    self._dp_fit_fingerprints = guard
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
@@ -396,8 +407,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_fit_verbose = 0
       internal[0].close()
       opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
-      if fingerprints:   # after the callbacks' on_train_end (restore_best_weights, averages)
-        weight_fingerprints.record(opt, self.trainable_variables)
+      self._dp_fit_fingerprints = None
+      # after the callbacks' on_train_end (restore_best_weights, averages), all checked; not
+      # when a callback raised (or was refused) before its check: the weights it left are
+      # checked by the next fit, statement or save
+      if fingerprints and not guard.open:
+        weight_fingerprints.record(opt, weight_fingerprints.checked_variables(self))
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
 
@@ -494,17 +509,105 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
                                  meters[0] if meters else None)
 
 
-class _RecordOnTrainEnd(keras.callbacks.Callback):
-  """Records the weights' fingerprints (weight_fingerprints.record) at the end of a DP fit,
-  before the user's callbacks' on_train_end (the last iterate, which a weight average or
-  EarlyStopping(restore_best_weights=True) then replaces: both may be put back later)."""
+# The hooks of a fit's callbacks (keras.callbacks.Callback), and the legacy names Keras'
+# train-batch hooks call.
+_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end")
+_ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
+# Keras callbacks that write no weight at any hook (exact types: a subclass may)
+_READ_ONLY = tuple(getattr(keras.callbacks, name) for name in (
+    "History", "ProgbarLogger", "CSVLogger", "TensorBoard", "TerminateOnNaN",
+    "ReduceLROnPlateau", "LearningRateScheduler", "RemoteMonitor"))
+# hooks at which these Keras callbacks only read the weights (to save them with the ledger,
+# which `load_weights` then accepts): no record or check is needed around them there
+_READS_AT = {keras.callbacks.ModelCheckpoint: {"on_train_batch_end", "on_epoch_begin",
+                                               "on_epoch_end"},
+             keras.callbacks.BackupAndRestore: {"on_train_batch_end", "on_epoch_end",
+                                                "on_train_end"}}
 
-  def __init__(self, optimizer):
-    super().__init__()
+
+def _overridden_hooks(callback):
+  """The hooks of `callback` that may run the user's code: those its class (or instance, as
+  keras.callbacks.LambdaCallback) overrides, less those of a tf_dpiter callback (the
+  library's own: they write no weight, or put back an average of checked iterates) and of
+  Keras callbacks that write none (`_READ_ONLY`, `_READS_AT`)."""
+  cls = type(callback)
+  if cls.__module__.startswith("tf_dpiter.") or cls in _READ_ONLY:
+    return set()
+  out = set()
+  for name in _HOOKS + tuple(_ALIASES):
+    method = getattr(callback, name, None)
+    if getattr(method, "__func__", method) is not getattr(keras.callbacks.Callback, name):
+      out.add(_ALIASES.get(name, name))
+  if out & {"on_test_batch_begin", "on_test_batch_end"}:   # checked once evaluation ends
+    out.add("on_test_end")
+  return out - _READS_AT.get(cls, set())
+
+
+class _FitFingerprints:
+  """The weights' fingerprints in a DP fit, around the user's callbacks (weight_fingerprints).
+
+  At every hook some user callback implements (`_overridden_hooks`; the train-batch hooks
+  only then, so a fit whose callbacks implement epoch hooks only costs about two digest
+  passes an epoch), `recorder`, first in the list, records the weights the private steps
+  left (when a step ran since the last check), and `checker`, last, checks them: a callback
+  may put back a recorded state (EarlyStopping(restore_best_weights=True): an earlier
+  iterate) or a tf_dpiter weight average of checked iterates (post-processing), nothing
+  else (a plain fit of a layer this model shares is refused there). `open` is True between
+  the two: a fit that raises then records nothing (the next fit, statement or save checks).
+  """
+
+  def __init__(self, optimizer, model, callbacks):
     self._optimizer = optimizer
+    self._model = model
+    self.hooks = set()
+    for callback in callbacks:
+      self.hooks |= _overridden_hooks(callback)
+    self._averages = [c for c in callbacks if isinstance(c, averaging._WeightAveraging)]  # pylint: disable=protected-access
+    self._progress = self._steps()
+    self.open = False
+    methods = {name: self._hook(self._begin) for name in self.hooks}
+    self.recorder = type("FingerprintsRecord", (keras.callbacks.Callback,), methods)()
+    methods = {name: self._hook(self._end, name) for name in self.hooks}
+    self.checker = type("FingerprintsCheck", (keras.callbacks.Callback,), methods)()
 
-  def on_train_end(self, logs=None):
-    weight_fingerprints.record(self._optimizer, self.model.trainable_variables)
+  @staticmethod
+  def _hook(fn, *args):
+    def hook(self, *unused_args, **unused_kwargs):  # pylint: disable=unused-argument
+      fn(*args)
+    return hook
+
+  def _steps(self):
+    with tf.init_scope():
+      return (int(self._optimizer.iterations.numpy()),
+              weight_fingerprints.private_updates(self._optimizer))
+
+  def _begin(self):
+    self.open = True
+    progress = self._steps()
+    if progress != self._progress:   # the private steps' output, before any callback runs
+      weight_fingerprints.record(self._optimizer,
+                                 weight_fingerprints.checked_variables(self._model))
+      self._progress = progress
+
+  def _end(self, hook):
+    bad = weight_fingerprints.changed(weight_fingerprints.checked_variables(self._model))
+    if bad:
+      bad = self._not_averaged(bad)
+    weight_fingerprints.refuse(bad, f"fit (after the callbacks' {hook})")
+    self.open = False
+    self._progress = self._steps()
+
+  def _not_averaged(self, bad):
+    """`bad` less the variables holding the average a tf_dpiter weight-averaging callback
+    swapped in (ExponentialMovingAverage, PolyakAveraging: a function of checked iterates)."""
+    held = {}
+    for callback in self._averages:
+      average = callback._avg if callback._raw is not None else None  # pylint: disable=protected-access
+      for var, avg in zip(callback.model.trainable_weights, average or ()):
+        held.setdefault(id(var), []).append(weight_fingerprints.digest(avg.read_value()))
+    return [(v, s) for v, s in bad if weight_fingerprints.digest(v) not in held.get(id(v), ())]
 
 
 @keras.saving.register_keras_serializable(package="tf_dpiter", name="DPSequential")

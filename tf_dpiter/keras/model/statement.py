@@ -173,15 +173,16 @@ def check_weights(model, what):
   values, a weights file without a ledger: weight_fingerprints.check).
 
   Args:
-    model: a DP keras.Model (its trainable variables are checked), or a DP optimizer (the
-      variables it recorded).
+    model: a DP keras.Model (its trainable variables and every other one with digests
+      recorded: weight_fingerprints.checked_variables), or a DP optimizer (the variables it
+      recorded).
     what: what is refused, for the message.
 
   Raises:
-    PrivacyConfigError: a trainable variable holds values no private step of the run produced.
+    PrivacyConfigError: a variable holds values no private step of the run produced.
   """
   if isinstance(model, keras.Model):
-    weight_fingerprints.check(model.trainable_variables, what)
+    weight_fingerprints.check(weight_fingerprints.checked_variables(model), what)
   else:
     weight_fingerprints.check(None, what, optimizer=model)
 

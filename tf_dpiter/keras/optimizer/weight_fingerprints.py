@@ -8,18 +8,30 @@ layer the DP model shares (another model fit on the records), `set_weights` / `a
 other values, or a weights file without a ledger give weights no private step produced, and
 the ledger would still state its epsilon for them. So a digest of each trainable variable is
 recorded whenever its value is one the DP run released or accepted: at the start of a DP fit
-or `train_on_batch`, before the callbacks' `on_train_end` and at the end of the fit (after
-EarlyStopping(restore_best_weights=True) and weight averaging: earlier iterates, functions of
-the noised steps), after an eager private step of a custom loop, and after `load_weights` of
-a file that carries the ledger. The next DP fit, `train_on_batch`, eager private step, the
+or `train_on_batch`, before the user's callbacks run a hook in a fit (the private steps'
+output) and at the end of the fit (after EarlyStopping(restore_best_weights=True) and weight
+averaging: earlier iterates, functions of the noised steps), after an eager private step of a
+custom loop, and after `load_weights` of a file that carries the ledger. The next DP fit, `train_on_batch`, eager private step, the
 privacy statement and a save of the ledger refuse weights whose digest is none of the ones
 recorded on them (`check`): any recorded state (an earlier iterate, the initial weights) may
 be put back.
 
-A private step the library does not see (a custom loop's traced `apply_private_gradients`, a
-tf.train.Checkpoint restore of the optimizer) moves the optimizer's `iterations` away from
-the count recorded with the digests: the weights are then not checked until the next record
-(a change made between such steps and the next record is not seen).
+Inside a DP fit the user's callbacks are sandwiched (models.py, `_FitFingerprints`): the
+weights the private steps left are recorded before the callbacks that implement a hook run,
+and checked after them, so a callback's write (a plain fit of a shared layer at an epoch's
+end) is refused there; a fit that a callback aborts records nothing more.
+
+Every variable with digests recorded is checked (`checked_variables`), trainable or not now:
+a DP-trained layer changed outside and then frozen is refused as well.
+
+Private updates are counted by the DP optimizer's private step (its count of noised results
+used by updates, kept out of every checkpoint: no restore moves it). A private update the
+library did not see (a custom loop's `apply_private_gradients` traced in a tf.function) makes
+the count differ from the one of the optimizer's last record: the weights are then not
+checked until the next record (a change made between such steps and the next record is not
+seen; run one eager private step, a DP fit or `train_on_batch` to record again). A
+tf.train.Checkpoint restore or `iterations.assign` moves no such count: the check stays on,
+and a restored state the run recorded (an earlier iterate) passes.
 
 The digest of a variable whose values, as unsigned integers of their bit patterns, form the
 matrix X [R, C] (its last axis C; a scalar is [1, 1]) is
@@ -99,6 +111,49 @@ class _Held:
 def _kept(tensor, array, h):
   """A `_Held` when the tensor's buffer can be told by its address (a host tensor), else None."""
   return _Held(tensor, array, h) if _address(array) is not None else None
+
+
+# The attribute of a DP optimizer holding its count of private updates (`private_updates`)
+# at its last record: a count that moved since means updates the library did not see.
+_SEEN_UPDATES = "_dp_fingerprint_updates"
+
+
+def private_updates(optimizer):
+  """The private updates `optimizer` applied: its private step's count of noised results used
+  by updates (`PrivateStep.charged_gradients`), which no checkpoint holds, so no restore or
+  `iterations.assign` moves it.
+
+  Args:
+    optimizer: a DP optimizer.
+
+  Returns:
+    int (0 before the first private step).
+  """
+  used = getattr(getattr(optimizer, "private_step", None), "_used_results", None)
+  if used is None:
+    return 0
+  with tf.init_scope():
+    return int(used.numpy())
+
+
+def checked_variables(model):
+  """The variables of `model` the checks read: its trainable variables, and every other
+  variable of it with digests recorded (a DP-trained layer frozen since: the released model
+  still holds it).
+
+  Args:
+    model: a keras.Model.
+
+  Returns:
+    list of variables (each once).
+  """
+  out = list(model.trainable_variables)
+  seen = {id(v) for v in out}
+  for v in model.non_trainable_variables:
+    if id(v) not in seen and _record_of(v) is not None:
+      seen.add(id(v))
+      out.append(v)
+  return out
 
 
 def _multipliers(rows, cols):
@@ -289,6 +344,7 @@ def _append(rec, h, optimizer, count):
   if optimizer is not None:
     rec.opt_ref = weakref.ref(optimizer)
     rec.iterations = count
+    setattr(optimizer, _SEEN_UPDATES, private_updates(optimizer))
 
 
 def record(optimizer, variables, only_recorded=False, only_new=False):
@@ -318,17 +374,18 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
 
 
 def _untracked(rec, counts=None):
-  """True when the optimizer of the last record took private steps since (a custom loop's
-  traced steps, a checkpoint restore): the record no longer describes the weights. `counts`:
-  a dict of the optimizers' step counts read so far (each read once)."""
+  """True when the optimizer of the last record applied private updates the library did not
+  see since its last record (a custom loop's traced steps): the record no longer describes
+  the weights. A restore of the optimizer moves no count (`private_updates`). `counts`: a
+  dict of the optimizers' counts read so far (each read once)."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
   if opt is None:
     return False
   if counts is None:
-    return _iterations(opt) != rec.iterations
+    return private_updates(opt) != getattr(opt, _SEEN_UPDATES, None)
   if id(opt) not in counts:
-    counts[id(opt)] = _iterations(opt)
-  return counts[id(opt)] != rec.iterations
+    counts[id(opt)] = private_updates(opt)
+  return counts[id(opt)] != getattr(opt, _SEEN_UPDATES, None)
 
 
 def rebind(optimizer, variables):
@@ -348,6 +405,8 @@ def rebind(optimizer, variables):
       if not _untracked(rec):
         rec.opt_ref = weakref.ref(optimizer)
         rec.iterations = count
+  if getattr(optimizer, _SEEN_UPDATES, None) is None:   # its first claim: nothing unseen yet
+    setattr(optimizer, _SEEN_UPDATES, private_updates(optimizer))
 
 
 def changed(variables, optimizer=None, record_with=None):
@@ -396,7 +455,8 @@ def check(variables, what, optimizer=None, record_with=None):
   """Refuses weights changed outside the DP optimizer since their last record (`changed`).
 
   Args:
-    variables: the trainable variables of the DP model (None: those `optimizer` recorded).
+    variables: the variables of the DP model (`checked_variables`; None: those `optimizer`
+      recorded).
     what: what is refused, for the message ("fit", "privacy_statement", ...).
     optimizer: with variables=None, the DP optimizer whose records are checked.
     record_with: a DP optimizer about to update the variables: their values are recorded
@@ -406,7 +466,19 @@ def check(variables, what, optimizer=None, record_with=None):
     PrivacyConfigError: a variable holds values that no private step of the run produced
       (the message names the variables and says what to do).
   """
-  bad = changed(variables, optimizer, record_with)
+  refuse(changed(variables, optimizer, record_with), what)
+
+
+def refuse(bad, what):
+  """Raises `check`'s refusal for the changed variables `bad` (none: returns).
+
+  Args:
+    bad: list of (variable, the step count of its last record), as `changed` returns.
+    what: what is refused, for the message.
+
+  Raises:
+    PrivacyConfigError: `bad` is not empty.
+  """
   if not bad:
     return
   names = [_name(v) for v, _ in bad]
@@ -415,7 +487,7 @@ def check(variables, what, optimizer=None, record_with=None):
       f" and {len(names) - 6} more" if len(names) > 6 else "")
   raise PrivacyConfigError(
       f"{what} refused: the weights of this DP model changed outside its DP optimizer after "
-      f"its last recorded private update (optimizer step {step}): {len(names)} trainable "
+      f"its last recorded private update (optimizer step {step}): {len(names)} "
       f"variable{'s' if len(names) > 1 else ''} ({shown}) hold values that no private step "
       "of the run produced, e.g. a plain Keras optimizer updated a layer this model shares "
       "(another model fit on the records), set_weights / assign wrote other values, or "

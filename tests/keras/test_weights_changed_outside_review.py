@@ -1,0 +1,244 @@
+"""Weights changed outside the DP optimizer (weight_fingerprints), review R5 (session 36),
+findings 2-4: a callback's write during a DP fit, a plain update after a checkpoint restore,
+a changed layer frozen afterwards. Each is refused at the next privacy statement (and save,
+fit); the legitimate flows around them (EarlyStopping(restore_best_weights=True), a weight
+average, ModelCheckpoint, a restored recorded state) are accepted.
+
+Claim (weight_fingerprints; DPModel.fit, privacy_statement, save_weights): the ledger's
+epsilon is stated only for weights that are a function of its noised steps. Relation/unit:
+add/remove one example, Poisson q = 10 / 100, z = 1, C = 1; unit = example. The plain update
+in every case is one un-noised, unclipped Adam epoch of an autoencoder sharing the DP model's
+encoder, on the records (no finite epsilon): measured at 4e250ef it moved the encoder's
+kernel by 0.098 and the statement stated 4.224 (callback, restore) or 3.442 (frozen).
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpiter as dp
+from tf_dpiter.keras.model import statement as statement_lib
+
+N, D = 100, 4
+
+
+def _data():
+  """(x [N, D], y [N, 1]) float32, fixed."""
+  rng = np.random.default_rng(0)
+  return (rng.normal(size=(N, D)).astype(np.float32),
+          rng.normal(size=(N, 1)).astype(np.float32))
+
+
+def _shared_models():
+  """(DP model, plain autoencoder, the encoder Dense(8) both use)."""
+  keras.utils.set_random_seed(0)
+  encoder = keras.layers.Dense(8, name="encoder")
+  inp = keras.Input((D,))
+  h = encoder(inp)
+  dp_model = dp.keras.DPModel(inp, keras.layers.Dense(1, name="head")(h))
+  dp_model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  autoencoder = keras.Model(inp, keras.layers.Dense(D, name="decoder")(h))
+  autoencoder.compile(keras.optimizers.Adam(0.01), "mse")
+  return dp_model, autoencoder, encoder
+
+
+def _fit(model, x, y, **kwargs):
+  """model.fit, batch 10, one epoch, silent."""
+  kwargs.setdefault("batch_size", 10)
+  kwargs.setdefault("epochs", 1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return model.fit(x, y, verbose=0, **kwargs)
+
+
+def _max_change(before, variable):
+  return float(np.max(np.abs(np.asarray(variable) - before)))
+
+
+# ---- R5-2: a callback's write during a DP fit ------------------------------------------
+
+def _co_train(kind, autoencoder, encoder, x, moved, hook="on_epoch_end"):
+  def co_train(epoch_or_batch, logs=None):   # pylint: disable=unused-argument
+    if moved:
+      return
+    before = np.array(encoder.kernel)
+    _fit(autoencoder, x, x)
+    moved.append(_max_change(before, encoder.kernel))
+    if kind == "raise":
+      raise RuntimeError("callback aborted the fit")
+
+  return keras.callbacks.LambdaCallback(**{hook: co_train})
+
+
+@pytest.mark.parametrize("kind", ["co_train", "raise"])
+def test_a_plain_update_made_by_a_callback_during_fit_is_refused(kind):
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  moved = []
+  with pytest.raises((RuntimeError, dp.errors.PrivacyConfigError)) as err:
+    _fit(dp_model, x, y, epochs=2, callbacks=[_co_train(kind, autoencoder, encoder, x, moved)])
+  if kind == "raise":
+    assert "callback aborted" in str(err.value)   # the callback's own error is kept
+  else:
+    assert "on_epoch_end" in str(err.value) and "encoder" in str(err.value)
+  assert moved and moved[0] > 1e-3   # the plain update did move the shared encoder
+  with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
+    dp_model.privacy_statement(1e-5)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="fit refused"):
+    _fit(dp_model, x, y)
+
+
+def test_a_plain_update_in_a_batch_hook_is_refused_at_that_batch():
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  moved = []
+  callback = _co_train("co_train", autoencoder, encoder, x, moved, hook="on_train_batch_end")
+  with pytest.raises(dp.errors.PrivacyConfigError, match="on_train_batch_end"):
+    _fit(dp_model, x, y, callbacks=[callback])
+  assert int(dp_model.optimizer.iterations.numpy()) == 1   # refused after the first batch
+  with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
+    dp_model.privacy_statement(1e-5)
+
+
+class _ReadsWeights(keras.callbacks.Callback):
+  """Reads the weights at every hook (writes none): the sandwich runs at each."""
+
+  def __init__(self):
+    super().__init__()
+    self.calls = 0
+
+  def on_train_batch_end(self, batch, logs=None):
+    self.calls += 1
+
+  def on_epoch_end(self, epoch, logs=None):
+    self.calls += 1
+
+
+def test_callbacks_that_put_back_released_states_are_accepted(tmp_path):
+  """EarlyStopping(restore_best_weights=True) (an earlier epoch's weights), an EMA of the
+  iterates, ModelCheckpoint, BackupAndRestore and a callback with batch hooks: the fit ends,
+  the statement is stated and a second DP fit accepted."""
+  x, y = _data()
+  dp_model, _, _ = _shared_models()
+  reads = _ReadsWeights()
+  callbacks = [
+      keras.callbacks.EarlyStopping("val_loss", patience=1, restore_best_weights=True),
+      dp.keras.callbacks.ExponentialMovingAverage(0.9),
+      keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"), save_weights_only=True,
+                                      save_freq=3),
+      keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+      reads]
+  _fit(dp_model, x, y, epochs=3, validation_data=(x[:20], y[:20]), callbacks=callbacks)
+  assert reads.calls >= 11   # its hooks ran
+  statement = dp_model.privacy_statement(1e-5)
+  assert statement.steps >= 10
+  dp_model.load_weights(str(tmp_path / "m.weights.h5"))   # a mid-epoch state, with the ledger
+  dp_model.privacy_statement(1e-5)
+  _fit(dp_model, x, y, callbacks=[reads])
+  dp_model.privacy_statement(1e-5)
+
+
+# ---- R5-3: a restore alone leaves the check on ------------------------------------------
+
+def test_a_plain_update_after_a_checkpoint_restore_is_refused(tmp_path):
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  checkpoint = tf.train.Checkpoint(model=dp_model, optimizer=dp_model.optimizer)
+  _fit(dp_model, x, y)
+  path = checkpoint.save(str(tmp_path / "ckpt"))
+  _fit(dp_model, x, y)
+  checkpoint.restore(path)
+  assert int(dp_model.optimizer.iterations.numpy()) == 10
+  assert int(dp_model.ledger.sample_count.numpy()) == 20   # the restore lowers no charge
+  dp_model.privacy_statement(1e-5)   # the restored weights: a state the run recorded
+  before = np.array(encoder.kernel)
+  _fit(autoencoder, x, x)   # un-noised, on the records
+  assert _max_change(before, encoder.kernel) > 1e-3
+  with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
+    dp_model.privacy_statement(1e-5)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="fit refused"):
+    _fit(dp_model, x, y)
+
+
+def test_iterations_assign_keeps_the_check_on():
+  x, y = _data()
+  dp_model, _, _ = _shared_models()
+  _fit(dp_model, x, y)
+  dp_model.optimizer.iterations.assign(3)
+  dp_model.privacy_statement(1e-5)   # unchanged weights: stated
+  dp_model.set_weights([w + np.float32(0.5) for w in dp_model.get_weights()])
+  with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):
+    dp_model.privacy_statement(1e-5)
+
+
+@pytest.mark.xfail(strict=True, raises=(AssertionError, pytest.fail.Exception),
+                   reason="R5-finding-3 (B), documented window: after a private step traced in "
+                          "a tf.function the weights are not checked until the next record")
+def test_set_weights_after_a_traced_custom_loop_step_is_refused():
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+  opt.build(model.trainable_variables)
+  opt.set_sampling(N, 0.1, "poisson", 10)
+
+  def record_loss(rec):
+    xr, yr = rec
+    return tf.reduce_mean(tf.square(model(xr) - yr))
+
+  @tf.function
+  def step(xb, yb):
+    grads = opt.compute_private_gradients(record_loss, model.trainable_variables, data=(xb, yb))
+    opt.apply_private_gradients(grads, model.trainable_variables)
+
+  eager = opt.compute_private_gradients(record_loss, model.trainable_variables,
+                                        data=(x[:10], y[:10]))
+  opt.apply_private_gradients(eager, model.trainable_variables)
+  step(x[10:20], y[10:20])
+  statement_lib.run_statement(opt, 1e-5)   # the private steps' weights: stated
+  model.set_weights([w + np.float32(0.5) for w in model.get_weights()])   # not a DP state
+  with pytest.raises(dp.errors.PrivacyConfigError):
+    statement_lib.run_statement(opt, 1e-5)
+
+
+# ---- R5-4: a changed layer frozen afterwards --------------------------------------------
+
+@pytest.mark.parametrize("then", ["privacy_statement", "save_weights", "fit"])
+def test_a_changed_layer_is_refused_once_frozen(then, tmp_path):
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  _fit(dp_model, x, y)
+  before = np.array(encoder.kernel)
+  _fit(autoencoder, x, x)   # un-noised, on the records
+  assert _max_change(before, encoder.kernel) > 1e-3
+  with pytest.raises(dp.errors.PrivacyConfigError):   # seen while trainable
+    dp_model.privacy_statement(1e-5)
+  encoder.trainable = False   # freeze the backbone, fine-tune the head
+  with pytest.raises(dp.errors.PrivacyConfigError, match="encoder"):
+    if then == "privacy_statement":
+      dp_model.privacy_statement(1e-5)
+    elif then == "save_weights":
+      dp_model.save_weights(str(tmp_path / "frozen.weights.h5"))
+    else:
+      _fit(dp_model, x, y)
+
+
+def test_an_unchanged_frozen_layer_is_accepted_and_stays_checked(tmp_path):
+  """Freeze the DP-trained encoder, fine-tune the head with DP: accepted; a change of the
+  frozen encoder after that fine-tuning is still refused."""
+  x, y = _data()
+  dp_model, _, encoder = _shared_models()
+  _fit(dp_model, x, y)
+  encoder.trainable = False
+  dp_model.compile(dp_model.optimizer, "mse")   # the head only from now on
+  _fit(dp_model, x, y)
+  dp_model.privacy_statement(1e-5)
+  dp_model.save_weights(str(tmp_path / "head.weights.h5"))
+  encoder.kernel.assign(encoder.kernel + 0.5)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="encoder"):
+    dp_model.privacy_statement(1e-5)
+  dp_model.load_weights(str(tmp_path / "head.weights.h5"))   # the released state back
+  dp_model.privacy_statement(1e-5)
