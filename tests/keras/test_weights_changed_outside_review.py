@@ -242,3 +242,32 @@ def test_an_unchanged_frozen_layer_is_accepted_and_stays_checked(tmp_path):
     dp_model.privacy_statement(1e-5)
   dp_model.load_weights(str(tmp_path / "head.weights.h5"))   # the released state back
   dp_model.privacy_statement(1e-5)
+
+
+def test_epoch_hooks_cost_two_digest_passes_an_epoch(monkeypatch):
+  """The sandwich's cost: with callbacks implementing epoch hooks only, each
+  further epoch digests every variable twice (record + check); with no callback, a fit digests
+  them twice in all (its start and its end), whatever its length."""
+  from tf_dpiter.keras.optimizer import weight_fingerprints  # pylint: disable=g-import-not-at-top
+  x, y = _data()
+  dp_model, _, _ = _shared_models()
+  _fit(dp_model, x, y, steps_per_epoch=2)   # built, traced
+  calls = []
+  digest = weight_fingerprints.digest
+  monkeypatch.setattr(weight_fingerprints, "digest", lambda v: calls.append(1) or digest(v))
+  n_vars = len(dp_model.trainable_variables)
+
+  def passes(**kwargs):
+    calls.clear()
+    _fit(dp_model, x, y, steps_per_epoch=2, **kwargs)
+    assert len(calls) % n_vars == 0
+    return len(calls) // n_vars
+
+  class EpochEnd(keras.callbacks.Callback):
+
+    def on_epoch_end(self, epoch, logs=None):
+      pass
+
+  assert passes(epochs=1) == passes(epochs=3) == 2
+  assert passes(epochs=3, callbacks=[EpochEnd()]) - passes(epochs=1,
+                                                          callbacks=[EpochEnd()]) == 2 * 2

@@ -536,12 +536,14 @@ def _overridden_hooks(callback):
   if cls.__module__.startswith("tf_dpiter.") or cls in _READ_ONLY:
     return set()
   out = set()
-  for name in _HOOKS + tuple(_ALIASES):
+  for name in _HOOKS + tuple(_ALIASES) + ("set_model", "set_params"):
     method = getattr(callback, name, None)
     if getattr(method, "__func__", method) is not getattr(keras.callbacks.Callback, name):
       out.add(_ALIASES.get(name, name))
   if out & {"on_test_batch_begin", "on_test_batch_end"}:   # checked once evaluation ends
     out.add("on_test_end")
+  if out & {"set_model", "set_params"}:   # run as fit starts: checked before the first step
+    out = (out - {"set_model", "set_params"}) | {"on_train_begin"}
   return out - _READS_AT.get(cls, set())
 
 

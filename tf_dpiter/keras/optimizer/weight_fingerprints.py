@@ -10,11 +10,11 @@ the ledger would still state its epsilon for them. So a digest of each trainable
 recorded whenever its value is one the DP run released or accepted: at the start of a DP fit
 or `train_on_batch`, before the user's callbacks run a hook in a fit (the private steps'
 output) and at the end of the fit (after EarlyStopping(restore_best_weights=True) and weight
-averaging: earlier iterates, functions of the noised steps), after an eager private step of a
-custom loop, and after `load_weights` of a file that carries the ledger. The next DP fit, `train_on_batch`, eager private step, the
-privacy statement and a save of the ledger refuse weights whose digest is none of the ones
-recorded on them (`check`): any recorded state (an earlier iterate, the initial weights) may
-be put back.
+averaging: earlier iterates, functions of the noised steps), after an eager private step of
+a custom loop, and after `load_weights` of a file that carries the ledger. The next DP fit,
+`train_on_batch`, eager private step, the privacy statement and a save of the ledger refuse
+weights whose digest is none of the ones recorded on them (`check`): any recorded state (an
+earlier iterate, the initial weights) may be put back.
 
 Inside a DP fit the user's callbacks are sandwiched (models.py, `_FitFingerprints`): the
 weights the private steps left are recorded before the callbacks that implement a hook run,
@@ -335,7 +335,7 @@ def _iterations(optimizer):
     return int(optimizer.iterations.numpy())
 
 
-def _append(rec, h, optimizer, count):
+def _append(rec, h, optimizer, count, updates=None):
   if h in rec.history:
     rec.history.remove(h)
   rec.history.append(h)
@@ -344,7 +344,8 @@ def _append(rec, h, optimizer, count):
   if optimizer is not None:
     rec.opt_ref = weakref.ref(optimizer)
     rec.iterations = count
-    setattr(optimizer, _SEEN_UPDATES, private_updates(optimizer))
+    setattr(optimizer, _SEEN_UPDATES,
+            private_updates(optimizer) if updates is None else updates)
 
 
 def record(optimizer, variables, only_recorded=False, only_new=False):
@@ -360,6 +361,7 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
   """
   _forget_dead()
   count = None if optimizer is None else _iterations(optimizer)
+  updates = None if optimizer is None else private_updates(optimizer)
   pairs = []
   for v in variables:
     if only_new and _record_of(v) is not None:
@@ -368,24 +370,23 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     if rec is not None:
       pairs.append((rec, v))
   for rec, tensor, array, h in _current(pairs):
-    _append(rec, h, optimizer, count)
+    _append(rec, h, optimizer, count, updates)
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
 
 
-def _untracked(rec, counts=None):
+def _untracked(rec, memo=None):
   """True when the optimizer of the last record applied private updates the library did not
   see since its last record (a custom loop's traced steps): the record no longer describes
-  the weights. A restore of the optimizer moves no count (`private_updates`). `counts`: a
-  dict of the optimizers' counts read so far (each read once)."""
+  the weights. A restore of the optimizer moves no count (`private_updates`). `memo`: a dict
+  keeping each optimizer's count for one pass over the variables (read once)."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
   if opt is None:
     return False
-  if counts is None:
-    return private_updates(opt) != getattr(opt, _SEEN_UPDATES, None)
-  if id(opt) not in counts:
-    counts[id(opt)] = private_updates(opt)
-  return counts[id(opt)] != getattr(opt, _SEEN_UPDATES, None)
+  memo = {} if memo is None else memo
+  if id(opt) not in memo:
+    memo[id(opt)] = private_updates(opt)
+  return memo[id(opt)] != getattr(opt, _SEEN_UPDATES, None)
 
 
 def rebind(optimizer, variables):
@@ -397,12 +398,12 @@ def rebind(optimizer, variables):
     optimizer: the DP optimizer claiming `variables`.
     variables: its trainable variables.
   """
-  count = _iterations(optimizer)
+  count, memo = _iterations(optimizer), {}
   for v in variables:
     rec = _record_of(v)
     if rec is not None:
       rec.held = None   # its traced steps write in place
-      if not _untracked(rec):
+      if not _untracked(rec, memo):
         rec.opt_ref = weakref.ref(optimizer)
         rec.iterations = count
   if getattr(optimizer, _SEEN_UPDATES, None) is None:   # its first claim: nothing unseen yet
@@ -430,10 +431,10 @@ def changed(variables, optimizer=None, record_with=None):
     rec = _record_of(v, make=record_with is not None)
     if rec is not None:
       pairs.append((rec, v))
-  out, seen, counts = [], [], {}
+  out, seen, memo = [], [], {}
   for rec, tensor, array, h in _current(pairs):
     seen.append((rec, h))
-    if rec.history and not _untracked(rec, counts) and h not in rec.history:
+    if rec.history and not _untracked(rec, memo) and h not in rec.history:
       out.append((rec.var_ref(), rec.iterations))
     elif record_with is None and h in rec.history:
       rec.held = _kept(tensor, array, h)   # a recorded state: its digest kept
@@ -441,9 +442,9 @@ def changed(variables, optimizer=None, record_with=None):
     for rec, _ in seen:   # the DP update writes in place: no buffer kept
       rec.held = None
     if not out:
-      count = _iterations(record_with)
+      count, updates = _iterations(record_with), private_updates(record_with)
       for rec, h in seen:
-        _append(rec, h, record_with, count)
+        _append(rec, h, record_with, count, updates)
   return out
 
 
