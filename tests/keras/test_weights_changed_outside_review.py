@@ -141,6 +141,21 @@ def test_callbacks_that_put_back_released_states_are_accepted(tmp_path):
   dp_model.privacy_statement(1e-5)
 
 
+def test_a_checkpoint_saved_after_a_callback_wrote_the_weights_is_refused(tmp_path):
+  """ModelCheckpoint after a callback that wrote the weights at the same hook: the save (a
+  file with the ledger, which load_weights would accept) is refused before the weights and
+  the ledger are written."""
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  moved = []
+  path = tmp_path / "after_write.weights.h5"
+  callbacks = [_co_train("co_train", autoencoder, encoder, x, moved),
+               keras.callbacks.ModelCheckpoint(str(path), save_weights_only=True)]
+  with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
+    _fit(dp_model, x, y, callbacks=callbacks)
+  assert moved and moved[0] > 1e-3
+
+
 # ---- R5-3: a restore alone leaves the check on ------------------------------------------
 
 def test_a_plain_update_after_a_checkpoint_restore_is_refused(tmp_path):
