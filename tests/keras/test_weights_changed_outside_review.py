@@ -259,17 +259,24 @@ def test_an_unchanged_frozen_layer_is_accepted_and_stays_checked(tmp_path):
   dp_model.privacy_statement(1e-5)
 
 
-def test_epoch_hooks_cost_two_digest_passes_an_epoch(monkeypatch):
-  """The sandwich's cost: with callbacks implementing epoch hooks only, each
-  further epoch digests every variable twice (record + check); with no callback, a fit digests
-  them twice in all (its start and its end), whatever its length."""
+def test_epoch_hooks_cost_two_digest_passes_an_epoch_and_batch_hooks_none(monkeypatch):
+  """The sandwich's cost: with callbacks implementing epoch hooks only, each further epoch
+  digests every variable twice at most (record + check; the check reuses the record's digest
+  when the buffers did not move); with batch hooks that write nothing, no step adds a digest
+  (the weights are held, not digested: `weight_fingerprints.hold`); with no callback, a fit
+  costs the same whatever its length."""
   from tf_dpiter.keras.optimizer import weight_fingerprints  # pylint: disable=g-import-not-at-top
   x, y = _data()
   dp_model, _, _ = _shared_models()
   _fit(dp_model, x, y, steps_per_epoch=2)   # built, traced
   calls = []
-  digest = weight_fingerprints.digest
-  monkeypatch.setattr(weight_fingerprints, "digest", lambda v: calls.append(1) or digest(v))
+  digests = weight_fingerprints._digests  # pylint: disable=protected-access
+
+  def counted(values, arrays=None):
+    calls.extend(values)
+    return digests(values, arrays)
+
+  monkeypatch.setattr(weight_fingerprints, "_digests", counted)
   n_vars = len(dp_model.trainable_variables)
 
   def passes(**kwargs):
@@ -283,6 +290,30 @@ def test_epoch_hooks_cost_two_digest_passes_an_epoch(monkeypatch):
     def on_epoch_end(self, epoch, logs=None):
       pass
 
-  assert passes(epochs=1) == passes(epochs=3) == 2
-  assert passes(epochs=3, callbacks=[EpochEnd()]) - passes(epochs=1,
-                                                          callbacks=[EpochEnd()]) == 2 * 2
+  class BatchEnd(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      pass
+
+  assert passes(epochs=1) == passes(epochs=3) <= 2
+  extra = passes(epochs=3, callbacks=[EpochEnd()]) - passes(epochs=1, callbacks=[EpochEnd()])
+  assert 0 < extra <= 2 * 2
+  assert passes(epochs=3, callbacks=[BatchEnd()]) == passes(epochs=1, callbacks=[BatchEnd()])
+
+
+def test_a_batch_callback_writing_the_weights_is_refused_at_that_batch():
+  """The held weights (no digest) still catch a write: a batch callback that moves the
+  kernel at the second step is refused there."""
+  x, y = _data()
+  dp_model, _, _ = _shared_models()
+
+  class Nudge(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      if batch == 1:
+        w = dp_model.trainable_variables[0]
+        w.assign(w + 0.01)
+
+  with pytest.raises(dp.errors.PrivacyConfigError, match="on_train_batch_end"):
+    _fit(dp_model, x, y, steps_per_epoch=3, callbacks=[Nudge()])
+  assert int(dp_model.optimizer.iterations.numpy()) == 2

@@ -449,13 +449,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     if opt_lib.fingerprints_deferred(opt):
       return super().train_on_batch(*args, **kwargs)
     # weights changed outside the DP optimizer since its last update? (built: all of them)
-    weight_fingerprints.check(self.trainable_variables, "train_on_batch", record_with=opt)
+    weight_fingerprints.check(weight_fingerprints.checked_variables(self), "train_on_batch",
+                              record_with=opt)
     opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
     try:
       return super().train_on_batch(*args, **kwargs)
     finally:
       opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
-      weight_fingerprints.record(opt, self.trainable_variables)
+      weight_fingerprints.record(opt, weight_fingerprints.checked_variables(self))
 
   def _dp_declare(self, step, spec):
     """Writes the data's SamplingSpec into the optimizer's private step (or checks that
@@ -515,6 +516,8 @@ _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
           "on_test_batch_begin", "on_test_batch_end")
 _ALIASES = {"on_batch_begin": "on_train_batch_begin", "on_batch_end": "on_train_batch_end"}
+# hooks run at every step: the weights around them are held, not digested (`_FitFingerprints`)
+_BATCH_HOOKS = frozenset(h for h in _HOOKS if "_batch_" in h)
 # Keras callbacks that write no weight at any hook (exact types: a subclass may)
 _READ_ONLY = tuple(getattr(keras.callbacks, name) for name in (
     "History", "ProgbarLogger", "CSVLogger", "TensorBoard", "TerminateOnNaN",
@@ -569,7 +572,8 @@ class _FitFingerprints:
     self._averages = [c for c in callbacks if isinstance(c, averaging._WeightAveraging)]  # pylint: disable=protected-access
     self._progress = self._steps()
     self.open = False
-    methods = {name: self._hook(self._begin) for name in self.hooks}
+    self._held = None
+    methods = {name: self._hook(self._begin, name) for name in self.hooks}
     self.recorder = type("FingerprintsRecord", (keras.callbacks.Callback,), methods)()
     methods = {name: self._hook(self._end, name) for name in self.hooks}
     self.checker = type("FingerprintsCheck", (keras.callbacks.Callback,), methods)()
@@ -585,21 +589,33 @@ class _FitFingerprints:
       return (int(self._optimizer.iterations.numpy()),
               weight_fingerprints.private_updates(self._optimizer))
 
-  def _begin(self):
+  def _begin(self, hook):
     self.open = True
     progress = self._steps()
-    if progress != self._progress:   # the private steps' output, before any callback runs
-      weight_fingerprints.record(self._optimizer,
-                                 weight_fingerprints.checked_variables(self._model))
-      self._progress = progress
+    if progress == self._progress:
+      return
+    variables = weight_fingerprints.checked_variables(self._model)
+    if hook in _BATCH_HOOKS:   # held, not digested: a pass only if a callback moves them
+      self._held = weight_fingerprints.hold(variables)
+      return
+    # the private steps' output, before any callback runs
+    weight_fingerprints.record(self._optimizer, variables)
+    self._progress = progress
 
   def _end(self, hook):
-    bad = weight_fingerprints.changed(weight_fingerprints.checked_variables(self._model))
+    if self._held is not None:
+      held, self._held = self._held, None   # released: the next update writes in place
+      bad = weight_fingerprints.changed_since(held)
+    else:
+      held = None
+      bad = weight_fingerprints.changed(weight_fingerprints.checked_variables(self._model))
+      self._progress = self._steps()
     if bad:
       bad = self._not_averaged(bad)
+    if bad and held is not None:   # the held state was never recorded: later checks refuse
+      weight_fingerprints.mark_seen(self._optimizer)
     weight_fingerprints.refuse(bad, f"fit (after the callbacks' {hook})")
     self.open = False
-    self._progress = self._steps()
 
   def _not_averaged(self, bad):
     """`bad` less the variables holding the average a tf_dpiter weight-averaging callback

@@ -314,6 +314,66 @@ def _current(pairs):
   return out
 
 
+def hold(variables):
+  """The variables' current values, kept without a digest: `changed_since` later tells
+  whether they moved (a read at the same buffer address while these are kept: unchanged,
+  copy-on-write, module docstring), digesting only the ones that did. The weights a fit's
+  steps left, around the user's batch callbacks: no pass when no callback wrote them.
+
+  Args:
+    variables: the variables.
+
+  Returns:
+    an opaque list for `changed_since` (release it before the next update: while kept, an
+    update copies the buffers instead of writing in place).
+  """
+  out = []
+  for v in variables:
+    tensor = _read(v)
+    out.append((v, tensor, _host_array(tensor)))
+  return out
+
+
+def changed_since(held):
+  """The variables of `held` (`hold`) whose values are neither the held ones nor a state
+  recorded on them.
+
+  Args:
+    held: what `hold` returned.
+
+  Returns:
+    list of (variable, the step count of its last record, or None).
+  """
+  moved = []
+  for v, tensor, array in held:
+    now = _read(v)
+    now_array = _host_array(now)
+    if _address(array) is None or _address(now_array) != _address(array):
+      moved.append((v, tensor, array, now, now_array))
+  if not moved:
+    return []
+  before = _digests([m[1] for m in moved], [m[2] for m in moved])
+  after = _digests([m[3] for m in moved], [m[4] for m in moved])
+  out = []
+  for (v, *_), h0, h1 in zip(moved, before, after):
+    rec = _record_of(v)
+    if h1 != h0 and not (rec is not None and h1 in rec.history):
+      out.append((v, None if rec is None else rec.iterations))
+  return out
+
+
+def mark_seen(optimizer):
+  """Makes the private updates `optimizer` applied so far seen (`_untracked` is then False for
+  its records): the weights they left are no recorded state, so every later check refuses
+  them until the next record (a fit refused after a callback moved the weights held by
+  `hold`: nothing the run released may be stated for them).
+
+  Args:
+    optimizer: a DP optimizer.
+  """
+  setattr(optimizer, _SEEN_UPDATES, private_updates(optimizer))
+
+
 def _forget_dead():
   for key, rec in list(_RECORDS.items()):
     if rec.var_ref() is None:
