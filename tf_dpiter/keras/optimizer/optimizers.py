@@ -562,7 +562,7 @@ class DPOptimizerBase:
     self.private_step.synchronize_noise(strategy)
 
   def apply_private_gradients(self, grads, trainable_variables):
-    """Applies gradients that came out of `noised_average`.
+    """Applies gradients that came out of `noised_average`, or (traced) a function of them.
 
     Args:
       grads: the noised averages, one per variable.
@@ -579,12 +579,19 @@ class DPOptimizerBase:
         first).
       tf.errors.InvalidArgumentError: the ledger holds no sample for this update (plain
         gradients; under XLA the update is NaN instead).
+      PrivacyConfigError: outside fit and train_on_batch, a gradient that is not a noised
+        result of `compute_private_gradients` or, traced, a function of one
+        (update_binding: plain tape gradients after a dropped private result; eagerly, any
+        post-processing).
     """
-    eager = tf.executing_eagerly() and not fingerprints_deferred(self)
+    deferred = fingerprints_deferred(self)   # fit's or train_on_batch's own step
+    eager = tf.executing_eagerly() and not deferred
     if eager:   # a custom loop's eager step: weights changed since its last step are refused
       weight_fingerprints.check(trainable_variables, "apply_private_gradients",
                                 record_with=self)
     claim_variables(self, trainable_variables)
+    if not deferred:   # a custom loop's update: bound to a noised result (update_binding)
+      self.private_step.require_bound_update(grads)
     self._private_apply = True
     # one charged sample per update (review: plain tape gradients renamed from apply_gradients
     # were applied uncharged)

@@ -50,6 +50,7 @@ from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import noise_mechanisms
 from tf_dpiter.keras.optimizer import routing
 from tf_dpiter.keras.optimizer import step_sampling
+from tf_dpiter.keras.optimizer import update_binding
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import privacy_ledger
 
@@ -102,6 +103,8 @@ class PrivateStep:
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
+    # the noised results returned, to which an applied update must be bound (update_binding)
+    self._noised = update_binding.NoisedResults()
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -347,6 +350,8 @@ class PrivateStep:
     if summation.in_xla_context():
       factor = tf.where(ok, 1.0, float("nan"))
       grads = [g if g is None else g * tf.cast(factor, g.dtype) for g in grads]
+    if self._noised.eager:   # eager: the pending results are used up with the count
+      self._noised.used()
     return grads, [done]
 
   def _require_one_noise(self):
@@ -1100,7 +1105,10 @@ class PrivateStep:
             "all-reduced record count: form the plain sum)", scaled))
       result = self._noise_and_record(sample_state, self.sum_scale(num_records))
       gate_sums_on_noise(sample_state, result)
-      return list(tf.nest.flatten(result))
+      result = list(tf.nest.flatten(result))
+      if not getattr(self.optimizer, "_dp_fingerprints_deferred", False):
+        self._noised.add(result)   # a custom loop's: its update is bound to it
+      return result
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
       # each sum is formed once the leaf before it is noised (Bu et al. 2023, Section 3:
@@ -1117,7 +1125,24 @@ class PrivateStep:
 
       result = ctx.merge_call(merge_fn, args=(sample_state,))
     denom = self.denominator(num_records) * float(n_rep)
-    return [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
+    result = [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
+    # a custom loop's result: its update is bound to it (fit's step applies its own result)
+    if not getattr(self.optimizer, "_dp_fingerprints_deferred", False):
+      self._noised.add(result)
+    return result
+
+  def require_bound_update(self, grads, what="apply_private_gradients"):
+    """Refuses gradients that are not a noised result this step returned, or (traced) a
+    function of one (update_binding.NoisedResults.require_bound).
+
+    Args:
+      grads: the gradients about to be applied.
+      what: names the caller in the message.
+
+    Raises:
+      PrivacyConfigError: a gradient not bound to a noised result.
+    """
+    self._noised.require_bound(grads, what)
 
 
 # ---- per-variable pipelining of the step: sum -> noise -> divide -> apply ---------------
