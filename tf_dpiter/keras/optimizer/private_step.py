@@ -31,6 +31,7 @@ optimization on large model at small cost", Section 3): `gate_sums_on_noise`, be
 
 import json
 import sys
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -105,6 +106,12 @@ class PrivateStep:
     self._route = None   # (resolve_clipping's key, its path): _route_key
     # the noised results returned, to which an applied update must be bound (update_binding)
     self._noised = update_binding.NoisedResults()
+    # the declarations' epoch (`require_user_sampling`): bumped by a declaration a traced step
+    # must be retraced for; the untracked variable holds it while the user's declaration is
+    # current (-1 once fit declared), and a traced user step asserts the epoch it checked
+    self._sampling_epoch = 0
+    self._user_epoch = None
+    self._traced_user_epochs = weakref.WeakKeyDictionary()   # graph -> epoch checked
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -605,9 +612,25 @@ class PrivateStep:
     self.sampling_source = "user"   # fit overrides it (mark_sampling_from_fit)
     if self.mechanism.needs_variables and not self.optimizer.built:
       self._pending_sampling = (population_size, selection_probability, policy, sample_size)
-      return True
-    return step_sampling.declare(self, population_size, selection_probability, policy,
-                                 sample_size)
+      changed = True
+    else:
+      changed = step_sampling.declare(self, population_size, selection_probability, policy,
+                                      sample_size)
+    self._declared(changed)
+    return changed
+
+  def _declared(self, changed):
+    """Moves the declarations' epoch on when a traced step must be retraced for the new
+    declaration (`changed`: policy, record cut, unit or public row bound) and writes to the
+    run-time variable the epoch a traced user step may run under: the current one while the
+    user declared the sampling, -1 once fit did (`require_user_sampling`)."""
+    if changed:
+      self._sampling_epoch += 1
+    with tf.init_scope():
+      if self._user_epoch is None:   # untracked: no file carries or restores it
+        self._user_epoch = tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                       name="dp_user_sampling_epoch")
+      self._user_epoch.assign(self._sampling_epoch if self.sampling_source == "user" else -1)
 
   def adopt_sampling(self, sampling, expected_records):
     """Makes `sampling` the declared sampling, the query's global state variables (once) and
@@ -652,8 +675,10 @@ class PrivateStep:
     return changed
 
   def mark_sampling_from_fit(self):
-    """Records that DPModel.fit, not the user, declared the current sampling."""
+    """Records that DPModel.fit, not the user, declared the current sampling; a user step
+    traced before then fails when it runs (`require_user_sampling`)."""
     self.sampling_source = "fit"
+    self._declared(False)
 
   def pending_query(self):
     """A placeholder raising on use while a declared sampling waits for the build, else None."""
@@ -666,6 +691,13 @@ class PrivateStep:
     batches, not the batch given (x[:B] charged as a Poisson step of rate q: epsilon 3.533
     stated for 5.651, review R4, session 35).
 
+    Checked when called: eagerly at every step, and when a step is traced. A traced step
+    also asserts, when it runs, that the declaration it was traced under is still the
+    current one (`user_sampling_check`): fit re-declares the sampling on the same
+    LedgerSampling, whose n and q the traced step reads when it runs (review R5: a step
+    traced before a fit at q = 0.1 charged the user's q = 0.5 batches at 0.1, epsilon 4.868
+    stated for 5.952).
+
     Args:
       what: names the caller in the message.
 
@@ -674,6 +706,8 @@ class PrivateStep:
     """
     declared = self.sampling is not None or self._pending_sampling is not None
     if declared and self.sampling_source == "user":
+      if not tf.executing_eagerly():
+        self._traced_user_epochs[tf.compat.v1.get_default_graph()] = self._sampling_epoch
       return
     if not declared:
       self.require_sampling()   # its message: the sampling policy is unknown
@@ -683,6 +717,33 @@ class PrivateStep:
         "declared by model.fit for the batches its own sampler drew, not for the batch "
         "given here. Call set_sampling with how you sample these batches (or train with "
         f"model.fit). Received: sampling declared by {self.sampling_source!r}")
+
+  def user_sampling_check(self):
+    """The run-time assertion of a traced user step (`require_user_sampling` ran in this
+    graph): the user's declaration it was traced under is still current, i.e. neither fit
+    declared the sampling since nor a declaration needing a retrace was made. None when the
+    graph has no user step, or eagerly (checked at every call).
+
+    Returns:
+      an Assert op, or None.
+    """
+    if tf.executing_eagerly():
+      return None
+    epoch = self._traced_user_epochs.get(tf.compat.v1.get_default_graph())
+    if epoch is None:
+      return None
+    with tf.init_scope():
+      if self._user_epoch is None:   # a declaration that failed half-way: refused at run time
+        self._declared(False)
+    current = self._user_epoch.read_value()
+    return tf.debugging.Assert(tf.equal(current, epoch), [
+        "compute_private_gradients: the sampling was declared again since this step was "
+        "traced (by model.fit for its own batches, or by a set_sampling that changed the "
+        "policy, the record cut or the batch size bound): this step's batch would be charged "
+        "under it, not under the sampling you declared. Call optimizer.set_sampling("
+        "population_size, selection_probability, policy, sample_size) with how you sample "
+        "these batches, and trace the step again (a new tf.function). Received: "
+        "declaration epoch", current, "traced under", epoch, "(-1: declared by fit)"])
 
   def require_sampling(self):
     """The LedgerSampling of the declared sampling (the step records with it).
@@ -749,6 +810,7 @@ class PrivateStep:
       source = self.sampling_source
       step_sampling.declare(self, *pending)
       self.sampling_source = source
+      self._declared(True)
 
   def prepare_mechanism(self, variables):
     """Builds the optimizer on `variables` now when a correlated mechanism waits for their
@@ -1095,6 +1157,10 @@ class PrivateStep:
     """
     self.require_sampling()
     self._require_one_noise()
+    check = self.user_sampling_check() if self._traced_user_epochs else None
+    if check is not None:   # the ledger write and the result wait for the sum, hence for it
+      with tf.control_dependencies([check]):
+        sample_state = tf.nest.map_structure(tf.identity, sample_state)
     num_records = tf.cast(num_records, tf.float32)
     ctx = tf.distribute.get_replica_context()
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
