@@ -145,3 +145,21 @@ def test_a_gradient_from_a_variable_written_with_the_batch_is_refused():
 
   with pytest.raises(dp.errors.PrivacyConfigError, match="avoids the noise"):
     step(xb, yb)
+
+
+def test_a_plain_gradient_of_a_numpy_batch_the_step_closes_over_is_refused():
+  """The batch as numpy arrays the traced step closes over (converted to constants in the
+  step's graph, not arguments): the plain gradient of them is refused too."""
+  _, _, model, opt, record_loss, plain_gradients = _setup()
+  x, y = _data()
+  variables = model.trainable_variables
+
+  @tf.function
+  def step():
+    opt.compute_private_gradients(record_loss, variables, data=(x[:10], y[:10]))   # dropped
+    opt.apply_private_gradients(plain_gradients(x[:10], y[:10]), variables)
+
+  w0 = [np.array(v) for v in variables]
+  with pytest.raises(dp.errors.PrivacyConfigError, match="avoids the noise"):
+    step()
+  assert all(np.array_equal(np.array(v), w) for v, w in zip(variables, w0))

@@ -14,16 +14,17 @@ gradients must not depend on the step's data by a path that avoids the noise. A 
 analysis over the step's graph (`unbound_source`, data_writes' data flow): the sources are
 the step's inputs (its arguments and captured tensors: the batch given to
 compute_private_gradients and any other; a dataset's next element; a Python function's
-result), the sanitizers the noised results `noised_average` returned in that graph. So
-post-processing of the noised result (scaling, clip_by_global_norm, casts, a weight decay
-term of the weights, tf.random.normal noise; constants and variables not written from the
-data) is accepted, and plain tape gradients of a batch, or any mix of them, are refused.
+result; a floating array constant, as a numpy batch the step closes over becomes), the
+sanitizers the noised results `noised_average` returned in that graph. So post-processing
+of the noised result (scaling, clip_by_global_norm, casts, a weight decay term of the
+weights, tf.random.normal noise; scalar and integer constants, variables not written from
+the data) is accepted, and plain tape gradients of a batch, or any mix of them, are refused.
 Conservative refusals: a noised result passed into the step from outside (another
-tf.function's output, an argument), a post-processing that uses a step argument (pass a
-public value as a Python number or a variable), the weights read after an update in the
-same traced step (written from the data as the flow sees it), a dataset iterator read inside
-a nested function. Constants are taken as public (a value computed outside and embedded as
-a constant is not seen).
+tf.function's output, an argument), a post-processing that uses a step argument or a
+floating array constant (pass a public value as a Python number or a variable), the weights
+read after an update in the same traced step (written from the data as the flow sees it).
+Not seen: a dataset iterator read inside a nested function, data reaching the graph through
+Python state other than the tensors and constants above.
 
 Eager: the noised results drawn eagerly since the last update are kept (the tensors, until
 the update), and each applied gradient must be one of them, or equal bit for bit (the digest
@@ -42,6 +43,8 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.optimizer import weight_fingerprints
 
+# constant ops (a floating array among them is taken as data: `_embedded_array`)
+_CONSTANTS = frozenset(["Const", "HostConst"])
 # the graph attribute holding {NoisedResults: refs of the noised results traced in it}
 _GRAPH_ATTRIBUTE = "_tf_dpiter_noised_results"
 
@@ -142,13 +145,28 @@ _OPAQUE_SOURCES = frozenset([
     "EagerPyFunc", "PyFunc", "PyFuncStateless"])
 
 
+def _embedded_array(node):
+  """True for a constant of floating values with more than one element: an array embedded in
+  the program (a numpy batch the step closes over is converted to one), taken as data; a
+  scalar (a scale, a clip norm) and integer constants (shapes, axes) are public."""
+  if node.op not in _CONSTANTS:
+    return False
+  dtype = tf.dtypes.as_dtype(node.attr["dtype"].type)
+  dims = node.attr["value"].tensor.tensor_shape.dim
+  size = 1
+  for d in dims:
+    size *= max(d.size, 0)
+  return (dtype.is_floating or dtype.is_complex) and size > 1
+
+
 def unbound_source(tensors, sanitizers):
   """The inputs `tensors` depend on by a path avoiding `sanitizers` (module docstring), as a
   short description, or None when there are none.
 
   The data flow is data_writes' (`_Flow`): forward from the sources (every Placeholder that
   is not a resource: the step's arguments and captured tensors; a dataset's next element; a
-  Python function's result), through data edges, the bodies of nested functions, branches
+  Python function's result; a floating constant of more than one element: a numpy batch the
+  step closes over), through data edges, the bodies of nested functions, branches
   and loops (a predicate that depends on the data taints what the branch returns), and the
   variables the graph writes from the data (their reads); the shapes of the sources count
   as data (a Poisson batch's size is private). The sanitizers' ops (all of whose outputs are
@@ -172,7 +190,7 @@ def unbound_source(tensors, sanitizers):
     if node.name in clean:
       del node.input[:]   # a noised result: what it was computed from does not reach past it
     elif ((node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
-          or node.op in _OPAQUE_SOURCES):
+          or node.op in _OPAQUE_SOURCES or _embedded_array(node)):
       sources.append(node.name)
   flow = data_writes._Flow(graph_def)  # pylint: disable=protected-access
   _, tainted, _ = flow.body(graph_def.node, sources, set(), False, sources)
