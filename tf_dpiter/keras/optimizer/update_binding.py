@@ -27,7 +27,7 @@ Not seen: a dataset iterator read inside a nested function, data reaching the gr
 Python state other than the tensors and constants above.
 
 Eager: the noised results drawn eagerly since the last update are kept (the tensors, until
-the update), and each applied gradient must be one of them, or equal bit for bit (the digest
+the update; the latest 8), and each applied gradient must be one of them, or equal bit for bit (the digest
 of `weight_fingerprints.digest`, dtype and shape). Post-processing is then refused: do it
 inside a tf.function with the private step.
 
@@ -43,6 +43,8 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.optimizer import weight_fingerprints
 
+# how many eager noised results are kept for the next update (older ones are refused)
+_EAGER_KEPT = 8
 # constant ops (a floating array among them is taken as data: `_embedded_array`)
 _CONSTANTS = frozenset(["Const", "HostConst"])
 # the graph attribute holding {NoisedResults: refs of the noised results traced in it}
@@ -72,7 +74,8 @@ class NoisedResults:
     if not tensors:
       return
     if tf.executing_eagerly():
-      self.eager.append(tensors)
+      # the latest few only (memory: a loop that computes without applying holds no more)
+      self.eager = self.eager[-(_EAGER_KEPT - 1):] + [tensors]
       return
     graph = tensors[0].graph
     # kept on the graph (its lifetime), per NoisedResults: another optimizer's noised result
