@@ -317,3 +317,30 @@ def test_a_batch_callback_writing_the_weights_is_refused_at_that_batch():
   with pytest.raises(dp.errors.PrivacyConfigError, match="on_train_batch_end"):
     _fit(dp_model, x, y, steps_per_epoch=3, callbacks=[Nudge()])
   assert int(dp_model.optimizer.iterations.numpy()) == 2
+
+
+def test_load_weights_skip_mismatch_records_only_what_the_file_wrote(tmp_path):
+  """Review R5 (beyond its six findings): after a plain fit moved the shared encoder,
+  load_weights(skip_mismatch=True) of another DP model's file whose encoder has another shape
+  wrote the head only, yet recorded every variable: the plain-trained encoder was stated
+  (4.224, 20 steps). Only the variables the file wrote are recorded now."""
+  x, y = _data()
+  dp_model, autoencoder, encoder = _shared_models()
+  _fit(dp_model, x, y)
+  _fit(autoencoder, x, x)   # plain Adam on the records moves the shared encoder
+  with pytest.raises(dp.errors.PrivacyConfigError, match="encoder"):
+    dp_model.privacy_statement(1e-5)
+  keras.utils.set_random_seed(1)
+  inp = keras.Input((D + 1,))
+  other = dp.keras.DPModel(inp, keras.layers.Dense(1, name="head")(
+      keras.layers.Dense(8, name="encoder")(inp)))
+  other.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  _fit(other, np.concatenate([x, x[:, :1]], axis=1), y)
+  other.save_weights(str(tmp_path / "other.weights.h5"))
+  kernel = np.array(encoder.kernel)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    dp_model.load_weights(str(tmp_path / "other.weights.h5"), skip_mismatch=True)
+  np.testing.assert_array_equal(np.array(encoder.kernel), kernel)   # skipped: still plain
+  with pytest.raises(dp.errors.PrivacyConfigError, match="encoder"):
+    dp_model.privacy_statement(1e-5)

@@ -213,14 +213,21 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       keras.Model.load_weights' result.
     """
     self._dp_loaded_ledger = False
+    checked = weight_fingerprints.checked_variables(self)
+    # values changed outside the DP optimizer before the load, and the buffers the load will
+    # write: a variable the file did not write (skip_mismatch) keeps them, unrecorded
+    stale = {id(v) for v, _ in weight_fingerprints.changed(checked)}
+    held = weight_fingerprints.hold(checked) if stale else []
     try:
       result = super().load_weights(filepath, *args, **kwargs)
     finally:
       loaded, self._dp_loaded_ledger = self._dp_loaded_ledger, False
     if loaded:
       opt = _unscaled(getattr(self, "optimizer", None))
-      weight_fingerprints.record(opt if isinstance(opt, opt_lib.DPOptimizerBase) else None,
-                                 weight_fingerprints.checked_variables(self))
+      written = weight_fingerprints.moved(held)
+      weight_fingerprints.record(
+          opt if isinstance(opt, opt_lib.DPOptimizerBase) else None,
+          [v for v in checked if id(v) not in stale or id(v) in written])
     return result
 
   def _dp_carry_ledger(self, arrays):

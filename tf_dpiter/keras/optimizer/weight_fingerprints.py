@@ -362,6 +362,24 @@ def changed_since(held):
   return out
 
 
+def moved(held):
+  """The ids of the variables of `held` (`hold`) a write reached since (a read at another
+  buffer address; a buffer not on the host counts as not moved).
+
+  Args:
+    held: what `hold` returned.
+
+  Returns:
+    set of id(variable).
+  """
+  out = set()
+  for v, _, array in held:
+    before = _address(array)
+    if before is not None and _address(_host_array(_read(v))) != before:
+      out.add(id(v))
+  return out
+
+
 def mark_seen(optimizer):
   """Makes the private updates `optimizer` applied so far seen (`_untracked` is then False for
   its records): the weights they left are no recorded state, so every later check refuses
