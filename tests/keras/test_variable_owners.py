@@ -19,6 +19,12 @@ from tf_dpiter.errors import PrivacyConfigError
 
 N = 32
 
+# Nightly (`-m slow`): by default test_ledger_travels_with_variables.py's
+# test_a_layer_of_a_dead_dp_model_brings_its_steps_into_the_new_ledger asserts the same (the
+# layer of a garbage DP model trains under a new DP optimizer, not refused, and its earlier
+# steps are charged: 10 + 2, epsilon = dp-accounting by hand) and more.
+SLOW_CASES = {"test_the_other_optimizer_gone_frees_its_variables"}
+
 
 def _data(seed):
   rng = np.random.RandomState(seed)

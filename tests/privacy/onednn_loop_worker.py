@@ -18,9 +18,10 @@ a batch. Forms, each also with the suffix "_model" (model= passed):
 The minimize forms (TF Privacy's spellings, learning rate 1, no momentum) give the sum as the
 weights' change; the weights are restored after each call.
 
-usage: onednn_loop_worker.py [MODEL:FORM ...]
+usage: onednn_loop_worker.py [MODEL:FORM | paths:onednn ...]
 """
 
+import importlib.util
 import json
 import os
 import sys
@@ -163,11 +164,27 @@ def run_form(kind, form, seeds=(0, 1)):
           "max_deviation_from_reference": worst_dev}
 
 
+def _paths_onednn():
+  """paths_worker.onednn()'s result in this process (test_neighbouring_paths' oneDNN check:
+  the vectorized path's routing and sum on MultiHeadAttention + EinsumDense), so that the
+  default suite starts one oneDNN process for both files."""
+  spec = importlib.util.spec_from_file_location(
+      "paths_worker_in_onednn_loop_worker",
+      os.path.join(os.path.dirname(os.path.abspath(__file__)), "paths_worker.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.onednn()
+
+
 def results(cases):
   """{"onednn": whether this process runs oneDNN, "MODEL:FORM": run_form's result} for each
-  case of `cases` (default: every form on "einsum")."""
+  case of `cases` (default: every form on "einsum"); the case "paths:onednn" is
+  paths_worker.onednn()'s result."""
   out = {"onednn": routing.onednn_enabled()}
   for case in cases or ["einsum:" + f for f in FORMS]:
+    if case == "paths:onednn":
+      out[case] = _paths_onednn()
+      continue
     kind, form = case.split(":")
     # minimize runs the vector / tape path of compute_private_gradients: one seed suffices
     out[case] = run_form(kind, form, (0,) if form.startswith("minimize") else (0, 1))

@@ -1,6 +1,8 @@
 """Fresh-process worker of test_neighbouring_paths: `mirrored` (2 logical CPU devices,
 MirroredStrategy) or `onednn` (TF_ENABLE_ONEDNN_OPTS=1 set by the caller before TensorFlow
-starts). Prints one line `RESULT {json}`."""
+starts). Prints one line `RESULT {json}`. Imported (not run as a script), it configures no
+device and its `onednn()` runs in the importer's process (onednn_loop_worker's "paths:onednn"
+case, the default suite's run of it)."""
 
 import json
 import os
@@ -10,7 +12,7 @@ import warnings
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
 
-MODE = sys.argv[1]
+MODE = sys.argv[1] if __name__ == "__main__" else None
 if MODE == "mirrored":
   _cpus = tf.config.list_physical_devices("CPU")
   tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)

@@ -16,6 +16,8 @@ the data form always runs; the whole-batch forms run only with model= on a model
 mixing layer. Before: the data form without model= vectorized and aborted with
 `dnnl::error`; the whole-batch forms without model= were accepted on a mixing model
 (test_custom_loop_batch_mixing measures what they released).
+The default case's oneDNN process also runs test_neighbouring_paths' oneDNN check
+(paths_worker.onednn, checked by its `check_onednn`): one oneDNN process for both files.
 """
 
 import importlib.util
@@ -26,6 +28,7 @@ import sys
 
 import pytest
 
+from tests.privacy import test_neighbouring_paths
 from tf_dpiter.keras.optimizer import custom_loops
 from tf_dpiter.keras.optimizer import routing
 
@@ -85,7 +88,12 @@ def _check(out, kind, form):
 
 @pytest.mark.parametrize("kinds", [("einsum",), pytest.param(("bn", "centering"), marks=pytest.mark.slow)])
 def test_every_custom_loop_form_under_onednn_stays_within_sensitivity_or_is_refused(kinds):
-  out = _results([f"{kind}:{form}" for kind in kinds for form in FORMS])
+  # the einsum case also runs test_neighbouring_paths' oneDNN check (paths_worker.onednn) in
+  # its oneDNN process: one process for both files in the default suite
+  paths = ["paths:onednn"] if "einsum" in kinds else []
+  out = _results([f"{kind}:{form}" for kind in kinds for form in FORMS] + paths)
+  if paths:   # first: that check requires oneDNN rather than skipping without it
+    test_neighbouring_paths.check_onednn(out["paths:onednn"])
   if not out["onednn"]:
     pytest.skip("this TensorFlow build has no oneDNN (TF_ENABLE_ONEDNN_OPTS=1 has no effect)")
   for kind in kinds:

@@ -31,9 +31,12 @@ from tf_dpiter.auditing import sensitivity
 from tf_dpiter.keras.optimizer import routing
 
 # Nightly tier (-m slow, besides the marks below): the mixing layer under shuffled
-# passes (Poisson stays: the same routing and exactness).
+# passes (Poisson stays: the same routing and exactness); the oneDNN case (below).
 SLOW_CASES = {
-    "test_parameter_free_mixing_layer_routed_and_exact[shuffle]"}
+    "test_parameter_free_mixing_layer_routed_and_exact[shuffle]",
+    # the same worker function and `check_onednn` run in the oneDNN process of
+    # test_custom_loop_onednn.py's default case (one oneDNN process for both files)
+    "test_vectorized_path_under_onednn_matches_per_example_loop"}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -152,10 +155,9 @@ def _onednn_result(monkeypatch):
   return json.loads(json.dumps(module.onednn()))   # the worker's JSON types, as printed
 
 
-def test_vectorized_path_under_onednn_matches_per_example_loop(monkeypatch):
-  """Under oneDNN tf.vectorized_map gets these layers' per-example gradients wrong or crashes;
-  the guard routes them to a per-record loop, equal to the hand-written loop."""
-  out = _onednn_result(monkeypatch)
+def check_onednn(out):
+  """Checks paths_worker.onednn()'s result `out` (here and in test_custom_loop_onednn's
+  default case, whose oneDNN process computes it)."""
   assert out["onednn"] is True
   assert {"mha", "einsum"} <= set(out["affected"])
   assert out["use_vectorized_map"] is False
@@ -163,3 +165,9 @@ def test_vectorized_path_under_onednn_matches_per_example_loop(monkeypatch):
   assert out["max_abs_diff"] < 1e-6 * max(1.0, out["sum_norm"]), out
   assert out["check_path"] == "vectorized"
   assert out["check_passed"] is True and out["check_ratio"] <= 1 + RTOL, out
+
+
+def test_vectorized_path_under_onednn_matches_per_example_loop(monkeypatch):
+  """Under oneDNN tf.vectorized_map gets these layers' per-example gradients wrong or crashes;
+  the guard routes them to a per-record loop, equal to the hand-written loop."""
+  check_onednn(_onednn_result(monkeypatch))
