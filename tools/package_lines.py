@@ -61,6 +61,14 @@ FEATURE_FILES = {
     "tf_dpiter/keras/optimizer/weight_fingerprints.py": (
         "634c8eb", "CHANGELOG Fixed (session 35): a DP model's weights changed outside its "
                    "DP optimizer are refused (a plain optimizer on a shared layer, set_weights)"),
+    "tf_dpiter/keras/internals/total_records.py": (
+        "3be180c", "CHANGELOG Fixed (session 36): private steps no longer stop on one "
+                   "record's value (an id outside an Embedding's vocabulary, a label outside "
+                   "the classes contribute zero; review R4 finding 10)"),
+    "tf_dpiter/keras/optimizer/update_binding.py": (
+        "2c84e61", "CHANGELOG Fixed (session 36): custom-loop updates bound to their "
+                   "noised result (plain gradients after a dropped private result were "
+                   "applied; review R5 finding 1)"),
     "tf_dpiter/keras/internals/data_writes.py": (
         "dce4fdf", "CHANGELOG Fixed: state written from the data found in the program and "
                    "refused (review R3, session 34)"),
