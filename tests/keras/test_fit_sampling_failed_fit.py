@@ -44,7 +44,9 @@ def _failing_run():
   x[bad, 0] = 99          # out of the vocabulary: pass 2's second step fails
   ds = shuffled_batches(x, y, batch_size=B, seed=7)
   inp = keras.Input((4,), dtype="int32")
-  h = keras.layers.Embedding(V, 4)(inp)
+  # the Embedding is fed through another layer: an id out of its vocabulary then still
+  # fails the step (CHANGELOG "Known issues"; one fed by a model input is masked instead)
+  h = keras.layers.Embedding(V, 4)(keras.layers.Identity()(inp))
   model = dp.keras.DPModel(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, Z, learning_rate=0.1),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
