@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.model import statement as statement_lib
+from tests.keras.test_weights_changed_outside import _fit  # model.fit, batch 10, one epoch, silent
 
 N, D = 100, 4
 
@@ -45,13 +46,6 @@ def _shared_models():
   return dp_model, autoencoder, encoder
 
 
-def _fit(model, x, y, **kwargs):
-  """model.fit, batch 10, one epoch, silent."""
-  kwargs.setdefault("batch_size", 10)
-  kwargs.setdefault("epochs", 1)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    return model.fit(x, y, verbose=0, **kwargs)
 
 
 def _max_change(before, variable):

@@ -135,8 +135,7 @@ def _is_release(op):
   op_def = _op_def(op)
   return (op_def is not None and op_def.is_stateful and op not in _QUIET
           and op not in _CALLS and op not in _LOOPS
-          and not op.endswith("CandidateSampler")
-          and not any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+          and not op.endswith("CandidateSampler") and not _takes_resource(op_def))
 
 
 def _is_write(op):
@@ -144,7 +143,12 @@ def _is_write(op):
   every stateful op that takes a resource, except `_READS` (default-deny)."""
   op_def = _op_def(op)
   return (op_def is not None and op_def.is_stateful and op not in _READS
-          and any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg))
+          and _takes_resource(op_def))
+
+
+def _takes_resource(op_def):
+  """True when the OpDef `op_def` has a resource input (a variable, table, queue, ...)."""
+  return any(a.type == types_pb2.DT_RESOURCE for a in op_def.input_arg)
 
 
 def _shape_args(op, n):

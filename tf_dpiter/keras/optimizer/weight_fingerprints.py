@@ -485,7 +485,7 @@ def rebind(optimizer, variables):
         rec.opt_ref = weakref.ref(optimizer)
         rec.iterations = count
   if getattr(optimizer, _SEEN_UPDATES, None) is None:   # its first claim: nothing unseen yet
-    setattr(optimizer, _SEEN_UPDATES, private_updates(optimizer))
+    mark_seen(optimizer)
 
 
 def changed(variables, optimizer=None, record_with=None):
