@@ -33,6 +33,9 @@ class _Out(keras.layers.Layer):
         tf.print(top, output_stream="file://" + self.file)
       elif self.how == "print_to_stderr":
         tf.print(top)
+      elif self.how == "debug_dump":   # the v1 debugger: not stateful, writes to a URL
+        inputs = tf.raw_ops.DebugIdentity(input=inputs, tensor_name="x:0",
+                                          debug_urls=["file://" + self.file])
       elif self.how == "quiet":
         inputs = inputs + 0.0 * tf.random.uniform(tf.shape(inputs))
         tf.debugging.assert_less(top, 1e9)
@@ -62,6 +65,15 @@ def test_data_sent_out_of_the_step_is_refused_before_any_step(how, clipping, tmp
   assert not (tmp_path / "out.txt").exists()   # nothing written: refused before any step
 
 
+def test_a_debug_dump_of_the_inputs_is_refused_before_any_step(tmp_path):
+  """Review R6, finding 2: DebugIdentity (not a stateful op) with a file:// URL, given the
+  training call's inputs: before the fix D's dump held the record's row (max 10.0 exactly)
+  and epsilon 10.726 was stated; now refused, and nothing is dumped."""
+  with pytest.raises(dp.errors.PrivacyConfigError, match=r"writes its input out of the step"):
+    _fit("debug_dump", str(tmp_path / "dump"), "auto")
+  assert not (tmp_path / "dump").exists()
+
+
 def test_random_draws_and_asserts_given_the_data_pass(tmp_path):
   model = _fit("quiet", str(tmp_path / "unused.txt"), "auto")
   assert int(model.optimizer.iterations.numpy()) == 4
@@ -70,10 +82,12 @@ def test_random_draws_and_asserts_given_the_data_pass(tmp_path):
 def test_every_stateful_resourceless_op_is_quiet_or_a_release():
   """The allow-list names registered stateful ops without a resource input; the file and log
   writers are releases."""
-  for op in ("WriteFile", "PrintV2", "Print", "SaveV2", "Save", "DebugIdentityV2"):
+  for op in ("WriteFile", "PrintV2", "Print", "SaveV2", "Save", "DebugIdentityV2",
+             "DebugIdentity", "DebugNanCount", "DebugNumericSummary", "Copy", "CopyHost"):
     assert data_writes._is_release(op), op
   for op in data_writes._QUIET:
     assert not data_writes._is_release(op), op
   for op in ("AssignVariableOp", "RandomUniform", "Assert", "StatefulPartitionedCall",
-             "While", "LogUniformCandidateSampler"):
+             "While", "LogUniformCandidateSampler", "Identity", "DebugGradientIdentity",
+             "ScalarSummary"):
     assert not data_writes._is_release(op), op

@@ -18,7 +18,9 @@ variable, hash table, queue, random generator) other than a short list of reads 
 deny); it is data-dependent when its value is, when it runs inside a branch or loop whose
 predicate is, or when it reads a variable so written. A stateful op without a resource given
 the data (tf.print, tf.io.write_file, a raw Save) writes it out of the step: refused too, but
-for random draws, asserts, replicas' collectives and graph plumbing (`_QUIET`). A Python function (tf.py_function,
+for random draws, asserts, replicas' collectives and graph plumbing (`_QUIET`); so is any op,
+stateful or not, with an attribute naming a destination (the v1 debugger's DebugIdentity
+with its `debug_urls`). A Python function (tf.py_function,
 tf.numpy_function) given the data counts as such a write: its body cannot be seen. Function
 calls (nested tf.functions, tf.cond, tf.while_loop, tf.switch_case) are followed into their
 bodies. A write whose value does not depend on the data (a call counter, a seed generator's
@@ -129,12 +131,23 @@ _QUIET = frozenset((
     "TensorArrayGradV3", "_ScopedAllocatorConcat", "_ScopedAllocatorSplit"))
 
 
+# attributes that name a destination outside the step (the v1 debugger ops DebugIdentity,
+# DebugNanCount, DebugNumericSummary publish their input to `debug_urls`; Copy and CopyHost
+# run the `debug_ops_spec` debug ops; a dataset's snapshot writes to a path): an op with such
+# an attribute given the data is a release, stateful or not
+_DESTINATION_ATTR = re.compile(r"url|path|debug_ops_spec")
+
+
 def _is_release(op):
-  """True for a stateful op without a resource input that may carry its inputs out of the
-  step (a file, a log, the host): every such op except `_QUIET` (default-deny)."""
+  """True for an op that may carry its inputs out of the step (a file, a log, the host): a
+  stateful op without a resource input except `_QUIET` (default-deny), and any op with an
+  attribute naming a destination (`_DESTINATION_ATTR`)."""
   op_def = _op_def(op)
-  return (op_def is not None and op_def.is_stateful and op not in _QUIET
-          and op not in _CALLS and op not in _LOOPS
+  if op_def is None:
+    return False
+  if any(_DESTINATION_ATTR.search(attr.name) for attr in op_def.attr):
+    return True
+  return (op_def.is_stateful and op not in _QUIET and op not in _CALLS and op not in _LOOPS
           and not op.endswith("CandidateSampler") and not _takes_resource(op_def))
 
 

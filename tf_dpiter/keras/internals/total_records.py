@@ -34,8 +34,20 @@ _SPARSE_CE = keras.losses.sparse_categorical_crossentropy
 
 
 def _in_range(ids, upper):
-  """Elementwise 0 <= ids < upper (False for NaN)."""
-  return tf.logical_and(ids >= tf.zeros([], ids.dtype), ids < tf.cast(upper, ids.dtype))
+  """Elementwise: the id Keras takes from `ids` (an integer, or a float truncated toward
+  zero as its int32 cast does) is in [0, upper); False for NaN.
+
+  Compared exactly whatever the dtype: `upper` is never cast into a type it does not fit
+  (a uint8 id against 256 classes: every id is below it; cast, 256 would wrap to 0)."""
+  if ids.dtype.is_integer:
+    below = (tf.ones_like(ids, tf.bool) if upper > ids.dtype.max
+             else ids < tf.constant(upper, ids.dtype))
+    if ids.dtype.is_unsigned:
+      return below
+    return tf.logical_and(ids >= tf.zeros([], ids.dtype), below)
+  wide = tf.float64 if ids.dtype == tf.float64 or upper > 2 ** 24 else tf.float32
+  ids = tf.cast(ids, wide)   # exact: a float16 / bfloat16 / float32 value widens exactly
+  return tf.logical_and(ids > tf.constant(-1.0, wide), ids < tf.constant(upper, wide))
 
 
 def _per_example(ok):

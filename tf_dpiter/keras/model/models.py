@@ -376,7 +376,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
     if fingerprints:   # the weights built since the check: the state the run starts from
-      weight_fingerprints.record(opt, self.trainable_variables, only_new=True)
+      # (every weight, trainable or not: a frozen layer's statistics written from the data
+      # by a callback are refused too; Keras' seed generators' states are not weights)
+      weight_fingerprints.record(opt, self.weights, only_new=True)
     callbacks = list(a.get("callbacks") or [])
     callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None,
                                  keras_internals.compiled_metric_names(self))
@@ -458,6 +460,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     # weights changed outside the DP optimizer since its last update? (built: all of them)
     weight_fingerprints.check(weight_fingerprints.checked_variables(self), "train_on_batch",
                               record_with=opt)
+    weight_fingerprints.record(opt, self.weights, only_new=True)   # frozen ones too
     opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
     try:
       return super().train_on_batch(*args, **kwargs)
