@@ -28,6 +28,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
 
 _SPARSE_CE = keras.losses.sparse_categorical_crossentropy
@@ -96,25 +97,53 @@ def guard_embedding_ids(model, x):
   Returns:
     (x, valid): `valid` float32 [B], 1 for an example whose ids feeding an Embedding directly
     are all in [0, input_dim), 0 else; None (x unchanged) when no input feeds an Embedding.
+
+  Raises:
+    PrivacyConfigError: x has fewer inputs than the model's positions that feed an
+      Embedding (the ids could not be found, so not checked).
   """
   found = embedding_inputs(model)
   if not found:
     return x, None
-  flat = tf.nest.flatten(x)
-  if max(found) >= len(flat):   # x's structure is not the model's: nothing to guard
-    return x, None
+  keys = _input_keys(model, x)
+  flat = x if keys is not None else tf.nest.flatten(x)
+  if keys is None:
+    keys = list(range(len(flat)))
+    if max(found) >= len(flat):
+      raise PrivacyConfigError(
+          f"The batch must match the inputs of the model {model.name!r} (a list, a tuple or "
+          "a dict keyed by the inputs' names), so that the ids of each Embedding fed by an "
+          f"input can be checked against its vocabulary. Received: {len(flat)} input "
+          f"tensor(s) for the model's input positions {sorted(found)}")
+  flat = dict(flat) if isinstance(flat, dict) else flat
   valid = None
   for pos, input_dim in sorted(found.items()):
-    ids = flat[pos]
+    ids = flat[keys[pos]]
     if not isinstance(ids, tf.Tensor) or not (ids.dtype.is_integer or ids.dtype.is_floating):
       continue
     ok = _in_range(ids, input_dim)
-    flat[pos] = tf.where(ok, ids, tf.zeros_like(ids))
+    flat[keys[pos]] = tf.where(ok, ids, tf.zeros_like(ids))
     example_ok = _per_example(ok)
     valid = example_ok if valid is None else tf.logical_and(valid, example_ok)
   if valid is None:
     return x, None
+  if isinstance(flat, dict):
+    return flat, tf.cast(valid, tf.float32)
   return tf.nest.pack_sequence_as(x, flat), tf.cast(valid, tf.float32)
+
+
+def _input_keys(model, x):
+  """For a dict batch given to a model built on a list of inputs (Keras maps it by the
+  inputs' names): the batch's key of each input position; None otherwise (the batch's
+  flattened leaves are in the inputs' order)."""
+  graph = keras_internals.functional_graph(model)
+  if not isinstance(x, dict) or graph is None:
+    return None
+  struct = getattr(graph[0], "_inputs_struct", None)
+  if isinstance(struct, dict):
+    return None
+  names = [getattr(t, "name", None) for t in tf.nest.flatten(graph[0].inputs)]
+  return names if all(name in x for name in names) else None
 
 
 def _guarded_sparse_ce(fn):
