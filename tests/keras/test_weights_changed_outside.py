@@ -222,8 +222,8 @@ def test_digest_sees_one_value_and_ignores_summation_order():
 
 
 def test_traced_custom_loop_steps_are_not_refused_and_fit_records_again():
-  """Private steps traced in a tf.function (not recorded one by one) leave the weights
-  unchecked until the next record: no false refusal after them; the next DP fit records
+  """Private steps traced in a tf.function (checked by the digests they write in the graph,
+  weight_fingerprints.traced_update): no false refusal after them; the next DP fit records
   again and a plain change after it is refused."""
   x, y = _data()
   dp_model, autoencoder, _ = _shared_models()
@@ -241,7 +241,7 @@ def test_traced_custom_loop_steps_are_not_refused_and_fit_records_again():
     for i in range(3):
       step(x[10 * i:10 * i + 10], y[10 * i:10 * i + 10])
   assert int(opt.iterations.numpy()) == N // 10 + 3
-  dp_model.privacy_statement(1e-5)   # untracked steps: not refused
+  dp_model.privacy_statement(1e-5)   # the traced steps' output: not refused
   _fit(dp_model, x, y, steps_per_epoch=2)
   _fit(autoencoder, x, x, steps_per_epoch=2)
   with pytest.raises(dp.errors.PrivacyConfigError, match="privacy_statement refused"):

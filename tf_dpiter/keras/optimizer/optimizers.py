@@ -592,6 +592,10 @@ class DPOptimizerBase:
     claim_variables(self, trainable_variables)
     if not deferred:   # a custom loop's update: bound to a noised result (update_binding)
       self.private_step.require_bound_update(grads)
+    # a custom loop's traced update: the digests of the values it starts from and leaves,
+    # written in the graph (weight_fingerprints.traced_update)
+    traced = None if eager or deferred else weight_fingerprints.traced_update(
+        self, trainable_variables)
     self._private_apply = True
     # one charged sample per update (review: plain tape gradients renamed from apply_gradients
     # were applied uncharged)
@@ -606,6 +610,8 @@ class DPOptimizerBase:
         result = super().apply(grads, trainable_variables)
     finally:
       self._private_apply = False
+    if traced is not None:
+      traced()
     if eager:
       weight_fingerprints.record(self, trainable_variables)
     return result
