@@ -579,10 +579,11 @@ class DPOptimizerBase:
         first).
       tf.errors.InvalidArgumentError: the ledger holds no sample for this update (plain
         gradients; under XLA the update is NaN instead).
-      PrivacyConfigError: outside fit and train_on_batch, a gradient that is not a noised
-        result of `compute_private_gradients` or, traced, a function of one
-        (update_binding: plain tape gradients after a dropped private result; eagerly, any
-        post-processing).
+      PrivacyConfigError: outside fit and train_on_batch, a gradient that is not a
+        noised result of `compute_private_gradients` or, traced, a function of one, of the
+        updated weights, of the optimizer's own variables and of scalar constants
+        (update_binding: plain tape gradients after a dropped private result, a closed-over
+        batch of any dtype, a file read, another variable; eagerly, any post-processing).
     """
     deferred = fingerprints_deferred(self)   # fit's or train_on_batch's own step
     eager = tf.executing_eagerly() and not deferred
@@ -591,7 +592,7 @@ class DPOptimizerBase:
                                 record_with=self)
     claim_variables(self, trainable_variables)
     if not deferred:   # a custom loop's update: bound to a noised result (update_binding)
-      self.private_step.require_bound_update(grads)
+      self.private_step.require_bound_update(grads, variables=trainable_variables)
     # a custom loop's traced update: the digests of the values it starts from and leaves,
     # written in the graph (weight_fingerprints.traced_update)
     traced = None if eager or deferred else weight_fingerprints.traced_update(

@@ -1197,18 +1197,21 @@ class PrivateStep:
       self._noised.add(result)
     return result
 
-  def require_bound_update(self, grads, what="apply_private_gradients"):
+  def require_bound_update(self, grads, what="apply_private_gradients", variables=()):
     """Refuses gradients that are not a noised result this step returned, or (traced) a
-    function of one (update_binding.NoisedResults.require_bound).
+    function of one, the updated weights, the optimizer's own variables and scalar constants
+    (update_binding.NoisedResults.require_bound).
 
     Args:
       grads: the gradients about to be applied.
       what: names the caller in the message.
+      variables: the variables updated (their reads are allowed, as the optimizer's own).
 
     Raises:
       PrivacyConfigError: a gradient not bound to a noised result.
     """
-    self._noised.require_bound(grads, what)
+    self._noised.require_bound(grads, what,
+                               list(variables) + list(self.optimizer.variables))
 
 
 # ---- per-variable pipelining of the step: sum -> noise -> divide -> apply ---------------

@@ -9,22 +9,32 @@ count): one compute_private_gradients whose result is dropped, then a plain tape
 passes the count and would apply an un-noised, unclipped update (review: w1 = w0 - lr g
 exactly, epsilon 2.133 stated for it).
 
-Traced (the usual custom loop), at the trace of `apply_private_gradients`: the applied
-gradients must not depend on the step's data by a path that avoids the noise. A taint
-analysis over the step's graph (`unbound_source`, data_writes' data flow): the sources are
-the step's inputs (its arguments and captured tensors: the batch given to
-compute_private_gradients and any other; a dataset's next element; a Python function's
-result; a floating array constant, as a numpy batch the step closes over becomes), the
-sanitizers the noised results `noised_average` returned in that graph. So post-processing
-of the noised result (scaling, clip_by_global_norm, casts, a weight decay term of the
-weights, tf.random.normal noise; scalar and integer constants, variables not written from
-the data) is accepted, and plain tape gradients of a batch, or any mix of them, are refused.
-Conservative refusals: a noised result passed into the step from outside (another
-tf.function's output, an argument), a post-processing that uses a step argument or a
-floating array constant (pass a public value as a Python number or a variable), the weights
-read after an update in the same traced step (written from the data as the flow sees it).
-Not seen: a dataset iterator read inside a nested function, data reaching the graph through
-Python state other than the tensors and constants above.
+Traced (the usual custom loop, or a train_step override), at the trace of
+`apply_private_gradients`: default deny. The applied gradients may be computed only from
+(a) the noised results `noised_average` returned in that graph (post-processing), (b) the
+updated weights and the optimizer's own variables (iterations, learning rate, slots),
+(c) scalar constants, and integer constants of at most 16 elements (tf.split's sizes: a
+vector of any length) that reach them only at a shape, axis or bound position (a reshape's
+shape, a reduction's axes, a slice's bounds: `data_writes._SHAPE_ARGS`): a shape or an axis
+holds no record. `denied_inputs` walks the graph backward from the gradients, cut at the
+noised results, into nested functions, tf.cond / tf.switch_case branches (their predicate
+too) and tf.while_loop bodies (all of them), and refuses everything else it reaches: a step
+argument or captured tensor (the batch given to the step), an array constant of any dtype
+(a numpy batch the step closes over becomes one: float features, uint8 pixels, int token ids
+or labels), any other variable (a buffer of plain gradients written outside the step), a
+dataset's next element, a file read, a Python function, any other stateful op but random
+draws. So post-processing of the noised result (scaling, clip_by_global_norm, clip_by_norm
+over axes, casts, a flatten/concat/split, a weight decay term of the weights, the learning
+rate, tf.random.normal noise, a branch on `optimizer.iterations`) is accepted, and plain
+tape gradients of a batch, or any mix of them, are refused. Then, as before, a data-flow pass
+(`unbound_source`, data_writes' `_Flow`) refuses the weights read after a write from the
+data in the same traced step. Conservative refusals: a noised result passed into the step
+from outside (another tf.function's output, an argument), a post-processing that uses a step
+argument, an array constant in a value position (pass a public value as a Python number or a
+variable of the optimizer) or a shape the trace folded into a constant (`tf.shape(g)[0]` of a
+statically shaped gradient), another variable of the model (a non-trainable one). Not seen:
+a record turned into a Python number at trace time (a scalar constant), or a Python branch on
+one.
 
 Eager: the noised results drawn eagerly since the last update are kept (the tensors, until
 the update; the latest 8), and each applied gradient must be one of them, or equal bit for bit (the digest
@@ -47,6 +57,12 @@ from tf_dpiter.keras.optimizer import weight_fingerprints
 _EAGER_KEPT = 8
 # constant ops (a floating array among them is taken as data: `_embedded_array`)
 _CONSTANTS = frozenset(["Const", "HostConst"])
+# data_writes' tables of the graph's ops
+# pylint: disable=protected-access
+_CALLS, _LOOPS, _READS, _QUIET, _OPAQUE = (
+    data_writes._CALLS, data_writes._LOOPS, data_writes._READS, data_writes._QUIET,
+    data_writes._OPAQUE)
+# pylint: enable=protected-access
 # the graph attribute holding {NoisedResults: refs of the noised results traced in it}
 _GRAPH_ATTRIBUTE = "_tf_dpiter_noised_results"
 
@@ -91,12 +107,14 @@ class NoisedResults:
     self.eager = []
 
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
-  def require_bound(self, grads, what="apply_private_gradients"):
+  def require_bound(self, grads, what="apply_private_gradients", variables=()):
     """Refuses `grads` unless each is a noised result or (traced) a function of one.
 
     Args:
       grads: the gradients about to be applied (None entries skipped).
       what: names the caller in the message.
+      variables: (traced) the variables the gradients may read besides the noised results:
+        the updated weights and the optimizer's own (iterations, learning rate, slots).
 
     Raises:
       PrivacyConfigError: a gradient that is not bound to a noised result (the message names
@@ -110,7 +128,7 @@ class NoisedResults:
       return
     graph = tensors[0].graph
     held = getattr(graph, _GRAPH_ATTRIBUTE, None)
-    source = unbound_source(tensors, () if held is None else held.get(self, ()))
+    source = unbound_source(tensors, () if held is None else held.get(self, ()), variables)
     if source is not None:
       raise PrivacyConfigError(
           f"{what} applies the noised result of optimizer.compute_private_gradients, or a "
@@ -162,7 +180,7 @@ def _embedded_array(node):
   return (dtype.is_floating or dtype.is_complex) and size > 1
 
 
-def unbound_source(tensors, sanitizers):
+def unbound_source(tensors, sanitizers, variables=()):
   """The inputs `tensors` depend on by a path avoiding `sanitizers` (module docstring), as a
   short description, or None when there are none.
 
@@ -188,6 +206,9 @@ def unbound_source(tensors, sanitizers):
   clean_ops = {ref.deref().op for ref in sanitizers}
   clean = {op.name for op in clean_ops if all(o.ref() in sanitizers for o in op.outputs)}
   graph_def = graph.as_graph_def()
+  denied = denied_inputs(tensors, sanitizers, variables, graph_def)
+  if denied:
+    return "; ".join(denied[:3]) + (f"; and {len(denied) - 3} more" if len(denied) > 3 else "")
   sources = []
   for node in graph_def.node:
     if node.name in clean:
@@ -202,3 +223,230 @@ def unbound_source(tensors, sanitizers):
     return None
   return (f"the step's inputs or captured tensors ({', '.join(repr(n) for n in sources[:4])}"
           f"{', ...' if len(sources) > 4 else ''}) through {', '.join(reached[:3])}")
+
+
+# ---- default deny: what the applied gradients may be computed from -----------------------
+
+# ops that read outside the program without a resource input or a stateful mark: a file
+# (its name a scalar constant), a memory-mapped constant
+_EXTERNAL_READS = frozenset(["ReadFile", "MatchingFiles", "ImmutableConst"])
+# integer dtypes a shape, an axis or an index list has
+_INDEX_TYPES = frozenset([types_pb2.DT_INT32, types_pb2.DT_INT64])
+# a shape, axes, paddings or slice bounds: at most this many elements (rank <= 8, two per
+# axis); an integer array reaching a shape position with more is taken as data (but
+# tf.split's sizes: a vector, one per piece)
+_MAX_INDEX_ELEMENTS = 16
+# how a walked tensor reaches the gradients: as a value, as a shape, axes or bounds only, or
+# as tf.split's sizes (the larger, the more permissive)
+_VALUE, _SHAPE, _SPLITS = 0, 1, 2
+
+
+def _const_size(node):
+  size = 1
+  for d in node.attr["value"].tensor.tensor_shape.dim:
+    size *= max(d.size, 0)
+  return size
+
+
+def _const_shape(node):
+  return [d.size for d in node.attr["value"].tensor.tensor_shape.dim]
+
+
+def _shape_only_args(op, n):
+  """Input positions of `op` (of `n`) whose values are a shape, axes or bounds only (not a
+  value of the output): data_writes' `_SHAPE_ARGS`, and the axis of ConcatV2."""
+  if op == "ConcatV2":
+    return (n - 1,)
+  return data_writes._SHAPE_ARGS.get(op, ())   # pylint: disable=protected-access
+
+
+def _output_index(name, in_function):
+  """The output index an input string names (`op:i` in a graph, `op:arg:i` in a function
+  body), or None (every output: a multi-argument output list, not resolved)."""
+  parts = name.split(":")
+  if in_function:
+    return int(parts[2]) if len(parts) == 3 else None
+  return int(parts[1]) if len(parts) == 2 else 0
+
+
+class _Reach:
+  """The ancestors of the applied gradients in a traced step, checked against the allowed
+  inputs (module docstring's default deny): walked backward from the gradients, cut at the
+  noised results, into the bodies of nested functions, branches and loops. `found` collects
+  descriptions of what is not allowed."""
+
+  def __init__(self, graph_def, allowed_resources, resource_names, stops):
+    self._library = {f.signature.name: f for f in graph_def.library.function}
+    self._top = {n.name: n for n in graph_def.node}
+    self._allowed = allowed_resources
+    self._names = resource_names
+    self._stops = stops
+    self._memo = {}
+    self.found = []
+
+  def _deny(self, what):
+    if what not in self.found:
+      self.found.append(what)
+
+  def top(self, names):
+    """Walks from the graph tensors `names` ("op:i")."""
+    self._walk(self._top, [(n, _VALUE) for n in names], None, None)
+
+  def _function(self, name, outputs, mode):
+    """{argument position: mode (`_VALUE`, `_SHAPE`, `_SPLITS`)} the outputs `outputs`
+    (None: all) of the library function `name` are computed from (its violations added to
+    `found`)."""
+    key = (name, outputs, mode)
+    if key not in self._memo:
+      self._memo[key] = {}   # a recursive call: nothing more
+      fdef = self._library[name]
+      outs = [o.name for o in fdef.signature.output_arg]
+      chosen = range(len(outs)) if outputs is None else [i for i in outputs if i < len(outs)]
+      args = [a.name for a in fdef.signature.input_arg]
+      self._memo[key] = self._walk({n.name: n for n in fdef.node_def},
+                                   [(fdef.ret[outs[i]], mode) for i in chosen],
+                                   args, name)
+    return self._memo[key]
+
+  def _walk(self, nodes, starts, args, where):
+    """Walks back from `starts` ((input string, mode) pairs) through `nodes`; returns
+    {argument position: mode} of the function arguments `args` reached (the strictest mode
+    wins)."""
+    reached, seen, stack = {}, set(), list(starts)
+    in_function = args is not None
+    while stack:
+      name, mode = stack.pop()
+      if name.startswith("^"):
+        continue
+      src = name.split(":")[0]
+      if not in_function and (name if ":" in name else name + ":0") in self._stops:
+        continue   # a noised result: what it was computed from does not reach past it
+      if in_function and src in args:
+        i = args.index(src)
+        reached[i] = min(reached.get(i, mode), mode)
+        continue
+      key = (name if src in nodes and self._is_call(nodes[src]) else src, mode)
+      if key in seen or src not in nodes:
+        continue
+      seen.add(key)
+      stack += self._node(nodes[src], name, mode, in_function, where)
+    return reached
+
+  def _is_call(self, node):
+    return node.op in _CALLS or node.op in _LOOPS or node.op in self._library
+
+  def _node(self, node, name, mode, in_function, where):
+    """Checks one reached node (reached in `mode`); returns the (input, mode) pairs to walk
+    next."""
+    at = f" at node {node.name!r}" + (f" of {where!r}" if where else "")
+    inputs = [i for i in node.input if not i.startswith("^")]
+    if node.op == "Placeholder":
+      if node.attr["dtype"].type == types_pb2.DT_RESOURCE:
+        if node.name not in self._allowed:
+          self._deny(f"a variable that is neither the updated weights nor the optimizer's "
+                     f"own ({self._names.get(node.name, node.name)!r}), "
+                     "e.g. a buffer of plain gradients written outside the step")
+      else:
+        self._deny(f"a step argument or captured tensor {node.name!r} (the batch given to "
+                   "the step, or a tensor from outside it)")
+      return []
+    if node.op in _CONSTANTS:
+      size = _const_size(node)
+      index = node.attr["dtype"].type in _INDEX_TYPES and (
+          (mode >= _SHAPE and size <= _MAX_INDEX_ELEMENTS)
+          or (mode == _SPLITS and len(_const_shape(node)) <= 1))
+      if size > 1 and not index:
+        dtype = tf.dtypes.as_dtype(node.attr["dtype"].type).name
+        self._deny(f"an array constant of shape {_const_shape(node)} and dtype {dtype}{at} "
+                   "(a numpy batch the step closes over becomes one)")
+      return []
+    if self._is_call(node):
+      return self._call(node, name, inputs, mode, in_function)
+    op_def = data_writes._op_def(node.op)   # pylint: disable=protected-access
+    if op_def is None or node.op in _OPAQUE:
+      self._deny(f"a Python function or unknown op {node.op}{at} (its body cannot be "
+                 "analysed)")
+      return []
+    if node.op in _EXTERNAL_READS or (
+        op_def.is_stateful and node.op not in _READS and node.op not in _QUIET):
+      self._deny(f"a {node.op} op{at} (a file, a dataset or other state read outside the "
+                 "noised result)")
+      return []
+    shape_args = _shape_only_args(node.op, len(inputs))
+    return [(s, mode or (_SPLITS if (node.op, i) == ("SplitV", 1)
+                         else _SHAPE if i in shape_args else _VALUE))
+            for i, s in enumerate(inputs)]
+
+  def _call(self, node, name, inputs, mode, in_function):
+    """The caller inputs a reached call, branch or loop output is computed from."""
+    if node.op in _LOOPS:
+      # every loop variable may feed every other through the iterations: all of both bodies
+      for attr in ("cond", "body"):
+        self._function(node.attr[attr].func.name, None, mode)
+      return [(s, mode) for s in inputs]
+    if node.op in self._library:
+      funcs, offset = [node.op], 0
+    else:
+      attrs, offset = _CALLS[node.op]
+      funcs = [f.name for a in attrs for f in (node.attr[a].list.func or [node.attr[a].func])]
+    index = _output_index(name, in_function)
+    outputs = None if index is None else frozenset([index])
+    nxt = [(s, _VALUE) for s in inputs[:offset]]   # a branch's predicate or index: a value
+    for f in funcs:
+      for i, arg_mode in self._function(f, outputs, mode).items():
+        if i + offset < len(inputs):
+          nxt.append((inputs[i + offset], arg_mode))
+    return nxt
+
+
+def _handles(variables):
+  """The eager resource handles of `variables` (Keras or tf variables, distributed ones'
+  components too)."""
+  out = []
+  for v in variables:
+    stack = [v]
+    while stack:
+      x = stack.pop()
+      inner = getattr(x, "_value", None)
+      if inner is not None and inner is not x and not isinstance(inner, tf.Tensor):
+        stack.append(inner)
+      for part in (getattr(x, "values", None) or ()) if not isinstance(x, tf.Tensor) else ():
+        if part is not x:
+          stack.append(part)
+      handle = getattr(x, "handle", None)
+      if isinstance(handle, tf.Tensor):
+        out.append(handle)
+  return out
+
+
+def denied_inputs(tensors, sanitizers, variables, graph_def):
+  """What `tensors` are computed from that is neither a noised result in `sanitizers`, nor
+  one of `variables`, nor a scalar constant (nor a short integer constant at a shape, axis
+  or bound position), as descriptions (module docstring's default deny); [] when nothing.
+
+  Args:
+    tensors: graph tensors of one FuncGraph (the gradients to apply).
+    sanitizers: refs (`tensor.ref()`) of the noised results of that graph.
+    variables: the variables whose reads are allowed (the updated weights, the optimizer's
+      own: iterations, learning rate, slots).
+    graph_def: the graph's GraphDef (with its function library).
+
+  Returns:
+    a list of str.
+  """
+  graph = tensors[0].graph
+  handles = {id(h) for h in _handles(variables)}
+  allowed, names = set(), {}
+  for external, internal in getattr(graph, "captures", ()):
+    if internal.dtype != tf.resource:
+      continue
+    outer = data_writes._outermost(external)  # pylint: disable=protected-access
+    if id(outer) in handles:
+      allowed.add(internal.op.name)
+    else:   # for the message
+      names[internal.op.name] = (
+          data_writes._variable_name(outer))  # pylint: disable=protected-access
+  stops = {ref.deref().name for ref in sanitizers}
+  reach = _Reach(graph_def, allowed, names, stops)
+  reach.top([t.name for t in tensors if t.ref() not in sanitizers])
+  return reach.found
