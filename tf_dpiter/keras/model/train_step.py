@@ -545,22 +545,28 @@ class TrainStepMixin:
     if any(layer.trainable for layer in facts.batch_norms):   # read every step
       batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    # per-record losses: no per-output tracker update inside the clipped sum
-    with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
-          else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
-      want = facts.wants_outputs
-      # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
-      # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is
-      # neither applied nor charged, as Keras' iterations
-      if getattr(self, "_dp_noise_inside", False):
-        (grads, events), loss_sum, counts, y_pred = core(
-            x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
-        grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
-      else:
-        state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
-                                               outputs=want)
-        grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
-    opt.apply_private_gradients(grads, self.trainable_variables)
+    # the library's own step: its noised result and update need no binding (update_binding);
+    # any other apply_private_gradients (a train_step override's) is bound
+    opt._dp_own_step = True   # pylint: disable=protected-access
+    try:
+      # per-record losses: no per-output tracker update inside the clipped sum
+      with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
+            else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
+        want = facts.wants_outputs
+        # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
+        # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is
+        # neither applied nor charged, as Keras' iterations
+        if getattr(self, "_dp_noise_inside", False):
+          (grads, events), loss_sum, counts, y_pred = core(
+              x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
+          grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
+        else:
+          state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
+                                                 outputs=want)
+          grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
+      opt.apply_private_gradients(grads, self.trainable_variables)
+    finally:
+      opt._dp_own_step = False   # pylint: disable=protected-access
     facts.loss_tracker.update_state(loss_sum / tf.maximum(counts[0], 1.0),
                                     sample_weight=counts[0])
     if facts.output_trackers:   # per-output epoch means

@@ -579,7 +579,7 @@ class DPOptimizerBase:
         first).
       tf.errors.InvalidArgumentError: the ledger holds no sample for this update (plain
         gradients; under XLA the update is NaN instead).
-      PrivacyConfigError: outside fit and train_on_batch, a gradient that is not a
+      PrivacyConfigError: outside the library's own train step, a gradient that is not a
         noised result of `compute_private_gradients` or, traced, a function of one, of the
         updated weights, of the optimizer's own variables and of scalar constants
         (update_binding: plain tape gradients after a dropped private result, a closed-over
@@ -591,7 +591,9 @@ class DPOptimizerBase:
       weight_fingerprints.check(trainable_variables, "apply_private_gradients",
                                 record_with=self)
     claim_variables(self, trainable_variables)
-    if not deferred:   # a custom loop's update: bound to a noised result (update_binding)
+    # bound to a noised result (update_binding): every update but the library's own train
+    # step's (a custom loop's, a train_step override's under fit or train_on_batch)
+    if not (getattr(self, "_dp_own_step", False) or getattr(self, UNCLAIMED, False)):
       self.private_step.require_bound_update(grads, variables=trainable_variables)
     # a custom loop's traced update: the digests of the values it starts from and leaves,
     # written in the graph (weight_fingerprints.traced_update)

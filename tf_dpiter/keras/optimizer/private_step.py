@@ -1172,7 +1172,7 @@ class PrivateStep:
       result = self._noise_and_record(sample_state, self.sum_scale(num_records))
       gate_sums_on_noise(sample_state, result)
       result = list(tf.nest.flatten(result))
-      if not getattr(self.optimizer, "_dp_fingerprints_deferred", False):
+      if not getattr(self.optimizer, "_dp_own_step", False):
         self._noised.add(result)   # a custom loop's: its update is bound to it
       return result
     if ctx is None or n_rep == 1:
@@ -1192,8 +1192,9 @@ class PrivateStep:
       result = ctx.merge_call(merge_fn, args=(sample_state,))
     denom = self.denominator(num_records) * float(n_rep)
     result = [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
-    # a custom loop's result: its update is bound to it (fit's step applies its own result)
-    if not getattr(self.optimizer, "_dp_fingerprints_deferred", False):
+    # a custom loop's or a train_step override's result: its update is bound to it (the
+    # library's own train step applies its own result)
+    if not getattr(self.optimizer, "_dp_own_step", False):
       self._noised.add(result)
     return result
 
