@@ -31,9 +31,11 @@ def _charge_one_sample(opt, variables):
   opt.set_sampling(10, 0.1, "poisson", 1)
   opt.compute_private_gradients(lambda r: tf.reduce_sum(variables[1] * r), variables[1:],
                                 data=tf.ones([1, 3]))
-  # the updates below apply given values, as fit's step applies its own noised result: the
-  # custom loop's binding of an update to its noised result (update_binding) is skipped there
+  # the updates below apply given values, as the library's own train step applies its own
+  # noised result: the binding of an update to its noised result (update_binding) is skipped
+  # there only
   opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
+  opt._dp_own_step = True  # pylint: disable=protected-access
 
 
 def test_one_replica_update_is_exact_and_traces_no_identity():
