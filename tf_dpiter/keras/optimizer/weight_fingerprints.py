@@ -33,8 +33,8 @@ after it writes the digest of the values it left into the variable's in-graph re
 (`_InGraph`: the host's recorded digests, a ring of the last TRACED_KEPT digests traced updates
 left, the private-update count, and the count of the first traced update that started from
 values in neither, i.e. a change made between traced steps). That record is made outside the
-trace (at the first trace, for every variable the optimizer was built for) and held by this
-module only, in no checkpoint: no restore can set it. Static shapes, no host round trip, the
+trace (eagerly, when a step is traced) and held by this module only, in no checkpoint: no
+restore can set it. Static shapes, no host round trip, the
 same h bit for bit (uint64 arithmetic, the same multipliers), XLA-compiled. A check that finds
 the count moved compares each variable's digest with that record: a recorded state passes (a
 traced step that starts from one starts the run again from it), a state a traced update left
@@ -80,6 +80,7 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tf_dpiter.errors import PrivacyConfigError
 
@@ -153,13 +154,18 @@ class _InGraph:
 
   def __init__(self, variable, history):
     self.var_ref = weakref.ref(variable)
-    with tf.init_scope():
-      self.recorded = tf.Variable(_padded(history), trainable=False,
-                                  name="dp_recorded_digests")
-      self.traced = tf.Variable(np.zeros([TRACED_KEPT], np.uint64), trainable=False,
-                                name="dp_traced_digests")
-      self.meta = tf.Variable(np.zeros([3], np.int64), trainable=False,
-                              name="dp_traced_updates")
+    self.recorded = _state_variable(_padded(history), "dp_recorded_digests")
+    self.traced = _state_variable(np.zeros([TRACED_KEPT], np.uint64), "dp_traced_digests")
+    self.meta = _state_variable(np.zeros([3], np.int64), "dp_traced_updates")
+
+
+def _state_variable(value, name):
+  """A resource variable made eagerly, also while any tf.function is being traced: the
+  ResourceVariable class itself, not tf.Variable, whose creator scopes a tf.function sets
+  refuse a variable made on any trace but the first (a step traced again after its first
+  trace raised, or another subset of the variables)."""
+  with tf.init_scope():
+    return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
 
 
 def _padded(history):
@@ -653,12 +659,8 @@ def traced_update(optimizer, variables):
     return None
   _forget_dead()
   count = _iterations(optimizer)
-  # the records of every variable the optimizer was built for are made now: a tf.function
-  # makes variables on its first trace only, and a later trace may update another subset
-  built = list(getattr(optimizer, "_trainable_variables", None) or [])
-  ids = {id(v) for v in variables}
   states = {}
-  for v in variables + [v for v in built if id(v) not in ids]:
+  for v in variables:
     if id(v) in states:
       continue
     rec = _record_of(v, make=True)
