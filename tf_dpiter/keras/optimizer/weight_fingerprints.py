@@ -72,8 +72,8 @@ pass over the weights (the record after its update): the next call's check reads
 digests unless something wrote the weights in between. A custom loop's traced private step
 reads the variables it updates twice more (`traced_update`: the digests before and after the
 update, two compiled programs): measured CPU time per step, alternated in one process on a
-loaded 2-core host, 1.08-1.20x on a 0.1M-parameter MLP (about 1 ms on 7 ms) and 1.035x on a
-4.2M-parameter Dense stack (about 8 ms on 220 ms), batch 16.
+loaded 2-core host (three runs each), 1.08-1.20x on a 0.1M-parameter MLP (about 1 ms on 7 ms)
+and 1.026-1.036x on a 4.2M-parameter Dense stack (about 6-8 ms on 210-230 ms), batch 16.
 """
 
 import weakref
