@@ -12,6 +12,17 @@ and system time and that of the child processes it waited for, from setup to tea
 appended to DIR/cpu.<xdist worker or main>.tsv as "node id<TAB>seconds": unlike
 `--durations` (wall time, which grows with the machine's load), a figure that other processes
 barely move. `python tools/suite_tiers.py --cpu DIR` sums them per tier and directory.
+
+Compile settings: the default tier runs with cheaper compilation (`_fast_compile` below):
+LLVM at -O0 in XLA's CPU backend (XLA_FLAGS=--xla_backend_optimization_level=0, only when
+XLA_FLAGS is unset) and Grappler's graph optimizations off
+(`tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})`). Most of
+the suite's CPU goes into building, optimizing and compiling each case's distinct DP step
+programs, which then run a few steps on tiny data, so optimizing them does not pay back; the
+assertions compare results against float64 references with tolerances and hold under both
+settings. The nightly tier (`-m slow`) keeps TensorFlow's and XLA's defaults, so the
+configuration users run is still tested every night; TF_DPITER_TEST_FAST_COMPILE=1 / 0
+forces the setting on / off in either tier.
 """
 
 import os
@@ -27,9 +38,31 @@ MNIST_PATH = os.environ.get("TF_DPITER_MNIST",
                             os.path.join(REPO_ROOT, "..", "shared", "data", "mnist.npz"))
 
 
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def _fast_compile(config):
+  """Whether this run uses the cheaper compile settings (see the module docstring): in the
+  default tier (pytest.ini's `-m "not slow"`), unless TF_DPITER_TEST_FAST_COMPILE says
+  otherwise."""
+  switch = os.environ.get("TF_DPITER_TEST_FAST_COMPILE")
+  if switch in ("0", "1"):
+    return switch == "1"
+  return (config.getoption("markexpr", "") or "").strip() == "not slow"
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long runs, not part of the default suite")
   warnings.filterwarnings("ignore", message=".*NOT differentially private.*")
+  if _fast_compile(config):
+    # XLA reads XLA_FLAGS at its first compilation, after this hook (no test module is
+    # imported yet); xdist workers and the tests' subprocesses inherit it.
+    if os.environ.get("XLA_FLAGS", FAST_XLA_FLAGS) == FAST_XLA_FLAGS:
+      os.environ["XLA_FLAGS"] = FAST_XLA_FLAGS
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+      # a process that runs tests (not xdist's controller, which would import TF for nothing)
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
 
 
 @pytest.hookimpl(tryfirst=True)   # before the `-m` deselection
@@ -51,6 +84,7 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   yield
   if start is not None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.makedirs(CPU_DIR, exist_ok=True)
     with open(os.path.join(CPU_DIR, f"cpu.{worker}.tsv"), "a", encoding="utf-8") as f:
       f.write(f"{item.nodeid}\t{_cpu_seconds() - start:.3f}\n")
 
