@@ -1,4 +1,5 @@
-"""tools/suite_tiers.py: a `SLOW_CASES` id that names no case of its module is reported."""
+"""tools/suite_tiers.py: a `SLOW_CASES` id that names no case of its module is reported;
+tests/conftest.py: the per-test CPU seconds and the default tier's compile settings."""
 
 import importlib.util
 import os
@@ -51,3 +52,29 @@ def test_cpu_seconds_of_each_test_are_recorded_and_summed(tmp_path, monkeypatch)
   (tmp_path / "other.txt").write_text("tests/y.py::u\t9\n")
   assert suite_tiers._cpu_seconds(str(tmp_path)) == pytest.approx(   # pylint: disable=protected-access
       {"tests/x.py::t[a]": 1.25 + float(seconds), "tests/y.py::u": 2.0})
+
+
+def test_the_default_tier_compiles_cheaply_and_the_nightly_tier_as_shipped(monkeypatch,
+                                                                           request):
+  """tests/conftest.py's compile settings: on for pytest.ini's `-m "not slow"`, off for
+  `-m slow` (the nightly tier runs TensorFlow's and XLA's defaults) and for other selections;
+  TF_DPITER_TEST_FAST_COMPILE=0/1 overrides. In this process they are applied iff chosen."""
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  def config(markexpr):
+    return types.SimpleNamespace(getoption=lambda name, default=None: markexpr)
+
+  monkeypatch.delenv("TF_DPITER_TEST_FAST_COMPILE", raising=False)
+  assert [conftest._fast_compile(config(m))   # pylint: disable=protected-access
+          for m in ("not slow", "slow", "", None)] == [True, False, False, False]
+  monkeypatch.setenv("TF_DPITER_TEST_FAST_COMPILE", "0")
+  assert not conftest._fast_compile(config("not slow"))   # pylint: disable=protected-access
+  monkeypatch.setenv("TF_DPITER_TEST_FAST_COMPILE", "1")
+  assert conftest._fast_compile(config("slow"))   # pylint: disable=protected-access
+  monkeypatch.undo()
+  here = conftest._fast_compile(request.config)   # pylint: disable=protected-access
+  assert tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer",
+                                                            False) is here
+  if here:
+    assert os.environ.get("XLA_FLAGS"), "XLA_FLAGS unset in a fast-compile run"
