@@ -21,6 +21,12 @@ from tests.fast_clipping import test_lora_rules as lora_cases
 
 _CASES = [c for c in lora_cases.CASES if not c[0].startswith("embedding")]
 
+# Every case in graph mode by default; under XLA by default the two broadest (the Dense with
+# W0 and the bias trained, the EinsumDense merging heads), the other five with -m slow
+# (tests/conftest.py marks these ids slow; benchmarks/SUITE_CUTS.md).
+SLOW_CASES = {f"test_lora_factor_sums_exact[{name}-True]" for name in
+              ("dense", "dense_seq", "dense_seq_alpha_nobias", "einsum", "einsum_heads")}
+
 
 @pytest.fixture(name="no_kept_grads")
 def _no_kept_grads(monkeypatch):

@@ -43,11 +43,14 @@ def _mlp():
                                 keras.layers.Dense(3)])
 
 
-# (XLA, one step per execution) runs with -m slow: the default suite records every step of
-# an XLA fit at steps_per_execution 1 in test_xla_compile_once (ledger samples == iterations
-# == 18, Poisson, fast / vectorized / band_mf); here graph at 1 and XLA at 3 steps each.
+# By default graph at one step per execution; both XLA cases with -m slow. The default suite
+# records every step of an XLA fit at steps_per_execution 1 in test_xla_compile_once (ledger
+# samples == iterations == 18, Poisson, fast / vectorized / band_mf) and at 3 in
+# tests/ledger/test_rare_branches_fit.py's [True] (Poisson arrays, every step charged,
+# epsilon = compute_dp_sgd_privacy by hand); [False-1] here checks the ledger's run record
+# (policy, q, population, relation, query).
 @pytest.mark.parametrize("jit,spe", [(False, 1), pytest.param(True, 1, marks=pytest.mark.slow),
-                                     (True, 3)])
+                                     pytest.param(True, 3, marks=pytest.mark.slow)])
 def test_every_step_is_recorded_poisson(jit, spe):
   rng = np.random.RandomState(0)
   x = rng.randn(200, 6).astype("float32")

@@ -44,6 +44,7 @@ def _poisson_epsilon(q, z, steps, delta):
   return acc.get_epsilon(delta)   # the ledger holds q and z in float32: compare at 1e-6
 
 
+@pytest.mark.slow   # a full tutorial run (120 steps of a custom loop); -m slow
 def test_eager_loop_tutorial(capsys):
   """compute_private_gradients + apply_private_gradients in a custom loop (10 classes)."""
   stdout, out = _run_here(capsys, "eager_loop_dp.py")
