@@ -22,7 +22,9 @@ programs, which then run a few steps on tiny data, so optimizing them does not p
 assertions compare results against float64 references with tolerances and hold under both
 settings. The nightly tier (`-m slow`) keeps TensorFlow's and XLA's defaults, so the
 configuration users run is still tested every night; TF_DPITER_TEST_FAST_COMPILE=1 / 0
-forces the setting on / off in either tier.
+forces the setting on / off in either tier. The modules in `KEEP_GRAPPLER` run with Grappler
+on in every tier: their claims are about what Grappler does to the step (a summation order it
+must not reassociate, a noise draw it must not inline).
 """
 
 import os
@@ -39,6 +41,17 @@ MNIST_PATH = os.environ.get("TF_DPITER_MNIST",
 
 
 FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# test modules whose claims are about Grappler's rewrites: Grappler stays on for them
+KEEP_GRAPPLER = frozenset((
+    "tests/dp_query/test_noise_draw_not_inlined.py", "tests/dp_query/test_summation.py",
+    "tests/fast_clipping/test_conv_pinned_sums.py",
+    "tests/fast_clipping/test_cross_record_rounding_review.py",
+    "tests/fast_clipping/test_gram_contraction_order_review.py",
+    "tests/fast_clipping/test_pinned_block_shift_review.py",
+    "tests/fast_clipping/test_pinned_dense_sums.py",
+    "tests/fast_clipping/test_pinned_record_sums.py",
+    "tests/privacy/test_sum_rounding_review.py", "tests/privacy/test_sum_rounding_shift.py"))
+_GRAPPLER_OFF = []   # [True] in a test process of the default tier
 
 
 def _fast_compile(config):
@@ -63,6 +76,7 @@ def pytest_configure(config):
       # a process that runs tests (not xdist's controller, which would import TF for nothing)
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
       tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+      _GRAPPLER_OFF.append(True)
 
 
 @pytest.hookimpl(tryfirst=True)   # before the `-m` deselection
@@ -81,7 +95,13 @@ def _cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   """Records the test's CPU seconds under TF_DPITER_TEST_CPU_DIR (see the module docstring)."""
   start = _cpu_seconds() if CPU_DIR else None
+  keep = bool(_GRAPPLER_OFF) and item.nodeid.split("::")[0] in KEEP_GRAPPLER
+  if keep:   # Grappler on for this case (new function instantiations read the option)
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
   yield
+  if keep:
+    tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
   if start is not None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     os.makedirs(CPU_DIR, exist_ok=True)

@@ -31,6 +31,13 @@ def test_the_nightly_only_modules_exist():
     assert os.path.exists(os.path.join(ROOT, path)), path
 
 
+def test_the_modules_that_keep_grappler_exist():
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  assert conftest.KEEP_GRAPPLER
+  for path in conftest.KEEP_GRAPPLER:
+    assert os.path.exists(os.path.join(ROOT, path)), path
+
+
 def test_cpu_seconds_of_each_test_are_recorded_and_summed(tmp_path, monkeypatch):
   """tests/conftest.py appends "node id<TAB>CPU s" per test under TF_DPITER_TEST_CPU_DIR, and
   suite_tiers sums a node's lines over the workers' files (a rerun adds up), ignoring others."""

@@ -29,3 +29,10 @@ def test_full_draws_call_one_function_marked_noinline(monkeypatch):
   z = np.concatenate([t.numpy().ravel() for t in fn()])
   assert z.size == 5500 and np.all(z != 0.0)
   assert len(np.unique(z)) == z.size
+
+
+def test_grappler_optimizes_this_module_in_every_tier():
+  """This module's claim is about the graph Grappler optimizes: tests/conftest.py keeps
+  Grappler on for it (KEEP_GRAPPLER) also in the default tier's cheaper compile settings."""
+  assert not tf.config.optimizer.get_experimental_options().get("disable_meta_optimizer",
+                                                                False)
