@@ -27,7 +27,6 @@ Prints one JSON line.
 import argparse
 import json
 import os
-import sys
 import warnings
 
 
@@ -71,8 +70,7 @@ def main():
   p.add_argument("--jit", type=int, default=0)
   a = p.parse_args()
   warnings.simplefilter("ignore")
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import fit_step_time  # pylint: disable=g-import-not-at-top
+  import fit_step_time  # pylint: disable=g-import-not-at-top  (a script: its folder is on the path)
   out = {"model": a.model, "steps": a.steps, "rounds": a.rounds, "jit": a.jit,
          "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"), "load_avg_start": os.getloadavg(),
          "batches": {}}
