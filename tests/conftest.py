@@ -51,7 +51,7 @@ KEEP_GRAPPLER = frozenset((
     "tests/fast_clipping/test_pinned_dense_sums.py",
     "tests/fast_clipping/test_pinned_record_sums.py",
     "tests/privacy/test_sum_rounding_review.py", "tests/privacy/test_sum_rounding_shift.py"))
-_GRAPPLER_OFF = []   # [True] in a test process of the default tier
+_GRAPPLER_OFF = []   # [applied yet] in a test process of the default tier
 
 
 def _fast_compile(config):
@@ -73,10 +73,11 @@ def pytest_configure(config):
     if os.environ.get("XLA_FLAGS", FAST_XLA_FLAGS) == FAST_XLA_FLAGS:
       os.environ["XLA_FLAGS"] = FAST_XLA_FLAGS
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
-      # a process that runs tests (not xdist's controller, which would import TF for nothing)
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-      _GRAPPLER_OFF.append(True)
+      # a process that runs tests (not xdist's controller, which would import TF for nothing):
+      # Grappler is switched off at its first test, after collection has imported TensorFlow
+      # and Keras from the test modules' path (importing TF here, before collection, can
+      # import `keras` as tests/keras under Bazel's runner, whose script folder is tests/)
+      _GRAPPLER_OFF.append(False)
 
 
 @pytest.hookimpl(tryfirst=True)   # before the `-m` deselection
@@ -95,9 +96,14 @@ def _cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   """Records the test's CPU seconds under TF_DPITER_TEST_CPU_DIR (see the module docstring)."""
   start = _cpu_seconds() if CPU_DIR else None
-  keep = bool(_GRAPPLER_OFF) and item.nodeid.split("::")[0] in KEEP_GRAPPLER
-  if keep:   # Grappler on for this case (new function instantiations read the option)
+  keep = False
+  if _GRAPPLER_OFF:   # the default tier's compile settings (module docstring)
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    if not _GRAPPLER_OFF[0]:   # this process's first test
+      tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+      _GRAPPLER_OFF[0] = True
+    keep = item.nodeid.split("::")[0] in KEEP_GRAPPLER
+  if keep:   # Grappler on for this case (new function instantiations read the option)
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
   yield
   if keep:
