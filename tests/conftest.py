@@ -25,9 +25,21 @@ configuration users run is still tested every night; TF_DPITER_TEST_FAST_COMPILE
 forces the setting on / off in either tier. The modules in `KEEP_GRAPPLER` run with Grappler
 on in every tier: their claims are about what Grappler does to the step (a summation order it
 must not reassociate, a noise draw it must not inline).
+
+Worker crashes: an xdist worker that dies mid-test (a fatal signal in TensorFlow's C++ code,
+or a kill by the kernel's out-of-memory killer) is reported with what it left: pytest's
+`faulthandler` prints a fatal signal's Python traceback to the terminal, and each worker
+writes, before each test, the test's id and its peak RSS to
+TF_DPITER_TEST_CRASH_DIR/worker.<id>.log, whose end the controller prints in a "worker
+crashes" section. The crashed test is run once more on a new
+worker (pytest-xdist's `pytest_handlecrashitem`), so that a crash of the process, which is not
+an assertion, does not hide the verdict of the test's assertions; the run still fails when
+the rerun fails or crashes, and the section lists every crash either way.
 """
 
 import os
+import resource
+import tempfile
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -52,6 +64,9 @@ KEEP_GRAPPLER = frozenset((
     "tests/fast_clipping/test_pinned_record_sums.py",
     "tests/privacy/test_sum_rounding_review.py", "tests/privacy/test_sum_rounding_shift.py"))
 _GRAPPLER_OFF = []   # [applied yet] in a test process of the default tier
+CRASH_DIR_ENV = "TF_DPITER_TEST_CRASH_DIR"
+_CRASH_LOG = []    # [open file] in an xdist worker: each test's start and the peak RSS
+_CRASHES = {}      # in xdist's controller: crashed test id -> [report text per crash]
 
 
 def _fast_compile(config):
@@ -78,6 +93,53 @@ def pytest_configure(config):
       # and Keras from the test modules' path (importing TF here, before collection, can
       # import `keras` as tests/keras under Bazel's runner, whose script folder is tests/)
       _GRAPPLER_OFF.append(False)
+  _open_crash_log(config)
+
+
+def _open_crash_log(config):
+  """The worker crashes' record (module docstring): xdist's controller makes the folder,
+  each worker (which inherits its environment) writes its log there."""
+  if hasattr(config, "workerinput"):
+    folder = os.environ.get(CRASH_DIR_ENV)
+    if folder:
+      name = os.path.join(folder, f"worker.{config.workerinput['workerid']}.log")
+      _CRASH_LOG.append(open(name, "a", encoding="utf-8"))  # pylint: disable=consider-using-with
+  elif getattr(config.option, "numprocesses", None):
+    os.environ.setdefault(CRASH_DIR_ENV, tempfile.mkdtemp(prefix="tf_dpiter_workers_"))
+
+
+@pytest.hookimpl(optionalhook=True)   # an xdist hook: the plugin may be absent
+def pytest_handlecrashitem(crashitem, report, sched):
+  """xdist's controller, when a worker died running `crashitem`: the worker's log end into
+  the report, and the test run once more on a new worker unless it crashed before."""
+  worker = report.node.workerinput["workerid"]
+  name = os.path.join(os.environ.get(CRASH_DIR_ENV, ""), f"worker.{worker}.log")
+  tail = ""
+  if os.path.exists(name):
+    with open(name, encoding="utf-8", errors="replace") as f:
+      tail = "".join(f.readlines()[-40:])
+  tail += ("(a fatal signal's Python traceback, if any, is printed above the worker's "
+           "'node down' line; none there means a kill, e.g. SIGKILL from the out-of-memory "
+           "killer)\n")
+  _CRASHES.setdefault(crashitem, []).append(f"worker {worker} died running {crashitem}; "
+                                            f"the end of its log:\n{tail}")
+  if len(_CRASHES[crashitem]) == 1:
+    sched.mark_test_pending(crashitem)
+    report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report, config):  # pylint: disable=unused-argument
+  if report.outcome == "rerun":
+    return "rerun", "R", ("RERUN", {"yellow": True})
+  return None
+
+
+def pytest_terminal_summary(terminalreporter):
+  if _CRASHES:
+    terminalreporter.section("worker crashes")
+    for texts in _CRASHES.values():
+      for text in texts:
+        terminalreporter.write_line(text)
 
 
 @pytest.hookimpl(tryfirst=True)   # before the `-m` deselection
@@ -96,6 +158,10 @@ def _cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   """Records the test's CPU seconds under TF_DPITER_TEST_CPU_DIR (see the module docstring)."""
   start = _cpu_seconds() if CPU_DIR else None
+  if _CRASH_LOG:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    _CRASH_LOG[0].write(f"start {item.nodeid} (peak RSS so far {peak} MB)\n")
+    _CRASH_LOG[0].flush()
   keep = False
   if _GRAPPLER_OFF:   # the default tier's compile settings (module docstring)
     import tensorflow as tf  # pylint: disable=g-import-not-at-top
