@@ -307,13 +307,18 @@ def data_dependent_writes(fn, specs):
     list of the written variables' names (their resources' names; "an untracked resource
     <node>" when the written resource is not a captured variable), in graph order.
   """
+  return _graph_writes(*_traced(fn, specs))
+
+
+def _traced(fn, specs):
+  """(the FuncGraph of `fn` traced once on `specs`, the names of its data inputs' nodes)."""
   def traced(x):
     with tf.name_scope("data_writes"):   # a root scope (a model named "_sub") must be valid
       return fn(x)
 
   graph = tf.function(traced).get_concrete_function(specs).graph
   given = [spec for spec in tf.nest.flatten(specs) if spec is not None]
-  return _graph_writes(graph, {t.op.name for t in graph.inputs[:len(given)]})
+  return graph, {t.op.name for t in graph.inputs[:len(given)]}
 
 
 def closure_data_writes(fn):
@@ -473,7 +478,8 @@ def refuse_step_writes(model, x, y, sample_weight):
 
 
 def refuse_model_writes(model, inputs=None):
-  """Refuses `model` when its training-mode call writes a variable from its inputs.
+  """Refuses `model` when its training-mode call writes a variable from its inputs, or reads
+  one the model does not list.
 
   Args:
     model: a built keras.Model.
@@ -485,7 +491,9 @@ def refuse_model_writes(model, inputs=None):
     without inputs): the caller checks again when it has a batch.
 
   Raises:
-    PrivacyConfigError: as `refuse_data_writes`.
+    PrivacyConfigError: as `refuse_data_writes`, or when the call reads a variable that is
+      not in `model.variables` (nor the optimizer's): the weights' checks
+      (weight_fingerprints) cover the model's variables only.
   """
   if inputs is None:
     inputs = batch_independence._model_inputs(model)   # pylint: disable=protected-access
@@ -494,5 +502,20 @@ def refuse_model_writes(model, inputs=None):
   specs = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), inputs)
   call = ((lambda x: model(x, training=True)) if keras_internals.call_has_training_arg(model)
           else model)
-  refuse_data_writes(call, specs, f"the model {model.name!r} in training mode")
+  what = f"the model {model.name!r} in training mode"
+  graph, data = _traced(call, specs)
+  _refuse(_graph_writes(graph, data), what)
+  listed = {id(v.handle) for v in model.variables}
+  listed |= {id(v.handle) for v in getattr(getattr(model, "optimizer", None), "variables", ())}
+  unlisted = [v.name for v in graph.variables if id(v.handle) not in listed]
+  if unlisted:
+    raise PrivacyConfigError(
+        f"{what} reads the variable {unlisted[0]!r}, which is not one of the model's "
+        "variables (a tf.Variable held as a layer attribute or in a closure: Keras does not "
+        "list, save or restore it): tf_dpiter cannot check that what it holds comes from "
+        "the DP run, and a value written into it from the training data between steps "
+        "would be released unclipped and un-noised. Make it a weight "
+        "(`self.add_weight(..., trainable=False)`, assigned only when training is False or "
+        "from public data) or a constant. Received: variables read outside "
+        f"model.variables: {unlisted}")
   return True

@@ -19,6 +19,7 @@ Treatment of what could leak around the clipping:
   are for monitoring only and are not covered by the guarantee.
 """
 
+import functools
 import inspect
 import warnings
 
@@ -387,7 +388,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         self._dp_log_line(spec, reason, callbacks, a.get("verbose", "auto")))]
     # the user's callbacks sandwiched: the steps' output recorded before them, checked after
     guard = _FitFingerprints(opt, self, callbacks) if fingerprints else None
-    if guard is not None and guard.hooks:
+    if guard is not None:
       internal.append(guard.recorder)
     path = fit_sampling.journal_path(callbacks, ledger_journal or opt.ledger_journal)
     if path is not None and not any(isinstance(c, ledger_callbacks.LedgerJournal)
@@ -395,7 +396,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       internal.append(ledger_callbacks.LedgerJournal(path))
     # last: before the first step, after every restore and every journal's own check
     a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()] + (
-        [guard.checker] if guard is not None and guard.hooks else [])
+        [guard.checker] if guard is not None else [])
     self._dp_fit_fingerprints = guard
     # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
     # microbatches are masked out (the batch size was checked in _dp_declare).
@@ -571,6 +572,12 @@ class _FitFingerprints:
   iterate) or a tf_dpiter weight average of checked iterates (post-processing), nothing
   else (a plain fit of a layer this model shares is refused there). `open` is True between
   the two: a fit that raises then records nothing (the next fit, statement or save checks).
+
+  Fit's own evaluation (validation_data, validation_split) runs the model in inference mode
+  (and a `test_step` override) on data between the callbacks' on_test_begin and on_test_end:
+  `checker`, last at on_test_begin, holds the weights, and `recorder`, first at on_test_end,
+  refuses any that moved (the evaluation writes nothing the run releases: a layer keeping a
+  statistic of its inference inputs would carry them unclipped and un-noised).
   """
 
   def __init__(self, optimizer, model, callbacks):
@@ -583,16 +590,34 @@ class _FitFingerprints:
     self._progress = self._steps()
     self.open = False
     self._held = None
-    methods = {name: self._hook(self._begin, name) for name in self.hooks}
-    self.recorder = type("FingerprintsRecord", (keras.callbacks.Callback,), methods)()
-    methods = {name: self._hook(self._end, name) for name in self.hooks}
-    self.checker = type("FingerprintsCheck", (keras.callbacks.Callback,), methods)()
+    self._evaluated = None   # the weights held while fit's evaluation runs
+    first = {name: [functools.partial(self._begin, name)] for name in self.hooks}
+    first.setdefault("on_test_end", []).insert(0, self._evaluation_end)
+    self.recorder = type("FingerprintsRecord", (keras.callbacks.Callback,),
+                         {name: self._hook(fns) for name, fns in first.items()})()
+    last = {name: [functools.partial(self._end, name)] for name in self.hooks}
+    last.setdefault("on_test_begin", []).append(self._evaluation_begin)
+    self.checker = type("FingerprintsCheck", (keras.callbacks.Callback,),
+                        {name: self._hook(fns) for name, fns in last.items()})()
 
   @staticmethod
-  def _hook(fn, *args):
+  def _hook(fns):
     def hook(self, *unused_args, **unused_kwargs):  # pylint: disable=unused-argument
-      fn(*args)
+      for fn in fns:
+        fn()
     return hook
+
+  def _evaluation_begin(self):
+    self._evaluated = weight_fingerprints.hold(weight_fingerprints.checked_variables(
+        self._model))
+
+  def _evaluation_end(self):
+    held, self._evaluated = self._evaluated, None
+    bad = weight_fingerprints.changed_since(held) if held is not None else []
+    if bad:   # nothing the evaluation left may be recorded or stated
+      self.open = True
+      weight_fingerprints.mark_seen(self._optimizer)
+      weight_fingerprints.refuse(bad, "fit (its evaluation of the validation data)")
 
   def _steps(self):
     with tf.init_scope():
