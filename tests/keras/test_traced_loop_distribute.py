@@ -142,7 +142,6 @@ def test_one_replica_unchanged_loop_is_stated():
   accepted_check(tf.distribute.MirroredStrategy(["/cpu:0"]))
 
 
-@pytest.mark.xfail(strict=True, reason="traced steps under a strategy write no digests")
 def test_one_replica_changes_around_traced_steps_are_refused():
   refused_check(tf.distribute.MirroredStrategy(["/cpu:0"]))
 
@@ -179,6 +178,5 @@ def test_two_replicas_unchanged_loop_is_stated(two_replicas):
   assert "OK accepted 2" in two_replicas, two_replicas
 
 
-@pytest.mark.xfail(strict=True, reason="traced steps under a strategy write no digests")
 def test_two_replicas_changes_around_traced_steps_are_refused(two_replicas):
   assert "OK refused 2" in two_replicas, two_replicas

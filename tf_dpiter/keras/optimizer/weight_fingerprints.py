@@ -40,9 +40,11 @@ the count moved compares each variable's digest with that record: a recorded sta
 traced step that starts from one starts the run again from it), a state a traced update left
 passes unless a traced update of that variable started from values no private step produced,
 anything else is refused (set_weights after a traced step, or between traced steps). Under a
-tf.distribute strategy the traced steps write no in-graph record: there the weights are not
-checked until the next record (run one eager private step, a DP fit or `train_on_batch` to
-record again). A tf.train.Checkpoint restore or `iterations.assign` moves no such count: the
+tf.distribute strategy (`strategy.run` of the step) each replica digests its own copies of the
+variables before and after the update, and the record is written once per update, in
+cross-replica context (`merge_call`): a start is a state of the run only if every replica's
+copy held one (a write to one replica's copy is refused after the next step), and the digests
+of the primary copies, which the host's checks read, are written. A tf.train.Checkpoint restore or `iterations.assign` moves no such count: the
 check stays on, and a restored state the run recorded (an earlier iterate) passes, as does,
 after traced steps, one of the last TRACED_KEPT traced states.
 
@@ -574,8 +576,8 @@ def _untracked(rec, memo=None):
 
 def rebind(optimizer, variables):
   """Makes `optimizer` the owner of the records of `variables` without checking them (a DP
-  optimizer claiming them while its step is traced under a distribution strategy, where the
-  weights are not read).
+  optimizer claiming them while its step is traced: the traced updates' in-graph records,
+  `traced_update`, are checked from then on).
 
   Args:
     optimizer: the DP optimizer claiming `variables`.
@@ -615,22 +617,27 @@ def _graph_digests(values):
 _fused_digests = tf.function(_graph_digests, jit_compile=True, autograph=False)
 
 
-def _write_traced(before, values, states, update):
-  """The in-graph write after a traced update (`traced_update`): for each variable, the digest
-  of the values it left into its ring of traced digests, and into its counts (written, this
-  update's count `update`, and `update` as the first refused start when the digest it started
-  from, `before[i]`, is none of its recorded or traced digests)."""
-  now = _graph_digests(values)
+def _write_traced(starts, now, states, update):
+  """The in-graph write after a traced update (`traced_update`): for each variable i, the
+  digest `now[i]` of the values it left into its ring of traced digests, and into its counts
+  (written, this update's count `update`, and `update` as the first refused start when a
+  digest it started from, `starts[r, i]` on replica r, is none of its recorded or traced
+  digests). `starts` is [R, len(states)]: R = 1 without a strategy, else one row per replica
+  (each replica's copy of a mirrored variable)."""
   slots = tf.range(TRACED_KEPT, dtype=tf.int64)
   zero = tf.constant(0, tf.int64)
   for i, (recorded, traced, meta_var) in enumerate(states):
     meta = meta_var.read_value()
     ring = traced.read_value()
+    start = starts[:, i:i + 1]   # [R, 1]
+    in_recorded = tf.reduce_any(tf.equal(recorded.read_value()[None, :], start), axis=1)
+    in_traced = tf.reduce_any(tf.logical_and(tf.equal(ring[None, :], start),
+                                             (slots < meta[0])[None, :]), axis=1)
     # a start from a recorded state (one put back) starts the run again from it (`_restart`)
-    restart = tf.reduce_any(tf.equal(recorded.read_value(), before[i]))
-    was_traced = tf.reduce_any(tf.logical_and(tf.equal(ring, before[i]), slots < meta[0]))
+    restart = tf.reduce_all(in_recorded)
+    was_state = tf.reduce_all(tf.logical_or(in_recorded, in_traced))
     refused = tf.where(restart, zero, tf.where(
-        tf.logical_or(meta[2] > 0, was_traced), meta[2], update))
+        tf.logical_or(meta[2] > 0, was_state), meta[2], update))
     written = tf.where(tf.logical_and(restart, meta[2] > 0), zero, meta[0])
     traced.assign(tf.where(tf.equal(slots, written % TRACED_KEPT), now[i], ring))
     meta_var.assign(tf.stack([written + 1, update, refused]))
@@ -645,17 +652,22 @@ def traced_update(optimizer, variables):
   here, outside the trace), and the count of this update when it started from values that are
   neither a recorded state nor one a traced update left. No host round trip, static shapes.
 
+  Under a tf.distribute strategy (in a replica's context: `strategy.run`) each replica reads
+  the digests of its own copies of the variables, before and after the update, and the write
+  is made once, in cross-replica context (`merge_call`): a start is a state of the run only
+  if every replica's copy held one, and the values the first replica's copies (the primary
+  ones, which the host reads) were left are written.
+
   Args:
     optimizer: the DP optimizer applying the update.
     variables: the variables it updates.
 
   Returns:
-    a function of no arguments to call after the update (it returns the write op), or None
-    under a tf.distribute strategy (there the traced steps stay unchecked until the next
-    record) or for no variable.
+    a function of no arguments to call after the update (it returns the digests written), or
+    None (eagerly, or for no variable).
   """
   variables = list(variables)
-  if not variables or tf.executing_eagerly() or tf.distribute.has_strategy():
+  if not variables or tf.executing_eagerly():
     return None
   _forget_dead()
   count = _iterations(optimizer)
@@ -678,13 +690,31 @@ def traced_update(optimizer, variables):
   # one compiled program, made per trace: it captures these states (a module-level function
   # given them as arguments would keep a trace of earlier, deleted ones)
   state_vars = [(s.recorded, s.traced, s.meta) for s in states]
-  write = tf.function(lambda b, values, update: _write_traced(b, values, state_vars, update),
+  replica = tf.distribute.get_replica_context() if tf.distribute.has_strategy() else None
+  if replica is None:   # no strategy (or its cross-replica context: the primary copies read)
+    write = tf.function(
+        lambda b, values, update: _write_traced(b[None], _graph_digests(values), state_vars,
+                                                update),
+        jit_compile=True, autograph=False)
+
+    def after():
+      return write(before, [_graph_value(v) for v in variables], used.read_value())
+
+    return after
+
+  write = tf.function(lambda starts, now, update: _write_traced(starts, now, state_vars, update),
                       jit_compile=True, autograph=False)
 
-  def after():
-    return write(before, [_graph_value(v) for v in variables], used.read_value())
+  def merged(strategy, starts, now):
+    """Cross-replica context: every replica's starts [R, V], the primary copies' digests."""
+    starts = tf.stack(strategy.experimental_local_results(starts))
+    return write(starts, strategy.experimental_local_results(now)[0], used.read_value())
 
-  return after
+  def after_replicas():
+    now = _fused_digests([_graph_value(v) for v in variables])   # this replica's copies
+    return replica.merge_call(merged, args=(before, now))
+
+  return after_replicas
 
 
 def changed(variables, optimizer=None, record_with=None):
