@@ -143,3 +143,45 @@ def test_backend_rnn_loop():
 def test_a_missing_internal_names_attribute_and_version():
   with pytest.raises(AttributeError, match=rf"_flatten_layers.*Keras {VERSION}"):
     ki.flatten_layers(object())
+
+
+def test_functional_inputs_struct_is_the_built_structure():
+  """total_records reads a functional model's input structure (a dict batch given to a model
+  built on a list of inputs is matched by the inputs' names)."""
+  a, b = keras.Input((2,), name="a"), keras.Input((3,), name="b")
+  out = keras.layers.Concatenate()([a, b])
+  as_list = ki.functional_inputs_struct(keras.Model([a, b], out))
+  as_dict = ki.functional_inputs_struct(keras.Model({"a": a, "b": b}, out))
+  assert isinstance(as_list, (list, tuple)) and [t.name for t in as_list] == ["a", "b"], (
+      f"Functional._inputs_struct changed in Keras {VERSION}: {as_list}")
+  assert isinstance(as_dict, dict) and sorted(as_dict) == ["a", "b"], as_dict
+  with pytest.raises(AttributeError, match=rf"Functional._inputs_struct.*Keras {VERSION}"):
+    ki.functional_inputs_struct(object())
+
+
+def test_plain_resource_variable_on_every_trace_and_under_a_strategy():
+  """weight_fingerprints' in-graph records: made while a tf.function is traced a second time
+  (tf.Variable's creator scope refuses that) and under a strategy's scope (not mirrored)."""
+  made = []
+
+  @tf.function
+  def trace(x):
+    made.append(ki.plain_resource_variable(np.zeros([3], np.int64), "dp_probe"))
+    return x + 1
+
+  trace(tf.constant(1))
+  trace(tf.constant(1.0))   # a second trace
+  assert len(made) == 2 and made[0] is not made[1]
+  with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+    under = ki.plain_resource_variable(np.arange(3, dtype=np.int64), "dp_probe")
+  for v in made + [under]:
+    assert isinstance(v, tf.Variable) and not v.trainable
+    assert not isinstance(v, tf.distribute.DistributedValues), type(v)
+  np.testing.assert_array_equal(under.numpy(), [0, 1, 2])
+  with pytest.raises(ValueError):   # what the plain variable avoids
+    @tf.function
+    def refused(x):
+      tf.Variable(0.0)
+      return x
+    refused(tf.constant(1))
+    refused(tf.constant(1.0))

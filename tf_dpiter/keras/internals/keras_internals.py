@@ -5,8 +5,9 @@ compiled loss and metrics, XLA off for the outer train function, a functional gr
 variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop, a layer's
 `call` swapped for one pass). Each such use goes through one function here, so a Keras
 upgrade breaks in one place: tests/keras/test_keras_internals.py lists what the installed
-Keras lacks, naming the attribute and the version. One private TensorFlow function is wrapped
-here too (`shared_constants`: the graph constants of a trace, one per integer value).
+Keras lacks, naming the attribute and the version. Two private TensorFlow names are wrapped
+here too (`shared_constants`: the graph constants of a trace, one per integer value;
+`plain_resource_variable`: a variable made past tf.Variable's creator scopes).
 """
 
 import contextlib
@@ -19,6 +20,7 @@ from tensorflow.python.framework import constant_op
 from tensorflow.python.framework import op_callbacks
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
+from tensorflow.python.ops import resource_variable_ops
 
 
 def keras_version():
@@ -366,6 +368,23 @@ def functional_graph(model):
   return graph, graph._nodes_by_depth  # pylint: disable=protected-access
 
 
+def functional_inputs_struct(graph):
+  """The nested structure a functional model was built on (`keras.Model(inputs, ...)`:
+  a dict of inputs, a list, one input), Keras' `Functional._inputs_struct`.
+
+  Args:
+    graph: a functional model (`functional_graph(model)[0]`).
+
+  Returns:
+    the structure of its `keras.Input` tensors (a dict, list, tuple or one tensor).
+
+  Raises:
+    AttributeError: the installed Keras has no `Functional._inputs_struct` (named, with the
+      version).
+  """
+  return _require(graph, "_inputs_struct", "Functional")
+
+
 # ---- tensors, scopes, backend -----------------------------------------------------------
 
 def keras_mask(tensor):
@@ -531,6 +550,26 @@ def shared_constants():
       if _CONSTS_PATCH["blocks"] == 0:
         constant_op._constant_impl = _CONSTS_PATCH["original"]   # pylint: disable=protected-access
         _CONSTS_PATCH["original"] = None
+
+
+def plain_resource_variable(value, name):
+  """A non-trainable resource variable holding `value`, made eagerly (under tf.init_scope,
+  also while a tf.function is being traced) by TensorFlow's `ResourceVariable` class itself
+  (the private `tensorflow.python.ops.resource_variable_ops`), not by `tf.Variable`: a
+  tf.function's variable creator scope refuses a tf.Variable made on any trace but the first
+  (a step traced again, or for another subset of variables), and a distribution strategy's
+  scope would make a mirrored one. The variable is in no Keras or TF object graph but the
+  caller's.
+
+  Args:
+    value: its initial value (a NumPy array or a tensor).
+    name: its name.
+
+  Returns:
+    a tf.Variable (ResourceVariable) on the default device, trainable=False.
+  """
+  with tf.init_scope():
+    return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
 
 
 # ---- the upgrade check ------------------------------------------------------------------

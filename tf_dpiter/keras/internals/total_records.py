@@ -139,7 +139,7 @@ def _input_keys(model, x):
   graph = keras_internals.functional_graph(model)
   if not isinstance(x, dict) or graph is None:
     return None
-  struct = getattr(graph[0], "_inputs_struct", None)
+  struct = keras_internals.functional_inputs_struct(graph[0])
   if isinstance(struct, dict):
     return None
   names = [getattr(t, "name", None) for t in tf.nest.flatten(graph[0].inputs)]

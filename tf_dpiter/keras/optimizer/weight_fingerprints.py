@@ -82,9 +82,9 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops  # pylint: disable=g-direct-tensorflow-import
 
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.keras.internals import keras_internals
 
 # How many digests a variable keeps (its first one, the weights the run started from, is
 # always kept): the states that may be put back.
@@ -162,12 +162,12 @@ class _InGraph:
 
 
 def _state_variable(value, name):
-  """A resource variable made eagerly, also while any tf.function is being traced: the
-  ResourceVariable class itself, not tf.Variable, whose creator scopes a tf.function sets
-  refuse a variable made on any trace but the first (a step traced again after its first
-  trace raised, or another subset of the variables)."""
-  with tf.init_scope():
-    return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
+  """A resource variable made eagerly, also while any tf.function is being traced, and a
+  plain one under a distribution strategy's scope (`keras_internals.plain_resource_variable`:
+  not tf.Variable, whose creator scopes a tf.function sets refuse a variable made on any trace
+  but the first, a step traced again after its first trace raised or another subset of the
+  variables)."""
+  return keras_internals.plain_resource_variable(value, name)
 
 
 def _padded(history):
