@@ -183,7 +183,6 @@ def test_two_replicas_changes_around_traced_steps_are_refused(two_replicas):
   assert "OK refused 2" in two_replicas, two_replicas
 
 
-@pytest.mark.xfail(strict=True, reason="the refusal does not name the traced window or its fix")
 def test_a_traced_state_past_the_window_is_refused_naming_the_fix(tmp_path):
   """The traced steps keep the last TRACED_KEPT states they left (per variable): a
   tf.train.Checkpoint of a state no check saw, put back within them, is stated; put back
