@@ -1,59 +1,88 @@
-"""Review R7 (session 38), finding 6: a weight moved from the batch before
-`compute_private_gradients` and put back before `apply_private_gradients`, in the same traced
-step, is accepted: every record's clipped gradient then depends on the whole batch, so one
-record moves the clipped sum by far more than C.
+"""A weight written from the batch before `compute_private_gradients` and put back before
+`apply_private_gradients`, in the same traced step, is refused at the trace (review R7,
+finding 6).
 
-Claim (update_binding, module docstring: "Then, as before, a data-flow pass ... refuses the
-weights read after a write from the data in the same traced step"; data_writes: the
-weights a step reads are not written from the data). The pass is skipped when the applied
-gradients are the noised results themselves (`unbound_source`'s early return) and, walked,
-is cut at the noised results, upstream of which the tainted reads are; the fingerprints see
-the recorded weights again at the update. Relation/unit: add/remove one example (D' = D
-without record 0, whose features are 5.0), Poisson q = 10 / 100, C = 1, lr 1, one step;
-unit = example. Measured (session 38, noise off): ||sum(D) - sum(D')|| of the clipped sums =
-1.000 without the shift, 11.49 with it (bias +100 if the batch's largest feature exceeds 4,
-else -100: every record's clipped gradient flips). With z = 1 the statement says epsilon
-2.133 for D and D'; by hand (dp_accounting RDP, PoissonSampled(0.1, Gaussian(1 / 11.49)), one
-step) the mechanism's bound is 111.1. Strict xfail: open.
+Claim (update_binding.unbound_source, question 3): no variable the noised results are
+computed from (a weight the loss reads) is written from the data in the same traced step.
+Otherwise every record's clipped gradient is evaluated at weights that are a function of the
+whole batch: one record moves all B clipped gradients (R7 measured, noise off,
+||sum(D) - sum(D')|| = 11.49 C with the shift, 1.000 without; 2.133 stated against 111.1 by
+hand).
+
+Relation/unit: add/remove one example (D' = D without record 0, whose features are 5.0),
+Poisson q = 10 / 100, z = 1, C = 1; unit = example.
 """
 
+import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tf_dpiter.keras.model import statement as statement_lib
 
-N, D = 100, 4
+N, D, Q, DELTA = 100, 4, 0.1, 1e-5
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "review R7 finding 6 (open): weights written from the batch before the private "
-    "gradients and put back before the update are not seen"))
-def test_weight_shifted_from_the_batch_around_the_private_gradients_is_refused():
+def _setup(body=False):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(10, D)).astype(np.float32)
   y = rng.normal(size=(10, 1)).astype(np.float32)
   x[0] = 5.0
   keras.utils.set_random_seed(1)
-  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+  # body: a Dense(8) body whose bias is shifted, the step updating the head only
+  model = keras.Sequential([keras.Input((D,))] + [keras.layers.Dense(8)] * body
+                           + [keras.layers.Dense(1)])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=1.0)
   opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.1, "poisson", 10)
-  variables = model.trainable_variables
-  bias = variables[1]
+  opt.set_sampling(N, Q, "poisson", 10)
+  variables = model.trainable_variables[2:] if body else model.trainable_variables
+  shifted = model.trainable_variables[1]
 
   def record_loss(rec):
     xr, yr = rec
     return tf.reduce_mean(tf.square(model(xr) - yr))
 
-  @tf.function
-  def step(xb, yb):
-    delta = tf.where(tf.reduce_max(xb) > 4.0, 100.0, -100.0)   # a function of the batch
-    bias.assign_add([delta])
+  def step(xb, yb, shift):
+    delta = shift(xb)
+    shifted.assign_add(tf.fill(shifted.shape, delta))
     grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
-    bias.assign_sub([delta])   # put back: the update starts from recorded weights
+    shifted.assign_sub(tf.fill(shifted.shape, delta))   # put back before the update
     opt.apply_private_gradients(grads, variables)
 
-  with pytest.raises(dp.errors.PrivacyConfigError):
-    step(x, y)
+  return model, opt, step, (x, y)
+
+
+@pytest.mark.parametrize("body, refusal", [
+    # an updated weight: the value written to it is walked (default deny)
+    (False, r"the value written to '[^']*dense[_0-9]*/bias' \(a variable the update reads\) "
+            r"from a step argument or captured tensor 'xb'"),
+    # a weight the step does not update, read by the loss: the data flow
+    (True, r"the variable '[^']*dense[_0-9]*/bias' written from the step's inputs .* "
+           r"the clipping bound no longer bounds one record's effect"),
+])
+def test_weight_shifted_from_the_batch_around_the_private_gradients_is_refused(body, refusal):
+  model, opt, step, batch = _setup(body)
+  w0 = [v.numpy().copy() for v in model.trainable_variables]
+  with pytest.raises(dp.errors.PrivacyConfigError, match=refusal):
+    # a function of the batch: +100 if its largest feature exceeds 4, else -100
+    tf.function(step)(*batch, lambda xb: tf.where(tf.reduce_max(xb) > 4.0, 100.0, -100.0))
+  for v, w in zip(model.trainable_variables, w0):   # refused at the trace: nothing ran
+    np.testing.assert_array_equal(v.numpy(), w)
+  assert int(opt.iterations.numpy()) == 0
+
+
+def test_a_shift_of_public_values_next_to_it_trains_and_states_its_epsilon():
+  model, opt, step, batch = _setup()
+  w0 = model.trainable_variables[0].numpy().copy()
+  traced = tf.function(step)
+  traced(*batch, lambda xb: tf.constant(0.5))   # public: not a function of the batch
+  traced(*batch, lambda xb: tf.constant(0.5))
+  assert np.abs(model.trainable_variables[0].numpy() - w0).max() > 0
+  stated = statement_lib.run_statement(opt, DELTA)
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(1.0)), 2))
+  assert stated.steps == 2
+  assert stated.epsilon == pytest.approx(acc.get_epsilon(DELTA), rel=1e-3)

@@ -1,33 +1,32 @@
-"""Review R7 (session 38), finding 3: `tf.size` of a statically shaped batch is folded into a
-scalar constant at trace time, which update_binding's default deny allows: the batch size
-(private under Poisson sampling and add/remove) reaches the update un-noised, while the same
-value through `tf.shape(batch)[0]` is refused.
+"""`tf.size` of a statically shaped batch, folded into a scalar constant at trace time, is
+refused when it reaches the update (review R7, finding 3).
 
-Claim (update_binding, module docstring: the applied gradients may be computed only from the
-noised results, the weights, the optimizer's variables and scalar constants; "the shapes of
-the sources count as data (a Poisson batch's size is private)"). Relation/unit: add/remove one
-example (D' = D without record 0: 10 vs 9 records), Poisson q = 10 / 100, z = 1, C = 1, one
-step; unit = example. Measured (session 38): update `g - 10 * tf.size(labels)`: accepted,
-epsilon 2.133 stated for both; the released bias is 10.034 on D and 9.046 on D' (lr 0.1 x 10
-x one record, noise std lr z C / E = 0.01): the two are ~100 noise std apart (an RDP bound
-for that mechanism, Gaussian with noise multiplier 0.0099 at q = 0.1: epsilon 5,698).
-Strict xfail: open.
+Claim (update_binding, default deny): the applied gradients may be computed from the noised
+results, the weights, the optimizer's variables and scalar constants, but "the shapes of the
+sources count as data (a Poisson batch's size is private)". TensorFlow folds `tf.size(yb)` of
+a static batch into an int32 scalar `Const` with no edge to the batch; an int32 scalar
+constant in a value position equal to a step argument's static leading dimension or number of
+elements is now taken as that folded size (R7 measured: bias 10.034 on D vs 9.046 on D', ~100
+noise std apart, 2.133 stated vs 5,698 by hand). Not seen: a size turned into a Python number
+(`yb.shape[0]`, `len(yb)`) or an int64 one; 0 and 1.
+
+Relation/unit: add/remove one example (D: 10 records, D' = D without record 0: 9), Poisson
+q = 10 / 100, z = 1, C = 1; unit = example.
 """
 
+import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tf_dpiter.keras.model import statement as statement_lib
 
-N, D = 100, 4
+N, D, Q, DELTA = 100, 4, 0.1, 1e-5
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "review R7 finding 3 (open): tf.size of a static batch is a scalar constant in the trace "
-    "and update_binding allows scalar constants"))
-def test_batch_size_folded_by_tf_size_is_refused():
+def _setup():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(10, D)).astype(np.float32)
   y = rng.normal(size=(10, 1)).astype(np.float32)
@@ -35,20 +34,42 @@ def test_batch_size_folded_by_tf_size_is_refused():
   model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
   opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.1, "poisson", 10)
+  opt.set_sampling(N, Q, "poisson", 10)
   variables = model.trainable_variables
 
   def record_loss(rec):
     xr, yr = rec
     return tf.reduce_mean(tf.square(model(xr) - yr))
 
-  def step(xb, yb, size_of):
+  def step(xb, yb, post):
     grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
-    n = tf.cast(size_of(yb), tf.float32)   # the sampled batch's size: private
-    opt.apply_private_gradients([g - 10.0 * n for g in grads], variables)
+    opt.apply_private_gradients([post(g, yb) for g in grads], variables)
 
-  # the library's own refusal of the same value by another spelling (not folded)
-  with pytest.raises(dp.errors.PrivacyConfigError, match="array constant"):
-    tf.function(step)(x, y, lambda t: tf.shape(t)[0])
-  with pytest.raises(dp.errors.PrivacyConfigError):
-    tf.function(step)(x, y, tf.size)
+  return model, opt, step, (x, y)
+
+
+@pytest.mark.parametrize("size_of, refusal", [
+    (lambda t: tf.shape(t)[0], "array constant"),   # not folded: the [2] shape constant
+    (tf.size, r"the integer constant 10 .* the static size of a step argument"),
+])
+def test_batch_size_reaching_the_update_is_refused(size_of, refusal):
+  model, opt, step, batch = _setup()
+  w0 = model.trainable_variables[1].numpy().copy()
+  with pytest.raises(dp.errors.PrivacyConfigError, match=refusal):
+    tf.function(step)(*batch, lambda g, yb: g - 3.0 * tf.cast(size_of(yb), tf.float32))
+  np.testing.assert_array_equal(model.trainable_variables[1].numpy(), w0)
+
+
+def test_public_post_processing_next_to_it_trains_and_states_its_epsilon():
+  model, opt, step, batch = _setup()
+  w0 = model.trainable_variables[1].numpy().copy()
+  traced = tf.function(step)
+  # a scale of public values (a Python float, the expected batch size 10 as a float) and an
+  # int32 constant that is no size of the batch
+  traced(*batch, lambda g, yb: g * (10.0 / 10.0) * tf.cast(tf.constant(3), g.dtype) / 3.0)
+  assert np.abs(model.trainable_variables[1].numpy() - w0).max() > 0
+  stated = statement_lib.run_statement(opt, DELTA)
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(1.0)))
+  assert stated.steps == 1
+  assert stated.epsilon == pytest.approx(acc.get_epsilon(DELTA), rel=1e-3)

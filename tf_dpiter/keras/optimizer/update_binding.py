@@ -26,15 +26,30 @@ dataset's next element, a file read, a Python function, any other stateful op bu
 draws. So post-processing of the noised result (scaling, clip_by_global_norm, clip_by_norm
 over axes, casts, a flatten/concat/split, a weight decay term of the weights, the learning
 rate, tf.random.normal noise, a branch on `optimizer.iterations`) is accepted, and plain
-tape gradients of a batch, or any mix of them, are refused. Then, as before, a data-flow pass
-(`unbound_source`, data_writes' `_Flow`) refuses the weights read after a write from the
-data in the same traced step. Conservative refusals: a noised result passed into the step
+tape gradients of a batch, or any mix of them, are refused. The same default deny walks back
+from the VALUE of every write, earlier in the graph, to one of the allowed variables (Keras'
+update reads the slots, the learning rate and iterations besides the gradients: a momentum
+slot or a learning rate assigned from the batch would reach the weights un-noised; a weight
+assigned from the batch too), whether or not the applied gradients are the noised results
+themselves. Then a data-flow pass (`unbound_source`, data_writes' `_Flow`) refuses gradients
+reached by the data, and a variable the noised results are computed from (a weight the loss
+reads) that the graph writes from the data: each record's clipped gradient would be taken at
+weights that are a function of the whole batch, and one record would move all of them (the
+clipped sum's sensitivity is then no longer C; McMahan et al., "A General Approach to Adding
+Differential Privacy to Iterative Training Procedures", Section 2). These walks run at every
+trace of the update (one GraphDef of the step; no per-step cost). An int32 scalar constant
+in a value position equal to a step argument's static leading dimension or number of
+elements (above 1) is taken as the batch size the trace folded (`tf.size(batch)` of a
+statically shaped batch is a constant with no edge to the batch; the batch size of a
+Poisson sample is private) and refused: a conservative refusal of a coincidence too.
+Conservative refusals: a noised result passed into the step
 from outside (another tf.function's output, an argument), a post-processing that uses a step
 argument, an array constant in a value position (pass a public value as a Python number or a
 variable of the optimizer) or a shape the trace folded into a constant (`tf.shape(g)[0]` of a
 statically shaped gradient), another variable of the model (a non-trainable one). Not seen:
 a record turned into a Python number at trace time (a scalar constant), or a Python branch on
-one.
+one; the batch size as a Python number (`len(x)`, `x.shape[0]`), as an int64 constant, or
+when it is 0 or 1.
 
 Eager: the noised results drawn eagerly since the last update are kept (the tensors, until
 the update; the latest 8), and each applied gradient must be one of them, or equal bit for bit (the digest
@@ -184,24 +199,34 @@ def unbound_source(tensors, sanitizers, variables=()):
   """The inputs `tensors` depend on by a path avoiding `sanitizers` (module docstring), as a
   short description, or None when there are none.
 
-  The data flow is data_writes' (`_Flow`): forward from the sources (every Placeholder that
-  is not a resource: the step's arguments and captured tensors; a dataset's next element; a
-  Python function's result; a floating constant of more than one element: a numpy batch the
-  step closes over), through data edges, the bodies of nested functions, branches
-  and loops (a predicate that depends on the data taints what the branch returns), and the
-  variables the graph writes from the data (their reads); the shapes of the sources count
-  as data (a Poisson batch's size is private). The sanitizers' ops (all of whose outputs are
-  noised results) are cut from their inputs.
+  Three questions, over the graph built so far (the step up to the update), walked at every
+  trace (also when `tensors` are the noised results themselves):
+  1. default deny (`denied_inputs`) from `tensors` and from the VALUE of every write to one
+     of `variables` (the updated weights and the optimizer's own: its slots, learning rate
+     and iterations, which Keras' update reads): a momentum slot or learning rate written
+     from the batch reaches the weights un-noised;
+  2. the data flow (data_writes' `_Flow`): forward from the sources (every Placeholder that
+     is not a resource: the step's arguments and captured tensors; a dataset's next element;
+     a Python function's result; a floating constant of more than one element: a numpy batch
+     the step closes over), through data edges, the bodies of nested functions, branches
+     and loops (a predicate that depends on the data taints what the branch returns), and
+     the variables the graph writes from the data (their reads); the shapes of the sources
+     count as data (a Poisson batch's size is private). The sanitizers' ops (all of whose
+     outputs are noised results) are cut from their inputs. `tensors` reached are refused;
+  3. a variable that the noised results are computed from (a weight the loss reads) and that
+     the graph writes from the data: each record's clipped gradient is then evaluated at
+     weights that are a function of the whole batch, so one record moves all B of them and
+     the clipped sum's sensitivity is no longer C (a weight moved from the batch before
+     compute_private_gradients and put back before the update).
 
   Args:
     tensors: graph tensors of one graph (the gradients to apply).
     sanitizers: refs (`tensor.ref()`) of the noised results of that graph.
+    variables: the variables whose reads are allowed (`denied_inputs`).
 
   Returns:
     a description (str) of the sources reached, or None.
   """
-  if all(t.ref() in sanitizers for t in tensors):
-    return None   # the list compute_private_gradients returned (the usual loop): no walk
   graph = tensors[0].graph
   clean_ops = {ref.deref().op for ref in sanitizers}
   clean = {op.name for op in clean_ops if all(o.ref() in sanitizers for o in op.outputs)}
@@ -209,6 +234,7 @@ def unbound_source(tensors, sanitizers, variables=()):
   denied = denied_inputs(tensors, sanitizers, variables, graph_def)
   if denied:
     return "; ".join(denied[:3]) + (f"; and {len(denied) - 3} more" if len(denied) > 3 else "")
+  noised_from = _resources_read(graph_def, {ref.deref().op.name for ref in sanitizers})
   sources = []
   for node in graph_def.node:
     if node.name in clean:
@@ -217,12 +243,47 @@ def unbound_source(tensors, sanitizers, variables=()):
           or node.op in _OPAQUE_SOURCES or _embedded_array(node)):
       sources.append(node.name)
   flow = data_writes._Flow(graph_def)  # pylint: disable=protected-access
-  _, tainted, _ = flow.body(graph_def.node, sources, set(), False, sources)
+  written, tainted, _ = flow.body(graph_def.node, sources, set(), False, sources)
+  shown = f"{', '.join(repr(n) for n in sources[:4])}{', ...' if len(sources) > 4 else ''}"
+  shifted = sorted(written & noised_from)
+  if shifted:
+    names = _capture_names(graph)
+    return (f"the variable {names.get(shifted[0], shifted[0])!r} written from the step's "
+            f"inputs or captured tensors ({shown}) in the same traced step that computes the "
+            "noised result from it (a weight the loss reads, moved from the batch before "
+            "compute_private_gradients: every record's clipped gradient then depends on the "
+            "whole batch, and the clipping bound no longer bounds one record's effect)")
   reached = sorted({t.op.name for t in tensors if t.op.name in tainted})
   if not reached:
     return None
-  return (f"the step's inputs or captured tensors ({', '.join(repr(n) for n in sources[:4])}"
-          f"{', ...' if len(sources) > 4 else ''}) through {', '.join(reached[:3])}")
+  return (f"the step's inputs or captured tensors ({shown}) through {', '.join(reached[:3])}")
+
+
+def _resources_read(graph_def, names):
+  """The resource Placeholders of the graph (captured variables) the top-level nodes `names`
+  are computed from (backward through data inputs; a call's captured resources are its
+  inputs)."""
+  nodes = {n.name: n for n in graph_def.node}
+  out, seen, stack = set(), set(), list(names)
+  while stack:
+    name = stack.pop()
+    if name in seen or name not in nodes:
+      continue
+    seen.add(name)
+    node = nodes[name]
+    if node.op == "Placeholder" and node.attr["dtype"].type == types_pb2.DT_RESOURCE:
+      out.add(name)
+      continue
+    stack += [i.split(":")[0] for i in node.input if not i.startswith("^")]
+  return out
+
+
+def _capture_names(graph):
+  """{captured resource Placeholder's name: the variable's name} of a FuncGraph."""
+  return {internal.op.name: data_writes._variable_name(  # pylint: disable=protected-access
+      data_writes._outermost(external))  # pylint: disable=protected-access
+          for external, internal in getattr(graph, "captures", ())
+          if internal.dtype == tf.resource}
 
 
 # ---- default deny: what the applied gradients may be computed from -----------------------
@@ -275,7 +336,8 @@ class _Reach:
   noised results, into the bodies of nested functions, branches and loops. `found` collects
   descriptions of what is not allowed."""
 
-  def __init__(self, graph_def, allowed_resources, resource_names, stops):
+  def __init__(self, graph_def, allowed_resources, resource_names, stops, sizes=()):
+    self._sizes = frozenset(sizes)
     self._library = {f.signature.name: f for f in graph_def.library.function}
     self._top = {n.name: n for n in graph_def.node}
     self._allowed = allowed_resources
@@ -359,6 +421,15 @@ class _Reach:
         dtype = tf.dtypes.as_dtype(node.attr["dtype"].type).name
         self._deny(f"an array constant of shape {_const_shape(node)} and dtype {dtype}{at} "
                    "(a numpy batch the step closes over becomes one)")
+      elif (size == 1 and mode == _VALUE and self._sizes
+            and node.attr["dtype"].type == types_pb2.DT_INT32):
+        value = int(tf.make_ndarray(node.attr["value"].tensor).reshape(-1)[0])
+        if value in self._sizes:
+          self._deny(f"the integer constant {value}{at}, the static size of a step argument "
+                     "(tf.size or tf.shape of a statically shaped batch is folded into a "
+                     "constant at trace time; under Poisson sampling the batch size is "
+                     "private: use the expected batch size, a Python float, or trace the "
+                     "step with input_signature=[tf.TensorSpec([None, ...])])")
       return []
     if self._is_call(node):
       return self._call(node, name, inputs, mode, in_function)
@@ -447,6 +518,76 @@ def denied_inputs(tensors, sanitizers, variables, graph_def):
       names[internal.op.name] = (
           data_writes._variable_name(outer))  # pylint: disable=protected-access
   stops = {ref.deref().name for ref in sanitizers}
-  reach = _Reach(graph_def, allowed, names, stops)
+  sizes = _static_sizes(graph_def)
+  reach = _Reach(graph_def, allowed, names, stops, sizes)
   reach.top([t.name for t in tensors if t.ref() not in sanitizers])
-  return reach.found
+  found = list(reach.found)
+  # the values the graph writes to the allowed variables: Keras' update reads the slots, the
+  # learning rate and iterations (and the weights) besides the gradients
+  all_names = _capture_names(graph)
+  for resource, inputs in _allowed_writes(graph_def, allowed):
+    reach = _Reach(graph_def, allowed, names, stops, sizes)
+    reach.top(inputs)
+    found += [f"the value written to {all_names.get(resource, resource)!r} (a variable the "
+              f"update reads) from {what}" for what in reach.found]
+  return list(dict.fromkeys(found))   # each once (an assign_add and its assign_sub)
+
+
+def _static_sizes(graph_def):
+  """The static sizes of the step's data (every non-resource Placeholder of rank >= 1: its
+  leading dimension and its number of elements), those above 1: an int32 scalar constant
+  equal to one of them reaching the update in a value position is taken as a batch size
+  that the trace folded (`tf.size(batch)`); 0 and 1 are too common to tell."""
+  out = set()
+  for node in graph_def.node:
+    if node.op != "Placeholder" or node.attr["dtype"].type == types_pb2.DT_RESOURCE:
+      continue
+    dims = [d.size for d in node.attr["shape"].shape.dim]
+    if node.attr["shape"].shape.unknown_rank or not dims:
+      continue
+    if dims[0] > 1:
+      out.add(dims[0])
+    if all(d >= 0 for d in dims):
+      total = 1
+      for d in dims:
+        total *= d
+      if total > 1:
+        out.add(total)
+  return out
+
+
+def _allowed_writes(graph_def, allowed):
+  """[(resource, its value inputs)] for each top-level op of `graph_def` that writes one of
+  the resource Placeholders `allowed` (an assign, a scatter; a call, branch or loop whose
+  body writes it: then every input of the call)."""
+  out = []
+  flow = None
+  for node in graph_def.node:
+    inputs = [i for i in node.input if not i.startswith("^")]
+    srcs = [i.split(":")[0] for i in inputs]
+    if not any(s in allowed for s in srcs):
+      continue
+    if data_writes._is_write(node.op):   # pylint: disable=protected-access
+      types = data_writes._input_types(node)   # pylint: disable=protected-access
+      for s, t in zip(srcs, types):
+        if t == types_pb2.DT_RESOURCE and s in allowed:
+          out.append((s, [i for i, ti in zip(inputs, types) if ti != types_pb2.DT_RESOURCE]))
+      continue
+    if node.op in _LOOPS:
+      funcs, offset = [node.attr["cond"].func.name, node.attr["body"].func.name], 0
+    elif node.op in _CALLS:
+      attrs, offset = _CALLS[node.op]
+      funcs = [f.name for a in attrs for f in (node.attr[a].list.func or [node.attr[a].func])]
+    elif node.op in {f.signature.name for f in graph_def.library.function}:
+      funcs, offset = [node.op], 0
+    else:
+      continue
+    if flow is None:
+      flow = data_writes._Flow(graph_def)   # pylint: disable=protected-access
+    written = set()
+    for f in funcs:   # every write of the body (as under a data-dependent predicate)
+      written |= flow._function(f, frozenset(), frozenset(), True)[0]  # pylint: disable=protected-access
+    for i in sorted(written):
+      if i + offset < len(srcs) and srcs[i + offset] in allowed:
+        out.append((srcs[i + offset], inputs))
+  return out

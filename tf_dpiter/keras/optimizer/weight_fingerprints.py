@@ -22,7 +22,14 @@ and checked after them, so a callback's write (a plain fit of a shared layer at 
 end) is refused there; a fit that a callback aborts records nothing more.
 
 Every variable with digests recorded is checked (`checked_variables`), trainable or not now:
-a DP-trained layer changed outside and then frozen is refused as well.
+a DP-trained layer changed outside and then frozen is refused as well. The DP optimizer's
+floating slots (SGD's momentums, Adam's moments: `optimizer_state`) are recorded and checked
+with the weights it updates (Keras' update reads them: a slot written from the batch's plain
+gradient would reach the weights un-noised), in every record, check, `hold` and traced
+update; not `iterations` (moved by every update) nor the learning rate (a public schedule
+may set it; update_binding refuses a write of it from the data in the traced step). A
+recorded variable that no traced update wrote is compared with its records even when its
+optimizer's traced steps updated others.
 
 Private updates are counted by the DP optimizer's private step (its count of noised results
 used by updates, kept out of every checkpoint: no restore moves it). A count that moved since
@@ -240,6 +247,47 @@ def checked_variables(model):
   return out
 
 
+def optimizer_state(optimizer):
+  """The DP optimizer's own variables its update reads besides the weights and that only its
+  update may write: its floating slots (SGD's momentums, Adam's moments), not `iterations`
+  (Keras' update moves it), the learning rate (a public schedule or callback may set it;
+  a write of it from the data in the traced step is refused by update_binding) nor an integer
+  state (a seeded noise generator's, advanced by the private step). A slot written outside
+  the update (from the batch's plain gradient: it reaches the weights un-noised) is refused as
+  a weight is.
+
+  Args:
+    optimizer: a DP optimizer, or None.
+
+  Returns:
+    list of variables ([] for None).
+  """
+  if optimizer is None:
+    return []
+  skip = {id(optimizer.iterations), id(getattr(optimizer, "_learning_rate", None))}
+  return [v for v in getattr(optimizer, "variables", ())
+          if id(v) not in skip and tf.as_dtype(v.dtype).is_floating]
+
+
+def _with_state(variables, optimizers=()):
+  """`variables`, then the `optimizer_state` of `optimizers` and of the optimizers of their
+  records (each variable once)."""
+  out = list(variables)
+  seen = {id(v) for v in out}
+  owners = {id(o): o for o in optimizers if o is not None}
+  for v in out:
+    rec = _record_of(v)
+    opt = rec.opt_ref() if rec is not None and rec.opt_ref is not None else None
+    if opt is not None:
+      owners.setdefault(id(opt), opt)
+  for opt in owners.values():
+    for v in optimizer_state(opt):
+      if id(v) not in seen:
+        seen.add(id(v))
+        out.append(v)
+  return out
+
+
 def _multipliers(rows, cols):
   """The odd multipliers a [R] and b [1, C] of a shape, as NumPy arrays (made once)."""
   key = (rows, cols)
@@ -412,7 +460,7 @@ def hold(variables):
     update copies the buffers instead of writing in place).
   """
   out = []
-  for v in variables:
+  for v in _with_state(variables):   # the optimizers' slots too (`optimizer_state`)
     tensor = _read(v)
     out.append((v, tensor, _host_array(tensor)))
   return out
@@ -530,7 +578,7 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
   count = None if optimizer is None else _iterations(optimizer)
   updates = None if optimizer is None else private_updates(optimizer)
   pairs = []
-  for v in variables:
+  for v in _with_state(variables, [optimizer]):   # and its slots (`optimizer_state`)
     if only_new and _record_of(v) is not None:
       continue
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
@@ -653,6 +701,17 @@ def _write_traced(starts, now, states, update):
   return now
 
 
+def _deferred(rec):
+  """True while the optimizer of the record runs a DP fit's or train_on_batch's own steps
+  (optimizers.fingerprints_deferred: they record the weights themselves)."""
+  opt = rec.opt_ref() if rec.opt_ref is not None else None
+  if opt is None:
+    return False
+  # here: optimizers imports this module
+  from tf_dpiter.keras.optimizer import optimizers  # pylint: disable=g-import-not-at-top
+  return optimizers.fingerprints_deferred(opt)
+
+
 def traced_update(optimizer, variables):
   """The in-graph record of a custom loop's private update traced in a tf.function (module
   docstring): called in the traced step before the update, it reads the digests of the values
@@ -680,6 +739,11 @@ def traced_update(optimizer, variables):
     return None
   _forget_dead()
   count = _iterations(optimizer)
+  # the optimizer's slots too (`optimizer_state`): a write of them in the step before the
+  # update, or between traced steps, is a start from values no private step produced
+  if not getattr(optimizer, "built", True):   # its slots now, as its apply would make them
+    optimizer.build(variables)
+  variables = _with_state(variables, [optimizer])
   states = {}
   for v in variables:
     if id(v) in states:
@@ -743,7 +807,7 @@ def changed(variables, optimizer=None, record_with=None):
     variables = [rec.var_ref() for rec in _RECORDS.values()
                  if rec.opt_ref is not None and rec.opt_ref() is optimizer]
   pairs = []
-  for v in variables:
+  for v in _with_state(variables, [record_with]):   # and the slots (`optimizer_state`)
     rec = _record_of(v, make=record_with is not None)
     if rec is not None:
       pairs.append((rec, v))
@@ -758,7 +822,10 @@ def changed(variables, optimizer=None, record_with=None):
         out.append((rec.var_ref(), rec.iterations))
       elif h not in rec.history:
         _append(rec, h, None, None)   # a state the run produced, from now on recorded
-    elif not _untracked(rec, memo) and h not in rec.history:
+    elif h not in rec.history and not (_untracked(rec, memo) and _deferred(rec)):
+      # no traced update wrote it since its last record (tracked, or outside the subset a
+      # custom loop's traced steps updated): compared with its records. Unchecked while a
+      # DP fit's own steps (which record at its hooks and end) run
       out.append((rec.var_ref(), rec.iterations))
     if record_with is None and h in rec.history:
       rec.held = _kept(tensor, array, h)   # a recorded state: its digest kept
