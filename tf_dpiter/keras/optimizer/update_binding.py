@@ -586,7 +586,8 @@ def _allowed_writes(graph_def, allowed):
       flow = data_writes._Flow(graph_def)   # pylint: disable=protected-access
     written = set()
     for f in funcs:   # every write of the body (as under a data-dependent predicate)
-      written |= flow._function(f, frozenset(), frozenset(), True)[0]  # pylint: disable=protected-access
+      # pylint: disable-next=protected-access
+      written |= flow._function(f, frozenset(), frozenset(), True)[0]
     for i in sorted(written):
       if i + offset < len(srcs) and srcs[i + offset] in allowed:
         out.append((srcs[i + offset], inputs))
