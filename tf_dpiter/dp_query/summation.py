@@ -431,7 +431,7 @@ def in_xla_context():
   return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def pairwise_sum(x, const=None):
+def pairwise_sum(x, const=None, most=None):
   """sum_i x[i] over the leading axis by a pinned binary tree: the rows padded with zero rows
   to 2^d (d = ceil(log2 n); x + 0 is exact), then d levels of x[:h] + x[h:] (elementwise adds,
   which XLA and Grappler keep as written; n unknown to the trace: the same tree in a
@@ -444,6 +444,12 @@ def pairwise_sum(x, const=None):
       across the graph (e.g. keras.fast_clipping.algebra.const): a static n's tree then takes
       its padding and axis from it and halves by tf.split (one op and no new Const per
       level; the same additions).
+    most: None, or a Python int bounding an n the trace does not know (a public bound the
+      caller's step enforces): outside XLA the rows are then padded with zero rows to
+      P = 2^ceil(log2 most), a shape the trace knows, and summed by the static tree, no
+      tf.while_loop. Its levels above p = 2^ceil(log2 n) add zero rows (x + 0 = x), so the
+      sums are those of the tree over p rows; more than P rows fail the padding (a negative
+      pad) at run time.
 
   Returns:
     the sum, x.shape[1:].
@@ -464,7 +470,14 @@ def pairwise_sum(x, const=None):
         low, high = tf.split(x, 2, axis=const(0, tf.int32))
         x = low + high
     return x[0] if const is None else tf.squeeze(x, axis=[0])
-  return _pairwise_sum_dynamic(x) if in_xla_context() else _pairwise_sum_shrinking(x)
+  if in_xla_context():
+    return _pairwise_sum_dynamic(x)
+  if most is not None:
+    width = 1 << tree_depth(max(int(most), 1))
+    x = tf.pad(x, [[0, width - tf.shape(x)[0]]] + tail)   # n = 0: zero rows
+    x.set_shape([width] + x.shape[1:].as_list())
+    return pairwise_sum(x, const)
+  return _pairwise_sum_shrinking(x)
 
 
 # Entries of a record summed in any order before `pinned_square_sum`'s tree: 64 keeps each
@@ -697,6 +710,18 @@ def depth_margin(depth, roundings=3, dtype=tf.float32):
   return _gamma(k, u)
 
 
+def _tree_width(n):
+  """p = 2^ceil(log2 max(n, 1)), the padded row count of `pairwise_sum`'s tree, for a scalar
+  int32 tensor 0 <= n <= 2^30: the bits of max(n, 1) - 1 smeared right (v |= v >> s for
+  s = 1, 2, 4, 8, 16 sets every bit below the highest), plus one. Integer operations only,
+  no tf.while_loop (a graph loop costs the executor its frames at every step), the same p as
+  doubling 1 until it reaches n."""
+  v = tf.maximum(n, 1) - 1
+  for shift in (1, 2, 4, 8, 16):
+    v = tf.bitwise.bitwise_or(v, tf.bitwise.right_shift(v, shift))
+  return v + 1
+
+
 def _pairwise_sum_shrinking(x):
   """`pairwise_sum` of a row count n the trace does not know, outside XLA: the rows padded
   with zero rows to p = 2^d once, then level h = p/2, ..., 1 keeps x[:h] + x[h:2h] (shapes
@@ -704,8 +729,7 @@ def _pairwise_sum_shrinking(x):
   bit for bit, at about n row additions where that one passes over all n rows at every level
   (a [10, 25600] sum: 0.80 against 2.89 CPU ms, load 17)."""
   n = tf.shape(x)[0]
-  p = tf.while_loop(lambda q: q < n, lambda q: q * 2, [tf.constant(1)])
-  p = p[0] if isinstance(p, (list, tuple)) else p
+  p = _tree_width(n)
   x = tf.pad(x, [[0, p - n]] + [[0, 0]] * (x.shape.rank - 1))   # n = 0: one zero row
   _, x = tf.while_loop(lambda h, y: h >= 1, lambda h, y: (h // 2, y[:h] + y[h:2 * h]),
                        (p // 2, x), shape_invariants=(
@@ -723,8 +747,7 @@ def _pairwise_sum_dynamic(x):
   n = tf.shape(x)[0]
   index = tf.range(n)
   column = lambda t: tf.reshape(t, [-1] + [1] * (rank - 1))
-  p = tf.while_loop(lambda q: q < n, lambda q: q * 2, [tf.constant(1)])
-  p = p[0] if isinstance(p, (list, tuple)) else p
+  p = _tree_width(n)
 
   def level(h, y):
     partner = index + h

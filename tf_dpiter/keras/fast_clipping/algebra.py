@@ -855,7 +855,26 @@ def pinned_rows_product(a, b, block):
     b = tf.pad(b, [[0, pad], [0, 0]])
   blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
                      transpose_a=True)
-  return summation.pairwise_sum(blocks)
+  return summation.pairwise_sum(blocks, most=blocks_most(rows, block))
+
+
+def blocks_most(rows, block):
+  """The most blocks of `block` rows a pinned sum over rows the trace does not know can have:
+  ceil(R / block) for R the rows `plan_rows` bounds them by (the public plan's rows per chunk,
+  the same on neighbouring datasets, or the largest chunk's), None without one (or rows the
+  trace knows). summation.pairwise_sum then sums the blocks by a static tree, no while loop.
+
+  Args:
+    rows: the rows summed, an int or None (unknown to the trace).
+    block: rows per block (an int >= 1).
+
+  Returns:
+    an int, or None.
+  """
+  if rows is not None:
+    return None
+  most = plan_rows(None)
+  return None if most is None else max(1, -(-int(most) // int(block)))
 
 
 def const(value, dtype=tf.int32):

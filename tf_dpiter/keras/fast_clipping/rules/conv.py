@@ -563,6 +563,9 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=(), whole=None):
   whole = m if whole is None else max(whole, m)
   if static_b is not None:
     return one_shot() if static_b <= whole else chunked()
+  most = budget.batch_most()   # bounds that settle the choice at trace time
+  if most is not None and most <= whole:
+    return one_shot()
   return tf.cond(b <= whole, one_shot, chunked)
 
 
@@ -789,6 +792,11 @@ def _pinned_rows_product_unpadded(a, b, block):
                      tf.reshape(b[:full], [-1, block, width]), transpose_a=True)
     tail = tf.matmul(a[full:], b[full:], transpose_a=True)[None]
     blocks = tf.concat([head, tail], 0)
+    # the full blocks and one (maybe empty) last block: at most floor(R / block) + 1 for R
+    # rows bounded by the public plan (algebra.blocks_most)
+    most = algebra.plan_rows(None)
+    return summation.pairwise_sum(blocks, most=None if most is None else
+                                  int(most) // block + 1)
   return summation.pairwise_sum(blocks)
 
 
@@ -888,7 +896,12 @@ def _pinned_recomputed_sum(form, x4, dz4, rc, block, sq=None):
                        fn_output_signature=spec)
     return summation.pairwise_sum(sums)
 
-  return shaped(chunked() if static_b is not None else tf.cond(b <= m, one_shot, chunked))
+  if static_b is not None:
+    return shaped(chunked())
+  most = budget.batch_most()   # bounds that settle the choice at trace time
+  if most is not None and most <= m:
+    return shaped(one_shot())
+  return shaped(tf.cond(b <= m, one_shot, chunked))
 
 
 def _pinned_bias_sum(db, rc, block):
@@ -1006,6 +1019,8 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
     keep = True
   elif static_b is not None:
     keep = static_b * p * 4 <= kept_bytes
+  elif budget.batch_most() is not None and budget.batch_most() * p * 4 <= kept_bytes:
+    keep = True   # every batch within the bounds keeps: settled at trace time
   else:
     keep = b * p * 4 <= kept_bytes
   bound = (ksize, stride, dilation, padding, algebra.batch_rows(algebra.to_btk(dz4)))
