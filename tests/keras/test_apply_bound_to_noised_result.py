@@ -9,46 +9,18 @@ update was w0 - 0.1 g of the plain batch gradient exactly (max error 0.0, eager 
 with epsilon 2.133 stated at delta 1e-5 for it.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.model import statement as statement_lib
-
-N, D = 100, 4
-
-
-def _data():
-  rng = np.random.default_rng(0)
-  return (rng.normal(size=(N, D)).astype(np.float32),
-          rng.normal(size=(N, 1)).astype(np.float32))
-
-
-def _setup():
-  x, y = _data()
-  keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
-  opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.1, "poisson", 10)
-
-  def record_loss(rec):
-    xr, yr = rec
-    return tf.reduce_mean(tf.square(model(xr) - yr))
-
-  def plain_gradients(xb, yb):
-    with tf.GradientTape() as tape:
-      loss = tf.reduce_mean(tf.square(model(xb) - yb))
-    return tape.gradient(loss, model.trainable_variables)
-
-  return x[:10], y[:10], model, opt, record_loss, plain_gradients
+from tests.keras.custom_loop_setup import D, assert_applied, data, setup
 
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_plain_gradient_is_refused_after_a_dropped_private_result(traced):
-  xb, yb, model, opt, record_loss, plain_gradients = _setup()
+  xb, yb, model, opt, record_loss, plain_gradients = setup()
   variables = model.trainable_variables
 
   def step(xb, yb):
@@ -76,7 +48,7 @@ def test_a_plain_gradient_is_refused_after_a_dropped_private_result(traced):
 def test_post_processing_of_the_noised_result_is_applied_when_traced():
   """Scaling, clip_by_global_norm, a cast and a weight-decay term of the noised result are
   functions of it (post-processing): accepted, and the update is exactly their value."""
-  xb, yb, model, opt, record_loss, _ = _setup()
+  xb, yb, model, opt, record_loss, _ = setup()
   variables = model.trainable_variables
 
   @tf.function
@@ -90,14 +62,13 @@ def test_post_processing_of_the_noised_result_is_applied_when_traced():
 
   w0 = [np.array(v) for v in variables]
   grads = step(xb, yb)
-  for v, w, g in zip(variables, w0, grads):
-    np.testing.assert_allclose(np.array(v), w - 0.1 * np.array(g), rtol=0, atol=1e-6)
+  assert_applied(variables, w0, grads)
   assert int(opt.ledger.sample_count.numpy()) == 1
 
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_the_returned_list_is_applied(traced):
-  xb, yb, model, opt, record_loss, _ = _setup()
+  xb, yb, model, opt, record_loss, _ = setup()
   variables = model.trainable_variables
 
   def step(xb, yb):
@@ -107,14 +78,13 @@ def test_the_returned_list_is_applied(traced):
 
   w0 = [np.array(v) for v in variables]
   grads = (tf.function(step) if traced else step)(xb, yb)
-  for v, w, g in zip(variables, w0, grads):
-    np.testing.assert_allclose(np.array(v), w - 0.1 * np.array(g), rtol=0, atol=1e-6)
+  assert_applied(variables, w0, grads)
 
 
 def test_an_eager_copy_of_the_same_values_is_applied_and_a_changed_one_refused():
   """Eager: a tensor equal bit for bit to the noised result (a copy, a same-dtype cast) is
   applied; a scaled one is refused (post-process inside tf.function) and leaves the weights."""
-  xb, yb, model, opt, record_loss, _ = _setup()
+  xb, yb, model, opt, record_loss, _ = setup()
   variables = model.trainable_variables
   grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
   w0 = [np.array(v) for v in variables]
@@ -123,8 +93,7 @@ def test_an_eager_copy_of_the_same_values_is_applied_and_a_changed_one_refused()
   assert all(np.array_equal(np.array(v), w) for v, w in zip(variables, w0))
   copies = [tf.constant(np.array(g)) for g in grads]
   opt.apply_private_gradients(copies, variables)
-  for v, w, g in zip(variables, w0, grads):
-    np.testing.assert_allclose(np.array(v), w - 0.1 * np.array(g), rtol=0, atol=1e-6)
+  assert_applied(variables, w0, grads)
   # used up: the same values again are refused (by the binding or the count)
   with pytest.raises((dp.errors.PrivacyConfigError, tf.errors.InvalidArgumentError)):
     opt.apply_private_gradients(copies, variables)
@@ -133,7 +102,7 @@ def test_an_eager_copy_of_the_same_values_is_applied_and_a_changed_one_refused()
 def test_a_gradient_from_a_variable_written_with_the_batch_is_refused():
   """A variable read is accepted unless the step writes it from the batch: the walk follows
   a read into the values written to the variable."""
-  xb, yb, model, opt, record_loss, _ = _setup()
+  xb, yb, model, opt, record_loss, _ = setup()
   variables = model.trainable_variables
   stash = tf.Variable(tf.zeros([D, 1]))
 
@@ -150,8 +119,8 @@ def test_a_gradient_from_a_variable_written_with_the_batch_is_refused():
 def test_a_plain_gradient_of_a_numpy_batch_the_step_closes_over_is_refused():
   """The batch as numpy arrays the traced step closes over (converted to constants in the
   step's graph, not arguments): the plain gradient of them is refused too."""
-  _, _, model, opt, record_loss, plain_gradients = _setup()
-  x, y = _data()
+  _, _, model, opt, record_loss, plain_gradients = setup()
+  x, y = data()
   variables = model.trainable_variables
 
   @tf.function

@@ -10,7 +10,6 @@ of the values it left (and flags a start from values no private step produced); 
 compares the weights with them.
 """
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -18,35 +17,19 @@ import tensorflow as tf
 import tf_dpiter as dp
 from tf_dpiter.keras.model import statement as statement_lib
 from tf_dpiter.keras.optimizer import weight_fingerprints
-
-N, D = 100, 4
+from tests.keras import custom_loop_setup as loop
 
 
 def _loop():
   """(model Dense(8)-Dense(1), DP optimizer, traced step of all variables, traced step of the
-  head's only, eager step, the batch)."""
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(10, D)).astype(np.float32)
-  y = rng.normal(size=(10, 1)).astype(np.float32)
-  keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(8), keras.layers.Dense(1)])
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
-  opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.1, "poisson", 10)
-
-  def record_loss(rec):
-    xr, yr = rec
-    return tf.reduce_mean(tf.square(model(xr) - yr))
-
-  def step_of(variables):
-    def step(xb, yb):
-      grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
-      opt.apply_private_gradients(grads, variables)
-    return step
-
-  full = step_of(model.trainable_variables)
-  return (model, opt, tf.function(full), tf.function(step_of(model.trainable_variables[2:])),
-          full, (x, y))
+  head's only, eager step, the batch of 10)."""
+  x, y = loop.data()
+  model = loop.regression_model(hidden=(8,))
+  opt = loop.dp_sgd(model.trainable_variables)
+  loss = loop.record_loss(model)
+  full = loop.private_step(opt, loss, model.trainable_variables)
+  head = loop.private_step(opt, loss, model.trainable_variables[2:])
+  return model, opt, tf.function(full), tf.function(head), full, (x[:10], y[:10])
 
 
 def _stated(opt):

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
-from tests.keras.test_apply_bound_to_noised_result import _setup
+from tests.keras.custom_loop_setup import assert_applied, setup
 
 
 def _refused(step, variables, match="avoids the noise"):
@@ -30,7 +30,7 @@ def _refused(step, variables, match="avoids the noise"):
 
 def test_a_plain_gradient_of_a_closed_over_uint8_batch_is_refused():
   """uint8 pixels and int labels (MNIST's dtypes) the step closes over, cast inside it."""
-  xb, yb, model, opt, record_loss, plain_gradients = _setup()
+  xb, yb, model, opt, record_loss, plain_gradients = setup()
   variables = model.trainable_variables
   x_u8 = np.round(np.abs(xb) * 50).astype(np.uint8)
   y_int = (yb > 0).astype(np.int32)
@@ -47,7 +47,7 @@ def test_a_plain_gradient_of_a_closed_over_uint8_batch_is_refused():
 def test_a_plain_gradient_of_a_float_batch_inside_a_nested_function_is_refused():
   """The float batch closed over by a nested tf.function (its constants are in the function
   library, not among the step graph's nodes)."""
-  xb, yb, model, opt, record_loss, plain_gradients = _setup()
+  xb, yb, model, opt, record_loss, plain_gradients = setup()
   variables = model.trainable_variables
 
   @tf.function
@@ -63,7 +63,7 @@ def test_a_plain_gradient_of_a_float_batch_inside_a_nested_function_is_refused()
 
 
 def test_a_plain_gradient_of_a_batch_read_from_a_file_in_the_step_is_refused(tmp_path):
-  xb, yb, model, opt, record_loss, plain_gradients = _setup()
+  xb, yb, model, opt, record_loss, plain_gradients = setup()
   variables = model.trainable_variables
   path = str(tmp_path / "x.bin")
   xb.tofile(path)
@@ -80,7 +80,7 @@ def test_a_plain_gradient_of_a_batch_read_from_a_file_in_the_step_is_refused(tmp
 def test_a_plain_gradient_buffered_in_variables_outside_the_step_is_refused():
   """A gradient accumulation buffer filled eagerly with plain gradients, read in the step:
   a variable neither updated nor the optimizer's own."""
-  xb, yb, model, opt, record_loss, plain_gradients = _setup()
+  xb, yb, model, opt, record_loss, plain_gradients = setup()
   variables = model.trainable_variables
   buffers = [tf.Variable(g) for g in plain_gradients(xb, yb)]
 
@@ -96,7 +96,7 @@ def test_post_processing_in_nested_functions_branches_and_shapes_is_applied():
   """Post-processing of the noised result inside a nested tf.function and a tf.cond on the
   optimizer's step counter, with reshapes, transposes, reductions over axes and the
   learning rate: functions of the noised result and public values, applied exactly."""
-  xb, yb, model, opt, record_loss, _ = _setup()
+  xb, yb, model, opt, record_loss, _ = setup()
   variables = model.trainable_variables
 
   @tf.function
@@ -117,6 +117,5 @@ def test_post_processing_in_nested_functions_branches_and_shapes_is_applied():
 
   w0 = [np.array(v) for v in variables]
   grads = step(xb, yb)
-  for v, w, g in zip(variables, w0, grads):
-    np.testing.assert_allclose(np.array(v), w - 0.1 * np.array(g), rtol=0, atol=1e-6)
+  assert_applied(variables, w0, grads)
   assert int(opt.ledger.sample_count.numpy()) == 1

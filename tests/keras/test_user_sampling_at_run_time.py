@@ -17,14 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 import tf_dpiter as dp
-
-N, D = 100, 4
-
-
-def _data():
-  rng = np.random.default_rng(0)
-  return (rng.normal(size=(N, D)).astype(np.float32),
-          rng.normal(size=(N, 1)).astype(np.float32))
+from tests.keras import custom_loop_setup as loop
 
 
 def _fit(model, x, y):
@@ -34,24 +27,15 @@ def _fit(model, x, y):
 
 
 def _setup():
-  x, y = _data()
+  x, y = loop.data()
   keras.utils.set_random_seed(0)
-  inp = keras.Input((D,))
+  inp = keras.Input((loop.D,))
   model = dp.keras.DPModel(inp, keras.layers.Dense(1)(inp))
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=loop.LR)
   model.compile(opt, "mse")
   opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.5, "poisson", 50)   # the user's own Poisson batches
-
-  def record_loss(rec):
-    xr, yr = rec
-    return tf.reduce_mean(tf.square(model(xr) - yr))
-
-  @tf.function
-  def step(xb, yb):
-    grads = opt.compute_private_gradients(record_loss, model.trainable_variables, data=(xb, yb))
-    opt.apply_private_gradients(grads, model.trainable_variables)
-
+  opt.set_sampling(loop.N, 0.5, "poisson", 50)   # the user's own Poisson batches
+  step = tf.function(loop.private_step(opt, loop.record_loss(model), model.trainable_variables))
   return x, y, model, opt, step
 
 
@@ -88,16 +72,9 @@ def test_the_message_says_to_declare_again_and_retrace_and_a_new_trace_runs():
   # refused before the ledger write and the update
   assert int(opt.ledger.sample_count.numpy()) == rows
   assert all(np.array_equal(np.array(v), u) for v, u in zip(model.trainable_variables, w))
-  opt.set_sampling(N, 0.5, "poisson", 50)
-
-  def record_loss(rec):
-    return tf.reduce_mean(tf.square(model(rec[0]) - rec[1]))
-
-  @tf.function
-  def new_step(xb, yb):
-    grads = opt.compute_private_gradients(record_loss, model.trainable_variables, data=(xb, yb))
-    opt.apply_private_gradients(grads, model.trainable_variables)
-
+  opt.set_sampling(loop.N, 0.5, "poisson", 50)
+  new_step = tf.function(loop.private_step(opt, loop.record_loss(model),
+                                           model.trainable_variables))
   new_step(x[50:], y[50:])
   assert _rows_q(opt)[-1] == 0.5
 
@@ -108,10 +85,10 @@ def test_a_declaration_repeated_by_the_user_keeps_the_trace():
   trace holds: refused until the step is traced again."""
   x, y, _, opt, step = _setup()
   step(x[:50], y[:50])
-  opt.set_sampling(N, 0.5, "poisson", 50)
+  opt.set_sampling(loop.N, 0.5, "poisson", 50)
   step(x[50:], y[50:])
   assert _rows_q(opt).tolist() == [0.5, 0.5]
-  assert opt.set_sampling(N, 0.4, "poisson", 40)   # True: the step must be retraced
+  assert opt.set_sampling(loop.N, 0.4, "poisson", 40)   # True: the step must be retraced
   try:
     step(x[:50], y[:50])   # the traced shape: no retrace
     raise AssertionError("a step traced under another row bound ran")

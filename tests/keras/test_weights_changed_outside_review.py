@@ -21,16 +21,9 @@ import tensorflow as tf
 
 import tf_dpiter as dp
 from tf_dpiter.keras.model import statement as statement_lib
+from tests.keras import custom_loop_setup as loop
+from tests.keras.custom_loop_setup import D
 from tests.keras.test_weights_changed_outside import _fit  # model.fit, batch 10, one epoch, silent
-
-N, D = 100, 4
-
-
-def _data():
-  """(x [N, D], y [N, 1]) float32, fixed."""
-  rng = np.random.default_rng(0)
-  return (rng.normal(size=(N, D)).astype(np.float32),
-          rng.normal(size=(N, 1)).astype(np.float32))
 
 
 def _shared_models():
@@ -44,8 +37,6 @@ def _shared_models():
   autoencoder = keras.Model(inp, keras.layers.Dense(D, name="decoder")(h))
   autoencoder.compile(keras.optimizers.Adam(0.01), "mse")
   return dp_model, autoencoder, encoder
-
-
 
 
 def _max_change(before, variable):
@@ -69,7 +60,7 @@ def _co_train(kind, autoencoder, encoder, x, moved, hook="on_epoch_end"):
 
 @pytest.mark.parametrize("kind", ["co_train", "raise"])
 def test_a_plain_update_made_by_a_callback_during_fit_is_refused(kind):
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   moved = []
   with pytest.raises((RuntimeError, dp.errors.PrivacyConfigError)) as err:
@@ -86,7 +77,7 @@ def test_a_plain_update_made_by_a_callback_during_fit_is_refused(kind):
 
 
 def test_a_plain_update_in_a_batch_hook_is_refused_at_that_batch():
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   moved = []
   callback = _co_train("co_train", autoencoder, encoder, x, moved, hook="on_train_batch_end")
@@ -115,7 +106,7 @@ def test_callbacks_that_put_back_released_states_are_accepted(tmp_path):
   """EarlyStopping(restore_best_weights=True) (an earlier epoch's weights), an EMA of the
   iterates, ModelCheckpoint, BackupAndRestore and a callback with batch hooks: the fit ends,
   the statement is stated and a second DP fit accepted."""
-  x, y = _data()
+  x, y = loop.data()
   dp_model, _, _ = _shared_models()
   reads = _ReadsWeights()
   callbacks = [
@@ -139,7 +130,7 @@ def test_a_checkpoint_saved_after_a_callback_wrote_the_weights_is_refused(tmp_pa
   """ModelCheckpoint after a callback that wrote the weights at the same hook: the save (a
   file with the ledger, which load_weights would accept) is refused before the weights and
   the ledger are written."""
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   moved = []
   path = tmp_path / "after_write.weights.h5"
@@ -153,7 +144,7 @@ def test_a_checkpoint_saved_after_a_callback_wrote_the_weights_is_refused(tmp_pa
 # ---- R5-3: a restore alone leaves the check on ------------------------------------------
 
 def test_a_plain_update_after_a_checkpoint_restore_is_refused(tmp_path):
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   checkpoint = tf.train.Checkpoint(model=dp_model, optimizer=dp_model.optimizer)
   _fit(dp_model, x, y)
@@ -173,7 +164,7 @@ def test_a_plain_update_after_a_checkpoint_restore_is_refused(tmp_path):
 
 
 def test_iterations_assign_keeps_the_check_on():
-  x, y = _data()
+  x, y = loop.data()
   dp_model, _, _ = _shared_models()
   _fit(dp_model, x, y)
   dp_model.optimizer.iterations.assign(3)
@@ -186,22 +177,11 @@ def test_iterations_assign_keeps_the_check_on():
 def test_set_weights_after_a_traced_custom_loop_step_is_refused():
   """R5-3 (B): the traced step's in-graph digests (weight_fingerprints.traced_update) keep the
   weights checked; before them this statement stated 2.413 (2 steps) for the set_weights."""
-  x, y = _data()
-  keras.utils.set_random_seed(0)
-  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
-  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
-  opt.build(model.trainable_variables)
-  opt.set_sampling(N, 0.1, "poisson", 10)
-
-  def record_loss(rec):
-    xr, yr = rec
-    return tf.reduce_mean(tf.square(model(xr) - yr))
-
-  @tf.function
-  def step(xb, yb):
-    grads = opt.compute_private_gradients(record_loss, model.trainable_variables, data=(xb, yb))
-    opt.apply_private_gradients(grads, model.trainable_variables)
-
+  x, y = loop.data()
+  model = loop.regression_model()
+  opt = loop.dp_sgd(model.trainable_variables)
+  record_loss = loop.record_loss(model)
+  step = tf.function(loop.private_step(opt, record_loss, model.trainable_variables))
   eager = opt.compute_private_gradients(record_loss, model.trainable_variables,
                                         data=(x[:10], y[:10]))
   opt.apply_private_gradients(eager, model.trainable_variables)
@@ -216,7 +196,7 @@ def test_set_weights_after_a_traced_custom_loop_step_is_refused():
 
 @pytest.mark.parametrize("then", ["privacy_statement", "save_weights", "fit"])
 def test_a_changed_layer_is_refused_once_frozen(then, tmp_path):
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   _fit(dp_model, x, y)
   before = np.array(encoder.kernel)
@@ -237,7 +217,7 @@ def test_a_changed_layer_is_refused_once_frozen(then, tmp_path):
 def test_an_unchanged_frozen_layer_is_accepted_and_stays_checked(tmp_path):
   """Freeze the DP-trained encoder, fine-tune the head with DP: accepted; a change of the
   frozen encoder after that fine-tuning is still refused."""
-  x, y = _data()
+  x, y = loop.data()
   dp_model, _, encoder = _shared_models()
   _fit(dp_model, x, y)
   encoder.trainable = False
@@ -259,7 +239,7 @@ def test_epoch_hooks_cost_two_digest_passes_an_epoch_and_batch_hooks_none(monkey
   (the weights are held, not digested: `weight_fingerprints.hold`); with no callback, a fit
   costs the same whatever its length."""
   from tf_dpiter.keras.optimizer import weight_fingerprints  # pylint: disable=g-import-not-at-top
-  x, y = _data()
+  x, y = loop.data()
   dp_model, _, _ = _shared_models()
   _fit(dp_model, x, y, steps_per_epoch=2)   # built, traced
   calls = []
@@ -297,7 +277,7 @@ def test_epoch_hooks_cost_two_digest_passes_an_epoch_and_batch_hooks_none(monkey
 def test_a_batch_callback_writing_the_weights_is_refused_at_that_batch():
   """The held weights (no digest) still catch a write: a batch callback that moves the
   kernel at the second step is refused there."""
-  x, y = _data()
+  x, y = loop.data()
   dp_model, _, _ = _shared_models()
 
   class Nudge(keras.callbacks.Callback):
@@ -317,7 +297,7 @@ def test_load_weights_skip_mismatch_records_only_what_the_file_wrote(tmp_path):
   load_weights(skip_mismatch=True) of another DP model's file whose encoder has another shape
   wrote the head only, yet recorded every variable: the plain-trained encoder was stated
   (4.224, 20 steps). Only the variables the file wrote are recorded now."""
-  x, y = _data()
+  x, y = loop.data()
   dp_model, autoencoder, encoder = _shared_models()
   _fit(dp_model, x, y)
   _fit(autoencoder, x, x)   # plain Adam on the records moves the shared encoder
