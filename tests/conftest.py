@@ -24,7 +24,11 @@ settings. The nightly tier (`-m slow`) keeps TensorFlow's and XLA's defaults, so
 configuration users run is still tested every night; TF_DPITER_TEST_FAST_COMPILE=1 / 0
 forces the setting on / off in either tier. The modules in `KEEP_GRAPPLER` run with Grappler
 on in every tier: their claims are about what Grappler does to the step (a summation order it
-must not reassociate, a noise draw it must not inline).
+must not reassociate, a noise draw it must not inline). The tests' Python subprocesses get the
+same settings: XLA_FLAGS by inheritance, Grappler off through `SUBPROCESS_SITE` (a
+`sitecustomize` this file puts on PYTHONPATH, with TF_DPITER_TEST_GRAPPLER=off, in each
+process that runs default-tier tests; a subprocess whose environment replaces PYTHONPATH
+keeps Grappler on).
 
 Worker crashes: an xdist worker that dies mid-test (a fatal signal in TensorFlow's C++ code,
 or a kill by the kernel's out-of-memory killer) is reported with what it left: pytest's
@@ -53,6 +57,8 @@ MNIST_PATH = os.environ.get("TF_DPITER_MNIST",
 
 
 FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# the tests' subprocesses switch Grappler off when they import TensorFlow (its docstring)
+SUBPROCESS_SITE = os.path.join(REPO_ROOT, "tests", "subprocess_site")
 # test modules whose claims are about Grappler's rewrites: Grappler stays on for them
 KEEP_GRAPPLER = frozenset((
     "tests/dp_query/test_noise_draw_not_inlined.py", "tests/dp_query/test_summation.py",
@@ -93,6 +99,12 @@ def pytest_configure(config):
       # and Keras from the test modules' path (importing TF here, before collection, can
       # import `keras` as tests/keras under Bazel's runner, whose script folder is tests/)
       _GRAPPLER_OFF.append(False)
+      # and in the tests' subprocesses (this process's children; not in xdist's workers,
+      # started before this hook runs in them)
+      os.environ["TF_DPITER_TEST_GRAPPLER"] = "off"
+      os.environ["PYTHONPATH"] = os.pathsep.join(
+          [SUBPROCESS_SITE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                               if p and p != SUBPROCESS_SITE])
   _open_crash_log(config)
 
 
@@ -171,9 +183,11 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
     keep = item.nodeid.split("::")[0] in KEEP_GRAPPLER
   if keep:   # Grappler on for this case (new function instantiations read the option)
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": False})
+    os.environ["TF_DPITER_TEST_GRAPPLER"] = "on"   # and in its subprocesses
   yield
   if keep:
     tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+    os.environ["TF_DPITER_TEST_GRAPPLER"] = "off"
   if start is not None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     os.makedirs(CPU_DIR, exist_ok=True)

@@ -1,8 +1,12 @@
 """tools/suite_tiers.py: a `SLOW_CASES` id that names no case of its module is reported;
-tests/conftest.py: the per-test CPU seconds and the default tier's compile settings."""
+tests/conftest.py: the per-test CPU seconds and the default tier's compile settings, in the
+test processes and in their Python subprocesses."""
 
+import ast
 import importlib.util
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -85,3 +89,39 @@ def test_the_default_tier_compiles_cheaply_and_the_nightly_tier_as_shipped(monke
                                                             False) is here
   if here:
     assert os.environ.get("XLA_FLAGS"), "XLA_FLAGS unset in a fast-compile run"
+
+
+@pytest.mark.parametrize("grappler", ["off", "on"])
+def test_a_tests_subprocess_switches_grappler_off_at_its_tensorflow_import(tmp_path, grappler):
+  """tests/subprocess_site's sitecustomize, which Python loads at a subprocess's start: with
+  TF_DPITER_TEST_GRAPPLER=off it switches Grappler's meta optimizer off once the process has
+  imported `tensorflow` (a stand-in package here: no TensorFlow start-up), not before; with
+  "on" it leaves the process alone."""
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  package = tmp_path / "tensorflow"
+  package.mkdir()
+  (package / "__init__.py").write_text(
+      "import types\ncalls = []\nconfig = types.SimpleNamespace(optimizer=types.SimpleNamespace("
+      "set_experimental_options=calls.append))\n")
+  code = ("import sys\nbefore = 'tensorflow' in sys.modules\nimport tensorflow\n"
+          "print(before, tensorflow.calls)")
+  env = dict(os.environ, TF_DPITER_TEST_GRAPPLER=grappler,
+             PYTHONPATH=os.pathsep.join([conftest.SUBPROCESS_SITE, str(tmp_path)]))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60, check=True).stdout.split(maxsplit=1)
+  assert out[0] == "False"
+  expected = [{"disable_meta_optimizer": True}] if grappler == "off" else []
+  assert ast.literal_eval(out[1]) == expected
+
+
+def test_the_subprocesses_of_this_run_get_the_setting_of_its_tier(request):
+  """A default-tier test process hands TF_DPITER_TEST_GRAPPLER=off and tests/subprocess_site
+  (first on PYTHONPATH) to the subprocesses its tests start; in the nightly tier
+  tests/conftest.py adds neither."""
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+  if conftest._fast_compile(request.config):   # pylint: disable=protected-access
+    assert os.environ.get("TF_DPITER_TEST_GRAPPLER") == "off"
+    assert paths[0] == conftest.SUBPROCESS_SITE
+  else:
+    assert conftest.SUBPROCESS_SITE not in paths
