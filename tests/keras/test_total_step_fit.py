@@ -25,11 +25,17 @@ LR = 0.1
 
 # nightly (tests/conftest.py): the XLA cases beyond one per defect kind on the fast path
 # (test_a_corrupt_record_contributes_zero[xla-auto-token_10] and [xla-auto-label_3] stay in
-# the default tier; the graph cases cover every kind on both paths)
-SLOW_CASES = {f"test_a_corrupt_record_contributes_zero[xla-{path}-{kind}]"
-              for path, kind in (("auto", "token_-1"), ("auto", "label_-1"),
-                                 ("vectorized", "token_10"), ("vectorized", "token_-1"),
-                                 ("vectorized", "label_3"), ("vectorized", "label_-1"))}
+# the default tier), and the graph cases of the negative id and label on the vectorized path
+# (the graph cases cover every kind on the fast path, and the vectorized path with an id and
+# a label above the range, through the same masking code)
+SLOW_CASES = {f"test_a_corrupt_record_contributes_zero[{jit}-{path}-{kind}]"
+              for jit, path, kind in (("xla", "auto", "token_-1"), ("xla", "auto", "label_-1"),
+                                      ("xla", "vectorized", "token_10"),
+                                      ("xla", "vectorized", "token_-1"),
+                                      ("xla", "vectorized", "label_3"),
+                                      ("xla", "vectorized", "label_-1"),
+                                      ("graph", "vectorized", "token_-1"),
+                                      ("graph", "vectorized", "label_-1"))}
 
 
 def _token_case(bad=10):
