@@ -245,7 +245,8 @@ def unbound_source(tensors, sanitizers, variables=()):
   flow = data_writes._Flow(graph_def)  # pylint: disable=protected-access
   written, tainted, _ = flow.body(graph_def.node, sources, set(), False, sources)
   shown = f"{', '.join(repr(n) for n in sources[:4])}{', ...' if len(sources) > 4 else ''}"
-  shifted = sorted(written & noised_from)
+  shifted = sorted(n for n in written & noised_from
+                   if not _internal_state(graph_def, n))
   if shifted:
     names = _capture_names(graph)
     return (f"the variable {names.get(shifted[0], shifted[0])!r} written from the step's "
@@ -276,6 +277,16 @@ def _resources_read(graph_def, names):
       continue
     stack += [i.split(":")[0] for i in node.input if not i.startswith("^")]
   return out
+
+
+def _internal_state(graph_def, name):
+  """Whether the captured resource Placeholder `name` is a collective op's ordering token:
+  under a tf.distribute strategy the replicas' all-reduce writes it before another reduction
+  the noised result depends on; it orders the collectives and holds no value the loss reads.
+  Every other resource written from the data is kept (refused), weights frozen or not."""
+  users = {n.op for n in graph_def.node if any(i.split(":")[0].lstrip("^") == name
+                                                for i in n.input)}
+  return bool(users) and all(op.startswith("Collective") for op in users)
 
 
 def _capture_names(graph):
