@@ -11,6 +11,7 @@ learning rate 0.1; unit = example. Every call builds a fresh model and optimizer
 write the weights and the ledger, so nothing here is shared between tests).
 """
 
+import dp_accounting as dpa
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,6 +20,15 @@ import tf_dpiter as dp
 
 N, D = 100, 4
 LR = 0.1
+
+
+def rdp_epsilon(steps, q=0.1, delta=1e-5):
+  """dp_accounting's RDP epsilon of `steps` Poisson-sampled Gaussian steps (z = 1,
+  add/remove one example), composed by hand: the tests' independent value."""
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(1.0)), steps))
+  return acc.get_epsilon(delta)
 
 
 def data():

@@ -12,24 +12,16 @@ stated for 3 steps).
 Relation/unit: add/remove one example, Poisson q = 10 / 100, z = 1, C = 1; unit = example.
 """
 
-import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tests.keras import custom_loop_setup
 from tf_dpiter.keras.model import statement as statement_lib
 
 N, D, Q, DELTA = 100, 4, 0.1, 1e-5
-
-
-def _by_hand(steps):
-  """dp_accounting's RDP epsilon of `steps` Poisson-sampled Gaussian steps (add/remove)."""
-  acc = dpa.rdp.RdpAccountant()
-  acc.compose(dpa.SelfComposedDpEvent(
-      dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(1.0)), steps))
-  return acc.get_epsilon(DELTA)
 
 
 def _run(write):
@@ -82,4 +74,4 @@ def test_the_honest_loop_next_to_it_trains_and_states_its_epsilon():
   assert np.abs(model.layers[0].kernel.numpy() - k0).max() > 0
   stated = statement_lib.run_statement(opt, DELTA)
   assert stated.steps == 3
-  assert stated.epsilon == pytest.approx(_by_hand(3), rel=1e-3)
+  assert stated.epsilon == pytest.approx(custom_loop_setup.rdp_epsilon(3, Q, DELTA), rel=1e-3)

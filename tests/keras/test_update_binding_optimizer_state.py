@@ -13,24 +13,16 @@ Relation/unit: add/remove one example (D' = D without record 0), Poisson q = 10 
 C = 1; unit = example.
 """
 
-import dp_accounting as dpa
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tests.keras import custom_loop_setup
 from tf_dpiter.keras.model import statement as statement_lib
 
 N, D, Q, DELTA = 100, 4, 0.1, 1e-5
-
-
-def _by_hand(steps):
-  """dp_accounting's RDP epsilon of `steps` Poisson-sampled Gaussian steps (add/remove)."""
-  acc = dpa.rdp.RdpAccountant()
-  acc.compose(dpa.SelfComposedDpEvent(
-      dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(1.0)), steps))
-  return acc.get_epsilon(DELTA)
 
 
 def _setup(adam=False):
@@ -119,7 +111,7 @@ def test_the_honest_loops_next_to_them_train_and_state_their_epsilon(adam):
   assert np.abs(model.layers[0].kernel.numpy() - w0).max() > 0
   stated = statement_lib.run_statement(opt, DELTA)
   assert stated.steps == 4
-  assert stated.epsilon == pytest.approx(_by_hand(4), rel=1e-3)
+  assert stated.epsilon == pytest.approx(custom_loop_setup.rdp_epsilon(4, Q, DELTA), rel=1e-3)
 
 
 def _fit(callback):
