@@ -175,7 +175,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     opt = _unscaled(getattr(self, "optimizer", None))
     fit_state = getattr(self, "_dp_fit_fingerprints", None)
     if isinstance(opt, opt_lib.DPOptimizerBase) and (
-        not opt_lib.fingerprints_deferred(opt)
+        not weight_fingerprints.fingerprints_deferred(opt)
         or (fit_state is not None and fit_state.open)):
       # the ledger is written for these weights: not for weights changed outside the run
       # (in a fit, while the user's callbacks run: ModelCheckpoint after one that wrote them)
@@ -341,7 +341,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     opt_lib.check_variables(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
     batch_independence.warn_adapted_layers(self)
-    fingerprints = not opt_lib.fingerprints_deferred(opt)
+    fingerprints = not weight_fingerprints.fingerprints_deferred(opt)
     if fingerprints:   # weights changed outside the DP optimizer since its last update?
       weight_fingerprints.check(weight_fingerprints.checked_variables(self), "fit",
                                 record_with=opt)
@@ -418,11 +418,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       internal[0].close()
       opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
       self._dp_fit_fingerprints = None
-      # after the callbacks' on_train_end (restore_best_weights, averages), all checked; not
-      # when a callback raised (or was refused) before its check: the weights it left are
-      # checked by the next fit, statement or save
+      # after the callbacks' on_train_end (restore_best_weights, averages), all checked; when
+      # a callback raised (or was refused) before its check, the guard settles what it held
       if fingerprints and not guard.open:
         weight_fingerprints.record(opt, weight_fingerprints.checked_variables(self))
+      elif fingerprints:
+        guard.settle()
     statement_lib.warn_if_past_target(self)   # more steps than the noise was calibrated for
     return history
 
@@ -456,7 +457,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         layer.built for layer in keras_internals.flatten_layers(self)):
       # built eagerly on the batch's first example (output unused), not inside the trace
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
-    if opt_lib.fingerprints_deferred(opt):
+    if weight_fingerprints.fingerprints_deferred(opt):
       return super().train_on_batch(*args, **kwargs)
     # weights changed outside the DP optimizer since its last update? (built: all of them)
     weight_fingerprints.check(weight_fingerprints.checked_variables(self), "train_on_batch",
@@ -606,6 +607,20 @@ class _FitFingerprints:
       for fn in fns:
         fn()
     return hook
+
+  def settle(self):
+    """After a fit that raised between `recorder` and `checker` (a callback raised, or was
+    refused): weights held at a batch hook that nothing moved are the private steps' output
+    and are recorded; moved ones are refused by every later check (`mark_seen`). At other
+    hooks `recorder` recorded the steps' output first: later checks compare with it."""
+    held, self._held = self._held, None
+    if held is None:
+      return
+    if weight_fingerprints.changed_since(held):
+      weight_fingerprints.mark_seen(self._optimizer)
+    else:
+      weight_fingerprints.record(self._optimizer,
+                                 weight_fingerprints.checked_variables(self._model))
 
   def _evaluation_begin(self):
     self._evaluated = weight_fingerprints.hold(weight_fingerprints.checked_variables(
