@@ -175,7 +175,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     opt = _unscaled(getattr(self, "optimizer", None))
     fit_state = getattr(self, "_dp_fit_fingerprints", None)
     if isinstance(opt, opt_lib.DPOptimizerBase) and (
-        not weight_fingerprints.fingerprints_deferred(opt)
+        not opt_lib.fingerprints_deferred(opt)
         or (fit_state is not None and fit_state.open)):
       # the ledger is written for these weights: not for weights changed outside the run
       # (in a fit, while the user's callbacks run: ModelCheckpoint after one that wrote them)
@@ -341,7 +341,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     opt_lib.check_variables(opt, self.trainable_variables)   # taken over since its trace?
     check_no_batch_mixing(self)
     batch_independence.warn_adapted_layers(self)
-    fingerprints = not weight_fingerprints.fingerprints_deferred(opt)
+    fingerprints = not opt_lib.fingerprints_deferred(opt)
     if fingerprints:   # weights changed outside the DP optimizer since its last update?
       weight_fingerprints.check(weight_fingerprints.checked_variables(self), "fit",
                                 record_with=opt)
@@ -457,7 +457,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         layer.built for layer in keras_internals.flatten_layers(self)):
       # built eagerly on the batch's first example (output unused), not inside the trace
       self(keras.tree.map_structure(lambda t: t[:1], x), training=False)
-    if weight_fingerprints.fingerprints_deferred(opt):
+    if opt_lib.fingerprints_deferred(opt):
       return super().train_on_batch(*args, **kwargs)
     # weights changed outside the DP optimizer since its last update? (built: all of them)
     weight_fingerprints.check(weight_fingerprints.checked_variables(self), "train_on_batch",

@@ -66,11 +66,25 @@ _OWNERS = {}
 # run identities (`ledger.run_ids`) make a repeated adoption charge each step once.
 _CHARGES = {}
 # The class attribute of a probe optimizer whose updates are never released.
-UNCLAIMED = weight_fingerprints.UNCLAIMED
+UNCLAIMED = "_dp_unclaimed_variables"
 
 
 def _name(variable):
   return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+
+
+def fingerprints_deferred(optimizer):
+  """True while a DP model's fit or train_on_batch runs `optimizer` (it checks and records the
+  weights' fingerprints itself, weight_fingerprints), or for an internal probe (`UNCLAIMED`).
+
+  Args:
+    optimizer: a DP optimizer.
+
+  Returns:
+    bool.
+  """
+  return bool(getattr(optimizer, UNCLAIMED, False)
+              or getattr(optimizer, "_dp_fingerprints_deferred", False))
 
 
 def claim_variables(optimizer, variables):
@@ -90,7 +104,7 @@ def claim_variables(optimizer, variables):
   if all(_owner(v) is optimizer for v in variables):   # claimed before: every eager step
     return
   check_variables(optimizer, variables)
-  if not tf.executing_eagerly() and not weight_fingerprints.fingerprints_deferred(optimizer):
+  if not tf.executing_eagerly() and not fingerprints_deferred(optimizer):
     # a custom loop's traced step: the weights it starts from are checked (not under a
     # distribution strategy, where they are not read here); its steps are then untracked
     # (weight_fingerprints._untracked) until the next record
@@ -571,7 +585,7 @@ class DPOptimizerBase:
         (update_binding: plain tape gradients after a dropped private result, a closed-over
         batch of any dtype, a file read, another variable; eagerly, any post-processing).
     """
-    deferred = weight_fingerprints.fingerprints_deferred(self)   # fit, train_on_batch
+    deferred = fingerprints_deferred(self)   # fit, train_on_batch
     eager = tf.executing_eagerly() and not deferred
     if eager:   # a custom loop's eager step: weights changed since its last step are refused
       weight_fingerprints.check(trainable_variables, "apply_private_gradients",

@@ -701,29 +701,13 @@ def _write_traced(starts, now, states, update):
   return now
 
 
-# The class attribute of a probe optimizer whose updates are never released.
-UNCLAIMED = "_dp_unclaimed_variables"
-
-
-def fingerprints_deferred(optimizer):
-  """True while a DP model's fit or train_on_batch runs `optimizer` (it checks and records the
-  weights' fingerprints itself), or for an internal probe (`UNCLAIMED`).
-
-  Args:
-    optimizer: a DP optimizer.
-
-  Returns:
-    bool.
-  """
-  return bool(getattr(optimizer, UNCLAIMED, False)
-              or getattr(optimizer, "_dp_fingerprints_deferred", False))
-
-
 def _deferred(rec):
   """True while the optimizer of the record runs a DP fit's or train_on_batch's own steps
-  (`fingerprints_deferred`: they record the weights themselves)."""
+  (they record the weights themselves), or is an internal probe: the flags
+  optimizers.fingerprints_deferred reads (not imported here: optimizers imports this module)."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
-  return opt is not None and fingerprints_deferred(opt)
+  return opt is not None and bool(getattr(opt, "_dp_unclaimed_variables", False)
+                                  or getattr(opt, "_dp_fingerprints_deferred", False))
 
 
 def traced_update(optimizer, variables):
