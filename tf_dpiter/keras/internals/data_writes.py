@@ -342,17 +342,21 @@ def closure_data_writes(fn):
                                if internal.dtype != tf.resource})
 
 
-def _graph_writes(graph, data):
+def _graph_writes(graph, data, exempt=frozenset()):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
-  the written variables, then of the opaque Python functions given the data)."""
-  names = {}
+  the written variables, then of the opaque Python functions given the data), less those
+  whose eager handle's id is in `exempt`."""
+  names, skip = {}, set()
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
-      names[internal.op.name] = _variable_name(_outermost(external))
+      outer = _outermost(external)
+      names[internal.op.name] = _variable_name(outer)
+      if id(outer) in exempt:
+        skip.add(internal.op.name)
   graph_def = graph.as_graph_def()
   flow = _Flow(graph_def)
   written, _, _ = flow.body(graph_def.node, data, set(), False)
-  order = [n.name for n in graph_def.node if n.name in written]
+  order = [n.name for n in graph_def.node if n.name in written and n.name not in skip]
   opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]
@@ -439,6 +443,41 @@ def _refuse(written, what):
         "un-noised. Update it only when training is False, compute it outside the private "
         "step from public data, or make it a trainable weight. Received: variables written "
         f"from the data: {written}")
+
+
+def refuse_override_writes(train_step, data, exempt, what):
+  """Refuses a `train_step` override when its own code writes a variable from the batch,
+  before or after the library's step (which `train_step` stands in for by a function that
+  writes nothing: the library's own writes are checked by its own rules), or gives the batch
+  to a Python function or writes it out of the step (module docstring's rule). A running
+  statistic of the training inputs, or a learning rate set from the batch, kept beside the
+  weights would be released unclipped and un-noised (McMahan et al., "A General Approach to
+  Adding Differential Privacy to Iterative Training Procedures", Section 2: the released model
+  is a function of the noised sums only).
+
+  Args:
+    train_step: a callable of one argument (the batch as Keras hands it), traced once.
+    data: the batch (tensors of the train function's trace, or eager tensors).
+    exempt: the variables it may write from the batch (the metrics' own: Keras' train step
+      logs the batch's loss and metrics too).
+    what: how the user calls it, for the message.
+
+  Raises:
+    PrivacyConfigError: naming the variables written from the data and what to do.
+  """
+  specs = tf.nest.map_structure(
+      lambda t: tf.type_spec_from_value(t) if isinstance(t, tf.__internal__.CompositeTensor)
+      or tf.is_tensor(t) else t, data)
+
+  def traced(batch):
+    with tf.name_scope("data_writes"):
+      return train_step(batch)
+
+  graph = tf.function(traced).get_concrete_function(specs).graph
+  # every input that is not a variable's handle is data: the batch's tensors (composite ones
+  # as their components) and any tensor the override captures from outside
+  sources = {t.op.name for t in graph.inputs if t.dtype != tf.resource}
+  _refuse(_graph_writes(graph, sources, {id(v.handle) for v in exempt}), what)
 
 
 def refuse_step_writes(model, x, y, sample_weight):

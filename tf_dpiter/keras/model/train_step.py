@@ -232,6 +232,7 @@ class TrainStepMixin:
     # the trace has the batch: _dp_built_facts)
     self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
+    self._dp_override_checked = False   # a train_step override's own code: at its first trace
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
@@ -521,6 +522,26 @@ class TrainStepMixin:
   # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
   # autograph=False): converting the library's functions made most of a large model's trace.
   @tf.autograph.experimental.do_not_convert
+  def _dp_check_override(self, data):
+    """Once per train function, for a class overriding `train_step` (which calls this one):
+    its own code traced alone, this step replaced by one that writes nothing, may write no
+    variable but the metrics' from the batch (data_writes.refuse_override_writes)."""
+    if (type(self).train_step is TrainStepMixin.train_step
+        or getattr(self, "_dp_override_checked", False)):
+      return
+
+    def override_alone(batch):
+      self._dp_override_probe = True
+      try:
+        return type(self).train_step(self, batch)
+      finally:
+        self._dp_override_probe = False
+
+    data_writes.refuse_override_writes(
+        override_alone, data, self.metrics_variables,
+        f"the train_step override of {type(self).__name__}")
+    self._dp_override_checked = True
+
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring).
@@ -531,6 +552,9 @@ class TrainStepMixin:
     Returns:
       the metrics' logs.
     """
+    if getattr(self, "_dp_override_probe", False):   # an override's own code, checked alone
+      return self.get_metrics_result()
+    self._dp_check_override(data)
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)

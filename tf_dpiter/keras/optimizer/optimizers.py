@@ -637,6 +637,26 @@ class DPOptimizerBase:
       return list(grads_and_vars)
     return super()._all_reduce_sum_gradients(grads_and_vars)  # pylint: disable=no-member
 
+  def finalize_variable_values(self, var_list):
+    """Keras' end of training: with `use_ema=True` the weights become the optimizer's moving
+    average of the iterates (Keras' `fit` calls this after its last epoch), a function of the
+    run's checked states (post-processing: Dwork and Roth, "The Algorithmic Foundations of
+    Differential Privacy", Proposition 2.1). When the weights and the averages were states of
+    the run just before (weight_fingerprints.changed), the averaged weights are recorded as
+    one, so the checks after it (a callback's on_train_end, a statement) accept them.
+
+    Args:
+      var_list: the model's trainable variables.
+    """
+    if not self.use_ema:
+      super().finalize_variable_values(var_list)  # pylint: disable=no-member
+      return
+    var_list = list(var_list)
+    unrecorded = weight_fingerprints.changed(var_list)   # the averages too (optimizer_state)
+    super().finalize_variable_values(var_list)  # pylint: disable=no-member
+    if not unrecorded:
+      weight_fingerprints.record(self, var_list)
+
   def apply(self, grads, trainable_variables=None):
     """Refuses plain gradients (the private path goes through apply_private_gradients).
 

@@ -1,0 +1,126 @@
+"""A train_step override's own writes from the batch (review R8, session 39, finding 2): a DP model whose `train_step` override calls the
+library's step (`super().train_step(data)`) and then writes a weight, or the learning rate,
+from the batch is stated: nothing walks the override's own writes, and a fit without user
+callbacks records whatever the weights hold at its end.
+
+Claim (models.py / weight_fingerprints, module docstrings): "the ledger's epsilon holds for
+weights that are a function of the noised steps it charges ... A plain Keras optimizer
+updating a layer ..., set_weights / assign of other values ... are refused"; "the steps'
+output recorded before [the callbacks], checked after". data_writes.refuse_model_writes traces
+the model's call and the record loss, not the rest of the override; update_binding only walks
+a user's own apply_private_gradients; and `fit`'s `finally` records
+`checked_variables` unchecked when no callback hook left the guard open.
+
+Relation/unit: replace one example (shuffle sampling: x[0, 0] = 1000 in D, 0 in D'), n = 40,
+batch 10, one epoch (4 steps), z = 1, C = 1, lr 0.1; unit = example. Measured (session 39,
+noise off): a non-trainable `input_mean` weight kept as a running mean of the training
+batches (0.9 m + 0.1 mean(batch)) differs by 10.003 between D and D' (it is the record's
+value / 100: unbounded in the record), saved by save_weights with the ledger; the trainable
+weights differ by 0.0114. With z = 1 the statement says epsilon 10.726 (delta 1e-5: one
+shuffled pass, Gaussian z = 1 at sensitivity 2C, dp_accounting RDP by hand 10.726); the
+released input_mean has no noise: epsilon = infinity. The learning rate written the same way
+after super().train_step is stated too (10.726; lr 0.0739 = 0.1 mean|last batch|).
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpiter as dp
+
+
+class RunningInputMean(dp.keras.DPSequential):
+  """Keeps the training inputs' running mean next to the weights (for serving-time drift
+  checks), or sets the next step's learning rate from the batch."""
+
+  def __init__(self, *args, write="input_mean", **kwargs):
+    super().__init__(*args, **kwargs)
+    self._write = write
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.input_mean = self.add_weight(shape=(3,), initializer="zeros", trainable=False,
+                                      name="input_mean")
+
+  def train_step(self, data):
+    logs = super().train_step(data)
+    xb = data[0]
+    if self._write == "input_mean":
+      self.input_mean.assign(0.9 * self.input_mean + 0.1 * tf.reduce_mean(xb, axis=0))
+    else:
+      self.optimizer.learning_rate.assign(0.1 * tf.reduce_mean(tf.abs(xb)))
+    return logs
+
+
+@pytest.mark.parametrize("write", ["input_mean", "learning_rate"])
+def test_a_write_from_the_batch_in_a_train_step_override_is_refused(write):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(40, 3)).clip(-4.5, 4.5).astype("float32")
+  x[0, 0] = 1000.0
+  y = rng.normal(size=(40, 1)).astype("float32")
+  keras.utils.set_random_seed(0)
+  model = RunningInputMean([keras.Input((3,)), keras.layers.Dense(1)], write=write)
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  before = [v.numpy() for v in model.variables]
+  with pytest.raises(dp.errors.PrivacyConfigError, match="train_step override of RunningInputMean"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  # refused at the trace: no step ran, nothing was written or charged
+  assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.variables))
+  assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class WriteBefore(dp.keras.DPSequential):
+  """Writes a non-trainable weight from the batch BEFORE the library's step."""
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.seen_max = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    name="seen_max")
+
+  def train_step(self, data):
+    self.seen_max.assign(tf.maximum(self.seen_max, tf.reduce_max(data[0])))
+    return super().train_step(data)
+
+
+class TracksOwnMetric(dp.keras.DPSequential):
+  """The Keras guide's idiom: a metric of the override's own, updated from the batch, and a
+  call counter that does not depend on the data."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.abs_input = keras.metrics.Mean(name="abs_input")
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+  def train_step(self, data):
+    logs = super().train_step(data)
+    self.abs_input.update_state(tf.reduce_mean(tf.abs(data[0])))
+    self.calls.assign_add(1.0)
+    return dict(logs, abs_input=self.abs_input.result())
+
+
+def _data():
+  rng = np.random.default_rng(1)
+  return (rng.normal(size=(40, 3)).astype("float32"),
+          rng.normal(size=(40, 1)).astype("float32"))
+
+
+def test_a_write_from_the_batch_before_the_library_step_is_refused():
+  x, y = _data()
+  model = WriteBefore([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  with pytest.raises(dp.errors.PrivacyConfigError, match="seen_max"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+
+
+def test_an_override_tracking_its_own_metric_and_a_counter_trains_and_is_stated():
+  x, y = _data()
+  model = TracksOwnMetric([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  hist = model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert hist.history["abs_input"][0] > 0.0
+  assert float(model.calls.numpy()) == 4.0
+  assert model.privacy_statement(1e-5).epsilon > 0.0
