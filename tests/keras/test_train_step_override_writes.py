@@ -44,8 +44,15 @@ class RunningInputMean(dp.keras.DPSequential):
                                       name="input_mean")
 
   def train_step(self, data):
-    logs = super().train_step(data)
     xb = data[0]
+    if self._write == "shift":   # weights moved from the batch around the library's step
+      bias = self.layers[-1].bias
+      delta = tf.where(tf.reduce_max(xb) > 4.0, 100.0, -100.0)
+      bias.assign_add([delta])
+      logs = super().train_step(data)
+      bias.assign_sub([delta])
+      return logs
+    logs = super().train_step(data)
     if self._write == "input_mean":
       self.input_mean.assign(0.9 * self.input_mean + 0.1 * tf.reduce_mean(xb, axis=0))
     else:
@@ -53,7 +60,7 @@ class RunningInputMean(dp.keras.DPSequential):
     return logs
 
 
-@pytest.mark.parametrize("write", ["input_mean", "learning_rate"])
+@pytest.mark.parametrize("write", ["input_mean", "learning_rate", "shift"])
 def test_a_write_from_the_batch_in_a_train_step_override_is_refused(write):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(40, 3)).clip(-4.5, 4.5).astype("float32")
@@ -124,3 +131,46 @@ def test_an_override_tracking_its_own_metric_and_a_counter_trains_and_is_stated(
   assert hist.history["abs_input"][0] > 0.0
   assert float(model.calls.numpy()) == 4.0
   assert model.privacy_statement(1e-5).epsilon > 0.0
+
+
+class OwnPrivateStep(dp.keras.DPSequential):
+  """An override that applies its own private gradients (no super().train_step), then writes
+  the learning rate from the batch."""
+
+  def __init__(self, *args, write=True, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._write = write
+
+  def train_step(self, data):
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+    variables = self.trainable_variables
+
+    def record_loss(rec):
+      xr, yr = rec
+      return tf.reduce_mean(tf.square(self(xr) - yr))
+
+    grads = self.optimizer.compute_private_gradients(record_loss, variables, data=(x, y))
+    self.optimizer.apply_private_gradients([0.5 * g for g in grads], variables)
+    if self._write:
+      self.optimizer.learning_rate.assign(0.1 * tf.reduce_mean(tf.abs(x)))
+    return {"norm": tf.linalg.global_norm(grads)}
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_an_override_applying_its_own_private_gradients(write):
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = OwnPrivateStep([keras.Input((3,)), keras.layers.Dense(1)], write=write)
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+  model.compile(opt, "mse")
+  opt.build(model.trainable_variables)
+  opt.set_sampling(40, 0.25, "poisson", 10)   # the batches below: declared by the user
+  if write:
+    with pytest.raises(dp.errors.PrivacyConfigError, match="learning_rate"):
+      model.train_on_batch(x[:10], y[:10])
+    assert int(opt.iterations.numpy()) == 0
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)
+  else:   # its update from the noised result: trains and is charged
+    model.train_on_batch(x[:10], y[:10])
+    assert int(opt.iterations.numpy()) == 1
+    assert int(opt.ledger.sample_count.numpy()) == 1

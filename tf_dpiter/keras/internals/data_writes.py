@@ -342,21 +342,29 @@ def closure_data_writes(fn):
                                if internal.dtype != tf.resource})
 
 
-def _graph_writes(graph, data, exempt=frozenset()):
+def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
   the written variables, then of the opaque Python functions given the data), less those
-  whose eager handle's id is in `exempt`."""
+  whose eager handle's id is in `exempt`; the nodes named in `clean` (noised results) are
+  cut from their inputs. only: None, or ids of eager handles: only those variables, and
+  no opaque function or release, are reported."""
   names, skip = {}, set()
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
       outer = _outermost(external)
       names[internal.op.name] = _variable_name(outer)
-      if id(outer) in exempt:
+      if id(outer) in exempt or (only is not None and id(outer) not in only):
         skip.add(internal.op.name)
   graph_def = graph.as_graph_def()
+  for node in graph_def.node:
+    if node.name in clean:
+      del node.input[:]
   flow = _Flow(graph_def)
   written, _, _ = flow.body(graph_def.node, data, set(), False)
-  order = [n.name for n in graph_def.node if n.name in written and n.name not in skip]
+  order = [n.name for n in graph_def.node if n.name in written and n.name not in skip
+           and (only is None or n.name in names)]
+  if only is not None:
+    return [names[n] for n in order]
   opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]
@@ -445,7 +453,7 @@ def _refuse(written, what):
         f"from the data: {written}")
 
 
-def refuse_override_writes(train_step, data, exempt, what):
+def refuse_override_writes(train_step, data, exempt, what, clean=None):
   """Refuses a `train_step` override when its own code writes a variable from the batch,
   before or after the library's step (which `train_step` stands in for by a function that
   writes nothing: the library's own writes are checked by its own rules), or gives the batch
@@ -461,6 +469,9 @@ def refuse_override_writes(train_step, data, exempt, what):
     exempt: the variables it may write from the batch (the metrics' own: Keras' train step
       logs the batch's loss and metrics too).
     what: how the user calls it, for the message.
+    clean: None, or a function of the traced graph giving the names of its ops whose
+      outputs are noised results (a private step's, which the override applies itself):
+      cut from their inputs.
 
   Raises:
     PrivacyConfigError: naming the variables written from the data and what to do.
@@ -477,7 +488,8 @@ def refuse_override_writes(train_step, data, exempt, what):
   # every input that is not a variable's handle is data: the batch's tensors (composite ones
   # as their components) and any tensor the override captures from outside
   sources = {t.op.name for t in graph.inputs if t.dtype != tf.resource}
-  _refuse(_graph_writes(graph, sources, {id(v.handle) for v in exempt}), what)
+  _refuse(_graph_writes(graph, sources, {id(v.handle) for v in exempt},
+                       clean(graph) if clean is not None else frozenset()), what)
 
 
 def refuse_step_writes(model, x, y, sample_weight):

@@ -179,8 +179,13 @@ def check_weights(model, what):
     what: what is refused, for the message.
 
   Raises:
-    PrivacyConfigError: a variable holds values no private step of the run produced.
+    PrivacyConfigError: a variable holds values no private step of the run produced, or a
+      custom loop's traced step wrote the learning rate, iterations, a slot or a weight from
+      the batch after its update (PrivateStep.refuse_late_writes).
   """
+  opt = model if not isinstance(model, keras.Model) else getattr(model, "optimizer", None)
+  if getattr(opt, "private_step", None) is not None:   # a custom loop's traced steps, whole
+    opt.private_step.refuse_late_writes(what)
   if isinstance(model, keras.Model):
     weight_fingerprints.check(weight_fingerprints.checked_variables(model), what)
   else:

@@ -35,6 +35,7 @@ from tf_dpiter.keras.internals import total_records
 from tf_dpiter.keras.model import output_losses
 from tf_dpiter.keras.optimizer import record_losses
 from tf_dpiter.keras.optimizer import routing
+from tf_dpiter.keras.optimizer import update_binding
 
 
 class _TraceFacts:
@@ -209,6 +210,22 @@ _STEP_WRITES = "the model's training-mode call or its loss in the private step"
 
 class TrainStepMixin:
   """make_train_function / train_step of a DP model (see module docstring)."""
+
+  def __init_subclass__(cls, **kwargs):
+    """A user's class overriding `train_step`: its override checks its own code first, once
+    per train function (`_dp_check_override`), whether or not it calls this class's step."""
+    super().__init_subclass__(**kwargs)
+    own = cls.__dict__.get("train_step")
+    if own is None or cls.__module__.startswith("tf_dpiter."):
+      return
+
+    @functools.wraps(own)
+    def train_step(self, data):
+      if not getattr(self, "_dp_override_probe", False):
+        self._dp_check_override(data)
+      return own(self, data)
+
+    cls.train_step = train_step
 
   def make_train_function(self, force=False):
     """keras.Model.make_train_function for the private step: with jit_compile the clipped
@@ -539,7 +556,7 @@ class TrainStepMixin:
 
     data_writes.refuse_override_writes(
         override_alone, data, self.metrics_variables,
-        f"the train_step override of {type(self).__name__}")
+        f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
     self._dp_override_checked = True
 
   def train_step(self, data):
@@ -554,7 +571,6 @@ class TrainStepMixin:
     """
     if getattr(self, "_dp_override_probe", False):   # an override's own code, checked alone
       return self.get_metrics_result()
-    self._dp_check_override(data)
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)

@@ -599,6 +599,8 @@ class DPOptimizerBase:
     # written in the graph (weight_fingerprints.traced_update)
     traced = None if eager or deferred else weight_fingerprints.traced_update(
         self, trainable_variables)
+    if traced is not None:   # what the step traces after the update: walked at a statement
+      self.private_step.note_traced_update(trainable_variables)
     self._private_apply = True
     # one charged sample per update (review: plain tape gradients renamed from apply_gradients
     # were applied uncharged)

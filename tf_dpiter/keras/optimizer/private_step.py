@@ -1198,6 +1198,28 @@ class PrivateStep:
       self._noised.add(result)
     return result
 
+  def note_traced_update(self, variables):
+    """A custom loop's update traced now: its whole step is walked at the next statement
+    (update_binding.NoisedResults.refuse_late_writes).
+
+    Args:
+      variables: the variables updated (the optimizer's own are added).
+    """
+    self._noised.note_traced_update(list(variables) + list(self.optimizer.variables))
+
+  def refuse_late_writes(self, what):
+    """Refuses the run when a traced custom-loop step wrote an updated variable or one of
+    the optimizer's from the batch anywhere in the step
+    (update_binding.NoisedResults.refuse_late_writes).
+
+    Args:
+      what: what is refused, for the message.
+
+    Raises:
+      PrivacyConfigError: such a write.
+    """
+    self._noised.refuse_late_writes(what)
+
   def require_bound_update(self, grads, what="apply_private_gradients", variables=()):
     """Refuses gradients that are not a noised result this step returned, or (traced) a
     function of one, the updated weights, the optimizer's own variables and scalar constants

@@ -94,6 +94,10 @@ class NoisedResults:
   def __init__(self):
     # lists of eager tensors drawn since the last update (read by PrivateStep.charged_gradients)
     self.eager = []
+    # (FuncGraph, ids of the variables' handles) of the custom loop's traced updates, until
+    # walked whole (`refuse_late_writes`), and the refusal that walk made, kept
+    self._traced = []
+    self._refused = None
 
   def add(self, result):
     """Keeps `result` (a list of tensors) as a noised, charged result.
@@ -154,6 +158,46 @@ class NoisedResults:
           "post-process, apply). Received: a gradient computed from "
           f"{source}")
 
+  def note_traced_update(self, variables):
+    """Keeps the graph being traced (a custom loop's step, its update traced now) for
+    `refuse_late_writes`: what the step traces after the update is not in the graph yet.
+
+    Args:
+      variables: the variables the update writes and the optimizer's own (learning rate,
+        iterations, slots).
+    """
+    self._traced.append((tf.compat.v1.get_default_graph(),
+                         frozenset(id(v.handle) for v in variables)))
+
+  def refuse_late_writes(self, what):
+    """Refuses the run when one of its traced custom-loop steps writes, anywhere in the
+    step (after its update too), one of the variables `note_traced_update` named from the
+    batch: a learning rate or `iterations` set from the batch after the update scales the
+    next step's signal and noise by a function of one record (no epsilon bounds it). Each
+    graph is walked once, whole (data_writes' flow, the noised results cut from their
+    inputs); a refusal is kept: every later call refuses.
+
+    Args:
+      what: what is refused, for the message.
+
+    Raises:
+      PrivacyConfigError: naming the variable and what to do.
+    """
+    pending, self._traced = self._traced, []
+    for graph, allowed in pending:
+      if self._refused is None:
+        written = late_writes(graph, allowed)
+        if written:
+          self._refused = (
+              f"a traced step of this custom loop writes {written[0]!r} from the batch "
+              "(after apply_private_gradients, or in a nested function): the next update "
+              "then scales its noised gradient by a function of the records, which the "
+              "ledger does not account. Set the learning rate and iterations only from "
+              "public values (a schedule, a Python number, between steps). Received: "
+              f"variables written from the batch: {written}")
+    if self._refused is not None:
+      raise PrivacyConfigError(f"{what} refused: {self._refused}")
+
   def _require_eager(self, tensors, what):
     pending = [t for result in self.eager for t in result]
     ids = {id(t) for t in pending}
@@ -172,6 +216,36 @@ class NoisedResults:
             "post-processing inside tf.function, with compute_private_gradients and "
             "apply_private_gradients in the same traced step. Received: a gradient of "
             f"shape {tuple(t.shape)} and dtype {t.dtype.name} not drawn by the private step")
+
+
+def late_writes(graph, allowed):
+  """The names of the variables among `allowed` (ids of eager handles) that the whole
+  FuncGraph `graph` writes from its data: its non-resource inputs (arguments, captured
+  tensors), a dataset's next element, a Python function's result, a floating array constant;
+  the noised results (`noised_ops`) cut from their inputs."""
+  graph_def = graph.as_graph_def()
+  sources = {node.name for node in graph_def.node
+             if (node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
+             or node.op in _OPAQUE_SOURCES or _embedded_array(node)}
+  return data_writes._graph_writes(graph, sources, clean=noised_ops(graph),  # pylint: disable=protected-access
+                                   only=allowed)
+
+
+def noised_ops(graph):
+  """The names of the ops of `graph` all of whose outputs are noised results a private step
+  returned in it (any optimizer's): what they were computed from reaches no further than
+  them (the noise and the ledger's charge bound it).
+
+  Args:
+    graph: a FuncGraph.
+
+  Returns:
+    set of op names.
+  """
+  held = getattr(graph, _GRAPH_ATTRIBUTE, None) or {}
+  refs = set().union(*held.values()) if held else set()
+  ops = {ref.deref().op for ref in refs}
+  return {op.name for op in ops if all(o.ref() in refs for o in op.outputs)}
 
 
 # ops whose outputs are data the graph does not show the origin of: a dataset's next element,
