@@ -58,7 +58,7 @@ def _model(held):
 def test_a_variable_outside_model_variables_is_refused_before_any_step(held, name):
   x, y = _data()
   model, _ = _model(held)
-  with pytest.raises(dp.errors.PrivacyConfigError, match=f"reads the variable '{name}"):
+  with pytest.raises(dp.errors.PrivacyConfigError, match=f"the variable '{name}"):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
   assert int(model.optimizer.iterations.numpy()) == 0
 
@@ -71,3 +71,44 @@ def test_the_same_state_as_a_weight_trains_and_its_write_between_fits_is_refused
   scale.s.assign(float(x[:, 0].max()))   # record 0's value, between fits
   with pytest.raises(dp.errors.PrivacyConfigError):
     model.privacy_statement(1e-5)
+
+
+class Temperature(keras.layers.Layer):
+  """Divides the outputs by a temperature in inference (post-hoc calibration)."""
+
+  def __init__(self):
+    super().__init__()
+    self.t = tf.Variable(1.0, trainable=False, name="temperature_in_inference")
+
+  def call(self, inputs, training=None):
+    return inputs if training else inputs / self.t
+
+
+class Calibrate(keras.callbacks.Callback):
+  """Sets the temperature from the training data when training ends."""
+
+  def __init__(self, x):
+    super().__init__()
+    self._x = x
+
+  def on_train_end(self, logs=None):
+    self.model.layers[-1].t.assign(float(np.abs(self._x[:, 0]).max()))
+
+
+def test_a_variable_read_only_in_inference_outside_model_variables_is_refused():
+  """Review R8 (session 39), finding 5: a layer's tf.Variable read only when training is False
+  (a calibration temperature set from the training data at on_train_end) escaped the
+  training-mode trace: replace one example (x[0, 0] = 10 in D), the served outputs scaled by
+  1 / record, epsilon 10.726 stated. Refused before any step now (the layers' attributes)."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(40, 3)).clip(-4.5, 4.5).astype("float32")
+  x[0, 0] = 10.0
+  y = rng.normal(size=(40, 1)).astype("float32")
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(1), Temperature()])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  with pytest.raises(dp.errors.PrivacyConfigError, match="temperature_in_inference"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle",
+              callbacks=[Calibrate(x)])
+  assert float(model.layers[-1].t.numpy()) == 1.0   # refused before the callback wrote it
+  assert int(model.optimizer.iterations.numpy()) == 0

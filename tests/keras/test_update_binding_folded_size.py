@@ -73,3 +73,33 @@ def test_public_post_processing_next_to_it_trains_and_states_its_epsilon():
   acc.compose(dpa.PoissonSampledDpEvent(Q, dpa.GaussianDpEvent(1.0)))
   assert stated.steps == 1
   assert stated.epsilon == pytest.approx(acc.get_epsilon(DELTA), rel=1e-3)
+
+
+def test_the_batch_size_summed_from_a_filled_shape_is_refused():
+  """Review R8 (session 39), finding 6: tf.reduce_sum(tf.ones(tf.shape(yb))) of a statically
+  shaped batch carried the Poisson batch size into the update (add/remove one example, noise
+  off: 66.4 noise std between neighbours; epsilon 2.133 stated against 2,514 by hand for the
+  mechanism run); the folded shape at Fill's dims is refused now."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(10, 4)).astype(np.float32)
+  y = rng.normal(size=(10, 1)).astype(np.float32)
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+  opt.build(model.trainable_variables)
+  opt.set_sampling(100, 0.1, "poisson", 10)
+  variables = model.trainable_variables
+
+  def record_loss(rec):
+    xr, yr = rec
+    return tf.reduce_mean(tf.square(model(xr) - yr))
+
+  @tf.function
+  def step(xb, yb):
+    grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
+    n = tf.reduce_sum(tf.ones(tf.shape(yb)))   # the batch's size
+    opt.apply_private_gradients([g - 3.0 * n for g in grads], variables)
+
+  with pytest.raises(dp.errors.PrivacyConfigError, match="shape constant"):
+    step(x, y)
+  assert int(opt.iterations.numpy()) == 0

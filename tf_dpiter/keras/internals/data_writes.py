@@ -60,7 +60,14 @@ _SHAPES = ("Shape", "ShapeN", "Size", "Rank")   # public unless their operand's 
 _READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
                     "VarIsInitializedOp", "LookupTableFindV2", "LookupTableSizeV2",
                     "LookupTableExportV2", "IsBoostedTreesEnsembleInitialized",
-                    "_ReadVariablesOp", "DisableCopyOnRead"))
+                    "_ReadVariablesOp", "DisableCopyOnRead",
+                    # replicas' collectives: their resource is an ordering token, no value
+                    "CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduceScatterV2",
+                    "CollectiveAllToAllV2"))
+# replicas' collectives: only their first input is a value (the others: group size and keys,
+# captured from the host, and the ordering token)
+_COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2",
+                          "CollectiveReduceScatterV2", "CollectiveAllToAllV2"))
 # Python bodies the graph cannot show (tf.py_function, tf.numpy_function)
 _OPAQUE = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
 # input positions whose VALUES decide the output's shape, for ops whose output shape is
@@ -207,7 +214,8 @@ class _Flow:
       changed = False
       for node in nodes:
         srcs = [_source(i) for i in node.input if not i.startswith("^")]
-        hot = any(s in tainted or s in t_res for s in srcs)
+        hot = any(s in tainted or s in t_res
+                  for s in (srcs if node.op not in _COLLECTIVES else srcs[:1]))
         shape_hot = any(s in shaped for s in srcs)
         if node.op in _SHAPES:   # the shape of an input is public; of a masked input, data
           w, out_hot, out_shaped = set(), shape_hot, False
@@ -528,6 +536,18 @@ def refuse_step_writes(model, x, y, sample_weight):
                      f"the model {model.name!r} in training mode with its loss")
 
 
+def _attribute_variables(model):
+  """The tf.Variables the layers of `model` hold as attributes (directly, or in a list,
+  tuple or dict attribute), Keras' own variables excluded (they are not tf.Variable)."""
+  out = []
+  for layer in keras_internals.flatten_layers(model):
+    for value in vars(layer).values():
+      items = (value.values() if isinstance(value, dict)
+               else value if isinstance(value, (list, tuple)) else (value,))
+      out += [v for v in items if isinstance(v, tf.Variable)]
+  return out
+
+
 def refuse_model_writes(model, inputs=None):
   """Refuses `model` when its training-mode call writes a variable from its inputs, or reads
   one the model does not list.
@@ -543,7 +563,8 @@ def refuse_model_writes(model, inputs=None):
 
   Raises:
     PrivacyConfigError: as `refuse_data_writes`, or when the call reads a variable that is
-      not in `model.variables` (nor the optimizer's): the weights' checks
+      not in `model.variables` (nor the optimizer's), or a layer holds one as an attribute
+      (read in inference only, it escapes the training-mode trace): the weights' checks
       (weight_fingerprints) cover the model's variables only.
   """
   if inputs is None:
@@ -559,14 +580,19 @@ def refuse_model_writes(model, inputs=None):
   listed = {id(v.handle) for v in model.variables}
   listed |= {id(v.handle) for v in getattr(getattr(model, "optimizer", None), "variables", ())}
   unlisted = [v.name for v in graph.variables if id(v.handle) not in listed]
+  # and a layer's tf.Variable attribute, read in inference only (a calibration temperature):
+  # not in the training-mode trace, but served by predict and export
+  unlisted += [v.name for v in _attribute_variables(model) if id(v.handle) not in listed
+               and v.name not in unlisted]
   if unlisted:
     raise PrivacyConfigError(
-        f"{what} reads the variable {unlisted[0]!r}, which is not one of the model's "
+        f"{what} reads (or a layer holds) the variable {unlisted[0]!r}, which is not one "
+        "of the model's "
         "variables (a tf.Variable held as a layer attribute or in a closure: Keras does not "
         "list, save or restore it): tf_dpiter cannot check that what it holds comes from "
         "the DP run, and a value written into it from the training data between steps "
         "would be released unclipped and un-noised. Make it a weight "
         "(`self.add_weight(..., trainable=False)`, assigned only when training is False or "
-        "from public data) or a constant. Received: variables read outside "
+        "from public data) or a constant. Received: variables read or held outside "
         f"model.variables: {unlisted}")
   return True

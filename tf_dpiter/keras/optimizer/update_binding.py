@@ -16,7 +16,8 @@ updated weights and the optimizer's own variables (iterations, learning rate, sl
 (c) scalar constants, and integer constants of at most 16 elements (tf.split's sizes: a
 vector of any length) that reach them only at a shape, axis or bound position (a reshape's
 shape, a reduction's axes, a slice's bounds: `data_writes._SHAPE_ARGS`): a shape or an axis
-holds no record. `denied_inputs` walks the graph backward from the gradients, cut at the
+holds no record, but for a step argument's static size where the shape sets how many values
+an op outputs (`_SIZE_ARGS`: tf.ones(tf.shape(batch)) sums to the batch size). `denied_inputs` walks the graph backward from the gradients, cut at the
 noised results, into nested functions, tf.cond / tf.switch_case branches (their predicate
 too) and tf.while_loop bodies (all of them), and refuses everything else it reaches: a step
 argument or captured tensor (the batch given to the step), an array constant of any dtype
@@ -55,6 +56,13 @@ Eager: the noised results drawn eagerly since the last update are kept (the tens
 the update; the latest 8), and each applied gradient must be one of them, or equal bit for bit (the digest
 of `weight_fingerprints.digest`, dtype and shape). Post-processing is then refused: do it
 inside a tf.function with the private step.
+
+Writes traced AFTER the update (a learning rate or `iterations` set from the batch for the
+next step) are not in the graph at its trace: each graph in which a custom loop's update was
+traced is walked whole at the next statement (`NoisedResults.refuse_late_writes`: the same
+data flow, the noised results cut), and a run whose step writes the updated weights or the
+optimizer's variables from the batch is refused then and later. A `train_step` override is
+walked whole at its first trace instead (data_writes.refuse_override_writes), before any step.
 
 Relation/unit: those of the charged result (the declared sampling's).
 """
@@ -384,7 +392,15 @@ _INDEX_TYPES = frozenset([types_pb2.DT_INT32, types_pb2.DT_INT64])
 _MAX_INDEX_ELEMENTS = 16
 # how a walked tensor reaches the gradients: as a value, as a shape, axes or bounds only, or
 # as tf.split's sizes (the larger, the more permissive)
-_VALUE, _SHAPE, _SPLITS = 0, 1, 2
+_VALUE, _SHAPE, _SPLITS, _SIZE = 0, 1, 2, 3
+# shape arguments that set how many values an op outputs (`tf.ones(tf.shape(batch))` sums to
+# the batch's size): an integer constant there holding a step argument's static size is the
+# batch's folded shape, refused as its folded size is (`_static_sizes`)
+_SIZE_ARGS = {"Fill": (0,), "Tile": (1,), "BroadcastTo": (1,), "Pad": (1,), "PadV2": (1,),
+              "MirrorPad": (1,), "ScatterNd": (2,), "Slice": (2,), "StridedSlice": (2,),
+              "OneHot": (1,), "StatelessRandomUniformV2": (0,),
+              "StatelessRandomNormalV2": (0,), "StatelessTruncatedNormalV2": (0,),
+              "RandomUniform": (0,), "RandomStandardNormal": (0,)}
 
 
 def _const_size(node):
@@ -506,6 +522,15 @@ class _Reach:
         dtype = tf.dtypes.as_dtype(node.attr["dtype"].type).name
         self._deny(f"an array constant of shape {_const_shape(node)} and dtype {dtype}{at} "
                    "(a numpy batch the step closes over becomes one)")
+      elif (mode == _SIZE and self._sizes and node.attr["dtype"].type in _INDEX_TYPES
+            and self._sizes & {int(d) for d in tf.make_ndarray(
+                node.attr["value"].tensor).reshape(-1)}):
+        self._deny(f"the shape constant {tf.make_ndarray(node.attr['value'].tensor).tolist()}"
+                   f"{at}, holding the static size of a step argument, as the shape of "
+                   "values (tf.ones(tf.shape(batch)) of a statically shaped batch sums to the "
+                   "batch size, which is private under Poisson sampling: use the expected "
+                   "batch size, a Python float, or trace the step with "
+                   "input_signature=[tf.TensorSpec([None, ...])])")
       elif (size == 1 and mode == _VALUE and self._sizes
             and node.attr["dtype"].type == types_pb2.DT_INT32):
         value = int(tf.make_ndarray(node.attr["value"].tensor).reshape(-1)[0])
@@ -529,7 +554,9 @@ class _Reach:
                  "noised result)")
       return []
     shape_args = _shape_only_args(node.op, len(inputs))
+    size_args = _SIZE_ARGS.get(node.op, ())
     return [(s, mode or (_SPLITS if (node.op, i) == ("SplitV", 1)
+                         else _SIZE if i in size_args
                          else _SHAPE if i in shape_args else _VALUE))
             for i, s in enumerate(inputs)]
 
