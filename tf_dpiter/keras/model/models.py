@@ -420,7 +420,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_fit_fingerprints = None
       # after the callbacks' on_train_end (restore_best_weights, averages), all checked; when
       # a callback raised (or was refused) before its check, the guard settles what it held
-      if fingerprints and not guard.open:
+      if fingerprints and guard.evaluation_cut_short():
+        pass   # its evaluation wrote the weights: nothing recorded, every later check refuses
+      elif fingerprints and not guard.open:
         weight_fingerprints.record(opt, weight_fingerprints.checked_variables(self))
       elif fingerprints:
         guard.settle()
@@ -621,6 +623,21 @@ class _FitFingerprints:
     else:
       weight_fingerprints.record(self._optimizer,
                                  weight_fingerprints.checked_variables(self._model))
+
+  def evaluation_cut_short(self):
+    """After a fit: True when its evaluation was interrupted (on_test_end never ran: a
+    KeyboardInterrupt, a callback or batch that raised) and the weights held at its start
+    moved; they are then no state of the run (`mark_seen`: every later check refuses them).
+
+    Returns:
+      bool.
+    """
+    held, self._evaluated = self._evaluated, None
+    if held is None or not weight_fingerprints.changed_since(held):
+      return False
+    self._held = None
+    weight_fingerprints.mark_seen(self._optimizer)
+    return True
 
   def _evaluation_begin(self):
     self._evaluated = weight_fingerprints.hold(weight_fingerprints.checked_variables(
