@@ -80,3 +80,35 @@ def test_a_public_write_after_the_update_is_stated():
         Q, dp_accounting.GaussianDpEvent(1.0)), 2)
     assert stated.steps == 2
     assert stated.epsilon == pytest.approx(acc.get_epsilon(DELTA), rel=1e-9)
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_a_loop_retraced_per_batch_size_is_walked_whole(write):
+  """Five traces (one per Poisson batch size, more than the graphs kept until a statement):
+  the finished traces are walked as the next ones are traced, and the verdict is the same."""
+  rng = np.random.default_rng(0)
+  model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1)])
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+  opt.build(model.trainable_variables)
+  opt.set_sampling(N, Q, "poisson", 10)
+  variables = model.trainable_variables
+
+  def record_loss(rec):
+    xr, yr = rec
+    return tf.reduce_mean(tf.square(model(xr) - yr))
+
+  @tf.function
+  def step(xb, yb):
+    grads = opt.compute_private_gradients(record_loss, variables, data=(xb, yb))
+    opt.apply_private_gradients(grads, variables)
+    if write:
+      opt.learning_rate.assign(0.1 * tf.reduce_mean(tf.abs(xb)))
+
+  for size in range(8, 13):   # five static shapes: five traces
+    step(rng.normal(size=(size, D)).astype(np.float32),
+         rng.normal(size=(size, 1)).astype(np.float32))
+  if write:
+    with pytest.raises(dp.errors.PrivacyConfigError, match="from the batch"):
+      statement_lib.run_statement(opt, DELTA)
+  else:
+    assert statement_lib.run_statement(opt, DELTA).steps == 5

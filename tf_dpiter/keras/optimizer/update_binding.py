@@ -78,6 +78,9 @@ from tf_dpiter.keras.optimizer import weight_fingerprints
 
 # how many eager noised results are kept for the next update (older ones are refused)
 _EAGER_KEPT = 8
+# a custom loop's traced graphs kept for the walk at the next statement; beyond, the finished
+# ones are walked when the next is traced (a loop retraced per Poisson batch size)
+_TRACED_KEPT = 4
 # constant ops (a floating array among them is taken as data: `_embedded_array`)
 _CONSTANTS = frozenset(["Const", "HostConst"])
 # data_writes' tables of the graph's ops
@@ -174,8 +177,15 @@ class NoisedResults:
       variables: the variables the update writes and the optimizer's own (learning rate,
         iterations, slots).
     """
-    self._traced.append((tf.compat.v1.get_default_graph(),
-                         frozenset(id(v.handle) for v in variables)))
+    graph = tf.compat.v1.get_default_graph()
+    if len(self._traced) >= _TRACED_KEPT:   # the finished traces walked now: graphs not kept
+      tracing, outer = set(), graph
+      while outer is not None:
+        tracing.add(id(outer))
+        outer = getattr(outer, "outer_graph", None)
+      self._walk([t for t in self._traced if id(t[0]) not in tracing])
+      self._traced = [t for t in self._traced if id(t[0]) in tracing]
+    self._traced.append((graph, frozenset(id(v.handle) for v in variables)))
 
   def refuse_late_writes(self, what):
     """Refuses the run when one of its traced custom-loop steps writes, anywhere in the
@@ -192,19 +202,24 @@ class NoisedResults:
       PrivacyConfigError: naming the variable and what to do.
     """
     pending, self._traced = self._traced, []
-    for graph, allowed in pending:
-      if self._refused is None:
-        written = late_writes(graph, allowed)
-        if written:
-          self._refused = (
-              f"a traced step of this custom loop writes {written[0]!r} from the batch "
-              "(after apply_private_gradients, or in a nested function): the next update "
-              "then scales its noised gradient by a function of the records, which the "
-              "ledger does not account. Set the learning rate and iterations only from "
-              "public values (a schedule, a Python number, between steps). Received: "
-              f"variables written from the batch: {written}")
+    self._walk(pending)
     if self._refused is not None:
       raise PrivacyConfigError(f"{what} refused: {self._refused}")
+
+  def _walk(self, pending):
+    """Walks the (graph, allowed) pairs whole (`late_writes`); keeps the first refusal."""
+    for graph, allowed in pending:
+      if self._refused is not None:
+        return
+      written = late_writes(graph, allowed)
+      if written:
+        self._refused = (
+            f"a traced step of this custom loop writes {written[0]!r} from the batch "
+            "(after apply_private_gradients, or in a nested function): the next update "
+            "then scales its noised gradient by a function of the records, which the "
+            "ledger does not account. Set the learning rate and iterations only from "
+            "public values (a schedule, a Python number, between steps). Received: "
+            f"variables written from the batch: {written}")
 
   def _require_eager(self, tensors, what):
     pending = [t for result in self.eager for t in result]
