@@ -22,21 +22,9 @@ infinity). The same fit not interrupted is refused ("evaluation of the validatio
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_dpiter as dp
-
-
-class Calibration(keras.layers.Layer):
-  """Keeps the largest input seen in inference (a calibration range)."""
-
-  def build(self, shape):
-    self.peak = self.add_weight(shape=(), initializer="zeros", trainable=False, name="peak")
-
-  def call(self, inputs, training=None):
-    if not training:
-      self.peak.assign(tf.maximum(self.peak, tf.reduce_max(inputs)))
-    return inputs
+from tests.keras.test_fit_validation_writes import _Calibration as Calibration
 
 
 class Interrupt(keras.callbacks.Callback):
