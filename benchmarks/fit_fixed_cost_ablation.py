@@ -32,15 +32,7 @@ import statistics
 import time
 import warnings
 
-
-@contextlib.contextmanager
-def _replaced(owner, name, value):
-  old = getattr(owner, name)
-  setattr(owner, name, value)
-  try:
-    yield
-  finally:
-    setattr(owner, name, old)
+import fit_step_ablation   # a script beside this one: its folder is on the path
 
 
 def _time_inside(model):
@@ -68,13 +60,13 @@ def _time_inside(model):
 
 def _variants():
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import fit_step_ablation  # pylint: disable=g-import-not-at-top
   import fit_step_decomposition  # pylint: disable=g-import-not-at-top
   from tf_dpiter.dp_query import gaussian_query  # pylint: disable=g-import-not-at-top
   from tf_dpiter.dp_query import summation  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras import fast_clipping  # pylint: disable=g-import-not-at-top
   from tf_dpiter.keras.optimizer import private_step  # pylint: disable=g-import-not-at-top
   ablation = fit_step_ablation._variants()  # pylint: disable=protected-access
+  _replaced = fit_step_ablation._replaced  # pylint: disable=protected-access
   return {
       "base": contextlib.nullcontext,
       "plain_sum": lambda: _replaced(fast_clipping, "clipped_grad_sum",
@@ -101,11 +93,7 @@ def main():
   warnings.simplefilter("ignore")
   import fit_step_time  # pylint: disable=g-import-not-at-top  (a script: its folder is on the path)
   variants = _variants()
-  names = a.variants.split(",")
-  unknown = [n for n in names if n not in variants]
-  if unknown or len(set(names)) != len(names):
-    raise ValueError(f"`--variants` must name distinct variants of {sorted(variants)}. "
-                     f"Received: variants={a.variants!r}")
+  names = fit_step_ablation.chosen(a.variants, variants)
   load_start = os.getloadavg()
   argv = ["--steps", str(a.steps), "--spe", "1", "--batch", str(a.batch), "--jit", "0"]
   configs = {"nonprivate": fit_step_time._configs("cnn", fit_step_time._parse(argv))[  # pylint: disable=protected-access
@@ -127,11 +115,9 @@ def main():
                     "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                     "cpu_ms_per_step": cpu, "train_function_cpu_ms_per_step": step_cpu,
                     "train_function_ms_saved_against_base": (
-                        {k: round(step_cpu["base"] - v, 3) for k, v in step_cpu.items()
-                         if k != "nonprivate"} if "base" in step_cpu else {}),
-                    "cpu_ms_saved_against_base": ({k: round(cpu["base"] - v, 3) for k, v in
-                                                   cpu.items() if k != "nonprivate"}
-                                                  if "base" in cpu else {})}), flush=True)
+                        fit_step_ablation.saved_against_base(step_cpu)),
+                    "cpu_ms_saved_against_base": fit_step_ablation.saved_against_base(cpu)}),
+        flush=True)
 
 
 if __name__ == "__main__":

@@ -165,6 +165,28 @@ def _variants():
   }
 
 
+def chosen(spec, variants):
+  """The variant names of the comma-separated `spec`, each one of `variants` and once.
+
+  Raises:
+    ValueError: an unknown or repeated name.
+  """
+  names = spec.split(",")
+  unknown = [n for n in names if n not in variants]
+  if unknown or len(set(names)) != len(names):
+    raise ValueError(f"`--variants` must name distinct variants of {sorted(variants)}. "
+                     f"Received: variants={spec!r}")
+  return names
+
+
+def saved_against_base(ms):
+  """{variant: ms saved against the variant "base"} of a {name: ms per step} ({} without
+  base; the non-private step left out)."""
+  if "base" not in ms:
+    return {}
+  return {k: round(ms["base"] - v, 3) for k, v in ms.items() if k != "nonprivate"}
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -179,11 +201,7 @@ def main():
   import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
   import fit_step_time  # pylint: disable=g-import-not-at-top
   variants = _variants()
-  names = a.variants.split(",")
-  unknown = [n for n in names if n not in variants]
-  if unknown or len(set(names)) != len(names):
-    raise ValueError(f"`--variants` must name distinct variants of {sorted(variants)}. "
-                     f"Received: variants={a.variants!r}")
+  names = chosen(a.variants, variants)
   load_start = os.getloadavg()
   xs, ys, b = fit_step_time.dataset(a.model, fit_step_time._parse(  # pylint: disable=protected-access
       ["--batch", str(a.batch)]))
@@ -206,9 +224,7 @@ def main():
                     "cpu_ms_per_step": cpu, "wall_ms_per_step": {k: v[0] for k, v in t.items()},
                     "cpu_ratio_to_nonprivate": {k: round(v / cpu["nonprivate"], 3)
                                                 for k, v in cpu.items()},
-                    "cpu_ms_saved_against_base": ({k: round(cpu["base"] - v, 3) for k, v in
-                                                   cpu.items() if k != "nonprivate"}
-                                                  if "base" in cpu else {})}), flush=True)
+                    "cpu_ms_saved_against_base": saved_against_base(cpu)}), flush=True)
 
 
 if __name__ == "__main__":
