@@ -652,9 +652,7 @@ class _FitFingerprints:
       weight_fingerprints.refuse(bad, "fit (its evaluation of the validation data)")
 
   def _steps(self):
-    with tf.init_scope():
-      return (int(self._optimizer.iterations.numpy()),
-              weight_fingerprints.private_updates(self._optimizer))
+    return weight_fingerprints.progress(self._optimizer)
 
   def _begin(self, hook):
     self.open = True
