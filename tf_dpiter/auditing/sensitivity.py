@@ -100,6 +100,8 @@ def _recording_sgd_class(dpk):
     # shares the model's variables on purpose and puts them back: no claim on them
     # (keras.optimizer.optimizers.claim_variables)
     _dp_unclaimed_variables = True
+    # and checks no weight fingerprint (weight_fingerprints.DEFERRED)
+    _dp_fingerprints_deferred = True
 
     def make_records(self, variables):
       with tf.init_scope():

@@ -402,7 +402,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     # microbatches are masked out (the batch size was checked in _dp_declare).
     self._dp_in_fit = True
     self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
-    opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
+    deferred = opt_lib.fingerprints_deferred(opt)   # put back after (a probe's stays True)
+    setattr(opt, weight_fingerprints.DEFERRED, True)
     try:
       history = super().fit(**a)
     except tf.errors.OpError as err:
@@ -416,7 +417,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       self._dp_in_fit = False
       self._dp_fit_verbose = 0
       internal[0].close()
-      opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
+      setattr(opt, weight_fingerprints.DEFERRED, deferred)
       self._dp_fit_fingerprints = None
       # after the callbacks' on_train_end (restore_best_weights, averages), all checked; when
       # a callback raised (or was refused) before its check, the guard settles what it held
@@ -465,11 +466,11 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     weight_fingerprints.check(weight_fingerprints.checked_variables(self), "train_on_batch",
                               record_with=opt)
     weight_fingerprints.record(opt, self.weights, only_new=True)   # frozen ones too
-    opt._dp_fingerprints_deferred = True  # pylint: disable=protected-access
+    setattr(opt, weight_fingerprints.DEFERRED, True)
     try:
       return super().train_on_batch(*args, **kwargs)
     finally:
-      opt._dp_fingerprints_deferred = False  # pylint: disable=protected-access
+      setattr(opt, weight_fingerprints.DEFERRED, False)
       weight_fingerprints.record(opt, weight_fingerprints.checked_variables(self))
 
   def _dp_declare(self, step, spec):

@@ -54,7 +54,8 @@ wide_template = chunking.wide_template   # re-exported: the dtype of the privacy
 # into the new one). One DP optimizer on two models is refused by Keras itself (it updates only
 # the variables it was built with). An internal probe whose updates are never released
 # (auditing.check_sensitivity's noise-free optimizer, which puts the weights back) sets the
-# class attribute named `UNCLAIMED`: it neither claims nor is refused.
+# class attribute named `UNCLAIMED`: it neither claims nor is refused (and the class attribute
+# weight_fingerprints.DEFERRED: its updates check no fingerprint).
 
 # id(variable) -> (weakref to the variable, weakref to the DP optimizer that claimed it)
 _OWNERS = {}
@@ -75,7 +76,8 @@ def _name(variable):
 
 def fingerprints_deferred(optimizer):
   """True while a DP model's fit or train_on_batch runs `optimizer` (it checks and records the
-  weights' fingerprints itself, weight_fingerprints), or for an internal probe (`UNCLAIMED`).
+  weights' fingerprints itself), or for an internal probe: the one attribute
+  weight_fingerprints.DEFERRED, which the fingerprints' checks read as well.
 
   Args:
     optimizer: a DP optimizer.
@@ -83,8 +85,7 @@ def fingerprints_deferred(optimizer):
   Returns:
     bool.
   """
-  return bool(getattr(optimizer, UNCLAIMED, False)
-              or getattr(optimizer, "_dp_fingerprints_deferred", False))
+  return bool(getattr(optimizer, weight_fingerprints.DEFERRED, False))
 
 
 def claim_variables(optimizer, variables):

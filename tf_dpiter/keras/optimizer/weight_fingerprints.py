@@ -204,6 +204,14 @@ def _in_graph(variable, make_from=None):
   return state
 
 
+# The attribute of a DP optimizer that is True while the library checks and records its weights
+# itself, so its updates check nothing: set by a DP model's fit and train_on_batch while they
+# run it (their own steps; they record at the callbacks' hooks and at their end), and a class
+# attribute of an internal probe whose updates are never released (auditing's noise-free
+# optimizer, which puts the weights back). optimizers.fingerprints_deferred and `_deferred`
+# read this one attribute.
+DEFERRED = "_dp_fingerprints_deferred"
+
 # The attribute of a DP optimizer holding its count of private updates (`private_updates`)
 # at its last record: a count that moved since means updates the library did not see.
 _SEEN_UPDATES = "_dp_fingerprint_updates"
@@ -759,12 +767,10 @@ def _write_traced(starts, now, states, update):
 
 
 def _deferred(rec):
-  """True while the optimizer of the record runs a DP fit's or train_on_batch's own steps
-  (they record the weights themselves), or is an internal probe: the flags
-  optimizers.fingerprints_deferred reads (not imported here: optimizers imports this module)."""
+  """True while the optimizer of the record defers its checks (`DEFERRED`: a DP fit's or
+  train_on_batch's own steps, which record the weights themselves, or an internal probe)."""
   opt = rec.opt_ref() if rec.opt_ref is not None else None
-  return opt is not None and bool(getattr(opt, "_dp_unclaimed_variables", False)
-                                  or getattr(opt, "_dp_fingerprints_deferred", False))
+  return opt is not None and bool(getattr(opt, DEFERRED, False))
 
 
 def traced_update(optimizer, variables):
