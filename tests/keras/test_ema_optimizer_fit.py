@@ -66,8 +66,8 @@ def test_an_average_written_from_outside_is_refused_after_finalize():
 
 @pytest.mark.xfail(strict=True, raises=dp.errors.PrivacyConfigError, reason=(
     "Known issue: keras.callbacks.SwapEMAWeights swaps the weights and the optimizer's "
-    "averages around fit's evaluation; each variable then holds another one's state of the "
-    "run, which the per-variable records refuse"))
+    "averages around fit's evaluation by arithmetic (a + b, then subtractions), so each "
+    "variable then holds another one's state of the run up to rounding, no recorded state"))
 def test_swap_ema_weights_around_evaluation_is_stated():
   x, y = _data()
   model = _model()
