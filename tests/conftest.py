@@ -39,10 +39,22 @@ crashes" section. The crashed test is run once more on a new
 worker (pytest-xdist's `pytest_handlecrashitem`), so that a crash of the process, which is not
 an assertion, does not hide the verdict of the test's assertions; the run still fails when
 the rerun fails or crashes, and the section lists every crash either way.
+
+Worker memory (measured, benchmarks/SUITE_CUTS.md, session 39): an xdist worker's RSS grows
+to several GB over the suite, and most of it is not Keras's global state:
+`keras.backend.clear_session()` with a full garbage collection after each test module, also
+with `gc.freeze()` of the survivors, changed neither a process's peak RSS nor its CPU beyond
+the noise, and after each test it cut the peak RSS by 14 % for about 20 % more CPU. So nothing
+is released by default; TF_DPITER_TEST_CLEAR_SESSION = "module_freeze" (Keras's state released
+and a full collection at the end of each test module, then `gc.freeze()`: the survivors move to
+the collector's permanent generation, which later collections no longer scan), "module" (the
+same without the freeze) or "test" (after each test) switches it on for measurements.
 """
 
+import gc
 import os
 import resource
+import sys
 import tempfile
 import warnings
 
@@ -193,6 +205,43 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
     os.makedirs(CPU_DIR, exist_ok=True)
     with open(os.path.join(CPU_DIR, f"cpu.{worker}.tsv"), "a", encoding="utf-8") as f:
       f.write(f"{item.nodeid}\t{_cpu_seconds() - start:.3f}\n")
+
+
+# When each test process releases Keras's state (module docstring): "none" (the default),
+# "module_freeze", "module" or "test", for measurements.
+CLEAR_SESSION = os.environ.get("TF_DPITER_TEST_CLEAR_SESSION", "none")
+
+
+def _clear_keras_session():
+  """Keras's global state released, TensorFlow's kernel cache cleared and a full garbage
+  collection (`keras.backend.clear_session()`); only the collection in a process that never
+  imported Keras."""
+  keras = sys.modules.get("keras")
+  if keras is not None and hasattr(keras, "backend"):
+    keras.backend.clear_session(free_memory=True)
+  else:
+    gc.collect()
+
+
+def end_of_module():
+  """What each test process does after each test module (module docstring)."""
+  if CLEAR_SESSION in ("module", "module_freeze"):
+    _clear_keras_session()
+  if CLEAR_SESSION == "module_freeze":
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _clear_session_per_module():
+  yield
+  end_of_module()
+
+
+@pytest.fixture(autouse=True)
+def _clear_session_per_test():
+  yield
+  if CLEAR_SESSION == "test":
+    _clear_keras_session()
 
 
 @pytest.fixture

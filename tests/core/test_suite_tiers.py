@@ -1,8 +1,10 @@
 """tools/suite_tiers.py: a `SLOW_CASES` id that names no case of its module is reported;
-tests/conftest.py: the per-test CPU seconds and the default tier's compile settings, in the
-test processes and in their Python subprocesses."""
+tests/conftest.py: the per-test CPU seconds, the default tier's compile settings, in the
+test processes and in their Python subprocesses, and the measurement switch of what a test
+module's end releases."""
 
 import ast
+import gc
 import importlib.util
 import os
 import subprocess
@@ -125,3 +127,23 @@ def test_the_subprocesses_of_this_run_get_the_setting_of_its_tier(request):
     assert paths[0] == conftest.SUBPROCESS_SITE
   else:
     assert conftest.SUBPROCESS_SITE not in paths
+
+
+@pytest.mark.parametrize("mode", ["module_freeze", "none"])
+def test_a_module_end_releases_keras_state_and_freezes_the_survivors(monkeypatch, mode):
+  """With TF_DPITER_TEST_CLEAR_SESSION=module_freeze, tests/conftest.py's end of a test module
+  resets Keras's global state (the automatic layer names start again) and moves every object
+  alive then into the collector's permanent generation; "none" (the default) does neither."""
+  import keras  # pylint: disable=g-import-not-at-top
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(conftest, "CLEAR_SESSION", mode)
+  keras.layers.Dense(1, name="placeholder")
+  first = keras.layers.Dense(1).name
+  alive = [[i] for i in range(1000)]   # 1,001 objects the collector tracks
+  frozen = gc.get_freeze_count()
+  conftest.end_of_module()
+  later = keras.layers.Dense(1).name
+  if mode == "module_freeze":
+    assert later == "dense" and gc.get_freeze_count() >= frozen + len(alive)
+  else:
+    assert later != "dense" and later != first and gc.get_freeze_count() == frozen
