@@ -97,8 +97,17 @@ def _fast_compile(config):
   return (config.getoption("markexpr", "") or "").strip() == "not slow"
 
 
+def _gc_threshold():
+  """TF_DPITER_TEST_GC_THRESHOLD="g0,g1,g2" (e.g. "20000,20,20"): the cyclic collector's
+  thresholds (`gc.set_threshold`) in each test process; unset: Python's own (700, 10, 10)."""
+  value = os.environ.get("TF_DPITER_TEST_GC_THRESHOLD")
+  if value:
+    gc.set_threshold(*(int(v) for v in value.split(",")))
+
+
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long runs, not part of the default suite")
+  _gc_threshold()
   warnings.filterwarnings("ignore", message=".*NOT differentially private.*")
   if _fast_compile(config):
     # XLA reads XLA_FLAGS at its first compilation, after this hook (no test module is
