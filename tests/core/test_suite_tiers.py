@@ -157,11 +157,16 @@ def test_a_module_end_releases_keras_state_and_freezes_the_survivors(monkeypatch
 
 def test_the_collector_thresholds_follow_the_switch(monkeypatch):
   """TF_DPITER_TEST_GC_THRESHOLD="g0,g1,g2" sets the cyclic collector's thresholds in a test
-  process (tests/conftest.py's `_gc_threshold`); unset, they stay as they are."""
+  process (tests/conftest.py's `_gc_threshold`); unset, conftest.GC_THRESHOLD; empty, they
+  stay as they are."""
   from tests import conftest  # pylint: disable=g-import-not-at-top
   before = gc.get_threshold()
   try:
     monkeypatch.delenv("TF_DPITER_TEST_GC_THRESHOLD", raising=False)
+    conftest._gc_threshold()   # pylint: disable=protected-access
+    assert gc.get_threshold() == tuple(int(v) for v in conftest.GC_THRESHOLD.split(","))
+    gc.set_threshold(*before)
+    monkeypatch.setenv("TF_DPITER_TEST_GC_THRESHOLD", "")
     conftest._gc_threshold()   # pylint: disable=protected-access
     assert gc.get_threshold() == before
     monkeypatch.setenv("TF_DPITER_TEST_GC_THRESHOLD", "12345,7,9")
