@@ -242,10 +242,18 @@ class NoisedResults:
 
 
 def late_writes(graph, allowed):
-  """The names of the variables among `allowed` (ids of eager handles) that the whole
-  FuncGraph `graph` writes from its data: its non-resource inputs (arguments, captured
-  tensors), a dataset's next element, a Python function's result, a floating array constant;
-  the noised results (`noised_ops`) cut from their inputs."""
+  """The variables among `allowed` that the whole FuncGraph `graph` writes from its data: its
+  non-resource inputs (arguments, captured tensors), a dataset's next element, a Python
+  function's result, a floating array constant; the noised results (`noised_ops`) cut from
+  their inputs.
+
+  Args:
+    graph: a FuncGraph whose trace has ended.
+    allowed: ids of the eager handles of the variables looked at.
+
+  Returns:
+    list of the written variables' names, in graph order.
+  """
   graph_def = graph.as_graph_def()
   sources = {node.name for node in graph_def.node
              if (node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
