@@ -536,9 +536,7 @@ class TrainStepMixin:
     keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
     return self.get_metrics_result()
 
-  # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
-  # autograph=False): converting the library's functions made most of a large model's trace.
-  @tf.autograph.experimental.do_not_convert
+  @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
   def _dp_check_override(self, data):
     """Once per train function, for a class overriding `train_step` (which calls this one):
     its own code traced alone, this step replaced by one that writes nothing, may write no
@@ -559,6 +557,9 @@ class TrainStepMixin:
         f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
     self._dp_override_checked = True
 
+  # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
+  # autograph=False): converting the library's functions made most of a large model's trace.
+  @tf.autograph.experimental.do_not_convert
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring).
