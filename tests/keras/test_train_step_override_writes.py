@@ -174,3 +174,16 @@ def test_an_override_applying_its_own_private_gradients(write):
     model.train_on_batch(x[:10], y[:10])
     assert int(opt.iterations.numpy()) == 1
     assert int(opt.ledger.sample_count.numpy()) == 1
+
+
+def test_an_override_write_is_refused_under_jit_compile():
+  """The same refusal with jit_compile=True (Keras' default on a GPU): the override runs in
+  the outer train function, which the check traces alone before any step."""
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = RunningInputMean([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
+                jit_compile=True)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="train_step override"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert int(model.optimizer.iterations.numpy()) == 0
