@@ -56,18 +56,15 @@ _CALLS = {"PartitionedCall": (("f",), 0), "StatefulPartitionedCall": (("f",), 0)
           "Case": (("branches",), 1), "StatelessCase": (("branches",), 1)}
 _LOOPS = ("While", "StatelessWhile")
 _SHAPES = ("Shape", "ShapeN", "Size", "Rank")   # public unless their operand's shape is data
+# replicas' collectives: only their first input is a value (the others: group size and keys,
+# captured from the host, and an ordering token, a resource they read, no value)
+_COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2",
+                          "CollectiveReduceScatterV2", "CollectiveAllToAllV2"))
 # stateful ops with a resource input that only read it (every other such op writes it)
 _READS = frozenset(("ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape",
                     "VarIsInitializedOp", "LookupTableFindV2", "LookupTableSizeV2",
                     "LookupTableExportV2", "IsBoostedTreesEnsembleInitialized",
-                    "_ReadVariablesOp", "DisableCopyOnRead",
-                    # replicas' collectives: their resource is an ordering token, no value
-                    "CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduceScatterV2",
-                    "CollectiveAllToAllV2"))
-# replicas' collectives: only their first input is a value (the others: group size and keys,
-# captured from the host, and the ordering token)
-_COLLECTIVES = frozenset(("CollectiveReduceV2", "CollectiveGatherV2",
-                          "CollectiveReduceScatterV2", "CollectiveAllToAllV2"))
+                    "_ReadVariablesOp", "DisableCopyOnRead")) | _COLLECTIVES
 # Python bodies the graph cannot show (tf.py_function, tf.numpy_function)
 _OPAQUE = frozenset(("EagerPyFunc", "PyFunc", "PyFuncStateless"))
 # input positions whose VALUES decide the output's shape, for ops whose output shape is
@@ -488,11 +485,7 @@ def refuse_override_writes(train_step, data, exempt, what, clean=None):
       lambda t: tf.type_spec_from_value(t) if isinstance(t, tf.__internal__.CompositeTensor)
       or tf.is_tensor(t) else t, data)
 
-  def traced(batch):
-    with tf.name_scope("data_writes"):
-      return train_step(batch)
-
-  graph = tf.function(traced).get_concrete_function(specs).graph
+  graph, _ = _traced(train_step, specs)
   # every input that is not a variable's handle is data: the batch's tensors (composite ones
   # as their components) and any tensor the override captures from outside
   sources = {t.op.name for t in graph.inputs if t.dtype != tf.resource}

@@ -255,9 +255,7 @@ def late_writes(graph, allowed):
     list of the written variables' names, in graph order.
   """
   graph_def = graph.as_graph_def()
-  sources = {node.name for node in graph_def.node
-             if (node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
-             or node.op in _OPAQUE_SOURCES or _embedded_array(node)}
+  sources = {node.name for node in graph_def.node if _data_source(node)}
   return data_writes._graph_writes(graph, sources, clean=noised_ops(graph),  # pylint: disable=protected-access
                                    only=allowed)
 
@@ -298,6 +296,14 @@ def _embedded_array(node):
   for d in dims:
     size *= max(d.size, 0)
   return (dtype.is_floating or dtype.is_complex) and size > 1
+
+
+def _data_source(node):
+  """True for a node whose outputs are the step's data: a Placeholder that is not a resource
+  (the step's arguments, captured tensors), a dataset's next element, a Python function's
+  result, a floating array constant (`_embedded_array`)."""
+  return ((node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
+          or node.op in _OPAQUE_SOURCES or _embedded_array(node))
 
 
 def unbound_source(tensors, sanitizers, variables=()):
@@ -344,8 +350,7 @@ def unbound_source(tensors, sanitizers, variables=()):
   for node in graph_def.node:
     if node.name in clean:
       del node.input[:]   # a noised result: what it was computed from does not reach past it
-    elif ((node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE)
-          or node.op in _OPAQUE_SOURCES or _embedded_array(node)):
+    elif _data_source(node):
       sources.append(node.name)
   flow = data_writes._Flow(graph_def)  # pylint: disable=protected-access
   written, tainted, _ = flow.body(graph_def.node, sources, set(), False, sources)
