@@ -16,6 +16,7 @@ import contextlib
 import functools
 import itertools
 import time
+import types
 
 import keras
 import tensorflow as tf
@@ -208,24 +209,22 @@ def _call_retracing(model, train_function, iterator):
 _STEP_WRITES = "the model's training-mode call or its loss in the private step"
 
 
+def _checked_override(step_fn):
+  """`step_fn(model, data)`, a user's train_step, made to check its own code first, once per
+  train function (`TrainStepMixin._dp_check_override`), whether or not it calls the library's
+  step; marked so that it is wrapped once."""
+  @functools.wraps(step_fn)
+  def train_step(self, data):
+    if not getattr(self, "_dp_override_probe", False):
+      self._dp_check_override(data, step_fn)
+    return step_fn(self, data)
+
+  train_step.dp_checked_override = True
+  return train_step
+
+
 class TrainStepMixin:
   """make_train_function / train_step of a DP model (see module docstring)."""
-
-  def __init_subclass__(cls, **kwargs):
-    """A user's class overriding `train_step`: its override checks its own code first, once
-    per train function (`_dp_check_override`), whether or not it calls this class's step."""
-    super().__init_subclass__(**kwargs)
-    own = cls.__dict__.get("train_step")
-    if own is None or cls.__module__.startswith("tf_dpiter."):
-      return
-
-    @functools.wraps(own)
-    def train_step(self, data):
-      if not getattr(self, "_dp_override_probe", False):
-        self._dp_check_override(data)
-      return own(self, data)
-
-    cls.train_step = train_step
 
   def make_train_function(self, force=False):
     """keras.Model.make_train_function for the private step: with jit_compile the clipped
@@ -250,6 +249,7 @@ class TrainStepMixin:
     self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
     self._dp_override_checked = False   # a train_step override's own code: at its first trace
+    self._dp_wrap_override()
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
@@ -536,19 +536,48 @@ class TrainStepMixin:
     keras_internals.update_compiled_metrics(self, y, y_pred, sample_weight, mask)
     return self.get_metrics_result()
 
+  def _dp_wrap_override(self):
+    """The train_step Keras' train function will call, when it is a user's, wrapped by
+    `_checked_override`: an override in the class (or a mixin before the DP class, or one
+    assigned to the class after its creation) on the class, an instance attribute on the
+    instance. Library steps are not wrapped."""
+    own = self.__dict__.get("train_step")
+    if own is not None:   # model.train_step = ..., a bound method or a function of the batch
+      if getattr(own, "dp_checked_override", False):
+        return
+      if getattr(own, "__self__", None) is self:
+        fn = own.__func__
+      else:
+        def fn(model, data):   # pylint: disable=unused-argument
+          return own(data)
+      if getattr(fn, "dp_checked_override", False):
+        return
+      object.__setattr__(self, "train_step", types.MethodType(_checked_override(fn), self))
+      return
+    fn = type(self).train_step
+    if (fn is TrainStepMixin.train_step or getattr(fn, "dp_checked_override", False)
+        or getattr(fn, "__module__", "").startswith("tf_dpiter.")):
+      return
+    type(self).train_step = _checked_override(fn)
+
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
-  def _dp_check_override(self, data):
-    """Once per train function, for a class overriding `train_step` (which calls this one):
-    its own code traced alone, this step replaced by one that writes nothing, may write no
-    variable but the metrics' from the batch (data_writes.refuse_override_writes)."""
-    if (type(self).train_step is TrainStepMixin.train_step
-        or getattr(self, "_dp_override_checked", False)):
+  def _dp_check_override(self, data, step_fn):
+    """Once per train function, for a user's `train_step` (`_dp_wrap_override`): its own code
+    traced alone, this step replaced by one that writes the metrics from the batch and
+    nothing else, may write no variable but the metrics' from the batch, nor from what the
+    metrics hold (the logs carry the un-noised loss; data_writes.refuse_override_writes).
+
+    Args:
+      data: the batch as Keras hands it to the train step.
+      step_fn: the user's train_step, a function of (model, batch).
+    """
+    if getattr(self, "_dp_override_checked", False):
       return
 
     def override_alone(batch):
       self._dp_override_probe = True
       try:
-        return type(self).train_step(self, batch)
+        return step_fn(self, batch)
       finally:
         self._dp_override_probe = False
 
@@ -556,6 +585,19 @@ class TrainStepMixin:
         override_alone, data, self.metrics_variables,
         f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
     self._dp_override_checked = True
+
+  def _dp_metrics_from(self, data):
+    """The library's step as an override's check sees it (`_dp_check_override`: traced,
+    never run): every metric variable written from the batch, as the step logs the batch's
+    un-noised loss and metrics, then the logs read from them."""
+    parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
+                                   tf.float32))
+             for t in tf.nest.flatten(data, expand_composites=True)
+             if tf.is_tensor(t) and t.dtype != tf.resource and t.dtype != tf.variant]
+    touched = tf.add_n(parts) if parts else tf.constant(0.0)
+    for v in self.metrics_variables:
+      v.assign(tf.cast(tf.fill(tf.shape(v), touched), v.dtype))
+    return self.get_metrics_result()
 
   # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
   # autograph=False): converting the library's functions made most of a large model's trace.
@@ -571,7 +613,7 @@ class TrainStepMixin:
       the metrics' logs.
     """
     if getattr(self, "_dp_override_probe", False):   # an override's own code, checked alone
-      return self.get_metrics_result()
+      return self._dp_metrics_from(data)
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)
