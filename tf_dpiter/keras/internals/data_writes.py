@@ -347,12 +347,14 @@ def closure_data_writes(fn):
                                if internal.dtype != tf.resource})
 
 
-def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None):
+def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
+                  clean_name=None):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
   the written variables, then of the opaque Python functions given the data), less those
   whose eager handle's id is in `exempt`; the nodes named in `clean` (noised results) are
-  cut from their inputs. only: None, or ids of eager handles: only those variables, and
-  no opaque function or release, are reported."""
+  cut from their inputs, and in the functions the graph calls those whose name (after its
+  scope) starts with `clean_name`. only: None, or ids of eager handles: only those
+  variables, and no opaque function or release, are reported."""
   names, skip = {}, set()
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
@@ -364,6 +366,10 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None)
   for node in graph_def.node:
     if node.name in clean:
       del node.input[:]
+  for function in graph_def.library.function if clean_name else ():
+    for node in function.node_def:
+      if node.name.rsplit("/", 1)[-1].startswith(clean_name):
+        del node.input[:]
   flow = _Flow(graph_def)
   written, _, _ = flow.body(graph_def.node, data, set(), False)
   order = [n.name for n in graph_def.node if n.name in written and n.name not in skip

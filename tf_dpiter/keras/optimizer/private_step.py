@@ -1173,7 +1173,7 @@ class PrivateStep:
       gate_sums_on_noise(sample_state, result)
       result = list(tf.nest.flatten(result))
       if not getattr(self.optimizer, "_dp_own_step", False):
-        self._noised.add(result)   # a custom loop's: its update is bound to it
+        result = self._noised.add(result)   # a custom loop's: its update is bound to it
       return result
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
@@ -1195,7 +1195,7 @@ class PrivateStep:
     # a custom loop's or a train_step override's result: its update is bound to it (the
     # library's own train step applies its own result)
     if not getattr(self.optimizer, "_dp_own_step", False):
-      self._noised.add(result)
+      result = self._noised.add(result)
     return result
 
   def note_traced_update(self, variables):

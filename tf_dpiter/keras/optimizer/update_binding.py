@@ -91,6 +91,8 @@ _CALLS, _LOOPS, _READS, _QUIET, _OPAQUE = (
 # pylint: enable=protected-access
 # the graph attribute holding {NoisedResults: refs of the noised results traced in it}
 _GRAPH_ATTRIBUTE = "_tf_dpiter_noised_results"
+# the name of the identity op each traced noised result passes through (`NoisedResults.add`)
+NOISED_NAME = "tf_dpiter_noised_result"
 
 
 def _flat(grads):
@@ -115,14 +117,21 @@ class NoisedResults:
 
     Args:
       result: the noised averages `noised_average` returns.
+
+    Returns:
+      `result`; traced, each tensor through an identity named `NOISED_NAME`, so that a walk
+      of a graph calling this one's function finds the noised results in its body
+      (`late_writes`).
     """
+    if not tf.executing_eagerly():
+      result = [None if t is None else tf.identity(t, name=NOISED_NAME) for t in result]
     tensors = [t for t in result if t is not None]
     if not tensors:
-      return
+      return result
     if tf.executing_eagerly():
       # the latest few only (memory: a loop that computes without applying holds no more)
       self.eager = self.eager[-(_EAGER_KEPT - 1):] + [tensors]
-      return
+      return result
     graph = tensors[0].graph
     # kept on the graph (its lifetime), per NoisedResults: another optimizer's noised result
     # is not this one's
@@ -131,6 +140,7 @@ class NoisedResults:
       held = weakref.WeakKeyDictionary()
       setattr(graph, _GRAPH_ATTRIBUTE, held)
     held.setdefault(self, set()).update(t.ref() for t in tensors)
+    return result
 
   def used(self):
     """Forgets the eager results: an update used them (with any unused one, as the count)."""
@@ -185,7 +195,15 @@ class NoisedResults:
         outer = getattr(outer, "outer_graph", None)
       self._walk([t for t in self._traced if id(t[0]) not in tracing])
       self._traced = [t for t in self._traced if id(t[0]) in tracing]
-    self._traced.append((graph, frozenset(id(v.handle) for v in variables)))
+    allowed = frozenset(id(v.handle) for v in variables)
+    self._traced.append((graph, allowed))
+    # the outermost function being traced around it (a loop's function calling the step
+    # function; a while loop's body): its ops after the call are walked whole too
+    outer = graph
+    while isinstance(getattr(outer, "outer_graph", None), tf.__internal__.FuncGraph):
+      outer = outer.outer_graph
+    if outer is not graph and all(g is not outer for g, _ in self._traced):
+      self._traced.append((outer, allowed))
 
   def refuse_late_writes(self, what):
     """Refuses the run when one of its traced custom-loop steps writes, anywhere in the
@@ -244,8 +262,8 @@ class NoisedResults:
 def late_writes(graph, allowed):
   """The variables among `allowed` that the whole FuncGraph `graph` writes from its data: its
   non-resource inputs (arguments, captured tensors), a dataset's next element, a Python
-  function's result, a floating array constant; the noised results (`noised_ops`) cut from
-  their inputs.
+  function's result, a floating array constant; the noised results (`noised_ops`, and in the
+  functions it calls the ops named `NOISED_NAME`) cut from their inputs.
 
   Args:
     graph: a FuncGraph whose trace has ended.
@@ -257,7 +275,7 @@ def late_writes(graph, allowed):
   graph_def = graph.as_graph_def()
   sources = {node.name for node in graph_def.node if _data_source(node)}
   return data_writes._graph_writes(graph, sources, clean=noised_ops(graph),  # pylint: disable=protected-access
-                                   only=allowed)
+                                   only=allowed, clean_name=NOISED_NAME)
 
 
 def noised_ops(graph):
