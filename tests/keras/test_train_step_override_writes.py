@@ -322,3 +322,45 @@ def test_a_write_from_the_steps_logs_is_refused(write):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
   assert int(model.optimizer.iterations.numpy()) == 0
   assert float(model.optimizer.learning_rate.numpy()) == pytest.approx(0.1)
+
+
+class PassThrough(dp.keras.DPSequential):
+  """The smallest override, or the Keras guide's logs from `self.metrics`, or a weight set
+  from a compiled metric's result (the un-noised batch error)."""
+
+  def __init__(self, *args, form="pass", **kwargs):
+    super().__init__(*args, **kwargs)
+    self._form = form
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.last_mae = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                    name="last_mae")
+
+  def train_step(self, data):
+    logs = super().train_step(data)
+    if self._form == "guide":
+      return {m.name: m.result() for m in self.metrics}
+    if self._form == "write":
+      self.last_mae.assign(logs["mae"])
+    return logs
+
+
+@pytest.mark.parametrize("form", ["pass", "guide", "write"])
+def test_an_override_of_a_model_compiled_with_metrics(form):
+  """Review R9 (session 40), finding 7 (a false refusal since session 39): any override of a
+  model compiled with metrics failed at its check ("metric has not yet been built"): the
+  compiled metrics are now built from the batch's shapes first. A write from a compiled
+  metric's result is refused (finding 2's rule)."""
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = PassThrough([keras.Input((3,)), keras.layers.Dense(1)], form=form)
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
+                metrics=["mae"])
+  if form == "write":
+    with pytest.raises(dp.errors.PrivacyConfigError, match="last_mae"):
+      model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+    return
+  history = model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert history.history["mae"][0] > 0.0
+  assert model.privacy_statement(1e-5).steps == 4

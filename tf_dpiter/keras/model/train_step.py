@@ -573,6 +573,9 @@ class TrainStepMixin:
     """
     if getattr(self, "_dp_override_checked", False):
       return
+    metrics = keras_internals.compile_metrics(self)
+    if metrics is not None and not metrics.built:   # the stand-in reads them: build them
+      keras_internals.symbolic_build(self, data)   # from the batch's shapes, as Keras does
 
     def override_alone(batch):
       self._dp_override_probe = True
