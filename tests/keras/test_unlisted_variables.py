@@ -12,6 +12,8 @@ variable; the same layer with `add_weight` trains, and a write between fits is r
 statement (the weights' check).
 """
 
+import types
+
 import keras
 import numpy as np
 import pytest
@@ -74,14 +76,31 @@ def test_the_same_state_as_a_weight_trains_and_its_write_between_fits_is_refused
 
 
 class Temperature(keras.layers.Layer):
-  """Divides the outputs by a temperature in inference (post-hoc calibration)."""
+  """Divides the outputs by a temperature in inference (post-hoc calibration), a tf.Variable
+  held as an attribute, in a tf.Module attribute, in a nested container or on a plain
+  object (review R9, session 40, finding 4: the last three escaped the one-level look)."""
 
-  def __init__(self):
+  def __init__(self, holder="attribute"):
     super().__init__()
-    self.t = tf.Variable(1.0, trainable=False, name="temperature_in_inference")
+    self.holder = holder
+    name = f"temperature_{holder}"
+    if holder == "attribute":
+      self.t = tf.Variable(1.0, trainable=False, name=name)
+    elif holder == "module":
+      self.calib = tf.Module()
+      self.calib.t = tf.Variable(1.0, trainable=False, name=name)
+    elif holder == "nested":
+      self.state = {"temperatures": [tf.Variable(1.0, trainable=False, name=name)]}
+    else:
+      self.config = types.SimpleNamespace(t=tf.Variable(1.0, trainable=False, name=name))
+
+  def temperature(self):
+    return {"attribute": lambda: self.t, "module": lambda: self.calib.t,
+            "nested": lambda: self.state["temperatures"][0],
+            "namespace": lambda: self.config.t}[self.holder]()
 
   def call(self, inputs, training=None):
-    return inputs if training else inputs / self.t
+    return inputs if training else inputs / self.temperature()
 
 
 class Calibrate(keras.callbacks.Callback):
@@ -92,23 +111,26 @@ class Calibrate(keras.callbacks.Callback):
     self._x = x
 
   def on_train_end(self, logs=None):
-    self.model.layers[-1].t.assign(float(np.abs(self._x[:, 0]).max()))
+    self.model.layers[-1].temperature().assign(float(np.abs(self._x[:, 0]).max()))
 
 
-def test_a_variable_read_only_in_inference_outside_model_variables_is_refused():
-  """Review R8 (session 39), finding 5: a layer's tf.Variable read only when training is False
-  (a calibration temperature set from the training data at on_train_end) escaped the
-  training-mode trace: replace one example (x[0, 0] = 10 in D), the served outputs scaled by
-  1 / record, epsilon 10.726 stated. Refused before any step now (the layers' attributes)."""
+@pytest.mark.parametrize("holder", ["attribute", "module", "nested", "namespace"])
+def test_a_variable_read_only_in_inference_outside_model_variables_is_refused(holder):
+  """Review R8 (session 39), finding 5, and R9 (session 40), finding 4: a layer's tf.Variable
+  read only when training is False (a calibration temperature set from the training data at
+  on_train_end) escaped the training-mode trace: replace one example (x[0, 0] = 10 in D),
+  the served outputs scaled by 1 / record, epsilon 10.726 stated (R9: 10.0 vs 2.325 between
+  D and D' in each holder). Refused before any step now (the layers' attributes, walked)."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(40, 3)).clip(-4.5, 4.5).astype("float32")
   x[0, 0] = 10.0
   y = rng.normal(size=(40, 1)).astype("float32")
   keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(1), Temperature()])
+  layer = Temperature(holder)
+  model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(1), layer])
   model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
-  with pytest.raises(dp.errors.PrivacyConfigError, match="temperature_in_inference"):
+  with pytest.raises(dp.errors.PrivacyConfigError, match=f"temperature_{holder}"):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle",
               callbacks=[Calibrate(x)])
-  assert float(model.layers[-1].t.numpy()) == 1.0   # refused before the callback wrote it
+  assert float(layer.temperature().numpy()) == 1.0   # refused before the callback wrote it
   assert int(model.optimizer.iterations.numpy()) == 0

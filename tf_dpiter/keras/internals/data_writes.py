@@ -41,6 +41,7 @@ plain tf.Variable written from the probe's real rows would keep them).
 import functools
 import re
 
+import keras
 import tensorflow as tf
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import op_def_registry
@@ -535,15 +536,44 @@ def refuse_step_writes(model, x, y, sample_weight):
                      f"the model {model.name!r} in training mode with its loss")
 
 
+# how deep `_attribute_variables` looks into a layer's attributes (containers, tf.Modules,
+# plain objects holding other objects)
+_ATTRIBUTE_DEPTH = 4
+# top-level packages whose objects `_attribute_variables` does not enter (but a bare tf.Module)
+_LIBRARIES = frozenset(["tf_dpiter", "keras", "tensorflow", "tf_keras"])
+
+
 def _attribute_variables(model):
-  """The tf.Variables the layers of `model` hold as attributes (directly, or in a list,
-  tuple or dict attribute), Keras' own variables excluded (they are not tf.Variable)."""
-  out = []
+  """The tf.Variables the layers of `model` hold in their attributes: directly, or inside
+  lists, tuples, sets, dicts, tf.Modules and the user's objects' attributes, to a depth of
+  `_ATTRIBUTE_DEPTH`; Keras' own variables excluded (they are not tf.Variable), other layers
+  not entered (each is walked as a layer of the model), nor the libraries' objects
+  (`_LIBRARIES`: the optimizer, its ledger)."""
+  out, seen = [], set()
+
+  def visit(value, depth):
+    if id(value) in seen or depth > _ATTRIBUTE_DEPTH or isinstance(value, keras.layers.Layer):
+      return
+    seen.add(id(value))
+    if isinstance(value, tf.Variable):
+      out.append(value)
+    elif isinstance(value, dict):
+      for item in list(value.values()):
+        visit(item, depth + 1)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+      for item in list(value):
+        visit(item, depth + 1)
+    elif type(value).__module__.split(".")[0] in _LIBRARIES and type(value) is not tf.Module:
+      return   # the libraries' own objects (the optimizer, the ledger, a strategy)
+    elif isinstance(value, tf.Module):
+      out.extend(value.variables)
+    elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
+      for item in list(vars(value).values()):
+        visit(item, depth + 1)
+
   for layer in keras_internals.flatten_layers(model):
-    for value in vars(layer).values():
-      items = (value.values() if isinstance(value, dict)
-               else value if isinstance(value, (list, tuple)) else (value,))
-      out += [v for v in items if isinstance(v, tf.Variable)]
+    for value in list(vars(layer).values()):
+      visit(value, 1)
   return out
 
 
