@@ -222,3 +222,34 @@ def test_keras_hub_task_made_private_before_its_default_compile():
   assert isinstance(task.optimizer, dp.keras.DPKerasAdamOptimizer)
   assert task.optimizer.get_config()["learning_rate"] == pytest.approx(5e-5)
   assert isinstance(task.loss, keras.losses.SparseCategoricalCrossentropy)
+
+
+class _Counted(keras.Model):
+  """A subclassed model counting its steps in its own train_step override."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(1)
+
+  def call(self, inputs):
+    return self.dense(inputs)
+
+  def train_step(self, data):
+    return super().train_step(data)
+
+
+class _CountedChild(_Counted):
+  pass
+
+
+@pytest.mark.parametrize("cls", [_Counted, _CountedChild])
+def test_a_train_step_override_is_refused_by_make_private_not_dropped(cls):
+  """Review R9 (session 40), finding 6: the DP class put the private step before the user's
+  `train_step`, which never ran (a step counter held 0 after 4 steps), silently. Refused
+  now, naming the class and the way (subclass dp.keras.DPModel), the model unchanged."""
+  model = cls()
+  model.build((None, 3))
+  model.compile(optimizer="sgd", loss="mse")
+  with pytest.raises(PrivacyConfigError, match="_Counted.train_step would not run"):
+    dp.keras.make_private(model, l2_norm_clip=1.0, noise_multiplier=1.0)
+  assert type(model) is cls

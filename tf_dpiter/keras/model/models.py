@@ -731,11 +731,21 @@ def private_class(cls):
 
   Raises:
     ParameterValueError: cls is not a keras.Model subclass.
+    PrivacyConfigError: cls (or a class it inherits from) overrides `train_step`, which the
+      DP class's private step would shadow.
   """
   if not (isinstance(cls, type) and issubclass(cls, keras.Model)):
     raise ParameterValueError(f"cls must be a keras.Model subclass, got {cls!r}")
   if issubclass(cls, DPModelMixin):
     return cls
+  own_step = next((c for c in cls.__mro__ if "train_step" in vars(c)
+                   and c.__module__.split(".")[0] not in ("keras", "tf_keras")), None)
+  if own_step is not None:   # the DP class's step comes first: the override would never run
+    raise PrivacyConfigError(
+        f"{own_step.__name__}.train_step would not run in the DP version of "
+        f"{cls.__name__} (the private step replaces Keras' step before it). Subclass "
+        "dp.keras.DPModel instead of keras.Model and keep the override there: its "
+        f"super().train_step(data) is the private step. Received: cls={cls.__name__}")
   new_cls = _PRIVATE_CLASSES.get(cls)
   if new_cls is None:
     new_cls = type(f"DP{cls.__name__}", (DPModelMixin, cls), {"__module__": cls.__module__})
