@@ -364,3 +364,48 @@ def test_an_override_of_a_model_compiled_with_metrics(form):
   history = model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
   assert history.history["mae"][0] > 0.0
   assert model.privacy_statement(1e-5).steps == 4
+
+
+class TargetDrift(dp.keras.DPSequential):
+  """Keeps the training targets' running mean beside the weights from a compute_metrics
+  override (or, `write=False`, only a metric of its own there)."""
+
+  def __init__(self, *args, write=True, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._write = write
+    self.y_abs = keras.metrics.Mean(name="y_abs")
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.target_mean = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                       name="target_mean")
+
+  def compute_metrics(self, x, y, y_pred, sample_weight=None):
+    if self._write:
+      self.target_mean.assign(0.9 * self.target_mean + 0.1 * tf.reduce_mean(y))
+    self.y_abs.update_state(tf.reduce_mean(tf.abs(y)))
+    return super().compute_metrics(x, y, y_pred, sample_weight)
+
+
+@pytest.mark.parametrize("write", [True, False])
+@pytest.mark.parametrize("metrics", [None, ["mae"]])
+def test_a_compute_metrics_override_is_walked(write, metrics):
+  """Review R9 (session 40), finding 8: the step calls a compute_metrics override with the
+  batch and its un-noised predictions, and no walk saw its writes (replace one example,
+  y[0] = 1000 in D: target_mean 8.944 vs -0.0692, epsilon 10.7255 stated). Now walked once
+  per train function: a weight written from the batch is refused before any step runs; a
+  metric of its own is kept."""
+  x, y = _data()
+  y = y.copy()
+  y[0] = 1000.0
+  keras.utils.set_random_seed(0)
+  model = TargetDrift([keras.Input((3,)), keras.layers.Dense(1)], write=write)
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
+                metrics=metrics)
+  if write:
+    with pytest.raises(dp.errors.PrivacyConfigError, match="target_mean"):
+      model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+    assert int(model.optimizer.iterations.numpy()) == 0
+    return
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert model.privacy_statement(1e-5).steps == 4

@@ -249,6 +249,7 @@ class TrainStepMixin:
     self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
     self._dp_override_checked = False   # a train_step override's own code: at its first trace
+    self._dp_metrics_checked = False   # a compute_metrics override's: at the step's first trace
     self._dp_wrap_override()
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
@@ -589,6 +590,20 @@ class TrainStepMixin:
         f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
     self._dp_override_checked = True
 
+  @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
+  def _dp_check_metrics_override(self, x, y, y_pred, sample_weight):
+    """Once per train function, for a class overriding `compute_metrics` (which the step
+    calls with the batch and its un-noised predictions): the override traced alone may
+    write no variable but the metrics' from them (data_writes.refuse_override_writes)."""
+    if (type(self).compute_metrics is keras.Model.compute_metrics
+        or getattr(self, "_dp_metrics_checked", False)):
+      return
+    data_writes.refuse_override_writes(
+        lambda b: self.compute_metrics(b[0], b[1], b[2], sample_weight=b[3]),
+        (x, y, y_pred, sample_weight), self.metrics_variables,
+        f"the compute_metrics override of {type(self).__name__}")
+    self._dp_metrics_checked = True
+
   def _dp_metrics_from(self, data):
     """The library's step as an override's check sees it (`_dp_check_override`: traced,
     never run): every metric variable written from the batch, as the step logs the batch's
@@ -659,6 +674,7 @@ class TrainStepMixin:
       with total_records.sparse_labels_guarded(self, y, y_pred, sample_weight):
         output_losses.update(self, facts.output_trackers, y, y_pred, sample_weight)
     logs = self._dp_metrics(x, y, y_pred, sample_weight)
+    self._dp_check_metrics_override(x, y, y_pred, sample_weight)
     if facts.loss_scale != 1.0:
       logs = dict(logs)
       logs["dp_overflowed_records"] = step.overflow_counter
