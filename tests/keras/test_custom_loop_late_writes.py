@@ -12,6 +12,7 @@ fix): ||w(D) - w(D')|| = 3.014 against the 0.02 the two charged steps allow, eps
 stated; no finite epsilon bounds the mechanism run.
 """
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -160,3 +161,53 @@ def test_a_dataset_loop_inside_a_tf_function_is_stated():
   stated = statement_lib.run_statement(opt, DELTA)
   assert stated.steps == 3
   assert stated.epsilon == pytest.approx(setup.rdp_epsilon(3), rel=1e-9)
+
+
+class _RunningMean(keras.layers.Layer):
+  """Passes its inputs through; holds a running mean the training loop updates."""
+
+  def build(self, input_shape):
+    self.mean = self.add_weight(shape=(input_shape[-1],), initializer="zeros",
+                                trainable=False, name="input_mean")
+
+  def call(self, inputs):
+    return inputs
+
+
+@pytest.mark.parametrize("write", ["weight", "metric"])
+def test_a_dp_models_non_trainable_weight_written_by_its_loop(write):
+  """Review R9 (session 40), finding 9: a custom loop over a DP model writing a
+  non-trainable weight of the model from the batch was stated (input_mean 56.91 vs -0.0972
+  between add/remove neighbours, epsilon 2.4129). The statement of a DP model now refuses a
+  traced step that wrote any of the model's variables from the batch; a keras metric updated
+  from the loss (not a model variable) is stated, dp_accounting by hand."""
+  x, y = setup.data()
+  x, y = x[:10].copy(), y[:10]
+  x[0, 0] = 3000.0
+  keras.utils.set_random_seed(0)
+  tracker = _RunningMean()
+  model = dp.keras.DPSequential([keras.Input((setup.D,)), tracker, keras.layers.Dense(1)])
+  variables = model.trainable_variables
+  opt = setup.dp_sgd(variables)
+  model.compile(opt, "mse")
+  loss = setup.record_loss(model)
+  seen = keras.metrics.Mean()
+
+  @tf.function
+  def step(xb, yb):
+    grads = opt.compute_private_gradients(loss, variables, data=(xb, yb))
+    opt.apply_private_gradients(grads, variables)
+    if write == "weight":
+      tracker.mean.assign(0.9 * tracker.mean + 0.1 * tf.reduce_mean(xb, axis=0))
+    else:
+      seen.update_state(tf.reduce_mean(xb))
+
+  step(x, y)
+  step(x, y)
+  if write == "weight":
+    with pytest.raises(dp.errors.PrivacyConfigError, match="input_mean"):
+      model.privacy_statement(DELTA)
+    return
+  stated = model.privacy_statement(DELTA)
+  assert stated.steps == 2
+  assert stated.epsilon == pytest.approx(setup.rdp_epsilon(2), rel=1e-9)

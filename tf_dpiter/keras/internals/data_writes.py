@@ -349,18 +349,20 @@ def closure_data_writes(fn):
 
 
 def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
-                  clean_name=None):
+                  clean_name=None, by_id=False):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
   the written variables, then of the opaque Python functions given the data), less those
   whose eager handle's id is in `exempt`; the nodes named in `clean` (noised results) are
   cut from their inputs, and in the functions the graph calls those whose name (after its
   scope) starts with `clean_name`. only: None, or ids of eager handles: only those
-  variables, and no opaque function or release, are reported."""
-  names, skip = {}, set()
+  variables, and no opaque function or release, are reported (with `by_id`, as pairs of
+  the eager handle's id and the name)."""
+  names, skip, ids = {}, set(), {}
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
       outer = _outermost(external)
       names[internal.op.name] = _variable_name(outer)
+      ids[internal.op.name] = id(outer)
       if id(outer) in exempt or (only is not None and id(outer) not in only):
         skip.add(internal.op.name)
   graph_def = graph.as_graph_def()
@@ -376,7 +378,7 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
   order = [n.name for n in graph_def.node if n.name in written and n.name not in skip
            and (only is None or n.name in names)]
   if only is not None:
-    return [names[n] for n in order]
+    return [(ids[n], names[n]) if by_id else names[n] for n in order]
   opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]

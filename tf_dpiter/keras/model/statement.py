@@ -185,7 +185,8 @@ def check_weights(model, what):
   """
   opt = model if not isinstance(model, keras.Model) else getattr(model, "optimizer", None)
   if getattr(opt, "private_step", None) is not None:   # a custom loop's traced steps, whole
-    opt.private_step.refuse_late_writes(what)
+    opt.private_step.refuse_late_writes(
+        what, model.variables if isinstance(model, keras.Model) else ())
   if isinstance(model, keras.Model):
     weight_fingerprints.check(weight_fingerprints.checked_variables(model), what)
   else:

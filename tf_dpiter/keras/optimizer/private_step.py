@@ -1207,18 +1207,19 @@ class PrivateStep:
     """
     self._noised.note_traced_update(list(variables) + list(self.optimizer.variables))
 
-  def refuse_late_writes(self, what):
-    """Refuses the run when a traced custom-loop step wrote an updated variable or one of
-    the optimizer's from the batch anywhere in the step
+  def refuse_late_writes(self, what, also=()):
+    """Refuses the run when a traced custom-loop step wrote an updated variable, one of
+    the optimizer's or one of `also` from the batch anywhere in the step
     (update_binding.NoisedResults.refuse_late_writes).
 
     Args:
       what: what is refused, for the message.
+      also: more variables no step may write from the batch (a DP model's own).
 
     Raises:
       PrivacyConfigError: such a write.
     """
-    self._noised.refuse_late_writes(what)
+    self._noised.refuse_late_writes(what, also)
 
   def require_bound_update(self, grads, what="apply_private_gradients", variables=()):
     """Refuses gradients that are not a noised result this step returned, or (traced) a

@@ -111,6 +111,9 @@ class NoisedResults:
     # walked whole (`refuse_late_writes`), and the refusal that walk made, kept
     self._traced = []
     self._refused = None
+    # {id of an eager variable handle: name} of the variables the walked graphs write from
+    # the batch
+    self._written = {}
 
   def add(self, result):
     """Keeps `result` (a list of tensors) as a noised, charged result.
@@ -205,7 +208,7 @@ class NoisedResults:
     if outer is not graph and all(g is not outer for g, _ in self._traced):
       self._traced.append((outer, allowed))
 
-  def refuse_late_writes(self, what):
+  def refuse_late_writes(self, what, also=()):
     """Refuses the run when one of its traced custom-loop steps writes, anywhere in the
     step (after its update too), one of the variables `note_traced_update` named from the
     batch: a learning rate or `iterations` set from the batch after the update scales the
@@ -215,29 +218,39 @@ class NoisedResults:
 
     Args:
       what: what is refused, for the message.
+      also: more variables no step may write from the batch (a DP model's own, non-trainable
+        ones too, when its statement is asked).
 
     Raises:
       PrivacyConfigError: naming the variable and what to do.
     """
     pending, self._traced = self._traced, []
-    self._walk(pending)
+    self._walk(pending, also)
     if self._refused is not None:
       raise PrivacyConfigError(f"{what} refused: {self._refused}")
 
-  def _walk(self, pending):
-    """Walks the (graph, allowed) pairs whole (`late_writes`); keeps the first refusal."""
+  def _walk(self, pending, also=()):
+    """Walks the (graph, allowed) pairs whole (`late_writes`), keeping every variable written
+    from the data (`self._written`); refuses (the first refusal kept) when one is allowed in
+    its pair or is one of `also` (the variables of the model a statement covers)."""
     for graph, allowed in pending:
-      if self._refused is not None:
-        return
-      written = late_writes(graph, allowed)
-      if written:
-        self._refused = (
-            f"a traced step of this custom loop writes {written[0]!r} from the batch "
-            "(after apply_private_gradients, or in a nested function): the next update "
-            "then scales its noised gradient by a function of the records, which the "
-            "ledger does not account. Set the learning rate and iterations only from "
-            "public values (a schedule, a Python number, between steps). Received: "
-            f"variables written from the batch: {written}")
+      if self._refused is None:
+        self._written.update(late_writes(graph))
+      self._refuse_written(allowed)
+    self._refuse_written({id(v.handle) for v in also})
+
+  def _refuse_written(self, allowed):
+    written = [name for i, name in self._written.items() if i in allowed]
+    if written and self._refused is None:
+      self._refused = (
+          f"a traced step of this custom loop writes {written[0]!r} from the batch "
+          "(after apply_private_gradients, or in a nested function): that variable (the "
+          "learning rate or iterations, which scale the next update; a weight of the "
+          "model) then holds a function of the records no noise covers, which the ledger "
+          "does not account. Write the model's weights only through "
+          "apply_private_gradients, and the learning rate and iterations only from public "
+          "values (a schedule, a Python number, between steps). Received: variables "
+          f"written from the batch: {written}")
 
   def _require_eager(self, tensors, what):
     pending = [t for result in self.eager for t in result]
@@ -259,23 +272,24 @@ class NoisedResults:
             f"shape {tuple(t.shape)} and dtype {t.dtype.name} not drawn by the private step")
 
 
-def late_writes(graph, allowed):
-  """The variables among `allowed` that the whole FuncGraph `graph` writes from its data: its
-  non-resource inputs (arguments, captured tensors), a dataset's next element, a Python
-  function's result, a floating array constant; the noised results (`noised_ops`, and in the
-  functions it calls the ops named `NOISED_NAME`) cut from their inputs.
+def late_writes(graph):
+  """The variables the whole FuncGraph `graph` writes from its data: its non-resource inputs
+  (arguments, captured tensors), a dataset's next element, a Python function's result, a
+  floating array constant; the noised results (`noised_ops`, and in the functions it calls
+  the ops named `NOISED_NAME`) cut from their inputs.
 
   Args:
     graph: a FuncGraph whose trace has ended.
-    allowed: ids of the eager handles of the variables looked at.
 
   Returns:
-    list of the written variables' names, in graph order.
+    list of (the id of the variable's eager handle, its name), in graph order.
   """
   graph_def = graph.as_graph_def()
   sources = {node.name for node in graph_def.node if _data_source(node)}
+  captured = {id(data_writes._outermost(e))  # pylint: disable=protected-access
+              for e, i in getattr(graph, "captures", ()) if i.dtype == tf.resource}
   return data_writes._graph_writes(graph, sources, clean=noised_ops(graph),  # pylint: disable=protected-access
-                                   only=allowed, clean_name=NOISED_NAME)
+                                   only=captured, clean_name=NOISED_NAME, by_id=True)
 
 
 def noised_ops(graph):
