@@ -31,6 +31,7 @@ from tf_dpiter.keras.fast_clipping import clipping as fast_clip
 from tf_dpiter.keras.fast_clipping import plan as fast_plan
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.keras.internals import row_provenance
 from tf_dpiter.keras.internals import runtime
 from tf_dpiter.keras.internals import total_records
 from tf_dpiter.keras.model import output_losses
@@ -606,8 +607,10 @@ class TrainStepMixin:
 
   def _dp_metrics_from(self, data):
     """The library's step as an override's check sees it (`_dp_check_override`: traced,
-    never run): every metric variable written from the batch, as the step logs the batch's
-    un-noised loss and metrics, then the logs read from them."""
+    never run): the batch it is handed must be the override's rows, each a function of one
+    record (row_provenance); every metric variable is written from it, as the step logs the
+    batch's un-noised loss and metrics, then the logs are read from them."""
+    row_provenance.refuse_row_mixing(data, f"the train_step override of {type(self).__name__}")
     parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
                                    tf.float32))
              for t in tf.nest.flatten(data, expand_composites=True)

@@ -40,6 +40,7 @@ from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import per_example
+from tf_dpiter.keras.internals import row_provenance
 from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.optimizer import routing
@@ -206,6 +207,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   if model is not None:   # fit's check of the model's training-mode call
     data_writes.refuse_model_writes(model)
   if data is not None:
+    row_provenance.refuse_row_mixing(data, "compute_private_gradients(data=...)")
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)
