@@ -16,6 +16,7 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import ops as tf_ops
 
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
@@ -127,7 +128,15 @@ def python_dataset(make_generator, output_signature):
 
   # One scan over a counter, not a flat_map over a start token: a new iterator instantiates
   # three functions and no inner dataset.
+  global_graph = tf_ops.get_default_graph()
+  before = set(global_graph._functions) if tf.executing_eagerly() else None  # pylint: disable=protected-access
   ds = tf.data.Dataset.range(2 ** 62).scan(tf.constant(-1, tf.int64), step)
+  if before is not None:
+    # TensorFlow's scan adds its function to the default graph even when executing eagerly
+    # (the process-wide global graph, where it would stay, with `gens` and the arrays its
+    # generator reads, until the process ends); the dataset holds the function itself.
+    for name in set(global_graph._functions) - before:  # pylint: disable=protected-access
+      global_graph._remove_function(name)  # pylint: disable=protected-access
   ds = ds.take_while(lambda ok, *_: ok)
   ds = ds.map(lambda ok, *flat: tf.nest.pack_sequence_as(output_signature, list(flat)))
   return ds.with_options(PIPELINE_OPTIONS)
