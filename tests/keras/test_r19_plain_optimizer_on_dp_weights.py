@@ -23,8 +23,15 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 
 import tf_dpiter as dp
+
+# Nightly only (tools/suite_tiers.py NIGHTLY_ONLY): by default,
+# test_weights_changed_outside.py::test_a_plain_optimizer_updating_dp_claimed_weights_is_refused
+# [False] fits the same DP model and plain autoencoder on the same records and asserts the
+# refusal, its message, the refused statement and the ledger.
+pytestmark = pytest.mark.slow
 
 
 def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused():

@@ -22,6 +22,15 @@ from tf_dpiter.keras.optimizer import weight_fingerprints
 
 N, D = 100, 4
 
+# Nightly only (benchmarks/SUITE_CUTS.md, session 40): the jit_compile=True repeats whose
+# claims default cases assert: the plain optimizer's refusal (its [False] case: same models,
+# fits and messages) of a change that set_weights_of_other_values_...[True] refuses under
+# XLA too (the same digests, at the statement and at the next DP fit); consecutive DP fits
+# accepted under XLA (set_weights_of_other_values_...[True]: three fits, steps 2 * N / 10 + 2)
+# and train_on_batch after them (the [False] case).
+SLOW_CASES = {"test_a_plain_optimizer_updating_dp_claimed_weights_is_refused[True]",
+              "test_a_second_dp_fit_after_a_normal_first_is_accepted[True]"}
+
 
 def _data():
   rng = np.random.default_rng(0)
