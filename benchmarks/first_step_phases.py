@@ -17,9 +17,15 @@ first step; its wall time (`first_step_s`) is split into:
                          batch-independence probe, cached on the model), all calls
   probe_runs_s           part of probe_s: the probe's two eager training-mode forward passes
                          (batch_independence._two_runs; `calls` counts them in pairs)
-  writes_check_s         data_writes.data_dependent_writes: the state-write check (one trace
-                         of the training-mode call and its data-flow analysis; in
-                         make_train_function, or in the trace for a model built by it)
+  writes_check_s         data_writes.refuse_model_writes (and data_dependent_writes): the
+                         state-write check (one trace of the training-mode call and its
+                         data-flow analysis; in make_train_function, or in the trace for a
+                         model built by it)
+  fingerprints_s         weight_fingerprints.changed and .record around the step (the
+                         weights' digests: at the first train_on_batch the digest programs'
+                         XLA compilations, one per distinct variable shape above
+                         HOST_ELEMENTS), all calls, in the phase they run in (after_trace_s
+                         for train_on_batch's own)
   routing_s              step.resolve_clipping in the trace (per-example checks, the plan,
                          the probe when not yet cached)
   trace_s                the Python trace of train_step (resolve_clipping and the clipped
@@ -29,7 +35,9 @@ first step; its wall time (`first_step_s`) is split into:
                          function instantiation (graph conversion, Grappler, partitioning,
                          kernel creation) and the first run
   grappler_s (--grappler) the graph optimizations (meta_optimizer's per-pass times, from
-                         TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass,
+                         TF_CPP_VMODULE=meta_optimizer=1 in a child process), by pass, and
+                         the graphs optimized (grappler_items: name -> input nodes; a name
+                         twice is a function instantiated twice),
                          and the main graph's nodes before and after them
                          (grappler_input_nodes, grappler_output_nodes); a pass that rewrites
                          the main graph without shrinking it (memory_optimizer's AddN into
@@ -39,7 +47,8 @@ first step; its wall time (`first_step_s`) is split into:
                          oneDNN primitive creation, executor setup)
 
 `cpu_s`: the same phases (first_step, make_train_function_s, probe_s, probe_runs_s,
-writes_check_s, routing_s, trace_s, clipped_sum_trace_s, after_trace_s, second_step) in process CPU seconds (all threads): less
+writes_check_s, fingerprints_s, routing_s, trace_s, clipped_sum_trace_s, after_trace_s,
+second_step) in process CPU seconds (all threads): less
 sensitive than wall time to other processes' load. --xla-vector-width W: XLA's preferred CPU
 vector width for the process (transformer_step_time.py's option; the children inherit it).
 
@@ -91,6 +100,7 @@ import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.keras.internals import batch_independence  # noqa: E402
 from tf_dpiter.keras.internals import data_writes  # noqa: E402
 from tf_dpiter.keras.fast_clipping import clipping as fc_clipping  # noqa: E402
+from tf_dpiter.keras.optimizer import weight_fingerprints  # noqa: E402
 import transformer_step_time as tst  # noqa: E402
 
 _TIMES = collections.defaultdict(float)
@@ -267,7 +277,13 @@ def run(a):
   batch_independence.probe_model = _timed("probe_s", batch_independence.probe_model)
   # (module attributes: probe_model and batch_mixing_layers look them up when they run)
   batch_independence._two_runs = _timed("probe_runs_s", batch_independence._two_runs)  # pylint: disable=protected-access
-  data_writes.data_dependent_writes = _timed("writes_check_s", data_writes.data_dependent_writes)
+  # (one timer: refuse_model_writes traces the call itself; other checks go through
+  # data_dependent_writes; outermost calls only)
+  writes = functools.partial(_timed, "writes_check_s")
+  data_writes.refuse_model_writes = writes(data_writes.refuse_model_writes)
+  data_writes.data_dependent_writes = writes(data_writes.data_dependent_writes)
+  for name in ("changed", "record"):   # models.py calls them through the module
+    setattr(weight_fingerprints, name, _timed("fingerprints_s", getattr(weight_fingerprints, name)))
   fc_clipping.clipped_grad_sum = _timed("clipped_sum_trace_s", fc_clipping.clipped_grad_sum)
   if private:
     step = opt.private_step
@@ -382,6 +398,13 @@ def _grappler(a):
   out["grappler_main_growth"] = [[m.group(1), int(m.group(2))] for m in _GROWTH.finditer(first_item)
                                  if int(m.group(2)) > 0]
   out["grappler_s"] = round(sum(by_pass.values()), 2)
+  # each graph optimized: its name and the nodes its first pass started from
+  items = re.split(r"Starting optimization for grappler item: (\S+)", r.stderr)[1:]
+  out["grappler_items"] = []
+  for name, log in zip(items[0::2], items[1::2]):
+    first = _SIZE.search(log)
+    out["grappler_items"].append(
+        [name, int(first.group(1)) - int(first.group(2)) if first else None])
   out["grappler_by_pass_s"] = {k: round(v, 2) for k, v in
                                sorted(by_pass.items(), key=lambda kv: -kv[1])[:8]}
   out["first_run_excess_s"] = round(out["after_trace_s"] - out["grappler_s"]
