@@ -432,6 +432,13 @@ def vectorized_grads(unit, rec, out_grads):
                                                      for v in sources])
 
 
+# A model's attribute: a list, set by its caller (the DP train step), to which each traced
+# `_forward` appends the ops its call of the model created, in the graph being traced: the
+# model's training-mode call as the step runs it, which data_writes.refuse_traced_writes
+# reads for the variables it reads (no trace of its own). None or absent: nothing kept.
+CALL_OPS_ATTR = "_dp_call_ops"
+
+
 def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
              scale, first_tape=None):
   """The recorded forward pass and the loss (run it under a tape). Traced (graph mode), the
@@ -443,6 +450,8 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
   record_mask [B/k], scaled_total)."""
   traced = not tf.executing_eagerly()
   with CALL_LOCK:
+    graph = tf.compat.v1.get_default_graph() if traced else None
+    start = len(graph.get_operations()) if traced else 0   # the call's ops (reads included)
     before = variable_consumers(units) if traced else None
     installed = install(units, track_uses=traced, first_tape=first_tape)
     try:
@@ -451,6 +460,9 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
       uninstall(installed)
     if traced:
       _refuse_unrecorded(unrecorded_uses(units, before))
+      found = getattr(model, CALL_OPS_ATTR, None)
+      if found is not None:
+        found.append(graph.get_operations()[start:])
   raw_losses = tf.cast(per_example_loss_fn(targets, outputs), tf.float32)
   if raw_losses.shape.rank != 1:
     raise ParameterValueError(

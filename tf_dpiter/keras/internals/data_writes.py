@@ -26,7 +26,9 @@ calls (nested tf.functions, tf.cond, tf.while_loop, tf.switch_case) are followed
 bodies. A write whose value does not depend on the data (a call counter, a seed generator's
 advance) is allowed.
 
-Checked: the model's training-mode call (a separate trace, before any probe); the step's own
+Checked: the model's training-mode call (a separate trace, before any probe runs it on real
+rows; where no probe does, i.e. no rows kept, a traced step on one replica, the fast path's own
+pass instead: its writes below, the variables it reads `refuse_unlisted_reads`); the step's own
 pass (the ops the step traced for the call, the loss and, on the fast path, the backward
 pass, whatever Python state or static shapes led there: `refuse_traced_writes`); on the
 vectorized path the call, loss and gradient of one record in a separate trace
@@ -34,8 +36,9 @@ vectorized path the call, loss and gradient of one record in a separate trace
 A custom loop's loss_fn: of a record, or of the batch it captures (`refuse_closure_writes`).
 
 This is the library's one check of state written from the data: the model's call is checked
-before any probe runs it (the probes restore only the model's non-trainable variables; a
-plain tf.Variable written from the probe's real rows would keep them).
+before any probe runs it on real rows (the probes restore only the model's non-trainable
+variables; a plain tf.Variable written from the probe's real rows would keep them; a probe
+of random inputs writes no record).
 """
 
 import functools
@@ -398,7 +401,7 @@ def _outermost(handle):
   return handle
 
 
-def refuse_traced_writes(sources, what):
+def refuse_traced_writes(sources, what, call_of=None):
   """Refuses the ops built so far in the graph being traced when one of them writes a
   variable from `sources` (module docstring's rule): the step's own forward pass and loss
   (and backward pass, when built), analysed in the trace that runs them, before the step's
@@ -408,15 +411,23 @@ def refuse_traced_writes(sources, what):
     sources: a nest of tensors of the current graph (the step's records); leaves that are
       not tensors (None) are ignored. Eagerly (no graph being built) nothing is checked.
     what: how the user calls it, for the message.
+    call_of: None, or (model, lists of the ops of its traced calls in this graph): the
+      variables those calls read are checked as well (`refuse_unlisted_reads`: for a model
+      whose call no trace of its own checked, `refuse_model_writes`).
 
   Raises:
-    PrivacyConfigError: naming the variables written from the data and what to do.
+    PrivacyConfigError: naming the variables written from the data and what to do, or as
+      `refuse_unlisted_reads`.
   """
   if tf.executing_eagerly():
     return
   graph = tf.compat.v1.get_default_graph()
   data = {t.op.name for t in tf.nest.flatten(sources) if isinstance(t, tf.Tensor)}
   _refuse(_graph_writes(graph, data), what)
+  if call_of is not None:
+    model, calls = call_of
+    for ops in calls:
+      refuse_unlisted_reads(model, ops)
 
 
 def _variable_name(handle):
@@ -608,9 +619,52 @@ def refuse_model_writes(model, inputs=None):
   what = f"the model {model.name!r} in training mode"
   graph, data = _traced(call, specs)
   _refuse(_graph_writes(graph, data), what)
+  _refuse_unlisted(model, graph.variables, what)
+  return True
+
+
+def refuse_unlisted_reads(model, ops):
+  """Refuses `model` when the ops of its training-mode call, traced by the step itself (the
+  fast path's forward pass: fast_clipping.clipping.CALL_OPS_ATTR), read a variable that is not
+  in `model.variables` (nor the optimizer's), or a layer holds one as an attribute: the check
+  `refuse_model_writes` makes of its own trace, without a trace of its own. The variables read
+  are the variables accessed in the trace so far whose handles the ops take as captured
+  inputs (nested function calls, branches and loops take them as inputs too).
+
+  Args:
+    model: a built keras.Model.
+    ops: the ops its call created, in the graph being traced (empty: only the attributes).
+
+  Raises:
+    PrivacyConfigError: as `refuse_model_writes`'s check of unlisted variables.
+  """
+  read = []
+  if ops:
+    graph = ops[0].graph
+    outer = {internal.op.name: external for external, internal in getattr(graph, "captures", ())
+             if internal.dtype == tf.resource}
+    # the variables accessed so far in the trace (FuncGraph.variables is set when it ends)
+    watched = getattr(graph, "_watched_variables", None)
+    variables = {id(v.handle): v for v in (graph.variables if watched is None else watched)}
+    seen = set()
+    for op in ops:
+      for t in op.inputs:
+        if t.dtype != tf.resource or t.op.name not in outer:
+          continue
+        v = variables.get(id(_outermost(outer[t.op.name])))
+        if v is not None and id(v) not in seen:
+          seen.add(id(v))
+          read.append(v)
+  _refuse_unlisted(model, read, f"the model {model.name!r} in training mode")
+
+
+def _refuse_unlisted(model, read, what):
+  """Raises PrivacyConfigError when a variable of `read` (the variables the model's call
+  reads) or a tf.Variable a layer holds as an attribute is not in `model.variables` nor the
+  optimizer's."""
   listed = {id(v.handle) for v in model.variables}
   listed |= {id(v.handle) for v in getattr(getattr(model, "optimizer", None), "variables", ())}
-  unlisted = [v.name for v in graph.variables if id(v.handle) not in listed]
+  unlisted = [v.name for v in read if id(v.handle) not in listed]
   # and a layer's tf.Variable attribute, read in inference only (a calibration temperature):
   # not in the training-mode trace, but served by predict and export
   unlisted += [v.name for v in _attribute_variables(model) if id(v.handle) not in listed
@@ -626,4 +680,3 @@ def refuse_model_writes(model, inputs=None):
         "(`self.add_weight(..., trainable=False)`, assigned only when training is False or "
         "from public data) or a constant. Received: variables read or held outside "
         f"model.variables: {unlisted}")
-  return True

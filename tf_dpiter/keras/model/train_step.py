@@ -280,9 +280,11 @@ class TrainStepMixin:
     step = self._dp_optimizer().private_step
     probed_from = time.perf_counter()
     probe_start = _probe_seconds(self)
-    # variables written from the data: refused before any probe runs the model (else when
-    # the trace has the batch: _dp_built_facts)
-    self._dp_writes_checked = self.built and data_writes.refuse_model_writes(self)
+    # variables written from the data: refused before any probe runs the model on real rows
+    # (else when the trace has the batch: _dp_built_facts); a probe of random inputs only
+    # leaves the check to the step's own fast pass (_dp_pass_checks_call)
+    self._dp_writes_checked = (self.built and not self._dp_pass_checks_call()
+                               and data_writes.refuse_model_writes(self))
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
     self._dp_override_checked = False   # a train_step override's own code: at its first trace
     self._dp_metrics_checked = False   # a compute_metrics override's: at the step's first trace
@@ -374,9 +376,24 @@ class TrainStepMixin:
     if facts is None:
       _ = self(x, training=True) if keras_internals.call_has_training_arg(self) else self(x)
       facts = self._dp_trace_facts()
-    if not getattr(self, "_dp_writes_checked", False):   # once per train function
+    # once per train function (unless the fast pass checks the call: _dp_pass_checks_call)
+    if not getattr(self, "_dp_writes_checked", False) and not self._dp_pass_checks_call():
       self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
     return facts
+
+  def _dp_pass_checks_call(self):
+    """True when the model's training-mode call is checked by the step's own fast pass rather
+    than by a trace of its own (data_writes.refuse_model_writes): the writes of the pass by
+    `refuse_traced_writes`, the variables its call reads by `refuse_unlisted_reads`, both
+    before the step's first execution. So when no probe runs the model on real rows before
+    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR; a probe's random
+    inputs carry no record) and the step is traced (not run eagerly) on one replica outside
+    a strategy. A step that takes the vectorized path instead has the call's own trace
+    there, before its pass (`_dp_clipped_sum_step`)."""
+    return (not self.run_eagerly
+            and getattr(self, batch_independence.PROBE_ROWS_ATTR, None) is None
+            and not tf.distribute.has_strategy()
+            and self.distribute_strategy.num_replicas_in_sync == 1)
 
   def _dp_clipped_sum_step(self, x, y, sample_weight, params, global_state=None,
                            outputs=True):
@@ -433,6 +450,8 @@ class TrainStepMixin:
           self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
           _abandon_fast_pass(self, graph, start)
       if self._dp_traced_clipping == "vectorized":
+        if not getattr(self, "_dp_writes_checked", False):   # no separate trace yet
+          self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
                                                                k, variables, params, scale)
     if not outputs:
@@ -516,14 +535,24 @@ class TrainStepMixin:
       # cannot run (runtime.examples_at_most)
       plan = summation.current_public_plan()
       bound = plan[0] * k if plan is not None and isinstance(k, int) else None
-      with runtime.examples_at_most(bound):
-        grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
-            self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em), examples_per_record=k,
-            return_outputs=True, clip_factors_fn=clip_factors_fn,
-            physical_chunks=False)   # the loss reads the batch's weights; chunked here
-      # the writes of this very pass (forward, loss, backward), before any run
+      # the ops of the pass's call of the model, when no trace of its own checked the call
+      calls = None if getattr(self, "_dp_writes_checked", False) else []
+      object.__setattr__(self, fast_clip.CALL_OPS_ATTR, calls)
+      try:
+        with runtime.examples_at_most(bound):
+          grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
+              self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em),
+              examples_per_record=k, return_outputs=True, clip_factors_fn=clip_factors_fn,
+              physical_chunks=False)   # the loss reads the batch's weights; chunked here
+      finally:
+        object.__setattr__(self, fast_clip.CALL_OPS_ATTR, None)
+      # the writes of this very pass (forward, loss, backward), before any run; and the
+      # variables its call reads (data_writes.refuse_unlisted_reads)
       if not tf.executing_eagerly():   # eagerly there is no trace to read
-        data_writes.refuse_traced_writes(chunk, _STEP_WRITES)
+        data_writes.refuse_traced_writes(chunk, _STEP_WRITES,
+                                         call_of=(self, calls) if calls else None)
+        if calls is not None and not calls:   # no traced call seen: the call's own trace
+          self._dp_writes_checked = data_writes.refuse_model_writes(self, xc)
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
