@@ -77,11 +77,11 @@ def _pair():
   return (x, y), (x[1:], y[1:])
 
 
-def _model(layers, clipping="auto"):
+def _model(layers, clipping="auto", jit_compile=False):
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((3,)), *layers])
   opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1, clipping=clipping)
-  model.compile(opt, "mse")
+  model.compile(opt, "mse", jit_compile=jit_compile)
   opt.set_sampling(40, 8 / 40, "poisson", 8)
   return model
 
@@ -105,13 +105,15 @@ def _count_call_traces(monkeypatch):
   return order
 
 
-@pytest.mark.parametrize("held, name", [("attribute", "pass_held_as_an_attribute"),
-                                        ("closure", "pass_held_in_a_closure")])
+@pytest.mark.parametrize("held, name, jit_compile", [
+    ("attribute", "pass_held_as_an_attribute", False),
+    ("closure", "pass_held_in_a_closure", False),
+    ("attribute", "pass_held_as_an_attribute", True)])   # the pass in the XLA function
 def test_a_variable_the_call_reads_outside_model_variables_is_refused_by_the_pass(
-    held, name, monkeypatch):
+    held, name, jit_compile, monkeypatch):
   order = _count_call_traces(monkeypatch)
   for x, y in _pair():
-    model = _model([_Scale(held), keras.layers.Dense(1)])
+    model = _model([_Scale(held), keras.layers.Dense(1)], jit_compile=jit_compile)
     with pytest.raises(dp.errors.PrivacyConfigError, match=f"the variable '{name}"):
       model.train_on_batch(x[:8], y[:8])
     assert model._dp_traced_clipping == "fast"   # pylint: disable=protected-access
