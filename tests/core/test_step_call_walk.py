@@ -71,8 +71,10 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   # 116 since apply_private_gradients checks that the update is charged (a soundness fix:
   # optimizers -> private_step, summation's XLA test) and the noise's worker count is checked
   # 20 files and 118 returns since a corrupt record's ids and labels are masked in the step
-  # (keras/internals/total_records.py: a soundness fix, review R4 finding 10)
-  assert summary["files"] <= 20 and summary["returns"] <= 118, summary
+  # (keras/internals/total_records.py: a soundness fix, review R4 finding 10); 120 since the
+  # per-record losses' custom gradient is held by its graph, not TensorFlow's registry
+  # (keras_internals.graph_owned_gradients, a memory fix: every traced step was kept)
+  assert summary["files"] <= 20 and summary["returns"] <= 120, summary
 
 
 def test_the_step_calls_each_concept_in_its_one_owner():

@@ -3,7 +3,7 @@
 TensorFlow's tf.custom_gradient, traced in a graph, registers its gradient function in a
 process-wide registry that would hold the traced DP step (the per-record losses of the fast
 path, tf_dpiter/keras/optimizer/record_losses.py) for the rest of the process; the library
-moves it onto the step's graph (keras/internals/graph_gradients.py). TensorFlow's
+moves it onto the step's graph (keras_internals.graph_owned_gradients). TensorFlow's
 Dataset.scan adds its function to the global default graph even when executing eagerly, which
 would hold the fit's sampler and the arrays it reads (tf_dpiter/data/python_source.py); the
 library takes it out again. Checked: after a shuffled fit of a DP model and its deletion, the

@@ -7,11 +7,14 @@ variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop
 upgrade breaks in one place: tests/keras/test_keras_internals.py lists what the installed
 Keras lacks, naming the attribute and the version. Two private TensorFlow names are wrapped
 here too (`shared_constants`: the graph constants of a trace, one per integer value;
-`plain_resource_variable`: a variable made past tf.Variable's creator scopes).
+`plain_resource_variable`: a variable made past tf.Variable's creator scopes;
+`graph_owned_gradients`: tf.custom_gradient's registrations held by their graph).
 """
 
 import contextlib
+import functools
 import threading
+import weakref
 
 import keras
 import tensorflow as tf
@@ -585,3 +588,47 @@ def gradient_sources(variables):
     a list of the same length.
   """
   return [v.value if isinstance(v, keras.Variable) else v for v in variables]
+
+
+# the names tf.custom_gradient registers under, and the graph attribute holding them
+_CUSTOM_GRADIENT_PREFIX = "CustomGradient-"
+_OWNED_GRADIENTS = "_tf_dpiter_custom_gradients"
+
+
+def graph_owned_gradients(fn, *args):
+  """fn(*args), the tf.custom_gradient functions it registered held by the current graph.
+
+  TensorFlow's `tf.custom_gradient`, traced in a graph, registers its gradient function in
+  the process-wide gradient registry (`ops.gradient_registry`, private) and never removes
+  it: the registry would keep every traced DP step alive for the process's life. Each such
+  function is moved onto the graph it was traced in; the registry keeps a forwarder holding
+  the graph weakly, removed (a finalizer) when the graph is collected.
+
+  Args:
+    fn: a callable that may call `tf.custom_gradient` functions.
+    *args: its arguments.
+
+  Returns:
+    fn(*args).
+  """
+  registry = getattr(getattr(tf_ops, "gradient_registry", None), "_registry", None)
+  if tf.executing_eagerly() or not isinstance(registry, dict):
+    return fn(*args)
+  before = set(registry)
+  out = fn(*args)
+  graph = tf_ops.get_default_graph()
+  owned = getattr(graph, _OWNED_GRADIENTS, None)
+  if owned is None:
+    owned = {}
+    setattr(graph, _OWNED_GRADIENTS, owned)
+  graph_ref = weakref.ref(graph)
+  for name in [k for k in registry if k not in before and k.startswith(_CUSTOM_GRADIENT_PREFIX)]:
+    entry = registry[name]
+    owned[name] = entry["type"]
+    registry[name] = dict(entry, type=functools.partial(_forward_gradient, graph_ref, name))
+    weakref.finalize(graph, registry.pop, name, None)
+  return out
+
+
+def _forward_gradient(graph_ref, name, op, *grads):
+  return getattr(graph_ref(), _OWNED_GRADIENTS)[name](op, *grads)

@@ -210,39 +210,40 @@ def _call_retracing(model, train_function, iterator):
 _STEP_WRITES = "the model's training-mode call or its loss in the private step"
 
 
-# the graph attribute counting the library's private steps traced in it, per replica
-_STEPS_TRACED = "_tf_dpiter_private_steps"
-
-
-def _refuse_second_step(name):
-  """Refuses a second private step of the library in one trace of the train function (per
-  replica): a `train_step` override calling `super().train_step(data)` twice noises two sums
-  of the same sampled batch, which the ledger would charge as two independent samples (two
-  Poisson samples at q where one subsample ran a mechanism of two Gaussians: epsilon 4.22
-  stated against 7.03 by hand, review R9, session 40).
-
-  Args:
-    name: the model's class name, for the message.
-
-  Raises:
-    PrivacyConfigError: the step traced once already in this graph and replica.
-  """
-  graph = tf.compat.v1.get_default_graph()
+def _replica():
+  """The replica id (an int) of the current replica context, or None."""
   ctx = tf.distribute.get_replica_context()
   replica = tf.get_static_value(ctx.replica_id_in_sync_group) if ctx is not None else None
-  replica = None if replica is None else int(replica)
-  seen = getattr(graph, _STEPS_TRACED, None)
-  if seen is None:
-    seen = set()
-    setattr(graph, _STEPS_TRACED, seen)
-  if replica in seen:
+  return None if replica is None else int(replica)
+
+
+def _refuse_second_step(model):
+  """Refuses a second private step of the library inside one call of a user's `train_step`
+  (per replica; `_checked_override` opens the count): an override calling
+  `super().train_step(data)` twice noises two sums of the same sampled batch, which the
+  ledger would charge as two independent samples (two Poisson samples at q where one
+  subsample ran a mechanism of two Gaussians: epsilon 4.22 stated against 7.03 by hand,
+  review R9, session 40). Eagerly and traced alike (the count is Python's).
+
+  Args:
+    model: the DP model.
+
+  Raises:
+    PrivacyConfigError: the step ran once already in this call of the override.
+  """
+  runs = model.__dict__.get("_dp_steps_in_override")
+  replica = _replica()
+  if runs is None or replica not in runs:
+    return   # Keras' own call of the step: once per batch
+  if runs[replica]:
+    name = type(model).__name__
     raise PrivacyConfigError(
         f"{name}'s train_step runs the private step twice on one batch: each run noises a "
         "sum of the same sampled records, and the ledger would charge them as two "
         "independently sampled steps (an optimistic epsilon). Call super().train_step(data) "
         "once per batch; for more updates per batch use more epochs or steps "
         f"(steps_per_execution). Received: a second private step in one train step of {name}")
-  seen.add(replica)
+  runs[replica] = 1
 
 
 def _checked_override(step_fn):
@@ -251,9 +252,19 @@ def _checked_override(step_fn):
   step; marked so that it is wrapped once."""
   @functools.wraps(step_fn)
   def train_step(self, data):
-    if not getattr(self, "_dp_override_probe", False):
-      self._dp_check_override(data, step_fn)
-    return step_fn(self, data)
+    if getattr(self, "_dp_override_probe", False):
+      return step_fn(self, data)
+    self._dp_check_override(data, step_fn)
+    runs = self.__dict__.get("_dp_steps_in_override")
+    if runs is None:
+      runs = {}
+      object.__setattr__(self, "_dp_steps_in_override", runs)
+    replica = _replica()
+    runs[replica] = 0   # the library's steps this call runs (`_refuse_second_step`)
+    try:
+      return step_fn(self, data)
+    finally:
+      runs.pop(replica, None)
 
   train_step.dp_checked_override = True
   return train_step
@@ -699,7 +710,7 @@ class TrainStepMixin:
     """
     if getattr(self, "_dp_override_probe", False):   # an override's own code, checked alone
       return self._dp_metrics_from(data)
-    _refuse_second_step(type(self).__name__)
+    _refuse_second_step(self)
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)

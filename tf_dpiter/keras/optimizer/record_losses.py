@@ -13,7 +13,6 @@ import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.keras.internals import graph_gradients
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import total_records
 
@@ -87,7 +86,7 @@ def compiled_record_losses(model, y_true, y_pred, weights):
     return losses, grad
 
   # the step graph, not TensorFlow's registry, holds the gradient function
-  return graph_gradients.graph_owned_gradients(losses_of, *yp_flat)
+  return keras_internals.graph_owned_gradients(losses_of, *yp_flat)
 
 
 def fast_path_obstacle(model):

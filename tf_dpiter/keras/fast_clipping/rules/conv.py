@@ -66,7 +66,7 @@ import tensorflow as tf
 from keras import ops
 
 from tf_dpiter.dp_query import summation
-from tf_dpiter.keras.internals import graph_gradients
+from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import runtime as routing  # oneDNN, XLA, loss scale (not the optimizer)
 from tf_dpiter.keras.fast_clipping import algebra
 from tf_dpiter.keras.fast_clipping import registry
@@ -218,7 +218,7 @@ def _conv2d_canonical_grads(x, kernel, stride, padding):
 
     return z, grad
 
-  return graph_gradients.graph_owned_gradients(conv, x, kernel)
+  return keras_internals.graph_owned_gradients(conv, x, kernel)
 
 
 def _conv_forward(layer, x, padding):
