@@ -140,6 +140,7 @@ def _open_crash_log(config):
   if hasattr(config, "workerinput"):
     folder = os.environ.get(CRASH_DIR_ENV)
     if folder:
+      os.makedirs(folder, exist_ok=True)   # a folder the user named may not exist yet
       name = os.path.join(folder, f"worker.{config.workerinput['workerid']}.log")
       _CRASH_LOG.append(open(name, "a", encoding="utf-8"))  # pylint: disable=consider-using-with
   elif getattr(config.option, "numprocesses", None):
