@@ -29,6 +29,7 @@ _MIXING = {
     "first_row": lambda x: x + x[:1],
     "rows_doubled": lambda x: tf.concat([x, x], axis=0)[: tf.shape(x)[0]],
     "transposed": lambda x: tf.transpose(tf.transpose(x) * tf.reduce_max(x, axis=1)),
+    "softmax_over_rows": lambda x: x * tf.nn.softmax(x[:, 0])[:, None],
 }
 
 
@@ -36,7 +37,7 @@ def _per_record(x):
   """Per-record transforms: constants, elementwise math, a per-row norm, a reshape keeping
   the rows, a lookup in a public table."""
   x = (tf.cast(x, tf.float32) - _MEAN) / 2.0
-  x = x / (tf.norm(x, axis=1, keepdims=True) + 1.0)
+  x = x / (tf.norm(x, axis=1, keepdims=True) + 1.0) * tf.nn.softmax(x)
   x = tf.reshape(tf.reshape(x, [-1, 3, 1]), [-1, 3])
   return x * tf.gather(_TABLE, tf.cast(x[:, 0] > 0, tf.int32))[:, None]
 

@@ -35,7 +35,7 @@ Add AddV2 Sub Mul MulNoNan RealDiv Div DivNoNan TruncateDiv FloorDiv FloorMod Mo
 Maximum Minimum SquaredDifference Atan2 BiasAdd Xdivy Xlogy Xlog1py
 Equal NotEqual Less LessEqual Greater GreaterEqual LogicalAnd LogicalOr
 BitwiseAnd BitwiseOr BitwiseXor LeftShift RightShift
-Select SelectV2 ClipByValue OneHot ZerosLike OnesLike Softmax LogSoftmax
+Select SelectV2 ClipByValue OneHot ZerosLike OnesLike
 """.split())
 # reductions and concatenations: row-wise when their axes leave the batch's (axis 0) alone
 _AXIS_OPS = {"Mean": 1, "Sum": 1, "Max": 1, "Min": 1, "Prod": 1, "All": 1, "Any": 1,
@@ -63,6 +63,9 @@ def _keeps_rows(op, rows):
   tells whether tensor t depends on the batch."""
   if op.type in _ELEMENTWISE:
     return True
+  if op.type in ("Softmax", "LogSoftmax"):   # over the last axis: the batch's when rank 1
+    rank = op.inputs[0].shape.rank
+    return rank is not None and rank >= 2
   if op.type in _AXIS_OPS:
     axes = _axes(op)
     return axes is not None and 0 not in axes
@@ -94,7 +97,8 @@ def _keeps_rows(op, rows):
     a, b = op.inputs[0], op.inputs[1]
     transposed = (op.get_attr("transpose_a") if op.type == "MatMul"
                   else op.get_attr("adj_x"))
-    return not rows(b) and not transposed and (op.type == "MatMul" or a.shape.rank == 2)
+    # [B, ..., K] x [K, N] keeps the rows; a batched right operand would move them
+    return not rows(b) and not transposed and (op.type == "MatMul" or b.shape.rank == 2)
   return False
 
 
