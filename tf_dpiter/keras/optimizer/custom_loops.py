@@ -27,6 +27,8 @@ on record i alone. Hence `fit`'s protections, on every form:
 """
 
 import logging
+import warnings
+import weakref
 
 import numpy as np
 
@@ -80,6 +82,38 @@ def vectorize_records(model):
           "models without such layers vectorize.")
     return False
   return True
+
+
+# the private steps already warned of a static private batch size
+_WARNED_STATIC = weakref.WeakSet()
+
+
+def _warn_static_private_size(step, b_static, mask):
+  """Warns (a FutureWarning, once per optimizer) when a traced custom-loop step has a static
+  batch size under a policy whose batch size is private (Poisson and the policies whose
+  denominator is the expected size), without a mask of padding rows: the trace holds the
+  sampled size as a constant, and a Python number computed from it (`x.shape[0]`) reaches
+  the update where no check sees it (CHANGELOG "Known issues"). Such steps will be refused;
+  trace with a batch dimension of None, or feed padded batches of a public size with `mask=`.
+
+  Args:
+    step: the optimizer's PrivateStep.
+    b_static: the batch's static row count (an int) or None.
+    mask: the mask compute_private_gradients was given, or None.
+  """
+  sampling = step.sampling
+  if (b_static is None or mask is not None or sampling is None or tf.executing_eagerly()
+      or not ledger_policies.get(sampling.policy).expected_size_denominator
+      or step in _WARNED_STATIC):
+    return
+  _WARNED_STATIC.add(step)
+  warnings.warn(
+      f"compute_private_gradients is traced with a static batch size ({b_static} rows) under "
+      f"{sampling.policy!r} sampling, whose batch size is private: a Python number computed "
+      "from it (x.shape[0], len(x)) would reach the update unseen. Such steps will be refused "
+      "in a future release. Trace the step with an unknown batch size (tf.function("
+      "input_signature=[tf.TensorSpec([None, ...]), ...])), or feed padded batches of a public "
+      "size with mask=.", FutureWarning, stacklevel=4)
 
 
 def _declared_rows_check(step, b):
@@ -152,6 +186,7 @@ def _refuse_xla():
 
 def _records_and_masks(step, data, mask):
   b_static = grads_lib.static_batch_size(data)
+  _warn_static_private_size(step, b_static, mask)
   grads_lib.check_num_microbatches(step.record_microbatches, b_static)
   b = grads_lib.dynamic_batch_size(data)
   example_mask = _binary_mask(mask, b)
@@ -476,6 +511,7 @@ def _record_losses(step, losses, mask, scale=1.0):
   losses = tf.reshape(tf.cast(losses, tf.float32), tf.stack([b, -1]))
   losses = tf.reduce_mean(losses, axis=1) * scale
   grads_lib.check_num_microbatches(step.record_microbatches, losses.shape[0])
+  _warn_static_private_size(step, losses.shape[0], mask)
   example_mask = _binary_mask(mask, b)
   rows_ok = _declared_rows_check(step, b)
   if rows_ok is not None:
