@@ -104,3 +104,17 @@ def test_a_custom_loop_hands_the_step_its_rows(mixing):
   step(x, y)
   stated = statement_lib.run_statement(opt, 1e-5)
   assert stated.epsilon == pytest.approx(setup.rdp_epsilon(1), rel=1e-9)
+
+
+def test_an_override_mixing_rows_is_refused_under_jit_compile():
+  """The same refusal with jit_compile=True (Keras' default on a GPU): the override runs in
+  the outer train function, whose check traces it alone before any step."""
+  x, y = _fit_data()
+  keras.utils.set_random_seed(0)
+  model = Transformed([keras.Input((3,)), keras.layers.Dense(1)],
+                      transform=_MIXING["batch_mean"])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=1.0), "mse",
+                jit_compile=True)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="combine rows"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert int(model.optimizer.iterations.numpy()) == 0

@@ -387,9 +387,10 @@ class TargetDrift(dp.keras.DPSequential):
     return super().compute_metrics(x, y, y_pred, sample_weight)
 
 
-@pytest.mark.parametrize("write", [True, False])
-@pytest.mark.parametrize("metrics", [None, ["mae"]])
-def test_a_compute_metrics_override_is_walked(write, metrics):
+@pytest.mark.parametrize("write,metrics,jit", [(True, None, False), (True, ["mae"], False),
+                                               (False, None, False), (False, ["mae"], False),
+                                               (True, ["mae"], True)])
+def test_a_compute_metrics_override_is_walked(write, metrics, jit):
   """Review R9 (session 40), finding 8: the step calls a compute_metrics override with the
   batch and its un-noised predictions, and no walk saw its writes (replace one example,
   y[0] = 1000 in D: target_mean 8.944 vs -0.0692, epsilon 10.7255 stated). Now walked once
@@ -401,7 +402,7 @@ def test_a_compute_metrics_override_is_walked(write, metrics):
   keras.utils.set_random_seed(0)
   model = TargetDrift([keras.Input((3,)), keras.layers.Dense(1)], write=write)
   model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
-                metrics=metrics)
+                metrics=metrics, jit_compile=jit)
   if write:
     with pytest.raises(dp.errors.PrivacyConfigError, match="target_mean"):
       model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
@@ -419,8 +420,9 @@ class TwoUpdatesPerBatch(dp.keras.DPSequential):
     return super().train_step(data)
 
 
-@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
-def test_two_private_steps_on_one_batch_are_refused(sampling):
+@pytest.mark.parametrize("sampling,jit", [("poisson", False), ("shuffle", False),
+                                          ("poisson", True)])
+def test_two_private_steps_on_one_batch_are_refused(sampling, jit):
   """Review R9 (session 40), finding 10: two private steps on each Poisson batch were charged
   as two independent samples (add/remove one example, q 0.1, n 100, 10 batches, z 1: 20
   samples, epsilon 4.2243 stated, against dp_accounting's 7.0297 for 10 samples each run
@@ -430,7 +432,8 @@ def test_two_private_steps_on_one_batch_are_refused(sampling):
   y = rng.normal(size=(100, 1)).astype("float32")
   keras.utils.set_random_seed(0)
   model = TwoUpdatesPerBatch([keras.Input((3,)), keras.layers.Dense(1)])
-  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
+                jit_compile=jit)
   with pytest.raises(dp.errors.PrivacyConfigError, match="private step twice on one batch"):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling=sampling)
   assert int(model.optimizer.iterations.numpy()) == 0
