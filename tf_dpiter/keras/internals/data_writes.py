@@ -358,8 +358,9 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
   whose eager handle's id is in `exempt`; the nodes named in `clean` (noised results) are
   cut from their inputs, and in the functions the graph calls those whose name (after its
   scope) starts with `clean_name`. only: None, or ids of eager handles: only those
-  variables, and no opaque function or release, are reported (with `by_id`, as pairs of
-  the eager handle's id and the name)."""
+  variables, and no opaque function or release, are reported. by_id: every captured
+  variable (`only` unused), no opaque function or release, each as a pair of the eager
+  handle's id and the name."""
   names, skip, ids = {}, set(), {}
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
@@ -379,9 +380,11 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
   flow = _Flow(graph_def)
   written, _, _ = flow.body(graph_def.node, data, set(), False)
   order = [n.name for n in graph_def.node if n.name in written and n.name not in skip
-           and (only is None or n.name in names)]
+           and (only is None and not by_id or n.name in names)]
+  if by_id:
+    return [(ids[n], names[n]) for n in order]
   if only is not None:
-    return [(ids[n], names[n]) if by_id else names[n] for n in order]
+    return [names[n] for n in order]
   opaque = [f"a Python function (tf.py_function, tf.numpy_function: its body cannot be "
             f"analysed) at node {node!r}" + (f" of {where!r}" if where else "")
             for where, node in flow.opaque]

@@ -286,10 +286,8 @@ def late_writes(graph):
   """
   graph_def = graph.as_graph_def()
   sources = {node.name for node in graph_def.node if _data_source(node)}
-  captured = {id(data_writes._outermost(e))  # pylint: disable=protected-access
-              for e, i in getattr(graph, "captures", ()) if i.dtype == tf.resource}
   return data_writes._graph_writes(graph, sources, clean=noised_ops(graph),  # pylint: disable=protected-access
-                                   only=captured, clean_name=NOISED_NAME, by_id=True)
+                                   clean_name=NOISED_NAME, by_id=True)
 
 
 def noised_ops(graph):
