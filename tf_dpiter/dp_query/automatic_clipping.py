@@ -18,16 +18,8 @@ DEFAULT_STABILITY = 0.01
 
 
 def automatic_clip_factors(record_norms, l2_norm_clip, stability):
-  """c_i = S / (||g_i||_2 + gamma), 0 for a non-finite norm (Bu et al., AUTO-S, Section 4).
-
-  Args:
-    record_norms: ||g_i||_2 >= 0, a float tensor of any shape.
-    l2_norm_clip: S >= 0, finite, a number or scalar tensor.
-    stability: gamma > 0, a number or scalar tensor.
-
-  Returns:
-    float32 factors shaped like `record_norms`; c_i ||g_i|| < S.
-  """
+  """c_i = S / (||g_i||_2 + gamma), 0 for a non-finite norm (Bu et al., AUTO-S, Section 4):
+  float32 factors shaped like `record_norms`, c_i ||g_i|| < S (S >= 0 finite, gamma > 0)."""
   norms = tf.cast(record_norms, tf.float32)
   factors = tf.cast(l2_norm_clip, tf.float32) / (norms + tf.cast(stability, tf.float32))
   return tf.where(tf.math.is_finite(norms), factors, tf.zeros_like(factors))

@@ -26,14 +26,8 @@ STRATEGIES = ("toeplitz", "banded")
 
 
 def template_shapes(template):
-  """[(shape list, dtype name)] of the leaves of a record template.
-
-  Args:
-    template: tensors, variables or TensorSpecs (any nest), or the list of
-      {"shape", "dtype"} dicts `template_config` returns.
-
-  Returns:
-    a list of (list of ints, dtype name), one per leaf in tf.nest order.
+  """[(list of ints, dtype name)] of the leaves (tf.nest order) of a record template: a nest
+  of tensors, variables or TensorSpecs, or the list `template_config` returns.
 
   Raises:
     ParameterValueError: a leaf whose shape is not fully defined.
@@ -52,28 +46,14 @@ def template_shapes(template):
 
 
 def template_config(shapes):
-  """The JSON-able form of `template_shapes` output (read back by template_shapes).
-
-  Args:
-    shapes: the output of `template_shapes`.
-
-  Returns:
-    a list of {"shape": [...], "dtype": name} dicts.
-  """
+  """The JSON-able form of `template_shapes`' output, read back by it: a list of
+  {"shape": [...], "dtype": name} dicts."""
   return [{"shape": list(s), "dtype": d} for s, d in shapes]
 
 
 def add_flat_noise(structure, flat_noise):
   """structure + flat_noise split over its leaves (tf.nest order), in float32 (float64 leaves
-  in float64), cast back to each leaf's dtype.
-
-  Args:
-    structure: a nest of tensors (the clipped sum) with d values in all.
-    flat_noise: a float tensor [d].
-
-  Returns:
-    the noised nest, same structure and dtypes.
-  """
+  in float64), cast back to each leaf's dtype; `flat_noise` is [d], d the nest's values."""
   leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
   sizes = [int(np.prod(v.shape)) for v in leaves]
   parts = tf.split(flat_noise, sizes) if len(leaves) > 1 else [flat_noise]
@@ -88,20 +68,13 @@ def add_flat_noise(structure, flat_noise):
 def make_strategy(num_steps, num_bands, strategy="toeplitz", cache_dir=None):
   """Band rows [n, b] (rows[t, k] = C[t, t-k]) of an optimized strategy, max column norm 1.
 
-  Args:
-    num_steps: n, the steps the strategy is optimized for.
-    num_bands: b.
-    strategy: "toeplitz" (b coefficients, usable for any n and for steps beyond n) or
-      "banded" (general banded, n <= 2048), or an explicit lower-triangular banded matrix
-      (normalized here to max column norm 1).
-    cache_dir: on-disk strategy cache (None: memory only).
-
-  Returns:
-    (rows, extendable: whether steps beyond n may reuse the last row).
+  `strategy`: "toeplitz" (b coefficients, usable for any n and for steps beyond n),
+  "banded" (general banded, n <= 2048), or an explicit lower-triangular banded matrix
+  (normalized here). Returns (rows, extendable: whether steps beyond n may reuse the last row).
 
   Raises:
-    ParameterValueError: an unknown strategy name, or a matrix that is not square with a positive
-      diagonal.
+    ParameterValueError: an unknown strategy name, or a matrix that is not square with a
+      positive diagonal.
   """
   if isinstance(strategy, str):
     if strategy not in STRATEGIES:

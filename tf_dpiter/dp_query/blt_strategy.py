@@ -35,44 +35,24 @@ def _polys(theta, omega):
 
 
 def strategy_coefficients(theta, omega, n):
-  """c_0..c_{n-1} of the BLT strategy.
-
-  Args:
-    theta, omega: the BLT's parameters (equal lengths).
-    n: coefficients wanted.
-
-  Returns:
-    float64 array [n].
-  """
+  """c_0..c_{n-1} (float64 [n]) of the BLT strategy of parameters theta, omega (equal
+  lengths)."""
   p, q = _polys(theta, omega)
   return sp_signal.lfilter(p, q, np.eye(1, n)[0])   # of the unit impulse
 
 
 def inverse_coefficients(theta, omega, n):
-  """Coefficients of C^-1 (also Toeplitz): the impulse response of Q / P.
-
-  Args:
-    theta, omega: the BLT's parameters (equal lengths).
-    n: coefficients wanted.
-
-  Returns:
-    float64 array [n].
-  """
+  """The first n coefficients (float64 [n]) of C^-1 (also Toeplitz): the impulse response of
+  Q / P (`strategy_coefficients`' parameters)."""
   p, q = _polys(theta, omega)
   return sp_signal.lfilter(q, p, np.eye(1, n)[0])   # of the unit impulse
 
 
 def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
   """Sensitivity (per unit clip) of a Toeplitz strategy with coefficients `coefs` (n of them)
-  when participations are >= min_separation apart, at most max_participations times.
-
-  Args:
-    coefs: c_0..c_{n-1} (other than non-negative non-increasing: their envelope is used).
-    min_separation: b >= 1.
-    max_participations: k (None: ceil(n / b)).
-
-  Returns:
-    the sensitivity per unit clip (float).
+  when participations are >= min_separation b apart, at most max_participations k times
+  (None: ceil(n / b)). Coefficients other than non-negative non-increasing: their envelope is
+  used. Returns a float.
 
   Raises:
     ParameterValueError: min_separation < 1.
@@ -91,30 +71,16 @@ def toeplitz_minsep_sensitivity(coefs, min_separation, max_participations=None):
 
 def equivalent_sensitivity(coefs, min_separation, max_participations=None):
   """max over p <= k of toeplitz_minsep_sensitivity(p) / sqrt(p) (p Gaussians of it cost at
-  least the run's one Gaussian).
-
-  Args:
-    coefs: c_0..c_{n-1}.
-    min_separation: b >= 1.
-    max_participations: k (None: ceil(n / b)).
-
-  Returns:
-    Delta, per unit clip (float).
-  """
+  least the run's one Gaussian): Delta per unit clip (a float); arguments as
+  `toeplitz_minsep_sensitivity`'s."""
   n, b = len(coefs), int(min_separation)
   k = -(-n // b) if max_participations is None else min(int(max_participations), -(-n // b))
   return max(toeplitz_minsep_sensitivity(coefs, b, p) / math.sqrt(p) for p in range(1, k + 1))
 
 
 def inverse_prefix_error(coefs_inverse):
-  """||A C^-1||_F^2 / n for a Toeplitz C^-1 given by its coefficients (per unit sigma^2).
-
-  Args:
-    coefs_inverse: C^-1's first column [n].
-
-  Returns:
-    float.
-  """
+  """||A C^-1||_F^2 / n (a float, per unit sigma^2) for a Toeplitz C^-1 given by its first
+  column [n]."""
   e = np.cumsum(coefs_inverse)
   n = len(e)
   return float(np.sum((n - np.arange(n)) * e * e) / n)
@@ -156,17 +122,9 @@ def _optimize_cached(n, buffers, b, k, max_iter):
 
 def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=200):
   """(theta, omega) of a BLT of `buffers` terms minimizing sens^2 ||A C^-1||_F^2 over n steps
-  (theta in (0, 1), omega > 0: non-negative coefficients, exact sensitivity).
-
-  Args:
-    n: the horizon (steps).
-    buffers: terms of the BLT.
-    min_separation: b, the least gap between participations.
-    max_participations: k.
-    max_iter: L-BFGS iterations.
-
-  Returns:
-    (theta, omega), float64 arrays [buffers].
+  (theta in (0, 1), omega > 0: non-negative coefficients, exact sensitivity), for
+  participations `min_separation` b apart, at most `max_participations` k, after `max_iter`
+  L-BFGS iterations. Returns (theta, omega), float64 arrays [buffers].
 
   Raises:
     ParameterValueError: n, buffers, min_separation or max_participations not an integer >= 1.

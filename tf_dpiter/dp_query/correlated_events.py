@@ -44,13 +44,8 @@ class MatrixGaussianEvent(NamedTuple):
 
 def tree_depth(tree_size):
   """Nodes one leaf touches in an online binary tree of at most `tree_size` leaves:
-  ceil(log2(tree_size + 1)) (Kairouz et al. 2021, Appendix D; as dp-accounting computes it).
-
-  Args:
-    tree_size: the most leaves one tree holds (an integer >= 1).
-
-  Returns:
-    the depth (int).
+  ceil(log2(tree_size + 1)), an int (Kairouz et al. 2021, Appendix D; as dp-accounting
+  computes it).
 
   Raises:
     ParameterValueError: tree_size not an integer >= 1.
@@ -61,12 +56,5 @@ def tree_depth(tree_size):
 
 
 def is_correlated_event(x) -> bool:
-  """True if `x` is one of this module's events (BandedGaussian, TreeGaussian, MatrixGaussian).
-
-  Args:
-    x: any object.
-
-  Returns:
-    bool.
-  """
+  """True if `x` is one of this module's events (BandedGaussian, TreeGaussian, MatrixGaussian)."""
   return isinstance(x, (BandedGaussianEvent, TreeGaussianEvent, MatrixGaussianEvent))

@@ -28,15 +28,8 @@ _TINY_NORM = 1e-30
 
 
 def float_dtype(*values):
-  """The privacy arithmetic's dtype: float64 if any tensor among `values` is float64, else
-  float32 (never less than float32; non-tensors count as float32).
-
-  Args:
-    *values: tensors or numbers.
-
-  Returns:
-    tf.float64 or tf.float32.
-  """
+  """The privacy arithmetic's dtype: tf.float64 if any tensor among `values` is float64, else
+  tf.float32 (never less than float32; non-tensors count as float32)."""
   return (tf.float64 if any(tf.is_tensor(v) and v.dtype == tf.float64 for v in values)
           else tf.float32)
 
@@ -67,16 +60,9 @@ def global_l2_norm(record):
 
 
 def record_norm_margin(record):
-  """eta_norm of `global_l2_norm(record)`: `summation.norm_margin` of the leaves' entry
+  """eta_norm >= 0 of `global_l2_norm(record)`: `summation.norm_margin` of the leaves' entry
   counts in the norm's dtype (a Python float, or a float64 tensor when a leaf's size is
-  known at run time only).
-
-  Args:
-    record: a nest of numeric tensors (or anything with .shape and .dtype).
-
-  Returns:
-    eta_norm >= 0.
-  """
+  known at run time only); the leaves need only .shape and .dtype."""
   leaves = tf.nest.flatten(record)
   wide = any(tf.as_dtype(getattr(x, "dtype", tf.float32)) == tf.float64 for x in leaves)
   sizes = []
@@ -136,15 +122,8 @@ def scale_record(record, norm, factor):
   A NaN or inf coordinate would make c x non-finite whatever c is (0 * NaN = NaN), and one
   such record in a sum makes the release non-finite: neighbouring datasets D and D + r told
   apart with certainty. Zeros are a function of that record alone, so the sum's sensitivity
-  stays S (the same rule as `clip_factors`' c = 0).
-
-  Args:
-    record: a nest of float tensors x.
-    norm: ||x||_2, a scalar tensor.
-    factor: c, a scalar tensor (the clip or normalization factor).
-
-  Returns:
-    the nest c x (same dtypes), zeros if `norm` is not finite.
+  stays S (the same rule as `clip_factors`' c = 0). `norm` ||x||_2 and `factor` c (the clip
+  or normalization factor) are scalar tensors; the dtypes are kept.
   """
   finite = tf.math.is_finite(norm)
   return tf.nest.map_structure(
@@ -155,14 +134,7 @@ def scale_record(record, norm, factor):
 
 
 def zeros_like_template(template):
-  """Zeros shaped like a record template.
-
-  Args:
-    template: a nest of tensors, variables or `tf.TensorSpec`s.
-
-  Returns:
-    the same nest of zero tensors.
-  """
+  """Zeros shaped like a record template (a nest of tensors, variables or `tf.TensorSpec`s)."""
   def _zeros(t):
     if isinstance(t, tf.TensorSpec):
       return tf.zeros(t.shape, t.dtype)
@@ -206,15 +178,8 @@ def map_up_to(shallow, fn, *structures):
 
 
 def flatten_up_to(shallow, structure):
-  """The subtrees of `structure` at the leaves of `shallow`, in tf.nest.flatten order.
-
-  Args:
-    shallow: the nest whose leaves cut `structure`.
-    structure: a nest at least as deep.
-
-  Returns:
-    a list of subtrees.
-  """
+  """The subtrees (a list) of `structure` at the leaves of the shallower nest `shallow`, in
+  tf.nest.flatten order."""
   out = []
   map_up_to(shallow, lambda s: out.append(s), structure)
   return out
@@ -409,15 +374,8 @@ class DPQuery(metaclass=abc.ABCMeta):
 
 
 def forwarded(name, inner):
-  """A wrapper query's method `name` that calls the wrapped query's (DPQuery's docstring).
-
-  Args:
-    name: a DPQuery method name.
-    inner: the name of the wrapper's attribute that holds the wrapped query.
-
-  Returns:
-    the function to bind as the wrapper's method.
-  """
+  """A wrapper query's DPQuery method `name` (to bind in its class) that calls the one of the
+  query held in its attribute `inner` (DPQuery's docstring)."""
   # updated=(): the method is concrete even where DPQuery's is abstract (no __dict__ copied)
   @functools.wraps(getattr(DPQuery, name), updated=())
   def method(self, *args, **kwargs):

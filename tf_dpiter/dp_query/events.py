@@ -27,12 +27,5 @@ class NonPrivateEvent(NamedTuple):
 
 
 def is_event(x) -> bool:
-  """True for the privacy events a ledger records (Gaussian, Laplace, non-private).
-
-  Args:
-    x: any object.
-
-  Returns:
-    bool.
-  """
+  """True for the privacy events a ledger records (Gaussian, Laplace, non-private)."""
   return isinstance(x, (GaussianSumEvent, LaplaceSumEvent, NonPrivateEvent))

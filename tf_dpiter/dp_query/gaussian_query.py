@@ -59,15 +59,8 @@ def add_gaussian_noise(generator, structure, stddev):
   leaves (sizes multiple of 16 first: their slices are views) form one stream noised by
   consecutive draws of `BLOCK_VALUES` values: leaf i takes values [o_i, o_i + size_i), so no
   value serves twice. A leaf across draws is noised block by block in its own buffer
-  (`TensorStridedSliceUpdate`). Draws run in sequence: memory O(sum + block).
-
-  Args:
-    generator: a tf.random.Generator or `randomness.SecureRandom`.
-    structure: a nest of float tensors (the sum).
-    stddev: sigma >= 0 (sum units), a number or scalar tensor.
-
-  Returns:
-    the noised nest, same structure and dtypes.
+  (`TensorStridedSliceUpdate`). Draws run in sequence: memory O(sum + block). `generator`: a
+  tf.random.Generator or `randomness.SecureRandom`; `stddev` sigma >= 0 in sum units.
   """
   leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
   out = list(leaves)
@@ -160,16 +153,9 @@ _ALIGNED_VALUES = 16
 
 
 def _stream_pieces(halves, spans):
-  """The values [lo, hi) of one draw (its two halves: value v is halves[0][v] below m, else
-  halves[1][v - m]) for each consecutive span, cut by one split per half at aligned points.
-
-  Args:
-    halves: the draw's two float32 halves, each [m] (m static, a multiple of 16).
-    spans: a list of (lo, hi) ints, 0 <= lo < hi <= 2m, each lo the previous hi (the first 0).
-
-  Returns:
-    a list of 1-D float32 tensors, one per span, of sizes hi - lo.
-  """
+  """The values [lo, hi) of one draw (its two float32 halves [m], m static and a multiple of
+  16: value v is halves[0][v] below m, else halves[1][v - m]) for each of the consecutive
+  `spans` (0 <= lo < hi <= 2m, the first lo 0), cut by one split per half at aligned points."""
   m = int(halves[0].shape[0])
   parts = []   # per half: the spans' parts (lo, hi) in half coordinates
   for h, (h_lo, h_hi) in enumerate(((0, m), (m, 2 * m))):
@@ -246,14 +232,7 @@ def _joined(parts):
 
 def adds_scaled_noise(query):
   """True if `query`'s noised result and sample state are `GaussianSumQuery`'s (so that
-  `get_scaled_noised_result` is valid for it).
-
-  Args:
-    query: a DPQuery instance.
-
-  Returns:
-    bool.
-  """
+  `get_scaled_noised_result` is valid for it)."""
   cls = type(query)
   return (isinstance(query, GaussianSumQuery)
           and cls.get_noised_result is GaussianSumQuery.get_noised_result

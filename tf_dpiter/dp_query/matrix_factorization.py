@@ -32,15 +32,8 @@ def _check_sizes(n, bands):
 
 
 def sqrt_prefix_coefficients(k):
-  """r_j = binom(2j, j) / 4^j, j < k: the Toeplitz square root of A (Fichtenberger et al.
-  2023); its first b terms are the starting point of the banded optimization.
-
-  Args:
-    k: number of coefficients.
-
-  Returns:
-    float64 array [k].
-  """
+  """r_j = binom(2j, j) / 4^j, j < k (float64 [k]): the Toeplitz square root of A
+  (Fichtenberger et al. 2023); its first b terms start the banded optimization."""
   r = np.ones(k)
   for j in range(1, k):
     r[j] = r[j - 1] * (2 * j - 1) / (2 * j)
@@ -48,15 +41,8 @@ def sqrt_prefix_coefficients(k):
 
 
 def toeplitz_matrix(coefs, n):
-  """The n x n lower-triangular Toeplitz matrix whose first column starts with `coefs`.
-
-  Args:
-    coefs: the first column's leading values (later ones are 0; extra ones are dropped).
-    n: size.
-
-  Returns:
-    float64 array [n, n].
-  """
+  """The n x n lower-triangular Toeplitz matrix (float64) whose first column starts with
+  `coefs` (later entries 0; coefficients beyond n dropped)."""
   c = np.zeros(n)
   m = min(n, len(coefs))
   c[:m] = coefs[:m]
@@ -65,14 +51,8 @@ def toeplitz_matrix(coefs, n):
 
 
 def num_bands(matrix, tol=0.0):
-  """The number of bands b of a lower-triangular matrix (1 + largest i - j with C[i, j] != 0).
-
-  Args:
-    matrix: a square array.
-    tol: entries with |C[i, j]| <= tol count as zero.
-
-  Returns:
-    b (int; 0 for the zero matrix).
+  """The number of bands b (an int, 0 for the zero matrix) of a square lower-triangular
+  matrix: 1 + the largest i - j with |C[i, j]| > `tol`.
 
   Raises:
     ParameterValueError: the matrix is not lower triangular.
@@ -87,14 +67,7 @@ def num_bands(matrix, tol=0.0):
 
 
 def column_norms(matrix):
-  """L2 norms of the columns of `matrix`.
-
-  Args:
-    matrix: a 2-D array.
-
-  Returns:
-    float64 array [columns].
-  """
+  """L2 norms of the columns of a 2-D `matrix` (float64 [columns])."""
   return np.linalg.norm(np.asarray(matrix, np.float64), axis=0)
 
 
@@ -102,20 +75,13 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
   """L2 sensitivity of C G (per unit clip) when one example's participations are at least
   `min_separation` steps apart, at most `max_participations` times (default: as many as fit).
 
-  With `min_separation` >= C's bands the columns have disjoint supports: ||C u||^2 is a sum
-  of squared column norms, maximized over patterns u by dynamic programming.
-
-  Args:
-    matrix: the strategy C, lower triangular [n, n].
-    min_separation: b', the least gap between two participations (>= C's bands).
-    max_participations: k, at most this many participations (None: ceil(n / b')).
-
-  Returns:
-    the sensitivity per unit clip (float).
+  With `min_separation` b' >= C's bands the columns have disjoint supports: ||C u||^2 is a
+  sum of squared column norms, maximized over patterns u by dynamic programming. C: lower
+  triangular [n, n]; k = `max_participations` defaults to ceil(n / b'). Returns a float.
 
   Raises:
-    ParameterValueError: min_separation below the number of bands (no such simple formula holds), or
-      max_participations < 1.
+    PrivacyConfigError: min_separation below the number of bands (no such simple formula
+      holds), or max_participations < 1.
   """
   c = np.asarray(matrix, np.float64)
   n = c.shape[1]
@@ -137,14 +103,8 @@ def minsep_sensitivity(matrix, min_separation, max_participations=None):
 
 
 def prefix_error(matrix):
-  """||A C^-1||_F^2 / n: mean squared prefix-sum error per step and coordinate per sigma^2.
-
-  Args:
-    matrix: the strategy C, lower triangular and invertible [n, n].
-
-  Returns:
-    float.
-  """
+  """||A C^-1||_F^2 / n (a float): mean squared prefix-sum error per step and coordinate per
+  sigma^2 of the strategy C (lower triangular, invertible [n, n])."""
   c = np.asarray(matrix, np.float64)
   n = c.shape[0]
   inv = solve_triangular(c, np.eye(n), lower=True)
@@ -183,14 +143,8 @@ def _toeplitz_cached(n, bands, max_iter):
 def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
   """Toeplitz coefficients c (length `bands`, ||c|| = 1) minimizing ||A C^-1||_F^2 for n steps.
 
-  Args:
-    n: steps the strategy is optimized for.
-    bands: b (capped at n).
-    max_iter: L-BFGS iterations.
-    cache_dir: on-disk cache (None: memory only).
-
-  Returns:
-    float64 array [bands].
+  `bands` is capped at n; `max_iter` L-BFGS iterations; `cache_dir`: on-disk cache (None:
+  memory only). Returns float64 [bands].
 
   Raises:
     ParameterValueError: n or bands not an integer >= 1.
@@ -244,14 +198,7 @@ def optimize_banded(n, bands, max_iter=300, cache_dir=None):
   """A general banded strategy C (n x n, `bands` bands, every column norm 1) minimizing
   ||A C^-1||_F^2 (Choquette-Choo et al. 2023, Section 4). O(n^3) per iteration: n <= ~1000.
 
-  Args:
-    n: steps (<= 2048).
-    bands: b (capped at n).
-    max_iter: L-BFGS iterations.
-    cache_dir: on-disk cache (None: memory only).
-
-  Returns:
-    float64 array [n, n], lower triangular, banded.
+  n <= 2048; arguments as `optimize_banded_toeplitz`'s. Returns float64 [n, n].
 
   Raises:
     ParameterValueError: n or bands not an integer >= 1, or n > 2048.
@@ -266,15 +213,8 @@ def optimize_banded(n, bands, max_iter=300, cache_dir=None):
 
 
 def band_rows(matrix, bands):
-  """The band of a lower-triangular banded matrix as rows: out[t, k] = C[t, t - k] (0 if t < k).
-
-  Args:
-    matrix: a lower-triangular banded array [n, n].
-    bands: b, the rows' width.
-
-  Returns:
-    float64 array [n, b].
-  """
+  """The band of a lower-triangular banded [n, n] matrix as rows (float64 [n, b], b =
+  `bands`): out[t, k] = C[t, t - k] (0 if t < k)."""
   c = np.asarray(matrix, np.float64)
   n = c.shape[0]
   out = np.zeros([n, bands])

@@ -27,14 +27,8 @@ _NoisedResult = collections.namedtuple("_NoisedResult", ["result", "global_state
 
 
 def _per_leaf(name):
-  """A NestedQuery method: `DPQuery.<name>` of every leaf query on its part of the arguments.
-
-  Args:
-    name: a DPQuery method name.
-
-  Returns:
-    the function to bind as NestedQuery's method (DPQuery's docstring and signature).
-  """
+  """A NestedQuery method (DPQuery's docstring and signature): `DPQuery.<name>` of every leaf
+  query on its part of the arguments."""
   signature = inspect.signature(getattr(dp_query.DPQuery, name))
 
   @functools.wraps(getattr(dp_query.DPQuery, name), updated=())

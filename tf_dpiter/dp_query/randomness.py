@@ -26,14 +26,7 @@ class SecureRandom:
   Privacy"). Runs in `tf.numpy_function` (not under XLA)."""
 
   def words(self, size):
-    """`size` uniform 64-bit words from os.urandom.
-
-    Args:
-      size: the number of words (int or scalar tensor).
-
-    Returns:
-      an int64 tensor [size].
-    """
+    """`size` (an int or scalar tensor) uniform 64-bit words from os.urandom: int64 [size]."""
     def draw(n):
       return np.frombuffer(os.urandom(8 * int(n)), dtype=np.int64).copy()
     out = tf.numpy_function(draw, [tf.cast(size, tf.int64)], tf.int64, stateful=True)
@@ -91,15 +84,8 @@ def _static_or_tensor(x):
 
 
 def _uint32_words(generator, shape):
-  """Uniform 32-bit words of `shape` (uint32): ceil(count / 2) 64-bit draws, bitcast.
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    shape: the output shape (list of ints or int32 tensors).
-
-  Returns:
-    a uint32 tensor of `shape`.
-  """
+  """Uniform uint32 words of `shape` (ints or int32 tensors) from `generator` (a
+  tf.random.Generator or a SecureRandom): ceil(count / 2) 64-bit draws, bitcast."""
   if all(isinstance(d, int) for d in shape):   # a static count: no ops to form it
     count = 1
     for d in shape:
@@ -160,13 +146,7 @@ def _philox_words(generator, count):
   count.. of the block are discarded: the next draw starts after the whole block (the counter
   only moves forward), so no word is used twice. Eager calls, other generators (SecureRandom,
   a distribution strategy's, not Philox) and other or dynamic counts take TensorFlow's kernel.
-
-  Args:
-    generator: a tf.random.Generator, or an object with its `uniform_full_int`.
-    count: the number of words (int or int32 scalar tensor).
-
-  Returns:
-    an int64 tensor [count].
+  `count`: an int or int32 scalar tensor; returns int64 [count].
   """
   if (tf.executing_eagerly() or not isinstance(count, int)
       or not XLA_WORDS_FROM <= count <= XLA_BLOCK_WORDS
@@ -191,15 +171,8 @@ def exponential(generator, size, bucket_bits=32, refine_below=256):
   U = 2^-b (k + v), k uniform on [0, 2^b), v uniform on (0, 1): for k >= `refine_below` v is
   1/2; for 1 <= k < refine_below a fresh 32-bit v is drawn; for k = 0, E = b ln 2 + E' (the
   exponential is memoryless) with E' drawn again. No truncation: P(E > t) is exact for all t.
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    size: number of values (int or scalar tensor).
-    bucket_bits: b in [1, 32] (32 in use; smaller values exercise the recursion in tests).
-    refine_below: k below which v is drawn (>= 1).
-
-  Returns:
-    float32 tensor [size].
+  `generator`: a tf.random.Generator or a SecureRandom; `size` an int or scalar tensor;
+  b = `bucket_bits` in [1, 32] (32 in use; smaller values exercise the recursion in tests).
 
   Raises:
     ParameterValueError: bucket_bits outside [1, 32] or refine_below < 1.
@@ -219,14 +192,7 @@ def exponential64(generator, size):
   tf.while_loop until no j is 0: static shapes, XLA-safe). float64 throughout: float32
   exponentials cast to float64 lie on float32's lattice, and noise on a lattice added to
   float64 values leaves the values' low bits readable (Mironov, "On Significance of the
-  Least Significant Bits for Differential Privacy", Section 3).
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    size: number of values (int or scalar tensor).
-
-  Returns:
-    float64 tensor [size].
+  Least Significant Bits for Differential Privacy", Section 3). Arguments as `exponential`'s.
   """
   size = _static_or_tensor(size)
   ln2_53 = 53.0 * _LN2
@@ -283,15 +249,7 @@ class _PhiloxState:
     self.handle, self.algorithm = handle, algorithm
 
   def uniform_full_int(self, shape, dtype):
-    """Uniform integers of `shape` and `dtype` over the whole range (`Generator.uniform_full_int`).
-
-    Args:
-      shape: the output shape (list of ints or int32 tensors).
-      dtype: the integer dtype.
-
-    Returns:
-      a tensor of `shape` and `dtype`.
-    """
+    """Uniform integers of `shape` and `dtype` over the whole range (as Generator's)."""
     shape = tf.convert_to_tensor(shape)
     alg = tf.constant(self.algorithm, tf.int32)
     counter_key = tf.raw_ops.RngReadAndSkip(
@@ -374,15 +332,8 @@ def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor
 
   float64 uses `generator.normal`; other dtypes Box-Muller (Box and Muller, "A Note on the
   Generation of Random Normal Deviates") in float32: r cos(theta), r sin(theta), r = sqrt(2 E)
-  with E from `exponential` (untruncated tail), theta = 2 pi h 2^-32.
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    shape: the output shape (list or int32 tensor).
-    dtype: the output dtype.
-
-  Returns:
-    a tensor of `shape` and `dtype`, N(0, 1) entries.
+  with E from `exponential` (untruncated tail), theta = 2 pi h 2^-32. `generator`: a
+  tf.random.Generator or a SecureRandom; `shape` a list or int32 tensor.
   """
   dtype = tf.as_dtype(dtype)
   if not isinstance(generator, SecureRandom) and (dtype == tf.float64 or not dtype.is_floating):
@@ -396,31 +347,15 @@ def padded_normal(generator, size, stddev=None):
   """At least `size` float32 N(0, stddev^2) values: Box-Muller on 32-bit words (see `normal`).
 
   (sigma r cos(theta), sigma r sin(theta)) for m pairs, m = ceil(size / 2) rounded up to a
-  multiple of 16 (aligned slices are views); all 2m values are i.i.d.
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    size: the number of values needed (int or int32 scalar tensor).
-    stddev: sigma (number or scalar tensor); None for 1.
-
-  Returns:
-    a float32 tensor [2m], 2m >= size.
+  multiple of 16 (aligned slices are views); all 2m values are i.i.d. `generator` as in
+  `normal`; `size` an int or int32 scalar tensor; `stddev` a number or scalar tensor (None: 1).
   """
   return tf.concat(padded_normal_halves(generator, size, stddev), 0)
 
 
 def padded_normal_halves(generator, size, stddev=None):
-  """`padded_normal`'s values as its two halves, each [m]: value v is halves[0][v] for v < m,
-  else halves[1][v - m].
-
-  Args:
-    generator: a tf.random.Generator or a SecureRandom.
-    size: the number of values needed (int or int32 scalar tensor).
-    stddev: sigma (number or scalar tensor); None for 1.
-
-  Returns:
-    two float32 tensors [m], 2m >= size, m a multiple of 16.
-  """
+  """`padded_normal(generator, size, stddev)`'s values as its two halves, each float32 [m]
+  (2m >= size, m a multiple of 16): value v is halves[0][v] for v < m, else halves[1][v - m]."""
   if isinstance(generator, SecureRandom):
     (c1, s1), (c2, s2) = _box_muller(generator, size), _box_muller(generator, size)
     scale = 0.5 ** 0.5 if stddev is None else tf.cast(stddev, tf.float32) * 0.5 ** 0.5

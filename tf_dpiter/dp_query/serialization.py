@@ -58,14 +58,8 @@ def _keras_registration():
 
 
 def registered_name(cls):
-  """The name `cls` is serialized under.
-
-  Args:
-    cls: a class.
-
-  Returns:
-    the registered name (ours, else Keras'), or None when it is not registered.
-  """
+  """The name class `cls` is serialized under (ours, else Keras'), or None when it is not
+  registered."""
   if cls in _NAMES:
     return _NAMES[cls]
   ks = _keras_registration()
@@ -161,14 +155,8 @@ def deserialize(config, custom_objects=None):
 # ---- helpers for get_config / from_config ------------------------------------------
 
 def plain(value):
-  """A plain Python value for a config: tensors, variables and numpy values converted.
-
-  Args:
-    value: a tensor, variable, numpy array or scalar, or a plain value.
-
-  Returns:
-    a Python number/str/None/bool, or a nested list for an array.
-  """
+  """A plain Python value for a config: tensors, variables and numpy values converted (a
+  number/str/None/bool, or a nested list for an array)."""
   if isinstance(value, tf.Variable) or tf.is_tensor(value):
     value = value.numpy()
   if isinstance(value, np.ndarray):
@@ -195,14 +183,8 @@ def _check_plain(value, where):
 
 
 def encode_nest(nest, leaf_fn=plain):
-  """A JSON-able copy of a dict/list/tuple nest; tuples become {"__tuple__": [...]}.
-
-  Args:
-    nest: a dict/list/tuple nest.
-    leaf_fn: the leaf encoder (default `plain`).
-
-  Returns:
-    the encoded nest (dicts, lists, plain leaves).
+  """A JSON-able copy of a dict/list/tuple nest, leaves encoded by `leaf_fn`; tuples become
+  {"__tuple__": [...]}.
 
   Raises:
     ParameterTypeError: a namedtuple or a non-string key.
@@ -228,15 +210,8 @@ def encode_nest(nest, leaf_fn=plain):
 
 
 def decode_nest(data, leaf_fn=lambda x: x, is_leaf=lambda x: False):
-  """Inverse of `encode_nest`.
-
-  Args:
-    data: an encoded nest.
-    leaf_fn: the leaf decoder; is_leaf: says which dicts/lists are leaves.
-
-  Returns:
-    the nest, with tuples restored (lists stay lists).
-  """
+  """Inverse of `encode_nest` (`leaf_fn` decodes a leaf, `is_leaf` says which dicts/lists are
+  leaves): tuples restored, lists stay lists."""
   if is_leaf(data):
     return leaf_fn(data)
   if isinstance(data, dict) and set(data) == {_TUPLE_KEY}:
@@ -249,28 +224,12 @@ def decode_nest(data, leaf_fn=lambda x: x, is_leaf=lambda x: False):
 
 
 def encode_queries(nest):
-  """`encode_nest` for a nest of DPQuery objects (each leaf `serialize`d).
-
-  Args:
-    nest: a nest of DPQuery objects.
-
-  Returns:
-    the JSON-able nest.
-
-  Raises:
-    ParameterTypeError, ValueError: see `encode_nest` and `serialize`.
-  """
+  """`encode_nest` for a nest of DPQuery objects (each leaf `serialize`d; errors: those of
+  `encode_nest` and `serialize`)."""
   return encode_nest(nest, serialize)
 
 
 def decode_queries(data):
-  """Inverse of `encode_queries` (a `deserialize` given custom_objects holds them in scope).
-
-  Args:
-    data: the encoded nest.
-
-  Returns:
-    the nest of DPQuery objects.
-  """
+  """Inverse of `encode_queries` (a `deserialize` given custom_objects holds them in scope)."""
   return decode_nest(data, deserialize,
                      is_leaf=lambda d: isinstance(d, dict) and "class_name" in d)

@@ -24,14 +24,8 @@ from tf_dpiter.errors import ParameterValueError
 
 def tree_prefix_error(num_steps, restart_every):
   """Mean squared prefix-sum error per step and coordinate, per unit noise multiplier, of the
-  tree: mean_t depth x popcount(t within its tree) plus the errors frozen at restarts.
-
-  Args:
-    num_steps: n, steps released.
-    restart_every: R, leaves per tree.
-
-  Returns:
-    the mean squared error (float).
+  tree (a float) over `num_steps` steps, R = `restart_every` leaves per tree:
+  mean_t depth x popcount(t within its tree) plus the errors frozen at restarts.
 
   Raises:
     ParameterValueError: restart_every not an integer >= 1.
