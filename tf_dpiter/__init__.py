@@ -19,11 +19,8 @@ import sys
 
 from tf_dpiter import errors
 from tf_dpiter.dp_query import declare_query_module as _declare_query_module
-from tf_dpiter.errors import BudgetConfigError
-from tf_dpiter.errors import DPiterError
-from tf_dpiter.errors import ParameterTypeError
-from tf_dpiter.errors import ParameterValueError
-from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.errors import (
+    BudgetConfigError, DPiterError, ParameterTypeError, ParameterValueError, PrivacyConfigError)
 
 __version__ = "0.1.0"
 

@@ -9,27 +9,17 @@ balls-in-bins, out-of-core Poisson by index (`poisson_batches_from_source`,
 `declare_shuffled` for a user's own shuffled pipeline.
 """
 
-from tf_dpiter.data.sampling import SamplingSpec
-from tf_dpiter.data.sampling import default_max_batch_size
-from tf_dpiter.data.sampling import get_sampling_spec
-from tf_dpiter.data.sampling import poisson_batches
+from tf_dpiter.data.sampling import (
+    SamplingSpec, default_max_batch_size, get_sampling_spec, poisson_batches)
 from tf_dpiter.data.declared import declare_shuffled
-from tf_dpiter.data.mnist import default_mnist_path
-from tf_dpiter.data.mnist import load_mnist
-from tf_dpiter.data.shuffling import ShuffleSampler
-from tf_dpiter.data.shuffling import shuffled_batches
-from tf_dpiter.data.shuffling import steps_per_pass
+from tf_dpiter.data.mnist import default_mnist_path, load_mnist
+from tf_dpiter.data.shuffling import ShuffleSampler, shuffled_batches, steps_per_pass
 from tf_dpiter.data.transforms import map_records
-from tf_dpiter.data.cyclic_poisson import CyclicPoissonSampler
-from tf_dpiter.data.cyclic_poisson import cyclic_poisson_batches
-from tf_dpiter.data.truncated_poisson import TruncatedPoissonSampler
-from tf_dpiter.data.truncated_poisson import truncated_poisson_batches
+from tf_dpiter.data.cyclic_poisson import CyclicPoissonSampler, cyclic_poisson_batches
+from tf_dpiter.data.truncated_poisson import TruncatedPoissonSampler, truncated_poisson_batches
 from tf_dpiter.data.balls_in_bins import balls_in_bins_batches
-from tf_dpiter.data.indexed_records import ArraySource
-from tf_dpiter.data.indexed_records import TFRecordSource
-from tf_dpiter.data.indexed_records import write_indexed_tfrecords
-from tf_dpiter.data.indexed_sampling import distributed_poisson_batches
-from tf_dpiter.data.indexed_sampling import poisson_batches_from_source
+from tf_dpiter.data.indexed_records import ArraySource, TFRecordSource, write_indexed_tfrecords
+from tf_dpiter.data.indexed_sampling import distributed_poisson_batches, poisson_batches_from_source
 from tf_dpiter.data.user_sampling import poisson_user_batches
 
 __all__ = [

@@ -7,29 +7,17 @@ The simulation is `DPFedAvg` on `DPServer`; `MedianNormClipSumQuery` (Geyer et a
 clip) is NOT private. Flower deployment (optional dependency): `tf_dpiter.federated.flower`.
 """
 
-from tf_dpiter.federated.client import LocalSGD
-from tf_dpiter.federated.client import draw_example_order
-from tf_dpiter.federated.client import local_sgd_one_client
+from tf_dpiter.federated.client import LocalSGD, draw_example_order, local_sgd_one_client
 from tf_dpiter.federated.data import FederatedData
 from tf_dpiter.data.mnist import default_mnist_path
-from tf_dpiter.federated.data import load_mnist
-from tf_dpiter.federated.data import partition_iid
-from tf_dpiter.federated.data import partition_noniid_shards
+from tf_dpiter.federated.data import load_mnist, partition_iid, partition_noniid_shards
 from tf_dpiter.federated.dpfedavg import DPFedAvg
-from tf_dpiter.federated.model import MLP
-from tf_dpiter.federated.model import accuracy
-from tf_dpiter.federated.queries import NOT_PRIVATE_WARNING
-from tf_dpiter.federated.queries import QUERY_KINDS
-from tf_dpiter.federated.queries import MedianNormClipSumQuery
-from tf_dpiter.federated.queries import make_query
-from tf_dpiter.federated.queries import median_of_masked
-from tf_dpiter.federated.queries import set_noise_multiplier
-from tf_dpiter.federated.reports import RoundReport
-from tf_dpiter.federated.reports import RunReport
-from tf_dpiter.federated.reports import update_statistics
-from tf_dpiter.federated.schedules import RoundSchedule
-from tf_dpiter.federated.schedules import as_schedule
-from tf_dpiter.federated.schedules import linear_schedule
+from tf_dpiter.federated.model import MLP, accuracy
+from tf_dpiter.federated.queries import (
+    NOT_PRIVATE_WARNING, QUERY_KINDS, MedianNormClipSumQuery, make_query, median_of_masked,
+    set_noise_multiplier)
+from tf_dpiter.federated.reports import RoundReport, RunReport, update_statistics
+from tf_dpiter.federated.schedules import RoundSchedule, as_schedule, linear_schedule
 from tf_dpiter.federated.server import DPServer
 
 __all__ = [

@@ -1,8 +1,6 @@
 """Ledger rows of correlated-noise steps: banded and BLT matrix mechanisms, tree
-aggregation.
+aggregation (pure Python and numpy; kinds and policies from the leaf `schema`).
 
-Pure Python and numpy like `records` (the kinds and policies used here are named in the
-leaf `schema`, so this module and `records` no longer import each other):
 `correlated_requirement` states the sampling a correlated event may be recorded under,
 `correlated_row_values` its [kind, clip, noise, sensitivity] row (tensors allowed), and
 `correlated_query_row` both, checked. The rules and units of each kind are stated next to the
@@ -13,9 +11,7 @@ import numpy as np
 
 from tf_dpiter.ledger.schema import (BANDED_GAUSSIAN, CYCLIC_POISSON, GAUSSIAN, MATRIX_GAUSSIAN,
                                      SHUFFLE, TREE_GAUSSIAN)
-
 from tf_dpiter.errors import ParameterValueError
-
 from tf_dpiter.errors import PrivacyConfigError
 
 def correlated_requirement(event):

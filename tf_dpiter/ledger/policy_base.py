@@ -128,8 +128,9 @@ class SamplingPolicy:
     return None
 
   def public_row_bound(self, population_size, selection_probability):
-    """R, a public bound on the rows of a step's batch (all replicas) under an add/remove
-    relation, None under replace-one (every batch has the same rows on both neighbours).
+    """R (an int >= 1), a public bound on the rows of a step's batch (all replicas) of the
+    declared n and q under an add/remove relation; None under replace-one (every batch has
+    the same rows on both neighbours).
 
     Twice the padded size of a Poisson sample of the declared n and q
     (`default_max_batch_size`, E + 4 sd rounded up to 8): R covers a sample padded to twice
@@ -141,13 +142,6 @@ class SamplingPolicy:
     CCS 2022, Secs. 3-5) is taken from the plan of R rows (dp_query.summation.public_plan),
     the same on both; more rows are refused. A function of public declared values only:
     `ledger.LedgerSampling` forms it once per declaration.
-
-    Args:
-      population_size: n (> 0).
-      selection_probability: q (in (0, 1]).
-
-    Returns:
-      an int >= 1 (rows), or None.
     """
     if self.relation != schema.ADD_OR_REMOVE:
       return None

@@ -39,9 +39,8 @@ from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import records as rec
 from tf_dpiter.ledger import run_ids
-from tf_dpiter.ledger.records import (ADD_OR_REMOVE, FIXED_SIZE, FULL, POISSON, POLICIES,  # pylint: disable=unused-import
-                                      QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS, SHUFFLE,
-                                      policy_code, policy_name, relation_for_policy)
+from tf_dpiter.ledger.records import (POISSON, QUERY_COLUMNS, REPLACE_ONE, SAMPLE_COLUMNS,
+                                      policy_code)
 
 def _f64(x):
   """float64 tensor; Python floats are converted at full precision (tf.cast would go via float32)."""
