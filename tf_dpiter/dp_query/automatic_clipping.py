@@ -12,7 +12,6 @@ from tf_dpiter import validation
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.errors import PrivacyConfigError
 
 DEFAULT_STABILITY = 0.01
 
@@ -49,11 +48,7 @@ class AutomaticClippingSumQuery(gaussian_query.GaussianSumQuery):
       PrivacyConfigError: S <= 0 or infinite, z < 0 or infinite, gamma <= 0 or infinite.
     """
     clip = validation.check_positive("l2_norm_clip", l2_norm_clip)
-    gamma = validation.check_nonnegative("stability", stability, allow_inf=False)
-    if not tf.is_tensor(gamma) and gamma <= 0:
-      raise PrivacyConfigError(
-          f"`stability` must be > 0 (gamma in S / (||g|| + gamma); Bu et al. use 0.01). "
-          f"Received: stability={stability!r}")
+    gamma = validation.check_positive("stability", stability)
     self._noise_multiplier = validation.check_nonnegative("noise_multiplier", noise_multiplier,
                                                           allow_inf=False)
     self._stability = gamma

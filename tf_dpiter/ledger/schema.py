@@ -19,18 +19,13 @@ FIXED_SIZE = "fixed_size"      # samples of `sample_size` records, drawn without
 SHUFFLE = "shuffle"            # passes over a public random permutation, disjoint batches
 FULL = "full"                  # every record in every sample (q = 1)
 POLICIES = (POISSON, FIXED_SIZE, SHUFFLE, FULL)
-# Samplings of correlated-noise training and capped batches; their sample row reuses
-# `sample_size` for the one integer each needs:
-CYCLIC_POISSON = "cyclic_poisson"        # b groups; step p Poisson-samples group p mod b with
-                                         # probability q. sample_size = b
-TRUNCATED_POISSON = "truncated_poisson"  # Poisson(q) then a uniform subset of at most B.
-                                         # sample_size = B (the static cap)
-# User-level Poisson sampling: each *user* joins each sample with probability q; the unit of
-# privacy is the user (add or remove one user with all of their examples).
-USER_POISSON = "user_poisson"
-# Balls-in-bins / random allocation: every example in one uniformly random step of each epoch
-# of k steps. sample_size = k, selection_probability = 1 / k; epochs counted as `passes`.
-BALLS_IN_BINS = "balls_in_bins"
+# The other policies (their rules: the objects of `policies`); a sample row's `sample_size`
+# holds the one integer each needs:
+CYCLIC_POISSON = "cyclic_poisson"        # sample_size = b, the groups of the cycle
+TRUNCATED_POISSON = "truncated_poisson"  # sample_size = B, the static cap
+USER_POISSON = "user_poisson"            # the unit of privacy is the user
+BALLS_IN_BINS = "balls_in_bins"          # sample_size = k steps per epoch, q = 1 / k; epochs
+                                         # counted as `passes`
 # Not a sampling: the marker of a private selection (`ledger.selection`). Its code is reserved
 # (no policy may take it); the policies' codes are 0..7 (`policies`, pinned by a test).
 REPEAT_AND_SELECT = "repeat_and_select"
