@@ -1,6 +1,7 @@
 """Review R10 (session 41) of session 40's checks: the rows handed to the private step
 (tf_dpiter.keras.internals.row_provenance) in fit's train_step overrides and in custom loops'
-compute_private_gradients(data=...).
+compute_private_gradients(data=...), and the checks of train_step overrides
+(tf_dpiter.keras.model.train_step: `_refuse_second_step`, `_dp_check_override`).
 
 Each finding is a strict xfail that asserts the sound behaviour: the run is refused before
 any step, or, if it runs, the trained weights of two neighbouring datasets differ by no more
@@ -12,8 +13,11 @@ Relations and units: the custom loops (tests.keras.custom_loop_setup) add/remove
 under Poisson sampling declared by the user (q 0.1, n 100; the step adds no noise here, z = 0,
 C = 1, SGD at learning rate 0.1, a zero Dense(1), y = |y| + 1): one step moves the weights
 by at most lr C / 10 = 0.01 between D (ten records, record 0 at x = 1000) and D' (record 0
-removed). fit: replace-one example under shuffling (dp.data.shuffled_batches with one seed, so D
-and D' get the same permutation), n = B = 10, one step, C = 1, lr 1: at most lr 2C / B = 0.2. The false refusals are per-record image transforms in a custom loop,
+removed). fit: replace-one example under shuffling (dp.data.shuffled_batches with one seed,
+so D and D' get the same permutation), n = B = 10, one step, C = 1, lr 1: at most
+lr 2C / B = 0.2. The overrides running the step in a loop or under a condition: add/remove
+one example, Poisson q 0.1, n 100, z 1, epsilon stated against dp_accounting's by hand, or
+the count of steps. The false refusals are per-record image transforms in a custom loop,
 which should train and be stated at dp_accounting's epsilon.
 """
 
