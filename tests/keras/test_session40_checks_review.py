@@ -182,7 +182,8 @@ def _gathered(held):
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "Review R10 finding 2: row_provenance's sources are the trace's arguments and a "
     "dataset's next element only; rows read from a constant or a tf.Variable are not walked"))
-@pytest.mark.filterwarnings("ignore:compute_private_gradients is traced with a static:FutureWarning")
+@pytest.mark.filterwarnings(
+    "ignore:compute_private_gradients is traced with a static:FutureWarning")
 @pytest.mark.parametrize("held", ["constant", pytest.param("variable", marks=pytest.mark.slow)])
 def test_a_batch_mean_of_rows_held_in_the_trace_is_refused(held):
   """A custom loop that keeps its data in the trace (a NumPy array, a constant; or a
@@ -378,11 +379,11 @@ def test_a_private_step_skipped_on_a_condition_of_the_batch_is_refused(jit):
   seed 3): with record 0 present, the batch that sampled it ran no step (the weights
   unchanged exactly, which has probability 0 under D' with noise: an unbounded privacy loss
   whenever record 0 is sampled), and the ledger charged 9 steps, epsilon 3.3467 stated (10
-  steps, 3.4416, on D'): the statement itself depends on the records. Fix: the override check's stand-in step
-  (`TrainStepMixin._dp_metrics_from`) also writes a variable that is not exempt (say the
-  optimizer's iterations, from no data), so that data_writes' flow analysis flags a library
-  step traced under a condition on the batch (its `under_data` rule) and the override is
-  refused, as a write from the batch."""
+  steps, 3.4416, on D'): the statement itself depends on the records. Fix: as the while
+  loop's (the library's step refused when traced in a graph other than the override's own:
+  here the cond's branch); or the check's stand-in step (`_dp_metrics_from`) also writes a
+  variable that is not exempt, so that data_writes' flow analysis (its `under_data` rule)
+  flags a step under a condition on the batch as a write from the batch."""
   x, y, model = _poisson_fit_setup(SkipsLargeLabels, jit)
   y[0] = 1000.0
   batches = dp.data.poisson_batches(x, y, expected_batch_size=10, seed=3)
