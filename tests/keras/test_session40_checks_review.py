@@ -3,11 +3,11 @@
 compute_private_gradients(data=...), and the checks of train_step overrides
 (tf_dpiter.keras.model.train_step: `_refuse_second_step`, `_dp_check_override`).
 
-Each finding is a strict xfail that asserts the sound behaviour: the run is refused before
-any step, or, if it runs, the trained weights of two neighbouring datasets differ by no more
-than the charged steps allow (noise off, so the clipped sum alone moves them). Today the run
-is stated at the clip's sensitivity and the weights move by more (the measured values are in
-each docstring; `pytest --runxfail` shows them in the assertion).
+Each finding's test asserts the sound behaviour: the run is refused before any step, or, if
+it runs, the trained weights of two neighbouring datasets differ by no more than the charged
+steps allow (noise off, so the clipped sum alone moves them). Before the fixes (session 41)
+each run was stated at the clip's sensitivity and the weights moved by more (the measured
+values are in each docstring).
 
 Relations and units: the custom loops (tests.keras.custom_loop_setup) add/remove one example
 under Poisson sampling declared by the user (q 0.1, n 100; the step adds no noise here, z = 0,
@@ -99,9 +99,6 @@ def _assert_sound_loop(transform):
                  _LOOP_BOUND)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 1: row_provenance accepts every StridedSlice whose ellipsis_mask has "
-    "bit 0, but x[..., :1, :] on a rank-2 batch slices axis 0"))
 def test_an_ellipsis_slice_across_rows_in_a_custom_loop_is_refused():
   """x + x[..., :1, :] adds record 0's features to every row (the same as x + x[:1], which
   is refused): the leading ellipsis sets ellipsis_mask bit 0, which `_keeps_rows` accepts
@@ -141,9 +138,6 @@ def _assert_sound_fit(cls, jit):
                  _FIT_BOUND)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 1: x[..., ::-1, :] in a train_step override (reversing axis 0 of a "
-    "rank-2 batch) passes row_provenance"))
 def test_an_ellipsis_slice_reversing_rows_in_an_override_is_refused_under_jit():
   """fit with jit_compile=True, a train_step override handing the step x[..., ::-1, :]:
   record 0's features and its label land in two different rows, so replacing it moves two
@@ -179,9 +173,6 @@ def _gathered(held):
   return run
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 2: row_provenance's sources are the trace's arguments and a "
-    "dataset's next element only; rows read from a constant or a tf.Variable are not walked"))
 @pytest.mark.filterwarnings(
     "ignore:compute_private_gradients is traced with a static:FutureWarning")
 @pytest.mark.parametrize("held", ["constant", pytest.param("variable", marks=pytest.mark.slow)])
@@ -231,9 +222,6 @@ class RelayedBatch(dp.keras.DPSequential):
                               + tuple(data[1:]))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 2 (fit): a batch relayed through a metric variable reaches the step "
-    "unwalked (a variable read is no row source), and metrics may be written from the batch"))
 def test_a_batch_relayed_through_a_metric_variable_is_refused():
   """fit, a train_step override writing the batch into a keras.Metric's variable (allowed:
   metrics are written from the batch) and handing the step the metric's copy centred on its
@@ -246,10 +234,6 @@ def test_a_batch_relayed_through_a_metric_variable_is_refused():
   _assert_sound_fit(RelayedBatch, jit=False)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 3: tensors computed from the batch's size (Shape, Size) count as "
-    "public in row_provenance; a row's position (tf.range over the batch) is not a function "
-    "of its record under Poisson add/remove"))
 def test_a_row_position_feature_under_poisson_is_refused():
   """A custom loop traced with an unknown batch size (input_signature [None, 4], as the
   static-size FutureWarning recommends) adding each row's position in the batch,
@@ -268,9 +252,6 @@ _PER_IMAGE = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=dp.errors.PrivacyConfigError, reason=(
-    "Review R10 finding 4 (false refusal): ReverseV2 and Transpose are refused even when "
-    "their axes leave the batch's axis 0 alone"))
 @pytest.mark.parametrize("transform", ["flip_left_right",
                                        pytest.param("channels_first", marks=pytest.mark.slow)])
 def test_a_per_image_transform_in_a_custom_loop_trains(transform):
@@ -328,9 +309,6 @@ class TwoStepsInALoop(dp.keras.DPSequential):
     return self.get_metrics_result()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 5: _refuse_second_step counts the library's steps per Python call, "
-    "and a tf.while_loop body is traced once however often it runs"))
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_two_private_steps_on_one_batch_in_a_while_loop_are_refused(jit):
   """Review R9 finding 10 (two private steps on one sampled batch) through a tf.while_loop
@@ -367,10 +345,6 @@ class SkipsLargeLabels(dp.keras.DPSequential):
                    lambda: dp.keras.DPSequential.train_step(self, data))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 6: an override may run the private step under a condition on the "
-    "batch (the check's stand-in step writes only the metrics, which are exempt), so "
-    "whether a step ran depends on the records"))
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_private_step_skipped_on_a_condition_of_the_batch_is_refused(jit):
   """A train_step override skipping the private step on a batch with an outlying label
@@ -428,10 +402,6 @@ def _second_fit_weights(first_weight, jit):
   return _weights(model) - before
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Review R10 finding 7: a train_step override is checked once per train function, but "
-    "Keras retraces that function for a new input structure (sample weights added) and the "
-    "retrace is not walked"))
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_an_override_retraced_for_sample_weights_is_walked(jit):
   """A first fit without sample weights traces the override (its weights branch not taken)

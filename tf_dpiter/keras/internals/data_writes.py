@@ -89,7 +89,7 @@ _SAME_SHAPE = frozenset((
     "ZerosLike", "OnesLike", "Squeeze", "L2Loss", "FusedBatchNormV3", "Pack", "Unpack",
     "ReadVariableOp", "ResourceGather", "Cumsum", "Cumprod", "TensorScatterUpdate",
     "TensorScatterAdd", "BroadcastGradientArgs", "Const", "NoOp"))
-_SHAPE_ARGS = {"Reshape": (1,), "Transpose": (1,), "ExpandDims": (1,), "Fill": (0,),
+SHAPE_ARGS = {"Reshape": (1,), "Transpose": (1,), "ExpandDims": (1,), "Fill": (0,),
                "Tile": (1,), "BroadcastTo": (1,), "Pad": (1,), "PadV2": (1,),
                "MirrorPad": (1,), "OneHot": (1,), "GatherV2": (2,), "Split": (0,),
                "SplitV": (1, 2), "TopKV2": (1,), "Slice": (1, 2),
@@ -178,7 +178,15 @@ def _shape_args(op, n):
     return ()
   if op == "ConcatV2":
     return (n - 1,)
-  return _SHAPE_ARGS.get(op, range(n))
+  return SHAPE_ARGS.get(op, range(n))
+
+
+def shape_only_args(op, n):
+  """Input positions of the op type `op` (of `n` inputs) whose values are a shape, axes or
+  bounds only (not a value of the output): `SHAPE_ARGS`, and the axis of ConcatV2."""
+  if op == "ConcatV2":
+    return (n - 1,)
+  return SHAPE_ARGS.get(op, ())
 
 
 def _source(name):
@@ -364,7 +372,7 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
   names, skip, ids = {}, set(), {}
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype == tf.resource:
-      outer = _outermost(external)
+      outer = outermost(external)
       names[internal.op.name] = _variable_name(outer)
       ids[internal.op.name] = id(outer)
       if id(outer) in exempt or (only is not None and id(outer) not in only):
@@ -394,7 +402,7 @@ def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
   return [names.get(n, f"an untracked resource {n!r}") for n in order] + opaque + released
 
 
-def _outermost(handle):
+def outermost(handle):
   """The eager handle a captured handle of nested graphs stands for (itself if none)."""
   while not isinstance(handle, tf.__internal__.EagerTensor):
     outer = {id(i): e for e, i in getattr(handle.graph, "captures", ())}
@@ -654,7 +662,7 @@ def refuse_unlisted_reads(model, ops):
       for t in op.inputs:
         if t.dtype != tf.resource or t.op.name not in outer:
           continue
-        v = variables.get(id(_outermost(outer[t.op.name])))
+        v = variables.get(id(outermost(outer[t.op.name])))
         if v is not None and id(v) not in seen:
           seen.add(id(v))
           read.append(v)

@@ -10,20 +10,30 @@ batch-centred input in a `train_step` override (review R9, session 40). The batc
 probe covers the model's layers; this walk covers the code before the step.
 
 `refuse_row_mixing` walks back, in the graph being traced, from the tensors handed to the
-private step to the batch (the trace's arguments, a dataset's next element, captured
-tensors; constants are public) and accepts only ops that keep rows apart: casts and identities,
-elementwise math (broadcasting operands that are themselves rows or depend on no data),
-`tf.where`, clipping, one-hot, a lookup of each row in a data-free table, a slice keeping every row, reductions and concatenations over axes other than the
-batch's, a matrix product of rows by a data-free matrix, a reshape that keeps the leading
-axis. Anything else that depends on the batch (a reduction over the batch, a gather, a
-slice, a sort, a transpose, a random shuffle, a Python function) is refused, conservatively:
-do per-record transforms in the model (preprocessing layers) or in the dataset
-(`dp.data.map_records`).
+private step to where their data enters: the batch (the trace's arguments and captured
+tensors, a dataset's next element, a Python function's result, a variable that is not the
+model's), and arrays embedded in the program (a floating constant of more than one element:
+a public table, or a dataset the step gathers its sample from). It accepts only ops that
+keep rows apart: casts and identities, elementwise math (broadcasting operands that are
+themselves rows or come from no data), `tf.where`, clipping, one-hot, a lookup of each row
+in a table that is not the batch (a public table, a stored dataset), a slice, reversal,
+padding or tiling keeping every row in place, transposes, reductions, stacks and
+concatenations over axes other than the batch's, a matrix product of rows by a matrix that
+is not the batch, a reshape that keeps the leading axis. Anything else that depends on the
+data (a reduction over the batch, a gather or slice across rows, a sort, a random shuffle, a
+Python function) is refused, conservatively: do per-record transforms in the model
+(preprocessing layers) or in the dataset (`dp.data.map_records`). Shape arguments (a
+reshape's target, a fill's dims) carry no rows; under Poisson-type sampling the batch's size
+is private (it depends on which records were sampled), so a data tensor's shape used as a
+value (a row's position from `tf.range`, rows scaled by the size) is refused too (review
+R10, session 41: 2.2 times the step's allowance for a row-position feature).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import PrivacyConfigError
+from tf_dpiter.keras.internals import data_writes
 
 # elementwise ops: each output row is a function of the same row of the inputs that are rows
 _ELEMENTWISE = frozenset("""
@@ -45,6 +55,8 @@ _SHAPES = frozenset(["Shape", "ShapeN", "Rank", "Size"])
 # where the batch enters a trace (constants are public: a table, a per-feature mean)
 _SOURCES = frozenset(["Placeholder", "IteratorGetNext", "IteratorGetNextSync",
                       "OptionalGetValue"])
+_PYTHON = frozenset(["EagerPyFunc", "PyFunc", "PyFuncStateless"])   # rows unknown: the batch
+_READS = frozenset(["ReadVariableOp", "ResourceGather", "ResourceGatherNd"])
 
 
 def _axes(op):
@@ -69,6 +81,24 @@ def _keeps_rows(op, rows):
   if op.type in _AXIS_OPS:
     axes = _axes(op)
     return axes is not None and 0 not in axes
+  if op.type in ("Transpose", "ReverseV2", "Pad", "PadV2", "MirrorPad", "Tile"):
+    # per-record when axis 0 stays the batch's, whole and in order: a transpose with
+    # perm[0] == 0, a reversal of other axes, no padding or tiling of axis 0
+    arg = tf.get_static_value(op.inputs[1])
+    rank = op.inputs[0].shape.rank
+    if arg is None or rank is None or rank == 0:
+      return False
+    arg = np.asarray(arg)
+    if op.type == "Transpose":
+      return int(arg[0]) == 0
+    if op.type == "ReverseV2":
+      return 0 not in {int(a) % rank for a in arg.ravel()}
+    if op.type == "Tile":
+      return int(arg[0]) == 1
+    return not arg[0].any()   # paddings [[0, 0], ...]
+  if op.type in ("Pack", "Unpack"):   # tf.stack / tf.unstack on an axis other than 0
+    rank = op.inputs[0].shape.rank
+    return rank is not None and op.get_attr("axis") % (rank + (op.type == "Pack")) != 0
   if op.type == "Squeeze":
     dims = op.get_attr("squeeze_dims")
     rank = op.inputs[0].shape.rank
@@ -83,7 +113,15 @@ def _keeps_rows(op, rows):
   if op.type == "StridedSlice":   # x[:, j], x[..., :k]: every row kept, in order
     strides = tf.get_static_value(op.inputs[3])
     if op.get_attr("ellipsis_mask") & 1:
-      return True
+      # a leading ellipsis keeps axis 0 only when it covers it: the specs after it that
+      # consume an input axis (not new axes) are fewer than the rank (x[..., :1, :] on a
+      # rank-2 batch slices axis 0)
+      rank, specs = op.inputs[0].shape.rank, op.inputs[1].shape[0]
+      if rank is None or specs is None:
+        return False
+      new_axes = op.get_attr("new_axis_mask")
+      consumed = sum(1 for i in range(1, specs) if not new_axes >> i & 1)
+      return consumed < rank
     return (strides is not None and len(strides) > 0 and int(strides[0]) == 1
             and op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
             and not op.get_attr("shrink_axis_mask") & 1
@@ -102,7 +140,74 @@ def _keeps_rows(op, rows):
   return False
 
 
-def refuse_row_mixing(tensors, what):
+class _Provenance:
+  """What each tensor of a trace is computed from: 0 no data, 1 an array embedded in the
+  program (a floating constant of more than one element: a table, or a dataset the step
+  gathers its sample from), 2 the batch (the trace's arguments and captured tensors, a
+  dataset's next element, a Python function's result, a variable that is not `public`).
+  Shape arguments (a reshape's target, a fill's dims) carry no rows; a data tensor's shape
+  is data when the batch size is private (Poisson-type sampling: its size depends on which
+  records were sampled, so a row's position or the size used as a value moves every row)."""
+
+  def __init__(self, public, private_size):
+    self._public = {id(v.handle) for v in public}
+    self._private_size = private_size
+    self._memo = {}
+
+  @staticmethod
+  def value_inputs(op):
+    """`op`'s (position, input) pairs that can carry rows into its output (not its shape
+    arguments, not variables' handles)."""
+    skip = data_writes.shape_only_args(op.type, len(op.inputs))
+    return [(i, t) for i, t in enumerate(op.inputs) if i not in skip and t.dtype != tf.resource]
+
+  def _public_read(self, op):
+    return id(data_writes.outermost(op.inputs[0])) in self._public
+
+  def _leaf(self, t):
+    """The kind of a tensor decided by its op alone, or None when its inputs decide it."""
+    op = t.op
+    if t.dtype == tf.resource:
+      return 0
+    if op.type in _SHAPES:
+      return None if self._private_size else 0
+    if op.type in _SOURCES or op.type in _PYTHON:
+      return 2
+    if op.type in _READS:   # a gather from a public variable: its indices decide
+      return 2 if not self._public_read(op) else (0 if op.type == "ReadVariableOp" else None)
+    if not op.inputs:
+      size = t.shape.num_elements()
+      return int(op.type == "Const" and (t.dtype.is_floating or t.dtype.is_complex)
+                 and (size is None or size > 1))
+    return None
+
+  def kind(self, t):
+    """0, 1 or 2 (class docstring), iteratively: graphs can be deep."""
+    memo, stack = self._memo, [t]
+    while stack:
+      u = stack[-1]
+      if u.ref() in memo:
+        stack.pop()
+        continue
+      leaf = self._leaf(u)
+      if leaf is None:
+        if u.op.type in _SHAPES:
+          ins = list(u.op.inputs)
+        elif u.op.type in _READS:
+          ins = [u.op.inputs[1]]
+        else:
+          ins = [i for _, i in self.value_inputs(u.op)]
+        todo = [i for i in ins if i.ref() not in memo]
+        if todo:
+          stack.extend(todo)
+          continue
+        leaf = max([memo[i.ref()] for i in ins], default=0)
+      memo[u.ref()] = leaf
+      stack.pop()
+    return memo[t.ref()]
+
+
+def refuse_row_mixing(tensors, what, public=(), private_size=True):
   """Refuses tensors handed to the private step that are computed from the batch by an op
   that can combine records (module docstring). Eagerly nothing is checked.
 
@@ -110,49 +215,37 @@ def refuse_row_mixing(tensors, what):
     tensors: a nest of tensors of the graph being traced (the batch as handed to the step);
       other leaves are ignored.
     what: how the user hands them, for the message.
+    public: the variables whose values are the model's, not data (the model's weights and
+      the optimizer's); a read of any other variable is taken as the batch.
+    private_size: the batch's size is private (Poisson-type sampling): a value computed
+      from a data tensor's shape is data.
 
   Raises:
     PrivacyConfigError: naming the op, what it can do and what to do instead.
   """
   flat = [t for t in tf.nest.flatten(tensors, expand_composites=True)
           if isinstance(t, tf.Tensor) and not isinstance(t, tf.__internal__.EagerTensor)]
-  memo = {}
-
-  def rows(t):   # t depends on the batch (iteratively: graphs can be deep)
-    stack = [t]
-    while stack:
-      u = stack[-1]
-      if u.ref() in memo:
-        stack.pop()
-        continue
-      if u.dtype == tf.resource or u.op.type in _SHAPES:
-        memo[u.ref()] = False
-      elif u.op.type in _SOURCES or not u.op.inputs:
-        memo[u.ref()] = u.op.type in _SOURCES
-      else:
-        todo = [i for i in u.op.inputs if i.ref() not in memo]
-        if todo:
-          stack.extend(todo)
-          continue
-        memo[u.ref()] = any(memo[i.ref()] for i in u.op.inputs)
-      stack.pop()
-    return memo[t.ref()]
-
+  if not flat:
+    return
+  data = _Provenance(public, private_size)
   seen, stack = set(), [t.op for t in flat]
   while stack:
     op = stack.pop()
-    if op.name in seen or op.type in _SOURCES or op.type in _SHAPES:
+    if op.name in seen or not op.inputs or op.type in _SOURCES or op.type == "ReadVariableOp":
       continue
     seen.add(op.name)
-    if not any(rows(o) for o in op.outputs):
+    if not any(data.kind(o) for o in op.outputs):
       continue
-    if not _keeps_rows(op, rows):
+    if not _keeps_rows(op, lambda t: data.kind(t) == 2):
       raise PrivacyConfigError(
           f"{what} computes the records it hands to the private step from the batch by a "
           f"{op.type} op ({op.name!r}), which can combine rows (a batch mean, a slice or "
-          "gather across examples, a shuffle, a concatenation of rows): one record would "
-          "then move the rows of others, and the clipped sum would no longer bound its "
-          "influence by the clip. Do per-record transforms in the model (its preprocessing "
-          "layers) or in the dataset (dp.data.map_records), and hand the batch to the step "
-          f"as it comes. Received: a {op.type} op between the batch and the private step")
-    stack.extend(i.op for i in op.inputs if i.dtype != tf.resource and rows(i))
+          "gather across examples, a shuffle, a concatenation of rows, the size of a "
+          "Poisson batch used as a value): one record would then move the rows of others, "
+          "and the clipped sum would no longer bound its influence by the clip. Do "
+          "per-record transforms in the model (its preprocessing layers) or in the dataset "
+          "(dp.data.map_records), and hand the batch to the step as it comes. Received: a "
+          f"{op.type} op between the batch and the private step")
+    # a lookup table and a matrix product's right operand were checked free of the batch
+    table = {"GatherV2": 0, "MatMul": 1, "BatchMatMulV2": 1}.get(op.type)
+    stack.extend(t.op for i, t in data.value_inputs(op) if i != table and data.kind(t))

@@ -17,6 +17,7 @@ import functools
 import itertools
 import time
 import types
+import weakref
 
 import keras
 import tensorflow as tf
@@ -210,6 +211,30 @@ def _call_retracing(model, train_function, iterator):
 _STEP_WRITES = "the model's training-mode call or its loss in the private step"
 
 
+class _Eager:
+  """The key of checks made eagerly (`_checked_in_this_trace`)."""
+
+
+_EAGER = _Eager()
+
+
+def _checked_in_this_trace(model, attr):
+  """True when the check kept in `model.attr` ran in the graph being traced (once eagerly):
+  Keras traces a train function again for a new input structure (sample weights in a second
+  fit), where a user's override may take another branch, so each trace is checked."""
+  done = getattr(model, attr, None)
+  key = _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  return done is not None and key in done
+
+
+def _mark_checked_in_this_trace(model, attr):
+  """Records in `model.attr` that its check passed in the graph being traced (or eagerly)."""
+  if getattr(model, attr, None) is None:
+    object.__setattr__(model, attr, weakref.WeakSet())
+  getattr(model, attr).add(_EAGER if tf.executing_eagerly()
+                           else tf.compat.v1.get_default_graph())
+
+
 def _replica():
   """The replica id (an int) of the current replica context, or None."""
   ctx = tf.distribute.get_replica_context()
@@ -235,7 +260,18 @@ def _refuse_second_step(model):
   replica = _replica()
   if runs is None or replica not in runs:
     return   # Keras' own call of the step: once per batch
-  if runs[replica]:
+  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  if graph is not runs[replica][1]:
+    name = type(model).__name__
+    raise PrivacyConfigError(
+        f"{name}'s train_step runs the private step inside a control-flow construct of its "
+        "own (a tf.while_loop's body, a tf.cond's branch, a nested tf.function): a loop runs "
+        "it several times on one sampled batch, which the ledger would charge as "
+        "independently sampled steps, and a condition on the batch decides from the records "
+        "whether a step runs. Call super().train_step(data) once, unconditionally, in the "
+        f"override itself. Received: a private step traced in {graph.name!r}, not in the "
+        "override's own graph")
+  if runs[replica][0]:
     name = type(model).__name__
     raise PrivacyConfigError(
         f"{name}'s train_step runs the private step twice on one batch: each run noises a "
@@ -243,7 +279,7 @@ def _refuse_second_step(model):
         "independently sampled steps (an optimistic epsilon). Call super().train_step(data) "
         "once per batch; for more updates per batch use more epochs or steps "
         f"(steps_per_execution). Received: a second private step in one train step of {name}")
-  runs[replica] = 1
+  runs[replica][0] = 1
 
 
 def _checked_override(step_fn):
@@ -260,7 +296,8 @@ def _checked_override(step_fn):
       runs = {}
       object.__setattr__(self, "_dp_steps_in_override", runs)
     replica = _replica()
-    runs[replica] = 0   # the library's steps this call runs (`_refuse_second_step`)
+    # the library's steps this call runs, and the graph it runs in (`_refuse_second_step`)
+    runs[replica] = [0, None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()]
     try:
       return step_fn(self, data)
     finally:
@@ -297,8 +334,9 @@ class TrainStepMixin:
     self._dp_writes_checked = (self.built and not self._dp_pass_checks_call()
                                and data_writes.refuse_model_writes(self))
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
-    self._dp_override_checked = False   # a train_step override's own code: at its first trace
-    self._dp_metrics_checked = False   # a compute_metrics override's: at the step's first trace
+    # a train_step override's own code and a compute_metrics override's: at each trace of
+    # the train function (`_checked_in_this_trace`)
+    self._dp_override_checked = self._dp_metrics_checked = None
     self._dp_wrap_override()
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
@@ -648,7 +686,7 @@ class TrainStepMixin:
       data: the batch as Keras hands it to the train step.
       step_fn: the user's train_step, a function of (model, batch).
     """
-    if getattr(self, "_dp_override_checked", False):
+    if _checked_in_this_trace(self, "_dp_override_checked"):
       return
     metrics = keras_internals.compile_metrics(self)
     if metrics is not None and not metrics.built:   # the stand-in reads them: build them
@@ -664,7 +702,7 @@ class TrainStepMixin:
     data_writes.refuse_override_writes(
         override_alone, data, self.metrics_variables,
         f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
-    self._dp_override_checked = True
+    _mark_checked_in_this_trace(self, "_dp_override_checked")
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
   def _dp_check_metrics_override(self, x, y, y_pred, sample_weight):
@@ -672,20 +710,24 @@ class TrainStepMixin:
     calls with the batch and its un-noised predictions): the override traced alone may
     write no variable but the metrics' from them (data_writes.refuse_override_writes)."""
     if (type(self).compute_metrics is keras.Model.compute_metrics
-        or getattr(self, "_dp_metrics_checked", False)):
+        or _checked_in_this_trace(self, "_dp_metrics_checked")):
       return
     data_writes.refuse_override_writes(
         lambda b: self.compute_metrics(b[0], b[1], b[2], sample_weight=b[3]),
         (x, y, y_pred, sample_weight), self.metrics_variables,
         f"the compute_metrics override of {type(self).__name__}")
-    self._dp_metrics_checked = True
+    _mark_checked_in_this_trace(self, "_dp_metrics_checked")
 
   def _dp_metrics_from(self, data):
     """The library's step as an override's check sees it (`_dp_check_override`: traced,
     never run): the batch it is handed must be the override's rows, each a function of one
     record (row_provenance); every metric variable is written from it, as the step logs the
     batch's un-noised loss and metrics, then the logs are read from them."""
-    row_provenance.refuse_row_mixing(data, f"the train_step override of {type(self).__name__}")
+    step = self._dp_optimizer().private_step
+    row_provenance.refuse_row_mixing(
+        data, f"the train_step override of {type(self).__name__}",
+        public=list(self.variables) + list(self.optimizer.variables),
+        private_size=step.sampling is None or step.expected_size_denominator)
     parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
                                    tf.float32))
              for t in tf.nest.flatten(data, expand_composites=True)

@@ -242,7 +242,10 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
   if model is not None:   # fit's check of the model's training-mode call
     data_writes.refuse_model_writes(model)
   if data is not None:
-    row_provenance.refuse_row_mixing(data, "compute_private_gradients(data=...)")
+    row_provenance.refuse_row_mixing(
+        data, "compute_private_gradients(data=...)",
+        public=list(variables) + list(model.variables if model is not None else ()),
+        private_size=step.sampling is None or step.expected_size_denominator)
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)

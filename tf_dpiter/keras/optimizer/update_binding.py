@@ -15,7 +15,7 @@ Traced (the usual custom loop, or a train_step override), at the trace of
 updated weights and the optimizer's own variables (iterations, learning rate, slots),
 (c) scalar constants, and integer constants of at most 16 elements (tf.split's sizes: a
 vector of any length) that reach them only at a shape, axis or bound position (a reshape's
-shape, a reduction's axes, a slice's bounds: `data_writes._SHAPE_ARGS`): a shape or an axis
+shape, a reduction's axes, a slice's bounds: `data_writes.SHAPE_ARGS`): a shape or an axis
 holds no record, but for a step argument's static size where the shape sets how many values
 an op outputs (`_SIZE_ARGS`: tf.ones(tf.shape(batch)) sums to the batch size). `denied_inputs` walks the graph backward from the gradients, cut at the
 noised results, into nested functions, tf.cond / tf.switch_case branches (their predicate
@@ -432,7 +432,7 @@ def _internal_state(graph_def, name):
 def _capture_names(graph):
   """{captured resource Placeholder's name: the variable's name} of a FuncGraph."""
   return {internal.op.name: data_writes._variable_name(  # pylint: disable=protected-access
-      data_writes._outermost(external))  # pylint: disable=protected-access
+      data_writes.outermost(external))
           for external, internal in getattr(graph, "captures", ())
           if internal.dtype == tf.resource}
 
@@ -470,14 +470,6 @@ def _const_size(node):
 
 def _const_shape(node):
   return [d.size for d in node.attr["value"].tensor.tensor_shape.dim]
-
-
-def _shape_only_args(op, n):
-  """Input positions of `op` (of `n`) whose values are a shape, axes or bounds only (not a
-  value of the output): data_writes' `_SHAPE_ARGS`, and the axis of ConcatV2."""
-  if op == "ConcatV2":
-    return (n - 1,)
-  return data_writes._SHAPE_ARGS.get(op, ())   # pylint: disable=protected-access
 
 
 def _output_index(name, in_function):
@@ -611,7 +603,7 @@ class _Reach:
       self._deny(f"a {node.op} op{at} (a file, a dataset or other state read outside the "
                  "noised result)")
       return []
-    shape_args = _shape_only_args(node.op, len(inputs))
+    shape_args = data_writes.shape_only_args(node.op, len(inputs))
     size_args = _SIZE_ARGS.get(node.op, ())
     return [(s, mode or (_SPLITS if (node.op, i) == ("SplitV", 1)
                          else _SIZE if i in size_args
@@ -681,7 +673,7 @@ def denied_inputs(tensors, sanitizers, variables, graph_def):
   for external, internal in getattr(graph, "captures", ()):
     if internal.dtype != tf.resource:
       continue
-    outer = data_writes._outermost(external)  # pylint: disable=protected-access
+    outer = data_writes.outermost(external)
     if id(outer) in handles:
       allowed.add(internal.op.name)
     else:   # for the message
