@@ -41,8 +41,8 @@ after it writes the digest of the values it left into the variable's in-graph re
 left, the private-update count, and the count of the first traced update that started from
 values in neither, i.e. a change made between traced steps). That record is made outside the
 trace (eagerly, when a step is traced) and held by this module only, in no checkpoint: no
-restore can set it. Static shapes, no host round trip, the
-same h bit for bit (uint64 arithmetic, the same multipliers), XLA-compiled. A check that finds
+restore can set it. Static shapes, no host round trip, the same h bit for bit (64-bit
+wrapping integer arithmetic, the same multipliers), XLA-compiled. A check that finds
 the count moved compares each variable's digest with that record: a recorded state passes (a
 traced step that starts from one starts the run again from it), a state a traced update left
 passes unless a traced update of that variable started from values no private step produced,
@@ -497,13 +497,30 @@ def digest(variable):
   return _digests([_read(variable)])[0]
 
 
+def _compiled_h(unsigned, a, b):
+  """h of an unsigned value (`_unsigned`) with the multipliers a [R], b [1, C] of its [R, C],
+  for a compiled program (XLA): the row sums sum_j b_j X_ij as one int64 matrix-vector
+  product, then sum_i a_i of them. Two's-complement int64 products and sums wrap mod 2^64
+  exactly as uint64 ones do (XLA emits integer adds and multiplies with no overflow
+  assumption: they wrap), and the widening zero-extends a narrower value (a 64-bit one is
+  bitcast), so this is h bit for bit, as `_numpy_digest` and any summation order give it.
+  Measured on a CPU host (load 9-12, one process each, 2026-12-01): BERT-base's word
+  embeddings [30522, 768] 3.7 against 15.2 CPU ms for the widened elementwise products and
+  two reductions, their program compiled in 0.12 against 0.19 CPU s; all of BERT-base's
+  weights 62-74 against 117-118 CPU ms a pass, the first pass (6 programs compiled) 0.59
+  against 0.78-0.85 CPU s."""
+  x = tf.reshape(unsigned, [tf.shape(a)[0], tf.shape(b)[1]])
+  x = tf.bitcast(x, tf.int64) if x.dtype.size == 8 else tf.cast(x, tf.int64)
+  rows = tf.linalg.matvec(x, tf.bitcast(b[0], tf.int64))
+  return tf.bitcast(tf.reduce_sum(tf.bitcast(a, tf.int64) * rows), tf.uint64)
+
+
 @tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
 def _fused_digest(value, a, b):
-  """sum_i a_i sum_j b_j X_ij mod 2^64 in one compiled program: the widening, products and
-  sums fused (no weight-sized uint64 copy held; BERT-base's word embeddings would need two of
-  187 MB each, op by op). Integer arithmetic: the same value as the unfused form."""
-  value = tf.reshape(tf.cast(value, tf.uint64), [tf.shape(a)[0], tf.shape(b)[1]])
-  return tf.reduce_sum(a * tf.reduce_sum(value * b, axis=1))
+  """h of one value ([R, C], unsigned) in one compiled program (`_compiled_h`): the widening
+  fused into the product (no weight-sized 64-bit copy held; BERT-base's word embeddings would
+  need one of 187 MB, op by op)."""
+  return _compiled_h(value, a, b)
 
 
 def _current(pairs):
@@ -733,18 +750,16 @@ def _graph_value(variable):
 
 
 def _graph_digests(values):
-  """h of each of `values` (module docstring) as uint64 [len(values)], in the graph being
-  traced (integer arithmetic: the host's and `_fused_digest`'s values bit for bit)."""
+  """h of each of `values` (module docstring) as uint64 [len(values)], in a compiled program
+  (`_fused_digests`: `_compiled_h`, the host's values bit for bit)."""
   out = []
   for value in values:
     unsigned = _unsigned(value)
-    a, b = _tf_multipliers(*_rows_cols(unsigned.shape))
-    x = tf.reshape(tf.cast(unsigned, tf.uint64), [a.shape[0], b.shape[1]])
-    out.append(tf.reduce_sum(a * tf.reduce_sum(x * b, axis=1)))
+    out.append(_compiled_h(unsigned, *_tf_multipliers(*_rows_cols(unsigned.shape))))
   return tf.stack(out)
 
 
-# `_graph_digests` in one compiled program (the widening, products and sums fused)
+# `_graph_digests` in one compiled program (XLA: `_compiled_h`'s integer arithmetic wraps)
 _fused_digests = tf.function(_graph_digests, jit_compile=True, autograph=False)
 
 
