@@ -22,15 +22,16 @@ from tf_dpiter.keras.optimizer import weight_fingerprints as wf
 N, D = 100, 4
 
 _DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool"]
-_SHAPES = [(), (7,), (5, 3), (4, 3, 2), (300, 7)]
+_SHAPES = [(), (7,), (5, 3), (4, 3, 2), (300, 7), (8, 4, 64)]
 
 
 def _reference(values):
   """h by Python integers (no wrapping type): the bit patterns of `values` (a NumPy array)
-  as unsigned integers, [R, C] with C the last axis, and the module's multipliers."""
+  as unsigned integers, [R, C] in memory order with C = 1024 when 1024 divides their number
+  (the (8, 4, 64) case), else the last axis, and the module's multipliers."""
   width = values.dtype.itemsize
   bits = np.ascontiguousarray(values).reshape(-1).view(np.dtype(f"u{width}"))
-  cols = values.shape[-1] if values.ndim else 1
+  cols = 1024 if bits.size % 1024 == 0 else (values.shape[-1] if values.ndim else 1)
   rows = bits.size // cols
   a, b = wf._multipliers(rows, cols)   # pylint: disable=protected-access
   x = bits.reshape(rows, cols)
@@ -74,6 +75,23 @@ def test_small_variables_are_digested_without_a_compiled_program(monkeypatch):
   assert not calls
   wf._digests([small, large])   # pylint: disable=protected-access
   assert len(calls) == 1
+
+
+def test_values_of_one_size_share_one_compiled_shape(monkeypatch):
+  """N values with 1024 dividing N are read as [N / 1024, 1024] whatever their shape
+  (BERT-base: its [768, 12, 64] query kernels and [768, 768] output kernels, its
+  [768, 3072] and [3072, 768] feed-forward kernels), so one compiled program serves them."""
+  calls = []
+  real = wf._fused_digest   # pylint: disable=protected-access
+  monkeypatch.setattr(wf, "_fused_digest", lambda *a: calls.append(a) or real(*a))
+  monkeypatch.setattr(wf, "HOST_ELEMENTS", -1)   # every size compiled
+  values = tf.random.stateless_normal([768, 768], seed=[1, 2])
+  shapes = [(768, 768), (768, 12, 64), (9216, 64)]
+  digests = wf._digests([tf.reshape(values, s) for s in shapes])   # pylint: disable=protected-access
+  assert len(set(digests)) == 1
+  assert {tuple(c[0].shape) for c in calls} == {(576, 1024)}
+  monkeypatch.setattr(wf, "HOST_ELEMENTS", 10**9)   # the host's form: the same h
+  assert wf._digests([values]) == digests[:1]   # pylint: disable=protected-access
 
 
 class _Opt:

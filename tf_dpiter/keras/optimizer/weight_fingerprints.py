@@ -61,7 +61,8 @@ and the refusal names the fix: a check when such a checkpoint is saved (the priv
 statement, or a DP model's save_weights) records its state among the recorded ones.
 
 The digest of a variable whose values, as unsigned integers of their bit patterns, form the
-matrix X [R, C] (its last axis C; a scalar is [1, 1]) is
+matrix X [R, C] (read in memory order, C = ROW_VALUES when that many divide the N values, else
+the last axis; a scalar is [1, 1]) is
   h(X) = sum_i a_i sum_j b_j X_ij  (mod 2^64),
 with fixed pseudorandom odd multipliers a [R], b [C] (uint64, wrapping arithmetic: exact, so
 the same on every device and in every summation order). A change of one value always changes
@@ -71,8 +72,10 @@ deliberate collision.
 
 Cost: a variable of at most HOST_ELEMENTS real values is digested on the host (NumPy's
 uint64 arithmetic wraps mod 2^64: the same h, no dispatch, no program to compile); a larger
-one by one compiled program per distinct [R, C], cached across models (`_fused_digest`;
-BERT-base: 6, its attention outputs' [12, 64, 768] sharing the pooler's [768, 768]). And a
+one by one compiled program per distinct [R, C], cached across models (`_fused_digest`): so
+per distinct N where ROW_VALUES divides it (BERT-base: 4 programs, not 6: its query, key and
+value kernels [768, 12, 64] share the [768, 768] ones', its intermediate kernels [768, 3072]
+the output ones' [3072, 768]; each compiles in about 0.1 CPU s). And a
 variable's digest is not computed again while the buffer it was computed from is still the
 variable's: a record keeps the tensor it read (a read of a resource variable shares the
 variable's buffer), and TensorFlow writes a variable whose buffer another tensor holds into a
@@ -421,10 +424,17 @@ def _unsigned(value):
   return value
 
 
+# The row length C of a value whose number of values it divides (module docstring): values of
+# one size share one [R, C], so one compiled program, whatever their shapes.
+ROW_VALUES = 1024
+
+
 def _rows_cols(shape):
-  """(R, C) of the module docstring for a value of this shape (its last axis C)."""
-  cols = int(shape[-1]) if shape.rank else 1
-  return int(shape.num_elements()) // cols, cols
+  """(R, C) of the module docstring for a value of this shape: C = ROW_VALUES when it divides
+  the number of values, else the last axis."""
+  size = int(shape.num_elements())
+  cols = ROW_VALUES if size and size % ROW_VALUES == 0 else (int(shape[-1]) if shape.rank else 1)
+  return size // cols, cols
 
 
 def _numpy_digest(array, dtype):
