@@ -9,11 +9,12 @@ figure: the median over rounds of wall and of process CPU time per call):
   nonprivate      forward, backward: the gradient of the mean loss
   dp_auto         fast_clipping.clipped_grad_sum with the forms of the cost model
                   (rules/conv.py: the second convolution's folded patch Gram with a
-                  book-keeping sum, the first's depthwise filter gradients in chunks of
-                  _DEPTHWISE_CHUNK examples, both within the layer's memory budget)
+                  book-keeping sum, the first's depthwise filter gradients in calls of
+                  at most _DEPTHWISE_CHANNELS examples (one input channel), both within
+                  the layer's memory budget)
   dp_no_foldgram  the same without the folded Gram (the second convolution keeps its
                   per-example gradient from the unfolded patches: the forms before issue 42)
-  dp_one_chunk    the same with _DEPTHWISE_CHUNK = B (since the memory budget of
+  dp_one_chunk    the same with _DEPTHWISE_CHANNELS = B (since the memory budget of
                   rules/conv.py, _CHUNK_BYTES still caps the chunk: 256 examples for the
                   first convolution)
   dp_before       both
@@ -55,19 +56,19 @@ def _steps(model, batch, jit):
     return tape.gradient(loss, model.trainable_variables)
 
   def dp(fold_gram, chunk):
-    saved = conv._fold_gram_cheaper, conv._DEPTHWISE_CHUNK  # pylint: disable=protected-access
+    saved = conv._fold_gram_cheaper, conv._DEPTHWISE_CHANNELS  # pylint: disable=protected-access
     if not fold_gram:
       conv._fold_gram_cheaper = lambda *args: False  # pylint: disable=protected-access
-    conv._DEPTHWISE_CHUNK = chunk  # pylint: disable=protected-access
+    conv._DEPTHWISE_CHANNELS = chunk  # pylint: disable=protected-access
     fn = tf.function(lambda x, y: clipping.clipped_grad_sum(model, x, y, _loss, 1.0)[0],
                      input_signature=spec, jit_compile=jit)
     try:
       fn.get_concrete_function()   # the forms are chosen while tracing
     finally:
-      conv._fold_gram_cheaper, conv._DEPTHWISE_CHUNK = saved  # pylint: disable=protected-access
+      conv._fold_gram_cheaper, conv._DEPTHWISE_CHANNELS = saved  # pylint: disable=protected-access
     return fn
 
-  chunk = conv._DEPTHWISE_CHUNK  # pylint: disable=protected-access
+  chunk = conv._DEPTHWISE_CHANNELS  # pylint: disable=protected-access
   return {"nonprivate": nonprivate, "dp_auto": dp(True, chunk),
           "dp_no_foldgram": dp(False, chunk), "dp_one_chunk": dp(True, batch),
           "dp_before": dp(False, batch)}

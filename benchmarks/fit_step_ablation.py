@@ -156,7 +156,7 @@ def _variants():
       "fold_gram_one_call": lambda: _replaced(conv, "_fold_gram_temp_bytes",
                                               lambda *a, **k: 16000),
       "no_noise": lambda: _replaced(gaussian_query, "_noise", zero_noise),
-      "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHUNK", 1 << 30),
+      "depthwise_one_call": lambda: _replaced(conv, "_DEPTHWISE_CHANNELS", 1 << 30),
       "conv2_norm_island": lambda: _replaced(conv, "_fold_gram_sqr_norm", conv2_island),
       "conv1_norm_island": lambda: _replaced(conv, "_per_example_pass", conv1_island),
       "conv1_norm_island_chunks": lambda: _replaced(conv, "_per_example_pass",

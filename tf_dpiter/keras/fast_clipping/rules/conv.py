@@ -76,14 +76,22 @@ from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 # Batch-as-channels per-example filter gradients replicate dz over the input
 # channels: at most this many entries per example.
 _MAX_DEPTHWISE_ENTRIES = 1 << 16
-# At most this many examples per depthwise filter-gradient call: oneDNN's kernel slows down
-# per example with the channel count (B cout channels); at B = 1024 the tutorial CNN's first
-# convolution took 47-86 ms in one call and 10-14 ms in chunks of 64 to 256 (BENCHMARKS.md),
-# and oneDNN's own scratch memory (outside TensorFlow's allocator) grows with the chunk: the
-# per-example pass of that convolution at B = 1024 raised the peak RSS by 62 MiB in chunks of
-# 256, 40 in chunks of 128, 36 in chunks of 64, for 13.7, 13.2 and 14.2 ms of CPU time
-# (2026-11-28, 2-core machine under load 7).
-_DEPTHWISE_CHUNK = 128
+# At most this many input channels (m cin: m examples of cin channels) per depthwise
+# filter-gradient call (a chunk of at most _DEPTHWISE_CHANNELS // cin examples): oneDNN's
+# kernel runs 2-2.5x slower per example from 512 input channels up (CPU ms of one call, no
+# XLA, oneDNN on, 2026-12-01, load 7-9, the 28x28 input's 8x8 kernel at stride 2: cin 1, cout
+# 16, 384 / 500 / 511 / 512 examples 4.24 / 7.1 / 6.56 / 13.25; cout 8, 500 / 511 / 512
+# examples 5.12 / 8.0 / 11.68; cin 2, cout 16, 250 / 256 examples 6.36 / 14.62; cin 4, cout
+# 8, 127 / 128 examples 5.28 / 12.02): below it one call is cheaper than chunks (the
+# tutorial CNN's first convolution at 200 / 256 / 272 / 320 / 400 examples: 2.36 / 2.55 /
+# 3.15 / 3.47 / 4.45 ms in one call, 3.5 / 2.89 / 4.64 / 4.39 / 6.05 in chunks of 128: fewer
+# calls, no loop, no padded rows; the step through `fit` at B = 256, 17.96 -> 16.56 CPU ms,
+# benchmarks/HISTORY.md, session 41). oneDNN's own scratch memory (outside TensorFlow's
+# allocator) grows with the chunk: the per-example pass of that convolution at B = 1024 raised
+# the peak RSS by 62 MiB in chunks of 256, 40 in chunks of 128, 36 in chunks of 64, for 13.7,
+# 13.2 and 14.2 ms of CPU time (2026-11-28, 2-core machine under load 7); chunks over budget
+# stay within budget.CHUNK_BYTES (`_per_example_pass`).
+_DEPTHWISE_CHANNELS = 384
 # `_gathered_patches` needs at least this many input channels: a gather copies one pixel's
 # cin floats at a time. B = 256, no XLA, oneDNN on, load 6-7, CPU ms of the patches, gather
 # against conv_unfold.patches: 16x16 inputs, 3x3 kernel, stride 1, "same" (ExtractImagePatches):
@@ -104,7 +112,7 @@ _PER_EXAMPLE_SLOWDOWN = 4
 # budget.KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms are kept and the
 # clipped sum is one whole-batch filter gradient of the clip-weighted output gradients
 # (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution (P = 1,024): kept
-# up to B = 2,048, chunks of 128 examples.
+# up to B = 2,048, one call up to 384 examples (_DEPTHWISE_CHANNELS), chunks of 256 beyond.
 
 
 def _in_xla_control_flow():
@@ -390,7 +398,8 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
   kernel = lambda g: tf.reshape(g, [kh, kw, cin, cout])
   if form == "depthwise" and stride[0] == stride[1]:
     return _Form(lambda x, d: _depthwise_chunk(x, d, ksize, stride, padding), kh * kw,
-                 cin * cout, 4 * (size(x4) + size(dz4) * cin + 2 * p), _DEPTHWISE_CHUNK, kernel)
+                 cin * cout, 4 * (size(x4) + size(dz4) * cin + 2 * p),
+                 max(1, _DEPTHWISE_CHANNELS // cin), kernel)
   if form in ("depthwise", "filter"):
     return _Form(lambda x, d: _filter_chunk(x, d, ksize, stride, padding), 1, p,
                  4 * (size(x4) + size(dz4) + 2 * p), 1 << 30, kernel)
