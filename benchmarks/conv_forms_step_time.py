@@ -9,9 +9,9 @@ figure: the median over rounds of wall and of process CPU time per call):
   nonprivate      forward, backward: the gradient of the mean loss
   dp_auto         fast_clipping.clipped_grad_sum with the forms of the cost model
                   (rules/conv.py: the second convolution's folded patch Gram with a
-                  book-keeping sum, the first's depthwise filter gradients in calls of
-                  at most _DEPTHWISE_CHANNELS examples (one input channel), both within
-                  the layer's memory budget)
+                  book-keeping sum, the first's depthwise filter gradients in one call of
+                  at most _DEPTHWISE_CHANNELS examples (one input channel), else in
+                  chunks, both within the layer's memory budget)
   dp_no_foldgram  the same without the folded Gram (the second convolution keeps its
                   per-example gradient from the unfolded patches: the forms before issue 42)
   dp_one_chunk    the same with _DEPTHWISE_CHANNELS = B (since the memory budget of

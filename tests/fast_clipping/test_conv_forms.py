@@ -209,18 +209,19 @@ def test_non_finite_record_adds_nothing(keep_bytes, monkeypatch, clip_reference)
 
 
 def test_chunk_size_from_the_budget(monkeypatch):
-  """The tutorial CNN's first convolution: at most _DEPTHWISE_CHANNELS // cin examples per
-  depthwise call, chunks of the largest power of two within it and the default budget (256
-  examples of 23,872 bytes), fewer when the budget is small, whole records always; a layer of
-  more input channels gets fewer examples per call."""
+  """The tutorial CNN's first convolution: depthwise chunks of _DEPTHWISE_CHUNK_CHANNELS // cin
+  examples under the default budget, one call up to _DEPTHWISE_CHANNELS // cin, fewer
+  examples when the budget is small, whole records always; a layer of more input channels
+  gets fewer examples per call (oneDNN's kernel slows down from 512 input channels)."""
   x, dz = tf.zeros([3, 28, 28, 1]), tf.zeros([3, 14, 14, 16])
   form = conv._per_example_form("depthwise", x, dz, (8, 8), (2, 2), (1, 1), "same")
-  assert form.cap == conv._DEPTHWISE_CHANNELS
   size = lambda k: budget.chunk_size(form.temp_bytes, k, form.cap)
-  assert size(1) == 256 <= form.cap
+  assert size(1) == form.cap == conv._DEPTHWISE_CHUNK_CHANNELS
+  assert form.whole == conv._DEPTHWISE_CHANNELS
   wide = conv._per_example_form("depthwise", tf.zeros([3, 28, 28, 4]), dz, (8, 8), (2, 2),
                                 (1, 1), "same")
-  assert wide.cap * 4 <= conv._DEPTHWISE_CHANNELS < (wide.cap + 1) * 4
+  assert wide.cap * 4 == conv._DEPTHWISE_CHUNK_CHANNELS
+  assert wide.whole * 4 == conv._DEPTHWISE_CHANNELS
   monkeypatch.setattr(budget, "CHUNK_BYTES", 64 * form.temp_bytes)
   assert size(1) == 64
   assert size(3) == 63

@@ -76,22 +76,24 @@ from tf_dpiter.keras.fast_clipping.rules import conv_unfold
 # Batch-as-channels per-example filter gradients replicate dz over the input
 # channels: at most this many entries per example.
 _MAX_DEPTHWISE_ENTRIES = 1 << 16
-# At most this many input channels (m cin: m examples of cin channels) per depthwise
-# filter-gradient call (a chunk of at most _DEPTHWISE_CHANNELS // cin examples): oneDNN's
-# kernel runs 2-2.5x slower per example from 512 input channels up (CPU ms of one call, no
-# XLA, oneDNN on, 2026-12-01, load 7-9, the 28x28 input's 8x8 kernel at stride 2: cin 1, cout
-# 16, 384 / 500 / 511 / 512 examples 4.24 / 7.1 / 6.56 / 13.25; cout 8, 500 / 511 / 512
-# examples 5.12 / 8.0 / 11.68; cin 2, cout 16, 250 / 256 examples 6.36 / 14.62; cin 4, cout
-# 8, 127 / 128 examples 5.28 / 12.02): below it one call is cheaper than chunks (the
-# tutorial CNN's first convolution at 200 / 256 / 272 / 320 / 400 examples: 2.36 / 2.55 /
-# 3.15 / 3.47 / 4.45 ms in one call, 3.5 / 2.89 / 4.64 / 4.39 / 6.05 in chunks of 128: fewer
-# calls, no loop, no padded rows; the step through `fit` at B = 256, 17.96 -> 16.56 CPU ms,
-# benchmarks/HISTORY.md, session 41). oneDNN's own scratch memory (outside TensorFlow's
-# allocator) grows with the chunk: the per-example pass of that convolution at B = 1024 raised
-# the peak RSS by 62 MiB in chunks of 256, 40 in chunks of 128, 36 in chunks of 64, for 13.7,
-# 13.2 and 14.2 ms of CPU time (2026-11-28, 2-core machine under load 7); chunks over budget
-# stay within budget.CHUNK_BYTES (`_per_example_pass`).
+# Depthwise filter-gradient calls (batch-as-channels: m examples of cin channels are m cin
+# input channels). oneDNN's kernel runs 2-2.5x slower per example from 512 input channels up
+# (CPU ms of one call, no XLA, oneDNN on, 2026-12-01, load 7-9, a 28x28 input's 8x8 kernel at
+# stride 2: cin 1, cout 16, 384 / 500 / 511 / 512 examples 4.24 / 7.1 / 6.56 / 13.25; cout 8,
+# 500 / 511 / 512 examples 5.12 / 8.0 / 11.68; cin 2, cout 16, 250 / 256 examples 6.36 /
+# 14.62; cin 4, cout 8, 127 / 128 examples 5.28 / 12.02), and below that one call on the
+# whole batch is cheaper than chunks (no map loop, no padded rows: the tutorial CNN's first
+# convolution at 200 / 256 / 272 / 320 / 400 examples, 2.36 / 2.55 / 3.15 / 3.47 / 4.45 ms in
+# one call against 3.5 / 2.89 / 4.64 / 4.39 / 6.05 in chunks of 128; its step through `fit`
+# at B = 256: benchmarks/HISTORY.md, session 41). So a batch of at most
+# _DEPTHWISE_CHANNELS // cin examples is one call; a larger one runs in chunks of at most
+# _DEPTHWISE_CHUNK_CHANNELS // cin examples: at B = 1024 chunks of 256 cost the fit step 4-5
+# CPU ms more than chunks of 128 (session 41, two runs, load 9-12), and oneDNN's own scratch
+# memory (outside TensorFlow's allocator) grows with the chunk: the per-example pass of that
+# convolution at B = 1024 raised the peak RSS by 62 MiB in chunks of 256, 40 in chunks of
+# 128, 36 in chunks of 64, for 13.7, 13.2 and 14.2 ms of CPU time (2026-11-28, load 7).
 _DEPTHWISE_CHANNELS = 384
+_DEPTHWISE_CHUNK_CHANNELS = 128
 # `_gathered_patches` needs at least this many input channels: a gather copies one pixel's
 # cin floats at a time. B = 256, no XLA, oneDNN on, load 6-7, CPU ms of the patches, gather
 # against conv_unfold.patches: 16x16 inputs, 3x3 kernel, stride 1, "same" (ExtractImagePatches):
@@ -112,7 +114,7 @@ _PER_EXAMPLE_SLOWDOWN = 4
 # budget.KEEP_BYTES (B P 4 bytes, P kernel entries): beyond, only the norms are kept and the
 # clipped sum is one whole-batch filter gradient of the clip-weighted output gradients
 # (book-keeping, Bu et al. 2023, Sec. 3). Tutorial CNN, first convolution (P = 1,024): kept
-# up to B = 2,048, one call up to 384 examples (_DEPTHWISE_CHANNELS), chunks of 256 beyond.
+# up to B = 2,048, one call up to 384 examples (_DEPTHWISE_CHANNELS), chunks of 128 beyond.
 
 
 def _in_xla_control_flow():
@@ -379,13 +381,15 @@ class _Form(NamedTuple):
   """A per-example form of a convolution: chunk_fn(x4 [m, ...], dz4 [m, ...]) -> g
   [rows, m, cols] float32 (example i's gradient is g[:, i, :]); temp_bytes: its temporaries
   per example; cap: at most this many examples per chunk; to_kernel: a sum of g over the
-  examples [rows, cols] -> [kh, kw, cin, cout]."""
+  examples [rows, cols] -> [kh, kw, cin, cout]; whole: at most this many examples in one call
+  on the whole batch (`_per_example_pass`; at least cap)."""
   chunk_fn: Callable
   rows: int
   cols: int
   temp_bytes: int
   cap: int
   to_kernel: Callable
+  whole: int = 1 << 30
 
 
 def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
@@ -399,7 +403,8 @@ def _per_example_form(form, x4, dz4, ksize, stride, dilation, padding):
   if form == "depthwise" and stride[0] == stride[1]:
     return _Form(lambda x, d: _depthwise_chunk(x, d, ksize, stride, padding), kh * kw,
                  cin * cout, 4 * (size(x4) + size(dz4) * cin + 2 * p),
-                 max(1, _DEPTHWISE_CHANNELS // cin), kernel)
+                 max(1, _DEPTHWISE_CHUNK_CHANNELS // cin), kernel,
+                 max(1, _DEPTHWISE_CHANNELS // cin, _DEPTHWISE_CHUNK_CHANNELS // cin))
   if form in ("depthwise", "filter"):
     return _Form(lambda x, d: _filter_chunk(x, d, ksize, stride, padding), 1, p,
                  4 * (size(x4) + size(dz4) + 2 * p), 1 << 30, kernel)
@@ -607,7 +612,7 @@ def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
   one chunk at a time (budget.chunk_size) unless the batch fits one chunk (or k is a tensor).
   Kept gradients of one example per record are formed in one call on the batch while its
   temporaries other than the gradients themselves (budget.KEEP_BYTES' part) fit
-  budget.CHUNK_BYTES (at most form.cap examples): the form's temporaries less the gradient,
+  budget.CHUNK_BYTES (at most form.whole examples): the form's temporaries less the gradient,
   and less its squares where `_fuses_squares`. Over chunks, each chunk's gradients are temporaries too, and stacking
   them copies the kept ones (the tutorial CNN's second convolution at B = 256: 4.96 ms CPU
   in one call against 6.13 in 4 chunks, no XLA, oneDNN on, load 12).
@@ -652,7 +657,7 @@ def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
     # examples' own (records of several examples keep their sums: the examples' are temporaries)
     per_example = form.temp_bytes - 4 * form.rows * form.cols * (
         2 if _fuses_squares(form.rows, form.cols) else 1)
-    whole = min(form.cap, budget.CHUNK_BYTES // max(per_example, 1))
+    whole = min(form.whole, budget.CHUNK_BYTES // max(per_example, 1))
   out = _over_chunks(body, x4, dz4, m, k, specs, whole)
   return out if with_grads else out[0]
 
