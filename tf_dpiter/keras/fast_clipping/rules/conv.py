@@ -84,11 +84,12 @@ _MAX_DEPTHWISE_ENTRIES = 1 << 16
 # 14.62; cin 4, cout 8, 127 / 128 examples 5.28 / 12.02), and below that one call on the
 # whole batch is cheaper than chunks (no map loop, no padded rows: the tutorial CNN's first
 # convolution at 200 / 256 / 272 / 320 / 400 examples, 2.36 / 2.55 / 3.15 / 3.47 / 4.45 ms in
-# one call against 3.5 / 2.89 / 4.64 / 4.39 / 6.05 in chunks of 128; its step through `fit`
-# at B = 256: benchmarks/HISTORY.md, session 41). So a batch of at most
+# one call against 3.5 / 2.89 / 4.64 / 4.39 / 6.05 in chunks of 128 padded to 128 rows;
+# the rule's per-example pass with its balanced chunks at Poisson batches of mean 256, 3.09 ->
+# 2.95 ms; benchmarks/conv_depthwise_channels.py). So a batch of at most
 # _DEPTHWISE_CHANNELS // cin examples is one call; a larger one runs in chunks of at most
-# _DEPTHWISE_CHUNK_CHANNELS // cin examples: at B = 1024 chunks of 256 cost the fit step 4-5
-# CPU ms more than chunks of 128 (session 41, two runs, load 9-12), and oneDNN's own scratch
+# _DEPTHWISE_CHUNK_CHANNELS // cin examples (chunks of 256 examples of one channel showed no
+# gain at B = 1024, within the fit benchmark's noise), and oneDNN's own scratch
 # memory (outside TensorFlow's allocator) grows with the chunk: the per-example pass of that
 # convolution at B = 1024 raised the peak RSS by 62 MiB in chunks of 256, 40 in chunks of
 # 128, 36 in chunks of 64, for 13.7, 13.2 and 14.2 ms of CPU time (2026-11-28, load 7).
