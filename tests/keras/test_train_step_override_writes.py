@@ -437,3 +437,37 @@ def test_two_private_steps_on_one_batch_are_refused(sampling, jit):
   with pytest.raises(dp.errors.PrivacyConfigError, match="private step twice on one batch"):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling=sampling)
   assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class WeightedTargetDrift(dp.keras.DPSequential):
+  """Keeps the sample weights' running mean beside the weights, from a compute_metrics
+  override, only when the batch has sample weights."""
+
+  def build(self, input_shape):
+    super().build(input_shape)
+    self.weight_mean = self.add_weight(shape=(), initializer="zeros", trainable=False,
+                                       name="weight_mean")
+
+  def compute_metrics(self, x, y, y_pred, sample_weight=None):
+    if sample_weight is not None:
+      self.weight_mean.assign(tf.reduce_mean(sample_weight))
+    return super().compute_metrics(x, y, y_pred, sample_weight)
+
+
+def test_a_compute_metrics_override_retraced_for_sample_weights_is_walked():
+  """Session 41 (the gap review R10 found for train_step overrides, finding 7): a first fit
+  without sample weights traces the compute_metrics override (its write not taken) and
+  checks it; a second fit with sample weights reuses the train function, which Keras
+  retraces for the new structure, where the override writes a weight from the batch's
+  sample weights (replace one example: record 0's weight moves the weight's value). Each
+  trace is walked now: refused before the second fit's first step."""
+  x, y = _data()
+  keras.utils.set_random_seed(0)
+  model = WeightedTargetDrift([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  steps = int(model.optimizer.iterations.numpy())
+  with pytest.raises(dp.errors.PrivacyConfigError, match="weight_mean"):
+    model.fit(x, y, sample_weight=np.ones(len(x), "float32"), batch_size=10, epochs=1,
+              verbose=0, sampling="shuffle")
+  assert int(model.optimizer.iterations.numpy()) == steps
