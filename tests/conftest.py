@@ -30,6 +30,16 @@ same settings: XLA_FLAGS by inheritance, Grappler off through `SUBPROCESS_SITE` 
 process that runs default-tier tests; a subprocess whose environment replaces PYTHONPATH
 keeps Grappler on).
 
+Allocator: the default tier's test processes run on jemalloc instead of glibc's malloc
+(`_jemalloc` below): the controller puts jemalloc's shared library (found through the dynamic
+linker's cache, `ctypes.util.find_library`; Debian's libjemalloc2, which redis-server, a CI
+package, depends on) in LD_PRELOAD before xdist starts its workers, so the workers and the
+tests' subprocesses start on it; a process that already runs (`-n 0`) keeps its allocator.
+Graph construction and function instantiation allocate many small C++ objects: measured -12
+to -14 % of the per-test CPU (benchmarks/SUITE_CUTS.md, session 41). Nothing changes when the
+library is absent, when LD_PRELOAD is already set, or in the nightly tier;
+TF_DPITER_TEST_JEMALLOC=0 / 1 forces it off / on in either tier.
+
 Worker crashes: an xdist worker that dies mid-test (a fatal signal in TensorFlow's C++ code,
 or a kill by the kernel's out-of-memory killer) is reported with what it left: pytest's
 `faulthandler` prints a fatal signal's Python traceback to the terminal, and each worker
@@ -51,6 +61,7 @@ the collector's permanent generation, which later collections no longer scan), "
 same without the freeze) or "test" (after each test) switches it on for measurements.
 """
 
+import ctypes.util
 import gc
 import os
 import resource
@@ -108,11 +119,29 @@ def _gc_threshold():
 
 
 GC_THRESHOLD = "20000,20,20"
+JEMALLOC_ENV = "TF_DPITER_TEST_JEMALLOC"
+
+
+def _jemalloc(config):
+  """The library the test processes this one starts should preload (module docstring):
+  jemalloc's soname in the default tier (TF_DPITER_TEST_JEMALLOC=1: in any tier), None when
+  TF_DPITER_TEST_JEMALLOC=0, LD_PRELOAD is already set (the user's choice stands) or the
+  dynamic linker knows no jemalloc."""
+  switch = os.environ.get(JEMALLOC_ENV)
+  if switch == "0" or os.environ.get("LD_PRELOAD"):
+    return None
+  if switch != "1" and not _fast_compile(config):
+    return None
+  return ctypes.util.find_library("jemalloc")
 
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long runs, not part of the default suite")
   _gc_threshold()
+  if not hasattr(config, "workerinput"):   # xdist's workers inherit the controller's choice
+    preload = _jemalloc(config)
+    if preload:
+      os.environ["LD_PRELOAD"] = preload
   warnings.filterwarnings("ignore", message=".*NOT differentially private.*")
   if _fast_compile(config):
     # XLA reads XLA_FLAGS at its first compilation, after this hook (no test module is

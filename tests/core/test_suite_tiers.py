@@ -1,7 +1,7 @@
 """tools/suite_tiers.py: a `SLOW_CASES` id that names no case of its module is reported;
 tests/conftest.py: the per-test CPU seconds, the default tier's compile settings, in the
-test processes and in their Python subprocesses, and the measurement switch of what a test
-module's end releases."""
+test processes and in their Python subprocesses, its allocator, and the measurement switch of
+what a test module's end releases."""
 
 import ast
 import gc
@@ -127,6 +127,39 @@ def test_the_subprocesses_of_this_run_get_the_setting_of_its_tier(request):
     assert paths[0] == conftest.SUBPROCESS_SITE
   else:
     assert conftest.SUBPROCESS_SITE not in paths
+
+
+def test_the_default_tier_starts_its_test_processes_on_jemalloc(monkeypatch, request):
+  """tests/conftest.py's `_jemalloc`: the default tier preloads jemalloc's library (also any
+  tier with TF_DPITER_TEST_JEMALLOC=1), the nightly tier does not, nor a run with the switch
+  at 0 or an LD_PRELOAD already set, nor a machine without the library; an xdist worker
+  started with it preloaded runs on it."""
+  import ctypes.util  # pylint: disable=g-import-not-at-top
+  from tests import conftest  # pylint: disable=g-import-not-at-top
+
+  def config(markexpr):
+    return types.SimpleNamespace(getoption=lambda name, default=None: markexpr)
+
+  jemalloc = lambda: conftest._jemalloc(config("not slow"))   # pylint: disable=protected-access  # noqa: E731
+  for name in ("TF_DPITER_TEST_JEMALLOC", "TF_DPITER_TEST_FAST_COMPILE", "LD_PRELOAD"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(ctypes.util, "find_library", lambda name: f"lib{name}.so.9")
+  assert jemalloc() == "libjemalloc.so.9"
+  assert conftest._jemalloc(config("slow")) is None   # pylint: disable=protected-access
+  monkeypatch.setenv("TF_DPITER_TEST_JEMALLOC", "1")
+  assert conftest._jemalloc(config("slow")) == "libjemalloc.so.9"   # pylint: disable=protected-access
+  monkeypatch.setenv("TF_DPITER_TEST_JEMALLOC", "0")
+  assert jemalloc() is None
+  monkeypatch.delenv("TF_DPITER_TEST_JEMALLOC")
+  monkeypatch.setenv("LD_PRELOAD", "libother.so")
+  assert jemalloc() is None
+  monkeypatch.delenv("LD_PRELOAD")
+  monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+  assert jemalloc() is None
+  monkeypatch.undo()
+  if os.environ.get("PYTEST_XDIST_WORKER") and "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+    with open("/proc/self/maps", encoding="utf-8") as f:
+      assert "libjemalloc" in f.read()
 
 
 @pytest.mark.parametrize("mode", ["module_freeze", "none"])
