@@ -8,6 +8,7 @@ the cost model picks the
 measured-cheaper form for the tutorial CNN's two convolutions."""
 
 import functools
+import os
 
 import keras
 import numpy as np
@@ -265,7 +266,12 @@ def test_fold_gram_temp_bytes_bound_the_allocator_peak(case):
     base = tf.config.experimental.get_memory_info("CPU:0")["current"]
     norms(x, dz).numpy()
     peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - base)
-  assert 0 < max(peaks) <= b * per_example, (peaks, b * per_example)
+  # TensorFlow's CPU allocator counts each buffer at its allocator's usable size: glibc's is
+  # the size asked for (to 16 bytes), jemalloc's (the default tier's processes run on it when
+  # installed, tests/conftest.py) a size class up to 25 % above it (four classes per doubling:
+  # 14 MiB for a 12.6 MiB buffer)
+  rounding = 1.25 if "jemalloc" in os.environ.get("LD_PRELOAD", "") else 1.0
+  assert 0 < max(peaks) <= b * per_example * rounding, (peaks, b * per_example, rounding)
   if in_shape == (13, 13, 16):
     assert budget.chunk_size(per_example, k) == {1: 256, 2: 128}[k]
 
