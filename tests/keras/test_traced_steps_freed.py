@@ -7,7 +7,7 @@ moves it onto the step's graph (keras_internals.graph_owned_gradients). TensorFl
 Dataset.scan adds its function to the global default graph even when executing eagerly, which
 would hold the fit's sampler and the arrays it reads (tf_dpiter/data/python_source.py); the
 library takes it out again. Checked: after a shuffled fit of a DP model and its deletion, the
-live traced graphs (FuncGraph) and TensorFlow's gradient registry are back to what they were
+live traced graphs (FuncGraph) and TensorFlow's gradient registry are no more than they were
 after a first, identical fit.
 """
 
@@ -46,4 +46,6 @@ def test_a_deleted_dp_model_frees_its_traced_steps(jit):
   before = _alive()
   for _ in range(2):
     _fit(jit)
-  assert _alive() == before
+  after = _alive()
+  # no growth; fewer is fine (a graph an earlier test left to a cache may go meanwhile)
+  assert after[0] <= before[0] and after[1] <= before[1], (after, before)
