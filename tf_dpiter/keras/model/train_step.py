@@ -212,10 +212,16 @@ _STEP_WRITES = "the model's training-mode call or its loss in the private step"
 
 
 class _Eager:
-  """The key of checks made eagerly (`_checked_in_this_trace`)."""
+  """The trace key of code run eagerly (`_trace`)."""
+  name = "eager execution"
 
 
 _EAGER = _Eager()
+
+
+def _trace():
+  """The graph being traced, or `_EAGER`: the key of the checks made once per trace."""
+  return _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
 def _checked_in_this_trace(model, attr):
@@ -223,16 +229,14 @@ def _checked_in_this_trace(model, attr):
   Keras traces a train function again for a new input structure (sample weights in a second
   fit), where a user's override may take another branch, so each trace is checked."""
   done = getattr(model, attr, None)
-  key = _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-  return done is not None and key in done
+  return done is not None and _trace() in done
 
 
 def _mark_checked_in_this_trace(model, attr):
   """Records in `model.attr` that its check passed in the graph being traced (or eagerly)."""
   if getattr(model, attr, None) is None:
     object.__setattr__(model, attr, weakref.WeakSet())
-  getattr(model, attr).add(_EAGER if tf.executing_eagerly()
-                           else tf.compat.v1.get_default_graph())
+  getattr(model, attr).add(_trace())
 
 
 def _replica():
@@ -260,7 +264,7 @@ def _refuse_second_step(model):
   replica = _replica()
   if runs is None or replica not in runs:
     return   # Keras' own call of the step: once per batch
-  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  graph = _trace()
   if graph is not runs[replica][1]:
     name = type(model).__name__
     raise PrivacyConfigError(
@@ -297,7 +301,7 @@ def _checked_override(step_fn):
       object.__setattr__(self, "_dp_steps_in_override", runs)
     replica = _replica()
     # the library's steps this call runs, and the graph it runs in (`_refuse_second_step`)
-    runs[replica] = [0, None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()]
+    runs[replica] = [0, _trace()]
     try:
       return step_fn(self, data)
     finally:
@@ -723,11 +727,10 @@ class TrainStepMixin:
     never run): the batch it is handed must be the override's rows, each a function of one
     record (row_provenance); every metric variable is written from it, as the step logs the
     batch's un-noised loss and metrics, then the logs are read from them."""
-    step = self._dp_optimizer().private_step
     row_provenance.refuse_row_mixing(
         data, f"the train_step override of {type(self).__name__}",
         public=list(self.variables) + list(self.optimizer.variables),
-        private_size=step.sampling is None or step.expected_size_denominator)
+        private_size=self._dp_optimizer().private_step.private_batch_size)
     parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
                                    tf.float32))
              for t in tf.nest.flatten(data, expand_composites=True)

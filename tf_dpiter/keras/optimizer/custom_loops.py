@@ -245,7 +245,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
     row_provenance.refuse_row_mixing(
         data, "compute_private_gradients(data=...)",
         public=list(variables) + list(model.variables if model is not None else ()),
-        private_size=step.sampling is None or step.expected_size_denominator)
+        private_size=step.private_batch_size)
     return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                          vectorize)
   _check_batch_independent(model, tape is not None)

@@ -139,6 +139,13 @@ class PrivateStep:
     return self._plan.noise.flat_params()
 
   @property
+  def private_batch_size(self):
+    """True unless the declared sampling's batch size is public (a fixed size, shuffled
+    passes): under Poisson-type sampling, or none declared yet, a batch's size depends on
+    which records were sampled, so a value computed from it is data."""
+    return self.sampling is None or self.expected_size_denominator
+
+  @property
   def stddev(self):
     """sigma = z S in sum units (None with a custom dp_query)."""
     if self._plan.custom_query:
