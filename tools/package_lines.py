@@ -72,12 +72,18 @@ FEATURE_FILES = {
     "tf_dpiter/keras/internals/data_writes.py": (
         "dce4fdf", "CHANGELOG Fixed: state written from the data found in the program and "
                    "refused (review R3, session 34)"),
+    "tf_dpiter/keras/internals/row_provenance.py": (
+        "7667066", "CHANGELOG Fixed (session 40): records combined before the private step "
+                   "refused at the trace (keras/internals/row_provenance.py; review R9)"),
 }
 
 # path -> (commit that added it, why it is not a feature)
 STRUCTURE_FILES = {
     "tf_dpiter/keras/internals/__init__.py": (
         "dd3b07a", "the keras/internals leaf sub-package (modules moved from keras/model)"),
+    "tf_dpiter/keras/internals/keras_internals.py": (
+        "dd3b07a", "the private-API wrappers moved from keras/model into the keras/internals "
+                   "leaf (issue 41's leaf for the Keras internals)"),
     "tf_dpiter/keras/internals/runtime.py": (
         "dd3b07a", "moved from keras/optimizer/routing (oneDNN, XLA context, loss scale)"),
     "tf_dpiter/keras/optimizer/budget_copy.py": (
