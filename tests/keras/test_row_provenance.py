@@ -35,8 +35,9 @@ _MIXING = {
 
 def _per_record(x):
   """Per-record transforms: constants, elementwise math, a per-row norm, a reshape keeping
-  the rows, a lookup in a public table."""
-  x = (tf.cast(x, tf.float32) - _MEAN) / 2.0
+  the rows, a lookup in a public table, the feature count read from the batch's shape (a
+  dimension the trace knows: no data under Poisson sampling either)."""
+  x = (tf.cast(x, tf.float32) - _MEAN) / tf.cast(tf.shape(x)[-1] - 1, tf.float32)
   x = x / (tf.norm(x, axis=1, keepdims=True) + 1.0) * tf.nn.softmax(x)
   x = tf.reshape(tf.reshape(x, [-1, 3, 1]), [-1, 3])
   return x * tf.gather(_TABLE, tf.cast(x[:, 0] > 0, tf.int32))[:, None]
@@ -71,13 +72,35 @@ def test_an_override_mixing_rows_before_the_step_is_refused(mixing):
   assert int(model.optimizer.iterations.numpy()) == 0
 
 
-def test_an_override_with_per_record_transforms_trains():
+@pytest.mark.parametrize("sampling", ["shuffle", "poisson"])
+def test_an_override_with_per_record_transforms_trains(sampling):
   x, y = _fit_data()
   keras.utils.set_random_seed(0)
   model = Transformed([keras.Input((3,)), keras.layers.Dense(1)], transform=_per_record)
   model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
-  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling=sampling)
   assert model.privacy_statement(1e-5).steps == 4
+
+
+def _one_hot_to_the_largest_label(x):
+  """A one_hot whose depth is the batch's largest value: one record sets every row's."""
+  depth = tf.reduce_max(tf.cast(x[:, 0] > 100.0, tf.int32)) + 1
+  return x * tf.reduce_mean(tf.one_hot(tf.zeros_like(x[:, 0], tf.int32), depth), axis=1,
+                            keepdims=True)
+
+
+def test_a_bound_computed_from_the_batch_is_refused():
+  """A shape argument from the batch's values (a one_hot's depth: session 41's walk skipped
+  shape arguments, so the sequences trimmed to the batch's longest of review R11 passed;
+  tests/keras/test_session41_checks_review.py measures that one)."""
+  x, y = _fit_data()
+  keras.utils.set_random_seed(0)
+  model = Transformed([keras.Input((3,)), keras.layers.Dense(1)],
+                      transform=_one_hot_to_the_largest_label)
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=1.0), "mse")
+  with pytest.raises(dp.errors.PrivacyConfigError, match="computed from the batch's values"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert int(model.optimizer.iterations.numpy()) == 0
 
 
 @pytest.mark.parametrize("mixing", ["batch_mean", None])

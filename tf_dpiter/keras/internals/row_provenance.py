@@ -12,21 +12,24 @@ probe covers the model's layers; this walk covers the code before the step.
 `refuse_row_mixing` walks back, in the graph being traced, from the tensors handed to the
 private step to where their data enters: the batch (the trace's arguments and captured
 tensors, a dataset's next element, a Python function's result, a variable that is not the
-model's), and arrays embedded in the program (a floating constant of more than one element:
-a public table, or a dataset the step gathers its sample from). It accepts only ops that
-keep rows apart: casts and identities, elementwise math (broadcasting operands that are
+model's), and arrays embedded in the program (a constant of more than one element, of any
+dtype: a public table, or a dataset the step gathers its sample from). It accepts only ops
+that keep rows apart: casts and identities, elementwise math (broadcasting operands that are
 themselves rows or come from no data), `tf.where`, clipping, one-hot, a lookup of each row
 in a table that is not the batch (a public table, a stored dataset), a slice, reversal,
-padding or tiling keeping every row in place, transposes, reductions, stacks and
-concatenations over axes other than the batch's, a matrix product of rows by a matrix that
-is not the batch, a reshape that keeps the leading axis. Anything else that depends on the
-data (a reduction over the batch, a gather or slice across rows, a sort, a random shuffle, a
-Python function) is refused, conservatively: do per-record transforms in the model
-(preprocessing layers) or in the dataset (`dp.data.map_records`). Shape arguments (a
-reshape's target, a fill's dims) carry no rows; under Poisson-type sampling the batch's size
-is private (it depends on which records were sampled), so a data tensor's shape used as a
-value (a row's position from `tf.range`, rows scaled by the size) is refused too (review
-R10, session 41: 2.2 times the step's allowance for a row-position feature).
+padding or tiling keeping every row in place, an image resized alone, transposes,
+reductions, stacks and concatenations over axes other than the batch's, a matrix product of
+rows by a matrix that is not the batch, a reshape that keeps the leading axis. Anything else
+that depends on the data (a reduction over the batch, a gather or slice across rows, a sort,
+a random shuffle, a Python function) is refused, conservatively: do per-record transforms in
+the model (preprocessing layers) or in the dataset (`dp.data.map_records`). Shape arguments
+(a reshape's target, a fill's dims) carry no rows; under Poisson-type sampling the batch's
+size is private (it depends on which records were sampled), so a data tensor's shape used as
+a value (a row's position from `tf.range`, rows scaled by the size) is refused too (review
+R10, session 41: 2.2 times the step's allowance for a row-position feature), but not the
+dimensions the trace knows (tf.shape(x)[-1] of a batch of static features). A shape, bound
+or axis computed from the batch's values is refused (sequences trimmed to the batch's
+longest: 3.3 times the allowance, review R11, session 42).
 """
 
 import numpy as np
@@ -57,6 +60,8 @@ _SOURCES = frozenset(["Placeholder", "IteratorGetNext", "IteratorGetNextSync",
                       "OptionalGetValue"])
 _PYTHON = frozenset(["EagerPyFunc", "PyFunc", "PyFuncStateless"])   # rows unknown: the batch
 _READS = frozenset(["ReadVariableOp", "ResourceGather", "ResourceGatherNd"])
+_RESIZE = frozenset(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
+                     "ScaleAndTranslate"])
 
 
 def _axes(op):
@@ -126,6 +131,8 @@ def _keeps_rows(op, rows):
             and op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
             and not op.get_attr("shrink_axis_mask") & 1
             and not op.get_attr("new_axis_mask") & 1)
+  if op.type in _RESIZE:   # each image [B, H, W, C] resized alone, to a size not the batch's
+    return op.inputs[0].shape.rank == 4 and not rows(op.inputs[1])
   if op.type in ("GatherV2", "ResourceGather"):   # a lookup of each row in a data-free table
     table = op.inputs[0]
     axis = tf.get_static_value(op.inputs[2]) if op.type == "GatherV2" else 0
@@ -140,18 +147,40 @@ def _keeps_rows(op, rows):
   return False
 
 
+def _static_dims(op):
+  """True when `op`, a StridedSlice, takes dimensions of a Shape that the trace knows
+  (tf.shape(x)[-1], tf.shape(x)[1:] of a batch whose other axes are static): a constant of
+  the program, whatever the batch's size."""
+  source = op.inputs[0].op
+  if source.type != "Shape" or op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+    return False
+  dims = source.inputs[0].shape
+  bounds = [tf.get_static_value(op.inputs[i]) for i in (1, 2, 3)]
+  if dims.rank is None or any(b is None or np.size(b) != 1 for b in bounds):
+    return False
+  dims = dims.as_list()
+  begin, end, stride = (int(np.ravel(b)[0]) for b in bounds)
+  if op.get_attr("shrink_axis_mask") & 1:
+    taken = [dims[begin]] if -len(dims) <= begin < len(dims) else [None]
+  else:
+    taken = dims[None if op.get_attr("begin_mask") & 1 else begin:
+                 None if op.get_attr("end_mask") & 1 else end:stride]
+  return all(d is not None for d in taken)
+
+
 class _Provenance:
   """What each tensor of a trace is computed from: 0 no data, 1 an array embedded in the
-  program (a floating constant of more than one element: a table, or a dataset the step
-  gathers its sample from), 2 the batch (the trace's arguments and captured tensors, a
+  program (a constant of more than one element, of any dtype: a table, or a dataset the step
+  gathers its sample from, uint8 images or token ids too), 2 the batch (the trace's arguments and captured tensors, a
   dataset's next element, a Python function's result, a variable that is not `public`).
   Shape arguments (a reshape's target, a fill's dims) carry no rows; a data tensor's shape
   is data when the batch size is private (Poisson-type sampling: its size depends on which
   records were sampled, so a row's position or the size used as a value moves every row)."""
 
-  def __init__(self, public, private_size):
+  def __init__(self, public, private_size, values=None):
     self._public = {id(v.handle) for v in public}
     self._private_size = private_size
+    self._values = values   # the batch's values alone, if not `self` (a shape argument's)
     self._memo = {}
 
   @staticmethod
@@ -175,15 +204,19 @@ class _Provenance:
       return 2
     if op.type in _READS:   # a gather from a public variable: its indices decide
       return 2 if not self._public_read(op) else (0 if op.type == "ReadVariableOp" else None)
-    if not op.inputs:
+    if not op.inputs:   # an array of any dtype (uint8 images, token ids, strings)
       size = t.shape.num_elements()
-      return int(op.type == "Const" and (t.dtype.is_floating or t.dtype.is_complex)
-                 and (size is None or size > 1))
+      return int(op.type == "Const" and (size is None or size > 1))
+    if op.type == "StridedSlice" and _static_dims(op):
+      return 0
     return None
 
   def kind(self, t):
-    """0, 1 or 2 (class docstring), iteratively: graphs can be deep."""
+    """0, 1 or 2 (class docstring), iteratively: graphs can be deep. A shape argument from
+    the batch's values (a one_hot's depth, a slice's bound) makes its op's output the
+    batch's: the output's shape, so every row's values, then depend on the batch."""
     memo, stack = self._memo, [t]
+    values = self._values or self
     while stack:
       u = stack[-1]
       if u.ref() in memo:
@@ -191,20 +224,29 @@ class _Provenance:
         continue
       leaf = self._leaf(u)
       if leaf is None:
+        bounds = []
         if u.op.type in _SHAPES:
           ins = list(u.op.inputs)
         elif u.op.type in _READS:
           ins = [u.op.inputs[1]]
         else:
           ins = [i for _, i in self.value_inputs(u.op)]
-        todo = [i for i in ins if i.ref() not in memo]
+          bounds = self.shape_args(u.op)
+        todo = [i for i in ins + (bounds if values is self else []) if i.ref() not in memo]
         if todo:
           stack.extend(todo)
           continue
-        leaf = max([memo[i.ref()] for i in ins], default=0)
+        leaf = max([memo[i.ref()] for i in ins]
+                   + [2 for b in bounds if values.kind(b) == 2], default=0)
       memo[u.ref()] = leaf
       stack.pop()
     return memo[t.ref()]
+
+  @staticmethod
+  def shape_args(op):
+    """`op`'s inputs that are a shape, bounds or axes only (`data_writes.shape_only_args`)."""
+    return [op.inputs[i] for i in data_writes.shape_only_args(op.type, len(op.inputs))
+            if op.inputs[i].dtype != tf.resource]
 
 
 def refuse_row_mixing(tensors, what, public=(), private_size=True):
@@ -227,7 +269,8 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
           if isinstance(t, tf.Tensor) and not isinstance(t, tf.__internal__.EagerTensor)]
   if not flat:
     return
-  data = _Provenance(public, private_size)
+  values = _Provenance(public, False)   # what the batch's values (not its size) reach
+  data = _Provenance(public, True, values) if private_size else values
   seen, stack = set(), [t.op for t in flat]
   while stack:
     op = stack.pop()
@@ -246,6 +289,16 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
           "per-record transforms in the model (its preprocessing layers) or in the dataset "
           "(dp.data.map_records), and hand the batch to the step as it comes. Received: a "
           f"{op.type} op between the batch and the private step")
+    bound = next((b for b in data.shape_args(op) if values.kind(b) == 2), None)
+    if bound is not None:   # x[:, :tf.reduce_max(lengths)]: one record sets every row's
+      raise PrivacyConfigError(   # length, padding or depth
+          f"{what} gives the {op.type} op {op.name!r} a shape, bound or axis computed from "
+          f"the batch's values ({bound.op.type} op {bound.op.name!r}: e.g. sequences trimmed "
+          "or padded to the batch's longest, one_hot to the batch's largest label): one "
+          "record would then change every other record's row, and the clipped sum would no "
+          "longer bound its influence by the clip. Use a bound fixed in advance (the "
+          "dataset's maximum length, the class count) or a mask. Received: a bound from "
+          f"the batch for a {op.type} op")
     # a lookup table and a matrix product's right operand were checked free of the batch
     table = {"GatherV2": 0, "MatMul": 1, "BatchMatMulV2": 1}.get(op.type)
     stack.extend(t.op for i, t in data.value_inputs(op) if i != table and data.kind(t))

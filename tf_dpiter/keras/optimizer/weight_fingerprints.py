@@ -60,14 +60,16 @@ tf.train.Checkpoint saved more than TRACED_KEPT traced steps before its restore)
 and the refusal names the fix: a check when such a checkpoint is saved (the privacy
 statement, or a DP model's save_weights) records its state among the recorded ones.
 
-The digest of a variable whose values, as unsigned integers of their bit patterns, form the
-matrix X [R, C] (read in memory order, C = ROW_VALUES when that many divide the N values, else
-the last axis; a scalar is [1, 1]) is
+The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
+value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
+when that many divide the N words, else the last axis; a scalar is [1, 1]) is
   h(X) = sum_i a_i sum_j b_j X_ij  (mod 2^64),
 with fixed pseudorandom odd multipliers a [R], b [C] (uint64, wrapping arithmetic: exact, so
 the same on every device and in every summation order). A change of one value always changes
-h (an odd multiplier times a nonzero difference below 2^64); other changes not made to
-collide leave h unchanged with probability about 2^-64. It detects accidents, not a
+h (an odd multiplier times a nonzero difference below 2^32: no bit of it is lost mod 2^64);
+other changes not made to collide leave h unchanged with probability about 2^-33 or less (a
+change of bit 31 of many words, a float32 sign flip, enters as 2^31 times their multipliers'
+signed sum, 0 mod 2^64 with probability 2^-33). It detects accidents, not a
 deliberate collision.
 
 Cost: a variable of at most HOST_ELEMENTS real values is digested on the host (NumPy's
@@ -121,7 +123,7 @@ _RECORDS = {}
 # (R, C) -> (a, b): the multipliers, made once per shape (NumPy; TF constants)
 _MULTIPLIERS = {}
 _TF_MULTIPLIERS = {}
-_UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32, 8: tf.uint64}
+_UNSIGNED = {1: tf.uint8, 2: tf.uint16, 4: tf.uint32}
 # fixed entropy of the multipliers (any constant: they only need to be unrelated to updates)
 _ENTROPY = 0x5EED_F1A9_E2B1_7A11
 # How many digests of the values a custom loop's traced private updates left a variable keeps
@@ -413,15 +415,23 @@ def _address(array):
 
 
 def _unsigned(value):
-  """The value's bit patterns as unsigned integers (tf.bitcast; a complex value gets a last
-  axis of 2: its real and imaginary parts)."""
+  """The value's bit patterns as unsigned integers of at most 32 bits (tf.bitcast; a complex
+  value gets a last axis of 2: its real and imaginary parts; a 64-bit value or part a last
+  axis of 2 more, its two 32-bit words, `_words`)."""
   if value.dtype == tf.bool:
     return tf.cast(value, tf.uint8)
-  if value.dtype.is_complex or value.dtype.is_floating or (
-      value.dtype.is_integer and not value.dtype.is_unsigned):
+  if value.dtype.is_complex or value.dtype.is_floating or value.dtype.is_integer:
     width = value.dtype.size if not value.dtype.is_complex else value.dtype.size // 2
-    return tf.bitcast(value, _UNSIGNED[width])
+    return tf.bitcast(value, _UNSIGNED[_words(width)[0]])
   return value
+
+
+def _words(width):
+  """(bytes, count) of the words a value of `width` bytes is read as: a 64-bit value as two
+  32-bit words, so that each bit enters h times an odd multiplier (module docstring: read as
+  one uint64, bit 63 entered as 2^63 times an odd number, so flipping the signs of any even
+  number of float64 values, w -> -w, left h unchanged)."""
+  return (4, width // 4) if width == 8 else (width, 1)
 
 
 # The row length C of a value whose number of values it divides (module docstring): values of
@@ -441,9 +451,9 @@ def _numpy_digest(array, dtype):
   """h of a real or boolean value of at most HOST_ELEMENTS values, on the host (no dispatch,
   no compiled program): its bit patterns as uint64, the same products and sums mod 2^64 as
   `_fused_digest` (NumPy's uint64 arithmetic wraps), so the same digest."""
-  rows, cols = _rows_cols(tf.TensorShape(array.shape))
+  width, words = _words(1 if dtype == tf.bool else dtype.size)
+  rows, cols = _rows_cols(tf.TensorShape(array.shape + ((words,) if words > 1 else ())))
   a, b = _multipliers(rows, cols)
-  width = 1 if dtype == tf.bool else dtype.size
   bits = np.ascontiguousarray(array).reshape(-1).view(np.dtype(f"u{width}"))
   x = bits.reshape(rows, cols).astype(np.uint64)
   with np.errstate(over="ignore"):
@@ -520,7 +530,7 @@ def _compiled_h(unsigned, a, b):
   weights 62-74 against 117-118 CPU ms a pass, the first pass (6 programs compiled) 0.59
   against 0.78-0.85 CPU s."""
   x = tf.reshape(unsigned, [tf.shape(a)[0], tf.shape(b)[1]])
-  x = tf.bitcast(x, tf.int64) if x.dtype.size == 8 else tf.cast(x, tf.int64)
+  x = tf.cast(x, tf.int64)   # zero-extended: `_unsigned`'s words are of at most 32 bits
   rows = tf.linalg.matvec(x, tf.bitcast(b[0], tf.int64))
   return tf.bitcast(tf.reduce_sum(tf.bitcast(a, tf.int64) * rows), tf.uint64)
 
