@@ -14,7 +14,8 @@ Relations and units (as tests/keras/test_session40_checks_review.py): the custom
 removes one example under the user's Poisson sampling (q 0.1 of n 100, z = 0, C = 1, SGD at
 lr 0.1, a zero Dense(1)): one step moves the weights by at most lr C / 10 = 0.01. fit:
 replace-one example under shuffling (dp.data.shuffled_batches, one seed for D and D'),
-n = B = 10, one step, C = 1, lr 1: at most lr 2C / B = 0.2. The false refusals: fit with
+n = B = 10, one step, C = 1, lr 1: at most lr 2C / B = 0.2 (the mixup across batches: n = 20,
+one epoch of two steps, the record in one of them: 0.2 too). The false refusals: fit with
 Poisson sampling (add/remove one example, q 0.1 of n 100, z 1, C 1, 10 steps), stated at
 dp_accounting's RDP epsilon for the steps that ran. The digest: example-level statements
 refused after any write outside the DP run (the module's claim), here a float64 weight
@@ -70,7 +71,8 @@ def test_a_batch_mean_of_rows_gathered_from_an_integer_array_is_refused():
   same as the floating case before its fix, stated at the clip's sensitivity. Fix: a Const
   of more than one element is an embedded array whatever its dtype (integer, bool, string
   too: a token table); a small integer Const (a shape, an axis, an index list) stays no data
-  only where it is a shape argument (`data_writes.shape_only_args`) or of one element."""
+  only where it is a shape argument (`data_writes.shape_only_args`) or of one element
+  (patch /tmp/brief42/patches/R11-fix-2.patch: any dtype)."""
   _assert_within(lambda: (_quantised_gather(False), _quantised_gather(True)), _LOOP_BOUND)
 
 
@@ -225,7 +227,8 @@ def test_an_eager_override_given_sample_weights_in_a_second_fit_is_walked(monkey
   second fit: measured ||w(D) - w(D')|| = 0.5380 against the 0.2 allowed (5.4 C), stated at
   the clip's sensitivity. Fix: eagerly, key the check on the batch's structure and specs
   (tf.nest's structure of tf.type_spec_from_value of `data`: what Keras retraces on in graph
-  mode), or check the override at every eager call (it is traced alone, once per call)."""
+  mode), or check the override at every eager call (it is traced alone, once per call);
+  patch /tmp/brief42/patches/R11-fix-3.patch keys it on the nest, dtypes and ranks."""
   import tests.keras.test_session40_checks_review as r10
   monkeypatch.setattr(r10, "NormalizedWeights", EagerNormalizedWeights)
   _assert_within(lambda: (_second_fit_weights(1000.0, False), _second_fit_weights(1.0, False)),
