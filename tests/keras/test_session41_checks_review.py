@@ -261,7 +261,8 @@ def test_a_float64_weight_negated_outside_the_dp_run_is_refused():
   only mod 4, bit 61 mod 8 (a float32 or narrower value is zero-extended: every bit enters
   times an odd number, a single change always moves h). Here, after a DP fit of a float64
   model, its first kernel [4, 2] negated outside the DP run: h unchanged (measured with
-  weight_fingerprints.digest), and privacy_statement states the ledger's epsilon (3.4416) for weights no DP step made (a
+  weight_fingerprints.digest, on the host and compiled: a [300, 200] float64 value too), and
+  privacy_statement states the ledger's epsilon (3.4416) for weights no DP step made (a
   float32 model's negated kernel is refused). Fix: read a 64-bit value as two 32-bit words
   (tf.bitcast to uint32, the host's view('u4')), each zero-extended to 64 bits, so that every
   bit enters times an odd multiplier: h changes for any single changed value (patch
