@@ -60,6 +60,8 @@ _SOURCES = frozenset(["Placeholder", "IteratorGetNext", "IteratorGetNextSync",
                       "OptionalGetValue"])
 _PYTHON = frozenset(["EagerPyFunc", "PyFunc", "PyFuncStateless"])   # rows unknown: the batch
 _READS = frozenset(["ReadVariableOp", "ResourceGather", "ResourceGatherNd"])
+_DRAWS = frozenset(["StatelessRandomUniformV2", "StatelessRandomNormalV2",
+                    "StatelessTruncatedNormalV2", "RandomUniform", "RandomStandardNormal"])
 _RESIZE = frozenset(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
                      "ScaleAndTranslate"])
 
@@ -83,6 +85,8 @@ def _keeps_rows(op, rows):
   if op.type in ("Softmax", "LogSoftmax"):   # over the last axis: the batch's when rank 1
     rank = op.inputs[0].shape.rank
     return rank is not None and rank >= 2
+  if op.type == "ExpandDims" and tf.get_static_value(op.inputs[1]) == -1:
+    return True   # a new last axis (on a scalar: a batch of one row)
   if op.type in _AXIS_OPS:
     axes = _axes(op)
     return axes is not None and 0 not in axes
@@ -104,10 +108,10 @@ def _keeps_rows(op, rows):
   if op.type in ("Pack", "Unpack"):   # tf.stack / tf.unstack on an axis other than 0
     rank = op.inputs[0].shape.rank
     return rank is not None and op.get_attr("axis") % (rank + (op.type == "Pack")) != 0
-  if op.type == "Squeeze":
+  if op.type == "Squeeze":   # with no dims: drops axis 0 only for a batch of one row
     dims = op.get_attr("squeeze_dims")
     rank = op.inputs[0].shape.rank
-    return rank is not None and bool(dims) and 0 not in {d % rank for d in dims}
+    return not dims or (rank is not None and 0 not in {d % rank for d in dims})
   if op.type == "Reshape":
     before, after = op.inputs[0].shape, op.outputs[0].shape
     return (before.rank is not None and after.rank is not None and before.rank >= 1
@@ -131,13 +135,19 @@ def _keeps_rows(op, rows):
             and op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
             and not op.get_attr("shrink_axis_mask") & 1
             and not op.get_attr("new_axis_mask") & 1)
+  if op.type == "Fill" or op.type in _DRAWS:   # rows of a constant, or independent draws
+    return not any(rows(t) for _, t in _Provenance.value_inputs(op))   # of a public key
   if op.type in _RESIZE:   # each image [B, H, W, C] resized alone, to a size not the batch's
     return op.inputs[0].shape.rank == 4 and not rows(op.inputs[1])
   if op.type in ("GatherV2", "ResourceGather"):   # a lookup of each row in a data-free table
     table = op.inputs[0]
     axis = tf.get_static_value(op.inputs[2]) if op.type == "GatherV2" else 0
-    return ((table.dtype == tf.resource or not rows(table)) and axis is not None
-            and int(axis) == 0 and op.get_attr("batch_dims") == 0)
+    rank = table.shape.rank
+    if axis is None or op.get_attr("batch_dims") != 0:
+      return False
+    if rank is not None and rank > 0 and int(axis) % rank != 0:   # columns taken from each
+      return not rows(op.inputs[1])   # row, the same ones for every row
+    return int(axis) == 0 and (table.dtype == tf.resource or not rows(table))
   if op.type in ("MatMul", "BatchMatMulV2"):
     a, b = op.inputs[0], op.inputs[1]
     transposed = (op.get_attr("transpose_a") if op.type == "MatMul"
@@ -168,19 +178,37 @@ def _static_dims(op):
   return all(d is not None for d in taken)
 
 
+def _held_rows_mixed(op, data):
+  """True when `op` combines the batch with rows held in a variable that is not public (the
+  previous batch kept in a metric's variable: mixup across batches, 1.9 times the step's
+  allowance, review R11, session 42): such a read holds other records, not this batch's
+  row i; it may be looked up (a Gather's table) or broadcast over the rows, not aligned
+  with them."""
+  ins = [t for _, t in data.value_inputs(op)]
+  if len(ins) < 2 or not any(data.kind(t) == 3 for t in ins):
+    return False
+  out_rank = op.outputs[0].shape.rank if op.outputs else None
+  held = {t.ref() for t in ins if data.kind(t) == 3 and (
+      t.shape.rank is None or out_rank is None
+      or (t.shape.rank == out_rank and t.shape.rank >= 1 and t.shape[0] != 1))}
+  return bool(held) and any(data.kind(t) for t in ins if t.ref() not in held)
+
+
 class _Provenance:
   """What each tensor of a trace is computed from: 0 no data, 1 an array embedded in the
   program (a constant of more than one element, of any dtype: a table, or a dataset the step
-  gathers its sample from, uint8 images or token ids too), 2 the batch (the trace's arguments and captured tensors, a
-  dataset's next element, a Python function's result, a variable that is not `public`).
-  Shape arguments (a reshape's target, a fill's dims) carry no rows; a data tensor's shape
-  is data when the batch size is private (Poisson-type sampling: its size depends on which
-  records were sampled, so a row's position or the size used as a value moves every row)."""
+  gathers its sample from, uint8 images or token ids too), 2 the batch (the trace's arguments
+  and captured tensors, a dataset's next element, a Python function's result), 3 rows held
+  in a variable that is not `public` (other records, maybe an earlier batch: taken as the
+  batch, and never aligned with it, `_held_rows_mixed`). Shape arguments (a reshape's
+  target, a fill's dims) carry no rows unless computed from the batch's values; a data
+  tensor's shape is data when the batch size is private (Poisson-type sampling: its size
+  depends on which records were sampled, so a row's position or the size used as a value
+  moves every row), but not its dimensions the trace knows."""
 
-  def __init__(self, public, private_size, values=None):
+  def __init__(self, public, private_size):
     self._public = {id(v.handle) for v in public}
     self._private_size = private_size
-    self._values = values   # the batch's values alone, if not `self` (a shape argument's)
     self._memo = {}
 
   @staticmethod
@@ -203,7 +231,7 @@ class _Provenance:
     if op.type in _SOURCES or op.type in _PYTHON:
       return 2
     if op.type in _READS:   # a gather from a public variable: its indices decide
-      return 2 if not self._public_read(op) else (0 if op.type == "ReadVariableOp" else None)
+      return 3 if not self._public_read(op) else (0 if op.type == "ReadVariableOp" else None)
     if not op.inputs:   # an array of any dtype (uint8 images, token ids, strings)
       size = t.shape.num_elements()
       return int(op.type == "Const" and (size is None or size > 1))
@@ -212,11 +240,10 @@ class _Provenance:
     return None
 
   def kind(self, t):
-    """0, 1 or 2 (class docstring), iteratively: graphs can be deep. A shape argument from
-    the batch's values (a one_hot's depth, a slice's bound) makes its op's output the
-    batch's: the output's shape, so every row's values, then depend on the batch."""
+    """0 to 3 (class docstring), iteratively: graphs can be deep. A shape argument from the
+    batch (a one_hot's depth, a slice's bound from its values; a fill's dims from a private
+    batch size: ones made tf.cumsum a row's position) makes its op's output the batch's."""
     memo, stack = self._memo, [t]
-    values = self._values or self
     while stack:
       u = stack[-1]
       if u.ref() in memo:
@@ -232,12 +259,12 @@ class _Provenance:
         else:
           ins = [i for _, i in self.value_inputs(u.op)]
           bounds = self.shape_args(u.op)
-        todo = [i for i in ins + (bounds if values is self else []) if i.ref() not in memo]
+        todo = [i for i in ins + bounds if i.ref() not in memo]
         if todo:
           stack.extend(todo)
           continue
         leaf = max([memo[i.ref()] for i in ins]
-                   + [2 for b in bounds if values.kind(b) == 2], default=0)
+                   + [2 for b in bounds if memo[b.ref()] >= 2], default=0)
       memo[u.ref()] = leaf
       stack.pop()
     return memo[t.ref()]
@@ -270,7 +297,7 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
   if not flat:
     return
   values = _Provenance(public, False)   # what the batch's values (not its size) reach
-  data = _Provenance(public, True, values) if private_size else values
+  data = _Provenance(public, True) if private_size else values
   seen, stack = set(), [t.op for t in flat]
   while stack:
     op = stack.pop()
@@ -279,7 +306,7 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
     seen.add(op.name)
     if not any(data.kind(o) for o in op.outputs):
       continue
-    if not _keeps_rows(op, lambda t: data.kind(t) == 2):
+    if not _keeps_rows(op, lambda t: data.kind(t) >= 2) or _held_rows_mixed(op, data):
       raise PrivacyConfigError(
           f"{what} computes the records it hands to the private step from the batch by a "
           f"{op.type} op ({op.name!r}), which can combine rows (a batch mean, a slice or "
@@ -289,7 +316,7 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
           "per-record transforms in the model (its preprocessing layers) or in the dataset "
           "(dp.data.map_records), and hand the batch to the step as it comes. Received: a "
           f"{op.type} op between the batch and the private step")
-    bound = next((b for b in data.shape_args(op) if values.kind(b) == 2), None)
+    bound = next((b for b in data.shape_args(op) if values.kind(b) >= 2), None)
     if bound is not None:   # x[:, :tf.reduce_max(lengths)]: one record sets every row's
       raise PrivacyConfigError(   # length, padding or depth
           f"{what} gives the {op.type} op {op.name!r} a shape, bound or axis computed from "
