@@ -44,23 +44,29 @@ def _op_table(xplane, steps, top):
            round(r["occurrences"] / steps, 2)) for r in rows[:top]]
 
 
+def profile_epoch(model, fit_kwargs, steps, top):
+  """The `top` ops of one profiled epoch of `model.fit(**fit_kwargs)` (`_op_table`'s rows),
+  after two warm-up epochs."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  model.fit(**fit_kwargs, epochs=2, verbose=0)
+  with tempfile.TemporaryDirectory() as logdir:
+    tf.profiler.experimental.start(logdir)
+    model.fit(**fit_kwargs, epochs=1, verbose=0)
+    tf.profiler.experimental.stop()
+    xplane = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
+    return _op_table(xplane, steps, top)
+
+
 def main():
   a = _parse()
   warnings.simplefilter("ignore")
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import fit_step_time  # pylint: disable=g-import-not-at-top
   configs = fit_step_time._configs(a.model, fit_step_time._parse(  # pylint: disable=protected-access
       ["--steps", str(a.steps), "--spe", "1", "--extra"]))
   if a.config not in configs:
     raise ValueError(f"--config must be one of {sorted(configs)}, got {a.config!r}")
   model, kw = configs[a.config]
-  model.fit(**kw, epochs=2, verbose=0)
-  with tempfile.TemporaryDirectory() as logdir:
-    tf.profiler.experimental.start(logdir)
-    model.fit(**kw, epochs=1, verbose=0)
-    tf.profiler.experimental.stop()
-    xplane = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
-    ops = _op_table(xplane, a.steps, a.top)
+  ops = profile_epoch(model, kw, a.steps, a.top)
   print(json.dumps({"model": a.model, "config": a.config, "steps": a.steps,
                     "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
                     "ops_ms_per_step": ops}), flush=True)
