@@ -21,6 +21,10 @@ Variants (all but base are cost probes, NOT private steps):
   sum_by_reduce      summation._pairwise_sum_shrinking as one reduce_sum (the pinned trees'
                      two while loops per sum gone; not the pinned order)
   no_gate            private_step.gate_sums_on_noise adds no edge
+  plus_600_ops       the DP step with 600 more tiny ops (300 independent one-entry slices of
+                     the noised result, each times a constant, summed by one AddN into it
+                     times a variable's 0): what an executed op costs the step, to weigh
+                     a change that only removes ops (the noised result is unchanged)
 Prints one JSON line: CPU ms per step, and each variant's saving against base.
 """
 
@@ -78,7 +82,27 @@ def _variants():
       "sum_by_reduce": lambda: _replaced(summation, "_pairwise_sum_shrinking",
                                          lambda x: tf.reduce_sum(x, 0)),
       "no_gate": lambda: _replaced(private_step, "gate_sums_on_noise", lambda s, n: 0),
+      "plus_600_ops": lambda: _replaced(gaussian_query, "add_gaussian_noise",
+                                        _with_tiny_ops(gaussian_query.add_gaussian_noise, 300)),
   }
+
+
+def _with_tiny_ops(add_noise, pairs):
+  """add_noise with 2 `pairs` + 1 more ops run each step: `pairs` slices of one entry of the
+  first noised leaf, each times a constant, one AddN of them, added to that leaf times 0
+  read from a variable (so that Grappler folds none of them away)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  with tf.init_scope():
+    zero = tf.Variable(0.0, trainable=False)
+
+  def noised(generator, structure, stddev):
+    leaves = tf.nest.flatten(add_noise(generator, structure, stddev))
+    flat = tf.reshape(leaves[0], [-1])
+    width = min(64, int(flat.shape[0]))
+    extra = tf.add_n([flat[i % width] * float(i + 1) for i in range(pairs)])
+    leaves[0] = leaves[0] + extra * zero.read_value()
+    return tf.nest.pack_sequence_as(structure, leaves)
+  return noised
 
 
 def main():

@@ -27,9 +27,13 @@ step is summed into the parts of the step (`split`; figure: the median over roun
   input                  the tf.data pipeline (sampling, batching)
   other                  the rest (update, ledger, loss)
 Self times are summed over threads (an op on 2 cores can exceed its wall time) and the
-machine may be shared: compare parts within one run, DP against non-private. Prints one JSON
-line: per configuration the parts in ms per step, and the DP - non-private difference per part
-for the first two configurations.
+machine may be shared: compare parts within one run, DP against non-private. The profiler's
+table holds at most 500 ops (TensorFlow 2.21: the DP CNN step's table stops at 500 rows, none
+of zero time, while the step runs about 660 ops), so the ms leave out its smallest ops. The ops executed per step are counted from the profile's trace
+instead (`op_counts`: every op run by TensorFlow's executor threads and the tf.data threads,
+and the eager ops the Python thread runs around the train function, part "eager"). Prints one
+JSON line: per configuration the parts in ms per step and in ops per step, and the DP -
+non-private difference per part for the first two configurations.
 """
 
 import argparse
@@ -101,8 +105,50 @@ def split(ops):
   return out
 
 
+# An op's run in the profile's trace: "name:Type" on TensorFlow's threads, "EagerLocalExecute:
+# Type" for an eager op on the Python thread (a tf.function's call is "__inference_...").
+_OP_EVENT = re.compile(r"^([^:]+):([A-Z_][A-Za-z0-9_]*)$")
+_EAGER_EVENT = re.compile(r"^EagerLocalExecute: (?!__inference_)([A-Z_][A-Za-z0-9_]*)$")
+
+
+def op_counts(events, steps):
+  """{part: ops executed per step} of a profile's trace.
+
+  Args:
+    events: [(line name, event name)] of the host plane's events (`_trace_events`).
+    steps: the steps the profile covers.
+
+  Returns:
+    dict, parts sorted by count (largest first), rounded to 2 decimals, with "total".
+  """
+  parts = collections.Counter()
+  for line, name in events:
+    eager = _EAGER_EVENT.match(name) if line == "python" else None
+    run = None if line == "python" else _OP_EVENT.match(name)
+    if eager:
+      parts["eager"] += 1
+    elif run and not line.startswith("tf_data"):
+      parts[part_of(run.group(2), run.group(1))] += 1
+    elif run:
+      parts["input"] += 1
+  out = {k: round(v / steps, 2) for k, v in parts.most_common()}
+  out["total"] = round(sum(parts.values()) / steps, 2)
+  return out
+
+
+def _trace_events(xplane):
+  """[(line name, event name)] of every event on the host plane of the XSpace file `xplane`."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=g-import-not-at-top
+  space = xplane_pb2.XSpace()
+  with open(xplane, "rb") as f:
+    space.ParseFromString(f.read())
+  return [(line.name, plane.event_metadata[e.metadata_id].name)
+          for plane in space.planes if plane.name.startswith("/host:")
+          for line in plane.lines for e in line.events]
+
+
 def _profile_split(model, kw, steps):
-  """{part: ms per step} of one profiled epoch of `model.fit(**kw)`."""
+  """({part: ms per step}, {part: ops per step}) of one profiled epoch of `model.fit(**kw)`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from benchmarks import fit_op_profile  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory() as logdir:
@@ -110,7 +156,8 @@ def _profile_split(model, kw, steps):
     model.fit(**kw, epochs=1, verbose=0)
     tf.profiler.experimental.stop()
     xplane = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0]
-    return split(fit_op_profile._op_table(xplane, steps, 100000))  # pylint: disable=protected-access
+    return (split(fit_op_profile._op_table(xplane, steps, 100000)),  # pylint: disable=protected-access
+            op_counts(_trace_events(xplane), steps))
 
 
 def main():
@@ -143,20 +190,31 @@ def main():
     for name in names:
       model, kw = configs[name]
       runs[name].append(_profile_split(model, kw, a.steps))
-  out = {}
-  for name, splits in runs.items():
-    parts = {k for s in splits for k in s}
-    med = {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in parts}
-    out[name] = dict(sorted(med.items(), key=lambda kv: -kv[1]))
-  diff = {}
-  if len(names) >= 2:
-    dp, plain = out[names[0]], out[names[1]]
-    diff = {k: round(dp.get(k, 0.0) - plain.get(k, 0.0), 3) for k in {**dp, **plain}}
-    diff = dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
+  medians = lambda which: {name: _medians([r[which] for r in rs]) for name, rs in runs.items()}
+  out, ops = medians(0), medians(1)
   print(json.dumps({"model": a.model, "batch": a.batch, "steps": a.steps, "jit": a.jit,
                     "rounds": a.rounds, "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
                     "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
-                    "ms_per_step": out, "difference_first_minus_second": diff}), flush=True)
+                    "ms_per_step": out, "difference_first_minus_second": _difference(out, names),
+                    "ops_per_step": ops,
+                    "ops_difference_first_minus_second": _difference(ops, names)}), flush=True)
+
+
+def _medians(splits):
+  """{part: median over the rounds' `splits`}, largest first."""
+  parts = {k for s in splits for k in s}
+  med = {k: round(statistics.median(s.get(k, 0.0) for s in splits), 3) for k in parts}
+  return dict(sorted(med.items(), key=lambda kv: -kv[1]))
+
+
+def _difference(per_config, names):
+  """{part: the first configuration's figure - the second's}, largest change first ({} for one
+  configuration)."""
+  if len(names) < 2:
+    return {}
+  dp, plain = per_config[names[0]], per_config[names[1]]
+  diff = {k: round(dp.get(k, 0.0) - plain.get(k, 0.0), 3) for k in {**dp, **plain}}
+  return dict(sorted(diff.items(), key=lambda kv: -abs(kv[1])))
 
 
 if __name__ == "__main__":

@@ -103,3 +103,22 @@ def test_split_sums_ops_per_part_without_idle():
   assert parts["input"] == pytest.approx(0.125)
   assert parts["total"] == pytest.approx(2.375)
   assert "IDLE" not in parts and list(parts)[0] == "norm:conv2d:depthwise"
+
+
+def test_op_counts_count_each_run_by_part_per_step():
+  events = [("tf_Compute/1", "StatefulPartitionedCall/norms/conv2d_depthwise_norm/Sum:Sum"),
+            ("tf_Compute/2", "StatefulPartitionedCall/norms/conv2d_depthwise_norm/Sum:Sum"),
+            ("tf_Compute/1", "StatefulPartitionedCall/clipped_sum/add:AddV2"),
+            ("tf_Compute/1", "ExecutorState::Process"),           # the executor's own event
+            ("tf_Compute/1", "ThreadpoolListener::Record"),
+            ("tf_data_private_threadpool/3", "GatherV2:GatherV2"),  # the input pipeline
+            ("python", "EagerLocalExecute: ReadVariableOp"),        # an eager op around the step
+            ("python", "EagerLocalExecute: __inference_multi_step_on_iterator_3900"),
+            ("python", "TFE_Py_FastPathExecute_C")]
+  counts = fit_step_split.op_counts(events, steps=2)
+  assert counts["norm:conv2d:depthwise"] == pytest.approx(1.0)
+  assert counts["clipped_sum_other"] == pytest.approx(0.5)
+  assert counts["input"] == pytest.approx(0.5)
+  assert counts["eager"] == pytest.approx(0.5)
+  assert counts["total"] == pytest.approx(2.5)
+  assert list(counts)[0] == "norm:conv2d:depthwise"
