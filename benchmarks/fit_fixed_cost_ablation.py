@@ -88,8 +88,8 @@ def _variants():
 
 
 def _with_tiny_ops(add_noise, pairs):
-  """add_noise with 2 `pairs` + 1 more ops run each step: `pairs` slices of one entry of the
-  first noised leaf, each times a constant, one AddN of them, added to that leaf times 0
+  """add_noise with 2 `pairs` + 1 more ops run each step: `pairs` slices of one entry each of
+  the first noised leaf (distinct entries while it has `pairs`), each times a constant, one AddN of them, added to that leaf times 0
   read from a variable (so that Grappler folds none of them away)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   with tf.init_scope():
@@ -98,8 +98,8 @@ def _with_tiny_ops(add_noise, pairs):
   def noised(generator, structure, stddev):
     leaves = tf.nest.flatten(add_noise(generator, structure, stddev))
     flat = tf.reshape(leaves[0], [-1])
-    width = min(64, int(flat.shape[0]))
-    extra = tf.add_n([flat[i % width] * float(i + 1) for i in range(pairs)])
+    size = int(flat.shape[0])   # distinct entries: Grappler merges equal slices
+    extra = tf.add_n([flat[i % size] * float(i + 1) for i in range(pairs)])
     leaves[0] = leaves[0] + extra * zero.read_value()
     return tf.nest.pack_sequence_as(structure, leaves)
   return noised

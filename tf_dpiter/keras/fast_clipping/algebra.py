@@ -855,7 +855,7 @@ def pinned_rows_product(a, b, block):
     b = tf.pad(b, [[0, pad], [0, 0]])
   blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
                      transpose_a=True)
-  return summation.pairwise_sum(blocks, most=blocks_most(rows, block))
+  return summation.pairwise_sum(blocks, const, most=blocks_most(rows, block))
 
 
 def blocks_most(rows, block):

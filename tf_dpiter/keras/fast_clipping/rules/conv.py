@@ -811,9 +811,9 @@ def _pinned_rows_product_unpadded(a, b, block):
     # the full blocks and one (maybe empty) last block: at most floor(R / block) + 1 for R
     # rows bounded by the public plan (algebra.blocks_most)
     most = algebra.plan_rows(None)
-    return summation.pairwise_sum(blocks, most=None if most is None else
+    return summation.pairwise_sum(blocks, algebra.const, most=None if most is None else
                                   int(most) // block + 1)
-  return summation.pairwise_sum(blocks)
+  return summation.pairwise_sum(blocks, algebra.const)
 
 
 def _pinned_recomputed_sum(form, x4, dz4, rc, block, sq=None):
