@@ -1,9 +1,14 @@
-"""keras/internals/runtime (oneDNN, XLA context, loss scale) and keras/optimizer/budget_copy:
-the pieces moved below the optimizer and the models keep their behaviour."""
+"""keras/internals/runtime (oneDNN, XLA context, loss scale, the train function's call options)
+and keras/optimizer/budget_copy: the pieces moved below the optimizer and the models keep
+their behaviour."""
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2
+from tensorflow.python.eager import context
 
 import tf_dpiter as dp
 from tf_dpiter.keras.internals import runtime
@@ -45,3 +50,60 @@ def test_budget_copy_calibrates_a_plain_optimizer_and_refuses_a_dp_one():
   with pytest.raises(ValueError, match="must be a plain keras.optimizers.Optimizer"):
     budget_copy.dp_copy_for_budget(opt, 3.0, 1e-5, 2, 32, 1000, 1.0, "poisson", "rdp", {},
                                    who="a test")
+
+
+_MEM = rewriter_config_pb2.RewriterConfig
+
+
+def _memory_optimization():
+  """The memory optimization of this thread's function-call options (the calls' config)."""
+  serialized = context.context().function_call_options.config_proto_serialized
+  return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options.memory_optimization
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
+def test_step_call_options_only_within_the_block_and_only_the_default():
+  ctx = context.context()
+  before = ctx.function_call_options.config_proto_serialized
+  process = tf.config.optimizer.get_experimental_options()
+  assert _memory_optimization() == _MEM.DEFAULT_MEM_OPT
+  with runtime.step_call_options():
+    assert _memory_optimization() == _MEM.NO_MEM_OPT
+  assert ctx.function_call_options.config_proto_serialized == before   # restored
+  assert tf.config.optimizer.get_experimental_options() == process      # process untouched
+  # a memory optimization the user chose for the thread's calls is kept
+  chosen = config_pb2.ConfigProto.FromString(before)
+  chosen.graph_options.rewrite_options.memory_optimization = _MEM.MANUAL
+  outer = ctx.function_call_options
+  ctx.function_call_options = context.FunctionCallOptions(outer.executor_type, chosen)
+  try:
+    with runtime.step_call_options():
+      assert _memory_optimization() == _MEM.MANUAL
+  finally:
+    ctx.function_call_options = outer
+
+
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
+def test_dp_train_function_is_called_without_the_memory_optimizer():
+  """The DP train function's call (its trace runs inside it) carries the options; after the
+  step the thread's options are back (a plain model's call carries the default)."""
+  keras.utils.set_random_seed(0)
+  inp = keras.Input((3,))
+  model = dp.keras.DPModel(inp, keras.layers.Dense(2)(inp))
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.01)
+  model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  opt.set_sampling(1000, 4 / 1000, "poisson", 4)
+  seen = []
+  inner = model.train_step
+  model.train_step = lambda data: seen.append(_memory_optimization()) or inner(data)
+  x, y = np.ones((4, 3), "float32"), np.array([0, 1, 0, 1])
+  model.train_on_batch(x, y)
+  assert seen and set(seen) == {_MEM.NO_MEM_OPT}
+  assert _memory_optimization() == _MEM.DEFAULT_MEM_OPT
+  del seen[:]
+  plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  plain.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  inner_plain = plain.train_step
+  plain.train_step = lambda data: seen.append(_memory_optimization()) or inner_plain(data)
+  plain.train_on_batch(x, y)
+  assert seen == [_MEM.DEFAULT_MEM_OPT]

@@ -412,12 +412,14 @@ class TrainStepMixin:
     first = [True]
 
     def run(iterator):
-      try:
-        return _call_retracing(self, inner[0], iterator)
-      except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
-        inner[0] = keras_function()
-        self.train_function = guarded
-        return inner[0](abandoned.batches)
+      # (Grappler's options of the function's calls: runtime.step_call_options)
+      with runtime.step_call_options():
+        try:
+          return _call_retracing(self, inner[0], iterator)
+        except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
+          inner[0] = keras_function()
+          self.train_function = guarded
+          return inner[0](abandoned.batches)
 
     def guarded(iterator):
       # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
