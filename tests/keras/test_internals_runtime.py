@@ -55,10 +55,20 @@ def test_budget_copy_calibrates_a_plain_optimizer_and_refuses_a_dp_one():
 _MEM = rewriter_config_pb2.RewriterConfig
 
 
-def _memory_optimization():
-  """The memory optimization of this thread's function-call options (the calls' config)."""
+def _rewrite():
+  """The Grappler options of this thread's function-call options (the calls' config)."""
   serialized = context.context().function_call_options.config_proto_serialized
-  return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options.memory_optimization
+  return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options
+
+
+def _grappler_options():
+  """(memory optimization, Grappler's rounds) of this thread's function calls."""
+  rewrite = _rewrite()
+  return rewrite.memory_optimization, rewrite.meta_optimizer_iterations
+
+
+_DEFAULT = (_MEM.DEFAULT_MEM_OPT, _MEM.DEFAULT_NUM_ITERS)
+_STEP = (_MEM.NO_MEM_OPT, _MEM.ONE)
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
@@ -66,25 +76,28 @@ def test_step_call_options_only_within_the_block_and_only_the_default():
   ctx = context.context()
   before = ctx.function_call_options.config_proto_serialized
   process = tf.config.optimizer.get_experimental_options()
-  assert _memory_optimization() == _MEM.DEFAULT_MEM_OPT
+  assert _grappler_options() == _DEFAULT
   with runtime.step_call_options():
-    assert _memory_optimization() == _MEM.NO_MEM_OPT
+    assert _grappler_options() == _STEP
   assert ctx.function_call_options.config_proto_serialized == before   # restored
   assert tf.config.optimizer.get_experimental_options() == process      # process untouched
-  # a memory optimization the user chose for the thread's calls is kept
-  chosen = config_pb2.ConfigProto.FromString(before)
-  chosen.graph_options.rewrite_options.memory_optimization = _MEM.MANUAL
+  # a memory optimization or a number of rounds the user chose for the thread's calls is kept
   outer = ctx.function_call_options
-  ctx.function_call_options = context.FunctionCallOptions(outer.executor_type, chosen)
-  try:
-    with runtime.step_call_options():
-      assert _memory_optimization() == _MEM.MANUAL
-  finally:
-    ctx.function_call_options = outer
+  for field, value, expected in (
+      ("memory_optimization", _MEM.MANUAL, (_MEM.MANUAL, _MEM.ONE)),
+      ("meta_optimizer_iterations", _MEM.TWO, (_MEM.NO_MEM_OPT, _MEM.TWO))):
+    chosen = config_pb2.ConfigProto.FromString(before)
+    setattr(chosen.graph_options.rewrite_options, field, value)
+    ctx.function_call_options = context.FunctionCallOptions(outer.executor_type, chosen)
+    try:
+      with runtime.step_call_options():
+        assert _grappler_options() == expected
+    finally:
+      ctx.function_call_options = outer
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
-def test_dp_train_function_is_called_without_the_memory_optimizer():
+def test_dp_train_function_is_called_with_the_step_call_options():
   """The DP train function's call (its trace runs inside it) carries the options; after the
   step the thread's options are back (a plain model's call carries the default)."""
   keras.utils.set_random_seed(0)
@@ -95,15 +108,15 @@ def test_dp_train_function_is_called_without_the_memory_optimizer():
   opt.set_sampling(1000, 4 / 1000, "poisson", 4)
   seen = []
   inner = model.train_step
-  model.train_step = lambda data: seen.append(_memory_optimization()) or inner(data)
+  model.train_step = lambda data: seen.append(_grappler_options()) or inner(data)
   x, y = np.ones((4, 3), "float32"), np.array([0, 1, 0, 1])
   model.train_on_batch(x, y)
-  assert seen and set(seen) == {_MEM.NO_MEM_OPT}
-  assert _memory_optimization() == _MEM.DEFAULT_MEM_OPT
+  assert seen and set(seen) == {_STEP}
+  assert _grappler_options() == _DEFAULT
   del seen[:]
   plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
   plain.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   inner_plain = plain.train_step
-  plain.train_step = lambda data: seen.append(_memory_optimization()) or inner_plain(data)
+  plain.train_step = lambda data: seen.append(_grappler_options()) or inner_plain(data)
   plain.train_on_batch(x, y)
-  assert seen == [_MEM.DEFAULT_MEM_OPT]
+  assert seen == [_DEFAULT]
