@@ -81,6 +81,16 @@ def test_step_call_options_only_within_the_block_and_only_the_default():
     assert _grappler_options() == _STEP
   assert ctx.function_call_options.config_proto_serialized == before   # restored
   assert tf.config.optimizer.get_experimental_options() == process      # process untouched
+  # options replaced within the block (a configuration change resets them) are kept
+  outer = ctx.function_call_options
+  replaced = context.FunctionCallOptions(outer.executor_type,
+                                         config_pb2.ConfigProto.FromString(before))
+  try:
+    with runtime.step_call_options():
+      ctx.function_call_options = replaced
+    assert ctx.function_call_options is replaced
+  finally:
+    ctx.function_call_options = outer
   # a memory optimization or a number of rounds the user chose for the thread's calls is kept
   outer = ctx.function_call_options
   for field, value, expected in (

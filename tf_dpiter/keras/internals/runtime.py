@@ -213,11 +213,14 @@ def step_call_options():
   if config is None:
     yield
     return
-  ctx.function_call_options = context.FunctionCallOptions(outer.executor_type, config)
+  ours = context.FunctionCallOptions(outer.executor_type, config)
+  ctx.function_call_options = ours
   try:
     yield
   finally:
-    ctx.function_call_options = outer
+    # (a configuration changed within the block reset the thread's options: not restored)
+    if ctx.function_call_options is ours:
+      ctx.function_call_options = outer
 
 
 # The innermost examples_at_most bound of this thread (a replica's trace runs in its thread).
