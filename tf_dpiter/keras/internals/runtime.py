@@ -192,7 +192,7 @@ def step_call_options():
   6-7), against 0.09 s on the non-private graph, where it rewrote nothing, and it changed
   neither the allocator peak (629 and 628 MiB) nor the step; the AddN it leaves sums in a
   fixed order, where the accumulator's adds ran in the executor's order. Second round: on the
-  same graph it removed 37 of 7,810 nodes (pruning), merged 83 (common subexpressions) and
+  same graph it removed 37 of 7,847 nodes (pruning), merged 83 (common subexpressions) and
   changed 6 more, for about 40 % of Grappler's time. Both are optimizations only: the step
   computes the same function with or without them (up to floating-point rounding, as any
   Grappler rewrite).
