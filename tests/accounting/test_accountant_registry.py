@@ -126,3 +126,50 @@ def test_the_dp_plan_takes_a_registered_accountant(coarse_rdp):
   assert got == pytest.approx(_hand_epsilon(BATCH / N, Z, 8, ORDERS), rel=1e-9)
   with pytest.raises(PrivacyConfigError, match="accountant='no_such_accountant'"):
     dp.keras.DPConfig(l2_norm_clip=1.0, noise_multiplier=Z, accountant="no_such_accountant")
+
+
+def _events():
+  """(relation, event) pairs covering each leaf kind the ledger builds, a mixed ledger, a
+  selection over a sampled Gaussian and a tree aggregation (a list field: not cached)."""
+  rel = dpa.NeighboringRelation
+  poisson = lambda q, z: dpa.PoissonSampledDpEvent(q, dpa.GaussianDpEvent(z))
+  return [
+      (rel.ADD_OR_REMOVE_ONE, poisson(0.01, 1.1)),
+      (rel.ADD_OR_REMOVE_ONE, dpa.GaussianDpEvent(2.0)),
+      (rel.ADD_OR_REMOVE_ONE, dpa.LaplaceDpEvent(1.5)),
+      (rel.ADD_OR_REMOVE_ONE, dpa.ComposedDpEvent([
+          dpa.SelfComposedDpEvent(poisson(0.02, 1.2), 5), poisson(0.05, 1.0),
+          dpa.SelfComposedDpEvent(dpa.LaplaceDpEvent(3.0), 2)])),
+      (rel.ADD_OR_REMOVE_ONE, dpa.dp_event.RepeatAndSelectDpEvent(poisson(0.1, 1.3), 4.0, 1)),
+      (rel.REPLACE_ONE, dpa.SampledWithoutReplacementDpEvent(50, 10, dpa.GaussianDpEvent(1.0))),
+      (rel.REPLACE_SPECIAL, dpa.SingleEpochTreeAggregationDpEvent(2.0, [4, 4])),
+  ]
+
+
+@pytest.mark.parametrize("orders", [None, ORDERS])
+def test_the_rdp_accountant_caches_leaf_curves_bit_for_bit(orders):
+  """The registry's "rdp" accountant (each leaf event's RDP curve computed once per process)
+  gives dp-accounting's RdpAccountant's numbers exactly, for one step, a few and many, a
+  mixed ledger, every relation, the default orders and others; a second composition of a
+  leaf reads the cache."""
+  cls = accountants.rdp_accountant_class()
+  assert isinstance(accountants.make("rdp", dpa.NeighboringRelation.ADD_OR_REMOVE_ONE), cls)
+  for relation, event in _events():
+    for steps in (1, 7, 300):
+      composed = dpa.SelfComposedDpEvent(event, steps)
+      cached = cls(orders, neighboring_relation=relation).compose(composed)
+      plain = dpa.rdp.RdpAccountant(orders, neighboring_relation=relation).compose(composed)
+      assert np.array_equal(cached.rdp, plain.rdp), (event, steps)
+      assert cached.get_epsilon(DELTA) == plain.get_epsilon(DELTA)
+      assert cached.get_delta(2.0) == plain.get_delta(2.0)
+  leaf = dpa.PoissonSampledDpEvent(0.03, dpa.GaussianDpEvent(0.9))
+  cls(orders).compose(leaf, 3)
+  before = accountants._leaf_rdp.cache_info()   # pylint: disable=protected-access
+  cls(orders).compose(dpa.SelfComposedDpEvent(leaf, 11))
+  after = accountants._leaf_rdp.cache_info()    # pylint: disable=protected-access
+  assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+  # an event the relation does not support is refused as by RdpAccountant
+  wrong = cls(orders, neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE)
+  assert not wrong.supports(leaf)
+  assert not dpa.rdp.RdpAccountant(
+      orders, neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE).supports(leaf)

@@ -152,3 +152,27 @@ def test_last_sample_keeps_the_recorded_rows():
   recorded_samples, recorded_queries = ledger.get_arrays()
   assert samples.tolist() == recorded_samples.tolist()
   assert queries.tolist() == recorded_queries.tolist()
+
+
+def test_max_extra_samples_after_other_steps_equals_dp_accounting():
+  """A ledger of other steps (q, z) = (0.02, 1.2) then a plan of (0.05, 1.0): the search over
+  the planned count (the curves cached, `accountants.rdp_accountant_class`) stops where
+  dp-accounting's epsilon of the mixed composition, by hand, passes the budget."""
+  delta, budget = 1e-5, 2.5
+  ledger = _ledger(6, 0.02, 1.0, 1.2)
+  planned = lookahead.PlannedSample(1000, 0.05, (dq.GaussianSumEvent(1.0, 1.0),))
+  k = lookahead.max_extra_samples(ledger, planned, budget, delta)
+
+  def by_hand(extra):
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.ComposedDpEvent([
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.02, dpa.GaussianDpEvent(1.2)), 6),
+        dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.0)),
+                                extra)]))
+    return acc.get_epsilon(delta)
+
+  assert k > 0
+  assert by_hand(k) <= budget < by_hand(k + 1)
+  for extra in (1, k // 2, k):
+    assert lookahead.epsilon_after(ledger, delta, planned, extra) == pytest.approx(
+        by_hand(extra), rel=1e-12)

@@ -3,9 +3,17 @@
 "rdp" (`RdpAccountant`) and "pld" (`PLDAccountant`) are registered at import. A registered
 accountant's epsilon is an upper bound (Mironov, "Renyi Differential Privacy", Proposition 3;
 PLD's pessimistic discretization); the GDP approximation is not registered.
+
+The "rdp" accountant computes each elementary event's RDP curve once per process
+(`rdp_accountant_class`): RDP composes additively (Mironov, "Renyi Differential Privacy",
+Proposition 1), so dp-accounting's RdpAccountant charges a leaf event composed `count` times
+as count times its curve; the curve of the same event at the same orders and relation is the
+same numbers, whatever it is composed with. A budget search or an epsilon per epoch then
+pays the curve once, not once per candidate step count.
 """
 
 import dataclasses
+import functools
 from typing import Callable
 
 from tf_dpiter.accounting.lazy_module import LazyModule
@@ -119,6 +127,61 @@ def event_family(name):
   return entry.events if entry is not None else name
 
 
+def _composition(event):
+  """Whether dp-accounting's RdpAccountant walks `event` (a composition, NoOp or NonPrivate)
+  instead of charging it as count times one RDP curve of its own."""
+  return isinstance(event, (dpa.ComposedDpEvent, dpa.SelfComposedDpEvent, dpa.NoOpDpEvent,
+                            dpa.NonPrivateDpEvent))
+
+
+def _hashable(event):
+  """Whether `event` can key the curve cache (dp-accounting's events are frozen attrs classes;
+  one holding a list, e.g. a tree aggregation's step counts, is not hashable)."""
+  try:
+    hash(event)
+  except TypeError:
+    return False
+  return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_rdp(orders, relation, event):
+  """The RDP curve of one `event` composed once, by dp-accounting's RdpAccountant at `orders`
+  (a tuple) under `relation`: a read-only float64 array."""
+  curve = dpa.rdp.RdpAccountant(orders, neighboring_relation=relation).compose(event).rdp
+  curve.setflags(write=False)
+  return curve
+
+
+@functools.lru_cache(maxsize=None)
+def rdp_accountant_class():
+  """dp-accounting's RdpAccountant with each leaf event's RDP curve cached (module docstring).
+
+  The same numbers as RdpAccountant, bit for bit: a leaf composed `count` times adds
+  `count * curve` to the accountant's curve, as RdpAccountant's own `_maybe_compose` does;
+  the compositions, unsupported events (its error, unchanged) and events that cannot key a
+  cache go through RdpAccountant itself.
+
+  Returns:
+    the class (a subclass of `dp_accounting.rdp.RdpAccountant`, made on first use so that
+    dp-accounting is imported lazily).
+  """
+
+  class CachedRdpAccountant(dpa.rdp.RdpAccountant):
+    """RdpAccountant whose leaf events' RDP curves come from a per-process cache."""
+
+    def _maybe_compose(self, event, count, do_compose):
+      if not do_compose or _composition(event) or not _hashable(event):
+        return super()._maybe_compose(event, count, do_compose)
+      error = super()._maybe_compose(event, count, False)
+      if error is None:
+        self._rdp += count * _leaf_rdp(tuple(self.orders.tolist()),
+                                       self.neighboring_relation, event)
+      return error
+
+  return CachedRdpAccountant
+
+
 def make(name, neighboring_relation):
   """A fresh dp-accounting PrivacyAccountant of a registered name, from its factory, for the
   ledger's dp-accounting NeighboringRelation.
@@ -133,7 +196,7 @@ def make(name, neighboring_relation):
   return acc
 
 
-register_accountant("rdp", lambda r: dpa.rdp.RdpAccountant(neighboring_relation=r), "rdp",
+register_accountant("rdp", lambda r: rdp_accountant_class()(neighboring_relation=r), "rdp",
                     "RDP accountant (dp-accounting RdpAccountant, default orders)")
 register_accountant("pld", lambda r: dpa.pld.PLDAccountant(neighboring_relation=r), "pld",
                     "PLD accountant (dp-accounting PLDAccountant, default discretization)")
