@@ -173,3 +173,25 @@ def test_the_rdp_accountant_caches_leaf_curves_bit_for_bit(orders):
   assert not wrong.supports(leaf)
   assert not dpa.rdp.RdpAccountant(
       orders, neighboring_relation=dpa.NeighboringRelation.REPLACE_ONE).supports(leaf)
+
+
+def test_the_pld_accountant_caches_the_subsampled_gaussian_exactly():
+  """The registry's "pld" accountant (a Poisson subsampled Gaussian's PLD built once per
+  process) gives dp-accounting's PLDAccountant's epsilon and delta exactly, alone and in a
+  mixed ledger, for one step, a few and many; a second composition reads the cache."""
+  cls = accountants.pld_accountant_class()
+  assert isinstance(accountants.make("pld", dpa.NeighboringRelation.ADD_OR_REMOVE_ONE), cls)
+  step = dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(1.1))
+  mixed = dpa.ComposedDpEvent([step, dpa.SelfComposedDpEvent(
+      dpa.PoissonSampledDpEvent(0.05, dpa.GaussianDpEvent(1.3)), 4), dpa.LaplaceDpEvent(3.0)])
+  for event in (step, mixed):
+    for steps in (1, 7, 300):
+      composed = dpa.SelfComposedDpEvent(event, steps)
+      cached = cls(value_discretization_interval=1e-3).compose(composed)
+      plain = dpa.pld.PLDAccountant(value_discretization_interval=1e-3).compose(composed)
+      assert cached.get_epsilon(DELTA) == plain.get_epsilon(DELTA), (event, steps)
+      assert cached.get_delta(1.0) == plain.get_delta(1.0), (event, steps)
+  before = accountants._subsampled_gaussian_pld.cache_info()   # pylint: disable=protected-access
+  cls(value_discretization_interval=1e-3).compose(step, 11)
+  after = accountants._subsampled_gaussian_pld.cache_info()    # pylint: disable=protected-access
+  assert (after.hits, after.misses) == (before.hits + 1, before.misses)

@@ -9,7 +9,11 @@ The "rdp" accountant computes each elementary event's RDP curve once per process
 Proposition 1), so dp-accounting's RdpAccountant charges a leaf event composed `count` times
 as count times its curve; the curve of the same event at the same orders and relation is the
 same numbers, whatever it is composed with. A budget search or an epsilon per epoch then
-pays the curve once, not once per candidate step count.
+pays the curve once, not once per candidate step count. The "pld" accountant likewise builds
+the privacy loss distribution of a Poisson subsampled Gaussian once per (sigma, q, relation,
+discretization) (`pld_accountant_class`): the k-fold composition of a mechanism is the
+k-fold self-convolution of its PLD (Koskela, Jalko and Honkela, "Computing Tight Differential
+Privacy Guarantees Using FFT"), which dp-accounting computes from that one PLD.
 """
 
 import dataclasses
@@ -182,6 +186,44 @@ def rdp_accountant_class():
   return CachedRdpAccountant
 
 
+@functools.lru_cache(maxsize=256)
+def _subsampled_gaussian_pld(noise_multiplier, sampling_probability, relation, interval):
+  """dp-accounting's PLD of one Poisson subsampled Gaussian step, as PLDAccountant builds it
+  (its pessimistic estimate at `interval`); dp-accounting's PLDs are not changed by their
+  compositions (each returns a new one)."""
+  return dpa.pld.privacy_loss_distribution.from_gaussian_mechanism(
+      standard_deviation=noise_multiplier, value_discretization_interval=interval,
+      sampling_prob=sampling_probability, neighboring_relation=relation)
+
+
+@functools.lru_cache(maxsize=None)
+def pld_accountant_class():
+  """dp-accounting's PLDAccountant with the PLD of a Poisson subsampled Gaussian cached
+  (module docstring): the same numbers, its `count`-fold self-composition composed into the
+  accountant's PLD as PLDAccountant does; every other event goes through PLDAccountant.
+
+  Returns:
+    the class (a subclass of `dp_accounting.pld.PLDAccountant`, made on first use).
+  """
+
+  class CachedPldAccountant(dpa.pld.PLDAccountant):
+    """PLDAccountant whose subsampled Gaussian PLDs come from a per-process cache."""
+
+    def _maybe_compose(self, event, count, do_compose):
+      if not (do_compose and isinstance(event, dpa.PoissonSampledDpEvent)
+              and isinstance(event.event, dpa.GaussianDpEvent)
+              and event.sampling_probability != 0 and event.event.noise_multiplier != 0
+              and _hashable(event)):
+        return super()._maybe_compose(event, count, do_compose)
+      leaf = _subsampled_gaussian_pld(event.event.noise_multiplier, event.sampling_probability,
+                                      self.neighboring_relation,
+                                      self._value_discretization_interval)
+      self._pld = self._pld.compose(leaf.self_compose(count))
+      return None
+
+  return CachedPldAccountant
+
+
 def make(name, neighboring_relation):
   """A fresh dp-accounting PrivacyAccountant of a registered name, from its factory, for the
   ledger's dp-accounting NeighboringRelation.
@@ -198,5 +240,5 @@ def make(name, neighboring_relation):
 
 register_accountant("rdp", lambda r: rdp_accountant_class()(neighboring_relation=r), "rdp",
                     "RDP accountant (dp-accounting RdpAccountant, default orders)")
-register_accountant("pld", lambda r: dpa.pld.PLDAccountant(neighboring_relation=r), "pld",
+register_accountant("pld", lambda r: pld_accountant_class()(neighboring_relation=r), "pld",
                     "PLD accountant (dp-accounting PLDAccountant, default discretization)")
