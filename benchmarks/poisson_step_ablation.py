@@ -36,11 +36,9 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONFIGS = ("nonprivate_spe1,dp_fixed_batch,dp_fixed_dynamic,dp_fixed_sizes,"
            "dp_poisson_in_graph,dp_poisson_dataset,dp_spe1")

@@ -55,15 +55,12 @@ def test_budget_copy_calibrates_a_plain_optimizer_and_refuses_a_dp_one():
 _MEM = rewriter_config_pb2.RewriterConfig
 
 
-def _rewrite():
-  """The Grappler options of this thread's function-call options (the calls' config)."""
-  serialized = context.context().function_call_options.config_proto_serialized
-  return config_pb2.ConfigProto.FromString(serialized).graph_options.rewrite_options
-
-
-def _grappler_options():
-  """(memory optimization, Grappler's rounds) of this thread's function calls."""
-  rewrite = _rewrite()
+def _grappler_options(options=None):
+  """(memory optimization, Grappler's rounds) of function-call options (default: this
+  thread's)."""
+  options = options or context.context().function_call_options
+  rewrite = config_pb2.ConfigProto.FromString(
+      options.config_proto_serialized).graph_options.rewrite_options
   return rewrite.memory_optimization, rewrite.meta_optimizer_iterations
 
 
@@ -72,38 +69,27 @@ _STEP = (_MEM.NO_MEM_OPT, _MEM.ONE)
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
-def test_step_call_options_only_within_the_block_and_only_the_default():
+def test_step_call_options_change_only_the_defaults():
   ctx = context.context()
-  before = ctx.function_call_options.config_proto_serialized
+  outer = ctx.function_call_options
+  before = outer.config_proto_serialized
   process = tf.config.optimizer.get_experimental_options()
   assert _grappler_options() == _DEFAULT
-  with runtime.step_call_options():
-    assert _grappler_options() == _STEP
-  assert ctx.function_call_options.config_proto_serialized == before   # restored
+  assert _grappler_options(runtime.step_call_options(outer)) == _STEP
+  assert ctx.function_call_options.config_proto_serialized == before   # the thread's untouched
   assert tf.config.optimizer.get_experimental_options() == process      # process untouched
-  # options replaced within the block (a configuration change resets them) are kept
-  outer = ctx.function_call_options
-  replaced = context.FunctionCallOptions(outer.executor_type,
-                                         config_pb2.ConfigProto.FromString(before))
-  try:
-    with runtime.step_call_options():
-      ctx.function_call_options = replaced
-    assert ctx.function_call_options is replaced
-  finally:
-    ctx.function_call_options = outer
   # a memory optimization or a number of rounds the user chose for the thread's calls is kept
-  outer = ctx.function_call_options
   for field, value, expected in (
       ("memory_optimization", _MEM.MANUAL, (_MEM.MANUAL, _MEM.ONE)),
       ("meta_optimizer_iterations", _MEM.TWO, (_MEM.NO_MEM_OPT, _MEM.TWO))):
     chosen = config_pb2.ConfigProto.FromString(before)
     setattr(chosen.graph_options.rewrite_options, field, value)
-    ctx.function_call_options = context.FunctionCallOptions(outer.executor_type, chosen)
-    try:
-      with runtime.step_call_options():
-        assert _grappler_options() == expected
-    finally:
-      ctx.function_call_options = outer
+    assert _grappler_options(runtime.step_call_options(
+        context.FunctionCallOptions(outer.executor_type, chosen))) == expected
+  both = config_pb2.ConfigProto.FromString(before)
+  both.graph_options.rewrite_options.memory_optimization = _MEM.MANUAL
+  both.graph_options.rewrite_options.meta_optimizer_iterations = _MEM.TWO
+  assert runtime.step_call_options(context.FunctionCallOptions(outer.executor_type, both)) is None
 
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")), reason="CPU-only rule")
@@ -123,6 +109,25 @@ def test_dp_train_function_is_called_with_the_step_call_options():
   model.train_on_batch(x, y)
   assert seen and set(seen) == {_STEP}
   assert _grappler_options() == _DEFAULT
+  # options replaced within the call (a configuration change resets them) are kept
+  ctx = context.context()
+  outer = ctx.function_call_options
+  replaced = context.FunctionCallOptions(
+      outer.executor_type, config_pb2.ConfigProto.FromString(outer.config_proto_serialized))
+
+  def replacing(data):
+    ctx.function_call_options = replaced
+    return inner(data)
+
+  model.train_step = replacing
+  model.make_train_function(force=True)
+  try:
+    model.train_on_batch(x, y)
+    assert ctx.function_call_options is replaced
+  finally:
+    ctx.function_call_options = outer
+  model.train_step = lambda data: seen.append(_grappler_options()) or inner(data)
+  model.make_train_function(force=True)
   del seen[:]
   plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
   plain.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -177,12 +177,13 @@ def _step_config(serialized):
   return _STEP_CONFIGS[serialized]
 
 
-@contextlib.contextmanager
-def step_call_options():
-  """Within the block (a call of the DP train function), the functions this thread calls are
-  optimized by Grappler without its memory optimizer and in one round of its passes, not
-  two, on a machine without a GPU, each where the process's configuration has TensorFlow's
-  default; elsewhere the block changes nothing.
+def step_call_options(outer):
+  """The function-call options for a call of the DP train function, given the thread's
+  `outer` ones: Grappler without its memory optimizer and one round of its passes, not two,
+  on a machine without a GPU, each where the process's configuration has TensorFlow's
+  default; None (call with the thread's own) elsewhere. The train function's `run`
+  (keras/model/train_step.py) sets them for the call and restores the thread's after it,
+  keeping them per thread configuration so that a steady step computes nothing here.
 
   Memory optimizer: at the default level on a CPU it only runs its scheduling pass (swapping
   tensors to the host is for GPUs; recomputation is off by default): an AddN of more than two
@@ -197,30 +198,20 @@ def step_call_options():
   computes the same function with or without them (up to floating-point rounding, as any
   Grappler rewrite).
 
-  The options are the thread's eager function-call options (the `config_proto` of the call),
-  set for the block and restored after it: the process's configuration is not changed, and
-  the function is instantiated with the same options at every call.
+  The options are the thread's eager function-call options (the `config_proto` of the call):
+  the process's configuration is not changed, and the function is instantiated with the same
+  options at every call.
 
-  Yields:
-    None.
+  Args:
+    outer: the thread's `FunctionCallOptions` (`context.context().function_call_options`).
+
+  Returns:
+    a `FunctionCallOptions`, or None.
   """
   if _has_gpu():
-    yield
-    return
-  ctx = context.context()
-  outer = ctx.function_call_options
+    return None
   config = _step_config(outer.config_proto_serialized)
-  if config is None:
-    yield
-    return
-  ours = context.FunctionCallOptions(outer.executor_type, config)
-  ctx.function_call_options = ours
-  try:
-    yield
-  finally:
-    # (a configuration changed within the block reset the thread's options: not restored)
-    if ctx.function_call_options is ours:
-      ctx.function_call_options = outer
+  return None if config is None else context.FunctionCallOptions(outer.executor_type, config)
 
 
 # The innermost examples_at_most bound of this thread (a replica's trace runs in its thread).

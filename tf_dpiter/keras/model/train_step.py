@@ -21,6 +21,7 @@ import weakref
 
 import keras
 import tensorflow as tf
+from tensorflow.python.eager import context as tf_context
 
 from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
@@ -411,15 +412,27 @@ class TrainStepMixin:
     inner = [keras_function()]
     first = [True]
 
+    options = {}   # the thread's call options -> this function's (runtime.step_call_options)
+
     def run(iterator):
-      # (Grappler's options of the function's calls: runtime.step_call_options)
-      with runtime.step_call_options():
-        try:
-          return _call_retracing(self, inner[0], iterator)
-        except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
-          inner[0] = keras_function()
-          self.train_function = guarded
-          return inner[0](abandoned.batches)
+      ctx = tf_context.context()
+      outer = ctx.function_call_options
+      key = (outer.executor_type, outer.config_proto_serialized)
+      if key not in options:
+        options[key] = runtime.step_call_options(outer)
+      ours = options[key]
+      if ours is not None:
+        ctx.function_call_options = ours
+      try:
+        return _call_retracing(self, inner[0], iterator)
+      except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
+        inner[0] = keras_function()
+        self.train_function = guarded
+        return inner[0](abandoned.batches)
+      finally:
+        # (options replaced within the call, by a configuration change, are kept)
+        if ours is not None and ctx.function_call_options is ours:
+          ctx.function_call_options = outer
 
     def guarded(iterator):
       # Set by StopAtPrivacyBudget: no step may start past the privacy budget.
