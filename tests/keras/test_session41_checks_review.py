@@ -301,7 +301,8 @@ _SLOW_IDIOMS = ("per_image_standardization", "label_smoothing_by_shape", "resize
 _STILL_REFUSED = {   # known issues (CHANGELOG): strict xfails until fixed
     "keras_random_flip": "a read of a variable that is not public (the flip's seed state) "
                          "is taken as records: put augmentation layers in the model",
-    "squeeze_labels": "labels of unknown rank: the library's step cannot build them",
+    "squeeze_labels": "labels of unknown rank: refused (the compiled loss is built from "
+                      "static shapes; test_labels_of_unknown_rank_get_the_librarys_error)",
     "nested_tf_function": "a nested tf.function (PartitionedCall) is not walked through",
 }
 
@@ -369,3 +370,24 @@ def test_a_per_record_idiom_in_an_override_under_poisson_trains(idiom, jit):
   assert steps == 10
   stated = model.privacy_statement(1e-5).epsilon
   assert stated == pytest.approx(setup.rdp_epsilon(steps), rel=1e-9)
+
+
+def test_labels_of_unknown_rank_get_the_librarys_error():
+  """The squeeze_labels idiom (tf.squeeze(y) with no axis, then tf.expand_dims): the labels'
+  rank is unknown, and the compiled loss is built from static shapes: refused with the
+  library's error naming the fix, before any step (before: TensorFlow's ValueError from
+  inside Keras)."""
+  class Override(dp.keras.DPSequential):
+
+    def train_step(self, data):
+      return super().train_step((data[0], tf.expand_dims(tf.squeeze(data[1]), -1)))
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(100, 3)).astype("float32")
+  y = rng.normal(size=(100, 1)).astype("float32")
+  keras.utils.set_random_seed(0)
+  model = Override([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  with pytest.raises(dp.errors.ParameterValueError, match="known rank"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="poisson")
+  assert int(model.optimizer.iterations.numpy()) == 0

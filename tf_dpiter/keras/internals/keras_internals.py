@@ -25,6 +25,8 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.framework import tensor_util
 from tensorflow.python.ops import resource_variable_ops
 
+from tf_dpiter.errors import ParameterValueError
+
 
 def keras_version():
   """The installed Keras version string (for error messages)."""
@@ -291,10 +293,19 @@ def build_compile_loss(model, y, y_pred, sample_weight):
 
   Args:
     model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors (or None).
+
+  Raises:
+    ParameterValueError: a tensor of unknown rank (Keras builds from static shapes).
   """
   compiled = _require(model, "_compile_loss", "Model")
 
   def symbolic(t):
+    if t is not None and t.shape.rank is None:
+      raise ParameterValueError(
+          "The labels, predictions and sample weights of a batch must have a known rank for "
+          "the model's compiled loss to be built (the labels after tf.squeeze with no axis "
+          "have none). Give them one (tf.ensure_shape(y, [None, 1]), or squeeze a named "
+          f"axis). Received: a {t.dtype.name} tensor of unknown rank")
     return None if t is None else keras.KerasTensor(
         t.shape, keras.backend.standardize_dtype(t.dtype))
 
