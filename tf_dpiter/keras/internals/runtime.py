@@ -155,26 +155,21 @@ def _has_gpu():
   return bool(tf.config.list_logical_devices("GPU"))
 
 
-_STEP_CONFIGS = {}   # a serialized ConfigProto -> the train function's calls' one, or None
-
-
 def _step_config(serialized):
   """The ConfigProto `serialized` (bytes) with Grappler's memory optimizer off and one round
   of its passes, each where the configuration has TensorFlow's default (a user's choice is
   kept); None when neither is the default."""
-  if serialized not in _STEP_CONFIGS:
-    config = config_pb2.ConfigProto.FromString(serialized)
-    rewrite = config.graph_options.rewrite_options
-    options = rewriter_config_pb2.RewriterConfig
-    changed = False
-    if rewrite.memory_optimization == options.DEFAULT_MEM_OPT:
-      rewrite.memory_optimization = options.NO_MEM_OPT
-      changed = True
-    if rewrite.meta_optimizer_iterations == options.DEFAULT_NUM_ITERS:
-      rewrite.meta_optimizer_iterations = options.ONE
-      changed = True
-    _STEP_CONFIGS[serialized] = config if changed else None
-  return _STEP_CONFIGS[serialized]
+  config = config_pb2.ConfigProto.FromString(serialized)
+  rewrite = config.graph_options.rewrite_options
+  options = rewriter_config_pb2.RewriterConfig
+  changed = False
+  if rewrite.memory_optimization == options.DEFAULT_MEM_OPT:
+    rewrite.memory_optimization = options.NO_MEM_OPT
+    changed = True
+  if rewrite.meta_optimizer_iterations == options.DEFAULT_NUM_ITERS:
+    rewrite.meta_optimizer_iterations = options.ONE
+    changed = True
+  return config if changed else None
 
 
 def step_call_options(outer):
