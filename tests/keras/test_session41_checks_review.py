@@ -6,7 +6,8 @@ Poisson batch's size as data), the once-per-trace checks of train_step overrides
 
 Each test asserts the sound behaviour; each was a strict xfail until the fix its docstring
 names, fixed in session 42 but for three idioms still refused (`_STILL_REFUSED`, strict
-xfails, CHANGELOG "Known issues"). The sound behaviour:
+xfails, CHANGELOG "Known issues"; the Keras flip held outside the model and the nested
+tf.function train since session 43). The sound behaviour:
 a run is refused before any step, or the trained weights of two neighbouring datasets differ by
 no more than the charged steps allow (noise off, so the clipped sum alone moves them), or a
 write to a DP model's weights outside its DP run is refused at the statement, or a per-record
@@ -299,11 +300,8 @@ _SLOW_IDIOMS = ("per_image_standardization", "label_smoothing_by_shape", "resize
 
 
 _STILL_REFUSED = {   # known issues (CHANGELOG): strict xfails until fixed
-    "keras_random_flip": "a read of a variable that is not public (the flip's seed state) "
-                         "is taken as records: put augmentation layers in the model",
     "squeeze_labels": "labels of unknown rank: refused (the compiled loss is built from "
                       "static shapes; test_labels_of_unknown_rank_get_the_librarys_error)",
-    "nested_tf_function": "a nested tf.function (PartitionedCall) is not walked through",
 }
 
 

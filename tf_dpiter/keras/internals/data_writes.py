@@ -97,7 +97,10 @@ SHAPE_ARGS = {"Reshape": (1,), "Transpose": (1,), "ExpandDims": (1,), "Fill": (0
                "Max": (1,), "Min": (1,), "Prod": (1,), "All": (1,), "Any": (1,),
                "ArgMax": (1,), "ArgMin": (1,), "StatelessRandomUniformV2": (0,),
                "StatelessRandomNormalV2": (0,), "StatelessTruncatedNormalV2": (0,),
-               "RandomUniform": (0,), "RandomStandardNormal": (0,)}
+               "RandomUniform": (0,), "RandomStandardNormal": (0,),
+               "StatelessRandomUniformIntV2": (0,), "StatelessRandomUniformFullIntV2": (0,),
+               "RandomUniformInt": (0,), "TruncatedNormal": (0,),
+               "ImageProjectiveTransformV2": (2,), "ImageProjectiveTransformV3": (2,)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -489,7 +492,7 @@ def _refuse(written, what):
         f"from the data: {written}")
 
 
-def refuse_override_writes(train_step, data, exempt, what, clean=None):
+def refuse_override_writes(train_step, data, exempt, what, clean=None, traced=None):
   """Refuses a `train_step` override when its own code writes a variable from the batch,
   before or after the library's step (which `train_step` stands in for by a function that
   writes nothing: the library's own writes are checked by its own rules), or gives the batch
@@ -508,6 +511,9 @@ def refuse_override_writes(train_step, data, exempt, what, clean=None):
     clean: None, or a function of the traced graph giving the names of its ops whose
       outputs are noised results (a private step's, which the override applies itself):
       cut from their inputs.
+    traced: None, or a function of no argument called once the override is traced, before
+      its writes are checked (the walk of the rows it hands the step, which needs the
+      whole trace: row_provenance.refuse_row_mixing's `exempt_writes`).
 
   Raises:
     PrivacyConfigError: naming the variables written from the data and what to do.
@@ -517,6 +523,8 @@ def refuse_override_writes(train_step, data, exempt, what, clean=None):
       or tf.is_tensor(t) else t, data)
 
   graph, _ = _traced(train_step, specs)
+  if traced is not None:
+    traced()
   # every input that is not a variable's handle is data: the batch's tensors (composite ones
   # as their components) and any tensor the override captures from outside
   sources = {t.op.name for t in graph.inputs if t.dtype != tf.resource}

@@ -17,12 +17,19 @@ dtype: a public table, or a dataset the step gathers its sample from). It accept
 that keep rows apart: casts and identities, elementwise math (broadcasting operands that are
 themselves rows or come from no data), `tf.where`, clipping, one-hot, a lookup of each row
 in a table that is not the batch (a public table, a stored dataset), a slice, reversal,
-padding or tiling keeping every row in place, an image resized alone, transposes,
+padding or tiling keeping every row in place (a random or central crop, the batch's axis
+whole), an image resized, its contrast, hue or saturation adjusted or projectively
+transformed (translated, rotated, zoomed) alone, random draws from no data, transposes,
 reductions, stacks and concatenations over axes other than the batch's, a matrix product of
-rows by a matrix that is not the batch, a reshape that keeps the leading axis. Anything else
-that depends on the data (a reduction over the batch, a gather or slice across rows, a sort,
-a random shuffle, a Python function) is refused, conservatively: do per-record transforms in
-the model (preprocessing layers) or in the dataset (`dp.data.map_records`). Shape arguments
+rows by a matrix that is not the batch, a reshape that keeps the leading axis; branches
+(tf.cond, tf.switch_case: tf.image.rot90) and nested tf.functions are walked through. A
+variable that the whole trace (a train_step override's, walked after it) writes only as a
+counter, from no data (a Keras augmentation layer's SeedGenerator state, advanced by a
+constant at each draw), is no data; one written from the batch, its size or another
+variable holding data stays other records. Anything else that depends on the data (a
+reduction over the batch, a gather or slice across rows, a sort, a random shuffle, a loop, a
+Python function) is refused, conservatively: do per-record transforms in the model
+(preprocessing layers) or in the dataset (`dp.data.map_records`). Shape arguments
 (a reshape's target, a fill's dims) carry no rows; under Poisson-type sampling the batch's
 size is private (it depends on which records were sampled), so a data tensor's shape used as
 a value (a row's position from `tf.range`, rows scaled by the size) is refused too (review
@@ -60,10 +67,22 @@ _SOURCES = frozenset(["Placeholder", "IteratorGetNext", "IteratorGetNextSync",
                       "OptionalGetValue"])
 _PYTHON = frozenset(["EagerPyFunc", "PyFunc", "PyFuncStateless"])   # rows unknown: the batch
 _READS = frozenset(["ReadVariableOp", "ResourceGather", "ResourceGatherNd"])
+# random draws (their shape argument skipped) and the key and counter made from a seed
 _DRAWS = frozenset(["StatelessRandomUniformV2", "StatelessRandomNormalV2",
-                    "StatelessTruncatedNormalV2", "RandomUniform", "RandomStandardNormal"])
+                    "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2",
+                    "StatelessRandomUniformFullIntV2", "StatelessRandomGetKeyCounter",
+                    "RandomUniform", "RandomStandardNormal", "RandomUniformInt",
+                    "TruncatedNormal"])
 _RESIZE = frozenset(["ResizeBilinear", "ResizeNearestNeighbor", "ResizeBicubic", "ResizeArea",
                      "ScaleAndTranslate"])
+# per-image ops and the rank from which the leading axes are the batch's: a contrast over each
+# image's pixels [..., H, W, C], a hue or saturation of each pixel [..., 3], a projective
+# transform (translation, rotation, zoom) of each image [B, H, W, C] by its own row of the
+# transforms [B, 8] (or one row for all)
+_PER_IMAGE = {"AdjustContrastv2": 4, "AdjustHue": 2, "AdjustSaturation": 2,
+              "ImageProjectiveTransformV2": 4, "ImageProjectiveTransformV3": 4}
+# the writes of a variable whose value `_counters` follows (its value input: position 1)
+_ASSIGNS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
 
 
 def _axes(op):
@@ -90,9 +109,9 @@ def _keeps_rows(op, rows):
   if op.type in _AXIS_OPS:
     axes = _axes(op)
     return axes is not None and 0 not in axes
-  if op.type in ("Transpose", "ReverseV2", "Pad", "PadV2", "MirrorPad", "Tile"):
+  if op.type in ("Transpose", "ReverseV2"):
     # per-record when axis 0 stays the batch's, whole and in order: a transpose with
-    # perm[0] == 0, a reversal of other axes, no padding or tiling of axis 0
+    # perm[0] == 0, a reversal of other axes
     arg = tf.get_static_value(op.inputs[1])
     rank = op.inputs[0].shape.rank
     if arg is None or rank is None or rank == 0:
@@ -100,11 +119,22 @@ def _keeps_rows(op, rows):
     arg = np.asarray(arg)
     if op.type == "Transpose":
       return int(arg[0]) == 0
-    if op.type == "ReverseV2":
-      return 0 not in {int(a) % rank for a in arg.ravel()}
-    if op.type == "Tile":
-      return int(arg[0]) == 1
-    return not arg[0].any()   # paddings [[0, 0], ...]
+    return 0 not in {int(a) % rank for a in arg.ravel()}
+  if op.type in ("Pad", "PadV2", "MirrorPad", "Tile"):   # no padding or tiling of axis 0:
+    # paddings [[0, 0], ...], multiples [1, ...] (the other axes' may come from shapes)
+    head = _leading(op.inputs[1], 1 if op.type == "Tile" else 2)
+    rank = op.inputs[0].shape.rank
+    if head is None or rank is None or rank == 0:
+      return False
+    return list(head) == [1] if op.type == "Tile" else not head.any()
+  if op.type == "Slice":
+    return _slice_keeps_rows(op)
+  if op.type in _PER_IMAGE:   # each image alone, by factors from no data (a transform's rows
+    rank = op.inputs[0].shape.rank   # its image's own)
+    aligned = (1,) if op.type.startswith("ImageProjectiveTransform") else ()
+    return (rank is not None and rank >= _PER_IMAGE[op.type]
+            and not any(rows(t) for i, t in _Provenance.value_inputs(op)
+                        if i and i not in aligned))
   if op.type in ("Pack", "Unpack"):   # tf.stack / tf.unstack on an axis other than 0
     rank = op.inputs[0].shape.rank
     return rank is not None and op.get_attr("axis") % (rank + (op.type == "Pack")) != 0
@@ -157,6 +187,63 @@ def _keeps_rows(op, rows):
   return False
 
 
+def _leading(t, count):
+  """The first `count` elements of the 1-D or 2-D integer tensor `t` (flattened), when the
+  trace knows them though not all of t (a tf.stack of zeros and sizes computed from shapes,
+  the pieces of a concatenation, a fill); None otherwise."""
+  value = tf.get_static_value(t)
+  if value is not None:
+    value = np.ravel(value)
+    return value[:count] if value.size >= count else None
+  op = t.op
+  if op.type in ("Identity", "Reshape"):   # a reshape keeps the flat order
+    return _leading(op.inputs[0], count)
+  if op.type == "Fill":
+    value, size = tf.get_static_value(op.inputs[1]), t.shape.num_elements()
+    return None if value is None or size is None or size < count else np.full(count, value)
+  if op.type not in ("Pack", "ConcatV2") or (
+      tf.get_static_value(op.inputs[-1]) if op.type == "ConcatV2" else op.get_attr("axis")):
+    return None
+  out = []
+  for piece in op.inputs[:-1] if op.type == "ConcatV2" else op.inputs:
+    size = piece.shape.num_elements()
+    if size is None:
+      return None
+    head = _leading(piece, min(size, count - len(out))) if size else []
+    if head is None:
+      return None
+    out.extend(head)
+    if len(out) >= count:
+      return np.asarray(out)
+  return None
+
+
+def _slice_keeps_rows(op):
+  """True when a Slice op takes axis 0 of its input whole: size -1 from 0, or a size equal to
+  the input's dim 0 (static, or tf.shape(x)[0] of the same x: the begin is then 0, or the
+  slice fails), as tf.image.random_crop(x, [tf.shape(x)[0], h, w, c]) and central_crop."""
+  x, begin, size = op.inputs
+  head = _leading(size, 1)
+  if head is not None and int(head[0]) == -1:
+    start = _leading(begin, 1)
+    return start is not None and int(start[0]) == 0
+  if x.shape.rank is None or x.shape.rank == 0:
+    return False
+  if head is not None:
+    return x.shape[0] is not None and int(head[0]) == x.shape[0]
+  first = size
+  while first.op.type == "Identity":
+    first = first.op.inputs[0]
+  if first.op.type != "Pack" or first.op.get_attr("axis"):
+    return False
+  dim = first.op.inputs[0].op   # tf.shape(x)[0]
+  if (dim.type != "StridedSlice" or dim.inputs[0].op.type != "Shape"
+      or dim.inputs[0].op.inputs[0].name != x.name or dim.get_attr("shrink_axis_mask") != 1):
+    return False
+  start = _leading(dim.inputs[1], 1)
+  return start is not None and int(start[0]) == 0
+
+
 def _static_dims(op):
   """True when `op`, a StridedSlice, takes dimensions of a Shape that the trace knows
   (tf.shape(x)[-1], tf.shape(x)[1:] of a batch whose other axes are static): a constant of
@@ -206,8 +293,9 @@ class _Provenance:
   depends on which records were sampled, so a row's position or the size used as a value
   moves every row), but not its dimensions the trace knows."""
 
-  def __init__(self, public, private_size):
-    self._public = {id(v.handle) for v in public}
+  def __init__(self, public, private_size, counters=(), aliases=None):
+    self._public = {id(v.handle) for v in public} | set(counters)   # `_counters`: no data
+    self.aliases = {} if aliases is None else aliases   # `_aliases`
     self._private_size = private_size
     self._memo = {}
 
@@ -226,6 +314,8 @@ class _Provenance:
     op = t.op
     if t.dtype == tf.resource:
       return 0
+    if t.ref() in self.aliases or _bodies(op) is not None:   # a function's argument or result
+      return None
     if op.type in _SHAPES:
       return None if self._private_size else 0
     if op.type in _SOURCES or op.type in _PYTHON:
@@ -252,7 +342,13 @@ class _Provenance:
       leaf = self._leaf(u)
       if leaf is None:
         bounds = []
-        if u.op.type in _SHAPES:
+        bodies = _bodies(u.op)
+        if u.ref() in self.aliases:
+          ins = self.aliases[u.ref()]
+        elif bodies is not None:   # each body's result, and the branch's predicate or index
+          ins = ([g.outputs[u.value_index] for g in bodies[0]]
+                 + list(u.op.inputs[:bodies[1]]))
+        elif u.op.type in _SHAPES:
           ins = list(u.op.inputs)
         elif u.op.type in _READS:
           ins = [u.op.inputs[1]]
@@ -276,7 +372,86 @@ class _Provenance:
             if op.inputs[i].dtype != tf.resource]
 
 
-def refuse_row_mixing(tensors, what, public=(), private_size=True):
+def _bodies(op):
+  """(the FuncGraphs, the position of the first argument) of a call op whose bodies the
+  trace holds (a nested tf.function's, tf.cond's branches, tf.switch_case's); else None."""
+  if op.type in ("If", "StatelessIf"):
+    graphs, first = [getattr(op, "_true_graph", None), getattr(op, "_false_graph", None)], 1
+  elif op.type in ("Case", "StatelessCase"):
+    graphs, first = list(getattr(op, "_branch_graphs", None) or [None]), 1
+  elif op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+    function = op.graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+    graphs, first = [getattr(function, "graph", None)], 0
+  else:
+    return None
+  if any(g is None or len(g.inputs) != len(op.inputs) - first
+         or len(g.outputs) != len(op.outputs) for g in graphs):
+    return None
+  return graphs, first
+
+
+def _aliases(graph):
+  """{a function body's argument (ref): the tensors its call ops pass it}, for the call ops
+  of `graph` and of the bodies they run (`_bodies`)."""
+  aliases, stack, seen = {}, list(graph.get_operations()), set()
+  while stack:
+    op = stack.pop()
+    found = _bodies(op)
+    for g in found[0] if found is not None else ():
+      for inner, outer in zip(g.inputs, op.inputs[found[1]:]):
+        aliases.setdefault(inner.ref(), []).append(outer)
+      if id(g) not in seen:
+        seen.add(id(g))
+        stack.extend(g.get_operations())
+  return aliases
+
+
+def _counters(graph, public, exempt, private_size):
+  """The ids of the variables (outermost handles) that are not `public` nor `exempt` and that
+  the ops of `graph` so far write only as a counter (a Keras SeedGenerator's state, advanced
+  by [0, 1] at each draw): by AssignVariableOp, AssignAddVariableOp or AssignSubVariableOp of
+  a value computed elementwise from the counters' own reads, constants no larger than the
+  variable and no data (not from a Poisson batch's size either), and taken by no other op
+  but reads (not into a function, branch or loop whose body is not followed). The largest
+  such set: a counter may advance from another. Their reads are then no data."""
+  values, other = {}, set()
+  listed = {id(v.handle) for v in list(public) + list(exempt)}
+  for op in graph.get_operations():
+    for i, t in enumerate(op.inputs):
+      key = id(data_writes.outermost(t)) if t.dtype == tf.resource else None
+      if key is None or key in listed or op.type in data_writes._READS:  # pylint: disable=protected-access
+        continue
+      if op.type in _ASSIGNS and i == 0:
+        values.setdefault(key, []).append(op.inputs[1])
+      else:
+        other.add(key)
+  quiet = set(values) - other
+  while True:
+    data = _Provenance(public, private_size, quiet)
+    mixed = {key for key in quiet if not all(_advance(t, data) for t in values[key])}
+    if not mixed:
+      return quiet
+    quiet -= mixed
+
+
+def _advance(t, data):
+  """True when `t`, a counter's new value, is computed elementwise from no data (under
+  `data`, where the counters' reads are none) and constants no larger than t."""
+  size, stack, seen = t.shape.num_elements(), [t], set()
+  while stack:
+    u = stack.pop()
+    if u.ref() in seen or data.kind(u) == 0:
+      continue
+    seen.add(u.ref())
+    if u.op.type == "Const" and size is not None and u.shape.num_elements() <= size:
+      continue
+    if u.op.type not in _ELEMENTWISE:
+      return False
+    stack.extend(i for _, i in data.value_inputs(u.op))
+  return True
+
+
+def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes=None):
   """Refuses tensors handed to the private step that are computed from the batch by an op
   that can combine records (module docstring). Eagerly nothing is checked.
 
@@ -288,6 +463,12 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
       the optimizer's); a read of any other variable is taken as the batch.
     private_size: the batch's size is private (Poisson-type sampling): a value computed
       from a data tensor's shape is data.
+    exempt_writes: None, or, when the trace is whole (walked after it), the variables the
+      caller lets it write from the data (a train_step override's metrics:
+      data_writes.refuse_override_writes refuses any other written from the batch). Given,
+      a variable neither public nor exempt that the trace writes only as a counter
+      (`_counters`: a Keras augmentation layer's seed state) is no data; without it, a
+      variable not public is other records.
 
   Raises:
     PrivacyConfigError: naming the op, what it can do and what to do instead.
@@ -296,15 +477,29 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True):
           if isinstance(t, tf.Tensor) and not isinstance(t, tf.__internal__.EagerTensor)]
   if not flat:
     return
-  values = _Provenance(public, False)   # what the batch's values (not its size) reach
-  data = _Provenance(public, True) if private_size else values
+  counters = (() if exempt_writes is None
+              else _counters(flat[0].graph, public, exempt_writes, private_size))
+  aliases = _aliases(flat[0].graph)
+  values = _Provenance(public, False, counters, aliases)   # what the batch's values reach
+  data = _Provenance(public, True, counters, aliases) if private_size else values
   seen, stack = set(), [t.op for t in flat]
   while stack:
     op = stack.pop()
-    if op.name in seen or not op.inputs or op.type in _SOURCES or op.type == "ReadVariableOp":
+    if (id(op.graph), op.name) in seen:
       continue
-    seen.add(op.name)
+    seen.add((id(op.graph), op.name))
+    if op.outputs and op.outputs[0].ref() in aliases:   # a body's argument: its call's
+      stack.extend(t.op for t in aliases[op.outputs[0].ref()] if data.kind(t))
+      continue
+    if not op.inputs or op.type in _SOURCES or op.type == "ReadVariableOp":
+      continue
     if not any(data.kind(o) for o in op.outputs):
+      continue
+    bodies = _bodies(op)
+    if bodies is not None:   # through each body, and the predicate that picks one
+      stack.extend(g.outputs[o.value_index].op for g in bodies[0] for o in op.outputs
+                   if data.kind(o))
+      stack.extend(t.op for t in op.inputs[:bodies[1]] if data.kind(t))
       continue
     if not _keeps_rows(op, lambda t: data.kind(t) >= 2) or _held_rows_mixed(op, data):
       raise PrivacyConfigError(

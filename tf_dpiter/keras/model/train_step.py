@@ -753,16 +753,26 @@ class TrainStepMixin:
     if metrics is not None and not metrics.built:   # the stand-in reads them: build them
       keras_internals.symbolic_build(self, data)   # from the batch's shapes, as Keras does
 
+    what = f"the train_step override of {type(self).__name__}"
+    handed = []   # the batches the override hands this step (`_dp_metrics_from`)
+
     def override_alone(batch):
       self._dp_override_probe = True
+      object.__setattr__(self, "_dp_override_rows", handed)
       try:
         return step_fn(self, batch)
       finally:
         self._dp_override_probe = False
 
-    data_writes.refuse_override_writes(
-        override_alone, data, self.metrics_variables,
-        f"the train_step override of {type(self).__name__}", clean=update_binding.noised_ops)
+    def walk_rows():   # once the override's trace is whole: its writes after the step too
+      for rows in handed:
+        row_provenance.refuse_row_mixing(
+            rows, what, public=list(self.variables) + list(self.optimizer.variables),
+            private_size=self._dp_optimizer().private_step.private_batch_size,
+            exempt_writes=self.metrics_variables)
+
+    data_writes.refuse_override_writes(override_alone, data, self.metrics_variables, what,
+                                       clean=update_binding.noised_ops, traced=walk_rows)
     _mark_checked_in_this_trace(self, "_dp_override_checked", data)
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
@@ -782,12 +792,10 @@ class TrainStepMixin:
   def _dp_metrics_from(self, data):
     """The library's step as an override's check sees it (`_dp_check_override`: traced,
     never run): the batch it is handed must be the override's rows, each a function of one
-    record (row_provenance); every metric variable is written from it, as the step logs the
-    batch's un-noised loss and metrics, then the logs are read from them."""
-    row_provenance.refuse_row_mixing(
-        data, f"the train_step override of {type(self).__name__}",
-        public=list(self.variables) + list(self.optimizer.variables),
-        private_size=self._dp_optimizer().private_step.private_batch_size)
+    record (row_provenance, walked once the override's trace is whole); every metric
+    variable is written from it, as the step logs the batch's un-noised loss and metrics,
+    then the logs are read from them."""
+    self._dp_override_rows.append(data)
     parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
                                    tf.float32))
              for t in tf.nest.flatten(data, expand_composites=True)
