@@ -134,7 +134,7 @@ def _assert_stated(model):
       setup.rdp_epsilon(steps), rel=1e-9)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_augmentations_chained_in_an_override_train(jit):
   """All the idioms in one override (graph and XLA): trained, stated at the epsilon."""
   _assert_stated(_fit(_chain, jit))

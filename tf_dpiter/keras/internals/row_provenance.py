@@ -201,8 +201,9 @@ def _leading(t, count):
   if op.type == "Fill":
     value, size = tf.get_static_value(op.inputs[1]), t.shape.num_elements()
     return None if value is None or size is None or size < count else np.full(count, value)
-  if op.type not in ("Pack", "ConcatV2") or (
-      tf.get_static_value(op.inputs[-1]) if op.type == "ConcatV2" else op.get_attr("axis")):
+  axis = (tf.get_static_value(op.inputs[-1]) if op.type == "ConcatV2"
+          else op.get_attr("axis") if op.type == "Pack" else None)
+  if axis is None or int(axis) != 0:   # pieces one after the other in the flat order
     return None
   out = []
   for piece in op.inputs[:-1] if op.type == "ConcatV2" else op.inputs:
@@ -406,6 +407,18 @@ def _aliases(graph):
   return aliases
 
 
+def _passed(op, data):
+  """The ops whose data `op` only passes on, or None: a body's argument, its call's inputs;
+  a call, each body's results and the predicate or index that picks the body (`_bodies`)."""
+  if op.outputs and op.outputs[0].ref() in data.aliases:
+    return [t.op for t in data.aliases[op.outputs[0].ref()] if data.kind(t)]
+  bodies = _bodies(op)
+  if bodies is None:
+    return None
+  return ([g.outputs[o.value_index].op for g in bodies[0] for o in op.outputs if data.kind(o)]
+          + [t.op for t in op.inputs[:bodies[1]] if data.kind(t)])
+
+
 def _counters(graph, public, exempt, private_size):
   """The ids of the variables (outermost handles) that are not `public` nor `exempt` and that
   the ops of `graph` so far write only as a counter (a Keras SeedGenerator's state, advanced
@@ -488,18 +501,13 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes
     if (id(op.graph), op.name) in seen:
       continue
     seen.add((id(op.graph), op.name))
-    if op.outputs and op.outputs[0].ref() in aliases:   # a body's argument: its call's
-      stack.extend(t.op for t in aliases[op.outputs[0].ref()] if data.kind(t))
+    passed = _passed(op, data)
+    if passed is not None:
+      stack.extend(passed)
       continue
     if not op.inputs or op.type in _SOURCES or op.type == "ReadVariableOp":
       continue
     if not any(data.kind(o) for o in op.outputs):
-      continue
-    bodies = _bodies(op)
-    if bodies is not None:   # through each body, and the predicate that picks one
-      stack.extend(g.outputs[o.value_index].op for g in bodies[0] for o in op.outputs
-                   if data.kind(o))
-      stack.extend(t.op for t in op.inputs[:bodies[1]] if data.kind(t))
       continue
     if not _keeps_rows(op, lambda t: data.kind(t) >= 2) or _held_rows_mixed(op, data):
       raise PrivacyConfigError(

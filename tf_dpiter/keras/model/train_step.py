@@ -741,7 +741,10 @@ class TrainStepMixin:
     """Once per train function, for a user's `train_step` (`_dp_wrap_override`): its own code
     traced alone, this step replaced by one that writes the metrics from the batch and
     nothing else, may write no variable but the metrics' from the batch, nor from what the
-    metrics hold (the logs carry the un-noised loss; data_writes.refuse_override_writes).
+    metrics hold (the logs carry the un-noised loss; data_writes.refuse_override_writes),
+    and the rows it hands this step (`_dp_metrics_from`) must each be a function of one
+    record (row_provenance), walked once its trace is whole: a variable it writes after the
+    step counts (a seed state written only as a counter is no data).
 
     Args:
       data: the batch as Keras hands it to the train step.
@@ -771,8 +774,11 @@ class TrainStepMixin:
             private_size=self._dp_optimizer().private_step.private_batch_size,
             exempt_writes=self.metrics_variables)
 
-    data_writes.refuse_override_writes(override_alone, data, self.metrics_variables, what,
-                                       clean=update_binding.noised_ops, traced=walk_rows)
+    try:
+      data_writes.refuse_override_writes(override_alone, data, self.metrics_variables, what,
+                                         clean=update_binding.noised_ops, traced=walk_rows)
+    finally:
+      handed.clear()   # the probe's graph is not kept alive by the model
     _mark_checked_in_this_trace(self, "_dp_override_checked", data)
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
