@@ -214,3 +214,38 @@ def test_an_eager_override_branching_on_python_state_is_checked_again():
   (traced alone, the row walk in its stand-in) at every call, whatever the structure, or
   refuse train_step overrides under run_eagerly=True."""
   _assert_within(lambda: (_warmup_weights(1000.0), _warmup_weights(-1000.0)), 2 * _FIT_BOUND)
+
+
+class StatelessFlip(dp.keras.DPSequential):
+  """Flips each image left-right by TensorFlow's stateless augmentation, with a fixed seed."""
+
+  def train_step(self, data):
+    x = tf.image.stateless_random_flip_left_right(data[0], seed=(1, 2))
+    return super().train_step((x,) + tuple(data[1:]))
+
+
+@pytest.mark.xfail(strict=True, reason="a stateless op's literal seed (a Const of 2 integers) "
+                   "is taken as an embedded array: the key op is refused")
+def test_a_stateless_flip_with_a_literal_seed_trains_under_shuffling():
+  """tf.image.stateless_random_flip_left_right(x, seed=(1, 2)), TensorFlow's stateless
+  per-image augmentation, in a train_step override under shuffling (replace-one example,
+  B = 10 of n = 100, one epoch): refused as 'can combine rows' at its
+  StatelessRandomGetKeyCounter. Session 42 made every Const of more than one element an
+  embedded array (kind 1: a dataset held in the trace, R11's integer-array finding), so the
+  seed (1, 2) is data, and the op turning it into a key is not a row-keeping op; the draw
+  itself (StatelessRandomUniformV2, [B]) and the per-image select are accepted. Under a
+  public batch size each position's flip is fixed and positions do not move when a record
+  is replaced: each row is a function of its own record (the stateful
+  tf.image.random_flip_left_right trains). Fix: a key or counter made from a seed that
+  carries no batch rows (StatelessRandomGetKeyCounter / GetKeyCounterAlg / GetAlg of a
+  kind 0 or 1 seed) is no data (a seed is not a record); under a private batch size the
+  draw then falls to the rule of test_a_seeded_draw_of_a_poisson_batchs_size_is_refused."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(100, 6, 6, 1)).astype("float32")
+  y = rng.normal(size=(100, 1)).astype("float32")
+  keras.utils.set_random_seed(0)
+  model = StatelessFlip([keras.Input((6, 6, 1)), keras.layers.Flatten(), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert int(model.optimizer.iterations.numpy()) == 10
+  assert np.isfinite(model.privacy_statement(1e-5).epsilon)
