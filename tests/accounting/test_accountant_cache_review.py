@@ -39,9 +39,6 @@ def _by_hand(name, event):
   return acc.compose(event).get_epsilon(1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="the accountants' caches key a float32-valued event and "
-                   "the float64 event of the same value alike (==): the second gets the "
-                   "first's float32-computed curve, a smaller epsilon")
 @pytest.mark.parametrize("name", ["rdp", "pld"])
 def test_a_float32_valued_event_does_not_set_the_float64_events_epsilon(name):
   """An event whose sigma and q are NumPy float32 scalars (a noise multiplier read from a TF

@@ -14,10 +14,17 @@ grayscale_to_rgb), branches and nested tf.functions walked through (rot90), rand
 no data (cutout masks, random flips by keras.ops), and a Keras augmentation layer held
 outside the model, whose SeedGenerator state the override writes only as a counter.
 
+Under Poisson sampling a draw of the batch's size from a seed (a stateless seed, a
+SeedGenerator's state, tf.random.set_seed) gives row i the i-th draws: a function of its
+position, which one added or removed record shifts for every later row (review R12, session
+43). Such draws are refused under Poisson (`_POSITIONAL`; `_SEEDED_ONLY` when a seed is set)
+and trained under fixed-size shuffled batches, where positions are not data.
+
 Relations and units: fit with Poisson sampling (add/remove one example, q 0.1 of n 100,
 z 1, C 1, 10 steps), stated at dp_accounting's RDP epsilon for the steps that ran
-(tests/keras/custom_loop_setup.rdp_epsilon); graph and jit_compile=True. Refused: before any
-step, with the library's PrivacyConfigError.
+(tests/keras/custom_loop_setup.rdp_epsilon); fit with shuffled batches of 10 (replace-one),
+stated at the epsilon of the same fit without the override; graph and jit_compile=True.
+Refused: before any step, with the library's PrivacyConfigError.
 """
 
 import keras
@@ -78,21 +85,31 @@ _IDIOMS.update({
 })
 
 
-def _chain(x):
-  """Every idiom in turn (the shapes they change restored by the ones after)."""
-  for name in _IDIOMS:
-    x = _IDIOMS[name](x)
-    x = tf.image.resize_with_crop_or_pad(x, 6, 6)
-  return x
+# draws of the batch's size from a seed: a row's position under Poisson sampling
+_POSITIONAL = frozenset(["keras_random_brightness", "keras_random_contrast",
+                         "keras_random_flip", "keras_random_rotation",
+                         "keras_random_translation", "keras_random_zoom",
+                         "stateless_random_flip"])
+_SEEDED_ONLY = frozenset(["cutout", "keras_ops_flip"])   # stateful: positional once seeded
 
 
-def _walk(transform, exempt_writes=()):
+def _chain(names):
+  """The idioms `names` in turn (the shapes they change restored by the ones after)."""
+  def transform(x):
+    for name in names:
+      x = _IDIOMS[name](x)
+      x = tf.image.resize_with_crop_or_pad(x, 6, 6)
+    return x
+  return transform
+
+
+def _walk(transform, exempt_writes=(), private_size=True):
   """Traces `transform` of a batch [None, 6, 6, 3] and walks its rows back (Poisson: the
   batch size private), as an override's check does; raises as refuse_row_mixing."""
   @tf.function(input_signature=[tf.TensorSpec([None, 6, 6, 3])], autograph=False)
   def trace(x):
     rows = transform(x)
-    row_provenance.refuse_row_mixing(rows, "the test's transform", private_size=True,
+    row_provenance.refuse_row_mixing(rows, "the test's transform", private_size=private_size,
                                      exempt_writes=exempt_writes)
     return rows
 
@@ -101,13 +118,37 @@ def _walk(transform, exempt_writes=()):
 
 @pytest.mark.parametrize("idiom", sorted(_IDIOMS))
 def test_an_augmentation_keeps_rows_apart(idiom):
-  """Each idiom, traced as an override's check walks it (the batch size private)."""
-  _walk(_IDIOMS[idiom])
+  """Each idiom, traced as an override's check walks it: under fixed-size batches all of
+  them; under Poisson sampling (the batch size private), with no seed set, all but the
+  draws of the batch's size from a seed, refused for their position."""
+  tf.random.set_seed(None)
+  _walk(_IDIOMS[idiom], private_size=False)
+  if idiom in _POSITIONAL:
+    with pytest.raises(dp.errors.PrivacyConfigError, match="function of its position"):
+      _walk(_IDIOMS[idiom])
+  else:
+    _walk(_IDIOMS[idiom])
 
 
-def _fit(transform, jit, override=None):
+@pytest.mark.parametrize("idiom", sorted(_SEEDED_ONLY))
+def test_a_seeded_draw_of_a_poisson_batch_size_is_refused(idiom):
+  """tf.random.set_seed (as keras.utils.set_random_seed) makes a stateful draw of the
+  batch's size the same numbers at every run: under Poisson sampling a row's position,
+  refused; under fixed-size batches accepted."""
+  tf.random.set_seed(0)
+  try:
+    _walk(_IDIOMS[idiom], private_size=False)
+    with pytest.raises(dp.errors.PrivacyConfigError, match="function of its position"):
+      _walk(_IDIOMS[idiom])
+  finally:
+    tf.random.set_seed(None)
+
+
+def _fit(transform, jit, override=None, sampling="poisson"):
   """A DPSequential GlobalAveragePooling2D -> Dense(1) whose train_step override hands the
-  step transform(x), fit with Poisson sampling (q 0.1 of n 100, z 1, C 1): the model."""
+  step transform(x) (none: no override), fit with `sampling` (batches of 10, q 0.1 of n
+  100 under Poisson; z 1, C 1): the model. Under Poisson no seed is set (a seeded draw of
+  the batch's size is refused there)."""
   class Override(dp.keras.DPSequential):
 
     def train_step(self, data):
@@ -117,27 +158,39 @@ def _fit(transform, jit, override=None):
   x = rng.uniform(size=(100, 6, 6, 3)).astype("float32")
   y = rng.normal(size=(100, 1)).astype("float32")
   keras.utils.set_random_seed(0)
-  model = (override or Override)([keras.Input((None, None, 3)),
-                                  keras.layers.GlobalAveragePooling2D(),
-                                  keras.layers.Dense(1)])
+  if sampling == "poisson":
+    tf.random.set_seed(None)
+  cls = override or (Override if transform is not None else dp.keras.DPSequential)
+  model = cls([keras.Input((None, None, 3)), keras.layers.GlobalAveragePooling2D(),
+               keras.layers.Dense(1)])
   model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
                 jit_compile=jit)
-  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="poisson")
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling=sampling)
   return model
 
 
-def _assert_stated(model):
-  """Ten steps, stated at dp_accounting's RDP epsilon for them."""
+def _assert_stated(model, sampling="poisson"):
+  """Ten steps, stated at dp_accounting's RDP epsilon for them (Poisson), or at the
+  epsilon of the same fit without the override (shuffled batches)."""
   steps = int(model.optimizer.iterations.numpy())
   assert steps == 10
-  assert model.privacy_statement(1e-5).epsilon == pytest.approx(
-      setup.rdp_epsilon(steps), rel=1e-9)
+  expected = (setup.rdp_epsilon(steps) if sampling == "poisson"
+              else _fit(None, False, sampling=sampling).privacy_statement(1e-5).epsilon)
+  assert model.privacy_statement(1e-5).epsilon == pytest.approx(expected, rel=1e-9)
 
 
+def _sampled(idiom):
+  """Poisson where the idiom's draws are no row's position, else shuffled batches."""
+  return "shuffle" if idiom in _POSITIONAL | _SEEDED_ONLY else "poisson"
+
+
+@pytest.mark.parametrize("sampling", ["poisson", "shuffle"])
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_the_augmentations_chained_in_an_override_train(jit):
-  """All the idioms in one override (graph and XLA): trained, stated at the epsilon."""
-  _assert_stated(_fit(_chain, jit))
+def test_the_augmentations_chained_in_an_override_train(jit, sampling):
+  """The idioms in one override (graph and XLA): under Poisson those whose draws are no
+  row's position, under shuffled batches the others: trained, stated at the epsilon."""
+  names = [k for k in _IDIOMS if _sampled(k) == sampling]
+  _assert_stated(_fit(_chain(names), jit, sampling=sampling), sampling)
 
 
 @pytest.mark.slow
@@ -145,7 +198,27 @@ def test_the_augmentations_chained_in_an_override_train(jit):
 @pytest.mark.parametrize("idiom", sorted(_IDIOMS))
 def test_an_augmentation_in_an_override_trains(idiom, jit):
   """Each idiom alone in an override (graph and XLA): trained, stated at the epsilon."""
-  _assert_stated(_fit(_IDIOMS[idiom], jit))
+  _assert_stated(_fit(_IDIOMS[idiom], jit, sampling=_sampled(idiom)), _sampled(idiom))
+
+
+def test_a_keras_augmentation_layer_under_poisson_is_refused_before_any_step():
+  """A RandomFlip held outside the model, fit with Poisson sampling: its draws of the
+  batch's size come from its SeedGenerator's state, a row's position: refused before any
+  step."""
+  model = None
+
+  class Kept(dp.keras.DPSequential):
+    def __init__(self, *args, **kwargs):
+      nonlocal model
+      super().__init__(*args, **kwargs)
+      model = self
+
+    def train_step(self, data):
+      return super().train_step((_IDIOMS["keras_random_flip"](data[0]),) + tuple(data[1:]))
+
+  with pytest.raises(dp.errors.PrivacyConfigError, match="function of its position"):
+    _fit(None, False, override=Kept)
+  assert int(model.optimizer.iterations.numpy()) == 0
 
 
 _STATE = tf.Variable([0, 0], dtype=tf.int64)   # a seed state held outside the model

@@ -276,8 +276,6 @@ def _sequence_mask(x):   # padded sequences: positions below 2 kept (tf.shape fo
   return x * tf.cast(mask, x.dtype)[:, :, None, None]
 
 
-_AUGMENTATION = keras.layers.RandomFlip("horizontal", seed=1)
-
 _IDIOMS = {
     # session 41's private batch size: the Shape of a Poisson batch read as a value, though
     # only its static axes 1..3 are read
@@ -285,8 +283,10 @@ _IDIOMS = {
     "per_image_standardization": (tf.image.per_image_standardization, None),
     "label_smoothing_by_shape": (None, lambda y, x: y * 0.9 + 0.1 / tf.cast(
         tf.shape(x)[-1], tf.float32)),
-    # session 41's reads of variables not the model's: a Keras augmentation layer's seed
-    "keras_random_flip": (lambda x: _AUGMENTATION(x, training=True), None),
+    # session 41's reads of variables not the model's, a Keras augmentation layer's seed
+    # state (keras_random_flip): under Poisson its draws are a function of a row's position
+    # (review R12, session 43), refused; trained under shuffling and refused under Poisson
+    # in tests/keras/test_augmentation_idioms.py
     # refused before session 41 too: an image resize (per image), labels squeezed with no
     # axis (tf.squeeze(y), then expanded back for this regression loss), a feature selection
     # on axis -1 (keras.ops.take), a per-record helper in a nested tf.function
@@ -322,11 +322,6 @@ def test_a_per_record_idiom_in_an_override_under_poisson_trains(idiom, jit):
     label smoothing by the class count tf.shape(x)[-1] (at the StridedSlice): session 41
     made a Poisson batch's Shape data, and the slices of the Shape taking only static axes
     (1 and up) are walked as data (all three train under shuffling);
-  - keras_random_flip: a keras.layers.RandomFlip held outside the model (the same when
-    held as an attribute of a DPSequential subclass: its SeedGenerator's state is not in
-    model.variables): session 41 made reads of variables that are not public the batch,
-    and the flip's StatelessRandomUniformV2 takes its seed from that state (refused under
-    shuffling too);
   - refused before session 41 too: resize, tf.image.resize (at ResizeBilinear);
     squeeze_labels, tf.squeeze(y) with no axis (at the ExpandDims after it: a squeeze with
     no axis of a [None, 1] batch has an unknown rank; the Squeeze itself is refused for its

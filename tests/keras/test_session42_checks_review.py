@@ -4,7 +4,7 @@
 once-per-structure eager checks of train_step overrides (tf_dpiter.keras.model.train_step:
 `_Checked`, `_eager_structure`).
 
-Each test asserts the sound behaviour and is a strict xfail until the fix its docstring names.
+Each test asserts the sound behaviour (strict xfails until session 43's fixes, each named in its docstring).
 The sound behaviour: the run is refused (PrivacyConfigError) before any step, or the trained
 weights of two neighbouring datasets differ by no more than the charged steps allow (noise
 off, so the clipped sum alone moves them: `_assert_within`).
@@ -66,8 +66,6 @@ def _running_centred_weights(value, jit):
   return _fit_weights(model, value, 10, jit_compile=jit)
 
 
-@pytest.mark.xfail(strict=True, reason="a broadcast read of a metric variable written from "
-                   "the batch (its running mean) passes _held_rows_mixed: batch-centred input")
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_inputs_centred_on_a_metrics_running_mean_are_refused(jit):
   """A train_step override centring the inputs on a keras.metrics.Mean of the inputs, updated
@@ -112,8 +110,6 @@ def _previous_as_input_weights(value, jit):
   return _fit_weights(PreviousAsInput([a, b], out), value, 20, jit_compile=jit)
 
 
-@pytest.mark.xfail(strict=True, reason="rows held in a metric variable handed to the step as "
-                   "an input of their own: no op before the step combines them with the batch")
 @pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_previous_batch_handed_as_a_second_input_is_refused(jit):
   """Session 42's fix of R11's mixup across batches refuses an op combining the batch with
@@ -151,8 +147,6 @@ def _noised_loop_step(neighbour):
 
 
 @pytest.mark.slow   # 25-35 s at load 10-12: the custom loop's first traced step in a process
-@pytest.mark.xfail(strict=True, reason="a seeded random draw of a Poisson batch's size is a "
-                   "function of each row's position, which removing a record shifts")
 def test_a_seeded_draw_of_a_poisson_batchs_size_is_refused():
   """Session 42 accepts random draws of the batch's size (`_DRAWS`: a RandomStandardNormal
   whose shape is tf.shape(x), kind 2 under a private size, accepted by `_keeps_rows` when its
@@ -199,8 +193,6 @@ def _warmup_weights(value):
   return _fit_weights(model, value, 10, epochs=2, callbacks=[EndWarmup()], run_eagerly=True)
 
 
-@pytest.mark.xfail(strict=True, reason="eagerly the override is checked once per batch "
-                   "structure; a branch its Python state takes later is never walked")
 def test_an_eager_override_branching_on_python_state_is_checked_again():
   """Session 42 keys an eager override's once-per-trace checks on the batch's structure
   (`_eager_structure`, R11's finding 7): under run_eagerly=True the override's Python runs
@@ -224,8 +216,6 @@ class StatelessFlip(dp.keras.DPSequential):
     return super().train_step((x,) + tuple(data[1:]))
 
 
-@pytest.mark.xfail(strict=True, reason="a stateless op's literal seed (a Const of 2 integers) "
-                   "is taken as an embedded array: the key op is refused")
 def test_a_stateless_flip_with_a_literal_seed_trains_under_shuffling():
   """tf.image.stateless_random_flip_left_right(x, seed=(1, 2)), TensorFlow's stateless
   per-image augmentation, in a train_step override under shuffling (replace-one example,

@@ -149,9 +149,11 @@ def _hashable(event):
 
 
 @functools.lru_cache(maxsize=4096)
-def _leaf_rdp(orders, relation, event):
+def _leaf_rdp(orders, relation, event, spelled):
   """The RDP curve of one `event` composed once, by dp-accounting's RdpAccountant at `orders`
-  (a tuple) under `relation`: a read-only float64 array."""
+  (a tuple) under `relation`: a read-only float64 array. `spelled` is repr(event), which names
+  its fields' types (NumPy 2 spells np.float32(1.25)): an event of float32 fields equals one
+  of the same Python floats under ==, but dp-accounting computes it partly in float32."""
   curve = dpa.rdp.RdpAccountant(orders, neighboring_relation=relation).compose(event).rdp
   curve.setflags(write=False)
   return curve
@@ -180,17 +182,20 @@ def rdp_accountant_class():
       error = super()._maybe_compose(event, count, False)
       if error is None:
         self._rdp += count * _leaf_rdp(tuple(self.orders.tolist()),
-                                       self.neighboring_relation, event)
+                                       self.neighboring_relation, event, repr(event))
       return error
 
   return CachedRdpAccountant
 
 
 @functools.lru_cache(maxsize=256)
-def _subsampled_gaussian_pld(noise_multiplier, sampling_probability, relation, interval):
+def _subsampled_gaussian_pld(noise_multiplier, sampling_probability, relation, interval,
+                             types=None):
   """dp-accounting's PLD of one Poisson subsampled Gaussian step, as PLDAccountant builds it
   (its pessimistic estimate at `interval`); dp-accounting's PLDs are not changed by their
-  compositions (each returns a new one)."""
+  compositions (each returns a new one). `types`: the two parameters' types, part of the key
+  (np.float32(2.0) == 2.0, but dp-accounting computes a float32 parameter partly in
+  float32)."""
   return dpa.pld.privacy_loss_distribution.from_gaussian_mechanism(
       standard_deviation=noise_multiplier, value_discretization_interval=interval,
       sampling_prob=sampling_probability, neighboring_relation=relation)
@@ -215,9 +220,10 @@ def pld_accountant_class():
               and event.sampling_probability != 0 and event.event.noise_multiplier != 0
               and _hashable(event)):
         return super()._maybe_compose(event, count, do_compose)
-      leaf = _subsampled_gaussian_pld(event.event.noise_multiplier, event.sampling_probability,
-                                      self.neighboring_relation,
-                                      self._value_discretization_interval)
+      sigma, q = event.event.noise_multiplier, event.sampling_probability
+      leaf = _subsampled_gaussian_pld(sigma, q, self.neighboring_relation,
+                                      self._value_discretization_interval,
+                                      (type(sigma), type(q)))
       self._pld = self._pld.compose(leaf.self_compose(count))
       return None
 

@@ -165,6 +165,8 @@ def _keeps_rows(op, rows):
             and op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
             and not op.get_attr("shrink_axis_mask") & 1
             and not op.get_attr("new_axis_mask") & 1)
+  if op.type in _DRAWS and _positional(op, rows):
+    return False
   if op.type == "Fill" or op.type in _DRAWS:   # rows of a constant, or independent draws
     return not any(rows(t) for _, t in _Provenance.value_inputs(op))   # of a public key
   if op.type in _RESIZE:   # each image [B, H, W, C] resized alone, to a size not the batch's
@@ -185,6 +187,20 @@ def _keeps_rows(op, rows):
     # [B, ..., K] x [K, N] keeps the rows; a batched right operand would move them
     return not rows(b) and not transposed and (op.type == "MatMul" or b.shape.rank == 2)
   return False
+
+
+def _positional(op, rows):
+  """True when `op`, a random draw, is of a Poisson batch's size (its shape argument is data:
+  `rows`) from a seed that is not fresh entropy: a stateless draw (a function of its key: a
+  literal seed, a Keras SeedGenerator's state) or a stateful one given a seed (an op's
+  seed=, tf.random.set_seed, keras.utils.set_random_seed). Row i then gets the i-th draws, a
+  function of its position in the batch, which removing an earlier sampled record shifts
+  for every later row (as tf.range of the size, review R10; review R12, session 43: 1.9
+  times the clip). A stateful draw without a seed takes fresh secret entropy at every run:
+  the rows' draws are then exchangeable."""
+  if not any(rows(t) for t in _Provenance.shape_args(op)):
+    return False
+  return op.type.startswith("Stateless") or bool(op.get_attr("seed") or op.get_attr("seed2"))
 
 
 def _leading(t, count):
@@ -288,14 +304,17 @@ class _Provenance:
   gathers its sample from, uint8 images or token ids too), 2 the batch (the trace's arguments
   and captured tensors, a dataset's next element, a Python function's result), 3 rows held
   in a variable that is not `public` (other records, maybe an earlier batch: taken as the
-  batch, and never aligned with it, `_held_rows_mixed`). Shape arguments (a reshape's
-  target, a fill's dims) carry no rows unless computed from the batch's values; a data
+  batch, and never aligned with it, `_held_rows_mixed`), 4 records held in a variable
+  `held` names (a metric's, written from this batch or earlier ones: a running mean, a
+  previous batch; refused wherever it reaches the step, broadcast or not: review R12,
+  session 43). Shape arguments (a reshape's target, a fill's dims) carry no rows unless computed from the batch's values; a data
   tensor's shape is data when the batch size is private (Poisson-type sampling: its size
   depends on which records were sampled, so a row's position or the size used as a value
   moves every row), but not its dimensions the trace knows."""
 
-  def __init__(self, public, private_size, counters=(), aliases=None):
+  def __init__(self, public, private_size, counters=(), aliases=None, held=()):
     self._public = {id(v.handle) for v in public} | set(counters)   # `_counters`: no data
+    self._held = {id(v.handle) for v in held}
     self.aliases = {} if aliases is None else aliases   # `_aliases`
     self._private_size = private_size
     self._memo = {}
@@ -322,6 +341,8 @@ class _Provenance:
     if op.type in _SOURCES or op.type in _PYTHON:
       return 2
     if op.type in _READS:   # a gather from a public variable: its indices decide
+      if id(data_writes.outermost(op.inputs[0])) in self._held:
+        return 4
       return 3 if not self._public_read(op) else (0 if op.type == "ReadVariableOp" else None)
     if not op.inputs:   # an array of any dtype (uint8 images, token ids, strings)
       size = t.shape.num_elements()
@@ -331,7 +352,7 @@ class _Provenance:
     return None
 
   def kind(self, t):
-    """0 to 3 (class docstring), iteratively: graphs can be deep. A shape argument from the
+    """0 to 4 (class docstring), iteratively: graphs can be deep. A shape argument from the
     batch (a one_hot's depth, a slice's bound from its values; a fill's dims from a private
     batch size: ones made tf.cumsum a row's position) makes its op's output the batch's."""
     memo, stack = self._memo, [t]
@@ -480,7 +501,8 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes
       caller lets it write from the data (a train_step override's metrics:
       data_writes.refuse_override_writes refuses any other written from the batch). Given,
       a variable neither public nor exempt that the trace writes only as a counter
-      (`_counters`: a Keras augmentation layer's seed state) is no data; without it, a
+      (`_counters`: a Keras augmentation layer's seed state) is no data, and a read of an
+      exempt variable reaching the step is refused, broadcast or not; without it, a
       variable not public is other records.
 
   Raises:
@@ -493,8 +515,18 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes
   counters = (() if exempt_writes is None
               else _counters(flat[0].graph, public, exempt_writes, private_size))
   aliases = _aliases(flat[0].graph)
-  values = _Provenance(public, False, counters, aliases)   # what the batch's values reach
-  data = _Provenance(public, True, counters, aliases) if private_size else values
+  held = () if exempt_writes is None else exempt_writes
+  values = _Provenance(public, False, counters, aliases, held)   # what the batch's values reach
+  data = _Provenance(public, True, counters, aliases, held) if private_size else values
+  stored = next((t for t in flat if data.kind(t) == 4), None)
+  if stored is not None:   # x - metric.result(), the previous batch as an input of its own
+    raise PrivacyConfigError(
+        f"{what} computes the records it hands to the private step ({stored.name!r}) from a "
+        "variable written from the batch (a metric's: a running mean, a previous batch): "
+        "each row would then carry other records, broadcast or aligned, and the clipped sum "
+        "would no longer bound one record's influence by the clip. Compute such statistics "
+        "from public data, or keep them in the model (its layers are checked). Received: a "
+        "read of a metric's variable")
   seen, stack = set(), [t.op for t in flat]
   while stack:
     op = stack.pop()
@@ -509,6 +541,16 @@ def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes
       continue
     if not any(data.kind(o) for o in op.outputs):
       continue
+    if op.type in _DRAWS and _positional(op, lambda t: data.kind(t) >= 2):
+      raise PrivacyConfigError(
+          f"{what} draws random numbers of a Poisson batch's size by a {op.type} op "
+          f"({op.name!r}) from a seed (a stateless seed, a Keras SeedGenerator's state, an "
+          "op's seed=, tf.random.set_seed or keras.utils.set_random_seed): row i then gets "
+          "the i-th draws, a function of its position in the batch, which adding or removing "
+          "one sampled record shifts for every later row, and the clipped sum would no longer "
+          "bound its influence by the clip. Draw them with tf.random ops and no seed set "
+          "(fresh entropy at every run), or sample fixed-size batches (sampling=\"shuffle\"). "
+          f"Received: a seeded {op.type} draw of the batch's size")
     if not _keeps_rows(op, lambda t: data.kind(t) >= 2) or _held_rows_mixed(op, data):
       raise PrivacyConfigError(
           f"{what} computes the records it hands to the private step from the batch by a "

@@ -225,61 +225,43 @@ def _trace():
   return _EAGER if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
 
 
-def _eager_structure(batch):
-  """Eagerly, the batch's structure and specs with its leading axis unknown: what Keras
-  traces a train function again for (sample weights in a second fit), where a user's
-  override may take another branch, so each is checked (review R11, session 42)."""
-  def spec(value):
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-      return type(value).__name__
-    shape = tf.TensorShape(value.shape)
-    return (tf.as_dtype(value.dtype).name,
-            None if shape.rank is None else tuple(shape.as_list()[1:]))
-  return repr(tf.nest.map_structure(spec, batch))
-
-
 class _Checked:
-  """Where a once-per-trace check passed: the graphs (held weakly), and eagerly the batch
-  structures (`_eager_structure`)."""
+  """The graphs (held weakly) where a once-per-trace check passed. Eagerly nothing is kept:
+  the user's Python runs at every step and may take another branch on its own state (a
+  warm-up flag set by a callback, then the batch centred on its mean: review R12, session
+  43), so each eager call is checked."""
 
   def __init__(self):
     self.graphs = weakref.WeakSet()
-    self.eager = set()
 
-  def holds(self, batch):
+  def holds(self):
     trace = _trace()
-    return (_eager_structure(batch) in self.eager if trace is _EAGER
-            else trace in self.graphs)
+    return trace is not _EAGER and trace in self.graphs
 
-  def add(self, batch):
+  def add(self):
     trace = _trace()
-    if trace is _EAGER:
-      self.eager.add(_eager_structure(batch))
-    else:
+    if trace is not _EAGER:
       self.graphs.add(trace)
 
 
-def _checked_in_this_trace(model, attr, batch):
-  """True when the check kept in `model.attr` ran in the graph being traced (eagerly: for a
-  batch of this structure): Keras traces a train function again for a new input structure
-  (sample weights in a second fit), where a user's override may take another branch, so each
-  trace is checked.
+def _checked_in_this_trace(model, attr):
+  """True when the check kept in `model.attr` ran in the graph being traced (never eagerly):
+  Keras traces a train function again for a new input structure (sample weights in a second
+  fit), where a user's override may take another branch, so each trace is checked.
 
   Args:
     model: the DP model.
     attr: the name of the model's attribute holding the `_Checked` record.
-    batch: the batch the checked code is given.
   """
   done = getattr(model, attr, None)
-  return done is not None and done.holds(batch)
+  return done is not None and done.holds()
 
 
-def _mark_checked_in_this_trace(model, attr, batch):
-  """Records in `model.attr` that its check passed in the graph being traced (eagerly, for
-  the structure of `batch`)."""
+def _mark_checked_in_this_trace(model, attr):
+  """Records in `model.attr` that its check passed in the graph being traced."""
   if getattr(model, attr, None) is None:
     object.__setattr__(model, attr, _Checked())
-  getattr(model, attr).add(batch)
+  getattr(model, attr).add()
 
 
 def _replica():
@@ -750,7 +732,7 @@ class TrainStepMixin:
       data: the batch as Keras hands it to the train step.
       step_fn: the user's train_step, a function of (model, batch).
     """
-    if _checked_in_this_trace(self, "_dp_override_checked", data):
+    if _checked_in_this_trace(self, "_dp_override_checked"):
       return
     metrics = keras_internals.compile_metrics(self)
     if metrics is not None and not metrics.built:   # the stand-in reads them: build them
@@ -779,7 +761,7 @@ class TrainStepMixin:
                                          clean=update_binding.noised_ops, traced=walk_rows)
     finally:
       handed.clear()   # the probe's graph is not kept alive by the model
-    _mark_checked_in_this_trace(self, "_dp_override_checked", data)
+    _mark_checked_in_this_trace(self, "_dp_override_checked")
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
   def _dp_check_metrics_override(self, x, y, y_pred, sample_weight):
@@ -787,13 +769,13 @@ class TrainStepMixin:
     calls with the batch and its un-noised predictions): the override traced alone may
     write no variable but the metrics' from them (data_writes.refuse_override_writes)."""
     if (type(self).compute_metrics is keras.Model.compute_metrics
-        or _checked_in_this_trace(self, "_dp_metrics_checked", (x, y, sample_weight))):
+        or _checked_in_this_trace(self, "_dp_metrics_checked")):
       return
     data_writes.refuse_override_writes(
         lambda b: self.compute_metrics(b[0], b[1], b[2], sample_weight=b[3]),
         (x, y, y_pred, sample_weight), self.metrics_variables,
         f"the compute_metrics override of {type(self).__name__}")
-    _mark_checked_in_this_trace(self, "_dp_metrics_checked", (x, y, sample_weight))
+    _mark_checked_in_this_trace(self, "_dp_metrics_checked")
 
   def _dp_metrics_from(self, data):
     """The library's step as an override's check sees it (`_dp_check_override`: traced,
