@@ -221,6 +221,41 @@ def test_a_keras_augmentation_layer_under_poisson_is_refused_before_any_step():
   assert int(model.optimizer.iterations.numpy()) == 0
 
 
+def _replaced_weights(label):
+  """The weights after one fit step of the chained override on n = B = 10 (shuffled with
+  one seed, z = 0, C = 1, lr 1, a zero Dense(1)), record 0 at x = 5 with `label`, the
+  seed states of the layers outside the model reset first (the same draws for D and D')."""
+  for layer in _LAYERS.values():
+    for generator in layer._seed_generators:   # pylint: disable=protected-access
+      generator.state.assign([_SEED, 0])
+
+  class Chained(dp.keras.DPSequential):
+
+    def train_step(self, data):
+      return super().train_step((_chain(data[0]),) + tuple(data[1:]))
+
+  rng = np.random.default_rng(0)
+  x = rng.uniform(size=(10, 6, 6, 3)).astype("float32")
+  y = rng.normal(size=(10, 1)).astype("float32")
+  x[0], y[0] = 5.0, label
+  keras.utils.set_random_seed(0)
+  model = Chained([keras.Input((None, None, 3)), keras.layers.GlobalAveragePooling2D(),
+                   keras.layers.Dense(1, kernel_initializer="zeros")])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0), "mse")
+  model.fit(dp.data.shuffled_batches(x, y, batch_size=10, seed=7), epochs=1, verbose=0)
+  return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+
+
+@pytest.mark.slow   # two fits of the chain
+def test_the_chained_augmentations_move_the_weights_by_one_clipped_record():
+  """Replace-one example (record 0's label 1000 vs -1000), shuffling with one seed, n = B =
+  10, one step, C = 1, lr 1, z = 0: the chained augmentations keep each row a function of
+  its record, so ||w(D) - w(D')|| is at most lr 2C / B = 0.2 (the clipped sum alone moves
+  the weights)."""
+  moved = np.linalg.norm(_replaced_weights(1000.0) - _replaced_weights(-1000.0))
+  assert 0.0 < moved <= 0.2 * (1 + 1e-4)
+
+
 _STATE = tf.Variable([0, 0], dtype=tf.int64)   # a seed state held outside the model
 
 
