@@ -5,9 +5,9 @@ Poisson batch's size as data), the once-per-trace checks of train_step overrides
 (tf_dpiter.keras.optimizer.weight_fingerprints: h(X) = sum_i a_i sum_j b_j X_ij mod 2^64).
 
 Each test asserts the sound behaviour; each was a strict xfail until the fix its docstring
-names, fixed in session 42 but for three idioms still refused (`_STILL_REFUSED`, strict
-xfails, CHANGELOG "Known issues"; the Keras flip held outside the model and the nested
-tf.function train since session 43). The sound behaviour:
+names, fixed in session 42 but for three idioms then still refused; since session 43 (the
+Keras flip held outside the model, the nested tf.function) only labels of unknown rank are
+(`_STILL_REFUSED`, a strict xfail, CHANGELOG "Known issues"). The sound behaviour:
 a run is refused before any step, or the trained weights of two neighbouring datasets differ by
 no more than the charged steps allow (noise off, so the clipped sum alone moves them), or a
 write to a DP model's weights outside its DP run is refused at the statement, or a per-record
