@@ -144,27 +144,40 @@ def test_a_seeded_draw_of_a_poisson_batch_size_is_refused(idiom):
     tf.random.set_seed(None)
 
 
-def _fit(transform, jit, override=None, sampling="poisson"):
-  """A DPSequential GlobalAveragePooling2D -> Dense(1) whose train_step override hands the
-  step transform(x) (none: no override), fit with `sampling` (batches of 10, q 0.1 of n
-  100 under Poisson; z 1, C 1): the model. Under Poisson no seed is set (a seeded draw of
-  the batch's size is refused there)."""
+def _overriding(transform):
+  """A DPSequential class whose train_step override hands the step transform(x)."""
   class Override(dp.keras.DPSequential):
 
     def train_step(self, data):
       return super().train_step((transform(data[0]),) + tuple(data[1:]))
 
+  return Override
+
+
+def _model(cls, n, noise, learning_rate, jit=False):
+  """(model, x [n, 6, 6, 3], y [n, 1]): a `cls` GlobalAveragePooling2D -> zero Dense(1),
+  compiled with DP-SGD (C 1), and its data (numpy's default_rng(0))."""
   rng = np.random.default_rng(0)
-  x = rng.uniform(size=(100, 6, 6, 3)).astype("float32")
-  y = rng.normal(size=(100, 1)).astype("float32")
+  x = rng.uniform(size=(n, 6, 6, 3)).astype("float32")
+  y = rng.normal(size=(n, 1)).astype("float32")
   keras.utils.set_random_seed(0)
+  model = cls([keras.Input((None, None, 3)), keras.layers.GlobalAveragePooling2D(),
+               keras.layers.Dense(1, kernel_initializer="zeros")])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, noise, learning_rate=learning_rate), "mse",
+                jit_compile=jit)
+  return model, x, y
+
+
+def _fit(transform, jit, override=None, sampling="poisson"):
+  """A model whose train_step override hands the step transform(x) (or `override`'s; none:
+  a plain DPSequential), fit with `sampling` (batches of 10, q 0.1 of n 100 under Poisson;
+  z 1, C 1): the model. Under Poisson no seed is set (a seeded draw of the batch's size is
+  refused there)."""
+  cls = override or (_overriding(transform) if transform is not None
+                     else dp.keras.DPSequential)
+  model, x, y = _model(cls, 100, 1.0, 0.1, jit)
   if sampling == "poisson":
     tf.random.set_seed(None)
-  cls = override or (Override if transform is not None else dp.keras.DPSequential)
-  model = cls([keras.Input((None, None, 3)), keras.layers.GlobalAveragePooling2D(),
-               keras.layers.Dense(1)])
-  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse",
-                jit_compile=jit)
   model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling=sampling)
   return model
 
@@ -229,19 +242,8 @@ def _replaced_weights(label):
     for generator in layer._seed_generators:   # pylint: disable=protected-access
       generator.state.assign([_SEED, 0])
 
-  class Chained(dp.keras.DPSequential):
-
-    def train_step(self, data):
-      return super().train_step((_chain(data[0]),) + tuple(data[1:]))
-
-  rng = np.random.default_rng(0)
-  x = rng.uniform(size=(10, 6, 6, 3)).astype("float32")
-  y = rng.normal(size=(10, 1)).astype("float32")
+  model, x, y = _model(_overriding(_chain(list(_IDIOMS))), 10, 0.0, 1.0)
   x[0], y[0] = 5.0, label
-  keras.utils.set_random_seed(0)
-  model = Chained([keras.Input((None, None, 3)), keras.layers.GlobalAveragePooling2D(),
-                   keras.layers.Dense(1, kernel_initializer="zeros")])
-  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=1.0), "mse")
   model.fit(dp.data.shuffled_batches(x, y, batch_size=10, seed=7), epochs=1, verbose=0)
   return np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
 
