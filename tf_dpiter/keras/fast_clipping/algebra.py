@@ -296,7 +296,7 @@ def with_sum_rounding(sq, na, nb, length, widths=None):
   return with_terms_rounding(sq, s, length, widths, static_dim(na, 1))
 
 
-def with_terms_rounding(sq, s, length, widths=None, terms=None):
+def with_terms_rounding(sq, s, length, widths=None, terms=None, noted=True):
   """(sqrt(sq) + gamma_L s)^2 for s [R] the sum of the norms of a record's terms in its
   float32 gradient (`with_sum_rounding`, which derives the bound: S = sum_t ||a_t|| ||b_t||
   there); for callers that form S themselves (a bias: `bias_sqr_norm`; LayerNormalization's
@@ -308,6 +308,7 @@ def with_terms_rounding(sq, s, length, widths=None, terms=None):
     length: L = terms + the clipped sum's rows + 1, a Python int or a float32 scalar tensor.
     widths: the lengths of the vectors whose norms s sums (a Python int), or None.
     terms: the terms per record (a Python int), or None.
+    noted: False where the caller noted this bound's roundings (`note_norm_depth`) already.
 
   Returns:
     [R] float32.
@@ -315,7 +316,8 @@ def with_terms_rounding(sq, s, length, widths=None, terms=None):
   u = 2.0 ** -24
   # the square root, the addition and the square round the squared norm relatively: 5
   # factors (1 + d) on its scale (algebra.norm_margin covers them)
-  note_norm_depth(after=5)
+  if noted:
+    note_norm_depth(after=5)
   if widths is None or terms is None or not isinstance(length, int):
     gamma = 1.25 * (length + 1) * u
   else:
@@ -417,11 +419,128 @@ def gram_sqr_norm(a, b, with_one=False, sum_rows=None):
   if with_one:
     ga = once_per_graph("gram_of_ones_column", ga, lambda g: g + 1.0)
   gb = tf.einsum("btn,bsn->bts", b, b)
+  k, n = int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2)
+  deferred = _deferred_gram_bound(ga, gb, k, n, sum_rows)
+  if deferred is not None:
+    return deferred
   # the rounding bound's per-position norms: the Gram matrices' diagonals
   na, nb = gram_diagonal_norms(ga), gram_diagonal_norms(gb)
-  k, n = int(with_one) + static_or_shape(a, 2), static_or_shape(b, 2)
   # with sum_rows: the clipped sum's product rounds the record's terms too (c a_t b_t^T)
   return bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows)
+
+
+class DeferredNorms:
+  """A layer's [R] float32 squared-norm bound (`gram_sqr_norm`'s) still to be formed: the
+  enclosing `batched_gram_bounds` block forms it with those of the other layers of its shape
+  class (`resolve_gram_bounds`). A rule only hands it on (its FactorSums' sqr_norms). Final.
+
+  Attributes:
+    ga, gb: the [R, T, T] float32 Gram matrices.
+    key: the shape class: (ga's shape, k, n, sum_rows), every one static.
+    value: the [R] float32 tensor once resolved, else None.
+  """
+  __slots__ = ("ga", "gb", "key", "value")
+
+  def __init__(self, ga, gb, key):
+    self.ga, self.gb, self.key, self.value = ga, gb, key, None
+
+
+_GRAMS = threading.local()   # .block: the enclosing `batched_gram_bounds` block's state
+# Bytes of one batched group's stacked Gram matrices ([L R, T, T] float32, `resolve_gram_bounds`)
+BATCHED_GRAM_BYTES = 4 << 20
+
+
+@contextlib.contextmanager
+def batched_gram_bounds():
+  """Within the block, where a rule opts in (`deferred_gram_bounds`), `gram_sqr_norm` returns
+  a `DeferredNorms` for its rounding bound (`bounded_gram_contraction`, `with_terms_rounding`)
+  instead of forming it: `resolve_gram_bounds` then forms the bounds of all the layers of one
+  shape class (the Gram matrices' shape, k, n and the clipped sum's rows, all static) as one
+  computation on their Gram matrices stacked along the records' axis, and splits it. Every op
+  of the bound is per record (a reduction over T and S, or elementwise), so a layer's bound
+  is the one it would get alone but for the order of the einsums' float32 sums, which the
+  bound covers in any order (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd
+  ed., Sec. 3.1). BERT-base's 72 projections (3 classes) then trace about 100 ops for their
+  bounds, not 72 groups of about 30. Traced only, in the graph the block was opened in (a
+  rule's tf.cond or tf.map_fn over chunks builds its bound in place).
+
+  Yields:
+    None.
+  """
+  graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+  outer = getattr(_GRAMS, "block", None)
+  _GRAMS.block = {"graph": graph, "pending": [], "open": False}
+  try:
+    yield
+  finally:
+    _GRAMS.block = outer
+
+
+@contextlib.contextmanager
+def deferred_gram_bounds():
+  """Within the block (a rule's, inside `batched_gram_bounds`), `gram_sqr_norm` may return
+  a `DeferredNorms`: the rule hands it on as its squared norms unchanged."""
+  block = getattr(_GRAMS, "block", None)
+  if block is None:
+    yield
+    return
+  was, block["open"] = block["open"], True
+  try:
+    yield
+  finally:
+    block["open"] = was
+
+
+def _deferred_gram_bound(ga, gb, k, n, sum_rows):
+  """A DeferredNorms for gram_sqr_norm's bound where a `batched_gram_bounds` block takes it
+  (`deferred_gram_bounds` open, the same graph, static shapes and sizes), else None."""
+  block = getattr(_GRAMS, "block", None)
+  if (block is None or not block["open"] or block["graph"] is None or
+      tf.compat.v1.get_default_graph() is not block["graph"] or
+      not ga.shape.is_fully_defined() or ga.shape != gb.shape or
+      not all(isinstance(v, int) for v in (k, n, sum_rows))):
+    return None
+  # the bound's relative roundings after its sum, noted per layer as when formed alone
+  note_norm_depth(after=5)
+  deferred = DeferredNorms(ga, gb, (tuple(ga.shape.as_list()), k, n, sum_rows))
+  block["pending"].append(deferred)
+  return deferred
+
+
+def resolve_gram_bounds(parts):
+  """`parts` with each `DeferredNorms` replaced by its [R] float32 tensor, the pending bounds
+  of the enclosing `batched_gram_bounds` block formed first: per shape class, in groups of at
+  most BATCHED_GRAM_BYTES of stacked Gram matrices, one `bounded_gram_contraction` on the
+  groups' ga and gb concatenated along the records' axis (with their diagonals' norms), split
+  back into the layers' [R] bounds.
+
+  Args:
+    parts: a list of tensors and DeferredNorms.
+
+  Returns:
+    a list of tensors.
+  """
+  block = getattr(_GRAMS, "block", None)
+  pending = block["pending"] if block is not None else []
+  classes = {}
+  for d in pending:
+    if d.value is None:
+      classes.setdefault(d.key, []).append(d)
+  for (shape, k, n, sum_rows), group in classes.items():
+    per_layer = 4 * int(np.prod(shape))
+    most = max(1, BATCHED_GRAM_BYTES // max(per_layer, 1))
+    for i in range(0, len(group), most):
+      some = group[i:i + most]
+      ga = tf.concat([d.ga for d in some], 0) if len(some) > 1 else some[0].ga
+      gb = tf.concat([d.gb for d in some], 0) if len(some) > 1 else some[0].gb
+      sq = bounded_gram_contraction(ga, gb, gram_diagonal_norms(ga), gram_diagonal_norms(gb),
+                                    k, n, sum_rows, noted=False)
+      values = tf.split(sq, len(some), axis=0) if len(some) > 1 else [sq]
+      for d, v in zip(some, values):
+        d.value = v
+  if block is not None:
+    block["pending"] = []
+  return [p.value if isinstance(p, DeferredNorms) else p for p in parts]
 
 
 def static_or_shape(x, axis):
@@ -430,7 +549,7 @@ def static_or_shape(x, axis):
   return d if d is not None else tf.cast(tf.shape(x)[axis], tf.float32)
 
 
-def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
+def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None, noted=True):
   """An upper bound, in float32 alone (the same ops on every device: no float64), of the
   exact sum_{t,s} A_ts B_ts from float32 Gram matrices ga ~ A [B, T, T] (dot products of K
   terms of vectors of norms na [B, T]) and gb ~ B (N terms, norms nb): the float32
@@ -464,6 +583,8 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
       scalar tensor): the bound raised to cover its rounding of the record's terms too,
       `with_terms_rounding` with L = R + 1 and S = sum_t na_t nb_t (the sum this bound forms
       anyway where k > 0); None: the bound of the exact sum alone.
+    noted: False where the caller noted the bound's roundings after its sum already
+      (`with_terms_rounding`'s note; `resolve_gram_bounds`).
 
   Returns:
     [B] float32.
@@ -494,7 +615,7 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None):
     s = reduce_sum(na * nb, 1)
   t = static_dim(ga, 1)
   widths = k + n if isinstance(k, int) and isinstance(n, int) else None
-  return with_terms_rounding(sq, s, sum_rows + 1, widths, t)
+  return with_terms_rounding(sq, s, sum_rows + 1, widths, t, noted=noted)
 
 
 def scalar(value):

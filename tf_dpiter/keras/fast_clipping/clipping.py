@@ -516,7 +516,9 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   ({id(unit): sum_fn or the FactorSums})."""
   parts = []   # every unit's [R] part, added by one AddN (not one add per unit)
   per_example, normed, sum_fns = {}, set(), {}
-  with algebra.examples_per_record(k):   # the records of every norm function and sum below
+  # the records of every norm function and sum below; the Gram form's rounding bounds of the
+  # layers of one shape class formed together (algebra.batched_gram_bounds)
+  with algebra.examples_per_record(k), algebra.batched_gram_bounds():
     for u, start, n in ghost:
       rec = u.records[0]
       grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
@@ -536,7 +538,9 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
         sum_fns[id(u)] = res
         res = res.sqr_norms
       if res is not None:
-        parts.append(tf.cast(res, tf.float32))
+        parts.append(res if isinstance(res, algebra.DeferredNorms) else
+                     tf.cast(res, tf.float32))
+    parts = algebra.resolve_gram_bounds(parts)
     for u, rec, start, n in vect:
       g = vectorized_grads(u, rec, src_grads[start:start + n])
       g = [tf.cast(algebra.record_sum(t), tf.float32) for t in g]
