@@ -430,57 +430,63 @@ def gram_sqr_norm(a, b, with_one=False, sum_rows=None):
 
 
 class DeferredNorms:
-  """A layer's [R] float32 squared-norm bound (`gram_sqr_norm`'s) still to be formed: the
-  enclosing `batched_gram_bounds` block forms it with those of the other layers of its shape
-  class (`resolve_gram_bounds`). A rule only hands it on (its FactorSums' sqr_norms). Final.
+  """A layer's [R] float32 per-record squared norm (or norm bound) still to be formed: the
+  enclosing `batched_norms` block forms it with those of the other layers of its class
+  (`resolve_norms`). A rule only hands it on (its FactorSums' or PerExampleBlock's
+  sqr_norms). Final.
 
   Attributes:
-    ga, gb: the [R, T, T] float32 Gram matrices.
-    key: the shape class: (ga's shape, k, n, sum_rows), every one static.
+    inputs: the tensors it is formed from: (ga, gb), the [R, T, T] float32 Gram matrices of
+      `gram_sqr_norm`'s bound, or (x,), the [R, P] rows of `deferred_sqr_sum`.
+    key: the class: ("gram", ga's shape, k, n, sum_rows) or ("squares", x's shape, dtype),
+      every one static.
     value: the [R] float32 tensor once resolved, else None.
   """
-  __slots__ = ("ga", "gb", "key", "value")
+  __slots__ = ("inputs", "key", "value")
 
-  def __init__(self, ga, gb, key):
-    self.ga, self.gb, self.key, self.value = ga, gb, key, None
+  def __init__(self, inputs, key):
+    self.inputs, self.key, self.value = inputs, key, None
 
 
-_GRAMS = threading.local()   # .block: the enclosing `batched_gram_bounds` block's state
-# Bytes of one batched group's stacked Gram matrices ([L R, T, T] float32, `resolve_gram_bounds`)
-BATCHED_GRAM_BYTES = 4 << 20
+_BATCHED = threading.local()   # .block: the enclosing `batched_norms` block's state
+# Bytes of one batched group's stacked inputs (`resolve_norms`): [L R, T, T] or [L R, P] float32
+BATCHED_NORM_BYTES = 4 << 20
 
 
 @contextlib.contextmanager
-def batched_gram_bounds():
-  """Within the block, where a rule opts in (`deferred_gram_bounds`), `gram_sqr_norm` returns
-  a `DeferredNorms` for its rounding bound (`bounded_gram_contraction`, `with_terms_rounding`)
-  instead of forming it: `resolve_gram_bounds` then forms the bounds of all the layers of one
-  shape class (the Gram matrices' shape, k, n and the clipped sum's rows, all static) as one
-  computation on their Gram matrices stacked along the records' axis, and splits it. Every op
-  of the bound is per record (a reduction over T and S, or elementwise), so a layer's bound
-  is the one it would get alone but for the order of the einsums' float32 sums, which the
-  bound covers in any order (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd
-  ed., Sec. 3.1). BERT-base's 72 projections (3 classes) then trace about 100 ops for their
-  bounds, not 72 groups of about 30. Traced only, in the graph the block was opened in (a
-  rule's tf.cond or tf.map_fn over chunks builds its bound in place).
+def batched_norms():
+  """Within the block, the per-record squared norms that rules hand on unchanged are formed
+  per class of layers, not per layer: `gram_sqr_norm`'s rounding bound
+  (`bounded_gram_contraction`, `with_terms_rounding`; where the rule opts in,
+  `deferred_norms`) and `deferred_sqr_sum`'s sums of squares return a `DeferredNorms`, and
+  `resolve_norms` forms those of one class (the Gram matrices' shape, k, n and the clipped
+  sum's rows; the rows' shape) as one computation on their inputs stacked along the records'
+  axis, split back per layer. Every op of these is per record (a reduction over a record's
+  own entries, or elementwise), so a layer's value is the one it gets alone but for the order
+  of an einsum's float32 sums, which the Gram bound covers in any order (Higham, "Accuracy and
+  Stability of Numerical Algorithms", 2nd ed., Sec. 3.1; the sums of squares keep their
+  pinned order, summation.pinned_row_sums, row by row). BERT-base's 72 projections (3
+  classes) and 25 LayerNorms (1) then trace about 130 ops for these, not 97 groups of 20-30.
+  Traced only, in the graph the block was opened in (a rule's tf.cond or tf.map_fn over
+  chunks forms its values in place).
 
   Yields:
     None.
   """
   graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-  outer = getattr(_GRAMS, "block", None)
-  _GRAMS.block = {"graph": graph, "pending": [], "open": False}
+  outer = getattr(_BATCHED, "block", None)
+  _BATCHED.block = {"graph": graph, "pending": [], "open": False}
   try:
     yield
   finally:
-    _GRAMS.block = outer
+    _BATCHED.block = outer
 
 
 @contextlib.contextmanager
-def deferred_gram_bounds():
-  """Within the block (a rule's, inside `batched_gram_bounds`), `gram_sqr_norm` may return
-  a `DeferredNorms`: the rule hands it on as its squared norms unchanged."""
-  block = getattr(_GRAMS, "block", None)
+def deferred_norms():
+  """Within the block (a rule's, inside `batched_norms`), `gram_sqr_norm` may return a
+  `DeferredNorms`: the rule hands it on as its squared norms unchanged."""
+  block = getattr(_BATCHED, "block", None)
   if block is None:
     yield
     return
@@ -491,28 +497,67 @@ def deferred_gram_bounds():
     block["open"] = was
 
 
-def _deferred_gram_bound(ga, gb, k, n, sum_rows):
-  """A DeferredNorms for gram_sqr_norm's bound where a `batched_gram_bounds` block takes it
-  (`deferred_gram_bounds` open, the same graph, static shapes and sizes), else None."""
-  block = getattr(_GRAMS, "block", None)
-  if (block is None or not block["open"] or block["graph"] is None or
+def _defer(inputs, key, opted_in=True):
+  """A DeferredNorms of `inputs` in the enclosing `batched_norms` block (the same graph, the
+  inputs' shapes static), else None."""
+  block = getattr(_BATCHED, "block", None)
+  if (block is None or not (opted_in or block["open"]) or block["graph"] is None or
       tf.compat.v1.get_default_graph() is not block["graph"] or
-      not ga.shape.is_fully_defined() or ga.shape != gb.shape or
-      not all(isinstance(v, int) for v in (k, n, sum_rows))):
+      not all(t.shape.is_fully_defined() for t in inputs)):
     return None
-  # the bound's relative roundings after its sum, noted per layer as when formed alone
-  note_norm_depth(after=5)
-  deferred = DeferredNorms(ga, gb, (tuple(ga.shape.as_list()), k, n, sum_rows))
+  deferred = DeferredNorms(inputs, key)
   block["pending"].append(deferred)
   return deferred
 
 
-def resolve_gram_bounds(parts):
-  """`parts` with each `DeferredNorms` replaced by its [R] float32 tensor, the pending bounds
-  of the enclosing `batched_gram_bounds` block formed first: per shape class, in groups of at
-  most BATCHED_GRAM_BYTES of stacked Gram matrices, one `bounded_gram_contraction` on the
-  groups' ga and gb concatenated along the records' axis (with their diagonals' norms), split
-  back into the layers' [R] bounds.
+def _deferred_gram_bound(ga, gb, k, n, sum_rows):
+  """A DeferredNorms for gram_sqr_norm's bound where a `batched_norms` block takes it
+  (`deferred_norms` open, static shapes and sizes), else None."""
+  if ga.shape != gb.shape or not all(isinstance(v, int) for v in (k, n, sum_rows)):
+    return None
+  deferred = _defer((ga, gb), ("gram", tuple(ga.shape.as_list()), k, n, sum_rows),
+                    opted_in=False)
+  if deferred is not None:   # the bound's roundings after its sum, noted per layer as alone
+    note_norm_depth(after=5)
+  return deferred
+
+
+def deferred_sqr_sum(x):
+  """`sqr_sum`(x) [R] float32, or within a `batched_norms` block a `DeferredNorms` of it (the
+  caller hands it on unchanged), its depth noted per layer as `sqr_sum` notes it.
+
+  Args:
+    x: [R, ...] float tensor.
+
+  Returns:
+    [R] float32 or a DeferredNorms.
+  """
+  x = tf.cast(x, tf.float32)
+  deferred = _defer((x,), ("squares", tuple(x.shape.as_list())))
+  if deferred is None:
+    return sqr_sum(x)
+  note_norm_depth(summation.square_sum_depth(x.shape[1:].num_elements()))
+  return deferred
+
+
+def _resolve_class(key, group):
+  """[R] float32 values of a class's DeferredNorms, from their inputs stacked."""
+  stacked = [tf.concat(list(ts), 0) if len(group) > 1 else ts[0]
+             for ts in zip(*(d.inputs for d in group))]
+  if key[0] == "gram":
+    ga, gb = stacked
+    sq = bounded_gram_contraction(ga, gb, gram_diagonal_norms(ga), gram_diagonal_norms(gb),
+                                  *key[2:], noted=False)
+  else:
+    sq = record_sqr_sums(stacked[0], noted=False)[0]
+  return tf.split(sq, len(group), axis=0) if len(group) > 1 else [sq]
+
+
+def resolve_norms(parts):
+  """`parts` with each `DeferredNorms` replaced by its [R] float32 tensor, the pending ones of
+  the enclosing `batched_norms` block formed first: per class, in groups of at most
+  BATCHED_NORM_BYTES of stacked inputs, one computation on the group's inputs concatenated
+  along the records' axis, split back into the layers' [R] values.
 
   Args:
     parts: a list of tensors and DeferredNorms.
@@ -520,23 +565,15 @@ def resolve_gram_bounds(parts):
   Returns:
     a list of tensors.
   """
-  block = getattr(_GRAMS, "block", None)
-  pending = block["pending"] if block is not None else []
+  block = getattr(_BATCHED, "block", None)
   classes = {}
-  for d in pending:
-    if d.value is None:
-      classes.setdefault(d.key, []).append(d)
-  for (shape, k, n, sum_rows), group in classes.items():
-    per_layer = 4 * int(np.prod(shape))
-    most = max(1, BATCHED_GRAM_BYTES // max(per_layer, 1))
+  for d in block["pending"] if block is not None else ():
+    classes.setdefault(d.key, []).append(d)
+  for key, group in classes.items():
+    per_layer = sum(4 * t.shape.num_elements() for t in group[0].inputs)
+    most = max(1, BATCHED_NORM_BYTES // max(per_layer, 1))
     for i in range(0, len(group), most):
-      some = group[i:i + most]
-      ga = tf.concat([d.ga for d in some], 0) if len(some) > 1 else some[0].ga
-      gb = tf.concat([d.gb for d in some], 0) if len(some) > 1 else some[0].gb
-      sq = bounded_gram_contraction(ga, gb, gram_diagonal_norms(ga), gram_diagonal_norms(gb),
-                                    k, n, sum_rows, noted=False)
-      values = tf.split(sq, len(some), axis=0) if len(some) > 1 else [sq]
-      for d, v in zip(some, values):
+      for d, v in zip(group[i:i + most], _resolve_class(key, group[i:i + most])):
         d.value = v
   if block is not None:
     block["pending"] = []
@@ -584,7 +621,7 @@ def bounded_gram_contraction(ga, gb, na, nb, k, n, sum_rows=None, noted=True):
       `with_terms_rounding` with L = R + 1 and S = sum_t na_t nb_t (the sum this bound forms
       anyway where k > 0); None: the bound of the exact sum alone.
     noted: False where the caller noted the bound's roundings after its sum already
-      (`with_terms_rounding`'s note; `resolve_gram_bounds`).
+      (`with_terms_rounding`'s note; `resolve_norms`).
 
   Returns:
     [B] float32.

@@ -516,9 +516,9 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
   ({id(unit): sum_fn or the FactorSums})."""
   parts = []   # every unit's [R] part, added by one AddN (not one add per unit)
   per_example, normed, sum_fns = {}, set(), {}
-  # the records of every norm function and sum below; the Gram form's rounding bounds of the
-  # layers of one shape class formed together (algebra.batched_gram_bounds)
-  with algebra.examples_per_record(k), algebra.batched_gram_bounds():
+  # the records of every norm function and sum below; the norms the rules hand on formed
+  # per class of layers, not per layer (algebra.batched_norms)
+  with algebra.examples_per_record(k), algebra.batched_norms():
     for u, start, n in ghost:
       rec = u.records[0]
       grads_w = tf.nest.pack_sequence_as(rec["watched"], src_grads[start:start + n])
@@ -540,7 +540,7 @@ def _sqr_norms(ghost, vect, src_grads, k, num_records):
       if res is not None:
         parts.append(res if isinstance(res, algebra.DeferredNorms) else
                      tf.cast(res, tf.float32))
-    parts = algebra.resolve_gram_bounds(parts)
+    parts = algebra.resolve_norms(parts)
     for u, rec, start, n in vect:
       g = vectorized_grads(u, rec, src_grads[start:start + n])
       g = [tf.cast(algebra.record_sum(t), tf.float32) for t in g]

@@ -102,9 +102,9 @@ def _budgeted_norms(layer, on, x, dz):
   # the direct form's norm covers the rounding of a record's terms in the book-keeping
   # product over chunks of m examples (algebra.with_sum_rounding; the two-pass variant's
   # backward pass sums the batch's B t rows, covered only where B <= m)
-  # sq handed on unchanged: its Gram form's bound may be formed with its shape class's
-  # (algebra.batched_gram_bounds)
-  with algebra.deferred_gram_bounds():
+  # sq handed on unchanged: its Gram form's bound may be formed with its class's
+  # (algebra.batched_norms)
+  with algebra.deferred_norms():
     sq, keep, g = budget.factored_sqr_norms(
         algebra.to_btk(x), algebra.to_btk(dz), with_one=fold,
         sum_rows=budget.chunk_rows(x, m, t) if t != -1 else None)

@@ -84,8 +84,9 @@ def layer_norm_norm_fn(layer, inputs):
         g = algebra.record_sum(algebra.reduce_sum(g, red) if red else g)
         parts.append(g if g.shape.rank == 2 else algebra.reshape(g, [-1, entries]))
       block = parts[0] if len(parts) == 1 else tf.concat(parts, algebra.const(1))
-      sq = algebra.sqr_sum(block)
-      return (sq, block) if keep else (_with_sum_rounding(sq, dc, xc, gamma, trained, red, rows),)
+      if keep:   # handed on unchanged: formed with the other LayerNorms' (algebra.batched_norms)
+        return algebra.deferred_sqr_sum(block), block
+      return (_with_sum_rounding(algebra.sqr_sum(block), dc, xc, gamma, trained, red, rows),)
 
     # rows of the clipped sum's reduction per entry (_sums): the batch's positions
     rows = algebra.static_or_shape(dy, 0) * (
@@ -96,7 +97,10 @@ def layer_norm_norm_fn(layer, inputs):
     out = budget.over_chunks(body, (dy, xhat), m, specs)
     if not keep:
       return registry.FactorSums(out[0], lambda c: _sums(layer, trained, dy, xhat, red, c, m))
-    return registry.PerExampleBlock(out[0], [algebra.leading_rows(out[1], out[0])],
+    # a DeferredNorms only from one call on the batch (algebra.batched_norms): its rows
+    rows_of = out[1] if isinstance(out[0], algebra.DeferredNorms) else algebra.leading_rows(
+        out[1], out[0])
+    return registry.PerExampleBlock(out[0], [rows_of],
                                     lambda sums: _unpack(layer, trained, entries, sums[0]))
 
   return outputs, y, sqr_norm_fn

@@ -1,7 +1,8 @@
-"""The Gram form's rounding bounds of the layers of one shape class formed together
-(algebra.batched_gram_bounds): each layer's bound is still an upper bound of its exact
-squared norm, equal to the bound it gets alone up to the order of float32 sums, and the
-clipped sum's trace holds one bound computation per shape class, not one per layer."""
+"""The per-record squared norms of the layers of one class formed together
+(algebra.batched_norms): the Gram form's rounding bounds and LayerNorm's sums of squares. Each
+layer's bound is still an upper bound of its exact squared norm, equal to the value it gets
+alone up to the order of float32 sums, and the clipped sum's trace holds one computation per
+class, not one per layer."""
 
 import keras
 import numpy as np
@@ -45,12 +46,12 @@ def test_batched_bounds_bound_and_match_the_layer_alone(cancel):
 
   @tf.function
   def batched():
-    with algebra.shared_ops(), algebra.batched_gram_bounds():
-      with algebra.deferred_gram_bounds():
+    with algebra.shared_ops(), algebra.batched_norms():
+      with algebra.deferred_norms():
         parts = [algebra.gram_sqr_norm(tf.constant(a), tf.constant(b), with_one=False,
                                        sum_rows=_B * _T) for a, b in pairs]
       deferred = sum(isinstance(p, algebra.DeferredNorms) for p in parts)
-      return algebra.resolve_gram_bounds(parts), deferred
+      return algebra.resolve_norms(parts), deferred
 
   @tf.function
   def alone():
@@ -65,28 +66,60 @@ def test_batched_bounds_bound_and_match_the_layer_alone(cancel):
 
 
 def test_not_deferred_without_the_rules_opt_in_or_eagerly():
-  """gram_sqr_norm forms its bound in place outside deferred_gram_bounds (other callers add
+  """gram_sqr_norm forms its bound in place outside deferred_norms (other callers add
   to it), eagerly, and for a graph other than the block's."""
   a = tf.ones([_B, _T, _K])
   b = tf.ones([_B, _T, _N])
 
   @tf.function
   def traced():
-    with algebra.batched_gram_bounds():
+    with algebra.batched_norms():
       return algebra.gram_sqr_norm(a, b, sum_rows=_B * _T)
 
   assert tf.is_tensor(traced())
-  with algebra.batched_gram_bounds(), algebra.deferred_gram_bounds():
+  with algebra.batched_norms(), algebra.deferred_norms():
     assert tf.is_tensor(algebra.gram_sqr_norm(a, b, sum_rows=_B * _T))   # eager
 
 
+def test_deferred_sqr_sums_match_sqr_sum():
+  """deferred_sqr_sum's rows formed together equal sqr_sum's of each alone; the same depth
+  noted per layer."""
+  rng = np.random.RandomState(2)
+  rows = [rng.normal(size=(_B, 200)).astype(np.float32) for _ in range(3)]
+
+  noted = {}
+
+  @tf.function
+  def batched():
+    with algebra.norm_depths() as depths, algebra.batched_norms():
+      parts = [algebra.deferred_sqr_sum(tf.constant(r)) for r in rows]
+      noted["deferred"] = sum(isinstance(p, algebra.DeferredNorms) for p in parts)
+      parts = algebra.resolve_norms(parts)
+    noted["batched"] = depths
+    return parts
+
+  @tf.function
+  def alone():
+    with algebra.norm_depths() as depths:
+      parts = [algebra.sqr_sum(tf.constant(r)) for r in rows]
+    noted["alone"] = depths
+    return parts
+
+  got, ref = batched(), alone()
+  assert noted["deferred"] == len(rows)
+  assert noted["batched"] == noted["alone"]
+  for g, r in zip(got, ref):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-6)
+
+
 def _projections(layers=4):
-  """Dense projections of one shape on [B, T, K] inputs (the Gram form's class), summed."""
+  """Dense projections of one shape on [B, T, K] inputs (the Gram form's class), each with a
+  LayerNorm (their sums of squares one class), summed."""
   keras.utils.set_random_seed(7)
   x = keras.Input((_T, _K))
   h = x
   for _ in range(layers):
-    h = h + keras.layers.Dense(_K, activation="tanh")(h)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(_K, activation="tanh")(h))
   return keras.Model(x, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
 
 
@@ -102,9 +135,10 @@ def _reference(model, x, y, clip):
 
 
 def test_clipped_sum_one_bound_per_shape_class(monkeypatch):
-  """The clipped sum's trace: the projections' bounds in one computation (fewer Einsum ops in
-  its norms than with one per layer, BATCHED_GRAM_BYTES 0), the same norms to float32
-  rounding, and the per-example reference's clipped sum."""
+  """The clipped sum's trace: the projections' bounds and the LayerNorms' sums of squares in
+  one computation per class (fewer ops in its norms than with one per layer,
+  BATCHED_NORM_BYTES 0), the same norms to float32 rounding, and the per-example
+  reference's clipped sum."""
   monkeypatch.setattr(registry, "_FORM_OVERRIDE", "gram")
   model = _projections()
   rng = np.random.RandomState(1)
@@ -114,12 +148,11 @@ def test_clipped_sum_one_bound_per_shape_class(monkeypatch):
   def run():
     fn = tf.function(lambda: fast_clipping.clipped_grad_sum(model, x, y, _LOSS, 0.5))
     graph = fn.get_concrete_function().graph
-    einsums = sum(op.type == "Einsum" and op.name.startswith("norms/")
-                  for op in graph.get_operations())
-    return fn(), einsums
+    ops = sum(op.name.startswith("norms/") for op in graph.get_operations())
+    return fn(), ops
 
   (grads, norms), batched = run()
-  monkeypatch.setattr(algebra, "BATCHED_GRAM_BYTES", 0)
+  monkeypatch.setattr(algebra, "BATCHED_NORM_BYTES", 0)
   (_, alone_norms), alone = run()
   assert batched < alone
   np.testing.assert_allclose(norms.numpy(), alone_norms.numpy(), rtol=1e-6)
