@@ -100,7 +100,8 @@ def test_examples_at_most_rejects_bad_bounds():
 
 
 def test_over_chunks_bounded_batch_builds_one_form():
-  """Under a bound <= m the whole-batch form alone (no cond, no loop); above m the cond."""
+  """Under a public bound <= BOUND_FACTOR m the whole-batch form alone (no cond, no loop);
+  above it the cond."""
   body = lambda a: (tf.reduce_sum(a, 1),)
   spec = [tf.TensorSpec([2], tf.float32)]
 
@@ -111,10 +112,27 @@ def test_over_chunks_bounded_batch_builds_one_form():
         return budget.over_chunks(body, (a,), 2, spec)[0]
     return f
 
-  bounded, loose = traced(2), traced(3)
+  bounded, loose = traced(2 * budget.BOUND_FACTOR), traced(2 * budget.BOUND_FACTOR + 1)
   assert _loops(bounded) == 0 and _loops(loose) > 0
-  a = np.arange(6, dtype=np.float32).reshape(2, 3)
-  np.testing.assert_array_equal(bounded(a), loose(a))
+  for b in (0, 1, 2, 3, 2 * budget.BOUND_FACTOR):   # one call, chunks of 2 at run time
+    a = np.arange(3 * b, dtype=np.float32).reshape(b, 3)
+    np.testing.assert_array_equal(bounded(a), loose(a))
+
+
+def test_settled_one_call_public_values_only():
+  """budget.settled_one_call: the bounds' most M <= limit (and <= fast) settle it; a public
+  bound R up to BOUND_FACTOR limit (R / 2 <= fast) too; a by_keep range alone only by M <=
+  limit; no bound: never (the run-time choice)."""
+  f = budget.BOUND_FACTOR
+  assert not budget.settled_one_call(10)
+  with runtime.examples_at_most(10 * f):
+    assert budget.settled_one_call(10)
+    assert not budget.settled_one_call(9)
+    assert budget.settled_one_call(10, fast=5 * f)
+    assert not budget.settled_one_call(10, fast=5 * f - 1)
+  with budget._batch_range(0, 12):   # pylint: disable=protected-access
+    assert budget.settled_one_call(12) and not budget.settled_one_call(11)
+    assert not budget.settled_one_call(12, fast=11)
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -85,9 +85,9 @@ def _spy_chunks(monkeypatch):
   """The m of each `_over_chunks` call of the folded Gram (examples per chunk, or None)."""
   seen, orig = [], conv._over_chunks   # pylint: disable=protected-access
 
-  def spy(body, x4, dz4, m, k, extra_specs=(), whole=None):
+  def spy(body, x4, dz4, m, k, *args):
     seen.append(m)
-    return orig(body, x4, dz4, m, k, extra_specs, whole)
+    return orig(body, x4, dz4, m, k, *args)
 
   monkeypatch.setattr(conv, "_over_chunks", spy)
   return seen

@@ -620,6 +620,8 @@ class TrainStepMixin:
         losses = record_losses.compiled_record_losses(
             self, tf.nest.map_structure(regroup, y_true), tf.nest.map_structure(regroup, y_pred),
             weights)
+        if isinstance(k, int) and k == 1:   # no tf.repeat: its shape ops run at every step
+          return losses * n_rep
         return tf.repeat(losses * n_rep, k)
 
       # an add/remove step's public bound on the records (chunking.sum_over_chunks checks

@@ -23,7 +23,8 @@ chunks of a batch the trace does not know cannot be compiled). Bounds on an unkn
 settle chunk choices at trace time, so that the trace builds no form that cannot run: in each
 branch of the run-time keep choice (at most the largest batch it keeps: no chunk loop where
 that fits a chunk; else more: no one-call form where that exceeds a chunk), and under a
-caller's public bound (keras/internals/runtime.examples_at_most).
+caller's public bound (keras/internals/runtime.examples_at_most), which settles one call (or
+keeping) up to BOUND_FACTOR times a form's limit (`settled_one_call`).
 """
 
 import contextlib
@@ -47,6 +48,17 @@ KEEP_BYTES = 8 << 20
 # 64 MiB: a batch of 64 of the LSTM language model (412 KB per example) or of the Transformer
 # encoder is one call.
 KEPT_BYTES = 64 << 20
+
+# Under a caller's public bound R on a batch the trace does not know (runtime.examples_at_most:
+# fit's Poisson steps, R = 2 (E + 4 sd) of the plan's expected batch E,
+# ledger/policy_base.public_row_bound), a form allowed up to L examples at once (one call, or
+# kept per-record gradients) is chosen for every batch when R <= BOUND_FACTOR L
+# (`settled_one_call`): its memory then stays within BOUND_FACTOR times the budget at the
+# public bound, and the step has no run-time tf.cond on the private batch size, whose
+# branches' dynamic slices, pads and merges cost the tutorial CNN's step about 1 ms at
+# B = 256 (benchmarks/poisson_step_ablation.py, dp_fixed_dynamic against dp_fixed_batch).
+# 4: R / E is 2.5 at B = 256, so a form the expected batch takes in one call is one call.
+BOUND_FACTOR = 4
 
 # Attribute of keep_choice's run-time choice (a scalar bool tensor): the largest batch, in
 # examples, it keeps the per-record gradients for (a Python int). by_keep reads it.
@@ -77,8 +89,7 @@ def _fits_one_chunk(tensors, m):
   static_b = tensors[0].shape[0]
   if static_b is not None:
     return static_b <= m
-  hi = batch_most()
-  if hi is not None and hi <= m:
+  if settled_one_call(m):
     return True
   lo = (getattr(_BATCH_RANGE, "range", None) or (0, None))[0]
   if lo > m:
@@ -104,6 +115,33 @@ def batch_most():
   if public is not None:
     hi = public if hi is None else min(hi, public)
   return hi
+
+
+def settled_one_call(limit, fast=None):
+  """Whether every batch the bounds allow (`batch_most`) takes, at trace time, the form a
+  budget allows up to `limit` examples at once (one call on the batch, or its per-record
+  gradients kept): the most examples M <= limit (and <= `fast`); or, under a caller's public
+  bound R (runtime.examples_bound), R <= BOUND_FACTOR limit and R / 2 <= fast (R / 2 = E +
+  4 sd: a larger batch has probability below 1e-4 per step, so a speed limit is checked
+  there; the memory at R stays within BOUND_FACTOR times the budget). A function of public
+  values only: the batch size never picks a branch.
+
+  Args:
+    limit: the most examples the form's memory budget allows at once (a Python int).
+    fast: the most examples the form runs at its best speed in one call (a Python int), or
+      None for no such limit.
+
+  Returns:
+    bool (False without bounds: the caller's run-time choice).
+  """
+  most = batch_most()
+  if most is None:
+    return False
+  if most <= limit and (fast is None or most <= fast):
+    return True
+  public = routing.examples_bound()
+  return (public is not None and most <= BOUND_FACTOR * limit and
+          (fast is None or most <= 2 * fast))
 
 
 def kept_chunk(kept_bytes, k):
@@ -460,8 +498,7 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
   if static_b is not None:
     return static_b // k * record_bytes <= KEEP_BYTES
   records_kept = min(KEEP_BYTES // record_bytes, 2**31 - 1)   # an int32 constant
-  most = batch_most()
-  if most is not None and most // k <= records_kept:   # every batch within the bound keeps
+  if settled_one_call((records_kept + 1) * k - 1):   # every batch within the bounds keeps
     return True
   keep = tf.shape(batch_tensor)[0] // k <= records_kept
   setattr(keep, _KEPT_BATCH_MAX, (records_kept + 1) * k - 1)

@@ -47,7 +47,10 @@ per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.F
 no second filter gradient) only while the batch's take at most budget.KEEP_BYTES (a pinned
 sum: twice that, `_PINNED_KEEP_FACTOR`); beyond, the norms alone are kept and the clipped sum
 is one whole-batch filter gradient of c_i dz_i (a pinned sum: the gradients formed again). With
-an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B);
+an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B)
+unless the step's public bound on the batch settles them at trace time
+(budget.settled_one_call: one call and kept gradients up to budget.BOUND_FACTOR times the
+budget's limits);
 under XLA with a batch the trace does not know, the batch is one call and the gradients are
 kept (registry.keep_per_example) as before: XLA compiles one static batch.
 
@@ -274,15 +277,17 @@ def _depthwise_chunk(x4, dz4, kernel_size, strides, padding):
   m = tf.shape(x4)[0]
   h, w = (algebra.static_dim(x4, i) or tf.shape(x4)[i] for i in (1, 2))
   ho, wo = (algebra.static_dim(dz4, i) or tf.shape(dz4)[i] for i in (1, 2))
-  xt = tf.reshape(tf.transpose(x4, [1, 2, 0, 3]), [1, h, w, m * cin])
+  # m enters the shapes once (the filter's size): -1 elsewhere, so that a chunk of a size the
+  # trace does not know adds no shape ops per reshape
+  xt = tf.reshape(tf.transpose(x4, [1, 2, 0, 3]), [1, h, w, -1])
   dt = tf.transpose(dz4, [1, 2, 0, 3])
   if cin > 1:
     dt = tf.broadcast_to(dt[:, :, :, None, :], [ho, wo, m, cin, cout])
-  dt = tf.reshape(dt, [1, ho, wo, m * cin * cout])
+  dt = tf.reshape(dt, [1, ho, wo, -1])
   g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
       xt, tf.stack([kh, kw, m * cin, cout]), dt, [1, strides[0], strides[1], 1],
       padding.upper())
-  return tf.reshape(g, [kh * kw, m, cin * cout])
+  return tf.reshape(g, [kh * kw, -1, cin * cout])
 
 
 def _filter_chunk(x4, dz4, kernel_size, strides, padding):
@@ -517,7 +522,7 @@ def _chunkable(x4, k):
   return isinstance(k, int) and (x4.shape[0] is not None or not routing.in_xla_context())
 
 
-def _over_chunks(body, x4, dz4, m, k, extra_specs=(), whole=None):
+def _over_chunks(body, x4, dz4, m, k, extra_specs=(), whole=None, fast=None):
   """body(x chunk [m', ...], dz chunk [m', ...]) -> (sq [m' / k], *extras [a, m' / k, c]) over
   the batch: on the whole batch when it fits one chunk of m examples (or m is None; or it has
   at most `whole` examples), else one chunk at a time (tf.map_fn, one iteration alive at once) in n = ceil(B / m) chunks of equal
@@ -532,8 +537,11 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=(), whole=None):
       batch.
     k: examples per record (a Python int, or a tensor when m is None).
     extra_specs: tf.TensorSpec of each extra output of one chunk, its chunk axis None.
-    whole: the most examples one call on the whole batch takes (a Python int >= m), or None
-      for m.
+    whole: the most examples one call on the whole batch takes within the memory budget (a
+      Python int >= m), or None for m.
+    fast: the most examples one call runs at its best speed (a Python int), or None: a
+      batch of more than min(whole, fast) examples (at least m) runs in chunks; under a
+      public bound, budget.settled_one_call decides at trace time.
 
   Returns:
     (sq [B / k], *extras [n, a, m' / k, c]) (n = 1 and m' = B for one call on the batch).
@@ -577,12 +585,12 @@ def _over_chunks(body, x4, dz4, m, k, extra_specs=(), whole=None):
     return (tf.reshape(return_rows[0], [-1])[:b // k],) + tuple(return_rows[1:])
 
   whole = m if whole is None else max(whole, m)
+  at_once = whole if fast is None else max(min(whole, fast), m)
   if static_b is not None:
-    return one_shot() if static_b <= whole else chunked()
-  most = budget.batch_most()   # bounds that settle the choice at trace time
-  if most is not None and most <= whole:
+    return one_shot() if static_b <= at_once else chunked()
+  if budget.settled_one_call(whole, None if at_once == whole else at_once):   # public bounds
     return one_shot()
-  return tf.cond(b <= whole, one_shot, chunked)
+  return tf.cond(b <= at_once, one_shot, chunked)
 
 
 def _patch_norms(x4, ksize, stride, dilation, padding, out_hw):
@@ -658,8 +666,9 @@ def _per_example_pass(form, x4, dz4, k, with_grads, bound=None):
     # examples' own (records of several examples keep their sums: the examples' are temporaries)
     per_example = form.temp_bytes - 4 * form.rows * form.cols * (
         2 if _fuses_squares(form.rows, form.cols) else 1)
-    whole = min(form.whole, budget.CHUNK_BYTES // max(per_example, 1))
-  out = _over_chunks(body, x4, dz4, m, k, specs, whole)
+    whole = budget.CHUNK_BYTES // max(per_example, 1)
+  out = _over_chunks(body, x4, dz4, m, k, specs, whole,
+                     None if whole is None else form.whole)
   return out if with_grads else out[0]
 
 
@@ -749,7 +758,7 @@ def _pinned_kept_sum(form, g, rc, block, sq):
   if not routing.in_xla_context():   # the records' rows, their last block not padded
     if n_rows is not None and records is not None:   # sizes the trace knows: Python ints
       rows = rows if int(n_rows) == int(records) else rows[:int(records)]
-    else:
+    elif g.shape[0] != 1:   # chunks (one call on the batch: its records' rows alone)
       rows = rows[:tf.shape(rc)[0]]   # a view: the records' rows, no copy
     rows = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: rows,
                    lambda: algebra.drop_rows(rows, rc))
@@ -914,8 +923,7 @@ def _pinned_recomputed_sum(form, x4, dz4, rc, block, sq=None):
 
   if static_b is not None:
     return shaped(chunked())
-  most = budget.batch_most()   # bounds that settle the choice at trace time
-  if most is not None and most <= m:
+  if budget.settled_one_call(m):   # bounds that settle the choice at trace time
     return shaped(one_shot())
   return shaped(tf.cond(b <= m, one_shot, chunked))
 
@@ -1035,7 +1043,7 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
     keep = True
   elif static_b is not None:
     keep = static_b * p * 4 <= kept_bytes
-  elif budget.batch_most() is not None and budget.batch_most() * p * 4 <= kept_bytes:
+  elif budget.settled_one_call(kept_bytes // (p * 4)):
     keep = True   # every batch within the bounds keeps: settled at trace time
   else:
     keep = b * p * 4 <= kept_bytes
