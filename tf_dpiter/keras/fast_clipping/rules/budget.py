@@ -54,9 +54,10 @@ KEPT_BYTES = 64 << 20
 # ledger/policy_base.public_row_bound), a form allowed up to L examples at once (one call, or
 # kept per-record gradients) is chosen for every batch when R <= BOUND_FACTOR L
 # (`settled_one_call`): its memory then stays within BOUND_FACTOR times the budget at the
-# public bound, and the step has no run-time tf.cond on the private batch size, whose
-# branches' dynamic slices, pads and merges cost the tutorial CNN's step about 1 ms at
-# B = 256 (benchmarks/poisson_step_ablation.py, dp_fixed_dynamic against dp_fixed_batch).
+# public bound, and the step has no run-time tf.cond on the private batch size. The
+# tutorial CNN's fit at B = 256 (R = 640), oneDNN on, no XLA: 27.0 -> 22.5 CPU ms per DP
+# step, DP / non-private 1.99 -> 1.71 (benchmarks/compare_revisions.py, 2 rounds, load
+# 10-11, 2026-12-01); at B = 1,024 (R = 2,304) 106.8 -> 81.1 (1 round, load 11-12).
 # 4: R / E is 2.5 at B = 256, so a form the expected batch takes in one call is one call.
 BOUND_FACTOR = 4
 
