@@ -57,7 +57,8 @@ KEPT_BYTES = 64 << 20
 # public bound, and the step has no run-time tf.cond on the private batch size. The
 # tutorial CNN's fit at B = 256 (R = 640), oneDNN on, no XLA: 27.0 -> 22.5 CPU ms per DP
 # step, DP / non-private 1.99 -> 1.71 (benchmarks/compare_revisions.py, 2 rounds, load
-# 10-11, 2026-12-01); at B = 1,024 (R = 2,304) 106.8 -> 81.1 (1 round, load 11-12).
+# 10-11, 2026-12-01), and 24.2 -> 21.5, 1.90 -> 1.54 (3 rounds, load 9-10); at B = 1,024
+# (R = 2,304) 106.8 -> 81.1 (1 round, load 11-12).
 # 4: R / E is 2.5 at B = 256, so a form the expected batch takes in one call is one call.
 BOUND_FACTOR = 4
 
