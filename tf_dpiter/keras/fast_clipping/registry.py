@@ -110,7 +110,8 @@ class PerExampleBlock(NamedTuple):
   that neither the norms nor the clipped sum need them reordered per example.
 
   sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables (the squared
-             norm of row i of all blocks).
+             norm of row i of all blocks), or an `algebra.DeferredNorms` that the
+             enclosing `algebra.batched_norms` block forms with its class.
   blocks:    [B, P_j] float32 tensors: row i of all blocks together holds every entry
              of g_i over the layer's trainable variables, each once.
   unpack:    one [P_j] tensor per block (a weighted sum of rows) -> one tensor per v
@@ -137,7 +138,8 @@ class FactorSums(NamedTuple):
   """A sqr_norm_fn result that forms the clipped sum itself from the clip factors (it
   chooses which operand to weight: the smaller one, Bu et al. 2023, Sec. 3).
 
-  sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables.
+  sqr_norms: [B] float32, ||g_i||^2 over the layer's trainable variables, or an
+             `algebra.DeferredNorms` (see PerExampleBlock).
   sum_fn:    (example_factors [B] float32, c_i of each example's record, 0 for an example
              that adds nothing) -> one float32 tensor per v in layer.trainable_variables:
              sum_i c_i g_i. The rows with c_i = 0 must add exactly nothing even where they
