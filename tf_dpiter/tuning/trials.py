@@ -14,6 +14,7 @@ import dp_accounting as dpa
 import numpy as np
 
 from tf_dpiter import validation
+from tf_dpiter.accounting import accountants
 from tf_dpiter.accounting import search
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.errors import ParameterValueError
@@ -84,7 +85,7 @@ def selection_epsilon(noise_multiplier, sampling_probability, steps, mean, shape
     epsilon, a float.
   """
   event = trial_event(noise_multiplier, sampling_probability, steps, score_noise_multiplier)
-  accountant = dpa.rdp.RdpAccountant()
+  accountant = accountants.make("rdp", dpa.NeighboringRelation.ADD_OR_REMOVE_ONE)
   accountant.compose(dpa.dp_event.RepeatAndSelectDpEvent(event, float(mean), float(shape)))
   return accountant.get_epsilon(delta)
 
