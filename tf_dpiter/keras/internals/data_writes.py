@@ -362,6 +362,7 @@ def closure_data_writes(fn):
                                if internal.dtype != tf.resource})
 
 
+@tf.autograph.experimental.do_not_convert   # plain Python over the graph
 def _graph_writes(graph, data, exempt=frozenset(), clean=frozenset(), only=None,
                   clean_name=None, by_id=False):
   """The variables the FuncGraph `graph` writes from its nodes named in `data` (names of
@@ -451,6 +452,7 @@ def _variable_name(handle):
   return re.sub(r"/\d+$", "", found.group(1)) if found else repr(handle)
 
 
+@tf.autograph.experimental.do_not_convert   # plain Python over the graph
 def refuse_data_writes(fn, specs, what):
   """Refuses `fn` when it writes a variable from its inputs (`data_dependent_writes`).
 

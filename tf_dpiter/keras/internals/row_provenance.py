@@ -485,6 +485,7 @@ def _advance(t, data):
   return True
 
 
+@tf.autograph.experimental.do_not_convert   # plain Python over the graph
 def refuse_row_mixing(tensors, what, public=(), private_size=True, exempt_writes=None):
   """Refuses tensors handed to the private step that are computed from the batch by an op
   that can combine records (module docstring). Eagerly nothing is checked.

@@ -1205,6 +1205,7 @@ class PrivateStep:
       result = self._noised.add(result)
     return result
 
+  @tf.autograph.experimental.do_not_convert   # plain Python over the graph
   def note_traced_update(self, variables):
     """A custom loop's update traced now: its whole step is walked at the next statement
     (update_binding.NoisedResults.refuse_late_writes).

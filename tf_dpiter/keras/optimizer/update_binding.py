@@ -182,6 +182,7 @@ class NoisedResults:
           "post-process, apply). Received: a gradient computed from "
           f"{source}")
 
+  @tf.autograph.experimental.do_not_convert   # plain Python over the graph
   def note_traced_update(self, variables):
     """Keeps the graph being traced (a custom loop's step, its update traced now) for
     `refuse_late_writes`: what the step traces after the update is not in the graph yet.
@@ -272,6 +273,7 @@ class NoisedResults:
             f"shape {tuple(t.shape)} and dtype {t.dtype.name} not drawn by the private step")
 
 
+@tf.autograph.experimental.do_not_convert   # plain Python over the graph
 def late_writes(graph):
   """The variables the whole FuncGraph `graph` writes from its data: its non-resource inputs
   (arguments, captured tensors), a dataset's next element, a Python function's result, a
