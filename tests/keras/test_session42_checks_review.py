@@ -4,7 +4,8 @@
 once-per-structure eager checks of train_step overrides (tf_dpiter.keras.model.train_step:
 `_Checked`, `_eager_structure`).
 
-Each test asserts the sound behaviour (strict xfails until session 43's fixes, each named in its docstring).
+Each test asserts the sound behaviour (strict xfails until session 43's fixes, each named in
+its docstring).
 The sound behaviour: the run is refused (PrivacyConfigError) before any step, or the trained
 weights of two neighbouring datasets differ by no more than the charged steps allow (noise
 off, so the clipped sum alone moves them: `_assert_within`).

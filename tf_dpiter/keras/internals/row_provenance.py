@@ -165,8 +165,7 @@ def _keeps_rows(op, rows):
             and op.get_attr("begin_mask") & 1 and op.get_attr("end_mask") & 1
             and not op.get_attr("shrink_axis_mask") & 1
             and not op.get_attr("new_axis_mask") & 1)
-  if op.type in _DRAWS and _positional(op, rows):
-    return False
+  # a draw of a Poisson batch's size from a seed is refused before (`_positional`)
   if op.type == "Fill" or op.type in _DRAWS:   # rows of a constant, or independent draws
     return not any(rows(t) for _, t in _Provenance.value_inputs(op))   # of a public key
   if op.type in _RESIZE:   # each image [B, H, W, C] resized alone, to a size not the batch's
