@@ -255,6 +255,31 @@ def test_train_on_batch_one_pass_and_changes_between_calls_refused(jit_compile, 
     dp_model.privacy_statement(1e-5)
 
 
+@pytest.mark.parametrize("change", ["assign", "none"])
+def test_train_on_batch_does_not_digest_frozen_layers_again(change, monkeypatch):
+  """A frozen layer (LoRA's backbone) keeps its kept digest through the DP update: a
+  train_on_batch digests only the variables the update writes, and a write to the frozen
+  layer between two calls is still refused by the next."""
+  x, y = _data()
+  dp_model, _ = _shared(False)
+  dp_model.get_layer("encoder").trainable = False
+  dp_model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  dp_model.optimizer.set_sampling(N, 10 / N, "poisson", 10)
+  _train_on_batch(dp_model, x[:10], y[:10])
+  _train_on_batch(dp_model, x[10:20], y[10:20])
+  frozen = dp_model.get_layer("encoder").kernel
+  assert any(v is frozen for v in wf.checked_variables(dp_model))   # checked, not trainable
+  counted = _count_digests(monkeypatch)
+  _train_on_batch(dp_model, x[20:30], y[20:30])
+  assert sum(counted) == len(dp_model.trainable_variables) == 2   # the head's only
+  if change == "none":
+    _train_on_batch(dp_model, x[30:40], y[30:40])
+    return
+  frozen.assign(np.array(frozen) + np.float32(1e-3))
+  with pytest.raises(dp.errors.PrivacyConfigError, match="train_on_batch refused"):
+    _train_on_batch(dp_model, x[30:40], y[30:40])
+
+
 def mirrored_fingerprints_check(strategy):
   """A DP model built under `strategy`: DP fits accepted one after the other, set_weights of
   other values between two fits refused, the run's earlier state accepted; prints "OK
