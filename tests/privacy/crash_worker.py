@@ -1,4 +1,6 @@
 """Trains a small DP model; killed with SIGKILL at a given step, or resumed (test_crash_resume).
+The first phase runs as a script (its process is killed); test_crash_resume calls `main` for
+the resume phase in its own process (the restart reads only the files the killed run left).
 
 usage: crash_worker.py MODE PHASE WORKDIR, MODE "backup" (keras BackupAndRestore) or
 "checkpoint" (ModelCheckpoint + fit(ledger_journal=...)), PHASE "first" (SIGKILL after step
@@ -64,10 +66,11 @@ def main(mode, phase, work):
     callbacks = [keras.callbacks.ModelCheckpoint(ckpt, save_freq=SAVE_FREQ), probe] + extra
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS - 1, callbacks=callbacks, verbose=0,
               ledger_journal=os.path.join(work, "ledger.journal"))
-  print("RESULT " + json.dumps({
-      "restored": probe.restored, "iterations": int(model.optimizer.iterations.numpy()),
-      "samples": int(model.ledger.sample_count.numpy()),
-      "epsilon": dp.accounting.epsilon(model.ledger, 1e-5)}))
+  result = {"restored": probe.restored, "iterations": int(model.optimizer.iterations.numpy()),
+            "samples": int(model.ledger.sample_count.numpy()),
+            "epsilon": dp.accounting.epsilon(model.ledger, 1e-5)}
+  print("RESULT " + json.dumps(result))
+  return result
 
 
 if __name__ == "__main__":
