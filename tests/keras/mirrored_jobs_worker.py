@@ -8,6 +8,9 @@ devices are set up once, instead of once per job):
                      matrix's MIRRORED cells of Poisson and shuffled passes
   apply_replicas     test_apply_replicas.mirrored_update_check: the DP optimizer's update
                      keeps Keras' sum over the replicas
+  traced_loop        test_traced_loop_distribute.two_replica_checks: a custom loop's traced
+                     private steps stated, and weights changed around them (one replica's
+                     copy included) refused
 
 Each job's output follows a line "JOB <name>" (tests/keras/test_distribute.py reads them and
 checks each job as its own test file did).
@@ -23,13 +26,14 @@ import tensorflow as tf
 from tests.keras import distributed_worker
 from tests.keras import mirrored_poisson_worker
 from tests.keras import test_apply_replicas
+from tests.keras import test_traced_loop_distribute
 from tests.privacy import matrix_mirrored_worker
 
 MATRIX_POLICIES = "poisson,shuffle"
 
 
 def main(argv):
-  """Runs the four jobs in one MirroredStrategy (two strategies in a process draw the same
+  """Runs the five jobs in one MirroredStrategy (two strategies in a process draw the same
   collective instance keys, and their all-reduces collide); a failing job raises (a
   non-zero exit status)."""
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -41,6 +45,8 @@ def main(argv):
   matrix_mirrored_worker.main([MATRIX_POLICIES, argv[0]], strategy)
   print("JOB apply_replicas", flush=True)
   test_apply_replicas.mirrored_update_check(strategy)
+  print("JOB traced_loop", flush=True)
+  test_traced_loop_distribute.two_replica_checks(strategy)
 
 
 if __name__ == "__main__":

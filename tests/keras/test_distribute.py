@@ -4,8 +4,8 @@ configuration must precede TensorFlow's initialization).
 The default suite's MirroredStrategy jobs share that one subprocess
 (`mirrored_jobs_worker.py`): this file's noise-and-ledger job, test_mirrored_poisson.py's
 two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes and
-test_apply_replicas.py's sum over the replicas;
-each job is checked here by its own file's check. Their `-m slow` variants start processes
+test_apply_replicas.py's sum over the replicas and test_traced_loop_distribute.py's custom
+loop traced under 2 replicas; each job is checked here by its own file's check. Their `-m slow` variants start processes
 of their own.
 """
 
@@ -16,6 +16,7 @@ import sys
 
 from tests.keras import test_apply_replicas
 from tests.keras import test_mirrored_poisson
+from tests.keras import test_traced_loop_distribute
 from tests.privacy import test_policy_matrix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +38,7 @@ def _jobs(workdir):
     elif name is not None:
       jobs[name].append(line)
   assert list(jobs) == ["distributed", "mirrored_poisson", "matrix",
-                        "apply_replicas"], proc.stdout[-2000:]
+                        "apply_replicas", "traced_loop"], proc.stdout[-2000:]
   return jobs
 
 
@@ -70,3 +71,4 @@ def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
   test_mirrored_poisson.check_runs(jobs["mirrored_poisson"], 2)
   test_policy_matrix.check_mirrored_cells(jobs["matrix"], "poisson,shuffle")
   test_apply_replicas.check_mirrored(jobs["apply_replicas"])
+  test_traced_loop_distribute.check_two_replicas(jobs["traced_loop"])

@@ -13,6 +13,8 @@ Poisson q = 10 / 100, z = 1, C = 1; unit = example. A custom loop (`strategy.run
   * putting back a state the run recorded (the weights at a statement) goes on from it;
   * under 2 replicas, a write to one replica's copy of a mirrored variable only (the primary
     unchanged, so the host's read sees nothing) is refused after the next traced step.
+The 2-replica checks run, in the default suite, in test_distribute.py's MirroredStrategy
+process (tests/keras/mirrored_jobs_worker.py, one process for the suite's 2-device jobs).
 """
 
 import os
@@ -147,19 +149,33 @@ def test_one_replica_changes_around_traced_steps_are_refused():
   refused_check(tf.distribute.MirroredStrategy(["/cpu:0"]))
 
 
+def two_replica_checks(strategy):
+  """Runs accepted_check and refused_check under `strategy` (2 replicas), printing "OK
+  <check> <replicas>" or "FAILED <check> <replicas> <error>" for each (`check_two_replicas`
+  reads them). The default suite runs this in tests/keras/mirrored_jobs_worker.py's process
+  (test_distribute.py checks its lines with `check_two_replicas`); `-m slow` in a process of
+  its own (the `two_replicas` fixture)."""
+  for name, check in (("accepted", accepted_check), ("refused", refused_check)):
+    try:
+      check(strategy)
+    except AssertionError as err:
+      print("FAILED", name, strategy.num_replicas_in_sync, repr(err)[:600], flush=True)
+    else:
+      print("OK", name, strategy.num_replicas_in_sync, flush=True)
+
+
+def check_two_replicas(lines):
+  """Asserts both checks passed on 2 replicas in `lines` (two_replica_checks' output)."""
+  assert "OK accepted 2" in lines, lines
+  assert "OK refused 2" in lines, lines
+
+
 _TWO_REPLICAS = """
 import tensorflow as tf
 physical = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(physical[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 from tests.keras import test_traced_loop_distribute as t
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-for name, check in (("accepted", t.accepted_check), ("refused", t.refused_check)):
-  try:
-    check(strategy)
-  except AssertionError as err:
-    print("FAILED", name, strategy.num_replicas_in_sync, repr(err)[:600], flush=True)
-  else:
-    print("OK", name, strategy.num_replicas_in_sync, flush=True)
+t.two_replica_checks(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
 """
 
 
@@ -175,10 +191,14 @@ def two_replicas():
   return proc.stdout.splitlines()
 
 
+# The default suite runs both checks on 2 replicas in test_distribute.py's MirroredStrategy
+# process (its job "traced_loop"); these run them in a process of their own, with -m slow.
+@pytest.mark.slow
 def test_two_replicas_unchanged_loop_is_stated(two_replicas):
   assert "OK accepted 2" in two_replicas, two_replicas
 
 
+@pytest.mark.slow
 def test_two_replicas_changes_around_traced_steps_are_refused(two_replicas):
   assert "OK refused 2" in two_replicas, two_replicas
 
