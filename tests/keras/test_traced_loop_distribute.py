@@ -141,10 +141,16 @@ def refused_check(strategy):
     _refused(opt)
 
 
+# With -m slow: the default suite runs the same two checks on 2 replicas (test_distribute.py's
+# process, job traced_loop), where each asserts what it asserts on 1 and refused_check also the
+# write to one replica's copy; test_a_traced_state_past_the_window_is_refused_naming_the_fix
+# runs a traced loop on 1 replica by default.
+@pytest.mark.slow
 def test_one_replica_unchanged_loop_is_stated():
   accepted_check(tf.distribute.MirroredStrategy(["/cpu:0"]))
 
 
+@pytest.mark.slow
 def test_one_replica_changes_around_traced_steps_are_refused():
   refused_check(tf.distribute.MirroredStrategy(["/cpu:0"]))
 
