@@ -3,10 +3,10 @@ configuration must precede TensorFlow's initialization).
 
 The default suite's MirroredStrategy jobs share that one subprocess
 (`mirrored_jobs_worker.py`): this file's noise-and-ledger job, test_mirrored_poisson.py's
-two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes and
+two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes,
 test_apply_replicas.py's sum over the replicas and test_traced_loop_distribute.py's custom
-loop traced under 2 replicas; each job is checked here by its own file's check. Their `-m slow` variants start processes
-of their own.
+loop traced under 2 replicas; each job is checked here by its own file's check. Their
+`-m slow` variants start processes of their own.
 """
 
 import json

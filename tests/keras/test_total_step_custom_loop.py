@@ -84,7 +84,7 @@ def _run(x, y, compiled=True, microbatches=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _run_without_record_0(compiled=True):
+def _run_without_record_0(compiled):
   """`_run` on D' = D - record 0, which does not depend on what record 0 held (a NaN feature
   or an infinite label): once per process for each trace, shared by the NaN-feature and the
   infinite-label cases and by test_a_finite_batch_keeps_the_batched_gradients. The caller
@@ -129,7 +129,7 @@ def test_the_sequential_loop_route_too(monkeypatch):
 def test_a_finite_batch_keeps_the_batched_gradients():
   """No corrupt record: the step's update is the float64 reference (the batched branch)."""
   (_, _), (x1, y1) = _pair("x")
-  b_n, a_n, led_n, _ = _run_without_record_0()
+  b_n, a_n, led_n, _ = _run_without_record_0(True)   # the cache key of [tf_function-*]
   assert led_n == 1
   for a, b, r in zip(a_n, b_n, _reference_update(x1, y1, *b_n)):
     np.testing.assert_allclose(a - b, r, rtol=1e-4, atol=1e-7)
