@@ -327,6 +327,14 @@ def _exact_exponential(generator, k, pending, bucket_bits, refine_below):
   return e
 
 
+def int64_words(generator, count):
+  """`count` (a Python int) uniform 64-bit words from `generator` (a tf.random.Generator or a
+  SecureRandom): int64 [count]. The generator's state moves forward past them."""
+  if isinstance(generator, SecureRandom):
+    return generator.words(count)
+  return generator.uniform_full_int([count], dtype=tf.int64)
+
+
 def normal(generator: tf.random.Generator, shape, dtype=tf.float32) -> tf.Tensor:
   """Standard normal samples of `shape` drawn from `generator`, with no truncation.
 

@@ -74,6 +74,30 @@ def flatten_layers(model, include_self=True, recursive=True):
   return list(fn(include_self=include_self, recursive=recursive))
 
 
+def seed_generators(model):
+  """The keras.random.SeedGenerators the layers of `model` draw from (nested layers too),
+  each once, in Keras' layer order; and Keras' global one (the draws of `keras.random.*`
+  called with seed=None) when it exists.
+
+  Args:
+    model: a keras.Layer or keras.Model.
+
+  Returns:
+    a list of keras.random.SeedGenerator.
+  """
+  found, seen = [], set()
+  for layer in flatten_layers(model):
+    for generator in getattr(layer, "_seed_generators", ()):
+      if id(generator) not in seen:
+        seen.add(id(generator))
+        found.append(generator)
+  shared = keras.src.backend.common.global_state.get_global_attribute(
+      keras.src.random.seed_generator.GLOBAL_SEED_GENERATOR)
+  if shared is not None and id(shared) not in seen:
+    found.append(shared)
+  return found
+
+
 def layer_children(layer):
   """The direct sublayers of `layer` and of every layer under it, in one walk.
 

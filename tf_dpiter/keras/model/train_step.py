@@ -53,7 +53,7 @@ class _TraceFacts:
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
                "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
-               "compute_loss", "plans")
+               "compute_loss", "plans", "seed_generators")
 
   def __init__(self, model, key):
     self.key = key
@@ -72,6 +72,8 @@ class _TraceFacts:
     self.loss_tracker = keras_internals.loss_tracker(model)
     self.compute_loss = keras_internals.compiled_loss_fn(model)
     self.plans = {}   # the fast-clipping plans of this train function (one_plan_per_step)
+    # the random layers' seed states, keyed at each step (PrivateStep.keyed_layer_draws)
+    self.seed_generators = keras_internals.seed_generators(model)
 
 
 def _facts_key(model):
@@ -829,9 +831,14 @@ class TrainStepMixin:
     # any other apply_private_gradients (a train_step override's) is bound
     opt._dp_own_step = True   # pylint: disable=protected-access
     try:
-      # per-record losses: no per-output tracker update inside the clipped sum
-      with (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
-            else contextlib.nullcontext()):   # one output: the call walk stays in fit's files
+      # per-record losses: no per-output tracker update inside the clipped sum (one output:
+      # the call walk stays in fit's files); the model's random layers draw from fresh keys
+      # of the step's own secret generator (PrivateStep.keyed_layer_draws)
+      silenced = (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
+                  else contextlib.nullcontext())
+      keyed = (step.keyed_layer_draws(facts.seed_generators) if facts.seed_generators
+               else contextlib.nullcontext())
+      with silenced, keyed:
         want = facts.wants_outputs
         # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
         # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is

@@ -29,6 +29,7 @@ the private `restore_noise_state` file of the same step is restored. Helpers: `s
 optimization on large model at small cost", Section 3): `gate_sums_on_noise`, below.
 """
 
+import contextlib
 import json
 import sys
 import weakref
@@ -40,6 +41,7 @@ from tf_dpiter import dp_query as dp_query_lib
 from tf_dpiter import ledger as ledger_lib
 from tf_dpiter import validation
 from tf_dpiter.dp_query import gaussian_query
+from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -112,6 +114,7 @@ class PrivateStep:
     self._sampling_epoch = 0
     self._user_epoch = None
     self._traced_user_epochs = weakref.WeakKeyDictionary()   # graph -> epoch checked
+    self._layer_keys = None   # the random layers' key source (keyed_layer_draws; untracked)
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -367,6 +370,65 @@ class PrivateStep:
     if self._noised.eager:   # eager: the pending results are used up with the count
       self._noised.used()
     return grads, [done]
+
+  # ---- the model's random layers ----------------------------------------------------------
+
+  @contextlib.contextmanager
+  def keyed_layer_draws(self, generators):
+    """Within the block, the keras.random.SeedGenerators of a model's layers
+    (`keras_internals.seed_generators`) are keyed from this step's own secret generator:
+    fresh keys at each entry, the generators' states as before on exit.
+
+    Under Poisson-type sampling (add/remove one example) a row's position in the batch
+    depends on which records were sampled. A Dropout (GaussianNoise, RandomFlip, ...) draws
+    per row from its SeedGenerator's state, a function of the user's seed (`seed=`,
+    `keras.utils.set_random_seed`) and of the calls so far: known draws by position, so
+    removing one record changes the draws of every later record and the clipped sum moves
+    by more than the clip norm C. Keyed from a secret that is fresh at each step (Philox,
+    Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", Section 3: draws of
+    distinct keys and counters are independent uniform words), the rows' draws are i.i.d.
+    and independent of the data, so the sum is distributed as if each record carried its
+    own draw and one record moves it by at most C (Abadi et al., "Deep Learning with
+    Differential Privacy", Section 3.1). Every pass of the block over a record (a norm pass
+    and a sum pass of one forward, physical chunks) reads the states as Keras advances
+    them, so one forward's draws serve both its norms and its sum.
+
+    The key source is this object's own generator (`_layer_key_source`): OS entropy (the
+    noise's rules: never saved, so a restore, load_weights or iterations.assign cannot make
+    it draw a key twice), os.urandom under secure_mode. The states are put back on exit, so
+    no saved model holds a key a step used. A user's seed therefore no longer fixes the
+    masks of a DP step (it does not fix the noise either). Keras draws a layer's seed as
+    state mod (2^31 - 2) (its TensorFlow backend, `_cast_seed`): 62 secret bits a step.
+
+    Args:
+      generators: the model's keras.random.SeedGenerators (a list).
+
+    Yields:
+      None. Inside a tf.function the keys are drawn when the block is entered and the states
+      restored when it is left (the variables' reads and writes run in program order).
+    """
+    words = randomness.int64_words(self._layer_key_source(), 2 * len(generators))
+    saved = [tf.identity(g.state.value) for g in generators]
+    for i, g in enumerate(generators):
+      g.state.assign(tf.cast(words[2 * i:2 * i + 2], g.state.dtype))
+    yield
+    for g, value in zip(generators, saved):
+      g.state.assign(value)
+
+  def _layer_key_source(self):
+    """The secret generator of `keyed_layer_draws`, made at first use (outside any trace):
+    a Philox generator from OS entropy, os.urandom under secure_mode; with a `seed` (tests
+    only, not private) a stream split from a seeded generator apart from the noise's."""
+    if self._layer_keys is None:
+      with tf.init_scope():
+        if self.secure_mode:
+          self._layer_keys = randomness.SecureRandom()
+        elif self.seed is None:
+          self._layer_keys = randomness.make_generator()
+        else:
+          self._layer_keys = tf.random.Generator.from_seed(
+              int(self.seed), alg="philox").split(1)[0]
+    return self._layer_keys
 
   def _require_one_noise(self):
     """Refuses a draw under several workers whose generators were not synchronized: each
