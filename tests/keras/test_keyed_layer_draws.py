@@ -1,6 +1,7 @@
 """The random layers of a DP model draw from the step's own secret keys
 (tf_dpiter.keras.optimizer.private_step.PrivateStep.keyed_layer_draws, called by fit's train
-step, tf_dpiter.keras.model.train_step).
+step, tf_dpiter.keras.model.train_step, and by the custom loop's compute_private_gradients,
+tf_dpiter.keras.optimizer.custom_loops, when it runs the model).
 
 Relation and unit: add/remove one example under Poisson sampling declared with
 `optimizer.set_sampling(N, q, "poisson")`, one step by `train_on_batch` (the real train step),
@@ -183,3 +184,54 @@ def test_each_record_is_clipped_with_the_draws_it_is_summed_with(clipping, jit, 
     assert np.all(per_record <= C), per_record
     np.testing.assert_allclose(per_record, np.where(per_record > C / 2, C, 0.0), rtol=1e-4)
     assert np.any(per_record > C / 2)
+
+
+def _loop(seed=1):
+  """A plain Keras model Dropout(RATE, seed) -> Dense(1, no bias, zeros) and a DP optimizer
+  (C, z = 0, the user's Poisson sampling, q of N) for a custom loop."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((N,)), keras.layers.Dropout(RATE, seed=seed),
+                            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+  opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0)
+  opt.set_sampling(N, Q, "poisson")
+  return model, opt
+
+
+def _per_example_losses(model, x, y):
+  return tf.reduce_mean(tf.square(y - model(x, training=True)), axis=-1)
+
+
+@pytest.mark.parametrize("form", ["data", "callable"])
+def test_a_custom_loops_model_draws_from_the_steps_keys(form):
+  """The custom loop's compute_private_gradients with model=: the model's random layers draw
+  from the step's keys when the library runs the model (form (a), data=...; form (b), a
+  callable loss): each record adds C or nothing, and two runs with one user seed draw
+  different masks (probability 2^-N of a false failure)."""
+  runs = []
+  for _ in range(2):
+    model, opt = _loop()
+    x, y = (tf.constant(t) for t in _batch(range(N)))
+    if form == "data":
+      grads = opt.compute_private_gradients(
+          lambda d: _per_example_losses(model, d[0], d[1]), model.trainable_variables,
+          data=(x, y), model=model)
+    else:
+      grads = opt.compute_private_gradients(lambda: _per_example_losses(model, x, y),
+                                            model.trainable_variables, model=model)
+    kernel = -np.asarray(grads[0])[:, 0]
+    kept = _kept(kernel)
+    _assert_c_or_nothing(kernel, kept)
+    runs.append(kept)
+  assert not np.array_equal(runs[0], runs[1])
+
+
+def test_a_custom_loops_taped_losses_of_a_random_layer_are_refused_under_poisson():
+  """Form (b) with a tape: the losses were computed before the call, by the layers' own seed
+  states (positional draws), so under Poisson sampling the call is refused, naming the
+  layer and the forms the library keys."""
+  model, opt = _loop()
+  x, y = (tf.constant(t) for t in _batch(range(N)))
+  with tf.GradientTape(persistent=True) as tape:
+    losses = _per_example_losses(model, x, y)
+  with pytest.raises(dp.errors.PrivacyConfigError, match=r"random layers \['dropout"):
+    opt.compute_private_gradients(losses, model.trainable_variables, tape=tape, model=model)

@@ -142,6 +142,45 @@ def _declared_rows_check(step, b):
       "declared:", b])
 
 
+def _keyed_layer_draws(step, model):
+  """The block in which `model`'s random layers draw from the step's secret keys
+  (PrivateStep.keyed_layer_draws; nothing drawn without a model or random layers): a
+  loss_fn that calls the model inside compute_private_gradients draws fresh secret masks
+  whatever seed the user set."""
+  return step.keyed_layer_draws([] if model is None else keras_internals.seed_generators(model))
+
+
+def _keyed_calls(step, model, loss_fn):
+  """`loss_fn` (form (b), a callable) whose every call draws `model`'s random layers from
+  fresh secret keys (`_keyed_layer_draws`): the batch's pass, and each record's own pass
+  after a non-finite batch (`_total_record_gradients`), clips the gradient of that pass."""
+  def keyed():
+    with _keyed_layer_draws(step, model):
+      return loss_fn()
+  return keyed
+
+
+def _refuse_unkeyed_draws(step, model):
+  """Refuses form (b) with a tape under a private batch size (Poisson-type sampling) when
+  `model` has random layers: its losses were computed before the call, from the layers'
+  own SeedGenerator states, so each row's draws follow its position in the batch (a
+  function of the user's seed) and removing one record changes the other records' draws."""
+  generators = keras_internals.seed_generators(model)
+  if generators and step.private_batch_size:
+    layers = [layer.name for layer in keras_internals.flatten_layers(model)
+              if any(g in generators for g in getattr(layer, "_seed_generators", ()))]
+    raise PrivacyConfigError(
+        f"{_TAPE_CALL}: model={model.name!r} has random layers {layers} (Dropout, "
+        "GaussianNoise, random augmentation: keras.random.SeedGenerator draws), and the "
+        "losses were computed before the call under Poisson-type sampling: each row's draws "
+        "are a function of its position in the batch and of the seed, so removing one record "
+        "changes the others' draws and the clipped sum moves by more than the clip norm. "
+        "Pass the losses as a callable, compute_private_gradients(lambda: losses_of(x, y), "
+        "variables, model=model), or the batch as data=... with model=model: the library "
+        "then runs the model with fresh secret keys for its random layers. Received: "
+        f"model={model.name!r}, tape=<GradientTape>")
+
+
 def _binary_mask(mask, b):
   """The example mask: ones [b] for None, else `mask` as float32 when every entry is 0 or 1.
 
@@ -246,12 +285,14 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
         data, "compute_private_gradients(data=...)",
         public=list(variables) + list(model.variables if model is not None else ()),
         private_size=step.private_batch_size)
-    return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
-                                         vectorize)
+    with _keyed_layer_draws(step, model):
+      return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
+                                           vectorize)
   _check_batch_independent(model, tape is not None)
   if tape is None:   # the batch reaches loss_fn() as the tensors it captures
     data_writes.refuse_closure_writes(
         loss_fn, "compute_private_gradients(loss_fn, variables) without data=: loss_fn")
+    loss_fn = _keyed_calls(step, model, loss_fn)
     with tf.GradientTape(persistent=True) as tape:
       losses = _vector_loss(loss_fn())
       rec_losses, rmask, example_mask = _record_losses(step, losses, mask, scale)
@@ -262,6 +303,7 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
                                     example_mask, scale)
     finite_batch = 1.0
   else:   # the losses are a tensor: no pass can be run again (`_finite_batch`)
+    _refuse_unkeyed_draws(step, model)
     losses = _vector_loss(loss_fn)
     with tape:
       rec_losses, rmask, _ = _record_losses(step, losses, mask, scale)

@@ -401,12 +401,15 @@ class PrivateStep:
     state mod (2^31 - 2) (its TensorFlow backend, `_cast_seed`): 62 secret bits a step.
 
     Args:
-      generators: the model's keras.random.SeedGenerators (a list).
+      generators: the model's keras.random.SeedGenerators (a list; empty: nothing drawn).
 
     Yields:
       None. Inside a tf.function the keys are drawn when the block is entered and the states
       restored when it is left (the variables' reads and writes run in program order).
     """
+    if not generators:
+      yield
+      return
     words = randomness.int64_words(self._layer_key_source(), 2 * len(generators))
     saved = [tf.identity(g.state.value) for g in generators]
     for i, g in enumerate(generators):
