@@ -144,9 +144,9 @@ def _independent(model, x, y):
   return total
 
 
-def _compile(model, clipping, jit=False, eager=False):
+def _compile(model, clipping, jit=False, eager=False, seed=None):
   opt = dp.keras.DPKerasSGDOptimizer(CLIP, 0.0, learning_rate=1.0, normalize=False,
-                                     clipping=clipping)
+                                     clipping=clipping, seed=seed)
   model.compile(optimizer=opt, loss=_loss, jit_compile=jit, run_eagerly=eager)
   opt.set_sampling(100, 0.05, "poisson", 5)
   return opt
