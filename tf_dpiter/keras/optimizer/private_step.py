@@ -385,20 +385,23 @@ class PrivateStep:
     `keras.utils.set_random_seed`) and of the calls so far: known draws by position, so
     removing one record changes the draws of every later record and the clipped sum moves
     by more than the clip norm C. Keyed from a secret that is fresh at each step (Philox,
-    Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", Section 3: draws of
-    distinct keys and counters are independent uniform words), the rows' draws are i.i.d.
-    and independent of the data, so the sum is distributed as if each record carried its
-    own draw and one record moves it by at most C (Abadi et al., "Deep Learning with
-    Differential Privacy", Section 3.1). Every pass of the block over a record (a norm pass
-    and a sum pass of one forward, physical chunks) reads the states as Keras advances
-    them, so one forward's draws serve both its norms and its sum.
+    Salmon et al., "Parallel Random Numbers: As Easy as 1, 2, 3", Section 3: the words of
+    distinct keys and counters pass for independent uniform words), the rows' draws are
+    i.i.d. and independent of the data (on the vectorized path tf.vectorized_map gives every
+    record the same draws: one secret draw, shared, as independent of the data), so the sum
+    is distributed as if each record carried its own draw and one record moves it by at
+    most C (Abadi et al., "Deep Learning with Differential Privacy", Section 3.1). Each
+    record's norm and its summed gradient come from one forward pass over it (fast path:
+    norms and sum of one forward per physical chunk; vectorized: one per record), which
+    reads the states as Keras advances them within the block.
 
     The key source is this object's own generator (`_layer_key_source`): OS entropy (the
     noise's rules: never saved, so a restore, load_weights or iterations.assign cannot make
     it draw a key twice), os.urandom under secure_mode. The states are put back on exit, so
     no saved model holds a key a step used. A user's seed therefore no longer fixes the
     masks of a DP step (it does not fix the noise either). Keras draws a layer's seed as
-    state mod (2^31 - 2) (its TensorFlow backend, `_cast_seed`): 62 secret bits a step.
+    state mod (2^31 - 2) (its TensorFlow backend, `_cast_seed`): 62 secret bits per
+    generator and step.
 
     Args:
       generators: the model's keras.random.SeedGenerators (a list; empty: nothing drawn).
