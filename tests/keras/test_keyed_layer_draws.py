@@ -94,6 +94,7 @@ def _seeded_masks(model, rows):
   return out.numpy() != 0
 
 
+@pytest.mark.slow   # Keras' own behaviour, the premise (2 s)
 def test_a_seeded_layers_positional_masks_shift_under_add_remove():
   """The defect's premise, Keras' own draws: a seeded Dropout's mask of a record depends on
   its row, so removing record 0 gives records 1.. other draws (the masks the step drew before
