@@ -17,7 +17,9 @@ and of process CPU time per call, and of the minor page faults per call):
                     expected batch size (`compiled_noised_average`): the noise draw, no ledger
   dp_noise_ledger   `noised_average` on a zero sum: the noise draw, the ledger write
                     (in-graph reconcile and append) and the query's global-state update
-  dp_update         apply_private_gradients of zero gradients (the optimizer's update)
+  dp_update         `noised_average` on a zero sum, then apply_private_gradients of its
+                    result (a custom loop's step: the update must apply a noised result);
+                    the optimizer's update alone is dp_update - dp_noise_ledger
 Phase B, the same functions again after these `fit` configurations (--steps steps per epoch,
 one epoch per round after a warm-up epoch; figure: the median over rounds of epoch wall time
 / steps, and of the epoch's minor page faults / steps):
@@ -27,11 +29,12 @@ one epoch per round after a warm-up epoch; figure: the median over rounds of epo
   dp_fit_fixed      DP fit on one fixed batch of B repeated (no sampling pipeline)
   np_fit_fixed      the non-private fit on that batch
 Differences then attribute the DP step's extra time: the layer rules (dp_clipped_sum -
-np_train_step), the noise, the ledger write (dp_noise_ledger - dp_noise), the update, Keras'
-fit loop and the DP callbacks (dp_fit_fixed - dp_train_step against np_fit_fixed -
-np_train_step), the sampling pipeline (dp_fit_arrays - dp_fit_fixed), and the process state
-(phase B - phase A of the same function). Data: random MNIST-shaped records. Prints one JSON
-line (load average at start and end: the machine may be shared).
+np_train_step), the noise, the ledger write (dp_noise_ledger - dp_noise), the update
+(dp_update - dp_noise_ledger), Keras' fit loop and the DP callbacks (dp_fit_fixed -
+dp_train_step against np_fit_fixed - np_train_step), the sampling pipeline (dp_fit_arrays -
+dp_fit_fixed), and the process state (phase B - phase A of the same function). Data: random
+MNIST-shaped records. Prints one JSON line (load average at start and end: the machine may be
+shared).
 """
 
 import argparse
@@ -91,7 +94,7 @@ def _functions(np_model, dp_model, batch):
     return query.sample_state_of_sum(zeros, [tf.identity(z) for z in zeros])
 
   def update():
-    dp_model.optimizer.apply_private_gradients(zeros, variables)
+    dp_model.optimizer.apply_private_gradients(step.noised_average(zero_state(), b), variables)
     return variables[0][(0,) * len(variables[0].shape)]
 
   fns = {
