@@ -26,6 +26,7 @@ on record i alone. Hence `fit`'s protections, on every form:
   refuses such a step (`_finite_batch`): validate its data before the loop.
 """
 
+import functools
 import logging
 import warnings
 import weakref
@@ -271,6 +272,27 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
       `model` whose training-mode call writes a variable from the data
       (data_writes.refuse_data_writes).
   """
+  # AutoGraph: when the caller's code is converted (a user's tf.function with autograph=True,
+  # the default), the user's loss_fn is converted with the caller's status, as Keras 2
+  # converted a layer's `call` (tf_convert with the caller's control_status_ctx), and the
+  # library's code is not (`_compute_private_gradients`): converting it was about 40 % of a
+  # custom loop test's profile (benchmarks/SUITE_CUTS.md, session 44). Else (eager,
+  # autograph=False) loss_fn is passed as it is: run unconverted, converted only in the
+  # checks' own traces, as before. loss_fn goes in as a functools.partial: a lambda written in
+  # converted code is already an AutoGraph artifact, which tf_convert would hand back as it
+  # is, to run under the library's disabled status (its calls then unconverted); AutoGraph
+  # forwards a partial's call under the caller's status.
+  caller = tf.__internal__.autograph.control_status_ctx()
+  if callable(loss_fn) and caller.status.name == "ENABLED":
+    loss_fn = tf.__internal__.autograph.tf_convert(functools.partial(loss_fn), caller)
+  return _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model)
+
+
+# Not converted by AutoGraph (no tensor-dependent Python control flow); the user's loss_fn is
+# converted by the caller's status (compute_private_gradients).
+@tf.autograph.experimental.do_not_convert
+def _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model):
+  """compute_private_gradients' body, loss_fn already converted as the caller's code."""
   _refuse_xla()
   step.require_user_sampling("a custom loop's compute_private_gradients")
   variables = list(variables)

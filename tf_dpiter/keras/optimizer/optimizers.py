@@ -562,6 +562,9 @@ class DPOptimizerBase:
     """
     self.private_step.synchronize_noise(strategy)
 
+  # Not converted by AutoGraph (no user callable, no tensor-dependent Python control flow):
+  # a custom loop's step converted all of the update's checks (benchmarks/SUITE_CUTS.md).
+  @tf.autograph.experimental.do_not_convert
   def apply_private_gradients(self, grads, trainable_variables):
     """Applies gradients that came out of `noised_average`, or (traced) a function of them.
 
