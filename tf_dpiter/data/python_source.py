@@ -76,6 +76,16 @@ class _Generators:
     token = self.start() if token < 0 else np.int64(token)
     return (token,) + self.next(token)
 
+  def endless_step(self, token):
+    """(token, *flat element) as `step` without its flag: a generator declared endless that
+    ends is refused (its iterator fails), never read as the end of the dataset."""
+    token, ok, *flat = self.step(token)
+    if not ok:
+      raise ParameterValueError(
+          "a generator of a dataset built with python_dataset(..., endless=True) ended; "
+          "pass endless=False for a generator that ends. Received: the generator's end")
+    return (token, *flat)
+
 
 def _flat_arrays(element, specs):
   """The generator's element flattened as the signature, as arrays of the specs' dtypes."""
@@ -95,11 +105,15 @@ def _flat_arrays(element, specs):
   return tuple(out)
 
 
-def python_dataset(make_generator, output_signature):
+def python_dataset(make_generator, output_signature, endless=False):
   """tf.data.Dataset (unknown cardinality, like from_generator's) of the elements of
   `make_generator()`, a new generator per iterator; make_generator is a callable of no
   arguments (the generator function itself) returning an iterable of elements, each a nest
   of arrays structured as output_signature, a nest of tf.TensorSpec of known rank.
+  endless=True (a generator that never ends, as fit's Poisson sampler): the dataset is the
+  scan alone, without the end-of-generator flag, its take_while and the map that drops the
+  flag (two tf.data functions fewer to trace per dataset and to instantiate per iterator);
+  a generator that ends anyway fails its iterator.
 
   Raises:
     ParameterTypeError: make_generator is not callable, or a signature entry is not a
@@ -116,14 +130,17 @@ def python_dataset(make_generator, output_signature):
           f"`output_signature` must be a nest of tf.TensorSpec of known rank. "
           f"Received: output_signature={output_signature!r}")
   gens = _Generators(make_generator, specs)
-  dtypes = [tf.bool] + [s.dtype for s in specs]
+  dtypes = ([] if endless else [tf.bool]) + [s.dtype for s in specs]
 
   def step(token, _):
     # the token is the scan's state: -1 until the iterator's first element starts its generator
-    flat = tf.numpy_function(gens.step, [token], [tf.int64] + dtypes, stateful=True)
+    flat = tf.numpy_function(gens.endless_step if endless else gens.step, [token],
+                             [tf.int64] + dtypes, stateful=True)
     flat[0].set_shape([])
-    for t, s in zip(flat[2:], specs):
+    for t, s in zip(flat[len(dtypes) - len(specs) + 1:], specs):
       t.set_shape(s.shape)
+    if endless:
+      return flat[0], tf.nest.pack_sequence_as(output_signature, flat[1:])
     return flat[0], tuple(flat[1:])
 
   # One scan over a counter, not a flat_map over a start token: a new iterator instantiates
@@ -137,6 +154,7 @@ def python_dataset(make_generator, output_signature):
     # generator reads, until the process ends); the dataset holds the function itself.
     for name in set(global_graph._functions) - before:  # pylint: disable=protected-access
       global_graph._remove_function(name)  # pylint: disable=protected-access
-  ds = ds.take_while(lambda ok, *_: ok)
-  ds = ds.map(lambda ok, *flat: tf.nest.pack_sequence_as(output_signature, list(flat)))
+  if not endless:
+    ds = ds.take_while(lambda ok, *_: ok)
+    ds = ds.map(lambda ok, *flat: tf.nest.pack_sequence_as(output_signature, list(flat)))
   return ds.with_options(PIPELINE_OPTIONS)

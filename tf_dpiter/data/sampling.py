@@ -293,7 +293,7 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
     return tuple(tf.nest.map_structure(rows, t) for t in (xs, ys) if t is not None) + (weights,)
 
   ds = python_source.python_dataset(gen, (
-      tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None], tf.int64)))
+      tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None], tf.int64)), endless=endless)
   ds = ds.unbatch().map(gather, num_parallel_calls=2, deterministic=True)
   ds = ds.apply(tf.data.experimental.assert_cardinality(
       tf.data.INFINITE_CARDINALITY if endless else steps)).prefetch(2)

@@ -243,7 +243,7 @@ def shuffled_batches(x, y=None, batch_size=256, drop_remainder=False, seed=None,
   gen = _permutation_batches(arrays, n, int(batch_size), per_pass, passes, rng, sampler)
   sig = tf.nest.map_structure(
       lambda a: tf.TensorSpec((None,) + a.shape[1:], tf.as_dtype(a.dtype)), arrays)
-  ds = python_source.python_dataset(gen, sig if len(sig) > 1 else sig[0])
+  ds = python_source.python_dataset(gen, sig if len(sig) > 1 else sig[0], endless=passes is None)
   if passes is not None:
     ds = ds.apply(tf.data.experimental.assert_cardinality(per_pass * passes))
   spec = sampling.SamplingSpec(sampling.SHUFFLE, n, batch_size / n, float(batch_size), sampler)
