@@ -82,8 +82,9 @@ class _Generators:
     token, ok, *flat = self.step(token)
     if not ok:
       raise ParameterValueError(
-          "a generator of a dataset built with python_dataset(..., endless=True) ended; "
-          "pass endless=False for a generator that ends. Received: the generator's end")
+          "`make_generator` must return a generator that never ends when endless=True (its "
+          "end would otherwise end the dataset unseen); pass endless=False for a generator "
+          "that ends. Received: endless=True and a generator that ended")
     return (token, *flat)
 
 
