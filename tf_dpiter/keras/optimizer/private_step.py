@@ -351,7 +351,9 @@ class PrivateStep:
     def use():
       noised, used = self._noised_results.read_value(), self._used_results.read_value()
       ok = tf.greater(noised, used)
-      check = tf.debugging.Assert(ok, [
+      # one Assert op, unguarded (tf.debugging.Assert wraps it in a tf.cond: two branch
+      # functions traced per step)
+      check = tf.raw_ops.Assert(condition=ok, data=[
           "apply_private_gradients applies the gradients of a charged private step "
           "(compute_private_gradients), one noised and recorded result per update: none "
           "was drawn since the last update. Plain gradients go to a non-DP optimizer. "
