@@ -118,7 +118,17 @@ def _probe_seconds(model):
 
 def _flat_records(t):
   """[R, k, ...] -> [R * k, ...] (record-major examples)."""
-  return None if t is None else tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+  return None if t is None else _reshaped(t, [-1], t.shape[2:], lambda: tf.shape(t)[2:])
+
+
+def _reshaped(t, lead, rest, rest_of):
+  """t reshaped to `lead` (a list of ints, -1 for the rows) then `rest` (a TensorShape):
+  a constant shape where the trace knows `rest` (no shape ops in the step's trace, one
+  reshape per tensor of every chunk), else `rest_of()`'s dynamic one. A -1 beside dims of
+  zero elements is ambiguous, so those take the dynamic shape too."""
+  if rest.is_fully_defined() and rest.num_elements() > 0:
+    return tf.reshape(t, list(lead) + rest.as_list())
+  return tf.reshape(t, tf.concat([lead, rest_of()], 0))
 
 
 # Stateful op types that only read state: an abandoned traced pass holding no other stateful
@@ -608,13 +618,18 @@ class TrainStepMixin:
       c_recs, c_em = chunk
       xc, yc, _ = tf.nest.map_structure(_flat_records, c_recs)
       weights = grads_lib.record_weights(c_em, c_recs[2])
+      per_record = tf.TensorShape(c_em.shape)[1]   # k, where the trace knows it
 
       def regroup(t):  # [R * k, ...] -> [R, k, ...], the Keras mask too
-        out = tf.reshape(t, tf.concat([tf.shape(c_em), tf.shape(t)[1:]], 0))
+        def grouped(a):
+          if per_record:   # R = -1 beside the static k (k >= 1)
+            return _reshaped(a, [-1, per_record], a.shape[1:], lambda: tf.shape(a)[1:])
+          return tf.reshape(a, tf.concat([tf.shape(c_em), tf.shape(a)[1:]], 0))
+
+        out = grouped(t)
         mask = keras_internals.keras_mask(t)
         if mask is not None:
-          keras_internals.set_keras_mask(
-              out, tf.reshape(mask, tf.concat([tf.shape(c_em), tf.shape(mask)[1:]], 0)))
+          keras_internals.set_keras_mask(out, grouped(mask))
         return out
 
       def per_example_loss_fn(y_true, y_pred):
