@@ -18,6 +18,9 @@ position, and the call is not refused. Measured (N 16, seed 1, load ~3-5):
 same seed, eager and inside tf.function, form (b) (a callable loss). The data= form with
 the same outside layer stays within the bound (0.125: each record's own pass). Fit's
 train_step overrides refuse such layers for their position (CHANGELOG, session 41 checks).
+
+Finding 2 (physical chunks group the records' shared draws by position) and finding 3 (fixed:
+an eager step failing inside the keyed block left the key in the states) are below.
 """
 
 import keras
@@ -168,8 +171,9 @@ def test_physical_chunks_do_not_group_shared_draws_by_position(clipping, noise_s
       f"{sorted(set(np.round(without, 3)))}: one record moved the update by 2 C / (q N)")
 
 
-# Finding 3: an eager step that fails inside the keyed block leaves the step's secret key in
-# the layers' SeedGenerator states (keyed_layer_draws put them back only on a normal exit).
+# Finding 3 (fixed: keyed_layer_draws puts the states back in a `finally`): an eager step
+# that failed inside the keyed block left the step's secret key in the layers' SeedGenerator
+# states (they were put back only on a normal exit).
 # Only a failed step's key, whose update was never applied, so no record is exposed; but the
 # user's state is lost and a model saved after the caught error holds the key. Measured
 # (run_eagerly=True, a layer raising in its call after the Dropout): state [1 0] before, a
@@ -188,9 +192,6 @@ class _FailsWhenTold(keras.layers.Layer):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.xfail(strict=True, reason=(
-    "R13 finding 3: keyed_layer_draws has no try/finally: an eager step that raises inside "
-    "the block leaves the step's key in the SeedGenerator state"))
 def test_a_failed_eager_step_puts_the_users_seed_state_back():
   keras.utils.set_random_seed(0)
   failing = _FailsWhenTold()

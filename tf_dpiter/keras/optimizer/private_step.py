@@ -419,9 +419,11 @@ class PrivateStep:
     saved = [tf.identity(g.state.value) for g in generators]
     for i, g in enumerate(generators):
       g.state.assign(tf.cast(words[2 * i:2 * i + 2], g.state.dtype))
-    yield
-    for g, value in zip(generators, saved):
-      g.state.assign(value)
+    try:
+      yield
+    finally:   # also when the block raises (eagerly: no state left holding a key)
+      for g, value in zip(generators, saved):
+        g.state.assign(value)
 
   def _layer_key_source(self):
     """The secret generator of `keyed_layer_draws`, made at first use (outside any trace):
