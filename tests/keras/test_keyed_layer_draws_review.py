@@ -171,6 +171,41 @@ def test_physical_chunks_do_not_group_shared_draws_by_position(clipping, noise_s
       f"{sorted(set(np.round(without, 3)))}: one record moved the update by 2 C / (q N)")
 
 
+
+@pytest.mark.slow   # the custom loop's form of finding 2
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.xfail(strict=True, reason=(
+    "R13 finding 2, custom loop: compute_private_gradients(data=..., model=) under "
+    "max_physical_batch_size=2 groups the records' shared (vectorized) draws by chunk: g(D) "
+    "reaches 2 C/(qN) where g(D') <= 0"))
+def test_custom_loop_chunks_do_not_group_shared_draws_by_position():
+  """Finding 2's harness in a custom loop (form (a), data= with model=, unseeded Dropout,
+  keyed by the step): either refused, or g(D) / STEP stays <= 1 when g(D') <= 0."""
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((1,)), keras.layers.Dropout(0.5),
+                            keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+  opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, max_physical_batch_size=2)
+  opt.set_sampling(N2, Q2, "poisson")
+
+  def losses(d):
+    return tf.reduce_mean(tf.square(d[1] - model(d[0], training=True)), axis=-1)
+
+  def averages(signs):
+    x = tf.constant(np.full((len(signs), 1), 10.0, "float32"))
+    y = tf.constant(np.asarray(signs, "float32")[:, None] * 1e4)
+    call = tf.function(lambda: opt.compute_private_gradients(
+        losses, model.trainable_variables, data=(x, y), model=model)[0])
+    return np.array([-float(call().numpy()[0, 0]) / STEP2 for _ in range(RUNS)])
+
+  try:
+    with_first, without = averages([1, 1, -1, -1]), averages([1, -1, -1])
+  except dp.errors.PrivacyConfigError:
+    return
+  np.testing.assert_array_less(without, 1e-3)
+  assert with_first.max() <= 1.0 + 1e-3, (
+      f"g(D) / STEP took {sorted(set(np.round(with_first, 3)))}, g(D') / STEP "
+      f"{sorted(set(np.round(without, 3)))}")
+
 # Finding 3 (fixed: keyed_layer_draws puts the states back in a `finally`): an eager step
 # that failed inside the keyed block left the step's secret key in the layers' SeedGenerator
 # states (they were put back only on a normal exit).
