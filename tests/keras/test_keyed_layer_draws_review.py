@@ -1,6 +1,7 @@
 """Review R13 (session 44) of the keyed random layers
 (tf_dpiter.keras.optimizer.private_step.PrivateStep.keyed_layer_draws): findings, each a
-strict xfail that runs the real step with noise off and measures the violation.
+strict xfail that runs the real step with noise off and measures the violation (finding 2
+fixed in session 44: its tests now pass).
 
 Relation and unit: add/remove one example under Poisson sampling declared with
 `optimizer.set_sampling(N, q, "poisson")`, C = 1, lr 1, noise off (z = 0). The harness is
@@ -151,10 +152,6 @@ def _updates(model, signs):
 @pytest.mark.parametrize("clipping,noise_shape", [
     pytest.param("vectorized", None, id="vectorized"),
     pytest.param("fast", (1, 1), id="fast-batch_shared_mask", marks=pytest.mark.slow)])
-@pytest.mark.xfail(strict=True, reason=(
-    "R13 finding 2: under max_physical_batch_size each chunk's records share a keyed draw and "
-    "the chunks' draws differ, so one removed record regroups the others: w(D) reaches 2 C/(qN) "
-    "where w(D') <= 0 (sensitivity 2 C with chunks of 2)"))
 def test_physical_chunks_do_not_group_shared_draws_by_position(clipping, noise_shape):
   """Either refused (PrivacyConfigError), or no value of w(D) lies more than STEP above
   every value w(D') takes: w(D') <= 0 always here (D' = (+, -, -)), so w(D) must stay
@@ -174,10 +171,6 @@ def test_physical_chunks_do_not_group_shared_draws_by_position(clipping, noise_s
 
 @pytest.mark.slow   # the custom loop's form of finding 2
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
-@pytest.mark.xfail(strict=True, reason=(
-    "R13 finding 2, custom loop: compute_private_gradients(data=..., model=) under "
-    "max_physical_batch_size=2 groups the records' shared (vectorized) draws by chunk: g(D) "
-    "reaches 2 C/(qN) where g(D') <= 0"))
 def test_custom_loop_chunks_do_not_group_shared_draws_by_position():
   """Finding 2's harness in a custom loop (form (a), data= with model=, unseeded Dropout,
   keyed by the step): either refused, or g(D) / STEP stays <= 1 when g(D') <= 0."""
@@ -245,3 +238,48 @@ def test_a_failed_eager_step_puts_the_users_seed_state_back():
   with pytest.raises(RuntimeError, match="failed inside the keyed block"):
     model.train_on_batch(x, y)
   np.testing.assert_array_equal(state.numpy(), before)
+
+
+# Finding 2's fix beyond max_physical_batch_size: under jit_compile=True a padded Poisson
+# sample is split into a first chunk and tail chunks (chunking.PaddedTail) with no physical
+# size declared; with keyed random layers the step takes it as one padded chunk instead, so
+# no draw a chunk shares is grouped by position. Per-row draws (Dropout's default noise
+# shape on the fast path) stay i.i.d. across chunks, so max_physical_batch_size is not
+# refused for them.
+_E, _N, _M = 16, 1000, 48   # test_xla_padded_tail's sizes: PaddedTail(16, 8) without dropout
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("clipping,dropout,expected", [
+    ("vectorized", True, [None]), ("vectorized", False, [(16, 8)]), ("fast", True, [None])])
+def test_keyed_random_layers_take_the_padded_sample_as_one_chunk(clipping, dropout, expected,
+                                                                 monkeypatch):
+  from tf_dpiter.keras.optimizer import chunking  # pylint: disable=g-import-not-at-top
+  layouts = []
+  layout_fn = chunking.chunk_layout
+  monkeypatch.setattr(chunking, "chunk_layout", lambda *a, **k: layouts.append(
+      layout_fn(*a, **k)) or layouts[-1])
+  keras.utils.set_random_seed(1)
+  model = dp.keras.DPSequential(
+      [keras.Input((6,))] + ([keras.layers.Dropout(0.5)] if dropout else [])
+      + [keras.layers.Dense(3)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0,
+                                                       clipping=clipping),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                jit_compile=True)
+  model.optimizer.set_sampling(_N, _E / _N, "poisson", _E)
+  rng = np.random.RandomState(0)
+  w = np.zeros(_M, "float32")
+  w[:21] = 1.0
+  model.train_on_batch(rng.randn(_M, 6).astype("float32"), rng.randint(0, 3, _M), sample_weight=w)
+  assert [None if t is None else tuple(t) for t in layouts] == expected
+
+
+def test_per_row_draws_in_physical_chunks_train_on_the_fast_path():
+  """Dropout's default noise shape on the fast path: one draw per row, fresh keys at each
+  chunk, i.i.d. across records: max_physical_batch_size is not refused, and every record
+  adds C or nothing (a record's norm and sum from one forward)."""
+  model = _chunked_model("fast", None)
+  out = _updates(model, [1, 1, -1, -1])
+  assert np.all(np.isfinite(out))
+  assert np.all(np.abs(out) <= 2.0 + 1e-3)   # two positive records at most: 2 STEP

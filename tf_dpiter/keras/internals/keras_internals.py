@@ -98,6 +98,21 @@ def seed_generators(model):
   return found
 
 
+def batch_shared_draws(model):
+  """The layers of `model` whose random draw serves several rows of the batch: a Dropout
+  (SpatialDropout, GaussianDropout, ...) whose `noise_shape` is 1 on the batch axis.
+
+  Args:
+    model: a keras.Layer or keras.Model.
+
+  Returns:
+    a list of layer names.
+  """
+  return [layer.name for layer in flatten_layers(model)
+          if getattr(layer, "_seed_generators", None)
+          and (getattr(layer, "noise_shape", None) or (None,))[0] == 1]
+
+
 def layer_children(layer):
   """The direct sublayers of `layer` and of every layer under it, in one walk.
 

@@ -690,6 +690,8 @@ class TrainStepMixin:
       m_ex = fast_clip.physical_chunk_examples(
           self, tf.nest.map_structure(_flat_records, recs[0]), k, expected)
       per_chunk = None if m_ex is None else m_ex // k
+    if per_chunk is not None and step.draws_keyed:
+      step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
     # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
     # tensor per variable), and the query's sample state is that sum itself
     # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)

@@ -151,6 +151,8 @@ def _layout(step, examples_per_record, num_records_static, multiple=8, xla=None)
       return per_chunk
     sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
     return TailChunks(sizes) if len(sizes) > 1 else per_chunk
+  if getattr(step, "draws_keyed", False):   # keyed random layers: one padded chunk, so
+    return None   # no draw shared by a chunk's records is grouped by position (R13)
   with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
     expected = float(step.expected_records.numpy())
   expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share

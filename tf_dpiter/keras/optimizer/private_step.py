@@ -115,6 +115,9 @@ class PrivateStep:
     self._user_epoch = None
     self._traced_user_epochs = weakref.WeakKeyDictionary()   # graph -> epoch checked
     self._layer_keys = None   # the random layers' key source (keyed_layer_draws; untracked)
+    # True while a keyed_layer_draws block with random layers is traced or run (read by the
+    # chunk layout: one padded chunk then)
+    self.draws_keyed = False
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -419,11 +422,40 @@ class PrivateStep:
     saved = [tf.identity(g.state.value) for g in generators]
     for i, g in enumerate(generators):
       g.state.assign(tf.cast(words[2 * i:2 * i + 2], g.state.dtype))
+    outer, self.draws_keyed = self.draws_keyed, True
     try:
       yield
     finally:   # also when the block raises (eagerly: no state left holding a key)
+      self.draws_keyed = outer
       for g, value in zip(generators, saved):
         g.state.assign(value)
+
+  def refuse_grouped_draws(self, per_chunk, shared):
+    """Refuses physical chunks under Poisson-type sampling when keyed random layers draw
+    once for several records of a chunk (`shared`): each chunk's forward advances the keys,
+    so the records sharing a draw would be grouped by their position, and one removed record
+    regroups the others (the clipped sum then moves by up to k C for chunks of k records;
+    review R13, session 44). Draws of one per record are i.i.d. across chunks: not refused.
+
+    Args:
+      per_chunk: the chunk layout (`chunking.chunk_layout`; None: one chunk).
+      shared: what draws once for several records (layer names, or the vectorized pass);
+        empty: nothing.
+
+    Raises:
+      PrivacyConfigError: such draws, keyed, in more than one chunk of a private-size batch.
+    """
+    if not (self.draws_keyed and shared and per_chunk is not None
+            and self.private_batch_size):
+      return
+    raise PrivacyConfigError(
+        "physical chunks of a Poisson-type batch with random layers whose draws are shared "
+        f"by several records ({', '.join(shared)}): each chunk draws anew, so which records "
+        "share a draw would follow their position, and removing one record regroups the "
+        "others (the clipped sum moves by more than the clip norm). Process the batch in one "
+        "chunk (max_physical_batch_size=None), draw per record (Dropout's noise_shape=None, "
+        "clipping='fast'), or sample with sampling='shuffle'. Received: "
+        f"max_physical_batch_size={self.flags.max_physical_batch_size}")
 
   def _layer_key_source(self):
     """The secret generator of `keyed_layer_draws`, made at first use (outside any trace):
@@ -1028,6 +1060,9 @@ class PrivateStep:
     if xla is None:   # asked once: the batch's layout and the public plan's are one choice
       xla = routing.in_xla_context()
     per_chunk = chunking.chunk_layout(self, examples_per_record, m_static, xla=xla)
+    if per_chunk is not None and self.draws_keyed:   # a vectorized pass draws once a chunk
+      self.refuse_grouped_draws(per_chunk,
+                                ["the vectorized per-record pass"] if vectorize else [])
     with chunking.public_rows(self, examples_per_record, xla=xla):   # add/remove: public plan
       scale = summation.public_shrink(chunking.batch_rows(record_mask),
                                       *chunking.sum_plan(per_chunk, record_mask))
