@@ -185,3 +185,30 @@ def test_plain_resource_variable_on_every_trace_and_under_a_strategy():
       return x
     refused(tf.constant(1))
     refused(tf.constant(1.0))
+
+
+_GLOBAL_DROPOUT = keras.layers.Dropout(0.5)
+
+
+def test_closure_layers_finds_the_layers_a_loss_reaches():
+  """ki.closure_layers: a closure's cells, a global the code names, a default,
+  a bound method's object, a functools.partial and a nested function (the custom loop keys
+  their random layers); a layer held by a plain object's attribute is not reached."""
+  import functools  # pylint: disable=g-import-not-at-top
+  cell, default, bound, part, nested, deep = (keras.layers.Dropout(0.5) for _ in range(6))
+
+  class Holder:
+    layer = deep
+
+  holder = Holder()
+
+  def inner():
+    return nested
+
+  def loss(d=default):
+    return cell, _GLOBAL_DROPOUT, d, bound.call, inner(), holder
+
+  found = ki.closure_layers(functools.partial(lambda f, p: (f(), p), loss, part))
+  ids = {id(layer) for layer in found}
+  assert ids == {id(x) for x in (cell, _GLOBAL_DROPOUT, default, bound, part, nested)}
+  assert id(deep) not in ids

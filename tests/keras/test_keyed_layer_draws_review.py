@@ -1,7 +1,8 @@
 """Review R13 (session 44) of the keyed random layers
 (tf_dpiter.keras.optimizer.private_step.PrivateStep.keyed_layer_draws): findings, each a
-strict xfail that runs the real step with noise off and measures the violation (finding 2
-fixed in session 44: its tests now pass).
+strict xfail that runs the real step with noise off and measures the violation (findings 1
+and 2 fixed in session 44: their tests now pass; finding 1 by keying the layers the loss
+reaches, custom_loops._random_layers).
 
 Relation and unit: add/remove one example under Poisson sampling declared with
 `optimizer.set_sampling(N, q, "poisson")`, C = 1, lr 1, noise off (z = 0). The harness is
@@ -11,7 +12,7 @@ feature i) or nothing to the clipped sum, and entry i of the private average is 
 0. One record may move the average by at most C / (q N) = 0.125.
 
 Finding 1. The custom loop keys only the SeedGenerators of `model=`
-(custom_loops._keyed_layer_draws). A random layer the loss runs that `model=` does not hold
+(custom_loops._keyed_layer_draws, session 44's first form). A random layer the loss runs that `model=` does not hold
 (an augmentation or Dropout applied to the inputs in loss_fn, a second model such as a head
 whose random layers the loss calls) keeps drawing from its own seeded state, by row
 position, and the call is not refused. Measured (N 16, seed 1, load ~3-5):
@@ -74,10 +75,6 @@ def _average(records, traced):
 @pytest.mark.parametrize("traced", [
     pytest.param(False, id="eager"),
     pytest.param(True, id="tf_function", marks=pytest.mark.slow)])
-@pytest.mark.xfail(strict=True, reason=(
-    "R13 finding 1: the custom loop keys only model='s SeedGenerators; a seeded random layer "
-    "the loss runs outside model= draws by row position and is not refused: "
-    "||g(D) - g(D')|| = 0.3535 against C / (q N) = 0.125"))
 def test_a_random_layer_outside_model_is_keyed_or_refused(traced):
   """Either the call is refused (PrivacyConfigError), or the outside layer's masks do not
   follow the user's seed: two runs of one seed on D draw different masks. With the

@@ -13,6 +13,7 @@ here too (`shared_constants`: the graph constants of a trace, one per integer va
 
 import contextlib
 import functools
+import inspect
 import threading
 import weakref
 
@@ -96,6 +97,56 @@ def seed_generators(model):
   if shared is not None and id(shared) not in seen:
     found.append(shared)
   return found
+
+
+def closure_layers(fn, depth=3):
+  """The keras Layers a callable reaches without being called: its closure's cells, the
+  module globals its code names, its defaults, a bound method's object, a
+  functools.partial's function and arguments, and (up to `depth` levels) the same of the
+  functions among them. Layers held deeper (an attribute of a plain object) are not found.
+
+  Args:
+    fn: a callable.
+    depth: how many levels of nested functions to follow.
+
+  Returns:
+    a list of keras.Layer, each once.
+  """
+  found, seen = [], set()
+
+  def visit(value, level):
+    if id(value) in seen or level < 0:
+      return
+    seen.add(id(value))
+    if isinstance(value, keras.layers.Layer):
+      found.append(value)
+    elif isinstance(value, functools.partial):
+      for v in (value.func, *value.args, *value.keywords.values()):
+        visit(v, level)
+    elif isinstance(value, (list, tuple)):
+      for v in value:
+        visit(v, level)
+    elif inspect.ismethod(value):
+      visit(value.__self__, level)
+      visit(value.__func__, level)
+    elif inspect.isfunction(value):
+      cells = [c.cell_contents for c in (value.__closure__ or ()) if _filled(c)]
+      names = [value.__globals__[n] for n in value.__code__.co_names
+               if n in value.__globals__]
+      for v in cells + names + list(value.__defaults__ or ()):
+        visit(v, level - 1)
+
+  visit(fn, depth)
+  return found
+
+
+def _filled(cell):
+  """Whether a closure cell holds a value (an unassigned one raises ValueError)."""
+  try:
+    cell.cell_contents   # pylint: disable=pointless-statement
+  except ValueError:
+    return False
+  return True
 
 
 def batch_shared_draws(model):

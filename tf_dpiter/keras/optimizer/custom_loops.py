@@ -143,20 +143,23 @@ def _declared_rows_check(step, b):
       "declared:", b])
 
 
-def _keyed_layer_draws(step, model):
-  """The block in which `model`'s random layers draw from the step's secret keys
-  (PrivateStep.keyed_layer_draws; nothing drawn without a model or random layers): a
-  loss_fn that calls the model inside compute_private_gradients draws fresh secret masks
-  whatever seed the user set."""
-  return step.keyed_layer_draws([] if model is None else keras_internals.seed_generators(model))
+def _random_layers(model, loss_fn):
+  """The keras.random.SeedGenerators of `model` and of the layers `loss_fn` reaches outside
+  it (`keras_internals.closure_layers`: an augmentation or a second model's head the loss
+  runs on the batch; review R13, session 44), each once."""
+  generators = [] if model is None else keras_internals.seed_generators(model)
+  for layer in keras_internals.closure_layers(loss_fn):
+    generators += [g for g in keras_internals.seed_generators(layer)
+                   if all(g is not h for h in generators)]
+  return generators
 
 
-def _keyed_calls(step, model, loss_fn):
-  """`loss_fn` (form (b), a callable) whose every call draws `model`'s random layers from
-  fresh secret keys (`_keyed_layer_draws`): the batch's pass, and each record's own pass
+def _keyed_calls(step, generators, loss_fn):
+  """`loss_fn` (form (b), a callable) whose every call draws its random layers from fresh
+  secret keys (PrivateStep.keyed_layer_draws): the batch's pass, and each record's own pass
   after a non-finite batch (`_total_record_gradients`), clips the gradient of that pass."""
   def keyed():
-    with _keyed_layer_draws(step, model):
+    with step.keyed_layer_draws(generators):
       return loss_fn()
   return keyed
 
@@ -307,14 +310,15 @@ def _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model
         data, "compute_private_gradients(data=...)",
         public=list(variables) + list(model.variables if model is not None else ()),
         private_size=step.private_batch_size)
-    with _keyed_layer_draws(step, model):
+    # the random layers of the model and of the loss draw from the step's secret keys
+    with step.keyed_layer_draws(_random_layers(model, loss_fn)):
       return _private_gradients_of_records(step, loss_fn, variables, data, mask, scale,
                                            vectorize)
   _check_batch_independent(model, tape is not None)
   if tape is None:   # the batch reaches loss_fn() as the tensors it captures
     data_writes.refuse_closure_writes(
         loss_fn, "compute_private_gradients(loss_fn, variables) without data=: loss_fn")
-    loss_fn = _keyed_calls(step, model, loss_fn)
+    loss_fn = _keyed_calls(step, _random_layers(model, loss_fn), loss_fn)
     with tf.GradientTape(persistent=True) as tape:
       losses = _vector_loss(loss_fn())
       rec_losses, rmask, example_mask = _record_losses(step, losses, mask, scale)
