@@ -236,3 +236,19 @@ def test_a_custom_loops_taped_losses_of_a_random_layer_are_refused_under_poisson
     losses = _per_example_losses(model, x, y)
   with pytest.raises(dp.errors.PrivacyConfigError, match=r"random layers \['dropout"):
     opt.compute_private_gradients(losses, model.trainable_variables, tape=tape, model=model)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_keyed_step_is_traced_once(jit, monkeypatch):
+  """The keys' generator is made with the DP state, before any trace: a variable first made
+  inside a tf.function's trace makes TensorFlow trace the function twice (BERT-base LoRA's
+  first DP step took 8.7 CPU s instead of 5.6 with the generator made at the first trace)."""
+  from tf_dpiter.keras.optimizer import chunking  # pylint: disable=g-import-not-at-top
+  traces = []
+  layout_fn = chunking.chunk_layout
+  monkeypatch.setattr(chunking, "chunk_layout", lambda *a, **k: traces.append(1) or layout_fn(
+      *a, **k))
+  model = _model(jit=jit)
+  _step(model, range(N))
+  _step(model, range(N))
+  assert len(traces) == 1

@@ -247,6 +247,9 @@ class PrivateStep:
       self._used_results = tf.Variable(0, dtype=tf.int64, trainable=False,
                                        name="dp_used_noised_results")
       self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
+      # made here, before any trace: a variable first made in a tf.function's trace makes
+      # TensorFlow trace the function twice (BERT-base LoRA's first DP step +3.5 CPU s)
+      self._layer_key_source()
       if self._restored_ledger is not None:   # from from_config or adopt_ledger
         pending, self._restored_ledger = self._restored_ledger, None
         self._ledger.merge_arrays(*pending)
@@ -453,14 +456,17 @@ class PrivateStep:
         f"by several records ({', '.join(shared)}): each chunk draws anew, so which records "
         "share a draw would follow their position, and removing one record regroups the "
         "others (the clipped sum moves by more than the clip norm). Process the batch in one "
-        "chunk (max_physical_batch_size=None), draw per record (Dropout's noise_shape=None, "
-        "clipping='fast'), or sample with sampling='shuffle'. Received: "
+        "chunk (a max_physical_batch_size of at least the batch's examples: without one, the "
+        "fast path chunks a batch whose kept tensors exceed its memory budget), draw per "
+        "record (Dropout's noise_shape=None, clipping='fast'), or sample with "
+        "sampling='shuffle'. Received: "
         f"max_physical_batch_size={self.flags.max_physical_batch_size}")
 
   def _layer_key_source(self):
-    """The secret generator of `keyed_layer_draws`, made at first use (outside any trace):
-    a Philox generator from OS entropy, os.urandom under secure_mode; with a `seed` (tests
-    only, not private) a stream split from a seeded generator apart from the noise's."""
+    """The secret generator of `keyed_layer_draws`, made with the DP state (`make_state`,
+    before any trace): a Philox generator from OS entropy, os.urandom under secure_mode; with
+    a `seed` (tests only, not private) a stream split from a seeded generator apart from the
+    noise's."""
     if self._layer_keys is None:
       with tf.init_scope():
         if self.secure_mode:
