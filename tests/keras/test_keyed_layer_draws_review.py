@@ -1,8 +1,9 @@
 """Review R13 (session 44) of the keyed random layers
 (tf_dpiter.keras.optimizer.private_step.PrivateStep.keyed_layer_draws): findings, each a
-strict xfail that runs the real step with noise off and measures the violation (findings 1
-and 2 fixed in session 44: their tests now pass; finding 1 by keying the layers the loss
-reaches, custom_loops._random_layers).
+test that runs the real step with noise off and measures the violation. All three were strict
+xfails and are fixed in session 44: finding 1 by keying the layers the loss reaches
+(custom_loops._random_layers), finding 2 by refusing grouped shared draws and one padded chunk
+under XLA (PrivateStep.refuse_grouped_draws), finding 3 by restoring the states in a finally.
 
 Relation and unit: add/remove one example under Poisson sampling declared with
 `optimizer.set_sampling(N, q, "poisson")`, C = 1, lr 1, noise off (z = 0). The harness is
