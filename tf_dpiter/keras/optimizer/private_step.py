@@ -1066,7 +1066,9 @@ class PrivateStep:
     if xla is None:   # asked once: the batch's layout and the public plan's are one choice
       xla = routing.in_xla_context()
     per_chunk = chunking.chunk_layout(self, examples_per_record, m_static, xla=xla)
-    if per_chunk is not None and self.draws_keyed:   # a vectorized pass draws once a chunk
+    # a vectorized pass draws once a chunk; checked here only when it can refuse, so an
+    # unkeyed step reads no sampling property (the step's call walk)
+    if per_chunk is not None and self.draws_keyed:
       self.refuse_grouped_draws(per_chunk,
                                 ["the vectorized per-record pass"] if vectorize else [])
     with chunking.public_rows(self, examples_per_record, xla=xla):   # add/remove: public plan
