@@ -1,0 +1,21 @@
+"""Review R14 (session 45): private selection with a random number of trials.
+
+Papernot and Steinke, "Hyperparameter Tuning with Renyi Differential Privacy" (Theorems 2
+and 6): the selection's epsilon is dp-accounting's RepeatAndSelectDpEvent(event, mean,
+shape), which accounts a Poisson number of trials only for mean >= 1. A search that cannot be
+accounted must be refused before any trial trains.
+"""
+
+import pytest
+
+from tf_dpiter import tuning
+from tf_dpiter.errors import ParameterValueError
+
+
+@pytest.mark.xfail(strict=True, reason="measured: RandomSearch(0.5, shape=inf) is built and "
+                   "its trials train; dp-accounting's ValueError comes only after them")
+def test_a_poisson_mean_the_accountant_cannot_account_is_refused_before_training():
+  with pytest.raises(ParameterValueError, match="mean"):
+    tuning.num_trials_distribution(0.5, float("inf"))
+  with pytest.raises(ParameterValueError, match="mean"):
+    tuning.RandomSearch(0.5, shape=float("inf"), seed=0)
