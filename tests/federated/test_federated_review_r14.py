@@ -40,9 +40,6 @@ def _padded_round(first_example):
   return updates.numpy(), np.asarray(alg.server.aggregate(records, mask, 4), np.float64)
 
 
-@pytest.mark.xfail(strict=True, reason="measured: replacing client 0's first example by inf "
-                   "makes the padded clients' updates NaN (rejected): the sum moves by 4.0 S, "
-                   "the ledger's replace-one sensitivity is 2 S")
 def test_a_clients_padding_reads_no_other_clients_example():
   honest_updates, honest = _padded_round(None)
   # Client 0's data replaced: one of its examples is inf (a client's data is arbitrary).

@@ -4,7 +4,8 @@ Each client k runs E epochs of minibatch SGD (batch B, rate eta, mean softmax cr
 from w_t on its own examples and returns Delta w_k = w_k - w_t. All M clients train in one
 traced computation, their models stacked on a leading client axis (client k's loss depends
 only on its slice, so the summed loss's gradient is the stack of theirs); each client's
-example order is a permutation of its examples then masked padding.
+example order is a permutation of its examples then masked padding, whose rows are zeroed
+(a client's update reads only its own examples).
 """
 
 import numpy as np
@@ -71,9 +72,13 @@ class LocalSGD:
       idx = examples[:, e, start:start + b]                     # [M, b']
       pos = start + tf.range(tf.shape(idx)[1])[None, :]
       mask = tf.cast(pos < sizes, tf.float32)                    # [M, b']
+      # A padded position holds another client's example (data.py pads with example 0):
+      # zeroed here, or a non-finite one would make this client's update NaN through the
+      # masked loss (0 * NaN), so its update would depend on another client's data.
       bx = tf.gather(x_all, idx)                                 # [M, b', ...]
-      by = tf.gather(y_all, idx)
+      by = tf.where(mask > 0, tf.gather(y_all, idx), 0)
       bx = tf.reshape(bx, tf.concat([tf.shape(idx), [-1]], 0))
+      bx = tf.where(mask[:, :, None] > 0, bx, 0.0)
       with tf.GradientTape() as tape:
         tape.watch(ws)
         logits = self.model.logits(ws, bx)
