@@ -58,9 +58,6 @@ def _rounds(schedule_m, schedule_z, stddev=1.0):
       schedule_z, None, None, None, None, 1.0, 0.0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="measured: round 1 (5 of 10 clients, q = 0.5, z = 1) "
-                   "aggregated after round 2 (1 client, z = 3) was sampled is recorded as "
-                   "q = 0.1, sample size 1, stddev 3")
 def test_a_stale_rounds_replies_are_never_charged_at_another_rounds_sampling():
   model, dp = _rounds([5, 1], [1.0, 3.0])
   first = dp.sample(1, list(range(10)))

@@ -48,7 +48,14 @@ class DPRounds:
     return [p.numpy() for p in self.model.unflatten(self.server.weights)]
 
   def sample(self, server_round, client_ids):
-    """The ids of this round's m_t clients, [] once the budget stops the run."""
+    """The ids of this round's m_t clients, [] once the budget stops the run.
+
+    One round is in flight at a time: sampling a round abandons any earlier round not yet
+    aggregated (its late replies are not summed and it is not charged), since the query's
+    sampling and noise are now this round's and the budget look-ahead did not count it.
+    """
+    self._round_m.clear()
+    self._round_picked.clear()
     if self.stopped_reason is not None:
       return []
     ids = sorted(client_ids)
@@ -88,7 +95,8 @@ class DPRounds:
       failures: the count of error replies (nothing summed for them).
 
     Returns:
-      the round's info dict, or None for a round that sampled nobody (stopped).
+      the round's info dict, or None for a round that sampled nobody (stopped) or was
+      abandoned (a later round was sampled before its replies came: `sample`).
     """
     if server_round not in self._round_m:
       return None
