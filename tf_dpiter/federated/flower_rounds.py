@@ -73,9 +73,13 @@ class DPRounds:
     return list(self._round_picked[server_round])
 
   def record(self, arrays):
-    """A client's update as a flat float32 record [d], None if its shapes are wrong."""
+    """A client's update as a flat float32 record [d], None if its shapes are wrong or an
+    array is not of a real number dtype (bool, int, uint or float: a string or complex
+    array would be parsed or lose its imaginary part, or raise out of the round)."""
     shapes = [tuple(s) for s in self.model.shapes]
     if len(arrays) != len(shapes) or any(tuple(a.shape) != s for a, s in zip(arrays, shapes)):
+      return None
+    if any(np.asarray(a).dtype.kind not in "biuf" for a in arrays):
       return None
     return np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays])
 
