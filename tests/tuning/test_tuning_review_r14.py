@@ -12,8 +12,6 @@ from tf_dpiter import tuning
 from tf_dpiter.errors import ParameterValueError
 
 
-@pytest.mark.xfail(strict=True, reason="measured: RandomSearch(0.5, shape=inf) is built and "
-                   "its trials train; dp-accounting's ValueError comes only after them")
 def test_a_poisson_mean_the_accountant_cannot_account_is_refused_before_training():
   with pytest.raises(ParameterValueError, match="mean"):
     tuning.num_trials_distribution(0.5, float("inf"))

@@ -48,14 +48,15 @@ def num_trials_distribution(mean, shape):
     a function rng -> K (an int).
 
   Raises:
-    ParameterValueError: mean < 1 (or <= 0 for Poisson), or shape < 0.
+    ParameterValueError: mean < 1 (the truncated negative binomial's support is K >= 1, and
+      dp-accounting's RepeatAndSelectDpEvent accounts a Poisson K only for mean >= 1), or
+      shape < 0.
   """
   shape = float(validation.check_nonnegative("shape", shape, error=ParameterValueError))
-  if math.isinf(shape):
-    validation.check_positive("mean", mean)
-    return lambda rng: int(rng.poisson(mean))
   validation.check_params({"mean": validation.Interval(float, 1, None, error=ParameterValueError)},
-                          {"mean": mean})   # >= 1: the truncated negative binomial
+                          {"mean": mean})
+  if math.isinf(shape):
+    return lambda rng: int(rng.poisson(mean))
   if mean == 1:
     return lambda rng: 1
   gamma = _gamma_for_mean(float(mean), shape)
