@@ -89,9 +89,6 @@ def test_a_non_numeric_reply_is_rejected_as_a_zero_record(reply):
   np.testing.assert_allclose(dp.server.weights.numpy() - before, 0.01 / 2, rtol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason="measured: with node 0 listed twice among K = 10 "
-                   "connected ids, 400 rounds of m = 2 sampled it in 0.375 of them (exact "
-                   "1 - C(8,2)/C(10,2) = 0.378), twice in 0.0175; the ledger records q = 0.2")
 def test_a_client_listed_twice_among_the_connected_is_refused():
   _, dp = _rounds(2, None)
   with pytest.raises(ParameterValueError, match="num_clients"):

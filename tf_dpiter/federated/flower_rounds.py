@@ -62,6 +62,9 @@ class DPRounds:
     if len(ids) != self.num_clients:
       raise ParameterValueError(f"num_clients: expected {self.num_clients} connected clients, got "
                                 f"{len(ids)} (the ledger's population size must be exact)")
+    if len(set(ids)) != len(ids):   # a client listed twice would be sampled with 2 q
+      raise ParameterValueError(f"num_clients: expected {self.num_clients} distinct connected "
+                                f"clients, got {len(set(ids))} distinct among {len(ids)} ids")
     m = self.server.begin_round(*self.schedule(server_round), server_round)
     over = self.server.would_exceed_budget(m, server_round)
     if over:
