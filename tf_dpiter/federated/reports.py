@@ -24,7 +24,8 @@ class RoundReport:
     noise_multiplier: the round's total z (Eq. (1) of McMahan et al. 2018 over its events).
     accuracy: accuracy of w_t on the evaluation data, or None.
     communication_rounds: communication rounds so far ("CR", Table 1).
-    communication_costs: client updates summed over the rounds so far ("CC", Table 1).
+    communication_costs: client updates summed over the rounds so far ("CC", Table 1);
+      under Poisson sampling the realized draws, NOT differentially private (as `clients`).
     clip: the clip the round used (None without one).
     between_clients_variance: V_c (Section 6) of the round's unclipped updates: a diagnostic,
       NOT differentially private.
@@ -88,7 +89,8 @@ class RunReport:
 
   @property
   def communication_costs(self):
-    """Communication costs: client updates summed over the rounds ("CC" of Geyer et al. 2017, Table 1)."""
+    """Communication costs: client updates summed over the rounds ("CC" of Geyer et al. 2017,
+    Table 1); under Poisson sampling the realized draws: NOT differentially private."""
     return self.rounds[-1].communication_costs if self.rounds else 0
 
   def __str__(self):
