@@ -94,3 +94,32 @@ def test_a_client_listed_twice_among_the_connected_is_refused():
   with pytest.raises(ParameterValueError, match="num_clients"):
     dp.sample(1, [0, 0, 1, 2, 3, 4, 5, 6, 7, 8])
   assert int(dp.server.ledger.sample_count) == 0
+
+
+def _shared_example_round(sign, stddev=0.0):
+  """A round of 4 clients that all hold the one example (partition_iid repeats examples when
+  K * examples_per_client > len(x), as Geyer et al.'s 100-10000 clients from MNIST), from
+  w_0 = 0 (so flipping the example flips every gradient), noise `stddev`. Returns (the mechanism's
+  float64 output, the DPFedAvg)."""
+  model = F.MLP((4, 3))
+  x = np.array([[1.0, -2.0, 0.5, 3.0]], np.float32) * sign
+  fd = F.partition_iid(x, np.zeros(1, np.int32), 4, examples_per_client=1, seed=0)
+  alg = F.DPFedAvg(model, fd, dpq.GaussianSumQuery(S, stddev), clients_per_round=4, batch_size=1,
+                   initial_params=[np.zeros(s, np.float32) for s in model.shapes], seed=0,
+                   diagnostics=False, fixed_delta=1e-5)
+  records, mask, _ = alg.server.screen(alg.client_updates(tf.range(4)))
+  alg.server.begin_round(4)
+  return np.asarray(alg.server.aggregate(records, mask, 4), np.float64), alg
+
+
+@pytest.mark.xfail(strict=True, reason="measured: replacing the one example 4 clients hold "
+                   "moves the noise-free sum by 8.0 S; the run's statement says 'replace one "
+                   "example' (sensitivity 2 S): the unit is the client")
+def test_the_run_states_the_client_as_its_unit():
+  before, _ = _shared_example_round(1.0)
+  after, _ = _shared_example_round(-1.0)
+  moved = np.linalg.norm(after - before) / S
+  assert moved == pytest.approx(8.0, rel=1e-5)   # 4 clients' clipped updates, each by 2 S
+  _, alg = _shared_example_round(1.0, stddev=S)  # z = 1: a private round in the ledger
+  statement = alg.report().privacy_statement
+  assert "replace one client" in statement and "one example" not in statement
