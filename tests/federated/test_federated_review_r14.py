@@ -112,9 +112,6 @@ def _shared_example_round(sign, stddev=0.0):
   return np.asarray(alg.server.aggregate(records, mask, 4), np.float64), alg
 
 
-@pytest.mark.xfail(strict=True, reason="measured: replacing the one example 4 clients hold "
-                   "moves the noise-free sum by 8.0 S; the run's statement says 'replace one "
-                   "example' (sensitivity 2 S): the unit is the client")
 def test_the_run_states_the_client_as_its_unit():
   before, _ = _shared_example_round(1.0)
   after, _ = _shared_example_round(-1.0)

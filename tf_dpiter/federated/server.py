@@ -19,6 +19,8 @@ does not depend on who replied); the noised sum is cast to float32 afterwards
 sensitivity in differentially private libraries and how to fix it", CCS 2022).
 """
 
+import dataclasses
+
 import numpy as np
 import tensorflow as tf
 
@@ -64,6 +66,31 @@ def sample_clients(generator, population_size, m, sampling):
       return tf.cast(tf.where(keys < m / k)[:, 0], tf.int32)
     if int(tf.size(tf.unique(keys)[0])) == k:
       return tf.cast(tf.argsort(keys)[:m], tf.int32)
+
+
+_CLIENT_UNIT = ("unit: one client; a record is one client's update from all of its examples, "
+               "so an example several clients hold (partition_iid and partition_noniid_shards "
+               "repeat examples when K x examples_per_client > len(x)) is covered only as a "
+               "group of those clients")
+
+
+def _client_level(report):
+  """A ledger's `PrivacyReport` stated for the client, the unit of client-level DP.
+
+  The ledger states its relation for one record as "one example"; here a record is one
+  client's update (Geyer et al., "Differentially Private Federated Learning: A Client Level
+  Perspective", Section 2.3), so the relation is restated for one client and `_CLIENT_UNIT` added.
+
+  Args:
+    report: `accounting.privacy_report` of the server's ledger.
+
+  Returns:
+    the report with its relation naming one client.
+  """
+  relation = "neighbouring relation:"
+  lines = tuple(a.replace("one example", "one client", 1) if a.startswith(relation) else a
+                for a in report.assumptions)
+  return dataclasses.replace(report, assumptions=lines + (_CLIENT_UNIT,))
 
 
 class DPServer:
@@ -376,10 +403,12 @@ class DPServer:
     elif self.fixed_epsilon is not None or self.fixed_delta is not None:
       kw = ({"epsilon": self.fixed_epsilon} if self.fixed_epsilon is not None
             else {"delta": self.fixed_delta})
-      statement = str(accounting.privacy_report(self.ledger, accountant=self.accountant, **kw))
+      statement = str(_client_level(accounting.privacy_report(self.ledger,
+                                                             accountant=self.accountant, **kw)))
     else:
       statement = (f"{int(self.ledger.sample_count)} samples recorded; call "
-                   "tf_dpiter.accounting.epsilon(ledger, delta) for the guarantee")
+                   "tf_dpiter.accounting.epsilon(ledger, delta) for the guarantee ("
+                   + _CLIENT_UNIT + ")")
     if self.is_median:
       statement = "NOT PRIVATE (median-norm clip): " + statement
     return holds, statement, tuple(warnings)
