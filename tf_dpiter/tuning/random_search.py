@@ -80,9 +80,15 @@ class SelectionReport:
     delta: the delta of the whole selection.
     mean: E[K] of the distribution the number of trials was drawn from.
     shape: the shape of that distribution (1: geometric, inf: Poisson).
-    assumptions: what the guarantee rests on (relation, sampling, selection).
+    assumptions: what the guarantee rests on (relation, sampling, selection); the selection's
+      line names the K trials run.
     ledger: the signed ledger dict of the selected trial with its selection record (save it
       with json.dump; `dp_ledger report` and `privacy_report` read it), or None (no trial).
+
+  The guarantee (Papernot and Steinke, Theorems 2 and 6) is for releasing the best trial with
+  K hidden: given K = k the best of k trials costs up to k trials, so the assumptions and
+  the ledger, which name K, are for the accountant and the auditor; publish epsilon, delta,
+  mean and shape, not K.
   """
   epsilon: float
   delta: float
