@@ -53,7 +53,8 @@ class DPFedAvg:
       max_epsilon; alone, only report epsilon at it.
     max_epsilon: the largest epsilon allowed at fixed_delta.
     accountant: "rdp" (required for fixed_size sampling) or "pld".
-    eval_data: (x, y) for per-round accuracy, or None.
+    eval_data: (x, y) for per-round accuracy, or None; public or held-out examples (an
+      accuracy on the clients' own examples is not covered by the guarantee).
     initial_params: list of numpy arrays, else model.init_params(seed).
     seed: fixes sampling, shuffling and initialization (tests only: not private).
     max_clients_per_chunk: clients trained together in one vectorized call (memory bound).
