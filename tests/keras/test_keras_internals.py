@@ -212,3 +212,37 @@ def test_closure_layers_finds_the_layers_a_loss_reaches():
   ids = {id(layer) for layer in found}
   assert ids == {id(x) for x in (cell, _GLOBAL_DROPOUT, default, bound, part, nested)}
   assert id(deep) not in ids
+
+
+def test_closure_layers_sees_through_decorators_at_the_same_level():
+  """A decorator's wrapper (functools.wraps; AutoGraph's tf_convert of a partial, as a custom
+  loop's traced call hands loss_fn on) and a tf.function are not a level of nesting: a
+  layer three functions deep is found through each (review R15, session 45)."""
+  import functools  # pylint: disable=g-import-not-at-top
+  layer = keras.layers.Dropout(0.5)
+
+  def third():
+    return layer
+
+  def second():
+    return third()
+
+  def loss():
+    return second()
+
+  @functools.wraps(loss)
+  def wrapped():
+    return loss()
+
+  assert ki.closure_layers(loss) == [layer]
+  assert ki.closure_layers(wrapped) == [layer]
+  assert ki.closure_layers(tf.function(loss)) == [layer]
+
+  @tf.function
+  def traced():
+    ctx = tf.__internal__.autograph.control_status_ctx()
+    converted = tf.__internal__.autograph.tf_convert(functools.partial(loss), ctx)
+    assert ki.closure_layers(converted) == [layer]
+    return tf.constant(0)
+
+  traced()

@@ -102,8 +102,10 @@ def seed_generators(model):
 def closure_layers(fn, depth=3):
   """The keras Layers a callable reaches without being called: its closure's cells, the
   module globals its code names, its defaults, a bound method's object, a
-  functools.partial's function and arguments, and (up to `depth` levels) the same of the
-  functions among them. Layers held deeper (an attribute of a plain object) are not found.
+  functools.partial's function and arguments, a decorator's wrapped function (`__wrapped__`:
+  functools.wraps, AutoGraph's tf_convert) and a tf.function's Python function at the same
+  level, and (up to `depth` levels) the same of the functions among them. Layers held deeper
+  (an attribute of a plain object) are not found.
 
   Args:
     fn: a callable.
@@ -129,7 +131,11 @@ def closure_layers(fn, depth=3):
     elif inspect.ismethod(value):
       visit(value.__self__, level)
       visit(value.__func__, level)
+    elif isinstance(value, tf.types.experimental.PolymorphicFunction):
+      visit(getattr(value, "python_function", None), level)
     elif inspect.isfunction(value):
+      if hasattr(value, "__wrapped__"):   # a decorator's wrapper: not a level of nesting
+        visit(value.__wrapped__, level)
       cells = [c.cell_contents for c in (value.__closure__ or ()) if _filled(c)]
       names = [value.__globals__[n] for n in value.__code__.co_names
                if n in value.__globals__]
