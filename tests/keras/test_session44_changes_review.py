@@ -111,3 +111,49 @@ def test_a_random_layer_a_tf_function_loss_reaches_is_keyed():
   assert not np.array_equal(full, again), (
       f"the masks follow the user's seed (by row): ||g(D) - g(D')|| = {moved:.4f} against "
       f"C / (q N) = {STEP}")
+
+
+# Finding 3 (not a session 44 change; the brief's question on 25720c1's unguarded Assert).
+# The public row bound of an add/remove step (summation.within_public_rows: twice the padded
+# size of the declared Poisson sample) is a run-time assertion, and XLA drops assertions, so
+# its callers also make the step's result NaN. fit's fast path checks the batch only in
+# chunking.sum_over_chunks, by a control dependency on that assertion: under jit_compile=True
+# a batch past the bound is neither refused nor NaN. Measured: set_sampling(64, 8 / 64,
+# "poisson") (bound 48), a fit of one batch of 60 rows of unknown size (tf.data batch),
+# noise off, C = 1, lr 1, normalize=False, every record's gradient clipped to C: the weight
+# moved by 59.99 (the 60 records' sum) where the vectorized path's weight is NaN and graph
+# mode raises InvalidArgumentError; the same before 25720c1 (the guarded assertion).
+
+def _fit_past_the_row_bound(clipping, jit):
+  """The weight after a fit of one batch of 60 rows (bound 48), or None when refused."""
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([
+      keras.Input((1,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+  with pytest.warns(UserWarning):   # noise 0
+    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, clipping=clipping,
+                                       normalize=False)
+  model.compile(optimizer=opt, loss=lambda yt, yp: tf.reduce_sum(yt * yp, axis=-1),
+                jit_compile=jit)
+  opt.set_sampling(64, 8 / 64, "poisson")
+  assert opt.private_step.sampling.public_row_bound == 48
+  rows = np.ones((60, 1), np.float32)
+  try:
+    model.fit(tf.data.Dataset.from_tensor_slices((rows, -rows)).batch(60), verbose=0)
+  except tf.errors.InvalidArgumentError as e:
+    assert "public bound" in str(e)
+    return None
+  return float(model.get_weights()[0].ravel()[0])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("clipping,jit", [
+    pytest.param("fast", True, id="fast-xla", marks=pytest.mark.xfail(strict=True, reason=(
+        "R15 finding 3: under XLA the fast path updates from a batch past the public row "
+        "bound: the weight moved by 59.99 (60 rows, bound 48)"))),
+    pytest.param("vectorized", True, id="vectorized-xla", marks=pytest.mark.slow),
+    pytest.param("fast", False, id="fast-graph", marks=pytest.mark.slow)])
+def test_a_batch_past_the_public_row_bound_updates_nothing_finite(clipping, jit):
+  """Refused (graph mode) or a NaN update (XLA drops the assertion)."""
+  moved = _fit_past_the_row_bound(clipping, jit)
+  assert moved is None or not np.isfinite(moved), (
+      f"a batch of 60 rows past the public bound 48 moved the weight by {moved}")
