@@ -18,6 +18,8 @@ eagerly but not inside tf.function. Unkeyed, its seeded masks follow the rows' p
 ||g(D) - g(D')|| = 0.3535 against C / (q N) = 0.125 (N 16, seed 1; every run of the seed).
 Fixed: closure_layers follows a decorator's `__wrapped__` at the same level.
 
+Finding 3 (the public row bound under XLA, pre-existing) is below.
+
 Finding 2 (2805179, the keyed layers the loss reaches). A loss_fn that is itself a
 tf.function (`@tf.function def losses(): ...`, passed to an eager or traced call) is a
 PolymorphicFunction object, not a Python function: closure_layers finds none of the layers
@@ -123,6 +125,7 @@ def test_a_random_layer_a_tf_function_loss_reaches_is_keyed():
 # noise off, C = 1, lr 1, normalize=False, every record's gradient clipped to C: the weight
 # moved by 59.99 (the 60 records' sum) where the vectorized path's weight is NaN and graph
 # mode raises InvalidArgumentError; the same before 25720c1 (the guarded assertion).
+# Fixed: under XLA sum_over_chunks makes its sums NaN past the bound.
 
 def _fit_past_the_row_bound(clipping, jit):
   """The weight after a fit of one batch of 60 rows (bound 48), or None when refused."""
@@ -147,9 +150,7 @@ def _fit_past_the_row_bound(clipping, jit):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("clipping,jit", [
-    pytest.param("fast", True, id="fast-xla", marks=pytest.mark.xfail(strict=True, reason=(
-        "R15 finding 3: under XLA the fast path updates from a batch past the public row "
-        "bound: the weight moved by 59.99 (60 rows, bound 48)"))),
+    pytest.param("fast", True, id="fast-xla"),
     pytest.param("vectorized", True, id="vectorized-xla", marks=pytest.mark.slow),
     pytest.param("fast", False, id="fast-graph", marks=pytest.mark.slow)])
 def test_a_batch_past_the_public_row_bound_updates_nothing_finite(clipping, jit):

@@ -397,10 +397,17 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
     with tf.control_dependencies([within]):
       record_mask = tf.identity(record_mask)
   if per_chunk is None:
-    return chunk_fn(acc, records, record_mask)
-  # a clipped sum formed per chunk charges the chunks' additions (summation.rounding_margin)
-  with summation.sequential_chunks(*reversed(sum_plan(per_chunk, record_mask))):
-    return _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template)
+    out = chunk_fn(acc, records, record_mask)
+  else:
+    # a clipped sum formed per chunk charges the chunks' additions (summation.rounding_margin)
+    with summation.sequential_chunks(*reversed(sum_plan(per_chunk, record_mask))):
+      out = _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template)
+  if within is True or not summation.in_xla_context():
+    return out
+  # XLA drops the assertion: past the bound the sums are NaN (the step updates nothing finite;
+  # fit's fast path has no other check of the batch's rows; review R15, session 45)
+  nan = tf.where(within, 1.0, float("nan"))
+  return (tf.nest.map_structure(lambda a: a * tf.cast(nan, a.dtype), out[0]), *out[1:])
 
 
 def _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template):
