@@ -158,3 +158,50 @@ def test_a_batch_past_the_public_row_bound_updates_nothing_finite(clipping, jit)
   moved = _fit_past_the_row_bound(clipping, jit)
   assert moved is None or not np.isfinite(moved), (
       f"a batch of 60 rows past the public bound 48 moved the weight by {moved}")
+
+
+# Negative result (52cd9b2, a frozen variable keeps its kept buffer through the DP update): a
+# kept digest stands for the variable only while its buffer is the one digested, and every
+# write between two DP train_on_batch calls below made a new buffer (copy-on-write of a held
+# buffer: XLA does not donate it, a sparse update copies it), so each was refused, as was a
+# plain optimizer's update of the layer unfrozen for it and frozen again.
+
+def _frozen_writers():
+  """name -> a function writing the (frozen) variable outside the DP optimizer."""
+  sgd = keras.optimizers.SGD(0.1)
+
+  def plain_update(v, layer):
+    layer.trainable = True
+    sgd.apply_gradients([(tf.ones_like(v), v)])
+    layer.trainable = False
+
+  return {
+      "xla_assign_add": lambda v, _: tf.function(
+          lambda: v.assign_add(tf.ones_like(v)), jit_compile=True)(),
+      "traced_scatter": lambda v, _: tf.function(
+          lambda: v.scatter_nd_add([[0, 0]], [1.0]))(),
+      "unfrozen_plain_update": plain_update,
+  }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_a_frozen_variable_written_between_dp_steps_is_refused():
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(4, name="frozen"),
+                                 keras.layers.Dense(1)])
+  frozen_layer = model.get_layer("frozen")
+  frozen_layer.trainable = False
+  model.compile(dp.keras.DPKerasSGDOptimizer(C, 1.0, learning_rate=0.1), "mse")
+  model.optimizer.set_sampling(100, 0.1, "poisson", 10)
+  x, y = np.ones((10, 3), np.float32), np.ones((10, 1), np.float32)
+  model.train_on_batch(x, y)
+  model.train_on_batch(x, y)
+  kernel = frozen_layer.kernel
+  for name, write in _frozen_writers().items():
+    old = np.array(kernel)
+    write(kernel.value if hasattr(kernel, "value") else kernel, frozen_layer)
+    assert not np.array_equal(np.array(kernel), old), name
+    with pytest.raises(dp.errors.PrivacyConfigError, match="train_on_batch refused"):
+      model.train_on_batch(x, y)
+    kernel.assign(old)   # a recorded state put back: accepted
+    model.train_on_batch(x, y)
