@@ -18,14 +18,15 @@ eagerly but not inside tf.function. Unkeyed, its seeded masks follow the rows' p
 ||g(D) - g(D')|| = 0.3535 against C / (q N) = 0.125 (N 16, seed 1; every run of the seed).
 Fixed: closure_layers follows a decorator's `__wrapped__` at the same level.
 
-Finding 3 (the public row bound under XLA, pre-existing) is below.
-
 Finding 2 (2805179, the keyed layers the loss reaches). A loss_fn that is itself a
 tf.function (`@tf.function def losses(): ...`, passed to an eager or traced call) is a
 PolymorphicFunction object, not a Python function: closure_layers finds none of the layers
 it reaches, so a seeded Dropout outside `model=` draws by row position, not refused:
 ||g(D) - g(D')|| = 0.3535 against 0.125. Fixed: closure_layers follows a tf.function's
 python_function at the same level.
+
+Finding 3 (the public row bound under XLA, pre-existing) and a negative result on the frozen
+variables' kept fingerprints (52cd9b2) are below.
 """
 
 import functools
