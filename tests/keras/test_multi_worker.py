@@ -216,7 +216,7 @@ def test_kill_and_resume_charges_every_noised_step(kill_and_resume):
   assert chief["iterations"] == total                     # the restored optimizer's steps
   steps_taken = _lines(tmp / "files" / "steps_0.txt")     # noised steps the chief completed
   assert steps_taken == KILL_AFTER + total - (KILL_AFTER // FAULT_SPE) * FAULT_SPE
-  samples, _, _ = journal.journal_arrays(str(tmp / "backup" / "privacy_ledger.journal"))
+  samples, _, _ = journal.LedgerJournal(str(tmp / "backup" / "privacy_ledger.journal")).read()
   # Rule: every noised step ever taken is charged (re-run steps included).
   assert chief["samples"] == samples.shape[0] >= steps_taken >= chief["iterations"]
   assert chief["epsilon"] == pytest.approx(_single_worker_epsilon(chief["samples"]), rel=1e-9)

@@ -30,6 +30,7 @@ import tensorflow as tf
 from tf_dpiter.data import python_source
 import tf_dpiter as dp
 import tf_dpiter.keras  # noqa: F401  (registers the DP classes for load_model)
+from tf_dpiter.accounting import accountant
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.data import balls_in_bins
 from tf_dpiter.data import cyclic_poisson
@@ -295,9 +296,8 @@ def _epoch_steps(policy):
 
 def claim(ledger):
   """(most participations, least gap) of one unit that the ledger's rows claim."""
-  samples, queries = ledger.get_arrays()
-  passes = int(ledger.passes.numpy())
-  groups = [g for g in ledger_events.groups_from_arrays(samples, queries) if g.count]
+  runs, passes = accountant.ledger_runs(ledger)
+  groups = [g for g in ledger_events.groups_from_runs(runs) if g.count]
   most = sum(policies.get(g.policy).participation_bound(g, passes) for g in groups)
   gap = min(policies.get(g.policy).min_gap(g) for g in groups)
   return most, gap
@@ -324,7 +324,7 @@ def cyclic_groups():
   """{example: its cyclic Poisson group}, from the hash of its record (as the sampler does)."""
   x, y = _arrays()
   ids = cyclic_poisson.record_identities(x, y)
-  return {i: cyclic_poisson.group_of_identity(ids[i], GROUPS) for i in range(N)}
+  return {i: cyclic_poisson.identity_digest(ids[i]) % GROUPS for i in range(N)}
 
 
 # cells refused on purpose: a BackupAndRestore of a BandMF run rolls the optimizer back below

@@ -47,7 +47,7 @@ def _resume(mode, work):
 def test_sigkill_then_resume_charges_every_step(tmp_path, mode, journal_name):
   first = _run_killed(mode, tmp_path)
   assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
-  samples, queries, passes = journal.journal_arrays(os.path.join(tmp_path, journal_name))
+  samples, queries, passes = journal.LedgerJournal(os.path.join(tmp_path, journal_name)).read()
   before_kill = samples.shape[0]
   assert before_kill == KILL_AT          # every step taken before the kill is in the journal
   eps_before_kill = accounting.epsilon((samples, queries, passes), 1e-5)

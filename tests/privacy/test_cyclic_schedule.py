@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
+from tf_dpiter.accounting import accountant
 from tf_dpiter.accounting import ledger_events
 from tf_dpiter.data import cyclic_poisson
 from tf_dpiter.errors import PrivacyConfigError
@@ -64,8 +65,9 @@ def _dataset():
 
 def _check_against_claim(model, joined):
   """Participations and gaps of every example vs the ledger's claim."""
-  samples, queries = model.ledger.get_arrays()
-  groups = [g for g in ledger_events.groups_from_arrays(samples, queries) if g.count]
+  samples, _ = model.ledger.get_arrays()
+  runs, _ = accountant.ledger_runs(model.ledger)
+  groups = [g for g in ledger_events.groups_from_runs(runs) if g.count]
   claimed = sum(g.participations for g in groups)
   b = min(int(g.sample_size) for g in groups)
   steps_of = {i: [t for t, s in enumerate(joined) if i in s] for i in range(N)}
@@ -156,9 +158,10 @@ def test_a_crash_and_backup_and_restore_continue_the_ledgers_cycle(tmp_path):
   resumed.fit(_dataset(), epochs=3, steps_per_epoch=STEPS, verbose=0,
               callbacks=[_Recorder(joined), keras.callbacks.BackupAndRestore(backup)])
   assert int(resumed.optimizer.iterations.numpy()) == 3 * STEPS
-  samples, queries = resumed.ledger.get_arrays()
+  samples, _ = resumed.ledger.get_arrays()
   assert samples.shape[0] == len(joined) == 3 * STEPS + 3
-  groups = [g for g in ledger_events.groups_from_arrays(samples, queries) if g.count]
+  runs, _ = accountant.ledger_runs(resumed.ledger)
+  groups = [g for g in ledger_events.groups_from_runs(runs) if g.count]
   claimed = sum(g.participations for g in groups)
   steps_of = [[t for t, s in enumerate(joined) if i in s] for i in range(N)]
   assert max(len(s) for s in steps_of) <= claimed == math.ceil((3 * STEPS + 3) / B)

@@ -116,7 +116,7 @@ def test_a_loaded_selection_ledger_keeps_its_record_through_training_and_the_jou
   for _ in range(3):   # the selected model trained further: composed after the selection
     led.record_sample(1000, 0.01, (events.GaussianSumEvent(1.0, 2.0),))
   journal.append(led)
-  samples, queries, passes = journal_lib.journal_arrays(tmp_path / "j.journal")
+  samples, queries, passes = journal_lib.LedgerJournal(tmp_path / "j.journal").read()
   expected = _by_hand(5.0, 1.0, steps=20, after=dpa.SelfComposedDpEvent(
       dpa.PoissonSampledDpEvent(0.01, dpa.GaussianDpEvent(2.0)), 3))
   assert accountant.epsilon((samples, queries, passes), 1e-5) == pytest.approx(expected, rel=1e-9)

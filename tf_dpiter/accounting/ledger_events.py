@@ -184,17 +184,6 @@ def _correlated_fields(run):
   return "tree", int(depths.pop()), leaves
 
 
-def groups_from_arrays(samples, queries) -> List[SampleGroup]:
-  """The SampleGroups (`groups_from_runs`) of ledger arrays, [N, 6] sample rows and [Q, 5]
-  query rows (`records`), validated, run-length encoded and merged.
-
-  Raises:
-    PrivacyConfigError: rows `records.validate_arrays` refuses.
-  """
-  samples, queries = rec.validate_arrays(samples, queries)
-  return groups_from_runs(rec.run_length_encode(samples, queries))
-
-
 def _mechanism(group):
   """The per-sample mechanism (before sampling) of a group."""
   if group.non_private:

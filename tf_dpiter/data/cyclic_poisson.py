@@ -79,12 +79,6 @@ def identity_digest(identity):
   return int.from_bytes(digest, "little")
 
 
-def group_of_identity(identity, num_groups):
-  """The group in [0, b) of one bytes identity: `identity_digest` modulo b = num_groups >= 1
-  (bias < b / 2^64)."""
-  return identity_digest(identity) % int(num_groups)
-
-
 class CyclicPoissonSampler:
   """Index sampler: groups by a hash of each example's identity; Poisson within a turn."""
 

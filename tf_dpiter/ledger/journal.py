@@ -21,8 +21,6 @@ import json
 import os
 import warnings
 
-import numpy as np
-
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
@@ -251,9 +249,3 @@ def _chunk_iterations(chunk, previous, where):
     raise ParameterValueError(f"{where}: 'iterations' must be an integer >= 0, got {it!r}")
   return it if previous is None else max(previous, it)
 
-
-def journal_arrays(path, key=None):
-  """(samples, queries, passes), two numpy arrays and the int pass count, of the journal file
-  at `path`, verified (with the optional HMAC `key`): e.g. to account it directly."""
-  samples, queries, passes = LedgerJournal(path, key).read()
-  return np.asarray(samples), np.asarray(queries), passes
