@@ -95,18 +95,6 @@ def test_general_banded_is_no_worse_than_toeplitz():
   assert mf.prefix_error(general) <= mf.prefix_error(toeplitz) * (1 + 1e-6)
 
 
-def test_minsep_sensitivity_from_the_matrix():
-  n = 10
-  matrix = mf.toeplitz_matrix(mf.optimize_banded_toeplitz(n, 3), n)
-  norms = mf.column_norms(matrix)
-  # Separation 3: columns 0, 3, 6, 9 (all of full norm except the last ones' truncation).
-  best = max(np.sum(norms[list(p)] ** 2) for p in [(0, 3, 6, 9), (0, 3, 6), (1, 4, 7)])
-  assert np.isclose(mf.minsep_sensitivity(matrix, 3) ** 2, best)
-  assert np.isclose(mf.minsep_sensitivity(matrix, 3, max_participations=1), norms.max())
-  with pytest.raises(ValueError, match="min_separation"):
-    mf.minsep_sensitivity(matrix, 2)
-
-
 def test_bad_arguments_are_refused():
   with pytest.raises(ValueError, match="num_steps"):
     band_mf_query.BandMFQuery(1.0, 1.0, [tf.zeros([2])], num_bands=3)

@@ -5,7 +5,8 @@ A (G + C^-1 Z sigma), Z iid N(0, 1) (Choquette-Choo et al., "(Amplified) Banded 
 Factorization: A unified approach to private training", Sections 2-4): privacy is that of
 C G + sigma Z, error E ||A C^-1 Z sigma||_F^2 = sigma^2 ||A C^-1||_F^2 per coordinate, so a
 strategy's loss is sens(C)^2 ||A C^-1||_F^2. A b-banded C under b-min-separation: one
-participation's sensitivity is the largest column norm (`minsep_sensitivity` for k).
+participation's sensitivity is the largest column norm (k participations: the root of the
+largest sum of k squared column norms >= b apart).
 Strategies are normalized to max column norm 1 (sigma = z S). `optimize_banded`: general
 banded C (same paper, Section 4), O(n^3) per iteration; `optimize_banded_toeplitz`: Toeplitz
 (McKenna et al., "Scaling up the banded matrix factorization mechanism"), O(n b). Cached in
@@ -13,7 +14,6 @@ memory (and on disk with `cache_dir`).
 """
 
 import functools
-import math
 import os
 
 import numpy as np
@@ -24,7 +24,6 @@ from scipy.linalg import solve_triangular
 from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
-from tf_dpiter.errors import PrivacyConfigError
 
 def _check_sizes(n, bands):
   validation.check_integer("n", n, 1)   # the number of steps
@@ -69,37 +68,6 @@ def num_bands(matrix, tol=0.0):
 def column_norms(matrix):
   """L2 norms of the columns of a 2-D `matrix` (float64 [columns])."""
   return np.linalg.norm(np.asarray(matrix, np.float64), axis=0)
-
-
-def minsep_sensitivity(matrix, min_separation, max_participations=None):
-  """L2 sensitivity of C G (per unit clip) when one example's participations are at least
-  `min_separation` steps apart, at most `max_participations` times (default: as many as fit).
-
-  With `min_separation` b' >= C's bands the columns have disjoint supports: ||C u||^2 is a
-  sum of squared column norms, maximized over patterns u by dynamic programming. C: lower
-  triangular [n, n]; k = `max_participations` defaults to ceil(n / b'). Returns a float.
-
-  Raises:
-    PrivacyConfigError: min_separation below the number of bands (no such simple formula
-      holds), or max_participations < 1.
-  """
-  c = np.asarray(matrix, np.float64)
-  n = c.shape[1]
-  b = num_bands(c)
-  if not isinstance(min_separation, (int, np.integer)) or min_separation < max(b, 1):
-    raise PrivacyConfigError(f"min_separation must be an integer >= the matrix's bands ({b}), got "
-                             f"{min_separation!r}: participations closer than the bands overlap")
-  k_max = -(-n // min_separation)
-  k = k_max if max_participations is None else min(int(max_participations), k_max)
-  if k < 1:
-    raise PrivacyConfigError(f"max_participations must be >= 1, got {max_participations!r}")
-  w = column_norms(c) ** 2
-  # best[j][t]: the largest sum of j squared norms of columns >= t, >= min_separation apart.
-  best = np.zeros([k + 1, n + min_separation])
-  for j in range(1, k + 1):
-    for t in range(n - 1, -1, -1):
-      best[j, t] = max(best[j, t + 1], w[t] + best[j - 1, t + min_separation])
-  return float(math.sqrt(best[k, 0]))
 
 
 def prefix_error(matrix):
