@@ -16,6 +16,7 @@ import numpy as np
 from scipy import optimize as sp_optimize
 from scipy import signal as sp_signal
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -127,12 +128,12 @@ def optimize_blt(n, buffers, min_separation=1, max_participations=1, max_iter=20
   L-BFGS iterations. Returns (theta, omega), float64 arrays [buffers].
 
   Raises:
-    ParameterValueError: n, buffers, min_separation or max_participations not an integer >= 1.
+    ParameterTypeError: n, buffers, min_separation or max_participations not an integer.
+    ParameterValueError: one of them < 1.
   """
   for name, v in (("n", n), ("buffers", buffers), ("min_separation", min_separation),
                   ("max_participations", max_participations)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ParameterValueError(f"{name} must be an integer >= 1, got {v!r}")
+    validation.check_integer(name, v, 1)
   theta, omega = _optimize_cached(int(n), int(buffers), int(min_separation),
                                   int(max_participations), int(max_iter))
   return np.array(theta), np.array(omega)

@@ -12,14 +12,13 @@ accounting assumes each tree lies in one pass).
 import collections
 import math
 
-import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import band_mf_query
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import randomness
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.errors import ParameterValueError
 
 
 def tree_prefix_error(num_steps, restart_every):
@@ -58,14 +57,12 @@ class TreeAggregationQuery(band_mf_query.CorrelatedNoiseQuery):
       seed: tests only (not private).
 
     Raises:
+      ParameterTypeError: restart_every not an integer.
       ParameterValueError: a bad argument, named with its value.
     """
     self._init_common(l2_norm_clip, noise_multiplier, template, seed)
-    if isinstance(restart_every, bool) or not isinstance(restart_every, (int, np.integer)) or (
-        restart_every < 1):
-      raise ParameterValueError(f"restart_every must be an integer >= 1, got {restart_every!r}")
-    self._depth = correlated_events.tree_depth(restart_every)
-    self._restart_every = int(restart_every)
+    self._restart_every = validation.check_integer("restart_every", restart_every, 1)
+    self._depth = correlated_events.tree_depth(self._restart_every)
 
   def get_config(self):
     return self._config(restart_every=self._restart_every)

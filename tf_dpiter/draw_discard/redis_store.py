@@ -21,6 +21,7 @@ import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions as redis_errors
 
+from tf_dpiter import validation
 from tf_dpiter.draw_discard import redis_pipeline
 from tf_dpiter.draw_discard import replay_guard
 from tf_dpiter.draw_discard import redis_scripts
@@ -77,7 +78,7 @@ class RedisStore(store_lib.Store):
     group_commit: send the touch/replace scripts of one event-loop iteration in one pipeline.
 
   Raises:
-    ParameterValueError: for a URL of another scheme.
+    ParameterValueError: for a URL of another scheme, or a lock_ttl_s not > 0.
   """
 
   kind = "redis"
@@ -87,8 +88,7 @@ class RedisStore(store_lib.Store):
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in ("redis", "rediss", "unix"):
       raise ParameterValueError(f"store url must be redis://host:port/db, got {url!r}")
-    if not lock_ttl_s > 0:
-      raise ParameterValueError(f"lock_ttl_s must be > 0, got {lock_ttl_s!r}")
+    validation.check_positive("lock_ttl_s", lock_ttl_s, error=ParameterValueError)
     self.url = _redact(url)  # for messages and logs: no password
     self.prefix = prefix
     self.lock_ttl_s = float(lock_ttl_s)

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import schema
@@ -54,6 +55,7 @@ def check(mean, shape, trials):
   integer >= 1).
 
   Raises:
+    ParameterTypeError: trials not an integer.
     ParameterValueError: naming the parameter and its value.
   """
   shape = float(shape)
@@ -63,8 +65,7 @@ def check(mean, shape, trials):
           and mean > 0) or (not math.isinf(shape) and mean < 1):
     raise ParameterValueError(f"mean must be finite and > 0 (>= 1 for a truncated negative binomial), "
                               f"got {mean!r}")
-  if isinstance(trials, bool) or not isinstance(trials, (int, np.integer)) or trials < 1:
-    raise ParameterValueError(f"trials must be an integer >= 1 (the trials run), got {trials!r}")
+  validation.check_integer("trials", trials, 1)   # the trials run
 
 
 def marker_row(selection):

@@ -17,6 +17,7 @@ epsilon covers the averaged model.
 import keras
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 
 
@@ -140,14 +141,13 @@ class PolyakAveraging(_WeightAveraging):
     swap_on_train_end: leave the average in the model after `fit`.
 
   Raises:
+    ParameterTypeError: start not an integer.
     ParameterValueError: start < 1.
   """
 
   def __init__(self, start=1, swap_on_train_end=True):
     super().__init__(swap_on_train_end)
-    if not isinstance(start, int) or start < 1:
-      raise ParameterValueError(f"`start` must be an integer >= 1. Received: start={start!r}")
-    self.start = start
+    self.start = validation.check_integer("start", start, 1)
 
   def _update(self):
     self._count.assign_add(1)

@@ -338,16 +338,14 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
     verbose: print the line saying why training stopped.
 
   Raises:
+    ParameterTypeError: a non-numeric epsilon or delta.
     PrivacyConfigError: a bad epsilon or delta.
     BudgetConfigError: accountant="gdp" (or an accountant that is not available).
   """
 
   def __init__(self, epsilon, delta, accountant="rdp", verbose=0):
     super().__init__()
-    e = float(epsilon) if isinstance(epsilon, (int, float)) else None
-    if e is None or not e > 0 or math.isinf(e):
-      raise PrivacyConfigError(f"epsilon must be a finite number > 0, got {epsilon!r}")
-    self.epsilon = e
+    self.epsilon = float(validation.check_positive("epsilon", epsilon))
     self.delta = validation.check_delta("delta", delta)
     self.accountant = accounting.accountant.check_bound_accountant(accountant,
                                                                    "StopAtPrivacyBudget")

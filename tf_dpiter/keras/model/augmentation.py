@@ -21,6 +21,7 @@ allows the fast path (exact, not faster). Metrics see the mean over the K views'
 import keras
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.optimizer import gradients as grads_lib
@@ -72,10 +73,10 @@ class AugmentationMultiplicity(keras.Model):
       **kwargs: keras.Model arguments.
 
     Raises:
-      ParameterValueError: K not a positive int, augment_fn not callable, model not a built Model.
+      ParameterTypeError: K not an int.
+      ParameterValueError: K < 1, augment_fn not callable, model not a built Model.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ParameterValueError(f"`k` must be a positive integer (views per example). Received: k={k!r}")
+    validation.check_integer("k", k, 1)   # views per example
     if not callable(augment_fn):
       raise ParameterValueError(f"`augment_fn` must be callable. Received: augment_fn={augment_fn!r}")
     if not isinstance(model, keras.Model) or not model.built:
