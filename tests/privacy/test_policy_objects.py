@@ -45,17 +45,12 @@ def test_declared_sampling_is_checked_by_its_policy(policy, n, q, m, match):
     QueryWithLedger(GaussianSumQuery(1.0, 1.0), n, q, policy=policy, sample_size=m)
 
 
-def test_denominator_pass_length_and_log_line_come_from_the_policy():
+def test_denominator_and_log_line_come_from_the_policy():
   expected = {p for p in policies.names() if policies.get(p).expected_size_denominator}
   assert expected == {schema.POISSON, schema.USER_POISSON, schema.CYCLIC_POISSON,
                       schema.TRUNCATED_POISSON, schema.BALLS_IN_BINS, schema.FULL}
   assert policies.get(schema.POISSON).expected_records(50, 0.2, 10) == pytest.approx(10)
   assert policies.get(schema.CYCLIC_POISSON).expected_records(60, 0.5, 3) == pytest.approx(10)
-  # batches of 12 of 50: 4 steps with drop_remainder, 5 without; 48 of 12 only 4
-  assert policies.get(schema.SHUFFLE).pass_lengths(50, 12) == (4, 5)
-  assert policies.get(schema.SHUFFLE).pass_lengths(48, 12) == (4,)
-  assert policies.get(schema.BALLS_IN_BINS).pass_lengths(50, 7) == (7,)
-  assert policies.get(schema.POISSON).pass_lengths(50, 10) == ()
   for name in policies.names():
     line = policies.get(name).describe(50, 0.2, 10)
     assert "adjacency" in line and "\n" not in line

@@ -65,10 +65,6 @@ class Shuffle(SamplingPolicy):
   def steps_per_pass(self, group):
     return math.ceil(group.population_size / group.sample_size)
 
-  def pass_lengths(self, population_size, sample_size):
-    n, m = int(population_size), int(sample_size)
-    return tuple(sorted({n // m, -(-n // m)} - {0}))
-
   def describe(self, population_size, selection_probability, sample_size):
     return (f"shuffled passes (batches of {float(sample_size):g} of n = {int(population_size)}; "
             "replace-one adjacency, sensitivity 2S, no amplification: each pass started costs "
@@ -163,10 +159,6 @@ class BallsInBins(SamplingPolicy):
 
   def steps_per_pass(self, group):
     return int(group.sample_size)
-
-  def pass_lengths(self, population_size, sample_size):
-    del population_size
-    return (int(sample_size),)
 
   def describe(self, population_size, selection_probability, sample_size):
     return (f"balls in bins (every example in one uniform step of each epoch of "

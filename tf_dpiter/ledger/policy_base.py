@@ -154,14 +154,6 @@ class SamplingPolicy:
     q n / b)."""
     return float(population_size) * float(selection_probability)
 
-  def pass_lengths(self, population_size, sample_size):
-    """The steps a pass / epoch of n records can have, a tuple of ints, shortest first
-    (pass-charged policies; else ()): batches of B make ceil(n / B) steps, floor(n / B) with
-    drop_remainder (one length when B divides n); B is the steps k of an epoch under balls in
-    bins."""
-    del population_size, sample_size
-    return ()
-
   def describe(self, population_size, selection_probability, sample_size):
     """One line (str) for the start-of-fit log of a sampling (n, q, size field): the sampling,
     its adjacency and sensitivity."""
