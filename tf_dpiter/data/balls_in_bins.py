@@ -46,11 +46,6 @@ class BallsInBinsSampler:
     """k, the steps of one epoch."""
     return self._k
 
-  @property
-  def epochs_started(self):
-    """Epochs (allocations) drawn since the sampler was made (int)."""
-    return self._epochs.passes_started
-
   def take_new_passes(self):
     """Epochs started since the last call, an int >= 0 (what a custom loop records as the
     ledger's passes)."""
