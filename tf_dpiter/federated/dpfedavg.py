@@ -62,17 +62,24 @@ class DPFedAvg:
     average_decay: beta in [0, 1): also keep the moving average a_t = beta a_{t-1} +
       (1 - beta) w_t (a_1 = w_1) and report its accuracy (post-processing); None: not kept.
     eval_every: evaluate every `eval_every` rounds.
+    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
+      appended; an existing one is resumed (its rounds count in epsilon and the budget, and
+      the round counter continues after them) or refused (another recipe, an altered file).
+    journal_key: optional str/bytes, the HMAC key of the journal's chunks.
 
   Attributes:
     schedule: the `RoundSchedule` of m_t and sigma_t.
     server: the `DPServer`; query / ledger: its QueryWithLedger and PrivacyLedger.
-    rounds: the RoundReports so far.
+    rounds: the RoundReports so far (this object's; a resumed journal's rounds are in
+      the ledger only).
+    round_index: the rounds run, those of a resumed journal included.
 
   Raises:
     ParameterTypeError: an argument of the wrong type (a TypeError).
     PrivacyConfigError: see `DPServer` and `RoundSchedule`.
     BudgetConfigError: an inconsistent or out-of-range budget (`DPServer`).
-    ParameterValueError: average_decay outside [0, 1), max_clients_per_chunk < 1.
+    ParameterValueError: average_decay outside [0, 1), max_clients_per_chunk < 1; an altered
+      journal (`DPServer`).
   """
 
   def __init__(self, model, data, query=None, clients_per_round=10, noise_multiplier=None,
@@ -80,7 +87,8 @@ class DPFedAvg:
                server_learning_rate=1.0, server_momentum=0.0, sampling="fixed_size",
                fixed_epsilon=None, max_delta=None, fixed_delta=None, max_epsilon=None,
                accountant="rdp", eval_data=None, initial_params=None, seed=None,
-               max_clients_per_chunk=128, diagnostics=True, eval_every=1, average_decay=None):
+               max_clients_per_chunk=128, diagnostics=True, eval_every=1, average_decay=None,
+               ledger_journal=None, journal_key=None):
     validation.check_params({"average_decay": validation.Optional(validation.Interval(
         float, 0, 1, "left", error=ParameterValueError))}, {"average_decay": average_decay})
     self.average_decay = None if average_decay is None else float(average_decay)
@@ -99,7 +107,8 @@ class DPFedAvg:
                            fixed_epsilon=fixed_epsilon, max_delta=max_delta,
                            fixed_delta=fixed_delta, max_epsilon=max_epsilon,
                            accountant=accountant, server_learning_rate=server_learning_rate,
-                           server_momentum=server_momentum)
+                           server_momentum=server_momentum, ledger_journal=ledger_journal,
+                           journal_key=journal_key)
     self.inner_query = query
     self.query = self.server.query
     self.ledger = self.server.ledger
@@ -118,7 +127,7 @@ class DPFedAvg:
     self._client_indices = tf.constant(data.client_indices)
     self._client_sizes = tf.constant(data.client_sizes)
     self.rounds: List[RoundReport] = []
-    self.round_index = 0
+    self.round_index = self.server.resumed_rounds
 
   @property
   def params(self):

@@ -69,16 +69,22 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     server_momentum: the server's momentum (as in `DPServer`).
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
+    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
+      appended; a restarted server resumes it (its rounds count in epsilon and the budget,
+      and the rounds continue after them) or refuses it (another recipe, an altered file).
+    journal_key: optional str/bytes, the HMAC key of the journal's chunks.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
                noise_multiplier=None, fit_config=None, eval_fn=None, fixed_epsilon=None,
                max_delta=None, fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
-               server_momentum=0.0, seed=None, wait_timeout=60):
+               server_momentum=0.0, seed=None, wait_timeout=60, ledger_journal=None,
+               journal_key=None):
     super().__init__()
     self._dp = flower_rounds.DPRounds(model, query, initial_params, num_clients, clients_per_round,
                          noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
-                         server_learning_rate, server_momentum, seed)
+                         server_learning_rate, server_momentum, seed,
+                         ledger_journal=ledger_journal, journal_key=journal_key)
     self.fit_config = dict(fit_config or {})
     self.eval_fn = eval_fn
     self.wait_timeout = int(wait_timeout)
@@ -141,15 +147,21 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     server_momentum: the server's momentum (as in `DPServer`).
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
+    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
+      appended; a restarted server resumes it (its rounds count in epsilon and the budget,
+      and the rounds continue after them) or refuses it (another recipe, an altered file).
+    journal_key: optional str/bytes, the HMAC key of the journal's chunks.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
                noise_multiplier=None, train_config=None, fixed_epsilon=None, max_delta=None,
                fixed_delta=None, max_epsilon=None, server_learning_rate=1.0,
-               server_momentum=0.0, seed=None, wait_timeout=60):
+               server_momentum=0.0, seed=None, wait_timeout=60, ledger_journal=None,
+               journal_key=None):
     self._dp = flower_rounds.DPRounds(model, query, initial_params, num_clients, clients_per_round,
                          noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
-                         server_learning_rate, server_momentum, seed)
+                         server_learning_rate, server_momentum, seed,
+                         ledger_journal=ledger_journal, journal_key=journal_key)
     self.train_config = dict(train_config or {})
     self.wait_timeout = float(wait_timeout)
 

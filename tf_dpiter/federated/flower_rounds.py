@@ -22,12 +22,16 @@ class DPRounds:
   """The DP rounds of a Flower deployment, whatever Flower API carries the messages.
 
   Args: as `flower.DPFedAvgMessageStrategy` (model, query, initial_params, num_clients,
-  clients_per_round, noise_multiplier, the budget, the server step, seed), all required here.
+  clients_per_round, noise_multiplier, the budget, the server step, seed), all required here,
+  and its ledger_journal and journal_key (`DPServer`). With a resumed journal, Flower's
+  server_round r (from 1 again after a restart) is the deployment's round
+  `server.resumed_rounds` + r: the schedules and the rounds' info continue from there.
   """
 
   def __init__(self, model, query, initial_params, num_clients, clients_per_round,
                noise_multiplier, fixed_epsilon, max_delta, fixed_delta, max_epsilon,
-               server_learning_rate, server_momentum, seed):
+               server_learning_rate, server_momentum, seed, ledger_journal=None,
+               journal_key=None):
     self.model = model
     self.num_clients = int(num_clients)
     self.schedule = schedules.RoundSchedule(clients_per_round, noise_multiplier)
@@ -36,7 +40,7 @@ class DPRounds:
         query, w0, self.num_clients, self.schedule.clients_per_round(1), sampling="fixed_size",
         fixed_epsilon=fixed_epsilon, max_delta=max_delta, fixed_delta=fixed_delta,
         max_epsilon=max_epsilon, server_learning_rate=server_learning_rate,
-        server_momentum=server_momentum)
+        server_momentum=server_momentum, ledger_journal=ledger_journal, journal_key=journal_key)
     self._gen = dpq.make_generator(seed)
     self._round_m = {}
     self._round_picked = {}   # round -> the ids sampled, until its replies are aggregated
@@ -65,8 +69,9 @@ class DPRounds:
     if len(set(ids)) != len(ids):   # a client listed twice would be sampled with 2 q
       raise ParameterValueError(f"num_clients: expected {self.num_clients} distinct connected "
                                 f"clients, got {len(set(ids))} distinct among {len(ids)} ids")
-    m = self.server.begin_round(*self.schedule(server_round), server_round)
-    over = self.server.would_exceed_budget(m, server_round)
+    t = self.server.resumed_rounds + server_round
+    m = self.server.begin_round(*self.schedule(t), t)
+    over = self.server.would_exceed_budget(m, t)
     if over:
       self.stopped_reason = "privacy budget: " + over
       return []
@@ -129,7 +134,7 @@ class DPRounds:
       mask = tf.zeros([1])
     self.server.apply(records, mask, m)
     eps, delta = self.server.guarantee()
-    info = dict(round=server_round, clients=m, returned=len(rows),
+    info = dict(round=self.server.resumed_rounds + server_round, clients=m, returned=len(rows),
                 rejected=int(bad + rejected), clip=self.server.clip() or 0.0)
     if eps is not None:
       info.update(epsilon=float(eps), delta=float(delta))

@@ -34,6 +34,7 @@ from tf_dpiter.errors import BudgetConfigError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.federated import queries as queries_lib
+from tf_dpiter.federated import server_journal
 
 __all__ = ["SAMPLINGS", "DPServer", "sample_clients"]
 
@@ -109,23 +110,31 @@ class DPServer:
     accountant: "rdp" or "pld".
     server_learning_rate: eta_s (as in `DPFedAvg`).
     server_momentum: beta of the server step (as in `DPFedAvg`).
+    ledger_journal: optional path of the ledger's journal (`server_journal`): each round is
+      appended before its sum leaves the server, and an existing journal is resumed (its
+      rounds count in epsilon and the budget) or refused (another recipe, an altered file).
+      None: the ledger is held in memory only, and a restart starts it from 0.
+    journal_key: optional str/bytes, the HMAC key of the journal's chunks.
 
   Attributes:
     weights: the server model w_t, a float32 variable [d].
     velocity: the server momentum buffer v_t, a float32 variable [d].
     query: the `QueryWithLedger` wrapping `inner_query`; ledger: its `PrivacyLedger`.
+    journal: the `ledger.LedgerJournal` (or None); resumed_rounds: the rounds it held.
 
   Raises:
     ParameterTypeError: `query` is not a DPQuery, or a server rate that is not a number.
     BudgetConfigError: an inconsistent or out-of-range budget.
-    PrivacyConfigError: a bad sampling, population or clients_per_round.
-    ParameterValueError: server_momentum outside [0, 1) or server_learning_rate <= 0.
+    PrivacyConfigError: a bad sampling, population or clients_per_round; a journal of
+      another recipe (`server_journal.check_recipe`).
+    ParameterValueError: server_momentum outside [0, 1) or server_learning_rate <= 0; an
+      altered journal.
   """
 
   def __init__(self, query, initial_weights, population_size, clients_per_round,
                sampling="fixed_size", fixed_epsilon=None, max_delta=None, fixed_delta=None,
                max_epsilon=None, accountant="rdp", server_learning_rate=1.0,
-               server_momentum=0.0):
+               server_momentum=0.0, ledger_journal=None, journal_key=None):
     validation.check_one_of("sampling", sampling, SAMPLINGS, PrivacyConfigError)
     if max_delta is not None and fixed_epsilon is None:
       raise BudgetConfigError(f"max_delta={max_delta!r} needs fixed_epsilon (delta is measured at a "
@@ -174,6 +183,10 @@ class DPServer:
     self._aggregate_fns = {}
     self.is_median = isinstance(query, queries_lib.MedianNormClipSumQuery)
     self.is_non_private = isinstance(query, (dpq.NoPrivacySumQuery, dpq.NoPrivacyAverageQuery))
+    self.journal, self.resumed_rounds = None, 0
+    if ledger_journal is not None:
+      self.journal, self.resumed_rounds = server_journal.resume(self, ledger_journal,
+                                                                journal_key)
 
   def check_clients(self, m, t):
     """m as an int, checked.
@@ -350,7 +363,8 @@ class DPServer:
 
   def aggregate(self, records, mask, m):
     """The round's mechanism: each client's update clipped to S (times the float64 plan's
-    shrink), summed, N(0, sigma^2 S^2) added, in float64; one ledger entry.
+    shrink), summed, N(0, sigma^2 S^2) added, in float64; one ledger entry, appended to the
+    journal when there is one.
 
     Args:
       records: float32 [M, d] client updates (`screen`'s output).
@@ -362,6 +376,8 @@ class DPServer:
       computed from it is post-processing).
     """
     noised_sum, self.global_state = self._aggregate_fn(int(m))(records, mask, self.global_state)
+    if self.journal is not None:   # before the sum leaves the server (`server_journal`)
+      self.journal.append(self.ledger)
     return noised_sum
 
   def apply(self, records, mask, m):
