@@ -55,6 +55,9 @@ FEATURE_FILES = {
         "694546c", "CHANGELOG Fixed: the float32 sum over records moves by at most the "
                    "ledger's sensitivity (pinned summation orders and their rounding shrink; "
                    "Casacuberta et al., CCS 2022)"),
+    "tf_dpiter/federated/server_journal.py": (
+        "240b913", "CHANGELOG Fixed (session 45): a restarted federated server continues its "
+                   "ledger from `ledger_journal=` (or refuses a journal of another recipe)"),
     "tf_dpiter/ledger/run_ids.py": (
         "e49f5bb", "CHANGELOG Fixed (session 34): ledgers merged by run identity, not by "
                    "content (two equal-recipe towers charged 12 samples for 22)"),
