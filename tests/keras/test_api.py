@@ -52,10 +52,14 @@ def test_ready_made_classes_round_trip_config(name, base):
 
 
 # The DP SGD's and DP Adam's fits are every other test's here (Adam: a fit of 4 steps, saved
-# and loaded, in test_model_save_load_keeps_dp_settings): with -m slow.
+# and loaded, in test_model_save_load_keeps_dp_settings), and the DP AdamW's (the same class,
+# DPKerasAdamWOptimizer, that make_private makes of a compiled AdamW) is
+# test_make_private_compiled.py's test_compiled_plain_model_gets_the_dp_copy_...: a fit whose
+# ledger counts its steps (session 45): with -m slow.
 @pytest.mark.parametrize("name", [pytest.param("SGD", marks=pytest.mark.slow),
                                   pytest.param("Adam", marks=pytest.mark.slow),
-                                  "Adagrad", "RMSprop", "AdamW"])
+                                  "Adagrad", "RMSprop",
+                                  pytest.param("AdamW", marks=pytest.mark.slow)])
 def test_ready_made_classes_train(name):
   x, y = _data()
   model = _seq()

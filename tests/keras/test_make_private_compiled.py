@@ -46,6 +46,7 @@ def test_compiled_plain_model_gets_the_dp_copy_with_its_hyperparameters_loss_and
   assert same is model and isinstance(model, models.DPModelMixin)
   opt = model.optimizer
   assert isinstance(opt, opt_lib.DPOptimizerBase) and isinstance(opt, keras.optimizers.AdamW)
+  assert type(opt) is dp.keras.DPKerasAdamWOptimizer   # the ready-made class (test_api.py)
   after = opt.get_config()
   for name in ("learning_rate", "beta_1", "beta_2", "weight_decay", "epsilon"):
     assert after[name] == before[name], name
