@@ -29,24 +29,43 @@ def _leaves(k, width=5, seed=0):
   return (rng.randn(k, width) * scale).astype(np.float32)
 
 
+_COUNTS = list(range(1, 18)) + [31, 32, 33]
+
+
+def _counter_run(levels, jit):
+  """The tree of the first runs + 1 rows of x by tree_push / tree_total, in a while loop."""
+
+  @tf.function(jit_compile=jit)
+  def run(x, runs):
+    stack = tf.zeros([levels, x.shape[1]], tf.float32)
+    stack = tf.tensor_scatter_nd_update(stack, [[0]], x[:1])
+
+    def body(i, stack):   # a nest of one leaf, as the padded tail's sums
+      return i + 1, summation.tree_push(stack, i + 1, {"v": x[i + 1]})
+
+    _, stack = tf.while_loop(lambda i, _: i < runs, body, (tf.constant(0), {"v": stack}))
+    return summation.tree_total(stack, runs + 1)["v"]
+
+  return run
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
-  for k in list(range(1, 18)) + [31, 32, 33]:
+  """In a graph, each count k with a stack of exactly ceil(log2 k) + 1 levels (the top slot
+  written when k is a power of two). Under XLA, one compiled program for every k, as the
+  padded tail runs it: the leaves padded to the largest count's rows, the stack sized for
+  that count and the number of leaves a run-time value (one compilation instead of one per
+  k; benchmarks/SUITE_CUTS.md, session 45)."""
+  rows = max(_COUNTS)
+  shared = _counter_run(summation.tree_depth(rows) + 1, True) if jit else None
+  for k in _COUNTS:
     x = _leaves(k)
-    levels = summation.tree_depth(k) + 1
-
-    @tf.function(jit_compile=jit)
-    def run(x, runs):
-      stack = tf.zeros([levels, x.shape[1]], tf.float32)
-      stack = tf.tensor_scatter_nd_update(stack, [[0]], x[:1])
-
-      def body(i, stack):   # a nest of one leaf, as the padded tail's sums
-        return i + 1, summation.tree_push(stack, i + 1, {"v": x[i + 1]})
-
-      _, stack = tf.while_loop(lambda i, _: i < runs, body, (tf.constant(0), {"v": stack}))
-      return summation.tree_total(stack, runs + 1)["v"]
-
-    got = run(tf.constant(x), tf.constant(k - 1)).numpy()
+    if jit:
+      padded = np.concatenate([x, np.zeros((rows - k, x.shape[1]), np.float32)])
+      got = shared(tf.constant(padded), tf.constant(k - 1)).numpy()
+    else:
+      got = _counter_run(summation.tree_depth(k) + 1, False)(tf.constant(x),
+                                                             tf.constant(k - 1)).numpy()
     np.testing.assert_array_equal(got, _np_tree(x, True), err_msg=f"k={k}, jit={jit}")
 
 
