@@ -3,6 +3,8 @@ tree_total on a nest, as chunking._sum_over_padded_tail uses them) and the plan 
 bit for bit against a numpy simulation of the tree in graph mode and under XLA, adversarial
 values (mixed magnitudes, cancellations), every leaf count up to 33."""
 
+import functools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -32,10 +34,14 @@ def _leaves(k, width=5, seed=0):
 _COUNTS = list(range(1, 18)) + [31, 32, 33]
 
 
+@functools.lru_cache(maxsize=None)
 def _counter_run(levels, jit):
-  """The tree of the first runs + 1 rows of x by tree_push / tree_total, in a while loop."""
+  """The tree of the first runs + 1 rows of x by tree_push / tree_total, in a while loop (one
+  function per stack size; in a graph its rows unknown to the trace)."""
 
-  @tf.function(jit_compile=jit)
+  @tf.function(jit_compile=jit,
+               input_signature=None if jit else [tf.TensorSpec([None, 5], tf.float32),
+                                                 tf.TensorSpec([], tf.int32)])
   def run(x, runs):
     stack = tf.zeros([levels, x.shape[1]], tf.float32)
     stack = tf.tensor_scatter_nd_update(stack, [[0]], x[:1])
@@ -52,7 +58,7 @@ def _counter_run(levels, jit):
 @pytest.mark.parametrize("jit", [False, True])
 def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
   """In a graph, each count k with a stack of exactly ceil(log2 k) + 1 levels (the top slot
-  written when k is a power of two). Under XLA, one compiled program for every k, as the
+  written when k is a power of two; one trace per stack size, 7 for the 20 counts). Under XLA, one compiled program for every k, as the
   padded tail runs it: the leaves padded to the largest count's rows, the stack sized for
   that count and the number of leaves a run-time value (one compilation instead of one per
   k; benchmarks/SUITE_CUTS.md, session 45)."""
@@ -77,18 +83,18 @@ def test_a_padded_tail_sums_its_chunks_by_the_tree(jit):
   first, chunk, m = 16, 8, 16 + 8 * 9
   layout = chunking.PaddedTail(first, chunk)
   x = _leaves(m, seed=7)
+
+  def chunk_fn(acc, rec, msk):
+    s = summation.pairwise_sum(rec * msk[:, None])
+    return (s if acc is None else acc + s), tf.reduce_sum(msk), msk
+
+  @tf.function(jit_compile=jit)
+  def run(x, mask):   # one trace for every mask below (the real records: a run-time value)
+    return chunking.sum_over_chunks(chunk_fn, None, x, mask, layout)
+
   for real in (3, 16, 17, 40, m):
     mask = np.zeros(m, np.float32)
     mask[:real] = 1.0
-
-    def chunk_fn(acc, rec, msk):
-      s = summation.pairwise_sum(rec * msk[:, None])
-      return (s if acc is None else acc + s), tf.reduce_sum(msk), msk
-
-    @tf.function(jit_compile=jit)
-    def run(x, mask):
-      return chunking.sum_over_chunks(chunk_fn, None, x, mask, layout)
-
     total, count, aux = run(tf.constant(x), tf.constant(mask))
     xm = x * mask[:, None]
     sums = [_np_tree(xm[:first], False)]
