@@ -58,10 +58,11 @@ def _counter_run(levels, jit):
 @pytest.mark.parametrize("jit", [False, True])
 def test_the_binary_counter_is_the_adjacent_pairs_tree_bit_for_bit(jit):
   """In a graph, each count k with a stack of exactly ceil(log2 k) + 1 levels (the top slot
-  written when k is a power of two; one trace per stack size, 7 for the 20 counts). Under XLA, one compiled program for every k, as the
-  padded tail runs it: the leaves padded to the largest count's rows, the stack sized for
-  that count and the number of leaves a run-time value (one compilation instead of one per
-  k; benchmarks/SUITE_CUTS.md, session 45)."""
+  written when k is a power of two; one trace per stack size, 7 for the 20 counts). Under
+  XLA, one compiled program for every k, as the padded tail runs it: the leaves padded to
+  the largest count's rows, the stack sized for that count and the number of leaves a
+  run-time value (one compilation instead of one per k; benchmarks/SUITE_CUTS.md, session
+  45)."""
   rows = max(_COUNTS)
   shared = _counter_run(summation.tree_depth(rows) + 1, True) if jit else None
   for k in _COUNTS:

@@ -28,8 +28,8 @@ N, D = 100, 4
 # the next train_on_batch and the statement are refused), and by
 # test_weights_changed_outside.py's set_weights_of_other_values_...[True] (set_weights of other
 # values after XLA-compiled DP fits refused).
-SLOW_CASES = {"test_train_on_batch_one_pass_and_changes_between_calls_refused[set_weights-True]",
-              "test_train_on_batch_one_pass_and_changes_between_calls_refused[plain_optimizer-True]"}
+SLOW_CASES = {f"test_train_on_batch_one_pass_and_changes_between_calls_refused[{change}-True]"
+              for change in ("set_weights", "plain_optimizer")}
 
 _DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "bool"]
 _SHAPES = [(), (7,), (5, 3), (4, 3, 2), (300, 7), (8, 4, 64)]
