@@ -68,6 +68,9 @@ def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused(jit_compile, t
   dp_model, autoencoder, encoder = _shared_models(jit_compile)
   _fit(dp_model, x, y)
   before = dp_model.privacy_statement(1e-5).epsilon
+  good = tmp_path / "run.weights.h5"
+  dp_model.save_weights(str(good))   # the run's checkpoint, before the plain fit
+  checkpoint = good.read_bytes()
   kernel = np.array(encoder.kernel)
   _fit(autoencoder, x, x)   # un-noised, on the records
   assert np.max(np.abs(np.array(encoder.kernel) - kernel)) > 1e-3   # it did move
@@ -81,6 +84,16 @@ def test_a_plain_optimizer_updating_dp_claimed_weights_is_refused(jit_compile, t
     dp_model.privacy_statement(1e-5)
   with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
     dp_model.save_weights(str(tmp_path / "refused.weights.h5"))
+  # refused before the file is opened: no empty file, the checkpoint already there intact
+  assert not (tmp_path / "refused.weights.h5").exists()
+  with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
+    dp_model.save_weights(str(good))
+  assert good.read_bytes() == checkpoint
+  whole = tmp_path / "run.keras"
+  whole.write_bytes(b"an earlier model file")
+  with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
+    dp_model.save(str(whole))
+  assert whole.read_bytes() == b"an earlier model file"
   # the DP steps taken are still charged: the refused fit took none
   assert int(dp_model.ledger.sample_count.numpy()) == N // 10
 

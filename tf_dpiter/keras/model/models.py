@@ -172,6 +172,13 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       PrivacyConfigError: the weights changed outside the DP optimizer since its last
         recorded update (weight_fingerprints.check): the ledger would not hold for them.
     """
+    self._dp_check_saved_weights()
+    super().save_own_variables(store)
+    saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
+
+  def _dp_check_saved_weights(self):
+    """Refuses to save weights changed outside the DP optimizer since its last recorded
+    update (weight_fingerprints.check): the ledger written with them would not hold."""
     opt = _unscaled(getattr(self, "optimizer", None))
     fit_state = getattr(self, "_dp_fit_fingerprints", None)
     if isinstance(opt, opt_lib.DPOptimizerBase) and (
@@ -181,8 +188,45 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       # (in a fit, while the user's callbacks run: ModelCheckpoint after one that wrote them)
       weight_fingerprints.check(weight_fingerprints.checked_variables(self),
                                 "saving the weights with the ledger")
-    super().save_own_variables(store)
-    saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
+
+  def save_weights(self, filepath, *args, **kwargs):
+    """keras.Model.save_weights, refused before the file is opened when the weights changed
+    outside the DP optimizer (Keras opens the file for writing before the model's entry is
+    written: a refusal from `save_own_variables` alone left an empty file in place of a
+    checkpoint already at `filepath`).
+
+    Args:
+      filepath: the weights file.
+      *args: keras.Model.save_weights' other arguments.
+      **kwargs: keras.Model.save_weights' other arguments.
+
+    Returns:
+      keras.Model.save_weights' result.
+
+    Raises:
+      PrivacyConfigError: the weights changed outside the DP optimizer since its last
+        recorded update.
+    """
+    self._dp_check_saved_weights()
+    return super().save_weights(filepath, *args, **kwargs)
+
+  def save(self, filepath, *args, **kwargs):
+    """keras.Model.save, refused before the file is opened as `save_weights` is.
+
+    Args:
+      filepath: the model file.
+      *args: keras.Model.save's other arguments.
+      **kwargs: keras.Model.save's other arguments.
+
+    Returns:
+      keras.Model.save's result.
+
+    Raises:
+      PrivacyConfigError: the weights changed outside the DP optimizer since its last
+        recorded update.
+    """
+    self._dp_check_saved_weights()
+    return super().save(filepath, *args, **kwargs)
 
   def load_own_variables(self, store):
     """keras.Model.load_own_variables; a ledger the file carries is merged into the DP
