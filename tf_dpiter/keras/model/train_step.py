@@ -31,6 +31,7 @@ from tf_dpiter.keras.optimizer import chunking
 from tf_dpiter.keras import fast_clipping
 from tf_dpiter.keras.fast_clipping import clipping as fast_clip
 from tf_dpiter.keras.fast_clipping import plan as fast_plan
+from tf_dpiter.keras.fast_clipping import registry as fast_registry
 from tf_dpiter.keras.optimizer import gradients as grads_lib
 from tf_dpiter.keras.internals import keras_internals
 from tf_dpiter.keras.internals import row_provenance
@@ -53,7 +54,7 @@ class _TraceFacts:
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
                "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
-               "compute_loss", "plans", "seed_generators")
+               "compute_loss", "plans", "seed_generators", "chunk_examples")
 
   def __init__(self, model, key):
     self.key = key
@@ -74,6 +75,9 @@ class _TraceFacts:
     self.plans = {}   # the fast-clipping plans of this train function (one_plan_per_step)
     # the random layers' seed states, keyed at each step (PrivateStep.keyed_layer_draws)
     self.seed_generators = keras_internals.seed_generators(model)
+    # fast_clipping.clipping.physical_chunk_examples of this train function, by what it
+    # follows from (`TrainStepMixin._dp_chunk_examples`)
+    self.chunk_examples = {}
 
 
 def _facts_key(model):
@@ -542,8 +546,8 @@ class TrainStepMixin:
     # there is no routing (resolve_clipping answers from the flags)
     routes = step.flags.clipping != "vectorized"
     with (fast_plan.one_plan_per_step(facts.plans) if routes else contextlib.nullcontext()):
-      with routing.uses_checked_by_the_step() if routes else contextlib.nullcontext():
-        self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x)
+      self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
+                                                       checked_by_the_step=routes)
       if self._dp_traced_clipping == "fast":
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         start = 0 if graph is None else len(graph.get_operations())
@@ -684,11 +688,7 @@ class TrainStepMixin:
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
       # within the memory budget (fast_clipping.physical_chunk_examples)
-      with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
-        expected = float(step.expected_records.numpy()) * k
-      expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
-      m_ex = fast_clip.physical_chunk_examples(
-          self, tf.nest.map_structure(_flat_records, recs[0]), k, expected)
+      m_ex = self._dp_chunk_examples(step, facts, recs[0], k, xla)
       per_chunk = None if m_ex is None else m_ex // k
     if per_chunk is not None and step.draws_keyed:
       step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
@@ -703,6 +703,21 @@ class TrainStepMixin:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
     state = step.base_query.sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
+
+  def _dp_chunk_examples(self, step, facts, inputs, k, xla):
+    """fast_clipping.clipping.physical_chunk_examples of the records' inputs [R, k, ...] at
+    the step's expected examples (this replica's share), kept in the trace facts by what it
+    follows from (the inputs' shapes and dtypes, k, the expected examples, XLA or not, the
+    trained variables, the registered rules): an eager step asks once, not at every step."""
+    with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
+      expected = float(step.expected_records.numpy()) * k
+    expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
+    inputs = tf.nest.map_structure(_flat_records, inputs)
+    key = (tuple((tuple(t.shape), t.dtype) for t in tf.nest.flatten(inputs)), k, expected,
+           xla, tuple(id(v) for v in self.trainable_variables), fast_registry.RULES_VERSION)
+    if xla is None or key not in facts.chunk_examples:   # None: the graph decides XLA
+      facts.chunk_examples[key] = fast_clip.physical_chunk_examples(self, inputs, k, expected)
+    return facts.chunk_examples[key]
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):
     """The metrics' logs after this batch. With sample weights (a padded Poisson sample

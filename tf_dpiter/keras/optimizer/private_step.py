@@ -956,7 +956,7 @@ class PrivateStep:
 
   # ---- clipping ---------------------------------------------------------------------
 
-  def resolve_clipping(self, model=None, input_specs=None):
+  def resolve_clipping(self, model=None, input_specs=None, checked_by_the_step=False):
     """'vectorized' or 'fast': which per-example clipping this step uses for `model`.
 
     "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
@@ -967,6 +967,8 @@ class PrivateStep:
     Args:
       model: the keras.Model the step trains.
       input_specs: optional nest of tensors/specs shaped like a batch (for the probe).
+      checked_by_the_step: True from the Keras train step: a traced step checks the
+        unrecorded variable uses in its own fast pass (`routing.fast_path_obstacle`).
 
     Returns:
       "vectorized" or "fast".
@@ -981,7 +983,8 @@ class PrivateStep:
     cached = self._route
     if key is not None and cached is not None and cached[0] == key:
       return cached[1]
-    reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs)
+    reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs,
+                                        checked_by_the_step)
     if reason is not None and clipping == "fast":
       raise routing.fast_refusal(reason)
     path = "fast" if reason is None else "vectorized"

@@ -13,9 +13,7 @@ vectorized per-example gradients of `EinsumDense`/`MultiHeadAttention` come out 
 crash (a TensorFlow bug): `use_vectorized_map` sends such models to a sequential loop.
 """
 
-import contextlib
 import math
-import threading
 
 import tensorflow as tf
 
@@ -44,30 +42,6 @@ def _onednn_in_vectorized_units(model, fast_clipping):
       out.extend(sub.name for sub in keras_internals.flatten_layers(layer)
                  if sub.name in affected)
   return tuple(out)
-
-
-# Set by the Keras train step while it resolves its path: a traced step checks the
-# unrecorded uses in its fast clipped sum's own recorded forward pass (one trace of the model,
-# not two) and routes on the error that pass raises (`route_unrecorded`).
-_STEP = threading.local()
-
-
-@contextlib.contextmanager
-def uses_checked_by_the_step():
-  """Within: `fast_path_obstacle` called while tracing leaves the unrecorded-use check to the
-  traced step's fast clipped sum, whose recorded forward pass raises
-  fast_clipping.clipping.UnrecordedUsesError on such a use (before anything is formed from
-  it); the step then calls `route_unrecorded`. Called eagerly, the check runs as before.
-
-  Yields:
-    None.
-  """
-  previous = getattr(_STEP, "deferred", False)
-  _STEP.deferred = True
-  try:
-    yield
-  finally:
-    _STEP.deferred = previous
 
 
 def fast_refusal(reason):
@@ -106,7 +80,7 @@ def route_unrecorded(step, fast_clipping, uses):
   return "vectorized"
 
 
-def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
+def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_the_step=False):
   """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can: every
   layer must be known to act on each example alone (per_example), and the batch-independence
   probe then runs as a second line of defence at the step's batch size.
@@ -117,6 +91,11 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
     fast_clipping: the fast_clipping module, or None if it could not be imported.
     input_specs: a nest of tensors/specs with the batch's shapes, for the probe of a model
       without known inputs.
+    checked_by_the_step: True from the Keras train step while tracing: the unrecorded-use
+      check is left to the traced step's fast clipped sum, whose recorded forward pass
+      raises fast_clipping.clipping.UnrecordedUsesError on such a use (before anything is
+      formed from it; one trace of the model, not two); the step then calls
+      `route_unrecorded`. Called eagerly, the check runs here.
 
   Returns:
     None, or a sentence naming the obstacle (layer names, dtype policy, setting).
@@ -150,8 +129,8 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None):
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
   # a variable read outside its layer's recorded calls (a tied projection): its use would
   # be left out of the clipped sum; "auto" warns once per traced step and routes (a traced
-  # Keras step checks its own forward pass instead: uses_checked_by_the_step)
-  deferred = getattr(_STEP, "deferred", False) and not tf.executing_eagerly()
+  # Keras step checks its own forward pass instead: checked_by_the_step)
+  deferred = checked_by_the_step and not tf.executing_eagerly()
   uses = None if deferred else fast_clipping.unrecorded_variable_uses(model, input_specs)
   if uses:
     if step.flags.clipping == "auto":
