@@ -535,17 +535,17 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    # (records of positive weight: the loss metric's; records the batch's rows form, whatever
-    # their weights: the denominator's, PrivateStep.denominator)
-    counts = tf.stack([tf.reduce_sum(rmask), tf.cast(tf.size(rmask), tf.float32)])
-    # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
-    scale = step.sum_scale(counts[1]) if step.folds_denominator else None
     # the routing checks and the fast clipped sum plan the model's layers once per train
     # function (again when its trainable variables change), and the routing leaves the
     # unrecorded-use check to the fast sum's own forward pass; with clipping="vectorized"
     # there is no routing (resolve_clipping answers from the flags)
     routes = step.flags.clipping != "vectorized"
     with (fast_plan.one_plan_per_step(facts.plans) if routes else contextlib.nullcontext()):
+      # (records of positive weight: the loss metric's; records the batch's rows form,
+      # whatever their weights: the denominator's, PrivateStep.denominator)
+      counts = tf.stack([tf.reduce_sum(rmask), tf.cast(tf.size(rmask), tf.float32)])
+      # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
+      scale = step.sum_scale(counts[1]) if step.folds_denominator else None
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
                                                        checked_by_the_step=routes)
       if self._dp_traced_clipping == "fast":
