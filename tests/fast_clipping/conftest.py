@@ -1,14 +1,40 @@
 """Shared reference for the fast-clipping tests: an independent per-record loop."""
 
+import weakref
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 
+_RECORD_GRADIENTS = weakref.WeakKeyDictionary()   # model -> {loss_fn: tf.function}
+
+
+def _record_gradient(model, loss_fn):
+  """The gradient of the mean loss of one record's rows, a tf.function per model and loss
+  (traced once per row count and set of trainable variables, its `key`; the model held
+  weakly, so that the cache dies with it)."""
+  fns = _RECORD_GRADIENTS.setdefault(model, {})
+  if loss_fn not in fns:
+    ref = weakref.ref(model)
+
+    @tf.function
+    def grad(xr, yr, key):  # pylint: disable=unused-argument
+      m = ref()
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.cast(loss_fn(yr, m(xr, training=True)), tf.float32))
+      return tape.gradient(loss, m.trainable_variables)
+
+    fns[loss_fn] = grad
+  return fns[loss_fn]
+
+
 def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None):
   """sum_j min(1, C/||g_j||) g_j in float64, g_j the gradient of the mean loss of
-  record j's real examples (rows j*k..j*k+k-1), each record run alone. `x` one array or a
-  list of them (a model of several inputs).
+  record j's real examples (rows j*k..j*k+k-1), each record run alone through the model
+  under its own tf.GradientTape (in a tf.function traced once per model, loss and row count:
+  no fast-clipping code, and a loop of B records costs B graph calls rather than B eager
+  Keras calls). `x` one array or a list of them (a model of several inputs).
 
   `memo`: a dict shared by calls on one model (weights unchanged), x, y and loss_fn (say one
   call for the norms that pick C, one for the sum at C): a record's gradient, keyed by its
@@ -16,6 +42,7 @@ def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None
 
   Returns (per-variable sums, per-record norms)."""
   variables = model.trainable_variables
+  key = tuple(id(v) for v in variables)   # a retrace when the trainable variables change
   n = int(tf.nest.flatten(x)[0].shape[0])
   mask = np.ones(n) if mask is None else np.asarray(mask, np.float64)
   total = [np.zeros(v.shape, np.float64) for v in variables]
@@ -28,13 +55,11 @@ def per_record_clipped_sum(model, x, y, loss_fn, clip, k=1, mask=None, memo=None
     if memo is not None and tuple(rows) in memo:
       grads = memo[tuple(rows)]
     else:
-      with tf.GradientTape() as tape:
-        xr = tf.nest.map_structure(lambda a, r=rows: tf.gather(a, r), x)
-        pred = model(xr, training=True)
-        loss = tf.reduce_mean(tf.cast(loss_fn(tf.gather(y, rows), pred), tf.float32))
+      xr = tf.nest.map_structure(lambda a, r=rows: tf.gather(a, r), x)
       grads = [np.zeros(v.shape) if g is None else
                np.asarray(tf.convert_to_tensor(g), np.float64)
-               for g, v in zip(tape.gradient(loss, variables), variables)]
+               for g, v in zip(_record_gradient(model, loss_fn)(xr, tf.gather(y, rows), key),
+                               variables)]
       if memo is not None:
         memo[tuple(rows)] = grads
     nrm = np.sqrt(sum(np.sum(g * g) for g in grads))
