@@ -16,6 +16,8 @@ import tf_dpiter as dp
 from tests.keras import dp_keras_helpers as helpers
 from tf_dpiter.keras.fast_clipping.rules import conv
 
+from .conftest import per_record_clipped_sum
+
 # (input [H, W], kernel, strides, padding): the tutorial CNN's two convolutions, uneven
 # strides and kernels, a kernel not divisible by the stride, inputs the stride leaves over
 GEOMETRIES = [((28, 28), (8, 8), (2, 2), "same"), ((13, 13), (4, 4), (2, 2), "valid"),
@@ -101,7 +103,8 @@ def test_padded_poisson_cnn_step_under_xla_is_exact():
   filter gradient; its first's from the kept per-example gradients) on a padded Poisson sample
   (E = 16 of M = 48 rows: first chunk 16, tail chunks of 8) under XLA: 21 real rows (one tail
   chunk) and 40 (three), one trace; each update equals the reference at the weights it started
-  from (tests/keras/test_xla_padded_tail.py: a sample without a tail chunk)."""
+  from (tests/keras/test_xla_padded_tail.py: a sample without a tail chunk), the per-record
+  loop of conftest.per_record_clipped_sum (traced: 61 records of the CNN)."""
   loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
   clip, n, e, m = 0.05, 1000, 16, 48
   keras.utils.set_random_seed(3)
@@ -116,8 +119,8 @@ def test_padded_poisson_cnn_step_under_xla_is_exact():
     x[:real], y[:real] = rng.rand(real, 28, 28, 1), rng.randint(0, 10, real)
     w = np.zeros(m, "float32")
     w[:real] = 1.0
-    ref = helpers.reference_gradient(model, loss, x[:real], y[:real], clip=clip)
+    ref, _ = per_record_clipped_sum(model, x[:real], y[:real], loss, clip, traced=True)
     got = helpers.one_step_update(model, x, y, sample_weight=w)
-    for g, r in zip(got, ref):   # reference: the mean over the real rows; update: sum / E
-      np.testing.assert_allclose(g, r * real / e, rtol=2e-4, atol=2e-6, err_msg=str(real))
+    for g, r in zip(got, ref):   # reference: the sum over the real rows; update: sum / E
+      np.testing.assert_allclose(g, r / e, rtol=2e-4, atol=2e-6, err_msg=str(real))
   assert int(model.optimizer.ledger.sample_count.numpy()) == 2
