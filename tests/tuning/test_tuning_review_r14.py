@@ -17,3 +17,13 @@ def test_a_poisson_mean_the_accountant_cannot_account_is_refused_before_training
     tuning.num_trials_distribution(0.5, float("inf"))
   with pytest.raises(ParameterValueError, match="mean"):
     tuning.RandomSearch(0.5, shape=float("inf"), seed=0)
+
+
+def test_the_ledgers_selection_marker_refuses_a_poisson_mean_below_one():
+  """The ledger's own check (a marker read from a file or written by another tool) agrees:
+  a mean dp-accounting cannot account is refused when the marker is made, for every shape."""
+  from tf_dpiter.ledger import selection
+  for shape in (float("inf"), 1.0):
+    with pytest.raises(ParameterValueError, match="mean must be finite and >= 1"):
+      selection.Selection(0.5, shape, 1, 0)
+  assert selection.Selection(1.0, float("inf"), 1, 0).mean == 1.0

@@ -62,9 +62,10 @@ def check(mean, shape, trials):
   if math.isnan(shape) or shape < 0:
     raise ParameterValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
   if not (isinstance(mean, (int, float, np.integer, np.floating)) and math.isfinite(mean)
-          and mean > 0) or (not math.isinf(shape) and mean < 1):
-    raise ParameterValueError(f"mean must be finite and > 0 (>= 1 for a truncated negative binomial), "
-                              f"got {mean!r}")
+          and mean >= 1):
+    # a truncated negative binomial's support is K >= 1; dp-accounting accounts a Poisson K
+    # (RepeatAndSelectDpEvent) only for mean >= 1: refused here, not after the trials ran
+    raise ParameterValueError(f"mean must be finite and >= 1, got {mean!r}")
   validation.check_integer("trials", trials, 1)   # the trials run
 
 
