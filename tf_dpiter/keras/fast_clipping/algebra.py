@@ -1003,17 +1003,17 @@ def pinned_rows_product(a, b, block):
   that does not hold a record is computed bit-identically when that record is added or
   removed (summation.rounding_margin's `block`).
 
-  Outside XLA the rows are not padded: the full blocks by one batched matrix product of views
-  of a and b, the last, partial block (maybe of no rows: a zero leaf, x + 0 = x) by its own
-  product, the leaves by summation.pairwise_sum_leaves (rows the trace knows), by
-  summation.pairwise_sum_counted (rows bounded by the public plan to at most CASE_BLOCKS full
-  blocks), else stacked and by summation.pairwise_sum: the same blocks and tree as the
-  zero-padded rows' (a block's zero rows add exactly 0), without copying the rows, and, where
-  the blocks' count is bounded, without padding the tree to the bound's power of two. The MLP's [784, 512] kernel sum (blocks of 128 rows, at most 640, B = 256)
+  The rows are not padded where the trace knows them or outside XLA: the full blocks by one
+  batched matrix product of views of a and b, the last, partial block (maybe of no rows: a
+  zero leaf, x + 0 = x) by its own product, the leaves by summation.pairwise_sum_leaves (rows
+  the trace knows), by summation.pairwise_sum_counted (rows bounded by the public plan to at
+  most CASE_BLOCKS full blocks), else stacked and by summation.pairwise_sum: the same blocks
+  and tree as the zero-padded rows' (a block's zero rows add exactly 0), without copying the
+  rows, and, where the blocks' count is bounded, without padding the tree to the bound's
+  power of two. The MLP's [784, 512] kernel sum (blocks of 128 rows, at most 640, B = 256)
   wrote 8 padded block sums and added 7 at every step; the tutorial CNN's kept convolution
-  gradients were copied by the rows' padding (8 MiB a step). Under XLA (static shapes, the pad
-  fused into the product) the rows are padded with zero rows to a multiple of `block`, so that
-  a product over a block's rows is the same XLA program whatever rows a caller cut.
+  gradients were copied by the rows' padding (8 MiB a step). Under XLA, rows the trace does
+  not know are padded with zero rows to a multiple of `block` (static shapes).
 
   Args:
     a: [B, K] float32 (B static or not).
@@ -1025,8 +1025,7 @@ def pinned_rows_product(a, b, block):
   """
   rows = a.shape[0]
   k, n = int(a.shape[-1]), int(b.shape[-1])
-  xla = not tf.executing_eagerly() and summation.in_xla_context()
-  if rows is not None and not xla:
+  if rows is not None:
     full = int(rows) // block * block
     leaves = []
     if full:
@@ -1036,7 +1035,7 @@ def pinned_rows_product(a, b, block):
     if full < int(rows) or not full:
       leaves.append(tf.matmul(a[full:], b[full:], transpose_a=True))
     return summation.pairwise_sum_leaves(leaves)
-  if not xla:
+  if not summation.in_xla_context():
     full = tf.shape(a)[0] // block * block
     head = tf.matmul(tf.reshape(a[:full], [-1, block, k]), tf.reshape(b[:full], [-1, block, n]),
                      transpose_a=True)
@@ -1046,10 +1045,9 @@ def pinned_rows_product(a, b, block):
       return summation.pairwise_sum_counted(head, tail, int(bound) // block)
     return summation.pairwise_sum(tf.concat([head, tail[None]], 0), const, most=(
         None if bound is None else int(bound) // block + 1))
-  pad = (-int(rows)) % block if rows is not None else (-tf.shape(a)[0]) % block
-  if not (isinstance(pad, int) and pad == 0):
-    a = tf.pad(a, [[0, pad], [0, 0]])
-    b = tf.pad(b, [[0, pad], [0, 0]])
+  pad = (-tf.shape(a)[0]) % block
+  a = tf.pad(a, [[0, pad], [0, 0]])
+  b = tf.pad(b, [[0, pad], [0, 0]])
   blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
                      transpose_a=True)
   return summation.pairwise_sum(blocks, const, most=blocks_most(rows, block))
