@@ -3,7 +3,7 @@
 are taken up to the records' blocks (a view), the factors padded with zeros, and the rows of
 c_i = 0 are set to 0 first only where some record's squared norm is not finite.
 
-Outside XLA the records' rows are summed without padding them (algebra.pinned_rows_product:
+Outside XLA the records' rows are summed without padding them (`_pinned_rows_product_unpadded`:
 the last partial block by its own product; where the trace does not know the rows, a last block
 of no rows when the records fill their blocks).
 

@@ -1003,59 +1003,45 @@ def pinned_rows_product(a, b, block):
   that does not hold a record is computed bit-identically when that record is added or
   removed (summation.rounding_margin's `block`).
 
-  The rows are not padded where the trace knows them or outside XLA: the full blocks by one
-  batched matrix product of views of a and b, the last, partial block (maybe of no rows: a
-  zero leaf, x + 0 = x) by its own product, the leaves by summation.pairwise_sum_leaves (rows
-  the trace knows), by summation.pairwise_sum_counted (rows bounded by the public plan to at
-  most CASE_BLOCKS full blocks), else stacked and by summation.pairwise_sum: the same blocks
-  and tree as the zero-padded rows' (a block's zero rows add exactly 0), without copying the
-  rows, and, where the blocks' count is bounded, without padding the tree to the bound's
-  power of two. The MLP's [784, 512] kernel sum (blocks of 128 rows, at most 640, B = 256)
-  wrote 8 padded block sums and added 7 at every step; the tutorial CNN's kept convolution
-  gradients were copied by the rows' padding (8 MiB a step). Under XLA, rows the trace does
-  not know are padded with zero rows to a multiple of `block` (static shapes).
-
-  Args:
-    a: [B, K] float32 (B static or not).
-    b: [B, N] float32.
-    block: rows per block (a Python int >= 1).
-
-  Returns:
-    [K, N] float32.
+  Outside XLA the rows are not padded: the full blocks by one batched matrix product of views
+  of a and b, the last, partial block (maybe of no rows: a zero leaf, x + 0 = x) by its own
+  product, the leaves by summation.pairwise_sum_leaves (rows the trace knows) or
+  summation.pairwise_sum_counted (rows bounded by the public plan, `blocks_most` at most
+  CASE_BLOCKS): the same blocks and tree as the zero-padded rows' (a block's zero rows add
+  exactly 0), without the copies. The MLP's [784, 512] kernel sum at B = 256 (blocks of 128,
+  at most 640 rows): the padded tree wrote 8 padded block sums and added 7 per step.
+  Under XLA (static shapes) and for more blocks, the rows are padded with zero rows to a
+  multiple of `block` and the blocks summed by summation.pairwise_sum.
   """
   rows = a.shape[0]
   k, n = int(a.shape[-1]), int(b.shape[-1])
-  if rows is not None:
-    full = int(rows) // block * block
-    leaves = []
-    if full:
-      leaves = tf.unstack(tf.matmul(tf.reshape(a[:full], [-1, block, k]),
-                                    tf.reshape(b[:full], [-1, block, n]), transpose_a=True),
-                          num=full // block)
-    if full < int(rows) or not full:
-      leaves.append(tf.matmul(a[full:], b[full:], transpose_a=True))
-    return summation.pairwise_sum_leaves(leaves)
-  if not summation.in_xla_context():
-    full = tf.shape(a)[0] // block * block
-    head = tf.matmul(tf.reshape(a[:full], [-1, block, k]), tf.reshape(b[:full], [-1, block, n]),
+  most = None if rows is not None else blocks_most(None, block)
+  if not summation.in_xla_context() and (rows is not None or (
+      most is not None and most <= CASE_BLOCKS)):
+    full = int(rows) // block * block if rows is not None else tf.shape(a)[0] // block * block
+    head = tf.matmul(reshape(a[:full], [-1, block, k]), reshape(b[:full], [-1, block, n]),
                      transpose_a=True)
     tail = tf.matmul(a[full:], b[full:], transpose_a=True)
-    bound = plan_rows(None)   # the full blocks: at most floor(R / block)
-    if bound is not None and int(bound) // block <= CASE_BLOCKS:
-      return summation.pairwise_sum_counted(head, tail, int(bound) // block)
-    return summation.pairwise_sum(tf.concat([head, tail[None]], 0), const, most=(
-        None if bound is None else int(bound) // block + 1))
-  pad = (-tf.shape(a)[0]) % block
-  a = tf.pad(a, [[0, pad], [0, 0]])
-  b = tf.pad(b, [[0, pad], [0, 0]])
+    if rows is None:
+      return summation.pairwise_sum_counted(head, tail, most)
+    leaves = tf.unstack(head, num=full // block) if full else []
+    return summation.pairwise_sum_leaves(leaves + [tail] if full < int(rows) or not full
+                                         else leaves)
+  if rows is not None:
+    pad = (-int(rows)) % block
+  else:
+    pad = (-tf.shape(a)[0]) % block
+  if not (isinstance(pad, int) and pad == 0):
+    a = tf.pad(a, [[0, pad], [0, 0]])
+    b = tf.pad(b, [[0, pad], [0, 0]])
   blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
                      transpose_a=True)
-  return summation.pairwise_sum(blocks, const, most=blocks_most(rows, block))
+  return summation.pairwise_sum(blocks, const, most=most)
 
 
-# The most full blocks of a pinned product over rows the trace does not know whose sums are
-# combined by a switch over their count (summation.pairwise_sum_counted: CASE_BLOCKS + 1
-# branches, each a static tree traced once) rather than padded to the bound's power of two.
+# The most blocks of a pinned product over rows the trace does not know that are summed by a
+# switch over their count (summation.pairwise_sum_counted: one branch per count, each a
+# static tree) rather than padded to the bound's power of two.
 CASE_BLOCKS = 8
 
 
