@@ -482,50 +482,6 @@ def pairwise_sum(x, const=None, most=None):
   return _pairwise_sum_shrinking(x)
 
 
-def pairwise_sum_leaves(leaves):
-  """`pairwise_sum` of the leaves stacked (a non-empty list of tensors of one shape, leaf i as
-  row i), without stacking or padding them: level h = p/2, ..., 1 (p = 2^ceil(log2 L) for L
-  leaves) sets leaf i < h to leaf i + leaf i + h, or keeps it where i + h >= L (pairwise_sum's
-  partner there is a zero padding row, and x + 0 = x exactly). The same additions, so the
-  same rounding bound (`rounding_margin`'s tree of depth ceil(log2 L)), at L - 1 leaf-sized
-  additions where the padded tree writes the p padded leaves and adds p - 1.
-
-  Args:
-    leaves: a list of float tensors of one shape.
-
-  Returns:
-    their sum, a tensor of that shape.
-  """
-  leaves = list(leaves)
-  p = 1 << tree_depth(len(leaves))
-  while p > 1:
-    p //= 2
-    leaves = [leaves[i] + leaves[i + p] if i + p < len(leaves) else leaves[i]
-              for i in range(p)]
-  return leaves[0]
-
-
-def pairwise_sum_counted(head, tail, most):
-  """`pairwise_sum` of the leaves head[0], ..., head[m - 1], tail (m = head's rows, unknown to
-  the trace, 0 <= m <= `most`) by `pairwise_sum_leaves`: one branch per m of a tf.switch_case
-  (a static tree each, the leaves views of head: no stacking, no padding, no tf.while_loop).
-  The sums of pairwise_sum over the m + 1 leaves stacked, padded to any power of two. More than
-  `most` rows of head fail at run time (the last branch's tf.unstack).
-
-  Args:
-    head: a float tensor [m, ...].
-    tail: a float tensor of shape head.shape[1:].
-    most: a Python int bounding m (a public bound the caller's step enforces).
-
-  Returns:
-    the sum, tail's shape.
-  """
-  def branch(m):
-    return lambda: pairwise_sum_leaves(tf.unstack(head, num=m) + [tail] if m else [tail])
-
-  return tf.switch_case(tf.shape(head)[0], [branch(m) for m in range(int(most) + 1)])
-
-
 # Entries of a record summed in any order before `pinned_square_sum`'s tree: 64 keeps each
 # square's rounding count small (63 + the tree's levels) and the tree's levels (one slice
 # and one add each) few.

@@ -998,35 +998,12 @@ def pinned_block(rows, row_bytes, budget_bytes, small_bytes=None):
 
 def pinned_rows_product(a, b, block):
   """sum_i a_i^T b_i over the rows of a [B, K] and b [B, N] ([K, N], float32) in a pinned
-  order: blocks of `block` consecutive rows, each block's rows summed by one matrix product
-  (any order within it), the blocks' [K, N] sums by summation.pairwise_sum's tree. A block
-  that does not hold a record is computed bit-identically when that record is added or
-  removed (summation.rounding_margin's `block`).
-
-  Outside XLA the rows are not padded: the full blocks by one batched matrix product of views
-  of a and b, the last, partial block (maybe of no rows: a zero leaf, x + 0 = x) by its own
-  product, the leaves by summation.pairwise_sum_leaves (rows the trace knows) or
-  summation.pairwise_sum_counted (rows bounded by the public plan, `blocks_most` at most
-  CASE_BLOCKS): the same blocks and tree as the zero-padded rows' (a block's zero rows add
-  exactly 0), without the copies. The MLP's [784, 512] kernel sum at B = 256 (blocks of 128,
-  at most 640 rows): the padded tree wrote 8 padded block sums and added 7 per step.
-  Under XLA (static shapes) and for more blocks, the rows are padded with zero rows to a
-  multiple of `block` and the blocks summed by summation.pairwise_sum.
-  """
+  order: the rows padded with zero rows to a multiple of `block`, each block's rows summed by
+  one batched matrix product (any order within it), the blocks' [K, N] sums by
+  summation.pairwise_sum. A block that does not hold a record is computed bit-identically
+  when that record is added or removed (summation.rounding_margin's `block`)."""
   rows = a.shape[0]
   k, n = int(a.shape[-1]), int(b.shape[-1])
-  most = None if rows is not None else blocks_most(None, block)
-  if not summation.in_xla_context() and (rows is not None or (
-      most is not None and most <= CASE_BLOCKS)):
-    full = int(rows) // block * block if rows is not None else tf.shape(a)[0] // block * block
-    head = tf.matmul(reshape(a[:full], [-1, block, k]), reshape(b[:full], [-1, block, n]),
-                     transpose_a=True)
-    tail = tf.matmul(a[full:], b[full:], transpose_a=True)
-    if rows is None:
-      return summation.pairwise_sum_counted(head, tail, most)
-    leaves = tf.unstack(head, num=full // block) if full else []
-    return summation.pairwise_sum_leaves(leaves + [tail] if full < int(rows) or not full
-                                         else leaves)
   if rows is not None:
     pad = (-int(rows)) % block
   else:
@@ -1036,13 +1013,7 @@ def pinned_rows_product(a, b, block):
     b = tf.pad(b, [[0, pad], [0, 0]])
   blocks = tf.matmul(tf.reshape(a, [-1, block, k]), tf.reshape(b, [-1, block, n]),
                      transpose_a=True)
-  return summation.pairwise_sum(blocks, const, most=most)
-
-
-# The most blocks of a pinned product over rows the trace does not know that are summed by a
-# switch over their count (summation.pairwise_sum_counted: one branch per count, each a
-# static tree) rather than padded to the bound's power of two.
-CASE_BLOCKS = 8
+  return summation.pairwise_sum(blocks, const, most=blocks_most(rows, block))
 
 
 def blocks_most(rows, block):
