@@ -102,10 +102,8 @@ def ledger_runs(ledger, key=None):
       refuse.
   """
   if hasattr(ledger, "get_arrays") and hasattr(ledger, "passes"):
-    samples, queries = rec.validate_arrays(*ledger.get_arrays())
     passes = ledger.passes
-    passes = passes.numpy() if hasattr(passes, "numpy") else passes
-    return rec.run_length_encode(samples, queries), int(passes)
+    ledger = (*ledger.get_arrays(), passes.numpy() if hasattr(passes, "numpy") else passes)
   if isinstance(ledger, str):
     try:
       ledger = json.loads(ledger)

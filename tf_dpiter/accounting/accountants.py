@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from typing import Callable
 
+from tf_dpiter import validation
 from tf_dpiter.accounting.lazy_module import LazyModule
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import PrivacyConfigError
@@ -77,9 +78,7 @@ def register_accountant(name, factory, events="rdp", description=None):
     raise PrivacyConfigError(f"`name` must not be registered or reserved yet ({accountant_names()}"
                              f", 'gdp', 'prv'); `unregister_accountant` a registered one first. "
                              f"Received: name={name!r}")
-  if not callable(factory):
-    raise ParameterTypeError(f"`factory` must be callable (NeighboringRelation -> dp-accounting "
-                             f"PrivacyAccountant). Received: factory={factory!r}")
+  validation.check_params({"factory": validation.Callable()}, {"factory": factory})
   if events not in EVENT_FAMILIES:
     raise PrivacyConfigError(f"`events` must be one of {EVENT_FAMILIES}. Received: "
                              f"events={events!r}")

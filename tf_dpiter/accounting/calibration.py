@@ -99,7 +99,7 @@ def calibrate_sampling_probability(target_epsilon, target_delta, noise_multiplie
   accountant_lib.check_bound_accountant(accountant, "calibrate_sampling_probability")
   target_delta = _check_targets(target_epsilon, target_delta)
   validation.check_positive("noise_multiplier", noise_multiplier)
-  n = float(population_size) if population_size else 1e9
+  n, _ = _sampling_args(1.0, population_size)
   eps = lambda q: _epsilon(n, q * n, noise_multiplier, steps, target_delta, accountant, sampling)
   if eps(1.0) <= target_epsilon:
     return 1.0

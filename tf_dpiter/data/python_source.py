@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops as tf_ops
 
+from tf_dpiter import validation
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 
@@ -120,10 +121,8 @@ def python_dataset(make_generator, output_signature, endless=False):
     ParameterTypeError: make_generator is not callable, or a signature entry is not a
       tf.TensorSpec of known rank.
   """
-  if not callable(make_generator):
-    raise ParameterTypeError(
-        f"`make_generator` must be a callable returning a generator. "
-        f"Received: make_generator={make_generator!r}")
+  validation.check_params({"make_generator": validation.Callable()},
+                          {"make_generator": make_generator})
   specs = tf.nest.flatten(output_signature)
   for s in specs:
     if not isinstance(s, tf.TensorSpec) or s.shape.rank is None:

@@ -19,7 +19,6 @@ import tensorflow as tf
 from tf_dpiter import validation
 from tf_dpiter.data import python_source
 from tf_dpiter.dp_query import randomness
-from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import records
@@ -389,8 +388,7 @@ def map_xy(dataset, map_fn, has_y, num_weights, num_parallel_calls=tf.data.AUTOT
   Raises:
     ParameterTypeError: map_fn is not callable.
   """
-  if not callable(map_fn):
-    raise ParameterTypeError(f"map_fn must be callable, got {map_fn!r}")
+  validation.check_params({"map_fn": validation.Callable()}, {"map_fn": map_fn})
   spec = get_sampling_spec(dataset)
 
   def per_batch(*components):

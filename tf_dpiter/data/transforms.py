@@ -11,8 +11,8 @@ import inspect
 
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.data import sampling
-from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 
@@ -44,8 +44,7 @@ def map_records(dataset, fn, num_parallel_calls=tf.data.AUTOTUNE):
     raise PrivacyConfigError("map_records needs a dataset from dp.data.poisson_batches or "
                              "shuffled_batches (it carries their sampling declaration); for other data "
                              "use dataset.map and declare the sampling with optimizer.set_sampling")
-  if not callable(fn):
-    raise ParameterTypeError(f"fn must be callable, got {fn!r}")
+  validation.check_params({"fn": validation.Callable()}, {"fn": fn})
 
   arity = _required_positional(fn)
 

@@ -19,11 +19,11 @@ import json
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import validation
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import dp_query
 from tf_dpiter.dp_query import events as events_lib
 from tf_dpiter.dp_query import serialization
-from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 
 __all__ = ["DPQueryContract", "QueryCase", "GRAPH_MODES"]
@@ -41,9 +41,7 @@ class QueryCase(collections.namedtuple("QueryCase", ["factory", "records", "xla"
   """
 
   def __new__(cls, factory, records, xla=True):
-    if not callable(factory):
-      raise ParameterTypeError(f"`factory` must be a callable returning a DPQuery. Received: "
-                               f"factory={factory!r}")
+    validation.check_params({"factory": validation.Callable()}, {"factory": factory})
     rows = {int(t.shape[0]) for t in tf.nest.flatten(records)}
     if len(rows) != 1 or rows.pop() < 2:
       raise ParameterValueError("`records` must be a nest of tensors sharing a leading batch "

@@ -26,6 +26,7 @@ import dataclasses
 import math
 
 import numpy as np
+from scipy import special
 
 from tf_dpiter import validation
 from tf_dpiter.draw_discard import calibration
@@ -41,8 +42,7 @@ def _log_mgf_abs(noise: str, lam: np.ndarray) -> np.ndarray:
   if noise == "laplace":
     with np.errstate(divide="ignore", invalid="ignore"):
       return np.where(lam < 1.0, -np.log1p(-np.minimum(lam, 1 - 1e-12)), np.inf)
-  erfc = np.vectorize(math.erfc)
-  return lam**2 / 2 + np.log(2.0 - erfc(lam / math.sqrt(2.0)))
+  return lam**2 / 2 + np.log(2.0 - special.erfc(lam / math.sqrt(2.0)))
 
 
 def _log_mgf_capped_neg(noise: str, lam: np.ndarray, cap: float) -> np.ndarray:
@@ -50,9 +50,8 @@ def _log_mgf_capped_neg(noise: str, lam: np.ndarray, cap: float) -> np.ndarray:
   if noise == "laplace":
     tail = np.exp(-(1.0 + lam) * cap)
     return np.log((1.0 - tail) / (1.0 + lam) + tail)
-  erfc = np.vectorize(math.erfc)
   r2 = math.sqrt(2.0)
-  body = np.exp(lam**2 / 2) * (erfc(lam / r2) - erfc((cap + lam) / r2))
+  body = np.exp(lam**2 / 2) * (special.erfc(lam / r2) - special.erfc((cap + lam) / r2))
   return np.log(body + np.exp(-lam * cap) * math.erfc(cap / r2))
 
 
@@ -79,11 +78,7 @@ def per_weight_quantile(noise: str, p: int, alpha: float) -> float:
   target = alpha / p
   if noise == "laplace":
     return math.log(1.0 / target)
-  lo, hi = 0.0, 60.0
-  for _ in range(200):
-    mid = 0.5 * (lo + hi)
-    lo, hi = (mid, hi) if math.erfc(mid / math.sqrt(2.0)) > target else (lo, mid)
-  return hi
+  return math.sqrt(2.0) * float(special.erfcinv(target))
 
 
 @dataclasses.dataclass(frozen=True)

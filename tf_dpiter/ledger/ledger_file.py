@@ -150,21 +150,17 @@ def runs_to_dict(runs, passes=0, key=None, grouping=None):
   runs, selected = selection_lib.split_runs(runs)
   out = []
   for count, s, qs in runs:
+    s = np.asarray(s, np.float64)
     qs = np.array(qs, np.float64).reshape(-1, len(rec.QUERY_COLUMNS))
     qs[:, 0] = 0.0                  # rows of one sample (run_length_encode keeps the index)
-    rec.validate_arrays(np.asarray(s, np.float64)[None], qs)
-    out.append((int(count), np.asarray(s, np.float64), qs))
-  runs = []
-  total = 0
-  for count, s, qs in out:
+    rec.validate_arrays(s[None], qs)
     policy = rec.policy_name(s[3])
-    runs.append({"count": count, "policy": policy, "relation": rec.relation_for_policy(policy),
-                 "population_size": float(s[0]), "selection_probability": float(s[1]),
-                 "sample_size": float(s[2]), "examples_per_record": int(s[4]),
-                 "queries": [_query_dict(row) for row in qs]})
-    total += count
+    out.append({"count": int(count), "policy": policy,
+                "relation": rec.relation_for_policy(policy), "population_size": float(s[0]),
+                "selection_probability": float(s[1]), "sample_size": float(s[2]),
+                "examples_per_record": int(s[4]), "queries": [_query_dict(row) for row in qs]})
   d = {"format": rec.FORMAT_NAME, "version": rec.FORMAT_VERSION,
-       "num_samples": total, "passes": int(passes), "runs": runs}
+       "num_samples": sum(r["count"] for r in out), "passes": int(passes), "runs": out}
   if selected is not None:
     d["version"] = selection_lib.SELECTION_VERSION
     d["selection"] = selection_lib.to_field(selected)
