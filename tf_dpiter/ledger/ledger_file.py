@@ -39,12 +39,13 @@ def _canonical(d):
     raise ParameterValueError("ledger has a non-finite number (NaN or infinity) in a field") from None
 
 
-def _key_bytes(key):
+def _mac(key, body):
+  """"hmac-sha256:" + the HMAC-SHA256 of `body` under `key` (a non-empty str or bytes)."""
   if isinstance(key, str):
     key = key.encode()
   if not isinstance(key, (bytes, bytearray)) or not key:
     raise ParameterValueError(f"key must be a non-empty str or bytes, got {type(key).__name__}")
-  return bytes(key)
+  return "hmac-sha256:" + hmac_lib.new(bytes(key), body, hashlib.sha256).hexdigest()
 
 
 def sign(d, key=None):
@@ -55,7 +56,7 @@ def sign(d, key=None):
   body = _canonical(out)
   out["digest"] = "sha256:" + hashlib.sha256(body).hexdigest()
   if key is not None:
-    out["hmac"] = "hmac-sha256:" + hmac_lib.new(_key_bytes(key), body, hashlib.sha256).hexdigest()
+    out["hmac"] = _mac(key, body)
   return out
 
 
@@ -73,7 +74,7 @@ def verify(d, key=None, what="ledger"):
     raise ParameterValueError(f"{what} was altered or is incomplete: its 'digest' is {d.get('digest')!r}, "
                               f"its content hashes to {expected!r}; refusing to account it")
   if key is not None:
-    mac = "hmac-sha256:" + hmac_lib.new(_key_bytes(key), body, hashlib.sha256).hexdigest()
+    mac = _mac(key, body)
     if "hmac" not in d:
       raise ParameterValueError(f"{what} has no 'hmac' but a key was given: it was not written with this key")
     if not hmac_lib.compare_digest(str(d["hmac"]), mac):

@@ -34,11 +34,11 @@ def model_iterations(model):
   return 0 if iterations is None else int(iterations.numpy())
 
 
-def check_ledger_covers(model, ledger=None):
+def check_ledger_covers(model):
   """Refuses (PrivacyConfigError, saying how to supply the ledger) a compiled DP model whose
-  optimizer took more steps than its `ledger` (default: `model_ledger(model)`) holds samples."""
-  ledger = model_ledger(model) if ledger is None else ledger
-  saved_ledger.check_counts(model_iterations(model), int(ledger.sample_count.numpy()))
+  optimizer took more steps than its ledger (`model_ledger`) holds samples."""
+  samples = int(model_ledger(model).sample_count.numpy())
+  saved_ledger.check_counts(model_iterations(model), samples)
 
 
 class LedgerCoverage(keras.callbacks.Callback):
