@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from tf_dpiter import federated as F
-from tf_dpiter.errors import ParameterValueError
 
 K, DIM, M, Z, DELTA = 20, 6, 4, 1.0, 1e-5
 
@@ -34,13 +33,13 @@ def _rounds(server, rounds):
   return sums
 
 
-@pytest.mark.xfail(strict=True, raises=ParameterValueError, reason="R16: the chunk appended after a torn line lands on its line: line 3 is not JSON at the next restart")
 def test_a_server_resumed_past_a_torn_line_can_be_resumed_again(tmp_path):
   # A crash tore the journal's last line (round 3: its sum never left the server). The
   # restart drops it with a warning and runs rounds 3 and 4; the next restart must resume
   # all four rounds. Before the fix the new chunk was appended after the torn bytes, on
   # their line: the journal then had a line that is not JSON and every later restart was
-  # refused (the deployment's ledger lost unless the file is edited by hand).
+  # refused (the deployment's ledger lost unless the file is edited by hand). Fixed: the
+  # append cuts the torn bytes first (`ledger.journal`).
   path = tmp_path / "server.journal"
   _rounds(_server(path), [1, 2, 3])
   path.write_text(path.read_text()[:-40])

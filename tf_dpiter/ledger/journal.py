@@ -51,6 +51,7 @@ class LedgerJournal:
     self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
     self._grouping = None      # the last chunk's cyclic grouping record
     self._table = None         # the last chunk's run table of the whole ledger (or None)
+    self._torn_at = None       # bytes before a last line torn by a crash (cut at the append)
 
   @property
   def iterations(self):
@@ -71,17 +72,19 @@ class LedgerJournal:
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
     self._iterations, self._chunk_iterations, self._grouping = None, set(), None
-    self._table = None
+    self._table, self._torn_at = None, None
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
-      lines = f.read().split("\n")
+      text = f.read()
+    lines = text.split("\n")
     if lines and lines[-1] == "":
       lines.pop()
     elif lines:
       warnings.warn(f"ledger journal {self.path!r}: the last line was cut by a crash while it "
                     "was written; it is dropped (it held at most the last step)", RuntimeWarning)
       lines.pop()
+      self._torn_at = len(text.encode()) - len(text[text.rfind("\n") + 1:].encode())
     for i, line in enumerate(lines):
       try:
         chunk = json.loads(line)
@@ -216,6 +219,9 @@ class LedgerJournal:
       chunk["iterations"] = iterations
       self._chunk_iterations.add(iterations)
     chunk = ledger_file.sign(chunk, self.key)
+    if self._torn_at is not None:   # the torn line `read` dropped, else the chunk joins it
+      os.truncate(self.path, self._torn_at)
+      self._torn_at = None
     with open(self.path, "a") as f:
       f.write(json.dumps(chunk, separators=(",", ":")) + "\n")
       f.flush()
