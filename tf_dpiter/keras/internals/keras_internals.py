@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import types
 import weakref
 
 import keras
@@ -103,9 +104,10 @@ def closure_layers(fn, depth=3):
   """The keras Layers a callable reaches without being called: its closure's cells, the
   module globals its code names, its defaults, a bound method's object, a
   functools.partial's function and arguments, a decorator's wrapped function (`__wrapped__`:
-  functools.wraps, AutoGraph's tf_convert) and a tf.function's Python function at the same
-  level, and (up to `depth` levels) the same of the functions among them. Layers held deeper
-  (an attribute of a plain object) are not found.
+  functools.wraps, AutoGraph's tf_convert), a tf.function's Python function and a callable
+  object's `__call__` at the same level, the values of a list, tuple or dict, the attributes
+  of an object (a callable loss object's, a bound method's: one level deeper), and (up to
+  `depth` levels) the same of the functions and objects among them.
 
   Args:
     fn: a callable.
@@ -125,8 +127,8 @@ def closure_layers(fn, depth=3):
     elif isinstance(value, functools.partial):
       for v in (value.func, *value.args, *value.keywords.values()):
         visit(v, level)
-    elif isinstance(value, (list, tuple)):
-      for v in value:
+    elif isinstance(value, (list, tuple, dict)):
+      for v in (value.values() if isinstance(value, dict) else value):
         visit(v, level)
     elif inspect.ismethod(value):
       visit(value.__self__, level)
@@ -140,6 +142,11 @@ def closure_layers(fn, depth=3):
       names = [value.__globals__[n] for n in value.__code__.co_names
                if n in value.__globals__]
       for v in cells + names + list(value.__defaults__ or ()):
+        visit(v, level - 1)
+    elif not isinstance(value, (types.ModuleType, type)) and isinstance(
+        getattr(value, "__dict__", None), dict):   # an object holding layers (review R16)
+      visit(getattr(type(value), "__call__", None), level)
+      for v in list(vars(value).values()):
         visit(v, level - 1)
 
   visit(fn, depth)
