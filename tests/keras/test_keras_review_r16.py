@@ -100,3 +100,34 @@ def test_a_random_layer_held_by_an_object_is_keyed(holder, traced):
   assert not np.array_equal(first, second), (
       f"seeded masks by row position ({holder}, traced={traced}): ||g(D) - g(D')|| = "
       f"{moved:.4f} against C / (q N) = {STEP}")
+
+
+# Finding 3 (4d9768a, a refused save leaves the earlier file). DPModel.save and save_weights
+# now check the weights before Keras opens the file, but Keras' public function
+# keras.saving.save_model(model, path) (= keras.models.save_model) does not call
+# model.save: it opens `path` for writing, then the DP model's save_own_variables refuses
+# the weights changed outside its DP optimizer. The refusal holds (nothing with a ledger is
+# written for those weights), but the file already at `path`, an earlier checkpoint of the
+# run, is replaced by a torn zip. Not fixed: Keras calls nothing of the model's before it
+# opens the file (a plain model holding the DP model as a layer, saved with its own save,
+# is the same case).
+
+@pytest.mark.xfail(strict=True, reason="R16 finding 3: keras.saving.save_model opens the file "
+                   "before the DP model's check (the earlier file torn); no model hook before")
+def test_a_refused_keras_save_model_leaves_the_earlier_file(tmp_path):
+  keras.utils.set_random_seed(0)
+  rng = np.random.default_rng(0)
+  x, y = rng.normal(size=(20, 3)).astype(np.float32), rng.normal(size=(20, 1)).astype(np.float32)
+  model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(1)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    model.fit(x, y, batch_size=10, verbose=0)
+  earlier = tmp_path / "run.keras"
+  model.save(str(earlier))
+  saved = earlier.read_bytes()
+  model.layers[0].kernel.assign(model.layers[0].kernel + 1.0)   # outside the DP optimizer
+  with pytest.raises(dp.errors.PrivacyConfigError, match="saving the weights"):
+    keras.saving.save_model(model, str(earlier))
+  assert earlier.read_bytes() == saved, (
+      f"the earlier {len(saved)}-byte file is now {earlier.stat().st_size} bytes")
