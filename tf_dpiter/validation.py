@@ -49,13 +49,19 @@ def is_integer(value):
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_bool(value):
+  """True for a Python bool or a numpy bool (np.True_ is no int: `isinstance` misses it)."""
+  return isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                     and type(value).__name__ in ("bool", "bool_"))
+
+
 def check_number(name, value):
   """float(value) for a number of any range (not a str, bytes or bool).
 
   Raises:
     ParameterTypeError: `value` is not a number.
   """
-  if isinstance(value, (str, bytes, bool)) or not _floats(value):   # float("1") would pass
+  if isinstance(value, (str, bytes)) or _is_bool(value) or not _floats(value):   # float("1")
     raise ParameterTypeError(message(name, "a number", value))
   return float(value)
 
@@ -242,7 +248,7 @@ class Interval(Constraint):
     if _is_tensor(value):
       return None
     if (not is_integer(value)) if self.kind is int else (
-        isinstance(value, (str, bytes, bool)) or not _floats(value)):
+        isinstance(value, (str, bytes)) or _is_bool(value) or not _floats(value)):
       return ParameterTypeError
     v = float(value)
     lo_in, hi_in = self.closed in ("both", "left"), self.closed in ("both", "right")

@@ -17,11 +17,7 @@ from tf_dpiter import validation
 from tf_dpiter.errors import ParameterTypeError
 
 
-_XF = pytest.mark.xfail(strict=True, reason="R16 finding 2: np.True_ taken as 1.0")
-
-
-@pytest.mark.parametrize("flag", [True, pytest.param(np.True_, marks=_XF),
-                                  pytest.param(np.bool_(False), marks=_XF)])
+@pytest.mark.parametrize("flag", [True, np.True_, np.bool_(False)])
 def test_a_bool_is_not_a_number(flag):
   with pytest.raises(ParameterTypeError, match="epsilon"):
     dp.keras.callbacks.StopAtPrivacyBudget(epsilon=flag, delta=1e-5)
