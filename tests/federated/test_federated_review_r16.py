@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tf_dpiter import federated as F
+from tf_dpiter.errors import PrivacyConfigError
 
 K, DIM, M, Z, DELTA = 20, 6, 4, 1.0, 1e-5
 
@@ -63,3 +64,19 @@ def test_an_unseeded_server_draws_new_noise_after_a_restart(tmp_path):
   assert np.all(again != 0)
   for earlier in first:
     assert not np.any(np.isclose(again, earlier, rtol=0, atol=1e-9))
+
+
+@pytest.mark.xfail(strict=True, reason="R16: the second server's round 3 is released; its "
+                   "epsilon omits the first's round 3 (4 rounds run, 3 charged)")
+def test_a_second_server_on_one_journal_is_refused_before_its_sum_leaves(tmp_path):
+  # Two servers resumed on one journal (a restart while the old process still runs): each
+  # ledger holds its own rounds only. Before the fix both released round 3 and each stated
+  # the epsilon of 3 rounds while 4 ran; the next restart then refused the journal as
+  # "removed, reordered or edited" (two chunks with seq 2).
+  path = tmp_path / "server.journal"
+  _rounds(_server(path), [1, 2])
+  first, second = _server(path), _server(path)
+  _rounds(first, [3])
+  with pytest.raises(PrivacyConfigError, match="another writer"):
+    _rounds(second, [3])
+  assert _server(path).resumed_rounds == 3      # the journal holds what was released
