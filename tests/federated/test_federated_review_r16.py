@@ -66,13 +66,12 @@ def test_an_unseeded_server_draws_new_noise_after_a_restart(tmp_path):
     assert not np.any(np.isclose(again, earlier, rtol=0, atol=1e-9))
 
 
-@pytest.mark.xfail(strict=True, reason="R16: the second server's round 3 is released; its "
-                   "epsilon omits the first's round 3 (4 rounds run, 3 charged)")
 def test_a_second_server_on_one_journal_is_refused_before_its_sum_leaves(tmp_path):
   # Two servers resumed on one journal (a restart while the old process still runs): each
   # ledger holds its own rounds only. Before the fix both released round 3 and each stated
   # the epsilon of 3 rounds while 4 ran; the next restart then refused the journal as
-  # "removed, reordered or edited" (two chunks with seq 2).
+  # "removed, reordered or edited" (two chunks with seq 2). Fixed: an append refuses a file
+  # that changed since its journal last read or wrote it (`ledger.journal`).
   path = tmp_path / "server.journal"
   _rounds(_server(path), [1, 2])
   first, second = _server(path), _server(path)
@@ -82,13 +81,12 @@ def test_a_second_server_on_one_journal_is_refused_before_its_sum_leaves(tmp_pat
   assert _server(path).resumed_rounds == 3      # the journal holds what was released
 
 
-@pytest.mark.xfail(strict=True, reason="R16: the second server's round 1 is in no chunk: a "
-                   "restart charges 2 of the 3 rounds run")
 def test_two_servers_started_on_a_new_journal_do_not_lose_a_round(tmp_path):
   # Both servers started before either wrote (no file yet). Before the fix the second
   # server's first append re-read the file the first had created, took its round for its
   # own and wrote nothing: its released round 1 was in no chunk, and a restart charged 2 of
-  # the 3 rounds run.
+  # the 3 rounds run. Fixed: a journal that was read appends without reading again, and
+  # refuses the file another writer changed.
   path = tmp_path / "server.journal"
   first, second = _server(path), _server(path)
   _rounds(first, [1])

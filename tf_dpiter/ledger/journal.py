@@ -15,6 +15,11 @@ A cut tail leaves a valid chain (a chain proves what it holds, not that nothing 
 `check_covers(iterations)` refuses a journal that ends before the restored model's
 iterations. Steps taken after the restored checkpoint and cut from the journal cannot be told
 from steps never taken: keep the journal on append-only storage when that matters.
+
+One writer per journal: an append refuses a file whose size is not the one its journal last
+read or wrote (another process appended, or the file was cut or replaced), so two runs or
+servers on one file cannot each leave out the other's steps; a last line torn by a crash,
+dropped by `read`, is cut off at the next append.
 """
 
 import json
@@ -52,6 +57,8 @@ class LedgerJournal:
     self._grouping = None      # the last chunk's cyclic grouping record
     self._table = None         # the last chunk's run table of the whole ledger (or None)
     self._torn_at = None       # bytes before a last line torn by a crash (cut at the append)
+    self._size = 0             # the file's bytes as this object last read or wrote them
+    self._read_done = False    # `read` ran (then only `_check_unchanged` looks at the file)
 
   @property
   def iterations(self):
@@ -72,11 +79,12 @@ class LedgerJournal:
     runs, passes = [], 0
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
     self._iterations, self._chunk_iterations, self._grouping = None, set(), None
-    self._table, self._torn_at = None, None
+    self._table, self._torn_at, self._size, self._read_done = None, None, 0, True
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path) as f:
       text = f.read()
+      self._size = os.fstat(f.fileno()).st_size
     lines = text.split("\n")
     if lines and lines[-1] == "":
       lines.pop()
@@ -84,7 +92,7 @@ class LedgerJournal:
       warnings.warn(f"ledger journal {self.path!r}: the last line was cut by a crash while it "
                     "was written; it is dropped (it held at most the last step)", RuntimeWarning)
       lines.pop()
-      self._torn_at = len(text.encode()) - len(text[text.rfind("\n") + 1:].encode())
+      self._torn_at = self._size - len(text[text.rfind("\n") + 1:].encode())
     for i, line in enumerate(lines):
       try:
         chunk = json.loads(line)
@@ -196,14 +204,15 @@ class LedgerJournal:
     Returns:
       int, samples written by this append (0 if nothing new).
     """
-    if self._seq == 0 and self._written == 0 and os.path.exists(self.path):
-      self.read()
+    if not self._read_done and self._seq == 0 and os.path.exists(self.path):
+      self.read()   # never read (a journal built to append only): continue the file's chain
     total = int(ledger.sample_count.numpy())
     passes = int(ledger.passes.numpy())
     iterations = None if iterations is None else int(iterations)
     if (total <= self._written and passes == self._passes_written and self._seq > 0
         and (iterations is None or (self._iterations or 0) >= iterations)):
       return 0
+    self._check_unchanged()
     samples, queries = ledger.get_arrays(self._written)
     if queries.size:
       queries = queries.copy()
@@ -221,17 +230,36 @@ class LedgerJournal:
     chunk = ledger_file.sign(chunk, self.key)
     if self._torn_at is not None:   # the torn line `read` dropped, else the chunk joins it
       os.truncate(self.path, self._torn_at)
-      self._torn_at = None
-    with open(self.path, "a") as f:
-      f.write(json.dumps(chunk, separators=(",", ":")) + "\n")
+      self._size, self._torn_at = self._torn_at, None
+    line = (json.dumps(chunk, separators=(",", ":")) + "\n").encode()
+    with open(self.path, "ab") as f:
+      f.write(line)
       f.flush()
       os.fsync(f.fileno())
+    self._size += len(line)
     self._written += int(samples.shape[0])
     self._last_digest = chunk["digest"]
     self._seq += 1
     self._passes_written = passes
     self._iterations = _chunk_iterations(chunk, self._iterations, self.path)
     return int(samples.shape[0])
+
+  def _check_unchanged(self):
+    """Refuses to append to a file that changed since this object last read or wrote it:
+    another writer appended (two servers or runs on one journal: each ledger would miss the
+    other's steps, and the chains would fork), or the file was cut or replaced.
+
+    Raises:
+      PrivacyConfigError: the file's size is not the one last read or written.
+    """
+    size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
+    if size != self._size:
+      raise PrivacyConfigError(
+          f"ledger journal {self.path!r} changed since this process last read or wrote it "
+          f"({size} bytes, not {self._size}): another writer appended to it (two servers or "
+          "runs on one journal: each ledger would miss the other's steps), or it was cut or "
+          "replaced. Refusing to append (the step's result is not released). Run one "
+          f"writer per journal, then restart on it. Received: path={self.path!r}")
 
 
 def _chunk_table(chunk, samples, passes):
