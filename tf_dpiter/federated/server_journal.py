@@ -20,8 +20,10 @@ clip (quantile, median) restarts from the query's initial clip, and the server m
 the `initial_weights` given (the journal holds the ledger, not the model).
 
 Limits: whole chunks cut from the journal's end cannot be told from rounds never run
-(`ledger.journal`): keep it on append-only storage. A query or sampler built with a seed
-(tests only: not private) draws the same noise and clients again after a restart.
+(`ledger.journal`): keep it on append-only storage. One server per journal: a second one on
+the same file is refused at its first append, before its sum leaves (`ledger.journal`). A
+query or sampler built with a seed (tests only: not private) draws the same noise and
+clients again after a restart.
 """
 
 import os
