@@ -6,10 +6,11 @@ shape), which accounts a Poisson number of trials only for mean >= 1. A search t
 accounted must be refused before any trial trains.
 """
 
+import numpy as np
 import pytest
 
 from tf_dpiter import tuning
-from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import ParameterTypeError, ParameterValueError
 
 
 def test_a_poisson_mean_the_accountant_cannot_account_is_refused_before_training():
@@ -24,6 +25,9 @@ def test_the_ledgers_selection_marker_refuses_a_poisson_mean_below_one():
   a mean dp-accounting cannot account is refused when the marker is made, for every shape."""
   from tf_dpiter.ledger import selection
   for shape in (float("inf"), 1.0):
-    with pytest.raises(ParameterValueError, match="mean must be finite and >= 1"):
+    with pytest.raises(ParameterValueError, match="`mean` must be finite and >= 1"):
       selection.Selection(0.5, shape, 1, 0)
   assert selection.Selection(1.0, float("inf"), 1, 0).mean == 1.0
+  for flag in (True, np.True_):   # a bool is no mean (review R16: np.True_ was taken as 1)
+    with pytest.raises(ParameterTypeError, match="`mean` must be a number"):
+      selection.Selection(flag, float("inf"), 1, 0)

@@ -55,17 +55,17 @@ def check(mean, shape, trials):
   integer >= 1).
 
   Raises:
-    ParameterTypeError: trials not an integer.
+    ParameterTypeError: mean not a number (a bool included) or trials not an integer.
     ParameterValueError: naming the parameter and its value.
   """
   shape = float(shape)
   if math.isnan(shape) or shape < 0:
     raise ParameterValueError(f"shape must be >= 0 (inf for Poisson), got {shape!r}")
-  if not (isinstance(mean, (int, float, np.integer, np.floating)) and math.isfinite(mean)
-          and mean >= 1):
-    # a truncated negative binomial's support is K >= 1; dp-accounting accounts a Poisson K
-    # (RepeatAndSelectDpEvent) only for mean >= 1: refused here, not after the trials ran
-    raise ParameterValueError(f"mean must be finite and >= 1, got {mean!r}")
+  # a truncated negative binomial's support is K >= 1; dp-accounting accounts a Poisson K
+  # (RepeatAndSelectDpEvent) only for mean >= 1: refused here, not after the trials ran
+  mean_value = validation.check_number("mean", mean)   # a bool (np.True_ too) is no mean
+  if not (math.isfinite(mean_value) and mean_value >= 1):
+    raise ParameterValueError(validation.message("mean", "finite and >= 1", mean))
   validation.check_integer("trials", trials, 1)   # the trials run
 
 
