@@ -1,5 +1,6 @@
 """The Gaussian query's noise in bounded draws (the leaves form one stream of draws of a block
-each; a leaf across draws is noised block by block into the sum's own buffer:
+each; a leaf of at most a block across two draws gets its two parts joined and one addition, a
+larger one is noised block by block into the sum's own buffer:
 `gaussian_query.add_gaussian_noise`), and the sample
 state of a sum formed elsewhere (`DPQuery.sample_state_of_sum`): no zeros template, no copy
 of the sum."""
@@ -13,6 +14,7 @@ import tensorflow as tf
 from tf_dpiter import dp_query
 from tf_dpiter.dp_query import gaussian_query
 from tf_dpiter.dp_query import normalized_query
+from tf_dpiter.dp_query import randomness
 
 
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
@@ -65,6 +67,30 @@ def test_blocked_leaf_16_bit_and_graph_updates_in_place(monkeypatch):
   # five full draws: five calls of one traced draw function of 1,024 values
   assert sizes == [1024]
   assert sum(op.type in ("PartitionedCall", "StatefulPartitionedCall") for op in ops) == 5
+
+
+def test_leaf_across_two_draws_is_joined_and_added_once(monkeypatch):
+  """With blocks of 1,024 values, leaves of 700, 700 and 2,600 values: the second (across the
+  first two draws) gets its two parts joined (one ConcatV2) and one addition, no strided write;
+  only the leaf larger than a block (across three draws) is written block by block. Its values
+  are the stream's values 700..1,399, as the eager run (each draw's parts sliced by hand)."""
+  monkeypatch.setattr(gaussian_query, "BLOCK_VALUES", 1024)
+  leaves = [tf.zeros([700]), tf.zeros([35, 20]), tf.zeros([2600])]
+  gen = tf.random.Generator.from_seed(25, alg="philox")
+  fn = tf.function(lambda: gaussian_query.add_gaussian_noise(gen, leaves, 1.0), autograph=False)
+  graph = fn.get_concrete_function().graph
+  ops = [op for op in graph.get_operations() if op.type == "TensorStridedSliceUpdate"]
+  assert len(ops) == 3   # the 2,600-value leaf only: parts in draws 2, 3 and 4
+  joins = [[t.shape.num_elements() for t in op.inputs[:-1]] for op in graph.get_operations()
+           if op.type == "ConcatV2"]
+  assert [324, 376] in joins   # the second leaf's parts: the first draw's last 324 values
+  assert sum(n == [324, 376] for n in joins) == 1
+  out = fn()
+  draws = tf.random.Generator.from_seed(25, alg="philox")
+  stream = np.concatenate([np.concatenate([h.numpy() for h in randomness.padded_normal_halves(
+      draws, n, 1.0)])[:n] for n in (1024, 1024, 1024, 928)])
+  np.testing.assert_allclose(out[1].numpy().ravel(), stream[700:1400], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(out[2].numpy().ravel(), stream[1400:4000], rtol=1e-6, atol=1e-6)
 
 
 def test_sum_aggregation_state_is_the_sum_itself():

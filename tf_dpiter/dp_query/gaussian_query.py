@@ -58,8 +58,10 @@ def add_gaussian_noise(generator, structure, stddev):
   16-bit sum gets exactly sigma; the result is cast back (post-processing). The static float32
   leaves (sizes multiple of 16 first: their slices are views) form one stream noised by
   consecutive draws of `BLOCK_VALUES` values: leaf i takes values [o_i, o_i + size_i), so no
-  value serves twice. A leaf across draws is noised block by block in its own buffer
-  (`TensorStridedSliceUpdate`). Draws run in sequence: memory O(sum + block). `generator`: a
+  value serves twice. A leaf of at most BLOCK_VALUES across two draws gets its two parts joined
+  (a copy of at most a block) and one addition; a larger leaf is noised block by block in its
+  own buffer (`TensorStridedSliceUpdate`, whose strided write costs more per value than the
+  join's copy). Draws run in sequence: memory O(sum + block). `generator`: a
   tf.random.Generator or `randomness.SecureRandom`; `stddev` sigma >= 0 in sum units.
   """
   leaves = [tf.convert_to_tensor(v) for v in tf.nest.flatten(structure)]
@@ -107,6 +109,7 @@ def _noised_stream(generator, leaves, order, stddev, out):
     o += n
   previous, first = [], 0   # first: the first leaf (in `order`) not fully noised yet
   shapes = {}   # one shape constant per distinct leaf shape
+  held = {}   # leaf -> the noise of its first part (a leaf of at most a block across 2 draws)
   for start in range(0, total, block):
     n = min(block, total - start)
     with tf.control_dependencies(previous):
@@ -121,9 +124,13 @@ def _noised_stream(generator, leaves, order, stddev, out):
     pieces = _stream_pieces(halves, [(lo - start, hi - start) for _, lo, hi in spans])
     for (j, lo, hi), piece in zip(spans, pieces):
       i, a, size = order[j], offsets[j], sizes[j]
-      if lo == a and hi == a + size:   # the whole leaf in this draw: one addition, the piece
-        # viewed in the leaf's (static) shape (a 1-D leaf takes it as it is)
-        shape = leaves[i].shape
+      if size <= block and lo > a:   # its second part (the leaf was across two draws):
+        piece = tf.concat([held.pop(i), piece], 0)   # joined to the first, at most a block
+      elif size <= block and hi < a + size:   # its first part: held for the next draw
+        held[i] = piece
+        continue
+      if size <= block:   # the whole leaf's noise: one addition, the noise viewed in the
+        shape = leaves[i].shape   # leaf's (static) shape (a 1-D leaf takes it as it is)
         if shape.rank != 1:
           key = tuple(shape.as_list())
           if key not in shapes:
@@ -134,7 +141,7 @@ def _noised_stream(generator, leaves, order, stddev, out):
         out[i] = tf.cast(noised, leaves[i].dtype)
         first = j + 1
         continue
-      if i not in flats:   # across draws: into its own buffer, block by block
+      if i not in flats:   # larger than a block: into its own buffer, block by block
         flats[i] = tf.reshape(tf.cast(leaves[i], tf.float32), [-1])
       flats[i] = tf.raw_ops.TensorStridedSliceUpdate(
           input=flats[i], begin=[lo - a], end=[hi - a], strides=[1],
