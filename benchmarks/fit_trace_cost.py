@@ -2,6 +2,7 @@
 
   python benchmarks/fit_trace_cost.py --model dense --clipping fast [--jit] [--op-sources 30]
   python benchmarks/fit_trace_cost.py --model cnn --cprofile /tmp/fit.prof   # + a profile
+  python benchmarks/fit_trace_cost.py --model cnn --nonprivate   # the plain Keras baseline
 
 The fit measured is the first fit of a second model built in the process (the first model's
 fit pays the process' one-time costs: lazy imports, tf.data's and XLA's set-up), as a test
@@ -41,8 +42,8 @@ import tf_dpiter as dp  # noqa: E402
 from tf_dpiter.keras import example_models  # noqa: E402
 
 
-def _build(name, clipping, jit):
-  """(compiled DP model, x, y) of `name` (module docstring)."""
+def _build(name, clipping, jit, nonprivate=False):
+  """(compiled model, x, y) of `name` (module docstring): DP, or plain Keras if `nonprivate`."""
   keras.utils.set_random_seed(0)
   rng = np.random.default_rng(0)
   if name == "dense":
@@ -55,9 +56,13 @@ def _build(name, clipping, jit):
     x = rng.normal(size=shape).astype("float32")
     y = (np.arange(shape[0]) % 10).astype("int32")
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-  model = dp.keras.DPSequential(layers)
-  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1, clipping=clipping),
-                loss, jit_compile=jit)
+  if nonprivate:
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.SGD(learning_rate=0.1), loss, jit_compile=jit)
+  else:
+    model = dp.keras.DPSequential(layers)
+    model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1, clipping=clipping),
+                  loss, jit_compile=jit)
   return model, x, y
 
 
@@ -85,6 +90,9 @@ def main():
   p.add_argument("--model", choices=["dense", "mlp", "cnn"], default="dense")
   p.add_argument("--clipping", choices=["fast", "vectorized", "auto"], default="fast")
   p.add_argument("--jit", action="store_true", help="compile(jit_compile=True)")
+  p.add_argument("--nonprivate", action="store_true",
+                 help="the same model and fit with keras.Sequential and keras.optimizers.SGD "
+                      "(the DP overhead's baseline; --clipping is ignored)")
   p.add_argument("--op-sources", type=int, default=0, help="list this many op sources")
   p.add_argument("--cprofile", default=None, help="write the fit's cProfile stats here")
   a = p.parse_args()
@@ -98,8 +106,8 @@ def main():
 
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    _fit(*_build(a.model, a.clipping, a.jit))   # the process' one-time costs
-    model, x, y = _build(a.model, a.clipping, a.jit)
+    _fit(*_build(a.model, a.clipping, a.jit, a.nonprivate))   # the process' one-time costs
+    model, x, y = _build(a.model, a.clipping, a.jit, a.nonprivate)
     profile = cProfile.Profile(time.process_time) if a.cprofile else None
     func_graph.func_graph_from_py_func = recording
     try:
@@ -114,7 +122,7 @@ def main():
       func_graph.func_graph_from_py_func = traced
   if profile is not None:
     profile.dump_stats(a.cprofile)
-  out = {"model": a.model, "clipping": a.clipping, "jit": a.jit, "fit_cpu_s": round(cpu, 3),
+  out = {"model": a.model, "clipping": "nonprivate" if a.nonprivate else a.clipping, "jit": a.jit, "fit_cpu_s": round(cpu, 3),
          "fit_wall_s": round(wall, 3), "graphs": len(graphs),
          "ops": sum(len(g.get_operations()) for g in graphs),
          "load": os.getloadavg()[0], "profiled": profile is not None}
