@@ -484,3 +484,39 @@ def test_gaussian_stddev_refuses_what_has_no_meaning(clip, z, match):
   from tf_dpiter.errors import PrivacyConfigError  # pylint: disable=g-import-not-at-top
   with pytest.raises(PrivacyConfigError, match=match):
     dq.gaussian_stddev(clip, z)
+
+
+@pytest.mark.parametrize("mode", ["function", "xla"])
+def test_batched_clip_is_each_records_clip(mode):
+  """GaussianSumQuery.preprocess_records clips a batch at once (no per-record vectorization):
+  each record as preprocess_record clips it alone, up to the order within a pinned block
+  (which the norm's margin covers), within the clip, a non-finite record zeros, in graph
+  mode and under XLA; a subclass
+  with its own preprocess_record keeps its records' own clip."""
+  rng = np.random.default_rng(3)
+  records = [(rng.normal(size=(6, 3, 3, 1, 8)) * rng.uniform(0.05, 3, (6, 1, 1, 1, 1)))
+             .astype("float32"), rng.normal(size=(6, 200)).astype("float32"),
+             rng.normal(size=(6,)).astype("float64")]
+  records[1][4, 7] = np.nan
+  query = dq.GaussianSumQuery(1.0, 0.0)
+  spec = [tf.TensorSpec([None] + list(r.shape[1:]), r.dtype) for r in records]
+  batched = tf.function(lambda *r: query.preprocess_records(1.0, list(r)),
+                        input_signature=spec, jit_compile=mode == "xla")
+  graph = batched.get_concrete_function().graph
+  assert not [op.name for op in graph.get_operations() if "pfor" in op.name]
+  got = [t.numpy() for t in batched(*records)]
+  assert [g.dtype for g in got] == [r.dtype for r in records]
+  for i in range(6):
+    alone = [t.numpy() for t in query.preprocess_record(1.0, [r[i] for r in records])]
+    for g, a in zip(got, alone):
+      np.testing.assert_allclose(g[i], a, rtol=1e-6, atol=0)
+    norm = math.sqrt(sum(float(np.sum(np.square(g[i].astype(np.float64)))) for g in got))
+    # within the clip up to the float32 rounding of the clipped entries; record 4 (a NaN): 0
+    assert norm <= 1.0 + 1e-6 if i != 4 else norm == 0.0
+
+  class Halving(dq.GaussianSumQuery):
+    def preprocess_record(self, params, record):
+      return tf.nest.map_structure(lambda x: x / 2, record)
+
+  halved = Halving(1.0, 0.0).preprocess_records(1.0, [tf.constant(records[1])])
+  np.testing.assert_array_equal(halved[0].numpy(), records[1] / 2)

@@ -361,6 +361,23 @@ class GaussianSumQuery(dp_query.SumAggregationDPQuery):
     clipped, _ = dp_query.clip_by_global_l2_norm(record, params)
     return clipped
 
+  def preprocess_records(self, params, records):
+    """DPQuery.preprocess_records: every record clipped at once
+    (`dp_query.clip_records_by_global_l2_norm`: `preprocess_record`'s arithmetic per record,
+    no per-record vectorization); a subclass with a `preprocess_record` of its own: its
+    records one by one (DPQuery's).
+
+    Args:
+      params: S, from `derive_sample_params`.
+      records: a nest of float tensors [B, ...].
+
+    Returns:
+      the clipped records (same structure and dtypes).
+    """
+    if type(self).preprocess_record is not GaussianSumQuery.preprocess_record:
+      return super().preprocess_records(params, records)
+    return dp_query.clip_records_by_global_l2_norm(records, params)[0]
+
   def record_clip_factors(self, params, record_norms):
     """c_i = min(1, S / ||x_i||_2), 0 for a non-finite norm (`dp_query.clip_factors`).
 
