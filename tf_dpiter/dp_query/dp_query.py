@@ -505,9 +505,10 @@ class SumAggregationDPQuery(DPQuery):
 
   def accumulate_records(self, params, sample_state, records, mask=None):
     """Clips each record of a batch (vectorized) and adds their sum to the state. The records
-    are summed by `summation.pairwise_sum` (a pinned order: each record's term goes through
-    ceil(log2 B) roundings, `summation.rounding_margin` bounds the sum's move when one record
-    is added or removed).
+    are summed by `summation.pairwise_sums` (each leaf's `pairwise_sum`, a pinned order: each
+    record's term goes through ceil(log2 B) roundings, `summation.rounding_margin` bounds the
+    sum's move when one record is added or removed; a batch the trace does not know: one
+    loop for every leaf).
 
     Args:
       params: the sample's params.
@@ -526,4 +527,5 @@ class SumAggregationDPQuery(DPQuery):
           lambda x: x * tf.reshape(tf.cast(mask, x.dtype), [-1] + [1] * (x.shape.rank - 1)),
           pre)
     return self.accumulate_preprocessed_record(
-        sample_state, tf.nest.map_structure(summation.pairwise_sum, pre))
+        sample_state, tf.nest.pack_sequence_as(
+            pre, summation.pairwise_sums(tf.nest.flatten(pre))))
