@@ -102,7 +102,8 @@ def test_the_step_calls_each_concept_in_its_one_owner():
     assert ("keras/optimizer/private_step.py", "gate_sums_on_noise") in calls
   calls = _walk("vectorized")
   assert ("dp_query/dp_query.py", "accumulate_records") in calls
-  assert ("dp_query/dp_query.py", "clip_by_global_l2_norm") in calls
+  # the batch clipped at once (GaussianSumQuery.preprocess_records), in the DPQuery module
+  assert ("dp_query/dp_query.py", "clip_records_by_global_l2_norm") in calls
   assert ("keras/optimizer/gradients.py", "record_weights") in calls
   assert not any(f == "keras/optimizer/record_losses.py" for f, _ in calls)
 
