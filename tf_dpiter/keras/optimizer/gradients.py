@@ -91,7 +91,8 @@ def record_weights(example_mask, sample_weight):
     a nest of float32 tensors like sample_weight (example_mask's shape when it is None).
   """
   em = tf.cast(example_mask, tf.float32)
-  k = tf.cast(tf.shape(em)[-1], tf.float32)
+  k = em.shape[-1]   # a size the trace knows: a constant, no shape ops
+  k = tf.cast(tf.shape(em)[-1], tf.float32) if k is None else float(k)
   w = em * (k / tf.maximum(tf.reduce_sum(em, -1, keepdims=True), 1.0))
   if sample_weight is None:
     return w
@@ -99,6 +100,8 @@ def record_weights(example_mask, sample_weight):
   def weigh(t):
     t = tf.cast(t, tf.float32)
     extra = len(t.shape) - len(w.shape)
+    if w.shape[1:].is_fully_defined():   # w [R, k] beside trailing axes of 1
+      return tf.reshape(w, [-1] + w.shape[1:].as_list() + [1] * extra) * t
     return tf.reshape(w, tf.concat([tf.shape(w), tf.ones([extra], tf.int32)], 0)) * t
 
   return tf.nest.map_structure(weigh, sample_weight)
@@ -147,11 +150,11 @@ def to_records(nest, example_mask, num_microbatches):
   Returns (records, example_mask [M, k], record_mask [M]). record_mask is 1 for records
   holding at least one real example. num_microbatches None gives M = B, k = 1.
   """
-  b = dynamic_batch_size((nest, example_mask))
   if num_microbatches is None:
     recs = tf.nest.map_structure(lambda t: None if t is None else tf.expand_dims(t, 1), nest)
     em = tf.expand_dims(example_mask, 1)
     return recs, em, example_mask
+  b = dynamic_batch_size((nest, example_mask))
   m = num_microbatches
   k = _ceil_div(b, m)
   pad = m * k - b
