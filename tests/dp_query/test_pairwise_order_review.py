@@ -87,24 +87,35 @@ def test_sum_is_the_pinned_tree_bit_for_bit(form):
         form, n, int(np.sum(got != want)))
 
 
-def _pinned_forms(block, k, n):
+def _pinned_forms(block, k, n, rows):
   from tf_dpiter.keras.fast_clipping import algebra   # pylint: disable=g-import-not-at-top
   fn = lambda a, b: algebra.pinned_rows_product(a, b, block)   # noqa: E731
   spec = [tf.TensorSpec([None, k]), tf.TensorSpec([None, n])]
-  return {"graph": tf.function(fn), "xla": tf.function(fn, jit_compile=True),
+
+  def planned(a, b):   # rows the trace does not know, bounded by a public plan: the blocks'
+    # tree read from summation.pairwise_sum_after's table (outside XLA)
+    with summation.public_plan(rows, rows):
+      return fn(a, b)
+
+  return {"eager": fn, "graph": tf.function(fn), "xla": tf.function(fn, jit_compile=True),
+          "graph_unknown_n": tf.function(fn, input_signature=spec),
+          "graph_planned_n": tf.function(planned, input_signature=spec),
           "xla_unknown_n": tf.function(fn, jit_compile=True, input_signature=spec),
           "xla_fused": tf.function(lambda a, b: fn(a * 1.0, b) + 0.0 * tf.reduce_sum(a),
                                    jit_compile=True)}
 
 
-@pytest.mark.parametrize("rows, block", [(1000, 64), pytest.param(4096, 128,
-                                                                  marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rows, block", [(1000, 64), (1000, 128), pytest.param(
+    4096, 128, marks=pytest.mark.slow)])
 def test_the_fast_paths_pinned_product_keeps_its_blocks_and_tree(rows, block):
   """fast_clipping.algebra.pinned_rows_product: blocks of `block` rows by one batched matrix
-  product (any order within a block), the blocks' sums by the pinned tree. One nonzero row
-  per block (the block's sum exact in any order) of mixed magnitude: the result must be the
-  tree over the blocks bit for bit (a single dot over all rows differs here in 5 of 15
-  coordinates at 1000 rows, 10 at 4096)."""
+  product (any order within a block), the blocks' sums by the pinned tree, in every form
+  (outside XLA the rows unpadded, the last block by its own product; rows the trace does not
+  know within a public plan's bound by summation.pairwise_sum_after). One nonzero row per
+  block (the block's sum exact in any order) of mixed magnitude: the result must be the tree
+  over the blocks bit for bit (a single dot over all rows differs here in 5 of 15 coordinates
+  at 1000 rows, 10 at 4096), at the bound's rows and at fewer, a multiple of the block (the
+  last block of no rows: a zero leaf)."""
   k, n = 3, 5
   rng = np.random.default_rng(rows)
   blocks = -(-rows // block)
@@ -116,7 +127,10 @@ def test_the_fast_paths_pinned_product_keeps_its_blocks_and_tree(rows, block):
     a[r], b[r] = vals[j], 1.0
   want = _tree(np.repeat(vals[:, :, None], n, axis=2))
   assert np.sum(a.T @ b != want) > 0
-  for name, fn in _pinned_forms(block, k, n).items():
-    got = np.asarray(fn(tf.constant(a), tf.constant(b)))
-    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (
-        name, int(np.sum(got != want)))
+  cut = 4 * block
+  want_cut = _tree(np.repeat(vals[:4, :, None], n, axis=2))
+  for name, fn in _pinned_forms(block, k, n, rows).items():
+    for m, expected in ((rows, want), (cut, want_cut)):
+      got = np.asarray(fn(tf.constant(a[:m]), tf.constant(b[:m])))
+      assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), (
+          name, m, int(np.sum(got != expected)))

@@ -86,6 +86,29 @@ def test_pairwise_sums_share_one_loop_and_give_each_tree():
       np.testing.assert_array_equal(got.numpy(), _tree(x, x.dtype))
 
 
+def test_pairwise_sum_after_a_head_is_the_tree_over_its_leaves_and_the_tail():
+  """summation.pairwise_sum_after: head's m leaves then the tail, the tree of pairwise_sum
+  over the m + 1 leaves stacked, bit for bit, for every m up to the bound (one trace: its
+  table of trees, no branch per m) and for each m the trace knows; an m above the bound fails
+  at run time. Leaves of mixed magnitude (every other order rounds differently)."""
+  most, rng = 9, np.random.RandomState(1)
+  unknown = tf.function(lambda h, t: summation.pairwise_sum_after(h, t, most),
+                        input_signature=[tf.TensorSpec([None, 2, 3]), tf.TensorSpec([2, 3])])
+  for m in range(most + 1):
+    leaves = (rng.randn(m + 1, 2, 3) * 10.0 ** rng.randint(-7, 8, (m + 1, 2, 3))
+              ).astype(np.float32)
+    want = _tree(leaves)
+    for got in (unknown(leaves[:m], leaves[m]),
+                summation.pairwise_sum_after(tf.constant(leaves[:m]), tf.constant(leaves[m]))):
+      assert np.array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32)), m
+  assert unknown.experimental_get_tracing_count() == 1
+  with pytest.raises(tf.errors.InvalidArgumentError):
+    unknown(np.zeros([most + 1, 2, 3], np.float32), np.zeros([2, 3], np.float32))
+  with pytest.raises(ParameterValueError, match="most"):
+    tf.function(summation.pairwise_sum_after, input_signature=[
+        tf.TensorSpec([None, 2]), tf.TensorSpec([2])]).get_concrete_function()
+
+
 def _gamma(k):
   return k * U / (1 - k * U)
 

@@ -482,6 +482,85 @@ def pairwise_sum(x, const=None, most=None):
   return _pairwise_sum_shrinking([x])[0]
 
 
+def pairwise_sum_after(head, tail, most=None, const=None, count=None):
+  """`pairwise_sum` of the m + 1 leaves head[0], ..., head[m - 1], tail (leaf m) without
+  stacking them or padding them to a power of two, and without a branch or a loop where the
+  trace does not know m: the same additions, so the same sums bit for bit (but the sign of
+  a zero: 0 + (-0) = +0) and `rounding_margin`'s tree.
+
+  The tree: h = 2^(ceil(log2 (m + 1)) - 1), the largest power of two <= m (m >= 1).
+  pairwise_sum's first level sets leaf i < h to leaf i + leaf i + h where i + h <= m (its
+  partner is a zero padding leaf otherwise: x + 0 = x); every level after it adds the two
+  halves of exactly h, h / 2, ..., 2 leaves (a complete tree: no padding left). So the first
+  level is y = [head[:m - h] + head[h:m], head[m - h] + tail, head[m - h + 1:h]] (h leaves,
+  one concatenation; [tail] for m = 0), and level j of the rest sums y reshaped to [f_j, -1]
+  over its first axis: f_j = 2 is y[:c/2] + y[c/2:] (one addition per entry, exact as the
+  two-term sum it is in any order; a float32 sum accumulated wider and rounded once is the
+  same float), f_j = 1 an axis of one (no work: TensorFlow's reduction hands the buffer on).
+  A trace that does not know m reads the sizes [m - h, 1, 2h - m - 1, m - h] and the f_j from
+  one constant table over the m <= `most` it can be (one gather: an m above `most` fails it
+  at run time); one that knows m builds the tree statically. Cost: the tree's m leaf
+  additions, h leaves written by the concatenation, none padded; `pairwise_sum` of the leaves
+  stacked and padded to 2^ceil(log2 (most + 1)) writes that many and adds one fewer.
+
+  Args:
+    head: a float tensor [m, ...] (m static or not; the leaf shape static).
+    tail: a float tensor of shape head.shape[1:].
+    most: a Python int bounding an m the trace does not know (required then).
+    const: None, or pairwise_sum's `const` (a shared-constant maker).
+    count: None, or m as a scalar int32 tensor where the caller has it (else head's rows).
+
+  Returns:
+    the sum, tail's shape.
+
+  Raises:
+    ParameterValueError: m unknown to the trace and `most` None.
+  """
+  const = const or (lambda value, dtype: tf.constant(value, dtype))
+  m = head.shape[0]
+  if m is not None:   # the tree the trace knows
+    m = int(m)
+    if not m:
+      return tail
+    h = 1 << (m.bit_length() - 1)
+    low, one, rest, high = tf.split(head, [m - h, 1, 2 * h - m - 1, m - h])
+    y = [low + high] if m > h else []
+    y = tf.concat(y + [one + tail[None]] + ([rest] if 2 * h > m + 1 else []), 0)
+    return pairwise_sum(y, const) if h > 1 else y[0]
+  if most is None:
+    raise ParameterValueError(
+        "`most` must bound the leaves of a head the trace does not know. Received: most=None")
+  table, parts = _after_table(int(most), tail.shape.as_list())
+  plan = tf.split(tf.gather(const(table, tf.int32), tf.shape(head)[0] if count is None else
+                            count), const(parts, tf.int32), num=len(parts))
+  low, one, rest, high = tf.split(head, plan[0], num=4)
+  # m = 0: `one` holds no leaf, its sum a zero leaf (x + 0 = x). The tail gets its axis
+  # (a broadcasting add of [1, 1, N] and [1, N] is one Grappler makes a failing BiasAdd of)
+  zero = const(0, tf.int32)
+  y = tf.concat([low + high, tf.reduce_sum(one, zero, keepdims=True) + tf.expand_dims(
+      tail, zero), rest], zero)
+  for shape in plan[1:]:   # the last to the leaf's shape
+    y = tf.reduce_sum(tf.reshape(y, shape), zero)
+  return y if len(plan) > 1 else tf.reshape(y, const(tail.shape.as_list(), tf.int32))
+
+
+def _after_table(most, leaf):
+  """`pairwise_sum_after`'s table for m = 0..most: row m the head's split sizes [m - h, 1,
+  2h - m - 1, m - h] then, per level after the first, the shape y is summed over the first
+  axis of ([f, -1], the last [f] + leaf), f = 2 on the m's levels, 1 on the others; and the
+  row's parts' lengths."""
+  levels = max(most, 1).bit_length() - 1   # log2 of the largest h
+  rows = []
+  for m in range(most + 1):
+    h = 1 << (m.bit_length() - 1) if m else 0
+    row = [m - h, 1, 2 * h - m - 1, m - h] if m else [0, 0, 0, 0]
+    for j in range(levels):
+      f = 2 if j < max(h, 1).bit_length() - 1 else 1
+      row += [f] + (list(leaf) if j == levels - 1 else [-1])
+    rows.append(row)
+  return rows, [4] + [2] * (levels - 1) + ([1 + len(leaf)] if levels else [])
+
+
 # Entries of a record summed in any order before `pinned_square_sum`'s tree: 64 keeps each
 # square's rounding count small (63 + the tree's levels) and the tree's levels (one slice
 # and one add each) few.
