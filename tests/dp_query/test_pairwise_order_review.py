@@ -105,8 +105,8 @@ def _pinned_forms(block, k, n, rows):
                                    jit_compile=True)}
 
 
-@pytest.mark.parametrize("rows, block", [(1000, 64), (1000, 128), pytest.param(
-    4096, 128, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rows, block", [(1000, 64), pytest.param(1000, 128, marks=(
+    pytest.mark.slow)), pytest.param(4096, 128, marks=pytest.mark.slow)])
 def test_the_fast_paths_pinned_product_keeps_its_blocks_and_tree(rows, block):
   """fast_clipping.algebra.pinned_rows_product: blocks of `block` rows by one batched matrix
   product (any order within a block), the blocks' sums by the pinned tree, in every form

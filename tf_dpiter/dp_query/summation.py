@@ -493,10 +493,11 @@ def pairwise_sum_after(head, tail, most=None, const=None, count=None):
   partner is a zero padding leaf otherwise: x + 0 = x); every level after it adds the two
   halves of exactly h, h / 2, ..., 2 leaves (a complete tree: no padding left). So the first
   level is y = [head[:m - h] + head[h:m], head[m - h] + tail, head[m - h + 1:h]] (h leaves,
-  one concatenation; [tail] for m = 0), and level j of the rest sums y reshaped to [f_j, -1]
-  over its first axis: f_j = 2 is y[:c/2] + y[c/2:] (one addition per entry, exact as the
-  two-term sum it is in any order; a float32 sum accumulated wider and rounded once is the
-  same float), f_j = 1 an axis of one (no work: TensorFlow's reduction hands the buffer on).
+  one concatenation; [tail] for m = 0), and level j of the rest sums y reshaped to [f_j, c /
+  f_j, ...] over its first axis: f_j = 2 is y[:c/2] + y[c/2:] (one addition per entry, exact
+  as the two-term sum it is in any order; a float32 sum accumulated wider and rounded once
+  is the same float), f_j = 1 an axis of one (no work: TensorFlow's reduction hands the
+  buffer on); the last level sums y's 2 leaves or 1 as they are.
   A trace that does not know m reads the sizes [m - h, 1, 2h - m - 1, m - h] and the f_j from
   one constant table over the m <= `most` it can be (one gather: an m above `most` fails it
   at run time); one that knows m builds the tree statically. Cost: the tree's m leaf
@@ -531,34 +532,33 @@ def pairwise_sum_after(head, tail, most=None, const=None, count=None):
     raise ParameterValueError(
         "`most` must bound the leaves of a head the trace does not know. Received: most=None")
   table, parts = _after_table(int(most), tail.shape.as_list())
-  plan = tf.split(tf.gather(const(table, tf.int32), tf.shape(head)[0] if count is None else
-                            count), const(parts, tf.int32), num=len(parts))
+  plan = tf.gather(const(table, tf.int32), tf.shape(head)[0] if count is None else count)
+  plan = tf.split(plan, const(parts, tf.int32), num=len(parts)) if len(parts) > 1 else [plan]
   low, one, rest, high = tf.split(head, plan[0], num=4)
   # m = 0: `one` holds no leaf, its sum a zero leaf (x + 0 = x). The tail gets its axis
   # (a broadcasting add of [1, 1, N] and [1, N] is one Grappler makes a failing BiasAdd of)
   zero = const(0, tf.int32)
   y = tf.concat([low + high, tf.reduce_sum(one, zero, keepdims=True) + tf.expand_dims(
       tail, zero), rest], zero)
-  for shape in plan[1:]:   # the last to the leaf's shape
+  for shape in plan[1:]:
     y = tf.reduce_sum(tf.reshape(y, shape), zero)
-  return y if len(plan) > 1 else tf.reshape(y, const(tail.shape.as_list(), tf.int32))
+  return tf.reduce_sum(y, zero)   # the last level: y holds 2 leaves or 1
 
 
 def _after_table(most, leaf):
   """`pairwise_sum_after`'s table for m = 0..most: row m the head's split sizes [m - h, 1,
-  2h - m - 1, m - h] then, per level after the first, the shape y is summed over the first
-  axis of ([f, -1], the last [f] + leaf), f = 2 on the m's levels, 1 on the others; and the
-  row's parts' lengths."""
+  2h - m - 1, m - h] then, per level after the first but the last, the shape [f, -1] + leaf
+  y is summed over the first axis of, f = 2 on the m's levels, 1 on the others (the last
+  level sums y's 2 leaves or 1 as they are); and the row's parts' lengths."""
   levels = max(most, 1).bit_length() - 1   # log2 of the largest h
   rows = []
   for m in range(most + 1):
     h = 1 << (m.bit_length() - 1) if m else 0
     row = [m - h, 1, 2 * h - m - 1, m - h] if m else [0, 0, 0, 0]
-    for j in range(levels):
-      f = 2 if j < max(h, 1).bit_length() - 1 else 1
-      row += [f] + (list(leaf) if j == levels - 1 else [-1])
+    for j in range(levels - 1):
+      row += [2 if j < max(h, 1).bit_length() - 1 else 1, -1] + list(leaf)
     rows.append(row)
-  return rows, [4] + [2] * (levels - 1) + ([1 + len(leaf)] if levels else [])
+  return rows, [4] + [2 + len(leaf)] * max(levels - 1, 0)
 
 
 # Entries of a record summed in any order before `pinned_square_sum`'s tree: 64 keeps each
