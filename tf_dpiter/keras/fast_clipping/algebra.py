@@ -1009,9 +1009,9 @@ def pinned_rows_product(a, b, block):
   summation.pairwise_sum_after (for rows the trace does not know, at most plan_rows' rows:
   its table of trees, no branch, no loop). The same blocks and tree as the rows padded with
   zero rows to the blocks (a zero row adds exactly 0 within its block), without copying the
-  rows, multiplying padded rows or padding the tree to the bound's power of two (the MLP's
-  [784, 512] kernel sum at B = 256 and at most 640 rows: 8 leaves of 1.6 MB written, 7 added
-  per step). Under XLA (static shapes, the pad fused into the product) and for rows the trace
+  rows, multiplying padded rows or padding the tree to the bound's power of two (where the
+  padded form of the MLP's [784, 512] kernel sum, B = 256 of at most 640 rows, wrote 8 leaves
+  of 1.6 MB and added 7 at every step). Under XLA (static shapes, the pad fused into the product) and for rows the trace
   does not know without a public bound, the rows are padded with zero rows to a multiple of
   `block`, so that a product over a block's rows is the same XLA program whatever rows a
   caller cut.
