@@ -1011,10 +1011,10 @@ def pinned_rows_product(a, b, block):
   zero rows to the blocks (a zero row adds exactly 0 within its block), without copying the
   rows, multiplying padded rows or padding the tree to the bound's power of two (where the
   padded form of the MLP's [784, 512] kernel sum, B = 256 of at most 640 rows, wrote 8 leaves
-  of 1.6 MB and added 7 at every step). Under XLA (static shapes, the pad fused into the product) and for rows the trace
-  does not know without a public bound, the rows are padded with zero rows to a multiple of
-  `block`, so that a product over a block's rows is the same XLA program whatever rows a
-  caller cut.
+  of 1.6 MB and added 7 at every step). Under XLA (static shapes, the pad fused into the
+  product) and for rows the trace does not know without a public bound, the rows are padded
+  with zero rows to a multiple of `block`, so that a product over a block's rows is the same
+  XLA program whatever rows a caller cut.
 
   Args:
     a: [B, K] float32 (B static or not).
@@ -1027,7 +1027,8 @@ def pinned_rows_product(a, b, block):
   rows = a.shape[0]
   k, n = int(a.shape[-1]), int(b.shape[-1])
   most = blocks_most(rows, block)
-  if not summation.in_xla_context() and (rows is not None or most is not None):
+  xla = not tf.executing_eagerly() and summation.in_xla_context()   # eager: never XLA
+  if not xla and (rows is not None or most is not None):
     if rows is not None:
       full = int(rows) // block * block
       if not full:   # one partial block
