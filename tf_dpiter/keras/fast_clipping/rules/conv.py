@@ -731,7 +731,7 @@ def _pinned_kept_sum(form, g, rc, block, sq):
 
   No pass over the kept gradients beyond the product: the records' B rows are taken (a view:
   the padded chunks' rows past B are left out) and summed in the plan of
-  algebra.pinned_rows_product without padding them (`_pinned_rows_product_unpadded`); under
+  algebra.pinned_rows_product, which outside XLA does not pad them; under
   XLA (which fuses the pad into the product, and sums a block of other rows in another
   order) the rows up to the records' blocks, ceil(B / block) block rows, by
   algebra.pinned_rows_product, the factors padded with zeros to them (the padded chunks'
@@ -762,7 +762,7 @@ def _pinned_kept_sum(form, g, rc, block, sq):
       rows = rows[:tf.shape(rc)[0]]   # a view: the records' rows, no copy
     rows = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: rows,
                    lambda: algebra.drop_rows(rows, rc))
-    s = _pinned_rows_product_unpadded(tf.reshape(rc, [-1, 1]), rows, block)
+    s = algebra.pinned_rows_product(tf.reshape(rc, [-1, 1]), rows, block)   # unpadded here
     return tf.reshape(s, [form.rows, form.cols])
   c = rc
   if n_rows is not None and records is not None:   # sizes the trace knows: Python ints
@@ -778,51 +778,6 @@ def _pinned_kept_sum(form, g, rc, block, sq):
                  lambda: algebra.drop_rows(rows, c))
   s = algebra.pinned_rows_product(tf.reshape(c, [-1, 1]), rows, block)
   return tf.reshape(s, [form.rows, form.cols])
-
-
-def _pinned_rows_product_unpadded(a, b, block):
-  """algebra.pinned_rows_product's sum_i a_i^T b_i in its pinned plan, without padding b: the
-  full blocks of `block` rows by one batched matrix product (views of a and b, no copy), the
-  last, partial block by its own product of its rows, the blocks' sums by
-  summation.pairwise_sum. The same plan: a block's rows are summed in any order either way
-  (the zero rows pinned_rows_product pads with add exactly 0), and where the trace does not
-  know the rows a last block of no rows adds a zero leaf to the tree (x + 0 = x: the same
-  sums). Padding copied every kept gradient: the tutorial CNN's second convolution's 8 MiB at
-  a Poisson batch not a multiple of the block (the pad: 1.5 ms CPU per step in a profile of
-  fit's step at B = 256, oneDNN on).
-
-  Args:
-    a: [n, K] float32 (the clip factors, K = 1).
-    b: [n, N] float32 rows (n static or not).
-    block: rows per block (a Python int).
-
-  Returns:
-    [K, N] float32.
-  """
-  n = b.shape[0]
-  k, width = int(a.shape[-1]), int(b.shape[-1])
-  if n is not None:
-    full = int(n) // block * block
-    parts = []
-    if full:
-      parts.append(tf.matmul(tf.reshape(a[:full], [-1, block, k]),
-                             tf.reshape(b[:full], [-1, block, width]), transpose_a=True))
-    if full < int(n) or not parts:
-      parts.append(tf.matmul(a[full:], b[full:], transpose_a=True)[None])
-    blocks = parts[0] if len(parts) == 1 else tf.concat(parts, 0)
-  else:
-    nr = tf.shape(b)[0]
-    full = nr // block * block
-    head = tf.matmul(tf.reshape(a[:full], [-1, block, k]),
-                     tf.reshape(b[:full], [-1, block, width]), transpose_a=True)
-    tail = tf.matmul(a[full:], b[full:], transpose_a=True)[None]
-    blocks = tf.concat([head, tail], 0)
-    # the full blocks and one (maybe empty) last block: at most floor(R / block) + 1 for R
-    # rows bounded by the public plan (algebra.blocks_most)
-    most = algebra.plan_rows(None)
-    return summation.pairwise_sum(blocks, algebra.const, most=None if most is None else
-                                  int(most) // block + 1)
-  return summation.pairwise_sum(blocks, algebra.const)
 
 
 def _pinned_recomputed_sum(form, x4, dz4, rc, block, sq=None):
