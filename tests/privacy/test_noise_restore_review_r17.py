@@ -17,21 +17,25 @@ Measured at 2fa29e8 (load about 5 on 2 cores, 2026-12-02):
   steps_per_execution=3 under jit_compile=True and the compiled draw, the three steps again
   (corr 0.015, ledger 9 of 9 released after a first fit); a custom loop's step retried after
   an exception between compute_private_gradients and apply_private_gradients, eagerly (corr
-  0.002, ledger 2 for 2 noised results, the dropped result and a second apply of the used one refused) and
-  traced (an assertion failing between them: ledger 1, weights unmoved; the retry charged);
+  0.002, ledger 2 for 2 noised results, the dropped result and a second apply of the used one
+  refused) and traced (an assertion failing between them: ledger 1, weights unmoved; the
+  retry charged);
   BLT and the tree under jit_compile=True with steps_per_execution=2, rolled back by
   `iterations.assign` or `load_weights`: the next fit refused (BLT eagerly by the cyclic
   sampler, the tree by the step's assertion), nothing released or charged.
 
-Finding (strict xfail below): a DP model's trained weights copied BY VALUE into a new DP model
-(`set_weights(dp_model.get_weights())`, or `keras.models.clone_model` + `set_weights` +
-`make_private`) in the same process start a new ledger holding none of the steps the weights
-took. S = 1, z = 1, n = 64, B = 16 (Poisson q = 0.25): 4 steps, then the copy's 1: the copy's
-ledger 1 sample and epsilon(delta = 1e-5, the default accountant) = 3.08, the original's 4
-steps 4.87; the 5 released steps are 5.27 by dp-accounting's RDP by hand. The file paths
-carry the ledger (load_weights of a file with a ledger, load_model(compile=False):
+Finding (fixed: weight_fingerprints' `_RELEASED`): a DP model's trained weights copied BY VALUE
+into a new DP model (`set_weights(dp_model.get_weights())`, or `keras.models.clone_model` +
+`set_weights` + `make_private`) in the same process start a new ledger holding none of the
+steps the weights took. S = 1, z = 1, n = 64, B = 16 (Poisson q = 0.25): 4 steps, then the
+copy's 1: the copy's ledger 1 sample and epsilon(delta = 1e-5, the default accountant) = 3.08,
+the original's 4 steps 4.87; the 5 released steps are 5.27 by dp-accounting's RDP by hand. The
+file paths carry the ledger (load_weights of a file with a ledger, load_model(compile=False):
 tests/privacy/test_ledger_carried.py) and shared variables carry their charges
-(`optimizers.adopt_recorded_ledgers`); a copy of the values carries nothing.
+(`optimizers.adopt_recorded_ledgers`); a copy of the values carried nothing. Now the digest of
+every state a run's private updates produced keeps a weak reference to that run's ledger, and a
+variable a DP run starts from that holds such values adopts it (each run once): 5 of 5, epsilon
+5.27 as by hand.
 """
 
 import math
@@ -218,8 +222,6 @@ def _hand_epsilon(steps, q=0.25, z=1.0, delta=1e-5):
   return dpa.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
-@pytest.mark.xfail(strict=True, reason="review R17: DP-trained weights copied by value into a "
-                   "new DP model start a fresh ledger (1 of 5 released steps charged)")
 def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge():
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 8)).astype("float32")
@@ -237,7 +239,7 @@ def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge():
   copy.set_weights(trained.get_weights())
   copy.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
   ledger = copy.optimizer.ledger
-  # measured at 2fa29e8: 1 sample, epsilon 3.08 (the copy's own step only)
+  # at 2fa29e8: 1 sample, epsilon 3.08 (the copy's own step only)
   assert int(ledger.sample_count.numpy()) == 5
   assert dp.accounting.epsilon(ledger, 1e-5, accountant="rdp") == pytest.approx(
       _hand_epsilon(5), rel=1e-6)

@@ -134,6 +134,11 @@ _ENTROPY = 0x5EED_F1A9_E2B1_7A11
 TRACED_KEPT = 64
 # id(variable) -> _InGraph
 _IN_GRAPH = {}
+# digest h -> weak refs of the ledgers of the DP runs whose private updates left a variable
+# at h (`record`): a new model's weights copied BY VALUE from such a run (get_weights and
+# set_weights, clone_model) carry its charge (`_adopt_released`), as a weights file does
+_RELEASED = {}
+_RELEASED_PRUNE = 4096
 
 
 class _Record:
@@ -644,6 +649,10 @@ def _forget_dead():
     for key, rec in list(table.items()):
       if rec.var_ref() is None:
         del table[key]
+  if len(_RELEASED) > _RELEASED_PRUNE:   # the digests of dead runs' ledgers, now and then
+    for h, refs in list(_RELEASED.items()):
+      if all(r() is None for r in refs):
+        del _RELEASED[h]
 
 
 def _record_of(variable, make=False):
@@ -661,6 +670,11 @@ def _iterations(optimizer):
 
 
 def _append(rec, h, optimizer, count, updates=None):
+  if optimizer is not None:
+    if not rec.history:   # the state a DP run starts from: values a run released, copied?
+      _adopt_released(optimizer, h)
+    elif h not in rec.history and (private_updates(optimizer) if updates is None else updates):
+      _register_released(optimizer, h)   # a state the run's private updates produced
   if h in rec.history:
     rec.history.remove(h)
   rec.history.append(h)
@@ -703,6 +717,34 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     _restart(_in_graph(rec.var_ref()))
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
+
+
+def _register_released(optimizer, h):
+  """Keeps `optimizer`'s ledger as one that charges the values of digest h (`_RELEASED`)."""
+  ledger = getattr(getattr(optimizer, "private_step", None), "existing_ledger", None)
+  if ledger is None:   # no ledger yet (or a stand-in optimizer): nothing charged
+    return
+  refs = [r for r in _RELEASED.get(h, ()) if r() is not None]
+  if not any(r() is ledger for r in refs):
+    refs.append(weakref.ref(ledger))
+  _RELEASED[h] = refs
+
+
+def _adopt_released(optimizer, h):
+  """Merges into `optimizer`'s ledger the live ledgers of the runs whose private updates left
+  a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
+  released, copied by value, and every step they took is charged (McMahan et al., "A General
+  Approach to Adding Differential Privacy to Iterative Training Procedures", Section 6;
+  `PrivacyLedger.merge_arrays`: a run already held is not added again)."""
+  refs = _RELEASED.get(h)
+  if not refs:
+    return
+  step = optimizer.private_step
+  for ref in refs:
+    ledger = ref()
+    if ledger is not None and ledger is not step.existing_ledger:
+      with tf.init_scope():
+        step.adopt_ledger(*ledger.state())
 
 
 def _restart(state):
