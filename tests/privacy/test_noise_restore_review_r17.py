@@ -222,23 +222,43 @@ def _hand_epsilon(steps, q=0.25, z=1.0, delta=1e-5):
   return dpa.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
-def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge():
+@pytest.mark.parametrize("path", ["fit", "traced_custom_loop"])
+def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge(path):
+  """Trained 4 steps, copied by value, 1 step more: the copy's ledger charges all 5."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(64, 8)).astype("float32")
   y = rng.normal(size=(64, 3)).astype("float32")
 
-  def dp_model():
-    model = dp.keras.DPSequential([keras.Input((8,)), keras.layers.Dense(3)])
-    model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), "mse")
-    return model
+  def dp_optimizer():
+    return dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
 
-  trained = dp_model()
+  trained = dp.keras.DPSequential([keras.Input((8,)), keras.layers.Dense(3)])
+  trained.compile(dp_optimizer(), "mse")
   trained.fit(x, y, batch_size=16, epochs=1, verbose=0)   # 4 Poisson steps
   assert int(trained.optimizer.ledger.sample_count.numpy()) == 4
-  copy = dp_model()
-  copy.set_weights(trained.get_weights())
-  copy.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
-  ledger = copy.optimizer.ledger
+  if path == "fit":
+    copy = dp.keras.DPSequential([keras.Input((8,)), keras.layers.Dense(3)])
+    copy.compile(dp_optimizer(), "mse")
+    copy.set_weights(trained.get_weights())
+    copy.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=1, verbose=0)
+    ledger = copy.optimizer.ledger
+  else:   # a plain model's custom loop, its step traced before any record of the weights
+    copy = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    copy.set_weights(trained.get_weights())
+    opt = dp_optimizer()
+    opt.set_sampling(64, 0.25, "poisson", 16)
+    xb, yb = tf.constant(x[:16]), tf.constant(y[:16])
+
+    @tf.function
+    def step():
+      grads = opt.compute_private_gradients(
+          lambda: tf.reduce_mean(tf.square(copy(xb, training=True) - yb), axis=-1),
+          copy.trainable_variables, model=copy)
+      opt.apply_private_gradients(grads, copy.trainable_variables)
+
+    with pytest.warns(FutureWarning, match="static batch size"):
+      step()
+    ledger = opt.ledger
   # at 2fa29e8: 1 sample, epsilon 3.08 (the copy's own step only)
   assert int(ledger.sample_count.numpy()) == 5
   assert dp.accounting.epsilon(ledger, 1e-5, accountant="rdp") == pytest.approx(

@@ -60,6 +60,13 @@ tf.train.Checkpoint saved more than TRACED_KEPT traced steps before its restore)
 and the refusal names the fix: a check when such a checkpoint is saved (the privacy
 statement, or a DP model's save_weights) records its state among the recorded ones.
 
+Copies by value carry the charge: each state a run's private updates produced keeps its digest
+with a weak reference to the run's ledger (`_RELEASED`), and a variable a DP run starts from
+(its first record, or a custom loop's first claim: `adopt_released`) that holds such values
+adopts that ledger (`set_weights(dp_model.get_weights())`, `clone_model` + `set_weights` into
+a new DP model or custom loop; review R17: 1 of 5 released steps was charged). A run whose
+ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process.
+
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
 when that many divide the N words, else the last axis; a scalar is [1, 1]) is
@@ -745,6 +752,26 @@ def _adopt_released(optimizer, h):
     if ledger is not None and ledger is not step.existing_ledger:
       with tf.init_scope():
         step.adopt_ledger(*ledger.state())
+
+
+def adopt_released(optimizer, variables):
+  """Merges into `optimizer`'s ledger the ledgers of the runs that released the values the
+  never-recorded ones of `variables` hold (`_adopt_released`): a custom loop's step traced
+  before any record starts from them. Eager (also while a step is traced); digests only the
+  variables without a record, and only once a DP run released a state in this process.
+
+  Args:
+    optimizer: the DP optimizer about to update `variables`.
+    variables: its trainable variables.
+  """
+  if not _RELEASED or tf.distribute.has_strategy():   # (a strategy's copies: read at record)
+    return
+  fresh = [v for v in variables if _record_of(v) is None]
+  if not fresh:
+    return
+  with tf.init_scope():
+    for h in _digests(_read_all(fresh)):
+      _adopt_released(optimizer, h)
 
 
 def _restart(state):
