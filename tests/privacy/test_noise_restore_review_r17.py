@@ -248,13 +248,13 @@ def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge(path):
     opt = dp_optimizer()
     opt.set_sampling(64, 0.25, "poisson", 16)
     xb, yb = tf.constant(x[:16]), tf.constant(y[:16])
+    loss = lambda: tf.reduce_mean(tf.square(copy(xb, training=True) - yb), axis=-1)
+    weights = copy.trainable_variables
 
     @tf.function
     def step():
-      grads = opt.compute_private_gradients(
-          lambda: tf.reduce_mean(tf.square(copy(xb, training=True) - yb), axis=-1),
-          copy.trainable_variables, model=copy)
-      opt.apply_private_gradients(grads, copy.trainable_variables)
+      opt.apply_private_gradients(
+          opt.compute_private_gradients(loss, weights, model=copy), weights)
 
     with pytest.warns(FutureWarning, match="static batch size"):
       step()
