@@ -65,7 +65,8 @@ with a weak reference to the run's ledger (`_RELEASED`), and a variable a DP run
 (its first record, or a custom loop's first claim: `adopt_released`) that holds such values
 adopts that ledger (`set_weights(dp_model.get_weights())`, `clone_model` + `set_weights` into
 a new DP model or custom loop; review R17: 1 of 5 released steps was charged). A run whose
-ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process.
+ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
+nor a run with a seeded noise (tests: a run with the same seeds makes the same values).
 
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
@@ -727,9 +728,12 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
 
 
 def _register_released(optimizer, h):
-  """Keeps `optimizer`'s ledger as one that charges the values of digest h (`_RELEASED`)."""
-  ledger = getattr(getattr(optimizer, "private_step", None), "existing_ledger", None)
-  if ledger is None:   # no ledger yet (or a stand-in optimizer): nothing charged
+  """Keeps `optimizer`'s ledger as one that charges the values of digest h (`_RELEASED`).
+  Not for a seeded (test) noise: a run with the same seeds reproduces its values without
+  copying them (a resumed run compared with an uninterrupted one), and it is not private."""
+  step = getattr(optimizer, "private_step", None)
+  ledger = None if step is None or step.seed is not None else step.existing_ledger
+  if ledger is None:   # no ledger yet, a seeded noise or a stand-in optimizer
     return
   refs = [r for r in _RELEASED.get(h, ()) if r() is not None]
   if not any(r() is ledger for r in refs):
