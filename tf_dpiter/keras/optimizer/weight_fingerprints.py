@@ -746,11 +746,15 @@ def _adopt_released(optimizer, h):
   a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
   released, copied by value, and every step they took is charged (McMahan et al., "A General
   Approach to Adding Differential Privacy to Iterative Training Procedures", Section 6;
-  `PrivacyLedger.merge_arrays`: a run already held is not added again)."""
+  `PrivacyLedger.merge_arrays`: a run already held is not added again). Only for a run with
+  no ledger of its own yet (a model loaded or restored with its ledger continues that one)."""
   refs = _RELEASED.get(h)
   if not refs:
     return
   step = optimizer.private_step
+  own = step.existing_ledger
+  if step.restored_ledger is not None or (own is not None and int(own.sample_count.numpy())):
+    return   # a ledger restored, carried or written already: the weights' run is its own
   for ref in refs:
     ledger = ref()
     if ledger is not None and ledger is not step.existing_ledger:
