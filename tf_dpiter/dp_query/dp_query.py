@@ -144,14 +144,7 @@ def clip_records_by_global_l2_norm(records, l2_norm_clip):
   norms = tf.sqrt(tf.add_n([summation.pinned_row_sums(tf.square(x)) for x in leaves]))
   shrink = summation.shrink(summation.norm_margin(sizes, dtype), dtype)
   factors = _raw_factors(norms, tf.cast(l2_norm_clip, dtype) * tf.cast(shrink, dtype))
-  finite = tf.math.is_finite(norms)
-
-  def scaled(x):   # scale_record of each record: its factor and its finiteness as [B, 1, ...]
-    x = tf.convert_to_tensor(x)
-    column = lambda t: tf.reshape(t, [-1] + [1] * (x.shape.rank - 1))  # noqa: E731
-    return tf.where(column(finite), x * column(tf.cast(factors, x.dtype)), tf.zeros_like(x))
-
-  return tf.nest.map_structure(scaled, records), norms
+  return scale_record(records, norms, factors), norms
 
 
 def scale_record(record, norm, factor):
@@ -161,11 +154,20 @@ def scale_record(record, norm, factor):
   such record in a sum makes the release non-finite: neighbouring datasets D and D + r told
   apart with certainty. Zeros are a function of that record alone, so the sum's sensitivity
   stays S (the same rule as `clip_factors`' c = 0). `norm` ||x||_2 and `factor` c (the clip
-  or normalization factor) are scalar tensors; the dtypes are kept.
+  or normalization factor) are scalar tensors, or [B] for a batch of B records (record i
+  the index i of every leaf [B, ...]); the dtypes are kept.
   """
   finite = tf.math.is_finite(norm)
-  return tf.nest.map_structure(
-      lambda x: tf.where(finite, x * tf.cast(factor, x.dtype), tf.zeros_like(x)), record)
+
+  def scaled(x):
+    x, c = tf.convert_to_tensor(x), factor
+    if finite.shape.rank:   # a batch's [B]: as [B, 1, ...] against its leaf
+      column = [-1] + [1] * (x.shape.rank - 1)
+      return tf.where(tf.reshape(finite, column), x * tf.reshape(tf.cast(c, x.dtype), column),
+                      tf.zeros_like(x))
+    return tf.where(finite, x * tf.cast(c, x.dtype), tf.zeros_like(x))
+
+  return tf.nest.map_structure(scaled, record)
 
 
 # ---- the DPQuery interface ---------------------------------------------------------------
