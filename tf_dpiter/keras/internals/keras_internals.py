@@ -11,6 +11,7 @@ here too (`shared_constants`: the graph constants of a trace, one per integer va
 `graph_owned_gradients`: tf.custom_gradient's registrations held by their graph).
 """
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -105,8 +106,9 @@ def closure_layers(fn, depth=3):
   module globals its code names, its defaults, a bound method's object, a
   functools.partial's function and arguments, a decorator's wrapped function (`__wrapped__`:
   functools.wraps, AutoGraph's tf_convert), a tf.function's Python function and a callable
-  object's `__call__` at the same level, the values of a list, tuple or dict, the attributes
-  of an object (a callable loss object's, a bound method's: one level deeper), and (up to
+  object's `__call__` at the same level, the values of a list, tuple, dict, set or deque,
+  the attributes of an object (its `__dict__`'s and `__slots__`': a callable loss object's, a
+  bound method's, a dataclass(slots=True)'s; one level deeper), and (up to
   `depth` levels) the same of the functions and objects among them.
 
   Args:
@@ -127,7 +129,7 @@ def closure_layers(fn, depth=3):
     elif isinstance(value, functools.partial):
       for v in (value.func, *value.args, *value.keywords.values()):
         visit(v, level)
-    elif isinstance(value, (list, tuple, dict)):
+    elif isinstance(value, (list, tuple, dict, set, frozenset, collections.deque)):
       for v in (value.values() if isinstance(value, dict) else value):
         visit(v, level)
     elif inspect.ismethod(value):
@@ -143,14 +145,44 @@ def closure_layers(fn, depth=3):
                if n in value.__globals__]
       for v in cells + names + list(value.__defaults__ or ()):
         visit(v, level - 1)
-    elif not isinstance(value, (types.ModuleType, type)) and isinstance(
-        getattr(value, "__dict__", None), dict):   # an object holding layers (review R16)
-      visit(getattr(type(value), "__call__", None), level)
-      for v in list(vars(value).values()):
-        visit(v, level - 1)
+    elif not isinstance(value, (types.ModuleType, type)):   # an object holding layers
+      attributes = _attributes(value)   # (reviews R16, R18)
+      if attributes is not None:
+        visit(getattr(type(value), "__call__", None), level)
+        for v in attributes:
+          visit(v, level - 1)
 
   visit(fn, depth)
   return found
+
+
+def _attributes(value):
+  """The values of an object's instance attributes, its `__dict__`'s and its `__slots__`'
+  (read through the slots' member descriptors: no property or other user code runs), or None
+  for an object with neither (a number, an array)."""
+  own = getattr(value, "__dict__", None)
+  values = list(own.values()) if isinstance(own, dict) else None
+  for klass in type(value).__mro__[:-1]:
+    slots = klass.__dict__.get("__slots__")
+    if slots is None:
+      continue
+    values = [] if values is None else values
+    for name in (slots,) if isinstance(slots, str) else slots:
+      if name.startswith("__") and not name.endswith("__"):   # a private name, mangled
+        name = f"_{klass.__name__.lstrip('_')}{name}"
+      slot = klass.__dict__.get(name)
+      if isinstance(slot, types.MemberDescriptorType):
+        values.extend(_slot_value(slot, value))
+  return values
+
+
+def _slot_value(slot, value):
+  """[the value `value`'s slot holds], or [] for an unassigned slot (it raises
+  AttributeError)."""
+  try:
+    return [slot.__get__(value, type(value))]
+  except AttributeError:
+    return []
 
 
 def _filled(cell):
