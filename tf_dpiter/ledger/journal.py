@@ -16,10 +16,11 @@ A cut tail leaves a valid chain (a chain proves what it holds, not that nothing 
 iterations. Steps taken after the restored checkpoint and cut from the journal cannot be told
 from steps never taken: keep the journal on append-only storage when that matters.
 
-One writer per journal: an append refuses a file whose size is not the one its journal last
-read or wrote (another process appended, or the file was cut or replaced), so two runs or
-servers on one file cannot each leave out the other's steps; a last line torn by a crash,
-dropped by `read`, is cut off at the next append.
+One writer per journal: an append refuses a file whose size or last bytes are not the ones its
+journal last read or wrote (another process appended, or the file was cut or replaced), so two
+runs or servers on one file cannot each leave out the other's steps; a last line torn by a
+crash (whatever bytes the file system left past the last line end), dropped by `read`, is cut
+off at the next append.
 """
 
 import json
@@ -35,6 +36,10 @@ from tf_dpiter.ledger import run_ids
 # A chunk's field holding the run table (`run_ids`) of the whole ledger at the append: the
 # resume merges the journal under the identities of its last chunk (none: a run of its own).
 TABLE_FIELD = "ledger_run_ids"
+
+# The file's last bytes a journal compares before it appends (`_check_unchanged`), besides its
+# size: fewer than a chunk's line holds (its digest alone is 71).
+_TAIL = 64
 
 
 class LedgerJournal:
@@ -58,6 +63,7 @@ class LedgerJournal:
     self._table = None         # the last chunk's run table of the whole ledger (or None)
     self._torn_at = None       # bytes before a last line torn by a crash (cut at the append)
     self._size = 0             # the file's bytes as this object last read or wrote them
+    self._tail = b""           # the file's last _TAIL bytes then
     self._read_done = False    # `read` ran (then only `_check_unchanged` looks at the file)
 
   @property
@@ -80,23 +86,25 @@ class LedgerJournal:
     self._written, self._last_digest, self._seq, self._passes_written = 0, None, 0, 0
     self._iterations, self._chunk_iterations, self._grouping = None, set(), None
     self._table, self._torn_at, self._size, self._read_done = None, None, 0, True
+    self._tail = b""
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
-    with open(self.path) as f:
-      text = f.read()
+    with open(self.path, "rb") as f:   # bytes: only b"\n" ends a line, a torn tail may hold any
+      data = f.read()
       self._size = os.fstat(f.fileno()).st_size
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
+    self._tail = data[-_TAIL:]
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
       lines.pop()
     elif lines:
       warnings.warn(f"ledger journal {self.path!r}: the last line was cut by a crash while it "
                     "was written; it is dropped (it held at most the last step)", RuntimeWarning)
       lines.pop()
-      self._torn_at = self._size - len(text[text.rfind("\n") + 1:].encode())
+      self._torn_at = self._size - (len(data) - data.rfind(b"\n") - 1)
     for i, line in enumerate(lines):
       try:
         chunk = json.loads(line)
-      except json.JSONDecodeError as e:
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ParameterValueError(f"ledger journal {self.path!r} line {i + 1} is not JSON: {e}") from None
       self._check_chain(chunk, i)
       chunk_runs, chunk_passes = ledger_file.dict_to_runs(chunk, self.key)
@@ -231,12 +239,14 @@ class LedgerJournal:
     if self._torn_at is not None:   # the torn line `read` dropped, else the chunk joins it
       os.truncate(self.path, self._torn_at)
       self._size, self._torn_at = self._torn_at, None
+      self._tail = self._file_tail(self._size)
     line = (json.dumps(chunk, separators=(",", ":")) + "\n").encode()
     with open(self.path, "ab") as f:
       f.write(line)
       f.flush()
       os.fsync(f.fileno())
     self._size += len(line)
+    self._tail = (self._tail + line)[-_TAIL:]
     self._written += int(samples.shape[0])
     self._last_digest = chunk["digest"]
     self._seq += 1
@@ -247,19 +257,31 @@ class LedgerJournal:
   def _check_unchanged(self):
     """Refuses to append to a file that changed since this object last read or wrote it:
     another writer appended (two servers or runs on one journal: each ledger would miss the
-    other's steps, and the chains would fork), or the file was cut or replaced.
+    other's steps, and the chains would fork), or the file was cut or replaced. The size and
+    the last `_TAIL` bytes are compared: a writer that cut a torn line and appended a chunk
+    as long leaves the size as it was (review R18).
 
     Raises:
-      PrivacyConfigError: the file's size is not the one last read or written.
+      PrivacyConfigError: the file's size or last bytes are not the ones last read or written.
     """
     size = os.path.getsize(self.path) if os.path.exists(self.path) else 0
-    if size != self._size:
+    if size != self._size or self._file_tail(size) != self._tail:
+      what = (f"{size} bytes, not {self._size}" if size != self._size else
+              "its last bytes are not the ones it read or wrote")
       raise PrivacyConfigError(
           f"ledger journal {self.path!r} changed since this process last read or wrote it "
-          f"({size} bytes, not {self._size}): another writer appended to it (two servers or "
+          f"({what}): another writer appended to it (two servers or "
           "runs on one journal: each ledger would miss the other's steps), or it was cut or "
           "replaced. Refusing to append (the step's result is not released). Run one "
           f"writer per journal, then restart on it. Received: path={self.path!r}")
+
+  def _file_tail(self, size):
+    """The last `_TAIL` bytes (at most) of the file's first `size` bytes (b"" for none)."""
+    if not size:
+      return b""
+    with open(self.path, "rb") as f:
+      f.seek(max(size - _TAIL, 0))
+      return f.read(min(size, _TAIL))
 
 
 def _chunk_table(chunk, samples, passes):
