@@ -50,9 +50,15 @@ def is_integer(value):
 
 
 def _is_bool(value):
-  """True for a Python bool or a numpy bool (np.True_ is no int: `isinstance` misses it)."""
-  return isinstance(value, bool) or (type(value).__module__ == "numpy"
-                                     and type(value).__name__ in ("bool", "bool_"))
+  """True for a Python bool, or a value whose dtype is bool: a numpy bool (np.True_ is no
+  int: `isinstance` misses it), a numpy bool array (np.array(True)), a TensorFlow bool
+  tensor, a Keras bool variable (numpy's and TensorFlow's dtypes are named "bool", Keras'
+  is the string)."""
+  if isinstance(value, bool):
+    return True
+  dtype = getattr(value, "dtype", None)
+  name = getattr(dtype, "name", dtype)
+  return isinstance(name, str) and name == "bool"
 
 
 def check_number(name, value):
@@ -245,7 +251,7 @@ class Interval(Constraint):
     return f"a{finite} number"
 
   def failure(self, value):
-    if _is_tensor(value):
+    if _is_tensor(value) and not _is_bool(value):   # a bool tensor's dtype is known statically
       return None
     if (not is_integer(value)) if self.kind is int else (
         isinstance(value, (str, bytes)) or _is_bool(value) or not _floats(value)):

@@ -15,25 +15,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_dpiter as dp
+from tests.core import test_core_review_r16 as r16
 from tf_dpiter import validation
-from tf_dpiter.errors import ParameterTypeError
 
 _FLAGS = {"numpy_0d": lambda: np.array(True), "numpy_0d_false": lambda: np.array(False),
           "tf_bool": lambda: tf.constant(True)}
 
 
-@pytest.mark.xfail(strict=True, reason="R18 finding 4: a 0-d numpy bool array or a TF bool "
-                   "tensor passes as a number (StopAtPrivacyBudget epsilon 1.0)")
 @pytest.mark.parametrize("flag", sorted(_FLAGS))
 def test_a_bool_array_or_tensor_is_not_a_number(flag):
-  value = _FLAGS[flag]()
-  with pytest.raises(ParameterTypeError, match="epsilon"):
-    dp.keras.callbacks.StopAtPrivacyBudget(epsilon=value, delta=1e-5)
-  for check in (validation.check_positive, validation.check_nonnegative,
-                validation.check_probability, validation.check_number):
-    with pytest.raises(ParameterTypeError):
-      check("x", value)
+  """R16's checks (StopAtPrivacyBudget's epsilon, the number, interval and integer checks)
+  on the array or tensor."""
+  r16.test_a_bool_is_not_a_number(_FLAGS[flag]())
 
 
 def test_numbers_as_arrays_and_tensors_still_pass():
