@@ -110,3 +110,32 @@ def test_a_random_layer_held_without_a_dict_is_keyed(holder, traced):
   assert reached and not np.array_equal(on_d, again), (
       f"seeded masks by row position ({holder}, traced={traced}, reached={reached}): "
       f"||g(D) - g(D')|| = {moved:.4f} against C / (q N) = {STEP}")
+
+
+# Cost (measured, not a privacy finding). An eager custom loop walks its loss at every
+# compute_private_gradients call; since R16 the walk enters objects' attributes and dicts, so
+# a loss bound to a trainer holding a tokenizer's 30,000-entry vocabulary and a list of 60,000
+# example arrays visited all 90,000 values: 0.083 CPU s a walk (session 46), 0.18 with this
+# review's `__slots__` reading before values that hold no layer (str, numbers, arrays,
+# tensors) were passed over at once (0.011).
+
+class _Tokenizer:
+  def __init__(self):
+    self.vocab = {f"tok{i}": i for i in range(30000)}
+
+
+class _Trainer:
+  def __init__(self):
+    self.tokenizer, self.examples = _Tokenizer(), [np.zeros(8) for _ in range(60000)]
+
+  def loss(self):
+    return self
+
+
+def test_values_that_hold_no_layer_are_not_inspected(monkeypatch):
+  inspected = []
+  attributes = keras_internals._attributes   # pylint: disable=protected-access
+  monkeypatch.setattr(keras_internals, "_attributes",
+                      lambda value: inspected.append(type(value).__name__) or attributes(value))
+  assert keras_internals.closure_layers(_Trainer().loss) == []
+  assert sorted(inspected) == ["_Tokenizer", "_Trainer"], len(inspected)
