@@ -463,6 +463,22 @@ def test_bad_clip_raises(bad):
     fc.clipped_grad_sum(model, *data((7,), 3), mse, bad)
 
 
+def test_loss_scale_held_by_the_caller_gives_the_same_sum():
+  # the Keras train step hands the clipped sum the static loss scale it holds; the loss is
+  # multiplied by it and the norms and the sum divided by it
+  model = seq_model((7,), [L.Dense(5)])
+  x, y = data((7,), 3)
+  want, want_norms = fc.clipped_grad_sum(model, x, y, mse, 0.5)
+  for scale in (1.0, 128.0):
+    got, norms = fc.clipped_grad_sum(model, x, y, mse, 0.5, loss_scale=scale)
+    np.testing.assert_allclose(norms.numpy(), want_norms.numpy(), rtol=1e-5)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
+  for bad in (0.0, -1.0, float("inf"), float("nan"), True, "1"):
+    with pytest.raises(ValueError, match="`loss_scale` must be None or a finite float > 0"):
+      fc.clipped_grad_sum(model, x, y, mse, 0.5, loss_scale=bad)
+
+
 def test_bad_loss_shape_raises():
   model = seq_model((7,), [L.Dense(5)])
   with pytest.raises(ValueError, match="per_example_loss_fn"):

@@ -615,6 +615,16 @@ def _factors_fn(l2_norm_clip, clip_factors_fn):
   return clip_factors_fn
 
 
+def _check_loss_scale(loss_scale):
+  """`loss_scale`, a float > 0 (clipped_grad_sum's argument)."""
+  if (isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float))
+      or not 0.0 < loss_scale < float("inf")):
+    raise ParameterValueError(f"`loss_scale` must be None or a finite float > 0 "
+                              f"(runtime.loss_scale of the model). Received: "
+                              f"loss_scale={loss_scale!r}")
+  return float(loss_scale)
+
+
 def _check_variant(variant, scale):
   if variant not in ("bookkeeping", "two_pass"):
     raise ParameterValueError(f"variant must be 'bookkeeping' or 'two_pass', got "
@@ -948,12 +958,12 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
 def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                       l2_norm_clip=None, mask=None, variant=DEFAULT_VARIANT,
                       examples_per_record=1, return_outputs=False,
-                      clip_factors_fn=None, chunked=True):
+                      clip_factors_fn=None, chunked=True, loss_scale=None):
   """Implementation of clipped_grad_sum with a choice of `variant`; `chunked` False: the
   batch in one call whatever its kept bytes (a physical chunk's)."""
   factors_fn = _factors_fn(l2_norm_clip, clip_factors_fn)
   k = _check_examples_per_record(examples_per_record)
-  scale = runtime.loss_scale(model)
+  scale = runtime.loss_scale(model) if loss_scale is None else _check_loss_scale(loss_scale)
   _check_variant(variant, scale)
   units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
   if tf.executing_eagerly():   # a traced pass checks itself (_forward)
@@ -1232,7 +1242,7 @@ def _with_rounding_margin(result, plans, num_records, k):
 def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                      l2_norm_clip=None, mask=None, examples_per_record=1,
                      return_outputs=False, clip_factors_fn=None,
-                     variant=DEFAULT_VARIANT, physical_chunks=True):
+                     variant=DEFAULT_VARIANT, physical_chunks=True, loss_scale=None):
   """Sum over records of per-record gradients clipped to L2 norm C.
 
   Computes sum_j g_j * c_j with c_j = min(1, C / ||g_j||_2) (McMahan et al.
@@ -1267,6 +1277,9 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
       records (module docstring; per_example_loss_fn must then be a function of each
       example's targets and outputs alone); False: the batch in one call (a caller that
       chunks the batch itself, or whose loss depends on the whole batch).
+    loss_scale: the static loss scale, `runtime.loss_scale(model)`, when the caller holds it
+      (the Keras train step reads it once per train function); None: read here. The loss is
+      multiplied by it and the norms and the sum divided by it.
 
   Returns:
     (grads, per_record_norms[, outputs, losses]): grads is a list of dense
@@ -1278,7 +1291,7 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   Raises:
     ParameterTypeError: clip_factors_fn is not callable.
     ParameterValueError: not exactly one of l2_norm_clip and clip_factors_fn, bad
-      l2_norm_clip, variant or examples_per_record, a batch that is not
+      l2_norm_clip, variant, examples_per_record or loss_scale, a batch that is not
       whole records, a loss that is not [B], or a model that cannot be clipped
       per example (see supports).
     UnrecordedUsesError: a trainable variable is read outside its layer's recorded calls
@@ -1292,4 +1305,5 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
                              l2_norm_clip, mask=mask, variant=variant,
                              examples_per_record=examples_per_record,
                              return_outputs=return_outputs,
-                             clip_factors_fn=clip_factors_fn, chunked=physical_chunks)
+                             clip_factors_fn=clip_factors_fn, chunked=physical_chunks,
+                             loss_scale=loss_scale)

@@ -87,12 +87,14 @@ def embedding_inputs(model):
   return found
 
 
-def guard_embedding_ids(model, x):
+def guard_embedding_ids(model, x, found=None):
   """x with the ids of out-of-range examples replaced by 0, and the examples' validity.
 
   Args:
     model: the DP keras.Model.
     x: the batch's inputs (a nest of [B, ...] tensors, as the model takes them).
+    found: `embedding_inputs(model)`, when the caller holds it (the train step reads it once
+      per train function); None: read here.
 
   Returns:
     (x, valid): `valid` float32 [B], 1 for an example whose ids feeding an Embedding directly
@@ -102,7 +104,8 @@ def guard_embedding_ids(model, x):
     PrivacyConfigError: x has fewer inputs than the model's positions that feed an
       Embedding (the ids could not be found, so not checked).
   """
-  found = embedding_inputs(model)
+  if found is None:
+    found = embedding_inputs(model)
   if not found:
     return x, None
   keys = _input_keys(model, x)

@@ -23,7 +23,6 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import context as tf_context
 
-from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import data_writes
@@ -47,14 +46,15 @@ class _TraceFacts:
   """What the step reads of a model's structure and compile, once per train function.
 
   Final. Every field follows from the objects in `key` (`_facts_key`: optimizer, compiled
-  loss and metrics, compute dtype, built); `TrainStepMixin._dp_trace_facts` rebuilds the
-  facts when one of them changes or the train function is rebuilt. The data, clip, query,
+  loss and metrics, compute dtype, built, a Sequential's functional graph);
+  `TrainStepMixin._dp_trace_facts` rebuilds the facts when one of them changes or the train
+  function is rebuilt. The data, clip, query,
   noise, sampling and the layers' `trainable` flags are read every step.
   """
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
                "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
-               "compute_loss", "plans", "seed_generators", "chunk_examples")
+               "compute_loss", "plans", "seed_generators", "chunk_examples", "embedding_ids")
 
   def __init__(self, model, key):
     self.key = key
@@ -78,12 +78,16 @@ class _TraceFacts:
     # fast_clipping.clipping.physical_chunk_examples of this train function, by what it
     # follows from (`TrainStepMixin._dp_chunk_examples`)
     self.chunk_examples = {}
+    # the inputs that feed an Embedding, whose ids the step guards (total_records)
+    self.embedding_ids = total_records.embedding_inputs(model)
 
 
 def _facts_key(model):
-  """The objects the trace facts of `model` follow from (compared by identity)."""
+  """The objects the trace facts of `model` follow from (compared by identity); a Sequential's
+  functional graph too (Keras builds a new one when a layer is added or popped)."""
   return (getattr(model, "optimizer", None), getattr(model, "_compile_loss", None),
-          getattr(model, "_compile_metrics", None), model.compute_dtype, model.built)
+          getattr(model, "_compile_metrics", None), model.compute_dtype, model.built,
+          getattr(model, "_functional", None))
 
 
 # A first step (the batch-independence probe, tracing, graph optimization, first run) longer
@@ -522,10 +526,11 @@ class TrainStepMixin:
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = grads_lib.example_mask_from_weights(sample_weight, b)
     # an example whose id an Embedding cannot gather contributes zero instead of stopping
-    # the step (total_records)
-    x, ids_ok = total_records.guard_embedding_ids(self, x)
-    if ids_ok is not None:
-      example_mask = example_mask * ids_ok
+    # the step (total_records; no input feeds an Embedding: nothing to guard)
+    if facts.embedding_ids:
+      x, ids_ok = total_records.guard_embedding_ids(self, x, facts.embedding_ids)
+      if ids_ok is not None:
+        example_mask = example_mask * ids_ok
     variables = self.trainable_variables
     per_user = getattr(self, "_dp_examples_per_user", None)
     if per_user is not None:   # user-level batches: a record is one user's k rows
@@ -546,6 +551,7 @@ class TrainStepMixin:
       counts = tf.stack([tf.reduce_sum(rmask), tf.cast(tf.size(rmask), tf.float32)])
       # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
       scale = step.sum_scale(counts[1]) if step.folds_denominator else None
+      expected = step.expected_records   # the fast sum's chunk size follows from it
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
                                                        checked_by_the_step=routes)
       if self._dp_traced_clipping == "fast":
@@ -553,7 +559,7 @@ class TrainStepMixin:
         start = 0 if graph is None else len(graph.get_operations())
         try:
           state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
-                                                           variables, params, scale)
+                                                           variables, params, scale, expected)
         except fast_clip.UnrecordedUsesError as found:   # raised before any sum is formed
           self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
           _abandon_fast_pass(self, graph, start)
@@ -602,8 +608,10 @@ class TrainStepMixin:
                            vectorize=facts.vectorize, loss_scale=scale, params=params,
                            sum_scale=sum_scale, xla=getattr(self, "_dp_core_xla", None))
 
-  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale):
+  def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale,
+                   expected):
     """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
+    `expected`: the step's expected records (PrivateStep.expected_records, a variable).
 
     Records (examples or microbatches) are laid out record-major, k examples each, and
     clipped in physical chunks of whole records when max_physical_batch_size is set; the
@@ -621,44 +629,45 @@ class TrainStepMixin:
     def chunk_fn(acc, chunk, chunk_rmask):
       c_recs, c_em = chunk
       xc, yc, _ = tf.nest.map_structure(_flat_records, c_recs)
-      weights = grads_lib.record_weights(c_em, c_recs[2])
+      mask = _flat_records(c_em)
       per_record = tf.TensorShape(c_em.shape)[1]   # k, where the trace knows it
+      # an add/remove step's public bound on the records (chunking.public_rows; its
+      # sum_over_chunks checks the batch against it at run time): the rules trace no chunk
+      # loop a batch within it cannot run (runtime.examples_at_most)
+      bound = rows_bound * k if rows_bound is not None and isinstance(k, int) else None
+      weights = grads_lib.record_weights(c_em, c_recs[2])
 
-      def regroup(t):  # [R * k, ...] -> [R, k, ...], the Keras mask too
-        def grouped(a):
-          if per_record:   # R = -1 beside the static k (k >= 1)
-            return _reshaped(a, [-1, per_record], a.shape[1:], lambda: tf.shape(a)[1:])
-          return tf.reshape(a, tf.concat([tf.shape(c_em), tf.shape(a)[1:]], 0))
+      def grouped(a):  # [R * k, ...] -> [R, k, ...]
+        if per_record:   # R = -1 beside the static k (k >= 1)
+          return _reshaped(a, [-1, per_record], a.shape[1:], lambda: tf.shape(a)[1:])
+        return tf.reshape(a, tf.concat([tf.shape(c_em), tf.shape(a)[1:]], 0))
 
+      def regroup(t):  # grouped, the Keras mask too
         out = grouped(t)
-        mask = keras_internals.keras_mask(t)
-        if mask is not None:
-          keras_internals.set_keras_mask(out, grouped(mask))
+        t_mask = keras_internals.keras_mask(t)
+        if t_mask is not None:
+          keras_internals.set_keras_mask(out, grouped(t_mask))
         return out
 
       def per_example_loss_fn(y_true, y_pred):
         # Every example of a record carries the record's loss: their masked mean is it.
+        # (the targets are `yc`, reshaped here: they carry no Keras mask)
         losses = record_losses.compiled_record_losses(
-            self, tf.nest.map_structure(regroup, y_true), tf.nest.map_structure(regroup, y_pred),
+            self, tf.nest.map_structure(grouped, y_true), tf.nest.map_structure(regroup, y_pred),
             weights)
         if isinstance(k, int) and k == 1:   # no tf.repeat: its shape ops run at every step
           return losses * n_rep
         return tf.repeat(losses * n_rep, k)
 
-      # an add/remove step's public bound on the records (chunking.sum_over_chunks checks
-      # the batch against it at run time): the rules trace no chunk loop a batch within it
-      # cannot run (runtime.examples_at_most)
-      plan = summation.current_public_plan()
-      bound = plan[0] * k if plan is not None and isinstance(k, int) else None
       # the ops of the pass's call of the model, when no trace of its own checked the call
       calls = None if getattr(self, "_dp_writes_checked", False) else []
       object.__setattr__(self, fast_clip.CALL_OPS_ATTR, calls)
       try:
         with runtime.examples_at_most(bound):
           grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
-              self, xc, yc, per_example_loss_fn, mask=_flat_records(c_em),
-              examples_per_record=k, return_outputs=True, clip_factors_fn=clip_factors_fn,
-              physical_chunks=False)   # the loss reads the batch's weights; chunked here
+              self, xc, yc, per_example_loss_fn, mask=mask, examples_per_record=k,
+              return_outputs=True, clip_factors_fn=clip_factors_fn, physical_chunks=False,
+              loss_scale=facts.loss_scale)   # the loss reads the batch's weights; chunked here
       finally:
         object.__setattr__(self, fast_clip.CALL_OPS_ATTR, None)
       # the writes of this very pass (forward, loss, backward), before any run; and the
@@ -668,14 +677,14 @@ class TrainStepMixin:
                                          call_of=(self, calls) if calls else None)
         if calls is not None and not calls:   # no traced call seen: the call's own trace
           self._dp_writes_checked = data_writes.refuse_model_writes(self, xc)
+      losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
+      rec_loss = grads_lib.masked_record_mean(losses, c_em)
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
         # one Identity per variable, not one IdentityN: the pipelining gates each sum's
         # own producer on the leaf noised before it (private_step.gate_sums_on_noise)
         grads = [tf.identity(g) for g in grads]
-      losses = tf.reshape(tf.cast(losses, tf.float32), tf.shape(c_em))
-      rec_loss = grads_lib.masked_record_mean(losses, c_em)
       grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]
       if acc is not None:   # a later chunk: added into the first chunk's sums
         grads = [a + g for a, g in zip(acc, grads)]
@@ -688,7 +697,7 @@ class TrainStepMixin:
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
       # within the memory budget (fast_clipping.physical_chunk_examples)
-      m_ex = self._dp_chunk_examples(step, facts, recs[0], k, xla)
+      m_ex = self._dp_chunk_examples(expected, facts, recs[0], k, xla)
       per_chunk = None if m_ex is None else m_ex // k
     if per_chunk is not None and step.draws_keyed:
       step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
@@ -696,7 +705,7 @@ class TrainStepMixin:
     # tensor per variable), and the query's sample state is that sum itself
     # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
     public = per_chunk if isinstance(per_chunk, int) else None
-    with chunking.public_rows(step, k, chunk=public, xla=xla):
+    with chunking.public_rows(step, k, chunk=public, xla=xla) as rows_bound:
       grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
                                                              per_chunk, template=template)
     if outputs is not None:
@@ -704,13 +713,14 @@ class TrainStepMixin:
     state = step.base_query.sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
 
-  def _dp_chunk_examples(self, step, facts, inputs, k, xla):
+  def _dp_chunk_examples(self, expected_records, facts, inputs, k, xla):
     """fast_clipping.clipping.physical_chunk_examples of the records' inputs [R, k, ...] at
-    the step's expected examples (this replica's share), kept in the trace facts by what it
-    follows from (the inputs' shapes and dtypes, k, the expected examples, XLA or not, the
-    trained variables, the registered rules): an eager step asks once, not at every step."""
+    the step's expected examples (`expected_records`, the step's variable, times k; this
+    replica's share), kept in the trace facts by what it follows from (the inputs' shapes
+    and dtypes, k, the expected examples, XLA or not, the trained variables, the registered
+    rules): an eager step asks once, not at every step."""
     with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
-      expected = float(step.expected_records.numpy()) * k
+      expected = float(expected_records.numpy()) * k
     expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
     inputs = tf.nest.map_structure(_flat_records, inputs)
     key = (tuple((tuple(t.shape), t.dtype) for t in tf.nest.flatten(inputs)), k, expected,

@@ -243,15 +243,20 @@ def public_rows(step, examples_per_record, chunk=None, xla=None):
     chunk: records per chunk of a layout the caller chose from public values instead of
       `chunk_layout` (an int: the bound's rows in chunks of that many), or None.
     xla: as `chunk_layout`'s (the same value the batch's layout was chosen with).
+
+  Yields:
+    the public bound on the rows within the block (an int: this plan's, or an enclosing
+    block's when the step declares none), or None.
   """
   bound = public_row_bound(step)
   if bound is None:
-    yield
+    plan = summation.current_public_plan()
+    yield None if plan is None else plan[0]
     return
   layout = chunk if chunk is not None else _layout(step, examples_per_record, bound, xla=xla)
   records, chunks = _plan_of(layout, bound)
   with summation.public_plan(bound, records, chunks):
-    yield
+    yield bound
 
 
 def _slice(nest, start, size):
