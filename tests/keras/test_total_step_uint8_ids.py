@@ -7,6 +7,8 @@ contributed zero, silently (measured: noise off, the weights did not move at all
 0.013 / 0.0039 / 0.088 with the same ids as int32; input_dim 300 kept ids 0..43 only).
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -58,3 +60,29 @@ def test_a_byte_model_trains_as_with_int32_ids():
   assert max(float(np.abs(a - b).max()) for a, b in zip(reference, before)) > 1e-3
   for got, want in zip(_fit("uint8")[1], reference):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_an_eager_step_guards_the_ids_of_numpy_arrays():
+  """run_eagerly=True: train_on_batch hands the step the arrays themselves; an id outside the
+  vocabulary still makes its example contribute zero instead of stopping the step (noise
+  off: the weights equal those of the step without that example)."""
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 10, size=(8, 3)).astype(np.int32)
+  y = rng.normal(size=(8, 1)).astype(np.float32)
+  x_bad = x.copy()
+  x_bad[0, 0] = 10
+  after = []
+  for xs, ys in ((x_bad, y), (x[1:], y[1:])):
+    keras.utils.set_random_seed(0)
+    model = dp.keras.DPSequential([keras.Input((3,), dtype="int32"),
+                                   keras.layers.Embedding(10, 4), keras.layers.Flatten(),
+                                   keras.layers.Dense(1)])
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", UserWarning)   # noise 0: a test only
+      opt = dp.keras.DPKerasSGDOptimizer(1.0, 0.0, learning_rate=0.1, normalize=False)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=True)
+    model.optimizer.set_sampling(64, 8 / 64, "poisson", 8)
+    model.train_on_batch(xs, ys)
+    after.append([np.array(v) for v in model.trainable_variables])
+  for got, want in zip(*after):
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

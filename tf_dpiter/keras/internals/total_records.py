@@ -26,6 +26,7 @@ inputs on a public schema before fit.
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.errors import PrivacyConfigError
@@ -122,6 +123,8 @@ def guard_embedding_ids(model, x, found=None):
   valid = None
   for pos, input_dim in sorted(found.items()):
     ids = flat[keys[pos]]
+    if isinstance(ids, np.ndarray):   # an eager step (train_on_batch) is handed the arrays
+      ids = tf.convert_to_tensor(ids)
     if not isinstance(ids, tf.Tensor) or not (ids.dtype.is_integer or ids.dtype.is_floating):
       continue
     ok = _in_range(ids, input_dim)
