@@ -55,10 +55,13 @@ def test_ready_made_classes_round_trip_config(name, base):
 # and loaded, in test_model_save_load_keeps_dp_settings), and the DP AdamW's (the same class,
 # DPKerasAdamWOptimizer, that make_private makes of a compiled AdamW) is
 # test_make_private_compiled.py's test_compiled_plain_model_gets_the_dp_copy_...: a fit whose
-# ledger counts its steps (session 45): with -m slow.
+# ledger counts its steps (session 45): with -m slow. So are the DP RMSprop's and DP Adagrad's
+# (session 47): test_privacy_meter_and_ledger_export fits the DP RMSprop (its ledger: 20
+# samples) and test_stop_at_privacy_budget[1] the DP Adagrad (12 steps counted).
 @pytest.mark.parametrize("name", [pytest.param("SGD", marks=pytest.mark.slow),
                                   pytest.param("Adam", marks=pytest.mark.slow),
-                                  "Adagrad", "RMSprop",
+                                  pytest.param("Adagrad", marks=pytest.mark.slow),
+                                  pytest.param("RMSprop", marks=pytest.mark.slow),
                                   pytest.param("AdamW", marks=pytest.mark.slow)])
 def test_ready_made_classes_train(name):
   x, y = _data()
@@ -270,9 +273,11 @@ def test_fast_clipping_matches_reference_with_microbatches_and_physical_batches(
 
 
 def test_privacy_meter_and_ledger_export(tmp_path):
+  """(Also the DP RMSprop's fit: test_ready_made_classes_train[RMSprop] runs with -m slow.)"""
   x, y = _data(200)
   model = _seq()
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1), loss=LOSS)
+  model.compile(optimizer=dp.keras.DPKerasRMSpropOptimizer(1.0, 1.1, learning_rate=0.1),
+                loss=LOSS)
   path = os.path.join(tmp_path, "ledger.json")
   hist = model.fit(dp.data.poisson_batches(x, y, expected_batch_size=20, seed=0), epochs=2,
                    verbose=0, callbacks=[dp.keras.callbacks.PrivacyMeter(delta=1e-5),
@@ -288,9 +293,12 @@ def test_privacy_meter_and_ledger_export(tmp_path):
 
 @pytest.mark.parametrize("spe", [1, 2])
 def test_stop_at_privacy_budget(spe):
+  """(spe=1 is also the DP Adagrad's fit: test_ready_made_classes_train[Adagrad] runs with
+  -m slow.)"""
   x, y = _data(200)
   model = _seq()
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1), loss=LOSS,
+  cls = dp.keras.DPKerasAdagradOptimizer if spe == 1 else dp.keras.DPKerasSGDOptimizer
+  model.compile(optimizer=cls(1.0, 1.0, learning_rate=0.1), loss=LOSS,
                 steps_per_execution=spe)
   # budget: epsilon of 12 such steps, so training must stop at step 12
   budget = accounting.compute_dp_sgd_privacy(200, 20, 1.0, 12 * 20 / 200, 1e-5).epsilon * 1.0001
