@@ -42,12 +42,17 @@ def _std_of_update(model, train):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_replace_one_a_zero_weight_record_counts_as_a_record(jit):
+  # both steps on one model (one trace): x = 0, so each update is -lr noise / d whatever the
+  # weights the first step left
+  model = _model(jit)
+
   def update_std(last_weight):
     weights = np.array([1, 1, 1, last_weight], "float32")
     x, y = np.zeros((4, D), "float32"), np.zeros((4, 1), "float32")
-    return _std_of_update(_model(jit), lambda m: m.fit(
+    return _std_of_update(model, lambda m: m.fit(
         x, y, sample_weight=weights, batch_size=4, epochs=1, sampling="shuffle", verbose=0))
   with_record, zero_weight = update_std(1.0), update_std(0.0)
+  assert int(model.ledger.sample_count.numpy()) == 2   # two steps, each charged
   assert abs(zero_weight / with_record - 1.0) < TOL, (with_record, zero_weight)
   assert abs(with_record - Z / 4) < 0.05 * Z / 4   # sigma / 4: the batch's 4 records
 
