@@ -11,6 +11,13 @@ digest, so that removing, reordering or editing a chunk is detected. A chunk als
 ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`) when it has one; `resume`
 merges the last chunk's into the ledger with its rows.
 
+A chunk holds what the ledger holds beyond the journal: the rows it appended since the last
+chunk, or, after a merge put another run's rows among the ledger's (a merge lists the merged
+ledger's runs first), per run identity what its views hold beyond the journal's
+(`run_ids.additions`); the chunk's run table is the journal's own, in its row order. So the
+journal holds the ledger's runs, each once, in whatever order the ledger holds them (before:
+positions after such a merge named other rows; the merged run's rows were lost).
+
 A cut tail leaves a valid chain (a chain proves what it holds, not that nothing came after):
 `check_covers(iterations)` refuses a journal that ends before the restored model's
 iterations. Steps taken after the restored checkpoint and cut from the journal cannot be told
@@ -30,6 +37,7 @@ import warnings
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
+from tf_dpiter.ledger import privacy_ledger
 from tf_dpiter.ledger import records as rec
 from tf_dpiter.ledger import run_ids
 
@@ -60,7 +68,10 @@ class LedgerJournal:
     self._iterations = None    # the last chunk's optimizer iterations (None: not recorded)
     self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
     self._grouping = None      # the last chunk's cyclic grouping record
-    self._table = None         # the last chunk's run table of the whole ledger (or None)
+    self._table = None         # the last chunk's run table of the whole journal (or None)
+    # (run table, samples) of the ledger state the journal holds in the ledger's own row
+    # order, so that what the ledger appends after it is new (None: not known)
+    self._seen = ((), 0)
     self._torn_at = None       # bytes before a last line torn by a crash (cut at the append)
     self._size = 0             # the file's bytes as this object last read or wrote them
     self._tail = b""           # the file's last _TAIL bytes then
@@ -87,6 +98,7 @@ class LedgerJournal:
     self._iterations, self._chunk_iterations, self._grouping = None, set(), None
     self._table, self._torn_at, self._size, self._read_done = None, None, 0, True
     self._tail = b""
+    self._seen = None
     if not os.path.exists(self.path):
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path, "rb") as f:   # bytes: only b"\n" ends a line, a torn tail may hold any
@@ -199,6 +211,9 @@ class LedgerJournal:
       self.check_covers(iterations)
     # never loses a row the ledger holds
     ledger.merge_arrays(samples, queries, passes, self._grouping, self._table)
+    held = self._table if self._table is not None or self._written else ()
+    if held is not None and _growth(held, ledger.run_table()) is not None:
+      self._seen = (held, self._written)   # the ledger starts with the journal's rows
     return samples.shape[0]
 
   def append(self, ledger, iterations=None):
@@ -221,16 +236,11 @@ class LedgerJournal:
         and (iterations is None or (self._iterations or 0) >= iterations)):
       return 0
     self._check_unchanged()
-    samples, queries = ledger.get_arrays(self._written)
-    if queries.size:
-      queries = queries.copy()
-      queries[:, 0] -= self._written
+    samples, queries, passes, table = self._new_rows(ledger, passes)
     chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes,
                                        grouping=ledger.cyclic_grouping)
     chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
-    table = ledger.run_table()
-    if (sum(n for _, n, _ in table) == self._written + int(samples.shape[0])
-        and sum(p for _, _, p in table) == passes):
+    if table is not None:
       chunk[TABLE_FIELD] = [list(e) for e in table]
     if iterations is not None:
       chunk["iterations"] = iterations
@@ -251,8 +261,43 @@ class LedgerJournal:
     self._last_digest = chunk["digest"]
     self._seq += 1
     self._passes_written = passes
+    self._table = table
     self._iterations = _chunk_iterations(chunk, self._iterations, self.path)
     return int(samples.shape[0])
+
+  def _new_rows(self, ledger, passes):
+    """(samples, queries indexed from the chunk's first sample, pass total, the journal's
+    run table after them or None) of what `ledger`, with `passes` passes, holds beyond the
+    journal.
+
+    The ledger appended since the state the journal last held in its order (its run table
+    extends that one's: `_growth`): its rows after that state. Else (a merge put another
+    run's rows among them, or a journal that did not resume this ledger): per run identity,
+    what the ledger's views hold beyond the journal's (`privacy_ledger.added_arrays`; the
+    file is read again). A journal of an earlier version (no run table) appends by position.
+    """
+    table = ledger.run_table()
+    known = self._table is not None or not self._written   # else an earlier version's
+    growth = None if self._seen is None or not known else _growth(self._seen[0], table)
+    if growth is not None or not known:
+      start = self._seen[1] if growth is not None else self._written
+      samples, queries = ledger.get_arrays(start)
+      queries = queries.copy()
+      queries[:, 0] -= start
+      if growth is not None:
+        joined = _coalesced((self._table or ()) + growth)
+      else:   # an earlier version's journal: the ledger's table when it covers it
+        covers = (sum(n for _, n, _ in table) == self._written + samples.shape[0]
+                  and sum(p for _, _, p in table) == passes)
+        joined = table if covers else None
+    else:
+      journal_rows = self.read()
+      samples, queries, added, extra = privacy_ledger.added_arrays(
+          (*journal_rows, None, self._table or ()), ledger.state())
+      joined = _coalesced((self._table or ()) + extra)
+      passes = self._passes_written + added
+    self._seen = (table, int(ledger.sample_count.numpy()))
+    return samples, queries, passes, joined
 
   def _check_unchanged(self):
     """Refuses to append to a file that changed since this object last read or wrote it:
@@ -294,6 +339,35 @@ def _chunk_table(chunk, samples, passes):
     return run_ids.check_table(chunk[TABLE_FIELD], samples, passes)
   except ParameterValueError:
     return None
+
+
+def _growth(seen, table):
+  """The segments run table `table` adds by position after `seen` (it starts with seen's
+  segments, the last of them possibly longer: the ledger only appended), or None."""
+  seen = tuple(seen)
+  k = len(seen)
+  if len(table) < k or tuple(table[:k - 1]) != seen[:k - 1]:
+    return None
+  if not k:
+    return tuple(table)
+  (rid, n, p), (rid2, n2, p2) = seen[-1], table[k - 1]
+  if rid != rid2 or n2 < n or p2 < p or (rid is None and (n2, p2) != (n, p)):
+    return None
+  return ((rid, n2 - n, p2 - p),) + tuple(table[k:])
+
+
+def _coalesced(table):
+  """`table` without segments of no sample and no pass, adjacent segments of one identity
+  joined (a segment without identity stays apart)."""
+  out = []
+  for rid, n, p in table:
+    if not (n or p):
+      continue
+    if out and rid is not None and out[-1][0] == rid:
+      out[-1] = (rid, out[-1][1] + n, out[-1][2] + p)
+    else:
+      out.append((rid, n, p))
+  return tuple(out)
 
 
 def _chunk_iterations(chunk, previous, where):

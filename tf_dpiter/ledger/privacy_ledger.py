@@ -238,14 +238,16 @@ def merged_arrays(current, restored):
   numpy arrays, an int, a cyclic grouping record (str or None) and a run table
   (`run_ids`: (id, samples, passes) segments; None or absent: one run of its own).
 
-  Per run identity (`run_ids.merge_tables`): when one view is a prefix of the other, the
-  longer one; otherwise the restored view followed by the current one's samples after their
-  common prefix (query rows re-indexed), the passes added. Different identities are
+  Per run identity (`run_ids.merge_tables`): the longer of its two views (one is a prefix of
+  the other: a run's ledger only appends), never their sum. Different identities are
   different runs, even with equal rows (two towers trained with one recipe): both are
-  charged, their passes added. Charging more than was used is the safe side.
+  charged, their passes added.
 
   Returns:
     (samples, queries, passes, grouping, table); the groupings merged by `merged_grouping`.
+
+  Raises:
+    PrivacyConfigError: two views of one run differ at a sample both hold (one was altered).
   """
   grouping = merged_grouping(current[3] if len(current) > 3 else None,
                              restored[3] if len(restored) > 3 else None)
@@ -253,6 +255,18 @@ def merged_arrays(current, restored):
       (*current[:3], _table_of(current)), (*restored[:3], _table_of(restored)),
       _common_prefix)
   return samples, queries, passes, grouping, table
+
+
+def added_arrays(current, restored):
+  """(samples, queries, passes, table) of what `restored` holds beyond `current` (each as in
+  `merged_arrays`), per run identity (`run_ids.additions`): appended to current's rows, the
+  merge of the two that keeps current's rows in place.
+
+  Raises:
+    PrivacyConfigError: two views of one run differ at a sample both hold.
+  """
+  return run_ids.additions((*current[:3], _table_of(current)),
+                           (*restored[:3], _table_of(restored)), _common_prefix)
 
 
 # The writes run in functions shared by every ledger of the process (they take the variables'
@@ -687,7 +701,8 @@ class PrivacyLedger(tf.Module):
         its own (charged in full).
 
     Raises:
-      PrivacyConfigError: the arrays are malformed (records.validate_arrays).
+      PrivacyConfigError: the arrays are malformed (records.validate_arrays), or a view of a
+        run this ledger holds that differs from its view here at a sample both hold.
       ParameterValueError: `runs` does not cover them (`run_ids.check_table`).
     """
     samples, queries = rec.validate_arrays(samples, queries)

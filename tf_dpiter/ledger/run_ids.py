@@ -12,12 +12,17 @@ holds a *run table*, the segments of its samples in order, each (id, samples, pa
 ledger that adopted other runs' samples still names whose they are. The table travels with
 the rows (checkpoint, signed dict / JSON file, weights-file entry, optimizer config, journal).
 
-Merge (`merge_tables`): the samples of one identity are written by one ledger object, which
-only appends, so of two views of one identity one is a prefix of the other: the longer is kept
-(passes: the larger). Different identities are different runs: both are charged (passes
-added). A segment without identity (None: a ledger of an earlier version, or arrays given
-without a table) is another run, never merged with anything: charging more is the safe side.
-The relation and unit are those of each sample row (`records`); nothing here changes them.
+Merge (`merge_tables`), the rule: one run is one identity. The samples of one identity are
+written by one ledger object, which only appends, so of two views of one identity (the live
+ledger, its journal, a checkpoint, a file saved at some step) one is a prefix of the other:
+merging them keeps their union, the longer (passes: the larger), never their sum. Two views
+of one identity that differ at a sample both hold are refused (`PrivacyConfigError`): one was
+altered, and neither their sum nor either one is the run's ledger. Different identities are
+different runs, even with equal rows: both are charged (passes added). A segment without
+identity (None: a ledger of an earlier version, or arrays given without a table) is another
+run, never merged with anything: charging more is the safe side. `additions` is the same
+merge seen from a copy that keeps its rows in place (a journal appending by position). The
+relation and unit are those of each sample row (`records`); nothing here changes them.
 """
 
 import json
@@ -27,6 +32,7 @@ import secrets
 import numpy as np
 
 from tf_dpiter.errors import ParameterValueError
+from tf_dpiter.errors import PrivacyConfigError
 
 FIELD = "run_ids"   # the signed ledger dict's field: [[id or null, samples, passes], ...]
 _ID = re.compile(r"[0-9a-f]{32}\Z")
@@ -155,19 +161,82 @@ def merge_tables(current, restored, common_prefix):
     common_prefix: f((s1, q1), (s2, q2)) -> leading samples two row sets share.
 
   Returns:
-    (samples, queries, passes, table): per identity, the longer of the two views when one is
-    a prefix of the other (passes: the larger), else the restored view followed by the
-    current one's samples after their common prefix (passes added); different identities and
-    segments without one are all kept. Restored identities come first, in order.
+    (samples, queries, passes, table): per identity, the longer of the two views (one is a
+    prefix of the other; passes: the larger); different identities and segments without
+    one are all kept. Restored identities come first, in order.
+
+  Raises:
+    PrivacyConfigError: two views of one identity differ at a sample both hold.
   """
   merged = _blocks(*restored[:2], restored[3])
   for key, (rid, view) in _blocks(*current[:2], current[3]).items():
-    merged[key] = (rid, _merge_views(merged[key][1], view, common_prefix)
+    merged[key] = (rid, _merge_views(merged[key][1], view, common_prefix, rid)
                    if key in merged else view)
+  return _joined(merged.values(), current[0].shape[1], current[1].shape[1])
+
+
+def _merge_views(restored, current, common_prefix, rid):
+  """Two views (samples, queries, passes) of identity `rid`: their union, the current view
+  followed by what the restored one holds beyond it (`_extension`)."""
+  return _concat(current, _extension(current, restored, common_prefix, rid))
+
+
+def _extension(current, restored, common_prefix, rid):
+  """(samples, queries re-indexed from 0, passes) of what the view `restored` of identity
+  `rid` holds beyond the view `current`: nothing when restored is a prefix of current, its
+  samples after current's when current is a prefix of it (passes: the excess).
+
+  Raises:
+    PrivacyConfigError: the two views differ at a sample both hold.
+  """
+  (sc, qc, pc), (sr, qr, pr) = current, restored
+  p = common_prefix((sc, qc), (sr, qr))
+  if p < min(sc.shape[0], sr.shape[0]):
+    raise PrivacyConfigError(
+        f"two views of the ledger of run {rid} disagree at its sample {p} (of "
+        f"{sc.shape[0]} and {sr.shape[0]}): one run's ledger only appends, so one of them was "
+        "altered or belongs to another run under a copied identity. Neither their sum nor "
+        "either view is the run's ledger; refusing to merge them. Merge the run's own ledger "
+        f"(its journal, checkpoint or saved file) instead. Received: run_id={rid!r}")
+  tail_q = qr[qr[:, 0] >= p].copy()
+  tail_q[:, 0] -= p
+  return sr[p:], tail_q, max(pr - pc, 0)
+
+
+def additions(current, restored, common_prefix):
+  """What a ledger `restored` holds beyond a ledger `current`, per identity, in restored's
+  order: (samples, queries re-indexed from 0, passes, table). Appended to current's rows,
+  this is the merge of the two that keeps current's rows in place (a journal continuing
+  by position: `journal.LedgerJournal.append`).
+
+  Args:
+    current: (samples, queries, passes, table) of the ledger appended to.
+    restored: (samples, queries, passes, table) of the ledger whose additions are taken.
+    common_prefix: f((s1, q1), (s2, q2)) -> leading samples two row sets share.
+
+  Returns:
+    (samples, queries, passes, table) of the additions (segments of identities current
+    does not hold, segments without identity, and the extensions of its views).
+
+  Raises:
+    PrivacyConfigError: two views of one identity differ at a sample both hold.
+  """
+  held = _blocks(*current[:2], current[3])
+  width_q = current[1].shape[1]
+  empty = (current[0][:0], np.zeros((0, width_q)), 0)
+  extra = {key: (rid, _extension(held[key][1] if key in held else empty, view,
+                                 common_prefix, rid))
+           for key, (rid, view) in _blocks(*restored[:2], restored[3]).items()}
+  return _joined(extra.values(), current[0].shape[1], width_q)
+
+
+def _joined(blocks, width_s, width_q):
+  """(samples, queries, passes, table) of (id, (samples, queries, passes)) blocks in order;
+  a block with no sample and no pass is dropped (it charges nothing)."""
   samples, queries, passes, table = [], [], 0, []
   offset = 0
-  for rid, (s, q, p) in merged.values():
-    if s.shape[0] == 0 and p == 0:   # an empty segment charges nothing
+  for rid, (s, q, p) in blocks:
+    if s.shape[0] == 0 and p == 0:
       continue
     q = q.copy()
     q[:, 0] += offset
@@ -176,22 +245,6 @@ def merge_tables(current, restored, common_prefix):
     passes += p
     table.append((rid, int(s.shape[0]), int(p)))
     offset += s.shape[0]
-  width_s, width_q = current[0].shape[1], current[1].shape[1]
   return (np.concatenate(samples) if samples else np.zeros((0, width_s)),
           np.concatenate(queries) if queries else np.zeros((0, width_q)),
           passes, tuple(table))
-
-
-def _merge_views(restored, current, common_prefix):
-  """Two views (samples, queries, passes) of one identity: the longer when one is a prefix
-  of the other (passes: the larger); else the restored one and the current one's samples
-  after their common prefix (passes added)."""
-  (sr, qr, pr), (sc, qc, pc) = restored, current
-  p = common_prefix((sc, qc), (sr, qr))
-  if p == sr.shape[0]:
-    return sc, qc, max(pc, pr)
-  if p == sc.shape[0]:
-    return sr, qr, max(pc, pr)
-  tail_q = qc[qc[:, 0] >= p].copy()
-  tail_q[:, 0] -= p
-  return _concat((sr, qr, pr), (sc[p:], tail_q, pc))
