@@ -222,10 +222,6 @@ def _hand_epsilon(steps, q=0.25, z=1.0, delta=1e-5):
   return dpa.rdp.RdpAccountant().compose(event).get_epsilon(delta)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review R17: weights copied by value start a fresh ledger (1 of 5 steps, epsilon 3.08 "
-    "against 5.27); the fix on branch h46-R17 double-charged a run resumed from its journal "
-    "(CHANGELOG Known issues)"))
 @pytest.mark.parametrize("path", ["fit", "traced_custom_loop"])
 def test_weights_copied_by_value_into_a_new_dp_model_keep_their_charge(path):
   """Trained 4 steps, copied by value, 1 step more: the copy's ledger charges all 5."""

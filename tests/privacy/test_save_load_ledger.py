@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 import tf_dpiter as dp
+from tf_dpiter.keras.optimizer import weight_fingerprints
 import tf_dpiter.keras  # noqa: F401  (registers the DP classes for load_model)
 
 N, BATCH, Z, DELTA, EPOCHS = 200, 20, 1.1, 1e-5, 3
@@ -108,6 +109,9 @@ def test_checkpoint_of_iterations_without_ledger_refuses(tmp_path):
   # a checkpoint that keeps the weights and the step counter but not the optimizer object
   path = tf.train.Checkpoint(weights=model.trainable_variables,
                              step=model.optimizer.iterations).save(os.path.join(tmp_path, "c"))
+  # restored as in another process: in this one, the live run's values restored adopt its
+  # ledger (weight_fingerprints' copies by value, review R17), which another process lacks
+  weight_fingerprints._RELEASED.clear()  # pylint: disable=protected-access
   restored = _model()
   restored.optimizer.build(restored.trainable_variables)
   tf.train.Checkpoint(weights=restored.trainable_variables,

@@ -156,21 +156,22 @@ def recorded_ledgers(optimizer, variables):
 
 
 def adopt_recorded_ledgers(optimizer, variables):
-  """Merges into `optimizer`'s ledger the ledgers recorded on `variables` (`recorded_ledgers`),
-  eagerly (also while a step is traced): every noised step the weights took is charged
-  (McMahan et al. 2018, Section 6), each once (`ledger.run_ids`: a run already held is not
-  added again; add/remove or replace-one as each row records).
+  """Merges into `optimizer`'s ledger the ledgers recorded on `variables` (`recorded_ledgers`)
+  and those of the runs whose released values they hold (`weight_fingerprints.adopt_released`:
+  a copy by value), eagerly (also while a step is traced): every noised step the weights took
+  is charged (McMahan et al. 2018, Section 6), each once (`ledger.run_ids`: a run already held
+  is not added again; add/remove or replace-one as each row records).
 
   Args:
     optimizer: a DP optimizer.
     variables: its trainable variables.
   """
   ledgers = recorded_ledgers(optimizer, variables)
-  if not ledgers:
-    return
   with tf.init_scope():
     for ledger in ledgers:
       optimizer.private_step.adopt_ledger(*ledger.state())
+  # and the runs whose released values they hold, copied by value (set_weights)
+  weight_fingerprints.adopt_released(optimizer, variables)
 
 
 def check_variables(optimizer, variables):

@@ -60,6 +60,15 @@ tf.train.Checkpoint saved more than TRACED_KEPT traced steps before its restore)
 and the refusal names the fix: a check when such a checkpoint is saved (the privacy
 statement, or a DP model's save_weights) records its state among the recorded ones.
 
+Copies by value carry the charge: each state a run's private updates produced keeps its digest
+with a weak reference to the run's ledger (`_RELEASED`), and a variable a DP run starts from
+(its first record, or a custom loop's first claim: `adopt_released`) that holds such values
+adopts that ledger (`set_weights(dp_model.get_weights())`, `clone_model` + `set_weights` into
+a new DP model or custom loop; review R17: 1 of 5 released steps was charged). A run whose
+ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
+nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
+values: a digest would name both).
+
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
 when that many divide the N words, else the last axis; a scalar is [1, 1]) is
@@ -134,6 +143,11 @@ _ENTROPY = 0x5EED_F1A9_E2B1_7A11
 TRACED_KEPT = 64
 # id(variable) -> _InGraph
 _IN_GRAPH = {}
+# digest h -> weak refs of the ledgers of the DP runs whose private updates left a variable
+# at h (`record`): a new model's weights copied BY VALUE from such a run (get_weights and
+# set_weights, clone_model) carry its charge (`_adopt_released`), as a weights file does
+_RELEASED = {}
+_RELEASED_PRUNE = 4096
 
 
 class _Record:
@@ -644,6 +658,10 @@ def _forget_dead():
     for key, rec in list(table.items()):
       if rec.var_ref() is None:
         del table[key]
+  if len(_RELEASED) > _RELEASED_PRUNE:   # the digests of dead runs' ledgers, now and then
+    for h, refs in list(_RELEASED.items()):
+      if all(r() is None for r in refs):
+        del _RELEASED[h]
 
 
 def _record_of(variable, make=False):
@@ -661,6 +679,11 @@ def _iterations(optimizer):
 
 
 def _append(rec, h, optimizer, count, updates=None):
+  if optimizer is not None:
+    if not rec.history:   # the state a DP run starts from: values a run released, copied?
+      _adopt_released(optimizer, h)
+    elif h not in rec.history and (private_updates(optimizer) if updates is None else updates):
+      _register_released(optimizer, h)   # a state the run's private updates produced
   if h in rec.history:
     rec.history.remove(h)
   rec.history.append(h)
@@ -703,6 +726,64 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     _restart(_in_graph(rec.var_ref()))
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
+
+
+def _register_released(optimizer, h):
+  """Keeps `optimizer`'s ledger as one that charges the values of digest h (`_RELEASED`).
+
+  Only for a run whose values no other run makes: its noise is drawn from OS entropy, so a
+  digest names one run. Not for a seeded (test) noise, nor for noise_multiplier = 0: two runs
+  of one recipe then make the same values without copying them (a resumed run compared with
+  an uninterrupted one; tests of one Keras seed), and a copy would adopt every such run's
+  ledger, each a run of its own identity, so charged again (`ledger.run_ids`: 12 samples for
+  3 measured); neither run is private anyway."""
+  step = getattr(optimizer, "private_step", None)
+  ledger = (None if step is None or step.seed is not None or step.noise_multiplier == 0
+            else step.existing_ledger)
+  if ledger is None:   # no ledger yet, a seeded or noiseless run, or a stand-in optimizer
+    return
+  refs = [r for r in _RELEASED.get(h, ()) if r() is not None]
+  if not any(r() is ledger for r in refs):
+    refs.append(weakref.ref(ledger))
+  _RELEASED[h] = refs
+
+
+def _adopt_released(optimizer, h):
+  """Merges into `optimizer`'s ledger the live ledgers of the runs whose private updates left
+  a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
+  released, copied by value, and every step they took is charged (McMahan et al., "A General
+  Approach to Adding Differential Privacy to Iterative Training Procedures", Section 6;
+  `PrivacyLedger.merge_arrays`: a run already held is not added again, so a model loaded
+  with that run's ledger, which also holds these values, keeps one copy of it)."""
+  refs = _RELEASED.get(h)
+  if not refs:
+    return
+  step = optimizer.private_step
+  for ref in refs:
+    ledger = ref()
+    if ledger is not None and ledger is not step.existing_ledger:
+      with tf.init_scope():
+        step.adopt_ledger(*ledger.state())
+
+
+def adopt_released(optimizer, variables):
+  """Merges into `optimizer`'s ledger the ledgers of the runs that released the values the
+  never-recorded ones of `variables` hold (`_adopt_released`): a custom loop's step traced
+  before any record starts from them. Eager (also while a step is traced); digests only the
+  variables without a record, and only once a DP run released a state in this process.
+
+  Args:
+    optimizer: the DP optimizer about to update `variables`.
+    variables: its trainable variables.
+  """
+  if not _RELEASED or tf.distribute.has_strategy():   # (a strategy's copies: read at record)
+    return
+  fresh = [v for v in variables if _record_of(v) is None]
+  if not fresh:
+    return
+  with tf.init_scope():
+    for h in _digests(_read_all(fresh)):
+      _adopt_released(optimizer, h)
 
 
 def _restart(state):
