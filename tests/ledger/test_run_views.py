@@ -161,3 +161,18 @@ def test_the_run_table_of_a_merge_covers_each_identity_once():
   table = led.run_table()
   assert run_ids.check_table(table, 5, 0) == table
   assert sorted(t[0] for t in table) == sorted([a.run_id, b.run_id])
+
+
+def test_a_ledger_as_it_was_is_found_again_by_identity_after_merges():
+  """`run_ids.earlier`: run A's table after 3 steps; A then merged run B (listed first) and
+  took 2 steps: A as it was holds A's first 3 samples (q = 0.1), not B's (q = 0.2)."""
+  a, b = L.PrivacyLedger(), L.PrivacyLedger()
+  _steps(a, 3)
+  then = a.run_table()
+  _steps(b, 2, q=0.2)
+  a.merge_arrays(*b.state())
+  _steps(a, 2)
+  state = a.state()
+  samples, _, passes, table = run_ids.earlier((*state[:3], state[4]), then)
+  assert table == ((a.run_id, 3, 0),) and passes == 0
+  np.testing.assert_array_equal(samples[:, 1], [0.1] * 3)

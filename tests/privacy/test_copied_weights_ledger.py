@@ -86,6 +86,23 @@ def test_a_fresh_optimizer_resuming_the_journal_of_the_run_it_copied_charges_it_
       pytest.approx(_by_hand(4), rel=1e-6))
 
 
+def test_a_copy_is_charged_the_steps_its_values_took_not_the_source_runs_later_ones():
+  """Run A's weights copied after its 4th step, A trained 4 steps more, the copy given the
+  values of step 4 and 1 step more: 5 samples (A's first 4 and its own), epsilon = 5 steps by
+  hand; A's ledger holds 8. (Before, the copy adopted A's ledger as it was at the copy's
+  start: 9.)"""
+  a = _fit(_model(), 4)
+  values = a.get_weights()
+  _fit(a, 4)
+  assert _samples(a) == 8
+  copy = _model()
+  copy.set_weights(values)
+  _fit(copy, 1)
+  assert _samples(copy) == 5
+  assert dp.accounting.epsilon(copy.optimizer.ledger, DELTA, accountant="rdp") == (
+      pytest.approx(_by_hand(5), rel=1e-6))
+
+
 def test_a_loaded_model_given_another_runs_weights_charges_both_runs(tmp_path):
   """Run A, 4 steps, saved and loaded; run C, 3 steps, live; the loaded model given C's
   weights by value, 1 step more: its weights took C's 3 steps and its own; its ledger

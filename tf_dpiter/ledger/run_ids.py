@@ -230,6 +230,30 @@ def additions(current, restored, common_prefix):
   return _joined(extra.values(), current[0].shape[1], width_q)
 
 
+def earlier(state, snapshot):
+  """A ledger as it was when its run table was `snapshot`: (samples, queries, passes,
+  table), each identity's first samples and passes as the snapshot counts them (a run's view
+  only grows, so its first samples are those it held then), or None when the snapshot has a
+  segment without identity (not found again: the whole ledger is the safe side).
+
+  Args:
+    state: (samples, queries, passes, table) of the ledger now.
+    snapshot: its run table at the earlier time.
+  """
+  if any(rid is None for rid, _, _ in snapshot):
+    return None
+  now = _blocks(*state[:2], state[3])
+  counts = {}
+  for rid, n, p in snapshot:
+    n0, p0 = counts.get(rid, (0, 0))
+    counts[rid] = (n0 + n, p0 + p)
+  blocks = []
+  for rid, (n, p) in counts.items():
+    s, q, _ = now[rid][1] if rid in now else (state[0][:0], state[1][:0], 0)
+    blocks.append((rid, (s[:n], q[q[:, 0] < n], p)))
+  return _joined(blocks, state[0].shape[1], state[1].shape[1])
+
+
 def _joined(blocks, width_s, width_q):
   """(samples, queries, passes, table) of (id, (samples, queries, passes)) blocks in order;
   a block with no sample and no pass is dropped (it charges nothing)."""

@@ -61,10 +61,12 @@ and the refusal names the fix: a check when such a checkpoint is saved (the priv
 statement, or a DP model's save_weights) records its state among the recorded ones.
 
 Copies by value carry the charge: each state a run's private updates produced keeps its digest
-with a weak reference to the run's ledger (`_RELEASED`), and a variable a DP run starts from
-(its first record, or a custom loop's first claim: `adopt_released`) that holds such values
-adopts that ledger (`set_weights(dp_model.get_weights())`, `clone_model` + `set_weights` into
-a new DP model or custom loop; review R17: 1 of 5 released steps was charged). A run whose
+with a weak reference to the run's ledger and its run table then (`_RELEASED`), and a variable
+a DP run starts from (its first record, or a custom loop's first claim: `adopt_released`) that
+holds such values adopts that ledger as it was then (`ledger.run_ids.earlier`: the steps the
+source run took after the copy did not touch it) (`set_weights(dp_model.get_weights())`,
+`clone_model` + `set_weights` into a new DP model or custom loop; review R17: 1 of 5 released
+steps was charged). A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
 values: a digest would name both).
@@ -125,6 +127,7 @@ import tensorflow as tf
 
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import keras_internals
+from tf_dpiter.ledger import run_ids
 
 # How many digests a variable keeps (its first one, the weights the run started from, is
 # always kept): the states that may be put back.
@@ -143,9 +146,10 @@ _ENTROPY = 0x5EED_F1A9_E2B1_7A11
 TRACED_KEPT = 64
 # id(variable) -> _InGraph
 _IN_GRAPH = {}
-# digest h -> weak refs of the ledgers of the DP runs whose private updates left a variable
-# at h (`record`): a new model's weights copied BY VALUE from such a run (get_weights and
-# set_weights, clone_model) carry its charge (`_adopt_released`), as a weights file does
+# digest h -> [(weak ref of a DP run's ledger, its run table then)] of the runs whose private
+# updates left a variable at h (`record`): a new model's weights copied BY VALUE from such a
+# run (get_weights and set_weights, clone_model) carry its charge as it was then
+# (`_adopt_released`), as a weights file does
 _RELEASED = {}
 _RELEASED_PRUNE = 4096
 
@@ -660,7 +664,7 @@ def _forget_dead():
         del table[key]
   if len(_RELEASED) > _RELEASED_PRUNE:   # the digests of dead runs' ledgers, now and then
     for h, refs in list(_RELEASED.items()):
-      if all(r() is None for r in refs):
+      if all(ref() is None for ref, _ in refs):
         del _RELEASED[h]
 
 
@@ -679,11 +683,14 @@ def _iterations(optimizer):
 
 
 def _append(rec, h, optimizer, count, updates=None):
+  """Appends digest h to the record `rec` (of a run of `optimizer`, or None); returns whether
+  h is a state the run's private updates produced (for `_register_released`)."""
+  released = False
   if optimizer is not None:
     if not rec.history:   # the state a DP run starts from: values a run released, copied?
       _adopt_released(optimizer, h)
     elif h not in rec.history and (private_updates(optimizer) if updates is None else updates):
-      _register_released(optimizer, h)   # a state the run's private updates produced
+      released = True   # a state the run's private updates produced
   if h in rec.history:
     rec.history.remove(h)
   rec.history.append(h)
@@ -698,6 +705,7 @@ def _append(rec, h, optimizer, count, updates=None):
     rec.iterations = count
     setattr(optimizer, _SEEN_UPDATES,
             private_updates(optimizer) if updates is None else updates)
+  return released
 
 
 def record(optimizer, variables, only_recorded=False, only_new=False):
@@ -721,15 +729,19 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
     if rec is not None:
       pairs.append((rec, v))
+  released = []
   for rec, tensor, array, h in _current(pairs):
-    _append(rec, h, optimizer, count, updates)
+    if _append(rec, h, optimizer, count, updates):
+      released.append(h)
     _restart(_in_graph(rec.var_ref()))
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
+  _register_released(optimizer, released)
 
 
-def _register_released(optimizer, h):
-  """Keeps `optimizer`'s ledger as one that charges the values of digest h (`_RELEASED`).
+def _register_released(optimizer, digests):
+  """Keeps `optimizer`'s ledger, with its run table now (read once), as the one that charges
+  the values of each digest in `digests` (`_RELEASED`): states its private updates produced.
 
   Only for a run whose values no other run makes: its noise is drawn from OS entropy, so a
   digest names one run. Not for a seeded (test) noise, nor for noise_multiplier = 0: two runs
@@ -740,18 +752,23 @@ def _register_released(optimizer, h):
   step = getattr(optimizer, "private_step", None)
   ledger = (None if step is None or step.seed is not None or step.noise_multiplier == 0
             else step.existing_ledger)
-  if ledger is None:   # no ledger yet, a seeded or noiseless run, or a stand-in optimizer
+  if ledger is None or not digests:   # no ledger yet, a seeded or noiseless run, a stand-in
     return
-  refs = [r for r in _RELEASED.get(h, ()) if r() is not None]
-  if not any(r() is ledger for r in refs):
-    refs.append(weakref.ref(ledger))
-  _RELEASED[h] = refs
+  with tf.init_scope():
+    entry = (weakref.ref(ledger), ledger.run_table())
+  for h in digests:
+    refs = [e for e in _RELEASED.get(h, ()) if e[0]() is not None]
+    if not any(ref() is ledger for ref, _ in refs):   # (a run reaching h again: the first)
+      refs.append(entry)
+    _RELEASED[h] = refs
 
 
 def _adopt_released(optimizer, h):
   """Merges into `optimizer`'s ledger the live ledgers of the runs whose private updates left
   a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
-  released, copied by value, and every step they took is charged (McMahan et al., "A General
+  released, copied by value, and every step they took is charged, as the run's ledger was
+  when it released them (`run_ids.earlier`; the whole ledger when that is not found: the
+  safe side) (McMahan et al., "A General
   Approach to Adding Differential Privacy to Iterative Training Procedures", Section 6;
   `PrivacyLedger.merge_arrays`: a run already held is not added again, so a model loaded
   with that run's ledger, which also holds these values, keeps one copy of it)."""
@@ -759,11 +776,14 @@ def _adopt_released(optimizer, h):
   if not refs:
     return
   step = optimizer.private_step
-  for ref in refs:
+  for ref, then in refs:
     ledger = ref()
     if ledger is not None and ledger is not step.existing_ledger:
       with tf.init_scope():
-        step.adopt_ledger(*ledger.state())
+        state = ledger.state()
+        earlier = run_ids.earlier((*state[:3], state[4]), then)
+        step.adopt_ledger(*(state if earlier is None else (*earlier[:3], state[3],
+                                                               earlier[3])))
 
 
 def adopt_released(optimizer, variables):
@@ -1025,8 +1045,8 @@ def changed(variables, optimizer=None, record_with=None):
         rec.held = None
     if not out:
       count, updates = _iterations(record_with), private_updates(record_with)
-      for rec, h in seen:
-        _append(rec, h, record_with, count, updates)
+      _register_released(record_with, [h for rec, h in seen
+                                        if _append(rec, h, record_with, count, updates)])
   return out
 
 
