@@ -113,8 +113,6 @@ def _worst_change(model, x, y):
 
 @pytest.mark.parametrize("clipping", ["fast", pytest.param("vectorized",
                                                            marks=pytest.mark.slow)])
-@pytest.mark.xfail(strict=True, reason="R19: eager pop/add of a data-writing layer trains "
-                   "un-refused (2 samples charged, the batch's mean hidden activation kept)")
 def test_an_eager_sequential_rebuilt_with_a_data_write_is_refused(clipping):
   model, last = _mlp(clipping)
   x, y = _data()
@@ -176,8 +174,6 @@ def test_a_sequential_rebuilt_to_feed_an_embedding_guards_its_ids_eagerly():
   assert model._dp_facts.embedding_ids == {0: 50}   # pylint: disable=protected-access
 
 
-@pytest.mark.xfail(strict=True, reason="R19: the route held per train function keeps 'fast' "
-                   "after pop/add of a batch-mixing layer: worst change 1.249 > C = 1")
 @pytest.mark.parametrize("clipping", ["fast", pytest.param("auto", marks=pytest.mark.slow)])
 def test_a_batch_mixing_layer_added_between_eager_steps_is_refused_or_routed(clipping):
   model, last = _mlp(clipping)

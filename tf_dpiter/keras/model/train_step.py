@@ -471,13 +471,17 @@ class TrainStepMixin:
 
   def _dp_trace_facts(self):
     """The model's `_TraceFacts`, built once per train function (and again when an object
-    they follow from changed, `_facts_key`); None while a layer is unbuilt (not cached)."""
+    they follow from changed, `_facts_key`, with the checks of the writes from the data made
+    once per train function); None while a layer is unbuilt (not cached)."""
     facts = getattr(self, "_dp_facts", None)
     key = _facts_key(self)
     if facts is not None and facts.key == key:   # tuple ==: `is` first, element by element
       return facts
     if not all(layer.built for layer in keras_internals.flatten_layers(self)):
       return None
+    if facts is not None:   # the model changed under this train function (a Sequential's
+      # pop/add, eagerly): the writes from the data are checked again on the new model
+      self._dp_writes_checked = self._dp_step_writes_checked = False
     self._dp_facts = _TraceFacts(self, key)
     return self._dp_facts
 

@@ -1014,14 +1014,16 @@ class PrivateStep:
   def _route_key(self, model, input_specs):
     """What `resolve_clipping`'s answer follows from (a tuple compared by identity), or None:
     the train function and input shapes a traced step keeps, plus what an eager step could
-    change (flags, query, dtype policy, trainable variables, losses).
+    change (flags, query, dtype policy, trainable variables, losses, a Sequential's layers:
+    Keras builds a new functional graph on add/pop, as train_step's facts key reads).
     """
     train_function = getattr(model, "train_function", None)
     if model is None or train_function is None:
       return None
     shapes = tuple(tuple(getattr(t, "shape", ())) for t in tf.nest.flatten(input_specs))
     return (model, train_function, shapes, self.flags, self.base_query, model.compute_dtype,
-            tuple(id(v) for v in model.trainable_variables), len(model.losses))
+            tuple(id(v) for v in model.trainable_variables), len(model.losses),
+            getattr(model, "_functional", None))
 
   def clipped_sum(self, record_loss_fn, variables, records, record_mask, examples_per_record=1,
                   vectorize=True, loss_scale=1.0, params=None, sum_scale=None, xla=None):
