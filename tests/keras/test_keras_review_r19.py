@@ -200,3 +200,31 @@ def test_a_batch_mixing_layer_added_between_eager_steps_is_refused_or_routed(cli
         _delta(model, w0, x2, y2, np.ones(len(x), "float32")) - base)))
   assert model._dp_traced_clipping == "vectorized"   # pylint: disable=protected-access
   assert 0.5 * C < worst <= C * (1 + 1e-5)
+
+
+class _Net(keras.Model):
+  """A subclassed model (built by its first step)."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden = keras.layers.Dense(5, activation="tanh")
+    self.out = keras.layers.Dense(3)
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+
+@pytest.mark.xfail(strict=True, reason="R19: AttributeError ('tuple' object has no attribute "
+                   "'rank') in keras_internals.build_compile_loss on numpy labels")
+def test_an_eager_first_step_on_numpy_arrays_builds_the_compiled_loss():
+  keras.utils.set_random_seed(0)
+  model = dp.keras.make_private(_Net())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, normalize=False)
+  model.compile(optimizer=opt, loss=LOSS, run_eagerly=True)
+  opt.set_sampling(64, 8 / 64, "poisson", 8)
+  x, y = _data()
+  model.train_on_batch(x, y, sample_weight=np.ones(len(x), "float32"))
+  assert int(model.ledger.sample_count) == 1
+  assert all(np.isfinite(w).all() for w in model.get_weights())
