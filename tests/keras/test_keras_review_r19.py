@@ -214,8 +214,6 @@ class _Net(keras.Model):
     return self.out(self.hidden(x))
 
 
-@pytest.mark.xfail(strict=True, reason="R19: AttributeError ('tuple' object has no attribute "
-                   "'rank') in keras_internals.build_compile_loss on numpy labels")
 def test_an_eager_first_step_on_numpy_arrays_builds_the_compiled_loss():
   keras.utils.set_random_seed(0)
   model = dp.keras.make_private(_Net())

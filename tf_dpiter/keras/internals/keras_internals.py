@@ -435,15 +435,16 @@ def build_compile_loss(model, y, y_pred, sample_weight):
   `_symbolic_build` does, without running the model symbolically.
 
   Args:
-    model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors (or None).
+    model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors or numpy
+      arrays (or None).
 
   Raises:
     ParameterValueError: a tensor of unknown rank (Keras builds from static shapes).
   """
   compiled = _require(model, "_compile_loss", "Model")
 
-  def symbolic(t):
-    if t is not None and t.shape.rank is None:
+  def symbolic(t):   # a tensor, or a numpy array (an eager train_on_batch hands those)
+    if t is not None and tf.TensorShape(t.shape).rank is None:
       raise ParameterValueError(
           "The labels, predictions and sample weights of a batch must have a known rank for "
           "the model's compiled loss to be built (the labels after tf.squeeze with no axis "
