@@ -226,3 +226,29 @@ def test_an_eager_first_step_on_numpy_arrays_builds_the_compiled_loss():
   model.train_on_batch(x, y, sample_weight=np.ones(len(x), "float32"))
   assert int(model.ledger.sample_count) == 1
   assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_a_refusal_inside_the_vectorized_trace_is_not_a_fallback():
+  """R19's note on keras/optimizer/gradients.py: the vectorized path's fallback caught
+  `ValueError`, and the library's refusals are ValueErrors, so a refusal raised while pfor
+  traced the per-record loss became "falling back to a sequential loop" (whose eager run
+  skips the check). The refusal propagates; nothing warns of a fallback."""
+  import tensorflow as tf
+  from tf_dpiter.keras.optimizer import gradients
+
+  v = tf.Variable(tf.ones([3]))
+
+  def refusing_loss(rec):
+    raise PrivacyConfigError("`layer` writes a variable from the data. Received: layer=leak")
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)   # a fallback warning fails the test
+    with pytest.raises(PrivacyConfigError, match="writes a variable from the data"):
+      gradients.per_record_gradients(refusing_loss, [v], tf.ones([4, 3]))
+
+  def record_loss(rec):
+    return tf.reduce_sum(v * rec), ()
+
+  grads, losses, _ = gradients.per_record_gradients(record_loss, [v], tf.ones([4, 3]))
+  np.testing.assert_array_equal(grads[0].numpy(), np.ones([4, 3]))   # the path still works
+  np.testing.assert_array_equal(losses.numpy(), np.full([4], 3.0))

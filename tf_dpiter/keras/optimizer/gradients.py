@@ -18,6 +18,7 @@ The record cut also owns the record's masks and weights (`example_mask_from_weig
 
 import tensorflow as tf
 
+from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import runtime
@@ -272,6 +273,8 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
                                fallback_to_while_loop=True)
     except (runtime.ListLoop, TypeError, ValueError, NotImplementedError,
             tf.errors.OpError) as e:
+      if isinstance(e, DPiterError) and not isinstance(e, runtime.ListLoop):
+        raise   # the library's refusal (a ValueError too) is not pfor failing: never a loop
       # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
       # pfor. Same per-record gradients, computed by a sequential loop over records.
       runtime.refuse_list_loops_under_xla(list_loops)
