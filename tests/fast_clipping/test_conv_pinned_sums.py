@@ -176,3 +176,55 @@ def test_the_block_of_a_public_plan_is_that_of_its_rows():
     planned = [conv._pinned_block(_Form, tf.ones([n])) for n in (4098, 4099)]
   want = algebra.pinned_block(8704, 4 * _Form.rows * _Form.cols, budget.CHUNK_BYTES)
   assert planned == [want, want] and want > 64
+
+
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_gradients_not_kept_take_the_folded_gram_norms(jit, monkeypatch):
+  """A convolution whose per-example gradients are over the keep budget and whose folded
+  Gram costs less than them (rules/conv.py `_fold_gram_cheaper`: few positions, many patch
+  entries and channels, as the tutorial CNN's second convolution) takes its norms from the
+  folded Gram (`_fold_gram_norms`) and forms the gradients again for the pinned sum: the norms
+  bound the exact float64 ones from above, and with noise off the sum is the shrink times
+  the float64 per-record clipped sum."""
+  from tf_dpiter.keras.fast_clipping.rules import conv   # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(budget, "KEEP_BYTES", 1)   # the gradients not kept: formed again
+  called = []
+  fold = conv._fold_gram_norms
+  monkeypatch.setattr(conv, "_fold_gram_norms", lambda *a: called.append(1) or fold(*a))
+  seen = _spy_plans(monkeypatch)
+  keras.utils.set_random_seed(4)
+  model = keras.Sequential([keras.Input((9, 9, 8)),
+                            keras.layers.Conv2D(32, 4, strides=2, padding="valid"),
+                            keras.layers.Flatten(), keras.layers.Dense(3)])
+  b = 70
+  rng = np.random.default_rng(6)
+  x = rng.normal(size=(b, 9, 9, 8)).astype(np.float32)
+  y = rng.integers(0, 3, b).astype(np.int32)
+  mask = np.ones(b, np.float32)
+  mask[[5, 67]] = 0.0
+  rows = b if jit else None   # under XLA a batch the trace does not know keeps its gradients
+  spec = [tf.TensorSpec([rows, 9, 9, 8]), tf.TensorSpec([rows], tf.int32),
+          tf.TensorSpec([rows])]
+
+  @tf.function(jit_compile=jit, input_signature=spec)
+  def step(x, y, mask):
+    return clipping.clipped_grad_sum(model, x, y, _loss, l2_norm_clip=C, mask=mask)
+
+  got, norms = step(x, y, mask)
+  assert called   # the folded Gram's norms
+  ws = [tf.constant(w.numpy(), tf.float64) for w in model.trainable_variables]
+  want = [np.zeros(w.shape) for w in ws]
+  for i in np.flatnonzero(mask):   # float64 per-record gradients, exact norms, clip, sum
+    with tf.GradientTape() as tape:
+      tape.watch(ws)
+      h = tf.nn.conv2d(tf.constant(x[i:i + 1], tf.float64), ws[0], 2, "VALID") + ws[1]
+      logits = tf.reshape(h, [1, -1]) @ ws[2] + ws[3]
+      loss = tf.nn.sparse_softmax_cross_entropy_with_logits(y[i:i + 1], logits)[0]
+    g = [t.numpy() for t in tape.gradient(loss, ws)]
+    exact = np.sqrt(sum(np.sum(t ** 2) for t in g))
+    assert exact * (1 - 1e-6) <= norms[i] <= exact * (1 + 3e-3)
+    want = [s + min(1.0, C / float(norms[i])) * t for s, t in zip(want, g)]
+  assert seen and all(n == p == 4 for n, p in seen), seen   # every sum pinned
+  shrink = summation.step_shrink(b, block=64, final=1)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g.numpy(), shrink * w, rtol=2e-5, atol=2e-6)
