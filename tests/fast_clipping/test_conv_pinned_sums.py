@@ -72,6 +72,20 @@ def _reference(model, x, y, mask, norms):
   return total, exact
 
 
+def _clipped_sum(model, x, y, mask, jit, static):
+  """clipping.clipped_grad_sum(C) of the batch in one tf.function (XLA with `jit`), its batch
+  axis known to the trace or not (`static`): (sums, norms)."""
+  rows = len(x) if static else None
+  spec = [tf.TensorSpec((rows,) + x.shape[1:]), tf.TensorSpec([rows], tf.int32),
+          tf.TensorSpec([rows])]
+
+  @tf.function(jit_compile=jit, input_signature=spec)
+  def step(x, y, mask):
+    return clipping.clipped_grad_sum(model, x, y, _loss, l2_norm_clip=C, mask=mask)
+
+  return step(x, y, mask)
+
+
 def _spy_plans(monkeypatch):
   """The plans clipping._with_rounding_margin sees, per call: [(variables, pinned)]."""
   seen = []
@@ -100,15 +114,7 @@ def test_noise_off_step_is_the_shrunk_float64_per_record_sum(path, jit, static, 
   mask[[4, 66]] = 0.0
   x[4, 0, 0, 0] = np.nan   # a masked record whose input is not finite adds exactly nothing
   model = _model()
-  rows = b if static else None
-  spec = [tf.TensorSpec([rows, 10, 10, 2]), tf.TensorSpec([rows], tf.int32),
-          tf.TensorSpec([rows])]
-
-  @tf.function(jit_compile=jit, input_signature=spec)
-  def step(x, y, mask):
-    return clipping.clipped_grad_sum(model, x, y, _loss, l2_norm_clip=C, mask=mask)
-
-  got, norms = step(x, y, mask)
+  got, norms = _clipped_sum(model, x, y, mask, jit, static)
   want, exact = _reference(model, np.nan_to_num(x), y, mask, norms.numpy())
   # the norms bound the exact ones (taken from the kept gradients: float32-exact; else upper
   # bounds covering the rounding of the record's terms, algebra.with_sum_rounding)
@@ -202,15 +208,8 @@ def test_gradients_not_kept_take_the_folded_gram_norms(jit, monkeypatch):
   y = rng.integers(0, 3, b).astype(np.int32)
   mask = np.ones(b, np.float32)
   mask[[5, 67]] = 0.0
-  rows = b if jit else None   # under XLA a batch the trace does not know keeps its gradients
-  spec = [tf.TensorSpec([rows, 9, 9, 8]), tf.TensorSpec([rows], tf.int32),
-          tf.TensorSpec([rows])]
-
-  @tf.function(jit_compile=jit, input_signature=spec)
-  def step(x, y, mask):
-    return clipping.clipped_grad_sum(model, x, y, _loss, l2_norm_clip=C, mask=mask)
-
-  got, norms = step(x, y, mask)
+  # under XLA a batch the trace does not know keeps its gradients: a static one here
+  got, norms = _clipped_sum(model, x, y, mask, jit, static=jit)
   assert called   # the folded Gram's norms
   ws = [tf.constant(w.numpy(), tf.float64) for w in model.trainable_variables]
   want = [np.zeros(w.shape) for w in ws]

@@ -45,8 +45,10 @@ budget.CHUNK_BYTES: `_per_example_pass`), so a convolution's extra memory does n
 the batch. The
 per-example gradients g_i are kept for the clipped sum sum_i c_i g_i (registry.FactorSums:
 no second filter gradient) only while the batch's take at most budget.KEEP_BYTES (a pinned
-sum: twice that, `_PINNED_KEEP_FACTOR`); beyond, the norms alone are kept and the clipped sum
-is one whole-batch filter gradient of c_i dz_i (a pinned sum: the gradients formed again). With
+sum: twice that, `_PINNED_KEEP_FACTOR`); beyond, the norms alone are kept (from the folded
+Gram where `_fold_gram_cheaper`, as the tutorial CNN's second convolution at B = 1,024: no
+per-example gradient is formed for them) and the clipped sum is one whole-batch filter
+gradient of c_i dz_i (a pinned sum: the gradients formed again). With
 an unknown batch (fit's Poisson samples) both choices are made at run time (tf.cond on B)
 unless the step's public bound on the batch settles them at trace time
 (budget.settled_one_call: one call and kept gradients up to budget.BOUND_FACTOR times the
