@@ -1007,9 +1007,10 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   rows = algebra.batch_rows(algebra.to_btk(dz4))
   if registry.form_override() is None and _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
     # gradients not kept: the clipped sum forms them again (or is by book-keeping), so the
-    # norms alone come from the folded Gram where it costs less (the tutorial CNN's second
-    # convolution at B = 1,024: 20.8 -> 11.7 CPU ms, no XLA, oneDNN on, load 10)
-    norms_alone = lambda: _fold_gram_norms(x4, dz4, ksize, stride, padding, rows)
+    # norms alone come from the folded Gram where it costs less, in chunks no larger than the
+    # per-example pass's it replaces (its memory no more than that pass's)
+    most = budget.chunk_size(form.temp_bytes, k, form.cap)   # k: a Python int here
+    norms_alone = lambda: _fold_gram_norms(x4, dz4, ksize, stride, padding, rows, most)
   else:
     norms_alone = lambda: _per_example_pass(form, x4, dz4, k, False,
                                             (ksize, stride, dilation, padding, rows))
@@ -1280,7 +1281,7 @@ def _fold_gram_sqr_norm(x4, dz4, ksize, stride, padding, sum_rows=None):
   return algebra.with_sum_rounding(sq, na, nb, sum_rows + 1, patch + cout)
 
 
-def _fold_gram_norms(x4, dz4, ksize, stride, padding, rows):
+def _fold_gram_norms(x4, dz4, ksize, stride, padding, rows, most=None):
   """`_fold_gram_sqr_norm`'s upper bounds [B / k], raised for a clipped sum over `rows` rows
   (the book-keeping product's B ho wo, which covers a sum of the per-example gradients formed
   again too: L = rows + 1 >= T + 1, `_pinned_recomputed_sum`), over chunks of the batch
@@ -1292,12 +1293,13 @@ def _fold_gram_norms(x4, dz4, ksize, stride, padding, rows):
     ksize, stride: (h, w) pairs of ints.
     padding: "same" or "valid".
     rows: the clipped sum's rows (algebra.batch_rows of the output gradients).
+    most: at most this many examples per chunk (a Python int), or None.
 
   Returns:
     [B / k] float32.
   """
   k = algebra.current_examples_per_record()
-  m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride, k), k, 1 << 30)
+  m = (budget.chunk_size(_fold_gram_temp_bytes(x4, dz4, ksize, stride, k), k, most or 1 << 30)
        if _chunkable(x4, k) else None)
   return _over_chunks(lambda x, d: (_fold_gram_sqr_norm(x, d, ksize, stride, padding, rows),),
                       x4, dz4, m, k)[0]
