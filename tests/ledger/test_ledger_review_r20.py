@@ -45,9 +45,6 @@ def _resumed(*views):
   return led
 
 
-@pytest.mark.xfail(strict=True, reason="review R20: an earlier version's journal, resumed, then "
-                   "a merge: the journal appends by position (6 at q = 0.1, epsilon 3.026 for "
-                   "3.800)")
 def test_an_earlier_versions_journal_resumed_then_merged_keeps_the_merged_rows(
     tmp_path, monkeypatch):
   """An earlier version's journal (chunks without a run table: 3 steps, q = 0.1) resumed into

@@ -16,7 +16,9 @@ chunk, or, after a merge put another run's rows among the ledger's (a merge list
 ledger's runs first), per run identity what its views hold beyond the journal's
 (`run_ids.additions`); the chunk's run table is the journal's own, in its row order. So the
 journal holds the ledger's runs, each once, in whatever order the ledger holds them (before:
-positions after such a merge named other rows; the merged run's rows were lost).
+positions after such a merge named other rows; the merged run's rows were lost). An earlier
+version's journal (chunks without a run table) that `resume` reads holds its rows as one run
+under an identity drawn then (`run_ids.fresh`), which its next chunk writes down.
 
 A cut tail leaves a valid chain (a chain proves what it holds, not that nothing came after):
 `check_covers(iterations)` refuses a journal that ends before the restored model's
@@ -69,6 +71,9 @@ class LedgerJournal:
     self._chunk_iterations = set()   # every optimizer iteration a chunk recorded
     self._grouping = None      # the last chunk's cyclic grouping record
     self._table = None         # the last chunk's run table of the whole journal (or None)
+    # an earlier version's journal (no run table) resumed: its rows as one run drawn then
+    # (`run_ids.fresh`), the table the next append writes for them
+    self._fresh = None
     # (run table, samples) of the ledger state the journal holds in the ledger's own row
     # order, so that what the ledger appends after it is new (None: not known)
     self._seen = ((), 0)
@@ -132,6 +137,9 @@ class LedgerJournal:
       self._iterations = _chunk_iterations(chunk, self._iterations, self._where(i))
       if "iterations" in chunk:
         self._chunk_iterations.add(chunk["iterations"])
+    if self._table is None and self._fresh is not None and (
+        self._fresh[0][1:] == (self._written, passes)):   # not appended since the resume
+      self._table = self._fresh
     return (*rec.runs_to_arrays(runs), passes)
 
   def _where(self, i):
@@ -209,6 +217,10 @@ class LedgerJournal:
     samples, queries, passes = self.read()
     if iterations is not None:
       self.check_covers(iterations)
+    if self._table is None and self._written:   # an earlier version's journal (review R20)
+      # its rows become one run the ledger and the journal's next chunks name alike, so that
+      # an append after a merge finds them per identity (by position it wrote other rows)
+      self._fresh = self._table = run_ids.fresh(self._written, passes)
     # never loses a row the ledger holds
     ledger.merge_arrays(samples, queries, passes, self._grouping, self._table)
     held = self._table if self._table is not None or self._written else ()
@@ -274,7 +286,8 @@ class LedgerJournal:
     extends that one's: `_growth`): its rows after that state. Else (a merge put another
     run's rows among them, or a journal that did not resume this ledger): per run identity,
     what the ledger's views hold beyond the journal's (`privacy_ledger.added_arrays`; the
-    file is read again). A journal of an earlier version (no run table) appends by position.
+    file is read again). A journal of an earlier version (no run table) that was resumed
+    holds its rows under the identity `resume` drew; one never resumed appends by position.
     """
     table = ledger.run_table()
     known = self._table is not None or not self._written   # else an earlier version's
