@@ -140,8 +140,6 @@ def test_a_torn_per_identity_chunk_is_dropped_and_the_cut_journal_refused(tmp_pa
   assert int(_resumed(path, restarted).sample_count) == 7
 
 
-@pytest.mark.xfail(strict=True, reason="review R20: copy.deepcopy of a ledger keeps its run "
-                   "identity: two branches merged 8 for 12")
 def test_a_deep_copy_of_a_ledger_is_another_run_from_the_copy_on():
   """A ledger of 4 steps deep-copied (`copy.deepcopy`: a fork), each branch 4 steps more:
   the branches' weights took 8 steps each, 12 in all; merged, they are charged 12, epsilon

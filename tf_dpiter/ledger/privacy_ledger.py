@@ -760,6 +760,15 @@ class PrivacyLedger(tf.Module):
       f.write(self.to_json(key))
     os.replace(tmp, path)
 
+  def __deepcopy__(self, memo):
+    """A copy (`copy.deepcopy`, eager) is another ledger object, so another run from here on:
+    it holds this ledger's rows under their identities and records its own under a new one
+    (a fork: two branches, each charged; before, both appended under one identity and a
+    merge kept one branch: 8 samples for 12, review R20)."""
+    twin = self._from_arrays(*self.state())
+    memo[id(self)] = twin
+    return twin
+
   @classmethod
   def _from_arrays(cls, samples, queries, passes, grouping=None, runs=None):
     ledger = cls(initial_capacity=max(1, samples.shape[0]))
