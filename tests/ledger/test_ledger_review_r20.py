@@ -35,6 +35,16 @@ def _by_hand(qs):
   return acc.get_epsilon(DELTA)
 
 
+def _adopt_another_run_and_step(live, journal):
+  """`live` merges another run's ledger (2 steps, q = 0.2; listed first), takes 1 step, and
+  `journal` appends it at optimizer iteration 4."""
+  other = L.PrivacyLedger()
+  _steps(other, 2, q=0.2)
+  live.merge_arrays(*other.state())
+  _steps(live, 1)
+  journal.append(live, iterations=4)
+
+
 def _resumed(*views):
   """A new ledger merging `views` (journal paths or ledgers) in order."""
   led = L.PrivacyLedger()
@@ -65,11 +75,7 @@ def test_an_earlier_versions_journal_resumed_then_merged_keeps_the_merged_rows(
   live = L.PrivacyLedger()
   journal = L.LedgerJournal(path)
   journal.resume(live, iterations=3)
-  other = L.PrivacyLedger()
-  _steps(other, 2, q=0.2)
-  live.merge_arrays(*other.state())
-  _steps(live, 1)
-  journal.append(live, iterations=4)
+  _adopt_another_run_and_step(live, journal)
   truth = _by_hand([0.1] * 4 + [0.2] * 2)
   assert dp.accounting.epsilon(live, DELTA) == pytest.approx(truth, rel=1e-9)
   alone = _resumed(path)
@@ -114,11 +120,7 @@ def test_a_torn_per_identity_chunk_is_dropped_and_the_cut_journal_refused(tmp_pa
   journal = L.LedgerJournal(path)
   _steps(live, 3)
   journal.append(live, iterations=3)
-  other = L.PrivacyLedger()
-  _steps(other, 2, q=0.2)
-  live.merge_arrays(*other.state())
-  _steps(live, 1)
-  journal.append(live, iterations=4)
+  _adopt_another_run_and_step(live, journal)
   ckpt = tf.train.Checkpoint(ledger=live).save(os.path.join(tmp_path, "ck"))
   os.truncate(path, os.path.getsize(path) - 20)   # the last chunk torn
   with pytest.warns(RuntimeWarning, match="cut by a crash"):
