@@ -160,3 +160,30 @@ def test_a_deep_copy_of_a_ledger_is_another_run_from_the_copy_on():
   assert int(merged.sample_count) == 12
   assert dp.accounting.epsilon(merged, DELTA) == pytest.approx(_by_hand([0.1] * 12), rel=1e-9)
   assert int(_resumed(b, a, b).sample_count) == 12
+
+
+def test_a_crash_between_a_merge_and_its_append_loses_nothing_at_the_restart(tmp_path):
+  """A journaled run (3 steps, q = 0.1) merges another run (2 steps, q = 0.2), a checkpoint is
+  saved, and the process dies before the next append. The restart restores the checkpoint
+  into a new ledger, resumes the journal, takes 1 step and appends: the journal alone holds
+  the 6 samples with their q (epsilon = by hand), with the restart and the dead ledger
+  stays 6."""
+  path = os.path.join(tmp_path, "run.journal")
+  live = L.PrivacyLedger()
+  _steps(live, 3)
+  L.LedgerJournal(path).append(live, iterations=3)
+  other = L.PrivacyLedger()
+  _steps(other, 2, q=0.2)
+  live.merge_arrays(*other.state())
+  ckpt = tf.train.Checkpoint(ledger=live).save(os.path.join(tmp_path, "ck"))
+  restarted = L.PrivacyLedger()
+  tf.train.Checkpoint(ledger=restarted).restore(ckpt)
+  journal = L.LedgerJournal(path)
+  journal.resume(restarted, iterations=3)
+  _steps(restarted, 1)
+  journal.append(restarted, iterations=4)
+  alone = _resumed(path)
+  assert sorted(alone.get_arrays()[0][:, 1]) == [0.1] * 4 + [0.2] * 2
+  assert dp.accounting.epsilon(alone, DELTA) == pytest.approx(
+      _by_hand([0.1] * 4 + [0.2] * 2), rel=1e-9)
+  assert int(_resumed(path, restarted, live).sample_count) == 6   # the dead ledger: a prefix
