@@ -84,8 +84,9 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   # holds (runtime.loss_scale) and reads the expected records with the other facts of the
   # step (one private_step visit), takes the public row bound from chunking.public_rows
   # (no summation visit per chunk), and groups the targets without reading a Keras mask
-  # (they are reshaped in the step, so carry none)
-  assert summary["files"] <= 18 and summary["returns"] <= 106, summary
+  # (they are reshaped in the step, so carry none); 103 since the pinned sums' block reads
+  # the public plan's rows once per algebra.sum_plans block, not once per layer
+  assert summary["files"] <= 18 and summary["returns"] <= 103, summary
   assert not files & {"keras/optimizer/routing.py", "keras/fast_clipping/rules/budget.py"}
 
 

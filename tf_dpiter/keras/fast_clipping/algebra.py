@@ -907,7 +907,8 @@ def _memoized(key, make, graph=None):
   return got
 
 
-_PLANS = threading.local()   # .stack: a list of {id(variable): block}, one per `sum_plans`
+_PLANS = threading.local()   # .stack: a list of ({id(variable): block}, plan rows), one per
+                             # `sum_plans`
 
 # Rows of a block of a pinned product (`pinned_rows_product`): summed in any order by one
 # batched matrix product, the blocks then by summation.pairwise_sum. Under the shifted relation
@@ -925,12 +926,14 @@ def sum_plans():
   """Collects, for the clipped sums built within the block, {id(variable): block} of the
   sums formed in a pinned order with one term per record (`report_pinned`); a variable
   missing from it was summed in an order the trace does not pin (clipping.py then charges no
-  rounding margin: the cross-record rounding stays open there). Per thread."""
+  rounding margin: the cross-record rounding stays open there). The rows of the enclosing
+  public plan or chunks (`plan_rows`) are read once on entry and held for the block's sums.
+  Per thread."""
   stack = getattr(_PLANS, "stack", None)
   if stack is None:
     stack = _PLANS.stack = []
   plans = {}
-  stack.append(plans)
+  stack.append((plans, _context_rows()))
   try:
     yield plans
   finally:
@@ -943,7 +946,7 @@ def report_pinned(variable, block):
   in any order, the blocks by a pinned pairwise tree (`sum_plans`)."""
   stack = getattr(_PLANS, "stack", None)
   if stack:
-    stack[-1][id(variable)] = block
+    stack[-1][0][id(variable)] = block
 
 
 def plan_rows(rows):
@@ -958,14 +961,22 @@ def plan_rows(rows):
   Returns:
     an int, or None.
   """
+  stack = getattr(_PLANS, "stack", None)
+  held = stack[-1][1] if stack else _context_rows()   # read once per `sum_plans` block
+  if held is not None:
+    return held
+  return None if rows is None else int(rows)
+
+
+def _context_rows():
+  """`plan_rows`' rows from the enclosing summation.public_plan (its rows per chunk) or
+  summation.sequential_chunks (the largest chunk's rows) block: an int, or None."""
   plan = summation.current_public_plan()
   if plan is not None:
     return int(plan[1])
   chunk = summation.current_chunk_rows()
   chunk = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
-  if chunk is not None:
-    return int(chunk)
-  return None if rows is None else int(rows)
+  return None if chunk is None else int(chunk)
 
 
 def pinned_block(rows, row_bytes, budget_bytes, small_bytes=None):
