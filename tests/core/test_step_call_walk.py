@@ -85,8 +85,10 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   # step (one private_step visit), takes the public row bound from chunking.public_rows
   # (no summation visit per chunk), and groups the targets without reading a Keras mask
   # (they are reshaped in the step, so carry none); 103 since the pinned sums' block reads
-  # the public plan's rows once per algebra.sum_plans block, not once per layer
-  assert summary["files"] <= 18 and summary["returns"] <= 103, summary
+  # the public plan's rows once per algebra.sum_plans block, not once per layer; 99 since a
+  # Dense sum is shaped to its variable by algebra.shaped (summation -> algebra, not
+  # summation -> rules/dense.py -> algebra after each pinned product)
+  assert summary["files"] <= 18 and summary["returns"] <= 99, summary
   assert not files & {"keras/optimizer/routing.py", "keras/fast_clipping/rules/budget.py"}
 
 

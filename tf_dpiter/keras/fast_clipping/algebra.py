@@ -1129,6 +1129,20 @@ def reshape(x, dims):
   return tf.reshape(x, dims)
 
 
+def shaped(t, v):
+  """t reshaped to variable v's shape (t itself where the trace knows it has it).
+
+  Args:
+    t: a tensor of v's entries (e.g. [K, N] of an EinsumDense kernel [K1, K2, N]).
+    v: a variable.
+
+  Returns:
+    a tensor of v's shape.
+  """
+  shape = list(v.shape)
+  return t if t.shape.as_list() == shape else reshape(t, shape)
+
+
 def reduce_sum(x, axis):
   """tf.reduce_sum(x, axis) with the axes a shared constant (`const`).
 

@@ -112,7 +112,7 @@ def _budgeted_norms(layer, on, x, dz):
   def unpack(sums):
     parts = (tf.split(sums[0], algebra.const([(rows - 1) * n, n]), num=2, axis=algebra.const(0))
              if fold else [sums[0]])
-    by_id = {id(v): _shaped(p, v) for v, p in zip((layer.kernel, layer.bias), parts)}
+    by_id = {id(v): algebra.shaped(p, v) for v, p in zip((layer.kernel, layer.bias), parts)}
     return [by_id[id(v)] for v in layer.trainable_variables]
 
   if keep is True:
@@ -124,7 +124,7 @@ def _budgeted_norms(layer, on, x, dz):
   def by_bookkeeping(c):
     if pinned:
       sums = _pinned_record_sums(x, dz, c, fold, k, rows - int(fold), n)
-      by_id = {id(v): _shaped(p, v) for v, p in zip((layer.kernel, layer.bias), sums)}
+      by_id = {id(v): algebra.shaped(p, v) for v, p in zip((layer.kernel, layer.bias), sums)}
       return [by_id[id(v)] for v in layer.trainable_variables]
     return budget.sum_over_chunks(lambda xc, dc, cc: _dense_sums(layer, xc, dc, cc, on),
                                   (x, dz, c), m, shapes)
@@ -287,18 +287,18 @@ def _dense_sums(layer, x, dz, factors, on=None, bias_sum=None):
     # [B T.., K]^T [B T.., N]: one product over every position (a reshape of contiguous rows)
     product = tf.matmul(algebra.reshape(xw, [-1, k]), algebra.reshape(dw, [-1, n]),
                         transpose_a=True)
-    out[id(layer.kernel)] = _shaped(product, layer.kernel)
+    out[id(layer.kernel)] = algebra.shaped(product, layer.kernel)
   if on[1] and bias_sum is not None:
     out[id(layer.bias)] = bias_sum(factors)
   elif on[1]:
     if dz_weighted:   # c_i dz_i: summed over the batch and the positions, one reduction
-      out[id(layer.bias)] = _shaped(
+      out[id(layer.bias)] = algebra.shaped(
           algebra.reduce_sum(dw, list(range(dw.shape.rank - 1))), layer.bias)
     else:
       dz = algebra.drop_rows(dz, factors)
       per_example = dz if dz.shape.rank == 2 else tf.reduce_sum(   # [B, N] already: no op
           tf.reshape(dz, [tf.shape(dz)[0], -1, n]), axis=1)
-      out[id(layer.bias)] = _shaped(algebra.factor_product(factors, per_example), layer.bias)
+      out[id(layer.bias)] = algebra.shaped(algebra.factor_product(factors, per_example), layer.bias)
   return [out[id(v)] for v in layer.trainable_variables]
 
 
@@ -322,28 +322,14 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
       xw, dw = algebra.drop_rows(x, factors), algebra.weight_rows(dz, factors)
     else:
       xw, dw = algebra.weight_rows(x, factors), algebra.drop_rows(dz, factors)
-    out[id(layer.kernel)] = _shaped(algebra.pinned_rows_product(xw, dw, block), layer.kernel)
+    out[id(layer.kernel)] = algebra.shaped(algebra.pinned_rows_product(xw, dw, block), layer.kernel)
     algebra.report_pinned(layer.kernel, block)
   if on[1]:
     c = tf.reshape(tf.cast(factors, tf.float32), [-1, 1])
-    out[id(layer.bias)] = _shaped(
+    out[id(layer.bias)] = algebra.shaped(
         algebra.pinned_rows_product(c, algebra.drop_rows(dz, factors), block), layer.bias)
     algebra.report_pinned(layer.bias, block)
   return [out[id(v)] for v in layer.trainable_variables]
-
-
-def _shaped(t, v):
-  """t reshaped to variable v's shape (t itself where the trace knows it has it).
-
-  Args:
-    t: a tensor of v's entries (e.g. [K, N] of an EinsumDense kernel [K1, K2, N]).
-    v: a variable.
-
-  Returns:
-    a tensor of v's shape.
-  """
-  shape = list(v.shape)
-  return t if t.shape.as_list() == shape else algebra.reshape(t, shape)
 
 
 def bias_and_parts(layer, z, parts_fn, bias_on=None):
@@ -403,7 +389,7 @@ def _db_sum(layer, db, k, example_factors):
   p = int(np.prod(layer.bias.shape))
   flat = db if db.shape.rank == 2 else algebra.reshape(db, [-1, p])
   record_c = budget.record_factors(tf.cast(example_factors, tf.float32), k)   # the norm's k
-  return _shaped(budget.kept_sum(record_c, flat), layer.bias)
+  return algebra.shaped(budget.kept_sum(record_c, flat), layer.bias)
 
 
 def _add_bias_and_activation(layer, z):
