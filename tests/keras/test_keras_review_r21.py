@@ -8,7 +8,7 @@ called by hand at delta = 1e-5 (McMahan et al. 2018, "A General Approach to Addi
 Differential Privacy to Iterative Training Procedures", Section 6: every noised step that
 touched the released weights is charged once).
 
-Finding (fixed here): the values a custom loop's private steps traced in a tf.function leave
+Finding (fixed): the values a custom loop's private steps traced in a tf.function leave
 (the usual custom loop) were never registered as released, so a model given them by value
 (`copy.set_weights(source.get_weights())`) started a fresh ledger: 1 of the 5 steps its
 weights took charged (epsilon 2.133 for 2.902 by hand, measured before the fix).
@@ -53,7 +53,6 @@ def _copy_and_step(values, traced):
   return opt
 
 
-@pytest.mark.xfail(strict=True, reason="review R21: a traced loop's released values are not registered (1 sample for 5)")
 @pytest.mark.parametrize("traced_copy", [True, False], ids=["traced_copy", "eager_copy"])
 @pytest.mark.parametrize("check", [False, True], ids=["no_check", "statement"])
 def test_a_copy_of_a_traced_loops_weights_keeps_its_run(traced_copy, check):
@@ -69,7 +68,6 @@ def test_a_copy_of_a_traced_loops_weights_keeps_its_run(traced_copy, check):
       loop.rdp_epsilon(5), rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="review R21: a traced loop's released values are not registered (1 sample for 5)")
 def test_a_copy_of_a_traced_loops_weights_into_a_dp_fit_keeps_its_run():
   """The same source (4 traced steps), its weights copied into a DP model fit for 1 step on
   arrays (Poisson q = 10/100 declared by the fit): 5 samples."""

@@ -66,7 +66,11 @@ a DP run starts from (its first record, or a custom loop's first claim: `adopt_r
 holds such values adopts that ledger as it was then (`ledger.run_ids.earlier`: the steps the
 source run took after the copy did not touch it) (`set_weights(dp_model.get_weights())`,
 `clone_model` + `set_weights` into a new DP model or custom loop; review R17: 1 of 5 released
-steps was charged). A run whose
+steps was charged). The states a custom loop's traced private updates left are found in their
+in-graph rings (`_InGraph`: the last TRACED_KEPT), with the run's whole ledger at the copy's
+start (the step that left them is not kept: the safe side), and registered as released at the
+next check that reads them (review R21: a copy of a traced loop's weights charged 1 of 5
+steps). A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
 values: a digest would name both).
@@ -682,13 +686,14 @@ def _iterations(optimizer):
   return int(_read(optimizer.iterations).numpy())
 
 
-def _append(rec, h, optimizer, count, updates=None):
+def _append(rec, h, optimizer, count, updates=None, memo=None):
   """Appends digest h to the record `rec` (of a run of `optimizer`, or None); returns whether
-  h is a state the run's private updates produced (for `_register_released`)."""
+  h is a state the run's private updates produced (for `_register_released`). `memo`: a dict
+  kept for one pass over the variables (`_adopt_released`)."""
   released = False
   if optimizer is not None:
     if not rec.history:   # the state a DP run starts from: values a run released, copied?
-      _adopt_released(optimizer, h)
+      _adopt_released(optimizer, h, memo)
     elif h not in rec.history and (private_updates(optimizer) if updates is None else updates):
       released = True   # a state the run's private updates produced
   if h in rec.history:
@@ -729,14 +734,23 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
     if rec is not None:
       pairs.append((rec, v))
-  released = []
+  released, memo = [], {}
   for rec, tensor, array, h in _current(pairs):
-    if _append(rec, h, optimizer, count, updates):
+    if _append(rec, h, optimizer, count, updates, memo):
       released.append(h)
     _restart(_in_graph(rec.var_ref()))
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
   _register_released(optimizer, released)
+
+
+def _naming_ledger(optimizer):
+  """The ledger of `optimizer`'s run when the values its private updates produce name that run
+  (`_register_released`), else None (no ledger yet, a seeded or noiseless run, a stand-in)."""
+  step = getattr(optimizer, "private_step", None)
+  if step is None or step.seed is not None or step.noise_multiplier == 0:
+    return None
+  return step.existing_ledger
 
 
 def _register_released(optimizer, digests):
@@ -749,10 +763,8 @@ def _register_released(optimizer, digests):
   an uninterrupted one; tests of one Keras seed), and a copy would adopt every such run's
   ledger, each a run of its own identity, so charged again (`ledger.run_ids`: 12 samples for
   3 measured); neither run is private anyway."""
-  step = getattr(optimizer, "private_step", None)
-  ledger = (None if step is None or step.seed is not None or step.noise_multiplier == 0
-            else step.existing_ledger)
-  if ledger is None or not digests:   # no ledger yet, a seeded or noiseless run, a stand-in
+  ledger = _naming_ledger(optimizer)
+  if ledger is None or not digests:
     return
   with tf.init_scope():
     entry = (weakref.ref(ledger), ledger.run_table())
@@ -763,7 +775,7 @@ def _register_released(optimizer, digests):
     _RELEASED[h] = refs
 
 
-def _adopt_released(optimizer, h):
+def _adopt_released(optimizer, h, memo=None):
   """Merges into `optimizer`'s ledger the live ledgers of the runs whose private updates left
   a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
   released, copied by value, and every step they took is charged, as the run's ledger was
@@ -771,19 +783,57 @@ def _adopt_released(optimizer, h):
   safe side) (McMahan et al., "A General
   Approach to Adding Differential Privacy to Iterative Training Procedures", Section 6;
   `PrivacyLedger.merge_arrays`: a run already held is not added again, so a model loaded
-  with that run's ledger, which also holds these values, keeps one copy of it)."""
-  refs = _RELEASED.get(h)
-  if not refs:
+  with that run's ledger, which also holds these values, keeps one copy of it).
+
+  Also the live runs whose custom loop's traced private updates left a variable at h
+  (`_traced_ledgers`: values no host record saw, e.g. get_weights right after the loop; review
+  R21: 1 of 5 steps was charged), each with its whole ledger now (the step that left h is not
+  kept: the safe side). `memo`: a dict kept for one pass over the variables (the rings are
+  read once in it)."""
+  refs = _RELEASED.get(h, ())
+  traced = _traced_ledgers({} if memo is None else memo).get(h, ())
+  if not refs and not traced:
     return
   step = optimizer.private_step
+  found = []
   for ref, then in refs:
     ledger = ref()
     if ledger is not None and ledger is not step.existing_ledger:
+      found.append(ledger)
       with tf.init_scope():
         state = ledger.state()
         earlier = run_ids.earlier((*state[:3], state[4]), then)
         step.adopt_ledger(*(state if earlier is None else (*earlier[:3], state[3],
                                                                earlier[3])))
+  for ledger in traced:
+    if ledger is not step.existing_ledger and not any(ledger is f for f in found):
+      with tf.init_scope():
+        step.adopt_ledger(*ledger.state())
+
+
+def _traced_ledgers(memo):
+  """{digest: [ledger]} of the live runs (`_naming_ledger`, each once per digest) whose custom
+  loop's traced private updates left a variable at that digest: the digests written into its
+  in-graph ring (`_InGraph.traced`; its unwritten slots, zeros, are not read). Read once per
+  pass (`memo`)."""
+  if "traced" in memo:
+    return memo["traced"]
+  out = memo["traced"] = {}
+  with tf.init_scope():
+    for key, state in list(_IN_GRAPH.items()):
+      rec = _RECORDS.get(key)
+      if (state.var_ref() is None or rec is None or rec.var_ref() is not state.var_ref()
+          or rec.opt_ref is None):
+        continue
+      ledger = _naming_ledger(rec.opt_ref())
+      if ledger is None:
+        continue
+      written = int(state.meta.numpy()[0])
+      for t in state.traced.numpy()[:min(written, TRACED_KEPT)]:
+        held = out.setdefault(int(t), [])
+        if not any(ledger is o for o in held):
+          held.append(ledger)
+  return out
 
 
 def adopt_released(optimizer, variables):
@@ -796,14 +846,15 @@ def adopt_released(optimizer, variables):
     optimizer: the DP optimizer about to update `variables`.
     variables: its trainable variables.
   """
-  if not _RELEASED or tf.distribute.has_strategy():   # (a strategy's copies: read at record)
+  if not (_RELEASED or _IN_GRAPH) or tf.distribute.has_strategy():   # (a strategy: at record)
     return
   fresh = [v for v in variables if _record_of(v) is None]
   if not fresh:
     return
+  memo = {}
   with tf.init_scope():
     for h in _digests(_read_all(fresh)):
-      _adopt_released(optimizer, h)
+      _adopt_released(optimizer, h, memo)
 
 
 def _restart(state):
@@ -1020,7 +1071,7 @@ def changed(variables, optimizer=None, record_with=None):
     rec = _record_of(v, make=record_with is not None)
     if rec is not None:
       pairs.append((rec, v))
-  out, seen, memo = [], [], {}
+  out, seen, memo, traced = [], [], {}, {}
   for rec, tensor, array, h in _current(pairs):
     seen.append((rec, h))
     if not rec.history:
@@ -1031,6 +1082,8 @@ def changed(variables, optimizer=None, record_with=None):
         out.append((rec.var_ref(), rec.iterations))
       elif h not in rec.history:
         _append(rec, h, None, None)   # a state the run produced, from now on recorded
+        opt = rec.opt_ref()   # and released by its run (a copy by value adopts its ledger)
+        traced.setdefault(id(opt), (opt, []))[1].append(h)
     elif h not in rec.history and not (_untracked(rec, memo) and _deferred(rec)):
       # no traced update wrote it since its last record (tracked, or outside the subset a
       # custom loop's traced steps updated): compared with its records. Unchecked while a
@@ -1038,6 +1091,8 @@ def changed(variables, optimizer=None, record_with=None):
       out.append((rec.var_ref(), rec.iterations))
     if record_with is None and h in rec.history:
       rec.held = _kept(tensor, array, h)   # a recorded state: its digest kept
+  for opt, digests in traced.values():
+    _register_released(opt, digests)
   if record_with is not None:
     written = {id(v) for v in optimizer_state(record_with)}
     for rec, _ in seen:   # what the DP update writes, it writes in place: no buffer kept
@@ -1046,7 +1101,8 @@ def changed(variables, optimizer=None, record_with=None):
     if not out:
       count, updates = _iterations(record_with), private_updates(record_with)
       _register_released(record_with, [h for rec, h in seen
-                                        if _append(rec, h, record_with, count, updates)])
+                                        if _append(rec, h, record_with, count, updates,
+                                                   memo)])
   return out
 
 
