@@ -45,7 +45,6 @@ def _merged(*ledgers):
   return out
 
 
-@pytest.mark.xfail(strict=True, reason="review R21: pickle keeps the run identity (8 for 12)")
 def test_a_pickled_ledger_is_another_run_from_the_copy_on():
   """Ledger A, 4 steps, pickled and unpickled (B); A and B take 4 steps each: B holds A's 4
   under A's identity and its own 4 under a new one, and A merged with B is 12 samples
