@@ -25,6 +25,13 @@ from tests.keras import custom_loop_setup as loop
 
 DELTA = 1e-5
 
+# Nightly tier (-m slow): the other pairs of (a host check after the source's loop, the copy's
+# step traced or eager); the default tier keeps the source unchecked with a traced copy.
+SLOW_CASES = {
+    "test_a_copy_of_a_traced_loops_weights_keeps_its_run[no_check-eager_copy]",
+    "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-traced_copy]",
+    "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-eager_copy]"}
+
 
 def _traced_run(steps, check=False):
   """A plain Keras model trained by a custom loop's traced private steps (`steps` of them, on
@@ -93,3 +100,61 @@ def test_a_traced_loops_initial_weights_name_no_run():
     step(x[:10], y[:10])
   copy = _copy_and_step(initial, traced=True)
   assert int(copy.ledger.sample_count) == 1
+
+
+def _dense_model(dtype=None):
+  model = dp.keras.DPSequential([keras.Input((loop.D,)), keras.layers.Dense(1, dtype=dtype)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=loop.LR), "mse")
+  return model
+
+
+def _fit(model, steps, callbacks=()):
+  x, y = loop.data()
+  model.fit(x, y, batch_size=10, epochs=1, steps_per_epoch=steps, verbose=0,
+            callbacks=list(callbacks))
+  return model
+
+
+@pytest.mark.xfail(strict=True, reason="review R21 (open): the states a DP fit leaves at a "
+                   "user's train-batch hook are held, not digested: never registered as "
+                   "released (1 sample for 3)")
+def test_weights_a_batch_callback_copies_keep_their_run():
+  """A DP fit of 3 steps whose callback copies the weights at each on_train_batch_end (a
+  teacher model, a best-so-far copy): the copy after step 2 given to a new DP model, 1 step
+  more: 3 samples (2 + 1), epsilon = 3 steps by hand. Measured: 1 (the fit records the
+  weights at a train-batch hook only when a callback moved them, `_FitFingerprints._begin`:
+  the states in between are never registered). The copy after step 3 (the fit's end state,
+  recorded) is charged 4 of 4."""
+  snapshots = []
+
+  class Snapshot(keras.callbacks.Callback):
+
+    def on_train_batch_end(self, batch, logs=None):
+      snapshots.append(self.model.get_weights())
+
+  _fit(_dense_model(), 3, [Snapshot()])
+  last = _fit(_copy_into_dense(snapshots[2]), 1)
+  assert int(last.optimizer.ledger.sample_count) == 4
+  copy = _fit(_copy_into_dense(snapshots[1]), 1)
+  assert int(copy.optimizer.ledger.sample_count) == 3
+  assert dp.accounting.epsilon(copy.optimizer.ledger, DELTA, accountant="rdp") == (
+      pytest.approx(loop.rdp_epsilon(3), rel=1e-6))
+
+
+def _copy_into_dense(values, dtype=None):
+  model = _dense_model(dtype)
+  model.set_weights(values)
+  return model
+
+
+@pytest.mark.xfail(strict=True, reason="review R21 (open): a copy cast to another dtype has "
+                   "other digests (1 sample for 5)")
+def test_a_copy_cast_to_float16_keeps_its_run():
+  """A DP fit of 4 steps, its float32 weights given to a float16 DP model (set_weights
+  casts), 1 step: the float16 values are a function of the 4 steps (post-processing), so 5
+  samples. Measured: 1 (the cast changes the bits; no released digest matches). Stated as a
+  known issue; a model with a mixed_float16 policy keeps float32 variables and is charged
+  5 of 5."""
+  source = _fit(_dense_model(), 4)
+  copy = _fit(_copy_into_dense(source.get_weights(), "float16"), 1)
+  assert int(copy.optimizer.ledger.sample_count) == 5

@@ -73,7 +73,11 @@ next check that reads them (review R21: a copy of a traced loop's weights charge
 steps). A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
-values: a digest would name both).
+values: a digest would name both), nor values changed on the way (a cast to float16 or
+bfloat16 by set_weights into a model of that dtype, any arithmetic: h names bits), nor a state
+a DP fit left at a user callback's train-batch hook (held there, not digested: only the fit's
+records and the states its epoch hooks and end leave are registered) (review R21, strict
+xfails in tests/keras/test_keras_review_r21.py).
 
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
