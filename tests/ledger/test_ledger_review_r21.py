@@ -14,6 +14,7 @@ branches of the fork appended equal rows under one identity and a merge kept one
 """
 
 import copy
+import itertools
 import os
 import pickle
 
@@ -120,3 +121,45 @@ def _merged_journal(path):
   led = L.PrivacyLedger()
   L.LedgerJournal(path).resume(led)
   return led
+
+
+def test_views_of_three_runs_merge_to_one_ledger_in_any_order():
+  """Three runs (A 4 steps at q = 0.1, B 3 at q = 0.1 with rows equal to A's, C 2 at
+  q = 0.2); views taken at several steps (A at 2 and 4, B at 1 and 3, C at 2), and a ledger
+  that adopted B's view at 1 and took 2 steps of its own (D): every order of merging the six
+  views gives 4 + 3 + 2 + 2 = 11 samples (each run's longest view; B's prefix inside D is not
+  charged again), the same run counts and the same epsilon, = 11 steps by hand (every
+  73rd of the 720 orders)."""
+  a, b, c = L.PrivacyLedger(), L.PrivacyLedger(), L.PrivacyLedger()
+  views = []
+  for step in range(4):
+    _steps(a, 1)
+    if step < 3:
+      _steps(b, 1)
+    if step < 2:
+      _steps(c, 1, q=0.2)
+    if step in (0, 2):
+      views.append(b.state())
+    if step in (1, 3):
+      views.append(a.state())
+  views.append(c.state())
+  d = L.PrivacyLedger()
+  d.merge_arrays(*views[0])   # B's view at 1 step
+  _steps(d, 2)
+  views.append(d.state())
+  acc = dpa.rdp.RdpAccountant()
+  acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.1, dpa.GaussianDpEvent(1.0)),
+                                      9))
+  acc.compose(dpa.SelfComposedDpEvent(dpa.PoissonSampledDpEvent(0.2, dpa.GaussianDpEvent(1.0)),
+                                      2))
+  truth = acc.get_epsilon(DELTA)
+  counts = {a.run_id: 4, b.run_id: 3, c.run_id: 2, d.run_id: 2}
+  for order in list(itertools.permutations(range(len(views))))[::73]:
+    out = L.PrivacyLedger()
+    for i in order:
+      out.merge_arrays(*views[i])
+    per_run = {}
+    for rid, n, _ in out.run_table():
+      per_run[rid] = per_run.get(rid, 0) + n
+    assert per_run == counts, order
+    assert dp.accounting.epsilon(out, DELTA) == pytest.approx(truth, rel=1e-9)
