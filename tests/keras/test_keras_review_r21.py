@@ -168,7 +168,6 @@ def _backbone_model(head=1):
   return model
 
 
-@pytest.mark.xfail(strict=True, reason="review R21: a load registers no released state (1 for 5)")
 @pytest.mark.parametrize("load", ["load_model", "load_weights"])
 def test_a_copy_of_a_loaded_dp_models_backbone_keeps_the_files_run(load, tmp_path, monkeypatch):
   """Transfer learning from a file: a DP model trained 4 steps, saved (`model.save` /

@@ -242,6 +242,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_adopt_carried_ledger()
     if carried is not None:   # the layers' values follow: recorded by load_weights
       self._dp_loaded_ledger = True
+      # and released by the file's run: a copy of them by value adopts its ledger
+      weight_fingerprints.note_loaded(self, _compiled_optimizer)
 
   def load_weights(self, filepath, *args, **kwargs):
     """keras.Model.load_weights; weights from a file that carries a privacy ledger (saved by

@@ -160,6 +160,10 @@ _IN_GRAPH = {}
 # (`_adopt_released`), as a weights file does
 _RELEASED = {}
 _RELEASED_PRUNE = 4096
+# id(model) -> (weak ref of a DP model whose weights were loaded from a file carrying a
+# ledger, function giving its optimizer): its values are registered as released by that
+# ledger at the next adoption pass (`_register_loaded`)
+_LOADED = {}
 
 
 class _Record:
@@ -729,6 +733,7 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     only_new: record only variables without digests (made since the last record).
   """
   _forget_dead()
+  _register_loaded({})   # (a load_weights just done: its values, before anything moves them)
   count = None if optimizer is None else _iterations(optimizer)
   updates = None if optimizer is None else private_updates(optimizer)
   pairs = []
@@ -794,8 +799,10 @@ def _adopt_released(optimizer, h, memo=None):
   R21: 1 of 5 steps was charged), each with its whole ledger now (the step that left h is not
   kept: the safe side). `memo`: a dict kept for one pass over the variables (the rings are
   read once in it)."""
+  memo = {} if memo is None else memo
+  _register_loaded(memo)
   refs = _RELEASED.get(h, ())
-  traced = _traced_ledgers({} if memo is None else memo).get(h, ())
+  traced = _traced_ledgers(memo).get(h, ())
   if not refs and not traced:
     return
   step = optimizer.private_step
@@ -813,6 +820,40 @@ def _adopt_released(optimizer, h, memo=None):
     if ledger is not step.existing_ledger and not any(ledger is f for f in found):
       with tf.init_scope():
         step.adopt_ledger(*ledger.state())
+
+
+def note_loaded(model, optimizer_of):
+  """Notes a DP model whose weights a file carrying a ledger is loading (`keras.models.
+  load_model`, `load_weights`): its values, loaded after this call, are the file's run's
+  released state, registered as released by the ledger that adopted the file's
+  (`_register_loaded`), so a copy by value of them (transfer learning: its backbone given to
+  a new model) adopts it (review R21: 1 of 5 steps was charged).
+
+  Args:
+    model: the DP model.
+    optimizer_of: function of the model giving its DP optimizer (or None: not compiled yet).
+  """
+  _LOADED[id(model)] = (weakref.ref(model), optimizer_of)
+
+
+def _register_loaded(memo):
+  """Registers the current values of each model `note_loaded` noted, once its optimizer holds
+  a ledger (`_naming_ledger`), as released by that ledger (with its run table now), and
+  forgets the model; once per pass (`memo`)."""
+  if not _LOADED or "loaded" in memo:
+    return
+  memo["loaded"] = True
+  for key, (ref, optimizer_of) in list(_LOADED.items()):
+    model = ref()
+    if model is None:
+      del _LOADED[key]
+      continue
+    optimizer = optimizer_of(model)
+    if _naming_ledger(optimizer) is None:   # not compiled with a ledger yet: later
+      continue
+    del _LOADED[key]
+    with tf.init_scope():
+      _register_released(optimizer, _digests(_read_all(checked_variables(model))))
 
 
 def _traced_ledgers(memo):
@@ -850,7 +891,7 @@ def adopt_released(optimizer, variables):
     optimizer: the DP optimizer about to update `variables`.
     variables: its trainable variables.
   """
-  if not (_RELEASED or _IN_GRAPH) or tf.distribute.has_strategy():   # (a strategy: at record)
+  if not (_RELEASED or _IN_GRAPH or _LOADED) or tf.distribute.has_strategy():   # (at record)
     return
   fresh = [v for v in variables if _record_of(v) is None]
   if not fresh:
