@@ -70,7 +70,10 @@ steps was charged). The states a custom loop's traced private updates left are f
 in-graph rings (`_InGraph`: the last TRACED_KEPT), with the run's whole ledger at the copy's
 start (the step that left them is not kept: the safe side), and registered as released at the
 next check that reads them (review R21: a copy of a traced loop's weights charged 1 of 5
-steps). A run whose
+steps). The values a DP model loads from a file that carries a ledger (`keras.models.
+load_model`, `load_weights`, also in another process) are registered as released by the
+ledger that adopted the file's (`note_loaded`; review R21: its backbone copied into a new
+model charged 1 of 5 steps). A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
 values: a digest would name both), nor values changed on the way (a cast to float16 or
