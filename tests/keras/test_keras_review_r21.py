@@ -27,11 +27,13 @@ from tests.keras import custom_loop_setup as loop
 DELTA = 1e-5
 
 # Nightly tier (-m slow): the other pairs of (a host check after the source's loop, the copy's
-# step traced or eager); the default tier keeps the source unchecked with a traced copy.
+# step traced or eager); the default tier keeps the source unchecked with a traced copy, and
+# the load by load_model.
 SLOW_CASES = {
     "test_a_copy_of_a_traced_loops_weights_keeps_its_run[no_check-eager_copy]",
     "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-traced_copy]",
-    "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-eager_copy]"}
+    "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-eager_copy]",
+    "test_a_copy_of_a_loaded_dp_models_backbone_keeps_the_files_run[load_weights]"}
 
 
 def _traced_run(steps, check=False):
