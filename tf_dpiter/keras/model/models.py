@@ -228,6 +228,18 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_check_saved_weights()
     return super().save(filepath, *args, **kwargs)
 
+  def get_weights(self):
+    """keras.Model.get_weights; the values handed out are registered as released by the DP
+    run (`weight_fingerprints.register_read`), so a copy of them by value (a callback's at a
+    train-batch hook, a teacher or best-so-far model) adopts the run's ledger.
+
+    Returns:
+      list of numpy arrays, as keras.Model.get_weights.
+    """
+    weight_fingerprints.register_read(_compiled_optimizer(self),
+                                      weight_fingerprints.checked_variables(self))
+    return super().get_weights()
+
   def load_own_variables(self, store):
     """keras.Model.load_own_variables; a ledger the file carries is merged into the DP
     optimizer's ledger now or when one is compiled, so trained weights never restart from an

@@ -78,9 +78,11 @@ ledger is gone (its optimizer deleted) is no longer found, nor a copy made in an
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
 values: a digest would name both), nor values changed on the way (a cast to float16 or
 bfloat16 by set_weights into a model of that dtype, any arithmetic: h names bits), nor a state
-a DP fit left at a user callback's train-batch hook (held there, not digested: only the fit's
-records and the states its epoch hooks and end leave are registered) (review R21, strict
-xfails in tests/keras/test_keras_review_r21.py).
+a DP fit left at a user callback's train-batch hook read other than by the model's
+`get_weights` (held there, not digested: the fit's records, the states its epoch hooks and end
+leave and the values a DP model's `get_weights` hands out are registered; `layer.get_weights()`
+or a variable's `numpy()` there is not) (review R21, strict xfail in
+tests/keras/test_keras_review_r21.py).
 
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
@@ -785,6 +787,21 @@ def _register_released(optimizer, digests):
     if not any(ref() is ledger for ref, _ in refs):   # (a run reaching h again: the first)
       refs.append(entry)
     _RELEASED[h] = refs
+
+
+def register_read(optimizer, variables):
+  """Registers the current values of `variables` as released by `optimizer`'s DP run
+  (`_register_released`, when that run names its values: `_naming_ledger`): a DP model's
+  `get_weights` hands them out, possibly between the fit's records (a callback's copy at a
+  train-batch hook, where the weights are held, not digested), and a copy by value of them
+  then adopts the run's ledger as it is now (review R21: 1 of 3 steps was charged).
+
+  Args:
+    optimizer: the model's compiled optimizer, or None.
+    variables: the variables whose values are handed out.
+  """
+  if _naming_ledger(optimizer) is not None:
+    _register_released(optimizer, _digests([_read(v) for v in variables]))
 
 
 def _adopt_released(optimizer, h, memo=None):
