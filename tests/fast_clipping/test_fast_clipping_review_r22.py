@@ -1,0 +1,120 @@
+"""Review R22 (session 48): a record's norm bound on the fast path must not depend on how
+many other records the batch holds.
+
+Where a layer's clipped sum is not formed from kept per-record gradients, each record's
+norm is an upper bound raised to cover the float32 rounding of the record's terms in the
+clipped sum's product over R rows (algebra.with_sum_rounding: (||g|| + gamma_L S)^2,
+L = T + R + 1, S = sum_t ||a_t|| ||b_t||; Higham, "Accuracy and Stability of Numerical
+Algorithms", 2nd ed., Secs. 3.1 and 4.2). R was the batch's own rows (B T). Under add/remove
+one example with an unpadded batch, D' = D + r has one more example than D, so every clipped
+record's factor C / bound moves with r's arrival, and the sum moves by r's term plus
+sum_i (c_i(B + 1) - c_i(B)) g_i: the same phenomenon as a clip shrink taken from the
+batch's rows (dp_query/summation.public_plan; Casacuberta et al., "Widespread
+underestimation of sensitivity in differentially private libraries and how to fix it",
+CCS 2022).
+
+Relation: add/remove one example under Poisson sampling (declared, population 1,000); unit:
+the L2 norm of a record's clipped gradient, C = 1. Real step (train_on_batch on unpadded
+batches of B and B + 1 rows, the added example last: no row shifts), noise 0, SGD lr 1,
+normalize=False: w0 - w1 is the step's float32 clipped sum.
+
+Records of D: two output positions with equal input patches (the input constant along the
+width) and output gradients s and -s (1 - eps) on one channel, so that g = 3 s eps e e^T
+(||g|| = 2 C) while S ~ 6 s; eps is chosen so that gamma_L S ~ ||g||: the bound ~ 2 ||g||,
+each record adds about C / 2, and one more example in the batch raises L by T, lowering
+every factor by about T / (2 L). The added record: no cancellation, clipped to C, opposite
+sign. Layers: a 3x3 convolution of 48 -> 48 channels (20,736 kernel entries, over
+registry.MAX_PER_EXAMPLE_ENTRIES: gradients never kept, the unfolded per-example pass's
+norms raised by rules/conv.py `_per_example_pass`) at 48 output positions, where the direct
+form is cheaper than the Gram; and a Dense of 257 -> 257 units on sequences of 130 (66,049
+entries, over registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES; the norms raised over the
+book-keeping product's chunk rows, budget.chunk_rows).
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_dpiter as dp
+
+C = 1.0
+U = 2.0 ** -24
+
+
+def _conv_case(batch):
+  """(a function making the layers, loss, x, y, L, ||a_t||) of the convolution case: x, y hold batch + 1 examples, the
+  added one last."""
+  ch, positions = 48, 48
+  length = positions + batch * positions + 1
+  layers = lambda: [keras.Input((3, positions + 2, ch)),
+                    keras.layers.Conv2D(ch, 3, padding="valid", use_bias=False,
+                                        kernel_initializer="zeros")]
+  x = np.zeros((batch + 1, 3, positions + 2, ch), np.float32)
+  x[..., 0] = 1.0   # every patch of a record the same: 9 ones on channel 0 (||a_t|| = 3)
+  y = np.zeros((batch + 1, 1, positions, ch), np.float32)
+  return layers, (lambda t, p: tf.reduce_sum(t * p, axis=[1, 2, 3])), x, y, length, 3.0
+
+
+def _dense_case(batch):
+  """The Dense-on-sequences case (as `_conv_case`)."""
+  units, positions = 257, 130
+  length = positions + batch * positions + 1   # batch below the chunk's examples
+  layers = lambda: [keras.Input((positions, units)),
+                    keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros")]
+  x = np.zeros((batch + 1, positions, units), np.float32)
+  x[:, :2, 0] = 1.0   # two positions of the same input (||a_t|| = 1), the others zero
+  y = np.zeros((batch + 1, positions, units), np.float32)
+  return layers, (lambda t, p: tf.reduce_sum(t * p, axis=[1, 2])), x, y, length, 1.0
+
+
+def _targets(y, batch, length, a_norm):
+  """Writes the output gradients (the loss is y . output): records 0..batch-1 nearly cancel
+  (||g|| = 2 C, gamma_L S about ||g||), record `batch` does not (clipped to C, opposite)."""
+  eps = np.float32(2.0 * length * U)
+  s = np.float32(2.0 * C / (a_norm * eps))   # ||g|| = a_norm s eps = 2 C, S ~ 2 a_norm s
+  flat = y.reshape(batch + 1, -1, y.shape[-1])
+  flat[:batch, 0, 0] = s
+  flat[:batch, 1, 0] = -s * (1.0 - eps)
+  flat[batch, :2, 0] = -10.0
+  return flat.reshape(y.shape)
+
+
+def _step_sum(layers, loss, x, y, jit):
+  """The real step's float32 clipped sum of (x, y) (noise 0, lr 1): flat float64."""
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential(layers())
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # noise 0: the no-noise warning
+    opt = dp.keras.DPKerasSGDOptimizer(C, 0.0, learning_rate=1.0, clipping="fast",
+                                       normalize=False)
+  model.compile(optimizer=opt, loss=loss, jit_compile=jit)
+  model.optimizer.set_sampling(1000, len(x) / 1000, "poisson", len(x))
+  model.train_on_batch(x, y)
+  return -np.concatenate([w.ravel() for w in model.get_weights()]).astype(np.float64)
+
+
+# the Dense case below its chunk's 8 examples (budget.examples_per_chunk): the rows then follow B
+CASES = [("conv", 16, False), ("dense", 4, False),
+         pytest.param("conv", 16, True, marks=pytest.mark.slow)]
+
+
+@pytest.mark.xfail(strict=True, reason="R22: the norm bounds' rows are the batch's: one added "
+                   "example moves the fast sum by 1.228 C (conv, graph), 1.234 C (conv, XLA), "
+                   "1.182 C (Dense on sequences)")
+@pytest.mark.parametrize("kind, batch, jit", CASES)
+def test_one_added_example_moves_the_fast_sum_by_at_most_c(kind, batch, jit):
+  """Measured before the fix (2026-12-02, load ~2.5): conv B = 16 moved 1.2285 C in a graph,
+  1.2339 C under XLA (1.2458 C in a graph at B = 64, where XLA's padded layout gave both
+  batches the same rows: 0.99996 C); Dense B = 4: 1.1816 C. The vectorized path (norms of
+  the per-record gradients themselves): 0.9998 C (conv, B = 64)."""
+  layers, loss, x, y, length, a_norm = (_conv_case if kind == "conv" else _dense_case)(batch)
+  y = _targets(y, batch, length, a_norm)
+  s_d = _step_sum(layers, loss, x[:batch], y[:batch], jit)
+  s_d1 = _step_sum(layers, loss, x, y, jit)
+  # the construction exercises the bound: each record of D is clipped, adding C / 2 or less
+  assert 0.3 * batch * C < np.linalg.norm(s_d) <= batch * C
+  moved = float(np.linalg.norm(s_d1 - s_d))
+  assert moved <= C, moved
