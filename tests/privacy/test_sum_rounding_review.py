@@ -401,7 +401,8 @@ def _cancelling_rows(batch, positions, e):
   Dense(1) on x = 1 (dz_t = y_t): record 0 is [C, 0, ...]; every other record j is
   [a, -3/4 w, ..., -3/4 w, -a], a = 2^e - 1/2, w = 2^(e - 24), whose gradient is about 0
   (clip factor 1: its norm's bound, about sqrt((2T + 1) u) 2 a + gamma_L 2 a, stays below C
-  for e = 8, T = 16, B = 256) while its terms are large and cancel. Summed in the rows' order,
+  for e = 8, T = 16, B = 256 with L over the batch's rows; over the public plan's rows,
+  algebra.sum_examples, for e = 7) while its terms are large and cancel. Summed in the rows' order,
   with the target the partial sum is 1, a takes it to 2^e + 1/2 (spacing 2 w) where each
   -3/4 w rounds away; without it to 2^e - 1/2 (spacing w) where each rounds to -w: every
   record j moves the sum by (T - 2) w more, (B - 1)(T - 2) w in all (0.0545 C here), while
@@ -466,11 +467,13 @@ def test_adding_one_record_among_cancelling_unkept_records_moves_by_at_most_c(
 
 @pytest.mark.xfail(strict=True, reason=(
     "open by default: rules/dense.PINNED_RECORD_SUMS is False (its memory cost on "
-    "BERT-base), the book-keeping product over the batch's rows moves the sum by 1.0542 C"))
+    "BERT-base), the book-keeping product over the batch's rows moves the sum by 1.0266 C"))
 def test_the_default_book_keeping_product_over_cancelling_records_moves_by_at_most_c(
     monkeypatch):
   """The same records with the library's default form of the sum (the book-keeping product
   over the batch's B T rows, no shrink charged): the move must stay within the ledger's C.
-  Measured 2026-11-30: 1.0542 C (graph mode)."""
-  moved, sensitivity, _ = _moved_by_a_cancelling_record(monkeypatch, False)
+  Measured 2026-11-30: 1.0542 C (graph mode, e = 8). Since review R22 (session 48) the norm
+  bounds count the public plan's rows (algebra.sum_examples), which lifts e = 8's bounds
+  above C (the records clipped: 0.9994 C); at e = 7 (unclipped) 1.0266 C (2026-12-02)."""
+  moved, sensitivity, _ = _moved_by_a_cancelling_record(monkeypatch, False, e=7)
   assert moved <= sensitivity, (moved, sensitivity)

@@ -15,6 +15,11 @@ from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.fast_clipping import registry
 
 
+# `_Records.most` outside any examples_per_record block (read at each call) and within one
+# before `sum_examples` read the public plan (then kept for the block)
+_OUTSIDE, _UNREAD = object(), object()
+
+
 # Records of k consecutive examples (microbatches): set by clipping while the
 # norm functions run; B is then a multiple of k and record j holds examples
 # j*k, ..., j*k + k - 1. A record's gradient is the sum of its examples'
@@ -22,6 +27,7 @@ from tf_dpiter.keras.fast_clipping import registry
 # before squaring, and factored forms merge k into the position axis.
 class _Records(threading.local):
   k = 1   # outside any examples_per_record context: a record is one example
+  most = _OUTSIDE   # the public bound on a call's examples (`sum_examples`), or None
 
 
 # The k of the innermost examples_per_record context of this thread: read as
@@ -31,18 +37,19 @@ RECORDS = _Records()
 
 class examples_per_record:  # pylint: disable=invalid-name
   """Context: the built-in norm functions return per-record norms for records
-  of k consecutive examples (k = 1: per-example)."""
+  of k consecutive examples (k = 1: per-example). Within it `sum_examples` reads the
+  enclosing public plan once (the first norm bound that counts rows)."""
 
   def __init__(self, k):
     self._k = k
 
   def __enter__(self):
-    self._prev = RECORDS.k
-    RECORDS.k = self._k
+    self._prev = RECORDS.k, RECORDS.most
+    RECORDS.k, RECORDS.most = self._k, _UNREAD
     return self
 
   def __exit__(self, *exc):
-    RECORDS.k = self._prev
+    RECORDS.k, RECORDS.most = self._prev
 
 
 def current_examples_per_record():
@@ -213,12 +220,45 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   return sq, (g if keep else None)
 
 
+def sum_examples(a):
+  """B, the examples of a layer's [B, ...] tensor as a record's norm bound counts the rows of
+  the clipped sum's product over them (`with_sum_rounding`'s R): within an add/remove step's
+  public plan (summation.public_plan, read once per `examples_per_record` block) its
+  records per chunk times k, at least the batch's own (a chunk of a batch within the plan's
+  bound never holds more: summation.within_public_rows); elsewhere the batch's (replace-one:
+  the same rows on neighbouring datasets).
+
+  Why: a bound over the batch's own rows moves every record's clip factor when a record is
+  added (L grows by its T rows), so the clipped sum moves by more than C: 1.23 C for one
+  example added to 16 whose positions nearly cancel (review R22,
+  tests/fast_clipping/test_fast_clipping_review_r22.py); a public R gives each record the
+  same factor on both datasets (as summation.public_plan's shrink).
+
+  Args:
+    a: a [B, ...] tensor.
+
+  Returns:
+    a Python int when static or planned, else a float32 scalar tensor.
+  """
+  most = RECORDS.most
+  if most is _OUTSIDE or most is _UNREAD:
+    plan, k = summation.current_public_plan(), RECORDS.k
+    most = int(plan[1]) * k if plan is not None and isinstance(k, int) else None
+    if RECORDS.most is _UNREAD:
+      RECORDS.most = most
+  b = static_dim(a, 0)
+  if most is not None:
+    return most if b is None else max(most, b)
+  return b if b is not None else tf.cast(tf.shape(a)[0], tf.float32)
+
+
 def batch_rows(a):
-  """B T for a [B, T, ...] tensor: a Python int when static, else a float32 scalar tensor."""
-  b, t = static_dim(a, 0), static_dim(a, 1)
-  if b is not None and t is not None:
+  """B T for a [B, T, ...] tensor, B the examples a norm bound counts (`sum_examples`): a
+  Python int when both are known to the trace, else a float32 scalar tensor."""
+  b, t = sum_examples(a), static_dim(a, 1)
+  if isinstance(b, int) and t is not None:
     return b * t
-  return tf.cast(tf.shape(a)[0] * tf.shape(a)[1], tf.float32)
+  return b * static_or_shape(a, 1)
 
 
 def position_norms(x, with_one=False):
@@ -371,7 +411,7 @@ def bias_sqr_norm(dz, bias_shape, rows=None, sum_from_db=False):
   if per_example is None:
     per_example = tf.cast(tf.reduce_prod(tf.gather(tf.shape(dz), axes)), tf.float32)
   if rows is None:
-    rows = static_or_shape(dz, 0) * per_example
+    rows = sum_examples(dz) * per_example
   terms = per_example * (k if isinstance(k, int) else tf.cast(k, tf.float32))
   width = int(np.prod([dz.shape[a] for a in entries])) if all(
       dz.shape[a] is not None for a in entries) else None

@@ -236,8 +236,9 @@ def examples_per_chunk(batch_tensor, temp_bytes, cap=1 << 30):
 
 def chunk_rows(batch_tensor, m, t):
   """Rows of one product of `sum_over_chunks` over chunks of m examples of t positions:
-  min(B, m) t (B t when m is None); the rounding of a record's terms in the clipped sum
-  accumulates over at most these rows (algebra.with_sum_rounding).
+  min(B, m) t (B t when m is None), B the examples a norm bound counts
+  (algebra.sum_examples: an add/remove step's public plan's); the rounding of a record's
+  terms in the clipped sum accumulates over at most these rows (algebra.with_sum_rounding).
 
   Args:
     batch_tensor: a [B, ...] tensor of the layer.
@@ -245,13 +246,12 @@ def chunk_rows(batch_tensor, m, t):
     t: positions per example (a Python int).
 
   Returns:
-    a Python int when B is static or m bounds it, else a float32 scalar tensor.
+    a Python int when B is static or planned or m bounds it, else a float32 scalar tensor.
   """
-  b = batch_tensor.shape[0]
-  if b is not None:
-    return (int(b) if m is None else min(int(b), m)) * t
-  b = tf.shape(batch_tensor)[0]
-  return tf.cast((b if m is None else tf.minimum(b, m)) * t, tf.float32)
+  b = algebra.sum_examples(batch_tensor)
+  if isinstance(b, int):
+    return (b if m is None else min(b, m)) * t
+  return (b if m is None else tf.minimum(b, float(m))) * t
 
 
 def _pad_rows(t, rows):

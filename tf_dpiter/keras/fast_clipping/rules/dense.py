@@ -573,7 +573,7 @@ def _einsum_kernel_norms(equation, x, dz, p):
   rec = m // k if m is not None else None
 
   per_example = _einsum_terms(equation, x, dz)
-  rows = algebra.static_or_shape(x, 0) * per_example   # the clipped sum's (_einsum_kernel_sum)
+  rows = algebra.sum_examples(x) * per_example   # the clipped sum's (_einsum_kernel_sum)
   terms = per_example * (k if isinstance(k, int) else tf.cast(k, tf.float32))
 
   def pass_of(with_g):

@@ -89,7 +89,7 @@ def layer_norm_norm_fn(layer, inputs):
       return (_with_sum_rounding(algebra.sqr_sum(block), dc, xc, gamma, trained, red, rows),)
 
     # rows of the clipped sum's reduction per entry (_sums): the batch's positions
-    rows = algebra.static_or_shape(dy, 0) * (
+    rows = algebra.sum_examples(dy) * (
         int(np.prod([dy.shape[a] for a in red])) if red else 1)
     rec = m // k if m is not None else None
     specs = [tf.TensorSpec([rec], tf.float32)] + (
