@@ -122,34 +122,43 @@ def test_one_added_example_moves_the_fast_sum_by_at_most_c(kind, batch, jit):
   assert moved <= C, moved
 
 
-def _kept_dense_case(batch, eps):
-  """A Dense of 128 -> 128 units on 2 positions (16,384 entries: per-record gradients kept
-  while the batch's take at most rules/budget.KEEP_BYTES, 128 examples) with the records of
-  `_targets`' kind at `eps`: (a function making the layers, loss, x, y)."""
-  units, positions = 128, 2
-  layers = lambda: [keras.Input((positions, units)),
-                    keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros")]
-  x = np.zeros((batch + 1, positions, units), np.float32)
-  x[:, :, 0] = 1.0
+def _kept_case(kind, batch, eps):
+  """Records of `_targets`' kind at `eps` (two positions of one input, output gradients s and
+  -s (1 - eps): ||g|| = 2 C) for a layer whose per-record gradients are kept while the batch's
+  take at most its budget: "dense", a Dense of 128 -> 128 units on 2 positions (16,384
+  entries: rules/budget.keep_choice keeps 128 examples); "conv", a 3x3 convolution of
+  32 -> 32 channels at 2 output positions (9,216 entries, pinned: rules/conv.py keeps 455).
+  Returns (a function making the layers, loss, x, y)."""
+  units, positions = (128, 2) if kind == "dense" else (32, 2)
+  if kind == "dense":
+    shape, out, a_norm = (positions, units), (positions, units), 1.0
+    layers = lambda: [keras.Input(shape), keras.layers.Dense(units, use_bias=False,
+                                                             kernel_initializer="zeros")]
+  else:
+    shape, out, a_norm = (3, positions + 2, units), (1, positions, units), 3.0
+    layers = lambda: [keras.Input(shape), keras.layers.Conv2D(units, 3, use_bias=False,
+                                                              kernel_initializer="zeros")]
+  x = np.zeros((batch + 1,) + shape, np.float32)
+  x[..., 0] = 1.0
   y = np.zeros((batch + 1, positions, units), np.float32)
-  s = np.float32(2.0 * C / eps)   # ||g|| = s eps = 2 C
+  s = np.float32(2.0 * C / (a_norm * eps))   # ||g|| = a_norm s eps = 2 C
   y[:batch, 0, 0], y[:batch, 1, 0] = s, -s * np.float32(1.0 - eps)
   y[batch, :, 0] = -10.0
-  return layers, (lambda t, p: tf.reduce_sum(t * p, axis=[1, 2])), x, y
+  axes = list(range(1, len(out) + 1))
+  return layers, (lambda t, p: tf.reduce_sum(t * p, axis=axes)), x, y.reshape((-1,) + out)
 
 
-@pytest.mark.xfail(strict=True, reason="R22: the per-record gradients are kept or not by the "
-                   "batch's own size: one example added at the keep budget moves the sum by "
-                   "114.5 C")
-def test_one_added_example_at_the_keep_budget_moves_the_fast_sum_by_at_most_c():
-  """Add/remove one example to a batch of 128 (the most whose per-record gradients
-  rules/budget.keep_choice keeps): D's norms are the kept gradients' own (exact), D''s the
-  Gram form's upper bounds, which for records whose positions nearly cancel (eps = 1e-3)
-  exceed the exact norm about tenfold, so every record's factor changes with the added
-  example. Measured 2026-12-02 (load ~7): 114.54 C at 338372d (D's records add C each, D''s
-  about C / 10); 0.8876 C without cancellation (eps = 1/2)."""
-  batch = 128
-  layers, loss, x, y = _kept_dense_case(batch, 1e-3)
+@pytest.mark.parametrize("kind, batch", [("dense", 128), ("conv", 455)])
+def test_one_added_example_at_the_keep_budget_moves_the_fast_sum_by_at_most_c(kind, batch):
+  """Add/remove one example to a batch of the most examples whose per-record gradients are
+  kept (rules/budget.keep_choice, rules/conv.py `_per_example_result`): D's norms were the
+  kept gradients' own (exact), D''s the not-kept forms' upper bounds, which for records whose
+  positions nearly cancel (eps = 1e-3) exceed the exact norm about tenfold, so every
+  record's factor changed with the added example. Now the choice is the public plan's
+  (budget.planned_keep). Measured 2026-12-02 (load ~7): Dense 114.54 C at 338372d (D's
+  records add C each, D''s about C / 10; 0.8876 C without cancellation, eps = 1/2), 0.99891 C
+  with the plan's choice; conv 45.345 C before, 0.99152 C after."""
+  layers, loss, x, y = _kept_case(kind, batch, 1e-3)
   s_d = _step_sum(layers, loss, x[:batch], y[:batch], False, batch)
   s_d1 = _step_sum(layers, loss, x, y, False, batch)
   moved = float(np.linalg.norm(s_d1 - s_d))

@@ -220,13 +220,26 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
   return sq, (g if keep else None)
 
 
+def public_examples():
+  """The examples of one call of a layer within an add/remove step's public plan
+  (summation.public_plan: its records per chunk times k, a bound on every chunk of a batch
+  within the plan's bound, the same on neighbouring datasets), or None outside one or with
+  records of a size the trace does not know. Read once per `examples_per_record` block."""
+  most = RECORDS.most
+  if most is _OUTSIDE or most is _UNREAD:
+    plan, k = summation.current_public_plan(), RECORDS.k
+    most = int(plan[1]) * k if plan is not None and isinstance(k, int) else None
+    if RECORDS.most is _UNREAD:
+      RECORDS.most = most
+  return most
+
+
 def sum_examples(a):
   """B, the examples of a layer's [B, ...] tensor as a record's norm bound counts the rows of
   the clipped sum's product over them (`with_sum_rounding`'s R): within an add/remove step's
-  public plan (summation.public_plan, read once per `examples_per_record` block) its
-  records per chunk times k, at least the batch's own (a chunk of a batch within the plan's
-  bound never holds more: summation.within_public_rows); elsewhere the batch's (replace-one:
-  the same rows on neighbouring datasets).
+  public plan its examples per call (`public_examples`), at least the batch's own (a chunk of
+  a batch within the plan's bound never holds more: summation.within_public_rows); elsewhere
+  the batch's (replace-one: the same rows on neighbouring datasets).
 
   Why: a bound over the batch's own rows moves every record's clip factor when a record is
   added (L grows by its T rows), so the clipped sum moves by more than C: 1.23 C for one
@@ -240,13 +253,7 @@ def sum_examples(a):
   Returns:
     a Python int when static or planned, else a float32 scalar tensor.
   """
-  most = RECORDS.most
-  if most is _OUTSIDE or most is _UNREAD:
-    plan, k = summation.current_public_plan(), RECORDS.k
-    most = int(plan[1]) * k if plan is not None and isinstance(k, int) else None
-    if RECORDS.most is _UNREAD:
-      RECORDS.most = most
-  b = static_dim(a, 0)
+  most, b = public_examples(), static_dim(a, 0)
   if most is not None:
     return most if b is None else max(most, b)
   return b if b is not None else tf.cast(tf.shape(a)[0], tf.float32)

@@ -467,6 +467,30 @@ def pinned_kept_sum(record_c, g):
   return summation.pairwise_sum(algebra.weight_rows(g, c))
 
 
+def planned_keep(record_bytes, budget_bytes):
+  """Within an add/remove step's public plan, whether per-record gradients of `record_bytes`
+  each are kept: when the plan's examples per call (algebra.public_examples) take at most
+  BOUND_FACTOR budget_bytes (as `settled_one_call` settles a choice by a public bound), the
+  same on neighbouring datasets. A choice by the batch's own size made the norms exact
+  (kept) on one dataset and the not-kept form's upper bounds on the other, which differ for
+  every record: one example added to 128 records of a Dense whose positions nearly cancel
+  moved the clipped sum by 114.5 C (review R22,
+  tests/fast_clipping/test_fast_clipping_review_r22.py).
+
+  Args:
+    record_bytes: bytes of one record's gradient (a Python int).
+    budget_bytes: the budget of the kept gradients (KEEP_BYTES, or a rule's multiple of it).
+
+  Returns:
+    a Python bool, or None outside a public plan (replace-one: the same rows on both
+    datasets) or with records of a size the trace does not know.
+  """
+  most, k = algebra.public_examples(), algebra.current_examples_per_record()
+  if most is None or not isinstance(k, int):
+    return None
+  return most // k * record_bytes <= BOUND_FACTOR * budget_bytes
+
+
 def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
   """Whether the per-record gradients (record_bytes each) are kept for the clipped sum.
 
@@ -483,8 +507,9 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
       int; 0 when the rule does not count them).
 
   Returns:
-    a Python bool when the trace decides (not allowed; record_bytes <= operand_bytes; a batch
-    the trace knows: B / k record_bytes <= KEEP_BYTES; XLA with an unknown batch: allowed),
+    a Python bool when the trace decides (not allowed; record_bytes <= operand_bytes; XLA with
+    an unknown batch: allowed; an add/remove step's public plan: `planned_keep`; a batch the
+    trace knows: B / k record_bytes <= KEEP_BYTES),
     else a scalar bool tensor (B / k record_bytes <= KEEP_BYTES at run time, compared as
     floor(B / k) <= floor(KEEP_BYTES / record_bytes), which cannot overflow int32), carrying
     the largest batch it keeps for: (floor(KEEP_BYTES / record_bytes) + 1) k - 1 (by_keep).
@@ -497,6 +522,9 @@ def keep_choice(batch_tensor, record_bytes, allowed, operand_bytes=0):
   static_b = batch_tensor.shape[0]
   if not isinstance(k, int) or (static_b is None and routing.in_xla_context()):
     return True
+  planned = planned_keep(record_bytes, KEEP_BYTES)
+  if planned is not None:
+    return planned
   if static_b is not None:
     return static_b // k * record_bytes <= KEEP_BYTES
   records_kept = min(KEEP_BYTES // record_bytes, 2**31 - 1)   # an int32 constant

@@ -994,10 +994,13 @@ def _per_example_result(layer, form_name, x4, dz4, ksize, stride, dilation, padd
   static_b = dz4.shape[0]
   pinned = _pinned_applies(layer)
   kept_bytes = budget.KEEP_BYTES * (_PINNED_KEEP_FACTOR if pinned else 1)
+  planned = budget.planned_keep(p * 4, kept_bytes)   # add/remove: the public plan's choice
   if not registry.keep_per_example(p):
     keep = False
   elif static_b is None and routing.in_xla_context():   # no run-time choice under XLA
     keep = True
+  elif planned is not None:
+    keep = planned
   elif static_b is not None:
     keep = static_b * p * 4 <= kept_bytes
   elif budget.settled_one_call(kept_bytes // (p * 4)):
