@@ -57,8 +57,6 @@ def _fit(model, run_eagerly, noise=1.0):
   return model
 
 
-@pytest.mark.xfail(strict=True, reason="R22: AttributeError 'NoneType' object has no attribute "
-                   "'loss_unbuilt' (the facts wait for a layer the call never builds)")
 @pytest.mark.parametrize("run_eagerly", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_layer_the_training_call_does_not_build_is_refused_by_name(run_eagerly):
   keras.utils.set_random_seed(0)
@@ -67,8 +65,6 @@ def test_a_layer_the_training_call_does_not_build_is_refused_by_name(run_eagerly
     _fit(model, run_eagerly)
 
 
-@pytest.mark.xfail(strict=True, reason="R22: AttributeError 'str' object has no attribute "
-                   "'_type_enum' (an unconnected Keras variable in per_record_gradients)")
 def test_the_model_trains_once_the_layer_is_built():
   keras.utils.set_random_seed(0)
   net = SpareNet()
@@ -88,8 +84,6 @@ class _UnusedWeight(keras.layers.Layer):
     return x @ self.w
 
 
-@pytest.mark.xfail(strict=True, reason="R22: AttributeError 'str' object has no attribute "
-                   "'_type_enum' (an unconnected Keras variable in per_record_gradients)")
 def test_a_trainable_weight_the_loss_does_not_read_gets_a_zero_gradient():
   keras.utils.set_random_seed(0)
   model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),

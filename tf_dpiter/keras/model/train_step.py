@@ -487,11 +487,27 @@ class TrainStepMixin:
 
   def _dp_built_facts(self, x):
     """The trace facts; a model with an unbuilt (e.g. subclassed) layer is first built by one
-    forward pass on `x` (the per-record gradients need its variables)."""
+    forward pass on `x` (the per-record gradients need its variables).
+
+    Raises:
+      PrivacyConfigError: a layer that pass does not build (its call does not reach it):
+        the facts are read once per train function, so a later call building it would not
+        be seen (review R22: before, an AttributeError).
+    """
     facts = self._dp_trace_facts()
     if facts is None:
       _ = self(x, training=True) if keras_internals.call_has_training_arg(self) else self(x)
       facts = self._dp_trace_facts()
+    if facts is None:
+      unbuilt = [layer.name for layer in keras_internals.flatten_layers(self)
+                 if not layer.built]
+      raise PrivacyConfigError(
+          f"every layer of `model` must be built before its private step: the step reads "
+          "the model's layers once per train function, and the training call on the batch "
+          f"did not build {unbuilt} (a layer the call does not reach, e.g. one used only "
+          "under a Python flag or in inference). Build each (`layer.build(input_shape)`, or "
+          "call it once on an example) before fit, or remove it from the model. Received: "
+          f"unbuilt layers {unbuilt} of {type(self).__name__}")
     # once per train function (unless the fast pass checks the call: _dp_pass_checks_call)
     if not getattr(self, "_dp_writes_checked", False) and not self._dp_pass_checks_call():
       self._dp_writes_checked = data_writes.refuse_model_writes(self, x)

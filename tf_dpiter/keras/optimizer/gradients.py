@@ -16,6 +16,7 @@ The record cut also owns the record's masks and weights (`example_mask_from_weig
 `record_weights`, `masked_record_mean`), used by both clipping paths and `record_losses`.
 """
 
+import keras
 import tensorflow as tf
 
 from tf_dpiter.errors import DPiterError
@@ -244,6 +245,10 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
   flat = tf.nest.flatten(records)
   present = [i for i, t in enumerate(flat) if t is not None]
   list_loops = []   # the while loops over a TensorList `one` found (pfor's trace rewraps errors)
+  # the backend variables (keras_internals.gradient_sources' rule, spelled here: the step's
+  # walk stays in this file): a Keras 3 variable the loss does not read fails the ZERO
+  # unconnected gradient (review R22: a custom layer's unused weight)
+  sources = [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
   def one(tensors, check_loops=False):
     leaves = [None] * len(flat)
@@ -260,7 +265,7 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
     if loops:
       list_loops.extend(loops)
       raise runtime.ListLoop(f"while loops over a TensorList: {list(loops)}")
-    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     grads = [tf.convert_to_tensor(g) for g in grads]
     return grads, loss, aux
 
