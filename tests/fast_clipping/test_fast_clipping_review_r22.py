@@ -30,6 +30,11 @@ norms raised by rules/conv.py `_per_example_pass`) at 48 output positions, where
 form is cheaper than the Gram; and a Dense of 257 -> 257 units on sequences of 130 (66,049
 entries, over registry.MAX_DIRECT_PER_EXAMPLE_ENTRIES; the norms raised over the
 book-keeping product's chunk rows, budget.chunk_rows).
+
+Second case, same relation and unit: a layer's per-record gradients kept (the norms their own,
+exact) while the batch's take at most the keep budget and not kept above it (the not-kept
+forms' upper bounds): a batch at the budget and one example more gave every record another
+norm. Now, under an add/remove plan, the choice is the plan's (budget.planned_keep).
 """
 
 import warnings
