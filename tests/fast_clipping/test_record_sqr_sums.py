@@ -1,6 +1,7 @@
 """algebra.record_sqr_sums: the fast path's per-record sums of squares in the pinned order of
-summation.pinned_square_sum (blocks of 64, then a pairwise tree), and the clip's margin from
-the depths noted (algebra.norm_depths, algebra.norm_margin)."""
+summation.pinned_square_sum with the block algebra.square_block (one reduction up to
+algebra.ONE_REDUCTION_ENTRIES entries, else blocks of 64, then a pairwise tree), and the clip's
+margin from the depths noted (algebra.norm_depths, algebra.norm_margin)."""
 
 import numpy as np
 import pytest
@@ -11,15 +12,22 @@ from tf_dpiter.keras.fast_clipping import algebra
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("shape", [(3, 0), (3, 1), (3, 64), (3, 65), (5, 7, 100), (2, 4096)])
+@pytest.mark.parametrize("shape", [(3, 0), (3, 1), (3, 64), (3, 65), (5, 7, 100), (2, 1025),
+                                   (2, 4096)])
 @pytest.mark.parametrize("known_batch", [True, False])
 def test_each_row_is_the_pinned_square_sum_bit_for_bit(jit, shape, known_batch):
   x = np.random.RandomState(0).randn(*shape).astype(np.float32)
   spec = tf.TensorSpec(shape if known_batch else (None,) + shape[1:])
   rows = tf.function(algebra.record_sqr_sums, jit_compile=jit, input_signature=[spec])(x)
-  one = tf.function(summation.pinned_square_sum, jit_compile=jit)
+  block = algebra.square_block(int(np.prod(shape[1:])))
+  assert block == (summation.SQUARE_BLOCK if np.prod(shape[1:]) in (0, 1025, 4096) else
+                   np.prod(shape[1:]))
+  one = tf.function(lambda r: summation.pinned_square_sum(r, block), jit_compile=jit)
   expected = np.array([one(tf.constant(r)).numpy() for r in x], np.float32)
-  np.testing.assert_array_equal(rows.numpy(), expected)
+  if block == summation.SQUARE_BLOCK or len(shape) == 2:
+    np.testing.assert_array_equal(rows.numpy(), expected)
+  else:   # one reduction over a row's axes: any order (its depth n - 1), not the flat row's
+    np.testing.assert_allclose(rows.numpy(), expected, rtol=2 * block * 2.0 ** -24)
   exact = (x.astype(np.float64) ** 2).reshape(shape[0], -1).sum(1)
   np.testing.assert_allclose(rows.numpy(), exact, rtol=1e-5)
 
@@ -56,13 +64,14 @@ def test_the_margin_counts_the_deepest_sum_and_the_parts():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("n", [33, 64, 96, 8192])
+@pytest.mark.parametrize("n", [33, 64, 96, 512, 1024, 8192])
 def test_windowed_blocks_keep_the_depth_bound_on_big_and_tiny_squares(jit, n):
   """Under XLA a block of 64 squares is summed as two windows of 32 added
-  (summation._block_sums); each row's sum stays within the plan's depth bound
-  (square_sum_depth) of the float64 sum, on rows of one square of 1 and tiny squares of
-  0.9 u (dropped one by one by a single long reduction), the big square in each position of
-  a block across rows."""
+  (summation._block_sums), a row of at most ONE_REDUCTION_ENTRIES squares (one block) as its
+  windows; each row's sum stays within the plan's depth bound (square_sum_depth with the
+  block algebra.square_block: n - 1 for one reduction) of the float64 sum, on rows of one
+  square of 1 and tiny squares of 0.9 u (dropped one by one by a single long reduction,
+  which that depth covers), the big square in each position of a block across rows."""
   rows = 5
   x = np.full((rows, n), np.sqrt(0.9 * 2.0 ** -24), np.float32)
   for r in range(rows):
@@ -70,7 +79,8 @@ def test_windowed_blocks_keep_the_depth_bound_on_big_and_tiny_squares(jit, n):
   got = tf.function(algebra.record_sqr_sums, jit_compile=jit)(x).numpy()
   exact = (x.astype(np.float64) ** 2).sum(1)
   u = 2.0 ** -24
-  depth = summation.square_sum_depth(n)
+  depth = summation.square_sum_depth(n, algebra.square_block(n))
+  assert depth == (n - 1 if n <= algebra.ONE_REDUCTION_ENTRIES else summation.square_sum_depth(n))
   assert np.all((1 - u) ** (depth + 1) * exact <= got)
   assert np.all(got <= exact * (1 + u) ** (depth + 1))
   windows = []

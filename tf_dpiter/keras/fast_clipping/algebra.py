@@ -583,7 +583,8 @@ def deferred_sqr_sum(x):
   deferred = _defer((x,), ("squares", tuple(x.shape.as_list())))
   if deferred is None:
     return sqr_sum(x)
-  note_norm_depth(summation.square_sum_depth(x.shape[1:].num_elements()))
+  n = x.shape[1:].num_elements()
+  note_norm_depth(summation.square_sum_depth(n, square_block(n)))   # record_sqr_sums' plan
   return deferred
 
 
@@ -786,13 +787,40 @@ def sqr_sum(x):
 # entries (2^40 floats is 4 TiB), for a static `square_sum_depth` (97).
 MOST_ENTRIES = 1 << 40
 
+# Entries of a row up to which `record_sqr_sums` sums its squares by one reduction (any order:
+# each square through at most n - 1 additions) rather than in blocks of summation.SQUARE_BLOCK
+# and a pairwise tree (depth 63 + ceil(log2(n / 64))). The clip's norm margin (`norm_margin`)
+# stays below about 2048 u = 6.2e-5 for a Dense layer's two factors of 1024 entries; the
+# 784-512-10 MLP's goes from 4.5e-6 to 3.9e-5 (its clip 0.004% lower), and its DP step (B =
+# 256) sheds the tree's pads, transposes and levels, about 12 ops a sum against 2: 0.5-0.7 of
+# its 11 CPU ms (A/B in one process, benchmarks/fit_step_ablation.py's timer, load 6-8).
+ONE_REDUCTION_ENTRIES = 1024
+
+
+def square_block(n):
+  """The block `record_sqr_sums` sums a row of n squares in (summation.pinned_row_sums'
+  `block`, summation.square_sum_depth's): n itself, one reduction, for
+  1 <= n <= ONE_REDUCTION_ENTRIES, else summation.SQUARE_BLOCK (n None: unknown).
+
+  Args:
+    n: the row's entries, a Python int or None.
+
+  Returns:
+    a Python int >= 1.
+  """
+  if n is not None and 1 <= n <= ONE_REDUCTION_ENTRIES:
+    return int(n)
+  return summation.SQUARE_BLOCK
+
 
 def record_sqr_sums(x, noted=True):
   """sum_j x[r, j]^2 of every row r of x [R, ...] in float32, in the order of
-  `summation.pinned_row_sums` (blocks of 64 squares, then a pairwise tree: each square
-  through at most `summation.square_sum_depth`(n) additions, where one reduction in an
-  order XLA chooses may take up to n - 1), its depth noted for the clip's margin
-  (`note_norm_depth`; `noted` False: the caller notes the depth of what it forms from it).
+  `summation.pinned_row_sums` with the block `square_block`(n): a row of at most
+  ONE_REDUCTION_ENTRIES entries by one reduction (depth n - 1), a longer one in blocks of 64
+  squares, then a pairwise tree (each square through at most `summation.square_sum_depth`(n)
+  additions, where one reduction in an order XLA chooses may take up to n - 1); its depth
+  noted for the clip's margin (`note_norm_depth`; `noted` False: the caller notes the depth
+  of what it forms from it).
   Rows are records: a record's own terms (its gradient's entries), not a bound's terms.
 
   Args:
@@ -806,8 +834,9 @@ def record_sqr_sums(x, noted=True):
   if x.shape.rank is None:
     x = tf.reshape(x, [tf.shape(x)[0], -1])
   n = x.shape[1:].num_elements()
-  depth = summation.square_sum_depth(MOST_ENTRIES if n is None else n)
-  sums = summation.pinned_row_sums(tf.square(x), const=const)
+  block = square_block(n)
+  depth = summation.square_sum_depth(MOST_ENTRIES if n is None else n, block)
+  sums = summation.pinned_row_sums(tf.square(x), block, const=const)
   if noted:
     note_norm_depth(depth)
     return sums
