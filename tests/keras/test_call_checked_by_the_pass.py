@@ -8,7 +8,8 @@ no probe runs the model on real rows before the step is traced (train_on_batch, 
 dataset: no rows kept), make_train_function no longer traces the call
 (data_writes.refuse_model_writes); the fast pass's own ops are analysed instead (its writes:
 refuse_traced_writes; the variables its call reads: refuse_unlisted_reads), before the step's
-first execution. With fit's kept rows the call's own trace still runs before any probe.
+first execution. With fit's kept rows the train function's step probes those rows for batch
+mixing only after its pass checked the call (before, the call's own trace ran first).
 Pairs: D = 40 examples, D' = D without its first (x[0, 0] = 10.0 in D).
 """
 
@@ -24,6 +25,7 @@ from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import data_writes
 
 _CLOSURE = tf.Variable(2.0, trainable=False, name="pass_held_in_a_closure")
+_SEEN = tf.Variable(0.0, trainable=False, name="pass_largest_input_seen")
 
 
 class _Scale(keras.layers.Layer):
@@ -63,9 +65,26 @@ class _RunningMean(keras.layers.Layer):
     return x
 
 
+class _Seen(keras.layers.Layer):
+  """Identity writing its largest input into a closure's tf.Variable (not a Keras weight)."""
+
+  def call(self, x):
+    _SEEN.assign(tf.reduce_max(x))
+    return x
+
+
+class _MixingOnLargeInputs(keras.layers.Layer):
+  """Adds the batch's mean to every row when some input exceeds 5 (fit's rows: x[0, 0] =
+  10.0; never the probe's random normal inputs): declared per example below, falsely."""
+
+  def call(self, x):
+    big = keras.ops.cast(keras.ops.max(x) > 5.0, x.dtype)
+    return x + big * keras.ops.mean(x, axis=0, keepdims=True)
+
+
 # per example (each example's output depends on that example alone): clipping="auto" takes
 # the fast path through them, whose own pass then checks the call
-for _layer_class in (_Scale, _Temperature, _RunningMean):
+for _layer_class in (_Scale, _Temperature, _RunningMean, _Seen, _MixingOnLargeInputs):
   dp.keras.declare_per_example(_layer_class, "acts on each example alone (a test layer)")
 
 
@@ -86,9 +105,10 @@ def _model(layers, clipping="auto", jit_compile=False):
   return model
 
 
-def _count_call_traces(monkeypatch):
+def _count_call_traces(monkeypatch, rows=None):
   """The calls of data_writes.refuse_model_writes (the call's own trace), and the order of
-  those calls and of the probe's runs, as ["trace", "probe", ...]."""
+  those calls and of the probe's runs, as ["trace", "probe", ...]; a probe on `rows` (fit's
+  kept rows, when given) as "rows"."""
   order = []
   traced, probe = data_writes.refuse_model_writes, batch_independence.batch_mixing_layers
 
@@ -96,9 +116,10 @@ def _count_call_traces(monkeypatch):
     order.append("trace")
     return traced(*args, **kwargs)
 
-  def counted_probe(*args, **kwargs):
-    order.append("probe")
-    return probe(*args, **kwargs)
+  def counted_probe(model, x, *args, **kwargs):
+    kept = rows is not None and np.array_equal(np.asarray(x)[:2], rows[:2])
+    order.append("rows" if kept else "probe")
+    return probe(model, x, *args, **kwargs)
 
   monkeypatch.setattr(data_writes, "refuse_model_writes", counted_trace)
   monkeypatch.setattr(batch_independence, "batch_mixing_layers", counted_probe)
@@ -151,14 +172,37 @@ def test_a_write_from_the_data_is_refused_on_both_datasets_without_rows(clipping
   assert ("trace" in order) == (clipping == "vectorized")
 
 
-def test_with_fit_rows_kept_the_call_is_traced_before_any_probe(monkeypatch):
-  order = _count_call_traces(monkeypatch)
+def test_with_fit_rows_kept_the_pass_refuses_the_call_before_any_probe_of_them(monkeypatch):
   (x, y), _ = _pair()
+  order = _count_call_traces(monkeypatch, rows=x)
   model = _model([_Scale("attribute"), keras.layers.Dense(1)])
   with pytest.raises(dp.errors.PrivacyConfigError, match="pass_held_as_an_attribute"):
     model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
-  assert order and order[0] == "trace", order   # before the probe ran on any rows
+  assert "rows" not in order and "trace" not in order, order
   assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_write_from_fit_rows_kept_is_refused_before_a_probe_could_write_a_record():
+  # the probe runs the call eagerly on the kept rows (x[0, 0] = 10.0): had it run before the
+  # pass refused the call, the closure's variable would hold that record's value
+  (x, y), _ = _pair()
+  _SEEN.assign(0.0)
+  model = _model([_Seen(), keras.layers.Dense(1)])
+  with pytest.raises(dp.errors.PrivacyConfigError, match="pass_largest_input_seen"):
+    model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert float(_SEEN.numpy()) < 10.0   # written by the random probe inputs at most
+  assert int(model.ledger.sample_count.numpy()) == 0
+
+
+def test_with_fit_rows_kept_the_rows_are_probed_after_the_pass_with_no_call_trace(
+    monkeypatch):
+  (x, y), _ = _pair()
+  order = _count_call_traces(monkeypatch, rows=x)
+  model = _model([keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+  model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert "trace" not in order and "rows" in order, order
+  assert order.index("probe") < order.index("rows")
+  assert int(model.optimizer.iterations.numpy()) == 4
 
 
 def test_a_model_the_pass_accepts_trains_with_no_trace_of_its_call(monkeypatch):
@@ -171,3 +215,24 @@ def test_a_model_the_pass_accepts_trains_with_no_trace_of_its_call(monkeypatch):
   assert int(model.optimizer.iterations.numpy()) == 2
   assert int(model.ledger.sample_count.numpy()) == 2
   assert "trace" not in order and "probe" in order
+
+
+@pytest.mark.parametrize("clipping", ["auto", "fast"])
+def test_mixing_seen_only_on_fit_rows_after_the_pass_routes_or_refuses(clipping, monkeypatch):
+  # the rows' probe runs after the traced fast pass: "auto" traces the step again on the
+  # vectorized path (each example alone), "fast" refuses before any step
+  (x, y), _ = _pair()
+  order = _count_call_traces(monkeypatch, rows=x)
+  model = _model([_MixingOnLargeInputs(name="mixes_on_large"), keras.layers.Dense(1)],
+                 clipping)
+  with pytest.warns(UserWarning, match="mixes_on_large"):
+    if clipping == "fast":
+      with pytest.raises(dp.errors.PrivacyConfigError, match=r"clipping='fast'.*mixes_on_large"):
+        model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+    else:
+      model.fit(x, y, batch_size=10, epochs=1, verbose=0, sampling="shuffle")
+  assert order.index("probe") < order.index("rows"), order
+  steps = 4 if clipping == "auto" else 0
+  assert model._dp_traced_clipping == ("vectorized" if steps else "fast")  # pylint: disable=protected-access
+  assert int(model.optimizer.iterations.numpy()) == steps
+  assert int(model.ledger.sample_count.numpy()) == steps

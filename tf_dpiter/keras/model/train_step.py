@@ -147,16 +147,18 @@ _READS_ONLY = frozenset({"ReadVariableOp", "VarHandleOp", "ResourceGather", "Res
 
 class _RetraceStep(PrivacyConfigError):
   """Raised while tracing the train step whose fast forward pass found unrecorded variable
-  uses under clipping="auto": the route ("vectorized") is kept and the train function is
-  traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
-  seed) are not in the function that runs (`_call_retracing` catches it)."""
+  uses under clipping="auto", or after whose fast pass the probe of fit's kept rows saw
+  batch mixing: the route ("vectorized") is kept and the train function is traced again,
+  so the abandoned pass's state updates (a counter, a moving statistic, a seed) are not in
+  the function that runs (`_call_retracing` catches it)."""
 
   batches = None   # the batches to give the new train function (`_call_retracing`)
 
 
 def _abandon_fast_pass(model, graph, start):
   """After the traced fast pass (ops `graph.get_operations()[start:]`) raised
-  UnrecordedUsesError and the route became "vectorized": inside the train function
+  UnrecordedUsesError, or was followed by a probe that saw batch mixing, and the route became
+  "vectorized": inside the train function
   (`_call_retracing`), abandons the whole trace; otherwise keeps tracing the vectorized sum
   in the same graph only if the abandoned pass changes no state when run.
 
@@ -378,9 +380,10 @@ class TrainStepMixin:
     probed_from = time.perf_counter()
     probe_start = _probe_seconds(self)
     # variables written from the data: refused before any probe runs the model on real rows
-    # (else when the trace has the batch: _dp_built_facts); a probe of random inputs only
-    # leaves the check to the step's own fast pass (_dp_pass_checks_call)
-    self._dp_writes_checked = (self.built and not self._dp_pass_checks_call()
+    # (else when the trace has the batch: _dp_built_facts); where the step's own fast pass
+    # checks the call (_dp_pass_checks_call), the probe of fit's kept rows waits for it
+    passed = self._dp_pass_checks_call(in_train_function=True)
+    self._dp_writes_checked = (self.built and not passed
                                and data_writes.refuse_model_writes(self))
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
     # a train_step override's own code and a compute_metrics override's: at each trace of
@@ -390,7 +393,7 @@ class TrainStepMixin:
     if step.clipping != "vectorized" and self.built:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
-      batch_independence.probe_at_batch_size(self, None, step)
+      batch_independence.probe_at_batch_size(self, None, step, rows=not passed)
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
@@ -513,17 +516,26 @@ class TrainStepMixin:
       self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
     return facts
 
-  def _dp_pass_checks_call(self):
+  def _dp_pass_checks_call(self, in_train_function=None):
     """True when the model's training-mode call is checked by the step's own fast pass rather
     than by a trace of its own (data_writes.refuse_model_writes): the writes of the pass by
     `refuse_traced_writes`, the variables its call reads by `refuse_unlisted_reads`, both
     before the step's first execution. So when no probe runs the model on real rows before
-    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR; a probe's random
-    inputs carry no record) and the step is traced (not run eagerly) on one replica outside
-    a strategy. A step that takes the vectorized path instead has the call's own trace
-    there, before its pass (`_dp_clipped_sum_step`)."""
+    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR; or the step traced
+    by the train function, which probes the kept rows after its pass: `_dp_clipped_sum_step`;
+    a probe's random inputs carry no record) and the step is traced (not run eagerly) on one
+    replica outside a strategy. A step that takes the vectorized path instead has the call's
+    own trace there, before its pass (`_dp_clipped_sum_step`).
+
+    Args:
+      in_train_function: whether the step is traced by the train function (None: whether
+        the train function is running, `_call_retracing`).
+    """
+    if in_train_function is None:
+      in_train_function = getattr(self, "_dp_retrace", False)
     return (not self.run_eagerly
-            and getattr(self, batch_independence.PROBE_ROWS_ATTR, None) is None
+            and (in_train_function
+                 or getattr(self, batch_independence.PROBE_ROWS_ATTR, None) is None)
             and not tf.distribute.has_strategy()
             and self.distribute_strategy.num_replicas_in_sync == 1)
 
@@ -572,10 +584,15 @@ class TrainStepMixin:
       # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
       scale = step.sum_scale(counts[1]) if step.folds_denominator else None
       expected = step.expected_records   # the fast sum's chunk size follows from it
+      graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+      # traced by the train function: the batch-independence probe runs on fit's kept rows
+      # only once the fast pass below checked the model's call for writes from the data (a
+      # route changed then traces the step again: _abandon_fast_pass)
+      rows_later = routes and graph is not None and getattr(self, "_dp_retrace", False)
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
-                                                       checked_by_the_step=routes)
+                                                       checked_by_the_step=routes,
+                                                       probe_rows=not rows_later)
       if self._dp_traced_clipping == "fast":
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         start = 0 if graph is None else len(graph.get_operations())
         try:
           state, loss_sum, records_out = self._dp_fast_sum(step, facts, recs, em, rmask, k,
@@ -583,6 +600,10 @@ class TrainStepMixin:
         except fast_clip.UnrecordedUsesError as found:   # raised before any sum is formed
           self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
           _abandon_fast_pass(self, graph, start)
+        if rows_later and self._dp_traced_clipping == "fast":
+          self._dp_traced_clipping = step.route_probed_rows(self, x)
+          if self._dp_traced_clipping == "vectorized":
+            _abandon_fast_pass(self, graph, start)
       if self._dp_traced_clipping == "vectorized":
         if not getattr(self, "_dp_writes_checked", False):   # no separate trace yet
           self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
