@@ -200,3 +200,54 @@ def test_kept_chunk_fits_the_budget():
   assert m * per_example <= budget.KEPT_BYTES < 2 * m * per_example
   assert budget.kept_chunk(budget.KEPT_BYTES * 4, 1) == 8
   assert budget.kept_chunk(per_example, 3) % 3 == 0
+
+
+def _cnn():
+  """28x28x1 -> Conv2D -> MaxPool -> Conv2D -> Dense logits (the tutorial CNN's layer kinds)."""
+  keras.utils.set_random_seed(6)
+  inp = keras.Input((12, 12, 1))
+  h = L.MaxPooling2D(2)(L.Conv2D(4, 3, activation="relu")(inp))
+  h = L.Conv2D(3, 2, strides=2)(h)
+  return keras.Model(inp, L.Dense(3)(L.Flatten()(h)))
+
+
+@pytest.mark.parametrize("kind,k", [("lm", 1), ("attention", 2), ("cnn", 1)])
+def test_the_pass_measures_the_probes_kept_bytes(kind, k, monkeypatch):
+  """A traced pass under CHUNK_CHECK_ATTR (the Keras train step's, with no probe of its own)
+  measures the kept bytes per example of its own recorded forward pass: the probe's, on a
+  batch the trace does not know; past the budget it stops before its backward pass with
+  the probe's chunk size (ChunkedPassNeeded)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 1)   # chunks of the smallest size
+  if kind == "cnn":
+    model = _cnn()
+    x = np.random.default_rng(0).normal(size=(2 * k, 12, 12, 1)).astype("float32")
+    loss = _class_loss
+  else:
+    model, x, _, loss = _case(kind)
+  spec = tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype))
+  measured, orig = [], clipping._units_kept_bytes   # pylint: disable=protected-access
+  monkeypatch.setattr(clipping, "_units_kept_bytes",
+                      lambda units: measured.append(orig(units)) or measured[-1])
+
+  found = []
+
+  def step(xb):
+    y = tf.zeros(tf.shape(xb)[:1], tf.int32)
+    try:
+      clipping.clipped_grad_sum(model, xb, y, loss, 1.0, examples_per_record=k,
+                                physical_chunks=False)
+    except clipping.ChunkedPassNeeded as signal:   # (its caller catches it in the trace)
+      found.append(signal.examples)
+    return tf.constant(0)
+
+  setattr(model, clipping.CHUNK_CHECK_ATTR, 1e9)
+  try:
+    graph = tf.function(step).get_concrete_function(spec).graph
+  finally:
+    setattr(model, clipping.CHUNK_CHECK_ATTR, None)
+  by_the_pass = list(measured)
+  kept, _ = clipping._probe(model, spec, k > 1, k)   # pylint: disable=protected-access
+  assert kept and by_the_pass == [kept], (by_the_pass, kept)
+  assert found == [budget.kept_chunk(kept, k)] == [8 // k * k]
+  # stopped after the forward pass and the loss: no gradient of the pass was formed
+  assert not [op for op in graph.get_operations() if "backward_to_layers" in op.name]

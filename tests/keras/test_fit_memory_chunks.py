@@ -9,18 +9,24 @@ import numpy as np
 import pytest
 
 import tf_dpiter as dp
+from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping.rules import budget
+from tf_dpiter.keras.internals import batch_independence
+from tf_dpiter.keras.internals import data_writes
 from tf_dpiter.keras.optimizer import chunking
 
 
 def _recorded_layouts(monkeypatch):
-  """The list that each later chunking.sum_over_chunks call appends its chunk layout to."""
+  """The list that each later chunking.sum_over_chunks call appends its chunk layout to, once
+  it formed its sum (a pass in one call that finds it keeps too much is abandoned before
+  any sum, and the step traced again in chunks)."""
   layouts = []
   real = chunking.sum_over_chunks
 
   def spy(chunk_fn, acc, records, record_mask, per_chunk, template=None):
+    out = real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
     layouts.append(per_chunk)
-    return real(chunk_fn, acc, records, record_mask, per_chunk, template=template)
+    return out
 
   monkeypatch.setattr(chunking, "sum_over_chunks", spy)
   return layouts
@@ -70,3 +76,38 @@ def test_declared_physical_batch_is_kept(monkeypatch):
   model.optimizer.set_sampling(64, 32 / 64, "poisson", 32)
   model.train_on_batch(rng.randint(0, 50, (32, 12)).astype("int32"), rng.randint(0, 3, 32))
   assert layouts and all(p == 16 for p in layouts), layouts
+
+
+
+def test_fit_measures_its_chunks_on_its_own_pass_and_probes_its_rows_after(monkeypatch):
+  """fit's traced step finds its chunk size on its own pass (no traced probe of the model:
+  clipping._probe_pass), abandons that trace before any sum and traces the step again in
+  chunks; fit's kept rows are probed for batch mixing only after the chunked pass checked
+  the call (data_writes), and the call has no trace of its own."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 4096)   # 4 KiB: chunks of 8 examples
+  rng = np.random.RandomState(0)
+  x, y = rng.randint(0, 50, (32, 12)).astype("int32"), rng.randint(0, 3, 32)
+  order, probe, sums = [], batch_independence.batch_mixing_layers, chunking.sum_over_chunks
+
+  def counted_probe(model, rows, *args, **kwargs):
+    order.append("rows" if np.array_equal(np.asarray(rows)[:2], x[:2]) else "random")
+    return probe(model, rows, *args, **kwargs)
+
+  def counted_sum(chunk_fn, acc, records, record_mask, per_chunk, template=None):
+    out = sums(chunk_fn, acc, records, record_mask, per_chunk, template=template)
+    order.append(f"sum in chunks of {per_chunk}")   # once it formed its sum
+    return out
+
+  monkeypatch.setattr(batch_independence, "batch_mixing_layers", counted_probe)
+  monkeypatch.setattr(chunking, "sum_over_chunks", counted_sum)
+  monkeypatch.setattr(clipping, "_probe_pass", lambda *a: order.append("chunk probe"))
+  monkeypatch.setattr(data_writes, "refuse_model_writes", lambda *a: order.append("trace"))
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([
+      keras.Input((12,), dtype="int32"), keras.layers.Embedding(50, 8),
+      keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(0.5, 1.0, learning_rate=0.5),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+  assert order == ["random", "sum in chunks of 8", "rows"], order
+  assert int(model.ledger.sample_count.numpy()) == 2

@@ -63,7 +63,9 @@ record's norm alone, so the sum is the same. The kept bytes per example are meas
 forward pass traced (never run) on one record and the chunk is chosen at trace time; a batch
 the trace does not know runs ceil(B / m) balanced chunks (one when it fits), under XLA it is
 one call. The Keras models' train step passes physical_chunks=False: its loss reads the
-whole batch's record weights, and it splits the batch itself (max_physical_batch_size).
+whole batch's record weights, and it splits the batch itself (max_physical_batch_size, or
+`physical_chunk_examples`; traced by its train function, it measures the kept bytes on its
+own pass instead: `CHUNK_CHECK_ATTR`).
 A second backward pass (Li et al.'s ghost clipping, "two_pass") does not bound the kept bytes
 in TensorFlow: the persistent tape keeps the forward activations (the softmax
 cross-entropy's [B, T, V] backprop among them) until that pass.
@@ -81,6 +83,7 @@ import tensorflow as tf
 
 from tf_dpiter import dp_query
 from tf_dpiter.dp_query import summation
+from tf_dpiter.errors import DPiterError
 from tf_dpiter.errors import ParameterTypeError
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
@@ -437,6 +440,21 @@ def vectorized_grads(unit, rec, out_grads):
 # model's training-mode call as the step runs it, which data_writes.refuse_traced_writes
 # reads for the variables it reads (no trace of its own). None or absent: nothing kept.
 CALL_OPS_ATTR = "_dp_call_ops"
+# A model's attribute: the examples a batch holds on average (float), set by a caller that
+# chunks the batch itself and traces the batch in one call without asking
+# `physical_chunk_examples` (the Keras train step, traced by its train function, which can
+# trace the step again): a traced `_forward` measures the kept bytes of its own recorded pass
+# and raises ChunkedPassNeeded, before anything is formed from the pass, where that answer
+# would chunk the batch. None or absent: no check.
+CHUNK_CHECK_ATTR = "_dp_chunk_check"
+
+
+class ChunkedPassNeeded(DPiterError):
+  """The signal (raised by a traced `_forward` under `CHUNK_CHECK_ATTR`, caught by the
+  caller, which traces the step again in chunks) that the batch in one call keeps more than
+  rules/budget.KEPT_BYTES: `examples` is `physical_chunk_examples`'s answer, m."""
+
+  examples = None
 
 
 def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
@@ -460,6 +478,9 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
       uninstall(installed)
     if traced:
       _refuse_unrecorded(unrecorded_uses(units, before))
+      expected = getattr(model, CHUNK_CHECK_ATTR, None)
+      if expected is not None:
+        _refuse_one_call(units, inputs, k, expected)
       found = getattr(model, CALL_OPS_ATTR, None)
       if found is not None:
         found.append(graph.get_operations()[start:])
@@ -825,27 +846,56 @@ def warn_unrecorded(uses, stacklevel=4):
       UserWarning, stacklevel=stacklevel)
 
 
-def _physical_chunk(model, inputs, k):
-  """(examples per physical chunk m, output signature), or None where the batch is one call:
-  k unknown at trace time, XLA with an unknown batch, a kept size unknown, or B <= m known.
-  m = budget.kept_chunk(kept bytes per example, k) (module docstring)."""
+def _one_call_anyway(inputs, k):
+  """True where the batch is one call whatever its kept bytes: k unknown at trace time, an
+  input without a batch axis, XLA with an unknown batch, or a known batch of at most the
+  smallest chunk."""
   if not isinstance(k, int):
-    return None
+    return True
   flat = tf.nest.flatten(inputs)
   if not flat or not tf.is_tensor(flat[0]) or flat[0].shape.rank in (None, 0):
-    return None
+    return True
   static_b = flat[0].shape[0]
-  if static_b is None and runtime.in_xla_context():
-    return None
-  if static_b is not None and static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k):
-    return None   # at most the smallest chunk: no probe
-  kept, signature = _probe(model, inputs, _grouped(k), k)
-  if not kept:   # unknown, or nothing kept (no unit records a forward pass): one call
+  if static_b is None:
+    return runtime.in_xla_context()
+  return static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k)
+
+
+def _chunk_of(kept, k, inputs):
+  """m = budget.kept_chunk(kept, k) of `kept` bytes per example, or None (one call): kept
+  unknown or 0 (no unit records a forward pass), or a known batch of at most m."""
+  if not kept:
     return None
   m = budget.kept_chunk(kept, k)
-  if static_b is not None and static_b <= m:
+  static_b = tf.nest.flatten(inputs)[0].shape[0]
+  return None if static_b is not None and static_b <= m else m
+
+
+def _physical_chunk(model, inputs, k):
+  """(examples per physical chunk m, output signature), or None where the batch is one call
+  (`_one_call_anyway`, `_chunk_of`). m = budget.kept_chunk(kept bytes per example, k), the
+  kept bytes of `_probe_pass` (module docstring)."""
+  if _one_call_anyway(inputs, k):
     return None
-  return m, signature
+  kept, signature = _probe(model, inputs, _grouped(k), k)
+  m = _chunk_of(kept, k, inputs)
+  return None if m is None else (m, signature)
+
+
+def _refuse_one_call(units, inputs, k, expected_examples):
+  """Raises ChunkedPassNeeded when the recorded pass just traced on the batch `inputs` (its
+  units' records) keeps too much for `expected_examples` in one call: the answer of
+  `physical_chunk_examples`, from the kept bytes per example of this pass rather than of a
+  probe's."""
+  if _one_call_anyway(inputs, k):
+    return
+  known = all(_example_bytes(x) is not None for x in tf.nest.flatten(inputs))
+  m = _chunk_of(_units_kept_bytes(units) if known else None, k, inputs)
+  if m is not None and expected_examples > m:
+    signal = ChunkedPassNeeded(f"the batch's book-keeping keeps more than {budget.KEPT_BYTES} "
+                               f"bytes in one call: chunks of {m} examples")
+    signal.examples = m
+    raise signal
 
 
 def physical_chunk_examples(model, inputs, k, expected_examples):

@@ -148,9 +148,10 @@ _READS_ONLY = frozenset({"ReadVariableOp", "VarHandleOp", "ResourceGather", "Res
 class _RetraceStep(PrivacyConfigError):
   """Raised while tracing the train step whose fast forward pass found unrecorded variable
   uses under clipping="auto", or after whose fast pass the probe of fit's kept rows saw
-  batch mixing: the route ("vectorized") is kept and the train function is traced again,
-  so the abandoned pass's state updates (a counter, a moving statistic, a seed) are not in
-  the function that runs (`_call_retracing` catches it)."""
+  batch mixing (the route, "vectorized", is kept), or whose pass in one call keeps more than
+  the memory budget (its chunk size is kept: `_dp_chunk_examples`): the train function is
+  traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
+  seed) are not in the function that runs (`_call_retracing` catches it)."""
 
   batches = None   # the batches to give the new train function (`_call_retracing`)
 
@@ -232,6 +233,9 @@ def _call_retracing(model, train_function, iterator):
 
 
 _STEP_WRITES = "the model's training-mode call or its loss in the private step"
+# Traces of the train function that may be abandoned in a row (_RetraceStep): one for its
+# chunk size, then one for its route; each keeps what it decided, so a third never is.
+_RETRACES = 3
 
 
 class _Eager:
@@ -429,11 +433,14 @@ class TrainStepMixin:
       if ours is not None:
         ctx.function_call_options = ours
       try:
-        return _call_retracing(self, inner[0], iterator)
-      except _RetraceStep as abandoned:   # a trace abandoned: new functions, same route
-        inner[0] = keras_function()
-        self.train_function = guarded
-        return inner[0](abandoned.batches)
+        for _ in range(_RETRACES):
+          try:
+            return _call_retracing(self, inner[0], iterator)
+          except _RetraceStep as abandoned:   # a trace abandoned: new functions, what it
+            inner[0] = keras_function()         # decided kept (a route, a chunk size)
+            self.train_function = guarded
+            iterator = abandoned.batches
+        return inner[0](iterator)   # (no trace is abandoned outside _call_retracing)
       finally:
         # (options replaced within the call, by a configuration change, are kept)
         if ours is not None and ctx.function_call_options is ours:
@@ -600,6 +607,11 @@ class TrainStepMixin:
         except fast_clip.UnrecordedUsesError as found:   # raised before any sum is formed
           self._dp_traced_clipping = step.route_unrecorded(self, x, found.uses)
           _abandon_fast_pass(self, graph, start)
+        except fast_clip.ChunkedPassNeeded as found:   # likewise, in the train function only
+          raise _RetraceStep("the DP step's physical chunks were measured while it was "
+                             "traced; the train function traces it again in chunks (caught "
+                             "by the train function: report this error if you see it)"
+                             ) from found   # the chunk size is kept in the facts
         if rows_later and self._dp_traced_clipping == "fast":
           self._dp_traced_clipping = step.route_probed_rows(self, x)
           if self._dp_traced_clipping == "vectorized":
@@ -703,6 +715,9 @@ class TrainStepMixin:
       # the ops of the pass's call of the model, when no trace of its own checked the call
       calls = None if getattr(self, "_dp_writes_checked", False) else []
       object.__setattr__(self, fast_clip.CALL_OPS_ATTR, calls)
+      # the expected examples, when the pass measures its own kept bytes (_dp_chunk_examples)
+      object.__setattr__(self, fast_clip.CHUNK_CHECK_ATTR,
+                         None if pending is None else pending[1])
       try:
         with runtime.examples_at_most(bound):
           grads, norms, outputs, losses = fast_clipping.clipped_grad_sum(
@@ -711,6 +726,7 @@ class TrainStepMixin:
               loss_scale=facts.loss_scale)   # the loss reads the batch's weights; chunked here
       finally:
         object.__setattr__(self, fast_clip.CALL_OPS_ATTR, None)
+        object.__setattr__(self, fast_clip.CHUNK_CHECK_ATTR, None)
       # the writes of this very pass (forward, loss, backward), before any run; and the
       # variables its call reads (data_writes.refuse_unlisted_reads)
       if not tf.executing_eagerly():   # eagerly there is no trace to read
@@ -735,10 +751,11 @@ class TrainStepMixin:
     m_static = tf.TensorShape(rmask.shape)[0]
     xla = getattr(self, "_dp_core_xla", None)   # None: chunking asks the graph
     per_chunk = chunking.chunk_layout(step, k, m_static, xla=xla)
+    pending = None   # (key, expected examples) of a chunk size the pass itself measures
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
       # within the memory budget (fast_clipping.physical_chunk_examples)
-      m_ex = self._dp_chunk_examples(expected, facts, recs[0], k, xla)
+      m_ex, pending = self._dp_chunk_examples(expected, facts, recs[0], k, xla)
       per_chunk = None if m_ex is None else m_ex // k
     if per_chunk is not None and step.draws_keyed:
       step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
@@ -746,29 +763,43 @@ class TrainStepMixin:
     # tensor per variable), and the query's sample state is that sum itself
     # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
     public = per_chunk if isinstance(per_chunk, int) else None
-    with chunking.public_rows(step, k, chunk=public, xla=xla) as rows_bound:
-      grad_sum, loss_sum, outputs = chunking.sum_over_chunks(chunk_fn, None, (recs, em), rmask,
-                                                             per_chunk, template=template)
+    try:
+      with chunking.public_rows(step, k, chunk=public, xla=xla) as rows_bound:
+        grad_sum, loss_sum, outputs = chunking.sum_over_chunks(
+            chunk_fn, None, (recs, em), rmask, per_chunk, template=template)
+    except fast_clip.ChunkedPassNeeded as found:   # kept for the step's next trace
+      facts.chunk_examples[pending[0]] = found.examples
+      raise
+    if pending is not None:   # the pass kept within the budget in one call
+      facts.chunk_examples[pending[0]] = None
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
     state = step.base_query.sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
 
   def _dp_chunk_examples(self, expected_records, facts, inputs, k, xla):
-    """fast_clipping.clipping.physical_chunk_examples of the records' inputs [R, k, ...] at
+    """(fast_clipping.clipping.physical_chunk_examples of the records' inputs [R, k, ...] at
     the step's expected examples (`expected_records`, the step's variable, times k; this
-    replica's share), kept in the trace facts by what it follows from (the inputs' shapes
-    and dtypes, k, the expected examples, XLA or not, the trained variables, the registered
-    rules): an eager step asks once, not at every step."""
+    replica's share), None), kept in the trace facts by what it follows from (the inputs'
+    shapes and dtypes, k, the expected examples, XLA or not, the trained variables, the
+    registered rules): an eager step asks once, not at every step. Not kept yet and traced
+    by the train function on one replica (which traces the step again when the pass raises
+    ChunkedPassNeeded): (None, (key, expected examples)), the answer left to the step's own
+    pass (fast_clipping.clipping.CHUNK_CHECK_ATTR: no traced probe of its own)."""
     with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
       expected = float(expected_records.numpy()) * k
     expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
     inputs = tf.nest.map_structure(_flat_records, inputs)
     key = (tuple((tuple(t.shape), t.dtype) for t in tf.nest.flatten(inputs)), k, expected,
            xla, tuple(id(v) for v in self.trainable_variables), fast_registry.RULES_VERSION)
-    if xla is None or key not in facts.chunk_examples:   # None: the graph decides XLA
-      facts.chunk_examples[key] = fast_clip.physical_chunk_examples(self, inputs, k, expected)
-    return facts.chunk_examples[key]
+    if xla is not None and key in facts.chunk_examples:   # None: the graph decides XLA
+      return facts.chunk_examples[key], None
+    if (xla is not None and not tf.executing_eagerly() and getattr(self, "_dp_retrace", False)
+        and self._dp_pass_checks_call()):
+      return None, (key, expected)
+    found = fast_clip.physical_chunk_examples(self, inputs, k, expected)
+    facts.chunk_examples[key] = found
+    return found, None
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):
     """The metrics' logs after this batch. With sample weights (a padded Poisson sample
