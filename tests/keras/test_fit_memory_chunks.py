@@ -82,8 +82,8 @@ def test_declared_physical_batch_is_kept(monkeypatch):
 def test_fit_measures_its_chunks_on_its_own_pass_and_probes_its_rows_after(monkeypatch):
   """fit's traced step finds its chunk size on its own pass (no traced probe of the model:
   clipping._probe_pass), abandons that trace before any sum and traces the step again in
-  chunks; fit's kept rows are probed for batch mixing only after the chunked pass checked
-  the call (data_writes), and the call has no trace of its own."""
+  chunks; the batch-independence probe (random inputs, then fit's kept rows) runs only after
+  the chunked pass checked the call (data_writes), and the call has no trace of its own."""
   monkeypatch.setattr(budget, "KEPT_BYTES", 4096)   # 4 KiB: chunks of 8 examples
   rng = np.random.RandomState(0)
   x, y = rng.randint(0, 50, (32, 12)).astype("int32"), rng.randint(0, 3, 32)
@@ -109,5 +109,5 @@ def test_fit_measures_its_chunks_on_its_own_pass_and_probes_its_rows_after(monke
   model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(0.5, 1.0, learning_rate=0.5),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
   model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-  assert order == ["random", "sum in chunks of 8", "rows"], order
+  assert order == ["sum in chunks of 8", "random", "rows"], order
   assert int(model.ledger.sample_count.numpy()) == 2

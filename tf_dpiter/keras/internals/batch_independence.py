@@ -407,22 +407,19 @@ def keep_probe_rows(model, x, max_rows=512):
   object.__setattr__(model, PROBE_ROWS_ATTR, rows)
 
 
-def probe_at_batch_size(model, input_specs, step=None, rows=True):
+def probe_at_batch_size(model, input_specs, step=None):
   """`probe_model` at the batch sizes the step really uses (`probe_batch_sizes`): on random
-  inputs, then on the first rows of fit's array data when fit kept them (`keep_probe_rows`)
-  and `rows` is True.
+  inputs, then on the first rows of fit's array data when fit kept them (`keep_probe_rows`).
 
   Args:
     model: a built keras.Model.
     input_specs: a nest of tensors/specs shaped like the batch (the traced batch), or None.
     step: the PrivateStep (its declared sampling), or None.
-    rows: False: random inputs only (the kept rows are probed later, once the model's
-      training-mode call is checked for writes from the data: data_writes).
 
   Returns:
     the verdict of `probe_model`: tuple of mixing layers' names, or None if unprobed.
   """
-  rows = getattr(model, PROBE_ROWS_ATTR, None) if rows else None
+  rows = getattr(model, PROBE_ROWS_ATTR, None)
   verdict = None
   for n in probe_batch_sizes(input_specs, step):
     verdict = probe_model(model, input_specs, batch_size=n)

@@ -27,9 +27,9 @@ bodies. A write whose value does not depend on the data (a call counter, a seed 
 advance) is allowed.
 
 Checked: the model's training-mode call, before any probe runs it on real rows: by a trace of
-its own, or in a traced step on one replica (the train function's, which probes fit's kept
-rows after its pass; any, when fit kept no rows) by the fast path's own pass (its writes
-below, the variables it reads: `refuse_unlisted_reads`); the step's own
+its own, or in a traced step on one replica (the train function's, which runs the
+batch-independence probe after its pass; any, when fit kept no rows) by the fast path's own
+pass (its writes below, the variables it reads: `refuse_unlisted_reads`); the step's own
 pass (the ops the step traced for the call, the loss and, on the fast path, the backward
 pass, whatever Python state or static shapes led there: `refuse_traced_writes`); on the
 vectorized path the call, loss and gradient of one record in a separate trace

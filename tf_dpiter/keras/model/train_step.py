@@ -147,7 +147,7 @@ _READS_ONLY = frozenset({"ReadVariableOp", "VarHandleOp", "ResourceGather", "Res
 
 class _RetraceStep(PrivacyConfigError):
   """Raised while tracing the train step whose fast forward pass found unrecorded variable
-  uses under clipping="auto", or after whose fast pass the probe of fit's kept rows saw
+  uses under clipping="auto", or after whose fast pass the batch-independence probe saw
   batch mixing (the route, "vectorized", is kept), or whose pass in one call keeps more than
   the memory budget (its chunk size is kept: `_dp_chunk_examples`): the train function is
   traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
@@ -383,9 +383,9 @@ class TrainStepMixin:
     step = self._dp_optimizer().private_step
     probed_from = time.perf_counter()
     probe_start = _probe_seconds(self)
-    # variables written from the data: refused before any probe runs the model on real rows
-    # (else when the trace has the batch: _dp_built_facts); where the step's own fast pass
-    # checks the call (_dp_pass_checks_call), the probe of fit's kept rows waits for it
+    # variables written from the data: refused before any probe runs the model (else when
+    # the trace has the batch: _dp_built_facts); where the step's own fast pass checks the
+    # call (_dp_pass_checks_call), the batch-independence probe waits for it
     passed = self._dp_pass_checks_call(in_train_function=True)
     self._dp_writes_checked = (self.built and not passed
                                and data_writes.refuse_model_writes(self))
@@ -394,10 +394,10 @@ class TrainStepMixin:
     # the train function (`_checked_in_this_trace`)
     self._dp_override_checked = self._dp_metrics_checked = None
     self._dp_wrap_override()
-    if step.clipping != "vectorized" and self.built:
+    if step.clipping != "vectorized" and self.built and not passed:
       # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
       # for the same ones and finds them cached; None: probed in the trace)
-      batch_independence.probe_at_batch_size(self, None, step, rows=not passed)
+      batch_independence.probe_at_batch_size(self, None, step)
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
@@ -528,9 +528,9 @@ class TrainStepMixin:
     than by a trace of its own (data_writes.refuse_model_writes): the writes of the pass by
     `refuse_traced_writes`, the variables its call reads by `refuse_unlisted_reads`, both
     before the step's first execution. So when no probe runs the model on real rows before
-    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR; or the step traced
-    by the train function, which probes the kept rows after its pass: `_dp_clipped_sum_step`;
-    a probe's random inputs carry no record) and the step is traced (not run eagerly) on one
+    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR, a probe's random
+    inputs carry no record; or the step traced by the train function, which probes the model
+    after its pass: `_dp_clipped_sum_step`) and the step is traced (not run eagerly) on one
     replica outside a strategy. A step that takes the vectorized path instead has the call's
     own trace there, before its pass (`_dp_clipped_sum_step`).
 
@@ -592,13 +592,14 @@ class TrainStepMixin:
       scale = step.sum_scale(counts[1]) if step.folds_denominator else None
       expected = step.expected_records   # the fast sum's chunk size follows from it
       graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-      # traced by the train function: the batch-independence probe runs on fit's kept rows
-      # only once the fast pass below checked the model's call for writes from the data (a
-      # route changed then traces the step again: _abandon_fast_pass)
-      rows_later = routes and graph is not None and getattr(self, "_dp_retrace", False)
+      # traced by the train function: the batch-independence probe runs the model (on
+      # random inputs, then on fit's kept rows) only once the fast pass below checked its
+      # call for writes from the data (a route changed then traces the step again:
+      # _abandon_fast_pass)
+      probe_later = routes and graph is not None and getattr(self, "_dp_retrace", False)
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
                                                        checked_by_the_step=routes,
-                                                       probe_rows=not rows_later)
+                                                       probe=not probe_later)
       if self._dp_traced_clipping == "fast":
         start = 0 if graph is None else len(graph.get_operations())
         try:
@@ -612,8 +613,8 @@ class TrainStepMixin:
                              "traced; the train function traces it again in chunks (caught "
                              "by the train function: report this error if you see it)"
                              ) from found   # the chunk size is kept in the facts
-        if rows_later and self._dp_traced_clipping == "fast":
-          self._dp_traced_clipping = step.route_probed_rows(self, x)
+        if probe_later and self._dp_traced_clipping == "fast":
+          self._dp_traced_clipping = step.route_probed(self, x)
           if self._dp_traced_clipping == "vectorized":
             _abandon_fast_pass(self, graph, start)
       if self._dp_traced_clipping == "vectorized":

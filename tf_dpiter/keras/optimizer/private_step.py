@@ -957,7 +957,7 @@ class PrivateStep:
   # ---- clipping ---------------------------------------------------------------------
 
   def resolve_clipping(self, model=None, input_specs=None, checked_by_the_step=False,
-                       probe_rows=True):
+                       probe=True):
     """'vectorized' or 'fast': which per-example clipping this step uses for `model`.
 
     "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
@@ -970,10 +970,9 @@ class PrivateStep:
       input_specs: optional nest of tensors/specs shaped like a batch (for the probe).
       checked_by_the_step: True from the Keras train step: a traced step checks the
         unrecorded variable uses in its own fast pass (`routing.fast_path_obstacle`).
-      probe_rows: False from a traced Keras step whose fast pass checks the model's call
-        for writes from the data before the probe may run it on fit's kept rows: the probe
-        here takes random inputs only, and "fast" is not kept until the step's
-        `route_probed_rows`.
+      probe: False from a traced Keras step whose fast pass checks the model's call for
+        writes from the data before any batch-independence probe runs it: no probe here,
+        and "fast" is not kept until the step's `route_probed`.
 
     Returns:
       "vectorized" or "fast".
@@ -989,14 +988,14 @@ class PrivateStep:
     if key is not None and cached is not None and cached[0] == key:
       return cached[1]
     reason = routing.fast_path_obstacle(self, model, fast_clipping, input_specs,
-                                        checked_by_the_step, probe_rows)
-    return self._routed(key, reason, keep=probe_rows or reason is not None)
+                                        checked_by_the_step, probe)
+    return self._routed(key, reason, keep=probe or reason is not None)
 
-  def route_probed_rows(self, model, input_specs):
-    """The path of a traced step that called `resolve_clipping(probe_rows=False)`, once its
-    fast pass checked the model's call for writes from the data (data_writes): the
-    batch-independence probe on fit's kept rows (`routing.mixing_obstacle`), "fast" when it
-    sees no mixing, else "vectorized" under clipping="auto"; kept as the route.
+  def route_probed(self, model, input_specs):
+    """The path of a traced step that called `resolve_clipping(probe=False)`, once its fast
+    pass checked the model's call for writes from the data (data_writes): the
+    batch-independence probe (`routing.mixing_obstacle`: random inputs, fit's kept rows),
+    "fast" when it sees no mixing, else "vectorized" under clipping="auto"; kept as the route.
 
     Args:
       model: the keras.Model the step trains.

@@ -81,7 +81,7 @@ def route_unrecorded(step, fast_clipping, uses):
 
 
 def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_the_step=False,
-                       probe_rows=True):
+                       probe=True):
   """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can: every
   layer must be known to act on each example alone (per_example), and the batch-independence
   probe then runs as a second line of defence at the step's batch size.
@@ -97,8 +97,8 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_
       raises fast_clipping.clipping.UnrecordedUsesError on such a use (before anything is
       formed from it; one trace of the model, not two); the step then calls
       `route_unrecorded`. Called eagerly, the check runs here.
-    probe_rows: False: the probe runs on random inputs only; the caller probes fit's kept
-      rows once the model's call is checked for writes from the data (`mixing_obstacle`).
+    probe: False: no batch-independence probe here; the caller runs it (`mixing_obstacle`)
+      once the model's call is checked for writes from the data.
 
   Returns:
     None, or a sentence naming the obstacle (layer names, dtype policy, setting).
@@ -139,24 +139,23 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_
     if step.flags.clipping == "auto":
       fast_clipping.warn_unrecorded(uses)
     return fast_clipping.describe_unrecorded(uses)
-  return mixing_obstacle(step, model, input_specs, probe_rows)
+  return mixing_obstacle(step, model, input_specs) if probe else None
 
 
-def mixing_obstacle(step, model, input_specs=None, rows=True):
+def mixing_obstacle(step, model, input_specs=None):
   """The second line of defence of `fast_path_obstacle`: the batch-independence probe, at
-  the batch sizes fit really uses, on random inputs and (`rows`) on the first rows of fit's
-  data (batch_independence.probe_at_batch_size).
+  the batch sizes fit really uses, on random inputs and on the first rows of fit's data
+  (batch_independence.probe_at_batch_size).
 
   Args:
     step: the DP optimizer's PrivateStep (its declared sampling).
     model: the keras.Model.
     input_specs: a nest of tensors/specs with the batch's shapes, or None.
-    rows: False: random inputs only.
 
   Returns:
     None, or a sentence naming the mixing layers (or why the model could not be probed).
   """
-  mixing = batch_independence.probe_at_batch_size(model, input_specs, step, rows=rows)
+  mixing = batch_independence.probe_at_batch_size(model, input_specs, step)
   if mixing is None:
     return "the model's inputs are unknown, so batch independence could not be probed"
   if mixing:
