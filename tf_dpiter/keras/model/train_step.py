@@ -620,6 +620,8 @@ class TrainStepMixin:
       if self._dp_traced_clipping == "vectorized":
         if not getattr(self, "_dp_writes_checked", False):   # no separate trace yet
           self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
+        if probe_later:   # the call checked: the probe's warning about a layer that sees a
+          batch_independence.probe_at_batch_size(self, x, step)   # batch of one example
         state, loss_sum, records_out = self._dp_vectorized_sum(step, facts, recs, em, rmask,
                                                                k, variables, params, scale)
     if not outputs:
