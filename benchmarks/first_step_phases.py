@@ -11,16 +11,17 @@ config, random weights; --model plain without keras_hub; --model cnn: the tutori
 example_models.mnist_cnn_layers, on random 28x28x1 images). One `model.train_on_batch` is the
 first step; its wall time (`first_step_s`) is split into:
 
-  make_train_function_s  building the train function (the DP model probes batch independence
-                         here, eagerly, once per model)
+  make_train_function_s  building the train function (since session 48 the fast path's
+                         writes check and batch-independence probe run in the step's first
+                         trace, after its pass checks the call; other paths probe here)
   probe_s                inside it and in the trace: batch_independence.probe_model (the
                          batch-independence probe, cached on the model), all calls
   probe_runs_s           part of probe_s: the probe's two eager training-mode forward passes
                          (batch_independence._two_runs; `calls` counts them in pairs)
   writes_check_s         data_writes.refuse_model_writes (and data_dependent_writes): the
                          state-write check (one trace of the training-mode call and its
-                         data-flow analysis; in make_train_function, or in the trace for a
-                         model built by it)
+                         data-flow analysis; in the trace on the fast path and for a model
+                         built by it, else in make_train_function)
   fingerprints_s         weight_fingerprints.changed and .record around the step (the
                          weights' digests: at the first train_on_batch the digest programs'
                          XLA compilations, one per distinct variable shape above
