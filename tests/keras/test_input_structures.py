@@ -209,3 +209,14 @@ def test_unsupported_arrays_are_refused_before_any_step(case):
   with pytest.raises(PrivacyConfigError, match=match):
     model.fit(x, y, batch_size=N, verbose=0, **kwargs)
   assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_ragged_fit_refuses_the_fast_path_by_name():
+  # the fast path's per-example pass reshapes dense rows: clipping="fast" on ragged inputs is
+  # refused naming them (session 48: before, its pass failed inside the trace with
+  # "ValueError: All relevant dimensions must be uniform" once the route was decided
+  # without a probe before the pass)
+  model = _ragged_model("fast")
+  with pytest.raises(dp.PrivacyConfigError, match="ragged or sparse"):
+    model.fit(tf.ragged.constant(RAGGED_ROWS, dtype=tf.int32), np.arange(N) % 3,
+              batch_size=N, epochs=1, verbose=0)

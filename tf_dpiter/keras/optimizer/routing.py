@@ -130,6 +130,10 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_
   if blocked:
     return (f"oneDNN is on and layers {list(blocked)} would get per-example gradients from "
             "tf.vectorized_map inside the fast path, which oneDNN gets wrong")
+  if any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor, tf.RaggedTensorSpec,
+                        tf.SparseTensorSpec)) for t in tf.nest.flatten(input_specs)):
+    return ("the batch holds ragged or sparse inputs, and the fast path's per-example pass "
+            "reshapes dense rows; pad them to dense rows (with a mask) to take it")
   # a variable read outside its layer's recorded calls (a tied projection): its use would
   # be left out of the clipped sum; "auto" warns once per traced step and routes (a traced
   # Keras step checks its own forward pass instead: checked_by_the_step)

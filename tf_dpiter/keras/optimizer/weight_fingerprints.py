@@ -791,7 +791,9 @@ def _register_released(optimizer, digests):
 
 def register_read(optimizer, variables):
   """Registers the current values of `variables` as released by `optimizer`'s DP run
-  (`_register_released`, when that run names its values: `_naming_ledger`): a DP model's
+  (`_register_released`, when that run names its values: `_naming_ledger`), those its private
+  updates left since its last record (not a recorded state: a run's initial values, seeded
+  alike in many models, name no run): a DP model's
   `get_weights` hands them out, possibly between the fit's records (a callback's copy at a
   train-batch hook, where the weights are held, not digested), and a copy by value of them
   then adopts the run's ledger as it is now (review R21: 1 of 3 steps was charged).
@@ -800,8 +802,19 @@ def register_read(optimizer, variables):
     optimizer: the model's compiled optimizer, or None.
     variables: the variables whose values are handed out.
   """
-  if _naming_ledger(optimizer) is not None:
-    _register_released(optimizer, _digests([_read(v) for v in variables]))
+  if _naming_ledger(optimizer) is None:
+    return
+  updates = private_updates(optimizer)
+  if updates == getattr(optimizer, _SEEN_UPDATES, updates):   # no private step since a record
+    return
+  recs = [(_record_of(v), v) for v in variables]
+  recs = [(rec, v) for rec, v in recs if rec is not None and rec.history]
+  digests = _digests([_read(v) for _, v in recs])
+  # values no record holds, left by the private steps since the last record (values a
+  # callback wrote instead would be charged to this run too: the safe side); never a state
+  # a record holds (the values the run started from, which other runs may share)
+  _register_released(optimizer, [h for (rec, _), h in zip(recs, digests)
+                                 if h not in rec.history])
 
 
 def _adopt_released(optimizer, h, memo=None):
