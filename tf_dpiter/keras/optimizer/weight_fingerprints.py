@@ -809,7 +809,7 @@ def register_read(optimizer, variables):
     return
   recs = [(_record_of(v), v) for v in variables]
   recs = [(rec, v) for rec, v in recs if rec is not None and rec.history]
-  digests = _digests([_read(v) for _, v in recs])
+  digests = _digests(_read_all([v for _, v in recs]))   # (as `_register_loaded` reads)
   # values no record holds, left by the private steps since the last record (values a
   # callback wrote instead would be charged to this run too: the safe side); never a state
   # a record holds (the values the run started from, which other runs may share)
