@@ -440,21 +440,41 @@ def vectorized_grads(unit, rec, out_grads):
 # model's training-mode call as the step runs it, which data_writes.refuse_traced_writes
 # reads for the variables it reads (no trace of its own). None or absent: nothing kept.
 CALL_OPS_ATTR = "_dp_call_ops"
-# A model's attribute: the examples a batch holds on average (float), set by a caller that
-# chunks the batch itself and traces the batch in one call without asking
+# A model's attribute: a `ChunkCheck` (or the examples a batch holds on average, a float),
+# set by a caller that chunks the batch itself and traces the batch in one call without asking
 # `physical_chunk_examples` (the Keras train step, traced by its train function, which can
 # trace the step again): a traced `_forward` measures the kept bytes of its own recorded pass
 # and raises ChunkedPassNeeded, before anything is formed from the pass, where that answer
-# would chunk the batch. None or absent: no check.
+# would chunk the batch, or (`ChunkCheck.by_size` False) give the step's sum another public
+# plan than the one it was traced with. None or absent: no check.
 CHUNK_CHECK_ATTR = "_dp_chunk_check"
+
+
+class ChunkCheck:
+  """What a traced `_forward` under `CHUNK_CHECK_ATTR` checks (`_refuse_one_call`).
+
+  Attributes:
+    expected: the examples a batch holds on average (float; the step's declared sampling).
+    planned: the chunk size (examples) of the public plan the step's sum was traced with
+      (chunking.public_rows), None: one chunk.
+    by_size: False under an add/remove sampling: the public chunk is decided without the
+      batch's own size (its static rows differ on neighbouring datasets), so one added
+      example cannot change the clip shrink's plan (`physical_chunk_examples`).
+  """
+
+  def __init__(self, expected, planned=None, by_size=True):
+    self.expected, self.planned, self.by_size = float(expected), planned, bool(by_size)
 
 
 class ChunkedPassNeeded(DPiterError):
   """The signal (raised by a traced `_forward` under `CHUNK_CHECK_ATTR`, caught by the
-  caller, which traces the step again in chunks) that the batch in one call keeps more than
-  rules/budget.KEPT_BYTES: `examples` is `physical_chunk_examples`'s answer, m."""
+  caller, which traces the step again) that the batch in one call keeps more than
+  rules/budget.KEPT_BYTES, or that the sum's public plan must be another: `examples` is
+  `physical_chunk_examples`'s answer, m (None: one call), `public` the public plan's chunk
+  (`physical_chunk_examples(..., by_size=False)`; m when the check is by size)."""
 
   examples = None
+  public = None
 
 
 def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
@@ -478,9 +498,10 @@ def _forward(model, units, inputs, targets, per_example_loss_fn, mask, k,
       uninstall(installed)
     if traced:
       _refuse_unrecorded(unrecorded_uses(units, before))
-      expected = getattr(model, CHUNK_CHECK_ATTR, None)
-      if expected is not None:
-        _refuse_one_call(units, inputs, k, expected)
+      check = getattr(model, CHUNK_CHECK_ATTR, None)
+      if check is not None:
+        _refuse_one_call(units, inputs, k,
+                         check if isinstance(check, ChunkCheck) else ChunkCheck(check))
       found = getattr(model, CALL_OPS_ATTR, None)
       if found is not None:
         found.append(graph.get_operations()[start:])
@@ -846,10 +867,10 @@ def warn_unrecorded(uses, stacklevel=4):
       UserWarning, stacklevel=stacklevel)
 
 
-def _one_call_anyway(inputs, k):
+def _one_call_anyway(inputs, k, by_size=True):
   """True where the batch is one call whatever its kept bytes: k unknown at trace time, an
-  input without a batch axis, XLA with an unknown batch, or a known batch of at most the
-  smallest chunk."""
+  input without a batch axis, XLA with an unknown batch, or (`by_size`) a known batch of at
+  most the smallest chunk."""
   if not isinstance(k, int):
     return True
   flat = tf.nest.flatten(inputs)
@@ -858,47 +879,70 @@ def _one_call_anyway(inputs, k):
   static_b = flat[0].shape[0]
   if static_b is None:
     return runtime.in_xla_context()
-  return static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k)
+  return by_size and static_b <= budget.kept_chunk(budget.KEPT_BYTES + 1, k)
 
 
-def _chunk_of(kept, k, inputs):
+def _chunk_of(kept, k, inputs, by_size=True):
   """m = budget.kept_chunk(kept, k) of `kept` bytes per example, or None (one call): kept
-  unknown or 0 (no unit records a forward pass), or a known batch of at most m."""
+  unknown or 0 (no unit records a forward pass), or (`by_size`) a known batch of at most m."""
   if not kept:
     return None
   m = budget.kept_chunk(kept, k)
   static_b = tf.nest.flatten(inputs)[0].shape[0]
-  return None if static_b is not None and static_b <= m else m
+  return None if by_size and static_b is not None and static_b <= m else m
 
 
-def _physical_chunk(model, inputs, k):
+def _fits_in(inputs, m):
+  """True where the batch `inputs` is known to hold at most m examples (one call of it keeps
+  within the budget)."""
+  static_b = tf.nest.flatten(inputs)[0].shape[0]
+  return static_b is not None and static_b <= m
+
+
+def _physical_chunk(model, inputs, k, by_size=True):
   """(examples per physical chunk m, output signature), or None where the batch is one call
   (`_one_call_anyway`, `_chunk_of`). m = budget.kept_chunk(kept bytes per example, k), the
   kept bytes of `_probe_pass` (module docstring)."""
-  if _one_call_anyway(inputs, k):
+  if _one_call_anyway(inputs, k, by_size):
     return None
   kept, signature = _probe(model, inputs, _grouped(k), k)
-  m = _chunk_of(kept, k, inputs)
+  m = _chunk_of(kept, k, inputs, by_size)
   return None if m is None else (m, signature)
 
 
-def _refuse_one_call(units, inputs, k, expected_examples):
+def _refuse_one_call(units, inputs, k, check):
   """Raises ChunkedPassNeeded when the recorded pass just traced on the batch `inputs` (its
-  units' records) keeps too much for `expected_examples` in one call: the answer of
-  `physical_chunk_examples`, from the kept bytes per example of this pass rather than of a
-  probe's."""
-  if _one_call_anyway(inputs, k):
+  units' records) keeps too much for `check.expected` examples in one call, or (`check`'s
+  by_size False) its public chunk is not the `check.planned` the step's sum was traced with:
+  the answer of `physical_chunk_examples`, from the kept bytes per example of this pass
+  rather than of a probe's.
+
+  Args:
+    units: the pass's recorded units.
+    inputs: the batch's model inputs, [B, ...].
+    k: examples per record.
+    check: a `ChunkCheck`.
+
+  Raises:
+    ChunkedPassNeeded: the step must be traced again (in chunks, or with another plan).
+  """
+  if _one_call_anyway(inputs, k, check.by_size):
     return
   known = all(_example_bytes(x) is not None for x in tf.nest.flatten(inputs))
-  m = _chunk_of(_units_kept_bytes(units) if known else None, k, inputs)
-  if m is not None and expected_examples > m:
-    signal = ChunkedPassNeeded(f"the batch's book-keeping keeps more than {budget.KEPT_BYTES} "
-                               f"bytes in one call: chunks of {m} examples")
-    signal.examples = m
-    raise signal
+  m = _chunk_of(_units_kept_bytes(units) if known else None, k, inputs, check.by_size)
+  public = m if m is not None and check.expected > m else None
+  layout = None if public is None or _fits_in(inputs, public) else public
+  if layout is None and (check.by_size or public == check.planned):
+    return
+  signal = ChunkedPassNeeded(f"the book-keeping of more than {public} examples keeps more than "
+                             f"{budget.KEPT_BYTES} bytes: this batch in "
+                             f"{'one call' if layout is None else f'chunks of {layout}'}, "
+                             f"the sum's public plan in chunks of {public}")
+  signal.examples, signal.public = layout, public if not check.by_size else layout
+  raise signal
 
 
-def physical_chunk_examples(model, inputs, k, expected_examples):
+def physical_chunk_examples(model, inputs, k, expected_examples, by_size=True):
   """Examples per physical chunk of a caller that chunks the batch itself (the Keras train
   step), so that book-keeping keeps at most rules/budget.KEPT_BYTES until the clip factors
   are known: m = budget.kept_chunk(kept bytes per example, k), measured by a forward pass of
@@ -914,11 +958,15 @@ def physical_chunk_examples(model, inputs, k, expected_examples):
     k: examples per record (a Python int).
     expected_examples: the examples a batch holds on average (float; a Poisson batch's
       expected size), decided when the step is traced.
+    by_size: False: m whatever the batch's own size (None only where the expected batch
+      fits in m, or the batch is one call for a public reason: k or a kept size unknown, XLA
+      with an unknown batch); the public chunk of an add/remove step's clip-shrink plan,
+      which must not depend on the batch's rows (chunking.public_rows).
 
   Returns:
     int m, a multiple of k, or None.
   """
-  found = _physical_chunk(model, inputs, k)
+  found = _physical_chunk(model, inputs, k, by_size)
   if found is None or expected_examples <= found[0]:
     return None
   return found[0]

@@ -718,7 +718,7 @@ class TrainStepMixin:
       # the ops of the pass's call of the model, when no trace of its own checked the call
       calls = None if getattr(self, "_dp_writes_checked", False) else []
       object.__setattr__(self, fast_clip.CALL_OPS_ATTR, calls)
-      # the expected examples, when the pass measures its own kept bytes (_dp_chunk_examples)
+      # what the pass checks, when it measures its own kept bytes (_dp_chunk_examples)
       object.__setattr__(self, fast_clip.CHUNK_CHECK_ATTR,
                          None if pending is None else pending[1])
       try:
@@ -754,55 +754,68 @@ class TrainStepMixin:
     m_static = tf.TensorShape(rmask.shape)[0]
     xla = getattr(self, "_dp_core_xla", None)   # None: chunking asks the graph
     per_chunk = chunking.chunk_layout(step, k, m_static, xla=xla)
-    pending = None   # (key, expected examples) of a chunk size the pass itself measures
+    pending = None   # (key, ChunkCheck) of a chunk size the pass itself measures
+    public = None   # examples per chunk of the clip shrink's public plan (add/remove)
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
       # without a declared physical batch, chunks that keep book-keeping's kept tensors
-      # within the memory budget (fast_clipping.physical_chunk_examples)
-      m_ex, pending = self._dp_chunk_examples(expected, facts, recs[0], k, xla)
+      # within the memory budget (fast_clipping.physical_chunk_examples); under add/remove
+      # the plan's chunk is decided without the batch's own rows (a batch of m + 1 rows on D
+      # is chunked, its m rows on D' are one call: one plan on both, chunking.public_rows)
+      by_size = chunking.public_row_bound(step) is None
+      m_ex, public, pending = self._dp_chunk_examples(expected, facts, recs[0], k, xla,
+                                                      by_size)
       per_chunk = None if m_ex is None else m_ex // k
     if per_chunk is not None and step.draws_keyed:
       step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
     # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
     # tensor per variable), and the query's sample state is that sum itself
     # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
-    public = per_chunk if isinstance(per_chunk, int) else None
+    public = (per_chunk if isinstance(per_chunk, int) else
+              None if public is None else public // k)
     try:
       with chunking.public_rows(step, k, chunk=public, xla=xla) as rows_bound:
         grad_sum, loss_sum, outputs = chunking.sum_over_chunks(
             chunk_fn, None, (recs, em), rmask, per_chunk, template=template)
     except fast_clip.ChunkedPassNeeded as found:   # kept for the step's next trace
-      facts.chunk_examples[pending[0]] = found.examples
+      facts.chunk_examples[pending[0]] = (found.examples, found.public)
       raise
-    if pending is not None:   # the pass kept within the budget in one call
-      facts.chunk_examples[pending[0]] = None
+    if pending is not None:   # the pass kept within the budget in one call, in its plan
+      facts.chunk_examples[pending[0]] = (None, pending[1].planned)
     if outputs is not None:
       outputs = tf.nest.map_structure(lambda t: t[:tf.shape(rmask)[0]], outputs)
     state = step.base_query.sample_state_of_sum(template, grad_sum)
     return state, loss_sum, outputs
 
-  def _dp_chunk_examples(self, expected_records, facts, inputs, k, xla):
-    """(fast_clipping.clipping.physical_chunk_examples of the records' inputs [R, k, ...] at
-    the step's expected examples (`expected_records`, the step's variable, times k; this
-    replica's share), None), kept in the trace facts by what it follows from (the inputs'
-    shapes and dtypes, k, the expected examples, XLA or not, the trained variables, the
-    registered rules): an eager step asks once, not at every step. Not kept yet and traced
-    by the train function on one replica (which traces the step again when the pass raises
-    ChunkedPassNeeded): (None, (key, expected examples)), the answer left to the step's own
+  def _dp_chunk_examples(self, expected_records, facts, inputs, k, xla, by_size=True):
+    """(m, public m, None): m = fast_clipping.clipping.physical_chunk_examples of the
+    records' inputs [R, k, ...] at the step's expected examples (`expected_records`, the
+    step's variable, times k; this replica's share), the public m the same without the
+    batch's own size (`by_size` False: an add/remove step's clip-shrink plan; else m), kept
+    in the trace facts by what they follow from (the inputs' shapes and dtypes, k, the
+    expected examples, XLA or not, the trained variables, the registered rules): an eager
+    step asks once, not at every step. Not kept yet and traced by the train function on one
+    replica (which traces the step again when the pass raises ChunkedPassNeeded):
+    (None, None, (key, fast_clipping.clipping.ChunkCheck)), the answer left to the step's own
     pass (fast_clipping.clipping.CHUNK_CHECK_ATTR: no traced probe of its own)."""
     with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
       expected = float(expected_records.numpy()) * k
     expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
     inputs = tf.nest.map_structure(_flat_records, inputs)
     key = (tuple((tuple(t.shape), t.dtype) for t in tf.nest.flatten(inputs)), k, expected,
-           xla, tuple(id(v) for v in self.trainable_variables), fast_registry.RULES_VERSION)
+           xla, tuple(id(v) for v in self.trainable_variables), fast_registry.RULES_VERSION,
+           by_size)
     if xla is not None and key in facts.chunk_examples:   # None: the graph decides XLA
-      return facts.chunk_examples[key], None
+      return (*facts.chunk_examples[key], None)
     if (xla is not None and not tf.executing_eagerly() and getattr(self, "_dp_retrace", False)
         and self._dp_pass_checks_call()):
-      return None, (key, expected)
-    found = fast_clip.physical_chunk_examples(self, inputs, k, expected)
+      return None, None, (key, fast_clip.ChunkCheck(expected, by_size=by_size))
+    public = fast_clip.physical_chunk_examples(self, inputs, k, expected, by_size)
+    static_b = tf.nest.flatten(inputs)[0].shape[0]
+    found = (public, public) if by_size else (
+        None if public is None or (static_b is not None and static_b <= public) else public,
+        public)
     facts.chunk_examples[key] = found
-    return found, None
+    return (*found, None)
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):
     """The metrics' logs after this batch. With sample weights (a padded Poisson sample
