@@ -954,6 +954,13 @@ class TrainStepMixin:
       facts = self._dp_trace_facts()
     opt = facts.optimizer
     step = opt.private_step
+    if tf.executing_eagerly() and step.flags.clipping != "vectorized":
+      # run eagerly, the fast path's call is traced by no pass that could be read (the
+      # vectorized path's record pass is, at every step), and the user's Python runs at
+      # every step and may take another branch on its own state (a flag a callback sets
+      # after the first step, then a write from the data: review R23): each eager step's
+      # call is checked before it runs, as `_Checked` checks an override's
+      self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
     if any(layer.trainable for layer in facts.batch_norms):   # read every step
       batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
