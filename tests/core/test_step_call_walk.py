@@ -87,8 +87,10 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   # (they are reshaped in the step, so carry none); 103 since the pinned sums' block reads
   # the public plan's rows once per algebra.sum_plans block, not once per layer; 99 since a
   # Dense sum is shaped to its variable by algebra.shaped (summation -> algebra, not
-  # summation -> rules/dense.py -> algebra after each pinned product)
-  assert summary["files"] <= 18 and summary["returns"] <= 99, summary
+  # summation -> rules/dense.py -> algebra after each pinned product); 19 files and 104
+  # returns since a step run eagerly (as this walk runs it) checks the model's call for writes
+  # from the data at every step (data_writes: review R23; a traced step checks its own pass)
+  assert summary["files"] <= 19 and summary["returns"] <= 104, summary
   assert not files & {"keras/optimizer/routing.py", "keras/fast_clipping/rules/budget.py"}
 
 
