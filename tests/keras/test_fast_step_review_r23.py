@@ -68,9 +68,9 @@ def _plans(monkeypatch):
 
 # ---- chunk choice at the boundary ---------------------------------------------------------
 
-def _boundary_update(x, y, monkeypatch):
+def _boundary_update(x, y, jit):
   c, lr = 0.5, 4096.0   # a large step: the update's float32 rounding is far below the margin
-  model = _embedding_model(c, 0.0, lr)
+  model = _embedding_model(c, 0.0, lr, jit_compile=jit)
   model.optimizer.set_sampling(1024, 64 / 1024, "poisson", 64)   # denominator 64
   before = _flat(model.trainable_weights)
   with warnings.catch_warnings():
@@ -79,21 +79,22 @@ def _boundary_update(x, y, monkeypatch):
   return (_flat(model.trainable_weights) - before) * 64.0 / lr / c   # the sum, in units of C
 
 
-def test_one_example_over_the_measured_chunk_moves_the_sum_by_at_most_c(monkeypatch):
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_one_example_over_the_measured_chunk_moves_the_sum_by_at_most_c(jit, monkeypatch):
   """Add/remove one example, unit example, Poisson (n = 1024, expected 64): D = 33 copies of
   one record, in chunks of 32 after the retrace; D' = 32 copies, in one call. Before the fix
   the chunked batch's shrink was that of 32-row chunks and the one-call batch's that of one
   chunk of the bound's 192 rows: 1.0004764 C (the one-call control on both: 0.9999757 C);
   since, both take the plan of 32-row chunks (chunks of the measured size without the batch's
-  own rows): 0.9999918 C."""
+  own rows): 0.9999918 C. Under XLA: 1.0000908 C before, 0.9999918 C after."""
   monkeypatch.setattr(budget, "KEPT_BYTES", 65536)   # this model: chunks of 32 examples
   plans = _plans(monkeypatch)
   x = np.tile(np.arange(12, dtype="int32")[None] * 3 + 1, (33, 1))
   y = np.full(33, 2)
-  on_d = _boundary_update(x, y, monkeypatch)
+  on_d = _boundary_update(x, y, jit)
   plans_d = list(plans)
   del plans[:]
-  on_d_minus = _boundary_update(x[1:], y[1:], monkeypatch)
+  on_d_minus = _boundary_update(x[1:], y[1:], jit)
   assert plans_d[-1][0] == 32 and plans[-1][0] is None, (plans_d, plans)   # the boundary
   assert plans_d[-1][1] == plans[-1][1], (plans_d, plans)   # one public plan on both
   moved = float(np.linalg.norm(on_d - on_d_minus))
