@@ -126,11 +126,6 @@ def optimize_banded_toeplitz(n, bands, max_iter=500, cache_dir=None):
 # ---- general banded (Choquette-Choo et al. 2023) ------------------------------------------
 
 
-def _band_mask(n, bands):
-  idx = np.arange(n)[:, None] - np.arange(n)[None, :]
-  return (idx >= 0) & (idx < bands)
-
-
 def _banded_loss_and_grad(theta, n, mask):
   """loss(P) = ||A C^-1||_F^2 with C = P diag(1 / ||P_j||) (columns normalized to 1).
 
@@ -152,7 +147,8 @@ def _banded_loss_and_grad(theta, n, mask):
 
 @functools.lru_cache(maxsize=32)
 def _banded_cached(n, bands, max_iter):
-  mask = _band_mask(n, bands)
+  idx = np.arange(n)[:, None] - np.arange(n)[None, :]
+  mask = (idx >= 0) & (idx < bands)
   theta0 = toeplitz_matrix(sqrt_prefix_coefficients(bands), n)[mask]
   res = sp_optimize.minimize(_banded_loss_and_grad, theta0, args=(n, mask), jac=True,
                              method="L-BFGS-B", options={"maxiter": max_iter, "gtol": 1e-9})

@@ -49,10 +49,6 @@ class QueryCase(collections.namedtuple("QueryCase", ["factory", "records", "xla"
     return super().__new__(cls, factory, records, bool(xla))
 
 
-def _template(records):
-  return tf.nest.map_structure(lambda r: tf.TensorSpec(r.shape[1:], r.dtype), records)
-
-
 def _rows(records):
   return int(tf.nest.flatten(records)[0].shape[0])
 
@@ -60,7 +56,8 @@ def _rows(records):
 def _sample_state(query, records, rows, batched=True):
   """The sample state of `query` after accumulating `rows` of `records`."""
   params = query.derive_sample_params(query.initial_global_state())
-  state = query.initial_sample_state(_template(records))
+  state = query.initial_sample_state(
+      tf.nest.map_structure(lambda r: tf.TensorSpec(r.shape[1:], r.dtype), records))
   if batched:
     part = tf.nest.map_structure(lambda r: tf.gather(r, rows), records)
     return query.accumulate_records(params, state, part)
