@@ -173,7 +173,7 @@ def declare_per_example(layer_or_class, reason):
   Args:
     layer_or_class: a keras.layers.Layer (a model too), or a Layer subclass.
     reason: a non-empty string, in the user's own words: why the layer's output for an
-      example depends on that example alone (`declarations(model)` lists them).
+      example depends on that example alone.
 
   Returns:
     layer_or_class, so that it can wrap a layer where it is built.
@@ -401,19 +401,3 @@ def undeclared_layers(model):
                    keras_internals.layer_children(model), out)
   return tuple(dict.fromkeys(out))
 
-
-def declarations(model):
-  """The user's declarations met in `model`: {layer name: reason}.
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    a dict, empty when nothing in the model was declared.
-  """
-  found = {}
-  for layer in keras_internals.flatten_layers(model, include_self=True):
-    reason = declared_reason(layer)
-    if reason is not None:
-      found[layer.name] = reason
-  return found
