@@ -73,7 +73,10 @@ next check that reads them (review R21: a copy of a traced loop's weights charge
 steps). The values a DP model loads from a file that carries a ledger (`keras.models.
 load_model`, `load_weights`, also in another process) are registered as released by the
 ledger that adopted the file's (`note_loaded`; review R21: its backbone copied into a new
-model charged 1 of 5 steps). A run whose
+model charged 1 of 5 steps). Neither registers a state recorded on the variable (its start:
+public values, zero biases alike in every model; a traced update at learning rate 0 leaves
+it in the ring; a frozen layer a load writes again): review R24 measured an unrelated run
+adopting another's ledger by a zero bias, 4 samples for 1 and 6 for 1. A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
 values: a digest would name both), nor values changed on the way (a cast to float16 or
@@ -172,10 +175,12 @@ _LOADED = {}
 
 
 class _Record:
-  """The digests recorded on one variable, the optimizer and step count of the last, and the
-  tensor the last digest was computed from (`_Held`, or None)."""
+  """The digests recorded on one variable, the optimizer and step count of the last, the
+  tensor the last digest was computed from (`_Held`, or None), and `public`: the digest of
+  the values the variable started from when they named no run (no DP run had released them:
+  initial values, alike in many models), else None."""
 
-  __slots__ = ("var_ref", "history", "opt_ref", "iterations", "held")
+  __slots__ = ("var_ref", "history", "opt_ref", "iterations", "held", "public")
 
   def __init__(self, variable):
     self.var_ref = weakref.ref(variable)
@@ -183,6 +188,7 @@ class _Record:
     self.opt_ref = None
     self.iterations = None
     self.held = None
+    self.public = None
 
 
 class _Held:
@@ -704,11 +710,13 @@ def _append(rec, h, optimizer, count, updates=None, memo=None):
   h is a state the run's private updates produced (for `_register_released`). `memo`: a dict
   kept for one pass over the variables (`_adopt_released`)."""
   released = False
-  if optimizer is not None:
-    if not rec.history:   # the state a DP run starts from: values a run released, copied?
-      _adopt_released(optimizer, h, memo)
-    elif h not in rec.history and (private_updates(optimizer) if updates is None else updates):
-      released = True   # a state the run's private updates produced
+  if not rec.history:   # the state a run starts from: values a run released, copied?
+    named = (_adopt_released(optimizer, h, memo) if optimizer is not None
+             else _names_a_run(h, memo))
+    rec.public = None if named else h   # else public values: never registered as released
+  elif optimizer is not None and h not in rec.history and (
+      private_updates(optimizer) if updates is None else updates):
+    released = True   # a state the run's private updates produced
   if h in rec.history:
     rec.history.remove(h)
   rec.history.append(h)
@@ -831,13 +839,14 @@ def _adopt_released(optimizer, h, memo=None):
   (`_traced_ledgers`: values no host record saw, e.g. get_weights right after the loop; review
   R21: 1 of 5 steps was charged), each with its whole ledger now (the step that left h is not
   kept: the safe side). `memo`: a dict kept for one pass over the variables (the rings are
-  read once in it)."""
+  read once in it). Returns whether any run released h (its ledger adopted, or held already).
+  """
   memo = {} if memo is None else memo
   _register_loaded(memo)
   refs = _RELEASED.get(h, ())
   traced = _traced_ledgers(memo).get(h, ())
   if not refs and not traced:
-    return
+    return False
   step = optimizer.private_step
   found = []
   for ref, then in refs:
@@ -853,6 +862,16 @@ def _adopt_released(optimizer, h, memo=None):
     if ledger is not step.existing_ledger and not any(ledger is f for f in found):
       with tf.init_scope():
         step.adopt_ledger(*ledger.state())
+  return True
+
+
+def _names_a_run(h, memo=None):
+  """Whether digest h is a state a live DP run released (`_RELEASED`, a pending load's, a
+  traced one in a ring): `_adopt_released` would adopt a ledger for it."""
+  memo = {} if memo is None else memo
+  _register_loaded(memo)
+  return (any(ref() is not None for ref, _ in _RELEASED.get(h, ()))
+          or h in _traced_ledgers(memo))
 
 
 def note_loaded(model, optimizer_of):
@@ -885,8 +904,19 @@ def _register_loaded(memo):
     if _naming_ledger(optimizer) is None:   # not compiled with a ledger yet: later
       continue
     del _LOADED[key]
+    variables = checked_variables(model)
     with tf.init_scope():
-      _register_released(optimizer, _digests(_read_all(checked_variables(model))))
+      digests = _digests(_read_all(variables))
+    # not the public values a variable started from (review R24): a frozen layer the load
+    # writes again, zero biases alike in every model, name no run
+    _register_released(optimizer, [h for v, h in zip(variables, digests)
+                                   if not _public(v, h)])
+
+
+def _public(variable, h):
+  """Whether digest h is the public start of `variable` (`_Record.public`)."""
+  rec = _record_of(variable)
+  return rec is not None and h == rec.public
 
 
 def _traced_ledgers(memo):
@@ -908,6 +938,10 @@ def _traced_ledgers(memo):
         continue
       written = int(state.meta.numpy()[0])
       for t in state.traced.numpy()[:min(written, TRACED_KEPT)]:
+        if int(t) == rec.public:
+          # public start values (review R24), left unchanged by a traced update (a learning
+          # rate warming up from 0), name no run: zero biases are alike in every model
+          continue
         held = out.setdefault(int(t), [])
         if not any(ledger is o for o in held):
           held.append(ledger)
@@ -1082,14 +1116,14 @@ def traced_update(optimizer, variables):
   if not getattr(optimizer, "built", True):   # its slots now, as its apply would make them
     optimizer.build(variables)
   variables = _with_state(variables, [optimizer])
-  states = {}
+  states, memo = {}, {}
   for v in variables:
     if id(v) in states:
       continue
     rec = _record_of(v, make=True)
     if not rec.history:   # where the traced run starts (as a DP fit's first record)
       with tf.init_scope():
-        _append(rec, digest(v), None, None)
+        _append(rec, digest(v), None, None, memo=memo)
     if rec.opt_ref is None or rec.opt_ref() is None:
       rec.opt_ref, rec.iterations = weakref.ref(optimizer), count
     rec.held = None   # the traced steps write in place
