@@ -136,6 +136,7 @@ of CPU a step against 0.86-0.87 ms before, alternated in one run (3 processes ea
 on 2 cores). Its floor is one op dispatch a read (about 12 us).
 """
 
+import threading
 import weakref
 
 import numpy as np
@@ -172,6 +173,9 @@ _RELEASED_PRUNE = 4096
 # ledger, function giving its optimizer): its values are registered as released by that
 # ledger at the next adoption pass (`_register_loaded`)
 _LOADED = {}
+# held while a traced step's first record adopts released values (`traced_update`): under a
+# tf.distribute strategy each replica's trace may run in a thread of its own
+_ADOPTING = threading.Lock()
 
 
 class _Record:
@@ -1123,7 +1127,15 @@ def traced_update(optimizer, variables):
     rec = _record_of(v, make=True)
     if not rec.history:   # where the traced run starts (as a DP fit's first record)
       with tf.init_scope():
-        _append(rec, digest(v), None, None, memo=memo)
+        h = digest(v)
+        _append(rec, h, None, None, memo=memo)
+      if rec.public is None and tf.distribute.has_strategy():
+        # values a DP run released, copied by value: under a strategy `adopt_released`
+        # leaves them to the first record, this one (review R24: a custom loop under
+        # MirroredStrategy given them charged 1 of 4 steps); once, whichever replica's
+        # trace gets here first (a run held already is not added again)
+        with _ADOPTING, tf.init_scope():
+          _adopt_released(optimizer, h, memo)
     if rec.opt_ref is None or rec.opt_ref() is None:
       rec.opt_ref, rec.iterations = weakref.ref(optimizer), count
     rec.held = None   # the traced steps write in place
