@@ -38,13 +38,11 @@ _SHAPES = [(), (7,), (5, 3), (4, 3, 2), (300, 7), (8, 4, 64)]
 def _reference(values):
   """h by Python integers (no wrapping type): the bit patterns of `values` (a NumPy array)
   as unsigned integers (a 64-bit value as its two 32-bit words), [R, C] in memory order with
-  C = 1024 when 1024 divides their number (the (8, 4, 64) case), else the last axis (the two
-  words of a 64-bit value), and the module's multipliers."""
+  C the largest divisor of their number at most 1024 (1024 in the (8, 4, 64) case), and the
+  module's multipliers."""
   width = min(values.dtype.itemsize, 4)   # a 64-bit value as its two 32-bit words
-  words = values.dtype.itemsize // width
   bits = np.ascontiguousarray(values).reshape(-1).view(np.dtype(f"u{width}"))
-  last = values.shape[-1] if values.ndim else 1
-  cols = 1024 if bits.size % 1024 == 0 else (words if words > 1 else last)
+  cols = max(c for c in range(1, min(1024, bits.size) + 1) if bits.size % c == 0)
   rows = bits.size // cols
   a, b = wf._multipliers(rows, cols)   # pylint: disable=protected-access
   x = bits.reshape(rows, cols)

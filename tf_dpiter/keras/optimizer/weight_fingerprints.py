@@ -88,8 +88,9 @@ or a variable's `numpy()` there is not) (review R21, strict xfail in
 tests/keras/test_keras_review_r21.py).
 
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
-value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C = ROW_VALUES
-when that many divide the N words, else the last axis; a scalar is [1, 1]) is
+value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C the largest
+divisor of the N words at most ROW_VALUES, so a function of N alone: a reshape keeps h; a
+scalar is [1, 1]) is
   h(X) = sum_i a_i sum_j b_j X_ij  (mod 2^64),
 with fixed pseudorandom odd multipliers a [R], b [C] (uint64, wrapping arithmetic: exact, so
 the same on every device and in every summation order). A change of one value always changes
@@ -488,11 +489,20 @@ ROW_VALUES = 1024
 
 
 def _rows_cols(shape):
-  """(R, C) of the module docstring for a value of this shape: C = ROW_VALUES when it divides
-  the number of values, else the last axis."""
+  """(R, C) of the module docstring for a value of this shape: C the largest divisor of the
+  number of values N that is at most ROW_VALUES (ROW_VALUES when it divides N), a function of
+  N alone: a value reshaped (the same bits in the same order: a Dense kernel [4, 6] given to
+  an EinsumDense [4, 2, 3]) has the same digest (review R24: such a copy adopted nothing)."""
   size = int(shape.num_elements())
-  cols = ROW_VALUES if size and size % ROW_VALUES == 0 else (int(shape[-1]) if shape.rank else 1)
+  cols = _COLS.get(size)
+  if cols is None:
+    cols = next((c for c in range(min(ROW_VALUES, size), 0, -1) if size % c == 0), 1)
+    _COLS[size] = cols
   return size // cols, cols
+
+
+# N -> C of `_rows_cols` (found once per size)
+_COLS = {}
 
 
 def _numpy_digest(array, dtype):
