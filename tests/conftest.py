@@ -14,8 +14,9 @@ appended to DIR/cpu.<xdist worker or main>.tsv as "node id<TAB>seconds": unlike
 barely move. `python tools/suite_tiers.py --cpu DIR` sums them per tier and directory.
 
 Compile settings: the default tier runs with cheaper compilation (`_fast_compile` below):
-LLVM at -O0 in XLA's CPU backend (XLA_FLAGS=--xla_backend_optimization_level=0, only when
-XLA_FLAGS is unset) and Grappler's graph optimizations off
+LLVM at -O0 in XLA's CPU backend and its fusions emitted by the legacy elemental emitters,
+not the MLIR fusion emitters (XLA_FLAGS=`FAST_XLA_FLAGS`, only when XLA_FLAGS is unset), and
+Grappler's graph optimizations off
 (`tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})`). Most of
 the suite's CPU goes into building, optimizing and compiling each case's distinct DP step
 programs, which then run a few steps on tiny data, so optimizing them does not pay back; the
@@ -79,7 +80,9 @@ MNIST_PATH = os.environ.get("TF_DPITER_MNIST",
                             os.path.join(REPO_ROOT, "..", "shared", "data", "mnist.npz"))
 
 
-FAST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# LLVM at -O0, and XLA:CPU's legacy elemental emitters for fusions instead of its MLIR
+# fusion emitters (cheaper to compile: benchmarks/SUITE_CUTS.md, session 49)
+FAST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # the tests' subprocesses switch Grappler off when they import TensorFlow (its docstring)
 SUBPROCESS_SITE = os.path.join(REPO_ROOT, "tests", "subprocess_site")
 # test modules whose claims are about Grappler's rewrites: Grappler stays on for them
