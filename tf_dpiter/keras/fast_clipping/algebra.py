@@ -35,6 +35,31 @@ class _Records(threading.local):
 RECORDS = _Records()
 
 
+class _ChunkExamples(threading.local):
+  most = None   # the examples of every physical chunk's call (`chunk_examples`), or None
+
+
+CHUNK_EXAMPLES = _ChunkExamples()
+
+
+@contextlib.contextmanager
+def chunk_examples(m):
+  """Within the block, outside a summation.public_plan, `public_examples` is m: the bound on
+  the examples of every call of a batch that clipping runs in physical chunks of at most m, m
+  decided without the batch's own rows (the chunks' own rows are not: 33 examples run as 2
+  chunks of 17, 32 as one call of 32; a norm bound over them made the clip factors grow with
+  an added example). Per thread.
+
+  Args:
+    m: examples per chunk at most (a Python int).
+  """
+  prev, CHUNK_EXAMPLES.most = CHUNK_EXAMPLES.most, m
+  try:
+    yield
+  finally:
+    CHUNK_EXAMPLES.most = prev
+
+
 class examples_per_record:  # pylint: disable=invalid-name
   """Context: the built-in norm functions return per-record norms for records
   of k consecutive examples (k = 1: per-example). Within it `sum_examples` reads the
@@ -223,12 +248,16 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
 def public_examples():
   """The examples of one call of a layer within an add/remove step's public plan
   (summation.public_plan: its records per chunk times k, a bound on every chunk of a batch
-  within the plan's bound, the same on neighbouring datasets), or None outside one or with
-  records of a size the trace does not know. Read once per `examples_per_record` block."""
+  within the plan's bound, the same on neighbouring datasets); outside one, the physical
+  chunks' bound of an enclosing `chunk_examples` block; else None (or with records of a size
+  the trace does not know). Read once per `examples_per_record` block."""
   most = RECORDS.most
   if most is _OUTSIDE or most is _UNREAD:
     plan, k = summation.current_public_plan(), RECORDS.k
-    most = int(plan[1]) * k if plan is not None and isinstance(k, int) else None
+    if plan is None:
+      most = CHUNK_EXAMPLES.most
+    else:
+      most = int(plan[1]) * k if isinstance(k, int) else None
     if RECORDS.most is _UNREAD:
       RECORDS.most = most
   return most

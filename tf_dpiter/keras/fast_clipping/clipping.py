@@ -1040,7 +1040,10 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   invariants = None if xla else (tf.TensorShape([]), [tf.TensorShape(None)] * len(acc0),
                                   tf.TensorShape(None), tf.TensorShape(None),
                                   [tf.TensorShape(None)] * len(out_specs))
-  with summation.sequential_chunks(n, chunk):   # each chunk charges the n chunks of `chunk` rows
+  # each chunk's norm bounds, block and shrink count m rows, not its balanced `chunk` rows
+  # (which an added example can lower: 33 rows run as 2 chunks of 17, 32 as one call of 32),
+  # so no clip factor grows when an example is added (clipped_grad_sum, "Relation")
+  with summation.sequential_chunks(n, m), algebra.chunk_examples(m):
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
         shape_invariants=invariants)
@@ -1353,6 +1356,14 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   real examples. Ghost norms for registered layers, vectorized per-example
   gradients for the others. No noise. Norms, clip factors and the sum are
   float32 under every dtype policy (module docstring).
+
+  Relation. Outside a `summation.public_plan` block the records' norm bounds and the clip
+  shrink count the batch's own rows (replace-one: the same rows on both datasets); physical
+  chunks count their measured size m, never their balanced rows, so an added record lowers
+  no other record's bound (add/remove one example at the chunk boundary, 33 vs 32 copies of
+  one record in chunks of m = 32: 1.0000381 C before, 0.9999918 C since). Inside a public plan
+  (an add/remove step: `chunking.public_rows`) they are the plan's, the same on neighbouring
+  datasets.
 
   Args:
     model: a built keras.Model; model(inputs, training=True) is run once.

@@ -168,7 +168,11 @@ def declare_per_example(layer_or_class, reason):
   one example's output depend on another example of the batch (a batch statistic, a branch on
   the batch size, state kept across calls), one example can move the clipped sum by more than
   the clip and the privacy guarantee is void. A declared layer is trusted as a whole, its
-  sublayers included; a class declaration does not cover subclasses.
+  sublayers included; a class declaration does not cover subclasses. The batch-independence
+  probe cannot catch a declared layer whose mixing of records depends on the data (a layer
+  that mixes records only when some input exceeds a threshold passes a probe of ordinary
+  inputs: one outlier then moved `train_on_batch`'s clipped sum by 13.6 C): the declaration
+  is the user's claim, and the probe only a second line of defence.
 
   Args:
     layer_or_class: a keras.layers.Layer (a model too), or a Layer subclass.
