@@ -10,7 +10,10 @@ n times its difference: ||sum(D) - sum(D')|| must stay within C (`clipped_grad_s
 
 Called directly, eagerly and in a tf.function (XLA: nightly), as a user's own step calls it
 (docs/guides/fast-clipping.md), outside a `summation.public_plan` block (the batch's own
-plan) and inside one (the public plan of an add/remove step).
+plan) and inside one (the public plan of an add/remove step). Outside a plan the function
+bounds replace-one only (its kept forms follow the batch's rows); the pairs there check that
+the physical chunks add no dependence on the batch's rows beyond a call's own (the one-call
+control).
 """
 
 import keras
@@ -68,7 +71,7 @@ def test_one_example_over_the_chunk_moves_the_sum_by_at_most_c(mode, n, monkeypa
   """Outside a public plan. Measured (session 49) before the fix: 33 vs 32 copies
   1.0000381 C (eager and graph; XLA 1.0000376 C), 65 vs 64 1.0000525 C: each chunk's norm
   bounds (algebra.sum_examples) counted its balanced rows (17 or 22), fewer than D''s 32, so
-  the added example raised every other record's clip factor. Since (the chunks count m = 32):
+  the added example raised every other record's clip factor. Since (min(B, m) = 32 rows):
   0.9999918 C (XLA 0.9999916 C) and 0.9999920 C."""
   model = _model()
   x, _ = _copies(n + 1)
@@ -93,4 +96,34 @@ def test_inside_a_public_plan_one_example_moves_the_sum_by_at_most_c(mode, plan,
   is the public plan's on D and D': 33 vs 32 copies 0.9999759 C (plan of one chunk of 192)
   and 0.9999918 C (chunks of 32), eager, graph and XLA, measured in session 49."""
   moved = _moved(32, mode, monkeypatch, plan=plan)
+  assert moved <= 1.0 + 1e-6, moved
+
+
+def _mlp():
+  keras.utils.set_random_seed(0)
+  return keras.Sequential([keras.Input((20,)), keras.layers.Dense(64, activation="tanh"),
+                           keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_shrink_of_chunks_does_not_grow_with_an_added_example(mode, monkeypatch):
+  """A Dense MLP, whose sums take the clip shrink (every variable summed in a pinned order):
+  D = 65 copies of one record in 3 chunks of 22, D' = 64 in 2 chunks of 32 (m = 32 under a
+  32 KiB budget). Measured (session 49): before, each chunk charged the plan of its balanced
+  rows (22 rows, 3 chunks: a smaller margin than 32 rows, 2 chunks), so D's shrink was the
+  larger: 1.0035653 C (graph and XLA 1.0035647 and 1.0035651 C); since, min(B, m) = 32 rows
+  per chunk: 0.9988772 C (eager)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 32768)
+  model = _mlp()
+  assert clipping._physical_chunk(model, tf.zeros([65, 20]), 1)[0] == 32
+
+  def summed(n):
+    x = tf.constant(np.tile(np.linspace(-3, 3, 20, dtype="float32")[None], (n, 1)))
+    y = tf.constant(np.full(n, 2))
+    f = lambda a, b: clipping.clipped_grad_sum(model, a, b, _loss, C)[0]
+    if mode != "eager":
+      f = tf.function(f, jit_compile=mode == "xla")
+    return np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in f(x, y)]) / C
+
+  moved = float(np.linalg.norm(summed(65) - summed(64)))
   assert moved <= 1.0 + 1e-6, moved

@@ -44,14 +44,14 @@ CHUNK_EXAMPLES = _ChunkExamples()
 
 @contextlib.contextmanager
 def chunk_examples(m):
-  """Within the block, outside a summation.public_plan, `public_examples` is m: the bound on
-  the examples of every call of a batch that clipping runs in physical chunks of at most m, m
-  decided without the batch's own rows (the chunks' own rows are not: 33 examples run as 2
-  chunks of 17, 32 as one call of 32; a norm bound over them made the clip factors grow with
-  an added example). Per thread.
+  """Within the block, outside a summation.public_plan, `sum_examples` counts m examples:
+  min(B, chunk size), of a batch of B that clipping runs in physical chunks, as a call of
+  its rows would be counted (a one-call batch counts its B), not a chunk's balanced rows,
+  which an added example can lower (33 examples run as 2 chunks of 17, 32 as one call of 32:
+  the other records' clip factors grew). Per thread.
 
   Args:
-    m: examples per chunk at most (a Python int).
+    m: a Python int, or a scalar int tensor where the trace does not know B.
   """
   prev, CHUNK_EXAMPLES.most = CHUNK_EXAMPLES.most, m
   try:
@@ -248,16 +248,12 @@ def factored_sqr_norm(a, b, sums_from_g=False, sum_rows=None):
 def public_examples():
   """The examples of one call of a layer within an add/remove step's public plan
   (summation.public_plan: its records per chunk times k, a bound on every chunk of a batch
-  within the plan's bound, the same on neighbouring datasets); outside one, the physical
-  chunks' bound of an enclosing `chunk_examples` block; else None (or with records of a size
-  the trace does not know). Read once per `examples_per_record` block."""
+  within the plan's bound, the same on neighbouring datasets), or None outside one or with
+  records of a size the trace does not know. Read once per `examples_per_record` block."""
   most = RECORDS.most
   if most is _OUTSIDE or most is _UNREAD:
     plan, k = summation.current_public_plan(), RECORDS.k
-    if plan is None:
-      most = CHUNK_EXAMPLES.most
-    else:
-      most = int(plan[1]) * k if isinstance(k, int) else None
+    most = int(plan[1]) * k if plan is not None and isinstance(k, int) else None
     if RECORDS.most is _UNREAD:
       RECORDS.most = most
   return most
@@ -268,7 +264,8 @@ def sum_examples(a):
   the clipped sum's product over them (`with_sum_rounding`'s R): within an add/remove step's
   public plan its examples per call (`public_examples`), at least the batch's own (a chunk of
   a batch within the plan's bound never holds more: summation.within_public_rows); elsewhere
-  the batch's (replace-one: the same rows on neighbouring datasets).
+  the batch's (replace-one: the same rows on neighbouring datasets; a physical chunk's
+  batch's, at most its chunk size: `chunk_examples`).
 
   Why: a bound over the batch's own rows moves every record's clip factor when a record is
   added (L grows by its T rows), so the clipped sum moves by more than C: 1.23 C for one
@@ -285,6 +282,9 @@ def sum_examples(a):
   most, b = public_examples(), static_dim(a, 0)
   if most is not None:
     return most if b is None else max(most, b)
+  chunked = CHUNK_EXAMPLES.most   # outside a plan, a physical chunk's: its batch's rows
+  if chunked is not None:
+    return chunked if isinstance(chunked, int) else tf.cast(chunked, tf.float32)
   return b if b is not None else tf.cast(tf.shape(a)[0], tf.float32)
 
 

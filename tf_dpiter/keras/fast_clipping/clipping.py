@@ -1040,10 +1040,11 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   invariants = None if xla else (tf.TensorShape([]), [tf.TensorShape(None)] * len(acc0),
                                   tf.TensorShape(None), tf.TensorShape(None),
                                   [tf.TensorShape(None)] * len(out_specs))
-  # each chunk's norm bounds, block and shrink count m rows, not its balanced `chunk` rows
-  # (which an added example can lower: 33 rows run as 2 chunks of 17, 32 as one call of 32),
-  # so no clip factor grows when an example is added (clipped_grad_sum, "Relation")
-  with summation.sequential_chunks(n, m), algebra.chunk_examples(m):
+  # each chunk's norm bounds, block and shrink count min(B, m) rows, as a call of at most m
+  # rows counts its own, not its balanced `chunk` rows (which an added example can lower: 33
+  # rows run as 2 chunks of 17, 32 as one call of 32): clipped_grad_sum, "Relation"
+  most = min(b, m) if isinstance(b, int) else tf.minimum(b, m)
+  with summation.sequential_chunks(n, most), algebra.chunk_examples(most):
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
         shape_invariants=invariants)
@@ -1357,12 +1358,14 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   gradients for the others. No noise. Norms, clip factors and the sum are
   float32 under every dtype policy (module docstring).
 
-  Relation. Outside a `summation.public_plan` block the records' norm bounds and the clip
-  shrink count the batch's own rows (replace-one: the same rows on both datasets); physical
-  chunks count their measured size m, never their balanced rows, so an added record lowers
-  no other record's bound (add/remove one example at the chunk boundary, 33 vs 32 copies of
-  one record in chunks of m = 32: 1.0000381 C before, 0.9999918 C since). Inside a public plan
-  (an add/remove step: `chunking.public_rows`) they are the plan's, the same on neighbouring
+  Relation. Outside a `summation.public_plan` block the records' norm bounds, the kept forms
+  and the clip shrink follow the batch's own rows: a bound for replace-one (the same rows on
+  both datasets). Physical chunks count min(B, m) rows (m their chunk size), as one call of
+  at most m rows counts its own, never their balanced rows, which an added example lowers
+  (33 copies of one record ran as 2 chunks of 17, 32 as one call: 1.0000381 C between them,
+  0.9999918 C since). Under add/remove (a Poisson batch) call it inside a
+  `summation.public_plan` block of a public bound on the rows (as `chunking.public_rows`
+  opens for the library's steps): there they follow the plan, the same on neighbouring
   datasets.
 
   Args:
