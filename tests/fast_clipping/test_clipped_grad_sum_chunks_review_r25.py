@@ -129,8 +129,6 @@ def test_the_shrink_of_chunks_does_not_grow_with_an_added_example(mode, monkeypa
   assert moved <= 1.0 + 1e-6, moved
 
 
-@pytest.mark.xfail(strict=True, reason="inside a public plan of fewer records than the "
-                   "physical chunk, the norm bounds count the balanced chunk's rows")
 @pytest.mark.parametrize("plan", [(192, 16, 12), (192, 8, 24)])
 @pytest.mark.parametrize("n", [32, 64])
 @pytest.mark.parametrize("mode", MODES)
@@ -142,6 +140,38 @@ def test_a_plan_of_fewer_records_than_the_chunk_moves_the_sum_by_at_most_c(
   (algebra.sum_examples) counted max(r, the call's rows): 32 for D' = 32 copies in one call,
   17 for D = 33 copies in 2 balanced chunks, so the added example raised every other record's
   clip factor. Measured (session 49) before the fix: 33 vs 32 copies 1.0000381 C (eager;
-  graph 1.0000382 C), 65 vs 64 1.0000525 C, for both plans."""
+  graph 1.0000382 C, XLA 1.0000375 C), 65 vs 64 1.0000525 C (XLA 1.0000510 C), for both
+  plans; since (a chunk counts max(r, min(B, m)) = 32): 0.9999918 C and 0.9999921 C."""
   moved = _moved(n, mode, monkeypatch, plan=plan)
   assert moved <= 1.0 + 1e-6, moved
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_plan_of_one_chunk_charges_the_physical_chunks_additions(mode, monkeypatch):
+  """Review R26. Inside summation.public_plan(2048, 2048, 1) (one chunk: the tree of blocks
+  of 64 rows, depth 63 + 5 per row) the function's own physical chunks of m = 8 rows (a 2 KiB
+  budget) add up to 256 chunks one after the other: up to 7 + 255 roundings per row. The
+  plan's eta (products 4, final 1, shifted) is 0.01685; that of the bound in chunks of 8 is
+  0.03333. A numpy simulation of one coordinate whose chunk sums are chosen so every
+  accumulation rounds down by nearly half an ulp (rows <= C) loses 0.01042 C against its
+  float64 sum: more than the plan's share eta / 2 = 0.00842 C of the add/remove move bound
+  (summation.rounding_margin, "Derivation"), within the chunks' 0.01666 C. So the sum of B
+  aligned copies must be shrunk by at least the chunks' shrink: measured (session 49) before
+  the fix ||sum|| / (B C) = 0.9834300 (the plan's shrink; graph and XLA the same to 1e-6),
+  since 0.9677467 (graph 0.9677466, XLA 0.9677468) <= the chunks' shrink 0.9677497."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 2048)
+  model = _mlp()
+  x = tf.constant(np.tile(np.linspace(-3, 3, 20, dtype="float32")[None], (64, 1)))
+  y = tf.constant(np.full(64, 2))
+  assert clipping._physical_chunk(model, x, 1)[0] == 8
+
+  def f(a, b):
+    with summation.public_plan(2048, 2048, 1):
+      return clipping.clipped_grad_sum(model, a, b, _loss, C)[0]
+  if mode != "eager":
+    f = tf.function(f, jit_compile=mode == "xla")
+  v = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in f(x, y)])
+  chunks = summation.shrink(summation.rounding_margin(
+      8, chunks=256, block=64, products=4, final=1, total=2048, shifted=True))
+  ratio = float(np.linalg.norm(v)) / (64 * C)
+  assert ratio <= chunks * (1.0 + 1e-7), (ratio, chunks)

@@ -37,27 +37,37 @@ RECORDS = _Records()
 
 class _ChunkExamples(threading.local):
   most = None   # the examples of every physical chunk's call (`chunk_examples`), or None
+  size = None   # the physical chunk's size m (an int), or None
 
 
 CHUNK_EXAMPLES = _ChunkExamples()
 
 
 @contextlib.contextmanager
-def chunk_examples(m):
-  """Within the block, outside a summation.public_plan, `sum_examples` counts m examples:
-  min(B, chunk size), of a batch of B that clipping runs in physical chunks, as a call of
-  its rows would be counted (a one-call batch counts its B), not a chunk's balanced rows,
-  which an added example can lower (33 examples run as 2 chunks of 17, 32 as one call of 32:
-  the other records' clip factors grew). Per thread.
+def chunk_examples(m, size=None):
+  """Within the block, `sum_examples` counts m examples: min(B, chunk size), of a batch of B
+  that clipping runs in physical chunks, as a call of its rows would be counted (a one-call
+  batch counts its B), not a chunk's balanced rows, which an added example can lower (33
+  examples run as 2 chunks of 17, 32 as one call of 32: the other records' clip factors
+  grew); inside a summation.public_plan, the larger of m and the plan's examples per call.
+  Per thread.
 
   Args:
     m: a Python int, or a scalar int tensor where the trace does not know B.
+    size: the chunk size itself (a Python int, public: it follows from the model and the
+      memory budget), read by the clip shrink inside a public plan (`chunk_size`), or None.
   """
-  prev, CHUNK_EXAMPLES.most = CHUNK_EXAMPLES.most, m
+  prev = CHUNK_EXAMPLES.most, CHUNK_EXAMPLES.size
+  CHUNK_EXAMPLES.most, CHUNK_EXAMPLES.size = m, size
   try:
     yield
   finally:
-    CHUNK_EXAMPLES.most = prev
+    CHUNK_EXAMPLES.most, CHUNK_EXAMPLES.size = prev
+
+
+def chunk_size():
+  """The physical chunk size m of the enclosing `chunk_examples` block (an int), or None."""
+  return CHUNK_EXAMPLES.size
 
 
 class examples_per_record:  # pylint: disable=invalid-name
@@ -264,8 +274,8 @@ def sum_examples(a):
   the clipped sum's product over them (`with_sum_rounding`'s R): within an add/remove step's
   public plan its examples per call (`public_examples`), at least the batch's own (a chunk of
   a batch within the plan's bound never holds more: summation.within_public_rows); elsewhere
-  the batch's (replace-one: the same rows on neighbouring datasets; a physical chunk's
-  batch's, at most its chunk size: `chunk_examples`).
+  the batch's (replace-one: the same rows on neighbouring datasets); a physical chunk's: its
+  batch's, at most its chunk size (`chunk_examples`; within a plan, at least the plan's).
 
   Why: a bound over the batch's own rows moves every record's clip factor when a record is
   added (L grows by its T rows), so the clipped sum moves by more than C: 1.23 C for one
@@ -280,9 +290,12 @@ def sum_examples(a):
     a Python int when static or planned, else a float32 scalar tensor.
   """
   most, b = public_examples(), static_dim(a, 0)
+  chunked = CHUNK_EXAMPLES.most   # a physical chunk's: min(its batch's rows, the chunk size)
   if most is not None:
+    if chunked is not None:   # not the balanced chunk's rows (an added example can lower them)
+      return (max(most, chunked) if isinstance(chunked, int) else
+              tf.maximum(float(most), tf.cast(chunked, tf.float32)))
     return most if b is None else max(most, b)
-  chunked = CHUNK_EXAMPLES.most   # outside a plan, a physical chunk's: its batch's rows
   if chunked is not None:
     return chunked if isinstance(chunked, int) else tf.cast(chunked, tf.float32)
   return b if b is not None else tf.cast(tf.shape(a)[0], tf.float32)
