@@ -175,3 +175,28 @@ def test_a_plan_of_one_chunk_charges_the_physical_chunks_additions(mode, monkeyp
       8, chunks=256, block=64, products=4, final=1, total=2048, shifted=True))
   ratio = float(np.linalg.norm(v)) / (64 * C)
   assert ratio <= chunks * (1.0 + 1e-7), (ratio, chunks)
+
+
+@pytest.mark.parametrize("n", [32, 64])
+def test_a_batch_the_trace_does_not_know_inside_a_plan_of_fewer_records(n, monkeypatch):
+  """Review R26. A tf.function of unknown batch size inside summation.public_plan(192, 16, 12)
+  (add/remove one example, unit example): the physical chunks hold m = 32 rows, more than the
+  plan's 16, which the pinned products took as their rows' bound (algebra.plan_rows): before
+  the fix the call failed with InvalidArgumentError "indices = 4 is not in [0, 3)" (a gather
+  past the blocks; XLA would clamp it silently); since 33 vs 32 copies 0.9999905 C, 65 vs 64
+  0.9999923 C (session 49)."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 65536)
+  model = _model()
+
+  @tf.function(input_signature=[tf.TensorSpec([None, 12], tf.int32),
+                                tf.TensorSpec([None], tf.int64)])
+  def f(a, b):
+    with summation.public_plan(192, 16, 12):
+      return clipping.clipped_grad_sum(model, a, b, _loss, C)[0]
+
+  def summed(k):
+    x, y = _copies(k)
+    return np.concatenate([np.ravel(np.asarray(g, np.float64))
+                           for g in f(x, tf.cast(y, tf.int64))]) / C
+  moved = float(np.linalg.norm(summed(n + 1) - summed(n)))
+  assert moved <= 1.0 + 1e-6, moved

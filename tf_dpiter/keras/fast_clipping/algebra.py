@@ -37,7 +37,7 @@ RECORDS = _Records()
 
 class _ChunkExamples(threading.local):
   most = None   # the examples of every physical chunk's call (`chunk_examples`), or None
-  size = None   # the physical chunk's size m (an int), or None
+  size = None   # the physical chunk's size m in examples (an int), or None
 
 
 CHUNK_EXAMPLES = _ChunkExamples()
@@ -54,8 +54,9 @@ def chunk_examples(m, size=None):
 
   Args:
     m: a Python int, or a scalar int tensor where the trace does not know B.
-    size: the chunk size itself (a Python int, public: it follows from the model and the
-      memory budget), read by the clip shrink inside a public plan (`chunk_size`), or None.
+    size: the chunk size itself in examples (a Python int, public: it follows from the model
+      and the memory budget), read inside a public plan by the clip shrink (`chunk_size`) and
+      the pinned products' rows (`plan_rows`), or None.
   """
   prev = CHUNK_EXAMPLES.most, CHUNK_EXAMPLES.size
   CHUNK_EXAMPLES.most, CHUNK_EXAMPLES.size = m, size
@@ -1090,8 +1091,8 @@ def _context_rows():
   """`plan_rows`' rows from the enclosing summation.public_plan (its rows per chunk) or
   summation.sequential_chunks (the largest chunk's rows) block: an int, or None."""
   plan = summation.current_public_plan()
-  if plan is not None:
-    return int(plan[1])
+  if plan is not None:   # a physical chunk may hold more rows than the plan's chunk
+    return max(int(plan[1]), CHUNK_EXAMPLES.size or 0)
   chunk = summation.current_chunk_rows()
   chunk = tf.get_static_value(chunk) if tf.is_tensor(chunk) else chunk
   return None if chunk is None else int(chunk)

@@ -1045,7 +1045,7 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   # rows run as 2 chunks of 17, 32 as one call of 32); inside a public plan also the shrink
   # of the bound in chunks of m (`_chunks_shrink`): clipped_grad_sum, "Relation"
   most = min(b, m) if isinstance(b, int) else tf.minimum(b, m)
-  with summation.sequential_chunks(n, most), algebra.chunk_examples(most, m // k):
+  with summation.sequential_chunks(n, most), algebra.chunk_examples(most, m):
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
         shape_invariants=invariants)
@@ -1338,7 +1338,7 @@ def _with_rounding_margin(result, plans, num_records, k):
                               final=1)
   size, plan = algebra.chunk_size(), summation.current_public_plan()
   if chunk_rows is not None and size is not None and plan is not None:
-    s = _min(s, _chunks_shrink(plan[0], size, block))
+    s = _min(s, _chunks_shrink(plan[0], max(size // k, 1), block))
   return {vid: g * tf.cast(s, g.dtype) for vid, g in result.items()}
 
 
