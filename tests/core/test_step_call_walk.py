@@ -89,8 +89,10 @@ def test_the_fast_step_keeps_the_clipped_sum_and_its_records_in_their_owners():
   # Dense sum is shaped to its variable by algebra.shaped (summation -> algebra, not
   # summation -> rules/dense.py -> algebra after each pinned product); 19 files and 104
   # returns since a step run eagerly (as this walk runs it) checks the model's call for writes
-  # from the data at every step (data_writes: review R23; a traced step checks its own pass)
-  assert summary["files"] <= 19 and summary["returns"] <= 104, summary
+  # from the data at every step (data_writes: review R23; a traced step checks its own pass);
+  # 106 since a record's norm bound reads the chunk's public rows (algebra.chunk_examples:
+  # review R26, two returns into algebra)
+  assert summary["files"] <= 19 and summary["returns"] <= 106, summary
   assert not files & {"keras/optimizer/routing.py", "keras/fast_clipping/rules/budget.py"}
 
 
