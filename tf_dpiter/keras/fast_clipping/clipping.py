@@ -888,8 +888,7 @@ def _chunk_of(kept, k, inputs, by_size=True):
   if not kept:
     return None
   m = budget.kept_chunk(kept, k)
-  static_b = tf.nest.flatten(inputs)[0].shape[0]
-  return None if by_size and static_b is not None and static_b <= m else m
+  return None if by_size and _fits_in(inputs, m) else m
 
 
 def _fits_in(inputs, m):
