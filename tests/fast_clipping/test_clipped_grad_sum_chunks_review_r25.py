@@ -22,6 +22,7 @@ import pytest
 import tensorflow as tf
 
 from tf_dpiter.dp_query import summation
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.fast_clipping import clipping
 from tf_dpiter.keras.fast_clipping.rules import budget
 
@@ -130,7 +131,7 @@ def test_the_shrink_of_chunks_does_not_grow_with_an_added_example(mode, monkeypa
 
 
 @pytest.mark.parametrize("plan", [(192, 16, 12), (192, 8, 24)])
-@pytest.mark.parametrize("n", [32, 64])
+@pytest.mark.parametrize("n", [64])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_plan_of_fewer_records_than_the_chunk_moves_the_sum_by_at_most_c(
     mode, n, plan, monkeypatch):
@@ -141,9 +142,25 @@ def test_a_plan_of_fewer_records_than_the_chunk_moves_the_sum_by_at_most_c(
   17 for D = 33 copies in 2 balanced chunks, so the added example raised every other record's
   clip factor. Measured (session 49) before the fix: 33 vs 32 copies 1.0000381 C (eager;
   graph 1.0000382 C, XLA 1.0000375 C), 65 vs 64 1.0000525 C (XLA 1.0000510 C), for both
-  plans; since (a chunk counts max(r, min(B, m)) = 32): 0.9999918 C and 0.9999921 C."""
+  plans; since (a chunk counts max(r, min(B, m)) = 32): 0.9999918 C and 0.9999921 C.
+  Review R27: the chunks count max(r, min(192, m)) = 32 (public); a call of 32 copies in one
+  call, more than the plan's r, is refused (`test_one_call_of_more_than_the_plans_records`)."""
   moved = _moved(n, mode, monkeypatch, plan=plan)
   assert moved <= 1.0 + 1e-6, moved
+
+
+@pytest.mark.parametrize("plan", [(192, 16, 12), (192, 8, 24)])
+def test_one_call_of_more_than_the_plans_records_is_refused(plan, monkeypatch):
+  """Review R27 (add/remove one example, unit example): 32 copies fit in one call of the
+  function's chunk m = 32, more than the plan's r records per call, whose r examples the
+  norm bounds count: refused (it counted its own 32 rows, which an added example raises:
+  tests/fast_clipping/test_clipped_grad_sum_plan_review_r27.py); 33 copies run in physical
+  chunks, which count the public max(r, min(192, m)) = 32."""
+  monkeypatch.setattr(budget, "KEPT_BYTES", 65536)
+  model = _model()
+  with pytest.raises(PrivacyConfigError, match=rf"public_plan\(records={plan[1]}.*call of 32 "):
+    _sum(model, 32, "eager", plan)
+  assert np.all(np.isfinite(_sum(model, 33, "eager", plan)))
 
 
 @pytest.mark.parametrize("mode", MODES)

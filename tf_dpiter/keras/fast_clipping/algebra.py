@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter.dp_query import summation
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.fast_clipping import registry
 
 
@@ -49,8 +50,9 @@ def chunk_examples(m, size=None):
   that clipping runs in physical chunks, as a call of its rows would be counted (a one-call
   batch counts its B), not a chunk's balanced rows, which an added example can lower (33
   examples run as 2 chunks of 17, 32 as one call of 32: the other records' clip factors
-  grew); inside a summation.public_plan, the larger of m and the plan's examples per call.
-  Per thread.
+  grew); inside a summation.public_plan of R rows and r records per chunk, max(r k,
+  min(R k, size)), public (min(B, size) is not: a batch the trace does not know, r < B < size,
+  moved the sum by 1.18 C under add/remove). Per thread.
 
   Args:
     m: a Python int, or a scalar int tensor where the trace does not know B.
@@ -273,10 +275,12 @@ def public_examples():
 def sum_examples(a):
   """B, the examples of a layer's [B, ...] tensor as a record's norm bound counts the rows of
   the clipped sum's product over them (`with_sum_rounding`'s R): within an add/remove step's
-  public plan its examples per call (`public_examples`), at least the batch's own (a chunk of
-  a batch within the plan's bound never holds more: summation.within_public_rows); elsewhere
-  the batch's (replace-one: the same rows on neighbouring datasets); a physical chunk's: its
-  batch's, at most its chunk size (`chunk_examples`; within a plan, at least the plan's).
+  public plan its examples per call (`public_examples`), r k for r records per chunk, and a
+  call of more examples is refused (a batch the trace does not know: checked at run time by
+  clipping); a physical chunk's within a plan the public max(r k, min(R k, m)) for R the plan's
+  rows and m the chunk size (clipping checks the batch against R); elsewhere the batch's
+  (replace-one: the same rows on neighbouring datasets), a physical chunk's its batch's, at
+  most its chunk size (`chunk_examples`).
 
   Why: a bound over the batch's own rows moves every record's clip factor when a record is
   added (L grows by its T rows), so the clipped sum moves by more than C: 1.23 C for one
@@ -289,17 +293,35 @@ def sum_examples(a):
 
   Returns:
     a Python int when static or planned, else a float32 scalar tensor.
+
+  Raises:
+    PrivacyConfigError: within a public plan, a call (not a physical chunk) of more examples
+      than the plan's records per chunk times k.
   """
   most, b = public_examples(), static_dim(a, 0)
   chunked = CHUNK_EXAMPLES.most   # a physical chunk's: min(its batch's rows, the chunk size)
   if most is not None:
-    if chunked is not None:   # not the balanced chunk's rows (an added example can lower them)
-      return (max(most, chunked) if isinstance(chunked, int) else
-              tf.maximum(float(most), tf.cast(chunked, tf.float32)))
-    return most if b is None else max(most, b)
+    if chunked is not None:   # public: max(r k, min(R k, m)), not min(B, m), which B moves
+      bound = int(summation.current_public_plan()[0]) * RECORDS.k
+      return max(most, min(bound, int(CHUNK_EXAMPLES.size or bound)))
+    if b is not None and b > most:   # its own rows would count: an added example raises them
+      raise PrivacyConfigError(
+          f"{plan_call_limit(summation.current_public_plan(), RECORDS.k)}. Received: a call "
+          f"of {b} examples. Open the plan with `records` of at least the records of the "
+          "largest call (and `rows` of at least the batch's), or call clipped_grad_sum on "
+          f"chunks of at most {most} examples.")
+    return most   # b unknown: clipping._within_plan_records checks it at run time
   if chunked is not None:
     return chunked if isinstance(chunked, int) else tf.cast(chunked, tf.float32)
   return b if b is not None else tf.cast(tf.shape(a)[0], tf.float32)
+
+
+def plan_call_limit(plan, k):
+  """The rule a call inside summation.public_plan `plan` keeps (an error message's first
+  sentence): at most its records per chunk times k examples."""
+  return (f"clipped_grad_sum inside `summation.public_plan(records={int(plan[1])}, ...)` "
+          f"counts {int(plan[1]) * k} examples per call in every record's norm bound (records "
+          f"of k = {k} examples): a call may hold at most that many")
 
 
 def batch_rows(a):

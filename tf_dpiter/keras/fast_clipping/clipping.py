@@ -971,6 +971,43 @@ def physical_chunk_examples(model, inputs, k, expected_examples, by_size=True):
   return found[0]
 
 
+def _within_plan_records(inputs, k):
+  """Checks a batch the trace does not know, run in one call (not a physical chunk's), against
+  the enclosing summation.public_plan's records per chunk r, whose r k examples every record's
+  norm bound then counts (algebra.sum_examples, which refuses a call of more examples the
+  trace knows): a call of more would count too few rows. Add/remove one example, unit example:
+  counting a call's own rows instead moved the sum by 1.18 C (public_plan(64, 4, 16), 4 vs 5
+  examples in one call). Nothing for a batch the trace knows, outside a plan, for a physical
+  chunk's call (its count is public: algebra.chunk_examples), for k unknown to the trace, or
+  within a bound the caller enforces (runtime.examples_at_most of at most r k).
+
+  Args:
+    inputs: the call's model inputs, [B, ...].
+    k: examples per record.
+
+  Returns:
+    None, or a scalar bool tensor, True where B <= r k, guarded by a run-time assertion (graph
+    mode; XLA drops it: the caller makes the clip factors NaN, the sums then NaN).
+  """
+  flat = tf.nest.flatten(inputs)
+  if (not flat or not tf.is_tensor(flat[0]) or flat[0].shape.rank in (None, 0)
+      or flat[0].shape[0] is not None or not isinstance(k, int)):
+    return None   # (a batch the trace knows: checked by algebra.sum_examples, no visit here)
+  plan = summation.current_public_plan()
+  if plan is None or algebra.chunk_size() is not None:
+    return None
+  most = int(plan[1]) * k
+  bound = runtime.examples_bound()
+  if bound is not None and bound <= most:   # the caller enforces it at run time
+    return None
+  rows = tf.shape(flat[0])[0]
+  within = rows <= most
+  check = tf.raw_ops.Assert(condition=within, data=[
+      f"{algebra.plan_call_limit(plan, k)}. Received: examples =", rows])
+  with tf.control_dependencies([check]):
+    return tf.identity(within)
+
+
 def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, mask, k,
                       variant, return_outputs, m, signature):
   """clipped_grad_sum's (grads, norms, outputs, losses) over physical chunks of whole
@@ -1044,6 +1081,12 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   # rows run as 2 chunks of 17, 32 as one call of 32); inside a public plan also the shrink
   # of the bound in chunks of m (`_chunks_shrink`): clipped_grad_sum, "Relation"
   most = min(b, m) if isinstance(b, int) else tf.minimum(b, m)
+  # inside a public plan the chunks' norm bounds count max(r k, min(R k, m)) (public:
+  # algebra.sum_examples), so the batch is checked against the plan's bound R
+  within = summation.within_public_rows(b // k)
+  if within is not True:   # B unknown to the trace, not XLA (there one call): the assertion runs
+    with tf.control_dependencies([within]):
+      n = tf.identity(n)
   with summation.sequential_chunks(n, most), algebra.chunk_examples(most, m):
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
@@ -1071,6 +1114,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   if tf.executing_eagerly():   # a traced pass checks itself (_forward)
     _refuse_unrecorded(unrecorded_variable_uses(model, inputs))
   chunking = _physical_chunk(model, inputs, k) if chunked else None
+  within = None if chunking is not None else _within_plan_records(inputs, k)
   if chunking is not None:
     grads, norms, outputs, raw_losses = _chunked_grad_sum(
         model, inputs, targets, per_example_loss_fn, factors_fn, mask, k, variant,
@@ -1104,6 +1148,8 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     norms, factors = _clip_factors(sq, factors_fn, record_mask, scale,
                                    mask is not None or _grouped(k),
                                    algebra.norm_margin(depths, len(ghost) + len(vect)))
+    if within is not None:   # a call past the plan's records: NaN sums (XLA drops the assert)
+      factors = tf.where(within, factors, float("nan"))
     example_factors = tf.repeat(factors, k) if _grouped(k) else factors
 
   with tf.name_scope("clipped_sum"):
@@ -1389,13 +1435,17 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   0.9999918 C since). Under add/remove (a Poisson batch) call it inside a
   `summation.public_plan` block of a public bound on the rows (as `chunking.public_rows`
   opens for the library's steps): there they follow the plan, the same on neighbouring
-  datasets, provided every call holds at most the plan's records per chunk (a call of more
-  counts its own rows). The physical chunks, which the caller does not choose, count the
-  larger of the plan's records and min(B, m) in the norm bounds (a plan of 16 records against
-  chunks of 32: 1.0000381 C before, 0.9999918 C since), and their shrink is the smaller of
-  the plan's and that of the bound in chunks of m (a plan of one chunk of 2048 rows charges
-  no chunk additions, where chunks of 8 rows add 255 times: eta 0.0169 charged, 0.0333
-  needed).
+  datasets. A call in one call (physical_chunks=False, or a batch that fits the function's
+  chunk) may hold at most the plan's `records` (times k) examples, which the norm bounds
+  count: more is refused where the trace knows the batch (PrivacyConfigError), and where it
+  does not the call fails at run time (an assertion; under XLA, which drops it, the sums are
+  NaN). Counting such a call's own rows moved the sum by 1.18 C (public_plan(64, 4, 16), 4 vs
+  5 examples of nearly cancelling positions). The physical chunks (a batch over the
+  function's chunk m, which the caller does not choose) count max(records, min(rows, m)) in
+  the norm bounds, public (min(B, m) moved the sum by 1.18 C for a batch the trace did not
+  know), the batch is checked against `rows`, and their shrink is the smaller of the plan's
+  and that of the bound in chunks of m (a plan of one chunk of 2048 rows charges no chunk
+  additions, where chunks of 8 rows add 255 times: eta 0.0169 charged, 0.0333 needed).
 
   Args:
     model: a built keras.Model; model(inputs, training=True) is run once.
@@ -1430,6 +1480,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     gradient is not: that record adds nothing).
 
   Raises:
+    PrivacyConfigError: inside a `summation.public_plan`, a call of more examples than its
+      records per chunk times k (in one call) or a batch of more records than its rows.
     ParameterTypeError: clip_factors_fn is not callable.
     ParameterValueError: not exactly one of l2_norm_clip and clip_factors_fn, bad
       l2_norm_clip, variant, examples_per_record or loss_scale, a batch that is not
