@@ -48,8 +48,6 @@ def _summer(plan, unknown_batch, physical_chunks=False):
       for g in f(tf.constant(x[:n]), tf.constant(y[:n]), tf.constant(1, tf.int32))]) / C
 
 
-@pytest.mark.xfail(strict=True, reason="review R29: k unknown to the trace inside a public "
-                   "plan counts the call's own rows: 1.1776732 C under add/remove")
 @pytest.mark.parametrize("unknown_batch", [False, True], ids=["known_batch", "unknown_batch"])
 @pytest.mark.parametrize("physical_chunks", [False, True], ids=["one_call", "physical_chunks"])
 def test_records_of_a_size_the_trace_does_not_know_inside_a_plan_are_refused(

@@ -124,6 +124,33 @@ def _check_examples_per_record(k):
   return k
 
 
+def _refuse_planned_unknown_k(k):
+  """Refuses records of k examples, k a tensor whose value the trace does not know, inside a
+  summation.public_plan: every record's norm bound must count the plan's r k examples per
+  call (algebra.public_examples), which cannot be formed without k; the call's own rows
+  counted instead moved the sum past C. Add/remove one example, unit example: public_plan(64,
+  8, 8), 4 vs 5 examples, k = 1 as a tensor in a tf.function: 1.1776732 C (review R29; k = 1
+  as an int: 0.9999274 C).
+
+  Args:
+    k: `_check_examples_per_record`'s value (an int, or an int32 scalar tensor).
+
+  Raises:
+    PrivacyConfigError: k is a tensor inside a public plan.
+  """
+  plan = summation.current_public_plan()
+  if plan is None or not tf.is_tensor(k):
+    return
+  raise PrivacyConfigError(
+      "`examples_per_record` must be a Python int (or a tensor whose value the trace knows) "
+      f"inside `summation.public_plan(rows={int(plan[0])}, records={int(plan[1])}, ...)`: "
+      "every record's norm bound counts the plan's records per chunk times examples_per_record "
+      f"examples, which an unknown value does not give. Received: examples_per_record={k!r}. "
+      "Pass k as a Python int (the records' size is public under add/remove), or call "
+      "clipped_grad_sum outside the plan (a replace-one step, batches of the same rows on "
+      "neighbouring datasets).")
+
+
 def _grouped(k):
   return tf.is_tensor(k) or k > 1
 
@@ -1108,6 +1135,7 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   batch in one call whatever its kept bytes (a physical chunk's)."""
   factors_fn = _factors_fn(l2_norm_clip, clip_factors_fn)
   k = _check_examples_per_record(examples_per_record)
+  _refuse_planned_unknown_k(k)
   scale = runtime.loss_scale(model) if loss_scale is None else _check_loss_scale(loss_scale)
   _check_variant(variant, scale)
   units = plan_lib.plan(model, grouped=_grouped(k))   # its errors first
@@ -1455,7 +1483,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
       clip_factors_fn).
     mask: optional [B] 0/1; rows with 0 contribute nothing. A record with no
       real example has norm 0.
-    examples_per_record: k, a positive integer.
+    examples_per_record: k, a positive integer (or a scalar integer tensor, a dynamic
+      batch's; inside a `summation.public_plan` its value must be known to the trace).
     return_outputs: also return the model outputs and the [B] losses.
     clip_factors_fn: instead of l2_norm_clip, a callable [B / k] float32
       norms -> [B / k] factors in [0, 1] (a record with a non-finite norm must
@@ -1481,7 +1510,8 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
 
   Raises:
     PrivacyConfigError: inside a `summation.public_plan`, a call of more examples than its
-      records per chunk times k (in one call) or a batch of more records than its rows.
+      records per chunk times k (in one call), a batch of more records than its rows, or
+      examples_per_record a tensor whose value the trace does not know.
     ParameterTypeError: clip_factors_fn is not callable.
     ParameterValueError: not exactly one of l2_norm_clip and clip_factors_fn, bad
       l2_norm_clip, variant, examples_per_record or loss_scale, a batch that is not
