@@ -1468,7 +1468,10 @@ def clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
   count: more is refused where the trace knows the batch (PrivacyConfigError), and where it
   does not the call fails at run time (an assertion; under XLA, which drops it, the sums are
   NaN). Counting such a call's own rows moved the sum by 1.18 C (public_plan(64, 4, 16), 4 vs
-  5 examples of nearly cancelling positions). The physical chunks (a batch over the
+  5 examples of nearly cancelling positions; so did records of k examples for k a tensor
+  the trace does not know, now refused). The plan is read when the call is traced: open it
+  inside the traced function (a function traced outside it and called inside keeps counting
+  its calls' own rows: 1.18 C, review R29). The physical chunks (a batch over the
   function's chunk m, which the caller does not choose) count max(records, min(rows, m)) in
   the norm bounds, public (min(B, m) moved the sum by 1.18 C for a batch the trace did not
   know), the batch is checked against `rows`, and their shrink is the smaller of the plan's
