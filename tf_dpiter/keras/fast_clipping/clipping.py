@@ -138,8 +138,10 @@ def _refuse_planned_unknown_k(k):
   Raises:
     PrivacyConfigError: k is a tensor inside a public plan.
   """
+  if not tf.is_tensor(k):   # (k an int: no summation visit, the step's call walk)
+    return
   plan = summation.current_public_plan()
-  if plan is None or not tf.is_tensor(k):
+  if plan is None:
     return
   raise PrivacyConfigError(
       "`examples_per_record` must be a Python int (or a tensor whose value the trace knows) "
