@@ -98,8 +98,9 @@ def test_records_of_a_size_the_trace_does_not_know_move_the_sum_past_c():
 # q in [1e-6, 1]; worst n = 17002, q = 1.26e-4, R = 16), so this is rare, but when it
 # happens the user must get an error, not NaN weights.
 
-def _fit_past_the_row_bound_then_on():
-  """(the error a fit raised or None, the weight after, the second fit's error or None)."""
+def _fit_past_the_row_bound_then_on(compiled_noise):
+  """(the error a fit raised or None, the weight after it, the second fit's error or None);
+  compiled_noise: the noise drawn inside the XLA program (the ledger write after it)."""
   import tf_dpiter as dp   # pylint: disable=g-import-not-at-top
   import keras   # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(0)
@@ -110,29 +111,31 @@ def _fit_past_the_row_bound_then_on():
                                        normalize=False)
   model.compile(optimizer=opt, loss=lambda yt, yp: tf.reduce_sum(yt * yp, axis=-1),
                 jit_compile=True)
+  opt.private_step.set_flags(compiled_noise=compiled_noise)
   opt.set_sampling(64, 8 / 64, "poisson")
   assert opt.private_step.sampling.public_row_bound == 48
   rows = np.ones((60, 1), np.float32)
   big = tf.data.Dataset.from_tensor_slices((rows, -rows)).batch(60)
   small = tf.data.Dataset.from_tensor_slices((rows[:8], -rows[:8])).batch(8)
-  errors = []
+  errors, weights = [], []
   for ds in (big.concatenate(small), small):
     try:
       model.fit(ds, verbose=0)
       errors.append(None)
     except (dp.errors.PrivacyConfigError, tf.errors.InvalidArgumentError) as e:
       errors.append(e)
-  return errors[0], float(model.get_weights()[0].ravel()[0]), errors[1]
+    weights.append(float(model.get_weights()[0].ravel()[0]))
+  return errors[0], weights[0], errors[1]
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.xfail(strict=True, reason="review R29: under XLA a batch past the public row "
-                   "bound leaves NaN weights and fit returns normally (loss nan)")
-def test_under_xla_a_batch_past_the_row_bound_raises_and_keeps_the_weights():
-  """fit under jit_compile=True of a batch of 60 rows (bound 48): an error naming the bound,
-  and the weight not NaN (the step updates nothing); measured before: no error, weight NaN,
-  a later fit ran on the NaN weight."""
-  first, weight, _ = _fit_past_the_row_bound_then_on()
-  assert first is not None and "48" in str(first), (first, weight)
-  assert np.isfinite(weight), weight
+@pytest.mark.parametrize("compiled_noise", [False, True], ids=["noise_outside", "noise_inside"])
+def test_under_xla_a_batch_past_the_row_bound_raises_and_keeps_the_weights(compiled_noise):
+  """fit under jit_compile=True of a batch of 60 rows (bound 48): an error naming the bound
+  (train_step._within_row_bound, outside the XLA core), the weight unchanged (the step
+  updates nothing); measured before (b0f13b1): no error, weight NaN, a later fit ran on it."""
+  first, weight, second = _fit_past_the_row_bound_then_on(compiled_noise)
+  assert first is not None and "at most 48" in str(first), (first, weight)
+  assert weight == 0.0, weight   # the failing step applied nothing (the weight starts at 0)
+  assert second is None, second   # a batch of 8 within the bound trains on afterwards

@@ -297,6 +297,37 @@ def _replica():
   return None if replica is None else int(replica)
 
 
+def _within_row_bound(step, counts, nest):
+  """`nest` once the step's records (counts[1], a replica's M) are checked against the public
+  row bound R of an add/remove step (chunking.public_row_bound), outside the XLA-compiled
+  clipped sum: XLA drops that sum's own assertion (chunking.sum_over_chunks then makes its
+  sums NaN), while this function (noise, ledger, update) is not compiled, so the assertion
+  runs. A batch past R (probability at most 1.5e-10 per step for a Poisson sample of the
+  declared n and q, over n <= 1e7 and q in [1e-6, 1]: review R29) then fails its step, neither
+  charged nor applied, with an error naming R. Before: fit returned with loss NaN and NaN
+  weights, later steps ran on them (set_sampling(64, 8 / 64), R = 48, a batch of 60).
+
+  Args:
+    step: the PrivateStep.
+    counts: the core's [real records, records formed] float32.
+    nest: the tensors the ledger write and the update read.
+
+  Returns:
+    `nest` (under replace-one, or without a declared sampling), else its tensors after the
+    check.
+  """
+  bound = chunking.public_row_bound(step)
+  if bound is None:
+    return nest
+  within = counts[1] <= float(bound)
+  # one Assert op, as summation.within_public_rows'
+  check = tf.raw_ops.Assert(condition=within, data=[
+      f"`rows` must be at most {bound}, the public bound of an add/remove step's plan "
+      "(twice the padded size of the declared sampling). Received: rows =", counts[1]])
+  with tf.control_dependencies([check]):
+    return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), nest)
+
+
 def _refuse_second_step(model):
   """Refuses a second private step of the library inside one call of a user's `train_step`
   (per replica; `_checked_override` opens the count): an override calling
@@ -983,10 +1014,14 @@ class TrainStepMixin:
         if getattr(self, "_dp_noise_inside", False):
           (grads, events), loss_sum, counts, y_pred = core(
               x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
+          if getattr(self, "_dp_core_xla", False):   # the XLA core's row check: here
+            grads, events = _within_row_bound(step, counts, (grads, events))
           grads = step.record_compiled_sample(grads, events)   # the ledger append, outside XLA
         else:
           state, loss_sum, counts, y_pred = core(x, y, sample_weight, step.sample_params(),
                                                  outputs=want)
+          if getattr(self, "_dp_core_xla", False):   # the XLA core's row check: here
+            state = _within_row_bound(step, counts, state)
           grads = step.noised_average(state, counts[1], scaled=step.folds_denominator)
       opt.apply_private_gradients(grads, self.trainable_variables)
     finally:
