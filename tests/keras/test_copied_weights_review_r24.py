@@ -35,9 +35,10 @@ Findings (fixed, measured before the fix); 1 and 2 are false adoptions, 3 an und
    same order: Dense [4, 6] -> EinsumDense [4, 2, 3]) named no released state, the digest's
    row length being the last axis: 1 sample for 4; now 4.
 
-Open (strict xfails, `test_a_copy_in_another_layout_keeps_its_run`): a copy transposed (tied
-weights) or cast to float64 names no released state: 1 sample for 4 each (the known float16
-cast of review R21 generalizes to every cast).
+Fixed in review R28 (`test_a_copy_in_another_layout_keeps_its_run`, strict xfails until then):
+a copy transposed (tied weights) or cast to float64 named no released state: 1 sample for 4
+each; now 4 (released states are also kept under order- and dtype-invariant keys;
+tests/keras/test_copied_weights_review_r28.py).
 
 Negative results (passing): the copies the brief lists keep their run's whole charge (between
 two fits, after the run's last record, load_model with the source's registrations gone,
@@ -125,6 +126,7 @@ def _load_model_elsewhere(tmp_path):
   source.save(str(tmp_path / "s.keras"))
   # another process: no registration of the source's states is left
   weight_fingerprints._RELEASED.clear()  # pylint: disable=protected-access
+  weight_fingerprints._RELEASED_KEYS.clear()  # pylint: disable=protected-access
   loaded = keras.models.load_model(str(tmp_path / "s.keras"))
   return _copy_fit(loaded.get_weights()), 4, source
 
@@ -348,24 +350,19 @@ def _float64_copy(kernel, bias):
   return copy
 
 
-_OTHER_BITS = pytest.mark.xfail(strict=True, reason="review R24 (open): a copy whose values "
-                                "are permuted or cast has other digests (h names the bits in "
-                                "their order): 1 of 4")
-
-
 @pytest.mark.parametrize("make", [
     pytest.param(_reshaped_copy, id="reshaped"),
-    pytest.param(_transposed_copy, id="transposed", marks=[pytest.mark.slow, _OTHER_BITS]),
-    pytest.param(_float64_copy, id="cast_to_float64", marks=[pytest.mark.slow, _OTHER_BITS])])
+    pytest.param(_transposed_copy, id="transposed", marks=pytest.mark.slow),
+    pytest.param(_float64_copy, id="cast_to_float64", marks=pytest.mark.slow)])
 def test_a_copy_in_another_layout_keeps_its_run(make):
-  """Open (under-charge): a DP fit of 3 steps, its hidden Dense [4, 6] kernel (and bias) given
+  """Under-charge (fixed): a DP fit of 3 steps, its hidden Dense [4, 6] kernel (and bias) given
   to a new DP model reshaped ([4, 2, 3] of an EinsumDense: the same bits in the same order),
   transposed (a [6, 4] kernel: tied weights) or cast to float64, 1 step: 4 samples. Measured:
   1 each. The digest h read the bits as [R, C] with C = 1024 when it divides the size, else
   the last axis (6 here, 3 reshaped): fixed, C is now a function of the size alone (the
-  reshaped copy: 4). Open (strict xfails): h reads the bits in their order, so a transpose or
-  a cast names no released state; the remedy would be a permutation- and cast-free digest of
-  the released states."""
+  reshaped copy: 4). The transposed and float64 copies (strict xfails until review R28): h
+  reads the bits in their order, so they named no released state; the released states are now
+  also kept under order- and dtype-invariant keys (4 each)."""
   source = _fit(_model(hidden=6), 3)
   kernel, bias = source.layers[0].get_weights()
   copy = _fit(make(kernel, bias), 1)

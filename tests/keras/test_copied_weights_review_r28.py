@@ -28,8 +28,10 @@ import keras
 import ml_dtypes
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_dpiter as dp
+from tf_dpiter.keras.optimizer import weight_fingerprints as wf
 from tests.keras import custom_loop_setup as loop
 
 DELTA = 1e-5
@@ -91,16 +93,12 @@ def _transposed(kernel, bias):
   return copy
 
 
-_OPEN = pytest.mark.xfail(strict=True, reason="review R28 (open): a copy cast or transposed "
-                          "names no released state (h names the bits in their order): 1 of 4")
-
-
 @pytest.mark.parametrize("make", [
-    pytest.param(_cast("float16"), id="float16", marks=_OPEN),
-    pytest.param(_cast(ml_dtypes.bfloat16), id="bfloat16", marks=_OPEN),
-    pytest.param(_cast("float64"), id="float64", marks=_OPEN),
-    pytest.param(_cast(np.float16, back=True), id="float16_and_back", marks=_OPEN),
-    pytest.param(_transposed, id="transposed", marks=_OPEN)])
+    pytest.param(_cast("float16"), id="float16"),
+    pytest.param(_cast(ml_dtypes.bfloat16), id="bfloat16"),
+    pytest.param(_cast("float64"), id="float64"),
+    pytest.param(_cast(np.float16, back=True), id="float16_and_back"),
+    pytest.param(_transposed, id="transposed")])
 def test_a_cast_or_transposed_copy_keeps_its_run(make):
   """A DP fit of 3 steps; its hidden Dense [4, 6] kernel (and bias) given by value to a new
   DP model cast or transposed, which fits 1 step: 3 + 1 = 4 samples, epsilon = 4 Poisson
@@ -114,7 +112,6 @@ def test_a_cast_or_transposed_copy_keeps_its_run(make):
   assert _charged(source) == 3
 
 
-@_OPEN
 def test_a_cast_copy_between_fits_keeps_the_steps_it_saw():
   """A DP fit of 2 steps, its hidden layer's weights (from the DP model's get_weights) copied
   into a float16 Dense(6) of a new DP model, then 2 more steps of the source: the copy's 1 step
@@ -152,3 +149,38 @@ def test_a_same_seed_model_adopts_no_barely_moved_run(dtype):
   assert dp.accounting.epsilon(second.optimizer.ledger, DELTA, accountant="rdp") == (
       pytest.approx(loop.rdp_epsilon(1), rel=1e-6))
   assert _charged(first) == 3
+
+
+def _reference_sum(values):
+  """s of the module docstring by an independent route: ml_dtypes' bfloat16 rounding of the
+  values as float32 (round to nearest even), F by Python integers, summed mod 2^64."""
+  bits = np.asarray(values).reshape(-1).astype(np.float32).astype(ml_dtypes.bfloat16).view(
+      np.uint16)
+  total = 0
+  for c in bits.tolist():
+    y = (c * 0x9E3779B1) & 0xFFFFFFFF
+    y = ((y ^ (y >> 15)) * 0x85EBCA77) & 0xFFFFFFFF
+    total += y ^ (y >> 13)
+  return total % 2**64
+
+
+@pytest.mark.parametrize("shape", [(20, 30), (200, 250)], ids=["host", "compiled"])
+def test_invariant_keys_of_cast_and_transposed_copies(shape):
+  """The keys (`_digests_and_keys`) of a float32 value ([20, 30]: on the host; [200, 250]:
+  above HOST_ELEMENTS, compiled) are the reference sums of its bfloat16 and its float16-then-
+  bfloat16 roundings, and those of its transpose, float64, bfloat16 and float16 copies (and
+  float16 and back) are its first or, for float16, its second; a zero value has none."""
+  rng = np.random.default_rng(3)
+  x = (rng.normal(size=shape) * 0.05).astype(np.float32)
+  x.flat[:4] = [3e-6, -7e-8, 70000.0, 1.5e-5]   # float16 subnormals and overflow
+  half = x.astype(np.float16)
+  copies = [x, np.ascontiguousarray(x.T), x.astype(np.float64), x.astype(ml_dtypes.bfloat16),
+            half, half.astype(np.float32), np.zeros(shape, np.float32)]
+  _, keys = wf._digests_and_keys(  # pylint: disable=protected-access
+      [tf.constant(c) for c in copies], want=[True] * len(copies))
+  n = x.size
+  assert keys[0] == ((n, _reference_sum(x)), (n, _reference_sum(half.astype(np.float32))))
+  assert keys[0][0] != keys[0][1]   # float16's double rounding moved some elements
+  assert [k[0] for k in keys[1:4]] == [keys[0][0]] * 3
+  assert [k[0] for k in keys[4:6]] == [keys[0][1]] * 2
+  assert keys[6] == (None, None)

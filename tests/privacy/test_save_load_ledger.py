@@ -112,6 +112,7 @@ def test_checkpoint_of_iterations_without_ledger_refuses(tmp_path):
   # restored as in another process: in this one, the live run's values restored adopt its
   # ledger (weight_fingerprints' copies by value, review R17), which another process lacks
   weight_fingerprints._RELEASED.clear()  # pylint: disable=protected-access
+  weight_fingerprints._RELEASED_KEYS.clear()  # pylint: disable=protected-access
   restored = _model()
   restored.optimizer.build(restored.trainable_variables)
   tf.train.Checkpoint(weights=restored.trainable_variables,

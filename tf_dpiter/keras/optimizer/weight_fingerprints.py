@@ -79,13 +79,58 @@ it in the ring; a frozen layer a load writes again): review R24 measured an unre
 adopting another's ledger by a zero bias, 4 samples for 1 and 6 for 1. A run whose
 ledger is gone (its optimizer deleted) is no longer found, nor a copy made in another process,
 nor a run with a seeded noise or noise_multiplier = 0 (two runs of one recipe make the same
-values: a digest would name both), nor values changed on the way (a cast to float16 or
-bfloat16 by set_weights into a model of that dtype, any arithmetic: h names bits), nor a state
+values: a digest would name both), nor values changed on the way by arithmetic other than a
+cast or a permutation (below), nor a state
 a DP fit left at a user callback's train-batch hook read other than by the model's
 `get_weights` (held there, not digested: the fit's records, the states its epoch hooks and end
 leave and the values a DP model's `get_weights` hands out are registered; `layer.get_weights()`
 or a variable's `numpy()` there is not) (review R21, strict xfail in
-tests/keras/test_keras_review_r21.py).
+tests/keras/test_keras_review_r21.py), nor a cast or permuted copy of a state a custom loop's
+traced steps left that no host check has read yet (the rings hold exact digests only).
+
+Copies in another layout or dtype: h names the bits in their order, so a copy transposed (tied
+weights), or cast by set_weights into a float16, bfloat16 or float64 layer (or cast and back)
+names no state (review R28: 1 sample charged for 4 each). So each released state of floating
+values is also kept under two order- and dtype-invariant keys (`_RELEASED_KEYS`,
+`_digests_and_keys`), looked up only when the exact digest of a run's start names no run.
+For N values read as float32 (a float64 one rounded to float32: exact for a copy of a float32
+state; a float16 or bfloat16 one exactly), c_i the bits of value i rounded to bfloat16 (round
+to nearest, ties to even, on its float32 bit pattern u: (u + 0x7FFF + bit 16 of u) >> 16), a
+key is (N, s) with
+  s = sum_i F(c_i)  (mod 2^64),
+F a fixed 32-bit mixing function (multiply by an odd constant, xor-shift, multiply,
+xor-shift): a sum, so the order does not enter, of a function of the rounding, so of the
+value in any dtype at least as precise as bfloat16. A float16 copy is rounded twice (to
+float16's 10 fraction bits, then to bfloat16's 7), which differs from one rounding where the
+float16 value falls on a bfloat16 tie: 6.2% of the elements of N(0, 0.05) or N(0, 1) values.
+So a state is kept under two keys, that of its bfloat16 rounding and that of its
+float16-then-bfloat16 rounding (IEEE float16: its subnormals, overflow to infinity), and a
+start is looked up under its first (a float16 copy's first is its source's second; a
+bfloat16, float64 or permuted copy's is its source's first). Not registered: a key whose
+elements all round to one value (s = N F(c_1): zero biases, ones, alike in unrelated models),
+nor a key of the values the variable started from (`_Record.public_keys`: a run whose weights
+barely moved, every rounding still its start's, made every model of its seed adopt it: 4
+samples for 1 measured without this rule). Unrelated states share a key with probability
+about 2^-32 (F's outputs are 32 bits; the sum of N of them spreads over more), but a state and
+any permutation of it share one by design: two unrelated states of few distinct values with
+one multiset of roundings (two 0/1 masks of one count) name each other. The sums are
+exact integer arithmetic (on the host uint64 sums; compiled, each row's sum of at most
+ROW_VALUES values below 2^32 as a float64 matrix-vector product, exact below 2^53, then the
+rows' as int64), so the host and a compiled program give one key for one N. Cost: the keys
+are computed only where a state may be registered (a record of a run whose values name it,
+`register_read`, a load, a traced state a check registers) or a run's first record (its
+lookup and start keys), in the pass that computes h: on the host for the small values, all
+in one batch, and in the program that computes h for the large ones (`_fused_digest_keys`).
+Measured (benchmarks/fingerprint_registration_cost.py: a DP MLP Input(784) -> Dense(512) ->
+Dense(10), 407,050 weights, the library before and after alternated over 8 rounds of one
+process each, medians of 30 calls, load 2.4-2.9 on a 2-core host): a registration (a record
+after a private step) 1.80 -> 2.33 ms (+0.53), train_on_batch at batch 32 8.08 -> 8.85 ms
+(+9.5%), the DP model's get_weights after a private step 2.02 -> 2.58 ms, a run's first
+record 1.05 -> 1.53 ms; a fit's steps are not affected (it records at its hooks and end).
+BERT-base's shapes, CPU ms of h alone against h and the keys (one process, same load): word
+embeddings [30522, 768] 14.0 -> 52.9, [768, 3072] 1.3 -> 3.6, [3072, 768] 1.3 -> 3.3,
+[768, 768] 0.9 -> 1.5: about 90 -> 210 ms a registration of all its weights (a LoRA model's
+frozen backbone is not digested again: its kept buffers).
 
 The digest of a variable whose values, as unsigned integers of their bit patterns (a 64-bit
 value as its two 32-bit words), form the matrix X [R, C] (read in memory order, C the largest
@@ -170,6 +215,10 @@ _IN_GRAPH = {}
 # (`_adopt_released`), as a weights file does
 _RELEASED = {}
 _RELEASED_PRUNE = 4096
+# invariant key (N, s) -> the same entries: the released states kept under their order- and
+# dtype-invariant digests (`_digests_and_keys`), looked up only when the exact digest names no
+# run (a copy transposed, or cast to float16 / bfloat16 / float64)
+_RELEASED_KEYS = {}
 # id(model) -> (weak ref of a DP model whose weights were loaded from a file carrying a
 # ledger, function giving its optimizer): its values are registered as released by that
 # ledger at the next adoption pass (`_register_loaded`)
@@ -183,9 +232,10 @@ class _Record:
   """The digests recorded on one variable, the optimizer and step count of the last, the
   tensor the last digest was computed from (`_Held`, or None), and `public`: the digest of
   the values the variable started from when they named no run (no DP run had released them:
-  initial values, alike in many models), else None."""
+  initial values, alike in many models), else None; `public_keys` their invariant keys then
+  (`_digests_and_keys`: a released state whose rounding is the start's is not registered)."""
 
-  __slots__ = ("var_ref", "history", "opt_ref", "iterations", "held", "public")
+  __slots__ = ("var_ref", "history", "opt_ref", "iterations", "held", "public", "public_keys")
 
   def __init__(self, variable):
     self.var_ref = weakref.ref(variable)
@@ -194,6 +244,7 @@ class _Record:
     self.iterations = None
     self.held = None
     self.public = None
+    self.public_keys = ()
 
 
 class _Held:
@@ -542,14 +593,45 @@ def _digests(values, arrays=None):
   Returns:
     list of int in [0, 2^64), one per tensor.
   """
-  out, compiled = [], []
+  return _digests_and_keys(values, arrays)[0]
+
+
+def _digests_and_keys(values, arrays=None, want=None):
+  """h of each tensor of `values` (`_digests`) and, where `want` says so, its invariant keys
+  (module docstring, "Copies in another layout or dtype"), computed in the same pass: on the
+  host for the small ones (`_host_sums`, all of them in one batch), in the program that
+  computes h for the others (`_fused_digest_keys`).
+
+  Args:
+    values: eager tensors of any dtypes and shapes.
+    arrays: `_host_array` of each of `values` (None: made here).
+    want: list of bool, one per value: whether its keys are computed (only for a floating
+      value of at least 2 elements); None: for none.
+
+  Returns:
+    (list of int h, list of keys): keys is (key of the value's bfloat16 rounding, key of its
+    float16-then-bfloat16 rounding), a key being (N, s) or None when every element rounds to
+    one value (`_keys`); None where not computed.
+  """
+  out, keys, compiled, keyed, host = [], [], [], [], []
   with tf.init_scope():
     for i, value in enumerate(values):
+      wanted = (want is not None and want[i] and value.dtype.is_floating
+                and value.dtype.size in (2, 4, 8) and value.shape.num_elements() >= 2)
+      keys.append(None)
+      array = None if arrays is None else arrays[i]
       if _on_host(value):
-        array = None if arrays is None else arrays[i]
         if array is None:   # not given, or on another device: a small copy
           array = np.array(value.numpy())
         out.append(_numpy_digest(array, value.dtype))
+        if wanted:
+          host.append((i, array))
+      elif wanted:   # h and the two sums in one pass (one compiled program per [R, C] too)
+        size = value.shape.num_elements()
+        a, b = _tf_multipliers(*_rows_cols(tf.TensorShape([size * _words(value.dtype.size)[1]])))
+        out.append(None)
+        keyed.append((i, _fused_digest_keys(tf.reshape(value, _rows_cols(value.shape)), a, b),
+                      array))
       else:
         unsigned = _unsigned(value)
         rows, cols = _rows_cols(unsigned.shape)
@@ -560,7 +642,118 @@ def _digests(values, arrays=None):
     if compiled:
       for (i, _), h in zip(compiled, tf.stack([h for _, h in compiled]).numpy()):
         out[i] = int(h)
-  return out
+    if keyed:
+      results = (keyed[0][1].numpy()[None] if len(keyed) == 1
+                 else tf.stack([r for _, r, _ in keyed]).numpy())
+      for (i, _, array), (h, s1, s2) in zip(keyed, results.tolist()):
+        out[i] = h % 2**64
+        first = array if array is not None else tf.reshape(values[i], [-1])[:1].numpy()
+        keys[i] = _keys(values[i].shape.num_elements(), s1, s2, first)
+    if host:
+      for (i, array), (s1, s2) in zip(host, _host_sums([a for _, a in host])):
+        keys[i] = _keys(array.size, s1, s2, array)
+  return out, keys
+
+
+# The invariant digest's mixing multipliers (odd; any fixed ones: a 32-bit finalizer)
+_MIX = (0x9E3779B1, 0x85EBCA77)
+
+
+def _np_rounded(x32):
+  """c of float32 values: the bits of their bfloat16 rounding (round to nearest, ties to even,
+  on the float32 bit pattern u: (u + 0x7FFF + bit 16 of u) >> 16), as uint32."""
+  u = x32.view(np.uint32)
+  return (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+
+
+def _np_mix(c):
+  """F(c) of uint32 values (`_MIX`; uint32 products wrap)."""
+  with np.errstate(over="ignore"):
+    y = c * np.uint32(_MIX[0])
+    y ^= y >> np.uint32(15)
+    y *= np.uint32(_MIX[1])
+    y ^= y >> np.uint32(13)
+  return y
+
+
+def _np_half(x32):
+  """float32 values rounded to float16 and back (IEEE: ties to even, subnormals, overflow to
+  infinity), as set_weights into a float16 variable rounds them."""
+  with np.errstate(over="ignore", invalid="ignore"):
+    return x32.astype(np.float16).astype(np.float32)
+
+
+def _host_sums(arrays):
+  """[(s1, s2)] of floating host arrays (`_digests_and_keys`): s1 = sum of F(c) over the
+  bfloat16 roundings c of each array's values as float32, s2 the same of their float16
+  roundings (mod 2^64); all the arrays in one pass (concatenated, summed per segment)."""
+  flat = [np.asarray(a).reshape(-1).astype(np.float32, copy=False) for a in arrays]
+  x = np.concatenate(flat) if len(flat) > 1 else flat[0]
+  starts = np.cumsum([0] + [f.size for f in flat[:-1]])
+  out = []
+  for v in (x, _np_half(x)):
+    out.append(np.add.reduceat(_np_mix(_np_rounded(v)).astype(np.uint64), starts))
+  return [(int(s1), int(s2)) for s1, s2 in zip(*out)]
+
+
+def _keys(n, s1, s2, first):
+  """The keys (N, s) of the sums s1, s2 of N values whose first is first's (`_digests_and_keys`);
+  None for a sum that is N F(c) of that first value's rounding c: every element rounds to c
+  (a zero bias, ones: alike in unrelated models, never registered nor looked up)."""
+  x = np.asarray(first).reshape(-1)[:1].astype(np.float32)
+  out = []
+  for s, v in ((s1, x), (s2, _np_half(x))):
+    out.append(None if (s - n * _mix(int(v.view(np.uint32)[0]))) % 2**64 == 0
+               else (n, s % 2**64))
+  return tuple(out)
+
+
+def _mix(u):
+  """F of the bfloat16 rounding of one float32 bit pattern u (a Python int), as `_np_mix` of
+  `_np_rounded`."""
+  y = ((((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16) * _MIX[0]) & 0xFFFFFFFF
+  y = ((y ^ (y >> 15)) * _MIX[1]) & 0xFFFFFFFF
+  return y ^ (y >> 13)
+
+
+def _tf_rounded(x):
+  """`_np_rounded` of float32 values, in a compiled program: their conversion to bfloat16
+  (IEEE round to nearest, ties to even: the same bits as the integer formula for every
+  non-NaN value; one convert instruction, not five integer operations), as uint32."""
+  return tf.cast(tf.bitcast(tf.cast(x, tf.bfloat16), tf.uint16), tf.uint32)
+
+
+def _tf_mix(c):
+  """`_np_mix` in a compiled program (uint32 products wrap)."""
+  y = c * tf.constant(_MIX[0], tf.uint32)
+  y = tf.bitwise.bitwise_xor(y, tf.bitwise.right_shift(y, tf.constant(15, tf.uint32)))
+  y = y * tf.constant(_MIX[1], tf.uint32)
+  return tf.bitwise.bitwise_xor(y, tf.bitwise.right_shift(y, tf.constant(13, tf.uint32)))
+
+
+def _compiled_sums(value):
+  """(s1, s2) of `_host_sums` for one floating value [R, C] (C at most ROW_VALUES), in a
+  compiled program: each row's sum of F(c) (values below 2^32) as a float64 matrix-vector
+  product, exact (a row's sum is below 2^42 < 2^53, so no rounding in any order, and faster
+  than an integer reduction on a CPU host), then the rows' sums as int64 (wrapping as the
+  host's uint64 sums do)."""
+  x = value if value.dtype == tf.float32 else tf.cast(value, tf.float32)
+  ones = tf.ones(tf.shape(value)[1:], tf.float64)
+  out = []
+  for v in (x, tf.cast(tf.cast(x, tf.float16), tf.float32)):
+    y = _tf_mix(_tf_rounded(v))
+    out.append(tf.reduce_sum(tf.cast(tf.linalg.matvec(tf.cast(y, tf.float64), ones),
+                                     tf.int64)))
+  return tf.stack(out)
+
+
+@tf.function(jit_compile=True, autograph=False, reduce_retracing=True)
+def _fused_digest_keys(value, a, b):
+  """[h, s1, s2] (int64, h's bits) of one floating value [R', C'] (`_rows_cols` of its
+  elements) in one compiled program: h of its words with the multipliers a, b of their [R, C]
+  (`_compiled_h`, bit for bit `_fused_digest`'s), and `_compiled_sums`."""
+  h = _compiled_h(_unsigned(value), a, b)
+  return tf.concat([tf.bitcast(h, tf.int64)[None], _compiled_sums(value)], 0)
 
 
 def digest(variable):
@@ -601,21 +794,25 @@ def _fused_digest(value, a, b):
   return _compiled_h(value, a, b)
 
 
-def _current(pairs):
-  """The digests of the variables' current values: [(record or None, tensor, array, h)] for
-  (record, variable) pairs; a record's kept digest when the read returns the kept buffer,
-  the others computed in one call."""
+def _current(pairs, want=None):
+  """The digests of the variables' current values: [(record or None, tensor, array, h, keys)]
+  for (record, variable) pairs; a record's kept digest when the read returns the kept buffer
+  (keys None: a recorded state, registered when it was recorded), the others computed in one
+  call, with their invariant keys where `want(record)` (`_digests_and_keys`; else None)."""
   out, todo = [], []
   for (rec, _), tensor in zip(pairs, _read_all([v for _, v in pairs])):
     array = _host_array(tensor)
     held = rec.held if rec is not None else None
     if held is not None and held.address is not None and _address(array) == held.address:
-      out.append([rec, tensor, array, held.digest])
+      out.append([rec, tensor, array, held.digest, None])
     else:
-      out.append([rec, tensor, array, None])
+      out.append([rec, tensor, array, None, None])
       todo.append(len(out) - 1)
-  for i, h in zip(todo, _digests([out[i][1] for i in todo], [out[i][2] for i in todo])):
-    out[i][3] = h
+  digests, keys = _digests_and_keys(
+      [out[i][1] for i in todo], [out[i][2] for i in todo],
+      None if want is None else [want(out[i][0]) for i in todo])
+  for i, h, k in zip(todo, digests, keys):
+    out[i][3], out[i][4] = h, k
   return out
 
 
@@ -699,10 +896,11 @@ def _forget_dead():
     for key, rec in list(table.items()):
       if rec.var_ref() is None:
         del table[key]
-  if len(_RELEASED) > _RELEASED_PRUNE:   # the digests of dead runs' ledgers, now and then
-    for h, refs in list(_RELEASED.items()):
-      if all(ref() is None for ref, _ in refs):
-        del _RELEASED[h]
+  for table in (_RELEASED, _RELEASED_KEYS):
+    if len(table) > _RELEASED_PRUNE:   # the digests of dead runs' ledgers, now and then
+      for h, refs in list(table.items()):
+        if all(ref() is None for ref, _ in refs):
+          del table[h]
 
 
 def _record_of(variable, make=False):
@@ -719,15 +917,18 @@ def _iterations(optimizer):
   return int(_read(optimizer.iterations).numpy())
 
 
-def _append(rec, h, optimizer, count, updates=None, memo=None):
+def _append(rec, h, optimizer, count, updates=None, memo=None, keys=None):
   """Appends digest h to the record `rec` (of a run of `optimizer`, or None); returns whether
   h is a state the run's private updates produced (for `_register_released`). `memo`: a dict
-  kept for one pass over the variables (`_adopt_released`)."""
+  kept for one pass over the variables (`_adopt_released`). `keys`: the values' invariant
+  keys (`_digests_and_keys`), or None."""
   released = False
   if not rec.history:   # the state a run starts from: values a run released, copied?
-    named = (_adopt_released(optimizer, h, memo) if optimizer is not None
-             else _names_a_run(h, memo))
+    named = (_adopt_released(optimizer, h, memo, keys) if optimizer is not None
+             else _names_a_run(h, memo, keys))
     rec.public = None if named else h   # else public values: never registered as released
+    # nor a state whose rounding is theirs (a variable barely moved from same-seed values)
+    rec.public_keys = () if named or keys is None else tuple(k for k in keys if k)
   elif optimizer is not None and h not in rec.history and (
       private_updates(optimizer) if updates is None else updates):
     released = True   # a state the run's private updates produced
@@ -770,14 +971,16 @@ def record(optimizer, variables, only_recorded=False, only_new=False):
     rec = _record_of(v, make=not only_recorded and optimizer is not None)
     if rec is not None:
       pairs.append((rec, v))
-  released, memo = [], {}
-  for rec, tensor, array, h in _current(pairs):
-    if _append(rec, h, optimizer, count, updates, memo):
+  released, keyed, memo = [], [], {}
+  naming = _naming_ledger(optimizer) is not None
+  for rec, tensor, array, h, keys in _current(pairs, lambda r: naming or not r.history):
+    if _append(rec, h, optimizer, count, updates, memo, keys):
       released.append(h)
+      keyed.extend(_registrable(rec, keys))
     _restart(_in_graph(rec.var_ref()))
     # only_new: the state a fit starts from, which its steps write next: nothing kept
     rec.held = None if only_new else _kept(tensor, array, h)
-  _register_released(optimizer, released)
+  _register_released(optimizer, released, keyed)
 
 
 def _naming_ledger(optimizer):
@@ -789,9 +992,17 @@ def _naming_ledger(optimizer):
   return step.existing_ledger
 
 
-def _register_released(optimizer, digests):
+def _registrable(rec, keys):
+  """The invariant keys of a released state to register (`_digests_and_keys`): not None (a
+  rounding to one value) and not a key of the values the variable started from
+  (`_Record.public_keys`: unrelated runs of one seed start alike)."""
+  return [k for k in keys or () if k is not None and k not in rec.public_keys]
+
+
+def _register_released(optimizer, digests, keys=()):
   """Keeps `optimizer`'s ledger, with its run table now (read once), as the one that charges
-  the values of each digest in `digests` (`_RELEASED`): states its private updates produced.
+  the values of each digest in `digests` (`_RELEASED`): states its private updates produced;
+  and of each invariant key in `keys` (`_RELEASED_KEYS`, `_registrable` ones of those states).
 
   Only for a run whose values no other run makes: its noise is drawn from OS entropy, so a
   digest names one run. Not for a seeded (test) noise, nor for noise_multiplier = 0: two runs
@@ -800,15 +1011,16 @@ def _register_released(optimizer, digests):
   ledger, each a run of its own identity, so charged again (`ledger.run_ids`: 12 samples for
   3 measured); neither run is private anyway."""
   ledger = _naming_ledger(optimizer)
-  if ledger is None or not digests:
+  if ledger is None or not (digests or keys):
     return
   with tf.init_scope():
     entry = (weakref.ref(ledger), ledger.run_table())
-  for h in digests:
-    refs = [e for e in _RELEASED.get(h, ()) if e[0]() is not None]
-    if not any(ref() is ledger for ref, _ in refs):   # (a run reaching h again: the first)
-      refs.append(entry)
-    _RELEASED[h] = refs
+  for table, names in ((_RELEASED, digests), (_RELEASED_KEYS, keys)):
+    for h in names:
+      refs = [e for e in table.get(h, ()) if e[0]() is not None]
+      if not any(ref() is ledger for ref, _ in refs):   # (a run reaching h again: the first)
+        refs.append(entry)
+      table[h] = refs
 
 
 def register_read(optimizer, variables):
@@ -831,15 +1043,17 @@ def register_read(optimizer, variables):
     return
   recs = [(_record_of(v), v) for v in variables]
   recs = [(rec, v) for rec, v in recs if rec is not None and rec.history]
-  digests = _digests(_read_all([v for _, v in recs]))   # (as `_register_loaded` reads)
   # values no record holds, left by the private steps since the last record (values a
   # callback wrote instead would be charged to this run too: the safe side); never a state
-  # a record holds (the values the run started from, which other runs may share)
-  _register_released(optimizer, [h for (rec, _), h in zip(recs, digests)
-                                 if h not in rec.history])
+  # a record holds (the values the run started from, which other runs may share). A kept
+  # buffer's digest is read, not computed (a frozen layer: a recorded state)
+  new = [(rec, h, k) for rec, _, _, h, k in _current(recs, lambda _: True)
+         if h not in rec.history]
+  _register_released(optimizer, [h for _, h, _ in new],
+                     [key for rec, _, k in new for key in _registrable(rec, k)])
 
 
-def _adopt_released(optimizer, h, memo=None):
+def _adopt_released(optimizer, h, memo=None, keys=None):
   """Merges into `optimizer`'s ledger the live ledgers of the runs whose private updates left
   a variable at digest h (`_RELEASED`): a new variable a fit starts from holds values a DP run
   released, copied by value, and every step they took is charged, as the run's ledger was
@@ -853,12 +1067,17 @@ def _adopt_released(optimizer, h, memo=None):
   (`_traced_ledgers`: values no host record saw, e.g. get_weights right after the loop; review
   R21: 1 of 5 steps was charged), each with its whole ledger now (the step that left h is not
   kept: the safe side). `memo`: a dict kept for one pass over the variables (the rings are
-  read once in it). Returns whether any run released h (its ledger adopted, or held already).
+  read once in it). When h names no run, the live runs that released a state of the values'
+  invariant key (`keys`, `_digests_and_keys`: its first, the bfloat16 rounding; a copy
+  transposed, or cast to float16 / bfloat16 / float64 and back). Returns whether any run
+  released h or that key (its ledger adopted, or held already).
   """
   memo = {} if memo is None else memo
   _register_loaded(memo)
   refs = _RELEASED.get(h, ())
   traced = _traced_ledgers(memo).get(h, ())
+  if not refs and not traced:
+    refs = _released_by_key(keys)
   if not refs and not traced:
     return False
   step = optimizer.private_step
@@ -879,13 +1098,22 @@ def _adopt_released(optimizer, h, memo=None):
   return True
 
 
-def _names_a_run(h, memo=None):
-  """Whether digest h is a state a live DP run released (`_RELEASED`, a pending load's, a
-  traced one in a ring): `_adopt_released` would adopt a ledger for it."""
+def _released_by_key(keys):
+  """The live entries of `_RELEASED_KEYS` of the first of `keys` (the bfloat16 rounding's: a
+  float16 copy's is its source's second, `_digests_and_keys`), or []."""
+  if not keys or keys[0] is None:
+    return []
+  return [e for e in _RELEASED_KEYS.get(keys[0], ()) if e[0]() is not None]
+
+
+def _names_a_run(h, memo=None, keys=None):
+  """Whether digest h (or, when it names none, the invariant `keys`) is a state a live DP run
+  released (`_RELEASED`, a pending load's, a traced one in a ring; `_RELEASED_KEYS`):
+  `_adopt_released` would adopt a ledger for it."""
   memo = {} if memo is None else memo
   _register_loaded(memo)
   return (any(ref() is not None for ref, _ in _RELEASED.get(h, ()))
-          or h in _traced_ledgers(memo))
+          or h in _traced_ledgers(memo) or bool(_released_by_key(keys)))
 
 
 def note_loaded(model, optimizer_of):
@@ -920,17 +1148,24 @@ def _register_loaded(memo):
     del _LOADED[key]
     variables = checked_variables(model)
     with tf.init_scope():
-      digests = _digests(_read_all(variables))
+      digests, keys = _digests_and_keys(_read_all(variables), want=[True] * len(variables))
     # not the public values a variable started from (review R24): a frozen layer the load
     # writes again, zero biases alike in every model, name no run
-    _register_released(optimizer, [h for v, h in zip(variables, digests)
-                                   if not _public(v, h)])
+    new = [(_record_of(v) or _NoRecord, h, k) for v, h, k in zip(variables, digests, keys)
+           if not _public(v, h)]
+    _register_released(optimizer, [h for _, h, _ in new],
+                       [key for rec, _, k in new for key in _registrable(rec, k)])
 
 
 def _public(variable, h):
   """Whether digest h is the public start of `variable` (`_Record.public`)."""
   rec = _record_of(variable)
   return rec is not None and h == rec.public
+
+
+class _NoRecord:
+  """The `_Record` fields `_registrable` reads, of a variable with no record."""
+  public_keys = ()
 
 
 def _traced_ledgers(memo):
@@ -979,8 +1214,8 @@ def adopt_released(optimizer, variables):
     return
   memo = {}
   with tf.init_scope():
-    for h in _digests(_read_all(fresh)):
-      _adopt_released(optimizer, h, memo)
+    for h, keys in zip(*_digests_and_keys(_read_all(fresh), want=[True] * len(fresh))):
+      _adopt_released(optimizer, h, memo, keys)
 
 
 def _restart(state):
@@ -1137,15 +1372,15 @@ def traced_update(optimizer, variables):
     rec = _record_of(v, make=True)
     if not rec.history:   # where the traced run starts (as a DP fit's first record)
       with tf.init_scope():
-        h = digest(v)
-        _append(rec, h, None, None, memo=memo)
+        (h,), (keys,) = _digests_and_keys([_read(v)], want=[True])
+        _append(rec, h, None, None, memo=memo, keys=keys)
       if rec.public is None and tf.distribute.has_strategy():
         # values a DP run released, copied by value: under a strategy `adopt_released`
         # leaves them to the first record, this one (review R24: a custom loop under
         # MirroredStrategy given them charged 1 of 4 steps); once, whichever replica's
         # trace gets here first (a run held already is not added again)
         with _ADOPTING, tf.init_scope():
-          _adopt_released(optimizer, h, memo)
+          _adopt_released(optimizer, h, memo, keys)
     if rec.opt_ref is None or rec.opt_ref() is None:
       rec.opt_ref, rec.iterations = weakref.ref(optimizer), count
     rec.held = None   # the traced steps write in place
@@ -1206,8 +1441,15 @@ def changed(variables, optimizer=None, record_with=None):
     if rec is not None:
       pairs.append((rec, v))
   out, seen, memo, traced = [], [], {}, {}
-  for rec, tensor, array, h in _current(pairs):
-    seen.append((rec, h))
+  naming = record_with is not None and _naming_ledger(record_with) is not None
+
+  def want(rec):   # invariant keys: a first record's, a state to register's
+    return ((record_with is not None and (naming or not rec.history))
+            or (bool(rec.history) and _untracked(rec, memo)
+                and _in_graph(rec.var_ref()) is not None))
+
+  for rec, tensor, array, h, keys in _current(pairs, want):
+    seen.append((rec, h, keys))
     if not rec.history:
       continue
     state = _in_graph(rec.var_ref()) if _untracked(rec, memo) else None
@@ -1217,7 +1459,9 @@ def changed(variables, optimizer=None, record_with=None):
       elif h not in rec.history:
         _append(rec, h, None, None)   # a state the run produced, from now on recorded
         opt = rec.opt_ref()   # and released by its run (a copy by value adopts its ledger)
-        traced.setdefault(id(opt), (opt, []))[1].append(h)
+        entry = traced.setdefault(id(opt), (opt, [], []))
+        entry[1].append(h)
+        entry[2].extend(_registrable(rec, keys))
     elif h not in rec.history and not (_untracked(rec, memo) and _deferred(rec)):
       # no traced update wrote it since its last record (tracked, or outside the subset a
       # custom loop's traced steps updated): compared with its records. Unchecked while a
@@ -1225,18 +1469,19 @@ def changed(variables, optimizer=None, record_with=None):
       out.append((rec.var_ref(), rec.iterations))
     if record_with is None and h in rec.history:
       rec.held = _kept(tensor, array, h)   # a recorded state: its digest kept
-  for opt, digests in traced.values():
-    _register_released(opt, digests)
+  for opt, digests, keys in traced.values():
+    _register_released(opt, digests, keys)
   if record_with is not None:
     written = {id(v) for v in optimizer_state(record_with)}
-    for rec, _ in seen:   # what the DP update writes, it writes in place: no buffer kept
+    for rec, _, _ in seen:   # what the DP update writes, it writes in place: no buffer kept
       if _updated(rec.var_ref(), written):
         rec.held = None
     if not out:
       count, updates = _iterations(record_with), private_updates(record_with)
-      _register_released(record_with, [h for rec, h in seen
-                                        if _append(rec, h, record_with, count, updates,
-                                                   memo)])
+      released = [(rec, h, keys) for rec, h, keys in seen
+                  if _append(rec, h, record_with, count, updates, memo, keys)]
+      _register_released(record_with, [h for _, h, _ in released],
+                         [k for rec, _, keys in released for k in _registrable(rec, keys)])
   return out
 
 
