@@ -20,6 +20,13 @@ checkout's. Each child builds the model once and prints the median over --calls 
                    the lookup of values a DP run released, and the start's digests).
 Prints, per figure, the median over rounds of each tree's medians and the difference, as one
 JSON line (and a table).
+
+  python benchmarks/fingerprint_registration_cost.py --in-process [--rounds 10] [--calls 20]
+
+alternates in ONE process (this checkout's library) blocks of --calls calls with the invariant
+keys computed and with them left out (`_digests_and_keys` called with want=None: the exact
+digests only, as before the keys), for train_on_batch and a registration: the keys' own cost,
+free of the differences between processes.
 """
 
 import argparse
@@ -90,6 +97,60 @@ def child(calls, batch):
   print(json.dumps(out))
 
 
+def in_process(rounds, calls, batch):
+  """The keys' cost in one process (module docstring, --in-process), printed as JSON."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  warnings.simplefilter("ignore")
+  import keras  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import weight_fingerprints as wf  # pylint: disable=g-import-not-at-top,line-too-long
+
+  keras.utils.set_random_seed(0)
+  model = dp.keras.DPSequential([keras.Input((784,)), keras.layers.Dense(512, "relu"),
+                                 keras.layers.Dense(10)])
+  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.01),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  opt = model.optimizer
+  opt.set_sampling(60000, batch / 60000, "poisson", batch)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(batch, 784)).astype(np.float32)
+  y = rng.integers(0, 10, size=(batch,)).astype(np.int32)
+  used = opt.private_step._used_results  # pylint: disable=protected-access
+  checked = wf.checked_variables(model)
+
+  def step():
+    for w in model.trainable_variables:
+      w.assign_sub(w * 1e-6)
+    opt.iterations.assign_add(1)
+    used.assign_add(1)
+
+  real = wf._digests_and_keys  # pylint: disable=protected-access
+
+  def exact_only(values, arrays=None, want=None):
+    del want
+    return real(values, arrays, None)
+
+  out = {fig: {"keys": [], "no_keys": []} for fig in ("train_on_batch", "registration")}
+  # train_on_batch first: the emulated steps move `iterations` past the ledger's samples
+  for fig, fn, prepare in (("train_on_batch", lambda: model.train_on_batch(x, y), None),
+                           ("registration", lambda: wf.record(opt, checked), step)):
+    for _ in range(rounds):
+      for mode, digests in (("keys", real), ("no_keys", exact_only)):
+        wf._digests_and_keys = digests  # pylint: disable=protected-access
+        out[fig][mode].append(_median_ms(fn, calls, prepare))
+  wf._digests_and_keys = real  # pylint: disable=protected-access
+  summary = {"in_process": True, "rounds": rounds, "calls": calls, "batch": batch,
+             "load": [round(v, 2) for v in os.getloadavg()]}
+  for fig, modes in out.items():
+    k, n = statistics.median(modes["keys"]), statistics.median(modes["no_keys"])
+    summary[fig] = {"no_keys_ms": round(n, 3), "keys_ms": round(k, 3),
+                    "delta_ms": round(k - n, 3), "ratio": round(k / n, 3)}
+    print(f"{fig:15s} no keys {n:7.3f} ms  keys {k:7.3f} ms  delta {k - n:+.3f} ms "
+          f"({k / n:.3f}x)")
+  print(json.dumps(summary))
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,9 +159,13 @@ def main():
   p.add_argument("--calls", type=int, default=30)
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--child", action="store_true")
+  p.add_argument("--in-process", action="store_true")
   a = p.parse_args()
   if a.child:
     child(a.calls, a.batch)
+    return
+  if a.in_process:
+    in_process(a.rounds, a.calls, a.batch)
     return
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with tempfile.TemporaryDirectory() as before:

@@ -122,12 +122,15 @@ are computed only where a state may be registered (a record of a run whose value
 lookup and start keys), in the pass that computes h: on the host for the small values, all
 in one batch, and in the program that computes h for the large ones (`_fused_digest_keys`).
 Measured (benchmarks/fingerprint_registration_cost.py: a DP MLP Input(784) -> Dense(512) ->
-Dense(10), 407,050 weights, the library before and after alternated over 8 rounds of one
-process each, medians of 30 calls, load 2.4-2.9 on a 2-core host): a registration (a record
-after a private step) 1.80 -> 2.33 ms (+0.53), train_on_batch at batch 32 8.08 -> 8.85 ms
-(+9.5%), the DP model's get_weights after a private step 2.02 -> 2.58 ms, a run's first
-record 1.05 -> 1.53 ms; a fit's steps are not affected (it records at its hooks and end).
-BERT-base's shapes, CPU ms of h alone against h and the keys (one process, same load): word
+Dense(10), 407,050 weights, batch 32, 2-core host): in one process, blocks of 20 calls with
+and without the keys alternated over 10 rounds (three runs, load 1.0-1.7), a registration (a
+record after a private step) 1.91-1.95 -> 2.20-2.25 ms (+0.29 to +0.32), train_on_batch
+7.48-7.74 -> 7.88-8.13 ms (+0.39 to +0.40, +5.1 to +5.4%); the library before and after in
+processes alternated over 8 rounds (load 1.5-2.2; between processes train_on_batch varies
+more): a registration 1.85 -> 2.22 ms, the DP model's get_weights after a private step 2.20
+-> 2.61 ms, a run's first record 1.09 -> 1.37 ms; a fit's steps are not affected (it records
+at its hooks and end).
+BERT-base's shapes, CPU ms of h alone against h and the keys (one process, load 2.8): word
 embeddings [30522, 768] 14.0 -> 52.9, [768, 3072] 1.3 -> 3.6, [3072, 768] 1.3 -> 3.3,
 [768, 768] 0.9 -> 1.5: about 90 -> 210 ms a registration of all its weights (a LoRA model's
 frozen backbone is not digested again: its kept buffers).
