@@ -95,3 +95,49 @@ def test_the_block_of_a_public_plan_is_that_of_its_rows():
   want = algebra.pinned_block(640, 4 * 512 * 2048, budget.CHUNK_BYTES,
                               small_bytes=algebra.PINNED_SMALL_BYTES)
   assert seen == [want, want] and want > 64
+
+
+@pytest.mark.parametrize("big_first", [True, False])
+def test_a_small_sum_after_a_larger_block_runs_in_blocks_of_at_most_that_one(big_first):
+  """The MLP's layers (784-512-10, B = 256 rows, inside summation.public_plan(640, 640): the
+  add/remove step's plan): the [512, 10] kernel's own block is 13 rows (pinned_block's
+  small-bytes rule: 20 leaves); after the [784, 512] kernel reported blocks of 128 it runs in
+  blocks of min(PINNED_BLOCK, 128) = 64 (algebra.raised_block). The largest block reported,
+  which the step's clip shrink is charged for (clipping._with_rounding_margin), is 128 either
+  way, so the shrink is the same value; the sums equal the float64 per-example sums to float32
+  rounding. Before any larger block (small layer first) the small block stays 13."""
+  from tf_dpiter.dp_query import summation   # pylint: disable=g-import-not-at-top
+  rng = np.random.RandomState(5)
+  b = 256
+  big, small = keras.layers.Dense(512), keras.layers.Dense(10)
+  big.build((None, 784))
+  small.build((None, 512))
+  data = {id(big): (rng.randn(b, 784).astype("float32"), rng.randn(b, 512).astype("float32")),
+          id(small): (rng.randn(b, 512).astype("float32"), rng.randn(b, 10).astype("float32"))}
+  c = rng.rand(b).astype("float32")
+  c[3] = 0.0
+  order = [big, small] if big_first else [small, big]
+  spec = [tf.TensorSpec([None])]
+  plans = {}
+
+  def sums(c):
+    with summation.public_plan(640, 640), algebra.sum_plans() as found:
+      out = [dense._pinned_dense_sums(layer, tf.constant(data[id(layer)][0]),
+                                      tf.constant(data[id(layer)][1]), c, (True, True))
+             for layer in order]
+    plans.update(found)
+    return out
+
+  got = tf.function(sums, input_signature=spec)(c)
+  for layer, (kernel, bias) in zip(order, got):
+    want_kernel, want_bias = _reference(*data[id(layer)], c)
+    np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(bias.numpy(), want_bias, rtol=1e-5, atol=1e-4)
+  small_block = algebra.pinned_block(640, 4 * 512 * 10, budget.CHUNK_BYTES,
+                                     small_bytes=algebra.PINNED_SMALL_BYTES)
+  big_block = algebra.pinned_block(640, 4 * 784 * 512, budget.CHUNK_BYTES,
+                                   small_bytes=algebra.PINNED_SMALL_BYTES)
+  assert (small_block, big_block) == (13, 128)
+  assert plans[id(big.kernel)] == plans[id(big.bias)] == big_block
+  assert plans[id(small.kernel)] == plans[id(small.bias)] == (64 if big_first else 13)
+  assert max(plans.values()) == big_block   # the shrink's block: unchanged

@@ -1090,6 +1090,38 @@ def report_pinned(variable, block):
     stack[-1][0][id(variable)] = block
 
 
+def reported_block():
+  """The largest block `report_pinned` has declared so far in the innermost `sum_plans` block
+  (an int), or None (none yet, or outside one)."""
+  stack = getattr(_PLANS, "stack", None)
+  if not stack or not stack[-1][0]:
+    return None
+  return max(int(b) for b in stack[-1][0].values())
+
+
+def raised_block(block):
+  """`block` raised to min(PINNED_BLOCK, `reported_block()`) where it is below that: a small
+  sum (`pinned_block`'s `small_bytes` rule) then runs as fewer, larger blocks (the MLP's
+  [512, 10] kernel at B = 256 of a public bound of 640 rows: blocks of 13 rows, 20 leaves and
+  a 6-level tree, become blocks of 64: 4 leaves). The step's clip shrink is charged for the
+  largest block any of its sums reported (clipping._with_rounding_margin,
+  summation.rounding_margin's `block`: a block's b - 1 roundings, then the tree's), and the
+  raised block is at most that one, so the shrink is the same value and each term's
+  rounding depth stays within the one it is charged for. Public: the blocks follow from the
+  variables' shapes and the public plan's rows, not from the batch.
+
+  Args:
+    block: the block `pinned_block` chose (an int >= 1).
+
+  Returns:
+    an int >= block.
+  """
+  most = reported_block()
+  if most is None:
+    return block
+  return max(int(block), min(PINNED_BLOCK, most))
+
+
 def plan_rows(rows):
   """The rows a pinned sum's block is chosen for (`pinned_block`): the public plan's rows per
   chunk inside a summation.public_plan block (the same on neighbouring datasets, whose

@@ -317,6 +317,7 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
   out = {}
   block = algebra.pinned_block(algebra.plan_rows(x.shape[0]), 4 * (k * n if on[0] else n), budget.CHUNK_BYTES,
                                small_bytes=algebra.PINNED_SMALL_BYTES)
+  block = algebra.raised_block(block)   # the step's shrink unchanged: at most its block
   if on[0]:
     if k >= n:
       xw, dw = algebra.drop_rows(x, factors), algebra.weight_rows(dz, factors)
