@@ -312,7 +312,9 @@ def _pinned_dense_sums(layer, x, dz, factors, on):
   CCS 2022). Each record's kernel term x_i (c_i dz_i)^T is one outer product, so its terms'
   absolute values are bounded by its norm. Kernel (c x)^T dz or x^T (c dz) (the factors on the
   smaller operand, as `_dense_sums`); bias sum_i c_i dz_i, the same pinned product with the
-  factors as a [B, 1] operand. Rows of c_i = 0 add exactly 0 (algebra.drop_rows)."""
+  factors as a [B, 1] operand. Rows of c_i = 0 add exactly 0 (algebra.drop_rows). The block
+  is algebra.pinned_block's, raised to at most the largest block the step's sums reported
+  before (algebra.raised_block: fewer leaves for a small layer, the same clip shrink)."""
   k, n = int(x.shape[-1]), int(dz.shape[-1])
   out = {}
   block = algebra.pinned_block(algebra.plan_rows(x.shape[0]), 4 * (k * n if on[0] else n), budget.CHUNK_BYTES,
