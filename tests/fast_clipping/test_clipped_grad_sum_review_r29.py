@@ -95,8 +95,9 @@ def test_records_of_a_size_the_trace_does_not_know_move_the_sum_past_c():
 # loss [nan], the weight NaN, and a second fit of a batch of 8 ran and returned loss [nan]:
 # the model is silently spoiled, no error names the bound. A Poisson batch of the declared
 # sampling passes R with probability at most 1.5e-10 per step (a grid over n <= 1e7 and
-# q in [1e-6, 1]; worst n = 17002, q = 1.26e-4, R = 16), so this is rare, but when it
-# happens the user must get an error, not NaN weights.
+# q in [1e-6, 1]; worst n = 17002, q = 1.26e-4, R = 16; since raised to at most 1e-18:
+# tests/ledger/test_public_row_bound_tail.py), so this is rare, but when it happens the user
+# must get an error, not NaN weights.
 
 def _fit_past_the_row_bound_then_on(compiled_noise):
   """(the error a fit raised or None, the weight after it, the second fit's error or None);

@@ -11,7 +11,10 @@ the library (scipy.stats.binom.sf, and a log-space sum of the pmf with math.lgam
 be at most P_REFUSE = 1e-18.
 
 Measured before (R = 2 default_max_batch_size(n, q), E + 4 sd rounded up to 8, twice):
-n = 17002, q = 1.26e-4 (E = 2.14), R = 16: p = 1.5e-10 per step.
+n = 17002, q = 1.26e-4 (E = 2.14), R = 16: p = 1.57e-10 per step. Fixed: R is at least the
+smallest multiple of 8 whose Chernoff bound exp(-(n + 1) KL((R + 1) / (n + 1) || q)) of that
+tail is at most 1e-18 (policy_base.tail_row_bound): there R = 32, p below 1e-18; the old R is
+kept where larger (every E above about 11, MNIST's 640 included).
 """
 
 import math
@@ -21,6 +24,7 @@ import pytest
 from scipy import stats
 
 from tf_dpiter.ledger import policies
+from tf_dpiter.ledger import policy_base
 
 P_REFUSE = 1e-18
 ADD_REMOVE = ("poisson", "full", "cyclic_poisson", "truncated_poisson", "user_poisson",
@@ -76,14 +80,35 @@ def test_the_measured_figure_before():
   assert 1.4e-10 < p < 1.6e-10, p
 
 
-@pytest.mark.xfail(strict=True, reason="review R29: R = 2 default_max_batch_size(n, q) is "
-                   "passed with probability 1.5e-10 per step at n = 17002, q = 1.26e-4 (E = 2.1, "
-                   "R = 16), above 1e-18, and this refusal is not charged")
 def test_a_batch_past_r_has_probability_at_most_p_refuse():
+  """Fixed: R = max(the old R, the smallest multiple of 8 whose Chernoff bound of the tail is
+  at most 1e-18); at n = 17002, q = 1.26e-4: R = 32, p = 1.5e-10 -> below 1e-18."""
   worst = max(((_exact_tail(n, q, policies.get("poisson").public_row_bound(n, q)), n, q)
                for n, q in GRID))
   assert worst[0] <= P_REFUSE, (
       f"P[Bin(n + 1, q) > R] = {worst[0]:.3g} at n = {worst[1]}, q = {worst[2]:.4g}")
+
+
+def test_the_fixed_figure():
+  rows = policies.get("poisson").public_row_bound(17002, 1.26e-4)
+  assert rows == 32 and _exact_tail(17002, 1.26e-4, rows) <= P_REFUSE
+  assert policy_base.P_REFUSE == P_REFUSE
+
+
+def test_the_chernoff_bound_is_above_the_exact_tail_and_r_is_the_smallest():
+  """binomial_tail_bound(N, q, r) >= P[Bin(N, q) > r] (exact); tail_row_bound's r meets
+  P_REFUSE by that bound and r - 8 does not (the smallest multiple of 8)."""
+  for n, q in GRID:
+    r = policy_base.tail_row_bound(n, q)
+    assert r % 8 == 0 and r >= 8, (n, q, r)
+    for rows in (r - 8, r, r + 8):
+      if rows >= 0:
+        exact = _exact_tail(n, q, rows)
+        bound = policy_base.binomial_tail_bound(n + 1, q, rows)
+        assert bound >= exact, (n, q, rows, bound, exact)
+    assert policy_base.binomial_tail_bound(n + 1, q, r) <= P_REFUSE, (n, q, r)
+    if r > 8:
+      assert policy_base.binomial_tail_bound(n + 1, q, r - 8) > P_REFUSE, (n, q, r)
 
 
 def test_every_add_remove_policy_has_the_poisson_bound_and_never_a_smaller_one():
@@ -103,3 +128,4 @@ def test_the_mnist_plan_keeps_its_bound():
   assert _old_bound(60000, 256 / 60000) == 640
   assert policies.get("poisson").public_row_bound(60000, 256 / 60000) == 640
   assert policies.get("poisson").public_row_bound(64, 8 / 64) == 48
+

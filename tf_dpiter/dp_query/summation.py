@@ -350,7 +350,7 @@ def within_public_rows(rows):
     if int(static) > bound:
       raise PrivacyConfigError(
           f"`rows` must be at most {bound}, the public bound of an add/remove step's plan "
-          "(twice the padded size of the declared sampling: the clip shrink may not depend "
+          "(the public row bound R of the declared sampling: the clip shrink may not depend "
           f"on which records are present). Received: rows={int(static)}")
     return True
   within = tf.cast(rows, tf.int64) <= bound

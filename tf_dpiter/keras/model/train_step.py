@@ -302,9 +302,9 @@ def _within_row_bound(step, counts, nest):
   row bound R of an add/remove step (chunking.public_row_bound), outside the XLA-compiled
   clipped sum: XLA drops that sum's own assertion (chunking.sum_over_chunks then makes its
   sums NaN), while this function (noise, ledger, update) is not compiled, so the assertion
-  runs. A batch past R (probability at most 1.5e-10 per step for a Poisson sample of the
-  declared n and q, over n <= 1e7 and q in [1e-6, 1]: review R29) then fails its step, neither
-  charged nor applied, with an error naming R. Before: fit returned with loss NaN and NaN
+  runs. A batch past R (probability at most 1e-18 per step for a Poisson sample of the
+  declared n and q, a Chernoff bound: policy_base.P_REFUSE, review R29) then fails its step,
+  neither charged nor applied, with an error naming R. Before: fit returned with loss NaN and NaN
   weights, later steps ran on them (set_sampling(64, 8 / 64), R = 48, a batch of 60).
 
   Args:
@@ -323,7 +323,7 @@ def _within_row_bound(step, counts, nest):
   # one Assert op, as summation.within_public_rows'
   check = tf.raw_ops.Assert(condition=within, data=[
       f"`rows` must be at most {bound}, the public bound of an add/remove step's plan "
-      "(twice the padded size of the declared sampling). Received: rows =", counts[1]])
+      "(the public row bound R of the declared sampling). Received: rows =", counts[1]])
   with tf.control_dependencies([check]):
     return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), nest)
 

@@ -209,7 +209,8 @@ def public_row_bound(step):
   """R, a public bound on the rows of a replica's batch under an add/remove sampling (None
   under replace-one, or while undeclared): the declared sampling's
   `ledger.LedgerSampling.public_row_bound` (formed when n and q were declared:
-  `SamplingPolicy.public_row_bound`, twice data.sampling.default_max_batch_size), a
+  `SamplingPolicy.public_row_bound`: twice data.sampling.default_max_batch_size, or more
+  when a refused batch would otherwise be likelier than 1e-18 per step), a
   replica's share. Neighbouring datasets have different row counts under add/remove whenever
   the batch is not padded to a size fixed in advance; the clip shrink is then taken from R
   (summation.public_plan). Read when the step is traced: a declaration that changes R asks
