@@ -54,8 +54,10 @@ def _median_ms(fn, calls, prepare=None):
   return statistics.median(times)
 
 
-def child(calls, batch):
-  """One tree's figures (the library on sys.path), printed as one JSON line."""
+def _mlp(batch):
+  """The DP MLP, its optimizer, a batch (x, y), the private-update count, the checked
+  variables, an emulated private step (every weight written in place, the count moved) and the
+  weight_fingerprints module (imported here: the library on sys.path)."""
   import warnings  # pylint: disable=g-import-not-at-top
   warnings.simplefilter("ignore")
   import keras  # pylint: disable=g-import-not-at-top
@@ -73,16 +75,23 @@ def child(calls, batch):
   rng = np.random.default_rng(0)
   x = rng.normal(size=(batch, 784)).astype(np.float32)
   y = rng.integers(0, 10, size=(batch,)).astype(np.int32)
-  out = {"weights": int(sum(np.prod(w.shape) for w in model.weights)), "tf_dpiter": dp.__file__}
-  out["train_on_batch"] = _median_ms(lambda: model.train_on_batch(x, y), calls)
   used = opt.private_step._used_results  # pylint: disable=protected-access
-  checked = wf.checked_variables(model)
 
-  def step():   # an emulated private step: the weights written in place, the count moved
+  def step():
     for w in model.trainable_variables:
       w.assign_sub(w * 1e-6)
     opt.iterations.assign_add(1)
     used.assign_add(1)
+
+  return model, opt, (x, y), wf.checked_variables(model), step, wf
+
+
+def child(calls, batch):
+  """One tree's figures (the library on sys.path), printed as one JSON line."""
+  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
+  model, opt, (x, y), checked, step, wf = _mlp(batch)
+  out = {"weights": int(sum(w.numpy().size for w in model.weights)), "tf_dpiter": dp.__file__}
+  out["train_on_batch"] = _median_ms(lambda: model.train_on_batch(x, y), calls)
 
   out["registration"] = _median_ms(lambda: wf.record(opt, checked), calls, step)
   out["get_weights"] = _median_ms(model.get_weights, calls, step)
@@ -99,31 +108,7 @@ def child(calls, batch):
 
 def in_process(rounds, calls, batch):
   """The keys' cost in one process (module docstring, --in-process), printed as JSON."""
-  import warnings  # pylint: disable=g-import-not-at-top
-  warnings.simplefilter("ignore")
-  import keras  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import tf_dpiter as dp  # pylint: disable=g-import-not-at-top
-  from tf_dpiter.keras.optimizer import weight_fingerprints as wf  # pylint: disable=g-import-not-at-top,line-too-long
-
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((784,)), keras.layers.Dense(512, "relu"),
-                                 keras.layers.Dense(10)])
-  model.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.01),
-                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-  opt = model.optimizer
-  opt.set_sampling(60000, batch / 60000, "poisson", batch)
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(batch, 784)).astype(np.float32)
-  y = rng.integers(0, 10, size=(batch,)).astype(np.int32)
-  used = opt.private_step._used_results  # pylint: disable=protected-access
-  checked = wf.checked_variables(model)
-
-  def step():
-    for w in model.trainable_variables:
-      w.assign_sub(w * 1e-6)
-    opt.iterations.assign_add(1)
-    used.assign_add(1)
+  model, opt, (x, y), checked, step, wf = _mlp(batch)
 
   real = wf._digests_and_keys  # pylint: disable=protected-access
 

@@ -33,6 +33,7 @@ import tensorflow as tf
 import tf_dpiter as dp
 from tf_dpiter.keras.optimizer import weight_fingerprints as wf
 from tests.keras import custom_loop_setup as loop
+from tests.keras import test_copied_weights_review_r24 as r24
 
 DELTA = 1e-5
 
@@ -80,17 +81,7 @@ def _cast(dtype, back=False):
   return make
 
 
-def _transposed(kernel, bias):
-  """A new DP model (seed 11) Input(D) -> Dense(6) -> Dense(4) -> Dense(1) whose Dense(4) is
-  given the kernel transposed ([6, 4]: tied weights) and a zero bias."""
-  keras.utils.set_random_seed(11)
-  head = keras.layers.Dense(4)
-  copy = dp.keras.DPSequential([keras.Input((loop.D,)), keras.layers.Dense(6), head,
-                                keras.layers.Dense(1)])
-  copy.compile(dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=loop.LR), "mse")
-  copy.build((None, loop.D))
-  head.set_weights([np.ascontiguousarray(kernel.T), np.zeros([4], np.float32)])
-  return copy
+_transposed = r24._transposed_copy   # a Dense(4) given the kernel transposed (tied weights)
 
 
 @pytest.mark.parametrize("make", [
