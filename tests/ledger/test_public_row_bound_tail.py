@@ -130,24 +130,100 @@ def test_the_mnist_plan_keeps_its_bound():
   assert policies.get("poisson").public_row_bound(64, 8 / 64) == 48
 
 
-# Open (found here, session 51; not fixed): the per-replica share. Relation add/remove, unit
-# example. Under P replicas the step enforces a replica's share ceil(R / P) of R
-# (chunking.public_row_bound), while data.distributed_poisson_batches gives each replica the
-# Poisson sample of its own part of about n / P records (indexed_sampling.part_range): a part
-# of more than ceil(R / P) rows fails the step, a data-dependent refusal of probability
-# P[Binomial(n / P + 1, q) > ceil(R / P)] per replica and step. For a small expected batch
-# the share is only a few part-sds above the part's mean: n = 1e7, E = 16, P = 8: R = 64,
-# share 8, a part's mean 2: 2.4e-4 per replica and step (about 1.9e-3 per step); P = 2,
-# E = 9.35: 4e-11. R itself (the whole batch) is not the issue; the share is.
-@pytest.mark.xfail(strict=True, reason="open: a replica's share ceil(R / P) of R is passed by "
-                   "its part's Poisson sample (distributed_poisson_batches) with probability "
-                   "2.4e-4 per step at n = 1e7, E = 16, P = 8")
-def test_a_replicas_part_past_its_share_has_probability_at_most_p_refuse():
+# The per-replica share (found session 51, helper RB; fixed session 51). Relation add/remove,
+# unit example. Under P replicas the step enforces a replica's bound (chunking.public_row_bound),
+# while data.distributed_poisson_batches gives each replica the Poisson sample of its own part
+# of at most ceil(n / P) records (indexed_sampling.part_range): a part of more rows fails the
+# step, a data-dependent refusal of probability P[Binomial(ceil(n / P) + 1, q) > bound] per
+# replica and step. Before, the bound was ceil(R / P): n = 1e7, E = 16, P = 8: R = 64, share 8,
+# a part's mean 2: 2.4e-4 per replica and step (about 1.9e-3 per step); P = 2, E = 9.35:
+# 4e-11. Fixed: R_P = max(ceil(R / P), tail_row_bound(ceil(n / P), q))
+# (SamplingPolicy.replica_row_bound): 8 -> 32 there, p below 1e-18.
+REPLICAS = (2, 3, 4, 8)
+
+
+def _biggest_part(n, parts):
+  """The records of the largest part (indexed_sampling.part_range: sizes differ by one)."""
   from tf_dpiter.data import indexed_sampling   # pylint: disable=g-import-not-at-top
+  return max(hi - lo for lo, hi in (indexed_sampling.part_range(n, parts, p)
+                                    for p in range(parts)))
+
+
+def test_the_replica_share_figure_before():
+  """The finding's figure: the old share ceil(R / P) = 8 at n = 1e7, E = 16, P = 8 is passed
+  by a part's sample with probability 2.4e-4 per replica and step."""
   n, q, parts = 10**7, 16 / 10**7, 8
   rows = policies.get("poisson").public_row_bound(n, q)
-  share = -(-rows // parts)   # chunking.public_row_bound's replica share
-  lo, hi = indexed_sampling.part_range(n, parts, 0)
-  p = _exact_tail(hi - lo, q, share)   # the part's larger neighbour: hi - lo + 1 records
-  assert (rows, share) == (64, 8)
-  assert p <= P_REFUSE, f"P[Bin(n / P + 1, q) > {share}] = {p:.3g} per replica and step"
+  old_share = -(-rows // parts)
+  p = _exact_tail(_biggest_part(n, parts), q, old_share)   # the part's larger neighbour: + 1
+  assert (rows, old_share) == (64, 8)
+  assert 2.3e-4 < p < 2.5e-4, p
+
+
+def test_a_replicas_part_past_its_share_has_probability_at_most_p_refuse():
+  """Fixed: each replica's exact tail P[Bin(ceil(n / P) + 1, q) > R_P] <= 1e-18 over the grid
+  and P in 2, 3, 4, 8; at n = 1e7, E = 16, P = 8: R_P = 32 (was 8)."""
+  n, q, parts = 10**7, 16 / 10**7, 8
+  share = policies.get("poisson").replica_row_bound(n, q, parts)
+  assert share == 32 and _exact_tail(_biggest_part(n, parts), q, share) <= P_REFUSE
+  worst = (0.0,)
+  for n, q in GRID:
+    for parts in REPLICAS:
+      if parts <= n:
+        share = policies.get("poisson").replica_row_bound(n, q, parts)
+        worst = max(worst, (_exact_tail(_biggest_part(n, parts), q, share), n, q, parts))
+  assert worst[0] <= P_REFUSE, (
+      f"P[Bin(n / P + 1, q) > R_P] = {worst[0]:.3g} at n, q, P = {worst[1:]}")
+
+
+def test_the_replica_plans_cover_every_batch_not_refused():
+  """The plan is a replica's, of R_P rows (chunking.public_rows plans public_row_bound's rows
+  on each replica): R_P >= ceil(R / P), so the P plans hold P R_P >= R rows (every global
+  batch Keras splits evenly, and every batch within the replicas' bounds); R_P = R at P = 1,
+  and R_P is the same for every add/remove policy and for a declared LedgerSampling."""
+  from tf_dpiter import ledger   # pylint: disable=g-import-not-at-top
+  for n, q in GRID:
+    rows = policies.get("poisson").public_row_bound(n, q)
+    assert policies.get("poisson").replica_row_bound(n, q, 1) == rows
+    for parts in REPLICAS:
+      share = policies.get("poisson").replica_row_bound(n, q, parts)
+      assert share >= -(-rows // parts) and parts * share >= rows, (n, q, parts, share, rows)
+      for name in ADD_REMOVE:
+        assert policies.get(name).replica_row_bound(n, q, parts) == share, (name, n, q)
+  assert policies.get("shuffle").replica_row_bound(60000, 256 / 60000, 4) is None
+  sampling = ledger.LedgerSampling(10**7, 16 / 10**7)
+  key = sampling.row_bound_key
+  assert sampling.replica_row_bound(8) == 32 and sampling.replica_row_bound(1) == 64
+  assert sampling.row_bound_key == (64, (1, 64), (8, 32)) != key
+
+
+def test_a_redeclaration_that_changes_only_a_replica_bound_asks_for_a_retrace():
+  """n = 1e7: E = 16 and E = 15 both give R = 64, but R_8 goes 32 -> 24; a step traced under
+  8 replicas read R_8, so row_bound_key (which step_sampling.declare compares to decide a
+  retrace) changes; a step that read only R (one replica) keeps its key."""
+  from tf_dpiter import ledger   # pylint: disable=g-import-not-at-top
+  single = ledger.LedgerSampling(10**7, 16 / 10**7)
+  replicated = ledger.LedgerSampling(10**7, 16 / 10**7)
+  single.replica_row_bound(1)
+  replicated.replica_row_bound(8)
+  before = (single.row_bound_key, replicated.row_bound_key)
+  for sampling in (single, replicated):
+    sampling.set_sampling(10**7, 15 / 10**7, 0)
+  assert single.public_row_bound == replicated.public_row_bound == 64
+  assert single.row_bound_key == before[0]
+  assert replicated.row_bound_key == (64, (8, 24)) != before[1]
+
+
+def test_the_step_checks_and_plans_a_replica_with_r_p(monkeypatch):
+  """chunking.public_row_bound (the step's per-replica check, train_step._within_row_bound,
+  and the rows of its plan, chunking.public_rows) is R_P under P replicas and R under one."""
+  import types   # pylint: disable=g-import-not-at-top
+  import tensorflow as tf   # pylint: disable=g-import-not-at-top
+  from tf_dpiter import ledger   # pylint: disable=g-import-not-at-top
+  from tf_dpiter.keras.optimizer import chunking   # pylint: disable=g-import-not-at-top
+  step = types.SimpleNamespace(sampling=ledger.LedgerSampling(10**7, 16 / 10**7))
+  assert chunking.public_row_bound(step) == 64
+  monkeypatch.setattr(tf.distribute, "get_strategy",
+                      lambda: types.SimpleNamespace(num_replicas_in_sync=8))
+  assert chunking.public_row_bound(step) == 32   # was ceil(64 / 8) = 8
+  assert step.sampling.row_bound_key == (64, (8, 32))

@@ -52,7 +52,8 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
     steps_per_epoch: global steps per iteration; default round(1/q).
     max_batch_size: "auto" pads each part's sample to `default_max_batch_size(n_p, q)` for
       its range of n_p records (a larger one to its share of the step's public row bound,
-      ceil(2 default_max_batch_size(n, q) / num_parts)); an int pads to that size (a larger sample goes to the next
+      `SamplingPolicy.replica_row_bound`(n, q, num_parts), the bound the step checks each
+      replica's rows against); an int pads to that size (a larger sample goes to the next
       multiple, never truncated); None: unpadded.
     seed: tests only (reproducible, NOT private; warns). None: OS entropy. Part p uses the
       p-th jump of the Philox stream, so parts are independent.
@@ -77,10 +78,11 @@ def poisson_batches_from_source(source, expected_batch_size=256, steps_per_epoch
   rngs = [np.random.Generator(base.bit_generator.jumped(int(p))) for p in parts]
   pads = [sampling_lib.default_max_batch_size(hi - lo, q) if max_batch_size == "auto"
           else max_batch_size for lo, hi in ranges]
-  # A part's sample past its padded size goes to the replica's share of the step's public
-  # row bound R (the Poisson policy's, which the step reads: chunking.public_row_bound), not
-  # to twice its own padded size, which can exceed the share (2 (E/P + 4 sqrt(E/P)) > R / P).
-  share = (-(-policies.get(sampling_lib.POISSON).public_row_bound(n, q) // num_parts)
+  # A part's sample past its padded size goes to the replica's bound R_P of the step's public
+  # row bound R (the Poisson policy's replica_row_bound, which the step reads:
+  # chunking.public_row_bound), not to twice its own padded size, which can exceed the share
+  # (2 (E/P + 4 sqrt(E/P)) > R / P).
+  share = (policies.get(sampling_lib.POISSON).replica_row_bound(n, q, num_parts)
            if max_batch_size == "auto" else None)
 
   def gen():

@@ -204,9 +204,8 @@ class SamplingPolicy:
     sample of n or n + 1 records (also a cyclic Poisson group or a balls-in-bins step, fewer
     records each), is not charged: over T steps it adds at most T 1e-18 (1 + e^eps) to
     delta. The second term binds only for a small expected batch E = n q (below about 11;
-    E = 2.1, n = 17002: 16 -> 32 rows); at E = 256 (MNIST) R stays 640. A replica's share
-    ceil(R / P) of a sampler that samples each replica's part on its own is not covered by
-    this bound (tests/ledger/test_public_row_bound_tail.py).
+    E = 2.1, n = 17002: 16 -> 32 rows); at E = 256 (MNIST) R stays 640. Under P replicas a
+    step checks each replica's rows against `replica_row_bound`, not against R.
 
     Under add/remove, neighbouring datasets give batches of different row counts unless
     padded to a size fixed in advance, so the clip shrink of the float32 sum (Casacuberta,
@@ -228,6 +227,45 @@ class SamplingPolicy:
     n = max(float(population_size), 1.0)
     q = min(max(float(selection_probability), 0.0), 1.0)
     return max(2 * default_max_batch_size(n, q), tail_row_bound(n, q))
+
+  def replica_row_bound(self, population_size, selection_probability, replicas):
+    """R_P (an int >= 1), the public bound on the rows of ONE replica's batch under P replicas
+    (add/remove; None under replace-one): a replica's batch past R_P is refused.
+
+    R_P = max(ceil(R / P), tail_row_bound(ceil(n / P), q)), R = `public_row_bound`(n, q).
+    The first term is the share of a global sample of at most R rows split evenly among the
+    replicas (Keras splits one batch); the second covers a sampler that samples each
+    replica's own part of at most ceil(n / P) records (data.distributed_poisson_batches,
+    parts by indexed_sampling.part_range): a Chernoff bound (Hoeffding 1963, Theorem 1) of
+    P[Binomial(ceil(n / P) + 1, q) > R_P] <= P_REFUSE = 1e-18 per replica and step, n / P + 1
+    records for add/remove's larger neighbour (before: ceil(R / P) alone, passed with
+    probability 2.4e-4 per replica and step at n = 1e7, E = 16, P = 8, R = 64, share 8;
+    now R_P = 32). Over P replicas and T steps the uncharged refusal adds at most
+    P T 1e-18 (1 + e^eps) to delta.
+
+    Design: the clip shrink's plan (dp_query.summation.public_plan, keras.optimizer.chunking.
+    public_rows) is a replica's plan, taken from R_P rows on each replica, so it bounds every
+    batch that is not refused; the rows the step allows in all are P R_P >= R, so R itself
+    (the global bound) is left as it is and only the per-replica check and plan use R_P. With
+    P = 1, R_P = R (R >= tail_row_bound(n, q)).
+
+    Args:
+      population_size: n, the declared population.
+      selection_probability: q.
+      replicas: P >= 1, the replicas in sync.
+
+    Returns:
+      R_P, an int, or None under replace-one.
+    """
+    rows = self.public_row_bound(population_size, selection_probability)
+    if rows is None:
+      return None
+    replicas = max(int(replicas), 1)
+    if replicas == 1:
+      return rows
+    n = max(float(population_size), 1.0)
+    q = min(max(float(selection_probability), 0.0), 1.0)
+    return max(1, -(-rows // replicas), tail_row_bound(math.ceil(n / replicas), q))
 
   def expected_records(self, population_size, selection_probability, sample_size):  # pylint: disable=unused-argument
     """The public expected batch size of one sample, a float in records: q n (cyclic Poisson:

@@ -871,6 +871,7 @@ class LedgerSampling:
       (`SamplingPolicy.public_row_bound`: an int, None under replace-one), formed here with
       every declaration (construction, `set_sampling`), never from a batch; a step reads it
       when traced (its clip shrink's plan: keras.optimizer.chunking.public_rows). Read only.
+      Under P replicas a step reads `replica_row_bound(P)` instead.
   """
 
   def __init__(self, population_size, selection_probability, ledger=None,
@@ -903,6 +904,35 @@ class LedgerSampling:
                                     name="sample_size")
     self.public_row_bound = self._policy_object.public_row_bound(population_size,
                                                                  selection_probability)
+    self._declared = (float(population_size), float(selection_probability))
+    self._replicas_read = set()
+
+  def replica_row_bound(self, replicas):
+    """R_P, the public bound on the rows of one replica's batch under `replicas` replicas
+    for the declared n and q (`SamplingPolicy.replica_row_bound`: max(ceil(R / P),
+    tail_row_bound(ceil(n / P), q)); R when P = 1; None under replace-one). The replica
+    counts read are kept, so that `row_bound_key` asks for a retrace when a declaration
+    changes a bound a step was traced with.
+
+    Args:
+      replicas: P >= 1.
+
+    Returns:
+      an int, or None.
+    """
+    replicas = max(int(replicas), 1)
+    self._replicas_read.add(replicas)
+    if replicas == 1:   # R itself (formed at the declaration)
+      return self.public_row_bound
+    return self._policy_object.replica_row_bound(*self._declared, replicas)
+
+  @property
+  def row_bound_key(self):
+    """The row bounds a step reads when traced: (R, R_P for every P read so far); a
+    declaration that changes it asks for a retrace (keras.optimizer.step_sampling.declare)."""
+    return (self.public_row_bound,) + tuple(
+        (p, self._policy_object.replica_row_bound(*self._declared, p))
+        for p in sorted(self._replicas_read))
 
   @staticmethod
   def _check(population_size, selection_probability, sample_size, policy):
@@ -989,6 +1019,7 @@ class LedgerSampling:
     self._sample_size.assign(float(sample_size))
     self.public_row_bound = self._policy_object.public_row_bound(population_size,
                                                                  selection_probability)
+    self._declared = (float(population_size), float(selection_probability))
 
   def record(self, events, after=None):
     """Records one sample (n, q, policy, sample size, k) with `events`, those of one noised

@@ -206,15 +206,20 @@ def _plan_of(per_chunk, m):
 
 
 def public_row_bound(step):
-  """R, a public bound on the rows of a replica's batch under an add/remove sampling (None
+  """R_P, a public bound on the rows of a replica's batch under an add/remove sampling (None
   under replace-one, or while undeclared): the declared sampling's
-  `ledger.LedgerSampling.public_row_bound` (formed when n and q were declared:
-  `SamplingPolicy.public_row_bound`: twice data.sampling.default_max_batch_size, or more
-  when a refused batch would otherwise be likelier than 1e-18 per step), a
-  replica's share. Neighbouring datasets have different row counts under add/remove whenever
-  the batch is not padded to a size fixed in advance; the clip shrink is then taken from R
-  (summation.public_plan). Read when the step is traced: a declaration that changes R asks
-  for a retrace (`step_sampling.declare`); a sample above the R a step was traced with fails
+  `ledger.LedgerSampling.replica_row_bound(P)` for the P replicas in sync, max(ceil(R / P),
+  the 1e-18 tail bound of a replica's own part of ceil(n / P) records), R its
+  `public_row_bound` (formed when n and q were declared: `SamplingPolicy.public_row_bound`:
+  twice data.sampling.default_max_batch_size, or more when a refused batch would otherwise be
+  likelier than 1e-18 per step); R_P = R for one replica. A sampler drawing each replica's
+  part on its own (data.distributed_poisson_batches) is then refused with probability at most
+  1e-18 per replica and step. Neighbouring datasets have different row counts under
+  add/remove whenever the batch is not padded to a size fixed in advance; the clip shrink is
+  then taken from the replica's plan of R_P rows (summation.public_plan), which bounds every
+  replica batch that is not refused (P R_P >= R in all). Read when the step is traced: a
+  declaration that changes a bound the step read asks for a retrace (`step_sampling.declare`,
+  `LedgerSampling.row_bound_key`); a sample above the bound a step was traced with fails
   that step.
 
   Args:
@@ -224,10 +229,10 @@ def public_row_bound(step):
     an int >= 1, or None.
   """
   rows = None if step.sampling is None else step.sampling.public_row_bound
-  if rows is None:
-    return None
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
-  return max(1, -(-rows // replicas))
+  if rows is None or replicas == 1:   # R_1 = R
+    return rows
+  return step.sampling.replica_row_bound(replicas)
 
 
 @contextlib.contextmanager

@@ -118,9 +118,9 @@ def declare(step, population_size, selection_probability, policy, sample_size):
     population_size, selection_probability, policy, sample_size: the sampling.
 
   Returns:
-    True when the recorded policy, the record unit or the public row bound
-    (`ledger.LedgerSampling.public_row_bound`, which the step reads when traced) changed: the
-    step must be retraced.
+    True when the recorded policy, the record unit or the public row bounds
+    (`ledger.LedgerSampling.row_bound_key`: R and each replica bound the step read when
+    traced) changed: the step must be retraced.
   """
   m = record_microbatches(step.num_microbatches, sample_size)
   k = 1 if m is None else max(1, -(-int(sample_size) // m))
@@ -137,10 +137,10 @@ def declare(step, population_size, selection_probability, policy, sample_size):
       changed = True
     else:
       # the record unit and the public row bound (chunking.public_rows) are read when traced
-      traced = (sampling.examples_per_record, sampling.public_row_bound)
+      traced = (sampling.examples_per_record, sampling.row_bound_key)
       sampling.set_sampling(population_size, selection_probability, sample_size,
                             examples_per_record=k)
-      changed = changed_cut or traced != (k, sampling.public_row_bound)
+      changed = changed_cut or traced != (k, sampling.row_bound_key)
     step.adopt_sampling(sampling, expected)
   return changed
 
