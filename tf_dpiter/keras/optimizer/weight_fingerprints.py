@@ -706,17 +706,9 @@ def _keys(n, s1, s2, first):
   x = np.asarray(first).reshape(-1)[:1].astype(np.float32)
   out = []
   for s, v in ((s1, x), (s2, _np_half(x))):
-    out.append(None if (s - n * _mix(int(v.view(np.uint32)[0]))) % 2**64 == 0
+    out.append(None if (s - n * int(_np_mix(_np_rounded(v))[0])) % 2**64 == 0
                else (n, s % 2**64))
   return tuple(out)
-
-
-def _mix(u):
-  """F of the bfloat16 rounding of one float32 bit pattern u (a Python int), as `_np_mix` of
-  `_np_rounded`."""
-  y = ((((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16) * _MIX[0]) & 0xFFFFFFFF
-  y = ((y ^ (y >> 15)) * _MIX[1]) & 0xFFFFFFFF
-  return y ^ (y >> 13)
 
 
 def _tf_rounded(x):
