@@ -363,6 +363,27 @@ def within_public_rows(rows):
     return tf.identity(within)
 
 
+def after_row_check(within, nest):
+  """`nest` with its tensors made to wait for a row check (`within_public_rows`' result), so
+  that no op reading them runs before the check's assertion: a batch past the public bound
+  then fails with the bound's message, not with an error of an op planned for at most the
+  bound's rows (a pinned sum's gather: "indices = 6 is not in [0, 6)" under a 2-replica
+  MirroredStrategy, review of the per-replica row bound). A graph runs independent ops in
+  any order; the control dependency fixes it.
+
+  Args:
+    within: True (nothing to wait for) or the scalar bool tensor `within_public_rows` made.
+    nest: a nest of tensors (composite ones included), None or other leaves kept as they are.
+
+  Returns:
+    `nest`, its tensors identities made after the check.
+  """
+  if within is True:
+    return nest
+  with tf.control_dependencies([within]):
+    return tf.nest.map_structure(lambda t: tf.identity(t) if tf.is_tensor(t) else t, nest)
+
+
 def step_shrink(records, chunks=1, block=1, final=0, total=None, shifted=False):
   """The clip shrink `shrink(rounding_margin(...))` of a DP step's clipped sum: `records` rows
   per chunk, `chunks` chunks added one after the other, blocks of `block` rows, the current

@@ -1113,9 +1113,8 @@ def _chunked_grad_sum(model, inputs, targets, per_example_loss_fn, factors_fn, m
   # inside a public plan the chunks' norm bounds count max(r k, min(R k, m)) (public:
   # algebra.sum_examples), so the batch is checked against the plan's bound R
   within = summation.within_public_rows(b // k)
-  if within is not True:   # B unknown to the trace, not XLA (there one call): the assertion runs
-    with tf.control_dependencies([within]):
-      n = tf.identity(n)
+  # B unknown to the trace, not XLA (there one call): the assertion runs first
+  n = summation.after_row_check(within, n)
   with summation.sequential_chunks(n, most), algebra.chunk_examples(most, m):
     _, acc, norms_ta, losses_ta, outs = tf.while_loop(
         lambda i, *_: i < n, body, loop_vars, parallel_iterations=1,
@@ -1145,6 +1144,8 @@ def _clipped_grad_sum(model, inputs, targets, per_example_loss_fn,
     _refuse_unrecorded(unrecorded_variable_uses(model, inputs))
   chunking = _physical_chunk(model, inputs, k) if chunked else None
   within = None if chunking is not None else _within_plan_records(inputs, k)
+  if within is not None:   # no op of the call before the check (summation.after_row_check)
+    inputs, targets, mask = summation.after_row_check(within, (inputs, targets, mask))
   if chunking is not None:
     grads, norms, outputs, raw_losses = _chunked_grad_sum(
         model, inputs, targets, per_example_loss_fn, factors_fn, mask, k, variant,

@@ -23,6 +23,7 @@ import keras
 import tensorflow as tf
 from tensorflow.python.eager import context as tf_context
 
+from tf_dpiter.dp_query import summation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.keras.internals import batch_independence
 from tf_dpiter.keras.internals import data_writes
@@ -325,7 +326,7 @@ def _within_row_bound(step, counts, nest):
       f"`rows` must be at most {bound}, the public bound of an add/remove step's plan "
       "(the public row bound R of the declared sampling). Received: rows =", counts[1]])
   with tf.control_dependencies([check]):
-    return tf.nest.map_structure(lambda t: t if t is None else tf.identity(t), nest)
+    return summation.after_row_check(tf.identity(within), nest)
 
 
 def _refuse_second_step(model):

@@ -404,9 +404,7 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
     ParameterValueError: acc=None without `template` and a dynamic number of chunks.
   """
   within = summation.within_public_rows(batch_rows(record_mask))   # an add/remove step's bound
-  if within is not True:
-    with tf.control_dependencies([within]):
-      record_mask = tf.identity(record_mask)
+  records, record_mask = summation.after_row_check(within, (records, record_mask))
   if per_chunk is None:
     out = chunk_fn(acc, records, record_mask)
   else:
