@@ -87,6 +87,34 @@ def _check_whole_executions(steps_per_epoch, steps_per_execution):
       f"steps_per_epoch={steps}")
 
 
+def _refuse_optimizer_outside_strategy(model, opt):
+  """Refuses a DP optimizer created outside the multi-replica tf.distribute strategy its model
+  is compiled in: its `iterations` is then a variable of one device, which every replica
+  increments (Keras counts P iterations per step of P replicas; measured: 2 after one step of
+  a 2-replica MirroredStrategy), while the ledger charges the step once, and the next `fit`
+  was refused with a misleading "restored without its ledger". Keras' own rule: create the
+  optimizer inside `strategy.scope()`.
+
+  Args:
+    model: the compiled model.
+    opt: its DP optimizer.
+
+  Raises:
+    PrivacyConfigError: the model's strategy has several replicas and `opt.iterations` was not
+      created in it.
+  """
+  strategy = model.distribute_strategy
+  replicas = strategy.num_replicas_in_sync
+  if replicas > 1 and not strategy.extended.variable_created_in_scope(opt.iterations.value):
+    raise PrivacyConfigError(
+        "`optimizer` must be created inside `strategy.scope()` when the model trains under a "
+        f"tf.distribute strategy of {replicas} replicas: its `iterations` lives on one device, "
+        f"so each of the {replicas} replicas would count every step. Create it there, as the "
+        "model: `with strategy.scope(): opt = dp.keras.DPKerasSGDOptimizer(...); "
+        "model.compile(optimizer=opt, ...)`. Received: optimizer="
+        f"{type(opt).__name__} created outside the strategy")
+
+
 class DPModelMixin(train_step_lib.TrainStepMixin):
   """Private fit / train_on_batch / compile for any keras.Model subclass (the step: train_step)."""
 
@@ -116,7 +144,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
 
     Raises:
       PrivacyConfigError: a DP optimizer on a model make_private was given DP settings for
-        (give the DP settings in one place).
+        (give the DP settings in one place), or one created outside the model's
+        multi-replica tf.distribute strategy (`_refuse_optimizer_outside_strategy`).
     """
     if optimizer is _OWN_DEFAULT and (
         args or isinstance(self, tf_privacy_args.TFPrivacyArgsMixin)):
@@ -144,7 +173,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     else:
       super().compile(optimizer, *args, **kwargs)
     self._dp_apply_pending_settings()
-    self._dp_optimizer()
+    _refuse_optimizer_outside_strategy(self, self._dp_optimizer())
     self._dp_adopt_carried_ledger()
     check_no_batch_mixing(self)
 

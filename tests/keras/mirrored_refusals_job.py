@@ -1,5 +1,6 @@
-"""The refusal of a replica's batch past the public row bound under a real 2-replica
-tf.distribute.MirroredStrategy (run by mirrored_jobs_worker, checked by test_distribute.py).
+"""Refusals under a real 2-replica tf.distribute.MirroredStrategy (run by mirrored_jobs_worker,
+checked by test_distribute.py): a replica's batch past the public row bound
+(`row_bound_refusals`), and a DP optimizer created outside the strategy (`outside_scope`).
 
 Relation and unit: add/remove one example. Under add/remove the clip shrink of the float32 sum
 is planned for a public number of rows (Casacuberta, Shoemate, Vadhan and Wagaman, "Widespread
@@ -132,3 +133,41 @@ def check_refusals(lines):
     assert r["counter"][1] >= r["counter"][0], r          # never lowered by the refusal
     assert r["counter"][2] > r["counter"][1], r           # the accepted step drew fresh noise
     assert r["later_moved"], r
+
+
+def outside_scope(strategy):
+  """A DP optimizer created outside `strategy.scope()` and compiled inside it: refused at
+  compile, naming the scope (before: each replica counted the step, iterations 2 against one
+  ledger sample, and the next fit was refused as "restored without its ledger"). Prints one
+  RESULT json line."""
+  out = {}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+    with strategy.scope():
+      model = dp.keras.DPSequential([keras.Input((1,)), keras.layers.Dense(1)])
+      try:
+        model.compile(optimizer=opt, loss="mse")
+        out["refused"] = None
+      except dp.errors.PrivacyConfigError as e:
+        out["refused"] = str(e)
+      inside = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=0.1)
+      model.compile(optimizer=inside, loss="mse")   # accepted
+    inside.set_sampling(N, Q, "poisson")
+    x = np.ones((16, 1), np.float32)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, x)).batch(16), verbose=0)
+  out["iterations"] = int(inside.iterations.numpy())
+  out["samples"] = int(inside.ledger.sample_count.numpy())
+  print("RESULT " + json.dumps(out), flush=True)
+
+
+def check_outside_scope(lines):
+  """The outside_scope job's RESULT line: refused with a message naming the scope; the
+  optimizer made inside counts one iteration and one ledger sample per step."""
+  results = [json.loads(l[len("RESULT "):]) for l in lines if l.startswith("RESULT ")]
+  assert len(results) == 1, lines
+  r = results[0]
+  assert r["refused"] is not None, r
+  assert "must be created inside `strategy.scope()`" in r["refused"], r
+  assert "2 replicas" in r["refused"] and "DPKerasSGDOptimizer" in r["refused"], r
+  assert (r["iterations"], r["samples"]) == (1, 1), r
