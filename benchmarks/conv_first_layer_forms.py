@@ -21,6 +21,10 @@ padded by 3 on each side, 34x34). Forms (each a tf.function with the chunk axis 
                    4 phases)
   multiplier_one   rule_depthwise with channel multiplier 1: the input repeated over the 16
                    filters, one depthwise channel per (example, filter)
+  unfold_gather    the patches unfolded by the rule's one gather of pixels
+                   (conv._gathered_patches, [m, 196, 64]), then g_i = P_i^T dz_i by one
+                   batched matrix product (m products of 64x196 by 196x16)
+  unfold_extract   the same product, the patches by ExtractImagePatches of the padded input
   whole_batch      the convolution's whole-batch filter gradient (Conv2DBackpropFilter), the
                    non-private step's cost for the same multiply-adds
 Figure: median over --rounds rounds of the process CPU and wall time of --calls calls. Prints
@@ -97,6 +101,25 @@ def multiplier_one(x, dz):
   return tf.reshape(g, [64, m, 16])
 
 
+def _unfolded_product(patches, dz):
+  """g [64, m, 16] from patches [m, 196, 64] and dz: one batched product P_i^T dz_i."""
+  g = tf.linalg.matmul(patches, tf.reshape(dz, [-1, 196, 16]), transpose_a=True)
+  return tf.transpose(g, [1, 0, 2])
+
+
+@tf.function(input_signature=_SPEC)
+def unfold_gather(x, dz):
+  patches = conv._gathered_patches(x, (8, 8), (2, 2), (1, 1), "same", (14, 14))  # pylint: disable=protected-access
+  return _unfolded_product(patches, dz)
+
+
+@tf.function(input_signature=_SPEC)
+def unfold_extract(x, dz):
+  patches = tf.image.extract_patches(_padded(x), [1, 8, 8, 1], [1, 2, 2, 1], [1, 1, 1, 1],
+                                     "VALID")
+  return _unfolded_product(tf.reshape(patches, [-1, 196, 64]), dz)
+
+
 @tf.function(input_signature=_SPEC)
 def whole_batch(x, dz):
   return tf.compat.v1.nn.conv2d_backprop_filter(x, [8, 8, 1, 16], dz, [1, 2, 2, 1], "SAME")
@@ -104,7 +127,8 @@ def whole_batch(x, dz):
 
 FORMS = {"rule_depthwise": rule_depthwise, "fwd_dilated": fwd_dilated,
          "fwd_phases": fwd_phases, "s2d_depthwise": s2d_depthwise,
-         "multiplier_one": multiplier_one, "whole_batch": whole_batch}
+         "multiplier_one": multiplier_one, "unfold_gather": unfold_gather,
+         "unfold_extract": unfold_extract, "whole_batch": whole_batch}
 
 
 def main():
