@@ -11,10 +11,12 @@ devices are set up once, instead of once per job):
   traced_loop        test_traced_loop_distribute.two_replica_checks: a custom loop's traced
                      private steps stated, and weights changed around them (one replica's
                      copy included) refused
-  row_bound          mirrored_refusals_job.row_bound_refusals: a replica's batch past the
+  row_bound          mirrored_soundness_job.row_bound_refusals: a replica's batch past the
                      public row bound refused, without and with XLA
-  outside_scope      mirrored_refusals_job.outside_scope: a DP optimizer created outside the
+  outside_scope      mirrored_soundness_job.outside_scope: a DP optimizer created outside the
                      strategy refused at compile
+  rollback_noise     mirrored_soundness_job.rollback_noise: iterations rolled back, no noise
+                     reused and no step uncharged, without and with XLA
 
 Each job's output follows a line "JOB <name>" (tests/keras/test_distribute.py reads them and
 checks each job as its own test file did).
@@ -28,7 +30,7 @@ import tensorflow as tf
 
 # Each worker sets up the 2 logical CPUs at import (the first one; the others find them).
 from tests.keras import distributed_worker
-from tests.keras import mirrored_refusals_job
+from tests.keras import mirrored_soundness_job
 from tests.keras import mirrored_poisson_worker
 from tests.keras import test_apply_replicas
 from tests.keras import test_traced_loop_distribute
@@ -38,15 +40,17 @@ MATRIX_POLICIES = "poisson,shuffle"
 
 
 def main(argv):
-  """Runs the seven jobs in one MirroredStrategy (two strategies in a process draw the same
+  """Runs the eight jobs in one MirroredStrategy (two strategies in a process draw the same
   collective instance keys, and their all-reduces collide); a failing job raises (a
   non-zero exit status)."""
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   # first: a refusal's op order is the graph's (the old fault showed in a fresh process)
   print("JOB row_bound", flush=True)
-  mirrored_refusals_job.row_bound_refusals(strategy)
+  mirrored_soundness_job.row_bound_refusals(strategy)
   print("JOB outside_scope", flush=True)
-  mirrored_refusals_job.outside_scope(strategy)
+  mirrored_soundness_job.outside_scope(strategy)
+  print("JOB rollback_noise", flush=True)
+  mirrored_soundness_job.rollback_noise(strategy)
   print("JOB distributed", flush=True)
   distributed_worker.main(strategy)
   print("JOB mirrored_poisson", flush=True)

@@ -5,8 +5,8 @@ The default suite's MirroredStrategy jobs share that one subprocess
 (`mirrored_jobs_worker.py`): this file's noise-and-ledger job, test_mirrored_poisson.py's
 two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes,
 test_apply_replicas.py's sum over the replicas, test_traced_loop_distribute.py's custom
-loop traced under 2 replicas and mirrored_refusals_job.py's replica batch past the public
-row bound and optimizer created outside the strategy; each job is checked here by its own file's check. Their
+loop traced under 2 replicas and mirrored_soundness_job.py's replica batch past the public
+row bound, optimizer created outside the strategy and iterations rolled back; each job is checked here by its own file's check. Their
 `-m slow` variants start processes of their own.
 """
 
@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from tests.keras import mirrored_refusals_job
+from tests.keras import mirrored_soundness_job
 from tests.keras import test_apply_replicas
 from tests.keras import test_mirrored_poisson
 from tests.keras import test_traced_loop_distribute
@@ -39,7 +39,7 @@ def _jobs(workdir):
       jobs[name] = []
     elif name is not None:
       jobs[name].append(line)
-  assert list(jobs) == ["row_bound", "outside_scope", "distributed", "mirrored_poisson", "matrix",
+  assert list(jobs) == ["row_bound", "outside_scope", "rollback_noise", "distributed", "mirrored_poisson", "matrix",
                         "apply_replicas", "traced_loop"], proc.stdout[-2000:]
   return jobs
 
@@ -74,5 +74,6 @@ def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
   test_policy_matrix.check_mirrored_cells(jobs["matrix"], "poisson,shuffle")
   test_apply_replicas.check_mirrored(jobs["apply_replicas"])
   test_traced_loop_distribute.check_two_replicas(jobs["traced_loop"])
-  mirrored_refusals_job.check_refusals(jobs["row_bound"])
-  mirrored_refusals_job.check_outside_scope(jobs["outside_scope"])
+  mirrored_soundness_job.check_refusals(jobs["row_bound"])
+  mirrored_soundness_job.check_outside_scope(jobs["outside_scope"])
+  mirrored_soundness_job.check_rollback_noise(jobs["rollback_noise"])

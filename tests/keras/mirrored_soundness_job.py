@@ -1,6 +1,7 @@
-"""Refusals under a real 2-replica tf.distribute.MirroredStrategy (run by mirrored_jobs_worker,
+"""Soundness under a real 2-replica tf.distribute.MirroredStrategy (run by mirrored_jobs_worker,
 checked by test_distribute.py): a replica's batch past the public row bound
-(`row_bound_refusals`), and a DP optimizer created outside the strategy (`outside_scope`).
+(`row_bound_refusals`), a DP optimizer created outside the strategy (`outside_scope`), and
+`optimizer.iterations` rolled back (`rollback_noise`).
 
 Relation and unit: add/remove one example. Under add/remove the clip shrink of the float32 sum
 is planned for a public number of rows (Casacuberta, Shoemate, Vadhan and Wagaman, "Widespread
@@ -171,3 +172,45 @@ def check_outside_scope(lines):
   assert "must be created inside `strategy.scope()`" in r["refused"], r
   assert "2 replicas" in r["refused"] and "DPKerasSGDOptimizer" in r["refused"], r
   assert (r["iterations"], r["samples"]) == (1, 1), r
+
+
+def rollback_noise(strategy):
+  """Three fits of one batch with zero gradients (the loss 0 * y_pred: each update is the
+  noise alone), `optimizer.iterations.assign(0)` after the first, without and with XLA.
+  Prints one RESULT json line per run: the (iterations, ledger samples) after each fit and
+  whether each pair of the three updates differs."""
+  x = np.ones((16, 3), np.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    for jit in (False, True):
+      with strategy.scope():
+        opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.0, learning_rate=1.0)
+        model = dp.keras.DPSequential([keras.Input((3,)), keras.layers.Dense(
+            4, kernel_initializer="zeros")])
+        model.compile(optimizer=opt, jit_compile=jit,
+                      loss=lambda yt, yp: 0.0 * tf.reduce_sum(yp, axis=-1))
+      opt.set_sampling(N, 0.08, "poisson")
+      counts, updates = [], []
+      for k in range(3):
+        before = model.get_weights()[0].copy()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(16), verbose=0)
+        updates.append(model.get_weights()[0] - before)
+        counts.append([int(opt.iterations.numpy()), int(opt.ledger.sample_count.numpy())])
+        if k == 0:
+          opt.iterations.assign(0)
+      print("RESULT " + json.dumps({
+          "jit": jit, "counts": counts,
+          "norms": [float(np.linalg.norm(u)) for u in updates],
+          "differ": [bool(not np.allclose(updates[i], updates[j]))
+                     for i in range(3) for j in range(i + 1, 3)]}), flush=True)
+
+
+def check_rollback_noise(lines):
+  """Each rollback run: the ledger charges every step (1, 2, 3 samples) though iterations went
+  back to 0, and no update repeats another's noise."""
+  results = [json.loads(l[len("RESULT "):]) for l in lines if l.startswith("RESULT ")]
+  assert [r["jit"] for r in results] == [False, True], lines
+  for r in results:
+    assert r["counts"] == [[1, 1], [1, 2], [2, 3]], r
+    assert all(n > 1e-3 for n in r["norms"]), r     # noise on: every update moved
+    assert r["differ"] == [True, True, True], r     # never the same noise twice
