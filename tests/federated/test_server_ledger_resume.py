@@ -115,7 +115,7 @@ def test_dpfedavg_resumes_the_round_counter_and_the_budget(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"sampling": "poisson"}, "`sampling` must be 'fixed_size'"),
+    ({"sampling": "poisson"}, "`sampling` must be 'client_fixed_size'"),
     ({"population": K + 1}, "`population_size`"),
     ({"clip": 0.7}, "`l2_norm_clip` of the query"),
     ({"kind": "quantile"}, "`query` must report"),

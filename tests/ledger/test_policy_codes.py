@@ -26,6 +26,8 @@ STORED_CODES = {
     6: "user_poisson",
     7: "balls_in_bins",
     8: "repeat_and_select",
+    9: "client_poisson",
+    10: "client_fixed_size",
 }
 
 
@@ -43,6 +45,7 @@ def test_every_code_is_pinned_and_is_a_class_attribute():
     assert "code" in vars(cls) and cls.code == records.policy_code(name)
     assert cls.relation in schema.RELATIONS and cls.unit in schema.UNITS
   assert policies.UserPoisson.unit == "user" and policies.Poisson.unit == "example"
+  assert policies.ClientPoisson.unit == policies.ClientFixedSize.unit == "client"
   assert policies.Shuffle.relation == schema.REPLACE_ONE
 
 
@@ -70,11 +73,11 @@ def test_rows_stored_with_the_former_positions_read_as_before():
 
 
 def test_an_unknown_code_is_refused_naming_the_known_ones():
-  rows = np.array([[1000.0, 0.1, 10.0, 9.0, 1.0, 0.0]])
+  rows = np.array([[1000.0, 0.1, 10.0, 11.0, 1.0, 0.0]])
   with pytest.raises(PrivacyConfigError, match=r"policy code must be one of .*'balls_in_bins'"):
     records.validate_arrays(rows, np.zeros([0, 5]))
   with pytest.raises(PrivacyConfigError, match=r"`code` must be a registered policy's code"):
-    records.policy_name(9)
+    records.policy_name(11)
 
 
 def test_a_policy_cannot_take_a_used_or_reserved_code():

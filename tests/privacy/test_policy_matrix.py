@@ -19,7 +19,9 @@ premise of the policy's event holds (fixed size and full batch: the declared siz
 Poisson: at most B; user level: at most k examples of a user per step; Poisson-type rows: one
 q for the run). A cell may instead be refused before its first step (PrivacyConfigError),
 which must leave the step count unchanged. The declared relation and unit are each policy's
-own (add/remove or replace one example; add/remove one user for user-level sampling).
+own (add/remove or replace one example; add/remove one user for user-level sampling). The
+client-unit policies (a record is a client's model update) are the federated server's, which
+tests/federated checks; a Keras step refuses them (`test_a_keras_step_refuses_client_policies`).
 """
 
 import os
@@ -28,9 +30,14 @@ import sys
 
 import pytest
 
+import tf_dpiter as dp
 from tf_dpiter.ledger import policies
 
 from tests.privacy import matrix_runs  # noqa: E402
+
+# The policies a Keras fit can declare: every registered one whose record is an example or a
+# user (a client's update is the federated server's record).
+KERAS_POLICIES = tuple(p for p in policies.names() if policies.get(p).unit != "client")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,7 +56,7 @@ _DEFAULT_CELLS = {("shuffle", "fits_steps"), ("cyclic_poisson", "fits_steps"),
                   ("poisson", "xla_compiled_draw"), ("shuffle", "journal_resume"),
                   ("poisson", "steps_per_execution")}
 def _cells():
-  for policy in policies.names():
+  for policy in KERAS_POLICIES:
     for scenario in matrix_runs.SCENARIOS:   # MIRRORED: test_mirrored_strategy_cells
       fast = (policy, scenario) in _DEFAULT_CELLS
       yield pytest.param(policy, scenario, id=f"{policy}-{scenario}",
@@ -74,7 +81,7 @@ def test_mirrored_strategy_cells(tmp_path):
   """The MIRRORED cells of the policies other than Poisson and shuffled passes, in a process
   with 2 logical CPUs (matrix_mirrored_worker.py); Poisson's and shuffle's run in the default
   suite in the MirroredStrategy process of tests/keras/test_distribute.py."""
-  policies_ = ",".join(p for p in policies.names() if p not in ("poisson", "shuffle"))
+  policies_ = ",".join(p for p in KERAS_POLICIES if p not in ("poisson", "shuffle"))
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.run([sys.executable, "-m", "tests.privacy.matrix_mirrored_worker",
                          policies_, str(tmp_path)], capture_output=True, text=True,
@@ -84,5 +91,16 @@ def test_mirrored_strategy_cells(tmp_path):
 
 
 def test_the_matrix_covers_every_registered_policy():
-  for policy in policies.names():
+  assert set(policies.names()) - set(KERAS_POLICIES) == {"client_poisson", "client_fixed_size"}
+  for policy in KERAS_POLICIES:
     matrix_runs.Case(policy).fit_args(None)   # raises for a policy without a matrix case
+
+
+@pytest.mark.parametrize("policy", sorted(set(policies.names()) - set(KERAS_POLICIES)))
+def test_a_keras_step_refuses_client_policies(policy):
+  """A client-unit policy declared on a Keras optimizer would state the sensitivity per client
+  update while the step clips examples: refused, nothing recorded."""
+  opt = dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1)
+  with pytest.raises(dp.errors.PrivacyConfigError, match="makes a record of one client"):
+    opt.set_sampling(100, 0.1, policy, 10)
+  assert opt.private_step.sampling is None

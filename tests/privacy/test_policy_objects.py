@@ -14,12 +14,14 @@ from tf_dpiter.ledger import schema
 
 def test_every_sampling_policy_has_one_object_stating_relation_and_unit():
   names = policies.names()
-  assert len(names) == 8
+  assert len(names) == 10
+  units = {schema.USER_POISSON: "user", schema.CLIENT_POISSON: "client",
+           schema.CLIENT_FIXED_SIZE: "client"}
   for name in names:
     policy = policies.get(name)
     assert policy.name == name
     assert policy.relation == records.relation_for_policy(name)
-    assert policy.unit == ("user" if name == schema.USER_POISSON else "example")
+    assert policy.unit == units.get(name, "example")
   with pytest.raises(ValueError, match="policy must be one of"):
     policies.get(schema.REPEAT_AND_SELECT)
 
@@ -48,7 +50,8 @@ def test_declared_sampling_is_checked_by_its_policy(policy, n, q, m, match):
 def test_denominator_and_log_line_come_from_the_policy():
   expected = {p for p in policies.names() if policies.get(p).expected_size_denominator}
   assert expected == {schema.POISSON, schema.USER_POISSON, schema.CYCLIC_POISSON,
-                      schema.TRUNCATED_POISSON, schema.BALLS_IN_BINS, schema.FULL}
+                      schema.TRUNCATED_POISSON, schema.BALLS_IN_BINS, schema.FULL,
+                      schema.CLIENT_POISSON}
   assert policies.get(schema.POISSON).expected_records(50, 0.2, 10) == pytest.approx(10)
   assert policies.get(schema.CYCLIC_POISSON).expected_records(60, 0.5, 3) == pytest.approx(10)
   for name in policies.names():

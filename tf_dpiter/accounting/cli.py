@@ -253,9 +253,9 @@ def format_ledger(d, path="ledger"):
   first = 1
   for i, r in enumerate(runs):
     last = first + r["count"] - 1
-    unit = ("user" if rec.unit_of_policy(r["policy"]) == "user" else "example"
-            if r["examples_per_record"] <= 1 else
-            f"microbatch of {r['examples_per_record']} examples")
+    unit = rec.unit_of_policy(r["policy"])
+    if unit == "example" and r["examples_per_record"] > 1:
+      unit = f"microbatch of {r['examples_per_record']} examples"
     lines.append(f"run {i + 1}: steps {first}-{last} ({r['count']}), {r['policy']} sampling, "
                  f"n = {r['population_size']:g}, q = {r['selection_probability']:.6g}, batch "
                  f"{r['sample_size']:g}; {r['relation'].replace('_', ' ')} {unit}")

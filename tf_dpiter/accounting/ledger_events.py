@@ -199,8 +199,11 @@ def _mechanism(group):
 
 def _unit(group):
   k = group.examples_per_record
-  if policies.get(group.policy).unit == "user":
+  unit = policies.get(group.policy).unit
+  if unit == "user":
     return "user (a record is all of one user's examples, up to max_examples_per_user)"
+  if unit == "client":
+    return "client (a record is one client's model update)"
   return "example" if k <= 1 else f"example (records are microbatches of {k} examples: sensitivity 2C)"
 
 

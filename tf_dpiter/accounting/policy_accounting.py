@@ -3,8 +3,10 @@
 One object per policy builds the event of a group of identical samples (McMahan et al., "A
 General Approach to Adding Differential Privacy to Iterative Training Procedures", Section 5,
 Appendix A):
-  poisson, user_poisson -> PoissonSampledDpEvent(q, .) per sample   add or remove one
-  fixed_size            -> SampledWithoutReplacementDpEvent(n, m, .)  replace one
+  poisson, user_poisson,
+  client_poisson        -> PoissonSampledDpEvent(q, .) per sample   add or remove one
+  fixed_size,
+  client_fixed_size     -> SampledWithoutReplacementDpEvent(n, m, .)  replace one
   shuffle               -> one un-amplified mechanism per pass started (tree rows: one
                            SingleEpochTreeAggregationDpEvent per pass)   replace one
   full                  -> one mechanism per sample                   add or remove one
@@ -190,6 +192,16 @@ class FixedSizeAccounting(PolicyAccounting):
         dpa.SampledWithoutReplacementDpEvent(int(n), int(m), mech), group.count)
 
 
+class ClientPoissonAccounting(PoissonAccounting):
+  """Poisson sampling of clients: the Poisson rule, the unit being the client."""
+  policy = schema.CLIENT_POISSON
+
+
+class ClientFixedSizeAccounting(FixedSizeAccounting):
+  """Fixed-size samples of clients: the fixed-size rule, the unit being the client."""
+  policy = schema.CLIENT_FIXED_SIZE
+
+
 class ShuffleAccounting(PolicyAccounting):
   """Shuffled passes: one un-amplified mechanism per pass (tree rows: one tree per pass)."""
   policy = schema.SHUFFLE
@@ -312,5 +324,5 @@ def get(policy):
 
 for _cls in (PoissonAccounting, FixedSizeAccounting, ShuffleAccounting, FullAccounting,
              CyclicPoissonAccounting, TruncatedPoissonAccounting, UserPoissonAccounting,
-             BallsInBinsAccounting):
+             BallsInBinsAccounting, ClientPoissonAccounting, ClientFixedSizeAccounting):
   register(_cls())

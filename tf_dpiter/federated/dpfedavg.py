@@ -45,7 +45,8 @@ class DPFedAvg:
     server_learning_rate: eta_s.
     server_momentum: beta of the server step (1, 0: the paper).
     sampling: "fixed_size" (m_t clients uniformly without replacement; ledger policy
-      fixed_size) or "poisson" (each client with q_t = m_t/K; ledger policy poisson).
+      client_fixed_size) or "poisson" (each client with q_t = m_t/K; ledger policy
+      client_poisson); the ledger's unit is the client.
     fixed_epsilon: with max_delta, stop before delta(fixed_epsilon) would exceed max_delta
       (Geyer et al. 2017: epsilon = 8, delta_0); alone, only report delta at it.
     max_delta: the largest delta allowed at fixed_epsilon.

@@ -2,8 +2,8 @@
 
 The server side is a `DPServer` (the same ledger and accountant as the simulation); clients
 are sampled uniformly without replacement from the K connected ones with the DP core's
-Philox generator (policy fixed_size, n = K, m = m_t); no work is sent once a round would pass
-the budget. The Message API (`DPFedAvgMessageStrategy`, `make_server_app`, `make_client_app`)
+Philox generator (policy client_fixed_size, n = K, m = m_t); no work is sent once a round would
+pass the budget. The Message API (`DPFedAvgMessageStrategy`, `make_server_app`, `make_client_app`)
 and the legacy API (`DPFedAvgStrategy`, `DPFlowerClient`, `run_loopback`) share that server.
 A client returns Delta w_k, never its data; a dropped, failed, misshapen or non-finite reply
 is counted and aggregated as a zero record (the denominator stays m_t).

@@ -2,9 +2,10 @@
 
 `DPRounds` is the server's side of client-level DP FedAvg (Geyer et al. 2017, Algorithm 1)
 whatever carries the messages: it checks that K clients are connected (the ledger's n), runs
-the budget look-ahead, samples m_t of them without replacement (ledger policy fixed_size) and
-aggregates the screened updates through the `DPServer`'s query (one ledger entry per round).
-`DeploymentMixin` gives both strategies the same public state. Imports no Flower.
+the budget look-ahead, samples m_t of them without replacement (ledger policy
+client_fixed_size) and aggregates the screened updates through the `DPServer`'s query (one
+ledger entry per round). `DeploymentMixin` gives both strategies the same public state.
+Imports no Flower.
 """
 
 import operator

@@ -7,8 +7,9 @@ look-ahead and the server optimizer
     v_{t+1} = beta v_t + (sum_k pi_S(Delta w_k) + N(0, sigma^2 S^2)) / m_t
     w_{t+1} = w_t + eta_s v_{t+1}                         (beta = 0, eta_s = 1: the paper)
 
-Relation: one client's data replaced (fixed-size sampling, policy fixed_size) or added or
-removed (Poisson, q_t = m_t / K, policy poisson); the unit of privacy is the client.
+Relation: one client's data replaced (fixed-size sampling, policy client_fixed_size) or added
+or removed (Poisson, q_t = m_t / K, policy client_poisson); the unit of privacy is the client,
+and the ledger's rows say so (the policies' `unit`).
 
 Floating point: the clip, the sum over clients and the noise run in float64 (the clients'
 float32 updates cast exactly), each client's clip shrunk by `summation.shrink` of the plan's
@@ -35,10 +36,14 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.federated import queries as queries_lib
 from tf_dpiter.federated import server_journal
+from tf_dpiter.ledger import schema
 
 __all__ = ["SAMPLINGS", "DPServer", "sample_clients"]
 
 SAMPLINGS = ("fixed_size", "poisson")
+# The ledger policy of each sampling: its relation (replace one client / add or remove one) and
+# its unit, the client.
+CLIENT_POLICIES = {"fixed_size": schema.CLIENT_FIXED_SIZE, "poisson": schema.CLIENT_POISSON}
 
 
 def sample_clients(generator, population_size, m, sampling):
@@ -159,10 +164,11 @@ class DPServer:
     m1 = self.check_clients(clients_per_round, 1)
     self.inner_query = query
     self.sampling = sampling
-    self.policy = ledger_lib.FIXED_SIZE if sampling == "fixed_size" else ledger_lib.POISSON
+    # a record is one client's update: the client-unit policies (Geyer et al., Section 2)
+    self.policy = CLIENT_POLICIES[sampling]
     self.query = ledger_lib.QueryWithLedger(
         query, self.population_size, m1 / self.population_size, policy=self.policy,
-        sample_size=m1 if self.policy == ledger_lib.FIXED_SIZE else 0)
+        sample_size=m1 if sampling == "fixed_size" else 0)
     self.ledger = self.query.ledger
     self.fixed_epsilon, self.max_delta = fixed_epsilon, max_delta
     self.fixed_delta, self.max_epsilon = fixed_delta, max_epsilon
@@ -222,7 +228,7 @@ class DPServer:
     """
     m = self.check_clients(m, t)
     q = m / self.population_size
-    if self.policy == ledger_lib.FIXED_SIZE:
+    if self.sampling == "fixed_size":
       self.query.set_sampling(self.population_size, q, m)
     else:
       self.query.set_sampling(self.population_size, q)
@@ -295,7 +301,7 @@ class DPServer:
     """
     return lookahead.PlannedSample(
         self.population_size, m / self.population_size, self.planned_events(),
-        policy=self.policy, sample_size=m if self.policy == ledger_lib.FIXED_SIZE else 0)
+        policy=self.policy, sample_size=m if self.sampling == "fixed_size" else 0)
 
   def would_exceed_budget(self, m, t=None):
     """Accounts the ledger plus a planned round of m clients (`lookahead.report_after`).

@@ -166,6 +166,33 @@ class BallsInBins(SamplingPolicy):
             "sensitivity S, each epoch started costs one mechanism)")
 
 
+class ClientPoisson(Poisson):
+  """Poisson sampling of clients (federated averaging, Geyer et al., "Differentially Private
+  Federated Learning: A Client Level Perspective", Section 2): a record is one client's model
+  update; add or remove one client."""
+  name = schema.CLIENT_POISSON
+  code = 9
+  unit = "client"
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"Poisson sampling of clients (q = {float(selection_probability):.4g} of K = "
+            f"{int(population_size)} clients; add/remove-one-client adjacency, sensitivity S "
+            "per client update)")
+
+
+class ClientFixedSize(FixedSize):
+  """m of K clients without replacement each round (federated averaging, Geyer et al.,
+  Section 2): a record is one client's model update; replace one client."""
+  name = schema.CLIENT_FIXED_SIZE
+  code = 10
+  unit = "client"
+
+  def describe(self, population_size, selection_probability, sample_size):
+    return (f"fixed-size samples of clients ({float(sample_size):g} of K = "
+            f"{int(population_size)} without replacement, independent across rounds; "
+            "replace-one-client adjacency, sensitivity 2S)")
+
+
 def register(policy):
   """Registers and returns a SamplingPolicy instance under its name and its code, which no
   other registered policy may have (`policy_base.check_policy` states the rest).
@@ -223,5 +250,5 @@ def by_code(code):
 
 
 for _cls in (Poisson, FixedSize, Shuffle, Full, CyclicPoisson, TruncatedPoisson, UserPoisson,
-             BallsInBins):
+             BallsInBins, ClientPoisson, ClientFixedSize):
   register(_cls())

@@ -111,7 +111,7 @@ class SamplingPolicy:
       reused or renumbered, since checkpoints store it (a new policy takes a new number).
     relation: `schema.ADD_OR_REMOVE` or `schema.REPLACE_ONE`, the neighbouring relation of
       the claim.
-    unit: the unit of privacy one record stands for, "example" or "user".
+    unit: the unit of privacy one record stands for, "example", "user" or "client".
     whole_size: sample_size must be a whole number in [1, n] (b, B, k).
     sized: sample_size must be in [1, n] (the batch of fixed_size / shuffle).
     covers: the correlated-noise row kinds ("banded", "matrix", "tree") its accounting covers;

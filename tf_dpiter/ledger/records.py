@@ -35,8 +35,8 @@ from tf_dpiter.ledger.schema import KIND_NAME as _KIND_NAME
 
 
 def unit_of_policy(policy):
-  """The unit of privacy, "user" or "example", that a registered policy's records stand for
-  (the policy object's `unit`; the selection marker: "example").
+  """The unit of privacy, "example", "user" or "client", that a registered policy's records
+  stand for (the policy object's `unit`; the selection marker: "example").
 
   Raises:
     PrivacyConfigError: an unknown policy.

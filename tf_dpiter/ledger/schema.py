@@ -26,8 +26,11 @@ TRUNCATED_POISSON = "truncated_poisson"  # sample_size = B, the static cap
 USER_POISSON = "user_poisson"            # the unit of privacy is the user
 BALLS_IN_BINS = "balls_in_bins"          # sample_size = k steps per epoch, q = 1 / k; epochs
                                          # counted as `passes`
+CLIENT_POISSON = "client_poisson"        # poisson, the unit of privacy a client (federated)
+CLIENT_FIXED_SIZE = "client_fixed_size"  # fixed_size, the unit of privacy a client (federated)
 # Not a sampling: the marker of a private selection (`ledger.selection`). Its code is reserved
-# (no policy may take it); the policies' codes are 0..7 (`policies`, pinned by a test).
+# (no policy may take it); the policies' codes are 0..7, 9 and 10 (`policies`, pinned by a
+# test).
 REPEAT_AND_SELECT = "repeat_and_select"
 REPEAT_AND_SELECT_CODE = 8
 # The largest code a policy may take (the rows are float64: exact far beyond it).
@@ -38,7 +41,7 @@ ADD_OR_REMOVE = "add_or_remove_one"
 REPLACE_ONE = "replace_one"
 RELATIONS = (ADD_OR_REMOVE, REPLACE_ONE)
 # Units of privacy a record can stand for.
-UNITS = ("example", "user")
+UNITS = ("example", "user", "client")
 
 # Query kinds (the rules of the correlated kinds are stated in `records`).
 GAUSSIAN, LAPLACE, NON_PRIVATE = 0, 1, 2
