@@ -36,14 +36,14 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.federated import queries as queries_lib
 from tf_dpiter.federated import server_journal
-from tf_dpiter.ledger import schema
 
 __all__ = ["SAMPLINGS", "DPServer", "sample_clients"]
 
 SAMPLINGS = ("fixed_size", "poisson")
 # The ledger policy of each sampling: its relation (replace one client / add or remove one) and
 # its unit, the client.
-CLIENT_POLICIES = {"fixed_size": schema.CLIENT_FIXED_SIZE, "poisson": schema.CLIENT_POISSON}
+CLIENT_POLICIES = {"fixed_size": ledger_lib.CLIENT_FIXED_SIZE,
+                   "poisson": ledger_lib.CLIENT_POISSON}
 
 
 def sample_clients(generator, population_size, m, sampling):

@@ -14,9 +14,9 @@ first use.
 import importlib
 
 from tf_dpiter.ledger.records import (
-    ADD_OR_REMOVE, BALLS_IN_BINS, FIXED_SIZE, FULL, POISSON, POLICIES, RELATIONS, REPLACE_ONE,
-    SHUFFLE, USER_POISSON, QueryRecord, SampleRun, relation_for_policy, run_length_encode,
-    sensitivity_factor)
+    ADD_OR_REMOVE, BALLS_IN_BINS, CLIENT_FIXED_SIZE, CLIENT_POISSON, FIXED_SIZE, FULL, POISSON,
+    POLICIES, RELATIONS, REPLACE_ONE, SHUFFLE, USER_POISSON, QueryRecord, SampleRun,
+    relation_for_policy, run_length_encode, sensitivity_factor)
 
 _LAZY = {
     "PrivacyLedger": "tf_dpiter.ledger.privacy_ledger",
@@ -26,7 +26,8 @@ _LAZY = {
 }
 
 __all__ = sorted(list(_LAZY) + [
-    "ADD_OR_REMOVE", "BALLS_IN_BINS", "FIXED_SIZE", "FULL", "POISSON", "POLICIES", "RELATIONS", "REPLACE_ONE",
+    "ADD_OR_REMOVE", "BALLS_IN_BINS", "CLIENT_FIXED_SIZE", "CLIENT_POISSON", "FIXED_SIZE", "FULL",
+    "POISSON", "POLICIES", "RELATIONS", "REPLACE_ONE",
     "SHUFFLE", "USER_POISSON", "QueryRecord", "SampleRun", "relation_for_policy", "run_length_encode",
     "sensitivity_factor"])
 

@@ -24,9 +24,9 @@ from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies
 from tf_dpiter.ledger import selection as _selection
 from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
-    ADD_OR_REMOVE, BALLS_IN_BINS, CYCLIC_POISSON, FIXED_SIZE, FORMAT_NAME, FORMAT_VERSION, FULL,
-    POISSON, POLICIES, RELATIONS, REPEAT_AND_SELECT, REPEAT_AND_SELECT_CODE, REPLACE_ONE,
-    SHUFFLE, TRUNCATED_POISSON, USER_POISSON)
+    ADD_OR_REMOVE, BALLS_IN_BINS, CLIENT_FIXED_SIZE, CLIENT_POISSON, CYCLIC_POISSON, FIXED_SIZE,
+    FORMAT_NAME, FORMAT_VERSION, FULL, POISSON, POLICIES, RELATIONS, REPEAT_AND_SELECT,
+    REPEAT_AND_SELECT_CODE, REPLACE_ONE, SHUFFLE, TRUNCATED_POISSON, USER_POISSON)
 from tf_dpiter.ledger.schema import (  # pylint: disable=unused-import  (re-exported)
     BANDED_GAUSSIAN, GAUSSIAN, LAPLACE, MATRIX_GAUSSIAN, NON_PRIVATE, QUERY_COLUMNS,
     SAMPLE_COLUMNS, TREE_GAUSSIAN)
