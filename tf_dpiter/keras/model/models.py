@@ -570,11 +570,6 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       return
     m = step.num_microbatches
     grouping = user_sampling.user_grouping(spec)
-    if ledger_policies.get(spec.policy).unit == "client":
-      raise PrivacyConfigError(
-          f"The data's sampling has policy {spec.policy!r}, whose record is a client's model "
-          "update: a Keras step clips examples. Train client-level DP with "
-          "dp.federated.DPFedAvg")
     if grouping is None and ledger_policies.get(spec.policy).unit == "user":
       raise PrivacyConfigError(
           f"The data's sampling has policy {spec.policy!r}, whose record is a user, but no "

@@ -449,22 +449,16 @@ class DPOptimizerBase:
       ParameterTypeError: `sample_size` (or n, q) is not a number, e.g. None.
       PrivacyConfigError: a value out of range, microbatches under add/remove, a sampling
         the mechanism is not accounted under, or a policy whose record is a user
-        ("user_poisson") or a client ("client_poisson", "client_fixed_size"): the step would
-        clip each example while the ledger states S per user or client.
+        ("user_poisson"), or a client ("client_poisson", "client_fixed_size":
+        `step_sampling.check_unit`): the step would clip each example while the ledger
+        states S per user or client.
     """
-    unit = ledger_policies.get(policy).unit
-    if unit == "user":
+    if ledger_policies.get(policy).unit == "user":
       raise PrivacyConfigError(validation.message(
           "policy", "a policy whose record is an example or a microbatch when declared by "
           "hand (the step would clip each example, while \"user_poisson\" states the "
           "sensitivity S per user). For user-level DP train with model.fit on "
           "dp.data.poisson_user_batches, which groups each user's rows into one record", policy))
-    if unit != "example":
-      raise PrivacyConfigError(validation.message(
-          "policy", f"a policy whose record is an example or a microbatch ({policy!r} makes "
-          f"a record of one {unit}: a Keras step clips examples, while a {unit}-level policy "
-          "states the sensitivity per client update). For client-level DP use "
-          "dp.federated.DPFedAvg, which records its rounds under these policies", policy))
     return self.private_step.set_sampling(population_size, selection_probability, policy,
                                           sample_size, steps_per_pass)
 

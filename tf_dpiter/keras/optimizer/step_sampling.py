@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_dpiter import ledger as ledger_lib
+from tf_dpiter import validation
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import policies as ledger_policies
 from tf_dpiter.ledger import records
@@ -90,10 +91,21 @@ def check_unit(step, policy):
   by up to 2S when one of its examples goes; for one user, the example phase saw each of
   the user's k examples: group privacy over k), so no statement covers their composition.
 
+  A Keras step's record is an example, a microbatch or (user-level data) a user, never a
+  client's model update: a client-unit policy ("client_poisson", "client_fixed_size", the
+  federated server's) is refused, declared by hand or by a dataset.
+
   Raises:
-    PrivacyConfigError: the ledger holds rows of another unit (the message says what to do).
+    PrivacyConfigError: a client-unit policy, or the ledger holds rows of another unit (the
+      message says what to do).
   """
   unit = ledger_policies.get(policy).unit
+  if unit == "client":
+    raise PrivacyConfigError(validation.message(
+        "policy", f"a policy whose record is an example, a microbatch or a user ({policy!r} "
+        "makes a record of one client: a Keras step clips examples, while a client-level "
+        "policy states the sensitivity per client update). For client-level DP use "
+        "dp.federated.DPFedAvg, which records its rounds under these policies", policy))
   others = recorded_units(step) - {unit}
   if others:
     other = sorted(others)[0]
