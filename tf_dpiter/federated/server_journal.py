@@ -35,7 +35,6 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.federated import queries as queries_lib
 from tf_dpiter.ledger import records as rec
-from tf_dpiter.ledger import schema
 
 # Queries whose first event's clip is the round's adapted clip S_t (recorded with each round).
 _ADAPTIVE_CLIP = (dpq.QuantileAdaptiveClipSumQuery, queries_lib.MedianNormClipSumQuery)
@@ -76,12 +75,6 @@ def _next_round(server):
   return rec.to_records(rec.run_length_encode(*scratch.get_arrays()))[0]
 
 
-# The policies a server recorded its rounds under before the client-unit policies (the same
-# rules, the unit stated as the example) -> the client-unit policy of the same sampling.
-_EXAMPLE_UNIT_NAMES = {schema.FIXED_SIZE: schema.CLIENT_FIXED_SIZE,
-                       schema.POISSON: schema.CLIENT_POISSON}
-
-
 def check_recipe(server, path):
   """Refuses a ledger holding rounds that a server of `server`'s recipe did not record
   (module docstring: policy, K, one client per record, no passes, the events, a fixed clip).
@@ -102,7 +95,9 @@ def check_recipe(server, path):
                              f"Received: ledger_journal={path!r}")
   expected = _next_round(server)
   for run in rec.to_records(rec.run_length_encode(samples, queries)):
-    if run.policy in _EXAMPLE_UNIT_NAMES and expected.policy in _EXAMPLE_UNIT_NAMES.values():
+    # before the client-unit policies a server recorded each round under the policy named
+    # as its sampling ("fixed_size", "poisson"), whose unit is the example
+    if run.policy == server.sampling != expected.policy:
       raise PrivacyConfigError(
           f"`ledger_journal` must hold rounds recorded with the client as the unit; {where} "
           f"were recorded under the policy {run.policy!r} (the unit stated: example), as "
