@@ -22,12 +22,12 @@ samples and the ledger `record(events)` writes them to.
 
 import json
 import math
-import os
 import typing
 
 import numpy as np
 import tensorflow as tf
 
+from tf_dpiter import files
 from tf_dpiter import validation
 from tf_dpiter.dp_query import correlated_events
 from tf_dpiter.dp_query import events as events_lib
@@ -747,18 +747,18 @@ class PrivacyLedger(tf.Module):
     return json.dumps(self.to_dict(key))
 
   def save_json(self, path, key=None):
-    """Writes the signed JSON file (atomically: a crash leaves the old file or the new one).
+    """Writes the signed JSON file (atomically: a crash leaves the old file or the new one,
+    `files.replaced`).
 
     Args:
-      path: destination file path (a `path`.tmp file is written, then renamed).
+      path: destination file path (written beside it under a temporary name, then renamed).
       key: optional HMAC key (str or bytes). Without it the file carries only a SHA-256
         digest, which detects accidents, not forgery (anyone can recompute it); with it,
         `load_json(path, key)` / `privacy_report(..., key=key)` refuse a forged file.
     """
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-      f.write(self.to_json(key))
-    os.replace(tmp, path)
+    text = self.to_json(key)
+    with files.replaced(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+      f.write(text)
 
   def __deepcopy__(self, memo):
     """A copy (`copy.deepcopy`, eager) is another ledger object, so another run from here on:

@@ -21,11 +21,13 @@ Treatment of what could leak around the clipping:
 
 import functools
 import inspect
+import os
 import warnings
 
 import keras
 import tensorflow as tf
 
+from tf_dpiter import files
 from tf_dpiter.data import sampling as sampling_lib
 from tf_dpiter.data import user_sampling
 from tf_dpiter.errors import ParameterTypeError
@@ -222,7 +224,9 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """keras.Model.save_weights, refused before the file is opened when the weights changed
     outside the DP optimizer (Keras opens the file for writing before the model's entry is
     written: a refusal from `save_own_variables` alone left an empty file in place of a
-    checkpoint already at `filepath`).
+    checkpoint already at `filepath`). A local `.weights.h5` file is written beside `filepath`
+    and renamed over it (`files.replaced`): a crash while it is written (ModelCheckpoint,
+    BackupAndRestore) leaves the earlier checkpoint, and the ledger it carries, whole.
 
     Args:
       filepath: the weights file.
@@ -237,10 +241,16 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         recorded update.
     """
     self._dp_check_saved_weights()
-    return super().save_weights(filepath, *args, **kwargs)
+    suffix = _atomic_suffix(keras.Model.save_weights, self, filepath, args, kwargs,
+                            (".weights.h5",))
+    if suffix is None:
+      return super().save_weights(filepath, *args, **kwargs)
+    with files.replaced(filepath, suffix) as tmp:
+      return super().save_weights(tmp, *args, **kwargs)
 
   def save(self, filepath, *args, **kwargs):
-    """keras.Model.save, refused before the file is opened as `save_weights` is.
+    """keras.Model.save, refused before the file is opened as `save_weights` is; a local
+    `.keras` or `.h5` file is replaced whole as `save_weights` replaces its file.
 
     Args:
       filepath: the model file.
@@ -255,7 +265,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         recorded update.
     """
     self._dp_check_saved_weights()
-    return super().save(filepath, *args, **kwargs)
+    suffix = _atomic_suffix(keras.Model.save, self, filepath, args, kwargs,
+                            (".keras", ".h5", ".hdf5"))
+    if suffix is None:
+      return super().save(filepath, *args, **kwargs)
+    with files.replaced(filepath, suffix) as tmp:
+      return super().save(tmp, *args, **kwargs)
 
   def get_weights(self):
     """keras.Model.get_weights; the values handed out are registered as released by the DP
@@ -916,6 +931,21 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
     check_no_batch_mixing(model)   # refused before anything changes
     keras_internals.replace_compiled_optimizer(model, dp_opt)
   return make_private(model), dp_opt
+
+
+def _atomic_suffix(method, model, filepath, args, kwargs, suffixes):
+  """The suffix under which `save` / `save_weights` write `filepath` through
+  `files.replaced`, or None to let Keras' `method` write it in place: a remote path, a format
+  Keras writes as a directory or in shards (`zipped=False`, `max_shard_size`), another
+  extension (Keras' own error then), or `overwrite=False` with a file already there (Keras
+  asks)."""
+  given = inspect.signature(method).bind(model, filepath, *args, **kwargs).arguments
+  path = str(filepath)
+  if (not files.is_local_file_path(filepath) or given.get("zipped") is False
+      or given.get("max_shard_size") is not None
+      or (not given.get("overwrite", True) and os.path.exists(path))):
+    return None
+  return next((s for s in suffixes if path.endswith(s)), None)
 
 
 def _unscaled(optimizer):
