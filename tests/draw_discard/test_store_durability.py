@@ -393,3 +393,41 @@ def test_a_file_system_without_flock_warns_and_keeps_the_anchor(tmp_path, monkey
   a.close()
   assert anchor_lib.Anchor(str(tmp_path / "a.anchor")).load()["seq"] == 4
   assert "state_file_not_locked" in caplog.text
+
+
+@pytest.mark.parametrize("fault", [RuntimeError("simulated fault after the write"),
+                                   asyncio.CancelledError()],
+                         ids=["fault", "cancelled"])
+def test_a_submit_interrupted_after_its_write_keeps_its_step_and_its_draws_count_once(fault):
+  """A submit that dies after its write reached the store (an unexpected error, or the
+  handler cancelled while the store's answer was on its way, e.g. at shutdown): the update
+  is stored, so its step stays in the identity's influence budget and the draws the write
+  carried are not queued to be counted again. Before: every exception but StoreUnavailable
+  refunded the step (budget count 0 for a stored update) and re-queued the draws (the store's
+  draw counter would count them twice)."""
+  from tf_dpiter.draw_discard import sybil
+
+  async def go():
+    svc = service.DDMLService(SPEC, 5, store_lib.MemoryStore(), seed=0, secret=SECRET,
+                              influence_steps=None)
+    await svc.startup()
+    real = svc.store.replace
+
+    async def lands_then_dies(*a, **kw):
+      await real(*a, **kw)
+      raise fault
+
+    svc.store.replace = lands_then_dies
+    h, ticket = await svc.draw_for("127.0.0.1")
+    svc._pending_draws = 3  # draws served since the last store call, carried by this write
+    drawn = (await svc.store.counters())["draws"]
+    with pytest.raises(type(fault)):
+      await svc.store_ticketed("127.0.0.1", parsing.Submission(
+          honest(SPEC, h, np.random.default_rng(5)), h, ticket))
+    counters = await svc.store.counters()
+    assert counters["seq"] == 1 and counters["draws"] == drawn + 3
+    assert svc._pending_draws == 0
+    assert svc.budget.state(sybil.budget_key("127.0.0.1", False))[0] == 1
+    await svc.shutdown()
+
+  asyncio.run(go())
