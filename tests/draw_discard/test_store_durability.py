@@ -431,3 +431,45 @@ def test_a_submit_interrupted_after_its_write_keeps_its_step_and_its_draws_count
     await svc.shutdown()
 
   asyncio.run(go())
+
+
+def _refused_replaces(k, p):
+  """replace() calls a store must refuse before writing anything: a wrong-shaped instance
+  (with a nonce and draws to carry) and slots outside 0..k-1."""
+  return [dict(i=0, w=np.zeros(p + 1), nonce="n0", draws=3), dict(i=0, w=np.zeros((1, p))),
+          dict(i=k, w=np.zeros(p)), dict(i=-1, w=np.zeros(p))]
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_refused_replace_writes_nothing(kind, request):
+  """replace() of a wrong-shaped instance or of a slot outside 0..k-1 raises
+  ParameterValueError before its first write. Before: the memory store marked the nonce
+  used, counted the draws and pushed the slot into the history, then failed on the write
+  (ValueError), and took slot k for a history row (written without error); the Redis store
+  sealed and stored a [p + 1] value, after which every read of the model failed its
+  integrity check (StoreCorrupt: the store lost for every server)."""
+  from tf_dpiter.errors import ParameterValueError
+
+  async def go(store):
+    svc = service.DDMLService(SPEC, 5, store, seed=0, secret=SECRET, influence_steps=None,
+                              history=2, tickets=False)
+    await svc.startup()
+    try:
+      before = await svc.store.snapshot()
+      before = (before.seq, before.slots.tobytes(), before.history.tobytes())
+      counters = await svc.store.counters()
+      for call in _refused_replaces(svc.k, svc.p):
+        with pytest.raises(ParameterValueError, match="`(w|i)` must be"):
+          await svc.store.replace(**call)
+      snap = await svc.store.snapshot()
+      assert (snap.seq, snap.slots.tobytes(), snap.history.tobytes()) == before
+      assert await svc.store.counters() == counters
+      assert await svc.store.replace(0, np.ones(svc.p), nonce="n0") == 1  # nonce not used up
+    finally:
+      await svc.shutdown()
+
+  if kind == "memory":
+    asyncio.run(go(store_lib.MemoryStore()))
+  else:
+    cluster = request.getfixturevalue("cluster")
+    asyncio.run(go(store_factory.make_store(cluster.url, cluster.prefix)))

@@ -276,6 +276,7 @@ class RedisStore(store_lib.Store):
                     nonce_ttl_s: float = 60.0, draws: int = 0,
                     rate: tuple | None = None) -> int:
     self._ok()
+    w = store_lib.check_instance(i, w, len(self._k_slots), self._p)
     if nonce is not None:
       self.guard.check_nonce(nonce)
     ident, half_life, max_steps = rate if rate is not None else ("-", 1.0, None)

@@ -20,6 +20,9 @@ import uuid
 
 import numpy as np
 
+from tf_dpiter import validation
+from tf_dpiter.errors import ParameterValueError
+
 
 COUNTERS = ("draws", "submits", "accepted", "rejected", "rejected_invalid")
 
@@ -97,6 +100,22 @@ class Snapshot:
   def centre(self) -> np.ndarray:
     """Mean of the k slots, [p] float64 (cached)."""
     return self.slots.mean(axis=0)
+
+
+def check_instance(i, w, k: int, p: int) -> np.ndarray:
+  """The [p] float64 instance `w` for slot `i` of a store of k slots, checked before a
+  replace writes anything.
+
+  Raises:
+    ParameterTypeError: `i` is not an integer.
+    ParameterValueError: `i` is not in 0..k-1, or `w` is not of shape [p].
+  """
+  validation.check_integer("i", i, 0, k - 1)
+  w = np.asarray(w, dtype=np.float64)
+  if w.shape != (p,):
+    raise ParameterValueError(f"`w` must be an instance of shape ({p},). Received: "
+                              f"w.shape={w.shape}")
+  return w
 
 
 META_KEYS = ("version", "k", "num_weights", "fingerprint", "history", "settings", "key_id")
@@ -183,6 +202,7 @@ class Store(abc.ABC):
       The new sequence number.
 
     Raises:
+      ParameterValueError: `i` is not in 0..k-1 or `w` is not of shape [p]; nothing written.
       TicketUsed: the nonce was used before, here or (Redis) by any server; nothing written.
       RateExceeded: over the identity's influence rate (Redis); nothing written.
       StoredNotAcknowledged: the anchor (anchor.py) cannot be written: the update is then
@@ -274,6 +294,7 @@ class MemoryStore(Store):
   async def replace(self, i: int, w: np.ndarray, nonce: str | None = None,
                     nonce_ttl_s: float = 60.0, draws: int = 0, rate: tuple | None = None) -> int:
     self._check()
+    w = check_instance(i, w, self._k, self._rows.shape[1])
     if nonce is not None:
       self._use_nonce(nonce, nonce_ttl_s)
     self._counters["draws"] += draws
