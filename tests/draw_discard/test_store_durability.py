@@ -473,3 +473,29 @@ def test_a_refused_replace_writes_nothing(kind, request):
   else:
     cluster = request.getfixturevalue("cluster")
     asyncio.run(go(store_factory.make_store(cluster.url, cluster.prefix)))
+
+
+def test_a_state_file_named_through_a_symlink_is_locked_as_itself(tmp_path):
+  """A second server given a symlink to the first's state file is refused like one given
+  the same path. Before: the lock was `<path given>.lock`, so the symlink's lock was another
+  file; both servers took theirs and wrote records into the one anchor (the newest counter
+  wins on load: the server behind could make the other's anchor read below a sequence
+  number it acknowledged, here 7 anchored by A, 5 loaded)."""
+  from tf_dpiter.draw_discard import anchor as anchor_lib
+  real, link = tmp_path / "a.anchor", tmp_path / "b.anchor"
+  a = anchor_lib.Anchor(str(real))
+  a.lock()
+  a.save("g", 7)
+  a.save("g", 7)  # the file exists, both records written: saves are in place from now on
+  link.symlink_to(real)
+  b = anchor_lib.Anchor(str(link))
+  try:
+    with pytest.raises(ValueError, match="in use by another server"):
+      b.lock()
+  finally:
+    b.close()
+  assert anchor_lib.Anchor(str(real)).load()["seq"] == 7
+  a.close()
+  b = anchor_lib.Anchor(str(link))  # A released it: the symlink's server may now use it
+  b.lock()
+  b.close()

@@ -8,10 +8,11 @@ of another generation unless it reset it itself, and, without an anchor file, a 
 already holds updates (unless `adopt=True`, `--adopt-store`). Every server start appends an
 epoch `id:seq` to the store; the anchor keeps the list's length n and last entry, so a
 rollback before the anchored seq followed by any server start breaks entry n - 1 or the
-order of later entries. A server holds an exclusive lock (flock) on `PATH.lock` from start-up
-to shutdown: a second server given the same state file is refused, since two writers of one
-anchor overwrite each other's records and can leave one below an acknowledged sequence
-number. Residual risk: docs/draw_discard_security.md, section 1.
+order of later entries. A server holds an exclusive lock (flock) on `PATH.lock` (PATH with
+its symlinks resolved) from start-up to shutdown: a second server given the same state file
+is refused, since two writers of one anchor overwrite each other's records and can leave one
+below an acknowledged sequence number. Residual risk: docs/draw_discard_security.md,
+section 1.
 """
 
 from __future__ import annotations
@@ -61,13 +62,15 @@ class Anchor:
   """The anchor file of one server.
 
   Args:
-    path: the file (created on the first save).
+    path: the file (created on the first save); symlinks are resolved once, here, so that
+      the lock, the reads and the writes are those of the file itself (two servers given
+      two names of one file are refused like two given one name).
     adopt: at start-up, accept the store as it is when the anchor is missing or records
       another generation (the operator's decision, e.g. a new server joining).
   """
 
   def __init__(self, path: str, adopt: bool = False):
-    self.path = path
+    self.path = os.path.realpath(path)
     self.adopt = bool(adopt)
     self._saved: tuple | None = None  # (generation, seq) on disk
     self._fd: int | None = None  # the file, open for in-place saves
