@@ -499,3 +499,36 @@ def test_a_state_file_named_through_a_symlink_is_locked_as_itself(tmp_path):
   b = anchor_lib.Anchor(str(link))  # A released it: the symlink's server may now use it
   b.lock()
   b.close()
+
+
+def test_sequence_numbers_reissued_by_a_running_peer_after_a_rollback_are_detected(
+    cluster, tmp_path):
+  """Server B runs throughout but makes no store call while A acknowledges updates 4..6;
+  Redis comes back at seq 3; B (high-water mark 0: it cannot see the rollback) re-issues
+  4..7 without restarting, so no epoch entry tells. A must refuse at its next start. Before:
+  A started on seq 7 >= 6 with its epoch entry intact and served the rolled-back store."""
+  a_file, b_file = str(tmp_path / "a.anchor"), str(tmp_path / "b.anchor")
+
+  async def updates(svc, n):
+    for _ in range(n):
+      h, ticket = await svc.draw_for("me")
+      await svc.store_ticketed("me", parsing.Submission(honest(SPEC, h, cluster.rng), h, ticket))
+
+  async def go():
+    a, b = cluster.svc(a_file), cluster.svc(b_file)
+    await a.startup()
+    await b.startup()
+    await updates(a, 3)
+    cluster.save()  # what Redis will come back with: seq 3
+    await updates(a, 3)  # acknowledged 4..6
+    await a.shutdown()
+    cluster.kill_and_restore()
+    with pytest.raises(store_lib.StoreUnavailable):  # B's connection to the old Redis
+      await b.draw_for("me")
+    await updates(b, 4)  # 4..7 re-issued
+    assert await b.store.touch() == 7
+    await b.shutdown()
+    with pytest.raises(store_lib.StoreRolledBack, match="re-issued"):
+      await cluster.svc(a_file).startup()
+
+  asyncio.run(go())

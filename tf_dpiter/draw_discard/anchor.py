@@ -8,11 +8,14 @@ of another generation unless it reset it itself, and, without an anchor file, a 
 already holds updates (unless `adopt=True`, `--adopt-store`). Every server start appends an
 epoch `id:seq` to the store; the anchor keeps the list's length n and last entry, so a
 rollback before the anchored seq followed by any server start breaks entry n - 1 or the
-order of later entries. A server holds an exclusive lock (flock) on `PATH.lock` (PATH with
-its symlinks resolved) from start-up to shutdown: a second server given the same state file
-is refused, since two writers of one anchor overwrite each other's records and can leave one
-below an acknowledged sequence number. Residual risk: docs/draw_discard_security.md,
-section 1.
+order of later entries. Each anchor file has a random id, and before each write the server
+raises its mark in the store (`<prefix>:mark:<generation>:<id>`) to the sequence number it
+records: a store that holds a lower mark than the anchor was rolled back, also when a peer
+that never restarted has re-issued the lost sequence numbers since. A server holds an
+exclusive lock (flock) on `PATH.lock` (PATH with its symlinks resolved) from start-up to
+shutdown: a second server given the same state file is refused, since two writers of one
+anchor overwrite each other's records and can leave one below an acknowledged sequence
+number. Residual risk: docs/draw_discard_security.md, section 1.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ class Anchor:
     self._waiters: list = []  # (seq, future) waiting for the next write
     self._writer: asyncio.Future | None = None
     self._lock_file = None  # PATH.lock, flocked while this server uses the anchor
+    self.id: str | None = None  # this anchor's mark in the store (load, or start: a new one)
 
   def lock(self) -> None:
     """Takes the exclusive lock of the anchor (`PATH.lock`, kept until `close`; the kernel
@@ -135,6 +139,7 @@ class Anchor:
       raise ParameterValueError(f"`state_file` {self.path!r} is not an anchor file; restore "
                                 "it, or remove it and start with --adopt-store")
     self._counter = max(self._counter, int(data.get("n", 0)))
+    self.id = data.get("id") or self.id
     return data
 
   def _refuse(self, what: str) -> None:
@@ -170,6 +175,11 @@ class Anchor:
     if seq < anchored:
       self._refuse(f"the store's sequence number is {seq}, below {anchored} recorded in "
                    f"{self.path!r} by this server: the store was rolled back while it was down")
+    mark = await store.anchor_mark(rec["id"]) if rec.get("id") else anchored
+    if anchored > 0 and (mark is None or mark < anchored):
+      self._refuse(f"the store's mark of this anchor is {mark}, below {anchored} recorded in "
+                   f"{self.path!r}: the store was rolled back and its sequence numbers "
+                   "re-issued")
     n = int(rec.get("epochs", 0))
     if n > 0:
       entries = await store.epoch_entries(n - 1)
@@ -193,6 +203,7 @@ class Anchor:
     self.lock()
     try:
       anchored = await self.check(store, wrote, reset)
+      self.id = self.id or uuid.uuid4().hex[:16]
       store.high_water = max(store.high_water, anchored)
       await store.epochs(new_epoch=uuid.uuid4().hex[:16])
       store.anchor = self
@@ -216,6 +227,8 @@ class Anchor:
       seq = max(seq, self._saved[1])
     data = {"generation": generation, "seq": int(seq), "epochs": int(epochs),
             "last_epoch": last_epoch}
+    if self.id:
+      data["id"] = self.id
     if self._fd is None and self._in_place():
       self._fd = os.open(self.path, os.O_RDWR)
     if self._fd is None:
@@ -281,7 +294,7 @@ class Anchor:
         batch, self._waiters = self._waiters, []
         target = max(s for s, _ in batch)
         try:
-          _, n, last = await store.epochs()
+          _, n, last = await store.epochs(mark=(self.id, target) if self.id else None)
           await asyncio.to_thread(self.save, store.generation, target, n, last)
         except (store_lib.StoreLost, store_lib.StoreUnavailable) as e:
           _settle(batch, e)

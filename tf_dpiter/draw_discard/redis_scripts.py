@@ -117,9 +117,15 @@ if not cs then return {-5} end
 return {cs, cur[3], due and 1 or 0}
 """
 
-# Epochs (anchor.py): KEYS gen, seq, epochs-list; ARGV gen, hw, a new epoch id ('' to only
-# read). Appends "<id>:<seq>" when given; returns {-1|-2|-4} or {seq, list length, last entry}.
-EPOCH = _checked(2, 2, table=True) + """if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3] .. ':' .. seq) end
+# Epochs (anchor.py): KEYS gen, seq, epochs-list, an anchor's mark; ARGV gen, hw, a new epoch
+# id ('' to only read), the sequence number the anchor is about to record ('' for none).
+# Raises the mark to that number (never lowers it), appends "<id>:<seq>" when given; returns
+# {-1|-2|-4} or {seq, list length, last entry}.
+EPOCH = _checked(2, 2, table=True) + """if ARGV[4] ~= '' then
+  local m = tonumber(redis.call('GET', KEYS[4]) or '-1')
+  if not m or tonumber(ARGV[4]) > m then redis.call('SET', KEYS[4], ARGV[4]) end
+end
+if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3] .. ':' .. seq) end
 local n = redis.call('LLEN', KEYS[3])
 local last = ''
 if n > 0 then last = redis.call('LINDEX', KEYS[3], -1) end

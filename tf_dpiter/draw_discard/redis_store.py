@@ -1,8 +1,8 @@
 """Shared k-instance store on Redis (several server processes, one model per key prefix).
 
 Keys: <prefix>:gen, :meta, :slot:<i>, :hist (replaced instances, newest first), :seq,
-:counters, :init (lock with expiry), :nonce:<hex> (used tickets, expiring), :epochs
-(anchor.py), :released (model_release.py). Every operation is one Lua script or MULTI transaction checking the generation
+:counters, :init (lock with expiry), :nonce:<hex> (used tickets, expiring), :epochs and
+:mark:<generation>:<anchor id> (anchor.py), :released (model_release.py). Every operation is one Lua script or MULTI transaction checking the generation
 and the sequence high-water mark (redis_scripts.py); values carry integrity tags
 (store_mac.py); used nonces and retired values are remembered (replay_guard.py). Faults are
 sticky until a restart. With an anchor, replace() returns once the new sequence number is on
@@ -307,19 +307,41 @@ class RedisStore(store_lib.Store):
         raise store_lib.StoredNotAcknowledged(str(e)) from e
     return seq
 
-  async def epochs(self, new_epoch: str | None = None) -> tuple[int, int, str]:
+  async def epochs(self, new_epoch: str | None = None,
+                   mark: tuple[str, int] | None = None) -> tuple[int, int, str]:
     """(sequence number, length of the epoch list, its last entry or "") of the store
-    (anchor.py), after appending `new_epoch` as "<id>:<seq>" (a server start; None: only read).
+    (anchor.py), after appending `new_epoch` as "<id>:<seq>" (a server start; None: only read)
+    and raising the mark of anchor `mark[0]` to `mark[1]`, the sequence number it is about to
+    record (`anchor_mark`; None: no mark).
 
     Raises:
       StoreLost, StoreRolledBack, StoreUnavailable.
     """
     self._ok()
     out = await self._call(self._epoch(
-        keys=[self._k("gen"), self._k("seq"), self._k("epochs")],
-        args=[self.generation, self.high_water, new_epoch or ""]))
+        keys=[self._k("gen"), self._k("seq"), self._k("epochs"),
+              self._k("mark", self.generation, mark[0] if mark else "-")],
+        args=[self.generation, self.high_water, new_epoch or "",
+              "" if mark is None else int(mark[1])]))
     seq = self._result(int(out[0]))
     return seq, int(out[1]), out[2].decode() if isinstance(out[2], bytes) else str(out[2])
+
+  async def anchor_mark(self, anchor_id: str) -> int | None:
+    """The highest sequence number anchor `anchor_id` recorded in this generation, as the
+    store holds it (`epochs`); None when the store holds none (anchor.py).
+
+    Raises:
+      StoreCorrupt: the mark is not an integer.
+      StoreUnavailable: Redis does not answer.
+    """
+    raw = await self._call(self._r.get(self._k("mark", self.generation, anchor_id)))
+    if raw is None:
+      return None
+    try:
+      return int(raw)
+    except ValueError:
+      self._fail(store_lib.StoreCorrupt(f"redis store prefix {self.prefix!r}: the mark of "
+                                        f"anchor {anchor_id} is not an integer"))
 
   async def epoch_entries(self, start: int) -> list[str]:
     """The "<id>:<seq>" entries of the epoch list from index `start` on (anchor.py).
