@@ -295,3 +295,27 @@ def test_submit_with_next_draw(start_service, quota):
       assert c.submit_and_draw(nxt, honest(SPEC, nxt.weights, rng))[0]["seq"] == 2
     else:
       assert nxt is None  # over the draw quota: the submit counts, no draw is served
+
+
+@pytest.mark.parametrize("fault", [store_lib.StoreUnavailable("redis: ConnectionError (simulated)"),
+                                   store_lib.StoreLost("redis: flushed (simulated)")],
+                         ids=["unavailable", "lost"])
+def test_a_stored_submit_whose_next_draw_fails_is_still_acknowledged(start_service, fault):
+  """submit?draw=raw: the update is stored, then the store fails the next draw's read. The
+  answer acknowledges the update (JSON {"accepted": true, "seq": n}, no draw), like a submit
+  over the draw quota. Before: 503 store_unavailable / store_lost ("retry") for a stored
+  update, so a caller retrying `update` trained and sent the same records a second time."""
+  svc = service.DDMLService(SPEC, K, store_lib.MemoryStore(), tokens=auth.TokenSet([TOKEN]),
+                            seed=0)
+  srv = start_service(svc)
+
+  async def store_fails(seq):
+    raise fault
+
+  with client_lib.DDMLClient(srv.url, token=TOKEN, insecure=True) as c:
+    d = c.draw()
+    svc.snapshots.at = store_fails
+    answer, nxt = c.submit_and_draw(d, honest(SPEC, d.weights, np.random.default_rng(3)))
+  assert answer == {"accepted": True, "seq": 1} and nxt is None
+  counters = srv.call(svc.store.counters())
+  assert counters["seq"] == 1 and counters["accepted"] == 1

@@ -312,10 +312,17 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         raise await self._refuse(admission.rule_refusal(self.rule, decision.reason))
       seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
     self.metrics.inc("accepted_total", help_text="stored updates")
-    if request.query.get("draw") == "raw" and await self._may_draw(request):
+    snap = None
+    if request.query.get("draw") == "raw":
       # the next round's draw in the same answer (one request per update in steady state);
-      # the replace just checked the generation and returned seq: no extra store call
-      snap = await self.snapshots.at(seq)
+      # the replace just checked the generation and returned seq: no extra store call. The
+      # update is stored: a store fault now leaves the answer an acknowledgement, no draw
+      try:
+        snap = await self.snapshots.at(seq) if await self._may_draw(request) else None
+      except (store_lib.StoreUnavailable, store_lib.StoreLost):
+        self.metrics.inc("next_draw_failed_total",
+                         help_text="stored submits answered without their next draw")
+    if snap is not None:
       self._pending_draws += 1
       w = self._gated_draw(snap)
       return http_io.raw_weights_response(
