@@ -266,10 +266,11 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       self._pending_draws += draws
       raise
     except BaseException as e:
-      if sent and not isinstance(e, (store_lib.TicketUsed, store_lib.RateExceeded)):
-        # the write was sent and nothing says it was refused (a fault or a cancellation
-        # after it): it may be stored, so the budget keeps the step and the draws it carried
-        # are not queued to be counted again
+      if sent and not isinstance(e, (store_lib.TicketUsed, store_lib.RateExceeded,
+                                     ParameterValueError)):
+        # the write was sent and nothing says it was refused before writing (a fault or a
+        # cancellation after it): it may be stored, so the budget keeps the step and the
+        # draws it carried are not queued to be counted again
         raise
       # nothing stored: the reservation and the draws go back
       self.admission.release(adm)
