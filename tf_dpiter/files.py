@@ -60,8 +60,7 @@ def replaced(path, suffix=""):
     with contextlib.suppress(FileNotFoundError):
       os.remove(tmp)
     raise
-  with contextlib.suppress(OSError):   # a directory some file systems cannot open or sync
-    _fsync(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+  _fsync(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))   # the rename itself
 
 
 def _fsync(path, flags):

@@ -29,6 +29,7 @@ import logging
 import os
 import uuid
 
+from tf_dpiter import files
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 
@@ -221,7 +222,7 @@ class Anchor:
     n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
     other intact; n advances only when the write succeeded, so the save after a failed one
     overwrites the same slot again. The file itself is created (or converted from one JSON object) by writing
-    a temporary file, fsyncing it, renaming it and fsyncing the directory.
+    a temporary file, fsyncing it, renaming it and fsyncing the directory (`files.replaced`).
     """
     if self._saved is not None and self._saved[0] == generation:
       seq = max(seq, self._saved[1])
@@ -232,17 +233,8 @@ class Anchor:
     if self._fd is None and self._in_place():
       self._fd = os.open(self.path, os.O_RDWR)
     if self._fd is None:
-      tmp = self.path + ".tmp"
-      with open(tmp, "wb") as f:
+      with files.replaced(self.path) as tmp, open(tmp, "wb") as f:
         f.write(_record(data, 0) + b" " * (_REC - 1) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, self.path)
-      dir_fd = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
-      try:
-        os.fsync(dir_fd)
-      finally:
-        os.close(dir_fd)
       self._counter = 0  # the record just written: slot 0, n = 0
       self._fd = os.open(self.path, os.O_RDWR)
     else:
