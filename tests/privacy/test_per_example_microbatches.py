@@ -22,6 +22,18 @@ from tests.privacy import privacy_joins
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
 
+# Nightly (`-m slow`): the jit_compile=True case. Which records a step forms
+# (num_microbatches = B as one example per record) is decided by the same Python at trace time
+# in both modes: [False] asserts it by default on the same probe model, Poisson batches larger
+# than B included (max(sizes) > b). The XLA side is asserted by default elsewhere:
+# tests/keras/test_step_oracle.py covers num_microbatches=B with jit=True
+# ([model=conv-clipping=vectorized-jit=True-micro=8-...]) and with padded Poisson rows
+# ([model=conv-clipping=fast-jit=False-micro=8-physical=None-padding=True-policy=poisson-...]),
+# each step equal to the per-record reference; tests/privacy/test_policy_matrix.py::
+# test_participations_never_exceed_the_ledgers_claim[poisson-xla_compiled_draw] the Poisson
+# joins under XLA with the noise drawn inside the program.
+SLOW_CASES = {"test_steps_join_examples_as_poisson_one_record_each[True]"}
+
 
 def _fit_small(microbatches, batch_size=16, **fit_kwargs):
   """A short Poisson-or-not fit of the small model: (model, ledger dict)."""
