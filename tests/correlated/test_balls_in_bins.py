@@ -17,6 +17,12 @@ from tf_dpiter.data import sampling
 from tf_dpiter.ledger import ledger_file
 from tf_dpiter.ledger import records as rec
 
+# Nightly (`-m slow`): z = 0.5. test_recorded_bound_covers_the_exact_mixture_and_poisson_would_
+# not[0.3333333333333333-1.0] stays by default: the same branch (z < 1), the same two
+# assertions (the ledger's PLD bound >= the exact two-step delta; per-step Poisson below 0.95
+# of it), at less noise, where the gap Poisson misses is the larger; [2.0-1.0] keeps z >= 1.
+SLOW_CASES = {"test_recorded_bound_covers_the_exact_mixture_and_poisson_would_not[0.5-1.0]"}
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 

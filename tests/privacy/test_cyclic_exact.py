@@ -27,6 +27,13 @@ from tests.privacy import privacy_joins  # noqa: E402
 
 DELTA = 1e-3
 
+# Nightly (`-m slow`): the (n 8, b 2, q 1/2, z 1) pair. test_exact_delta_of_a_neighbouring_
+# pair_is_at_most_the_claim[16-4-0.5-2.0] stays by default: the same q < 1 branch (the real
+# cyclic Poisson pipeline over 2 fits of 5 steps, joins at most ceil(T / b) and >= b steps
+# apart, the exact subsampled delta by quadrature at the ledger's epsilon <= DELTA), with
+# more groups; [8-2-1.0-1.0] keeps q = 1 (the closed form).
+SLOW_CASES = {"test_exact_delta_of_a_neighbouring_pair_is_at_most_the_claim[8-2-0.5-1.0]"}
+
 
 def _law(values, groups, b, q):
   """Exact law {(sum at step 0, ..., sum at step b-1): probability} of one cycle."""
