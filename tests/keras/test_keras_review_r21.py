@@ -34,6 +34,14 @@ SLOW_CASES = {
     "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-traced_copy]",
     "test_a_copy_of_a_traced_loops_weights_keeps_its_run[statement-eager_copy]",
     "test_a_copy_of_a_loaded_dp_models_backbone_keeps_the_files_run[load_weights]"}
+# Nightly too: the float16 cast of a whole model's weights (this module's xfail until review
+# R28). tests/keras/test_copied_weights_review_r28.py::test_a_cast_or_transposed_copy_keeps_
+# its_run[float16] stays by default: the same fix (R28's dtype-invariant keys), a DP fit's
+# float32 weights cast to float16 by set_weights into a float16 DP layer, the copy's 1 step
+# charged the source's steps too (3 + 1), with more checks (epsilon as dp-accounting by hand,
+# the source charged its own 3); and ...::test_a_cast_copy_between_fits_keeps_the_steps_it_saw
+# the float16 copy of a DP model's get_weights.
+SLOW_CASES |= {"test_a_copy_cast_to_float16_keeps_its_run"}
 
 
 def _traced_run(steps, check=False):
