@@ -11,6 +11,14 @@ from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
 from tf_dpiter.errors import ParameterTypeError
 
+# Nightly (`-m slow`): the XLA case with the noise drawn inside the compiled program. [False]
+# keeps one sample per train step, (population 64, q 1/8) and the query's own (S, z S) row by
+# default; tests/keras/test_xla_noise_inside.py::test_compiled_and_plain_steps_write_the_same_
+# ledger keeps the compiled step (jit_compile=True, compiled_noise=True, two single-step fits)
+# writing one sample per step (2) whose sample and query rows are equal, bit for bit, to the
+# plain step's after the same fits.
+SLOW_CASES = {"test_one_ledger_sample_per_step_with_the_querys_own_event[True]"}
+
 
 def _declared_optimizer(z=1.3, clip=0.7):
   opt = dp.keras.DPKerasSGDOptimizer(clip, z, learning_rate=0.1)
