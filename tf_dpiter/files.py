@@ -9,9 +9,14 @@ flushes the directory, so at every instant the path holds a whole file.
 """
 
 import contextlib
+import errno
 import os
 import re
 import secrets
+
+# flock's errors on a file system that has no such lock (NFS without a lock manager, ...):
+# a caller that locks a file (draw_discard/anchor.py, ledger/journal.py) goes on unlocked.
+NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 # Paths that are not files of this machine's file system (Keras' remote patterns: GCS, HDFS,
 # any URL): written as they were, in place.

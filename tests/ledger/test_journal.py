@@ -9,6 +9,7 @@ import pytest
 from tf_dpiter import accounting
 from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
+from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
 from tests.ledger import forgery
 
@@ -173,3 +174,30 @@ def _write(tmp_path, d):
   path = os.path.join(tmp_path, "forged.json")
   open(path, "w").write(json.dumps(d))
   return path
+
+
+def test_a_second_writer_appending_at_the_same_instant_is_refused(tmp_path):
+  """One writer per journal, also at the same instant: another process holding the append's
+  lock (between its check of the file and its fsync) makes this append refuse, the file
+  unchanged; once it is gone the append goes on and the chain reads back whole. Before the
+  lock, two writers that both found the file as they left it both appended: a forked chain."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  led, j = _journal(tmp_path)
+  with open(j.path, "rb") as f:
+    before = f.read()
+  holder = subprocess.Popen(
+      [sys.executable, "-c", "import fcntl, sys; f = open(sys.argv[1], 'ab'); "
+       "fcntl.flock(f.fileno(), fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()",
+       j.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    _steps(led, 2)
+    with pytest.raises(PrivacyConfigError, match="being appended to by another writer"):
+      j.append(led)
+    with open(j.path, "rb") as f:
+      assert f.read() == before
+  finally:
+    holder.communicate("", timeout=60)
+  assert j.append(led) == 2
+  assert L.LedgerJournal(j.path).resume(L.PrivacyLedger()) == 11

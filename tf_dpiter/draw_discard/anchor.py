@@ -21,7 +21,6 @@ number. Residual risk: docs/draw_discard_security.md, section 1.
 from __future__ import annotations
 
 import asyncio
-import errno
 import fcntl
 import hashlib
 import json
@@ -34,7 +33,6 @@ from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 
 log = logging.getLogger(__name__)
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
 _FIELDS = ("generation", "seq")
 _REC = 256  # bytes per record; the file holds two
@@ -108,7 +106,7 @@ class Anchor:
           f"anchor can record a sequence number below an acknowledged one. Received: "
           f"state_file={self.path!r}") from e
     except OSError as e:
-      if e.errno not in _NO_LOCKS:
+      if e.errno not in files.NO_FLOCK_ERRNOS:
         f.close()
         raise
       log.warning(json.dumps({"event": "state_file_not_locked", "errno": e.errno,

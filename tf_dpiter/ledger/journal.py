@@ -26,16 +26,20 @@ iterations. Steps taken after the restored checkpoint and cut from the journal c
 from steps never taken: keep the journal on append-only storage when that matters.
 
 One writer per journal: an append refuses a file whose size or last bytes are not the ones its
-journal last read or wrote (another process appended, or the file was cut or replaced), so two
-runs or servers on one file cannot each leave out the other's steps; a last line torn by a
+journal last read or wrote (another process appended, or the file was cut or replaced), and
+holds an exclusive flock on the file from that check to its fsync (a second writer at the same
+instant is refused), so two runs or servers on one file cannot each leave out the other's
+steps; a last line torn by a
 crash (whatever bytes the file system left past the last line end), dropped by `read`, is cut
 off at the next append.
 """
 
+import fcntl
 import json
 import os
 import warnings
 
+from tf_dpiter import files
 from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.errors import PrivacyConfigError
 from tf_dpiter.ledger import ledger_file
@@ -247,23 +251,26 @@ class LedgerJournal:
     if (total <= self._written and passes == self._passes_written and self._seq > 0
         and (iterations is None or (self._iterations or 0) >= iterations)):
       return 0
-    self._check_unchanged()
-    samples, queries, passes, table = self._new_rows(ledger, passes)
-    chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes,
-                                       grouping=ledger.cyclic_grouping)
-    chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
-    if table is not None:
-      chunk[TABLE_FIELD] = [list(e) for e in table]
-    if iterations is not None:
-      chunk["iterations"] = iterations
-      self._chunk_iterations.add(iterations)
-    chunk = ledger_file.sign(chunk, self.key)
-    if self._torn_at is not None:   # the torn line `read` dropped, else the chunk joins it
-      os.truncate(self.path, self._torn_at)
-      self._size, self._torn_at = self._torn_at, None
-      self._tail = self._file_tail(self._size)
-    line = (json.dumps(chunk, separators=(",", ":")) + "\n").encode()
+    # the check and the write under one lock: two writers that both found the file as they
+    # left it cannot both append (each ledger would miss the other's steps)
     with open(self.path, "ab") as f:
+      _lock_for_append(f, self.path)
+      self._check_unchanged()
+      samples, queries, passes, table = self._new_rows(ledger, passes)
+      chunk = ledger_file.arrays_to_dict(samples, queries, passes=passes,
+                                         grouping=ledger.cyclic_grouping)
+      chunk.update({"seq": self._seq, "start": self._written, "prev": self._last_digest})
+      if table is not None:
+        chunk[TABLE_FIELD] = [list(e) for e in table]
+      if iterations is not None:
+        chunk["iterations"] = iterations
+        self._chunk_iterations.add(iterations)
+      chunk = ledger_file.sign(chunk, self.key)
+      if self._torn_at is not None:   # the torn line `read` dropped, else the chunk joins it
+        os.truncate(self.path, self._torn_at)
+        self._size, self._torn_at = self._torn_at, None
+        self._tail = self._file_tail(self._size)
+      line = (json.dumps(chunk, separators=(",", ":")) + "\n").encode()
       f.write(line)
       f.flush()
       os.fsync(f.fileno())
@@ -340,6 +347,29 @@ class LedgerJournal:
     with open(self.path, "rb") as f:
       f.seek(max(size - _TAIL, 0))
       return f.read(min(size, _TAIL))
+
+
+def _lock_for_append(f, path):
+  """Takes the exclusive lock (flock, released when `f` closes) of the journal file `f` that
+  an append holds from its check of the file to its fsync (none on a file system without
+  flock: the size and tail check alone then).
+
+  Raises:
+    PrivacyConfigError: another writer holds it (two runs or servers appending to one
+      journal at the same instant).
+  """
+  try:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    if e.errno in files.NO_FLOCK_ERRNOS:   # a file system without flock: the size check alone, as before
+      return
+    if not isinstance(e, BlockingIOError):
+      raise
+    raise PrivacyConfigError(
+        f"ledger journal {path!r} is being appended to by another writer (two runs or "
+        "servers on one journal: each ledger would miss the other's steps). Refusing to "
+        "append (the step's result is not released). Run one writer per journal, then "
+        f"restart on it. Received: path={path!r}") from e
 
 
 def _chunk_table(chunk, samples, passes):
