@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from keras.src.saving import saving_lib
 
-import tf_dpiter as dp
 import tf_dpiter.keras  # noqa: F401  registers the DP classes for keras.models.load_model
+from tests.privacy import crash_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, BATCH = 64, 16   # 4 Poisson steps an epoch
@@ -50,12 +50,8 @@ model.fit(x, y, batch_size=16, epochs=3, callbacks=[checkpoint], verbose=0)
 
 
 def model_and_data():
-  """A small DP model (compiled, built) and its data."""
-  keras.utils.set_random_seed(0)
-  model = dp.keras.DPSequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-                                 keras.layers.Dense(3)])
-  model.compile(optimizer=dp.keras.DPKerasSGDOptimizer(1.0, 1.1, learning_rate=0.1),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  """A small DP model (compiled, built: crash_worker's, the kill -9 test's) and its data."""
+  model = crash_worker._model()  # pylint: disable=protected-access
   rng = np.random.RandomState(0)
   return model, rng.randn(N, 6).astype("float32"), rng.randint(0, 3, N)
 
