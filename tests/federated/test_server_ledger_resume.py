@@ -158,15 +158,46 @@ def test_an_altered_journal_is_refused(tmp_path):
 
 
 def test_a_line_torn_by_a_crash_is_dropped_with_a_warning(tmp_path):
-  # The append is fsynced before the round's sum leaves the server: a torn last line is a
-  # round whose result was never released.
-  path = tmp_path / "server.journal"
-  _run_rounds(_server(path), [1, 2, 3], np.random.default_rng(6))
+  # The append is fsynced before the round's sum leaves the server, and the tally is written
+  # after the line: a crash that tore the last line left the tally at the rounds before it.
+  path, tally = tmp_path / "server.journal", tmp_path / "server.journal.tally"
+  server, rng = _server(path), np.random.default_rng(6)
+  _run_rounds(server, [1, 2], rng)
+  before = tally.read_text()
+  _run_rounds(server, [3], rng)
   text = path.read_text()
   path.write_text(text[:-40])
+  with pytest.raises(PrivacyConfigError, match="holds 2 chunks but its tally .* counts 3"):
+    _server(path)                # the tally saw the line whole: a cut after the fact
+  tally.write_text(before)       # what a crash inside the third append leaves
   with pytest.warns(RuntimeWarning, match="cut by a crash"):
     server = _server(path)
   assert server.resumed_rounds == 2
+
+
+def test_rounds_cut_from_the_end_or_an_older_copy_are_refused(tmp_path):
+  """Whole rounds cut from the journal's end leave a valid chain: its tally (the count of
+  chunks and the last digest, outside the journal) tells them from rounds never run. Before
+  the tally a restart resumed the 2 rounds left and charged 2 of 4."""
+  path, tally = tmp_path / "server.journal", tmp_path / "server.journal.tally"
+  server, rng = _server(path), np.random.default_rng(8)
+  _run_rounds(server, [1, 2], rng)
+  two = path.read_text()
+  _run_rounds(server, [3, 4], rng)
+  lines = _journal_lines(path)
+  assert json.loads(tally.read_text())["chunks"] == 4
+  path.write_text("".join(lines[:2]))                       # rounds 3 and 4 cut
+  with pytest.raises(PrivacyConfigError, match="holds 2 chunks but its tally .* counts 4"):
+    _server(path)
+  path.unlink()                                             # the journal removed whole
+  with pytest.raises(PrivacyConfigError, match="holds 0 chunks .* remove both files"):
+    _server(path)
+  path.write_text("".join(lines))                          # restored: resumes all four
+  assert _server(path).resumed_rounds == 4
+  tally.write_text(json.dumps({"chunks": 2, "digest": "0" * 64}))   # another journal's tally
+  path.write_text(two)
+  with pytest.raises(PrivacyConfigError, match="ends with another chunk than its tally"):
+    _server(path)
 
 
 def test_without_a_journal_nothing_is_written_or_resumed(tmp_path, monkeypatch):

@@ -19,8 +19,12 @@ and m_t are recorded with the round (schedules change them) and are not compared
 clip (quantile, median) restarts from the query's initial clip, and the server model w_t from
 the `initial_weights` given (the journal holds the ledger, not the model).
 
-Limits: whole chunks cut from the journal's end cannot be told from rounds never run
-(`ledger.journal`): keep it on append-only storage. One server per journal: a second one on
+Cuts: the journal keeps a tally beside it (`PATH.tally`, `ledger.LedgerJournal(tally=True)`:
+the number of rounds' chunks and the last one's digest, replaced whole after every append), so
+whole rounds cut from the journal's end, or an older copy of it put in place, are refused at
+the restart. Limits: a journal cut together with its tally (both restored from one older
+backup, or the tally deleted) cannot be told from rounds never run: keep them on
+append-only storage. One server per journal: a second one on
 the same file is refused at its first append, before its sum leaves (`ledger.journal`). A
 query or sampler built with a seed (tests only: not private) draws the same noise and
 clients again after a restart.
@@ -58,7 +62,7 @@ def resume(server, path, key=None):
   """
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
     raise ParameterValueError(validation.message("ledger_journal", "a file path", path))
-  journal = ledger_lib.LedgerJournal(path, key=key)
+  journal = ledger_lib.LedgerJournal(path, key=key, tally=True)
   rounds = journal.resume(server.ledger)
   check_recipe(server, os.fspath(path))
   return journal, rounds

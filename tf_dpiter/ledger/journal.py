@@ -62,11 +62,17 @@ class LedgerJournal:
   Args:
     path: the journal file (created on the first append).
     key: optional str/bytes: each chunk also carries an HMAC under it.
+    tally: keep the tally `PATH.tally` beside the journal (the number of chunks and the last
+      chunk's digest, replaced whole after every append): `read` then refuses a journal that
+      holds fewer chunks than the tally counts, or other ones (whole chunks cut from its end,
+      or an older copy put in place). A federated server's journal has one; a step's append
+      stays one fsync without it.
   """
 
-  def __init__(self, path, key=None):
+  def __init__(self, path, key=None, tally=False):
     self.path = os.fspath(path)
     self.key = key
+    self.tally = bool(tally)
     self._written = 0          # samples already in the file
     self._last_digest = None
     self._seq = 0
@@ -109,6 +115,7 @@ class LedgerJournal:
     self._tail = b""
     self._seen = None
     if not os.path.exists(self.path):
+      self._check_tally()   # a journal removed whole beside its tally
       return (*rec.runs_to_arrays([]), 0)
     with open(self.path, "rb") as f:   # bytes: only b"\n" ends a line, a torn tail may hold any
       data = f.read()
@@ -144,7 +151,33 @@ class LedgerJournal:
     if self._table is None and self._fresh is not None and (
         self._fresh[0][1:] == (self._written, passes)):   # not appended since the resume
       self._table = self._fresh
+    self._check_tally()
     return (*rec.runs_to_arrays(runs), passes)
+
+  def _check_tally(self):
+    """Refuses a journal that holds fewer chunks than its tally counts, or a last chunk other
+    than the tally's at its count (`tally`). A tally behind the journal is a crash between
+    the append and the tally's write: the journal holds more, nothing is lost.
+
+    Raises:
+      PrivacyConfigError: the journal was cut or replaced by an older copy.
+    """
+    if not self.tally or not os.path.exists(self.path + ".tally"):
+      return
+    with open(self.path + ".tally", encoding="utf-8") as f:
+      tally = json.load(f)
+    chunks, digest = int(tally["chunks"]), tally["digest"]
+    if chunks > self._seq or (chunks == self._seq and digest != self._last_digest):
+      what = (f"holds {self._seq} chunks but its tally {self.path + '.tally'!r} counts "
+              f"{chunks}" if chunks > self._seq else f"ends with another chunk than its tally "
+              f"{self.path + '.tally'!r} records (digest {digest[:16]}...)")
+      raise PrivacyConfigError(
+          f"ledger journal {self.path!r} {what}: whole "
+          "chunks were cut from its end, or an older copy was put in its place, and the rounds "
+          "they held would no longer be charged. Refusing to resume. Restore the complete "
+          "journal; if it is lost, the run's epsilon must be computed from every round taken, "
+          "not from this journal (to start a new run, remove both files). Received: "
+          f"path={self.path!r}")
 
   def _where(self, i):
     return f"ledger journal {self.path!r} line {i + 1}"
@@ -274,6 +307,9 @@ class LedgerJournal:
       f.write(line)
       f.flush()
       os.fsync(f.fileno())
+      if self.tally:   # still under the lock: the tally of the chunk just made durable
+        with files.replaced(self.path + ".tally") as tmp, open(tmp, "w", encoding="utf-8") as t:
+          json.dump({"chunks": self._seq + 1, "digest": chunk["digest"]}, t)
     self._size += len(line)
     self._tail = (self._tail + line)[-_TAIL:]
     self._written += int(samples.shape[0])
