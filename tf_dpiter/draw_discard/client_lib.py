@@ -9,9 +9,10 @@ checked on every submit path: a weaker spec raises PrivacyFloorError and nothing
 
 from __future__ import annotations
 
+import asyncio
 import http.client
-import json
 import ssl
+import time
 import urllib.parse
 
 import numpy as np
@@ -23,28 +24,82 @@ from tf_dpiter.errors import ParameterValueError
 from tf_dpiter.draw_discard.client_floor import (  # re-exported: public names
     PAPER_EPSILON, PrivacyFloor, PrivacyFloorError)
 from tf_dpiter.draw_discard.client_wire import (  # re-exported: public names
-    DDMLError, Drawn, client_ssl_context)
+    DDMLError, Drawn, SubmitOutcomeUnknown, client_ssl_context)
 
 __all__ = ["PAPER_EPSILON", "PrivacyFloor", "PrivacyFloorError", "DDMLError", "Drawn",
-           "client_ssl_context", "DDMLClient", "AsyncDDMLClient"]
+           "SubmitOutcomeUnknown", "client_ssl_context", "DDMLClient", "AsyncDDMLClient"]
+
+# the answer of a resent submit that found its ticket used: an earlier send stored it
+_RESENT = {"accepted": True, "seq": None, "resent": True}
 
 
-def _ticket_used(body: bytes) -> bool:
-  """Whether an error answer's JSON code is "ticket_used"."""
-  try:
-    return json.loads(body).get("error") == "ticket_used"
-  except (ValueError, AttributeError):
-    return False
+def _ticketed(drawn) -> bool:
+  """Whether a submit of `drawn` carries a draw ticket (a resend of it cannot be stored twice)."""
+  return isinstance(drawn, Drawn) and bool(drawn.ticket)
+
+
+class _Settle:
+  """What a submit's answers say so far, shared by both clients.
+
+  A ticketed submit whose outcome is unknown (503 outcome_unknown, 500 internal_error, or
+  the connection lost after the request was sent) is resent, the same bytes with the same
+  ticket, at most `resends` times: the store marks a ticket used with the write of its
+  update, so a resend can never store it twice. A 409 ticket_used answer to a resend means
+  that an earlier send stored it. Without a ticket nothing dedupes a resend: only a lost
+  connection is resent, once (as before), and a 503 outcome_unknown is raised as
+  SubmitOutcomeUnknown.
+  """
+
+  def __init__(self, ticketed: bool, max_resends: int):
+    self.ticketed = ticketed
+    self.resends = max_resends if ticketed else 1
+    self.maybe_stored, self.sends, self.cause, self.cause_error = False, 0, "", None
+    self.wait_s = 0.0
+
+  def lost(self, e: BaseException, attempt: int) -> None:
+    """The connection failed after the request was (maybe) sent."""
+    self.maybe_stored, self.cause, self.cause_error = True, f"{type(e).__name__}: {e}", e
+    self.wait_s = wire.resend_wait_s(None, True, attempt)
+
+  def not_sent(self, e: BaseException) -> None:
+    """The connection could not be opened: nothing was sent."""
+    self.cause, self.cause_error, self.wait_s = f"{type(e).__name__}: {e}", e, 0.5
+
+  def answered(self, status: int, data: bytes, retry_after: str | None, attempt: int) -> str:
+    """"answer" (the caller decodes or raises it), "stored" (a resend found its ticket
+    used), "resend" or "give_up" (raise self.unknown())."""
+    if status < 400:
+      return "answer"
+    code = wire.error_code(data)
+    if self.maybe_stored and status == 409 and code == "ticket_used":
+      return "stored"
+    if code == wire.OUTCOME_UNKNOWN or (self.ticketed and code in wire.MAYBE_STORED_CODES):
+      self.maybe_stored = True
+    if not self.maybe_stored:
+      return "answer"  # an error answer of a submit that stored nothing
+    self.cause, self.cause_error = f"HTTP {status} {code}", None
+    if not (self.ticketed and code in wire.RESEND_AGAIN_CODES):
+      return "give_up"
+    self.wait_s = wire.resend_wait_s(retry_after, False, attempt)
+    return "resend"
+
+  def unknown(self) -> SubmitOutcomeUnknown:
+    return SubmitOutcomeUnknown(self.sends, self.cause)
 
 
 class DDMLClient:
   """Blocking client.
 
-  A request whose connection fails is sent once more. A submit resent that way and answered
-  409 ticket_used was stored by its first send (the server marks a ticket used only with the
-  write of its update; each Drawn is submitted once): it returns {"accepted": True, "seq": None, "resent": True} rather than
+  A request whose connection fails is sent once more. A ticketed submit whose outcome is
+  unknown (503 outcome_unknown: the store's answer to its write was lost; 500; or the
+  connection lost after it was sent) is resent, the same submission with the same ticket,
+  at most `max_resends` times. A resend answered 409 ticket_used was stored by an earlier
+  send (the server marks a ticket used only with the write of its update; each Drawn is
+  submitted once): it returns {"accepted": True, "seq": None, "resent": True} rather than
   an error, so that the caller does not train again on the same records (a second update of
-  the same data would spend its epsilon twice).
+  the same data would spend its epsilon twice and count twice in the model). When the
+  resends do not settle it, SubmitOutcomeUnknown: the update may be stored, do not send it
+  again.
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -57,17 +112,19 @@ class DDMLClient:
     max_delta: the PrivacyFloor's largest Gaussian delta.
     max_total_epsilon: the PrivacyFloor's largest weights x epsilon (None: none).
     insecure: allow sending the token over http://.
+    max_resends: resends of a ticketed submit whose outcome is unknown (an integer >= 0).
 
   Raises:
-    ParameterValueError: for a bad URL or floor, or a token with an http:// URL.
+    ParameterValueError: for a bad URL, floor or max_resends, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, timeout: float = 30.0, *, token: str | None = None,
                cafile: str | None = None, ssl_context: ssl.SSLContext | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
                max_delta: float = 1e-5, insecure: bool = False,
-               max_total_epsilon: float | None = None):
+               max_total_epsilon: float | None = None, max_resends: int = 3):
     wire.check_token_transport(base_url, token, insecure)
+    self.max_resends = wire.check_max_resends(max_resends)
     u = urllib.parse.urlparse(base_url)
     if u.scheme not in ("http", "https") or not u.hostname:
       raise ParameterValueError(f"base_url must be http(s)://host:port, got {base_url!r}")
@@ -102,9 +159,6 @@ class DDMLClient:
           self.last_ticket = r.getheader("X-DDML-Ticket")
           self._seq_header = r.getheader("X-DDML-Seq")
           return r.getheader("X-DDML-Version"), data
-        if attempt and r.status == 409 and _ticket_used(data) and path.startswith("/v1/submit"):
-          # the first send's answer was lost; its ticket is used only by a stored update
-          return {"accepted": True, "seq": None, "resent": True}
         return wire.answer_or_raise(r.status, data, r.getheader("Retry-After"))
       except (http.client.HTTPException, ConnectionError):
         self._conn.close()
@@ -112,6 +166,58 @@ class DDMLClient:
         if attempt:
           raise
     raise AssertionError("unreachable")
+
+  def _submit(self, path: str, body: bytes, headers: dict | None, ticketed: bool):
+    """(response, body) of a submit's final answer, or None when a resend found its ticket
+    used (stored by an earlier send); resends as in the class docstring.
+
+    Raises:
+      SubmitOutcomeUnknown: when a send may have been stored and the resends did not settle
+        it.
+      ConnectionError, http.client.HTTPException: when no send reached the server.
+    """
+    st = _Settle(ticketed, self.max_resends)
+    for attempt in range(st.resends + 1):
+      if attempt and st.wait_s > 0:
+        time.sleep(st.wait_s)
+      if self._conn is None:
+        self._conn = self._connect()
+      try:
+        if self._conn.sock is None:
+          self._conn.connect()
+      except (http.client.HTTPException, ConnectionError) as e:  # nothing sent
+        self.close()
+        st.not_sent(e)
+        continue
+      try:
+        st.sends += 1
+        self._conn.request("POST", path, body=body,
+                           headers=wire.request_headers(self._token, headers, True))
+        r = self._conn.getresponse()
+        data = r.read()
+      except (http.client.HTTPException, ConnectionError, TimeoutError) as e:
+        self.close()
+        if isinstance(e, TimeoutError) and not ticketed:
+          raise  # a resend without a ticket could be stored twice
+        st.lost(e, attempt)
+        continue
+      step = st.answered(r.status, data, r.getheader("Retry-After"), attempt)
+      if step == "answer":
+        return r, data
+      if step == "stored":
+        return None
+      if step == "give_up":
+        break
+    if st.maybe_stored:
+      raise st.unknown() from st.cause_error
+    raise st.cause_error
+
+  def _submit_answer(self, body: bytes, headers: dict | None, ticketed: bool) -> dict:
+    got = self._submit("/v1/submit", body, headers, ticketed)
+    if got is None:
+      return dict(_RESENT)
+    r, data = got
+    return wire.answer_or_raise(r.status, data, r.getheader("Retry-After"))
 
   def draw(self) -> Drawn:
     """A Drawn: an instance (raw encoding) with its spec (fetched once per version).
@@ -141,16 +247,18 @@ class DDMLClient:
       weights: the updated instance.
 
     Returns:
-      {"accepted": True, "seq": n}; {"accepted": True, "seq": None, "resent": True} when the
-      answer was lost and the resend found the ticket used (see the class docstring).
+      {"accepted": True, "seq": n}; {"accepted": True, "seq": None, "resent": True} when an
+      answer was lost and a resend found the ticket used (see the class docstring).
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
+      SubmitOutcomeUnknown: the update may be stored and the resends did not settle it: do
+        not send it, nor an update of the same records, again.
       DDMLError: for an error answer.
     """
     self._check_floor(drawn)
     body, headers = wire.submit_request(drawn, weights)
-    return self._request("POST", "/v1/submit", body, headers)
+    return self._submit_answer(body, headers, _ticketed(drawn))
 
   def _check_floor(self, drawn) -> None:
     self.floor.check(drawn.spec if isinstance(drawn, Drawn) else self.spec())
@@ -164,20 +272,19 @@ class DDMLClient:
 
     Returns:
       ({"accepted": True, "seq": n}, the next Drawn), or (answer, None) when the server
-      gave no draw (draw quota).
+      gave no draw (draw quota) or a resend found the ticket used (as `submit`).
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
+      SubmitOutcomeUnknown: as `submit`.
       DDMLError: for an error answer.
     """
     self._check_floor(drawn)
-    if self._conn is None:
-      self._conn = self._connect()
     body, headers = wire.submit_request(drawn, weights)
-    self._conn.request("POST", "/v1/submit?draw=raw", body=body,
-                       headers=wire.request_headers(self._token, headers, True))
-    r = self._conn.getresponse()
-    data = r.read()
+    got = self._submit("/v1/submit?draw=raw", body, headers, _ticketed(drawn))
+    if got is None:
+      return dict(_RESENT), None
+    r, data = got
     if r.status >= 400 or r.getheader("Content-Type", "").startswith("application/json"):
       return wire.answer_or_raise(r.status, data, r.getheader("Retry-After")), None
     v = r.getheader("X-DDML-Version")
@@ -193,14 +300,15 @@ class DDMLClient:
       weights: the updated instance.
 
     Returns:
-      {"accepted": True, "seq": n}.
+      {"accepted": True, "seq": n}, or as `submit` after a resend.
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
+      SubmitOutcomeUnknown: as `submit`.
       DDMLError: for an error answer.
     """
     self._check_floor(drawn)
-    return self._request("POST", "/v1/submit", wire.json_submit_body(drawn, weights))
+    return self._submit_answer(wire.json_submit_body(drawn, weights), None, _ticketed(drawn))
 
   def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """Draw -> privacy floor check -> Algorithm 1 on (records, y) -> submit.
@@ -211,10 +319,15 @@ class DDMLClient:
       rng: noise generator (default: fresh OS entropy).
 
     Returns:
-      The server's answer ({"accepted": true, "seq": n}).
+      The server's answer ({"accepted": true, "seq": n}), or {"accepted": True, "seq": None,
+      "resent": True} when an answer was lost and a resend of the same submission found it
+      stored (`submit`). An update whose outcome is unknown is resent with its ticket, never
+      drawn and trained again.
 
     Raises:
       PrivacyFloorError: when the served spec is weaker than the floor (nothing is sent).
+      SubmitOutcomeUnknown: the update may be stored: do not call update again with the
+        same records (a second update of them spends their epsilon twice).
       DDMLError: for an error answer.
     """
     drawn = self.draw()
@@ -263,7 +376,9 @@ class DDMLClient:
 
 
 class AsyncDDMLClient:
-  """aiohttp client; share one per event loop (it pools connections).
+  """aiohttp client; share one per event loop (it pools connections). A ticketed submit whose
+  outcome is unknown is resent as by DDMLClient (same submission, same ticket, at most
+  `max_resends` times; SubmitOutcomeUnknown when that does not settle it).
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -276,17 +391,19 @@ class AsyncDDMLClient:
     max_delta: the PrivacyFloor's largest Gaussian delta.
     max_total_epsilon: the PrivacyFloor's largest weights x epsilon (None: none).
     insecure: allow sending the token over http://.
+    max_resends: resends of a ticketed submit whose outcome is unknown (an integer >= 0).
 
   Raises:
-    ParameterValueError: for a bad floor, or a token with an http:// URL.
+    ParameterValueError: for a bad floor or max_resends, or a token with an http:// URL.
   """
 
   def __init__(self, base_url: str, session=None, timeout: float = 30.0, *,
                token: str | None = None, cafile: str | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
                max_delta: float = 1e-5, insecure: bool = False,
-               max_total_epsilon: float | None = None):
+               max_total_epsilon: float | None = None, max_resends: int = 3):
     wire.check_token_transport(base_url, token, insecure)
+    self.max_resends = wire.check_max_resends(max_resends)
     import aiohttp  # pylint: disable=g-import-not-at-top
     self._base = base_url.rstrip("/")
     self._own = session is None
@@ -310,6 +427,47 @@ class AsyncDDMLClient:
         return r.headers.get("X-DDML-Version"), data
       return wire.answer_or_raise(r.status, data, r.headers.get("Retry-After"))
 
+  async def _submit(self, body: bytes, headers: dict, ticketed: bool) -> dict:
+    """The answer of a submit, resent as in the class docstring.
+
+    Raises:
+      SubmitOutcomeUnknown: when a send may have been stored and the resends did not settle
+        it.
+      DDMLError: for an error answer of a submit that stored nothing.
+      aiohttp.ClientError, asyncio.TimeoutError: when no send reached the server, or the
+        connection was lost after a submit without a ticket.
+    """
+    import aiohttp  # pylint: disable=g-import-not-at-top
+    st = _Settle(ticketed, self.max_resends)
+    h = wire.request_headers(self._token, headers, True)
+    for attempt in range(st.resends + 1):
+      if attempt and st.wait_s > 0:
+        await asyncio.sleep(st.wait_s)
+      try:
+        st.sends += 1
+        async with self._session.request("POST", self._base + "/v1/submit", data=body,
+                                         headers=h) as r:
+          status, retry_after, data = r.status, r.headers.get("Retry-After"), await r.read()
+      except aiohttp.ClientConnectorError as e:  # the connection was not opened: not sent
+        st.sends -= 1
+        st.not_sent(e)
+        continue
+      except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        if not ticketed:
+          raise  # a resend without a ticket could be stored twice
+        st.lost(e, attempt)
+        continue
+      step = st.answered(status, data, retry_after, attempt)
+      if step == "answer":
+        return wire.answer_or_raise(status, data, retry_after)
+      if step == "stored":
+        return dict(_RESENT)
+      if step == "give_up":
+        break
+    if st.maybe_stored:
+      raise st.unknown() from st.cause_error
+    raise st.cause_error
+
   async def draw(self) -> Drawn:
     """As DDMLClient.draw.
 
@@ -329,19 +487,22 @@ class AsyncDDMLClient:
 
     Raises:
       PrivacyFloorError: when the spec of the draw is weaker than the floor (nothing sent).
+      SubmitOutcomeUnknown: as DDMLClient.submit.
       DDMLError: for an error answer.
     """
     spec = drawn.spec if isinstance(drawn, Drawn) else glm.ModelSpec.from_dict(
         await self._request("GET", "/v1/spec"))
     self.floor.check(spec)
     body, headers = wire.submit_request(drawn, weights)
-    return await self._request("POST", "/v1/submit", body, headers)
+    return await self._submit(body, headers, _ticketed(drawn))
 
   async def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
-    """As DDMLClient.update (checks the privacy floor before training).
+    """As DDMLClient.update (checks the privacy floor before training; an update whose
+    outcome is unknown is resent with its ticket, never drawn and trained again).
 
     Raises:
       PrivacyFloorError: as DDMLClient.update.
+      SubmitOutcomeUnknown: as DDMLClient.update.
       DDMLError: as DDMLClient.update.
     """
     drawn = await self.draw()

@@ -32,6 +32,59 @@ class DDMLError(RuntimeError):
     self.retry_after = retry_after
 
 
+class SubmitOutcomeUnknown(DDMLError):
+  """A ticketed submit whose outcome stayed unknown: a send may have been stored (503
+  outcome_unknown, a server fault, or the connection lost after the request was sent) and
+  the client's resends of the same submission with the same ticket did not settle it. The
+  update may be stored: do not send it again, and do not train on the same records for a
+  new draw (a second update of the same data spends its epsilon twice and counts twice in
+  the model). .status 503, .code "outcome_unknown", .attempts: the sends made."""
+
+  def __init__(self, attempts: int, cause: str):
+    super().__init__(503, OUTCOME_UNKNOWN,
+                     f"the update may be stored: {attempts} send(s) of the same submission "
+                     f"did not settle whether the server stored it (last: {cause}); do not send "
+                     "it again, nor train on the same records for a new draw")
+    self.attempts = attempts
+
+
+OUTCOME_UNKNOWN = "outcome_unknown"
+# a first answer meaning that the submit may be stored (with a ticket: resend it)
+MAYBE_STORED_CODES = frozenset({OUTCOME_UNKNOWN, "internal_error"})
+# answers to a resend that leave an earlier send's outcome unknown and may change
+RESEND_AGAIN_CODES = MAYBE_STORED_CODES | {"store_unavailable", "too_many_connections"}
+MAX_RESEND_WAIT_S = 5.0
+
+
+def check_max_resends(max_resends) -> int:
+  """`max_resends` as an int >= 0 (resends of a submit whose outcome is unknown).
+
+  Raises:
+    ParameterValueError: for anything else.
+  """
+  if isinstance(max_resends, bool) or not isinstance(max_resends, int) or max_resends < 0:
+    raise ParameterValueError("`max_resends` must be an integer >= 0 (resends of a submit "
+                              f"whose outcome is unknown). Received: max_resends={max_resends!r}")
+  return int(max_resends)
+
+
+def error_code(body: bytes) -> str | None:
+  """The JSON "error" code of an error answer's body, or None."""
+  try:
+    d = json.loads(body)
+  except ValueError:
+    return None
+  return d.get("error") if isinstance(d, dict) else None
+
+
+def resend_wait_s(retry_after: str | None, after_connection_loss: bool, attempt: int) -> float:
+  """Seconds to wait before resending a submit: its Retry-After (at most MAX_RESEND_WAIT_S);
+  none after the first lost connection (a stale keep-alive one), then 0.5 s."""
+  if retry_after and retry_after.isdigit():
+    return min(float(retry_after), MAX_RESEND_WAIT_S)
+  return 0.0 if after_connection_loss and attempt == 0 else 0.5
+
+
 @dataclasses.dataclass
 class Drawn:
   """A drawn instance: model version, spec, flat weights and its draw ticket (tickets.py)."""

@@ -16,7 +16,10 @@ Errors are JSON {"error": code, "message": ...}: 400 malformed / missing_ticket 
 401/403 token / invalid_ticket, 408 slow body, 409 wrong version / ticket_expired /
 ticket_used, 413, 415, 422 wrong shape or refused, 429 quotas (Retry-After), 503 store_lost /
 store_unavailable / too_many_connections / influence_table_full / update_not_acknowledged
-(stored, but the anchor could not be written: counted in the influence budget). The server keeps no record
+(stored, but the anchor could not be written: counted in the influence budget) /
+outcome_unknown (the write was sent and its answer lost: maybe stored, counted in the
+influence budget; resend the same submission with the same ticket, a 409 ticket_used then
+means it was stored once; never send the records again under a new draw). The server keeps no record
 of which instance was drawn. With tickets=False any of the k instances and the last
 `history` replaced ones may be the pre-image (acceptance.check).
 """
@@ -261,7 +264,10 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       if sent and not isinstance(e, store_lib.StoreRefused):
         # stored (StoredNotAcknowledged) or maybe stored (a timeout after the write was
         # sent): the budget keeps the step, the draws are not counted twice; 503
-        raise
+        # update_not_acknowledged, or 503 outcome_unknown (resend with the same ticket)
+        if isinstance(e, (store_lib.StoredNotAcknowledged, store_lib.WriteOutcomeUnknown)):
+          raise
+        raise store_lib.WriteOutcomeUnknown(str(e)) from e
       self.admission.release(adm)
       self._pending_draws += draws
       raise
@@ -311,7 +317,13 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       decision = await self._decide(sub.weights)
       if not decision.accepted:
         raise await self._refuse(admission.rule_refusal(self.rule, decision.reason))
-      seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
+      try:
+        seq = await self.store.replace(secrets.randbelow(self.k), sub.weights)
+      except store_lib.StoreUnavailable as e:  # sent: refused before writing, or unknown
+        if isinstance(e, (store_lib.StoreRefused, store_lib.StoredNotAcknowledged,
+                          store_lib.WriteOutcomeUnknown)):
+          raise
+        raise store_lib.WriteOutcomeUnknown(str(e)) from e
     self.metrics.inc("accepted_total", help_text="stored updates")
     snap = None
     if request.query.get("draw") == "raw":

@@ -70,6 +70,13 @@ class StoredNotAcknowledged(StoreUnavailable):
   caller must count it as stored (influence budget, ticket) although the client gets 503."""
 
 
+class WriteOutcomeUnknown(StoreUnavailable):
+  """replace() sent the write and then failed without saying whether it landed (a timeout or a
+  dropped connection after the write was sent): the update may be stored. The service keeps
+  its step in the influence budget and answers 503 outcome_unknown; the client resends the
+  same submission with the same ticket (its nonce makes a second write impossible)."""
+
+
 class RateExceeded(RuntimeError):
   """replace() refused: the identity's influence rate across all servers is used up."""
 

@@ -122,6 +122,16 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
     return json_error(503, "update_not_acknowledged",
                       "the update is in the store but this server could not record it durably; "
                       "its ticket is used: do not send it again", headers={"Retry-After": "1"})
+  except store_lib.WriteOutcomeUnknown as e:
+    svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
+    svc.metrics.inc("outcome_unknown_total",
+                    help_text="submits whose store write was sent and its answer lost")
+    log_event(log, "submit_outcome_unknown", logging.WARNING, every_s=10.0, detail=str(e))
+    return json_error(503, "outcome_unknown",
+                      "the store may hold this update (its write was sent, the answer was "
+                      "lost): resend the same submission with the same ticket (409 ticket_used "
+                      "then means it was stored once); never send these records again under a "
+                      "new draw", headers={"Retry-After": "1"})
   except store_lib.StoreUnavailable as e:
     svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
     log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
