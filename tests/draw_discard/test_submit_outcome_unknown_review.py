@@ -23,11 +23,12 @@ SPEC = cli.dense_spec(6, epsilon=1.0, gamma=0.01)
 TIMEOUT = "redis: TimeoutError (simulated, after the write was sent)"
 
 
-def _service(writes):
+def _service(writes, **kw):
   """A service whose store.replace follows `writes`, one entry per call: "lands_then_times_out"
-  (the write lands, then StoreUnavailable), "times_out" (nothing lands, StoreUnavailable) or
-  "ok"; calls past the list are "ok". Records each call's nonce and counts the draws."""
-  svc = service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0, influence_steps=None)
+  (the write lands, then StoreUnavailable), "times_out" (nothing lands, StoreUnavailable),
+  or "ok"; calls past the list are "ok". Records each call's nonce and counts the draws."""
+  kw.setdefault("influence_steps", None)
+  svc = service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0, **kw)
   real, calls, draws = svc.store.replace, [], []
 
   async def replace(i, w, nonce=None, *a, **kw):
@@ -94,6 +95,7 @@ def test_the_server_answers_outcome_unknown_for_a_write_that_may_have_landed(sta
   import json
   answer = json.loads(data)
   assert status == 503 and answer["error"] == "outcome_unknown" and hdrs["Retry-After"]
+  assert answer["resend"] == "same_ticket"
   assert "same ticket" in answer["message"]
   # the same submission again: its ticket is used, the store holds it once
   status, _, data = http_request(s.port, "POST", "/v1/submit", body, headers)
@@ -149,3 +151,44 @@ def test_submit_and_draw_after_a_write_that_landed_then_timed_out_is_stored_once
     answer, nxt = c.submit_and_draw(d, u)
   assert answer == {"accepted": True, "seq": None, "resent": True} and nxt is None
   assert s.call(svc.store.counters())["seq"] == 1 and len(calls) == 2
+
+
+def test_without_tickets_an_unknown_outcome_is_raised_and_not_resent(start_service):
+  """Without tickets nothing dedupes a resend: the server says so ("resend": "never") and the
+  client raises SubmitOutcomeUnknown without resending."""
+  svc, calls, _ = _service(["lands_then_times_out"], tickets=False)
+  s = start_service(svc)
+  rng = np.random.default_rng(10)
+  with BoundClient(s.url, "127.0.0.1") as c:
+    d = c.draw()
+    assert d.ticket  # issued also without tickets, which the server then does not check
+    from tf_dpiter.draw_discard import client
+    u = client.spec_update(d.spec, d.weights, *_records(rng), rng=rng)
+    with pytest.raises(client_lib.SubmitOutcomeUnknown, match="may be stored"):
+      c.submit(d, u)
+  assert len(calls) == 1 and s.call(svc.store.counters())["seq"] == 1
+
+
+def test_a_submit_whose_answer_times_out_is_reported_as_maybe_stored(start_service):
+  """The server stores the update and answers after the client's timeout: the client does
+  not know that the server dedupes by ticket, so it does not resend, and raises
+  SubmitOutcomeUnknown (before: a bare TimeoutError, which a caller would retry with a new
+  draw and a second update of the same records)."""
+  svc, calls, draws = _service([])
+  original, slow = svc.handle_submit, []
+
+  async def stored_then_slow(request):
+    resp = await original(request)
+    if not slow:
+      slow.append(1)
+      await asyncio.sleep(2.0)
+    return resp
+
+  svc.handle_submit = stored_then_slow
+  s = start_service(svc)
+  rng = np.random.default_rng(11)
+  with BoundClient(s.url, "127.0.0.1", timeout=0.5) as c:
+    with pytest.raises(client_lib.SubmitOutcomeUnknown, match="may be stored"):
+      c.update(*_records(rng), rng=rng)
+  assert len(calls) == 1 and len(draws) == 1
+  assert s.call(svc.store.counters())["seq"] == 1

@@ -41,46 +41,53 @@ def _ticketed(drawn) -> bool:
 class _Settle:
   """What a submit's answers say so far, shared by both clients.
 
-  A ticketed submit whose outcome is unknown (503 outcome_unknown, 500 internal_error, or
-  the connection lost after the request was sent) is resent, the same bytes with the same
-  ticket, at most `resends` times: the store marks a ticket used with the write of its
-  update, so a resend can never store it twice. A 409 ticket_used answer to a resend means
-  that an earlier send stored it. Without a ticket nothing dedupes a resend: only a lost
-  connection is resent, once (as before), and a 503 outcome_unknown is raised as
-  SubmitOutcomeUnknown.
+  A 503 outcome_unknown answer means that the submit may be stored. With "resend":
+  "same_ticket" (a server that requires tickets: it marks a ticket used with the write of
+  its update, so a resend cannot store it twice) and a Drawn with a ticket, the same bytes
+  are resent, at most `max_resends` times (also after a lost connection or a timeout); a
+  409 ticket_used answer to a resend means that an earlier send stored it. Otherwise only
+  a lost connection is resent, once, as before (a server without tickets does not dedupe),
+  and a send that may be stored ends in SubmitOutcomeUnknown, never in a new draw.
   """
 
   def __init__(self, ticketed: bool, max_resends: int):
-    self.ticketed = ticketed
-    self.resends = max_resends if ticketed else 1
+    self.ticketed, self.max_resends = ticketed, max_resends
+    self.dedupes = False  # the server said that a resend with this ticket is stored at most once
     self.maybe_stored, self.sends, self.cause, self.cause_error = False, 0, "", None
     self.wait_s = 0.0
 
-  def lost(self, e: BaseException, attempt: int) -> None:
-    """The connection failed after the request was (maybe) sent."""
-    self.maybe_stored, self.cause, self.cause_error = True, f"{type(e).__name__}: {e}", e
-    self.wait_s = wire.resend_wait_s(None, True, attempt)
+  def _may_resend(self, attempt: int) -> bool:
+    return attempt < (self.max_resends if self.dedupes else 1)
 
-  def not_sent(self, e: BaseException) -> None:
-    """The connection could not be opened: nothing was sent."""
+  def not_sent(self, e: BaseException, attempt: int) -> bool:
+    """The connection could not be opened (nothing sent): whether to try again."""
     self.cause, self.cause_error, self.wait_s = f"{type(e).__name__}: {e}", e, 0.5
+    return self._may_resend(attempt)
+
+  def lost(self, e: BaseException, attempt: int, timed_out: bool) -> bool:
+    """The connection was lost, or timed out, after the request was (maybe) sent: whether
+    to resend (a timeout only to a server that dedupes by ticket)."""
+    self.maybe_stored, self.cause, self.cause_error = True, f"{type(e).__name__}: {e}", e
+    self.wait_s = 0.0 if attempt == 0 else 0.5  # the first: maybe a stale keep-alive
+    return (self.dedupes or not timed_out) and self._may_resend(attempt)
 
   def answered(self, status: int, data: bytes, retry_after: str | None, attempt: int) -> str:
     """"answer" (the caller decodes or raises it), "stored" (a resend found its ticket
     used), "resend" or "give_up" (raise self.unknown())."""
     if status < 400:
       return "answer"
-    code = wire.error_code(data)
+    code, resend = wire.error_fields(data)
     if self.maybe_stored and status == 409 and code == "ticket_used":
       return "stored"
-    if code == wire.OUTCOME_UNKNOWN or (self.ticketed and code in wire.MAYBE_STORED_CODES):
+    if code == wire.OUTCOME_UNKNOWN:
       self.maybe_stored = True
+      self.dedupes = self.dedupes or (self.ticketed and resend == "same_ticket")
     if not self.maybe_stored:
       return "answer"  # an error answer of a submit that stored nothing
     self.cause, self.cause_error = f"HTTP {status} {code}", None
-    if not (self.ticketed and code in wire.RESEND_AGAIN_CODES):
+    if not (self.dedupes and code in wire.RESEND_AGAIN_CODES and self._may_resend(attempt)):
       return "give_up"
-    self.wait_s = wire.resend_wait_s(retry_after, False, attempt)
+    self.wait_s = wire.resend_wait_s(retry_after)
     return "resend"
 
   def unknown(self) -> SubmitOutcomeUnknown:
@@ -90,16 +97,17 @@ class _Settle:
 class DDMLClient:
   """Blocking client.
 
-  A request whose connection fails is sent once more. A ticketed submit whose outcome is
-  unknown (503 outcome_unknown: the store's answer to its write was lost; 500; or the
-  connection lost after it was sent) is resent, the same submission with the same ticket,
-  at most `max_resends` times. A resend answered 409 ticket_used was stored by an earlier
-  send (the server marks a ticket used only with the write of its update; each Drawn is
-  submitted once): it returns {"accepted": True, "seq": None, "resent": True} rather than
-  an error, so that the caller does not train again on the same records (a second update of
-  the same data would spend its epsilon twice and count twice in the model). When the
-  resends do not settle it, SubmitOutcomeUnknown: the update may be stored, do not send it
-  again.
+  A request whose connection fails is sent once more. A submit answered 503 outcome_unknown
+  (the store's answer to its write was lost) by a server that requires tickets ("resend":
+  "same_ticket") is resent, the same submission with the same ticket, at most `max_resends`
+  times (also after a lost connection or a timeout). A resend answered 409 ticket_used was
+  stored by an earlier send (the server marks a ticket used only with the write of its
+  update; each Drawn is submitted once): it returns {"accepted": True, "seq": None,
+  "resent": True} rather than an error, so that the caller does not train again on the same
+  records (a second update of the same data would spend its epsilon twice and count twice
+  in the model). A submit that may be stored and is not settled that way (the resends run
+  out, a server without tickets, a timeout) raises SubmitOutcomeUnknown: do not send it, nor
+  an update of the same records, again.
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -177,7 +185,8 @@ class DDMLClient:
       ConnectionError, http.client.HTTPException: when no send reached the server.
     """
     st = _Settle(ticketed, self.max_resends)
-    for attempt in range(st.resends + 1):
+    attempt = 0
+    while True:
       if attempt and st.wait_s > 0:
         time.sleep(st.wait_s)
       if self._conn is None:
@@ -187,8 +196,10 @@ class DDMLClient:
           self._conn.connect()
       except (http.client.HTTPException, ConnectionError) as e:  # nothing sent
         self.close()
-        st.not_sent(e)
-        continue
+        if st.not_sent(e, attempt):
+          attempt += 1
+          continue
+        break
       try:
         st.sends += 1
         self._conn.request("POST", path, body=body,
@@ -197,10 +208,10 @@ class DDMLClient:
         data = r.read()
       except (http.client.HTTPException, ConnectionError, TimeoutError) as e:
         self.close()
-        if isinstance(e, TimeoutError) and not ticketed:
-          raise  # a resend without a ticket could be stored twice
-        st.lost(e, attempt)
-        continue
+        if st.lost(e, attempt, isinstance(e, TimeoutError)):
+          attempt += 1
+          continue
+        break
       step = st.answered(r.status, data, r.getheader("Retry-After"), attempt)
       if step == "answer":
         return r, data
@@ -208,6 +219,7 @@ class DDMLClient:
         return None
       if step == "give_up":
         break
+      attempt += 1
     if st.maybe_stored:
       raise st.unknown() from st.cause_error
     raise st.cause_error
@@ -376,9 +388,8 @@ class DDMLClient:
 
 
 class AsyncDDMLClient:
-  """aiohttp client; share one per event loop (it pools connections). A ticketed submit whose
-  outcome is unknown is resent as by DDMLClient (same submission, same ticket, at most
-  `max_resends` times; SubmitOutcomeUnknown when that does not settle it).
+  """aiohttp client; share one per event loop (it pools connections). A submit whose outcome
+  is unknown is resent, or raised as SubmitOutcomeUnknown, as by DDMLClient.
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -440,7 +451,8 @@ class AsyncDDMLClient:
     import aiohttp  # pylint: disable=g-import-not-at-top
     st = _Settle(ticketed, self.max_resends)
     h = wire.request_headers(self._token, headers, True)
-    for attempt in range(st.resends + 1):
+    attempt = 0
+    while True:
       if attempt and st.wait_s > 0:
         await asyncio.sleep(st.wait_s)
       try:
@@ -450,13 +462,15 @@ class AsyncDDMLClient:
           status, retry_after, data = r.status, r.headers.get("Retry-After"), await r.read()
       except aiohttp.ClientConnectorError as e:  # the connection was not opened: not sent
         st.sends -= 1
-        st.not_sent(e)
-        continue
+        if st.not_sent(e, attempt):
+          attempt += 1
+          continue
+        break
       except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        if not ticketed:
-          raise  # a resend without a ticket could be stored twice
-        st.lost(e, attempt)
-        continue
+        if st.lost(e, attempt, isinstance(e, asyncio.TimeoutError)):
+          attempt += 1
+          continue
+        break
       step = st.answered(status, data, retry_after, attempt)
       if step == "answer":
         return wire.answer_or_raise(status, data, retry_after)
@@ -464,6 +478,7 @@ class AsyncDDMLClient:
         return dict(_RESENT)
       if step == "give_up":
         break
+      attempt += 1
     if st.maybe_stored:
       raise st.unknown() from st.cause_error
     raise st.cause_error

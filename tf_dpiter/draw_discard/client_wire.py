@@ -33,9 +33,10 @@ class DDMLError(RuntimeError):
 
 
 class SubmitOutcomeUnknown(DDMLError):
-  """A ticketed submit whose outcome stayed unknown: a send may have been stored (503
-  outcome_unknown, a server fault, or the connection lost after the request was sent) and
-  the client's resends of the same submission with the same ticket did not settle it. The
+  """A submit whose outcome stayed unknown: a send may have been stored (503
+  outcome_unknown, or the connection lost or timed out after the request was sent) and the
+  client's resends of the same submission with the same ticket, if the server allows them,
+  did not settle it. The
   update may be stored: do not send it again, and do not train on the same records for a
   new draw (a second update of the same data spends its epsilon twice and counts twice in
   the model). .status 503, .code "outcome_unknown", .attempts: the sends made."""
@@ -49,10 +50,8 @@ class SubmitOutcomeUnknown(DDMLError):
 
 
 OUTCOME_UNKNOWN = "outcome_unknown"
-# a first answer meaning that the submit may be stored (with a ticket: resend it)
-MAYBE_STORED_CODES = frozenset({OUTCOME_UNKNOWN, "internal_error"})
 # answers to a resend that leave an earlier send's outcome unknown and may change
-RESEND_AGAIN_CODES = MAYBE_STORED_CODES | {"store_unavailable", "too_many_connections"}
+RESEND_AGAIN_CODES = frozenset({OUTCOME_UNKNOWN, "store_unavailable", "too_many_connections"})
 MAX_RESEND_WAIT_S = 5.0
 
 
@@ -68,21 +67,21 @@ def check_max_resends(max_resends) -> int:
   return int(max_resends)
 
 
-def error_code(body: bytes) -> str | None:
-  """The JSON "error" code of an error answer's body, or None."""
+def error_fields(body: bytes) -> tuple[str | None, str | None]:
+  """(the JSON "error" code, its "resend" field) of an error answer's body, or None each."""
   try:
     d = json.loads(body)
   except ValueError:
-    return None
-  return d.get("error") if isinstance(d, dict) else None
+    return None, None
+  return (d.get("error"), d.get("resend")) if isinstance(d, dict) else (None, None)
 
 
-def resend_wait_s(retry_after: str | None, after_connection_loss: bool, attempt: int) -> float:
-  """Seconds to wait before resending a submit: its Retry-After (at most MAX_RESEND_WAIT_S);
-  none after the first lost connection (a stale keep-alive one), then 0.5 s."""
+def resend_wait_s(retry_after: str | None) -> float:
+  """Seconds to wait before resending a submit after an answer: its Retry-After (at most
+  MAX_RESEND_WAIT_S), else 0.5."""
   if retry_after and retry_after.isdigit():
     return min(float(retry_after), MAX_RESEND_WAIT_S)
-  return 0.0 if after_connection_loss and attempt == 0 else 0.5
+  return 0.5
 
 
 @dataclasses.dataclass

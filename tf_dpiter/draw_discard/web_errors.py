@@ -127,11 +127,17 @@ async def _dispatch(svc, request: web.Request, handler) -> web.Response:
     svc.metrics.inc("outcome_unknown_total",
                     help_text="submits whose store write was sent and its answer lost")
     log_event(log, "submit_outcome_unknown", logging.WARNING, every_s=10.0, detail=str(e))
+    if svc.use_tickets:  # the ticket's nonce is marked used with the write: no second one
+      return json_error(503, "outcome_unknown",
+                        "the store may hold this update (its write was sent, the answer was "
+                        "lost): resend the same submission with the same ticket (409 "
+                        "ticket_used then means it was stored once); never send these records "
+                        "again under a new draw", headers={"Retry-After": "1"},
+                        extra={"resend": "same_ticket"})
     return json_error(503, "outcome_unknown",
                       "the store may hold this update (its write was sent, the answer was "
-                      "lost): resend the same submission with the same ticket (409 ticket_used "
-                      "then means it was stored once); never send these records again under a "
-                      "new draw", headers={"Retry-After": "1"})
+                      "lost) and this server runs without tickets: do not send it again",
+                      extra={"resend": "never"})
   except store_lib.StoreUnavailable as e:
     svc.metrics.inc("store_unavailable_total", help_text="operations refused: store unreachable")
     log_event(log, "store_unavailable", logging.WARNING, every_s=10.0, detail=str(e))
