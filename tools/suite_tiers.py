@@ -36,6 +36,9 @@ NIGHTLY_ONLY = {
     "tests/draw_discard/test_benchmarks_slow.py": "the service benchmarks end to end",
     "tests/federated/test_flower_deployment.py": "a Flower deployment of several processes",
     "tests/federated/test_mnist_slow.py": "federated MNIST end to end",
+    "tests/keras/test_mirrored_idioms.py":
+        "a 2-replica MirroredStrategy process of its own; checkpoint restore, save/load, "
+        "BackupAndRestore, band_mf, physical chunks and steps_per_execution under it",
     "tests/keras/test_mirrored_poisson.py": "its default runs are test_distribute.py's jobs",
     "tests/keras/test_multi_worker.py": "2-3 worker processes per run",
     "tests/keras/test_r19_plain_optimizer_on_dp_weights.py":
