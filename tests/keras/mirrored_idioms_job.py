@@ -30,11 +30,6 @@ import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402
-
-cpus = tf.config.list_physical_devices("CPU")
-if tf.config.get_logical_device_configuration(cpus[0]) is None:   # once per process
-  tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -371,8 +366,18 @@ CHECKS = {"checkpoint_restore": check_checkpoint_restore, "save_load": check_sav
           "per_step_charges": check_per_step_charges, "spe_refused": check_spe_refused}
 
 
+def _two_cpus():
+  """Splits the CPU into 2 logical devices (before TensorFlow's runtime starts: in `main`,
+  not at import, since test_mirrored_idioms.py imports this module for its checks)."""
+  cpus = tf.config.list_physical_devices("CPU")
+  if tf.config.get_logical_device_configuration(cpus[0]) is None:   # once per process
+    tf.config.set_logical_device_configuration(
+        cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
 def main(argv):
   """Runs the jobs named in argv (default: all, in JOBS order) in one MirroredStrategy."""
+  _two_cpus()
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
   assert strategy.num_replicas_in_sync == REPLICAS
   with warnings.catch_warnings():
