@@ -15,11 +15,11 @@ tests/keras/test_mirrored_idioms.py runs this module in a fresh process and chec
                       multi-step execution fails under the strategy: nothing charged)
 
 Every fit is `fit(x, y, batch_size=B)` on N = 96 records with B = 24 (the default Poisson
-sampling, q = B / N) unless the job says otherwise: ceil(N / B) = 4 steps an epoch. The
+sampling, expected batch B) unless the job says otherwise: ceil(N / B) = 4 steps an epoch. The
 numbers the checks expect are computed by hand from the steps each job takes (see each
 check). Each job prints its RESULT json lines after a line "JOB <name>".
 
-Usage: python -m tests.keras.mirrored_idioms_job
+Usage: python -m tests.keras.mirrored_idioms_job [JOB ...]   (default: every job of JOBS)
 """
 
 import json
