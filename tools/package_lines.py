@@ -55,6 +55,10 @@ FEATURE_FILES = {
         "694546c", "CHANGELOG Fixed: the float32 sum over records moves by at most the "
                    "ledger's sensitivity (pinned summation orders and their rounding shrink; "
                    "Casacuberta et al., CCS 2022)"),
+    "tf_dpiter/files.py": (
+        "52f555c", "CHANGELOG Fixed (session 55): a DP model's checkpoint survives a crash "
+                   "while the next one is written (model.save / save_weights replace the file "
+                   "whole)"),
     "tf_dpiter/federated/server_journal.py": (
         "240b913", "CHANGELOG Fixed (session 45): a restarted federated server continues its "
                    "ledger from `ledger_journal=` (or refuses a journal of another recipe)"),
