@@ -5,6 +5,7 @@ snapshot a restart comes back to) and in-process servers (DDMLService.startup/sh
 """
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -523,7 +524,9 @@ def test_sequence_numbers_reissued_by_a_running_peer_after_a_rollback_are_detect
     await updates(a, 3)  # acknowledged 4..6
     await a.shutdown()
     cluster.kill_and_restore()
-    with pytest.raises(store_lib.StoreUnavailable):  # B's connection to the old Redis
+    # B's pooled connection to the old Redis fails its first call, or B reconnects at once
+    # (a CI run under load: no error): either way B goes on without restarting
+    with contextlib.suppress(store_lib.StoreUnavailable):
       await b.draw_for("me")
     await updates(b, 4)  # 4..7 re-issued
     assert await b.store.touch() == 7
