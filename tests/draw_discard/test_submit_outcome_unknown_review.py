@@ -25,8 +25,8 @@ TIMEOUT = "redis: TimeoutError (simulated, after the write was sent)"
 
 def _service(writes, **kw):
   """A service whose store.replace follows `writes`, one entry per call: "lands_then_times_out"
-  (the write lands, then StoreUnavailable), "times_out" (nothing lands, StoreUnavailable),
-  or "ok"; calls past the list are "ok". Records each call's nonce and counts the draws."""
+  (the write lands, then StoreUnavailable), "lands_then_faults" (the write lands, then a
+  RuntimeError), "times_out" (nothing lands, StoreUnavailable), or "ok"; calls past the list are "ok". Records each call's nonce and counts the draws."""
   kw.setdefault("influence_steps", None)
   svc = service.DDMLService(SPEC, 4, store_lib.MemoryStore(), seed=0, **kw)
   real, calls, draws = svc.store.replace, [], []
@@ -39,6 +39,8 @@ def _service(writes, **kw):
     seq = await real(i, w, nonce, *a, **kw)
     if mode == "lands_then_times_out":
       raise store_lib.StoreUnavailable(TIMEOUT)
+    if mode == "lands_then_faults":   # a fault that is not the store's, after the write
+      raise RuntimeError("simulated fault after the write")
     return seq
 
   svc.store.replace = replace
@@ -192,3 +194,17 @@ def test_a_submit_whose_answer_times_out_is_reported_as_maybe_stored(start_servi
       c.update(*_records(rng), rng=rng)
   assert len(calls) == 1 and len(draws) == 1
   assert s.call(svc.store.counters())["seq"] == 1
+
+
+def test_update_after_a_write_that_landed_then_another_fault_is_stored_once(start_service):
+  """Any fault after the write was sent, not only the store's: the outcome is unknown too.
+  Before, a RuntimeError there was 500 internal_error, which the client does not resend: a
+  caller retrying update() drew and sent the same records again (stored twice)."""
+  svc, calls, draws = _service(["lands_then_faults"])
+  s = start_service(svc)
+  rng = np.random.default_rng(9)
+  with BoundClient(s.url, "127.0.0.1") as c:
+    assert c.update(*_records(rng), rng=rng) == {"accepted": True, "seq": None, "resent": True}
+  counters = s.call(svc.store.counters())
+  assert counters["seq"] == 1 and counters["accepted"] == 1
+  assert len(calls) == 2 and calls[0] == calls[1] and len(draws) == 1

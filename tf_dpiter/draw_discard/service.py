@@ -60,6 +60,13 @@ log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
 
 
+# What a store write raises with an answer of its own (web_errors: refused before writing, the
+# store lost or unavailable); any other fault after the write was sent leaves its outcome
+# unknown: 503 outcome_unknown, the client resends with the same ticket.
+_ANSWERED = (store_lib.StoreLost, store_lib.StoreMismatch, store_lib.StoreUnavailable,
+             store_lib.TicketUsed, store_lib.RateExceeded, ParameterValueError)
+
+
 class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
   """State of one server process: the spec, a store, the acceptance rule and quotas.
 
@@ -276,7 +283,10 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                                      ParameterValueError)):
         # the write was sent and nothing says it was refused before writing (a fault or a
         # cancellation after it): it may be stored, so the budget keeps the step and the
-        # draws it carried are not queued to be counted again
+        # draws it carried are not queued to be counted again; a fault is answered 503
+        # outcome_unknown (the client resends with the same ticket), not 500
+        if isinstance(e, Exception) and not isinstance(e, _ANSWERED):
+          raise store_lib.WriteOutcomeUnknown(f"{type(e).__name__} after the write: {e}") from e
         raise
       # nothing stored: the reservation and the draws go back
       self.admission.release(adm)
@@ -324,6 +334,11 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                           store_lib.WriteOutcomeUnknown)):
           raise
         raise store_lib.WriteOutcomeUnknown(str(e)) from e
+      except BaseException as e:
+        if isinstance(e, Exception) and not isinstance(e, _ANSWERED):
+          # sent, then a fault that is not the store's own answer: maybe stored
+          raise store_lib.WriteOutcomeUnknown(f"{type(e).__name__} after the write: {e}") from e
+        raise
     self.metrics.inc("accepted_total", help_text="stored updates")
     snap = None
     if request.query.get("draw") == "raw":
