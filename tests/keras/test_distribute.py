@@ -25,13 +25,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def _jobs(workdir):
-  """{job name: its stdout lines}, from one run of mirrored_jobs_worker."""
+def run_jobs(module, *args):
+  """({job name: its stdout lines}, the stdout) of one run of the job module `module` (a
+  process of its own, whose jobs each print "JOB name" and then their lines)."""
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", "tests.keras.mirrored_jobs_worker", workdir],
-                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-                        check=False)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                        timeout=900, env=env, cwd=ROOT, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   jobs, name = {}, None
   for line in proc.stdout.splitlines():
     if line.startswith("JOB "):
@@ -39,8 +39,14 @@ def _jobs(workdir):
       jobs[name] = []
     elif name is not None:
       jobs[name].append(line)
+  return jobs, proc.stdout
+
+
+def _jobs(workdir):
+  """{job name: its stdout lines}, from one run of mirrored_jobs_worker."""
+  jobs, stdout = run_jobs("tests.keras.mirrored_jobs_worker", workdir)
   assert list(jobs) == ["row_bound", "outside_scope", "rollback_noise", "distributed", "mirrored_poisson", "matrix",
-                        "apply_replicas", "traced_loop"], proc.stdout[-2000:]
+                        "apply_replicas", "traced_loop"], stdout[-2000:]
   return jobs
 
 

@@ -8,33 +8,16 @@ and each is checked here by its check; the numbers they expect are in the checks
 docstrings.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.keras import mirrored_idioms_job
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from tests.keras import test_distribute
 
 
 def _jobs():
   """{job name: its stdout lines}, from one run of mirrored_idioms_job."""
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  proc = subprocess.run([sys.executable, "-m", "tests.keras.mirrored_idioms_job"],
-                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
-                        check=False)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  jobs, name = {}, None
-  for line in proc.stdout.splitlines():
-    if line.startswith("JOB "):
-      name = line[len("JOB "):]
-      jobs[name] = []
-    elif name is not None:
-      jobs[name].append(line)
-  assert tuple(jobs) == mirrored_idioms_job.JOBS, proc.stdout[-3000:]
+  jobs, stdout = test_distribute.run_jobs("tests.keras.mirrored_idioms_job")
+  assert tuple(jobs) == mirrored_idioms_job.JOBS, stdout[-3000:]
   return jobs
 
 
