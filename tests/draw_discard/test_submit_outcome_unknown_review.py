@@ -9,11 +9,12 @@ ticket (bounded), takes a 409 ticket_used on that resend as "stored once", and w
 up raises SubmitOutcomeUnknown (the update may be stored: do not send it again)."""
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
 
-from tf_dpiter.draw_discard import cli, client_lib, service
+from tf_dpiter.draw_discard import cli, client, client_lib, client_wire, service
 from tf_dpiter.draw_discard import store as store_lib
 from tf_dpiter.errors import ParameterValueError
 from tests.draw_discard.conftest import http_request
@@ -54,6 +55,13 @@ def _service(writes, **kw):
   return svc, calls, draws
 
 
+def _assert_stored_once(s, svc, calls, draws):
+  """One update stored, by two sends of the same ticket, from one draw."""
+  counters = s.call(svc.store.counters())
+  assert counters["seq"] == 1 and counters["accepted"] == 1
+  assert len(calls) == 2 and calls[0] == calls[1] and len(draws) == 1
+
+
 def _records(rng):
   return {"x": rng.random((8, 5))}, np.zeros(8)
 
@@ -79,9 +87,7 @@ def test_update_after_a_write_that_did_not_land_is_stored_by_the_resend(start_se
   rng = np.random.default_rng(4)
   with BoundClient(s.url, "127.0.0.1") as c:
     assert c.update(*_records(rng), rng=rng) == {"accepted": True, "seq": 1}
-  counters = s.call(svc.store.counters())
-  assert counters["seq"] == 1 and counters["accepted"] == 1
-  assert len(calls) == 2 and calls[0] == calls[1] and len(draws) == 1
+  _assert_stored_once(s, svc, calls, draws)
 
 
 def test_the_server_answers_outcome_unknown_for_a_write_that_may_have_landed(start_service):
@@ -90,11 +96,9 @@ def test_the_server_answers_outcome_unknown_for_a_write_that_may_have_landed(sta
   rng = np.random.default_rng(5)
   with BoundClient(s.url, "127.0.0.1") as c:
     d = c.draw()
-    from tf_dpiter.draw_discard import client, client_wire
     u = client.spec_update(d.spec, d.weights, *_records(rng), rng=rng)
     body, headers = client_wire.submit_request(d, u)
   status, hdrs, data = http_request(s.port, "POST", "/v1/submit", body, headers)
-  import json
   answer = json.loads(data)
   assert status == 503 and answer["error"] == "outcome_unknown" and hdrs["Retry-After"]
   assert answer["resend"] == "same_ticket"
@@ -137,9 +141,7 @@ def test_async_update_after_a_write_that_landed_then_timed_out_is_stored_once(st
       await ac.close()
 
   assert asyncio.run(go()) == {"accepted": True, "seq": None, "resent": True}
-  counters = s.call(svc.store.counters())
-  assert counters["seq"] == 1 and counters["accepted"] == 1
-  assert len(calls) == 2 and calls[0] == calls[1] and len(draws) == 1
+  _assert_stored_once(s, svc, calls, draws)
 
 
 def test_submit_and_draw_after_a_write_that_landed_then_timed_out_is_stored_once(start_service):
@@ -148,7 +150,6 @@ def test_submit_and_draw_after_a_write_that_landed_then_timed_out_is_stored_once
   rng = np.random.default_rng(8)
   with BoundClient(s.url, "127.0.0.1") as c:
     d = c.draw()
-    from tf_dpiter.draw_discard import client
     u = client.spec_update(d.spec, d.weights, *_records(rng), rng=rng)
     answer, nxt = c.submit_and_draw(d, u)
   assert answer == {"accepted": True, "seq": None, "resent": True} and nxt is None
@@ -164,7 +165,6 @@ def test_without_tickets_an_unknown_outcome_is_raised_and_not_resent(start_servi
   with BoundClient(s.url, "127.0.0.1") as c:
     d = c.draw()
     assert d.ticket  # issued also without tickets, which the server then does not check
-    from tf_dpiter.draw_discard import client
     u = client.spec_update(d.spec, d.weights, *_records(rng), rng=rng)
     with pytest.raises(client_lib.SubmitOutcomeUnknown, match="may be stored"):
       c.submit(d, u)
@@ -205,6 +205,4 @@ def test_update_after_a_write_that_landed_then_another_fault_is_stored_once(star
   rng = np.random.default_rng(9)
   with BoundClient(s.url, "127.0.0.1") as c:
     assert c.update(*_records(rng), rng=rng) == {"accepted": True, "seq": None, "resent": True}
-  counters = s.call(svc.store.counters())
-  assert counters["seq"] == 1 and counters["accepted"] == 1
-  assert len(calls) == 2 and calls[0] == calls[1] and len(draws) == 1
+  _assert_stored_once(s, svc, calls, draws)
