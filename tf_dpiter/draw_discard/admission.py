@@ -10,11 +10,18 @@
   5. new identities' share (sybil.py, when set): 429 (Retry-After).
 
 The store then marks the ticket's nonce used with the write (409 ticket_used when it was).
+A write whose outcome is unknown keeps its charge (`keep_unsettled`): a resend of the same
+submission (same ticket, identity and step) takes that charge over instead of reserving a
+second one, so the budget counts one step for it whichever send stored it; anything else
+under that ticket is charged in full.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import time
 
 import numpy as np
 
@@ -38,11 +45,18 @@ class Refused(Exception):
 @dataclasses.dataclass(frozen=True)
 class Admitted:
   """An admitted submit: its budget key, its step u - h (reserved in the budget), the ticket
-  nonce and whether it was counted as a new identity's update (sybil.NewIdentityShare)."""
+  nonce, whether it was counted as a new identity's update (sybil.NewIdentityShare) and
+  whether it is a resend that took over an earlier send's charge (`resent`, take_unsettled)."""
   identity: str
   step: np.ndarray
   nonce: str
   new: bool = False
+  resent: bool = False
+
+
+def _step_digest(step: np.ndarray) -> bytes:
+  return hashlib.blake2b(np.ascontiguousarray(step, dtype="<f8").tobytes(),
+                         digest_size=16).digest()
 
 
 def rule_refusal(rule: acceptance.AcceptanceRule, reason: str) -> Refused:
@@ -66,12 +80,20 @@ class Admission:
     budget: the per-identity InfluenceBudget.
     tickets: the Tickets (set once the store's key is known).
     newcomers: a sybil.NewIdentityShare, or None (no cap on new identities' share).
+
+  Attributes:
+    max_unsettled: charges of writes with unknown outcome kept for a resend (the oldest go
+      first; a resend whose record went is charged again: more, never less).
   """
+
+  max_unsettled = 65536
 
   def __init__(self, rule: acceptance.AcceptanceRule, budget: influence.InfluenceBudget,
                tickets: tickets_lib.Tickets | None = None, newcomers=None):
     self.rule, self.budget, self.tickets = rule, budget, tickets
     self.newcomers = newcomers
+    # nonce -> (monotonic expiry, budget key, step digest, counted as new): insertion order
+    self._unsettled: collections.OrderedDict = collections.OrderedDict()
 
   def admit(self, identity: str, sub: parsing.Submission, key: str | None = None) -> Admitted:
     """Steps 1-5 of the module docstring for submission `sub` by `identity` (the ticket's
@@ -94,6 +116,9 @@ class Admission:
       raise rule_refusal(self.rule, decision.reason)
     step = sub.weights - sub.drawn
     key = identity if key is None else key
+    earlier = self.take_unsettled(nonce, key, step)
+    if earlier is not None:  # a resend: the earlier send's charge covers it
+      return earlier
     reason = self.budget.reserve(key, step)
     if reason == "influence_rate":
       raise Refused(429, "influence_rate_exceeded", reason,
@@ -121,7 +146,41 @@ class Admission:
     return new
 
   def release(self, admitted: Admitted) -> None:
-    """Undoes the budget reservation of an Admitted submit that was not stored."""
+    """Undoes the budget reservation of an Admitted submit that was not stored; for a resend
+    (`resent`) the earlier send's outcome is still unknown: its charge stays, kept again for
+    the next resend (keep_unsettled)."""
+    if admitted.resent:
+      self.keep_unsettled(admitted, self.tickets.nonce_ttl_s)
+      return
     self.budget.release(admitted.identity, admitted.step)
     if self.newcomers is not None:
       self.newcomers.untake(admitted.new)
+
+  def keep_unsettled(self, admitted: Admitted, ttl_s: float) -> None:
+    """Records that `admitted`'s write has an unknown outcome and its charge stays, for
+    `ttl_s` seconds (the ticket's nonce lifetime: a resend after it is refused anyway), so
+    that a resend of the same submission takes the charge over (take_unsettled)."""
+    now = time.monotonic()
+    while self._unsettled and next(iter(self._unsettled.values()))[0] < now:
+      self._unsettled.popitem(last=False)
+    self._unsettled.pop(admitted.nonce, None)
+    self._unsettled[admitted.nonce] = (now + ttl_s, admitted.identity,
+                                       _step_digest(admitted.step), admitted.new)
+    while len(self._unsettled) > self.max_unsettled:
+      self._unsettled.popitem(last=False)
+
+  def take_unsettled(self, nonce: str, identity: str, step: np.ndarray) -> Admitted | None:
+    """The Admitted (`resent`) of an unsettled charge of ticket nonce `nonce` by budget key
+    `identity` for the same step [p], removed from the records; None when there is none (not
+    kept, expired, or another key or step: that submit is charged in full)."""
+    rec = self._unsettled.get(nonce)
+    if rec is None or rec[1] != identity or rec[2] != _step_digest(step):
+      return None
+    del self._unsettled[nonce]
+    if rec[0] < time.monotonic():
+      return None
+    return Admitted(identity, step, nonce, rec[3], resent=True)
+
+  def unsettled_count(self) -> int:
+    """How many unsettled charges are kept for a resend."""
+    return len(self._unsettled)

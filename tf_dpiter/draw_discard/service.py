@@ -271,7 +271,9 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       if sent and not isinstance(e, store_lib.StoreRefused):
         # stored (StoredNotAcknowledged) or maybe stored (a timeout after the write was
         # sent): the budget keeps the step, the draws are not counted twice; 503
-        # update_not_acknowledged, or 503 outcome_unknown (resend with the same ticket)
+        # update_not_acknowledged, or 503 outcome_unknown (resend with the same ticket,
+        # which takes this charge over: one step for the submission, however many sends)
+        self.admission.keep_unsettled(adm, self.tickets.nonce_ttl_s)
         if isinstance(e, (store_lib.StoredNotAcknowledged, store_lib.WriteOutcomeUnknown)):
           raise
         raise store_lib.WriteOutcomeUnknown(str(e)) from e
@@ -285,11 +287,15 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
         # cancellation after it): it may be stored, so the budget keeps the step and the
         # draws it carried are not queued to be counted again; a fault is answered 503
         # outcome_unknown (the client resends with the same ticket), not 500
+        self.admission.keep_unsettled(adm, self.tickets.nonce_ttl_s)
         if isinstance(e, Exception) and not isinstance(e, _ANSWERED):
           raise store_lib.WriteOutcomeUnknown(f"{type(e).__name__} after the write: {e}") from e
         raise
-      # nothing stored: the reservation and the draws go back
-      self.admission.release(adm)
+      # nothing stored by this send: the draws go back, and the reservation (for a resend:
+      # the earlier send's charge stays, its outcome unknown, Admission.release) unless an
+      # earlier send of this submission stored it (ticket used: its charge is the one)
+      if not (adm.resent and isinstance(e, store_lib.TicketUsed)):
+        self.admission.release(adm)
       self._pending_draws += draws
       if isinstance(e, store_lib.TicketUsed):
         raise await self._refuse(admission.Refused(
