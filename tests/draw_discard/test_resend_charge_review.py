@@ -234,7 +234,9 @@ def test_without_tickets_a_keep_alive_closed_by_the_server_is_not_an_unknown_out
   svc.handle_draw = draw_then_close_idle
   s = start_service(svc)
   with BoundClient(s.url, "127.0.0.1") as c:
-    d, u = _drawn_update(c, 10)
-    time.sleep(0.3)
-    assert c.submit(d.version, u) == {"accepted": True, "seq": 1}
+    d, u = _drawn_update(c, 10)  # the spec is fetched: the next draw is the last request
+    c.draw()
+    time.sleep(0.3)  # the server closes the idle connection
+    assert c._conn is not None and c._conn.sock is not None  # the client has not noticed
+    assert c.submit(d, u) == {"accepted": True, "seq": 1}  # (a version string: a spec GET first)
   assert s.call(svc.store.counters())["seq"] == 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import select
 import ssl
 import time
 import urllib.parse
@@ -34,8 +35,23 @@ _RESENT = {"accepted": True, "seq": None, "resent": True}
 
 
 def _ticketed(drawn) -> bool:
-  """Whether a submit of `drawn` carries a draw ticket (a resend of it cannot be stored twice)."""
+  """Whether a submit of `drawn` carries a draw ticket (the server may still not check it)."""
   return isinstance(drawn, Drawn) and bool(drawn.ticket)
+
+
+def _resend_safe(drawn) -> bool:
+  """Whether a submit of `drawn` carries a ticket that its server said it checks (the draw's
+  X-DDML-Resend: same_ticket): a resend of it cannot be stored twice."""
+  return _ticketed(drawn) and drawn.resend_safe
+
+
+def _peer_closed(sock) -> bool:
+  """Whether an idle keep-alive socket has something to read: the server closed it (or sent
+  what nobody asked for); a submit that may not be resent then goes on a new connection."""
+  try:
+    return bool(select.select([sock], [], [], 0)[0])
+  except (OSError, ValueError):  # closed, or not a selectable socket
+    return True
 
 
 class _Settle:
@@ -45,13 +61,16 @@ class _Settle:
   "same_ticket" (a server that requires tickets: it marks a ticket used with the write of
   its update, so a resend cannot store it twice) and a Drawn with a ticket, the same bytes
   are resent, at most `max_resends` times (also after a lost connection or a timeout); a
-  409 ticket_used answer to a resend means that an earlier send stored it. Otherwise only
-  a lost connection is resent, once, as before (a server without tickets does not dedupe),
-  and a send that may be stored ends in SubmitOutcomeUnknown, never in a new draw.
+  409 ticket_used answer to a resend means that an earlier send stored it. Before such an
+  answer, a lost connection is resent once only for a Drawn whose draw said that the server
+  requires tickets (`resend_safe`); without (a server without tickets does not dedupe, a
+  resend could store the update twice) a send that may be stored ends in
+  SubmitOutcomeUnknown, never in a resend or a new draw.
   """
 
-  def __init__(self, ticketed: bool, max_resends: int):
+  def __init__(self, ticketed: bool, max_resends: int, resend_safe: bool = False):
     self.ticketed, self.max_resends = ticketed, max_resends
+    self.resend_safe = ticketed and resend_safe  # the draw said: tickets checked
     self.dedupes = False  # the server said that a resend with this ticket is stored at most once
     self.maybe_stored, self.sends, self.cause, self.cause_error = False, 0, "", None
     self.wait_s = 0.0
@@ -66,10 +85,11 @@ class _Settle:
 
   def lost(self, e: BaseException, attempt: int, timed_out: bool) -> bool:
     """The connection was lost, or timed out, after the request was (maybe) sent: whether
-    to resend (a timeout only to a server that dedupes by ticket)."""
+    to resend (only with a ticket the server checks; a timeout only to a server that said in
+    an outcome_unknown answer that it dedupes by ticket)."""
     self.maybe_stored, self.cause, self.cause_error = True, f"{type(e).__name__}: {e}", e
     self.wait_s = 0.0 if attempt == 0 else 0.5  # the first: maybe a stale keep-alive
-    return (self.dedupes or not timed_out) and self._may_resend(attempt)
+    return (self.dedupes or (self.resend_safe and not timed_out)) and self._may_resend(attempt)
 
   def answered(self, status: int, data: bytes, retry_after: str | None, attempt: int) -> str:
     """"answer" (the caller decodes or raises it), "stored" (a resend found its ticket
@@ -97,7 +117,10 @@ class _Settle:
 class DDMLClient:
   """Blocking client.
 
-  A request whose connection fails is sent once more. A submit answered 503 outcome_unknown
+  A request whose connection fails is sent once more; a submit only when its draw said that
+  the server requires tickets (its resend cannot be stored twice), else it raises
+  SubmitOutcomeUnknown (a submit that may not be resent never goes on a keep-alive
+  connection the server has closed). A submit answered 503 outcome_unknown
   (the store's answer to its write was lost) by a server that requires tickets ("resend":
   "same_ticket") is resent, the same submission with the same ticket, at most `max_resends`
   times (also after a lost connection or a timeout). A resend answered 409 ticket_used was
@@ -125,6 +148,8 @@ class DDMLClient:
   Raises:
     ParameterValueError: for a bad URL, floor or max_resends, or a token with an http:// URL.
   """
+
+  last_resend_safe = False  # the last raw answer's X-DDML-Resend: same_ticket
 
   def __init__(self, base_url: str, timeout: float = 30.0, *, token: str | None = None,
                cafile: str | None = None, ssl_context: ssl.SSLContext | None = None,
@@ -165,6 +190,7 @@ class DDMLClient:
         data = r.read()
         if raw and r.status < 400:
           self.last_ticket = r.getheader("X-DDML-Ticket")
+          self.last_resend_safe = wire.resend_safe(r.getheader(wire.RESEND_HEADER))
           self._seq_header = r.getheader("X-DDML-Seq")
           return r.getheader("X-DDML-Version"), data
         return wire.answer_or_raise(r.status, data, r.getheader("Retry-After"))
@@ -175,7 +201,7 @@ class DDMLClient:
           raise
     raise AssertionError("unreachable")
 
-  def _submit(self, path: str, body: bytes, headers: dict | None, ticketed: bool):
+  def _submit(self, path: str, body: bytes, headers: dict | None, drawn):
     """(response, body) of a submit's final answer, or None when a resend found its ticket
     used (stored by an earlier send); resends as in the class docstring.
 
@@ -184,11 +210,14 @@ class DDMLClient:
         it.
       ConnectionError, http.client.HTTPException: when no send reached the server.
     """
-    st = _Settle(ticketed, self.max_resends)
+    st = _Settle(_ticketed(drawn), self.max_resends, _resend_safe(drawn))
     attempt = 0
     while True:
       if attempt and st.wait_s > 0:
         time.sleep(st.wait_s)
+      if (not st.resend_safe and self._conn is not None and self._conn.sock is not None
+          and _peer_closed(self._conn.sock)):
+        self.close()  # a stale keep-alive: nothing sent on it yet
       if self._conn is None:
         self._conn = self._connect()
       try:
@@ -224,8 +253,8 @@ class DDMLClient:
       raise st.unknown() from st.cause_error
     raise st.cause_error
 
-  def _submit_answer(self, body: bytes, headers: dict | None, ticketed: bool) -> dict:
-    got = self._submit("/v1/submit", body, headers, ticketed)
+  def _submit_answer(self, body: bytes, headers: dict | None, drawn) -> dict:
+    got = self._submit("/v1/submit", body, headers, drawn)
     if got is None:
       return dict(_RESENT)
     r, data = got
@@ -240,8 +269,9 @@ class DDMLClient:
         again).
     """
     version, data = self._request("GET", "/v1/draw?encoding=raw", raw=True)
+    ticket, resend_safe = self.last_ticket, self.last_resend_safe
     spec = self._spec_of(version)
-    return Drawn(version, spec, wire.checked_weights(data, spec), self.last_ticket)
+    return Drawn(version, spec, wire.checked_weights(data, spec), ticket, resend_safe)
 
   def _spec_of(self, version):
     """The spec of a served version, fetched (GET /v1/spec, JSON) only for a new version
@@ -270,7 +300,7 @@ class DDMLClient:
     """
     self._check_floor(drawn)
     body, headers = wire.submit_request(drawn, weights)
-    return self._submit_answer(body, headers, _ticketed(drawn))
+    return self._submit_answer(body, headers, drawn)
 
   def _check_floor(self, drawn) -> None:
     self.floor.check(drawn.spec if isinstance(drawn, Drawn) else self.spec())
@@ -293,7 +323,7 @@ class DDMLClient:
     """
     self._check_floor(drawn)
     body, headers = wire.submit_request(drawn, weights)
-    got = self._submit("/v1/submit?draw=raw", body, headers, _ticketed(drawn))
+    got = self._submit("/v1/submit?draw=raw", body, headers, drawn)
     if got is None:
       return dict(_RESENT), None
     r, data = got
@@ -302,7 +332,8 @@ class DDMLClient:
     v = r.getheader("X-DDML-Version")
     spec = self._spec_of(v)
     return ({"accepted": True, "seq": int(r.getheader("X-DDML-Seq"))},
-            Drawn(v, spec, wire.checked_weights(data, spec), r.getheader("X-DDML-Ticket")))
+            Drawn(v, spec, wire.checked_weights(data, spec), r.getheader("X-DDML-Ticket"),
+                  wire.resend_safe(r.getheader(wire.RESEND_HEADER))))
 
   def submit_json(self, drawn, weights: np.ndarray) -> dict:
     """The same as submit, as JSON with base64 weights.
@@ -320,7 +351,7 @@ class DDMLClient:
       DDMLError: for an error answer.
     """
     self._check_floor(drawn)
-    return self._submit_answer(wire.json_submit_body(drawn, weights), None, _ticketed(drawn))
+    return self._submit_answer(wire.json_submit_body(drawn, weights), None, drawn)
 
   def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """Draw -> privacy floor check -> Algorithm 1 on (records, y) -> submit.
@@ -408,6 +439,8 @@ class AsyncDDMLClient:
     ParameterValueError: for a bad floor or max_resends, or a token with an http:// URL.
   """
 
+  last_resend_safe = False  # the last raw answer's X-DDML-Resend: same_ticket
+
   def __init__(self, base_url: str, session=None, timeout: float = 30.0, *,
                token: str | None = None, cafile: str | None = None,
                max_epsilon: float | None = PAPER_EPSILON, min_noise: float | None = None,
@@ -435,10 +468,11 @@ class AsyncDDMLClient:
       data = await r.read()
       if raw and r.status < 400:
         self.last_ticket = r.headers.get("X-DDML-Ticket")
+        self.last_resend_safe = wire.resend_safe(r.headers.get(wire.RESEND_HEADER))
         return r.headers.get("X-DDML-Version"), data
       return wire.answer_or_raise(r.status, data, r.headers.get("Retry-After"))
 
-  async def _submit(self, body: bytes, headers: dict, ticketed: bool) -> dict:
+  async def _submit(self, body: bytes, headers: dict, drawn) -> dict:
     """The answer of a submit, resent as in the class docstring.
 
     Raises:
@@ -449,7 +483,7 @@ class AsyncDDMLClient:
         connection was lost after a submit without a ticket.
     """
     import aiohttp  # pylint: disable=g-import-not-at-top
-    st = _Settle(ticketed, self.max_resends)
+    st = _Settle(_ticketed(drawn), self.max_resends, _resend_safe(drawn))
     h = wire.request_headers(self._token, headers, True)
     attempt = 0
     while True:
@@ -491,11 +525,12 @@ class AsyncDDMLClient:
         served version that changed before its spec was fetched (409 version_changed).
     """
     v, data = await self._request("GET", "/v1/draw?encoding=raw", raw=True)
-    ticket = self.last_ticket
+    ticket, resend_safe = self.last_ticket, self.last_resend_safe
     if v not in self._specs:
       self._specs[v] = wire.spec_of_draw(
           v, glm.ModelSpec.from_dict(await self._request("GET", "/v1/spec")))
-    return Drawn(v, self._specs[v], wire.checked_weights(data, self._specs[v]), ticket)
+    return Drawn(v, self._specs[v], wire.checked_weights(data, self._specs[v]), ticket,
+                 resend_safe)
 
   async def submit(self, drawn, weights: np.ndarray) -> dict:
     """As DDMLClient.submit.
@@ -509,7 +544,7 @@ class AsyncDDMLClient:
         await self._request("GET", "/v1/spec"))
     self.floor.check(spec)
     body, headers = wire.submit_request(drawn, weights)
-    return await self._submit(body, headers, _ticketed(drawn))
+    return await self._submit(body, headers, drawn)
 
   async def update(self, records, y, rng: np.random.Generator | None = None) -> dict:
     """As DDMLClient.update (checks the privacy floor before training; an update whose

@@ -84,13 +84,25 @@ def resend_wait_s(retry_after: str | None) -> float:
   return 0.5
 
 
+RESEND_HEADER = "X-DDML-Resend"
+
+
 @dataclasses.dataclass
 class Drawn:
-  """A drawn instance: model version, spec, flat weights and its draw ticket (tickets.py)."""
+  """A drawn instance: model version, spec, flat weights, its draw ticket (tickets.py) and
+  whether the server said that it requires tickets (`resend_safe`, the draw's X-DDML-Resend:
+  same_ticket): only then may a submit of it whose connection dropped be resent."""
   version: str
   spec: glm.ModelSpec
   weights: np.ndarray
   ticket: str | None = None
+  resend_safe: bool = False
+
+
+def resend_safe(header: str | None) -> bool:
+  """Whether a draw answer's X-DDML-Resend header says that its submission, resent with its
+  ticket, is stored at most once."""
+  return header == "same_ticket"
 
 
 def spec_of_draw(version: str, spec: glm.ModelSpec) -> glm.ModelSpec:

@@ -4,7 +4,9 @@ Draw and Discard Machine Learning", Algorithm 2, over HTTP, aiohttp).
 Endpoints (weights as a JSON list, base64 of little-endian float64 ("b64"), or raw float64
 bytes ("raw", version in X-DDML-Version)):
 
-  GET  /v1/draw   one instance drawn uniformly (secrets.randbelow) with its ticket (tickets.py).
+  GET  /v1/draw   one instance drawn uniformly (secrets.randbelow) with its ticket (tickets.py);
+                  X-DDML-Resend: same_ticket when the server requires tickets (a resend of
+                  the submission with that ticket is stored at most once).
   POST /v1/submit the drawn instance, its ticket and the update: stored in a uniformly
                   random slot if the ticket is valid and unused, the step passes the
                   acceptance rule (acceptance.py) and the identity's influence budget
@@ -58,6 +60,9 @@ from tf_dpiter.errors import ParameterValueError
 
 log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
+# on a draw of a server that requires tickets: a resend of its submission with its ticket is
+# stored at most once (the clients resend a submit whose connection dropped only then)
+RESEND_HEADER = "X-DDML-Resend"
 
 
 # What a store write raises with an answer of its own (web_errors: refused before writing, the
@@ -192,6 +197,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     resp = http_io.weights_response(w, encoding, self.spec.version, b',"spec":' + self.spec_json + b',"ticket":"'
                                   + ticket.encode() + b'",')
     resp.headers["X-DDML-Ticket"] = ticket
+    if self.use_tickets:
+      resp.headers[RESEND_HEADER] = "same_ticket"
     return resp
 
   async def draw_for(self, identity: str) -> tuple[np.ndarray, str]:
@@ -359,9 +366,10 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     if snap is not None:
       self._pending_draws += 1
       w = self._gated_draw(snap)
-      return http_io.raw_weights_response(
-          w, self.spec.version,
-          {"X-DDML-Seq": str(seq), "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)})
+      headers = {"X-DDML-Seq": str(seq), "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)}
+      if self.use_tickets:
+        headers[RESEND_HEADER] = "same_ticket"
+      return http_io.raw_weights_response(w, self.spec.version, headers)
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
 
   async def take_quota(self, identity: str, op: str) -> float:
