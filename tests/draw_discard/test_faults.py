@@ -7,6 +7,7 @@ import logging
 import runpy
 import ssl
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -32,22 +33,38 @@ def _redis_store(url, prefix=None, **kw):
   return store_factory.make_store(url, prefix or f"t{uuid.uuid4().hex[:8]}", **kw)
 
 
-def _lost_everywhere(srv, code):
-  w = np.zeros(SPEC.num_weights).tobytes()
-  for method, path, body in (("GET", "/v1/draw", None), ("POST", "/v1/submit", w),
-                             ("GET", "/v1/model", None), ("GET", "/healthz", None)):
-    st, ctype, data = get(srv.port, path, body, method)
-    assert st == 503 and ctype.startswith("application/json"), (path, data)
+def _valid_submit(srv):
+  """(raw body, headers) of an honest update of an instance drawn now, with its ticket."""
+  st, _, data = get(srv.port, "/v1/draw")
+  assert st == 200
+  d = json.loads(data)
+  w = np.array(d["weights"])
+  u = honest(SPEC, w, np.random.default_rng(0))
+  return np.r_[w, u].astype("<f8").tobytes(), {"Content-Type": "application/octet-stream",
+                                                "X-DDML-Version": "1", "X-DDML-Ticket": d["ticket"]}
+
+
+def _lost_everywhere(srv, code, submit):
+  """Every request that needs the store gets 503 `code` (`submit`: a valid one, _valid_submit);
+  a malformed submit still gets its 4xx (validation needs no store)."""
+  for method, path, body, headers in (("GET", "/v1/draw", None, None),
+                                      ("POST", "/v1/submit") + submit,
+                                      ("GET", "/v1/model", None, None),
+                                      ("GET", "/healthz", None, None)):
+    st, h, data = http_request(srv.port, method, path, body, headers)
+    assert st == 503 and h.get("Content-Type").startswith("application/json"), (path, data)
     assert json.loads(data)["error"] == code
+  st, _, data = get(srv.port, "/v1/submit", np.zeros(SPEC.num_weights).tobytes(), "POST")
+  assert st == 400 and json.loads(data)["error"] == "missing_ticket"
   st, _, text = get(srv.port, "/metrics")
   assert st == 200 and f"ddml_{code}_total" in text.decode()
 
 
 def test_memory_store_loss_gives_503_and_no_refill(start_service):
   srv = start_service(service.DDMLService(SPEC, 20, store_lib.MemoryStore(), seed=0))
-  assert get(srv.port, "/v1/draw")[0] == 200
+  submit = _valid_submit(srv)
   srv.svc.store.flush()
-  _lost_everywhere(srv, "store_lost")
+  _lost_everywhere(srv, "store_lost", submit)
   with pytest.raises(store_lib.StoreLost):
     srv.call(srv.svc.store.snapshot())  # nothing was written back
 
@@ -57,13 +74,13 @@ def test_redis_store_loss_gives_503_and_no_refill(start_service, redis_url, faul
   import redis
   store = _redis_store(redis_url)
   srv = start_service(service.DDMLService(SPEC, 20, store, seed=0))
-  assert get(srv.port, "/v1/draw")[0] == 200
+  submit = _valid_submit(srv)
   r = redis.Redis.from_url(redis_url)
   if fault == "flushall":
     r.flushall()
   else:
     r.set(f"{store.prefix}:gen", b"someone-else")
-  _lost_everywhere(srv, "store_lost")
+  _lost_everywhere(srv, "store_lost", submit)
   slots = [k for k in r.keys(f"{store.prefix}:slot:*")]
   assert (slots == []) if fault == "flushall" else len(slots) == 20
   r.close()
@@ -73,11 +90,13 @@ def test_redis_outage_gives_503_store_unavailable(start_service, own_redis, capl
   url, proc = own_redis
   srv = start_service(service.DDMLService(SPEC, 20, _redis_store(url), seed=0))
   assert get(srv.port, "/healthz")[0] == 200
+  submit = _valid_submit(srv)
   proc.terminate()
   proc.wait(10)
+  time.sleep(2 * srv.svc.draw_max_age_s)  # the submit reads the store (no cached snapshot)
   caplog.set_level(logging.INFO)
   for _ in range(10):
-    _lost_everywhere(srv, "store_unavailable")
+    _lost_everywhere(srv, "store_unavailable", submit)
   lines = [r for r in caplog.records if "store_unavailable" in r.getMessage()]
   assert len(lines) <= 2  # rate-limited: 40 failing requests, not 40 log lines
   assert "Traceback" not in caplog.text

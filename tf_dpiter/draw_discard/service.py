@@ -228,14 +228,23 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                                             request.headers.get("X-DDML-Ticket"))
       return parsing.parse_json_submission(raw, self.spec.version, self.p)
     except RequestError:
-      await self.store.incr("rejected_invalid")
-      await self.store.incr("submits")
+      await self._count_refusal("rejected_invalid")
       raise
 
+  async def _count_refusal(self, counter: str) -> None:
+    """Adds a refused submit to the store's counters ("submits" and `counter`). A refusal is
+    answered whatever the store's state (validation answers before the store is needed): when
+    the store is down or lost, the refusal is counted in this process's metrics instead."""
+    try:
+      await self.store.incr("submits")
+      await self.store.incr(counter)
+    except (store_lib.StoreUnavailable, store_lib.StoreLost):
+      self.metrics.inc("refusals_uncounted_total",
+                       help_text="refused submits the store's counters missed (store down)")
+
   async def _refuse(self, e: admission.Refused) -> RequestError:
-    await self.store.incr("submits")
-    await self.store.incr("rejected_invalid" if e.invalid else "rejected")
     self.metrics.inc("rejected_total", reason=e.reason, help_text="refused updates")
+    await self._count_refusal("rejected_invalid" if e.invalid else "rejected")
     extra = {"reason": e.reason} if e.code == "rejected_update" else None
     headers = None
     if e.retry_after is not None:
@@ -337,6 +346,9 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     if self.use_tickets:
       seq = await self.store_ticketed(self._identity(request), sub)
     else:
+      bad = self.rule.value_reason(sub.weights)  # before the snapshot read: no store needed
+      if bad:
+        raise await self._refuse(admission.rule_refusal(self.rule, bad))
       decision = await self._decide(sub.weights)
       if not decision.accepted:
         raise await self._refuse(admission.rule_refusal(self.rule, decision.reason))
@@ -366,7 +378,8 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
     if snap is not None:
       self._pending_draws += 1
       w = self._gated_draw(snap)
-      headers = {"X-DDML-Seq": str(seq), "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)}
+      headers = {"X-DDML-Seq": str(seq),
+                 "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)}
       if self.use_tickets:
         headers[RESEND_HEADER] = "same_ticket"
       return http_io.raw_weights_response(w, self.spec.version, headers)
