@@ -215,8 +215,9 @@ def test_with_tickets_a_dropped_submit_is_still_resent_and_stored_once(start_ser
   assert len(sends) == 2 and s.call(svc.store.counters())["seq"] == 1
   with BoundClient(s.url, "127.0.0.1") as c:
     d2, u = _drawn_update(c, 9)
-    assert c.submit(d2, u) == {"accepted": True, "seq": 2}
-  assert d.resend_safe and d2.resend_safe  # the draws said: tickets checked
+    answer, d3 = c.submit_and_draw(d2, u)
+  assert answer == {"accepted": True, "seq": 2}
+  assert d.resend_safe and d2.resend_safe and d3.resend_safe  # the draws said: tickets checked
 
 
 def test_without_tickets_a_keep_alive_closed_by_the_server_is_not_an_unknown_outcome(
