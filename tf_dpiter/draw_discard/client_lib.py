@@ -479,8 +479,8 @@ class AsyncDDMLClient:
       SubmitOutcomeUnknown: when a send may have been stored and the resends did not settle
         it.
       DDMLError: for an error answer of a submit that stored nothing.
-      aiohttp.ClientError, asyncio.TimeoutError: when no send reached the server, or the
-        connection was lost after a submit without a ticket.
+      aiohttp.ClientError: when no send reached the server (the connection could not be
+        opened); a connection lost after a send is SubmitOutcomeUnknown unless resent.
     """
     import aiohttp  # pylint: disable=g-import-not-at-top
     st = _Settle(_ticketed(drawn), self.max_resends, _resend_safe(drawn))
