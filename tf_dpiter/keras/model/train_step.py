@@ -44,14 +44,9 @@ from tf_dpiter.keras.optimizer import update_binding
 
 
 class _TraceFacts:
-  """What the step reads of a model's structure and compile, once per train function.
-
-  Final. Every field follows from the objects in `key` (`_facts_key`: optimizer, compiled
-  loss and metrics, compute dtype, built, a Sequential's functional graph);
-  `TrainStepMixin._dp_trace_facts` rebuilds the facts when one of them changes or the train
-  function is rebuilt. The data, clip, query,
-  noise, sampling and the layers' `trainable` flags are read every step.
-  """
+  """What the step reads of a model's structure and compile, once per train function
+  (rebuilt when an object of `_facts_key` changes); the data, clip, query, noise, sampling
+  and the layers' `trainable` flags are read every step."""
 
   __slots__ = ("key", "optimizer", "batch_norms", "loss_unbuilt", "wants_outputs",
                "output_trackers", "loss_scale", "vectorize", "training_arg", "loss_tracker",
@@ -74,12 +69,8 @@ class _TraceFacts:
     self.loss_tracker = keras_internals.loss_tracker(model)
     self.compute_loss = keras_internals.compiled_loss_fn(model)
     self.plans = {}   # the fast-clipping plans of this train function (one_plan_per_step)
-    # the random layers' seed states, keyed at each step (PrivateStep.keyed_layer_draws)
-    self.seed_generators = keras_internals.seed_generators(model)
-    # fast_clipping.clipping.physical_chunk_examples of this train function, by what it
-    # follows from (`TrainStepMixin._dp_chunk_examples`)
-    self.chunk_examples = {}
-    # the inputs that feed an Embedding, whose ids the step guards (total_records)
+    self.seed_generators = keras_internals.seed_generators(model)   # keyed_layer_draws
+    self.chunk_examples = {}   # `TrainStepMixin._dp_chunk_examples`
     self.embedding_ids = total_records.embedding_inputs(model)
 
 
@@ -97,11 +88,8 @@ SLOW_FIRST_STEP_SECONDS = 10.0
 
 
 def _first_step_line(model, seconds, probe_before=0.0, probe=0.0):
-  """The fit log's line (str) about a slow first step, None when it was not slow: `seconds`
-  (wall) of the first call of the train function plus `probe_before`, the seconds
-  make_train_function spent on the batch-independence probe before it; `probe` the seconds
-  of all the probes of this train function (probe_before and those run in the trace, which
-  the model's `_dp_trace_seconds` includes)."""
+  """The fit log's line about a slow first step (None if not slow): `seconds` of its first
+  call plus `probe_before` (the probe before it); `probe`, all this function's probe seconds."""
   total = seconds + probe_before
   if total <= SLOW_FIRST_STEP_SECONDS:
     return None
@@ -131,10 +119,8 @@ def _flat_records(t):
 
 
 def _reshaped(t, lead, rest, rest_of):
-  """t reshaped to `lead` (a list of ints, -1 for the rows) then `rest` (a TensorShape):
-  a constant shape where the trace knows `rest` (no shape ops in the step's trace, one
-  reshape per tensor of every chunk), else `rest_of()`'s dynamic one. A -1 beside dims of
-  zero elements is ambiguous, so those take the dynamic shape too."""
+  """t reshaped to `lead` then `rest`: a constant shape where the trace knows `rest` (no shape
+  ops), else `rest_of()`'s (also for zero-element dims, where -1 is ambiguous)."""
   if rest.is_fully_defined() and rest.num_elements() > 0:
     return tf.reshape(t, list(lead) + rest.as_list())
   return tf.reshape(t, tf.concat([lead, rest_of()], 0))
@@ -147,22 +133,15 @@ _READS_ONLY = frozenset({"ReadVariableOp", "VarHandleOp", "ResourceGather", "Res
 
 
 class _RetraceStep(PrivacyConfigError):
-  """Raised while tracing the train step whose fast forward pass found unrecorded variable
-  uses under clipping="auto", or after whose fast pass the batch-independence probe saw
-  batch mixing (the route, "vectorized", is kept), or whose pass in one call keeps more than
-  the memory budget (its chunk size is kept: `_dp_chunk_examples`): the train function is
-  traced again, so the abandoned pass's state updates (a counter, a moving statistic, a
-  seed) are not in the function that runs (`_call_retracing` catches it)."""
+  """Raised in a trace whose fast pass changed the route or the chunk size (kept): the train
+  function is traced again, so the abandoned pass's state updates do not run."""
 
   batches = None   # the batches to give the new train function (`_call_retracing`)
 
 
 def _abandon_fast_pass(model, graph, start):
-  """After the traced fast pass (ops `graph.get_operations()[start:]`) raised
-  UnrecordedUsesError, or was followed by a probe that saw batch mixing, and the route became
-  "vectorized": inside the train function
-  (`_call_retracing`), abandons the whole trace; otherwise keeps tracing the vectorized sum
-  in the same graph only if the abandoned pass changes no state when run.
+  """After a traced fast pass whose route became "vectorized": inside the train function
+  abandons the trace; outside it keeps tracing only if the pass changes no state.
 
   Args:
     model: the DP keras.Model being traced.
@@ -192,8 +171,7 @@ def _abandon_fast_pass(model, graph, start):
 
 
 class _Replay:
-  """A Python iterator of batches that can give its last batch again (`again`): the batch a
-  step was being traced for when its trace was abandoned."""
+  """A Python iterator of batches that can give its last batch again (`again`)."""
 
   def __init__(self, iterator):
     self._iterator = iter(iterator)
@@ -212,11 +190,8 @@ class _Replay:
 
 
 def _call_retracing(model, train_function, iterator):
-  """The logs of train_function(iterator), where a trace abandoned (_RetraceStep: raised
-  while tracing, before any step ran) raises _RetraceStep carrying the batches to give a new
-  train function (`batches`: a tf.data iterator gave no batch yet, a Python one gives its
-  last batch again). The same tf.function is not called again: after a trace that raised,
-  it may run nothing.
+  """The logs of train_function(iterator); an abandoned trace raises _RetraceStep carrying the
+  batches for a new train function (a tf.function whose trace raised may run nothing).
 
   Raises:
     _RetraceStep: the trace was abandoned (the caller builds a new train function).
@@ -254,9 +229,7 @@ def _trace():
 
 class _Checked:
   """The graphs (held weakly) where a once-per-trace check passed. Eagerly nothing is kept:
-  the user's Python runs at every step and may take another branch on its own state (a
-  warm-up flag set by a callback, then the batch centred on its mean: review R12, session
-  43), so each eager call is checked."""
+  the user's Python may take another branch at every step, so each eager call is checked."""
 
   def __init__(self):
     self.graphs = weakref.WeakSet()
@@ -272,14 +245,8 @@ class _Checked:
 
 
 def _checked_in_this_trace(model, attr):
-  """True when the check kept in `model.attr` ran in the graph being traced (never eagerly):
-  Keras traces a train function again for a new input structure (sample weights in a second
-  fit), where a user's override may take another branch, so each trace is checked.
-
-  Args:
-    model: the DP model.
-    attr: the name of the model's attribute holding the `_Checked` record.
-  """
+  """True when the check kept in `model.attr` (a `_Checked`) ran in the graph being traced:
+  a retrace for a new input structure may take another branch, so each trace is checked."""
   done = getattr(model, attr, None)
   return done is not None and done.holds()
 
@@ -299,24 +266,11 @@ def _replica():
 
 
 def _within_row_bound(step, counts, nest):
-  """`nest` once the step's records (counts[1], a replica's M) are checked against the public
-  row bound R of an add/remove step (chunking.public_row_bound), outside the XLA-compiled
-  clipped sum: XLA drops that sum's own assertion (chunking.sum_over_chunks then makes its
-  sums NaN), while this function (noise, ledger, update) is not compiled, so the assertion
-  runs. A batch past R (probability at most 1e-18 per step for a Poisson sample of the
-  declared n and q, a Chernoff bound: policy_base.P_REFUSE, review R29) then fails its step,
-  neither charged nor applied, with an error naming R. Before: fit returned with loss NaN and NaN
-  weights, later steps ran on them (set_sampling(64, 8 / 64), R = 48, a batch of 60).
-
-  Args:
-    step: the PrivateStep.
-    counts: the core's [real records, records formed] float32.
-    nest: the tensors the ledger write and the update read.
-
-  Returns:
-    `nest` (under replace-one, or without a declared sampling), else its tensors after the
-    check.
-  """
+  """`nest` (the ledger write's and update's tensors) after the step's records counts[1] are
+  checked against the public row bound R of an add/remove step (chunking.public_row_bound),
+  outside the XLA-compiled sum, which drops assertions. A batch past R (probability at most
+  1e-18 per step, a Chernoff bound: policy_base.P_REFUSE) fails its step, neither charged
+  nor applied, with an error naming R."""
   bound = chunking.public_row_bound(step)
   if bound is None:
     return nest
@@ -330,15 +284,9 @@ def _within_row_bound(step, counts, nest):
 
 
 def _refuse_second_step(model):
-  """Refuses a second private step of the library inside one call of a user's `train_step`
-  (per replica; `_checked_override` opens the count): an override calling
-  `super().train_step(data)` twice noises two sums of the same sampled batch, which the
-  ledger would charge as two independent samples (two Poisson samples at q where one
-  subsample ran a mechanism of two Gaussians: epsilon 4.22 stated against 7.03 by hand,
-  review R9, session 40). Eagerly and traced alike (the count is Python's).
-
-  Args:
-    model: the DP model.
+  """Refuses a second private step inside one call of a user's `train_step` (per replica):
+  two noised sums of one sampled batch would be charged as two independent samples, where
+  one subsample ran a mechanism of two Gaussians (optimistic epsilon).
 
   Raises:
     PrivacyConfigError: the step ran once already in this call of the override.
@@ -383,8 +331,7 @@ def _checked_override(step_fn):
       runs = {}
       object.__setattr__(self, "_dp_steps_in_override", runs)
     replica = _replica()
-    # the library's steps this call runs, and the graph it runs in (`_refuse_second_step`)
-    runs[replica] = [0, _trace()]
+    runs[replica] = [0, _trace()]   # steps run, and the graph (`_refuse_second_step`)
     try:
       return step_fn(self, data)
     finally:
@@ -398,9 +345,8 @@ class TrainStepMixin:
   """make_train_function / train_step of a DP model (see module docstring)."""
 
   def make_train_function(self, force=False):
-    """keras.Model.make_train_function for the private step: with jit_compile the clipped
-    sum is its own XLA function and the outer one (noise, ledger, update) is not compiled;
-    the function refuses to start a step once `halt_private_steps()` was called.
+    """keras.Model.make_train_function for the private step (with jit_compile only the
+    clipped sum is compiled); it refuses to start a step after `halt_private_steps()`.
 
     Args:
       force: rebuild the function even when one exists.
@@ -415,32 +361,25 @@ class TrainStepMixin:
     step = self._dp_optimizer().private_step
     probed_from = time.perf_counter()
     probe_start = _probe_seconds(self)
-    # variables written from the data: refused before any probe runs the model (else when
-    # the trace has the batch: _dp_built_facts); where the step's own fast pass checks the
-    # call (_dp_pass_checks_call), the batch-independence probe waits for it
+    # writes from the data refused before any probe runs the model (unless the fast pass
+    # checks the call: _dp_pass_checks_call)
     passed = self._dp_pass_checks_call(in_train_function=True)
     self._dp_writes_checked = (self.built and not passed
                                and data_writes.refuse_model_writes(self))
     self._dp_step_writes_checked = False   # the step's backward pass: at its first trace
-    # a train_step override's own code and a compute_metrics override's: at each trace of
-    # the train function (`_checked_in_this_trace`)
     self._dp_override_checked = self._dp_metrics_checked = None
     self._dp_wrap_override()
     if step.clipping != "vectorized" and self.built and not passed:
-      # eagerly, cached, at the batch sizes the step's sampling declares (the trace asks
-      # for the same ones and finds them cached; None: probed in the trace)
+      # eagerly, cached, at the declared batch sizes (the trace finds them cached)
       batch_independence.probe_at_batch_size(self, None, step)
     probe_before = time.perf_counter() - probed_from
     self._dp_noise_inside = (jit and step.compiles_noise
                              and self.distribute_strategy.num_replicas_in_sync == 1)
-    # the clipped sum is traced for XLA exactly when it is the jit_compile=True function
-    # below: the chunk layouts read this (chunking.chunk_layout's xla), not the graph
-    self._dp_core_xla = jit
+    self._dp_core_xla = jit   # read by chunking.chunk_layout
 
     def keras_function():   # Keras' train function, new tf.functions (not traced yet)
       if jit:
-        # autograph=False: the step has no tensor-dependent Python control flow, and the
-        # converted source would be re-read from disk at trace time.
+        # autograph=False: no tensor-dependent Python control flow in the step
         self._dp_core_fn = tf.function(self._dp_clipped_sum_step, jit_compile=True,
                                        reduce_retracing=True, autograph=False)
         with keras_internals.jit_compile_off(self):   # outer function (noise, ledger, update)
@@ -497,9 +436,8 @@ class TrainStepMixin:
     return self.train_function
 
   def halt_private_steps(self, halted=True):
-    """Makes the train function refuse every further step (halted=True: it raises
-    StopIteration, so fit ends before the step), or allow them again (False).
-    `callbacks.StopAtPrivacyBudget` halts when the next step would exceed the budget.
+    """Makes the train function refuse every further step (it raises StopIteration, so fit
+    ends), or allow them again (halted=False); used by `callbacks.StopAtPrivacyBudget`.
 
     Args:
       halted: bool.
@@ -512,9 +450,8 @@ class TrainStepMixin:
     return bool(getattr(self, "_dp_halt", False))
 
   def _dp_trace_facts(self):
-    """The model's `_TraceFacts`, built once per train function (and again when an object
-    they follow from changed, `_facts_key`, with the checks of the writes from the data made
-    once per train function); None while a layer is unbuilt (not cached)."""
+    """The model's `_TraceFacts` (rebuilt when `_facts_key` changed); None while a layer is
+    unbuilt."""
     facts = getattr(self, "_dp_facts", None)
     key = _facts_key(self)
     if facts is not None and facts.key == key:   # tuple ==: `is` first, element by element
@@ -528,13 +465,11 @@ class TrainStepMixin:
     return self._dp_facts
 
   def _dp_built_facts(self, x):
-    """The trace facts; a model with an unbuilt (e.g. subclassed) layer is first built by one
-    forward pass on `x` (the per-record gradients need its variables).
+    """The trace facts; a model with an unbuilt layer is first built by a forward pass on `x`.
 
     Raises:
-      PrivacyConfigError: a layer that pass does not build (its call does not reach it):
-        the facts are read once per train function, so a later call building it would not
-        be seen (review R22: before, an AttributeError).
+      PrivacyConfigError: a layer that pass does not build (a later call building it would
+        not be seen: the facts are read once per train function).
     """
     facts = self._dp_trace_facts()
     if facts is None:
@@ -556,19 +491,11 @@ class TrainStepMixin:
     return facts
 
   def _dp_pass_checks_call(self, in_train_function=None):
-    """True when the model's training-mode call is checked by the step's own fast pass rather
-    than by a trace of its own (data_writes.refuse_model_writes): the writes of the pass by
-    `refuse_traced_writes`, the variables its call reads by `refuse_unlisted_reads`, both
-    before the step's first execution. So when no probe runs the model on real rows before
-    that pass (no rows kept by fit: batch_independence.PROBE_ROWS_ATTR, a probe's random
-    inputs carry no record; or the step traced by the train function, which probes the model
-    after its pass: `_dp_clipped_sum_step`) and the step is traced (not run eagerly) on one
-    replica outside a strategy. A step that takes the vectorized path instead has the call's
-    own trace there, before its pass (`_dp_clipped_sum_step`).
-
-    Args:
-      in_train_function: whether the step is traced by the train function (None: whether
-        the train function is running, `_call_retracing`).
+    """True when the model's training-mode call is checked by the step's own fast pass (its
+    writes and reads, before the first execution) rather than by a trace of its own: when no
+    probe runs the model on real rows before that pass (no rows kept by fit, or the step
+    traced by the train function, which probes after its pass) and the step is traced on one
+    replica outside a strategy. `in_train_function`: None reads `_dp_retrace`.
     """
     if in_train_function is None:
       in_train_function = getattr(self, "_dp_retrace", False)
@@ -581,13 +508,9 @@ class TrainStepMixin:
   def _dp_clipped_sum_step(self, x, y, sample_weight, params, global_state=None,
                            outputs=True):
     """Per-record gradients, clipped and summed: (sample_state, loss sum, [records of positive
-    weight, records formed], y_pred);
-    with global_state, (noised average, events) in place of the sample state.
-
-    params: the query's sample params, read by the caller (an XLA-compiled step reads no
-    variable of the query's state). global_state: the query's global state to draw the noise
-    here with the query's own `get_noised_result`, or None (no noise here). outputs: False
-    returns None for y_pred (`_TraceFacts.wants_outputs`)."""
+    weight, records formed], y_pred); with global_state, the noise is drawn here and the
+    noised average replaces the sample state. `params`: the query's sample params, read by
+    the caller (an XLA step reads no query variable); outputs=False: y_pred None."""
     facts = self._dp_built_facts(x)
     step = facts.optimizer.private_step
     b_static = grads_lib.static_batch_size(x)
@@ -596,9 +519,7 @@ class TrainStepMixin:
     if not getattr(self, "_dp_in_fit", False):
       grads_lib.check_num_microbatches(m, b_static)
     example_mask = grads_lib.example_mask_from_weights(sample_weight, b)
-    # an example whose id an Embedding cannot gather contributes zero instead of stopping
-    # the step (total_records; no input feeds an Embedding: nothing to guard)
-    if facts.embedding_ids:
+    if facts.embedding_ids:   # an id outside the vocabulary contributes zero (total_records)
       x, ids_ok = total_records.guard_embedding_ids(self, x, facts.embedding_ids)
       if ids_ok is not None:
         example_mask = example_mask * ids_ok
@@ -611,23 +532,16 @@ class TrainStepMixin:
     else:
       recs, em, rmask = grads_lib.to_records((x, y, sample_weight), example_mask, m)
       k = grads_lib.examples_per_record(m, b_static, em)
-    # the routing checks and the fast clipped sum plan the model's layers once per train
-    # function (again when its trainable variables change), and the routing leaves the
-    # unrecorded-use check to the fast sum's own forward pass; with clipping="vectorized"
-    # there is no routing (resolve_clipping answers from the flags)
+    # the layers planned once per train function; clipping="vectorized": no routing
     routes = step.flags.clipping != "vectorized"
     with (fast_plan.one_plan_per_step(facts.plans) if routes else contextlib.nullcontext()):
-      # (records of positive weight: the loss metric's; records the batch's rows form,
-      # whatever their weights: the denominator's, PrivateStep.denominator)
+      # records of positive weight (the loss metric's), records formed (the denominator's)
       counts = tf.stack([tf.reduce_sum(rmask), tf.cast(tf.size(rmask), tf.float32)])
       # the sum formed already divided by the denominator (PrivateStep.folds_denominator)
       scale = step.sum_scale(counts[1]) if step.folds_denominator else None
       expected = step.expected_records   # the fast sum's chunk size follows from it
       graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-      # traced by the train function: the batch-independence probe runs the model (on
-      # random inputs, then on fit's kept rows) only once the fast pass below checked its
-      # call for writes from the data (a route changed then traces the step again:
-      # _abandon_fast_pass)
+      # in the train function the probe runs after the fast pass checked the call
       probe_later = routes and graph is not None and getattr(self, "_dp_retrace", False)
       self._dp_traced_clipping = step.resolve_clipping(self, input_specs=x,
                                                        checked_by_the_step=routes,
@@ -672,9 +586,7 @@ class TrainStepMixin:
     """Clipped sum by the step's vectorized path: (state, loss sum, outputs [M, k, ...])."""
     n_rep = tf.distribute.get_strategy().num_replicas_in_sync
     scale = facts.loss_scale
-    # the backward pass of one record (a custom gradient's writes), which the check of the
-    # pass itself (record_loss) does not see: a separate trace at one record's shapes, once
-    # per train function (a record's shapes do not change with the batch)
+    # one record's backward pass (a custom gradient's writes), traced once per train function
     if not getattr(self, "_dp_step_writes_checked", False):
       data_writes.refuse_step_writes(self, *[
           tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), part)
@@ -698,13 +610,9 @@ class TrainStepMixin:
 
   def _dp_fast_sum(self, step, facts, recs, em, rmask, k, variables, params, sum_scale,
                    expected):
-    """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]).
-    `expected`: the step's expected records (PrivateStep.expected_records, a variable).
-
-    Records (examples or microbatches) are laid out record-major, k examples each, and
-    clipped in physical chunks of whole records when max_physical_batch_size is set; the
-    clipped sums of the chunks add up.
-    """
+    """Clipped sum by fast_clipping (ghost norms): (state, loss sum, outputs [M, k, ...]), in
+    physical chunks of whole records whose clipped sums add up. `expected`: the step's
+    expected records variable."""
     n_rep = float(tf.distribute.get_strategy().num_replicas_in_sync)
 
     scaled = facts.loss_scale != 1.0   # fast_clipping applies the scale itself
@@ -719,9 +627,8 @@ class TrainStepMixin:
       xc, yc, _ = tf.nest.map_structure(_flat_records, c_recs)
       mask = _flat_records(c_em)
       per_record = tf.TensorShape(c_em.shape)[1]   # k, where the trace knows it
-      # an add/remove step's public bound on the records (chunking.public_rows; its
-      # sum_over_chunks checks the batch against it at run time): the rules trace no chunk
-      # loop a batch within it cannot run (runtime.examples_at_most)
+      # an add/remove step's public row bound (chunking.public_rows): no chunk loop traced
+      # that a batch within it cannot run (runtime.examples_at_most)
       bound = rows_bound * k if rows_bound is not None and isinstance(k, int) else None
       weights = grads_lib.record_weights(c_em, c_recs[2])
 
@@ -738,8 +645,7 @@ class TrainStepMixin:
         return out
 
       def per_example_loss_fn(y_true, y_pred):
-        # Every example of a record carries the record's loss: their masked mean is it.
-        # (the targets are `yc`, reshaped here: they carry no Keras mask)
+        # every example of a record carries the record's loss: their masked mean is it
         losses = record_losses.compiled_record_losses(
             self, tf.nest.map_structure(grouped, y_true), tf.nest.map_structure(regroup, y_pred),
             weights)
@@ -750,7 +656,6 @@ class TrainStepMixin:
       # the ops of the pass's call of the model, when no trace of its own checked the call
       calls = None if getattr(self, "_dp_writes_checked", False) else []
       object.__setattr__(self, fast_clip.CALL_OPS_ATTR, calls)
-      # what the pass checks, when it measures its own kept bytes (_dp_chunk_examples)
       object.__setattr__(self, fast_clip.CHUNK_CHECK_ATTR,
                          None if pending is None else pending[1])
       try:
@@ -762,8 +667,7 @@ class TrainStepMixin:
       finally:
         object.__setattr__(self, fast_clip.CALL_OPS_ATTR, None)
         object.__setattr__(self, fast_clip.CHUNK_CHECK_ATTR, None)
-      # the writes of this very pass (forward, loss, backward), before any run; and the
-      # variables its call reads (data_writes.refuse_unlisted_reads)
+      # the writes of this very pass and the variables its call reads, before any run
       if not tf.executing_eagerly():   # eagerly there is no trace to read
         data_writes.refuse_traced_writes(chunk, _STEP_WRITES,
                                          call_of=(self, calls) if calls else None)
@@ -774,8 +678,7 @@ class TrainStepMixin:
       # a record whose norm is not finite (float16 overflow) added nothing: count it
       with tf.control_dependencies(step.count_overflowed(
           tf.math.is_finite(norms) if scaled else None, chunk_rmask)):
-        # one Identity per variable, not one IdentityN: the pipelining gates each sum's
-        # own producer on the leaf noised before it (private_step.gate_sums_on_noise)
+        # one Identity per variable: private_step.gate_sums_on_noise gates each producer
         grads = [tf.identity(g) for g in grads]
       grads = [tf.cast(g, t.dtype) for g, t in zip(grads, template)]
       if acc is not None:   # a later chunk: added into the first chunk's sums
@@ -789,19 +692,15 @@ class TrainStepMixin:
     pending = None   # (key, ChunkCheck) of a chunk size the pass itself measures
     public = None   # examples per chunk of the clip shrink's public plan (add/remove)
     if per_chunk is None and step.flags.max_physical_batch_size is None and isinstance(k, int):
-      # without a declared physical batch, chunks that keep book-keeping's kept tensors
-      # within the memory budget (fast_clipping.physical_chunk_examples); under add/remove
-      # the plan's chunk is decided without the batch's own rows (a batch of m + 1 rows on D
-      # is chunked, its m rows on D' are one call: one plan on both, chunking.public_rows)
+      # chunks within the memory budget (fast_clipping.physical_chunk_examples); under
+      # add/remove decided without the batch's own rows (one plan on D and D')
       by_size = chunking.public_row_bound(step) is None
       m_ex, public, pending = self._dp_chunk_examples(expected, facts, recs[0], k, xla,
                                                       by_size)
       per_chunk = None if m_ex is None else m_ex // k
     if per_chunk is not None and step.draws_keyed:
       step.refuse_grouped_draws(per_chunk, keras_internals.batch_shared_draws(self))
-    # no zeros accumulator: the first chunk's sums are the accumulator (one weight-sized
-    # tensor per variable), and the query's sample state is that sum itself
-    # add/remove: the clip shrink of the public row bound's plan (chunking.public_rows)
+    # the first chunk's sums are the accumulator; add/remove: the public plan's clip shrink
     public = (per_chunk if isinstance(per_chunk, int) else
               None if public is None else public // k)
     try:
@@ -819,16 +718,11 @@ class TrainStepMixin:
     return state, loss_sum, outputs
 
   def _dp_chunk_examples(self, expected_records, facts, inputs, k, xla, by_size=True):
-    """(m, public m, None): m = fast_clipping.clipping.physical_chunk_examples of the
-    records' inputs [R, k, ...] at the step's expected examples (`expected_records`, the
-    step's variable, times k; this replica's share), the public m the same without the
-    batch's own size (`by_size` False: an add/remove step's clip-shrink plan; else m), kept
-    in the trace facts by what they follow from (the inputs' shapes and dtypes, k, the
-    expected examples, XLA or not, the trained variables, the registered rules): an eager
-    step asks once, not at every step. Not kept yet and traced by the train function on one
-    replica (which traces the step again when the pass raises ChunkedPassNeeded):
-    (None, None, (key, fast_clipping.clipping.ChunkCheck)), the answer left to the step's own
-    pass (fast_clipping.clipping.CHUNK_CHECK_ATTR: no traced probe of its own)."""
+    """(m, public m, None): m = fast_clipping.clipping.physical_chunk_examples of the records'
+    inputs at this replica's expected examples, the public m the same without the batch's
+    own size (`by_size` False: add/remove), kept in the trace facts by what they follow
+    from. Not kept yet and traced by the train function: (None, None, (key, ChunkCheck)),
+    the answer left to the step's own pass."""
     with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
       expected = float(expected_records.numpy()) * k
     expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
@@ -850,10 +744,8 @@ class TrainStepMixin:
     return (*found, None)
 
   def _dp_metrics(self, x, y, y_pred, sample_weight):
-    """The metrics' logs after this batch. With sample weights (a padded Poisson sample
-    carries weight 0 on its padding rows) the unweighted compiled metrics are weighted by
-    the example mask, so they are Keras' values on the real examples; a model that overrides
-    `compute_metrics` gets its own method."""
+    """The metrics' logs after this batch, weighted by the example mask under sample weights
+    (Keras' values on the real examples); an override of `compute_metrics` is called."""
     if sample_weight is None or type(self).compute_metrics is not keras.Model.compute_metrics:
       return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     mask = grads_lib.example_mask_from_weights(sample_weight, grads_lib.dynamic_batch_size(x))
@@ -861,10 +753,8 @@ class TrainStepMixin:
     return self.get_metrics_result()
 
   def _dp_wrap_override(self):
-    """The train_step Keras' train function will call, when it is a user's, wrapped by
-    `_checked_override`: an override in the class (or a mixin before the DP class, or one
-    assigned to the class after its creation) on the class, an instance attribute on the
-    instance. Library steps are not wrapped."""
+    """Wraps a user's train_step (on the class, or an instance attribute on the instance) by
+    `_checked_override`; library steps are not wrapped."""
     own = self.__dict__.get("train_step")
     if own is not None:   # model.train_step = ..., a bound method or a function of the batch
       if getattr(own, "dp_checked_override", False):
@@ -886,18 +776,10 @@ class TrainStepMixin:
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
   def _dp_check_override(self, data, step_fn):
-    """Once per train function, for a user's `train_step` (`_dp_wrap_override`): its own code
-    traced alone, this step replaced by one that writes the metrics from the batch and
-    nothing else, may write no variable but the metrics' from the batch, nor from what the
-    metrics hold (the logs carry the un-noised loss; data_writes.refuse_override_writes),
-    and the rows it hands this step (`_dp_metrics_from`) must each be a function of one
-    record (row_provenance), walked once its trace is whole: a variable it writes after the
-    step counts (a seed state written only as a counter is no data).
-
-    Args:
-      data: the batch as Keras hands it to the train step.
-      step_fn: the user's train_step, a function of (model, batch).
-    """
+    """Once per train function, a user's `train_step(model, batch)` traced alone (this step
+    replaced by `_dp_metrics_from`) may write no variable but the metrics' from the batch
+    (data_writes.refuse_override_writes), and the rows it hands this step must each be a
+    function of one record (row_provenance), walked once its trace is whole."""
     if _checked_in_this_trace(self, "_dp_override_checked"):
       return
     metrics = keras_internals.compile_metrics(self)
@@ -931,9 +813,8 @@ class TrainStepMixin:
 
   @tf.autograph.experimental.do_not_convert   # plain Python, run once per train function
   def _dp_check_metrics_override(self, x, y, y_pred, sample_weight):
-    """Once per train function, for a class overriding `compute_metrics` (which the step
-    calls with the batch and its un-noised predictions): the override traced alone may
-    write no variable but the metrics' from them (data_writes.refuse_override_writes)."""
+    """Once per train function, an override of `compute_metrics` traced alone may write no
+    variable but the metrics' from the batch (data_writes.refuse_override_writes)."""
     if (type(self).compute_metrics is keras.Model.compute_metrics
         or _checked_in_this_trace(self, "_dp_metrics_checked")):
       return
@@ -944,11 +825,8 @@ class TrainStepMixin:
     _mark_checked_in_this_trace(self, "_dp_metrics_checked")
 
   def _dp_metrics_from(self, data):
-    """The library's step as an override's check sees it (`_dp_check_override`: traced,
-    never run): the batch it is handed must be the override's rows, each a function of one
-    record (row_provenance, walked once the override's trace is whole); every metric
-    variable is written from it, as the step logs the batch's un-noised loss and metrics,
-    then the logs are read from them."""
+    """The library's step as `_dp_check_override` traces it: keeps the batch handed (walked by
+    row_provenance) and writes every metric variable from it, as the step's logs do."""
     self._dp_override_rows.append(data)
     parts = [tf.reduce_sum(tf.cast(tf.strings.length(t) if t.dtype == tf.string else t,
                                    tf.float32))
@@ -959,9 +837,7 @@ class TrainStepMixin:
       v.assign(tf.cast(tf.fill(tf.shape(v), touched), v.dtype))
     return self.get_metrics_result()
 
-  # Not converted by AutoGraph (no tensor-dependent Python control flow, as the XLA core's
-  # autograph=False): converting the library's functions made most of a large model's trace.
-  @tf.autograph.experimental.do_not_convert
+  @tf.autograph.experimental.do_not_convert   # no tensor-dependent Python control flow
   def train_step(self, data):
     """keras.Model.train_step, private: clipped sum, one noise draw and ledger sample,
     update (module docstring).
@@ -978,8 +854,7 @@ class TrainStepMixin:
     traced_from = time.perf_counter()   # runs when the step is traced
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     facts = self._dp_built_facts(x)
-    if facts.loss_unbuilt:   # its per-output trackers do not exist yet: build it first
-      # (its forward pass on ids an Embedding can gather: total_records)
+    if facts.loss_unbuilt:   # build its per-output trackers (on gatherable ids)
       output_losses.build(self, (total_records.guard_embedding_ids(self, x)[0], y,
                                  sample_weight))
       self._dp_facts = None
@@ -987,31 +862,24 @@ class TrainStepMixin:
     opt = facts.optimizer
     step = opt.private_step
     if tf.executing_eagerly() and step.flags.clipping != "vectorized":
-      # run eagerly, the fast path's call is traced by no pass that could be read (the
-      # vectorized path's record pass is, at every step), and the user's Python runs at
-      # every step and may take another branch on its own state (a flag a callback sets
-      # after the first step, then a write from the data: review R23): each eager step's
-      # call is checked before it runs, as `_Checked` checks an override's
+      # eagerly no traced pass can be read and the user's Python may branch at every step:
+      # each eager step's call is checked before it runs
       self._dp_writes_checked = data_writes.refuse_model_writes(self, x)
     if any(layer.trainable for layer in facts.batch_norms):   # read every step
       batch_independence.check_no_batch_mixing(self)
     core = getattr(self, "_dp_core_fn", None) or self._dp_clipped_sum_step
-    # the library's own step: its noised result and update need no binding (update_binding);
-    # any other apply_private_gradients (a train_step override's) is bound
+    # the library's own step needs no update binding (an override's apply is bound)
     opt._dp_own_step = True   # pylint: disable=protected-access
     try:
-      # per-record losses: no per-output tracker update inside the clipped sum (one output:
-      # the call walk stays in fit's files); the model's random layers draw from fresh keys
-      # of the step's own secret generator (PrivateStep.keyed_layer_draws)
+      # no per-output tracker update inside the clipped sum; random layers keyed
       silenced = (output_losses.silenced(self, facts.output_trackers) if facts.output_trackers
                   else contextlib.nullcontext())
       keyed = (step.keyed_layer_draws(facts.seed_generators) if facts.seed_generators
                else contextlib.nullcontext())
       with silenced, keyed:
         want = facts.wants_outputs
-        # the ledger write waits for the step's clipped sum (LedgerSampling.record's after=): a
-        # step whose batch fails (the end of an epoch of unknown cardinality, a bad record) is
-        # neither applied nor charged, as Keras' iterations
+        # the ledger write waits for the clipped sum: a failed batch is neither applied
+        # nor charged
         if getattr(self, "_dp_noise_inside", False):
           (grads, events), loss_sum, counts, y_pred = core(
               x, y, sample_weight, step.sample_params(), step.global_state(), outputs=want)
