@@ -90,20 +90,12 @@ def _check_whole_executions(steps_per_epoch, steps_per_execution):
 
 
 def _refuse_optimizer_outside_strategy(model, opt):
-  """Refuses a DP optimizer created outside the multi-replica tf.distribute strategy its model
-  is compiled in: its `iterations` is then a variable of one device, which every replica
-  increments (Keras counts P iterations per step of P replicas; measured: 2 after one step of
-  a 2-replica MirroredStrategy), while the ledger charges the step once, and the next `fit`
-  was refused with a misleading "restored without its ledger". Keras' own rule: create the
-  optimizer inside `strategy.scope()`.
-
-  Args:
-    model: the compiled model.
-    opt: its DP optimizer.
+  """Refuses a DP optimizer created outside its model's multi-replica strategy: its
+  `iterations`, a variable of one device, would count every step once per replica while the
+  ledger charges it once.
 
   Raises:
-    PrivacyConfigError: the model's strategy has several replicas and `opt.iterations` was not
-      created in it.
+    PrivacyConfigError: several replicas and `opt.iterations` not created in the strategy.
   """
   strategy = model.distribute_strategy
   replicas = strategy.num_replicas_in_sync
@@ -180,9 +172,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     check_no_batch_mixing(self)
 
   def _dp_apply_pending_settings(self):
-    """Swaps the compiled plain optimizer for its DP copy (`optimizers.DPOptimizer`) with the
-    settings make_private was given (used once), keeping the compiled loss and metrics; the
-    copy continues the ledger the weights carry."""
+    """Swaps the compiled plain optimizer for its DP copy with make_private's settings (used
+    once), keeping the compiled loss and metrics and the ledger the weights carry."""
     settings = getattr(self, "_dp_pending_settings", None)
     if not settings:
       return
@@ -208,25 +199,21 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     saved_ledger.write_to_store(getattr(self, "optimizer", None), store)
 
   def _dp_check_saved_weights(self):
-    """Refuses to save weights changed outside the DP optimizer since its last recorded
-    update (weight_fingerprints.check): the ledger written with them would not hold."""
+    """Refuses to save weights changed outside the DP optimizer (weight_fingerprints.check)."""
     opt = _unscaled(getattr(self, "optimizer", None))
     fit_state = getattr(self, "_dp_fit_fingerprints", None)
     if isinstance(opt, opt_lib.DPOptimizerBase) and (
         not opt_lib.fingerprints_deferred(opt)
         or (fit_state is not None and fit_state.open)):
-      # the ledger is written for these weights: not for weights changed outside the run
-      # (in a fit, while the user's callbacks run: ModelCheckpoint after one that wrote them)
+      # also in a fit, while the user's callbacks run
       weight_fingerprints.check(weight_fingerprints.checked_variables(self),
                                 "saving the weights with the ledger")
 
   def save_weights(self, filepath, *args, **kwargs):
     """keras.Model.save_weights, refused before the file is opened when the weights changed
-    outside the DP optimizer (Keras opens the file for writing before the model's entry is
-    written: a refusal from `save_own_variables` alone left an empty file in place of a
-    checkpoint already at `filepath`). A local `.weights.h5` file is written beside `filepath`
-    and renamed over it (`files.replaced`): a crash while it is written (ModelCheckpoint,
-    BackupAndRestore) leaves the earlier checkpoint, and the ledger it carries, whole.
+    outside the DP optimizer. A local `.weights.h5` file is written beside `filepath` and
+    renamed over it (`files.replaced`): a crash while writing leaves the earlier checkpoint,
+    and its ledger, whole.
 
     Args:
       filepath: the weights file.
@@ -273,9 +260,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       return super().save(tmp, *args, **kwargs)
 
   def get_weights(self):
-    """keras.Model.get_weights; the values handed out are registered as released by the DP
-    run (`weight_fingerprints.register_read`), so a copy of them by value (a callback's at a
-    train-batch hook, a teacher or best-so-far model) adopts the run's ledger.
+    """keras.Model.get_weights; the values are registered as released by the DP run
+    (`weight_fingerprints.register_read`), so a copy of them by value adopts the run's ledger.
 
     Returns:
       list of numpy arrays, as keras.Model.get_weights.
@@ -298,14 +284,12 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     self._dp_adopt_carried_ledger()
     if carried is not None:   # the layers' values follow: recorded by load_weights
       self._dp_loaded_ledger = True
-      # and released by the file's run: a copy of them by value adopts its ledger
       weight_fingerprints.note_loaded(self, _compiled_optimizer)
 
   def load_weights(self, filepath, *args, **kwargs):
-    """keras.Model.load_weights; weights from a file that carries a privacy ledger (saved by
-    a DP model) are recorded as released by the DP run (weight_fingerprints.record), so the
-    next fit and the privacy statement accept them. A file without a ledger counts as a
-    change made outside the DP optimizer once a private step updated these weights.
+    """keras.Model.load_weights; weights from a file carrying a privacy ledger are recorded as
+    released by the DP run (weight_fingerprints.record); a file without one counts as a
+    change outside the DP optimizer once a private step updated these weights.
 
     Args:
       filepath: the weights file.
@@ -317,8 +301,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     """
     self._dp_loaded_ledger = False
     checked = weight_fingerprints.checked_variables(self)
-    # values changed outside the DP optimizer before the load, and the buffers the load will
-    # write: a variable the file did not write (skip_mismatch) keeps them, unrecorded
+    # a variable the file does not write (skip_mismatch) keeps a change made before, unrecorded
     stale = {id(v) for v, _ in weight_fingerprints.changed(checked)}
     held = weight_fingerprints.hold(checked) if stale else []
     try:
@@ -334,10 +317,8 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     return result
 
   def _dp_carry_ledger(self, arrays):
-    """Adds a ledger of the weights' run (from a weights file, or the DP optimizer a recompile
-    replaces) to the one every DP optimizer of this model starts from (`merged_arrays`: per
-    run identity, a view that extends another replaces it; another run's steps are added;
-    nothing is charged twice)."""
+    """Adds a ledger of the weights' run (a weights file's, or a replaced DP optimizer's) to
+    the one every DP optimizer of this model starts from (`merged_arrays`, by run identity)."""
     if arrays is None:
       return
     carried = getattr(self, "_dp_carried_ledger", None)
@@ -345,17 +326,10 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
                                else privacy_ledger.merged_arrays(carried, arrays))
 
   def _dp_adopt_carried_ledger(self):
-    """Merges into the DP optimizer's ledger the ledger the weights carry (`_dp_carry_ledger`)
-    and those of nested DP models (a DP-trained backbone fine-tuned inside this model: the
-    ledger its weights file carried, and its own DP optimizer's), since the released weights
-    went through those steps too (merged_arrays, by run identity (`ledger.run_ids`): a run
-    already held is not charged twice; another run's steps are added, even when its rows
-    equal those of a run held, as two towers trained with one recipe). The ledgers of DP
-    optimizers that updated these weights before (a layer of a DP model that is gone) are
-    adopted when a fit starts (`optimizers.check_variables`). A nested model's DP optimizer
-    hands its variables over
-    (`optimizers.release_variables`): training the nested model on its own afterwards is refused
-    while this model's optimizer lives."""
+    """Merges into the DP optimizer's ledger the weights' carried ledger and those of nested
+    DP models (their files' and their own optimizers'), by run identity (`ledger.run_ids`):
+    the released weights went through those steps too. A nested model's DP optimizer hands
+    its variables over (`optimizers.release_variables`)."""
     opt = _unscaled(getattr(self, "optimizer", None))
     if not isinstance(opt, opt_lib.DPOptimizerBase):
       return
@@ -451,8 +425,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     a.pop("self")
     spec, reason = sampling_lib.get_sampling_spec(a.get("x")), None
     if spec is None and fit_sampling.num_rows(a.get("x")) is not None:
-      # Padded to a static size (a multiple of 8, data.sampling.default_max_batch_size)
-      # under XLA (one shape) and under a multi-replica strategy (equal shards per replica).
+      # padded to a static size under XLA and under several replicas (equal shards)
       pad = bool(self.jit_compile) or self.distribute_strategy.num_replicas_in_sync > 1
       batch_independence.keep_probe_rows(self, a["x"])   # the probe runs on real rows too
       spec, reason = fit_sampling.arrays_to_dataset(a, opt, sampling, pad=pad,
@@ -478,9 +451,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
         keras_internals.symbolic_build(self, a["x"].element_spec)
       a["shuffle"] = False   # Keras ignores it for datasets (and would warn it does)
     opt.private_step.prepare_mechanism(self.trainable_variables)   # noise != "iid": query needs the shapes
-    if fingerprints:   # the weights built since the check: the state the run starts from
-      # (every weight, trainable or not: a frozen layer's statistics written from the data
-      # by a callback are refused too; Keras' seed generators' states are not weights)
+    if fingerprints:   # the weights built since the check, frozen ones too
       weight_fingerprints.record(opt, self.weights, only_new=True)
     callbacks = list(a.get("callbacks") or [])
     callbacks_lib.check_monitors(callbacks, a.get("validation_data") is not None,
@@ -500,17 +471,14 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
     a["callbacks"] = internal + callbacks + [ledger_callbacks.LedgerCoverage()] + (
         [guard.checker] if guard is not None else [])
     self._dp_fit_fingerprints = guard
-    # Inside fit a final partial batch smaller than num_microbatches is fine: its empty
-    # microbatches are masked out (the batch size was checked in _dp_declare).
-    self._dp_in_fit = True
+    self._dp_in_fit = True   # a final batch smaller than M is fine in fit (empty ones masked)
     self._dp_fit_verbose = a.get("verbose", "auto")   # a slow first step is reported then
     deferred = opt_lib.fingerprints_deferred(opt)   # put back after (a probe's stays True)
     setattr(opt, weight_fingerprints.DEFERRED, True)
     try:
       history = super().fit(**a)
     except tf.errors.OpError as err:
-      # a pass the declared pipeline's sampler refused before its first batch (no step
-      # taken, drawn or charged: ShuffleSampler.start_iteration), wrapped by tf.data
+      # a pass the sampler refused before its first batch, wrapped by tf.data
       refusal = getattr(getattr(spec, "sampler", None), "refusal", None)
       if refusal is None or str(refusal) not in str(err):
         raise
@@ -521,8 +489,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
       internal[0].close()
       setattr(opt, weight_fingerprints.DEFERRED, deferred)
       self._dp_fit_fingerprints = None
-      # after the callbacks' on_train_end (restore_best_weights, averages), all checked; when
-      # a callback raised (or was refused) before its check, the guard settles what it held
+      # after the callbacks' on_train_end; if one raised before its check, the guard settles
       if fingerprints and guard.evaluation_cut_short():
         pass   # its evaluation wrote the weights: nothing recorded, every later check refuses
       elif fingerprints and not guard.open:
@@ -555,8 +522,7 @@ class DPModelMixin(train_step_lib.TrainStepMixin):
           "every replica the whole batch (the clipped sum counted once per replica); train "
           "with model.fit on a tf.data.Dataset, which the strategy splits among replicas")
     x = args[0] if args else kwargs.get("x")
-    # a step ran on this train function with every layer built (its trace facts exist) and
-    # the model was not made unbuilt since (Sequential.add): no layer to build
+    # trace facts exist and the model was not made unbuilt since: no layer to build
     built = getattr(self, "_dp_facts", None) is not None and self.built
     if x is not None and not built and not all(
         layer.built for layer in keras_internals.flatten_layers(self)):
@@ -648,10 +614,8 @@ _READS_AT = {keras.callbacks.ModelCheckpoint: {"on_train_batch_end", "on_epoch_b
 
 
 def _overridden_hooks(callback):
-  """The hooks of `callback` that may run the user's code: those its class (or instance, as
-  keras.callbacks.LambdaCallback) overrides, less those of a tf_dpiter callback (the
-  library's own: they write no weight, or put back an average of checked iterates) and of
-  Keras callbacks that write none (`_READ_ONLY`, `_READS_AT`)."""
+  """The hooks of `callback` that may run the user's code (overridden on its class or
+  instance), less those of tf_dpiter's callbacks and of Keras' read-only ones."""
   cls = type(callback)
   if cls.__module__.startswith("tf_dpiter.") or cls in _READ_ONLY:
     return set()
@@ -670,20 +634,15 @@ def _overridden_hooks(callback):
 class _FitFingerprints:
   """The weights' fingerprints in a DP fit, around the user's callbacks (weight_fingerprints).
 
-  At every hook some user callback implements (`_overridden_hooks`; the train-batch hooks
-  only then, so a fit whose callbacks implement epoch hooks only costs about two digest
-  passes an epoch), `recorder`, first in the list, records the weights the private steps
-  left (when a step ran since the last check), and `checker`, last, checks them: a callback
-  may put back a recorded state (EarlyStopping(restore_best_weights=True): an earlier
-  iterate) or a tf_dpiter weight average of checked iterates (post-processing), nothing
-  else (a plain fit of a layer this model shares is refused there). `open` is True between
-  the two: a fit that raises then records nothing (the next fit, statement or save checks).
+  At every hook some user callback implements (`_overridden_hooks`), `recorder`, first in
+  the list, records the weights the private steps left, and `checker`, last, checks them: a
+  callback may put back a recorded state (restore_best_weights) or a tf_dpiter weight
+  average of checked iterates (post-processing), nothing else. `open` is True between the
+  two: a fit that raises then records nothing.
 
-  Fit's own evaluation (validation_data, validation_split) runs the model in inference mode
-  (and a `test_step` override) on data between the callbacks' on_test_begin and on_test_end:
-  `checker`, last at on_test_begin, holds the weights, and `recorder`, first at on_test_end,
-  refuses any that moved (the evaluation writes nothing the run releases: a layer keeping a
-  statistic of its inference inputs would carry them unclipped and un-noised).
+  Fit's own evaluation runs between on_test_begin and on_test_end: `checker` holds the
+  weights there and `recorder` refuses any that moved (a layer keeping a statistic of its
+  inference inputs would carry them unclipped and un-noised).
   """
 
   def __init__(self, optimizer, model, callbacks):
@@ -714,10 +673,8 @@ class _FitFingerprints:
     return hook
 
   def settle(self):
-    """After a fit that raised between `recorder` and `checker` (a callback raised, or was
-    refused): weights held at a batch hook that nothing moved are the private steps' output
-    and are recorded; moved ones are refused by every later check (`mark_seen`). At other
-    hooks `recorder` recorded the steps' output first: later checks compare with it."""
+    """After a fit that raised between `recorder` and `checker`: weights held at a batch hook
+    that nothing moved are recorded; moved ones are refused by every later check."""
     held, self._held = self._held, None
     if held is None:
       return
@@ -728,13 +685,8 @@ class _FitFingerprints:
                                  weight_fingerprints.checked_variables(self._model))
 
   def evaluation_cut_short(self):
-    """After a fit: True when its evaluation was interrupted (on_test_end never ran: a
-    KeyboardInterrupt, a callback or batch that raised) and the weights held at its start
-    moved; they are then no state of the run (`mark_seen`: every later check refuses them).
-
-    Returns:
-      bool.
-    """
+    """After a fit: True when its evaluation was interrupted and the weights held at its start
+    moved; every later check then refuses them (`mark_seen`)."""
     held, self._evaluated = self._evaluated, None
     if held is None or not weight_fingerprints.changed_since(held):
       return False
@@ -786,8 +738,7 @@ class _FitFingerprints:
     self.open = False
 
   def _not_averaged(self, bad):
-    """`bad` less the variables holding the average a tf_dpiter weight-averaging callback
-    swapped in (ExponentialMovingAverage, PolyakAveraging: a function of checked iterates)."""
+    """`bad` less the variables holding a tf_dpiter weight average (of checked iterates)."""
     held = {}
     for callback in self._averages:
       average = callback._avg if callback._raw is not None else None  # pylint: disable=protected-access
@@ -934,11 +885,9 @@ def make_private_with_epsilon(model, optimizer, epsilon, delta, epochs, batch_si
 
 
 def _atomic_suffix(method, model, filepath, args, kwargs, suffixes):
-  """The suffix under which `save` / `save_weights` write `filepath` through
-  `files.replaced`, or None to let Keras' `method` write it in place: a remote path, a format
-  Keras writes as a directory or in shards (`zipped=False`, `max_shard_size`), another
-  extension (Keras' own error then), or `overwrite=False` with a file already there (Keras
-  asks)."""
+  """The suffix under which `filepath` is written through `files.replaced`, or None to let
+  Keras write it in place (remote, a directory or shards, another extension, or
+  overwrite=False with a file there)."""
   given = inspect.signature(method).bind(model, filepath, *args, **kwargs).arguments
   path = str(filepath)
   if (not files.is_local_file_path(filepath) or given.get("zipped") is False
@@ -949,8 +898,7 @@ def _atomic_suffix(method, model, filepath, args, kwargs, suffixes):
 
 
 def _unscaled(optimizer):
-  """`optimizer` without a Keras LossScaleOptimizer around it (mixed_float16's dynamic loss
-  scaling; the private step applies a static scale itself, routing.loss_scale)."""
+  """`optimizer` without a Keras LossScaleOptimizer around it (routing.loss_scale)."""
   if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
     return optimizer.inner_optimizer
   return optimizer
@@ -964,8 +912,7 @@ def _compiled_optimizer(model):
 
 
 def _private_settings(l2_norm_clip, noise_multiplier, dp_kwargs):
-  """make_private's DP settings (a dict of DPOptimizer keyword arguments), checked now by
-  DPOptimizer's own checks (ParameterTypeError: an argument it does not take), or None."""
+  """make_private's DP settings (DPOptimizer keywords), checked now, or None."""
   takes = tuple(name for name, p in inspect.signature(opt_lib.DPOptimizer).parameters.items()
                 if name != "optimizer" and p.kind != p.VAR_KEYWORD) + tuple(
                     noise_mechanisms.PARAM_NAMES)
