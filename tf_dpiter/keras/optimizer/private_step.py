@@ -89,8 +89,7 @@ class PrivateStep:
     self.sampling = None              # ledger.LedgerSampling, made by set_sampling
     self._wrapped = None              # (base_query, sampling, their QueryWithLedger)
     self.sampling_source = None
-    # the variables, checkpoint dependencies of the optimizer (made by make_state)
-    self._ledger = None
+    self._ledger = None   # the variables (make_state)
     self._expected_records = None
     self._overflow_count = None
     self._restored_ledger = None   # (samples, queries, passes[, grouping]), merged by make_state
@@ -98,26 +97,20 @@ class PrivateStep:
     self._global_vars = None              # the query's global state variables (flattened)
     self._global_struct = None
     self._noise_draws = None   # correlated: draws made with the in-memory noise state (untracked)
-    # correlated: a restored noise state's run table, until the ledger is seen to hold it
-    # (`restore_noise_state`), and the graph's flag of the same (untracked)
+    # a restored noise state's run table until the ledger is seen to hold it, and its flag
     self._noise_runs_pending = None
     self._noise_runs_ok = None
     self._pending_sampling = None
     self.expected_size_denominator = False   # set by adopt_sampling from the declared policy
     self._query_facts = None   # (base query, gives_clip_factors, adds_scaled_noise of it)
     self._route = None   # (resolve_clipping's key, its path): _route_key
-    # the noised results returned, to which an applied update must be bound (update_binding)
     self._noised = update_binding.NoisedResults()
-    # the declarations' epoch (`require_user_sampling`): bumped by a declaration a traced step
-    # must be retraced for; the untracked variable holds it while the user's declaration is
-    # current (-1 once fit declared), and a traced user step asserts the epoch it checked
+    # the declarations' epoch (`require_user_sampling`; -1 in the variable once fit declared)
     self._sampling_epoch = 0
     self._user_epoch = None
     self._traced_user_epochs = weakref.WeakKeyDictionary()   # graph -> epoch checked
     self._layer_keys = None   # the random layers' key source (keyed_layer_draws; untracked)
-    # True while a keyed_layer_draws block with random layers is traced or run (read by the
-    # chunk layout: one padded chunk then)
-    self.draws_keyed = False
+    self.draws_keyed = False   # inside a keyed_layer_draws block with random layers
 
   # ---- the plan and the flags (read-only) -----------------------------------------------
 
@@ -159,8 +152,7 @@ class PrivateStep:
     return dp_query_lib.gaussian_stddev(self._plan.l2_norm_clip, self._plan.noise_multiplier)
 
   def set_flags(self, **changes):
-    """Replaces performance flags (validated); the privacy plan is unchanged. A traced train
-    step keeps the flags it was traced with.
+    """Replaces performance flags (validated); the privacy plan is unchanged.
 
     Args:
       **changes: PerformanceFlags field -> value (e.g. skip_padding_tail=False).
@@ -168,7 +160,7 @@ class PrivateStep:
     Returns:
       the new PerformanceFlags.
     """
-    self.flags = self.flags.replace(**changes)   # frozen: replaced whole, never edited
+    self.flags = self.flags.replace(**changes)
     return self.flags
 
   def restore_saved(self, global_state=None, ledger=None):
@@ -196,8 +188,8 @@ class PrivateStep:
     return trackable
 
   def adopt_ledger(self, samples, queries, passes, grouping=None, runs=None):
-    """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`: nothing
-    recorded is lost), or, before it exists, into the one `make_state` starts from.
+    """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`), or, before
+    it exists, into the one `make_state` starts from.
 
     Args:
       samples: ledger sample array.
@@ -235,21 +227,16 @@ class PrivateStep:
         self.base_query = self._plan.make_query()
       self._expected_records = self._track("_dp_expected_records", tf.Variable(
           1.0, dtype=tf.float32, trainable=False, name="dp_expected_records"))
-      # a diagnostic, un-noised count of records: kept out of the object graph, so no
-      # checkpoint or backup carries it (review: 1 vs 0 with one outlier)
+      # un-noised diagnostic: out of the object graph, so no file carries it
       self._overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="dp_overflowed_records")
-      # the noised results this object drew and recorded, and the count of them an update has
-      # used (`charged_gradients`): out of the object graph, so no restore lowers either, and
-      # samples the ledger adopted (another run's, a layer's earlier training) pay for nothing
+      # noised results drawn and used by updates (`charged_gradients`): untracked
       self._noised_results = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="dp_noised_results")
       self._used_results = tf.Variable(0, dtype=tf.int64, trainable=False,
                                        name="dp_used_noised_results")
       self._ledger = self._track("_dp_ledger", ledger_lib.PrivacyLedger())
-      # made here, before any trace: a variable first made in a tf.function's trace makes
-      # TensorFlow trace the function twice (BERT-base LoRA's first DP step +3.5 CPU s)
-      self._layer_key_source()
+      self._layer_key_source()   # before any trace (a variable made in a trace retraces)
       if self._restored_ledger is not None:   # from from_config or adopt_ledger
         pending, self._restored_ledger = self._restored_ledger, None
         self._ledger.merge_arrays(*pending)
@@ -273,10 +260,8 @@ class PrivateStep:
 
   def count_overflowed(self, finite, record_mask):
     """Adds the real records whose float16 gradient was zeroed to the overflow counter and
-    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds for
-    the model and the ledger. The count itself, the warning and the fit log's
-    `dp_overflowed_records` are diagnostics of the private records outside the guarantee
-    (un-noised); no checkpoint carries the count.
+    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds; the
+    count and warning are un-noised diagnostics outside it (no checkpoint carries the count).
 
     Args:
       finite: [R] bool, whether each record's gradient was finite (None: no loss scale).
@@ -317,9 +302,8 @@ class PrivateStep:
     return generator
 
   def synchronize_noise(self, strategy):
-    """Makes this step's noise generator on every worker of `strategy` a copy of the chief's,
-    so that every worker draws the same noise at every step (the draws made in the same
-    order). Call outside `strategy.scope()` and outside any tf.function, before training.
+    """Makes every worker's noise generator a copy of the chief's, so all draw the same noise.
+    Call outside `strategy.scope()` and any tf.function, before training.
 
     Args:
       strategy: a tf.distribute strategy (MultiWorkerMirroredStrategy).
@@ -339,14 +323,10 @@ class PrivateStep:
     self._noise_workers = runtime.num_workers(strategy)
 
   def charged_gradients(self, grads):
-    """`grads` to apply as one update, and the check the update waits for: this object must
-    have drawn and recorded a noised result since the last update (one charged private step
-    per update; plain gradients are refused), which the update then uses up, with any other
-    unused one (two computes, one apply: a later plain update is still refused). The counts
-    are this object's, in no checkpoint: a restore cannot lower them, and samples the ledger
-    adopted from another run pay for no update here. An assertion in a graph; XLA drops
-    assertions, so there the gradients are multiplied by NaN instead (grads_lib.one_or_nan's
-    rule). Under several replicas the count is checked and used up once per update.
+    """`grads` to apply as one update, and the check the update waits for: a noised result
+    was drawn and recorded since the last update (plain gradients are refused), and the
+    update uses up every unused one. The counts are in no checkpoint, so a restore cannot
+    lower them. Under XLA (which drops assertions) the gradients are multiplied by NaN.
 
     Args:
       grads: the gradients (None entries kept).
@@ -357,8 +337,7 @@ class PrivateStep:
     def use():
       noised, used = self._noised_results.read_value(), self._used_results.read_value()
       ok = tf.greater(noised, used)
-      # one Assert op, unguarded (tf.debugging.Assert wraps it in a tf.cond: two branch
-      # functions traced per step)
+      # one Assert op (tf.debugging.Assert adds a tf.cond)
       check = tf.raw_ops.Assert(condition=ok, data=[
           "apply_private_gradients applies the gradients of a charged private step "
           "(compute_private_gradients), one noised and recorded result per update: none "
@@ -403,13 +382,10 @@ class PrivateStep:
     norms and sum of one forward per physical chunk; vectorized: one per record), which
     reads the states as Keras advances them within the block.
 
-    The key source is this object's own generator (`_layer_key_source`): OS entropy (the
-    noise's rules: never saved, so a restore, load_weights or iterations.assign cannot make
-    it draw a key twice), os.urandom under secure_mode. The states are put back on exit, so
-    no saved model holds a key a step used. A user's seed therefore no longer fixes the
-    masks of a DP step (it does not fix the noise either). Keras draws a layer's seed as
-    state mod (2^31 - 2) (its TensorFlow backend, `_cast_seed`): 62 secret bits per
-    generator and step.
+    The key source (`_layer_key_source`) is OS entropy, never saved (no restore can make it
+    draw a key twice), os.urandom under secure_mode; the states are put back on exit, so no
+    saved model holds a key a step used. Keras draws a layer's seed as state mod (2^31 - 2)
+    (`_cast_seed`): 62 secret bits per generator and step.
 
     Args:
       generators: the model's keras.random.SeedGenerators (a list; empty: nothing drawn).
@@ -434,11 +410,10 @@ class PrivateStep:
         g.state.assign(value)
 
   def refuse_grouped_draws(self, per_chunk, shared):
-    """Refuses physical chunks under Poisson-type sampling when keyed random layers draw
-    once for several records of a chunk (`shared`): each chunk's forward advances the keys,
-    so the records sharing a draw would be grouped by their position, and one removed record
-    regroups the others (the clipped sum then moves by up to k C for chunks of k records;
-    review R13, session 44). Draws of one per record are i.i.d. across chunks: not refused.
+    """Refuses physical chunks under Poisson-type sampling when keyed random layers draw once
+    for several records of a chunk (`shared`): records sharing a draw would be grouped by
+    position, and one removed record regroups the others (a move of up to k C). Draws of
+    one per record are i.i.d. across chunks: not refused.
 
     Args:
       per_chunk: the chunk layout (`chunking.chunk_layout`; None: one chunk).
@@ -463,10 +438,8 @@ class PrivateStep:
         f"max_physical_batch_size={self.flags.max_physical_batch_size}")
 
   def _layer_key_source(self):
-    """The secret generator of `keyed_layer_draws`, made with the DP state (`make_state`,
-    before any trace): a Philox generator from OS entropy, os.urandom under secure_mode; with
-    a `seed` (tests only, not private) a stream split from a seeded generator apart from the
-    noise's."""
+    """The secret generator of `keyed_layer_draws`: Philox from OS entropy, os.urandom under
+    secure_mode; with a `seed` (tests only) a stream split apart from the noise's."""
     if self._layer_keys is None:
       with tf.init_scope():
         if self.secure_mode:
@@ -501,8 +474,7 @@ class PrivateStep:
 
   def _facts_of_query(self):
     """(base query, `dp_query.gives_clip_factors`, `gaussian_query.adds_scaled_noise`), read
-    once per query, not at every step.
-    """
+    once per query."""
     query = self.base_query
     if self._query_facts is None or self._query_facts[0] is not query:
       self._query_facts = (query, dp_query_lib.gives_clip_factors(query),
@@ -546,10 +518,9 @@ class PrivateStep:
                                   for t in flat])
 
   def _set_global_state(self, struct, variables):
-    """Adopts `variables` (flattened like `struct`) as the query's global state: tracked
-    (saved) for a mechanism whose state is public parameters (IID, a custom dp_query); a
-    correlated mechanism's state is the noise, kept out of every file, and an untracked
-    counter of the draws made with it starts at 0 (`require_noise_state`)."""
+    """Adopts `variables` (flattened like `struct`) as the query's global state: tracked for
+    public parameters (IID, a custom dp_query); a correlated mechanism's state is the noise,
+    kept out of every file, with an untracked draw counter (`require_noise_state`)."""
     self._global_struct = struct
     self._global_vars = list(variables)
     if self.mechanism.correlated:
@@ -563,13 +534,10 @@ class PrivateStep:
 
   def require_noise_state(self):
     """Refuses a correlated mechanism's step unless its ledger holds exactly the samples its
-    noise state (in memory only, never saved with the model) drew: a run restored from a
-    file (model.save and load_model, load_weights, a tf.train.Checkpoint, BackupAndRestore in
-    a new process) or handed a ledger (a carried, journal or `restore_ledger` one) would
-    otherwise continue the correlated noise from a fresh state, or from another point of the
-    run (`restore_noise_state` of another step), which its accounting (one sequence of steps
-    with one noise state) does not cover. Read eagerly (also while a step is traced); the
-    step asserts the same in its graph.
+    in-memory noise state drew: a run restored from a file or handed a ledger would
+    otherwise continue the correlated noise from a fresh state or another point of the run,
+    which its accounting (one sequence of steps, one noise state) does not cover. Read
+    eagerly; the step asserts the same in its graph.
 
     Raises:
       PrivacyConfigError: ledger samples != draws of the in-memory noise state, or a noise
@@ -615,11 +583,8 @@ class PrivateStep:
 
   def restore_noise_state(self, path):
     """Restores a noise state `save_noise_state` wrote, so a correlated run restored from a
-    model file or checkpoint of the same step continues exactly. The next step checks that
-    the ledger holds exactly the samples this state drew (`require_noise_state`): a state of
-    another step is refused there. Call after the optimizer is built (load_model builds it;
-    else `optimizer.build(model.trainable_variables)`). The file is as secret as the data
-    (`save_noise_state`).
+    file of the same step continues exactly (checked by `require_noise_state`). Call after
+    the optimizer is built. The file is as secret as the data.
 
     Args:
       path: the .npz file `save_noise_state` wrote.
@@ -657,10 +622,8 @@ class PrivateStep:
     self._noise_runs_pending = None if ready or self._ledger is None else runs
 
   def _check_noise_runs(self, runs, path="the restored noise state"):
-    """Refuses a noise state whose run table (the ledger's when `save_noise_state` wrote it)
-    is not the ledger's now: the state of another run with as many samples would continue
-    this run's correlated noise from that run's (its accounting covers one sequence of steps
-    with one noise state; run identities: `ledger.run_ids`)."""
+    """Refuses a noise state whose run table is not the ledger's now: another run's state with
+    as many samples would continue this run's correlated noise from that run's."""
     with tf.init_scope():
       held = tuple(tuple(t) for t in self._ledger.run_table())
     if held != runs:
@@ -737,10 +700,8 @@ class PrivateStep:
     return changed
 
   def _declared(self, changed):
-    """Moves the declarations' epoch on when a traced step must be retraced for the new
-    declaration (`changed`: policy, record cut, unit or public row bound) and writes to the
-    run-time variable the epoch a traced user step may run under: the current one while the
-    user declared the sampling, -1 once fit did (`require_user_sampling`)."""
+    """Moves the declarations' epoch on when `changed` (a retrace is needed) and writes the
+    epoch a traced user step may run under: the current one, or -1 once fit declared."""
     if changed:
       self._sampling_epoch += 1
     with tf.init_scope():
@@ -758,7 +719,6 @@ class PrivateStep:
       expected_records: the policy's expected batch size (a Python float, public).
     """
     self.sampling = sampling
-    # the policy's denominator rule, read once per declared policy (not at every step)
     self.expected_size_denominator = ledger_policies.get(
         sampling.policy).expected_size_denominator
     if self._global_vars is None:
@@ -767,8 +727,8 @@ class PrivateStep:
 
   @property
   def query(self):
-    """`base_query` in a ledger.QueryWithLedger sharing `sampling`, made once per (base query,
-    sampling); None while undeclared. The step itself records with `sampling`."""
+    """`base_query` in a ledger.QueryWithLedger sharing `sampling` (cached); None while
+    undeclared."""
     if self.sampling is None:
       return None
     wrapped = self._wrapped
@@ -803,17 +763,10 @@ class PrivateStep:
 
   def require_user_sampling(self, what):
     """Refuses a step whose batch the user gives (`train_on_batch`, a custom loop) unless the
-    user declared how it is sampled (`set_sampling`): a declaration fit made for its own
-    sampler (q = B / N of fit's Poisson batches, `mark_sampling_from_fit`) describes fit's
-    batches, not the batch given (x[:B] charged as a Poisson step of rate q: epsilon 3.533
-    stated for 5.651, review R4, session 35).
-
-    Checked when called: eagerly at every step, and when a step is traced. A traced step
-    also asserts, when it runs, that the declaration it was traced under is still the
-    current one (`user_sampling_check`): fit re-declares the sampling on the same
-    LedgerSampling, whose n and q the traced step reads when it runs (review R5: a step
-    traced before a fit at q = 0.1 charged the user's q = 0.5 batches at 0.1, epsilon 4.868
-    stated for 5.952).
+    user declared how it is sampled (`set_sampling`): fit's declaration describes fit's own
+    batches, not the batch given. Checked when called; a traced step also asserts at run
+    time that its declaration is still current (`user_sampling_check`), since fit
+    re-declares on the same LedgerSampling, whose n and q the traced step reads.
 
     Args:
       what: names the caller in the message.
@@ -836,10 +789,8 @@ class PrivateStep:
         f"model.fit). Received: sampling declared by {self.sampling_source!r}")
 
   def user_sampling_check(self):
-    """The run-time assertion of a traced user step (`require_user_sampling` ran in this
-    graph): the user's declaration it was traced under is still current, i.e. neither fit
-    declared the sampling since nor a declaration needing a retrace was made. None when the
-    graph has no user step, or eagerly (checked at every call).
+    """The run-time assertion of a traced user step that its user declaration is still
+    current; None eagerly or when the graph has no user step.
 
     Returns:
       an Assert op, or None.
@@ -900,11 +851,9 @@ class PrivateStep:
   # ---- the correlated mechanism -------------------------------------------------------
 
   def build_mechanism(self, variables):
-    """Makes a correlated mechanism's query on `variables`; its global state (the noise of the
-    released weights) becomes variables that no file saves (`_set_global_state`; only
-    `save_noise_state` writes them). The noise generator's state is saved only with a `seed`
-    (tests; not private), so a resumed or rolled-back run cannot draw a released noise again.
-    Applies a sampling declared before the build.
+    """Makes a correlated mechanism's query on `variables`; its global state (the noise)
+    becomes variables no file saves. The generator's state is saved only with a `seed`
+    (tests), so no resumed run draws a released noise again. Applies a pending sampling.
 
     Args:
       variables: the trainable variables the optimizer was built on.
@@ -914,9 +863,7 @@ class PrivateStep:
     self.make_state()
     query, init, state_vars = noise_mechanisms.make_query_with_state(
         self.mechanism, self.l2_norm_clip, self.noise_multiplier, variables, seed=self.seed)
-    # the noise state stays out of optimizer.variables (save_weights, model.save) and out of
-    # the object graph (_set_global_state): it is the noise. A seeded (test) generator's state
-    # is saved: its seed is public anyway
+    # a seeded (test) generator's state is saved: its seed is public anyway
     seeded = [query.noise_generator.state] if self.seed is not None else []
     for v in seeded:
       self.optimizer._track_variable(v)  # pylint: disable=protected-access
@@ -931,7 +878,7 @@ class PrivateStep:
 
   def prepare_mechanism(self, variables):
     """Builds the optimizer on `variables` now when a correlated mechanism waits for their
-    shapes (DPModel.fit calls it before tracing); else a no-op.
+    shapes; else a no-op.
 
     Args:
       variables: the model's trainable variables.
@@ -942,8 +889,7 @@ class PrivateStep:
   # ---- sample params ------------------------------------------------------------------
 
   def sample_params(self):
-    """The query's sample params, read from its global state once per step and passed to the
-    clipping (an XLA-compiled clipped sum receives them as arguments).
+    """The query's sample params, read from its global state once per step.
 
     Returns:
       the params nest (`DPQuery.derive_sample_params`).
@@ -961,18 +907,14 @@ class PrivateStep:
     """'vectorized' or 'fast': which per-example clipping this step uses for `model`.
 
     "auto" takes the fast (ghost-norm) path only when `routing.fast_path_obstacle` finds
-    nothing in the way (every layer known to act per example, and the batch-independence probe
-    sees no layer mixing examples); else the vectorized path, exact for any model. The answer
-    is kept per train function and input shape (`_route_key`), as the traced step keeps it.
+    nothing in the way; else the vectorized path, exact for any model. Kept per `_route_key`.
 
     Args:
       model: the keras.Model the step trains.
       input_specs: optional nest of tensors/specs shaped like a batch (for the probe).
-      checked_by_the_step: True from the Keras train step: a traced step checks the
-        unrecorded variable uses in its own fast pass (`routing.fast_path_obstacle`).
-      probe: False from a traced Keras step whose fast pass checks the model's call for
-        writes from the data before any batch-independence probe runs it: no probe here,
-        and "fast" is not kept until the step's `route_probed`.
+      checked_by_the_step: True from the Keras train step (its fast pass checks the
+        unrecorded variable uses).
+      probe: False: no probe here, and "fast" is not kept until `route_probed`.
 
     Returns:
       "vectorized" or "fast".
@@ -993,9 +935,8 @@ class PrivateStep:
 
   def route_probed(self, model, input_specs):
     """The path of a traced step that called `resolve_clipping(probe=False)`, once its fast
-    pass checked the model's call for writes from the data (data_writes): the
-    batch-independence probe (`routing.mixing_obstacle`: random inputs, fit's kept rows),
-    "fast" when it sees no mixing, else "vectorized" under clipping="auto"; kept as the route.
+    pass checked the call: "fast" when the batch-independence probe sees no mixing, else
+    "vectorized" under clipping="auto"; kept as the route.
 
     Args:
       model: the keras.Model the step trains.
@@ -1041,11 +982,7 @@ class PrivateStep:
     return path
 
   def _route_key(self, model, input_specs):
-    """What `resolve_clipping`'s answer follows from (a tuple compared by identity), or None:
-    the train function and input shapes a traced step keeps, plus what an eager step could
-    change (flags, query, dtype policy, trainable variables, losses, a Sequential's layers:
-    Keras builds a new functional graph on add/pop, as train_step's facts key reads).
-    """
+    """What `resolve_clipping`'s answer follows from (compared by identity), or None."""
     train_function = getattr(model, "train_function", None)
     if model is None or train_function is None:
       return None
@@ -1058,9 +995,8 @@ class PrivateStep:
                   vectorize=True, loss_scale=1.0, params=None, sum_scale=None, xla=None):
     """Sample state (clipped sum) over records, vectorized, in physical chunks.
 
-    Per-record gradients are cast to float32 (float64 for float64 variables) before norms,
-    clip factors and sum; with loss_scale s != 1 the gradients are divided by s and a record
-    that overflowed adds zero (chunking.unscale_records).
+    Per-record gradients are cast to float32 (float64 for float64 variables); with loss_scale
+    s != 1 they are divided by s and a record that overflowed adds zero.
 
     Args:
       record_loss_fn: record -> (scalar loss, aux nest).
@@ -1077,10 +1013,8 @@ class PrivateStep:
         `routing.in_xla_context`); it chooses the chunk layout (`chunking.chunk_layout`).
 
     Each clipped gradient is also added times `summation.public_shrink` of the sum's plan
-    (the records summed by a pinned pairwise tree per chunk, the chunks one after the other,
-    the replicas all-reduced; under add/remove the plan of `chunking.public_row_bound` rows,
-    so the shrink does not depend on the rows present), so that the float32 sum moves by at
-    most the ledger's S when a record is added or removed.
+    (under add/remove the plan of `chunking.public_row_bound` rows, independent of the rows
+    present), so the float32 sum moves by at most the ledger's S for one record.
 
     Returns:
       (sample_state, sum of record losses over real records, aux stacked [M, ...], or None
@@ -1097,11 +1031,10 @@ class PrivateStep:
 
     record_mask = tf.cast(record_mask, tf.float32)
     m_static = tf.TensorShape(record_mask.shape)[0]
-    if xla is None:   # asked once: the batch's layout and the public plan's are one choice
+    if xla is None:
       xla = routing.in_xla_context()
     per_chunk = chunking.chunk_layout(self, examples_per_record, m_static, xla=xla)
-    # a vectorized pass draws once a chunk; checked here only when it can refuse, so an
-    # unkeyed step reads no sampling property (the step's call walk)
+    # a vectorized pass draws once a chunk
     if per_chunk is not None and self.draws_keyed:
       self.refuse_grouped_draws(per_chunk,
                                 ["the vectorized per-record pass"] if vectorize else [])
@@ -1118,8 +1051,7 @@ class PrivateStep:
       with tf.control_dependencies(self.count_overflowed(finite, mask)):
         weights = mask * scale
         state = query.accumulate_records(params, state, grads, mask=weights)
-      # a loss without reduction (reduction=None, TF Privacy's idiom) gives each record a
-      # vector: its logged value is the record's mean, as Keras reduces it
+      # an unreduced loss's logged value is the record's mean, as Keras reduces it
       rec_losses = tf.reduce_mean(tf.reshape(losses, [tf.shape(mask)[0], -1]), axis=1)
       return state, tf.reduce_sum(rec_losses / loss_scale * tf.cast(mask, rec_losses.dtype)), aux
 
@@ -1137,9 +1069,8 @@ class PrivateStep:
     """True when the noise is drawn inside the XLA program of a `jit_compile=True` step.
 
     Only the default Gaussian query (no custom dp_query, correlated mechanism or secure_mode),
-    by default on an accelerator only (on CPU slower inside XLA: 10.9 against 7.8 ms for 407k
-    coordinates, benchmarks/xla_step_breakdown.py); `set_flags(compiled_noise=...)` forces it.
-    Either way the query's own generator draws (never saved, so never repeated).
+    by default on an accelerator only (slower on CPU: benchmarks/xla_step_breakdown.py);
+    `set_flags(compiled_noise=...)` forces it. The query's own generator draws either way.
     """
     if (not isinstance(self.mechanism, noise_mechanisms.IID) or self.custom_query
         or self.secure_mode):
@@ -1150,9 +1081,8 @@ class PrivateStep:
 
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
   def compiled_noised_average(self, sample_state, num_records, global_state, scaled=False):
-    """Noised sum / denominator inside the compiled program, by the query's own
-    `get_noised_result` (`get_scaled_noised_result` when `scaled`); the caller records the
-    events with `record_compiled_sample` right after the program.
+    """Noised sum / denominator inside the compiled program; the caller records the events
+    with `record_compiled_sample` right after the program.
 
     Args:
       sample_state: the clipped sum (times `sum_scale(num_records)` when `scaled`).
@@ -1188,8 +1118,7 @@ class PrivateStep:
     Returns:
       grads, after the ledger write.
     """
-    # the write waits for the batch (unknown cardinality: LedgerSampling.record)
-    count = self.require_sampling().record(events, after=grads)
+    count = self.require_sampling().record(events, after=grads)   # waits for the batch
     with tf.control_dependencies([count]):
       count = self._noised_results.assign_add(1)   # `charged_gradients`' count
     with tf.control_dependencies([count]):
@@ -1198,10 +1127,9 @@ class PrivateStep:
   # ---- noise and ledger -------------------------------------------------------------
 
   def _noise_and_record(self, sample_state, scale=None):
-    """One noise draw (`get_noised_result`, or `get_scaled_noised_result` times `scale`) and
-    one ledger sample of its events. A correlated mechanism fails the step when the ledger
-    holds more samples than the optimizer's iterations (a rolled-back run) or than its
-    in-memory noise state drew (a restored run: `require_noise_state`)."""
+    """One noise draw (scaled by `scale` if given) and one ledger sample of its events. A
+    correlated mechanism fails the step when the ledger holds more samples than the
+    iterations (a rolled-back run) or than its noise state drew (`require_noise_state`)."""
     sampling = self.require_sampling()
     checks = []
     if self.mechanism.correlated:
@@ -1223,10 +1151,8 @@ class PrivateStep:
                   "load_weights, iterations.assign or a retry with BackupAndRestore), since "
                   "its accounting covers one sequence of steps. Start a new optimizer, and "
                   "a new ledger, for a new run."))
-    # a correlated mechanism's draw, state read and hence its writes wait for the clipped
-    # sum: a step whose batch never came (the data's end, a refused pass) leaves its state
-    # (a tree's leaf count) unmoved. Independent noise may be drawn early and discarded:
-    # never released, and the generator only moves forward
+    # a correlated draw waits for the clipped sum: a batch that never came leaves its state
+    # unmoved (independent noise drawn early and discarded is never released)
     waits = ([t for t in tf.nest.flatten(sample_state) if isinstance(t, tf.Tensor)]
              if self.mechanism.correlated else [])
     with tf.control_dependencies(checks + waits):
@@ -1248,10 +1174,9 @@ class PrivateStep:
 
   def denominator(self, num_records):
     """The public denominator: 1 when not normalized, the declared expected batch size under
-    an add/remove policy (`expected_size_denominator`: the realized size is not protected),
-    else max(num_records, 1) with num_records the records the batch's rows form whatever
-    their weights (replace one keeps the batch's layout; a record's weight is private, so a
-    count of positive weights would show a replaced record's weight in the noise's scale).
+    an add/remove policy (the realized size is not protected), else max(num_records, 1) with
+    num_records the records the rows form whatever their weights (a record's weight is
+    private: a count of positive weights would show it in the noise's scale).
 
     Args:
       num_records: the records the batch's rows form (float32 scalar).
@@ -1270,10 +1195,8 @@ class PrivateStep:
   def folds_denominator(self):
     """True when the step forms the clipped sum already divided by the denominator d.
 
-    (sum + N(0, sigma^2 I)) / d = a sum + N(0, (a sigma)^2 I) with a = 1 / d (`sum_scale`):
-    the clip factors are multiplied by a and the Gaussian query draws noise of stddev a sigma
-    (`GaussianSumQuery.get_scaled_noised_result`), saving a division pass. Taken when
-    normalized, the query adds scaled noise (`gaussian_query.adds_scaled_noise`) and one
+    (sum + N(0, sigma^2 I)) / d = a sum + N(0, (a sigma)^2 I) with a = 1 / d (`sum_scale`),
+    saving a division pass. Taken when normalized, the query adds scaled noise and one
     replica trains. The ledger records (S, sigma) either way.
     """
     return bool(self.normalize and self._facts_of_query()[2]
@@ -1314,7 +1237,7 @@ class PrivateStep:
     self.require_sampling()
     self._require_one_noise()
     check = self.user_sampling_check() if self._traced_user_epochs else None
-    if check is not None:   # the ledger write and the result wait for the sum, hence for it
+    if check is not None:
       with tf.control_dependencies([check]):
         sample_state = tf.nest.map_structure(tf.identity, sample_state)
     num_records = tf.cast(num_records, tf.float32)
@@ -1333,8 +1256,6 @@ class PrivateStep:
       return result
     if ctx is None or n_rep == 1:
       result = self._noise_and_record(sample_state)
-      # each sum is formed once the leaf before it is noised (Bu et al. 2023, Section 3:
-      # no more sums held than the non-private step holds gradients)
       gate_sums_on_noise(sample_state, result)
     else:   # the replicas' sums and counts all-reduced, one draw in cross-replica context
       sample_state = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sample_state)
@@ -1348,9 +1269,7 @@ class PrivateStep:
       result = ctx.merge_call(merge_fn, args=(sample_state,))
     denom = self.denominator(num_records) * float(n_rep)
     result = [tf.cast(r / tf.cast(denom, r.dtype), r.dtype) for r in tf.nest.flatten(result)]
-    # a custom loop's or a train_step override's result: its update is bound to it (the
-    # library's own train step applies its own result)
-    if not getattr(self.optimizer, "_dp_own_step", False):
+    if not getattr(self.optimizer, "_dp_own_step", False):   # bound: update_binding
       result = self._noised.add(result)
     return result
 
@@ -1405,9 +1324,7 @@ class PrivateStep:
 # same ops and noise draws in the same order, only an execution order added, and only where the
 # edge cannot close a cycle (the producer is not an ancestor of the earlier noised leaves).
 
-# Ops that pass a buffer on: the walk from a sum to the op allocating it goes through them.
-# SplitV too: a product split into its variables' parts ([W; b] of the Dense rule) is gated at
-# the product (BERT-base allocator peak 809 -> 629 MiB at batch 4 x 32).
+# Ops that pass a buffer on (SplitV: a [W; b] product is gated at the product).
 _FORWARDING_OPS = frozenset(["Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
                              "EnsureShape", "SplitV"])
 
@@ -1422,8 +1339,7 @@ def _producer(tensor):
 
 
 def _add_ancestors(ops, seen):
-  """Adds to `seen` (a set of ops) every op that `ops` depend on (data or control), them
-  included; walks only ops not in `seen` yet."""
+  """Adds to `seen` every op that `ops` depend on (data or control), them included."""
   stack = [op for op in ops if op not in seen]
   while stack:
     op = stack.pop()
