@@ -66,9 +66,8 @@ def _event_row(event, factor, policy, sample_size):
 
 
 def _correlated_row(event, factor, policy, sample_size):
-  """Row and checks of a correlated-noise event (`correlated_records`' rules): a policy that
-  does not cover it is refused now, the least sample_size (cycle length b) now for a Python
-  number, else in the graph; the sensitivity is at least factor x clip.
+  """Row and checks of a correlated-noise event (`correlated_records`' rules): policy and
+  least sample_size checked (in the graph for a tensor); sensitivity >= factor x clip.
 
   Raises:
     PrivacyConfigError: the policy, or a Python sample_size, does not cover the event.
@@ -92,8 +91,7 @@ def _correlated_row(event, factor, policy, sample_size):
   else:
     values = correlated_records.correlated_query_row(wide, policy, sample_size, factor)
   kind, clip, noise, sensitivity = [_f64(v) for v in values]
-  # A strategy normalized in floating point can have a column norm 1 ulp below 1: record at
-  # least factor x clip, the least the ledger's checks accept (never a smaller sensitivity).
+  # a column norm may be 1 ulp below 1 in floating point: record at least factor x clip
   return [kind, clip, noise, tf.maximum(sensitivity, factor * clip)], checks
 
 
@@ -105,9 +103,8 @@ def _tensor_sensitivity_factor(relation, examples_per_record):
 
 
 class _HandleVariable:
-  """A ledger variable seen through its resource handle (an argument of the shared write
-  functions, so no trace refers to a ledger's variables), with the variable methods the
-  writes use."""
+  """A ledger variable seen through its resource handle (the shared write functions take
+  handles, so no trace refers to a ledger's variables)."""
 
   def __init__(self, handle, dtype, shape):
     self.handle, self.dtype, self.shape = handle, dtype, tf.TensorShape(shape)
@@ -145,10 +142,9 @@ class _HandleVariable:
 
 
 class _Buffers:
-  """One set of the ledger's variables (rows, counts, passes, cycle position); a plain object,
-  so tf.Module does not track it."""
+  """One set of the ledger's variables (rows, counts, passes, cycle position, run table); a
+  plain object, so tf.Module does not track it."""
 
-  # run_table: the stored run table (`run_ids`: whose samples these are), a scalar string
   NAMES = ("samples", "queries", "sample_count", "query_count", "passes", "cycle_position",
            "run_table")
   SPECS = {"samples": (tf.float64, [None, len(SAMPLE_COLUMNS)]),
@@ -216,9 +212,8 @@ GROUPING_CONFLICT = "conflict"
 
 
 def merged_grouping(a, b):
-  """The cyclic grouping record (`PrivacyLedger.cyclic_grouping`) of two merged sources of
-  one ledger, each a str or None: the one that is set, else `GROUPING_CONFLICT` when both are
-  set and differ (a continuation is then refused, the safe side)."""
+  """The cyclic grouping record of two merged sources (str or None each): the one set, else
+  `GROUPING_CONFLICT` when both are set and differ (a continuation is then refused)."""
   if a is None or a == b:
     return b
   return a if b is None else GROUPING_CONFLICT
@@ -234,14 +229,12 @@ def _table_of(state):
 
 def merged_arrays(current, restored):
   """The ledger that charges every step of two ledgers once, `current` (being restored into)
-  and `restored`, each (samples, queries, passes[, grouping[, table]]): (samples, queries)
-  numpy arrays, an int, a cyclic grouping record (str or None) and a run table
-  (`run_ids`: (id, samples, passes) segments; None or absent: one run of its own).
+  and `restored`, each (samples, queries, passes[, grouping[, table]]) with a run table of
+  (id, samples, passes) segments (None or absent: one run of its own).
 
-  Per run identity (`run_ids.merge_tables`): the longer of its two views (one is a prefix of
-  the other: a run's ledger only appends), never their sum. Different identities are
-  different runs, even with equal rows (two towers trained with one recipe): both are
-  charged, their passes added.
+  Per run identity (`run_ids.merge_tables`): the longer of its two views (a run's ledger
+  only appends), never their sum. Different identities are different runs, even with equal
+  rows: both are charged, their passes added.
 
   Returns:
     (samples, queries, passes, grouping, table); the groupings merged by `merged_grouping`.
@@ -258,9 +251,8 @@ def merged_arrays(current, restored):
 
 
 def added_arrays(current, restored):
-  """(samples, queries, passes, table) of what `restored` holds beyond `current` (each as in
-  `merged_arrays`), per run identity (`run_ids.additions`): appended to current's rows, the
-  merge of the two that keeps current's rows in place.
+  """(samples, queries, passes, table) of what `restored` holds beyond `current` (as in
+  `merged_arrays`), per run identity (`run_ids.additions`).
 
   Raises:
     PrivacyConfigError: two views of one run differ at a sample both hold.
@@ -269,9 +261,8 @@ def added_arrays(current, restored):
                            (*restored[:3], _table_of(restored)), _common_prefix)
 
 
-# The writes run in functions shared by every ledger of the process (they take the variables'
-# resource handles as arguments), traced once per process and context: a train function holds
-# one call op. The rare branches (growth, repair) are `_noinline` calls, built only when run.
+# The writes run in functions shared by every ledger (taking resource handles), traced once
+# per process; the rare branches (growth, repair) are `_noinline` calls, built only when run.
 _RARE = {"autograph": False, "experimental_attributes": {"_noinline": True}}
 
 
@@ -289,7 +280,6 @@ def _grow_call(handle, needed, columns):
 
 def _ensure_capacity(buffer, needed):
   """`_grow_call` when `buffer` holds fewer than `needed` rows; a bool tensor, True if grown."""
-  # VariableShape reads the shape without copying the buffer (tf.shape would read it all).
   cap = tf.raw_ops.VariableShape(input=buffer.handle, out_type=tf.int64)[0]
   return tf.cond(needed > cap, lambda: _grow_call(buffer.handle, needed, int(buffer.shape[1])),
                  lambda: tf.constant(False))
@@ -297,10 +287,9 @@ def _ensure_capacity(buffer, needed):
 
 def _reconcile(v, m):
   """In-graph reconciliation of the checkpointed set `v` and the mirror `m` before a write:
-  the longer when one is a prefix of the other; diverging sets (another run's checkpoint)
-  fail the step (only the eager `PrivacyLedger.reconcile` merges them). Compares counts,
-  passes and last rows (O(1) a step); reads rows whole only when those differ. Returns the
-  bool the writes depend on."""
+  the longer when one is a prefix of the other; diverging sets fail the step (only the
+  eager `PrivacyLedger.reconcile` merges them). O(1) a step unless counts or last rows
+  differ. Returns the bool the writes depend on."""
   counts = [(b.sample_count.read_value(), b.query_count.read_value(), b.passes.read_value())
             for b in (v, m)]
 
@@ -320,14 +309,11 @@ def _reconcile(v, m):
 
 @tf.function(**_RARE)
 def _fix_call(v_handles, m_handles, v_passes, m_passes):
-  """`_reconcile`'s repair: the longer set copied onto the other (passes: the larger count;
-  the run table with it), when one is a prefix of the other and both have one run table (a
-  restore of this run) or the checkpointed set is empty (a restore of a ledger that recorded
-  nothing: the mirror is copied back); else the step fails (tf.errors.InvalidArgumentError
-  when run). A restore of another run into a ledger that recorded nothing fails here too: its
-  next samples are this object's run, whose identity only the eager `reconcile` can write
-  into the table (continuing under the restored identity would make two ledgers restored
-  from one checkpoint one run, merged as one); returns True."""
+  """`_reconcile`'s repair: the longer set (with the larger pass count and its run table)
+  copied onto the other when one is a prefix of the other and both have one run table, or
+  the checkpointed set is empty; else the step fails. A restore of another run into an
+  empty ledger fails too: only the eager `reconcile` can write this object's identity into
+  the table (else two ledgers restored from one checkpoint would merge as one run)."""
   v, m = _Buffers.of(v_handles), _Buffers.of(m_handles)
   (vs, vq), (ms, mq) = v.rows(), m.rows()
   n = tf.minimum(tf.shape(vs)[0], tf.shape(ms)[0])
@@ -345,7 +331,6 @@ def _fix_call(v_handles, m_handles, v_passes, m_passes):
       "two, or use a new optimizer for the other run"])
   passes = tf.maximum(v_passes, m_passes)
   with tf.control_dependencies([check]):
-    # the set copied keeps its cycle position (counted as its samples were written)
     copy = lambda to, rows, queries, src: tf.group(to.assign_rows(  # noqa: E731
         rows, queries, passes, cycle_position=src.cycle_position.read_value())
         + [to.run_table.assign(src.run_table.read_value())])
@@ -412,29 +397,23 @@ class PrivacyLedger(tf.Module):
     cap = int(initial_capacity)
     if cap < 1:
       raise ParameterValueError(f"initial_capacity must be >= 1, got {initial_capacity!r}")
-    # This object's run identity (`run_ids`): the samples it records are this run's.
-    self._own_id = run_ids.new_id()
+    self._own_id = run_ids.new_id()   # this object's run identity (`run_ids`)
     table = run_ids.encode((), self._own_id)
     with tf.name_scope(name):
       self._v = _Buffers(cap, run_table=table)                  # checkpoints save/restore it
       self._mirror = _Buffers(cap, "_mirror", run_table=table)  # this object's: no checkpoint
     for attr in _Buffers.NAMES:   # tracked under the names of earlier versions' checkpoints
       setattr(self, "_" + attr, getattr(self._v, attr))
-    # The cyclic grouping record (`cyclic_grouping`): checkpointed; "" when none. What this
-    # object set is kept aside too (in no checkpoint), so a restore cannot replace it unseen.
+    # `cyclic_grouping`, checkpointed ("" when none); what this object set is kept aside too
     with tf.name_scope(name):
       self._cyclic_grouping = tf.Variable("", dtype=tf.string, trainable=False,
                                           name="cyclic_grouping")
     self._grouping_set_here = None
 
-  # No restore can roll the ledger back: a restore assigns `_v`; the mirror, in no checkpoint,
-  # holds every row this object recorded; writes reconcile them in the graph (`_reconcile`),
-  # eager reads with `merged_arrays`.
-
   def reconcile(self):
     """Merges the checkpointed rows and the rows this object recorded (`merged_arrays`), so
-    that a restore never lowers the ledger; eager. The eager reads call it when the sets'
-    counts differ; call it after restoring another run's checkpoint into a used ledger.
+    that a restore never lowers the ledger; eager. Call it after restoring another run's
+    checkpoint into a used ledger (eager reads call it when the counts differ).
     """
     restored, mine = (self._buffer_state(b) for b in (self._v, self._mirror))
     if not all(np.array_equal(a, b) for a, b in zip(restored[:3], mine[:3])) or (
@@ -468,14 +447,11 @@ class PrivacyLedger(tf.Module):
 
   @property
   def cyclic_grouping(self):
-    """The record of the grouping of the cyclic Poisson run this ledger charges (eager): a
-    str, "sha256:" + the SHA-256 of the run's sorted example identity digests
-    (`data.cyclic_poisson.CyclicPoissonSampler.grouping`), set by the fit that starts the
-    run; `GROUPING_CONFLICT` when a restore or merge brought another one; None when no run
-    recorded one (or a ledger of an earlier version). It is ledger state: tf.train.Checkpoint,
-    the signed ledger dict and file, the optimizer's config and the model's weights file carry
-    it, so a later fit, in this process or another, continues a correlated-noise run only
-    with the same grouping (`data.cyclic_poisson.check_continuation`)."""
+    """The grouping record of the cyclic Poisson run this ledger charges (eager): "sha256:" +
+    the SHA-256 of the run's sorted example identity digests, `GROUPING_CONFLICT` after a
+    merge of two, or None. Ledger state (every file of the ledger carries it), so a later fit
+    continues a correlated-noise run only with the same grouping
+    (`data.cyclic_poisson.check_continuation`)."""
     saved = self._cyclic_grouping.numpy().decode() or None
     return merged_grouping(self._grouping_set_here, saved)
 
@@ -515,8 +491,7 @@ class PrivacyLedger(tf.Module):
       b.run_table.assign(stored)
 
   def _read(self, name):
-    """A count: eagerly after `reconcile` when the sets' counts differ; in a graph the larger
-    of the two."""
+    """A count: eagerly after `_settle`; in a graph the larger of the two sets'."""
     v, m = getattr(self._v, name), getattr(self._mirror, name)
     if tf.executing_eagerly():
       self._settle()
@@ -524,9 +499,7 @@ class PrivacyLedger(tf.Module):
     return tf.maximum(v.read_value(), m.read_value())
 
   def _settle(self):
-    """Eagerly, `reconcile` when the two sets differ (a restore since the last write): an
-    eager read or write after a restore continues this object's run under its own identity
-    (in a graph, a write finding a restore of another run fails instead: `_fix_call`)."""
+    """Eagerly, `reconcile` when the two sets differ (a restore since the last write)."""
     if tf.executing_eagerly() and (
         any(int(getattr(self._v, k).numpy()) != int(getattr(self._mirror, k).numpy())
             for k in ("sample_count", "query_count", "passes"))
@@ -552,9 +525,8 @@ class PrivacyLedger(tf.Module):
   def cycle_position(self):
     """The cyclic Poisson schedule's position: the cyclic_poisson samples recorded (int64).
 
-    The next cyclic step samples group cycle_position mod b (`data.cyclic_poisson`). A pure
-    read, the larger of the two sets' positions: the dataset's generator reads it on a tf.data
-    thread while a step may be writing, where an eager `reconcile` would corrupt the rows.
+    The next cyclic step samples group cycle_position mod b. A pure read (the larger of the
+    two sets'): a tf.data thread reads it while a step may be writing.
     """
     return tf.maximum(self._v.cycle_position.read_value(),
                       self._mirror.cycle_position.read_value())
@@ -583,9 +555,7 @@ class PrivacyLedger(tf.Module):
 
     Eager or inside `tf.function` (not under XLA: the buffers grow); n, q, sample_size and k
     may be tensors. Each query's sensitivity is `records.sensitivity_factor(relation, k)` times
-    its clip (times the strategy's column norm for a correlated event:
-    `correlated_records.correlated_row_values`), recorded only under the sampling
-    `correlated_records.correlated_requirement` names.
+    its clip (times the strategy's column norm for a correlated event).
 
     Args:
       population_size: n, the population the sample was drawn from (float or tensor).
@@ -612,8 +582,7 @@ class PrivacyLedger(tf.Module):
 
   def append_sample(self, population_size, selection_probability, events, sampling,
                     sample_size, examples_per_record, factor):
-    """`record_sample` with its policy and k already checked and its sensitivity factor formed
-    (`LedgerSampling` does that once per declaration).
+    """`record_sample` with its policy and k checked and its sensitivity factor formed.
 
     Args:
       population_size: n (float or tensor).
@@ -635,8 +604,7 @@ class PrivacyLedger(tf.Module):
     factor = _f64(factor)
     built = [_event_row(e, factor, policy, sample_size) for e in tuple(events)]
     checks = [c for _, cs in built for c in cs]
-    # the rows, formed once for both buffer sets: the sample row [1, 6] and the query rows
-    # [Q, 4] without their sample index (each set's own, prepended by _append)
+    # the sample row [1, 6] and the query rows [Q, 4] (without their index), for both sets
     row = tf.stack([_f64(x) for x in (population_size, selection_probability, sample_size,
                                       sampling.code, examples_per_record, len(built))])[None]
     qrows = tf.stack([tf.stack(r) for r, _ in built]) if built else None
@@ -687,9 +655,8 @@ class PrivacyLedger(tf.Module):
       self.set_cyclic_grouping(grouping)
 
   def merge_arrays(self, samples, queries, passes=0, grouping=None, runs=None):
-    """Merges another ledger into this one (`merged_arrays`): nothing recorded here is ever
-    lost; per run identity, a view of an earlier step leaves this one as it is, one that
-    extends it replaces it; another run's samples are added.
+    """Merges another ledger into this one by run identity (`merged_arrays`): nothing recorded
+    here is lost; another run's samples are added.
 
     Args:
       samples: ledger sample array (rows of SAMPLE_COLUMNS).
@@ -761,24 +728,18 @@ class PrivacyLedger(tf.Module):
       f.write(text)
 
   def __deepcopy__(self, memo):
-    """A copy (`copy.deepcopy`, eager) is another ledger object, so another run from here on:
-    it holds this ledger's rows under their identities and records its own under a new one
-    (a fork: two branches, each charged; before, both appended under one identity and a
-    merge kept one branch: 8 samples for 12, review R20)."""
+    """A copy (`copy.deepcopy`, eager) is another run from here on: it holds this ledger's
+    rows under their identities and records its own under a new one (a fork: both charged)."""
     twin = self._from_arrays(*self.state())
     memo[id(self)] = twin
     return twin
 
   def __reduce__(self):
-    """Pickling (eager) as `__deepcopy__`: the unpickled ledger is another ledger object, so
-    another run from here on (before, it kept this one's identity with variables of its own:
-    a ledger pickled and unpickled, each branch 4 steps more, merged to 8 samples for 12,
-    review R21)."""
+    """Pickling (eager) as `__deepcopy__`: the unpickled ledger is another run from here on."""
     return self._from_arrays, self.state()
 
   def __copy__(self):
-    """`copy.copy`: another handle on this ledger (the same variables and identity, as before
-    `__reduce__` was defined): what either records is this ledger's, charged once."""
+    """`copy.copy`: another handle on this ledger (the same variables and identity)."""
     twin = type(self).__new__(type(self))
     twin.__dict__.update(self.__dict__)
     return twin
@@ -868,10 +829,8 @@ class LedgerSampling:
 
   Attributes:
     public_row_bound: R, the policy's public bound on a step's rows for the declared n and q
-      (`SamplingPolicy.public_row_bound`: an int, None under replace-one), formed here with
-      every declaration (construction, `set_sampling`), never from a batch; a step reads it
-      when traced (its clip shrink's plan: keras.optimizer.chunking.public_rows). Read only.
-      Under P replicas a step reads `replica_row_bound(P)` instead.
+      (an int, None under replace-one), formed with every declaration, never from a batch;
+      read by a step when traced. Read only.
   """
 
   def __init__(self, population_size, selection_probability, ledger=None,
@@ -908,11 +867,9 @@ class LedgerSampling:
     self._replicas_read = set()
 
   def replica_row_bound(self, replicas):
-    """R_P, the public bound on the rows of one replica's batch under `replicas` replicas
-    for the declared n and q (`SamplingPolicy.replica_row_bound`: max(ceil(R / P),
-    tail_row_bound(ceil(n / P), q)); R when P = 1; None under replace-one). The replica
-    counts read are kept, so that `row_bound_key` asks for a retrace when a declaration
-    changes a bound a step was traced with.
+    """R_P, the public bound on one replica's rows under `replicas` replicas for the declared
+    n and q (`SamplingPolicy.replica_row_bound`; R when P = 1; None under replace-one). The
+    counts read are kept for `row_bound_key`.
 
     Args:
       replicas: P >= 1.
@@ -928,8 +885,7 @@ class LedgerSampling:
 
   @property
   def row_bound_key(self):
-    """The row bounds a step reads when traced: (R, R_P for every P read so far); a
-    declaration that changes it asks for a retrace (keras.optimizer.step_sampling.declare)."""
+    """(R, R_P for every P read so far): a declaration that changes it asks for a retrace."""
     return (self.public_row_bound,) + tuple(
         (p, self._policy_object.replica_row_bound(*self._declared, p))
         for p in sorted(self._replicas_read))
@@ -996,8 +952,7 @@ class LedgerSampling:
     """Changes n, q (sample size, examples per record) for the following samples, and forms
     their `public_row_bound` again.
 
-    A change of examples_per_record or of the public row bound takes effect at the next trace
-    of a tf.function (a step traced before keeps the bound it read: a batch past it fails).
+    A change of examples_per_record or of the public row bound takes effect at the next trace.
 
     Args:
       population_size: n > 0.
@@ -1025,11 +980,9 @@ class LedgerSampling:
     """Records one sample (n, q, policy, sample size, k) with `events`, those of one noised
     result (also of a draw inside an XLA program: this runs outside it).
 
-    In a traced step the write's inputs (n, q, the events' clip and stddev) are variables and
-    constants: without an edge to the step's data it would run even when the step's input
-    failed (Keras ends an epoch of unknown cardinality when get_next raises inside the step
-    function, after the stateful ops that do not wait for the data), charging a sample no
-    update used. `after` gives that edge: the write runs iff its first tensor was computed.
+    In a traced step the write's inputs are variables and constants: without an edge to the
+    step's data it would run even when the step's input failed, charging a sample no update
+    used. `after` gives that edge: the write runs iff its first tensor was computed.
 
     Args:
       events: the tuple of privacy events of one noised result.
