@@ -4,9 +4,9 @@ Keras 3 has no public way to do a few things the DP train step needs (nested lay
 compiled loss and metrics, XLA off for the outer train function, a functional graph,
 variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop, a layer's
 `call` swapped for one pass). Each such use goes through one function here, so a Keras
-upgrade breaks in one place: tests/keras/test_keras_internals.py lists what the installed
-Keras lacks, naming the attribute and the version. Two private TensorFlow names are wrapped
-here too (`shared_constants`: the graph constants of a trace, one per integer value;
+upgrade breaks in one place: a missing attribute raises AttributeError naming it and the
+Keras version (`_require`; tests/keras/test_keras_internals.py lists them). Three private
+TensorFlow names are wrapped here too (`shared_constants`: the graph constants of a trace, one per integer value;
 `plain_resource_variable`: a variable made past tf.Variable's creator scopes;
 `graph_owned_gradients`: tf.custom_gradient's registrations held by their graph).
 """
@@ -46,17 +46,9 @@ def _require(obj, attribute, where):
 
 
 def call_with_captures(concrete, captures):
-  """Runs the traced ConcreteFunction `concrete` of no argument with `captures` (tensors, in
-  the order of its captured inputs) in place of the tensors it captured (TensorFlow's private
-  `ConcreteFunction._call_flat`; a custom loop's loss_fn re-run on one record's rows).
-
-  Args:
-    concrete: a tf.function's ConcreteFunction traced with no argument.
-    captures: a list of tensors, one per captured input, of the captured tensors' dtypes.
-
-  Returns:
-    the function's outputs, flattened.
-  """
+  """Runs the traced no-argument ConcreteFunction `concrete` with `captures` (tensors, in the
+  order of its captured inputs) in place of what it captured (TensorFlow's private
+  `ConcreteFunction._call_flat`); returns its flattened outputs."""
   call_flat = _require(concrete, "_call_flat", "tf.types.experimental.ConcreteFunction")
   return call_flat([], captures)
 
@@ -64,31 +56,15 @@ def call_with_captures(concrete, captures):
 # ---- models and layers ------------------------------------------------------------------
 
 def flatten_layers(model, include_self=True, recursive=True):
-  """The layers of `model` (nested ones too when `recursive`), as Keras tracks them.
-
-  Args:
-    model: a keras.Layer or keras.Model.
-    include_self: include `model` itself.
-    recursive: descend into nested layers and models.
-
-  Returns:
-    a list of layers (Keras' `_flatten_layers`).
-  """
+  """The layers of `model` (nested ones too when `recursive`): Keras' `_flatten_layers`."""
   fn = _require(model, "_flatten_layers", "Layer")
   return list(fn(include_self=include_self, recursive=recursive))
 
 
 def seed_generators(model):
-  """The keras.random.SeedGenerators the layers of `model` draw from (nested layers too),
-  each once, in Keras' layer order; and Keras' global one (the draws of `keras.random.*`
-  called with seed=None) when it exists.
-
-  Args:
-    model: a keras.Layer or keras.Model.
-
-  Returns:
-    a list of keras.random.SeedGenerator.
-  """
+  """The keras.random.SeedGenerators the layers of `model` draw from (nested layers too), each
+  once, in Keras' layer order; and Keras' global one (`keras.random.*` with seed=None) when it
+  exists."""
   found, seen = [], set()
   for layer in flatten_layers(model):
     for generator in getattr(layer, "_seed_generators", ()):
@@ -103,22 +79,11 @@ def seed_generators(model):
 
 
 def closure_layers(fn, depth=3):
-  """The keras Layers a callable reaches without being called: its closure's cells, the
-  module globals its code names, its defaults, a bound method's object, a
-  functools.partial's function and arguments, a decorator's wrapped function (`__wrapped__`:
-  functools.wraps, AutoGraph's tf_convert), a tf.function's Python function and a callable
-  object's `__call__` at the same level, the values of a list, tuple, dict, set or deque,
-  the attributes of an object (its `__dict__`'s and `__slots__`': a callable loss object's, a
-  bound method's, a dataclass(slots=True)'s; one level deeper), and (up to
-  `depth` levels) the same of the functions and objects among them.
-
-  Args:
-    fn: a callable.
-    depth: how many levels of nested functions to follow.
-
-  Returns:
-    a list of keras.Layer, each once.
-  """
+  """The keras Layers a callable reaches without being called, each once: its closure's cells,
+  the module globals its code names, its defaults, a bound method's object, a partial's
+  function and arguments, a decorator's `__wrapped__`, a tf.function's Python function, a
+  callable object's `__call__`, the values of containers and the attributes of objects
+  (`__dict__` and `__slots__`), following nested functions and objects up to `depth` levels."""
   found, seen = [], set()
 
   def visit(value, level):
@@ -147,7 +112,7 @@ def closure_layers(fn, depth=3):
       for v in cells + names + list(value.__defaults__ or ()):
         visit(v, level - 1)
     elif not isinstance(value, (types.ModuleType, type)):   # an object holding layers
-      attributes = _attributes(value)   # (reviews R16, R18)
+      attributes = _attributes(value)
       if attributes is not None:
         if callable(value):   # (else type(value).__call__ is the class's own: its metaclass')
           visit(type(value).__call__, level)
@@ -158,16 +123,14 @@ def closure_layers(fn, depth=3):
   return found
 
 
-# Values `closure_layers` passes over at once: they hold no layer (a dict of 30,000 str keys
-# and ints and a list of 60,000 arrays an object held took 0.18 CPU s a walk without this).
+# Values `closure_layers` passes over at once: they hold no layer.
 _HOLD_NO_LAYER = (str, bytes, int, float, complex, type(None), np.ndarray, np.generic,
                   tf.Tensor)
 
 
 def _attributes(value):
-  """The values of an object's instance attributes, its `__dict__`'s and its `__slots__`'
-  (read through the slots' member descriptors: no property or other user code runs), or None
-  for an object with neither (a number, an array)."""
+  """The values of an object's `__dict__` and `__slots__` (read through the slots' member
+  descriptors: no user code runs), or None for an object with neither."""
   own = getattr(value, "__dict__", None)
   values = list(own.values()) if isinstance(own, dict) else None
   for klass in type(value).__mro__[:-1]:
@@ -185,8 +148,7 @@ def _attributes(value):
 
 
 def _slot_value(slot, value):
-  """[the value `value`'s slot holds], or [] for an unassigned slot (it raises
-  AttributeError)."""
+  """[the value `value`'s slot holds], or [] for an unassigned slot."""
   try:
     return [slot.__get__(value, type(value))]
   except AttributeError:
@@ -203,30 +165,15 @@ def _filled(cell):
 
 
 def batch_shared_draws(model):
-  """The layers of `model` whose random draw serves several rows of the batch: a Dropout
-  (SpatialDropout, GaussianDropout, ...) whose `noise_shape` is 1 on the batch axis.
-
-  Args:
-    model: a keras.Layer or keras.Model.
-
-  Returns:
-    a list of layer names.
-  """
+  """The names of the layers of `model` whose random draw serves several rows of the batch (a
+  Dropout whose `noise_shape` is 1 on the batch axis)."""
   return [layer.name for layer in flatten_layers(model)
           if getattr(layer, "_seed_generators", None)
           and (getattr(layer, "noise_shape", None) or (None,))[0] == 1]
 
 
 def layer_children(layer):
-  """The direct sublayers of `layer` and of every layer under it, in one walk.
-
-  Args:
-    layer: a keras.Layer or keras.Model.
-
-  Returns:
-    {id(l): [its direct sublayers, as `flatten_layers(l, include_self=False,
-    recursive=False)` lists them]} for `layer` and each layer nested in it.
-  """
+  """{id(l): l's direct sublayers} for `layer` and every layer nested in it, in one walk."""
   children, todo = {}, [layer]
   while todo:
     current = todo.pop()
@@ -239,72 +186,30 @@ def layer_children(layer):
 
 
 def compiled_loss_fn(model):
-  """Keras' `Model._compute_loss` bound to `model`, for a caller that evaluates it many times.
-
-  Args:
-    model: a compiled keras.Model.
-
-  Returns:
-    a callable taking the keyword arguments x, y, y_pred, sample_weight and training.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  """Keras' `Model._compute_loss` bound to `model` (keywords x, y, y_pred, sample_weight,
+  training)."""
   return _require(model, "_compute_loss", "Model")
 
 
 def call_has_training_arg(model):
-  """True if `model.call` takes a `training` argument (Keras' `_call_has_training_arg`).
-
-  Args:
-    model: a keras.Layer or keras.Model.
-
-  Returns:
-    bool.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  """True if `model.call` takes a `training` argument (Keras' `_call_has_training_arg`)."""
   return bool(_require(model, "_call_has_training_arg", "Layer"))
 
 
 def symbolic_build(model, data_spec):
-  """Builds an unbuilt compiled model from the shapes of a batch spec (Keras'
-  `_symbolic_build`).
-
-  Args:
-    model: a compiled keras.Model; data_spec: the (x, y[, sample_weight]) specs of a batch
-      (a tf.data.Dataset's element_spec).
-  """
+  """Builds an unbuilt compiled model from a batch spec's shapes (Keras' `_symbolic_build`)."""
   _require(model, "_symbolic_build", "Model")(data_batch=data_spec)
 
 
 def loss_tracker(model):
-  """The model's loss metric (`logs["loss"]`), a keras.metrics.Mean (Keras' `_loss_tracker`).
-
-  Args:
-    model: a compiled keras.Model.
-
-  Returns:
-    the metric.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  """The model's loss metric (`logs["loss"]`), Keras' `_loss_tracker`."""
   return _require(model, "_loss_tracker", "Model")
 
 
 @contextlib.contextmanager
 def jit_compile_off(model):
-  """Within the block `model` makes its train function without XLA; `jit_compile` is restored
-  after (Keras' `_jit_compile`, which `make_train_function` reads).
-
-  Args:
-    model: a compiled keras.Model.
-
-  Yields:
-    None.
-  """
+  """Within the block `model` makes its train function without XLA (Keras' `_jit_compile`,
+  restored after)."""
   old = _require(model, "_jit_compile", "Model")
   model._jit_compile = False  # pylint: disable=protected-access
   try:
@@ -314,27 +219,12 @@ def jit_compile_off(model):
 
 
 def compile_metrics(model):
-  """The compiled metrics container of `model`, or None (Keras' `_compile_metrics`).
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    the container, or None (not compiled, or detached).
-  """
+  """The compiled metrics container of `model` (Keras' `_compile_metrics`), or None."""
   return getattr(model, "_compile_metrics", None)
 
 
 def compiled_metric_names(model):
-  """The names the user's compiled metrics log under (Keras' CompileMetrics' user metrics,
-  weighted ones too; a string metric by its string).
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    list of names (empty when not compiled with metrics).
-  """
+  """The names the user's compiled metrics (weighted ones too) log under; [] when none."""
   container = compile_metrics(model)
   given = [getattr(container, attr, None) for attr in ("_user_metrics", "_user_weighted_metrics")]
   return [getattr(m, "name", m) for m in tf.nest.flatten([g for g in given if g is not None])
@@ -342,20 +232,9 @@ def compiled_metric_names(model):
 
 
 def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
-  """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, but with
-  the unweighted metrics weighted by `example_mask`, so padding rows reach no metric
-  (weighted metrics get `sample_weight`, already 0 there).
-
-  Args:
-    model: a compiled keras.Model.
-    y: the batch's targets (a nest).
-    y_pred: the batch's outputs (a nest).
-    sample_weight: the batch's sample weights (a nest or None).
-    example_mask: [B] float 0/1, 1 for the batch's real examples.
-
-  Raises:
-    AttributeError: the installed Keras lacks the container's attributes (names them).
-  """
+  """Updates `model`'s compiled metrics as Keras' CompileMetrics.update_state does, with the
+  unweighted metrics weighted by `example_mask` ([B] 0/1), so padding rows reach no metric
+  (weighted metrics get `sample_weight`, already 0 there)."""
   cm = compile_metrics(model)
   if cm is None:
     return
@@ -379,35 +258,17 @@ def update_compiled_metrics(model, y, y_pred, sample_weight, example_mask):
 
 
 def output_loss_trackers(model):
-  """The per-output loss metrics (`logs["<output>_loss"]`) of `model`'s compiled loss, in its
-  outputs' order (Keras' `CompileLoss.metrics`).
-
-  Args:
-    model: a compiled keras.Model.
-
-  Returns:
-    a list of metrics (empty: no compiled loss, or a single output).
-  """
+  """The per-output loss metrics of `model`'s compiled loss, in its outputs' order (Keras'
+  `CompileLoss.metrics`); [] with no compiled loss or a single output."""
   compiled = getattr(model, "_compile_loss", None)
   return list(compiled.metrics) if compiled is not None else []
 
 
 @contextlib.contextmanager
 def output_loss_trackers_swapped(model, stand_ins):
-  """Within the block `model`'s compiled loss updates `stand_ins[i]` in place of its i-th
-  per-output loss metric (Keras' `CompileLoss._metrics`); a None stand-in updates nothing.
-
-  Args:
-    model: a compiled keras.Model whose compiled loss is built.
-    stand_ins: a list as long as `output_loss_trackers(model)`: objects with
-      `update_state(value, sample_weight)`, or None.
-
-  Yields:
-    None.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  """Within the block `model`'s compiled loss updates `stand_ins[i]` (an object with
+  `update_state(value, sample_weight)`, or None: nothing) in place of its i-th per-output loss
+  metric (Keras' `CompileLoss._metrics`)."""
   compiled = model._compile_loss  # pylint: disable=protected-access
   old = _require(compiled, "_metrics", "CompileLoss")
   compiled._metrics = list(stand_ins)  # pylint: disable=protected-access
@@ -418,25 +279,14 @@ def output_loss_trackers_swapped(model, stand_ins):
 
 
 def compile_loss_unbuilt(model):
-  """True if `model` has a compiled loss not built yet (no per-output trackers yet).
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    bool.
-  """
+  """True if `model` has a compiled loss not built yet (no per-output trackers yet)."""
   compiled = getattr(model, "_compile_loss", None)
   return compiled is not None and not compiled.built
 
 
 def build_compile_loss(model, y, y_pred, sample_weight):
   """Builds `model`'s compiled loss (its per-output trackers) from a batch's shapes, as Keras'
-  `_symbolic_build` does, without running the model symbolically.
-
-  Args:
-    model: a compiled keras.Model; y, y_pred, sample_weight: nests of tensors or numpy
-      arrays (or None).
+  `_symbolic_build` does, without running the model.
 
   Raises:
     ParameterValueError: a tensor of unknown rank (Keras builds from static shapes).
@@ -458,14 +308,8 @@ def build_compile_loss(model, y, y_pred, sample_weight):
 
 
 def call_compile_loss(model, y, y_pred, sample_weight):
-  """Evaluates `model`'s compiled loss (Keras' `CompileLoss`, no layer losses) on a batch.
-
-  Args:
-    model: a compiled keras.Model; y, y_pred, sample_weight: the batch's nests.
-
-  Returns:
-    the weighted total of the outputs' losses.
-  """
+  """The weighted total of `model`'s compiled losses on a batch (Keras' `CompileLoss`, no layer
+  losses)."""
   return _require(model, "_compile_loss", "Model")(y, y_pred, sample_weight)
 
 
@@ -475,30 +319,14 @@ def unscale_loss_for_distribution(value):
 
 
 def set_compile_metrics(model, metrics):
-  """Replaces the compiled metrics container of `model` (None detaches it).
-
-  Args:
-    model: a compiled keras.Model; metrics: a container from `compile_metrics`, or None.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  """Replaces the compiled metrics container of `model` (None detaches it)."""
   _require(model, "_compile_metrics", "Model")
   model._compile_metrics = metrics  # pylint: disable=protected-access
 
 
 def replace_compiled_optimizer(model, optimizer):
   """Puts `optimizer` in place of a compiled model's optimizer, keeping everything else
-  `compile` set (compiling again could rebuild what a subclass resolved itself); the compile
-  config names the new one.
-
-  Args:
-    model: a compiled keras.Model.
-    optimizer: the keras.optimizers.Optimizer instance to train with.
-
-  Raises:
-    AttributeError: the installed Keras lacks the attribute (names it and the version).
-  """
+  `compile` set; the compile config names the new one."""
   config = _require(model, "_compile_config", "Model")
   _require(config, "config", "SerializableDict")["optimizer"] = optimizer
   model.optimizer = optimizer
@@ -512,14 +340,7 @@ def functional_class():
 
 def functional_graph(model):
   """(graph, {depth: [nodes]}) of a functional (or built Sequential) model: the model or its
-  `_functional`, and Keras' `_nodes_by_depth`; None for a subclassed model.
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    (graph, {depth: [nodes]}), or None.
-  """
+  `_functional`, and Keras' `_nodes_by_depth`; None for a subclassed model."""
   graph = model if hasattr(model, "_nodes_by_depth") else getattr(model, "_functional", None)
   if graph is None or not hasattr(graph, "_nodes_by_depth"):
     return None
@@ -527,53 +348,26 @@ def functional_graph(model):
 
 
 def functional_inputs_struct(graph):
-  """The nested structure a functional model was built on (`keras.Model(inputs, ...)`:
-  a dict of inputs, a list, one input), Keras' `Functional._inputs_struct`.
-
-  Args:
-    graph: a functional model (`functional_graph(model)[0]`).
-
-  Returns:
-    the structure of its `keras.Input` tensors (a dict, list, tuple or one tensor).
-
-  Raises:
-    AttributeError: the installed Keras has no `Functional._inputs_struct` (named, with the
-      version).
-  """
+  """The structure of `keras.Input` tensors a functional model was built on (Keras'
+  `Functional._inputs_struct`)."""
   return _require(graph, "_inputs_struct", "Functional")
 
 
 # ---- tensors, scopes, backend -----------------------------------------------------------
 
 def keras_mask(tensor):
-  """The Keras mask a layer attached to `tensor` (`_keras_mask`), or None.
-
-  Args:
-    tensor: a tensor.
-
-  Returns:
-    the mask tensor, or None.
-  """
+  """The Keras mask a layer attached to `tensor` (`_keras_mask`), or None."""
   return getattr(tensor, "_keras_mask", None)
 
 
 def set_keras_mask(tensor, mask):
-  """Attaches `mask` to `tensor` as Keras layers do, so losses and metrics apply it.
-
-  Args:
-    tensor: a tensor; mask: a boolean (or 0/1) tensor shaped like tensor's leading axes.
-  """
+  """Attaches `mask` to `tensor` as Keras layers do, so losses and metrics apply it."""
   tensor._keras_mask = mask  # pylint: disable=protected-access
 
 
 def map_variables(scope, variables, values):
-  """Makes a `keras.StatelessScope` read `variables[i]` as `values[i]` (any dtype: set after
-  construction, since the constructor casts values to the variables' dtype).
-
-  Args:
-    scope: an entered keras.StatelessScope.
-    variables: keras Variables; values: tensors, one per variable.
-  """
+  """Makes an entered `keras.StatelessScope` read `variables[i]` as `values[i]` (any dtype: set
+  after construction, since the constructor casts values to the variables' dtype)."""
   state = _require(scope, "state_mapping", "StatelessScope")
   state.update({id(v): value for v, value in zip(variables, values)})
 
@@ -586,14 +380,8 @@ def rnn(*args, **kwargs):
 # ---- layer.call swapping (fast clipping's recording forward pass) -------------------------
 
 def swap_call(layer, call):
-  """Makes `layer(...)` run `call` in place of its own call method, until `restore_call`.
-
-  Args:
-    layer: a keras.Layer; call: a callable with the layer's call signature.
-
-  Returns:
-    the token for `restore_call`: (layer, whether it had an instance `call`, that call).
-  """
+  """Makes `layer(...)` run `call` in place of its own call method; returns the token for
+  `restore_call`."""
   had_own = "call" in layer.__dict__
   token = (layer, had_own, layer.__dict__.get("call"))
   object.__setattr__(layer, "call", call)
@@ -601,11 +389,7 @@ def swap_call(layer, call):
 
 
 def restore_call(token):
-  """Undoes `swap_call`.
-
-  Args:
-    token: what `swap_call` returned.
-  """
+  """Undoes `swap_call` (`token`: what it returned)."""
   layer, had_own, own = token
   if had_own:
     object.__setattr__(layer, "call", own)
@@ -615,24 +399,15 @@ def restore_call(token):
 
 # ---- TensorFlow: one graph constant per integer value in a trace -------------------------
 #
-# Tracing a step creates one `Const` operation per `tf.constant` call and per Python value
-# converted to a tensor, and TensorFlow's own functions create many more: every static shape
-# (`tf.shape` of a fully defined shape), reduction axis, slice bound and broadcast shape of a
-# gradient function. BERT-base's DP train step at seq 32 (batch 4) had 3,504 Consts of 184
-# distinct values, most of them int32 shapes and axes; each costs its creation in the trace,
-# its conversion into the function's graph and its Grappler passes, before Grappler merges the
-# duplicates again. Inside a `shared_constants` block (the clipped sum's trace), a constant of
-# an integer or boolean dtype of at most _SHARED_CONST_BYTES created in the graph being traced
-# is created once per graph and reused. Only where the result is the same tensor either way:
-# no control dependency, device, colocation or control-flow context open at the call, no op
-# callbacks; each graph (a function body, a cond branch, a loop body) has its own. Floating
-# constants are never shared: a floating tensor can be watched by a gradient tape, and a
-# watched tensor used in two places gets the gradient of both (the ghost norms' first
-# backward pass watches the layers' floating inputs); integer and boolean tensors carry no
-# gradient. A shared constant keeps the first caller's name. TensorFlow has no public hook for
-# this: `constant_op._constant_impl` (every `tf.constant` and every conversion of a Python or
-# NumPy value; not an EagerTensor captured by value) is wrapped while some thread is inside a
-# block, and the wrapper acts only in those threads.
+# Tracing a step creates one `Const` op per `tf.constant` and per Python value converted
+# (shapes, axes, slice bounds: 3,504 Consts of 184 values in BERT-base's step), each costing
+# trace, conversion and Grappler time. Inside a `shared_constants` block an integer or
+# boolean constant of at most _SHARED_CONST_BYTES made in the graph being traced is made once
+# per graph, only where the result is the same tensor either way (no control dependency,
+# device, colocation or control-flow context, no op callbacks). Floating constants are never
+# shared: a tape may watch a floating tensor, and a watched tensor used twice gets both
+# gradients. TensorFlow has no public hook: `constant_op._constant_impl` is wrapped while a
+# block is open in some thread, and acts only in those threads.
 
 _SHARED_CONST_BYTES = 256
 _SHARED_CONST_DTYPES = frozenset([types_pb2.DT_INT32, types_pb2.DT_INT64, types_pb2.DT_BOOL])
@@ -676,10 +451,8 @@ def _shared_constant_impl(value, dtype, shape, name, verify_shape, allow_broadca
 
 @contextlib.contextmanager
 def shared_constants():
-  """Within the block (this thread, graph mode), integer and boolean constants are created
-  once per graph being traced (the section's comment above); nested blocks share one memo,
-  forgotten when the outermost ends. TensorFlow's function is wrapped only while a block is
-  open in some thread.
+  """Within the block (this thread, graph mode), integer and boolean constants are created once
+  per graph being traced (the section's comment above); nested blocks share one memo.
 
   Raises:
     AttributeError: the installed TensorFlow has no constant_op._constant_impl.
@@ -711,21 +484,10 @@ def shared_constants():
 
 
 def plain_resource_variable(value, name):
-  """A non-trainable resource variable holding `value`, made eagerly (under tf.init_scope,
-  also while a tf.function is being traced) by TensorFlow's `ResourceVariable` class itself
-  (the private `tensorflow.python.ops.resource_variable_ops`), not by `tf.Variable`: a
-  tf.function's variable creator scope refuses a tf.Variable made on any trace but the first
-  (a step traced again, or for another subset of variables), and a distribution strategy's
-  scope would make a mirrored one. The variable is in no Keras or TF object graph but the
-  caller's.
-
-  Args:
-    value: its initial value (a NumPy array or a tensor).
-    name: its name.
-
-  Returns:
-    a tf.Variable (ResourceVariable) on the default device, trainable=False.
-  """
+  """A non-trainable ResourceVariable holding `value`, made under tf.init_scope by TensorFlow's
+  private `resource_variable_ops`, not `tf.Variable`: a tf.function's creator scope refuses a
+  tf.Variable made on any trace but the first, and a strategy's scope would mirror it. It is
+  in no Keras or TF object graph but the caller's."""
   with tf.init_scope():
     return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
 
@@ -734,14 +496,7 @@ def plain_resource_variable(value, name):
 
 def gradient_sources(variables):
   """The backend variables behind Keras variables, as `GradientTape.gradient` sources (with
-  unconnected_gradients=ZERO a Keras 3 variable the computation does not use fails).
-
-  Args:
-    variables: a list of keras.Variable (other entries are passed through).
-
-  Returns:
-    a list of the same length.
-  """
+  unconnected_gradients=ZERO a Keras 3 variable the computation does not use fails)."""
   return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
 
@@ -753,19 +508,10 @@ _OWNED_GRADIENTS = "_tf_dpiter_custom_gradients"
 def graph_owned_gradients(fn, *args):
   """fn(*args), the tf.custom_gradient functions it registered held by the current graph.
 
-  TensorFlow's `tf.custom_gradient`, traced in a graph, registers its gradient function in
-  the process-wide gradient registry (`ops.gradient_registry`, private) and never removes
-  it: the registry would keep every traced DP step alive for the process's life. Each such
-  function is moved onto the graph it was traced in; the registry keeps a forwarder holding
-  the graph weakly, removed (a finalizer) when the graph is collected.
-
-  Args:
-    fn: a callable that may call `tf.custom_gradient` functions.
-    *args: its arguments.
-
-  Returns:
-    fn(*args).
-  """
+  `tf.custom_gradient` traced in a graph registers its gradient function in the process-wide
+  registry (private) and never removes it, keeping every traced DP step alive. Each such
+  function is moved onto its graph; the registry keeps a forwarder holding the graph weakly,
+  removed when the graph is collected."""
   registry = getattr(getattr(tf_ops, "gradient_registry", None), "_registry", None)
   if tf.executing_eagerly() or not isinstance(registry, dict):
     return fn(*args)
