@@ -6,9 +6,9 @@ variables substituted in a `StatelessScope`, Keras masks, the backend's RNN loop
 `call` swapped for one pass). Each such use goes through one function here, so a Keras
 upgrade breaks in one place: a missing attribute raises AttributeError naming it and the
 Keras version (`_require`; tests/keras/test_keras_internals.py lists them). Three private
-TensorFlow names are wrapped here too (`shared_constants`: the graph constants of a trace, one per integer value;
-`plain_resource_variable`: a variable made past tf.Variable's creator scopes;
-`graph_owned_gradients`: tf.custom_gradient's registrations held by their graph).
+TensorFlow names are wrapped here too (`shared_constants`: the graph constants of a trace,
+one per integer value; `plain_resource_variable`: a variable made past tf.Variable's creator
+scopes; `graph_owned_gradients`: tf.custom_gradient's registrations held by their graph).
 """
 
 import collections
