@@ -26,45 +26,21 @@ from tf_dpiter.keras.optimizer import routing
 
 
 def wide_dtype(dtype):
-  """float64 for float64, else float32: the dtype of the privacy arithmetic.
-
-  Args:
-    dtype: a dtype or anything tf.as_dtype accepts (a variable's dtype).
-
-  Returns:
-    tf.float64 or tf.float32.
-  """
+  """float64 for float64, else float32: the dtype of the privacy arithmetic."""
   return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
 
 
 def wide_template(variables):
-  """TensorSpecs of `variables` in the privacy arithmetic's dtype (float32 or float64).
-
-  Args:
-    variables: the trainable variables (anything with .shape and .dtype).
-
-  Returns:
-    A list of tf.TensorSpec, one per variable, same shape, dtype from `wide_dtype`.
-  """
+  """TensorSpecs of `variables` in the privacy arithmetic's dtype (`wide_dtype`)."""
   return [tf.TensorSpec(v.shape, wide_dtype(v.dtype)) for v in variables]
 
 
 def unscale_records(grads, scale):
-  """Per-record gradients [M, ...] in the privacy arithmetic's dtype (`wide_dtype`: float32,
-  float64 for float64 variables), divided by the loss scale: what the query clips and sums
-  (`DPQuery.accumulate_records`).
+  """(grads, finite): per-record gradients [M, ...] in `wide_dtype`, divided by the static loss
+  `scale`, and a bool [M] (None when scale is 1).
 
   A record whose gradient is not finite (float16 overflow) becomes zero: a function of that
-  record alone, whose norm 0 is <= C, so the sensitivity bound holds.
-
-  Args:
-    grads: list of per-record gradients, each [M, ...].
-    scale: the static loss scale (Python float; 1.0: nothing to undo).
-
-  Returns:
-    (grads, finite): the unscaled gradients and a bool [M] (False: the record was zeroed),
-    or None for finite when scale is 1.
-  """
+  record alone, whose norm 0 is <= C, so the sensitivity bound holds."""
   grads = [tf.cast(g, wide_dtype(g.dtype)) for g in grads]
   if scale == 1.0:
     return grads, None
@@ -79,16 +55,8 @@ def unscale_records(grads, scale):
 
 
 def records_per_chunk(max_physical_batch_size, examples_per_record, num_records_static):
-  """Records per physical chunk, or None when the whole batch fits in one chunk.
-
-  Args:
-    max_physical_batch_size: P, examples per chunk (None: no limit).
-    examples_per_record: k (Python int, or a scalar tensor when the batch size is dynamic).
-    num_records_static: M if known statically, else None.
-
-  Returns:
-    max(1, P // k) (int or scalar tensor), or None.
-  """
+  """max(1, P // k) records per physical chunk (P = `max_physical_batch_size`, k an int or a
+  scalar tensor), or None when there is no limit or the whole batch fits in one chunk."""
   p = max_physical_batch_size
   if p is None:
     return None
@@ -117,21 +85,9 @@ def chunk_layout(step, examples_per_record, num_records_static, multiple=8, xla=
   `TailChunks` (with one, static batch). With E the replica's expected records and
   sd = sqrt(E), the first chunk has max(multiple, ceil(E / multiple) * multiple) records, the
   tail's chunks max(multiple, ceil(sd / 2 / multiple) * multiple): about E + sd / 3 records
-  run instead of E + 4 sd (BENCHMARKS.md). The sum is the same whatever the layout.
-
-  Args:
-    step: the PrivateStep (its flags' max_physical_batch_size and `skip_padding_tail`, the
-      declared sampling).
-    examples_per_record: k.
-    num_records_static: M if static, else None.
-    multiple: chunk sizes are multiples of it.
-    xla: whether the step is traced for XLA, when its caller decided it (fit's train step:
-      its clipped sum is a `jit_compile=True` function or not); None: asks the graph
-      (`routing.in_xla_context`).
-
-  Returns:
-    None, an int (equal chunks), a TailChunks or a PaddedTail.
-  """
+  run instead of E + 4 sd (BENCHMARKS.md). The sum is the same whatever the layout. `xla`:
+  whether the step is traced for XLA (None: asks the graph). Returns None, an int, a
+  TailChunks or a PaddedTail."""
   return _layout(step, examples_per_record, num_records_static, multiple, xla)
 
 
@@ -151,8 +107,8 @@ def _layout(step, examples_per_record, num_records_static, multiple=8, xla=None)
       return per_chunk
     sizes = [per_chunk] * (m // per_chunk) + ([m % per_chunk] if m % per_chunk else [])
     return TailChunks(sizes) if len(sizes) > 1 else per_chunk
-  if getattr(step, "draws_keyed", False):   # keyed random layers: one padded chunk, so
-    return None   # no draw shared by a chunk's records is grouped by position (R13)
+  if getattr(step, "draws_keyed", False):   # keyed random layers: one padded chunk (no draw
+    return None   # shared by a chunk's records grouped by position)
   with tf.init_scope():   # read when the step is traced: it sets a shape, not a value
     expected = float(step.expected_records.numpy())
   expected /= tf.distribute.get_strategy().num_replicas_in_sync   # this replica's share
@@ -165,19 +121,9 @@ def _layout(step, examples_per_record, num_records_static, multiple=8, xla=None)
 
 def sum_plan(per_chunk, record_mask):
   """(records per chunk, chunks) of the additions `sum_over_chunks` runs for a layout (the
-  static plan `summation.rounding_margin` bounds): each chunk's records summed by the query
-  (`summation.pairwise_sum`), the chunks' sums added one after the other, or for a
-  `PaddedTail` of known rows combined by a pinned tree (chunks a `summation.TreeChunks`).
-  Ints where the trace knows them, else scalar int tensors; a chunk skipped for holding no
-  real record adds 0 (exact), so the count of a padded layout is its largest.
-
-  Args:
-    per_chunk: `chunk_layout`'s value (None, an int or scalar tensor, TailChunks, PaddedTail).
-    record_mask: [M] (M static or not).
-
-  Returns:
-    (records, chunks).
-  """
+  static plan `summation.rounding_margin` bounds); for a `PaddedTail` of known rows the chunks
+  are a `summation.TreeChunks`. Ints where the trace knows them, else scalar tensors; a chunk
+  skipped for holding no real record adds 0 (exact), so a padded layout counts its largest."""
   return _plan_of(per_chunk, batch_rows(record_mask))
 
 
@@ -207,27 +153,13 @@ def _plan_of(per_chunk, m):
 
 def public_row_bound(step):
   """R_P, a public bound on the rows of a replica's batch under an add/remove sampling (None
-  under replace-one, or while undeclared): the declared sampling's
-  `ledger.LedgerSampling.replica_row_bound(P)` for the P replicas in sync, max(ceil(R / P),
-  the 1e-18 tail bound of a replica's own part of ceil(n / P) records), R its
-  `public_row_bound` (formed when n and q were declared: `SamplingPolicy.public_row_bound`:
-  twice data.sampling.default_max_batch_size, or more when a refused batch would otherwise be
-  likelier than 1e-18 per step); R_P = R for one replica. A sampler drawing each replica's
-  part on its own (data.distributed_poisson_batches) is then refused with probability at most
-  1e-18 per replica and step. Neighbouring datasets have different row counts under
-  add/remove whenever the batch is not padded to a size fixed in advance; the clip shrink is
-  then taken from the replica's plan of R_P rows (summation.public_plan), which bounds every
-  replica batch that is not refused (P R_P >= R in all). Read when the step is traced: a
-  declaration that changes a bound the step read asks for a retrace (`step_sampling.declare`,
-  `LedgerSampling.row_bound_key`); a sample above the bound a step was traced with fails
-  that step.
-
-  Args:
-    step: the PrivateStep.
-
-  Returns:
-    an int >= 1, or None.
-  """
+  under replace-one, or while undeclared): `LedgerSampling.replica_row_bound(P)` for the P
+  replicas in sync, R itself for one. Neighbouring datasets have different row counts under
+  add/remove unless the batch is padded to a size fixed in advance, so the clip shrink is
+  taken from the plan of R_P rows (summation.public_plan), which bounds every batch not
+  refused (probability of a refusal at most 1e-18 per replica and step). Read when the step
+  is traced: a declaration changing it asks for a retrace; a sample above the bound a step
+  was traced with fails that step."""
   rows = None if step.sampling is None else step.sampling.public_row_bound
   replicas = tf.distribute.get_strategy().num_replicas_in_sync
   if rows is None or replicas == 1:   # R_1 = R
@@ -237,23 +169,12 @@ def public_row_bound(step):
 
 @contextlib.contextmanager
 def public_rows(step, examples_per_record, chunk=None, xla=None):
-  """Within the block, the step's clip shrink (summation.public_shrink) is that of the plan
-  of `public_row_bound(step)` rows in the layout `chunk_layout` gives that many (the plan
-  covers every smaller batch's layout: as many rows per chunk or fewer, as many chunks or
-  fewer), so it is the same on neighbouring datasets under add/remove; a no-op under
-  replace-one, where every batch has the same rows on both.
-
-  Args:
-    step: the PrivateStep.
-    examples_per_record: k.
-    chunk: records per chunk of a layout the caller chose from public values instead of
-      `chunk_layout` (an int: the bound's rows in chunks of that many), or None.
-    xla: as `chunk_layout`'s (the same value the batch's layout was chosen with).
-
-  Yields:
-    the public bound on the rows within the block (an int: this plan's, or an enclosing
-    block's when the step declares none), or None.
-  """
+  """Within the block, the step's clip shrink (summation.public_shrink) is that of the plan of
+  `public_row_bound(step)` rows in the layout `chunk_layout` gives that many (the plan covers
+  every smaller batch's layout), so it is the same on neighbouring datasets under
+  add/remove; a no-op under replace-one. `chunk`: records per chunk of a layout the caller
+  chose from public values, or None. Yields the public row bound in force (this plan's or an
+  enclosing block's), or None."""
   bound = public_row_bound(step)
   if bound is None:
     plan = summation.current_public_plan()
@@ -305,10 +226,8 @@ def _take(nest, i):
 
 
 def _tree_levels(nchunks):
-  """Levels of `_sum_over_padded_tail`'s tree of the first chunk's and the tail's sums: the
-  leaves' count K = 1 + nchunks through ceil(log2 K) additions, one slot per level; None
-  where neither the trace nor the public plan bounds K (then the chunks are added one after
-  the other, as `_plan_of` of a batch of unknown rows states)."""
+  """Levels of `_sum_over_padded_tail`'s tree over K = 1 + nchunks leaves (ceil(log2 K)
+  additions, one slot per level); None where neither the trace nor the public plan bounds K."""
   static = tf.get_static_value(nchunks)
   if static is not None:
     return summation.tree_depth(1 + int(static)) + 1
@@ -319,17 +238,14 @@ def _tree_levels(nchunks):
 
 
 def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
-  """The first chunk, then the tail's chunks in a tf.while_loop that stops after the last
-  chunk holding a real record; the aux of chunks not run is zeros (padding rows).
+  """The first chunk, then the tail's chunks in a tf.while_loop that stops after the last chunk
+  holding a real record; the aux of chunks not run is zeros (padding rows).
 
-  The chunks' sums are combined by a pinned binary tree (`summation.tree_push`): the first chunk's
-  sum (into `acc`) is leaf 0, every tail chunk is run from a zero accumulator (its own sum,
-  `chunk_fn` adding it to zeros exactly) and is the next leaf, so each row's term goes
-  through ceil(log2 K) additions of chunks' sums for K = 1 + tail chunks
-  (`summation.rounding_margin` of a `summation.TreeChunks` plan) instead of up to K - 1 one
-  after the other. `chunk_fn` must add the chunk's contribution to its accumulator (the
-  clipped sums: `sum_over_chunks`). Without a static or public bound on K the chunks are
-  added one after the other (`_plan_of` states that plan)."""
+  The chunks' sums are combined by a pinned binary tree (`summation.tree_push`): the first
+  chunk's sum is leaf 0, every tail chunk is run from a zero accumulator and is the next
+  leaf, so each row's term goes through ceil(log2 K) additions for K = 1 + tail chunks
+  (`summation.TreeChunks` plan) instead of up to K - 1. Without a static or public bound on K
+  the chunks are added one after the other (`_plan_of` states that plan)."""
   acc, loss_sum, aux = chunk_fn(acc, _slice(records, 0, layout.first),
                                 record_mask[:layout.first])
   rest_mask = record_mask[layout.first:]
@@ -377,9 +293,7 @@ def _sum_over_padded_tail(chunk_fn, acc, records, record_mask, layout):
   return acc, loss_sum, tf.nest.map_structure(lambda h, t: tf.concat([h, t], 0), aux, tail)
 
 
-# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
-# library's functions made most of a large model's trace time.
-@tf.autograph.experimental.do_not_convert
+@tf.autograph.experimental.do_not_convert   # no tensor-dependent Python control flow
 def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=None):
   """Runs chunk_fn over the physical chunks of a batch of records, accumulating.
 
@@ -413,8 +327,7 @@ def sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template=Non
       out = _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template)
   if within is True or not summation.in_xla_context():
     return out
-  # XLA drops the assertion: past the bound the sums are NaN (the step updates nothing finite;
-  # fit's fast path has no other check of the batch's rows; review R15, session 45)
+  # XLA drops the assertion: past the bound the sums are NaN (no finite update)
   nan = tf.where(within, 1.0, float("nan"))
   return (tf.nest.map_structure(lambda a: a * tf.cast(nan, a.dtype), out[0]), *out[1:])
 
@@ -429,9 +342,7 @@ def _sum_over_chunks(chunk_fn, acc, records, record_mask, per_chunk, template):
   static_chunks = tf.get_static_value(nchunks)
   loss_sum = tf.constant(0.0)
   if static_chunks is not None:
-    # Static shapes (XLA included): unrolled loop over the physical chunks, one at a time:
-    # a chunk's records wait for the sums before them, so the chunks' forward and backward
-    # passes do not run at once (a physical chunk bounds memory only then).
+    # unrolled; each chunk waits for the sums before it, so chunks do not run at once
     auxes = []
     for i in range(int(static_chunks)):
       chunk = _take(chunks, i)
