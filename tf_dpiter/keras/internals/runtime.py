@@ -55,30 +55,19 @@ class ListLoop(DPiterError):
 
 
 def loops_over_lists(first):
-  """The while loops over a TensorList created since the default graph's `version` was
-  `first`.
-
-  Args:
-    first: `tf.compat.v1.get_default_graph().version` before the computation.
-
-  Returns:
-    a tuple of operation names (str): the While operations with a TensorList (variant)
-    input, keras.ops.scan's stacked outputs.
-  """
+  """The names of the While operations with a TensorList input (keras.ops.scan's stacked
+  outputs) created since the default graph's `version` was `first`."""
   created = tf.compat.v1.get_default_graph().get_operations()[first:]
   return tuple(op.name for op in created if op.type in ("While", "StatelessWhile") and
                any(t.dtype == tf.variant for t in op.inputs))
 
 
 def refuse_list_loops_under_xla(loops):
-  """Refuses per-example gradients through while loops over a TensorList under XLA.
-
-  Args:
-    loops: the while loops `loops_over_lists` found (empty: nothing to refuse).
+  """Refuses per-example gradients through while loops over a TensorList (`loops`) under XLA,
+  which cannot compile their gradient inside a loop over records.
 
   Raises:
-    PrivacyConfigError: `loops` is not empty and the graph is compiled by XLA (it cannot
-      compile their gradient inside a loop over records).
+    PrivacyConfigError: `loops` is not empty and the graph is compiled by XLA.
   """
   if loops and in_xla_context():
     raise PrivacyConfigError(
@@ -91,27 +80,13 @@ def refuse_list_loops_under_xla(loops):
 
 
 def model_layers(model):
-  """The layers of `model` (nested ones too, not the model itself).
-
-  Args:
-    model: a keras.Model.
-
-  Returns:
-    a list of layers.
-  """
+  """The layers of `model` (nested ones too, not the model itself)."""
   return keras_internals.flatten_layers(model, include_self=False)
 
 
 def onednn_affected_layers(model):
-  """Names of the layers of `model` whose vectorized per-example gradients oneDNN breaks
-  (empty when oneDNN is off).
-
-  Args:
-    model: a keras.Model, or None.
-
-  Returns:
-    a tuple of layer names.
-  """
+  """Names of the layers of `model` whose vectorized per-example gradients oneDNN breaks (empty
+  when oneDNN is off or `model` is None)."""
   if model is None or not onednn_enabled():
     return ()
   return tuple(layer.name for layer in model_layers(model) if isinstance(layer, ONEDNN_AFFECTED))
@@ -119,32 +94,16 @@ def onednn_affected_layers(model):
 
 def use_vectorized_map(model):
   """False if per-record gradients must come from a sequential loop: a Keras RNN layer with
-  unroll=False (pfor cannot vectorize its while_loop) or oneDNN-affected layers.
-
-  Args:
-    model: a keras.Model, or None (True).
-
-  Returns:
-    bool.
-  """
+  unroll=False (pfor cannot vectorize its while_loop) or oneDNN-affected layers."""
   return model is None or not (
       any(isinstance(layer, keras.layers.RNN) and not getattr(layer, "unroll", False)
           for layer in model_layers(model)) or onednn_affected_layers(model))
 
 
 def loss_scale(model):
-  """Static loss scale for float16 compute (2^7; 1 otherwise). The vectorized path multiplies
-  each record's loss by it and divides the float32 per-record gradient by it; the fast path
-  scales the summed loss and divides the norms and the sum. Either way a record whose
-  gradient is not finite adds zero (a function of that record alone, so the sensitivity
-  bound holds). Dynamic scaling would make the scale depend on the data, so it is not used.
-
-  Args:
-    model: a keras.Model (its compute_dtype decides).
-
-  Returns:
-    the scale, a float.
-  """
+  """Static loss scale for float16 compute (2^7; 1 otherwise). Both paths divide the gradients
+  by it, and a record whose gradient is not finite adds zero (a function of that record alone,
+  so the sensitivity bound holds). Dynamic scaling would make the scale depend on the data."""
   dtype = keras.backend.standardize_dtype(getattr(model, "compute_dtype", "float32"))
   return 2.0 ** 7 if dtype == "float16" else 1.0
 
@@ -173,36 +132,15 @@ def _step_config(serialized):
 
 
 def step_call_options(outer):
-  """The function-call options for a call of the DP train function, given the thread's
-  `outer` ones: Grappler without its memory optimizer and one round of its passes, not two,
-  on a machine without a GPU, each where the process's configuration has TensorFlow's
-  default; None (call with the thread's own) elsewhere. The train function's `run`
-  (keras/model/train_step.py) sets them for the call and restores the thread's after it,
-  keeping them per thread configuration so that a steady step computes nothing here.
+  """The function-call options for a call of the DP train function, given the thread's `outer`
+  ones: on a machine without a GPU, Grappler without its memory optimizer and with one round
+  of passes, each where the configuration has TensorFlow's default; None elsewhere. The
+  process's configuration is not changed.
 
-  Memory optimizer: at the default level on a CPU it only runs its scheduling pass (swapping
-  tensors to the host is for GPUs; recomputation is off by default): an AddN of more than two
-  inputs live at the simulated memory peak becomes a temporary accumulator, and each round of
-  rewrites simulates the whole graph again (Grappler's GraphMemory on a virtual cluster). On
-  BERT-base's DP train step (seq 32) that pass took 1.3-1.4 of 7.5-8 s of Grappler (load
-  6-7), against 0.09 s on the non-private graph, where it rewrote nothing, and it changed
-  neither the allocator peak (629 and 628 MiB) nor the step; the AddN it leaves sums in a
-  fixed order, where the accumulator's adds ran in the executor's order. Second round: on the
-  same graph it removed 37 of 7,847 nodes (pruning), merged 83 (common subexpressions) and
-  changed 6 more, for about 40 % of Grappler's time. Both are optimizations only: the step
-  computes the same function with or without them (up to floating-point rounding, as any
-  Grappler rewrite).
-
-  The options are the thread's eager function-call options (the `config_proto` of the call):
-  the process's configuration is not changed, and the function is instantiated with the same
-  options at every call.
-
-  Args:
-    outer: the thread's `FunctionCallOptions` (`context.context().function_call_options`).
-
-  Returns:
-    a `FunctionCallOptions`, or None.
-  """
+  Both are optimizations only (the step computes the same function up to rounding). On a CPU
+  the memory optimizer only runs its scheduling pass, which on BERT-base's DP step took 1.3 of
+  about 8 s of Grappler and changed neither the allocator peak nor the step; the second round
+  took about 40 % of Grappler's time for 37 pruned and 83 merged of 7,847 nodes."""
   if _has_gpu():
     return None
   config = _step_config(outer.config_proto_serialized)
@@ -216,16 +154,9 @@ _EXAMPLES_BOUND = threading.local()
 @contextlib.contextmanager
 def examples_at_most(n):
   """Within the block (a trace), every batch a rule of the clipped sum sees holds at most n
-  examples, a public bound the caller enforces at run time (a step whose batch exceeds it
-  fails or updates nothing: summation.within_public_rows); the memory budget's chunk choices
-  (rules/budget.py) are then made at trace time where n settles them. n None: no bound (the
-  enclosing one stays).
-
-  Args:
-    n: an int >= 0, or None.
-
-  Yields:
-    None.
+  examples, a public bound the caller enforces at run time (summation.within_public_rows);
+  the memory budget's chunk choices are then made at trace time. n None: the enclosing bound
+  stays.
 
   Raises:
     ParameterValueError: `n` is not None nor an int >= 0.

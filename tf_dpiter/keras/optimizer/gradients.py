@@ -30,13 +30,7 @@ def _ceil_div(a, b):
 
 
 def static_batch_size(nest):
-  """Leading dimension of the first leaf if known statically, else None.
-
-  Args:
-    nest: a nest of tensors (None leaves skipped), e.g. the batch (x, y, sample_weight).
-
-  Returns:
-    The static leading dimension (an int), or None if unknown.
+  """Leading dimension of the first non-None leaf of `nest` if known statically, else None.
 
   Raises:
     ParameterValueError: the nest holds no tensor.
@@ -48,24 +42,13 @@ def static_batch_size(nest):
 
 
 def dynamic_batch_size(nest):
-  """Leading dimension of the first non-None leaf, as a scalar int32 tensor.
-
-  Args:
-    nest: a nest of tensors with at least one non-None leaf.
-
-  Returns:
-    A scalar int32 tensor: the batch size B.
-  """
+  """Leading dimension of the first non-None leaf of `nest`, a scalar int32 tensor."""
   leaves = [t for t in tf.nest.flatten(nest) if t is not None]
   return tf.shape(leaves[0])[0]
 
 
 def check_num_microbatches(num_microbatches, batch_size):
-  """ValueError when more microbatches than examples (batch_size static) or bad value.
-
-  Args:
-    num_microbatches: the number of microbatches M, or None (one record per example).
-    batch_size: the static batch size B, or None if unknown (no check then).
+  """Refuses more microbatches than the examples of a batch of static size (None: no check).
 
   Raises:
     PrivacyConfigError: num_microbatches > batch_size.
@@ -79,19 +62,12 @@ def check_num_microbatches(num_microbatches, batch_size):
 
 
 def record_weights(example_mask, sample_weight):
-  """Keras sample weights of a record's k examples (a nest like `sample_weight`).
+  """Keras sample weights of a record's k examples (a nest like `sample_weight`, else
+  example_mask's shape).
 
   w = m * k / sum(m) * sample_weight, with m the record's example mask [..., k]: the
   mean-reduced compiled loss over the record's examples then averages its real examples only
-  (padding examples of a microbatch, and examples removed by a zero weight, get weight 0).
-
-  Args:
-    example_mask: [k] (one record) or [R, k] (records) float 0/1.
-    sample_weight: None, or a nest of tensors shaped like example_mask plus any trailing axes.
-
-  Returns:
-    a nest of float32 tensors like sample_weight (example_mask's shape when it is None).
-  """
+  (padding examples of a microbatch, and examples removed by a zero weight, get weight 0)."""
   em = tf.cast(example_mask, tf.float32)
   k = em.shape[-1]   # a size the trace knows: a constant, no shape ops
   k = tf.cast(tf.shape(em)[-1], tf.float32) if k is None else float(k)
@@ -110,32 +86,15 @@ def record_weights(example_mask, sample_weight):
 
 
 def masked_record_mean(values, example_mask):
-  """The mean of each record's values over its real examples: [..., k] -> [...].
-
-  sum_j m_j v_j / max(sum_j m_j, 1), with m the example mask (0 for padding examples);
-  a record with no real example gets 0.
-
-  Args:
-    values: [..., k] float tensor, one value per example of each record.
-    example_mask: [..., k] 0/1 mask.
-
-  Returns:
-    [...] means, in values' dtype.
-  """
+  """The mean of each record's values over its real examples, [..., k] -> [...]:
+  sum_j m_j v_j / max(sum_j m_j, 1), with m the example mask; 0 for a record with none."""
   em = tf.cast(example_mask, values.dtype)
   return tf.reduce_sum(values * em, -1) / tf.maximum(tf.reduce_sum(em, -1), 1.0)
 
 
 def example_mask_from_weights(sample_weight, batch_size):
-  """[B] float 0/1: 1 for examples with a positive weight somewhere (any output, any token).
-
-  Args:
-    sample_weight: None (all ones) or a nest of [B, ...] weights.
-    batch_size: B, an int or scalar int tensor.
-
-  Returns:
-    a [B] float32 tensor.
-  """
+  """[B] float32 0/1: 1 for examples with a positive weight somewhere (any output, any token);
+  all ones when `sample_weight` is None."""
   if sample_weight is None:
     return tf.ones([batch_size], tf.float32)
   flags = [tf.reduce_any(tf.reshape(tf.cast(t, tf.float32), [batch_size, -1]) > 0, axis=1)
@@ -210,16 +169,7 @@ def examples_per_record(num_microbatches, batch_size_static, record_example_mask
 
 
 def from_records(t, batch_size, num_microbatches):
-  """Inverse of to_records for one leaf: [M, k, ...] -> [B, ...].
-
-  Args:
-    t: one leaf in to_records' layout, shape [M, k, ...].
-    batch_size: B, the number of examples to keep (int or scalar tensor).
-    num_microbatches: M as given to to_records, or None (k = 1).
-
-  Returns:
-    The tensor of shape [B, ...], in the batch's example order.
-  """
+  """Inverse of to_records for one leaf: [M, k, ...] -> [B, ...], in the batch's example order."""
   tail = t.shape[2:]
   shape = [-1] + tail.as_list() if tail.is_fully_defined() else tf.concat(
       [[-1], tf.shape(t)[2:]], 0)
@@ -230,9 +180,7 @@ def from_records(t, batch_size, num_microbatches):
   return tf.reshape(t, shape)[:batch_size]
 
 
-# Not converted by AutoGraph (no tensor-dependent Python control flow): converting the
-# library's functions made most of a large model's trace time.
-@tf.autograph.experimental.do_not_convert
+@tf.autograph.experimental.do_not_convert   # no tensor-dependent Python control flow
 def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
   """Vectorized gradients of record_loss_fn(record) w.r.t. variables, one per record.
 
@@ -246,8 +194,7 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
   present = [i for i, t in enumerate(flat) if t is not None]
   list_loops = []   # the while loops over a TensorList `one` found (pfor's trace rewraps errors)
   # the backend variables (keras_internals.gradient_sources' rule, spelled here: the step's
-  # walk stays in this file): a Keras 3 variable the loss does not read fails the ZERO
-  # unconnected gradient (review R22: a custom layer's unused weight)
+  # walk stays in this file): an unread Keras 3 variable fails the ZERO unconnected gradient
   sources = [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
   def one(tensors, check_loops=False):
@@ -280,8 +227,7 @@ def per_record_gradients(record_loss_fn, variables, records, vectorize=True):
             tf.errors.OpError) as e:
       if isinstance(e, DPiterError) and not isinstance(e, runtime.ListLoop):
         raise   # the library's refusal (a ValueError too) is not pfor failing: never a loop
-      # Some graphs (e.g. RNN layers' while_loop with TensorArrays) cannot be vectorized by
-      # pfor. Same per-record gradients, computed by a sequential loop over records.
+      # pfor cannot vectorize some graphs (RNN while_loops): the same by a sequential loop
       runtime.refuse_list_loops_under_xla(list_loops)
       _warn_fallback(e)
   probe = one([t[0] for t in elems])
