@@ -59,18 +59,9 @@ def _loss_scale(model):
 
 
 def vectorize_records(model):
-  """Whether per-record gradients may be vectorized (tf.vectorized_map / a pfor jacobian).
-
-  With `model`: routing.use_vectorized_map(model) (False for oneDNN-affected layers, RNNs).
-  Without: False on a oneDNN build, since an affected layer (EinsumDense, MultiHeadAttention)
-  may be behind the variables and the sequential loop is exact for every layer; True else.
-
-  Args:
-    model: the keras.Model the loss runs, or None.
-
-  Returns:
-    bool.
-  """
+  """Whether per-record gradients may be vectorized: routing.use_vectorized_map(model); without
+  a model, False on a oneDNN build (an affected layer may be behind the variables, and the
+  sequential loop is exact for every layer), else True."""
   if model is not None:
     return routing.use_vectorized_map(model)
   if routing.onednn_enabled():
@@ -91,17 +82,9 @@ _WARNED_STATIC = weakref.WeakSet()
 
 def _warn_static_private_size(step, b_static, mask):
   """Warns (a FutureWarning, once per optimizer) when a traced custom-loop step has a static
-  batch size under a policy whose batch size is private (Poisson and the policies whose
-  denominator is the expected size), without a mask of padding rows: the trace holds the
-  sampled size as a constant, and a Python number computed from it (`x.shape[0]`) reaches
-  the update where no check sees it (CHANGELOG "Known issues"). Such steps will be refused;
-  trace with a batch dimension of None, or feed padded batches of a public size with `mask=`.
-
-  Args:
-    step: the optimizer's PrivateStep.
-    b_static: the batch's static row count (an int) or None.
-    mask: the mask compute_private_gradients was given, or None.
-  """
+  batch size under a policy whose batch size is private, without a mask of padding rows: a
+  Python number computed from the traced size (`x.shape[0]`) reaches the update where no
+  check sees it. Such steps will be refused."""
   sampling = step.sampling
   if (b_static is None or mask is not None or sampling is None or tf.executing_eagerly()
       or not ledger_policies.get(sampling.policy).expected_size_denominator
@@ -119,10 +102,9 @@ def _warn_static_private_size(step, b_static, mask):
 
 def _declared_rows_check(step, b):
   """1.0, or NaN behind a failed run-time assertion, when a sized policy's batch (fixed size,
-  shuffled passes) has more than the declared sample_size rows: the ledger charges q = m / n,
-  so a batch of 50 under a declared 10 of 100 was charged as 10 (review: epsilon 17.51
-  charged, 43.55 for what ran). A static row count is checked at trace time. Poisson's size
-  is private and is not checked.
+  shuffled passes) has more than the declared sample_size rows (the ledger charges
+  q = m / n); a static row count is checked at trace time; None for other policies
+  (Poisson's size is private).
 
   Raises:
     ParameterValueError: a static row count above the declared sample_size.
@@ -144,9 +126,8 @@ def _declared_rows_check(step, b):
 
 
 def _random_layers(model, loss_fn):
-  """The keras.random.SeedGenerators of `model` and of the layers `loss_fn` reaches outside
-  it (`keras_internals.closure_layers`: an augmentation or a second model's head the loss
-  runs on the batch; review R13, session 44), each once."""
+  """The keras.random.SeedGenerators of `model` and of the layers `loss_fn` reaches outside it
+  (`keras_internals.closure_layers`), each once."""
   generators = [] if model is None else keras_internals.seed_generators(model)
   for layer in keras_internals.closure_layers(loss_fn):
     generators += [g for g in keras_internals.seed_generators(layer)
@@ -155,9 +136,8 @@ def _random_layers(model, loss_fn):
 
 
 def _keyed_calls(step, generators, loss_fn):
-  """`loss_fn` (form (b), a callable) whose every call draws its random layers from fresh
-  secret keys (PrivateStep.keyed_layer_draws): the batch's pass, and each record's own pass
-  after a non-finite batch (`_total_record_gradients`), clips the gradient of that pass."""
+  """`loss_fn` whose every call draws its random layers from fresh secret keys
+  (PrivateStep.keyed_layer_draws)."""
   def keyed():
     with step.keyed_layer_draws(generators):
       return loss_fn()
@@ -188,10 +168,9 @@ def _refuse_unkeyed_draws(step, model):
 def _binary_mask(mask, b):
   """The example mask: ones [b] for None, else `mask` as float32 when every entry is 0 or 1.
 
-  The mask weights each clipped record (padding rows 0): a weight w moves the sum by |w| C
-  where the ledger states C (review: mask 10 moved it by 9.9998 C). A constant mask is checked
-  at trace time; any other behind a run-time assertion whose failure also makes the mask NaN
-  (XLA drops assertions: the release is then NaN, never a record weighted above 1).
+  The mask weights each clipped record: a weight w moves the sum by |w| C where the ledger
+  states C. A constant mask is checked at trace time; any other behind a run-time assertion
+  whose failure also makes the mask NaN (XLA drops assertions).
 
   Raises:
     ParameterValueError: a constant mask with an entry other than 0 or 1.
@@ -215,9 +194,8 @@ def _binary_mask(mask, b):
 
 
 def _refuse_xla():
-  """Refuses a trace inside `tf.function(jit_compile=True)`: the step writes the privacy
-  ledger, whose buffers grow (a variable whose shape changes), which XLA cannot compile; `fit`
-  runs its ledger write outside the compiled program, a custom loop cannot."""
+  """Refuses a trace inside `tf.function(jit_compile=True)`: the ledger's buffers grow, which
+  XLA cannot compile (fit writes its ledger outside the compiled program)."""
   if routing.in_xla_context():
     raise PrivacyConfigError(
         "compute_private_gradients cannot run inside tf.function(jit_compile=True): it writes "
@@ -275,25 +253,17 @@ def compute_private_gradients(step, loss_fn, variables, data=None, mask=None, ta
       `model` whose training-mode call writes a variable from the data
       (data_writes.refuse_data_writes).
   """
-  # AutoGraph: when the caller's code is converted (a user's tf.function with autograph=True,
-  # the default), the user's loss_fn is converted with the caller's status, as Keras 2
-  # converted a layer's `call` (tf_convert with the caller's control_status_ctx), and the
-  # library's code is not (`_compute_private_gradients`): converting it was about 40 % of a
-  # custom loop test's profile (benchmarks/SUITE_CUTS.md, session 44). Else (eager,
-  # autograph=False) loss_fn is passed as it is: run unconverted, converted only in the
-  # checks' own traces, as before. loss_fn goes in as a functools.partial: a lambda written in
-  # converted code is already an AutoGraph artifact, which tf_convert would hand back as it
-  # is, to run under the library's disabled status (its calls then unconverted); AutoGraph
-  # forwards a partial's call under the caller's status.
+  # AutoGraph: under a caller with AutoGraph enabled the user's loss_fn is converted with
+  # the caller's status (as Keras 2 converted a layer's `call`) and the library's code is
+  # not (`_compute_private_gradients`). A functools.partial: AutoGraph forwards a partial's
+  # call under the caller's status (a lambda of converted code would run unconverted).
   caller = tf.__internal__.autograph.control_status_ctx()
   if callable(loss_fn) and caller.status.name == "ENABLED":
     loss_fn = tf.__internal__.autograph.tf_convert(functools.partial(loss_fn), caller)
   return _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model)
 
 
-# Not converted by AutoGraph (no tensor-dependent Python control flow); the user's loss_fn is
-# converted by the caller's status (compute_private_gradients).
-@tf.autograph.experimental.do_not_convert
+@tf.autograph.experimental.do_not_convert   # loss_fn is converted by the caller's status
 def _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model):
   """compute_private_gradients' body, loss_fn already converted as the caller's code."""
   _refuse_xla()
@@ -341,8 +311,7 @@ def _compute_private_gradients(step, loss_fn, variables, data, mask, tape, model
   params = step.sample_params()   # raises while the sampling is undeclared
   query = step.base_query
   state = query.initial_sample_state(chunking.wide_template(variables))
-  # each record's weight times the shrink of the pinned sum's plan, as PrivateStep.clipped_sum
-  # (under add/remove the plan of the public row bound: chunking.public_rows)
+  # each record's weight times the pinned sum's shrink, as PrivateStep.clipped_sum
   with chunking.public_rows(step, 1):
     shrink = summation.public_shrink(chunking.batch_rows(rmask), *chunking.sum_plan(None, rmask))
   with tf.control_dependencies(deps):
@@ -358,10 +327,8 @@ def _all_finite(rec_losses, grads):
 
 
 def _batch_captures(concrete, b_static):
-  """Which of `concrete`'s captured inputs are the batch: a bool per captured input, True for a
-  tensor (not a variable's handle) whose leading dimension is the batch's (static `b_static`,
-  or unknown when the batch size is unknown), as data_writes.closure_data_writes counts every
-  captured tensor as data."""
+  """A bool per captured input of `concrete`: True for a tensor whose leading dimension is the
+  batch's (static `b_static`, or unknown when the batch size is unknown)."""
   def is_batch(t):
     if t.dtype in (tf.resource, tf.variant) or not t.shape.rank:
       return False
@@ -370,49 +337,28 @@ def _batch_captures(concrete, b_static):
 
 
 def _gather_rows(t, at, b):
-  """t's rows `at` when t's leading dimension is the batch's `b`; t itself when a dynamic
-  leading dimension turns out not to be the batch's (never an out-of-range gather)."""
+  """t's rows `at` when t's leading dimension is the batch's `b`, else t itself (never an
+  out-of-range gather)."""
   if t.shape[0] is not None:
     return tf.gather(t, at)
   return tf.cond(tf.equal(tf.shape(t)[0], b), lambda: tf.gather(t, at), lambda: tf.identity(t))
 
 
 def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example_mask, scale):
-  """The per-record gradients of the losses form, made a function of each record alone when
-  the batch is not finite.
+  """The per-record gradients of the losses form, made a function of each record alone when the
+  batch is not finite.
 
-  The batched jacobian's rows come from one backward pass over the whole batch: a record with
-  a NaN or inf value (a missing value stored as NaN, a float16 overflow under a loss scale)
-  reaches every row (0 x NaN in the products that form the weights' gradients), so zeroing
-  the non-finite rows would drop all of them (a move of up to B C where the ledger states C),
-  and refusing the step would let one record decide whether the run goes on (a release
-  outside the guarantee: add/remove one example, Dwork and Roth, "The Algorithmic
-  Foundations of Differential Privacy", Definition 2.4, applied to the run's outcome). So
-  when a loss or gradient is not finite (`tf.cond`, both branches traced, no host round
-  trip), record r's gradient is taken from loss_fn run again on a batch all of whose rows are
-  record r's examples (its captured batch tensors gathered at record r's rows): record r's
-  loss and gradient are then functions of record r alone, and a non-finite one is clipped
-  to zero by the query (`dp_query.scale_record`), a float16 overflow zeroed and counted
-  (`chunking.unscale_records`), as the data= form and fit do. That costs M passes of the
-  batch's size, one after the other (the memory of one batched pass), on the non-finite
-  steps only: such a step takes longer (its duration is not part of the released output).
-
-  Without a captured tensor of the batch's leading dimension (a loss_fn reading the batch
-  from a variable) no pass can be run on one record: the step is then refused as before
-  (`_finite_batch`).
-
-  Args:
-    step: the optimizer's PrivateStep.
-    loss_fn: form (b)'s callable of no argument returning the losses [B, ...].
-    variables: the variables differentiated.
-    rec_losses: [M] per-record losses (scaled by `scale`, masked).
-    grads: the batched jacobian's per-record gradients, each [M, ...].
-    example_mask: float [B] 0/1 example mask (with the declared-rows check).
-    scale: the static loss scale (float).
-
-  Returns:
-    list of per-record gradients, each [M, ...], aligned with `variables`.
-  """
+  The batched jacobian's rows come from one backward pass over the whole batch: a NaN or inf
+  in one record reaches every row (0 x NaN), so zeroing the non-finite rows would drop all of
+  them (a move of up to B C), and refusing the step would let one record decide whether the
+  run goes on (a release outside the guarantee: Dwork and Roth, "The Algorithmic Foundations
+  of Differential Privacy", Definition 2.4, applied to the run's outcome). So when a loss or
+  gradient is not finite (`tf.cond`), record r's gradient is taken from loss_fn run again on a
+  batch all of whose rows are record r's examples (its captured batch tensors gathered at
+  record r's rows): a function of record r alone, clipped to zero by the query if not finite.
+  That costs M sequential passes on non-finite steps only (a step's duration is not released).
+  Without a captured batch tensor no pass can run on one record: the step is refused
+  (`_finite_batch`). Returns per-record gradients [M, ...] aligned with `variables`."""
   ok = _all_finite(rec_losses, grads)
   m = step.record_microbatches
 
@@ -442,9 +388,8 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
           loss = grads_lib.masked_record_mean(recs, em)[r]
       return tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
-    # one record's pass at a time: the memory of one batched pass (a vectorized map would
-    # hold M copies of the batch's activations, and running out of memory on a non-finite
-    # batch would stop the run on one record again)
+    # one record's pass at a time: the memory of one batched pass (running out of memory
+    # on a non-finite batch would stop the run on one record again)
     return tf.map_fn(record_gradient, tf.range(tf.shape(rec_losses)[0]),
                      fn_output_signature=[tf.TensorSpec(v.shape, v.dtype) for v in variables],
                      parallel_iterations=1)
@@ -453,30 +398,15 @@ def _total_record_gradients(step, loss_fn, variables, rec_losses, grads, example
 
 
 def _finite_batch(rec_losses, grads):
-  """1.0, or NaN behind a failed run-time assertion (graph mode; XLA drops assertions, so the
-  NaN then spoils the release instead) when a per-record loss or gradient of the losses form
-  is not finite: the tape form (the losses given as a tensor, whose pass cannot be run again
-  on one record), or a loss_fn that captures no tensor of the batch
-  (`_total_record_gradients` handles the others). A step refused so is a release outside the
-  guarantee (whether the run goes on depends on one record): validate the data first.
+  """1.0, or NaN behind a failed run-time assertion (XLA drops assertions, so the NaN spoils the
+  release instead) when a per-record loss or gradient of the losses form is not finite and
+  its pass cannot be run again on one record (the tape form, or a loss_fn capturing no batch
+  tensor). A step refused so is a release outside the guarantee: validate the data first.
 
-  The losses form's per-record gradients are rows of one backward pass over the whole batch:
-  a record with a NaN or inf value reaches every record's row (0 x NaN in the products that
-  form the weights' gradients), so no row is then a function of its own record, and zeroing
-  the non-finite rows (as the clip does) would drop all of them (a move of up to B C where
-  the ledger states C). Such a step is refused, also under a float16 loss scale: a record whose
-  float16 activation overflows while its loss stays finite (a saturating tanh) spoils every
-  row too (review: all four rows zeroed, a move of 2.1 C), so an overflowed row cannot be
-  told from a spoiled one. The data= form runs each record alone, zeroes only an overflowed
-  record's gradient (chunking.unscale_records) and needs no such check.
-
-  Args:
-    rec_losses: [M] per-record losses.
-    grads: the per-record gradients [M, ...] (a list; scaled by the loss scale, if any).
-
-  Returns:
-    a float32 scalar tensor: 1.0, or NaN.
-  """
+  One record's NaN or inf reaches every row of the batched backward pass, so no row is then
+  a function of its own record. Also refused under a float16 loss scale: an overflowed
+  activation with a finite loss spoils every row too, so an overflowed row cannot be told
+  from a spoiled one. The data= form runs each record alone and needs no such check."""
   return grads_lib.one_or_nan(_all_finite(rec_losses, grads), [
       "compute_private_gradients(losses form given as a tensor, or a loss_fn capturing no "
       "tensor of the batch): a record's loss or gradient is not finite. The losses form "
@@ -524,9 +454,8 @@ _WHAT_TO_DO = ("Pass model=<the keras.Model that computed the losses> (it is pro
 
 
 def _check_batch_independent(model, with_tape):
-  """Refuses the vector form (b) unless `model` is given, has no trainable
-  BatchNormalization, has only layers known to act per example and its probe finds no layer
-  that mixes examples (module docstring)."""
+  """Refuses the vector form (b) unless `model` is given, has no trainable BatchNormalization,
+  has only layers known to act per example and its probe finds no layer that mixes examples."""
   call = _TAPE_CALL if with_tape else _VECTOR_CALL
   if model is None:
     raise ParameterValueError(
