@@ -41,10 +41,7 @@ PROBE_SECONDS_ATTR = "_dp_probe_seconds"   # wall seconds the probes of a model 
 
 
 def check_no_batch_mixing(model):
-  """Refuses a trainable BatchNormalization, which mixes examples in training mode.
-
-  Args:
-    model: a keras.Model.
+  """Refuses a trainable BatchNormalization in `model`, which mixes examples in training mode.
 
   Raises:
     PrivacyConfigError: naming the layer and the fix.
@@ -62,14 +59,10 @@ _GIVEN_STATE = ("mean", "vocabulary", "bin_boundaries")
 
 
 def warn_adapted_layers(model):
-  """Warns about preprocessing layers whose state comes from `adapt` (a Normalization's mean
-  and variance, a lookup's vocabulary, a Discretization's bins): adapted on the private
-  training data, that state is released with the model unclipped and un-noised (a
-  Normalization's mean moves by (x - mean) / n with one record), outside the guarantee.
-
-  Args:
-    model: a keras.Model.
-  """
+  """Warns about preprocessing layers of `model` whose state comes from `adapt` (a
+  Normalization's mean and variance, a lookup's vocabulary, a Discretization's bins): adapted
+  on the private training data, that state is released unclipped and un-noised (a
+  Normalization's mean moves by (x - mean) / n with one record), outside the guarantee."""
   adapted = []
   for layer in keras_internals.flatten_layers(model, include_self=False):
     if not callable(getattr(layer, "adapt", None)):
@@ -209,10 +202,10 @@ def _address(t):
 
 @contextlib.contextmanager
 def _state_restored(model):
-  """Yields `restore`, which assigns back every non-trainable variable of `model` that changed
-  since the block began and returns them (also called when the block ends). Reads share the variables' buffers
-  (no copy of a frozen backbone: 420 MB for LoRA's 110M weights); a variable whose read still
-  shares the saved CPU buffer was not written and is not compared."""
+  """Yields `restore`, which assigns back every non-trainable variable of `model` changed since
+  the block began and returns them (also called when the block ends). Reads share the
+  variables' buffers (no copy of a frozen backbone); a variable whose read still shares the
+  saved buffer was not written and is not compared."""
   variables = model.non_trainable_variables
   state = [tf.convert_to_tensor(v) for v in variables]
   addresses = [_address(t) for t in state]
@@ -288,17 +281,9 @@ def _probe_inputs(model, specs, seed, n=_PROBE_BATCH):
 
 
 def probe_batch_sizes(input_specs, step=None):
-  """The batch sizes the model really sees in the step: the traced batch's static size and the
-  declared batch size, none above `max_physical_batch_size` (chunks of that size are probed
-  too); 4 when none is known.
-
-  Args:
-    input_specs: a nest of tensors/specs shaped like a batch, or None.
-    step: the PrivateStep (its declared sampling and physical batch size), or None.
-
-  Returns:
-    a sorted tuple of ints >= 2.
-  """
+  """The sorted batch sizes (ints >= 2) the model really sees in the step: the traced batch's
+  static size and the declared batch size, none above `max_physical_batch_size` (chunks of
+  that size are probed too); (4,) when none is known."""
   sizes = set()
   for t in tf.nest.flatten(input_specs) if input_specs is not None else ():
     shape = tf.TensorShape(getattr(t, "shape", None))
@@ -388,14 +373,8 @@ def _layers_key(model):
 
 
 def keep_probe_rows(model, x, max_rows=512):
-  """Keeps a copy of the first `max_rows` rows of fit's array data on `model`, for the probe
-  (`probe_at_batch_size`); does nothing when x is not a nest of arrays.
-
-  Args:
-    model: the keras.Model fit trains.
-    x: fit's `x`: a nest of arrays or tensors with a leading batch axis.
-    max_rows: how many rows to keep at most.
-  """
+  """Keeps on `model` a copy of the first `max_rows` rows of fit's array data `x`, for the probe
+  (`probe_at_batch_size`); does nothing when x is not a nest of arrays."""
   leaves = tf.nest.flatten(x)
   if not leaves or not all(getattr(t, "shape", None) is not None and len(t.shape) > 0
                            for t in leaves):
@@ -409,16 +388,7 @@ def keep_probe_rows(model, x, max_rows=512):
 
 def probe_at_batch_size(model, input_specs, step=None):
   """`probe_model` at the batch sizes the step really uses (`probe_batch_sizes`): on random
-  inputs, then on the first rows of fit's array data when fit kept them (`keep_probe_rows`).
-
-  Args:
-    model: a built keras.Model.
-    input_specs: a nest of tensors/specs shaped like the batch (the traced batch), or None.
-    step: the PrivateStep (its declared sampling), or None.
-
-  Returns:
-    the verdict of `probe_model`: tuple of mixing layers' names, or None if unprobed.
-  """
+  inputs, then on fit's kept rows (`keep_probe_rows`); None if unprobed."""
   rows = getattr(model, PROBE_ROWS_ATTR, None)
   verdict = None
   for n in probe_batch_sizes(input_specs, step):
@@ -433,16 +403,9 @@ def probe_at_batch_size(model, input_specs, step=None):
 def warn_batch_mixing(layers, stacklevel=4):
   """Warns that `layers` mix the examples of a batch, and what clipping="auto" does then.
 
-  The step then takes the vectorized path, which runs each record alone: a layer computing a
-  batch statistic computes it over one example in training (a batch-mean centering outputs
-  0), while evaluate and predict run it on whole batches, so the model trained is not the one
-  evaluated. Per-example clipping stays exact (the privacy holds); the warning is about the
-  model.
-
-  Args:
-    layers: the mixing layers' names (`batch_mixing_layers`).
-    stacklevel: for warnings.warn.
-  """
+  The vectorized path runs each record alone: a layer computing a batch statistic computes it
+  over one example in training, while evaluate and predict run whole batches, so the model
+  trained is not the one evaluated. Per-example clipping stays exact (the privacy holds)."""
   warnings.warn(
       f"layers {list(layers)} make one example's activations depend on the other examples "
       "of the batch. Under clipping='auto' the private step runs each example alone "

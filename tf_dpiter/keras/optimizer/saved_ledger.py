@@ -28,11 +28,7 @@ CONFIG_KEY = "dp_ledger"
 
 
 def check_counts(iterations, samples):
-  """Refuses `iterations` optimizer steps charged by fewer than `iterations` ledger samples.
-
-  Args:
-    iterations: int, the optimizer's iterations (steps taken).
-    samples: int, the ledger's samples.
+  """Refuses `iterations` optimizer steps charged by fewer than `iterations` ledger `samples`.
 
   Raises:
     PrivacyConfigError: samples < iterations (the message says how to supply the ledger).
@@ -49,10 +45,7 @@ def check_counts(iterations, samples):
 
 
 def require_covers(opt):
-  """`check_counts` on a DP optimizer, read eagerly (also while a tf.function is traced).
-
-  Args:
-    opt: a DP optimizer.
+  """`check_counts` on the DP optimizer `opt`, read eagerly (also while a tf.function is traced).
 
   Raises:
     PrivacyConfigError: its iterations exceed its ledger's samples.
@@ -67,13 +60,7 @@ def require_covers(opt):
 
 
 def arrays_of_config(d):
-  """(samples, queries, passes, grouping) of a config's "dp_ledger" dict, verified (digest).
-
-  Args:
-    d: the signed ledger dict.
-
-  Returns:
-    the arrays, the pass count and the cyclic grouping record (`ledger_file.dict_to_state`).
+  """(samples, queries, passes, grouping) of a config's signed "dp_ledger" dict `d`, verified.
 
   Raises:
     ParameterValueError: the dict is malformed or altered (names the config field).
@@ -85,14 +72,8 @@ def arrays_of_config(d):
 
 
 def config_ledger(opt):
-  """The signed dict of `opt`'s ledger (or of the one pending from from_config), else None.
-
-  Args:
-    opt: a DP optimizer.
-
-  Returns:
-    a ledger dict, or None when there is no ledger or it holds no sample and no pass.
-  """
+  """The signed dict of `opt`'s ledger (or of the one pending from from_config); None when there
+  is none or it holds no sample and no pass."""
   arrays = arrays_of(opt)
   if arrays is None:
     return None
@@ -105,14 +86,7 @@ def config_ledger(opt):
 def arrays_of(opt):
   """(samples, queries, passes[, grouping[, run table]]) of the ledger `opt` charges: its
   ledger, or the one pending from from_config or a loaded weights file; None when it holds no
-  sample and no pass.
-
-  Args:
-    opt: a DP optimizer.
-
-  Returns:
-    the arrays, the pass count and (when known) the cyclic grouping record, or None.
-  """
+  sample and no pass."""
   ledger = opt.private_step.existing_ledger   # None until the step's state is made
   if ledger is None:
     return opt.private_step.restored_ledger
@@ -208,12 +182,8 @@ RUN_IDS_KEY = "dp_ledger_run_ids"   # uint8 bytes of the run table's JSON (`run_
 
 
 def write_to_store(opt, store):
-  """Writes `opt`'s ledger arrays into a Keras weights-store entry (no-op without a ledger).
-
-  Args:
-    opt: the model's optimizer (anything; only a DP optimizer's ledger is written).
-    store: the dict-like entry Keras passes to `save_own_variables`.
-  """
+  """Writes `opt`'s ledger arrays into the Keras weights-store entry `store` (no-op unless `opt`
+  is a DP optimizer with a ledger)."""
   step = getattr(opt, "private_step", None)
   ledger = None if step is None else step.existing_ledger
   if ledger is None or int(ledger.sample_count.numpy()) == 0:
@@ -230,15 +200,8 @@ def write_to_store(opt, store):
 
 def split_store(store):
   """(the entry without the ledger's keys as a dict, the carried (samples, queries, passes,
-  grouping, run table) or None), from the dict-like entry Keras passes to
-  `load_own_variables`. A file of an earlier version has no run table: its samples are read
-  as one run under a new identity (`run_ids.fresh`).
-
-  Args:
-    store: the weights-store entry.
-
-  Returns:
-    (dict of the other entries, arrays or None).
+  grouping, run table) or None), from the entry Keras passes to `load_own_variables`. A file
+  of an earlier version has no run table: its samples are one run under a new identity.
 
   Raises:
     ParameterValueError: the carried arrays are malformed.
