@@ -74,22 +74,12 @@ def num_rows(x):
 
 
 def _to_numpy(nest, name):
-  """fit's array argument as numpy arrays in the same nest, its lists made tuples.
-
-  Keras reads a list in x or y as several inputs, tf.data as ONE tensor to stack: as Keras'
-  own array adapter, every list becomes a tuple (`keras.tree.lists_to_tuples`). A
-  tf.RaggedTensor is kept (the Poisson sampler gathers its rows).
-
-  Args:
-    nest: an array, or a nest (list, tuple, dict) of arrays, or None.
-    name: the fit argument's name ("x" or "y"), for the error message.
-
-  Returns:
-    the nest of numpy arrays (and ragged tensors) with every list a tuple, or None.
+  """fit's array argument `name` as numpy arrays in the same nest, every list made a tuple (as
+  Keras' array adapter: tf.data would stack a list as ONE tensor); a tf.RaggedTensor is kept.
 
   Raises:
-    PrivacyConfigError: a leaf is sparse (a tf.SparseTensor, a scipy sparse matrix): the
-      samplers and the per-record clipping need dense rows.
+    PrivacyConfigError: a sparse leaf (the samplers and the per-record clipping need dense
+      rows).
   """
   if nest is None:
     return None
@@ -153,15 +143,10 @@ def class_weight_to_sample_weight(y, class_weight):
 
 def pad_for_replicas(dataset, replicas):
   """Each batch of `dataset` padded with zero rows of sample weight 0 up to a multiple of
-  `replicas`, so that a multi-replica strategy splits it into equal shards (an odd batch
-  split [3, 2] failed in the replicas' gradient sum).
+  `replicas`, so a multi-replica strategy splits it into equal shards.
 
-  Privacy: unchanged. A row of weight 0 is padding: it joins no record of the step (the
-  step's example mask), the batch's denominator counts real records only, and the sampled
-  records are the same.
-
-  Returns the padded dataset of (x, y, sample_weight) batches.
-  """
+  Privacy: unchanged. A row of weight 0 is padding: it joins no record of the step, the
+  denominator counts real records only, and the sampled records are the same."""
   def pad(*element):
     x, y, w = keras.utils.unpack_x_y_sample_weight(element)
     n = tf.shape(tf.nest.flatten(x)[0])[0]
@@ -207,12 +192,10 @@ def _split_validation(a, x, y, sw, opt):
 
 
 def _resolve_sampling(sampling, opt, batch_size):
-  """(policy name, reason for the log line) for fit on arrays, from fit's `sampling` (None,
-  "poisson" or "shuffle"), the DP optimizer's num_microbatches M and the batch size B.
-  M equal to B (TF Privacy's default: one example per microbatch) is per-example clipping,
-  so it samples as num_microbatches=None does: by Poisson (step_sampling.record_microbatches).
-  Only microbatches of several examples make the default shuffled passes, and refuse
-  sampling="poisson".
+  """(policy name, reason for the log line) for fit on arrays from fit's `sampling`, the
+  optimizer's M and the batch size B. M == B (TF Privacy's default) is per-example clipping
+  and samples by Poisson as M=None does; only microbatches of several examples make the
+  default shuffled passes, and refuse sampling="poisson".
 
   Raises:
     PrivacyConfigError: an unknown sampling, or "poisson" with microbatches of several
@@ -396,13 +379,9 @@ def validation_note(optimizer):
 
 
 def run_population(optimizer, n, batch_size):
-  """The population size q is stated over in this run: the one the run's ledger recorded for
-  its Poisson samples (q = B / N is fixed once per run, independently of the data fit is
-  given later: a neighbouring dataset, one record more or less, keeps the same q), else None
-  (the first fit: N = n of its arrays).
-
-  `n`: records of this fit's arrays; refuses a batch size B > N (q would exceed 1).
-  """
+  """The population size q is stated over in this run: the one the run's ledger recorded for its
+  Poisson samples (q = B / N is fixed once per run, independently of the data a later fit is
+  given), else None (the first fit: N = n of its arrays). Refuses B > N."""
   led = optimizer.private_step.existing_ledger
   count = 0 if led is None else int(led.sample_count.numpy())
   if count == 0:
@@ -539,15 +518,10 @@ class SamplingSync(keras.callbacks.Callback):
     self.close()
 
   def close(self):
-    """Ends the fit's bookkeeping, whatever ended the fit: records the passes its steps used
-    and unbinds the fit (a ledger-owned schedule stays bound to the ledger: its next iterator
-    starts where this fit's steps ended). Idempotent.
-
-    Keras calls no on_train_end when a step raises, yet the steps an execution took before
-    the failing op were applied and wrote their ledger samples: `DPModel.fit` calls this in
-    a `finally`, and the pass those steps used is charged from the ledger's sample count
-    (`take_used_passes`). Should this never run (a fit driven without `DPModel.fit`), the
-    next fit on the same ledger charges it first (`_settle_open_fits`)."""
+    """Ends the fit's bookkeeping, whatever ended the fit (idempotent): records the passes its
+    steps used and unbinds the fit. `DPModel.fit` calls it in a `finally`, since Keras calls no
+    on_train_end when a step raises while the steps before it were applied and charged; should
+    it never run, the next fit on the same ledger charges them first (`_settle_open_fits`)."""
     if self._begun:
       self._sync()
       _OPEN_FITS.pop(self.sampler, None)

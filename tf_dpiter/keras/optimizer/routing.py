@@ -45,31 +45,16 @@ def _onednn_in_vectorized_units(model, fast_clipping):
 
 
 def fast_refusal(reason):
-  """The error of clipping="fast" where the fast path cannot clip the model exactly.
-
-  Args:
-    reason: the obstacle (`fast_path_obstacle`'s sentence).
-
-  Returns:
-    a PrivacyConfigError to raise.
-  """
+  """The PrivacyConfigError of clipping="fast" where the fast path cannot clip the model exactly
+  (`reason`: the obstacle's sentence)."""
   return PrivacyConfigError(
       f"clipping='fast' cannot clip this model exactly: {reason}. Use clipping='auto' or "
       "'vectorized' (each record is clipped alone, exact for it)")
 
 
 def route_unrecorded(step, fast_clipping, uses):
-  """The path of a step whose fast clipped sum found trainable variables used outside their
-  layer's recorded calls: "vectorized" under clipping="auto" (with the warning
-  `fast_path_obstacle` gives for them); clipping="fast" refuses.
-
-  Args:
-    step: the DP optimizer's PrivateStep.
-    fast_clipping: the fast_clipping module.
-    uses: the uses found (UnrecordedUsesError.uses).
-
-  Returns:
-    "vectorized".
+  """"vectorized" (with the warning `fast_path_obstacle` gives) for a step whose fast clipped sum
+  found trainable variables used outside their layer's recorded calls (`uses`).
 
   Raises:
     PrivacyConfigError: clipping="fast".
@@ -82,27 +67,15 @@ def route_unrecorded(step, fast_clipping, uses):
 
 def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_the_step=False,
                        probe=True):
-  """Why the fast (ghost-norm) path cannot clip `model` exactly, or None if it can: every
-  layer must be known to act on each example alone (per_example), and the batch-independence
-  probe then runs as a second line of defence at the step's batch size.
+  """Why the fast (ghost-norm) path cannot clip `model` exactly (a sentence naming the obstacle),
+  or None if it can: every layer must be known to act on each example alone (per_example),
+  and the batch-independence probe runs as a second line of defence.
 
-  Args:
-    step: the DP optimizer's PrivateStep (its l2_norm_clip, query and sampling decide).
-    model: the keras.Model (None: no model, the fast path needs one).
-    fast_clipping: the fast_clipping module, or None if it could not be imported.
-    input_specs: a nest of tensors/specs with the batch's shapes, for the probe of a model
-      without known inputs.
-    checked_by_the_step: True from the Keras train step while tracing: the unrecorded-use
-      check is left to the traced step's fast clipped sum, whose recorded forward pass
-      raises fast_clipping.clipping.UnrecordedUsesError on such a use (before anything is
-      formed from it; one trace of the model, not two); the step then calls
-      `route_unrecorded`. Called eagerly, the check runs here.
-    probe: False: no batch-independence probe here; the caller runs it (`mixing_obstacle`)
-      once the model's call is checked for writes from the data.
-
-  Returns:
-    None, or a sentence naming the obstacle (layer names, dtype policy, setting).
-  """
+  `checked_by_the_step`: True from the Keras train step while tracing: the unrecorded-use
+  check is left to the step's fast clipped sum, whose recorded forward pass raises
+  UnrecordedUsesError before anything is formed from such a use (one trace, not two).
+  `probe`: False leaves the probe to the caller (`mixing_obstacle`), once the model's call is
+  checked for writes from the data."""
   loss_obstacle = record_losses.fast_path_obstacle(model)   # compute_loss, layer losses
   if loss_obstacle is not None:
     return loss_obstacle
@@ -147,18 +120,8 @@ def fast_path_obstacle(step, model, fast_clipping, input_specs=None, checked_by_
 
 
 def mixing_obstacle(step, model, input_specs=None):
-  """The second line of defence of `fast_path_obstacle`: the batch-independence probe, at
-  the batch sizes fit really uses, on random inputs and on the first rows of fit's data
-  (batch_independence.probe_at_batch_size).
-
-  Args:
-    step: the DP optimizer's PrivateStep (its declared sampling).
-    model: the keras.Model.
-    input_specs: a nest of tensors/specs with the batch's shapes, or None.
-
-  Returns:
-    None, or a sentence naming the mixing layers (or why the model could not be probed).
-  """
+  """The batch-independence probe at the batch sizes fit really uses, on random inputs and on
+  fit's first rows: None, or a sentence naming the mixing layers (or why no probe ran)."""
   mixing = batch_independence.probe_at_batch_size(model, input_specs, step)
   if mixing is None:
     return "the model's inputs are unknown, so batch independence could not be probed"

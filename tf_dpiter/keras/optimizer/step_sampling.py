@@ -22,35 +22,21 @@ from tf_dpiter.ledger import privacy_ledger
 
 
 def record_microbatches(num_microbatches, sample_size):
-  """M as the records of a batch are cut, for the declared (expected) batch size B.
-
-  M = B (TF Privacy's default) is k = 1: cut as with num_microbatches=None, one record per
-  example of whatever size the batch has, so removing an example removes its own record only.
-
-  Args:
-    num_microbatches: M, the optimizer's num_microbatches (None: one example per record).
-    sample_size: B, the declared batch size (expected under Poisson; 0 or None: unknown).
-
-  Returns:
-    None when a record is one example (M is None, or M == B), else M.
-  """
+  """M as the records of a batch are cut for the declared (expected) batch size B: None when a
+  record is one example (M None, or M == B: TF Privacy's default, so removing an example
+  removes its own record only), else M."""
   if num_microbatches is None or (sample_size and float(num_microbatches) == float(sample_size)):
     return None
   return num_microbatches
 
 
 def check(step, population_size, policy, sample_size, steps_per_pass=None):
-  """Refuses a declaration the step cannot be accounted under.
-
-  Args:
-    step: the PrivateStep. population_size: n. policy: one of ledger.POLICIES.
-    sample_size: the batch size.
-    steps_per_pass: the steps of one shuffled pass as the data makes them (its sampler's),
-      or None (NoiseMechanism.check_sampling).
+  """Refuses a declaration the step cannot be accounted under (`steps_per_pass`: the sampler's
+  steps of one shuffled pass, or None).
 
   Raises:
-    PrivacyConfigError: microbatches under add/remove, a sampling the correlated mechanism is not
-      accounted under, or a new sampling inside one of its trees.
+    PrivacyConfigError: microbatches under add/remove, a sampling the correlated mechanism is
+      not accounted under, or a new sampling inside one of its trees.
   """
   privacy_ledger.check_sample_size(sample_size)
   step.mechanism.check_sampling(policy, population_size, sample_size,
@@ -122,18 +108,9 @@ def check_unit(step, policy):
 
 def declare(step, population_size, selection_probability, policy, sample_size):
   """Makes the step's LedgerSampling (on the step's ledger), or re-declares its sampling; the
-  query's global state variables are made once and the expected records (the Poisson
-  denominator) set.
-
-  Args:
-    step: the PrivateStep (its state made here if needed).
-    population_size, selection_probability, policy, sample_size: the sampling.
-
-  Returns:
-    True when the recorded policy, the record unit or the public row bounds
-    (`ledger.LedgerSampling.row_bound_key`: R and each replica bound the step read when
-    traced) changed: the step must be retraced.
-  """
+  query's global state variables are made once and the expected records set. Returns True
+  when the recorded policy, the record unit or the public row bounds (`row_bound_key`)
+  changed: the step must be retraced."""
   m = record_microbatches(step.num_microbatches, sample_size)
   k = 1 if m is None else max(1, -(-int(sample_size) // m))
   changed_cut = step.adopt_record_microbatches(m)   # None: the train step cuts per example
