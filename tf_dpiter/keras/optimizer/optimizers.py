@@ -76,28 +76,15 @@ def _name(variable):
 
 def fingerprints_deferred(optimizer):
   """True while a DP model's fit or train_on_batch runs `optimizer` (it checks and records the
-  weights' fingerprints itself), or for an internal probe: the one attribute
-  weight_fingerprints.DEFERRED, which the fingerprints' checks read as well.
-
-  Args:
-    optimizer: a DP optimizer.
-
-  Returns:
-    bool.
-  """
+  weights' fingerprints itself), or for an internal probe (weight_fingerprints.DEFERRED)."""
   return bool(getattr(optimizer, weight_fingerprints.DEFERRED, False))
 
 
 def claim_variables(optimizer, variables):
   """Records `optimizer` as the DP optimizer updating `variables`.
 
-  Args:
-    optimizer: the DP optimizer about to update `variables`.
-    variables: the trainable variables it updates.
-
   Raises:
-    PrivacyConfigError: one of `variables` is updated by another live DP optimizer (the
-      message names the variable and says what to do).
+    PrivacyConfigError: one of `variables` is updated by another live DP optimizer.
   """
   if getattr(optimizer, UNCLAIMED, False):
     return
@@ -134,16 +121,8 @@ def _record_charges(optimizer, variables):
 
 
 def recorded_ledgers(optimizer, variables):
-  """The ledgers of DP optimizers other than `optimizer` recorded on `variables` (`_CHARGES`):
-  every one that charged a noised step these weights took.
-
-  Args:
-    optimizer: a DP optimizer.
-    variables: its trainable variables.
-
-  Returns:
-    list of PrivacyLedger, each once.
-  """
+  """The ledgers of DP optimizers other than `optimizer` recorded on `variables` (`_CHARGES`),
+  each once: every one that charged a noised step these weights took."""
   own = optimizer.private_step.existing_ledger
   out = []
   for v in variables:
@@ -156,16 +135,10 @@ def recorded_ledgers(optimizer, variables):
 
 
 def adopt_recorded_ledgers(optimizer, variables):
-  """Merges into `optimizer`'s ledger the ledgers recorded on `variables` (`recorded_ledgers`)
-  and those of the runs whose released values they hold (`weight_fingerprints.adopt_released`:
-  a copy by value), eagerly (also while a step is traced): every noised step the weights took
-  is charged (McMahan et al. 2018, Section 6), each once (`ledger.run_ids`: a run already held
-  is not added again; add/remove or replace-one as each row records).
-
-  Args:
-    optimizer: a DP optimizer.
-    variables: its trainable variables.
-  """
+  """Merges into `optimizer`'s ledger, eagerly, the ledgers recorded on `variables` and those of
+  the runs whose released values they hold (`weight_fingerprints.adopt_released`): every
+  noised step the weights took is charged (McMahan et al. 2018, Section 6), each once
+  (`ledger.run_ids`)."""
   ledgers = recorded_ledgers(optimizer, variables)
   with tf.init_scope():
     for ledger in ledgers:
@@ -175,14 +148,9 @@ def adopt_recorded_ledgers(optimizer, variables):
 
 
 def check_variables(optimizer, variables):
-  """Refuses `variables` when another live DP optimizer claimed one of them (`claim_variables`), e.g.
-  at the start of a fit whose train function was traced before another optimizer took the
-  variables over; else adopts the ledgers of the DP optimizers that updated them before
-  (`adopt_recorded_ledgers`).
-
-  Args:
-    optimizer: the DP optimizer about to update `variables`.
-    variables: the trainable variables it updates.
+  """Refuses `variables` when another live DP optimizer claimed one of them (a train function
+  traced before another optimizer took them over); else adopts the ledgers of the DP
+  optimizers that updated them before (`adopt_recorded_ledgers`).
 
   Raises:
     PrivacyConfigError: as `claim_variables`.
@@ -224,12 +192,8 @@ def _other(variable, optimizer):
 
 
 def release_variables(optimizer):
-  """Forgets the claims of `optimizer` (a recompile replaced it, or a DP model it trained was
-  nested in another DP model, whose optimizer took its ledger over).
-
-  Args:
-    optimizer: a DP optimizer.
-  """
+  """Forgets the claims of `optimizer` (replaced by a recompile, or its ledger taken over by an
+  enclosing DP model's optimizer)."""
   for key, (_, opt_ref) in list(_OWNERS.items()):
     if opt_ref() is optimizer:
       del _OWNERS[key]
@@ -629,18 +593,10 @@ class DPOptimizerBase:
     return result
 
   def _all_reduce_sum_gradients(self, grads_and_vars):
-    """Keras' sum of the gradients over the replicas before the update (TensorFlow backend),
-    kept under several replicas (`noised_average` divides by their number for it) and skipped
-    for the noised averages under one: the sum over one replica is the value itself, which
-    Keras forms through a custom gradient of one Identity per variable (BERT-base: 202 ops of
-    the traced step, and the trace's backward walk over them). The same values are applied.
-
-    Args:
-      grads_and_vars: (gradient, variable) pairs.
-
-    Returns:
-      the pairs, their gradients summed over the replicas.
-    """
+    """Keras' sum of the gradients over the replicas before the update, kept under several
+    replicas (`noised_average` divides by their number for it) and skipped under one, where it
+    is the value itself formed through one Identity op per variable. The same values are
+    applied."""
     if (getattr(self, "_private_apply", False)
         and tf.distribute.get_strategy().num_replicas_in_sync == 1):
       return list(grads_and_vars)

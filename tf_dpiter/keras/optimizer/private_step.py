@@ -302,11 +302,7 @@ class PrivateStep:
     return generator
 
   def synchronize_noise(self, strategy):
-    """Makes every worker's noise generator a copy of the chief's, so all draw the same noise.
-    Call outside `strategy.scope()` and any tf.function, before training.
-
-    Args:
-      strategy: a tf.distribute strategy (MultiWorkerMirroredStrategy).
+    """`DPOptimizerBase.synchronize_noise`: every worker's generator becomes a copy of the chief's.
 
     Raises:
       PrivacyConfigError: secure_mode (os.urandom has no state to share), or a query without
@@ -557,17 +553,8 @@ class PrivateStep:
         self._noise_runs_ok.assign(True)
 
   def save_noise_state(self, path):
-    """Writes the correlated mechanism's noise state to `path` (an .npz file), the one way to
-    resume such a run later (`restore_noise_state`).
-
-    THE FILE IS AS SECRET AS THE TRAINING DATA: it holds the noise of the released weights
-    (the tree's open nodes sum to their cumulative noise, Kairouz et al. 2021, Section 3;
-    BandMF's history and BLT's buffers hold past noise), so anyone holding it and the model
-    removes the noise (epsilon infinite). Keep it with the data, never with the model; delete
-    it when the run ends.
-
-    Args:
-      path: the file to write (a str or os.PathLike; numpy adds ".npz" if missing).
+    """`DPOptimizerBase.save_noise_state` (THE FILE IS AS SECRET AS THE TRAINING DATA: it holds
+    the noise of the released weights).
 
     Raises:
       PrivacyConfigError: the mechanism is not correlated or not built yet.
@@ -582,17 +569,12 @@ class PrivateStep:
     np.savez(path, **arrays)
 
   def restore_noise_state(self, path):
-    """Restores a noise state `save_noise_state` wrote, so a correlated run restored from a
-    file of the same step continues exactly (checked by `require_noise_state`). Call after
-    the optimizer is built. The file is as secret as the data.
-
-    Args:
-      path: the .npz file `save_noise_state` wrote.
+    """`DPOptimizerBase.restore_noise_state`; the run table is checked now when the ledger holds
+    the state's draws, else at the next step (`require_noise_state`).
 
     Raises:
       PrivacyConfigError: the mechanism is not correlated or not built, or the file is of
-        another mechanism, of other variables' shapes, or of another run (its run table,
-        checked now when the ledger holds its draws, else at the next step).
+        another mechanism, of other variables' shapes, or of another run.
     """
     self._require_built_noise_state("restore_noise_state")
     with np.load(path, allow_pickle=False) as f:
