@@ -40,31 +40,21 @@ wide_template = chunking.wide_template   # re-exported: the dtype of the privacy
 
 
 # ---- one DP optimizer per trainable variable ------------------------------------------
-# Rule: a DP optimizer's ledger charges the steps it takes, and the epsilon of its model's
-# weights is that ledger's only when no other DP optimizer updates them (McMahan et al., "A
-# General Approach to Adding Differential Privacy to Iterative Training Procedures",
-# Section 6: every noised step that touched the released weights is charged). Two DP models
-# sharing a layer, each with its own DP optimizer, would leave the shared weights with the
-# steps of both ledgers while each ledger reports only its own. So a DP optimizer claims the
-# variables it updates before its first update (`apply_private_gradients`, eagerly or when
-# traced) and refuses one that another live DP optimizer updated. A DP optimizer only built on
-# them (Keras' copy of the compiled optimizer in `clone_model`, a loaded model's) claims
-# nothing. A plain Keras optimizer (a GAN's non-DP generator optimizer) is not concerned; a
-# recompile with a new DP optimizer releases the outgoing one's claims (its ledger is carried
-# into the new one). One DP optimizer on two models is refused by Keras itself (it updates only
-# the variables it was built with). An internal probe whose updates are never released
-# (auditing.check_sensitivity's noise-free optimizer, which puts the weights back) sets the
-# class attribute named `UNCLAIMED`: it neither claims nor is refused (and the class attribute
-# weight_fingerprints.DEFERRED: its updates check no fingerprint).
+# Rule: the epsilon of a model's weights is its DP optimizer's ledger's only when no other
+# DP optimizer updates them (McMahan et al. 2018, Section 6: every noised step that touched
+# the released weights is charged). So a DP optimizer claims the variables it updates before
+# its first update and refuses one another live DP optimizer updated. One only built on them
+# (`clone_model`'s copy, a loaded model's) claims nothing; a plain Keras optimizer is not
+# concerned; a recompile releases the outgoing one's claims (its ledger is carried over). A
+# probe whose updates are never released (auditing.check_sensitivity's) sets the class
+# attribute named `UNCLAIMED`: it neither claims nor is refused.
 
 # id(variable) -> (weakref to the variable, weakref to the DP optimizer that claimed it)
 _OWNERS = {}
-# The charge travels with the variables, not with the optimizer objects: id(variable) ->
-# (weakref to the variable, [the ledger of every DP optimizer that claimed it], held
-# strongly). A DP optimizer about to update a variable (`check_variables`: at the start of
-# fit, and at its claim) adopts the ledgers recorded on it, so a layer that took noised steps
-# under a DP model that is gone brings them into the next DP model's ledger. The ledgers'
-# run identities (`ledger.run_ids`) make a repeated adoption charge each step once.
+# The charge travels with the variables: id(variable) -> (weakref to the variable, [the
+# ledger of every DP optimizer that claimed it], held strongly). A DP optimizer about to
+# update a variable adopts the ledgers recorded on it (`check_variables`), so a layer's noised
+# steps under a DP model that is gone are charged by the next one (once: `ledger.run_ids`).
 _CHARGES = {}
 # The class attribute of a probe optimizer whose updates are never released.
 UNCLAIMED = "_dp_unclaimed_variables"
@@ -529,8 +519,7 @@ class DPOptimizerBase:
     """
     self.private_step.synchronize_noise(strategy)
 
-  # Not converted by AutoGraph (no user callable, no tensor-dependent Python control flow):
-  # a custom loop's step converted all of the update's checks (benchmarks/SUITE_CUTS.md).
+  # not converted by AutoGraph: no user callable, no tensor-dependent Python control flow
   @tf.autograph.experimental.do_not_convert
   def apply_private_gradients(self, grads, trainable_variables):
     """Applies gradients that came out of `noised_average`, or (traced) a function of them.
@@ -573,13 +562,11 @@ class DPOptimizerBase:
     if traced is not None:   # what the step traces after the update: walked at a statement
       self.private_step.note_traced_update(trainable_variables)
     self._private_apply = True
-    # one charged sample per update (review: plain tape gradients renamed from apply_gradients
-    # were applied uncharged)
+    # one charged sample per update
     grads, charged = self.private_step.charged_gradients(
         [g if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, trainable_variables)])
-    # Keras' `iterations` increment waits for the gradients, as the ledger's write waits for
-    # the clipped sum (`LedgerSampling.record`'s after=): an epoch of unknown cardinality ends
-    # with a step whose get_next fails, which would otherwise still count one iteration.
+    # `iterations` waits for the gradients, as the ledger's write for the clipped sum (a
+    # failed get_next at an epoch's end counts no iteration)
     data = [] if tf.executing_eagerly() else [g for g in grads if g is not None][:1] + charged
     try:
       with tf.control_dependencies(data):
