@@ -150,11 +150,8 @@ class NoiseMechanism(abc.ABC):
     del state
 
   def get_config(self):
-    """The mechanism's parameters (a JSON-able dict; `from_config` inverts it).
-
-    Returns:
-      dict of field name -> value.
-    """
+    """The mechanism's parameters, a JSON-able dict of field name -> value (`from_config` inverts
+    it)."""
     return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
   @classmethod
@@ -170,11 +167,7 @@ class NoiseMechanism(abc.ABC):
     return cls(**config)
 
   def flat_params(self):
-    """The optimizer's flat keywords for this mechanism (the `noise=` shorthand's).
-
-    Returns:
-      dict keyword -> value ({} for IID).
-    """
+    """The optimizer's flat keywords for this mechanism, the `noise=` shorthand's ({} for IID)."""
     back = {field: flat for flat, field in self.flat_names.items()}
     return {back.get(k, k): v for k, v in self.get_config().items()}
 
@@ -197,19 +190,8 @@ class IID(NoiseMechanism):
   correlated: ClassVar[bool] = False
 
   def make_query(self, l2_norm_clip, noise_multiplier, template, seed=None, secure_mode=False):
-    """`GaussianSumQuery(S, z S)` (the stddev computed once, in float64; S and z are the
-    plan's, validated by `DPConfig`, so only the query checks its own (S, sigma)).
-
-    Args:
-      l2_norm_clip: S (validated).
-      noise_multiplier: z (validated).
-      template: unused (the sum takes the records' structure).
-      seed: tests only.
-      secure_mode: draw from os.urandom.
-
-    Returns:
-      a GaussianSumQuery.
-    """
+    """`GaussianSumQuery(S, z S)`, the stddev computed once in float64 (S and z are the plan's,
+    validated by `DPConfig`)."""
     del template
     return gaussian_query.GaussianSumQuery(
         l2_norm_clip, gaussian_query.gaussian_stddev(l2_norm_clip, noise_multiplier,
@@ -469,19 +451,9 @@ def deserialize(config):
 
 
 def make_query_with_state(mechanism, l2_norm_clip, noise_multiplier, variables, seed=None):
-  """The mechanism's query on `variables` and its global state as new variables (in a fixed
-  order: `PrivateStep.save_noise_state` writes them by position; no model file holds them).
-
-  Args:
-    mechanism: a NoiseMechanism with needs_variables.
-    l2_norm_clip: S.
-    noise_multiplier: z.
-    variables: the trainable variables (their shapes; sums kept in float32).
-    seed: tests only (not private).
-
-  Returns:
-    (query, initial global state nest, list of its state variables).
-  """
+  """(query, initial global state nest, list of its state variables) of the mechanism on
+  `variables` (sums kept in float32); the variables in a fixed order, since
+  `save_noise_state` writes them by position (no model file holds them)."""
   with tf.init_scope():
     template = [tf.TensorSpec(v.shape, tf.float32) for v in variables]
     query = mechanism.make_query(l2_norm_clip, noise_multiplier, template, seed=seed)

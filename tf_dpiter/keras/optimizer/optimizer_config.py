@@ -19,15 +19,9 @@ from tf_dpiter.keras.optimizer import saved_ledger
 
 
 def dp_config(opt):
-  """The DP entries of `opt`'s Keras config (added to the base optimizer's).
-
-  Args:
-    opt: a DP optimizer (its `private_step` and ledger journal are read).
-
-  Returns:
-    a dict: the settings, {"noise", its parameters} unless noise == "iid", "dp_query" and
-    "dp_global_state" for a custom query, "dp_ledger" once the ledger holds a sample.
-  """
+  """The DP entries of `opt`'s Keras config: the settings, {"noise", its parameters} unless
+  noise == "iid", "dp_query" and "dp_global_state" for a custom query, "dp_ledger" once the
+  ledger holds a sample."""
   step = opt.private_step
   plan, flags = step.plan, step.flags
   config = {
@@ -63,14 +57,8 @@ def dp_config(opt):
 
 
 def split_config(config, custom_objects=None):
-  """A config's constructor arguments, its saved query state and its verified ledger.
-
-  Args:
-    config: a get_config dict. custom_objects: for Keras deserialization.
-
-  Returns:
-    (constructor config with the dp_query rebuilt, dp_global_state or None, the ledger's
-    (samples, queries, passes) or None).
+  """(constructor config with the dp_query rebuilt, dp_global_state or None, the verified
+  ledger's (samples, queries, passes) or None) of a get_config dict.
 
   Raises:
     ParameterValueError: a malformed or altered "dp_ledger" (saved_ledger.arrays_of_config).
@@ -87,14 +75,8 @@ def split_config(config, custom_objects=None):
 
 def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, population_size,
                          sampling, accountant, args, kwargs):
-  """The constructor arguments of `from_budget`, with z calibrated (budget.calibrated_noise).
-
-  Args:
-    class_name: the DP class' name (for the log line). epsilon ... accountant, args, kwargs:
-      as DPOptimizerBase.from_budget.
-
-  Returns:
-    (z, calibration dict, positional args, keyword args) for the class' constructor.
+  """(z, calibration dict, positional args, keyword args) for the constructor of `from_budget`,
+  with z calibrated (budget.calibrated_noise); the arguments as DPOptimizerBase.from_budget.
 
   Raises:
     PrivacyConfigError: noise != "iid", a noise_multiplier or dp_query given, no l2_norm_clip.
@@ -126,10 +108,7 @@ def calibrated_arguments(class_name, epsilon, delta, epochs, batch_size, populat
 
 
 def check_ledger_journal(ledger_journal):
-  """Checks the optimizer's ledger journal path.
-
-  Args:
-    ledger_journal: None or a non-empty file path string.
+  """Checks the optimizer's ledger journal path: None or a non-empty file path string.
 
   Raises:
     ParameterValueError: anything else, named with its value.
@@ -140,10 +119,7 @@ def check_ledger_journal(ledger_journal):
 
 
 def check_no_gradient_accumulation(steps):
-  """Refuses Keras' gradient_accumulation_steps > 1.
-
-  Args:
-    steps: the optimizer's gradient_accumulation_steps argument (None or 1: fine).
+  """Refuses Keras' gradient_accumulation_steps > 1 (None or 1: fine).
 
   Raises:
     PrivacyConfigError: steps > 1 (the message says what to do instead).
@@ -160,15 +136,8 @@ def check_no_gradient_accumulation(steps):
 
 
 def constructor_config(optimizer):
-  """The keyword arguments that rebuild a plain Keras `optimizer` (its get_config, with a
-  learning-rate schedule deserialized).
-
-  Args:
-    optimizer: a Keras optimizer instance.
-
-  Returns:
-    dict of constructor arguments.
-  """
+  """The keyword arguments that rebuild a plain Keras `optimizer` (its get_config, a
+  learning-rate schedule deserialized)."""
   config = dict(optimizer.get_config())
   lr = config.get("learning_rate")
   if isinstance(lr, dict):
