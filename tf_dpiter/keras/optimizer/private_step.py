@@ -152,25 +152,14 @@ class PrivateStep:
     return dp_query_lib.gaussian_stddev(self._plan.l2_norm_clip, self._plan.noise_multiplier)
 
   def set_flags(self, **changes):
-    """Replaces performance flags (validated); the privacy plan is unchanged.
-
-    Args:
-      **changes: PerformanceFlags field -> value (e.g. skip_padding_tail=False).
-
-    Returns:
-      the new PerformanceFlags.
-    """
+    """Replaces performance flags (`**changes`: PerformanceFlags field -> value, validated) and
+    returns the new PerformanceFlags; the privacy plan is unchanged."""
     self.flags = self.flags.replace(**changes)
     return self.flags
 
   def restore_saved(self, global_state=None, ledger=None):
-    """Applies a saved config's query global state (used when the state is made) and ledger.
-
-    Args:
-      global_state: the config's "dp_global_state", or None.
-      ledger: (samples, queries, passes, grouping) of the config's verified "dp_ledger", or
-        None.
-    """
+    """Applies a saved config's query global state (used when the state is made) and ledger
+    ((samples, queries, passes, grouping) of its verified "dp_ledger"), either may be None."""
     self._restored_global_state = global_state
     if ledger is not None:
       self.adopt_ledger(*ledger)
@@ -188,16 +177,9 @@ class PrivateStep:
     return trackable
 
   def adopt_ledger(self, samples, queries, passes, grouping=None, runs=None):
-    """Merges a ledger of this run into the ledger (`PrivacyLedger.merge_arrays`), or, before
-    it exists, into the one `make_state` starts from.
-
-    Args:
-      samples: ledger sample array.
-      queries: ledger query array.
-      passes: int, the shuffled passes that ledger counted.
-      grouping: that ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`).
-      runs: that ledger's run table (`ledger.run_ids`), or None: a run of its own.
-    """
+    """Merges a ledger of this run (arrays, passes, cyclic grouping and run table, as
+    `PrivacyLedger.merge_arrays` takes them) into the ledger, or, before it exists, into the
+    one `make_state` starts from."""
     if self._ledger is not None:
       self._ledger.merge_arrays(samples, queries, passes, grouping, runs)
     elif self._restored_ledger is None:
@@ -478,11 +460,8 @@ class PrivateStep:
     return self._query_facts
 
   def noise_state(self):
-    """The correlated query's global state as numpy values; None for "iid" or before build.
-
-    Returns:
-      a namedtuple (step, noise history / tree nodes / BLT buffers, clip, stddev), or None.
-    """
+    """The correlated query's global state as numpy values (a namedtuple: step, noise history /
+    tree nodes / BLT buffers, clip, stddev); None for "iid" or before the build."""
     if not self.mechanism.correlated or self._global_vars is None:
       return None
     return tf.nest.pack_sequence_as(self._global_struct, [v.numpy() for v in self._global_vars])
@@ -645,20 +624,9 @@ class PrivateStep:
 
   def set_sampling(self, population_size, selection_probability, policy="poisson",
                    sample_size=0, steps_per_pass=None):
-    """Declares how batches are sampled; the ledger records it with every step. A correlated
-    mechanism's sampling declared before the optimizer is built waits for `build_mechanism`.
-
-    Args:
-      population_size: n.
-      selection_probability: q.
-      policy: one of ledger.POLICIES.
-      sample_size: the batch size (expected under Poisson; groups under cyclic_poisson).
-      steps_per_pass: the steps of one shuffled pass as the data makes them (floor(n / B)
-        with drop_remainder), or None: ceil(n / B) (noise='tree' checks its restart period
-        against it).
-
-    Returns:
-      True when the recorded policy or record unit changed (the step must be retraced).
+    """`DPOptimizerBase.set_sampling`; a correlated mechanism's sampling declared before the
+    optimizer is built waits for `build_mechanism`. Returns True when the step must be
+    retraced.
 
     Raises:
       PrivacyConfigError: microbatches under add/remove, a sampling the mechanism is not
@@ -693,13 +661,9 @@ class PrivateStep:
       self._user_epoch.assign(self._sampling_epoch if self.sampling_source == "user" else -1)
 
   def adopt_sampling(self, sampling, expected_records):
-    """Makes `sampling` the declared sampling, the query's global state variables (once) and
-    the public expected batch size. Call under tf.init_scope, after make_state.
-
-    Args:
-      sampling: a ledger.LedgerSampling writing to this step's ledger.
-      expected_records: the policy's expected batch size (a Python float, public).
-    """
+    """Makes `sampling` (a ledger.LedgerSampling on this step's ledger) the declared sampling, the
+    query's global state variables (once) and the public expected batch size (a Python float).
+    Call under tf.init_scope, after make_state."""
     self.sampling = sampling
     self.expected_size_denominator = ledger_policies.get(
         sampling.policy).expected_size_denominator
@@ -721,14 +685,8 @@ class PrivateStep:
     return wrapped[2]
 
   def adopt_record_microbatches(self, num_microbatches):
-    """Sets how the train step cuts a batch into records (`step_sampling.record_microbatches`).
-
-    Args:
-      num_microbatches: M, or None (one example per record).
-
-    Returns:
-      True when the cut changed (the step must be retraced).
-    """
+    """Sets how the train step cuts a batch into records (M, or None: one example per record);
+    True when the cut changed (the step must be retraced)."""
     changed = self.record_microbatches != num_microbatches
     self.record_microbatches = num_microbatches
     return changed
@@ -796,10 +754,7 @@ class PrivateStep:
         "declaration epoch", current, "traced under", epoch, "(-1: declared by fit)"])
 
   def require_sampling(self):
-    """The LedgerSampling of the declared sampling (the step records with it).
-
-    Returns:
-      the ledger.LedgerSampling.
+    """The ledger.LedgerSampling of the declared sampling (the step records with it).
 
     Raises:
       PrivacyConfigError: the sampling is undeclared, or declared but the correlated
@@ -819,10 +774,7 @@ class PrivateStep:
     return self.sampling
 
   def require_query(self):
-    """`query`, for code that drives the query itself.
-
-    Returns:
-      the QueryWithLedger.
+    """`query` (the QueryWithLedger), for code that drives the query itself.
 
     Raises:
       PrivacyConfigError: as `require_sampling`.
@@ -833,13 +785,9 @@ class PrivateStep:
   # ---- the correlated mechanism -------------------------------------------------------
 
   def build_mechanism(self, variables):
-    """Makes a correlated mechanism's query on `variables`; its global state (the noise)
-    becomes variables no file saves. The generator's state is saved only with a `seed`
-    (tests), so no resumed run draws a released noise again. Applies a pending sampling.
-
-    Args:
-      variables: the trainable variables the optimizer was built on.
-    """
+    """Makes a correlated mechanism's query on `variables`; its global state (the noise) becomes
+    variables no file saves. The generator's state is saved only with a `seed` (tests), so no
+    resumed run draws a released noise again. Applies a pending sampling."""
     if not self.mechanism.needs_variables or self.custom_query:
       return
     self.make_state()
@@ -860,21 +808,15 @@ class PrivateStep:
 
   def prepare_mechanism(self, variables):
     """Builds the optimizer on `variables` now when a correlated mechanism waits for their
-    shapes; else a no-op.
-
-    Args:
-      variables: the model's trainable variables.
-    """
+    shapes; else a no-op."""
     if self.mechanism.needs_variables and not self.optimizer.built:
       self.optimizer.build(list(variables))
 
   # ---- sample params ------------------------------------------------------------------
 
   def sample_params(self):
-    """The query's sample params, read from its global state once per step.
-
-    Returns:
-      the params nest (`DPQuery.derive_sample_params`).
+    """The query's sample params (`DPQuery.derive_sample_params`), read from its global state
+    once per step.
 
     Raises:
       PrivacyConfigError: the sampling is not declared.
@@ -916,16 +858,9 @@ class PrivateStep:
     return self._routed(key, reason, keep=probe or reason is not None)
 
   def route_probed(self, model, input_specs):
-    """The path of a traced step that called `resolve_clipping(probe=False)`, once its fast
-    pass checked the call: "fast" when the batch-independence probe sees no mixing, else
+    """The path of a traced step that called `resolve_clipping(probe=False)`, once its fast pass
+    checked the call: "fast" when the batch-independence probe sees no mixing, else
     "vectorized" under clipping="auto"; kept as the route.
-
-    Args:
-      model: the keras.Model the step trains.
-      input_specs: the batch `resolve_clipping` was given.
-
-    Returns:
-      "vectorized" or "fast".
 
     Raises:
       PrivacyConfigError: clipping="fast" and the probe sees mixing.
@@ -946,14 +881,6 @@ class PrivateStep:
   def route_unrecorded(self, model, input_specs, uses):
     """"vectorized", kept as the path of a traced step whose fast clipped sum found `uses`
     (variables read outside their layer's recorded calls; routing.route_unrecorded).
-
-    Args:
-      model: the keras.Model the step trains.
-      input_specs: the batch `resolve_clipping` was given.
-      uses: fast_clipping.clipping.UnrecordedUsesError.uses.
-
-    Returns:
-      "vectorized".
 
     Raises:
       PrivacyConfigError: clipping="fast".
@@ -1091,15 +1018,8 @@ class PrivateStep:
                                     [v.read_value() for v in self._global_vars])
 
   def record_compiled_sample(self, grads, events):
-    """Records the sample of a draw made in the compiled program (LedgerSampling.record).
-
-    Args:
-      grads: the noised average gradients.
-      events: the events `compiled_noised_average` returned.
-
-    Returns:
-      grads, after the ledger write.
-    """
+    """Records the sample of a draw made in the compiled program (`events`, as
+    `compiled_noised_average` returned them); returns `grads` after the ledger write."""
     count = self.require_sampling().record(events, after=grads)   # waits for the batch
     with tf.control_dependencies([count]):
       count = self._noised_results.assign_add(1)   # `charged_gradients`' count
@@ -1185,14 +1105,7 @@ class PrivateStep:
                 and tf.distribute.get_strategy().num_replicas_in_sync == 1)
 
   def sum_scale(self, num_records):
-    """a = 1 / `denominator(num_records)`, public as d is.
-
-    Args:
-      num_records: records in the batch (a scalar, cast to float32).
-
-    Returns:
-      a float32 scalar tensor.
-    """
+    """a = 1 / `denominator(num_records)` (a float32 scalar), public as d is."""
     return 1.0 / self.denominator(tf.cast(num_records, tf.float32))
 
   @tf.autograph.experimental.do_not_convert   # plain Python: no AutoGraph conversion
@@ -1257,22 +1170,14 @@ class PrivateStep:
 
   @tf.autograph.experimental.do_not_convert   # plain Python over the graph
   def note_traced_update(self, variables):
-    """A custom loop's update traced now: its whole step is walked at the next statement
-    (update_binding.NoisedResults.refuse_late_writes).
-
-    Args:
-      variables: the variables updated (the optimizer's own are added).
-    """
+    """A custom loop's update of `variables` traced now: its whole step is walked at the next
+    statement (update_binding.NoisedResults.refuse_late_writes)."""
     self._noised.note_traced_update(list(variables) + list(self.optimizer.variables))
 
   def refuse_late_writes(self, what, also=()):
-    """Refuses the run when a traced custom-loop step wrote an updated variable, one of
-    the optimizer's or one of `also` from the batch anywhere in the step
-    (update_binding.NoisedResults.refuse_late_writes).
-
-    Args:
-      what: what is refused, for the message.
-      also: more variables no step may write from the batch (a DP model's own).
+    """Refuses the run when a traced custom-loop step wrote an updated variable, one of the
+    optimizer's or one of `also` from the batch anywhere in the step (`what` names it in the
+    message; update_binding.NoisedResults.refuse_late_writes).
 
     Raises:
       PrivacyConfigError: such a write.
@@ -1280,14 +1185,9 @@ class PrivateStep:
     self._noised.refuse_late_writes(what, also)
 
   def require_bound_update(self, grads, what="apply_private_gradients", variables=()):
-    """Refuses gradients that are not a noised result this step returned, or (traced) a
-    function of one, the updated weights, the optimizer's own variables and scalar constants
-    (update_binding.NoisedResults.require_bound).
-
-    Args:
-      grads: the gradients about to be applied.
-      what: names the caller in the message.
-      variables: the variables updated (their reads are allowed, as the optimizer's own).
+    """Refuses gradients that are not a noised result this step returned or (traced) a function of
+    one, of the updated `variables`, of the optimizer's own variables and of scalar constants
+    (update_binding.NoisedResults.require_bound; `what` names the caller).
 
     Raises:
       PrivacyConfigError: a gradient not bound to a noised result.
