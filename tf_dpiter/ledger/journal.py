@@ -12,13 +12,11 @@ ledger's cyclic grouping record (`PrivacyLedger.cyclic_grouping`) when it has on
 merges the last chunk's into the ledger with its rows.
 
 A chunk holds what the ledger holds beyond the journal: the rows it appended since the last
-chunk, or, after a merge put another run's rows among the ledger's (a merge lists the merged
-ledger's runs first), per run identity what its views hold beyond the journal's
-(`run_ids.additions`); the chunk's run table is the journal's own, in its row order. So the
-journal holds the ledger's runs, each once, in whatever order the ledger holds them (before:
-positions after such a merge named other rows; the merged run's rows were lost). An earlier
-version's journal (chunks without a run table) that `resume` reads holds its rows as one run
-under an identity drawn then (`run_ids.fresh`), which its next chunk writes down.
+chunk, or, after a merge put another run's rows among the ledger's, per run identity what its
+views hold beyond the journal's (`run_ids.additions`); the chunk's run table is the journal's
+own. So the journal holds the ledger's runs, each once, in whatever order the ledger holds
+them. An earlier version's journal (no run table) holds its rows as one run under an identity
+drawn by `resume` (`run_ids.fresh`), which its next chunk writes down.
 
 A cut tail leaves a valid chain (a chain proves what it holds, not that nothing came after):
 `check_covers(iterations)` refuses a journal that ends before the restored model's
@@ -26,12 +24,9 @@ iterations. Steps taken after the restored checkpoint and cut from the journal c
 from steps never taken: keep the journal on append-only storage when that matters.
 
 One writer per journal: an append refuses a file whose size or last bytes are not the ones its
-journal last read or wrote (another process appended, or the file was cut or replaced), and
-holds an exclusive flock on the file from that check to its fsync (a second writer at the same
-instant is refused), so two runs or servers on one file cannot each leave out the other's
-steps; a last line torn by a
-crash (whatever bytes the file system left past the last line end), dropped by `read`, is cut
-off at the next append.
+journal last read or wrote, and holds an exclusive flock from that check to its fsync, so two
+runs or servers on one file cannot each leave out the other's steps; a last line torn by a
+crash, dropped by `read`, is cut off at the next append.
 """
 
 import fcntl
@@ -254,7 +249,7 @@ class LedgerJournal:
     samples, queries, passes = self.read()
     if iterations is not None:
       self.check_covers(iterations)
-    if self._table is None and self._written:   # an earlier version's journal (review R20)
+    if self._table is None and self._written:   # an earlier version's journal
       # its rows become one run the ledger and the journal's next chunks name alike, so that
       # an append after a merge finds them per identity (by position it wrote other rows)
       self._fresh = self._table = run_ids.fresh(self._written, passes)
@@ -359,8 +354,8 @@ class LedgerJournal:
     """Refuses to append to a file that changed since this object last read or wrote it:
     another writer appended (two servers or runs on one journal: each ledger would miss the
     other's steps, and the chains would fork), or the file was cut or replaced. The size and
-    the last `_TAIL` bytes are compared: a writer that cut a torn line and appended a chunk
-    as long leaves the size as it was (review R18).
+    the last `_TAIL` bytes are compared (a writer that cut a torn line and appended a chunk
+    as long leaves the size as it was).
 
     Raises:
       PrivacyConfigError: the file's size or last bytes are not the ones last read or written.
