@@ -238,10 +238,9 @@ class SamplingPolicy:
     replica's own part of at most ceil(n / P) records (data.distributed_poisson_batches,
     parts by indexed_sampling.part_range): a Chernoff bound (Hoeffding 1963, Theorem 1) of
     P[Binomial(ceil(n / P) + 1, q) > R_P] <= P_REFUSE = 1e-18 per replica and step, n / P + 1
-    records for add/remove's larger neighbour (before: ceil(R / P) alone, passed with
-    probability 2.4e-4 per replica and step at n = 1e7, E = 16, P = 8, R = 64, share 8;
-    now R_P = 32). Over P replicas and T steps the uncharged refusal adds at most
-    P T 1e-18 (1 + e^eps) to delta.
+    records for add/remove's larger neighbour (ceil(R / P) alone is passed with probability
+    2.4e-4 per replica and step at n = 1e7, E = 16, P = 8). Over P replicas and T steps the
+    uncharged refusal adds at most P T 1e-18 (1 + e^eps) to delta.
 
     Design: the clip shrink's plan (dp_query.summation.public_plan, keras.optimizer.chunking.
     public_rows) is a replica's plan, taken from R_P rows on each replica, so it bounds every
