@@ -241,17 +241,11 @@ class PrivateStep:
     return self._overflow_count
 
   def count_overflowed(self, finite, record_mask):
-    """Adds the real records whose float16 gradient was zeroed to the overflow counter and
-    warns. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the guarantee holds; the
-    count and warning are un-noised diagnostics outside it (no checkpoint carries the count).
-
-    Args:
-      finite: [R] bool, whether each record's gradient was finite (None: no loss scale).
-      record_mask: [R] 0/1, the real records.
-
-    Returns:
-      a list of control dependencies for the accumulation.
-    """
+    """Adds the real records (`record_mask`) whose float16 gradient was zeroed (`finite` False;
+    None: no loss scale) to the overflow counter and warns; returns the control dependencies
+    for the accumulation. A zeroed record adds 0 to the clipped sum (norm 0 <= C): the
+    guarantee holds; the count and warning are un-noised diagnostics outside it (no checkpoint
+    carries the count)."""
     if finite is None:
       return []
     zeroed = tf.logical_and(tf.logical_not(finite), tf.cast(record_mask, tf.float32) > 0)
@@ -301,17 +295,10 @@ class PrivateStep:
     self._noise_workers = runtime.num_workers(strategy)
 
   def charged_gradients(self, grads):
-    """`grads` to apply as one update, and the check the update waits for: a noised result
-    was drawn and recorded since the last update (plain gradients are refused), and the
-    update uses up every unused one. The counts are in no checkpoint, so a restore cannot
-    lower them. Under XLA (which drops assertions) the gradients are multiplied by NaN.
-
-    Args:
-      grads: the gradients (None entries kept).
-
-    Returns:
-      (grads, list of control dependencies).
-    """
+    """(`grads`, control dependencies) of one update, which waits for the check that a noised
+    result was drawn and recorded since the last update (plain gradients are refused); the
+    update uses up every unused one. The counts are in no checkpoint, so a restore cannot lower
+    them. Under XLA (which drops assertions) the gradients are multiplied by NaN."""
     def use():
       noised, used = self._noised_results.read_value(), self._used_results.read_value()
       ok = tf.greater(noised, used)
@@ -388,15 +375,11 @@ class PrivateStep:
         g.state.assign(value)
 
   def refuse_grouped_draws(self, per_chunk, shared):
-    """Refuses physical chunks under Poisson-type sampling when keyed random layers draw once
-    for several records of a chunk (`shared`): records sharing a draw would be grouped by
-    position, and one removed record regroups the others (a move of up to k C). Draws of
-    one per record are i.i.d. across chunks: not refused.
-
-    Args:
-      per_chunk: the chunk layout (`chunking.chunk_layout`; None: one chunk).
-      shared: what draws once for several records (layer names, or the vectorized pass);
-        empty: nothing.
+    """Refuses physical chunks (`per_chunk`, the chunk layout) under Poisson-type sampling when
+    keyed random layers draw once for several records of a chunk (`shared`: layer names, or
+    the vectorized pass): records sharing a draw would be grouped by position, and one removed
+    record regroups the others (a move of up to k C). Draws of one per record are i.i.d.
+    across chunks: not refused.
 
     Raises:
       PrivacyConfigError: such draws, keyed, in more than one chunk of a private-size batch.
@@ -729,12 +712,8 @@ class PrivateStep:
         f"model.fit). Received: sampling declared by {self.sampling_source!r}")
 
   def user_sampling_check(self):
-    """The run-time assertion of a traced user step that its user declaration is still
-    current; None eagerly or when the graph has no user step.
-
-    Returns:
-      an Assert op, or None.
-    """
+    """The run-time Assert op of a traced user step that its user declaration is still current;
+    None eagerly or when the graph has no user step."""
     if tf.executing_eagerly():
       return None
     epoch = self._traced_user_epochs.get(tf.compat.v1.get_default_graph())
