@@ -212,7 +212,8 @@ class PrivateStep:
       # un-noised diagnostic: out of the object graph, so no file carries it
       self._overflow_count = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="dp_overflowed_records")
-      # noised results drawn and used by updates (`charged_gradients`): untracked
+      # noised results drawn and used by updates (`charged_gradients`): untracked, so no
+      # restore lowers either and an adopted ledger's samples pay for nothing
       self._noised_results = tf.Variable(0, dtype=tf.int64, trainable=False,
                                          name="dp_noised_results")
       self._used_results = tf.Variable(0, dtype=tf.int64, trainable=False,
