@@ -42,18 +42,14 @@ def _leaves(record):
 
 
 def global_l2_norm(record):
-  """||x||_2 of a nest of tensors taken as one concatenated vector (float32; float64 when a
-  leaf is float64), its squares summed in an order pinned by the entries' indices: each
-  leaf by `summation.pinned_square_sum` (blocks of 64 squares, then a pairwise tree), the
-  leaves' sums by tf.add_n (any order). The computed norm is then low by at most the
-  factor 1 / (1 + `record_norm_margin(record)`) (`summation.norm_margin`), whatever the
-  compiler does with a long reduction.
+  """||x||_2 of a nest of tensors as one vector, its squares summed in a pinned order
+  (`summation.pinned_norm`): low by at most the factor 1 / (1 + `record_norm_margin(record)`).
 
   Args:
     record: a nest of numeric tensors.
 
   Returns:
-    a scalar float32 (or float64) tensor.
+    a scalar float32 (float64 if a leaf is float64) tensor.
   """
   leaves, dtype = _leaves(record)
   return summation.pinned_norm(leaves, dtype)[0]
@@ -117,13 +113,8 @@ def clip_by_global_l2_norm(record, l2_norm_clip):
 
 
 def clip_records_by_global_l2_norm(records, l2_norm_clip):
-  """`clip_by_global_l2_norm` of every record of a batch at once: record i (index i of every
-  leaf) becomes pi_S(x_i) by the same arithmetic as alone (its leaves' `pinned_square_sum`s
-  as rows of `summation.pinned_row_sums`, their tf.add_n, the sqrt, the clip S s and the
-  factor min(1, S s / ||x_i||) elementwise over the records, zeros for a non-finite norm),
-  without a per-record loop or its vectorization: a [B, ...] batch's ops built once, not
-  converted op by op (tf.vectorized_map of `preprocess_record` built the tutorial CNN's
-  vectorized step's clip in about a third of its trace).
+  """`clip_by_global_l2_norm` of every record of a batch at once (record i: index i of every
+  leaf), by the same arithmetic as alone, without a per-record loop.
 
   Args:
     records: a nest of float tensors [B, ...] (B static or not, the same in every leaf).
@@ -148,14 +139,9 @@ def clip_records_by_global_l2_norm(records, l2_norm_clip):
 
 
 def scale_record(record, norm, factor):
-  """c x over the whole nest, and zeros for a record of non-finite norm ||x||_2.
-
-  A NaN or inf coordinate would make c x non-finite whatever c is (0 * NaN = NaN), and one
-  such record in a sum makes the release non-finite: neighbouring datasets D and D + r told
-  apart with certainty. Zeros are a function of that record alone, so the sum's sensitivity
-  stays S (the same rule as `clip_factors`' c = 0). `norm` ||x||_2 and `factor` c (the clip
-  or normalization factor) are scalar tensors, or [B] for a batch of B records (record i
-  the index i of every leaf [B, ...]); the dtypes are kept.
+  """c x over the whole nest (`norm`, `factor`: scalars, or [B] for a batch), and zeros for a
+  record of non-finite norm ||x||_2: one NaN/inf record would make the release non-finite
+  (D and D + r told apart with certainty); zeros depend on that record alone (sensitivity S).
   """
   finite = tf.math.is_finite(norm)
 
@@ -268,8 +254,7 @@ class DPQuery(metaclass=abc.ABCMeta):
     """
 
   def record_clip_factors(self, params, record_norms):
-    """The factors c_i by which `preprocess_record` scales records of norms ||x_i|| (for the
-    ghost-norm path; only queries whose preprocess_record is x -> c(||x||_2) x implement it).
+    """The factors c_i by which `preprocess_record` scales records of norms ||x_i|| (ghost norms).
 
     Args:
       params: this sample's parameters (`derive_sample_params`).
@@ -448,21 +433,9 @@ class SumAggregationDPQuery(DPQuery):
   """A DPQuery whose sample state is the plain sum of preprocessed records."""
 
   def initial_sample_state(self, template):
-    """DPQuery.initial_sample_state: zeros shaped like `template`.
-
-    Args:
-      template: a nest of tensors or tf.TensorSpecs with the structure, shapes and dtypes of a
-        record.
-    """
     return zeros_like_template(template)
 
   def accumulate_preprocessed_record(self, sample_state, preprocessed_record):
-    """DPQuery.accumulate_preprocessed_record: sample_state + preprocessed_record.
-
-    Args:
-      sample_state: the sample state accumulated over the records of this sample.
-      preprocessed_record: one record as `preprocess_record` returned it (clipped).
-    """
     return tf.nest.map_structure(tf.add, sample_state, preprocessed_record)
 
   def sample_state_of_sum(self, template, preprocessed_sum):
@@ -485,12 +458,6 @@ class SumAggregationDPQuery(DPQuery):
     return tf.nest.map_structure(lambda t, s: tf.cast(s, t.dtype), template, preprocessed_sum)
 
   def merge_sample_states(self, sample_state_1, sample_state_2):
-    """DPQuery.merge_sample_states: the sum of the two states.
-
-    Args:
-      sample_state_1: a sample state (the sum over some of the records).
-      sample_state_2: another sample state, of the other records.
-    """
     return tf.nest.map_structure(tf.add, sample_state_1, sample_state_2)
 
   def preprocess_records(self, params, records):
@@ -506,11 +473,9 @@ class SumAggregationDPQuery(DPQuery):
     return tf.vectorized_map(lambda r: self.preprocess_record(params, r), records)
 
   def accumulate_records(self, params, sample_state, records, mask=None):
-    """Clips each record of a batch (vectorized) and adds their sum to the state. The records
-    are summed by `summation.pairwise_sums` (each leaf's `pairwise_sum`, a pinned order: each
-    record's term goes through ceil(log2 B) roundings, `summation.rounding_margin` bounds the
-    sum's move when one record is added or removed; a batch the trace does not know: one
-    loop for every leaf).
+    """Clips each record of a batch (vectorized) and adds their sum to the state, summed in a
+    pinned order (`summation.pairwise_sums`; `summation.rounding_margin` bounds the sum's move
+    when one record is added or removed).
 
     Args:
       params: the sample's params.

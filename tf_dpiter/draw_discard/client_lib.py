@@ -57,13 +57,11 @@ def _peer_closed(sock) -> bool:
 class _Settle:
   """What a submit's answers say so far, shared by both clients.
 
-  A 503 outcome_unknown answer means that the submit may be stored. With "resend":
-  "same_ticket" (a server that requires tickets: it marks a ticket used with the write of
-  its update, so a resend cannot store it twice) and a Drawn with a ticket, the same bytes
-  are resent, at most `max_resends` times (also after a lost connection or a timeout); a
-  409 ticket_used answer to a resend means that an earlier send stored it. Before such an
-  answer, a lost connection is resent once only for a Drawn whose draw said that the server
-  requires tickets (`resend_safe`); without (a server without tickets does not dedupe, a
+  A 503 outcome_unknown answer means the submit may be stored. Only a server that requires
+  tickets ("resend": "same_ticket": it marks a ticket used with its update's write) gets the
+  same bytes resent, at most `max_resends` times; a 409 ticket_used answer to a resend means
+  an earlier send stored it. Before such an answer, a lost connection is resent once only
+  for a Drawn whose draw said tickets are required (`resend_safe`); otherwise (no dedupe: a
   resend could store the update twice) a send that may be stored ends in
   SubmitOutcomeUnknown, never in a resend or a new draw.
   """
@@ -117,20 +115,12 @@ class _Settle:
 class DDMLClient:
   """Blocking client.
 
-  A request whose connection fails is sent once more; a submit only when its draw said that
-  the server requires tickets (its resend cannot be stored twice), else it raises
-  SubmitOutcomeUnknown (a submit that may not be resent never goes on a keep-alive
-  connection the server has closed). A submit answered 503 outcome_unknown
-  (the store's answer to its write was lost) by a server that requires tickets ("resend":
-  "same_ticket") is resent, the same submission with the same ticket, at most `max_resends`
-  times (also after a lost connection or a timeout). A resend answered 409 ticket_used was
-  stored by an earlier send (the server marks a ticket used only with the write of its
-  update; each Drawn is submitted once): it returns {"accepted": True, "seq": None,
-  "resent": True} rather than an error, so that the caller does not train again on the same
-  records (a second update of the same data would spend its epsilon twice and count twice
-  in the model). A submit that may be stored and is not settled that way (the resends run
-  out, a server without tickets, a timeout) raises SubmitOutcomeUnknown: do not send it, nor
-  an update of the same records, again.
+  A failed request is sent once more; a submit whose outcome is unknown is resent with its
+  ticket only to a server that dedupes tickets (`_Settle`). A resend answered 409
+  ticket_used returns {"accepted": True, "seq": None, "resent": True}: an earlier send
+  stored it, and training again on the same records would spend their epsilon twice. An
+  unsettled submit raises SubmitOutcomeUnknown: send neither it nor an update of the same
+  records again.
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -203,11 +193,10 @@ class DDMLClient:
 
   def _submit(self, path: str, body: bytes, headers: dict | None, drawn):
     """(response, body) of a submit's final answer, or None when a resend found its ticket
-    used (stored by an earlier send); resends as in the class docstring.
+    used (stored by an earlier send); resends as in `_Settle`.
 
     Raises:
-      SubmitOutcomeUnknown: when a send may have been stored and the resends did not settle
-        it.
+      SubmitOutcomeUnknown: a send may have been stored and the resends did not settle it.
       ConnectionError, http.client.HTTPException: when no send reached the server.
     """
     st = _Settle(_ticketed(drawn), self.max_resends, _resend_safe(drawn))
@@ -419,8 +408,8 @@ class DDMLClient:
 
 
 class AsyncDDMLClient:
-  """aiohttp client; share one per event loop (it pools connections). A submit whose outcome
-  is unknown is resent, or raised as SubmitOutcomeUnknown, as by DDMLClient.
+  """aiohttp client; share one per event loop (it pools connections). Submits are resent or
+  raised as SubmitOutcomeUnknown as by DDMLClient.
 
   Args:
     base_url: 'http://host:port' or 'https://host:port'.
@@ -473,14 +462,12 @@ class AsyncDDMLClient:
       return wire.answer_or_raise(r.status, data, r.headers.get("Retry-After"))
 
   async def _submit(self, body: bytes, headers: dict, drawn) -> dict:
-    """The answer of a submit, resent as in the class docstring.
+    """The answer of a submit, resent as in `_Settle`.
 
     Raises:
-      SubmitOutcomeUnknown: when a send may have been stored and the resends did not settle
-        it.
+      SubmitOutcomeUnknown: a send may have been stored and the resends did not settle it.
       DDMLError: for an error answer of a submit that stored nothing.
-      aiohttp.ClientError: when no send reached the server (the connection could not be
-        opened); a connection lost after a send is SubmitOutcomeUnknown unless resent.
+      aiohttp.ClientError: when no send reached the server.
     """
     import aiohttp  # pylint: disable=g-import-not-at-top
     st = _Settle(_ticketed(drawn), self.max_resends, _resend_safe(drawn))
