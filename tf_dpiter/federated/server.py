@@ -50,11 +50,9 @@ def sample_clients(generator, population_size, m, sampling):
   """The ids of a round's clients, drawn by the law the ledger records for the round.
 
   fixed_size: a uniform m-subset of the K clients, the m smallest of K float64 uniform keys,
-  all K keys redrawn when two tie (probability <= K^2 2^-53; given no tie, the keys' order is
-  a uniform permutation, so the subset is exactly uniform; float32 keys tied with probability
-  0.06 at K = 1000, and argsort put the lower id first). poisson: client i joins iff u_i < m/K,
-  u_i a float64 uniform on the 2^-52 grid, so P = q up to 2^-52 (as tf_dpiter.data's graph
-  sampler; float32 keys gave 0.30000007 for q = 0.3).
+  all K keys redrawn when two tie (probability <= K^2 2^-53; given no tie the subset is
+  exactly uniform). poisson: client i joins iff u_i < m/K, u_i a float64 uniform on the
+  2^-52 grid, so P = q up to 2^-52.
 
   Args:
     generator: the round's tf.random.Generator (Philox).
@@ -81,18 +79,8 @@ _CLIENT_UNIT = ("unit: one client; a record is one client's update from all of i
 
 
 def _client_level(report):
-  """A ledger's `PrivacyReport` stated for the client, the unit of client-level DP.
-
-  The ledger states its relation for one record as "one example"; here a record is one
-  client's update (Geyer et al., "Differentially Private Federated Learning: A Client Level
-  Perspective", Section 2.3), so the relation is restated for one client and `_CLIENT_UNIT` added.
-
-  Args:
-    report: `accounting.privacy_report` of the server's ledger.
-
-  Returns:
-    the report with its relation naming one client.
-  """
+  """A ledger's `PrivacyReport` restated for one client, the unit of client-level DP (a record
+  is one client's update: Geyer et al. 2017, Section 2.3), with `_CLIENT_UNIT` added."""
   relation = "neighbouring relation:"
   lines = tuple(a.replace("one example", "one client", 1) if a.startswith(relation) else a
                 for a in report.assumptions)
@@ -342,9 +330,8 @@ class DPServer:
         mask = tf.cast(mask, tf.float64) * self._shrink
         params = query.derive_sample_params(global_state)
         state = query.initial_sample_state(self._record_spec)
-        # Accumulation goes to the inner query (QueryWithLedger passes every other method
-        # through, but its accumulate_records assumes a sum-aggregation inner query); the
-        # wrapper's get_noised_result records the sample in the ledger.
+        # the inner query accumulates (QueryWithLedger's accumulate_records assumes a
+        # sum-aggregation inner query); the wrapper's get_noised_result records the sample
         state = inner.accumulate_records(params, state, records, mask)
         result, new_state, _ = query.get_noised_result(state, global_state)
         return result, new_state
