@@ -262,20 +262,15 @@ _RUN_EXAMPLES = weakref.WeakKeyDictionary()
 
 
 def check_continuation(ledger, sampler, iterations):
-  """Refuses, before the first step of a fit, a cyclic run of the CyclicPoissonSampler the
-  PrivacyLedger's claim cannot cover. Correlated-noise rows (BandMF, BLT) need participations
-  >= b rows apart in one mechanism run: a ledger holding more samples than the optimizer's
-  `iterations` (a rolled-back restore), whose last cyclic rows used another b, or whose run
-  did not have one of the sampler's example identities (regrouped: the same example under
-  another identity, e.g. labels cast to another dtype, may be in another group, so eligible
-  at steps closer than b) is refused. Independent noise needs only the count. A fit that
-  starts a run records its grouping in the ledger (`PrivacyLedger.set_cyclic_grouping`,
-  checkpointed and saved with it). A continuation must match that record: in the process
-  and ledger object that started or last continued the run, any subset of the run's
-  examples (their identity digests are kept in memory); otherwise (a ledger restored from a
-  checkpoint, config, weights or ledger file) exactly the run's examples, since only their
-  digest is saved. A run without a record (a ledger of an earlier version) or with
-  conflicting records (merged restores) is refused.
+  """Refuses, before the first step of a fit, a cyclic run the PrivacyLedger's claim cannot
+  cover. Correlated-noise rows (BandMF, BLT) need participations >= b rows apart in one
+  mechanism run: a ledger holding more samples than the optimizer's `iterations` (a
+  rolled-back restore), whose last cyclic rows used another b, or whose run did not have one
+  of the sampler's example identities (an example under another identity may be in another
+  group) is refused; independent noise needs only the count. A continuation must match the
+  grouping the run recorded (`PrivacyLedger.set_cyclic_grouping`): any subset of the run's
+  examples in the process that holds their digests, else exactly the run's examples (only
+  their digest is saved). A run without a record, or with conflicting records, is refused.
 
   Raises:
     PrivacyConfigError: the continuation is not covered; the message says what to do.

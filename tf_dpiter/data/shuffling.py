@@ -66,22 +66,15 @@ class ShuffleSampler:
 
   def start_iteration(self):
     """Begins a new iteration of a declared pipeline (`declare_shuffled`), whose first batch
-    starts a new pass; refuses it when the previous iteration drawn in this fit (or, outside
-    fit, since the sampler was made) ended after a number of batches that is not a multiple
-    of `steps_per_pass`.
+    starts a new pass; refuses it when the previous iteration drawn in this fit ended after
+    a number of batches that is not a multiple of `steps_per_pass`.
 
-    Why: the ledger charges one mechanism per pass, and DP-FTRL one tree per pass with its
-    restart period R dividing steps_per_pass (Kairouz et al. 2021, "Practical and Private
-    (Deep) Learning without Sampling or Shuffling", Section 3 and Appendix D: each example at
-    most once per tree). An iteration of L batches, L not a multiple of steps_per_pass, means
-    the pipeline's real passes are not steps_per_pass long (a `.filter`, a `.take`, a
-    drop_remainder the declaration does not state): the next pass would start inside a tree
-    (L mod R != 0: one example in two leaves of one tree, charged as two trees). The refused
-    pass is neither counted nor drawn, so its step is never taken, charged or noised.
-    Iterations of an earlier fit are not judged here (an iterator a fit drops may have
-    prefetched batches no step took): a new fit inside a tree is refused by the mechanism's
-    `check_boundary`.
-
+    Why: the ledger charges one mechanism per pass, and DP-FTRL one tree per pass with R
+    dividing steps_per_pass (Kairouz et al. 2021, Section 3 and Appendix D: each example at
+    most once per tree). An iteration of L batches, L not a multiple of steps_per_pass
+    (a `.filter`, a `.take`, an undeclared drop_remainder), would start the next pass inside
+    a tree. The refused pass is neither counted nor drawn, so its step is never taken,
+    charged or noised. A new fit inside a tree is refused by the mechanism's `check_boundary`.
     Raises:
       PrivacyConfigError: the previous iteration's length is not a multiple of steps_per_pass
         (also kept in `refusal`, for the caller that sees TensorFlow's wrapped error).
@@ -160,8 +153,8 @@ class ShuffleSampler:
   def take_used_passes(self, steps_taken):
     """Passes with a step among the first `steps_taken` steps of this fit, not yet charged.
 
-    Steps are consumed in drawing order within a fit, so the fit's steps are the drawing
-    indices [base, base + steps_taken); a pass is used when one of its steps is among them.
+    Steps are consumed in drawing order within a fit: a pass is used when one of its steps
+    is among the drawing indices [base, base + steps_taken).
 
     Args:
       steps_taken: int >= 0, the steps the optimizer took in this fit.

@@ -195,25 +195,17 @@ class SamplingPolicy:
     the same rows on both neighbours).
 
     R = max(2 `default_max_batch_size`(n, q), r), r the smallest multiple of 8 with
-    exp(-(n + 1) KL((r + 1) / (n + 1) || q)) <= P_REFUSE = 1e-18 (`tail_row_bound`: a Chernoff
-    upper bound of P[Binomial(n + 1, q) > r], Hoeffding 1963, Theorem 1). The first term
-    covers a sample padded to twice the padded size (E + 4 sd rounded up to 8: data.sampling
-    pads a larger sample to the next multiple of that size); the second makes a refused
-    batch negligibly likely: a batch of more than R rows is refused, a data-dependent event
-    (the batch size is private) whose probability, at most 1e-18 per step for a Poisson
-    sample of n or n + 1 records (also a cyclic Poisson group or a balls-in-bins step, fewer
-    records each), is not charged: over T steps it adds at most T 1e-18 (1 + e^eps) to
-    delta. The second term binds only for a small expected batch E = n q (below about 11;
-    E = 2.1, n = 17002: 16 -> 32 rows); at E = 256 (MNIST) R stays 640. Under P replicas a
-    step checks each replica's rows against `replica_row_bound`, not against R.
+    exp(-(n + 1) KL((r + 1) / (n + 1) || q)) <= P_REFUSE = 1e-18 (`tail_row_bound`, Hoeffding
+    1963, Theorem 1). The first term covers a sample padded to twice the padded size; the
+    second makes a refused batch (a data-dependent event: the batch size is private)
+    negligibly likely: at most 1e-18 per step for a Poisson sample of n or n + 1 records, it
+    is not charged and adds at most T 1e-18 (1 + e^eps) to delta over T steps. Under P
+    replicas each replica's rows are checked against `replica_row_bound` instead.
 
-    Under add/remove, neighbouring datasets give batches of different row counts unless
-    padded to a size fixed in advance, so the clip shrink of the float32 sum (Casacuberta,
-    Shoemate, Vadhan and Wagaman, "Widespread underestimation of sensitivity in
-    differentially private libraries and how to fix it", CCS 2022, Secs. 3-5) is taken from
-    the plan of R rows (dp_query.summation.public_plan), the same on both. A function of
-    public declared values only: `ledger.LedgerSampling` forms it once per declaration
-    (never stored: a restored ledger forms it again from n and q).
+    Under add/remove, neighbouring batches differ in rows unless padded to a size fixed in
+    advance, so the float32 sum's clip shrink (Casacuberta et al., CCS 2022, Secs. 3-5) is
+    taken from the plan of R rows (dp_query.summation.public_plan), the same on both. A
+    function of public declared values only, never stored (a restored ledger forms it again).
 
     Args:
       population_size: n, the declared population (records, or users under user_poisson).
