@@ -63,9 +63,8 @@ class DPFedAvg:
     average_decay: beta in [0, 1): also keep the moving average a_t = beta a_{t-1} +
       (1 - beta) w_t (a_1 = w_1) and report its accuracy (post-processing); None: not kept.
     eval_every: evaluate every `eval_every` rounds.
-    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
-      appended; an existing one is resumed (its rounds count in epsilon and the budget, and
-      the round counter continues after them) or refused (another recipe, an altered file).
+    ledger_journal: optional path of the ledger's journal, resumed (the round counter
+      continues after its rounds) or refused as by `DPServer`.
     journal_key: optional str/bytes, the HMAC key of the journal's chunks.
 
   Attributes:

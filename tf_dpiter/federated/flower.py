@@ -69,9 +69,7 @@ class DPFedAvgStrategy(flower_rounds.DeploymentMixin, Strategy):
     server_momentum: the server's momentum (as in `DPServer`).
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
-    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
-      appended; a restarted server resumes it (its rounds count in epsilon and the budget,
-      and the rounds continue after them) or refuses it (another recipe, an altered file).
+    ledger_journal: optional path of the ledger's journal, resumed or refused as by `DPServer`.
     journal_key: optional str/bytes, the HMAC key of the journal's chunks.
   """
 
@@ -147,9 +145,7 @@ class DPFedAvgMessageStrategy(flower_rounds.DeploymentMixin, message_strategy.St
     server_momentum: the server's momentum (as in `DPServer`).
     seed: fixes the client sampling (tests only: not private).
     wait_timeout: seconds to wait for K clients to connect.
-    ledger_journal: optional path of the ledger's journal (`DPServer`): every round is
-      appended; a restarted server resumes it (its rounds count in epsilon and the budget,
-      and the rounds continue after them) or refuses it (another recipe, an altered file).
+    ledger_journal: optional path of the ledger's journal, resumed or refused as by `DPServer`.
     journal_key: optional str/bytes, the HMAC key of the journal's chunks.
   """
 

@@ -15,13 +15,10 @@
       TF Privacy's GDP accountant (its MovieLens tutorial): an APPROXIMATION (central
       limit theorem), not an upper bound; see accounting.gdp.
 
-TF Privacy's custom-loop call `optimizer.minimize(loss, var_list, tape=tape)` works on these
-optimizers with `model=` added (the Keras model that computed the per-example losses, probed
-for layers that mix examples); without it the call is refused and says what to pass
-(custom_loops).
-
-The privacy is the same as with the tf_dpiter names: these only choose defaults and argument
-orders. Each accounting number comes from the same ledger path as `accounting.epsilon`.
+TF Privacy's custom-loop call `optimizer.minimize(loss, var_list, tape=tape)` works with
+`model=` added (the Keras model that computed the per-example losses; without it the call
+is refused). The privacy is the same as with the tf_dpiter names: these only choose defaults
+and argument orders; every number comes from the same ledger path as `accounting.epsilon`.
 """
 
 import warnings

@@ -367,8 +367,7 @@ def to_records(runs):
                     tuple(_query_record(r) for r in qs)) for c, s, qs in runs]
 
 
-# The correlated-noise rows live in `correlated_records` (which imports only the leaf `schema`:
-# no cycle). Re-exported here for callers that call them as `records.correlated_*`
-# (keras/optimizer/noise_mechanisms.py, tests, benchmarks).
+# The correlated-noise rows live in `correlated_records` (it imports only the leaf `schema`:
+# no cycle), re-exported here as `records.correlated_*`.
 from tf_dpiter.ledger.correlated_records import (  # pylint: disable=g-import-not-at-top,wrong-import-position,unused-import
     correlated_query_row, correlated_requirement, correlated_row_values)

@@ -71,8 +71,7 @@ def epsilon_if_poisson(ledger_dict, delta, accountant="rdp"):
 
 
 # The PrivacyMeters of the fit running on each model: DPModel.fit's first internal callback
-# (the model sub-package's SamplingSync) has them write their logs before any user callback
-# runs.
+# has them write their logs before any user callback runs.
 _FIT_METERS = weakref.WeakKeyDictionary()
 
 
@@ -130,15 +129,12 @@ def _flattened(callbacks):
 def check_monitors(callbacks, has_validation_data, metric_names=()):
   """Refuses callbacks of a DP fit that act on a training metric.
 
-  The loss and metrics fit logs are computed from the private batches without noise (for
-  monitoring only; McMahan et al. 2018, Section 6: only the noised sums are released): a
-  decision taken from them (stop, restore the best weights, lower the learning rate, keep the
-  best checkpoint) is not post-processing of the DP steps, and one record can change it (an
-  outlier's loss ends the run a step earlier, with certainty; TerminateOnNaN reads it too).
-  Callbacks of the user's own that read logs["loss"] cannot be seen here: the same holds for
-  them. Allowed: the ledger's keys
-  (LEDGER_LOG_KEYS) and "val_*" metrics when fit has validation data (held-out records, which
-  the guarantee does not cover).
+  The loss and metrics fit logs are computed from the private batches without noise
+  (McMahan et al. 2018, Section 6: only the noised sums are released): a decision taken from
+  them (stop, restore the best weights, lower the learning rate, keep the best checkpoint) is
+  not post-processing, and one record can change it (TerminateOnNaN reads the loss too). The
+  user's own callbacks that read logs["loss"] cannot be seen here. Allowed: the ledger's keys
+  (LEDGER_LOG_KEYS), and "val_*" metrics when fit has validation data (held-out records).
 
   Args:
     callbacks: the callbacks passed to fit (a list; CallbackLists inside it are searched).
@@ -325,11 +321,9 @@ class StopAtPrivacyBudget(keras.callbacks.Callback):
   """Stops training before the next step would make epsilon (at delta) exceed the budget.
 
   After each execution it asks whether the ledger extended by steps_per_execution copies of
-  its last sample would exceed `epsilon`; if so, training stops, so the ledger never holds a
-  step past the budget (assuming the next step is like the last one). Under shuffled passes
-  and balls in bins the fit's sampler says how many passes the next steps start. Before the
-  first step the optimizer's Gaussian settings predict it (with a custom query it is not
-  checked).
+  its last sample (before the first step: the optimizer's Gaussian settings; a custom query
+  is not checked) would exceed `epsilon`; if so, training stops, so the ledger never holds a
+  step past the budget (assuming the next step is like the last one).
 
   Args:
     epsilon: the budget, a finite number > 0.
