@@ -253,15 +253,12 @@ def indexed_batches(next_indices, x, y, steps, max_batch_size, spec, sample_weig
   """tf.data.Dataset of (x_pad, [y_pad,] weights) for `steps` calls of next_indices() per pass.
 
   next_indices() (Python, in a generator: the sampler's state stays sequential) returns one
-  step's indices; they reach TensorFlow `INDEX_CHUNK` steps at a time (a [steps, longest]
-  matrix padded with -1, and the lengths), unbatched, gathered and prefetched in tf.data's
-  threads. Each step is still one call of next_indices(): the law of a sample does not
-  depend on the chunking. A pass started by prefetch is charged only when one of its steps is
-  taken (`shuffling.ShuffleSampler.take_used_passes`). Samples are padded with zero rows to
-  `max_batch_size` (a larger one to its next multiple; None: no padding, at least one row);
-  weights are 1 (or sample_weight) for sampled rows, 0 for padding. on_start(), if given, runs
-  when a generator starts; a function it returns draws that generator's steps instead (the
-  cyclic sampler's per-iterator position). endless=True: the generator never ends.
+  step's indices; they reach TensorFlow `INDEX_CHUNK` steps at a time, each step still one
+  call of next_indices() (the law of a sample does not depend on the chunking). A pass
+  started by prefetch is charged only when one of its steps is taken. Samples are padded
+  with zero rows (weight 0) to `max_batch_size` (a larger one to its next multiple; None: at
+  least one row). on_start(), if given, runs when a generator starts; a function it returns
+  draws that generator's steps instead. endless=True: the generator never ends.
   """
   xs = tf.nest.map_structure(_as_tensor, x)
   ys = None if y is None else tf.nest.map_structure(_as_tensor, y)
