@@ -67,10 +67,9 @@ class PolicyAccounting:
   def event(self, group, mech, accountant, passes, notes):
     """The dp-accounting DpEvent of a whole `ledger_events.SampleGroup` of this policy's
     samples, of its private per-sample mechanism `mech`, for accountant "rdp" or "pld", with
-    the passes / epochs the ledger recorded (pass-charged policies); assumption strings are
-    appended to `notes`. Checked first: the group is this policy's, `covers` lists its
-    correlated-noise rows and its sampling passes `check_sampling` (a group built by hand
-    meets it too).
+    the passes / epochs the ledger recorded; assumption strings are appended to `notes`.
+    Checked first: the group is this policy's, `covers` lists its correlated-noise rows and
+    its sampling passes `check_sampling`.
 
     Raises:
       PrivacyConfigError: a group of another policy, correlated-noise rows this policy does

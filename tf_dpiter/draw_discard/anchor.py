@@ -218,9 +218,8 @@ class Anchor:
 
     The file holds two records of _REC bytes, each `BLAKE2b-64 hex | JSON` with a counter
     n; a save overwrites the older one in place and fdatasyncs, so a torn write leaves the
-    other intact; n advances only when the write succeeded, so the save after a failed one
-    overwrites the same slot again. The file itself is created (or converted from one JSON object) by writing
-    a temporary file, fsyncing it, renaming it and fsyncing the directory (`files.replaced`).
+    other intact; n advances only when the write succeeded. The file itself is created (or
+    converted from one JSON object) atomically (`files.replaced`).
     """
     if self._saved is not None and self._saved[0] == generation:
       seq = max(seq, self._saved[1])

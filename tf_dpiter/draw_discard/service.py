@@ -18,12 +18,11 @@ Errors are JSON {"error": code, "message": ...}: 400 malformed / missing_ticket 
 401/403 token / invalid_ticket, 408 slow body, 409 wrong version / ticket_expired /
 ticket_used, 413, 415, 422 wrong shape or refused, 429 quotas (Retry-After), 503 store_lost /
 store_unavailable / too_many_connections / influence_table_full / update_not_acknowledged
-(stored, but the anchor could not be written: counted in the influence budget) /
-outcome_unknown (the write was sent and its answer lost: maybe stored, counted in the
-influence budget; resend the same submission with the same ticket, a 409 ticket_used then
-means it was stored once; never send the records again under a new draw). The server keeps no record
-of which instance was drawn. With tickets=False any of the k instances and the last
-`history` replaced ones may be the pre-image (acceptance.check).
+(stored, anchor not written) / outcome_unknown (maybe stored: resend the same submission
+with the same ticket, never the records under a new draw); both stay counted in the
+influence budget. The server keeps no record of which instance was drawn. With
+tickets=False any of the k instances and the last `history` replaced ones may be the
+pre-image (acceptance.check).
 """
 
 from __future__ import annotations

@@ -116,9 +116,8 @@ def from_budget(optimizer, epsilon, delta, epochs, batch_size, population_size, 
 
   z is the smallest noise multiplier for which ceil(epochs n / B) DP-SGD steps at sampling
   rate q = B / n, under `sampling`, give epsilon <= the target at `delta` (dp-accounting's RDP
-  or PLD accountant inverted by bisection; McMahan et al., "A General Approach to Adding
-  Differential Privacy to Iterative Training Procedures", Section 4). Train with the same
-  batch size, epochs and sampling: the ledger then reports epsilon <= the target. The
+  or PLD accountant inverted by bisection; McMahan et al. 2018, Section 4). Train with the
+  same batch size, epochs and sampling: the ledger then reports epsilon <= the target. The
   calibration is logged (logger "tf_dpiter", INFO) and kept in `optimizer.calibration`.
   Privacy unit: one example; relation: add/remove one example under "poisson", replace one
   under "shuffle" and "fixed_size".
