@@ -95,11 +95,10 @@ class DPRounds:
   def aggregate(self, server_round, replies, failures):
     """Aggregates a round's replies: the first update of each client sampled this round.
 
-    Geyer et al., "Differentially private federated learning: a client level perspective"
-    (Algorithm 1) sums one clipped update per sampled client, and the ledger charges the round
-    as fixed-size sampling of m_t of the K clients (replace one client: the sum moves by at
-    most 2 S). So a reply from a client not sampled this round, or a second reply of a sampled
-    one (a duplicated message), is not summed: it is counted in the round's `rejected`.
+    Geyer et al. 2017 (Algorithm 1) sums one clipped update per sampled client, and the ledger
+    charges the round as fixed-size sampling of m_t of the K clients (replace one client: the
+    sum moves by at most 2 S). So a reply from a client not sampled this round, or a second
+    reply of a sampled one (a duplicated message), is not summed: it counts in `rejected`.
 
     Args:
       server_round: the round `sample` picked clients for.

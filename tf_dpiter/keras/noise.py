@@ -1,17 +1,12 @@
 """Noise mechanisms of the DP optimizers, as values: `noise=dp.keras.noise.BLT(num_steps=...)`.
 
   IID()                                    DP-SGD's independent Gaussian noise (default).
-  Tree(restart_every=R)                    DP-FTRL's online tree aggregation (Kairouz et al.,
-                                           "Practical and Private (Deep) Learning without
-                                           Sampling or Shuffling", 2021); shuffled passes.
-  BandMF(num_bands=b, num_steps=T,         banded matrix factorization (Choquette-Choo et al.,
-         strategy="toeplitz")              "Correlated Noise Provably Beats Independent Noise
-                                           for Differentially Private Learning", 2023);
-                                           cyclic Poisson with >= b groups.
-  BLT(num_steps=T, num_buffers=4,          buffered linear Toeplitz (Dvijotham et al.,
-      min_separation=1)                    "Efficient and Near-Optimal Noise Generation for
-                                           Streaming Differential Privacy", 2024); cyclic
-                                           Poisson with >= min_separation groups.
+  Tree(restart_every=R)                    DP-FTRL's online tree aggregation (Kairouz et al.
+                                           2021); shuffled passes.
+  BandMF(num_bands=b, num_steps=T,         banded matrix factorization (Choquette-Choo et al.
+         strategy="toeplitz")              2023); cyclic Poisson with >= b groups.
+  BLT(num_steps=T, num_buffers=4,          buffered linear Toeplitz (Dvijotham et al. 2024);
+      min_separation=1)                    cyclic Poisson with >= min_separation groups.
 
 Each is a final frozen dataclass (equality, `get_config`/`from_config`), checked when made,
 that owns its query (`make_query`), the sampling its accounting needs
