@@ -33,13 +33,10 @@ class DDMLError(RuntimeError):
 
 
 class SubmitOutcomeUnknown(DDMLError):
-  """A submit whose outcome stayed unknown: a send may have been stored (503
-  outcome_unknown, or the connection lost or timed out after the request was sent) and the
-  client's resends of the same submission with the same ticket, if the server allows them,
-  did not settle it. The
-  update may be stored: do not send it again, and do not train on the same records for a
-  new draw (a second update of the same data spends its epsilon twice and counts twice in
-  the model). .status 503, .code "outcome_unknown", .attempts: the sends made."""
+  """A submit whose outcome stayed unknown (503 outcome_unknown, or the connection lost or
+  timed out after a send) and that resends with its ticket did not settle: it may be stored,
+  so send neither it nor an update of the same records again (a second update of the same
+  data spends its epsilon twice). .status 503, .code "outcome_unknown", .attempts: the sends."""
 
   def __init__(self, attempts: int, cause: str):
     super().__init__(503, OUTCOME_UNKNOWN,
