@@ -10,6 +10,7 @@ after a tf.train.Checkpoint restore, a model.save / load_model or a weights-file
 the same one once the run's noise state is restored from its private file (no model file
 holds it: it is the noise; without it the fit is refused before any step)."""
 
+import functools
 import math
 import warnings
 
@@ -68,7 +69,11 @@ def _min_gap(groups_per_fit, steps_per_fit):
   return gap
 
 
+@functools.lru_cache(maxsize=None)
 def _first_fit():
+  """(model, x, y, ds1): the run's first fit of STEPS steps, taken once per process: the
+  tests that call it only read the model (its ledger, noise state and files written from
+  it); each restores into, and fits, models of its own."""
   keras.utils.set_random_seed(0)
   x, y = _data()
   model = _model()

@@ -9,6 +9,7 @@ sequence of Poisson-subsampled Gaussian events), not by the library's accountant
 restored without its ledger (weights only) refuses to train until the ledger is supplied.
 """
 
+import functools
 import os
 
 import dp_accounting as dpa
@@ -57,6 +58,13 @@ def _trained(epochs):
   return model, x, y
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_trained(epochs):
+  """`_trained(epochs)` once per process, for the tests that only read that model (save it,
+  checkpoint it, write its ledger) and restore into, and fit, models of their own."""
+  return _trained(epochs)
+
+
 def _assert_charged(model, steps):
   iterations = int(model.optimizer.iterations.numpy())
   samples = int(model.ledger.sample_count.numpy())
@@ -65,7 +73,7 @@ def _assert_charged(model, steps):
 
 
 def test_save_load_fit_charges_every_earlier_step(tmp_path):
-  model, x, y = _trained(EPOCHS - 1)
+  model, x, y = _shared_trained(EPOCHS - 1)
   path = os.path.join(tmp_path, "m.keras")
   model.save(path)
   loaded = keras.models.load_model(path)
@@ -79,7 +87,7 @@ def test_save_load_fit_charges_every_earlier_step(tmp_path):
 
 
 def test_checkpoint_restore_fit_charges_every_earlier_step(tmp_path):
-  model, x, y = _trained(EPOCHS - 1)
+  model, x, y = _shared_trained(EPOCHS - 1)
   path = tf.train.Checkpoint(model=model).save(os.path.join(tmp_path, "ckpt"))
   restored = _model()
   tf.train.Checkpoint(model=restored).restore(path)
@@ -90,7 +98,7 @@ def test_checkpoint_restore_fit_charges_every_earlier_step(tmp_path):
 def test_load_weights_of_a_saved_model_continue_its_ledger(tmp_path):
   """The model's own weights-file entry carries the ledger (DPModelMixin.save_own_variables),
   so load_weights into a new model continues it; a short ledger supplied by hand is refused."""
-  model, x, y = _trained(EPOCHS - 1)
+  model, x, y = _shared_trained(EPOCHS - 1)
   path = os.path.join(tmp_path, "m.keras")
   model.save(path)
   restored = _model()
@@ -105,7 +113,7 @@ def test_load_weights_of_a_saved_model_continue_its_ledger(tmp_path):
 
 
 def test_checkpoint_of_iterations_without_ledger_refuses(tmp_path):
-  model, x, y = _trained(1)
+  model, x, y = _shared_trained(1)
   # a checkpoint that keeps the weights and the step counter but not the optimizer object
   path = tf.train.Checkpoint(weights=model.trainable_variables,
                              step=model.optimizer.iterations).save(os.path.join(tmp_path, "c"))
@@ -123,7 +131,7 @@ def test_checkpoint_of_iterations_without_ledger_refuses(tmp_path):
 
 
 def test_custom_loop_on_a_restored_optimizer_refuses_until_the_ledger_is_supplied(tmp_path):
-  model, x, y = _trained(1)
+  model, x, y = _shared_trained(1)
   ledger_path = os.path.join(tmp_path, "ledger.json")
   model.ledger.save_json(ledger_path)
   restored = _model()
