@@ -7,6 +7,7 @@ model's released weights are covered only by a ledger holding them and the fine-
 nested DP models: the one their weights file carried and their own DP optimizer's; the nested
 model's optimizer hands its variables over, so training it on its own again is refused."""
 
+import functools
 import os
 import warnings
 
@@ -42,6 +43,13 @@ def _pretrained():
   return pre
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_pretrained():
+  """`_pretrained()` once per process, for the cases that only save it (its weights file or
+  model file then loaded into a backbone of their own)."""
+  return _pretrained()
+
+
 def _fine_tune(backbone):
   x, y = _data()
   i = keras.Input((2,))
@@ -68,7 +76,7 @@ def _check(outer):
 def test_a_loaded_dp_backbone_keeps_its_ledger(tmp_path, how):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    pre = _pretrained()
+    pre = _shared_pretrained()
     if how == "load_weights":
       path = os.path.join(tmp_path, "backbone.weights.h5")
       pre.save_weights(path)
