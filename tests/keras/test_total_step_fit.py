@@ -75,12 +75,18 @@ def _fit(layers, loss, x, y, clipping, jit, epochs=2):
 
 
 @functools.lru_cache(maxsize=None)
-def _fit_without_record_0(case, clipping, jit):
-  """(weights before, weights after, ledger samples) of `_fit` on D' = D - record 0, which
-  does not depend on what record 0 held: computed once per process for the id cases (10 and
-  -1) and once for the label cases (3 and -1) of a path."""
+def _model_without_record_0(case, clipping, jit):
+  """`_fit` on D' = D - record 0, which does not depend on what record 0 held: computed once
+  per process for the id cases (10 and -1) and once for the label cases (3 and -1) of a
+  path; the id cases' graph fit on the fast path is also test_evaluate_keeps_keras_behaviour's
+  model (evaluate and predict do not change its weights)."""
   layers, loss, x, y = case()
-  _, before, after, led = _fit(layers, loss, x[1:], y[1:], clipping, jit)
+  return _fit(layers, loss, x[1:], y[1:], clipping, jit)
+
+
+def _fit_without_record_0(case, clipping, jit):
+  """(weights before, weights after, ledger samples) of `_model_without_record_0`."""
+  _, before, after, led = _model_without_record_0(case, clipping, jit)
   return before, after, led
 
 
@@ -159,8 +165,8 @@ def test_evaluate_keeps_keras_behaviour(case):
   """Only the private training step is total: evaluate still refuses the corrupt record (the
   compiled loss is restored after the step), and evaluate on D' is Keras' own value (the
   label case: test_the_label_step_is_the_float64_reference, on its model trained on D)."""
-  layers, loss, x, y = case()
-  model, _, _, _ = _fit(layers, loss, x[1:], y[1:], "auto", False, epochs=1)
+  _, loss, x, y = case()
+  model, _, _, _ = _model_without_record_0(case, "auto", False)   # D', 2 steps
   _assert_evaluate_keeps_keras_behaviour(model, loss, x, y)
 
 
