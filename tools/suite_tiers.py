@@ -44,6 +44,8 @@ NIGHTLY_ONLY = {
     "tests/keras/test_r19_plain_optimizer_on_dp_weights.py":
         "R3's finding-9 case; test_weights_changed_outside.py's plain-optimizer case asserts the "
         "same refusal on the same models and fits",
+    "tests/keras/test_xla_compile_once.py":
+        "its default run (the fast path) is test_distribute.py's xla_compile job",
 }
 
 

@@ -11,6 +11,11 @@ devices are set up once, instead of once per job):
   traced_loop        test_traced_loop_distribute.two_replica_checks: a custom loop's traced
                      private steps stated, and weights changed around them (one replica's
                      copy included) refused
+  xla_compile        xla_compile_worker.main("fast"): test_xla_compile_once.py's case, a
+                     3-epoch jit_compile fit outside the strategy (on one device), last: its
+                     part of TensorFlow's device-compiler log (the process runs with
+                     test_xla_compile_once.LOG_ENV) runs from its "@@CASE fast@@" marker on
+                     stderr to the process's end
   row_bound          mirrored_soundness_job.row_bound_refusals: a replica's batch past the
                      public row bound refused, without and with XLA
   outside_scope      mirrored_soundness_job.outside_scope: a DP optimizer created outside the
@@ -34,13 +39,14 @@ from tests.keras import mirrored_soundness_job
 from tests.keras import mirrored_poisson_worker
 from tests.keras import test_apply_replicas
 from tests.keras import test_traced_loop_distribute
+from tests.keras import xla_compile_worker
 from tests.privacy import matrix_mirrored_worker
 
 MATRIX_POLICIES = "poisson,shuffle"
 
 
 def main(argv):
-  """Runs the eight jobs in one MirroredStrategy (two strategies in a process draw the same
+  """Runs the nine jobs in one MirroredStrategy (two strategies in a process draw the same
   collective instance keys, and their all-reduces collide); a failing job raises (a
   non-zero exit status)."""
   strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -61,6 +67,11 @@ def main(argv):
   test_apply_replicas.mirrored_update_check(strategy)
   print("JOB traced_loop", flush=True)
   test_traced_loop_distribute.two_replica_checks(strategy)
+  print("JOB xla_compile", flush=True)
+  sys.stderr.write("@@CASE fast@@\n")
+  sys.stderr.flush()
+  print("CASE fast", flush=True)
+  xla_compile_worker.main("fast")
 
 
 if __name__ == "__main__":

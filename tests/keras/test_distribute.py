@@ -6,8 +6,11 @@ The default suite's MirroredStrategy jobs share that one subprocess
 two Poisson fits, test_policy_matrix.py's MIRRORED cells of Poisson and shuffled passes,
 test_apply_replicas.py's sum over the replicas, test_traced_loop_distribute.py's custom
 loop traced under 2 replicas and mirrored_soundness_job.py's replica batch past the public
-row bound, optimizer created outside the strategy and iterations rolled back; each job is checked here by its own file's check. Their
-`-m slow` variants start processes of their own.
+row bound, optimizer created outside the strategy and iterations rolled back; last,
+test_xla_compile_once.py's fast-path fit under XLA (not distributed: it shares the process,
+which runs with TensorFlow's device-compiler log on, to save a process of its own). Each job
+is checked here by its own file's check. Their `-m slow` variants start processes of their
+own.
 """
 
 import json
@@ -19,16 +22,19 @@ from tests.keras import mirrored_soundness_job
 from tests.keras import test_apply_replicas
 from tests.keras import test_mirrored_poisson
 from tests.keras import test_traced_loop_distribute
+from tests.keras import test_xla_compile_once
 from tests.privacy import test_policy_matrix
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
-def run_jobs(module, *args):
-  """({job name: its stdout lines}, the stdout) of one run of the job module `module` (a
-  process of its own, whose jobs each print "JOB name" and then their lines)."""
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run_jobs(module, *args, env=None):
+  """({job name: its stdout lines}, the stdout, the stderr) of one run of the job module
+  `module` (a process of its own, whose jobs each print "JOB name" and then their lines);
+  `env`: variables added to its environment."""
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             **(env or {}))
   proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                         timeout=900, env=env, cwd=ROOT, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -39,15 +45,18 @@ def run_jobs(module, *args):
       jobs[name] = []
     elif name is not None:
       jobs[name].append(line)
-  return jobs, proc.stdout
+  return jobs, proc.stdout, proc.stderr
 
 
 def _jobs(workdir):
-  """{job name: its stdout lines}, from one run of mirrored_jobs_worker."""
-  jobs, stdout = run_jobs("tests.keras.mirrored_jobs_worker", workdir)
-  assert list(jobs) == ["row_bound", "outside_scope", "rollback_noise", "distributed", "mirrored_poisson", "matrix",
-                        "apply_replicas", "traced_loop"], stdout[-2000:]
-  return jobs
+  """({job name: its stdout lines}, the stderr), from one run of mirrored_jobs_worker (with
+  TensorFlow's device-compiler log on, for the xla_compile job)."""
+  jobs, stdout, stderr = run_jobs("tests.keras.mirrored_jobs_worker", workdir,
+                                  env=test_xla_compile_once.LOG_ENV)
+  assert list(jobs) == ["row_bound", "outside_scope", "rollback_noise", "distributed",
+                        "mirrored_poisson", "matrix", "apply_replicas", "traced_loop",
+                        "xla_compile"], stdout[-2000:]
+  return jobs, stderr
 
 
 def _check_noise_once_and_ledger_once(lines):
@@ -74,7 +83,7 @@ def _check_noise_once_and_ledger_once(lines):
 
 
 def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
-  jobs = _jobs(str(tmp_path))
+  jobs, stderr = _jobs(str(tmp_path))
   _check_noise_once_and_ledger_once(jobs["distributed"])
   test_mirrored_poisson.check_runs(jobs["mirrored_poisson"], 2)
   test_policy_matrix.check_mirrored_cells(jobs["matrix"], "poisson,shuffle")
@@ -83,3 +92,6 @@ def test_mirrored_noise_once_and_ledger_counts_once(tmp_path):
   mirrored_soundness_job.check_refusals(jobs["row_bound"])
   mirrored_soundness_job.check_outside_scope(jobs["outside_scope"])
   mirrored_soundness_job.check_rollback_noise(jobs["rollback_noise"])
+  # the last job: its part of the log from its marker on
+  test_xla_compile_once.check_cases(test_xla_compile_once.parse_cases(
+      ["fast"], "\n".join(jobs["xla_compile"]), stderr))

@@ -16,7 +16,7 @@ from tests.keras import test_distribute
 
 def _jobs():
   """{job name: its stdout lines}, from one run of mirrored_idioms_job."""
-  jobs, stdout = test_distribute.run_jobs("tests.keras.mirrored_idioms_job")
+  jobs, stdout, _ = test_distribute.run_jobs("tests.keras.mirrored_idioms_job")
   assert tuple(jobs) == mirrored_idioms_job.JOBS, stdout[-3000:]
   return jobs
 

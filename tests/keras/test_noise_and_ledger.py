@@ -44,8 +44,9 @@ def _mlp():
 
 
 # By default graph at one step per execution; both XLA cases with -m slow. The default suite
-# records every step of an XLA fit at steps_per_execution 1 in test_xla_compile_once (ledger
-# samples == iterations == 18, Poisson, fast / vectorized / band_mf) and at 3 in
+# records every step of an XLA fit at steps_per_execution 1 in test_xla_compile_once's fast
+# case (ledger samples == iterations == 18, Poisson; run in the default tier as
+# test_distribute.py's xla_compile job; vectorized and band_mf nightly) and at 3 in
 # tests/ledger/test_rare_branches_fit.py's [True] (Poisson arrays, every step charged,
 # epsilon = compute_dp_sgd_privacy by hand); [False-1] here checks the ledger's run record
 # (policy, q, population, relation, query).
