@@ -52,6 +52,14 @@ def _exact_norms(n, batch):
   return np.linalg.norm(_tiny_records(n, batch).astype(np.float64), axis=1)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_the_records():
+  """The cached records (about 50 MB) are released when this module's tests end."""
+  yield
+  _tiny_records.cache_clear()
+  _exact_norms.cache_clear()
+
+
 def _clipped(x, jit, vectorized, leaves=1):
   """The float32 clipped records (float64 of them), through the query's own clip."""
   def clip_one(r):
