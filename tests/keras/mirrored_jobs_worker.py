@@ -11,17 +11,17 @@ devices are set up once, instead of once per job):
   traced_loop        test_traced_loop_distribute.two_replica_checks: a custom loop's traced
                      private steps stated, and weights changed around them (one replica's
                      copy included) refused
-  xla_compile        xla_compile_worker.main("fast"): test_xla_compile_once.py's case, a
-                     3-epoch jit_compile fit outside the strategy (on one device), last: its
-                     part of TensorFlow's device-compiler log (the process runs with
-                     test_xla_compile_once.LOG_ENV) runs from its "@@CASE fast@@" marker on
-                     stderr to the process's end
   row_bound          mirrored_soundness_job.row_bound_refusals: a replica's batch past the
                      public row bound refused, without and with XLA
   outside_scope      mirrored_soundness_job.outside_scope: a DP optimizer created outside the
                      strategy refused at compile
   rollback_noise     mirrored_soundness_job.rollback_noise: iterations rolled back, no noise
                      reused and no step uncharged, without and with XLA
+  xla_compile        xla_compile_worker.main("fast"): test_xla_compile_once.py's case, a
+                     3-epoch jit_compile fit outside the strategy (on one device), last: its
+                     part of TensorFlow's device-compiler log (the process runs with
+                     test_xla_compile_once.LOG_ENV) runs from its "@@CASE fast@@" marker on
+                     stderr to the process's end
 
 Each job's output follows a line "JOB <name>" (tests/keras/test_distribute.py reads them and
 checks each job as its own test file did).
