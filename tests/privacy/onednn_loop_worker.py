@@ -180,7 +180,7 @@ def run_form(kind, form, seeds=(0, 1)):
     return {"refused": str(e)}
   recorded = max(q["sensitivity"] for q in opt.ledger.to_dict()["runs"][-1]["queries"])
   return {"move_over_sensitivity": worst_move / recorded, "recorded": recorded,
-          "max_deviation_from_reference": worst_dev}
+          "max_deviation_from_reference": worst_dev, "records": B}
 
 
 def _paths_onednn():
