@@ -753,6 +753,15 @@ def _pinned_kept_sum(form, g, rc, block, sq):
   Returns:
     [A, cols] float32.
   """
+  if (form.rows > 1 and g.shape[0] == 1 and not routing.in_xla_context() and
+      (g.shape[2] is not None or algebra.blocks_most(None, block) is not None)):
+    # one call on the batch (its rows the records'): the depthwise form's [A, B, cols] as it
+    # is, by algebra.pinned_factor_sum (the same blocks and tree; no record-major copy)
+    g3 = g[0]
+    g3 = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: g3,
+                 lambda: tf.math.multiply_no_nan(
+                     g3, tf.reshape(tf.sign(rc), algebra.const([1, -1, 1]))))
+    return algebra.pinned_factor_sum(rc, g3, block)
   if form.rows > 1:   # the depthwise form's kh kw rows: record-major [n, m, A, cols]
     g = tf.transpose(g, [0, 2, 1, 3])
   rows = tf.reshape(g, [-1, form.rows * form.cols])
