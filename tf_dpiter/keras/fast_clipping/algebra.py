@@ -1282,26 +1282,30 @@ def pinned_factor_sum(c, b, block):
   """
   rows = b.shape[-2]
   n = int(b.shape[-1])
-  if rows is not None:
+  lead = b.shape.rank - 2   # the rows' axis
+  if rows is not None:   # every constant shared (`const`): one per value in the graph
     m = int(rows) // block + 1 if int(rows) % block else max(int(rows) // block, 1)
     index = const((np.arange(int(rows)) // block).tolist())
+    depth = const(m)
   else:
-    m = tf.shape(b)[-2] // const(block) + 1
-    index = tf.math.floordiv(tf.range(tf.shape(b)[-2]), const(block))
-  e = tf.one_hot(index, m, dtype=tf.float32) * tf.reshape(c, [-1, 1])   # [B, m]
-  if b.shape.rank == 2:
+    r = tf.gather(tf.shape(b), const(lead), axis=const(0))
+    depth = tf.math.floordiv(r, const(block)) + const(1)
+    index = tf.math.floordiv(tf.range(const(0), r, const(1)), const(block))
+  e = tf.one_hot(index, depth, on_value=const(1.0, tf.float32),
+                 off_value=const(0.0, tf.float32)) * reshape(c, [-1, 1])   # [B, m]
+  if lead == 0:
     leaves = tf.matmul(e, b, transpose_a=True)   # [m, N]
   else:
     a = int(b.shape[0])
-    leaves = tf.transpose(tf.matmul(tf.transpose(e)[None], b), const([1, 0, 2]))
-    leaves = tf.reshape(leaves, [-1, a * n])   # [m, A N]
+    leaves = tf.matmul(tf.expand_dims(tf.transpose(e, const([1, 0])), const(0)), b)
+    leaves = reshape(tf.transpose(leaves, const([1, 0, 2])), [-1, a * n])   # [m, A N]
   if rows is not None:
     total = summation.pairwise_sum(leaves, const)
   else:
     most = int(plan_rows(None)) // block + 1
-    total = summation.pairwise_sum_after(leaves, tf.zeros(leaves.shape[1:], tf.float32), most,
-                                         const, m)
-  return total if b.shape.rank == 2 else tf.reshape(total, [a, n])
+    total = summation.pairwise_sum_after(leaves, const([0.0] * int(leaves.shape[1]),
+                                                       tf.float32), most, const, depth)
+  return total if lead == 0 else reshape(total, [a, n])
 
 
 def blocks_most(rows, block):

@@ -757,7 +757,7 @@ def _pinned_kept_sum(form, g, rc, block, sq):
       (g.shape[2] is not None or algebra.blocks_most(None, block) is not None)):
     # one call on the batch (its rows the records'): the depthwise form's [A, B, cols] as it
     # is, by algebra.pinned_factor_sum (the same blocks and tree; no record-major copy)
-    g3 = g[0]
+    g3 = tf.squeeze(g, axis=[0])
     g3 = tf.cond(tf.reduce_all(tf.math.is_finite(sq)), lambda: g3,
                  lambda: tf.math.multiply_no_nan(
                      g3, tf.reshape(tf.sign(rc), algebra.const([1, -1, 1]))))
