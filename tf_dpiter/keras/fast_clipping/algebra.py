@@ -1216,7 +1216,7 @@ def pinned_rows_product(a, b, block):
   k, n = int(a.shape[-1]), int(b.shape[-1])
   most = blocks_most(rows, block)
   xla = not tf.executing_eagerly() and summation.in_xla_context()   # eager: never XLA
-  if k == 1 and not xla and (rows is not None or most is not None):
+  if k == 1 and not xla and factor_sum_applies(rows, block):
     return tf.reshape(pinned_factor_sum(a[:, 0], b, block), [1, n])
   if not xla and (rows is not None or most is not None):
     if rows is not None:
@@ -1249,11 +1249,34 @@ def pinned_rows_product(a, b, block):
   return summation.pairwise_sum(blocks, const, most=most)
 
 
+# `pinned_factor_sum`'s product takes m multiply-adds per entry of b (m blocks: all but one
+# add exact zeros), a one-row product per block one: it is used up to this many blocks (rows
+# the trace knows, else the public plan's bound on them), where the product stays bound by
+# reading b (the tutorial CNN at B = 256: at most 11 blocks of 64 under its bound of 640 rows).
+FACTOR_SUM_BLOCKS = 16
+
+
+def factor_sum_applies(rows, block):
+  """Whether `pinned_rows_product` of a [B, 1] factor column takes `pinned_factor_sum`: rows
+  the trace knows or a public bound on them (`blocks_most`), in at most FACTOR_SUM_BLOCKS
+  blocks. Not under XLA (the caller's check).
+
+  Args:
+    rows: the rows summed, an int or None (unknown to the trace).
+    block: rows per block (an int >= 1).
+
+  Returns:
+    bool.
+  """
+  m = -(-int(rows) // int(block)) if rows is not None else blocks_most(rows, block)
+  return m is not None and m <= FACTOR_SUM_BLOCKS
+
+
 def pinned_factor_sum(c, b, block):
   """sum_i c_i b_i over the rows i of b, in `pinned_rows_product`'s plan for a = c as a [B, 1]
   operand (blocks of `block` consecutive rows, any order within a block, the blocks'
   sums by summation.pairwise_sum's tree), outside XLA, with rows the trace knows or a public
-  bound on them (`blocks_most`).
+  bound on them, in at most FACTOR_SUM_BLOCKS blocks (`factor_sum_applies`).
 
   All the blocks' sums come from one matrix product, L = E^T b (b [B, N]; for b [A, B, N],
   one [m, N] product per leading index, no transpose of b): E [B, m] holds c_i in row i's

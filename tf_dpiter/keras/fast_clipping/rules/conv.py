@@ -754,7 +754,7 @@ def _pinned_kept_sum(form, g, rc, block, sq):
     [A, cols] float32.
   """
   if (form.rows > 1 and g.shape[0] == 1 and not routing.in_xla_context() and
-      (g.shape[2] is not None or algebra.blocks_most(None, block) is not None)):
+      algebra.factor_sum_applies(g.shape[2], block)):
     # one call on the batch (its rows the records'): the depthwise form's [A, B, cols] as it
     # is, by algebra.pinned_factor_sum (the same blocks and tree; no record-major copy)
     g3 = tf.squeeze(g, axis=[0])
