@@ -686,11 +686,12 @@ def _refuse_unlisted(model, read, what):
   optimizer's."""
   listed = {id(v.handle) for v in model.variables}
   listed |= {id(v.handle) for v in getattr(getattr(model, "optimizer", None), "variables", ())}
-  # Keras' SeedGenerator states (its layers' and the global one of keras.random.* with
-  # seed=None): a counter the random ops advance, no record's value; a write from the data
-  # into one in the step is refused as any other (`refuse_model_writes`)
-  listed |= {id(g.state.handle) for g in keras_internals.seed_generators(model)}
-  unlisted = [v.name for v in read if id(v.handle) not in listed]
+  unlisted = [v for v in read if id(v.handle) not in listed]
+  if unlisted:   # but Keras' SeedGenerator states (its layers' and the global one of
+    # keras.random.* with seed=None): a counter the random ops advance, no record's value; a
+    # write from the data into one in the step is refused as any other (`refuse_model_writes`)
+    listed |= {id(g.state.handle) for g in keras_internals.seed_generators(model)}
+  unlisted = [v.name for v in unlisted if id(v.handle) not in listed]
   # and a layer's tf.Variable attribute, read in inference only (a calibration temperature):
   # not in the training-mode trace, but served by predict and export
   unlisted += [v.name for v in _attribute_variables(model) if id(v.handle) not in listed
