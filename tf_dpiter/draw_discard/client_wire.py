@@ -81,6 +81,8 @@ def resend_wait_s(retry_after: str | None) -> float:
   return 0.5
 
 
+# on a draw of a server that requires tickets (value "same_ticket"): a resend of its
+# submission with its ticket is stored at most once (the service sets it, the clients read it)
 RESEND_HEADER = "X-DDML-Resend"
 
 

@@ -41,6 +41,7 @@ from tf_dpiter.draw_discard import acceptance
 from tf_dpiter.draw_discard import anchor as anchor_lib
 from tf_dpiter.draw_discard import admission
 from tf_dpiter.draw_discard import auth
+from tf_dpiter.draw_discard import client_wire
 from tf_dpiter.draw_discard import draw_gate
 from tf_dpiter.draw_discard import glm
 from tf_dpiter.draw_discard import http_io
@@ -59,9 +60,6 @@ from tf_dpiter.errors import ParameterValueError
 
 log = logging.getLogger(__name__)
 RequestError = parsing.RequestError
-# on a draw of a server that requires tickets: a resend of its submission with its ticket is
-# stored at most once (the clients resend a submit whose connection dropped only then)
-RESEND_HEADER = "X-DDML-Resend"
 
 
 # What a store write raises with an answer of its own (web_errors: refused before writing, the
@@ -197,7 +195,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
                                   + ticket.encode() + b'",')
     resp.headers["X-DDML-Ticket"] = ticket
     if self.use_tickets:
-      resp.headers[RESEND_HEADER] = "same_ticket"
+      resp.headers[client_wire.RESEND_HEADER] = "same_ticket"
     return resp
 
   async def draw_for(self, identity: str) -> tuple[np.ndarray, str]:
@@ -380,7 +378,7 @@ class DDMLService(service_setup.StoreSetup, service_status.StatusEndpoints):
       headers = {"X-DDML-Seq": str(seq),
                  "X-DDML-Ticket": self.tickets.issue(self._identity(request), w)}
       if self.use_tickets:
-        headers[RESEND_HEADER] = "same_ticket"
+        headers[client_wire.RESEND_HEADER] = "same_ticket"
       return http_io.raw_weights_response(w, self.spec.version, headers)
     return web.Response(body=b'{"accepted":true,"seq":%d}' % seq, content_type=parsing.JSON_TYPE)
 
