@@ -28,8 +28,16 @@ N, D = 100, 4
 # XLA too (the same digests, at the statement and at the next DP fit); consecutive DP fits
 # accepted under XLA (set_weights_of_other_values_...[True]: three fits, steps 2 * N / 10 + 2)
 # and train_on_batch after them (the [False] case).
+# Nightly too: test_train_on_batch_refuses_a_plain_update, whose refusal
+# test_weight_fingerprints_cost.py::test_train_on_batch_one_pass_and_changes_between_calls_refused
+# [plain_optimizer-False] asserts on the same models (a DPModel and a plain Adam autoencoder
+# sharing the Dense(8) encoder, seed 0, N x D records): a plain train_on_batch of the
+# autoencoder, then the DP model's train_on_batch refused ("train_on_batch refused"); the DP
+# record it starts from is made by train_on_batch there and by fit here, and a fit's record
+# read by train_on_batch is test_a_second_dp_fit_after_a_normal_first_is_accepted[False]'s.
 SLOW_CASES = {"test_a_plain_optimizer_updating_dp_claimed_weights_is_refused[True]",
-              "test_a_second_dp_fit_after_a_normal_first_is_accepted[True]"}
+              "test_a_second_dp_fit_after_a_normal_first_is_accepted[True]",
+              "test_train_on_batch_refuses_a_plain_update"}
 
 
 def _data():
