@@ -35,9 +35,16 @@ N, D = 100, 4
 # autoencoder, then the DP model's train_on_batch refused ("train_on_batch refused"); the DP
 # record it starts from is made by train_on_batch there and by fit here, and a fit's record
 # read by train_on_batch is test_a_second_dp_fit_after_a_normal_first_is_accepted[False]'s.
+# And test_restore_best_weights_is_accepted, whose assertions
+# test_weights_changed_outside_review.py::test_callbacks_that_put_back_released_states_are_accepted
+# makes on the same DPModel (Dense(8) encoder, Dense(1) head, DP SGD(1.0, 1.0, lr 0.1), batch
+# 10): a fit with EarlyStopping("val_loss", patience=1, restore_best_weights=True) and held-out
+# validation data ends, its statement is stated with at least one epoch's steps, and a later DP
+# fit is accepted.
 SLOW_CASES = {"test_a_plain_optimizer_updating_dp_claimed_weights_is_refused[True]",
               "test_a_second_dp_fit_after_a_normal_first_is_accepted[True]",
-              "test_train_on_batch_refuses_a_plain_update"}
+              "test_train_on_batch_refuses_a_plain_update",
+              "test_restore_best_weights_is_accepted"}
 
 
 def _data():
