@@ -25,6 +25,14 @@ padded by 3 on each side, 34x34). Forms (each a tf.function with the chunk axis 
                    (conv._gathered_patches, [m, 196, 64]), then g_i = P_i^T dz_i by one
                    batched matrix product (m products of 64x196 by 196x16)
   unfold_extract   the same product, the patches by ExtractImagePatches of the padded input
+  grouped_filter   the rule's regrouping, the gradient by Conv2DBackpropFilter as a grouped
+                   convolution (m groups of one input channel, 16 filters each: a
+                   [8, 8, 1, 16 m] filter), not the depthwise kernel
+  nchw_depthwise   rule_depthwise with data_format NCHW: the input needs no transpose ([1, m,
+                   28, 28] is a view of it), the output gradients one per example ([m, 16, 14,
+                   14])
+  phases_stride1   four stride-1 depthwise filter gradients, one per stride phase of the
+                   padded input ([1, 17, 17, m] each, a 4x4 kernel; the same output gradients)
   whole_batch      the convolution's whole-batch filter gradient (Conv2DBackpropFilter), the
                    non-private step's cost for the same multiply-adds
 Figure: median over --rounds rounds of the process CPU and wall time of --calls calls. Prints
@@ -121,6 +129,39 @@ def unfold_extract(x, dz):
 
 
 @tf.function(input_signature=_SPEC)
+def grouped_filter(x, dz):
+  m = tf.shape(x)[0]
+  xt = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [1, 28, 28, -1])
+  dt = tf.reshape(tf.transpose(dz, [1, 2, 0, 3]), [1, 14, 14, -1])
+  g = tf.raw_ops.Conv2DBackpropFilter(input=xt, filter_sizes=tf.stack([8, 8, 1, m * 16]),
+                                      out_backprop=dt, strides=[1, 2, 2, 1], padding="SAME")
+  return tf.reshape(g, [64, m, 16])
+
+
+@tf.function(input_signature=_SPEC)
+def nchw_depthwise(x, dz):
+  m = tf.shape(x)[0]
+  dt = tf.reshape(tf.transpose(dz, [0, 3, 1, 2]), [1, -1, 14, 14])
+  g = tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+      tf.reshape(x, [1, -1, 28, 28]), tf.stack([8, 8, m, 16]), dt, [1, 1, 2, 2], "SAME",
+      data_format="NCHW")
+  return tf.reshape(g, [64, m, 16])
+
+
+@tf.function(input_signature=_SPEC)
+def phases_stride1(x, dz):
+  m = tf.shape(x)[0]
+  xp = tf.reshape(tf.transpose(_padded(x), [3, 1, 2, 0]),      # [1, 34, 34, m] by phase
+                  [1, 17, 2, 17, 2, -1])
+  dt = tf.reshape(tf.transpose(dz, [1, 2, 0, 3]), [1, 14, 14, -1])
+  g = [tf.compat.v1.nn.depthwise_conv2d_native_backprop_filter(
+      xp[:, :, pa, :, pb, :], tf.stack([4, 4, m, 16]), dt, [1, 1, 1, 1], "VALID")
+       for pa in (0, 1) for pb in (0, 1)]                        # [4, 4, m, 16] each
+  g = tf.transpose(tf.reshape(tf.stack(g), [2, 2, 4, 4, m * 16]), [2, 0, 3, 1, 4])
+  return tf.reshape(g, [64, m, 16])                               # a = 2 q + phase
+
+
+@tf.function(input_signature=_SPEC)
 def whole_batch(x, dz):
   return tf.compat.v1.nn.conv2d_backprop_filter(x, [8, 8, 1, 16], dz, [1, 2, 2, 1], "SAME")
 
@@ -128,7 +169,9 @@ def whole_batch(x, dz):
 FORMS = {"rule_depthwise": rule_depthwise, "fwd_dilated": fwd_dilated,
          "fwd_phases": fwd_phases, "s2d_depthwise": s2d_depthwise,
          "multiplier_one": multiplier_one, "unfold_gather": unfold_gather,
-         "unfold_extract": unfold_extract, "whole_batch": whole_batch}
+         "unfold_extract": unfold_extract, "grouped_filter": grouped_filter,
+         "nchw_depthwise": nchw_depthwise, "phases_stride1": phases_stride1,
+         "whole_batch": whole_batch}
 
 
 def main():
