@@ -25,6 +25,14 @@ unknown, as in `fit`; the whole batch in one call unless stated):
                     dz_i (one per 2x2 kernel block), squared and summed
   direct_unfolded   g_i = dz_i^T P_i from the unfolded patches (the rule's form before
                     the folded Gram)
+  direct_gathered   the same from the patches by the rule's one gather of pixels
+                    (`_gathered_patches`): the rule's kept per-example pass where its clipped
+                    sum is pinned (one example per record, B = 256)
+  grouped_filter    g_i by Conv2DBackpropFilter as one grouped convolution, the examples as
+                    groups (input [1, 13, 13, 16 B], filter [4, 4, 16, 32 B])
+  toeplitz_dz       g_i = F_i^T D_i from the folded pixels F_i [36, 64] (no unfolding) and the
+                    output gradients shifted to the 4 kernel blocks D_i [36, 4 x 32] (zeros
+                    where a block reaches past the grid): 1.44x the multiply-adds
   whole_batch       the convolution's whole-batch filter gradient (the non-private step's)
 and the norm with the clipped sum for given clip factors c (the DP step's whole work for this
 layer once the factors are known):
@@ -137,6 +145,32 @@ def direct_unfolded(x, dz):
 
 
 @tf.function(input_signature=_SPEC)
+def direct_gathered(x, dz):
+  p = conv._gathered_patches(x, _K, _S, (1, 1), "valid", _OUT)  # pylint: disable=protected-access
+  g = tf.linalg.matmul(tf.reshape(dz, [-1, 25, 32]), p, transpose_a=True)
+  return tf.reduce_sum(tf.square(g), [1, 2])
+
+
+@tf.function(input_signature=_SPEC)
+def grouped_filter(x, dz):
+  m = tf.shape(x)[0]
+  xt = tf.reshape(tf.transpose(x, [1, 2, 0, 3]), [1, 13, 13, -1])
+  dt = tf.reshape(tf.transpose(dz, [1, 2, 0, 3]), [1, 5, 5, -1])
+  g = tf.raw_ops.Conv2DBackpropFilter(input=xt, filter_sizes=tf.stack([4, 4, 16, m * 32]),
+                                      out_backprop=dt, strides=[1, 2, 2, 1], padding="VALID")
+  return tf.reduce_sum(tf.square(tf.reshape(g, [4, 4, 16, -1, 32])), [0, 1, 2, 4])
+
+
+@tf.function(input_signature=_SPEC)
+def toeplitz_dz(x, dz):
+  f = tf.reshape(_folded(x), [-1, 36, 64])
+  d = tf.stack([tf.pad(dz, [[0, 0], [a, 1 - a], [c, 1 - c], [0, 0]])
+                for a in range(2) for c in range(2)], 3)       # [B, 6, 6, 4, 32]
+  g = tf.linalg.matmul(f, tf.reshape(d, [-1, 36, 128]), transpose_a=True)
+  return tf.reduce_sum(tf.square(g), [1, 2])
+
+
+@tf.function(input_signature=_SPEC)
 def whole_batch(x, dz):
   return tf.compat.v1.nn.conv2d_backprop_filter(x, [4, 4, 16, 32], dz, [1, 2, 2, 1], "VALID")
 
@@ -180,6 +214,8 @@ NORMS = {"rule_foldgram": rule_foldgram, "rule_chunked": rule_chunked,
          "window_running": window_running, "shift_dz_gram": shift_dz_gram,
          "shift_dz_ef": shift_dz_ef, "unfolded_gram": unfolded_gram,
          "direct_shifts": direct_shifts, "direct_unfolded": direct_unfolded,
+         "direct_gathered": direct_gathered, "grouped_filter": grouped_filter,
+         "toeplitz_dz": toeplitz_dz,
          "whole_batch": whole_batch}
 NORMS_AND_SUMS = {"rule_norm_and_sum": rule_norm_and_sum,
                   "fused_direct_norm_sum": fused_direct_norm_sum}
