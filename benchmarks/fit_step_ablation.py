@@ -12,10 +12,23 @@ replaced; then all models fit one epoch of --steps steps per round, round robin 
 (benchmarks/fit_step_time.py's timer; figure: the median over --rounds rounds of process CPU
 ms per step, and its ratio to the non-private step). Variants:
   base            the DP step as it is
-  no_conv1_norm   upper bound: the per-example forms' pass (rules/conv.py `_per_example_pass`,
-                  the tutorial CNN's first convolution) returns zeros: what that pass costs
+  no_conv1_norm   upper bound: the per-example forms' pass (rules/conv.py `_per_example_pass`)
+                  returns zeros: what that pass costs. Since the pinned sums the tutorial
+                  CNN's second convolution keeps its gradients at B = 256 and runs this pass
+                  too: there both convolutions' passes (no_unfold_grads: the second's products)
   no_conv2_norm   upper bound: the folded Gram norm (`_fold_gram_sqr_norm`, the second
-                  convolution) returns zeros
+                  convolution where its gradients are not kept: B = 1,024) returns zeros
+  no_unfold_grads upper bound: the unfolded patches' per-example gradients (`_unfold_chunk`:
+                  the one gather of pixels and the batched product dz^T P, the second
+                  convolution's kept pass at B = 256) are zeros (its norms and sum still run)
+  no_conv_kept_sums  upper bound: the convolutions' pinned sums of their kept gradients
+                  (`_pinned_kept_sum`, both convolutions at B = 256) return zeros
+  fold_gram_uncapped the folded Gram's norms in chunks of its own budget (256 examples), not
+                  capped at the per-example pass's (64 at B = 1,024): the cap's CPU cost
+                  (the cap keeps the step's allocator peak at B = 1,024 at 7.1 MiB over
+                  non-private against 31.3 with chunks of 256, commit 8449c38)
+  keep_32mib      the pinned sums keep per-example gradients up to 4x budget.KEEP_BYTES (32
+                  MiB), not 2x: the second convolution's at B = 1,024 kept, not formed again
   reduce_sqr_sum  algebra.sqr_sum of a [B, P] tensor as reduce_sum(square(x), 1) instead of
                   the einsum "bp,bp->b" (oneDNN runs that einsum as B one-row products)
   fold_gram_128   the folded Gram's chunks of 128 examples (its temporaries estimated at 40,284
@@ -142,6 +155,14 @@ def _variants():
   noise_island = lambda generator, structure, stddev: tf.function(
       lambda s: add_noise(generator, s, stddev), jit_compile=True, autograph=False)(structure)
 
+  unfold_chunk = conv._unfold_chunk  # pylint: disable=protected-access
+
+  def zero_unfold(x4, dz4, ksize, stride, dilation, padding):   # its layout from one example
+    g, layout = unfold_chunk(x4[:1], dz4[:1], ksize, stride, dilation, padding)
+    return tf.zeros(tf.stack([1, tf.shape(x4)[0], tf.shape(g)[2]])), layout
+
+  fold_gram_norms = conv._fold_gram_norms  # pylint: disable=protected-access
+
   def reduce_sqr_sum(x):
     x = tf.cast(x, tf.float32)
     return tf.reduce_sum(tf.square(x), axis=list(range(1, x.shape.rank)))
@@ -151,6 +172,12 @@ def _variants():
       "no_conv1_norm": lambda: _replaced(conv, "_per_example_pass", zero_pass),
       "no_conv2_norm": lambda: _replaced(
           conv, "_fold_gram_sqr_norm", lambda x4, dz4, *a: tf.zeros([tf.shape(x4)[0]])),
+      "no_unfold_grads": lambda: _replaced(conv, "_unfold_chunk", zero_unfold),
+      "no_conv_kept_sums": lambda: _replaced(
+          conv, "_pinned_kept_sum", lambda form, *a: tf.zeros([form.rows, form.cols])),
+      "fold_gram_uncapped": lambda: _replaced(
+          conv, "_fold_gram_norms", lambda *a: fold_gram_norms(*a[:6])),
+      "keep_32mib": lambda: _replaced(conv, "_PINNED_KEEP_FACTOR", 4),
       "reduce_sqr_sum": lambda: _replaced(algebra, "sqr_sum", reduce_sqr_sum),
       "fold_gram_128": lambda: _replaced(conv, "_fold_gram_temp_bytes", lambda *a: 40284),
       "fold_gram_one_call": lambda: _replaced(conv, "_fold_gram_temp_bytes",
