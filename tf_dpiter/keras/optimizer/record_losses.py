@@ -69,7 +69,10 @@ def compiled_record_losses(model, y_true, y_pred, weights):
 
   @tf.custom_gradient
   def losses_of(*yp_leaves):
-    losses, grads = tf.vectorized_map(one, (list(yp_leaves), flat_others),
+    # `grad` below is the map's whole gradient, so no tape records the map: its inputs are
+    # cut from the tapes (under XLA the map is a nested tf.function, whose call under a
+    # recording tape would trace its symbolic gradient, never used)
+    losses, grads = tf.vectorized_map(one, (_unrecorded(yp_leaves), _unrecorded(flat_others)),
                                       fallback_to_while_loop=True)
 
     def grad(upstream, variables=None):
@@ -111,6 +114,12 @@ def fast_path_obstacle(model):
       return (f"layer {layer.name!r} has an activity regularizer (a loss on its activations, "
               "added to each record's loss)")
   return None
+
+
+def _unrecorded(tensors):
+  """The list of `tensors` (None kept) through tf.stop_gradient: values unchanged, unseen by
+  any gradient tape."""
+  return [None if t is None else tf.stop_gradient(t) for t in tensors]
 
 
 def _split(flat, sizes):
