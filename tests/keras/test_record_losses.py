@@ -152,3 +152,31 @@ def test_per_token_loss_error_names_no_internal_function():
   with pytest.raises(Exception) as info:
     model.train_on_batch(x, y[:, :2])   # labels of the wrong length
   assert "per_example_loss_fn" not in str(info.value)
+
+
+def test_the_record_map_traces_no_gradient_of_its_own_under_xla():
+  """Under jit_compile, tf.vectorized_map is a nested tf.function; traced under the fast
+  path's two tapes it must stay an inference call (its gradient is the custom one), not a
+  `__forward_*` function whose symbolic gradient TensorFlow traces too (tracing cost only);
+  each record's loss is still its own weighted cross-entropy."""
+  from tf_dpiter.keras.optimizer import record_losses
+  model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+  model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+  rng = np.random.RandomState(3)
+  logits = rng.randn(4, 2).astype("float32")
+  y, w = np.array([0, 1, 1, 0], np.int32), np.array([1.0, 1.0, 0.5, 0.0], np.float32)
+
+  @tf.function(jit_compile=True)
+  def losses(logits, y, w):
+    with tf.GradientTape(watch_accessed_variables=False) as first, \
+        tf.GradientTape(persistent=True) as tape:
+      y_pred = tf.identity(logits)
+      first.watch(y_pred)
+      tape.watch(y_pred)
+      return record_losses.compiled_record_losses(model, y, y_pred, w)
+
+  graph = losses.get_concrete_function(logits, y, w).graph
+  names = [f.signature.name for f in graph.as_graph_def().library.function]
+  assert names and not [n for n in names if n.startswith(("__forward", "__backward"))], names
+  expected = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True) * w
+  np.testing.assert_allclose(losses(logits, y, w), expected, rtol=1e-5, atol=1e-7)
