@@ -116,10 +116,10 @@ def fast_path_obstacle(model):
   return None
 
 
-def _unrecorded(tensors):
-  """The list of `tensors` (None kept) through tf.stop_gradient: values unchanged, unseen by
-  any gradient tape."""
-  return [None if t is None else tf.stop_gradient(t) for t in tensors]
+def _unrecorded(leaves):
+  """The list of `leaves` with each dense tf.Tensor through tf.stop_gradient (values
+  unchanged, unseen by any gradient tape); other leaves (None, composite tensors) as given."""
+  return [tf.stop_gradient(t) if isinstance(t, tf.Tensor) else t for t in leaves]
 
 
 def _split(flat, sizes):
