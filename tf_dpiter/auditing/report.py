@@ -1,5 +1,7 @@
 """PNG privacy report: claimed ε, audited ε lower bounds and attack AUC over training."""
 
+import math
+
 import numpy as np
 
 from tf_dpiter.errors import PrivacyConfigError
@@ -63,3 +65,17 @@ def plot_privacy_report(history, path, title="Privacy audit"):
   plt.close(fig)
   return path
 
+
+def format_summary(rows):
+  """The plain-text table (one line per model; for CLIs) of audit rows {model name:
+  {"claimed_epsilon": ..., "lira_epsilon_lb": ..., ...}}; missing entries print as "-"."""
+  keys = ["claimed_epsilon", "lira_epsilon_lb", "lira_auc", "loss_auc", "whitebox_claimed_epsilon",
+          "whitebox_epsilon_lb", "whitebox_step_claimed_epsilon", "whitebox_step_epsilon_lb"]
+  heads = ["claimed eps", "LiRA lb", "LiRA AUC", "loss AUC", "wb claim", "wb lb",
+           "wb step claim", "wb step lb"]
+  lines = ["model".ljust(14) + "".join(h.ljust(15) for h in heads)]
+  for name, row in rows.items():
+    cells = [("-" if v is None else "inf" if v == math.inf else f"{v:.3f}").ljust(15)
+             for v in map(row.get, keys)]
+    lines.append(name.ljust(14) + "".join(cells))
+  return "\n".join(lines)
