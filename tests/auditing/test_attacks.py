@@ -96,3 +96,15 @@ def test_privacy_report_png(tmp_path):
   assert path.endswith("r.png")
   with pytest.raises(ValueError, match="history"):
     audit.plot_privacy_report([], str(tmp_path / "x.png"))
+
+
+def test_format_summary_prints_one_line_per_model():
+  """`report.format_summary`, the table tutorials/audit_mnist.py prints: a header, then one
+  line per model, numbers to 3 decimals, missing entries "-", infinity "inf"."""
+  rows = {"non-private": {"claimed_epsilon": float("inf"), "lira_auc": 0.61234},
+          "DP-SGD": {"claimed_epsilon": 1.5, "lira_epsilon_lb": 0.25}}
+  lines = audit.report.format_summary(rows).split("\n")
+  assert len(lines) == 3
+  assert lines[0].startswith("model") and "LiRA AUC" in lines[0]
+  assert lines[1].split()[:2] == ["non-private", "inf"] and "0.612" in lines[1]
+  assert lines[2].split()[:3] == ["DP-SGD", "1.500", "0.250"] and lines[2].split()[3] == "-"
