@@ -1,4 +1,4 @@
-"""CPU cost of one Gaussian noise draw of a DP step (issue 42): fixed cost and cost per value.
+"""CPU cost of one Gaussian noise draw of a DP step: fixed cost and cost per value.
 
   python benchmarks/noise_draw_cost.py [--structures cnn,mlp,4m,32m] [--modes graph,xla]
                                        [--rounds 3] [--seconds 1.0] [--ops]
