@@ -25,6 +25,45 @@ L = keras.layers
 B = 5
 VARIANTS = ("bookkeeping", "two_pass")
 
+# Nightly tier (-m slow; tests/conftest.py marks these ids slow).
+SLOW_CASES = {
+    # Dense's forced gram/direct forms stay by default on [dense-gram], [dense-direct],
+    # [dense_seq-gram], [dense_seq-direct]; a Dense without bias on [dense_nobias-None] and, in
+    # the gram/direct forms, test_dense_bias_as_weight_of_an_input_one's frozen-bias cases; the
+    # 4-d input on [dense_seq_4d-None].
+    "test_registered_layer_exact[dense_nobias-gram]",
+    "test_registered_layer_exact[dense_nobias-direct]",
+    "test_registered_layer_exact[dense_seq_4d-gram]",
+    "test_registered_layer_exact[dense_seq_4d-direct]",
+    # Non-convolution layers: each case at one cap by default, each rule (EinsumDense, Dense,
+    # LayerNorm) at both caps (kept: [16384-einsum], [16384-einsum_seq], [16384-dense_seq_4d],
+    # [16384-layernorm_nocenter], [16384-layernorm_seq]; by book-keeping: [0-einsum_seq_out],
+    # [0-dense_seq], [0-layernorm_2axes], [0-layernorm]); every case's exactness at the default
+    # cap is also test_registered_layer_exact's.
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[16384-einsum_seq_out]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[0-einsum]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[0-einsum_seq]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[0-dense_seq_4d]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[16384-dense_seq]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[16384-layernorm_2axes]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[0-layernorm_nocenter]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[0-layernorm_seq]",
+    "test_per_example_grads_kept_or_summed_by_bookkeeping[16384-layernorm]",
+    # Convolutions in records: each form once by default, on each of the three convolutions
+    # (both ranks) and both record sizes: [conv2d_same_s2-None-3], [conv2d_valid-gram-3],
+    # [conv2d_same_s2-filter-3], [conv2d_valid-depthwise-3], [conv1d_same_s2-foldgram-2].
+    "test_microbatch_records_exact[conv1d_same_s2-None-2]",
+    "test_microbatch_records_exact[conv2d_valid-None-2]",
+    "test_microbatch_records_exact[conv2d_same_s2-gram-2]",
+    "test_microbatch_records_exact[conv1d_same_s2-gram-3]",
+    "test_microbatch_records_exact[conv1d_same_s2-filter-2]",
+    "test_microbatch_records_exact[conv2d_valid-filter-2]",
+    "test_microbatch_records_exact[conv1d_same_s2-depthwise-3]",
+    "test_microbatch_records_exact[conv2d_same_s2-depthwise-2]",
+    "test_microbatch_records_exact[conv2d_same_s2-foldgram-3]",
+    "test_microbatch_records_exact[conv2d_valid-foldgram-2]",
+}
+
 
 def mse(y_true, y_pred):
   y_pred = tf.reshape(y_pred, [tf.shape(y_pred)[0], -1])
