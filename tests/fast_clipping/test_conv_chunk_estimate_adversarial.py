@@ -26,7 +26,10 @@ from tf_dpiter.keras.fast_clipping.rules import conv
 
 # Nightly tier (-m slow): XLA's one call (129 examples); the default suite keeps one call in
 # graph mode (256) and XLA over the static slices of the padded batch (257).
-SLOW_CASES = {"test_folded_gram_chunks_equal_the_loop[129-1-True-True-False]"}
+SLOW_CASES = {"test_folded_gram_chunks_equal_the_loop[129-1-True-True-False]",
+              # records > 1 over chunks stay by default on [130-2-True-False-True], a batch
+              # the trace does not know on [264-1-False-False-True]
+              "test_folded_gram_chunks_equal_the_loop[66-3-False-False-True]"}
 
 _CLIP = 5.0
 _MAX_B = 264

@@ -32,7 +32,11 @@ SLOW_CASES = {
     "test_records_of_two_with_masked_rows[3-7-True]",
     "test_records_of_two_with_masked_rows[7-3-False]",
     "test_float16_overflow_record_adds_nothing[positions0-True]",
-    "test_float16_overflow_record_adds_nothing[positions1-False]"}
+    "test_float16_overflow_record_adds_nothing[positions1-False]",
+    # the neighbour: each input rank and each of K > N, K < N stays by default
+    # ([7-3-positions1]: [B, T, K], K > N; [3-7-positions0]: [B, K], K < N)
+    "test_adversarial_neighbour_moves_the_sum_by_at_most_c[3-7-positions1]",
+    "test_adversarial_neighbour_moves_the_sum_by_at_most_c[7-3-positions0]"}
 
 _L = keras.layers
 _LOSS = keras.losses.MeanSquaredError(reduction=None)
