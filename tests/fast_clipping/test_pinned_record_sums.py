@@ -18,6 +18,11 @@ import tensorflow as tf
 from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.fast_clipping.rules import budget
 
+# Nightly tier (-m slow): the tree of each count in one mode by default, graph and XLA in turn
+# ([False-1], [True-2], [False-3], [True-5], [False-8], [True-11]), the other mode nightly.
+SLOW_CASES = {f"test_tree_push_and_total_are_the_adjacent_pair_tree[{jit}-{count}]"
+              for i, count in enumerate([1, 2, 3, 5, 8, 11]) for jit in (i % 2 == 0,)}
+
 
 def _pairwise(rows):
   """summation.pairwise_sum in numpy float32: padded to 2^d, x[:h] + x[h:] per level."""

@@ -10,6 +10,15 @@ import tensorflow as tf
 from tf_dpiter.dp_query import summation
 from tf_dpiter.keras.fast_clipping import algebra
 
+# Nightly tier (-m slow): by default each shape once, its (known batch, jit) taking the four
+# combinations in turn (every shape, both batch kinds, graph and XLA and each pair of those
+# stay by default); the other three combinations of each shape nightly.
+_SQR_SHAPES = ["shape%d" % i for i in range(7)]
+_SQR_MODES = [(True, True), (False, True), (True, False), (False, False)]
+SLOW_CASES = {f"test_each_row_is_the_pinned_square_sum_bit_for_bit[{known}-{shape}-{jit}]"
+              for i, shape in enumerate(_SQR_SHAPES) for known, jit in _SQR_MODES
+              if (known, jit) != _SQR_MODES[i % 4]}
+
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("shape", [(3, 0), (3, 1), (3, 64), (3, 65), (5, 7, 100), (2, 1025),
