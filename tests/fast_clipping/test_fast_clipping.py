@@ -593,9 +593,10 @@ RECORD_CASES = [c for c in LAYER_CASES if c[0] in (
     "conv2d_valid", "layernorm_seq")]
 
 
-# The convolutions' forms x records of 2 and 3, pairwise; the forms filter, depthwise and
-# foldgram are the convolutions' alone (a Dense or EinsumDense takes its automatic form under
-# them), so the other layers run the two forms they distinguish with both record sizes.
+# The convolutions' forms x records of 2 and 3, pairwise (with the nightly tier; by default
+# each form once, SLOW_CASES); the forms filter, depthwise and foldgram are the convolutions'
+# alone (a Dense or EinsumDense takes its automatic form under them), so the other layers run
+# the two forms they distinguish with both record sizes.
 MICROBATCH_CASES = latin_pairs([c for c in RECORD_CASES if c[0].startswith("conv")],
                                [None, "gram", "filter", "depthwise", "foldgram"], [2, 3])
 # The other layers: {layer} x {None, gram} x {2, 3}, by default pairwise (latin_pairs: each
