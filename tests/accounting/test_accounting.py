@@ -13,10 +13,16 @@ from tf_dpiter import dp_query as dq
 from tf_dpiter import ledger as L
 from tf_dpiter.ledger import ledger_file
 
-# Nightly tier (-m slow): half of the eq. 1 grid; by default a pairwise cover of
-# {scale} x {q} x {groups} (every q with every group count once, the scale alternating: every
-# pair of levels meets).
+# Nightly tier (-m slow): the eq. 1 grid but three cases, [2.0-0.01-2], [2.0-0.2-1] and
+# [0.7-1.0-5], which by default meet every level of {scale} x {q} x {groups} once (q = 1, no
+# sampling, and one group among them); the rest of the pairwise cover runs with -m slow.
 SLOW_CASES = {
+    "test_eq1_multi_group_ledger_equals_single_gaussian[0.7-0.01-1]",
+    "test_eq1_multi_group_ledger_equals_single_gaussian[0.7-0.01-5]",
+    "test_eq1_multi_group_ledger_equals_single_gaussian[0.7-0.2-2]",
+    "test_eq1_multi_group_ledger_equals_single_gaussian[2.0-0.2-5]",
+    "test_eq1_multi_group_ledger_equals_single_gaussian[0.7-1.0-1]",
+    "test_eq1_multi_group_ledger_equals_single_gaussian[2.0-1.0-2]",
     "test_eq1_multi_group_ledger_equals_single_gaussian[2.0-0.01-1]",
     "test_eq1_multi_group_ledger_equals_single_gaussian[0.7-0.01-2]",
     "test_eq1_multi_group_ledger_equals_single_gaussian[2.0-0.01-5]",

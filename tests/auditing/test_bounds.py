@@ -13,6 +13,15 @@ from scipy import stats
 
 import tf_dpiter.auditing as audit
 
+# Nightly tier (-m slow): the GDP pair's bound at further mu (data only): each method keeps a
+# default case, [0.5-split] and [1.0-bonferroni]; the one-run bound keeps [1.0].
+SLOW_CASES = {
+    "test_bound_is_sound_on_gdp_pair[0.5-bonferroni]",
+    "test_bound_is_sound_on_gdp_pair[1.0-split]",
+    "test_bound_is_sound_on_gdp_pair[2.0-bonferroni]",
+    "test_bound_is_sound_on_gdp_pair[2.0-split]",
+    "test_one_run_bound_is_sound[3.0]"}
+
 DELTA = 1e-5
 ALPHA = 0.05
 

@@ -19,7 +19,12 @@ from tests.privacy import neighbours
 # Nightly tier (-m slow): the view-mean metrics on the vectorized path (the fast
 # path's case stays) and update cases beyond one per path and jit.
 SLOW_CASES = {
-    "test_metrics_see_the_mean_over_views_of_each_example[vectorized]"}
+    "test_metrics_see_the_mean_over_views_of_each_example[vectorized]",
+    # every path, kind and jit mode keeps a default case: [conv-fast] (the conv rule, graph)
+    # and [dense_xla-vectorized] (dense under XLA)
+    "test_update_clips_the_mean_of_view_gradients[conv-vectorized]",
+    "test_update_clips_the_mean_of_view_gradients[dense-vectorized]",
+    "test_update_clips_the_mean_of_view_gradients[dense_xla-fast]"}
 
 BASE_LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 B, PAD, N, CLIP, K = 6, 3, 1000, 1.0, 3

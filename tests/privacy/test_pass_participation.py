@@ -16,6 +16,13 @@ from tf_dpiter.data import shuffling
 
 from tests.privacy import privacy_joins  # noqa: E402
 
+# Nightly tier (-m slow): one case per policy and per dataset mode stays, [False-balls_in_bins]
+# and [True-shuffle]; shuffle's same-dataset fits are also test_policy_matrix.py's
+# [shuffle-fits_steps], a new dataset per fit its [cyclic_poisson-new_dataset].
+SLOW_CASES = {
+    "test_each_example_joins_at_most_once_per_charged_pass[False-shuffle]",
+    "test_each_example_joins_at_most_once_per_charged_pass[True-balls_in_bins]"}
+
 N = 24
 
 
