@@ -29,7 +29,10 @@ SLOW_CASES = {
     "test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-iid]",
     "test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-band_mf]",
     "test_save_load_model_then_fit_continues_the_ledgers_cycle[iid]",
-    "test_one_fit_of_several_epochs_keeps_the_ledgers_claim[band_mf]"}
+    "test_one_fit_of_several_epochs_keeps_the_ledgers_claim[band_mf]",
+    # a new dataset per fit of the cycle: test_policy_matrix.py's [cyclic_poisson-new_dataset]
+    # (the same claim, iid noise); blt across fits: [same_dataset-blt]
+    "test_four_fits_of_five_steps_keep_the_ledgers_claim[new_dataset-blt]"}
 
 N, B, STEPS = 24, 4, 5   # q = 1: every example of the active group joins
 # fits (or epochs) of STEPS steps: they start at steps 0, 5, 10, 15, i.e. in each of the b = 4

@@ -31,7 +31,11 @@ from tf_dpiter.keras import fast_clipping
 
 # Nightly tier (-m slow): the tied embedding run eagerly (under XLA stays).
 SLOW_CASES = {
-    "test_auto_routed_tied_embedding_is_exact_and_bounded[run_eagerly]"}
+    "test_auto_routed_tied_embedding_is_exact_and_bounded[run_eagerly]",
+    # the tied matmul auto-routed exactly: test_auto_routed_tied_embedding_is_exact_and_bounded[xla]
+    # (same model); its detection: test_explicit_fast_refuses_...[tied_matmul]; graph-mode
+    # routing with one warning: [kernel_read] and [never_called]
+    "test_auto_routes_to_the_vectorized_path_exactly_with_one_warning[tied_matmul]"}
 
 CLIP = 1.0
 VOCAB, STEPS, WIDTH = 7, 3, 4
