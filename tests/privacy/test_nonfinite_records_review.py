@@ -110,8 +110,10 @@ def _move(run, kind):
   assert moved <= C, moved
 
 
+# By default one case per path and per jit mode: [vectorized-True-w_inf] and
+# [fast-False-x_nan] (x_nan in graph mode on the vectorized path: -m slow).
 @pytest.mark.parametrize("clipping, jit, kind", [
-    pytest.param("vectorized", False, "x_nan"),
+    pytest.param("vectorized", False, "x_nan", marks=_SLOW),
     pytest.param("vectorized", True, "w_inf"),
     pytest.param("vectorized", False, "x_inf", marks=_SLOW),
     pytest.param("vectorized", False, "w_inf", marks=_SLOW),
