@@ -13,11 +13,12 @@ import pytest
 import tf_dpiter as dp
 from tf_dpiter.auditing import sensitivity
 
-# Nightly tier (-m slow): the 302/303 check under the mixed policies (float32
-# and bfloat16 stay) and the bfloat16 CNN (the bfloat16 MLP stays).
-# float32 (no cast on any path) by default elsewhere: one record moving a custom loop's sum by
-# at most C is test_row_count_shrink.py::test_custom_loop_of_unknown_rows_moves_the_sum_by_at_most_C,
-# check_sensitivity of a float32 step test_check_sensitivity.py::test_tutorial_cnn_passes.
+# Nightly tier (-m slow): the 302/303 check under the mixed policies and float32 ([bfloat16]
+# stays, the same custom-loop entry point), the bfloat16 CNN (the bfloat16 MLP stays) and the
+# float32 MLP (float32, no cast on any path, stays by default elsewhere: one record moving a
+# custom loop's sum by at most C in test_row_count_shrink.py::
+# test_custom_loop_of_unknown_rows_moves_the_sum_by_at_most_C, check_sensitivity of a float32
+# step in test_check_sensitivity.py::test_tutorial_cnn_passes[poisson]).
 SLOW_CASES = {
     "test_302_and_303_records_differ_by_one_clip_norm[float32]",
     "test_train_step_never_exceeds_recorded_sensitivity[float32-mlp]",
