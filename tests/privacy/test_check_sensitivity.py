@@ -11,8 +11,8 @@ from tf_dpiter.keras import example_models
 # Nightly tier (-m slow): the batch-mixing model on an explicit vectorized path; [auto] stays
 # and runs the same check on the vectorized path it routes to (report.path == "vectorized").
 # The tutorial CNN under shuffle (replace one, 2C): the conv rule stays in [poisson]; a
-# replace-one check_sensitivity passing with 2C recorded stays in
-# tests/auditing/test_sensitivity_int_inputs.py::test_check_sensitivity_runs_on_an_embedding_model[shuffle].
+# replace-one check_sensitivity passing with 2C recorded stays in tests/auditing/
+# test_sensitivity_int_inputs.py::test_check_sensitivity_runs_on_an_embedding_model[shuffle].
 SLOW_CASES = {"test_batch_mixing_model_is_exact_on_its_path[vectorized]",
               "test_tutorial_cnn_passes[shuffle]"}
 

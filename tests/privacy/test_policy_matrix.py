@@ -41,15 +41,12 @@ KERAS_POLICIES = tuple(p for p in policies.names() if policies.get(p).unit != "c
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# The default suite runs the cells of the policies whose schedule is ledger state (passes,
-# epochs, the cycle) across fits, cyclic Poisson's new-dataset and reload cells, shuffle's
-# restart cell and Poisson across fits; `-m slow` runs the whole matrix (41 cells).
-# Poisson across fits and shuffle's checkpoint rollback run with -m slow too (Poisson's
-# rollback, compiled draw and steps per execution cells and shuffle's crash and journal cells
-# stay: every policy and every scenario keeps a default cell). fits_steps keeps shuffle's
-# cell by default: balls in bins across fits of one dataset is test_pass_participation.py's
-# [False-balls_in_bins], cyclic Poisson's cycle across fits this matrix's new_dataset and
-# save_load cells and test_cyclic_schedule.py's test_four_fits_of_five_steps_keep_the_ledgers_claim.
+# The default suite runs one cell per scenario (one_fit's single fit is the first of
+# fits_steps') and at least one per policy; `-m slow` runs the whole matrix (41 cells). Across fits of one dataset (fits_steps) shuffle's cell stays: balls
+# in bins' is test_pass_participation.py's [False-balls_in_bins], cyclic Poisson's cycle across
+# fits this matrix's new_dataset and save_load cells and test_cyclic_schedule.py's
+# test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-blt]. Poisson's rollback,
+# compiled draw and steps per execution cells and shuffle's crash and journal cells stay.
 _DEFAULT_CELLS = {("shuffle", "fits_steps"),
                   ("cyclic_poisson", "new_dataset"), ("cyclic_poisson", "save_load"),
                   ("shuffle", "crash_resume"), ("poisson", "checkpoint_rollback"),
