@@ -42,8 +42,9 @@ KERAS_POLICIES = tuple(p for p in policies.names() if policies.get(p).unit != "c
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The default suite runs one cell per scenario but one_fit (a fit of 3 epochs) and at least
-# one per policy; `-m slow` runs the whole matrix (41 cells). Across fits of one dataset (fits_steps) shuffle's cell stays: balls
-# in bins' is test_pass_participation.py's [False-balls_in_bins], cyclic Poisson's cycle across
+# one per policy; `-m slow` runs the whole matrix (41 cells). Across fits of one dataset
+# (fits_steps) shuffle's cell stays: balls in bins' is test_pass_participation.py's
+# [False-balls_in_bins], cyclic Poisson's cycle across
 # fits this matrix's new_dataset and save_load cells and test_cyclic_schedule.py's
 # test_four_fits_of_five_steps_keep_the_ledgers_claim[same_dataset-blt]. Poisson's rollback,
 # compiled draw and steps per execution cells and shuffle's crash and journal cells stay.
