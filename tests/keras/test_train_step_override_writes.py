@@ -35,6 +35,8 @@ import tf_dpiter as dp
 # default [False-None-False] keeps the accepted branch and [True-metrics1-False] and
 # [True-metrics4-True] the compiled metrics walked (graph and XLA)
 SLOW_CASES = {"test_a_compute_metrics_override_is_walked[False-metrics3-False]"}
+# Poisson without XLA: [poisson-True] keeps Poisson and [shuffle-False] the graph mode refused
+SLOW_CASES |= {"test_two_private_steps_on_one_batch_are_refused[poisson-False]"}
 
 
 class RunningInputMean(dp.keras.DPSequential):
