@@ -67,8 +67,16 @@ def plot_privacy_report(history, path, title="Privacy audit"):
 
 
 def format_summary(rows):
-  """The plain-text table (one line per model; for CLIs) of audit rows {model name:
-  {"claimed_epsilon": ..., "lira_epsilon_lb": ..., ...}}; missing entries print as "-"."""
+  """The plain-text table of audit rows, one line per model (what CLIs and tutorials print).
+
+  Args:
+    rows: {model name: {"claimed_epsilon": ..., "lira_epsilon_lb": ..., "lira_auc": ...,
+      "loss_auc": ..., "whitebox_*": ...}}; a missing or None entry prints as "-", an infinite
+      one as "inf", the others to 3 decimals.
+
+  Returns:
+    str: a header line, then one line per model in the order of `rows`.
+  """
   keys = ["claimed_epsilon", "lira_epsilon_lb", "lira_auc", "loss_auc", "whitebox_claimed_epsilon",
           "whitebox_epsilon_lb", "whitebox_step_claimed_epsilon", "whitebox_step_epsilon_lb"]
   heads = ["claimed eps", "LiRA lb", "LiRA AUC", "loss AUC", "wb claim", "wb lb",
